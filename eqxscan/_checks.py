@@ -1,0 +1,195 @@
+"""Validation helpers: every error names what is wrong, where, and what was expected."""
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+
+
+def describe(x: Any) -> str:
+    """`float32[8,16]` for arrays, `repr` (shortened) for anything else."""
+    if isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) or hasattr(
+        x, "aval"
+    ):
+        shape = ",".join(str(d) for d in x.shape)
+        return f"{jnp.dtype(x.dtype).name}[{shape}]"
+    text = repr(x)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _is_arraylike(x: Any) -> bool:
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+def first_difference(a: Any, b: Any, path: str = "") -> tuple[str, str, str] | None:
+    """The first place where two pytrees differ in structure, static data, shape or
+    dtype, as `(path, description of a, description of b)`; `None` if they agree.
+
+    Modules are walked field by field (static fields included), so a differing
+    hyperparameter is reported by its attribute path.
+    """
+    if _is_arraylike(a) or _is_arraylike(b):
+        if not (_is_arraylike(a) and _is_arraylike(b)):
+            return path, describe(a), describe(b)
+        if a.shape != b.shape or jnp.dtype(a.dtype) != jnp.dtype(b.dtype):
+            return path, describe(a), describe(b)
+        return None
+    if type(a) is not type(b):
+        return path, f"type {type(a).__name__}", f"type {type(b).__name__}"
+    if isinstance(a, eqx.Module) or (
+        dataclasses.is_dataclass(a) and not isinstance(a, type)
+    ):
+        for field in dataclasses.fields(a):
+            if not hasattr(a, field.name) and not hasattr(b, field.name):
+                continue
+            diff = first_difference(
+                getattr(a, field.name, None),
+                getattr(b, field.name, None),
+                f"{path}.{field.name}",
+            )
+            if diff is not None:
+                return diff
+        return None
+    if isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            return path, f"length {len(a)}", f"length {len(b)}"
+        for i, (ai, bi) in enumerate(zip(a, b)):
+            diff = first_difference(ai, bi, f"{path}[{i}]")
+            if diff is not None:
+                return diff
+        return None
+    if isinstance(a, dict):
+        if set(a) != set(b):
+            return path, f"keys {sorted(map(str, a))}", f"keys {sorted(map(str, b))}"
+        for k in a:
+            diff = first_difference(a[k], b[k], f"{path}[{k!r}]")
+            if diff is not None:
+                return diff
+        return None
+    if jtu.treedef_is_leaf(jtu.tree_structure(a)):
+        try:
+            same = bool(a is b or a == b)
+        except Exception:
+            same = False
+        return None if same else (path, describe(a), describe(b))
+    # Some other registered pytree node: compare by flattening one level.
+    la, ta = jtu.tree_flatten(a, is_leaf=lambda x: x is not a)
+    lb, tb = jtu.tree_flatten(b, is_leaf=lambda x: x is not b)
+    if ta != tb:
+        return path, f"structure {ta}", f"structure {tb}"
+    for i, (ai, bi) in enumerate(zip(la, lb)):
+        diff = first_difference(ai, bi, f"{path}<{i}>")
+        if diff is not None:
+            return diff
+    return None
+
+
+def check_stackable(layers: Sequence[Any], what: str = "layers") -> None:
+    """Raise `ValueError` if `layers` cannot be stacked into one module."""
+    if len(layers) == 0:
+        raise ValueError(f"{what}: need at least one layer, got an empty sequence.")
+    ref = layers[0]
+    ref_def = jtu.tree_structure(ref)
+    ref_leaves = jtu.tree_leaves(ref)
+    for i, layer in enumerate(layers[1:], start=1):
+        if jtu.tree_structure(layer) == ref_def and all(
+            _same_leaf(x, y) for x, y in zip(ref_leaves, jtu.tree_leaves(layer))
+        ):
+            continue
+        diff = first_difference(ref, layer)
+        if diff is None:  # pragma: no cover - structures differ in an unnamed way
+            diff = ("", str(ref_def), str(jtu.tree_structure(layer)))
+        path, d0, di = diff
+        raise ValueError(
+            f"{what}: layer {i} ({type(layer).__name__}) cannot be stacked with "
+            f"layer 0 ({type(ref).__name__}): at `{path or '<root>'}` layer 0 has "
+            f"{d0} but layer {i} has {di}. Stacked layers need identical structure, "
+            "static fields, non-array leaves, shapes and dtypes."
+        )
+
+
+def _same_leaf(x: Any, y: Any) -> bool:
+    if eqx.is_array(x) and eqx.is_array(y):
+        return x.shape == y.shape and x.dtype == y.dtype
+    if eqx.is_array(x) or eqx.is_array(y):
+        return False
+    try:
+        return bool(x is y or x == y)
+    except Exception:
+        return False
+
+
+def check_carry(old: Any, new: Any, where: str) -> None:
+    """Raise `TypeError` unless `new` has the tree structure, shapes and dtypes of
+    `old`: the contract every scan step must keep."""
+    old_def, new_def = jtu.tree_structure(old), jtu.tree_structure(new)
+    if old_def != new_def:
+        diff = first_difference(old, new)
+        detail = (
+            f" At `carry{diff[0]}` the input has {diff[1]} but the output has {diff[2]}."
+            if diff is not None
+            else ""
+        )
+        raise TypeError(
+            f"{where} returned a carry whose tree structure differs from its input "
+            f"carry.{detail}\n  input structure:  {old_def}\n  output structure: "
+            f"{new_def}\nEvery step must return a carry of the same structure, "
+            "shapes and dtypes as it receives."
+        )
+    leaves = jtu.tree_leaves_with_path(old)
+    for (path, a), b in zip(leaves, jtu.tree_leaves(new)):
+        if _same_leaf(a, b):
+            continue
+        hint = ""
+        if eqx.is_array(a) and eqx.is_array(b) and a.shape == b.shape:
+            hint = (
+                " (a dtype promotion: cast the layer's result back, e.g. "
+                f"`.astype({jnp.dtype(a.dtype).name})`, or keep its parameters in "
+                f"{jnp.dtype(a.dtype).name})"
+            )
+        elif not eqx.is_array(a):
+            hint = " (carry leaves that change must be JAX arrays: use jnp.asarray)"
+        raise TypeError(
+            f"{where} changed carry leaf `carry{jtu.keystr(path)}` from "
+            f"{describe(a)} to {describe(b)}{hint}. Every step must return a carry "
+            "with the same structure, shapes and dtypes as it receives."
+        )
+
+
+def check_leading_axis(tree: Any, length: int, name: str, axis_name: str) -> None:
+    """Raise `ValueError` unless every array leaf of `tree` has leading axis `length`."""
+    for path, leaf in jtu.tree_leaves_with_path(tree):
+        if not eqx.is_array(leaf):
+            continue
+        if leaf.ndim == 0 or leaf.shape[0] != length:
+            raise ValueError(
+                f"{name}{jtu.keystr(path)} has shape {tuple(leaf.shape)}, but its "
+                f"leading axis must be the {axis_name} axis of length {length}."
+            )
+
+
+def check_option(name: str, value: Any, allowed: Sequence[Any]) -> None:
+    if not any(value is a or (type(value) is type(a) and value == a) for a in allowed):
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}.")
+
+
+def check_unroll(unroll: Any) -> None:
+    if isinstance(unroll, bool):
+        return
+    if not isinstance(unroll, int):
+        raise TypeError(
+            f"unroll must be a positive int or a bool, got {type(unroll).__name__}."
+        )
+    if unroll < 1:
+        raise ValueError(f"unroll must be >= 1 (or a bool), got {unroll}.")
+
+
+def check_callable(name: str, value: Any) -> Callable:
+    if not callable(value):
+        raise TypeError(f"{name} must be callable, got {type(value).__name__}.")
+    return value

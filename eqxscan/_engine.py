@@ -1,0 +1,214 @@
+"""The one scan engine behind `Stacked`, `Chain` and `Recurrent`.
+
+It runs `step(carry, x_i) -> (carry, y_i)` over the leading axis of `xs`, either
+with `jax.lax.scan` (one traced body) or with a Python loop (the reference path),
+applies the requested rematerialisation, and checks the carry contract while the
+body is traced, before `lax.scan` or XLA can raise anything less readable.
+"""
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+
+from ._checks import check_carry, check_option, check_unroll
+
+
+#: What `checkpoint="auto"` means inside a scan: save the outputs of matmuls that
+#: have no batch dimensions (the weight products) and recompute the elementwise
+#: work (norms, activations, residual adds) in the backward pass. A plain scan
+#: stores every elementwise intermediate of every step in stacked buffers; that
+#: costs more time and memory than the unrolled loop, whereas recomputing them is
+#: cheap. Saving the matmul outputs avoids the ~33% extra FLOPs of a full remat on
+#: accelerators, where matmuls dominate. See `docs/remat.md` for the measurements.
+AUTO_POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+
+CHECKPOINT_STRINGS = ("auto", "nested")
+MODES = ("scan", "loop")
+
+
+def check_checkpoint(checkpoint: Any) -> None:
+    """Raise unless `checkpoint` is False, True, "auto", "nested" or a policy."""
+    if isinstance(checkpoint, bool) or callable(checkpoint):
+        return
+    if isinstance(checkpoint, str):
+        check_option("checkpoint", checkpoint, (False, True) + CHECKPOINT_STRINGS)
+        return
+    raise TypeError(
+        "checkpoint must be False, True, 'auto', 'nested' or a "
+        f"jax.checkpoint_policies policy, got {type(checkpoint).__name__}."
+    )
+
+
+def check_options(mode: Any, checkpoint: Any, unroll: Any) -> None:
+    check_option("mode", mode, MODES)
+    check_checkpoint(checkpoint)
+    check_unroll(unroll)
+
+
+def _remat(fn: Callable, checkpoint: Any, *, in_scan: bool) -> Callable:
+    # Inside a scan the loop boundary already stops XLA from CSE-ing the
+    # recomputation away, so `prevent_cse=False` avoids needless barriers.
+    prevent_cse = not in_scan
+    if checkpoint is False:
+        return fn
+    if checkpoint is True:
+        return jax.checkpoint(fn, prevent_cse=prevent_cse)
+    policy = AUTO_POLICY if isinstance(checkpoint, str) else checkpoint
+    return jax.checkpoint(fn, policy=policy, prevent_cse=prevent_cse)
+
+
+def _unstack(xs: Any, length: int) -> list[Any]:
+    # One `split` per leaf rather than `length` slices: its transpose is a single
+    # concatenate, so the loop's gradient does not add up `length` padded copies.
+    if length == 1:
+        return [jtu.tree_map(lambda a: a[0], xs)]
+    leaves, treedef = jtu.tree_flatten(xs)
+    pieces = [jax.lax.split(a, [1] * length) for a in leaves]
+    return [
+        jtu.tree_unflatten(treedef, [p[i][0] for p in pieces]) for i in range(length)
+    ]
+
+
+def _stack(ys: list[Any]) -> Any:
+    return jtu.tree_map(lambda *a: jnp.stack(a), *ys)
+
+
+def _flip(tree: Any) -> Any:
+    return jtu.tree_map(lambda a: jnp.flip(a, axis=0), tree)
+
+
+def run(
+    step: Callable[[Any, Any], tuple[Any, Any]],
+    carry: Any,
+    xs: Any,
+    *,
+    length: int,
+    mode: str = "scan",
+    checkpoint: Any = "auto",
+    unroll: int | bool = 1,
+    reverse: bool = False,
+    where: Callable[[int | None], str] = lambda i: "step" if i is None else f"step {i}",
+) -> tuple[Any, Any]:
+    """Run `step` over the leading axis (of length `length`) of the array pytree `xs`.
+
+    **Arguments:**
+
+    - `step`: `step(carry, x_i) -> (carry, y_i)`. May close over anything.
+    - `carry`: any pytree; array leaves are scanned, other leaves must come back
+      unchanged.
+    - `xs`: a pytree of arrays, each with leading axis `length`.
+    - `mode`, `checkpoint`, `unroll`: as for [`eqxscan.Stacked`][].
+    - `reverse`: consume `xs` last to first; `ys` stays aligned with `xs`.
+    - `where`: names step `i` (or every step, for `None`) in error messages.
+
+    **Returns:**
+
+    `(final carry, ys)` with `ys` stacked on axis 0 (`None` if steps return `None`).
+    """
+    if mode == "loop":
+        return _run_loop(step, carry, xs, length, checkpoint, reverse, where)
+    c_dyn, c_static = eqx.partition(carry, eqx.is_array)
+    y_static_box: list[Any] = []
+
+    def body(c_dyn: Any, x: Any) -> tuple[Any, Any]:
+        c = eqx.combine(c_dyn, c_static)
+        new, y = step(c, x)
+        check_carry(c, new, where(None))
+        new_dyn, _ = eqx.partition(new, eqx.is_array)
+        y_dyn, y_static = eqx.partition(y, eqx.is_array)
+        if not y_static_box:
+            y_static_box.append(y_static)
+        return new_dyn, y_dyn
+
+    if checkpoint == "nested":
+        c_dyn, ys = _nested_scan(body, c_dyn, xs, length, unroll, reverse)
+    else:
+        c_dyn, ys = jax.lax.scan(
+            _remat(body, checkpoint, in_scan=True),
+            c_dyn,
+            xs,
+            length=length,
+            unroll=unroll,
+            reverse=reverse,
+        )
+    y_static = y_static_box[0] if y_static_box else None
+    return eqx.combine(c_dyn, c_static), eqx.combine(ys, y_static)
+
+
+def _run_loop(
+    step: Callable,
+    carry: Any,
+    xs: Any,
+    length: int,
+    checkpoint: Any,
+    reverse: bool,
+    where: Callable[[int | None], str],
+) -> tuple[Any, Any]:
+    # The reference path. "auto" and "nested" are scan-specific optimisations, so
+    # the loop saves everything unless remat was asked for explicitly.
+    remat = checkpoint if (checkpoint is True or callable(checkpoint)) else False
+
+    def step_fn(c: Any, x: Any) -> tuple[Any, Any]:
+        if remat is False:
+            return step(c, x)
+        # jax.checkpoint takes and returns arrays only: close over the rest.
+        c_dyn, c_static = eqx.partition(c, eqx.is_array)
+        statics: list[Any] = []
+
+        def arrays_only(c_dyn: Any, x: Any) -> tuple[Any, Any]:
+            new, y = step(eqx.combine(c_dyn, c_static), x)
+            (new_dyn, new_static), (y_dyn, y_static) = (
+                eqx.partition(new, eqx.is_array),
+                eqx.partition(y, eqx.is_array),
+            )
+            statics.append((new_static, y_static))
+            return new_dyn, y_dyn
+
+        new_dyn, y_dyn = _remat(arrays_only, remat, in_scan=False)(c_dyn, x)
+        return eqx.combine(new_dyn, statics[0][0]), eqx.combine(y_dyn, statics[0][1])
+
+    ys = [None] * length
+    order = range(length - 1, -1, -1) if reverse else range(length)
+    slices = _unstack(xs, length) if length > 0 else []
+    for current in order:
+        new, y = step_fn(carry, slices[current])
+        check_carry(carry, new, where(current))
+        carry, ys[current] = new, y
+    if length == 0 or all(y is None for y in ys):
+        return carry, None
+    return carry, _stack(ys)
+
+
+def _nested_scan(
+    body: Callable, carry: Any, xs: Any, length: int, unroll: Any, reverse: bool
+) -> tuple[Any, Any]:
+    """Two-level scan: the outer scan saves one carry per block of about sqrt(L)
+    steps; a block's steps are recomputed (with the "auto" policy) during the
+    backward pass. Saved carries grow like sqrt(L) rather than L."""
+    if reverse:
+        carry, ys = _nested_scan(body, carry, _flip(xs), length, unroll, False)
+        return carry, _flip(ys)
+    inner = max(1, math.isqrt(length - 1) + 1) if length > 1 else 1
+    outer, rest = divmod(length, inner)
+    step = _remat(body, "auto", in_scan=True)
+
+    def block(c: Any, xs_block: Any) -> tuple[Any, Any]:
+        return jax.lax.scan(step, c, xs_block, length=inner, unroll=unroll)
+
+    head = jtu.tree_map(
+        lambda a: a[: outer * inner].reshape(outer, inner, *a.shape[1:]), xs
+    )
+    carry, ys = jax.lax.scan(
+        jax.checkpoint(block, prevent_cse=False), carry, head, length=outer
+    )
+    ys = jtu.tree_map(lambda a: a.reshape(outer * inner, *a.shape[2:]), ys)
+    if rest:
+        tail = jtu.tree_map(lambda a: a[outer * inner :], xs)
+        carry, ys_tail = jax.lax.scan(step, carry, tail, length=rest, unroll=unroll)
+        ys = jtu.tree_map(lambda a, b: jnp.concatenate([a, b]), ys, ys_tail)
+    return carry, ys

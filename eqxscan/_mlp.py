@@ -1,0 +1,196 @@
+"""`StackedMLP`: a residual MLP stack with shape-checked stacked weights."""
+
+from collections.abc import Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+from beartype import beartype
+from jaxtyping import Array, Float, PRNGKeyArray, TypeCheckError, jaxtyped
+
+from ._checks import describe
+from ._stacked import Stacked
+
+RMS_EPS = 1e-6
+
+
+def rms_norm(scale: Array, x: Array, eps: float = RMS_EPS) -> Array:
+    """`x / rms(x) * scale`, reduced in float32 and returned in `x.dtype`."""
+    x32 = x.astype(jnp.float32)
+    inv = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * inv).astype(x.dtype) * scale
+
+
+class MLPBlock(eqx.Module):
+    """One residual block: `x + gelu(rms_norm(x) @ w1) @ w2`, with dropout after the
+    activation. `StackedMLP` stacks `L` of them."""
+
+    w1: Float[Array, "D H"]
+    w2: Float[Array, "H D"]
+    scale: Float[Array, " D"]
+    dropout: eqx.nn.Dropout
+
+    def __init__(
+        self,
+        dim: int,
+        *,
+        key: PRNGKeyArray,
+        dtype: Any = jnp.float32,
+        dropout: float = 0.0,
+    ):
+        hidden = 4 * dim
+        k1, k2 = jr.split(key)
+        self.w1 = (jr.normal(k1, (dim, hidden)) * dim**-0.5).astype(dtype)
+        self.w2 = (jr.normal(k2, (hidden, dim)) * hidden**-0.5).astype(dtype)
+        self.scale = jnp.ones(dim, dtype)
+        self.dropout = eqx.nn.Dropout(dropout)
+
+    def __call__(
+        self, x: Float[Array, "*batch D"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "*batch D"]:
+        h = rms_norm(self.scale, x)
+        h = jax.nn.gelu(h @ self.w1)
+        h = self.dropout(h, key=key)
+        return x + h @ self.w2
+
+
+@jaxtyped(typechecker=beartype)
+def _stacked_shapes(
+    w1: Float[Array, "L D 4*D"],
+    w2: Float[Array, "L 4*D D"],
+    scale: Float[Array, "L D"],
+) -> None:
+    """Checked by jaxtyping + beartype: the layer-axis layout of a StackedMLP."""
+
+
+@jaxtyped(typechecker=beartype)
+def _input_shape(
+    w1: Float[Array, "L D H"], x: Float[Array, "*batch D"]
+) -> None:
+    """Checked by jaxtyping + beartype: the input's last axis is the model's D."""
+
+
+class StackedMLP(eqx.Module):
+    """The residual MLP stack (pre-norm, GELU, optional dropout), scanned over depth.
+
+    Per layer: `h = rms_norm(scale, x); h = gelu(h @ w1); h = dropout(h);
+    x = x + h @ w2`. The arrays of `model.blocks` (a [`eqxscan.Stacked`][]) are
+    `w1: [L, D, 4*D]`, `w2: [L, 4*D, D]` and `scale: [L, D]`, checked with
+    jaxtyping + beartype whenever a model is built or loaded.
+
+    The carry keeps the model's dtype: a bfloat16 model runs end to end in
+    bfloat16, with the RMS reduction in float32.
+    """
+
+    blocks: Stacked
+
+    def __init__(
+        self,
+        dim: int,
+        num_layers: int,
+        *,
+        key: PRNGKeyArray,
+        dtype: Any = jnp.float32,
+        dropout: float = 0.0,
+        checkpoint: Any = "auto",
+        mode: str = "scan",
+    ):
+        """**Arguments:**
+
+        - `dim`: the model width `D`; the hidden width is `4 * D`.
+        - `num_layers`: `L`.
+        - `key`: a JAX PRNG key; layer `i` is built from `split(key, L)[i]`.
+        - `dtype`: parameter and activation dtype (e.g. `jnp.bfloat16`).
+        - `dropout`: dropout rate after the activation.
+        - `checkpoint`, `mode`: as for [`eqxscan.Stacked`][].
+        """
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+            raise ValueError(f"dim must be a positive int, got {dim!r}.")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout!r}.")
+        self.blocks = Stacked(
+            lambda k: MLPBlock(dim, key=k, dtype=dtype, dropout=dropout),
+            num_layers,
+            key=key,
+            mode=mode,
+            checkpoint=checkpoint,
+        )
+
+    def __check_init__(self) -> None:
+        check_stacked_mlp(self)
+
+    @classmethod
+    def from_layers(
+        cls,
+        blocks: Sequence[MLPBlock],
+        *,
+        checkpoint: Any = "auto",
+        mode: str = "scan",
+    ) -> "StackedMLP":
+        """Build from already-made [`eqxscan.MLPBlock`][]s (shape-checked)."""
+        self = object.__new__(cls)
+        object.__setattr__(
+            self,
+            "blocks",
+            Stacked.from_layers(blocks, checkpoint=checkpoint, mode=mode),
+        )
+        check_stacked_mlp(self)
+        return self
+
+    @property
+    def dim(self) -> int:
+        return self.blocks.layers.w1.shape[-2]
+
+    @property
+    def num_layers(self) -> int:
+        return self.blocks.num_layers
+
+    @property
+    def dtype(self) -> Any:
+        return self.blocks.layers.w1.dtype
+
+    def __call__(
+        self, x: Float[Array, "*batch D"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "*batch D"]:
+        """**Arguments:**
+
+        - `x`: `[..., D]` in the model's dtype.
+        - `key`: required when `dropout > 0` outside inference mode; each layer
+          gets its own dropout key.
+
+        **Returns:**
+
+        `[..., D]`, same dtype.
+        """
+        _input_shape(self.blocks.layers.w1, x)
+        if x.dtype != self.dtype:
+            raise TypeError(
+                f"StackedMLP input has dtype {x.dtype}, but the model's parameters "
+                f"and carry are {self.dtype}; cast the input with "
+                f"`x.astype({self.dtype})`."
+            )
+        dropout = self.blocks.layers.dropout
+        if key is None and not dropout.inference and dropout.p != 0:
+            raise ValueError(
+                f"StackedMLP has dropout={dropout.p} and is not in inference mode, "
+                "so it needs a `key`; pass `key=...` or use "
+                "`eqx.nn.inference_mode(model)`."
+            )
+        return self.blocks(x, key=key)
+
+
+def check_stacked_mlp(model: StackedMLP) -> None:
+    """Raise a jaxtyping `TypeCheckError` naming the array and both shapes unless
+    `model.blocks` holds `w1: [L, D, 4*D]`, `w2: [L, 4*D, D]`, `scale: [L, D]`."""
+    layers = model.blocks.layers
+    try:
+        _stacked_shapes(layers.w1, layers.w2, layers.scale)
+    except TypeCheckError as e:
+        raise TypeCheckError(
+            "StackedMLP.blocks has arrays of the wrong shapes: expected "
+            "w1 [L, D, 4*D], w2 [L, 4*D, D], scale [L, D]; got "
+            f"w1 {describe(layers.w1)}, w2 {describe(layers.w2)}, "
+            f"scale {describe(layers.scale)}.\n{e}"
+        ) from None
