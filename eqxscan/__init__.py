@@ -2,6 +2,7 @@
 
 from ._engine import AUTO_POLICY as AUTO_POLICY
 from ._mlp import MLPBlock as MLPBlock, rms_norm as rms_norm, StackedMLP as StackedMLP
-from ._stacked import PerLayer as PerLayer, per_layer as per_layer, Stacked as Stacked
+from ._stacked import per_layer as per_layer, PerLayer as PerLayer, Stacked as Stacked
+
 
 __version__ = "0.1.0"

@@ -8,10 +8,11 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 from beartype import beartype
-from jaxtyping import Array, Float, PRNGKeyArray, TypeCheckError, jaxtyped
+from jaxtyping import Array, Float, jaxtyped, PRNGKeyArray, TypeCheckError
 
 from ._checks import describe
 from ._stacked import Stacked
+
 
 RMS_EPS = 1e-6
 
@@ -66,9 +67,7 @@ def _stacked_shapes(
 
 
 @jaxtyped(typechecker=beartype)
-def _input_shape(
-    w1: Float[Array, "L D H"], x: Float[Array, "*batch D"]
-) -> None:
+def _input_shape(w1: Float[Array, "L D H"], x: Float[Array, "*batch D"]) -> None:
     """Checked by jaxtyping + beartype: the input's last axis is the model's D."""
 
 

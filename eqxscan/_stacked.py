@@ -58,7 +58,9 @@ def stack_layers(layers: Sequence[Any], what: str = "Stacked.from_layers") -> An
     """Stack identical-structure layers leaf by leaf on a new axis 0."""
     check_stackable(layers, what)
     return jtu.tree_map(
-        lambda first, *rest: jnp.stack((first, *rest)) if eqx.is_array(first) else first,
+        lambda first, *rest: (
+            jnp.stack((first, *rest)) if eqx.is_array(first) else first
+        ),
         layers[0],
         *layers[1:],
     )
@@ -304,7 +306,9 @@ class Stacked(eqx.Module):
 
         def where(i: int | None) -> str:
             if i is None:
-                return f"The stacked layer {cls_name} (one body for all {length} layers)"
+                return (
+                    f"The stacked layer {cls_name} (one body for all {length} layers)"
+                )
             return f"Layer {i} ({cls_name})"
 
         return run(
@@ -317,5 +321,3 @@ class Stacked(eqx.Module):
             unroll=self.unroll,
             where=where,
         )
-
-
