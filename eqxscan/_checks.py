@@ -131,7 +131,8 @@ def check_carry(old: Any, new: Any, where: str) -> None:
     if old_def != new_def:
         diff = first_difference(old, new)
         detail = (
-            f" At `carry{diff[0]}` the input has {diff[1]} but the output has {diff[2]}."
+            f" At `carry{diff[0]}` the input has {diff[1]} but the output has "
+            f"{diff[2]}."
             if diff is not None
             else ""
         )
@@ -162,7 +163,7 @@ def check_carry(old: Any, new: Any, where: str) -> None:
 
 
 def check_leading_axis(tree: Any, length: int, name: str, axis_name: str) -> None:
-    """Raise `ValueError` unless every array leaf of `tree` has leading axis `length`."""
+    """Raise `ValueError` unless each array leaf of `tree` has leading axis `length`."""
     for path, leaf in jtu.tree_leaves_with_path(tree):
         if not eqx.is_array(leaf):
             continue
