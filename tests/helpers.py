@@ -1,0 +1,32 @@
+"""Comparison helpers shared by the tests."""
+
+import equinox as eqx
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+
+
+def tree_allclose(a, b, *, rtol=1e-5, atol=1e-6) -> bool:
+    """Same structure, same non-array leaves, array leaves close (dtypes equal)."""
+    da, sa = eqx.partition(a, eqx.is_array)
+    db, sb = eqx.partition(b, eqx.is_array)
+    if jtu.tree_structure(da) != jtu.tree_structure(db) or not eqx.tree_equal(sa, sb):
+        return False
+    for x, y in zip(jtu.tree_leaves(da), jtu.tree_leaves(db), strict=True):
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return False
+        x32 = np.asarray(jnp.asarray(x, jnp.float32) if x.dtype == jnp.bfloat16 else x)
+        y32 = np.asarray(jnp.asarray(y, jnp.float32) if y.dtype == jnp.bfloat16 else y)
+        if not np.allclose(x32, y32, rtol=rtol, atol=atol):
+            return False
+    return True
+
+
+def max_rel_err(a, b) -> float:
+    """Largest relative error over all array leaves of two pytrees."""
+    errs = [
+        float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+        / (float(np.max(np.abs(np.asarray(y, np.float64)))) + 1e-30)
+        for x, y in zip(jtu.tree_leaves(a), jtu.tree_leaves(b), strict=True)
+    ]
+    return max(errs) if errs else 0.0
