@@ -2,7 +2,7 @@
 
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, SupportsIndex
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -195,7 +195,7 @@ class Stacked(eqx.Module):
     def __len__(self) -> int:
         return self.num_layers
 
-    def __getitem__(self, index: int | slice) -> Any:
+    def __getitem__(self, index: SupportsIndex | slice) -> Any:
         """`stack[i]` is layer `i` (negative allowed); `stack[i:j]` a `Stacked`."""
         if isinstance(index, slice):
             selected = range(self.num_layers)[index]
