@@ -1,0 +1,125 @@
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+from jaxtyping import TypeCheckError
+
+import eqxscan
+
+from .helpers import tree_allclose
+
+
+def hand_written(w1, w2, scale, x):
+    """The StackedMLP formula in plain JAX, layer by layer."""
+    for i in range(w1.shape[0]):
+        x32 = x.astype(jnp.float32)
+        h = x32 / jnp.sqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
+        h = h.astype(x.dtype) * scale[i][None]
+        h = jax.nn.gelu(h @ w1[i])
+        x = x + h @ w2[i]
+    return x
+
+
+def test_layout_and_forward_matches_hand_written(getkey):
+    model = eqxscan.StackedMLP(8, 3, key=getkey())
+    layers = model.blocks.layers
+    assert layers.w1.shape == (3, 8, 32)
+    assert layers.w2.shape == (3, 32, 8)
+    assert layers.scale.shape == (3, 8)
+    assert (model.dim, model.num_layers, model.dtype) == (8, 3, jnp.float32)
+    x = jr.normal(getkey(), (5, 8))
+    expected = hand_written(layers.w1, layers.w2, layers.scale, x)
+    assert jnp.allclose(model(x), expected, rtol=1e-5, atol=1e-5)
+    # Unbatched and multi-batch inputs.
+    assert jnp.allclose(model(x[0]), expected[0], rtol=1e-5, atol=1e-5)
+    assert model(jnp.ones((2, 3, 8))).shape == (2, 3, 8)
+
+
+@pytest.mark.parametrize("kw", [dict(mode="loop"), dict(checkpoint=False)])
+def test_default_matches_loop_and_no_remat_grads(kw, getkey):
+    model = eqxscan.StackedMLP(8, 4, key=getkey())
+    other = eqx.tree_at(lambda m: m.blocks, model, model.blocks.with_options(**kw))
+    x = jr.normal(getkey(), (6, 8))
+
+    @eqx.filter_jit
+    def vg(m):
+        return eqx.filter_value_and_grad(lambda m: jnp.mean(m(x) ** 2))(m)
+
+    (v1, g1), (v2, g2) = vg(model), vg(other)
+    assert jnp.allclose(v1, v2, rtol=1e-6)
+    assert tree_allclose(g1.blocks.layers, g2.blocks.layers, rtol=1e-5, atol=1e-7)
+
+
+def test_bfloat16_end_to_end(getkey):
+    model = eqxscan.StackedMLP(8, 3, key=getkey(), dtype=jnp.bfloat16)
+    assert model.blocks.layers.w1.dtype == jnp.bfloat16
+    x = jr.normal(getkey(), (4, 8)).astype(jnp.bfloat16)
+    y = model(x)
+    assert y.dtype == jnp.bfloat16
+    layers = model.blocks.layers
+    ref = hand_written(layers.w1, layers.w2, layers.scale, x)
+    assert np.allclose(
+        np.asarray(y, np.float32), np.asarray(ref, np.float32), rtol=2e-2, atol=2e-2
+    )
+    grads = eqx.filter_grad(lambda m: jnp.sum(m(x).astype(jnp.float32)))(model)
+    assert grads.blocks.layers.w1.dtype == jnp.bfloat16
+    # The carry inside the scan stays bf16: no f32 copy of x is ever scanned.
+    jaxpr = str(jax.make_jaxpr(lambda x: model(x))(x))
+    assert "scan" in jaxpr
+    with pytest.raises(TypeError, match="dtype float32.*bfloat16"):
+        model(x.astype(jnp.float32))
+
+
+def test_stacked_shapes_are_type_checked(getkey):
+    good = eqxscan.MLPBlock(4, key=getkey())
+    bad = eqx.tree_at(lambda b: b.w2, good, jnp.ones((16, 5)))
+    with pytest.raises(TypeCheckError) as info:
+        eqxscan.StackedMLP.from_layers([bad, bad])
+    msg = str(info.value)
+    assert "w2" in msg and "f32[2,16,5]" in msg.replace("float32", "f32")
+    assert "[L, 4*D, D]" in msg
+    # A built model passes and round-trips through from_layers.
+    model = eqxscan.StackedMLP(4, 2, key=getkey())
+    again = eqxscan.StackedMLP.from_layers(model.blocks.unstack())
+    assert tree_allclose(again, model, rtol=0, atol=0)
+
+
+def test_wrong_input_shape_names_the_dimension(getkey):
+    model = eqxscan.StackedMLP(8, 2, key=getkey())
+    with pytest.raises(TypeCheckError, match="D"):
+        model(jnp.ones((3, 7)))
+
+
+def test_dropout_keys(getkey):
+    model = eqxscan.StackedMLP(8, 3, key=getkey(), dropout=0.5)
+    x = jr.normal(getkey(), (4, 8))
+    with pytest.raises(ValueError, match="needs a `key`"):
+        model(x)
+    key = getkey()
+    y_scan = model(x, key=key)
+    loop = eqx.tree_at(
+        lambda m: m.blocks, model, model.blocks.with_options(mode="loop")
+    )
+    assert jnp.allclose(y_scan, loop(x, key=key), rtol=1e-6)
+    # Each layer gets its own key: the same as calling the blocks with split keys.
+    ref = x
+    for block, k in zip(model.blocks.unstack(), jr.split(key, 3), strict=True):
+        ref = block(ref, key=k)
+    assert jnp.allclose(y_scan, ref, rtol=1e-6)
+    # Inference mode needs no key and equals the dropout-free computation.
+    inference = eqx.nn.inference_mode(model)
+    layers = model.blocks.layers
+    expected = hand_written(layers.w1, layers.w2, layers.scale, x)
+    assert jnp.allclose(inference(x), expected, rtol=1e-5, atol=1e-5)
+    assert not jnp.allclose(y_scan, expected, rtol=1e-3)
+
+
+def test_constructor_errors(getkey):
+    with pytest.raises(ValueError, match="dropout"):
+        eqxscan.StackedMLP(4, 2, key=getkey(), dropout=1.0)
+    with pytest.raises((ValueError, TypeCheckError), match="dim"):
+        eqxscan.StackedMLP(0, 2, key=getkey())
+    with pytest.raises(ValueError, match="num_layers"):
+        eqxscan.StackedMLP(4, 0, key=getkey())
