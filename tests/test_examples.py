@@ -1,0 +1,29 @@
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_example(name, *args, timeout=600):
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_stacked_mlp_example_learns():
+    stdout = run_example(
+        "stacked_mlp.py", "--steps", "60", "--layers", "4", "--dim", "16"
+    )
+    baseline = float(re.search(r"baseline .*MSE: ([0-9.]+)", stdout).group(1))
+    final = float(re.search(r"final val MSE: ([0-9.]+)", stdout).group(1))
+    assert final < 0.7 * baseline
+    assert re.search(r"scan/loop: compile [0-9.]+x, step [0-9.]+x", stdout)
