@@ -1,3 +1,4 @@
+import os
 import re
 import subprocess
 import sys
@@ -8,12 +9,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_example(name, *args, timeout=600):
+    """Run `examples/<name>` in a fresh process; the repo root is importable."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(ROOT), env.get("PYTHONPATH")])
+    )
     out = subprocess.run(
         [sys.executable, str(ROOT / "examples" / name), *args],
         capture_output=True,
         text=True,
         timeout=timeout,
         cwd=ROOT,
+        env=env,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
