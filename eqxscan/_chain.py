@@ -47,8 +47,8 @@ def _plan(classes: tuple[int, ...], periodic: bool) -> tuple[_Plan, int, int]:
     deterministic and a remainder comes last. Returns `(plan, bodies, groups)`.
     """
     n = len(classes)
-    # best[i] = (bodies, groups, plan) for classes[i:].
-    best: list[tuple[int, int, _Plan]] = [(0, 0, ())] * (n + 1)
+    # best[i] = (bodies, groups, first group) for classes[i:].
+    best: list[tuple[int, int, Any]] = [(0, 0, None)] * (n + 1)
     for i in range(n - 1, -1, -1):
         options = [(1, 1, (1, 0, ()))]  # (bodies, groups, entry): a lone layer
         run = 1
@@ -56,35 +56,32 @@ def _plan(classes: tuple[int, ...], periodic: bool) -> tuple[_Plan, int, int]:
             run += 1
         options.extend((1, 1, (m, 1, ())) for m in range(2, run + 1))
         if periodic:
-            for k in range(2, (n - i) // 2 + 1):
+            # A unit inside the run would be one class repeated: the run does better.
+            for k in range(max(2, run + 1), (n - i) // 2 + 1):
                 unit = classes[i : i + k]
-                if not _primitive(unit):
-                    continue  # a power of a shorter unit: that unit does better
                 repeats = 1
                 while classes[i + repeats * k : i + (repeats + 1) * k] == unit:
                     repeats += 1
-                if repeats < 2:
-                    continue
+                if repeats < 2 or not _primitive(unit):
+                    continue  # a power of a shorter unit: that unit does better
                 inner, inner_bodies, inner_groups = _plan(unit, periodic)
                 options.extend(
                     (inner_bodies, 1 + inner_groups, (p * k, k, inner))
                     for p in range(2, repeats + 1)
                 )
-        totals = []
-        for bodies, groups, entry in options:
-            rest_bodies, rest_groups, rest_plan = best[i + entry[0]]
-            totals.append(
-                (
-                    bodies + rest_bodies,
-                    groups + rest_groups,
-                    -entry[0],
-                    entry,
-                    rest_plan,
-                )
-            )
-        bodies, groups, _, entry, rest_plan = min(totals, key=lambda t: t[:3])
-        best[i] = (bodies, groups, (entry,) + rest_plan)
-    return best[0][2], best[0][0], best[0][1]
+        best[i] = min(
+            (
+                (bodies + best[i + e[0]][0], groups + best[i + e[0]][1], -e[0], e)
+                for bodies, groups, e in options
+            ),
+            key=lambda t: t[:3],
+        )
+        best[i] = (best[i][0], best[i][1], best[i][3])
+    plan, i = [], 0
+    while i < n:
+        plan.append(best[i][2])
+        i += best[i][2][0]
+    return tuple(plan), best[0][0], best[0][1]
 
 
 def _primitive(unit: tuple[int, ...]) -> bool:
@@ -209,9 +206,10 @@ def _call_group(
         if not collect:
             return out, None
         if not (isinstance(out, tuple) and len(out) == 2):
+            got = describe(out) if eqx.is_array(out) else type(out).__name__
             raise TypeError(
                 f"Chain.scan expects each layer to return a (carry, y) pair, but "
-                f"{_group_name(group, span)} returned {type(out).__name__}. Use "
+                f"{_group_name(group, span)} returned {got}. Use "
                 "`chain(x)` for layers that return only the carry."
             )
         x, y = out
