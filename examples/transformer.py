@@ -36,6 +36,11 @@ CHARS = LETTERS + ">._"
 Cache = tuple[Float[Array, "T H E"], Float[Array, "T H E"]]
 
 
+def norm(scale, x):
+    # Broadcast explicitly: also runs with jax_numpy_rank_promotion="raise".
+    return eqxscan.rms_norm(jnp.broadcast_to(scale, x.shape), x)
+
+
 def attend(q, k, v, q_pos, k_pos, window: int | None):
     """Causal (optionally sliding-window) attention of queries at positions
     `q_pos` over keys at positions `k_pos`."""
@@ -71,13 +76,13 @@ class Block(eqx.Module):
         self.window = window
 
     def _qkv(self, x):
-        q, k, v = jnp.split(eqxscan.rms_norm(self.norm1, x) @ self.wqkv, 3, axis=-1)
+        q, k, v = jnp.split(norm(self.norm1, x) @ self.wqkv, 3, axis=-1)
         shape = (x.shape[0], self.heads, x.shape[1] // self.heads)
         return q.reshape(shape), k.reshape(shape), v.reshape(shape)
 
     def _finish(self, x, attn):
         x = x + attn.reshape(x.shape) @ self.wo
-        h = jax.nn.gelu(eqxscan.rms_norm(self.norm2, x) @ self.w1)
+        h = jax.nn.gelu(norm(self.norm2, x) @ self.w1)
         return x + h @ self.w2
 
     def __call__(
@@ -135,7 +140,7 @@ class Transformer(eqx.Module):
         self.head = jr.normal(k_head, (dim, VOCAB)) * dim**-0.5
 
     def _logits(self, x):
-        return eqxscan.rms_norm(self.norm, x) @ self.head
+        return norm(self.norm, x) @ self.head
 
     def __call__(self, tokens: Int[Array, " S"]) -> Float[Array, "S V"]:
         """The full forward pass: logits for every position of `tokens`."""
