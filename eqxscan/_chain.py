@@ -69,14 +69,14 @@ def _plan(classes: tuple[int, ...], periodic: bool) -> tuple[_Plan, int, int]:
                     (inner_bodies, 1 + inner_groups, (p * k, k, inner))
                     for p in range(2, repeats + 1)
                 )
-        best[i] = min(
+        total_bodies, total_groups, _, entry = min(
             (
                 (bodies + best[i + e[0]][0], groups + best[i + e[0]][1], -e[0], e)
                 for bodies, groups, e in options
             ),
             key=lambda t: t[:3],
         )
-        best[i] = (best[i][0], best[i][1], best[i][3])
+        best[i] = (total_bodies, total_groups, entry)
     plan, i = [], 0
     while i < n:
         plan.append(best[i][2])

@@ -419,3 +419,22 @@ def test_scan_needs_pairs_and_matching_ys(getkey):
 
     with pytest.raises(TypeError, match=r"float32\[2\].*float32\[3\]"):
         eqxscan.Chain([Pair(2), Pair(2), Pair(3)]).scan(jnp.ones(D))
+
+
+def test_checkpoint_options_agree(getkey):
+    layers = build("CAB" * 3, getkey())
+    x = jr.normal(getkey(), (D,))
+    key = getkey()
+
+    @eqx.filter_jit
+    def value_and_grad(model, x):
+        return jax.value_and_grad(lambda m: jnp.sum(m(x, key=key) ** 2))(model)
+
+    base = eqxscan.Chain(layers)
+    v1, g1 = value_and_grad(base, x)
+    for checkpoint in [False, "nested"]:
+        other = base.with_options(checkpoint=checkpoint, unroll=2)
+        assert other.groups[0].checkpoint == checkpoint
+        v2, g2 = value_and_grad(other, x)
+        assert tree_allclose(v1, v2)
+        assert tree_allclose(g1.unstack(), g2.unstack(), rtol=1e-5, atol=1e-6)
