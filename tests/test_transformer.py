@@ -100,7 +100,7 @@ def test_local_attention_differs_from_global(tf, getkey):
     assert jnp.allclose(local[:2], glob[:2], atol=1e-5)  # within the window
 
 
-def test_per_layer_cache_through_stacked_matches_chain(tf, getkey):
+def test_all_global_blocks_form_one_scanned_run(tf, getkey):
     # All-global blocks collapse to one scanned run; results agree with a loop.
     model = small(tf, 3, getkey(), window=0)
     assert isinstance(model.blocks.groups[0], eqxscan.Stacked)
