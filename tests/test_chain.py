@@ -287,8 +287,9 @@ def test_scan_collects_every_layer(getkey):
             y = self.inner(x, bias=bias)
             return y, y - x
 
-    layers = [Out(layer) for layer in build("CABABAA", getkey())]
+    layers = [Out(layer) for layer in build("CAABAABAA", getkey())]
     chain = eqxscan.Chain(layers)
+    assert layout(chain) == [(0, 1, 0), (1, 6, 3), (7, 2, 1)]
     x = jr.normal(getkey(), (D,))
     bias = jr.normal(getkey(), (len(layers), D))
     y, ys = chain.scan(x, bias=eqxscan.per_layer(bias))
