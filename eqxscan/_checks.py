@@ -89,6 +89,14 @@ def first_difference(a: Any, b: Any, path: str = "") -> tuple[str, str, str] | N
     return None
 
 
+def can_stack(a: Any, b: Any) -> bool:
+    """Whether `a` and `b` have identical structure, static fields, non-array leaves,
+    shapes and dtypes, so that they can be stacked into one module (never raises)."""
+    if jtu.tree_structure(a) != jtu.tree_structure(b):
+        return False
+    return all(_same_leaf(x, y) for x, y in zip(jtu.tree_leaves(a), jtu.tree_leaves(b)))
+
+
 def check_stackable(layers: Sequence[Any], what: str = "layers") -> None:
     """Raise `ValueError` if `layers` cannot be stacked into one module."""
     if len(layers) == 0:

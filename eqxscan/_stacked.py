@@ -260,8 +260,16 @@ class Stacked(eqx.Module):
         return self._run(x, args, kwargs, key, collect=True)
 
     def _run(
-        self, x: Any, args: tuple, kwargs: dict, key: Any, collect: bool
+        self,
+        x: Any,
+        args: tuple,
+        kwargs: dict,
+        key: Any,
+        collect: bool,
+        keys: Any = None,
     ) -> tuple[Any, Any]:
+        # `keys`: already-split per-layer keys (leading axis L), used instead of
+        # splitting `key`; `Chain` hands each group its slice of one split.
         length = self.num_layers
         layer_dyn, layer_static = eqx.partition(self.layers, eqx.is_array)
         per_args, per_statics = {}, {}
@@ -273,7 +281,8 @@ class Stacked(eqx.Module):
                 per_args[name], per_statics[name] = eqx.partition(
                     value.tree, eqx.is_array
                 )
-        keys = None if key is None else jr.split(key, length)
+        if keys is None and key is not None:
+            keys = jr.split(key, length)
         cls_name = type(self.layers).__name__
 
         def step(carry: Any, xs: tuple) -> tuple[Any, Any]:

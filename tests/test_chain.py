@@ -1,0 +1,441 @@
+import equinox as eqx
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import jax.tree_util as jtu
+import pytest
+from hypothesis import given, settings
+from jaxtyping import Array
+
+import eqxscan
+from eqxscan._chain import _plan
+
+from .helpers import tree_allclose
+
+
+D = 4
+
+
+class Affine(eqx.Module):
+    w: Array
+    b: Array
+
+    def __init__(self, key, dim=D, out=D):
+        self.w = jr.normal(key, (dim, out)) * dim**-0.5
+        self.b = jnp.zeros(out)
+
+    def __call__(self, x, shift=None, *, bias=None, key=None):
+        x = jnp.tanh(x @ self.w + self.b)
+        if shift is not None:
+            x = x + shift
+        if bias is not None:
+            x = x + bias
+        if key is not None:
+            x = x + 0.1 * jr.normal(key, x.shape)
+        return x
+
+
+class Gate(eqx.Module):
+    w: Array
+
+    def __init__(self, key):
+        self.w = jr.normal(key, (D, D)) * D**-0.5
+
+    def __call__(self, x, shift=None, *, bias=None, key=None):
+        x = x * jax.nn.sigmoid(x @ self.w)
+        if shift is not None:
+            x = x * shift
+        if bias is not None:
+            x = x - bias
+        if key is not None:
+            x = x * jr.uniform(key, x.shape, minval=0.5, maxval=1.5)
+        return x
+
+
+class Scale(eqx.Module):
+    """Like `Gate` but a different class: never stacked with it."""
+
+    s: Array
+
+    def __init__(self, key):
+        self.s = 1.0 + 0.1 * jr.normal(key, (D,))
+
+    def __call__(self, x, shift=None, *, bias=None, key=None):
+        x = x * self.s
+        if bias is not None:
+            x = x + 2 * bias
+        if key is not None:
+            x = x + jr.normal(key, x.shape)
+        return x
+
+
+MAKERS = {"A": Affine, "B": Gate, "C": Scale}
+
+
+def build(pattern, key):
+    keys = jr.split(key, len(pattern))
+    return [MAKERS[c](k) for c, k in zip(pattern, keys)]
+
+
+def loop(layers, x, *args, key=None, bias=None, **kwargs):
+    keys = None if key is None else jr.split(key, len(layers))
+    for i, layer in enumerate(layers):
+        extra = dict(kwargs)
+        if keys is not None:
+            extra["key"] = keys[i]
+        if bias is not None:
+            extra["bias"] = bias[i]
+        x = layer(x, *args, **extra)
+    return x
+
+
+def layout(chain):
+    return [(s.start, s.size, s.period) for s in chain.layout]
+
+
+# --- grouping ---------------------------------------------------------------
+
+
+def test_runs_become_stacked(getkey):
+    layers = build("AAABCC", getkey())
+    chain = eqxscan.Chain(layers)
+    assert layout(chain) == [(0, 3, 1), (3, 1, 0), (4, 2, 1)]
+    assert isinstance(chain.groups[0], eqxscan.Stacked)
+    assert chain.groups[0].layers.w.shape == (3, D, D)
+    assert chain.groups[1] is layers[3]
+    assert isinstance(chain.groups[2], eqxscan.Stacked)
+    assert len(chain) == 6 and chain.num_layers == 6
+
+
+def test_different_shapes_are_not_stacked(getkey):
+    layers = [Affine(getkey()), Affine(getkey(), out=D), Affine(getkey(), dim=D, out=3)]
+    chain = eqxscan.Chain(layers)
+    assert layout(chain) == [(0, 2, 1), (2, 1, 0)]
+
+
+def test_alternating_is_one_periodic_scan(getkey):
+    layers = build("AB" * 6, getkey())
+    chain = eqxscan.Chain(layers)
+    assert layout(chain) == [(0, 12, 2)]
+    (group,) = chain.groups
+    assert isinstance(group, eqxscan.Stacked) and group.num_layers == 6
+    assert isinstance(group.layers, eqxscan.Period)
+    assert group.layers.groups[0].w.shape == (6, D, D)  # Affine, one per repeat
+
+
+def test_unit_with_inner_run(getkey):
+    # local, local, global repeated (and a remainder): the unit's run is scanned too.
+    layers = build("AAB" * 3 + "AA", getkey())
+    chain = eqxscan.Chain(layers)
+    assert layout(chain) == [(0, 9, 3), (9, 2, 1)]
+    unit = chain.groups[0].layers
+    assert [(s.start, s.size, s.period) for s in unit.layout] == [(0, 2, 1), (2, 1, 0)]
+    assert unit.groups[0].layers.w.shape == (3, 2, D, D)  # [repeats, run, ...]
+
+
+def test_prefix_and_suffix_around_period(getkey):
+    layers = build("C" + "AB" * 3 + "A", getkey())
+    assert layout(eqxscan.Chain(layers)) == [(0, 1, 0), (1, 6, 2), (7, 1, 0)]
+
+
+@pytest.mark.parametrize(
+    "pattern, expected",
+    [
+        ("ABABA", [(0, 4, 2), (4, 1, 0)]),  # tie: the first group takes the most
+        ("AABAAB" + "AA", [(0, 6, 3), (6, 2, 1)]),
+        ("AAAA", [(0, 4, 1)]),  # a run beats (AA) x 2
+        ("ABC", [(0, 1, 0), (1, 1, 0), (2, 1, 0)]),
+        ("AB", [(0, 1, 0), (1, 1, 0)]),  # one repeat is no period
+        ("ABCABCAB", [(0, 6, 3), (6, 1, 0), (7, 1, 0)]),
+    ],
+)
+def test_grouping_choice(pattern, expected):
+    classes = tuple("ABC".index(c) for c in pattern)
+    plan, _, _ = _plan(classes, True)
+    starts, out = 0, []
+    for size, period, _ in plan:
+        out.append((starts, size, period))
+        starts += size
+    assert out == expected
+
+
+def test_periodic_false(getkey):
+    chain = eqxscan.Chain(build("ABAB", getkey()), periodic=False)
+    assert layout(chain) == [(0, 1, 0), (1, 1, 0), (2, 1, 0), (3, 1, 0)]
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.text(alphabet="ABC", min_size=1, max_size=14))
+def test_plan_covers_layers_and_groups_alike(pattern):
+    layers = build(pattern, jr.key(0))
+    chain = eqxscan.Chain(layers)
+    # Groups tile the sequence, in order.
+    end = 0
+    for span in chain.layout:
+        assert span.start == end
+        end += span.size
+        assert span.period in (0, 1) or span.size % span.period == 0
+    assert end == len(pattern)
+    # Round trip is exact: same classes, same arrays.
+    back = chain.unstack()
+    assert [type(x) for x in back] == [type(x) for x in layers]
+    assert bool(eqx.tree_equal(back, layers))
+    # Never more bodies than a plain chain of runs.
+    runs = 1 + sum(a != b for a, b in zip(pattern, pattern[1:]))
+    _, bodies, _ = _plan(tuple("ABC".index(c) for c in pattern), True)
+    assert bodies <= runs
+
+
+def test_unstack_round_trip_exact(getkey):
+    layers = build("CAABAABAAB" + "C", getkey())
+    chain = eqxscan.Chain(layers)
+    back = chain.unstack()
+    assert len(back) == len(layers)
+    for a, b in zip(back, layers):
+        assert type(a) is type(b)
+        pairs = zip(jtu.tree_leaves(a), jtu.tree_leaves(b))
+        assert all(jnp.array_equal(x, y) for x, y in pairs)
+
+
+# --- equivalence --------------------------------------------------------------
+
+
+PATTERNS = ["AAABCC", "AB" * 3, "AAB" * 2 + "A", "C" + "AB" * 2 + "C", "ABC"]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("mode", ["scan", "loop"])
+def test_values_keys_and_grads_match_loop(pattern, mode, getkey):
+    layers = build(pattern, getkey())
+    chain = eqxscan.Chain(layers, mode=mode)
+    n = len(layers)
+    x = jr.normal(getkey(), (D,))
+    shift = 0.1 * jr.normal(getkey(), (D,))
+    bias = 0.1 * jr.normal(getkey(), (n, D))
+    key = getkey()
+
+    def f_chain(chain, x, shift, bias):
+        y = chain(x, shift, bias=eqxscan.per_layer(bias), key=key)
+        return jnp.sum(y**2), y
+
+    def f_loop(layers, x, shift, bias):
+        y = loop(layers, x, shift, bias=bias, key=key)
+        return jnp.sum(y**2), y
+
+    (_, y1), g1 = jax.value_and_grad(f_chain, argnums=(0, 1, 2, 3), has_aux=True)(
+        chain, x, shift, bias
+    )
+    (_, y2), g2 = jax.value_and_grad(f_loop, argnums=(0, 1, 2, 3), has_aux=True)(
+        layers, x, shift, bias
+    )
+    assert tree_allclose(y1, y2)
+    assert isinstance(g1[0], eqxscan.Chain)  # gradients have the model's type
+    assert tree_allclose(g1[0].unstack(), g2[0], rtol=1e-5, atol=1e-6)
+    assert tree_allclose(g1[1:], g2[1:], rtol=1e-5, atol=1e-6)
+
+
+def test_keys_follow_the_split_rule(getkey):
+    # Each layer adds its key's noise: layer i must see split(key, n)[i],
+    # whichever group it landed in.
+    class Noise(eqx.Module):
+        tag: Array
+
+        def __call__(self, x, *, key):
+            return x + jr.uniform(key, x.shape) * self.tag
+
+    class Noise2(Noise):
+        pass
+
+    layers = [
+        (Noise if c == "A" else Noise2)(jnp.full((D,), 10.0**i))
+        for i, c in enumerate("AABAABA")
+    ]
+    chain = eqxscan.Chain(layers)
+    assert layout(chain) == [(0, 6, 3), (6, 1, 0)]
+    key = getkey()
+    keys = jr.split(key, len(layers))
+    expected = sum(jr.uniform(k, (D,)) * 10.0**i for i, k in enumerate(keys))
+    assert tree_allclose(chain(jnp.zeros(D), key=key), expected, rtol=1e-6)
+
+
+def test_jit_matches_eager(getkey):
+    layers = build("CAABAAB", getkey())
+    chain = eqxscan.Chain(layers)
+    x = jr.normal(getkey(), (D,))
+    key = getkey()
+    eager = chain(x, key=key)
+    jitted = eqx.filter_jit(lambda c, x, k: c(x, key=k))(chain, x, key)
+    assert tree_allclose(eager, jitted)
+    assert tree_allclose(eager, loop(layers, x, key=key))
+
+
+def test_carry_may_change_at_lone_layers(getkey):
+    layers = [Affine(getkey(), dim=3, out=D)] + build("ABAB", getkey())
+    layers.append(Affine(getkey(), dim=D, out=2))
+    chain = eqxscan.Chain(layers)
+    assert layout(chain) == [(0, 1, 0), (1, 4, 2), (5, 1, 0)]
+    x = jr.normal(getkey(), (3,))
+    assert tree_allclose(chain(x), loop(layers, x))
+
+
+def test_scan_collects_every_layer(getkey):
+    class Out(eqx.Module):
+        inner: eqx.Module
+
+        def __call__(self, x, *, bias):
+            y = self.inner(x, bias=bias)
+            return y, y - x
+
+    layers = [Out(layer) for layer in build("CAABAABAA", getkey())]
+    chain = eqxscan.Chain(layers)
+    assert layout(chain) == [(0, 1, 0), (1, 6, 3), (7, 2, 1)]
+    x = jr.normal(getkey(), (D,))
+    bias = jr.normal(getkey(), (len(layers), D))
+    y, ys = chain.scan(x, bias=eqxscan.per_layer(bias))
+    ref = []
+    h = x
+    for i, layer in enumerate(layers):
+        h, d = layer(h, bias=bias[i])
+        ref.append(d)
+    assert tree_allclose(y, h)
+    assert tree_allclose(ys, jnp.stack(ref))
+
+
+def test_with_options_keeps_weights(getkey):
+    layers = build("ABAB", getkey())
+    chain = eqxscan.Chain(layers, checkpoint=False)
+    other = chain.with_options(mode="loop")
+    assert other.mode == "loop" and other.checkpoint is False
+    assert bool(eqx.tree_equal(other.unstack(), layers))
+
+
+# --- program size -------------------------------------------------------------
+
+
+def _lines(fn, *args):
+    return len(eqx.filter_jit(fn).lower(*args).as_text().splitlines())
+
+
+def test_program_size_flat_in_repeats(getkey):
+    x = jnp.ones(D)
+
+    def sizes(repeats):
+        layers = build("C" + "AB" * repeats, getkey())
+        return (
+            _lines(lambda c, x: c(x), eqxscan.Chain(layers), x),
+            _lines(loop, layers, x),
+        )
+
+    chain2, loop2 = sizes(2)
+    chain6, loop6 = sizes(6)
+    assert chain2 == chain6
+    assert loop6 > loop2
+
+
+# --- errors -------------------------------------------------------------------
+
+
+def test_empty_and_bad_input():
+    with pytest.raises(ValueError, match="at least one layer"):
+        eqxscan.Chain([])
+    with pytest.raises(TypeError, match="layers"):
+        eqxscan.Chain(Affine(jr.key(0)))
+    with pytest.raises(ValueError, match="mode"):
+        eqxscan.Chain([Affine(jr.key(0))], mode="fast")
+
+
+def test_misfit_names_layers_path_and_shapes(getkey):
+    layers = [Affine(getkey()), Affine(getkey(), out=3), Affine(getkey())]
+    chain = eqxscan.Chain(layers)
+    with pytest.raises(TypeError) as info:
+        chain(jnp.ones(D))
+    msg = str(info.value)
+    assert "layer 2 (Affine)" in msg
+    assert "`carry` is float32[3]" in msg
+    assert "from float32[4] by layer 1 (Affine)" in msg
+
+
+def test_misfit_in_pytree_carry_names_leaf(getkey):
+    class Split(eqx.Module):
+        def __call__(self, x):
+            return {"h": x["h"].astype(jnp.float16), "c": x["c"]}
+
+    class Use(eqx.Module):
+        w: Array
+
+        def __call__(self, x):
+            return {"h": x["h"] @ self.w, "c": x["c"]}
+
+    chain = eqxscan.Chain([Split(), Use(jnp.eye(D)), Use(jnp.eye(D))])
+    x = {"h": jnp.ones(D), "c": jnp.zeros(2)}
+    with pytest.raises(TypeError) as info:
+        eqx.filter_jit(lambda c, x: c(x))(chain, x)
+    msg = str(info.value)
+    assert "layers 1-2 (Use, scanned)" in msg
+    assert "`carry['h']` is float16[4], changed from float32[4]" in msg
+    assert "by layer 0 (Split)" in msg
+
+
+def test_misfit_found_before_anything_runs(getkey):
+    ran = []
+
+    class Loud(eqx.Module):
+        w: Array
+
+        def __call__(self, x):
+            jax.debug.callback(lambda: ran.append(1))
+            return x @ self.w
+
+    chain = eqxscan.Chain([Loud(jnp.eye(D)), Loud(jnp.ones((D, 3))), Affine(getkey())])
+    with pytest.raises(TypeError, match="layer 2"):
+        chain(jnp.ones(D))
+    jax.effects_barrier()
+    assert ran == []
+
+
+def test_scanned_group_must_keep_carry(getkey):
+    layers = [Affine(getkey(), out=3), Affine(getkey(), out=3)]
+    with pytest.raises(TypeError, match="changed carry leaf") as info:
+        eqxscan.Chain(layers)(jnp.ones(D))
+    assert any("layers 0-1 (Affine, scanned)" in n for n in info.value.__notes__)
+
+
+def test_per_layer_needs_chain_length(getkey):
+    chain = eqxscan.Chain(build("ABAB", getkey()))
+    with pytest.raises(ValueError, match=r"per_layer kwargs\['bias'\].*length 4"):
+        chain(jnp.ones(D), bias=eqxscan.per_layer(jnp.ones((3, D))))
+
+
+def test_scan_needs_pairs_and_matching_ys(getkey):
+    chain = eqxscan.Chain(build("CAA", getkey()))
+    with pytest.raises(TypeError, match=r"layer 0 \(Scale\) returned float32\[4\]"):
+        chain.scan(jnp.ones(D))
+
+    class Pair(eqx.Module):
+        n: int = eqx.field(static=True)
+
+        def __call__(self, x):
+            return x, jnp.zeros(self.n)
+
+    with pytest.raises(TypeError, match=r"float32\[2\].*float32\[3\]"):
+        eqxscan.Chain([Pair(2), Pair(2), Pair(3)]).scan(jnp.ones(D))
+
+
+def test_checkpoint_options_agree(getkey):
+    layers = build("CAB" * 3, getkey())
+    x = jr.normal(getkey(), (D,))
+    key = getkey()
+
+    @eqx.filter_jit
+    def value_and_grad(model, x):
+        return jax.value_and_grad(lambda m: jnp.sum(m(x, key=key) ** 2))(model)
+
+    base = eqxscan.Chain(layers)
+    v1, g1 = value_and_grad(base, x)
+    for checkpoint in [False, "nested"]:
+        other = base.with_options(checkpoint=checkpoint, unroll=2)
+        assert other.groups[0].checkpoint == checkpoint
+        v2, g2 = value_and_grad(other, x)
+        assert tree_allclose(v1, v2)
+        assert tree_allclose(g1.unstack(), g2.unstack(), rtol=1e-5, atol=1e-6)
