@@ -10,7 +10,7 @@ import jax.random as jr
 import jax.tree_util as jtu
 from jaxtyping import PRNGKeyArray, PyTree
 
-from ._checks import check_callable, check_leading_axis, check_stackable
+from ._checks import check_callable, check_leading_axis, check_stackable, describe
 from ._engine import check_options, run
 
 
@@ -308,7 +308,7 @@ class Stacked(eqx.Module):
             if not (isinstance(out, tuple) and len(out) == 2):
                 raise TypeError(
                     f"Stacked.scan expects each layer ({cls_name}) to return a "
-                    f"(carry, y) pair, got {type(out).__name__}. Use `stack(x)` for "
+                    f"(carry, y) pair, got {describe(out)}. Use `stack(x)` for "
                     "layers that return only the carry."
                 )
             return out
