@@ -1,0 +1,78 @@
+"""Every ```python block in README.md and docs/ runs here, so the docs cannot rot.
+
+Each block runs on its own, in a fresh namespace, in this process (so eqxscan is
+type-checked as in the other tests and the strict promotion settings of conftest
+apply). A failure is reported as `docs/page.md:LINE`, the line of the fence, and
+tracebacks point into the Markdown file. Blocks that must not run are fenced as
+```text, ```bash or ```console.
+"""
+
+import pathlib
+import re
+
+import pytest
+
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<ticks>`{3,}|~{3,})\s*(?P<info>[^`\s]*)")
+
+
+def markdown_files() -> list[pathlib.Path]:
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    return [f for f in files if f.is_file()]
+
+
+def python_blocks(path: pathlib.Path) -> list[tuple[int, str]]:
+    """`(line of the opening fence, dedented source)` of each ```python block."""
+    blocks = []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    i = 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if m is None:
+            i += 1
+            continue
+        indent, ticks = m["indent"], m["ticks"]
+        is_python = m["info"].lower() in ("python", "py", "python3")
+        start, body = i + 1, []
+        i += 1
+        while i < len(lines) and not (
+            lines[i].strip().startswith(ticks)
+            and lines[i].strip(ticks[0]).strip() == ""
+        ):
+            line = lines[i]
+            body.append(line[len(indent) :] if line.startswith(indent) else line)
+            i += 1
+        if i == len(lines):
+            raise ValueError(f"{path}:{start}: unclosed code fence")
+        i += 1
+        if is_python:
+            blocks.append((start, "\n".join(body) + "\n"))
+    return blocks
+
+
+CASES = [
+    pytest.param(path, line, source, id=f"{path.relative_to(ROOT)}:{line}")
+    for path in markdown_files()
+    for line, source in python_blocks(path)
+]
+
+
+@pytest.mark.parametrize("path, line, source", CASES)
+def test_python_block_runs(path: pathlib.Path, line: int, source: str):
+    # Pad so that line numbers in tracebacks are those of the Markdown file.
+    code = compile("\n" * line + source, str(path), "exec")
+    exec(code, {"__name__": f"docs_block_{line}"})
+
+
+def test_blocks_are_found(tmp_path: pathlib.Path):
+    # Guards the parser, including fences indented inside admonitions.
+    pages = {case.values[0].name for case in CASES}
+    assert {"README.md", "index.md", "concepts.md", "claims.md"} <= pages
+    page = tmp_path / "page.md"
+    page.write_text(
+        "text\n```python\nx = 1\n```\n\n    ```py\n    y = 2\n    ```\n"
+        "```text\nz\n```\n",
+        encoding="utf-8",
+    )
+    assert python_blocks(page) == [(2, "x = 1\n"), (6, "y = 2\n")]
