@@ -68,7 +68,7 @@ def test_python_block_runs(path: pathlib.Path, line: int, source: str):
 def test_blocks_are_found(tmp_path: pathlib.Path):
     # Guards the parser, including fences indented inside admonitions.
     pages = {case.values[0].name for case in CASES}
-    assert {"README.md", "index.md", "concepts.md", "claims.md"} <= pages
+    assert {"index.md", "concepts.md", "claims.md", "checkpoints.md"} <= pages
     page = tmp_path / "page.md"
     page.write_text(
         "text\n```python\nx = 1\n```\n\n    ```py\n    y = 2\n    ```\n"
