@@ -263,7 +263,9 @@ def from_state_dict(like: Any, state_dict: Mapping[str, Any]) -> Any:
     wrong = []
     for name, leaf in expected.items():
         value = state_dict[name]
-        shape, dtype = tuple(np.shape(value)), np.dtype(getattr(value, "dtype", None))
+        if not hasattr(value, "dtype"):
+            value = np.asarray(value)
+        shape, dtype = tuple(np.shape(value)), np.dtype(value.dtype)
         if shape != leaf.shape or dtype != leaf.dtype:
             wrong.append(
                 f"'{name}': model has {leaf.dtype.name}{list(leaf.shape)}, "

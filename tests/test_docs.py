@@ -13,6 +13,8 @@ import re
 import pytest
 
 
+# Blocks that show interoperability may import these; they are skipped if absent.
+OPTIONAL = {"flax"}
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<ticks>`{3,}|~{3,})\s*(?P<info>[^`\s]*)")
 
@@ -62,7 +64,12 @@ CASES = [
 def test_python_block_runs(path: pathlib.Path, line: int, source: str):
     # Pad so that line numbers in tracebacks are those of the Markdown file.
     code = compile("\n" * line + source, str(path), "exec")
-    exec(code, {"__name__": f"docs_block_{line}"})
+    try:
+        exec(code, {"__name__": f"docs_block_{line}"})
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] in OPTIONAL:
+            pytest.skip(f"needs the optional package {e.name}")
+        raise
 
 
 def test_blocks_are_found(tmp_path: pathlib.Path):

@@ -129,6 +129,12 @@ def test_missing_and_unexpected_keys_are_named(getkey):
     assert "unexpected keys: 'blocks.1.bias'" in str(e.value)
 
 
+def test_jax_arrays_are_accepted_as_values(getkey):
+    model = _mlp(getkey())
+    state = {k: jnp.asarray(v) for k, v in eqxscan.to_state_dict(model).items()}
+    assert eqx.tree_equal(eqxscan.from_state_dict(_mlp(getkey()), state), model)
+
+
 def test_wrong_shape_and_dtype_are_named(getkey):
     model = _mlp(getkey())
     state = eqxscan.to_state_dict(model)
