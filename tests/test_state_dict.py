@@ -342,3 +342,51 @@ def test_two_layer_example_from_real_flax_scan(getkey):
     np.testing.assert_allclose(
         stack(xr), scanned.apply(variables, xr, None)[0], rtol=1e-6, atol=1e-6
     )
+
+
+class TwoDense(eqx.Module):
+    up: eqx.nn.Linear
+    down: eqx.nn.Linear
+
+    def __init__(self, *, key):
+        k1, k2 = jr.split(key)
+        self.up = eqx.nn.Linear(3, 5, key=k1)
+        self.down = eqx.nn.Linear(5, 3, key=k2)
+
+    def __call__(self, x):
+        return self.down(jax.nn.relu(self.up(x)))
+
+
+def test_flax_block_with_two_non_square_dense_layers(getkey):
+    nn = pytest.importorskip("flax.linen")
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            # Flax numbers submodules in creation order: Dense_0 is `up`.
+            h = nn.relu(nn.Dense(5)(x))
+            return nn.Dense(3)(h), None
+
+    scanned = nn.scan(
+        Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=4
+    )()
+    x = jr.normal(getkey(), (3,))
+    variables = scanned.init(jr.key(3), x, None)
+    assert variables["params"]["Dense_1"]["kernel"].shape == (4, 5, 3)
+    like = eqxscan.Stacked(lambda k: TwoDense(key=k), 4, key=getkey())
+    expected = scanned.apply(variables, x, None)[0]
+    # Default pairing: Dense_0, Dense_1 with the layer's Linears in attribute order.
+    stack = eqxscan.from_flax_scan(like, variables)
+    np.testing.assert_allclose(stack(x), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(
+        stack.layers.down.weight[2], variables["params"]["Dense_1"]["kernel"][2].T
+    )
+    explicit = eqxscan.from_flax_scan(
+        like, variables, modules={"Dense_1": "down", "Dense_0": "up"}
+    )
+    assert eqx.tree_equal(explicit, stack)
+    # Pairing them the wrong way round is caught by the shape check.
+    with pytest.raises(ValueError, match=r"'0.up.weight': model has float32\[5, 3\]"):
+        eqxscan.from_flax_scan(
+            like, variables, modules={"Dense_0": "down", "Dense_1": "up"}
+        )
