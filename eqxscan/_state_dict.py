@@ -183,7 +183,7 @@ def to_state_dict(model: Any) -> dict[str, np.ndarray]:
                 next(it) if p is _AXIS else first_seen[leaf.parts[: j + 1]]
                 for j, p in enumerate(leaf.parts)
             )
-            entries.append((order, name, array[index]))
+            entries.append((order, name, np.asarray(array[index])))
     entries.sort(key=lambda e: e[0])
     return {name: value for _, name, value in entries}
 

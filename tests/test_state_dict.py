@@ -390,3 +390,20 @@ def test_flax_block_with_two_non_square_dense_layers(getkey):
         eqxscan.from_flax_scan(
             like, variables, modules={"Dense_0": "down", "Dense_1": "up"}
         )
+
+
+class Gain(eqx.Module):
+    gain: jax.Array
+
+    def __call__(self, x):
+        return x * self.gain
+
+
+def test_per_layer_scalars_are_arrays(getkey):
+    stack = eqxscan.Stacked(lambda k: Gain(jr.uniform(k, ())), 3, key=getkey())
+    state = eqxscan.to_state_dict(stack)
+    assert list(state) == ["0.gain", "1.gain", "2.gain"]
+    for i in range(3):
+        assert type(state[f"{i}.gain"]) is np.ndarray and state[f"{i}.gain"].shape == ()
+        assert state[f"{i}.gain"] == stack.layers.gain[i]
+    assert eqx.tree_equal(eqxscan.from_state_dict(stack, state), stack)
