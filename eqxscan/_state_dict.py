@@ -67,6 +67,12 @@ class _Leaf:
 
     def __init__(self, parts: tuple, depths: tuple[int, ...], leaf: Any):
         self.parts, self.depths, self.leaf = parts, depths, leaf
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            raise TypeError(
+                f"`{_pattern(parts)}` holds typed PRNG keys ({leaf.dtype}), which "
+                "have no NumPy dtype; keep `jax.random.key_data(key)` in the model "
+                "instead, or leave keys out of checkpoints."
+            )
         if tuple(leaf.shape[: len(depths)]) != depths:
             raise ValueError(
                 f"`{_pattern(parts)}` has shape {tuple(leaf.shape)}, but it sits "
@@ -128,15 +134,6 @@ def _layout(model: Any) -> tuple[list[_Leaf], list[_Stack]]:
     leaves: list[_Leaf] = []
     stacks: list[_Stack] = []
     _walk(model, (), (), lambda leaf: leaves.append(leaf), stacks)
-    seen: dict[str, str] = {}
-    for leaf in leaves:
-        pattern = _pattern(leaf.parts)
-        if pattern in seen:
-            raise ValueError(
-                f"Two array leaves of the model would both be named `{pattern}` "
-                "in a state dict; rename one of them."
-            )
-        seen[pattern] = pattern
     return leaves, stacks
 
 

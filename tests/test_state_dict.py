@@ -149,10 +149,16 @@ def test_wrong_shape_and_dtype_are_named(getkey):
     assert "'blocks.0.scale': model has float32[4], checkpoint has float16[4]" in msg
 
 
+def _first_layers(model, num_layers):
+    # Cheaper than building another model: its first layers, as a StackedMLP.
+    return eqx.tree_at(lambda m: m.blocks, model, model.blocks[:num_layers])
+
+
 @pytest.mark.parametrize("saved_depth", [6, 2])
 def test_depth_mismatch_names_both_depths(getkey, saved_depth):
-    model = _mlp(getkey(), num_layers=4)
-    state = eqxscan.to_state_dict(_mlp(getkey(), num_layers=saved_depth))
+    deep = _mlp(getkey(), num_layers=6)
+    model = _first_layers(deep, 4)
+    state = eqxscan.to_state_dict(_first_layers(deep, saved_depth))
     with pytest.raises(
         ValueError,
         match=f"model has L=4 layers in blocks, checkpoint has {saved_depth}",
@@ -215,9 +221,11 @@ def test_sharding_of_like_is_kept(getkey):
     np.testing.assert_array_equal(loaded.blocks.layers.w1, model.blocks.layers.w1)
 
 
-def test_bad_dict_key_is_named():
+def test_bad_leaves_are_named():
     with pytest.raises(ValueError, match="contain no '.'"):
         eqxscan.to_state_dict({"a.b": jnp.ones(1)})
+    with pytest.raises(TypeError, match="`rng` holds typed PRNG keys"):
+        eqxscan.to_state_dict({"rng": jr.key(0)})
 
 
 def test_save_load_round_trip_keeps_bfloat16(getkey, tmp_path):
@@ -234,9 +242,10 @@ def test_save_load_round_trip_keeps_bfloat16(getkey, tmp_path):
 
 
 def test_load_checks_depth(getkey, tmp_path):
-    eqxscan.save(tmp_path / "c.npz", _mlp(getkey(), num_layers=6))
+    deep = _mlp(getkey(), num_layers=6)
+    eqxscan.save(tmp_path / "c.npz", deep)
     with pytest.raises(ValueError, match="model has L=4 layers in blocks, checkpoint"):
-        eqxscan.load(tmp_path / "c.npz", _mlp(getkey(), num_layers=4))
+        eqxscan.load(tmp_path / "c.npz", _first_layers(deep, 4))
 
 
 def test_failed_write_keeps_old_checkpoint_and_leaves_no_stray_files(
