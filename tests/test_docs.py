@@ -1,4 +1,5 @@
-"""Every ```python block in README.md and docs/ runs here, so the docs cannot rot.
+"""Every ```python block in README.md and docs/, and in the docstrings of eqxscan's
+public API, runs here, so the docs cannot rot.
 
 Each block runs on its own, in a fresh namespace, in this process (so eqxscan is
 type-checked as in the other tests and the strict promotion settings of conftest
@@ -7,6 +8,7 @@ tracebacks point into the Markdown file. Blocks that must not run are fenced as
 ```text, ```bash or ```console.
 """
 
+import inspect
 import pathlib
 import re
 
@@ -26,8 +28,12 @@ def markdown_files() -> list[pathlib.Path]:
 
 def python_blocks(path: pathlib.Path) -> list[tuple[int, str]]:
     """`(line of the opening fence, dedented source)` of each ```python block."""
+    return python_blocks_in(path.read_text(encoding="utf-8"), str(path))
+
+
+def python_blocks_in(text: str, where: str) -> list[tuple[int, str]]:
     blocks = []
-    lines = path.read_text(encoding="utf-8").splitlines()
+    lines = text.splitlines()
     i = 0
     while i < len(lines):
         m = FENCE.match(lines[i])
@@ -46,7 +52,7 @@ def python_blocks(path: pathlib.Path) -> list[tuple[int, str]]:
             body.append(line[len(indent) :] if line.startswith(indent) else line)
             i += 1
         if i == len(lines):
-            raise ValueError(f"{path}:{start}: unclosed code fence")
+            raise ValueError(f"{where}:{start}: unclosed code fence")
         i += 1
         if is_python:
             blocks.append((start, "\n".join(body) + "\n"))
@@ -58,6 +64,37 @@ CASES = [
     for path in markdown_files()
     for line, source in python_blocks(path)
 ]
+
+
+def docstrings() -> list[tuple[str, str]]:
+    """`(qualified name, docstring)` of eqxscan's public objects and their methods:
+    the examples rendered in the API reference."""
+    import eqxscan
+
+    found = []
+    for name in sorted(n for n in vars(eqxscan) if not n.startswith("_")):
+        obj = getattr(eqxscan, name)
+        if not getattr(obj, "__module__", "").startswith("eqxscan"):
+            continue
+        found.append((f"eqxscan.{name}", inspect.getdoc(obj) or ""))
+        if inspect.isclass(obj):
+            for member, value in vars(obj).items():
+                if callable(value) and value.__doc__:
+                    doc = inspect.getdoc(value) or ""
+                    found.append((f"eqxscan.{name}.{member}", doc))
+    return found
+
+
+DOCSTRING_CASES = [
+    pytest.param(source, id=f"{name}:{line}")
+    for name, doc in docstrings()
+    for line, source in python_blocks_in(doc, name)
+]
+
+
+@pytest.mark.parametrize("source", DOCSTRING_CASES)
+def test_docstring_example_runs(source: str):
+    exec(compile(source, "<docstring example>", "exec"), {"__name__": "docstring"})
 
 
 @pytest.mark.parametrize("path, line, source", CASES)
@@ -76,6 +113,7 @@ def test_blocks_are_found(tmp_path: pathlib.Path):
     # Guards the parser, including fences indented inside admonitions.
     pages = {case.values[0].name for case in CASES}
     assert {"index.md", "concepts.md", "claims.md", "checkpoints.md"} <= pages
+    assert any(case.id.startswith("eqxscan.Stacked:") for case in DOCSTRING_CASES)
     page = tmp_path / "page.md"
     page.write_text(
         "text\n```python\nx = 1\n```\n\n    ```py\n    y = 2\n    ```\n"
