@@ -2,8 +2,14 @@
 
 from ._chain import Chain as Chain, Period as Period, Span as Span
 from ._engine import AUTO_POLICY as AUTO_POLICY
+from ._flax import from_flax_scan as from_flax_scan
 from ._mlp import MLPBlock as MLPBlock, rms_norm as rms_norm, StackedMLP as StackedMLP
+from ._serialise import load as load, load_state_dict as load_state_dict, save as save
 from ._stacked import per_layer as per_layer, PerLayer as PerLayer, Stacked as Stacked
+from ._state_dict import (
+    from_state_dict as from_state_dict,
+    to_state_dict as to_state_dict,
+)
 
 
 __version__ = "0.1.0"

@@ -1,0 +1,123 @@
+"""Importing Flax linen `nn.scan` parameters into a `Stacked`."""
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import equinox as eqx
+import jax.tree_util as jtu
+import numpy as np
+
+from ._stacked import Stacked
+from ._state_dict import _key_name, from_state_dict
+
+
+def _natural(name: str) -> list:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def _dense_modules(tree: Mapping, prefix: str = "") -> dict[str, Mapping]:
+    """The Flax `Dense` submodules (dicts holding a `kernel`) by dotted path."""
+    found: dict[str, Mapping] = {}
+    for name, value in tree.items():
+        path = f"{prefix}.{name}" if prefix else str(name)
+        if isinstance(value, Mapping) and "kernel" in value:
+            extra = sorted(set(value) - {"kernel", "bias"})
+            if extra:
+                raise ValueError(
+                    f"Flax module '{path}' has parameters {extra} besides "
+                    "kernel/bias; only Dense layers are converted."
+                )
+            found[path] = value
+        elif isinstance(value, Mapping):
+            found.update(_dense_modules(value, path))
+        else:
+            raise ValueError(
+                f"Flax parameter '{path}' is not part of a Dense layer (kernel/bias); "
+                "only Dense layers are converted. Convert other parameters "
+                "yourself with eqxscan.to_state_dict / eqxscan.from_state_dict."
+            )
+    return found
+
+
+def _linear_paths(layer: Any) -> list[str]:
+    """Dotted paths of the `eqx.nn.Linear`s in one layer, in attribute order."""
+    is_linear = lambda x: isinstance(x, eqx.nn.Linear)
+    if is_linear(layer):
+        return [""]
+    found = jtu.tree_flatten_with_path(layer, is_leaf=is_linear)[0]
+    return [
+        ".".join(_key_name(k, ()) for k in path)
+        for path, leaf in found
+        if is_linear(leaf)
+    ]
+
+
+def from_flax_scan(
+    like: Stacked,
+    params: Mapping[str, Any],
+    *,
+    modules: Mapping[str, str] | None = None,
+) -> Stacked:
+    """Load the parameters of a Flax linen `nn.scan` over layers into a `Stacked`
+    whose layers use `eqx.nn.Linear`.
+
+    `nn.scan(..., variable_axes={"params": 0})` stores each `Dense` as
+    `kernel: [N, in, out]` and `bias: [N, out]`; an `eqx.nn.Linear` stores
+    `weight: [out, in]`, so each layer's kernel is transposed. The result is
+    checked like any [`eqxscan.from_state_dict`][] load: different depths,
+    shapes or missing layers raise `ValueError` naming them.
+
+    **Arguments:**
+
+    - `like`: a `Stacked` of the wanted layout (e.g. built with any key).
+    - `params`: the scanned module's parameters, e.g.
+      `{"params": {"Dense_0": {"kernel": ..., "bias": ...}}}` (the outer
+      `"params"` is optional). Pass the subtree of the scanned module if it is
+      nested inside a larger model.
+    - `modules`: maps each Flax `Dense` path (e.g. `"Dense_0"`) to the path of
+      an `eqx.nn.Linear` inside one layer (e.g. `"linear"`; `""` if the layer is
+      itself a `Linear`). By default the Flax `Dense`s, in numeric order, are
+      matched to the layer's `Linear`s in attribute order.
+
+    **Returns:**
+
+    `like` with the Flax weights.
+    """
+    if not isinstance(like, Stacked):
+        raise TypeError(f"like must be an eqxscan.Stacked, got {type(like).__name__}.")
+    if set(params) == {"params"}:
+        params = params["params"]
+    dense = _dense_modules(params)
+    if modules is None:
+        flax_names = sorted(dense, key=_natural)
+        linears = _linear_paths(like[0])
+        if len(flax_names) != len(linears):
+            raise ValueError(
+                f"The Flax parameters have {len(flax_names)} Dense layers "
+                f"{flax_names} but each layer of the Stacked has {len(linears)} "
+                f"eqx.nn.Linear {linears}; pass `modules=` to pair them."
+            )
+        modules = dict(zip(flax_names, linears))
+    unknown = sorted(set(modules) - set(dense))
+    if unknown:
+        raise ValueError(
+            f"modules names Flax Dense layers {unknown} that are not in the "
+            f"parameters (found {sorted(dense)})."
+        )
+    state: dict[str, np.ndarray] = {}
+    for flax_name, eqx_path in modules.items():
+        kernel = np.asarray(dense[flax_name]["kernel"])
+        if kernel.ndim != 3:
+            raise ValueError(
+                f"Flax '{flax_name}.kernel' has shape {kernel.shape}; a scanned Dense "
+                "kernel is [num_layers, in, out]."
+            )
+        bias = dense[flax_name].get("bias")
+        bias = None if bias is None else np.asarray(bias)
+        prefix = f".{eqx_path}" if eqx_path else ""
+        for i in range(kernel.shape[0]):
+            state[f"{i}{prefix}.weight"] = np.ascontiguousarray(kernel[i].T)
+            if bias is not None:
+                state[f"{i}{prefix}.bias"] = bias[i]
+    return from_state_dict(like, state)

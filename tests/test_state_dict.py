@@ -1,0 +1,418 @@
+import os
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import eqxscan
+
+from .helpers import tree_allclose
+
+
+def _mlp(key, num_layers=3, dim=4, **kw):
+    return eqxscan.StackedMLP(dim, num_layers, key=key, **kw)
+
+
+class DenseReLU(eqx.Module):
+    linear: eqx.nn.Linear
+
+    def __init__(self, *, key):
+        self.linear = eqx.nn.Linear(2, 2, key=key)
+
+    def __call__(self, x):
+        return jax.nn.relu(self.linear(x))
+
+
+# The two-layer worked example of docs/concepts.md: [1, -2] -> [1, 1] -> [2, 0].
+W1, B1 = np.array([[1.0, 0.0], [0.0, -1.0]], np.float32), np.array([0.0, -1.0])
+W2, B2 = np.array([[1.0, 1.0], [-1.0, -1.0]], np.float32), np.array([0.0, 0.0])
+
+
+def test_names_follow_layers_not_the_stacked_axis(getkey):
+    model = _mlp(getkey())
+    state = eqxscan.to_state_dict(model)
+    assert list(state) == [
+        f"blocks.{i}.{name}" for i in range(3) for name in ("w1", "w2", "scale")
+    ]
+    for i in range(3):
+        np.testing.assert_array_equal(
+            state[f"blocks.{i}.w1"], model.blocks.layers.w1[i]
+        )
+        np.testing.assert_array_equal(state[f"blocks.{i}.w2"], model.blocks[i].w2)
+        assert state[f"blocks.{i}.w1"].shape == (4, 16)
+        assert isinstance(state[f"blocks.{i}.scale"], np.ndarray)
+
+
+def test_round_trip_into_another_model(getkey):
+    model, other = _mlp(getkey()), _mlp(getkey())
+    assert not tree_allclose(model, other)
+    loaded = eqxscan.from_state_dict(other, eqxscan.to_state_dict(model))
+    assert eqx.tree_equal(loaded, model)
+    x = jr.normal(getkey(), (4,))
+    np.testing.assert_array_equal(loaded(x), model(x))
+
+
+def test_state_dict_matches_a_list_of_unstacked_layers(getkey):
+    # The per-layer names are the names a plain list of layers would get.
+    stack = eqxscan.Stacked(lambda k: eqx.nn.Linear(3, 3, key=k), 4, key=getkey())
+    as_list = {"blocks": stack.unstack()}
+    from_stack = eqxscan.to_state_dict({"blocks": stack})
+    from_list = eqxscan.to_state_dict(as_list)
+    assert list(from_stack) == list(from_list)
+    for k in from_stack:
+        np.testing.assert_array_equal(from_stack[k], from_list[k])
+
+
+class Nested(eqx.Module):
+    towers: list
+    inner: eqxscan.Stacked
+    table: dict
+    pair: tuple
+    act: object = jax.nn.relu
+
+    def __init__(self, key):
+        k = jr.split(key, 5)
+        self.towers = [
+            eqxscan.Stacked(lambda kk: eqx.nn.Linear(2, 2, key=kk), 2, key=k[0]),
+            eqx.nn.Linear(2, 3, use_bias=False, key=k[1]),
+        ]
+        # A Stacked of layers that themselves hold a Stacked: two layer indices.
+        self.inner = eqxscan.Stacked(
+            lambda kk: eqxscan.Stacked(
+                lambda kkk: eqx.nn.Linear(2, 2, key=kkk), 3, key=kk
+            ),
+            2,
+            key=k[2],
+        )
+        self.table = {"final": jnp.ones(2), "gain": 2.0}
+        self.pair = (jnp.zeros(1), None)
+
+
+def test_nested_containers_and_nested_stacks(getkey):
+    model = Nested(getkey())
+    state = eqxscan.to_state_dict(model)
+    inner = {
+        f"inner.{i}.{j}.{n}"
+        for i in range(2)
+        for j in range(3)
+        for n in ("weight", "bias")
+    }
+    assert set(state) == inner | {
+        "towers.0.0.weight",
+        "towers.0.0.bias",
+        "towers.0.1.weight",
+        "towers.0.1.bias",
+        "towers.1.weight",
+        "table.final",
+        "pair.0",
+    }
+    np.testing.assert_array_equal(
+        state["inner.1.2.weight"], model.inner.layers.layers.weight[1, 2]
+    )
+    np.testing.assert_array_equal(state["inner.1.2.weight"], model.inner[1][2].weight)
+    loaded = eqxscan.from_state_dict(Nested(getkey()), state)
+    assert eqx.tree_equal(loaded, model)
+    assert loaded.table["gain"] == 2.0 and loaded.pair[1] is None
+
+
+def test_missing_and_unexpected_keys_are_named(getkey):
+    model = _mlp(getkey())
+    state = eqxscan.to_state_dict(model)
+    del state["blocks.1.w2"]
+    state["blocks.1.bias"] = np.zeros(4, np.float32)
+    with pytest.raises(ValueError, match="missing keys: 'blocks.1.w2'") as e:
+        eqxscan.from_state_dict(model, state)
+    assert "unexpected keys: 'blocks.1.bias'" in str(e.value)
+
+
+def test_jax_arrays_are_accepted_as_values(getkey):
+    model = _mlp(getkey())
+    state = {k: jnp.asarray(v) for k, v in eqxscan.to_state_dict(model).items()}
+    assert eqx.tree_equal(eqxscan.from_state_dict(_mlp(getkey()), state), model)
+
+
+def test_wrong_shape_and_dtype_are_named(getkey):
+    model = _mlp(getkey())
+    state = eqxscan.to_state_dict(model)
+    state["blocks.2.w1"] = np.zeros((4, 8), np.float32)
+    state["blocks.0.scale"] = state["blocks.0.scale"].astype(np.float16)
+    with pytest.raises(ValueError) as e:
+        eqxscan.from_state_dict(model, state)
+    msg = str(e.value)
+    assert (
+        "'blocks.2.w1': model has float32[4, 16], checkpoint has float32[4, 8]" in msg
+    )
+    assert "'blocks.0.scale': model has float32[4], checkpoint has float16[4]" in msg
+
+
+def _first_layers(model, num_layers):
+    # Cheaper than building another model: its first layers, as a StackedMLP.
+    return eqx.tree_at(lambda m: m.blocks, model, model.blocks[:num_layers])
+
+
+@pytest.mark.parametrize("saved_depth", [6, 2])
+def test_depth_mismatch_names_both_depths(getkey, saved_depth):
+    deep = _mlp(getkey(), num_layers=6)
+    model = _first_layers(deep, 4)
+    state = eqxscan.to_state_dict(_first_layers(deep, saved_depth))
+    with pytest.raises(
+        ValueError,
+        match=f"model has L=4 layers in blocks, checkpoint has {saved_depth}",
+    ):
+        eqxscan.from_state_dict(model, state)
+
+
+def test_depth_mismatch_of_a_nested_stack(getkey):
+    model = Nested(getkey())
+    state = eqxscan.to_state_dict(model)
+    state.update({f"inner.{i}.3.weight": state["inner.0.0.weight"] for i in range(2)})
+    with pytest.raises(
+        ValueError, match=r"model has L=3 layers in inner\.\*, checkpoint has 4"
+    ):
+        eqxscan.from_state_dict(model, state)
+
+
+class Positive(eqx.Module):
+    scale: jax.Array
+
+    def __check_init__(self):
+        if not bool(jnp.all(self.scale > 0)):
+            raise ValueError(f"scale must be positive, got {self.scale}")
+
+
+def test_check_init_runs_again_after_loading(getkey):
+    stack = eqxscan.Stacked(lambda k: Positive(jnp.ones(2)), 3, key=getkey())
+    model = {"top": Positive(jnp.ones(2)), "stack": stack}
+    state = eqxscan.to_state_dict(model)
+    eqxscan.from_state_dict(model, state)  # fine
+    bad = dict(state, **{"stack.1.scale": np.array([1.0, -1.0], np.float32)})
+    with pytest.raises(ValueError, match="scale must be positive"):
+        eqxscan.from_state_dict(model, bad)
+    bad = dict(state, **{"top.scale": np.array([0.0, 1.0], np.float32)})
+    with pytest.raises(ValueError, match="scale must be positive"):
+        eqxscan.from_state_dict(model, bad)
+
+
+def test_load_into_abstract_model(getkey):
+    model = _mlp(getkey(), dtype=jnp.bfloat16)
+    like = eqx.filter_eval_shape(_mlp, jr.key(0), dtype=jnp.bfloat16)
+    assert isinstance(like.blocks.layers.w1, jax.ShapeDtypeStruct)
+    loaded = eqxscan.from_state_dict(like, eqxscan.to_state_dict(model))
+    assert eqx.tree_equal(loaded, model)
+    with pytest.raises(TypeError, match="abstract"):
+        eqxscan.to_state_dict(like)
+
+
+def test_sharding_of_like_is_kept(getkey):
+    mesh = Mesh(np.array(jax.devices()[:2]), ("d",))
+    sharding = NamedSharding(mesh, P(None, "d"))
+    model = _mlp(getkey())
+    like = eqx.tree_at(
+        lambda m: m.blocks.layers.w1,
+        model,
+        jax.device_put(model.blocks.layers.w1, sharding),
+    )
+    loaded = eqxscan.from_state_dict(like, eqxscan.to_state_dict(model))
+    assert loaded.blocks.layers.w1.sharding == sharding
+    np.testing.assert_array_equal(loaded.blocks.layers.w1, model.blocks.layers.w1)
+
+
+def test_bad_leaves_are_named():
+    with pytest.raises(ValueError, match="contain no '.'"):
+        eqxscan.to_state_dict({"a.b": jnp.ones(1)})
+    with pytest.raises(TypeError, match="`rng` holds typed PRNG keys"):
+        eqxscan.to_state_dict({"rng": jr.key(0)})
+
+
+def test_save_load_round_trip_keeps_bfloat16(getkey, tmp_path):
+    model = _mlp(getkey(), dtype=jnp.bfloat16)
+    path = tmp_path / "ckpt.npz"
+    eqxscan.save(path, model)
+    loaded = eqxscan.load(path, _mlp(getkey(), dtype=jnp.bfloat16))
+    assert loaded.blocks.layers.w1.dtype == jnp.bfloat16
+    assert eqx.tree_equal(loaded, model)
+    # The file is a plain archive with per-layer names.
+    with np.load(path) as archive:
+        assert "blocks.2.w2" in archive.files
+    assert os.listdir(tmp_path) == ["ckpt.npz"]
+
+
+def test_load_checks_depth(getkey, tmp_path):
+    deep = _mlp(getkey(), num_layers=6)
+    eqxscan.save(tmp_path / "c.npz", deep)
+    with pytest.raises(ValueError, match="model has L=4 layers in blocks, checkpoint"):
+        eqxscan.load(tmp_path / "c.npz", _first_layers(deep, 4))
+
+
+def test_failed_write_keeps_old_checkpoint_and_leaves_no_stray_files(
+    getkey, tmp_path, monkeypatch
+):
+    old, new = _mlp(getkey()), _mlp(getkey())
+    path = tmp_path / "ckpt.npz"
+    eqxscan.save(path, old)
+    before = path.read_bytes()
+
+    # Fail in the middle of the archive: after the first array has been written.
+    real_write = np.lib.format.write_array
+    calls = []
+
+    def flaky_write(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError("disk full")
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(np.lib.format, "write_array", flaky_write)
+    with pytest.raises(OSError, match="disk full"):
+        eqxscan.save(path, new)
+    assert len(calls) == 2
+    assert path.read_bytes() == before
+    assert os.listdir(tmp_path) == ["ckpt.npz"]
+    monkeypatch.undo()
+
+    assert eqx.tree_equal(eqxscan.load(path, new), old)
+    eqxscan.save(path, new)  # and a successful write replaces it
+    assert eqx.tree_equal(eqxscan.load(path, old), new)
+    assert os.listdir(tmp_path) == ["ckpt.npz"]
+
+
+def _two_layer_stack(key):
+    return eqxscan.Stacked(lambda k: DenseReLU(key=k), 2, key=key)
+
+
+def test_two_layer_example_from_hand_built_flax_tree(getkey):
+    # Flax kernels are [in, out]: kernel = W.T.
+    params = {
+        "params": {
+            "Dense_0": {
+                "kernel": np.stack([W1.T, W2.T]),
+                "bias": np.stack([B1, B2]).astype(np.float32),
+            }
+        }
+    }
+    stack = eqxscan.from_flax_scan(_two_layer_stack(getkey()), params)
+    np.testing.assert_array_equal(stack.layers.linear.weight[1], W2)
+    x = jnp.array([1.0, -2.0])
+    np.testing.assert_array_equal(stack[0](x), [1.0, 1.0])
+    np.testing.assert_array_equal(stack(x), [2.0, 0.0])
+    with pytest.raises(ValueError, match="model has L=3 layers in the top-level"):
+        eqxscan.from_flax_scan(
+            eqxscan.Stacked(lambda k: DenseReLU(key=k), 3, key=getkey()), params
+        )
+
+
+def test_flax_import_errors(getkey):
+    stack = _two_layer_stack(getkey())
+    norm = {"LayerNorm_0": {"scale": np.ones((2, 2), np.float32)}}
+    with pytest.raises(ValueError, match="'LayerNorm_0.scale' is not part of a Dense"):
+        eqxscan.from_flax_scan(stack, norm)
+    two = {f"Dense_{i}": {"kernel": np.ones((2, 2, 2), np.float32)} for i in range(2)}
+    with pytest.raises(ValueError, match="2 Dense layers"):
+        eqxscan.from_flax_scan(stack, two)
+    with pytest.raises(ValueError, match="missing keys: '0.linear.bias'"):
+        eqxscan.from_flax_scan(stack, two, modules={"Dense_1": "linear"})
+
+
+def test_two_layer_example_from_real_flax_scan(getkey):
+    nn = pytest.importorskip("flax.linen")
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            return nn.relu(nn.Dense(2)(x)), None
+
+    scanned = nn.scan(
+        Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=2
+    )()
+    x = jnp.array([1.0, -2.0])
+    variables = scanned.init(jr.key(0), x, None)
+    kernel = variables["params"]["Dense_0"]["kernel"]
+    assert kernel.shape == (2, 2, 2)  # [N, in, out]
+    variables = {
+        "params": {
+            "Dense_0": {
+                "kernel": jnp.asarray(np.stack([W1.T, W2.T])),
+                "bias": jnp.asarray(np.stack([B1, B2]), jnp.float32),
+            }
+        }
+    }
+    np.testing.assert_array_equal(scanned.apply(variables, x, None)[0], [2.0, 0.0])
+    stack = eqxscan.from_flax_scan(_two_layer_stack(getkey()), variables)
+    np.testing.assert_array_equal(stack(x), [2.0, 0.0])
+
+    # And random Flax weights on a random input agree with Flax itself.
+    variables = scanned.init(jr.key(1), x, None)
+    stack = eqxscan.from_flax_scan(_two_layer_stack(getkey()), variables)
+    xr = jr.normal(getkey(), (2,))
+    np.testing.assert_allclose(
+        stack(xr), scanned.apply(variables, xr, None)[0], rtol=1e-6, atol=1e-6
+    )
+
+
+class TwoDense(eqx.Module):
+    up: eqx.nn.Linear
+    down: eqx.nn.Linear
+
+    def __init__(self, *, key):
+        k1, k2 = jr.split(key)
+        self.up = eqx.nn.Linear(3, 5, key=k1)
+        self.down = eqx.nn.Linear(5, 3, key=k2)
+
+    def __call__(self, x):
+        return self.down(jax.nn.relu(self.up(x)))
+
+
+def test_flax_block_with_two_non_square_dense_layers(getkey):
+    nn = pytest.importorskip("flax.linen")
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            # Flax numbers submodules in creation order: Dense_0 is `up`.
+            h = nn.relu(nn.Dense(5)(x))
+            return nn.Dense(3)(h), None
+
+    scanned = nn.scan(
+        Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=4
+    )()
+    x = jr.normal(getkey(), (3,))
+    variables = scanned.init(jr.key(3), x, None)
+    assert variables["params"]["Dense_1"]["kernel"].shape == (4, 5, 3)
+    like = eqxscan.Stacked(lambda k: TwoDense(key=k), 4, key=getkey())
+    expected = scanned.apply(variables, x, None)[0]
+    # Default pairing: Dense_0, Dense_1 with the layer's Linears in attribute order.
+    stack = eqxscan.from_flax_scan(like, variables)
+    np.testing.assert_allclose(stack(x), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(
+        stack.layers.down.weight[2], variables["params"]["Dense_1"]["kernel"][2].T
+    )
+    explicit = eqxscan.from_flax_scan(
+        like, variables, modules={"Dense_1": "down", "Dense_0": "up"}
+    )
+    assert eqx.tree_equal(explicit, stack)
+    # Pairing them the wrong way round is caught by the shape check.
+    with pytest.raises(ValueError, match=r"'0.up.weight': model has float32\[5, 3\]"):
+        eqxscan.from_flax_scan(
+            like, variables, modules={"Dense_0": "down", "Dense_1": "up"}
+        )
+
+
+class Gain(eqx.Module):
+    gain: jax.Array
+
+    def __call__(self, x):
+        return x * self.gain
+
+
+def test_per_layer_scalars_are_arrays(getkey):
+    stack = eqxscan.Stacked(lambda k: Gain(jr.uniform(k, ())), 3, key=getkey())
+    state = eqxscan.to_state_dict(stack)
+    assert list(state) == ["0.gain", "1.gain", "2.gain"]
+    for i in range(3):
+        assert type(state[f"{i}.gain"]) is np.ndarray and state[f"{i}.gain"].shape == ()
+        assert state[f"{i}.gain"] == stack.layers.gain[i]
+    assert eqx.tree_equal(eqxscan.from_state_dict(stack, state), stack)
