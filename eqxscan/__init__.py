@@ -1,5 +1,6 @@
 """eqxscan: scan over layers and over time, first-class for Equinox."""
 
+from . import sharding as sharding
 from ._engine import AUTO_POLICY as AUTO_POLICY
 from ._mlp import MLPBlock as MLPBlock, rms_norm as rms_norm, StackedMLP as StackedMLP
 from ._stacked import per_layer as per_layer, PerLayer as PerLayer, Stacked as Stacked
