@@ -21,7 +21,8 @@ def rms_norm(scale: Array, x: Array, eps: float = RMS_EPS) -> Array:
     """`x / rms(x) * scale`, reduced in float32 and returned in `x.dtype`."""
     x32 = x.astype(jnp.float32)
     inv = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (x32 * inv).astype(x.dtype) * scale
+    # Explicit broadcast: batched inputs stay valid under strict rank promotion.
+    return (x32 * inv).astype(x.dtype) * jnp.broadcast_to(scale, x.shape)
 
 
 class MLPBlock(eqx.Module):

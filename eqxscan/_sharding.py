@@ -54,6 +54,13 @@ def make_mesh(
             raise ValueError(f"{name} must be a positive int or None, got {value!r}.")
     if data is None and fsdp is None:
         data = 1
+    for name, given, other in (("data", data, fsdp), ("fsdp", fsdp, data)):
+        if other is None and given is not None and n % given:
+            raise ValueError(
+                f"{name}={given} does not divide the {n} devices, so the other mesh "
+                "axis cannot take the rest; choose a divisor of "
+                f"{n}."
+            )
     if data is None:
         assert fsdp is not None
         data = n // fsdp
@@ -107,23 +114,28 @@ def _leaf_spec(
     mesh: Mesh,
     fsdp_axis: str | None,
     min_size: int,
+    strict: bool = True,
 ) -> PartitionSpec:
     """Shard the largest non-layer axis divisible by the fsdp axis size (the first
-    such axis on ties); replicate small leaves and everything without fsdp."""
+    such axis on ties); replicate small leaves and everything without fsdp. With no
+    divisible axis: raise if `strict`, else replicate."""
     shape = tuple(leaf.shape)
     if fsdp_axis is None or math.prod(shape) < min_size:
         return PartitionSpec()
     size = mesh.shape[fsdp_axis]
     layer_axes = min(layer_axes, len(shape))
     candidates = [i for i in range(layer_axes, len(shape)) if shape[i] % size == 0]
+    if not candidates and not strict:
+        return PartitionSpec()
     if not candidates:
-        layer_note = (
-            f" (its first {layer_axes} ax{'is is' if layer_axes == 1 else 'es are'} "
-            "the layer axis of a Stacked, which stays replicated because each scan "
-            "step reads one layer)"
-            if layer_axes
-            else ""
-        )
+        if layer_axes == 0:
+            layer_note = ""
+        elif layer_axes == 1:
+            layer_note = " (axis 0 is the layer axis of a Stacked"
+        else:
+            layer_note = f" (axes 0-{layer_axes - 1} are layer axes of nested Stackeds"
+        if layer_axes:
+            layer_note += ", never sharded because each scan step reads one layer)"
         sizes = shape[layer_axes:]
         raise ValueError(
             f"Cannot shard `{path}` with shape {shape}{layer_note} over mesh axis "
@@ -258,8 +270,9 @@ def opt_state_shardings(
     there is no parameter) is a per-parameter buffer, e.g. Adam's `mu` and `nu`: a
     leaf there with its parameter's shape gets the parameter's sharding, a leaf of
     another shape (e.g. a factored second moment) the rule of
-    [`eqxscan.sharding.model_shardings`][] for its own shape. Everything else
-    (step counts, scalar hyperparameters) is replicated.
+    [`eqxscan.sharding.model_shardings`][] for its own shape (replicated, not an
+    error, if no axis divides). Everything else (step counts, scalar
+    hyperparameters) is replicated.
 
     **Arguments:**
 
@@ -307,6 +320,7 @@ def opt_state_shardings(
                         mesh,
                         fsdp_axis,
                         min_size,
+                        strict=False,
                     )
                     out.append(NamedSharding(mesh, spec))
             treedef = jtu.tree_structure(x, is_leaf=_is_placeholder)
