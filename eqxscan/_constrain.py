@@ -5,7 +5,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
-from jax.sharding import AxisType, NamedSharding, Sharding
+from jax.sharding import AxisType, NamedSharding, PartitionSpec, Sharding
 
 
 def is_explicit(sharding: Any) -> bool:
@@ -43,9 +43,14 @@ def constrain(tree: Any, shardings: Any) -> Any:
 
 def check_layer_sharding(layer_sharding: Any) -> None:
     """Raise unless `layer_sharding` is `None` or a `jax.sharding.Sharding`."""
-    if layer_sharding is not None and not isinstance(layer_sharding, Sharding):
-        raise TypeError(
-            "layer_sharding must be a jax.sharding.Sharding (e.g. a replicated "
-            "NamedSharding) or None, got "
-            f"{type(layer_sharding).__name__}."
-        )
+    if layer_sharding is None or isinstance(layer_sharding, Sharding):
+        return
+    hint = (
+        "; a PartitionSpec needs its mesh: NamedSharding(mesh, spec)"
+        if isinstance(layer_sharding, PartitionSpec)
+        else ""
+    )
+    raise TypeError(
+        "layer_sharding must be a jax.sharding.Sharding (e.g. a replicated "
+        f"NamedSharding) or None, got {layer_sharding!r}{hint}."
+    )

@@ -58,8 +58,7 @@ def make_mesh(
         if other is None and given is not None and n % given:
             raise ValueError(
                 f"{name}={given} does not divide the {n} devices, so the other mesh "
-                "axis cannot take the rest; choose a divisor of "
-                f"{n}."
+                f"axis cannot take the rest; choose a divisor of {n}."
             )
     if data is None:
         assert fsdp is not None

@@ -8,6 +8,7 @@ import equinox as eqx
 import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
+from jax.sharding import Sharding
 from jaxtyping import PRNGKeyArray, PyTree
 
 from ._checks import check_callable, check_leading_axis, check_stackable
@@ -92,7 +93,7 @@ class Stacked(eqx.Module):
     mode: str = eqx.field(static=True)
     checkpoint: Any = eqx.field(static=True)
     unroll: int | bool = eqx.field(static=True)
-    layer_sharding: Any = eqx.field(static=True)
+    layer_sharding: Sharding | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -140,7 +141,7 @@ class Stacked(eqx.Module):
         mode: str,
         checkpoint: Any,
         unroll: Any,
-        layer_sharding: Any = None,
+        layer_sharding: Sharding | None = None,
     ) -> "Stacked":
         # Alternative constructor that bypasses `make_layer`.
         check_options(mode, checkpoint, unroll)
@@ -193,7 +194,7 @@ class Stacked(eqx.Module):
         mode: str = _MISSING,
         checkpoint: Any = _MISSING,
         unroll: int | bool = _MISSING,
-        layer_sharding: Any = _MISSING,
+        layer_sharding: Sharding | None = _MISSING,
     ) -> "Stacked":
         """A copy with the same weights and new options; options not given are kept.
 
