@@ -1,9 +1,11 @@
-"""Data-parallel and FSDP sharding of models built from [`eqxscan.Stacked`][] layers.
+"""Data-parallel, FSDP and pipeline sharding of models built from
+[`eqxscan.Stacked`][] layers.
 
 Built on JAX's own sharding (`Mesh`, `NamedSharding`, `jit`); see `docs/sharding.md`.
 """
 
 from ._constrain import constrain as constrain
+from ._pipeline import pipeline as pipeline
 from ._sharding import (
     batch_shardings as batch_shardings,
     gather_layers as gather_layers,

@@ -20,6 +20,7 @@ import jax.numpy as jnp  # noqa: E402
 import jax.tree_util as jtu  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from jax.sharding import AxisType  # noqa: E402
 
 import eqxscan  # noqa: E402
 from eqxscan import sharding  # noqa: E402
@@ -176,6 +177,32 @@ def without_gather():
     return collectives("\n".join(loop_bodies(hlo).values()), "all-gather")
 
 
+def pipeline_run():
+    """A 4-stage pipeline (2 layers per stage) against the plain scan."""
+    mesh = jax.make_mesh((4, 2), ("stage", "data"), axis_types=(AxisType.Auto,) * 2)
+    stack = eqxscan.StackedMLP(DIM, 8, key=jax.random.key(2)).blocks
+    x = jax.random.normal(jax.random.key(3), (BATCH, DIM))
+
+    def loss(stack, x, piped):
+        if piped:
+            return jnp.sum(
+                jnp.sin(sharding.pipeline(stack, x, mesh=mesh, microbatches=4))
+            )
+        return jnp.sum(jnp.sin(stack(x)))
+
+    ref = eqx.filter_value_and_grad(loss)(stack, x, False)
+    fn = eqx.filter_jit(eqx.filter_value_and_grad(loss))
+    value, grads = fn(stack, x, True)
+    hlo = fn.lower(stack, x, True).compile().compiled.as_text()
+    return {
+        "err_value": abs(float(value) - float(ref[0])) / abs(float(ref[0])),
+        "err_grads": max_rel(grads, ref[1]),
+        "body_permutes": collectives(
+            "\n".join(loop_bodies(hlo).values()), "collective-permute"
+        ),
+    }
+
+
 def errors():
     """Messages of the errors that depend on the 8-device mesh."""
     mesh = sharding.make_mesh(2, 4)
@@ -205,6 +232,7 @@ if __name__ == "__main__":
             run("hybrid", (2, 4), "fsdp"),
         ],
         "without_gather": without_gather(),
+        "pipeline": pipeline_run(),
         "errors": errors(),
         "shapes": {
             "layer_w1": f"f32[{DIM},{4 * DIM}]",

@@ -416,3 +416,51 @@ def test_eight_devices_errors(eight_devices):
     assert "`batch` with shape (12, 6)" in msgs["batch"]
     assert "total size 8" in msgs["batch"] and "multiple of 8" in msgs["batch"]
     assert "needs 4 devices, but 8 are given" in msgs["mesh"]
+
+
+def test_eight_devices_pipeline(eight_devices):
+    result = eight_devices["pipeline"]
+    assert result["err_value"] < 1e-5 and result["err_grads"] < 1e-5, result
+    # One microbatch (4 rows of 16) moves between stages inside the tick loop,
+    # forwards and (transposed) backwards.
+    assert result["body_permutes"].count("f32[4,16]") >= 2, result
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_pipeline_two_stages(getkey, axis_type):
+    mesh = jax.make_mesh((2,), ("stage",), axis_types=(axis_type,))
+    stack = eqxscan.StackedMLP(8, 4, key=getkey()).blocks
+    x = jax.random.normal(getkey(), (6, 8))
+
+    def loss(stack, x, microbatches):
+        if microbatches:
+            y = sharding.pipeline(stack, x, mesh=mesh, microbatches=microbatches)
+        else:
+            y = stack(x)
+        return jnp.sum(jnp.sin(y))
+
+    grad = eqx.filter_value_and_grad(lambda sx, m: loss(*sx, m))
+    ref_value, (ref_gs, ref_gx) = grad((stack, x), 0)
+    fn = eqx.filter_jit(grad)
+    for microbatches in (1, 3):
+        value, (gs, gx) = fn((stack, x), microbatches)
+        assert abs(float(value) - float(ref_value)) <= 1e-5 * abs(float(ref_value))
+        assert max_rel_err(gx, ref_gx) < 1e-5
+        assert (
+            max_rel_err(eqx.filter(gs, eqx.is_array), eqx.filter(ref_gs, eqx.is_array))
+            < 1e-5
+        )
+
+
+def test_pipeline_errors(getkey):
+    mesh = jax.make_mesh((2,), ("stage",), axis_types=(AxisType.Auto,))
+    stack = eqxscan.StackedMLP(4, 3, key=getkey()).blocks
+    x = jnp.ones((4, 4))
+    with pytest.raises(
+        ValueError, match=r"3 layers of a Stacked into 2 pipeline stages"
+    ):
+        sharding.pipeline(stack, x, mesh=mesh, microbatches=2)
+    with pytest.raises(ValueError, match=r"shape \(4, 4\) into 3 microbatches"):
+        sharding.pipeline(stack[:2], x, mesh=mesh, microbatches=3)
+    with pytest.raises(ValueError, match=r"stage_axis names mesh axis 'pipe'"):
+        sharding.pipeline(stack[:2], x, mesh=mesh, microbatches=2, stage_axis="pipe")
