@@ -11,6 +11,7 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import json  # noqa: E402
+import math  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
 
@@ -122,7 +123,7 @@ def run(name, mesh_shape, fsdp_axis):
     bodies = "\n".join(loop_bodies(hlo).values())
     args = (s_model, s_opt, s_x, s_y)
     shard_bytes = sum(
-        math_prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+        math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
         for a in jtu.tree_leaves(eqx.filter(args, eqx.is_array))
     )
     weights = eqx.filter(model, eqx.is_array)
@@ -152,13 +153,6 @@ def run(name, mesh_shape, fsdp_axis):
         "expected_shard_bytes": shard_bytes,
         "weight_bytes": sum(a.nbytes for a in jtu.tree_leaves(weights)),
     }
-
-
-def math_prod(shape):
-    out = 1
-    for d in shape:
-        out *= d
-    return out
 
 
 def without_gather():
