@@ -24,7 +24,8 @@ from ._checks import check_carry, check_option, check_unroll
 #: stores every elementwise intermediate of every step in stacked buffers; that
 #: costs more time and memory than the unrolled loop, whereas recomputing them is
 #: cheap. Saving the matmul outputs avoids the ~33% extra FLOPs of a full remat on
-#: accelerators, where matmuls dominate. See docs/default-checkpoint.md for the measurements.
+#: accelerators, where matmuls dominate. docs/default-checkpoint.md has the
+#: measurements.
 AUTO_POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 
 CHECKPOINT_STRINGS = ("auto", "nested")

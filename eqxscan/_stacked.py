@@ -8,9 +8,11 @@ import equinox as eqx
 import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
+from jax.sharding import Sharding
 from jaxtyping import PRNGKeyArray, PyTree
 
 from ._checks import check_callable, check_leading_axis, check_stackable, describe
+from ._constrain import check_layer_sharding, constrain
 from ._engine import check_options, run
 
 
@@ -91,6 +93,7 @@ class Stacked(eqx.Module):
     mode: str = eqx.field(static=True)
     checkpoint: Any = eqx.field(static=True)
     unroll: int | bool = eqx.field(static=True)
+    layer_sharding: Sharding | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -128,13 +131,21 @@ class Stacked(eqx.Module):
         self.mode = mode
         self.checkpoint = checkpoint
         self.unroll = unroll
+        self.layer_sharding = None
 
     @classmethod
     def _build(
-        cls, layers: Any, num_layers: int, mode: str, checkpoint: Any, unroll: Any
+        cls,
+        layers: Any,
+        num_layers: int,
+        mode: str,
+        checkpoint: Any,
+        unroll: Any,
+        layer_sharding: Sharding | None = None,
     ) -> "Stacked":
         # Alternative constructor that bypasses `make_layer`.
         check_options(mode, checkpoint, unroll)
+        check_layer_sharding(layer_sharding)
         self = object.__new__(cls)
         for name, value in (
             ("layers", layers),
@@ -142,6 +153,7 @@ class Stacked(eqx.Module):
             ("mode", mode),
             ("checkpoint", checkpoint),
             ("unroll", unroll),
+            ("layer_sharding", layer_sharding),
         ):
             object.__setattr__(self, name, value)
         return self
@@ -182,14 +194,23 @@ class Stacked(eqx.Module):
         mode: str = _MISSING,
         checkpoint: Any = _MISSING,
         unroll: int | bool = _MISSING,
+        layer_sharding: Sharding | None = _MISSING,
     ) -> "Stacked":
-        """A copy with the same weights and new options; options not given are kept."""
+        """A copy with the same weights and new options; options not given are kept.
+
+        Besides `mode`, `checkpoint` and `unroll` (see `__init__`), this sets
+        `layer_sharding`: a `jax.sharding.Sharding` (or `None`, the default) that
+        each scan step constrains its one layer's weights to before calling it.
+        FSDP uses a replicated sharding here, so that a step all-gathers only the
+        layer it runs; [`eqxscan.sharding.shard`][] sets it for you.
+        """
         return type(self)._build(
             self.layers,
             self.num_layers,
             self.mode if mode is _MISSING else mode,
             self.checkpoint if checkpoint is _MISSING else checkpoint,
             self.unroll if unroll is _MISSING else unroll,
+            self.layer_sharding if layer_sharding is _MISSING else layer_sharding,
         )
 
     def __len__(self) -> int:
@@ -208,7 +229,12 @@ class Stacked(eqx.Module):
                 lambda a: a[index] if eqx.is_array(a) else a, self.layers
             )
             return type(self)._build(
-                layers, len(selected), self.mode, self.checkpoint, self.unroll
+                layers,
+                len(selected),
+                self.mode,
+                self.checkpoint,
+                self.unroll,
+                self.layer_sharding,
             )
         try:
             i = operator.index(index)
@@ -287,6 +313,8 @@ class Stacked(eqx.Module):
 
         def step(carry: Any, xs: tuple) -> tuple[Any, Any]:
             dyn, per, k = xs
+            if self.layer_sharding is not None:
+                dyn = constrain(dyn, self.layer_sharding)
             layer = eqx.combine(dyn, layer_static)
             call_args = [
                 eqx.combine(per[f"args[{i}]"], per_statics[f"args[{i}]"])

@@ -1,0 +1,500 @@
+"""Data-parallel and FSDP placement of models with stacked layers, on JAX's meshes.
+
+Everything here only chooses `NamedSharding`s; JAX (`jit`, its sharding propagation
+and XLA's partitioner) does all communication.
+"""
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from ._constrain import constrain
+from ._stacked import Stacked
+
+
+#: Leaves with fewer elements than this are replicated by default: sharding them
+#: saves next to no memory and costs a collective each.
+MIN_SIZE = 2**14
+
+
+def make_mesh(
+    data: int | None = None,
+    fsdp: int | None = None,
+    *,
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+    """A `("data", "fsdp")` mesh over `devices` (default: all of `jax.devices()`).
+
+    At most one of `data` and `fsdp` may be left out: it takes the remaining
+    devices. With neither given, all devices go to `"fsdp"` (`data=1`). The axes are
+    `AxisType.Auto`: JAX's sharding propagation decides the layout of
+    intermediates, so model code needs no sharding annotations.
+
+    **Arguments:**
+
+    - `data`: number of data-parallel replicas (parameters replicated across them).
+    - `fsdp`: number of devices each parameter is sharded over.
+    - `devices`: the devices to use, in mesh order.
+
+    **Returns:**
+
+    A `jax.sharding.Mesh` with axes `("data", "fsdp")`.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices)
+    for name, value in (("data", data), ("fsdp", fsdp)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise ValueError(f"{name} must be a positive int or None, got {value!r}.")
+    if data is None and fsdp is None:
+        data = 1
+    for name, given, other in (("data", data, fsdp), ("fsdp", fsdp, data)):
+        if other is None and given is not None and n % given:
+            raise ValueError(
+                f"{name}={given} does not divide the {n} devices, so the other mesh "
+                f"axis cannot take the rest; choose a divisor of {n}."
+            )
+    if data is None:
+        assert fsdp is not None
+        data = n // fsdp
+    if fsdp is None:
+        fsdp = n // data
+    if data * fsdp != n:
+        raise ValueError(
+            f"A mesh of data={data} x fsdp={fsdp} needs {data * fsdp} devices, but "
+            f"{n} are given; choose sizes whose product is {n}."
+        )
+    return jax.make_mesh(
+        (data, fsdp),
+        ("data", "fsdp"),
+        axis_types=(AxisType.Auto, AxisType.Auto),
+        devices=devices,
+    )
+
+
+def _check_axis(mesh: Mesh, axis: str, what: str) -> int:
+    if axis not in mesh.shape:
+        raise ValueError(
+            f"{what} names mesh axis {axis!r}, but the mesh has axes "
+            f"{tuple(mesh.axis_names)} (sizes {dict(mesh.shape)}). Build the mesh "
+            f"with an axis {axis!r} or pass the name of one it has"
+            + (
+                " (or fsdp_axis=None to replicate the parameters)."
+                if what == "fsdp_axis"
+                else "."
+            )
+        )
+    return mesh.shape[axis]
+
+
+def _check_mesh(mesh: Any) -> Mesh:
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}; build one "
+            "with eqxscan.sharding.make_mesh or jax.make_mesh."
+        )
+    return mesh
+
+
+def _name(prefix: str, path: tuple) -> str:
+    return prefix + jtu.keystr(path)
+
+
+def _leaf_spec(
+    leaf: Any,
+    layer_axes: int,
+    path: str,
+    mesh: Mesh,
+    fsdp_axis: str | None,
+    min_size: int,
+    strict: bool = True,
+) -> PartitionSpec:
+    """Shard the largest non-layer axis divisible by the fsdp axis size (the first
+    such axis on ties); replicate small leaves and everything without fsdp. With no
+    divisible axis: raise if `strict`, else replicate."""
+    shape = tuple(leaf.shape)
+    if fsdp_axis is None or math.prod(shape) < min_size:
+        return PartitionSpec()
+    size = mesh.shape[fsdp_axis]
+    layer_axes = min(layer_axes, len(shape))
+    candidates = [i for i in range(layer_axes, len(shape)) if shape[i] % size == 0]
+    if not candidates and not strict:
+        return PartitionSpec()
+    if not candidates:
+        if layer_axes == 0:
+            layer_note = ""
+        elif layer_axes == 1:
+            layer_note = " (axis 0 is the layer axis of a Stacked"
+        else:
+            layer_note = f" (axes 0-{layer_axes - 1} are layer axes of nested Stackeds"
+        if layer_axes:
+            layer_note += ", never sharded because each scan step reads one layer)"
+        sizes = shape[layer_axes:]
+        raise ValueError(
+            f"Cannot shard `{path}` with shape {shape}{layer_note} over mesh axis "
+            f"{fsdp_axis!r} of size {size}: none of its axes {sizes} divides by "
+            f"{size}. Use a mesh whose {fsdp_axis!r} size divides one of {sizes}, "
+            f"or pass min_size > {math.prod(shape)} to replicate leaves this small."
+        )
+    best = max(candidates, key=lambda i: (shape[i], -i))
+    return PartitionSpec(*([None] * best + [fsdp_axis]))
+
+
+def _map_params(fn: Any, tree: Any, layer_axes: int = 0, path: tuple = ()) -> Any:
+    """`tree` with every leaf replaced by `fn(leaf, layer_axes, path)`, where
+    `layer_axes` counts the `Stacked`s the leaf is inside (its leading layer axes).
+    Each `Stacked` keeps its type and static fields."""
+
+    def one(p: tuple, x: Any) -> Any:
+        if isinstance(x, Stacked):
+            layers = _map_params(
+                fn, x.layers, layer_axes + 1, path + p + (jtu.GetAttrKey("layers"),)
+            )
+            return eqx.tree_at(lambda s: s.layers, x, layers, is_leaf=_is_none)
+        return fn(x, layer_axes, path + p)
+
+    return jtu.tree_map_with_path(
+        one, tree, is_leaf=lambda x: isinstance(x, Stacked) or x is None
+    )
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def model_shardings(
+    model: Any,
+    mesh: Mesh,
+    *,
+    fsdp_axis: str | None = "fsdp",
+    min_size: int = MIN_SIZE,
+) -> Any:
+    """The `NamedSharding` of every array leaf of `model` (FSDP over `fsdp_axis`).
+
+    Inside a [`eqxscan.Stacked`][] the leading layer axis is never sharded: each
+    scan step reads one layer, and JAX's `scan` needs its `xs` unsharded along the
+    scanned axis. Of the remaining axes, the largest that divides by the size of
+    `fsdp_axis` is sharded over it (the first such axis on ties). Leaves with
+    fewer than `min_size` elements are replicated, and every leaf is replicated
+    across the other mesh axes (e.g. `"data"`).
+
+    **Arguments:**
+
+    - `model`: any pytree (usually an `eqx.Module` containing `Stacked`s).
+    - `mesh`: a `jax.sharding.Mesh`.
+    - `fsdp_axis`: the mesh axis parameters are sharded over; `None` replicates
+      every parameter (pure data parallelism).
+    - `min_size`: leaves with fewer elements are replicated.
+
+    **Returns:**
+
+    A pytree with the structure of `model`: a `NamedSharding` at each array leaf,
+    `None` elsewhere. Usable as `jax.jit`'s `in_shardings`/`out_shardings` for
+    `eqx.filter(model, eqx.is_array)`.
+
+    **Raises:**
+
+    `ValueError` naming the leaf path, its shape and the mesh axis size when a
+    leaf of at least `min_size` elements has no axis that divides, or when the
+    mesh has no axis `fsdp_axis`.
+    """
+    mesh = _check_mesh(mesh)
+    if fsdp_axis is not None:
+        _check_axis(mesh, fsdp_axis, "fsdp_axis")
+
+    def one(leaf: Any, layer_axes: int, path: tuple) -> Any:
+        if not _is_arraylike(leaf):
+            return None
+        spec = _leaf_spec(
+            leaf, layer_axes, _name("model", path), mesh, fsdp_axis, min_size
+        )
+        return NamedSharding(mesh, spec)
+
+    return _map_params(one, model)
+
+
+def _is_arraylike(x: Any) -> bool:
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+def _strip(tree: Any) -> Any:
+    # The same tree with every Stacked's `layer_sharding` unset, so that a model
+    # and its sharded copy have comparable structures.
+    def one(x: Any) -> Any:
+        if isinstance(x, Stacked):
+            inner = eqx.tree_at(
+                lambda s: s.layers, x, _strip(x.layers), is_leaf=_is_none
+            )
+            return inner.with_options(layer_sharding=None)
+        return x
+
+    return jtu.tree_map(one, tree, is_leaf=lambda x: isinstance(x, Stacked))
+
+
+class _Info:
+    # A parameter and how many layer axes lead it (a plain object: a pytree leaf).
+    def __init__(self, leaf: Any, layer_axes: int):
+        self.leaf, self.layer_axes = leaf, layer_axes
+
+
+def _is_placeholder(x: Any) -> bool:
+    # Positions of a params-like tree that hold no array: `None` (eqx.filter) or
+    # optax's `MaskedNode` (optax.masked).
+    return x is None or type(x).__name__ == "MaskedNode"
+
+
+def _param_structure(tree: Any) -> Any:
+    return jtu.tree_structure(_strip(tree), is_leaf=_is_placeholder)
+
+
+def opt_state_shardings(
+    opt_state: Any,
+    model: Any,
+    mesh: Mesh,
+    *,
+    fsdp_axis: str | None = "fsdp",
+    min_size: int = MIN_SIZE,
+) -> Any:
+    """Shardings for an optimizer state (e.g. optax's) that shard each per-parameter
+    buffer like its parameter.
+
+    Every subtree of `opt_state` with the structure of the model's parameters
+    (`eqx.filter(model, eqx.is_array)`, with `None` or optax's `MaskedNode` where
+    there is no parameter) is a per-parameter buffer, e.g. Adam's `mu` and `nu`: a
+    leaf there with its parameter's shape gets the parameter's sharding, a leaf of
+    another shape (e.g. a factored second moment) the rule of
+    [`eqxscan.sharding.model_shardings`][] for its own shape (replicated, not an
+    error, if no axis divides). Everything else (step counts, scalar
+    hyperparameters) is replicated.
+
+    **Arguments:**
+
+    - `opt_state`: the optimizer state, any pytree.
+    - `model`: the model whose parameters the state was built for.
+    - `mesh`, `fsdp_axis`, `min_size`: as for `model_shardings`.
+
+    **Returns:**
+
+    A pytree with the structure of `opt_state`: a `NamedSharding` at each array
+    leaf, `None` elsewhere.
+    """
+    mesh = _check_mesh(mesh)
+    if fsdp_axis is not None:
+        _check_axis(mesh, fsdp_axis, "fsdp_axis")
+    params = eqx.filter(model, eqx.is_array)
+    target = _param_structure(params)
+    param_shardings = jtu.tree_leaves(
+        model_shardings(params, mesh, fsdp_axis=fsdp_axis, min_size=min_size),
+        is_leaf=_is_placeholder,
+    )
+    param_info = jtu.tree_leaves(
+        _map_params(lambda x, n, p: _Info(x, n), params), is_leaf=_is_placeholder
+    )
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def is_params_like(x: Any) -> bool:
+        return type(x) is type(params) and _param_structure(x) == target
+
+    def one(path: tuple, x: Any) -> Any:
+        if is_params_like(x):
+            leaves = jtu.tree_leaves_with_path(x, is_leaf=_is_placeholder)
+            out = []
+            for (p, leaf), sharding, info in zip(leaves, param_shardings, param_info):
+                param = None if info is None else info.leaf
+                if not _is_arraylike(leaf):
+                    out.append(None)
+                elif _is_arraylike(param) and leaf.shape == param.shape:
+                    out.append(sharding)
+                else:
+                    spec = _leaf_spec(
+                        leaf,
+                        info.layer_axes if _is_arraylike(param) else 0,
+                        _name("opt_state", path + p),
+                        mesh,
+                        fsdp_axis,
+                        min_size,
+                        strict=False,
+                    )
+                    out.append(NamedSharding(mesh, spec))
+            treedef = jtu.tree_structure(x, is_leaf=_is_placeholder)
+            return jtu.tree_unflatten(treedef, out)
+        return replicated if _is_arraylike(x) else None
+
+    return jtu.tree_map_with_path(
+        one, opt_state, is_leaf=lambda x: _is_placeholder(x) or is_params_like(x)
+    )
+
+
+def _batch_axes(mesh: Mesh, batch_axes: Any, fsdp_axis: str | None) -> tuple:
+    if batch_axes is None:
+        names = ("data",) + (() if fsdp_axis is None else (fsdp_axis,))
+        axes = tuple(a for a in names if a in mesh.shape)
+        if not axes:
+            raise ValueError(
+                f"The batch is sharded over the mesh axes {names} by default, but the "
+                f"mesh has axes {tuple(mesh.axis_names)}; pass batch_axes=... naming "
+                "the axes to split the batch over."
+            )
+        return axes
+    axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
+    for a in axes:
+        _check_axis(mesh, a, "batch_axes")
+    return axes
+
+
+def batch_shardings(
+    batch: Any,
+    mesh: Mesh,
+    *,
+    batch_axes: str | Sequence[str] | None = None,
+    fsdp_axis: str | None = "fsdp",
+) -> Any:
+    """Shardings that split every array leaf of `batch` along axis 0 over the
+    batch axes of `mesh`.
+
+    By default the batch is split over `"data"` and `fsdp_axis`, whichever the mesh
+    has: FSDP is data parallelism whose parameters are sharded, so every device
+    gets its own examples.
+
+    **Arguments:**
+
+    - `batch`: a pytree whose array leaves have the batch on axis 0.
+    - `mesh`: a `jax.sharding.Mesh`.
+    - `batch_axes`: mesh axis name(s) to split the batch over; `None` for the
+      default above.
+    - `fsdp_axis`: as for `model_shardings` (only used by the default).
+
+    **Returns:**
+
+    A pytree with the structure of `batch`: a `NamedSharding` at each array leaf,
+    `None` elsewhere.
+
+    **Raises:**
+
+    `ValueError` naming the leaf path, its batch size and the mesh axes' total
+    size when the batch does not divide, or when a mesh axis is missing.
+    """
+    mesh = _check_mesh(mesh)
+    axes = _batch_axes(mesh, batch_axes, fsdp_axis)
+    size = math.prod(mesh.shape[a] for a in axes)
+    spec = PartitionSpec(axes if len(axes) > 1 else axes[0])
+
+    def one(path: tuple, leaf: Any) -> Any:
+        if not _is_arraylike(leaf):
+            return None
+        if leaf.ndim == 0 or leaf.shape[0] % size:
+            got = "a scalar" if leaf.ndim == 0 else f"batch size {leaf.shape[0]}"
+            raise ValueError(
+                f"Cannot shard `{_name('batch', path)}` with shape "
+                f"{tuple(leaf.shape)} over mesh axes {axes} (total size {size}, "
+                f"{dict((a, mesh.shape[a]) for a in axes)}): it has {got}, and "
+                f"axis 0 must be a multiple of {size}."
+            )
+        return NamedSharding(mesh, spec)
+
+    return jtu.tree_map_with_path(one, batch)
+
+
+def gather_layers(model: Any, mesh: Mesh) -> Any:
+    """`model` with every [`eqxscan.Stacked`][] set to gather the one layer each scan
+    step runs (`layer_sharding` replicated on `mesh`): FSDP's per-layer all-gather
+    inside the loop, rather than XLA gathering activations instead."""
+    mesh = _check_mesh(mesh)
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def one(x: Any) -> Any:
+        if isinstance(x, Stacked):
+            inner = eqx.tree_at(
+                lambda s: s.layers, x, gather_layers(x.layers, mesh), is_leaf=_is_none
+            )
+            return inner.with_options(layer_sharding=replicated)
+        return x
+
+    return jtu.tree_map(one, model, is_leaf=lambda x: isinstance(x, Stacked))
+
+
+def _restructure(opt_state: Any, old: Any, new: Any) -> Any:
+    # Give the params-like subtrees of `opt_state` the (static) structure of `new`.
+    target = _param_structure(old)
+    new_def = jtu.tree_structure(eqx.filter(new, eqx.is_array), is_leaf=_is_placeholder)
+
+    def is_params_like(x: Any) -> bool:
+        return type(x) is type(old) and _param_structure(x) == target
+
+    def one(x: Any) -> Any:
+        if is_params_like(x):
+            return jtu.tree_unflatten(
+                new_def, jtu.tree_leaves(x, is_leaf=_is_placeholder)
+            )
+        return x
+
+    return jtu.tree_map(
+        one, opt_state, is_leaf=lambda x: _is_placeholder(x) or is_params_like(x)
+    )
+
+
+def shard(
+    model: Any,
+    opt_state: Any = None,
+    batch: Any = None,
+    *,
+    mesh: Mesh,
+    fsdp_axis: str | None = "fsdp",
+    batch_axes: str | Sequence[str] | None = None,
+    min_size: int = MIN_SIZE,
+) -> tuple[Any, Any, Any]:
+    """Place a model, its optimizer state and a batch on `mesh` in one call.
+
+    Parameters get [`eqxscan.sharding.model_shardings`][], the optimizer state
+    [`eqxscan.sharding.opt_state_shardings`][] and the batch
+    [`eqxscan.sharding.batch_shardings`][]. With `fsdp_axis` set, every `Stacked`
+    also gets `layer_sharding` replicated (see
+    [`eqxscan.sharding.gather_layers`][]), so that each scan step all-gathers just
+    the layer it runs; the per-parameter buffers of `opt_state` get the matching
+    structure, so `optimizer.update` accepts the new model's gradients.
+
+    Outside `jit` this moves the arrays (`jax.device_put`); inside `jit` it
+    constrains them (`jax.lax.with_sharding_constraint`), so the same call pins the
+    layout of the updated model and state at the end of a training step.
+
+    **Arguments:**
+
+    - `model`: any pytree, usually an `eqx.Module` containing `Stacked`s.
+    - `opt_state`: the optimizer state for `model`'s parameters, or `None`.
+    - `batch`: a pytree with the batch on axis 0 of every array leaf, or `None`.
+    - `mesh`: a `jax.sharding.Mesh`, e.g. from [`eqxscan.sharding.make_mesh`][].
+    - `fsdp_axis`, `min_size`: as for `model_shardings`.
+    - `batch_axes`: as for `batch_shardings`.
+
+    **Returns:**
+
+    `(model, opt_state, batch)`, placed (`None` stays `None`).
+
+    **Raises:**
+
+    `ValueError` naming the leaf path, its shape and the mesh axis size when an
+    axis does not divide, or naming the missing mesh axis.
+    """
+    mesh = _check_mesh(mesh)
+    shardings = model_shardings(model, mesh, fsdp_axis=fsdp_axis, min_size=min_size)
+    if opt_state is not None:
+        opt_sh = opt_state_shardings(
+            opt_state, model, mesh, fsdp_axis=fsdp_axis, min_size=min_size
+        )
+    if batch is not None:
+        batch = constrain(
+            batch,
+            batch_shardings(batch, mesh, batch_axes=batch_axes, fsdp_axis=fsdp_axis),
+        )
+    new = constrain(model, shardings)
+    if fsdp_axis is not None:
+        new = gather_layers(new, mesh)
+    if opt_state is not None:
+        opt_state = _restructure(constrain(opt_state, opt_sh), model, new)
+    return new, opt_state, batch

@@ -1,0 +1,17 @@
+"""Data-parallel, FSDP and pipeline sharding of models built from
+[`eqxscan.Stacked`][] layers.
+
+Built on JAX's own sharding (`Mesh`, `NamedSharding`, `jit`); see `docs/sharding.md`.
+"""
+
+from ._constrain import constrain as constrain
+from ._pipeline import pipeline as pipeline
+from ._sharding import (
+    batch_shardings as batch_shardings,
+    gather_layers as gather_layers,
+    make_mesh as make_mesh,
+    MIN_SIZE as MIN_SIZE,
+    model_shardings as model_shardings,
+    opt_state_shardings as opt_state_shardings,
+    shard as shard,
+)
