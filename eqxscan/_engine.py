@@ -185,6 +185,20 @@ def _run_loop(
     return carry, _stack(ys)
 
 
+def _block_size(length: int) -> int:
+    """Steps per block of the nested scan: a divisor of `length` near its square
+    root when there is one (reshaping `[L, ...]` to `[L/b, b, ...]` is free, while
+    splitting off a remainder copies the stacked weights), else `ceil(sqrt(L))`."""
+    if length <= 1:
+        return 1
+    root = math.sqrt(length)
+    divisors = [d for d in range(1, length + 1) if length % d == 0]
+    best = min(divisors, key=lambda d: (d + length // d, -d))
+    if best + length // best <= 3 * root:
+        return best
+    return math.isqrt(length - 1) + 1
+
+
 def _nested_scan(
     body: Callable, carry: Any, xs: Any, length: int, unroll: Any, reverse: bool
 ) -> tuple[Any, Any]:
@@ -194,7 +208,7 @@ def _nested_scan(
     if reverse:
         carry, ys = _nested_scan(body, carry, _flip(xs), length, unroll, False)
         return carry, _flip(ys)
-    inner = max(1, math.isqrt(length - 1) + 1) if length > 1 else 1
+    inner = _block_size(length)
     outer, rest = divmod(length, inner)
     step = _remat(body, "auto", in_scan=True)
 
