@@ -221,6 +221,7 @@ def _call_group(
             group.mode,
             group.checkpoint,
             group.unroll,
+            group.layer_sharding,
         )
     x, ys = group._run(x, args, kwargs, None, collect, keys=group_keys)
     if span.period > 1 and ys is not None:

@@ -116,7 +116,12 @@ def _walk(
 
         layers = _walk(node.layers, inner, depths + (node.num_layers,), record, stacks)
         return type(node)._build(
-            layers, node.num_layers, node.mode, node.checkpoint, node.unroll
+            layers,
+            node.num_layers,
+            node.mode,
+            node.checkpoint,
+            node.unroll,
+            node.layer_sharding,
         )
     children, treedef = jtu.tree_flatten_with_path(
         node, is_leaf=lambda x: x is not node
