@@ -269,6 +269,7 @@ class Recurrent(eqx.Module):
         cell = self.cell
         name = type(cell).__name__
         where_all = f"The cell {name} (one body for all {length} time steps)"
+        where_masked = where_all if self.mode == "scan" else f"The cell {name}"
 
         def step(h: Any, inputs: tuple) -> tuple[Any, Any]:
             x_dyn, m, n, step_key = inputs
@@ -280,9 +281,10 @@ class Recurrent(eqx.Module):
                 )
             x = eqx.combine(x_dyn, xs_static)
             new = cell(x, h) if step_key is None else cell(x, h, key=step_key)
-            # Check before `jnp.where` can broadcast a wrong shape into the carry.
-            check_carry(h, new, where_all)
             if m is not None:
+                # Check before `jnp.where` can broadcast a wrong shape into the
+                # carry (without a mask the engine checks, naming the step).
+                check_carry(h, new, where_masked)
                 new = jtu.tree_map(lambda a, b: jnp.where(m, a, b), new, h)
             return new, new
 
