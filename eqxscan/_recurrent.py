@@ -127,6 +127,11 @@ def _time_length(xs: Any) -> int:
             "leading time axis (shape (T, ...))."
         )
     length = first.shape[0]
+    if length == 0:
+        raise ValueError(
+            f"xs{jtu.keystr(path)} has shape {tuple(first.shape)}: a time axis of "
+            "length 0. A sequence needs at least one step; pad and mask empty ones."
+        )
     check_leading_axis(xs, length, "xs", f"time axis (set by xs{jtu.keystr(path)})")
     return length
 

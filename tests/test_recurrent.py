@@ -36,6 +36,13 @@ def make_h0(name, key, dtype=jnp.float32):
     return (h, jr.normal(k2, (HID,), dtype)) if name == "lstm" else h
 
 
+class NoisyCell(eqx.Module):
+    inner: eqxscan.ElmanCell
+
+    def __call__(self, x, h, *, key):
+        return self.inner(x, h) + 0.1 * jr.normal(key, h.shape)
+
+
 def python_loop(cell, h0, xs, *, reverse=False, mask=None, truncate=None, keys=None):
     """The reference: a plain Python loop over time, no eqxscan machinery."""
     hs = [None] * len(xs)
@@ -115,11 +122,17 @@ def test_matches_handwritten_lax_scan(name, getkey):
     ids=str,
 )
 def test_options_give_same_values_and_grads(options, getkey):
-    cell, h0 = make_cell("gru", getkey()), make_h0("gru", getkey())
-    xs = jr.normal(getkey(), (T, IN))
+    # Every option combined with mask, truncate and per-step keys.
+    cell, h0 = NoisyCell(make_cell("gru", getkey())), make_h0("gru", getkey())
+    xs, key = jr.normal(getkey(), (T, IN)), getkey()
+    mask = jnp.array([True, False, True, True, True, False, True])
     reverse = options.get("reverse", False)
-    run = lambda c, h, x: eqxscan.Recurrent(c, **options)(h, x)
-    ref = lambda c, h, x: python_loop(c, h, x, reverse=reverse)
+    run = lambda c, h, x: eqxscan.Recurrent(c, **options)(
+        h, x, mask=mask, truncate=3, key=key
+    )
+    ref = lambda c, h, x: python_loop(
+        c, h, x, reverse=reverse, mask=mask, truncate=3, keys=jr.split(key, T)
+    )
     assert tree_allclose(run(cell, h0, xs), ref(cell, h0, xs))
     assert tree_allclose(grads(run, cell, h0, xs), grads(ref, cell, h0, xs))
 
@@ -301,13 +314,6 @@ def test_truncate_cuts_the_carry_gradient(getkey):
 # ---------------------------------------------------------------------- keys
 
 
-class NoisyCell(eqx.Module):
-    inner: eqxscan.ElmanCell
-
-    def __call__(self, x, h, *, key):
-        return self.inner(x, h) + 0.1 * jr.normal(key, h.shape)
-
-
 def test_keys_per_step(getkey):
     cell, h0 = NoisyCell(make_cell("elman", getkey())), make_h0("elman", getkey())
     xs, key = jr.normal(getkey(), (T, IN)), getkey()
@@ -460,6 +466,8 @@ def test_error_xs_time_axes_differ(getkey):
         rnn(jnp.zeros(HID), {"a": jnp.float32(1)})
     with pytest.raises(ValueError, match="no array leaves"):
         rnn(jnp.zeros(HID), {"a": None})
+    with pytest.raises(ValueError, match=r"xs has shape \(0, 4\).*length 0"):
+        rnn(jnp.zeros(HID), jnp.ones((0, HID)))
 
 
 def test_error_bad_mask(getkey):
