@@ -146,8 +146,8 @@ def _check_mask(mask: Any, length: int) -> Array:
         raise ValueError(
             f"mask must be a boolean array of shape ({length},) (one entry per time "
             f"step of xs), got {jnp.dtype(mask.dtype).name}{list(mask.shape)}. "
-            "Under jax.vmap pass one row per example, e.g. `lengths[:, None] > "
-            "jnp.arange(T)`."
+            "For a batch, build `mask = jnp.arange(T)[None, :] < lengths[:, None]` "
+            "and map over it: `jax.vmap(rnn)(h0, xs, mask=mask)`."
         )
     return jnp.asarray(mask)
 
