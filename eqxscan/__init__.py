@@ -5,6 +5,11 @@ from ._chain import Chain as Chain, Period as Period, Span as Span
 from ._engine import AUTO_POLICY as AUTO_POLICY
 from ._flax import from_flax_scan as from_flax_scan
 from ._mlp import MLPBlock as MLPBlock, rms_norm as rms_norm, StackedMLP as StackedMLP
+from ._recurrent import (
+    Bidirectional as Bidirectional,
+    ElmanCell as ElmanCell,
+    Recurrent as Recurrent,
+)
 from ._serialise import load as load, load_state_dict as load_state_dict, save as save
 from ._stacked import per_layer as per_layer, PerLayer as PerLayer, Stacked as Stacked
 from ._state_dict import (

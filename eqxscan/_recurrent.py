@@ -1,0 +1,399 @@
+"""`Recurrent` runs a cell over time; also `Bidirectional` and `ElmanCell`."""
+
+import math
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import jax.tree_util as jtu
+from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, PyTree
+
+from ._checks import check_callable, check_carry, check_leading_axis, check_option
+from ._engine import check_options, run
+
+
+class ElmanCell(eqx.Module):
+    """The Elman (vanilla) recurrent cell, `h' = tanh(W x + U h + b)`.
+
+    Follows the `eqx.nn.GRUCell` conventions: `cell(x, h) -> h'` on one time
+    step of one example (batch with `jax.vmap`, run over time with
+    [`eqxscan.Recurrent`][]), weights and bias drawn from
+    `U(-1/sqrt(hidden_size), 1/sqrt(hidden_size))`.
+
+    !!! example
+
+        ```python
+        import jax, jax.numpy as jnp, eqxscan
+
+        cell = eqxscan.ElmanCell(3, 8, key=jax.random.key(0))
+        h = cell(jnp.ones(3), jnp.zeros(8))
+        assert h.shape == (8,)
+        ```
+    """
+
+    weight_ih: Array
+    weight_hh: Array
+    bias: Array | None
+    input_size: int = eqx.field(static=True)
+    hidden_size: int = eqx.field(static=True)
+    use_bias: bool = eqx.field(static=True)
+
+    def __init__(
+        self,
+        input_size: int,
+        hidden_size: int,
+        use_bias: bool = True,
+        dtype: Any = None,
+        *,
+        key: PRNGKeyArray,
+    ):
+        """**Arguments:**
+
+        - `input_size`: size of the input `x` at one time step.
+        - `hidden_size`: size of the hidden state `h`.
+        - `use_bias`: whether to add the bias `b`.
+        - `dtype`: dtype of the weights; defaults to float32 (float64 when JAX's
+          64-bit mode is on), as for `eqx.nn` layers.
+        - `key`: a JAX PRNG key for the initialisation.
+        """
+        if dtype is None:
+            dtype = jax.dtypes.canonicalize_dtype(jnp.float64)
+        ikey, hkey, bkey = jr.split(key, 3)
+        lim = 1 / math.sqrt(hidden_size)
+        init = lambda k, shape: jr.uniform(k, shape, dtype, -lim, lim)
+        self.weight_ih = init(ikey, (hidden_size, input_size))
+        self.weight_hh = init(hkey, (hidden_size, hidden_size))
+        self.bias = init(bkey, (hidden_size,)) if use_bias else None
+        self.input_size = input_size
+        self.hidden_size = hidden_size
+        self.use_bias = use_bias
+
+    def __call__(
+        self,
+        input: Float[Array, " input_size"],
+        hidden: Float[Array, " hidden_size"],
+        *,
+        key: PRNGKeyArray | None = None,
+    ) -> Float[Array, " hidden_size"]:
+        """**Arguments:**
+
+        - `input`: the input at this time step, shape `(input_size,)`.
+        - `hidden`: the previous hidden state, shape `(hidden_size,)`.
+        - `key`: ignored; accepted for compatibility with the `eqx.nn` cells.
+
+        **Returns:**
+
+        The next hidden state, shape `(hidden_size,)`.
+        """
+        pre = self.weight_ih @ input + self.weight_hh @ hidden
+        if self.bias is not None:
+            pre = pre + self.bias
+        return jnp.tanh(pre)
+
+
+def _check_truncate(truncate: Any) -> int | None:
+    if truncate is None:
+        return None
+    if isinstance(truncate, bool):
+        raise TypeError(f"truncate must be a positive int or None, got {truncate!r}.")
+    try:
+        k = operator.index(truncate)
+    except TypeError:
+        raise TypeError(
+            "truncate must be a positive int (the number of steps per truncated "
+            f"BPTT block) or None, got {type(truncate).__name__} ({truncate!r})."
+        ) from None
+    if k < 1:
+        raise ValueError(f"truncate must be >= 1, got {k}.")
+    return k
+
+
+def _time_length(xs: Any) -> int:
+    leaves = jtu.tree_leaves_with_path(xs)
+    arrays = [(p, a) for p, a in leaves if eqx.is_array(a)]
+    if not arrays:
+        raise ValueError(
+            "xs has no array leaves, so it has no time axis. Pass the inputs with "
+            "time on axis 0, e.g. an array of shape (T, input_size)."
+        )
+    path, first = arrays[0]
+    if first.ndim == 0:
+        raise ValueError(
+            f"xs{jtu.keystr(path)} is a scalar, but every array in xs needs a "
+            "leading time axis (shape (T, ...))."
+        )
+    length = first.shape[0]
+    if length == 0:
+        raise ValueError(
+            f"xs{jtu.keystr(path)} has shape {tuple(first.shape)}: a time axis of "
+            "length 0. A sequence needs at least one step; pad and mask empty ones."
+        )
+    check_leading_axis(xs, length, "xs", f"time axis (set by xs{jtu.keystr(path)})")
+    return length
+
+
+def _check_mask(mask: Any, length: int) -> Array:
+    if not eqx.is_array(mask):
+        raise TypeError(
+            f"mask must be a boolean array of shape ({length},), got "
+            f"{type(mask).__name__}."
+        )
+    if mask.dtype != jnp.bool_ or mask.shape != (length,):
+        raise ValueError(
+            f"mask must be a boolean array of shape ({length},) (one entry per time "
+            f"step of xs), got {jnp.dtype(mask.dtype).name}{list(mask.shape)}. "
+            "For a batch, build `mask = jnp.arange(T)[None, :] < lengths[:, None]` "
+            "and map over it: `jax.vmap(rnn)(h0, xs, mask=mask)`."
+        )
+    return jnp.asarray(mask)
+
+
+class Recurrent(eqx.Module):
+    """Run a recurrent cell over the time axis of a sequence with `jax.lax.scan`.
+
+    `cell(x_t, h) -> h` is the `eqx.nn.GRUCell` / `eqx.nn.LSTMCell` convention;
+    the carry `h` may be any pytree (LSTM's is `(h, c)`). Batch with
+    `jax.vmap(rnn)`; `jax.grad` through it is backpropagation through time.
+
+    !!! example
+
+        ```python
+        import equinox as eqx, jax, jax.numpy as jnp, eqxscan
+
+        rnn = eqxscan.Recurrent(eqx.nn.GRUCell(3, 8, key=jax.random.key(0)))
+        xs = jnp.ones((20, 3))                      # 20 time steps
+        h_T, hs = rnn(jnp.zeros(8), xs)
+        assert hs.shape == (20, 8) and jnp.allclose(hs[-1], h_T)
+        ```
+    """
+
+    cell: Any
+    reverse: bool = eqx.field(static=True)
+    mode: str = eqx.field(static=True)
+    checkpoint: Any = eqx.field(static=True)
+    unroll: int | bool = eqx.field(static=True)
+
+    def __init__(
+        self,
+        cell: Callable,
+        *,
+        reverse: bool = False,
+        mode: str = "scan",
+        checkpoint: Any = "auto",
+        unroll: int | bool = 1,
+    ):
+        """**Arguments:**
+
+        - `cell`: `cell(x_t, h) -> h`, optionally accepting `key=`. Usually an
+          `eqx.Module` (its weights become part of this module).
+        - `reverse`: consume the sequence last to first. Outputs stay aligned with
+          `xs` either way.
+        - `mode`: `"scan"` (`jax.lax.scan`) or `"loop"` (a Python loop over the
+          time steps: the reference path; identical values, keys and gradients).
+        - `checkpoint`: rematerialisation per time step, as for
+          [`eqxscan.Stacked`][]: `"auto"` (default), `False`, `True`, a
+          `jax.checkpoint_policies` policy, or `"nested"` (saved carries grow like
+          `sqrt(T)`, for long sequences).
+        - `unroll`: passed to `jax.lax.scan`.
+        """
+        check_callable("cell", cell)
+        check_option("reverse", reverse, (False, True))
+        check_options(mode, checkpoint, unroll)
+        self.cell = cell
+        self.reverse = reverse
+        self.mode = mode
+        self.checkpoint = checkpoint
+        self.unroll = unroll
+
+    def with_options(self, **options: Any) -> "Recurrent":
+        """A copy with the same cell and some of `reverse`, `mode`, `checkpoint`,
+        `unroll` changed; options not given are kept."""
+        unknown = set(options) - {"reverse", "mode", "checkpoint", "unroll"}
+        if unknown:
+            raise TypeError(
+                f"Recurrent.with_options got unknown options {sorted(unknown)}; "
+                "expected some of reverse, mode, checkpoint, unroll."
+            )
+        current = dict(
+            reverse=self.reverse,
+            mode=self.mode,
+            checkpoint=self.checkpoint,
+            unroll=self.unroll,
+        )
+        return Recurrent(self.cell, **{**current, **options})
+
+    def __call__(
+        self,
+        h0: PyTree,
+        xs: PyTree,
+        *,
+        mask: ArrayLike | None = None,
+        truncate: int | None = None,
+        key: PRNGKeyArray | None = None,
+    ) -> tuple[PyTree, PyTree]:
+        """Run the cell over the `T` steps of `xs`.
+
+        **Arguments:**
+
+        - `h0`: the initial carry, any pytree of arrays. The cell must return a
+          carry of the same structure, shapes and dtypes.
+        - `xs`: the inputs, a pytree whose array leaves all have time on axis 0
+          (length `T`); step `t` passes slice `t` to the cell.
+        - `mask`: optional `bool[T]`. Where `mask[t]` is False the cell's result
+          is discarded and the carry passes through unchanged, so padding a
+          sequence at either end does not change its final state.
+        - `truncate`: optional `k >= 1`, truncated backpropagation through time:
+          counting from the first step consumed, the gradient through the carry
+          is stopped after steps `k, 2k, ...`. Values are unchanged and `T` need
+          not be a multiple of `k`.
+        - `key`: optional PRNG key, split into `T` keys; step `t` calls the cell
+          with `key=keys[t]`. Without it the cell is called without `key`.
+
+        **Returns:**
+
+        `(h_T, hs)`: the final carry, and every step's carry stacked on axis 0
+        and aligned with `xs`, so `hs[t]` is the carry right after consuming
+        `xs[t]` (also with `reverse=True`, where `h_T` equals `hs[0]`).
+        """
+        k = _check_truncate(truncate)
+        xs_dyn, xs_static = eqx.partition(xs, eqx.is_array)
+        length = _time_length(xs)
+        if mask is not None:
+            mask = _check_mask(mask, length)
+        keys = None if key is None else jr.split(key, length)
+        # Position of each step in consumption order, for the truncation blocks.
+        order = None
+        if k is not None:
+            order = jnp.arange(length)
+            if self.reverse:
+                order = length - 1 - order
+        cell = self.cell
+        name = type(cell).__name__
+        where_all = f"The cell {name} (one body for all {length} time steps)"
+        where_masked = where_all if self.mode == "scan" else f"The cell {name}"
+
+        def step(h: Any, inputs: tuple) -> tuple[Any, Any]:
+            x_dyn, m, n, step_key = inputs
+            if n is not None:
+                # Entering a new block: let values through, not gradients.
+                cut = (n > 0) & (n % k == 0)
+                h = jtu.tree_map(
+                    lambda a: jnp.where(cut, jax.lax.stop_gradient(a), a), h
+                )
+            x = eqx.combine(x_dyn, xs_static)
+            new = cell(x, h) if step_key is None else cell(x, h, key=step_key)
+            if m is not None:
+                # Check before `jnp.where` can broadcast a wrong shape into the
+                # carry (without a mask the engine checks, naming the step).
+                check_carry(h, new, where_masked)
+                new = jtu.tree_map(lambda a, b: jnp.where(m, a, b), new, h)
+            return new, new
+
+        def where(i: int | None) -> str:
+            return where_all if i is None else f"The cell {name} at time step {i}"
+
+        return run(
+            step,
+            h0,
+            (xs_dyn, mask, order, keys),
+            length=length,
+            mode=self.mode,
+            checkpoint=self.checkpoint,
+            unroll=self.unroll,
+            reverse=self.reverse,
+            where=where,
+        )
+
+
+def _as_recurrent(rnn: Any, reverse: bool, what: str) -> Recurrent:
+    if isinstance(rnn, Recurrent):
+        if rnn.reverse != reverse:
+            raise ValueError(
+                f"Bidirectional {what} is a Recurrent with reverse={rnn.reverse}, "
+                f"but the {what} direction needs reverse={reverse}. Pass the cell "
+                f"itself, or `rnn.with_options(reverse={reverse})`."
+            )
+        return rnn
+    check_callable(what, rnn)
+    return Recurrent(rnn, reverse=reverse)
+
+
+class Bidirectional(eqx.Module):
+    """A forward and a backward [`eqxscan.Recurrent`][] over the same sequence.
+
+    Returns both directions as a pair rather than concatenating them, because
+    carries may be pytrees (LSTM's `(h, c)`); for array carries,
+    `jnp.concatenate(hs, axis=-1)` gives the usual `(T, H_fwd + H_bwd)` features.
+    Both outputs are aligned with `xs`: at step `t`, `hs[0][t]` has read
+    `xs[:t+1]` and `hs[1][t]` has read `xs[t:]`.
+
+    With a `mask`, masked steps pass the carry through in both directions, so for
+    a sequence padded at the end the backward direction starts at the sequence's
+    true last step, exactly as on the unpadded sequence.
+
+    !!! example
+
+        ```python
+        import jax, jax.numpy as jnp, eqxscan
+
+        k1, k2 = jax.random.split(jax.random.key(0))
+        bi = eqxscan.Bidirectional(
+            eqxscan.ElmanCell(3, 8, key=k1), eqxscan.ElmanCell(3, 8, key=k2)
+        )
+        xs = jnp.ones((5, 3))
+        (h_fwd, h_bwd), (hs_fwd, hs_bwd) = bi((jnp.zeros(8), jnp.zeros(8)), xs)
+        features = jnp.concatenate([hs_fwd, hs_bwd], axis=-1)
+        assert features.shape == (5, 16)
+        assert jnp.allclose(h_bwd, hs_bwd[0])       # backward ends at t = 0
+        ```
+    """
+
+    forward: Recurrent
+    backward: Recurrent
+
+    def __init__(self, forward: Any, backward: Any):
+        """**Arguments:**
+
+        - `forward`: a cell (wrapped in `Recurrent(cell)`) or a `Recurrent` with
+          `reverse=False`.
+        - `backward`: a cell (wrapped in `Recurrent(cell, reverse=True)`) or a
+          `Recurrent` with `reverse=True`.
+        """
+        self.forward = _as_recurrent(forward, False, "forward")
+        self.backward = _as_recurrent(backward, True, "backward")
+
+    def __call__(
+        self,
+        h0: PyTree,
+        xs: PyTree,
+        *,
+        mask: ArrayLike | None = None,
+        truncate: int | None = None,
+        key: PRNGKeyArray | None = None,
+    ) -> tuple[tuple[PyTree, PyTree], tuple[PyTree, PyTree]]:
+        """**Arguments:**
+
+        - `h0`: `(h0_forward, h0_backward)`.
+        - `xs`, `mask`, `truncate`: as for [`eqxscan.Recurrent`][], applied to
+          both directions.
+        - `key`: optional; split in two, one per direction.
+
+        **Returns:**
+
+        `((h_T_forward, h_T_backward), (hs_forward, hs_backward))`. The backward
+        final carry is the one after consuming `xs[0]`.
+        """
+        if not (isinstance(h0, (tuple, list)) and len(h0) == 2):
+            raise TypeError(
+                "Bidirectional expects h0 = (h0_forward, h0_backward), got "
+                f"{type(h0).__name__}"
+                + (f" of length {len(h0)}." if isinstance(h0, (tuple, list)) else ".")
+            )
+        kf, kb = (None, None) if key is None else jr.split(key)
+        hf, hs_f = self.forward(h0[0], xs, mask=mask, truncate=truncate, key=kf)
+        hb, hs_b = self.backward(h0[1], xs, mask=mask, truncate=truncate, key=kb)
+        return (hf, hb), (hs_f, hs_b)
