@@ -204,10 +204,14 @@ def test_tiny_end_to_end_run(tmp_path, capsys):
 
 
 def test_bfloat16_problem():
+    # Every implementation keeps bfloat16 parameters (and so gradients) end to end.
     model, x, y = make_problem(2, 8, 1, 2, "bfloat16")
     assert model.dtype == jnp.bfloat16 and x.dtype == jnp.bfloat16
     for impl in IMPLS.values():
         if impl.available():
             built = impl.build(model)
-            loss = jax.jit(built.loss)(built.params, x, y)
-            assert loss.dtype == jnp.float32 and bool(jnp.isfinite(loss))
+            step = jax.value_and_grad(built.loss)
+            loss, grads = jax.eval_shape(step, built.params, x, y)
+            assert loss.dtype == jnp.float32, impl.name
+            dtypes = {g.dtype for g in jax.tree.leaves(grads)}
+            assert dtypes == {jnp.dtype(jnp.bfloat16)}, (impl.name, dtypes)

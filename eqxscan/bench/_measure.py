@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,11 +41,27 @@ def make_problem(
     num_layers: int, dim: int, batch: int, seq: int, dtype: str, seed: int = 0
 ) -> tuple[StackedMLP, jax.Array, jax.Array]:
     """The model and one batch `(x, y)`, identical for every implementation."""
-    kmodel, kx, ky = jax.random.split(jax.random.key(seed), 3)
     dt = DTYPES[dtype]
-    model = StackedMLP(dim, num_layers, key=kmodel, dtype=dt)
-    x = jax.random.normal(kx, (batch, seq, dim)).astype(dt)
-    y = jax.random.normal(ky, (batch, seq, dim)).astype(dt)
+    # The layout comes from `StackedMLP` itself (traced, not run); the values from
+    # NumPy, which is much faster than compiling JAX's initialisers at every size.
+    shapes = eqx.filter_eval_shape(
+        StackedMLP, dim, num_layers, key=jax.random.key(0), dtype=dt
+    )
+    rng = np.random.default_rng(seed)
+
+    def init(leaf: Any) -> Any:
+        if not isinstance(leaf, jax.ShapeDtypeStruct):
+            return leaf
+        # Fan-in scaling for the weights, ones for the norm scales.
+        if len(leaf.shape) == 3:
+            values = rng.standard_normal(leaf.shape) / np.sqrt(leaf.shape[1])
+        else:
+            values = np.ones(leaf.shape)
+        return jnp.asarray(values, dt)
+
+    model = jax.tree.map(init, shapes)
+    x = jnp.asarray(rng.standard_normal((batch, seq, dim)), dt)
+    y = jnp.asarray(rng.standard_normal((batch, seq, dim)), dt)
     return model, x, y
 
 
