@@ -145,6 +145,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _machine() -> dict[str, Any]:
     import os
 
@@ -154,7 +164,7 @@ def _machine() -> dict[str, Any]:
     device = jax.devices()[0]
     info = {
         "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
+        "processor": _cpu_name(),
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
         "jax": jax.__version__,
@@ -168,7 +178,8 @@ def _machine() -> dict[str, Any]:
     except ImportError:
         pass
     info["summary"] = (
-        f"{info['device']}, {info['cpu_count']} CPU cores, jax {info['jax']}, "
+        f"{info['device']} ({info['processor']}, {info['cpu_count']} cores), "
+        f"jax {info['jax']}, "
         f"equinox {info['equinox']}"
         + (f", flax {info['flax']}" if "flax" in info else "")
     )

@@ -22,7 +22,7 @@ from ._impls import Impl, IMPLS, LOOP
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 TOLERANCE = 1e-5
-WARMUP = 2
+WARMUP = 1
 
 
 class MismatchError(RuntimeError):

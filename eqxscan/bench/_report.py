@@ -235,16 +235,27 @@ def plots(results: dict[str, Any], out: Path) -> list[Path]:
     written = []
     for filename, (ylabel, data) in series.items():
         fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=80)
-        for name in results["impls"]:
+        colors = plt.get_cmap("tab20")
+        for i, name in enumerate(results["impls"]):
             points = sorted((L, v[name]) for L, v in data.items() if name in v)
             if not points:
                 continue
             xs, ys = zip(*points)
-            style = "-" if name.startswith("eqxscan") else "--"
-            width = 2.5 if name == "eqxscan" else 1.2
-            ax.plot(xs, ys, style, marker="o", markersize=3, lw=width, label=name)
+            ax.plot(
+                xs,
+                ys,
+                "-" if name.startswith("eqxscan") else "--",
+                color=colors(i % 20),
+                marker="o",
+                markersize=3,
+                lw=2.5 if name == "eqxscan" else 1.2,
+                label=name,
+            )
+        depths = sorted(data)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        ax.set_xticks(depths, [str(L) for L in depths])
+        ax.minorticks_off()
         ax.set_xlabel("layers L")
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
