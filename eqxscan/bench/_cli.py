@@ -155,6 +155,16 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _load_average() -> list[float] | None:
+    # Other processes on the machine skew the seconds (not so much the ratios).
+    try:
+        import os
+
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
 def _machine() -> dict[str, Any]:
     import os
 
@@ -170,6 +180,7 @@ def _machine() -> dict[str, Any]:
         "jax": jax.__version__,
         "equinox": equinox.__version__,
         "device": f"{device.platform}:{device.device_kind}",
+        "load_average_start": _load_average(),
     }
     try:
         import flax
@@ -264,6 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 tqdm.write(str(e), file=sys.stderr)
             save()
 
+    results["machine"]["load_average_end"] = _load_average()
     results["targets"] = _report.targets(results)
     save()
     text = _report.markdown(results)

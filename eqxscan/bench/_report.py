@@ -176,7 +176,9 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         f"StackedMLP train step (`value_and_grad` of an MSE loss), D={cfg['dim']}, "
         f"batch {cfg['batch']} x seq {cfg['seq']}, {cfg['dtype']}; step times are "
-        f"medians of {cfg['repeats']} interleaved runs. Machine: {m['summary']}.",
+        f"medians of {cfg['repeats']} interleaved runs. Machine: {m['summary']}; "
+        f"load average (1/5/15 min) {m.get('load_average_start')} at the start, "
+        f"{m.get('load_average_end')} at the end.",
         "",
         "GFLOP/s counts model FLOPs only: 2*N*D*4D*2 per layer forward, x3 for "
         "forward + backward (recomputation by rematerialisation is not counted).",
