@@ -122,9 +122,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for name, value in preset.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    args.skipped = []
     if args.impls is None:
         names = QUICK_IMPLS if args.quick else IMPLS
         args.impls = [name for name in names if IMPLS[name].available()]
+        args.skipped = [name for name in names if not IMPLS[name].available()]
     else:
         unknown = [n for n in args.impls if n not in IMPLS]
         if unknown:
@@ -206,6 +208,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ._measure import check_agreement, MismatchError, model_flops
     from ._worker import run_worker, WorkerError
 
+    if args.skipped:
+        print(
+            f"Skipping {', '.join(args.skipped)}: their libraries are not installed "
+            "(`pip install 'eqxscan[bench]'` adds them).",
+            file=sys.stderr,
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     shape = dict(dim=args.dim, batch=args.batch, seq=args.seq)
     results: dict[str, Any] = {
