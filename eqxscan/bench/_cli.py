@@ -217,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     shape = dict(dim=args.dim, batch=args.batch, seq=args.seq)
     results: dict[str, Any] = {
-        "command": "python -m eqxscan.bench " + shlex.join(argv),
+        "command": ("python -m eqxscan.bench " + shlex.join(argv)).strip(),
         "config": {
             "layers": args.layers,
             **shape,
