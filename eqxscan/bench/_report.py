@@ -11,6 +11,8 @@ from ._impls import LOOP, RECIPE
 MiB = 2**20
 #: Depths from which the step-time targets apply.
 TARGET_MIN_LAYERS = 16
+#: The (dim, batch, seq, dtype) the targets were set for.
+DEFAULT_SIZE = (256, 8, 64, "float32")
 
 
 def _median_steps(results: dict[str, Any]) -> dict[int, dict[str, float]]:
@@ -190,7 +192,14 @@ def markdown(results: dict[str, Any]) -> str:
         "",
     ]
     body = table(results)
-    tail = ["## Targets", "", targets_markdown(targets(results)), ""]
+    tail = ["## Targets", ""]
+    if (cfg["dim"], cfg["batch"], cfg["seq"], cfg["dtype"]) != DEFAULT_SIZE:
+        tail += [
+            "The targets were set for the default size (D=256, batch 8, seq 64, "
+            "float32); at this size read them as indications only.",
+            "",
+        ]
+    tail += [targets_markdown(targets(results)), ""]
     if results.get("errors"):
         tail += ["## Failed measurements", ""]
         tail += [f"- {e}" for e in results["errors"]]
