@@ -1,0 +1,298 @@
+"""`python -m eqxscan.bench`: compile time, step time and memory against depth.
+
+Measures `StackedMLP`'s train step (`value_and_grad` of a loss) written with
+eqxscan and with its peers. First every implementation is checked to give the
+unrolled loop's loss and gradients. Then each (implementation, depth) is
+traced, lowered and compiled in a fresh subprocess with the persistent
+compilation cache off, and at each depth one subprocess times all
+implementations interleaved in shuffled order. Results go to `--out` as
+`results.json`, `results.md` and three PNG plots.
+"""
+
+import argparse
+import json
+import platform
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ._impls import IMPLS
+
+
+FULL = {
+    "layers": [4, 16, 64, 256],
+    "dim": 256,
+    "batch": 8,
+    "seq": 64,
+    "repeats": 10,
+}
+#: `--quick`: small enough to finish in under three minutes on two CPU cores. Its
+#: default implementations are the ones the targets name.
+QUICK = {"layers": [4, 16], "dim": 64, "batch": 4, "seq": 16, "repeats": 10}
+QUICK_IMPLS = (
+    "eqxscan",
+    "eqxscan-loop",
+    "eqxscan-nested",
+    "eqx-recipe",
+    "flax-linen",
+    "flax-nnx",
+    "matmul-floor",
+)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive integer, got {text!r}"
+        ) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _layer_list(text: str) -> list[int]:
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated positive integers such as 4,16,64, got {text!r}"
+        ) from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(
+            f"every depth must be a positive integer, got {text!r}"
+        )
+    return sorted(set(values))
+
+
+def _impl_list(text: str) -> list[str]:
+    return [p.strip() for p in text.split(",") if p.strip()]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m eqxscan.bench",
+        description=(
+            "Compile time, step time and memory of a StackedMLP train step against "
+            "depth, for eqxscan's options and for the hand-written Equinox recipe, "
+            "plain JAX, Flax linen and Flax NNX."
+        ),
+    )
+    p.add_argument(
+        "--layers",
+        type=_layer_list,
+        help="comma-separated depths (default 4,16,64,256; --quick: 4,16)",
+    )
+    p.add_argument("--dim", type=_positive_int, help="model width D (default 256)")
+    p.add_argument("--batch", type=_positive_int, help="batch size (default 8)")
+    p.add_argument("--seq", type=_positive_int, help="sequence length (default 64)")
+    p.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], default="float32", help="dtype"
+    )
+    p.add_argument(
+        "--impls",
+        type=_impl_list,
+        help="comma-separated implementations (default: all available): "
+        + ", ".join(IMPLS),
+    )
+    p.add_argument(
+        "--repeats",
+        type=_positive_int,
+        help="timed steps per implementation and depth (default 10)",
+    )
+    p.add_argument("--out", type=Path, default=Path("bench_out"), help="output folder")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="small preset for a fast look: layers 4,16, D=64, batch 4, seq 16, "
+        "and only " + ", ".join(QUICK_IMPLS) + " unless --impls is given",
+    )
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse and validate; explicit arguments override the `--quick` preset."""
+    p = parser()
+    args = p.parse_args(argv)
+    preset = QUICK if args.quick else FULL
+    for name, value in preset.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.skipped = []
+    if args.impls is None:
+        names = QUICK_IMPLS if args.quick else IMPLS
+        args.impls = [name for name in names if IMPLS[name].available()]
+        args.skipped = [name for name in names if not IMPLS[name].available()]
+    else:
+        unknown = [n for n in args.impls if n not in IMPLS]
+        if unknown:
+            p.error(
+                f"unknown implementation(s) {', '.join(unknown)}; valid names are: "
+                + ", ".join(IMPLS)
+            )
+        missing = [n for n in args.impls if not IMPLS[n].available()]
+        if missing:
+            p.error(
+                f"{', '.join(missing)} need(s) the optional dependency "
+                f"{IMPLS[missing[0]].requires!r}; install it with "
+                "`pip install 'eqxscan[bench]'`"
+            )
+        if not args.impls:
+            p.error("--impls names no implementation")
+        args.impls = list(dict.fromkeys(args.impls))
+    return args
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _load_average() -> list[float] | None:
+    # Other processes on the machine skew the seconds (not so much the ratios).
+    try:
+        import os
+
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def _machine() -> dict[str, Any]:
+    import os
+
+    import equinox
+    import jax
+
+    device = jax.devices()[0]
+    info = {
+        "platform": platform.platform(),
+        "processor": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "equinox": equinox.__version__,
+        "device": f"{device.platform}:{device.device_kind}",
+        "load_average_start": _load_average(),
+    }
+    try:
+        import flax
+
+        info["flax"] = flax.__version__
+    except ImportError:
+        pass
+    info["summary"] = (
+        f"{info['device']} ({info['processor']}, {info['cpu_count']} cores), "
+        f"jax {info['jax']}, "
+        f"equinox {info['equinox']}"
+        + (f", flax {info['flax']}" if "flax" in info else "")
+    )
+    return info
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    from tqdm import tqdm
+
+    from . import _report
+    from ._measure import check_agreement, MismatchError, model_flops
+    from ._worker import run_worker, WorkerError
+
+    if args.skipped:
+        print(
+            f"Skipping {', '.join(args.skipped)}: their libraries are not installed "
+            "(`pip install 'eqxscan[bench]'` adds them).",
+            file=sys.stderr,
+        )
+    args.out.mkdir(parents=True, exist_ok=True)
+    shape = dict(dim=args.dim, batch=args.batch, seq=args.seq)
+    results: dict[str, Any] = {
+        "command": ("python -m eqxscan.bench " + shlex.join(argv)).strip(),
+        "config": {
+            "layers": args.layers,
+            **shape,
+            "dtype": args.dtype,
+            "repeats": args.repeats,
+            "impls": args.impls,
+        },
+        "machine": _machine(),
+        "impls": {n: IMPLS[n].description for n in args.impls},
+        "flops_per_step": {
+            str(L): model_flops(L, args.dim, args.batch * args.seq) for L in args.layers
+        },
+        "agreement": {},
+        "compile": [],
+        "steps": {},
+        "errors": [],
+    }
+
+    def save() -> None:
+        (args.out / "results.json").write_text(json.dumps(results, indent=1))
+
+    check_layers = args.layers[0]
+    print(
+        f"Checking that {len(args.impls)} implementations agree "
+        f"(L={check_layers}, D={args.dim}, float32)...",
+        file=sys.stderr,
+    )
+    try:
+        results["agreement"] = check_agreement(
+            [IMPLS[n] for n in args.impls], num_layers=check_layers, **shape
+        )
+    except MismatchError as e:
+        raise SystemExit(f"eqxscan.bench: aborted: {e}") from None
+
+    total = len(args.layers) * (len(args.impls) + args.repeats)
+    with tqdm(total=total, desc="eqxscan.bench", file=sys.stderr) as bar:
+        for layers in args.layers:
+            common = dict(num_layers=layers, **shape, dtype=args.dtype)
+            for name in args.impls:
+                bar.set_postfix_str(f"compile {name} L={layers}")
+                try:
+                    results["compile"].append(
+                        run_worker({"task": "compile", "impl": name, **common})
+                    )
+                except WorkerError as e:
+                    results["errors"].append(str(e).splitlines()[0])
+                    tqdm.write(str(e), file=sys.stderr)
+                bar.update()
+                save()
+            bar.set_postfix_str(f"steps L={layers}")
+            try:
+                results["steps"][str(layers)] = run_worker(
+                    {
+                        "task": "steps",
+                        "impls": args.impls,
+                        **common,
+                        "repeats": args.repeats,
+                    },
+                    on_progress=bar.update,
+                )
+            except WorkerError as e:
+                results["errors"].append(str(e).splitlines()[0])
+                tqdm.write(str(e), file=sys.stderr)
+            save()
+
+    results["machine"]["load_average_end"] = _load_average()
+    results["targets"] = _report.targets(results)
+    save()
+    text = _report.markdown(results)
+    (args.out / "results.md").write_text(text)
+    written = _report.plots(results, args.out)
+    print(text)
+    print(
+        f"Wrote {args.out / 'results.json'}, {args.out / 'results.md'}"
+        + "".join(f", {p}" for p in written),
+        file=sys.stderr,
+    )
+    return 1 if results["errors"] else 0

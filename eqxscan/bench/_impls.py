@@ -1,0 +1,311 @@
+"""The implementations compared by `python -m eqxscan.bench`.
+
+Every implementation computes the same residual MLP stack as `eqxscan.StackedMLP`
+(`x + gelu(rms_norm(x) @ w1) @ w2` per layer) and the same loss, written the way
+its library documents it. Each one is built from a `StackedMLP`'s weights (the
+arrays are shared, not copied) and maps its gradients back to the `StackedMLP`
+layout, so that all of them can be checked against each other before timing.
+"""
+
+import dataclasses
+import importlib.util
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from .._mlp import rms_norm, StackedMLP
+
+
+class Built(NamedTuple):
+    """One implementation, ready to differentiate.
+
+    - `params`: a pytree of arrays (the differentiated argument).
+    - `loss`: `loss(params, x, y) -> scalar`; the train step is
+      `jax.value_and_grad(loss)`.
+    - `to_mlp`: maps a gradient of `params` to `(w1, w2, scale)` stacked as in
+      `StackedMLP`; `None` for entries that compute something else on purpose.
+    """
+
+    params: Any
+    loss: Callable[[Any, jax.Array, jax.Array], jax.Array]
+    to_mlp: Callable[[Any], tuple[jax.Array, jax.Array, jax.Array]] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Impl:
+    """A named way of running the stack. `requires` names an optional import."""
+
+    name: str
+    description: str
+    build: Callable[[StackedMLP], Built]
+    requires: str | None = None
+
+    def available(self) -> bool:
+        return self.requires is None or (
+            importlib.util.find_spec(self.requires) is not None
+        )
+
+
+def mse(out: jax.Array, y: jax.Array) -> jax.Array:
+    """The loss of every implementation, reduced in float32."""
+    diff = out.astype(jnp.float32) - y.astype(jnp.float32)
+    return jnp.mean(diff * diff)
+
+
+def stacked_arrays(model: StackedMLP) -> tuple[jax.Array, jax.Array, jax.Array]:
+    layers = model.blocks.layers
+    return layers.w1, layers.w2, layers.scale
+
+
+def _block(w1: jax.Array, w2: jax.Array, scale: jax.Array, x: jax.Array) -> jax.Array:
+    return x + jax.nn.gelu(rms_norm(scale, x) @ w1) @ w2
+
+
+# eqxscan itself, with its options.
+
+
+def _eqxscan(**options: Any) -> Callable[[StackedMLP], Built]:
+    def build(model: StackedMLP) -> Built:
+        model = eqx.tree_at(
+            lambda m: m.blocks, model, model.blocks.with_options(**options)
+        )
+        params, static = eqx.partition(model, eqx.is_array)
+
+        def loss(params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+            return mse(eqx.combine(params, static)(x), y)
+
+        return Built(params, loss, lambda g: stacked_arrays(g))
+
+    return build
+
+
+# The hand-written Equinox recipe ("scan-over-layers" in Equinox's docs): build the
+# layers with `filter_vmap`, split arrays from the rest with `partition`, and
+# `lax.scan` over the arrays, recombining in the body.
+
+
+class _RecipeBlock(eqx.Module):
+    w1: jax.Array
+    w2: jax.Array
+    scale: jax.Array
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return _block(self.w1, self.w2, self.scale, x)
+
+
+class _RecipeModel(eqx.Module):
+    layers: _RecipeBlock
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dynamic, static = eqx.partition(self.layers, eqx.is_array)
+
+        def f(x: jax.Array, layer_dynamic: Any) -> tuple[jax.Array, None]:
+            layer = eqx.combine(layer_dynamic, static)
+            return layer(x), None
+
+        x, _ = jax.lax.scan(f, x, dynamic)
+        return x
+
+
+def _recipe(model: StackedMLP) -> Built:
+    w1, w2, scale = stacked_arrays(model)
+    # `filter_vmap(make_layer)(keys)` is how the recipe builds the stack; building
+    # from our arrays gives the same layout, so we construct it directly.
+    params = _RecipeModel(_RecipeBlock(w1, w2, scale))
+
+    def loss(params: _RecipeModel, x: jax.Array, y: jax.Array) -> jax.Array:
+        return mse(params(x), y)
+
+    return Built(params, loss, lambda g: (g.layers.w1, g.layers.w2, g.layers.scale))
+
+
+# Plain JAX: a dict of stacked arrays and `lax.scan`.
+
+
+def _plain_jax(model: StackedMLP) -> Built:
+    w1, w2, scale = stacked_arrays(model)
+    params = {"w1": w1, "w2": w2, "scale": scale}
+
+    def loss(params: dict, x: jax.Array, y: jax.Array) -> jax.Array:
+        def body(x: jax.Array, p: dict) -> tuple[jax.Array, None]:
+            return _block(p["w1"], p["w2"], p["scale"], x), None
+
+        x, _ = jax.lax.scan(body, x, params)
+        return mse(x, y)
+
+    return Built(params, loss, lambda g: (g["w1"], g["w2"], g["scale"]))
+
+
+# The floor: exactly the model's matmuls (two per layer forward, their transposes
+# backward) with nothing else, on per-layer arrays in an unrolled loop.
+
+
+def _matmul_floor(model: StackedMLP) -> Built:
+    w1, w2, _ = stacked_arrays(model)
+    params = (list(w1), list(w2))
+
+    def loss(params: tuple, x: jax.Array, y: jax.Array) -> jax.Array:
+        for a, b in zip(*params):
+            x = (x @ a) @ b
+        return mse(x, y)
+
+    return Built(params, loss, None)
+
+
+# Flax linen: `nn.scan` over a block module, parameters stacked on axis 0
+# (`variable_axes={"params": 0}`), one RNG per layer (`split_rngs`).
+
+
+def _flax_linen(model: StackedMLP) -> Built:
+    import flax.linen as nn
+
+    w1, w2, scale = stacked_arrays(model)
+    num_layers, dim = scale.shape
+    dtype = w1.dtype
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x: jax.Array, _: None) -> tuple[jax.Array, None]:
+            s = self.param("scale", nn.initializers.ones, (dim,), dtype)
+            h = rms_norm(s, x)
+            dense = dict(use_bias=False, dtype=dtype, param_dtype=dtype)
+            h = nn.gelu(nn.Dense(4 * dim, **dense)(h))
+            return x + nn.Dense(dim, **dense)(h), None
+
+    class Stack(nn.Module):
+        @nn.compact
+        def __call__(self, x: jax.Array) -> jax.Array:
+            scanned = nn.scan(
+                Block,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                length=num_layers,
+            )
+            x, _ = scanned(name="blocks")(x, None)
+            return x
+
+    net = Stack()
+    variables = {
+        "params": {
+            "blocks": {
+                "Dense_0": {"kernel": w1},
+                "Dense_1": {"kernel": w2},
+                "scale": scale,
+            }
+        }
+    }
+    x0 = jax.ShapeDtypeStruct((1, dim), dtype)
+    _check_same_layout(
+        "flax-linen", jax.eval_shape(net.init, jax.random.key(0), x0), variables
+    )
+
+    def loss(variables: dict, x: jax.Array, y: jax.Array) -> jax.Array:
+        return mse(net.apply(variables, x), y)
+
+    def to_mlp(g: dict) -> tuple[jax.Array, jax.Array, jax.Array]:
+        b = g["params"]["blocks"]
+        return b["Dense_0"]["kernel"], b["Dense_1"]["kernel"], b["scale"]
+
+    return Built(variables, loss, to_mlp)
+
+
+# Flax NNX: the stack is built by a vmapped `__init__` with split RNGs and run by a
+# `nnx.scan`ned `__call__` that carries `x`. The train step uses NNX's functional
+# API (`nnx.split` / `nnx.merge`) so that it is jitted by plain `jax.jit` like the
+# others.
+
+
+def _flax_nnx(model: StackedMLP) -> Built:
+    from flax import nnx
+
+    w1, w2, scale = stacked_arrays(model)
+    num_layers, dim = scale.shape
+    dtype = w1.dtype
+
+    class Blocks(nnx.Module):
+        @nnx.split_rngs(splits=num_layers)
+        @nnx.vmap(in_axes=(0, 0))
+        def __init__(self, rngs: nnx.Rngs):
+            kw = dict(use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
+            self.linear1 = nnx.Linear(dim, 4 * dim, **kw)
+            self.linear2 = nnx.Linear(4 * dim, dim, **kw)
+            self.scale = nnx.Param(jnp.ones(dim, dtype))
+
+        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+        def __call__(self, x: jax.Array) -> jax.Array:
+            h = rms_norm(self.scale[...], x)
+            return x + self.linear2(nnx.gelu(self.linear1(h)))
+
+    blocks = nnx.eval_shape(lambda: Blocks(nnx.Rngs(0)))
+    graphdef, abstract = nnx.split(blocks)
+    state = jax.tree.map(lambda a: a, abstract)
+    state["linear1"]["kernel"] = nnx.Param(w1)
+    state["linear2"]["kernel"] = nnx.Param(w2)
+    state["scale"] = nnx.Param(scale)
+    _check_same_layout("flax-nnx", abstract, state)
+
+    def loss(state: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+        return mse(nnx.merge(graphdef, state)(x), y)
+
+    def to_mlp(g: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return (
+            g["linear1"]["kernel"][...],
+            g["linear2"]["kernel"][...],
+            g["scale"][...],
+        )
+
+    return Built(state, loss, to_mlp)
+
+
+def _check_same_layout(name: str, expected: Any, got: Any) -> None:
+    # Guards the weight conversion against a library renaming its parameters.
+    e = jax.tree_util.tree_flatten_with_path(expected)
+    g = jax.tree_util.tree_flatten_with_path(got)
+    e_desc = [(jax.tree_util.keystr(p), a.shape, a.dtype) for p, a in e[0]]
+    g_desc = [(jax.tree_util.keystr(p), a.shape, a.dtype) for p, a in g[0]]
+    if e_desc != g_desc:
+        raise RuntimeError(
+            f"{name}: the converted weights do not match the library's own "
+            f"parameter layout.\nexpected: {e_desc}\ngot:      {g_desc}"
+        )
+
+
+_POLICIES = jax.checkpoint_policies
+
+#: Every implementation, in table order. The first is eqxscan's default.
+IMPLS: dict[str, Impl] = {
+    impl.name: impl
+    for impl in [
+        Impl("eqxscan", "eqxscan default (checkpoint='auto')", _eqxscan()),
+        Impl("eqxscan-loop", "eqxscan mode='loop' (unrolled)", _eqxscan(mode="loop")),
+        Impl("eqxscan-plain", "eqxscan checkpoint=False", _eqxscan(checkpoint=False)),
+        Impl("eqxscan-remat", "eqxscan checkpoint=True", _eqxscan(checkpoint=True)),
+        Impl(
+            "eqxscan-nested",
+            "eqxscan checkpoint='nested'",
+            _eqxscan(checkpoint="nested"),
+        ),
+        Impl(
+            "eqxscan-dots",
+            "eqxscan checkpoint=dots_saveable",
+            _eqxscan(checkpoint=_POLICIES.dots_saveable),
+        ),
+        Impl(
+            "eqxscan-save-all",
+            "eqxscan checkpoint=everything_saveable",
+            _eqxscan(checkpoint=_POLICIES.everything_saveable),
+        ),
+        Impl("eqx-recipe", "Equinox recipe (filter_vmap+partition+scan)", _recipe),
+        Impl("jax-scan", "plain JAX dict of arrays + lax.scan", _plain_jax),
+        Impl("flax-linen", "Flax linen nn.scan", _flax_linen, requires="flax"),
+        Impl("flax-nnx", "Flax NNX nnx.vmap + nnx.scan", _flax_nnx, requires="flax"),
+        Impl("matmul-floor", "matmuls only, unrolled (lower bound)", _matmul_floor),
+    ]
+}
+
+#: The ratio baselines.
+LOOP = "eqxscan-loop"
+RECIPE = "eqx-recipe"

@@ -1,0 +1,221 @@
+"""What the benchmark measures: agreement, compilation and steady-state steps.
+
+`check_agreement` runs in the calling process. `measure_compile` and
+`measure_steps` are meant to run in fresh subprocesses (see `_worker.py`), so
+that nothing compiled earlier is reused.
+"""
+
+import gc
+import random
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._mlp import StackedMLP
+from ._impls import Impl, IMPLS, LOOP
+
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+TOLERANCE = 1e-5
+WARMUP = 1
+
+
+class MismatchError(RuntimeError):
+    """Two implementations disagree on the loss or the gradients."""
+
+
+def model_flops(num_layers: int, dim: int, tokens: int) -> int:
+    """Model FLOPs of one train step, counted analytically: two matmuls per layer
+    (`[N, D] @ [D, 4D]` and `[N, 4D] @ [4D, D]`, 2*N*D*4D FLOPs each) forward, and
+    three times the forward for forward + backward. Elementwise work and any
+    recomputation by rematerialisation are not counted."""
+    return 3 * num_layers * 2 * (2 * tokens * dim * 4 * dim)
+
+
+def make_problem(
+    num_layers: int, dim: int, batch: int, seq: int, dtype: str, seed: int = 0
+) -> tuple[StackedMLP, jax.Array, jax.Array]:
+    """The model and one batch `(x, y)`, identical for every implementation."""
+    dt = DTYPES[dtype]
+    # The layout comes from `StackedMLP` itself (traced, not run); the values from
+    # NumPy, which is much faster than compiling JAX's initialisers at every size.
+    shapes = eqx.filter_eval_shape(
+        StackedMLP, dim, num_layers, key=jax.random.key(0), dtype=dt
+    )
+    rng = np.random.default_rng(seed)
+
+    def init(leaf: Any) -> Any:
+        if not isinstance(leaf, jax.ShapeDtypeStruct):
+            return leaf
+        # Fan-in scaling for the weights, ones for the norm scales.
+        if len(leaf.shape) == 3:
+            values = rng.standard_normal(leaf.shape) / np.sqrt(leaf.shape[1])
+        else:
+            values = np.ones(leaf.shape)
+        return jnp.asarray(values, dt)
+
+    model = jax.tree.map(init, shapes)
+    x = jnp.asarray(rng.standard_normal((batch, seq, dim)), dt)
+    y = jnp.asarray(rng.standard_normal((batch, seq, dim)), dt)
+    return model, x, y
+
+
+def _rel_err(a: Any, b: Any) -> float:
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
+
+
+def check_agreement(
+    impls: Sequence[Impl],
+    *,
+    num_layers: int,
+    dim: int,
+    batch: int,
+    seq: int,
+    tolerance: float = TOLERANCE,
+) -> dict[str, float]:
+    """Check that every implementation gives the loop's loss and gradients.
+
+    All run in float32 from the same `StackedMLP` weights. The reference is the
+    unrolled loop (`eqxscan-loop`), whether or not it is among `impls`.
+    Implementations without a gradient mapping (the matmul floor) are skipped.
+
+    **Returns:**
+
+    `{name: max relative error over loss and the w1, w2, scale gradients}`.
+
+    **Raises:**
+
+    `MismatchError` naming the implementation, the quantity and both values when
+    an error exceeds `tolerance`.
+    """
+    model, x, y = make_problem(num_layers, dim, batch, seq, "float32")
+    reference = IMPLS[LOOP].build(model)
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(reference.loss))(
+        reference.params, x, y
+    )
+    assert reference.to_mlp is not None
+    ref = {
+        "loss": ref_loss,
+        **dict(zip(("w1", "w2", "scale"), reference.to_mlp(ref_grads))),
+    }
+    errors = {}
+    for impl in impls:
+        try:
+            built = impl.build(model)
+            if built.to_mlp is None:
+                continue
+            step = jax.jit(jax.value_and_grad(built.loss))
+            loss, grads = step(built.params, x, y)
+        except Exception as e:
+            raise MismatchError(
+                f"{impl.name} ({impl.description}) failed to compute the train "
+                f"step: {type(e).__name__}: {e}"
+            ) from e
+        got = {"loss": loss, **dict(zip(("w1", "w2", "scale"), built.to_mlp(grads)))}
+        worst = 0.0
+        for what, value in got.items():
+            label = what if what == "loss" else f"gradient of {what}"
+            if np.shape(value) != np.shape(ref[what]):
+                raise MismatchError(
+                    f"{impl.name} ({impl.description}) gives a {label} of shape "
+                    f"{np.shape(value)}, but the unrolled loop gives "
+                    f"{np.shape(ref[what])}."
+                )
+            err = _rel_err(value, ref[what])
+            if not err <= tolerance:
+                raise MismatchError(
+                    f"{impl.name} ({impl.description}) disagrees with the unrolled "
+                    f"loop ({LOOP}) on the {label}: max relative error {err:.3g} > "
+                    f"{tolerance:g} (L={num_layers}, D={dim}, float32; loss "
+                    f"{float(loss):.6g} vs {float(ref_loss):.6g}). Benchmarking "
+                    "implementations that compute different things would be "
+                    "meaningless, so the run stops here."
+                )
+            worst = max(worst, err)
+        errors[impl.name] = worst
+    return errors
+
+
+def measure_compile(
+    name: str, *, num_layers: int, dim: int, batch: int, seq: int, dtype: str
+) -> dict[str, Any]:
+    """Trace, lower and compile one implementation's train step (AOT), separately
+    timed, and read the lowered program size and XLA's memory analysis."""
+    model, x, y = make_problem(num_layers, dim, batch, seq, dtype)
+    built = IMPLS[name].build(model)
+    jax.block_until_ready(built.params)
+    step = jax.jit(jax.value_and_grad(built.loss))
+    t0 = time.perf_counter()
+    traced = step.trace(built.params, x, y)
+    t1 = time.perf_counter()
+    lowered = traced.lower()
+    t2 = time.perf_counter()
+    compiled = lowered.compile()
+    t3 = time.perf_counter()
+    mem = compiled.memory_analysis()
+    return {
+        "impl": name,
+        "layers": num_layers,
+        "trace_s": t1 - t0,
+        "lower_s": t2 - t1,
+        "compile_s": t3 - t2,
+        "total_s": t3 - t0,
+        "hlo_lines": len(lowered.as_text().splitlines()),
+        "temp_bytes": None if mem is None else int(mem.temp_size_in_bytes),
+        "argument_bytes": None if mem is None else int(mem.argument_size_in_bytes),
+        "output_bytes": None if mem is None else int(mem.output_size_in_bytes),
+    }
+
+
+def measure_steps(
+    names: Sequence[str],
+    *,
+    num_layers: int,
+    dim: int,
+    batch: int,
+    seq: int,
+    dtype: str,
+    repeats: int,
+    seed: int = 0,
+    on_round: Callable[[], None] = lambda: None,
+) -> dict[str, list[float]]:
+    """Steady-state train-step times of several implementations in one process.
+
+    Each is compiled and warmed up first; then, `repeats` times, every
+    implementation runs once, in a freshly shuffled order, and is timed to
+    `block_until_ready`. Interleaving spreads the machine's noise evenly, so the
+    ratios between implementations are meaningful even when the seconds are not.
+
+    **Returns:**
+
+    `{name: [seconds per step] * repeats}`.
+    """
+    model, x, y = make_problem(num_layers, dim, batch, seq, dtype)
+    steps = {}
+    for name in names:
+        built = IMPLS[name].build(model)
+        fn = jax.jit(jax.value_and_grad(built.loss)).lower(built.params, x, y)
+        steps[name] = (fn.compile(), built.params)
+    for _ in range(WARMUP):
+        for fn, params in steps.values():
+            jax.block_until_ready(fn(params, x, y))
+    times: dict[str, list[float]] = {name: [] for name in names}
+    order = list(names)
+    rng = random.Random(seed)
+    for _ in range(repeats):
+        rng.shuffle(order)
+        gc.collect()
+        for name in order:
+            fn, params = steps[name]
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(params, x, y))
+            times[name].append(time.perf_counter() - t0)
+        on_round()
+    return times

@@ -1,0 +1,279 @@
+"""Turning measurements into a Markdown table, a target check and PNG plots."""
+
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from ._impls import LOOP, RECIPE
+
+
+MiB = 2**20
+#: Depths from which the step-time targets apply.
+TARGET_MIN_LAYERS = 16
+#: The (dim, batch, seq, dtype) the targets were set for.
+DEFAULT_SIZE = (256, 8, 64, "float32")
+
+
+def _median_steps(results: dict[str, Any]) -> dict[int, dict[str, float]]:
+    return {
+        int(layers): {name: statistics.median(ts) for name, ts in per_impl.items()}
+        for layers, per_impl in results["steps"].items()
+    }
+
+
+def _compile_rows(results: dict[str, Any]) -> dict[int, dict[str, dict[str, Any]]]:
+    rows: dict[int, dict[str, dict[str, Any]]] = {}
+    for row in results["compile"]:
+        rows.setdefault(int(row["layers"]), {})[row["impl"]] = row
+    return rows
+
+
+def _ratio(a: float | int | None, b: float | int | None) -> str:
+    if a is None or b is None or b == 0:
+        return "–"
+    return f"{a / b:.2f}"
+
+
+def _fmt(x: float | int | None, spec: str) -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def table(results: dict[str, Any]) -> str:
+    """One Markdown table per depth: step time, compile time, program size and XLA
+    temp memory of every implementation, with ratios against the unrolled loop
+    and the hand-written Equinox recipe."""
+    steps = _median_steps(results)
+    compiles = _compile_rows(results)
+    flops = {int(k): v for k, v in results["flops_per_step"].items()}
+    out = []
+    for layers in sorted(set(steps) | set(compiles)):
+        st = steps.get(layers, {})
+        co = compiles.get(layers, {})
+        out.append(f"### L = {layers}\n")
+        out.append(
+            "| implementation | step ms | vs loop | vs recipe | GFLOP/s | "
+            "compile s (trace / lower / XLA) | vs loop | vs recipe | "
+            "StableHLO lines | temp MiB | vs loop |"
+        )
+        out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for name in results["impls"]:
+            if name not in st and name not in co:
+                continue
+            s = st.get(name)
+            c = co.get(name, {})
+            total = c.get("total_s")
+            temp = c.get("temp_bytes")
+            parts = (
+                f"{total:.2f} ({c['trace_s']:.2f} / {c['lower_s']:.2f} / "
+                f"{c['compile_s']:.2f})"
+                if total is not None
+                else "–"
+            )
+            gflops = None if s is None else flops[layers] / s / 1e9
+            out.append(
+                f"| {name} | {_fmt(None if s is None else s * 1e3, '.1f')} | "
+                f"{_ratio(s, st.get(LOOP))} | {_ratio(s, st.get(RECIPE))} | "
+                f"{_fmt(gflops, '.1f')} | {parts} | "
+                f"{_ratio(total, co.get(LOOP, {}).get('total_s'))} | "
+                f"{_ratio(total, co.get(RECIPE, {}).get('total_s'))} | "
+                f"{c.get('hlo_lines', '–')} | "
+                f"{_fmt(None if temp is None else temp / MiB, '.1f')} | "
+                f"{_ratio(temp, co.get(LOOP, {}).get('temp_bytes'))} |"
+            )
+        out.append("")
+    return "\n".join(out)
+
+
+def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets, checked against this run. Each entry has `target`,
+    `measured` (text) and `met` (True, False, or None when the run lacks the
+    depths or implementations needed)."""
+    steps = _median_steps(results)
+    compiles = _compile_rows(results)
+    found = []
+
+    def add(target: str, pairs: list[tuple[str, float]], limit: float) -> None:
+        met = None if not pairs else all(v <= limit for _, v in pairs)
+        measured = ", ".join(f"{k}: {v:.2f}" for k, v in pairs) or "not measured"
+        found.append({"target": target, "measured": measured, "met": met})
+
+    deep = [L for L in sorted(steps) if L >= TARGET_MIN_LAYERS]
+    for other, limit in ((LOOP, 1.0), ("flax-linen", 0.6), ("flax-nnx", 0.6)):
+        pairs = [
+            (f"L={L}", steps[L]["eqxscan"] / steps[L][other])
+            for L in deep
+            if "eqxscan" in steps[L] and other in steps[L]
+        ]
+        add(
+            f"eqxscan step <= {limit}x {other} (L >= {TARGET_MIN_LAYERS})",
+            pairs,
+            limit,
+        )
+    pairs = [
+        (f"L={L}", rows["eqxscan"]["total_s"] / rows[RECIPE]["total_s"])
+        for L, rows in sorted(compiles.items())
+        if "eqxscan" in rows and RECIPE in rows
+    ]
+    add(f"eqxscan compile time <= 1.1x {RECIPE}", pairs, 1.1)
+
+    lines = {
+        L: rows["eqxscan"]["hlo_lines"]
+        for L, rows in sorted(compiles.items())
+        if "eqxscan" in rows
+    }
+    if len(lines) >= 2:
+        found.append(
+            {
+                "target": "eqxscan lowered size independent of L",
+                "measured": ", ".join(f"L={L}: {n}" for L, n in lines.items()),
+                "met": len(set(lines.values())) == 1,
+            }
+        )
+    else:
+        found.append(
+            {
+                "target": "eqxscan lowered size independent of L",
+                "measured": "needs two depths",
+                "met": None,
+            }
+        )
+
+    temps = {
+        L: rows["eqxscan-nested"]["temp_bytes"]
+        for L, rows in sorted(compiles.items())
+        if "eqxscan-nested" in rows
+    }
+    if len(temps) >= 2:
+        # temp(L=256)/temp(L=64) <= 2.5 is sqrt(4) = 2 with 25% slack; for other
+        # depths the same slack on sqrt(L_b / L_a) is used.
+        (la, ta), (lb, tb) = sorted(temps.items())[-2:]
+        limit = 1.25 * math.sqrt(lb / la)
+        found.append(
+            {
+                "target": f"'nested' temp(L={lb})/temp(L={la}) <= {limit:.2f} "
+                "(grows like sqrt(L))",
+                "measured": f"{tb / ta:.2f} ({tb / MiB:.1f} / {ta / MiB:.1f} MiB)",
+                "met": tb / ta <= limit,
+            }
+        )
+    return found
+
+
+def targets_markdown(found: list[dict[str, Any]]) -> str:
+    mark = {True: "met", False: "**missed**", None: "not measured"}
+    rows = ["| target | measured | |", "|---|---|---|"]
+    rows += [f"| {t['target']} | {t['measured']} | {mark[t['met']]} |" for t in found]
+    return "\n".join(rows)
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The whole report: configuration, agreement check, tables and targets."""
+    cfg = results["config"]
+    m = results["machine"]
+    head = [
+        "# eqxscan.bench",
+        "",
+        f"`{results['command']}`",
+        "",
+        f"StackedMLP train step (`value_and_grad` of an MSE loss), D={cfg['dim']}, "
+        f"batch {cfg['batch']} x seq {cfg['seq']}, {cfg['dtype']}; step times are "
+        f"medians of {cfg['repeats']} interleaved runs. Machine: {m['summary']}; "
+        f"load average (1/5/15 min) {m.get('load_average_start')} at the start, "
+        f"{m.get('load_average_end')} at the end.",
+        "",
+        "GFLOP/s counts model FLOPs only: 2*N*D*4D*2 per layer forward, x3 for "
+        "forward + backward (recomputation by rematerialisation is not counted).",
+        "",
+        "Agreement with the unrolled loop (float32, max relative error of loss and "
+        "gradients): "
+        + ", ".join(f"{k} {v:.1e}" for k, v in results["agreement"].items())
+        + ".",
+        "",
+    ]
+    body = table(results)
+    tail = ["## Targets", ""]
+    if (cfg["dim"], cfg["batch"], cfg["seq"], cfg["dtype"]) != DEFAULT_SIZE:
+        tail += [
+            "The targets were set for the default size (D=256, batch 8, seq 64, "
+            "float32); at this size read them as indications only.",
+            "",
+        ]
+    tail += [targets_markdown(targets(results)), ""]
+    if results.get("errors"):
+        tail += ["## Failed measurements", ""]
+        tail += [f"- {e}" for e in results["errors"]]
+        tail.append("")
+    return "\n".join(head) + "\n" + body + "\n" + "\n".join(tail)
+
+
+def plots(results: dict[str, Any], out: Path) -> list[Path]:
+    """Compile time, step time and temp memory against depth (log-log), one line
+    per implementation. Returns the written files (none without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    steps = _median_steps(results)
+    compiles = _compile_rows(results)
+    series = {
+        "compile_time.png": (
+            "compile time (trace + lower + XLA), s",
+            {
+                L: {n: r["total_s"] for n, r in rows.items()}
+                for L, rows in compiles.items()
+            },
+        ),
+        "step_time.png": (
+            "train step time (median), ms",
+            {L: {n: t * 1e3 for n, t in per.items()} for L, per in steps.items()},
+        ),
+        "temp_memory.png": (
+            "XLA temp memory, MiB",
+            {
+                L: {
+                    n: r["temp_bytes"] / MiB
+                    for n, r in rows.items()
+                    if r.get("temp_bytes")
+                }
+                for L, rows in compiles.items()
+            },
+        ),
+    }
+    written = []
+    for filename, (ylabel, data) in series.items():
+        fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=80)
+        colors = plt.get_cmap("tab20")
+        for i, name in enumerate(results["impls"]):
+            points = sorted((L, v[name]) for L, v in data.items() if name in v)
+            if not points:
+                continue
+            xs, ys = zip(*points)
+            ax.plot(
+                xs,
+                ys,
+                "-" if name.startswith("eqxscan") else "--",
+                color=colors(i % 20),
+                marker="o",
+                markersize=3,
+                lw=2.5 if name == "eqxscan" else 1.2,
+                label=name,
+            )
+        depths = sorted(data)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(depths, [str(L) for L in depths])
+        ax.minorticks_off()
+        ax.set_xlabel("layers L")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+        fig.tight_layout()
+        path = out / filename
+        fig.savefig(path)
+        plt.close(fig)
+        written.append(path)
+    return written

@@ -1,0 +1,209 @@
+"""`python -m eqxscan.bench`: its correctness check, arguments and a tiny run."""
+
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from eqxscan.bench import _cli, _report
+from eqxscan.bench._impls import Built, Impl, IMPLS
+from eqxscan.bench._measure import (
+    check_agreement,
+    make_problem,
+    MismatchError,
+    model_flops,
+)
+
+
+TINY = dict(dim=8, batch=2, seq=3)
+
+
+def _perturbed(model):
+    # Computes a slightly different function: w1 scaled by 1.001.
+    built = IMPLS["jax-scan"].build(model)
+
+    def loss(params, x, y):
+        return built.loss({**params, "w1": params["w1"] * 1.001}, x, y)
+
+    return Built(built.params, loss, built.to_mlp)
+
+
+def _raises(model):
+    def loss(params, x, y):
+        raise ValueError("this implementation is broken")
+
+    return Built(IMPLS["jax-scan"].build(model).params, loss, lambda g: g)
+
+
+BROKEN = Impl("broken", "w1 scaled by 1.001", _perturbed)
+
+
+def test_every_implementation_matches_the_loop():
+    impls = [impl for impl in IMPLS.values() if impl.available()]
+    errors = check_agreement(impls, num_layers=3, **TINY)
+    compared = {i.name for i in impls if i.name != "matmul-floor"}
+    assert set(errors) == compared
+    assert all(err <= 1e-5 for err in errors.values()), errors
+    assert errors["eqxscan-loop"] == 0.0
+
+
+def test_gradients_map_back_to_the_stacked_layout():
+    # A gradient that is not the loop's must be caught even when the loss agrees:
+    # swap two layers' w1 in the mapping back.
+    def swapped(model):
+        built = IMPLS["jax-scan"].build(model)
+
+        def to_mlp(g):
+            w1, w2, scale = built.to_mlp(g)
+            return w1[::-1], w2, scale
+
+        return Built(built.params, built.loss, to_mlp)
+
+    with pytest.raises(MismatchError, match="gradient of w1"):
+        check_agreement(
+            [Impl("swapped", "layers swapped", swapped)], num_layers=2, **TINY
+        )
+
+
+def test_broken_implementation_is_detected():
+    with pytest.raises(MismatchError, match=r"broken .*max relative error"):
+        check_agreement([IMPLS["eqxscan"], BROKEN], num_layers=2, **TINY)
+    with pytest.raises(MismatchError, match="failed to compute.*is broken"):
+        check_agreement([Impl("raises", "raises", _raises)], num_layers=2, **TINY)
+
+
+def test_broken_implementation_aborts_the_run(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(IMPLS, "broken", BROKEN)
+    argv = ["--impls", "eqxscan,broken", "--layers", "2", "--dim", "8"]
+    argv += ["--batch", "2", "--seq", "3", "--out", str(tmp_path)]
+    with pytest.raises(SystemExit, match="aborted: broken .*disagrees"):
+        _cli.main(argv)
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_model_flops_counts_the_matmuls():
+    # The matmul floor is exactly the model's matmuls: XLA's own count is 6L matmuls
+    # less the input gradient of the first one (not needed), plus a small loss.
+    layers, dim, batch, seq = 3, 16, 2, 4
+    model, x, y = make_problem(layers, dim, batch, seq, "float32")
+    built = IMPLS["matmul-floor"].build(model)
+    compiled = jax.jit(jax.value_and_grad(built.loss)).lower(built.params, x, y)
+    xla = compiled.compile().cost_analysis()["flops"]
+    ours = model_flops(layers, dim, batch * seq)
+    one_matmul = ours / (6 * layers)
+    assert ours - one_matmul <= xla <= ours - one_matmul + 16 * batch * seq * dim
+
+
+def test_parse_defaults_and_quick():
+    args = _cli.parse_args([])
+    assert args.layers == [4, 16, 64, 256]
+    assert (args.dim, args.batch, args.seq, args.repeats) == (256, 8, 64, 10)
+    assert args.dtype == "float32"
+    assert args.impls == [n for n, i in IMPLS.items() if i.available()]
+    quick = _cli.parse_args(["--quick"])
+    assert quick.layers == [4, 16] and quick.dim == 64
+    assert set(quick.impls) <= set(_cli.QUICK_IMPLS)
+    # Explicit arguments win over the preset; depths are sorted and deduplicated.
+    mixed = _cli.parse_args(["--quick", "--dim", "32", "--layers", "8,2,8"])
+    assert mixed.dim == 32 and mixed.layers == [2, 8] and mixed.seq == 16
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--layers", "4,x"], "comma-separated positive integers"),
+        (["--layers", "0,4"], "every depth must be a positive integer"),
+        (["--dim", "-3"], "expected a positive integer, got -3"),
+        (["--repeats", "ten"], "expected a positive integer, got 'ten'"),
+        (["--dtype", "float16"], "invalid choice: 'float16'"),
+        (["--impls", "eqxscan,haiku"], "unknown implementation.*haiku.*eqx-recipe"),
+        (["--impls", ","], "names no implementation"),
+    ],
+)
+def test_bad_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        _cli.parse_args(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err), err
+
+
+def test_missing_optional_dependency(monkeypatch, capsys):
+    needs = Impl("needs-x", "needs x", _perturbed, requires="no_such_module_xyz")
+    monkeypatch.setitem(IMPLS, "needs-x", needs)
+    args = _cli.parse_args([])
+    assert "needs-x" not in args.impls and args.skipped == ["needs-x"]
+    with pytest.raises(SystemExit):
+        _cli.parse_args(["--impls", "needs-x"])
+    assert "eqxscan[bench]" in capsys.readouterr().err
+
+
+def _synthetic(step_eqxscan, nested_temps):
+    steps = {
+        str(L): {"eqxscan": [step_eqxscan], "eqxscan-loop": [1.0], "flax-nnx": [2.0]}
+        for L in (16, 64)
+    }
+    compile_rows = [
+        {"impl": name, "layers": L, "total_s": t, "hlo_lines": 100, "temp_bytes": m}
+        for L, m in zip((16, 64), nested_temps)
+        for name, t in (("eqxscan", 1.0), ("eqx-recipe", 1.0), ("eqxscan-nested", 1))
+    ]
+    return {"steps": steps, "compile": compile_rows}
+
+
+def test_targets_are_judged_from_the_numbers():
+    good = {t["target"]: t["met"] for t in _report.targets(_synthetic(0.9, (4, 8)))}
+    assert good["eqxscan step <= 1.0x eqxscan-loop (L >= 16)"] is True
+    assert good["eqxscan step <= 0.6x flax-nnx (L >= 16)"] is True
+    assert good["eqxscan step <= 0.6x flax-linen (L >= 16)"] is None
+    assert good["eqxscan compile time <= 1.1x eqx-recipe"] is True
+    assert good["eqxscan lowered size independent of L"] is True
+    assert good["'nested' temp(L=64)/temp(L=16) <= 2.50 (grows like sqrt(L))"]
+    bad = {t["target"]: t["met"] for t in _report.targets(_synthetic(1.5, (4, 16)))}
+    assert bad["eqxscan step <= 1.0x eqxscan-loop (L >= 16)"] is False
+    assert bad["eqxscan step <= 0.6x flax-nnx (L >= 16)"] is False
+    assert bad["'nested' temp(L=64)/temp(L=16) <= 2.50 (grows like sqrt(L))"] is False
+
+
+def test_tiny_end_to_end_run(tmp_path, capsys):
+    argv = ["--layers", "1,2", "--dim", "8", "--batch", "2", "--seq", "3"]
+    argv += ["--impls", "eqxscan,eqxscan-loop", "--repeats", "3"]
+    argv += ["--out", str(tmp_path)]
+    assert _cli.main(argv) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["errors"] == []
+    assert results["agreement"]["eqxscan"] <= 1e-5
+    assert {(r["impl"], r["layers"]) for r in results["compile"]} == {
+        (n, L) for n in ("eqxscan", "eqxscan-loop") for L in (1, 2)
+    }
+    for row in results["compile"]:
+        assert row["total_s"] >= row["compile_s"] > 0 and row["hlo_lines"] > 0
+        assert row["temp_bytes"] >= 0 and row["argument_bytes"] > 0
+    # The loop's lowered program grows with depth; the scan's does not.
+    lines = {(r["impl"], r["layers"]): r["hlo_lines"] for r in results["compile"]}
+    assert lines["eqxscan", 1] == lines["eqxscan", 2]
+    assert lines["eqxscan-loop", 2] > lines["eqxscan-loop", 1]
+    assert set(results["steps"]) == {"1", "2"}
+    for per_impl in results["steps"].values():
+        assert {len(t) for t in per_impl.values()} == {3}
+    md = (tmp_path / "results.md").read_text()
+    assert "### L = 2" in md and "| eqxscan-loop |" in md and "## Targets" in md
+    assert md in capsys.readouterr().out
+    for name in ("compile_time.png", "step_time.png", "temp_memory.png"):
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bfloat16_problem():
+    # Every implementation keeps bfloat16 parameters (and so gradients) end to end.
+    model, x, y = make_problem(2, 8, 1, 2, "bfloat16")
+    assert model.dtype == jnp.bfloat16 and x.dtype == jnp.bfloat16
+    for impl in IMPLS.values():
+        if impl.available():
+            built = impl.build(model)
+            step = jax.value_and_grad(built.loss)
+            loss, grads = jax.eval_shape(step, built.params, x, y)
+            assert loss.dtype == jnp.float32, impl.name
+            dtypes = {g.dtype for g in jax.tree.leaves(grads)}
+            assert dtypes == {jnp.dtype(jnp.bfloat16)}, (impl.name, dtypes)
