@@ -139,7 +139,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             p.error(
                 f"{', '.join(missing)} need(s) the optional dependency "
                 f"{IMPLS[missing[0]].requires!r}; install it with "
-                "`pip install 'eqxscan[bench]'`"
+                "`pip install -e '.[bench]'`"
             )
         if not args.impls:
             p.error("--impls names no implementation")
@@ -211,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.skipped:
         print(
             f"Skipping {', '.join(args.skipped)}: their libraries are not installed "
-            "(`pip install 'eqxscan[bench]'` adds them).",
+            "(`pip install -e '.[bench]'` adds them).",
             file=sys.stderr,
         )
     args.out.mkdir(parents=True, exist_ok=True)
