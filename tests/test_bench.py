@@ -137,7 +137,7 @@ def test_missing_optional_dependency(monkeypatch, capsys):
     assert "needs-x" not in args.impls and args.skipped == ["needs-x"]
     with pytest.raises(SystemExit):
         _cli.parse_args(["--impls", "needs-x"])
-    assert "eqxscan[bench]" in capsys.readouterr().err
+    assert "pip install -e '.[bench]'" in capsys.readouterr().err
 
 
 def _synthetic(step_eqxscan, nested_temps):
