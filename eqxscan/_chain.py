@@ -215,14 +215,7 @@ def _call_group(
         x, y = out
         return x, jtu.tree_map(lambda a: a[None] if eqx.is_array(a) else a, y)
     if span.period > 1 and collect:
-        group = Stacked._build(
-            group.layers._collecting(),
-            group.num_layers,
-            group.mode,
-            group.checkpoint,
-            group.unroll,
-            group.layer_sharding,
-        )
+        group = group._replace(layers=group.layers._collecting())
     x, ys = group._run(x, args, kwargs, None, collect, keys=group_keys)
     if span.period > 1 and ys is not None:
         ys = jtu.tree_map(

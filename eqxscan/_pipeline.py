@@ -83,12 +83,12 @@ def pipeline(
 
     def stage_fn(dyn: Any, xs: jax.Array) -> jax.Array:
         # Runs on every stage at once (shard_map): `dyn` holds this stage's layers.
-        local = Stacked._build(
-            eqx.combine(jtu.tree_map(lambda a: a[0], dyn), static),
-            per_stage,
-            stack.mode,
-            stack.checkpoint,
-            stack.unroll,
+        # `in_specs` places this stage's layers; `layer_sharding`, a sharding of
+        # the whole mesh, is not applied inside `shard_map`.
+        local = stack._replace(
+            layers=eqx.combine(jtu.tree_map(lambda a: a[0], dyn), static),
+            num_layers=per_stage,
+            layer_sharding=None,
         )
         stage = jax.lax.axis_index(stage_axis)
         vary = lambda a: jax.lax.pcast(a, (stage_axis,), to="varying")

@@ -1,5 +1,6 @@
 """`Stacked`: L layers of one kind stored as one module with a leading layer axis."""
 
+import dataclasses
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any, SupportsIndex
@@ -158,6 +159,12 @@ class Stacked(eqx.Module):
             object.__setattr__(self, name, value)
         return self
 
+    def _replace(self, **changes: Any) -> "Stacked":
+        # A copy with `changes` applied and every other field kept, static options
+        # (`layer_sharding` included) too: the one way to rebuild a Stacked.
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return type(self)._build(**{**fields, **changes})
+
     @classmethod
     def from_layers(
         cls,
@@ -204,14 +211,13 @@ class Stacked(eqx.Module):
         FSDP uses a replicated sharding here, so that a step all-gathers only the
         layer it runs; [`eqxscan.sharding.shard`][] sets it for you.
         """
-        return type(self)._build(
-            self.layers,
-            self.num_layers,
-            self.mode if mode is _MISSING else mode,
-            self.checkpoint if checkpoint is _MISSING else checkpoint,
-            self.unroll if unroll is _MISSING else unroll,
-            self.layer_sharding if layer_sharding is _MISSING else layer_sharding,
+        options = dict(
+            mode=mode,
+            checkpoint=checkpoint,
+            unroll=unroll,
+            layer_sharding=layer_sharding,
         )
+        return self._replace(**{k: v for k, v in options.items() if v is not _MISSING})
 
     def __len__(self) -> int:
         return self.num_layers
@@ -228,14 +234,7 @@ class Stacked(eqx.Module):
             layers = jtu.tree_map(
                 lambda a: a[index] if eqx.is_array(a) else a, self.layers
             )
-            return type(self)._build(
-                layers,
-                len(selected),
-                self.mode,
-                self.checkpoint,
-                self.unroll,
-                self.layer_sharding,
-            )
+            return self._replace(layers=layers, num_layers=len(selected))
         try:
             i = operator.index(index)
         except TypeError:

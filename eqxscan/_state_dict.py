@@ -115,14 +115,7 @@ def _walk(
             return visit(leaf)
 
         layers = _walk(node.layers, inner, depths + (node.num_layers,), record, stacks)
-        return type(node)._build(
-            layers,
-            node.num_layers,
-            node.mode,
-            node.checkpoint,
-            node.unroll,
-            node.layer_sharding,
-        )
+        return node._replace(layers=layers)
     children, treedef = jtu.tree_flatten_with_path(
         node, is_leaf=lambda x: x is not node
     )
