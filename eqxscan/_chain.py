@@ -1,6 +1,7 @@
 """`Chain`: heterogeneous depth. Runs of like layers and repeating patterns of
 layers are scanned; the remaining layers are called directly."""
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -137,6 +138,23 @@ def _unstack(groups: tuple[Any, ...], layout: tuple[Span, ...]) -> list[Any]:
             for unit in group.unstack():
                 layers.extend(unit.unstack())
     return layers
+
+
+def _set_options(
+    groups: tuple[Any, ...], layout: tuple[Span, ...], options: dict[str, Any]
+) -> tuple[Any, ...]:
+    """`groups` with `options` set on every scanned group, those inside repeated
+    units included; other fields (e.g. `layer_sharding`) and lone layers are kept."""
+    new = []
+    for group, span in zip(groups, layout):
+        if span.period > 1:
+            unit = group.layers
+            inner = _set_options(unit.groups, unit.layout, options)
+            group = group._replace(
+                layers=Period(inner, unit.layout, unit.num_layers, unit.collect)
+            )
+        new.append(group if span.period == 0 else group._replace(**options))
+    return tuple(new)
 
 
 def _take(tree: Any, span: Span) -> Any:
@@ -440,14 +458,21 @@ class Chain(eqx.Module):
         checkpoint: Any = _MISSING,
         unroll: int | bool = _MISSING,
     ) -> "Chain":
-        """A copy with the same weights and new options; options not given are kept."""
-        return Chain(
-            self.unstack(),
+        """A copy with the same weights, grouping and `layer_sharding`s, and new
+        options for every scanned group; options not given are kept."""
+        options = dict(
             mode=self.mode if mode is _MISSING else mode,
             checkpoint=self.checkpoint if checkpoint is _MISSING else checkpoint,
             unroll=self.unroll if unroll is _MISSING else unroll,
-            periodic=self.periodic,
         )
+        check_options(**options)
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields.update(options, groups=_set_options(self.groups, self.layout, options))
+        # The grouping does not depend on the options: skip `__init__`'s planning.
+        chain = object.__new__(Chain)
+        for name, value in fields.items():
+            object.__setattr__(chain, name, value)
+        return chain
 
     def __call__(
         self, x: PyTree, *args: Any, key: PRNGKeyArray | None = None, **kwargs: Any
