@@ -13,12 +13,9 @@ import jax.random as jr
 import jax.tree_util as jtu
 from jaxtyping import PRNGKeyArray, PyTree
 
-from ._checks import can_stack, check_leading_axis, describe, first_difference
+from ._checks import can_stack, describe, first_difference
 from ._engine import check_options
-from ._stacked import PerLayer, Stacked
-
-
-_MISSING: Any = object()
+from ._stacked import _MISSING, check_per_layer, PerLayer, Stacked
 
 
 class Span(NamedTuple):
@@ -518,13 +515,7 @@ class Chain(eqx.Module):
     def _run(
         self, x: Any, args: tuple, kwargs: dict, key: Any, collect: bool
     ) -> tuple[Any, Any]:
-        for name, value in [(f"args[{i}]", a) for i, a in enumerate(args)] + [
-            (f"kwargs[{k!r}]", v) for k, v in kwargs.items()
-        ]:
-            if isinstance(value, PerLayer):
-                check_leading_axis(
-                    value.tree, self.num_layers, f"per_layer {name}", "layer"
-                )
+        check_per_layer(args, kwargs, self.num_layers)
         keys = None if key is None else jr.split(key, self.num_layers)
         if not _tracing((self, x, args, kwargs, keys)):
             # Outside jit the groups would run one by one: find a misfit first.

@@ -46,6 +46,26 @@ def per_layer(tree: PyTree) -> PerLayer:
 _MISSING: Any = object()
 
 
+def _arg_name(index_or_name: int | str) -> str:
+    if isinstance(index_or_name, int):
+        return f"args[{index_or_name}]"
+    return f"kwargs[{index_or_name!r}]"
+
+
+def check_per_layer(args: tuple, kwargs: dict, length: int) -> dict[str, PerLayer]:
+    """The [`eqxscan.per_layer`][] arguments of a call, by name (`args[0]`,
+    `kwargs['cache']`), after checking that their array leaves have leading axis
+    `length`."""
+    named = [(_arg_name(i), a) for i, a in enumerate(args)]
+    named += [(_arg_name(n), v) for n, v in kwargs.items()]
+    found = {}
+    for name, value in named:
+        if isinstance(value, PerLayer):
+            check_leading_axis(value.tree, length, f"per_layer {name}", "layer")
+            found[name] = value
+    return found
+
+
 def _check_num_layers(num_layers: Any) -> int:
     if isinstance(num_layers, bool) or not isinstance(num_layers, int):
         raise TypeError(
@@ -298,14 +318,8 @@ class Stacked(eqx.Module):
         length = self.num_layers
         layer_dyn, layer_static = eqx.partition(self.layers, eqx.is_array)
         per_args, per_statics = {}, {}
-        for name, value in [(f"args[{i}]", a) for i, a in enumerate(args)] + [
-            (f"kwargs[{k!r}]", v) for k, v in kwargs.items()
-        ]:
-            if isinstance(value, PerLayer):
-                check_leading_axis(value.tree, length, f"per_layer {name}", "layer")
-                per_args[name], per_statics[name] = eqx.partition(
-                    value.tree, eqx.is_array
-                )
+        for name, value in check_per_layer(args, kwargs, length).items():
+            per_args[name], per_statics[name] = eqx.partition(value.tree, eqx.is_array)
         if keys is None and key is not None:
             keys = jr.split(key, length)
         cls_name = type(self.layers).__name__
@@ -315,18 +329,15 @@ class Stacked(eqx.Module):
             if self.layer_sharding is not None:
                 dyn = constrain(dyn, self.layer_sharding)
             layer = eqx.combine(dyn, layer_static)
-            call_args = [
-                eqx.combine(per[f"args[{i}]"], per_statics[f"args[{i}]"])
-                if f"args[{i}]" in per
-                else a
-                for i, a in enumerate(args)
-            ]
-            call_kwargs = {
-                n: eqx.combine(per[f"kwargs[{n!r}]"], per_statics[f"kwargs[{n!r}]"])
-                if f"kwargs[{n!r}]" in per
-                else v
-                for n, v in kwargs.items()
-            }
+
+            def pick(name: str, value: Any) -> Any:
+                # This layer's slice of a `per_layer` argument; others as given.
+                if name not in per:
+                    return value
+                return eqx.combine(per[name], per_statics[name])
+
+            call_args = [pick(_arg_name(i), a) for i, a in enumerate(args)]
+            call_kwargs = {n: pick(_arg_name(n), v) for n, v in kwargs.items()}
             if k is not None:
                 call_kwargs["key"] = k
             out = layer(carry, *call_args, **call_kwargs)
