@@ -13,6 +13,7 @@ import jax
 import jax.tree_util as jtu
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from ._checks import is_arraylike
 from ._constrain import constrain
 from ._stacked import Stacked
 
@@ -209,7 +210,7 @@ def model_shardings(
         _check_axis(mesh, fsdp_axis, "fsdp_axis")
 
     def one(leaf: Any, layer_axes: int, path: tuple) -> Any:
-        if not _is_arraylike(leaf):
+        if not is_arraylike(leaf):
             return None
         spec = _leaf_spec(
             leaf, layer_axes, _name("model", path), mesh, fsdp_axis, min_size
@@ -217,10 +218,6 @@ def model_shardings(
         return NamedSharding(mesh, spec)
 
     return _map_params(one, model)
-
-
-def _is_arraylike(x: Any) -> bool:
-    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 
 def _strip(tree: Any) -> Any:
@@ -307,14 +304,14 @@ def opt_state_shardings(
             out = []
             for (p, leaf), sharding, info in zip(leaves, param_shardings, param_info):
                 param = None if info is None else info.leaf
-                if not _is_arraylike(leaf):
+                if not is_arraylike(leaf):
                     out.append(None)
-                elif _is_arraylike(param) and leaf.shape == param.shape:
+                elif is_arraylike(param) and leaf.shape == param.shape:
                     out.append(sharding)
                 else:
                     spec = _leaf_spec(
                         leaf,
-                        info.layer_axes if _is_arraylike(param) else 0,
+                        info.layer_axes if is_arraylike(param) else 0,
                         _name("opt_state", path + p),
                         mesh,
                         fsdp_axis,
@@ -324,7 +321,7 @@ def opt_state_shardings(
                     out.append(NamedSharding(mesh, spec))
             treedef = jtu.tree_structure(x, is_leaf=_is_placeholder)
             return jtu.tree_unflatten(treedef, out)
-        return replicated if _is_arraylike(x) else None
+        return replicated if is_arraylike(x) else None
 
     return jtu.tree_map_with_path(
         one, opt_state, is_leaf=lambda x: _is_placeholder(x) or is_params_like(x)
@@ -386,7 +383,7 @@ def batch_shardings(
     spec = PartitionSpec(axes if len(axes) > 1 else axes[0])
 
     def one(path: tuple, leaf: Any) -> Any:
-        if not _is_arraylike(leaf):
+        if not is_arraylike(leaf):
             return None
         if leaf.ndim == 0 or leaf.shape[0] % size:
             got = "a scalar" if leaf.ndim == 0 else f"batch size {leaf.shape[0]}"
