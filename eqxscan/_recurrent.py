@@ -95,6 +95,17 @@ class ElmanCell(eqx.Module):
         return jnp.tanh(pre)
 
 
+def _where(cond: Array, new: PyTree, old: PyTree) -> PyTree:
+    # `jnp.where` on the array leaves; other leaves of a carry never change.
+    return jtu.tree_map(
+        lambda a, b: jnp.where(cond, a, b) if eqx.is_array(a) else a, new, old
+    )
+
+
+def _stop_gradient(a: Any) -> Any:
+    return jax.lax.stop_gradient(a) if eqx.is_array(a) else a
+
+
 def _check_truncate(truncate: Any) -> int | None:
     if truncate is None:
         return None
@@ -281,16 +292,14 @@ class Recurrent(eqx.Module):
             if n is not None:
                 # Entering a new block: let values through, not gradients.
                 cut = (n > 0) & (n % k == 0)
-                h = jtu.tree_map(
-                    lambda a: jnp.where(cut, jax.lax.stop_gradient(a), a), h
-                )
+                h = _where(cut, jtu.tree_map(_stop_gradient, h), h)
             x = eqx.combine(x_dyn, xs_static)
             new = cell(x, h) if step_key is None else cell(x, h, key=step_key)
             if m is not None:
                 # Check before `jnp.where` can broadcast a wrong shape into the
                 # carry (without a mask the engine checks, naming the step).
                 check_carry(h, new, where_masked)
-                new = jtu.tree_map(lambda a, b: jnp.where(m, a, b), new, h)
+                new = _where(m, new, h)
             return new, new
 
         def where(i: int | None) -> str:
