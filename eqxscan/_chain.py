@@ -455,8 +455,18 @@ class Chain(eqx.Module):
         checkpoint: Any = _MISSING,
         unroll: int | bool = _MISSING,
     ) -> "Chain":
-        """A copy with the same weights, grouping and `layer_sharding`s, and new
-        options for every scanned group; options not given are kept."""
+        """A copy with the same weights and grouping and new options for every
+        scanned group; options not given are kept.
+
+        **Arguments:**
+
+        - `mode`, `checkpoint`, `unroll`: as for `__init__`.
+
+        **Returns:**
+
+        A `Chain` sharing this one's arrays. Each scanned group keeps its
+        `layer_sharding` (as set by [`eqxscan.sharding.shard`][]).
+        """
         options = dict(
             mode=self.mode if mode is _MISSING else mode,
             checkpoint=self.checkpoint if checkpoint is _MISSING else checkpoint,

@@ -221,8 +221,17 @@ class Recurrent(eqx.Module):
         self.unroll = unroll
 
     def with_options(self, **options: Any) -> "Recurrent":
-        """A copy with the same cell and some of `reverse`, `mode`, `checkpoint`,
-        `unroll` changed; options not given are kept."""
+        """A copy with the same cell and new options; options not given are kept.
+
+        **Arguments:**
+
+        - `**options`: some of `reverse`, `mode`, `checkpoint` and `unroll`, as
+          for `__init__`.
+
+        **Returns:**
+
+        A `Recurrent` sharing this one's cell.
+        """
         unknown = set(options) - {"reverse", "mode", "checkpoint", "unroll"}
         if unknown:
             raise TypeError(

@@ -401,7 +401,18 @@ def batch_shardings(
 def gather_layers(model: Any, mesh: Mesh) -> Any:
     """`model` with every [`eqxscan.Stacked`][] set to gather the one layer each scan
     step runs (`layer_sharding` replicated on `mesh`): FSDP's per-layer all-gather
-    inside the loop, rather than XLA gathering activations instead."""
+    inside the loop, rather than XLA gathering activations instead.
+
+    **Arguments:**
+
+    - `model`: any pytree, usually an `eqx.Module` containing `Stacked`s (nested
+      ones included).
+    - `mesh`: the `jax.sharding.Mesh` the model is placed on.
+
+    **Returns:**
+
+    `model` with the same arrays and `layer_sharding` set on every `Stacked`.
+    """
     mesh = _check_mesh(mesh)
     replicated = NamedSharding(mesh, PartitionSpec())
 

@@ -225,11 +225,17 @@ class Stacked(eqx.Module):
     ) -> "Stacked":
         """A copy with the same weights and new options; options not given are kept.
 
-        Besides `mode`, `checkpoint` and `unroll` (see `__init__`), this sets
-        `layer_sharding`: a `jax.sharding.Sharding` (or `None`, the default) that
-        each scan step constrains its one layer's weights to before calling it.
-        FSDP uses a replicated sharding here, so that a step all-gathers only the
-        layer it runs; [`eqxscan.sharding.shard`][] sets it for you.
+        **Arguments:**
+
+        - `mode`, `checkpoint`, `unroll`: as for `__init__`.
+        - `layer_sharding`: a `jax.sharding.Sharding` (or `None`, the default) that
+          each scan step constrains its one layer's weights to before calling it.
+          FSDP uses a replicated sharding here, so that a step all-gathers only
+          the layer it runs; [`eqxscan.sharding.shard`][] sets it for you.
+
+        **Returns:**
+
+        A `Stacked` sharing this one's arrays.
         """
         options = dict(
             mode=mode,
