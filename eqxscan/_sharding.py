@@ -157,16 +157,12 @@ def _map_params(fn: Any, tree: Any, layer_axes: int = 0, path: tuple = ()) -> An
             layers = _map_params(
                 fn, x.layers, layer_axes + 1, path + p + (jtu.GetAttrKey("layers"),)
             )
-            return eqx.tree_at(lambda s: s.layers, x, layers, is_leaf=_is_none)
+            return x._replace(layers=layers)
         return fn(x, layer_axes, path + p)
 
     return jtu.tree_map_with_path(
         one, tree, is_leaf=lambda x: isinstance(x, Stacked) or x is None
     )
-
-
-def _is_none(x: Any) -> bool:
-    return x is None
 
 
 def model_shardings(
@@ -220,18 +216,21 @@ def model_shardings(
     return _map_params(one, model)
 
 
-def _strip(tree: Any) -> Any:
-    # The same tree with every Stacked's `layer_sharding` unset, so that a model
-    # and its sharded copy have comparable structures.
+def _set_layer_sharding(tree: Any, sharding: NamedSharding | None) -> Any:
+    # `tree` with `layer_sharding` set on every Stacked, nested ones included.
     def one(x: Any) -> Any:
         if isinstance(x, Stacked):
-            inner = eqx.tree_at(
-                lambda s: s.layers, x, _strip(x.layers), is_leaf=_is_none
-            )
-            return inner.with_options(layer_sharding=None)
+            layers = _set_layer_sharding(x.layers, sharding)
+            return x._replace(layers=layers, layer_sharding=sharding)
         return x
 
     return jtu.tree_map(one, tree, is_leaf=lambda x: isinstance(x, Stacked))
+
+
+def _strip(tree: Any) -> Any:
+    # Every `layer_sharding` unset, so that a model and its sharded copy have
+    # comparable structures.
+    return _set_layer_sharding(tree, None)
 
 
 class _Info:
@@ -414,17 +413,7 @@ def gather_layers(model: Any, mesh: Mesh) -> Any:
     `model` with the same arrays and `layer_sharding` set on every `Stacked`.
     """
     mesh = _check_mesh(mesh)
-    replicated = NamedSharding(mesh, PartitionSpec())
-
-    def one(x: Any) -> Any:
-        if isinstance(x, Stacked):
-            inner = eqx.tree_at(
-                lambda s: s.layers, x, gather_layers(x.layers, mesh), is_leaf=_is_none
-            )
-            return inner.with_options(layer_sharding=replicated)
-        return x
-
-    return jtu.tree_map(one, model, is_leaf=lambda x: isinstance(x, Stacked))
+    return _set_layer_sharding(model, NamedSharding(mesh, PartitionSpec()))
 
 
 def _restructure(opt_state: Any, old: Any, new: Any) -> Any:
