@@ -14,6 +14,7 @@ from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, PyTree
 
 from ._checks import check_callable, check_carry, check_leading_axis, check_option
 from ._engine import check_options, run
+from ._stacked import _MISSING
 
 
 class ElmanCell(eqx.Module):
@@ -220,31 +221,31 @@ class Recurrent(eqx.Module):
         self.checkpoint = checkpoint
         self.unroll = unroll
 
-    def with_options(self, **options: Any) -> "Recurrent":
+    def with_options(
+        self,
+        *,
+        reverse: bool = _MISSING,
+        mode: str = _MISSING,
+        checkpoint: Any = _MISSING,
+        unroll: int | bool = _MISSING,
+    ) -> "Recurrent":
         """A copy with the same cell and new options; options not given are kept.
 
         **Arguments:**
 
-        - `**options`: some of `reverse`, `mode`, `checkpoint` and `unroll`, as
-          for `__init__`.
+        - `reverse`, `mode`, `checkpoint`, `unroll`: as for `__init__`.
 
         **Returns:**
 
         A `Recurrent` sharing this one's cell.
         """
-        unknown = set(options) - {"reverse", "mode", "checkpoint", "unroll"}
-        if unknown:
-            raise TypeError(
-                f"Recurrent.with_options got unknown options {sorted(unknown)}; "
-                "expected some of reverse, mode, checkpoint, unroll."
-            )
-        current = dict(
-            reverse=self.reverse,
-            mode=self.mode,
-            checkpoint=self.checkpoint,
-            unroll=self.unroll,
+        return Recurrent(
+            self.cell,
+            reverse=self.reverse if reverse is _MISSING else reverse,
+            mode=self.mode if mode is _MISSING else mode,
+            checkpoint=self.checkpoint if checkpoint is _MISSING else checkpoint,
+            unroll=self.unroll if unroll is _MISSING else unroll,
         )
-        return Recurrent(self.cell, **{**current, **options})
 
     def __call__(
         self,

@@ -553,7 +553,7 @@ def test_error_bad_options(getkey):
         eqxscan.Recurrent(cell, unroll=0)
     with pytest.raises(TypeError):
         eqxscan.Recurrent(cell, reverse="yes")
-    with pytest.raises(TypeError, match="unknown options"):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'revers'"):
         eqxscan.Recurrent(cell).with_options(revers=True)
 
 
