@@ -1,6 +1,7 @@
 """`Chain`: heterogeneous depth. Runs of like layers and repeating patterns of
 layers are scanned; the remaining layers are called directly."""
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -12,12 +13,9 @@ import jax.random as jr
 import jax.tree_util as jtu
 from jaxtyping import PRNGKeyArray, PyTree
 
-from ._checks import can_stack, check_leading_axis, describe, first_difference
+from ._checks import can_stack, describe, first_difference
 from ._engine import check_options
-from ._stacked import PerLayer, Stacked
-
-
-_MISSING: Any = object()
+from ._stacked import _MISSING, check_per_layer, PerLayer, Stacked
 
 
 class Span(NamedTuple):
@@ -139,6 +137,23 @@ def _unstack(groups: tuple[Any, ...], layout: tuple[Span, ...]) -> list[Any]:
     return layers
 
 
+def _set_options(
+    groups: tuple[Any, ...], layout: tuple[Span, ...], options: dict[str, Any]
+) -> tuple[Any, ...]:
+    """`groups` with `options` set on every scanned group, those inside repeated
+    units included; other fields (e.g. `layer_sharding`) and lone layers are kept."""
+    new = []
+    for group, span in zip(groups, layout):
+        if span.period > 1:
+            unit = group.layers
+            inner = _set_options(unit.groups, unit.layout, options)
+            group = group._replace(
+                layers=Period(inner, unit.layout, unit.num_layers, unit.collect)
+            )
+        new.append(group if span.period == 0 else group._replace(**options))
+    return tuple(new)
+
+
 def _take(tree: Any, span: Span) -> Any:
     """The part of a per-layer `tree` (leading axis: layers) that `span` needs."""
     if span.period == 0:
@@ -215,14 +230,7 @@ def _call_group(
         x, y = out
         return x, jtu.tree_map(lambda a: a[None] if eqx.is_array(a) else a, y)
     if span.period > 1 and collect:
-        group = Stacked._build(
-            group.layers._collecting(),
-            group.num_layers,
-            group.mode,
-            group.checkpoint,
-            group.unroll,
-            group.layer_sharding,
-        )
+        group = group._replace(layers=group.layers._collecting())
     x, ys = group._run(x, args, kwargs, None, collect, keys=group_keys)
     if span.period > 1 and ys is not None:
         ys = jtu.tree_map(
@@ -447,14 +455,31 @@ class Chain(eqx.Module):
         checkpoint: Any = _MISSING,
         unroll: int | bool = _MISSING,
     ) -> "Chain":
-        """A copy with the same weights and new options; options not given are kept."""
-        return Chain(
-            self.unstack(),
+        """A copy with the same weights and grouping and new options for every
+        scanned group; options not given are kept.
+
+        **Arguments:**
+
+        - `mode`, `checkpoint`, `unroll`: as for `__init__`.
+
+        **Returns:**
+
+        A `Chain` sharing this one's arrays. Each scanned group keeps its
+        `layer_sharding` (as set by [`eqxscan.sharding.shard`][]).
+        """
+        options = dict(
             mode=self.mode if mode is _MISSING else mode,
             checkpoint=self.checkpoint if checkpoint is _MISSING else checkpoint,
             unroll=self.unroll if unroll is _MISSING else unroll,
-            periodic=self.periodic,
         )
+        check_options(**options)
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields.update(options, groups=_set_options(self.groups, self.layout, options))
+        # The grouping does not depend on the options: skip `__init__`'s planning.
+        chain = object.__new__(Chain)
+        for name, value in fields.items():
+            object.__setattr__(chain, name, value)
+        return chain
 
     def __call__(
         self, x: PyTree, *args: Any, key: PRNGKeyArray | None = None, **kwargs: Any
@@ -500,13 +525,7 @@ class Chain(eqx.Module):
     def _run(
         self, x: Any, args: tuple, kwargs: dict, key: Any, collect: bool
     ) -> tuple[Any, Any]:
-        for name, value in [(f"args[{i}]", a) for i, a in enumerate(args)] + [
-            (f"kwargs[{k!r}]", v) for k, v in kwargs.items()
-        ]:
-            if isinstance(value, PerLayer):
-                check_leading_axis(
-                    value.tree, self.num_layers, f"per_layer {name}", "layer"
-                )
+        check_per_layer(args, kwargs, self.num_layers)
         keys = None if key is None else jr.split(key, self.num_layers)
         if not _tracing((self, x, args, kwargs, keys)):
             # Outside jit the groups would run one by one: find a misfit first.

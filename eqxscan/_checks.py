@@ -22,7 +22,8 @@ def describe(x: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _is_arraylike(x: Any) -> bool:
+def is_arraylike(x: Any) -> bool:
+    """An array, or the `jax.ShapeDtypeStruct` standing for one (`eval_shape`)."""
     return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 
@@ -33,8 +34,8 @@ def first_difference(a: Any, b: Any, path: str = "") -> tuple[str, str, str] | N
     Modules are walked field by field (static fields included), so a differing
     hyperparameter is reported by its attribute path.
     """
-    if _is_arraylike(a) or _is_arraylike(b):
-        if not (_is_arraylike(a) and _is_arraylike(b)):
+    if is_arraylike(a) or is_arraylike(b):
+        if not (is_arraylike(a) and is_arraylike(b)):
             return path, describe(a), describe(b)
         if a.shape != b.shape or jnp.dtype(a.dtype) != jnp.dtype(b.dtype):
             return path, describe(a), describe(b)

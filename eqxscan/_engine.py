@@ -76,7 +76,10 @@ def _unstack(xs: Any, length: int) -> list[Any]:
 
 
 def _stack(ys: list[Any]) -> Any:
-    return jtu.tree_map(lambda *a: jnp.stack(a), *ys)
+    # Stack the array leaves; keep the other leaves once, as `lax.scan` does with
+    # the static part of its one traced body's output.
+    dyn, static = zip(*(eqx.partition(y, eqx.is_array) for y in ys))
+    return eqx.combine(jtu.tree_map(lambda *a: jnp.stack(a), *dyn), static[0])
 
 
 def _flip(tree: Any) -> Any:

@@ -18,7 +18,18 @@ RMS_EPS = 1e-6
 
 
 def rms_norm(scale: Array, x: Array, eps: float = RMS_EPS) -> Array:
-    """`x / rms(x) * scale`, reduced in float32 and returned in `x.dtype`."""
+    """`x / rms(x) * scale`, reduced in float32 and returned in `x.dtype`.
+
+    **Arguments:**
+
+    - `scale`: `[D]`, broadcast against the leading axes of `x`.
+    - `x`: `[..., D]`; the RMS is taken over the last axis.
+    - `eps`: added to the mean square before the reciprocal square root.
+
+    **Returns:**
+
+    An array shaped like `x`, in `x.dtype`.
+    """
     x32 = x.astype(jnp.float32)
     inv = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     # Explicit broadcast: works under `jax_numpy_rank_promotion="raise"` too.
@@ -44,6 +55,13 @@ class MLPBlock(eqx.Module):
         dtype: Any = jnp.float32,
         dropout: float = 0.0,
     ):
+        """**Arguments:**
+
+        - `dim`: the model width `D`; the hidden width is `H = 4 * D`.
+        - `key`: a JAX PRNG key for the weights (normal, scaled by fan-in).
+        - `dtype`: the parameter dtype.
+        - `dropout`: dropout rate after the activation.
+        """
         hidden = 4 * dim
         k1, k2 = jr.split(key)
         self.w1 = (jr.normal(k1, (dim, hidden)) * dim**-0.5).astype(dtype)
@@ -54,6 +72,15 @@ class MLPBlock(eqx.Module):
     def __call__(
         self, x: Float[Array, "*batch D"], *, key: PRNGKeyArray | None = None
     ) -> Float[Array, "*batch D"]:
+        """**Arguments:**
+
+        - `x`: `[..., D]`, the residual stream.
+        - `key`: the dropout key (needed only when dropout is active).
+
+        **Returns:**
+
+        `x` plus the block's output, same shape and dtype.
+        """
         h = rms_norm(self.scale, x)
         h = jax.nn.gelu(h @ self.w1)
         h = self.dropout(h, key=key)
@@ -131,7 +158,17 @@ class StackedMLP(eqx.Module):
         checkpoint: Any = "auto",
         mode: str = "scan",
     ) -> "StackedMLP":
-        """Build from already-made [`eqxscan.MLPBlock`][]s (shape-checked)."""
+        """Build from already-made [`eqxscan.MLPBlock`][]s (shape-checked).
+
+        **Arguments:**
+
+        - `blocks`: a non-empty sequence of `MLPBlock`s of one width and dtype.
+        - `checkpoint`, `mode`: as for [`eqxscan.Stacked`][].
+
+        **Returns:**
+
+        A `StackedMLP` whose `blocks.unstack()` gives `blocks` back.
+        """
         self = object.__new__(cls)
         object.__setattr__(
             self,

@@ -14,6 +14,7 @@ import jax.tree_util as jtu
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._constrain import constrain
+from ._sharding import _check_axis, _check_mesh
 from ._stacked import Stacked
 
 
@@ -58,12 +59,12 @@ def pipeline(
 
     `stack(x)`, computed stage by stage.
     """
-    if stage_axis not in mesh.shape:
-        raise ValueError(
-            f"stage_axis names mesh axis {stage_axis!r}, but the mesh has axes "
-            f"{tuple(mesh.axis_names)}."
+    if not isinstance(stack, Stacked):
+        raise TypeError(
+            f"pipeline runs an eqxscan.Stacked, got {type(stack).__name__}; for a "
+            "model, pass its Stacked (e.g. `model.blocks`)."
         )
-    stages = mesh.shape[stage_axis]
+    stages = _check_axis(_check_mesh(mesh), stage_axis, "stage_axis")
     if stack.num_layers % stages:
         raise ValueError(
             f"Cannot split the {stack.num_layers} layers of a Stacked into "
@@ -83,12 +84,12 @@ def pipeline(
 
     def stage_fn(dyn: Any, xs: jax.Array) -> jax.Array:
         # Runs on every stage at once (shard_map): `dyn` holds this stage's layers.
-        local = Stacked._build(
-            eqx.combine(jtu.tree_map(lambda a: a[0], dyn), static),
-            per_stage,
-            stack.mode,
-            stack.checkpoint,
-            stack.unroll,
+        # `in_specs` places this stage's layers; `layer_sharding`, a sharding of
+        # the whole mesh, is not applied inside `shard_map`.
+        local = stack._replace(
+            layers=eqx.combine(jtu.tree_map(lambda a: a[0], dyn), static),
+            num_layers=per_stage,
+            layer_sharding=None,
         )
         stage = jax.lax.axis_index(stage_axis)
         vary = lambda a: jax.lax.pcast(a, (stage_axis,), to="varying")

@@ -14,6 +14,7 @@ from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, PyTree
 
 from ._checks import check_callable, check_carry, check_leading_axis, check_option
 from ._engine import check_options, run
+from ._stacked import _MISSING
 
 
 class ElmanCell(eqx.Module):
@@ -93,6 +94,17 @@ class ElmanCell(eqx.Module):
         if self.bias is not None:
             pre = pre + self.bias
         return jnp.tanh(pre)
+
+
+def _where(cond: Array, new: PyTree, old: PyTree) -> PyTree:
+    # `jnp.where` on the array leaves; other leaves of a carry never change.
+    return jtu.tree_map(
+        lambda a, b: jnp.where(cond, a, b) if eqx.is_array(a) else a, new, old
+    )
+
+
+def _stop_gradient(a: Any) -> Any:
+    return jax.lax.stop_gradient(a) if eqx.is_array(a) else a
 
 
 def _check_truncate(truncate: Any) -> int | None:
@@ -209,22 +221,31 @@ class Recurrent(eqx.Module):
         self.checkpoint = checkpoint
         self.unroll = unroll
 
-    def with_options(self, **options: Any) -> "Recurrent":
-        """A copy with the same cell and some of `reverse`, `mode`, `checkpoint`,
-        `unroll` changed; options not given are kept."""
-        unknown = set(options) - {"reverse", "mode", "checkpoint", "unroll"}
-        if unknown:
-            raise TypeError(
-                f"Recurrent.with_options got unknown options {sorted(unknown)}; "
-                "expected some of reverse, mode, checkpoint, unroll."
-            )
-        current = dict(
-            reverse=self.reverse,
-            mode=self.mode,
-            checkpoint=self.checkpoint,
-            unroll=self.unroll,
+    def with_options(
+        self,
+        *,
+        reverse: bool = _MISSING,
+        mode: str = _MISSING,
+        checkpoint: Any = _MISSING,
+        unroll: int | bool = _MISSING,
+    ) -> "Recurrent":
+        """A copy with the same cell and new options; options not given are kept.
+
+        **Arguments:**
+
+        - `reverse`, `mode`, `checkpoint`, `unroll`: as for `__init__`.
+
+        **Returns:**
+
+        A `Recurrent` sharing this one's cell.
+        """
+        return Recurrent(
+            self.cell,
+            reverse=self.reverse if reverse is _MISSING else reverse,
+            mode=self.mode if mode is _MISSING else mode,
+            checkpoint=self.checkpoint if checkpoint is _MISSING else checkpoint,
+            unroll=self.unroll if unroll is _MISSING else unroll,
         )
-        return Recurrent(self.cell, **{**current, **options})
 
     def __call__(
         self,
@@ -281,16 +302,14 @@ class Recurrent(eqx.Module):
             if n is not None:
                 # Entering a new block: let values through, not gradients.
                 cut = (n > 0) & (n % k == 0)
-                h = jtu.tree_map(
-                    lambda a: jnp.where(cut, jax.lax.stop_gradient(a), a), h
-                )
+                h = _where(cut, jtu.tree_map(_stop_gradient, h), h)
             x = eqx.combine(x_dyn, xs_static)
             new = cell(x, h) if step_key is None else cell(x, h, key=step_key)
             if m is not None:
                 # Check before `jnp.where` can broadcast a wrong shape into the
                 # carry (without a mask the engine checks, naming the step).
                 check_carry(h, new, where_masked)
-                new = jtu.tree_map(lambda a, b: jnp.where(m, a, b), new, h)
+                new = _where(m, new, h)
             return new, new
 
         def where(i: int | None) -> str:

@@ -76,7 +76,16 @@ def _fsync_dir(directory: str) -> None:
 
 def load_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """Read the state dict of a file written by [`eqxscan.save`][], with the
-    original dtypes (bfloat16 included)."""
+    original dtypes (bfloat16 included).
+
+    **Arguments:**
+
+    - `path`: the checkpoint file.
+
+    **Returns:**
+
+    A `dict[str, numpy.ndarray]`, as [`eqxscan.to_state_dict`][] made it.
+    """
     with np.load(os.fspath(path), allow_pickle=False) as archive:
         arrays = {k: archive[k] for k in archive.files}
     manifest = json.loads(str(arrays.pop(_MANIFEST, np.array("{}"))))

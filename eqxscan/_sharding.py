@@ -13,6 +13,7 @@ import jax
 import jax.tree_util as jtu
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from ._checks import is_arraylike
 from ._constrain import constrain
 from ._stacked import Stacked
 
@@ -156,16 +157,12 @@ def _map_params(fn: Any, tree: Any, layer_axes: int = 0, path: tuple = ()) -> An
             layers = _map_params(
                 fn, x.layers, layer_axes + 1, path + p + (jtu.GetAttrKey("layers"),)
             )
-            return eqx.tree_at(lambda s: s.layers, x, layers, is_leaf=_is_none)
+            return x._replace(layers=layers)
         return fn(x, layer_axes, path + p)
 
     return jtu.tree_map_with_path(
         one, tree, is_leaf=lambda x: isinstance(x, Stacked) or x is None
     )
-
-
-def _is_none(x: Any) -> bool:
-    return x is None
 
 
 def model_shardings(
@@ -209,7 +206,7 @@ def model_shardings(
         _check_axis(mesh, fsdp_axis, "fsdp_axis")
 
     def one(leaf: Any, layer_axes: int, path: tuple) -> Any:
-        if not _is_arraylike(leaf):
+        if not is_arraylike(leaf):
             return None
         spec = _leaf_spec(
             leaf, layer_axes, _name("model", path), mesh, fsdp_axis, min_size
@@ -219,22 +216,21 @@ def model_shardings(
     return _map_params(one, model)
 
 
-def _is_arraylike(x: Any) -> bool:
-    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
-
-
-def _strip(tree: Any) -> Any:
-    # The same tree with every Stacked's `layer_sharding` unset, so that a model
-    # and its sharded copy have comparable structures.
+def _set_layer_sharding(tree: Any, sharding: NamedSharding | None) -> Any:
+    # `tree` with `layer_sharding` set on every Stacked, nested ones included.
     def one(x: Any) -> Any:
         if isinstance(x, Stacked):
-            inner = eqx.tree_at(
-                lambda s: s.layers, x, _strip(x.layers), is_leaf=_is_none
-            )
-            return inner.with_options(layer_sharding=None)
+            layers = _set_layer_sharding(x.layers, sharding)
+            return x._replace(layers=layers, layer_sharding=sharding)
         return x
 
     return jtu.tree_map(one, tree, is_leaf=lambda x: isinstance(x, Stacked))
+
+
+def _strip(tree: Any) -> Any:
+    # Every `layer_sharding` unset, so that a model and its sharded copy have
+    # comparable structures.
+    return _set_layer_sharding(tree, None)
 
 
 class _Info:
@@ -307,14 +303,14 @@ def opt_state_shardings(
             out = []
             for (p, leaf), sharding, info in zip(leaves, param_shardings, param_info):
                 param = None if info is None else info.leaf
-                if not _is_arraylike(leaf):
+                if not is_arraylike(leaf):
                     out.append(None)
-                elif _is_arraylike(param) and leaf.shape == param.shape:
+                elif is_arraylike(param) and leaf.shape == param.shape:
                     out.append(sharding)
                 else:
                     spec = _leaf_spec(
                         leaf,
-                        info.layer_axes if _is_arraylike(param) else 0,
+                        info.layer_axes if is_arraylike(param) else 0,
                         _name("opt_state", path + p),
                         mesh,
                         fsdp_axis,
@@ -324,7 +320,7 @@ def opt_state_shardings(
                     out.append(NamedSharding(mesh, spec))
             treedef = jtu.tree_structure(x, is_leaf=_is_placeholder)
             return jtu.tree_unflatten(treedef, out)
-        return replicated if _is_arraylike(x) else None
+        return replicated if is_arraylike(x) else None
 
     return jtu.tree_map_with_path(
         one, opt_state, is_leaf=lambda x: _is_placeholder(x) or is_params_like(x)
@@ -386,7 +382,7 @@ def batch_shardings(
     spec = PartitionSpec(axes if len(axes) > 1 else axes[0])
 
     def one(path: tuple, leaf: Any) -> Any:
-        if not _is_arraylike(leaf):
+        if not is_arraylike(leaf):
             return None
         if leaf.ndim == 0 or leaf.shape[0] % size:
             got = "a scalar" if leaf.ndim == 0 else f"batch size {leaf.shape[0]}"
@@ -404,19 +400,20 @@ def batch_shardings(
 def gather_layers(model: Any, mesh: Mesh) -> Any:
     """`model` with every [`eqxscan.Stacked`][] set to gather the one layer each scan
     step runs (`layer_sharding` replicated on `mesh`): FSDP's per-layer all-gather
-    inside the loop, rather than XLA gathering activations instead."""
+    inside the loop, rather than XLA gathering activations instead.
+
+    **Arguments:**
+
+    - `model`: any pytree, usually an `eqx.Module` containing `Stacked`s (nested
+      ones included).
+    - `mesh`: the `jax.sharding.Mesh` the model is placed on.
+
+    **Returns:**
+
+    `model` with the same arrays and `layer_sharding` set on every `Stacked`.
+    """
     mesh = _check_mesh(mesh)
-    replicated = NamedSharding(mesh, PartitionSpec())
-
-    def one(x: Any) -> Any:
-        if isinstance(x, Stacked):
-            inner = eqx.tree_at(
-                lambda s: s.layers, x, gather_layers(x.layers, mesh), is_leaf=_is_none
-            )
-            return inner.with_options(layer_sharding=replicated)
-        return x
-
-    return jtu.tree_map(one, model, is_leaf=lambda x: isinstance(x, Stacked))
+    return _set_layer_sharding(model, NamedSharding(mesh, PartitionSpec()))
 
 
 def _restructure(opt_state: Any, old: Any, new: Any) -> Any:

@@ -1,5 +1,6 @@
 """`Stacked`: L layers of one kind stored as one module with a leading layer axis."""
 
+import dataclasses
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any, SupportsIndex
@@ -43,6 +44,26 @@ def per_layer(tree: PyTree) -> PerLayer:
 
 
 _MISSING: Any = object()
+
+
+def _arg_name(index_or_name: int | str) -> str:
+    if isinstance(index_or_name, int):
+        return f"args[{index_or_name}]"
+    return f"kwargs[{index_or_name!r}]"
+
+
+def check_per_layer(args: tuple, kwargs: dict, length: int) -> dict[str, PerLayer]:
+    """The [`eqxscan.per_layer`][] arguments of a call, by name (`args[0]`,
+    `kwargs['cache']`), after checking that their array leaves have leading axis
+    `length`."""
+    named = [(_arg_name(i), a) for i, a in enumerate(args)]
+    named += [(_arg_name(n), v) for n, v in kwargs.items()]
+    found = {}
+    for name, value in named:
+        if isinstance(value, PerLayer):
+            check_leading_axis(value.tree, length, f"per_layer {name}", "layer")
+            found[name] = value
+    return found
 
 
 def _check_num_layers(num_layers: Any) -> int:
@@ -158,6 +179,12 @@ class Stacked(eqx.Module):
             object.__setattr__(self, name, value)
         return self
 
+    def _replace(self, **changes: Any) -> "Stacked":
+        # A copy with `changes` applied and every other field kept, static options
+        # (`layer_sharding` included) too: the one way to rebuild a Stacked.
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return type(self)._build(**{**fields, **changes})
+
     @classmethod
     def from_layers(
         cls,
@@ -198,20 +225,25 @@ class Stacked(eqx.Module):
     ) -> "Stacked":
         """A copy with the same weights and new options; options not given are kept.
 
-        Besides `mode`, `checkpoint` and `unroll` (see `__init__`), this sets
-        `layer_sharding`: a `jax.sharding.Sharding` (or `None`, the default) that
-        each scan step constrains its one layer's weights to before calling it.
-        FSDP uses a replicated sharding here, so that a step all-gathers only the
-        layer it runs; [`eqxscan.sharding.shard`][] sets it for you.
+        **Arguments:**
+
+        - `mode`, `checkpoint`, `unroll`: as for `__init__`.
+        - `layer_sharding`: a `jax.sharding.Sharding` (or `None`, the default) that
+          each scan step constrains its one layer's weights to before calling it.
+          FSDP uses a replicated sharding here, so that a step all-gathers only
+          the layer it runs; [`eqxscan.sharding.shard`][] sets it for you.
+
+        **Returns:**
+
+        A `Stacked` sharing this one's arrays.
         """
-        return type(self)._build(
-            self.layers,
-            self.num_layers,
-            self.mode if mode is _MISSING else mode,
-            self.checkpoint if checkpoint is _MISSING else checkpoint,
-            self.unroll if unroll is _MISSING else unroll,
-            self.layer_sharding if layer_sharding is _MISSING else layer_sharding,
+        options = dict(
+            mode=mode,
+            checkpoint=checkpoint,
+            unroll=unroll,
+            layer_sharding=layer_sharding,
         )
+        return self._replace(**{k: v for k, v in options.items() if v is not _MISSING})
 
     def __len__(self) -> int:
         return self.num_layers
@@ -228,14 +260,7 @@ class Stacked(eqx.Module):
             layers = jtu.tree_map(
                 lambda a: a[index] if eqx.is_array(a) else a, self.layers
             )
-            return type(self)._build(
-                layers,
-                len(selected),
-                self.mode,
-                self.checkpoint,
-                self.unroll,
-                self.layer_sharding,
-            )
+            return self._replace(layers=layers, num_layers=len(selected))
         try:
             i = operator.index(index)
         except TypeError:
@@ -299,14 +324,8 @@ class Stacked(eqx.Module):
         length = self.num_layers
         layer_dyn, layer_static = eqx.partition(self.layers, eqx.is_array)
         per_args, per_statics = {}, {}
-        for name, value in [(f"args[{i}]", a) for i, a in enumerate(args)] + [
-            (f"kwargs[{k!r}]", v) for k, v in kwargs.items()
-        ]:
-            if isinstance(value, PerLayer):
-                check_leading_axis(value.tree, length, f"per_layer {name}", "layer")
-                per_args[name], per_statics[name] = eqx.partition(
-                    value.tree, eqx.is_array
-                )
+        for name, value in check_per_layer(args, kwargs, length).items():
+            per_args[name], per_statics[name] = eqx.partition(value.tree, eqx.is_array)
         if keys is None and key is not None:
             keys = jr.split(key, length)
         cls_name = type(self.layers).__name__
@@ -316,18 +335,15 @@ class Stacked(eqx.Module):
             if self.layer_sharding is not None:
                 dyn = constrain(dyn, self.layer_sharding)
             layer = eqx.combine(dyn, layer_static)
-            call_args = [
-                eqx.combine(per[f"args[{i}]"], per_statics[f"args[{i}]"])
-                if f"args[{i}]" in per
-                else a
-                for i, a in enumerate(args)
-            ]
-            call_kwargs = {
-                n: eqx.combine(per[f"kwargs[{n!r}]"], per_statics[f"kwargs[{n!r}]"])
-                if f"kwargs[{n!r}]" in per
-                else v
-                for n, v in kwargs.items()
-            }
+
+            def pick(name: str, value: Any) -> Any:
+                # This layer's slice of a `per_layer` argument; others as given.
+                if name not in per:
+                    return value
+                return eqx.combine(per[name], per_statics[name])
+
+            call_args = [pick(_arg_name(i), a) for i, a in enumerate(args)]
+            call_kwargs = {n: pick(_arg_name(n), v) for n, v in kwargs.items()}
             if k is not None:
                 call_kwargs["key"] = k
             out = layer(carry, *call_args, **call_kwargs)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from ._checks import describe
+from ._checks import describe, is_arraylike
 from ._stacked import Stacked
 
 
@@ -25,10 +25,6 @@ from ._stacked import Stacked
 # enclosing `Stacked`, outermost first).
 _AXIS: Any = object()
 _MAX_LISTED = 10
-
-
-def _is_arraylike(x: Any) -> bool:
-    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 
 def _key_name(entry: Any, where: tuple) -> str:
@@ -102,7 +98,7 @@ def _walk(
     stacks: list[_Stack],
 ) -> Any:
     """Rebuild `node`, replacing each array leaf by `visit(_Leaf(...))`."""
-    if _is_arraylike(node):
+    if is_arraylike(node):
         return visit(_Leaf(parts, depths, node))
     if isinstance(node, Stacked):
         stack = _Stack(parts, node.num_layers)
@@ -115,14 +111,7 @@ def _walk(
             return visit(leaf)
 
         layers = _walk(node.layers, inner, depths + (node.num_layers,), record, stacks)
-        return type(node)._build(
-            layers,
-            node.num_layers,
-            node.mode,
-            node.checkpoint,
-            node.unroll,
-            node.layer_sharding,
-        )
+        return node._replace(layers=layers)
     children, treedef = jtu.tree_flatten_with_path(
         node, is_leaf=lambda x: x is not node
     )
@@ -312,7 +301,7 @@ def _has_check_init(node: Any) -> bool:
         "__check_init__" in cls.__dict__ for cls in type(node).__mro__
     ):
         return True
-    if _is_arraylike(node):
+    if is_arraylike(node):
         return False
     children, treedef = jtu.tree_flatten(node, is_leaf=lambda x: x is not node)
     return not jtu.treedef_is_leaf(treedef) and any(map(_has_check_init, children))
@@ -325,7 +314,7 @@ def _recheck(node: Any) -> None:
             for i in range(node.num_layers):
                 _recheck(node[i])
         return
-    if _is_arraylike(node):
+    if is_arraylike(node):
         return
     children, treedef = jtu.tree_flatten(node, is_leaf=lambda x: x is not node)
     if not jtu.treedef_is_leaf(treedef):

@@ -310,6 +310,37 @@ def test_with_options_keeps_weights(getkey):
     assert bool(eqx.tree_equal(other.unstack(), layers))
 
 
+def _scanned(groups, layout):
+    # Every Stacked the chain made, those inside repeated units included.
+    for group, span in zip(groups, layout):
+        if span.period > 0:
+            yield group
+        if span.period > 1:
+            yield from _scanned(group.layers.groups, group.layers.layout)
+
+
+def test_with_options_keeps_layer_sharding(getkey):
+    # `sharding.shard` sets `layer_sharding` on every scanned group; changing the
+    # other options must neither drop it nor regroup the layers.
+    layers = build("AABAABCC", getkey())
+    mesh = eqxscan.sharding.make_mesh(fsdp=1, devices=jax.devices()[:1])
+    chain = eqxscan.sharding.gather_layers(eqxscan.Chain(layers), mesh)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    other = chain.with_options(mode="loop", checkpoint=True, unroll=2)
+    assert layout(other) == layout(chain) == [(0, 6, 3), (6, 2, 1)]
+    groups = list(_scanned(other.groups, other.layout))
+    assert len(groups) == 3  # the repeats, the A run inside the unit, the C run
+    for group in groups:
+        assert group.layer_sharding == replicated
+        assert (group.mode, group.checkpoint, group.unroll) == ("loop", True, 2)
+    assert (other.mode, other.checkpoint, other.unroll) == ("loop", True, 2)
+    assert bool(eqx.tree_equal(other.unstack(), layers))
+    x = jnp.linspace(-1.0, 1.0, D)
+    assert tree_allclose(other(x), loop(layers, x))
+    with pytest.raises(ValueError, match="mode must be one of"):
+        chain.with_options(mode="fast")
+
+
 # --- program size -------------------------------------------------------------
 
 

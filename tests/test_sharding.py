@@ -464,3 +464,8 @@ def test_pipeline_errors(getkey):
         sharding.pipeline(stack[:2], x, mesh=mesh, microbatches=3)
     with pytest.raises(ValueError, match=r"stage_axis names mesh axis 'pipe'"):
         sharding.pipeline(stack[:2], x, mesh=mesh, microbatches=2, stage_axis="pipe")
+    # (Under the test suite's runtime type checking, beartype speaks first.)
+    with pytest.raises(TypeError, match=r"mesh must be a jax.sharding.Mesh|'mesh'"):
+        sharding.pipeline(stack[:2], x, mesh=None, microbatches=2)
+    with pytest.raises(TypeError, match=r"pipeline runs an eqxscan.Stacked|'stack'"):
+        sharding.pipeline(stack[0], x, mesh=mesh, microbatches=2)

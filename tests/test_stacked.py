@@ -275,7 +275,7 @@ def test_scan_collects_ys_and_none():
 
         def __call__(self, x):
             x = x * self.w
-            return x, {"x": x, "sum": x.sum()}
+            return x, {"x": x, "sum": x.sum(), "tag": "emit"}
 
     class EmitNone(eqx.Module):
         w: jax.Array
@@ -288,6 +288,7 @@ def test_scan_collects_ys_and_none():
         s = stack.with_options(mode=mode)
         final, ys = s.scan(jnp.ones(2))
         assert ys["x"].shape == (3, 2) and ys["sum"].shape == (3,)
+        assert ys["tag"] == "emit"  # non-array leaves are kept, not stacked
         assert jnp.allclose(ys["x"][-1], final)
         assert jnp.allclose(ys["x"][0], stack.layers.w[0])
         none_stack = eqxscan.Stacked.from_layers(

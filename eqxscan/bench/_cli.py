@@ -11,6 +11,7 @@ implementations interleaved in shuffled order. Results go to `--out` as
 
 import argparse
 import json
+import os
 import platform
 import shlex
 import sys
@@ -160,16 +161,12 @@ def _cpu_name() -> str:
 def _load_average() -> list[float] | None:
     # Other processes on the machine skew the seconds (not so much the ratios).
     try:
-        import os
-
         return [round(x, 2) for x in os.getloadavg()]
     except (AttributeError, OSError):
         return None
 
 
 def _machine() -> dict[str, Any]:
-    import os
-
     import equinox
     import jax
 

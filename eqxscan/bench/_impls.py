@@ -77,7 +77,7 @@ def _eqxscan(**options: Any) -> Callable[[StackedMLP], Built]:
         def loss(params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
             return mse(eqx.combine(params, static)(x), y)
 
-        return Built(params, loss, lambda g: stacked_arrays(g))
+        return Built(params, loss, stacked_arrays)
 
     return build
 
