@@ -12,7 +12,13 @@ import jax.random as jr
 import jax.tree_util as jtu
 from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, PyTree
 
-from ._checks import check_callable, check_carry, check_leading_axis, check_option
+from ._checks import (
+    check_callable,
+    check_carry,
+    check_leading_axis,
+    check_option,
+    check_takes_key,
+)
 from ._engine import check_options, run
 
 
@@ -265,6 +271,8 @@ class Recurrent(eqx.Module):
         if mask is not None:
             mask = _check_mask(mask, length)
         keys = None if key is None else jr.split(key, length)
+        if keys is not None:
+            check_takes_key(self.cell, "Recurrent", "step t gets key=keys[t]")
         # Position of each step in consumption order, for the truncation blocks.
         order = None
         if k is not None:

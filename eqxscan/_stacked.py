@@ -11,7 +11,13 @@ import jax.tree_util as jtu
 from jax.sharding import Sharding
 from jaxtyping import PRNGKeyArray, PyTree
 
-from ._checks import check_callable, check_leading_axis, check_stackable, describe
+from ._checks import (
+    check_callable,
+    check_leading_axis,
+    check_stackable,
+    check_takes_key,
+    describe,
+)
 from ._constrain import check_layer_sharding, constrain
 from ._engine import check_options, run
 
@@ -329,6 +335,7 @@ class Stacked(eqx.Module):
                 for n, v in kwargs.items()
             }
             if k is not None:
+                check_takes_key(layer, "Stacked", "layer i gets key=keys[i]")
                 call_kwargs["key"] = k
             out = layer(carry, *call_args, **call_kwargs)
             if not collect:

@@ -340,6 +340,21 @@ def test_cell_without_key_argument(getkey):
     )
 
 
+def test_key_for_cell_without_key_error(getkey):
+    cell = make_cell("elman", getkey())
+
+    def no_key(x, h):
+        return cell(x, h)
+
+    xs = jr.normal(getkey(), (T, IN))
+    with pytest.raises(TypeError) as info:
+        eqxscan.Recurrent(no_key)(jnp.zeros(HID), xs, key=getkey())
+    msg = str(info.value)
+    assert "Recurrent was called with `key=...`" in msg
+    assert "step t gets key=keys[t]" in msg
+    assert "no_key(x, h) takes no `key` argument" in msg
+
+
 # ------------------------------------------------------- finite differences
 
 

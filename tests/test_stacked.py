@@ -409,6 +409,30 @@ def test_per_layer_leading_axis_error():
     del stack
 
 
+@pytest.mark.parametrize("mode", ["scan", "loop"])
+def test_key_for_layers_without_key_error(mode):
+    class NoKey(eqx.Module):
+        lin: eqx.nn.Linear
+
+        def __call__(self, x):
+            return self.lin(x)
+
+    s = eqxscan.Stacked(
+        lambda k: NoKey(eqx.nn.Linear(4, 4, key=k)), 3, key=jr.key(0), mode=mode
+    )
+    with pytest.raises(TypeError) as info:
+        s(jnp.ones(4), key=jr.key(1))
+    msg = str(info.value)
+    assert "Stacked was called with `key=...`" in msg
+    assert "NoKey(x) takes no `key` argument" in msg
+    assert "NoKey.__call__ a keyword-only `key=None`" in msg
+    # Layers taking `**kwargs` are trusted to accept it.
+    s2 = eqxscan.Stacked(
+        lambda k: eqx.nn.Linear(4, 4, key=k), 3, key=jr.key(0), mode=mode
+    )
+    assert s2(jnp.ones(4), key=jr.key(1)).shape == (4,)
+
+
 @pytest.mark.parametrize(
     "kwargs, exc, match",
     [
