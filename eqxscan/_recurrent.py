@@ -18,6 +18,7 @@ from ._checks import (
     check_leading_axis,
     check_option,
     check_takes_key,
+    describe,
 )
 from ._engine import check_options, run
 
@@ -158,6 +159,48 @@ def _check_mask(mask: Any, length: int) -> Array:
     return jnp.asarray(mask)
 
 
+def _check_known_cell(cell: Any, h0: Any, xs: Any) -> None:
+    """For the cells whose shapes are known (`eqx.nn.GRUCell`, `eqx.nn.LSTMCell`,
+    `ElmanCell`), check `h0` and `xs` up front: a batched or mis-sized input
+    otherwise fails deep inside the cell with a bare `dot_general` error."""
+    if not isinstance(cell, (eqx.nn.GRUCell, eqx.nn.LSTMCell, ElmanCell)):
+        return
+    name = (
+        f"{type(cell).__name__}(input_size={cell.input_size}, "
+        f"hidden_size={cell.hidden_size})"
+    )
+    batch_hint = (
+        " Recurrent runs one sequence; for a batch, map over it: "
+        "`jax.vmap(rnn)(h0, xs)`."
+    )
+    hidden = (cell.hidden_size,)
+    if isinstance(cell, eqx.nn.LSTMCell):
+        ok = (
+            isinstance(h0, (tuple, list))
+            and len(h0) == 2
+            and all(eqx.is_array(a) and a.shape == hidden for a in h0)
+        )
+        expected = f"a pair (h, c) of arrays of shape {hidden}"
+    else:
+        ok = eqx.is_array(h0) and h0.shape == hidden
+        expected = f"an array of shape {hidden}"
+    if not ok:
+        got = (
+            "(" + ", ".join(describe(a) for a in h0) + ")"
+            if isinstance(h0, (tuple, list))
+            else describe(h0)
+        )
+        raise ValueError(
+            f"h0 is {got}, but {name} takes a carry that is {expected}." + batch_hint
+        )
+    if not (eqx.is_array(xs) and xs.shape[1:] == (cell.input_size,)):
+        raise ValueError(
+            f"xs is {describe(xs)}, but {name} takes one input of shape "
+            f"({cell.input_size},) per step, so xs must have shape "
+            f"(T, {cell.input_size})." + batch_hint
+        )
+
+
 class Recurrent(eqx.Module):
     """Run a recurrent cell over the time axis of a sequence with `jax.lax.scan`.
 
@@ -268,6 +311,7 @@ class Recurrent(eqx.Module):
         k = _check_truncate(truncate)
         xs_dyn, xs_static = eqx.partition(xs, eqx.is_array)
         length = _time_length(xs)
+        _check_known_cell(self.cell, h0, xs)
         if mask is not None:
             mask = _check_mask(mask, length)
         keys = None if key is None else jr.split(key, length)
