@@ -76,7 +76,8 @@ def _unstack(xs: Any, length: int) -> list[Any]:
 
 
 def _stack(ys: list[Any]) -> Any:
-    return jtu.tree_map(lambda *a: jnp.stack(a), *ys)
+    # Non-array leaves are kept from the first step, as `lax.scan` mode does.
+    return jtu.tree_map(lambda *a: jnp.stack(a) if eqx.is_array(a[0]) else a[0], *ys)
 
 
 def _flip(tree: Any) -> Any:

@@ -299,6 +299,23 @@ def test_scan_collects_ys_and_none():
         make_stack(2).scan(jnp.ones(4))
 
 
+def test_scan_ys_non_array_leaves_same_in_both_modes():
+    # Non-array leaves of y are kept as they are (not stacked), in both modes.
+    class Tagged(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x):
+            x = x * self.w
+            return x, {"x": x, "name": "tagged", "scale": 2.0}
+
+    stack = eqxscan.Stacked(lambda k: Tagged(jr.uniform(k, (2,))), 3, key=jr.key(0))
+    out = {m: stack.with_options(mode=m).scan(jnp.ones(2)) for m in ("scan", "loop")}
+    for _, ys in out.values():
+        assert ys["name"] == "tagged" and ys["scale"] == 2.0
+        assert ys["x"].shape == (3, 2)
+    assert tree_allclose(out["scan"], out["loop"])
+
+
 def test_pytree_carry_with_static_leaf():
     class Layer(eqx.Module):
         w: jax.Array
