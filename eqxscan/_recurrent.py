@@ -440,10 +440,13 @@ class Bidirectional(eqx.Module):
         final carry is the one after consuming `xs[0]`.
         """
         if not (isinstance(h0, (tuple, list)) and len(h0) == 2):
+            got = (
+                f"a {type(h0).__name__} of length {len(h0)}"
+                if isinstance(h0, (tuple, list))
+                else describe(h0)
+            )
             raise TypeError(
-                "Bidirectional expects h0 = (h0_forward, h0_backward), got "
-                f"{type(h0).__name__}"
-                + (f" of length {len(h0)}." if isinstance(h0, (tuple, list)) else ".")
+                f"Bidirectional expects h0 = (h0_forward, h0_backward), got {got}."
             )
         kf, kb = (None, None) if key is None else jr.split(key)
         hf, hs_f = self.forward(h0[0], xs, mask=mask, truncate=truncate, key=kf)

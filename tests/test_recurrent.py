@@ -555,8 +555,35 @@ def test_error_bidirectional(getkey):
     with pytest.raises(ValueError, match="forward.*reverse=True.*reverse=False"):
         eqxscan.Bidirectional(eqxscan.Recurrent(cell, reverse=True), cell)
     bi = eqxscan.Bidirectional(cell, cell)
-    with pytest.raises(TypeError, match=r"h0 = \(h0_forward, h0_backward\)"):
+    with pytest.raises(
+        TypeError, match=r"h0 = \(h0_forward, h0_backward\), got float32\[4\]\."
+    ):
         bi(jnp.zeros(HID), jnp.ones((T, IN)))
+    with pytest.raises(TypeError, match=r"got a tuple of length 3\."):
+        bi((jnp.zeros(HID),) * 3, jnp.ones((T, IN)))
+
+
+@pytest.mark.parametrize("name", ["elman", "gru", "lstm"])
+def test_error_known_cell_shapes(name, getkey):
+    rnn = eqxscan.Recurrent(make_cell(name, getkey()))
+    h0 = make_h0(name, getkey())
+    xs = jnp.ones((T, IN))
+    batched_h0 = jtu.tree_map(lambda a: jnp.stack([a, a]), h0)
+    cls = type(rnn.cell).__name__
+    # A batch passed without `jax.vmap`: named before the cell's matmul fails.
+    with pytest.raises(ValueError) as info:
+        rnn(batched_h0, jnp.ones((2, T, IN)))
+    msg = str(info.value)
+    assert f"{cls}(input_size={IN}, hidden_size={HID})" in msg
+    assert "h0 is" in msg and f"[2,{HID}]" in msg and "jax.vmap(rnn)" in msg
+    with pytest.raises(ValueError, match=rf"xs is float32\[{T},5\].*\(T, {IN}\)"):
+        rnn(h0, jnp.ones((T, 5)))
+    if name == "lstm":
+        with pytest.raises(ValueError, match=r"pair \(h, c\)"):
+            rnn(h0[0], xs)
+    # The batched call is fine under vmap.
+    h_T, _ = jax.vmap(rnn)(batched_h0, jnp.ones((2, T, IN)))
+    assert tree_allclose(h_T, jtu.tree_map(lambda a: jnp.stack([a, a]), rnn(h0, xs)[0]))
 
 
 # ------------------------------------------------------------------ example
@@ -581,26 +608,3 @@ def test_example_trains_below_baseline():
     assert final < 0.5 * baseline, out
     errors = [float(e) for e in re.findall(r"max rel err\s+([\d.e+-]+)", out)]
     assert len(errors) == 2 and max(errors) < 1e-6, out
-
-
-@pytest.mark.parametrize("name", ["elman", "gru", "lstm"])
-def test_error_known_cell_shapes(name, getkey):
-    rnn = eqxscan.Recurrent(make_cell(name, getkey()))
-    h0 = make_h0(name, getkey())
-    xs = jnp.ones((T, IN))
-    batched_h0 = jtu.tree_map(lambda a: jnp.stack([a, a]), h0)
-    cls = type(rnn.cell).__name__
-    # A batch passed without `jax.vmap`: named before the cell's matmul fails.
-    with pytest.raises(ValueError) as info:
-        rnn(batched_h0, jnp.ones((2, T, IN)))
-    msg = str(info.value)
-    assert f"{cls}(input_size={IN}, hidden_size={HID})" in msg
-    assert "h0 is" in msg and f"[2,{HID}]" in msg and "jax.vmap(rnn)" in msg
-    with pytest.raises(ValueError, match=rf"xs is float32\[{T},5\].*\(T, {IN}\)"):
-        rnn(h0, jnp.ones((T, 5)))
-    if name == "lstm":
-        with pytest.raises(ValueError, match=r"pair \(h, c\)"):
-            rnn(h0[0], xs)
-    # The batched call is fine under vmap.
-    h_T, _ = jax.vmap(rnn)(batched_h0, jnp.ones((2, T, IN)))
-    assert tree_allclose(h_T, jtu.tree_map(lambda a: jnp.stack([a, a]), rnn(h0, xs)[0]))
