@@ -5,6 +5,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, SupportsIndex
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
@@ -241,6 +242,15 @@ class Stacked(eqx.Module):
                 self.checkpoint,
                 self.unroll,
                 self.layer_sharding,
+            )
+        if isinstance(index, jax.core.Tracer):
+            raise TypeError(
+                "Stacked got a traced index (e.g. a jit argument). Indices must be "
+                "concrete ints so they can be range-checked; JAX's own indexing "
+                "would clamp an out-of-range one. Mark the index static (e.g. "
+                "`jax.jit(..., static_argnums=...)`), or select the layer "
+                "yourself: `jax.tree.map(lambda a: a[i] if eqx.is_array(a) else "
+                "a, stack.layers)`."
             )
         try:
             i = operator.index(index)

@@ -204,6 +204,9 @@ def test_indexing_and_slicing():
         stack[3:3]
     with pytest.raises(TypeError, match="index"):
         stack[1.0]
+    # A traced index cannot be range-checked (JAX would clamp it): say so.
+    with pytest.raises(TypeError, match="traced index.*static"):
+        jax.jit(lambda i: stack[i])(1)
 
 
 def test_with_options_keeps_weights_and_unset_options():
