@@ -163,7 +163,8 @@ def _check_known_cell(cell: Any, h0: Any, xs: Any) -> None:
     """For the cells whose shapes are known (`eqx.nn.GRUCell`, `eqx.nn.LSTMCell`,
     `ElmanCell`), check `h0` and `xs` up front: a batched or mis-sized input
     otherwise fails deep inside the cell with a bare `dot_general` error."""
-    if not isinstance(cell, (eqx.nn.GRUCell, eqx.nn.LSTMCell, ElmanCell)):
+    # Exact types: a subclass may well take other shapes.
+    if type(cell) not in (eqx.nn.GRUCell, eqx.nn.LSTMCell, ElmanCell):
         return
     name = (
         f"{type(cell).__name__}(input_size={cell.input_size}, "
@@ -174,7 +175,7 @@ def _check_known_cell(cell: Any, h0: Any, xs: Any) -> None:
         "`jax.vmap(rnn)(h0, xs)`."
     )
     hidden = (cell.hidden_size,)
-    if isinstance(cell, eqx.nn.LSTMCell):
+    if type(cell) is eqx.nn.LSTMCell:
         ok = (
             isinstance(h0, (tuple, list))
             and len(h0) == 2

@@ -586,6 +586,19 @@ def test_error_known_cell_shapes(name, getkey):
     assert tree_allclose(h_T, jtu.tree_map(lambda a: jnp.stack([a, a]), rnn(h0, xs)[0]))
 
 
+def test_subclassed_cell_shapes_are_not_assumed(getkey):
+    # A subclass may take other shapes (here a batch): the known-cell check skips it.
+    class BatchedElman(eqxscan.ElmanCell):
+        def __call__(self, input, hidden, *, key=None):
+            return jax.vmap(super().__call__)(input, hidden)
+
+    cell = BatchedElman(IN, HID, key=getkey())
+    xs = jr.normal(getkey(), (T, 2, IN))
+    h_T, _ = eqxscan.Recurrent(cell)(jnp.zeros((2, HID)), xs)
+    expected = python_loop(cell, jnp.zeros((2, HID)), xs)[0]
+    assert tree_allclose(h_T, expected)
+
+
 # ------------------------------------------------------------------ example
 
 
