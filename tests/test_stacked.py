@@ -429,6 +429,31 @@ def test_per_layer_leading_axis_error():
     del stack
 
 
+def test_error_inside_a_layer_names_the_layer():
+    class Dropping(eqx.Module):
+        lin: eqx.nn.Linear
+        drop: eqx.nn.Dropout
+
+        def __call__(self, x, *, key=None):
+            return self.drop(self.lin(x), key=key)
+
+    s = eqxscan.Stacked(
+        lambda k: Dropping(eqx.nn.Linear(4, 4, key=k), eqx.nn.Dropout(0.5)),
+        3,
+        key=jr.key(0),
+    )
+    expected = {
+        "loop": "(raised by Layer 0 (Dropping), run by eqxscan)",
+        "scan": "(raised by The stacked layer Dropping (one body for all 3 layers)",
+    }
+    for mode, note in expected.items():
+        with pytest.raises(RuntimeError, match="requires a key") as info:
+            s.with_options(mode=mode)(jnp.ones(4))
+        notes = getattr(info.value, "__notes__", [])
+        assert any(n.startswith(note) for n in notes), notes
+    assert s(jnp.ones(4), key=jr.key(1)).shape == (4,)
+
+
 @pytest.mark.parametrize("mode", ["scan", "loop"])
 def test_key_for_layers_without_key_error(mode):
     class NoKey(eqx.Module):
