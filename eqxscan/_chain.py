@@ -13,7 +13,7 @@ import jax.random as jr
 import jax.tree_util as jtu
 from jaxtyping import PRNGKeyArray, PyTree
 
-from ._checks import can_stack, describe, first_difference
+from ._checks import can_stack, check_takes_key, describe, first_difference
 from ._engine import check_options
 from ._stacked import _MISSING, check_per_layer, PerLayer, Stacked
 
@@ -216,6 +216,7 @@ def _call_group(
     group_keys = None if keys is None else _take(keys, span)
     if span.period == 0:
         if group_keys is not None:
+            check_takes_key(group, "Chain", "layer i gets key=keys[i]")
             kwargs["key"] = group_keys
         out = group(x, *args, **kwargs)
         if not collect:

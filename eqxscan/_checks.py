@@ -1,6 +1,7 @@
 """Validation helpers: every error names what is wrong, where, and what was expected."""
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -203,3 +204,32 @@ def check_callable(name: str, value: Any) -> Callable:
     if not callable(value):
         raise TypeError(f"{name} must be callable, got {type(value).__name__}.")
     return value
+
+
+def check_takes_key(fn: Any, what: str, per: str) -> None:
+    """Raise `TypeError` unless `fn` can be called with `key=`.
+
+    `what` is the caller that was given the key (e.g. `"Stacked"`), `per` says
+    how it hands keys out (e.g. `"layer i gets key=keys[i]"`). Called before the
+    call, so the user does not get a bare "unexpected keyword argument 'key'".
+    """
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read: let the call decide
+        return
+    for p in signature.parameters.values():
+        if p.kind is p.VAR_KEYWORD or (
+            p.name == "key" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ):
+            return
+    if inspect.isfunction(fn) or inspect.ismethod(fn):
+        name = target = fn.__qualname__
+    else:
+        name = type(fn).__name__
+        target = f"{name}.__call__"
+    raise TypeError(
+        f"{what} was called with `key=...` and passes it on ({per}), but "
+        f"{name}{signature} takes no `key` argument. Call it without `key` if "
+        f"{name} needs no randomness, or give {target} a keyword-only "
+        "`key=None` parameter."
+    )

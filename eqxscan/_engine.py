@@ -82,6 +82,18 @@ def _stack(ys: list[Any]) -> Any:
     return eqx.combine(jtu.tree_map(lambda *a: jnp.stack(a), *dyn), static[0])
 
 
+def _noted(step: Callable, where: str, carry: Any, x: Any) -> tuple[Any, Any]:
+    # An error from inside a layer or cell (e.g. Dropout without a key) otherwise
+    # says nothing about which layer or step raised it.
+    try:
+        return step(carry, x)
+    except Exception as e:
+        note = f"(raised by {where}, run by eqxscan)"
+        if note not in getattr(e, "__notes__", ()):
+            e.add_note(note)
+        raise
+
+
 def _flip(tree: Any) -> Any:
     return jtu.tree_map(lambda a: jnp.flip(a, axis=0), tree)
 
@@ -121,7 +133,7 @@ def run(
 
     def body(c_dyn: Any, x: Any) -> tuple[Any, Any]:
         c = eqx.combine(c_dyn, c_static)
-        new, y = step(c, x)
+        new, y = _noted(step, where(None), c, x)
         check_carry(c, new, where(None))
         new_dyn, _ = eqx.partition(new, eqx.is_array)
         y_dyn, y_static = eqx.partition(y, eqx.is_array)
@@ -180,7 +192,7 @@ def _run_loop(
     order = range(length - 1, -1, -1) if reverse else range(length)
     slices = _unstack(xs, length) if length > 0 else []
     for current in order:
-        new, y = step_fn(carry, slices[current])
+        new, y = _noted(step_fn, where(current), carry, slices[current])
         check_carry(carry, new, where(current))
         carry, ys[current] = new, y
     if length == 0 or all(y is None for y in ys):

@@ -7,6 +7,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
 from beartype import beartype
 from jaxtyping import Array, Float, jaxtyped, PRNGKeyArray, TypeCheckError
 
@@ -191,11 +192,14 @@ class StackedMLP(eqx.Module):
         return self.blocks.layers.w1.dtype
 
     def __call__(
-        self, x: Float[Array, "*batch D"], *, key: PRNGKeyArray | None = None
+        self,
+        x: Float[Array | np.ndarray, "*batch D"],
+        *,
+        key: PRNGKeyArray | None = None,
     ) -> Float[Array, "*batch D"]:
         """**Arguments:**
 
-        - `x`: `[..., D]` in the model's dtype.
+        - `x`: `[..., D]` in the model's dtype (a JAX or NumPy array).
         - `key`: required when `dropout > 0` outside inference mode; each layer
           gets its own dropout key.
 
@@ -203,6 +207,7 @@ class StackedMLP(eqx.Module):
 
         `[..., D]`, same dtype.
         """
+        x = jnp.asarray(x)
         _input_shape(self.blocks.layers.w1, x)
         if x.dtype != self.dtype:
             raise TypeError(

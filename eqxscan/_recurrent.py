@@ -12,7 +12,14 @@ import jax.random as jr
 import jax.tree_util as jtu
 from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, PyTree
 
-from ._checks import check_callable, check_carry, check_leading_axis, check_option
+from ._checks import (
+    check_callable,
+    check_carry,
+    check_leading_axis,
+    check_option,
+    check_takes_key,
+    describe,
+)
 from ._engine import check_options, run
 from ._stacked import _MISSING
 
@@ -164,6 +171,49 @@ def _check_mask(mask: Any, length: int) -> Array:
     return jnp.asarray(mask)
 
 
+def _check_known_cell(cell: Any, h0: Any, xs: Any) -> None:
+    """For the cells whose shapes are known (`eqx.nn.GRUCell`, `eqx.nn.LSTMCell`,
+    `ElmanCell`), check `h0` and `xs` up front: a batched or mis-sized input
+    otherwise fails deep inside the cell with a bare `dot_general` error."""
+    # Exact types: a subclass may well take other shapes.
+    if type(cell) not in (eqx.nn.GRUCell, eqx.nn.LSTMCell, ElmanCell):
+        return
+    name = (
+        f"{type(cell).__name__}(input_size={cell.input_size}, "
+        f"hidden_size={cell.hidden_size})"
+    )
+    batch_hint = (
+        " Recurrent runs one sequence; for a batch, map over it: "
+        "`jax.vmap(rnn)(h0, xs)`."
+    )
+    hidden = (cell.hidden_size,)
+    if type(cell) is eqx.nn.LSTMCell:
+        ok = (
+            isinstance(h0, (tuple, list))
+            and len(h0) == 2
+            and all(eqx.is_array(a) and a.shape == hidden for a in h0)
+        )
+        expected = f"a pair (h, c) of arrays of shape {hidden}"
+    else:
+        ok = eqx.is_array(h0) and h0.shape == hidden
+        expected = f"an array of shape {hidden}"
+    if not ok:
+        got = (
+            "(" + ", ".join(describe(a) for a in h0) + ")"
+            if isinstance(h0, (tuple, list))
+            else describe(h0)
+        )
+        raise ValueError(
+            f"h0 is {got}, but {name} takes a carry that is {expected}." + batch_hint
+        )
+    if not (eqx.is_array(xs) and xs.shape[1:] == (cell.input_size,)):
+        raise ValueError(
+            f"xs is {describe(xs)}, but {name} takes one input of shape "
+            f"({cell.input_size},) per step, so xs must have shape "
+            f"(T, {cell.input_size})." + batch_hint
+        )
+
+
 class Recurrent(eqx.Module):
     """Run a recurrent cell over the time axis of a sequence with `jax.lax.scan`.
 
@@ -283,9 +333,12 @@ class Recurrent(eqx.Module):
         k = _check_truncate(truncate)
         xs_dyn, xs_static = eqx.partition(xs, eqx.is_array)
         length = _time_length(xs)
+        _check_known_cell(self.cell, h0, xs)
         if mask is not None:
             mask = _check_mask(mask, length)
         keys = None if key is None else jr.split(key, length)
+        if keys is not None:
+            check_takes_key(self.cell, "Recurrent", "step t gets key=keys[t]")
         # Position of each step in consumption order, for the truncation blocks.
         order = None
         if k is not None:
@@ -407,10 +460,13 @@ class Bidirectional(eqx.Module):
         final carry is the one after consuming `xs[0]`.
         """
         if not (isinstance(h0, (tuple, list)) and len(h0) == 2):
+            got = (
+                f"a {type(h0).__name__} of length {len(h0)}"
+                if isinstance(h0, (tuple, list))
+                else describe(h0)
+            )
             raise TypeError(
-                "Bidirectional expects h0 = (h0_forward, h0_backward), got "
-                f"{type(h0).__name__}"
-                + (f" of length {len(h0)}." if isinstance(h0, (tuple, list)) else ".")
+                f"Bidirectional expects h0 = (h0_forward, h0_backward), got {got}."
             )
         kf, kb = (None, None) if key is None else jr.split(key)
         hf, hs_f = self.forward(h0[0], xs, mask=mask, truncate=truncate, key=kf)

@@ -44,6 +44,11 @@ def save(path: str | os.PathLike, model: Any) -> None:
         raise ValueError(f"'{_MANIFEST}' is reserved and cannot name a model array.")
     manifest = json.dumps({k: v.dtype.name for k, v in arrays.items()})
     directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        # Otherwise the error names the temporary file, not the one asked for.
+        raise FileNotFoundError(
+            f"Cannot save to {path!r}: its directory {directory!r} does not exist."
+        )
     fd, tmp = tempfile.mkstemp(
         dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp"
     )
@@ -86,7 +91,20 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
 
     A `dict[str, numpy.ndarray]`, as [`eqxscan.to_state_dict`][] made it.
     """
-    with np.load(os.fspath(path), allow_pickle=False) as archive:
+    path = os.fspath(path)
+    try:
+        archive = np.load(path, allow_pickle=False)
+    except ValueError as e:  # NumPy's message speaks of pickles and allow_pickle
+        raise ValueError(
+            f"{path!r} is not a checkpoint written by eqxscan.save (an .npz "
+            f"archive of arrays): {e}"
+        ) from None
+    if not isinstance(archive, np.lib.npyio.NpzFile):
+        raise ValueError(
+            f"{path!r} holds a single .npy array, not a checkpoint written by "
+            "eqxscan.save (an .npz archive of arrays)."
+        )
+    with archive:
         arrays = {k: archive[k] for k in archive.files}
     manifest = json.loads(str(arrays.pop(_MANIFEST, np.array("{}"))))
     for name, dtype_name in manifest.items():

@@ -6,13 +6,20 @@ from collections.abc import Callable, Sequence
 from typing import Any, SupportsIndex
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
 from jax.sharding import Sharding
 from jaxtyping import PRNGKeyArray, PyTree
 
-from ._checks import check_callable, check_leading_axis, check_stackable, describe
+from ._checks import (
+    check_callable,
+    check_leading_axis,
+    check_stackable,
+    check_takes_key,
+    describe,
+)
 from ._constrain import check_layer_sharding, constrain
 from ._engine import check_options, run
 
@@ -261,6 +268,15 @@ class Stacked(eqx.Module):
                 lambda a: a[index] if eqx.is_array(a) else a, self.layers
             )
             return self._replace(layers=layers, num_layers=len(selected))
+        if isinstance(index, jax.core.Tracer):
+            raise TypeError(
+                "Stacked got a traced index (e.g. a jit argument). Indices must be "
+                "concrete ints so they can be range-checked; JAX's own indexing "
+                "would clamp an out-of-range one. Mark the index static (e.g. "
+                "`jax.jit(..., static_argnums=...)`), or select the layer "
+                "yourself: `jax.tree.map(lambda a: a[i] if eqx.is_array(a) else "
+                "a, stack.layers)`."
+            )
         try:
             i = operator.index(index)
         except TypeError:
@@ -345,6 +361,7 @@ class Stacked(eqx.Module):
             call_args = [pick(_arg_name(i), a) for i, a in enumerate(args)]
             call_kwargs = {n: pick(_arg_name(n), v) for n, v in kwargs.items()}
             if k is not None:
+                check_takes_key(layer, "Stacked", "layer i gets key=keys[i]")
                 call_kwargs["key"] = k
             out = layer(carry, *call_args, **call_kwargs)
             if not collect:

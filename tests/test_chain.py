@@ -470,3 +470,19 @@ def test_checkpoint_options_agree(getkey):
         v2, g2 = value_and_grad(other, x)
         assert tree_allclose(v1, v2)
         assert tree_allclose(g1.unstack(), g2.unstack(), rtol=1e-5, atol=1e-6)
+
+
+def test_key_for_lone_layer_without_key_error(getkey):
+    class NoKey(eqx.Module):
+        w: Array
+
+        def __call__(self, x):
+            return x * self.w
+
+    chain = eqxscan.Chain([Affine(getkey()), NoKey(jnp.ones(D)), Affine(getkey())])
+    with pytest.raises(TypeError) as info:
+        chain(jnp.ones(D), key=getkey())
+    msg = str(info.value)
+    assert "Chain was called with `key=...`" in msg
+    assert "NoKey(x) takes no `key` argument" in msg
+    assert chain(jnp.ones(D)).shape == (D,)

@@ -35,6 +35,8 @@ def test_layout_and_forward_matches_hand_written(getkey):
     # Unbatched and multi-batch inputs.
     assert jnp.allclose(model(x[0]), expected[0], rtol=1e-5, atol=1e-5)
     assert model(jnp.ones((2, 3, 8))).shape == (2, 3, 8)
+    # NumPy inputs are accepted, as by `eqx.nn` layers.
+    assert jnp.allclose(model(np.asarray(x)), expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kw", [dict(mode="loop"), dict(checkpoint=False)])
@@ -92,6 +94,8 @@ def test_wrong_input_shape_names_the_dimension(getkey):
         model(jnp.ones((3, 7)))
     msg = str(info.value)
     assert "'x'" in msg and "*batch D" in msg and "D=8" in msg
+    with pytest.raises(TypeCheckError, match="D=8"):
+        model(np.ones((3, 7), np.float32))
 
 
 def test_dropout_keys(getkey):

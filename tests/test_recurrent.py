@@ -364,6 +364,21 @@ def test_cell_without_key_argument(getkey):
     )
 
 
+def test_key_for_cell_without_key_error(getkey):
+    cell = make_cell("elman", getkey())
+
+    def no_key(x, h):
+        return cell(x, h)
+
+    xs = jr.normal(getkey(), (T, IN))
+    with pytest.raises(TypeError) as info:
+        eqxscan.Recurrent(no_key)(jnp.zeros(HID), xs, key=getkey())
+    msg = str(info.value)
+    assert "Recurrent was called with `key=...`" in msg
+    assert "step t gets key=keys[t]" in msg
+    assert "no_key(x, h) takes no `key` argument" in msg
+
+
 # ------------------------------------------------------- finite differences
 
 
@@ -564,8 +579,48 @@ def test_error_bidirectional(getkey):
     with pytest.raises(ValueError, match="forward.*reverse=True.*reverse=False"):
         eqxscan.Bidirectional(eqxscan.Recurrent(cell, reverse=True), cell)
     bi = eqxscan.Bidirectional(cell, cell)
-    with pytest.raises(TypeError, match=r"h0 = \(h0_forward, h0_backward\)"):
+    with pytest.raises(
+        TypeError, match=r"h0 = \(h0_forward, h0_backward\), got float32\[4\]\."
+    ):
         bi(jnp.zeros(HID), jnp.ones((T, IN)))
+    with pytest.raises(TypeError, match=r"got a tuple of length 3\."):
+        bi((jnp.zeros(HID),) * 3, jnp.ones((T, IN)))
+
+
+@pytest.mark.parametrize("name", ["elman", "gru", "lstm"])
+def test_error_known_cell_shapes(name, getkey):
+    rnn = eqxscan.Recurrent(make_cell(name, getkey()))
+    h0 = make_h0(name, getkey())
+    xs = jnp.ones((T, IN))
+    batched_h0 = jtu.tree_map(lambda a: jnp.stack([a, a]), h0)
+    cls = type(rnn.cell).__name__
+    # A batch passed without `jax.vmap`: named before the cell's matmul fails.
+    with pytest.raises(ValueError) as info:
+        rnn(batched_h0, jnp.ones((2, T, IN)))
+    msg = str(info.value)
+    assert f"{cls}(input_size={IN}, hidden_size={HID})" in msg
+    assert "h0 is" in msg and f"[2,{HID}]" in msg and "jax.vmap(rnn)" in msg
+    with pytest.raises(ValueError, match=rf"xs is float32\[{T},5\].*\(T, {IN}\)"):
+        rnn(h0, jnp.ones((T, 5)))
+    if name == "lstm":
+        with pytest.raises(ValueError, match=r"pair \(h, c\)"):
+            rnn(h0[0], xs)
+    # The batched call is fine under vmap.
+    h_T, _ = jax.vmap(rnn)(batched_h0, jnp.ones((2, T, IN)))
+    assert tree_allclose(h_T, jtu.tree_map(lambda a: jnp.stack([a, a]), rnn(h0, xs)[0]))
+
+
+def test_subclassed_cell_shapes_are_not_assumed(getkey):
+    # A subclass may take other shapes (here a batch): the known-cell check skips it.
+    class BatchedElman(eqxscan.ElmanCell):
+        def __call__(self, input, hidden, *, key=None):
+            return jax.vmap(super().__call__)(input, hidden)
+
+    cell = BatchedElman(IN, HID, key=getkey())
+    xs = jr.normal(getkey(), (T, 2, IN))
+    h_T, _ = eqxscan.Recurrent(cell)(jnp.zeros((2, HID)), xs)
+    expected = python_loop(cell, jnp.zeros((2, HID)), xs)[0]
+    assert tree_allclose(h_T, expected)
 
 
 # ------------------------------------------------------------------ example

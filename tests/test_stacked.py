@@ -204,6 +204,9 @@ def test_indexing_and_slicing():
         stack[3:3]
     with pytest.raises(TypeError, match="index"):
         stack[1.0]
+    # A traced index cannot be range-checked (JAX would clamp it): say so.
+    with pytest.raises(TypeError, match="traced index.*static"):
+        jax.jit(lambda i: stack[i])(1)
 
 
 def test_with_options_keeps_weights_and_unset_options():
@@ -298,6 +301,23 @@ def test_scan_collects_ys_and_none():
         assert ys2 is None and jnp.allclose(final2, final)
     with pytest.raises(TypeError, match=r"\(carry, y\) pair"):
         make_stack(2).scan(jnp.ones(4))
+
+
+def test_scan_ys_non_array_leaves_same_in_both_modes():
+    # Non-array leaves of y are kept as they are (not stacked), in both modes.
+    class Tagged(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x):
+            x = x * self.w
+            return x, {"x": x, "name": "tagged", "scale": 2.0}
+
+    stack = eqxscan.Stacked(lambda k: Tagged(jr.uniform(k, (2,))), 3, key=jr.key(0))
+    out = {m: stack.with_options(mode=m).scan(jnp.ones(2)) for m in ("scan", "loop")}
+    for _, ys in out.values():
+        assert ys["name"] == "tagged" and ys["scale"] == 2.0
+        assert ys["x"].shape == (3, 2)
+    assert tree_allclose(out["scan"], out["loop"])
 
 
 def test_pytree_carry_with_static_leaf():
@@ -408,6 +428,55 @@ def test_per_layer_leading_axis_error():
     with pytest.raises(ValueError, match=r"kwargs\['extra'\]\['b'\]"):
         s(jnp.ones(4), extra=eqxscan.per_layer({"b": jnp.ones(4)}))
     del stack
+
+
+def test_error_inside_a_layer_names_the_layer():
+    class Dropping(eqx.Module):
+        lin: eqx.nn.Linear
+        drop: eqx.nn.Dropout
+
+        def __call__(self, x, *, key=None):
+            return self.drop(self.lin(x), key=key)
+
+    s = eqxscan.Stacked(
+        lambda k: Dropping(eqx.nn.Linear(4, 4, key=k), eqx.nn.Dropout(0.5)),
+        3,
+        key=jr.key(0),
+    )
+    expected = {
+        "loop": "(raised by Layer 0 (Dropping), run by eqxscan)",
+        "scan": "(raised by The stacked layer Dropping (one body for all 3 layers)",
+    }
+    for mode, note in expected.items():
+        with pytest.raises(RuntimeError, match="requires a key") as info:
+            s.with_options(mode=mode)(jnp.ones(4))
+        notes = getattr(info.value, "__notes__", [])
+        assert any(n.startswith(note) for n in notes), notes
+    assert s(jnp.ones(4), key=jr.key(1)).shape == (4,)
+
+
+@pytest.mark.parametrize("mode", ["scan", "loop"])
+def test_key_for_layers_without_key_error(mode):
+    class NoKey(eqx.Module):
+        lin: eqx.nn.Linear
+
+        def __call__(self, x):
+            return self.lin(x)
+
+    s = eqxscan.Stacked(
+        lambda k: NoKey(eqx.nn.Linear(4, 4, key=k)), 3, key=jr.key(0), mode=mode
+    )
+    with pytest.raises(TypeError) as info:
+        s(jnp.ones(4), key=jr.key(1))
+    msg = str(info.value)
+    assert "Stacked was called with `key=...`" in msg
+    assert "NoKey(x) takes no `key` argument" in msg
+    assert "NoKey.__call__ a keyword-only `key=None`" in msg
+    # Layers taking `**kwargs` are trusted to accept it.
+    s2 = eqxscan.Stacked(
+        lambda k: eqx.nn.Linear(4, 4, key=k), 3, key=jr.key(0), mode=mode
+    )
+    assert s2(jnp.ones(4), key=jr.key(1)).shape == (4,)
 
 
 @pytest.mark.parametrize(

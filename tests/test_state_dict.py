@@ -248,6 +248,22 @@ def test_load_checks_depth(getkey, tmp_path):
         eqxscan.load(tmp_path / "c.npz", _first_layers(deep, 4))
 
 
+def test_save_load_name_the_path_on_bad_files(getkey, tmp_path):
+    model = _mlp(getkey())
+    missing = tmp_path / "no" / "such" / "ckpt.npz"
+    with pytest.raises(FileNotFoundError, match=r"ckpt\.npz.*does not exist"):
+        eqxscan.save(missing, model)
+    assert os.listdir(tmp_path) == []
+    garbage = tmp_path / "notes.txt"
+    garbage.write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match=r"notes\.txt' is not a checkpoint"):
+        eqxscan.load(garbage, model)
+    single = tmp_path / "one.npy"
+    np.save(single, np.ones(3))
+    with pytest.raises(ValueError, match=r"one\.npy' holds a single \.npy array"):
+        eqxscan.load(single, model)
+
+
 def test_failed_write_keeps_old_checkpoint_and_leaves_no_stray_files(
     getkey, tmp_path, monkeypatch
 ):
