@@ -1,8 +1,15 @@
 """eqxscan: scan over layers and over time, first-class for Equinox."""
 
 from . import sharding as sharding
+from ._budget import (
+    fit_remat as fit_remat,
+    parse_bytes as parse_bytes,
+    RematCandidate as RematCandidate,
+    RematTable as RematTable,
+)
 from ._chain import Chain as Chain, Period as Period, Span as Span
-from ._engine import AUTO_POLICY as AUTO_POLICY
+from ._devices import Peak as Peak
+from ._engine import AUTO_POLICY as AUTO_POLICY, OFFLOAD_POLICY as OFFLOAD_POLICY
 from ._flax import from_flax_scan as from_flax_scan
 from ._mlp import MLPBlock as MLPBlock, rms_norm as rms_norm, StackedMLP as StackedMLP
 from ._recurrent import (

@@ -28,19 +28,28 @@ from ._checks import check_carry, check_option, check_unroll
 #: measurements.
 AUTO_POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 
-CHECKPOINT_STRINGS = ("auto", "nested")
+#: What `checkpoint="offload"` means: the same values as "auto" are kept, but in
+#: host memory ("pinned_host") rather than on the device; XLA copies them back
+#: for the backward pass. Where device and host memory are one (the CPU backend)
+#: the placement is a no-op and the program matches "auto".
+OFFLOAD_POLICY = jax.checkpoint_policies.offload_dot_with_no_batch_dims(
+    "device", "pinned_host"
+)
+
+CHECKPOINT_STRINGS = ("auto", "nested", "offload")
 MODES = ("scan", "loop")
 
 
 def check_checkpoint(checkpoint: Any) -> None:
-    """Raise unless `checkpoint` is False, True, "auto", "nested" or a policy."""
+    """Raise unless `checkpoint` is False, True, "auto", "nested", "offload" or a
+    policy."""
     if isinstance(checkpoint, bool) or callable(checkpoint):
         return
     if isinstance(checkpoint, str):
         check_option("checkpoint", checkpoint, (False, True) + CHECKPOINT_STRINGS)
         return
     raise TypeError(
-        "checkpoint must be False, True, 'auto', 'nested' or a "
+        "checkpoint must be False, True, 'auto', 'nested', 'offload' or a "
         f"jax.checkpoint_policies policy, got {type(checkpoint).__name__}."
     )
 
@@ -59,7 +68,8 @@ def _remat(fn: Callable, checkpoint: Any, *, in_scan: bool) -> Callable:
         return fn
     if checkpoint is True:
         return jax.checkpoint(fn, prevent_cse=prevent_cse)
-    policy = AUTO_POLICY if isinstance(checkpoint, str) else checkpoint
+    policy = OFFLOAD_POLICY if checkpoint == "offload" else checkpoint
+    policy = AUTO_POLICY if isinstance(policy, str) else policy
     return jax.checkpoint(fn, policy=policy, prevent_cse=prevent_cse)
 
 
