@@ -127,10 +127,39 @@ class RematTable:
                 f"{c.estimated_s * 1e3:.2f} | {measured} | "
                 f"{'**chosen**' if c is self.chosen else ''} |"
             )
+        rows += [
+            "",
+            "Estimated ms: FLOPs / peak FLOP/s + bytes accessed / bandwidth, from "
+            "XLA's cost analysis, which counts a loop body once rather than once per "
+            "iteration: compare the estimates with each other, not with measured "
+            "times.",
+        ]
         return "\n".join(rows)
 
     def __str__(self) -> str:
         return self.markdown()
+
+
+def choose(
+    candidates: Sequence[RematCandidate], budget: int, *, measured: bool = False
+) -> RematCandidate:
+    """The fitting candidate with the lowest estimated (or, with `measured=True`,
+    measured) time; `ValueError` listing every candidate's bytes if none fits."""
+    fitting = [c for c in candidates if c.device_bytes <= budget]
+    if not fitting:
+        mib = 2**20
+        listed = "; ".join(
+            f"{c.label}: {c.device_bytes / mib:.1f} MiB" for c in candidates
+        )
+        raise ValueError(
+            f"fit_remat: no checkpoint setting fits the budget of {budget / mib:.1f} "
+            f"MiB ({budget} bytes). Temp + argument + output bytes per candidate: "
+            f"{listed}.\nHint: raise the budget, shrink the batch, or shard the "
+            "model; see docs/remat.md."
+        )
+    if measured:
+        return min(fitting, key=lambda c: (c.measured_s is None, c.measured_s or 0.0))
+    return min(fitting, key=lambda c: c.estimated_s)
 
 
 def _is_scan(x: Any) -> bool:
@@ -290,35 +319,20 @@ def fit_remat(
             )
         )
 
-    fitting = [c for c in results if c.device_bytes <= limit]
-    if not fitting:
-        mib = 2**20
-        listed = "; ".join(
-            f"{c.label}: {c.device_bytes / mib:.1f} MiB" for c in results
-        )
-        raise ValueError(
-            f"fit_remat: no checkpoint setting fits the budget of {limit / mib:.1f} "
-            f"MiB ({limit} bytes). Temp + argument + output bytes per candidate: "
-            f"{listed}.\nHint: raise the budget, shrink the batch, or shard the "
-            "model; see docs/remat.md."
-        )
     if time_steps > 0:
         if any(isinstance(x, jax.ShapeDtypeStruct) for x in jtu.tree_leaves(args)):
             raise ValueError(
                 "fit_remat: time_steps > 0 runs the step, so args must be arrays, "
                 "not jax.ShapeDtypeStruct."
             )
-        measured = {id(c): _time(c.compiled, leaves, time_steps) for c in fitting}
+        choose(results, limit)  # raises if nothing fits, before any timing
         results = [
-            dataclasses.replace(c, measured_s=measured[id(c)])
-            if id(c) in measured
+            dataclasses.replace(c, measured_s=_time(c.compiled, leaves, time_steps))
+            if c.device_bytes <= limit
             else c
             for c in results
         ]
-        fitting = [c for c in results if c.measured_s is not None]
-        best = min(fitting, key=lambda c: c.measured_s or 0.0)
-    else:
-        best = min(fitting, key=lambda c: c.estimated_s)
+    best = choose(results, limit, measured=time_steps > 0)
     chosen = with_checkpoint(model, best.checkpoint)
     if table:
         return chosen, RematTable(limit, tuple(results), best, len(programs))
