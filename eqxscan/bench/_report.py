@@ -117,11 +117,11 @@ def transformer_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             }
         )
 
-    def get(table: dict, name: str, key: str | None) -> float | None:
+    def get(table: dict, name: str, key: str | None) -> float | int | None:
         row = table.get(name)
         return None if row is None else (row if key is None else row.get(key))
 
-    def ratio(a: float | None, b: float | None) -> float | None:
+    def ratio(a: float | int | None, b: float | int | None) -> float | None:
         return None if a is None or b is None or b == 0 else a / b
 
     c_eqx, c_loop = get(rows, "eqxscan", "total_s"), get(rows, LOOP, "total_s")

@@ -350,10 +350,7 @@ def _flax_nnx(model: Stacked) -> Built:
         return mse(nnx.merge(graphdef, state)(x), y)
 
     def to_canon(g: Any) -> dict:
-        plain = jax.tree.map(
-            lambda v: v[...], g.to_pure_dict() if hasattr(g, "to_pure_dict") else g
-        )
-        return _from_flax(plain)
+        return _from_flax(nnx.to_pure_dict(g))
 
     return Built(state, loss, to_canon)
 
