@@ -107,7 +107,7 @@ def parser() -> argparse.ArgumentParser:
         type=_impl_list,
         help="comma-separated implementations (default: all available): "
         + ", ".join(IMPLS)
-        + " (the Transformer adds eqxscan-offload and has no matmul-floor)",
+        + " (the Transformer has no matmul-floor and no eqxscan-save-all)",
     )
     p.add_argument(
         "--repeats",
