@@ -7,11 +7,15 @@ from ._budget import (
     RematCandidate as RematCandidate,
     RematTable as RematTable,
 )
-from ._chain import Chain as Chain, Period as Period, Span as Span
+from ._chain import Chain as Chain
 from ._devices import Peak as Peak
-from ._engine import AUTO_POLICY as AUTO_POLICY, OFFLOAD_POLICY as OFFLOAD_POLICY
 from ._flax import from_flax_scan as from_flax_scan
-from ._mlp import MLPBlock as MLPBlock, rms_norm as rms_norm, StackedMLP as StackedMLP
+from ._mlp import MLPBlock as MLPBlock, StackedMLP as StackedMLP
+from ._options import (
+    Checkpoint as Checkpoint,
+    Mode as Mode,
+    ScanOptions as ScanOptions,
+)
 from ._recurrent import (
     Bidirectional as Bidirectional,
     ElmanCell as ElmanCell,

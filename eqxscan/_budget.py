@@ -16,11 +16,9 @@ import equinox as eqx
 import jax
 import jax.tree_util as jtu
 
-from ._chain import Chain
 from ._checks import is_arraylike
 from ._devices import FALLBACK, Peak, peak_of
-from ._recurrent import Recurrent
-from ._stacked import Stacked
+from ._options import Scanning
 
 
 #: The settings tried by default, from most saved to least: "auto", a policy
@@ -163,12 +161,12 @@ def choose(
 
 
 def _is_scan(x: Any) -> bool:
-    return isinstance(x, (Stacked, Chain, Recurrent))
+    return isinstance(x, Scanning)
 
 
 def with_checkpoint(model: Any, checkpoint: Any) -> Any:
-    """`model` with `checkpoint` set on every `Stacked`, `Chain` and `Recurrent` in
-    it (the outermost ones; each passes it on to what it runs)."""
+    """`model` with `checkpoint` set on every scanning module in it (`Stacked`,
+    `Chain`, `Recurrent`, `StackedMLP`; the outermost ones, which pass it on)."""
     return jtu.tree_map(
         lambda x: x.with_options(checkpoint=checkpoint) if _is_scan(x) else x,
         model,
