@@ -195,11 +195,12 @@ def test_mesh_puts_data_across_processes(runs):
 
 
 def test_sharded_creation_equals_unsharded(runs):
+    # Bit for bit what the same program computes unsharded; within float
+    # rounding of the eager constructor (XLA fuses the init's scaling).
     created = group(runs["created"], "model")
-    want = by_path(make_model(jax.random.key(0)))
-    assert created.keys() == want.keys()
-    for k in want:
-        np.testing.assert_array_equal(created[k], want[k])
+    key = jax.random.key(0)
+    assert_close(created, by_path(eqx.filter_jit(make_model)(key)), 0)
+    assert_close(created, by_path(make_model(key)), 1e-6)
     two = runs["two"]
     # fsdp=4: each device builds and keeps a quarter of the model, and the
     # creating program never holds a whole copy.
@@ -382,10 +383,9 @@ def test_create_on_one_process(getkey):
     model = sharding.create(make_model, key, mesh=mesh, min_size=0)
     assert model.blocks.layer_sharding is not None
     assert str(model.blocks.layers.w1.sharding.spec) == "P(None, None, 'fsdp')"
+    assert_close(by_path(model), by_path(eqx.filter_jit(make_model)(key)), 0)
     want = by_path(make_model(key))
-    got = by_path(model)
-    for k in want:
-        np.testing.assert_array_equal(got[k], want[k])
+    assert_close(by_path(model), want, 1e-6)
     total = sum(x.nbytes for x in want.values())
     memory = (
         sharding.lower_create(make_model, key, mesh=mesh, min_size=0)
@@ -400,4 +400,4 @@ def test_create_on_one_process(getkey):
     assert mlp.blocks.layer_sharding is None and mlp.blocks.num_layers == 2
     assert sharding.local_rows(6, mesh) == slice(0, 6)
     want = by_path(eqxscan.StackedMLP(8, 2, key=key))
-    assert all(np.array_equal(v, want[k]) for k, v in by_path(mlp).items())
+    assert_close(by_path(mlp), want, 1e-6)
