@@ -208,6 +208,11 @@ def train(args: argparse.Namespace) -> None:
                 model, opt_state, mesh=mesh, min_size=min_size
             )
             say(f"restored step {start} in {time.perf_counter() - t:.3f} s")
+    if start >= args.steps:
+        raise SystemExit(
+            f"The checkpoint is at step {start}, and --steps is {args.steps}: "
+            "nothing to train. Pass a larger --steps."
+        )
 
     w1 = model.blocks.layers.w1
     local_shape = w1.addressable_shards[0].data.shape

@@ -52,13 +52,14 @@ def env() -> dict[str, str]:
 
 
 def start(*argv: str, log: pathlib.Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, *argv],
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        env=env(),
-        cwd=ROOT,
-    )
+    with log.open("w") as f:  # the child keeps its own handle
+        return subprocess.Popen(
+            [sys.executable, *argv],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=env(),
+            cwd=ROOT,
+        )
 
 
 @contextlib.contextmanager
@@ -190,7 +191,7 @@ def test_mesh_puts_data_across_processes(runs):
     # Row i of the (data=2, fsdp=4) mesh is process i's four devices.
     assert two["mesh_rows_processes"] == [[0], [1]]
     assert two["local_rows"] == [[0, 8], [8, 16]]
-    assert "holds 4 of the batch's 8 blocks" in two["batch_error"]
+    assert "whose devices hold 4 of the batch's 8 blocks" in two["batch_error"]
     assert "multiple of 4 rows" in two["batch_error"]
 
 
