@@ -7,6 +7,7 @@ process holds, and `jit` over a mesh spanning every process's devices runs the
 collectives (gloo on CPU, NCCL on GPU, ICI/DCN on TPU).
 """
 
+import math
 import os
 import sys
 import threading
@@ -68,14 +69,15 @@ def initialize(
     if any(v is not None for v in given) and any(v is None for v in given):
         raise ValueError(
             "Give coordinator_address, num_processes and process_id together (got "
-            f"{coordinator_address!r}, {num_processes!r}, {process_id!r}), or none "
-            f"of them to let JAX detect the cluster; {DOCS}."
+            f"{coordinator_address!r}, {num_processes!r}, {process_id!r}).\nHint: "
+            f"or give none of them, to let JAX detect the cluster; {DOCS}."
         )
     if num_processes is not None and process_id is not None:
         if not 0 <= process_id < num_processes:
             raise ValueError(
                 f"process_id={process_id} is outside 0..{num_processes - 1} for "
-                f"num_processes={num_processes}; number the processes from 0."
+                f"num_processes={num_processes}.\nHint: number the processes "
+                f"from 0; {DOCS}."
             )
     # The default in recent JAX; older versions have no CPU collectives without it.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -155,9 +157,7 @@ def _blocks(sharding: NamedSharding) -> tuple[int, int]:
     """`(on this process, in all)`: the row blocks of a batch split by `sharding`."""
     spec = sharding.spec[0] if len(sharding.spec) else None
     axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
-    total = 1
-    for a in axes:
-        total *= sharding.mesh.shape[a]
+    total = math.prod(sharding.mesh.shape[a] for a in axes)
     index = sharding.addressable_devices_indices_map((total,)).values()
     return len({i[0].start for i in index}), total
 
@@ -225,6 +225,13 @@ def local_rows(
     """
     axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
     axes = tuple(a for a in axes if a in mesh.shape)
+    total = math.prod(mesh.shape[a] for a in axes)
+    if rows % total:
+        raise ValueError(
+            f"A batch of {rows} rows cannot be split over mesh axes {axes} "
+            f"(total size {total}) of mesh {dict(mesh.shape)}.\nHint: use a "
+            f"multiple of {total} rows; {DOCS}."
+        )
     spec = PartitionSpec(axes if len(axes) > 1 else axes[0] if axes else None)
     blocks = NamedSharding(mesh, spec).addressable_devices_indices_map((rows,))
     starts = sorted({b[0].start or 0 for b in blocks.values()})
