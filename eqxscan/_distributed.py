@@ -142,13 +142,17 @@ def place(tree: Any, shardings: Any, mesh: Mesh) -> Any:
     """
     if _is_traced(tree) or not mesh.is_multi_process:
         return constrain(tree, shardings)
+    return _assemble(tree, shardings, jax.device_put)
 
+
+def _assemble(tree: Any, shardings: Any, put: Callable[[Any, Any], Any]) -> Any:
+    # `put(x, sharding)` for local arrays; global ones are resharded by `jit`.
     def one(sharding: Any, x: Any) -> Any:
         if not is_arraylike(x) or sharding is None:
             return x
         if isinstance(x, jax.Array) and not x.is_fully_addressable:
             return constrain(x, sharding)
-        return jax.device_put(x, sharding)
+        return put(x, sharding)
 
     return jtu.tree_map(one, shardings, tree, is_leaf=lambda x: x is None)
 
@@ -188,15 +192,9 @@ def place_batch(batch: Any, mesh: Mesh, shardings_for: Callable[[Any], Any]) -> 
         return jax.ShapeDtypeStruct((rows,) + tuple(x.shape[1:]), x.dtype)
 
     shardings = shardings_for(jtu.tree_map_with_path(global_like, batch))
-
-    def one(sharding: Any, x: Any) -> Any:
-        if not is_arraylike(x) or sharding is None:
-            return x
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            return constrain(x, sharding)
-        return jax.make_array_from_process_local_data(sharding, x)
-
-    return jtu.tree_map(one, shardings, batch, is_leaf=lambda x: x is None)
+    return _assemble(
+        batch, shardings, lambda x, s: jax.make_array_from_process_local_data(s, x)
+    )
 
 
 def local_rows(

@@ -91,7 +91,10 @@ def gathered(tree) -> dict[str, np.ndarray]:
 
 
 def dump(name: str, **trees) -> None:
-    arrays = {f"{k}/{p}": v for k, tree in trees.items() for p, v in tree.items()}
+    """Write every array of `trees`, gathered, as `<tree name>/<path>`."""
+    arrays = {
+        f"{k}/{p}": v for k, tree in trees.items() for p, v in gathered(tree).items()
+    }
     if MAIN:
         np.savez(os.path.join(args.out, name), **arrays)
 
@@ -152,7 +155,7 @@ def two() -> dict:
     )
     results["model_shard_bytes"] = shard_bytes(model)
     results["spec_w1"] = str(model.blocks.layers.w1.sharding.spec)
-    dump("created.npz", model=gathered(model))
+    dump("created.npz", model=model)
 
     # FSDP memory of the training step's arguments, per device.
     step = make_train_step(optimizer, mesh)
@@ -168,12 +171,7 @@ def two() -> dict:
 
     model, opt_state, loss, grads = train(mesh, model, opt_state, 0, 3)
     results["loss3"] = loss
-    dump(
-        "two_after3.npz",
-        model=gathered(model),
-        opt_state=gathered(opt_state),
-        grads=gathered(grads),
-    )
+    dump("two_after3.npz", model=model, opt_state=opt_state, grads=grads)
 
     # Checkpoints: step 3 written asynchronously while steps 4-6 run.
     ckpt = sharding.CheckpointManager(CKPT, max_to_keep=3)
@@ -184,7 +182,7 @@ def two() -> dict:
     results["loss6"] = loss
     ckpt.save(6, model, opt_state, wait=True)
     results["steps_saved"] = ckpt.all_steps()
-    dump("two_after6.npz", model=gathered(model), opt_state=gathered(opt_state))
+    dump("two_after6.npz", model=model, opt_state=opt_state)
 
     # Restoring onto another mesh of the same processes (data across, 1 x 8).
     other = sharding.make_mesh(data=1)
@@ -194,7 +192,7 @@ def two() -> dict:
     results["restored_spec_other_mesh"] = str(
         restored.blocks.layers.w1.sharding.spec
     ) + str(dict(restored.blocks.layers.w1.sharding.mesh.shape))
-    dump("two_restored3.npz", model=gathered(restored))
+    dump("two_restored3.npz", model=restored)
 
     # A batch whose rows do not divide among this process's devices.
     try:
@@ -229,19 +227,14 @@ def eight() -> dict:
     model, opt_state = start(mesh)
     model, opt_state, loss, grads = train(mesh, model, opt_state, 0, 3)
     results["loss3"] = loss
-    dump(
-        "eight_after3.npz",
-        model=gathered(model),
-        opt_state=gathered(opt_state),
-        grads=gathered(grads),
-    )
+    dump("eight_after3.npz", model=model, opt_state=opt_state, grads=grads)
     # What the two processes saved, after one of their saves was killed.
     ckpt = sharding.CheckpointManager(CKPT)
     results["steps_after_kill"] = ckpt.all_steps()
     like, opt_like = abstract()
     model, opt_state, step_no = ckpt.restore(like, opt_like, mesh=mesh, min_size=0)
     results["latest_restored"] = step_no
-    dump("eight_restored6.npz", model=gathered(model), opt_state=gathered(opt_state))
+    dump("eight_restored6.npz", model=model, opt_state=opt_state)
     # Resume from step 3 on this topology: the same loss at step 6.
     model, opt_state, _ = ckpt.restore(like, opt_like, mesh=mesh, step=3, min_size=0)
     results["spec_w1"] = str(model.blocks.layers.w1.sharding.spec)
