@@ -8,8 +8,8 @@
 
 `--processes N` starts N local processes (coordinator on 127.0.0.1, a free port,
 CPU collectives via gloo), each with K simulated CPU devices. On a cluster, start
-one process per host with `--coordinator HOST:PORT --num-processes N --process-id I`
-(or none of the three where JAX detects the cluster, e.g. under SLURM).
+one process per host with `--coordinator HOST:PORT --num-processes N --process-id I`,
+or with `--distributed` where JAX detects the cluster (e.g. under SLURM's `srun`).
 
 The model learns to imitate a fixed random "teacher" `StackedMLP`. Both are built
 in their shards (`eqxscan.sharding.create`); each process feeds its own rows of
@@ -50,6 +50,11 @@ def parse() -> argparse.Namespace:
     group.add_argument("--processes", type=int, help="start N local processes")
     group.add_argument(
         "--devices-per-process", type=int, help="K simulated CPU devices per process"
+    )
+    group.add_argument(
+        "--distributed",
+        action="store_true",
+        help="join a job whose cluster JAX detects (SLURM, MPI, Kubernetes, TPU)",
     )
     group.add_argument("--coordinator", help="HOST:PORT of process 0 (on a cluster)")
     group.add_argument("--num-processes", type=int)
@@ -140,7 +145,8 @@ def train(args: argparse.Namespace) -> None:
 
     from eqxscan import sharding
 
-    if args.coordinator or args.num_processes or args.process_id is not None:
+    explicit = args.coordinator, args.num_processes, args.process_id
+    if args.distributed or any(a is not None for a in explicit):
         sharding.initialize(
             args.coordinator,
             args.num_processes,
