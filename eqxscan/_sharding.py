@@ -37,7 +37,7 @@ def make_mesh(
     `AxisType.Auto`: JAX's sharding propagation decides the layout of
     intermediates, so model code needs no sharding annotations.
 
-    With several processes (after [`eqxscan.sharding.initialize`][]) the default
+    With several processes (after `eqxscan.sharding.initialize`) the default
     devices are taken process by process, so `"data"` runs across processes first
     and each process's devices form whole `"fsdp"` groups where the sizes allow:
     FSDP's all-gathers then stay inside a host, and only gradients cross hosts.
