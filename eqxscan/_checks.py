@@ -2,6 +2,7 @@
 
 import dataclasses
 import inspect
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -198,6 +199,23 @@ def check_unroll(unroll: Any) -> None:
         )
     if unroll < 1:
         raise ValueError(f"unroll must be >= 1 (or a bool), got {unroll}.")
+
+
+def check_size(name: str, value: Any, minimum: int = 1) -> int:
+    """`value` as a plain `int`, for sizes such as `num_layers` or `dim`: anything
+    `operator.index` accepts (NumPy integers included) but `bool`."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        size = operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"{name} must be an int (or a NumPy integer), got "
+            f"{type(value).__name__} ({value!r})."
+        ) from None
+    if size < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {size}.")
+    return size
 
 
 def check_callable(name: str, value: Any) -> Callable:

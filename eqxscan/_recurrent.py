@@ -3,7 +3,7 @@
 import math
 import operator
 from collections.abc import Callable
-from typing import Any
+from typing import Any, SupportsIndex
 
 import equinox as eqx
 import jax
@@ -17,6 +17,7 @@ from ._checks import (
     check_carry,
     check_leading_axis,
     check_option,
+    check_size,
     check_takes_key,
     describe,
 )
@@ -52,8 +53,8 @@ class ElmanCell(eqx.Module):
 
     def __init__(
         self,
-        input_size: int,
-        hidden_size: int,
+        input_size: SupportsIndex,
+        hidden_size: SupportsIndex,
         use_bias: bool = True,
         dtype: Any = None,
         *,
@@ -68,6 +69,8 @@ class ElmanCell(eqx.Module):
           64-bit mode is on), as for `eqx.nn` layers.
         - `key`: a JAX PRNG key for the initialisation.
         """
+        input_size = check_size("input_size", input_size)
+        hidden_size = check_size("hidden_size", hidden_size)
         if dtype is None:
             dtype = jax.dtypes.canonicalize_dtype(jnp.float64)
         ikey, hkey, bkey = jr.split(key, 3)

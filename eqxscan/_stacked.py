@@ -16,6 +16,7 @@ from jaxtyping import PRNGKeyArray, PyTree
 from ._checks import (
     check_callable,
     check_leading_axis,
+    check_size,
     check_stackable,
     check_takes_key,
     describe,
@@ -73,17 +74,6 @@ def check_per_layer(args: tuple, kwargs: dict, length: int) -> dict[str, PerLaye
     return found
 
 
-def _check_num_layers(num_layers: Any) -> int:
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int):
-        raise TypeError(
-            f"num_layers must be an int, got {type(num_layers).__name__} "
-            f"({num_layers!r})."
-        )
-    if num_layers < 1:
-        raise ValueError(f"num_layers must be >= 1, got {num_layers}.")
-    return num_layers
-
-
 def stack_layers(layers: Sequence[Any], what: str = "Stacked.from_layers") -> Any:
     """Stack identical-structure layers leaf by leaf on a new axis 0."""
     check_stackable(layers, what)
@@ -126,7 +116,7 @@ class Stacked(eqx.Module):
     def __init__(
         self,
         make_layer: Callable[[PRNGKeyArray], Any],
-        num_layers: int,
+        num_layers: SupportsIndex,
         *,
         key: PRNGKeyArray,
         mode: str = "scan",
@@ -150,7 +140,7 @@ class Stacked(eqx.Module):
           gradients.
         - `unroll`: passed to `jax.lax.scan`.
         """
-        num_layers = _check_num_layers(num_layers)
+        num_layers = check_size("num_layers", num_layers)
         check_callable("make_layer", make_layer)
         check_options(mode, checkpoint, unroll)
         keys = jr.split(key, num_layers)
@@ -255,8 +245,27 @@ class Stacked(eqx.Module):
     def __len__(self) -> int:
         return self.num_layers
 
+    def _check_layer_axis(self, what: str) -> None:
+        # A batch of stacks (an ensemble made with `eqx.filter_vmap`) has its batch
+        # axis in front of the layer axis; JAX would clamp an index into it, and
+        # `lax.scan` would fail with a bare length error.
+        for path, leaf in jtu.tree_leaves_with_path(self.layers):
+            if eqx.is_array(leaf) and (
+                leaf.ndim == 0 or leaf.shape[0] != self.num_layers
+            ):
+                raise ValueError(
+                    f"Cannot {what} this Stacked: it has {self.num_layers} layers, "
+                    f"but `layers{jtu.keystr(path)}` has shape {tuple(leaf.shape)}, "
+                    "so its first axis is not the layer axis.\n"
+                    "Call and index a batch of stacks (e.g. an ensemble built "
+                    "with `eqx.filter_vmap`) inside `eqx.filter_vmap`: "
+                    "`eqx.filter_vmap(lambda s, x: s(x))(stacks, xs)`, "
+                    "`eqx.filter_vmap(lambda s: s[i])(stacks)`."
+                )
+
     def __getitem__(self, index: SupportsIndex | slice) -> Any:
         """`stack[i]` is layer `i` (negative allowed); `stack[i:j]` a `Stacked`."""
+        self._check_layer_axis("index")
         if isinstance(index, slice):
             selected = range(self.num_layers)[index]
             if len(selected) == 0:
@@ -337,6 +346,7 @@ class Stacked(eqx.Module):
     ) -> tuple[Any, Any]:
         # `keys`: already-split per-layer keys (leading axis L), used instead of
         # splitting `key`; `Chain` hands each group its slice of one split.
+        self._check_layer_axis("call")
         length = self.num_layers
         layer_dyn, layer_static = eqx.partition(self.layers, eqx.is_array)
         per_args, per_statics = {}, {}

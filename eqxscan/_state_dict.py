@@ -204,10 +204,17 @@ def _check_depths(stacks: list[_Stack], state_dict: Mapping[str, Any]) -> None:
 def _restore(like: Any, value: np.ndarray) -> Any:
     if isinstance(like, np.ndarray):
         return value
+    # A jitted function compiles again for an argument that differs in placement,
+    # committedness or weak type: match `like` in all three. An uncommitted array
+    # (the default placement) stays uncommitted.
+    if isinstance(like, jax.Array) and like.weak_type and value.ndim == 0:
+        restored = jax.lax.full_like(like, value)  # e.g. `jnp.array(0.5)` fields
+    else:
+        restored = jnp.asarray(value)
     sharding = getattr(like, "sharding", None)
-    if sharding is not None:
-        return jax.device_put(value, sharding)
-    return jnp.asarray(value)
+    if sharding is not None and getattr(like, "committed", True):
+        return jax.device_put(restored, sharding)
+    return restored
 
 
 def from_state_dict(like: Any, state_dict: Mapping[str, Any]) -> Any:
