@@ -116,3 +116,46 @@ def test_numpy_integer_sizes(getkey):
             eqxscan.Stacked(_linear, bad, key=getkey())
     with pytest.raises(ValueError, match="dim must be >= 1, got 0"):
         eqxscan.StackedMLP(np.int64(0), 2, key=getkey())
+
+
+# Layer surgery ------------------------------------------------------------------
+
+
+def test_with_layer(getkey):
+    stack = eqxscan.Stacked(_linear, 4, key=getkey(), mode="loop", checkpoint=True)
+    new_layer = _linear(getkey())
+    for i in (1, -1):
+        replaced = stack.with_layer(i, new_layer)
+        layers = stack.unstack()
+        layers[i] = new_layer
+        expected = eqxscan.Stacked.from_layers(layers, mode="loop", checkpoint=True)
+        assert eqx.tree_equal(replaced, expected) is True
+    assert (replaced.mode, replaced.checkpoint) == ("loop", True)
+    x = jnp.ones(4)
+    np.testing.assert_allclose(replaced(x), _loop(layers, x), rtol=1e-6)
+    with pytest.raises(IndexError, match="Layer index 4 is out of range"):
+        stack.with_layer(4, new_layer)
+    half = eqx.nn.Linear(4, 4, key=getkey(), dtype=jnp.float16)
+    with pytest.raises(ValueError, match=r"\.weight.*float32\[4,4\].*float16\[4,4\]"):
+        stack.with_layer(2, half)
+    with pytest.raises(ValueError, match=r"\.use_bias"):
+        stack.with_layer(2, eqx.nn.Linear(4, 4, use_bias=False, key=getkey()))
+
+
+def _loop(layers, x):
+    for layer in layers:
+        x = layer(x)
+    return x
+
+
+# make_layer mistakes --------------------------------------------------------------
+
+
+def test_make_layer_mistakes_are_named(getkey):
+    layer = _linear(getkey())
+    with pytest.raises(TypeError, match=r"(?s)make_layer.*Linear.*lambda"):
+        eqxscan.Stacked(layer, 3, key=getkey())
+    with pytest.raises(
+        TypeError, match=r"(?s)make_layer returned an array.*float32\[4\]"
+    ):
+        eqxscan.Stacked(lambda k: jr.normal(k, (4,)), 3, key=getkey())
