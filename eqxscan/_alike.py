@@ -38,6 +38,16 @@ class Difference(NamedTuple):
     verdict: Verdict
 
 
+def _describe(x: Any) -> str:
+    # `repr` of a partial is long and hides its arguments past 80 characters.
+    if isinstance(x, functools.partial):
+        func = getattr(x.func, "__name__", None) or describe(x.func)
+        args = [describe(a) for a in x.args]
+        args += [f"{k}={describe(v)}" for k, v in x.keywords.items()]
+        return f"partial({', '.join([func, *args])})"
+    return describe(x)
+
+
 def _uses_identity(x: Any) -> bool:
     return type(x).__eq__ is object.__eq__
 
@@ -193,7 +203,7 @@ def _walk(a: Any, b: Any, path: str, unknown: list[Difference]) -> Difference | 
         verdict = value_verdict(a, b)
         if verdict == "same":
             return None
-        diff = Difference(path, describe(a), describe(b), verdict)
+        diff = Difference(path, _describe(a), _describe(b), verdict)
         if verdict == "unknown":
             unknown.append(diff)
             return None
