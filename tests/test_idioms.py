@@ -129,7 +129,7 @@ def test_with_layer(getkey):
         layers = stack.unstack()
         layers[i] = new_layer
         expected = eqxscan.Stacked.from_layers(layers, mode="loop", checkpoint=True)
-        assert eqx.tree_equal(replaced, expected) is True
+        assert eqx.tree_equal(replaced, expected)
     assert (replaced.mode, replaced.checkpoint) == ("loop", True)
     x = jnp.ones(4)
     np.testing.assert_allclose(replaced(x), _loop(layers, x), rtol=1e-6)

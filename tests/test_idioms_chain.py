@@ -147,7 +147,7 @@ def test_chain_state_dict_by_global_layer_index(getkey):
     x = jnp.ones(4)
     for like in (runs, plain, periodic):
         loaded = eqxscan.from_state_dict(like, sd)
-        assert eqx.tree_equal(loaded, like) is True
+        assert eqx.tree_equal(loaded, like)
     # And back: a list's checkpoint loads into either grouping.
     loaded = eqxscan.from_state_dict(runs, eqxscan.to_state_dict(plain))
     np.testing.assert_array_equal(loaded.layers(x), _loop(layers, x))
@@ -164,7 +164,7 @@ def test_chain_state_dict_old_names(getkey, tmp_path):
     # Into the grouping they were saved from: migrated.
     with pytest.warns(UserWarning, match="grouping"):
         loaded = eqxscan.from_state_dict(chain, old)
-    assert eqx.tree_equal(loaded, chain) is True
+    assert eqx.tree_equal(loaded, chain)
     # Into another grouping: rejected, saying how to convert.
     other = eqxscan.Chain(layers, periodic=False)
     with pytest.raises(ValueError, match="(?s)grouping.*periodic"):

@@ -134,7 +134,7 @@ def test_stateful_layers_built_one_by_one_stack(getkey, mode):
         [Block(k) for k in keys], mode=mode
     )
     same, _ = eqx.nn.make_with_state(eqxscan.Stacked)(Block, n, key=key)
-    assert eqx.tree_equal(model.layers, same.layers) is True
+    assert eqx.tree_equal(model.layers, same.layers)
     xs = jr.normal(getkey(), (8, 3))
     y, state = _batched(model)(xs, state)
     (ref,), _, _ = _reference(key, n, [xs])
