@@ -22,6 +22,7 @@ from ._checks import (
     describe,
 )
 from ._engine import check_options, run
+from ._stateful import clone
 from ._stacked import _MISSING
 
 
@@ -360,12 +361,13 @@ class Recurrent(eqx.Module):
                 cut = (n > 0) & (n % k == 0)
                 h = _where(cut, jtu.tree_map(_stop_gradient, h), h)
             x = eqx.combine(x_dyn, xs_static)
+            old = clone(h)  # the cell may invalidate `h` (an `eqx.nn.State`)
             new = cell(x, h) if step_key is None else cell(x, h, key=step_key)
             if m is not None:
                 # Check before `jnp.where` can broadcast a wrong shape into the
                 # carry (without a mask the engine checks, naming the step).
-                check_carry(h, new, where_masked)
-                new = _where(m, new, h)
+                check_carry(old, new, where_masked)
+                new = _where(m, new, old)
             return new, new
 
         def where(i: int | None) -> str:

@@ -72,3 +72,12 @@ def state_pair(out: Any, who: str) -> tuple[Any, Any]:
             f"{describe(out)}."
         )
     return out
+
+
+def clone(tree: Any) -> Any:
+    """A copy of `tree`'s structure sharing its leaves. An `eqx.nn.State` is
+    invalidated once a layer calls `set` on it, so a carry that must be read
+    after the step (to check it, or to keep it on a masked step) is cloned first,
+    as Equinox recommends."""
+    leaves, treedef = jtu.tree_flatten(tree)
+    return jtu.tree_unflatten(treedef, leaves)
