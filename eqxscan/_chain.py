@@ -13,9 +13,12 @@ import jax.random as jr
 import jax.tree_util as jtu
 from jaxtyping import PRNGKeyArray, PyTree
 
-from ._checks import can_stack, check_takes_key, describe, first_difference
+from ._alike import alike
+from ._checks import CarryError, check_takes_key, describe, first_difference
 from ._engine import check_options
+from ._grouping import explain, warn_identity
 from ._stacked import _MISSING, check_per_layer, PerLayer, Stacked
+from ._stateful import find_state, get_arg, replace_arg, state_pair
 
 
 class Span(NamedTuple):
@@ -95,7 +98,7 @@ def _classes(layers: Sequence[Any]) -> tuple[int, ...]:
     reps: list[Any] = []
     labels = []
     for layer in layers:
-        label = next((j for j, rep in enumerate(reps) if can_stack(rep, layer)), None)
+        label = next((j for j, rep in enumerate(reps) if alike(rep, layer)), None)
         if label is None:
             label = len(reps)
             reps.append(layer)
@@ -280,6 +283,7 @@ def _run_groups(
     carry, as a `TypeError` naming where and how it changed."""
     pieces = []
     changed = None  # (layer name, path, before, after) of the last carry change
+    state_at = find_state(args, kwargs)
     for group, span in zip(groups, layout):
         try:
             new_x, ys = _call_group(group, span, x, args, kwargs, keys, collect)
@@ -287,6 +291,15 @@ def _run_groups(
             if not explain:
                 raise
             name = _group_name(group, span)
+            if isinstance(e, CarryError) and span.period > 0:
+                # This group changed the carry itself: name it (by its index in
+                # the chain when the loop knows which layer), not an earlier one.
+                if span.period == 1 and e.step is not None:
+                    name = (
+                        f"layer {span.start + e.step} ({type(group.layers).__name__})"
+                    )
+                e.args = (f"Chain {name} {e.what}",)
+                raise
             if changed is not None:
                 by, path, before, after = changed
                 raise TypeError(
@@ -296,12 +309,19 @@ def _run_groups(
                 ) from e
             e.add_note(f"(raised by eqxscan.Chain {name})")
             raise
+        if state_at is not None:
+            # A stateful fold: each group returns `(x, state)`; the next one gets
+            # the new state.
+            new_x, state = state_pair(new_x, _group_name(group, span))
+            args, kwargs = replace_arg(args, kwargs, state_at, state)
         if explain and span.period == 0:
             diff = first_difference(x, new_x)
             if diff is not None:
                 changed = (_group_name(group, span), *diff)
         x = new_x
         pieces.append((group, span, ys))
+    if state_at is not None:
+        return (x, get_arg(args, kwargs, state_at)), None
     return x, (_join(pieces) if collect else None)
 
 
@@ -433,7 +453,9 @@ class Chain(eqx.Module):
         check_options(mode, checkpoint, unroll)
         if not isinstance(periodic, bool):
             raise TypeError(f"periodic must be a bool, got {type(periodic).__name__}.")
-        plan, _, _ = _plan(_classes(layers), periodic)
+        labels = _classes(layers)
+        warn_identity(layers, labels)
+        plan, _, _ = _plan(labels, periodic)
         options = dict(mode=mode, checkpoint=checkpoint, unroll=unroll)
         self.groups, self.layout = _assemble(layers, plan, options)
         self.num_layers = len(layers)
@@ -448,6 +470,21 @@ class Chain(eqx.Module):
     def unstack(self) -> list[Any]:
         """The layers as the list the chain was built from."""
         return _unstack(self.groups, self.layout)
+
+    def explain(self) -> str:
+        """How the layers were grouped, and why each lone layer was not scanned
+        with a neighbour (the leaf path where they differ, and both values).
+
+        **Returns:**
+
+        Text with one line per group, e.g.
+        `layer 3 (Linear): alone, unlike layer 2 (Linear) at `.weight`: it has
+        float16[8,8], layer 2 has float32[8,8]`.
+        """
+        layers = self.unstack()
+        _, bodies, _ = _plan(_classes(layers), self.periodic)
+        names = [_group_name(g, s) for g, s in zip(self.groups, self.layout)]
+        return explain(layers, self.layout, names, bodies)
 
     def with_options(
         self,
@@ -527,6 +564,11 @@ class Chain(eqx.Module):
         self, x: Any, args: tuple, kwargs: dict, key: Any, collect: bool
     ) -> tuple[Any, Any]:
         check_per_layer(args, kwargs, self.num_layers)
+        if collect and find_state(args, kwargs) is not None:
+            raise TypeError(
+                "Chain.scan does not take an eqx.nn.State; call the chain instead: "
+                "`x, state = chain(x, state)`."
+            )
         keys = None if key is None else jr.split(key, self.num_layers)
         if not _tracing((self, x, args, kwargs, keys)):
             # Outside jit the groups would run one by one: find a misfit first.

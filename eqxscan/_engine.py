@@ -196,7 +196,7 @@ def _run_loop(
     for current in order:
         old = clone(carry)  # the step may invalidate `carry` (an `eqx.nn.State`)
         new, y = _noted(step_fn, where(current), carry, slices[current])
-        check_carry(old, new, where(current))
+        check_carry(old, new, where(current), current)
         # Kept apart from the next step's carry, which that step may invalidate.
         carry, ys[current] = new, clone(y)
     if length == 0 or all(y is None for y in ys):

@@ -22,8 +22,8 @@ from ._checks import (
     describe,
 )
 from ._engine import check_options, run
-from ._stateful import clone
 from ._stacked import _MISSING
+from ._stateful import clone
 
 
 class ElmanCell(eqx.Module):

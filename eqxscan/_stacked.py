@@ -7,22 +7,22 @@ from typing import Any, SupportsIndex
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
 from jax.sharding import Sharding
 from jaxtyping import PRNGKeyArray, PyTree
 
+from ._alike import check_alike, stack_alike
 from ._checks import (
     check_callable,
     check_leading_axis,
     check_size,
-    check_stackable,
     check_takes_key,
     describe,
 )
 from ._constrain import check_layer_sharding, constrain
 from ._engine import check_options, run
+from ._stateful import find_state, get_arg, layer_state, replace_arg, state_pair
 
 
 class PerLayer(eqx.Module):
@@ -75,15 +75,31 @@ def check_per_layer(args: tuple, kwargs: dict, length: int) -> dict[str, PerLaye
 
 
 def stack_layers(layers: Sequence[Any], what: str = "Stacked.from_layers") -> Any:
-    """Stack identical-structure layers leaf by leaf on a new axis 0."""
-    check_stackable(layers, what)
-    return jtu.tree_map(
-        lambda first, *rest: (
-            jnp.stack((first, *rest)) if eqx.is_array(first) else first
-        ),
-        layers[0],
-        *layers[1:],
-    )
+    """Stack layers that can share one body leaf by leaf on a new axis 0 (layers
+    that differ only by identity share the first one's objects)."""
+    layers = list(layers)
+    check_alike(layers, what)
+    return stack_alike(layers)
+
+
+def _check_make_layer(make_layer: Any) -> None:
+    if isinstance(make_layer, eqx.Module):
+        raise TypeError(
+            f"make_layer must be a function that builds one layer from a key, but "
+            f"got a {type(make_layer).__name__} instance (a layer, not a way to "
+            f"make one). Pass e.g. `lambda k: {type(make_layer).__name__}(..., "
+            "key=k)`."
+        )
+    check_callable("make_layer", make_layer)
+
+
+def _check_made(layers: Any) -> None:
+    if eqx.is_array(layers):
+        one = jax.ShapeDtypeStruct(layers.shape[1:], layers.dtype)
+        raise TypeError(
+            f"make_layer returned an array ({describe(one)}), not a layer. It must "
+            "return a module (e.g. an `eqx.Module`) that is called as `layer(x)`."
+        )
 
 
 class Stacked(eqx.Module):
@@ -141,10 +157,11 @@ class Stacked(eqx.Module):
         - `unroll`: passed to `jax.lax.scan`.
         """
         num_layers = check_size("num_layers", num_layers)
-        check_callable("make_layer", make_layer)
+        _check_make_layer(make_layer)
         check_options(mode, checkpoint, unroll)
         keys = jr.split(key, num_layers)
         self.layers = eqx.filter_vmap(make_layer)(keys)
+        _check_made(self.layers)
         self.num_layers = num_layers
         self.mode = mode
         self.checkpoint = checkpoint
@@ -304,6 +321,39 @@ class Stacked(eqx.Module):
         """The layers as a list of ordinary (unstacked) modules."""
         return [self[i] for i in range(self.num_layers)]
 
+    def with_layer(self, index: SupportsIndex, layer: Any) -> "Stacked":
+        """A copy with layer `index` replaced by `layer` (layer surgery), every
+        option kept. `eqx.tree_at(lambda s: s[i], ...)` cannot do this, since
+        `stack[i]` is computed from the stacked arrays.
+
+        **Arguments:**
+
+        - `index`: the layer to replace (negative counts from the end).
+        - `layer`: the new layer, checked as [`eqxscan.Stacked.from_layers`][]
+          checks its layers: the same structure, static fields, shapes and
+          dtypes as the others.
+
+        **Returns:**
+
+        A `Stacked` whose layer `index` is `layer` and whose other layers are this
+        one's.
+
+        **Raises:**
+
+        `IndexError` for an index out of range; `ValueError` naming the leaf
+        path and both values when `layer` cannot be stacked with the others.
+        """
+        current = self[index]  # checks the index
+        i = operator.index(index) % self.num_layers
+        check_alike([current, layer], f"Stacked.with_layer({i}, ...)")
+        # By leaves: `layer` may differ from the others only by identity.
+        old, treedef = jtu.tree_flatten(self.layers)
+        new = [
+            a.at[i].set(b) if eqx.is_array(a) else a
+            for a, b in zip(old, jtu.tree_leaves(layer))
+        ]
+        return self._replace(layers=jtu.tree_unflatten(treedef, new))
+
     def __call__(
         self, x: PyTree, *args: Any, key: PRNGKeyArray | None = None, **kwargs: Any
     ) -> PyTree:
@@ -317,9 +367,14 @@ class Stacked(eqx.Module):
           wrapped in [`eqxscan.per_layer`][], which are sliced per layer.
         - `key`: if given, split into `L` keys and layer `i` gets `key=keys[i]`.
 
+        Stateful layers (Equinox's `layer(x, state) -> (x, state)`, e.g. with
+        `eqx.nn.BatchNorm`) are called as Equinox calls them: pass the
+        `eqx.nn.State` from `eqx.nn.make_with_state` as an argument and each
+        layer gets its own slice of it; the call then returns `(x, state)`.
+
         **Returns:**
 
-        The final carry.
+        The final carry (or `(carry, state)` when called with a state).
         """
         return self._run(x, args, kwargs, key, collect=False)[0]
 
@@ -341,12 +396,26 @@ class Stacked(eqx.Module):
         args: tuple,
         kwargs: dict,
         key: Any,
-        collect: bool,
+        collect: Any,
         keys: Any = None,
     ) -> tuple[Any, Any]:
         # `keys`: already-split per-layer keys (leading axis L), used instead of
         # splitting `key`; `Chain` hands each group its slice of one split.
         self._check_layer_axis("call")
+        state_at = find_state(args, kwargs)
+        if state_at is not None:
+            if collect:
+                raise TypeError(
+                    "Stacked.scan does not take an eqx.nn.State; call the stack "
+                    "instead: `x, state = stack(x, state)`."
+                )
+            # Layer i gets its own slice of the state and returns its new state,
+            # collected like a `y`, then written back into the whole state.
+            state = get_arg(args, kwargs, state_at)
+            sub = layer_state(state, self.layers, self.num_layers, "This Stacked")
+            args, kwargs = replace_arg(args, kwargs, state_at, PerLayer(sub))
+            x, new_sub = self._run(x, args, kwargs, key, state_pair, keys)
+            return (x, state.update(new_sub)), None
         length = self.num_layers
         layer_dyn, layer_static = eqx.partition(self.layers, eqx.is_array)
         per_args, per_statics = {}, {}
@@ -376,6 +445,8 @@ class Stacked(eqx.Module):
             out = layer(carry, *call_args, **call_kwargs)
             if not collect:
                 return out, None
+            if callable(collect):  # how a stateful call reads the output
+                return collect(out, f"layer {cls_name}")
             if not (isinstance(out, tuple) and len(out) == 2):
                 raise TypeError(
                     f"Stacked.scan expects each layer ({cls_name}) to return a "

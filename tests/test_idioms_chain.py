@@ -115,7 +115,7 @@ def test_chain_explain(getkey):
     text = chain.explain()
     assert "layers 0-2" in text and "scanned" in text
     # Each lone layer says why: the first difference from its neighbours.
-    assert "layer 3" in text and ".use_bias" in text
+    assert "layer 3" in text and ".bias" in text
     assert "layer 4" in text and "float16[4,4]" in text and "float32[4,4]" in text
 
 
