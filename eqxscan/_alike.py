@@ -256,9 +256,12 @@ def stack_alike(layers: list[Any]) -> Any:
     return jtu.tree_unflatten(treedef, stacked)
 
 
-def check_alike(layers: list[Any], what: str) -> None:
+def check_alike(
+    layers: list[Any], what: str, names: tuple[str, str] | None = None
+) -> None:
     """Raise `ValueError` naming the first layer that cannot share a body with
-    layer 0: its index, the leaf path and both values."""
+    layer 0: its index, the leaf path and both values. `names` names the two
+    layers when there are only two (instead of "layer 0" and "layer 1")."""
     if len(layers) == 0:
         raise ValueError(f"{what}: need at least one layer, got an empty sequence.")
     for i, layer in enumerate(layers[1:], start=1):
@@ -276,8 +279,9 @@ def check_alike(layers: list[Any], what: str) -> None:
             else " Stacked layers need identical structure, static fields, "
             "non-array leaves, shapes and dtypes."
         )
+        first, other = names or ("layer 0", f"layer {i}")
         raise ValueError(
-            f"{what}: layer {i} ({type(layer).__name__}) cannot be stacked with "
-            f"layer 0 ({type(layers[0]).__name__}): at `{diff.path or '<root>'}` "
-            f"layer 0 has {diff.a} but layer {i} has {diff.b}.{hint}"
+            f"{what}: {other} ({type(layer).__name__}) cannot be stacked with "
+            f"{first} ({type(layers[0]).__name__}): at `{diff.path or '<root>'}` "
+            f"{first} has {diff.a} but {other} has {diff.b}.{hint}"
         )

@@ -345,7 +345,11 @@ class Stacked(eqx.Module):
         """
         current = self[index]  # checks the index
         i = operator.index(index) % self.num_layers
-        check_alike([current, layer], f"Stacked.with_layer({i}, ...)")
+        check_alike(
+            [current, layer],
+            f"Stacked.with_layer({i}, ...)",
+            names=(f"layer {i}", "the new layer"),
+        )
         # By leaves: `layer` may differ from the others only by identity.
         old, treedef = jtu.tree_flatten(self.layers)
         new = [
