@@ -1,16 +1,44 @@
-"""Validation helpers: every error names what is wrong, where, and what was expected."""
+"""Validation helpers: every error names what is wrong, where, and what was expected.
+
+Errors are decorated in one way only: [`noted`][eqxscan._checks.noted] adds one
+note naming the layer or step that raised, with a one-line pointer to the docs.
+"""
 
 import dataclasses
 import inspect
 import operator
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
 import jax
+import jax._src.traceback_util as traceback_util
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+
+
+# As Equinox does: with JAX's traceback filtering on (the default), frames from
+# this package are hidden from tracebacks that pass through JAX, so an error
+# raised by a user's layer points at the user's code.
+traceback_util.register_exclusion(os.path.dirname(__file__))
+
+DEBUGGING_DOCS = "see docs/debugging.md"
+
+
+def noted(fn: Callable[..., Any], where: str, *args: Any, **kwargs: Any) -> Any:
+    """Call `fn(*args, **kwargs)`; an exception it raises gets one note naming
+    `where` (e.g. "Layer 3 (Block)"), since it otherwise says nothing about which
+    layer or step raised it. An exception is noted once per place."""
+    __tracebackhide__ = True
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:
+        note = f"(raised by {where}, run by eqxscan; {DEBUGGING_DOCS})"
+        if note not in getattr(e, "__notes__", ()):
+            e.add_note(note)
+        raise
 
 
 def describe(x: Any) -> str:
@@ -160,9 +188,8 @@ def check_carry(old: Any, new: Any, where: str, step: int | None = None) -> None
         raise CarryError(
             where,
             "returned a carry whose tree structure differs from its input "
-            f"carry.{detail}\n  input structure:  {old_def}\n  output structure: "
-            f"{new_def}\nEvery step must return a carry of the same structure, "
-            "shapes and dtypes as it receives.",
+            f"carry.{detail} Every step must return a carry of the same structure, "
+            f"shapes and dtypes as it receives (input {old_def}, output {new_def}).",
             step,
         )
     leaves = jtu.tree_leaves_with_path(old)
@@ -215,23 +242,6 @@ def check_unroll(unroll: Any) -> None:
         raise ValueError(f"unroll must be >= 1 (or a bool), got {unroll}.")
 
 
-def check_size(name: str, value: Any, minimum: int = 1) -> int:
-    """`value` as a plain `int`, for sizes such as `num_layers` or `dim`: anything
-    `operator.index` accepts (NumPy integers included) but `bool`."""
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        size = operator.index(value)
-    except TypeError:
-        raise TypeError(
-            f"{name} must be an int (or a NumPy integer), got "
-            f"{type(value).__name__} ({value!r})."
-        ) from None
-    if size < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {size}.")
-    return size
-
-
 def check_callable(name: str, value: Any) -> Callable:
     if not callable(value):
         raise TypeError(f"{name} must be callable, got {type(value).__name__}.")
@@ -265,3 +275,20 @@ def check_takes_key(fn: Any, what: str, per: str) -> None:
         f"{name} needs no randomness, or give {target} a keyword-only "
         "`key=None` parameter."
     )
+
+
+def check_size(name: str, value: Any, minimum: int = 1) -> int:
+    """`value` as a plain `int`, for sizes such as `num_layers` or `dim`: anything
+    `operator.index` accepts (NumPy integers included) but `bool`."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        size = operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"{name} must be an int (or a NumPy integer), got "
+            f"{type(value).__name__} ({value!r})."
+        ) from None
+    if size < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {size}.")
+    return size

@@ -23,7 +23,7 @@ import numpy as np
 
 from ._chain import Chain, Span
 from ._checks import describe, is_arraylike
-from ._stacked import Stacked
+from ._stacked import restack, Stacked
 
 
 # A name is a tuple of parts; `_AXIS` marks where a layer index goes (one per
@@ -46,7 +46,9 @@ def _is_index(part: Any) -> bool:
     return part is _AXIS or isinstance(part, _Slot)
 
 
-def _key_name(entry: Any, where: tuple) -> str:
+def key_name(entry: Any, where: tuple) -> str:
+    """The name of one path entry in a state dict (an attribute, index or key);
+    `where` is the path so far, for the error message."""
     if isinstance(entry, jtu.GetAttrKey):
         return entry.name
     if isinstance(entry, jtu.SequenceKey):
@@ -160,7 +162,7 @@ def _walk(
         layers = _walk(
             node.layers, inner, depths + (node.num_layers,), record, stacks, by_layer
         )
-        return node._replace(layers=layers)
+        return restack(node, layers=layers)
     children, treedef = jtu.tree_flatten_with_path(
         node, is_leaf=lambda x: x is not node
     )
@@ -169,7 +171,7 @@ def _walk(
     new = [
         _walk(
             child,
-            parts + (_key_name(path[0], parts),),
+            parts + (key_name(path[0], parts),),
             depths,
             visit,
             stacks,
@@ -204,7 +206,7 @@ def _walk_groups(
             slot = _Slot(first, strides + (1,))
             inner = depths + (span.size,)
             layers = _walk(group.layers, parts + (slot,), inner, visit, stacks)
-            new.append(group._replace(layers=layers))
+            new.append(restack(group, layers=layers))
         else:
             unit = group.layers
             repeats = (first, strides + (span.period,))
@@ -213,7 +215,7 @@ def _walk_groups(
                 unit.groups, unit.layout, parts, inner, repeats, visit, stacks
             )
             unit = eqx.tree_at(lambda u: u.groups, unit, unit_groups)
-            new.append(group._replace(layers=unit))
+            new.append(restack(group, layers=unit))
     return tuple(new)
 
 
