@@ -1,6 +1,6 @@
 """eqxscan: scan over layers and over time, first-class for Equinox."""
 
-from . import sharding as sharding
+from . import optim as optim, sharding as sharding
 from ._budget import (
     fit_remat as fit_remat,
     parse_bytes as parse_bytes,

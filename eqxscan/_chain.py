@@ -12,7 +12,8 @@ import jax.random as jr
 import jax.tree_util as jtu
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
-from ._checks import check_takes_key, describe, first_difference, noted
+from ._checks import CarryError, check_takes_key, describe, first_difference, noted
+from ._grouping import explain, warn_identity
 from ._options import ScanArgs, Scanning, ScanOptions
 from ._plan import Plan, plan, stack_classes
 from ._stacked import (
@@ -26,6 +27,7 @@ from ._stacked import (
     scan_layers,
     Stacked,
 )
+from ._stateful import find_state, get_arg, replace_arg, state_pair
 
 
 class Span(NamedTuple):
@@ -162,6 +164,14 @@ def _call_group(group: Any, span: Span, x: Any, call: LayerCall) -> tuple[Any, A
     return scan_layers(group, x, LayerCall(args, kwargs, group_keys, read_out))
 
 
+def _bodies(layout: tuple[Span, ...], groups: tuple[Any, ...]) -> int:
+    """How many layer bodies a grouping traces (a unit's own, once)."""
+    return sum(
+        _bodies(g.layers.layout, g.layers.groups) if s.period > 1 else 1
+        for g, s in zip(groups, layout)
+    )
+
+
 def chain_pair(out: object, who: str) -> tuple[PyTree, PyTree]:
     """A layer's output read as the `(carry, y)` pair `Chain.scan` expects."""
     return layer_pair(out, who, "Chain.scan")
@@ -203,9 +213,25 @@ def run_groups(
     layer changed the carry, where and how it changed."""
     pieces = []
     changed = ""  # how the last lone layer that changed the carry changed it
+    state_at = find_state(call.args, call.kwargs)
     for group, span in zip(groups, layout):
         where = f"{owner} {_group_name(group, span)}{changed}"
-        new_x, ys = noted(_call_group, where, group, span, x, call)
+        try:
+            new_x, ys = noted(_call_group, where, group, span, x, call)
+        except CarryError as e:
+            # The group changed the carry itself: its headline names it (by the
+            # layer's index in the chain when the loop knows which one).
+            name = _group_name(group, span)
+            if span.period == 1 and e.step is not None:
+                name = f"layer {span.start + e.step} ({type(group.layers).__name__})"
+            e.args = (f"{owner} {name} {e.what}",)
+            raise
+        if state_at is not None:
+            # A stateful fold: every group returns `(x, state)`, and the next
+            # one is called with the new state.
+            new_x, state = state_pair(new_x, _group_name(group, span))
+            args, kwargs = replace_arg(call.args, call.kwargs, state_at, state)
+            call = call._replace(args=args, kwargs=kwargs)
         if span.period == 0:
             diff = first_difference(x, new_x)
             if diff is not None:
@@ -216,6 +242,8 @@ def run_groups(
                 )
         x = new_x
         pieces.append((group, span, ys))
+    if state_at is not None:
+        return (x, get_arg(call.args, call.kwargs, state_at)), None
     return x, (None if call.read_out is carry_only else _join(pieces))
 
 
@@ -331,7 +359,9 @@ class Chain(Scanning):
         self.options = ScanOptions(**options)
         if not isinstance(periodic, bool):
             raise TypeError(f"periodic must be a bool, got {type(periodic).__name__}.")
-        groups_plan = plan(stack_classes(layers), periodic)
+        labels = stack_classes(layers)
+        warn_identity(layers, labels)
+        groups_plan = plan(labels, periodic)
         self.groups, self.layout = _assemble(layers, groups_plan, self.options)
         self.num_layers = len(layers)
         self.periodic = periodic
@@ -342,6 +372,20 @@ class Chain(Scanning):
     def unstack(self) -> list[Any]:
         """The layers as the list the chain was built from."""
         return _unstack(self.groups, self.layout)
+
+    def explain(self) -> str:
+        """How the layers were grouped, and why each lone layer was not scanned
+        with a neighbour (the leaf path where they differ, and both values).
+
+        **Returns:**
+
+        Text with one line per group, e.g. ``layer 3 (Linear): alone, unlike
+        layer 2 (Linear) at `.weight`: it has float16[8,8], layer 2 has
+        float32[8,8]``.
+        """
+        layers = self.unstack()
+        names = [_group_name(g, s) for g, s in zip(self.groups, self.layout)]
+        return explain(layers, self.layout, names, _bodies(self.layout, self.groups))
 
     def replace_options(self, options: ScanOptions, **own: object) -> "Chain":
         # The same grouping, with `options` on every scanned group; each keeps its
@@ -394,6 +438,11 @@ class Chain(Scanning):
         self, x: PyTree, call: LayerCall, key: PRNGKeyArray | None
     ) -> tuple[PyTree, PyTree]:
         check_per_layer(call.args, call.kwargs, self.num_layers)
+        if call.read_out is not carry_only and find_state(call.args, call.kwargs):
+            raise TypeError(
+                "Chain.scan does not take an eqx.nn.State; call the chain instead: "
+                "`x, state = chain(x, state)`."
+            )
         keys = None if key is None else jr.split(key, self.num_layers)
         call = call._replace(keys=keys)
         return run_groups(self.groups, self.layout, x, call, "Chain")

@@ -6,6 +6,7 @@ note naming the layer or step that raised, with a one-line pointer to the docs.
 
 import dataclasses
 import inspect
+import operator
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -162,9 +163,19 @@ def _same_leaf(x: Any, y: Any) -> bool:
         return False
 
 
-def check_carry(old: Any, new: Any, where: str) -> None:
-    """Raise `TypeError` unless `new` has the tree structure, shapes and dtypes of
-    `old`: the contract every scan step must keep."""
+class CarryError(TypeError):
+    """A step returned a carry unlike the one it received. `where` names the step
+    (`step` is its index, `None` for the one body of a scan) and `what` says what
+    changed, so that a caller running several groups can name the step anew."""
+
+    def __init__(self, where: str, what: str, step: int | None = None):
+        super().__init__(f"{where} {what}")
+        self.where, self.what, self.step = where, what, step
+
+
+def check_carry(old: Any, new: Any, where: str, step: int | None = None) -> None:
+    """Raise `CarryError` (a `TypeError`) unless `new` has the tree structure,
+    shapes and dtypes of `old`: the contract every scan step must keep."""
     old_def, new_def = jtu.tree_structure(old), jtu.tree_structure(new)
     if old_def != new_def:
         diff = first_difference(old, new)
@@ -174,10 +185,12 @@ def check_carry(old: Any, new: Any, where: str) -> None:
             if diff is not None
             else ""
         )
-        raise TypeError(
-            f"{where} returned a carry whose tree structure differs from its input "
+        raise CarryError(
+            where,
+            "returned a carry whose tree structure differs from its input "
             f"carry.{detail} Every step must return a carry of the same structure, "
-            f"shapes and dtypes as it receives (input {old_def}, output {new_def})."
+            f"shapes and dtypes as it receives (input {old_def}, output {new_def}).",
+            step,
         )
     leaves = jtu.tree_leaves_with_path(old)
     for (path, a), b in zip(leaves, jtu.tree_leaves(new)):
@@ -192,10 +205,12 @@ def check_carry(old: Any, new: Any, where: str) -> None:
             )
         elif not eqx.is_array(a):
             hint = " (carry leaves that change must be JAX arrays: use jnp.asarray)"
-        raise TypeError(
-            f"{where} changed carry leaf `carry{jtu.keystr(path)}` from "
+        raise CarryError(
+            where,
+            f"changed carry leaf `carry{jtu.keystr(path)}` from "
             f"{describe(a)} to {describe(b)}{hint}. Every step must return a carry "
-            "with the same structure, shapes and dtypes as it receives."
+            "with the same structure, shapes and dtypes as it receives.",
+            step,
         )
 
 
@@ -260,3 +275,20 @@ def check_takes_key(fn: Any, what: str, per: str) -> None:
         f"{name} needs no randomness, or give {target} a keyword-only "
         "`key=None` parameter."
     )
+
+
+def check_size(name: str, value: Any, minimum: int = 1) -> int:
+    """`value` as a plain `int`, for sizes such as `num_layers` or `dim`: anything
+    `operator.index` accepts (NumPy integers included) but `bool`."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        size = operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"{name} must be an int (or a NumPy integer), got "
+            f"{type(value).__name__} ({value!r})."
+        ) from None
+    if size < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {size}.")
+    return size

@@ -17,6 +17,7 @@ from jaxtyping import PyTree
 
 from ._checks import check_carry, noted
 from ._options import Checkpoint, ScanOptions
+from ._stateful import clone
 
 
 #: What `checkpoint="auto"` means inside a scan: save the outputs of matmuls that
@@ -111,8 +112,9 @@ def run(
 
     def body(c_dyn: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
         c = eqx.combine(c_dyn, c_static)
+        old = clone(c)  # the step may invalidate `c` (an `eqx.nn.State`)
         new, y = noted(step, where(None), c, x)
-        check_carry(c, new, where(None))
+        check_carry(old, new, where(None))
         new_dyn, _ = eqx.partition(new, eqx.is_array)
         y_dyn, y_static = eqx.partition(y, eqx.is_array)
         if not y_static_box:
@@ -170,9 +172,11 @@ def _run_loop(
     order = range(length - 1, -1, -1) if reverse else range(length)
     slices = _unstack(xs, length) if length > 0 else []
     for current in order:
+        old = clone(carry)  # the step may invalidate `carry` (an `eqx.nn.State`)
         new, y = noted(step_fn, where(current), carry, slices[current])
-        check_carry(carry, new, where(current))
-        carry, ys[current] = new, y
+        check_carry(old, new, where(current), current)
+        # Kept apart from the next step's carry, which that step may invalidate.
+        carry, ys[current] = new, clone(y)
     if length == 0 or all(y is None for y in ys):
         return carry, None
     return carry, _stack(ys)

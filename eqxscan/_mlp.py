@@ -1,7 +1,7 @@
 """`StackedMLP`: a residual MLP stack with shape-checked stacked weights."""
 
 from collections.abc import Sequence
-from typing import Any, Unpack
+from typing import Any, SupportsIndex, Unpack
 
 import equinox as eqx
 import jax
@@ -11,7 +11,7 @@ import numpy as np
 from beartype import beartype
 from jaxtyping import Array, Float, jaxtyped, PRNGKeyArray, TypeCheckError
 
-from ._checks import describe
+from ._checks import check_size, describe
 from ._options import ScanArgs, Scanning, ScanOptions
 from ._stacked import restack, Stacked
 
@@ -51,7 +51,7 @@ class MLPBlock(eqx.Module):
 
     def __init__(
         self,
-        dim: int,
+        dim: SupportsIndex,
         *,
         key: PRNGKeyArray,
         dtype: Any = jnp.float32,
@@ -64,6 +64,7 @@ class MLPBlock(eqx.Module):
         - `dtype`: the parameter dtype.
         - `dropout`: dropout rate after the activation.
         """
+        dim = check_size("dim", dim)
         hidden = 4 * dim
         k1, k2 = jr.split(key)
         self.w1 = (jr.normal(k1, (dim, hidden)) * dim**-0.5).astype(dtype)
@@ -119,8 +120,8 @@ class StackedMLP(Scanning):
 
     def __init__(
         self,
-        dim: int | None = None,
-        num_layers: int | None = None,
+        dim: SupportsIndex | None = None,
+        num_layers: SupportsIndex | None = None,
         *,
         key: PRNGKeyArray | None = None,
         dtype: Any = jnp.float32,
@@ -148,8 +149,7 @@ class StackedMLP(Scanning):
                 )
             self.blocks = blocks
             return
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
-            raise ValueError(f"dim must be a positive int, got {dim!r}.")
+        dim = check_size("dim", dim)
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}.")
         self.blocks = Stacked(

@@ -5,7 +5,7 @@ microbatches that flow from stage to stage with `jax.lax.ppermute` inside
 `jax.shard_map`. Autodiff of that program is the backward pipeline.
 """
 
-from typing import Any
+from typing import Any, SupportsIndex
 
 import equinox as eqx
 import jax
@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ._checks import check_size
 from ._constrain import constrain
 from ._sharding import _check_axis, _check_mesh
 from ._stacked import restack, Stacked
@@ -31,7 +32,7 @@ def pipeline(
     x: jax.Array,
     *,
     mesh: Mesh,
-    microbatches: int,
+    microbatches: SupportsIndex,
     stage_axis: str = "stage",
 ) -> jax.Array:
     """Run `stack(x)` as a pipeline over the `stage_axis` of `mesh`.
@@ -64,6 +65,7 @@ def pipeline(
             f"pipeline runs an eqxscan.Stacked, got {type(stack).__name__}; for a "
             "model, pass its Stacked (e.g. `model.blocks`)."
         )
+    microbatches = check_size("microbatches", microbatches)
     stages = _check_axis(_check_mesh(mesh), stage_axis, "stage_axis")
     if stack.num_layers % stages:
         raise ValueError(

@@ -9,7 +9,7 @@ import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from ._checks import can_stack
+from ._alike import alike
 
 
 class Group(NamedTuple):
@@ -42,7 +42,7 @@ def stack_classes(layers: Sequence[object]) -> tuple[int, ...]:
     reps: list[object] = []
     labels = []
     for layer in layers:
-        label = next((j for j, rep in enumerate(reps) if can_stack(rep, layer)), None)
+        label = next((j for j, rep in enumerate(reps) if alike(rep, layer)), None)
         if label is None:
             label = len(reps)
             reps.append(layer)

@@ -3,7 +3,7 @@
 import math
 import operator
 from collections.abc import Callable
-from typing import Any, Unpack
+from typing import Any, SupportsIndex, Unpack
 
 import equinox as eqx
 import jax
@@ -17,11 +17,13 @@ from ._checks import (
     check_carry,
     check_leading_axis,
     check_option,
+    check_size,
     check_takes_key,
     describe,
 )
 from ._engine import run
 from ._options import ScanArgs, Scanning, ScanOptions
+from ._stateful import clone
 
 
 class ElmanCell(eqx.Module):
@@ -52,8 +54,8 @@ class ElmanCell(eqx.Module):
 
     def __init__(
         self,
-        input_size: int,
-        hidden_size: int,
+        input_size: SupportsIndex,
+        hidden_size: SupportsIndex,
         use_bias: bool = True,
         dtype: Any = None,
         *,
@@ -70,6 +72,8 @@ class ElmanCell(eqx.Module):
         """
         if dtype is None:
             dtype = jax.dtypes.canonicalize_dtype(jnp.float64)
+        input_size = check_size("input_size", input_size)
+        hidden_size = check_size("hidden_size", hidden_size)
         ikey, hkey, bkey = jr.split(key, 3)
         lim = 1 / math.sqrt(hidden_size)
         init = lambda k, shape: jr.uniform(k, shape, dtype, -lim, lim)
@@ -331,12 +335,13 @@ class Recurrent(Scanning):
                 cut = (n > 0) & (n % k == 0)
                 h = _where(cut, jtu.tree_map(_stop_gradient, h), h)
             x = eqx.combine(x_dyn, xs_static)
+            old = clone(h)  # the cell may invalidate `h` (an `eqx.nn.State`)
             new = cell(x, h) if step_key is None else cell(x, h, key=step_key)
             if m is not None:
                 # Check before `jnp.where` can broadcast a wrong shape into the
                 # carry (without a mask the engine checks, naming the step).
-                check_carry(h, new, where_masked)
-                new = _where(m, new, h)
+                check_carry(old, new, where_masked)
+                new = _where(m, new, old)
             return new, new
 
         def where(i: int | None) -> str:

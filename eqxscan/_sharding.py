@@ -6,14 +6,15 @@ and XLA's partitioner) does all communication.
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, SupportsIndex
 
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from ._checks import is_arraylike
+from ._checks import check_size, is_arraylike
+from ._constrain import constrain
 from ._distributed import default_devices, place, place_batch
 from ._stacked import restack, Stacked
 
@@ -24,8 +25,8 @@ MIN_SIZE = 2**14
 
 
 def make_mesh(
-    data: int | None = None,
-    fsdp: int | None = None,
+    data: SupportsIndex | None = None,
+    fsdp: SupportsIndex | None = None,
     *,
     devices: Sequence[jax.Device] | None = None,
 ) -> Mesh:
@@ -54,11 +55,15 @@ def make_mesh(
     """
     devices = default_devices() if devices is None else list(devices)
     n = len(devices)
+    sizes = {}
     for name, value in (("data", data), ("fsdp", fsdp)):
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < 1
-        ):
-            raise ValueError(f"{name} must be a positive int or None, got {value!r}.")
+        try:
+            sizes[name] = None if value is None else check_size(name, value)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"{name} must be a positive int or None, got {value!r}."
+            ) from None
+    data, fsdp = sizes["data"], sizes["fsdp"]
     if data is None and fsdp is None:
         data = 1
     for name, given, other in (("data", data, fsdp), ("fsdp", fsdp, data)):

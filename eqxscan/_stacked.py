@@ -14,22 +14,23 @@ from typing import (
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
 from jax.sharding import Sharding
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
+from ._alike import check_alike, stack_alike
 from ._checks import (
     check_callable,
     check_leading_axis,
-    check_stackable,
+    check_size,
     check_takes_key,
     describe,
 )
 from ._constrain import check_layer_sharding, constrain
 from ._engine import run
 from ._options import ScanArgs, Scanning, ScanOptions
+from ._stateful import find_state, get_arg, layer_state, replace_arg, state_pair
 
 
 LayerT = TypeVar("LayerT")
@@ -81,27 +82,32 @@ def check_per_layer(args: tuple, kwargs: dict, length: int) -> dict[str, PerLaye
     return found
 
 
-def _check_num_layers(num_layers: object) -> int:
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int):
-        raise TypeError(
-            f"num_layers must be an int, got {type(num_layers).__name__} "
-            f"({num_layers!r})."
-        )
-    if num_layers < 1:
-        raise ValueError(f"num_layers must be >= 1, got {num_layers}.")
-    return num_layers
-
-
 def stack_layers(layers: Sequence[LayerT], what: str = "Stacked.from_layers") -> LayerT:
-    """Stack identical-structure layers leaf by leaf on a new axis 0."""
-    check_stackable(layers, what)
-    return jtu.tree_map(
-        lambda first, *rest: (
-            jnp.stack((first, *rest)) if eqx.is_array(first) else first
-        ),
-        layers[0],
-        *layers[1:],
-    )
+    """Stack layers that can share one body leaf by leaf on a new axis 0 (layers
+    that differ only by identity share the first one's objects)."""
+    layers = list(layers)
+    check_alike(layers, what)
+    return stack_alike(layers)
+
+
+def _check_make_layer(make_layer: object) -> None:
+    if isinstance(make_layer, eqx.Module):
+        name = type(make_layer).__name__
+        raise TypeError(
+            f"make_layer must be a function that builds one layer from a key, but "
+            f"got a {name} instance (a layer, not a way to make one). Pass e.g. "
+            f"`lambda k: {name}(..., key=k)`."
+        )
+    check_callable("make_layer", make_layer)
+
+
+def _check_made(layers: object) -> None:
+    if eqx.is_array(layers):
+        one = jax.ShapeDtypeStruct(layers.shape[1:], layers.dtype)
+        raise TypeError(
+            f"make_layer returned an array ({describe(one)}), not a layer. It must "
+            "return a module (e.g. an `eqx.Module`) that is called as `layer(x)`."
+        )
 
 
 ReadOut = Callable[[object, str], tuple[PyTree, PyTree]]
@@ -173,7 +179,7 @@ class Stacked(Scanning, Generic[LayerT]):
     def __init__(
         self,
         make_layer: Callable[[PRNGKeyArray], LayerT] | None = None,
-        num_layers: int | None = None,
+        num_layers: SupportsIndex | None = None,
         *,
         key: PRNGKeyArray | None = None,
         layers: LayerT | None = None,
@@ -207,14 +213,15 @@ class Stacked(Scanning, Generic[LayerT]):
         `mode`, `checkpoint` and `unroll` make the module's
         [`eqxscan.ScanOptions`][].
         """
-        num_layers = _check_num_layers(num_layers)
+        num_layers = check_size("num_layers", num_layers)
         self.options = ScanOptions(**options)
         check_layer_sharding(layer_sharding)
         if layers is None:
-            check_callable("make_layer", make_layer)
+            _check_make_layer(make_layer)
             if key is None:
                 raise TypeError("Stacked needs `key=` to build its layers.")
             layers = eqx.filter_vmap(make_layer)(jr.split(key, num_layers))
+            _check_made(layers)
         elif make_layer is not None or key is not None:
             raise TypeError(
                 "Stacked takes either `make_layer` and `key`, or already-stacked "
@@ -265,8 +272,27 @@ class Stacked(Scanning, Generic[LayerT]):
     @overload
     def __getitem__(self, index: SupportsIndex) -> LayerT: ...
 
+    def check_layer_axis(self, what: str) -> None:
+        """Raise unless every array leaf has the layer axis first. A batch of
+        stacks (an ensemble made with `eqx.filter_vmap`) has its batch axis in
+        front: JAX would clamp an index into it, and `lax.scan` would fail with a
+        bare length error."""
+        for path, leaf in jtu.tree_leaves_with_path(self.layers):
+            if eqx.is_array(leaf) and (
+                leaf.ndim == 0 or leaf.shape[0] != self.num_layers
+            ):
+                raise ValueError(
+                    f"Cannot {what} this Stacked: it has {self.num_layers} layers, "
+                    f"but `layers{jtu.keystr(path)}` has shape {tuple(leaf.shape)}, "
+                    "so its first axis is not the layer axis.\n"
+                    "Call and index a batch of stacks (e.g. an ensemble built "
+                    "with `eqx.filter_vmap`) inside `eqx.filter_vmap`: "
+                    "`eqx.filter_vmap(lambda s: s[i])(stacks)` (see docs/idioms.md)."
+                )
+
     def __getitem__(self, index: SupportsIndex | slice) -> "LayerT | Stacked[LayerT]":
         """`stack[i]` is layer `i` (negative allowed); `stack[i:j]` a `Stacked`."""
+        self.check_layer_axis("index")
         if isinstance(index, slice):
             selected = range(self.num_layers)[index]
             if len(selected) == 0:
@@ -302,6 +328,43 @@ class Stacked(Scanning, Generic[LayerT]):
         """The layers as a list of ordinary (unstacked) modules."""
         return [self[i] for i in range(self.num_layers)]
 
+    def with_layer(self, index: SupportsIndex, layer: LayerT) -> "Stacked[LayerT]":
+        """A copy with layer `index` replaced by `layer` (layer surgery), every
+        option kept. `eqx.tree_at(lambda s: s[i], ...)` cannot do this, since
+        `stack[i]` is computed from the stacked arrays.
+
+        **Arguments:**
+
+        - `index`: the layer to replace (negative counts from the end).
+        - `layer`: the new layer, checked as [`eqxscan.Stacked.from_layers`][]
+          checks its layers: the same structure, static fields, shapes and
+          dtypes as the others.
+
+        **Returns:**
+
+        A `Stacked` whose layer `index` is `layer` and whose other layers are this
+        one's.
+
+        **Raises:**
+
+        `IndexError` for an index out of range; `ValueError` naming the leaf
+        path and both values when `layer` cannot be stacked with the others.
+        """
+        current = self[index]  # checks the index
+        i = operator.index(index) % self.num_layers
+        check_alike(
+            [current, layer],
+            f"Stacked.with_layer({i}, ...)",
+            names=(f"layer {i}", "the new layer"),
+        )
+        # By leaves: `layer` may differ from the others only by identity.
+        old, treedef = jtu.tree_flatten(self.layers)
+        new = [
+            a.at[i].set(b) if eqx.is_array(a) else a
+            for a, b in zip(old, jtu.tree_leaves(layer))
+        ]
+        return restack(self, layers=jtu.tree_unflatten(treedef, new))
+
     def __call__(
         self, x: PyTree, *args: Any, key: PRNGKeyArray | None = None, **kwargs: Any
     ) -> PyTree:
@@ -315,9 +378,14 @@ class Stacked(Scanning, Generic[LayerT]):
           wrapped in [`eqxscan.per_layer`][], which are sliced per layer.
         - `key`: if given, split into `L` keys and layer `i` gets `key=keys[i]`.
 
+        Stateful layers (Equinox's `layer(x, state) -> (x, state)`, e.g. with
+        `eqx.nn.BatchNorm`) are called as Equinox calls them: pass the
+        `eqx.nn.State` from `eqx.nn.make_with_state` as an argument and each
+        layer gets its own slice of it; the call then returns `(x, state)`.
+
         **Returns:**
 
-        The final carry.
+        The final carry (or `(carry, state)` when called with a state).
         """
         keys = None if key is None else jr.split(key, self.num_layers)
         return scan_layers(self, x, LayerCall(args, kwargs, keys, carry_only))[0]
@@ -364,6 +432,21 @@ def scan_layers(stack: Stacked, x: PyTree, call: LayerCall) -> tuple[PyTree, PyT
     `(final carry, ys)`, the `y`s stacked on axis 0 (`None` if there are none).
     """
     args, kwargs, keys, read_out = call
+    stack.check_layer_axis("call")
+    state_at = find_state(args, kwargs)
+    if state_at is not None:
+        if read_out is not carry_only:
+            raise TypeError(
+                "Stacked.scan does not take an eqx.nn.State; call the stack "
+                "instead: `x, state = stack(x, state)`."
+            )
+        # Layer i gets its own slice of the state and returns its new state,
+        # collected like a `y`, then written back into the whole state.
+        state = get_arg(args, kwargs, state_at)
+        sub = layer_state(state, stack.layers, stack.num_layers, "This Stacked")
+        args, kwargs = replace_arg(args, kwargs, state_at, PerLayer(sub))
+        x, new_sub = scan_layers(stack, x, LayerCall(args, kwargs, keys, state_pair))
+        return (x, state.update(new_sub)), None
     length = stack.num_layers
     layer_dyn, layer_static = eqx.partition(stack.layers, eqx.is_array)
     per_args, per_statics = {}, {}

@@ -3,13 +3,17 @@
 Names are dotted attribute paths. Inside a `Stacked` the layer index replaces the
 stacked axis (and the `Stacked`'s own `layers` field is left out), so the first
 layer's `w1` of a `StackedMLP` is `"blocks.0.w1"`, exactly as if the layers had
-been kept in a list. List and tuple elements are named by their index and dict
-entries by their key: `"heads.3.weight"`, `"norms.final.scale"`.
+been kept in a list. The layers of a `Chain` are named by their index in the
+chain, whatever its grouping: layer 3's weight of a chain at `model.layers` is
+`"layers.3.weight"`, as for a list or a `Stacked` there. List and tuple elements
+are named by their index and dict entries by their key: `"heads.3.weight"`,
+`"norms.final.scale"`.
 """
 
 import re
+import warnings
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -17,6 +21,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
+from ._chain import Chain, Span
 from ._checks import describe, is_arraylike
 from ._stacked import restack, Stacked
 
@@ -25,6 +30,20 @@ from ._stacked import restack, Stacked
 # enclosing `Stacked`, outermost first).
 _AXIS: Any = object()
 _MAX_LISTED = 10
+# How eqxscan 0.1 named the layers of a Chain: by its groups.
+_GROUPED_NAME = re.compile(r"(^|\.)groups\.\d+\.")
+
+
+class _Slot(NamedTuple):
+    """Where the index of a layer in a `Chain` goes: `start + sum(i * stride)`
+    over the layer axes it stands for (one per stride, outermost first)."""
+
+    start: int
+    strides: tuple[int, ...]
+
+
+def _is_index(part: Any) -> bool:
+    return part is _AXIS or isinstance(part, _Slot)
 
 
 def key_name(entry: Any, where: tuple) -> str:
@@ -48,16 +67,29 @@ def key_name(entry: Any, where: tuple) -> str:
 
 
 def _pattern(parts: tuple, fill: str = "*") -> str:
-    return ".".join(fill if p is _AXIS else p for p in parts)
+    return ".".join(fill if _is_index(p) else p for p in parts)
 
 
 def _regex(parts: tuple) -> str:
-    return r"\.".join(r"\d+" if p is _AXIS else re.escape(p) for p in parts)
+    return r"\.".join(r"\d+" if _is_index(p) else re.escape(p) for p in parts)
+
+
+def _resolve(parts: tuple, index: tuple[int, ...]) -> list[str | int]:
+    """`parts` with each layer index filled in from `index`."""
+    it = iter(index)
+    resolved: list[str | int] = []
+    for p in parts:
+        if p is _AXIS:
+            resolved.append(next(it))
+        elif isinstance(p, _Slot):
+            resolved.append(p.start + sum(next(it) * s for s in p.strides))
+        else:
+            resolved.append(p)
+    return resolved
 
 
 def _fill(parts: tuple, index: tuple[int, ...]) -> str:
-    it = iter(index)
-    return ".".join(str(next(it)) if p is _AXIS else p for p in parts)
+    return ".".join(str(p) for p in _resolve(parts, index))
 
 
 class _Leaf:
@@ -98,10 +130,25 @@ def _walk(
     depths: tuple[int, ...],
     visit: Callable[[_Leaf], Any],
     stacks: list[_Stack],
+    by_layer: bool = True,
 ) -> Any:
-    """Rebuild `node`, replacing each array leaf by `visit(_Leaf(...))`."""
+    """Rebuild `node`, replacing each array leaf by `visit(_Leaf(...))`. With
+    `by_layer=False` the layers of a `Chain` are named by its groups, as
+    eqxscan 0.1 did."""
     if is_arraylike(node):
         return visit(_Leaf(parts, depths, node))
+    if isinstance(node, Chain) and by_layer:
+        stack = _Stack(parts, node.num_layers)
+        stacks.append(stack)
+
+        def record_layer(leaf: _Leaf) -> Any:
+            stack.suffixes.add(_regex(leaf.parts[len(parts) + 1 :]))
+            return visit(leaf)
+
+        groups = _walk_groups(
+            node.groups, node.layout, parts, depths, (0, ()), record_layer, stacks
+        )
+        return eqx.tree_at(lambda c: c.groups, node, groups)
     if isinstance(node, Stacked):
         stack = _Stack(parts, node.num_layers)
         stacks.append(stack)
@@ -112,7 +159,9 @@ def _walk(
             stack.suffixes.add(_regex(leaf.parts[len(inner) :]))
             return visit(leaf)
 
-        layers = _walk(node.layers, inner, depths + (node.num_layers,), record, stacks)
+        layers = _walk(
+            node.layers, inner, depths + (node.num_layers,), record, stacks, by_layer
+        )
         return restack(node, layers=layers)
     children, treedef = jtu.tree_flatten_with_path(
         node, is_leaf=lambda x: x is not node
@@ -120,16 +169,60 @@ def _walk(
     if jtu.treedef_is_leaf(treedef):  # a non-array leaf, e.g. a float or None
         return node
     new = [
-        _walk(child, parts + (key_name(path[0], parts),), depths, visit, stacks)
+        _walk(
+            child,
+            parts + (key_name(path[0], parts),),
+            depths,
+            visit,
+            stacks,
+            by_layer,
+        )
         for path, child in children
     ]
     return jtu.tree_unflatten(treedef, new)
 
 
-def _layout(model: Any) -> tuple[list[_Leaf], list[_Stack]]:
+def _walk_groups(
+    groups: tuple[Any, ...],
+    layout: tuple[Span, ...],
+    parts: tuple,
+    depths: tuple[int, ...],
+    offset: tuple[int, tuple[int, ...]],
+    visit: Callable[[_Leaf], Any],
+    stacks: list[_Stack],
+) -> tuple[Any, ...]:
+    """Rebuild the groups of a `Chain` (or of one repeat of a periodic group),
+    naming each layer by its index in the chain. `offset` is `(start, strides)`:
+    the chain index of this sequence's first layer, and the strides of the
+    repeat axes in front of its arrays."""
+    start, strides = offset
+    new = []
+    for group, span in zip(groups, layout):
+        first = start + span.start
+        if span.period == 0:
+            slot = _Slot(first, strides)
+            new.append(_walk(group, parts + (slot,), depths, visit, stacks))
+        elif span.period == 1:
+            slot = _Slot(first, strides + (1,))
+            inner = depths + (span.size,)
+            layers = _walk(group.layers, parts + (slot,), inner, visit, stacks)
+            new.append(restack(group, layers=layers))
+        else:
+            unit = group.layers
+            repeats = (first, strides + (span.period,))
+            inner = depths + (span.size // span.period,)
+            unit_groups = _walk_groups(
+                unit.groups, unit.layout, parts, inner, repeats, visit, stacks
+            )
+            unit = eqx.tree_at(lambda u: u.groups, unit, unit_groups)
+            new.append(restack(group, layers=unit))
+    return tuple(new)
+
+
+def _layout(model: Any, by_layer: bool = True) -> tuple[list[_Leaf], list[_Stack]]:
     leaves: list[_Leaf] = []
     stacks: list[_Stack] = []
-    _walk(model, (), (), lambda leaf: leaves.append(leaf), stacks)
+    _walk(model, (), (), lambda leaf: leaves.append(leaf), stacks, by_layer)
     return leaves, stacks
 
 
@@ -171,9 +264,9 @@ def to_state_dict(model: Any) -> dict[str, np.ndarray]:
             )
         array = np.asarray(leaf.leaf)
         for index, name in zip(np.ndindex(*leaf.depths), leaf.names()):
-            it = iter(index)
+            resolved = _resolve(leaf.parts, index)
             order = tuple(
-                next(it) if p is _AXIS else first_seen[leaf.parts[: j + 1]]
+                resolved[j] if _is_index(p) else first_seen[leaf.parts[: j + 1]]
                 for j, p in enumerate(leaf.parts)
             )
             entries.append((order, name, np.asarray(array[index])))
@@ -203,13 +296,53 @@ def _check_depths(stacks: list[_Stack], state_dict: Mapping[str, Any]) -> None:
             )
 
 
+def _has_chain(tree: Any) -> bool:
+    is_chain = lambda x: isinstance(x, Chain)  # noqa: E731
+    return any(map(is_chain, jtu.tree_leaves(tree, is_leaf=is_chain)))
+
+
+def _names_layers(like: Any, state_dict: Mapping[str, Any], expected: Any) -> bool:
+    """Whether `state_dict` names the layers of the `Chain`s in `like` by index
+    (the current names) rather than by group, as eqxscan 0.1 did. Grouped names
+    load only into the grouping they were saved from."""
+    if set(state_dict) == set(expected) or not _has_chain(like):
+        return True
+    grouped = [k for k in state_dict if _GROUPED_NAME.search(k)]
+    if not grouped:
+        return True
+    leaves, _ = _layout(like, by_layer=False)
+    if set(state_dict) == {name for leaf in leaves for name in leaf.names()}:
+        warnings.warn(
+            "This state dict names the layers of a Chain by its groups (e.g. "
+            f"'{grouped[0]}'), as eqxscan 0.1 did; it matches this Chain's grouping "
+            "and is loaded by it. Save it again to name layers by their index.",
+            UserWarning,
+            stacklevel=3,
+        )
+        return False
+    raise ValueError(
+        "This state dict names the layers of a Chain by its groups (e.g. "
+        f"'{grouped[0]}'), as eqxscan 0.1 did, and this Chain's grouping "
+        "differs.\nLoad it into a Chain of the same layers grouped as when it "
+        "was saved (the same `periodic`), then save that again: it gets names by "
+        "layer index, which load into any grouping."
+    )
+
+
 def _restore(like: Any, value: np.ndarray) -> Any:
     if isinstance(like, np.ndarray):
         return value
+    # A jitted function compiles again for an argument that differs in placement,
+    # committedness or weak type: match `like` in all three. An uncommitted array
+    # (the default placement) stays uncommitted.
+    if isinstance(like, jax.Array) and like.weak_type and value.ndim == 0:
+        restored = jax.lax.full_like(like, value)  # e.g. `jnp.array(0.5)` fields
+    else:
+        restored = jnp.asarray(value)
     sharding = getattr(like, "sharding", None)
-    if sharding is not None:
-        return jax.device_put(value, sharding)
-    return jnp.asarray(value)
+    if sharding is not None and getattr(like, "committed", True):
+        return jax.device_put(restored, sharding)
+    return restored
 
 
 def from_state_dict(like: Any, state_dict: Mapping[str, Any]) -> Any:
@@ -240,8 +373,12 @@ def from_state_dict(like: Any, state_dict: Mapping[str, Any]) -> Any:
     shape or dtype (naming the key and both shapes/dtypes).
     """
     leaves, stacks = _layout(like)
-    _check_depths(stacks, state_dict)
     expected = {name: leaf for leaf in leaves for name in leaf.names()}
+    by_layer = _names_layers(like, state_dict, expected.keys())
+    if not by_layer:
+        leaves, stacks = _layout(like, by_layer=False)
+        expected = {name: leaf for leaf in leaves for name in leaf.names()}
+    _check_depths(stacks, state_dict)
     missing = [k for k in expected if k not in state_dict]
     unexpected = [k for k in state_dict if k not in expected]
     if missing or unexpected:
@@ -285,7 +422,7 @@ def from_state_dict(like: Any, state_dict: Mapping[str, Any]) -> Any:
         )
         return _restore(leaf.leaf, value)
 
-    model = _walk(like, (), (), load, [])
+    model = _walk(like, (), (), load, [], by_layer)
     _recheck(model)
     return model
 

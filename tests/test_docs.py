@@ -76,16 +76,23 @@ def docstrings() -> list[tuple[str, str]]:
     import eqxscan
 
     found = []
-    for name in sorted(n for n in vars(eqxscan) if not n.startswith("_")):
-        obj = getattr(eqxscan, name)
-        if not getattr(obj, "__module__", "").startswith("eqxscan"):
-            continue
-        found.append((f"eqxscan.{name}", inspect.getdoc(obj) or ""))
-        if inspect.isclass(obj):
-            for member, value in vars(obj).items():
-                if callable(value) and value.__doc__:
-                    doc = inspect.getdoc(value) or ""
-                    found.append((f"eqxscan.{name}.{member}", doc))
+    namespaces = [("eqxscan", eqxscan)]
+    namespaces += [
+        (f"eqxscan.{n}", m)
+        for n, m in sorted(vars(eqxscan).items())
+        if inspect.ismodule(m) and not n.startswith("_") and n != "bench"
+    ]
+    for prefix, namespace in namespaces:
+        for name in sorted(n for n in vars(namespace) if not n.startswith("_")):
+            obj = getattr(namespace, name)
+            if not getattr(obj, "__module__", "").startswith("eqxscan"):
+                continue
+            found.append((f"{prefix}.{name}", inspect.getdoc(obj) or ""))
+            if inspect.isclass(obj):
+                for member, value in vars(obj).items():
+                    if callable(value) and value.__doc__:
+                        doc = inspect.getdoc(value) or ""
+                        found.append((f"{prefix}.{name}.{member}", doc))
     return found
 
 
@@ -118,6 +125,7 @@ def test_blocks_are_found(tmp_path: pathlib.Path):
     pages = {case.values[0].name for case in CASES}
     assert {"index.md", "concepts.md", "claims.md", "checkpoints.md"} <= pages
     assert any(case.id.startswith("eqxscan.Stacked:") for case in DOCSTRING_CASES)
+    assert any(case.id.startswith("eqxscan.optim.") for case in DOCSTRING_CASES)
     page = tmp_path / "page.md"
     page.write_text(
         "text\n```python\nx = 1\n```\n\n    ```py\n    y = 2\n    ```\n"

@@ -1,0 +1,166 @@
+"""Stateful layers (`eqx.nn.State`, `StateIndex`, `BatchNorm`) in Recurrent,
+Stacked and Chain, against hand-written references."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+
+import eqxscan
+
+
+MODES = ["scan", "loop"]
+
+
+class Counted(eqx.Module):
+    """A GRU cell that also counts its steps in an `eqx.nn.State`."""
+
+    cell: eqx.nn.GRUCell
+    n: eqx.nn.StateIndex
+
+    def __init__(self, key):
+        self.cell = eqx.nn.GRUCell(3, 4, key=key)
+        self.n = eqx.nn.StateIndex(jnp.array(0))
+
+    def __call__(self, x, carry):
+        h, s = carry
+        return self.cell(x, h), s.set(self.n, s.get(self.n) + 1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("masked", [False, True])
+def test_state_in_recurrent_carry(getkey, mode, masked):
+    cell, state = eqx.nn.make_with_state(Counted)(getkey())
+    xs = jr.normal(getkey(), (5, 3))
+    mask = jnp.array([True, True, False, True, False]) if masked else None
+    rnn = eqxscan.Recurrent(cell, mode=mode)
+    (h, s), hs = rnn((jnp.zeros(4), state), xs, mask=mask)
+
+    # The reference: a hand-written lax.scan over the same cell.
+    def step(carry, inputs):
+        x, m = inputs
+        old = jax.tree.unflatten(*reversed(jax.tree.flatten(carry)))  # a clone
+        new = cell(x, carry)
+        new = jax.tree.map(lambda a, b: jnp.where(m, a, b), new, old)
+        return new, new[0]
+
+    _, ref_state = eqx.nn.make_with_state(Counted)(jr.key(0))
+    m = jnp.ones(5, bool) if mask is None else mask
+    (h_ref, s_ref), hs_ref = jax.lax.scan(step, (jnp.zeros(4), ref_state), (xs, m))
+    assert int(s.get(cell.n)) == int(m.sum())
+    assert int(s.get(cell.n)) == int(s_ref.get(cell.n))
+    np.testing.assert_allclose(h, h_ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(hs[0], hs_ref, rtol=1e-5, atol=1e-6)
+
+
+class Block(eqx.Module):
+    linear: eqx.nn.Linear
+    norm: eqx.nn.BatchNorm
+
+    def __init__(self, key):
+        self.linear = eqx.nn.Linear(3, 3, key=key)
+        self.norm = eqx.nn.BatchNorm(3, "batch", momentum=0.5, mode="ema")
+
+    def __call__(self, x, state):
+        x, state = self.norm(self.linear(x), state)
+        return jnp.tanh(x), state
+
+
+def _batched(model):
+    return jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))
+
+
+def _reference(key, num_layers, xs_list, inference=False):
+    """A Python loop over the layers, each built and stateful on its own."""
+    layers, states = zip(
+        *(eqx.nn.make_with_state(Block)(k) for k in jr.split(key, num_layers))
+    )
+    layers, states = list(layers), list(states)
+    if inference:
+        layers = [eqx.nn.inference_mode(layer) for layer in layers]
+    outs = []
+    for xs in xs_list:
+        y = xs
+        for i, layer in enumerate(layers):
+            y, states[i] = _batched(layer)(y, states[i])
+        outs.append(y)
+    return outs, layers, states
+
+
+def _running_stats(state, index):
+    return state.get(index)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_stateful_stacked_like_equinox(getkey, mode):
+    key, n = getkey(), 3
+    model, state = eqx.nn.make_with_state(eqxscan.Stacked)(Block, n, key=key, mode=mode)
+    batches = [jr.normal(getkey(), (8, 3)) for _ in range(2)]
+    outs = []
+    for xs in batches:  # two steps: the second reads the first's statistics
+        y, state = _batched(model)(xs, state)
+        outs.append(y)
+    ref_outs, ref_layers, ref_states = _reference(key, n, batches)
+    for y, r in zip(outs, ref_outs):
+        np.testing.assert_allclose(y, r, rtol=1e-5, atol=1e-6)
+    mean, var = state.get(model.layers.norm.ema_state_index)
+    assert mean.shape == (n, 3)
+    for i in range(n):
+        ref_mean, ref_var = ref_states[i].get(ref_layers[i].norm.ema_state_index)
+        np.testing.assert_allclose(mean[i], ref_mean, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(var[i], ref_var, rtol=1e-5, atol=1e-6)
+
+    # Inference mode: running statistics are used and the state is unchanged.
+    inference = eqx.nn.inference_mode(model)
+    xs = jr.normal(getkey(), (4, 3))
+    y, state2 = _batched(inference)(xs, state)
+    ref_layers = [eqx.nn.inference_mode(layer) for layer in ref_layers]
+    r = xs
+    for layer, s in zip(ref_layers, ref_states):
+        r, _ = _batched(layer)(r, s)
+    np.testing.assert_allclose(y, r, rtol=1e-5, atol=1e-6)
+    mean2, _ = state2.get(model.layers.norm.ema_state_index)
+    np.testing.assert_array_equal(mean2, mean)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_stateful_layers_built_one_by_one_stack(getkey, mode):
+    key, n = getkey(), 3
+    keys = jr.split(key, n)
+    # Each raw layer has its own StateIndex markers; they still stack.
+    model, state = eqx.nn.make_with_state(eqxscan.Stacked.from_layers)(
+        [Block(k) for k in keys], mode=mode
+    )
+    same, _ = eqx.nn.make_with_state(eqxscan.Stacked)(Block, n, key=key)
+    assert eqx.tree_equal(model.layers, same.layers)
+    xs = jr.normal(getkey(), (8, 3))
+    y, state = _batched(model)(xs, state)
+    (ref,), _, _ = _reference(key, n, [xs])
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_stateful_chain(getkey, mode):
+    key = getkey()
+    keys = jr.split(key, 3)
+    proj = eqx.nn.Linear(3, 3, key=getkey())
+
+    class Proj(eqx.Module):
+        linear: eqx.nn.Linear
+
+        def __call__(self, x, state):
+            return self.linear(x), state
+
+    layers = [Proj(proj), *(Block(k) for k in keys)]
+    chain, state = eqx.nn.make_with_state(eqxscan.Chain)(layers, mode=mode)
+    # The three Blocks are scanned as one group, not left as lone layers.
+    assert [span.size for span in chain.layout] == [1, 3]
+    xs = jr.normal(getkey(), (8, 3))
+    y, state = _batched(chain)(xs, state)
+    (ref,), ref_layers, ref_states = _reference(key, 3, [jax.vmap(proj)(xs)])
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-6)
+    mean, _ = state.get(chain.groups[1].layers.norm.ema_state_index)
+    ref_mean, _ = ref_states[2].get(ref_layers[2].norm.ema_state_index)
+    np.testing.assert_allclose(mean[2], ref_mean, rtol=1e-5, atol=1e-6)
