@@ -14,7 +14,6 @@ import jax.tree_util as jtu
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ._checks import check_size, is_arraylike
-from ._constrain import constrain
 from ._distributed import default_devices, place, place_batch
 from ._stacked import restack, Stacked
 
