@@ -1,6 +1,11 @@
 """eqxscan: scan over layers and over time, first-class for Equinox."""
 
 from . import sharding as sharding
+from ._auto import (
+    AutoChoice as AutoChoice,
+    explain_auto as explain_auto,
+    StepCost as StepCost,
+)
 from ._chain import Chain as Chain, Period as Period, Span as Span
 from ._engine import AUTO_POLICY as AUTO_POLICY
 from ._flax import from_flax_scan as from_flax_scan

@@ -4,7 +4,7 @@ layers are scanned; the remaining layers are called directly."""
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import equinox as eqx
 import jax
@@ -398,7 +398,7 @@ class Chain(eqx.Module):
     num_layers: int = eqx.field(static=True)
     mode: str = eqx.field(static=True)
     checkpoint: Any = eqx.field(static=True)
-    unroll: int | bool = eqx.field(static=True)
+    unroll: int | bool | Literal["auto"] = eqx.field(static=True)
     periodic: bool = eqx.field(static=True)
 
     def __init__(
@@ -407,7 +407,7 @@ class Chain(eqx.Module):
         *,
         mode: str = "scan",
         checkpoint: Any = "auto",
-        unroll: int | bool = 1,
+        unroll: int | bool | Literal["auto"] = "auto",
         periodic: bool = True,
     ):
         """**Arguments:**
@@ -454,7 +454,7 @@ class Chain(eqx.Module):
         *,
         mode: str = _MISSING,
         checkpoint: Any = _MISSING,
-        unroll: int | bool = _MISSING,
+        unroll: int | bool | Literal["auto"] = _MISSING,
     ) -> "Chain":
         """A copy with the same weights and grouping and new options for every
         scanned group; options not given are kept.

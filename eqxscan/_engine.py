@@ -8,13 +8,14 @@ body is traced, before `lax.scan` or XLA can raise anything less readable.
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
+from ._auto import resolve
 from ._checks import check_carry, check_option, check_unroll
 
 
@@ -106,7 +107,7 @@ def run(
     length: int,
     mode: str = "scan",
     checkpoint: Any = "auto",
-    unroll: int | bool = 1,
+    unroll: int | bool | Literal["auto"] = "auto",
     reverse: bool = False,
     where: Callable[[int | None], str] = lambda i: "step" if i is None else f"step {i}",
 ) -> tuple[Any, Any]:
@@ -141,6 +142,9 @@ def run(
             y_static_box.append(y_static)
         return new_dyn, y_dyn
 
+    checkpoint, unroll = resolve(
+        body, c_dyn, xs, length, checkpoint, unroll, AUTO_POLICY, where(None)
+    )
     if checkpoint == "nested":
         c_dyn, ys = _nested_scan(body, c_dyn, xs, length, unroll, reverse)
     else:

@@ -3,7 +3,7 @@
 import math
 import operator
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import equinox as eqx
 import jax
@@ -237,7 +237,7 @@ class Recurrent(eqx.Module):
     reverse: bool = eqx.field(static=True)
     mode: str = eqx.field(static=True)
     checkpoint: Any = eqx.field(static=True)
-    unroll: int | bool = eqx.field(static=True)
+    unroll: int | bool | Literal["auto"] = eqx.field(static=True)
 
     def __init__(
         self,
@@ -246,7 +246,7 @@ class Recurrent(eqx.Module):
         reverse: bool = False,
         mode: str = "scan",
         checkpoint: Any = "auto",
-        unroll: int | bool = 1,
+        unroll: int | bool | Literal["auto"] = "auto",
     ):
         """**Arguments:**
 
@@ -260,7 +260,8 @@ class Recurrent(eqx.Module):
           [`eqxscan.Stacked`][]: `"auto"` (default), `False`, `True`, a
           `jax.checkpoint_policies` policy, or `"nested"` (saved carries grow like
           `sqrt(T)`, for long sequences).
-        - `unroll`: passed to `jax.lax.scan`.
+        - `unroll`: passed to `jax.lax.scan`; `"auto"` (default) unrolls cells
+          with little work per step.
         """
         check_callable("cell", cell)
         check_option("reverse", reverse, (False, True))
@@ -277,7 +278,7 @@ class Recurrent(eqx.Module):
         reverse: bool = _MISSING,
         mode: str = _MISSING,
         checkpoint: Any = _MISSING,
-        unroll: int | bool = _MISSING,
+        unroll: int | bool | Literal["auto"] = _MISSING,
     ) -> "Recurrent":
         """A copy with the same cell and new options; options not given are kept.
 

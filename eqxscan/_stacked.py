@@ -3,7 +3,7 @@
 import dataclasses
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any, SupportsIndex
+from typing import Any, Literal, SupportsIndex
 
 import equinox as eqx
 import jax
@@ -120,7 +120,7 @@ class Stacked(eqx.Module):
     num_layers: int = eqx.field(static=True)
     mode: str = eqx.field(static=True)
     checkpoint: Any = eqx.field(static=True)
-    unroll: int | bool = eqx.field(static=True)
+    unroll: int | bool | Literal["auto"] = eqx.field(static=True)
     layer_sharding: Sharding | None = eqx.field(static=True)
 
     def __init__(
@@ -131,7 +131,7 @@ class Stacked(eqx.Module):
         key: PRNGKeyArray,
         mode: str = "scan",
         checkpoint: Any = "auto",
-        unroll: int | bool = 1,
+        unroll: int | bool | Literal["auto"] = "auto",
     ):
         """**Arguments:**
 
@@ -142,13 +142,15 @@ class Stacked(eqx.Module):
         - `key`: a JAX PRNG key.
         - `mode`: `"scan"` (`jax.lax.scan`, one traced body) or `"loop"` (a Python
           loop over the same weights: the reference and debugging path).
-        - `checkpoint`: rematerialisation. `"auto"` (default: save matmul outputs,
-          recompute elementwise work; fastest for training), `False` (save
-          everything), `True` (`jax.checkpoint` around each layer), a
+        - `checkpoint`: rematerialisation. `"auto"` (default: chosen from the
+          traced layer's shapes: save everything when that is small, else
+          recompute; see [`eqxscan.explain_auto`][]), `False` (save everything),
+          `True` (`jax.checkpoint` around each layer), a
           `jax.checkpoint_policies` policy, or `"nested"` (two-level scan whose
           saved carries grow like `sqrt(L)`). All give the same values and
           gradients.
-        - `unroll`: passed to `jax.lax.scan`.
+        - `unroll`: passed to `jax.lax.scan`; `"auto"` (default) unrolls layers
+          with little work per step.
         """
         num_layers = _check_num_layers(num_layers)
         check_callable("make_layer", make_layer)
@@ -199,7 +201,7 @@ class Stacked(eqx.Module):
         *,
         mode: str = "scan",
         checkpoint: Any = "auto",
-        unroll: int | bool = 1,
+        unroll: int | bool | Literal["auto"] = "auto",
     ) -> "Stacked":
         """Stack already-built layers (e.g. loaded from a per-layer checkpoint).
 
@@ -227,7 +229,7 @@ class Stacked(eqx.Module):
         *,
         mode: str = _MISSING,
         checkpoint: Any = _MISSING,
-        unroll: int | bool = _MISSING,
+        unroll: int | bool | Literal["auto"] = _MISSING,
         layer_sharding: Sharding | None = _MISSING,
     ) -> "Stacked":
         """A copy with the same weights and new options; options not given are kept.
