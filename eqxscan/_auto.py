@@ -87,7 +87,7 @@ class AutoChoice:
         )
 
 
-def _mib(n: float) -> str:
+def _mib(n: int | float) -> str:
     if n < 2**20:
         return f"{n / 2**10:.1f} KiB"
     return f"{n / 2**20:.2f} MiB"
@@ -163,8 +163,13 @@ def _saved_bytes(step: Callable, carry: Any, x: Any, policy: Any) -> int:
     def residuals(c: Any, x: Any) -> Any:
         return jax.vjp(fn, c, x)[1]
 
-    closed = jax.make_jaxpr(residuals)(carry, x)
-    jaxpr = closed.jaxpr
+    try:
+        jaxpr = jax.make_jaxpr(residuals)(carry, x).jaxpr
+    except Exception:
+        # The step traced already (`measure` counts its FLOPs first), so this is a
+        # step that cannot be reverse-differentiated (a `while_loop`, say): it has
+        # no residuals to weigh, and remat would change nothing.
+        return 0
     n_carry = len(jtu.tree_leaves(carry))
     not_stacked = set(jaxpr.invars[n_carry:]) | set(jaxpr.constvars)
     seen, total = set(), 0

@@ -19,14 +19,13 @@ from ._auto import resolve
 from ._checks import check_carry, check_option, check_unroll
 
 
-#: What `checkpoint="auto"` means inside a scan: save the outputs of matmuls that
-#: have no batch dimensions (the weight products) and recompute the elementwise
-#: work (norms, activations, residual adds) in the backward pass. A plain scan
-#: stores every elementwise intermediate of every step in stacked buffers; that
-#: costs more time and memory than the unrolled loop, whereas recomputing them is
-#: cheap. Saving the matmul outputs avoids the ~33% extra FLOPs of a full remat on
-#: accelerators, where matmuls dominate. docs/default-checkpoint.md has the
-#: measurements.
+#: The matmul-saving policy: save the outputs of matmuls that have no batch
+#: dimensions (the weight products) and recompute the elementwise work (norms,
+#: activations, residual adds) in the backward pass. A plain scan stores every
+#: elementwise intermediate of every step in stacked buffers, which costs more
+#: time and memory than the unrolled loop once they add up. `checkpoint="auto"`
+#: picks between saving everything, this policy and full remat from the traced
+#: step's shapes (eqxscan/_auto.py; docs/default-checkpoint.md).
 AUTO_POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 
 CHECKPOINT_STRINGS = ("auto", "nested")

@@ -168,6 +168,18 @@ def test_explicit_options_always_win():
     assert remats(rnn.with_options(checkpoint=POLICY)) > 0
 
 
+def test_a_step_that_cannot_be_differentiated_still_runs():
+    # A pure_callback has no derivative: "auto" must not be what raises.
+    def layer(x):
+        shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        return jax.pure_callback(lambda a: np.cos(a).astype(a.dtype), shape, x)
+
+    stack = eqxscan.Stacked(lambda k: eqx.nn.Lambda(layer), 2, key=jr.key(0))
+    (choice,) = eqxscan.explain_auto(stack, jnp.ones(3))
+    assert choice.cost.saved_bytes == 0 and choice.checkpoint is False
+    np.testing.assert_allclose(stack(jnp.ones(3)), np.cos(np.cos(np.ones(3))))
+
+
 def test_choice_is_deterministic():
     model = eqxscan.StackedMLP(8, 3, key=jr.key(0))
     other = eqxscan.StackedMLP(8, 3, key=jr.key(1))
