@@ -126,6 +126,18 @@ def test_small_gru_saves_everything_and_big_one_recomputes(monkeypatch):
     assert choice.checkpoint is POLICY
 
 
+def test_small_lstm_recomputes():
+    # Small too, but its plain scan saves 1.22x what the policy keeps (cell state
+    # intermediates), and took 1.5x the loop's temp memory: over the ratio.
+    rnn = eqxscan.Recurrent(eqx.nn.LSTMCell(2, 4, key=jr.key(1)))
+    h0 = (jnp.zeros(4), jnp.zeros(4))
+    (choice,) = eqxscan.explain_auto(rnn, h0, jnp.ones((3, 2)))
+    ratio = choice.cost.saved_bytes / choice.cost.policy_saved_bytes
+    assert ratio > _auto.MATMUL_DOMINATED
+    assert choice.cost.saved_bytes * 3 < _auto.SMALL_RESIDUALS
+    assert choice.checkpoint is True
+
+
 def test_mlp_recomputes_its_elementwise_work():
     # Small, but a plain scan saves ~5x what the policy keeps (GELU, norm).
     model = eqxscan.StackedMLP(8, 2, key=jr.key(0))
