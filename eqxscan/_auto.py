@@ -6,7 +6,7 @@ once more (abstractly: nothing runs) and counts:
 - the bytes a plain scan would save per step for the backward pass (the
   residuals of `jax.vjp` of the step, less the step's inputs and the values it
   closes over, which a scan does not stack),
-- the same under the matmul-saving policy ([`eqxscan.AUTO_POLICY`][]),
+- the same under the matmul-saving policy (`dots_with_no_batch_dims_saveable`),
 - the bytes of the carry, and
 - the FLOPs of one step (`2·M·N·K` per matmul, one per element of everything else).
 
@@ -37,11 +37,15 @@ SMALL_RESIDUALS = 4 * 2**20
 #: (1.14× the policy's bytes) 1.09×, an LSTM cell (1.22×) 1.50×, an MLP block
 #: (5.4×) 1.2-1.9×; the threshold keeps the first and excludes the others.
 MATMUL_DOMINATED = 1.2
-#: Platforms where "auto" falls back to full remat rather than the matmul-saving
-#: policy above the threshold. On CPU full remat was as fast as or faster than the
-#: policy at every grid point, with the least memory; on accelerators matmuls
-#: dominate, and the policy avoids a second forward pass.
+#: Platforms where "auto" recomputes small steps fully rather than with the
+#: matmul-saving policy, and the bound on "small" (FLOPs per step). On the CPU grid
+#: full remat beat the policy for RNN cells and narrow MLPs (the policy took
+#: 1.1-1.7× its time, up to 1.7e7 FLOPs per step), with the least memory; from
+#: an MLP of width 256 (6.8e7 FLOPs) on, the recomputed matmuls cost more and the
+#: policy was as fast or faster (0.74-1.0×). On accelerators matmuls dominate, and
+#: the policy avoids a second forward pass at every size.
 FULL_REMAT_PLATFORMS = ("cpu",)
+FULL_REMAT_FLOPS = 5 * 10**7
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,8 +105,8 @@ def decide(
 
     - `checkpoint="auto"`: save everything (`False`) when a plain scan's residuals
       are at most `SMALL_RESIDUALS` and at most `MATMUL_DOMINATED` times what
-      `policy` saves; otherwise full remat (`True`) on `FULL_REMAT_PLATFORMS`
-      and `policy` elsewhere.
+      `policy` saves; otherwise full remat (`True`) for steps under
+      `FULL_REMAT_FLOPS` on `FULL_REMAT_PLATFORMS`, and `policy` elsewhere.
     - `unroll="auto"`: 1. Unrolling by 2, 4 or 8 was never faster on the measured
       grid, and each unrolled step keeps its own residuals alive.
     """
@@ -111,7 +115,7 @@ def decide(
         total = cost.saved_bytes * cost.length
         ratio = cost.saved_bytes / max(cost.policy_saved_bytes, 1)
         facts = (
-            f"a plain scan saves {_mib(total)}, {ratio:.1f}x what saving matmul "
+            f"a plain scan saves {_mib(total)}, {ratio:.2f}x what saving matmul "
             f"outputs keeps ({_mib(cost.policy_saved_bytes * cost.length)})"
         )
         if total <= SMALL_RESIDUALS and ratio <= MATMUL_DOMINATED:
@@ -126,9 +130,13 @@ def decide(
                 if total > SMALL_RESIDUALS
                 else f"more than {MATMUL_DOMINATED}x"
             )
-            if platform in FULL_REMAT_PLATFORMS:
+            small_step = cost.flops < FULL_REMAT_FLOPS
+            if platform in FULL_REMAT_PLATFORMS and small_step:
                 checkpoint = True
-                what = f"on {platform} recompute the whole step (full remat)"
+                what = (
+                    f"on {platform}, with {cost.flops:.3g} FLOPs per step "
+                    f"(< {FULL_REMAT_FLOPS:.0e}), recompute the whole step"
+                )
             else:
                 checkpoint = policy
                 what = "save matmul outputs and recompute the rest"

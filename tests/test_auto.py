@@ -23,7 +23,7 @@ def cost(**changes):
     return eqxscan.StepCost(**{**base, **changes})
 
 
-POLICY = eqxscan.AUTO_POLICY
+POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 
 
 # --- the rule on synthetic costs: both sides of every threshold ---------------
@@ -41,6 +41,15 @@ def test_over_the_size_threshold_recomputes():
     c = cost(saved_bytes=over, policy_saved_bytes=over)
     assert _auto.decide(c, "auto", 1, POLICY, "cpu")[0] is True
     assert _auto.decide(c, "auto", 1, POLICY, "gpu")[0] is POLICY
+
+
+def test_big_steps_keep_matmul_outputs_on_cpu_too():
+    over = _auto.SMALL_RESIDUALS
+    small = cost(saved_bytes=over, flops=_auto.FULL_REMAT_FLOPS - 1)
+    big = cost(saved_bytes=over, flops=_auto.FULL_REMAT_FLOPS)
+    assert _auto.decide(small, "auto", 1, POLICY, "cpu")[0] is True
+    assert _auto.decide(big, "auto", 1, POLICY, "cpu")[0] is POLICY
+    assert _auto.decide(small, "auto", 1, POLICY, "gpu")[0] is POLICY
 
 
 def test_over_the_elementwise_ratio_recomputes():
@@ -138,9 +147,14 @@ def test_small_lstm_recomputes():
     assert choice.checkpoint is True
 
 
-def test_mlp_recomputes_its_elementwise_work():
+@pytest.fixture(scope="module")
+def mlp():
+    return eqxscan.StackedMLP(8, 3, key=jr.key(0))
+
+
+def test_mlp_recomputes_its_elementwise_work(mlp):
     # Small, but a plain scan saves ~5x what the policy keeps (GELU, norm).
-    model = eqxscan.StackedMLP(8, 2, key=jr.key(0))
+    model = mlp
     (choice,) = eqxscan.explain_auto(model, jnp.ones((3, 8)))
     assert choice.cost.saved_bytes > _auto.MATMUL_DOMINATED * (
         choice.cost.policy_saved_bytes
@@ -192,9 +206,10 @@ def test_a_step_that_cannot_be_differentiated_still_runs():
     np.testing.assert_allclose(stack(jnp.ones(3)), np.cos(np.cos(np.ones(3))))
 
 
-def test_choice_is_deterministic():
-    model = eqxscan.StackedMLP(8, 3, key=jr.key(0))
-    other = eqxscan.StackedMLP(8, 3, key=jr.key(1))
+def test_choice_is_deterministic(mlp):
+    # Same shapes, other values: the same choice, every time.
+    model = mlp
+    other = jax.tree.map(lambda a: a + 1 if eqx.is_inexact_array(a) else a, mlp)
     x = jnp.ones((2, 8))
     a, b, c = (eqxscan.explain_auto(m, x) for m in (model, model, other))
     assert [repr(x) for x in a] == [repr(x) for x in b] == [repr(x) for x in c]
@@ -234,10 +249,9 @@ def _mlp_options(m, **options):
 
 
 @pytest.fixture(scope="module")
-def problems():
+def problems(mlp):
     """Two models with their inputs and reference results (loop, plain scan),
     computed once for every forced choice."""
-    mlp = eqxscan.StackedMLP(8, 3, key=jr.key(0))
     rnn = small_gru()
     cases = [
         (mlp, (jr.normal(jr.key(1), (2, 8)),), _mlp_options),

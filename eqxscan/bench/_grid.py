@@ -50,7 +50,7 @@ def _label(checkpoint: Any, unroll: int) -> str:
     return f"{name}/u{unroll}"
 
 
-def _mlp_problem(dim: int, layers: int) -> tuple[Any, Callable, tuple]:
+def _mlp_problem(dim: int, layers: int) -> tuple[Any, Callable, tuple, Callable]:
     rng = np.random.default_rng(0)
     model = StackedMLP(dim, layers, key=jax.random.key(0))
     x = jnp.asarray(rng.standard_normal((BATCH, SEQ, dim)), jnp.float32)
@@ -64,7 +64,9 @@ def _mlp_problem(dim: int, layers: int) -> tuple[Any, Callable, tuple]:
     return model, loss, (x,), with_options
 
 
-def _rnn_problem(cell: str, hidden: int, steps: int) -> tuple[Any, Callable, tuple]:
+def _rnn_problem(
+    cell: str, hidden: int, steps: int
+) -> tuple[Any, Callable, tuple, Callable]:
     rng = np.random.default_rng(0)
     make = {"gru": eqx.nn.GRUCell, "lstm": eqx.nn.LSTMCell}[cell]
     model = Recurrent(make(RNN_INPUT, hidden, key=jax.random.key(0)))
