@@ -35,7 +35,7 @@ SMALL_RESIDUALS = 4 * 2**20
 #: XLA fuses away elementwise intermediates there, which a plain scan must stack.
 #: Measured (temp memory of saving everything against the loop's): a GRU cell
 #: (1.14× the policy's bytes) 1.09×, an LSTM cell (1.22×) 1.50×, an MLP block
-#: (5.4×) 1.2-1.9×; the threshold keeps the first and excludes the others.
+#: (5.4×) 1.2-1.75×; the threshold keeps the first and excludes the others.
 MATMUL_DOMINATED = 1.2
 #: Platforms where "auto" recomputes small steps fully rather than with the
 #: matmul-saving policy, and the bound on "small" (FLOPs per step). On the CPU grid
@@ -107,8 +107,8 @@ def decide(
       are at most `SMALL_RESIDUALS` and at most `MATMUL_DOMINATED` times what
       `policy` saves; otherwise full remat (`True`) for steps under
       `FULL_REMAT_FLOPS` on `FULL_REMAT_PLATFORMS`, and `policy` elsewhere.
-    - `unroll="auto"`: 1. Unrolling by 2, 4 or 8 was never faster on the measured
-      grid, and each unrolled step keeps its own residuals alive.
+    - `unroll="auto"`: 1. Unrolling by 2, 4 or 8 was not faster beyond the noise
+      on CPU, and each unrolled step keeps its own residuals alive.
     """
     reasons = []
     if checkpoint == "auto":
