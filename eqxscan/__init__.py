@@ -6,7 +6,14 @@ from ._auto import (
     explain_auto as explain_auto,
     StepCost as StepCost,
 )
+from ._budget import (
+    fit_remat as fit_remat,
+    parse_bytes as parse_bytes,
+    RematCandidate as RematCandidate,
+    RematTable as RematTable,
+)
 from ._chain import Chain as Chain
+from ._devices import Peak as Peak
 from ._flax import from_flax_scan as from_flax_scan
 from ._mlp import MLPBlock as MLPBlock, StackedMLP as StackedMLP
 from ._options import (

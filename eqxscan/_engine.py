@@ -29,6 +29,14 @@ from ._options import Checkpoint, ScanOptions
 #: step's shapes (eqxscan/_auto.py; docs/default-checkpoint.md).
 AUTO_POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 
+#: What `checkpoint="offload"` means: the same values as "auto" are kept, but in
+#: host memory ("pinned_host") rather than on the device; XLA copies them back
+#: for the backward pass. Where device and host memory are one (the CPU backend)
+#: the placement is a no-op and the program matches "auto".
+OFFLOAD_POLICY = jax.checkpoint_policies.offload_dot_with_no_batch_dims(
+    "device", "pinned_host"
+)
+
 Step = Callable[[PyTree, PyTree], tuple[PyTree, PyTree]]
 
 
@@ -41,7 +49,8 @@ def remat(fn: Step, checkpoint: Checkpoint, *, in_scan: bool) -> Step:
         return fn
     if checkpoint is True:
         return jax.checkpoint(fn, prevent_cse=prevent_cse)
-    policy = AUTO_POLICY if isinstance(checkpoint, str) else checkpoint
+    policy = OFFLOAD_POLICY if checkpoint == "offload" else checkpoint
+    policy = AUTO_POLICY if isinstance(policy, str) else policy
     return jax.checkpoint(fn, policy=policy, prevent_cse=prevent_cse)
 
 

@@ -17,9 +17,11 @@ Mode: TypeAlias = Literal["scan", "loop"]
 """`"scan"` runs `jax.lax.scan` (one traced body); `"loop"` a Python loop over the
 same weights (the reference and debugging path)."""
 
-Checkpoint: TypeAlias = bool | Literal["auto", "nested"] | Callable[..., bool]
-"""Rematerialisation of each scan step: `False`, `True`, `"auto"`, `"nested"` or a
-`jax.checkpoint_policies` policy. See the remat guide."""
+Checkpoint: TypeAlias = (
+    bool | Literal["auto", "nested", "offload"] | Callable[..., bool]
+)
+"""Rematerialisation of each scan step: `False`, `True`, `"auto"`, `"nested"`,
+`"offload"` or a `jax.checkpoint_policies` policy. See the remat guide."""
 
 
 class ScanArgs(TypedDict, total=False):
@@ -32,7 +34,7 @@ class ScanArgs(TypedDict, total=False):
 
 
 MODES: tuple[Mode, ...] = ("scan", "loop")
-CHECKPOINT_STRINGS: tuple[str, ...] = ("auto", "nested")
+CHECKPOINT_STRINGS: tuple[str, ...] = ("auto", "nested", "offload")
 OPTION_NAMES = ("mode", "checkpoint", "unroll")
 
 
@@ -47,7 +49,7 @@ def check_checkpoint(checkpoint: object) -> None:
         check_option("checkpoint", checkpoint, (False, True) + CHECKPOINT_STRINGS)
         return
     raise TypeError(
-        "checkpoint must be False, True, 'auto', 'nested' or a "
+        "checkpoint must be False, True, 'auto', 'nested', 'offload' or a "
         f"jax.checkpoint_policies policy, got {type(checkpoint).__name__}."
     )
 

@@ -14,7 +14,7 @@ import jax.tree_util as jtu
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ._checks import is_arraylike
-from ._constrain import constrain
+from ._distributed import default_devices, place, place_batch
 from ._stacked import restack, Stacked
 
 
@@ -29,12 +29,18 @@ def make_mesh(
     *,
     devices: Sequence[jax.Device] | None = None,
 ) -> Mesh:
-    """A `("data", "fsdp")` mesh over `devices` (default: all of `jax.devices()`).
+    """A `("data", "fsdp")` mesh over `devices` (default: every device of every
+    process, ordered by process).
 
     At most one of `data` and `fsdp` may be left out: it takes the remaining
     devices. With neither given, all devices go to `"fsdp"` (`data=1`). The axes are
     `AxisType.Auto`: JAX's sharding propagation decides the layout of
     intermediates, so model code needs no sharding annotations.
+
+    With several processes (after `eqxscan.sharding.initialize`) the default
+    devices are taken process by process, so `"data"` runs across processes first
+    and each process's devices form whole `"fsdp"` groups where the sizes allow:
+    FSDP's all-gathers then stay inside a host, and only gradients cross hosts.
 
     **Arguments:**
 
@@ -46,7 +52,7 @@ def make_mesh(
 
     A `jax.sharding.Mesh` with axes `("data", "fsdp")`.
     """
-    devices = list(jax.devices() if devices is None else devices)
+    devices = default_devices() if devices is None else list(devices)
     n = len(devices)
     for name, value in (("data", data), ("fsdp", fsdp)):
         if value is not None and (
@@ -283,7 +289,7 @@ def opt_state_shardings(
     mesh = _check_mesh(mesh)
     if fsdp_axis is not None:
         _check_axis(mesh, fsdp_axis, "fsdp_axis")
-    params = eqx.filter(model, eqx.is_array)
+    params = eqx.filter(model, is_arraylike)
     target = _param_structure(params)
     param_shardings = jtu.tree_leaves(
         model_shardings(params, mesh, fsdp_axis=fsdp_axis, min_size=min_size),
@@ -460,11 +466,18 @@ def shard(
     constrains them (`jax.lax.with_sharding_constraint`), so the same call pins the
     layout of the updated model and state at the end of a training step.
 
+    On a mesh spanning several processes, `batch` holds this process's rows only
+    (see [`eqxscan.sharding.local_rows`][]) and comes back as global arrays
+    (`jax.make_array_from_process_local_data`); `model` and `opt_state` are either
+    the same on every process or global arrays already (e.g. from
+    [`eqxscan.sharding.create`][]).
+
     **Arguments:**
 
     - `model`: any pytree, usually an `eqx.Module` containing `Stacked`s.
     - `opt_state`: the optimizer state for `model`'s parameters, or `None`.
     - `batch`: a pytree with the batch on axis 0 of every array leaf, or `None`.
+      With several processes: this process's rows.
     - `mesh`: a `jax.sharding.Mesh`, e.g. from [`eqxscan.sharding.make_mesh`][].
     - `fsdp_axis`, `min_size`: as for `model_shardings`.
     - `batch_axes`: as for `batch_shardings`.
@@ -485,13 +498,16 @@ def shard(
             opt_state, model, mesh, fsdp_axis=fsdp_axis, min_size=min_size
         )
     if batch is not None:
-        batch = constrain(
+        batch = place_batch(
             batch,
-            batch_shardings(batch, mesh, batch_axes=batch_axes, fsdp_axis=fsdp_axis),
+            mesh,
+            lambda b: batch_shardings(
+                b, mesh, batch_axes=batch_axes, fsdp_axis=fsdp_axis
+            ),
         )
-    new = constrain(model, shardings)
+    new = place(model, shardings, mesh)
     if fsdp_axis is not None:
         new = gather_layers(new, mesh)
     if opt_state is not None:
-        opt_state = _restructure(constrain(opt_state, opt_sh), model, new)
+        opt_state = _restructure(place(opt_state, opt_sh, mesh), model, new)
     return new, opt_state, batch

@@ -1,10 +1,14 @@
 """Data-parallel, FSDP and pipeline sharding of models built from
 [`eqxscan.Stacked`][] layers.
 
-Built on JAX's own sharding (`Mesh`, `NamedSharding`, `jit`); see `docs/sharding.md`.
+Built on JAX's own sharding (`Mesh`, `NamedSharding`, `jit`), its multi-process
+runtime and Orbax; see `docs/sharding.md` and `docs/multihost.md`.
 """
 
 from ._constrain import constrain as constrain
+from ._create import create as create, lower_create as lower_create
+from ._distributed import initialize as initialize, local_rows as local_rows
+from ._orbax import CheckpointManager as CheckpointManager
 from ._pipeline import pipeline as pipeline
 from ._sharding import (
     batch_shardings as batch_shardings,

@@ -19,12 +19,13 @@ import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import jax.tree_util as jtu  # noqa: E402
-import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 
 import eqxscan  # noqa: E402
 from eqxscan import sharding  # noqa: E402
+from tests.helpers import max_rel_err  # noqa: E402
+from tests.training import make_train_step  # noqa: E402
 
 
 # Strict rank promotion as in the test process; dtype promotion stays standard
@@ -35,44 +36,11 @@ DIM, LAYERS, BATCH = 16, 3, 16
 optimizer = optax.adam(1e-2)
 
 
-def loss_fn(model, x, y):
-    return jnp.mean((model(x) - y) ** 2)
+REF_STEP = make_train_step(optimizer, None)
 
 
-def make_step(mesh, fsdp_axis):
-    @eqx.filter_jit
-    def step(model, opt_state, x, y):
-        loss, grads = eqx.filter_value_and_grad(loss_fn)(model, x, y)
-        updates, opt_state = optimizer.update(
-            grads, opt_state, eqx.filter(model, eqx.is_array)
-        )
-        model = eqx.apply_updates(model, updates)
-        if mesh is not None:
-            model, opt_state, _ = sharding.shard(
-                model, opt_state, mesh=mesh, fsdp_axis=fsdp_axis, min_size=0
-            )
-            # Pin the gradients' layout too, so the program reduces them into
-            # shards (rather than keeping a replicated copy) before returning.
-            grads = sharding.constrain(
-                grads,
-                sharding.model_shardings(grads, mesh, fsdp_axis=fsdp_axis, min_size=0),
-            )
-        return model, opt_state, loss, grads
-
-    return step
-
-
-REF_STEP = make_step(None, None)
-
-
-def max_rel(a, b):
-    a, b = eqx.filter(a, eqx.is_array), eqx.filter(b, eqx.is_array)
-    errs = [
-        float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
-        / (float(np.max(np.abs(np.asarray(y, np.float64)))) + 1e-30)
-        for x, y in zip(jtu.tree_leaves(a), jtu.tree_leaves(b), strict=True)
-    ]
-    return max(errs)
+def arrays(*trees):
+    return [eqx.filter(t, eqx.is_array) for t in trees]
 
 
 def loop_bodies(hlo: str) -> dict[str, str]:
@@ -115,7 +83,7 @@ def run(name, mesh_shape, fsdp_axis):
     s_model, s_opt, (s_x, s_y) = sharding.shard(
         model, opt_state, (x, y), mesh=mesh, fsdp_axis=fsdp_axis, min_size=0
     )
-    step = make_step(mesh, fsdp_axis)
+    step = make_train_step(optimizer, mesh, fsdp_axis)
     compiled = step.lower(s_model, s_opt, s_x, s_y).compile()
     out = step(s_model, s_opt, s_x, s_y)
     new_model, new_opt, loss, grads = out
@@ -132,9 +100,9 @@ def run(name, mesh_shape, fsdp_axis):
         "loss": float(loss),
         "ref_loss": float(ref[2]),
         "err_loss": abs(float(loss) - float(ref[2])) / abs(float(ref[2])),
-        "err_grads": max_rel(grads, ref[3]),
-        "err_params": max_rel(new_model, ref[0]),
-        "err_opt_state": max_rel(new_opt, ref[1]),
+        "err_grads": max_rel_err(*arrays(grads, ref[3])),
+        "err_params": max_rel_err(*arrays(new_model, ref[0])),
+        "err_opt_state": max_rel_err(*arrays(new_opt, ref[1])),
         "out_specs": [
             str(a.sharding.spec)
             for a in jtu.tree_leaves(eqx.filter(new_model, eqx.is_array))
@@ -190,7 +158,7 @@ def pipeline_run():
     hlo = fn.lower(stack, x, True).compile().compiled.as_text()
     return {
         "err_value": abs(float(value) - float(ref[0])) / abs(float(ref[0])),
-        "err_grads": max_rel(grads, ref[1]),
+        "err_grads": max_rel_err(*arrays(grads, ref[1])),
         "body_permutes": collectives(
             "\n".join(loop_bodies(hlo).values()), "collective-permute"
         ),

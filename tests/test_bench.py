@@ -207,3 +207,128 @@ def test_bfloat16_problem():
             assert loss.dtype == jnp.float32, impl.name
             dtypes = {g.dtype for g in jax.tree.leaves(grads)}
             assert dtypes == {jnp.dtype(jnp.bfloat16)}, (impl.name, dtypes)
+
+
+# The Transformer model (`--model transformer`), compile repeats and MFU.
+
+
+def test_transformer_implementations_match_the_loop():
+    from eqxscan.bench import _transformer
+
+    # eqxscan's own options are checked against the loop by the engine's tests;
+    # here: eqxscan's default and every peer's way of writing the block.
+    names = ("eqxscan", "eqxscan-loop", "eqx-recipe", "jax-scan")
+    names += ("flax-linen", "flax-nnx")
+    impls = [_transformer.IMPLS[n] for n in names if _transformer.IMPLS[n].available()]
+    # D=64 gives two heads, so that the heads' layout is checked too.
+    assert _transformer.num_heads(64) == 2
+    errors = _transformer.check_agreement(impls, num_layers=2, dim=64, batch=2, seq=3)
+    assert set(errors) == {i.name for i in impls}
+    assert all(err <= 1e-5 for err in errors.values()), errors
+    assert errors["eqxscan-loop"] == 0.0
+
+
+def test_transformer_mismatch_is_detected():
+    from eqxscan.bench import _transformer
+
+    def swapped_heads(model):
+        # Same loss, but the gradient of the key projection handed back in the
+        # wrong orientation: must be caught.
+        built = _transformer.IMPLS["jax-scan"].build(model)
+        to_canon = lambda g: {**g, "wk": jnp.swapaxes(g["wk"], 1, 2)}  # noqa: E731
+        return Built(built.params, built.loss, to_canon)
+
+    with pytest.raises(MismatchError, match="gradient of wk"):
+        _transformer.check_agreement(
+            [Impl("swapped", "wk transposed", swapped_heads)],
+            num_layers=1,
+            dim=8,
+            batch=1,
+            seq=3,
+        )
+
+
+def test_parse_transformer_and_gpu_defaults(monkeypatch):
+    args = _cli.parse_args(["--model", "transformer"])
+    assert args.layers == [4, 16, 64]
+    assert (args.dim, args.batch, args.seq, args.dtype) == (128, 8, 32, "float32")
+    assert "eqxscan-offload" in args.impls and "matmul-floor" not in args.impls
+    assert args.compile_repeats == 1
+    quick = _cli.parse_args(["--model", "transformer", "--quick"])
+    assert quick.dim == 32 and "matmul-floor" not in quick.impls
+    assert _cli.parse_args(["--compile-repeats", "3"]).compile_repeats == 3
+    monkeypatch.setattr(_cli, "_backend", lambda: "gpu")
+    gpu = _cli.parse_args([])
+    assert (gpu.dim, gpu.dtype, gpu.batch * gpu.seq) == (4096, "bfloat16", 8192)
+    assert _cli.parse_args(["--dim", "512", "--dtype", "float32"]).dim == 512
+    command = _cli.resolved_command(gpu)
+    assert "--dim 4096" in command and "--dtype bfloat16" in command
+    assert _cli.parse_args(command.split()[3:]) == gpu
+
+
+def test_peak_table():
+    from eqxscan._devices import peak_of
+
+    assert peak_of("NVIDIA H100 80GB HBM3").flops == 989e12
+    assert peak_of("NVIDIA H100 PCIe").flops == 756e12
+    assert peak_of("NVIDIA A100-SXM4-80GB").flops == 312e12
+    assert peak_of("NVIDIA L4").flops == 121e12
+    assert peak_of("cpu") is None
+
+
+def _synthetic_transformer(eqx_compile, loop_compile, peak=None):
+    rows = [
+        {"impl": n, "layers": 64, "total_s": t, "trace_s": 0.0, "lower_s": 0.0}
+        | {"compile_s": t, "hlo_lines": 10, "temp_bytes": m}
+        for n, t, m in (
+            ("eqxscan", eqx_compile, 10),
+            ("eqxscan-loop", loop_compile, 20),
+            ("eqx-recipe", 1.0, 20),
+        )
+    ]
+    steps = {"64": {"eqxscan": [0.5], "eqxscan-loop": [1.0], "eqx-recipe": [2.0]}}
+    return {
+        "config": {"model": "transformer", "dim": 128, "batch": 8, "seq": 32}
+        | {"dtype": "float32", "repeats": 1, "compile_repeats": 3},
+        "machine": {"summary": "test"},
+        "impls": {"eqxscan": "", "eqxscan-loop": "", "eqx-recipe": ""},
+        "flops_per_step": {"64": 2e12},
+        "peak_flops": peak,
+        "agreement": {},
+        "compile": rows,
+        "steps": steps,
+        "command": "python -m eqxscan.bench --model transformer",
+    }
+
+
+def test_transformer_targets_and_mfu():
+    met = {
+        t["target"]: t["met"]
+        for t in _report.targets(_synthetic_transformer(1.0, 13.0))
+    }
+    assert met == {
+        "L=64: eqxscan compiles >= 12x faster than eqxscan-loop": True,
+        "L=64: eqxscan step <= 1.0x eqxscan-loop": True,
+        "L=64: eqxscan temp memory <= 1.0x eqxscan-loop": True,
+        "L=64: eqxscan compile <= 1.1x eqx-recipe": True,
+    }
+    missed = _report.targets(_synthetic_transformer(1.2, 13.0))
+    assert [t["met"] for t in missed] == [False, True, True, False]
+    # MFU: 2e12 FLOPs in 0.5 s against a 1e13 FLOP/s peak is 40%.
+    md = _report.markdown(_synthetic_transformer(1.0, 13.0, peak=1e13))
+    assert "| MFU |" in md and "| 40.0% |" in md
+    assert "MFU" not in _report.markdown(_synthetic_transformer(1.0, 13.0))
+    assert "medians of 3 fresh compiles" in md
+
+
+def test_tiny_transformer_run_with_compile_repeats(tmp_path):
+    argv = ["--model", "transformer", "--layers", "1", "--dim", "8", "--batch", "1"]
+    argv += ["--seq", "3", "--impls", "eqxscan", "--repeats", "2"]
+    argv += ["--compile-repeats", "2", "--out", str(tmp_path)]
+    assert _cli.main(argv) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["errors"] == [] and results["config"]["model"] == "transformer"
+    for row in results["compile"]:
+        assert len(row["total_samples"]) == 2
+        assert row["total_s"] == pytest.approx(sum(row["total_samples"]) / 2)
+    assert "--compile-repeats 2" in results["resolved_command"]

@@ -19,6 +19,7 @@ import eqxscan
 from eqxscan import sharding
 
 from .helpers import max_rel_err, tree_allclose
+from .training import loss_fn, make_train_step
 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -172,29 +173,6 @@ def test_opt_state_sharded_like_params(getkey):
         assert isinstance(s, NamedSharding) == eqx.is_array(leaf)
 
 
-def loss_fn(model, x, y):
-    return jnp.mean((model(x) - y) ** 2)
-
-
-def train_step(optimizer, mesh):
-    @eqx.filter_jit
-    def step(model, opt_state, x, y):
-        loss, grads = eqx.filter_value_and_grad(loss_fn)(model, x, y)
-        # optax's Adam mixes Python floats and int32 step counts.
-        with jax.numpy_dtype_promotion("standard"):
-            updates, opt_state = optimizer.update(
-                grads, opt_state, eqx.filter(model, eqx.is_array)
-            )
-        model = eqx.apply_updates(model, updates)
-        if mesh is not None:
-            model, opt_state, _ = sharding.shard(
-                model, opt_state, mesh=mesh, min_size=0
-            )
-        return model, opt_state, loss, grads
-
-    return step
-
-
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
 def test_two_device_step_matches_one_device(getkey, axis_type):
     model = eqxscan.StackedMLP(8, 3, key=getkey())
@@ -202,7 +180,7 @@ def test_two_device_step_matches_one_device(getkey, axis_type):
     y = jax.random.normal(getkey(), (4, 8))
     optimizer = optax.adam(1e-2)
     opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
-    ref = train_step(optimizer, None)(model, opt_state, x, y)
+    ref = make_train_step(optimizer, None)(model, opt_state, x, y)
 
     mesh = jax.make_mesh((1, 2), ("data", "fsdp"), axis_types=(axis_type,) * 2)
     s_model, s_state, (s_x, s_y) = sharding.shard(
@@ -212,7 +190,7 @@ def test_two_device_step_matches_one_device(getkey, axis_type):
     assert s_model.blocks.layer_sharding == NamedSharding(mesh, P())
     assert placed(s_state[0].mu.blocks.layers.w2) == P(None, "fsdp")
     assert placed(s_x) == P(("data", "fsdp"))
-    new_model, new_state, loss, grads = train_step(optimizer, mesh)(
+    new_model, new_state, loss, grads = make_train_step(optimizer, mesh)(
         s_model, s_state, s_x, s_y
     )
     assert abs(float(loss) - float(ref[2])) <= 1e-5 * abs(float(ref[2]))

@@ -41,6 +41,12 @@ QUICK_IMPLS = (
     "flax-nnx",
     "matmul-floor",
 )
+#: `--model transformer`: the pre-norm block at D=128, T=32 (the sizes of the
+#: compile-time targets); `--quick` shrinks it.
+TRANSFORMER = {"layers": [4, 16, 64], "dim": 128, "batch": 8, "seq": 32, "repeats": 10}
+TRANSFORMER_QUICK = {"layers": [2, 4], "dim": 32, "batch": 2, "seq": 8, "repeats": 5}
+#: On a GPU: bfloat16, D=4096 and 8192 tokens per step, enough to be compute bound.
+GPU = {"layers": [4, 16, 32], "dim": 4096, "batch": 16, "seq": 512}
 
 
 def _positive_int(text: str) -> int:
@@ -92,13 +98,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=_positive_int, help="batch size (default 8)")
     p.add_argument("--seq", type=_positive_int, help="sequence length (default 64)")
     p.add_argument(
-        "--dtype", choices=["float32", "bfloat16"], default="float32", help="dtype"
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        help="dtype (default float32; bfloat16 on a GPU)",
     )
     p.add_argument(
         "--impls",
         type=_impl_list,
         help="comma-separated implementations (default: all available): "
-        + ", ".join(IMPLS),
+        + ", ".join(IMPLS)
+        + " (the Transformer has no matmul-floor and no eqxscan-save-all)",
     )
     p.add_argument(
         "--repeats",
@@ -106,6 +115,26 @@ def parser() -> argparse.ArgumentParser:
         help="timed steps per implementation and depth (default 10)",
     )
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="output folder")
+    p.add_argument(
+        "--model",
+        choices=["mlp", "transformer"],
+        default="mlp",
+        help="StackedMLP (default) or a pre-norm Transformer block "
+        "(LayerNorm, causal attention, MLP)",
+    )
+    p.add_argument(
+        "--compile-repeats",
+        type=_positive_int,
+        default=1,
+        help="fresh compiles per implementation and depth (JAX's caches cleared "
+        "in between); the table shows the median (default 1)",
+    )
+    p.add_argument(
+        "--peak-flops",
+        type=float,
+        help="the device's peak FLOP/s for the MFU column (default: looked up "
+        "from the GPU/TPU name; none on a CPU)",
+    )
     p.add_argument(
         "--quick",
         action="store_true",
@@ -126,33 +155,64 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse and validate; explicit arguments override the `--quick` preset."""
     p = parser()
     args = p.parse_args(argv)
-    preset = QUICK if args.quick else FULL
-    for name, value in preset.items():
+    from ._measure import registry
+
+    impls, _ = registry(args.model)
+    if args.model == "transformer":
+        preset = TRANSFORMER_QUICK if args.quick else TRANSFORMER
+        quick_impls = tuple(n for n in QUICK_IMPLS if n in impls)
+    else:
+        preset, quick_impls = (QUICK if args.quick else FULL), QUICK_IMPLS
+    if _backend() == "gpu" and not args.quick:
+        preset = {**preset, **GPU, "dtype": "bfloat16"}
+    for name, value in {"dtype": "float32", **preset}.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     args.skipped = []
     if args.impls is None:
-        names = QUICK_IMPLS if args.quick else IMPLS
-        args.impls = [name for name in names if IMPLS[name].available()]
-        args.skipped = [name for name in names if not IMPLS[name].available()]
+        names = quick_impls if args.quick else impls
+        args.impls = [name for name in names if impls[name].available()]
+        args.skipped = [name for name in names if not impls[name].available()]
     else:
-        unknown = [n for n in args.impls if n not in IMPLS]
+        unknown = [n for n in args.impls if n not in impls]
         if unknown:
             p.error(
                 f"unknown implementation(s) {', '.join(unknown)}; valid names are: "
-                + ", ".join(IMPLS)
+                + ", ".join(impls)
             )
-        missing = [n for n in args.impls if not IMPLS[n].available()]
+        missing = [n for n in args.impls if not impls[n].available()]
         if missing:
             p.error(
                 f"{', '.join(missing)} need(s) the optional dependency "
-                f"{IMPLS[missing[0]].requires!r}; install it with "
+                f"{impls[missing[0]].requires!r}; install it with "
                 "`pip install -e '.[bench]'`"
             )
         if not args.impls:
             p.error("--impls names no implementation")
         args.impls = list(dict.fromkeys(args.impls))
     return args
+
+
+def _backend() -> str:
+    import jax
+
+    return jax.default_backend()
+
+
+def resolved_command(args: argparse.Namespace) -> str:
+    """The command line that reproduces this run with every default spelled out."""
+    parts = [
+        "python -m eqxscan.bench",
+        f"--model {args.model}",
+        "--layers " + ",".join(map(str, args.layers)),
+        f"--dim {args.dim} --batch {args.batch} --seq {args.seq}",
+        f"--dtype {args.dtype} --repeats {args.repeats}",
+        f"--compile-repeats {args.compile_repeats}",
+        "--impls " + ",".join(args.impls),
+    ]
+    if args.peak_flops is not None:
+        parts.append(f"--peak-flops {args.peak_flops:g}")
+    return " ".join(parts)
 
 
 def _cpu_name() -> str:
@@ -212,9 +272,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     from tqdm import tqdm
 
-    from . import _report
-    from ._measure import check_agreement, MismatchError, model_flops
+    from .._devices import peak_of
+    from . import _report, _transformer
+    from ._measure import check_agreement, MismatchError, model_flops, registry
     from ._worker import run_worker, WorkerError
+
+    impls, _ = registry(args.model)
 
     if args.skipped:
         print(
@@ -224,20 +287,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     args.out.mkdir(parents=True, exist_ok=True)
     shape = dict(dim=args.dim, batch=args.batch, seq=args.seq)
+    machine = _machine()
+    peak = args.peak_flops
+    if peak is None and not machine["device"].startswith("cpu"):
+        found = peak_of(machine["device"])
+        peak = None if found is None else found.flops
+    tokens = args.batch * args.seq
+    flops = {
+        str(L): (
+            _transformer.model_flops(L, args.dim, tokens, args.seq)
+            if args.model == "transformer"
+            else model_flops(L, args.dim, tokens)
+        )
+        for L in args.layers
+    }
+    command = resolved_command(args)
+    print(f"Running: {command}", file=sys.stderr)
     results: dict[str, Any] = {
         "command": ("python -m eqxscan.bench " + shlex.join(argv)).strip(),
+        "resolved_command": command,
         "config": {
+            "model": args.model,
             "layers": args.layers,
             **shape,
             "dtype": args.dtype,
             "repeats": args.repeats,
+            "compile_repeats": args.compile_repeats,
             "impls": args.impls,
         },
-        "machine": _machine(),
-        "impls": {n: IMPLS[n].description for n in args.impls},
-        "flops_per_step": {
-            str(L): model_flops(L, args.dim, args.batch * args.seq) for L in args.layers
-        },
+        "machine": machine,
+        "peak_flops": peak,
+        "impls": {n: impls[n].description for n in args.impls},
+        "flops_per_step": flops,
         "agreement": {},
         "compile": [],
         "steps": {},
@@ -253,9 +334,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"(L={check_layers}, D={args.dim}, float32)...",
         file=sys.stderr,
     )
+    check = (
+        _transformer.check_agreement if args.model == "transformer" else check_agreement
+    )
     try:
-        results["agreement"] = check_agreement(
-            [IMPLS[n] for n in args.impls], num_layers=check_layers, **shape
+        results["agreement"] = check(
+            [impls[n] for n in args.impls], num_layers=check_layers, **shape
         )
     except MismatchError as e:
         raise SystemExit(f"eqxscan.bench: aborted: {e}") from None
@@ -263,12 +347,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     total = len(args.layers) * (len(args.impls) + args.repeats)
     with tqdm(total=total, desc="eqxscan.bench", file=sys.stderr) as bar:
         for layers in args.layers:
-            common = dict(num_layers=layers, **shape, dtype=args.dtype)
+            common = dict(
+                num_layers=layers, **shape, dtype=args.dtype, model=args.model
+            )
             for name in args.impls:
                 bar.set_postfix_str(f"compile {name} L={layers}")
+                spec = {"task": "compile", "impl": name, **common}
                 try:
                     results["compile"].append(
-                        run_worker({"task": "compile", "impl": name, **common})
+                        run_worker({**spec, "compile_repeats": args.compile_repeats})
                     )
                 except WorkerError as e:
                     results["errors"].append(str(e).splitlines()[0])

@@ -294,6 +294,11 @@ IMPLS: dict[str, Impl] = {
             _eqxscan(checkpoint=_POLICIES.dots_saveable),
         ),
         Impl(
+            "eqxscan-offload",
+            "eqxscan checkpoint='offload'",
+            _eqxscan(checkpoint="offload"),
+        ),
+        Impl(
             "eqxscan-save-all",
             "eqxscan checkpoint=everything_saveable",
             _eqxscan(checkpoint=_POLICIES.everything_saveable),

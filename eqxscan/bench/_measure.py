@@ -7,6 +7,7 @@ that nothing compiled earlier is reused.
 
 import gc
 import random
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -65,7 +66,7 @@ def make_problem(
     return model, x, y
 
 
-def _rel_err(a: Any, b: Any) -> float:
+def rel_err(a: Any, b: Any) -> float:
     a = np.asarray(a, np.float64)
     b = np.asarray(b, np.float64)
     return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
@@ -128,7 +129,7 @@ def check_agreement(
                     f"{np.shape(value)}, but the unrolled loop gives "
                     f"{np.shape(ref[what])}."
                 )
-            err = _rel_err(value, ref[what])
+            err = rel_err(value, ref[what])
             if not err <= tolerance:
                 raise MismatchError(
                     f"{impl.name} ({impl.description}) disagrees with the unrolled "
@@ -143,30 +144,58 @@ def check_agreement(
     return errors
 
 
+def registry(model: str) -> tuple[dict[str, Impl], Callable[..., Any]]:
+    """The implementations and the problem maker of a benchmark model."""
+    if model == "transformer":
+        from . import _transformer
+
+        return _transformer.IMPLS, _transformer.make_problem
+    return IMPLS, make_problem
+
+
 def measure_compile(
-    name: str, *, num_layers: int, dim: int, batch: int, seq: int, dtype: str
+    name: str,
+    *,
+    num_layers: int,
+    dim: int,
+    batch: int,
+    seq: int,
+    dtype: str,
+    model: str = "mlp",
+    compile_repeats: int = 1,
 ) -> dict[str, Any]:
     """Trace, lower and compile one implementation's train step (AOT), separately
-    timed, and read the lowered program size and XLA's memory analysis."""
-    model, x, y = make_problem(num_layers, dim, batch, seq, dtype)
-    built = IMPLS[name].build(model)
-    jax.block_until_ready(built.params)
-    step = jax.jit(jax.value_and_grad(built.loss))
-    t0 = time.perf_counter()
-    traced = step.trace(built.params, x, y)
-    t1 = time.perf_counter()
-    lowered = traced.lower()
-    t2 = time.perf_counter()
-    compiled = lowered.compile()
-    t3 = time.perf_counter()
+    timed, and read the lowered program size and XLA's memory analysis. With
+    `compile_repeats > 1` the step is compiled afresh that many times (JAX's
+    caches cleared in between) and the times are medians."""
+    impls, make = registry(model)
+    module, x, y = make(num_layers, dim, batch, seq, dtype)
+    samples = []
+    for _ in range(compile_repeats):
+        jax.clear_caches()
+        built = impls[name].build(module)
+        jax.block_until_ready(built.params)
+        step = jax.jit(jax.value_and_grad(built.loss))
+        t0 = time.perf_counter()
+        traced = step.trace(built.params, x, y)
+        t1 = time.perf_counter()
+        lowered = traced.lower()
+        t2 = time.perf_counter()
+        compiled = lowered.compile()
+        t3 = time.perf_counter()
+        samples.append((t1 - t0, t2 - t1, t3 - t2, t3 - t0))
+    trace_s, lower_s, compile_s, total_s = (
+        statistics.median(column) for column in zip(*samples)
+    )
     mem = compiled.memory_analysis()
     return {
         "impl": name,
         "layers": num_layers,
-        "trace_s": t1 - t0,
-        "lower_s": t2 - t1,
-        "compile_s": t3 - t2,
-        "total_s": t3 - t0,
+        "trace_s": trace_s,
+        "lower_s": lower_s,
+        "compile_s": compile_s,
+        "total_s": total_s,
+        "total_samples": [s[3] for s in samples],
         "hlo_lines": len(lowered.as_text().splitlines()),
         "temp_bytes": None if mem is None else int(mem.temp_size_in_bytes),
         "argument_bytes": None if mem is None else int(mem.argument_size_in_bytes),
@@ -184,6 +213,7 @@ def measure_steps(
     dtype: str,
     repeats: int,
     seed: int = 0,
+    model: str = "mlp",
     on_round: Callable[[], None] = lambda: None,
 ) -> dict[str, list[float]]:
     """Steady-state train-step times of several implementations in one process.
@@ -197,10 +227,11 @@ def measure_steps(
 
     `{name: [seconds per step] * repeats}`.
     """
-    model, x, y = make_problem(num_layers, dim, batch, seq, dtype)
+    impls, make = registry(model)
+    module, x, y = make(num_layers, dim, batch, seq, dtype)
     steps = {}
     for name in names:
-        built = IMPLS[name].build(model)
+        built = impls[name].build(module)
         fn = jax.jit(jax.value_and_grad(built.loss)).lower(built.params, x, y)
         steps[name] = (fn.compile(), built.params)
     for _ in range(WARMUP):

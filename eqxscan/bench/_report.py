@@ -13,6 +13,7 @@ MiB = 2**20
 TARGET_MIN_LAYERS = 16
 #: The (dim, batch, seq, dtype) the targets were set for.
 DEFAULT_SIZE = (256, 8, 64, "float32")
+TRANSFORMER_SIZE = (128, 8, 32, "float32")
 
 
 def _median_steps(results: dict[str, Any]) -> dict[int, dict[str, float]]:
@@ -46,17 +47,22 @@ def table(results: dict[str, Any]) -> str:
     steps = _median_steps(results)
     compiles = _compile_rows(results)
     flops = {int(k): v for k, v in results["flops_per_step"].items()}
+    peak = results.get("peak_flops")
+    mfu_head, mfu_rule = (" MFU |", "---:|") if peak else ("", "")
     out = []
     for layers in sorted(set(steps) | set(compiles)):
         st = steps.get(layers, {})
         co = compiles.get(layers, {})
         out.append(f"### L = {layers}\n")
         out.append(
-            "| implementation | step ms | vs loop | vs recipe | GFLOP/s | "
-            "compile s (trace / lower / XLA) | vs loop | vs recipe | "
+            "| implementation | step ms | vs loop | vs recipe | GFLOP/s |"
+            + mfu_head
+            + " compile s (trace / lower / XLA) | vs loop | vs recipe | "
             "StableHLO lines | temp MiB | vs loop |"
         )
-        out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        out.append(
+            "|---|---:|---:|---:|---:|" + mfu_rule + "---:|---:|---:|---:|---:|---:|"
+        )
         for name in results["impls"]:
             if name not in st and name not in co:
                 continue
@@ -71,10 +77,16 @@ def table(results: dict[str, Any]) -> str:
                 else "–"
             )
             gflops = None if s is None else flops[layers] / s / 1e9
+            mfu = ""
+            if peak:
+                mfu = " " + _fmt(
+                    None if s is None else 100 * gflops * 1e9 / peak, ".1f"
+                )
+                mfu += "% |"
             out.append(
                 f"| {name} | {_fmt(None if s is None else s * 1e3, '.1f')} | "
                 f"{_ratio(s, st.get(LOOP))} | {_ratio(s, st.get(RECIPE))} | "
-                f"{_fmt(gflops, '.1f')} | {parts} | "
+                f"{_fmt(gflops, '.1f')} |{mfu} {parts} | "
                 f"{_ratio(total, co.get(LOOP, {}).get('total_s'))} | "
                 f"{_ratio(total, co.get(RECIPE, {}).get('total_s'))} | "
                 f"{c.get('hlo_lines', '–')} | "
@@ -85,10 +97,58 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def transformer_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The Transformer's targets at its deepest depth: eqxscan compiles at least
+    12x faster than the unrolled loop and at most 1.1x the recipe's time, and
+    its step time and temp memory are at most the loop's."""
+    steps = _median_steps(results)
+    compiles = _compile_rows(results)
+    found = []
+    deepest = max(compiles, default=None)
+    rows = compiles.get(deepest, {}) if deepest is not None else {}
+    st = steps.get(deepest, {}) if deepest is not None else {}
+
+    def add(target: str, value: float | None, limit: float, text: str = "") -> None:
+        found.append(
+            {
+                "target": f"L={deepest}: {target}",
+                "measured": "not measured" if value is None else text or f"{value:.2f}",
+                "met": None if value is None else value <= limit,
+            }
+        )
+
+    def get(table: dict, name: str, key: str | None) -> float | int | None:
+        row = table.get(name)
+        return None if row is None else (row if key is None else row.get(key))
+
+    def ratio(a: float | int | None, b: float | int | None) -> float | None:
+        return None if a is None or b is None or b == 0 else a / b
+
+    c_eqx, c_loop = get(rows, "eqxscan", "total_s"), get(rows, LOOP, "total_s")
+    c_recipe = get(rows, RECIPE, "total_s")
+    speedup = ratio(c_loop, c_eqx)
+    add(
+        f"eqxscan compiles >= 12x faster than {LOOP}",
+        None if speedup is None else 12 / speedup,
+        1.0,
+        "" if speedup is None else f"{speedup:.1f}x ({c_eqx:.2f} s vs {c_loop:.2f} s)",
+    )
+    add(f"eqxscan step <= 1.0x {LOOP}", ratio(st.get("eqxscan"), st.get(LOOP)), 1.0)
+    add(
+        f"eqxscan temp memory <= 1.0x {LOOP}",
+        ratio(get(rows, "eqxscan", "temp_bytes"), get(rows, LOOP, "temp_bytes")),
+        1.0,
+    )
+    add(f"eqxscan compile <= 1.1x {RECIPE}", ratio(c_eqx, c_recipe), 1.1)
+    return found
+
+
 def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     """The issue's targets, checked against this run. Each entry has `target`,
     `measured` (text) and `met` (True, False, or None when the run lacks the
     depths or implementations needed)."""
+    if results.get("config", {}).get("model") == "transformer":
+        return transformer_targets(results)
     steps = _median_steps(results)
     compiles = _compile_rows(results)
     found = []
@@ -171,19 +231,48 @@ def markdown(results: dict[str, Any]) -> str:
     """The whole report: configuration, agreement check, tables and targets."""
     cfg = results["config"]
     m = results["machine"]
+    transformer = cfg.get("model") == "transformer"
+    what = (
+        "Pre-norm Transformer block (LayerNorm, causal MultiheadAttention, "
+        "LayerNorm, GELU MLP) train step"
+        if transformer
+        else "StackedMLP train step"
+    )
+    counted = (
+        "N*(24*D^2 + 4*T*D) per layer forward"
+        if transformer
+        else "2*N*D*4D*2 per layer forward"
+    )
+    repeats = cfg.get("compile_repeats", 1)
     head = [
         "# eqxscan.bench",
         "",
         f"`{results['command']}`",
         "",
-        f"StackedMLP train step (`value_and_grad` of an MSE loss), D={cfg['dim']}, "
+    ]
+    if results.get("resolved_command"):
+        head += [f"With every default spelled out: `{results['resolved_command']}`", ""]
+    head += [
+        f"{what} (`value_and_grad` of an MSE loss), D={cfg['dim']}, "
         f"batch {cfg['batch']} x seq {cfg['seq']}, {cfg['dtype']}; step times are "
-        f"medians of {cfg['repeats']} interleaved runs. Machine: {m['summary']}; "
+        f"medians of {cfg['repeats']} interleaved runs"
+        + (
+            f", compile times medians of {repeats} fresh compiles"
+            if repeats > 1
+            else ""
+        )
+        + f". Machine: {m['summary']}; "
         f"load average (1/5/15 min) {m.get('load_average_start')} at the start, "
         f"{m.get('load_average_end')} at the end.",
         "",
-        "GFLOP/s counts model FLOPs only: 2*N*D*4D*2 per layer forward, x3 for "
-        "forward + backward (recomputation by rematerialisation is not counted).",
+        f"GFLOP/s counts model FLOPs only: {counted} (N tokens), x3 for "
+        "forward + backward (recomputation by rematerialisation is not counted)."
+        + (
+            f" MFU is that against a peak of {results['peak_flops'] / 1e12:.0f} "
+            "TFLOP/s."
+            if results.get("peak_flops")
+            else ""
+        ),
         "",
         "Agreement with the unrolled loop (float32, max relative error of loss and "
         "gradients): "
@@ -193,10 +282,11 @@ def markdown(results: dict[str, Any]) -> str:
     ]
     body = table(results)
     tail = ["## Targets", ""]
-    if (cfg["dim"], cfg["batch"], cfg["seq"], cfg["dtype"]) != DEFAULT_SIZE:
+    default = TRANSFORMER_SIZE if transformer else DEFAULT_SIZE
+    if (cfg["dim"], cfg["batch"], cfg["seq"], cfg["dtype"]) != default:
         tail += [
-            "The targets were set for the default size (D=256, batch 8, seq 64, "
-            "float32); at this size read them as indications only.",
+            "The targets were set for the default size (D={}, batch {}, seq {}, "
+            "{}); at this size read them as indications only.".format(*default),
             "",
         ]
     tail += [targets_markdown(targets(results)), ""]

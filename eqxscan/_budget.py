@@ -1,0 +1,337 @@
+"""Choosing rematerialisation for a memory budget, from XLA's own accounting.
+
+`fit_remat` compiles a training step once per candidate `checkpoint=` setting,
+reads `memory_analysis()` and `cost_analysis()` of each compiled program, and
+keeps the cheapest program that fits.
+"""
+
+import dataclasses
+import re
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, overload
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+
+from ._checks import is_arraylike
+from ._devices import FALLBACK, Peak, peak_of
+from ._options import Scanning
+
+
+#: The settings tried by default, from most saved to least: "auto", a policy
+#: saving every matmul output, the same values offloaded to host memory, `True`,
+#: "nested", and `False` (save everything: fastest where it fits, on a GPU).
+CANDIDATES: tuple[Any, ...] = (
+    "auto",
+    jax.checkpoint_policies.dots_saveable,
+    "offload",
+    True,
+    "nested",
+    False,
+)
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(budget: int | str) -> int:
+    """`6 * 2**30`, `"6GiB"`, `"512MB"`, `"1.5 GB"` -> a number of bytes."""
+    if isinstance(budget, int) and not isinstance(budget, bool) and budget > 0:
+        return budget
+    if isinstance(budget, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", budget)
+        if m and m.group(2).lower() in _UNITS and float(m.group(1)) > 0:
+            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    raise ValueError(
+        f"budget must be a positive number of bytes or a string such as '6GiB' or "
+        f"'512MB', got {budget!r}.\nHint: units are B, kB, MB, GB, TB (powers of "
+        "1000) and KiB, MiB, GiB, TiB (powers of 1024)."
+    )
+
+
+def checkpoint_label(checkpoint: Any) -> str:
+    """`"auto"`, `"True"`, or a policy's name in `jax.checkpoint_policies`."""
+    if isinstance(checkpoint, (str, bool)):
+        return repr(checkpoint) if isinstance(checkpoint, str) else str(checkpoint)
+    for name, value in vars(jax.checkpoint_policies).items():
+        if value is checkpoint:
+            return name
+    return getattr(checkpoint, "__name__", repr(checkpoint))
+
+
+@dataclasses.dataclass(frozen=True)
+class RematCandidate:
+    """One compiled candidate and XLA's figures for it."""
+
+    checkpoint: Any
+    label: str
+    temp_bytes: int
+    argument_bytes: int
+    output_bytes: int
+    host_temp_bytes: int
+    flops: float
+    bytes_accessed: float
+    estimated_s: float
+    compiled: Any = dataclasses.field(repr=False, compare=False)
+    measured_s: float | None = None
+
+    @property
+    def device_bytes(self) -> int:
+        """Temp + argument + output bytes: what must fit on the device."""
+        return self.temp_bytes + self.argument_bytes + self.output_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class RematTable:
+    """Every candidate of a [`eqxscan.fit_remat`][] call, the budget and the choice.
+    `str(table)` is a Markdown table."""
+
+    budget: int
+    candidates: tuple[RematCandidate, ...]
+    chosen: RematCandidate
+    compiles: int
+
+    def markdown(self) -> str:
+        mib = 2**20
+        rows = [
+            f"budget {self.budget / mib:.1f} MiB; {self.compiles} programs compiled "
+            f"for {len(self.candidates)} candidates",
+            "",
+            "| checkpoint | temp MiB | args+out MiB | total MiB | host MiB | fits | "
+            "GFLOP | GB accessed | estimated ms | measured ms | |",
+            "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---|",
+        ]
+        for c in self.candidates:
+            measured = "–" if c.measured_s is None else f"{c.measured_s * 1e3:.1f}"
+            rows.append(
+                f"| {c.label} | {c.temp_bytes / mib:.1f} | "
+                f"{(c.argument_bytes + c.output_bytes) / mib:.1f} | "
+                f"{c.device_bytes / mib:.1f} | {c.host_temp_bytes / mib:.1f} | "
+                f"{'yes' if c.device_bytes <= self.budget else 'no'} | "
+                f"{c.flops / 1e9:.2f} | {c.bytes_accessed / 1e9:.3f} | "
+                f"{c.estimated_s * 1e3:.2f} | {measured} | "
+                f"{'**chosen**' if c is self.chosen else ''} |"
+            )
+        rows += [
+            "",
+            "Estimated ms: FLOPs / peak FLOP/s + bytes accessed / bandwidth, from "
+            "XLA's cost analysis, which counts a loop body once rather than once per "
+            "iteration: compare the estimates with each other, not with measured "
+            "times.",
+        ]
+        return "\n".join(rows)
+
+    def __str__(self) -> str:
+        return self.markdown()
+
+
+def choose(
+    candidates: Sequence[RematCandidate], budget: int, *, measured: bool = False
+) -> RematCandidate:
+    """The fitting candidate with the lowest estimated (or, with `measured=True`,
+    measured) time; `ValueError` listing every candidate's bytes if none fits."""
+    fitting = [c for c in candidates if c.device_bytes <= budget]
+    if not fitting:
+        mib = 2**20
+        listed = "; ".join(
+            f"{c.label}: {c.device_bytes / mib:.1f} MiB" for c in candidates
+        )
+        raise ValueError(
+            f"fit_remat: no checkpoint setting fits the budget of {budget / mib:.1f} "
+            f"MiB ({budget} bytes). Temp + argument + output bytes per candidate: "
+            f"{listed}.\nHint: raise the budget, shrink the batch, or shard the "
+            "model; see docs/remat.md."
+        )
+    if measured:
+        return min(fitting, key=lambda c: (c.measured_s is None, c.measured_s or 0.0))
+    return min(fitting, key=lambda c: c.estimated_s)
+
+
+def _is_scan(x: Any) -> bool:
+    return isinstance(x, Scanning)
+
+
+def with_checkpoint(model: Any, checkpoint: Any) -> Any:
+    """`model` with `checkpoint` set on every scanning module in it (`Stacked`,
+    `Chain`, `Recurrent`, `StackedMLP`; the outermost ones, which pass it on)."""
+    return jtu.tree_map(
+        lambda x: x.with_options(checkpoint=checkpoint) if _is_scan(x) else x,
+        model,
+        is_leaf=_is_scan,
+    )
+
+
+def _lower(step: Callable, model: Any, args: tuple) -> tuple[Any, list]:
+    # The compiled program takes the flat list of array leaves, the same for every
+    # candidate (the checkpoint setting lives in static fields).
+    dynamic, static = eqx.partition((model, args), is_arraylike)
+    leaves, treedef = jtu.tree_flatten(dynamic)
+
+    def train_step(leaves: list) -> Any:
+        m, a = eqx.combine(jtu.tree_unflatten(treedef, leaves), static)
+        return eqx.filter(step(m, *a), eqx.is_array)
+
+    return jax.jit(train_step).lower(leaves), leaves
+
+
+def _time(compiled: Any, leaves: list, repeats: int) -> float:
+    jax.block_until_ready(compiled(leaves))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(leaves))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@overload
+def fit_remat(
+    model: Any,
+    step: Callable[..., Any],
+    budget: int | str,
+    *args: Any,
+    table: Literal[False] = False,
+    candidates: Sequence[Any] = CANDIDATES,
+    peak: Peak | None = None,
+    time_steps: int = 0,
+) -> Any: ...
+
+
+@overload
+def fit_remat(
+    model: Any,
+    step: Callable[..., Any],
+    budget: int | str,
+    *args: Any,
+    table: Literal[True],
+    candidates: Sequence[Any] = CANDIDATES,
+    peak: Peak | None = None,
+    time_steps: int = 0,
+) -> tuple[Any, RematTable]: ...
+
+
+def fit_remat(
+    model: Any,
+    step: Callable[..., Any],
+    budget: int | str,
+    *args: Any,
+    table: bool = False,
+    candidates: Sequence[Any] = CANDIDATES,
+    peak: Peak | None = None,
+    time_steps: int = 0,
+) -> Any:
+    """Pick the `checkpoint=` setting for a memory budget, from XLA's own figures.
+
+    Every candidate setting is applied to all `Stacked`, `Chain` and `Recurrent`
+    modules in `model` at once, and `step(model, *args)` is compiled ahead of time
+    (`jax.jit(...).lower(...).compile()`, nothing is run). A candidate fits when
+    its compiled program's temp + argument + output bytes
+    (`memory_analysis()`) are at most `budget`. Among those that fit, the one with
+    the lowest estimated time wins: `flops / peak.flops + bytes accessed /
+    peak.bytes_per_s`, from `cost_analysis()`.
+
+    Candidates that lower to the same program are compiled once.
+
+    **Arguments:**
+
+    - `model`: any pytree holding one or more `Stacked`, `Chain` or `Recurrent`
+      (a `StackedMLP` holds a `Stacked`).
+    - `step`: `step(model, *args)`, one training step, e.g. returning the loss
+      and gradients, or the updated model and optimiser state. It is traced
+      under `jax.jit` with the array leaves of `model` and `args` as inputs.
+    - `budget`: bytes, as an int or a string such as `"6GiB"` or `"512MB"`.
+    - `*args`: the step's other inputs (a batch, optimiser state); arrays or
+      `jax.ShapeDtypeStruct`s (the latter only with `time_steps=0`).
+    - `table`: also return a [`eqxscan.RematTable`][] of every candidate.
+    - `candidates`: the `checkpoint=` settings to try, default `"auto"`,
+      `dots_saveable`, `"offload"`, `True`, `"nested"` and `False`.
+    - `peak`: the device's FLOP/s and bytes/s for the estimate; default: from a
+      small table of GPUs and TPUs, or a generic ratio on other devices.
+    - `time_steps`: if positive, run every fitting candidate this many times
+      (after one warm-up run) and choose by the median measured time instead.
+
+    **Returns:**
+
+    `model` with the chosen setting on all its scans; with `table=True`,
+    `(model, table)`.
+
+    **Raises:**
+
+    `ValueError` if `model` holds no scan, or if no candidate fits, listing the
+    bytes each one needs.
+    """
+    limit = parse_bytes(budget)
+    if isinstance(time_steps, bool) or not isinstance(time_steps, int):
+        raise TypeError(f"time_steps must be an int, got {time_steps!r}.")
+    found = jtu.tree_leaves(model, is_leaf=_is_scan)
+    if not any(_is_scan(x) for x in found):
+        raise ValueError(
+            f"fit_remat: {type(model).__name__} holds no eqxscan.Stacked, Chain or "
+            "Recurrent, so there is no checkpoint setting to choose.\nHint: see "
+            "docs/remat.md."
+        )
+    if not candidates:
+        raise ValueError("fit_remat: candidates is empty.")
+    if peak is None:
+        device = jax.devices()[0]
+        peak = peak_of(device.device_kind) or FALLBACK
+
+    programs: dict[str, Any] = {}
+    results = []
+    leaves: list = []
+    for checkpoint in candidates:
+        lowered, leaves = _lower(step, with_checkpoint(model, checkpoint), args)
+        text = lowered.as_text()
+        if text not in programs:
+            programs[text] = lowered.compile()
+        compiled = programs[text]
+        mem = compiled.memory_analysis()
+        cost = compiled.cost_analysis() or {}
+        flops = float(cost.get("flops", 0.0))
+        moved = float(cost.get("bytes accessed", 0.0))
+        results.append(
+            RematCandidate(
+                checkpoint=checkpoint,
+                label=checkpoint_label(checkpoint),
+                temp_bytes=int(mem.temp_size_in_bytes),
+                argument_bytes=int(mem.argument_size_in_bytes),
+                output_bytes=int(mem.output_size_in_bytes),
+                host_temp_bytes=int(getattr(mem, "host_temp_size_in_bytes", 0)),
+                flops=flops,
+                bytes_accessed=moved,
+                estimated_s=flops / peak.flops + moved / peak.bytes_per_s,
+                compiled=compiled,
+            )
+        )
+
+    if time_steps > 0:
+        if any(isinstance(x, jax.ShapeDtypeStruct) for x in jtu.tree_leaves(args)):
+            raise ValueError(
+                "fit_remat: time_steps > 0 runs the step, so args must be arrays, "
+                "not jax.ShapeDtypeStruct."
+            )
+        choose(results, limit)  # raises if nothing fits, before any timing
+        results = [
+            dataclasses.replace(c, measured_s=_time(c.compiled, leaves, time_steps))
+            if c.device_bytes <= limit
+            else c
+            for c in results
+        ]
+    best = choose(results, limit, measured=time_steps > 0)
+    chosen = with_checkpoint(model, best.checkpoint)
+    if table:
+        return chosen, RematTable(limit, tuple(results), best, len(programs))
+    return chosen

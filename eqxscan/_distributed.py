@@ -1,0 +1,245 @@
+"""Several processes, one program: joining JAX's multi-controller runtime and
+turning each process's data into global `jax.Array`s.
+
+JAX does the communication: `jax.distributed.initialize` connects the processes,
+`jax.make_array_from_process_local_data` assembles a global batch from the rows each
+process holds, and `jit` over a mesh spanning every process's devices runs the
+collectives (gloo on CPU, NCCL on GPU, ICI/DCN on TPU).
+"""
+
+import math
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.tree_util as jtu
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from ._checks import is_arraylike
+from ._constrain import constrain
+
+
+DOCS = "see docs/multihost.md"
+
+
+def _exit_with(message: str) -> None:
+    # Runs on a watchdog thread while the main thread is blocked inside JAX's
+    # connect call, which cannot be interrupted and aborts the process on its own
+    # timeout; so this reports first and ends the process itself.
+    sys.stderr.write(message + "\n")
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    timeout: float = 300,
+) -> None:
+    """Join this process to a multi-process JAX job (`jax.distributed.initialize`),
+    failing with a clear message if the job does not form within `timeout` seconds.
+
+    Call it once per process, before any other JAX call. With no arguments, JAX
+    detects the cluster: SLURM (`srun`), Open MPI (`mpirun`), MPI via `mpi4py`,
+    Kubernetes (an indexed Job or JobSet; needs `jax[k8s]`) and Cloud TPU VMs and
+    pods (GCE and GKE). Otherwise give all three arguments; the process with
+    `process_id=0` also runs the coordinator, which listens on the port of
+    `coordinator_address`. CPU collectives use gloo.
+
+    If not all `num_processes` processes join within `timeout` seconds (one was
+    not started, or cannot reach the coordinator), JAX's runtime ends the process
+    with an abort; this function reports instead, on standard error, which process
+    waited for what and for how long, and exits with status 1.
+
+    **Arguments:**
+
+    - `coordinator_address`: `"host:port"` of process 0, reachable from every
+      process.
+    - `num_processes`: the number of processes in the job.
+    - `process_id`: this process's index, `0 <= process_id < num_processes`.
+    - `timeout`: seconds to wait for every process to join.
+    """
+    given = (coordinator_address, num_processes, process_id)
+    if any(v is not None for v in given) and any(v is None for v in given):
+        raise ValueError(
+            "Give coordinator_address, num_processes and process_id together (got "
+            f"{coordinator_address!r}, {num_processes!r}, {process_id!r}).\nHint: "
+            f"or give none of them, to let JAX detect the cluster; {DOCS}."
+        )
+    if num_processes is not None and process_id is not None:
+        if not 0 <= process_id < num_processes:
+            raise ValueError(
+                f"process_id={process_id} is outside 0..{num_processes - 1} for "
+                f"num_processes={num_processes}.\nHint: number the processes "
+                f"from 0; {DOCS}."
+            )
+    # The default in recent JAX; older versions have no CPU collectives without it.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    where = (
+        f"process {process_id} of {num_processes} (coordinator {coordinator_address})"
+        if process_id is not None
+        else "this process (cluster detected by JAX)"
+    )
+    start = time.monotonic()
+    watchdog = threading.Timer(
+        timeout,
+        _exit_with,
+        (
+            f"eqxscan.sharding.initialize: {where} waited {timeout:g} s for all "
+            "processes to join the job, and not all did.\n"
+            "Hint: start every process with the same coordinator address and "
+            "process count, check process 0 is running and its port is reachable, "
+            f"or raise timeout; {DOCS}.",
+        ),
+    )
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        jax.distributed.initialize(
+            coordinator_address,
+            num_processes,
+            process_id,
+            # JAX's own limit comes later, so that the watchdog speaks first.
+            initialization_timeout=int(timeout) + 30,
+        )
+    except Exception as e:
+        raise RuntimeError(
+            f"{where} could not join the job after "
+            f"{time.monotonic() - start:.1f} s: {e}\nHint: check the coordinator "
+            f"address and process count; {DOCS}."
+        ) from e
+    finally:
+        watchdog.cancel()
+
+
+def default_devices() -> list[jax.Device]:
+    """Every device of every process, ordered by process then id (on one process:
+    `jax.devices()` as it is). A mesh filled in this order puts its first axis
+    across processes and keeps runs of its last axis inside one."""
+    devices = jax.devices()
+    if jax.process_count() == 1:
+        return list(devices)
+    return sorted(devices, key=lambda d: (d.process_index, d.id))
+
+
+def _is_traced(tree: Any) -> bool:
+    return any(isinstance(x, jax.core.Tracer) for x in jtu.tree_leaves(tree))
+
+
+def place(tree: Any, shardings: Any, mesh: Mesh) -> Any:
+    """Place `tree`, which every process holds in full, on `shardings`.
+
+    Inside `jit`, or on one process, this is `constrain`. On a mesh spanning
+    several processes `jax.device_put` assembles each global array from the copy
+    every process holds (each keeps only its own shards); arrays that are global
+    already are resharded by `constrain`.
+    """
+    if _is_traced(tree) or not mesh.is_multi_process:
+        return constrain(tree, shardings)
+    return _assemble(tree, shardings, jax.device_put)
+
+
+def _assemble(tree: Any, shardings: Any, put: Callable[[Any, Any], Any]) -> Any:
+    # `put(x, sharding)` for local arrays; global ones are resharded by `jit`.
+    def one(sharding: Any, x: Any) -> Any:
+        if not is_arraylike(x) or sharding is None:
+            return x
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return constrain(x, sharding)
+        return put(x, sharding)
+
+    return jtu.tree_map(one, shardings, tree, is_leaf=lambda x: x is None)
+
+
+def _blocks(sharding: NamedSharding) -> tuple[int, int]:
+    """`(on this process, in all)`: the row blocks of a batch split by `sharding`."""
+    spec = sharding.spec[0] if len(sharding.spec) else None
+    axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
+    total = math.prod(sharding.mesh.shape[a] for a in axes)
+    index = sharding.addressable_devices_indices_map((total,)).values()
+    return len({i[0].start for i in index}), total
+
+
+def place_batch(batch: Any, mesh: Mesh, shardings_for: Callable[[Any], Any]) -> Any:
+    """Place `batch` with `shardings_for(batch)`, where on a mesh spanning several
+    processes `batch` holds this process's rows only: each global array is
+    assembled from every process's rows (`jax.make_array_from_process_local_data`).
+    Inside `jit`, or on one process, this is `constrain`."""
+    if _is_traced(batch) or not mesh.is_multi_process:
+        return constrain(batch, shardings_for(batch))
+    # The batch's split, from a stand-in every batch split divides.
+    probe = jax.ShapeDtypeStruct((mesh.devices.size,), jax.numpy.float32)
+    (sharding,) = jtu.tree_leaves(shardings_for([probe]))
+    here, total = _blocks(sharding)
+
+    def global_like(path: tuple, x: Any) -> Any:
+        if not is_arraylike(x):
+            return x
+        if x.ndim == 0 or x.shape[0] % here:
+            raise ValueError(
+                f"`batch{jtu.keystr(path)}` has shape {tuple(x.shape)} on process "
+                f"{jax.process_index()}, whose devices hold {here} of the "
+                f"batch's {total} blocks.\nHint: give each process a multiple "
+                f"of {here} rows, its own rows rather than the global batch; {DOCS}."
+            )
+        rows = x.shape[0] // here * total
+        return jax.ShapeDtypeStruct((rows,) + tuple(x.shape[1:]), x.dtype)
+
+    shardings = shardings_for(jtu.tree_map_with_path(global_like, batch))
+    return _assemble(
+        batch, shardings, lambda x, s: jax.make_array_from_process_local_data(s, x)
+    )
+
+
+def local_rows(
+    rows: int,
+    mesh: Mesh,
+    *,
+    batch_axes: str | Sequence[str] = ("data", "fsdp"),
+) -> slice:
+    """The rows of a global batch of `rows` examples that this process feeds to
+    [`eqxscan.sharding.shard`][] (`batch=`), for a batch split over `batch_axes`.
+
+    Each process usually reads its own part of the data set and never sees the
+    global batch; this is for when every process can produce the global batch
+    (e.g. from a seed), so that a run gives the same result on any topology.
+
+    **Arguments:**
+
+    - `rows`: the global batch size.
+    - `mesh`: the mesh the batch is placed on.
+    - `batch_axes`: the mesh axes the batch is split over (the default of
+      `shard` on a `("data", "fsdp")` mesh).
+
+    **Returns:**
+
+    A `slice` of `range(rows)`.
+    """
+    axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
+    axes = tuple(a for a in axes if a in mesh.shape)
+    total = math.prod(mesh.shape[a] for a in axes)
+    if rows % total:
+        raise ValueError(
+            f"A batch of {rows} rows cannot be split over mesh axes {axes} "
+            f"(total size {total}) of mesh {dict(mesh.shape)}.\nHint: use a "
+            f"multiple of {total} rows; {DOCS}."
+        )
+    spec = PartitionSpec(axes if len(axes) > 1 else axes[0] if axes else None)
+    blocks = NamedSharding(mesh, spec).addressable_devices_indices_map((rows,))
+    starts = sorted({b[0].start or 0 for b in blocks.values()})
+    stops = sorted({rows if b[0].stop is None else b[0].stop for b in blocks.values()})
+    start, stop = starts[0], stops[-1]
+    size = sum(b - a for a, b in zip(starts, stops))
+    if size != stop - start:
+        raise ValueError(
+            f"The rows of process {jax.process_index()} are not contiguous in "
+            f"a batch split over {axes} of mesh {dict(mesh.shape)}.\nHint: order "
+            f"the mesh's devices by process, as make_mesh does; {DOCS}."
+        )
+    return slice(start, stop)

@@ -1,0 +1,304 @@
+"""Sharded checkpoints with Orbax: every process writes only its own shards, and a
+checkpoint restores onto any mesh and any number of processes.
+
+A step holds three Orbax items: `model`, `opt_state` and `step`. Names inside them
+keep the per-layer meaning of [`eqxscan.to_state_dict`][] with the layer index left
+as `*`: the entry `blocks.*.w1` of `model` is the stacked array whose row `i` is the
+state-dict entry `blocks.i.w1` (two leading axes, `*.*`, for nested `Stacked`s).
+Storing each stack as one array keeps a deep model at a handful of entries rather
+than one per layer and parameter.
+"""
+
+import os
+from typing import Any, TypeVar
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+
+from ._checks import is_arraylike
+from ._distributed import DOCS
+from ._sharding import MIN_SIZE, model_shardings, opt_state_shardings, shard
+from ._stacked import Stacked
+
+
+_M = TypeVar("_M")
+_S = TypeVar("_S")
+_LAYER = "*"
+
+
+def _part(entry: Any) -> str:
+    if isinstance(entry, jtu.GetAttrKey):
+        return entry.name
+    if isinstance(entry, jtu.SequenceKey):
+        return str(entry.idx)
+    if isinstance(entry, (jtu.DictKey, jtu.FlattenedIndexKey)):
+        return str(entry.key)
+    return str(entry)
+
+
+def _named_leaves(tree: Any) -> list[tuple[tuple[str, ...], Any]]:
+    """`(name parts, leaf)` of every array leaf of `tree`, in `jtu.tree_leaves`
+    order; inside a `Stacked` the layer axis is the part `*`."""
+    out = []
+
+    def walk(node: Any, parts: tuple[str, ...]) -> None:
+        if is_arraylike(node):
+            out.append((parts, node))
+        elif isinstance(node, Stacked):
+            # A Stacked's only pytree child is `layers`: its leaves, in order.
+            walk(node.layers, parts + (_LAYER,))
+        else:
+            children, _ = jtu.tree_flatten_with_path(
+                node, is_leaf=lambda x: x is not node
+            )
+            if len(children) == 1 and children[0][1] is node:
+                return  # a non-array leaf (a float, None): not saved
+            for path, child in children:
+                walk(child, parts + tuple(_part(p) for p in path))
+
+    walk(tree, ())
+    return out
+
+
+def _nest(named: list[tuple[tuple[str, ...], Any]]) -> dict[str, Any]:
+    # Nested dicts: Orbax names each entry by its path, e.g. `model.blocks.*.w1`.
+    root: dict[str, Any] = {}
+    for parts, leaf in named:
+        node = root
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = leaf
+    return root
+
+
+def _flat_names(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flat_names(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def _fill(like: Any, named: list[tuple[tuple[str, ...], Any]], values: dict) -> Any:
+    # `like` with its array leaves replaced, in order, by the restored ones.
+    flat = _flat_names(values)
+    arrays, rest = eqx.partition(like, is_arraylike)
+    leaves = [flat[".".join(parts)] for parts, _ in named]
+    treedef = jtu.tree_structure(arrays)
+    return eqx.combine(jtu.tree_unflatten(treedef, leaves), rest)
+
+
+class CheckpointManager:
+    """Sharded checkpoints of a model, its optimizer state and the step number, in
+    one Orbax checkpoint per step (`orbax.checkpoint.CheckpointManager`).
+
+    Every process calls the same methods in the same order. Each writes only the
+    shards its devices hold; a checkpoint restores onto any mesh and any number of
+    processes (e.g. saved on 2 processes x 4 devices, restored on 1 x 8 or 1 x 1).
+    A step appears in `directory` only once every process has finished writing it
+    (Orbax writes to a temporary directory and renames it when complete), so a
+    process killed mid-save leaves the previous checkpoint as the latest one.
+
+    A step holds the items `model`, `opt_state` and `step`. Names in them are
+    those of [`eqxscan.to_state_dict`][] with the layer index left as `*`
+    (`blocks.*.w1` in `model`, `0.mu.blocks.*.w1` in `opt_state`), the stacked
+    array holding every layer; see `docs/multihost.md`.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        max_to_keep: int | None = 3,
+        asynchronous: bool = True,
+    ):
+        """**Arguments:**
+
+        - `directory`: where the steps go, one subdirectory each; with several
+          hosts, storage every host can reach (a shared file system, GCS, S3).
+        - `max_to_keep`: keep only the newest this many steps (`None`: all).
+        - `asynchronous`: `save` returns once the arrays are copied off the
+          devices, and writing goes on in the background while training runs.
+        """
+        import orbax.checkpoint as ocp  # imported here: `import eqxscan` stays fast
+
+        self.directory = os.path.abspath(os.fspath(directory))
+        self._ocp = ocp
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            item_handlers={
+                "model": ocp.StandardCheckpointHandler(),
+                "opt_state": ocp.StandardCheckpointHandler(),
+                "step": ocp.JsonCheckpointHandler(),
+            },
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=max_to_keep,
+                enable_async_checkpointing=asynchronous,
+                cleanup_tmp_directories=True,
+                create=True,
+            ),
+        )
+
+    def save(
+        self, step: int, model: Any, opt_state: Any = None, *, wait: bool = False
+    ) -> None:
+        """Save `model` and `opt_state` (their arrays, sharded or not) as `step`.
+
+        **Arguments:**
+
+        - `step`: the step number; also the checkpoint's name.
+        - `model`: the model (any pytree; `Stacked` layers keep their `*` names).
+        - `opt_state`: the optimizer state, or `None`.
+        - `wait`: block until the checkpoint is complete, even if asynchronous.
+        """
+        args = self._ocp.args
+        items = {
+            "model": args.StandardSave(_nest(_named_leaves(model))),
+            "step": args.JsonSave({"step": step}),
+        }
+        if opt_state is not None:
+            items["opt_state"] = args.StandardSave(_nest(_named_leaves(opt_state)))
+        self._manager.save(step, args=args.Composite(**items), force=True)
+        if wait:
+            self._manager.wait_until_finished()
+
+    def restore(
+        self,
+        model: _M,
+        opt_state: _S = None,
+        *,
+        mesh: jax.sharding.Mesh,
+        step: int | None = None,
+        fsdp_axis: str | None = "fsdp",
+        min_size: int = MIN_SIZE,
+    ) -> tuple[_M, _S, int]:
+        """Restore a step onto `mesh`, laid out as [`eqxscan.sharding.shard`][]
+        lays out `model` and `opt_state`; every process reads only its shards.
+
+        **Arguments:**
+
+        - `model`: a model of the saved structure; its arrays may be
+          `jax.ShapeDtypeStruct`s (`eqx.filter_eval_shape(make_model, ...)`), so
+          the full model is never built.
+        - `opt_state`: likewise for the optimizer state (`None`: not restored,
+          e.g. for inference).
+        - `mesh`: the mesh to restore onto; any topology.
+        - `step`: the step to restore (default: the latest).
+        - `fsdp_axis`, `min_size`: as for `shard`.
+
+        **Returns:**
+
+        `(model, opt_state, step)`.
+
+        **Raises:**
+
+        `FileNotFoundError` if there is no such step; `ValueError` naming the
+        entries missing from the checkpoint, missing from `model`/`opt_state`, or
+        of another shape or dtype.
+        """
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise FileNotFoundError(
+                    f"No complete checkpoint in {self.directory!r}.\nHint: save "
+                    f"one first, or check the directory; {DOCS}."
+                )
+        elif step not in self.all_steps():
+            raise FileNotFoundError(
+                f"No checkpoint of step {step} in {self.directory!r}; it has steps "
+                f"{self.all_steps()}.\nHint: pass one of them or step=None; {DOCS}."
+            )
+        shardings = model_shardings(model, mesh, fsdp_axis=fsdp_axis, min_size=min_size)
+        parts = {"model": (model, shardings)}
+        if opt_state is not None:
+            opt_sh = opt_state_shardings(
+                opt_state, model, mesh, fsdp_axis=fsdp_axis, min_size=min_size
+            )
+            parts["opt_state"] = (opt_state, opt_sh)
+        named, target = {}, {}
+        for name, (tree, sh) in parts.items():
+            named[name] = _named_leaves(tree)
+            sh_leaves = jtu.tree_leaves(sh)
+            target[name] = _nest(
+                [
+                    (p, jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s))
+                    for (p, x), s in zip(named[name], sh_leaves, strict=True)
+                ]
+            )
+        self._check(step, target)
+        args = self._ocp.args
+        out = self._manager.restore(
+            step,
+            args=args.Composite(
+                step=args.JsonRestore(),
+                **{k: args.StandardRestore(v) for k, v in target.items()},
+            ),
+        )
+        model = _fill(model, named["model"], out["model"])
+        if opt_state is not None:
+            opt_state = _fill(opt_state, named["opt_state"], out["opt_state"])
+        model, opt_state, _ = shard(
+            model, opt_state, mesh=mesh, fsdp_axis=fsdp_axis, min_size=min_size
+        )
+        return model, opt_state, int(out["step"]["step"])
+
+    def _check(self, step: int, target: dict[str, Any]) -> None:
+        # Orbax's own errors name tensorstore paths; name the entries instead.
+        metadata = self._manager.item_metadata(step)
+        saved = _flat_names(
+            {k: metadata[k].tree for k in target if metadata.get(k) is not None}
+        )
+        wanted = _flat_names(target)
+        missing = sorted(set(wanted) - set(saved))
+        unexpected = sorted(set(saved) - set(wanted))
+        wrong = [
+            f"'{k}': wanted {v.dtype}{list(v.shape)}, saved "
+            f"{saved[k].dtype}{list(saved[k].shape)}"
+            for k, v in wanted.items()
+            if k in saved
+            and (
+                tuple(saved[k].shape) != tuple(v.shape)
+                or jax.numpy.dtype(saved[k].dtype) != v.dtype
+            )
+        ]
+        if missing or unexpected or wrong:
+            problems = [
+                f"{what}: {'; '.join(items[:10])}"
+                + (f" and {len(items) - 10} more" if len(items) > 10 else "")
+                for what, items in (
+                    ("not in the checkpoint", missing),
+                    ("only in the checkpoint", unexpected),
+                    ("of another shape or dtype", wrong),
+                )
+                if items
+            ]
+            raise ValueError(
+                f"Step {step} in {self.directory!r} does not match the model and "
+                f"optimizer state to restore: {' | '.join(problems)}.\nHint: pass a "
+                f"model built with the saved configuration; {DOCS}."
+            )
+
+    def latest_step(self) -> int | None:
+        """The newest complete step, or `None`."""
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        """Every complete step, oldest first."""
+        return sorted(self._manager.all_steps())
+
+    def wait(self) -> None:
+        """Block until every asynchronous save has finished."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Finish pending saves and release Orbax's resources."""
+        self._manager.close()
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

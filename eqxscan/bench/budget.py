@@ -1,0 +1,167 @@
+"""`python -m eqxscan.bench.budget`: does `fit_remat` pick a fast program?
+
+Compiles one train step per candidate checkpoint setting (through
+`eqxscan.fit_remat`, with `table=True`), times every candidate interleaved in
+one process, and then, at four budgets from the smallest candidate's bytes to
+the largest's, compares the program `fit_remat` chooses from XLA's estimates
+with the fastest fitting one by measurement.
+"""
+
+import argparse
+import dataclasses
+import gc
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import equinox as eqx
+import jax
+
+from .._budget import choose, fit_remat, RematTable
+from ._impls import mse
+from ._measure import registry
+
+
+def _step(model: Any, x: jax.Array, y: jax.Array) -> Any:
+    return eqx.filter_value_and_grad(lambda m: mse(m(x), y))(model)
+
+
+def _time_all(table: RematTable, leaves: list, rounds: int) -> dict[int, float]:
+    programs = {id(c.compiled): c.compiled for c in table.candidates}
+    for compiled in programs.values():
+        jax.block_until_ready(compiled(leaves))
+    times: dict[int, list[float]] = {k: [] for k in programs}
+    order = list(programs)
+    rng = random.Random(0)
+    for _ in range(rounds):
+        rng.shuffle(order)
+        gc.collect()
+        for k in order:
+            t0 = time.perf_counter()
+            jax.block_until_ready(programs[k](leaves))
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def run(
+    model_name: str, num_layers: int, dim: int, batch: int, seq: int, rounds: int
+) -> dict[str, Any]:
+    _, make = registry(model_name)
+    module, x, y = make(num_layers, dim, batch, seq, "float32")
+    if model_name == "mlp":
+        module = module.blocks  # the Stacked inside the StackedMLP
+    t0 = time.perf_counter()
+    _, table = fit_remat(module, _step, 2**50, x, y, table=True)
+    compile_s = time.perf_counter() - t0
+    leaves = jax.tree.leaves(eqx.filter((module, (x, y)), eqx.is_array))
+    measured = _time_all(table, leaves, rounds)
+
+    cands = [
+        dataclasses.replace(c, measured_s=measured[id(c.compiled)])
+        for c in table.candidates
+    ]
+    sizes = sorted({c.device_bytes for c in cands})
+    picks = [sizes[round(i * (len(sizes) - 1) / 3)] for i in range(4)]
+    rows = []
+    for budget in picks:
+        chosen = choose(cands, budget)
+        fastest = choose(cands, budget, measured=True)
+        rows.append(
+            {
+                "budget_bytes": budget,
+                "chosen": chosen.label,
+                "chosen_bytes": chosen.device_bytes,
+                "chosen_ms": chosen.measured_s * 1e3,
+                "fastest": fastest.label,
+                "fastest_ms": fastest.measured_s * 1e3,
+                "ratio": chosen.measured_s / fastest.measured_s,
+            }
+        )
+    # fit_remat itself agrees with `choose` (same function) at the largest budget.
+    assert table.chosen.label == choose(cands, 2**50).label
+    return {
+        "model": model_name,
+        "size": dict(layers=num_layers, dim=dim, batch=batch, seq=seq),
+        "compile_all_s": compile_s,
+        "programs": table.compiles,
+        "candidates": [
+            {
+                "checkpoint": c.label,
+                "device_bytes": c.device_bytes,
+                "temp_bytes": c.temp_bytes,
+                "gflop": c.flops / 1e9,
+                "gb_accessed": c.bytes_accessed / 1e9,
+                "estimated_ms": c.estimated_s * 1e3,
+                "measured_ms": c.measured_s * 1e3,
+            }
+            for c in cands
+        ],
+        "budgets": rows,
+    }
+
+
+def markdown(r: dict[str, Any]) -> str:
+    mib = 2**20
+    s = r["size"]
+    out = [
+        f"### {r['model']}: L={s['layers']}, D={s['dim']}, batch {s['batch']} x "
+        f"seq {s['seq']}, float32",
+        "",
+        f"{len(r['candidates'])} candidates, {r['programs']} distinct programs "
+        f"compiled in {r['compile_all_s']:.1f} s.",
+        "",
+        "| checkpoint | temp MiB | total MiB | GFLOP | GB accessed | estimated ms "
+        "| measured ms |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c in r["candidates"]:
+        out.append(
+            f"| {c['checkpoint']} | {c['temp_bytes'] / mib:.1f} | "
+            f"{c['device_bytes'] / mib:.1f} | {c['gflop']:.2f} | "
+            f"{c['gb_accessed']:.3f} | {c['estimated_ms']:.2f} | "
+            f"{c['measured_ms']:.1f} |"
+        )
+    out += [
+        "",
+        "| budget MiB | chosen | its MiB | its ms | fastest fitting (measured) "
+        "| its ms | chosen / fastest |",
+        "|---:|---|---:|---:|---|---:|---:|",
+    ]
+    for b in r["budgets"]:
+        out.append(
+            f"| {b['budget_bytes'] / mib:.1f} | {b['chosen']} | "
+            f"{b['chosen_bytes'] / mib:.1f} | {b['chosen_ms']:.1f} | {b['fastest']} | "
+            f"{b['fastest_ms']:.1f} | {b['ratio']:.2f} |"
+        )
+    return "\n".join(out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m eqxscan.bench.budget")
+    p.add_argument("--model", choices=["mlp", "transformer"], default="mlp")
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--dim", type=int)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int)
+    p.add_argument("--rounds", type=int, default=7, help="timed rounds")
+    p.add_argument("--out", type=Path)
+    a = p.parse_args(argv)
+    dim = a.dim or (256 if a.model == "mlp" else 128)
+    seq = a.seq or (64 if a.model == "mlp" else 32)
+    r = run(a.model, a.layers, dim, a.batch, seq, a.rounds)
+    text = markdown(r)
+    print(text)
+    if a.out:
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / f"budget_{a.model}.json").write_text(json.dumps(r, indent=1))
+        (a.out / f"budget_{a.model}.md").write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""`fit_remat` (remat chosen for a memory budget) and `checkpoint="offload"`."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+
+import eqxscan
+from eqxscan._budget import CANDIDATES, with_checkpoint
+
+from .helpers import tree_allclose
+
+
+def _mse_step(model, x):
+    def loss(m):
+        return jnp.mean(m(x) ** 2)
+
+    return eqx.filter_value_and_grad(loss)(model)
+
+
+@pytest.fixture(scope="module")
+def mlp_problem():
+    model = eqxscan.StackedMLP(8, 6, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (4, 5, 8))
+    return model, x
+
+
+@pytest.fixture(scope="module")
+def mlp_table(mlp_problem):
+    model, x = mlp_problem
+    _, table = eqxscan.fit_remat(model, _mse_step, "1GiB", x, table=True)
+    return table
+
+
+# checkpoint="offload"
+
+
+def _arrays(tree):
+    # The gradients' static fields carry the (differing) checkpoint settings.
+    return jax.tree.leaves(eqx.filter(tree, eqx.is_array))
+
+
+def _elman_model(key):
+    k1, k2 = jax.random.split(key)
+    return (
+        eqxscan.StackedMLP(4, 2, key=k1),
+        eqxscan.Recurrent(eqxscan.ElmanCell(4, 4, key=k2)),
+    )
+
+
+def _two_part_loss(models, x):
+    mlp, rnn = models
+    h, ys = rnn(jnp.zeros(4), mlp(x))
+    return jnp.mean(ys**2) + jnp.sum(h**2)
+
+
+@pytest.mark.parametrize("compare", [dict(checkpoint=False), dict(mode="loop")])
+def test_offload_gives_the_same_values_and_gradients(compare, getkey):
+    models = _elman_model(getkey())
+    x = jax.random.normal(getkey(), (5, 4))
+    step = eqx.filter_jit(eqx.filter_value_and_grad(_two_part_loss))
+    offload = with_checkpoint(models, "offload")
+    assert offload[0].blocks.checkpoint == "offload"
+    assert offload[1].checkpoint == "offload"
+    other = jax.tree.map(
+        lambda m: m.with_options(**compare),
+        models,
+        is_leaf=lambda m: isinstance(m, (eqxscan.Stacked, eqxscan.Recurrent)),
+    )
+    loss, grads = step(offload, x)
+    loss_ref, grads_ref = step(other, x)
+    assert jnp.allclose(loss, loss_ref, rtol=1e-6)
+    assert tree_allclose(_arrays(grads), _arrays(grads_ref), rtol=1e-5, atol=1e-7)
+
+
+def test_offload_moves_the_saved_matmuls_to_the_host(getkey):
+    # The traced step moves the saved matmul outputs to host memory and back
+    # (the CPU backend then lowers the moves to nothing: one memory there).
+    x = jnp.ones((2, 8))
+    grad = eqx.filter_grad(lambda m: jnp.sum(m(x)))
+    jaxprs = {
+        checkpoint: str(
+            eqx.filter_make_jaxpr(grad)(
+                eqxscan.StackedMLP(8, 3, key=getkey(), checkpoint=checkpoint)
+            )[0]
+        )
+        for checkpoint in ("offload", "auto")
+    }
+    assert "f32<host>[2,32]" in jaxprs["offload"]
+    assert "<host>" not in jaxprs["auto"]
+
+
+def test_offload_is_a_valid_option_and_typos_are_not():
+    layer = lambda k: eqx.nn.Linear(4, 4, key=k)  # noqa: E731
+    stacked = eqxscan.Stacked(layer, 2, key=jax.random.key(0), checkpoint="offload")
+    assert stacked.checkpoint == "offload"
+    with pytest.raises(ValueError, match="checkpoint must be one of .*'offload'"):
+        eqxscan.Stacked(layer, 2, key=jax.random.key(0), checkpoint="offloaded")
+
+
+# parse_bytes
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("6GiB", 6 * 2**30),
+        ("512MB", 512 * 10**6),
+        ("1.5 kib", 1536),
+        (" 100 ", 100),
+        (4096, 4096),
+    ],
+)
+def test_parse_bytes(text, expected):
+    assert eqxscan.parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["6 gigs", "-1GB", "GiB", 0, -5, True])
+def test_parse_bytes_rejects(bad):
+    with pytest.raises(ValueError, match="budget must be a positive number"):
+        eqxscan.parse_bytes(bad)
+
+
+# fit_remat
+
+
+def test_table_lists_every_candidate_from_xla(mlp_problem, mlp_table):
+    model, x = mlp_problem
+    assert [c.checkpoint for c in mlp_table.candidates] == list(CANDIDATES)
+    # Identical programs are compiled once: "auto" and dots_saveable lower to the
+    # same program for this model (its matmuls have no batch dimensions).
+    assert mlp_table.compiles < len(CANDIDATES)
+    by = {c.label: c for c in mlp_table.candidates}
+    assert by["'auto'"].compiled is by["dots_saveable"].compiled
+    # XLA's figures are read from the compiled program, and they differ the way
+    # the settings do: saving everything needs the most temp memory, True the least
+    # of the flat scans, and True recomputes the matmuls (more FLOPs).
+    assert by["False"].temp_bytes > by["'auto'"].temp_bytes > by["True"].temp_bytes
+    assert by["True"].flops > by["'auto'"].flops
+    compiled = eqx.filter_jit(_mse_step).lower(model, x).compile().compiled
+    assert by["'auto'"].temp_bytes == compiled.memory_analysis().temp_size_in_bytes
+    mem = by["'auto'"].compiled.memory_analysis()
+    assert by["'auto'"].device_bytes == (
+        mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes
+    )
+    assert "| 'nested' |" in str(mlp_table) and "**chosen**" in str(mlp_table)
+
+
+def test_chooses_the_cheapest_fitting_candidate(mlp_problem, mlp_table):
+    model, x = mlp_problem
+    sizes = {c.label: c.device_bytes for c in mlp_table.candidates}
+    assert sizes["True"] < sizes["False"]
+    # With FLOPs made dear the estimate ranks by FLOPs: False (no recomputation)
+    # wins where it fits, True (recomputes the forward) where only it fits.
+    peak = eqxscan.Peak(1e6, 1e15)
+    chosen_labels = []
+    for budget in (2**30, sizes["True"]):
+        got, table = eqxscan.fit_remat(
+            model, _mse_step, budget, x, table=True, peak=peak, candidates=(True, False)
+        )
+        fitting = [c for c in table.candidates if c.device_bytes <= budget]
+        assert table.chosen in fitting
+        assert table.chosen.estimated_s == min(c.estimated_s for c in fitting)
+        assert got.blocks.checkpoint is table.chosen.checkpoint
+        chosen_labels.append(table.chosen.label)
+    assert chosen_labels == ["False", "True"]
+    # Only the setting changes: same values and gradients as the input model.
+    assert tree_allclose(
+        _arrays(_mse_step(got, x)), _arrays(_mse_step(model, x)), rtol=1e-5
+    )
+
+
+def test_a_budget_nothing_fits_lists_every_candidate(mlp_problem):
+    model, x = mlp_problem
+    with pytest.raises(ValueError) as info:
+        eqxscan.fit_remat(model, _mse_step, "1kB", x, candidates=("auto", True))
+    message = str(info.value)
+    assert "no checkpoint setting fits the budget of 0.0 MiB (1000 bytes)" in message
+    assert "'auto': " in message and "True: " in message and "MiB" in message
+    assert "docs/remat.md" in message
+
+
+def test_time_steps_chooses_by_measured_time(mlp_problem):
+    model, x = mlp_problem
+    got, table = eqxscan.fit_remat(
+        model,
+        _mse_step,
+        "1GiB",
+        x,
+        table=True,
+        candidates=("auto", False),
+        time_steps=2,
+    )
+    assert all(c.measured_s is not None and c.measured_s > 0 for c in table.candidates)
+    assert table.chosen.measured_s == min(c.measured_s for c in table.candidates)
+    assert got.blocks.checkpoint is table.chosen.checkpoint
+
+
+def test_every_scan_in_the_model_gets_the_setting(getkey):
+    models = _elman_model(getkey())
+    x = jax.random.normal(getkey(), (5, 4))
+    step = eqx.filter_value_and_grad(_two_part_loss)
+    got, table = eqxscan.fit_remat(
+        models, step, 2**30, x, candidates=(True, "nested"), table=True
+    )
+    assert got[0].blocks.checkpoint == got[1].checkpoint == table.chosen.checkpoint
+    # Shape-only inputs are enough to compile.
+    shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    eqxscan.fit_remat(models, step, 2**30, shape, candidates=(True,))
+
+
+def test_bad_calls(mlp_problem):
+    model, x = mlp_problem
+    with pytest.raises(ValueError, match="holds no eqxscan.Stacked"):
+        eqxscan.fit_remat(eqx.nn.Linear(2, 2, key=jax.random.key(0)), _mse_step, 10)
+    with pytest.raises(ValueError, match="budget must be"):
+        eqxscan.fit_remat(model, _mse_step, "lots", x)
+    shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    with pytest.raises(ValueError, match="must be arrays"):
+        eqxscan.fit_remat(
+            model, _mse_step, 2**30, shape, candidates=("auto",), time_steps=1
+        )
