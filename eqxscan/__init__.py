@@ -1,6 +1,11 @@
 """eqxscan: scan over layers and over time, first-class for Equinox."""
 
 from . import optim as optim, sharding as sharding
+from ._auto import (
+    AutoChoice as AutoChoice,
+    explain_auto as explain_auto,
+    StepCost as StepCost,
+)
 from ._budget import (
     fit_remat as fit_remat,
     parse_bytes as parse_bytes,

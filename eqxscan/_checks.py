@@ -232,11 +232,12 @@ def check_option(name: str, value: Any, allowed: Sequence[Any]) -> None:
 
 
 def check_unroll(unroll: Any) -> None:
-    if isinstance(unroll, bool):
+    if isinstance(unroll, bool) or (isinstance(unroll, str) and unroll == "auto"):
         return
     if not isinstance(unroll, int):
         raise TypeError(
-            f"unroll must be a positive int or a bool, got {type(unroll).__name__}."
+            "unroll must be a positive int, a bool or 'auto', got "
+            f"{type(unroll).__name__}."
         )
     if unroll < 1:
         raise ValueError(f"unroll must be >= 1 (or a bool), got {unroll}.")

@@ -15,19 +15,19 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
+from ._auto import resolve
 from ._checks import check_carry, noted
 from ._options import Checkpoint, ScanOptions
 from ._stateful import clone
 
 
-#: What `checkpoint="auto"` means inside a scan: save the outputs of matmuls that
-#: have no batch dimensions (the weight products) and recompute the elementwise
-#: work (norms, activations, residual adds) in the backward pass. A plain scan
-#: stores every elementwise intermediate of every step in stacked buffers; that
-#: costs more time and memory than the unrolled loop, whereas recomputing them is
-#: cheap. Saving the matmul outputs avoids the ~33% extra FLOPs of a full remat on
-#: accelerators, where matmuls dominate. docs/default-checkpoint.md has the
-#: measurements.
+#: The matmul-saving policy: save the outputs of matmuls that have no batch
+#: dimensions (the weight products) and recompute the elementwise work (norms,
+#: activations, residual adds) in the backward pass. A plain scan stores every
+#: elementwise intermediate of every step in stacked buffers, which costs more
+#: time and memory than the unrolled loop once they add up. `checkpoint="auto"`
+#: picks between saving everything, this policy and full remat from the traced
+#: step's shapes (eqxscan/_auto.py; docs/default-checkpoint.md).
 AUTO_POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 
 #: What `checkpoint="offload"` means: the same values as "auto" are kept, but in
@@ -121,6 +121,9 @@ def run(
             y_static_box.append(y_static)
         return new_dyn, y_dyn
 
+    checkpoint, unroll = resolve(
+        body, c_dyn, xs, length, checkpoint, unroll, AUTO_POLICY, where(None)
+    )
     if checkpoint == "nested":
         c_dyn, ys = _nested_scan(body, c_dyn, xs, length, unroll, reverse)
     else:

@@ -30,7 +30,7 @@ class ScanArgs(TypedDict, total=False):
 
     mode: Mode
     checkpoint: Checkpoint
-    unroll: int | bool
+    unroll: int | bool | Literal["auto"]
 
 
 MODES: tuple[Mode, ...] = ("scan", "loop")
@@ -70,16 +70,21 @@ class ScanOptions(eqx.Module):
 
     mode: Mode = eqx.field(static=True)
     checkpoint: Checkpoint = eqx.field(static=True)
-    unroll: int | bool = eqx.field(static=True)
+    unroll: int | bool | Literal["auto"] = eqx.field(static=True)
 
     def __init__(
-        self, mode: object = "scan", checkpoint: object = "auto", unroll: object = 1
+        self,
+        mode: object = "scan",
+        checkpoint: object = "auto",
+        unroll: object = "auto",
     ):
         """**Arguments:**
 
         - `mode`: a [`eqxscan.Mode`][]: `"scan"` or `"loop"`.
         - `checkpoint`: a [`eqxscan.Checkpoint`][] value.
-        - `unroll`: a positive int or a bool, passed to `jax.lax.scan`.
+        - `unroll`: a positive int or a bool, passed to `jax.lax.scan`, or
+          `"auto"` (chosen with `checkpoint="auto"`'s rule; see
+          [`eqxscan.explain_auto`][]).
 
         **Raises:**
 
@@ -135,7 +140,7 @@ class Scanning(eqx.Module):
         return self.options.checkpoint
 
     @property
-    def unroll(self) -> int | bool:
+    def unroll(self) -> int | bool | Literal["auto"]:
         return self.options.unroll
 
     def with_options(self: ScanningT, **changes: object) -> ScanningT:

@@ -260,7 +260,8 @@ class Recurrent(Scanning):
           [`eqxscan.Stacked`][]: `"auto"` (default), `False`, `True`, a
           `jax.checkpoint_policies` policy, or `"nested"` (saved carries grow like
           `sqrt(T)`, for long sequences).
-        - `unroll`: passed to `jax.lax.scan`.
+        - `unroll`: passed to `jax.lax.scan`; `"auto"` (default) is chosen with
+          `checkpoint="auto"`'s rule.
         """
         check_callable("cell", cell)
         check_option("reverse", reverse, (False, True))

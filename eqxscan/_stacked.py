@@ -202,13 +202,15 @@ class Stacked(Scanning, Generic[LayerT]):
           runs; [`eqxscan.sharding.shard`][] sets it for you.
         - `mode`: `"scan"` (`jax.lax.scan`, one traced body) or `"loop"` (a Python
           loop over the same weights: the reference and debugging path).
-        - `checkpoint`: rematerialisation. `"auto"` (default: save matmul outputs,
-          recompute elementwise work; fastest for training), `False` (save
-          everything), `True` (`jax.checkpoint` around each layer), a
+        - `checkpoint`: rematerialisation. `"auto"` (default: chosen from the
+          traced layer's shapes: save everything when that is small, else
+          recompute; see [`eqxscan.explain_auto`][]), `False` (save everything),
+          `True` (`jax.checkpoint` around each layer), a
           `jax.checkpoint_policies` policy, or `"nested"` (two-level scan whose
           saved carries grow like `sqrt(L)`). All give the same values and
           gradients.
-        - `unroll`: passed to `jax.lax.scan`.
+        - `unroll`: passed to `jax.lax.scan`; `"auto"` (default) is chosen with
+          `checkpoint="auto"`'s rule.
 
         `mode`, `checkpoint` and `unroll` make the module's
         [`eqxscan.ScanOptions`][].

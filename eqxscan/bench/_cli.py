@@ -141,6 +141,13 @@ def parser() -> argparse.ArgumentParser:
         help="small preset for a fast look: layers 4,16, D=64, batch 4, seq 16, "
         "and only " + ", ".join(QUICK_IMPLS) + " unless --impls is given",
     )
+    p.add_argument(
+        "--grid",
+        action="store_true",
+        help="instead: the default's step time and temp memory against the loop and "
+        "every explicit setting, over MLP widths and depths and GRU/LSTM sizes "
+        "(--repeats rounds, default 7); writes grid.json, grid.md, grid.png",
+    )
     return p
 
 
@@ -258,6 +265,10 @@ def _machine() -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--grid" in argv:
+        from ._grid import main_grid
+
+        return main_grid(parser().parse_args(argv))
     args = parse_args(argv)
     from tqdm import tqdm
 

@@ -1,0 +1,312 @@
+"""What `checkpoint="auto"` and `unroll="auto"` pick, from the traced step's shapes.
+
+When the scan body is traced, every shape is known. `measure` traces the step
+once more (abstractly: nothing runs) and counts:
+
+- the bytes a plain scan would save per step for the backward pass (the
+  residuals of `jax.vjp` of the step, less the step's inputs and the values it
+  closes over, which a scan does not stack),
+- the same under the matmul-saving policy (`dots_with_no_batch_dims_saveable`),
+- the bytes of the carry, and
+- the FLOPs of one step (`2·M·N·K` per matmul, one per element of everything else).
+
+`decide` turns those into a choice with the rule documented in
+docs/default-checkpoint.md, whose constants are defined below.
+"""
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.extend.core as jcore
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+
+
+#: Residuals (bytes per step × length) a plain scan may save while "auto" still
+#: saves everything: small in absolute terms, well below any accelerator's memory.
+SMALL_RESIDUALS = 4 * 2**20
+#: ... provided they are mostly matmul outputs: at most this many times what the
+#: matmul-saving policy keeps. The unrolled loop saves the matmul outputs too, but
+#: XLA fuses away elementwise intermediates there, which a plain scan must stack.
+#: Measured (temp memory of saving everything against the loop's): a GRU cell
+#: (1.14× the policy's bytes) 1.09×, an LSTM cell (1.22×) 1.50×, an MLP block
+#: (5.4×) 1.2-1.75×; the threshold keeps the first and excludes the others.
+MATMUL_DOMINATED = 1.2
+#: Platforms where "auto" recomputes small steps fully rather than with the
+#: matmul-saving policy, and the bound on "small" (FLOPs per step). On the CPU grid
+#: full remat beat the policy for RNN cells and narrow MLPs (the policy took
+#: 1.1-1.7× its time, up to 1.7e7 FLOPs per step), with the least memory; from
+#: an MLP of width 256 (6.8e7 FLOPs) on, the recomputed matmuls cost more and the
+#: policy was as fast or faster (0.74-1.0×). On accelerators matmuls dominate, and
+#: the policy avoids a second forward pass at every size.
+FULL_REMAT_PLATFORMS = ("cpu",)
+FULL_REMAT_FLOPS = 5 * 10**7
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    """What one traced scan step costs (see the module docstring)."""
+
+    length: int
+    flops: int
+    carry_bytes: int
+    saved_bytes: int
+    policy_saved_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoChoice:
+    """What `"auto"` chose for one scan, and why.
+
+    **Fields:**
+
+    - `checkpoint`: the resolved option: `False` (save everything), `True` (full
+      remat) or a `jax.checkpoint_policies` policy.
+    - `unroll`: the resolved `unroll`.
+    - `reason`: one sentence with the numbers behind the choice.
+    - `cost`: the measured [`StepCost`][eqxscan.StepCost].
+    - `where`: which scan (the layer type or cell, as in error messages).
+    """
+
+    checkpoint: bool | str | Callable
+    unroll: int | bool
+    reason: str
+    cost: StepCost
+    where: str
+
+    @property
+    def checkpoint_name(self) -> str:
+        if callable(self.checkpoint):
+            return getattr(self.checkpoint, "__name__", repr(self.checkpoint))
+        return repr(self.checkpoint)
+
+    def __repr__(self) -> str:
+        return (
+            f"AutoChoice(checkpoint={self.checkpoint_name}, unroll={self.unroll!r}, "
+            f"where={self.where!r}, reason={self.reason!r})"
+        )
+
+
+def _mib(n: int | float) -> str:
+    if n < 2**20:
+        return f"{n / 2**10:.1f} KiB"
+    return f"{n / 2**20:.2f} MiB"
+
+
+def decide(
+    cost: StepCost, checkpoint: Any, unroll: Any, policy: Callable, platform: str
+) -> tuple[bool | str | Callable, int | bool, str]:
+    """Resolve `"auto"` in `checkpoint` and/or `unroll`; explicit values pass through.
+
+    - `checkpoint="auto"`: save everything (`False`) when a plain scan's residuals
+      are at most `SMALL_RESIDUALS` and at most `MATMUL_DOMINATED` times what
+      `policy` saves; otherwise full remat (`True`) for steps under
+      `FULL_REMAT_FLOPS` on `FULL_REMAT_PLATFORMS`, and `policy` elsewhere.
+    - `unroll="auto"`: 1. Unrolling by 2, 4 or 8 was not faster beyond the noise
+      on CPU, and each unrolled step keeps its own residuals alive.
+    """
+    reasons = []
+    if checkpoint == "auto":
+        total = cost.saved_bytes * cost.length
+        ratio = cost.saved_bytes / max(cost.policy_saved_bytes, 1)
+        facts = (
+            f"a plain scan saves {_mib(total)}, {ratio:.2f}x what saving matmul "
+            f"outputs keeps ({_mib(cost.policy_saved_bytes * cost.length)})"
+        )
+        if total <= SMALL_RESIDUALS and ratio <= MATMUL_DOMINATED:
+            checkpoint = False
+            reasons.append(
+                f"{facts}: at most {_mib(SMALL_RESIDUALS)} and "
+                f"{MATMUL_DOMINATED}x, so save everything"
+            )
+        else:
+            why = (
+                f"more than {_mib(SMALL_RESIDUALS)}"
+                if total > SMALL_RESIDUALS
+                else f"more than {MATMUL_DOMINATED}x"
+            )
+            small_step = cost.flops < FULL_REMAT_FLOPS
+            if platform in FULL_REMAT_PLATFORMS and small_step:
+                checkpoint = True
+                what = (
+                    f"on {platform}, with {cost.flops:.3g} FLOPs per step "
+                    f"(< {FULL_REMAT_FLOPS:.0e}), recompute the whole step"
+                )
+            else:
+                checkpoint = policy
+                what = "save matmul outputs and recompute the rest"
+            reasons.append(f"{facts}: {why}, so {what}")
+    if unroll == "auto":
+        unroll = 1
+        reasons.append(f"{cost.flops:.3g} FLOPs per step: unroll 1")
+    return checkpoint, unroll, "; ".join(reasons)
+
+
+# ---------------------------------------------------------------------------
+# Measuring the step.
+
+
+def _abstract(tree: Any, drop_leading: bool) -> Any:
+    def f(a: Any) -> Any:
+        shape = a.shape[1:] if drop_leading else a.shape
+        return jax.ShapeDtypeStruct(shape, a.dtype)
+
+    return jtu.tree_map(f, tree)
+
+
+def _nbytes(aval: Any) -> int:
+    return int(np.prod(aval.shape, dtype=np.int64)) * jnp.dtype(aval.dtype).itemsize
+
+
+def _saved_bytes(step: Callable, carry: Any, x: Any, policy: Any) -> int:
+    """Bytes of the residuals of `vjp(step)` that a scan would stack per step: not
+    the step's per-step inputs (scanned already) nor closed-over values (the same
+    at every step); the incoming carry does count."""
+    fn = step if policy is None else jax.checkpoint(step, policy=policy)
+
+    def residuals(c: Any, x: Any) -> Any:
+        return jax.vjp(fn, c, x)[1]
+
+    try:
+        jaxpr = jax.make_jaxpr(residuals)(carry, x).jaxpr
+    except Exception:
+        # The step traced already (`measure` counts its FLOPs first), so this is a
+        # step that cannot be reverse-differentiated (a `while_loop`, say): it has
+        # no residuals to weigh, and remat would change nothing.
+        return 0
+    n_carry = len(jtu.tree_leaves(carry))
+    not_stacked = set(jaxpr.invars[n_carry:]) | set(jaxpr.constvars)
+    seen, total = set(), 0
+    for v in jaxpr.outvars:
+        if not isinstance(v, jcore.Var) or v in not_stacked or v in seen:
+            continue
+        seen.add(v)
+        total += _nbytes(v.aval)
+    return total
+
+
+def _flops(jaxpr: Any) -> int:
+    total = 0
+    for eqn in jaxpr.eqns:
+        subs = list(jcore.jaxprs_in_params(eqn.params))
+        if subs:
+            times = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
+            # Branches of a `cond` are alternatives: count the most expensive.
+            inner = [_flops(s) for s in subs]
+            total += times * (
+                max(inner) if eqn.primitive.name == "cond" else sum(inner)
+            )
+            continue
+        out = sum(int(np.prod(v.aval.shape, dtype=np.int64)) for v in eqn.outvars)
+        if eqn.primitive.name == "dot_general":
+            (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            k = int(np.prod([lhs[d] for d in lhs_contract], dtype=np.int64))
+            total += 2 * out * k
+        else:
+            total += out
+    return total
+
+
+def _vmapped_size(x: Any) -> int:
+    """How many copies of `x` `jax.vmap` runs at once (1 outside `vmap`).
+
+    `vmap` hides its batch from the traced step, whose shapes are per example,
+    yet the batch multiplies every byte and FLOP. Batching tracers expose it (as
+    `val` and `batch_dim`, under a differentiation tracer's `primal`); this reads
+    it where it can and assumes 1 elsewhere."""
+    size = 1
+    for _ in range(64):
+        if hasattr(x, "val") and hasattr(x, "batch_dim"):
+            if isinstance(x.batch_dim, int) and hasattr(x.val, "shape"):
+                size *= int(x.val.shape[x.batch_dim])
+            x = x.val
+        elif hasattr(x, "primal"):
+            x = x.primal
+        else:
+            break
+    return size
+
+
+def measure(
+    step: Callable, carry: Any, xs: Any, length: int, policy: Callable
+) -> StepCost:
+    """The [`StepCost`][eqxscan.StepCost] of `step(carry, x_i)` over `length` steps,
+    for the whole `vmap` batch when there is one."""
+    batch = max([_vmapped_size(a) for a in jtu.tree_leaves((carry, xs))] or [1])
+    carry = _abstract(carry, drop_leading=False)
+    x = _abstract(xs, drop_leading=True)
+    flops = _flops(jax.make_jaxpr(step)(carry, x).jaxpr)
+    return StepCost(
+        length=length,
+        flops=batch * flops,
+        carry_bytes=batch * sum(_nbytes(a) for a in jtu.tree_leaves(carry)),
+        saved_bytes=batch * _saved_bytes(step, carry, x, None),
+        policy_saved_bytes=batch * _saved_bytes(step, carry, x, policy),
+    )
+
+
+# ---------------------------------------------------------------------------
+# Resolving inside the engine, and reporting it.
+
+_RECORDERS: list[list[AutoChoice]] = []
+
+
+def resolve(
+    step: Callable,
+    carry: Any,
+    xs: Any,
+    length: int,
+    checkpoint: Any,
+    unroll: Any,
+    policy: Callable,
+    where: str,
+) -> tuple[Any, Any]:
+    """`(checkpoint, unroll)` with any `"auto"` replaced by the rule's choice."""
+    if checkpoint != "auto" and unroll != "auto":
+        return checkpoint, unroll
+    cost = measure(step, carry, xs, length, policy)
+    platform = jax.default_backend()
+    checkpoint, unroll, reason = decide(cost, checkpoint, unroll, policy, platform)
+    for record in _RECORDERS:
+        record.append(AutoChoice(checkpoint, unroll, reason, cost, where))
+    return checkpoint, unroll
+
+
+@contextlib.contextmanager
+def _recording() -> Iterator[list[AutoChoice]]:
+    record: list[AutoChoice] = []
+    _RECORDERS.append(record)
+    try:
+        yield record
+    finally:
+        _RECORDERS.remove(record)
+
+
+def explain_auto(fn: Callable, *args: Any, **kwargs: Any) -> list[AutoChoice]:
+    """What `checkpoint="auto"` and `unroll="auto"` pick for every scan that
+    `fn(*args, **kwargs)` runs, and why.
+
+    `fn` is traced abstractly (`jax.eval_shape`): nothing is computed. The choice
+    depends only on shapes and dtypes, so it is the one a jitted train step makes.
+
+    **Arguments:**
+
+    - `fn`: a module (`Stacked`, `Chain`, `Recurrent`, `StackedMLP`, ...) or any
+      function that calls one.
+    - `*args`, `**kwargs`: example inputs (arrays or `jax.ShapeDtypeStruct`s).
+
+    **Returns:**
+
+    A list of [`AutoChoice`][eqxscan.AutoChoice], one per scan in call order (one
+    for a `Stacked`, one per scanned group of a `Chain`, two for a
+    `Bidirectional`); empty when no scan used `"auto"`.
+    """
+    with _recording() as record:
+        eqx.filter_eval_shape(fn, *args, **kwargs)
+    return list(record)

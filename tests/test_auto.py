@@ -1,0 +1,286 @@
+"""`checkpoint="auto"` and `unroll="auto"`: the rule's choices, explicit options
+winning, and equal values and gradients whatever the rule picks."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+
+import eqxscan
+from eqxscan import _auto
+
+
+def cost(**changes):
+    base = dict(
+        length=8,
+        flops=10_000,
+        carry_bytes=256,
+        saved_bytes=1000,
+        policy_saved_bytes=900,
+    )
+    return eqxscan.StepCost(**{**base, **changes})
+
+
+POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+
+
+# --- the rule on synthetic costs: both sides of every threshold ---------------
+
+
+def test_small_and_matmul_dominated_saves_everything():
+    small = _auto.SMALL_RESIDUALS // 8  # x length 8: exactly the threshold
+    c = cost(saved_bytes=small, policy_saved_bytes=small)
+    assert _auto.decide(c, "auto", "auto", POLICY, "cpu")[:2] == (False, 1)
+    assert _auto.decide(c, "auto", "auto", POLICY, "gpu")[:2] == (False, 1)
+
+
+def test_over_the_size_threshold_recomputes():
+    over = _auto.SMALL_RESIDUALS // 8 + 1
+    c = cost(saved_bytes=over, policy_saved_bytes=over)
+    assert _auto.decide(c, "auto", 1, POLICY, "cpu")[0] is True
+    assert _auto.decide(c, "auto", 1, POLICY, "gpu")[0] is POLICY
+
+
+def test_big_steps_keep_matmul_outputs_on_cpu_too():
+    over = _auto.SMALL_RESIDUALS
+    small = cost(saved_bytes=over, flops=_auto.FULL_REMAT_FLOPS - 1)
+    big = cost(saved_bytes=over, flops=_auto.FULL_REMAT_FLOPS)
+    assert _auto.decide(small, "auto", 1, POLICY, "cpu")[0] is True
+    assert _auto.decide(big, "auto", 1, POLICY, "cpu")[0] is POLICY
+    assert _auto.decide(small, "auto", 1, POLICY, "gpu")[0] is POLICY
+
+
+def test_over_the_elementwise_ratio_recomputes():
+    ratio = _auto.MATMUL_DOMINATED
+    at = cost(saved_bytes=int(1000 * ratio), policy_saved_bytes=1000)
+    over = cost(saved_bytes=int(1000 * ratio) + 1, policy_saved_bytes=1000)
+    assert _auto.decide(at, "auto", 1, POLICY, "cpu")[0] is False
+    assert _auto.decide(over, "auto", 1, POLICY, "cpu")[0] is True
+    assert _auto.decide(over, "auto", 1, POLICY, "tpu")[0] is POLICY
+
+
+def test_decide_leaves_explicit_values_alone():
+    c = cost(saved_bytes=10**9)
+    for checkpoint in (False, True, POLICY, "nested"):
+        for unroll in (1, 3, True):
+            got = _auto.decide(c, checkpoint, unroll, POLICY, "cpu")
+            assert got[:2] == (checkpoint, unroll)
+
+
+def test_reason_names_the_numbers():
+    reason = _auto.decide(cost(), "auto", "auto", POLICY, "cpu")[2]
+    assert "save everything" in reason and "MiB" in reason and "unroll 1" in reason
+
+
+# --- measuring a traced step ---------------------------------------------------
+
+
+def test_measure_counts_flops_and_residuals():
+    # step: c -> tanh(c @ w + x) with w closed over. `vjp` keeps w (a constant,
+    # not stacked by a scan), tanh's output and 1 - output (float32[n] each; what
+    # `jax.ad_checkpoint.print_saved_residuals` lists). The policy keeps only the
+    # matmul output and recomputes tanh.
+    n = 16
+    w = jnp.ones((n, n))
+
+    def step(c, x):
+        out = jnp.tanh(c @ w + x)
+        return out, None
+
+    c = jnp.ones(n)
+    xs = jnp.ones((5, n))
+    got = _auto.measure(step, c, xs, 5, POLICY)
+    assert got.length == 5
+    assert got.flops == 2 * n * n + n + n  # matmul, add, tanh
+    assert got.carry_bytes == 4 * n
+    assert got.saved_bytes == 2 * 4 * n
+    assert got.policy_saved_bytes == 4 * n
+
+
+def test_measure_sees_the_vmapped_batch():
+    cell = eqx.nn.GRUCell(3, 4, key=jr.key(0))
+    rnn = eqxscan.Recurrent(cell)
+    h0, xs = jnp.zeros(4), jnp.ones((6, 3))
+    (one,) = eqxscan.explain_auto(rnn, h0, xs)
+    batched = lambda h, x: jax.vmap(rnn)(h, x)
+    (five,) = eqxscan.explain_auto(batched, jnp.zeros((5, 4)), jnp.ones((5, 6, 3)))
+    assert one.cost.flops > 0 and one.cost.saved_bytes > 0
+    assert five.cost.flops == 5 * one.cost.flops
+    assert five.cost.saved_bytes == 5 * one.cost.saved_bytes
+    assert five.cost.policy_saved_bytes == 5 * one.cost.policy_saved_bytes
+    assert five.cost.carry_bytes == 5 * one.cost.carry_bytes == 5 * 16
+
+
+# --- what the modules pick ------------------------------------------------------
+
+
+def small_gru():
+    return eqxscan.Recurrent(eqx.nn.GRUCell(2, 4, key=jr.key(1)))
+
+
+def test_small_gru_saves_everything_and_big_one_recomputes(monkeypatch):
+    rnn, h0, xs = small_gru(), jnp.zeros(4), jnp.ones((3, 2))
+    (choice,) = eqxscan.explain_auto(rnn, h0, xs)
+    assert (choice.checkpoint, choice.unroll) == (False, 1)
+    assert "GRUCell" in choice.where
+    # The same cell over the threshold (lowered, rather than a large model).
+    total = choice.cost.saved_bytes * choice.cost.length
+    monkeypatch.setattr(_auto, "SMALL_RESIDUALS", total - 1)
+    (choice,) = eqxscan.explain_auto(rnn, h0, xs)
+    assert choice.checkpoint is True
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    (choice,) = eqxscan.explain_auto(rnn, h0, xs)
+    assert choice.checkpoint is POLICY
+
+
+def test_small_lstm_recomputes():
+    # Small too, but its plain scan saves 1.22x what the policy keeps (cell state
+    # intermediates), and took 1.5x the loop's temp memory: over the ratio.
+    rnn = eqxscan.Recurrent(eqx.nn.LSTMCell(2, 4, key=jr.key(1)))
+    h0 = (jnp.zeros(4), jnp.zeros(4))
+    (choice,) = eqxscan.explain_auto(rnn, h0, jnp.ones((3, 2)))
+    ratio = choice.cost.saved_bytes / choice.cost.policy_saved_bytes
+    assert ratio > _auto.MATMUL_DOMINATED
+    assert choice.cost.saved_bytes * 3 < _auto.SMALL_RESIDUALS
+    assert choice.checkpoint is True
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    return eqxscan.StackedMLP(8, 3, key=jr.key(0))
+
+
+def test_mlp_recomputes_its_elementwise_work(mlp):
+    # Small, but a plain scan saves ~5x what the policy keeps (GELU, norm).
+    model = mlp
+    (choice,) = eqxscan.explain_auto(model, jnp.ones((3, 8)))
+    assert choice.cost.saved_bytes > _auto.MATMUL_DOMINATED * (
+        choice.cost.policy_saved_bytes
+    )
+    assert choice.checkpoint is True
+    assert choice.unroll == 1
+
+
+def test_every_chain_group_and_direction_is_explained():
+    layers = [eqx.nn.Linear(4, 4, key=k) for k in jr.split(jr.key(0), 3)]
+    chain = eqxscan.Chain([*layers, eqx.nn.Lambda(jnp.tanh), *layers])
+    choices = eqxscan.explain_auto(chain, jnp.ones(4))
+    assert len(choices) == 2  # two scanned runs of three Linears
+    cells = [eqx.nn.GRUCell(2, 4, key=k) for k in jr.split(jr.key(0), 2)]
+    bi = eqxscan.Bidirectional(*cells)
+    h0 = (jnp.zeros(4), jnp.zeros(4))
+    assert len(eqxscan.explain_auto(bi, h0, jnp.ones((5, 2)))) == 2
+
+
+def test_explicit_options_always_win():
+    rnn, h0, xs = small_gru(), jnp.zeros(4), jnp.ones((3, 2))
+    assert (
+        eqxscan.explain_auto(rnn.with_options(checkpoint=True, unroll=1), h0, xs) == []
+    )
+    (c,) = eqxscan.explain_auto(rnn.with_options(checkpoint=True), h0, xs)
+    assert (c.checkpoint, c.unroll) == (True, 1)
+    (c,) = eqxscan.explain_auto(rnn.with_options(unroll=3), h0, xs)
+    assert (c.checkpoint, c.unroll) == (False, 3)
+
+    # ... and in the traced program: an explicit remat is there, "auto" has none.
+    def remats(m):
+        text = str(jax.make_jaxpr(jax.grad(lambda h: m(h, xs)[0].sum()))(h0))
+        return text.count("checkpoint") + text.count("remat")
+
+    assert remats(rnn) == 0
+    assert remats(rnn.with_options(checkpoint=True)) > 0
+    assert remats(rnn.with_options(checkpoint=POLICY)) > 0
+
+
+def test_a_step_that_cannot_be_differentiated_still_runs():
+    # A pure_callback has no derivative: "auto" must not be what raises.
+    def layer(x):
+        shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        return jax.pure_callback(lambda a: np.cos(a).astype(a.dtype), shape, x)
+
+    stack = eqxscan.Stacked(lambda k: eqx.nn.Lambda(layer), 2, key=jr.key(0))
+    (choice,) = eqxscan.explain_auto(stack, jnp.ones(3))
+    assert choice.cost.saved_bytes == 0 and choice.checkpoint is False
+    np.testing.assert_allclose(stack(jnp.ones(3)), np.cos(np.cos(np.ones(3))))
+
+
+def test_choice_is_deterministic(mlp):
+    # Same shapes, other values: the same choice, every time.
+    model = mlp
+    other = jax.tree.map(lambda a: a + 1 if eqx.is_inexact_array(a) else a, mlp)
+    x = jnp.ones((2, 8))
+    a, b, c = (eqxscan.explain_auto(m, x) for m in (model, model, other))
+    assert [repr(x) for x in a] == [repr(x) for x in b] == [repr(x) for x in c]
+    assert a[0].cost == b[0].cost == c[0].cost
+
+
+# --- equal values and gradients for every choice --------------------------------
+
+
+def _forced(monkeypatch, choice):
+    if choice == "save-all":
+        monkeypatch.setattr(_auto, "SMALL_RESIDUALS", 2**62)
+        monkeypatch.setattr(_auto, "MATMUL_DOMINATED", float("inf"))
+    else:
+        monkeypatch.setattr(_auto, "SMALL_RESIDUALS", -1)
+        if choice == "policy":
+            monkeypatch.setattr(_auto, "FULL_REMAT_PLATFORMS", ())
+
+
+def _value_and_grad(m, *args):
+    dyn, static = eqx.partition(m, eqx.is_inexact_array)
+
+    def loss(d):
+        out = eqx.combine(d, static)(*args)
+        return sum(jnp.sum(jnp.sin(a)) for a in jax.tree.leaves(out))
+
+    return jax.jit(jax.value_and_grad(loss))(dyn)
+
+
+def _close(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+def _mlp_options(m, **options):
+    return eqx.tree_at(lambda t: t.blocks, m, m.blocks.with_options(**options))
+
+
+@pytest.fixture(scope="module")
+def problems(mlp):
+    """Two models with their inputs and reference results (loop, plain scan),
+    computed once for every forced choice."""
+    rnn = small_gru()
+    cases = [
+        (mlp, (jr.normal(jr.key(1), (2, 8)),), _mlp_options),
+        (
+            rnn,
+            (jr.normal(jr.key(2), (4,)), jr.normal(jr.key(3), (5, 2))),
+            lambda m, **o: m.with_options(**o),
+        ),
+    ]
+    return [
+        (
+            model,
+            args,
+            _value_and_grad(opts(model, mode="loop"), *args),
+            _value_and_grad(opts(model, checkpoint=False, unroll=1), *args),
+        )
+        for model, args, opts in cases
+    ]
+
+
+@pytest.mark.parametrize("choice", ["save-all", "remat", "policy"])
+def test_every_choice_matches_the_loop_and_the_plain_scan(
+    monkeypatch, problems, choice
+):
+    _forced(monkeypatch, choice)
+    expected = {"save-all": False, "remat": True, "policy": POLICY}[choice]
+    for model, args, loop, plain in problems:
+        (picked,) = eqxscan.explain_auto(model, *args)
+        assert picked.checkpoint is expected
+        got = _value_and_grad(model, *args)
+        _close(got, loop)
+        _close(got, plain)
