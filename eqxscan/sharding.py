@@ -5,6 +5,10 @@ Built on JAX's own sharding (`Mesh`, `NamedSharding`, `jit`); see `docs/sharding
 """
 
 from ._constrain import constrain as constrain
+from ._partition import (
+    logical_shardings as logical_shardings,
+    logical_spec as logical_spec,
+)
 from ._pipeline import pipeline as pipeline
 from ._sharding import (
     batch_shardings as batch_shardings,

@@ -1,14 +1,23 @@
 """Features peer libraries have (Flax, NNX, Haliax, Equinox), each checked against
 a hand-written reference: values and gradients, in scan and loop mode."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
 import pytest
+from jax.sharding import AxisType, PartitionSpec as P
 
 import eqxscan
+from eqxscan import sharding
 
+from . import partition_model
 from .helpers import tree_allclose
 
 
@@ -244,3 +253,93 @@ def test_length_errors(getkey):
     bad = eqxscan.Recurrent(lambda x, h: jnp.concatenate([h, x]))
     with pytest.raises(TypeError, match="changed carry leaf"):
         bad(h0, jnp.ones((0, IN)))
+
+
+# ------------------------------------------- sharding: tensor parallelism + FSDP
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_logical_specs_and_errors(getkey):
+    mesh = jax.make_mesh((1, 2), ("fsdp", "model"), axis_types=(AxisType.Auto,) * 2)
+    model, x, _ = partition_model.make_problem()
+    axes, rules = partition_model.AXES, partition_model.RULES
+    specs = sharding.logical_shardings(model, mesh, axes, rules).blocks.layers
+    # The names are one layer's; the layer axis is added, unsharded.
+    assert specs.w1.spec == P(None, "fsdp", "model")
+    assert specs.w2.spec == P(None, "model", "fsdp")
+    assert specs.scale.spec == P()  # no names and fsdp_axis=None: replicated
+    # Unnamed parameters fall back to the FSDP rule; a function gives names too.
+    fn = lambda path, leaf: ("mlp", None) if path.endswith("w2") else None
+    specs = sharding.logical_shardings(
+        model, mesh, fn, rules, fsdp_axis="model", min_size=0
+    ).blocks.layers
+    assert specs.w2.spec == P(None, "model", None)
+    assert specs.w1.spec == P(None, None, "model") and specs.scale.spec == P(
+        None, "model"
+    )
+    # Nested Stackeds: one unsharded axis per level.
+    outer = eqxscan.Stacked.from_layers([model.blocks, model.blocks])
+    nested = sharding.logical_shardings(outer, mesh, {"*.w1": ("embed", "mlp")}, rules)
+    assert nested.layers.layers.w1.spec == P(None, None, "fsdp", "model")
+    # Placed and run: the same values as on one device.
+    placed = sharding.constrain(
+        model, sharding.logical_shardings(model, mesh, axes, rules)
+    )
+    assert placed.blocks.layers.w1.addressable_shards[0].data.shape == (3, 16, 32)
+    assert jnp.allclose(
+        eqx.filter_jit(type(model).__call__)(placed, x), model(x), atol=1e-5
+    )
+
+    with pytest.raises(
+        ValueError,
+        match=r"blocks.layers.w1` has shape \(3, 16, 64\)"
+        r", so it needs 2 logical names after its 1 layer axis",
+    ):
+        sharding.logical_shardings(model, mesh, {"*.w1": ("embed",)}, rules)
+    with pytest.raises(ValueError, match=r"'vocab' has no rule"):
+        sharding.logical_spec(("vocab",), rules)
+    with pytest.raises(ValueError, match=r"picks mesh axis 'tensor'.*axes \('fsdp', "):
+        sharding.logical_spec(("mlp",), {"mlp": "tensor"}, mesh)
+    with pytest.raises(ValueError, match=r"'model' would shard two axes"):
+        sharding.logical_spec(("mlp", "heads"), {"mlp": "model", "heads": "model"})
+    odd = eqxscan.StackedMLP(5, 2, key=getkey())  # w2 [2, 20, 5]
+    with pytest.raises(
+        ValueError,
+        match=r"w2` with shape \(2, 20, 5\): its axis 'embed' has size 5, which mesh "
+        r"axis 'model' of size 2 does not divide",
+    ):
+        sharding.logical_shardings(
+            odd, mesh, {"*.w2": ("mlp", "embed")}, {"mlp": None, "embed": "model"}
+        )
+
+
+@pytest.fixture(scope="module")
+def eight_devices():
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # the script sets its own device count
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "partition_checks.py")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout)
+
+
+def test_tensor_parallel_eight_devices(eight_devices):
+    # A 2 (fsdp) x 4 (model) mesh: one SGD-with-momentum step equals one device.
+    r = eight_devices
+    for err in ("err_loss", "err_grads", "err_params", "err_opt_state"):
+        assert r[err] < 1e-5, r
+    assert r["w1_spec"] == r["mu_w1_spec"] == "P(None, 'fsdp', 'model')"
+    assert r["w1_shard"] == [3, 16 // 2, 64 // 4]  # [L, D/fsdp, 4D/model]
+    # Row-parallel w2: each device holds a partial sum of the block's output,
+    # all-reduced over "model" ([B/fsdp, D] activations).
+    assert "f32[4,16]" in r["all_reduces"], r
+    # FSDP: a layer's weights are all-gathered over "fsdp" ([D, 4D/model]).
+    assert "f32[16,16]" in r["all_gathers"], r
