@@ -1,10 +1,14 @@
 """eqxscan: scan over layers and over time, first-class for Equinox."""
 
 from . import sharding as sharding
-from ._chain import Chain as Chain, Period as Period, Span as Span
-from ._engine import AUTO_POLICY as AUTO_POLICY
+from ._chain import Chain as Chain
 from ._flax import from_flax_scan as from_flax_scan
-from ._mlp import MLPBlock as MLPBlock, rms_norm as rms_norm, StackedMLP as StackedMLP
+from ._mlp import MLPBlock as MLPBlock, StackedMLP as StackedMLP
+from ._options import (
+    Checkpoint as Checkpoint,
+    Mode as Mode,
+    ScanOptions as ScanOptions,
+)
 from ._recurrent import (
     Bidirectional as Bidirectional,
     ElmanCell as ElmanCell,

@@ -1,21 +1,31 @@
 """`Chain`: heterogeneous depth. Runs of like layers and repeating patterns of
-layers are scanned; the remaining layers are called directly."""
+layers are scanned; the remaining layers are called directly. The grouping is
+chosen by `eqxscan._plan`."""
 
 import dataclasses
-import functools
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Unpack
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
-from jaxtyping import PRNGKeyArray, PyTree
+from jaxtyping import Array, PRNGKeyArray, PyTree
 
-from ._checks import can_stack, check_takes_key, describe, first_difference
-from ._engine import check_options
-from ._stacked import _MISSING, check_per_layer, PerLayer, Stacked
+from ._checks import check_takes_key, describe, first_difference, noted
+from ._options import ScanArgs, Scanning, ScanOptions
+from ._plan import Plan, plan, stack_classes
+from ._stacked import (
+    carry_only,
+    check_per_layer,
+    layer_pair,
+    LayerCall,
+    PerLayer,
+    ReadOut,
+    restack,
+    scan_layers,
+    Stacked,
+)
 
 
 class Span(NamedTuple):
@@ -29,96 +39,23 @@ class Span(NamedTuple):
     period: int
 
 
-# A plan is a tuple of (size, period, plan of the unit) entries, one per group.
-_Plan = tuple[tuple[int, int, Any], ...]
-
-
-@functools.cache
-def _plan(classes: tuple[int, ...], periodic: bool) -> tuple[_Plan, int, int]:
-    """The grouping of a sequence of layer classes with the smallest program.
-
-    Cost of a grouping, compared lexicographically: (1) the number of layer
-    bodies traced (a lone layer or a scanned run traces one body; a periodic
-    group traces the bodies of its unit's own best grouping, once for all
-    repeats), then (2) the number of groups, counting those inside units. Ties go
-    to the grouping whose first group covers the most layers, so the choice is
-    deterministic and a remainder comes last. Returns `(plan, bodies, groups)`.
-    """
-    n = len(classes)
-    # best[i] = (bodies, groups, first group) for classes[i:].
-    best: list[tuple[int, int, Any]] = [(0, 0, None)] * (n + 1)
-    for i in range(n - 1, -1, -1):
-        options = [(1, 1, (1, 0, ()))]  # (bodies, groups, entry): a lone layer
-        run = 1
-        while i + run < n and classes[i + run] == classes[i]:
-            run += 1
-        options.extend((1, 1, (m, 1, ())) for m in range(2, run + 1))
-        if periodic:
-            # A unit inside the run would be one class repeated: the run does better.
-            for k in range(max(2, run + 1), (n - i) // 2 + 1):
-                unit = classes[i : i + k]
-                repeats = 1
-                while classes[i + repeats * k : i + (repeats + 1) * k] == unit:
-                    repeats += 1
-                if repeats < 2 or not _primitive(unit):
-                    continue  # a power of a shorter unit: that unit does better
-                inner, inner_bodies, inner_groups = _plan(unit, periodic)
-                options.extend(
-                    (inner_bodies, 1 + inner_groups, (p * k, k, inner))
-                    for p in range(2, repeats + 1)
-                )
-        total_bodies, total_groups, _, entry = min(
-            (
-                (bodies + best[i + e[0]][0], groups + best[i + e[0]][1], -e[0], e)
-                for bodies, groups, e in options
-            ),
-            key=lambda t: t[:3],
-        )
-        best[i] = (total_bodies, total_groups, entry)
-    plan, i = [], 0
-    while i < n:
-        plan.append(best[i][2])
-        i += best[i][2][0]
-    return tuple(plan), best[0][0], best[0][1]
-
-
-def _primitive(unit: tuple[int, ...]) -> bool:
-    """Whether `unit` is not a repeat of a shorter unit."""
-    k = len(unit)
-    return not any(
-        k % d == 0 and unit == unit[:d] * (k // d) for d in range(1, k // 2 + 1)
-    )
-
-
-def _classes(layers: Sequence[Any]) -> tuple[int, ...]:
-    """Label layers so that two share a label iff they can be stacked together."""
-    reps: list[Any] = []
-    labels = []
-    for layer in layers:
-        label = next((j for j, rep in enumerate(reps) if can_stack(rep, layer)), None)
-        if label is None:
-            label = len(reps)
-            reps.append(layer)
-        labels.append(label)
-    return tuple(labels)
-
-
 def _assemble(
-    layers: Sequence[Any], plan: _Plan, options: dict[str, Any]
+    layers: Sequence[Any], groups_plan: Plan, options: ScanOptions
 ) -> tuple[tuple[Any, ...], tuple[Span, ...]]:
+    """Build the groups that `groups_plan` describes from `layers`."""
     groups, layout, start = [], [], 0
-    for size, period, inner in plan:
+    for size, period, unit in groups_plan:
         chunk = list(layers[start : start + size])
         if period == 0:
             groups.append(chunk[0])
         elif period == 1:
-            groups.append(Stacked.from_layers(chunk, **options))
+            groups.append(Stacked.from_layers(chunk, **options.as_args()))
         else:
-            units = [
-                Period._make(chunk[p : p + period], inner, options)
-                for p in range(0, size, period)
-            ]
-            groups.append(Stacked.from_layers(units, **options))
+            units = []
+            for p in range(0, size, period):
+                inner, inner_layout = _assemble(chunk[p : p + period], unit, options)
+                units.append(Period(inner, inner_layout, period))
+            groups.append(Stacked.from_layers(units, **options.as_args()))
         layout.append(Span(start, size, period))
         start += size
     return tuple(groups), tuple(layout)
@@ -138,7 +75,7 @@ def _unstack(groups: tuple[Any, ...], layout: tuple[Span, ...]) -> list[Any]:
 
 
 def _set_options(
-    groups: tuple[Any, ...], layout: tuple[Span, ...], options: dict[str, Any]
+    groups: tuple[Any, ...], layout: tuple[Span, ...], options: ScanOptions
 ) -> tuple[Any, ...]:
     """`groups` with `options` set on every scanned group, those inside repeated
     units included; other fields (e.g. `layer_sharding`) and lone layers are kept."""
@@ -147,10 +84,8 @@ def _set_options(
         if span.period > 1:
             unit = group.layers
             inner = _set_options(unit.groups, unit.layout, options)
-            group = group._replace(
-                layers=Period(inner, unit.layout, unit.num_layers, unit.collect)
-            )
-        new.append(group if span.period == 0 else group._replace(**options))
+            group = restack(group, layers=dataclasses.replace(unit, groups=inner))
+        new.append(group if span.period == 0 else restack(group, options=options))
     return tuple(new)
 
 
@@ -194,51 +129,42 @@ def _group_name(group: Any, span: Span) -> str:
     last = span.start + span.size - 1
     if span.period == 1:
         return f"layers {span.start}-{last} ({type(group.layers).__name__}, scanned)"
-    unit = ", ".join(group.layers._class_names())
+    unit = ", ".join(group.layers.class_names())
     return (
         f"layers {span.start}-{last} ({span.size // span.period} repeats of "
         f"[{unit}], scanned)"
     )
 
 
-def _call_group(
-    group: Any,
-    span: Span,
-    x: Any,
-    args: tuple,
-    kwargs: dict,
-    keys: Any,
-    collect: bool,
-) -> tuple[Any, Any]:
-    """Run one group; `ys` (when collecting) has a leading axis of `span.size`."""
-    args = tuple(_route(a, span) for a in args)
-    kwargs = {name: _route(v, span) for name, v in kwargs.items()}
-    group_keys = None if keys is None else _take(keys, span)
+def _call_group(group: Any, span: Span, x: Any, call: LayerCall) -> tuple[Any, Any]:
+    """Run one group; `ys` (when reading pairs) has a leading axis of `span.size`."""
+    args = tuple(_route(a, span) for a in call.args)
+    kwargs = {name: _route(v, span) for name, v in call.kwargs.items()}
+    group_keys = None if call.keys is None else _take(call.keys, span)
+    read_out = call.read_out
     if span.period == 0:
         if group_keys is not None:
             check_takes_key(group, "Chain", "layer i gets key=keys[i]")
             kwargs["key"] = group_keys
-        out = group(x, *args, **kwargs)
-        if not collect:
-            return out, None
-        if not (isinstance(out, tuple) and len(out) == 2):
-            got = describe(out) if eqx.is_array(out) else type(out).__name__
-            raise TypeError(
-                f"Chain.scan expects each layer to return a (carry, y) pair, but "
-                f"{_group_name(group, span)} returned {got}. Use "
-                "`chain(x)` for layers that return only the carry."
-            )
-        x, y = out
+        x, y = read_out(group(x, *args, **kwargs), _group_name(group, span))
         return x, jtu.tree_map(lambda a: a[None] if eqx.is_array(a) else a, y)
-    if span.period > 1 and collect:
-        group = group._replace(layers=group.layers._collecting())
-    x, ys = group._run(x, args, kwargs, None, collect, keys=group_keys)
-    if span.period > 1 and ys is not None:
-        ys = jtu.tree_map(
-            lambda a: a.reshape(span.size, *a.shape[2:]) if eqx.is_array(a) else a,
-            ys,
-        )
-    return x, ys
+    if span.period > 1:
+        unit = dataclasses.replace(group.layers, read_out=read_out)
+        group = restack(group, layers=unit)
+        # Each unit returns what its layers' outputs were read as.
+        x, ys = scan_layers(group, x, LayerCall(args, kwargs, group_keys, read_out))
+        if ys is not None:
+            ys = jtu.tree_map(
+                lambda a: a.reshape(span.size, *a.shape[2:]) if eqx.is_array(a) else a,
+                ys,
+            )
+        return x, ys
+    return scan_layers(group, x, LayerCall(args, kwargs, group_keys, read_out))
+
+
+def chain_pair(out: object, who: str) -> tuple[PyTree, PyTree]:
+    """A layer's output read as the `(carry, y)` pair `Chain.scan` expects."""
+    return layer_pair(out, who, "Chain.scan")
 
 
 def _join(pieces: list[tuple[Any, Span, Any]]) -> Any:
@@ -265,44 +191,32 @@ def _join(pieces: list[tuple[Any, Span, Any]]) -> Any:
     )
 
 
-def _run_groups(
+def run_groups(
     groups: tuple[Any, ...],
     layout: tuple[Span, ...],
     x: Any,
-    args: tuple,
-    kwargs: dict,
-    keys: Any,
-    collect: bool,
-    explain: bool,
+    call: LayerCall,
+    owner: str,
 ) -> tuple[Any, Any]:
-    """Fold `x` through the groups. With `explain`, an error raised by a group is
-    reported with the layer index, and, when an earlier lone layer changed the
-    carry, as a `TypeError` naming where and how it changed."""
+    """Fold `x` through the groups. An error raised by a group gets one note
+    naming the group (within `owner`, e.g. `"Chain"`) and, when an earlier lone
+    layer changed the carry, where and how it changed."""
     pieces = []
-    changed = None  # (layer name, path, before, after) of the last carry change
+    changed = ""  # how the last lone layer that changed the carry changed it
     for group, span in zip(groups, layout):
-        try:
-            new_x, ys = _call_group(group, span, x, args, kwargs, keys, collect)
-        except (TypeError, ValueError) as e:
-            if not explain:
-                raise
-            name = _group_name(group, span)
-            if changed is not None:
-                by, path, before, after = changed
-                raise TypeError(
-                    f"Chain {name} cannot take the carry it receives: "
-                    f"`carry{path}` is {after}, changed from {before} by {by}. "
-                    f"It raised {type(e).__name__}: {e}"
-                ) from e
-            e.add_note(f"(raised by eqxscan.Chain {name})")
-            raise
-        if explain and span.period == 0:
+        where = f"{owner} {_group_name(group, span)}{changed}"
+        new_x, ys = noted(_call_group, where, group, span, x, call)
+        if span.period == 0:
             diff = first_difference(x, new_x)
             if diff is not None:
-                changed = (_group_name(group, span), *diff)
+                path, before, after = diff
+                changed = (
+                    f", whose carry `carry{path}` is {after}, changed from {before} "
+                    f"by {_group_name(group, span)}"
+                )
         x = new_x
         pieces.append((group, span, ys))
-    return x, (_join(pieces) if collect else None)
+    return x, (None if call.read_out is carry_only else _join(pieces))
 
 
 class Period(eqx.Module):
@@ -318,20 +232,11 @@ class Period(eqx.Module):
     groups: tuple[Any, ...]
     layout: tuple[Span, ...] = eqx.field(static=True)
     num_layers: int = eqx.field(static=True)
-    collect: bool = eqx.field(static=True, default=False)
+    read_out: ReadOut = eqx.field(static=True, default=carry_only)
 
-    @classmethod
-    def _make(
-        cls, layers: Sequence[Any], plan: _Plan, options: dict[str, Any]
-    ) -> "Period":
-        groups, layout = _assemble(layers, plan, options)
-        return cls(groups, layout, len(layers))
-
-    def _collecting(self) -> "Period":
-        return Period(self.groups, self.layout, self.num_layers, True)
-
-    def _class_names(self) -> list[str]:
-        # Also right for a stacked `Period` (arrays with a repeat axis).
+    def class_names(self) -> list[str]:
+        """The class name of each of the `K` layers (also right for a stacked
+        `Period`, whose arrays have a repeat axis)."""
         return [
             type(group if span.period == 0 else group.layers).__name__
             for group, span in zip(self.groups, self.layout)
@@ -342,18 +247,15 @@ class Period(eqx.Module):
         """The `K` layers of this repeat."""
         return _unstack(self.groups, self.layout)
 
-    def __call__(self, x: PyTree, *args: Any, key: Any = None, **kwargs: Any) -> PyTree:
-        x, ys = _run_groups(
-            self.groups, self.layout, x, args, kwargs, key, self.collect, False
-        )
-        return (x, ys) if self.collect else x
+    def __call__(
+        self, x: PyTree, *args: Any, key: Array | None = None, **kwargs: Any
+    ) -> PyTree:
+        call = LayerCall(args, kwargs, key, self.read_out)
+        x, ys = run_groups(self.groups, self.layout, x, call, "Unit")
+        return x if self.read_out is carry_only else (x, ys)
 
 
-def _tracing(tree: Any) -> bool:
-    return any(isinstance(leaf, jax.core.Tracer) for leaf in jtu.tree_leaves(tree))
-
-
-class Chain(eqx.Module):
+class Chain(Scanning):
     """A sequence of layers that are not all alike, run as a fold with as few
     traced layer bodies as possible.
 
@@ -361,7 +263,7 @@ class Chain(eqx.Module):
       non-array leaves, shapes and dtypes become one [`eqxscan.Stacked`][]
       (one scanned body).
     - A repeating pattern of layers (`A, B, A, B, ...`, or `local, local, global`
-      repeated) becomes a `Stacked` of [`eqxscan.Period`][]s: one scan step runs
+      repeated) becomes a `Stacked` of `Period`s: one scan step runs
       one repeat of the unit, so the program does not grow with the number of
       repeats. Layers left over before or after the repeats are grouped the same
       way.
@@ -372,7 +274,7 @@ class Chain(eqx.Module):
     ties go to the grouping whose earliest group covers the most layers. The
     result is in `chain.groups` (a scanned run or pattern appears as a
     `Stacked`, a lone layer as itself) and `chain.layout` (one
-    [`eqxscan.Span`][] per group).
+    `Span(start, size, period)` per group).
 
     !!! example
 
@@ -396,19 +298,15 @@ class Chain(eqx.Module):
     groups: tuple[Any, ...]
     layout: tuple[Span, ...] = eqx.field(static=True)
     num_layers: int = eqx.field(static=True)
-    mode: str = eqx.field(static=True)
-    checkpoint: Any = eqx.field(static=True)
-    unroll: int | bool = eqx.field(static=True)
+    options: ScanOptions
     periodic: bool = eqx.field(static=True)
 
     def __init__(
         self,
         layers: Sequence[Any],
         *,
-        mode: str = "scan",
-        checkpoint: Any = "auto",
-        unroll: int | bool = 1,
         periodic: bool = True,
+        **options: Unpack[ScanArgs],
     ):
         """**Arguments:**
 
@@ -430,16 +328,12 @@ class Chain(eqx.Module):
             )
         if len(layers) == 0:
             raise ValueError("Chain needs at least one layer, got an empty sequence.")
-        check_options(mode, checkpoint, unroll)
+        self.options = ScanOptions(**options)
         if not isinstance(periodic, bool):
             raise TypeError(f"periodic must be a bool, got {type(periodic).__name__}.")
-        plan, _, _ = _plan(_classes(layers), periodic)
-        options = dict(mode=mode, checkpoint=checkpoint, unroll=unroll)
-        self.groups, self.layout = _assemble(layers, plan, options)
+        groups_plan = plan(stack_classes(layers), periodic)
+        self.groups, self.layout = _assemble(layers, groups_plan, self.options)
         self.num_layers = len(layers)
-        self.mode = mode
-        self.checkpoint = checkpoint
-        self.unroll = unroll
         self.periodic = periodic
 
     def __len__(self) -> int:
@@ -449,38 +343,12 @@ class Chain(eqx.Module):
         """The layers as the list the chain was built from."""
         return _unstack(self.groups, self.layout)
 
-    def with_options(
-        self,
-        *,
-        mode: str = _MISSING,
-        checkpoint: Any = _MISSING,
-        unroll: int | bool = _MISSING,
-    ) -> "Chain":
-        """A copy with the same weights and grouping and new options for every
-        scanned group; options not given are kept.
-
-        **Arguments:**
-
-        - `mode`, `checkpoint`, `unroll`: as for `__init__`.
-
-        **Returns:**
-
-        A `Chain` sharing this one's arrays. Each scanned group keeps its
-        `layer_sharding` (as set by [`eqxscan.sharding.shard`][]).
-        """
-        options = dict(
-            mode=self.mode if mode is _MISSING else mode,
-            checkpoint=self.checkpoint if checkpoint is _MISSING else checkpoint,
-            unroll=self.unroll if unroll is _MISSING else unroll,
-        )
-        check_options(**options)
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        fields.update(options, groups=_set_options(self.groups, self.layout, options))
-        # The grouping does not depend on the options: skip `__init__`'s planning.
-        chain = object.__new__(Chain)
-        for name, value in fields.items():
-            object.__setattr__(chain, name, value)
-        return chain
+    def replace_options(self, options: ScanOptions, **own: object) -> "Chain":
+        # The same grouping, with `options` on every scanned group; each keeps its
+        # `layer_sharding` (as set by `eqxscan.sharding.shard`).
+        del own  # a Chain has no options of its own
+        groups = _set_options(self.groups, self.layout, options)
+        return eqx.tree_at(lambda c: (c.groups, c.options), self, (groups, options))
 
     def __call__(
         self, x: PyTree, *args: Any, key: PRNGKeyArray | None = None, **kwargs: Any
@@ -504,11 +372,10 @@ class Chain(eqx.Module):
 
         **Raises:**
 
-        `TypeError` naming the layer, the leaf path and both shapes/dtypes when a
-        layer cannot take the carry an earlier layer changed. Checked with
-        `jax.eval_shape` before anything runs.
+        An error raised by a layer carries a note naming the layer and, when an
+        earlier layer changed the carry, the leaf path and both shapes/dtypes.
         """
-        return self._run(x, args, kwargs, key, collect=False)[0]
+        return self._fold(x, LayerCall(args, kwargs, None, carry_only), key)[0]
 
     def scan(
         self, x: PyTree, *args: Any, key: PRNGKeyArray | None = None, **kwargs: Any
@@ -521,26 +388,12 @@ class Chain(eqx.Module):
         leaf by leaf on axis 0 (`None` if layers return `(x, None)`); every
         layer's `y_i` must have the same structure, shapes and dtypes.
         """
-        return self._run(x, args, kwargs, key, collect=True)
+        return self._fold(x, LayerCall(args, kwargs, None, chain_pair), key)
 
-    def _run(
-        self, x: Any, args: tuple, kwargs: dict, key: Any, collect: bool
-    ) -> tuple[Any, Any]:
-        check_per_layer(args, kwargs, self.num_layers)
+    def _fold(
+        self, x: PyTree, call: LayerCall, key: PRNGKeyArray | None
+    ) -> tuple[PyTree, PyTree]:
+        check_per_layer(call.args, call.kwargs, self.num_layers)
         keys = None if key is None else jr.split(key, self.num_layers)
-        if not _tracing((self, x, args, kwargs, keys)):
-            # Outside jit the groups would run one by one: find a misfit first.
-            eqx.filter_eval_shape(
-                _run_groups,
-                self.groups,
-                self.layout,
-                x,
-                args,
-                kwargs,
-                keys,
-                collect,
-                True,
-            )
-        return _run_groups(
-            self.groups, self.layout, x, args, kwargs, keys, collect, True
-        )
+        call = call._replace(keys=keys)
+        return run_groups(self.groups, self.layout, x, call, "Chain")

@@ -1,15 +1,43 @@
-"""Validation helpers: every error names what is wrong, where, and what was expected."""
+"""Validation helpers: every error names what is wrong, where, and what was expected.
+
+Errors are decorated in one way only: [`noted`][eqxscan._checks.noted] adds one
+note naming the layer or step that raised, with a one-line pointer to the docs.
+"""
 
 import dataclasses
 import inspect
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
 import jax
+import jax._src.traceback_util as traceback_util
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+
+
+# As Equinox does: with JAX's traceback filtering on (the default), frames from
+# this package are hidden from tracebacks that pass through JAX, so an error
+# raised by a user's layer points at the user's code.
+traceback_util.register_exclusion(os.path.dirname(__file__))
+
+DEBUGGING_DOCS = "see docs/debugging.md"
+
+
+def noted(fn: Callable[..., Any], where: str, *args: Any, **kwargs: Any) -> Any:
+    """Call `fn(*args, **kwargs)`; an exception it raises gets one note naming
+    `where` (e.g. "Layer 3 (Block)"), since it otherwise says nothing about which
+    layer or step raised it. An exception is noted once per place."""
+    __tracebackhide__ = True
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:
+        note = f"(raised by {where}, run by eqxscan; {DEBUGGING_DOCS})"
+        if note not in getattr(e, "__notes__", ()):
+            e.add_note(note)
+        raise
 
 
 def describe(x: Any) -> str:
@@ -148,9 +176,8 @@ def check_carry(old: Any, new: Any, where: str) -> None:
         )
         raise TypeError(
             f"{where} returned a carry whose tree structure differs from its input "
-            f"carry.{detail}\n  input structure:  {old_def}\n  output structure: "
-            f"{new_def}\nEvery step must return a carry of the same structure, "
-            "shapes and dtypes as it receives."
+            f"carry.{detail} Every step must return a carry of the same structure, "
+            f"shapes and dtypes as it receives (input {old_def}, output {new_def})."
         )
     leaves = jtu.tree_leaves_with_path(old)
     for (path, a), b in zip(leaves, jtu.tree_leaves(new)):

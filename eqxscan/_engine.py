@@ -8,14 +8,15 @@ body is traced, before `lax.scan` or XLA can raise anything less readable.
 
 import math
 from collections.abc import Callable
-from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+from jaxtyping import PyTree
 
-from ._checks import check_carry, check_option, check_unroll
+from ._checks import check_carry, noted
+from ._options import Checkpoint, ScanOptions
 
 
 #: What `checkpoint="auto"` means inside a scan: save the outputs of matmuls that
@@ -28,30 +29,11 @@ from ._checks import check_carry, check_option, check_unroll
 #: measurements.
 AUTO_POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 
-CHECKPOINT_STRINGS = ("auto", "nested")
-MODES = ("scan", "loop")
+Step = Callable[[PyTree, PyTree], tuple[PyTree, PyTree]]
 
 
-def check_checkpoint(checkpoint: Any) -> None:
-    """Raise unless `checkpoint` is False, True, "auto", "nested" or a policy."""
-    if isinstance(checkpoint, bool) or callable(checkpoint):
-        return
-    if isinstance(checkpoint, str):
-        check_option("checkpoint", checkpoint, (False, True) + CHECKPOINT_STRINGS)
-        return
-    raise TypeError(
-        "checkpoint must be False, True, 'auto', 'nested' or a "
-        f"jax.checkpoint_policies policy, got {type(checkpoint).__name__}."
-    )
-
-
-def check_options(mode: Any, checkpoint: Any, unroll: Any) -> None:
-    check_option("mode", mode, MODES)
-    check_checkpoint(checkpoint)
-    check_unroll(unroll)
-
-
-def _remat(fn: Callable, checkpoint: Any, *, in_scan: bool) -> Callable:
+def remat(fn: Step, checkpoint: Checkpoint, *, in_scan: bool) -> Step:
+    """`fn` wrapped in `jax.checkpoint` as `checkpoint` asks (one scan step)."""
     # Inside a scan the loop boundary already stops XLA from CSE-ing the
     # recomputation away, so `prevent_cse=False` avoids needless barriers.
     prevent_cse = not in_scan
@@ -63,7 +45,7 @@ def _remat(fn: Callable, checkpoint: Any, *, in_scan: bool) -> Callable:
     return jax.checkpoint(fn, policy=policy, prevent_cse=prevent_cse)
 
 
-def _unstack(xs: Any, length: int) -> list[Any]:
+def _unstack(xs: PyTree, length: int) -> list[PyTree]:
     # One `split` per leaf rather than `length` slices: its transpose is a single
     # concatenate, so the loop's gradient does not add up `length` padded copies.
     if length == 1:
@@ -75,41 +57,27 @@ def _unstack(xs: Any, length: int) -> list[Any]:
     ]
 
 
-def _stack(ys: list[Any]) -> Any:
+def _stack(ys: list[PyTree]) -> PyTree:
     # Stack the array leaves; keep the other leaves once, as `lax.scan` does with
     # the static part of its one traced body's output.
     dyn, static = zip(*(eqx.partition(y, eqx.is_array) for y in ys))
     return eqx.combine(jtu.tree_map(lambda *a: jnp.stack(a), *dyn), static[0])
 
 
-def _noted(step: Callable, where: str, carry: Any, x: Any) -> tuple[Any, Any]:
-    # An error from inside a layer or cell (e.g. Dropout without a key) otherwise
-    # says nothing about which layer or step raised it.
-    try:
-        return step(carry, x)
-    except Exception as e:
-        note = f"(raised by {where}, run by eqxscan)"
-        if note not in getattr(e, "__notes__", ()):
-            e.add_note(note)
-        raise
-
-
-def _flip(tree: Any) -> Any:
+def _flip(tree: PyTree) -> PyTree:
     return jtu.tree_map(lambda a: jnp.flip(a, axis=0), tree)
 
 
 def run(
-    step: Callable[[Any, Any], tuple[Any, Any]],
-    carry: Any,
-    xs: Any,
+    step: Step,
+    carry: PyTree,
+    xs: PyTree,
     *,
     length: int,
-    mode: str = "scan",
-    checkpoint: Any = "auto",
-    unroll: int | bool = 1,
+    options: ScanOptions,
     reverse: bool = False,
     where: Callable[[int | None], str] = lambda i: "step" if i is None else f"step {i}",
-) -> tuple[Any, Any]:
+) -> tuple[PyTree, PyTree]:
     """Run `step` over the leading axis (of length `length`) of the array pytree `xs`.
 
     **Arguments:**
@@ -118,7 +86,7 @@ def run(
     - `carry`: any pytree; array leaves are scanned, other leaves must come back
       unchanged.
     - `xs`: a pytree of arrays, each with leading axis `length`.
-    - `mode`, `checkpoint`, `unroll`: as for [`eqxscan.Stacked`][].
+    - `options`: mode, rematerialisation and unroll.
     - `reverse`: consume `xs` last to first; `ys` stays aligned with `xs`.
     - `where`: names step `i` (or every step, for `None`) in error messages.
 
@@ -126,14 +94,15 @@ def run(
 
     `(final carry, ys)` with `ys` stacked on axis 0 (`None` if steps return `None`).
     """
-    if mode == "loop":
+    checkpoint, unroll = options.checkpoint, options.unroll
+    if options.mode == "loop":
         return _run_loop(step, carry, xs, length, checkpoint, reverse, where)
     c_dyn, c_static = eqx.partition(carry, eqx.is_array)
-    y_static_box: list[Any] = []
+    y_static_box: list[PyTree] = []
 
-    def body(c_dyn: Any, x: Any) -> tuple[Any, Any]:
+    def body(c_dyn: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
         c = eqx.combine(c_dyn, c_static)
-        new, y = _noted(step, where(None), c, x)
+        new, y = noted(step, where(None), c, x)
         check_carry(c, new, where(None))
         new_dyn, _ = eqx.partition(new, eqx.is_array)
         y_dyn, y_static = eqx.partition(y, eqx.is_array)
@@ -145,7 +114,7 @@ def run(
         c_dyn, ys = _nested_scan(body, c_dyn, xs, length, unroll, reverse)
     else:
         c_dyn, ys = jax.lax.scan(
-            _remat(body, checkpoint, in_scan=True),
+            remat(body, checkpoint, in_scan=True),
             c_dyn,
             xs,
             length=length,
@@ -157,26 +126,26 @@ def run(
 
 
 def _run_loop(
-    step: Callable,
-    carry: Any,
-    xs: Any,
+    step: Step,
+    carry: PyTree,
+    xs: PyTree,
     length: int,
-    checkpoint: Any,
+    checkpoint: Checkpoint,
     reverse: bool,
     where: Callable[[int | None], str],
-) -> tuple[Any, Any]:
+) -> tuple[PyTree, PyTree]:
     # The reference path. "auto" and "nested" are scan-specific optimisations, so
     # the loop saves everything unless remat was asked for explicitly.
-    remat = checkpoint if (checkpoint is True or callable(checkpoint)) else False
+    explicit = checkpoint if (checkpoint is True or callable(checkpoint)) else False
 
-    def step_fn(c: Any, x: Any) -> tuple[Any, Any]:
-        if remat is False:
+    def step_fn(c: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
+        if explicit is False:
             return step(c, x)
         # jax.checkpoint takes and returns arrays only: close over the rest.
         c_dyn, c_static = eqx.partition(c, eqx.is_array)
-        statics: list[Any] = []
+        statics: list[PyTree] = []
 
-        def arrays_only(c_dyn: Any, x: Any) -> tuple[Any, Any]:
+        def arrays_only(c_dyn: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
             new, y = step(eqx.combine(c_dyn, c_static), x)
             (new_dyn, new_static), (y_dyn, y_static) = (
                 eqx.partition(new, eqx.is_array),
@@ -185,14 +154,14 @@ def _run_loop(
             statics.append((new_static, y_static))
             return new_dyn, y_dyn
 
-        new_dyn, y_dyn = _remat(arrays_only, remat, in_scan=False)(c_dyn, x)
+        new_dyn, y_dyn = remat(arrays_only, explicit, in_scan=False)(c_dyn, x)
         return eqx.combine(new_dyn, statics[0][0]), eqx.combine(y_dyn, statics[0][1])
 
     ys = [None] * length
     order = range(length - 1, -1, -1) if reverse else range(length)
     slices = _unstack(xs, length) if length > 0 else []
     for current in order:
-        new, y = _noted(step_fn, where(current), carry, slices[current])
+        new, y = noted(step_fn, where(current), carry, slices[current])
         check_carry(carry, new, where(current))
         carry, ys[current] = new, y
     if length == 0 or all(y is None for y in ys):
@@ -215,8 +184,13 @@ def _block_size(length: int) -> int:
 
 
 def _nested_scan(
-    body: Callable, carry: Any, xs: Any, length: int, unroll: Any, reverse: bool
-) -> tuple[Any, Any]:
+    body: Step,
+    carry: PyTree,
+    xs: PyTree,
+    length: int,
+    unroll: int | bool,
+    reverse: bool,
+) -> tuple[PyTree, PyTree]:
     """Two-level scan: the outer scan saves one carry per block of about sqrt(L)
     steps; a block's steps are recomputed (with the "auto" policy) during the
     backward pass. Saved carries grow like sqrt(L) rather than L."""
@@ -225,9 +199,9 @@ def _nested_scan(
         return carry, _flip(ys)
     inner = _block_size(length)
     outer, rest = divmod(length, inner)
-    step = _remat(body, "auto", in_scan=True)
+    step = remat(body, "auto", in_scan=True)
 
-    def block(c: Any, xs_block: Any) -> tuple[Any, Any]:
+    def block(c: PyTree, xs_block: PyTree) -> tuple[PyTree, PyTree]:
         return jax.lax.scan(step, c, xs_block, length=inner, unroll=unroll)
 
     head = jtu.tree_map(

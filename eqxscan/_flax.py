@@ -9,7 +9,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from ._stacked import Stacked
-from ._state_dict import _key_name, from_state_dict
+from ._state_dict import from_state_dict, key_name
 
 
 def _natural(name: str) -> list:
@@ -47,7 +47,7 @@ def _linear_paths(layer: Any) -> list[str]:
         return [""]
     found = jtu.tree_flatten_with_path(layer, is_leaf=is_linear)[0]
     return [
-        ".".join(_key_name(k, ()) for k in path)
+        ".".join(key_name(k, ()) for k in path)
         for path, leaf in found
         if is_linear(leaf)
     ]

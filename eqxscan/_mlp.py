@@ -1,7 +1,7 @@
 """`StackedMLP`: a residual MLP stack with shape-checked stacked weights."""
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import equinox as eqx
 import jax
@@ -12,7 +12,8 @@ from beartype import beartype
 from jaxtyping import Array, Float, jaxtyped, PRNGKeyArray, TypeCheckError
 
 from ._checks import describe
-from ._stacked import Stacked
+from ._options import ScanArgs, Scanning, ScanOptions
+from ._stacked import restack, Stacked
 
 
 RMS_EPS = 1e-6
@@ -102,7 +103,7 @@ def _input_shape(w1: Float[Array, "L D H"], x: Float[Array, "*batch D"]) -> None
     """Checked by jaxtyping + beartype: the input's last axis is the model's D."""
 
 
-class StackedMLP(eqx.Module):
+class StackedMLP(Scanning):
     """The residual MLP stack (pre-norm, GELU, optional dropout), scanned over depth.
 
     Per layer: `h = rms_norm(scale, x); h = gelu(h @ w1); h = dropout(h);
@@ -114,18 +115,18 @@ class StackedMLP(eqx.Module):
     bfloat16, with the RMS reduction in float32.
     """
 
-    blocks: Stacked
+    blocks: Stacked[MLPBlock]
 
     def __init__(
         self,
-        dim: int,
-        num_layers: int,
+        dim: int | None = None,
+        num_layers: int | None = None,
         *,
-        key: PRNGKeyArray,
+        key: PRNGKeyArray | None = None,
         dtype: Any = jnp.float32,
         dropout: float = 0.0,
-        checkpoint: Any = "auto",
-        mode: str = "scan",
+        blocks: Stacked[MLPBlock] | None = None,
+        **options: Unpack[ScanArgs],
     ):
         """**Arguments:**
 
@@ -134,8 +135,19 @@ class StackedMLP(eqx.Module):
         - `key`: a JAX PRNG key; layer `i` is built from `split(key, L)[i]`.
         - `dtype`: parameter and activation dtype (e.g. `jnp.bfloat16`).
         - `dropout`: dropout rate after the activation.
-        - `checkpoint`, `mode`: as for [`eqxscan.Stacked`][].
+        - `mode`, `checkpoint`, `unroll`: as for [`eqxscan.Stacked`][].
+        - `blocks`: instead of `dim`, `num_layers` and `key`, a `Stacked` of
+          [`eqxscan.MLPBlock`][]s to hold (its options are kept);
+          [`eqxscan.StackedMLP.from_layers`][] stacks a list.
         """
+        if blocks is not None:
+            if dim is not None or num_layers is not None or key is not None:
+                raise TypeError(
+                    "StackedMLP takes either `dim`, `num_layers` and `key`, or "
+                    "`blocks`, not both."
+                )
+            self.blocks = blocks
+            return
         if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
             raise ValueError(f"dim must be a positive int, got {dim!r}.")
         if not 0.0 <= dropout < 1.0:
@@ -144,8 +156,7 @@ class StackedMLP(eqx.Module):
             lambda k: MLPBlock(dim, key=k, dtype=dtype, dropout=dropout),
             num_layers,
             key=key,
-            mode=mode,
-            checkpoint=checkpoint,
+            **options,
         )
 
     def __check_init__(self) -> None:
@@ -155,29 +166,28 @@ class StackedMLP(eqx.Module):
     def from_layers(
         cls,
         blocks: Sequence[MLPBlock],
-        *,
-        checkpoint: Any = "auto",
-        mode: str = "scan",
+        **options: Unpack[ScanArgs],
     ) -> "StackedMLP":
         """Build from already-made [`eqxscan.MLPBlock`][]s (shape-checked).
 
         **Arguments:**
 
         - `blocks`: a non-empty sequence of `MLPBlock`s of one width and dtype.
-        - `checkpoint`, `mode`: as for [`eqxscan.Stacked`][].
+        - `mode`, `checkpoint`, `unroll`: as for [`eqxscan.Stacked`][].
 
         **Returns:**
 
         A `StackedMLP` whose `blocks.unstack()` gives `blocks` back.
         """
-        self = object.__new__(cls)
-        object.__setattr__(
-            self,
-            "blocks",
-            Stacked.from_layers(blocks, checkpoint=checkpoint, mode=mode),
-        )
-        check_stacked_mlp(self)
-        return self
+        return cls(blocks=Stacked.from_layers(blocks, **options))
+
+    @property
+    def options(self) -> ScanOptions:
+        return self.blocks.options
+
+    def replace_options(self, options: ScanOptions, **own: object) -> "StackedMLP":
+        del own  # a StackedMLP has no options of its own
+        return StackedMLP(blocks=restack(self.blocks, options=options))
 
     @property
     def dim(self) -> int:
@@ -236,5 +246,5 @@ def check_stacked_mlp(model: StackedMLP) -> None:
             "StackedMLP.blocks has arrays of the wrong shapes: expected "
             "w1 [L, D, 4*D], w2 [L, 4*D, D], scale [L, D]; got "
             f"w1 {describe(layers.w1)}, w2 {describe(layers.w2)}, "
-            f"scale {describe(layers.scale)}.\n{e}"
-        ) from None
+            f"scale {describe(layers.scale)}."
+        ) from e

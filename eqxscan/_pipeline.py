@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._constrain import constrain
 from ._sharding import _check_axis, _check_mesh
-from ._stacked import Stacked
+from ._stacked import restack, Stacked
 
 
 def _split(stack: Stacked, stages: int) -> tuple[Any, Any]:
@@ -86,7 +86,8 @@ def pipeline(
         # Runs on every stage at once (shard_map): `dyn` holds this stage's layers.
         # `in_specs` places this stage's layers; `layer_sharding`, a sharding of
         # the whole mesh, is not applied inside `shard_map`.
-        local = stack._replace(
+        local = restack(
+            stack,
             layers=eqx.combine(jtu.tree_map(lambda a: a[0], dyn), static),
             num_layers=per_stage,
             layer_sharding=None,

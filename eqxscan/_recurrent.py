@@ -3,7 +3,7 @@
 import math
 import operator
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Unpack
 
 import equinox as eqx
 import jax
@@ -19,8 +19,8 @@ from ._checks import (
     check_takes_key,
     describe,
 )
-from ._engine import check_options, run
-from ._stacked import _MISSING
+from ._engine import run
+from ._options import ScanArgs, Scanning, ScanOptions
 
 
 class ElmanCell(eqx.Module):
@@ -271,7 +271,7 @@ def _check_known_cell(cell: Any, h0: Any, xs: Any) -> None:
         )
 
 
-class Recurrent(eqx.Module):
+class Recurrent(Scanning):
     """Run a recurrent cell over the time axis of a sequence with `jax.lax.scan`.
 
     `cell(x_t, h) -> h` is the `eqx.nn.GRUCell` / `eqx.nn.LSTMCell` convention;
@@ -290,20 +290,16 @@ class Recurrent(eqx.Module):
         ```
     """
 
-    cell: Any
+    cell: Callable[..., PyTree]
     reverse: bool = eqx.field(static=True)
-    mode: str = eqx.field(static=True)
-    checkpoint: Any = eqx.field(static=True)
-    unroll: int | bool = eqx.field(static=True)
+    options: ScanOptions
 
     def __init__(
         self,
-        cell: Callable,
+        cell: Callable[..., PyTree],
         *,
         reverse: bool = False,
-        mode: str = "scan",
-        checkpoint: Any = "auto",
-        unroll: int | bool = 1,
+        **options: Unpack[ScanArgs],
     ):
         """**Arguments:**
 
@@ -321,38 +317,16 @@ class Recurrent(eqx.Module):
         """
         check_callable("cell", cell)
         check_option("reverse", reverse, (False, True))
-        check_options(mode, checkpoint, unroll)
         self.cell = cell
         self.reverse = reverse
-        self.mode = mode
-        self.checkpoint = checkpoint
-        self.unroll = unroll
+        self.options = ScanOptions(**options)
 
-    def with_options(
-        self,
-        *,
-        reverse: bool = _MISSING,
-        mode: str = _MISSING,
-        checkpoint: Any = _MISSING,
-        unroll: int | bool = _MISSING,
-    ) -> "Recurrent":
-        """A copy with the same cell and new options; options not given are kept.
+    def own_options(self) -> tuple[str, ...]:
+        return ("reverse",)
 
-        **Arguments:**
-
-        - `reverse`, `mode`, `checkpoint`, `unroll`: as for `__init__`.
-
-        **Returns:**
-
-        A `Recurrent` sharing this one's cell.
-        """
-        return Recurrent(
-            self.cell,
-            reverse=self.reverse if reverse is _MISSING else reverse,
-            mode=self.mode if mode is _MISSING else mode,
-            checkpoint=self.checkpoint if checkpoint is _MISSING else checkpoint,
-            unroll=self.unroll if unroll is _MISSING else unroll,
-        )
+    def replace_options(self, options: ScanOptions, **own: object) -> "Recurrent":
+        reverse = own.get("reverse", self.reverse)
+        return Recurrent(self.cell, reverse=reverse, **options.as_args())  # type: ignore[arg-type]
 
     def __call__(
         self,
@@ -468,9 +442,7 @@ class Recurrent(eqx.Module):
                 h0,
                 inputs,
                 length=length,
-                mode=self.mode,
-                checkpoint=self.checkpoint,
-                unroll=self.unroll,
+                options=self.options,
                 reverse=self.reverse,
                 where=where,
             )
@@ -494,7 +466,7 @@ def _no_steps(step: Callable, h0: Any, inputs: Any, where: str) -> Any:
     return eqx.combine(empty, h_static)
 
 
-def _as_recurrent(rnn: Any, reverse: bool, what: str) -> Recurrent:
+def _as_recurrent(rnn: object, reverse: bool, what: str) -> Recurrent:
     if isinstance(rnn, Recurrent):
         if rnn.reverse != reverse:
             raise ValueError(
@@ -540,7 +512,11 @@ class Bidirectional(eqx.Module):
     forward: Recurrent
     backward: Recurrent
 
-    def __init__(self, forward: Any, backward: Any):
+    def __init__(
+        self,
+        forward: Recurrent | Callable[..., PyTree],
+        backward: Recurrent | Callable[..., PyTree],
+    ):
         """**Arguments:**
 
         - `forward`: a cell (wrapped in `Recurrent(cell)`) or a `Recurrent` with

@@ -15,7 +15,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ._checks import is_arraylike
 from ._constrain import constrain
-from ._stacked import Stacked
+from ._stacked import restack, Stacked
 
 
 #: Leaves with fewer elements than this are replicated by default: sharding them
@@ -157,7 +157,7 @@ def _map_params(fn: Any, tree: Any, layer_axes: int = 0, path: tuple = ()) -> An
             layers = _map_params(
                 fn, x.layers, layer_axes + 1, path + p + (jtu.GetAttrKey("layers"),)
             )
-            return x._replace(layers=layers)
+            return restack(x, layers=layers)
         return fn(x, layer_axes, path + p)
 
     return jtu.tree_map_with_path(
@@ -221,7 +221,7 @@ def _set_layer_sharding(tree: Any, sharding: NamedSharding | None) -> Any:
     def one(x: Any) -> Any:
         if isinstance(x, Stacked):
             layers = _set_layer_sharding(x.layers, sharding)
-            return x._replace(layers=layers, layer_sharding=sharding)
+            return restack(x, layers=layers, layer_sharding=sharding)
         return x
 
     return jtu.tree_map(one, tree, is_leaf=lambda x: isinstance(x, Stacked))

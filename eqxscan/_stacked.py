@@ -1,9 +1,16 @@
 """`Stacked`: L layers of one kind stored as one module with a leading layer axis."""
 
-import dataclasses
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any, SupportsIndex
+from typing import (
+    Any,
+    Generic,
+    NamedTuple,
+    overload,
+    SupportsIndex,
+    TypeVar,
+    Unpack,
+)
 
 import equinox as eqx
 import jax
@@ -11,7 +18,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
 from jax.sharding import Sharding
-from jaxtyping import PRNGKeyArray, PyTree
+from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from ._checks import (
     check_callable,
@@ -21,7 +28,11 @@ from ._checks import (
     describe,
 )
 from ._constrain import check_layer_sharding, constrain
-from ._engine import check_options, run
+from ._engine import run
+from ._options import ScanArgs, Scanning, ScanOptions
+
+
+LayerT = TypeVar("LayerT")
 
 
 class PerLayer(eqx.Module):
@@ -50,9 +61,6 @@ def per_layer(tree: PyTree) -> PerLayer:
     return PerLayer(tree)
 
 
-_MISSING: Any = object()
-
-
 def _arg_name(index_or_name: int | str) -> str:
     if isinstance(index_or_name, int):
         return f"args[{index_or_name}]"
@@ -73,7 +81,7 @@ def check_per_layer(args: tuple, kwargs: dict, length: int) -> dict[str, PerLaye
     return found
 
 
-def _check_num_layers(num_layers: Any) -> int:
+def _check_num_layers(num_layers: object) -> int:
     if isinstance(num_layers, bool) or not isinstance(num_layers, int):
         raise TypeError(
             f"num_layers must be an int, got {type(num_layers).__name__} "
@@ -84,7 +92,7 @@ def _check_num_layers(num_layers: Any) -> int:
     return num_layers
 
 
-def stack_layers(layers: Sequence[Any], what: str = "Stacked.from_layers") -> Any:
+def stack_layers(layers: Sequence[LayerT], what: str = "Stacked.from_layers") -> LayerT:
     """Stack identical-structure layers leaf by leaf on a new axis 0."""
     check_stackable(layers, what)
     return jtu.tree_map(
@@ -96,12 +104,53 @@ def stack_layers(layers: Sequence[Any], what: str = "Stacked.from_layers") -> An
     )
 
 
-class Stacked(eqx.Module):
+ReadOut = Callable[[object, str], tuple[PyTree, PyTree]]
+"""How a runner reads a layer's output, given the layer's name: as the carry
+alone ([`carry_only`][eqxscan._stacked.carry_only]) or as a `(carry, y)` pair."""
+
+
+def carry_only(out: object, who: str) -> tuple[PyTree, PyTree]:
+    """A layer's output read as the new carry, with no `y`."""
+    del who
+    return out, None
+
+
+def layer_pair(out: object, who: str, caller: str) -> tuple[PyTree, PyTree]:
+    """`out` as the `(carry, y)` pair that `caller` (e.g. `"Stacked.scan"`) expects
+    from `who` (a layer, named)."""
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise TypeError(
+            f"{caller} expects each layer to return a (carry, y) pair, but {who} "
+            f"returned {describe(out)}. Call the module itself for layers that "
+            "return only the carry."
+        )
+    return out
+
+
+class LayerCall(NamedTuple):
+    """What every layer of a run is called with: `args` and `kwargs` (values
+    wrapped in [`eqxscan.per_layer`][] are sliced per layer), per-layer `keys`
+    (already split, leading axis the layers; or `None`), and how each output is
+    read (`read_out`)."""
+
+    args: tuple
+    kwargs: dict[str, Any]
+    keys: Array | None
+    read_out: ReadOut
+
+
+def stacked_pair(out: object, who: str) -> tuple[PyTree, PyTree]:
+    """A layer's output read as the `(carry, y)` pair `Stacked.scan` expects."""
+    return layer_pair(out, who, "Stacked.scan")
+
+
+class Stacked(Scanning, Generic[LayerT]):
     """`L` layers of one kind, stored as one module whose array leaves have a
     leading layer axis, and run with `jax.lax.scan` (or a Python loop).
 
     Stacking is a storage layout, not weight sharing: layer `i` has its own
-    weights, `stack.layers.weight[i]`.
+    weights, `stack.layers.weight[i]`. `Stacked[Block]` is the type of a stack of
+    `Block`s: `stack[i]` is a `Block`, `stack[i:j]` a `Stacked[Block]`.
 
     !!! example
 
@@ -116,22 +165,20 @@ class Stacked(eqx.Module):
         ```
     """
 
-    layers: Any
+    layers: LayerT
     num_layers: int = eqx.field(static=True)
-    mode: str = eqx.field(static=True)
-    checkpoint: Any = eqx.field(static=True)
-    unroll: int | bool = eqx.field(static=True)
+    options: ScanOptions
     layer_sharding: Sharding | None = eqx.field(static=True)
 
     def __init__(
         self,
-        make_layer: Callable[[PRNGKeyArray], Any],
-        num_layers: int,
+        make_layer: Callable[[PRNGKeyArray], LayerT] | None = None,
+        num_layers: int | None = None,
         *,
-        key: PRNGKeyArray,
-        mode: str = "scan",
-        checkpoint: Any = "auto",
-        unroll: int | bool = 1,
+        key: PRNGKeyArray | None = None,
+        layers: LayerT | None = None,
+        layer_sharding: Sharding | None = None,
+        **options: Unpack[ScanArgs],
     ):
         """**Arguments:**
 
@@ -140,6 +187,13 @@ class Stacked(eqx.Module):
           `make_layer(jax.random.split(key, num_layers)[i])`.
         - `num_layers`: `L >= 1`.
         - `key`: a JAX PRNG key.
+        - `layers`: instead of `make_layer` and `key`, layers that are already
+          stacked (every array leaf has leading axis `num_layers`), e.g. from
+          `stack.layers`. [`eqxscan.Stacked.from_layers`][] stacks a list.
+        - `layer_sharding`: a `jax.sharding.Sharding` (or `None`) that each scan
+          step constrains its one layer's weights to before calling it. FSDP uses
+          a replicated sharding here, so that a step all-gathers only the layer it
+          runs; [`eqxscan.sharding.shard`][] sets it for you.
         - `mode`: `"scan"` (`jax.lax.scan`, one traced body) or `"loop"` (a Python
           loop over the same weights: the reference and debugging path).
         - `checkpoint`: rematerialisation. `"auto"` (default: save matmul outputs,
@@ -149,58 +203,33 @@ class Stacked(eqx.Module):
           saved carries grow like `sqrt(L)`). All give the same values and
           gradients.
         - `unroll`: passed to `jax.lax.scan`.
+
+        `mode`, `checkpoint` and `unroll` make the module's
+        [`eqxscan.ScanOptions`][].
         """
         num_layers = _check_num_layers(num_layers)
-        check_callable("make_layer", make_layer)
-        check_options(mode, checkpoint, unroll)
-        keys = jr.split(key, num_layers)
-        self.layers = eqx.filter_vmap(make_layer)(keys)
-        self.num_layers = num_layers
-        self.mode = mode
-        self.checkpoint = checkpoint
-        self.unroll = unroll
-        self.layer_sharding = None
-
-    @classmethod
-    def _build(
-        cls,
-        layers: Any,
-        num_layers: int,
-        mode: str,
-        checkpoint: Any,
-        unroll: Any,
-        layer_sharding: Sharding | None = None,
-    ) -> "Stacked":
-        # Alternative constructor that bypasses `make_layer`.
-        check_options(mode, checkpoint, unroll)
+        self.options = ScanOptions(**options)
         check_layer_sharding(layer_sharding)
-        self = object.__new__(cls)
-        for name, value in (
-            ("layers", layers),
-            ("num_layers", num_layers),
-            ("mode", mode),
-            ("checkpoint", checkpoint),
-            ("unroll", unroll),
-            ("layer_sharding", layer_sharding),
-        ):
-            object.__setattr__(self, name, value)
-        return self
-
-    def _replace(self, **changes: Any) -> "Stacked":
-        # A copy with `changes` applied and every other field kept, static options
-        # (`layer_sharding` included) too: the one way to rebuild a Stacked.
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return type(self)._build(**{**fields, **changes})
+        if layers is None:
+            check_callable("make_layer", make_layer)
+            if key is None:
+                raise TypeError("Stacked needs `key=` to build its layers.")
+            layers = eqx.filter_vmap(make_layer)(jr.split(key, num_layers))
+        elif make_layer is not None or key is not None:
+            raise TypeError(
+                "Stacked takes either `make_layer` and `key`, or already-stacked "
+                "`layers`, not both."
+            )
+        self.layers = layers
+        self.num_layers = num_layers
+        self.layer_sharding = layer_sharding
 
     @classmethod
     def from_layers(
         cls,
-        layers: Sequence[Any],
-        *,
-        mode: str = "scan",
-        checkpoint: Any = "auto",
-        unroll: int | bool = 1,
-    ) -> "Stacked":
+        layers: Sequence[LayerT],
+        **options: Unpack[ScanArgs],
+    ) -> "Stacked[LayerT]":
         """Stack already-built layers (e.g. loaded from a per-layer checkpoint).
 
         **Arguments:**
@@ -219,43 +248,24 @@ class Stacked(eqx.Module):
         static values) when the layers cannot be stacked.
         """
         layers = list(layers)
-        stacked = stack_layers(layers)
-        return cls._build(stacked, len(layers), mode, checkpoint, unroll)
+        return cls(layers=stack_layers(layers), num_layers=len(layers), **options)
 
-    def with_options(
-        self,
-        *,
-        mode: str = _MISSING,
-        checkpoint: Any = _MISSING,
-        unroll: int | bool = _MISSING,
-        layer_sharding: Sharding | None = _MISSING,
-    ) -> "Stacked":
-        """A copy with the same weights and new options; options not given are kept.
+    def own_options(self) -> tuple[str, ...]:
+        return ("layer_sharding",)
 
-        **Arguments:**
-
-        - `mode`, `checkpoint`, `unroll`: as for `__init__`.
-        - `layer_sharding`: a `jax.sharding.Sharding` (or `None`, the default) that
-          each scan step constrains its one layer's weights to before calling it.
-          FSDP uses a replicated sharding here, so that a step all-gathers only
-          the layer it runs; [`eqxscan.sharding.shard`][] sets it for you.
-
-        **Returns:**
-
-        A `Stacked` sharing this one's arrays.
-        """
-        options = dict(
-            mode=mode,
-            checkpoint=checkpoint,
-            unroll=unroll,
-            layer_sharding=layer_sharding,
-        )
-        return self._replace(**{k: v for k, v in options.items() if v is not _MISSING})
+    def replace_options(self, options: ScanOptions, **own: object) -> "Stacked[LayerT]":
+        return restack(self, options=options, **own)
 
     def __len__(self) -> int:
         return self.num_layers
 
-    def __getitem__(self, index: SupportsIndex | slice) -> Any:
+    @overload
+    def __getitem__(self, index: slice) -> "Stacked[LayerT]": ...
+
+    @overload
+    def __getitem__(self, index: SupportsIndex) -> LayerT: ...
+
+    def __getitem__(self, index: SupportsIndex | slice) -> "LayerT | Stacked[LayerT]":
         """`stack[i]` is layer `i` (negative allowed); `stack[i:j]` a `Stacked`."""
         if isinstance(index, slice):
             selected = range(self.num_layers)[index]
@@ -267,15 +277,12 @@ class Stacked(eqx.Module):
             layers = jtu.tree_map(
                 lambda a: a[index] if eqx.is_array(a) else a, self.layers
             )
-            return self._replace(layers=layers, num_layers=len(selected))
+            return restack(self, layers=layers, num_layers=len(selected))
         if isinstance(index, jax.core.Tracer):
             raise TypeError(
-                "Stacked got a traced index (e.g. a jit argument). Indices must be "
-                "concrete ints so they can be range-checked; JAX's own indexing "
-                "would clamp an out-of-range one. Mark the index static (e.g. "
-                "`jax.jit(..., static_argnums=...)`), or select the layer "
-                "yourself: `jax.tree.map(lambda a: a[i] if eqx.is_array(a) else "
-                "a, stack.layers)`."
+                "Stacked got a traced index (e.g. a jit argument); indices must be "
+                "concrete ints so they can be range-checked: mark it static, or "
+                "select with `jax.tree.map(lambda a: a[i], stack.layers)`."
             )
         try:
             i = operator.index(index)
@@ -291,7 +298,7 @@ class Stacked(eqx.Module):
         i %= self.num_layers
         return jtu.tree_map(lambda a: a[i] if eqx.is_array(a) else a, self.layers)
 
-    def unstack(self) -> list[Any]:
+    def unstack(self) -> list[LayerT]:
         """The layers as a list of ordinary (unstacked) modules."""
         return [self[i] for i in range(self.num_layers)]
 
@@ -312,7 +319,8 @@ class Stacked(eqx.Module):
 
         The final carry.
         """
-        return self._run(x, args, kwargs, key, collect=False)[0]
+        keys = None if key is None else jr.split(key, self.num_layers)
+        return scan_layers(self, x, LayerCall(args, kwargs, keys, carry_only))[0]
 
     def scan(
         self, x: PyTree, *args: Any, key: PRNGKeyArray | None = None, **kwargs: Any
@@ -324,70 +332,76 @@ class Stacked(eqx.Module):
         `(final carry, ys)` with the `y_i` stacked leaf by leaf on axis 0
         (`None` if layers return `(x, None)`).
         """
-        return self._run(x, args, kwargs, key, collect=True)
+        keys = None if key is None else jr.split(key, self.num_layers)
+        return scan_layers(self, x, LayerCall(args, kwargs, keys, stacked_pair))
 
-    def _run(
-        self,
-        x: Any,
-        args: tuple,
-        kwargs: dict,
-        key: Any,
-        collect: bool,
-        keys: Any = None,
-    ) -> tuple[Any, Any]:
-        # `keys`: already-split per-layer keys (leading axis L), used instead of
-        # splitting `key`; `Chain` hands each group its slice of one split.
-        length = self.num_layers
-        layer_dyn, layer_static = eqx.partition(self.layers, eqx.is_array)
-        per_args, per_statics = {}, {}
-        for name, value in check_per_layer(args, kwargs, length).items():
-            per_args[name], per_statics[name] = eqx.partition(value.tree, eqx.is_array)
-        if keys is None and key is not None:
-            keys = jr.split(key, length)
-        cls_name = type(self.layers).__name__
 
-        def step(carry: Any, xs: tuple) -> tuple[Any, Any]:
-            dyn, per, k = xs
-            if self.layer_sharding is not None:
-                dyn = constrain(dyn, self.layer_sharding)
-            layer = eqx.combine(dyn, layer_static)
+def restack(stack: Stacked[LayerT], **changes: object) -> Stacked[LayerT]:
+    """`stack` rebuilt through `Stacked.__init__` with `changes` applied (any of
+    `layers`, `num_layers`, `options`, `layer_sharding`) and every other field
+    kept: how slicing, loading, sharding and `with_options` make a new stack."""
+    fields: dict[str, object] = dict(
+        layers=stack.layers,
+        num_layers=stack.num_layers,
+        options=stack.options,
+        layer_sharding=stack.layer_sharding,
+    )
+    for name in changes:
+        if name not in fields:
+            raise TypeError(f"restack() got an unexpected keyword argument {name!r}.")
+    fields.update(changes)
+    options = fields.pop("options")
+    assert isinstance(options, ScanOptions)
+    return type(stack)(**fields, **options.as_args())  # type: ignore[arg-type]
 
-            def pick(name: str, value: Any) -> Any:
-                # This layer's slice of a `per_layer` argument; others as given.
-                if name not in per:
-                    return value
-                return eqx.combine(per[name], per_statics[name])
 
-            call_args = [pick(_arg_name(i), a) for i, a in enumerate(args)]
-            call_kwargs = {n: pick(_arg_name(n), v) for n, v in kwargs.items()}
-            if k is not None:
-                check_takes_key(layer, "Stacked", "layer i gets key=keys[i]")
-                call_kwargs["key"] = k
-            out = layer(carry, *call_args, **call_kwargs)
-            if not collect:
-                return out, None
-            if not (isinstance(out, tuple) and len(out) == 2):
-                raise TypeError(
-                    f"Stacked.scan expects each layer ({cls_name}) to return a "
-                    f"(carry, y) pair, got {describe(out)}. Use `stack(x)` for "
-                    "layers that return only the carry."
-                )
-            return out
+def scan_layers(stack: Stacked, x: PyTree, call: LayerCall) -> tuple[PyTree, PyTree]:
+    """Fold `x` through the layers of `stack` as `call` says: layer `i` gets
+    `key=call.keys[i]` (when there are keys), its output read by `call.read_out`.
 
-        def where(i: int | None) -> str:
-            if i is None:
-                return (
-                    f"The stacked layer {cls_name} (one body for all {length} layers)"
-                )
-            return f"Layer {i} ({cls_name})"
+    **Returns:**
 
-        return run(
-            step,
-            x,
-            (layer_dyn, per_args, keys),
-            length=length,
-            mode=self.mode,
-            checkpoint=self.checkpoint,
-            unroll=self.unroll,
-            where=where,
-        )
+    `(final carry, ys)`, the `y`s stacked on axis 0 (`None` if there are none).
+    """
+    args, kwargs, keys, read_out = call
+    length = stack.num_layers
+    layer_dyn, layer_static = eqx.partition(stack.layers, eqx.is_array)
+    per_args, per_statics = {}, {}
+    for name, value in check_per_layer(args, kwargs, length).items():
+        per_args[name], per_statics[name] = eqx.partition(value.tree, eqx.is_array)
+    cls_name = type(stack.layers).__name__
+    sharding = stack.layer_sharding
+
+    def step(carry: PyTree, xs: tuple) -> tuple[PyTree, PyTree]:
+        dyn, per, k = xs
+        if sharding is not None:
+            dyn = constrain(dyn, sharding)
+        layer = eqx.combine(dyn, layer_static)
+
+        def pick(name: str, value: object) -> object:
+            # This layer's slice of a `per_layer` argument; others as given.
+            if name not in per:
+                return value
+            return eqx.combine(per[name], per_statics[name])
+
+        call_args = [pick(_arg_name(i), a) for i, a in enumerate(args)]
+        call_kwargs = {n: pick(_arg_name(n), v) for n, v in kwargs.items()}
+        if k is not None:
+            check_takes_key(layer, "Stacked", "layer i gets key=keys[i]")
+            call_kwargs["key"] = k
+        out = layer(carry, *call_args, **call_kwargs)
+        return read_out(out, f"the stacked layer {cls_name}")
+
+    def where(i: int | None) -> str:
+        if i is None:
+            return f"The stacked layer {cls_name} (one body for all {length} layers)"
+        return f"Layer {i} ({cls_name})"
+
+    return run(
+        step,
+        x,
+        (layer_dyn, per_args, keys),
+        length=length,
+        options=stack.options,
+        where=where,
+    )

@@ -18,7 +18,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from ._checks import describe, is_arraylike
-from ._stacked import Stacked
+from ._stacked import restack, Stacked
 
 
 # A name is a tuple of parts; `_AXIS` marks where a layer index goes (one per
@@ -27,7 +27,9 @@ _AXIS: Any = object()
 _MAX_LISTED = 10
 
 
-def _key_name(entry: Any, where: tuple) -> str:
+def key_name(entry: Any, where: tuple) -> str:
+    """The name of one path entry in a state dict (an attribute, index or key);
+    `where` is the path so far, for the error message."""
     if isinstance(entry, jtu.GetAttrKey):
         return entry.name
     if isinstance(entry, jtu.SequenceKey):
@@ -111,14 +113,14 @@ def _walk(
             return visit(leaf)
 
         layers = _walk(node.layers, inner, depths + (node.num_layers,), record, stacks)
-        return node._replace(layers=layers)
+        return restack(node, layers=layers)
     children, treedef = jtu.tree_flatten_with_path(
         node, is_leaf=lambda x: x is not node
     )
     if jtu.treedef_is_leaf(treedef):  # a non-array leaf, e.g. a float or None
         return node
     new = [
-        _walk(child, parts + (_key_name(path[0], parts),), depths, visit, stacks)
+        _walk(child, parts + (key_name(path[0], parts),), depths, visit, stacks)
         for path, child in children
     ]
     return jtu.tree_unflatten(treedef, new)

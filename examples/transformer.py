@@ -37,8 +37,11 @@ Cache = tuple[Float[Array, "T H E"], Float[Array, "T H E"]]
 
 
 def norm(scale, x):
-    # Broadcast explicitly: also runs with jax_numpy_rank_promotion="raise".
-    return eqxscan.rms_norm(jnp.broadcast_to(scale, x.shape), x)
+    # RMS norm, reduced in float32. Broadcast explicitly: also runs with
+    # jax_numpy_rank_promotion="raise".
+    x32 = x.astype(jnp.float32)
+    inv = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
+    return (x32 * inv).astype(x.dtype) * jnp.broadcast_to(scale, x.shape)
 
 
 def attend(q, k, v, q_pos, k_pos, window: int | None):

@@ -3,13 +3,13 @@ import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import jax.random as jr
-import jax.tree_util as jtu
 import pytest
 from hypothesis import given, settings
 from jaxtyping import Array
 
 import eqxscan
-from eqxscan._chain import _plan
+from eqxscan._chain import Period
+from eqxscan._plan import Group, plan
 
 from .helpers import tree_allclose
 
@@ -120,7 +120,7 @@ def test_alternating_is_one_periodic_scan(getkey):
     assert layout(chain) == [(0, 12, 2)]
     (group,) = chain.groups
     assert isinstance(group, eqxscan.Stacked) and group.num_layers == 6
-    assert isinstance(group.layers, eqxscan.Period)
+    assert isinstance(group.layers, Period)
     assert group.layers.groups[0].w.shape == (6, D, D)  # Affine, one per repeat
 
 
@@ -152,9 +152,8 @@ def test_prefix_and_suffix_around_period(getkey):
 )
 def test_grouping_choice(pattern, expected):
     classes = tuple("ABC".index(c) for c in pattern)
-    plan, _, _ = _plan(classes, True)
     starts, out = 0, []
-    for size, period, _ in plan:
+    for size, period, _ in plan(classes, True):
         out.append((starts, size, period))
         starts += size
     assert out == expected
@@ -183,8 +182,12 @@ def test_plan_covers_layers_and_groups_alike(pattern):
     assert bool(eqx.tree_equal(back, layers))
     # Never more bodies than a plain chain of runs.
     runs = 1 + sum(a != b for a, b in zip(pattern, pattern[1:]))
-    _, bodies, _ = _plan(tuple("ABC".index(c) for c in pattern), True)
-    assert bodies <= runs
+    assert _bodies(plan(tuple("ABC".index(c) for c in pattern), True)) <= runs
+
+
+def _bodies(groups: tuple[Group, ...]) -> int:
+    # Layer bodies a plan traces: one per lone layer or run, a unit's own once.
+    return sum(_bodies(g.unit) if g.period > 1 else 1 for g in groups)
 
 
 def test_unstack_round_trip_exact(getkey):
@@ -194,8 +197,7 @@ def test_unstack_round_trip_exact(getkey):
     assert len(back) == len(layers)
     for a, b in zip(back, layers):
         assert type(a) is type(b)
-        pairs = zip(jtu.tree_leaves(a), jtu.tree_leaves(b))
-        assert all(jnp.array_equal(x, y) for x, y in pairs)
+        assert eqx.tree_equal(a, b)
 
 
 # --- equivalence --------------------------------------------------------------
@@ -381,7 +383,7 @@ def test_misfit_names_layers_path_and_shapes(getkey):
     chain = eqxscan.Chain(layers)
     with pytest.raises(TypeError) as info:
         chain(jnp.ones(D))
-    msg = str(info.value)
+    msg = "\n".join(info.value.__notes__)  # one note names the layer and carry
     assert "layer 2 (Affine)" in msg
     assert "`carry` is float32[3]" in msg
     assert "from float32[4] by layer 1 (Affine)" in msg
@@ -400,29 +402,33 @@ def test_misfit_in_pytree_carry_names_leaf(getkey):
 
     chain = eqxscan.Chain([Split(), Use(jnp.eye(D)), Use(jnp.eye(D))])
     x = {"h": jnp.ones(D), "c": jnp.zeros(2)}
-    with pytest.raises(TypeError) as info:
+    # The error keeps its own type; its note says how the carry changed.
+    with pytest.raises(jax.dtypes.TypePromotionError) as info:
         eqx.filter_jit(lambda c, x: c(x))(chain, x)
-    msg = str(info.value)
+    msg = "\n".join(info.value.__notes__)  # one note names the layer and carry
     assert "layers 1-2 (Use, scanned)" in msg
     assert "`carry['h']` is float16[4], changed from float32[4]" in msg
     assert "by layer 0 (Split)" in msg
 
 
-def test_misfit_found_before_anything_runs(getkey):
-    ran = []
+def test_eager_call_traces_each_layer_once(getkey):
+    calls = []
 
-    class Loud(eqx.Module):
+    class Counting(eqx.Module):
         w: Array
 
         def __call__(self, x):
-            jax.debug.callback(lambda: ran.append(1))
+            calls.append(1)
             return x @ self.w
 
-    chain = eqxscan.Chain([Loud(jnp.eye(D)), Loud(jnp.ones((D, 3))), Affine(getkey())])
+    chain = eqxscan.Chain([Counting(jnp.eye(D)), Affine(getkey(), out=3)])
+    assert chain(jnp.ones(D)).shape == (3,)
+    assert calls == [1]  # no shape-only pre-pass before the real run
+    bad = eqxscan.Chain(
+        [Counting(jnp.eye(D)), Counting(jnp.ones((D, 3))), Affine(getkey())]
+    )
     with pytest.raises(TypeError, match="layer 2"):
-        chain(jnp.ones(D))
-    jax.effects_barrier()
-    assert ran == []
+        bad(jnp.ones(D))
 
 
 def test_scanned_group_must_keep_carry(getkey):

@@ -9,8 +9,12 @@ tracebacks point into the Markdown file. Blocks that must not run are fenced as
 """
 
 import inspect
+import json
+import os
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -121,3 +125,41 @@ def test_blocks_are_found(tmp_path: pathlib.Path):
         encoding="utf-8",
     )
     assert python_blocks(page) == [(2, "x = 1\n"), (6, "y = 2\n")]
+
+
+def _mkdocs_build(tmp_path: pathlib.Path, page: str) -> "subprocess.CompletedProcess":
+    """Build a one-page site with the project's mkdocstrings setup, strictly."""
+    pytest.importorskip("mkdocstrings")
+    (tmp_path / "docs").mkdir(exist_ok=True)
+    (tmp_path / "docs" / "index.md").write_text(page, encoding="utf-8")
+    (tmp_path / "mkdocs.yml").write_text(
+        "site_name: check\nstrict: true\nplugins:\n  - mkdocstrings:\n"
+        "      handlers:\n        python:\n"
+        f"          paths: [{json.dumps(str(ROOT))}]\n",
+        encoding="utf-8",
+    )
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    return subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", "site"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+
+
+def test_strict_docs_build_fails_on_a_broken_reference(tmp_path: pathlib.Path):
+    good = "# Page\n\nSee [the mesh][eqxscan.sharding.make_mesh].\n\n"
+    good += "::: eqxscan.sharding.make_mesh\n"
+    ok = _mkdocs_build(tmp_path, good)
+    assert ok.returncode == 0, ok.stderr
+    bad = good.replace("sharding.make_mesh]", "sharding.no_such_function]", 1)
+    broken = _mkdocs_build(tmp_path, bad)
+    assert broken.returncode != 0
+    assert "eqxscan.sharding.no_such_function" in broken.stderr
+    # CI builds the real docs the same way: strict, and without --quiet, which
+    # would hide the warnings that make a strict build fail.
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    line = next(x for x in ci.splitlines() if "mkdocs build" in x)
+    assert "--strict" in line and "--quiet" not in line

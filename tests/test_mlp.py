@@ -2,6 +2,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import jax.tree_util as jtu
 import numpy as np
 import pytest
 from jaxtyping import TypeCheckError
@@ -85,7 +86,7 @@ def test_stacked_shapes_are_type_checked(getkey):
     # A built model passes and round-trips through from_layers.
     model = eqxscan.StackedMLP(4, 2, key=getkey())
     again = eqxscan.StackedMLP.from_layers(model.blocks.unstack())
-    assert tree_allclose(again, model, rtol=0, atol=0)
+    assert eqx.tree_equal(again, model)
 
 
 def test_wrong_input_shape_names_the_dimension(getkey):
@@ -129,3 +130,18 @@ def test_constructor_errors(getkey):
         eqxscan.StackedMLP(0, 2, key=getkey())
     with pytest.raises(ValueError, match="num_layers"):
         eqxscan.StackedMLP(4, 0, key=getkey())
+
+
+def test_with_options_like_every_scanning_module(getkey):
+    model = eqxscan.StackedMLP(8, 3, key=getkey(), unroll=2)
+    loop = model.with_options(mode="loop")
+    assert type(loop) is eqxscan.StackedMLP
+    assert loop.options == eqxscan.ScanOptions("loop", "auto", 2)
+    assert model.options == eqxscan.ScanOptions("scan", "auto", 2)
+    # Same arrays, not copies.
+    pairs = zip(jtu.tree_leaves(loop), jtu.tree_leaves(model), strict=True)
+    assert all(a is b for a, b in pairs)
+    x = jr.normal(getkey(), (2, 8))
+    assert jnp.allclose(model(x), loop(x), rtol=1e-5, atol=1e-6)
+    again = eqxscan.StackedMLP.from_layers(model.blocks.unstack(), mode="loop")
+    assert again.options == eqxscan.ScanOptions("loop")

@@ -562,6 +562,8 @@ def test_error_bad_options(getkey):
         eqxscan.Recurrent(cell, mode="fast")
     with pytest.raises(ValueError, match="checkpoint"):
         eqxscan.Recurrent(cell, checkpoint="sometimes")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        eqxscan.Recurrent(cell).with_options(mode="fast")
     with pytest.raises(ValueError, match="unroll"):
         eqxscan.Recurrent(cell, unroll=0)
     with pytest.raises(TypeError):

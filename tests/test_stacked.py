@@ -1,3 +1,5 @@
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -21,6 +23,11 @@ CHECKPOINTS = [
 ]
 
 
+def rms_norm(scale, x):
+    inv = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+    return x * inv * jnp.broadcast_to(scale, x.shape)
+
+
 class Block(eqx.Module):
     """A small layer with a norm, an activation and two matmuls."""
 
@@ -35,7 +42,7 @@ class Block(eqx.Module):
         self.scale = 1.0 + 0.1 * jr.normal(k3, (dim,))
 
     def __call__(self, x, *, key=None):
-        h = jax.nn.gelu(self.lin1(eqxscan.rms_norm(self.scale, x)))
+        h = jax.nn.gelu(self.lin1(rms_norm(self.scale, x)))
         if key is not None:
             h = h + 0.1 * jr.normal(key, h.shape)
         return x + self.lin2(h)
@@ -57,7 +64,7 @@ def test_layer_i_is_make_layer_of_key_i():
     key = jr.key(3)
     stack = make_stack(5, key=key)
     for i, k in enumerate(jr.split(key, 5)):
-        assert tree_allclose(stack[i], Block(4, key=k), rtol=0, atol=0)
+        assert eqx.tree_equal(stack[i], Block(4, key=k))
     assert stack.layers.lin1.weight.shape == (5, 8, 4)
     assert len(stack) == stack.num_layers == 5
 
@@ -176,27 +183,27 @@ def test_keys_are_split_per_layer():
 def test_same_key_same_weights_whatever_options():
     a = make_stack(4, key=jr.key(9))
     b = make_stack(4, key=jr.key(9), mode="loop", checkpoint=True, unroll=2)
-    assert tree_allclose(a.layers, b.layers, rtol=0, atol=0)
+    assert eqx.tree_equal(a.layers, b.layers)
 
 
 def test_unstack_from_layers_round_trip():
     stack = make_stack(4)
     layers = stack.unstack()
     again = eqxscan.Stacked.from_layers(layers)
-    assert tree_allclose(again.layers, stack.layers, rtol=0, atol=0)
-    assert tree_allclose(again.unstack(), layers, rtol=0, atol=0)
+    assert eqx.tree_equal(again.layers, stack.layers)
+    assert eqx.tree_equal(again.unstack(), layers)
     assert again.num_layers == 4
 
 
 def test_indexing_and_slicing():
     stack = make_stack(5)
     layers = stack.unstack()
-    assert tree_allclose(stack[-1], layers[4], rtol=0, atol=0)
-    assert tree_allclose(stack[-5], layers[0], rtol=0, atol=0)
+    assert eqx.tree_equal(stack[-1], layers[4])
+    assert eqx.tree_equal(stack[-5], layers[0])
     sub = stack[1:4]
     assert isinstance(sub, eqxscan.Stacked) and len(sub) == 3
-    assert tree_allclose(sub.unstack(), layers[1:4], rtol=0, atol=0)
-    assert tree_allclose(stack[::2].unstack(), layers[::2], rtol=0, atol=0)
+    assert eqx.tree_equal(sub.unstack(), layers[1:4])
+    assert eqx.tree_equal(stack[::2].unstack(), layers[::2])
     for bad in (5, -6, 100):
         with pytest.raises(IndexError, match="out of range"):
             stack[bad]
@@ -444,7 +451,7 @@ def test_error_inside_a_layer_names_the_layer():
         key=jr.key(0),
     )
     expected = {
-        "loop": "(raised by Layer 0 (Dropping), run by eqxscan)",
+        "loop": "(raised by Layer 0 (Dropping), run by eqxscan; see docs/debugging.md)",
         "scan": "(raised by The stacked layer Dropping (one body for all 3 layers)",
     }
     for mode, note in expected.items():
@@ -479,23 +486,52 @@ def test_key_for_layers_without_key_error(mode):
     assert s2(jnp.ones(4), key=jr.key(1)).shape == (4,)
 
 
-@pytest.mark.parametrize(
-    "kwargs, exc, match",
-    [
-        (dict(num_layers=0), ValueError, "num_layers must be >= 1"),
-        (dict(num_layers=2.0), TypeError, "num_layers"),
-        (dict(num_layers=True), TypeError, "num_layers"),
-        (dict(mode="unrolled"), ValueError, "mode must be one of"),
-        (dict(checkpoint="sqrt"), ValueError, "checkpoint must be one of"),
-        (dict(checkpoint=3), TypeError, "checkpoint must be"),
-        (dict(unroll=0), ValueError, "unroll must be >= 1"),
-        (dict(unroll=1.5), TypeError, "unroll"),
-    ],
-)
+CONSTRUCTION_ERRORS = [
+    (dict(num_layers=0), ValueError, "num_layers must be >= 1"),
+    (dict(num_layers=2.0), TypeError, "num_layers"),
+    (dict(num_layers=True), TypeError, "num_layers"),
+    (dict(mode="unrolled"), ValueError, "mode must be one of"),
+    (dict(checkpoint="sqrt"), ValueError, "checkpoint must be one of"),
+    (dict(checkpoint=3), TypeError, "checkpoint must be"),
+    (dict(unroll=0), ValueError, "unroll must be >= 1"),
+    (dict(unroll=1.5), TypeError, "unroll"),
+]
+
+
+@pytest.mark.parametrize("kwargs, exc, match", CONSTRUCTION_ERRORS)
 def test_construction_errors(kwargs, exc, match):
     kwargs = {"num_layers": 2, **kwargs}
     with pytest.raises(exc, match=match):
         eqxscan.Stacked(lambda k: Block(2, key=k), key=jr.key(0), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [case for case in CONSTRUCTION_ERRORS if "num_layers" not in case[0]],
+)
+def test_scan_options_errors(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        eqxscan.ScanOptions(**kwargs)
+    stack = eqxscan.Stacked(lambda k: Block(2, key=k), 2, key=jr.key(0))
+    with pytest.raises(exc, match=match):
+        stack.with_options(**kwargs)
+
+
+def test_options_are_one_frozen_value():
+    stack = eqxscan.Stacked(
+        lambda k: Block(2, key=k), 2, key=jr.key(0), mode="loop", unroll=2
+    )
+    assert stack.options == eqxscan.ScanOptions("loop", "auto", 2)
+    other = stack.with_options(checkpoint=True)
+    assert other.options == eqxscan.ScanOptions("loop", True, 2)
+    assert stack.options.checkpoint == "auto"  # unchanged
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        stack.options.mode = "scan"
+    with pytest.raises(TypeError, match="unexpected keyword argument 'moed'"):
+        stack.with_options(moed="loop")
+    # Slicing, loading and with_options rebuild through __init__: checks run.
+    with pytest.raises(TypeError, match="layer_sharding"):
+        stack[:1].with_options(layer_sharding="replicated")
 
 
 # --- program size ----------------------------------------------------------------
