@@ -11,15 +11,20 @@ from typing import Literal, TypeAlias, TypedDict, TypeVar
 import equinox as eqx
 
 from ._checks import check_option, check_unroll
+from ._remat import ScanCheckpoint
 
 
 Mode: TypeAlias = Literal["scan", "loop"]
 """`"scan"` runs `jax.lax.scan` (one traced body); `"loop"` a Python loop over the
 same weights (the reference and debugging path)."""
 
-Checkpoint: TypeAlias = bool | Literal["auto", "nested"] | Callable[..., bool]
-"""Rematerialisation of each scan step: `False`, `True`, `"auto"`, `"nested"` or a
-`jax.checkpoint_policies` policy. See the remat guide."""
+Checkpoint: TypeAlias = (
+    bool | Literal["auto", "nested"] | Callable[..., bool] | ScanCheckpoint
+)
+"""Rematerialisation of each scan step: `False`, `True`, `"auto"`, `"nested"`, a
+`jax.checkpoint_policies` policy, or a [`eqxscan.ScanCheckpoint`][] (a policy
+plus what to do with each step's carry and inputs, and the nesting). See the
+remat guide."""
 
 
 class ScanArgs(TypedDict, total=False):
@@ -41,14 +46,15 @@ def check_checkpoint(checkpoint: object) -> None:
 
     The one place that says which checkpoint values exist.
     """
-    if isinstance(checkpoint, bool) or callable(checkpoint):
+    if isinstance(checkpoint, (bool, ScanCheckpoint)) or callable(checkpoint):
         return
     if isinstance(checkpoint, str):
         check_option("checkpoint", checkpoint, (False, True) + CHECKPOINT_STRINGS)
         return
     raise TypeError(
-        "checkpoint must be False, True, 'auto', 'nested' or a "
-        f"jax.checkpoint_policies policy, got {type(checkpoint).__name__}."
+        "checkpoint must be False, True, 'auto', 'nested', a "
+        "jax.checkpoint_policies policy or an eqxscan.ScanCheckpoint, got "
+        f"{type(checkpoint).__name__}."
     )
 
 

@@ -197,8 +197,23 @@ def sqrt_block(length: int) -> int:
 
 
 def name_tree(tree: Any, name: str) -> Any:
-    """Every array leaf of `tree` named `name` for the checkpoint policies."""
-    return jtu.tree_map(lambda a: checkpoint_name(a, name), tree)
+    """Every array leaf of `tree` named `name` for the checkpoint policies (PRNG
+    keys excepted: they are cheap to keep and cannot be offloaded)."""
+
+    def one(a: Any) -> Any:
+        if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+            return a
+        return checkpoint_name(a, name)
+
+    return jtu.tree_map(one, tree)
+
+
+def name_inputs(tree: Any, checkpoint: Any) -> Any:
+    """A step's inputs, named `INPUTS` when `checkpoint` is a `ScanCheckpoint`
+    (and left alone otherwise, so other programs do not change)."""
+    if not isinstance(checkpoint, ScanCheckpoint):
+        return tree
+    return name_tree(tree, INPUTS)
 
 
 def nested_scan(
@@ -210,14 +225,18 @@ def nested_scan(
     unroll: Any,
     step_policy: Callable | None,
     boundary_policy: Callable | None,
+    reverse: bool = False,
 ) -> tuple[Any, Any]:
-    """`lax.scan(body, carry, xs)` as nested scans: `levels` are the lengths of the
-    outer levels (outermost first); the innermost level takes the rest. Each
-    outer level's body is checkpointed, so only its carries are kept and the
-    steps inside are recomputed in the backward pass."""
+    """`lax.scan(body, carry, xs, reverse=reverse)` as nested scans: `levels` are
+    the lengths of the outer levels (outermost first); the innermost level takes
+    the rest. Each outer level's body is checkpointed, so only its carries are
+    kept and the steps inside are recomputed in the backward pass. Reversed, every
+    level runs backwards, so `xs` is read in place rather than flipped."""
     step = jax.checkpoint(body, policy=step_policy, prevent_cse=False)
     if not levels:
-        return jax.lax.scan(step, carry, xs, length=length, unroll=unroll)
+        return jax.lax.scan(
+            step, carry, xs, length=length, unroll=unroll, reverse=reverse
+        )
     outer, inner_levels = levels[0], levels[1:]
     inner = length // outer
     head = outer * inner
@@ -225,19 +244,41 @@ def nested_scan(
     def block(c: Any, xs_block: Any) -> tuple[Any, Any]:
         c = name_tree(c, BLOCK_CARRY)
         return nested_scan(
-            body, c, xs_block, inner, inner_levels, unroll, step_policy, boundary_policy
+            body,
+            c,
+            xs_block,
+            inner,
+            inner_levels,
+            unroll,
+            step_policy,
+            boundary_policy,
+            reverse,
         )
 
-    split = jtu.tree_map(lambda a: a[:head].reshape(outer, inner, *a.shape[1:]), xs)
-    carry, ys = jax.lax.scan(
-        jax.checkpoint(block, policy=boundary_policy, prevent_cse=False),
-        carry,
-        split,
-        length=outer,
-    )
-    ys = jtu.tree_map(lambda a: a.reshape(head, *a.shape[2:]), ys)
-    if head < length:
+    def blocks(carry: Any) -> tuple[Any, Any]:
+        split = jtu.tree_map(lambda a: a[:head].reshape(outer, inner, *a.shape[1:]), xs)
+        carry, ys = jax.lax.scan(
+            jax.checkpoint(block, policy=boundary_policy, prevent_cse=False),
+            carry,
+            split,
+            length=outer,
+            reverse=reverse,
+        )
+        return carry, jtu.tree_map(lambda a: a.reshape(head, *a.shape[2:]), ys)
+
+    def rest(carry: Any) -> tuple[Any, Any]:
         tail = jtu.tree_map(lambda a: a[head:], xs)
-        carry, ys_tail = jax.lax.scan(step, carry, tail, length=length - head)
-        ys = jtu.tree_map(lambda a, b: jnp.concatenate([a, b]), ys, ys_tail)
-    return carry, ys
+        return jax.lax.scan(
+            step, carry, tail, length=length - head, unroll=unroll, reverse=reverse
+        )
+
+    if head == length:
+        return blocks(carry)
+    # The remainder comes last in consumption order.
+    if reverse:
+        carry, ys_tail = rest(carry)
+        carry, ys = blocks(carry)
+    else:
+        carry, ys = blocks(carry)
+        carry, ys_tail = rest(carry)
+    return carry, jtu.tree_map(lambda a, b: jnp.concatenate([a, b]), ys, ys_tail)

@@ -3,6 +3,7 @@ a hand-written reference: values and gradients, in scan and loop mode."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -343,3 +344,370 @@ def test_tensor_parallel_eight_devices(eight_devices):
     assert "f32[4,16]" in r["all_reduces"], r
     # FSDP: a layer's weights are all-gathered over "fsdp" ([D, 4D/model]).
     assert "f32[16,16]" in r["all_gathers"], r
+
+
+# ------------------------------------------------------------ over layers: shared
+
+
+L, D = 4, 6
+
+
+class Block(eqx.Module):
+    """A layer with a second method, a per-layer scale and optional randomness."""
+
+    w: jax.Array
+    b: jax.Array
+
+    def __init__(self, key, scale=1.0):
+        kw, kb = jr.split(key)
+        self.w = jr.normal(kw, (D, D)) * 0.4 * scale
+        self.b = jr.normal(kb, (D,)) * 0.1
+
+    def __call__(self, x, *, key=None):
+        h = jnp.tanh(self.w @ x + self.b)
+        return h if key is None else h + 0.1 * jr.normal(key, h.shape)
+
+    def decode(self, x, shift, *, key=None):
+        h = jnp.sin(self.w.T @ x) + shift
+        return h if key is None else h * jr.uniform(key, h.shape)
+
+    def step(self, x, shift):
+        y = self.decode(x, shift)
+        return y, jnp.sum(y)
+
+
+def make_stack(getkey, mode="scan", **options):
+    return eqxscan.Stacked(lambda k: Block(k), L, key=getkey(), mode=mode, **options)
+
+
+# ------------------------------------------------ 1. a method other than __call__
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_method_fold_and_scan(mode, getkey):
+    stack = make_stack(getkey, mode)
+    x, shift, key = jr.normal(getkey(), (D,)), jr.normal(getkey(), (L, D)), getkey()
+    keys = jr.split(key, L)
+
+    def run(stack, x, shift):
+        per = eqxscan.per_layer(shift)
+        y = stack(x, per, method=Block.decode, key=key)
+        carry, ys = stack.scan(x, per, method="step")
+        return y, carry, ys
+
+    def reference(stack, x, shift):
+        layers = stack.unstack()
+        y = x
+        for i, layer in enumerate(layers):
+            y = layer.decode(y, shift[i], key=keys[i])
+        c, ys = x, []
+        for i, layer in enumerate(layers):
+            c, s = layer.step(c, shift[i])
+            ys.append(s)
+        return y, c, jnp.stack(ys)
+
+    out, grads = value_and_grads(run, stack, x, shift)
+    want, want_grads = value_and_grads(reference, stack, x, shift)
+    assert tree_allclose(out, want) and tree_allclose(grads, want_grads)
+    # Any function of (layer, carry, ...) works, like Haliax's fold_via.
+    fn = lambda layer, c: layer(c) * 2.0
+    assert jnp.allclose(stack(x, method=fn), reference_fold(stack, x, fn), atol=1e-6)
+
+
+def reference_fold(stack, x, fn):
+    for layer in stack.unstack():
+        x = fn(layer, x)
+    return x
+
+
+def test_method_errors(getkey):
+    stack = make_stack(getkey)
+    with pytest.raises(AttributeError, match=r"Block has no method 'encode'"):
+        stack(jnp.ones(D), method="encode")
+    with pytest.raises(TypeError, match="method"):
+        stack(jnp.ones(D), method=3)
+
+
+# ------------------------------------------------------- 2. all layers in parallel
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_vmap_over_layers(mode, getkey):
+    stack = make_stack(getkey, mode)
+    x, shift, key = jr.normal(getkey(), (D,)), jr.normal(getkey(), (L, D)), getkey()
+    keys = jr.split(key, L)
+
+    def run(stack, x, shift):
+        plain = stack.vmap(x, key=key)
+        decoded = stack.vmap(x, eqxscan.per_layer(shift), method=Block.decode)
+        return plain, decoded
+
+    def reference(stack, x, shift):
+        layers = stack.unstack()
+        plain = jnp.stack([layer(x, key=keys[i]) for i, layer in enumerate(layers)])
+        decoded = jnp.stack(
+            [layer.decode(x, shift[i]) for i, layer in enumerate(layers)]
+        )
+        return plain, decoded
+
+    out, grads = value_and_grads(run, stack, x, shift)
+    assert out[0].shape == (L, D)
+    want, want_grads = value_and_grads(reference, stack, x, shift)
+    assert tree_allclose(out, want) and tree_allclose(grads, want_grads)
+    if mode == "scan":
+        # One vmap: the program has no loop over the layers.
+        text = str(jax.make_jaxpr(lambda s: s.vmap(x))(stack))
+        assert "scan" not in text and "while" not in text
+
+
+# ------------------------------------------------------------ 3. reverse over layers
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_reverse_stacked(mode, getkey):
+    stack = make_stack(getkey, mode)
+    x, key = jr.normal(getkey(), (D,)), getkey()
+    keys = jr.split(key, L)
+
+    def run(stack, x):
+        return stack(x, reverse=True, key=key), stack.scan(
+            x, method="step", shift=0.0, reverse=True
+        )
+
+    def reference(stack, x):
+        layers = stack.unstack()
+        y = x
+        for i in reversed(range(L)):
+            y = layers[i](y, key=keys[i])  # layer i keeps keys[i]
+        c, ys = x, [None] * L
+        for i in reversed(range(L)):
+            c, ys[i] = layers[i].step(c, 0.0)  # ys aligned with the layers
+        return y, (c, jnp.stack(ys))
+
+    out, grads = value_and_grads(run, stack, x)
+    want, want_grads = value_and_grads(reference, stack, x)
+    assert tree_allclose(out, want) and tree_allclose(grads, want_grads)
+    assert jnp.allclose(stack(x, reverse=True), stack[::-1](x), atol=1e-6)
+    if mode == "scan":
+        # No reversed copy of the weights: the scan runs backwards instead.
+        text = str(jax.make_jaxpr(lambda s: s(x, reverse=True))(stack))
+        assert not re.search(r"\brev\[", text) and "reverse=True" in text
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_reverse_chain(mode, getkey):
+    lin = lambda: eqx.nn.Linear(D, D, key=getkey())
+    layers = [
+        Block(getkey()),
+        Block(getkey()),
+        lin(),
+        Block(getkey()),
+        lin(),
+        Block(getkey()),
+        lin(),
+        eqx.nn.Linear(D, D, use_bias=False, key=getkey()),
+    ]
+    chain = eqxscan.Chain(layers, mode=mode)
+    x = jr.normal(getkey(), (D,))
+
+    def run(chain, x):
+        return chain(x, reverse=True)
+
+    def reference(chain, x):
+        for layer in reversed(chain.unstack()):
+            x = layer(x)
+        return x
+
+    out, grads = value_and_grads(run, chain, x)
+    want, want_grads = value_and_grads(reference, chain, x)
+    assert tree_allclose(out, want) and tree_allclose(grads, want_grads)
+    # .scan: ys aligned with the layers.
+    pairs = eqxscan.Chain([_Pair(layer) for layer in layers], mode=mode)
+    c, ys = pairs.scan(x, reverse=True)
+    y, want_ys = x, [None] * len(layers)
+    for i in reversed(range(len(layers))):
+        y, want_ys[i] = _Pair(layers[i])(y)
+    assert jnp.allclose(c, y, atol=1e-5) and jnp.allclose(
+        ys, jnp.stack(want_ys), atol=1e-5
+    )
+
+
+class _Pair(eqx.Module):
+    layer: eqx.Module
+
+    def __call__(self, x):
+        y = self.layer(x)
+        return y, jnp.sum(y)
+
+
+# ----------------------------------------------- 4. per-layer construction arguments
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_per_layer_construction(mode, getkey):
+    key, scales = getkey(), jnp.linspace(0.5, 2.0, L)
+    offset = jnp.float32(0.25)
+
+    def make_layer(k, scale, index, offset):
+        block = Block(k, scale)
+        return eqx.tree_at(
+            lambda b: b.b, block, block.b + offset * jnp.asarray(index, jnp.float32)
+        )
+
+    stack = eqxscan.Stacked(
+        make_layer,
+        L,
+        eqxscan.per_layer(scales),
+        eqxscan.per_layer(jnp.arange(L)),
+        offset,
+        key=key,
+        mode=mode,
+    )
+    keys = jr.split(key, L)
+    for i in range(L):
+        want = make_layer(keys[i], scales[i], i, offset)
+        assert tree_allclose(stack[i], want)
+    with pytest.raises(ValueError, match=r"per_layer args\[0\] has shape \(3,\)"):
+        eqxscan.Stacked(
+            make_layer, L, eqxscan.per_layer(scales[:3]), 0, offset, key=key
+        )
+
+
+# ------------------------------------------------------- 5. Chain is a sequence
+
+
+def test_chain_is_a_sequence(getkey):
+    lin = lambda: eqx.nn.Linear(D, D, key=getkey())
+    layers = [
+        lin(),
+        Block(getkey()),
+        lin(),
+        Block(getkey()),
+        lin(),
+        Block(getkey()),
+        eqx.nn.Linear(D, D, use_bias=False, key=getkey()),
+    ]
+    chain = eqxscan.Chain(layers)
+    seq = eqx.nn.Sequential(layers)
+    assert len(chain) == len(seq) == 7
+    for i in range(-7, 7):
+        assert tree_allclose(chain[i], seq[i]), i
+    assert all(tree_allclose(a, b) for a, b in zip(chain, layers, strict=True))
+    x = jr.normal(getkey(), (D,))
+    for sl in (
+        slice(1, 5),
+        slice(None, None, 2),
+        slice(-3, None),
+        slice(None, None, -1),
+    ):
+        part = chain[sl]
+        assert isinstance(part, eqxscan.Chain) and len(part) == len(layers[sl])
+        assert jnp.allclose(part(x), seq[sl](x), atol=1e-5)
+    with pytest.raises(
+        IndexError, match="Layer index 7 is out of range for a Chain with 7 layers"
+    ):
+        chain[7]
+    with pytest.raises(ValueError, match="selects no layers"):
+        chain[3:3]
+
+
+# --------------------------------------------------------- 6. nested remat shapes
+
+
+@pytest.mark.parametrize(
+    "nested, outer_carries", [(2, 2), (3, 3), ((2, 2, 3), 2), ((3, 4), 3)]
+)
+def test_nested_shapes(nested, outer_carries, getkey):
+    layers = 12
+    stack = eqxscan.Stacked(lambda k: Block(k), layers, key=getkey())
+    x = jr.normal(getkey(), (D,))
+    policy = eqxscan.ScanCheckpoint(nested=nested)
+    loss = lambda s, x: jnp.sum(jnp.sin(s(x)))
+    want = arrays(jax.value_and_grad(loss, argnums=(0, 1))(stack, x))
+    for mode in MODES:
+        s = stack.with_options(checkpoint=policy, mode=mode)
+        got = arrays(jax.value_and_grad(loss, argnums=(0, 1))(s, x))
+        assert tree_allclose(got, want, rtol=1e-4), (mode, nested)
+    # Only the carries at the outermost block boundaries are kept; inner levels
+    # are recomputed block by block.
+    shapes = residual_shapes(loss, stack.with_options(checkpoint=policy), x)
+    assert (outer_carries, D) in shapes and (layers, D) not in shapes, shapes
+
+
+def arrays(tree):
+    """The array leaves only: the gradients of two stacks differ in options."""
+    return jax.tree.leaves(eqx.filter(tree, eqx.is_array))
+
+
+def residual_shapes(fn, *args):
+    from jax._src.ad_checkpoint import saved_residuals
+
+    return [tuple(aval.shape) for aval, _ in saved_residuals(fn, *args)]
+
+
+def test_nested_errors(getkey):
+    stack = make_stack(getkey)
+    with pytest.raises(ValueError, match=r"nested=\(2, 3\)\) has 6 steps.*has 4"):
+        stack.with_options(checkpoint=eqxscan.ScanCheckpoint(nested=(2, 3)))(
+            jnp.ones(D)
+        )
+    with pytest.raises(ValueError, match="two or more positive int lengths"):
+        eqxscan.ScanCheckpoint(nested=(4,))
+    with pytest.raises(ValueError, match="block count must be >= 1"):
+        eqxscan.ScanCheckpoint(nested=0)
+
+
+# ------------------------------------------ 7. carries and inputs: save / offload
+
+
+def test_checkpoint_carries_and_inputs(getkey):
+    stack = make_stack(getkey)
+    x = jr.normal(getkey(), (D,))
+    loss = lambda s, x: jnp.sum(jnp.sin(s(x)))
+    want = arrays(jax.value_and_grad(loss, argnums=(0, 1))(stack, x))
+
+    def run(**options):
+        policy = eqxscan.ScanCheckpoint(**options)
+        s = stack.with_options(checkpoint=policy)
+        got = arrays(jax.value_and_grad(loss, argnums=(0, 1))(s, x))
+        assert tree_allclose(got, want, rtol=1e-4), options
+        from jax._src.ad_checkpoint import saved_residuals
+
+        return [(aval.str_short(), src) for aval, src in saved_residuals(loss, s, x)]
+
+    def made(residuals, shape):
+        # Residuals the forward pass made (not the arguments), of one type.
+        return [src for a, src in residuals if a == shape and "argument" not in src]
+
+    carries, weights = f"float32[{L},{D}]", f"float32[{L},{D},{D}]"
+    full = run(policy=True)  # full remat still keeps each step's carry
+    assert made(full, carries) and not made(full, weights), full
+    offloaded = run(policy=True, save_carries="offload")
+    assert made(offloaded, f"float32<host>[{L},{D}]"), offloaded
+    assert not made(offloaded, carries), offloaded
+    # Inputs: by default read again from the stacked weights; saved, a copy of
+    # each layer as the step used it (after an FSDP gather); or offloaded.
+    assert made(run(policy=True, save_inputs=True), weights)
+    offloaded = run(policy=True, save_inputs="offload")
+    assert made(offloaded, f"float32<host>[{L},{D},{D}]"), offloaded
+    # Recomputed carries: only those at the block boundaries (2 blocks of 2).
+    recomputed = run(save_carries=False)
+    assert not made(recomputed, carries), recomputed
+    assert made(recomputed, f"float32[2,{D}]"), recomputed
+    # Combined with any jax policy, and with mode="loop".
+    run(policy=jax.checkpoint_policies.dots_saveable, save_carries="offload")
+    s = stack.with_options(
+        checkpoint=eqxscan.ScanCheckpoint(save_carries="offload"), mode="loop"
+    )
+    got = arrays(jax.value_and_grad(loss, argnums=(0, 1))(s, x))
+    assert tree_allclose(got, want, rtol=1e-4)
+
+
+def test_checkpoint_policy_errors(getkey):
+    # (A runtime type checker may catch these first, by the annotations.)
+    with pytest.raises((TypeError, ValueError), match=r"save_carries"):
+        eqxscan.ScanCheckpoint(save_carries="host")
+    with pytest.raises((TypeError, ValueError), match=r"policy"):
+        eqxscan.ScanCheckpoint(policy="nested")
+    with pytest.raises((TypeError, ValueError), match="checkpoint"):
+        make_stack(getkey, checkpoint="everything")
