@@ -497,17 +497,12 @@ def test_reverse_stacked(mode, getkey):
 @pytest.mark.parametrize("mode", MODES)
 def test_reverse_chain(mode, getkey):
     lin = lambda: eqx.nn.Linear(D, D, key=getkey())
-    layers = [
-        Block(getkey()),
-        Block(getkey()),
-        lin(),
-        Block(getkey()),
-        lin(),
-        Block(getkey()),
-        lin(),
-        eqx.nn.Linear(D, D, use_bias=False, key=getkey()),
-    ]
+    # A scanned run, a lone layer and a scanned pattern of two.
+    layers = [Block(getkey()) for _ in range(3)]
+    layers += [eqx.nn.Linear(D, D, use_bias=False, key=getkey())]
+    layers += [Block(getkey()), lin(), Block(getkey()), lin()]
     chain = eqxscan.Chain(layers, mode=mode)
+    assert [span.period for span in chain.layout] == [1, 0, 2]
     x = jr.normal(getkey(), (D,))
 
     def run(chain, x):
