@@ -21,6 +21,7 @@ from ._checks import (
 )
 from ._engine import run
 from ._options import ScanArgs, Scanning, ScanOptions
+from ._remat import name_inputs
 
 
 class ElmanCell(eqx.Module):
@@ -418,7 +419,7 @@ class Recurrent(Scanning):
                 # Entering a new block: let values through, not gradients.
                 cut = (n > 0) & (n % k == 0)
                 h = _where(cut, jtu.tree_map(_stop_gradient, h), h)
-            x = eqx.combine(x_dyn, xs_static)
+            x = eqx.combine(name_inputs(x_dyn, self.checkpoint), xs_static)
             if step_key is None:
                 new = cell(x, h, *args, **kwargs)
             else:

@@ -246,9 +246,10 @@ class Stacked(Scanning, Generic[LayerT]):
         - `checkpoint`: rematerialisation. `"auto"` (default: save matmul outputs,
           recompute elementwise work; fastest for training), `False` (save
           everything), `True` (`jax.checkpoint` around each layer), a
-          `jax.checkpoint_policies` policy, or `"nested"` (two-level scan whose
-          saved carries grow like `sqrt(L)`). All give the same values and
-          gradients.
+          `jax.checkpoint_policies` policy, `"nested"` (two-level scan whose
+          saved carries grow like `sqrt(L)`), or an [`eqxscan.ScanCheckpoint`][]
+          (a policy plus what to do with each layer's carry and inputs, and
+          nesting of any shape). All give the same values and gradients.
         - `unroll`: passed to `jax.lax.scan`.
 
         `mode`, `checkpoint` and `unroll` make the module's

@@ -706,3 +706,22 @@ def test_checkpoint_policy_errors(getkey):
         eqxscan.ScanCheckpoint(policy="nested")
     with pytest.raises((TypeError, ValueError), match="checkpoint"):
         make_stack(getkey, checkpoint="everything")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_scan_checkpoint_over_time(mode, getkey):
+    cell = MemoryCell(elman(getkey()))
+    h0, xs = jr.normal(getkey(), (HID,)), jr.normal(getkey(), (6, IN))
+    memory = jr.normal(getkey(), (HID, HID))
+
+    def run(checkpoint, reverse):
+        rnn = eqxscan.Recurrent(cell, mode=mode, checkpoint=checkpoint, reverse=reverse)
+        return value_and_grads(lambda h, m: rnn(h, xs, m, scale=0.5), h0, memory)
+
+    for reverse in (False, True):
+        want = run(False, reverse)
+        for policy in (
+            eqxscan.ScanCheckpoint(nested=(2, 3), save_carries="offload"),
+            eqxscan.ScanCheckpoint(nested=4, save_inputs=True),
+        ):
+            assert tree_allclose(run(policy, reverse), want, rtol=1e-4), policy
