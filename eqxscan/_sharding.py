@@ -276,7 +276,7 @@ def opt_state_shardings(
     - `model`: the model whose parameters the state was built for.
     - `mesh`, `fsdp_axis`, `min_size`: as for `model_shardings`.
     - `param_shardings`: the parameters' shardings, if not those of
-      `model_shardings` (e.g. from [`eqxscan.sharding.logical_shardings`][]).
+      `model_shardings` (e.g. from `eqxscan.sharding.logical_shardings`).
 
     **Returns:**
 
