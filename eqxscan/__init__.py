@@ -26,6 +26,7 @@ from ._recurrent import (
     ElmanCell as ElmanCell,
     Recurrent as Recurrent,
 )
+from ._remat import ScanCheckpoint as ScanCheckpoint
 from ._serialise import load as load, load_state_dict as load_state_dict, save as save
 from ._stacked import per_layer as per_layer, PerLayer as PerLayer, Stacked as Stacked
 from ._state_dict import (

@@ -3,10 +3,12 @@ layers are scanned; the remaining layers are called directly. The grouping is
 chosen by `eqxscan._plan`."""
 
 import dataclasses
-from collections.abc import Sequence
-from typing import Any, NamedTuple, Unpack
+import operator
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple, overload, SupportsIndex, Unpack
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
@@ -18,14 +20,18 @@ from ._options import ScanArgs, Scanning, ScanOptions
 from ._plan import Plan, plan, stack_classes
 from ._stacked import (
     carry_only,
+    check_method,
     check_per_layer,
+    invoke,
     layer_pair,
     LayerCall,
+    Method,
     PerLayer,
     ReadOut,
     restack,
     scan_layers,
     Stacked,
+    takes_key_target,
 )
 from ._stateful import find_state, get_arg, replace_arg, state_pair
 
@@ -146,22 +152,30 @@ def _call_group(group: Any, span: Span, x: Any, call: LayerCall) -> tuple[Any, A
     read_out = call.read_out
     if span.period == 0:
         if group_keys is not None:
-            check_takes_key(group, "Chain", "layer i gets key=keys[i]")
+            target = takes_key_target(group, call.method)
+            check_takes_key(target, "Chain", "layer i gets key=keys[i]")
             kwargs["key"] = group_keys
-        x, y = read_out(group(x, *args, **kwargs), _group_name(group, span))
+        out = invoke(group, call.method)(x, *args, **kwargs)
+        x, y = read_out(out, _group_name(group, span))
         return x, jtu.tree_map(lambda a: a[None] if eqx.is_array(a) else a, y)
     if span.period > 1:
-        unit = dataclasses.replace(group.layers, read_out=read_out)
+        unit = dataclasses.replace(
+            group.layers, read_out=read_out, reverse=call.reverse, method=call.method
+        )
         group = restack(group, layers=unit)
-        # Each unit returns what its layers' outputs were read as.
-        x, ys = scan_layers(group, x, LayerCall(args, kwargs, group_keys, read_out))
+        # Each unit returns what its layers' outputs were read as, runs its own
+        # layers in the chain's direction and applies the method to them.
+        unit_call = LayerCall(args, kwargs, group_keys, read_out, call.reverse)
+        x, ys = scan_layers(group, x, unit_call)
         if ys is not None:
             ys = jtu.tree_map(
                 lambda a: a.reshape(span.size, *a.shape[2:]) if eqx.is_array(a) else a,
                 ys,
             )
         return x, ys
-    return scan_layers(group, x, LayerCall(args, kwargs, group_keys, read_out))
+    return scan_layers(
+        group, x, call._replace(args=args, kwargs=kwargs, keys=group_keys)
+    )
 
 
 def _bodies(layout: tuple[Span, ...], groups: tuple[Any, ...]) -> int:
@@ -214,7 +228,8 @@ def run_groups(
     pieces = []
     changed = ""  # how the last lone layer that changed the carry changed it
     state_at = find_state(call.args, call.kwargs)
-    for group, span in zip(groups, layout):
+    order = list(zip(groups, layout))
+    for group, span in reversed(order) if call.reverse else order:
         where = f"{owner} {_group_name(group, span)}{changed}"
         try:
             new_x, ys = noted(_call_group, where, group, span, x, call)
@@ -244,7 +259,22 @@ def run_groups(
         pieces.append((group, span, ys))
     if state_at is not None:
         return (x, get_arg(call.args, call.kwargs, state_at)), None
+    if call.reverse:
+        pieces.reverse()  # ys in layer order, whatever the direction
     return x, (None if call.read_out is carry_only else _join(pieces))
+
+
+def _kinds(groups: tuple[Any, ...], layout: tuple[Span, ...]) -> list[Any]:
+    """One layer (or stacked layers) of each kind in the groups."""
+    kinds = []
+    for group, span in zip(groups, layout):
+        if span.period == 0:
+            kinds.append(group)
+        elif span.period == 1:
+            kinds.append(group.layers)
+        else:
+            kinds.extend(_kinds(group.layers.groups, group.layers.layout))
+    return kinds
 
 
 class Period(eqx.Module):
@@ -261,6 +291,8 @@ class Period(eqx.Module):
     layout: tuple[Span, ...] = eqx.field(static=True)
     num_layers: int = eqx.field(static=True)
     read_out: ReadOut = eqx.field(static=True, default=carry_only)
+    reverse: bool = eqx.field(static=True, default=False)
+    method: Method | None = eqx.field(static=True, default=None)
 
     def class_names(self) -> list[str]:
         """The class name of each of the `K` layers (also right for a stacked
@@ -278,7 +310,7 @@ class Period(eqx.Module):
     def __call__(
         self, x: PyTree, *args: Any, key: Array | None = None, **kwargs: Any
     ) -> PyTree:
-        call = LayerCall(args, kwargs, key, self.read_out)
+        call = LayerCall(args, kwargs, key, self.read_out, self.reverse, self.method)
         x, ys = run_groups(self.groups, self.layout, x, call, "Unit")
         return x if self.read_out is carry_only else (x, ys)
 
@@ -369,6 +401,58 @@ class Chain(Scanning):
     def __len__(self) -> int:
         return self.num_layers
 
+    def __iter__(self) -> Iterator[Any]:
+        """The layers in order, as `eqx.nn.Sequential` iterates."""
+        return iter(self.unstack())
+
+    @overload
+    def __getitem__(self, index: slice) -> "Chain": ...
+
+    @overload
+    def __getitem__(self, index: SupportsIndex) -> Any: ...
+
+    def __getitem__(self, index: SupportsIndex | slice) -> Any:
+        """`chain[i]` is layer `i` of the list the chain was built from (negative
+        allowed), whatever group holds it; `chain[i:j]` (any slice) is a `Chain`
+        of those layers with the same options, grouped afresh (its scanned
+        groups are new stacks, and `layer_sharding` is not carried over)."""
+        if isinstance(index, slice):
+            layers = self.unstack()[index]
+            if not layers:
+                raise ValueError(
+                    f"Slice {index} selects no layers of a Chain with "
+                    f"{self.num_layers} layers; a Chain needs at least one."
+                )
+            return Chain(layers, periodic=self.periodic, **self.options.as_args())
+        if isinstance(index, jax.core.Tracer):
+            raise TypeError(
+                "Chain got a traced index (e.g. a jit argument); indices must be "
+                "concrete ints: mark it static, or index `chain.unstack()`."
+            )
+        try:
+            i = operator.index(index)
+        except TypeError:
+            raise TypeError(
+                f"Chain indices must be ints or slices, got {type(index).__name__}."
+            ) from None
+        if not -self.num_layers <= i < self.num_layers:
+            raise IndexError(
+                f"Layer index {i} is out of range for a Chain with "
+                f"{self.num_layers} layers."
+            )
+        i %= self.num_layers
+        for group, span in zip(self.groups, self.layout):
+            offset = i - span.start
+            if not 0 <= offset < span.size:
+                continue
+            if span.period == 0:
+                return group
+            if span.period == 1:
+                return group[offset]
+            unit = group[offset // span.period]
+            return unit.unstack()[offset % span.period]
+        raise AssertionError("unreachable: the layout covers every layer")
+
     def unstack(self) -> list[Any]:
         """The layers as the list the chain was built from."""
         return _unstack(self.groups, self.layout)
@@ -395,7 +479,13 @@ class Chain(Scanning):
         return eqx.tree_at(lambda c: (c.groups, c.options), self, (groups, options))
 
     def __call__(
-        self, x: PyTree, *args: Any, key: PRNGKeyArray | None = None, **kwargs: Any
+        self,
+        x: PyTree,
+        *args: Any,
+        key: PRNGKeyArray | None = None,
+        method: Method | None = None,
+        reverse: bool = False,
+        **kwargs: Any,
     ) -> PyTree:
         """Fold `x` through the layers: `x = layer_i(x, *args, **kwargs)`.
 
@@ -409,6 +499,12 @@ class Chain(Scanning):
           leading axis of length `len(chain)` and layer `i` receives slice `i`.
         - `key`: if given, split with `jax.random.split(key, len(chain))` and
           layer `i` is called with `key=keys[i]`, whatever the grouping.
+        - `method`: run this instead of each layer's `__call__`, as for
+          [`eqxscan.Stacked.__call__`][]: a function `fn(layer, x, ...)` or a
+          method name every layer has.
+        - `reverse`: run the last layer first and layer `0` last; scanned groups
+          read their weights backwards (no copy), and layer `i` keeps `keys[i]`
+          and its `per_layer` slice.
 
         **Returns:**
 
@@ -419,10 +515,17 @@ class Chain(Scanning):
         An error raised by a layer carries a note naming the layer and, when an
         earlier layer changed the carry, the leaf path and both shapes/dtypes.
         """
-        return self._fold(x, LayerCall(args, kwargs, None, carry_only), key)[0]
+        call = LayerCall(args, kwargs, None, carry_only, reverse, method)
+        return self._fold(x, call, key)[0]
 
     def scan(
-        self, x: PyTree, *args: Any, key: PRNGKeyArray | None = None, **kwargs: Any
+        self,
+        x: PyTree,
+        *args: Any,
+        key: PRNGKeyArray | None = None,
+        method: Method | None = None,
+        reverse: bool = False,
+        **kwargs: Any,
     ) -> tuple[PyTree, PyTree]:
         """Like `__call__`, but each layer returns `(new_x, y_i)`.
 
@@ -430,9 +533,11 @@ class Chain(Scanning):
 
         `(final carry, ys)` with the `y_i` of all `len(chain)` layers stacked
         leaf by leaf on axis 0 (`None` if layers return `(x, None)`); every
-        layer's `y_i` must have the same structure, shapes and dtypes.
+        layer's `y_i` must have the same structure, shapes and dtypes. `ys[i]`
+        is layer `i`'s, also with `reverse=True`.
         """
-        return self._fold(x, LayerCall(args, kwargs, None, chain_pair), key)
+        call = LayerCall(args, kwargs, None, chain_pair, reverse, method)
+        return self._fold(x, call, key)
 
     def _fold(
         self, x: PyTree, call: LayerCall, key: PRNGKeyArray | None
@@ -443,6 +548,11 @@ class Chain(Scanning):
                 "Chain.scan does not take an eqx.nn.State; call the chain instead: "
                 "`x, state = chain(x, state)`."
             )
+        if isinstance(call.method, str):
+            for layer in _kinds(self.groups, self.layout):
+                check_method(call.method, layer)
+        else:
+            check_method(call.method, None)
         keys = None if key is None else jr.split(key, self.num_layers)
         call = call._replace(keys=keys)
         return run_groups(self.groups, self.layout, x, call, "Chain")

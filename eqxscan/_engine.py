@@ -18,6 +18,7 @@ from jaxtyping import PyTree
 from ._auto import resolve
 from ._checks import check_carry, noted
 from ._options import Checkpoint, ScanOptions
+from ._remat import CARRY, name_tree, nested_scan, ScanCheckpoint
 from ._stateful import clone
 
 
@@ -53,6 +54,25 @@ def remat(fn: Step, checkpoint: Checkpoint, *, in_scan: bool) -> Step:
     policy = OFFLOAD_POLICY if checkpoint == "offload" else checkpoint
     policy = AUTO_POLICY if isinstance(policy, str) else policy
     return jax.checkpoint(fn, policy=policy, prevent_cse=prevent_cse)
+
+
+def _policy(checkpoint: ScanCheckpoint) -> Callable:
+    """The one step policy of a `ScanCheckpoint`: its `policy` for the step's
+    internals, its `save_*` options for the named carry and inputs."""
+    base = {
+        True: jax.checkpoint_policies.nothing_saveable,
+        False: jax.checkpoint_policies.everything_saveable,
+    }
+    inner = checkpoint.policy
+    if inner is True or inner is False:
+        return checkpoint.step_policy(base[inner])
+    return checkpoint.step_policy(AUTO_POLICY if isinstance(inner, str) else inner)
+
+
+def _named_carry(body: Step) -> Step:
+    # The carry a step receives, named so that `ScanCheckpoint` can keep,
+    # recompute or offload it.
+    return lambda c, x: body(name_tree(c, CARRY), x)
 
 
 def _unstack(xs: PyTree, length: int) -> list[PyTree]:
@@ -124,7 +144,20 @@ def run(
     checkpoint, unroll = resolve(
         body, c_dyn, xs, length, checkpoint, unroll, AUTO_POLICY, where(None)
     )
-    if checkpoint == "nested":
+    if isinstance(checkpoint, ScanCheckpoint):
+        levels = checkpoint.levels(length) or ()
+        c_dyn, ys = nested_scan(
+            _named_carry(body),
+            c_dyn,
+            xs,
+            length,
+            levels,
+            unroll,
+            _policy(checkpoint),
+            checkpoint.boundary_policy(),
+            reverse,
+        )
+    elif checkpoint == "nested":
         c_dyn, ys = _nested_scan(body, c_dyn, xs, length, unroll, reverse)
     else:
         c_dyn, ys = jax.lax.scan(
@@ -151,6 +184,8 @@ def _run_loop(
     # The reference path. "auto" and "nested" are scan-specific optimisations, so
     # the loop saves everything unless remat was asked for explicitly.
     explicit = checkpoint if (checkpoint is True or callable(checkpoint)) else False
+    if isinstance(checkpoint, ScanCheckpoint):
+        explicit = _policy(checkpoint)
 
     def step_fn(c: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
         if explicit is False:
@@ -168,6 +203,8 @@ def _run_loop(
             statics.append((new_static, y_static))
             return new_dyn, y_dyn
 
+        if isinstance(checkpoint, ScanCheckpoint):
+            arrays_only = _named_carry(arrays_only)
         new_dyn, y_dyn = remat(arrays_only, explicit, in_scan=False)(c_dyn, x)
         return eqx.combine(new_dyn, statics[0][0]), eqx.combine(y_dyn, statics[0][1])
 

@@ -11,6 +11,7 @@ from typing import Literal, TypeAlias, TypedDict, TypeVar
 import equinox as eqx
 
 from ._checks import check_option, check_unroll
+from ._remat import ScanCheckpoint
 
 
 Mode: TypeAlias = Literal["scan", "loop"]
@@ -18,10 +19,12 @@ Mode: TypeAlias = Literal["scan", "loop"]
 same weights (the reference and debugging path)."""
 
 Checkpoint: TypeAlias = (
-    bool | Literal["auto", "nested", "offload"] | Callable[..., bool]
+    bool | Literal["auto", "nested", "offload"] | Callable[..., bool] | ScanCheckpoint
 )
 """Rematerialisation of each scan step: `False`, `True`, `"auto"`, `"nested"`,
-`"offload"` or a `jax.checkpoint_policies` policy. See the remat guide."""
+`"offload"`, a `jax.checkpoint_policies` policy, or a [`eqxscan.ScanCheckpoint`][]
+(a policy plus what to do with each step's carry and inputs, and the nesting).
+See the remat guide."""
 
 
 class ScanArgs(TypedDict, total=False):
@@ -43,14 +46,15 @@ def check_checkpoint(checkpoint: object) -> None:
 
     The one place that says which checkpoint values exist.
     """
-    if isinstance(checkpoint, bool) or callable(checkpoint):
+    if isinstance(checkpoint, (bool, ScanCheckpoint)) or callable(checkpoint):
         return
     if isinstance(checkpoint, str):
         check_option("checkpoint", checkpoint, (False, True) + CHECKPOINT_STRINGS)
         return
     raise TypeError(
-        "checkpoint must be False, True, 'auto', 'nested', 'offload' or a "
-        f"jax.checkpoint_policies policy, got {type(checkpoint).__name__}."
+        "checkpoint must be False, True, 'auto', 'nested', 'offload', a "
+        "jax.checkpoint_policies policy or an eqxscan.ScanCheckpoint, got "
+        f"{type(checkpoint).__name__}."
     )
 
 

@@ -15,7 +15,6 @@ from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, PyTree
 from ._checks import (
     check_callable,
     check_carry,
-    check_leading_axis,
     check_option,
     check_size,
     check_takes_key,
@@ -23,6 +22,7 @@ from ._checks import (
 )
 from ._engine import run
 from ._options import ScanArgs, Scanning, ScanOptions
+from ._remat import name_inputs
 from ._stateful import clone
 
 
@@ -135,28 +135,86 @@ def _check_truncate(truncate: Any) -> int | None:
     return k
 
 
-def _time_length(xs: Any) -> int:
-    leaves = jtu.tree_leaves_with_path(xs)
-    arrays = [(p, a) for p, a in leaves if eqx.is_array(a)]
-    if not arrays:
-        raise ValueError(
-            "xs has no array leaves, so it has no time axis. Pass the inputs with "
-            "time on axis 0, e.g. an array of shape (T, input_size)."
+def _time_major(xs: Any, time_axis: int) -> Any:
+    """`xs` with the time axis of every array leaf moved to axis 0."""
+    if time_axis == 0:
+        return xs
+    return jtu.tree_map(
+        lambda a: jnp.moveaxis(a, time_axis, 0) if eqx.is_array(a) else a, xs
+    )
+
+
+def _time_layout(hs: Any, time_axis: int) -> Any:
+    """`hs` (time on axis 0) with time moved to `time_axis`, as in `xs`."""
+    if time_axis == 0:
+        return hs
+
+    def one(path: tuple, a: Any) -> Any:
+        if not eqx.is_array(a):
+            return a
+        if not -a.ndim <= time_axis < a.ndim:
+            raise ValueError(
+                f"hs{jtu.keystr(path)} (the carry stacked over time) has shape "
+                f"{tuple(a.shape[1:])} per step, so it has no axis time_axis="
+                f"{time_axis} to put time on. Give every carry leaf that axis, or "
+                "run per example with `jax.vmap(rnn)`."
+            )
+        return jnp.moveaxis(a, 0, time_axis)
+
+    return jtu.tree_map_with_path(one, hs)
+
+
+def _check_time_axis(time_axis: Any) -> int:
+    if isinstance(time_axis, bool) or not isinstance(time_axis, int):
+        raise TypeError(
+            f"time_axis must be an int, got {type(time_axis).__name__} ({time_axis!r})."
         )
+    return time_axis
+
+
+def _time_length(xs: Any, length: int | None, time_axis: int) -> int:
+    """The number of steps: the length of the time axis of `xs`, or `length`."""
+    if length is not None and (
+        isinstance(length, bool) or not isinstance(length, int) or length < 0
+    ):
+        raise ValueError(f"length must be a non-negative int or None, got {length!r}.")
+    arrays = [(p, a) for p, a in jtu.tree_leaves_with_path(xs) if eqx.is_array(a)]
+    if not arrays:
+        if length is None:
+            raise ValueError(
+                "xs has no array leaves, so it has no time axis. Pass the inputs "
+                "with time on axis 0 (e.g. an array of shape (T, input_size)), or "
+                "`length=T` to run T steps without inputs."
+            )
+        return length
+    where = "axis 0" if time_axis == 0 else f"axis time_axis={time_axis}"
     path, first = arrays[0]
     if first.ndim == 0:
         raise ValueError(
             f"xs{jtu.keystr(path)} is a scalar, but every array in xs needs a "
-            "leading time axis (shape (T, ...))."
+            f"time axis ({where})."
         )
-    length = first.shape[0]
-    if length == 0:
+    found = None
+    for p, a in arrays:
+        if not -a.ndim <= time_axis < a.ndim:
+            raise ValueError(
+                f"xs{jtu.keystr(p)} has shape {tuple(a.shape)}, which has no axis "
+                f"time_axis={time_axis}; every array in xs needs its time axis there."
+            )
+        if found is None:
+            found = a.shape[time_axis]
+        elif a.shape[time_axis] != found:
+            raise ValueError(
+                f"xs{jtu.keystr(p)} has shape {tuple(a.shape)}, but its {where} must "
+                f"be the time axis of length {found} (set by xs{jtu.keystr(path)})."
+            )
+    assert found is not None
+    if length is not None and length != found:
         raise ValueError(
-            f"xs{jtu.keystr(path)} has shape {tuple(first.shape)}: a time axis of "
-            "length 0. A sequence needs at least one step; pad and mask empty ones."
+            f"length={length} was given, but xs{jtu.keystr(path)} has {found} steps "
+            f"on {where}; pass one or the other, or make them agree."
         )
-    check_leading_axis(xs, length, "xs", f"time axis (set by xs{jtu.keystr(path)})")
-    return length
+    return found
 
 
 def _check_mask(mask: Any, length: int) -> Array:
@@ -279,11 +337,15 @@ class Recurrent(Scanning):
     def __call__(
         self,
         h0: PyTree,
-        xs: PyTree,
-        *,
+        xs: PyTree = None,
+        *args: Any,
         mask: ArrayLike | None = None,
         truncate: int | None = None,
         key: PRNGKeyArray | None = None,
+        length: int | None = None,
+        time_axis: int = 0,
+        broadcast_key: bool = False,
+        **kwargs: Any,
     ) -> tuple[PyTree, PyTree]:
         """Run the cell over the `T` steps of `xs`.
 
@@ -291,8 +353,13 @@ class Recurrent(Scanning):
 
         - `h0`: the initial carry, any pytree of arrays. The cell must return a
           carry of the same structure, shapes and dtypes.
-        - `xs`: the inputs, a pytree whose array leaves all have time on axis 0
-          (length `T`); step `t` passes slice `t` to the cell.
+        - `xs`: the inputs, a pytree whose array leaves all have time on axis
+          `time_axis` (length `T`); step `t` passes slice `t` to the cell. `None`
+          (with `length=T`) runs the cell `T` times with input `None`, e.g. to
+          generate from a carry.
+        - `*args`, `**kwargs`: passed unchanged to the cell at every step,
+          `cell(x_t, h, *args, **kwargs)`: constants such as an attention memory
+          or a conditioning vector. Gradients flow to them, summed over steps.
         - `mask`: optional `bool[T]`. Where `mask[t]` is False the cell's result
           is discarded and the carry passes through unchanged, so padding a
           sequence at either end does not change its final state.
@@ -302,22 +369,42 @@ class Recurrent(Scanning):
           not be a multiple of `k`.
         - `key`: optional PRNG key, split into `T` keys; step `t` calls the cell
           with `key=keys[t]`. Without it the cell is called without `key`.
+        - `length`: the number of steps `T`. Needed when `xs` has no arrays;
+          otherwise it must agree with `xs`. `T = 0` is allowed: the result is
+          `h0` and an empty `hs`.
+        - `time_axis`: the axis of every `xs` leaf that is time (e.g. `1` for
+          batch-major `[B, T, ...]` inputs and a cell that takes a batch); `hs`
+          gets time on the same axis.
+        - `broadcast_key`: if True, every step gets `key` itself rather than its
+          own split, e.g. for recurrent (variational) dropout that drops the same
+          units at every step.
 
         **Returns:**
 
-        `(h_T, hs)`: the final carry, and every step's carry stacked on axis 0
-        and aligned with `xs`, so `hs[t]` is the carry right after consuming
-        `xs[t]` (also with `reverse=True`, where `h_T` equals `hs[0]`).
+        `(h_T, hs)`: the final carry, and every step's carry stacked on
+        `time_axis` and aligned with `xs`, so `hs[t]` (for `time_axis=0`) is the
+        carry right after consuming `xs[t]` (also with `reverse=True`, where
+        `h_T` equals `hs[0]`).
         """
         k = _check_truncate(truncate)
+        check_option("broadcast_key", broadcast_key, (False, True))
+        time_axis = _check_time_axis(time_axis)
+        length = _time_length(xs, length, time_axis)
+        xs = _time_major(xs, time_axis)
         xs_dyn, xs_static = eqx.partition(xs, eqx.is_array)
-        length = _time_length(xs)
         _check_known_cell(self.cell, h0, xs)
         if mask is not None:
             mask = _check_mask(mask, length)
-        keys = None if key is None else jr.split(key, length)
-        if keys is not None:
-            check_takes_key(self.cell, "Recurrent", "step t gets key=keys[t]")
+        keys = None
+        if key is not None:
+            per = (
+                "every step gets the same key"
+                if broadcast_key
+                else ("step t gets key=keys[t]")
+            )
+            check_takes_key(self.cell, "Recurrent", per)
+            if not broadcast_key:
+                keys = jr.split(key, length)
         # Position of each step in consumption order, for the truncation blocks.
         order = None
         if k is not None:
@@ -331,13 +418,18 @@ class Recurrent(Scanning):
 
         def step(h: Any, inputs: tuple) -> tuple[Any, Any]:
             x_dyn, m, n, step_key = inputs
+            if broadcast_key:
+                step_key = key
             if n is not None:
                 # Entering a new block: let values through, not gradients.
                 cut = (n > 0) & (n % k == 0)
                 h = _where(cut, jtu.tree_map(_stop_gradient, h), h)
-            x = eqx.combine(x_dyn, xs_static)
+            x = eqx.combine(name_inputs(x_dyn, self.checkpoint), xs_static)
             old = clone(h)  # the cell may invalidate `h` (an `eqx.nn.State`)
-            new = cell(x, h) if step_key is None else cell(x, h, key=step_key)
+            if step_key is None:
+                new = cell(x, h, *args, **kwargs)
+            else:
+                new = cell(x, h, *args, **kwargs, key=step_key)
             if m is not None:
                 # Check before `jnp.where` can broadcast a wrong shape into the
                 # carry (without a mask the engine checks, naming the step).
@@ -348,15 +440,37 @@ class Recurrent(Scanning):
         def where(i: int | None) -> str:
             return where_all if i is None else f"The cell {name} at time step {i}"
 
-        return run(
-            step,
-            h0,
-            (xs_dyn, mask, order, keys),
-            length=length,
-            options=self.options,
-            reverse=self.reverse,
-            where=where,
-        )
+        inputs = (xs_dyn, mask, order, keys)
+        if length == 0:
+            h_T, hs = h0, _no_steps(step, h0, inputs, where_all)
+        else:
+            h_T, hs = run(
+                step,
+                h0,
+                inputs,
+                length=length,
+                options=self.options,
+                reverse=self.reverse,
+                where=where,
+            )
+        return h_T, _time_layout(hs, time_axis)
+
+
+def _no_steps(step: Callable, h0: Any, inputs: Any, where: str) -> Any:
+    """The `hs` of a run of length 0: the carry's leaves with a leading axis of 0.
+
+    The step is still traced (not run) on one step's shapes, so a cell that
+    cannot take its inputs fails as it would on a longer sequence."""
+    one = jtu.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), inputs)
+
+    def traced(h: Any, x: Any) -> None:
+        new, _ = step(h, x)
+        check_carry(h, new, where)
+
+    eqx.filter_eval_shape(traced, h0, one)
+    h_dyn, h_static = eqx.partition(h0, eqx.is_array)
+    empty = jtu.tree_map(lambda a: jnp.zeros((0, *a.shape), a.dtype), h_dyn)
+    return eqx.combine(empty, h_static)
 
 
 def _as_recurrent(rnn: object, reverse: bool, what: str) -> Recurrent:
@@ -423,17 +537,22 @@ class Bidirectional(eqx.Module):
     def __call__(
         self,
         h0: PyTree,
-        xs: PyTree,
-        *,
+        xs: PyTree = None,
+        *args: Any,
         mask: ArrayLike | None = None,
         truncate: int | None = None,
         key: PRNGKeyArray | None = None,
+        length: int | None = None,
+        time_axis: int = 0,
+        broadcast_key: bool = False,
+        **kwargs: Any,
     ) -> tuple[tuple[PyTree, PyTree], tuple[PyTree, PyTree]]:
         """**Arguments:**
 
         - `h0`: `(h0_forward, h0_backward)`.
-        - `xs`, `mask`, `truncate`: as for [`eqxscan.Recurrent`][], applied to
-          both directions.
+        - `xs`, `*args`, `**kwargs`, `mask`, `truncate`, `length`, `time_axis`,
+          `broadcast_key`: as for [`eqxscan.Recurrent`][], applied to both
+          directions.
         - `key`: optional; split in two, one per direction.
 
         **Returns:**
@@ -451,6 +570,13 @@ class Bidirectional(eqx.Module):
                 f"Bidirectional expects h0 = (h0_forward, h0_backward), got {got}."
             )
         kf, kb = (None, None) if key is None else jr.split(key)
-        hf, hs_f = self.forward(h0[0], xs, mask=mask, truncate=truncate, key=kf)
-        hb, hs_b = self.backward(h0[1], xs, mask=mask, truncate=truncate, key=kb)
+        options = dict(
+            mask=mask,
+            truncate=truncate,
+            length=length,
+            time_axis=time_axis,
+            broadcast_key=broadcast_key,
+        )
+        hf, hs_f = self.forward(h0[0], xs, *args, key=kf, **options, **kwargs)
+        hb, hs_b = self.backward(h0[1], xs, *args, key=kb, **options, **kwargs)
         return (hf, hb), (hs_f, hs_b)

@@ -266,6 +266,7 @@ def opt_state_shardings(
     *,
     fsdp_axis: str | None = "fsdp",
     min_size: int = MIN_SIZE,
+    param_shardings: Any = None,
 ) -> Any:
     """Shardings for an optimizer state (e.g. optax's) that shard each per-parameter
     buffer like its parameter.
@@ -284,6 +285,8 @@ def opt_state_shardings(
     - `opt_state`: the optimizer state, any pytree.
     - `model`: the model whose parameters the state was built for.
     - `mesh`, `fsdp_axis`, `min_size`: as for `model_shardings`.
+    - `param_shardings`: the parameters' shardings, if not those of
+      `model_shardings` (e.g. from `eqxscan.sharding.logical_shardings`).
 
     **Returns:**
 
@@ -295,10 +298,11 @@ def opt_state_shardings(
         _check_axis(mesh, fsdp_axis, "fsdp_axis")
     params = eqx.filter(model, is_arraylike)
     target = _param_structure(params)
-    param_shardings = jtu.tree_leaves(
-        model_shardings(params, mesh, fsdp_axis=fsdp_axis, min_size=min_size),
-        is_leaf=_is_placeholder,
-    )
+    if param_shardings is None:
+        param_shardings = model_shardings(
+            params, mesh, fsdp_axis=fsdp_axis, min_size=min_size
+        )
+    param_shardings = jtu.tree_leaves(param_shardings, is_leaf=_is_placeholder)
     param_info = jtu.tree_leaves(
         _map_params(lambda x, n, p: _Info(x, n), params), is_leaf=_is_placeholder
     )

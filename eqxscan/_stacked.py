@@ -14,6 +14,7 @@ from typing import (
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
 from jax.sharding import Sharding
@@ -26,10 +27,12 @@ from ._checks import (
     check_size,
     check_takes_key,
     describe,
+    noted,
 )
 from ._constrain import check_layer_sharding, constrain
 from ._engine import run
 from ._options import ScanArgs, Scanning, ScanOptions
+from ._remat import name_inputs
 from ._stateful import find_state, get_arg, layer_state, replace_arg, state_pair
 
 
@@ -133,16 +136,57 @@ def layer_pair(out: object, who: str, caller: str) -> tuple[PyTree, PyTree]:
     return out
 
 
+Method = Callable[..., Any] | str
+"""What to run of each layer instead of `__call__`: a function
+`fn(layer, x, *args, **kwargs)` (e.g. an unbound method, `Block.decode`) or the
+name of a method (`"decode"`)."""
+
+
 class LayerCall(NamedTuple):
     """What every layer of a run is called with: `args` and `kwargs` (values
     wrapped in [`eqxscan.per_layer`][] are sliced per layer), per-layer `keys`
-    (already split, leading axis the layers; or `None`), and how each output is
-    read (`read_out`)."""
+    (already split, leading axis the layers; or `None`), how each output is
+    read (`read_out`), whether the layers run last to first (`reverse`), and
+    which of their methods runs (`method`; `None` for `__call__`)."""
 
     args: tuple
     kwargs: dict[str, Any]
     keys: Array | None
     read_out: ReadOut
+    reverse: bool = False
+    method: Method | None = None
+
+
+def check_method(method: object, layer: object) -> None:
+    """Raise unless `method` is `None`, a callable, or the name of a method of
+    `layer` (a layer or stacked layers, whose class is the layers' class)."""
+    if method is None or callable(method):
+        return
+    if not isinstance(method, str):
+        raise TypeError(
+            "method must be a function fn(layer, x, ...) (e.g. an unbound method "
+            f"such as Block.decode), a method name or None, got "
+            f"{type(method).__name__} ({method!r})."
+        )
+    if not callable(getattr(layer, method, None)):
+        raise AttributeError(
+            f"{type(layer).__name__} has no method {method!r} to run on each layer; "
+            "pass the name of one of its methods, or a function fn(layer, x, ...)."
+        )
+
+
+def invoke(layer: Any, method: Method | None) -> Callable[..., Any]:
+    """The callable that runs `method` of `layer` (its `__call__` for `None`)."""
+    if method is None:
+        return layer
+    if isinstance(method, str):
+        return getattr(layer, method)
+    return lambda *args, **kwargs: method(layer, *args, **kwargs)
+
+
+def takes_key_target(layer: Any, method: Method | None) -> Any:
+    """What must accept `key=` when `method` of `layer` is run with one."""
+    return invoke(layer, method) if isinstance(method, str) else (method or layer)
 
 
 def stacked_pair(out: object, who: str) -> tuple[PyTree, PyTree]:
@@ -178,9 +222,9 @@ class Stacked(Scanning, Generic[LayerT]):
 
     def __init__(
         self,
-        make_layer: Callable[[PRNGKeyArray], LayerT] | None = None,
+        make_layer: Callable[..., LayerT] | None = None,
         num_layers: SupportsIndex | None = None,
-        *,
+        *args: Any,
         key: PRNGKeyArray | None = None,
         layers: LayerT | None = None,
         layer_sharding: Sharding | None = None,
@@ -188,10 +232,14 @@ class Stacked(Scanning, Generic[LayerT]):
     ):
         """**Arguments:**
 
-        - `make_layer`: builds one layer from a key. It is run once under
-          `eqx.filter_vmap`, so layer `i` is exactly
-          `make_layer(jax.random.split(key, num_layers)[i])`.
+        - `make_layer`: builds one layer from a key (and `*args`). It is run once
+          under `eqx.filter_vmap`, so layer `i` is exactly
+          `make_layer(jax.random.split(key, num_layers)[i], *args_i)`.
         - `num_layers`: `L >= 1`.
+        - `*args`: more arguments for `make_layer`, after the key. Values wrapped
+          in [`eqxscan.per_layer`][] are sliced (layer `i` gets slice `i`, e.g. of
+          `jnp.arange(L)` or of a per-layer configuration array); others are
+          passed to every layer unchanged.
         - `key`: a JAX PRNG key.
         - `layers`: instead of `make_layer` and `key`, layers that are already
           stacked (every array leaf has leading axis `num_layers`), e.g. from
@@ -206,9 +254,11 @@ class Stacked(Scanning, Generic[LayerT]):
           traced layer's shapes: save everything when that is small, else
           recompute; see [`eqxscan.explain_auto`][]), `False` (save everything),
           `True` (`jax.checkpoint` around each layer), a
-          `jax.checkpoint_policies` policy, or `"nested"` (two-level scan whose
-          saved carries grow like `sqrt(L)`). All give the same values and
-          gradients.
+          `jax.checkpoint_policies` policy, `"nested"` (two-level scan whose
+          saved carries grow like `sqrt(L)`), `"offload"` (the matmul outputs
+          kept in host memory), or an [`eqxscan.ScanCheckpoint`][] (a policy plus
+          what to do with each layer's carry and inputs, and nesting of any
+          shape). All give the same values and gradients.
         - `unroll`: passed to `jax.lax.scan`; `"auto"` (default) is chosen with
           `checkpoint="auto"`'s rule.
 
@@ -222,12 +272,12 @@ class Stacked(Scanning, Generic[LayerT]):
             _check_make_layer(make_layer)
             if key is None:
                 raise TypeError("Stacked needs `key=` to build its layers.")
-            layers = eqx.filter_vmap(make_layer)(jr.split(key, num_layers))
+            layers = _build(make_layer, num_layers, args, key)
             _check_made(layers)
-        elif make_layer is not None or key is not None:
+        elif make_layer is not None or key is not None or args:
             raise TypeError(
-                "Stacked takes either `make_layer` and `key`, or already-stacked "
-                "`layers`, not both."
+                "Stacked takes either `make_layer` and `key` (and arguments for "
+                "`make_layer`), or already-stacked `layers`, not both."
             )
         self.layers = layers
         self.num_layers = num_layers
@@ -368,7 +418,13 @@ class Stacked(Scanning, Generic[LayerT]):
         return restack(self, layers=jtu.tree_unflatten(treedef, new))
 
     def __call__(
-        self, x: PyTree, *args: Any, key: PRNGKeyArray | None = None, **kwargs: Any
+        self,
+        x: PyTree,
+        *args: Any,
+        key: PRNGKeyArray | None = None,
+        method: Method | None = None,
+        reverse: bool = False,
+        **kwargs: Any,
     ) -> PyTree:
         """Fold `x` through the layers: `x = layer_i(x, *args, **kwargs)`.
 
@@ -379,6 +435,12 @@ class Stacked(Scanning, Generic[LayerT]):
         - `*args`, `**kwargs`: passed to every layer (broadcast), except values
           wrapped in [`eqxscan.per_layer`][], which are sliced per layer.
         - `key`: if given, split into `L` keys and layer `i` gets `key=keys[i]`.
+        - `method`: run this instead of `__call__`: a function
+          `fn(layer, x, *args, **kwargs)` such as an unbound method
+          (`Block.decode`), or a method name (`"decode"`).
+        - `reverse`: run layer `L-1` first and layer `0` last. The scan reads the
+          weights backwards (no reversed copy, unlike `stack[::-1]`); layer `i`
+          keeps `keys[i]` and its `per_layer` slice.
 
         Stateful layers (Equinox's `layer(x, state) -> (x, state)`, e.g. with
         `eqx.nn.BatchNorm`) are called as Equinox calls them: pass the
@@ -389,21 +451,81 @@ class Stacked(Scanning, Generic[LayerT]):
 
         The final carry (or `(carry, state)` when called with a state).
         """
+        check_method(method, self.layers)
         keys = None if key is None else jr.split(key, self.num_layers)
-        return scan_layers(self, x, LayerCall(args, kwargs, keys, carry_only))[0]
+        call = LayerCall(args, kwargs, keys, carry_only, reverse, method)
+        return scan_layers(self, x, call)[0]
 
     def scan(
-        self, x: PyTree, *args: Any, key: PRNGKeyArray | None = None, **kwargs: Any
+        self,
+        x: PyTree,
+        *args: Any,
+        key: PRNGKeyArray | None = None,
+        method: Method | None = None,
+        reverse: bool = False,
+        **kwargs: Any,
     ) -> tuple[PyTree, PyTree]:
         """Like `__call__`, but each layer returns `(new_x, y_i)`.
 
         **Returns:**
 
         `(final carry, ys)` with the `y_i` stacked leaf by leaf on axis 0
-        (`None` if layers return `(x, None)`).
+        (`None` if layers return `(x, None)`). `ys[i]` is layer `i`'s, also with
+        `reverse=True`.
         """
+        check_method(method, self.layers)
         keys = None if key is None else jr.split(key, self.num_layers)
-        return scan_layers(self, x, LayerCall(args, kwargs, keys, stacked_pair))
+        call = LayerCall(args, kwargs, keys, stacked_pair, reverse, method)
+        return scan_layers(self, x, call)
+
+    def vmap(
+        self,
+        x: PyTree,
+        *args: Any,
+        key: PRNGKeyArray | None = None,
+        method: Method | None = None,
+        **kwargs: Any,
+    ) -> PyTree:
+        """Apply every layer to the same `x`, in parallel, and stack the outputs:
+        `ys[i] = layer_i(x, *args, **kwargs)` (ensembles, mixture-of-experts).
+
+        **Arguments:**
+
+        - `x`, `*args`, `**kwargs`: given to every layer, except values wrapped
+          in [`eqxscan.per_layer`][], which are sliced per layer.
+        - `key`: if given, split into `L` keys and layer `i` gets `key=keys[i]`.
+        - `method`: as for `__call__`.
+
+        **Returns:**
+
+        The outputs, stacked leaf by leaf on a new leading axis of length `L`.
+        With `mode="scan"` this is one `jax.vmap` over the layer axis; with
+        `mode="loop"` a Python loop (the reference). `checkpoint` and `unroll`
+        do not apply: nothing is scanned.
+        """
+        check_method(method, self.layers)
+        keys = None if key is None else jr.split(key, self.num_layers)
+        return vmap_layers(
+            self, x, LayerCall(args, kwargs, keys, carry_only, False, method)
+        )
+
+
+def _build(make_layer: Callable, num_layers: int, args: tuple, key: Any) -> Any:
+    """`make_layer(keys[i], *args_i)` for every layer, in one `eqx.filter_vmap`:
+    `per_layer` arguments sliced, others broadcast."""
+    per = check_per_layer(args, {}, num_layers)
+    per_dyn, per_static = {}, {}
+    for name, value in per.items():
+        per_dyn[name], per_static[name] = eqx.partition(value.tree, eqx.is_array)
+
+    def one(k: PRNGKeyArray, slices: dict) -> Any:
+        call_args = [
+            eqx.combine(slices[n], per_static[n]) if n in slices else a
+            for n, a in ((_arg_name(i), a) for i, a in enumerate(args))
+        ]
+        return make_layer(k, *call_args)
+
+    return eqx.filter_vmap(one)(jr.split(key, num_layers), per_dyn)
 
 
 def restack(stack: Stacked[LayerT], **changes: object) -> Stacked[LayerT]:
@@ -433,7 +555,7 @@ def scan_layers(stack: Stacked, x: PyTree, call: LayerCall) -> tuple[PyTree, PyT
 
     `(final carry, ys)`, the `y`s stacked on axis 0 (`None` if there are none).
     """
-    args, kwargs, keys, read_out = call
+    args, kwargs, keys, read_out = call.args, call.kwargs, call.keys, call.read_out
     stack.check_layer_axis("call")
     state_at = find_state(args, kwargs)
     if state_at is not None:
@@ -447,7 +569,8 @@ def scan_layers(stack: Stacked, x: PyTree, call: LayerCall) -> tuple[PyTree, PyT
         state = get_arg(args, kwargs, state_at)
         sub = layer_state(state, stack.layers, stack.num_layers, "This Stacked")
         args, kwargs = replace_arg(args, kwargs, state_at, PerLayer(sub))
-        x, new_sub = scan_layers(stack, x, LayerCall(args, kwargs, keys, state_pair))
+        sub_call = call._replace(args=args, kwargs=kwargs, read_out=state_pair)
+        x, new_sub = scan_layers(stack, x, sub_call)
         return (x, state.update(new_sub)), None
     length = stack.num_layers
     layer_dyn, layer_static = eqx.partition(stack.layers, eqx.is_array)
@@ -461,6 +584,9 @@ def scan_layers(stack: Stacked, x: PyTree, call: LayerCall) -> tuple[PyTree, PyT
         dyn, per, k = xs
         if sharding is not None:
             dyn = constrain(dyn, sharding)
+        # Named after the gather, so `ScanCheckpoint(save_inputs=...)` decides
+        # whether the backward pass gathers the layer again.
+        dyn, per = name_inputs((dyn, per), stack.checkpoint)
         layer = eqx.combine(dyn, layer_static)
 
         def pick(name: str, value: object) -> object:
@@ -472,9 +598,10 @@ def scan_layers(stack: Stacked, x: PyTree, call: LayerCall) -> tuple[PyTree, PyT
         call_args = [pick(_arg_name(i), a) for i, a in enumerate(args)]
         call_kwargs = {n: pick(_arg_name(n), v) for n, v in kwargs.items()}
         if k is not None:
-            check_takes_key(layer, "Stacked", "layer i gets key=keys[i]")
+            target = takes_key_target(layer, call.method)
+            check_takes_key(target, "Stacked", "layer i gets key=keys[i]")
             call_kwargs["key"] = k
-        out = layer(carry, *call_args, **call_kwargs)
+        out = invoke(layer, call.method)(carry, *call_args, **call_kwargs)
         return read_out(out, f"the stacked layer {cls_name}")
 
     def where(i: int | None) -> str:
@@ -488,5 +615,43 @@ def scan_layers(stack: Stacked, x: PyTree, call: LayerCall) -> tuple[PyTree, PyT
         (layer_dyn, per_args, keys),
         length=length,
         options=stack.options,
+        reverse=call.reverse,
         where=where,
     )
+
+
+def vmap_layers(stack: Stacked, x: PyTree, call: LayerCall) -> PyTree:
+    """Every layer of `stack` applied to the same `x` as `call` says, outputs
+    stacked on a new leading axis: one `vmap`, or a loop with `mode="loop"`."""
+    length = stack.num_layers
+    layer_dyn, layer_static = eqx.partition(stack.layers, eqx.is_array)
+    per_args, per_statics = {}, {}
+    for name, value in check_per_layer(call.args, call.kwargs, length).items():
+        per_args[name], per_statics[name] = eqx.partition(value.tree, eqx.is_array)
+    cls_name = type(stack.layers).__name__
+
+    def one(dyn: PyTree, per: dict, k: Array | None) -> PyTree:
+        layer = eqx.combine(dyn, layer_static)
+
+        def pick(name: str, value: object) -> object:
+            if name not in per:
+                return value
+            return eqx.combine(per[name], per_statics[name])
+
+        call_args = [pick(_arg_name(i), a) for i, a in enumerate(call.args)]
+        call_kwargs = {n: pick(_arg_name(n), v) for n, v in call.kwargs.items()}
+        if k is not None:
+            target = takes_key_target(layer, call.method)
+            check_takes_key(target, "Stacked.vmap", "layer i gets key=keys[i]")
+            call_kwargs["key"] = k
+        return invoke(layer, call.method)(x, *call_args, **call_kwargs)
+
+    inputs = (layer_dyn, per_args, call.keys)
+    if stack.mode == "loop":
+        outs = []
+        for i in range(length):
+            layer_i = jtu.tree_map(lambda a, i=i: a[i], inputs)
+            outs.append(noted(one, f"Layer {i} ({cls_name})", *layer_i))
+        return jtu.tree_map(lambda *a: jnp.stack(a), *outs)
+    where = f"The stacked layer {cls_name} (one body for all {length} layers)"
+    return noted(eqx.filter_vmap(one), where, *inputs)

@@ -9,6 +9,10 @@ from ._constrain import constrain as constrain
 from ._create import create as create, lower_create as lower_create
 from ._distributed import initialize as initialize, local_rows as local_rows
 from ._orbax import CheckpointManager as CheckpointManager
+from ._partition import (
+    logical_shardings as logical_shardings,
+    logical_spec as logical_spec,
+)
 from ._pipeline import pipeline as pipeline
 from ._sharding import (
     batch_shardings as batch_shardings,

@@ -503,10 +503,8 @@ def test_error_xs_time_axes_differ(getkey):
         rnn(jnp.zeros(HID), xs)
     with pytest.raises(ValueError, match=r"xs\['a'\] is a scalar"):
         rnn(jnp.zeros(HID), {"a": jnp.float32(1)})
-    with pytest.raises(ValueError, match="no array leaves"):
+    with pytest.raises(ValueError, match="no array leaves.*length=T"):
         rnn(jnp.zeros(HID), {"a": None})
-    with pytest.raises(ValueError, match=r"xs has shape \(0, 4\).*length 0"):
-        rnn(jnp.zeros(HID), jnp.ones((0, HID)))
 
 
 def test_error_bad_mask(getkey):

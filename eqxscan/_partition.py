@@ -1,0 +1,256 @@
+"""Tensor parallelism: per-parameter partition specs from logical axis names.
+
+A parameter's axes get logical names (`("embed", "mlp")`), and rules map each name
+to a mesh axis (`{"embed": "fsdp", "mlp": "model"}`), as Flax's
+`with_partitioning` / `logical_to_mesh_axes` and MaxText's logical axis rules do.
+The names describe one layer; the layer axes of enclosing `Stacked`s are added
+(unsharded) here. Like the rest of `eqxscan.sharding`, this only chooses
+`NamedSharding`s: `jit` and XLA insert the collectives.
+"""
+
+import fnmatch
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeAlias
+
+import equinox as eqx
+import jax.tree_util as jtu
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from ._checks import is_arraylike
+from ._sharding import MIN_SIZE, model_shardings
+from ._stacked import Stacked
+
+
+#: The logical names of one layer's axes: a name, or `None` for a replicated axis.
+Names: TypeAlias = tuple[str | None, ...]
+#: Logical name -> mesh axis (or several, or `None` to replicate); a mapping or a
+#: sequence of pairs, as in Flax and MaxText.
+Rules: TypeAlias = Mapping[str, str | Sequence[str] | None] | Sequence[tuple]
+#: Where the names come from: `{glob pattern on the parameter path: names}` (first
+#: match wins) or a function `(path, leaf) -> names | None`.
+Axes: TypeAlias = Mapping[str, Names] | Callable[[str, Any], Names | None]
+
+
+def _rules(rules: Any) -> dict[str, tuple[str, ...]]:
+    pairs = rules.items() if isinstance(rules, Mapping) else rules
+    out: dict[str, tuple[str, ...]] = {}
+    for pair in pairs:
+        if not (isinstance(pair, tuple) and len(pair) == 2):
+            raise TypeError(
+                "rules must map logical names to mesh axes: a dict or a sequence of "
+                f"(name, mesh_axis) pairs, got the entry {pair!r}."
+            )
+        name, axes = pair
+        if axes is None:
+            axes = ()
+        elif isinstance(axes, str):
+            axes = (axes,)
+        out.setdefault(name, tuple(axes))  # the first rule for a name wins
+    return out
+
+
+def logical_spec(
+    names: Sequence[str | None], rules: Rules, mesh: Mesh | None = None
+) -> PartitionSpec:
+    """The `PartitionSpec` for axes with logical `names` under `rules`.
+
+    **Arguments:**
+
+    - `names`: one logical name (or `None`, replicated) per array axis.
+    - `rules`: logical name -> mesh axis name, a tuple of them, or `None`
+      (replicated); a dict or a sequence of `(name, axis)` pairs.
+    - `mesh`: if given, every mesh axis the rules pick must be one of its axes.
+
+    **Returns:**
+
+    A `jax.sharding.PartitionSpec` with one entry per name.
+
+    **Raises:**
+
+    `ValueError` for a name without a rule, a mesh axis the mesh lacks, or a mesh
+    axis used for two array axes.
+
+    !!! example
+
+        ```python
+        from jax.sharding import PartitionSpec as P
+        from eqxscan import sharding
+
+        rules = {"embed": "fsdp", "mlp": "model", "vocab": None}
+        assert sharding.logical_spec(("embed", "mlp"), rules) == P("fsdp", "model")
+        assert sharding.logical_spec(("vocab", None), rules) == P(None, None)
+        ```
+    """
+    table = _rules(rules)
+    entries: list[Any] = []
+    used: dict[str, str] = {}
+    for name in names:
+        if name is None:
+            entries.append(None)
+            continue
+        if name not in table:
+            raise ValueError(
+                f"The logical axis name {name!r} has no rule; the rules name "
+                f"{sorted(table)}. Add a rule for it (mapping it to None "
+                "replicates that axis)."
+            )
+        axes = table[name]
+        for axis in axes:
+            if mesh is not None and axis not in mesh.shape:
+                raise ValueError(
+                    f"The rule for {name!r} picks mesh axis {axis!r}, but the mesh "
+                    f"has axes {tuple(mesh.axis_names)}. Map {name!r} to one of "
+                    "them, or to None."
+                )
+            if axis in used:
+                raise ValueError(
+                    f"Mesh axis {axis!r} would shard two axes of one array (logical "
+                    f"names {used[axis]!r} and {name!r} in {tuple(names)}); an array "
+                    "can use a mesh axis once. Map one of them to None."
+                )
+            used[axis] = name
+        entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*entries)
+
+
+def _lookup(axes: Any, path: str, leaf: Any) -> Names | None:
+    if callable(axes):
+        return axes(path, leaf)
+    for pattern, names in axes.items():
+        if fnmatch.fnmatchcase(path, pattern):
+            return names
+    return None
+
+
+def _walk(fn: Callable, tree: Any, layer_axes: int = 0, prefix: tuple = ()) -> Any:
+    # `fn(leaf, layer_axes, path)` at every leaf, counting enclosing Stackeds.
+    def one(p: tuple, x: Any) -> Any:
+        if isinstance(x, Stacked):
+            path = prefix + p + (jtu.GetAttrKey("layers"),)
+            layers = _walk(fn, x.layers, layer_axes + 1, path)
+            return eqx.tree_at(lambda s: s.layers, x, layers, is_leaf=_is_none)
+        return fn(x, layer_axes, prefix + p)
+
+    return jtu.tree_map_with_path(
+        one, tree, is_leaf=lambda x: isinstance(x, Stacked) or x is None
+    )
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def logical_shardings(
+    model: Any,
+    mesh: Mesh,
+    axes: Axes,
+    rules: Rules,
+    *,
+    fsdp_axis: str | None = None,
+    min_size: int = MIN_SIZE,
+) -> Any:
+    """The `NamedSharding` of every array leaf of `model`, from logical axis names.
+
+    A parameter whose path matches `axes` is sharded by its names under `rules`
+    (tensor parallelism, e.g. `"mlp"` over a `"model"` mesh axis, next to FSDP,
+    e.g. `"embed"` over `"fsdp"`). The names describe one layer: inside a
+    [`eqxscan.Stacked`][] the leading layer axis is added, unsharded, since each
+    scan step reads one layer. Parameters that match nothing get the FSDP rule of
+    [`eqxscan.sharding.model_shardings`][] over `fsdp_axis` (replicated when it
+    is `None`, the default).
+
+    Pass the result to `jax.device_put` / [`eqxscan.sharding.constrain`][], and to
+    [`eqxscan.sharding.opt_state_shardings`][] as `param_shardings` so the
+    optimizer state follows. Do not combine it with
+    [`eqxscan.sharding.gather_layers`][], which would gather the model axis too.
+
+    **Arguments:**
+
+    - `model`: any pytree, usually an `eqx.Module` containing `Stacked`s.
+    - `mesh`: a `jax.sharding.Mesh`, e.g. with axes `("fsdp", "model")`.
+    - `axes`: the logical names of each parameter's axes (of one layer), either
+      `{pattern: names}` with glob patterns on the parameter path without the
+      leading dot (e.g. `"blocks.layers.w1"` or `"*.w1"`; the first match
+      wins), or a function `(path, leaf) -> names or None`.
+    - `rules`: logical name -> mesh axis, as for [`eqxscan.sharding.logical_spec`][].
+    - `fsdp_axis`, `min_size`: the rule for parameters without names.
+
+    **Returns:**
+
+    A pytree with the structure of `model`: a `NamedSharding` at each array leaf,
+    `None` elsewhere.
+
+    **Raises:**
+
+    `ValueError` naming the parameter path and shape when its names do not
+    match its number of axes, or a mesh axis does not divide the axis it shards.
+
+    !!! example
+
+        ```python
+        import jax
+        from jax.sharding import AxisType, PartitionSpec as P
+        import eqxscan
+        from eqxscan import sharding
+
+        mesh = jax.make_mesh((1, 2), ("fsdp", "model"), axis_types=(AxisType.Auto,) * 2)
+        model = eqxscan.StackedMLP(16, 3, key=jax.random.key(0))
+        axes = {"*.w1": ("embed", "mlp"), "*.w2": ("mlp", "embed")}
+        specs = sharding.logical_shardings(
+            model, mesh, axes, {"embed": "fsdp", "mlp": "model"}
+        )
+        assert specs.blocks.layers.w1.spec == P(None, "fsdp", "model")
+        assert specs.blocks.layers.w2.spec == P(None, "model", "fsdp")
+        assert specs.blocks.layers.scale.spec == P()  # no names: replicated
+        ```
+    """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
+    if not (callable(axes) or isinstance(axes, Mapping)):
+        raise TypeError(
+            "axes must be a dict {path pattern: logical names} or a function "
+            f"(path, leaf) -> names, got {type(axes).__name__}."
+        )
+    default = jtu.tree_leaves(
+        model_shardings(model, mesh, fsdp_axis=fsdp_axis, min_size=min_size),
+        is_leaf=lambda x: x is None,
+    )
+    position = iter(range(len(default)))
+
+    def one(leaf: Any, layer_axes: int, path: tuple) -> Any:
+        index = next(position)
+        if not is_arraylike(leaf):
+            return None
+        name = jtu.keystr(path).lstrip(".")
+        names = _lookup(axes, name, leaf)
+        if names is None:
+            return default[index]
+        names = tuple(names)
+        shape = tuple(leaf.shape)
+        if len(names) + layer_axes != len(shape):
+            layers = f" after its {layer_axes} layer axis(es)" if layer_axes else ""
+            raise ValueError(
+                f"`{name}` has shape {shape}, so it needs {len(shape) - layer_axes} "
+                f"logical names{layers}, but got {names}. Name the axes of one "
+                "layer; the layer axis of a Stacked is added for you."
+            )
+        spec = logical_spec(names, rules, mesh)
+        for dim, entry, axis_name in zip(shape[layer_axes:], spec, names):
+            if entry is None:
+                continue
+            size = math.prod(
+                mesh.shape[a] for a in (entry if isinstance(entry, tuple) else (entry,))
+            )
+            if dim % size:
+                raise ValueError(
+                    f"Cannot shard `{name}` with shape {shape}: its axis "
+                    f"{axis_name!r} has size {dim}, which mesh axis {entry!r} of "
+                    f"size {size} does not divide. Change the rule for "
+                    f"{axis_name!r} or the mesh."
+                )
+        return NamedSharding(mesh, PartitionSpec(*([None] * layer_axes), *spec))
+
+    out = _walk(one, model)
+    assert next(position, None) is None  # the same leaves as model_shardings
+    return out
