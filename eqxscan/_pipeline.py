@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._checks import check_size
 from ._constrain import constrain
-from ._sharding import _check_axis, _check_mesh
+from ._sharding import check_axis, check_mesh
 from ._stacked import restack, Stacked
 
 
@@ -66,7 +66,7 @@ def pipeline(
             "model, pass its Stacked (e.g. `model.blocks`)."
         )
     microbatches = check_size("microbatches", microbatches)
-    stages = _check_axis(_check_mesh(mesh), stage_axis, "stage_axis")
+    stages = check_axis(check_mesh(mesh), stage_axis, "stage_axis")
     if stack.num_layers % stages:
         raise ValueError(
             f"Cannot split the {stack.num_layers} layers of a Stacked into "

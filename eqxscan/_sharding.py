@@ -89,7 +89,7 @@ def make_mesh(
     )
 
 
-def _check_axis(mesh: Mesh, axis: str, what: str) -> int:
+def check_axis(mesh: Mesh, axis: str, what: str) -> int:
     if axis not in mesh.shape:
         raise ValueError(
             f"{what} names mesh axis {axis!r}, but the mesh has axes "
@@ -104,7 +104,7 @@ def _check_axis(mesh: Mesh, axis: str, what: str) -> int:
     return mesh.shape[axis]
 
 
-def _check_mesh(mesh: Any) -> Mesh:
+def check_mesh(mesh: Any) -> Mesh:
     if not isinstance(mesh, Mesh):
         raise TypeError(
             f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}; build one "
@@ -211,9 +211,9 @@ def model_shardings(
     leaf of at least `min_size` elements has no axis that divides, or when the
     mesh has no axis `fsdp_axis`.
     """
-    mesh = _check_mesh(mesh)
+    mesh = check_mesh(mesh)
     if fsdp_axis is not None:
-        _check_axis(mesh, fsdp_axis, "fsdp_axis")
+        check_axis(mesh, fsdp_axis, "fsdp_axis")
 
     def one(leaf: Any, layer_axes: int, path: tuple) -> Any:
         if not is_arraylike(leaf):
@@ -293,9 +293,9 @@ def opt_state_shardings(
     A pytree with the structure of `opt_state`: a `NamedSharding` at each array
     leaf, `None` elsewhere.
     """
-    mesh = _check_mesh(mesh)
+    mesh = check_mesh(mesh)
     if fsdp_axis is not None:
-        _check_axis(mesh, fsdp_axis, "fsdp_axis")
+        check_axis(mesh, fsdp_axis, "fsdp_axis")
     params = eqx.filter(model, is_arraylike)
     target = _param_structure(params)
     if param_shardings is None:
@@ -354,7 +354,7 @@ def _batch_axes(mesh: Mesh, batch_axes: Any, fsdp_axis: str | None) -> tuple:
         return axes
     axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
     for a in axes:
-        _check_axis(mesh, a, "batch_axes")
+        check_axis(mesh, a, "batch_axes")
     return axes
 
 
@@ -390,7 +390,7 @@ def batch_shardings(
     `ValueError` naming the leaf path, its batch size and the mesh axes' total
     size when the batch does not divide, or when a mesh axis is missing.
     """
-    mesh = _check_mesh(mesh)
+    mesh = check_mesh(mesh)
     axes = _batch_axes(mesh, batch_axes, fsdp_axis)
     size = math.prod(mesh.shape[a] for a in axes)
     spec = PartitionSpec(axes if len(axes) > 1 else axes[0])
@@ -426,7 +426,7 @@ def gather_layers(model: Any, mesh: Mesh) -> Any:
 
     `model` with the same arrays and `layer_sharding` set on every `Stacked`.
     """
-    mesh = _check_mesh(mesh)
+    mesh = check_mesh(mesh)
     return _set_layer_sharding(model, NamedSharding(mesh, PartitionSpec()))
 
 
@@ -499,7 +499,7 @@ def shard(
     `ValueError` naming the leaf path, its shape and the mesh axis size when an
     axis does not divide, or naming the missing mesh axis.
     """
-    mesh = _check_mesh(mesh)
+    mesh = check_mesh(mesh)
     shardings = model_shardings(model, mesh, fsdp_axis=fsdp_axis, min_size=min_size)
     if opt_state is not None:
         opt_sh = opt_state_shardings(

@@ -198,7 +198,7 @@ def _flax_linen(model: StackedMLP) -> Built:
         }
     }
     x0 = jax.ShapeDtypeStruct((1, dim), dtype)
-    _check_same_layout(
+    check_same_layout(
         "flax-linen", jax.eval_shape(net.init, jax.random.key(0), x0), variables
     )
 
@@ -245,7 +245,7 @@ def _flax_nnx(model: StackedMLP) -> Built:
     state["linear1"]["kernel"] = nnx.Param(w1)
     state["linear2"]["kernel"] = nnx.Param(w2)
     state["scale"] = nnx.Param(scale)
-    _check_same_layout("flax-nnx", abstract, state)
+    check_same_layout("flax-nnx", abstract, state)
 
     def loss(state: Any, x: jax.Array, y: jax.Array) -> jax.Array:
         return mse(nnx.merge(graphdef, state)(x), y)
@@ -260,7 +260,7 @@ def _flax_nnx(model: StackedMLP) -> Built:
     return Built(state, loss, to_mlp)
 
 
-def _check_same_layout(name: str, expected: Any, got: Any) -> None:
+def check_same_layout(name: str, expected: Any, got: Any) -> None:
     # Guards the weight conversion against a library renaming its parameters.
     e = jax.tree_util.tree_flatten_with_path(expected)
     g = jax.tree_util.tree_flatten_with_path(got)

@@ -18,7 +18,7 @@ import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._stacked import Stacked
-from ._impls import _check_same_layout, Built, Impl, LOOP, mse
+from ._impls import Built, check_same_layout, Impl, LOOP, mse
 from ._measure import MismatchError, rel_err, TOLERANCE
 
 
@@ -297,7 +297,7 @@ def _flax_linen(model: Stacked) -> Built:
     net = Stack()
     variables = {"params": {"blocks": _to_flax(canon, heads)}}
     x0 = jax.ShapeDtypeStruct((1, 2, dim), dtype)
-    _check_same_layout(
+    check_same_layout(
         "flax-linen", jax.eval_shape(net.init, jax.random.key(0), x0), variables
     )
 
@@ -344,7 +344,7 @@ def _flax_nnx(model: Stacked) -> Built:
         for k in keys[:-1]:
             node = node[k]
         node[keys[-1]] = nnx.Param(value)
-    _check_same_layout("flax-nnx", abstract, state)
+    check_same_layout("flax-nnx", abstract, state)
 
     def loss(state: Any, x: jax.Array, y: jax.Array) -> jax.Array:
         return mse(nnx.merge(graphdef, state)(x), y)
