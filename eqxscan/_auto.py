@@ -26,6 +26,8 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
+from ._options import Checkpoint
+
 
 #: Residuals (bytes per step × length) a plain scan may save while "auto" still
 #: saves everything: small in absolute terms, well below any accelerator's memory.
@@ -73,7 +75,7 @@ class AutoChoice:
     - `where`: which scan (the layer type or cell, as in error messages).
     """
 
-    checkpoint: bool | str | Callable
+    checkpoint: Checkpoint
     unroll: int | bool
     reason: str
     cost: StepCost
@@ -100,7 +102,7 @@ def _mib(n: int | float) -> str:
 
 def decide(
     cost: StepCost, checkpoint: Any, unroll: Any, policy: Callable, platform: str
-) -> tuple[bool | str | Callable, int | bool, str]:
+) -> tuple[Checkpoint, int | bool, str]:
     """Resolve `"auto"` in `checkpoint` and/or `unroll`; explicit values pass through.
 
     - `checkpoint="auto"`: save everything (`False`) when a plain scan's residuals
@@ -160,7 +162,11 @@ def _abstract(tree: Any, drop_leading: bool) -> Any:
 
 
 def _nbytes(aval: Any) -> int:
-    return int(np.prod(aval.shape, dtype=np.int64)) * jnp.dtype(aval.dtype).itemsize
+    dtype = aval.dtype
+    # PRNG keys have an extended dtype, which NumPy cannot interpret.
+    if not jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        dtype = jnp.dtype(dtype)
+    return int(np.prod(aval.shape, dtype=np.int64)) * dtype.itemsize
 
 
 def _saved_bytes(step: Callable, carry: Any, x: Any, policy: Any) -> int:
