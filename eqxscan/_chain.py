@@ -3,18 +3,23 @@ layers are scanned; the remaining layers are called directly. The grouping is
 chosen by `eqxscan._plan`."""
 
 import dataclasses
-import operator
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple, overload, SupportsIndex, Unpack
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
-from ._checks import CarryError, check_takes_key, describe, first_difference, noted
+from ._checks import (
+    CarryError,
+    check_index,
+    check_takes_key,
+    describe,
+    first_difference,
+    noted,
+)
 from ._grouping import explain, warn_identity
 from ._options import ScanArgs, Scanning, ScanOptions
 from ._plan import Plan, plan, stack_classes
@@ -424,23 +429,12 @@ class Chain(Scanning):
                     f"{self.num_layers} layers; a Chain needs at least one."
                 )
             return Chain(layers, periodic=self.periodic, **self.options.as_args())
-        if isinstance(index, jax.core.Tracer):
-            raise TypeError(
-                "Chain got a traced index (e.g. a jit argument); indices must be "
-                "concrete ints: mark it static, or index `chain.unstack()`."
-            )
-        try:
-            i = operator.index(index)
-        except TypeError:
-            raise TypeError(
-                f"Chain indices must be ints or slices, got {type(index).__name__}."
-            ) from None
-        if not -self.num_layers <= i < self.num_layers:
-            raise IndexError(
-                f"Layer index {i} is out of range for a Chain with "
-                f"{self.num_layers} layers."
-            )
-        i %= self.num_layers
+        i = check_index(
+            index,
+            self.num_layers,
+            "Chain",
+            "mark it static, or index `chain.unstack()`.",
+        )
         for group, span in zip(self.groups, self.layout):
             offset = i - span.start
             if not 0 <= offset < span.size:

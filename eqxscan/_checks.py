@@ -293,3 +293,25 @@ def check_size(name: str, value: Any, minimum: int = 1) -> int:
     if size < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {size}.")
     return size
+
+
+def check_index(index: Any, length: int, who: str, hint: str) -> int:
+    """`index` as a layer index in `range(length)` (negative counts from the end),
+    or a clear error: a traced index (with `hint` on what to do instead), a
+    non-integer, or one out of range."""
+    if isinstance(index, jax.core.Tracer):
+        raise TypeError(
+            f"{who} got a traced index (e.g. a jit argument); indices must be "
+            f"concrete ints: {hint}"
+        )
+    try:
+        i = operator.index(index)
+    except TypeError:
+        raise TypeError(
+            f"{who} indices must be ints or slices, got {type(index).__name__}."
+        ) from None
+    if not -length <= i < length:
+        raise IndexError(
+            f"Layer index {i} is out of range for a {who} with {length} layers."
+        )
+    return i % length

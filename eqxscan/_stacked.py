@@ -23,6 +23,7 @@ from jaxtyping import Array, PRNGKeyArray, PyTree
 from ._alike import check_alike, stack_alike
 from ._checks import (
     check_callable,
+    check_index,
     check_leading_axis,
     check_size,
     check_takes_key,
@@ -356,24 +357,13 @@ class Stacked(Scanning, Generic[LayerT]):
                 lambda a: a[index] if eqx.is_array(a) else a, self.layers
             )
             return restack(self, layers=layers, num_layers=len(selected))
-        if isinstance(index, jax.core.Tracer):
-            raise TypeError(
-                "Stacked got a traced index (e.g. a jit argument); indices must be "
-                "concrete ints so they can be range-checked: mark it static, or "
-                "select with `jax.tree.map(lambda a: a[i], stack.layers)`."
-            )
-        try:
-            i = operator.index(index)
-        except TypeError:
-            raise TypeError(
-                f"Stacked indices must be ints or slices, got {type(index).__name__}."
-            ) from None
-        if not -self.num_layers <= i < self.num_layers:
-            raise IndexError(
-                f"Layer index {i} is out of range for a Stacked with "
-                f"{self.num_layers} layers."
-            )
-        i %= self.num_layers
+        i = check_index(
+            index,
+            self.num_layers,
+            "Stacked",
+            "mark it static, or select with "
+            "`jax.tree.map(lambda a: a[i], stack.layers)`.",
+        )
         return jtu.tree_map(lambda a: a[i] if eqx.is_array(a) else a, self.layers)
 
     def unstack(self) -> list[LayerT]:
