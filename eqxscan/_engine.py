@@ -6,7 +6,6 @@ applies the requested rematerialisation, and checks the carry contract while the
 body is traced, before `lax.scan` or XLA can raise anything less readable.
 """
 
-import math
 from collections.abc import Callable
 
 import equinox as eqx
@@ -18,7 +17,7 @@ from jaxtyping import PyTree
 from ._auto import resolve
 from ._checks import check_carry, noted
 from ._options import Checkpoint, ScanOptions
-from ._remat import CARRY, name_tree, nested_scan, ScanCheckpoint
+from ._remat import CARRY, name_tree, nested_scan, ScanCheckpoint, sqrt_block
 from ._stateful import clone
 
 
@@ -222,20 +221,6 @@ def _run_loop(
     return carry, _stack(ys)
 
 
-def _block_size(length: int) -> int:
-    """Steps per block of the nested scan: a divisor of `length` near its square
-    root when there is one (reshaping `[L, ...]` to `[L/b, b, ...]` is free, while
-    splitting off a remainder copies the stacked weights), else `ceil(sqrt(L))`."""
-    if length <= 1:
-        return 1
-    root = math.sqrt(length)
-    divisors = [d for d in range(1, length + 1) if length % d == 0]
-    best = min(divisors, key=lambda d: (d + length // d, -d))
-    if best + length // best <= 3 * root:
-        return best
-    return math.isqrt(length - 1) + 1
-
-
 def _nested_scan(
     body: Step,
     carry: PyTree,
@@ -250,7 +235,7 @@ def _nested_scan(
     if reverse:
         carry, ys = _nested_scan(body, carry, _flip(xs), length, unroll, False)
         return carry, _flip(ys)
-    inner = _block_size(length)
+    inner = sqrt_block(length)
     outer, rest = divmod(length, inner)
     step = remat(body, "auto", in_scan=True)
 
