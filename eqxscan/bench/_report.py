@@ -261,6 +261,11 @@ def markdown(results: dict[str, Any]) -> str:
             if repeats > 1
             else ""
         )
+        + (
+            f" ({cfg['loop_compile_repeats']} for the unrolled loop)"
+            if cfg.get("loop_compile_repeats") not in (None, repeats)
+            else ""
+        )
         + f". Machine: {m['summary']}; "
         f"load average (1/5/15 min) {m.get('load_average_start')} at the start, "
         f"{m.get('load_average_end')} at the end.",
