@@ -143,6 +143,11 @@ def run(
     checkpoint, unroll = resolve(
         body, c_dyn, xs, length, checkpoint, unroll, AUTO_POLICY, where(None)
     )
+    if unroll is True and not (
+        isinstance(checkpoint, ScanCheckpoint) or checkpoint == "nested"
+    ):
+        # Unrolled fully: the loop's own program, and its per-step error messages.
+        return _run_loop(step, carry, xs, length, checkpoint, reverse, where)
     if isinstance(checkpoint, ScanCheckpoint):
         levels = checkpoint.levels(length) or ()
         c_dyn, ys = nested_scan(
@@ -182,9 +187,12 @@ def _run_loop(
 ) -> tuple[PyTree, PyTree]:
     # The reference path. "auto" and "nested" are scan-specific optimisations, so
     # the loop saves everything unless remat was asked for explicitly.
-    explicit = checkpoint if (checkpoint is True or callable(checkpoint)) else False
     if isinstance(checkpoint, ScanCheckpoint):
-        explicit = _policy(checkpoint)
+        explicit: Checkpoint = _policy(checkpoint)
+    elif checkpoint is True or callable(checkpoint) or checkpoint == "offload":
+        explicit = checkpoint
+    else:
+        explicit = False
 
     def step_fn(c: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
         if explicit is False:

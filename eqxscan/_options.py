@@ -86,7 +86,8 @@ class ScanOptions(eqx.Module):
 
         - `mode`: a [`eqxscan.Mode`][]: `"scan"` or `"loop"`.
         - `checkpoint`: a [`eqxscan.Checkpoint`][] value.
-        - `unroll`: a positive int or a bool, passed to `jax.lax.scan`, or
+        - `unroll`: a positive int, passed to `jax.lax.scan`; `True` to unroll
+          fully (the program of `mode="loop"`, with this `checkpoint`); or
           `"auto"` (chosen with `checkpoint="auto"`'s rule; see
           [`eqxscan.explain_auto`][]).
 

@@ -318,8 +318,9 @@ class Recurrent(Scanning):
           [`eqxscan.Stacked`][]: `"auto"` (default), `False`, `True`, a
           `jax.checkpoint_policies` policy, or `"nested"` (saved carries grow like
           `sqrt(T)`, for long sequences).
-        - `unroll`: passed to `jax.lax.scan`; `"auto"` (default) is chosen with
-          `checkpoint="auto"`'s rule.
+        - `unroll`: a positive int, passed to `jax.lax.scan`; `True` unrolls fully
+          (the program of `mode="loop"`, with this `checkpoint`); `"auto"`
+          (default) is chosen with `checkpoint="auto"`'s rule.
         """
         check_callable("cell", cell)
         check_option("reverse", reverse, (False, True))

@@ -260,8 +260,9 @@ class Stacked(Scanning, Generic[LayerT]):
           kept in host memory), or an [`eqxscan.ScanCheckpoint`][] (a policy plus
           what to do with each layer's carry and inputs, and nesting of any
           shape). All give the same values and gradients.
-        - `unroll`: passed to `jax.lax.scan`; `"auto"` (default) is chosen with
-          `checkpoint="auto"`'s rule.
+        - `unroll`: a positive int, passed to `jax.lax.scan`; `True` unrolls fully
+          (the program of `mode="loop"`, with this `checkpoint`); `"auto"`
+          (default) is chosen with `checkpoint="auto"`'s rule.
 
         `mode`, `checkpoint` and `unroll` make the module's
         [`eqxscan.ScanOptions`][].

@@ -33,6 +33,8 @@ from tests.training import make_train_step  # noqa: E402
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 DIM, LAYERS, BATCH = 16, 3, 16
+# `unroll=1` where the loop body is inspected: by default so short a stack of
+# small layers is unrolled fully.
 optimizer = optax.adam(1e-2)
 
 
@@ -67,7 +69,7 @@ def collectives(text: str, op: str) -> list[str]:
 
 def run(name, mesh_shape, fsdp_axis):
     key = jax.random.key(0)
-    model = eqxscan.StackedMLP(DIM, LAYERS, key=key)
+    model = eqxscan.StackedMLP(DIM, LAYERS, key=key, unroll=1)
     kx, ky = jax.random.split(jax.random.key(1))
     x = jax.random.normal(kx, (BATCH, DIM))
     y = jax.random.normal(ky, (BATCH, DIM))
@@ -127,7 +129,7 @@ def without_gather():
     """All-gathers in the loop bodies when the weights are FSDP-sharded but the
     Stacked does not gather its layer (`layer_sharding=None`)."""
     mesh = sharding.make_mesh(1, 8)
-    model = eqxscan.StackedMLP(DIM, LAYERS, key=jax.random.key(0))
+    model = eqxscan.StackedMLP(DIM, LAYERS, key=jax.random.key(0), unroll=1)
     model, _, x = sharding.shard(
         model, batch=jnp.ones((BATCH, DIM)), mesh=mesh, min_size=0
     )

@@ -61,6 +61,39 @@ def test_over_the_elementwise_ratio_recomputes():
     assert _auto.decide(over, "auto", 1, POLICY, "tpu")[0] is POLICY
 
 
+def test_short_small_scans_unroll_fully_and_save_what_the_loop_saves():
+    short = cost(length=_auto.SHORT_SCAN, saved_bytes=10**9)
+    assert _auto.decide(short, "auto", "auto", POLICY, "cpu")[:2] == (False, True)
+    assert _auto.decide(short, "auto", "auto", POLICY, "gpu")[:2] == (False, True)
+    # An explicit checkpoint is kept; an explicit full unroll saves as the loop does.
+    assert _auto.decide(short, True, "auto", POLICY, "cpu")[:2] == (True, True)
+    assert _auto.decide(cost(), "auto", True, POLICY, "cpu")[:2] == (False, True)
+    longer = cost(length=_auto.SHORT_SCAN + 1, saved_bytes=10**9)
+    assert _auto.decide(longer, "auto", "auto", POLICY, "cpu")[:2] == (True, 1)
+    big = cost(length=2, flops=_auto.UNROLL_FLOPS, saved_bytes=10**9)
+    assert _auto.decide(big, "auto", "auto", POLICY, "cpu")[:2] == (POLICY, 1)
+    reason = _auto.decide(short, "auto", "auto", POLICY, "cpu")[2]
+    assert "unroll fully" in reason and "loop" in reason
+
+
+def test_full_unroll_is_the_loops_program():
+    stack = eqxscan.StackedMLP(8, 3, key=jr.key(0))
+    x = jr.normal(jr.key(1), (2, 8))
+    (choice,) = eqxscan.explain_auto(stack, x)
+    assert (choice.checkpoint, choice.unroll) == (False, True)
+
+    def lowered(m):
+        dyn, static = eqx.partition(m, eqx.is_inexact_array)
+        loss = lambda d: jnp.mean(eqx.combine(d, static)(x) ** 2)
+        return jax.jit(jax.value_and_grad(loss)).lower(dyn).as_text()
+
+    loop = lowered(_mlp_options(stack, mode="loop"))
+    assert lowered(stack) == loop
+    assert lowered(_mlp_options(stack, checkpoint=False, unroll=True)) == loop
+    assert "while" not in loop
+    assert "while" in lowered(_mlp_options(stack, unroll=1))
+
+
 def test_decide_leaves_explicit_values_alone():
     c = cost(saved_bytes=10**9)
     for checkpoint in (False, True, POLICY, "nested"):
@@ -121,7 +154,7 @@ def small_gru():
 
 
 def test_small_gru_saves_everything_and_big_one_recomputes(monkeypatch):
-    rnn, h0, xs = small_gru(), jnp.zeros(4), jnp.ones((3, 2))
+    rnn, h0, xs = small_gru(), jnp.zeros(4), jnp.ones((6, 2))
     (choice,) = eqxscan.explain_auto(rnn, h0, xs)
     assert (choice.checkpoint, choice.unroll) == (False, 1)
     assert "GRUCell" in choice.where
@@ -140,16 +173,16 @@ def test_small_lstm_recomputes():
     # intermediates), and took 1.5x the loop's temp memory: over the ratio.
     rnn = eqxscan.Recurrent(eqx.nn.LSTMCell(2, 4, key=jr.key(1)))
     h0 = (jnp.zeros(4), jnp.zeros(4))
-    (choice,) = eqxscan.explain_auto(rnn, h0, jnp.ones((3, 2)))
+    (choice,) = eqxscan.explain_auto(rnn, h0, jnp.ones((6, 2)))
     ratio = choice.cost.saved_bytes / choice.cost.policy_saved_bytes
     assert ratio > _auto.MATMUL_DOMINATED
-    assert choice.cost.saved_bytes * 3 < _auto.SMALL_RESIDUALS
+    assert choice.cost.saved_bytes * 6 < _auto.SMALL_RESIDUALS
     assert choice.checkpoint is True
 
 
 @pytest.fixture(scope="module")
 def mlp():
-    return eqxscan.StackedMLP(8, 3, key=jr.key(0))
+    return eqxscan.StackedMLP(8, 6, key=jr.key(0))
 
 
 def test_mlp_recomputes_its_elementwise_work(mlp):
@@ -175,7 +208,7 @@ def test_every_chain_group_and_direction_is_explained():
 
 
 def test_explicit_options_always_win():
-    rnn, h0, xs = small_gru(), jnp.zeros(4), jnp.ones((3, 2))
+    rnn, h0, xs = small_gru(), jnp.zeros(4), jnp.ones((6, 2))
     assert (
         eqxscan.explain_auto(rnn.with_options(checkpoint=True, unroll=1), h0, xs) == []
     )

@@ -3,7 +3,8 @@
 For each grid point (a `StackedMLP` of width `D` and depth `L`, or a GRU/LSTM of
 hidden size `H` over `T` steps) one process compiles the train step of the loop
 (`mode="loop"`), of the default (`checkpoint="auto"`, `unroll="auto"`) and of
-every explicit setting in `EXPLICIT`, reads XLA's temp memory of each, and times
+every explicit setting in `EXPLICIT` (and, for at most `SHORT_SCAN` steps, full
+unrolling), reads XLA's temp memory of each, and times
 them in interleaved, shuffled rounds. Ratios are taken within a round, then the
 median over rounds is reported.
 """
@@ -21,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._auto import explain_auto, SMALL_RESIDUALS
+from .._auto import explain_auto, SHORT_SCAN, SMALL_RESIDUALS
 from .._engine import AUTO_POLICY
 from .._mlp import StackedMLP
 from .._recurrent import Recurrent
@@ -39,15 +40,15 @@ MAX_LOOP_LENGTH = 64
 REF = "save-all/u1"
 #: Timing rounds: at least `--repeats`, at most `MAX_ROUNDS`, else as many as fit in
 #: about `ROUND_BUDGET_S` seconds per grid point.
-MAX_ROUNDS, ROUND_BUDGET_S = 41, 12.0
+MAX_ROUNDS, ROUND_BUDGET_S = 41, 20.0
 RNN_POINTS = [(c, h, t) for c in ("gru", "lstm") for h in (32, 256) for t in (30, 300)]
 #: MLP input `[BATCH, SEQ, D]`; recurrent batch `BATCH * SEQ` (vmapped), input size.
 BATCH, SEQ, RNN_INPUT = 4, 16, 8
 
 
-def _label(checkpoint: Any, unroll: int) -> str:
+def _label(checkpoint: Any, unroll: int | bool) -> str:
     name = {False: "save-all", True: "remat"}.get(checkpoint, "dots")
-    return f"{name}/u{unroll}"
+    return f"{name}/{'full' if unroll is True else f'u{unroll}'}"
 
 
 def _mlp_problem(dim: int, layers: int) -> tuple[Any, Callable, tuple, Callable]:
@@ -95,7 +96,9 @@ def measure_point(kind: str, size: tuple, rounds: int, seed: int = 0) -> dict:
     variants = {"default": with_options(model, checkpoint="auto", unroll="auto")}
     if length <= MAX_LOOP_LENGTH:
         variants["loop"] = with_options(model, mode="loop")
-    for c, u in EXPLICIT:
+    # Short scans may also be unrolled fully (which "auto" does when steps are small).
+    full = [(c, True) for c, _ in EXPLICIT[::2]] if length <= SHORT_SCAN else []
+    for c, u in [*EXPLICIT, *full]:
         variants[_label(c, u)] = with_options(model, checkpoint=c, unroll=u)
     choice = explain_auto(loss, variants["default"], *inputs)[0]
     compiled, memory, compile_s, text = {}, {}, {}, {}
@@ -150,6 +153,7 @@ def measure_point(kind: str, size: tuple, rounds: int, seed: int = 0) -> dict:
         "size": list(size),
         "choice": {
             "checkpoint": _label(choice.checkpoint, 1).split("/")[0],
+            "label": _label(choice.checkpoint, choice.unroll),
             "unroll": choice.unroll,
             "reason": choice.reason,
             "saved_bytes": choice.cost.saved_bytes * choice.cost.length,
@@ -263,7 +267,7 @@ def _row(point: dict) -> str:
     star = "" if s["reference"] == "loop" else "*"
     twin = "-" if s["twin"] is None else f"{s['twin']} ({s['default_vs_twin']:.2f}×)"
     return (
-        f"| {_name(point)}{star} | {c['checkpoint']}/u{c['unroll']} | "
+        f"| {_name(point)}{star} | {c['label']} | "
         f"{s['default_vs_loop']:.2f}× | {s['default_mem_vs_loop']:.2f}× | "
         f"{best} | {vs_best} | {twin} | {s['loop_ms']:.2f} | "
         f"{point['temp_bytes'][s['reference']] / 2**20:.2f} | {point['rounds']} |"
