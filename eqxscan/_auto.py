@@ -40,14 +40,15 @@ SMALL_RESIDUALS = 4 * 2**20
 #: (5.4×) 1.2-1.75×; the threshold keeps the first and excludes the others.
 MATMUL_DOMINATED = 1.2
 #: Platforms where "auto" recomputes small steps fully rather than with the
-#: matmul-saving policy, and the bound on "small" (FLOPs per step). On the CPU grid
-#: full remat beat the policy for RNN cells and narrow MLPs (the policy took
-#: 1.1-1.7× its time, up to 1.7e7 FLOPs per step), with the least memory; from
-#: an MLP of width 256 (6.8e7 FLOPs) on, the recomputed matmuls cost more and the
-#: policy was as fast or faster (0.74-1.0×). On accelerators matmuls dominate, and
-#: the policy avoids a second forward pass at every size.
+#: matmul-saving policy, and the bound on "small" (FLOPs per step). In two quiet
+#: runs of the CPU grid, full remat beat the policy for steps of up to 4.3e6 FLOPs
+#: (narrow MLPs, small GRU/LSTM cells: the policy took 1.01-1.22× its time), with
+#: the least memory; at 1.7e7-3.5e7 FLOPs (MLP width 128, cells of 256) the policy
+#: was as fast or faster (0.91-1.00×, once 1.05-1.11×), and beyond, the two were
+#: within 10% either way. On accelerators matmuls dominate, and the policy avoids
+#: a second forward pass at every size.
 FULL_REMAT_PLATFORMS = ("cpu",)
-FULL_REMAT_FLOPS = 5 * 10**7
+FULL_REMAT_FLOPS = 10**7
 #: Scans of at most `SHORT_SCAN` steps of under `UNROLL_FLOPS` each are unrolled
 #: fully (`unroll=True`: the loop's own program, at most `SHORT_SCAN` bodies). At
 #: such sizes a scan's per-step cost (slicing each layer's weights out of the

@@ -200,7 +200,17 @@ def measure_compile(
         "temp_bytes": None if mem is None else int(mem.temp_size_in_bytes),
         "argument_bytes": None if mem is None else int(mem.argument_size_in_bytes),
         "output_bytes": None if mem is None else int(mem.output_size_in_bytes),
+        "peak_rss_bytes": _peak_rss(),
     }
+
+
+def _peak_rss() -> int | None:
+    """This process's peak resident memory in bytes (Linux; None elsewhere)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB
 
 
 def measure_steps(
