@@ -309,7 +309,7 @@ def plot(results: dict, path: Path) -> None:
         for j in range(data.shape[1]):
             ax.text(j, i, f"{data[i, j]:.2f}", ha="center", va="center", fontsize=8)
     ax.set_xticks(
-        range(3), ["step vs loop", "temp memory vs loop", "step vs best explicit"]
+        range(3), ["step\nvs loop", "temp memory\nvs loop", "step vs\nbest explicit"]
     )
     ax.set_yticks(range(len(names)), names, fontsize=8)
     ax.set_title('checkpoint="auto", unroll="auto": ratios (green < 1 < red)')
