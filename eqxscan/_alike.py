@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from ._checks import describe, is_arraylike
+from ._checks import describe, first_difference
 
 
 Verdict = Literal["same", "different", "unknown"]
@@ -146,78 +146,21 @@ def compare(a: Any, b: Any, path: str = "") -> Difference | None:
     that can only be judged by identity is reported only if nothing really
     differs. `None` when the layers are alike."""
     unknown: list[Difference] = []
-    diff = _walk(a, b, path, unknown)
-    if diff is not None:
-        return diff
-    return unknown[0] if unknown else None
 
-
-def _walk(a: Any, b: Any, path: str, unknown: list[Difference]) -> Difference | None:
-    if is_arraylike(a) or is_arraylike(b):
-        if not (is_arraylike(a) and is_arraylike(b)) or (
-            a.shape != b.shape or jnp.dtype(a.dtype) != jnp.dtype(b.dtype)
-        ):
-            return Difference(path, describe(a), describe(b), "different")
-        return None
-    if type(a) is not type(b):
-        return Difference(
-            path, f"type {type(a).__name__}", f"type {type(b).__name__}", "different"
-        )
-    if isinstance(a, eqx.Module) or (
-        dataclasses.is_dataclass(a) and not isinstance(a, type)
-    ):
-        for field in dataclasses.fields(a):
-            if not hasattr(a, field.name) and not hasattr(b, field.name):
-                continue
-            diff = _walk(
-                getattr(a, field.name, None),
-                getattr(b, field.name, None),
-                f"{path}.{field.name}",
-                unknown,
-            )
-            if diff is not None:
-                return diff
-        return None
-    if isinstance(a, (list, tuple)):
-        if len(a) != len(b):
-            return Difference(path, f"length {len(a)}", f"length {len(b)}", "different")
-        for i, (x, y) in enumerate(zip(a, b)):
-            diff = _walk(x, y, f"{path}[{i}]", unknown)
-            if diff is not None:
-                return diff
-        return None
-    if isinstance(a, dict):
-        if list(a) != list(b):
-            return Difference(
-                path,
-                f"keys {sorted(map(str, a))}",
-                f"keys {sorted(map(str, b))}",
-                "different",
-            )
-        for k in a:
-            diff = _walk(a[k], b[k], f"{path}[{k!r}]", unknown)
-            if diff is not None:
-                return diff
-        return None
-    if jtu.treedef_is_leaf(jtu.tree_structure(a)):
-        verdict = value_verdict(a, b)
+    def leaf(x: Any, y: Any, where: str) -> tuple[str, str, str] | None:
+        verdict = value_verdict(x, y)
         if verdict == "same":
             return None
-        diff = Difference(path, _describe(a), _describe(b), verdict)
+        found = (where, _describe(x), _describe(y))
         if verdict == "unknown":
-            unknown.append(diff)
+            unknown.append(Difference(*found, "unknown"))
             return None
-        return diff
-    # Some other registered pytree node: compare by flattening one level.
-    la, ta = jtu.tree_flatten(a, is_leaf=lambda x: x is not a)
-    lb, tb = jtu.tree_flatten(b, is_leaf=lambda x: x is not b)
-    if ta != tb:
-        return Difference(path, f"structure {ta}", f"structure {tb}", "different")
-    for i, (x, y) in enumerate(zip(la, lb)):
-        diff = _walk(x, y, f"{path}<{i}>", unknown)
-        if diff is not None:
-            return diff
-    return None
+        return found
+
+    diff = first_difference(a, b, path, leaf=leaf)
+    if diff is not None:
+        return Difference(*diff, "different")
+    return unknown[0] if unknown else None
 
 
 def alike(a: Any, b: Any) -> bool:

@@ -57,67 +57,73 @@ def is_arraylike(x: Any) -> bool:
     return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 
-def first_difference(a: Any, b: Any, path: str = "") -> tuple[str, str, str] | None:
+Found = tuple[str, str, str]
+
+
+def _exactly_equal(a: Any, b: Any, path: str) -> Found | None:
+    try:
+        same = bool(a is b or a == b)
+    except Exception:
+        same = False
+    return None if same else (path, describe(a), describe(b))
+
+
+def first_difference(
+    a: Any,
+    b: Any,
+    path: str = "",
+    leaf: Callable[[Any, Any, str], Found | None] = _exactly_equal,
+) -> Found | None:
     """The first place where two pytrees differ in structure, static data, shape or
     dtype, as `(path, description of a, description of b)`; `None` if they agree.
 
     Modules are walked field by field (static fields included), so a differing
-    hyperparameter is reported by its attribute path.
+    hyperparameter is reported by its attribute path. Two non-array leaves are
+    judged by `leaf(a, b, path)` (default: identical or equal).
     """
-    if is_arraylike(a) or is_arraylike(b):
-        if not (is_arraylike(a) and is_arraylike(b)):
-            return path, describe(a), describe(b)
-        if a.shape != b.shape or jnp.dtype(a.dtype) != jnp.dtype(b.dtype):
-            return path, describe(a), describe(b)
-        return None
-    if type(a) is not type(b):
-        return path, f"type {type(a).__name__}", f"type {type(b).__name__}"
-    if isinstance(a, eqx.Module) or (
-        dataclasses.is_dataclass(a) and not isinstance(a, type)
-    ):
-        for field in dataclasses.fields(a):
-            if not hasattr(a, field.name) and not hasattr(b, field.name):
-                continue
-            diff = first_difference(
-                getattr(a, field.name, None),
-                getattr(b, field.name, None),
-                f"{path}.{field.name}",
-            )
+
+    def walk(a: Any, b: Any, path: str) -> Found | None:
+        if is_arraylike(a) or is_arraylike(b):
+            if not (is_arraylike(a) and is_arraylike(b)):
+                return path, describe(a), describe(b)
+            if a.shape != b.shape or jnp.dtype(a.dtype) != jnp.dtype(b.dtype):
+                return path, describe(a), describe(b)
+            return None
+        if type(a) is not type(b):
+            return path, f"type {type(a).__name__}", f"type {type(b).__name__}"
+        if isinstance(a, eqx.Module) or (
+            dataclasses.is_dataclass(a) and not isinstance(a, type)
+        ):
+            pairs = [
+                (getattr(a, f.name, None), getattr(b, f.name, None), f".{f.name}")
+                for f in dataclasses.fields(a)
+                if hasattr(a, f.name) or hasattr(b, f.name)
+            ]
+        elif isinstance(a, (list, tuple)):
+            if len(a) != len(b):
+                return path, f"length {len(a)}", f"length {len(b)}"
+            pairs = [(x, y, f"[{i}]") for i, (x, y) in enumerate(zip(a, b))]
+        elif isinstance(a, dict):
+            if set(a) != set(b):
+                keys = (f"keys {sorted(map(str, d))}" for d in (a, b))
+                return (path, *keys)
+            pairs = [(a[k], b[k], f"[{k!r}]") for k in a]
+        elif jtu.treedef_is_leaf(jtu.tree_structure(a)):
+            return leaf(a, b, path)
+        else:
+            # Some other registered pytree node: compare by flattening one level.
+            la, ta = jtu.tree_flatten(a, is_leaf=lambda x: x is not a)
+            lb, tb = jtu.tree_flatten(b, is_leaf=lambda x: x is not b)
+            if ta != tb:
+                return path, f"structure {ta}", f"structure {tb}"
+            pairs = [(x, y, f"<{i}>") for i, (x, y) in enumerate(zip(la, lb))]
+        for x, y, where in pairs:
+            diff = walk(x, y, path + where)
             if diff is not None:
                 return diff
         return None
-    if isinstance(a, (list, tuple)):
-        if len(a) != len(b):
-            return path, f"length {len(a)}", f"length {len(b)}"
-        for i, (ai, bi) in enumerate(zip(a, b)):
-            diff = first_difference(ai, bi, f"{path}[{i}]")
-            if diff is not None:
-                return diff
-        return None
-    if isinstance(a, dict):
-        if set(a) != set(b):
-            return path, f"keys {sorted(map(str, a))}", f"keys {sorted(map(str, b))}"
-        for k in a:
-            diff = first_difference(a[k], b[k], f"{path}[{k!r}]")
-            if diff is not None:
-                return diff
-        return None
-    if jtu.treedef_is_leaf(jtu.tree_structure(a)):
-        try:
-            same = bool(a is b or a == b)
-        except Exception:
-            same = False
-        return None if same else (path, describe(a), describe(b))
-    # Some other registered pytree node: compare by flattening one level.
-    la, ta = jtu.tree_flatten(a, is_leaf=lambda x: x is not a)
-    lb, tb = jtu.tree_flatten(b, is_leaf=lambda x: x is not b)
-    if ta != tb:
-        return path, f"structure {ta}", f"structure {tb}"
-    for i, (ai, bi) in enumerate(zip(la, lb)):
-        diff = first_difference(ai, bi, f"{path}<{i}>")
-        if diff is not None:
-            return diff
-    return None
+
+    return walk(a, b, path)
 
 
 def can_stack(a: Any, b: Any) -> bool:
