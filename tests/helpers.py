@@ -1,4 +1,11 @@
-"""Comparison helpers shared by the tests."""
+"""Comparison helpers shared by the tests, and a runner for the scripts that need
+a fresh process with several CPU devices."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -30,3 +37,23 @@ def max_rel_err(a, b) -> float:
         for x, y in zip(jtu.tree_leaves(a), jtu.tree_leaves(b), strict=True)
     ]
     return max(errs) if errs else 0.0
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_device_script(name: str, timeout: float) -> dict:
+    """Run `tests/<name>` in a fresh process (which sets its own CPU device count)
+    and return the JSON it prints; fail with the end of its stderr otherwise."""
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # the script sets its own device count
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / name)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout)

@@ -1,12 +1,7 @@
 """Features peer libraries have (Flax, NNX, Haliax, Equinox), each checked against
 a hand-written reference: values and gradients, in scan and loop mode."""
 
-import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -19,7 +14,7 @@ import eqxscan
 from eqxscan import sharding
 
 from . import partition_model
-from .helpers import tree_allclose
+from .helpers import run_device_script, tree_allclose
 
 
 IN, HID, T, B = 3, 4, 5, 2
@@ -259,9 +254,6 @@ def test_length_errors(getkey):
 # ------------------------------------------- sharding: tensor parallelism + FSDP
 
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
 def test_logical_specs_and_errors(getkey):
     mesh = jax.make_mesh((1, 2), ("fsdp", "model"), axis_types=(AxisType.Auto,) * 2)
     model, x, _ = partition_model.make_problem()
@@ -318,18 +310,7 @@ def test_logical_specs_and_errors(getkey):
 
 @pytest.fixture(scope="module")
 def eight_devices():
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the script sets its own device count
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "partition_checks.py")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout)
+    return run_device_script("partition_checks.py", timeout=300)
 
 
 def test_tensor_parallel_eight_devices(eight_devices):

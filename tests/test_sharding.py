@@ -1,12 +1,6 @@
 """eqxscan.sharding: layouts on the 2 devices of the test process, and the
 8-device checks (equality, collectives, memory) in a subprocess."""
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -18,11 +12,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import eqxscan
 from eqxscan import sharding
 
-from .helpers import max_rel_err, tree_allclose
+from .helpers import max_rel_err, run_device_script, tree_allclose
 from .training import loss_fn, make_train_step
-
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 class Block(eqx.Module):
@@ -316,18 +307,7 @@ def test_make_mesh():
 
 @pytest.fixture(scope="module")
 def eight_devices():
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the script sets its own device count
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "sharding_checks.py")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout)
+    return run_device_script("sharding_checks.py", timeout=900)
 
 
 def test_eight_devices_equal_one_device(eight_devices):

@@ -275,29 +275,32 @@ def check_same_layout(name: str, expected: Any, got: Any) -> None:
 
 _POLICIES = jax.checkpoint_policies
 
+#: eqxscan's variants in both benchmark models: `(name, description, options)`.
+EQXSCAN_VARIANTS: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("eqxscan", "eqxscan default (checkpoint='auto')", {}),
+    ("eqxscan-loop", "eqxscan mode='loop' (unrolled)", {"mode": "loop"}),
+    ("eqxscan-plain", "eqxscan checkpoint=False", {"checkpoint": False}),
+    ("eqxscan-remat", "eqxscan checkpoint=True", {"checkpoint": True}),
+    ("eqxscan-nested", "eqxscan checkpoint='nested'", {"checkpoint": "nested"}),
+    (
+        "eqxscan-dots",
+        "eqxscan checkpoint=dots_saveable",
+        {"checkpoint": _POLICIES.dots_saveable},
+    ),
+    ("eqxscan-offload", "eqxscan checkpoint='offload'", {"checkpoint": "offload"}),
+)
+
+
+def eqxscan_impls(build: Callable[..., Callable[[Any], Built]]) -> list[Impl]:
+    """One `Impl` per entry of `EQXSCAN_VARIANTS`, built by `build(**options)`."""
+    return [Impl(n, d, build(**options)) for n, d, options in EQXSCAN_VARIANTS]
+
+
 #: Every implementation, in table order. The first is eqxscan's default.
 IMPLS: dict[str, Impl] = {
     impl.name: impl
     for impl in [
-        Impl("eqxscan", "eqxscan default (checkpoint='auto')", _eqxscan()),
-        Impl("eqxscan-loop", "eqxscan mode='loop' (unrolled)", _eqxscan(mode="loop")),
-        Impl("eqxscan-plain", "eqxscan checkpoint=False", _eqxscan(checkpoint=False)),
-        Impl("eqxscan-remat", "eqxscan checkpoint=True", _eqxscan(checkpoint=True)),
-        Impl(
-            "eqxscan-nested",
-            "eqxscan checkpoint='nested'",
-            _eqxscan(checkpoint="nested"),
-        ),
-        Impl(
-            "eqxscan-dots",
-            "eqxscan checkpoint=dots_saveable",
-            _eqxscan(checkpoint=_POLICIES.dots_saveable),
-        ),
-        Impl(
-            "eqxscan-offload",
-            "eqxscan checkpoint='offload'",
-            _eqxscan(checkpoint="offload"),
-        ),
+        *eqxscan_impls(_eqxscan),
         Impl(
             "eqxscan-save-all",
             "eqxscan checkpoint=everything_saveable",

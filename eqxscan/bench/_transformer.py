@@ -18,7 +18,7 @@ import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._stacked import Stacked
-from ._impls import Built, check_same_layout, Impl, LOOP, mse
+from ._impls import Built, check_same_layout, eqxscan_impls, Impl, LOOP, mse
 from ._measure import MismatchError, rel_err, TOLERANCE
 
 
@@ -355,31 +355,11 @@ def _flax_nnx(model: Stacked) -> Built:
     return Built(state, loss, to_canon)
 
 
-_POLICIES = jax.checkpoint_policies
-
 #: Every implementation, in table order; the names match the MLP benchmark's.
 IMPLS: dict[str, Impl] = {
     impl.name: impl
     for impl in [
-        Impl("eqxscan", "eqxscan default (checkpoint='auto')", _eqxscan()),
-        Impl("eqxscan-loop", "eqxscan mode='loop' (unrolled)", _eqxscan(mode="loop")),
-        Impl("eqxscan-plain", "eqxscan checkpoint=False", _eqxscan(checkpoint=False)),
-        Impl("eqxscan-remat", "eqxscan checkpoint=True", _eqxscan(checkpoint=True)),
-        Impl(
-            "eqxscan-nested",
-            "eqxscan checkpoint='nested'",
-            _eqxscan(checkpoint="nested"),
-        ),
-        Impl(
-            "eqxscan-dots",
-            "eqxscan checkpoint=dots_saveable",
-            _eqxscan(checkpoint=_POLICIES.dots_saveable),
-        ),
-        Impl(
-            "eqxscan-offload",
-            "eqxscan checkpoint='offload'",
-            _eqxscan(checkpoint="offload"),
-        ),
+        *eqxscan_impls(_eqxscan),
         Impl("eqx-recipe", "Equinox recipe (partition+scan+combine)", _recipe),
         Impl("jax-scan", "plain JAX dict of arrays + lax.scan", _plain_jax),
         Impl("flax-linen", "Flax linen nn.scan", _flax_linen, requires="flax"),
