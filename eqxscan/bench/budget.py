@@ -148,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dim", type=int)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int)
-    p.add_argument("--rounds", type=int, default=7, help="timed rounds")
+    p.add_argument("--rounds", type=int, default=21, help="timed rounds")
     p.add_argument("--out", type=Path)
     a = p.parse_args(argv)
     dim = a.dim or (256 if a.model == "mlp" else 128)
