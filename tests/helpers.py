@@ -3,6 +3,7 @@ a fresh process with several CPU devices."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -57,3 +58,9 @@ def run_device_script(name: str, timeout: float) -> dict:
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout)
+
+
+def stable_id(value: object) -> str:
+    """A test id without memory addresses (`<function f at 0x..>` becomes `f`), the
+    same in every process (pytest-xdist compares the ids its workers collect)."""
+    return re.sub(r"<function (\w+) at 0x[0-9a-f]+>", r"\1", str(value))

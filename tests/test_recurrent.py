@@ -15,7 +15,7 @@ import pytest
 
 import eqxscan
 
-from .helpers import tree_allclose
+from .helpers import stable_id, tree_allclose
 
 
 IN, HID, T = 3, 4, 7
@@ -119,7 +119,7 @@ def test_matches_handwritten_lax_scan(name, getkey):
         dict(unroll=3),
         dict(checkpoint="nested", reverse=True),
     ],
-    ids=str,
+    ids=stable_id,
 )
 def test_options_give_same_values_and_grads(options, getkey):
     # Every option combined with mask, truncate and per-step keys.

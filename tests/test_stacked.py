@@ -10,7 +10,7 @@ import pytest
 
 import eqxscan
 
-from .helpers import tree_allclose
+from .helpers import stable_id, tree_allclose
 
 
 CHECKPOINTS = [
@@ -70,7 +70,7 @@ def test_layer_i_is_make_layer_of_key_i():
 
 
 @pytest.mark.parametrize("mode", ["scan", "loop"])
-@pytest.mark.parametrize("checkpoint", CHECKPOINTS, ids=str)
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS, ids=stable_id)
 def test_matches_python_loop_values_grads_update(mode, checkpoint, getkey):
     stack = make_stack(5, mode=mode, checkpoint=checkpoint)
     x = jr.normal(getkey(), (3, 4))
