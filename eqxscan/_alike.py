@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from ._checks import describe, first_difference
+from ._checks import describe, first_difference, same_leaf
 
 
 Verdict = Literal["same", "different", "unknown"]
@@ -166,22 +166,11 @@ def compare(a: Any, b: Any, path: str = "") -> Difference | None:
 def alike(a: Any, b: Any) -> bool:
     """Whether `a` and `b` can share one traced body (never raises)."""
     if jtu.tree_structure(a) == jtu.tree_structure(b) and all(
-        _same_leaf(x, y) for x, y in zip(jtu.tree_leaves(a), jtu.tree_leaves(b))
+        same_leaf(x, y) for x, y in zip(jtu.tree_leaves(a), jtu.tree_leaves(b))
     ):
         return True  # the common, fast case: equal treedefs and leaves
     try:
         return compare(a, b) is None
-    except Exception:
-        return False
-
-
-def _same_leaf(x: Any, y: Any) -> bool:
-    if eqx.is_array(x) and eqx.is_array(y):
-        return x.shape == y.shape and x.dtype == y.dtype
-    if eqx.is_array(x) or eqx.is_array(y):
-        return False
-    try:
-        return bool(x is y or x == y)
     except Exception:
         return False
 

@@ -131,7 +131,7 @@ def can_stack(a: Any, b: Any) -> bool:
     shapes and dtypes, so that they can be stacked into one module (never raises)."""
     if jtu.tree_structure(a) != jtu.tree_structure(b):
         return False
-    return all(_same_leaf(x, y) for x, y in zip(jtu.tree_leaves(a), jtu.tree_leaves(b)))
+    return all(same_leaf(x, y) for x, y in zip(jtu.tree_leaves(a), jtu.tree_leaves(b)))
 
 
 def check_stackable(layers: Sequence[Any], what: str = "layers") -> None:
@@ -143,7 +143,7 @@ def check_stackable(layers: Sequence[Any], what: str = "layers") -> None:
     ref_leaves = jtu.tree_leaves(ref)
     for i, layer in enumerate(layers[1:], start=1):
         if jtu.tree_structure(layer) == ref_def and all(
-            _same_leaf(x, y) for x, y in zip(ref_leaves, jtu.tree_leaves(layer))
+            same_leaf(x, y) for x, y in zip(ref_leaves, jtu.tree_leaves(layer))
         ):
             continue
         diff = first_difference(ref, layer)
@@ -158,7 +158,7 @@ def check_stackable(layers: Sequence[Any], what: str = "layers") -> None:
         )
 
 
-def _same_leaf(x: Any, y: Any) -> bool:
+def same_leaf(x: Any, y: Any) -> bool:
     if eqx.is_array(x) and eqx.is_array(y):
         return x.shape == y.shape and x.dtype == y.dtype
     if eqx.is_array(x) or eqx.is_array(y):
@@ -200,7 +200,7 @@ def check_carry(old: Any, new: Any, where: str, step: int | None = None) -> None
         )
     leaves = jtu.tree_leaves_with_path(old)
     for (path, a), b in zip(leaves, jtu.tree_leaves(new)):
-        if _same_leaf(a, b):
+        if same_leaf(a, b):
             continue
         hint = ""
         if eqx.is_array(a) and eqx.is_array(b) and a.shape == b.shape:

@@ -64,3 +64,14 @@ def stable_id(value: object) -> str:
     """A test id without memory addresses (`<function f at 0x..>` becomes `f`), the
     same in every process (pytest-xdist compares the ids its workers collect)."""
     return re.sub(r"<function (\w+) at 0x[0-9a-f]+>", r"\1", str(value))
+
+
+def collectives(text: str, op: str) -> list[str]:
+    """Result shapes (layouts dropped) of the `op` instructions in compiled HLO
+    `text`, e.g. `['f32[1,16,64]', '(f32[64,16], f32[16])']`."""
+    found = []
+    for line in text.splitlines():
+        m = re.search(rf"= (.*?) {op}(?:-start)?\(", line)
+        if m:
+            found.append(re.sub(r"\{[^}]*\}", "", m.group(1)))
+    return found

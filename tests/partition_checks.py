@@ -20,9 +20,9 @@ import optax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec  # noqa: E402
 
 from eqxscan import sharding  # noqa: E402
+from tests.helpers import collectives  # noqa: E402
 from tests.partition_model import (  # noqa: E402
     AXES,
-    collectives,
     make_problem,
     max_rel,
     RULES,

@@ -1,7 +1,5 @@
 """The model, names and rules shared by the tensor-parallel tests."""
 
-import re
-
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
@@ -32,13 +30,3 @@ def max_rel(a, b):
         for u, v in zip(jtu.tree_leaves(a), jtu.tree_leaves(b), strict=True)
     ]
     return max(errs)
-
-
-def collectives(text: str, op: str) -> list[str]:
-    """Result shapes (layouts dropped) of the `op` instructions in compiled text."""
-    found = []
-    for line in text.splitlines():
-        m = re.search(rf"= (.*?) {op}(?:-start)?\(", line)
-        if m:
-            found.append(re.sub(r"\{[^}]*\}", "", m.group(1)))
-    return found

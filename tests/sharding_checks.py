@@ -24,7 +24,7 @@ from jax.sharding import AxisType  # noqa: E402
 
 import eqxscan  # noqa: E402
 from eqxscan import sharding  # noqa: E402
-from tests.helpers import max_rel_err  # noqa: E402
+from tests.helpers import collectives, max_rel_err  # noqa: E402
 from tests.training import make_train_step  # noqa: E402
 
 
@@ -54,17 +54,6 @@ def loop_bodies(hlo: str) -> dict[str, str]:
         if m and m.group(1) in names:
             comps[m.group(1)] = block
     return comps
-
-
-def collectives(text: str, op: str) -> list[str]:
-    """Result shapes (layouts dropped) of the `op` instructions in `text`, e.g.
-    `['f32[1,16,64]', '(f32[64,16], f32[16])']`."""
-    found = []
-    for line in text.splitlines():
-        m = re.search(rf"= (.*?) {op}(?:-start)?\(", line)
-        if m:
-            found.append(re.sub(r"\{[^}]*\}", "", m.group(1)))
-    return found
 
 
 def run(name, mesh_shape, fsdp_axis):

@@ -9,9 +9,8 @@ them in interleaved, shuffled rounds. Ratios are taken within a round, then the
 median over rounds is reported.
 """
 
-import gc
+import functools
 import json
-import random
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -26,6 +25,7 @@ from .._auto import explain_auto, SHORT_SCAN, SMALL_RESIDUALS
 from .._engine import AUTO_POLICY
 from .._mlp import StackedMLP
 from .._recurrent import Recurrent
+from ._measure import time_interleaved
 
 
 #: Explicit settings the default is compared with: `(checkpoint, unroll)`.
@@ -135,19 +135,8 @@ def measure_point(kind: str, size: tuple, rounds: int, seed: int = 0) -> dict:
     once = max(time.perf_counter() - t0, 1e-6)
     calls = max(1, min(20, int(0.002 / once)))
     rounds = max(rounds, min(MAX_ROUNDS, int(ROUND_BUDGET_S / (len(variants) * once))))
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    order = list(variants)
-    rng = random.Random(seed)
-    for _ in range(rounds):
-        rng.shuffle(order)
-        gc.collect()
-        for name in order:
-            fn, m = compiled[name]
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                out = fn(m, *inputs)
-            jax.block_until_ready(out)
-            times[name].append((time.perf_counter() - t0) / calls)
+    steps = {k: functools.partial(fn, m, *inputs) for k, (fn, m) in compiled.items()}
+    times = time_interleaved(steps, rounds, seed=seed, calls=calls)
     return {
         "kind": kind,
         "size": list(size),

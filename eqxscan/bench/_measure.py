@@ -5,6 +5,7 @@
 that nothing compiled earlier is reused.
 """
 
+import functools
 import gc
 import random
 import statistics
@@ -247,16 +248,44 @@ def measure_steps(
     for _ in range(WARMUP):
         for fn, params in steps.values():
             jax.block_until_ready(fn(params, x, y))
-    times: dict[str, list[float]] = {name: [] for name in names}
-    order = list(names)
+    return time_interleaved(
+        {
+            name: functools.partial(fn, params, x, y)
+            for name, (fn, params) in steps.items()
+        },
+        repeats,
+        seed=seed,
+        on_round=on_round,
+    )
+
+
+def time_interleaved(
+    steps: dict[str, Callable[[], Any]],
+    rounds: int,
+    *,
+    seed: int = 0,
+    calls: int = 1,
+    on_round: Callable[[], None] = lambda: None,
+) -> dict[str, list[float]]:
+    """Seconds per call of every step, measured in `rounds` rounds in which each
+    step runs `calls` times (to `block_until_ready`), in a freshly shuffled order.
+    Interleaving spreads the machine's noise evenly over the steps.
+
+    **Returns:**
+
+    `{name: [seconds per call] * rounds}`.
+    """
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    order = list(steps)
     rng = random.Random(seed)
-    for _ in range(repeats):
+    for _ in range(rounds):
         rng.shuffle(order)
         gc.collect()
         for name in order:
-            fn, params = steps[name]
             t0 = time.perf_counter()
-            jax.block_until_ready(fn(params, x, y))
-            times[name].append(time.perf_counter() - t0)
+            for _ in range(calls):
+                out = steps[name]()
+            jax.block_until_ready(out)
+            times[name].append((time.perf_counter() - t0) / calls)
         on_round()
     return times

@@ -9,9 +9,8 @@ with the fastest fitting one by measurement.
 
 import argparse
 import dataclasses
-import gc
+import functools
 import json
-import random
 import statistics
 import sys
 import time
@@ -24,7 +23,7 @@ import jax
 
 from .._budget import choose, fit_remat, RematTable
 from ._impls import mse
-from ._measure import registry
+from ._measure import registry, time_interleaved
 
 
 def _step(model: Any, x: jax.Array, y: jax.Array) -> Any:
@@ -35,16 +34,8 @@ def _time_all(table: RematTable, leaves: list, rounds: int) -> dict[int, float]:
     programs = {id(c.compiled): c.compiled for c in table.candidates}
     for compiled in programs.values():
         jax.block_until_ready(compiled(leaves))
-    times: dict[int, list[float]] = {k: [] for k in programs}
-    order = list(programs)
-    rng = random.Random(0)
-    for _ in range(rounds):
-        rng.shuffle(order)
-        gc.collect()
-        for k in order:
-            t0 = time.perf_counter()
-            jax.block_until_ready(programs[k](leaves))
-            times[k].append(time.perf_counter() - t0)
+    steps = {k: functools.partial(p, leaves) for k, p in programs.items()}
+    times = time_interleaved(steps, rounds)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
