@@ -116,8 +116,9 @@ def decide(
     """Resolve `"auto"` in `checkpoint` and/or `unroll`; explicit values pass through.
 
     - `unroll="auto"`: `True` (unroll fully) for at most `SHORT_SCAN` steps of
-      under `UNROLL_FLOPS` each, else 1: unrolling by 2, 4 or 8 was not faster
-      beyond the noise on CPU, and each unrolled step keeps its own residuals.
+      under `UNROLL_FLOPS` each, else 1: unrolling by 2 helped some cells and
+      slowed others of the same cost, and each unrolled step keeps its own
+      residuals (docs/default-checkpoint.md).
     - `checkpoint="auto"`: `False` when unrolled fully (the loop's program: XLA
       fuses what it need not save). Otherwise save everything (`False`) when a
       plain scan's residuals are at most `SMALL_RESIDUALS` and at most
