@@ -30,10 +30,10 @@ from ._stateful import clone
 #: step's shapes (eqxscan/_auto.py; docs/default-checkpoint.md).
 AUTO_POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 
-#: What `checkpoint="offload"` means: the same values as "auto" are kept, but in
-#: host memory ("pinned_host") rather than on the device; XLA copies them back
-#: for the backward pass. Where device and host memory are one (the CPU backend)
-#: the placement is a no-op and the program matches "auto".
+#: What `checkpoint="offload"` means: the values `AUTO_POLICY` keeps, but in host
+#: memory ("pinned_host") rather than on the device; XLA copies them back for the
+#: backward pass. Where device and host memory are one (the CPU backend) the
+#: placement is a no-op and the program matches `AUTO_POLICY`'s.
 OFFLOAD_POLICY = jax.checkpoint_policies.offload_dot_with_no_batch_dims(
     "device", "pinned_host"
 )
