@@ -49,6 +49,16 @@ MATMUL_DOMINATED = 1.2
 #: a second forward pass at every size.
 FULL_REMAT_PLATFORMS = ("cpu",)
 FULL_REMAT_FLOPS = 10**7
+#: ... and, on those platforms, at any step size when the matmul outputs alone
+#: would take more than this (bytes per step × length). Writing them in the
+#: forward pass and reading them back in the backward pass then cost as much as
+#: recomputing: in three quiet grid runs full remat took 0.95x the policy's time
+#: for a GRU of 256 over 300 steps (131 MiB of matmul outputs), 0.91-1.01x for
+#: the LSTM (169 MiB), and 1.01x for the 64-layer Transformer bench (72 MiB),
+#: with 0.17-0.41x its temp memory. Below it the two traded places by up to 13%
+#: either way (the policy ahead for cells over 30 steps and MLPs of width 128,
+#: remat for width 256), so the FLOPs bound above decides there.
+FULL_REMAT_RESIDUALS = 64 * 2**20
 #: Scans of at most `SHORT_SCAN` steps of under `UNROLL_FLOPS` each are unrolled
 #: fully (`unroll=True`: the loop's own program, at most `SHORT_SCAN` bodies). At
 #: such sizes a scan's per-step cost (slicing each layer's weights out of the
@@ -123,8 +133,8 @@ def decide(
       fuses what it need not save). Otherwise save everything (`False`) when a
       plain scan's residuals are at most `SMALL_RESIDUALS` and at most
       `MATMUL_DOMINATED` times what `policy` saves; otherwise full remat (`True`)
-      for steps under `FULL_REMAT_FLOPS` on `FULL_REMAT_PLATFORMS`, and `policy`
-      elsewhere.
+      on `FULL_REMAT_PLATFORMS` for steps under `FULL_REMAT_FLOPS` or when what
+      `policy` saves exceeds `FULL_REMAT_RESIDUALS`, and `policy` elsewhere.
     """
     reasons = []
     if unroll == "auto":
@@ -159,12 +169,20 @@ def decide(
                 if total > SMALL_RESIDUALS
                 else f"more than {MATMUL_DOMINATED}x"
             )
-            small_step = cost.flops < FULL_REMAT_FLOPS
-            if platform in FULL_REMAT_PLATFORMS and small_step:
+            policy_total = cost.policy_saved_bytes * cost.length
+            if platform in FULL_REMAT_PLATFORMS and cost.flops < FULL_REMAT_FLOPS:
                 checkpoint = True
                 what = (
                     f"on {platform}, with {cost.flops:.3g} FLOPs per step "
                     f"(< {FULL_REMAT_FLOPS:.0e}), recompute the whole step"
+                )
+            elif (
+                platform in FULL_REMAT_PLATFORMS and policy_total > FULL_REMAT_RESIDUALS
+            ):
+                checkpoint = True
+                what = (
+                    f"on {platform}, with more than {_mib(FULL_REMAT_RESIDUALS)} "
+                    "of matmul outputs, recompute the whole step"
                 )
             else:
                 checkpoint = policy

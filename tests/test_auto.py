@@ -52,6 +52,21 @@ def test_big_steps_keep_matmul_outputs_on_cpu_too():
     assert _auto.decide(small, "auto", 1, POLICY, "gpu")[0] is POLICY
 
 
+def test_large_matmul_outputs_recompute_on_cpu():
+    # Big steps (so not the FLOPs rule), length 8: the policy's total is
+    # 8 x policy_saved_bytes, compared with FULL_REMAT_RESIDUALS.
+    limit = _auto.FULL_REMAT_RESIDUALS // 8
+    big = dict(flops=_auto.FULL_REMAT_FLOPS, saved_bytes=2 * limit)
+    at = cost(policy_saved_bytes=limit, **big)
+    over = cost(policy_saved_bytes=limit + 1, **big)
+    assert _auto.decide(at, "auto", 1, POLICY, "cpu")[0] is POLICY
+    assert _auto.decide(over, "auto", 1, POLICY, "cpu")[0] is True
+    assert _auto.decide(over, "auto", 1, POLICY, "gpu")[0] is POLICY
+    assert (
+        "64.00 MiB of matmul outputs" in _auto.decide(over, "auto", 1, POLICY, "cpu")[2]
+    )
+
+
 def test_over_the_elementwise_ratio_recomputes():
     ratio = _auto.MATMUL_DOMINATED
     at = cost(saved_bytes=int(1000 * ratio), policy_saved_bytes=1000)
