@@ -87,6 +87,8 @@ class RematCandidate:
     estimated_s: float
     compiled: Any = dataclasses.field(repr=False, compare=False)
     measured_s: float | None = None
+    #: The `unroll=` tried with this setting; `None`: the model's own.
+    unroll: int | bool | Literal["auto"] | None = None
 
     @property
     def device_bytes(self) -> int:
@@ -164,14 +166,23 @@ def _is_scan(x: Any) -> bool:
     return isinstance(x, Scanning)
 
 
-def with_checkpoint(model: Any, checkpoint: Any) -> Any:
-    """`model` with `checkpoint` set on every scanning module in it (`Stacked`,
-    `Chain`, `Recurrent`, `StackedMLP`; the outermost ones, which pass it on)."""
+def with_checkpoint(model: Any, checkpoint: Any, unroll: Any = None) -> Any:
+    """`model` with `checkpoint` (and `unroll`, unless `None`) set on every
+    scanning module in it (`Stacked`, `Chain`, `Recurrent`, `StackedMLP`; the
+    outermost ones, which pass it on)."""
+    options = {"checkpoint": checkpoint}
+    if unroll is not None:
+        options["unroll"] = unroll
     return jtu.tree_map(
-        lambda x: x.with_options(checkpoint=checkpoint) if _is_scan(x) else x,
+        lambda x: x.with_options(**options) if _is_scan(x) else x,
         model,
         is_leaf=_is_scan,
     )
+
+
+def _label(checkpoint: Any, unroll: Any) -> str:
+    label = checkpoint_label(checkpoint)
+    return label if unroll is None else f"{label}, unroll={unroll!r}"
 
 
 def _lower(step: Callable, model: Any, args: tuple) -> tuple[Any, list]:
@@ -187,14 +198,18 @@ def _lower(step: Callable, model: Any, args: tuple) -> tuple[Any, list]:
     return jax.jit(train_step).lower(leaves), leaves
 
 
-def _time(compiled: Any, leaves: list, repeats: int) -> float:
-    jax.block_until_ready(compiled(leaves))
-    times = []
+def _time(programs: list, leaves: list, repeats: int) -> list[float]:
+    """Median seconds per run of each compiled program, over `repeats` rounds in
+    which each runs once (interleaved, so that drift hits all alike)."""
+    for compiled in programs:
+        jax.block_until_ready(compiled(leaves))  # warm-up
+    times: list[list[float]] = [[] for _ in programs]
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(leaves))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for compiled, mine in zip(programs, times):
+            t0 = time.perf_counter()
+            jax.block_until_ready(compiled(leaves))
+            mine.append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
 
 
 @overload
@@ -205,6 +220,7 @@ def fit_remat(
     *args: Any,
     table: Literal[False] = False,
     candidates: Sequence[Any] = CANDIDATES,
+    unrolls: Sequence[int | bool | Literal["auto"]] | None = None,
     peak: Peak | None = None,
     time_steps: int = 0,
 ) -> Any: ...
@@ -218,6 +234,7 @@ def fit_remat(
     *args: Any,
     table: Literal[True],
     candidates: Sequence[Any] = CANDIDATES,
+    unrolls: Sequence[int | bool | Literal["auto"]] | None = None,
     peak: Peak | None = None,
     time_steps: int = 0,
 ) -> tuple[Any, RematTable]: ...
@@ -230,6 +247,7 @@ def fit_remat(
     *args: Any,
     table: bool = False,
     candidates: Sequence[Any] = CANDIDATES,
+    unrolls: Sequence[int | bool | Literal["auto"]] | None = None,
     peak: Peak | None = None,
     time_steps: int = 0,
 ) -> Any:
@@ -258,6 +276,9 @@ def fit_remat(
     - `table`: also return a [`eqxscan.RematTable`][] of every candidate.
     - `candidates`: the `checkpoint=` settings to try, default `"auto"`,
       `dots_saveable`, `"offload"`, `True`, `"nested"` and `False`.
+    - `unrolls`: `unroll=` values to try with every candidate, e.g. `(1, 2)`;
+      comparing several needs `time_steps` (XLA's cost analysis counts a loop
+      body once, so it cannot rank them). Default `None`: keep the model's own.
     - `peak`: the device's FLOP/s and bytes/s for the estimate; default: from a
       small table of GPUs and TPUs, or a generic ratio on other devices.
     - `time_steps`: if positive, run every fitting candidate this many times
@@ -265,8 +286,8 @@ def fit_remat(
 
     **Returns:**
 
-    `model` with the chosen setting on all its scans; with `table=True`,
-    `(model, table)`.
+    `model` with the chosen setting (and `unroll`, with `unrolls`) on all its
+    scans; with `table=True`, `(model, table)`.
 
     **Raises:**
 
@@ -285,6 +306,14 @@ def fit_remat(
         )
     if not candidates:
         raise ValueError("fit_remat: candidates is empty.")
+    if unrolls is not None and not unrolls:
+        raise ValueError("fit_remat: unrolls is empty; pass None to keep the model's.")
+    if unrolls is not None and len(set(map(repr, unrolls))) > 1 and time_steps <= 0:
+        raise ValueError(
+            f"fit_remat: comparing unrolls {tuple(unrolls)} needs time_steps > 0.\n"
+            "Hint: XLA's cost analysis counts a loop body once, so an unrolled body "
+            "would look more expensive than it is; time the candidates instead."
+        )
     if peak is None:
         device = jax.devices()[0]
         peak = peak_of(device.device_kind) or FALLBACK
@@ -292,8 +321,10 @@ def fit_remat(
     programs: dict[str, Any] = {}
     results = []
     leaves: list = []
-    for checkpoint in candidates:
-        lowered, leaves = _lower(step, with_checkpoint(model, checkpoint), args)
+    tried: Sequence[Any] = (None,) if unrolls is None else unrolls
+    settings = [(c, u) for c in candidates for u in tried]
+    for checkpoint, unroll in settings:
+        lowered, leaves = _lower(step, with_checkpoint(model, checkpoint, unroll), args)
         text = lowered.as_text()
         if text not in programs:
             programs[text] = lowered.compile()
@@ -305,7 +336,7 @@ def fit_remat(
         results.append(
             RematCandidate(
                 checkpoint=checkpoint,
-                label=checkpoint_label(checkpoint),
+                label=_label(checkpoint, unroll),
                 temp_bytes=int(mem.temp_size_in_bytes),
                 argument_bytes=int(mem.argument_size_in_bytes),
                 output_bytes=int(mem.output_size_in_bytes),
@@ -314,6 +345,7 @@ def fit_remat(
                 bytes_accessed=moved,
                 estimated_s=flops / peak.flops + moved / peak.bytes_per_s,
                 compiled=compiled,
+                unroll=unroll,
             )
         )
 
@@ -324,14 +356,21 @@ def fit_remat(
                 "not jax.ShapeDtypeStruct."
             )
         choose(results, limit)  # raises if nothing fits, before any timing
+        # Each distinct fitting program is timed once; identical ones share it.
+        distinct = {
+            id(c.compiled): c.compiled for c in results if c.device_bytes <= limit
+        }
+        seconds = dict(
+            zip(distinct, _time(list(distinct.values()), leaves, time_steps))
+        )
         results = [
-            dataclasses.replace(c, measured_s=_time(c.compiled, leaves, time_steps))
+            dataclasses.replace(c, measured_s=seconds[id(c.compiled)])
             if c.device_bytes <= limit
             else c
             for c in results
         ]
     best = choose(results, limit, measured=time_steps > 0)
-    chosen = with_checkpoint(model, best.checkpoint)
+    chosen = with_checkpoint(model, best.checkpoint, best.unroll)
     if table:
         return chosen, RematTable(limit, tuple(results), best, len(programs))
     return chosen

@@ -198,6 +198,59 @@ def test_time_steps_chooses_by_measured_time(mlp_problem):
     assert got.blocks.checkpoint is table.chosen.checkpoint
 
 
+def test_unrolls_are_tried_with_every_candidate(getkey):
+    rnn = eqxscan.Recurrent(eqx.nn.GRUCell(3, 8, key=getkey()))
+    h0, xs = jnp.zeros((4, 8)), jax.random.normal(getkey(), (4, 10, 3))
+    step = eqx.filter_value_and_grad(
+        lambda m, h0, xs: jnp.mean(jax.vmap(m)(h0, xs)[1] ** 2)
+    )
+    got, table = eqxscan.fit_remat(
+        rnn,
+        step,
+        "1GiB",
+        h0,
+        xs,
+        table=True,
+        candidates=(True, False),
+        unrolls=(1, 2),
+        time_steps=3,
+    )
+    assert [c.label for c in table.candidates] == [
+        "True, unroll=1",
+        "True, unroll=2",
+        "False, unroll=1",
+        "False, unroll=2",
+    ]
+    assert table.compiles == 4  # unrolling changes the program
+    assert table.chosen.measured_s == min(c.measured_s for c in table.candidates)
+    assert (got.checkpoint, got.unroll) == (
+        table.chosen.checkpoint,
+        table.chosen.unroll,
+    )
+    # Only the settings change: the same loss and gradients.
+    leaves = lambda m: jax.tree.leaves(eqx.filter(step(m, h0, xs), eqx.is_array))
+    assert tree_allclose(leaves(got), leaves(rnn), rtol=1e-5)
+    # Without `unrolls` the model's own unroll is kept, and labels say nothing.
+    kept, table = eqxscan.fit_remat(
+        rnn.with_options(unroll=3),
+        step,
+        "1GiB",
+        h0,
+        xs,
+        table=True,
+        candidates=(True,),
+    )
+    assert kept.unroll == 3 and table.chosen.label == "True"
+    with pytest.raises(ValueError, match="unrolls is empty"):
+        eqxscan.fit_remat(rnn, step, "1GiB", h0, xs, unrolls=())
+    with pytest.raises(ValueError, match=r"unrolls \(1, 2\) needs time_steps > 0"):
+        eqxscan.fit_remat(rnn, step, "1GiB", h0, xs, unrolls=(1, 2))
+    one, table = eqxscan.fit_remat(  # a single unroll needs no timing
+        rnn, step, "1GiB", h0, xs, table=True, candidates=(True,), unrolls=(2,)
+    )
+    assert one.unroll == 2 and table.chosen.measured_s is None
+
+
 def test_every_scan_in_the_model_gets_the_setting(getkey):
     models = _elman_model(getkey())
     x = jax.random.normal(getkey(), (5, 4))
