@@ -52,12 +52,12 @@ FULL_REMAT_FLOPS = 10**7
 #: ... and, on those platforms, at any step size when the matmul outputs alone
 #: would take more than this (bytes per step × length). Writing them in the
 #: forward pass and reading them back in the backward pass then cost as much as
-#: recomputing: in three quiet grid runs full remat took 0.95x the policy's time
-#: for a GRU of 256 over 300 steps (131 MiB of matmul outputs), 0.91-1.01x for
-#: the LSTM (169 MiB), and 1.01x for the 64-layer Transformer bench (72 MiB),
-#: with 0.17-0.41x its temp memory. Below it the two traded places by up to 13%
-#: either way (the policy ahead for cells over 30 steps and MLPs of width 128,
-#: remat for width 256), so the FLOPs bound above decides there.
+#: recomputing: in five quiet grid runs full remat took 0.90-0.97x the policy's
+#: time for a GRU of 256 over 300 steps (131 MiB of matmul outputs) and
+#: 0.94-1.02x for the LSTM (169 MiB), and 1.01x for the 64-layer Transformer
+#: bench (72 MiB), with 0.17-0.40x its temp memory. Below it the two traded
+#: places by up to 13% either way (the policy ahead for cells over 30 steps and
+#: MLPs of width 128, remat for width 256), so the FLOPs bound decides there.
 FULL_REMAT_RESIDUALS = 64 * 2**20
 #: Scans of at most `SHORT_SCAN` steps of under `UNROLL_FLOPS` each are unrolled
 #: fully (`unroll=True`: the loop's own program, at most `SHORT_SCAN` bodies). At
