@@ -166,7 +166,9 @@ def _is_scan(x: Any) -> bool:
     return isinstance(x, Scanning)
 
 
-def with_checkpoint(model: Any, checkpoint: Any, unroll: Any = None) -> Any:
+def with_checkpoint(
+    model: Any, checkpoint: Any, unroll: int | bool | Literal["auto"] | None = None
+) -> Any:
     """`model` with `checkpoint` (and `unroll`, unless `None`) set on every
     scanning module in it (`Stacked`, `Chain`, `Recurrent`, `StackedMLP`; the
     outermost ones, which pass it on)."""
@@ -180,7 +182,7 @@ def with_checkpoint(model: Any, checkpoint: Any, unroll: Any = None) -> Any:
     )
 
 
-def _label(checkpoint: Any, unroll: Any) -> str:
+def _label(checkpoint: Any, unroll: int | bool | Literal["auto"] | None) -> str:
     label = checkpoint_label(checkpoint)
     return label if unroll is None else f"{label}, unroll={unroll!r}"
 
@@ -281,8 +283,9 @@ def fit_remat(
       body once, so it cannot rank them). Default `None`: keep the model's own.
     - `peak`: the device's FLOP/s and bytes/s for the estimate; default: from a
       small table of GPUs and TPUs, or a generic ratio on other devices.
-    - `time_steps`: if positive, run every fitting candidate this many times
-      (after one warm-up run) and choose by the median measured time instead.
+    - `time_steps`: if positive, run every distinct fitting program this many
+      times (after one warm-up run), in interleaved rounds, and choose by the
+      median measured time instead.
 
     **Returns:**
 
