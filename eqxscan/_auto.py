@@ -169,21 +169,21 @@ def decide(
                 if total > SMALL_RESIDUALS
                 else f"more than {MATMUL_DOMINATED}x"
             )
-            policy_total = cost.policy_saved_bytes * cost.length
-            if platform in FULL_REMAT_PLATFORMS and cost.flops < FULL_REMAT_FLOPS:
+            # Full remat on the platforms where it pays: small steps, or more
+            # matmul outputs than are worth writing out and reading back.
+            remat_because = None
+            if platform in FULL_REMAT_PLATFORMS:
+                if cost.flops < FULL_REMAT_FLOPS:
+                    remat_because = (
+                        f"{cost.flops:.3g} FLOPs per step (< {FULL_REMAT_FLOPS:.0e})"
+                    )
+                elif cost.policy_saved_bytes * cost.length > FULL_REMAT_RESIDUALS:
+                    remat_because = (
+                        f"more than {_mib(FULL_REMAT_RESIDUALS)} of matmul outputs"
+                    )
+            if remat_because is not None:
                 checkpoint = True
-                what = (
-                    f"on {platform}, with {cost.flops:.3g} FLOPs per step "
-                    f"(< {FULL_REMAT_FLOPS:.0e}), recompute the whole step"
-                )
-            elif (
-                platform in FULL_REMAT_PLATFORMS and policy_total > FULL_REMAT_RESIDUALS
-            ):
-                checkpoint = True
-                what = (
-                    f"on {platform}, with more than {_mib(FULL_REMAT_RESIDUALS)} "
-                    "of matmul outputs, recompute the whole step"
-                )
+                what = f"on {platform}, with {remat_because}, recompute the whole step"
             else:
                 checkpoint = policy
                 what = "save matmul outputs and recompute the rest"

@@ -6,9 +6,9 @@ keeps the cheapest program that fits.
 """
 
 import dataclasses
+import functools
 import re
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, overload
 
@@ -19,6 +19,7 @@ import jax.tree_util as jtu
 from ._checks import is_arraylike
 from ._devices import FALLBACK, Peak, peak_of
 from ._options import Scanning
+from ._timing import time_interleaved
 
 
 #: The settings tried by default, from most saved to least: "auto", a policy
@@ -201,17 +202,13 @@ def _lower(step: Callable, model: Any, args: tuple) -> tuple[Any, list]:
 
 
 def _time(programs: list, leaves: list, repeats: int) -> list[float]:
-    """Median seconds per run of each compiled program, over `repeats` rounds in
-    which each runs once (interleaved, so that drift hits all alike)."""
+    """Median seconds per run of each compiled program over `repeats`
+    interleaved rounds, after one warm-up run each."""
     for compiled in programs:
-        jax.block_until_ready(compiled(leaves))  # warm-up
-    times: list[list[float]] = [[] for _ in programs]
-    for _ in range(repeats):
-        for compiled, mine in zip(programs, times):
-            t0 = time.perf_counter()
-            jax.block_until_ready(compiled(leaves))
-            mine.append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times]
+        jax.block_until_ready(compiled(leaves))
+    steps = {str(i): functools.partial(c, leaves) for i, c in enumerate(programs)}
+    times = time_interleaved(steps, repeats)
+    return [statistics.median(times[name]) for name in steps]
 
 
 @overload

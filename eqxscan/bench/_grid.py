@@ -25,7 +25,7 @@ from .._auto import explain_auto, SHORT_SCAN, SMALL_RESIDUALS
 from .._engine import AUTO_POLICY
 from .._mlp import StackedMLP
 from .._recurrent import Recurrent
-from ._measure import time_interleaved
+from .._timing import time_interleaved
 
 
 #: Explicit settings the default is compared with: `(checkpoint, unroll)`.

@@ -6,8 +6,6 @@ that nothing compiled earlier is reused.
 """
 
 import functools
-import gc
-import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -19,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._mlp import StackedMLP
+from .._timing import time_interleaved
 from ._impls import Impl, IMPLS, LOOP
 
 
@@ -257,35 +256,3 @@ def measure_steps(
         seed=seed,
         on_round=on_round,
     )
-
-
-def time_interleaved(
-    steps: dict[str, Callable[[], Any]],
-    rounds: int,
-    *,
-    seed: int = 0,
-    calls: int = 1,
-    on_round: Callable[[], None] = lambda: None,
-) -> dict[str, list[float]]:
-    """Seconds per call of every step, measured in `rounds` rounds in which each
-    step runs `calls` times (to `block_until_ready`), in a freshly shuffled order.
-    Interleaving spreads the machine's noise evenly over the steps.
-
-    **Returns:**
-
-    `{name: [seconds per call] * rounds}`.
-    """
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    order = list(steps)
-    rng = random.Random(seed)
-    for _ in range(rounds):
-        rng.shuffle(order)
-        gc.collect()
-        for name in order:
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                out = steps[name]()
-            jax.block_until_ready(out)
-            times[name].append((time.perf_counter() - t0) / calls)
-        on_round()
-    return times

@@ -22,8 +22,9 @@ import equinox as eqx
 import jax
 
 from .._budget import choose, fit_remat, RematTable
+from .._timing import time_interleaved
 from ._impls import mse
-from ._measure import registry, time_interleaved
+from ._measure import registry
 
 
 def _step(model: Any, x: jax.Array, y: jax.Array) -> Any:

@@ -1,0 +1,42 @@
+"""Timing compiled steps: interleaved rounds, so that the machine's noise falls
+evenly on every step (used by `fit_remat` and by the benchmarks)."""
+
+import gc
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+
+def time_interleaved(
+    steps: dict[str, Callable[[], Any]],
+    rounds: int,
+    *,
+    seed: int = 0,
+    calls: int = 1,
+    on_round: Callable[[], None] = lambda: None,
+) -> dict[str, list[float]]:
+    """Seconds per call of every step, measured in `rounds` rounds in which each
+    step runs `calls` times (to `block_until_ready`), in a freshly shuffled order.
+    Interleaving spreads the machine's noise evenly over the steps.
+
+    **Returns:**
+
+    `{name: [seconds per call] * rounds}`.
+    """
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    order = list(steps)
+    rng = random.Random(seed)
+    for _ in range(rounds):
+        rng.shuffle(order)
+        gc.collect()
+        for name in order:
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                out = steps[name]()
+            jax.block_until_ready(out)
+            times[name].append((time.perf_counter() - t0) / calls)
+        on_round()
+    return times
