@@ -39,15 +39,17 @@ SMALL_RESIDUALS = 4 * 2**20
 #: (1.14× the policy's bytes) 1.09×, an LSTM cell (1.22×) 1.50×, an MLP block
 #: (5.4×) 1.2-1.75×; the threshold keeps the first and excludes the others.
 MATMUL_DOMINATED = 1.2
-#: Platforms where "auto" recomputes small steps fully rather than with the
-#: matmul-saving policy, and the bound on "small" (FLOPs per step). In two quiet
+#: Platforms where the rules measured on the CPU grid apply: full remat for small
+#: steps and for large matmul outputs, and saving everything when matmul outputs
+#: are nearly all a plain scan saves. On accelerators matmuls dominate, and the
+#: matmul-saving policy avoids a second forward pass at every size.
+CPU_PLATFORMS = ("cpu",)
+#: On those platforms, full remat for steps of fewer FLOPs than this. In two quiet
 #: runs of the CPU grid, full remat beat the policy for steps of up to 4.3e6 FLOPs
 #: (narrow MLPs, small GRU/LSTM cells: the policy took 1.01-1.22× its time), with
 #: the least memory; at 1.7e7-3.5e7 FLOPs (MLP width 128, cells of 256) the policy
 #: was as fast or faster (0.91-1.00×, once 1.05-1.11×), and beyond, the two were
-#: within 10% either way. On accelerators matmuls dominate, and the policy avoids
-#: a second forward pass at every size.
-FULL_REMAT_PLATFORMS = ("cpu",)
+#: within 10% either way.
 FULL_REMAT_FLOPS = 10**7
 #: ... and, on those platforms, at any step size when the matmul outputs alone
 #: would take more than this (bytes per step × length). Writing them in the
@@ -59,6 +61,14 @@ FULL_REMAT_FLOPS = 10**7
 #: places by up to 13% either way (the policy ahead for cells over 30 steps and
 #: MLPs of width 128, remat for width 256), so the FLOPs bound decides there.
 FULL_REMAT_RESIDUALS = 64 * 2**20
+#: ... and, on those platforms, save everything at any size when a plain scan
+#: saves at most this many times what the policy keeps (recurrent cells: GRU
+#: 1.14×, LSTM 1.22×). The policy would keep over 80% of it anyway; recomputing
+#: the rest saves little memory and costs a pass over the step's elementwise
+#: work. For GRU/LSTM cells of 256 and 512 over 30-60 steps, saving everything
+#: took 0.90-1.01× the policy's time (0.97 typical), with 1.15-1.2× its temp
+#: memory and 0.33-0.77× the unrolled loop's.
+NEARLY_ALL_MATMUL = 1.25
 #: Scans of at most `SHORT_SCAN` steps of under `UNROLL_FLOPS` each are unrolled
 #: fully (`unroll=True`: the loop's own program, at most `SHORT_SCAN` bodies). At
 #: such sizes a scan's per-step cost (slicing each layer's weights out of the
@@ -132,9 +142,11 @@ def decide(
     - `checkpoint="auto"`: `False` when unrolled fully (the loop's program: XLA
       fuses what it need not save). Otherwise save everything (`False`) when a
       plain scan's residuals are at most `SMALL_RESIDUALS` and at most
-      `MATMUL_DOMINATED` times what `policy` saves; otherwise full remat (`True`)
-      on `FULL_REMAT_PLATFORMS` for steps under `FULL_REMAT_FLOPS` or when what
-      `policy` saves exceeds `FULL_REMAT_RESIDUALS`, and `policy` elsewhere.
+      `MATMUL_DOMINATED` times what `policy` saves. Otherwise, on `CPU_PLATFORMS`:
+      full remat (`True`) for steps under `FULL_REMAT_FLOPS` or when what
+      `policy` saves exceeds `FULL_REMAT_RESIDUALS`, else save everything when
+      that is at most `NEARLY_ALL_MATMUL` times what `policy` saves. Elsewhere
+      `policy`.
     """
     reasons = []
     if unroll == "auto":
@@ -171,8 +183,8 @@ def decide(
             )
             # Full remat on the platforms where it pays: small steps, or more
             # matmul outputs than are worth writing out and reading back.
-            remat_because = None
-            if platform in FULL_REMAT_PLATFORMS:
+            remat_because, link = None, "so"
+            if platform in CPU_PLATFORMS:
                 if cost.flops < FULL_REMAT_FLOPS:
                     remat_because = (
                         f"{cost.flops:.3g} FLOPs per step (< {FULL_REMAT_FLOPS:.0e})"
@@ -184,10 +196,17 @@ def decide(
             if remat_because is not None:
                 checkpoint = True
                 what = f"on {platform}, with {remat_because}, recompute the whole step"
+            elif platform in CPU_PLATFORMS and ratio <= NEARLY_ALL_MATMUL:
+                checkpoint = False
+                what = (
+                    f"on {platform} at most {NEARLY_ALL_MATMUL}x is nearly all matmul "
+                    "outputs: save everything"
+                )
+                link = "but"
             else:
                 checkpoint = policy
                 what = "save matmul outputs and recompute the rest"
-            reasons.append(f"{facts}: {why}, so {what}")
+            reasons.append(f"{facts}: {why}, {link} {what}")
     return checkpoint, unroll, "; ".join(reasons)
 
 

@@ -67,6 +67,28 @@ def test_large_matmul_outputs_recompute_on_cpu():
     )
 
 
+def test_nearly_all_matmul_outputs_save_everything_on_cpu():
+    # Big steps, more than SMALL_RESIDUALS, matmul outputs under
+    # FULL_REMAT_RESIDUALS: the ratio decides between saving all and the policy.
+    policy = _auto.SMALL_RESIDUALS // 8
+    big = dict(flops=_auto.FULL_REMAT_FLOPS, policy_saved_bytes=policy)
+    at = cost(saved_bytes=int(policy * _auto.NEARLY_ALL_MATMUL), **big)
+    over = cost(saved_bytes=int(policy * _auto.NEARLY_ALL_MATMUL) + 1, **big)
+    assert at.saved_bytes * at.length > _auto.SMALL_RESIDUALS
+    assert _auto.decide(at, "auto", 1, POLICY, "cpu")[0] is False
+    assert "nearly all matmul outputs" in _auto.decide(at, "auto", 1, POLICY, "cpu")[2]
+    assert _auto.decide(over, "auto", 1, POLICY, "cpu")[0] is POLICY
+    assert _auto.decide(at, "auto", 1, POLICY, "gpu")[0] is POLICY
+    # Full remat still wins for small steps and for large matmul outputs.
+    small = cost(saved_bytes=at.saved_bytes, policy_saved_bytes=policy)
+    assert _auto.decide(small, "auto", 1, POLICY, "cpu")[0] is True
+    limit = _auto.FULL_REMAT_RESIDUALS // 8 + 1
+    large = cost(
+        flops=_auto.FULL_REMAT_FLOPS, saved_bytes=limit, policy_saved_bytes=limit
+    )
+    assert _auto.decide(large, "auto", 1, POLICY, "cpu")[0] is True
+
+
 def test_over_the_elementwise_ratio_recomputes():
     ratio = _auto.MATMUL_DOMINATED
     at = cost(saved_bytes=int(1000 * ratio), policy_saved_bytes=1000)
@@ -195,6 +217,27 @@ def test_small_lstm_recomputes():
     assert choice.checkpoint is True
 
 
+def test_recurrent_cells_of_256_save_everything_on_cpu(monkeypatch):
+    # Batch 64, 30 steps: 15-21 MiB of residuals, nearly all matmul outputs, and
+    # steps of 2.6e7-3.5e7 FLOPs (so not the small-step remat).
+    for make, h0 in (
+        (eqx.nn.GRUCell, jnp.zeros((64, 256))),
+        (eqx.nn.LSTMCell, (jnp.zeros((64, 256)),) * 2),
+    ):
+        rnn = jax.vmap(eqxscan.Recurrent(make(8, 256, key=jr.key(0))))
+        xs = jnp.zeros((64, 30, 8))
+        monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+        (choice,) = eqxscan.explain_auto(rnn, h0, xs)
+        c = choice.cost
+        assert c.saved_bytes * c.length > _auto.SMALL_RESIDUALS
+        assert c.flops >= _auto.FULL_REMAT_FLOPS
+        assert c.saved_bytes <= _auto.NEARLY_ALL_MATMUL * c.policy_saved_bytes
+        assert (choice.checkpoint, choice.unroll) == (False, 1)
+        monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+        (choice,) = eqxscan.explain_auto(rnn, h0, xs)
+        assert choice.checkpoint is POLICY
+
+
 @pytest.fixture(scope="module")
 def mlp():
     return eqxscan.StackedMLP(8, 6, key=jr.key(0))
@@ -274,7 +317,7 @@ def _forced(monkeypatch, choice):
     else:
         monkeypatch.setattr(_auto, "SMALL_RESIDUALS", -1)
         if choice == "policy":
-            monkeypatch.setattr(_auto, "FULL_REMAT_PLATFORMS", ())
+            monkeypatch.setattr(_auto, "CPU_PLATFORMS", ())
 
 
 def _value_and_grad(m, *args):
