@@ -201,14 +201,18 @@ def _lower(step: Callable, model: Any, args: tuple) -> tuple[Any, list]:
     return jax.jit(train_step).lower(leaves), leaves
 
 
-def _time(programs: list, leaves: list, repeats: int) -> list[float]:
-    """Median seconds per run of each compiled program over `repeats`
-    interleaved rounds, after one warm-up run each."""
-    for compiled in programs:
+def time_candidates(
+    candidates: Sequence[RematCandidate], leaves: list, repeats: int
+) -> dict[int, float]:
+    """Median seconds per run of each distinct compiled program among
+    `candidates` (keyed by `id(candidate.compiled)`: identical settings share
+    one program), over `repeats` interleaved rounds after one warm-up run each."""
+    programs = {id(c.compiled): c.compiled for c in candidates}
+    for compiled in programs.values():
         jax.block_until_ready(compiled(leaves))
-    steps = {str(i): functools.partial(c, leaves) for i, c in enumerate(programs)}
+    steps = {str(k): functools.partial(c, leaves) for k, c in programs.items()}
     times = time_interleaved(steps, repeats)
-    return [statistics.median(times[name]) for name in steps]
+    return {k: statistics.median(times[str(k)]) for k in programs}
 
 
 @overload
@@ -356,13 +360,8 @@ def fit_remat(
                 "not jax.ShapeDtypeStruct."
             )
         choose(results, limit)  # raises if nothing fits, before any timing
-        # Each distinct fitting program is timed once; identical ones share it.
-        distinct = {
-            id(c.compiled): c.compiled for c in results if c.device_bytes <= limit
-        }
-        seconds = dict(
-            zip(distinct, _time(list(distinct.values()), leaves, time_steps))
-        )
+        fitting = [c for c in results if c.device_bytes <= limit]
+        seconds = time_candidates(fitting, leaves, time_steps)
         results = [
             dataclasses.replace(c, measured_s=seconds[id(c.compiled)])
             if c.device_bytes <= limit

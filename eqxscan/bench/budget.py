@@ -9,9 +9,7 @@ with the fastest fitting one by measurement.
 
 import argparse
 import dataclasses
-import functools
 import json
-import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -21,23 +19,13 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from .._budget import choose, fit_remat, RematTable
-from .._timing import time_interleaved
+from .._budget import choose, fit_remat, time_candidates
 from ._impls import mse
 from ._measure import registry
 
 
 def _step(model: Any, x: jax.Array, y: jax.Array) -> Any:
     return eqx.filter_value_and_grad(lambda m: mse(m(x), y))(model)
-
-
-def _time_all(table: RematTable, leaves: list, rounds: int) -> dict[int, float]:
-    programs = {id(c.compiled): c.compiled for c in table.candidates}
-    for compiled in programs.values():
-        jax.block_until_ready(compiled(leaves))
-    steps = {k: functools.partial(p, leaves) for k, p in programs.items()}
-    times = time_interleaved(steps, rounds)
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def run(
@@ -51,7 +39,7 @@ def run(
     _, table = fit_remat(module, _step, 2**50, x, y, table=True)
     compile_s = time.perf_counter() - t0
     leaves = jax.tree.leaves(eqx.filter((module, (x, y)), eqx.is_array))
-    measured = _time_all(table, leaves, rounds)
+    measured = time_candidates(table.candidates, leaves, rounds)
 
     cands = [
         dataclasses.replace(c, measured_s=measured[id(c.compiled)])
