@@ -33,3 +33,31 @@ def test_tiny_grid_run(monkeypatch, tmp_path, capsys):
     assert "| GRU H=4 T=3 | save-all/full |" in table
     assert (tmp_path / "grid.png").stat().st_size > 0
     assert table in capsys.readouterr().out
+
+
+def test_long_point_extrapolates_the_loops_memory(monkeypatch, tmp_path):
+    # Past `MAX_LOOP_LENGTH` the loop is not compiled at the point's length: its
+    # temp memory is the line through two shorter loops, checked here against the
+    # loops compiled at those lengths and at the full length.
+    monkeypatch.setattr(_grid, "MAX_LOOP_LENGTH", 16)
+    monkeypatch.setattr(_grid, "ROUND_BUDGET_S", 0.0)
+    results = _grid.run_grid(tmp_path, 2, points=[("gru", (4, 32))])
+    (point,) = results["points"]
+    assert "loop" not in point["times"]
+
+    def loop_temp(steps):
+        model, loss, inputs, with_options = _grid._problem("gru", (4, steps))
+        return _grid._temp_bytes(loss, with_options(model, mode="loop"), inputs)[0]
+
+    extrapolated = point["loop_temp_extrapolated"]
+    assert extrapolated["lengths"] == [8, 16]
+    assert extrapolated["bytes"] == [loop_temp(8), loop_temp(16)]
+    assert abs(extrapolated["estimate"] - loop_temp(32)) <= 0.02 * loop_temp(32)
+    # The memory rule and the table use the loop's (extrapolated) memory, not the
+    # plain scan's, which stands in for the loop's step time only.
+    summary = point["summary"]
+    assert summary["reference"] == _grid.REF
+    default = point["temp_bytes"]["default"]
+    assert summary["default_mem_vs_loop"] == default / extrapolated["estimate"]
+    assert "| GRU H=4 T=32* |" in (tmp_path / "grid.md").read_text()
+    assert f"| {extrapolated['estimate'] / 2**20:.2f} | 2 |" in _grid._row(point)
