@@ -4,10 +4,10 @@ For each grid point (a `StackedMLP` of width `D` and depth `L`, or a GRU/LSTM of
 hidden size `H` over `T` steps) one process compiles the train step of the loop
 (`mode="loop"`), of the default (`checkpoint="auto"`, `unroll="auto"`) and of
 every explicit setting in `EXPLICIT` (and, for at most `SHORT_SCAN` steps, full
-unrolling), reads XLA's temp memory of each, and times
-them in interleaved, shuffled rounds. Past `MAX_LOOP_LENGTH` steps the plain scan
-is timed in the loop's place and the loop's memory is extrapolated. Ratios are taken within a round, then the
-median over rounds is reported.
+unrolling), reads XLA's temp memory of each, and times them in interleaved,
+shuffled rounds. Ratios are taken within a round, then the median over rounds is
+reported. Past `MAX_LOOP_LENGTH` steps the plain scan is timed in the loop's place
+and the loop's memory is extrapolated.
 """
 
 import functools
