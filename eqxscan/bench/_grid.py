@@ -97,9 +97,9 @@ def _problem(kind: str, size: tuple) -> tuple[Any, Callable, tuple, Callable]:
     return _rnn_problem(kind, *size)
 
 
-def _temp_bytes(loss: Callable, model: Any, inputs: tuple) -> tuple[int, Any, str]:
-    """XLA's temp memory of the train step, the compiled step (with its float
-    arrays) and the lowered text."""
+def _compile_step(loss: Callable, model: Any, inputs: tuple) -> tuple[int, Any, str]:
+    """Compile the train step: XLA's temp memory, the compiled step (with its
+    float arrays) and the lowered text."""
     # Differentiate the float arrays; the rest is fixed for the compiled step.
     m, static = eqx.partition(model, eqx.is_inexact_array)
     step = jax.value_and_grad(
@@ -117,7 +117,8 @@ def loop_temp_extrapolated(kind: str, size: tuple) -> dict:
     measured = []
     for n in lengths:
         model, loss, inputs, with_options = _problem(kind, (size[0], n))
-        measured.append(_temp_bytes(loss, with_options(model, mode="loop"), inputs)[0])
+        loop = with_options(model, mode="loop")
+        measured.append(_compile_step(loss, loop, inputs)[0])
     slope = (measured[1] - measured[0]) / (lengths[1] - lengths[0])
     estimate = measured[1] + slope * (size[1] - lengths[1])
     return {"lengths": list(lengths), "bytes": measured, "estimate": int(estimate)}
@@ -138,7 +139,7 @@ def measure_point(kind: str, size: tuple, rounds: int, seed: int = 0) -> dict:
     compiled, memory, compile_s, text = {}, {}, {}, {}
     for name, full in variants.items():
         t0 = time.perf_counter()
-        memory[name], compiled[name], text[name] = _temp_bytes(loss, full, inputs)
+        memory[name], compiled[name], text[name] = _compile_step(loss, full, inputs)
         compile_s[name] = time.perf_counter() - t0
         fn, m = compiled[name]
         jax.block_until_ready(fn(m, *inputs))
