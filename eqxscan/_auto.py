@@ -69,15 +69,19 @@ FULL_REMAT_RESIDUALS = 64 * 2**20
 #: took 0.90-1.01× the policy's time (0.97 typical), with 1.15-1.2× its temp
 #: memory and 0.33-0.77× the unrolled loop's.
 NEARLY_ALL_MATMUL = 1.25
-#: Scans of at most `SHORT_SCAN` steps of under `UNROLL_FLOPS` each are unrolled
-#: fully (`unroll=True`: the loop's own program, at most `SHORT_SCAN` bodies). At
-#: such sizes a scan's per-step cost (slicing each layer's weights out of the
-#: stack, writing each gradient back) is not hidden by the step's work: on the
-#: CPU grid at L=4 the loop ran 1.05-1.26x faster than the best scan for MLPs up
-#: to width 256 (6.8e7 FLOPs per step), and the scan matched it at width 1024
-#: (1.1e9) with a third of its memory.
-SHORT_SCAN = 4
-UNROLL_FLOPS = 2 * 10**8
+#: Scans of at most `SHORT_SCAN` steps of under `UNROLL_FLOPS` in all (steps ×
+#: FLOPs per step) are unrolled fully (`unroll=True`: the loop's own program, at
+#: most `SHORT_SCAN` bodies). At such sizes a scan's per-step cost (slicing each
+#: layer's weights out of the stack, writing each gradient back) is not hidden by
+#: the step's work: on the CPU grid at L=4 the loop ran 1.05-1.26x faster than the
+#: best scan for MLPs up to width 256 (6.8e7 FLOPs per step), and in a probe at
+#: L=5-8 the default scan took 1.03-1.15x the loop's time for widths 48-256 and,
+#: over 8 steps, 1.08-1.21x for three GRU/LSTM cells of 64-256. The loop won at
+#: every probed point under 8e8 FLOPs in all but two (by 2-4%), and the scan at
+#: every point above (width 1024 at L=4, widths 320-512 at L=6-8: 0.91-0.96x).
+#: A stack that gathers its sharded layers one per step (FSDP) stays a scan.
+SHORT_SCAN = 8
+UNROLL_FLOPS = 8 * 10**8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,14 +135,22 @@ def _mib(n: int | float) -> str:
 
 
 def decide(
-    cost: StepCost, checkpoint: Any, unroll: Any, policy: Callable, platform: str
+    cost: StepCost,
+    checkpoint: Any,
+    unroll: Any,
+    policy: Callable,
+    platform: str,
+    *,
+    gathered: bool = False,
 ) -> tuple[Checkpoint, int | bool, str]:
     """Resolve `"auto"` in `checkpoint` and/or `unroll`; explicit values pass through.
 
     - `unroll="auto"`: `True` (unroll fully) for at most `SHORT_SCAN` steps of
-      under `UNROLL_FLOPS` each, else 1: unrolling by 2 helped some cells and
-      slowed others of the same cost, and each unrolled step keeps its own
-      residuals (docs/default-checkpoint.md).
+      under `UNROLL_FLOPS` in all, unless each step gathers its own sharded
+      weights (`gathered`, FSDP: unrolled, XLA may gather all of them at once).
+      Else 1: unrolling by 2 helped some cells and slowed others of the same
+      cost, and each unrolled step keeps its own residuals
+      (docs/default-checkpoint.md).
     - `checkpoint="auto"`: `False` when unrolled fully (the loop's program: XLA
       fuses what it need not save). Otherwise save everything (`False`) when a
       plain scan's residuals are at most `SMALL_RESIDUALS` and at most
@@ -150,11 +162,18 @@ def decide(
     """
     reasons = []
     if unroll == "auto":
-        if cost.length <= SHORT_SCAN and cost.flops < UNROLL_FLOPS:
+        total_flops = cost.length * cost.flops
+        if gathered:
+            unroll = 1
+            reasons.append(
+                "each step gathers its own sharded layer (layer_sharding): keep "
+                "the scan, unroll 1"
+            )
+        elif cost.length <= SHORT_SCAN and total_flops < UNROLL_FLOPS:
             unroll = True
             reasons.append(
                 f"{cost.length} steps of {cost.flops:.3g} FLOPs (at most "
-                f"{SHORT_SCAN}, under {UNROLL_FLOPS:.0e}): unroll fully"
+                f"{SHORT_SCAN}, under {UNROLL_FLOPS:.0e} in all): unroll fully"
             )
         else:
             unroll = 1
@@ -333,13 +352,16 @@ def resolve(
     unroll: Any,
     policy: Callable,
     where: str,
+    gathered: bool = False,
 ) -> tuple[Any, Any]:
     """`(checkpoint, unroll)` with any `"auto"` replaced by the rule's choice."""
     if checkpoint != "auto" and unroll != "auto":
         return checkpoint, unroll
     cost = measure(step, carry, xs, length, policy)
     platform = jax.default_backend()
-    checkpoint, unroll, reason = decide(cost, checkpoint, unroll, policy, platform)
+    checkpoint, unroll, reason = decide(
+        cost, checkpoint, unroll, policy, platform, gathered=gathered
+    )
     for record in _RECORDERS:
         record.append(AutoChoice(checkpoint, unroll, reason, cost, where))
     return checkpoint, unroll

@@ -106,6 +106,7 @@ def run(
     options: ScanOptions,
     reverse: bool = False,
     where: Callable[[int | None], str] = lambda i: "step" if i is None else f"step {i}",
+    gathered: bool = False,
 ) -> tuple[PyTree, PyTree]:
     """Run `step` over the leading axis (of length `length`) of the array pytree `xs`.
 
@@ -116,6 +117,8 @@ def run(
       unchanged.
     - `xs`: a pytree of arrays, each with leading axis `length`.
     - `options`: mode, rematerialisation and unroll.
+    - `gathered`: each step gathers its slice of sharded `xs` (FSDP), so
+      `unroll="auto"` keeps the scan: unrolled, XLA may gather every step's at once.
     - `reverse`: consume `xs` last to first; `ys` stays aligned with `xs`.
     - `where`: names step `i` (or every step, for `None`) in error messages.
 
@@ -141,7 +144,7 @@ def run(
         return new_dyn, y_dyn
 
     checkpoint, unroll = resolve(
-        body, c_dyn, xs, length, checkpoint, unroll, AUTO_POLICY, where(None)
+        body, c_dyn, xs, length, checkpoint, unroll, AUTO_POLICY, where(None), gathered
     )
     if unroll is True and not (
         isinstance(checkpoint, ScanCheckpoint) or checkpoint == "nested"

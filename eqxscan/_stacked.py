@@ -608,6 +608,7 @@ def scan_layers(stack: Stacked, x: PyTree, call: LayerCall) -> tuple[PyTree, PyT
         options=stack.options,
         reverse=call.reverse,
         where=where,
+        gathered=sharding is not None,
     )
 
 

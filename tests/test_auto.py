@@ -107,8 +107,16 @@ def test_short_small_scans_unroll_fully_and_save_what_the_loop_saves():
     assert _auto.decide(cost(), "auto", True, POLICY, "cpu")[:2] == (False, True)
     longer = cost(length=_auto.SHORT_SCAN + 1, saved_bytes=10**9)
     assert _auto.decide(longer, "auto", "auto", POLICY, "cpu")[:2] == (True, 1)
-    big = cost(length=2, flops=_auto.UNROLL_FLOPS, saved_bytes=10**9)
-    assert _auto.decide(big, "auto", "auto", POLICY, "cpu")[:2] == (POLICY, 1)
+    # The FLOPs bound is on the whole scan: steps times FLOPs per step.
+    per_step = _auto.UNROLL_FLOPS // _auto.SHORT_SCAN
+    under = cost(length=_auto.SHORT_SCAN, flops=per_step - 1, saved_bytes=10**9)
+    assert _auto.decide(under, "auto", "auto", POLICY, "cpu")[:2] == (False, True)
+    at = cost(length=_auto.SHORT_SCAN, flops=per_step, saved_bytes=10**9)
+    assert _auto.decide(at, "auto", "auto", POLICY, "cpu")[:2] == (POLICY, 1)
+    two = cost(length=2, flops=_auto.UNROLL_FLOPS // 2, saved_bytes=10**9)
+    assert _auto.decide(two, "auto", "auto", POLICY, "cpu")[:2] == (POLICY, 1)
+    fewer = cost(length=2, flops=_auto.UNROLL_FLOPS // 2 - 1, saved_bytes=10**9)
+    assert _auto.decide(fewer, "auto", "auto", POLICY, "cpu")[:2] == (False, True)
     reason = _auto.decide(short, "auto", "auto", POLICY, "cpu")[2]
     assert "unroll fully" in reason and "loop" in reason
 
@@ -131,6 +139,41 @@ def test_full_unroll_is_the_loops_program():
     assert "while" in lowered(_mlp_options(stack, unroll=1))
 
 
+def test_what_is_unrolled_depends_on_depth_and_the_whole_scans_flops():
+    def picked(width, depth, tokens=64):
+        stack = eqxscan.StackedMLP(width, depth, key=jr.key(0))
+        x = jax.ShapeDtypeStruct((tokens, width), jnp.float32)
+        (choice,) = eqxscan.explain_auto(stack, x)
+        return choice
+
+    # 8 small layers: the loop's program; 9: scanned.
+    assert picked(16, _auto.SHORT_SCAN).unroll is True
+    assert picked(16, _auto.SHORT_SCAN + 1).unroll == 1
+    # Width 384 over 64 tokens: 1.5e8 FLOPs a layer, unrolled at 4 layers (6e8 in
+    # all) but not at 8 (1.2e9).
+    four, eight = picked(384, 4), picked(384, 8)
+    assert 4 * four.cost.flops < _auto.UNROLL_FLOPS < 8 * eight.cost.flops
+    assert four.unroll is True and eight.unroll == 1
+    assert "in all" in four.reason
+
+
+def test_a_stack_that_gathers_its_layers_stays_scanned():
+    # FSDP: each step all-gathers one layer. Unrolled, XLA may gather all of them
+    # at once, so "auto" keeps the scan even where it would unroll.
+    short = cost(length=2, saved_bytes=10**9)
+    assert _auto.decide(short, "auto", "auto", POLICY, "cpu")[1] is True
+    got = _auto.decide(short, "auto", "auto", POLICY, "cpu", gathered=True)
+    assert got[1] == 1 and "layer_sharding" in got[2]
+    assert _auto.decide(short, "auto", True, POLICY, "cpu", gathered=True)[1] is True
+    stack = eqxscan.StackedMLP(8, 3, key=jr.key(0))
+    mesh = jax.make_mesh((1,), ("fsdp",))
+    sharded = eqxscan.sharding.gather_layers(stack, mesh)
+    x = jnp.ones((2, 8))
+    (plain,) = eqxscan.explain_auto(stack, x)
+    (gathered,) = eqxscan.explain_auto(sharded, x)
+    assert plain.unroll is True and gathered.unroll == 1
+
+
 def test_decide_leaves_explicit_values_alone():
     c = cost(saved_bytes=10**9)
     for checkpoint in (False, True, POLICY, "nested"):
@@ -140,7 +183,7 @@ def test_decide_leaves_explicit_values_alone():
 
 
 def test_reason_names_the_numbers():
-    reason = _auto.decide(cost(), "auto", "auto", POLICY, "cpu")[2]
+    reason = _auto.decide(cost(length=12), "auto", "auto", POLICY, "cpu")[2]
     assert "save everything" in reason and "MiB" in reason and "unroll 1" in reason
 
 
@@ -191,7 +234,7 @@ def small_gru():
 
 
 def test_small_gru_saves_everything_and_big_one_recomputes(monkeypatch):
-    rnn, h0, xs = small_gru(), jnp.zeros(4), jnp.ones((6, 2))
+    rnn, h0, xs = small_gru(), jnp.zeros(4), jnp.ones((12, 2))
     (choice,) = eqxscan.explain_auto(rnn, h0, xs)
     assert (choice.checkpoint, choice.unroll) == (False, 1)
     assert "GRUCell" in choice.where
@@ -210,10 +253,10 @@ def test_small_lstm_recomputes():
     # intermediates), and took 1.5x the loop's temp memory: over the ratio.
     rnn = eqxscan.Recurrent(eqx.nn.LSTMCell(2, 4, key=jr.key(1)))
     h0 = (jnp.zeros(4), jnp.zeros(4))
-    (choice,) = eqxscan.explain_auto(rnn, h0, jnp.ones((6, 2)))
+    (choice,) = eqxscan.explain_auto(rnn, h0, jnp.ones((12, 2)))
     ratio = choice.cost.saved_bytes / choice.cost.policy_saved_bytes
     assert ratio > _auto.MATMUL_DOMINATED
-    assert choice.cost.saved_bytes * 6 < _auto.SMALL_RESIDUALS
+    assert choice.cost.saved_bytes * 12 < _auto.SMALL_RESIDUALS
     assert choice.checkpoint is True
 
 
@@ -240,7 +283,7 @@ def test_recurrent_cells_of_256_save_everything_on_cpu(monkeypatch):
 
 @pytest.fixture(scope="module")
 def mlp():
-    return eqxscan.StackedMLP(8, 6, key=jr.key(0))
+    return eqxscan.StackedMLP(8, 12, key=jr.key(0))
 
 
 def test_mlp_recomputes_its_elementwise_work(mlp):
@@ -266,7 +309,7 @@ def test_every_chain_group_and_direction_is_explained():
 
 
 def test_explicit_options_always_win():
-    rnn, h0, xs = small_gru(), jnp.zeros(4), jnp.ones((6, 2))
+    rnn, h0, xs = small_gru(), jnp.zeros(4), jnp.ones((12, 2))
     assert (
         eqxscan.explain_auto(rnn.with_options(checkpoint=True, unroll=1), h0, xs) == []
     )
@@ -332,7 +375,7 @@ def _value_and_grad(m, *args):
 
 def _close(a, b):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5)
 
 
 def _mlp_options(m, **options):
@@ -348,7 +391,7 @@ def problems(mlp):
         (mlp, (jr.normal(jr.key(1), (2, 8)),), _mlp_options),
         (
             rnn,
-            (jr.normal(jr.key(2), (4,)), jr.normal(jr.key(3), (5, 2))),
+            (jr.normal(jr.key(2), (4,)), jr.normal(jr.key(3), (12, 2))),
             lambda m, **o: m.with_options(**o),
         ),
     ]

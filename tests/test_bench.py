@@ -168,7 +168,7 @@ def test_targets_are_judged_from_the_numbers():
 
 
 def test_tiny_end_to_end_run(tmp_path, capsys):
-    argv = ["--layers", "5,6", "--dim", "8", "--batch", "2", "--seq", "3"]
+    argv = ["--layers", "9,10", "--dim", "8", "--batch", "2", "--seq", "3"]
     argv += ["--impls", "eqxscan,eqxscan-loop", "--repeats", "3"]
     argv += ["--out", str(tmp_path)]
     assert _cli.main(argv) == 0
@@ -176,21 +176,21 @@ def test_tiny_end_to_end_run(tmp_path, capsys):
     assert results["errors"] == []
     assert results["agreement"]["eqxscan"] <= 1e-5
     assert {(r["impl"], r["layers"]) for r in results["compile"]} == {
-        (n, L) for n in ("eqxscan", "eqxscan-loop") for L in (5, 6)
+        (n, L) for n in ("eqxscan", "eqxscan-loop") for L in (9, 10)
     }
     for row in results["compile"]:
         assert row["total_s"] >= row["compile_s"] > 0 and row["hlo_lines"] > 0
         assert row["temp_bytes"] >= 0 and row["argument_bytes"] > 0
-    # The loop's lowered program grows with depth; the scan's does not (from L=5:
-    # the default unrolls stacks of at most four small layers).
+    # The loop's lowered program grows with depth; the scan's does not (from L=9:
+    # the default unrolls stacks of at most eight small layers).
     lines = {(r["impl"], r["layers"]): r["hlo_lines"] for r in results["compile"]}
-    assert lines["eqxscan", 5] == lines["eqxscan", 6]
-    assert lines["eqxscan-loop", 6] > lines["eqxscan-loop", 5]
-    assert set(results["steps"]) == {"5", "6"}
+    assert lines["eqxscan", 9] == lines["eqxscan", 10]
+    assert lines["eqxscan-loop", 10] > lines["eqxscan-loop", 9]
+    assert set(results["steps"]) == {"9", "10"}
     for per_impl in results["steps"].values():
         assert {len(t) for t in per_impl.values()} == {3}
     md = (tmp_path / "results.md").read_text()
-    assert "### L = 6" in md and "| eqxscan-loop |" in md and "## Targets" in md
+    assert "### L = 10" in md and "| eqxscan-loop |" in md and "## Targets" in md
     assert md in capsys.readouterr().out
     for name in ("compile_time.png", "step_time.png", "temp_memory.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"

@@ -20,7 +20,7 @@ def _mse_step(model, x):
 
 @pytest.fixture(scope="module")
 def mlp_problem():
-    model = eqxscan.StackedMLP(8, 6, key=jax.random.key(0))
+    model = eqxscan.StackedMLP(8, 12, key=jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (4, 5, 8))
     return model, x
 

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from jaxtyping import Array
 
 import eqxscan
+from eqxscan._auto import SHORT_SCAN
 from eqxscan._chain import Period
 from eqxscan._plan import Group, plan
 
@@ -361,10 +362,10 @@ def test_program_size_flat_in_repeats(getkey):
         )
 
     # Groups of more than `SHORT_SCAN` layers: scanned (shorter ones are unrolled).
-    chain5, loop5 = sizes(5)
-    chain8, loop8 = sizes(8)
-    assert chain5 == chain8
-    assert loop8 > loop5
+    chain9, loop9 = sizes(SHORT_SCAN + 1)
+    chain16, loop16 = sizes(16)
+    assert chain9 == chain16
+    assert loop16 > loop9
 
 
 # --- errors -------------------------------------------------------------------

@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import eqxscan
+from eqxscan._auto import SHORT_SCAN
 
 from .helpers import stable_id, tree_allclose
 
@@ -549,18 +550,24 @@ def _lowered_lines(stack, x):
 
 def test_program_size_flat_for_scan_growing_for_loop():
     x = jnp.ones(4)
-    # From L=5 on: "auto" unrolls stacks of at most `SHORT_SCAN` small layers.
-    scan = [_lowered_lines(make_stack(L), x) for L in (5, 8, 32)]
-    loop = [_lowered_lines(make_stack(L, mode="loop"), x) for L in (5, 8, 32)]
+    # From L=9 on: "auto" unrolls stacks of at most `SHORT_SCAN` small layers.
+    depths = (SHORT_SCAN + 1, 16, 32)
+    scan = [_lowered_lines(make_stack(L), x) for L in depths]
+    loop = [_lowered_lines(make_stack(L, mode="loop"), x) for L in depths]
     assert scan[0] == scan[1] == scan[2]
     assert loop[0] < loop[1] < loop[2]
     assert loop[2] > 8 * scan[2] / 2
+    # ... up to which the default is the loop's program.
+    short = make_stack(SHORT_SCAN)
+    assert _lowered_lines(short, x) == _lowered_lines(
+        make_stack(SHORT_SCAN, mode="loop"), x
+    )
 
 
 def test_auto_saves_less_than_plain_scan_and_loop():
     # XLA's temp memory is machine-independent for a given program: the default
     # must beat both the plain scan and the unrolled loop.
-    model = eqxscan.StackedMLP(64, 8, key=jr.key(0))
+    model = eqxscan.StackedMLP(64, 16, key=jr.key(0))
     x = jnp.ones((128, 64))
 
     def temp(blocks_kw):

@@ -34,7 +34,7 @@ EXPLICIT: tuple[tuple[Any, int], ...] = tuple(
     (c, u) for c in (False, AUTO_POLICY, True) for u in (1, 2)
 )
 #: The grid: MLPs `(D, L)` and recurrent cells `(cell, H, T)`.
-MLP_POINTS = [(d, n) for d in (32, 64, 128, 256) for n in (4, 16, 64)] + [(1024, 4)]
+MLP_POINTS = [(d, n) for d in (32, 64, 128, 256) for n in (4, 8, 16, 64)] + [(1024, 4)]
 #: Longest unrolled loop compiled as the baseline: at T=300 the loop's compile
 #: alone takes minutes, so those points time the plain scan (`REF`) in its place,
 #: and take the loop's temp memory as the straight line through the loop's at
