@@ -3,6 +3,9 @@ and compared, the default found to be the same program as an explicit setting.""
 
 import json
 
+import numpy as np
+import pytest
+
 from eqxscan.bench import _cli, _grid
 
 
@@ -28,9 +31,20 @@ def test_tiny_grid_run(monkeypatch, tmp_path, capsys):
     # Three small steps: unrolled fully, which is the loop's program.
     assert gru["choice"]["label"] == "save-all/full"
     assert gru["temp_bytes"]["default"] == gru["temp_bytes"]["loop"]
+    # ... so it is judged at the loop's speed; its own timings show the noise.
+    assert gru["loop_program"] and not mlp["loop_program"]
+    s = gru["summary"]
+    assert s["default_vs_loop"] == 1.0
+    assert s["default_vs_loop_measured"] == pytest.approx(
+        np.median(np.asarray(gru["times"]["default"]) / gru["times"]["loop"])
+    )
+    assert (
+        mlp["summary"]["default_vs_loop"] == mlp["summary"]["default_vs_loop_measured"]
+    )
     table = (tmp_path / "grid.md").read_text()
     assert "| MLP D=8 L=10 | remat/u1 |" in table
-    assert "| GRU H=4 T=3 | save-all/full |" in table
+    assert "| GRU H=4 T=3 | save-all/full | 1.00× |" in table
+    assert f"loop ({s['default_vs_loop_measured']:.2f}×), save-all/full (" in table
     assert (tmp_path / "grid.png").stat().st_size > 0
     assert table in capsys.readouterr().out
 
