@@ -149,9 +149,9 @@ def test_what_is_unrolled_depends_on_depth_and_the_whole_scans_flops():
     # 8 small layers: the loop's program; 9: scanned.
     assert picked(16, _auto.SHORT_SCAN).unroll is True
     assert picked(16, _auto.SHORT_SCAN + 1).unroll == 1
-    # Width 384 over 64 tokens: 1.5e8 FLOPs a layer, unrolled at 4 layers (6e8 in
-    # all) but not at 8 (1.2e9).
-    four, eight = picked(384, 4), picked(384, 8)
+    # Width 64 over 2304 tokens: 1.5e8 FLOPs a layer, unrolled at 4 layers (6e8
+    # in all) but not at 8 (1.2e9).
+    four, eight = picked(64, 4, tokens=2304), picked(64, 8, tokens=2304)
     assert 4 * four.cost.flops < _auto.UNROLL_FLOPS < 8 * eight.cost.flops
     assert four.unroll is True and eight.unroll == 1
     assert "in all" in four.reason
