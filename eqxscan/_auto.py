@@ -162,14 +162,13 @@ def decide(
     """
     reasons = []
     if unroll == "auto":
-        total_flops = cost.length * cost.flops
         if gathered:
             unroll = 1
             reasons.append(
                 "each step gathers its own sharded layer (layer_sharding): keep "
                 "the scan, unroll 1"
             )
-        elif cost.length <= SHORT_SCAN and total_flops < UNROLL_FLOPS:
+        elif cost.length <= SHORT_SCAN and cost.length * cost.flops < UNROLL_FLOPS:
             unroll = True
             reasons.append(
                 f"{cost.length} steps of {cost.flops:.3g} FLOPs (at most "

@@ -117,10 +117,10 @@ def run(
       unchanged.
     - `xs`: a pytree of arrays, each with leading axis `length`.
     - `options`: mode, rematerialisation and unroll.
-    - `gathered`: each step gathers its slice of sharded `xs` (FSDP), so
-      `unroll="auto"` keeps the scan: unrolled, XLA may gather every step's at once.
     - `reverse`: consume `xs` last to first; `ys` stays aligned with `xs`.
     - `where`: names step `i` (or every step, for `None`) in error messages.
+    - `gathered`: each step gathers its slice of sharded `xs` (FSDP), so
+      `unroll="auto"` keeps the scan: unrolled, XLA may gather every step's at once.
 
     **Returns:**
 
