@@ -165,8 +165,9 @@ def decide(
         if gathered:
             unroll = 1
             reasons.append(
-                "each step gathers its own sharded layer (layer_sharding): keep "
-                "the scan, unroll 1"
+                "the layers are sharded (layer_sharding, or Explicit mesh axes "
+                "in their types), so each step may gather its own: keep the "
+                "scan, unroll 1"
             )
         elif cost.length <= SHORT_SCAN and cost.length * cost.flops < UNROLL_FLOPS:
             unroll = True

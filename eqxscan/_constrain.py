@@ -41,6 +41,25 @@ def constrain(tree: Any, shardings: Any) -> Any:
     return eqx.combine(dyn, static)
 
 
+def sharded_in_type(tree: Any) -> bool:
+    """Whether an array leaf of `tree` is split over devices in its type: a mesh
+    axis of size > 1 named in its `Explicit` sharding. (`Auto` shardings are not
+    part of a traced value's type, so they cannot be seen here.)"""
+    for leaf in jtu.tree_leaves(tree):
+        if not eqx.is_array(leaf):
+            continue
+        sharding = getattr(jax.typeof(leaf), "sharding", None)
+        spec = getattr(sharding, "spec", None)
+        if spec is None:
+            continue
+        sizes = dict(sharding.mesh.shape)
+        for entry in spec:
+            names = entry if isinstance(entry, tuple) else (entry,)
+            if any(sizes.get(name, 1) > 1 for name in names if name is not None):
+                return True
+    return False
+
+
 def check_layer_sharding(layer_sharding: Any) -> None:
     """Raise unless `layer_sharding` is `None` or a `jax.sharding.Sharding`."""
     if layer_sharding is None or isinstance(layer_sharding, Sharding):

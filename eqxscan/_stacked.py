@@ -30,7 +30,7 @@ from ._checks import (
     describe,
     noted,
 )
-from ._constrain import check_layer_sharding, constrain
+from ._constrain import check_layer_sharding, constrain, sharded_in_type
 from ._engine import run
 from ._options import ScanArgs, Scanning, ScanOptions
 from ._remat import name_inputs
@@ -608,7 +608,8 @@ def scan_layers(stack: Stacked, x: PyTree, call: LayerCall) -> tuple[PyTree, PyT
         options=stack.options,
         reverse=call.reverse,
         where=where,
-        gathered=sharding is not None,
+        # Unrolled, XLA may gather every sharded layer at once (FSDP).
+        gathered=sharding is not None or sharded_in_type(layer_dyn),
     )
 
 

@@ -5,6 +5,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import jax.tree_util as jtu
 import numpy as np
 import pytest
 
@@ -177,6 +178,41 @@ def test_a_stack_that_gathers_its_layers_stays_scanned():
     (plain,) = eqxscan.explain_auto(stack, x)
     (gathered,) = eqxscan.explain_auto(sharded, x)
     assert plain.unroll is True and _scanned(gathered.unroll)
+
+
+def test_layers_sharded_in_their_types_stay_scanned():
+    # Weights split over an `Explicit` mesh axis say so in their types, with or
+    # without `layer_sharding`; replicated ones (or a size-1 axis) do not.
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    stack = eqxscan.StackedMLP(8, 3, key=jr.key(0))
+    x = jnp.ones((2, 8))
+    (plain,) = eqxscan.explain_auto(stack, x)
+    assert plain.unroll is True
+
+    def place(mesh, spec):
+        def one(a):
+            if not eqx.is_array(a):
+                return a
+            return jax.device_put(a, NamedSharding(mesh, spec if a.ndim == 3 else P()))
+
+        return jtu.tree_map(one, stack)
+
+    cases = [
+        (2, P(None, None, "d"), True),
+        (2, P(), False),
+        (1, P(None, None, "d"), False),
+    ]
+    for n, spec, scanned in cases:
+        devices = jax.devices()[:n]
+        mesh = jax.make_mesh((n,), ("d",), (AxisType.Explicit,), devices=devices)
+        sharded = place(mesh, spec)
+        with jax.set_mesh(mesh):
+            (got,) = eqxscan.explain_auto(sharded, x)
+            out = eqx.filter_jit(lambda m, x: m(x))(sharded, x)
+        assert _scanned(got.unroll) is scanned, (n, spec, got)
+        assert ("Explicit" in got.reason) is scanned
+        np.testing.assert_allclose(out, stack(x), rtol=1e-5, atol=1e-6)
 
 
 def test_decide_leaves_explicit_values_alone():
