@@ -79,7 +79,9 @@ NEARLY_ALL_MATMUL = 1.25
 #: over 8 steps, 1.08-1.21x for three GRU/LSTM cells of 64-256. The loop won at
 #: every probed point under 8e8 FLOPs in all but two (by 2-4%), and the scan at
 #: every point above (width 1024 at L=4, widths 320-512 at L=6-8: 0.91-0.96x).
-#: A stack that gathers its sharded layers one per step (FSDP) stays a scan.
+#: A stack whose layers may be sharded (`layer_sharding`, `Explicit` axes in
+#: their types, an `Auto` mesh in `jax.set_mesh`) stays a scan: unrolled, XLA
+#: may gather every layer at once.
 SHORT_SCAN = 8
 UNROLL_FLOPS = 8 * 10**8
 
@@ -146,7 +148,7 @@ def decide(
     """Resolve `"auto"` in `checkpoint` and/or `unroll`; explicit values pass through.
 
     - `unroll="auto"`: `True` (unroll fully) for at most `SHORT_SCAN` steps of
-      under `UNROLL_FLOPS` in all, unless each step gathers its own sharded
+      under `UNROLL_FLOPS` in all, unless each step may gather its own sharded
       weights (`gathered`, FSDP: unrolled, XLA may gather all of them at once).
       Else 1: unrolling by 2 helped some cells and slowed others of the same
       cost, and each unrolled step keeps its own residuals
@@ -165,9 +167,9 @@ def decide(
         if gathered:
             unroll = 1
             reasons.append(
-                "the layers are sharded (layer_sharding, or Explicit mesh axes "
-                "in their types), so each step may gather its own: keep the "
-                "scan, unroll 1"
+                "the layers may be sharded (layer_sharding, Explicit mesh axes "
+                "in their types, or an Auto mesh set with jax.set_mesh), so each "
+                "step may gather its own: keep the scan, unroll 1"
             )
         elif cost.length <= SHORT_SCAN and cost.length * cost.flops < UNROLL_FLOPS:
             unroll = True

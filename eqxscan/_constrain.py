@@ -41,10 +41,18 @@ def constrain(tree: Any, shardings: Any) -> Any:
     return eqx.combine(dyn, static)
 
 
-def sharded_in_type(tree: Any) -> bool:
-    """Whether an array leaf of `tree` is split over devices in its type: a mesh
-    axis of size > 1 named in its `Explicit` sharding. (`Auto` shardings are not
-    part of a traced value's type, so they cannot be seen here.)"""
+def layers_may_be_sharded(tree: Any) -> bool:
+    """Whether the weights in `tree` may be split over devices, as far as a traced
+    value shows: an `Explicit` mesh axis of size > 1 in a leaf's type, or an
+    `Auto` mesh axis of size > 1 in the mesh set with `jax.set_mesh` (`Auto`
+    shardings are not part of a traced value's type, so such a mesh may shard
+    anything)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if any(
+        size > 1 and kind == AxisType.Auto
+        for size, kind in zip(mesh.axis_sizes, mesh.axis_types, strict=True)
+    ):
+        return True
     for leaf in jtu.tree_leaves(tree):
         if not eqx.is_array(leaf):
             continue

@@ -119,7 +119,7 @@ def run(
     - `options`: mode, rematerialisation and unroll.
     - `reverse`: consume `xs` last to first; `ys` stays aligned with `xs`.
     - `where`: names step `i` (or every step, for `None`) in error messages.
-    - `gathered`: each step gathers its slice of sharded `xs` (FSDP), so
+    - `gathered`: each step may gather its slice of sharded `xs` (FSDP), so
       `unroll="auto"` keeps the scan: unrolled, XLA may gather every step's at once.
 
     **Returns:**

@@ -30,7 +30,7 @@ from ._checks import (
     describe,
     noted,
 )
-from ._constrain import check_layer_sharding, constrain, sharded_in_type
+from ._constrain import check_layer_sharding, constrain, layers_may_be_sharded
 from ._engine import run
 from ._options import ScanArgs, Scanning, ScanOptions
 from ._remat import name_inputs
@@ -609,7 +609,7 @@ def scan_layers(stack: Stacked, x: PyTree, call: LayerCall) -> tuple[PyTree, PyT
         reverse=call.reverse,
         where=where,
         # Unrolled, XLA may gather every sharded layer at once (FSDP).
-        gathered=sharding is not None or sharded_in_type(layer_dyn),
+        gathered=sharding is not None or layers_may_be_sharded(layer_dyn),
     )
 
 

@@ -1,6 +1,8 @@
 """`checkpoint="auto"` and `unroll="auto"`: the rule's choices, explicit options
 winning, and equal values and gradients whatever the rule picks."""
 
+import contextlib
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -180,9 +182,10 @@ def test_a_stack_that_gathers_its_layers_stays_scanned():
     assert plain.unroll is True and _scanned(gathered.unroll)
 
 
-def test_layers_sharded_in_their_types_stay_scanned():
-    # Weights split over an `Explicit` mesh axis say so in their types, with or
-    # without `layer_sharding`; replicated ones (or a size-1 axis) do not.
+def test_layers_that_may_be_sharded_stay_scanned():
+    # Weights split over an `Explicit` mesh axis say so in their types; under an
+    # `Auto` mesh of several devices set with `jax.set_mesh` they may be split
+    # without a trace of it. Replicated ones, size-1 axes and no mesh: unrolled.
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
     stack = eqxscan.StackedMLP(8, 3, key=jr.key(0))
@@ -198,20 +201,24 @@ def test_layers_sharded_in_their_types_stay_scanned():
 
         return jtu.tree_map(one, stack)
 
+    split, whole = P(None, None, "d"), P()
     cases = [
-        (2, P(None, None, "d"), True),
-        (2, P(), False),
-        (1, P(None, None, "d"), False),
+        (2, AxisType.Explicit, split, True, True),
+        (2, AxisType.Explicit, whole, True, False),
+        (1, AxisType.Explicit, split, True, False),
+        (2, AxisType.Auto, split, True, True),
+        (2, AxisType.Auto, whole, True, True),  # replicated, but nothing says so
+        (2, AxisType.Auto, split, False, False),  # invisible without the mesh
+        (1, AxisType.Auto, split, True, False),
     ]
-    for n, spec, scanned in cases:
-        devices = jax.devices()[:n]
-        mesh = jax.make_mesh((n,), ("d",), (AxisType.Explicit,), devices=devices)
+    for n, kind, spec, in_mesh, scanned in cases:
+        mesh = jax.make_mesh((n,), ("d",), (kind,), devices=jax.devices()[:n])
         sharded = place(mesh, spec)
-        with jax.set_mesh(mesh):
+        with jax.set_mesh(mesh) if in_mesh else contextlib.nullcontext():
             (got,) = eqxscan.explain_auto(sharded, x)
             out = eqx.filter_jit(lambda m, x: m(x))(sharded, x)
-        assert _scanned(got.unroll) is scanned, (n, spec, got)
-        assert ("Explicit" in got.reason) is scanned
+        assert _scanned(got.unroll) is scanned, (n, kind, spec, in_mesh, got)
+        assert ("may be sharded" in got.reason) is scanned
         np.testing.assert_allclose(out, stack(x), rtol=1e-5, atol=1e-6)
 
 
