@@ -2,6 +2,7 @@
 and compared, the default found to be the same program as an explicit setting."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -46,7 +47,14 @@ def test_tiny_grid_run(monkeypatch, tmp_path, capsys):
     assert "| GRU H=4 T=3 | save-all/full | 1.00× |" in table
     assert f"loop ({s['default_vs_loop_measured']:.2f}×), save-all/full (" in table
     assert (tmp_path / "grid.png").stat().st_size > 0
-    assert table in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert table in out
+    # The cores XLA may use change which settings are fastest: recorded (as
+    # `taskset` leaves them), and printed first.
+    cores = len(os.sched_getaffinity(0))
+    assert results["machine"]["cores_usable"] == cores
+    assert out.startswith(results["machine"]["summary"])
+    assert f", {cores} cores)" in results["machine"]["summary"]
 
 
 def test_long_point_extrapolates_the_loops_memory(monkeypatch, tmp_path):

@@ -265,9 +265,14 @@ def main_grid(args: Any) -> int:
     """`python -m eqxscan.bench --grid [--repeats N] [--out DIR]`."""
     import os
 
+    from ._cli import _machine
+
     load = os.getloadavg()
+    machine = _machine()
+    print(machine["summary"], flush=True)
     results = run_grid(args.out, args.repeats or 7)
     results["load_average"] = [list(load), list(os.getloadavg())]
+    results["machine"] = machine
     (args.out / "grid.json").write_text(json.dumps(results, indent=1))
     print(markdown(results))
     return 0
