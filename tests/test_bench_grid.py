@@ -55,6 +55,7 @@ def test_tiny_grid_run(monkeypatch, tmp_path, capsys):
     assert results["machine"]["cores_usable"] == cores
     assert out.startswith(results["machine"]["summary"])
     assert f", {cores} cores)" in results["machine"]["summary"]
+    assert len(results["machine"]["load_average_end"]) == 3
 
 
 def test_long_point_extrapolates_the_loops_memory(monkeypatch, tmp_path):

@@ -263,15 +263,13 @@ def run_grid(
 
 def main_grid(args: Any) -> int:
     """`python -m eqxscan.bench --grid [--repeats N] [--out DIR]`."""
-    import os
+    from ._cli import _load_average, _machine
 
-    from ._cli import _machine
-
-    load = os.getloadavg()
+    # Recorded as the main bench records it (`load_average_start`/`_end`).
     machine = _machine()
     print(machine["summary"], flush=True)
     results = run_grid(args.out, args.repeats or 7)
-    results["load_average"] = [list(load), list(os.getloadavg())]
+    machine["load_average_end"] = _load_average()
     results["machine"] = machine
     (args.out / "grid.json").write_text(json.dumps(results, indent=1))
     print(markdown(results))
