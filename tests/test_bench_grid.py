@@ -36,9 +36,20 @@ def test_tiny_grid_run(monkeypatch, tmp_path, capsys):
     assert gru["loop_program"] and not mlp["loop_program"]
     s = gru["summary"]
     assert s["default_vs_loop"] == 1.0
+    # Ratios come from the confirming rounds (the default, the loop and the best
+    # chosen on the first rounds, timed again), the first rounds' are kept.
+    again = gru["confirm"]["times"]
     assert s["default_vs_loop_measured"] == pytest.approx(
+        np.median(np.asarray(again["default"]) / again["loop"])
+    )
+    assert s["selection"]["default_vs_loop_measured"] == pytest.approx(
         np.median(np.asarray(gru["times"]["default"]) / gru["times"]["loop"])
     )
+    for point in (mlp, gru):
+        best = point["summary"]["best"]
+        assert point["confirm"]["best"] == best
+        assert set(point["confirm"]["times"]) == {"default", "loop", best}
+        assert all(len(t) == 2 for t in point["confirm"]["times"].values())
     assert (
         mlp["summary"]["default_vs_loop"] == mlp["summary"]["default_vs_loop_measured"]
     )
@@ -84,4 +95,44 @@ def test_long_point_extrapolates_the_loops_memory(monkeypatch, tmp_path):
     default = point["temp_bytes"]["default"]
     assert summary["default_mem_vs_loop"] == default / extrapolated["estimate"]
     assert "| GRU H=4 T=32* |" in (tmp_path / "grid.md").read_text()
-    assert f"| {extrapolated['estimate'] / 2**20:.2f} | 2 |" in _grid._row(point)
+    assert f"| {extrapolated['estimate'] / 2**20:.2f} | 2 + 2 |" in _grid._row(point)
+
+
+def _point(times, confirm, temp, twin=None):
+    return {
+        "times": times,
+        "confirm": {"best": None, "rounds": 3, "times": confirm},
+        "temp_bytes": temp,
+        "choice": {"saved_bytes": 10 * 2**20},
+        "twin": twin,
+        "loop_program": False,
+    }
+
+
+def test_summary_confirms_the_best_in_fresh_rounds():
+    # "b" wins the first rounds by luck; timed again, it is no faster than the
+    # default. The reported ratio is the confirming rounds', not the lucky one.
+    times = {
+        "loop": [1.0, 1.0, 1.0],
+        "default": [1.0, 1.0, 1.0],
+        "a": [0.95, 0.95, 0.95],
+        "b": [0.9, 0.9, 0.9],
+        "c": [0.5, 0.5, 0.5],  # fastest, but over the memory rule
+    }
+    confirm = {"loop": [1.0, 1.1, 0.9], "default": [1.0, 1.1, 0.9], "b": [1.0] * 3}
+    temp = {"loop": 100, "default": 50, "a": 100, "b": 90, "c": 101}
+    s = _grid.summarise(_point(times, confirm, temp))
+    assert s["best"] == "b"
+    assert s["selection"]["default_vs_best"] == pytest.approx(1 / 0.9)
+    assert s["default_vs_best"] == pytest.approx(1.0)
+    assert s["best_vs_loop"] == pytest.approx(np.median([1.0, 1 / 1.1, 1 / 0.9]))
+    assert s["loop_ms"] == pytest.approx(1e3)
+    # Small residuals allow 1.25x the loop's temp memory: then "c" is allowed.
+    small = _point(times, confirm | {"c": [0.6] * 3}, temp)
+    small["choice"]["saved_bytes"] = 2**20
+    s = _grid.summarise(small)
+    assert s["best"] == "c"
+    assert s["default_vs_best"] == pytest.approx(np.median([1 / 0.6, 1.1 / 0.6, 1.5]))
+    # Where the best lowers to the default's own program, the default is the best.
+    s = _grid.summarise(_point(times, confirm, temp, twin="b"))
+    assert s["default_vs_best"] == 1.0
