@@ -57,7 +57,9 @@ FULL_REMAT_FLOPS = 10**7
 #: recomputing: in five quiet grid runs full remat took 0.90-0.97x the policy's
 #: time for a GRU of 256 over 300 steps (131 MiB of matmul outputs) and
 #: 0.94-1.02x for the LSTM (169 MiB), and 1.01x for the 64-layer Transformer
-#: bench (72 MiB), with 0.17-0.40x its temp memory. Below it the two traded
+#: bench (72 MiB), with 0.17-0.40x its temp memory (two later runs, with
+#: confirming rounds, had it at 1.04-1.05x for the GRU and 1.02x for the LSTM:
+#: a few percent, at 0.40x the memory, so the line stands). Below it the two traded
 #: places by up to 13% either way (the policy ahead for cells over 30 steps and
 #: MLPs of width 128, remat for width 256), so the FLOPs bound decides there.
 FULL_REMAT_RESIDUALS = 64 * 2**20
