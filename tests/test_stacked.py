@@ -138,7 +138,9 @@ def test_nested_any_depth(L, getkey):
 
     value, g = value_and_grad(stack)
     ref_value, g_ref = value_and_grad(stack.with_options(checkpoint=False))
-    assert jnp.allclose(value, ref_value, rtol=1e-6)
+    # The value sums O(1) terms to about 0.03: float32 rounding in a different
+    # order moves it by ~1e-7 absolute, over 1e-6 relative (seen once in CI).
+    assert jnp.allclose(value, ref_value, rtol=1e-5, atol=1e-6)
     assert tree_allclose(g.layers, g_ref.layers, rtol=1e-5)
 
 
