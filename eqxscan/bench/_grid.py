@@ -171,23 +171,7 @@ def measure_point(kind: str, size: tuple, rounds: int, seed: int = 0) -> dict:
     steps = {k: functools.partial(fn, m, *inputs) for k, (fn, m) in compiled.items()}
     times = time_interleaved(steps, rounds_for(len(steps)), seed=seed, calls=calls)
     loop_temp = None if "loop" in variants else loop_temp_extrapolated(kind, size)
-    # The fastest of many noisy settings looks faster than it is (its lucky rounds
-    # chose it). So the settings are chosen on the rounds above, and the default,
-    # the loop and the chosen best are then timed again, alone, in fresh rounds.
-    ref = "loop" if "loop" in variants else REF
-    loop_mem = memory[ref] if loop_temp is None else loop_temp["estimate"]
-    small = choice.cost.saved_bytes * choice.cost.length <= SMALL_RESIDUALS
-    best = best_allowed(times, memory, ref, loop_mem, small)
-    again = ["default", ref] + ([] if best in (None, ref, "default") else [best])
-    confirm_rounds = rounds_for(len(again))
-    confirm = {
-        "best": best,
-        "rounds": confirm_rounds,
-        "times": time_interleaved(
-            {k: steps[k] for k in again}, confirm_rounds, seed=seed + 1, calls=calls
-        ),
-    }
-    return {
+    point = {
         "kind": kind,
         "size": list(size),
         "choice": {
@@ -207,21 +191,43 @@ def measure_point(kind: str, size: tuple, rounds: int, seed: int = 0) -> dict:
         "loop_temp_extrapolated": loop_temp,
         "compile_s": compile_s,
         "times": times,
-        "confirm": confirm,
     }
+    # The fastest of many noisy settings looks faster than it is (its lucky rounds
+    # chose it). So the settings are chosen on the rounds above, and the default,
+    # the loop and the chosen best are then timed again, alone, in fresh rounds.
+    ref = _reference(point)[0]
+    best = best_allowed(point)
+    again = ["default", ref] + ([] if best in (None, ref) else [best])
+    confirm_rounds = rounds_for(len(again))
+    point["confirm"] = {
+        "best": best,
+        "rounds": confirm_rounds,
+        "times": time_interleaved(
+            {k: steps[k] for k in again}, confirm_rounds, seed=seed + 1, calls=calls
+        ),
+    }
+    return point
 
 
-def best_allowed(
-    times: dict[str, Any],
-    memory: dict[str, int],
-    ref: str,
-    loop_mem: int,
-    small: bool,
-) -> str | None:
-    """The fastest explicit setting (median ratio to `ref` over rounds) that meets
-    the memory rule: temp memory at most the loop's, or at most 1.25× it when a
-    plain scan's residuals are at most `SMALL_RESIDUALS` (`small`)."""
+def _reference(point: dict) -> tuple[str, int]:
+    """The variant whose step time is the baseline (the loop, or the plain scan
+    past `MAX_LOOP_LENGTH`) and the loop's temp memory (extrapolated there)."""
+    ref = "loop" if "loop" in point["times"] else REF
+    extrapolated = point.get("loop_temp_extrapolated")
+    if extrapolated is None:
+        return ref, point["temp_bytes"][ref]
+    return ref, extrapolated["estimate"]
+
+
+def best_allowed(point: dict) -> str | None:
+    """The fastest explicit setting (median ratio to the reference over the
+    point's rounds) that meets the memory rule: temp memory at most the loop's,
+    or at most 1.25× it when a plain scan's residuals are at most
+    `SMALL_RESIDUALS`."""
+    ref, loop_mem = _reference(point)
+    small = point["choice"]["saved_bytes"] <= SMALL_RESIDUALS
     allowed = 1.25 * loop_mem if small else loop_mem
+    times, memory = point["times"], point["temp_bytes"]
     ok = [k for k in times if k not in ("loop", "default") and memory[k] <= allowed]
     ref_times = np.asarray(times[ref])
     ratio = {k: float(np.median(np.asarray(times[k]) / ref_times)) for k in ok}
@@ -236,11 +242,8 @@ def summarise(point: dict) -> dict:
     stands in for the loop's, and the loop's temp memory is extrapolated
     (`loop_temp_extrapolated`)."""
     mem = point["temp_bytes"]
-    ref = "loop" if "loop" in point["times"] else REF
-    extrapolated = point.get("loop_temp_extrapolated")
-    loop_mem = mem[ref] if extrapolated is None else extrapolated["estimate"]
-    small = point["choice"]["saved_bytes"] <= SMALL_RESIDUALS
-    best = best_allowed(point["times"], mem, ref, loop_mem, small)
+    ref, loop_mem = _reference(point)
+    best = best_allowed(point)
     # Where the default lowers to the loop's very program, it runs at the loop's
     # speed: its own timings measure only the noise (kept as `..._measured`).
     is_loop = bool(point.get("loop_program"))
