@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._auto import explain_auto
+from .._engine import AUTO_POLICY
 from .._mlp import StackedMLP
 from .._timing import time_interleaved
 from ._impls import Impl, IMPLS, LOOP
@@ -191,6 +193,7 @@ def measure_compile(
     return {
         "impl": name,
         "layers": num_layers,
+        "auto": resolved_auto(built.loss, built.params, x, y),
         "trace_s": trace_s,
         "lower_s": lower_s,
         "compile_s": compile_s,
@@ -202,6 +205,23 @@ def measure_compile(
         "output_bytes": None if mem is None else int(mem.output_size_in_bytes),
         "peak_rss_bytes": _peak_rss(),
     }
+
+
+def resolved_auto(fn: Callable, *args: Any) -> str | None:
+    """What `"auto"` resolved to in `fn(*args)`: `checkpoint/unroll` per scan, as
+    in `"dots/u1"` (`save-all`, `remat`, `dots` for the default's matmul-saving
+    policy, else the policy's name; `full` when unrolled fully), joined by `", "`.
+    None when no scan used `"auto"` (every implementation but `eqxscan`)."""
+    found = []
+    for choice in explain_auto(fn, *args):
+        c = choice.checkpoint
+        if c is False or c is True:
+            name = "remat" if c else "save-all"
+        else:
+            name = "dots" if c is AUTO_POLICY else choice.checkpoint_name
+        unroll = "full" if choice.unroll is True else f"u{choice.unroll}"
+        found.append(f"{name}/{unroll}")
+    return ", ".join(found) or None
 
 
 def _peak_rss() -> int | None:
