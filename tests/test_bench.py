@@ -12,6 +12,7 @@ from eqxscan.bench._impls import Built, Impl, IMPLS
 from eqxscan.bench._measure import (
     check_agreement,
     make_problem,
+    measure_compile,
     MismatchError,
     model_flops,
 )
@@ -172,6 +173,14 @@ def test_program_size_target_is_per_resolved_option():
     assert _with_sizes([(277, "dots/u1"), (300, "dots/u1")]) is False
     assert _with_sizes([(417, "save-all/full"), (1677, "save-all/full")]) is False
     assert _with_sizes([(277, None), (300, None)]) is False
+
+
+def test_only_the_default_records_what_auto_resolved_to():
+    # The other eqxscan entries set `checkpoint` themselves; their rows stay plain.
+    size = dict(num_layers=9, dtype="float32", **TINY)
+    assert measure_compile("eqxscan-remat", **size)["auto"] is None
+    resolved = measure_compile("eqxscan", **size)["auto"]
+    assert re.fullmatch(r"(save-all|dots|remat)/u1", resolved)
 
 
 def test_targets_are_judged_from_the_numbers():
