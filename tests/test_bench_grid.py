@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from eqxscan.bench import _cli, _grid
+from eqxscan.bench._measure import setting_label
 
 
 def test_tiny_grid_run(monkeypatch, tmp_path, capsys):
@@ -17,8 +18,8 @@ def test_tiny_grid_run(monkeypatch, tmp_path, capsys):
     assert _cli.main(["--grid", "--repeats", "2", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "grid.json").read_text())
     mlp, gru = results["points"]
-    names = {"default", "loop"} | {_grid._label(c, u) for c, u in _grid.EXPLICIT}
-    full = {_grid._label(c, True) for c in (False, True, _grid.AUTO_POLICY)}
+    names = {"default", "loop"} | {setting_label(c, u) for c, u in _grid.EXPLICIT}
+    full = {setting_label(c, True) for c in (False, True, _grid.AUTO_POLICY)}
     for point, expected in ((mlp, names), (gru, names | full)):
         assert set(point["temp_bytes"]) == set(point["times"]) == expected
         assert all(len(t) == 2 for t in point["times"].values())

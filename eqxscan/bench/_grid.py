@@ -30,6 +30,7 @@ from .._engine import AUTO_POLICY
 from .._mlp import StackedMLP
 from .._recurrent import Recurrent
 from .._timing import time_interleaved
+from ._measure import setting_label
 
 
 #: Explicit settings the default is compared with: `(checkpoint, unroll)`.
@@ -52,11 +53,6 @@ MAX_ROUNDS, ROUND_BUDGET_S = 41, 20.0
 RNN_POINTS = [(c, h, t) for c in ("gru", "lstm") for h in (32, 256) for t in (30, 300)]
 #: MLP input `[BATCH, SEQ, D]`; recurrent batch `BATCH * SEQ` (vmapped), input size.
 BATCH, SEQ, RNN_INPUT = 4, 16, 8
-
-
-def _label(checkpoint: Any, unroll: int | bool) -> str:
-    name = {False: "save-all", True: "remat"}.get(checkpoint, "dots")
-    return f"{name}/{'full' if unroll is True else f'u{unroll}'}"
 
 
 def _mlp_problem(dim: int, layers: int) -> tuple[Any, Callable, tuple, Callable]:
@@ -137,7 +133,7 @@ def measure_point(kind: str, size: tuple, rounds: int, seed: int = 0) -> dict:
     # Short scans may also be unrolled fully (which "auto" does when steps are small).
     full = [(c, True) for c, _ in EXPLICIT[::2]] if length <= SHORT_SCAN else []
     for c, u in [*EXPLICIT, *full]:
-        variants[_label(c, u)] = with_options(model, checkpoint=c, unroll=u)
+        variants[setting_label(c, u)] = with_options(model, checkpoint=c, unroll=u)
     choice = explain_auto(loss, variants["default"], *inputs)[0]
     compiled, memory, compile_s, text = {}, {}, {}, {}
     for name, full in variants.items():
@@ -175,8 +171,8 @@ def measure_point(kind: str, size: tuple, rounds: int, seed: int = 0) -> dict:
         "kind": kind,
         "size": list(size),
         "choice": {
-            "checkpoint": _label(choice.checkpoint, 1).split("/")[0],
-            "label": _label(choice.checkpoint, choice.unroll),
+            "checkpoint": setting_label(choice.checkpoint, 1).split("/")[0],
+            "label": setting_label(choice.checkpoint, choice.unroll),
             "unroll": choice.unroll,
             "reason": choice.reason,
             "saved_bytes": choice.cost.saved_bytes * choice.cost.length,
@@ -270,8 +266,8 @@ def summarise(point: dict) -> dict:
 
     selection = ratios(point["times"])
     confirm = point.get("confirm")
-    final = selection if confirm is None else ratios(confirm["times"])
-    ref_times = (point["times"] if confirm is None else confirm["times"])[ref]
+    reported = point["times"] if confirm is None else confirm["times"]
+    final = selection if confirm is None else ratios(reported)
     times = {k: np.asarray(v) for k, v in point["times"].items()}
     return {
         "reference": ref,
@@ -280,7 +276,7 @@ def summarise(point: dict) -> dict:
         "selection": selection,
         "default_mem_vs_loop": mem["default"] / loop_mem,
         "best": best,
-        "loop_ms": float(np.median(ref_times) * 1e3),
+        "loop_ms": float(np.median(reported[ref]) * 1e3),
         "loop_temp_mib": loop_mem / 2**20,
         "twin": point["twin"],
         "default_vs_twin": (

@@ -210,20 +210,23 @@ def measure_compile(
     }
 
 
+def setting_label(checkpoint: Any, unroll: int | bool) -> str:
+    """A short name for a `(checkpoint, unroll)` setting, as in `"dots/u1"`:
+    `save-all` (`False`), `remat` (`True`), `dots` (the default's matmul-saving
+    policy), else the option's repr; `full` when unrolled fully."""
+    if checkpoint is False or checkpoint is True:
+        name = "remat" if checkpoint else "save-all"
+    elif checkpoint is AUTO_POLICY:
+        name = "dots"
+    else:
+        name = getattr(checkpoint, "__name__", repr(checkpoint))
+    return f"{name}/{'full' if unroll is True else f'u{unroll}'}"
+
+
 def resolved_auto(fn: Callable, *args: Any) -> str | None:
-    """What `"auto"` resolved to in `fn(*args)`: `checkpoint/unroll` per scan, as
-    in `"dots/u1"` (`save-all`, `remat`, `dots` for the default's matmul-saving
-    policy, else the option's repr; `full` when unrolled fully), joined by
-    `", "`. None when no scan used `"auto"`."""
-    found = []
-    for choice in explain_auto(fn, *args):
-        c = choice.checkpoint
-        if c is False or c is True:
-            name = "remat" if c else "save-all"
-        else:
-            name = "dots" if c is AUTO_POLICY else choice.checkpoint_name
-        unroll = "full" if choice.unroll is True else f"u{choice.unroll}"
-        found.append(f"{name}/{unroll}")
+    """What `"auto"` resolved to in `fn(*args)` (`setting_label` per scan, joined
+    by `", "`); None when no scan used `"auto"`."""
+    found = [setting_label(c.checkpoint, c.unroll) for c in explain_auto(fn, *args)]
     return ", ".join(found) or None
 
 
