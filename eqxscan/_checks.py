@@ -35,6 +35,10 @@ def noted(fn: Callable[..., Any], where: str, *args: Any, **kwargs: Any) -> Any:
     try:
         return fn(*args, **kwargs)
     except Exception as e:
+        # `where` also starts sentences ("The cell GRUCell at ..."); mid-note
+        # it reads in lower case.
+        if where.split(" ", 1)[0] in ("The", "Layer"):
+            where = where[0].lower() + where[1:]
         note = f"(raised by {where}, run by eqxscan; {DEBUGGING_DOCS})"
         if note not in getattr(e, "__notes__", ()):
             e.add_note(note)

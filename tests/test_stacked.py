@@ -454,8 +454,8 @@ def test_error_inside_a_layer_names_the_layer():
         key=jr.key(0),
     )
     expected = {
-        "loop": "(raised by Layer 0 (Dropping), run by eqxscan; see docs/debugging.md)",
-        "scan": "(raised by The stacked layer Dropping (one body for all 3 layers)",
+        "loop": "(raised by layer 0 (Dropping), run by eqxscan; see docs/debugging.md)",
+        "scan": "(raised by the stacked layer Dropping (one body for all 3 layers)",
     }
     for mode, note in expected.items():
         with pytest.raises(RuntimeError, match="requires a key") as info:
