@@ -218,7 +218,14 @@ class StackedMLP(Scanning):
         `[..., D]`, same dtype.
         """
         x = jnp.asarray(x)
-        _input_shape(self.blocks.layers.w1, x)
+        try:
+            _input_shape(self.blocks.layers.w1, x)
+        except TypeCheckError as e:
+            raise TypeCheckError(
+                f"StackedMLP input x is {describe(x)}, but the model takes a "
+                f"floating array [..., D] with D={self.dim}, in {self.dtype}.\n"
+                "Hint: the last axis is the width; any axes before it are batch axes."
+            ) from e
         if x.dtype != self.dtype:
             raise TypeError(
                 f"StackedMLP input has dtype {x.dtype}, but the model's parameters "
