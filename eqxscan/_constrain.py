@@ -15,9 +15,35 @@ def is_explicit(sharding: Any) -> bool:
     )
 
 
+def align(shardings: Any, tree: Any) -> Any:
+    """`shardings` (one `Sharding`, `None`, or a pytree prefix of `tree`) as a
+    pytree of `tree`'s structure: at each leaf, the entry that applies to it.
+
+    Entries are matched by key path, not by tree structure, so static fields may
+    differ: shardings computed before `sharding.shard` or `gather_layers` set a
+    `Stacked`'s (static) `layer_sharding` still fit the model after.
+    """
+    if shardings is None or isinstance(shardings, Sharding):
+        return jtu.tree_map(lambda _: shardings, tree)
+    table = dict(jtu.tree_leaves_with_path(shardings, is_leaf=_is_none))
+
+    def one(path: tuple, leaf: Any) -> Any:
+        for n in range(len(path), -1, -1):
+            if path[:n] in table:
+                return table[path[:n]]
+        raise ValueError(
+            f"shardings has no entry for `tree{jtu.keystr(path)}` (nor for any "
+            "subtree holding it).\nHint: shardings must have the structure of "
+            "the tree it places, or be a prefix of it."
+        )
+
+    return jtu.tree_map_with_path(one, tree)
+
+
 def constrain(tree: Any, shardings: Any) -> Any:
     """Constrain the array leaves of `tree` to `shardings` (one `Sharding` or a
-    pytree prefix of `tree`; `None` entries leave their subtree alone).
+    pytree prefix of `tree`, matched by key path; `None` entries leave their
+    subtree alone).
 
     This is `jax.lax.with_sharding_constraint` on `Auto` mesh axes and
     `jax.sharding.reshard` on `Explicit` ones; both also place concrete arrays
@@ -25,19 +51,19 @@ def constrain(tree: Any, shardings: Any) -> Any:
     """
     dyn, static = eqx.partition(tree, eqx.is_array)
 
-    def one(sharding: Any, sub: Any) -> Any:
-        if sharding is None or not jtu.tree_leaves(sub):
-            return sub
+    def one(sharding: Any, leaf: Any) -> Any:
+        if sharding is None:
+            return leaf
         if not isinstance(sharding, Sharding):
             raise TypeError(
                 "shardings must be jax.sharding.Sharding objects (or None), got "
                 f"{type(sharding).__name__}."
             )
         if is_explicit(sharding):
-            return jax.sharding.reshard(sub, sharding)
-        return jax.lax.with_sharding_constraint(sub, sharding)
+            return jax.sharding.reshard(leaf, sharding)
+        return jax.lax.with_sharding_constraint(leaf, sharding)
 
-    dyn = jtu.tree_map(one, shardings, dyn, is_leaf=lambda x: x is None)
+    dyn = jtu.tree_map(one, align(shardings, dyn), dyn, is_leaf=_is_none)
     return eqx.combine(dyn, static)
 
 
@@ -68,16 +94,48 @@ def layers_may_be_sharded(tree: Any) -> bool:
     return False
 
 
-def check_layer_sharding(layer_sharding: Any) -> None:
-    """Raise unless `layer_sharding` is `None` or a `jax.sharding.Sharding`."""
+def check_layer_sharding(layer_sharding: Any, layers: Any = None) -> None:
+    """Raise unless `layer_sharding` is `None`, a `jax.sharding.Sharding`, or a
+    pytree of them (and `None`) that is a prefix of `layers`' arrays, whose leaves
+    are then the shardings of one layer's arrays (no layer axis)."""
     if layer_sharding is None or isinstance(layer_sharding, Sharding):
         return
-    hint = (
-        "; a PartitionSpec needs its mesh: NamedSharding(mesh, spec)"
-        if isinstance(layer_sharding, PartitionSpec)
-        else ""
-    )
-    raise TypeError(
-        "layer_sharding must be a jax.sharding.Sharding (e.g. a replicated "
-        f"NamedSharding) or None, got {layer_sharding!r}{hint}."
-    )
+    leaves = jtu.tree_leaves(layer_sharding)
+    bad = next((x for x in leaves if not isinstance(x, Sharding)), None)
+    if bad is not None or not leaves:
+        hint = (
+            "; a PartitionSpec needs its mesh: NamedSharding(mesh, spec)"
+            if isinstance(bad if bad is not None else layer_sharding, PartitionSpec)
+            else ""
+        )
+        raise TypeError(
+            "layer_sharding must be a jax.sharding.Sharding (e.g. a replicated "
+            "NamedSharding), a pytree of them matching one layer's arrays, or None, "
+            f"got {layer_sharding!r}{hint}."
+        )
+    try:
+        hash(layer_sharding)
+    except TypeError:
+        raise TypeError(
+            "layer_sharding is a static field, so it must be hashable, but it is "
+            f"a {type(layer_sharding).__name__} of shardings.\nHint: use the "
+            "layer's own structure, e.g. jax.tree.map(f, eqx.filter(stack.layers, "
+            "eqx.is_array)), or a tuple."
+        ) from None
+    if layers is None:
+        return
+    arrays = eqx.filter(layers, eqx.is_array)
+    try:
+        jtu.tree_map(lambda s, x: None, layer_sharding, arrays, is_leaf=_is_none)
+    except ValueError:
+        raise ValueError(
+            "layer_sharding is a pytree that does not match the layers' arrays: "
+            f"expected a prefix of {jtu.tree_structure(arrays)}, got "
+            f"{jtu.tree_structure(layer_sharding)}.\nHint: build it from "
+            "eqx.filter(stack.layers, eqx.is_array), or use "
+            "eqxscan.sharding.gather_layers(..., keep=...)."
+        ) from None
+
+
+def _is_none(x: Any) -> bool:
+    return x is None

@@ -20,7 +20,7 @@ import jax.tree_util as jtu
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._checks import is_arraylike
-from ._constrain import constrain
+from ._constrain import align, constrain
 
 
 DOCS = "see docs/multihost.md"
@@ -154,7 +154,7 @@ def _assemble(tree: Any, shardings: Any, put: Callable[[Any, Any], Any]) -> Any:
             return constrain(x, sharding)
         return put(x, sharding)
 
-    return jtu.tree_map(one, shardings, tree, is_leaf=lambda x: x is None)
+    return jtu.tree_map(one, align(shardings, tree), tree, is_leaf=lambda x: x is None)
 
 
 def _blocks(sharding: NamedSharding) -> tuple[int, int]:

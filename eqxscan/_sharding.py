@@ -5,7 +5,7 @@ and XLA's partitioner) does all communication.
 """
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, SupportsIndex
 
 import equinox as eqx
@@ -411,23 +411,97 @@ def batch_shardings(
     return jtu.tree_map_with_path(one, batch)
 
 
-def gather_layers(model: Any, mesh: Mesh) -> Any:
+def gather_layers(
+    model: Any,
+    mesh: Mesh,
+    shardings: Any = None,
+    *,
+    keep: str | Sequence[str] = (),
+) -> Any:
     """`model` with every [`eqxscan.Stacked`][] set to gather the one layer each scan
-    step runs (`layer_sharding` replicated on `mesh`): FSDP's per-layer all-gather
-    inside the loop, rather than XLA gathering activations instead.
+    step runs (its `layer_sharding`): FSDP's per-layer all-gather inside the loop,
+    rather than XLA gathering activations instead.
+
+    By default each step gathers its layer whole (replicated on `mesh`). With
+    tensor parallelism, name the mesh axes that stay split in `keep`: each step
+    then gathers every other axis (FSDP's) of each weight and keeps these, as the
+    weight is placed (`shardings`, or the arrays' own placement).
 
     **Arguments:**
 
     - `model`: any pytree, usually an `eqx.Module` containing `Stacked`s (nested
       ones included).
     - `mesh`: the `jax.sharding.Mesh` the model is placed on.
+    - `shardings`: with `keep`, the placement of `model`'s arrays: a pytree of
+      `NamedSharding`s with `model`'s structure (e.g. from
+      [`eqxscan.sharding.logical_shardings`][]). By default, read from the arrays,
+      which must then be placed on `mesh` already.
+    - `keep`: mesh axes that a layer keeps split while it runs (e.g. `"model"`).
 
     **Returns:**
 
-    `model` with the same arrays and `layer_sharding` set on every `Stacked`.
+    `model` with the same arrays and `layer_sharding` set on every `Stacked`: one
+    replicated `NamedSharding`, or with `keep`, a sharding per array of one layer.
+
+    **Raises:**
+
+    `ValueError` naming the mesh axis `keep` lists that `mesh` lacks, or the leaf
+    path of an array that is not placed on `mesh`.
     """
     mesh = check_mesh(mesh)
-    return _set_layer_sharding(model, NamedSharding(mesh, PartitionSpec()))
+    keep = (keep,) if isinstance(keep, str) else tuple(keep)
+    for axis in keep:
+        check_axis(mesh, axis, "keep")
+    if not keep:
+        return _set_layer_sharding(model, NamedSharding(mesh, PartitionSpec()))
+    given = None if shardings is None else dict(jtu.tree_leaves_with_path(shardings))
+
+    def placed(path: tuple, leaf: Any) -> NamedSharding:
+        sharding = getattr(leaf, "sharding", None) if given is None else given.get(path)
+        if not (isinstance(sharding, NamedSharding) and sharding.mesh == mesh):
+            if given is not None:
+                found = f"`shardings` has {sharding!r} there"
+            elif isinstance(leaf, jax.core.Tracer):
+                found = "it is traced, and inside jit its placement is not known"
+            else:
+                found = f"it is placed on {sharding!r}"
+            raise ValueError(
+                f"gather_layers(keep={keep}) needs `model{jtu.keystr(path)}`'s "
+                f"NamedSharding on this mesh, but {found}.\nHint: pass "
+                "shardings=, e.g. from sharding.logical_shardings, or place the "
+                "model first (sharding.constrain)."
+            )
+        return sharding
+
+    def per_step(path: tuple, leaf: Any, depth: int) -> NamedSharding:
+        # The leaf's spec without its `depth` layer axes, keeping only `keep`.
+        spec = list(placed(path, leaf).spec)[depth:]
+        entries = []
+        for entry in spec:
+            names = entry if isinstance(entry, tuple) else (entry,)
+            kept = tuple(n for n in names if n in keep)
+            entries.append(kept[0] if len(kept) == 1 else (kept or None))
+        return NamedSharding(mesh, PartitionSpec(*entries))
+
+    return _gather_kept(model, (), 0, per_step)
+
+
+def _gather_kept(tree: Any, prefix: tuple, depth: int, per_step: Callable) -> Any:
+    # `tree` (at `prefix` in the model, inside `depth` stacks) with a per-array
+    # `layer_sharding` on every Stacked, inner ones first: an outer stack's
+    # sharding pytree holds the inner stacks' (static) fields.
+    def one(path: tuple, x: Any) -> Any:
+        if not isinstance(x, Stacked):
+            return x
+        at = prefix + path + (jtu.GetAttrKey("layers"),)
+        layers = _gather_kept(x.layers, at, depth + 1, per_step)
+        arrays = eqx.filter(layers, eqx.is_array)
+        step = jtu.tree_map_with_path(
+            lambda p, a: per_step(at + p, a, depth + 1), arrays
+        )
+        return restack(x, layers=layers, layer_sharding=step)
+
+    return jtu.tree_map_with_path(one, tree, is_leaf=lambda x: isinstance(x, Stacked))
 
 
 def _restructure(opt_state: Any, old: Any, new: Any) -> Any:

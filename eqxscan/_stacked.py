@@ -219,7 +219,7 @@ class Stacked(Scanning, Generic[LayerT]):
     layers: LayerT
     num_layers: int = eqx.field(static=True)
     options: ScanOptions
-    layer_sharding: Sharding | None = eqx.field(static=True)
+    layer_sharding: Sharding | PyTree[Sharding | None] | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -228,7 +228,7 @@ class Stacked(Scanning, Generic[LayerT]):
         *args: Any,
         key: PRNGKeyArray | None = None,
         layers: LayerT | None = None,
-        layer_sharding: Sharding | None = None,
+        layer_sharding: Sharding | PyTree[Sharding | None] | None = None,
         **options: Unpack[ScanArgs],
     ):
         """**Arguments:**
@@ -248,7 +248,11 @@ class Stacked(Scanning, Generic[LayerT]):
         - `layer_sharding`: a `jax.sharding.Sharding` (or `None`) that each scan
           step constrains its one layer's weights to before calling it. FSDP uses
           a replicated sharding here, so that a step all-gathers only the layer it
-          runs; [`eqxscan.sharding.shard`][] sets it for you.
+          runs; [`eqxscan.sharding.shard`][] sets it for you. It may also be a
+          pytree with one layer's structure (a sharding per array, without the
+          layer axis), e.g. to keep tensor-parallel axes split while the FSDP
+          axis is gathered: [`eqxscan.sharding.gather_layers`][] with `keep=`
+          builds it.
         - `mode`: `"scan"` (`jax.lax.scan`, one traced body) or `"loop"` (a Python
           loop over the same weights: the reference and debugging path).
         - `checkpoint`: rematerialisation. `"auto"` (default: chosen from the
@@ -269,7 +273,6 @@ class Stacked(Scanning, Generic[LayerT]):
         """
         num_layers = check_size("num_layers", num_layers)
         self.options = ScanOptions(**options)
-        check_layer_sharding(layer_sharding)
         if layers is None:
             _check_make_layer(make_layer)
             if key is None:
@@ -281,6 +284,7 @@ class Stacked(Scanning, Generic[LayerT]):
                 "Stacked takes either `make_layer` and `key` (and arguments for "
                 "`make_layer`), or already-stacked `layers`, not both."
             )
+        check_layer_sharding(layer_sharding, layers)
         self.layers = layers
         self.num_layers = num_layers
         self.layer_sharding = layer_sharding

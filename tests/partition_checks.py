@@ -46,14 +46,15 @@ def make_step(place):
     return step
 
 
-def main():
-    assert jax.device_count() == 8, jax.devices()
-    model, x, y = make_problem()
-    opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
-    ref = make_step(lambda m, s: (m, s))(model, opt_state, x, y)
-
-    mesh = jax.make_mesh((2, 4), ("fsdp", "model"), axis_types=(AxisType.Auto,) * 2)
+def run(model, x, y, ref, mesh, gather):
+    """One step on `mesh`, the model placed by logical names; `gather` is
+    `gather_layers`' `keep` (`None`: not called). Errors against `ref` and the
+    compiled program's collectives."""
     specs = sharding.logical_shardings(model, mesh, AXES, RULES)
+    if gather is not None:
+        # Shardings computed before gather_layers still place the model after.
+        model = sharding.gather_layers(model, mesh, specs, keep=gather)
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
     opt_specs = sharding.opt_state_shardings(
         opt_state, model, mesh, param_shardings=specs
     )
@@ -68,21 +69,29 @@ def main():
     out = step(s_model, s_opt, s_x, s_y)
     hlo = step.lower(s_model, s_opt, s_x, s_y).compile().compiled.as_text()
     w1 = out[0].blocks.layers.w1
-    json.dump(
-        {
-            "err_loss": abs(float(out[2]) - float(ref[2])) / abs(float(ref[2])),
-            "err_grads": max_rel(out[3], ref[3]),
-            "err_params": max_rel(out[0], ref[0]),
-            "err_opt_state": max_rel(out[1], ref[1]),
-            "w1_spec": str(w1.sharding.spec),
-            "w1_shard": list(w1.addressable_shards[0].data.shape),
-            "mu_w1_spec": str(out[1][0].trace.blocks.layers.w1.sharding.spec),
-            "all_reduces": collectives(hlo, "all-reduce"),
-            "all_gathers": collectives(hlo, "all-gather"),
-            "reduce_scatters": collectives(hlo, "reduce-scatter"),
-        },
-        sys.stdout,
-    )
+    return {
+        "err_loss": abs(float(out[2]) - float(ref[2])) / abs(float(ref[2])),
+        "err_grads": max_rel(out[3], ref[3]),
+        "err_params": max_rel(out[0], ref[0]),
+        "err_opt_state": max_rel(out[1], ref[1]),
+        "w1_spec": str(w1.sharding.spec),
+        "w1_shard": list(w1.addressable_shards[0].data.shape),
+        "mu_w1_spec": str(out[1][0].trace.blocks.layers.w1.sharding.spec),
+        "layer_sharding": str(getattr(out[0].blocks.layer_sharding, "w1", None)),
+        "all_reduces": collectives(hlo, "all-reduce"),
+        "all_gathers": collectives(hlo, "all-gather"),
+        "reduce_scatters": collectives(hlo, "reduce-scatter"),
+    }
+
+
+def main():
+    assert jax.device_count() == 8, jax.devices()
+    model, x, y = make_problem()
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
+    ref = make_step(lambda m, s: (m, s))(model, opt_state, x, y)
+    mesh = jax.make_mesh((2, 4), ("fsdp", "model"), axis_types=(AxisType.Auto,) * 2)
+    runs = {"plain": None, "kept": "model", "whole": ()}
+    json.dump({k: run(model, x, y, ref, mesh, g) for k, g in runs.items()}, sys.stdout)
 
 
 if __name__ == "__main__":

@@ -314,17 +314,32 @@ def eight_devices():
 
 
 def test_tensor_parallel_eight_devices(eight_devices):
-    # A 2 (fsdp) x 4 (model) mesh: one SGD-with-momentum step equals one device.
-    r = eight_devices
-    for err in ("err_loss", "err_grads", "err_params", "err_opt_state"):
-        assert r[err] < 1e-5, r
-    assert r["w1_spec"] == r["mu_w1_spec"] == "P(None, 'fsdp', 'model')"
-    assert r["w1_shard"] == [3, 16 // 2, 64 // 4]  # [L, D/fsdp, 4D/model]
+    # A 2 (fsdp) x 4 (model) mesh: one SGD-with-momentum step equals one device,
+    # with or without `gather_layers`.
+    for name, r in eight_devices.items():
+        for err in ("err_loss", "err_grads", "err_params", "err_opt_state"):
+            assert r[err] < 1e-5, (name, r)
+        assert r["w1_spec"] == r["mu_w1_spec"] == "P(None, 'fsdp', 'model')", r
+        assert r["w1_shard"] == [3, 16 // 2, 64 // 4]  # [L, D/fsdp, 4D/model]
+    r = eight_devices["plain"]
     # Row-parallel w2: each device holds a partial sum of the block's output,
     # all-reduced over "model" ([B/fsdp, D] activations).
     assert "f32[4,16]" in r["all_reduces"], r
     # FSDP: a layer's weights are all-gathered over "fsdp" ([D, 4D/model]).
     assert "f32[16,16]" in r["all_gathers"], r
+
+
+def test_tensor_parallel_gather_keeps_model_axis(eight_devices):
+    # gather_layers(keep="model"): each step gathers one layer's "fsdp" shards
+    # ([D, 4D/4]) and keeps "model" split (the activations are all-reduced),
+    # never a whole [D, 4D] weight; keep=() gathers the whole layer.
+    kept, whole = eight_devices["kept"], eight_devices["whole"]
+    assert "P(None, 'model')" in kept["layer_sharding"], kept
+    gathered = [s.replace("[1,", "[") for s in kept["all_gathers"]]
+    assert gathered and set(gathered) == {"f32[16,16]"}, kept
+    assert "f32[4,16]" in kept["all_reduces"], kept
+    whole_gathers = [s.replace("[1,", "[") for s in whole["all_gathers"]]
+    assert "f32[16,64]" in whole_gathers and "f32[64,16]" in whole_gathers, whole
 
 
 # ------------------------------------------------------------ over layers: shared

@@ -427,3 +427,98 @@ def test_pipeline_errors(getkey):
         sharding.pipeline(stack[:2], x, mesh=None, microbatches=2)
     with pytest.raises(TypeError, match=r"pipeline runs an eqxscan.Stacked|'stack'"):
         sharding.pipeline(stack[0], x, mesh=mesh, microbatches=2)
+
+
+class Square(eqx.Module):
+    stack: eqxscan.Stacked
+
+    def __init__(self, *, key):
+        self.stack = eqxscan.Stacked(lambda k: eqx.nn.Linear(4, 4, key=k), 2, key=key)
+
+    def __call__(self, x):
+        return self.stack(x)
+
+
+def _tp_mesh():
+    return jax.make_mesh((1, 2), ("fsdp", "model"), axis_types=(AxisType.Auto,) * 2)
+
+
+def _tp_specs(model, mesh):
+    # Two layer axes, then "fsdp" and "model" on one axis of the weight.
+    def one(a):
+        spec = P(None, None, ("fsdp", "model")) if a.ndim == 4 else P(None, "model")
+        return NamedSharding(mesh, spec)
+
+    return jtu.tree_map(one, eqx.filter(model, eqx.is_array))
+
+
+def test_gather_layers_keep(getkey):
+    mesh = _tp_mesh()
+    outer = eqxscan.Stacked(lambda k: Square(key=k), 3, key=getkey())
+    specs = _tp_specs(outer, mesh)
+    gathered = sharding.gather_layers(outer, mesh, specs, keep="model")
+    # The outer step drops the outer layer axis and every axis but "model"; the
+    # inner step drops both layer axes.
+    step = gathered.layer_sharding.stack.layers
+    assert step.weight.spec == P(None, "model") and step.bias.spec == P("model")
+    inner = gathered.layers.stack.layer_sharding
+    assert inner.weight.spec == P("model") and inner.bias.spec == P()
+    # The same from the arrays' own placement.
+    placed = sharding.constrain(outer, specs)
+    again = sharding.gather_layers(placed, mesh, keep=("model",))
+    assert again.layer_sharding == gathered.layer_sharding
+    assert again.layers.stack.layer_sharding == inner
+    # Without keep: one replicated sharding, as before.
+    assert sharding.gather_layers(outer, mesh).layer_sharding == NamedSharding(
+        mesh, P()
+    )
+    # Shardings computed before gather_layers still place the model (by key
+    # path: layer_sharding is static), and values and gradients are unchanged.
+    gathered = sharding.constrain(gathered, specs)
+    assert (
+        gathered.layers.stack.layers.weight.sharding.spec
+        == specs.layers.stack.layers.weight.spec
+    )
+    x = jnp.linspace(-1.0, 1.0, 4)
+    f = eqx.filter_jit(eqx.filter_value_and_grad(lambda m: jnp.sum(jnp.tanh(m(x)))))
+    (v1, g1), (v2, g2) = f(gathered), f(outer)
+    assert jnp.allclose(v1, v2, rtol=1e-6) and max_rel_err(g1, g2) < 1e-6
+
+
+def test_gather_layers_keep_errors(getkey):
+    mesh = _tp_mesh()
+    outer = eqxscan.Stacked(lambda k: Square(key=k), 3, key=getkey())
+    with pytest.raises(ValueError, match=r"keep names mesh axis 'tp'"):
+        sharding.gather_layers(outer, mesh, keep="tp")
+    with pytest.raises(
+        ValueError,
+        match=r"needs `model\.layers\.stack\.layers\.weight`'s NamedSharding on "
+        r"this mesh, but it is placed on SingleDeviceSharding",
+    ):
+        sharding.gather_layers(outer, mesh, keep="model")
+
+
+def test_layer_sharding_pytree_checked(getkey):
+    mesh = _tp_mesh()
+    stack = eqxscan.Stacked(lambda k: eqx.nn.Linear(4, 4, key=k), 3, key=getkey())
+    per_leaf = jtu.tree_map(
+        lambda a: NamedSharding(mesh, P()), eqx.filter(stack.layers, eqx.is_array)
+    )
+    assert stack.with_options(layer_sharding=per_leaf).layer_sharding == per_leaf
+    with pytest.raises(ValueError, match=r"does not match the layers' arrays"):
+        stack.with_options(layer_sharding=(NamedSharding(mesh, P()),) * 2)
+    with pytest.raises(TypeError, match=r"static field, so it must be hashable"):
+        stack.with_options(layer_sharding={"weight": NamedSharding(mesh, P())})
+
+
+def test_constrain_matches_by_path(getkey):
+    mesh = sharding.make_mesh(fsdp=2)
+    model = eqxscan.StackedMLP(8, 3, key=getkey())
+    specs = sharding.model_shardings(model, mesh, min_size=0)
+    placed, _, _ = sharding.shard(model, mesh=mesh, min_size=0)
+    # `shard` set layer_sharding (static); specs computed before still fit.
+    again = sharding.constrain(placed, specs)
+    assert again.blocks.layer_sharding == NamedSharding(mesh, P())
+    assert again.blocks.layers.w1.sharding.spec == specs.blocks.layers.w1.spec
+    with pytest.raises(ValueError, match=r"shardings has no entry for `tree\."):
+        sharding.constrain(placed, {"other": specs})
