@@ -7,6 +7,7 @@ body is traced, before `lax.scan` or XLA can raise anything less readable.
 """
 
 from collections.abc import Callable
+from typing import Literal
 
 import equinox as eqx
 import jax
@@ -107,6 +108,7 @@ def run(
     reverse: bool = False,
     where: Callable[[int | None], str] = lambda i: "step" if i is None else f"step {i}",
     gathered: bool = False,
+    over: Literal["layers", "time"] = "layers",
 ) -> tuple[PyTree, PyTree]:
     """Run `step` over the leading axis (of length `length`) of the array pytree `xs`.
 
@@ -121,6 +123,8 @@ def run(
     - `where`: names step `i` (or every step, for `None`) in error messages.
     - `gathered`: each step may gather its slice of sharded `xs` (FSDP), so
       `unroll="auto"` keeps the scan: unrolled, XLA may gather every step's at once.
+    - `over`: what the steps are, for `unroll="auto"`: `"layers"` (weights in
+      `xs`) or `"time"` (a cell's weights closed over).
 
     **Returns:**
 
@@ -144,7 +148,16 @@ def run(
         return new_dyn, y_dyn
 
     checkpoint, unroll = resolve(
-        body, c_dyn, xs, length, checkpoint, unroll, AUTO_POLICY, where(None), gathered
+        body,
+        c_dyn,
+        xs,
+        length,
+        checkpoint,
+        unroll,
+        AUTO_POLICY,
+        where(None),
+        gathered,
+        over,
     )
     if unroll is True and not (
         isinstance(checkpoint, ScanCheckpoint) or checkpoint == "nested"

@@ -453,6 +453,7 @@ class Recurrent(Scanning):
                 options=self.options,
                 reverse=self.reverse,
                 where=where,
+                over="time",
             )
         return h_T, _time_layout(hs, time_axis)
 

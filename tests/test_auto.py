@@ -310,12 +310,14 @@ def test_small_lstm_recomputes():
 
 def test_recurrent_cells_of_256_save_everything_on_cpu(monkeypatch):
     # Batch 64, 30 steps: 15-21 MiB of residuals, nearly all matmul outputs, and
-    # steps of 2.6e7-3.5e7 FLOPs (so not the small-step remat).
-    for make, h0 in (
-        (eqx.nn.GRUCell, jnp.zeros((64, 256))),
-        (eqx.nn.LSTMCell, (jnp.zeros((64, 256)),) * 2),
+    # steps of 2.6e7-3.5e7 FLOPs (so not the small-step remat). The GRU, whose
+    # carry is one array, is unrolled by 2 on CPU; the LSTM (two) is not.
+    for make, h0, unroll in (
+        (eqx.nn.GRUCell, jnp.zeros((64, 256)), 2),
+        (eqx.nn.LSTMCell, (jnp.zeros((64, 256)),) * 2, 1),
     ):
-        rnn = jax.vmap(eqxscan.Recurrent(make(8, 256, key=jr.key(0))))
+        model = eqxscan.Recurrent(make(8, 256, key=jr.key(0)))
+        rnn = jax.vmap(model)
         xs = jnp.zeros((64, 30, 8))
         monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
         (choice,) = eqxscan.explain_auto(rnn, h0, xs)
@@ -323,10 +325,45 @@ def test_recurrent_cells_of_256_save_everything_on_cpu(monkeypatch):
         assert c.saved_bytes * c.length > _auto.SMALL_RESIDUALS
         assert c.flops >= _auto.FULL_REMAT_FLOPS
         assert c.saved_bytes <= _auto.NEARLY_ALL_MATMUL * c.policy_saved_bytes
-        assert (choice.checkpoint, choice.unroll) == (False, 1)
+        assert c.carry_arrays == len(jtu.tree_leaves(h0))
+        assert (choice.checkpoint, choice.unroll) == (False, unroll)
+        # An explicit unroll wins.
+        (fixed,) = eqxscan.explain_auto(jax.vmap(model.with_options(unroll=1)), h0, xs)
+        assert (fixed.checkpoint, fixed.unroll) == (False, 1)
         monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
         (choice,) = eqxscan.explain_auto(rnn, h0, xs)
-        assert choice.checkpoint is POLICY
+        assert (choice.checkpoint, choice.unroll) == (POLICY, 1)
+
+
+def test_time_scans_unroll_by_two_on_cpu():
+    # One carried array, at least TIME_UNROLL_FLOPS, nearly all matmul outputs.
+    ok = dict(
+        length=30,
+        flops=_auto.TIME_UNROLL_FLOPS,
+        saved_bytes=int(1000 * _auto.NEARLY_ALL_MATMUL),
+        policy_saved_bytes=1000,
+    )
+    time = dict(over="time")
+    assert _auto.decide(cost(**ok), "auto", "auto", POLICY, "cpu", **time)[1] == 2
+    reason = _auto.decide(cost(**ok), False, "auto", POLICY, "cpu", **time)[2]
+    assert "one carried array" in reason and "unroll 2" in reason
+    # Each condition, just missed.
+    for changes, why in (
+        (dict(flops=_auto.TIME_UNROLL_FLOPS - 1), "(< 1e+07)"),
+        (dict(saved_bytes=ok["saved_bytes"] + 1), "not nearly all matmul"),
+        (dict(carry_arrays=2), "2 carried arrays"),
+    ):
+        got = _auto.decide(
+            cost(**{**ok, **changes}), False, "auto", POLICY, "cpu", **time
+        )
+        assert got[1] == 1 and why in got[2], (changes, got)
+    # Not over layers, not on accelerators, not for short scans, and never over an
+    # explicit unroll.
+    assert _auto.decide(cost(**ok), "auto", "auto", POLICY, "cpu")[1] == 1
+    assert _auto.decide(cost(**ok), "auto", "auto", POLICY, "gpu", **time)[1] == 1
+    short = cost(**{**ok, "length": _auto.SHORT_SCAN})
+    assert _auto.decide(short, "auto", "auto", POLICY, "cpu", **time)[1] is True
+    assert _auto.decide(cost(**ok), "auto", 3, POLICY, "cpu", **time)[1] == 3
 
 
 @pytest.fixture(scope="module")
@@ -466,3 +503,18 @@ def test_every_choice_matches_the_loop_and_the_plain_scan(
         got = _value_and_grad(model, *args)
         _close(got, loop)
         _close(got, plain)
+
+
+def test_unroll_by_two_matches_the_loop(monkeypatch):
+    # The time-scan unroll, forced on a small GRU over an odd number of steps
+    # (13: six pairs and one step), against the loop and the plain scan.
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    monkeypatch.setattr(_auto, "TIME_UNROLL_FLOPS", 0)
+    rnn = small_gru()
+    args = (jr.normal(jr.key(2), (4,)), jr.normal(jr.key(3), (13, 2)))
+    (picked,) = eqxscan.explain_auto(rnn, *args)
+    assert picked.unroll == 2
+    assert "scan" in str(jax.make_jaxpr(lambda h, x: rnn(h, x))(*args))
+    got = _value_and_grad(rnn, *args)
+    _close(got, _value_and_grad(rnn.with_options(mode="loop"), *args))
+    _close(got, _value_and_grad(rnn.with_options(checkpoint=False, unroll=1), *args))
