@@ -91,14 +91,16 @@ UNROLL_FLOPS = 8 * 10**8
 #: step saves nearly only matmul outputs (at most `NEARLY_ALL_MATMUL` times what
 #: the policy keeps) and costs at least `TIME_UNROLL_FLOPS` is unrolled by 2. In
 #: 41 interleaved rounds on two cores (batch 64 unless stated, 30 steps unless
-#: stated) `unroll=2` took 0.92-1.04x the time of `unroll=1` for such cells
-#: (median 0.98x: GRUs of 128-512 fed 8 or 256 inputs, batch 256 too, and over
-#: 300 steps; Elman cells of 256-1024), at the same temp memory. Below the FLOPs
-#: bound it did not pay (a GRU of 256 at batch 16: 1.02x; GRUs and Elman cells of
-#: 32: 1.10-1.29x), nor for the LSTM, whose carry is two arrays (1.11x for 256;
-#: the slowdown follows its cell-state recurrence, in hand-written JAX too). On one
-#: core it neither gained nor lost (0.98-1.00x). Scans over layers keep 1 (0.96-
-#: 1.05x for MLPs of width 32-256, at 1.07-1.38x the temp memory).
+#: stated; benchmarks/time_unroll.py) `unroll=2` took 0.90-1.06x the time of
+#: `unroll=1` for such cells in two runs (median 0.96-0.98x: GRUs of 128-512 fed
+#: 8 or 256 inputs, batch 256 too, and over 300 steps; Elman cells of 256-1024;
+#: the one loss over 2%, 1.02-1.06x, was the GRU of 256 fed 256 inputs), at the
+#: same temp memory. Below the FLOPs bound it did not pay (a GRU of 256 at batch
+#: 16: 0.99-1.02x; GRUs and Elman cells of 32: 1.10-1.29x), nor for the LSTM,
+#: whose carry is two arrays (1.11-1.13x for 256; the slowdown follows its
+#: cell-state recurrence, in hand-written JAX too). On one core the GRU of 256
+#: neither gained nor lost (0.98-1.00x). Scans over layers keep 1 (0.96-1.05x for
+#: MLPs of width 32-256, at 1.07-1.38x the temp memory).
 TIME_UNROLL, TIME_UNROLL_FLOPS = 2, 10**7
 
 
