@@ -14,6 +14,7 @@ import jax.tree_util as jtu
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ._checks import check_size, is_arraylike
+from ._constrain import align
 from ._distributed import default_devices, place, place_batch
 from ._stacked import restack, Stacked
 
@@ -228,13 +229,25 @@ def model_shardings(
 
 def _set_layer_sharding(tree: Any, sharding: NamedSharding | None) -> Any:
     # `tree` with `layer_sharding` set on every Stacked, nested ones included.
-    def one(x: Any) -> Any:
-        if isinstance(x, Stacked):
-            layers = _set_layer_sharding(x.layers, sharding)
-            return restack(x, layers=layers, layer_sharding=sharding)
-        return x
+    return _map_stacks(tree, lambda at, layers, depth: sharding)
 
-    return jtu.tree_map(one, tree, is_leaf=lambda x: isinstance(x, Stacked))
+
+def _map_stacks(
+    tree: Any, layer_sharding: Callable, prefix: tuple = (), depth: int = 0
+) -> Any:
+    # `tree` (at key path `prefix` in the model, inside `depth` stacks) with each
+    # Stacked's `layer_sharding` set to `layer_sharding(path of its layers, its
+    # layers, its depth)`, inner stacks first: an outer stack's per-array sharding
+    # pytree holds the inner stacks' (static) fields.
+    def one(path: tuple, x: Any) -> Any:
+        if not isinstance(x, Stacked):
+            return x
+        at = prefix + path + (jtu.GetAttrKey("layers"),)
+        layers = _map_stacks(x.layers, layer_sharding, at, depth + 1)
+        sharding = layer_sharding(at, layers, depth + 1)
+        return restack(x, layers=layers, layer_sharding=sharding)
+
+    return jtu.tree_map_with_path(one, tree, is_leaf=lambda x: isinstance(x, Stacked))
 
 
 def _strip(tree: Any) -> Any:
@@ -454,7 +467,10 @@ def gather_layers(
         check_axis(mesh, axis, "keep")
     if not keep:
         return _set_layer_sharding(model, NamedSharding(mesh, PartitionSpec()))
-    given = None if shardings is None else dict(jtu.tree_leaves_with_path(shardings))
+    given = None
+    if shardings is not None:
+        aligned = align(shardings, eqx.filter(model, eqx.is_array))
+        given = dict(jtu.tree_leaves_with_path(aligned))
 
     def placed(path: tuple, leaf: Any) -> NamedSharding:
         sharding = getattr(leaf, "sharding", None) if given is None else given.get(path)
@@ -483,25 +499,11 @@ def gather_layers(
             entries.append(kept[0] if len(kept) == 1 else (kept or None))
         return NamedSharding(mesh, PartitionSpec(*entries))
 
-    return _gather_kept(model, (), 0, per_step)
-
-
-def _gather_kept(tree: Any, prefix: tuple, depth: int, per_step: Callable) -> Any:
-    # `tree` (at `prefix` in the model, inside `depth` stacks) with a per-array
-    # `layer_sharding` on every Stacked, inner ones first: an outer stack's
-    # sharding pytree holds the inner stacks' (static) fields.
-    def one(path: tuple, x: Any) -> Any:
-        if not isinstance(x, Stacked):
-            return x
-        at = prefix + path + (jtu.GetAttrKey("layers"),)
-        layers = _gather_kept(x.layers, at, depth + 1, per_step)
+    def per_array(at: tuple, layers: Any, depth: int) -> Any:
         arrays = eqx.filter(layers, eqx.is_array)
-        step = jtu.tree_map_with_path(
-            lambda p, a: per_step(at + p, a, depth + 1), arrays
-        )
-        return restack(x, layers=layers, layer_sharding=step)
+        return jtu.tree_map_with_path(lambda p, a: per_step(at + p, a, depth), arrays)
 
-    return jtu.tree_map_with_path(one, tree, is_leaf=lambda x: isinstance(x, Stacked))
+    return _map_stacks(model, per_array)
 
 
 def _restructure(opt_state: Any, old: Any, new: Any) -> Any:

@@ -468,6 +468,11 @@ def test_gather_layers_keep(getkey):
     again = sharding.gather_layers(placed, mesh, keep=("model",))
     assert again.layer_sharding == gathered.layer_sharding
     assert again.layers.stack.layer_sharding == inner
+    # A prefix of the model works too: one sharding for every array.
+    one = NamedSharding(mesh, P(None, None, "model"))
+    prefixed = sharding.gather_layers(outer, mesh, one, keep="model")
+    assert prefixed.layer_sharding.stack.layers.weight.spec == P(None, "model")
+    assert prefixed.layers.stack.layer_sharding.bias.spec == P("model")
     # Without keep: one replicated sharding, as before.
     assert sharding.gather_layers(outer, mesh).layer_sharding == NamedSharding(
         mesh, P()
