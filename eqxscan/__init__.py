@@ -1,5 +1,7 @@
 """eqxscan: scan over layers and over time, first-class for Equinox."""
 
+import importlib.metadata
+
 from . import optim as optim, sharding as sharding
 from ._auto import (
     AutoChoice as AutoChoice,
@@ -35,4 +37,4 @@ from ._state_dict import (
 )
 
 
-__version__ = "0.1.0"
+__version__ = importlib.metadata.version("eqxscan")

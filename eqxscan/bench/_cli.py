@@ -11,8 +11,6 @@ implementations interleaved in shuffled order. Results go to `--out` as
 
 import argparse
 import json
-import os
-import platform
 import shlex
 import sys
 from collections.abc import Sequence
@@ -20,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ._impls import IMPLS, LOOP
+from ._machine import describe_machine, load_average
 
 
 FULL = {
@@ -223,64 +222,6 @@ def resolved_command(args: argparse.Namespace) -> str:
     return " ".join(parts)
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _load_average() -> list[float] | None:
-    # Other processes on the machine skew the seconds (not so much the ratios).
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except (AttributeError, OSError):
-        return None
-
-
-def _usable_cores() -> int | None:
-    # `taskset` and container CPU sets narrow what XLA's CPU thread pool uses; on
-    # a few cores that changes which programs are fastest.
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count()
-
-
-def _machine() -> dict[str, Any]:
-    import equinox
-    import jax
-
-    device = jax.devices()[0]
-    info = {
-        "platform": platform.platform(),
-        "processor": _cpu_name(),
-        "cpu_count": os.cpu_count(),
-        "cores_usable": _usable_cores(),
-        "python": platform.python_version(),
-        "jax": jax.__version__,
-        "equinox": equinox.__version__,
-        "device": f"{device.platform}:{device.device_kind}",
-        "load_average_start": _load_average(),
-    }
-    try:
-        import flax
-
-        info["flax"] = flax.__version__
-    except ImportError:
-        pass
-    info["summary"] = (
-        f"{info['device']} ({info['processor']}, {info['cores_usable']} cores), "
-        f"jax {info['jax']}, "
-        f"equinox {info['equinox']}"
-        + (f", flax {info['flax']}" if "flax" in info else "")
-    )
-    return info
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--grid" in argv:
@@ -305,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     args.out.mkdir(parents=True, exist_ok=True)
     shape = dict(dim=args.dim, batch=args.batch, seq=args.seq)
-    machine = _machine()
+    machine = describe_machine()
     peak = args.peak_flops
     if peak is None and not machine["device"].startswith("cpu"):
         found = peak_of(machine["device"])
@@ -400,7 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 tqdm.write(str(e), file=sys.stderr)
             save()
 
-    results["machine"]["load_average_end"] = _load_average()
+    results["machine"]["load_average_end"] = load_average()
     results["targets"] = _report.targets(results)
     save()
     text = _report.markdown(results)

@@ -30,6 +30,7 @@ from .._engine import AUTO_POLICY
 from .._mlp import StackedMLP
 from .._recurrent import Recurrent
 from .._timing import time_interleaved
+from ._machine import describe_machine, load_average
 from ._measure import setting_label
 
 
@@ -314,13 +315,12 @@ def run_grid(
 
 def main_grid(args: Any) -> int:
     """`python -m eqxscan.bench --grid [--repeats N] [--out DIR]`."""
-    from ._cli import _load_average, _machine
 
     # Recorded as the main bench records it (`load_average_start`/`_end`).
-    machine = _machine()
+    machine = describe_machine()
     print(machine["summary"], flush=True)
     results = run_grid(args.out, args.repeats or 7)
-    machine["load_average_end"] = _load_average()
+    machine["load_average_end"] = load_average()
     results["machine"] = machine
     (args.out / "grid.json").write_text(json.dumps(results, indent=1))
     print(markdown(results))

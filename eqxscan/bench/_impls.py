@@ -15,8 +15,26 @@ from typing import Any, NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .._mlp import rms_norm, StackedMLP
+
+
+#: Largest relative error (loss and every gradient) at which two
+#: implementations count as computing the same thing.
+TOLERANCE = 1e-5
+
+
+class MismatchError(RuntimeError):
+    """Two implementations disagree on the loss or the gradients."""
+
+
+def rel_err(a: Any, b: Any) -> float:
+    """The largest absolute difference of `a` and `b`, relative to `b`'s largest
+    magnitude."""
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
 
 
 class Built(NamedTuple):

@@ -20,16 +20,11 @@ from .._auto import explain_auto
 from .._engine import AUTO_POLICY
 from .._mlp import StackedMLP
 from .._timing import time_interleaved
-from ._impls import Impl, IMPLS, LOOP
+from ._impls import Impl, IMPLS, LOOP, MismatchError, rel_err, TOLERANCE
 
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-TOLERANCE = 1e-5
 WARMUP = 1
-
-
-class MismatchError(RuntimeError):
-    """Two implementations disagree on the loss or the gradients."""
 
 
 def model_flops(num_layers: int, dim: int, tokens: int) -> int:
@@ -66,12 +61,6 @@ def make_problem(
     x = jnp.asarray(rng.standard_normal((batch, seq, dim)), dt)
     y = jnp.asarray(rng.standard_normal((batch, seq, dim)), dt)
     return model, x, y
-
-
-def rel_err(a: Any, b: Any) -> float:
-    a = np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
 
 
 def check_agreement(

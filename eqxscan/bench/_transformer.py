@@ -18,8 +18,17 @@ import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._stacked import Stacked
-from ._impls import Built, check_same_layout, eqxscan_impls, Impl, LOOP, mse
-from ._measure import MismatchError, rel_err, TOLERANCE
+from ._impls import (
+    Built,
+    check_same_layout,
+    eqxscan_impls,
+    Impl,
+    LOOP,
+    MismatchError,
+    mse,
+    rel_err,
+    TOLERANCE,
+)
 
 
 #: The flat, stacked layout every gradient is mapped to (eqx.nn.Linear's

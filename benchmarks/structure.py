@@ -1,0 +1,134 @@
+"""The package's shape: lines per folder, public names, import layers and circles.
+
+    python benchmarks/structure.py [PACKAGE_DIR]
+
+Reads the source as text (nothing is imported): each module's `from . import`
+/ `from .x import` / `import eqxscan.x` statements give the arrows; a circle is
+a strongly connected group of more than one module.
+"""
+
+import ast
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+
+def modules(root: Path) -> dict[str, Path]:
+    out = {}
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root.parent).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def imports(name: str, path: Path, known: set[str]) -> set[str]:
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            candidates = [target] + [f"{target}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            candidates = [a.name for a in node.names]
+        else:
+            continue
+        for c in candidates:
+            while c and c not in known:
+                c = c.rpartition(".")[0]
+            if c and c != name:
+                found.add(c)
+    return found
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    sys.setrecursionlimit(10000)
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def public_names(path: Path) -> list[str]:
+    names = []
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ImportFrom):
+            names += [a.asname or a.name for a in node.names]
+        elif isinstance(node, ast.Assign):
+            names += [t.id for t in node.targets if isinstance(t, ast.Name)]
+    return [n for n in names if not n.startswith("_")]
+
+
+def main() -> None:
+    root = Path(sys.argv[1] if len(sys.argv) > 1 else "eqxscan").resolve()
+    mods = modules(root)
+    graph = {m: imports(m, p, set(mods)) for m, p in mods.items()}
+    lines: dict[str, int] = defaultdict(int)
+    files: dict[str, int] = defaultdict(int)
+    for p in mods.values():
+        folder = str(p.parent.relative_to(root.parent))
+        lines[folder] += len(p.read_text().splitlines())
+        files[folder] += 1
+    print("| folder | files | lines |\n|---|---|---|")
+    for folder in sorted(lines):
+        print(f"| {folder}/ | {files[folder]} | {lines[folder]} |")
+    print(f"| all | {sum(files.values())} | {sum(lines.values())} |\n")
+    top = public_names(root / "__init__.py")
+    print(f"top-level names: {len(top)}")
+    for sub in sorted(mods):
+        if sub.count(".") == 1 and not sub.rpartition(".")[2].startswith("_"):
+            p = mods[sub]
+            if p.name == "__init__.py" or p.parent == root:
+                print(f"  {sub}: {len(public_names(p))} names")
+    found = circles(graph)
+    print(f"import circles: {len(found)}")
+    for group in found:
+        print("  " + " <-> ".join(group))
+
+    # Private modules reached from another folder (bench reaching into the core).
+    def folder(m: str) -> str:
+        return m if mods[m].name == "__init__.py" else m.rpartition(".")[0]
+
+    crossing = sorted(
+        (m, t)
+        for m, targets in graph.items()
+        for t in targets
+        if t.rpartition(".")[2].startswith("_") and folder(t) != folder(m)
+    )
+    print(f"imports of another folder's private modules: {len(crossing)}")
+    for m, t in crossing:
+        print(f"  {m} -> {t}")
+
+
+if __name__ == "__main__":
+    main()
