@@ -166,6 +166,28 @@ def test_unroll(unroll, getkey):
     assert jnp.allclose(stack(x), python_loop(stack.unstack(), x), rtol=1e-5)
 
 
+def _eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from _eqns(sub)
+
+
+@pytest.mark.parametrize("unroll", [1, 2, 5, True])
+def test_unroll_reaches_the_program(unroll):
+    # Unrolling never changes values, so look at the program: `unroll` reaches
+    # `lax.scan`, and `True` leaves no scan but every layer's two matmuls.
+    stack = make_stack(5, unroll=unroll, checkpoint=False)
+    jaxpr = jax.make_jaxpr(lambda x: stack(x))(jnp.ones(4)).jaxpr
+    eqns = list(_eqns(jaxpr))
+    scans = [e.params["unroll"] for e in eqns if e.primitive.name == "scan"]
+    dots = sum(e.primitive.name == "dot_general" for e in eqns)
+    if unroll is True:
+        assert (scans, dots) == ([], 10)
+    else:
+        assert (scans, dots) == ([unroll], 2)
+
+
 def test_keys_are_split_per_layer():
     class Noise(eqx.Module):
         w: jax.Array
