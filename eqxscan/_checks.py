@@ -288,9 +288,16 @@ def check_takes_key(fn: Any, what: str, per: str) -> None:
     )
 
 
-def check_size(name: str, value: Any, minimum: int = 1) -> int:
+def check_size(
+    name: str,
+    value: Any,
+    minimum: int = 1,
+    maximum: int | None = None,
+    hint: str = "",
+) -> int:
     """`value` as a plain `int`, for sizes such as `num_layers` or `dim`: anything
-    `operator.index` accepts (NumPy integers included) but `bool`."""
+    `operator.index` accepts (NumPy integers included) but `bool`, in
+    `[minimum, maximum]`."""
     try:
         if isinstance(value, bool):
             raise TypeError
@@ -302,6 +309,11 @@ def check_size(name: str, value: Any, minimum: int = 1) -> int:
         ) from None
     if size < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {size}.")
+    if maximum is not None and size > maximum:
+        raise ValueError(
+            f"{name} must be at most {maximum}, got {size}."
+            + (f"\n{hint}" if hint else "")
+        )
     return size
 
 

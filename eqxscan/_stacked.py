@@ -37,6 +37,11 @@ from ._remat import name_inputs
 from ._stateful import find_state, get_arg, layer_state, replace_arg, state_pair
 
 
+#: The most layers a stack may have: beyond, the per-layer keys alone take
+#: gigabytes (and `jax.random.split` aborts the interpreter past 2**62).
+MAX_LAYERS = 2**20
+
+
 LayerT = TypeVar("LayerT")
 
 
@@ -271,7 +276,13 @@ class Stacked(Scanning, Generic[LayerT]):
         `mode`, `checkpoint` and `unroll` make the module's
         [`eqxscan.ScanOptions`][].
         """
-        num_layers = check_size("num_layers", num_layers)
+        num_layers = check_size(
+            "num_layers",
+            num_layers,
+            maximum=MAX_LAYERS,
+            hint="Hint: a stack holds every layer's weights at once; for a long "
+            "loop over time use eqxscan.Recurrent or jax.lax.scan.",
+        )
         self.options = ScanOptions(**options)
         if layers is None:
             _check_make_layer(make_layer)

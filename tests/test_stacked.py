@@ -515,6 +515,10 @@ CONSTRUCTION_ERRORS = [
     (dict(num_layers=0), ValueError, "num_layers must be >= 1"),
     (dict(num_layers=2.0), TypeError, "num_layers"),
     (dict(num_layers=True), TypeError, "num_layers"),
+    # Past the bound: gigabytes of keys, or an abort inside jax.random.split.
+    (dict(num_layers=2**62), ValueError, "num_layers must be at most 1048576"),
+    (dict(num_layers=2**31), ValueError, "num_layers must be at most"),
+    (dict(num_layers=10**9), ValueError, "num_layers must be at most"),
     (dict(mode="unrolled"), ValueError, "mode must be one of"),
     (dict(checkpoint="sqrt"), ValueError, "checkpoint must be one of"),
     (dict(checkpoint=3), TypeError, "checkpoint must be"),
