@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 from beartype import beartype
+from jax.typing import DTypeLike
 from jaxtyping import Array, Float, jaxtyped, PRNGKeyArray, TypeCheckError
 
 from ._checks import check_size, describe
@@ -40,6 +41,32 @@ def rms_norm(scale: Array, x: Array, eps: float = RMS_EPS) -> Array:
     )
 
 
+def check_float_dtype(dtype: object) -> jnp.dtype:
+    """`dtype` as a floating NumPy dtype, or a clear error."""
+    try:
+        found = jnp.dtype(dtype)
+    except TypeError:
+        found = None
+    if found is None or not jnp.issubdtype(found, jnp.floating):
+        raise TypeError(
+            f"dtype must be a floating dtype such as jnp.float32 or jnp.bfloat16, "
+            f"got {dtype!r}."
+        )
+    return found
+
+
+def check_rate(dropout: object) -> float:
+    """`dropout` as a float in [0, 1), or a clear error."""
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
+        raise TypeError(
+            f"dropout must be a number in [0, 1), got {type(dropout).__name__} "
+            f"({dropout!r})."
+        )
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {dropout!r}.")
+    return float(dropout)
+
+
 class MLPBlock(eqx.Module):
     """One residual block: `x + gelu(rms_norm(x) @ w1) @ w2`, with dropout after the
     activation. `StackedMLP` stacks `L` of them."""
@@ -54,7 +81,7 @@ class MLPBlock(eqx.Module):
         dim: SupportsIndex,
         *,
         key: PRNGKeyArray,
-        dtype: Any = jnp.float32,
+        dtype: DTypeLike = jnp.float32,
         dropout: float = 0.0,
     ):
         """**Arguments:**
@@ -65,6 +92,8 @@ class MLPBlock(eqx.Module):
         - `dropout`: dropout rate after the activation.
         """
         dim = check_size("dim", dim)
+        dtype = check_float_dtype(dtype)
+        dropout = check_rate(dropout)
         hidden = 4 * dim
         k1, k2 = jr.split(key)
         self.w1 = (jr.normal(k1, (dim, hidden)) * dim**-0.5).astype(dtype)
@@ -124,7 +153,7 @@ class StackedMLP(Scanning):
         num_layers: SupportsIndex | None = None,
         *,
         key: PRNGKeyArray | None = None,
-        dtype: Any = jnp.float32,
+        dtype: DTypeLike = jnp.float32,
         dropout: float = 0.0,
         blocks: Stacked[MLPBlock] | None = None,
         **options: Unpack[ScanArgs],
@@ -142,6 +171,14 @@ class StackedMLP(Scanning):
           [`eqxscan.StackedMLP.from_layers`][] stacks a list.
         """
         if blocks is not None:
+            if not (
+                isinstance(blocks, Stacked) and isinstance(blocks.layers, MLPBlock)
+            ):
+                raise TypeError(
+                    "StackedMLP(blocks=...) takes a Stacked of eqxscan.MLPBlock, got "
+                    f"{describe(blocks)}.\nHint: StackedMLP.from_layers stacks a "
+                    "list of MLPBlocks."
+                )
             if dim is not None or num_layers is not None or key is not None:
                 raise TypeError(
                     "StackedMLP takes either `dim`, `num_layers` and `key`, or "
@@ -150,8 +187,8 @@ class StackedMLP(Scanning):
             self.blocks = blocks
             return
         dim = check_size("dim", dim)
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout!r}.")
+        dtype = check_float_dtype(dtype)
+        dropout = check_rate(dropout)
         self.blocks = Stacked(
             lambda k: MLPBlock(dim, key=k, dtype=dtype, dropout=dropout),
             num_layers,

@@ -132,6 +132,15 @@ def test_constructor_errors(getkey):
         eqxscan.StackedMLP(0, 2, key=getkey())
     with pytest.raises(ValueError, match="num_layers"):
         eqxscan.StackedMLP(4, 0, key=getkey())
+    # Named before anything is built (under the test suite's type checker,
+    # a str rate is refused by the annotation, also naming `dropout`).
+    with pytest.raises(TypeError, match="dropout"):
+        eqxscan.StackedMLP(4, 2, key=getkey(), dropout="0.1")
+    for dtype in ("foo", jnp.int32):
+        with pytest.raises(TypeError, match="dtype must be a floating dtype"):
+            eqxscan.StackedMLP(4, 2, key=getkey(), dtype=dtype)
+    with pytest.raises(TypeError, match="blocks"):
+        eqxscan.StackedMLP(blocks=3)
 
 
 def test_with_options_like_every_scanning_module(getkey):
