@@ -51,7 +51,14 @@ def describe(x: Any) -> str:
         x, "aval"
     ):
         shape = ",".join(str(d) for d in x.shape)
-        return f"{jnp.dtype(x.dtype).name}[{shape}]"
+        # PRNG keys have an extended dtype (`key<fry>`), which NumPy cannot read.
+        dtype = x.dtype
+        name = (
+            str(dtype)
+            if jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+            else (jnp.dtype(dtype).name)
+        )
+        return f"{name}[{shape}]"
     text = repr(x)
     return text if len(text) <= 80 else text[:77] + "..."
 
@@ -337,3 +344,30 @@ def check_index(index: Any, length: int, who: str, hint: str) -> int:
             f"Layer index {i} is out of range for a {who} with {length} layers."
         )
     return i % length
+
+
+def split_key(key: object, num: int, who: str) -> jax.Array:
+    """`jax.random.split(key, num)`, after checking that `key` is one PRNG key:
+    a typed key (`jax.random.key`) of shape `()` or a raw `uint32[2]` one
+    (`jax.random.PRNGKey`). Anything else (an int, a `uint32[3]`, a batch of
+    keys) gets an error naming `who` rather than JAX's own."""
+    if isinstance(key, jax.Array) or isinstance(key, np.ndarray):
+        typed = jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+        if typed and key.shape == ():
+            return jax.random.split(key, num)
+        if not typed and key.dtype == np.uint32 and key.shape == (2,):
+            return jax.random.split(key, num)
+    hint = (
+        "Hint: pass one key (jax.random.key(seed)); eqxscan splits it into one "
+        "per layer or step."
+    )
+    if isinstance(key, jax.Array) and jax.dtypes.issubdtype(
+        key.dtype, jax.dtypes.prng_key
+    ):
+        hint = (
+            "Hint: pass one key, not a batch of keys; eqxscan splits it into one "
+            "per layer or step."
+        )
+    raise TypeError(
+        f"{who} needs `key` to be one JAX PRNG key, got {describe(key)}.\n{hint}"
+    )
