@@ -7,6 +7,7 @@ process holds, and `jit` over a mesh spanning every process's devices runs the
 collectives (gloo on CPU, NCCL on GPU, ICI/DCN on TPU).
 """
 
+import hashlib
 import math
 import os
 import sys
@@ -17,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.tree_util as jtu
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._checks import is_arraylike
@@ -116,6 +118,63 @@ def initialize(
         ) from e
     finally:
         watchdog.cancel()
+    _agree(
+        "process count",
+        num_processes if num_processes is not None else jax.process_count(),
+        f"num_processes={num_processes}" if num_processes is not None else "",
+    )
+
+
+def _fingerprint(text: str) -> int:
+    # 62 bits, so that it fits an int64 in any collective.
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 2
+
+
+def _agree(what: str, value: int, shown: str = "") -> None:
+    """Every process holds the same `value`, or every process raises, naming the
+    processes that differ (one allgather over every process's devices)."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    values = [int(v) for v in multihost_utils.process_allgather(np.int64(value))]
+    if len(set(values)) == 1:
+        return
+    mine = jax.process_index()
+    others = [i for i, v in enumerate(values) if v != values[mine]]
+    detail = f" ({shown})" if shown else ""
+    raise RuntimeError(
+        f"The processes of this job disagree on the {what}: process {mine}"
+        f"{detail} differs from process(es) {others}.\nHint: start every process "
+        f"of one job with the same arguments and model; {DOCS}."
+    )
+
+
+def check_same_job(*trees: Any, mesh: Mesh | None = None) -> None:
+    """Check that every process of a multi-process job holds the same model
+    structure (the tree structure, shapes and dtypes of `trees`, not their values)
+    and the same `mesh`, before training starts: a mismatch would otherwise
+    surface as a hang or a wrong result in the first collective. On one process
+    this does nothing.
+
+    **Arguments:**
+
+    - `trees`: the model, optimiser state, or anything whose layout must match.
+    - `mesh`: the mesh (axis names, shape and device ids are compared).
+
+    **Raises:**
+
+    `RuntimeError` on every process, naming the processes that differ.
+    """
+    leaves, treedef = jtu.tree_flatten(trees)
+    layout = [str(treedef)] + [
+        f"{tuple(x.shape)}:{x.dtype}" if is_arraylike(x) else repr(type(x))
+        for x in leaves
+    ]
+    _agree("model layout", _fingerprint("\n".join(layout)))
+    if mesh is not None:
+        ids = [d.id for d in mesh.devices.flat]
+        _agree("mesh", _fingerprint(f"{dict(mesh.shape)} {ids}"))
 
 
 def default_devices() -> list[jax.Device]:

@@ -7,7 +7,11 @@ runtime and Orbax; see `docs/sharding.md` and `docs/multihost.md`.
 
 from ._constrain import constrain as constrain
 from ._create import create as create, lower_create as lower_create
-from ._distributed import initialize as initialize, local_rows as local_rows
+from ._distributed import (
+    check_same_job as check_same_job,
+    initialize as initialize,
+    local_rows as local_rows,
+)
 from ._orbax import CheckpointManager as CheckpointManager
 from ._partition import (
     logical_shardings as logical_shardings,

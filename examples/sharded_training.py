@@ -178,6 +178,8 @@ def train(args: argparse.Namespace) -> None:
     optimizer = optax.adam(args.lr)
     opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
     model, opt_state, _ = sharding.shard(model, opt_state, mesh=mesh, min_size=min_size)
+    # Every process must hold the same model and mesh before the first collective.
+    sharding.check_same_job(model, opt_state, mesh=mesh)
     rows = sharding.local_rows(args.batch, mesh)
 
     def batch_at(step: int) -> jax.Array:

@@ -1,0 +1,31 @@
+"""One process of a two-process job for tests/test_job_agreement.py:
+`python tests/job_checks.py PROCESS_ID NUM_PROCESSES PORT WIDTH`.
+
+Prints `agreed`, or the RuntimeError's message and exits with status 3.
+"""
+
+import os
+import sys
+
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax.numpy as jnp  # noqa: E402
+
+from eqxscan import sharding  # noqa: E402
+
+
+def main() -> int:
+    pid, count, port, width = (int(a) for a in sys.argv[1:5])
+    try:
+        sharding.initialize(f"127.0.0.1:{port}", count, pid, timeout=60)
+        sharding.check_same_job({"w": jnp.zeros((width, 4))})
+    except RuntimeError as e:
+        print(f"RuntimeError: {e}", flush=True)
+        return 3
+    print("agreed", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
