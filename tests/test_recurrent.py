@@ -376,6 +376,62 @@ def test_bidirectional_nonfinite_padding(getkey):
         assert tree_allclose(padded_loss(bi, h0, padded, mask=mask), want), value
 
 
+# ------------------------------------------------- the cell's own arguments
+
+
+class OwnMaskCell(eqx.Module):
+    """A cell whose own keywords share names with Recurrent's: `mask` (over its
+    hidden units) and `length` (a scale)."""
+
+    inner: eqxscan.ElmanCell
+
+    def __call__(self, x, h, *, mask, length):
+        return jnp.where(mask, self.inner(x, h), length * h)
+
+
+@pytest.mark.parametrize("mode", ["scan", "loop"])
+def test_cell_kwargs_reach_the_cell_apart_from_own_mask(mode, getkey):
+    cell = OwnMaskCell(make_cell("elman", getkey()))
+    h0, xs = jr.normal(getkey(), (HID,)), jr.normal(getkey(), (T, IN))
+    units = jnp.array([True, False, True, True])  # the cell's mask
+    steps = jnp.array([True, True, False, True, True, False, False])  # Recurrent's
+    scale = jnp.float32(0.5)
+
+    def run(cell, h0, scale):
+        rnn = eqxscan.Recurrent(cell, mode=mode)
+        kw = {"mask": units, "length": scale}
+        return rnn(h0, xs, mask=steps, cell_kwargs=kw)
+
+    def reference(cell, h0, scale):
+        own = ft.partial(cell, mask=units, length=scale)
+        return python_loop(own, h0, xs, mask=steps)
+
+    out = run(cell, h0, scale)
+    assert tree_allclose(out, reference(cell, h0, scale))
+    g = jax.grad(lambda *a: readout(run(*a)), argnums=(0, 1, 2))(cell, h0, scale)
+    g_ref = jax.grad(lambda *a: readout(reference(*a)), argnums=(0, 1, 2))(
+        cell, h0, scale
+    )
+    assert tree_allclose(g, g_ref) and float(g[2]) != 0
+    # Recurrent's mask is not the cell's: without it, the masked steps run.
+    assert not tree_allclose(
+        eqxscan.Recurrent(cell, mode=mode)(
+            h0, xs, cell_kwargs={"mask": units, "length": scale}
+        ),
+        out,
+    )
+    # Bidirectional passes both on to each direction.
+    bi = eqxscan.Bidirectional(cell, cell)
+    (h_f, h_b), (hs_f, hs_b) = bi(
+        (h0, h0), xs, mask=steps, cell_kwargs={"mask": units, "length": scale}
+    )
+    own = ft.partial(cell, mask=units, length=scale)
+    assert tree_allclose((h_f, hs_f), out)
+    assert tree_allclose(
+        (h_b, hs_b), python_loop(own, h0, xs, mask=steps, reverse=True)
+    )
+
+
 # -------------------------------------------------------------- truncation
 
 
@@ -608,6 +664,26 @@ def test_error_bad_truncate(getkey):
         rnn(jnp.zeros(HID), xs, truncate=True)
     with pytest.raises(TypeError):
         rnn(jnp.zeros(HID), xs, truncate=2.5)
+
+
+def test_error_unknown_keywords(getkey):
+    # A keyword that is not Recurrent's own is never silently given to the cell.
+    rnn = eqxscan.Recurrent(OwnMaskCell(make_cell("elman", getkey())))
+    h0, xs = jnp.zeros(HID), jnp.ones((T, IN))
+    with pytest.raises(
+        TypeError,
+        match=r"Recurrent got unknown keyword argument 'lenght';.*mask, truncate, "
+        r"length, time_axis, broadcast_key, key and cell_kwargs\.\n"
+        r"Hint:.*cell_kwargs=\{'lenght': \.\.\.\}",
+    ):
+        rnn(h0, xs, lenght=3)
+    with pytest.raises(TypeError, match=r"arguments 'gain', 'scale';"):
+        rnn(h0, xs, gain=1.0, scale=2.0)
+    bi = eqxscan.Bidirectional(rnn.cell, rnn.cell)
+    with pytest.raises(TypeError, match=r"Bidirectional got unknown keyword .*'gain'"):
+        bi((h0, h0), xs, gain=1.0)
+    with pytest.raises(TypeError, match=r"cell_kwargs has 'key'.*broadcast_key=True"):
+        rnn(h0, xs, cell_kwargs={"key": jr.key(0)})
 
 
 @pytest.mark.parametrize("mode", ["scan", "loop"])
