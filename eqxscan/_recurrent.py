@@ -1,16 +1,17 @@
 """`Recurrent` runs a cell over time; also `Bidirectional` and `ElmanCell`."""
 
+import dataclasses
 import math
 import operator
-from collections.abc import Callable
-from typing import Any, SupportsIndex, Unpack
+from collections.abc import Callable, Mapping
+from typing import Any, SupportsIndex, TypedDict, Unpack
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
-from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, PyTree
+from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray, PyTree
 
 from ._checks import (
     check_callable,
@@ -107,24 +108,112 @@ class ElmanCell(eqx.Module):
         return jnp.tanh(pre)
 
 
-def _where(cond: Array, new: PyTree, old: PyTree) -> PyTree:
+class RecurrentArgs(TypedDict, total=False):
+    """The keyword arguments that control a run of [`eqxscan.Recurrent`][] (and
+    both directions of [`eqxscan.Bidirectional`][]), defined once. The cell's own
+    arguments are never among them: they go in `cell_kwargs=`."""
+
+    mask: ArrayLike | None
+    truncate: int | None
+    length: int | None
+    time_axis: int
+    broadcast_key: bool
+
+
+_CONTROLS = tuple(RecurrentArgs.__annotations__)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Controls:
+    """`RecurrentArgs`, checked once against `xs`: what one run needs."""
+
+    length: int
+    time_axis: int
+    mask: Bool[Array, " T"] | None
+    truncate: int | None
+    broadcast_key: bool
+
+
+def _check_names(who: str, options: Mapping[str, object]) -> None:
+    unknown = [name for name in options if name not in _CONTROLS]
+    if unknown:
+        names = ", ".join(repr(n) for n in unknown)
+        example = ", ".join(f"{n!r}: ..." for n in unknown)
+        raise TypeError(
+            f"{who} got unknown keyword argument{'s' if len(unknown) > 1 else ''} "
+            f"{names}; its own keywords are {', '.join(_CONTROLS)}, key and "
+            "cell_kwargs.\nHint: the cell's own keyword arguments go in one dict, "
+            f"passed to the cell at every step: cell_kwargs={{{example}}}."
+        )
+
+
+def _controls(who: str, xs: PyTree, options: Mapping[str, object]) -> _Controls:
+    _check_names(who, options)
+    time_axis = _check_time_axis(options.get("time_axis", 0))
+    length = _time_length(xs, options.get("length"), time_axis)
+    mask = options.get("mask")
+    broadcast_key = options.get("broadcast_key", False)
+    check_option("broadcast_key", broadcast_key, (False, True))
+    return _Controls(
+        length=length,
+        time_axis=time_axis,
+        mask=None if mask is None else _check_mask(mask, length),
+        truncate=_check_truncate(options.get("truncate")),
+        broadcast_key=bool(broadcast_key),
+    )
+
+
+def _check_cell_kwargs(
+    who: str, cell_kwargs: Mapping[str, PyTree] | None
+) -> dict[str, PyTree]:
+    if cell_kwargs is None:
+        return {}
+    if not isinstance(cell_kwargs, Mapping) or not all(
+        isinstance(k, str) for k in cell_kwargs
+    ):
+        raise TypeError(
+            "cell_kwargs must be a dict of the cell's keyword arguments (str keys), "
+            f"got {describe(cell_kwargs)}."
+        )
+    if "key" in cell_kwargs:
+        raise TypeError(
+            f"cell_kwargs has 'key', but {who} hands the cell its key itself: pass "
+            "key=... to the call (split per step, or the same key at every step "
+            "with broadcast_key=True)."
+        )
+    return dict(cell_kwargs)
+
+
+def _where(cond: Bool[Array, ""], new: PyTree, old: PyTree) -> PyTree:
     # `jnp.where` on the array leaves; other leaves of a carry never change.
     return jtu.tree_map(
         lambda a, b: jnp.where(cond, a, b) if eqx.is_array(a) else a, new, old
     )
 
 
-def _stop_gradient(a: Any) -> Any:
+def _hide(keep: Bool[Array, ""], x: PyTree[Array]) -> PyTree[Array]:
+    """`x` where the step is kept, zeros where it is masked.
+
+    Masking selects the old carry with `jnp.where`, but the cell still runs on a
+    masked step, and reverse mode multiplies the zero cotangent of the discarded
+    result by the cell's derivatives there: with NaN or inf padding, 0 * nan is
+    nan, in every weight's gradient. On zeros the cell's derivatives are finite
+    (the "double where"), so padding of any value changes neither values nor
+    gradients."""
+    return jtu.tree_map(lambda a: jnp.where(keep, a, jnp.zeros_like(a)), x)
+
+
+def _stop_gradient(a: object) -> object:
     return jax.lax.stop_gradient(a) if eqx.is_array(a) else a
 
 
-def _check_truncate(truncate: Any) -> int | None:
+def _check_truncate(truncate: object) -> int | None:
     if truncate is None:
         return None
     if isinstance(truncate, bool):
         raise TypeError(f"truncate must be a positive int or None, got {truncate!r}.")
     try:
-        k = operator.index(truncate)
+        k = operator.index(truncate)  # type: ignore[arg-type]
     except TypeError:
         raise TypeError(
             "truncate must be a positive int (the number of steps per truncated "
@@ -135,7 +224,7 @@ def _check_truncate(truncate: Any) -> int | None:
     return k
 
 
-def _time_major(xs: Any, time_axis: int) -> Any:
+def _time_major(xs: PyTree, time_axis: int) -> PyTree:
     """`xs` with the time axis of every array leaf moved to axis 0."""
     if time_axis == 0:
         return xs
@@ -144,12 +233,12 @@ def _time_major(xs: Any, time_axis: int) -> Any:
     )
 
 
-def _time_layout(hs: Any, time_axis: int) -> Any:
+def _time_layout(hs: PyTree, time_axis: int) -> PyTree:
     """`hs` (time on axis 0) with time moved to `time_axis`, as in `xs`."""
     if time_axis == 0:
         return hs
 
-    def one(path: tuple, a: Any) -> Any:
+    def one(path: tuple, a: object) -> object:
         if not eqx.is_array(a):
             return a
         if not -a.ndim <= time_axis < a.ndim:
@@ -164,7 +253,7 @@ def _time_layout(hs: Any, time_axis: int) -> Any:
     return jtu.tree_map_with_path(one, hs)
 
 
-def _check_time_axis(time_axis: Any) -> int:
+def _check_time_axis(time_axis: object) -> int:
     if isinstance(time_axis, bool) or not isinstance(time_axis, int):
         raise TypeError(
             f"time_axis must be an int, got {type(time_axis).__name__} ({time_axis!r})."
@@ -172,7 +261,7 @@ def _check_time_axis(time_axis: Any) -> int:
     return time_axis
 
 
-def _time_length(xs: Any, length: int | None, time_axis: int) -> int:
+def _time_length(xs: PyTree, length: object, time_axis: int) -> int:
     """The number of steps: the length of the time axis of `xs`, or `length`."""
     if length is not None and (
         isinstance(length, bool) or not isinstance(length, int) or length < 0
@@ -217,7 +306,7 @@ def _time_length(xs: Any, length: int | None, time_axis: int) -> int:
     return found
 
 
-def _check_mask(mask: Any, length: int) -> Array:
+def _check_mask(mask: object, length: int) -> Bool[Array, " T"]:
     if not eqx.is_array(mask):
         raise TypeError(
             f"mask must be a boolean array of shape ({length},), got "
@@ -233,7 +322,7 @@ def _check_mask(mask: Any, length: int) -> Array:
     return jnp.asarray(mask)
 
 
-def _check_known_cell(cell: Any, h0: Any, xs: Any) -> None:
+def _check_known_cell(cell: Callable[..., PyTree], h0: PyTree, xs: PyTree) -> None:
     """For the cells whose shapes are known (`eqx.nn.GRUCell`, `eqx.nn.LSTMCell`,
     `ElmanCell`), check `h0` and `xs` up front: a batched or mis-sized input
     otherwise fails deep inside the cell with a bare `dot_general` error."""
@@ -339,16 +428,19 @@ class Recurrent(Scanning):
         self,
         h0: PyTree,
         xs: PyTree = None,
-        *args: Any,
-        mask: ArrayLike | None = None,
-        truncate: int | None = None,
+        *args: PyTree,
         key: PRNGKeyArray | None = None,
-        length: int | None = None,
-        time_axis: int = 0,
-        broadcast_key: bool = False,
-        **kwargs: Any,
+        cell_kwargs: Mapping[str, PyTree] | None = None,
+        **options: Unpack[RecurrentArgs],
     ) -> tuple[PyTree, PyTree]:
         """Run the cell over the `T` steps of `xs`.
+
+        At step `t` the cell is called as `cell(x_t, h, *args, **cell_kwargs)`
+        (with `key=` when a key is given). The keywords of this call
+        (`mask`, `truncate`, `length`, `time_axis`, `broadcast_key`, `key`) are
+        Recurrent's own and never reach the cell; the cell's keyword arguments
+        go in `cell_kwargs`, so a cell that itself takes `mask=` or `length=`
+        gets its own. An unknown keyword is an error naming it.
 
         **Arguments:**
 
@@ -358,18 +450,23 @@ class Recurrent(Scanning):
           `time_axis` (length `T`); step `t` passes slice `t` to the cell. `None`
           (with `length=T`) runs the cell `T` times with input `None`, e.g. to
           generate from a carry.
-        - `*args`, `**kwargs`: passed unchanged to the cell at every step,
-          `cell(x_t, h, *args, **kwargs)`: constants such as an attention memory
-          or a conditioning vector. Gradients flow to them, summed over steps.
-        - `mask`: optional `bool[T]`. Where `mask[t]` is False the cell's result
-          is discarded and the carry passes through unchanged, so padding a
-          sequence at either end does not change its final state.
+        - `*args`: passed unchanged to the cell at every step after `x_t` and
+          `h`: constants such as an attention memory or a conditioning vector.
+          Gradients flow to them, summed over steps.
+        - `key`: optional PRNG key, split into `T` keys; step `t` calls the cell
+          with `key=keys[t]`. Without it the cell is called without `key`.
+        - `cell_kwargs`: optional dict of the cell's keyword arguments, passed
+          unchanged to the cell at every step, like `*args`. Per-step values
+          belong in `xs` (which may be a pytree) instead.
+        - `mask`: optional `bool[T]`. Where `mask[t]` is False the step is
+          skipped: the carry passes through unchanged, so padding a sequence at
+          either end does not change its final state. The cell sees zeros in
+          place of a masked step's `x_t`, so padding of any value (NaN, inf)
+          leaves values and gradients those of the unpadded sequence.
         - `truncate`: optional `k >= 1`, truncated backpropagation through time:
           counting from the first step consumed, the gradient through the carry
           is stopped after steps `k, 2k, ...`. Values are unchanged and `T` need
           not be a multiple of `k`.
-        - `key`: optional PRNG key, split into `T` keys; step `t` calls the cell
-          with `key=keys[t]`. Without it the cell is called without `key`.
         - `length`: the number of steps `T`. Needed when `xs` has no arrays;
           otherwise it must agree with `xs`. `T = 0` is allowed: the result is
           `h0` and an empty `hs`.
@@ -386,25 +483,51 @@ class Recurrent(Scanning):
         `time_axis` and aligned with `xs`, so `hs[t]` (for `time_axis=0`) is the
         carry right after consuming `xs[t]` (also with `reverse=True`, where
         `h_T` equals `hs[0]`).
+
+        !!! example
+
+            A cell with a `mask=` of its own (over the slots of a memory it
+            attends to) gets it through `cell_kwargs`, while `mask=` skips
+            padded time steps:
+
+            ```python
+            import equinox as eqx, jax, jax.numpy as jnp, eqxscan
+
+
+            class Attend(eqx.Module):
+                cell: eqxscan.ElmanCell
+
+                def __call__(self, x, h, memory, *, mask):
+                    scores = jnp.where(mask, memory @ h, -jnp.inf)
+                    return self.cell(x, h + jax.nn.softmax(scores) @ memory)
+
+
+            cell = Attend(eqxscan.ElmanCell(3, 8, key=jax.random.key(0)))
+            rnn = eqxscan.Recurrent(cell)
+            xs, memory = jnp.ones((6, 3)), jnp.ones((4, 8))  # 6 steps, 4 memory slots
+            slots = jnp.array([True, True, False, False])    # the cell's own mask
+            steps = jnp.arange(6) < 5                        # the last step is padding
+            h_T, hs = rnn(
+                jnp.zeros(8), xs, memory, mask=steps, cell_kwargs={"mask": slots}
+            )
+            assert jnp.array_equal(hs[5], hs[4])             # step 5 was skipped
+            ```
         """
-        k = _check_truncate(truncate)
-        check_option("broadcast_key", broadcast_key, (False, True))
-        time_axis = _check_time_axis(time_axis)
-        length = _time_length(xs, length, time_axis)
-        xs = _time_major(xs, time_axis)
+        run_ = _controls("Recurrent", xs, options)
+        kwargs = _check_cell_kwargs("Recurrent", cell_kwargs)
+        length, k, mask = run_.length, run_.truncate, run_.mask
+        xs = _time_major(xs, run_.time_axis)
         xs_dyn, xs_static = eqx.partition(xs, eqx.is_array)
         _check_known_cell(self.cell, h0, xs)
-        if mask is not None:
-            mask = _check_mask(mask, length)
         keys = None
         if key is not None:
             per = (
                 "every step gets the same key"
-                if broadcast_key
-                else ("step t gets key=keys[t]")
+                if run_.broadcast_key
+                else "step t gets key=keys[t]"
             )
             check_takes_key(self.cell, "Recurrent", per)
-            if not broadcast_key:
+            if not run_.broadcast_key:
                 keys = jr.split(key, length)
         # Position of each step in consumption order, for the truncation blocks.
         order = None
@@ -417,14 +540,16 @@ class Recurrent(Scanning):
         where_all = f"The cell {name} (one body for all {length} time steps)"
         where_masked = where_all if self.mode == "scan" else f"The cell {name}"
 
-        def step(h: Any, inputs: tuple) -> tuple[Any, Any]:
+        def step(h: PyTree, inputs: tuple) -> tuple[PyTree, PyTree]:
             x_dyn, m, n, step_key = inputs
-            if broadcast_key:
+            if run_.broadcast_key:
                 step_key = key
             if n is not None:
                 # Entering a new block: let values through, not gradients.
                 cut = (n > 0) & (n % k == 0)
                 h = _where(cut, jtu.tree_map(_stop_gradient, h), h)
+            if m is not None:
+                x_dyn = _hide(m, x_dyn)
             x = eqx.combine(name_inputs(x_dyn, self.checkpoint), xs_static)
             old = clone(h)  # the cell may invalidate `h` (an `eqx.nn.State`)
             if step_key is None:
@@ -455,17 +580,22 @@ class Recurrent(Scanning):
                 where=where,
                 over="time",
             )
-        return h_T, _time_layout(hs, time_axis)
+        return h_T, _time_layout(hs, run_.time_axis)
 
 
-def _no_steps(step: Callable, h0: Any, inputs: Any, where: str) -> Any:
+def _no_steps(
+    step: Callable[[PyTree, tuple], tuple[PyTree, PyTree]],
+    h0: PyTree,
+    inputs: tuple,
+    where: str,
+) -> PyTree:
     """The `hs` of a run of length 0: the carry's leaves with a leading axis of 0.
 
     The step is still traced (not run) on one step's shapes, so a cell that
     cannot take its inputs fails as it would on a longer sequence."""
     one = jtu.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), inputs)
 
-    def traced(h: Any, x: Any) -> None:
+    def traced(h: PyTree, x: tuple) -> None:
         new, _ = step(h, x)
         check_carry(h, new, where)
 
@@ -538,23 +668,19 @@ class Bidirectional(eqx.Module):
 
     def __call__(
         self,
-        h0: PyTree,
+        h0: tuple[PyTree, PyTree],
         xs: PyTree = None,
-        *args: Any,
-        mask: ArrayLike | None = None,
-        truncate: int | None = None,
+        *args: PyTree,
         key: PRNGKeyArray | None = None,
-        length: int | None = None,
-        time_axis: int = 0,
-        broadcast_key: bool = False,
-        **kwargs: Any,
+        cell_kwargs: Mapping[str, PyTree] | None = None,
+        **options: Unpack[RecurrentArgs],
     ) -> tuple[tuple[PyTree, PyTree], tuple[PyTree, PyTree]]:
         """**Arguments:**
 
         - `h0`: `(h0_forward, h0_backward)`.
-        - `xs`, `*args`, `**kwargs`, `mask`, `truncate`, `length`, `time_axis`,
-          `broadcast_key`: as for [`eqxscan.Recurrent`][], applied to both
-          directions.
+        - `xs`, `*args`, `cell_kwargs` and the keywords `mask`, `truncate`,
+          `length`, `time_axis`, `broadcast_key`: as for
+          [`eqxscan.Recurrent`][], passed on to both directions.
         - `key`: optional; split in two, one per direction.
 
         **Returns:**
@@ -571,14 +697,12 @@ class Bidirectional(eqx.Module):
             raise TypeError(
                 f"Bidirectional expects h0 = (h0_forward, h0_backward), got {got}."
             )
+        _check_names("Bidirectional", options)
         kf, kb = (None, None) if key is None else jr.split(key)
-        options = dict(
-            mask=mask,
-            truncate=truncate,
-            length=length,
-            time_axis=time_axis,
-            broadcast_key=broadcast_key,
+        hf, hs_f = self.forward(
+            h0[0], xs, *args, key=kf, cell_kwargs=cell_kwargs, **options
         )
-        hf, hs_f = self.forward(h0[0], xs, *args, key=kf, **options, **kwargs)
-        hb, hs_b = self.backward(h0[1], xs, *args, key=kb, **options, **kwargs)
+        hb, hs_b = self.backward(
+            h0[1], xs, *args, key=kb, cell_kwargs=cell_kwargs, **options
+        )
         return (hf, hb), (hs_f, hs_b)

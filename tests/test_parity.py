@@ -114,7 +114,7 @@ def test_broadcast_arguments(mode, getkey):
 
     def run(cell, h0, xs, memory, scale):
         rnn = eqxscan.Recurrent(cell, mode=mode)
-        return rnn(h0, xs, memory, scale=scale)
+        return rnn(h0, xs, memory, cell_kwargs={"scale": scale})
 
     def reference(cell, h0, xs, memory, scale):
         h, hs = h0, []
@@ -129,7 +129,7 @@ def test_broadcast_arguments(mode, getkey):
     assert float(jnp.abs(grads[3]).sum()) > 0 and float(grads[4]) != 0
     # Both directions of a Bidirectional get the constants too.
     bi = eqxscan.Bidirectional(cell, cell)
-    (h_f, h_b), _ = bi((h0, h0), xs, memory, scale=scale)
+    (h_f, h_b), _ = bi((h0, h0), xs, memory, cell_kwargs={"scale": scale})
     assert tree_allclose(h_f, want[0])
 
 
@@ -713,7 +713,9 @@ def test_scan_checkpoint_over_time(mode, getkey):
 
     def run(checkpoint, reverse):
         rnn = eqxscan.Recurrent(cell, mode=mode, checkpoint=checkpoint, reverse=reverse)
-        return value_and_grads(lambda h, m: rnn(h, xs, m, scale=0.5), h0, memory)
+        return value_and_grads(
+            lambda h, m: rnn(h, xs, m, cell_kwargs={"scale": 0.5}), h0, memory
+        )
 
     for reverse in (False, True):
         want = run(False, reverse)

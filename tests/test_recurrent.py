@@ -297,6 +297,141 @@ def test_mask_any_pattern_matches_loop(getkey):
     )
 
 
+PADDING = (jnp.nan, jnp.inf, -jnp.inf)
+
+
+def pad(xs, value, before, after):
+    """`xs` with `before` and `after` steps of `value` around it, and its mask."""
+    fill = lambda n: jnp.full((n, *xs.shape[1:]), value, xs.dtype)
+    padded = jnp.concatenate([fill(before), xs, fill(after)])
+    mask = jnp.arange(len(padded)) >= before
+    return padded, mask & (jnp.arange(len(padded)) < before + len(xs))
+
+
+@pytest.mark.parametrize("name", ["elman", "lstm"])
+@pytest.mark.parametrize("mode", ["scan", "loop"])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_nonfinite_padding_leaves_values_and_grads_unchanged(
+    name, mode, reverse, getkey
+):
+    # The `jnp.where` trap: the cell still runs on a masked step, and 0 * nan in
+    # reverse mode would make every weight gradient NaN. Values and gradients
+    # (cell weights, h0, the kept inputs) must be those of the unpadded run.
+    cell, h0 = make_cell(name, getkey()), make_h0(name, getkey())
+    xs = jr.normal(getkey(), (4, IN))
+    before, after = 2, 3
+    keep = slice(before, before + len(xs))
+
+    def loss(run, cell, h0, xs):
+        h_T, hs = run(cell, h0, xs)
+        return readout((h_T, jtu.tree_map(lambda a: a[keep], hs)))
+
+    def short(cell, h0, xs):
+        h_T, hs = eqxscan.Recurrent(cell, reverse=reverse, mode=mode)(h0, xs[keep])
+        # Aligned with the padded sequence, so `loss` picks the same steps.
+        spread = lambda a: jnp.zeros((before, *a.shape[1:]), a.dtype)
+        return h_T, jtu.tree_map(
+            lambda a: jnp.concatenate([spread(a), a, a[:after]]), hs
+        )
+
+    grad = jax.grad(loss, argnums=(1, 2, 3))
+    spread = jnp.concatenate([xs[:before], xs, xs[:after]])
+    want, want_grads = short(cell, h0, spread), grad(short, cell, h0, spread)
+    kept = ft.partial(jtu.tree_map, lambda a: a[keep])
+    checkpoints = ("auto", "nested") if mode == "scan" else ("auto",)
+    for checkpoint in checkpoints:
+        rnn = eqxscan.Recurrent(cell, reverse=reverse, mode=mode, checkpoint=checkpoint)
+
+        @eqx.filter_jit  # one program for every padding value
+        def both(cell, h0, padded, mask, rnn=rnn):
+            run = lambda c, h, x: eqx.tree_at(lambda r: r.cell, rnn, c)(h, x, mask=mask)
+            return run(cell, h0, padded), grad(run, cell, h0, padded)
+
+        for value in PADDING:
+            padded, mask = pad(xs, value, before, after)
+            (h_T, hs), (g_cell, g_h0, g_xs) = both(cell, h0, padded, mask)
+            where = (value, checkpoint)
+            assert tree_allclose(h_T, want[0]) and tree_allclose(
+                kept(hs), kept(want[1])
+            )
+            assert tree_allclose(g_cell, want_grads[0]), where
+            assert tree_allclose(g_h0, want_grads[1]), where
+            assert tree_allclose(g_xs[keep], want_grads[2][keep]), where
+            assert not jnp.any(g_xs[:before]) and not jnp.any(g_xs[keep.stop :])
+
+
+def test_bidirectional_nonfinite_padding(getkey):
+    bi = eqxscan.Bidirectional(make_cell("gru", getkey()), make_cell("gru", getkey()))
+    h0 = (jr.normal(getkey(), (HID,)), jr.normal(getkey(), (HID,)))
+    xs = jr.normal(getkey(), (4, IN))
+
+    def loss(bi, h0, xs, **kw):
+        (h_f, h_b), (hs_f, hs_b) = bi(h0, xs, **kw)
+        return readout(((h_f, h_b), (hs_f[:4], hs_b[:4])))
+
+    want = jax.value_and_grad(loss, argnums=(0, 1))(bi, h0, xs)
+    padded_loss = eqx.filter_jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    for value in PADDING:
+        padded, mask = pad(xs, value, 0, 3)
+        assert tree_allclose(padded_loss(bi, h0, padded, mask=mask), want), value
+
+
+# ------------------------------------------------- the cell's own arguments
+
+
+class OwnMaskCell(eqx.Module):
+    """A cell whose own keywords share names with Recurrent's: `mask` (over its
+    hidden units) and `length` (a scale)."""
+
+    inner: eqxscan.ElmanCell
+
+    def __call__(self, x, h, *, mask, length):
+        return jnp.where(mask, self.inner(x, h), length * h)
+
+
+@pytest.mark.parametrize("mode", ["scan", "loop"])
+def test_cell_kwargs_reach_the_cell_apart_from_own_mask(mode, getkey):
+    cell = OwnMaskCell(make_cell("elman", getkey()))
+    h0, xs = jr.normal(getkey(), (HID,)), jr.normal(getkey(), (T, IN))
+    units = jnp.array([True, False, True, True])  # the cell's mask
+    steps = jnp.array([True, True, False, True, True, False, False])  # Recurrent's
+    scale = jnp.float32(0.5)
+
+    def run(cell, h0, scale):
+        rnn = eqxscan.Recurrent(cell, mode=mode)
+        kw = {"mask": units, "length": scale}
+        return rnn(h0, xs, mask=steps, cell_kwargs=kw)
+
+    def reference(cell, h0, scale):
+        own = ft.partial(cell, mask=units, length=scale)
+        return python_loop(own, h0, xs, mask=steps)
+
+    out = run(cell, h0, scale)
+    assert tree_allclose(out, reference(cell, h0, scale))
+    g = jax.grad(lambda *a: readout(run(*a)), argnums=(0, 1, 2))(cell, h0, scale)
+    g_ref = jax.grad(lambda *a: readout(reference(*a)), argnums=(0, 1, 2))(
+        cell, h0, scale
+    )
+    assert tree_allclose(g, g_ref) and float(g[2]) != 0
+    # Recurrent's mask is not the cell's: without it, the masked steps run.
+    assert not tree_allclose(
+        eqxscan.Recurrent(cell, mode=mode)(
+            h0, xs, cell_kwargs={"mask": units, "length": scale}
+        ),
+        out,
+    )
+    # Bidirectional passes both on to each direction.
+    bi = eqxscan.Bidirectional(cell, cell)
+    (h_f, h_b), (hs_f, hs_b) = bi(
+        (h0, h0), xs, mask=steps, cell_kwargs={"mask": units, "length": scale}
+    )
+    own = ft.partial(cell, mask=units, length=scale)
+    assert tree_allclose((h_f, hs_f), out)
+    assert tree_allclose(
+        (h_b, hs_b), python_loop(own, h0, xs, mask=steps, reverse=True)
+    )
+
+
 # -------------------------------------------------------------- truncation
 
 
@@ -529,6 +664,26 @@ def test_error_bad_truncate(getkey):
         rnn(jnp.zeros(HID), xs, truncate=True)
     with pytest.raises(TypeError):
         rnn(jnp.zeros(HID), xs, truncate=2.5)
+
+
+def test_error_unknown_keywords(getkey):
+    # A keyword that is not Recurrent's own is never silently given to the cell.
+    rnn = eqxscan.Recurrent(OwnMaskCell(make_cell("elman", getkey())))
+    h0, xs = jnp.zeros(HID), jnp.ones((T, IN))
+    with pytest.raises(
+        TypeError,
+        match=r"Recurrent got unknown keyword argument 'lenght';.*mask, truncate, "
+        r"length, time_axis, broadcast_key, key and cell_kwargs\.\n"
+        r"Hint:.*cell_kwargs=\{'lenght': \.\.\.\}",
+    ):
+        rnn(h0, xs, lenght=3)
+    with pytest.raises(TypeError, match=r"arguments 'gain', 'scale';"):
+        rnn(h0, xs, gain=1.0, scale=2.0)
+    bi = eqxscan.Bidirectional(rnn.cell, rnn.cell)
+    with pytest.raises(TypeError, match=r"Bidirectional got unknown keyword .*'gain'"):
+        bi((h0, h0), xs, gain=1.0)
+    with pytest.raises(TypeError, match=r"cell_kwargs has 'key'.*broadcast_key=True"):
+        rnn(h0, xs, cell_kwargs={"key": jr.key(0)})
 
 
 @pytest.mark.parametrize("mode", ["scan", "loop"])
