@@ -668,7 +668,7 @@ class Bidirectional(eqx.Module):
 
     def __call__(
         self,
-        h0: tuple[PyTree, PyTree],
+        h0: PyTree,  # checked to be a pair below, with a clearer message
         xs: PyTree = None,
         *args: PyTree,
         key: PRNGKeyArray | None = None,
