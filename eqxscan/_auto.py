@@ -26,6 +26,7 @@ import jax.extend.core as jcore
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+from jaxtyping import PyTree
 
 from ._options import Checkpoint
 
@@ -482,7 +483,9 @@ def _recording() -> Iterator[list[AutoChoice]]:
         _RECORDERS.remove(record)
 
 
-def explain_auto(fn: Callable, *args: Any, **kwargs: Any) -> list[AutoChoice]:
+def explain_auto(
+    fn: Callable[..., object], *args: PyTree, **kwargs: PyTree
+) -> list[AutoChoice]:
     """What `checkpoint="auto"` and `unroll="auto"` pick for every scan that
     `fn(*args, **kwargs)` runs, and why.
 
