@@ -11,6 +11,7 @@ from ._auto import (
 from ._budget import (
     fit_remat as fit_remat,
     parse_bytes as parse_bytes,
+    remat_table as remat_table,
     RematCandidate as RematCandidate,
     RematTable as RematTable,
 )

@@ -10,14 +10,15 @@ once more (abstractly: nothing runs) and counts:
 - the bytes of the carry and how many arrays it holds, and
 - the FLOPs of one step (`2·M·N·K` per matmul, one per element of everything else).
 
-`decide` turns those into a choice with the rule documented in
-docs/default-checkpoint.md, whose constants are defined below.
+`decide` turns those into a choice by two small rules, `unroll_rule` and
+`checkpoint_rule`, over the numbers in `THRESHOLDS`; docs/default-checkpoint.md
+has the rule's table and the measurements behind every threshold.
 """
 
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple, TypeAlias
 
 import equinox as eqx
 import jax
@@ -25,83 +26,66 @@ import jax.extend.core as jcore
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+from jaxtyping import PyTree
 
 from ._options import Checkpoint
 
 
-#: Residuals (bytes per step × length) a plain scan may save while "auto" still
-#: saves everything: small in absolute terms, well below any accelerator's memory.
-SMALL_RESIDUALS = 4 * 2**20
-#: ... provided they are mostly matmul outputs: at most this many times what the
-#: matmul-saving policy keeps. The unrolled loop saves the matmul outputs too, but
-#: XLA fuses away elementwise intermediates there, which a plain scan must stack.
-#: Measured (temp memory of saving everything against the loop's): a GRU cell
-#: (1.14× the policy's bytes) 1.09×, an LSTM cell (1.22×) 1.50×, an MLP block
-#: (5.4×) 1.2-1.75×; the threshold keeps the first and excludes the others.
-MATMUL_DOMINATED = 1.2
-#: Platforms where the rules measured on the CPU grid apply: full remat for small
-#: steps and for large matmul outputs, and saving everything when matmul outputs
-#: are nearly all a plain scan saves. On accelerators matmuls dominate, and the
-#: matmul-saving policy avoids a second forward pass at every size.
-CPU_PLATFORMS = ("cpu",)
-#: On those platforms, full remat for steps of fewer FLOPs than this. In two quiet
-#: runs of the CPU grid, full remat beat the policy for steps of up to 4.3e6 FLOPs
-#: (narrow MLPs, small GRU/LSTM cells: the policy took 1.01-1.22× its time), with
-#: the least memory; at 1.7e7-3.5e7 FLOPs (MLP width 128, cells of 256) the policy
-#: was as fast or faster (0.91-1.00×, once 1.05-1.11×), and beyond, the two were
-#: within 10% either way.
-FULL_REMAT_FLOPS = 10**7
-#: ... and, on those platforms, at any step size when the matmul outputs alone
-#: would take more than this (bytes per step × length). Writing them in the
-#: forward pass and reading them back in the backward pass then cost as much as
-#: recomputing: in five quiet grid runs full remat took 0.90-0.97x the policy's
-#: time for a GRU of 256 over 300 steps (131 MiB of matmul outputs) and
-#: 0.94-1.02x for the LSTM (169 MiB), and 1.01x for the 64-layer Transformer
-#: bench (72 MiB), with 0.17-0.40x its temp memory (two later runs, with
-#: confirming rounds, had it at 1.04-1.05x for the GRU and 1.02x for the LSTM:
-#: a few percent, at 0.40x the memory, so the line stands). Below it the two traded
-#: places by up to 13% either way (the policy ahead for cells over 30 steps and
-#: MLPs of width 128, remat for width 256), so the FLOPs bound decides there.
-FULL_REMAT_RESIDUALS = 64 * 2**20
-#: ... and, on those platforms, save everything at any size when a plain scan
-#: saves at most this many times what the policy keeps (recurrent cells: GRU
-#: 1.14×, LSTM 1.22×). The policy would keep over 80% of it anyway; recomputing
-#: the rest saves little memory and costs a pass over the step's elementwise
-#: work. For GRU/LSTM cells of 256 and 512 over 30-60 steps, saving everything
-#: took 0.90-1.01× the policy's time (0.97 typical), with 1.15-1.2× its temp
-#: memory and 0.33-0.77× the unrolled loop's.
-NEARLY_ALL_MATMUL = 1.25
-#: Scans of at most `SHORT_SCAN` steps of under `UNROLL_FLOPS` in all (steps ×
-#: FLOPs per step) are unrolled fully (`unroll=True`: the loop's own program, at
-#: most `SHORT_SCAN` bodies). At such sizes a scan's per-step cost (slicing each
-#: layer's weights out of the stack, writing each gradient back) is not hidden by
-#: the step's work: on the CPU grid at L=4 the loop ran 1.05-1.26x faster than the
-#: best scan for MLPs up to width 256 (6.8e7 FLOPs per step), and in a probe at
-#: L=5-8 the default scan took 1.03-1.15x the loop's time for widths 48-256 and,
-#: over 8 steps, 1.08-1.21x for three GRU/LSTM cells of 64-256. The loop won at
-#: every probed point under 8e8 FLOPs in all but two (by 2-4%), and the scan at
-#: every point above (width 1024 at L=4, widths 320-512 at L=6-8: 0.91-0.96x).
-#: A stack whose layers may be sharded (`layer_sharding`, `Explicit` axes in
-#: their types, an `Auto` mesh in `jax.set_mesh`) stays a scan: unrolled, XLA
-#: may gather every layer at once.
-SHORT_SCAN = 8
-UNROLL_FLOPS = 8 * 10**8
-#: On `CPU_PLATFORMS`, a scan over time (`Recurrent`: the cell's weights closed
-#: over, their gradient summed across steps) whose carry is one array and whose
-#: step saves nearly only matmul outputs (at most `NEARLY_ALL_MATMUL` times what
-#: the policy keeps) and costs at least `TIME_UNROLL_FLOPS` is unrolled by 2. In
-#: 41 interleaved rounds on two cores (batch 64 unless stated, 30 steps unless
-#: stated; benchmarks/time_unroll.py) `unroll=2` took 0.90-1.06x the time of
-#: `unroll=1` for such cells in two runs (median 0.96-0.98x: GRUs of 128-512 fed
-#: 8 or 256 inputs, batch 256 too, and over 300 steps; Elman cells of 256-1024;
-#: the one loss over 2%, 1.02-1.06x, was the GRU of 256 fed 256 inputs), at the
-#: same temp memory. Below the FLOPs bound it did not pay (a GRU of 256 at batch
-#: 16: 0.99-1.02x; GRUs and Elman cells of 32: 1.10-1.29x), nor for the LSTM,
-#: whose carry is two arrays (1.11-1.13x for 256; the slowdown follows its
-#: cell-state recurrence, in hand-written JAX too). On one core the GRU of 256
-#: neither gained nor lost (0.98-1.00x). Scans over layers keep 1 (0.96-1.05x for
-#: MLPs of width 32-256, at 1.07-1.38x the temp memory).
-TIME_UNROLL, TIME_UNROLL_FLOPS = 2, 10**7
+Over: TypeAlias = Literal["layers", "time"]
+"""What a scan's steps are: `"layers"` (each step's weights in `xs`) or `"time"` (a
+cell's weights closed over, their gradient summed across steps)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Thresholds:
+    """The numbers of the rule, one per line; docs/default-checkpoint.md has the
+    measurements behind each. Byte totals are per step × the scan's length."""
+
+    #: Save everything when a plain scan's residuals are at most this ...
+    small_residuals: int = 4 * 2**20
+    #: ... and at most this many times what the matmul-saving policy keeps.
+    matmul_dominated: float = 1.2
+    #: Platforms where the CPU-measured rules (marked CPU below) apply.
+    cpu_platforms: tuple[str, ...] = ("cpu",)
+    #: CPU: full remat for steps of fewer FLOPs than this ...
+    full_remat_flops: int = 10**7
+    #: CPU: ... or when the matmul-saving policy's residuals exceed this.
+    full_remat_residuals: int = 64 * 2**20
+    #: CPU: else save everything when that is at most this × what the policy keeps.
+    nearly_all_matmul: float = 1.25
+    #: Unroll fully a scan of at most this many steps ...
+    short_scan: int = 8
+    #: ... of fewer FLOPs than this in all (steps × FLOPs per step).
+    unroll_flops: int = 8 * 10**8
+    #: CPU: unroll by this a scan over time with one carried array, a step of
+    #: nearly all matmul outputs (`nearly_all_matmul`) ...
+    time_unroll: int = 2
+    #: CPU: ... and of at least this many FLOPs.
+    time_unroll_flops: int = 10**7
+
+
+#: The thresholds `"auto"` uses.
+THRESHOLDS = Thresholds()
+
+UnrollRule: TypeAlias = Literal["given", "sharded", "short", "time", "scan"]
+"""Which rule set `unroll`: `"given"` (explicit, not `"auto"`), `"sharded"` (the
+layers may be sharded: 1), `"short"` (a short, small scan: `True`), `"time"` (on
+CPU, a matmul-heavy scan over time with one carried array: `time_unroll`),
+`"scan"` (none of those: 1)."""
+
+CheckpointRule: TypeAlias = Literal[
+    "given",
+    "unrolled",
+    "small",
+    "small-step",
+    "large-matmuls",
+    "nearly-all-matmul",
+    "policy",
+]
+"""Which rule set `checkpoint`: `"given"` (explicit), `"unrolled"` (unrolled
+fully: `False`, as the loop), `"small"` (small residuals, mostly matmul outputs:
+`False`), on CPU `"small-step"` and `"large-matmuls"` (`True`) and
+`"nearly-all-matmul"` (`False`), else `"policy"` (the matmul-saving policy)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +99,196 @@ class StepCost:
     policy_saved_bytes: int
     carry_arrays: int = 1
 
+    @property
+    def saved_total(self) -> int:
+        """Bytes a plain scan saves over all its steps."""
+        return self.saved_bytes * self.length
+
+    @property
+    def policy_total(self) -> int:
+        """Bytes the matmul-saving policy saves over all steps."""
+        return self.policy_saved_bytes * self.length
+
+    @property
+    def ratio(self) -> float:
+        """What a plain scan saves ÷ what the matmul-saving policy keeps."""
+        return self.saved_bytes / max(self.policy_saved_bytes, 1)
+
+
+def unroll_rule(
+    cost: StepCost, platform: str, gathered: bool, over: Over, t: Thresholds
+) -> UnrollRule:
+    """The rule for `unroll="auto"`: the first that applies."""
+    if gathered:
+        return "sharded"
+    if cost.length <= t.short_scan and cost.length * cost.flops < t.unroll_flops:
+        return "short"
+    if (
+        over == "time"
+        and platform in t.cpu_platforms
+        and cost.carry_arrays == 1
+        and cost.flops >= t.time_unroll_flops
+        and cost.ratio <= t.nearly_all_matmul
+    ):
+        return "time"
+    return "scan"
+
+
+def checkpoint_rule(cost: StepCost, platform: str, t: Thresholds) -> CheckpointRule:
+    """The rule for `checkpoint="auto"` in a scan not unrolled fully: the first
+    that applies."""
+    cpu = platform in t.cpu_platforms
+    if cost.saved_total <= t.small_residuals and cost.ratio <= t.matmul_dominated:
+        return "small"
+    if cpu and cost.flops < t.full_remat_flops:
+        return "small-step"
+    if cpu and cost.policy_total > t.full_remat_residuals:
+        return "large-matmuls"
+    if cpu and cost.ratio <= t.nearly_all_matmul:
+        return "nearly-all-matmul"
+    return "policy"
+
+
+#: The rules that recompute the whole step; `"policy"` keeps the policy's, the
+#: others save everything.
+_FULL_REMAT: tuple[CheckpointRule, ...] = ("small-step", "large-matmuls")
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoRule:
+    """Which rules of `"auto"` fired for one scan, and the facts they read.
+
+    **Fields:**
+
+    - `unroll`: a `UnrollRule`: `"given"`, `"sharded"`, `"short"`, `"time"` or
+      `"scan"`.
+    - `checkpoint`: a `CheckpointRule`: `"given"`, `"unrolled"`, `"small"`,
+      `"small-step"`, `"large-matmuls"`, `"nearly-all-matmul"` or `"policy"`.
+    - `platform`: `jax.default_backend()` when the rule ran.
+    - `over`: `"layers"` or `"time"`.
+    - `thresholds`: the numbers the rule compared with.
+    """
+
+    unroll: UnrollRule
+    checkpoint: CheckpointRule
+    platform: str
+    over: Over = "layers"
+    thresholds: Thresholds = dataclasses.field(default=THRESHOLDS, repr=False)
+
+
+class Decision(NamedTuple):
+    """`decide`'s answer: the resolved options and the rules behind them."""
+
+    checkpoint: Checkpoint
+    unroll: int | bool
+    rule: AutoRule
+
+
+def _is_auto(value: object) -> bool:
+    return isinstance(value, str) and value == "auto"
+
+
+def decide(
+    cost: StepCost,
+    checkpoint: Checkpoint,
+    unroll: int | bool | Literal["auto"],
+    policy: Callable[..., bool],
+    platform: str,
+    *,
+    gathered: bool = False,
+    over: Over = "layers",
+) -> Decision:
+    """Resolve `"auto"` in `checkpoint` and/or `unroll` by `unroll_rule` and
+    `checkpoint_rule` (with `THRESHOLDS`); explicit values pass through. `gathered`:
+    each step may gather its own sharded weights (FSDP)."""
+    t = THRESHOLDS
+    u_rule: UnrollRule = "given"
+    if _is_auto(unroll):
+        u_rule = unroll_rule(cost, platform, gathered, over, t)
+        unroll = {"short": True, "time": t.time_unroll}.get(u_rule, 1)
+    c_rule: CheckpointRule = "given"
+    if _is_auto(checkpoint):
+        c_rule = "unrolled" if unroll is True else checkpoint_rule(cost, platform, t)
+        checkpoint = policy if c_rule == "policy" else c_rule in _FULL_REMAT
+    return Decision(checkpoint, unroll, AutoRule(u_rule, c_rule, platform, over, t))
+
+
+def _mib(n: int) -> str:
+    if n < 2**20:
+        return f"{n / 2**10:.1f} KiB"
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _unroll_reason(rule: AutoRule, cost: StepCost) -> str:
+    t, on = rule.thresholds, rule.platform
+    steps = f"{cost.length} steps of {cost.flops:.3g} FLOPs"
+    if rule.unroll == "sharded":
+        return (
+            "the layers may be sharded (layer_sharding, Explicit mesh axes in their "
+            "types, or an Auto mesh set with jax.set_mesh), so each step may gather "
+            "its own: keep the scan, unroll 1"
+        )
+    if rule.unroll == "short":
+        return (
+            f"{steps} (at most {t.short_scan}, under {t.unroll_flops:.0e} in all): "
+            "unroll fully"
+        )
+    if rule.unroll == "time":
+        return (
+            f"on {on}, {cost.length} time steps of {cost.flops:.3g} FLOPs (>= "
+            f"{t.time_unroll_flops:.0e}), one carried array, nearly all matmul "
+            f"outputs: unroll {t.time_unroll}"
+        )
+    why = ""  # why a scan over time on CPU was not unrolled by `time_unroll`
+    if rule.over == "time" and on in t.cpu_platforms:
+        if cost.carry_arrays != 1:
+            why = f", {cost.carry_arrays} carried arrays"
+        elif cost.flops < t.time_unroll_flops:
+            why = f" (< {t.time_unroll_flops:.0e})"
+        else:
+            why = ", not nearly all matmul outputs"
+    return f"{steps}{why}: unroll 1"
+
+
+def _checkpoint_reason(rule: AutoRule, cost: StepCost) -> str:
+    t, on = rule.thresholds, rule.platform
+    if rule.checkpoint == "unrolled":
+        return "unrolled fully, so save what the loop saves"
+    facts = (
+        f"a plain scan saves {_mib(cost.saved_total)}, {cost.ratio:.2f}x what saving "
+        f"matmul outputs keeps ({_mib(cost.policy_total)})"
+    )
+    if rule.checkpoint == "small":
+        return (
+            f"{facts}: at most {_mib(t.small_residuals)} and {t.matmul_dominated}x, "
+            "so save everything"
+        )
+    over = (
+        f"more than {_mib(t.small_residuals)}"
+        if cost.saved_total > t.small_residuals
+        else f"more than {t.matmul_dominated}x"
+    )
+    verdict = {
+        "small-step": f"so on {on}, with {cost.flops:.3g} FLOPs per step (< "
+        f"{t.full_remat_flops:.0e}), recompute the whole step",
+        "large-matmuls": f"so on {on}, with more than "
+        f"{_mib(t.full_remat_residuals)} of matmul outputs, recompute the whole step",
+        "nearly-all-matmul": f"but on {on} at most {t.nearly_all_matmul}x is nearly "
+        "all matmul outputs: save everything",
+        "policy": "so save matmul outputs and recompute the rest",
+    }[rule.checkpoint]
+    return f"{facts}: {over}, {verdict}"
+
+
+def reason(rule: AutoRule, cost: StepCost) -> str:
+    """One sentence with the numbers behind `rule`'s choice for `cost`."""
+    parts = []
+    if rule.unroll != "given":
+        parts.append(_unroll_reason(rule, cost))
+    if rule.checkpoint != "given":
+        parts.append(_checkpoint_reason(rule, cost))
+    return "; ".join(parts)
+
 
 @dataclasses.dataclass(frozen=True)
 class AutoChoice:
@@ -125,16 +299,25 @@ class AutoChoice:
     - `checkpoint`: the resolved option: `False` (save everything), `True` (full
       remat) or a `jax.checkpoint_policies` policy.
     - `unroll`: the resolved `unroll`.
-    - `reason`: one sentence with the numbers behind the choice.
+    - `rule`: which rule fired: `rule.unroll` and `rule.checkpoint` name it
+      (`"given"` where the option was explicit; the values are listed in
+      docs/default-checkpoint.md).
     - `cost`: the measured [`StepCost`][eqxscan.StepCost].
     - `where`: which scan (the layer type or cell, as in error messages).
+
+    `reason` is one sentence with the numbers behind the choice, derived from
+    `rule` and `cost`.
     """
 
     checkpoint: Checkpoint
     unroll: int | bool
-    reason: str
+    rule: AutoRule
     cost: StepCost
     where: str
+
+    @property
+    def reason(self) -> str:
+        return reason(self.rule, self.cost)
 
     @property
     def checkpoint_name(self) -> str:
@@ -145,134 +328,9 @@ class AutoChoice:
     def __repr__(self) -> str:
         return (
             f"AutoChoice(checkpoint={self.checkpoint_name}, unroll={self.unroll!r}, "
+            f"rule=({self.rule.checkpoint!r}, {self.rule.unroll!r}), "
             f"where={self.where!r}, reason={self.reason!r})"
         )
-
-
-def _mib(n: int | float) -> str:
-    if n < 2**20:
-        return f"{n / 2**10:.1f} KiB"
-    return f"{n / 2**20:.2f} MiB"
-
-
-def decide(
-    cost: StepCost,
-    checkpoint: Any,
-    unroll: Any,
-    policy: Callable,
-    platform: str,
-    *,
-    gathered: bool = False,
-    over: Literal["layers", "time"] = "layers",
-) -> tuple[Checkpoint, int | bool, str]:
-    """Resolve `"auto"` in `checkpoint` and/or `unroll`; explicit values pass through.
-
-    - `unroll="auto"`: `True` (unroll fully) for at most `SHORT_SCAN` steps of
-      under `UNROLL_FLOPS` in all, unless each step may gather its own sharded
-      weights (`gathered`, FSDP: unrolled, XLA may gather all of them at once).
-      Else, on `CPU_PLATFORMS`, `TIME_UNROLL` for a scan `over` time whose carry
-      is one array and whose step saves at most `NEARLY_ALL_MATMUL` times what
-      `policy` does and costs at least `TIME_UNROLL_FLOPS`. Else 1
-      (docs/default-checkpoint.md).
-    - `checkpoint="auto"`: `False` when unrolled fully (the loop's program: XLA
-      fuses what it need not save). Otherwise save everything (`False`) when a
-      plain scan's residuals are at most `SMALL_RESIDUALS` and at most
-      `MATMUL_DOMINATED` times what `policy` saves. Otherwise, on `CPU_PLATFORMS`:
-      full remat (`True`) for steps under `FULL_REMAT_FLOPS` or when what
-      `policy` saves exceeds `FULL_REMAT_RESIDUALS`, else save everything when
-      that is at most `NEARLY_ALL_MATMUL` times what `policy` saves. Elsewhere
-      `policy`.
-    """
-    reasons = []
-    if unroll == "auto":
-        if gathered:
-            unroll = 1
-            reasons.append(
-                "the layers may be sharded (layer_sharding, Explicit mesh axes "
-                "in their types, or an Auto mesh set with jax.set_mesh), so each "
-                "step may gather its own: keep the scan, unroll 1"
-            )
-        elif cost.length <= SHORT_SCAN and cost.length * cost.flops < UNROLL_FLOPS:
-            unroll = True
-            reasons.append(
-                f"{cost.length} steps of {cost.flops:.3g} FLOPs (at most "
-                f"{SHORT_SCAN}, under {UNROLL_FLOPS:.0e} in all): unroll fully"
-            )
-        elif (
-            over == "time"
-            and platform in CPU_PLATFORMS
-            and cost.carry_arrays == 1
-            and cost.flops >= TIME_UNROLL_FLOPS
-            and cost.saved_bytes <= NEARLY_ALL_MATMUL * cost.policy_saved_bytes
-        ):
-            unroll = TIME_UNROLL
-            reasons.append(
-                f"on {platform}, {cost.length} time steps of {cost.flops:.3g} FLOPs "
-                f"(>= {TIME_UNROLL_FLOPS:.0e}), one carried array, nearly all "
-                f"matmul outputs: unroll {TIME_UNROLL}"
-            )
-        else:
-            unroll = 1
-            why = ""
-            if over == "time" and platform in CPU_PLATFORMS:
-                if cost.carry_arrays != 1:
-                    why = f", {cost.carry_arrays} carried arrays"
-                elif cost.flops < TIME_UNROLL_FLOPS:
-                    why = f" (< {TIME_UNROLL_FLOPS:.0e})"
-                else:
-                    why = ", not nearly all matmul outputs"
-            reasons.append(
-                f"{cost.length} steps of {cost.flops:.3g} FLOPs{why}: unroll 1"
-            )
-    if checkpoint == "auto" and unroll is True:
-        checkpoint = False
-        reasons.append("unrolled fully, so save what the loop saves")
-    elif checkpoint == "auto":
-        total = cost.saved_bytes * cost.length
-        ratio = cost.saved_bytes / max(cost.policy_saved_bytes, 1)
-        facts = (
-            f"a plain scan saves {_mib(total)}, {ratio:.2f}x what saving matmul "
-            f"outputs keeps ({_mib(cost.policy_saved_bytes * cost.length)})"
-        )
-        if total <= SMALL_RESIDUALS and ratio <= MATMUL_DOMINATED:
-            checkpoint = False
-            reasons.append(
-                f"{facts}: at most {_mib(SMALL_RESIDUALS)} and "
-                f"{MATMUL_DOMINATED}x, so save everything"
-            )
-        else:
-            why = (
-                f"more than {_mib(SMALL_RESIDUALS)}"
-                if total > SMALL_RESIDUALS
-                else f"more than {MATMUL_DOMINATED}x"
-            )
-            # Full remat on the platforms where it pays: small steps, or more
-            # matmul outputs than are worth writing out and reading back.
-            remat_because, link = None, "so"
-            if platform in CPU_PLATFORMS:
-                if cost.flops < FULL_REMAT_FLOPS:
-                    remat_because = (
-                        f"{cost.flops:.3g} FLOPs per step (< {FULL_REMAT_FLOPS:.0e})"
-                    )
-                elif cost.policy_saved_bytes * cost.length > FULL_REMAT_RESIDUALS:
-                    remat_because = (
-                        f"more than {_mib(FULL_REMAT_RESIDUALS)} of matmul outputs"
-                    )
-            if remat_because is not None:
-                checkpoint = True
-                what = f"on {platform}, with {remat_because}, recompute the whole step"
-            elif platform in CPU_PLATFORMS and ratio <= NEARLY_ALL_MATMUL:
-                checkpoint = False
-                what = (
-                    f"on {platform} at most {NEARLY_ALL_MATMUL}x is nearly all matmul "
-                    "outputs: save everything"
-                )
-                link = "but"
-            else:
-                checkpoint = policy
-                what = "save matmul outputs and recompute the rest"
-            reasons.append(f"{facts}: {why}, {link} {what}")
-    return checkpoint, unroll, "; ".join(reasons)
 
 
 # ---------------------------------------------------------------------------
@@ -425,7 +483,9 @@ def _recording() -> Iterator[list[AutoChoice]]:
         _RECORDERS.remove(record)
 
 
-def explain_auto(fn: Callable, *args: Any, **kwargs: Any) -> list[AutoChoice]:
+def explain_auto(
+    fn: Callable[..., object], *args: PyTree, **kwargs: PyTree
+) -> list[AutoChoice]:
     """What `checkpoint="auto"` and `unroll="auto"` pick for every scan that
     `fn(*args, **kwargs)` runs, and why.
 

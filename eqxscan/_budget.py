@@ -1,8 +1,18 @@
 """Choosing rematerialisation for a memory budget, from XLA's own accounting.
 
-`fit_remat` compiles a training step once per candidate `checkpoint=` setting,
+`remat_table` compiles a training step once per candidate `checkpoint=` setting,
 reads `memory_analysis()` and `cost_analysis()` of each compiled program, and
-keeps the cheapest program that fits.
+`fit_remat` applies the fastest program that fits.
+
+XLA's cost analysis counts a loop's body once, not once per iteration, so its
+figures rank programs of one kind only: loops over the same steps (each body,
+one layer's or one time step's work, on the same footing), or programs without
+loops (every step counted). `choose` compares estimates within a kind; across
+kinds it takes the program without loops, which exists only where the scans
+are unrolled fully: where `unroll="auto"` found them short and small, the sizes
+at which the loop measured faster than every scan setting
+(docs/default-checkpoint.md), or where `unroll=True` was asked for. Measured
+times (`time_steps`) compare every kind.
 """
 
 import dataclasses
@@ -10,22 +20,31 @@ import functools
 import re
 import statistics
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, overload
+from typing import Literal, TypeAlias, TypeVar
 
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
+from jaxtyping import PyTree
 
 from ._checks import is_arraylike
 from ._devices import FALLBACK, Peak, peak_of
-from ._options import Scanning
+from ._options import Checkpoint, Scanning
 from ._timing import time_interleaved
 
+
+Unroll: TypeAlias = int | bool | Literal["auto"]
+Kind: TypeAlias = Literal["unrolled", "loop"]
+"""`"unrolled"`: the compiled program has no loop, so XLA counts every step;
+`"loop"`: it loops, and XLA counts each loop body once."""
+M = TypeVar("M")
+#: An input leaf of the compiled step: an array, or only its shape and dtype.
+Leaf: TypeAlias = jax.Array | jax.ShapeDtypeStruct
 
 #: The settings tried by default, from most saved to least: "auto", a policy
 #: saving every matmul output, the same values offloaded to host memory, `True`,
 #: "nested", and `False` (save everything: fastest where it fits, on a GPU).
-CANDIDATES: tuple[Any, ...] = (
+CANDIDATES: tuple[Checkpoint, ...] = (
     "auto",
     jax.checkpoint_policies.dots_saveable,
     "offload",
@@ -63,7 +82,7 @@ def parse_bytes(budget: int | str) -> int:
     )
 
 
-def checkpoint_label(checkpoint: Any) -> str:
+def checkpoint_label(checkpoint: Checkpoint) -> str:
     """`"auto"`, `"True"`, or a policy's name in `jax.checkpoint_policies`."""
     if isinstance(checkpoint, (str, bool)):
         return repr(checkpoint) if isinstance(checkpoint, str) else str(checkpoint)
@@ -75,9 +94,24 @@ def checkpoint_label(checkpoint: Any) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class RematCandidate:
-    """One compiled candidate and XLA's figures for it."""
+    """One compiled candidate and XLA's figures for it.
 
-    checkpoint: Any
+    **Fields:**
+
+    - `checkpoint`, `unroll`: the setting (`unroll=None`: the model's own).
+    - `label`: the setting in words.
+    - `temp_bytes`, `argument_bytes`, `output_bytes`, `host_temp_bytes`: from
+      `memory_analysis()`.
+    - `flops`, `bytes_accessed`: from `cost_analysis()`.
+    - `estimated_s`: `flops / peak.flops + bytes_accessed / peak.bytes_per_s`.
+    - `kind`: `"unrolled"` (no loop in the program: XLA counts every step) or
+      `"loop"` (XLA counts each loop body once); estimates rank programs of one
+      kind.
+    - `compiled`: the compiled program.
+    - `measured_s`: the median measured seconds per step, with `time_steps`.
+    """
+
+    checkpoint: Checkpoint
     label: str
     temp_bytes: int
     argument_bytes: int
@@ -86,21 +120,25 @@ class RematCandidate:
     flops: float
     bytes_accessed: float
     estimated_s: float
-    compiled: Any = dataclasses.field(repr=False, compare=False)
+    compiled: jax.stages.Compiled = dataclasses.field(repr=False, compare=False)
     measured_s: float | None = None
-    #: The `unroll=` tried with this setting; `None`: the model's own.
-    unroll: int | bool | Literal["auto"] | None = None
+    unroll: Unroll | None = None
+    kind: Kind = "loop"
 
     @property
     def device_bytes(self) -> int:
         """Temp + argument + output bytes: what must fit on the device."""
         return self.temp_bytes + self.argument_bytes + self.output_bytes
 
+    def apply(self, model: M) -> M:
+        """`model` with this setting on all its scans."""
+        return with_checkpoint(model, self.checkpoint, self.unroll)
+
 
 @dataclasses.dataclass(frozen=True)
 class RematTable:
-    """Every candidate of a [`eqxscan.fit_remat`][] call, the budget and the choice.
-    `str(table)` is a Markdown table."""
+    """Every candidate of a [`eqxscan.remat_table`][] call, the budget and the
+    choice. `str(table)` is a Markdown table."""
 
     budget: int
     candidates: tuple[RematCandidate, ...]
@@ -113,14 +151,14 @@ class RematTable:
             f"budget {self.budget / mib:.1f} MiB; {self.compiles} programs compiled "
             f"for {len(self.candidates)} candidates",
             "",
-            "| checkpoint | temp MiB | args+out MiB | total MiB | host MiB | fits | "
-            "GFLOP | GB accessed | estimated ms | measured ms | |",
-            "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---|",
+            "| checkpoint | kind | temp MiB | args+out MiB | total MiB | host MiB | "
+            "fits | GFLOP | GB accessed | estimated ms | measured ms | |",
+            "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---|",
         ]
         for c in self.candidates:
             measured = "–" if c.measured_s is None else f"{c.measured_s * 1e3:.1f}"
             rows.append(
-                f"| {c.label} | {c.temp_bytes / mib:.1f} | "
+                f"| {c.label} | {c.kind} | {c.temp_bytes / mib:.1f} | "
                 f"{(c.argument_bytes + c.output_bytes) / mib:.1f} | "
                 f"{c.device_bytes / mib:.1f} | {c.host_temp_bytes / mib:.1f} | "
                 f"{'yes' if c.device_bytes <= self.budget else 'no'} | "
@@ -132,8 +170,9 @@ class RematTable:
             "",
             "Estimated ms: FLOPs / peak FLOP/s + bytes accessed / bandwidth, from "
             "XLA's cost analysis, which counts a loop body once rather than once per "
-            "iteration: compare the estimates with each other, not with measured "
-            "times.",
+            "iteration: the estimates rank programs of one kind (a loop's figures "
+            "are per step), not step times; across kinds the unrolled program "
+            "wins unless measured.",
         ]
         return "\n".join(rows)
 
@@ -144,8 +183,10 @@ class RematTable:
 def choose(
     candidates: Sequence[RematCandidate], budget: int, *, measured: bool = False
 ) -> RematCandidate:
-    """The fitting candidate with the lowest estimated (or, with `measured=True`,
-    measured) time; `ValueError` listing every candidate's bytes if none fits."""
+    """The fitting candidate with the lowest measured time (`measured=True`) or
+    else estimated time, among the unrolled programs if any fits (estimates rank
+    programs of one kind: see the module docstring); `ValueError` listing every
+    candidate's bytes if none fits."""
     fitting = [c for c in candidates if c.device_bytes <= budget]
     if not fitting:
         mib = 2**20
@@ -159,21 +200,24 @@ def choose(
             "model; see docs/remat.md."
         )
     if measured:
-        return min(fitting, key=lambda c: (c.measured_s is None, c.measured_s or 0.0))
-    return min(fitting, key=lambda c: c.estimated_s)
+        timed = [c for c in fitting if c.measured_s is not None]
+        if timed:
+            return min(timed, key=lambda c: c.measured_s or 0.0)
+    unrolled = [c for c in fitting if c.kind == "unrolled"]
+    return min(unrolled or fitting, key=lambda c: c.estimated_s)
 
 
-def _is_scan(x: Any) -> bool:
+def _is_scan(x: object) -> bool:
     return isinstance(x, Scanning)
 
 
 def with_checkpoint(
-    model: Any, checkpoint: Any, unroll: int | bool | Literal["auto"] | None = None
-) -> Any:
+    model: M, checkpoint: Checkpoint, unroll: Unroll | None = None
+) -> M:
     """`model` with `checkpoint` (and `unroll`, unless `None`) set on every
     scanning module in it (`Stacked`, `Chain`, `Recurrent`, `StackedMLP`; the
     outermost ones, which pass it on)."""
-    options = {"checkpoint": checkpoint}
+    options: dict[str, Checkpoint | Unroll] = {"checkpoint": checkpoint}
     if unroll is not None:
         options["unroll"] = unroll
     return jtu.tree_map(
@@ -183,18 +227,20 @@ def with_checkpoint(
     )
 
 
-def _label(checkpoint: Any, unroll: int | bool | Literal["auto"] | None) -> str:
+def _label(checkpoint: Checkpoint, unroll: Unroll | None) -> str:
     label = checkpoint_label(checkpoint)
     return label if unroll is None else f"{label}, unroll={unroll!r}"
 
 
-def _lower(step: Callable, model: Any, args: tuple) -> tuple[Any, list]:
+def _lower(
+    step: Callable[..., PyTree], model: PyTree, args: tuple[PyTree, ...]
+) -> tuple[jax.stages.Lowered, list[Leaf]]:
     # The compiled program takes the flat list of array leaves, the same for every
     # candidate (the checkpoint setting lives in static fields).
     dynamic, static = eqx.partition((model, args), is_arraylike)
     leaves, treedef = jtu.tree_flatten(dynamic)
 
-    def train_step(leaves: list) -> Any:
+    def train_step(leaves: list[jax.Array]) -> PyTree:
         m, a = eqx.combine(jtu.tree_unflatten(treedef, leaves), static)
         return eqx.filter(step(m, *a), eqx.is_array)
 
@@ -202,7 +248,7 @@ def _lower(step: Callable, model: Any, args: tuple) -> tuple[Any, list]:
 
 
 def time_candidates(
-    candidates: Sequence[RematCandidate], leaves: list, repeats: int
+    candidates: Sequence[RematCandidate], leaves: list[jax.Array], repeats: int
 ) -> dict[int, float]:
     """Median seconds per run of each distinct compiled program among
     `candidates` (keyed by `id(candidate.compiled)`: identical settings share
@@ -215,46 +261,22 @@ def time_candidates(
     return {k: statistics.median(times[str(k)]) for k in programs}
 
 
-@overload
-def fit_remat(
-    model: Any,
-    step: Callable[..., Any],
+def _kind(compiled: jax.stages.Compiled) -> Kind:
+    return "loop" if re.search(r"\bwhile\(", compiled.as_text()) else "unrolled"
+
+
+def remat_table(
+    model: PyTree,
+    step: Callable[..., PyTree],
     budget: int | str,
-    *args: Any,
-    table: Literal[False] = False,
-    candidates: Sequence[Any] = CANDIDATES,
-    unrolls: Sequence[int | bool | Literal["auto"]] | None = None,
+    *args: PyTree,
+    candidates: Sequence[Checkpoint] = CANDIDATES,
+    unrolls: Sequence[Unroll] | None = None,
     peak: Peak | None = None,
     time_steps: int = 0,
-) -> Any: ...
-
-
-@overload
-def fit_remat(
-    model: Any,
-    step: Callable[..., Any],
-    budget: int | str,
-    *args: Any,
-    table: Literal[True],
-    candidates: Sequence[Any] = CANDIDATES,
-    unrolls: Sequence[int | bool | Literal["auto"]] | None = None,
-    peak: Peak | None = None,
-    time_steps: int = 0,
-) -> tuple[Any, RematTable]: ...
-
-
-def fit_remat(
-    model: Any,
-    step: Callable[..., Any],
-    budget: int | str,
-    *args: Any,
-    table: bool = False,
-    candidates: Sequence[Any] = CANDIDATES,
-    unrolls: Sequence[int | bool | Literal["auto"]] | None = None,
-    peak: Peak | None = None,
-    time_steps: int = 0,
-) -> Any:
-    """Pick the `checkpoint=` setting for a memory budget, from XLA's own figures.
+) -> RematTable:
+    """Every candidate `checkpoint=` setting for a memory budget, compiled, with
+    XLA's own figures, and the one [`eqxscan.fit_remat`][] picks.
 
     Every candidate setting is applied to all `Stacked`, `Chain` and `Recurrent`
     modules in `model` at once, and `step(model, *args)` is compiled ahead of time
@@ -262,7 +284,10 @@ def fit_remat(
     its compiled program's temp + argument + output bytes
     (`memory_analysis()`) are at most `budget`. Among those that fit, the one with
     the lowest estimated time wins: `flops / peak.flops + bytes accessed /
-    peak.bytes_per_s`, from `cost_analysis()`.
+    peak.bytes_per_s`, from `cost_analysis()`, compared between programs of one
+    kind (XLA counts a loop's body once): where some fitting programs have no loop
+    (their scans unrolled fully) and others loop, the best program without a loop
+    wins. With `time_steps`, the lowest measured time wins.
 
     Candidates that lower to the same program are compiled once.
 
@@ -276,7 +301,6 @@ def fit_remat(
     - `budget`: bytes, as an int or a string such as `"6GiB"` or `"512MB"`.
     - `*args`: the step's other inputs (a batch, optimiser state); arrays or
       `jax.ShapeDtypeStruct`s (the latter only with `time_steps=0`).
-    - `table`: also return a [`eqxscan.RematTable`][] of every candidate.
     - `candidates`: the `checkpoint=` settings to try, default `"auto"`,
       `dots_saveable`, `"offload"`, `True`, `"nested"` and `False`.
     - `unrolls`: `unroll=` values to try with every candidate, e.g. `(1, 2)`;
@@ -290,8 +314,8 @@ def fit_remat(
 
     **Returns:**
 
-    `model` with the chosen setting (and `unroll`, with `unrolls`) on all its
-    scans; with `table=True`, `(model, table)`.
+    A [`eqxscan.RematTable`][]: every candidate, the budget, and `chosen`
+    (`table.chosen.apply(model)` is what `fit_remat` returns).
 
     **Raises:**
 
@@ -322,10 +346,10 @@ def fit_remat(
         device = jax.devices()[0]
         peak = peak_of(device.device_kind) or FALLBACK
 
-    programs: dict[str, Any] = {}
+    programs: dict[str, jax.stages.Compiled] = {}
     results = []
-    leaves: list = []
-    tried: Sequence[Any] = (None,) if unrolls is None else unrolls
+    leaves: list[Leaf] = []
+    tried: Sequence[Unroll | None] = (None,) if unrolls is None else unrolls
     settings = [(c, u) for c in candidates for u in tried]
     for checkpoint, unroll in settings:
         lowered, leaves = _lower(step, with_checkpoint(model, checkpoint, unroll), args)
@@ -350,6 +374,7 @@ def fit_remat(
                 estimated_s=flops / peak.flops + moved / peak.bytes_per_s,
                 compiled=compiled,
                 unroll=unroll,
+                kind=_kind(compiled),
             )
         )
 
@@ -369,7 +394,32 @@ def fit_remat(
             for c in results
         ]
     best = choose(results, limit, measured=time_steps > 0)
-    chosen = with_checkpoint(model, best.checkpoint, best.unroll)
-    if table:
-        return chosen, RematTable(limit, tuple(results), best, len(programs))
-    return chosen
+    return RematTable(limit, tuple(results), best, len(programs))
+
+
+def fit_remat(
+    model: M,
+    step: Callable[..., PyTree],
+    budget: int | str,
+    *args: PyTree,
+    candidates: Sequence[Checkpoint] = CANDIDATES,
+    unrolls: Sequence[Unroll] | None = None,
+    peak: Peak | None = None,
+    time_steps: int = 0,
+) -> M:
+    """Pick the `checkpoint=` setting for a memory budget, from XLA's own figures:
+    `model` with the setting [`eqxscan.remat_table`][] chooses (and `unroll`, with
+    `unrolls`) on all its scans. The arguments are `remat_table`'s; call that for
+    every candidate's figures.
+    """
+    table = remat_table(
+        model,
+        step,
+        budget,
+        *args,
+        candidates=candidates,
+        unrolls=unrolls,
+        peak=peak,
+        time_steps=time_steps,
+    )
+    return table.chosen.apply(model)

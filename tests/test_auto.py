@@ -2,6 +2,7 @@
 winning, and equal values and gradients whatever the rule picks."""
 
 import contextlib
+import dataclasses
 
 import equinox as eqx
 import jax
@@ -13,6 +14,12 @@ import pytest
 
 import eqxscan
 from eqxscan import _auto
+
+
+def _thresholds(monkeypatch, **changes):
+    """Run "auto" with other thresholds."""
+    new = dataclasses.replace(_auto.THRESHOLDS, **changes)
+    monkeypatch.setattr(_auto, "THRESHOLDS", new)
 
 
 def cost(**changes):
@@ -27,101 +34,102 @@ def cost(**changes):
 
 
 POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+T = _auto.THRESHOLDS
+
+
+def pick(c, checkpoint="auto", unroll="auto", platform="cpu", **kwargs):
+    """`(checkpoint, unroll, checkpoint rule, unroll rule)` that `decide` gives."""
+    d = _auto.decide(c, checkpoint, unroll, POLICY, platform, **kwargs)
+    assert isinstance(d.rule, _auto.AutoRule)
+    return d.checkpoint, d.unroll, d.rule.checkpoint, d.rule.unroll
 
 
 # --- the rule on synthetic costs: both sides of every threshold ---------------
 
 
 def test_small_and_matmul_dominated_saves_everything():
-    small = _auto.SMALL_RESIDUALS // 8  # x length 8: exactly the threshold
+    small = T.small_residuals // 8  # x length 8: exactly the threshold
     c = cost(saved_bytes=small, policy_saved_bytes=small)
-    assert _auto.decide(c, "auto", "auto", POLICY, "cpu")[:2] == (False, 1)
-    assert _auto.decide(c, "auto", "auto", POLICY, "gpu")[:2] == (False, 1)
+    assert pick(c, unroll=1) == (False, 1, "small", "given")
+    assert pick(c, unroll=1, platform="gpu") == (False, 1, "small", "given")
 
 
 def test_over_the_size_threshold_recomputes():
-    over = _auto.SMALL_RESIDUALS // 8 + 1
+    over = T.small_residuals // 8 + 1
     c = cost(saved_bytes=over, policy_saved_bytes=over)
-    assert _auto.decide(c, "auto", 1, POLICY, "cpu")[0] is True
-    assert _auto.decide(c, "auto", 1, POLICY, "gpu")[0] is POLICY
+    assert pick(c, unroll=1) == (True, 1, "small-step", "given")
+    assert pick(c, unroll=1, platform="gpu") == (POLICY, 1, "policy", "given")
 
 
 def test_big_steps_keep_matmul_outputs_on_cpu_too():
-    over = _auto.SMALL_RESIDUALS
-    small = cost(saved_bytes=over, flops=_auto.FULL_REMAT_FLOPS - 1)
-    big = cost(saved_bytes=over, flops=_auto.FULL_REMAT_FLOPS)
-    assert _auto.decide(small, "auto", 1, POLICY, "cpu")[0] is True
-    assert _auto.decide(big, "auto", 1, POLICY, "cpu")[0] is POLICY
-    assert _auto.decide(small, "auto", 1, POLICY, "gpu")[0] is POLICY
+    over = T.small_residuals
+    small = cost(saved_bytes=over, flops=T.full_remat_flops - 1)
+    big = cost(saved_bytes=over, flops=T.full_remat_flops)
+    assert pick(small, unroll=1)[:3] == (True, 1, "small-step")
+    assert pick(big, unroll=1)[:3] == (POLICY, 1, "policy")
+    assert pick(small, unroll=1, platform="gpu")[:3] == (POLICY, 1, "policy")
 
 
 def test_large_matmul_outputs_recompute_on_cpu():
     # Big steps (so not the FLOPs rule), length 8: the policy's total is
-    # 8 x policy_saved_bytes, compared with FULL_REMAT_RESIDUALS.
-    limit = _auto.FULL_REMAT_RESIDUALS // 8
-    big = dict(flops=_auto.FULL_REMAT_FLOPS, saved_bytes=2 * limit)
+    # 8 x policy_saved_bytes, compared with full_remat_residuals.
+    limit = T.full_remat_residuals // 8
+    big = dict(flops=T.full_remat_flops, saved_bytes=2 * limit)
     at = cost(policy_saved_bytes=limit, **big)
     over = cost(policy_saved_bytes=limit + 1, **big)
-    assert _auto.decide(at, "auto", 1, POLICY, "cpu")[0] is POLICY
-    assert _auto.decide(over, "auto", 1, POLICY, "cpu")[0] is True
-    assert _auto.decide(over, "auto", 1, POLICY, "gpu")[0] is POLICY
-    assert (
-        "64.00 MiB of matmul outputs" in _auto.decide(over, "auto", 1, POLICY, "cpu")[2]
-    )
+    assert pick(at, unroll=1)[2] == "policy"
+    assert pick(over, unroll=1)[::2] == (True, "large-matmuls")
+    assert pick(over, unroll=1, platform="gpu")[::2] == (POLICY, "policy")
 
 
 def test_nearly_all_matmul_outputs_save_everything_on_cpu():
-    # Big steps, more than SMALL_RESIDUALS, matmul outputs under
-    # FULL_REMAT_RESIDUALS: the ratio decides between saving all and the policy.
-    policy = _auto.SMALL_RESIDUALS // 8
-    big = dict(flops=_auto.FULL_REMAT_FLOPS, policy_saved_bytes=policy)
-    at = cost(saved_bytes=int(policy * _auto.NEARLY_ALL_MATMUL), **big)
-    over = cost(saved_bytes=int(policy * _auto.NEARLY_ALL_MATMUL) + 1, **big)
-    assert at.saved_bytes * at.length > _auto.SMALL_RESIDUALS
-    assert _auto.decide(at, "auto", 1, POLICY, "cpu")[0] is False
-    assert "nearly all matmul outputs" in _auto.decide(at, "auto", 1, POLICY, "cpu")[2]
-    assert _auto.decide(over, "auto", 1, POLICY, "cpu")[0] is POLICY
-    assert _auto.decide(at, "auto", 1, POLICY, "gpu")[0] is POLICY
+    # Big steps, more than small_residuals, matmul outputs under
+    # full_remat_residuals: the ratio decides between saving all and the policy.
+    policy = T.small_residuals // 8
+    big = dict(flops=T.full_remat_flops, policy_saved_bytes=policy)
+    at = cost(saved_bytes=int(policy * T.nearly_all_matmul), **big)
+    over = cost(saved_bytes=int(policy * T.nearly_all_matmul) + 1, **big)
+    assert at.saved_total > T.small_residuals
+    assert pick(at, unroll=1)[::2] == (False, "nearly-all-matmul")
+    assert pick(over, unroll=1)[::2] == (POLICY, "policy")
+    assert pick(at, unroll=1, platform="gpu")[::2] == (POLICY, "policy")
     # Full remat still wins for small steps and for large matmul outputs.
     small = cost(saved_bytes=at.saved_bytes, policy_saved_bytes=policy)
-    assert _auto.decide(small, "auto", 1, POLICY, "cpu")[0] is True
-    limit = _auto.FULL_REMAT_RESIDUALS // 8 + 1
-    large = cost(
-        flops=_auto.FULL_REMAT_FLOPS, saved_bytes=limit, policy_saved_bytes=limit
-    )
-    assert _auto.decide(large, "auto", 1, POLICY, "cpu")[0] is True
+    assert pick(small, unroll=1)[::2] == (True, "small-step")
+    limit = T.full_remat_residuals // 8 + 1
+    large = cost(flops=T.full_remat_flops, saved_bytes=limit, policy_saved_bytes=limit)
+    assert pick(large, unroll=1)[::2] == (True, "large-matmuls")
 
 
 def test_over_the_elementwise_ratio_recomputes():
-    ratio = _auto.MATMUL_DOMINATED
+    ratio = T.matmul_dominated
     at = cost(saved_bytes=int(1000 * ratio), policy_saved_bytes=1000)
     over = cost(saved_bytes=int(1000 * ratio) + 1, policy_saved_bytes=1000)
-    assert _auto.decide(at, "auto", 1, POLICY, "cpu")[0] is False
-    assert _auto.decide(over, "auto", 1, POLICY, "cpu")[0] is True
-    assert _auto.decide(over, "auto", 1, POLICY, "tpu")[0] is POLICY
+    assert pick(at, unroll=1)[::2] == (False, "small")
+    assert pick(over, unroll=1)[::2] == (True, "small-step")
+    assert pick(over, unroll=1, platform="tpu")[::2] == (POLICY, "policy")
 
 
 def test_short_small_scans_unroll_fully_and_save_what_the_loop_saves():
-    short = cost(length=_auto.SHORT_SCAN, saved_bytes=10**9)
-    assert _auto.decide(short, "auto", "auto", POLICY, "cpu")[:2] == (False, True)
-    assert _auto.decide(short, "auto", "auto", POLICY, "gpu")[:2] == (False, True)
+    short = cost(length=T.short_scan, saved_bytes=10**9)
+    unrolled = (False, True, "unrolled", "short")
+    assert pick(short) == unrolled
+    assert pick(short, platform="gpu") == unrolled
     # An explicit checkpoint is kept; an explicit full unroll saves as the loop does.
-    assert _auto.decide(short, True, "auto", POLICY, "cpu")[:2] == (True, True)
-    assert _auto.decide(cost(), "auto", True, POLICY, "cpu")[:2] == (False, True)
-    longer = cost(length=_auto.SHORT_SCAN + 1, saved_bytes=10**9)
-    assert _auto.decide(longer, "auto", "auto", POLICY, "cpu")[:2] == (True, 1)
+    assert pick(short, checkpoint=True) == (True, True, "given", "short")
+    assert pick(cost(), unroll=True) == (False, True, "unrolled", "given")
+    longer = cost(length=T.short_scan + 1, saved_bytes=10**9)
+    assert pick(longer) == (True, 1, "small-step", "scan")
     # The FLOPs bound is on the whole scan: steps times FLOPs per step.
-    per_step = _auto.UNROLL_FLOPS // _auto.SHORT_SCAN
-    under = cost(length=_auto.SHORT_SCAN, flops=per_step - 1, saved_bytes=10**9)
-    assert _auto.decide(under, "auto", "auto", POLICY, "cpu")[:2] == (False, True)
-    at = cost(length=_auto.SHORT_SCAN, flops=per_step, saved_bytes=10**9)
-    assert _auto.decide(at, "auto", "auto", POLICY, "cpu")[:2] == (POLICY, 1)
-    two = cost(length=2, flops=_auto.UNROLL_FLOPS // 2, saved_bytes=10**9)
-    assert _auto.decide(two, "auto", "auto", POLICY, "cpu")[:2] == (POLICY, 1)
-    fewer = cost(length=2, flops=_auto.UNROLL_FLOPS // 2 - 1, saved_bytes=10**9)
-    assert _auto.decide(fewer, "auto", "auto", POLICY, "cpu")[:2] == (False, True)
-    reason = _auto.decide(short, "auto", "auto", POLICY, "cpu")[2]
-    assert "unroll fully" in reason and "loop" in reason
+    per_step = T.unroll_flops // T.short_scan
+    under = cost(length=T.short_scan, flops=per_step - 1, saved_bytes=10**9)
+    assert pick(under) == unrolled
+    at = cost(length=T.short_scan, flops=per_step, saved_bytes=10**9)
+    assert pick(at) == (POLICY, 1, "policy", "scan")
+    two = cost(length=2, flops=T.unroll_flops // 2, saved_bytes=10**9)
+    assert pick(two) == (POLICY, 1, "policy", "scan")
+    fewer = cost(length=2, flops=T.unroll_flops // 2 - 1, saved_bytes=10**9)
+    assert pick(fewer) == unrolled
 
 
 def test_full_unroll_is_the_loops_program():
@@ -155,24 +163,24 @@ def test_what_is_unrolled_depends_on_depth_and_the_whole_scans_flops():
         return choice
 
     # 8 small layers: the loop's program; 9: scanned.
-    assert picked(16, _auto.SHORT_SCAN).unroll is True
-    assert _scanned(picked(16, _auto.SHORT_SCAN + 1).unroll)
+    assert picked(16, T.short_scan).unroll is True
+    assert _scanned(picked(16, T.short_scan + 1).unroll)
     # Width 64 over 2304 tokens: 1.5e8 FLOPs a layer, unrolled at 4 layers (6e8
     # in all) but not at 8 (1.2e9).
     four, eight = picked(64, 4, tokens=2304), picked(64, 8, tokens=2304)
-    assert 4 * four.cost.flops < _auto.UNROLL_FLOPS < 8 * eight.cost.flops
+    assert 4 * four.cost.flops < T.unroll_flops < 8 * eight.cost.flops
     assert four.unroll is True and _scanned(eight.unroll)
-    assert "in all" in four.reason
+    assert (four.rule.unroll, eight.rule.unroll) == ("short", "scan")
 
 
 def test_a_stack_that_gathers_its_layers_stays_scanned():
     # FSDP: each step all-gathers one layer. Unrolled, XLA may gather all of them
     # at once, so "auto" keeps the scan even where it would unroll.
     short = cost(length=2, saved_bytes=10**9)
-    assert _auto.decide(short, "auto", "auto", POLICY, "cpu")[1] is True
-    got = _auto.decide(short, "auto", "auto", POLICY, "cpu", gathered=True)
-    assert _scanned(got[1]) and "layer_sharding" in got[2]
-    assert _auto.decide(short, "auto", True, POLICY, "cpu", gathered=True)[1] is True
+    assert pick(short)[1] is True
+    _, unroll, _, rule = pick(short, gathered=True)
+    assert _scanned(unroll) and rule == "sharded"
+    assert pick(short, unroll=True, gathered=True)[1::2] == (True, "given")
     stack = eqxscan.StackedMLP(8, 3, key=jr.key(0))
     mesh = jax.make_mesh((1,), ("fsdp",))
     sharded = eqxscan.sharding.gather_layers(stack, mesh)
@@ -218,7 +226,7 @@ def test_layers_that_may_be_sharded_stay_scanned():
             (got,) = eqxscan.explain_auto(sharded, x)
             out = eqx.filter_jit(lambda m, x: m(x))(sharded, x)
         assert _scanned(got.unroll) is scanned, (n, kind, spec, in_mesh, got)
-        assert ("may be sharded" in got.reason) is scanned
+        assert (got.rule.unroll == "sharded") is scanned
         np.testing.assert_allclose(out, stack(x), rtol=1e-5, atol=1e-6)
 
 
@@ -226,13 +234,19 @@ def test_decide_leaves_explicit_values_alone():
     c = cost(saved_bytes=10**9)
     for checkpoint in (False, True, POLICY, "nested"):
         for unroll in (1, 3, True):
-            got = _auto.decide(c, checkpoint, unroll, POLICY, "cpu")
-            assert got[:2] == (checkpoint, unroll)
+            assert pick(c, checkpoint, unroll) == (checkpoint, unroll, "given", "given")
 
 
 def test_reason_names_the_numbers():
-    reason = _auto.decide(cost(length=12), "auto", "auto", POLICY, "cpu")[2]
-    assert "save everything" in reason and "MiB" in reason and "unroll 1" in reason
+    # The one test of the prose: it is derived from the rule and the cost.
+    mib = 2**20
+    c = cost(length=12, flops=10**7, saved_bytes=24 * mib, policy_saved_bytes=8 * mib)
+    d = _auto.decide(c, "auto", "auto", POLICY, "cpu")
+    reason = eqxscan.AutoChoice(*d, cost=c, where="here").reason
+    assert (d.rule.checkpoint, d.rule.unroll) == ("large-matmuls", "scan")
+    for number in ("12 steps", "1e+07 FLOPs", "288.00 MiB", "3.00x", "96.00 MiB"):
+        assert number in reason, (number, reason)
+    assert "64.00 MiB of matmul outputs" in reason
 
 
 # --- measuring a traced step ---------------------------------------------------
@@ -288,7 +302,7 @@ def test_small_gru_saves_everything_and_big_one_recomputes(monkeypatch):
     assert "GRUCell" in choice.where
     # The same cell over the threshold (lowered, rather than a large model).
     total = choice.cost.saved_bytes * choice.cost.length
-    monkeypatch.setattr(_auto, "SMALL_RESIDUALS", total - 1)
+    _thresholds(monkeypatch, small_residuals=total - 1)
     (choice,) = eqxscan.explain_auto(rnn, h0, xs)
     assert choice.checkpoint is True
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
@@ -302,10 +316,9 @@ def test_small_lstm_recomputes():
     rnn = eqxscan.Recurrent(eqx.nn.LSTMCell(2, 4, key=jr.key(1)))
     h0 = (jnp.zeros(4), jnp.zeros(4))
     (choice,) = eqxscan.explain_auto(rnn, h0, jnp.ones((12, 2)))
-    ratio = choice.cost.saved_bytes / choice.cost.policy_saved_bytes
-    assert ratio > _auto.MATMUL_DOMINATED
-    assert choice.cost.saved_bytes * 12 < _auto.SMALL_RESIDUALS
-    assert choice.checkpoint is True
+    assert choice.cost.ratio > T.matmul_dominated
+    assert choice.cost.saved_total < T.small_residuals
+    assert (choice.checkpoint, choice.rule.checkpoint) == (True, "small-step")
 
 
 def test_recurrent_cells_of_256_save_everything_on_cpu(monkeypatch):
@@ -322,11 +335,13 @@ def test_recurrent_cells_of_256_save_everything_on_cpu(monkeypatch):
         monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
         (choice,) = eqxscan.explain_auto(rnn, h0, xs)
         c = choice.cost
-        assert c.saved_bytes * c.length > _auto.SMALL_RESIDUALS
-        assert c.flops >= _auto.FULL_REMAT_FLOPS
-        assert c.saved_bytes <= _auto.NEARLY_ALL_MATMUL * c.policy_saved_bytes
+        assert c.saved_total > T.small_residuals
+        assert c.flops >= T.full_remat_flops
+        assert c.ratio <= T.nearly_all_matmul
         assert c.carry_arrays == len(jtu.tree_leaves(h0))
         assert (choice.checkpoint, choice.unroll) == (False, unroll)
+        assert choice.rule.checkpoint == "nearly-all-matmul"
+        assert choice.rule.unroll == ("time" if unroll == 2 else "scan")
         # An explicit unroll wins.
         (fixed,) = eqxscan.explain_auto(jax.vmap(model.with_options(unroll=1)), h0, xs)
         assert (fixed.checkpoint, fixed.unroll) == (False, 1)
@@ -336,34 +351,33 @@ def test_recurrent_cells_of_256_save_everything_on_cpu(monkeypatch):
 
 
 def test_time_scans_unroll_by_two_on_cpu():
-    # One carried array, at least TIME_UNROLL_FLOPS, nearly all matmul outputs.
+    # One carried array, at least time_unroll_flops, nearly all matmul outputs.
     ok = dict(
         length=30,
-        flops=_auto.TIME_UNROLL_FLOPS,
-        saved_bytes=int(1000 * _auto.NEARLY_ALL_MATMUL),
+        flops=T.time_unroll_flops,
+        saved_bytes=int(1000 * T.nearly_all_matmul),
         policy_saved_bytes=1000,
     )
     time = dict(over="time")
-    assert _auto.decide(cost(**ok), "auto", "auto", POLICY, "cpu", **time)[1] == 2
-    reason = _auto.decide(cost(**ok), False, "auto", POLICY, "cpu", **time)[2]
-    assert "one carried array" in reason and "unroll 2" in reason
-    # Each condition, just missed.
+    assert pick(cost(**ok), **time)[1::2] == (2, "time")
+    assert pick(cost(**ok), False, **time)[1::2] == (2, "time")
+    # Each condition, just missed: unroll 1, and the reason says which.
     for changes, why in (
-        (dict(flops=_auto.TIME_UNROLL_FLOPS - 1), "(< 1e+07)"),
+        (dict(flops=T.time_unroll_flops - 1), "(< 1e+07)"),
         (dict(saved_bytes=ok["saved_bytes"] + 1), "not nearly all matmul"),
         (dict(carry_arrays=2), "2 carried arrays"),
     ):
-        got = _auto.decide(
-            cost(**{**ok, **changes}), False, "auto", POLICY, "cpu", **time
-        )
-        assert got[1] == 1 and why in got[2], (changes, got)
+        c = cost(**{**ok, **changes})
+        assert pick(c, False, **time)[1::2] == (1, "scan"), changes
+        d = _auto.decide(c, False, "auto", POLICY, "cpu", **time)
+        assert why in _auto.reason(d.rule, c), (changes, d)
     # Not over layers, not on accelerators, not for short scans, and never over an
     # explicit unroll.
-    assert _auto.decide(cost(**ok), "auto", "auto", POLICY, "cpu")[1] == 1
-    assert _auto.decide(cost(**ok), "auto", "auto", POLICY, "gpu", **time)[1] == 1
-    short = cost(**{**ok, "length": _auto.SHORT_SCAN})
-    assert _auto.decide(short, "auto", "auto", POLICY, "cpu", **time)[1] is True
-    assert _auto.decide(cost(**ok), "auto", 3, POLICY, "cpu", **time)[1] == 3
+    assert pick(cost(**ok))[1::2] == (1, "scan")
+    assert pick(cost(**ok), platform="gpu", **time)[1::2] == (1, "scan")
+    short = cost(**{**ok, "length": T.short_scan})
+    assert pick(short, **time)[1::2] == (True, "short")
+    assert pick(cost(**ok), unroll=3, **time)[1::2] == (3, "given")
 
 
 @pytest.fixture(scope="module")
@@ -375,11 +389,9 @@ def test_mlp_recomputes_its_elementwise_work(mlp):
     # Small, but a plain scan saves ~5x what the policy keeps (GELU, norm).
     model = mlp
     (choice,) = eqxscan.explain_auto(model, jnp.ones((3, 8)))
-    assert choice.cost.saved_bytes > _auto.MATMUL_DOMINATED * (
-        choice.cost.policy_saved_bytes
-    )
-    assert choice.checkpoint is True
-    assert choice.unroll == 1
+    assert choice.cost.ratio > T.matmul_dominated
+    assert (choice.checkpoint, choice.unroll) == (True, 1)
+    assert (choice.rule.checkpoint, choice.rule.unroll) == ("small-step", "scan")
 
 
 def test_every_chain_group_and_direction_is_explained():
@@ -399,9 +411,9 @@ def test_explicit_options_always_win():
         eqxscan.explain_auto(rnn.with_options(checkpoint=True, unroll=1), h0, xs) == []
     )
     (c,) = eqxscan.explain_auto(rnn.with_options(checkpoint=True), h0, xs)
-    assert (c.checkpoint, c.unroll) == (True, 1)
+    assert (c.checkpoint, c.unroll, c.rule.checkpoint) == (True, 1, "given")
     (c,) = eqxscan.explain_auto(rnn.with_options(unroll=3), h0, xs)
-    assert (c.checkpoint, c.unroll) == (False, 3)
+    assert (c.checkpoint, c.unroll, c.rule.unroll) == (False, 3, "given")
 
     # ... and in the traced program: an explicit remat is there, "auto" has none.
     def remats(m):
@@ -440,12 +452,11 @@ def test_choice_is_deterministic(mlp):
 
 def _forced(monkeypatch, choice):
     if choice == "save-all":
-        monkeypatch.setattr(_auto, "SMALL_RESIDUALS", 2**62)
-        monkeypatch.setattr(_auto, "MATMUL_DOMINATED", float("inf"))
+        _thresholds(monkeypatch, small_residuals=2**62, matmul_dominated=float("inf"))
+    elif choice == "remat":
+        _thresholds(monkeypatch, small_residuals=-1)
     else:
-        monkeypatch.setattr(_auto, "SMALL_RESIDUALS", -1)
-        if choice == "policy":
-            monkeypatch.setattr(_auto, "CPU_PLATFORMS", ())
+        _thresholds(monkeypatch, small_residuals=-1, cpu_platforms=())
 
 
 def _value_and_grad(m, *args):
@@ -509,7 +520,7 @@ def test_unroll_by_two_matches_the_loop(monkeypatch):
     # The time-scan unroll, forced on a small GRU over an odd number of steps
     # (13: six pairs and one step), against the loop and the plain scan.
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    monkeypatch.setattr(_auto, "TIME_UNROLL_FLOPS", 0)
+    _thresholds(monkeypatch, time_unroll_flops=0)
     rnn = small_gru()
     args = (jr.normal(jr.key(2), (4,)), jr.normal(jr.key(3), (13, 2)))
     (picked,) = eqxscan.explain_auto(rnn, *args)

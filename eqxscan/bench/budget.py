@@ -1,7 +1,7 @@
 """`python -m eqxscan.bench.budget`: does `fit_remat` pick a fast program?
 
 Compiles one train step per candidate checkpoint setting (through
-`eqxscan.fit_remat`, with `table=True`), times every candidate interleaved in
+`eqxscan.remat_table`), times every candidate interleaved in
 one process, and then, at four budgets from the smallest candidate's bytes to
 the largest's, compares the program `fit_remat` chooses from XLA's estimates
 with the fastest fitting one by measurement.
@@ -19,7 +19,7 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from .._budget import choose, fit_remat, time_candidates
+from .._budget import choose, remat_table, time_candidates
 from ._impls import mse
 from ._measure import registry
 
@@ -36,7 +36,7 @@ def run(
     if model_name == "mlp":
         module = module.blocks  # the Stacked inside the StackedMLP
     t0 = time.perf_counter()
-    _, table = fit_remat(module, _step, 2**50, x, y, table=True)
+    table = remat_table(module, _step, 2**50, x, y)
     compile_s = time.perf_counter() - t0
     leaves = jax.tree.leaves(eqx.filter((module, (x, y)), eqx.is_array))
     measured = time_candidates(table.candidates, leaves, rounds)
@@ -62,7 +62,7 @@ def run(
                 "ratio": chosen.measured_s / fastest.measured_s,
             }
         )
-    # fit_remat itself agrees with `choose` (same function) at the largest budget.
+    # remat_table itself agrees with `choose` (same function) at the largest budget.
     assert table.chosen.label == choose(cands, 2**50).label
     return {
         "model": model_name,
@@ -72,6 +72,7 @@ def run(
         "candidates": [
             {
                 "checkpoint": c.label,
+                "kind": c.kind,
                 "device_bytes": c.device_bytes,
                 "temp_bytes": c.temp_bytes,
                 "gflop": c.flops / 1e9,
