@@ -10,13 +10,14 @@ than one per layer and parameter.
 """
 
 import os
-from typing import Any, TypeVar
+import warnings
+from typing import Any, SupportsIndex, TypeVar
 
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
 
-from ._checks import is_arraylike
+from ._checks import check_size, is_arraylike
 from ._distributed import DOCS
 from ._sharding import MIN_SIZE, model_shardings, opt_state_shardings, shard
 from ._stacked import Stacked
@@ -25,6 +26,9 @@ from ._stacked import Stacked
 _M = TypeVar("_M")
 _S = TypeVar("_S")
 _LAYER = "*"
+# What every complete step directory holds: Orbax writes its metadata file when
+# it finalises a step, after the items.
+_COMPLETE = ("_CHECKPOINT_METADATA", "model", "step")
 
 
 def _part(entry: Any) -> str:
@@ -91,6 +95,18 @@ def _fill(like: Any, named: list[tuple[tuple[str, ...], Any]], values: dict) -> 
     return eqx.combine(jtu.tree_unflatten(treedef, leaves), rest)
 
 
+def _check_step(step: Any, method: str) -> int:
+    # A step names a directory: a string could name one outside the checkpoint
+    # directory, a float one that restores as another step.
+    try:
+        return check_size(f"CheckpointManager.{method}: step", step, minimum=0)
+    except TypeError:
+        raise TypeError(
+            f"CheckpointManager.{method}: step must be a non-negative int, got "
+            f"{type(step).__name__} ({step!r})."
+        ) from None
+
+
 class CheckpointManager:
     """Sharded checkpoints of a model, its optimizer state and the step number, in
     one Orbax checkpoint per step (`orbax.checkpoint.CheckpointManager`).
@@ -143,17 +159,24 @@ class CheckpointManager:
         )
 
     def save(
-        self, step: int, model: Any, opt_state: Any = None, *, wait: bool = False
+        self,
+        step: SupportsIndex,
+        model: Any,
+        opt_state: Any = None,
+        *,
+        wait: bool = False,
     ) -> None:
         """Save `model` and `opt_state` (their arrays, sharded or not) as `step`.
 
         **Arguments:**
 
-        - `step`: the step number; also the checkpoint's name.
+        - `step`: the step number, a non-negative `int`; also the checkpoint's
+          name.
         - `model`: the model (any pytree; `Stacked` layers keep their `*` names).
         - `opt_state`: the optimizer state, or `None`.
         - `wait`: block until the checkpoint is complete, even if asynchronous.
         """
+        step = _check_step(step, "save")
         args = self._ocp.args
         items = {
             "model": args.StandardSave(_nest(_named_leaves(model))),
@@ -171,7 +194,7 @@ class CheckpointManager:
         opt_state: _S = None,
         *,
         mesh: jax.sharding.Mesh,
-        step: int | None = None,
+        step: SupportsIndex | None = None,
         fsdp_axis: str | None = "fsdp",
         min_size: int = MIN_SIZE,
     ) -> tuple[_M, _S, int]:
@@ -199,6 +222,8 @@ class CheckpointManager:
         entries missing from the checkpoint, missing from `model`/`opt_state`, or
         of another shape or dtype.
         """
+        if step is not None:
+            step = _check_step(step, "restore")
         if step is None:
             step = self.latest_step()
             if step is None:
@@ -207,9 +232,13 @@ class CheckpointManager:
                     f"one first, or check the directory; {DOCS}."
                 )
         elif step not in self.all_steps():
+            why = "no checkpoint of that step"
+            if step in self._manager.all_steps():
+                why = f"its directory is incomplete: {self._incomplete(step)}"
             raise FileNotFoundError(
-                f"No checkpoint of step {step} in {self.directory!r}; it has steps "
-                f"{self.all_steps()}.\nHint: pass one of them or step=None; {DOCS}."
+                f"No checkpoint of step {step} in {self.directory!r} ({why}); it "
+                f"has steps {self.all_steps()}.\nHint: pass one of them or "
+                f"step=None; {DOCS}."
             )
         shardings = model_shardings(model, mesh, fsdp_axis=fsdp_axis, min_size=min_size)
         parts = {"model": (model, shardings)}
@@ -281,13 +310,43 @@ class CheckpointManager:
                 f"model built with the saved configuration; {DOCS}."
             )
 
+    def _incomplete(self, step: int) -> str | None:
+        """Why the directory of `step` is not a complete checkpoint (`None` if it
+        is one): Orbax lists any directory named by an integer, a stray or
+        emptied one too."""
+        where = os.path.join(self.directory, str(step))
+        for part in _COMPLETE:
+            if not os.path.exists(os.path.join(where, part)):
+                return f"it has no {part!r}"
+        return None
+
     def latest_step(self) -> int | None:
-        """The newest complete step, or `None`."""
-        return self._manager.latest_step()
+        """The newest complete step, or `None`. Newer directories that are not
+        complete checkpoints (stray, emptied or partly deleted) are skipped with
+        a warning naming them."""
+        skipped = []
+        for step in sorted(self._manager.all_steps(), reverse=True):
+            why = self._incomplete(step)
+            if why is None:
+                break
+            skipped.append(f"{step} ({why})")
+        else:
+            step = None
+        if skipped:
+            warnings.warn(
+                f"Skipped step directories of {self.directory!r} that are not "
+                f"complete checkpoints: {', '.join(skipped)}; the latest complete "
+                f"step is {step}.",
+                UserWarning,
+                stacklevel=2,
+            )
+        return step
 
     def all_steps(self) -> list[int]:
-        """Every complete step, oldest first."""
-        return sorted(self._manager.all_steps())
+        """Every complete step, oldest first (stray or incomplete directories
+        named by a step number are left out)."""
+        steps = self._manager.all_steps()
+        return sorted(s for s in steps if self._incomplete(s) is None)
 
     def wait(self) -> None:
         """Block until every asynchronous save has finished."""
