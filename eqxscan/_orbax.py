@@ -9,6 +9,8 @@ Storing each stack as one array keeps a deep model at a handful of entries rathe
 than one per layer and parameter.
 """
 
+import hashlib
+import json
 import os
 import warnings
 from typing import Any, SupportsIndex, TypeVar
@@ -29,6 +31,28 @@ _LAYER = "*"
 # What every complete step directory holds: Orbax writes its metadata file when
 # it finalises a step, after the items.
 _COMPLETE = ("_CHECKPOINT_METADATA", "model", "step")
+# Written into a step directory by process 0 once the step is complete: the
+# SHA-256 of every file in it, checked by `restore` (Orbax checks none).
+_DIGESTS = "eqxscan_digests.json"
+
+
+def _sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _file_digests(where: str) -> dict[str, str]:
+    out = {}
+    for root, _, files in os.walk(where):
+        for name in files:
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, where)
+            if rel not in (_DIGESTS, f".{_DIGESTS}.tmp"):
+                out[rel] = _sha256_file(path)
+    return out
 
 
 def _part(entry: Any) -> str:
@@ -142,6 +166,8 @@ class CheckpointManager:
         import orbax.checkpoint as ocp  # imported here: `import eqxscan` stays fast
 
         self.directory = os.path.abspath(os.fspath(directory))
+        self._asynchronous = asynchronous
+        self._unsealed: list[int] = []
         self._ocp = ocp
         self._manager = ocp.CheckpointManager(
             self.directory,
@@ -184,9 +210,13 @@ class CheckpointManager:
         }
         if opt_state is not None:
             items["opt_state"] = args.StandardSave(_nest(_named_leaves(opt_state)))
+        # Orbax waits for the previous save before it starts this one: that one
+        # is complete now, and gets its digests.
+        self._seal()
         self._manager.save(step, args=args.Composite(**items), force=True)
-        if wait:
-            self._manager.wait_until_finished()
+        self._unsealed.append(step)
+        if wait or not self._asynchronous:
+            self.wait()
 
     def restore(
         self,
@@ -197,6 +227,7 @@ class CheckpointManager:
         step: SupportsIndex | None = None,
         fsdp_axis: str | None = "fsdp",
         min_size: int = MIN_SIZE,
+        verify: bool = True,
     ) -> tuple[_M, _S, int]:
         """Restore a step onto `mesh`, laid out as [`eqxscan.sharding.shard`][]
         lays out `model` and `opt_state`; every process reads only its shards.
@@ -211,6 +242,9 @@ class CheckpointManager:
         - `mesh`: the mesh to restore onto; any topology.
         - `step`: the step to restore (default: the latest).
         - `fsdp_axis`, `min_size`: as for `shard`.
+        - `verify`: first check every file of the step against the SHA-256
+          digests written when it was saved (each process reads the whole step
+          once more); a step without digests is restored unchecked.
 
         **Returns:**
 
@@ -219,8 +253,9 @@ class CheckpointManager:
         **Raises:**
 
         `FileNotFoundError` if there is no such step; `ValueError` naming the
-        entries missing from the checkpoint, missing from `model`/`opt_state`, or
-        of another shape or dtype.
+        step's file whose digest differs, or the entries missing from the
+        checkpoint, missing from `model`/`opt_state`, or of another shape or
+        dtype.
         """
         if step is not None:
             step = _check_step(step, "restore")
@@ -257,6 +292,8 @@ class CheckpointManager:
                     for (p, x), s in zip(named[name], sh_leaves, strict=True)
                 ]
             )
+        if verify:
+            self._verify(step)
         self._check(step, target)
         args = self._ocp.args
         out = self._manager.restore(
@@ -351,10 +388,62 @@ class CheckpointManager:
     def wait(self) -> None:
         """Block until every asynchronous save has finished."""
         self._manager.wait_until_finished()
+        self._seal()
+
+    def _seal(self) -> None:
+        """Write the digests of the steps saved since, once they are complete
+        (process 0 only: it finalises the steps, after every process wrote)."""
+        pending, self._unsealed = self._unsealed, []
+        if not pending:
+            return
+        self._manager.wait_until_finished()
+        if jax.process_index() != 0:
+            return
+        for step in pending:
+            where = os.path.join(self.directory, str(step))
+            if self._incomplete(step) is not None:
+                continue  # deleted since (max_to_keep) or not written
+            tmp = os.path.join(where, f".{_DIGESTS}.tmp")
+            with open(tmp, "w") as f:
+                json.dump(_file_digests(where), f, indent=0, sort_keys=True)
+            os.replace(tmp, os.path.join(where, _DIGESTS))
+
+    def _verify(self, step: int) -> None:
+        """Raise `ValueError` naming the first file of `step` whose digest
+        differs from the one written when it was saved (or that is missing)."""
+        where = os.path.join(self.directory, str(step))
+        try:
+            with open(os.path.join(where, _DIGESTS)) as f:
+                saved = json.load(f)
+        except FileNotFoundError:
+            return  # saved before digests, or killed before they were written
+        except (ValueError, OSError) as e:
+            raise ValueError(
+                f"Step {step} in {self.directory!r} has an unreadable digest file "
+                f"{_DIGESTS!r} ({e}).\nHint: restore another step (all_steps() "
+                f"lists them), or delete the file to restore without checking."
+            ) from None
+        for name, digest in sorted(saved.items()) if isinstance(saved, dict) else ():
+            path = os.path.join(where, name)
+            try:
+                found = _sha256_file(path)
+            except (FileNotFoundError, IsADirectoryError):
+                found = "missing"
+            if found != digest:
+                what = "is missing" if found == "missing" else "differs from its digest"
+                raise ValueError(
+                    f"Step {step} in {self.directory!r} is corrupt: its file "
+                    f"{name!r} {what} (SHA-256 written when the step was saved)."
+                    f"\nHint: restore another step (all_steps() lists them: "
+                    f"{self.all_steps()}); {DOCS}."
+                )
 
     def close(self) -> None:
         """Finish pending saves and release Orbax's resources."""
-        self._manager.close()
+        try:
+            self._seal()
+        finally:
+            self._manager.close()
 
     def __enter__(self) -> "CheckpointManager":
         return self

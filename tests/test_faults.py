@@ -496,3 +496,37 @@ def test_bad_step_numbers_are_refused_without_type_checking_hooks(tmp_path):
         f"ValueError {prefix} >= 0, got -1.",
         "['ckpt'] []",
     ]
+
+
+def test_corrupt_orbax_step_is_named_by_its_digests(tmp_path):
+    model = _mlp()
+    mesh = eqxscan.sharding.make_mesh(devices=jax.devices()[:1])
+    with eqxscan.sharding.CheckpointManager(tmp_path) as c:  # asynchronous
+        c.save(1, model)
+        c.save(2, model)
+    for step in (1, 2):
+        digests = json.loads(
+            (tmp_path / str(step) / "eqxscan_digests.json").read_text()
+        )
+        assert "_CHECKPOINT_METADATA" in digests and len(digests) > 5
+    # One bit flipped in the largest data file of step 2.
+    files = [p for p in (tmp_path / "2" / "model").rglob("*") if p.is_file()]
+    target = max(files, key=lambda p: p.stat().st_size)
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 4
+    target.write_bytes(bytes(data))
+    name = str(target.relative_to(tmp_path / "2"))
+    with eqxscan.sharding.CheckpointManager(tmp_path, asynchronous=False) as c:
+        for step in (None, 2):
+            with pytest.raises(ValueError) as e:
+                c.restore(model, mesh=mesh, step=step, min_size=0)
+            msg = str(e.value)
+            assert f"Step 2 in {str(tmp_path)!r} is corrupt: its file {name!r}" in msg
+            assert "differs from its digest" in msg and "[1, 2]" in msg
+        for _ in range(2):  # restoring changes nothing that is checked
+            restored, _, step = c.restore(model, mesh=mesh, step=1, min_size=0)
+            assert step == 1
+            _same_arrays(restored, model)
+        target.unlink()
+        with pytest.raises(ValueError, match=rf"its file {re.escape(repr(name))} is "):
+            c.restore(model, mesh=mesh, step=2, min_size=0)
