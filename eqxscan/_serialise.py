@@ -289,8 +289,8 @@ class _Archive(Mapping[str, _Member]):
                 )
             if info.file_size != info.compress_size or info.file_size > size:
                 raise _Corrupt(
-                    f"member {name!r} claims {info.file_size} bytes, more than the "
-                    f"file's {size}"
+                    f"member {name!r} claims {info.file_size} bytes (stored in "
+                    f"{info.compress_size}) in a file of {size}"
                 )
             members[name[:-4]] = info
         return members
