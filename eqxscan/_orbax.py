@@ -228,6 +228,7 @@ class CheckpointManager:
         fsdp_axis: str | None = "fsdp",
         min_size: int = MIN_SIZE,
         verify: bool = True,
+        skip_corrupt: bool = False,
     ) -> tuple[_M, _S, int]:
         """Restore a step onto `mesh`, laid out as [`eqxscan.sharding.shard`][]
         lays out `model` and `opt_state`; every process reads only its shards.
@@ -245,6 +246,9 @@ class CheckpointManager:
         - `verify`: first check every file of the step against the SHA-256
           digests written when it was saved (each process reads the whole step
           once more); a step without digests is restored unchecked.
+        - `skip_corrupt`: with `step=None` and `verify`, restore the newest step
+          whose files match their digests, skipping newer ones that do not with
+          a warning naming them (by default a corrupt latest step raises).
 
         **Returns:**
 
@@ -266,6 +270,9 @@ class CheckpointManager:
                     f"No complete checkpoint in {self.directory!r}.\nHint: save "
                     f"one first, or check the directory; {DOCS}."
                 )
+            if verify and skip_corrupt:
+                step = self._latest_verified(step)
+                verify = False  # just done
         elif step not in self.all_steps():
             why = "no checkpoint of that step"
             if step in self._manager.all_steps():
@@ -407,6 +414,27 @@ class CheckpointManager:
             with open(tmp, "w") as f:
                 json.dump(_file_digests(where), f, indent=0, sort_keys=True)
             os.replace(tmp, os.path.join(where, _DIGESTS))
+
+    def _latest_verified(self, latest: int) -> int:
+        skipped = []
+        for step in sorted((s for s in self.all_steps() if s <= latest), reverse=True):
+            try:
+                self._verify(step)
+            except ValueError as e:
+                skipped.append(f"{step} ({str(e).splitlines()[0]})")
+                continue
+            if skipped:
+                warnings.warn(
+                    f"Skipped corrupt steps of {self.directory!r}: "
+                    f"{'; '.join(skipped)}; restoring step {step}.",
+                    UserWarning,
+                    stacklevel=3,
+                )
+            return step
+        raise ValueError(
+            f"Every step of {self.directory!r} is corrupt: {'; '.join(skipped)}"
+            f"\nHint: restore one with verify=False at your own risk; {DOCS}."
+        )
 
     def _verify(self, step: int) -> None:
         """Raise `ValueError` naming the first file of `step` whose digest

@@ -527,6 +527,13 @@ def test_corrupt_orbax_step_is_named_by_its_digests(tmp_path):
             restored, _, step = c.restore(model, mesh=mesh, step=1, min_size=0)
             assert step == 1
             _same_arrays(restored, model)
+        # On request, the latest step that passes its digests.
+        with pytest.warns(UserWarning, match=r"corrupt steps .*: 2 \(Step 2 in .*"):
+            restored, _, step = c.restore(
+                model, mesh=mesh, min_size=0, skip_corrupt=True
+            )
+        assert step == 1
+        _same_arrays(restored, model)
         target.unlink()
         with pytest.raises(ValueError, match=rf"its file {re.escape(repr(name))} is "):
             c.restore(model, mesh=mesh, step=2, min_size=0)
