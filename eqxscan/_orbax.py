@@ -9,14 +9,17 @@ Storing each stack as one array keeps a deep model at a handful of entries rathe
 than one per layer and parameter.
 """
 
+import hashlib
+import json
 import os
-from typing import Any, TypeVar
+import warnings
+from typing import Any, SupportsIndex, TypeVar
 
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
 
-from ._checks import is_arraylike
+from ._checks import check_size, is_arraylike
 from ._distributed import DOCS
 from ._sharding import MIN_SIZE, model_shardings, opt_state_shardings, shard
 from ._stacked import Stacked
@@ -25,6 +28,31 @@ from ._stacked import Stacked
 _M = TypeVar("_M")
 _S = TypeVar("_S")
 _LAYER = "*"
+# What every complete step directory holds: Orbax writes its metadata file when
+# it finalises a step, after the items.
+_COMPLETE = ("_CHECKPOINT_METADATA", "model", "step")
+# Written into a step directory by process 0 once the step is complete: the
+# SHA-256 of every file in it, checked by `restore` (Orbax checks none).
+_DIGESTS = "eqxscan_digests.json"
+
+
+def _sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _file_digests(where: str) -> dict[str, str]:
+    out = {}
+    for root, _, files in os.walk(where):
+        for name in files:
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, where)
+            if rel not in (_DIGESTS, f".{_DIGESTS}.tmp"):
+                out[rel] = _sha256_file(path)
+    return out
 
 
 def _part(entry: Any) -> str:
@@ -91,6 +119,18 @@ def _fill(like: Any, named: list[tuple[tuple[str, ...], Any]], values: dict) -> 
     return eqx.combine(jtu.tree_unflatten(treedef, leaves), rest)
 
 
+def _check_step(step: Any, method: str) -> int:
+    # A step names a directory: a string could name one outside the checkpoint
+    # directory, a float one that restores as another step.
+    try:
+        return check_size(f"CheckpointManager.{method}: step", step, minimum=0)
+    except TypeError:
+        raise TypeError(
+            f"CheckpointManager.{method}: step must be a non-negative int, got "
+            f"{type(step).__name__} ({step!r})."
+        ) from None
+
+
 class CheckpointManager:
     """Sharded checkpoints of a model, its optimizer state and the step number, in
     one Orbax checkpoint per step (`orbax.checkpoint.CheckpointManager`).
@@ -126,6 +166,8 @@ class CheckpointManager:
         import orbax.checkpoint as ocp  # imported here: `import eqxscan` stays fast
 
         self.directory = os.path.abspath(os.fspath(directory))
+        self._asynchronous = asynchronous
+        self._unsealed: list[int] = []
         self._ocp = ocp
         self._manager = ocp.CheckpointManager(
             self.directory,
@@ -143,17 +185,24 @@ class CheckpointManager:
         )
 
     def save(
-        self, step: int, model: Any, opt_state: Any = None, *, wait: bool = False
+        self,
+        step: SupportsIndex,
+        model: Any,
+        opt_state: Any = None,
+        *,
+        wait: bool = False,
     ) -> None:
         """Save `model` and `opt_state` (their arrays, sharded or not) as `step`.
 
         **Arguments:**
 
-        - `step`: the step number; also the checkpoint's name.
+        - `step`: the step number, a non-negative `int`; also the checkpoint's
+          name.
         - `model`: the model (any pytree; `Stacked` layers keep their `*` names).
         - `opt_state`: the optimizer state, or `None`.
         - `wait`: block until the checkpoint is complete, even if asynchronous.
         """
+        step = _check_step(step, "save")
         args = self._ocp.args
         items = {
             "model": args.StandardSave(_nest(_named_leaves(model))),
@@ -161,9 +210,13 @@ class CheckpointManager:
         }
         if opt_state is not None:
             items["opt_state"] = args.StandardSave(_nest(_named_leaves(opt_state)))
+        # Orbax waits for the previous save before it starts this one: that one
+        # is complete now, and gets its digests.
+        self._seal()
         self._manager.save(step, args=args.Composite(**items), force=True)
-        if wait:
-            self._manager.wait_until_finished()
+        self._unsealed.append(step)
+        if wait or not self._asynchronous:
+            self.wait()
 
     def restore(
         self,
@@ -171,9 +224,11 @@ class CheckpointManager:
         opt_state: _S = None,
         *,
         mesh: jax.sharding.Mesh,
-        step: int | None = None,
+        step: SupportsIndex | None = None,
         fsdp_axis: str | None = "fsdp",
         min_size: int = MIN_SIZE,
+        verify: bool = True,
+        skip_corrupt: bool = False,
     ) -> tuple[_M, _S, int]:
         """Restore a step onto `mesh`, laid out as [`eqxscan.sharding.shard`][]
         lays out `model` and `opt_state`; every process reads only its shards.
@@ -188,6 +243,12 @@ class CheckpointManager:
         - `mesh`: the mesh to restore onto; any topology.
         - `step`: the step to restore (default: the latest).
         - `fsdp_axis`, `min_size`: as for `shard`.
+        - `verify`: first check every file of the step against the SHA-256
+          digests written when it was saved (each process reads the whole step
+          once more); a step without digests is restored unchecked.
+        - `skip_corrupt`: with `step=None` and `verify`, restore the newest step
+          whose files match their digests, skipping newer ones that do not with
+          a warning naming them (by default a corrupt latest step raises).
 
         **Returns:**
 
@@ -196,9 +257,12 @@ class CheckpointManager:
         **Raises:**
 
         `FileNotFoundError` if there is no such step; `ValueError` naming the
-        entries missing from the checkpoint, missing from `model`/`opt_state`, or
-        of another shape or dtype.
+        step's file whose digest differs, or the entries missing from the
+        checkpoint, missing from `model`/`opt_state`, or of another shape or
+        dtype.
         """
+        if step is not None:
+            step = _check_step(step, "restore")
         if step is None:
             step = self.latest_step()
             if step is None:
@@ -206,10 +270,17 @@ class CheckpointManager:
                     f"No complete checkpoint in {self.directory!r}.\nHint: save "
                     f"one first, or check the directory; {DOCS}."
                 )
+            if verify and skip_corrupt:
+                step = self._latest_verified(step)
+                verify = False  # just done
         elif step not in self.all_steps():
+            why = "no checkpoint of that step"
+            if step in self._manager.all_steps():
+                why = f"its directory is incomplete: {self._incomplete(step)}"
             raise FileNotFoundError(
-                f"No checkpoint of step {step} in {self.directory!r}; it has steps "
-                f"{self.all_steps()}.\nHint: pass one of them or step=None; {DOCS}."
+                f"No checkpoint of step {step} in {self.directory!r} ({why}); it "
+                f"has steps {self.all_steps()}.\nHint: pass one of them or "
+                f"step=None; {DOCS}."
             )
         shardings = model_shardings(model, mesh, fsdp_axis=fsdp_axis, min_size=min_size)
         parts = {"model": (model, shardings)}
@@ -228,6 +299,8 @@ class CheckpointManager:
                     for (p, x), s in zip(named[name], sh_leaves, strict=True)
                 ]
             )
+        if verify:
+            self._verify(step)
         self._check(step, target)
         args = self._ocp.args
         out = self._manager.restore(
@@ -281,21 +354,124 @@ class CheckpointManager:
                 f"model built with the saved configuration; {DOCS}."
             )
 
+    def _incomplete(self, step: int) -> str | None:
+        """Why the directory of `step` is not a complete checkpoint (`None` if it
+        is one): Orbax lists any directory named by an integer, a stray or
+        emptied one too."""
+        where = os.path.join(self.directory, str(step))
+        for part in _COMPLETE:
+            if not os.path.exists(os.path.join(where, part)):
+                return f"it has no {part!r}"
+        return None
+
     def latest_step(self) -> int | None:
-        """The newest complete step, or `None`."""
-        return self._manager.latest_step()
+        """The newest complete step, or `None`. Newer directories that are not
+        complete checkpoints (stray, emptied or partly deleted) are skipped with
+        a warning naming them."""
+        skipped = []
+        for step in sorted(self._manager.all_steps(), reverse=True):
+            why = self._incomplete(step)
+            if why is None:
+                break
+            skipped.append(f"{step} ({why})")
+        else:
+            step = None
+        if skipped:
+            warnings.warn(
+                f"Skipped step directories of {self.directory!r} that are not "
+                f"complete checkpoints: {', '.join(skipped)}; the latest complete "
+                f"step is {step}.",
+                UserWarning,
+                stacklevel=2,
+            )
+        return step
 
     def all_steps(self) -> list[int]:
-        """Every complete step, oldest first."""
-        return sorted(self._manager.all_steps())
+        """Every complete step, oldest first (stray or incomplete directories
+        named by a step number are left out)."""
+        steps = self._manager.all_steps()
+        return sorted(s for s in steps if self._incomplete(s) is None)
 
     def wait(self) -> None:
         """Block until every asynchronous save has finished."""
         self._manager.wait_until_finished()
+        self._seal()
+
+    def _seal(self) -> None:
+        """Write the digests of the steps saved since, once they are complete
+        (process 0 only: it finalises the steps, after every process wrote)."""
+        pending, self._unsealed = self._unsealed, []
+        if not pending:
+            return
+        self._manager.wait_until_finished()
+        if jax.process_index() != 0:
+            return
+        for step in pending:
+            where = os.path.join(self.directory, str(step))
+            if self._incomplete(step) is not None:
+                continue  # deleted since (max_to_keep) or not written
+            tmp = os.path.join(where, f".{_DIGESTS}.tmp")
+            with open(tmp, "w") as f:
+                json.dump(_file_digests(where), f, indent=0, sort_keys=True)
+            os.replace(tmp, os.path.join(where, _DIGESTS))
+
+    def _latest_verified(self, latest: int) -> int:
+        skipped = []
+        for step in sorted((s for s in self.all_steps() if s <= latest), reverse=True):
+            try:
+                self._verify(step)
+            except ValueError as e:
+                skipped.append(f"{step} ({str(e).splitlines()[0]})")
+                continue
+            if skipped:
+                warnings.warn(
+                    f"Skipped corrupt steps of {self.directory!r}: "
+                    f"{'; '.join(skipped)}; restoring step {step}.",
+                    UserWarning,
+                    stacklevel=3,
+                )
+            return step
+        raise ValueError(
+            f"Every step of {self.directory!r} is corrupt: {'; '.join(skipped)}"
+            f"\nHint: restore one with verify=False at your own risk; {DOCS}."
+        )
+
+    def _verify(self, step: int) -> None:
+        """Raise `ValueError` naming the first file of `step` whose digest
+        differs from the one written when it was saved (or that is missing)."""
+        where = os.path.join(self.directory, str(step))
+        try:
+            with open(os.path.join(where, _DIGESTS)) as f:
+                saved = json.load(f)
+        except FileNotFoundError:
+            return  # saved before digests, or killed before they were written
+        except (ValueError, OSError) as e:
+            raise ValueError(
+                f"Step {step} in {self.directory!r} has an unreadable digest file "
+                f"{_DIGESTS!r} ({e}).\nHint: restore another step (all_steps() "
+                f"lists them), or delete the file to restore without checking."
+            ) from None
+        for name, digest in sorted(saved.items()) if isinstance(saved, dict) else ():
+            path = os.path.join(where, name)
+            try:
+                found = _sha256_file(path)
+            except (FileNotFoundError, IsADirectoryError):
+                found = "missing"
+            if found != digest:
+                what = "is missing" if found == "missing" else "differs from its digest"
+                raise ValueError(
+                    f"Step {step} in {self.directory!r} is corrupt: its file "
+                    f"{name!r} {what} (SHA-256 written when the step was saved)."
+                    f"\nHint: restore another step (all_steps() lists them: "
+                    f"{self.all_steps()}); {DOCS}."
+                )
 
     def close(self) -> None:
         """Finish pending saves and release Orbax's resources."""
-        self._manager.close()
+        try:
+            self._seal()
+        finally:
+            self._manager.close()
 
     def __enter__(self) -> "CheckpointManager":
         return self

@@ -6,14 +6,33 @@ another depth or layout either fails with an unnamed size error or, worse, loads
 shifted weights. A named archive lets `load` say which keys are missing or
 unexpected and which depths differ, and it can be read by NumPy (or PyTorch)
 without eqxscan or the model's class. `.npy` cannot name bfloat16 and other
-ML dtypes, so the archive also stores each array's dtype name in a small
-manifest entry.
+ML dtypes, so the archive also stores a manifest: each array's dtype name, shape
+and SHA-256 digest.
+
+Reading trusts nothing in the file: the members are matched against the
+manifest (names, and their sizes in the zip directory against shape x itemsize)
+before any array is read, members must be stored uncompressed (as `numpy.savez`
+writes them), so no member can inflate beyond the file's own size, and every
+array is checked against its digest. No member is ever unpickled.
 """
 
+import hashlib
 import json
+import math
 import os
+import re
+import struct
 import tempfile
+import zipfile
+import zlib
+from collections.abc import Iterator, Mapping
 from typing import Any
+
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: stale files are not collected
+    fcntl = None  # type: ignore[assignment]
 
 import jax.numpy as jnp
 import numpy as np
@@ -21,17 +40,47 @@ import numpy as np
 from ._state_dict import from_state_dict, to_state_dict
 
 
-_MANIFEST = "__eqxscan_dtypes__"
+_MANIFEST = "__eqxscan_manifest__"  # {"format": 1, "arrays": {name: entry}}
+_LEGACY_MANIFEST = "__eqxscan_dtypes__"  # eqxscan 0.1: {name: dtype name}
+_FORMAT = 1
+_MAX_HEADER = 10_000  # bytes of a `.npy` header, as NumPy's own limit
+_MAX_MANIFEST = 1 << 28
+_DOCS = "see docs/checkpoints.md"
+# mkstemp's names: the prefix, 8 characters of this alphabet, the suffix.
+_TOKEN = re.compile(r"[a-z0-9_]{8}")
+# What `zipfile` raises for files it cannot read (a `_Corrupt` is re-raised first).
+_ZIP_ERRORS = (
+    zipfile.BadZipFile,
+    EOFError,
+    OSError,
+    NotImplementedError,
+    RuntimeError,
+    ValueError,
+    struct.error,
+    zlib.error,
+)
+
+
+class _Corrupt(ValueError):
+    """Raised inside the reader; `load_state_dict` adds the file's name."""
+
+
+def _digest(array: np.ndarray) -> str:
+    flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    return hashlib.sha256(flat).hexdigest()
 
 
 def save(path: str | os.PathLike, model: Any) -> None:
     """Save `model`'s arrays to one `.npz` file, atomically.
 
     The archive holds [`eqxscan.to_state_dict`][]`(model)` (per-layer names such
-    as `"blocks.0.w1"`) plus a manifest of dtype names, so bfloat16 survives. It
-    is written to a temporary file in the same directory, flushed and fsynced,
+    as `"blocks.0.w1"`) plus a manifest of each array's dtype name (so bfloat16
+    survives), shape and SHA-256 digest, which [`eqxscan.load`][] checks. It is
+    written to a temporary file in the same directory, flushed and fsynced,
     then moved over `path` with `os.replace`: a crash or error mid-write leaves
-    any previous file at `path` intact and no temporary file behind.
+    any previous file at `path` intact. A failed save removes its temporary
+    file; one killed before it could (`SIGKILL`, power loss) leaves it, and the
+    next save to `path` removes it.
 
     **Arguments:**
 
@@ -40,29 +89,87 @@ def save(path: str | os.PathLike, model: Any) -> None:
     """
     path = os.fspath(path)
     arrays = to_state_dict(model)
-    if _MANIFEST in arrays:
-        raise ValueError(f"'{_MANIFEST}' is reserved and cannot name a model array.")
-    manifest = json.dumps({k: v.dtype.name for k, v in arrays.items()})
+    for reserved in (_MANIFEST, _LEGACY_MANIFEST):
+        if reserved in arrays:
+            raise ValueError(f"'{reserved}' is reserved and cannot name a model array.")
+    manifest = json.dumps(
+        {
+            "format": _FORMAT,
+            "arrays": {
+                k: {"dtype": v.dtype.name, "shape": list(v.shape), "sha256": _digest(v)}
+                for k, v in arrays.items()
+            },
+        }
+    )
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         # Otherwise the error names the temporary file, not the one asked for.
         raise FileNotFoundError(
             f"Cannot save to {path!r}: its directory {directory!r} does not exist."
         )
-    fd, tmp = tempfile.mkstemp(
-        dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp"
-    )
+    prefix = f".{os.path.basename(path)}."
+    _remove_stale(directory, prefix)
+    fd, tmp = _locked_temporary(directory, prefix)
     try:
         with os.fdopen(fd, "wb") as f:
             np.savez(f, **arrays, **{_MANIFEST: np.array(manifest)})
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+            # Renamed while still locked, so no other save takes it for stale.
+            os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
+        try:
             os.remove(tmp)
+        except FileNotFoundError:
+            pass
         raise
     _fsync_dir(directory)
+
+
+def _locked_temporary(directory: str, prefix: str) -> tuple[int, str]:
+    """A new temporary file for `prefix`, locked for as long as it stays open:
+    the lock tells the saves of other processes that it is not stale (the
+    system releases it when its process dies, however it dies)."""
+    while True:
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=prefix, suffix=".tmp")
+        if fcntl is None:
+            return fd, tmp
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if os.fstat(fd).st_nlink:
+            return fd, tmp
+        # Another save took it for stale in the instant before it was locked.
+        os.close(fd)
+
+
+def _remove_stale(directory: str, prefix: str) -> None:
+    """Remove the temporary files of killed saves to the same path: those named as
+    `save` names them that no living save holds locked."""
+    if fcntl is None:  # pragma: no cover
+        return
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        if not (
+            name.startswith(prefix)
+            and name.endswith(".tmp")
+            and _TOKEN.fullmatch(name[len(prefix) : -len(".tmp")])
+        ):
+            continue
+        full = os.path.join(directory, name)
+        try:
+            fd = os.open(full, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.stat(full).st_ino == os.fstat(fd).st_ino:
+                os.remove(full)
+        except OSError:
+            pass  # locked by a save in progress, or not ours to remove
+        finally:
+            os.close(fd)
 
 
 def _fsync_dir(directory: str) -> None:
@@ -79,9 +186,306 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
+# Reading.
+
+
+def _header(f: Any, member: str) -> tuple[tuple[int, ...], bool, np.dtype, int]:
+    """`(shape, fortran_order, dtype, header bytes)` of the `.npy` member open
+    as `f`, reading only its header."""
+    try:
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(
+                f, max_header_size=_MAX_HEADER
+            )
+        elif version == (2, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(
+                f, max_header_size=_MAX_HEADER
+            )
+        else:
+            raise ValueError(f".npy format version {version}")
+    except _Corrupt:
+        raise
+    except (*_ZIP_ERRORS, SyntaxError) as e:
+        raise _Corrupt(f"member {member!r} has no valid .npy header ({e})") from None
+    if dtype.hasobject or dtype.fields is not None or dtype.subdtype is not None:
+        raise _Corrupt(
+            f"member {member!r} holds {dtype} values, not plain numbers; eqxscan "
+            "never stores such members and does not read them"
+        )
+    return tuple(shape), bool(fortran), dtype, f.tell()
+
+
+def _nbytes(shape: tuple[int, ...], dtype: np.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+class _Member:
+    """One array of the archive, read (and checked against its digest) only when
+    NumPy asks for it: `shape` and `dtype` come from the manifest, so a model's
+    names, shapes and dtypes are all checked before anything is read."""
+
+    def __init__(self, archive: "_Archive", name: str, entry: dict[str, Any]):
+        self.archive, self.name = archive, name
+        self.shape: tuple[int, ...] = entry["shape"]
+        self.dtype: np.dtype = entry["dtype"]
+        self.sha256: str | None = entry.get("sha256")
+
+    def read(self) -> np.ndarray:
+        return self.archive.read(self)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        array = self.read()
+        return array if dtype is None else array.astype(dtype)
+
+
+class _Archive(Mapping[str, _Member]):
+    """The members of a checkpoint file, validated against its manifest and the
+    zip directory; nothing but `.npy` headers and the manifest is read."""
+
+    def __init__(self, path: str):
+        self.path = path
+        try:
+            size = os.path.getsize(path)
+            with open(path, "rb") as f:
+                start = f.read(6)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"No checkpoint file {path!r}.") from None
+        if start == b"\x93NUMPY":
+            raise ValueError(
+                f"{path!r} holds a single .npy array, not a checkpoint written by "
+                "eqxscan.save (an .npz archive of arrays)."
+            )
+        try:
+            self.zip = zipfile.ZipFile(path)
+        except _ZIP_ERRORS as e:
+            raise ValueError(
+                f"{path!r} is not a checkpoint written by eqxscan.save (an .npz "
+                f"archive of arrays): {'empty file' if size == 0 else e}."
+            ) from None
+        try:
+            self.members = self._members(size)
+            self._entries = self._manifest()
+        except BaseException:
+            self.zip.close()
+            raise
+
+    def _members(self, size: int) -> dict[str, zipfile.ZipInfo]:
+        members: dict[str, zipfile.ZipInfo] = {}
+        for info in self.zip.infolist():
+            name = info.filename
+            if not name.endswith(".npy") or name[:-4] in members:
+                what = "a second member" if name[:-4] in members else "a member"
+                raise _Corrupt(f"{what} named {name!r}, not one array's .npy")
+            if info.flag_bits & 0x21:  # encrypted, or a patch
+                raise _Corrupt(
+                    f"member {name!r} is encrypted or patched (zip flags "
+                    f"{info.flag_bits:#x}); eqxscan.save writes plain members"
+                )
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise _Corrupt(
+                    f"member {name!r} is compressed; eqxscan.save stores arrays "
+                    "uncompressed, so that no member can inflate beyond the file"
+                )
+            if info.file_size != info.compress_size or info.file_size > size:
+                raise _Corrupt(
+                    f"member {name!r} claims {info.file_size} bytes (stored in "
+                    f"{info.compress_size}) in a file of {size}"
+                )
+            members[name[:-4]] = info
+        return members
+
+    def _manifest(self) -> dict[str, dict[str, Any]]:
+        if _MANIFEST in self.members:
+            text = self._text(_MANIFEST)
+            try:
+                manifest = json.loads(text)
+            except (ValueError, RecursionError) as e:
+                raise _Corrupt(f"its manifest is not valid JSON ({e})") from None
+            if (
+                not isinstance(manifest, dict)
+                or manifest.get("format") != _FORMAT
+                or not isinstance(manifest.get("arrays"), dict)
+            ):
+                raise _Corrupt(
+                    f"its manifest is not one of format {_FORMAT} (a JSON object "
+                    "with 'format' and 'arrays')"
+                )
+            entries = {
+                name: self._entry(name, entry)
+                for name, entry in manifest["arrays"].items()
+            }
+            names = set(self.members) - {_MANIFEST}
+            missing, extra = sorted(set(entries) - names), sorted(names - set(entries))
+            if missing or extra:
+                raise _Corrupt(
+                    "its members differ from its manifest: "
+                    + "; ".join(
+                        f"{what} {', '.join(map(repr, items[:10]))}"
+                        for what, items in (
+                            ("missing", missing),
+                            ("not in the manifest", extra),
+                        )
+                        if items
+                    )
+                )
+            for name, entry in entries.items():
+                overhead = self.members[name].file_size - _nbytes(
+                    entry["shape"], entry["dtype"]
+                )
+                if not 10 <= overhead <= 16 + _MAX_HEADER:
+                    raise _Corrupt(
+                        f"member '{name}.npy' holds {self.members[name].file_size} "
+                        f"bytes, but its manifest entry "
+                        f"{entry['dtype'].name}{entry['shape']} needs "
+                        f"{_nbytes(entry['shape'], entry['dtype'])} plus a header"
+                    )
+            return entries
+        # eqxscan 0.1 and plain `numpy.savez`: dtype names at most; shapes and
+        # sizes come from each member's `.npy` header.
+        dtypes = {}
+        if _LEGACY_MANIFEST in self.members:
+            try:
+                dtypes = json.loads(self._text(_LEGACY_MANIFEST))
+            except (ValueError, RecursionError) as e:
+                raise _Corrupt(f"its dtype manifest is not valid JSON ({e})") from None
+            if not isinstance(dtypes, dict):
+                raise _Corrupt("its dtype manifest is not a JSON object")
+        entries = {}
+        for name in self.members:
+            if name == _LEGACY_MANIFEST:
+                continue
+            shape, _, dtype, offset = self._open_header(name)
+            if self.members[name].file_size != offset + _nbytes(shape, dtype):
+                raise _Corrupt(
+                    f"member '{name}.npy' holds {self.members[name].file_size} "
+                    f"bytes, but its header says {dtype.name}{list(shape)}"
+                )
+            entry = {"dtype": dtypes.get(name, dtype.name), "shape": list(shape)}
+            entries[name] = self._entry(name, entry)
+        return entries
+
+    def _entry(self, name: Any, entry: Any) -> dict[str, Any]:
+        def bad(why: str) -> _Corrupt:
+            return _Corrupt(f"its manifest entry {name!r} {why}")
+
+        if not isinstance(name, str) or name not in self.members:
+            raise bad("names no member of the file")
+        if not isinstance(entry, dict):
+            raise bad("is not a JSON object")
+        shape = entry.get("shape")
+        if not isinstance(shape, list) or not all(
+            type(d) is int and 0 <= d < 2**62 for d in shape
+        ):
+            raise bad(f"has shape {shape!r}, not a list of non-negative ints")
+        try:
+            dtype = jnp.dtype(entry.get("dtype"))
+        except (TypeError, ValueError):
+            raise bad(f"has dtype {entry.get('dtype')!r}, which is none") from None
+        if dtype.kind not in "biufcV" or dtype.hasobject or dtype.fields:
+            raise bad(f"has dtype {dtype}, which eqxscan never stores")
+        digest = entry.get("sha256")
+        if digest is not None and not (
+            isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest)
+        ):
+            raise bad(f"has sha256 {digest!r}, not 64 hex digits")
+        return {"dtype": dtype, "shape": tuple(shape), "sha256": digest}
+
+    def _open_header(self, name: str) -> tuple[tuple[int, ...], bool, np.dtype, int]:
+        try:
+            with self.zip.open(self.members[name]) as f:
+                return _header(f, f"{name}.npy")
+        except _Corrupt:
+            raise
+        except _ZIP_ERRORS as e:
+            raise _Corrupt(f"member '{name}.npy' cannot be read ({e})") from None
+
+    def _text(self, name: str) -> str:
+        info = self.members[name]
+        if info.file_size > _MAX_MANIFEST:
+            raise _Corrupt(f"its manifest holds {info.file_size} bytes")
+        data = self._data(name, lambda shape, dtype: dtype.kind == "U" and not shape)
+        return str(data[()])
+
+    def _data(self, name: str, accept: Any) -> np.ndarray:
+        member = f"{name}.npy"
+        info = self.members[name]
+        try:
+            with self.zip.open(info) as f:
+                shape, fortran, dtype, offset = _header(f, member)
+                if not accept(shape, dtype):
+                    raise _Corrupt(
+                        f"member {member!r} holds {dtype.name}{list(shape)}, "
+                        "unlike its manifest entry"
+                    )
+                if info.file_size != offset + _nbytes(shape, dtype):
+                    raise _Corrupt(
+                        f"member {member!r} holds {info.file_size} bytes, but its "
+                        f"header says {dtype.name}{list(shape)}"
+                    )
+                array = np.empty(shape[::-1] if fortran else shape, dtype)
+                view = memoryview(array.reshape(-1).view(np.uint8))
+                if f.readinto(view) != view.nbytes or f.read(1):
+                    raise _Corrupt(f"member {member!r} is truncated")
+        except _Corrupt:
+            raise
+        except _ZIP_ERRORS as e:
+            raise _Corrupt(f"member {member!r} cannot be read ({e})") from None
+        return array.T if fortran else array
+
+    def read(self, member: _Member) -> np.ndarray:
+        want = member.dtype
+
+        def accept(shape: tuple[int, ...], dtype: np.dtype) -> bool:
+            # `.npy` stores bfloat16 and other ML dtypes as raw void bytes.
+            return shape == member.shape and (
+                dtype == want or (dtype.kind == "V" and dtype.itemsize == want.itemsize)
+            )
+
+        try:
+            array = self._data(member.name, accept)
+            if array.dtype != want:
+                array = array.view(want)
+            if member.sha256 is not None and _digest(array) != member.sha256:
+                raise _Corrupt(
+                    f"array '{member.name}' does not match its SHA-256 digest: its "
+                    "data changed after it was saved"
+                )
+        except _Corrupt as e:
+            raise _corrupt(self.path, e) from None
+        return array
+
+    def __getitem__(self, name: str) -> _Member:
+        return _Member(self, name, self._entries[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def close(self) -> None:
+        self.zip.close()
+
+
+def _corrupt(path: str, e: _Corrupt) -> ValueError:
+    return ValueError(
+        f"Checkpoint file {path!r} is corrupt or was not written by eqxscan.save: "
+        f"{e}.\nHint: restore it from a copy, or save it again; {_DOCS}."
+    )
+
+
+def _open(path: str | os.PathLike) -> _Archive:
+    path = os.fspath(path)
+    try:
+        return _Archive(path)
+    except _Corrupt as e:
+        raise _corrupt(path, e) from None
+
+
 def load_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """Read the state dict of a file written by [`eqxscan.save`][], with the
-    original dtypes (bfloat16 included).
+    original dtypes (bfloat16 included), each array checked against its digest.
 
     **Arguments:**
 
@@ -90,31 +494,25 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
     **Returns:**
 
     A `dict[str, numpy.ndarray]`, as [`eqxscan.to_state_dict`][] made it.
+
+    **Raises:**
+
+    `FileNotFoundError` if there is no such file; `ValueError` naming the file
+    (and the member or array) if it is not such a checkpoint, is truncated, or
+    its manifest, sizes or digests disagree with its arrays.
     """
-    path = os.fspath(path)
+    archive = _open(path)
     try:
-        archive = np.load(path, allow_pickle=False)
-    except ValueError as e:  # NumPy's message speaks of pickles and allow_pickle
-        raise ValueError(
-            f"{path!r} is not a checkpoint written by eqxscan.save (an .npz "
-            f"archive of arrays): {e}"
-        ) from None
-    if not isinstance(archive, np.lib.npyio.NpzFile):
-        raise ValueError(
-            f"{path!r} holds a single .npy array, not a checkpoint written by "
-            "eqxscan.save (an .npz archive of arrays)."
-        )
-    with archive:
-        arrays = {k: archive[k] for k in archive.files}
-    manifest = json.loads(str(arrays.pop(_MANIFEST, np.array("{}"))))
-    for name, dtype_name in manifest.items():
-        if name in arrays and arrays[name].dtype.name != dtype_name:
-            arrays[name] = arrays[name].view(jnp.dtype(dtype_name))
-    return arrays
+        return {name: archive[name].read() for name in archive}
+    finally:
+        archive.close()
 
 
 def load(path: str | os.PathLike, like: Any) -> Any:
     """Load a file written by [`eqxscan.save`][] into a model shaped like `like`.
+
+    Names, shapes and dtypes are checked against `like` before any array is
+    read, and each array against its digest as it is read.
 
     **Arguments:**
 
@@ -128,7 +526,12 @@ def load(path: str | os.PathLike, like: Any) -> Any:
 
     **Raises:**
 
-    `ValueError` naming missing/unexpected keys, wrong shapes/dtypes or a
-    different number of layers.
+    `FileNotFoundError` if there is no such file; `ValueError` naming
+    missing/unexpected keys, wrong shapes/dtypes or a different number of
+    layers, or naming the file (and the member or array) if it is corrupt.
     """
-    return from_state_dict(like, load_state_dict(path))
+    archive = _open(path)
+    try:
+        return from_state_dict(like, archive)
+    finally:
+        archive.close()
