@@ -41,7 +41,6 @@ from ._state_dict import from_state_dict, to_state_dict
 
 
 _MANIFEST = "__eqxscan_manifest__"  # {"format": 1, "arrays": {name: entry}}
-_LEGACY_MANIFEST = "__eqxscan_dtypes__"  # eqxscan 0.1: {name: dtype name}
 _FORMAT = 1
 _MAX_HEADER = 10_000  # bytes of a `.npy` header, as NumPy's own limit
 _MAX_MANIFEST = 1 << 28
@@ -89,7 +88,7 @@ def save(path: str | os.PathLike, model: Any) -> None:
     """
     path = os.fspath(path)
     arrays = to_state_dict(model)
-    for reserved in (_MANIFEST, _LEGACY_MANIFEST):
+    for reserved in (_MANIFEST,):
         if reserved in arrays:
             raise ValueError(f"'{reserved}' is reserved and cannot name a model array.")
     manifest = json.dumps(
@@ -341,27 +340,17 @@ class _Archive(Mapping[str, _Member]):
                         f"{_nbytes(entry['shape'], entry['dtype'])} plus a header"
                     )
             return entries
-        # eqxscan 0.1 and plain `numpy.savez`: dtype names at most; shapes and
-        # sizes come from each member's `.npy` header.
-        dtypes = {}
-        if _LEGACY_MANIFEST in self.members:
-            try:
-                dtypes = json.loads(self._text(_LEGACY_MANIFEST))
-            except (ValueError, RecursionError) as e:
-                raise _Corrupt(f"its dtype manifest is not valid JSON ({e})") from None
-            if not isinstance(dtypes, dict):
-                raise _Corrupt("its dtype manifest is not a JSON object")
+        # A plain `numpy.savez` of a state dict: shapes, dtypes and sizes come
+        # from each member's `.npy` header.
         entries = {}
         for name in self.members:
-            if name == _LEGACY_MANIFEST:
-                continue
             shape, _, dtype, offset = self._open_header(name)
             if self.members[name].file_size != offset + _nbytes(shape, dtype):
                 raise _Corrupt(
                     f"member '{name}.npy' holds {self.members[name].file_size} "
                     f"bytes, but its header says {dtype.name}{list(shape)}"
                 )
-            entry = {"dtype": dtypes.get(name, dtype.name), "shape": list(shape)}
+            entry = {"dtype": dtype.name, "shape": list(shape)}
             entries[name] = self._entry(name, entry)
         return entries
 
