@@ -425,7 +425,7 @@ class Recurrent(Scanning):
                 # Entering a new block: let values through, not gradients.
                 cut = (n > 0) & (n % k == 0)
                 h = _where(cut, jtu.tree_map(_stop_gradient, h), h)
-            x = eqx.combine(name_inputs(x_dyn, self.checkpoint), xs_static)
+            x = eqx.combine(name_inputs(x_dyn, self.options.scan_checkpoint), xs_static)
             old = clone(h)  # the cell may invalidate `h` (an `eqx.nn.State`)
             if step_key is None:
                 new = cell(x, h, *args, **kwargs)
