@@ -31,7 +31,6 @@ from ._remat import (
     CARRY,
     name_tree,
     nested_scan,
-    OFFLOAD_POLICY as OFFLOAD_POLICY,
     ScanCheckpoint,
     Step,
 )
