@@ -1,7 +1,7 @@
 """What `checkpoint="auto"` and `unroll="auto"` pick, from the traced step's shapes.
 
-When the scan body is traced, every shape is known. `measure` traces the step
-once more (abstractly: nothing runs) and counts:
+When the scan body is traced, every shape is known. `measure_traced` reads the
+jaxpr the engine traced the step to (once; nothing runs) and counts:
 
 - the bytes a plain scan would save per step for the backward pass (the
   residuals of `jax.vjp` of the step, less the step's inputs and the values it
@@ -18,7 +18,7 @@ has the rule's table and the measurements behind every threshold.
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import Any, Literal, NamedTuple, TypeAlias
+from typing import Literal, NamedTuple, TypeAlias, TypeVar
 
 import equinox as eqx
 import jax
@@ -26,9 +26,14 @@ import jax.extend.core as jcore
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+from jax.custom_batching import custom_vmap
 from jaxtyping import PyTree
 
 from ._options import Checkpoint
+from ._remat import Policy
+
+
+T = TypeVar("T")
 
 
 Over: TypeAlias = Literal["layers", "time"]
@@ -337,42 +342,35 @@ class AutoChoice:
 # Measuring the step.
 
 
-def _abstract(tree: Any, drop_leading: bool) -> Any:
-    def f(a: Any) -> Any:
-        shape = a.shape[1:] if drop_leading else a.shape
-        return jax.ShapeDtypeStruct(shape, a.dtype)
-
-    return jtu.tree_map(f, tree)
-
-
-def _nbytes(aval: Any) -> int:
-    dtype = aval.dtype
+def _nbytes(aval: jax.ShapeDtypeStruct | jax.core.ShapedArray) -> int:
+    dtype = aval.dtype  # type: ignore[union-attr]
     # PRNG keys have an extended dtype, which NumPy cannot interpret.
     if not jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
         dtype = jnp.dtype(dtype)
-    return int(np.prod(aval.shape, dtype=np.int64)) * dtype.itemsize
+    shape = aval.shape  # type: ignore[union-attr]
+    return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
 
 
-def _saved_bytes(step: Callable, carry: Any, x: Any, policy: Any) -> int:
-    """Bytes of the residuals of `vjp(step)` that a scan would stack per step: not
-    the step's per-step inputs (scanned already) nor closed-over values (the same
-    at every step); the incoming carry does count."""
+def _saved_bytes(jaxpr: jcore.ClosedJaxpr, n_carry: int, policy: Policy | None) -> int:
+    """Bytes of the residuals of `vjp` of the traced step `jaxpr` that a scan
+    would stack per step: not the step's per-step inputs (scanned already) nor
+    its consts (closed-over values, the same at every step); the incoming carry
+    does count. Differentiates the jaxpr: the step's Python code does not run."""
+    step = jcore.jaxpr_as_fun(jaxpr)
     fn = step if policy is None else jax.checkpoint(step, policy=policy)
 
-    def residuals(c: Any, x: Any) -> Any:
-        return jax.vjp(fn, c, x)[1]
+    def residuals(*leaves: jax.Array) -> object:
+        return jax.vjp(fn, *leaves)[1]
 
     try:
-        jaxpr = jax.make_jaxpr(residuals)(carry, x).jaxpr
-    except Exception:
-        # The step traced already (`measure` counts its FLOPs first), so this is a
-        # step that cannot be reverse-differentiated (a `while_loop`, say): it has
-        # no residuals to weigh, and remat would change nothing.
+        vjp_jaxpr = jax.make_jaxpr(residuals)(*jaxpr.in_avals).jaxpr
+    except (TypeError, ValueError, NotImplementedError):
+        # A step that cannot be reverse-differentiated (a callback without a
+        # derivative, say) has no residuals to weigh, and remat changes nothing.
         return 0
-    n_carry = len(jtu.tree_leaves(carry))
-    not_stacked = set(jaxpr.invars[n_carry:]) | set(jaxpr.constvars)
+    not_stacked = set(vjp_jaxpr.invars[n_carry:]) | set(vjp_jaxpr.constvars)
     seen, total = set(), 0
-    for v in jaxpr.outvars:
+    for v in vjp_jaxpr.outvars:
         if not isinstance(v, jcore.Var) or v in not_stacked or v in seen:
             continue
         seen.add(v)
@@ -380,7 +378,7 @@ def _saved_bytes(step: Callable, carry: Any, x: Any, policy: Any) -> int:
     return total
 
 
-def _flops(jaxpr: Any) -> int:
+def _flops(jaxpr: jcore.Jaxpr) -> int:
     total = 0
     for eqn in jaxpr.eqns:
         subs = list(jcore.jaxprs_in_params(eqn.params))
@@ -403,43 +401,78 @@ def _flops(jaxpr: Any) -> int:
     return total
 
 
-def _vmapped_size(x: Any) -> int:
+# How many copies `jax.vmap` runs at once, read through the public batching API:
+# `_probe` is the identity, and under `vmap` its rule is called with the batch
+# size (then passes the value on, to any `vmap` further out). Outside `vmap` it
+# is a no-op, removed with the rest of the dead code when lowered.
+_SIZES: list[int] = []
+
+
+@custom_vmap
+def _probe(a: jax.Array) -> jax.Array:
+    return a
+
+
+@_probe.def_vmap
+def _probe_rule(
+    axis_size: int, in_batched: list[bool], a: jax.Array
+) -> tuple[jax.Array, bool]:
+    _SIZES.append(axis_size)
+    return _probe(a), in_batched[0]
+
+
+def _vmapped_size(x: object) -> int:
     """How many copies of `x` `jax.vmap` runs at once (1 outside `vmap`).
 
     `vmap` hides its batch from the traced step, whose shapes are per example,
-    yet the batch multiplies every byte and FLOP. Batching tracers expose it (as
-    `val` and `batch_dim`, under a differentiation tracer's `primal`); this reads
-    it where it can and assumes 1 elsewhere."""
-    size = 1
-    for _ in range(64):
-        if hasattr(x, "val") and hasattr(x, "batch_dim"):
-            if isinstance(x.batch_dim, int) and hasattr(x.val, "shape"):
-                size *= int(x.val.shape[x.batch_dim])
-            x = x.val
-        elif hasattr(x, "primal"):
-            x = x.primal
-        else:
-            break
+    yet the batch multiplies every byte and FLOP. Nested `vmap`s multiply; a
+    `jit` inside the `vmap` hides it (1 is assumed)."""
+    if not eqx.is_array(x) or jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
+        return 1
+    del _SIZES[:]
+    # Without gradients: a derivative trace would wrap the value the rule sees.
+    _probe(jax.lax.stop_gradient(x))
+    size = int(np.prod(_SIZES, dtype=np.int64))
+    del _SIZES[:]
     return size
 
 
-def measure(
-    step: Callable, carry: Any, xs: Any, length: int, policy: Callable
+def measure_traced(
+    jaxpr: jcore.ClosedJaxpr,
+    n_carry: int,
+    values: PyTree[jax.Array],
+    length: int,
+    policy: Policy,
 ) -> StepCost:
-    """The [`StepCost`][eqxscan.StepCost] of `step(carry, x_i)` over `length` steps,
-    for the whole `vmap` batch when there is one."""
-    batch = max([_vmapped_size(a) for a in jtu.tree_leaves((carry, xs))] or [1])
-    carry = _abstract(carry, drop_leading=False)
-    x = _abstract(xs, drop_leading=True)
-    flops = _flops(jax.make_jaxpr(step)(carry, x).jaxpr)
+    """The [`StepCost`][eqxscan.StepCost] of a step traced once to `jaxpr` (whose
+    first `n_carry` inputs are the carry's leaves) over `length` steps, for the
+    whole `vmap` batch of `values` (the carry and `xs`) when there is one."""
+    batch = max([_vmapped_size(a) for a in jtu.tree_leaves(values)] or [1])
+    carry = jaxpr.in_avals[:n_carry]
     return StepCost(
         length=length,
-        flops=batch * flops,
-        carry_bytes=batch * sum(_nbytes(a) for a in jtu.tree_leaves(carry)),
-        saved_bytes=batch * _saved_bytes(step, carry, x, None),
-        policy_saved_bytes=batch * _saved_bytes(step, carry, x, policy),
-        carry_arrays=len(jtu.tree_leaves(carry)),
+        flops=batch * _flops(jaxpr.jaxpr),
+        carry_bytes=batch * sum(_nbytes(a) for a in carry),
+        saved_bytes=batch * _saved_bytes(jaxpr, n_carry, None),
+        policy_saved_bytes=batch * _saved_bytes(jaxpr, n_carry, policy),
+        carry_arrays=n_carry,
     )
+
+
+def measure(
+    step: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]],
+    carry: PyTree[jax.Array],
+    xs: PyTree[jax.Array],
+    length: int,
+    policy: Policy,
+) -> StepCost:
+    """The [`StepCost`][eqxscan.StepCost] of `step(carry, x_i)` over `length` steps
+    (traced once here; the engine measures the jaxpr it traced already)."""
+    x = jtu.tree_map(lambda a: jcore.mapped_aval(length, 0, jax.typeof(a)), xs)
+    c = jtu.tree_map(jax.typeof, carry)
+    jaxpr = jax.make_jaxpr(step)(c, x)
+    n_carry = len(jtu.tree_leaves(carry))
+    return measure_traced(jaxpr, n_carry, (carry, xs), length, policy)
 
 
 # ---------------------------------------------------------------------------
@@ -449,27 +482,28 @@ _RECORDERS: list[list[AutoChoice]] = []
 
 
 def resolve(
-    step: Callable,
-    carry: Any,
-    xs: Any,
+    jaxpr: jcore.ClosedJaxpr,
+    n_carry: int,
+    values: PyTree[jax.Array],
     length: int,
-    checkpoint: Any,
-    unroll: Any,
-    policy: Callable,
+    checkpoint: T,
+    unroll: int | bool | Literal["auto"],
+    policy: Policy,
     where: str,
     gathered: bool = False,
     over: Literal["layers", "time"] = "layers",
-) -> tuple[Any, Any]:
-    """`(checkpoint, unroll)` with any `"auto"` replaced by the rule's choice."""
+) -> tuple[T | Checkpoint, int | bool]:
+    """`(checkpoint, unroll)` with any `"auto"` replaced by the rule's choice,
+    measured on the step traced once to `jaxpr` (see `measure_traced`)."""
     if checkpoint != "auto" and unroll != "auto":
-        return checkpoint, unroll
-    cost = measure(step, carry, xs, length, policy)
+        return checkpoint, unroll  # type: ignore[return-value]
+    cost = measure_traced(jaxpr, n_carry, values, length, policy)
     platform = jax.default_backend()
-    checkpoint, unroll, reason = decide(
+    checkpoint, unroll, rule = decide(
         cost, checkpoint, unroll, policy, platform, gathered=gathered, over=over
     )
     for record in _RECORDERS:
-        record.append(AutoChoice(checkpoint, unroll, reason, cost, where))
+        record.append(AutoChoice(checkpoint, unroll, rule, cost, where))
     return checkpoint, unroll
 
 

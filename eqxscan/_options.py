@@ -5,13 +5,12 @@ Every module that runs the scan engine (`Stacked`, `Chain`, `Recurrent`,
 [`Scanning`][eqxscan._options.Scanning].
 """
 
-from collections.abc import Callable
 from typing import Literal, TypeAlias, TypedDict, TypeVar
 
 import equinox as eqx
 
 from ._checks import check_option, check_unroll
-from ._remat import ScanCheckpoint
+from ._remat import as_scan_checkpoint, Policy, ScanCheckpoint
 
 
 Mode: TypeAlias = Literal["scan", "loop"]
@@ -19,7 +18,7 @@ Mode: TypeAlias = Literal["scan", "loop"]
 same weights (the reference and debugging path)."""
 
 Checkpoint: TypeAlias = (
-    bool | Literal["auto", "nested", "offload"] | Callable[..., bool] | ScanCheckpoint
+    bool | Literal["auto", "nested", "offload"] | Policy | ScanCheckpoint
 )
 """Rematerialisation of each scan step: `False`, `True`, `"auto"`, `"nested"`,
 `"offload"`, a `jax.checkpoint_policies` policy, or a [`eqxscan.ScanCheckpoint`][]
@@ -75,6 +74,9 @@ class ScanOptions(eqx.Module):
     mode: Mode = eqx.field(static=True)
     checkpoint: Checkpoint = eqx.field(static=True)
     unroll: int | bool | Literal["auto"] = eqx.field(static=True)
+    #: `checkpoint` as the one `ScanCheckpoint` the engine, the `"auto"` rule
+    #: and the budget tools read (made once, here; `checkpoint` stays as given).
+    scan_checkpoint: ScanCheckpoint = eqx.field(static=True, repr=False)
 
     def __init__(
         self,
@@ -103,6 +105,7 @@ class ScanOptions(eqx.Module):
         self.mode = mode  # type: ignore[assignment]
         self.checkpoint = checkpoint  # type: ignore[assignment]
         self.unroll = unroll  # type: ignore[assignment]
+        self.scan_checkpoint = as_scan_checkpoint(checkpoint)
 
     def as_args(self) -> ScanArgs:
         """These options as the keyword arguments of a scanning module."""

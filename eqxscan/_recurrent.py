@@ -550,7 +550,7 @@ class Recurrent(Scanning):
                 h = _where(cut, jtu.tree_map(_stop_gradient, h), h)
             if m is not None:
                 x_dyn = _hide(m, x_dyn)
-            x = eqx.combine(name_inputs(x_dyn, self.checkpoint), xs_static)
+            x = eqx.combine(name_inputs(x_dyn, self.options.scan_checkpoint), xs_static)
             old = clone(h)  # the cell may invalidate `h` (an `eqx.nn.State`)
             if step_key is None:
                 new = cell(x, h, *args, **kwargs)

@@ -11,12 +11,13 @@ import dataclasses
 import math
 import operator
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Literal, TypeAlias, TypeVar
 
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax.ad_checkpoint import checkpoint_name
+from jaxtyping import PyTree
 
 
 #: The names a scan gives the carry each step receives and its per-step inputs,
@@ -26,18 +27,39 @@ INPUTS = "eqxscan.inputs"
 #: The carry at the start of a block of a nested scan.
 BLOCK_CARRY = "eqxscan.block_carry"
 
-Keep = bool | Literal["offload"]
+#: The matmul-saving policy: save the outputs of matmuls that have no batch
+#: dimensions (the weight products) and recompute the elementwise work (norms,
+#: activations, residual adds) in the backward pass. A plain scan stores every
+#: elementwise intermediate of every step in stacked buffers, which costs more
+#: time and memory than the unrolled loop once they add up. `checkpoint="auto"`
+#: picks between saving everything, this policy and full remat from the traced
+#: step's shapes (eqxscan/_auto.py; docs/default-checkpoint.md); it is also what
+#: `"auto"` means as the `policy` of a `ScanCheckpoint` that names or nests.
+AUTO_POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+
+#: What `checkpoint="offload"` means: the values `AUTO_POLICY` keeps, but in host
+#: memory ("pinned_host") rather than on the device; XLA copies them back for the
+#: backward pass. Where device and host memory are one (the CPU backend) the
+#: placement is a no-op and the program matches `AUTO_POLICY`'s.
+OFFLOAD_POLICY = jax.checkpoint_policies.offload_dot_with_no_batch_dims(
+    "device", "pinned_host"
+)
+
+Policy: TypeAlias = Callable[..., object]
+Keep: TypeAlias = bool | Literal["offload"] | None
 
 
-def _check_keep(name: str, value: Any) -> None:
-    if not any(value is v for v in (True, False)) and value != "offload":
-        raise ValueError(
-            f"ScanCheckpoint({name}=...) must be True (save), False (recompute) or "
-            f"'offload' (save in pinned host memory), got {value!r}."
-        )
+def _check_keep(name: str, value: object) -> None:
+    if value is not None and not any(value is v for v in (True, False)):
+        if value != "offload":
+            raise ValueError(
+                f"ScanCheckpoint({name}=...) must be True (save), False (recompute), "
+                f"'offload' (save in pinned host memory) or None (not named: the "
+                f"policy decides), got {value!r}."
+            )
 
 
-def _check_nested(nested: Any) -> int | tuple[int, ...] | None:
+def _check_nested(nested: object) -> int | tuple[int, ...] | None:
     if nested is None:
         return None
     if isinstance(nested, tuple) and not isinstance(nested, bool):
@@ -83,10 +105,19 @@ class ScanCheckpoint:
       time step's inputs). `False` (default) reads them again in the backward
       pass (re-gathering FSDP-sharded weights); `True` saves them; `"offload"`
       saves them in pinned host memory.
+      `None` (for either) leaves the value unnamed, so the policy alone decides, as
+      for a plain `checkpoint=` value.
     - `nested`: `None`, a number of blocks (a two-level scan: the outer level keeps
       one carry per block, the inner steps are recomputed), or a tuple of lengths
       `(a, b, ...)`, outermost first, whose product is the scan length (one level
       per entry).
+
+    Every `checkpoint=` value is one of these (see `ScanOptions.scan_checkpoint`):
+    `False`, `True`, a policy and `"offload"` are `ScanCheckpoint(policy=...,
+    save_carries=None, save_inputs=None)`; `"auto"` is the same with
+    `policy="auto"`, which for a flat scan that names nothing means eqxscan's
+    rule (resolved when the step is traced), and elsewhere the matmul-saving
+    policy; `"nested"` is `ScanCheckpoint(save_carries=False, save_inputs=None)`.
 
     The carry and inputs are named `eqxscan.ScanCheckpoint.CARRY` and
     `eqxscan.ScanCheckpoint.INPUTS` inside the step, so a policy of your own can
@@ -106,7 +137,7 @@ class ScanCheckpoint:
         ```
     """
 
-    policy: bool | Literal["auto"] | Callable = "auto"
+    policy: bool | Literal["auto"] | Policy = "auto"
     save_carries: Keep = True
     save_inputs: Keep = False
     nested: int | tuple[int, ...] | None = None
@@ -126,6 +157,26 @@ class ScanCheckpoint:
         _check_keep("save_carries", self.save_carries)
         _check_keep("save_inputs", self.save_inputs)
         object.__setattr__(self, "nested", _check_nested(self.nested))
+
+    @property
+    def named(self) -> bool:
+        """Whether the carry or the inputs are named for the step's policy (else
+        the value behaves as a plain `checkpoint=` value)."""
+        return self.save_carries is not None or self.save_inputs is not None
+
+    @property
+    def is_rule(self) -> bool:
+        """Whether eqxscan's `"auto"` rule chooses (`checkpoint="auto"`): policy
+        `"auto"` on a flat scan that names nothing."""
+        return self.policy == "auto" and not self.named and self.nested is None
+
+    def base_policy(self) -> Policy:
+        """The `jax.checkpoint_policies` policy of the step's internals."""
+        if self.policy is True:
+            return jax.checkpoint_policies.nothing_saveable
+        if self.policy is False:
+            return jax.checkpoint_policies.everything_saveable
+        return AUTO_POLICY if isinstance(self.policy, str) else self.policy
 
     def levels(self, length: int) -> tuple[int, ...] | None:
         """The lengths of the outer levels of the nested scan over `length` steps,
@@ -147,9 +198,11 @@ class ScanCheckpoint:
             return nested[:-1]
         return (min(nested, length),)
 
-    def step_policy(self, base: Callable) -> Callable:
+    def step_policy(self, base: Policy) -> Policy:
         """The innermost steps' policy: `base` for the internals, the `save_*`
         options for the named carry and inputs."""
+        if not self.named:
+            return base
         saved, offloaded = [], []
         for name, keep in ((CARRY, self.save_carries), (INPUTS, self.save_inputs)):
             if keep == "offload":
@@ -163,14 +216,14 @@ class ScanCheckpoint:
             offload_dst="pinned_host",
         )
 
-        def policy(prim: Any, *args: Any, **params: Any) -> Any:
+        def policy(prim: object, *args: object, **params: object) -> object:
             if params.get("name") in (CARRY, INPUTS) and str(prim) == "name":
                 return names(prim, *args, **params)
             return base(prim, *args, **params)
 
         return policy
 
-    def boundary_policy(self) -> Callable:
+    def boundary_policy(self) -> Policy:
         """The outer levels' policy: only the block-boundary carry may be kept
         (offloaded with `save_carries="offload"`); everything else is recomputed."""
         offload = [BLOCK_CARRY] if self.save_carries == "offload" else []
@@ -180,6 +233,22 @@ class ScanCheckpoint:
             offload_src="device",
             offload_dst="pinned_host",
         )
+
+
+def as_scan_checkpoint(checkpoint: object) -> ScanCheckpoint:
+    """Any valid `checkpoint=` value as the one `ScanCheckpoint` the engine reads
+    (see `ScanCheckpoint`'s docstring for the correspondence)."""
+    if isinstance(checkpoint, ScanCheckpoint):
+        return checkpoint
+    if isinstance(checkpoint, str) and checkpoint == "nested":
+        return ScanCheckpoint(save_carries=False, save_inputs=None)
+    if isinstance(checkpoint, str) and checkpoint == "offload":
+        checkpoint = OFFLOAD_POLICY
+    return ScanCheckpoint(
+        policy=checkpoint,  # type: ignore[arg-type]
+        save_carries=None,
+        save_inputs=None,
+    )
 
 
 def sqrt_block(length: int) -> int:
@@ -196,11 +265,14 @@ def sqrt_block(length: int) -> int:
     return math.isqrt(length - 1) + 1
 
 
-def name_tree(tree: Any, name: str) -> Any:
+T = TypeVar("T")
+
+
+def name_tree(tree: T, name: str) -> T:
     """Every array leaf of `tree` named `name` for the checkpoint policies (PRNG
     keys excepted: they are cheap to keep and cannot be offloaded)."""
 
-    def one(a: Any) -> Any:
+    def one(a: jax.Array) -> jax.Array:
         if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
             return a
         return checkpoint_name(a, name)
@@ -208,25 +280,28 @@ def name_tree(tree: Any, name: str) -> Any:
     return jtu.tree_map(one, tree)
 
 
-def name_inputs(tree: Any, checkpoint: Any) -> Any:
-    """A step's inputs, named `INPUTS` when `checkpoint` is a `ScanCheckpoint`
-    (and left alone otherwise, so other programs do not change)."""
-    if not isinstance(checkpoint, ScanCheckpoint):
+def name_inputs(tree: T, checkpoint: ScanCheckpoint) -> T:
+    """A step's inputs, named `INPUTS` when `checkpoint` names them (and left
+    alone otherwise, so other programs do not change)."""
+    if checkpoint.save_inputs is None:
         return tree
     return name_tree(tree, INPUTS)
 
 
+Step: TypeAlias = Callable[[PyTree, PyTree], tuple[PyTree, PyTree]]
+
+
 def nested_scan(
-    body: Callable,
-    carry: Any,
-    xs: Any,
+    body: Step,
+    carry: PyTree,
+    xs: PyTree,
     length: int,
     levels: tuple[int, ...],
-    unroll: Any,
-    step_policy: Callable | None,
-    boundary_policy: Callable | None,
+    unroll: int | bool,
+    step_policy: Policy | None,
+    boundary_policy: Policy | None,
     reverse: bool = False,
-) -> tuple[Any, Any]:
+) -> tuple[PyTree, PyTree]:
     """`lax.scan(body, carry, xs, reverse=reverse)` as nested scans: `levels` are
     the lengths of the outer levels (outermost first); the innermost level takes
     the rest. Each outer level's body is checkpointed, so only its carries are
@@ -241,7 +316,7 @@ def nested_scan(
     inner = length // outer
     head = outer * inner
 
-    def block(c: Any, xs_block: Any) -> tuple[Any, Any]:
+    def block(c: PyTree, xs_block: PyTree) -> tuple[PyTree, PyTree]:
         c = name_tree(c, BLOCK_CARRY)
         return nested_scan(
             body,
@@ -255,7 +330,7 @@ def nested_scan(
             reverse,
         )
 
-    def blocks(carry: Any) -> tuple[Any, Any]:
+    def blocks(carry: PyTree) -> tuple[PyTree, PyTree]:
         split = jtu.tree_map(lambda a: a[:head].reshape(outer, inner, *a.shape[1:]), xs)
         carry, ys = jax.lax.scan(
             jax.checkpoint(block, policy=boundary_policy, prevent_cse=False),
@@ -266,7 +341,7 @@ def nested_scan(
         )
         return carry, jtu.tree_map(lambda a: a.reshape(head, *a.shape[2:]), ys)
 
-    def rest(carry: Any) -> tuple[Any, Any]:
+    def rest(carry: PyTree) -> tuple[PyTree, PyTree]:
         tail = jtu.tree_map(lambda a: a[head:], xs)
         return jax.lax.scan(
             step, carry, tail, length=length - head, unroll=unroll, reverse=reverse

@@ -34,7 +34,14 @@ from ._constrain import check_layer_sharding, constrain, layers_may_be_sharded
 from ._engine import run
 from ._options import ScanArgs, Scanning, ScanOptions
 from ._remat import name_inputs
-from ._stateful import find_state, get_arg, layer_state, replace_arg, state_pair
+from ._stateful import (
+    find_state,
+    get_arg,
+    layer_state,
+    replace_arg,
+    state_pair,
+    updated,
+)
 
 
 #: The most layers a stack may have: beyond, the per-layer keys alone take
@@ -577,7 +584,7 @@ def scan_layers(stack: Stacked, x: PyTree, call: LayerCall) -> tuple[PyTree, PyT
         args, kwargs = replace_arg(args, kwargs, state_at, PerLayer(sub))
         sub_call = call._replace(args=args, kwargs=kwargs, read_out=state_pair)
         x, new_sub = scan_layers(stack, x, sub_call)
-        return (x, state.update(new_sub)), None
+        return (x, updated(state, new_sub)), None
     length = stack.num_layers
     layer_dyn, layer_static = eqx.partition(stack.layers, eqx.is_array)
     per_args, per_statics = {}, {}
@@ -592,7 +599,7 @@ def scan_layers(stack: Stacked, x: PyTree, call: LayerCall) -> tuple[PyTree, PyT
             dyn = constrain(dyn, sharding)
         # Named after the gather, so `ScanCheckpoint(save_inputs=...)` decides
         # whether the backward pass gathers the layer again.
-        dyn, per = name_inputs((dyn, per), stack.checkpoint)
+        dyn, per = name_inputs((dyn, per), stack.options.scan_checkpoint)
         layer = eqx.combine(dyn, layer_static)
 
         def pick(name: str, value: object) -> object:

@@ -8,12 +8,15 @@ state (as a [`eqxscan.per_layer`][] argument) and collects the states the layers
 return as the scan's outputs, which are then written back into the whole state.
 """
 
-from typing import Any
+from typing import Any, TypeVar
 
 import equinox as eqx
 import jax.tree_util as jtu
 
 from ._checks import describe
+
+
+T = TypeVar("T")
 
 
 def _is_index(x: Any) -> bool:
@@ -74,7 +77,14 @@ def state_pair(out: Any, who: str) -> tuple[Any, Any]:
     return out
 
 
-def clone(tree: Any) -> Any:
+def updated(state: eqx.nn.State, sub: eqx.nn.State) -> eqx.nn.State:
+    """`state` with the entries of its substate `sub` replaced, leaving `state`
+    itself valid (`State.update` invalidates it): a scanned call does not
+    consume the caller's state, as `jax.lax.scan` over the layers would not."""
+    return clone(state).update(sub)
+
+
+def clone(tree: T) -> T:
     """A copy of `tree`'s structure sharing its leaves. An `eqx.nn.State` is
     invalidated once a layer calls `set` on it, so a carry that must be read
     after the step (to check it, or to keep it on a masked step) is cloned first,
