@@ -25,7 +25,7 @@ def align(shardings: Any, tree: Any) -> Any:
     """
     if shardings is None or isinstance(shardings, Sharding):
         return jtu.tree_map(lambda _: shardings, tree)
-    table = dict(jtu.tree_leaves_with_path(shardings, is_leaf=_is_none))
+    table = dict(jtu.tree_leaves_with_path(shardings, is_leaf=is_none))
 
     def one(path: tuple, leaf: Any) -> Any:
         for n in range(len(path), -1, -1):
@@ -63,7 +63,7 @@ def constrain(tree: Any, shardings: Any) -> Any:
             return jax.sharding.reshard(leaf, sharding)
         return jax.lax.with_sharding_constraint(leaf, sharding)
 
-    dyn = jtu.tree_map(one, align(shardings, dyn), dyn, is_leaf=_is_none)
+    dyn = jtu.tree_map(one, align(shardings, dyn), dyn, is_leaf=is_none)
     return eqx.combine(dyn, static)
 
 
@@ -126,7 +126,7 @@ def check_layer_sharding(layer_sharding: Any, layers: Any = None) -> None:
         return
     arrays = eqx.filter(layers, eqx.is_array)
     try:
-        jtu.tree_map(lambda s, x: None, layer_sharding, arrays, is_leaf=_is_none)
+        jtu.tree_map(lambda s, x: None, layer_sharding, arrays, is_leaf=is_none)
     except ValueError:
         raise ValueError(
             "layer_sharding is a pytree that does not match the layers' arrays: "
@@ -137,5 +137,6 @@ def check_layer_sharding(layer_sharding: Any, layers: Any = None) -> None:
         ) from None
 
 
-def _is_none(x: Any) -> bool:
+def is_none(x: object) -> bool:
+    """Whether `x` is `None`: as `is_leaf`, keeps `None` entries as leaves."""
     return x is None

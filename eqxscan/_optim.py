@@ -17,23 +17,11 @@ import optax
 from jaxtyping import PyTree
 
 from ._stacked import Stacked
+from ._tree import Site, walk
 
 
 def _is_stacked(x: Any) -> bool:
     return isinstance(x, Stacked)
-
-
-def _map_with_depth(fn: Callable[[Any, int], Any], tree: Any, depth: int = 0) -> Any:
-    """`tree` with each leaf replaced by `fn(leaf, depth)`, where `depth` is the
-    number of `Stacked` layer axes in front of the leaf's own axes."""
-
-    def visit(node: Any) -> Any:
-        if not _is_stacked(node):
-            return fn(node, depth)
-        inner = _map_with_depth(fn, node.layers, depth + 1)
-        return eqx.tree_at(lambda s: s.layers, node, inner, is_leaf=lambda x: x is None)
-
-    return jtu.tree_map(visit, tree, is_leaf=_is_stacked)
 
 
 def weight_decay_mask(params: PyTree, *, min_ndim: int = 2) -> PyTree[bool]:
@@ -73,10 +61,12 @@ def weight_decay_mask(params: PyTree, *, min_ndim: int = 2) -> PyTree[bool]:
     Pass the function itself as `mask` (it is called with the parameters).
     """
 
-    def decay(leaf: Any, depth: int) -> bool:
-        return bool(eqx.is_array(leaf) and leaf.ndim - depth >= min_ndim)
+    def decay(leaf: object, site: Site) -> bool | None:
+        if leaf is None:
+            return None  # no parameter here: no mask entry either
+        return bool(eqx.is_array(leaf) and leaf.ndim - site.depth >= min_ndim)
 
-    return _map_with_depth(decay, params)
+    return walk(decay, params)
 
 
 LayerSelection = SupportsIndex | slice | Sequence[SupportsIndex]
