@@ -180,11 +180,12 @@ def _run_layer(
     layer: object,
     x: PyTree,
     *args: object,
-    call: _Call,
+    _eqxscan_call: _Call,
     **kwargs: object,
 ) -> PyTree:
     """One layer of a scanned run, as the `method=` of the run's `Stacked` call:
     `call.method` of `layer`, with the layer's key from the `_KEYS` argument."""
+    call = _eqxscan_call  # named so as not to meet a layer's own keyword
     key = kwargs.pop(_KEYS, None)
     out = call_layer(layer, call.method, x, args, kwargs, key, "Chain")  # type: ignore[arg-type]
     if call.pairs:
@@ -196,12 +197,13 @@ def _run_unit(
     unit: "Period",
     x: PyTree,
     *args: object,
-    call: _Call,
+    _eqxscan_call: _Call,
     **kwargs: object,
 ) -> PyTree:
     """One repeat of a periodic group, as the `method=` of the group's `Stacked`
     call: the unit's layers in the chain's direction, with the chain's method."""
     keys = kwargs.pop(_KEYS, None)
+    call = _eqxscan_call
     unit_call = call._replace(args=args, kwargs=kwargs, keys=keys)
     x, ys = run_groups(unit.groups, unit.layout, x, unit_call, "Unit")
     return (x, ys) if call.pairs else x
@@ -223,7 +225,7 @@ def _call_group(
         # repeat's `[K]` keys and hands them to its own layers.
         kwargs[_KEYS] = PerLayer(group_keys)
     runner = _run_layer if span.period == 1 else _run_unit
-    method = functools.partial(runner, call=call)
+    method = functools.partial(runner, _eqxscan_call=call)
     if not call.pairs:
         return group(x, *args, method=method, reverse=call.reverse, **kwargs), None
     x, ys = group.scan(x, *args, method=method, reverse=call.reverse, **kwargs)
@@ -608,6 +610,7 @@ class Chain(Scanning):
         An error raised by a layer carries a note naming the layer and, when an
         earlier layer changed the carry, the leaf path and both shapes/dtypes.
         """
+        reverse = check_bool("reverse", reverse)
         return self._fold(x, args, kwargs, key, False, reverse, method)[0]
 
     def scan(
@@ -628,6 +631,7 @@ class Chain(Scanning):
         layer's `y_i` must have the same structure, shapes and dtypes. `ys[i]`
         is layer `i`'s, also with `reverse=True`.
         """
+        reverse = check_bool("reverse", reverse)
         return self._fold(x, args, kwargs, key, True, reverse, method)
 
     def _fold(
@@ -640,7 +644,6 @@ class Chain(Scanning):
         reverse: bool,
         method: Method | None,
     ) -> tuple[PyTree, PyTree]:
-        reverse = check_bool("reverse", reverse)
         check_per_layer(args, kwargs, self.num_layers)
         if pairs and find_state(args, kwargs):
             raise TypeError(

@@ -6,7 +6,6 @@ ways of freezing part of a model (`eqx.partition`, masks per leaf) no longer see
 layers. These helpers count the layer axes away and select layers by index.
 """
 
-import operator
 from collections.abc import Callable, Sequence
 from typing import Any, SupportsIndex
 
@@ -16,6 +15,7 @@ import jax.tree_util as jtu
 import optax
 from jaxtyping import PyTree
 
+from ._checks import check_index
 from ._stacked import Stacked
 from ._tree import Site, walk
 
@@ -80,21 +80,13 @@ def _layer_flags(layers: LayerSelection, num_layers: int) -> tuple[bool, ...]:
         items = layers if isinstance(layers, Sequence) else [layers]
         chosen = set()
         for item in items:
-            try:
-                if isinstance(item, bool):
-                    raise TypeError
-                i = operator.index(item)
-            except TypeError:
+            if isinstance(item, bool) or not hasattr(type(item), "__index__"):
                 raise TypeError(
                     "Layers to freeze must be given as an int, a slice, a range or "
                     f"a sequence of ints, got {type(item).__name__} ({item!r})."
-                ) from None
-            if not -num_layers <= i < num_layers:
-                raise IndexError(
-                    f"Layer index {i} is out of range for a Stacked with "
-                    f"{num_layers} layers."
                 )
-            chosen.add(i % num_layers)
+            hint = "freeze_layers takes concrete layer indices."
+            chosen.add(check_index(item, num_layers, "Stacked", hint))
     return tuple(i in chosen for i in range(num_layers))
 
 

@@ -1,4 +1,16 @@
-"""`Stacked`: L layers of one kind stored as one module with a leading layer axis."""
+"""`Stacked`: L layers of one kind stored as one module with a leading layer axis.
+
+Besides the public `Stacked`, `per_layer` and `PerLayer`, this module offers one
+small internal protocol to the other layer containers (`Chain`), which run
+their scanned groups through `Stacked`'s public calls:
+
+- `Method`, `check_method` and `call_layer`: what to run of a layer
+  (`__call__`, a method name or a function) and running it, with its key;
+- `layer_pair`: a layer's output checked as the `(carry, y)` pair a `.scan`
+  expects; `check_per_layer`: the `per_layer` arguments of a call, checked;
+- `LayerIndex` and `StateDictFn`: how a container's `state_dict_layers` says
+  how its arrays are named in a state dict (see `eqxscan._tree`).
+"""
 
 import functools
 import operator
@@ -117,7 +129,7 @@ def _check_made(layers: object) -> None:
 
 ReadOut = Callable[[object, str], tuple[PyTree, PyTree]]
 """How a runner reads a layer's output, given the layer's name: as the carry
-alone ([`carry_only`][eqxscan._stacked.carry_only]) or as a `(carry, y)` pair."""
+alone (`carry_only`) or as a `(carry, y)` pair."""
 
 
 def carry_only(out: object, who: str) -> tuple[PyTree, PyTree]:
@@ -412,7 +424,7 @@ class Stacked(Scanning, Generic[LayerT]):
         **Arguments:**
 
         - `fn`: applied to `layers` as `fn(self.layers, LayerIndex(0, (1,)),
-          (num_layers,))` (see [`eqxscan._stacked.StateDictFn`][]).
+          (num_layers,))` (see `eqxscan._stacked.StateDictFn`).
 
         **Returns:**
 

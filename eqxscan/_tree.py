@@ -3,7 +3,7 @@ the layer axes in front of its arrays), every [`eqxscan.Stacked`][] and
 [`eqxscan.Chain`][] entered on the way.
 
 Sharding, partitioning, the optimiser helpers, Orbax names and state dicts all
-rebuild a model through [`walk`][eqxscan._tree.walk]. It walks in one of two
+rebuild a model through `walk`. It walks in one of two
 ways:
 
 - by key path (the default): a `Stacked` is entered through its `layers` field,
@@ -11,9 +11,9 @@ ways:
   are `Stacked`s). Paths are `jax.tree_util` key paths, as `eqx.filter` and
   `jax.jit`'s shardings see the model.
 - by state-dict name (`names=True`): a module that owns its state-dict names
-  (a `Stacked` or `Chain`; see [`NamesLayers`][eqxscan._tree.NamesLayers]) is
+  (a `Stacked` or `Chain`; see `NamesLayers`) is
   entered through its `state_dict_layers`, which puts a
-  [`LayerIndex`][eqxscan._stacked.LayerIndex] in the path where the layer
+  `LayerIndex` in the path where the layer
   number goes; other entries are attribute names, indices and dict keys.
 """
 
@@ -38,7 +38,7 @@ class Site(NamedTuple):
     """Where a node sits in the model being walked.
 
     - `path`: the key path from the root (by state-dict name: the name parts,
-      strings and [`LayerIndex`][eqxscan._stacked.LayerIndex]es).
+      strings and `LayerIndex`es).
     - `axes`: the sizes of the layer axes in front of the node's arrays,
       outermost first: one per enclosing `Stacked`, so a `Stacked` inside a
       `Stacked`'s layer has two (by name, a repeated unit of a `Chain` adds its
@@ -77,7 +77,7 @@ class NamesLayers(Protocol):
     """A module that says how its arrays are named in a state dict (`Stacked`,
     `Chain`): `num_layers`, and `state_dict_layers(fn)`, which returns the module
     with each subtree holding layers replaced by `fn(subtree, index, axes)` (see
-    [`eqxscan._stacked.StateDictFn`][])."""
+    `eqxscan._stacked.StateDictFn`)."""
 
     num_layers: int
 
@@ -172,7 +172,7 @@ def walk(
 
 
 def for_each(fn: Callable[[object, Site], None], tree: PyTree, **kwargs: bool) -> None:
-    """Call `fn(leaf, site)` at every leaf of `tree`, as [`walk`][] visits them."""
+    """Call `fn(leaf, site)` at every leaf of `tree`, as `walk` visits them."""
 
     def visit(leaf: object, site: Site) -> object:
         fn(leaf, site)
