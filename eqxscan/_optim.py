@@ -7,7 +7,7 @@ layers. These helpers count the layer axes away and select layers by index.
 """
 
 from collections.abc import Callable, Sequence
-from typing import Any, SupportsIndex
+from typing import SupportsIndex
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -20,7 +20,7 @@ from ._stacked import Stacked
 from ._tree import Site, walk
 
 
-def _is_stacked(x: Any) -> bool:
+def _is_stacked(x: object) -> bool:
     return isinstance(x, Stacked)
 
 
@@ -94,7 +94,7 @@ def _zero_layers(stack: Stacked, flags: tuple[bool, ...], zero: float) -> Stacke
     """`stack` with every array leaf set to `zero` on the flagged layers."""
     frozen = jnp.asarray(flags)
 
-    def zero_out(a: Any) -> Any:
+    def zero_out(a: object) -> object:
         if not eqx.is_array(a):
             return a
         where = frozen.reshape((len(flags),) + (1,) * (a.ndim - 1))
@@ -104,11 +104,13 @@ def _zero_layers(stack: Stacked, flags: tuple[bool, ...], zero: float) -> Stacke
     return jtu.tree_map(zero_out, stack)
 
 
-def _first_stacked(tree: Any) -> Any:
+def _first_stacked(tree: PyTree) -> Stacked:
     return next(n for n in jtu.tree_leaves(tree, is_leaf=_is_stacked) if _is_stacked(n))
 
 
-def _select(tree: Any, where: Callable[[Any], Any] | None) -> Callable[[Any], Any]:
+def _select(
+    tree: PyTree, where: Callable[[PyTree], PyTree] | None
+) -> Callable[[PyTree], PyTree]:
     """A `where` for `eqx.tree_at` that picks the `Stacked`(s) to freeze."""
     if where is not None:
         return where
@@ -127,7 +129,7 @@ def freeze_layers(
     inner: optax.GradientTransformation,
     layers: LayerSelection,
     *,
-    where: Callable[[PyTree], Any] | None = None,
+    where: Callable[[PyTree], PyTree] | None = None,
 ) -> optax.GradientTransformation:
     """Run `inner` with layers `layers` of a [`eqxscan.Stacked`][] frozen.
 
@@ -174,7 +176,7 @@ def freeze_layers(
     An `optax.GradientTransformation` to use in place of `inner`.
     """
 
-    def freeze(tree: Any, zero: float) -> Any:
+    def freeze(tree: PyTree, zero: float) -> PyTree:
         select = _select(tree, where)
         picked = select(tree)
         for stack in picked if isinstance(picked, (tuple, list)) else (picked,):
@@ -191,12 +193,12 @@ def freeze_layers(
             ),
         )
 
-    def init(params: Any) -> optax.OptState:
+    def init(params: PyTree) -> optax.OptState:
         return inner.init(params)
 
     def update(
-        updates: Any, state: optax.OptState, params: Any = None
-    ) -> tuple[Any, optax.OptState]:
+        updates: PyTree, state: optax.OptState, params: PyTree = None
+    ) -> tuple[PyTree, optax.OptState]:
         updates, state = inner.update(freeze(updates, 0.0), state, params)
         # `p + (-0.0)` is `p` bit for bit, signed zeros included (`+0.0` is not).
         return freeze(updates, -0.0), state

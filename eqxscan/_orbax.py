@@ -78,7 +78,9 @@ def _flat_names(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _fill(like: Any, named: list[tuple[tuple[str, ...], Any]], values: dict) -> Any:
+def _fill(
+    like: _M, named: list[tuple[tuple[str, ...], Any]], values: dict[str, Any]
+) -> _M:
     # `like` with its array leaves replaced, in order, by the restored ones.
     flat = _flat_names(values)
     arrays, rest = eqx.partition(like, is_arraylike)
