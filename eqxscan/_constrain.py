@@ -55,7 +55,7 @@ def constrain(tree: T, shardings: object) -> T:
     """
     dyn, static = eqx.partition(tree, eqx.is_array)
 
-    def one(sharding: object, leaf: jax.Array) -> jax.Array:
+    def one(sharding: object, leaf: object) -> object:
         if sharding is None:
             return leaf
         if not isinstance(sharding, Sharding):
