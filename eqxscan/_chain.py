@@ -2,7 +2,7 @@
 layers are scanned; the remaining layers are called directly. The grouping is
 chosen by `eqxscan._plan`."""
 
-import dataclasses
+import functools
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple, overload, SupportsIndex, Unpack
 
@@ -14,8 +14,8 @@ from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from ._checks import (
     CarryError,
+    check_bool,
     check_index,
-    check_takes_key,
     describe,
     first_difference,
     noted,
@@ -23,22 +23,42 @@ from ._checks import (
 from ._grouping import explain, warn_identity
 from ._options import ScanArgs, Scanning, ScanOptions
 from ._plan import Plan, plan, stack_classes
+
+# Chain runs its scanned groups through Stacked's public calls (`group(x, ...)`,
+# `group.scan(x, ...)` with `method=`, `reverse=` and `per_layer` arguments) and
+# uses only this documented layer-call protocol of `_stacked` besides.
 from ._stacked import (
-    carry_only,
+    call_layer,
     check_method,
     check_per_layer,
-    invoke,
     layer_pair,
-    LayerCall,
+    LayerIndex,
     Method,
     PerLayer,
-    ReadOut,
-    restack,
-    scan_layers,
     Stacked,
-    takes_key_target,
+    StateDictFn,
 )
 from ._stateful import find_state, get_arg, replace_arg, state_pair
+
+
+# The keyword under which a scanned group's layers receive their slice of the
+# chain's per-layer keys (a `per_layer` argument of the group's call).
+_KEYS = "_eqxscan_chain_keys"
+
+
+class _Call(NamedTuple):
+    """What every layer of a chain is called with: `args` and `kwargs` (values
+    wrapped in [`eqxscan.per_layer`][] are sliced per layer), per-layer `keys`
+    (leading axis the layers, or `None`), whether each layer returns a
+    `(carry, y)` pair (`pairs`, for `Chain.scan`), the direction and the method
+    to run."""
+
+    args: tuple
+    kwargs: dict[str, object]
+    keys: Array | None
+    pairs: bool
+    reverse: bool
+    method: Method | None
 
 
 class Span(NamedTuple):
@@ -97,12 +117,14 @@ def _set_options(
         if span.period > 1:
             unit = group.layers
             inner = _set_options(unit.groups, unit.layout, options)
-            group = restack(group, layers=dataclasses.replace(unit, groups=inner))
-        new.append(group if span.period == 0 else restack(group, options=options))
+            group = eqx.tree_at(lambda s: s.layers.groups, group, inner)
+        if span.period > 0:
+            group = group.with_options(**options.as_args())
+        new.append(group)
     return tuple(new)
 
 
-def _take(tree: Any, span: Span) -> Any:
+def _take(tree: PyTree, span: Span) -> PyTree:
     """The part of a per-layer `tree` (leading axis: layers) that `span` needs."""
     if span.period == 0:
         return jtu.tree_map(lambda a: a[span.start] if eqx.is_array(a) else a, tree)
@@ -123,7 +145,7 @@ def _take(tree: Any, span: Span) -> Any:
     )
 
 
-def _route(value: Any, span: Span) -> Any:
+def _route(value: object, span: Span) -> object:
     """What a group receives for one argument of the whole sequence."""
     if not isinstance(value, PerLayer):
         return value  # broadcast
@@ -149,38 +171,70 @@ def _group_name(group: Any, span: Span) -> str:
     )
 
 
-def _call_group(group: Any, span: Span, x: Any, call: LayerCall) -> tuple[Any, Any]:
+def _read(out: PyTree, who: str, pairs: bool) -> tuple[PyTree, PyTree]:
+    """A layer's output as `(carry, y)`: checked as a pair for `Chain.scan`."""
+    return layer_pair(out, who, "Chain.scan") if pairs else (out, None)
+
+
+def _run_layer(
+    layer: object,
+    x: PyTree,
+    *args: object,
+    _eqxscan_call: _Call,
+    **kwargs: object,
+) -> PyTree:
+    """One layer of a scanned run, as the `method=` of the run's `Stacked` call:
+    `call.method` of `layer`, with the layer's key from the `_KEYS` argument."""
+    call = _eqxscan_call  # named so as not to meet a layer's own keyword
+    key = kwargs.pop(_KEYS, None)
+    out = call_layer(layer, call.method, x, args, kwargs, key, "Chain")  # type: ignore[arg-type]
+    if call.pairs:
+        layer_pair(out, f"the stacked layer {type(layer).__name__}", "Chain.scan")
+    return out
+
+
+def _run_unit(
+    unit: "Period",
+    x: PyTree,
+    *args: object,
+    _eqxscan_call: _Call,
+    **kwargs: object,
+) -> PyTree:
+    """One repeat of a periodic group, as the `method=` of the group's `Stacked`
+    call: the unit's layers in the chain's direction, with the chain's method."""
+    keys = kwargs.pop(_KEYS, None)
+    call = _eqxscan_call
+    unit_call = call._replace(args=args, kwargs=kwargs, keys=keys)
+    x, ys = run_groups(unit.groups, unit.layout, x, unit_call, "Unit")
+    return (x, ys) if call.pairs else x
+
+
+def _call_group(
+    group: Any, span: Span, x: PyTree, call: _Call
+) -> tuple[PyTree, PyTree]:
     """Run one group; `ys` (when reading pairs) has a leading axis of `span.size`."""
     args = tuple(_route(a, span) for a in call.args)
     kwargs = {name: _route(v, span) for name, v in call.kwargs.items()}
     group_keys = None if call.keys is None else _take(call.keys, span)
-    read_out = call.read_out
     if span.period == 0:
-        if group_keys is not None:
-            target = takes_key_target(group, call.method)
-            check_takes_key(target, "Chain", "layer i gets key=keys[i]")
-            kwargs["key"] = group_keys
-        out = invoke(group, call.method)(x, *args, **kwargs)
-        x, y = read_out(out, _group_name(group, span))
+        out = call_layer(group, call.method, x, args, kwargs, group_keys, "Chain")
+        x, y = _read(out, _group_name(group, span), call.pairs)
         return x, jtu.tree_map(lambda a: a[None] if eqx.is_array(a) else a, y)
-    if span.period > 1:
-        unit = dataclasses.replace(
-            group.layers, read_out=read_out, reverse=call.reverse, method=call.method
+    if group_keys is not None:
+        # A run's layers get their keys as a per-layer argument; a unit gets its
+        # repeat's `[K]` keys and hands them to its own layers.
+        kwargs[_KEYS] = PerLayer(group_keys)
+    runner = _run_layer if span.period == 1 else _run_unit
+    method = functools.partial(runner, _eqxscan_call=call)
+    if not call.pairs:
+        return group(x, *args, method=method, reverse=call.reverse, **kwargs), None
+    x, ys = group.scan(x, *args, method=method, reverse=call.reverse, **kwargs)
+    if span.period > 1 and ys is not None:
+        ys = jtu.tree_map(
+            lambda a: a.reshape(span.size, *a.shape[2:]) if eqx.is_array(a) else a,
+            ys,
         )
-        group = restack(group, layers=unit)
-        # Each unit returns what its layers' outputs were read as, runs its own
-        # layers in the chain's direction and applies the method to them.
-        unit_call = LayerCall(args, kwargs, group_keys, read_out, call.reverse)
-        x, ys = scan_layers(group, x, unit_call)
-        if ys is not None:
-            ys = jtu.tree_map(
-                lambda a: a.reshape(span.size, *a.shape[2:]) if eqx.is_array(a) else a,
-                ys,
-            )
-        return x, ys
-    return scan_layers(
-        group, x, call._replace(args=args, kwargs=kwargs, keys=group_keys)
-    )
+    return x, ys
 
 
 def _bodies(layout: tuple[Span, ...], groups: tuple[Any, ...]) -> int:
@@ -191,12 +245,7 @@ def _bodies(layout: tuple[Span, ...], groups: tuple[Any, ...]) -> int:
     )
 
 
-def chain_pair(out: object, who: str) -> tuple[PyTree, PyTree]:
-    """A layer's output read as the `(carry, y)` pair `Chain.scan` expects."""
-    return layer_pair(out, who, "Chain.scan")
-
-
-def _join(pieces: list[tuple[Any, Span, Any]]) -> Any:
+def _join(pieces: list[tuple[Any, Span, PyTree]]) -> PyTree:
     """Concatenate the groups' `ys` along the layer axis."""
     if all(ys is None for _, _, ys in pieces):
         return None
@@ -223,10 +272,10 @@ def _join(pieces: list[tuple[Any, Span, Any]]) -> Any:
 def run_groups(
     groups: tuple[Any, ...],
     layout: tuple[Span, ...],
-    x: Any,
-    call: LayerCall,
+    x: PyTree,
+    call: _Call,
     owner: str,
-) -> tuple[Any, Any]:
+) -> tuple[PyTree, PyTree]:
     """Fold `x` through the groups. An error raised by a group gets one note
     naming the group (within `owner`, e.g. `"Chain"`) and, when an earlier lone
     layer changed the carry, where and how it changed."""
@@ -266,7 +315,36 @@ def run_groups(
         return (x, get_arg(call.args, call.kwargs, state_at)), None
     if call.reverse:
         pieces.reverse()  # ys in layer order, whatever the direction
-    return x, (None if call.read_out is carry_only else _join(pieces))
+    return x, (_join(pieces) if call.pairs else None)
+
+
+def _name_groups(
+    groups: tuple[Any, ...],
+    layout: tuple[Span, ...],
+    fn: StateDictFn,
+    offset: LayerIndex,
+    axes: tuple[int, ...],
+) -> tuple[Any, ...]:
+    """`groups` (of a chain, or of one repeat of a periodic group) with `fn`
+    applied to what each holds, each layer named by its index in the chain.
+    `offset` numbers this sequence's layers (its first layer's index, and the
+    strides of the repeat axes `axes` in front of its arrays)."""
+    new = []
+    for group, span in zip(groups, layout):
+        first = offset.start + span.start
+        if span.period == 0:
+            new.append(fn(group, LayerIndex(first, offset.strides), axes))
+        elif span.period == 1:
+            index = LayerIndex(first, offset.strides + (1,))
+            layers = fn(group.layers, index, axes + (span.size,))
+            new.append(eqx.tree_at(lambda s: s.layers, group, layers))
+        else:
+            unit = group.layers
+            repeats = LayerIndex(first, offset.strides + (span.period,))
+            inner = axes + (span.size // span.period,)
+            unit_groups = _name_groups(unit.groups, unit.layout, fn, repeats, inner)
+            new.append(eqx.tree_at(lambda s: s.layers.groups, group, unit_groups))
+    return tuple(new)
 
 
 def _kinds(groups: tuple[Any, ...], layout: tuple[Span, ...]) -> list[Any]:
@@ -288,16 +366,14 @@ class Period(eqx.Module):
     pattern like `local x5, global` traces two layer bodies.
 
     A `Chain` stacks the repeats as a `Stacked` of `Period`s and scans over them,
-    one repeat per step. Called by the chain with `key` holding `K` keys (one per
-    layer) and `per_layer` arguments whose leading axis is `K`.
+    one repeat per step, calling the stack with a `method=` that runs a repeat's
+    layers with the chain's per-call options (direction, method, keys and
+    whether layers return `(carry, y)` pairs).
     """
 
     groups: tuple[Any, ...]
     layout: tuple[Span, ...] = eqx.field(static=True)
     num_layers: int = eqx.field(static=True)
-    read_out: ReadOut = eqx.field(static=True, default=carry_only)
-    reverse: bool = eqx.field(static=True, default=False)
-    method: Method | None = eqx.field(static=True, default=None)
 
     def class_names(self) -> list[str]:
         """The class name of each of the `K` layers (also right for a stacked
@@ -313,11 +389,17 @@ class Period(eqx.Module):
         return _unstack(self.groups, self.layout)
 
     def __call__(
-        self, x: PyTree, *args: Any, key: Array | None = None, **kwargs: Any
+        self,
+        x: PyTree,
+        *args: object,
+        key: PRNGKeyArray | None = None,
+        **kwargs: object,
     ) -> PyTree:
-        call = LayerCall(args, kwargs, key, self.read_out, self.reverse, self.method)
-        x, ys = run_groups(self.groups, self.layout, x, call, "Unit")
-        return x if self.read_out is carry_only else (x, ys)
+        """Run the `K` layers in order, as a `Chain` of them runs (`key` split
+        into `K`, `per_layer` arguments with leading axis `K`)."""
+        keys = None if key is None else jr.split(key, self.num_layers)
+        call = _Call(args, kwargs, keys, False, False, None)
+        return run_groups(self.groups, self.layout, x, call, "Unit")[0]
 
 
 class Chain(Scanning):
@@ -394,8 +476,7 @@ class Chain(Scanning):
         if len(layers) == 0:
             raise ValueError("Chain needs at least one layer, got an empty sequence.")
         self.options = ScanOptions(**options)
-        if not isinstance(periodic, bool):
-            raise TypeError(f"periodic must be a bool, got {type(periodic).__name__}.")
+        periodic = check_bool("periodic", periodic)
         labels = stack_classes(layers)
         warn_identity(layers, labels)
         groups_plan = plan(labels, periodic)
@@ -451,6 +532,26 @@ class Chain(Scanning):
         """The layers as the list the chain was built from."""
         return _unstack(self.groups, self.layout)
 
+    def state_dict_layers(self, fn: StateDictFn) -> "Chain":
+        """How [`eqxscan.to_state_dict`][] names this chain's arrays: by each
+        layer's index in the chain, whatever its grouping, so layer 3's `weight`
+        is `"<prefix>.3.weight"`, as for a list or a `Stacked` of the layers.
+
+        **Arguments:**
+
+        - `fn`: applied to each lone layer as `fn(layer, LayerIndex(i, ()), ())`,
+          to a scanned run's stacked layers as
+          `fn(layers, LayerIndex(start, (1,)), (size,))`, and to the layers of
+          a repeated unit with the repeat axis in front (stride `K`).
+
+        **Returns:**
+
+        This chain, grouped as it is, with those subtrees replaced by what `fn`
+        returned.
+        """
+        groups = _name_groups(self.groups, self.layout, fn, LayerIndex(0, ()), ())
+        return eqx.tree_at(lambda c: c.groups, self, groups)
+
     def explain(self) -> str:
         """How the layers were grouped, and why each lone layer was not scanned
         with a neighbour (the leaf path where they differ, and both values).
@@ -475,11 +576,11 @@ class Chain(Scanning):
     def __call__(
         self,
         x: PyTree,
-        *args: Any,
+        *args: object,
         key: PRNGKeyArray | None = None,
         method: Method | None = None,
         reverse: bool = False,
-        **kwargs: Any,
+        **kwargs: object,
     ) -> PyTree:
         """Fold `x` through the layers: `x = layer_i(x, *args, **kwargs)`.
 
@@ -509,17 +610,17 @@ class Chain(Scanning):
         An error raised by a layer carries a note naming the layer and, when an
         earlier layer changed the carry, the leaf path and both shapes/dtypes.
         """
-        call = LayerCall(args, kwargs, None, carry_only, reverse, method)
-        return self._fold(x, call, key)[0]
+        reverse = check_bool("reverse", reverse)
+        return self._fold(x, args, kwargs, key, False, reverse, method)[0]
 
     def scan(
         self,
         x: PyTree,
-        *args: Any,
+        *args: object,
         key: PRNGKeyArray | None = None,
         method: Method | None = None,
         reverse: bool = False,
-        **kwargs: Any,
+        **kwargs: object,
     ) -> tuple[PyTree, PyTree]:
         """Like `__call__`, but each layer returns `(new_x, y_i)`.
 
@@ -530,23 +631,30 @@ class Chain(Scanning):
         layer's `y_i` must have the same structure, shapes and dtypes. `ys[i]`
         is layer `i`'s, also with `reverse=True`.
         """
-        call = LayerCall(args, kwargs, None, chain_pair, reverse, method)
-        return self._fold(x, call, key)
+        reverse = check_bool("reverse", reverse)
+        return self._fold(x, args, kwargs, key, True, reverse, method)
 
     def _fold(
-        self, x: PyTree, call: LayerCall, key: PRNGKeyArray | None
+        self,
+        x: PyTree,
+        args: tuple,
+        kwargs: dict[str, object],
+        key: PRNGKeyArray | None,
+        pairs: bool,
+        reverse: bool,
+        method: Method | None,
     ) -> tuple[PyTree, PyTree]:
-        check_per_layer(call.args, call.kwargs, self.num_layers)
-        if call.read_out is not carry_only and find_state(call.args, call.kwargs):
+        check_per_layer(args, kwargs, self.num_layers)
+        if pairs and find_state(args, kwargs):
             raise TypeError(
                 "Chain.scan does not take an eqx.nn.State; call the chain instead: "
                 "`x, state = chain(x, state)`."
             )
-        if isinstance(call.method, str):
+        if isinstance(method, str):
             for layer in _kinds(self.groups, self.layout):
-                check_method(call.method, layer)
+                check_method(method, layer)
         else:
-            check_method(call.method, None)
+            check_method(method, None)
         keys = None if key is None else jr.split(key, self.num_layers)
-        call = call._replace(keys=keys)
+        call = _Call(args, kwargs, keys, pairs, reverse, method)
         return run_groups(self.groups, self.layout, x, call, "Chain")

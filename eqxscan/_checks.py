@@ -324,6 +324,14 @@ def check_size(
     return size
 
 
+def check_bool(name: str, value: object) -> bool:
+    """`value` if it is a `bool` (or a NumPy bool), else a `TypeError` naming
+    `name`: a string such as `"False"` would otherwise count as true."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, got {type(value).__name__} ({value!r}).")
+
+
 def check_index(index: Any, length: int, who: str, hint: str) -> int:
     """`index` as a layer index in `range(length)` (negative counts from the end),
     or a clear error: a traced index (with `hint` on what to do instead), a

@@ -1,21 +1,25 @@
 """Sharding constraints that work for both kinds of mesh axes JAX offers."""
 
-from typing import Any
+from typing import TypeVar
 
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
 from jax.sharding import AxisType, NamedSharding, PartitionSpec, Sharding
+from jaxtyping import PyTree
 
 
-def is_explicit(sharding: Any) -> bool:
+T = TypeVar("T")
+
+
+def is_explicit(sharding: object) -> bool:
     """Whether `sharding` lives on a mesh with `Explicit` axes (sharding in types)."""
     return isinstance(sharding, NamedSharding) and any(
         t == AxisType.Explicit for t in sharding.mesh.axis_types
     )
 
 
-def align(shardings: Any, tree: Any) -> Any:
+def align(shardings: object, tree: PyTree) -> PyTree:
     """`shardings` (one `Sharding`, `None`, or a pytree prefix of `tree`) as a
     pytree of `tree`'s structure: at each leaf, the entry that applies to it.
 
@@ -25,9 +29,9 @@ def align(shardings: Any, tree: Any) -> Any:
     """
     if shardings is None or isinstance(shardings, Sharding):
         return jtu.tree_map(lambda _: shardings, tree)
-    table = dict(jtu.tree_leaves_with_path(shardings, is_leaf=_is_none))
+    table = dict(jtu.tree_leaves_with_path(shardings, is_leaf=is_none))
 
-    def one(path: tuple, leaf: Any) -> Any:
+    def one(path: tuple, leaf: object) -> object:
         for n in range(len(path), -1, -1):
             if path[:n] in table:
                 return table[path[:n]]
@@ -40,7 +44,7 @@ def align(shardings: Any, tree: Any) -> Any:
     return jtu.tree_map_with_path(one, tree)
 
 
-def constrain(tree: Any, shardings: Any) -> Any:
+def constrain(tree: T, shardings: object) -> T:
     """Constrain the array leaves of `tree` to `shardings` (one `Sharding` or a
     pytree prefix of `tree`, matched by key path; `None` entries leave their
     subtree alone).
@@ -51,7 +55,7 @@ def constrain(tree: Any, shardings: Any) -> Any:
     """
     dyn, static = eqx.partition(tree, eqx.is_array)
 
-    def one(sharding: Any, leaf: Any) -> Any:
+    def one(sharding: object, leaf: object) -> object:
         if sharding is None:
             return leaf
         if not isinstance(sharding, Sharding):
@@ -63,11 +67,11 @@ def constrain(tree: Any, shardings: Any) -> Any:
             return jax.sharding.reshard(leaf, sharding)
         return jax.lax.with_sharding_constraint(leaf, sharding)
 
-    dyn = jtu.tree_map(one, align(shardings, dyn), dyn, is_leaf=_is_none)
+    dyn = jtu.tree_map(one, align(shardings, dyn), dyn, is_leaf=is_none)
     return eqx.combine(dyn, static)
 
 
-def layers_may_be_sharded(tree: Any) -> bool:
+def layers_may_be_sharded(tree: PyTree) -> bool:
     """Whether the weights in `tree` may be split over devices, as far as a traced
     value shows: an `Explicit` mesh axis of size > 1 in a leaf's type, or an
     `Auto` mesh axis of size > 1 in the mesh set with `jax.set_mesh` (`Auto`
@@ -94,7 +98,7 @@ def layers_may_be_sharded(tree: Any) -> bool:
     return False
 
 
-def check_layer_sharding(layer_sharding: Any, layers: Any = None) -> None:
+def check_layer_sharding(layer_sharding: object, layers: PyTree = None) -> None:
     """Raise unless `layer_sharding` is `None`, a `jax.sharding.Sharding`, or a
     pytree of them (and `None`) that is a prefix of `layers`' arrays, whose leaves
     are then the shardings of one layer's arrays (no layer axis)."""
@@ -126,7 +130,7 @@ def check_layer_sharding(layer_sharding: Any, layers: Any = None) -> None:
         return
     arrays = eqx.filter(layers, eqx.is_array)
     try:
-        jtu.tree_map(lambda s, x: None, layer_sharding, arrays, is_leaf=_is_none)
+        jtu.tree_map(lambda s, x: None, layer_sharding, arrays, is_leaf=is_none)
     except ValueError:
         raise ValueError(
             "layer_sharding is a pytree that does not match the layers' arrays: "
@@ -137,5 +141,6 @@ def check_layer_sharding(layer_sharding: Any, layers: Any = None) -> None:
         ) from None
 
 
-def _is_none(x: Any) -> bool:
+def is_none(x: object) -> bool:
+    """Whether `x` is `None`: as `is_leaf`, keeps `None` entries as leaves."""
     return x is None

@@ -6,9 +6,8 @@ ways of freezing part of a model (`eqx.partition`, masks per leaf) no longer see
 layers. These helpers count the layer axes away and select layers by index.
 """
 
-import operator
 from collections.abc import Callable, Sequence
-from typing import Any, SupportsIndex
+from typing import SupportsIndex
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -16,24 +15,13 @@ import jax.tree_util as jtu
 import optax
 from jaxtyping import PyTree
 
+from ._checks import check_index
 from ._stacked import Stacked
+from ._tree import Site, walk
 
 
-def _is_stacked(x: Any) -> bool:
+def _is_stacked(x: object) -> bool:
     return isinstance(x, Stacked)
-
-
-def _map_with_depth(fn: Callable[[Any, int], Any], tree: Any, depth: int = 0) -> Any:
-    """`tree` with each leaf replaced by `fn(leaf, depth)`, where `depth` is the
-    number of `Stacked` layer axes in front of the leaf's own axes."""
-
-    def visit(node: Any) -> Any:
-        if not _is_stacked(node):
-            return fn(node, depth)
-        inner = _map_with_depth(fn, node.layers, depth + 1)
-        return eqx.tree_at(lambda s: s.layers, node, inner, is_leaf=lambda x: x is None)
-
-    return jtu.tree_map(visit, tree, is_leaf=_is_stacked)
 
 
 def weight_decay_mask(params: PyTree, *, min_ndim: int = 2) -> PyTree[bool]:
@@ -73,10 +61,12 @@ def weight_decay_mask(params: PyTree, *, min_ndim: int = 2) -> PyTree[bool]:
     Pass the function itself as `mask` (it is called with the parameters).
     """
 
-    def decay(leaf: Any, depth: int) -> bool:
-        return bool(eqx.is_array(leaf) and leaf.ndim - depth >= min_ndim)
+    def decay(leaf: object, site: Site) -> bool | None:
+        if leaf is None:
+            return None  # no parameter here: no mask entry either
+        return bool(eqx.is_array(leaf) and leaf.ndim - site.depth >= min_ndim)
 
-    return _map_with_depth(decay, params)
+    return walk(decay, params)
 
 
 LayerSelection = SupportsIndex | slice | Sequence[SupportsIndex]
@@ -90,21 +80,13 @@ def _layer_flags(layers: LayerSelection, num_layers: int) -> tuple[bool, ...]:
         items = layers if isinstance(layers, Sequence) else [layers]
         chosen = set()
         for item in items:
-            try:
-                if isinstance(item, bool):
-                    raise TypeError
-                i = operator.index(item)
-            except TypeError:
+            if isinstance(item, bool) or not hasattr(type(item), "__index__"):
                 raise TypeError(
                     "Layers to freeze must be given as an int, a slice, a range or "
                     f"a sequence of ints, got {type(item).__name__} ({item!r})."
-                ) from None
-            if not -num_layers <= i < num_layers:
-                raise IndexError(
-                    f"Layer index {i} is out of range for a Stacked with "
-                    f"{num_layers} layers."
                 )
-            chosen.add(i % num_layers)
+            hint = "freeze_layers takes concrete layer indices."
+            chosen.add(check_index(item, num_layers, "Stacked", hint))
     return tuple(i in chosen for i in range(num_layers))
 
 
@@ -112,7 +94,7 @@ def _zero_layers(stack: Stacked, flags: tuple[bool, ...], zero: float) -> Stacke
     """`stack` with every array leaf set to `zero` on the flagged layers."""
     frozen = jnp.asarray(flags)
 
-    def zero_out(a: Any) -> Any:
+    def zero_out(a: object) -> object:
         if not eqx.is_array(a):
             return a
         where = frozen.reshape((len(flags),) + (1,) * (a.ndim - 1))
@@ -122,11 +104,13 @@ def _zero_layers(stack: Stacked, flags: tuple[bool, ...], zero: float) -> Stacke
     return jtu.tree_map(zero_out, stack)
 
 
-def _first_stacked(tree: Any) -> Any:
+def _first_stacked(tree: PyTree) -> Stacked:
     return next(n for n in jtu.tree_leaves(tree, is_leaf=_is_stacked) if _is_stacked(n))
 
 
-def _select(tree: Any, where: Callable[[Any], Any] | None) -> Callable[[Any], Any]:
+def _select(
+    tree: PyTree, where: Callable[[PyTree], PyTree] | None
+) -> Callable[[PyTree], PyTree]:
     """A `where` for `eqx.tree_at` that picks the `Stacked`(s) to freeze."""
     if where is not None:
         return where
@@ -145,7 +129,7 @@ def freeze_layers(
     inner: optax.GradientTransformation,
     layers: LayerSelection,
     *,
-    where: Callable[[PyTree], Any] | None = None,
+    where: Callable[[PyTree], PyTree] | None = None,
 ) -> optax.GradientTransformation:
     """Run `inner` with layers `layers` of a [`eqxscan.Stacked`][] frozen.
 
@@ -192,7 +176,7 @@ def freeze_layers(
     An `optax.GradientTransformation` to use in place of `inner`.
     """
 
-    def freeze(tree: Any, zero: float) -> Any:
+    def freeze(tree: PyTree, zero: float) -> PyTree:
         select = _select(tree, where)
         picked = select(tree)
         for stack in picked if isinstance(picked, (tuple, list)) else (picked,):
@@ -209,12 +193,12 @@ def freeze_layers(
             ),
         )
 
-    def init(params: Any) -> optax.OptState:
+    def init(params: PyTree) -> optax.OptState:
         return inner.init(params)
 
     def update(
-        updates: Any, state: optax.OptState, params: Any = None
-    ) -> tuple[Any, optax.OptState]:
+        updates: PyTree, state: optax.OptState, params: PyTree = None
+    ) -> tuple[PyTree, optax.OptState]:
         updates, state = inner.update(freeze(updates, 0.0), state, params)
         # `p + (-0.0)` is `p` bit for bit, signed zeros included (`+0.0` is not).
         return freeze(updates, -0.0), state

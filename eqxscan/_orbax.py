@@ -18,11 +18,12 @@ from typing import Any, SupportsIndex, TypeVar
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
+from jaxtyping import PyTree
 
 from ._checks import check_size, is_arraylike
 from ._distributed import DOCS
 from ._sharding import MIN_SIZE, model_shardings, opt_state_shardings, shard
-from ._stacked import Stacked
+from ._tree import for_each, Site
 
 
 _M = TypeVar("_M")
@@ -55,7 +56,7 @@ def _file_digests(where: str) -> dict[str, str]:
     return out
 
 
-def _part(entry: Any) -> str:
+def _part(entry: object) -> str:
     if isinstance(entry, jtu.GetAttrKey):
         return entry.name
     if isinstance(entry, jtu.SequenceKey):
@@ -65,27 +66,22 @@ def _part(entry: Any) -> str:
     return str(entry)
 
 
-def _named_leaves(tree: Any) -> list[tuple[tuple[str, ...], Any]]:
+def _named_leaves(tree: PyTree) -> list[tuple[tuple[str, ...], Any]]:
     """`(name parts, leaf)` of every array leaf of `tree`, in `jtu.tree_leaves`
-    order; inside a `Stacked` the layer axis is the part `*`."""
+    order; inside a `Stacked` the layer axis (its `layers` entry) is the part
+    `*`."""
     out = []
 
-    def walk(node: Any, parts: tuple[str, ...]) -> None:
-        if is_arraylike(node):
-            out.append((parts, node))
-        elif isinstance(node, Stacked):
-            # A Stacked's only pytree child is `layers`: its leaves, in order.
-            walk(node.layers, parts + (_LAYER,))
-        else:
-            children, _ = jtu.tree_flatten_with_path(
-                node, is_leaf=lambda x: x is not node
+    def name(leaf: object, site: Site) -> None:
+        if is_arraylike(leaf):  # other leaves (floats, None) are not saved
+            layer_entries = {at for at, _ in site.enclosing}
+            parts = tuple(
+                _LAYER if i in layer_entries else _part(entry)
+                for i, entry in enumerate(site.path)
             )
-            if len(children) == 1 and children[0][1] is node:
-                return  # a non-array leaf (a float, None): not saved
-            for path, child in children:
-                walk(child, parts + tuple(_part(p) for p in path))
+            out.append((parts, leaf))
 
-    walk(tree, ())
+    for_each(name, tree)
     return out
 
 
@@ -110,7 +106,9 @@ def _flat_names(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _fill(like: Any, named: list[tuple[tuple[str, ...], Any]], values: dict) -> Any:
+def _fill(
+    like: _M, named: list[tuple[tuple[str, ...], Any]], values: dict[str, Any]
+) -> _M:
     # `like` with its array leaves replaced, in order, by the restored ones.
     flat = _flat_names(values)
     arrays, rest = eqx.partition(like, is_arraylike)

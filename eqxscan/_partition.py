@@ -13,13 +13,13 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeAlias
 
-import equinox as eqx
 import jax.tree_util as jtu
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._checks import is_arraylike
+from ._constrain import is_none
 from ._sharding import MIN_SIZE, model_shardings
-from ._stacked import Stacked
+from ._tree import Site, walk
 
 
 #: The logical names of one layer's axes: a name, or `None` for a replicated axis.
@@ -123,24 +123,6 @@ def _lookup(axes: Any, path: str, leaf: Any) -> Names | None:
     return None
 
 
-def _walk(fn: Callable, tree: Any, layer_axes: int = 0, prefix: tuple = ()) -> Any:
-    # `fn(leaf, layer_axes, path)` at every leaf, counting enclosing Stackeds.
-    def one(p: tuple, x: Any) -> Any:
-        if isinstance(x, Stacked):
-            path = prefix + p + (jtu.GetAttrKey("layers"),)
-            layers = _walk(fn, x.layers, layer_axes + 1, path)
-            return eqx.tree_at(lambda s: s.layers, x, layers, is_leaf=_is_none)
-        return fn(x, layer_axes, prefix + p)
-
-    return jtu.tree_map_with_path(
-        one, tree, is_leaf=lambda x: isinstance(x, Stacked) or x is None
-    )
-
-
-def _is_none(x: Any) -> bool:
-    return x is None
-
-
 def logical_shardings(
     model: Any,
     mesh: Mesh,
@@ -214,12 +196,13 @@ def logical_shardings(
         )
     default = jtu.tree_leaves(
         model_shardings(model, mesh, fsdp_axis=fsdp_axis, min_size=min_size),
-        is_leaf=lambda x: x is None,
+        is_leaf=is_none,
     )
     position = iter(range(len(default)))
 
-    def one(leaf: Any, layer_axes: int, path: tuple) -> Any:
+    def one(leaf: object, site: Site) -> NamedSharding | None:
         index = next(position)
+        layer_axes, path = site.depth, site.path
         if not is_arraylike(leaf):
             return None
         name = jtu.keystr(path).lstrip(".")
@@ -251,6 +234,6 @@ def logical_shardings(
                 )
         return NamedSharding(mesh, PartitionSpec(*([None] * layer_axes), *spec))
 
-    out = _walk(one, model)
+    out = walk(one, model)
     assert next(position, None) is None  # the same leaves as model_shardings
     return out

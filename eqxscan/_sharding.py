@@ -6,17 +6,23 @@ and XLA's partitioner) does all communication.
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, SupportsIndex
+from typing import Any, SupportsIndex, TypeVar
 
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, Sharding
+from jaxtyping import PyTree
 
 from ._checks import check_size, is_arraylike
 from ._constrain import align
 from ._distributed import default_devices, place, place_batch
 from ._stacked import restack, Stacked
+from ._tree import Site, walk
+
+
+T = TypeVar("T")
+LayerShardingFn = Callable[[Site, PyTree], Sharding | PyTree[Sharding | None] | None]
 
 
 #: Leaves with fewer elements than this are replicated by default: sharding them
@@ -158,24 +164,6 @@ def _leaf_spec(
     return PartitionSpec(*([None] * best + [fsdp_axis]))
 
 
-def _map_params(fn: Any, tree: Any, layer_axes: int = 0, path: tuple = ()) -> Any:
-    """`tree` with every leaf replaced by `fn(leaf, layer_axes, path)`, where
-    `layer_axes` counts the `Stacked`s the leaf is inside (its leading layer axes).
-    Each `Stacked` keeps its type and static fields."""
-
-    def one(p: tuple, x: Any) -> Any:
-        if isinstance(x, Stacked):
-            layers = _map_params(
-                fn, x.layers, layer_axes + 1, path + p + (jtu.GetAttrKey("layers"),)
-            )
-            return restack(x, layers=layers)
-        return fn(x, layer_axes, path + p)
-
-    return jtu.tree_map_with_path(
-        one, tree, is_leaf=lambda x: isinstance(x, Stacked) or x is None
-    )
-
-
 def model_shardings(
     model: Any,
     mesh: Mesh,
@@ -216,44 +204,30 @@ def model_shardings(
     if fsdp_axis is not None:
         check_axis(mesh, fsdp_axis, "fsdp_axis")
 
-    def one(leaf: Any, layer_axes: int, path: tuple) -> Any:
+    def one(leaf: object, site: Site) -> NamedSharding | None:
         if not is_arraylike(leaf):
             return None
-        spec = _leaf_spec(
-            leaf, layer_axes, _name("model", path), mesh, fsdp_axis, min_size
-        )
+        name = _name("model", site.path)
+        spec = _leaf_spec(leaf, site.depth, name, mesh, fsdp_axis, min_size)
         return NamedSharding(mesh, spec)
 
-    return _map_params(one, model)
+    return walk(one, model)
 
 
-def _set_layer_sharding(tree: Any, sharding: NamedSharding | None) -> Any:
-    # `tree` with `layer_sharding` set on every Stacked, nested ones included.
-    return _map_stacks(tree, lambda at, layers, depth: sharding)
+def _set_layer_sharding(tree: T, layer_sharding: LayerShardingFn) -> T:
+    # `tree` with each Stacked's `layer_sharding` set to `layer_sharding(site of
+    # its layers, its layers)`, inner stacks first: an outer stack's per-array
+    # sharding pytree holds the inner stacks' (static) fields.
+    def set_one(stack: Stacked, site: Site) -> Stacked:
+        return restack(stack, layer_sharding=layer_sharding(site, stack.layers))
 
-
-def _map_stacks(
-    tree: Any, layer_sharding: Callable, prefix: tuple = (), depth: int = 0
-) -> Any:
-    # `tree` (at key path `prefix` in the model, inside `depth` stacks) with each
-    # Stacked's `layer_sharding` set to `layer_sharding(path of its layers, its
-    # layers, its depth)`, inner stacks first: an outer stack's per-array sharding
-    # pytree holds the inner stacks' (static) fields.
-    def one(path: tuple, x: Any) -> Any:
-        if not isinstance(x, Stacked):
-            return x
-        at = prefix + path + (jtu.GetAttrKey("layers"),)
-        layers = _map_stacks(x.layers, layer_sharding, at, depth + 1)
-        sharding = layer_sharding(at, layers, depth + 1)
-        return restack(x, layers=layers, layer_sharding=sharding)
-
-    return jtu.tree_map_with_path(one, tree, is_leaf=lambda x: isinstance(x, Stacked))
+    return walk(lambda leaf, site: leaf, tree, stack=set_one)
 
 
 def _strip(tree: Any) -> Any:
     # Every `layer_sharding` unset, so that a model and its sharded copy have
     # comparable structures.
-    return _set_layer_sharding(tree, None)
+    return _set_layer_sharding(tree, lambda site, layers: None)
 
 
 class _Info:
@@ -270,6 +244,14 @@ def _is_placeholder(x: Any) -> bool:
 
 def _param_structure(tree: Any) -> Any:
     return jtu.tree_structure(_strip(tree), is_leaf=_is_placeholder)
+
+
+def _params_like(params: PyTree) -> Callable[[object], bool]:
+    # Whether a subtree of an optimizer state is a per-parameter buffer of
+    # `params` (e.g. Adam's `mu`): the same type and structure, `layer_sharding`
+    # aside.
+    target = _param_structure(params)
+    return lambda x: type(x) is type(params) and _param_structure(x) == target
 
 
 def opt_state_shardings(
@@ -310,19 +292,17 @@ def opt_state_shardings(
     if fsdp_axis is not None:
         check_axis(mesh, fsdp_axis, "fsdp_axis")
     params = eqx.filter(model, is_arraylike)
-    target = _param_structure(params)
     if param_shardings is None:
         param_shardings = model_shardings(
             params, mesh, fsdp_axis=fsdp_axis, min_size=min_size
         )
     param_shardings = jtu.tree_leaves(param_shardings, is_leaf=_is_placeholder)
     param_info = jtu.tree_leaves(
-        _map_params(lambda x, n, p: _Info(x, n), params), is_leaf=_is_placeholder
+        walk(lambda x, site: _Info(x, site.depth), params), is_leaf=_is_placeholder
     )
     replicated = NamedSharding(mesh, PartitionSpec())
 
-    def is_params_like(x: Any) -> bool:
-        return type(x) is type(params) and _param_structure(x) == target
+    is_params_like = _params_like(params)
 
     def one(path: tuple, x: Any) -> Any:
         if is_params_like(x):
@@ -466,7 +446,8 @@ def gather_layers(
     for axis in keep:
         check_axis(mesh, axis, "keep")
     if not keep:
-        return _set_layer_sharding(model, NamedSharding(mesh, PartitionSpec()))
+        replicated = NamedSharding(mesh, PartitionSpec())
+        return _set_layer_sharding(model, lambda site, layers: replicated)
     given = None
     if shardings is not None:
         aligned = align(shardings, eqx.filter(model, eqx.is_array))
@@ -499,20 +480,19 @@ def gather_layers(
             entries.append(kept[0] if len(kept) == 1 else (kept or None))
         return NamedSharding(mesh, PartitionSpec(*entries))
 
-    def per_array(at: tuple, layers: Any, depth: int) -> Any:
+    def per_array(site: Site, layers: PyTree) -> PyTree[NamedSharding]:
         arrays = eqx.filter(layers, eqx.is_array)
-        return jtu.tree_map_with_path(lambda p, a: per_step(at + p, a, depth), arrays)
+        return jtu.tree_map_with_path(
+            lambda p, a: per_step(site.path + p, a, site.depth), arrays
+        )
 
-    return _map_stacks(model, per_array)
+    return _set_layer_sharding(model, per_array)
 
 
 def _restructure(opt_state: Any, old: Any, new: Any) -> Any:
     # Give the params-like subtrees of `opt_state` the (static) structure of `new`.
-    target = _param_structure(old)
     new_def = jtu.tree_structure(eqx.filter(new, eqx.is_array), is_leaf=_is_placeholder)
-
-    def is_params_like(x: Any) -> bool:
-        return type(x) is type(old) and _param_structure(x) == target
+    is_params_like = _params_like(old)
 
     def one(x: Any) -> Any:
         if is_params_like(x):

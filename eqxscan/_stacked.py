@@ -1,9 +1,21 @@
-"""`Stacked`: L layers of one kind stored as one module with a leading layer axis."""
+"""`Stacked`: L layers of one kind stored as one module with a leading layer axis.
 
+Besides the public `Stacked`, `per_layer` and `PerLayer`, this module offers one
+small internal protocol to the other layer containers (`Chain`), which run
+their scanned groups through `Stacked`'s public calls:
+
+- `Method`, `check_method` and `call_layer`: what to run of a layer
+  (`__call__`, a method name or a function) and running it, with its key;
+- `layer_pair`: a layer's output checked as the `(carry, y)` pair a `.scan`
+  expects; `check_per_layer`: the `per_layer` arguments of a call, checked;
+- `LayerIndex` and `StateDictFn`: how a container's `state_dict_layers` says
+  how its arrays are named in a state dict (see `eqxscan._tree`).
+"""
+
+import functools
 import operator
 from collections.abc import Callable, Sequence
 from typing import (
-    Any,
     Generic,
     NamedTuple,
     overload,
@@ -22,6 +34,7 @@ from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from ._alike import check_alike, stack_alike
 from ._checks import (
+    check_bool,
     check_callable,
     check_index,
     check_leading_axis,
@@ -128,7 +141,7 @@ def _check_made(layers: object) -> None:
 
 ReadOut = Callable[[object, str], tuple[PyTree, PyTree]]
 """How a runner reads a layer's output, given the layer's name: as the carry
-alone ([`carry_only`][eqxscan._stacked.carry_only]) or as a `(carry, y)` pair."""
+alone (`carry_only`) or as a `(carry, y)` pair."""
 
 
 def carry_only(out: object, who: str) -> tuple[PyTree, PyTree]:
@@ -149,7 +162,7 @@ def layer_pair(out: object, who: str, caller: str) -> tuple[PyTree, PyTree]:
     return out
 
 
-Method = Callable[..., Any] | str
+Method = Callable[..., PyTree] | str
 """What to run of each layer instead of `__call__`: a function
 `fn(layer, x, *args, **kwargs)` (e.g. an unbound method, `Block.decode`) or the
 name of a method (`"decode"`)."""
@@ -163,7 +176,7 @@ class LayerCall(NamedTuple):
     which of their methods runs (`method`; `None` for `__call__`)."""
 
     args: tuple
-    kwargs: dict[str, Any]
+    kwargs: dict[str, object]
     keys: Array | None
     read_out: ReadOut
     reverse: bool = False
@@ -188,18 +201,46 @@ def check_method(method: object, layer: object) -> None:
         )
 
 
-def invoke(layer: Any, method: Method | None) -> Callable[..., Any]:
-    """The callable that runs `method` of `layer` (its `__call__` for `None`)."""
+def call_layer(
+    layer: object,
+    method: Method | None,
+    x: PyTree,
+    args: tuple,
+    kwargs: dict[str, object],
+    key: Array | None = None,
+    who: str = "Stacked",
+) -> PyTree:
+    """Run `method` of `layer` (its `__call__` for `None`) as
+    `(x, *args, **kwargs)`, with `key=key` when a key is given, after checking
+    that what runs takes one (`who` names the caller in that error)."""
     if method is None:
-        return layer
-    if isinstance(method, str):
-        return getattr(layer, method)
-    return lambda *args, **kwargs: method(layer, *args, **kwargs)
+        fn: Callable[..., PyTree] = layer  # type: ignore[assignment]
+    elif isinstance(method, str):
+        fn = getattr(layer, method)
+    else:
+        fn = functools.partial(method, layer)
+    if key is None:
+        return fn(x, *args, **kwargs)
+    target = fn if isinstance(method, str) else (method or layer)
+    check_takes_key(target, who, "layer i gets key=keys[i]")
+    return fn(x, *args, key=key, **kwargs)
 
 
-def takes_key_target(layer: Any, method: Method | None) -> Any:
-    """What must accept `key=` when `method` of `layer` is run with one."""
-    return invoke(layer, method) if isinstance(method, str) else (method or layer)
+class LayerIndex(NamedTuple):
+    """How the flat state-dict names of [`eqxscan.to_state_dict`][] number the
+    layers of a subtree: an array element at layer-axis index `i` (one entry per
+    leading layer axis of the subtree) belongs to layer
+    `start + sum(i[k] * strides[k])`. A `Stacked`'s layers are
+    `LayerIndex(0, (1,))`; layer 5 of a `Chain`, alone, is `LayerIndex(5, ())`."""
+
+    start: int
+    strides: tuple[int, ...]
+
+
+StateDictFn = Callable[[PyTree, LayerIndex, tuple[int, ...]], PyTree]
+"""What a module's `state_dict_layers` applies to each subtree that holds layers:
+`fn(subtree, index, axes)`, with `axes` the sizes of the layer axes in front of
+the subtree's arrays; it returns the subtree to put in its place."""
 
 
 def stacked_pair(out: object, who: str) -> tuple[PyTree, PyTree]:
@@ -237,7 +278,7 @@ class Stacked(Scanning, Generic[LayerT]):
         self,
         make_layer: Callable[..., LayerT] | None = None,
         num_layers: SupportsIndex | None = None,
-        *args: Any,
+        *args: object,
         key: PRNGKeyArray | None = None,
         layers: LayerT | None = None,
         layer_sharding: Sharding | PyTree[Sharding | None] | None = None,
@@ -393,6 +434,24 @@ class Stacked(Scanning, Generic[LayerT]):
         """The layers as a list of ordinary (unstacked) modules."""
         return [self[i] for i in range(self.num_layers)]
 
+    def state_dict_layers(self, fn: StateDictFn) -> "Stacked[LayerT]":
+        """How [`eqxscan.to_state_dict`][] names this stack's arrays: the layer
+        index takes the place of the stacked axis and of the `layers` field, so
+        layer `i`'s `w1` is `"<prefix>.i.w1"`, as for a list of layers.
+
+        **Arguments:**
+
+        - `fn`: applied to `layers` as `fn(self.layers, LayerIndex(0, (1,)),
+          (num_layers,))` (see `eqxscan._stacked.StateDictFn`).
+
+        **Returns:**
+
+        This stack with `layers` replaced by what `fn` returned, rebuilt (and
+        so checked) as `Stacked.__init__` builds one.
+        """
+        layers = fn(self.layers, LayerIndex(0, (1,)), (self.num_layers,))
+        return restack(self, layers=layers)
+
     def with_layer(self, index: SupportsIndex, layer: LayerT) -> "Stacked[LayerT]":
         """A copy with layer `index` replaced by `layer` (layer surgery), every
         option kept. `eqx.tree_at(lambda s: s[i], ...)` cannot do this, since
@@ -433,11 +492,11 @@ class Stacked(Scanning, Generic[LayerT]):
     def __call__(
         self,
         x: PyTree,
-        *args: Any,
+        *args: object,
         key: PRNGKeyArray | None = None,
         method: Method | None = None,
         reverse: bool = False,
-        **kwargs: Any,
+        **kwargs: object,
     ) -> PyTree:
         """Fold `x` through the layers: `x = layer_i(x, *args, **kwargs)`.
 
@@ -465,6 +524,7 @@ class Stacked(Scanning, Generic[LayerT]):
         The final carry (or `(carry, state)` when called with a state).
         """
         check_method(method, self.layers)
+        reverse = check_bool("reverse", reverse)
         keys = None if key is None else jr.split(key, self.num_layers)
         call = LayerCall(args, kwargs, keys, carry_only, reverse, method)
         return scan_layers(self, x, call)[0]
@@ -472,11 +532,11 @@ class Stacked(Scanning, Generic[LayerT]):
     def scan(
         self,
         x: PyTree,
-        *args: Any,
+        *args: object,
         key: PRNGKeyArray | None = None,
         method: Method | None = None,
         reverse: bool = False,
-        **kwargs: Any,
+        **kwargs: object,
     ) -> tuple[PyTree, PyTree]:
         """Like `__call__`, but each layer returns `(new_x, y_i)`.
 
@@ -487,6 +547,7 @@ class Stacked(Scanning, Generic[LayerT]):
         `reverse=True`.
         """
         check_method(method, self.layers)
+        reverse = check_bool("reverse", reverse)
         keys = None if key is None else jr.split(key, self.num_layers)
         call = LayerCall(args, kwargs, keys, stacked_pair, reverse, method)
         return scan_layers(self, x, call)
@@ -494,10 +555,10 @@ class Stacked(Scanning, Generic[LayerT]):
     def vmap(
         self,
         x: PyTree,
-        *args: Any,
+        *args: object,
         key: PRNGKeyArray | None = None,
         method: Method | None = None,
-        **kwargs: Any,
+        **kwargs: object,
     ) -> PyTree:
         """Apply every layer to the same `x`, in parallel, and stack the outputs:
         `ys[i] = layer_i(x, *args, **kwargs)` (ensembles, mixture-of-experts).
@@ -523,7 +584,9 @@ class Stacked(Scanning, Generic[LayerT]):
         )
 
 
-def _build(make_layer: Callable, num_layers: int, args: tuple, key: Any) -> Any:
+def _build(
+    make_layer: Callable[..., LayerT], num_layers: int, args: tuple, key: PRNGKeyArray
+) -> LayerT:
     """`make_layer(keys[i], *args_i)` for every layer, in one `eqx.filter_vmap`:
     `per_layer` arguments sliced, others broadcast."""
     per = check_per_layer(args, {}, num_layers)
@@ -531,7 +594,7 @@ def _build(make_layer: Callable, num_layers: int, args: tuple, key: Any) -> Any:
     for name, value in per.items():
         per_dyn[name], per_static[name] = eqx.partition(value.tree, eqx.is_array)
 
-    def one(k: PRNGKeyArray, slices: dict) -> Any:
+    def one(k: PRNGKeyArray, slices: dict) -> LayerT:
         call_args = [
             eqx.combine(slices[n], per_static[n]) if n in slices else a
             for n, a in ((_arg_name(i), a) for i, a in enumerate(args))
@@ -610,11 +673,7 @@ def scan_layers(stack: Stacked, x: PyTree, call: LayerCall) -> tuple[PyTree, PyT
 
         call_args = [pick(_arg_name(i), a) for i, a in enumerate(args)]
         call_kwargs = {n: pick(_arg_name(n), v) for n, v in kwargs.items()}
-        if k is not None:
-            target = takes_key_target(layer, call.method)
-            check_takes_key(target, "Stacked", "layer i gets key=keys[i]")
-            call_kwargs["key"] = k
-        out = invoke(layer, call.method)(carry, *call_args, **call_kwargs)
+        out = call_layer(layer, call.method, carry, tuple(call_args), call_kwargs, k)
         return read_out(out, f"the stacked layer {cls_name}")
 
     def where(i: int | None) -> str:
@@ -655,11 +714,9 @@ def vmap_layers(stack: Stacked, x: PyTree, call: LayerCall) -> PyTree:
 
         call_args = [pick(_arg_name(i), a) for i, a in enumerate(call.args)]
         call_kwargs = {n: pick(_arg_name(n), v) for n, v in call.kwargs.items()}
-        if k is not None:
-            target = takes_key_target(layer, call.method)
-            check_takes_key(target, "Stacked.vmap", "layer i gets key=keys[i]")
-            call_kwargs["key"] = k
-        return invoke(layer, call.method)(x, *call_args, **call_kwargs)
+        return call_layer(
+            layer, call.method, x, tuple(call_args), call_kwargs, k, "Stacked.vmap"
+        )
 
     inputs = (layer_dyn, per_args, call.keys)
     if stack.mode == "loop":

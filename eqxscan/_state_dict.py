@@ -11,101 +11,69 @@ are named by their index and dict entries by their key: `"heads.3.weight"`,
 """
 
 import re
-import warnings
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import TypeVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+from jaxtyping import PyTree
 
-from ._chain import Chain, Span
 from ._checks import describe, is_arraylike
-from ._stacked import restack, Stacked
+from ._stacked import LayerIndex, Stacked
+from ._tree import key_name, pattern, Site, walk
 
 
-# A name is a tuple of parts; `_AXIS` marks where a layer index goes (one per
-# enclosing `Stacked`, outermost first).
-_AXIS: Any = object()
+__all__ = ["from_state_dict", "key_name", "to_state_dict"]
+
+# A name is a tuple of parts: strings, and a `LayerIndex` where a layer number
+# goes (one per enclosing `Stacked` or `Chain`, outermost first).
+Parts = tuple[str | LayerIndex, ...]
+T = TypeVar("T")
 _MAX_LISTED = 10
-# How eqxscan 0.1 named the layers of a Chain: by its groups.
-_GROUPED_NAME = re.compile(r"(^|\.)groups\.\d+\.")
 
 
-class _Slot(NamedTuple):
-    """Where the index of a layer in a `Chain` goes: `start + sum(i * stride)`
-    over the layer axes it stands for (one per stride, outermost first)."""
-
-    start: int
-    strides: tuple[int, ...]
+def _regex(parts: Parts) -> str:
+    return r"\.".join(
+        r"\d+" if isinstance(p, LayerIndex) else re.escape(p) for p in parts
+    )
 
 
-def _is_index(part: Any) -> bool:
-    return part is _AXIS or isinstance(part, _Slot)
-
-
-def key_name(entry: Any, where: tuple) -> str:
-    """The name of one path entry in a state dict (an attribute, index or key);
-    `where` is the path so far, for the error message."""
-    if isinstance(entry, jtu.GetAttrKey):
-        return entry.name
-    if isinstance(entry, jtu.SequenceKey):
-        return str(entry.idx)
-    if isinstance(entry, (jtu.DictKey, jtu.FlattenedIndexKey)):
-        name = str(entry.key)
-    else:
-        name = str(entry)
-    if "." in name or name == "":
-        raise ValueError(
-            f"Cannot name the entry {entry} under `{_pattern(where) or '<root>'}` "
-            "in a state dict: names are joined with '.', so dict keys must be "
-            "non-empty and contain no '.'."
-        )
-    return name
-
-
-def _pattern(parts: tuple, fill: str = "*") -> str:
-    return ".".join(fill if _is_index(p) else p for p in parts)
-
-
-def _regex(parts: tuple) -> str:
-    return r"\.".join(r"\d+" if _is_index(p) else re.escape(p) for p in parts)
-
-
-def _resolve(parts: tuple, index: tuple[int, ...]) -> list[str | int]:
-    """`parts` with each layer index filled in from `index`."""
+def _resolve(parts: Parts, index: tuple[int, ...]) -> list[str | int]:
+    """`parts` with each layer number filled in from `index` (one entry per
+    leading layer axis)."""
     it = iter(index)
     resolved: list[str | int] = []
     for p in parts:
-        if p is _AXIS:
-            resolved.append(next(it))
-        elif isinstance(p, _Slot):
+        if isinstance(p, LayerIndex):
             resolved.append(p.start + sum(next(it) * s for s in p.strides))
         else:
             resolved.append(p)
     return resolved
 
 
-def _fill(parts: tuple, index: tuple[int, ...]) -> str:
+def _fill(parts: Parts, index: tuple[int, ...]) -> str:
     return ".".join(str(p) for p in _resolve(parts, index))
 
 
 class _Leaf:
     """An array leaf of the model: its name pattern and the layer axes in front."""
 
-    def __init__(self, parts: tuple, depths: tuple[int, ...], leaf: Any):
-        self.parts, self.depths, self.leaf = parts, depths, leaf
+    def __init__(self, leaf: jax.Array | np.ndarray | jax.ShapeDtypeStruct, site: Site):
+        self.parts, self.depths, self.leaf = site.path, site.axes, leaf
+        self.enclosing = site.enclosing
+        parts, depths = self.parts, self.depths
         if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
             raise TypeError(
-                f"`{_pattern(parts)}` holds typed PRNG keys ({leaf.dtype}), which "
+                f"`{pattern(parts)}` holds typed PRNG keys ({leaf.dtype}), which "
                 "have no NumPy dtype; keep `jax.random.key_data(key)` in the model "
                 "instead, or leave keys out of checkpoints."
             )
         if tuple(leaf.shape[: len(depths)]) != depths:
             raise ValueError(
-                f"`{_pattern(parts)}` has shape {tuple(leaf.shape)}, but it sits "
+                f"`{pattern(parts)}` has shape {tuple(leaf.shape)}, but it sits "
                 f"inside Stacked layers of depth {depths}, so its leading axes "
                 f"must be {depths}."
             )
@@ -116,117 +84,23 @@ class _Leaf:
         return [_fill(self.parts, i) for i in np.ndindex(*self.depths)]
 
 
-class _Stack:
-    """A `Stacked` inside the model: where it is, its depth, its leaves' suffixes."""
+def _map_arrays(fn: Callable[[_Leaf], object], model: PyTree) -> PyTree:
+    """`model` with each array leaf replaced by `fn(_Leaf(...))`, walked by
+    state-dict name: each `Stacked` and `Chain` names its own layers."""
 
-    def __init__(self, parts: tuple, depth: int):
-        self.parts, self.depth = parts, depth
-        self.suffixes: set[str] = set()
+    def one(leaf: object, site: Site) -> object:
+        return fn(_Leaf(leaf, site)) if is_arraylike(leaf) else leaf  # type: ignore[arg-type]
 
-
-def _walk(
-    node: Any,
-    parts: tuple,
-    depths: tuple[int, ...],
-    visit: Callable[[_Leaf], Any],
-    stacks: list[_Stack],
-    by_layer: bool = True,
-) -> Any:
-    """Rebuild `node`, replacing each array leaf by `visit(_Leaf(...))`. With
-    `by_layer=False` the layers of a `Chain` are named by its groups, as
-    eqxscan 0.1 did."""
-    if is_arraylike(node):
-        return visit(_Leaf(parts, depths, node))
-    if isinstance(node, Chain) and by_layer:
-        stack = _Stack(parts, node.num_layers)
-        stacks.append(stack)
-
-        def record_layer(leaf: _Leaf) -> Any:
-            stack.suffixes.add(_regex(leaf.parts[len(parts) + 1 :]))
-            return visit(leaf)
-
-        groups = _walk_groups(
-            node.groups, node.layout, parts, depths, (0, ()), record_layer, stacks
-        )
-        return eqx.tree_at(lambda c: c.groups, node, groups)
-    if isinstance(node, Stacked):
-        stack = _Stack(parts, node.num_layers)
-        stacks.append(stack)
-        inner = parts + (_AXIS,)
-
-        def record(leaf: _Leaf) -> Any:
-            # Every leaf below this Stacked, nested Stacked's included.
-            stack.suffixes.add(_regex(leaf.parts[len(inner) :]))
-            return visit(leaf)
-
-        layers = _walk(
-            node.layers, inner, depths + (node.num_layers,), record, stacks, by_layer
-        )
-        return restack(node, layers=layers)
-    children, treedef = jtu.tree_flatten_with_path(
-        node, is_leaf=lambda x: x is not node
-    )
-    if jtu.treedef_is_leaf(treedef):  # a non-array leaf, e.g. a float or None
-        return node
-    new = [
-        _walk(
-            child,
-            parts + (key_name(path[0], parts),),
-            depths,
-            visit,
-            stacks,
-            by_layer,
-        )
-        for path, child in children
-    ]
-    return jtu.tree_unflatten(treedef, new)
+    return walk(one, model, names=True)
 
 
-def _walk_groups(
-    groups: tuple[Any, ...],
-    layout: tuple[Span, ...],
-    parts: tuple,
-    depths: tuple[int, ...],
-    offset: tuple[int, tuple[int, ...]],
-    visit: Callable[[_Leaf], Any],
-    stacks: list[_Stack],
-) -> tuple[Any, ...]:
-    """Rebuild the groups of a `Chain` (or of one repeat of a periodic group),
-    naming each layer by its index in the chain. `offset` is `(start, strides)`:
-    the chain index of this sequence's first layer, and the strides of the
-    repeat axes in front of its arrays."""
-    start, strides = offset
-    new = []
-    for group, span in zip(groups, layout):
-        first = start + span.start
-        if span.period == 0:
-            slot = _Slot(first, strides)
-            new.append(_walk(group, parts + (slot,), depths, visit, stacks))
-        elif span.period == 1:
-            slot = _Slot(first, strides + (1,))
-            inner = depths + (span.size,)
-            layers = _walk(group.layers, parts + (slot,), inner, visit, stacks)
-            new.append(restack(group, layers=layers))
-        else:
-            unit = group.layers
-            repeats = (first, strides + (span.period,))
-            inner = depths + (span.size // span.period,)
-            unit_groups = _walk_groups(
-                unit.groups, unit.layout, parts, inner, repeats, visit, stacks
-            )
-            unit = eqx.tree_at(lambda u: u.groups, unit, unit_groups)
-            new.append(restack(group, layers=unit))
-    return tuple(new)
-
-
-def _layout(model: Any, by_layer: bool = True) -> tuple[list[_Leaf], list[_Stack]]:
+def _layout(model: PyTree) -> list[_Leaf]:
     leaves: list[_Leaf] = []
-    stacks: list[_Stack] = []
-    _walk(model, (), (), lambda leaf: leaves.append(leaf), stacks, by_layer)
-    return leaves, stacks
+    _map_arrays(leaves.append, model)
+    return leaves
 
 
-def to_state_dict(model: Any) -> dict[str, np.ndarray]:
+def to_state_dict(model: PyTree) -> dict[str, np.ndarray]:
     """Flatten `model` into a per-layer state dict of NumPy arrays.
 
     Every array leaf gets a dotted attribute path. Inside an
@@ -247,7 +121,7 @@ def to_state_dict(model: Any) -> dict[str, np.ndarray]:
 
     A `dict[str, numpy.ndarray]` in the model's leaf order.
     """
-    leaves, _ = _layout(model)
+    leaves = _layout(model)
     # Layer-major order, as a list of layers would give: "blocks.0.w1",
     # "blocks.0.w2", ..., "blocks.1.w1". Each attribute prefix sorts by where it
     # first appears in the model, each layer axis by its index.
@@ -259,14 +133,16 @@ def to_state_dict(model: Any) -> dict[str, np.ndarray]:
     for leaf in leaves:
         if isinstance(leaf.leaf, jax.ShapeDtypeStruct):
             raise TypeError(
-                f"`{_pattern(leaf.parts)}` is an abstract {describe(leaf.leaf)}; "
+                f"`{pattern(leaf.parts)}` is an abstract {describe(leaf.leaf)}; "
                 "to_state_dict needs concrete arrays."
             )
         array = np.asarray(leaf.leaf)
         for index, name in zip(np.ndindex(*leaf.depths), leaf.names()):
             resolved = _resolve(leaf.parts, index)
             order = tuple(
-                resolved[j] if _is_index(p) else first_seen[leaf.parts[: j + 1]]
+                resolved[j]
+                if isinstance(p, LayerIndex)
+                else first_seen[leaf.parts[: j + 1]]
                 for j, p in enumerate(leaf.parts)
             )
             entries.append((order, name, np.asarray(array[index])))
@@ -280,56 +156,27 @@ def _listed(names: list[str]) -> str:
     return shown + (f" and {more} more" if more > 0 else "")
 
 
-def _check_depths(stacks: list[_Stack], state_dict: Mapping[str, Any]) -> None:
-    for stack in stacks:
-        if not stack.suffixes:
-            continue
-        prefix = _regex(stack.parts) + r"\." if stack.parts else ""
-        suffixes = "|".join(sorted(stack.suffixes))
-        regex = re.compile(rf"{prefix}(\d+)\.(?:{suffixes})")
+def _check_depths(leaves: list[_Leaf], state_dict: Mapping[str, object]) -> None:
+    """Raise if the checkpoint has another number of layers in a `Stacked` or
+    `Chain` of the model (found from the names of that module's leaves)."""
+    stacks: dict[Parts, tuple[int, set[str]]] = {}
+    for leaf in leaves:
+        for at, num_layers in leaf.enclosing:
+            _, suffixes = stacks.setdefault(leaf.parts[:at], (num_layers, set()))
+            suffixes.add(_regex(leaf.parts[at + 1 :]))
+    for parts, (depth, suffixes) in stacks.items():
+        prefix = _regex(parts) + r"\." if parts else ""
+        regex = re.compile(rf"{prefix}(\d+)\.(?:{'|'.join(sorted(suffixes))})")
         found = {int(m.group(1)) for k in state_dict if (m := regex.fullmatch(k))}
-        if found and max(found) + 1 != stack.depth:
-            where = _pattern(stack.parts) or "the top-level Stacked"
+        if found and max(found) + 1 != depth:
+            where = pattern(parts) or "the top-level Stacked"
             raise ValueError(
-                f"Depth mismatch: model has L={stack.depth} layers in {where}, "
+                f"Depth mismatch: model has L={depth} layers in {where}, "
                 f"checkpoint has {max(found) + 1}."
             )
 
 
-def _has_chain(tree: Any) -> bool:
-    is_chain = lambda x: isinstance(x, Chain)  # noqa: E731
-    return any(map(is_chain, jtu.tree_leaves(tree, is_leaf=is_chain)))
-
-
-def _names_layers(like: Any, state_dict: Mapping[str, Any], expected: Any) -> bool:
-    """Whether `state_dict` names the layers of the `Chain`s in `like` by index
-    (the current names) rather than by group, as eqxscan 0.1 did. Grouped names
-    load only into the grouping they were saved from."""
-    if set(state_dict) == set(expected) or not _has_chain(like):
-        return True
-    grouped = [k for k in state_dict if _GROUPED_NAME.search(k)]
-    if not grouped:
-        return True
-    leaves, _ = _layout(like, by_layer=False)
-    if set(state_dict) == {name for leaf in leaves for name in leaf.names()}:
-        warnings.warn(
-            "This state dict names the layers of a Chain by its groups (e.g. "
-            f"'{grouped[0]}'), as eqxscan 0.1 did; it matches this Chain's grouping "
-            "and is loaded by it. Save it again to name layers by their index.",
-            UserWarning,
-            stacklevel=3,
-        )
-        return False
-    raise ValueError(
-        "This state dict names the layers of a Chain by its groups (e.g. "
-        f"'{grouped[0]}'), as eqxscan 0.1 did, and this Chain's grouping "
-        "differs.\nLoad it into a Chain of the same layers grouped as when it "
-        "was saved (the same `periodic`), then save that again: it gets names by "
-        "layer index, which load into any grouping."
-    )
-
-
-def _restore(like: Any, value: np.ndarray) -> Any:
+def _restore(like: object, value: np.ndarray) -> jax.Array | np.ndarray:
     if isinstance(like, np.ndarray):
         return value
     # A jitted function compiles again for an argument that differs in placement,
@@ -345,7 +192,7 @@ def _restore(like: Any, value: np.ndarray) -> Any:
     return restored
 
 
-def from_state_dict(like: Any, state_dict: Mapping[str, Any]) -> Any:
+def from_state_dict(like: T, state_dict: Mapping[str, object]) -> T:
     """Load a per-layer state dict (as made by [`eqxscan.to_state_dict`][]) into a
     model of the same layout.
 
@@ -372,13 +219,9 @@ def from_state_dict(like: Any, state_dict: Mapping[str, Any]) -> Any:
     depths), missing or unexpected keys (naming them), or arrays of the wrong
     shape or dtype (naming the key and both shapes/dtypes).
     """
-    leaves, stacks = _layout(like)
+    leaves = _layout(like)
     expected = {name: leaf for leaf in leaves for name in leaf.names()}
-    by_layer = _names_layers(like, state_dict, expected.keys())
-    if not by_layer:
-        leaves, stacks = _layout(like, by_layer=False)
-        expected = {name: leaf for leaf in leaves for name in leaf.names()}
-    _check_depths(stacks, state_dict)
+    _check_depths(leaves, state_dict)
     missing = [k for k in expected if k not in state_dict]
     unexpected = [k for k in state_dict if k not in expected]
     if missing or unexpected:
@@ -413,7 +256,7 @@ def from_state_dict(like: Any, state_dict: Mapping[str, Any]) -> Any:
             + "."
         )
 
-    def load(leaf: _Leaf) -> Any:
+    def load(leaf: _Leaf) -> jax.Array | np.ndarray:
         parts = [np.asarray(state_dict[name]) for name in leaf.names()]
         value = (
             np.stack(parts).reshape(leaf.depths + leaf.shape)
@@ -422,7 +265,7 @@ def from_state_dict(like: Any, state_dict: Mapping[str, Any]) -> Any:
         )
         return _restore(leaf.leaf, value)
 
-    model = _walk(like, (), (), load, [], by_layer)
+    model = _map_arrays(load, like)
     _recheck(model)
     return model
 
@@ -435,7 +278,7 @@ def _run_check_init(module: eqx.Module) -> None:
             check(module)
 
 
-def _has_check_init(node: Any) -> bool:
+def _has_check_init(node: object) -> bool:
     if isinstance(node, eqx.Module) and any(
         "__check_init__" in cls.__dict__ for cls in type(node).__mro__
     ):
@@ -446,7 +289,7 @@ def _has_check_init(node: Any) -> bool:
     return not jtu.treedef_is_leaf(treedef) and any(map(_has_check_init, children))
 
 
-def _recheck(node: Any) -> None:
+def _recheck(node: object) -> None:
     if isinstance(node, Stacked):
         # A layer's checks expect one layer's shapes: run them layer by layer.
         if _has_check_init(node.layers):

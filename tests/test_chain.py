@@ -1,3 +1,5 @@
+import inspect
+
 import equinox as eqx
 import hypothesis.strategies as st
 import jax
@@ -494,3 +496,17 @@ def test_key_for_lone_layer_without_key_error(getkey):
     assert "Chain was called with `key=...`" in msg
     assert "NoKey(x) takes no `key` argument" in msg
     assert chain(jnp.ones(D)).shape == (D,)
+
+
+@pytest.mark.parametrize("method", ["__call__", "scan"])
+def test_reverse_must_be_a_bool(getkey, method):
+    # A string would be truthy and run the layers reversed without a word. The
+    # test run's runtime type checks would catch it first: call what a user
+    # without them runs.
+    keys = jr.split(getkey(), 3)
+    chain = eqxscan.Chain([eqx.nn.Linear(4, 4, key=k) for k in keys])
+    run = inspect.unwrap(getattr(eqxscan.Chain, method))
+    with pytest.raises(TypeError, match=r"reverse must be a bool, got str \('False'\)"):
+        run(chain, jnp.ones(4), reverse="False")
+    with pytest.raises(TypeError, match="periodic"):
+        eqxscan.Chain(list(chain), periodic="yes")

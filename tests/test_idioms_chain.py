@@ -153,24 +153,6 @@ def test_chain_state_dict_by_global_layer_index(getkey):
     np.testing.assert_array_equal(loaded.layers(x), _loop(layers, x))
 
 
-def test_chain_state_dict_old_names(getkey, tmp_path):
-    layers = _mixed(getkey())
-    chain = eqxscan.Chain(layers)
-    new = eqxscan.to_state_dict(chain)
-    # How 0.1 named them: by the internal grouping.
-    old = eqxscan.to_state_dict(chain.groups)
-    old = {f"groups.{k}": v for k, v in old.items()}
-    assert old.keys() != new.keys()
-    # Into the grouping they were saved from: migrated.
-    with pytest.warns(UserWarning, match="grouping"):
-        loaded = eqxscan.from_state_dict(chain, old)
-    assert eqx.tree_equal(loaded, chain)
-    # Into another grouping: rejected, saying how to convert.
-    other = eqxscan.Chain(layers, periodic=False)
-    with pytest.raises(ValueError, match="(?s)grouping.*periodic"):
-        eqxscan.from_state_dict(other, old)
-
-
 # The layer named in a dtype error -------------------------------------------------
 
 

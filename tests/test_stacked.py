@@ -1,4 +1,5 @@
 import dataclasses
+import inspect
 
 import equinox as eqx
 import jax
@@ -608,3 +609,15 @@ def test_auto_saves_less_than_plain_scan_and_loop():
 
     auto, plain, loop = temp({}), temp(dict(checkpoint=False)), temp(dict(mode="loop"))
     assert auto < loop < plain
+
+
+@pytest.mark.parametrize("method", ["__call__", "scan"])
+@pytest.mark.parametrize("bad", ["False", 0, None])
+def test_reverse_must_be_a_bool(getkey, method, bad):
+    # A string would be truthy and run the layers reversed without a word. The
+    # test run's runtime type checks would catch it first: call what a user
+    # without them runs.
+    stack = eqxscan.Stacked(lambda k: eqx.nn.Linear(4, 4, key=k), 3, key=getkey())
+    run = inspect.unwrap(getattr(eqxscan.Stacked, method))
+    with pytest.raises(TypeError, match=f"reverse must be a bool, got .*{bad!r}"):
+        run(stack, jnp.ones(4), reverse=bad)
