@@ -22,7 +22,6 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from ._auto import resolve
 from ._checks import check_carry, noted
 from ._options import ScanOptions
 from ._remat import (
@@ -35,6 +34,7 @@ from ._remat import (
     Step,
 )
 from ._stateful import clone
+from .remat._auto import resolve
 
 
 def remat(fn: Step, checkpoint: ScanCheckpoint, *, in_scan: bool) -> Step:

@@ -1,23 +1,21 @@
-"""`Recurrent` runs a cell over time; also `Bidirectional` and `ElmanCell`."""
+"""`Recurrent` runs a cell over time; also `Bidirectional`."""
 
 import dataclasses
-import math
 import operator
 from collections.abc import Callable, Mapping
-from typing import Any, SupportsIndex, TypedDict, Unpack
+from typing import TypedDict, Unpack
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
-from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray, PyTree
+from jaxtyping import Array, ArrayLike, Bool, PRNGKeyArray, PyTree
 
 from ._checks import (
     check_callable,
     check_carry,
     check_option,
-    check_size,
     check_takes_key,
     describe,
 )
@@ -25,87 +23,6 @@ from ._engine import run
 from ._options import ScanArgs, Scanning, ScanOptions
 from ._remat import name_inputs
 from ._stateful import clone
-
-
-class ElmanCell(eqx.Module):
-    """The Elman (vanilla) recurrent cell, `h' = tanh(W x + U h + b)`.
-
-    Follows the `eqx.nn.GRUCell` conventions: `cell(x, h) -> h'` on one time
-    step of one example (batch with `jax.vmap`, run over time with
-    [`eqxscan.Recurrent`][]), weights and bias drawn from
-    `U(-1/sqrt(hidden_size), 1/sqrt(hidden_size))`.
-
-    !!! example
-
-        ```python
-        import jax, jax.numpy as jnp, eqxscan
-
-        cell = eqxscan.ElmanCell(3, 8, key=jax.random.key(0))
-        h = cell(jnp.ones(3), jnp.zeros(8))
-        assert h.shape == (8,)
-        ```
-    """
-
-    weight_ih: Array
-    weight_hh: Array
-    bias: Array | None
-    input_size: int = eqx.field(static=True)
-    hidden_size: int = eqx.field(static=True)
-    use_bias: bool = eqx.field(static=True)
-
-    def __init__(
-        self,
-        input_size: SupportsIndex,
-        hidden_size: SupportsIndex,
-        use_bias: bool = True,
-        dtype: Any = None,
-        *,
-        key: PRNGKeyArray,
-    ):
-        """**Arguments:**
-
-        - `input_size`: size of the input `x` at one time step.
-        - `hidden_size`: size of the hidden state `h`.
-        - `use_bias`: whether to add the bias `b`.
-        - `dtype`: dtype of the weights; defaults to float32 (float64 when JAX's
-          64-bit mode is on), as for `eqx.nn` layers.
-        - `key`: a JAX PRNG key for the initialisation.
-        """
-        if dtype is None:
-            dtype = jax.dtypes.canonicalize_dtype(jnp.float64)
-        input_size = check_size("input_size", input_size)
-        hidden_size = check_size("hidden_size", hidden_size)
-        ikey, hkey, bkey = jr.split(key, 3)
-        lim = 1 / math.sqrt(hidden_size)
-        init = lambda k, shape: jr.uniform(k, shape, dtype, -lim, lim)
-        self.weight_ih = init(ikey, (hidden_size, input_size))
-        self.weight_hh = init(hkey, (hidden_size, hidden_size))
-        self.bias = init(bkey, (hidden_size,)) if use_bias else None
-        self.input_size = input_size
-        self.hidden_size = hidden_size
-        self.use_bias = use_bias
-
-    def __call__(
-        self,
-        input: Float[Array, " input_size"],
-        hidden: Float[Array, " hidden_size"],
-        *,
-        key: PRNGKeyArray | None = None,
-    ) -> Float[Array, " hidden_size"]:
-        """**Arguments:**
-
-        - `input`: the input at this time step, shape `(input_size,)`.
-        - `hidden`: the previous hidden state, shape `(hidden_size,)`.
-        - `key`: ignored; accepted for compatibility with the `eqx.nn` cells.
-
-        **Returns:**
-
-        The next hidden state, shape `(hidden_size,)`.
-        """
-        pre = self.weight_ih @ input + self.weight_hh @ hidden
-        if self.bias is not None:
-            pre = pre + self.bias
-        return jnp.tanh(pre)
 
 
 class RecurrentArgs(TypedDict, total=False):
@@ -326,8 +243,11 @@ def _check_known_cell(cell: Callable[..., PyTree], h0: PyTree, xs: PyTree) -> No
     """For the cells whose shapes are known (`eqx.nn.GRUCell`, `eqx.nn.LSTMCell`,
     `ElmanCell`), check `h0` and `xs` up front: a batched or mis-sized input
     otherwise fails deep inside the cell with a bare `dot_general` error."""
-    # Exact types: a subclass may well take other shapes.
-    if type(cell) not in (eqx.nn.GRUCell, eqx.nn.LSTMCell, ElmanCell):
+    # Exact types: a subclass may well take other shapes. Other cells declare
+    # `known_shapes = True` (a class variable) when `input_size` and
+    # `hidden_size` say what one step takes, as `eqxscan.nn.ElmanCell` does.
+    known = type(cell) in (eqx.nn.GRUCell, eqx.nn.LSTMCell)
+    if not (known or vars(type(cell)).get("known_shapes") is True):
         return
     name = (
         f"{type(cell).__name__}(input_size={cell.input_size}, "

@@ -163,7 +163,8 @@ def train(args: argparse.Namespace) -> None:
     main = jax.process_index() == 0
     say = print if main else (lambda *a, **k: None)
     nproc, local = jax.process_count(), jax.local_device_count()
-    min_size = sharding.MIN_SIZE if args.min_size is None else args.min_size
+    # 2**14 is eqxscan.sharding's own default: smaller arrays stay replicated.
+    min_size = 2**14 if args.min_size is None else args.min_size
     mesh = sharding.make_mesh(data=args.data if args.data else nproc)
     say(f"{nproc} processes x {local} devices, mesh {dict(mesh.shape)}")
 

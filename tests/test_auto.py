@@ -30,7 +30,7 @@ def cost(**changes):
         saved_bytes=1000,
         policy_saved_bytes=900,
     )
-    return eqxscan.StepCost(**{**base, **changes})
+    return eqxscan.remat.StepCost(**{**base, **changes})
 
 
 POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
@@ -242,7 +242,7 @@ def test_reason_names_the_numbers():
     mib = 2**20
     c = cost(length=12, flops=10**7, saved_bytes=24 * mib, policy_saved_bytes=8 * mib)
     d = _auto.decide(c, "auto", "auto", POLICY, "cpu")
-    reason = eqxscan.AutoChoice(*d, cost=c, where="here").reason
+    reason = eqxscan.remat.AutoChoice(*d, cost=c, where="here").reason
     assert (d.rule.checkpoint, d.rule.unroll) == ("large-matmuls", "scan")
     for number in ("12 steps", "1e+07 FLOPs", "288.00 MiB", "3.00x", "96.00 MiB"):
         assert number in reason, (number, reason)

@@ -304,7 +304,7 @@ def test_parse_transformer_and_gpu_defaults(monkeypatch):
 
 
 def test_peak_table():
-    from eqxscan._devices import peak_of
+    from eqxscan.remat._devices import peak_of
 
     assert peak_of("NVIDIA H100 80GB HBM3").flops == 989e12
     assert peak_of("NVIDIA H100 PCIe").flops == 756e12

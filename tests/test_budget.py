@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import pytest
 
 import eqxscan
-from eqxscan._budget import CANDIDATES, choose, with_checkpoint
+from eqxscan.remat._budget import CANDIDATES, choose, parse_bytes, with_checkpoint
+from eqxscan.remat._devices import Peak
 
 from .helpers import tree_allclose
 
@@ -30,7 +31,7 @@ def mlp_problem():
 @pytest.fixture(scope="module")
 def mlp_table(mlp_problem):
     model, x = mlp_problem
-    return eqxscan.remat_table(model, _mse_step, "1GiB", x)
+    return eqxscan.remat.remat_table(model, _mse_step, "1GiB", x)
 
 
 # checkpoint="offload"
@@ -113,13 +114,13 @@ def test_offload_is_a_valid_option_and_typos_are_not():
     ],
 )
 def test_parse_bytes(text, expected):
-    assert eqxscan.parse_bytes(text) == expected
+    assert parse_bytes(text) == expected
 
 
 @pytest.mark.parametrize("bad", ["6 gigs", "-1GB", "GiB", 0, -5, True])
 def test_parse_bytes_rejects(bad):
     with pytest.raises(ValueError, match="budget must be a positive number"):
-        eqxscan.parse_bytes(bad)
+        parse_bytes(bad)
 
 
 # fit_remat
@@ -155,13 +156,13 @@ def test_chooses_the_cheapest_fitting_candidate(mlp_problem, mlp_table):
     assert sizes["True"] < sizes["False"]
     # With FLOPs made dear the estimate ranks by FLOPs: False (no recomputation)
     # wins where it fits, True (recomputes the forward) where only it fits.
-    peak = eqxscan.Peak(1e6, 1e15)
+    peak = Peak(1e6, 1e15)
     chosen_labels = []
     for budget in (2**30, sizes["True"]):
-        table = eqxscan.remat_table(
+        table = eqxscan.remat.remat_table(
             model, _mse_step, budget, x, peak=peak, candidates=(True, False)
         )
-        got = eqxscan.fit_remat(
+        got = eqxscan.remat.fit_remat(
             model, _mse_step, budget, x, peak=peak, candidates=(True, False)
         )
         fitting = [c for c in table.candidates if c.device_bytes <= budget]
@@ -179,7 +180,7 @@ def test_chooses_the_cheapest_fitting_candidate(mlp_problem, mlp_table):
 def test_a_budget_nothing_fits_lists_every_candidate(mlp_problem):
     model, x = mlp_problem
     with pytest.raises(ValueError) as info:
-        eqxscan.fit_remat(model, _mse_step, "1kB", x, candidates=("auto", True))
+        eqxscan.remat.fit_remat(model, _mse_step, "1kB", x, candidates=("auto", True))
     message = str(info.value)
     assert "no checkpoint setting fits the budget of 0.0 MiB (1000 bytes)" in message
     assert "'auto': " in message and "True: " in message and "MiB" in message
@@ -188,7 +189,7 @@ def test_a_budget_nothing_fits_lists_every_candidate(mlp_problem):
 
 def test_time_steps_chooses_by_measured_time(mlp_problem):
     model, x = mlp_problem
-    table = eqxscan.remat_table(
+    table = eqxscan.remat.remat_table(
         model, _mse_step, "1GiB", x, candidates=("auto", False), time_steps=2
     )
     assert all(c.measured_s is not None and c.measured_s > 0 for c in table.candidates)
@@ -203,7 +204,7 @@ def test_unrolls_are_tried_with_every_candidate(getkey):
     step = eqx.filter_value_and_grad(
         lambda m, h0, xs: jnp.mean(jax.vmap(m)(h0, xs)[1] ** 2)
     )
-    table = eqxscan.remat_table(
+    table = eqxscan.remat.remat_table(
         rnn,
         step,
         "1GiB",
@@ -230,18 +231,18 @@ def test_unrolls_are_tried_with_every_candidate(getkey):
     leaves = lambda m: jax.tree.leaves(eqx.filter(step(m, h0, xs), eqx.is_array))
     assert tree_allclose(leaves(got), leaves(rnn), rtol=1e-5)
     # Without `unrolls` the model's own unroll is kept, and labels say nothing.
-    table = eqxscan.remat_table(
+    table = eqxscan.remat.remat_table(
         rnn.with_options(unroll=3), step, "1GiB", h0, xs, candidates=(True,)
     )
-    kept = eqxscan.fit_remat(
+    kept = eqxscan.remat.fit_remat(
         rnn.with_options(unroll=3), step, "1GiB", h0, xs, candidates=(True,)
     )
     assert kept.unroll == 3 and table.chosen.label == "True"
     with pytest.raises(ValueError, match="unrolls is empty"):
-        eqxscan.fit_remat(rnn, step, "1GiB", h0, xs, unrolls=())
+        eqxscan.remat.fit_remat(rnn, step, "1GiB", h0, xs, unrolls=())
     with pytest.raises(ValueError, match=r"unrolls \(1, 2\) needs time_steps > 0"):
-        eqxscan.fit_remat(rnn, step, "1GiB", h0, xs, unrolls=(1, 2))
-    table = eqxscan.remat_table(  # a single unroll needs no timing
+        eqxscan.remat.fit_remat(rnn, step, "1GiB", h0, xs, unrolls=(1, 2))
+    table = eqxscan.remat.remat_table(  # a single unroll needs no timing
         rnn, step, "1GiB", h0, xs, candidates=(True,), unrolls=(2,)
     )
     one = table.chosen.apply(rnn)
@@ -252,23 +253,27 @@ def test_every_scan_in_the_model_gets_the_setting(getkey):
     models = _elman_model(getkey())
     x = jax.random.normal(getkey(), (5, 4))
     step = eqx.filter_value_and_grad(_two_part_loss)
-    table = eqxscan.remat_table(models, step, 2**30, x, candidates=(True, "nested"))
-    got = eqxscan.fit_remat(models, step, 2**30, x, candidates=(True, "nested"))
+    table = eqxscan.remat.remat_table(
+        models, step, 2**30, x, candidates=(True, "nested")
+    )
+    got = eqxscan.remat.fit_remat(models, step, 2**30, x, candidates=(True, "nested"))
     assert got[0].blocks.checkpoint == got[1].checkpoint == table.chosen.checkpoint
     # Shape-only inputs are enough to compile.
     shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
-    eqxscan.fit_remat(models, step, 2**30, shape, candidates=(True,))
+    eqxscan.remat.fit_remat(models, step, 2**30, shape, candidates=(True,))
 
 
 def test_bad_calls(mlp_problem):
     model, x = mlp_problem
     with pytest.raises(ValueError, match="holds no eqxscan.Stacked"):
-        eqxscan.fit_remat(eqx.nn.Linear(2, 2, key=jax.random.key(0)), _mse_step, 10)
+        eqxscan.remat.fit_remat(
+            eqx.nn.Linear(2, 2, key=jax.random.key(0)), _mse_step, 10
+        )
     with pytest.raises(ValueError, match="budget must be"):
-        eqxscan.fit_remat(model, _mse_step, "lots", x)
+        eqxscan.remat.fit_remat(model, _mse_step, "lots", x)
     shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
     with pytest.raises(ValueError, match="must be arrays"):
-        eqxscan.fit_remat(
+        eqxscan.remat.fit_remat(
             model, _mse_step, 2**30, shape, candidates=("auto",), time_steps=1
         )
 
@@ -277,7 +282,7 @@ def test_bad_calls(mlp_problem):
 
 
 def _candidate(label, device_bytes, estimated_s, kind="loop", measured_s=None):
-    return eqxscan.RematCandidate(
+    return eqxscan.remat.RematCandidate(
         checkpoint=True,
         label=label,
         temp_bytes=device_bytes,
@@ -340,7 +345,7 @@ def test_short_stacks_do_not_pick_the_loop_by_its_body_alone():
     # the Transformer bench. The pick is an unrolled program.
     model = eqxscan.StackedMLP(32, 6, key=jax.random.key(0))
     x = jnp.ones((64, 32))
-    table = eqxscan.remat_table(model, _mse_step, "1GiB", x)
+    table = eqxscan.remat.remat_table(model, _mse_step, "1GiB", x)
     by = {c.label: c for c in table.candidates}
     assert by["'nested'"].kind == "loop"
     assert {by[k].kind for k in ("'auto'", "False", "True")} == {"unrolled"}
@@ -350,7 +355,7 @@ def test_short_stacks_do_not_pick_the_loop_by_its_body_alone():
     assert table.chosen.estimated_s == min(c.estimated_s for c in unrolled)
     assert by["'nested'"].flops < table.chosen.flops  # its body, counted once
     # Only nested fits: nested.
-    only = eqxscan.remat_table(
+    only = eqxscan.remat.remat_table(
         model, _mse_step, by["'nested'"].device_bytes, x, candidates=("auto", "nested")
     )
     assert only.chosen.label == "'nested'"

@@ -10,9 +10,12 @@ from hypothesis import given, settings
 from jaxtyping import Array
 
 import eqxscan
-from eqxscan._auto import SHORT_SCAN
 from eqxscan._chain import Period
 from eqxscan._plan import Group, plan
+from eqxscan.remat import THRESHOLDS
+
+
+SHORT_SCAN = THRESHOLDS.short_scan
 
 from .helpers import tree_allclose
 

@@ -10,7 +10,10 @@ import optax
 import pytest
 
 import eqxscan
-from eqxscan._auto import SHORT_SCAN
+from eqxscan.remat import THRESHOLDS
+
+
+SHORT_SCAN = THRESHOLDS.short_scan
 
 from .helpers import stable_id, tree_allclose
 

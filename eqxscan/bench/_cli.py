@@ -231,7 +231,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     from tqdm import tqdm
 
-    from .._devices import peak_of
+    from eqxscan.remat import peak_of
+
     from . import _report, _transformer
     from ._measure import check_agreement, MismatchError, model_flops, registry
     from ._worker import run_worker, WorkerError

@@ -1,16 +1,15 @@
 """`python -m eqxscan.bench --grid`: the default's speed and memory at every size.
 
-For each grid point (a `StackedMLP` of width `D` and depth `L`, or a GRU/LSTM of
-hidden size `H` over `T` steps) one process compiles the train step of the loop
-(`mode="loop"`), of the default (`checkpoint="auto"`, `unroll="auto"`) and of
-every explicit setting in `EXPLICIT` (and, for at most `SHORT_SCAN` steps, full
-unrolling), reads XLA's temp memory of each, and times them in interleaved,
-shuffled rounds. Ratios are taken within a round, then the median over rounds is
-reported. The best explicit setting is chosen on those rounds; the default, the
-loop and that setting are then timed again in fresh rounds, which give the
-reported ratios (the fastest of many noisy settings is favoured by its lucky
-rounds). Past `MAX_LOOP_LENGTH` steps the plain scan is timed in the loop's place
-and the loop's memory is extrapolated.
+For each grid point (a `StackedMLP` of width `D` and depth `L`, or a GRU/LSTM of hidden
+size `H` over `T` steps) one process compiles the train step of the loop
+(`mode="loop"`), of the default (`checkpoint="auto"`, `unroll="auto"`) and of every
+explicit setting in `EXPLICIT` (and, for at most `THRESHOLDS.short_scan` steps, full
+unrolling), reads XLA's temp memory of each, and times them in interleaved, shuffled
+rounds. Ratios are taken within a round, then the median over rounds is reported. The
+best explicit setting is chosen on those rounds; the default, the loop and that setting
+are then timed again in fresh rounds, which give the reported ratios (the fastest of
+many noisy settings is favoured by its lucky rounds). Past `MAX_LOOP_LENGTH` steps the
+plain scan is timed in the loop's place and the loop's memory is extrapolated.
 """
 
 import functools
@@ -25,13 +24,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._auto import explain_auto, SHORT_SCAN, SMALL_RESIDUALS
-from .._engine import AUTO_POLICY
-from .._mlp import StackedMLP
-from .._recurrent import Recurrent
-from .._timing import time_interleaved
+from eqxscan import Recurrent, StackedMLP
+from eqxscan.remat import explain_auto, THRESHOLDS, time_interleaved
+
 from ._machine import describe_machine, load_average
-from ._measure import setting_label
+from ._measure import AUTO_POLICY, setting_label
 
 
 #: Explicit settings the default is compared with: `(checkpoint, unroll)`.
@@ -132,7 +129,9 @@ def measure_point(kind: str, size: tuple, rounds: int, seed: int = 0) -> dict:
     if length <= MAX_LOOP_LENGTH:
         variants["loop"] = with_options(model, mode="loop")
     # Short scans may also be unrolled fully (which "auto" does when steps are small).
-    full = [(c, True) for c, _ in EXPLICIT[::2]] if length <= SHORT_SCAN else []
+    full = (
+        [(c, True) for c, _ in EXPLICIT[::2]] if length <= THRESHOLDS.short_scan else []
+    )
     for c, u in [*EXPLICIT, *full]:
         variants[setting_label(c, u)] = with_options(model, checkpoint=c, unroll=u)
     choice = explain_auto(loss, variants["default"], *inputs)[0]
@@ -220,9 +219,9 @@ def best_allowed(point: dict) -> str | None:
     """The fastest explicit setting (median ratio to the reference over the
     point's rounds) that meets the memory rule: temp memory at most the loop's,
     or at most 1.25× it when a plain scan's residuals are at most
-    `SMALL_RESIDUALS`."""
+    `THRESHOLDS.small_residuals`."""
     ref, loop_mem = _reference(point)
-    small = point["choice"]["saved_bytes"] <= SMALL_RESIDUALS
+    small = point["choice"]["saved_bytes"] <= THRESHOLDS.small_residuals
     allowed = 1.25 * loop_mem if small else loop_mem
     times, memory = point["times"], point["temp_bytes"]
     ok = [k for k in times if k not in ("loop", "default") and memory[k] <= allowed]

@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._mlp import rms_norm, StackedMLP
+from eqxscan import StackedMLP
+from eqxscan.nn import rms_norm
 
 
 #: Largest relative error (loss and every gradient) at which two

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .._stacked import Stacked
+from eqxscan import Stacked
+
 from ._impls import (
     Built,
     check_same_layout,

@@ -1,7 +1,7 @@
 """`python -m eqxscan.bench.budget`: does `fit_remat` pick a fast program?
 
 Compiles one train step per candidate checkpoint setting (through
-`eqxscan.remat_table`), times every candidate interleaved in
+`eqxscan.remat.remat_table`), times every candidate interleaved in
 one process, and then, at four budgets from the smallest candidate's bytes to
 the largest's, compares the program `fit_remat` chooses from XLA's estimates
 with the fastest fitting one by measurement.
@@ -19,7 +19,8 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from .._budget import choose, remat_table, time_candidates
+from eqxscan.remat import choose, remat_table, time_candidates
+
 from ._impls import mse
 from ._measure import registry
 

@@ -8,7 +8,7 @@ import equinox as eqx
 import jax
 from jax.sharding import Mesh
 
-from ._sharding import gather_layers, MIN_SIZE, model_shardings
+from ._shard import gather_layers, MIN_SIZE, model_shardings
 
 
 _P = ParamSpec("_P")

@@ -14,11 +14,11 @@ import jax.tree_util as jtu
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, Sharding
 from jaxtyping import PyTree
 
-from ._checks import check_size, is_arraylike
-from ._constrain import align
+from .._checks import check_size, is_arraylike
+from .._constrain import align
+from .._stacked import restack, Stacked
+from .._tree import Site, walk
 from ._distributed import default_devices, place, place_batch
-from ._stacked import restack, Stacked
-from ._tree import Site, walk
 
 
 T = TypeVar("T")

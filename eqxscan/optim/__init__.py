@@ -2,7 +2,7 @@
 layer-axis-aware weight-decay mask and freezing of chosen layers, for `optax`.
 """
 
-from ._optim import (
+from ._layers import (
     freeze_layers as freeze_layers,
     weight_decay_mask as weight_decay_mask,
 )

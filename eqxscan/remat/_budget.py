@@ -27,9 +27,9 @@ import jax
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from ._checks import is_arraylike
+from .._checks import is_arraylike
+from .._options import Checkpoint, Scanning
 from ._devices import FALLBACK, Peak, peak_of
-from ._options import Checkpoint, Scanning
 from ._timing import time_interleaved
 
 
@@ -137,7 +137,7 @@ class RematCandidate:
 
 @dataclasses.dataclass(frozen=True)
 class RematTable:
-    """Every candidate of a [`eqxscan.remat_table`][] call, the budget and the
+    """Every candidate of a [`eqxscan.remat.remat_table`][] call, the budget and the
     choice. `str(table)` is a Markdown table."""
 
     budget: int
@@ -276,7 +276,7 @@ def remat_table(
     time_steps: int = 0,
 ) -> RematTable:
     """Every candidate `checkpoint=` setting for a memory budget, compiled, with
-    XLA's own figures, and the one [`eqxscan.fit_remat`][] picks.
+    XLA's own figures, and the one [`eqxscan.remat.fit_remat`][] picks.
 
     Every candidate setting is applied to all `Stacked`, `Chain` and `Recurrent`
     modules in `model` at once, and `step(model, *args)` is compiled ahead of time
@@ -314,7 +314,7 @@ def remat_table(
 
     **Returns:**
 
-    A [`eqxscan.RematTable`][]: every candidate, the budget, and `chosen`
+    A [`eqxscan.remat.RematTable`][]: every candidate, the budget, and `chosen`
     (`table.chosen.apply(model)` is what `fit_remat` returns).
 
     **Raises:**
@@ -408,7 +408,7 @@ def fit_remat(
     time_steps: int = 0,
 ) -> M:
     """Pick the `checkpoint=` setting for a memory budget, from XLA's own figures:
-    `model` with the setting [`eqxscan.remat_table`][] chooses (and `unroll`, with
+    `model` with the setting [`eqxscan.remat.remat_table`][] chooses (and `unroll`, with
     `unrolls`) on all its scans. The arguments are `remat_table`'s; call that for
     every candidate's figures.
     """

@@ -21,8 +21,8 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ._checks import is_arraylike
-from ._constrain import align, constrain
+from .._checks import is_arraylike
+from .._constrain import align, constrain
 
 
 DOCS = "see docs/multihost.md"

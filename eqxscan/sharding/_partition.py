@@ -16,10 +16,10 @@ from typing import Any, TypeAlias
 import jax.tree_util as jtu
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ._checks import is_arraylike
-from ._constrain import is_none
-from ._sharding import MIN_SIZE, model_shardings
-from ._tree import Site, walk
+from .._checks import is_arraylike
+from .._constrain import is_none
+from .._tree import Site, walk
+from ._shard import MIN_SIZE, model_shardings
 
 
 #: The logical names of one layer's axes: a name, or `None` for a replicated axis.

@@ -12,9 +12,9 @@ from beartype import beartype
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, jaxtyped, PRNGKeyArray, TypeCheckError
 
-from ._checks import check_size, describe
-from ._options import ScanArgs, Scanning, ScanOptions
-from ._stacked import restack, Stacked
+from .._checks import check_size, describe
+from .._options import ScanArgs, Scanning, ScanOptions
+from .._stacked import restack, Stacked
 
 
 RMS_EPS = 1e-6

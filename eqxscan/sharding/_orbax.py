@@ -20,10 +20,10 @@ import jax
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from ._checks import check_size, is_arraylike
+from .._checks import check_size, is_arraylike
+from .._tree import for_each, Site
 from ._distributed import DOCS
-from ._sharding import MIN_SIZE, model_shardings, opt_state_shardings, shard
-from ._tree import for_each, Site
+from ._shard import MIN_SIZE, model_shardings, opt_state_shardings, shard
 
 
 _M = TypeVar("_M")

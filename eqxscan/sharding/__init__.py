@@ -5,8 +5,8 @@ Built on JAX's own sharding (`Mesh`, `NamedSharding`, `jit`), its multi-process
 runtime and Orbax; see `docs/sharding.md` and `docs/multihost.md`.
 """
 
-from ._constrain import constrain as constrain
-from ._create import create as create, lower_create as lower_create
+from .._constrain import constrain as constrain
+from ._create import create as create
 from ._distributed import (
     check_same_job as check_same_job,
     initialize as initialize,
@@ -18,11 +18,10 @@ from ._partition import (
     logical_spec as logical_spec,
 )
 from ._pipeline import pipeline as pipeline
-from ._sharding import (
+from ._shard import (
     batch_shardings as batch_shardings,
     gather_layers as gather_layers,
     make_mesh as make_mesh,
-    MIN_SIZE as MIN_SIZE,
     model_shardings as model_shardings,
     opt_state_shardings as opt_state_shardings,
     shard as shard,

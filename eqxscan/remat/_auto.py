@@ -29,8 +29,8 @@ import numpy as np
 from jax.custom_batching import custom_vmap
 from jaxtyping import PyTree
 
-from ._options import Checkpoint
-from ._remat import Policy
+from .._options import Checkpoint
+from .._remat import Policy
 
 
 T = TypeVar("T")
@@ -307,7 +307,7 @@ class AutoChoice:
     - `rule`: which rule fired: `rule.unroll` and `rule.checkpoint` name it
       (`"given"` where the option was explicit; the values are listed in
       docs/default-checkpoint.md).
-    - `cost`: the measured [`StepCost`][eqxscan.StepCost].
+    - `cost`: the measured [`StepCost`][eqxscan.remat.StepCost].
     - `where`: which scan (the layer type or cell, as in error messages).
 
     `reason` is one sentence with the numbers behind the choice, derived from
@@ -444,7 +444,7 @@ def measure_traced(
     length: int,
     policy: Policy,
 ) -> StepCost:
-    """The [`StepCost`][eqxscan.StepCost] of a step traced once to `jaxpr` (whose
+    """The [`StepCost`][eqxscan.remat.StepCost] of a step traced once to `jaxpr` (whose
     first `n_carry` inputs are the carry's leaves) over `length` steps, for the
     whole `vmap` batch of `values` (the carry and `xs`) when there is one."""
     batch = max([_vmapped_size(a) for a in jtu.tree_leaves(values)] or [1])
@@ -466,7 +466,7 @@ def measure(
     length: int,
     policy: Policy,
 ) -> StepCost:
-    """The [`StepCost`][eqxscan.StepCost] of `step(carry, x_i)` over `length` steps
+    """The [`StepCost`][eqxscan.remat.StepCost] of `step(carry, x_i)` over `length` steps
     (traced once here; the engine measures the jaxpr it traced already)."""
     x = jtu.tree_map(lambda a: jcore.mapped_aval(length, 0, jax.typeof(a)), xs)
     c = jtu.tree_map(jax.typeof, carry)
@@ -534,7 +534,7 @@ def explain_auto(
 
     **Returns:**
 
-    A list of [`AutoChoice`][eqxscan.AutoChoice], one per scan in call order (one
+    A list of [`AutoChoice`][eqxscan.remat.AutoChoice], one per scan in call order (one
     for a `Stacked`, one per scanned group of a `Chain`, two for a
     `Bidirectional`); empty when no scan used `"auto"`.
     """

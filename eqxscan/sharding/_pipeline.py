@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ._checks import check_size
-from ._constrain import constrain
-from ._sharding import check_axis, check_mesh
-from ._stacked import restack, Stacked
+from .._checks import check_size
+from .._constrain import constrain
+from .._stacked import restack, Stacked
+from ._shard import check_axis, check_mesh
 
 
 def _split(stack: Stacked, stages: int) -> tuple[Any, Any]:

@@ -1,0 +1,42 @@
+"""Eager calls that reuse one compiled program per structure.
+
+Called outside any JAX transformation, a scanning module would hand
+`jax.lax.scan` a freshly made body at every call, and JAX compiles a fresh body
+every time (seconds of compile, and memory that `jax.clear_caches()` does not
+return). Such a call goes through one `eqx.filter_jit` per method instead,
+whose cache is keyed by the module's and arguments' structure, so the second
+call of the same shapes compiles nothing. Under `jit`, `grad`, `vmap` (any
+argument a tracer) and in `mode="loop"` (the debugging path, where a layer's
+Python runs at every call) the method runs as written.
+"""
+
+import functools
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _traced(tree: object) -> bool:
+    return any(isinstance(leaf, jax.core.Tracer) for leaf in jtu.tree_leaves(tree))
+
+
+def compiled_when_eager(method: Callable[P, R]) -> Callable[P, R]:
+    """Decorate a scanning module's call method so that an eager call runs
+    through one cached `eqx.filter_jit` of it (see the module docstring)."""
+    jitted = eqx.filter_jit(method)
+
+    @functools.wraps(method)
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        module = args[0]
+        if getattr(module, "mode", "scan") == "loop" or _traced((args, kwargs)):
+            return method(*args, **kwargs)
+        return jitted(*args, **kwargs)
+
+    return call

@@ -1,0 +1,17 @@
+"""Checkpoints of stacked models: per-layer state dicts (`"blocks.3.w1"`),
+single-file `.npz` save and load with integrity checks, and import of Flax
+`nn.scan` parameters. Sharded checkpoints across processes are
+[`eqxscan.sharding.CheckpointManager`][] (Orbax), beside the sharding they
+restore into. All of these are also at the
+top level (`eqxscan.save`, `eqxscan.to_state_dict`, ...)."""
+
+from ._flax import from_flax_scan as from_flax_scan
+from ._serialise import (
+    load as load,
+    load_state_dict as load_state_dict,
+    save as save,
+)
+from ._state_dict import (
+    from_state_dict as from_state_dict,
+    to_state_dict as to_state_dict,
+)
