@@ -14,10 +14,10 @@ from eqxscan._chain import Period
 from eqxscan._plan import Group, plan
 from eqxscan.remat import THRESHOLDS
 
+from .helpers import tree_allclose
+
 
 SHORT_SCAN = THRESHOLDS.short_scan
-
-from .helpers import tree_allclose
 
 
 D = 4

@@ -12,10 +12,10 @@ import pytest
 import eqxscan
 from eqxscan.remat import THRESHOLDS
 
+from .helpers import stable_id, tree_allclose
+
 
 SHORT_SCAN = THRESHOLDS.short_scan
-
-from .helpers import stable_id, tree_allclose
 
 
 CHECKPOINTS = [

@@ -466,8 +466,8 @@ def measure(
     length: int,
     policy: Policy,
 ) -> StepCost:
-    """The [`StepCost`][eqxscan.remat.StepCost] of `step(carry, x_i)` over `length` steps
-    (traced once here; the engine measures the jaxpr it traced already)."""
+    """The [`StepCost`][eqxscan.remat.StepCost] of `step(carry, x_i)` over `length`
+    steps (traced once here; the engine measures the jaxpr it traced already)."""
     x = jtu.tree_map(lambda a: jcore.mapped_aval(length, 0, jax.typeof(a)), xs)
     c = jtu.tree_map(jax.typeof, carry)
     jaxpr = jax.make_jaxpr(step)(c, x)
