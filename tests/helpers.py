@@ -1,5 +1,5 @@
-"""Comparison helpers shared by the tests, and a runner for the scripts that need
-a fresh process with several CPU devices."""
+"""Comparison helpers and small test layers shared by the tests, and a runner for
+the scripts that need a fresh process with several CPU devices."""
 
 import json
 import os
@@ -9,9 +9,13 @@ import sys
 from pathlib import Path
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
+import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
+
+import eqxscan
 
 
 def tree_allclose(a, b, *, rtol=1e-5, atol=1e-6) -> bool:
@@ -75,3 +79,61 @@ def collectives(text: str, op: str) -> list[str]:
         if m:
             found.append(re.sub(r"\{[^}]*\}", "", m.group(1)))
     return found
+
+
+# ------------------------------------------- layers and cells shared by tests
+
+
+IN, HID, T, B = 3, 4, 5, 2
+MODES = ("scan", "loop")
+
+
+def value_and_grads(fn, *args):
+    """`fn(*args)` and the gradient of a scalar readout of it w.r.t. every arg."""
+
+    def loss(*a):
+        return sum(jnp.sum(jnp.sin(x)) for x in jax.tree.leaves(fn(*a)))
+
+    return fn(*args), jax.grad(loss, argnums=tuple(range(len(args))))(*args)
+
+
+def elman(key):
+    return eqxscan.ElmanCell(IN, HID, key=key)
+
+
+class MemoryCell(eqx.Module):
+    inner: eqxscan.ElmanCell
+
+    def __call__(self, x, h, memory, *, scale, key=None):
+        return self.inner(x, h) + scale * jnp.tanh(memory @ h)
+
+
+L, D = 4, 6
+
+
+class Block(eqx.Module):
+    """A layer with a second method, a per-layer scale and optional randomness."""
+
+    w: jax.Array
+    b: jax.Array
+
+    def __init__(self, key, scale=1.0):
+        kw, kb = jr.split(key)
+        self.w = jr.normal(kw, (D, D)) * 0.4 * scale
+        self.b = jr.normal(kb, (D,)) * 0.1
+
+    def __call__(self, x, *, key=None):
+        h = jnp.tanh(self.w @ x + self.b)
+        return h if key is None else h + 0.1 * jr.normal(key, h.shape)
+
+    def decode(self, x, shift, *, key=None):
+        h = jnp.sin(self.w.T @ x) + shift
+        return h if key is None else h * jr.uniform(key, h.shape)
+
+    def step(self, x, shift):
+        y = self.decode(x, shift)
+        return y, jnp.sum(y)
+
+
+def make_stack(getkey, mode="scan", **options):
+    return eqxscan.Stacked(lambda k: Block(k), L, key=getkey(), mode=mode, **options)
