@@ -47,21 +47,39 @@ def max_rel_err(a, b) -> float:
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_device_script(name: str, timeout: float) -> dict:
-    """Run `tests/<name>` in a fresh process (which sets its own CPU device count)
-    and return the JSON it prints; fail with the end of its stderr otherwise."""
+SCRIPTS = ROOT / "tests" / "scripts"
+
+
+def script_path(name: str) -> Path:
+    """The path of `tests/scripts/<name>`."""
+    return SCRIPTS / name
+
+
+def run_script(name: str, *args: str, timeout: float) -> str:
+    """Run `tests/scripts/<name> *args` in a fresh process (which sets its own CPU
+    device count) and return what it printed; on failure the assertion names the
+    script, its exit status and the end of its output."""
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # the script sets its own device count
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / name)],
+        [sys.executable, str(script_path(name)), *args],
         capture_output=True,
         text=True,
         env=env,
+        cwd=ROOT,
         timeout=timeout,
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout)
+    assert proc.returncode == 0, (
+        f"tests/scripts/{name} exited with status {proc.returncode}; the end of "
+        f"its output:\n{(proc.stdout + proc.stderr)[-4000:]}"
+    )
+    return proc.stdout
+
+
+def run_device_script(name: str, timeout: float) -> dict:
+    """`run_script(name)` for a script that prints JSON: what it printed, parsed."""
+    return json.loads(run_script(name, timeout=timeout))
 
 
 def stable_id(value: object) -> str:

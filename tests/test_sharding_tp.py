@@ -10,10 +10,10 @@ from jax.sharding import AxisType, PartitionSpec as P
 import eqxscan
 from eqxscan import sharding
 
-from . import partition_model
 from .helpers import (
     run_device_script,
 )
+from .scripts import partition_model
 
 
 # ------------------------------------------- sharding: tensor parallelism + FSDP
