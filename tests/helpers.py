@@ -1,5 +1,5 @@
-"""Comparison helpers shared by the tests, and a runner for the scripts that need
-a fresh process with several CPU devices."""
+"""Comparison helpers and small test layers shared by the tests, and a runner for
+the scripts that need a fresh process with several CPU devices."""
 
 import json
 import os
@@ -9,9 +9,13 @@ import sys
 from pathlib import Path
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
+import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
+
+import eqxscan
 
 
 def tree_allclose(a, b, *, rtol=1e-5, atol=1e-6) -> bool:
@@ -43,21 +47,39 @@ def max_rel_err(a, b) -> float:
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_device_script(name: str, timeout: float) -> dict:
-    """Run `tests/<name>` in a fresh process (which sets its own CPU device count)
-    and return the JSON it prints; fail with the end of its stderr otherwise."""
+SCRIPTS = ROOT / "tests" / "scripts"
+
+
+def script_path(name: str) -> Path:
+    """The path of `tests/scripts/<name>`."""
+    return SCRIPTS / name
+
+
+def run_script(name: str, *args: str, timeout: float) -> str:
+    """Run `tests/scripts/<name> *args` in a fresh process (which sets its own CPU
+    device count) and return what it printed; on failure the assertion names the
+    script, its exit status and the end of its output."""
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # the script sets its own device count
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / name)],
+        [sys.executable, str(script_path(name)), *args],
         capture_output=True,
         text=True,
         env=env,
+        cwd=ROOT,
         timeout=timeout,
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout)
+    assert proc.returncode == 0, (
+        f"tests/scripts/{name} exited with status {proc.returncode}; the end of "
+        f"its output:\n{(proc.stdout + proc.stderr)[-4000:]}"
+    )
+    return proc.stdout
+
+
+def run_device_script(name: str, timeout: float) -> dict:
+    """`run_script(name)` for a script that prints JSON: what it printed, parsed."""
+    return json.loads(run_script(name, timeout=timeout))
 
 
 def stable_id(value: object) -> str:
@@ -75,3 +97,61 @@ def collectives(text: str, op: str) -> list[str]:
         if m:
             found.append(re.sub(r"\{[^}]*\}", "", m.group(1)))
     return found
+
+
+# ------------------------------------------- layers and cells shared by tests
+
+
+IN, HID, T, B = 3, 4, 5, 2
+MODES = ("scan", "loop")
+
+
+def value_and_grads(fn, *args):
+    """`fn(*args)` and the gradient of a scalar readout of it w.r.t. every arg."""
+
+    def loss(*a):
+        return sum(jnp.sum(jnp.sin(x)) for x in jax.tree.leaves(fn(*a)))
+
+    return fn(*args), jax.grad(loss, argnums=tuple(range(len(args))))(*args)
+
+
+def elman(key):
+    return eqxscan.ElmanCell(IN, HID, key=key)
+
+
+class MemoryCell(eqx.Module):
+    inner: eqxscan.ElmanCell
+
+    def __call__(self, x, h, memory, *, scale, key=None):
+        return self.inner(x, h) + scale * jnp.tanh(memory @ h)
+
+
+L, D = 4, 6
+
+
+class Block(eqx.Module):
+    """A layer with a second method, a per-layer scale and optional randomness."""
+
+    w: jax.Array
+    b: jax.Array
+
+    def __init__(self, key, scale=1.0):
+        kw, kb = jr.split(key)
+        self.w = jr.normal(kw, (D, D)) * 0.4 * scale
+        self.b = jr.normal(kb, (D,)) * 0.1
+
+    def __call__(self, x, *, key=None):
+        h = jnp.tanh(self.w @ x + self.b)
+        return h if key is None else h + 0.1 * jr.normal(key, h.shape)
+
+    def decode(self, x, shift, *, key=None):
+        h = jnp.sin(self.w.T @ x) + shift
+        return h if key is None else h * jr.uniform(key, h.shape)
+
+    def step(self, x, shift):
+        y = self.decode(x, shift)
+        return y, jnp.sum(y)
+
+
+def make_stack(getkey, mode="scan", **options):
+    return eqxscan.Stacked(lambda k: Block(k), L, key=getkey(), mode=mode, **options)

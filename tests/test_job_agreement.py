@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from .helpers import script_path
+
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tests" / "job_checks.py"
+SCRIPT = script_path("job_checks.py")
 TIMEOUT = 120
 
 

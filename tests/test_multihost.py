@@ -2,7 +2,7 @@
 creation and Orbax checkpoints.
 
 Few processes are started, because each costs seconds: one 2 x 4 job and one 1 x 8
-process run tests/multihost_checks.py and write what they measured; the 1 x 1
+process run tests/scripts/multihost_checks.py and write what they measured; the 1 x 1
 reference runs here. Every process has a timeout and is killed at the end.
 """
 
@@ -28,11 +28,12 @@ import pytest
 import eqxscan
 from eqxscan import sharding
 
-from .training import make_train_step
+from .helpers import script_path
+from .scripts.training import make_train_step
 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-CHECKS = ROOT / "tests" / "multihost_checks.py"
+CHECKS = script_path("multihost_checks.py")
 DIM, LAYERS, BATCH = 16, 3, 16  # as in multihost_checks.py
 TIMEOUT = 240
 

@@ -13,7 +13,7 @@ import eqxscan
 from eqxscan import sharding
 
 from .helpers import max_rel_err, run_device_script, tree_allclose
-from .training import loss_fn, make_train_step
+from .scripts.training import loss_fn, make_train_step
 
 
 class Block(eqx.Module):

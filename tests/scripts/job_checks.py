@@ -1,5 +1,5 @@
 """One process of a two-process job for tests/test_job_agreement.py:
-`python tests/job_checks.py PROCESS_ID NUM_PROCESSES PORT WIDTH`.
+`python tests/scripts/job_checks.py PROCESS_ID NUM_PROCESSES PORT WIDTH`.
 
 Prints `agreed`, or the RuntimeError's message and exits with status 3.
 """

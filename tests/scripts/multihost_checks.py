@@ -1,12 +1,12 @@
 """Multi-process checks, run by test_multihost.py in fresh processes on 127.0.0.1.
 
-    python tests/multihost_checks.py two --process-id I --port P --out DIR
+    python tests/scripts/multihost_checks.py two --process-id I --port P --out DIR
         (2 processes x 4 devices): create, 3 training steps, memory, checkpoints at
         steps 3 and 6, then a save of step 7 frozen just before Orbax commits it,
         so that the test can SIGKILL the job in the middle of a save.
-    python tests/multihost_checks.py eight --out DIR
+    python tests/scripts/multihost_checks.py eight --out DIR
         (1 process x 8 devices): the same 3 steps; restores of what `two` saved.
-    python tests/multihost_checks.py join --process-id I --port P --timeout T
+    python tests/scripts/multihost_checks.py join --process-id I --port P --timeout T
         joins a job that no other process joins.
 
 Each writes what it measured to DIR (JSON and `.npz` of gathered arrays); the test
@@ -58,7 +58,7 @@ import optax  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
 import eqxscan  # noqa: E402
-from tests.training import make_train_step  # noqa: E402
+from tests.scripts.training import make_train_step  # noqa: E402
 
 
 optimizer = optax.adam(1e-2)

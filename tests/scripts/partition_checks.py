@@ -1,5 +1,5 @@
 """Tensor parallelism next to FSDP on 8 simulated CPU devices, run in a fresh
-process by test_parity.py (the device count is fixed when JAX starts).
+process by test_sharding_tp.py (the device count is fixed when JAX starts).
 
 Prints one JSON object of measurements; the test asserts on it.
 """
@@ -21,7 +21,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec  # noqa: E402
 
 from eqxscan import sharding  # noqa: E402
 from tests.helpers import collectives  # noqa: E402
-from tests.partition_model import (  # noqa: E402
+from tests.scripts.partition_model import (  # noqa: E402
     AXES,
     make_problem,
     max_rel,

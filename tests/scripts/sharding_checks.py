@@ -25,7 +25,7 @@ from jax.sharding import AxisType  # noqa: E402
 import eqxscan  # noqa: E402
 from eqxscan import sharding  # noqa: E402
 from tests.helpers import collectives, max_rel_err  # noqa: E402
-from tests.training import make_train_step  # noqa: E402
+from tests.scripts.training import make_train_step  # noqa: E402
 
 
 # Strict rank promotion as in the test process; dtype promotion stays standard

@@ -1,0 +1,147 @@
+"""Rematerialisation (`ScanCheckpoint`): nested remat shapes, saving or
+offloading carries and inputs, and checkpointing over time."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import pytest
+
+import eqxscan
+
+from .helpers import (
+    Block,
+    D,
+    elman,
+    HID,
+    IN,
+    L,
+    make_stack,
+    MemoryCell,
+    MODES,
+    tree_allclose,
+    value_and_grads,
+)
+
+
+# ---- nested remat shapes
+
+
+@pytest.mark.parametrize(
+    "nested, outer_carries", [(2, 2), (3, 3), ((2, 2, 3), 2), ((3, 4), 3)]
+)
+def test_nested_shapes(nested, outer_carries, getkey):
+    layers = 12
+    stack = eqxscan.Stacked(lambda k: Block(k), layers, key=getkey())
+    x = jr.normal(getkey(), (D,))
+    policy = eqxscan.ScanCheckpoint(nested=nested)
+    loss = lambda s, x: jnp.sum(jnp.sin(s(x)))
+    want = arrays(jax.value_and_grad(loss, argnums=(0, 1))(stack, x))
+    for mode in MODES:
+        s = stack.with_options(checkpoint=policy, mode=mode)
+        got = arrays(jax.value_and_grad(loss, argnums=(0, 1))(s, x))
+        assert tree_allclose(got, want, rtol=1e-4), (mode, nested)
+    # Only the carries at the outermost block boundaries are kept; inner levels
+    # are recomputed block by block.
+    shapes = residual_shapes(loss, stack.with_options(checkpoint=policy), x)
+    assert (outer_carries, D) in shapes and (layers, D) not in shapes, shapes
+
+
+def arrays(tree):
+    """The array leaves only: the gradients of two stacks differ in options."""
+    return jax.tree.leaves(eqx.filter(tree, eqx.is_array))
+
+
+def residual_shapes(fn, *args):
+    from jax._src.ad_checkpoint import saved_residuals
+
+    return [tuple(aval.shape) for aval, _ in saved_residuals(fn, *args)]
+
+
+def test_nested_errors(getkey):
+    stack = make_stack(getkey)
+    with pytest.raises(ValueError, match=r"nested=\(2, 3\)\) has 6 steps.*has 4"):
+        stack.with_options(checkpoint=eqxscan.ScanCheckpoint(nested=(2, 3)))(
+            jnp.ones(D)
+        )
+    with pytest.raises(ValueError, match="two or more positive int lengths"):
+        eqxscan.ScanCheckpoint(nested=(4,))
+    with pytest.raises(ValueError, match="block count must be >= 1"):
+        eqxscan.ScanCheckpoint(nested=0)
+
+
+# ---- carries and inputs: save / offload
+
+
+def test_checkpoint_carries_and_inputs(getkey):
+    stack = make_stack(getkey)
+    x = jr.normal(getkey(), (D,))
+    loss = lambda s, x: jnp.sum(jnp.sin(s(x)))
+    want = arrays(jax.value_and_grad(loss, argnums=(0, 1))(stack, x))
+
+    def run(**options):
+        policy = eqxscan.ScanCheckpoint(**options)
+        s = stack.with_options(checkpoint=policy)
+        got = arrays(jax.value_and_grad(loss, argnums=(0, 1))(s, x))
+        assert tree_allclose(got, want, rtol=1e-4), options
+        from jax._src.ad_checkpoint import saved_residuals
+
+        return [(aval.str_short(), src) for aval, src in saved_residuals(loss, s, x)]
+
+    def made(residuals, shape):
+        # Residuals the forward pass made (not the arguments), of one type.
+        return [src for a, src in residuals if a == shape and "argument" not in src]
+
+    carries, weights = f"float32[{L},{D}]", f"float32[{L},{D},{D}]"
+    full = run(policy=True)  # full remat still keeps each step's carry
+    assert made(full, carries) and not made(full, weights), full
+    offloaded = run(policy=True, save_carries="offload")
+    assert made(offloaded, f"float32<host>[{L},{D}]"), offloaded
+    assert not made(offloaded, carries), offloaded
+    # Inputs: by default read again from the stacked weights; saved, a copy of
+    # each layer as the step used it (after an FSDP gather); or offloaded.
+    assert made(run(policy=True, save_inputs=True), weights)
+    offloaded = run(policy=True, save_inputs="offload")
+    assert made(offloaded, f"float32<host>[{L},{D},{D}]"), offloaded
+    # Recomputed carries: only those at the block boundaries (2 blocks of 2).
+    recomputed = run(save_carries=False)
+    assert not made(recomputed, carries), recomputed
+    assert made(recomputed, f"float32[2,{D}]"), recomputed
+    # Combined with any jax policy, and with mode="loop".
+    run(policy=jax.checkpoint_policies.dots_saveable, save_carries="offload")
+    s = stack.with_options(
+        checkpoint=eqxscan.ScanCheckpoint(save_carries="offload"), mode="loop"
+    )
+    got = arrays(jax.value_and_grad(loss, argnums=(0, 1))(s, x))
+    assert tree_allclose(got, want, rtol=1e-4)
+
+
+def test_checkpoint_policy_errors(getkey):
+    # (A runtime type checker may catch these first, by the annotations.)
+    with pytest.raises((TypeError, ValueError), match=r"save_carries"):
+        eqxscan.ScanCheckpoint(save_carries="host")
+    with pytest.raises((TypeError, ValueError), match=r"policy"):
+        eqxscan.ScanCheckpoint(policy="nested")
+    with pytest.raises((TypeError, ValueError), match="checkpoint"):
+        make_stack(getkey, checkpoint="everything")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_scan_checkpoint_over_time(mode, getkey):
+    cell = MemoryCell(elman(getkey()))
+    h0, xs = jr.normal(getkey(), (HID,)), jr.normal(getkey(), (6, IN))
+    memory = jr.normal(getkey(), (HID, HID))
+
+    def run(checkpoint, reverse):
+        rnn = eqxscan.Recurrent(cell, mode=mode, checkpoint=checkpoint, reverse=reverse)
+        return value_and_grads(
+            lambda h, m: rnn(h, xs, m, cell_kwargs={"scale": 0.5}), h0, memory
+        )
+
+    for reverse in (False, True):
+        want = run(False, reverse)
+        for policy in (
+            eqxscan.ScanCheckpoint(nested=(2, 3), save_carries="offload"),
+            eqxscan.ScanCheckpoint(nested=4, save_inputs=True),
+        ):
+            assert tree_allclose(run(policy, reverse), want, rtol=1e-4), policy
