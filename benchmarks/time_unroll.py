@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import eqxscan
-from eqxscan.remat._timing import time_interleaved
+from eqxscan.remat import time_interleaved
 
 
 CELLS = {"gru": eqx.nn.GRUCell, "lstm": eqx.nn.LSTMCell, "elman": eqxscan.ElmanCell}

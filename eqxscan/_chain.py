@@ -8,7 +8,6 @@ from typing import Any, NamedTuple, overload, SupportsIndex, Unpack
 
 import equinox as eqx
 import jax.numpy as jnp
-import jax.random as jr
 import jax.tree_util as jtu
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
@@ -19,7 +18,9 @@ from ._checks import (
     describe,
     first_difference,
     noted,
+    split_key,
 )
+from ._eager import compiled_when_eager
 from ._grouping import explain, warn_identity
 from ._options import ScanArgs, Scanning, ScanOptions
 from ._plan import Plan, plan, stack_classes
@@ -397,7 +398,11 @@ class Period(eqx.Module):
     ) -> PyTree:
         """Run the `K` layers in order, as a `Chain` of them runs (`key` split
         into `K`, `per_layer` arguments with leading axis `K`)."""
-        keys = None if key is None else jr.split(key, self.num_layers)
+        keys = (
+            None
+            if key is None
+            else split_key(key, self.num_layers, type(self).__name__)
+        )
         call = _Call(args, kwargs, keys, False, False, None)
         return run_groups(self.groups, self.layout, x, call, "Unit")[0]
 
@@ -573,6 +578,7 @@ class Chain(Scanning):
         groups = _set_options(self.groups, self.layout, options)
         return eqx.tree_at(lambda c: (c.groups, c.options), self, (groups, options))
 
+    @compiled_when_eager
     def __call__(
         self,
         x: PyTree,
@@ -613,6 +619,7 @@ class Chain(Scanning):
         reverse = check_bool("reverse", reverse)
         return self._fold(x, args, kwargs, key, False, reverse, method)[0]
 
+    @compiled_when_eager
     def scan(
         self,
         x: PyTree,
@@ -655,6 +662,10 @@ class Chain(Scanning):
                 check_method(method, layer)
         else:
             check_method(method, None)
-        keys = None if key is None else jr.split(key, self.num_layers)
+        keys = (
+            None
+            if key is None
+            else split_key(key, self.num_layers, type(self).__name__)
+        )
         call = _Call(args, kwargs, keys, pairs, reverse, method)
         return run_groups(self.groups, self.layout, x, call, "Chain")

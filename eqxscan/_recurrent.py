@@ -18,7 +18,9 @@ from ._checks import (
     check_option,
     check_takes_key,
     describe,
+    split_key,
 )
+from ._eager import compiled_when_eager
 from ._engine import run
 from ._options import ScanArgs, Scanning, ScanOptions
 from ._remat import name_inputs
@@ -344,6 +346,7 @@ class Recurrent(Scanning):
         reverse = own.get("reverse", self.reverse)
         return Recurrent(self.cell, reverse=reverse, **options.as_args())  # type: ignore[arg-type]
 
+    @compiled_when_eager
     def __call__(
         self,
         h0: PyTree,
@@ -448,7 +451,7 @@ class Recurrent(Scanning):
             )
             check_takes_key(self.cell, "Recurrent", per)
             if not run_.broadcast_key:
-                keys = jr.split(key, length)
+                keys = split_key(key, length, type(self).__name__)
         # Position of each step in consumption order, for the truncation blocks.
         order = None
         if k is not None:
@@ -586,6 +589,7 @@ class Bidirectional(eqx.Module):
         self.forward = _as_recurrent(forward, False, "forward")
         self.backward = _as_recurrent(backward, True, "backward")
 
+    @compiled_when_eager
     def __call__(
         self,
         h0: PyTree,  # checked to be a pair below, with a clearer message

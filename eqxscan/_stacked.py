@@ -27,7 +27,6 @@ from typing import (
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import jax.random as jr
 import jax.tree_util as jtu
 from jax.sharding import Sharding
 from jaxtyping import Array, PRNGKeyArray, PyTree
@@ -42,8 +41,10 @@ from ._checks import (
     check_takes_key,
     describe,
     noted,
+    split_key,
 )
 from ._constrain import check_layer_sharding, constrain, layers_may_be_sharded
+from ._eager import compiled_when_eager
 from ._engine import run
 from ._options import ScanArgs, Scanning, ScanOptions
 from ._remat import name_inputs
@@ -489,6 +490,7 @@ class Stacked(Scanning, Generic[LayerT]):
         ]
         return restack(self, layers=jtu.tree_unflatten(treedef, new))
 
+    @compiled_when_eager
     def __call__(
         self,
         x: PyTree,
@@ -525,10 +527,15 @@ class Stacked(Scanning, Generic[LayerT]):
         """
         check_method(method, self.layers)
         reverse = check_bool("reverse", reverse)
-        keys = None if key is None else jr.split(key, self.num_layers)
+        keys = (
+            None
+            if key is None
+            else split_key(key, self.num_layers, type(self).__name__)
+        )
         call = LayerCall(args, kwargs, keys, carry_only, reverse, method)
         return scan_layers(self, x, call)[0]
 
+    @compiled_when_eager
     def scan(
         self,
         x: PyTree,
@@ -548,7 +555,11 @@ class Stacked(Scanning, Generic[LayerT]):
         """
         check_method(method, self.layers)
         reverse = check_bool("reverse", reverse)
-        keys = None if key is None else jr.split(key, self.num_layers)
+        keys = (
+            None
+            if key is None
+            else split_key(key, self.num_layers, type(self).__name__)
+        )
         call = LayerCall(args, kwargs, keys, stacked_pair, reverse, method)
         return scan_layers(self, x, call)
 
@@ -578,7 +589,11 @@ class Stacked(Scanning, Generic[LayerT]):
         do not apply: nothing is scanned.
         """
         check_method(method, self.layers)
-        keys = None if key is None else jr.split(key, self.num_layers)
+        keys = (
+            None
+            if key is None
+            else split_key(key, self.num_layers, type(self).__name__)
+        )
         return vmap_layers(
             self, x, LayerCall(args, kwargs, keys, carry_only, False, method)
         )
@@ -601,7 +616,7 @@ def _build(
         ]
         return make_layer(k, *call_args)
 
-    return eqx.filter_vmap(one)(jr.split(key, num_layers), per_dyn)
+    return eqx.filter_vmap(one)(split_key(key, num_layers, "Stacked"), per_dyn)
 
 
 def restack(stack: Stacked[LayerT], **changes: object) -> Stacked[LayerT]:

@@ -39,3 +39,22 @@ def test_split_key_names_what_it_got(key, shown, hint):
 def test_describe_reads_key_arrays():
     assert describe(jax.random.split(jax.random.key(0), 2)) == "key<fry>[2]"
     assert describe(np.zeros((2, 3), np.float32)) == "float32[2,3]"
+
+
+def test_entry_points_name_a_wrong_key():
+    import equinox as eqx
+    import jax.numpy as jnp
+
+    import eqxscan
+
+    batch = jax.random.split(jax.random.key(0), 3)
+    with pytest.raises(TypeError, match="key"):
+        eqxscan.Stacked(lambda k: eqx.nn.Linear(2, 2, key=k), 3, key=0)
+    stack = eqxscan.Stacked(
+        lambda k: eqx.nn.Linear(2, 2, key=k), 3, key=jax.random.key(0)
+    )
+    with pytest.raises(TypeError, match="key"):
+        stack(jnp.ones(2), key=batch)
+    rnn = eqxscan.Recurrent(eqxscan.ElmanCell(2, 2, key=jax.random.key(0)))
+    with pytest.raises(TypeError, match="key"):
+        rnn(jnp.zeros(2), jnp.ones((4, 2)), key=np.zeros(3, np.uint32))

@@ -27,6 +27,7 @@ import pytest
 
 import eqxscan
 from eqxscan import sharding
+from eqxscan.sharding._create import lower_create
 
 from .helpers import script_path
 from .scripts.training import make_train_step
@@ -390,9 +391,7 @@ def test_create_on_one_process(getkey):
     assert_close(by_path(model), want, 1e-6)
     total = sum(x.nbytes for x in want.values())
     memory = (
-        sharding.lower_create(make_model, key, mesh=mesh, min_size=0)
-        .compile()
-        .memory_analysis()
+        lower_create(make_model, key, mesh=mesh, min_size=0).compile().memory_analysis()
     )
     assert memory.output_size_in_bytes <= total / 2 + 64
     # Static arguments and keyword arguments reach the constructor.

@@ -13,6 +13,7 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, jaxtyped, PRNGKeyArray, TypeCheckError
 
 from .._checks import check_size, describe
+from .._eager import compiled_when_eager
 from .._options import ScanArgs, Scanning, ScanOptions
 from .._stacked import restack, Stacked
 
@@ -238,6 +239,7 @@ class StackedMLP(Scanning):
     def dtype(self) -> Any:
         return self.blocks.layers.w1.dtype
 
+    @compiled_when_eager
     def __call__(
         self,
         x: Float[Array | np.ndarray, "*batch D"],

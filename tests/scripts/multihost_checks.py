@@ -43,6 +43,7 @@ jax.config.update("jax_num_cpu_devices", 8 if args.role == "eight" else 4)
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 from eqxscan import sharding  # noqa: E402
+from eqxscan.sharding._create import lower_create  # noqa: E402
 
 
 if args.role != "eight":
@@ -143,9 +144,7 @@ def two() -> dict:
     ).tolist()
 
     # Sharded creation: the program's output per device, and the values.
-    lowered = sharding.lower_create(
-        make_model, jax.random.key(0), mesh=mesh, min_size=0
-    )
+    lowered = lower_create(make_model, jax.random.key(0), mesh=mesh, min_size=0)
     memory = lowered.compile().memory_analysis()
     model, opt_state = start(mesh)
     results["create_output_bytes"] = memory.output_size_in_bytes

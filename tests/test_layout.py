@@ -1,0 +1,59 @@
+"""The package's shape: no import circles, the bench on public names only, and
+the version from one place."""
+
+import importlib.util
+import tomllib
+from pathlib import Path
+
+import eqxscan
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _structure():
+    spec = importlib.util.spec_from_file_location(
+        "structure", ROOT / "benchmarks" / "structure.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _graph():
+    structure = _structure()
+    mods = structure.modules(ROOT / "eqxscan")
+    return (
+        structure,
+        mods,
+        {m: structure.imports(m, p, set(mods)) for m, p in mods.items()},
+    )
+
+
+def test_circles_are_found():
+    # The detector itself: a two-module circle is reported.
+    structure = _structure()
+    assert structure.circles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+    assert structure.circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circles():
+    structure, _, graph = _graph()
+    assert structure.circles(graph) == []
+
+
+def test_bench_uses_public_names_only():
+    _, _, graph = _graph()
+    reached = sorted(
+        (m, t)
+        for m, targets in graph.items()
+        if m.startswith("eqxscan.bench")
+        for t in targets
+        if not t.startswith("eqxscan.bench") and "._" in t
+    )
+    assert reached == []
+
+
+def test_version_from_metadata():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert eqxscan.__version__ == project["version"]
