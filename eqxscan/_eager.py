@@ -30,13 +30,26 @@ def _traced(tree: object) -> bool:
 def compiled_when_eager(method: Callable[P, R]) -> Callable[P, R]:
     """Decorate a scanning module's call method so that an eager call runs
     through one cached `eqx.filter_jit` of it (see the module docstring)."""
-    jitted = eqx.filter_jit(method)
+
+    def typed(kinds: tuple[type, ...], *args: P.args, **kwargs: P.kwargs) -> R:
+        del kinds  # only part of the cache's key
+        return method(*args, **kwargs)
+
+    jitted = eqx.filter_jit(typed)
 
     @functools.wraps(method)
     def call(*args: P.args, **kwargs: P.kwargs) -> R:
         module = args[0]
         if getattr(module, "mode", "scan") == "loop" or _traced((args, kwargs)):
             return method(*args, **kwargs)
-        return jitted(*args, **kwargs)
+        # `filter_jit` keys its cache by the non-array leaves' hash and equality,
+        # under which True == 1 == 1.0: their types join the key, so that a value
+        # the method would refuse never reuses the program of one it accepted.
+        kinds = tuple(
+            type(leaf)
+            for leaf in jtu.tree_leaves((args, kwargs))
+            if not eqx.is_array(leaf)
+        )
+        return jitted(kinds, *args, **kwargs)
 
     return call

@@ -86,3 +86,13 @@ def test_other_values_compile_nothing_and_loop_stays_eager():
     loop(jnp.ones(8))
     # The debugging path runs each layer's Python at every call.
     assert len(calls) == 6
+
+
+def test_values_equal_across_types_are_checked_again():
+    # True == 1 under hashing: a refused value must not reuse an accepted one's
+    # program.
+    rnn = eqxscan.Recurrent(eqx.nn.GRUCell(2, 3, key=jax.random.key(0)))
+    h0, xs = jnp.zeros(3), jnp.ones((4, 2))
+    rnn(h0, xs, truncate=1)
+    with pytest.raises(TypeError, match="truncate"):
+        rnn(h0, xs, truncate=True)

@@ -111,12 +111,12 @@ def test_dropout_keys(getkey):
     loop = eqx.tree_at(
         lambda m: m.blocks, model, model.blocks.with_options(mode="loop")
     )
-    assert jnp.allclose(y_scan, loop(x, key=key), rtol=1e-6)
+    assert jnp.allclose(y_scan, loop(x, key=key), rtol=1e-5, atol=1e-6)
     # Each layer gets its own key: the same as calling the blocks with split keys.
     ref = x
     for block, k in zip(model.blocks.unstack(), jr.split(key, 3), strict=True):
         ref = block(ref, key=k)
-    assert jnp.allclose(y_scan, ref, rtol=1e-6)
+    assert jnp.allclose(y_scan, ref, rtol=1e-5, atol=1e-6)
     # Inference mode needs no key and equals the dropout-free computation.
     inference = eqx.nn.inference_mode(model)
     layers = model.blocks.layers
