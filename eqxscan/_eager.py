@@ -23,10 +23,6 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-def _traced(tree: object) -> bool:
-    return any(isinstance(leaf, jax.core.Tracer) for leaf in jtu.tree_leaves(tree))
-
-
 def compiled_when_eager(method: Callable[P, R]) -> Callable[P, R]:
     """Decorate a scanning module's call method so that an eager call runs
     through one cached `eqx.filter_jit` of it (see the module docstring)."""
@@ -39,17 +35,15 @@ def compiled_when_eager(method: Callable[P, R]) -> Callable[P, R]:
 
     @functools.wraps(method)
     def call(*args: P.args, **kwargs: P.kwargs) -> R:
-        module = args[0]
-        if getattr(module, "mode", "scan") == "loop" or _traced((args, kwargs)):
+        if getattr(args[0], "mode", "scan") == "loop":
+            return method(*args, **kwargs)
+        leaves = jtu.tree_leaves((args, kwargs))  # one flatten for both checks
+        if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
             return method(*args, **kwargs)
         # `filter_jit` keys its cache by the non-array leaves' hash and equality,
         # under which True == 1 == 1.0: their types join the key, so that a value
         # the method would refuse never reuses the program of one it accepted.
-        kinds = tuple(
-            type(leaf)
-            for leaf in jtu.tree_leaves((args, kwargs))
-            if not eqx.is_array(leaf)
-        )
+        kinds = tuple(type(leaf) for leaf in leaves if not eqx.is_array(leaf))
         return jitted(kinds, *args, **kwargs)
 
     return call
