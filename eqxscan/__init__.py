@@ -18,6 +18,7 @@ from . import (
     sharding as sharding,
 )
 from ._chain import Chain as Chain
+from ._exit import run_layers as run_layers, run_until as run_until
 from ._options import (
     Checkpoint as Checkpoint,
     Mode as Mode,

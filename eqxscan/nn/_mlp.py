@@ -10,10 +10,11 @@ import jax.random as jr
 import numpy as np
 from beartype import beartype
 from jax.typing import DTypeLike
-from jaxtyping import Array, Float, jaxtyped, PRNGKeyArray, TypeCheckError
+from jaxtyping import Array, Float, Int, jaxtyped, PRNGKeyArray, TypeCheckError
 
 from .._checks import check_size, describe
 from .._eager import compiled_when_eager
+from .._exit import Bound, Layers, Predicate, run_layers, run_until
 from .._options import ScanArgs, Scanning, ScanOptions
 from .._stacked import restack, Stacked
 
@@ -256,6 +257,55 @@ class StackedMLP(Scanning):
 
         `[..., D]`, same dtype.
         """
+        x = self._checked(x, key)
+        return self.blocks(x, key=key)
+
+    def run_until(
+        self,
+        x: Float[Array | np.ndarray, "*batch D"],
+        predicate: Predicate,
+        *,
+        per_example: bool = False,
+        min_layers: Bound = 0,
+        max_layers: Bound | None = None,
+        key: PRNGKeyArray | None = None,
+    ) -> tuple[Float[Array, "*batch D"], Int[Array, ""] | Int[Array, " B"]]:
+        """Run the blocks until `predicate(x)` holds: early exit at inference,
+        one compiled program for every exit depth. As [`eqxscan.run_until`][]
+        on `model.blocks`, after the input checks of a call.
+
+        **Returns:**
+
+        `(x, layers_run)`: `[..., D]` and an `int32` scalar (`[B]` with
+        `per_example=True`, over the leading axis of `x`).
+        """
+        x = self._checked(x, key)
+        return run_until(
+            self.blocks,
+            x,
+            predicate,
+            per_example=per_example,
+            min_layers=min_layers,
+            max_layers=max_layers,
+            key=key,
+        )
+
+    def run_layers(
+        self,
+        x: Float[Array | np.ndarray, "*batch D"],
+        layers: Layers,
+        *,
+        key: PRNGKeyArray | None = None,
+    ) -> Float[Array, "*batch D"]:
+        """Run only the chosen blocks (a slice, ints, or a traced index array),
+        as [`eqxscan.run_layers`][] on `model.blocks`, after the input checks
+        of a call; layer `i` keeps the dropout key of a full call."""
+        x = self._checked(x, key)
+        return run_layers(self.blocks, x, layers, key=key)
+
+    def _checked(self, x: object, key: PRNGKeyArray | None) -> Array:
+        """`x` as an array, after checking its width, its dtype, and that a key
+        is given when dropout is active."""
         x = jnp.asarray(x)
         try:
             _input_shape(self.blocks.layers.w1, x)
@@ -278,7 +328,7 @@ class StackedMLP(Scanning):
                 "so it needs a `key`; pass `key=...` or use "
                 "`eqx.nn.inference_mode(model)`."
             )
-        return self.blocks(x, key=key)
+        return x
 
 
 def check_stacked_mlp(model: StackedMLP) -> None:
