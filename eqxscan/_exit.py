@@ -402,7 +402,7 @@ def run_until(
     `min_layers` layers have run; the run stops when it holds, or after
     `max_layers` layers. As a Python loop:
 
-    ```python
+    ```text
     n = 0
     while n < max_layers and not (n >= min_layers and predicate(x)):
         x = layer[n](x, key=keys[n]); n += 1
