@@ -27,7 +27,9 @@ from ._checks import (
     noted,
     split_key,
 )
-from ._constrain import constrain
+from ._constrain import constrain, layers_may_be_sharded
+from ._engine import run
+from ._remat import name_inputs
 from ._stacked import (
     call_layer,
     carry_only,
@@ -542,6 +544,54 @@ def _take_args(values: Sequence[object], idx: object) -> list[object]:
     ]
 
 
+def _scan_gathered(
+    stack: Stacked,
+    x: PyTree,
+    idx: Int[Array, " n"],
+    args: tuple,
+    kwargs: dict[str, object],
+    keys: Array | None,
+    method: Method | None,
+) -> PyTree:
+    """Scan the layers `idx` (traced) of `stack`: each step gathers its one
+    layer's weights and `per_layer` slices from the whole stack, so no copy of
+    the chosen layers is made; gradients scatter back to the chosen layers."""
+    name = type(stack.layers).__name__
+    options = stack.options
+
+    def step(carry: PyTree, xs: tuple) -> tuple[PyTree, None]:
+        i, k = xs
+        layer = _index(stack.layers, i)
+        dyn, static = eqx.partition(layer, eqx.is_array)
+        if stack.layer_sharding is not None:
+            dyn = constrain(dyn, stack.layer_sharding)
+        a = tuple(_pick(v, i) for v in args)
+        kw = {n: _pick(v, i) for n, v in kwargs.items()}
+        dyn, a, kw = name_inputs((dyn, a, kw), options.scan_checkpoint)
+        out = call_layer(eqx.combine(dyn, static), method, carry, a, kw, k, "Stacked")
+        return out, None
+
+    def where(i: int | None) -> str:
+        if i is None:
+            return f"The stacked layer {name} (one body for the chosen layers)"
+        return f"Chosen layer {i} ({name})"
+
+    gathered = stack.layer_sharding is not None or layers_may_be_sharded(
+        eqx.filter(stack.layers, eqx.is_array)
+    )
+    sub_keys = None if keys is None else keys[idx]
+    n = int(idx.shape[0])
+    return run(
+        step,
+        x,
+        (idx, sub_keys),
+        length=n,
+        options=options,
+        where=where,
+        gathered=gathered,
+    )[0]
+
+
 def run_layers(
     model: Stacked | Chain,
     x: PyTree,
@@ -575,10 +625,12 @@ def run_layers(
 
     The carry after the chosen layers.
 
-    A `Stacked` gathers the chosen layers' weights (`L` chosen of `n`: a copy
-    of `n` layers) and scans them with its own options (`mode`, `checkpoint=`,
-    `unroll`), so this differentiates like a call: only the chosen layers get
-    gradients (a repeated layer the sum). A `Chain`'s layers differ, so it
+    A `Stacked` scans the chosen layers with its own options (`mode`,
+    `checkpoint=`, `unroll`), so this differentiates like a call: only the
+    chosen layers get gradients (a repeated layer the sum). Static choices are
+    sliced out of the stacked weights first; with an index array each scan
+    step reads its one layer from the whole stack (no copy of the chosen
+    layers). A `Chain`'s layers differ, so it
     takes static choices only, and each choice is grouped and compiled afresh.
     """
     _check_model(model, "run_layers")
@@ -597,6 +649,10 @@ def run_layers(
         idx: object = _dynamic_indices(layers, length, who)
     else:
         idx = _static_indices(layers, length, who)
+    if isinstance(layers, jax.Array):
+        check_method(method, model.layers)
+        model.check_layer_axis("run")
+        return _scan_gathered(model, x, idx, args, kwargs, keys, method)
     names = list(kwargs)
     picked = _take_args(list(args) + [kwargs[n] for n in names], idx)
     sub_args = tuple(picked[: len(args)])

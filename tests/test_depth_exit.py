@@ -262,7 +262,9 @@ def test_stacked_mlp_run_until_and_run_layers():
     np.testing.assert_allclose(sub, traj[2], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("checkpoint", ["auto", True])
+@pytest.mark.parametrize(
+    "checkpoint", ["auto", eqxscan.ScanCheckpoint(policy=True, save_inputs=False)]
+)
 def test_run_layers_values_and_grads_traced_indices(stack, checkpoint):
     stack = stack.with_options(checkpoint=checkpoint)
     x = jnp.ones(D)
@@ -305,12 +307,31 @@ def test_run_layers_slice_matches_full_run_and_loop(stack):
     for i in (1, 2):
         want = stack[i](want, key=full_keys[i])
     for s in (stack, stack.with_options(mode="loop")):
-        got = eqxscan.run_layers(s, x, slice(1, 3), key=key)
-        np.testing.assert_allclose(got, want, rtol=1e-6)
+        for layers in (slice(1, 3), jnp.array([1, 2])):
+            got = eqxscan.run_layers(s, x, layers, key=key)
+            np.testing.assert_allclose(got, want, rtol=1e-6)
     # The whole range is the full call.
     np.testing.assert_allclose(
         eqxscan.run_layers(stack, x, slice(None), key=key), stack(x, key=key), rtol=1e-6
     )
+
+
+def test_chain_run_until_per_example():
+    layers = _chain_layers()
+    chain = eqxscan.Chain(layers)
+    x = jnp.array([[0.1] * 3, [1.0] * 3, [2.0] * 3])
+    t = 12.0
+    rows = lambda layer, c: jax.vmap(layer)(c)  # noqa: E731
+    pred = lambda c: jnp.sum(c, axis=-1) > t  # noqa: E731
+    got, n = eqxscan.run_until(chain, x, pred, per_example=True, method=rows)
+    loop, k = eqxscan.run_until(
+        chain.with_options(mode="loop"), x, pred, per_example=True, method=rows
+    )
+    wants = [_hand_until(layers, row, lambda r: jnp.sum(r) > t) for row in x]
+    assert n.tolist() == k.tolist() == [m for _, m in wants]
+    assert len(set(n.tolist())) == 3
+    np.testing.assert_allclose(got, jnp.stack([w for w, _ in wants]), rtol=1e-6)
+    np.testing.assert_allclose(loop, got, rtol=1e-6)
 
 
 def test_chain_run_layers_static():
