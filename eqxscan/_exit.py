@@ -295,9 +295,7 @@ def _run_stack(
             f"{first + stack.num_layers - 1})"
         )
         fn = _stack_layer(stack, j, args, kwargs, keys, method, ex.who)
-        if ex.masked:
-            return _advance(ex, s, fn, c_static, where)
-        # The while loop runs only while active: no `cond` needed.
+        # The while loop runs a layer only while the run is active: no `cond`.
         return noted(_advance, where, ex, s, fn, c_static, where)
 
     return _repeat(ex, state, stack.num_layers, body)
@@ -446,7 +444,8 @@ def run_until(
     `mode="loop"` (the reference) every layer runs in Python and its result is
     discarded after the exit. `checkpoint=` has no effect: nothing is saved for
     a backward pass. Under `jax.vmap` a whole-batch exit becomes per mapped
-    example, as for `while_loop`.
+    example, as for `while_loop`. Stateful layers (an `eqx.nn.State`
+    argument) are not supported.
     """
     _check_model(model, "run_until")
     who = f"run_until of a {type(model).__name__}"
@@ -632,6 +631,7 @@ def run_layers(
     step reads its one layer from the whole stack (no copy of the chosen
     layers). A `Chain`'s layers differ, so it
     takes static choices only, and each choice is grouped and compiled afresh.
+    Stateful layers (an `eqx.nn.State` argument) are not supported.
     """
     _check_model(model, "run_layers")
     who = f"run_layers of a {type(model).__name__}"
