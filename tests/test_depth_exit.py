@@ -381,3 +381,26 @@ def test_bad_inputs(stack):
         eqxscan.run_layers(stack, x, [9])
     assert len(str(info.value).splitlines()) == 2  # a headline and a hint
     assert str(info.value).splitlines()[1].startswith("Hint:")
+
+
+def test_fsdp_sharded_stack_gathers_one_layer_per_step():
+    # FSDP: the weights are split over two devices and each step gathers its
+    # one layer (`layer_sharding`); results match the unsharded model.
+    mesh = eqxscan.sharding.make_mesh(fsdp=2)
+    model = eqxscan.StackedMLP(8, 4, key=jr.key(10))
+    sharded, _, _ = eqxscan.sharding.shard(model, mesh=mesh, min_size=0)
+    assert sharded.blocks.layer_sharding is not None
+    x = jr.normal(jr.key(11), (2, 8))
+    t = 1.5 * float(jnp.linalg.norm(x))
+
+    @eqx.filter_jit
+    def both(m, x, idx):
+        y, n = m.run_until(x, lambda c: jnp.linalg.norm(c) > t)
+        return y, n, m.run_layers(x, idx)
+
+    idx = jnp.array([3, 1])
+    got = both(sharded, x, idx)
+    want = both(model, x, idx)
+    assert int(got[1]) == int(want[1])
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got[2], want[2], rtol=1e-5, atol=1e-6)
