@@ -445,7 +445,9 @@ def run_until(
     discarded after the exit. `checkpoint=` has no effect: nothing is saved for
     a backward pass. Under `jax.vmap` a whole-batch exit becomes per mapped
     example, as for `while_loop`. Stateful layers (an `eqx.nn.State`
-    argument) are not supported.
+    argument) are not supported. Called outside `jit`, every call compiles
+    afresh: call it inside `eqx.filter_jit`, with what the predicate compares
+    against as an argument (one program for every value).
     """
     _check_model(model, "run_until")
     who = f"run_until of a {type(model).__name__}"
