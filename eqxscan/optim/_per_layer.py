@@ -227,12 +227,14 @@ def per_layer(
         stack = eqxscan.Stacked(
             lambda k: eqx.nn.Linear(8, 8, key=k), 4, key=jax.random.key(0)
         )
-        optimiser = eqxscan.optim.per_layer(optax.contrib.muon(1e-2))
+        # Each layer's weight clipped to RMS 0.1 on its own, not the stack's.
+        optimiser = eqxscan.optim.per_layer(optax.clip_by_block_rms(0.1))
         params = eqx.filter(stack, eqx.is_inexact_array)
-        state = optimiser.init(params)  # each layer's [8, 8] weight gets Muon
+        state = optimiser.init(params)
         grads = eqx.filter_grad(lambda m: jnp.sum(m(jnp.ones(8)) ** 2))(stack)
         updates, state = optimiser.update(grads, state, params)
-        stack = eqx.apply_updates(stack, updates)
+        rms = jnp.sqrt(jnp.mean(updates.layers.weight**2, axis=(1, 2)))
+        assert rms.shape == (4,) and (rms <= 0.1 + 1e-6).all()
         ```
 
     **Arguments:**
