@@ -1,0 +1,269 @@
+"""`per_layer`: any optax transformation run on each layer of a stack on its own.
+
+An optax transformation that reasons per array (Muon's `ndim == 2` rule, LAMB and
+LARS trust ratios, `clip_by_block_rms`, Adafactor's factored moments, masks that
+read `ndim`) sees one `[L, ...]` array where the unstacked model had `L` arrays.
+`per_layer` gives it back the layers: it runs the transformation under
+`jax.vmap` over each stack's layer axis, and once more, unbatched, on the arrays
+outside every stack.
+"""
+
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+import optax
+from jaxtyping import PyTree
+
+from .._stacked import Stacked
+
+
+class PerLayerState(NamedTuple):
+    """The state of [`eqxscan.optim.per_layer`][].
+
+    - `rest`: the inner transformation's state for the arrays outside every
+      `Stacked`.
+    - `stacks`: one state per outermost `Stacked` of the parameters, in
+      `jax.tree_util` order: the inner transformation's state (a
+      `PerLayerState` again where the layers hold stacks), each array with the
+      stack's layer axis in front (the state of layer `i` is row `i`).
+      Per-parameter buffers (Adam's `mu`, `nu`, ...) are laid out like the
+      whole parameter tree, `None` outside their stack, so they match the
+      parameters as optax's own states do (e.g. for
+      [`eqxscan.sharding.opt_state_shardings`][]).
+    """
+
+    rest: optax.OptState
+    stacks: tuple[optax.OptState, ...]
+
+
+def _is_stacked(x: object) -> bool:
+    return isinstance(x, Stacked)
+
+
+def _is_placeholder(x: object) -> bool:
+    # Where a parameter tree holds no array: `None` (eqx.filter) or optax's
+    # `MaskedNode` (optax.masked).
+    return x is None or isinstance(x, optax.MaskedNode)
+
+
+def _stacks(tree: PyTree) -> list[tuple[str, Stacked]]:
+    """The outermost `Stacked`s of `tree` with their key paths, in leaf order."""
+    found = jtu.tree_flatten_with_path(tree, is_leaf=_is_stacked)[0]
+    return [(jtu.keystr(path), node) for path, node in found if _is_stacked(node)]
+
+
+def _outside(tree: PyTree) -> PyTree:
+    """`tree` with every array inside a `Stacked` replaced by `None`."""
+
+    def clear(node: object) -> object:
+        return jtu.tree_map(lambda _: None, node) if _is_stacked(node) else node
+
+    return jtu.tree_map(clear, tree, is_leaf=_is_stacked)
+
+
+def _with_layers(tree: PyTree, new: dict[int, PyTree]) -> PyTree:
+    """`tree` with the layers of its `j`-th outermost `Stacked` set to `new[j]`."""
+    nodes, treedef = jtu.tree_flatten(tree, is_leaf=_is_stacked)
+    j = 0
+    for i, node in enumerate(nodes):
+        if _is_stacked(node):
+            if j in new:
+                nodes[i] = eqx.tree_at(
+                    lambda s: s.layers, node, new[j], is_leaf=_is_placeholder
+                )
+            j += 1
+    return jtu.tree_unflatten(treedef, nodes)
+
+
+def _has_arrays(tree: PyTree) -> bool:
+    return any(eqx.is_array(x) for x in jtu.tree_leaves(tree))
+
+
+def _check_layers(where: str, stack: Stacked) -> None:
+    """Each array of `stack.layers` has the layer axis in front."""
+    for path, leaf in jtu.tree_leaves_with_path(stack.layers):
+        if not eqx.is_array(leaf):
+            raise TypeError(
+                f"per_layer: `{where}.layers{jtu.keystr(path)}` is a "
+                f"{type(leaf).__name__}, not an array.\nHint: pass the parameters "
+                "as optax sees them, e.g. `eqx.filter(model, eqx.is_inexact_array)`."
+            )
+        if leaf.ndim == 0 or leaf.shape[0] != stack.num_layers:
+            raise ValueError(
+                f"per_layer: `{where}.layers{jtu.keystr(path)}` has shape "
+                f"{tuple(leaf.shape)}, but the Stacked at `{where or '<root>'}` has "
+                f"{stack.num_layers} layers, so its leading axis must be "
+                f"{stack.num_layers}.\nHint: inside `eqx.filter_vmap` (e.g. an "
+                "ensemble of stacks) call the optimiser inside the vmap too."
+            )
+
+
+def _embed(state: PyTree, tree: PyTree, j: int, layers: PyTree) -> PyTree:
+    """`state` (of stack `j`'s layers) with each per-parameter buffer, a subtree
+    of the type and structure of `layers`, put in place of that stack's layers in
+    an otherwise empty copy of `tree`: the layout of optax's own buffers."""
+    target = jtu.tree_structure(layers, is_leaf=_is_placeholder)
+    if jtu.treedef_is_leaf(target):  # a bare array cannot be told from a count
+        return state
+    kind = type(layers)
+    blank = jtu.tree_map(lambda _: None, tree)
+
+    def is_buffer(x: object) -> bool:
+        return (
+            type(x) is kind and jtu.tree_structure(x, is_leaf=_is_placeholder) == target
+        )
+
+    def embed(x: object) -> object:
+        return _with_layers(blank, {j: x}) if is_buffer(x) else x
+
+    return jtu.tree_map(embed, state, is_leaf=is_buffer)
+
+
+def _init_layer(tx: optax.GradientTransformationExtraArgs, params: PyTree) -> PyTree:
+    # One layer: `tx`'s own state, or a `PerLayerState` if it holds stacks.
+    return _init(tx, params) if _stacks(params) else tx.init(params)
+
+
+def _init(tx: optax.GradientTransformationExtraArgs, params: PyTree) -> PerLayerState:
+    states = []
+    for j, (where, stack) in enumerate(_stacks(params)):
+        if not _has_arrays(stack.layers):
+            states.append(optax.EmptyState())
+            continue
+        _check_layers(where, stack)
+        state = jax.vmap(lambda p: _init_layer(tx, p))(stack.layers)
+        states.append(_embed(state, params, j, stack.layers))
+    return PerLayerState(tx.init(_outside(params)), tuple(states))
+
+
+def _update(
+    tx: optax.GradientTransformationExtraArgs,
+    updates: PyTree,
+    state: object,
+    params: PyTree | None,
+    extra_args: dict[str, Any],
+) -> tuple[PyTree, PerLayerState]:
+    stacks = _stacks(updates)
+    param_stacks = [None] * len(stacks) if params is None else _stacks(params)
+    if not isinstance(state, PerLayerState) or len(state.stacks) != len(stacks):
+        found = (
+            f"a state for {len(state.stacks)} stacks"
+            if isinstance(state, PerLayerState)
+            else f"a {type(state).__name__}, not a PerLayerState"
+        )
+        raise ValueError(
+            f"per_layer: the updates hold {len(stacks)} Stacked modules (outside "
+            f"any other), but the optimiser state is {found}.\nHint: initialise "
+            "the optimiser with parameters of the same structure as the updates."
+        )
+    outside = None if params is None else _outside(params)
+    rest, rest_state = tx.update(_outside(updates), state.rest, outside, **extra_args)
+    new_layers, new_states = {}, []
+    for j, ((where, stack), pair, stored) in enumerate(
+        zip(stacks, param_stacks, state.stacks)
+    ):
+        if not _has_arrays(stack.layers):
+            new_states.append(stored)
+            continue
+        _check_layers(where, stack)
+        layer_params = None if pair is None else pair[1].layers
+        like = stack.layers if layer_params is None else layer_params
+        shapes = jax.eval_shape(jax.vmap(lambda p: _init_layer(tx, p)), like)
+        treedef = jtu.tree_structure(shapes)
+        leaves = jtu.tree_leaves(stored)
+        if treedef.num_leaves != len(leaves):
+            raise ValueError(
+                f"per_layer: the optimiser state of the Stacked at `{where}` holds "
+                f"{len(leaves)} arrays, but its layers need {treedef.num_leaves}."
+                "\nHint: initialise the optimiser with parameters of the same "
+                "structure as the updates."
+            )
+
+        def one(u: PyTree, s: PyTree, p: PyTree) -> tuple[PyTree, PyTree]:
+            if _stacks(u):
+                return _update(tx, u, s, p, extra_args)
+            return tx.update(u, s, p, **extra_args)
+
+        layer_state = jtu.tree_unflatten(treedef, leaves)
+        out, layer_state = jax.vmap(one)(stack.layers, layer_state, layer_params)
+        new_layers[j] = out
+        new_states.append(_embed(layer_state, updates, j, stack.layers))
+    return _with_layers(rest, new_layers), PerLayerState(rest_state, tuple(new_states))
+
+
+def per_layer(
+    tx: optax.GradientTransformation,
+) -> optax.GradientTransformationExtraArgs:
+    """Run `tx` on each layer of every [`eqxscan.Stacked`][] on its own, as on the
+    unstacked model.
+
+    Stacking turns `L` arrays of shape `[D, 4D]` into one `[L, D, 4D]` array, and
+    optax transformations that look at a whole array then mean something else:
+    `optax.contrib.muon` sends every array with `ndim != 2` to Adam, LAMB and
+    LARS take one trust ratio for all layers, `clip_by_block_rms` clips the stack
+    as one block, Adafactor factors the wrong axes, and masks that read `ndim`
+    select the stacked biases. `per_layer(tx)` runs `tx` under `jax.vmap` over
+    each stack's layer axis (nested stacks, e.g. a repeated pattern of a
+    [`eqxscan.Chain`][], once per axis) and once, as usual, on the arrays outside
+    every stack; training a stacked model with `per_layer(tx)` then equals
+    training the same layers kept in a list with `tx`.
+
+    What `tx` sees is one layer at a time, so a reduction inside it is per layer
+    too: `per_layer(optax.chain(optax.clip_by_global_norm(1.0), ...))` clips
+    each layer to norm 1. Keep global reductions outside:
+    `optax.chain(optax.clip_by_global_norm(1.0), per_layer(optax.adamw(1e-3)))`.
+    Masks given as functions (`optax.masked(..., weight_decay_mask)`, `adamw`'s
+    `mask=`) are called with one layer's parameters inside, with the whole
+    tree outside; [`eqxscan.optim.freeze_layers`][] goes outside
+    (`freeze_layers(per_layer(tx), ...)`), since it selects layers of a stack.
+
+    !!! example
+
+        ```python
+        import equinox as eqx, jax, jax.numpy as jnp, optax, eqxscan
+
+        stack = eqxscan.Stacked(
+            lambda k: eqx.nn.Linear(8, 8, key=k), 4, key=jax.random.key(0)
+        )
+        # Each layer's weight clipped to RMS 0.1 on its own, not the stack's.
+        optimiser = eqxscan.optim.per_layer(optax.clip_by_block_rms(0.1))
+        params = eqx.filter(stack, eqx.is_inexact_array)
+        state = optimiser.init(params)
+        grads = eqx.filter_grad(lambda m: jnp.sum(m(jnp.ones(8)) ** 2))(stack)
+        updates, state = optimiser.update(grads, state, params)
+        rms = jnp.sqrt(jnp.mean(updates.layers.weight**2, axis=(1, 2)))
+        assert rms.shape == (4,) and (rms <= 0.1 + 1e-6).all()
+        ```
+
+    **Arguments:**
+
+    - `tx`: any optax transformation, e.g. `optax.adamw(1e-3)`; extra arguments
+      of `update` (e.g. `value=`) reach it unchanged.
+
+    **Returns:**
+
+    An `optax.GradientTransformationExtraArgs` whose state is a
+    [`eqxscan.optim.PerLayerState`][].
+    """
+    if not isinstance(tx, optax.GradientTransformation):
+        raise TypeError(
+            "per_layer takes an optax.GradientTransformation, got "
+            f"{type(tx).__name__}.\nHint: pass e.g. `optax.adamw(1e-3)`, not a "
+            "function that builds one."
+        )
+    inner = optax.with_extra_args_support(tx)
+
+    def init(params: PyTree) -> PerLayerState:
+        return _init(inner, params)
+
+    def update(
+        updates: PyTree,
+        state: object,
+        params: PyTree | None = None,
+        **extra_args: Any,
+    ) -> tuple[PyTree, PerLayerState]:
+        return _update(inner, updates, state, params, extra_args)
+
+    return optax.GradientTransformationExtraArgs(init, update)
