@@ -1,8 +1,16 @@
 """Optimiser helpers for models built from [`eqxscan.Stacked`][] layers: a
-layer-axis-aware weight-decay mask and freezing of chosen layers, for `optax`.
+layer-axis-aware weight-decay mask, freezing of chosen layers, Muon with the
+layer axes as batch axes, layer-wise learning rates and per-layer norms, for
+`optax`.
 """
 
 from ._layers import (
     freeze_layers as freeze_layers,
     weight_decay_mask as weight_decay_mask,
 )
+from ._muon import (
+    muon as muon,
+    muon_dimension_numbers as muon_dimension_numbers,
+)
+from ._scale import layerwise_scale as layerwise_scale
+from ._stats import layer_norms as layer_norms
