@@ -9,6 +9,7 @@ Newton–Schulz iteration (a `jax.vmap`, so batched matrix products, not a loop)
 """
 
 import equinox as eqx
+import jax
 import optax
 from jaxtyping import PyTree
 
@@ -107,7 +108,9 @@ def muon(
 
     **Returns:**
 
-    An `optax.GradientTransformation`.
+    An `optax.GradientTransformation`. (Its updates run under JAX's standard
+    dtype promotion, as optax's Muon needs, also where a program sets
+    `jax_numpy_dtype_promotion="strict"`.)
     """
     if "muon_weight_dimension_numbers" in muon_kwargs:
         raise TypeError(
@@ -124,8 +127,23 @@ def muon(
             "Hint: use eqxscan.optim.per_layer(optax.contrib.muon(..., "
             "adaptive=True)), which runs optax per layer."
         )
-    return optax.contrib.muon(
+    inner = optax.contrib.muon(
         learning_rate,
         muon_weight_dimension_numbers=muon_dimension_numbers,
         **muon_kwargs,  # type: ignore[arg-type]
     )
+
+    # optax's bias correction raises a float to the int32 step count, which
+    # `jax_numpy_dtype_promotion="strict"` rejects; optax is written for the
+    # standard rules, so its update runs under them.
+    def init(params: PyTree) -> optax.OptState:
+        with jax.numpy_dtype_promotion("standard"):
+            return inner.init(params)
+
+    def update(
+        updates: PyTree, state: optax.OptState, params: PyTree = None
+    ) -> tuple[PyTree, optax.OptState]:
+        with jax.numpy_dtype_promotion("standard"):
+            return inner.update(updates, state, params)
+
+    return optax.GradientTransformation(init, update)
