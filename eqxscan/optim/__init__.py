@@ -1,6 +1,7 @@
 """Optimiser helpers for models built from [`eqxscan.Stacked`][] layers: a
-layer-axis-aware weight-decay mask, freezing of chosen layers, and any optax
-transformation run per layer (`per_layer`).
+layer-axis-aware weight-decay mask, freezing of chosen layers, any optax
+transformation run per layer (`per_layer`), Muon with the layer axes as batch
+axes, layer-wise learning rates and per-layer norms, for `optax`.
 """
 
 from ._layers import (
@@ -11,3 +12,9 @@ from ._per_layer import (
     per_layer as per_layer,
     PerLayerState as PerLayerState,
 )
+from ._muon import (
+    muon as muon,
+    muon_dimension_numbers as muon_dimension_numbers,
+)
+from ._scale import layerwise_scale as layerwise_scale
+from ._stats import layer_norms as layer_norms

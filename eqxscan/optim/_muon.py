@@ -1,0 +1,149 @@
+"""Muon on stacked layers, with the layer axes as Newton–Schulz batch axes.
+
+`optax.contrib.muon` decides per leaf: a leaf with exactly two axes is
+orthogonalised, every other leaf goes to its AdamW branch. A stacked weight
+`[L, D_out, D_in]` has three axes, so by default it silently gets AdamW. Given
+`MuonDimensionNumbers` naming the per-layer matrix axes, optax treats every
+other axis as a batch axis and orthogonalises all layers in one batched
+Newton–Schulz iteration (a `jax.vmap`, so batched matrix products, not a loop).
+"""
+
+import equinox as eqx
+import jax
+import optax
+from jaxtyping import PyTree
+
+from .._tree import Site, walk
+
+
+MuonDimensionNumbers = optax.contrib.MuonDimensionNumbers
+
+
+def muon_dimension_numbers(params: PyTree) -> PyTree:
+    """The `muon_weight_dimension_numbers` of `optax.contrib.muon` for a model
+    with [`eqxscan.Stacked`][] layers: Muon for exactly the arrays optax's
+    default would give Muon if the layers were kept in a list.
+
+    An array with two axes per layer (after counting away the layer axes of
+    every enclosing `Stacked`: nested stacks and the repeated units of an
+    [`eqxscan.Chain`][] count once each) is a Muon matrix; its layer axes are
+    batch axes, so each layer's matrix is orthogonalised on its own, all layers
+    at once. Per layer, the first matrix axis is the reduction axis and the
+    second the output axis, as optax's default reads an unstacked matrix (an
+    `eqx.nn.Linear` weight `[out, in]` is read the same way it is without
+    stacking). Every other array (per-layer vectors and scalars, tensors with
+    more than two axes per layer) gets `None`: optax's AdamW branch.
+
+    !!! example
+
+        ```python
+        import equinox as eqx, jax, optax, eqxscan
+
+        stack = eqxscan.Stacked(
+            lambda k: eqx.nn.Linear(8, 16, key=k), 4, key=jax.random.key(0)
+        )
+        dims = eqxscan.optim.muon_dimension_numbers(stack)
+        assert dims.layers.weight == optax.contrib.MuonDimensionNumbers(1, 2)
+        assert dims.layers.bias is None
+        optimiser = optax.contrib.muon(
+            1e-3, muon_weight_dimension_numbers=eqxscan.optim.muon_dimension_numbers
+        )
+        ```
+
+    **Arguments:**
+
+    - `params`: the parameters (or updates) as `optax` sees them, e.g.
+      `eqx.filter(model, eqx.is_inexact_array)`.
+
+    **Returns:**
+
+    A pytree like `params` with an `optax.contrib.MuonDimensionNumbers` for each
+    Muon array and `None` everywhere else. Pass the function itself as
+    `muon_weight_dimension_numbers` (optax calls it with the parameters).
+    """
+
+    def dims(leaf: object, site: Site) -> MuonDimensionNumbers | None:
+        if not eqx.is_array(leaf) or leaf.ndim - site.depth != 2:
+            return None
+        # Per layer as optax reads a matrix: axis 0 reduction, axis 1 output.
+        return MuonDimensionNumbers(site.depth, site.depth + 1)
+
+    return walk(dims, params)
+
+
+def muon(
+    learning_rate: optax.ScalarOrSchedule, **muon_kwargs: object
+) -> optax.GradientTransformation:
+    """`optax.contrib.muon` for models with [`eqxscan.Stacked`][] layers: each
+    layer's weight matrices are orthogonalised as if the layers were kept in a
+    list, all layers in one batched Newton–Schulz iteration.
+
+    The same as `optax.contrib.muon(learning_rate, ...,
+    muon_weight_dimension_numbers=eqxscan.optim.muon_dimension_numbers)`; see
+    [`eqxscan.optim.muon_dimension_numbers`][] for which arrays get Muon (the
+    others get optax's AdamW branch, elementwise, so per layer as well).
+
+    !!! example
+
+        ```python
+        import equinox as eqx, jax, jax.numpy as jnp, eqxscan
+
+        model = eqxscan.StackedMLP(8, 4, key=jax.random.key(0))
+        optimiser = eqxscan.optim.muon(1e-2)
+        params = eqx.filter(model, eqx.is_inexact_array)
+        state = optimiser.init(params)
+        grads = eqx.filter_grad(lambda m: jnp.sum(m(jnp.ones(8)) ** 2))(model)
+        updates, state = optimiser.update(grads, state, params)
+        model = eqx.apply_updates(model, updates)
+        ```
+
+    **Arguments:**
+
+    - `learning_rate`: as for `optax.contrib.muon`.
+    - `**muon_kwargs`: any other argument of `optax.contrib.muon` (`beta`,
+      `ns_steps`, `weight_decay`, `adam_learning_rate`, `consistent_rms`, ...),
+      except `muon_weight_dimension_numbers` (set here) and `adaptive=True`,
+      which scales each leaf by one inner product over all its layers; use
+      `eqxscan.optim.per_layer(optax.contrib.muon(..., adaptive=True))` for it.
+
+    **Returns:**
+
+    An `optax.GradientTransformation`. (Its updates run under JAX's standard
+    dtype promotion, as optax's Muon needs, also where a program sets
+    `jax_numpy_dtype_promotion="strict"`.)
+    """
+    if "muon_weight_dimension_numbers" in muon_kwargs:
+        raise TypeError(
+            "eqxscan.optim.muon sets `muon_weight_dimension_numbers` itself (from "
+            "the model's layer axes), so it cannot be given.\n"
+            "Hint: call optax.contrib.muon directly to choose the dimension "
+            "numbers yourself."
+        )
+    if muon_kwargs.get("adaptive", False):
+        raise ValueError(
+            "eqxscan.optim.muon does not support adaptive=True: optax scales each "
+            "leaf by one inner product over the whole leaf, which on a stacked "
+            "weight would mix all its layers.\n"
+            "Hint: use eqxscan.optim.per_layer(optax.contrib.muon(..., "
+            "adaptive=True)), which runs optax per layer."
+        )
+    inner = optax.contrib.muon(
+        learning_rate,
+        muon_weight_dimension_numbers=muon_dimension_numbers,
+        **muon_kwargs,  # type: ignore[arg-type]
+    )
+
+    # optax's bias correction raises a float to the int32 step count, which
+    # `jax_numpy_dtype_promotion="strict"` rejects; optax is written for the
+    # standard rules, so its update runs under them.
+    def init(params: PyTree) -> optax.OptState:
+        with jax.numpy_dtype_promotion("standard"):
+            return inner.init(params)
+
+    def update(
+        updates: PyTree, state: optax.OptState, params: PyTree = None
+    ) -> tuple[PyTree, optax.OptState]:
+        with jax.numpy_dtype_promotion("standard"):
+            return inner.update(updates, state, params)
+
+    return optax.GradientTransformation(init, update)

@@ -1,0 +1,121 @@
+"""Per-layer norms of stacked arrays, for logging gradients, parameters or updates.
+
+Each stacked array's norms come from one reduction over its per-layer axes, so
+the layers are never unstacked and the function runs under `jax.jit`.
+"""
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, PyTree
+
+from .._stacked import LayerIndex
+from .._tree import for_each, pattern, Site
+
+
+def _per_layer_norms(leaf: Array, depth: int, ord: int | float) -> Array:
+    """The `ord`-norm of each layer's slice of `leaf` (its first `depth` axes are
+    layer axes), in at least float32."""
+    if jnp.issubdtype(leaf.dtype, jnp.inexact):
+        dtype = jnp.promote_types(leaf.dtype, jnp.float32)
+    else:
+        dtype = jnp.float32
+    flat = leaf.astype(dtype).reshape(leaf.shape[:depth] + (-1,))
+    if flat.shape[-1] == 0:  # no entries per layer: norm 0, as for an empty vector
+        return jnp.zeros(flat.shape[:-1], jnp.real(flat).dtype)
+    return jnp.linalg.norm(flat, ord=ord, axis=-1)
+
+
+def _positions(site: Site) -> tuple[list[np.ndarray], tuple[int, ...]]:
+    """For each layer-axis element of a leaf, the layer number of each layer
+    index in its name (one array per index, shaped like the layer axes), and
+    the number of layers of each enclosing container."""
+    indices = [p for p in site.path if isinstance(p, LayerIndex)]
+    grid = np.indices(site.axes, dtype=int) if site.axes else np.zeros((0,), int)
+    numbers, axis = [], 0
+    for index in indices:
+        number = np.full(site.axes, index.start, dtype=int)
+        for stride in index.strides:
+            number = number + stride * grid[axis]
+            axis += 1
+        numbers.append(number)
+    sizes = tuple(num_layers for _, num_layers in site.enclosing)
+    return numbers, sizes
+
+
+def layer_norms(tree: PyTree, ord: int | float = 2) -> dict[str, Float[Array, "..."]]:
+    """The norm of each layer's slice of every array, keyed by state-dict names
+    with the layer number shown as `*`.
+
+    For logging gradients, parameters or updates of a model with
+    [`eqxscan.Stacked`][] layers without unstacking them: the norms of a stacked
+    array come from one reduction over its per-layer axes, and the function can
+    be called inside `jax.jit`.
+
+    Keys are the names of [`eqxscan.to_state_dict`][] with each layer number
+    replaced by `*`: the weights `"blocks.0.w1"`, `"blocks.1.w1"`, ... of a
+    [`eqxscan.StackedMLP`][] are summarised as `"blocks.*.w1"`, an array of
+    shape `[L]` whose entry `i` is the norm of layer `i`'s `w1`. An
+    [`eqxscan.Chain`][]'s layers are numbered by their index in the chain, so
+    its scanned runs, lone layers and repeated units that share a name fill one
+    array of length `len(chain)`; a layer without that array (e.g. a lone layer
+    with no bias) has `nan` there. A `Stacked` nested inside a layer adds one
+    `*` and one axis (`"blocks.*.heads.*.weight"`, shape `[L, H]`). Arrays
+    outside any `Stacked` or `Chain` keep their plain name, with a scalar norm.
+
+    !!! example
+
+        ```python
+        import equinox as eqx, jax, jax.numpy as jnp, eqxscan
+
+        model = eqxscan.StackedMLP(8, 4, key=jax.random.key(0))
+        grads = eqx.filter_grad(lambda m: jnp.sum(m(jnp.ones(8)) ** 2))(model)
+        norms = jax.jit(eqxscan.optim.layer_norms)(grads)
+        assert norms["blocks.*.w1"].shape == (4,)
+        ```
+
+    **Arguments:**
+
+    - `tree`: a model, its gradients or its updates (non-array leaves and
+      `None`s are skipped).
+    - `ord`: the vector norm of each layer's slice, flattened: `2` (Euclidean,
+      the Frobenius norm of a matrix), `1`, `float("inf")` (largest absolute
+      value), or any order `jnp.linalg.norm` takes for vectors.
+
+    **Returns:**
+
+    A `dict` from names to arrays of norms (shape one axis per `*`), in the
+    order the arrays first appear in `tree`, in at least float32.
+    """
+    if isinstance(ord, bool) or not isinstance(ord, (int, float)):
+        raise TypeError(
+            f"layer_norms: ord must be a number (2, 1, float('inf'), ...), got "
+            f"{ord!r}.\nHint: each layer's slice is flattened and given a vector "
+            "norm, so matrix norms such as 'fro' are not taken ('fro' is ord=2)."
+        )
+    found: dict[str, list[tuple[Array, list[np.ndarray], tuple[int, ...]]]] = {}
+
+    def visit(leaf: object, site: Site) -> None:
+        if eqx.is_array(leaf):
+            norms = _per_layer_norms(leaf, site.depth, ord)
+            found.setdefault(pattern(site.path), []).append((norms, *_positions(site)))
+
+    for_each(visit, tree, names=True)
+    return {name: _assemble(parts) for name, parts in found.items()}
+
+
+def _assemble(parts: list[tuple[Array, list[np.ndarray], tuple[int, ...]]]) -> Array:
+    """One array of norms for one name, from the arrays that carry it (several
+    for the groups of a `Chain`), indexed by layer number; `nan` where no array
+    has that layer."""
+    shape = tuple(max(s) for s in zip(*(sizes for _, _, sizes in parts)))
+    norms, numbers, _ = parts[0]
+    flat = np.ravel_multi_index(numbers, shape) if shape else np.zeros((), int)
+    if len(parts) == 1 and np.array_equal(flat.ravel(), np.arange(flat.size)):
+        if flat.size == int(np.prod(shape)):  # the usual Stacked: already in order
+            return norms.reshape(shape)
+    dtype = jnp.result_type(*(n.dtype for n, _, _ in parts))
+    out = jnp.full(shape, jnp.nan, dtype)
+    for norms, numbers, _ in parts:
+        out = out.at[tuple(numbers)].set(norms.astype(dtype))
+    return out
