@@ -84,6 +84,7 @@ def _check_schedule(schedule: object, repeats: object) -> int:
             "'gpipe' gives each stage one contiguous group of layers; 'circular' "
             "gives each stage `repeats` interleaved groups.",
         )
+    # The type here; the range below, with a hint.
     repeats = check_size("repeats", repeats, minimum=-(2**31))
     if repeats < 1:
         raise _hint_error(
