@@ -5,11 +5,18 @@
         python examples/sharded_training.py --data 2         # 8 simulated CPU devices
     python examples/sharded_training.py --devices-per-process 8   # the same, 1 x 8
     python examples/sharded_training.py --processes 2 --devices-per-process 4
+    python examples/sharded_training.py --devices-per-process 8 \\
+        --pipeline-stages 4 --repeats 2 --microbatches 8    # circular pipeline
 
 `--processes N` starts N local processes (coordinator on 127.0.0.1, a free port,
 CPU collectives via gloo), each with K simulated CPU devices. On a cluster, start
 one process per host with `--coordinator HOST:PORT --num-processes N --process-id I`,
 or with `--distributed` where JAX detects the cluster (e.g. under SLURM's `srun`).
+
+`--pipeline-stages S` runs the model's layers as a pipeline
+(`eqxscan.sharding.pipeline`) over a `("stage", "data")` mesh of S stages, the
+batch split over "data"; `--repeats R > 1` uses the circular schedule (each stage
+holds R interleaved groups of layers), `--microbatches M` cuts the batch.
 
 The model learns to imitate a fixed random "teacher" `StackedMLP`. Both are built
 in their shards (`eqxscan.sharding.create`); each process feeds its own rows of
@@ -19,7 +26,8 @@ topology. The last line process 0 prints is
 
     final loss: <8 significant digits> after <S> steps on <P> processes x <K> devices
 
-and is the same (to float rounding) for any topology and for a resumed run.
+and is the same (to float rounding) for any topology, any pipeline schedule and
+for a resumed run.
 """
 
 import argparse
@@ -46,6 +54,14 @@ def parse() -> argparse.Namespace:
         help="data-parallel replicas (default: one per process; rest: fsdp)",
     )
     parser.add_argument("--min-size", type=int, default=None, help="replicate below")
+    group = parser.add_argument_group("pipeline")
+    group.add_argument(
+        "--pipeline-stages", type=int, default=0, help="S stages (0: no pipeline)"
+    )
+    group.add_argument(
+        "--repeats", type=int, default=1, help="R > 1: the circular schedule"
+    )
+    group.add_argument("--microbatches", type=int, help="M (default: 2 * S)")
     group = parser.add_argument_group("processes")
     group.add_argument("--processes", type=int, help="start N local processes")
     group.add_argument(
@@ -165,8 +181,37 @@ def train(args: argparse.Namespace) -> None:
     nproc, local = jax.process_count(), jax.local_device_count()
     # 2**14 is eqxscan.sharding's own default: smaller arrays stay replicated.
     min_size = 2**14 if args.min_size is None else args.min_size
-    mesh = sharding.make_mesh(data=args.data if args.data else nproc)
+    stages = args.pipeline_stages
+    if stages:
+        if jax.device_count() % stages:
+            raise SystemExit(
+                f"--pipeline-stages {stages} does not divide the "
+                f"{jax.device_count()} devices. Pass a divisor of the device count."
+            )
+        # Stages over consecutive devices (across processes), data-parallel
+        # replicas of each stage next to it; the parameters are replicated.
+        auto = (jax.sharding.AxisType.Auto,) * 2
+        mesh = jax.make_mesh(
+            (stages, jax.device_count() // stages), ("stage", "data"), axis_types=auto
+        )
+        fsdp_axis, batch_axes = None, ("data",)
+        pipe = dict(
+            mesh=mesh,
+            microbatches=args.microbatches or 2 * stages,
+            schedule="circular" if args.repeats > 1 else "gpipe",
+            repeats=args.repeats,
+            batch_axes=batch_axes,
+        )
+    else:
+        mesh = sharding.make_mesh(data=args.data if args.data else nproc)
+        fsdp_axis, batch_axes, pipe = "fsdp", None, None
+    place = dict(mesh=mesh, fsdp_axis=fsdp_axis, min_size=min_size)
     say(f"{nproc} processes x {local} devices, mesh {dict(mesh.shape)}")
+    if pipe is not None:
+        say(
+            f"pipeline: {stages} stages, schedule {pipe['schedule']!r}, "
+            f"repeats {args.repeats}, {pipe['microbatches']} microbatches"
+        )
 
     key_model, key_teacher, key_data = jax.random.split(jax.random.key(args.seed), 3)
 
@@ -174,14 +219,16 @@ def train(args: argparse.Namespace) -> None:
         return eqxscan.StackedMLP(args.dim, args.layers, key=key)
 
     # Built in their shards: no process holds a whole model.
-    model = sharding.create(make, key_model, mesh=mesh, min_size=min_size)
-    teacher = sharding.create(make, key_teacher, mesh=mesh, min_size=min_size)
+    model = sharding.create(make, key_model, **place)
+    teacher = sharding.create(make, key_teacher, **place)
     optimizer = optax.adam(args.lr)
     opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
-    model, opt_state, _ = sharding.shard(model, opt_state, mesh=mesh, min_size=min_size)
+    model, opt_state, _ = sharding.shard(model, opt_state, **place)
     # Every process must hold the same model and mesh before the first collective.
     sharding.check_same_job(model, opt_state, mesh=mesh)
-    rows = sharding.local_rows(args.batch, mesh)
+    rows = sharding.local_rows(
+        args.batch, mesh, batch_axes=batch_axes or ("data", "fsdp")
+    )
 
     def batch_at(step: int) -> jax.Array:
         # Every process draws the global batch and keeps its own rows, so the run
@@ -189,10 +236,15 @@ def train(args: argparse.Namespace) -> None:
         x = jax.random.normal(
             jax.random.fold_in(key_data, step), (args.batch, args.dim)
         )
-        return sharding.shard(None, batch=x[rows], mesh=mesh)[2]
+        return sharding.shard(None, batch=x[rows], batch_axes=batch_axes, **place)[2]
+
+    def forward(model: eqxscan.StackedMLP, x: jax.Array) -> jax.Array:
+        if pipe is None:
+            return model(x)
+        return sharding.pipeline(model.blocks, x, **pipe)
 
     def loss_fn(model, teacher, x: jax.Array) -> jax.Array:
-        return jnp.mean((model(x) - teacher(x)) ** 2)
+        return jnp.mean((forward(model, x) - teacher(x)) ** 2)
 
     @eqx.filter_jit(donate="all-except-first")
     def train_step(inputs, model, opt_state):
@@ -203,9 +255,7 @@ def train(args: argparse.Namespace) -> None:
         )
         model = eqx.apply_updates(model, updates)
         # Inside jit, `shard` pins the layout of the results (a constraint).
-        model, opt_state, _ = sharding.shard(
-            model, opt_state, mesh=mesh, min_size=min_size
-        )
+        model, opt_state, _ = sharding.shard(model, opt_state, **place)
         return model, opt_state, loss
 
     ckpt, start = None, 0
@@ -214,7 +264,7 @@ def train(args: argparse.Namespace) -> None:
         if args.resume and ckpt.latest_step() is not None:
             t = time.perf_counter()
             model, opt_state, start = ckpt.restore(
-                model, opt_state, mesh=mesh, min_size=min_size
+                model, opt_state, mesh=mesh, fsdp_axis=fsdp_axis, min_size=min_size
             )
             say(f"restored step {start} in {time.perf_counter() - t:.3f} s")
     if start >= args.steps:

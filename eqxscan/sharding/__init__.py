@@ -17,7 +17,12 @@ from ._partition import (
     logical_shardings as logical_shardings,
     logical_spec as logical_spec,
 )
-from ._pipeline import pipeline as pipeline
+from ._pipeline import (
+    pipeline as pipeline,
+    pipeline_schedule as pipeline_schedule,
+    PipelineSchedule as PipelineSchedule,
+    Schedule as Schedule,
+)
 from ._shard import (
     batch_shardings as batch_shardings,
     gather_layers as gather_layers,

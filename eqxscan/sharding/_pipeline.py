@@ -1,30 +1,174 @@
-"""Pipeline parallelism over the layer axis of a `Stacked` (GPipe schedule).
+"""Pipeline parallelism over the layer axis of a `Stacked`: the GPipe and the
+circular (interleaved) schedules.
 
-Stage `s` of a mesh axis holds layers `[s*K, (s+1)*K)`; the batch is cut into
-microbatches that flow from stage to stage with `jax.lax.ppermute` inside
-`jax.shard_map`. Autodiff of that program is the backward pipeline.
+The `L` layers are cut into `S * R` chunks of `K = L / (S * R)` layers; chunk `c`
+lives on stage `c mod S` of a mesh axis (GPipe: `R = 1`, one contiguous chunk
+per stage). The batch is cut into `M` microbatches that move from stage to stage
+with `jax.lax.ppermute` inside one `jax.shard_map`; with `R > 1` they go round
+the ring of stages `R` times. Which stage works on which microbatch and chunk at
+each tick is one table, [`pipeline_schedule`][eqxscan.sharding.pipeline_schedule],
+which the program reads. Autodiff of that program is the backward pipeline.
 """
 
-from typing import Any, SupportsIndex
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Literal, SupportsIndex, TypeAlias
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jaxtyping import Array, Int, PyTree
 
 from .._checks import check_size
 from .._constrain import constrain
 from .._stacked import restack, Stacked
-from ._shard import check_axis, check_mesh
+from ._shard import check_mesh
 
 
-def _split(stack: Stacked, stages: int) -> tuple[Any, Any]:
-    # Array leaves [L, ...] -> [stages, L // stages, ...]: contiguous groups.
+Schedule: TypeAlias = Literal["gpipe", "circular"]
+"""`"gpipe"`: stage `s` holds one contiguous chunk of `L / S` layers and each
+microbatch passes every stage once. `"circular"`: stage `s` holds `repeats`
+chunks `s, s + S, s + 2S, ...` of `L / (S * repeats)` layers, and the microbatches
+go round the stages `repeats` times."""
+
+SCHEDULES: tuple[Schedule, ...] = ("gpipe", "circular")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineSchedule:
+    """What every stage does at every tick of a pipeline: the table that
+    [`pipeline`][eqxscan.sharding.pipeline] runs.
+
+    At tick `t`, stage `s` runs its repeat `repeat[t, s]` (its layer chunk
+    `repeat[t, s] * stages + s`) on microbatch `microbatch[t, s]`, or idles where
+    both are `-1`. Microbatch `m` on its `r`-th round reaches stage `s` at tick
+    `r * microbatches + m + s`.
+    """
+
+    stages: int
+    microbatches: int
+    repeats: int
+    #: `[ticks, stages]` microbatch indices, `-1` where the stage idles.
+    microbatch: np.ndarray
+    #: `[ticks, stages]` repeat (round) indices, `-1` where the stage idles.
+    repeat: np.ndarray
+
+    @property
+    def ticks(self) -> int:
+        """The number of ticks, `repeats * microbatches + stages - 1`."""
+        return int(self.microbatch.shape[0])
+
+    @property
+    def idle(self) -> int:
+        """Idle stage-ticks, counted in the table."""
+        return int(np.sum(self.microbatch < 0))
+
+    @property
+    def bubble(self) -> float:
+        """The idle fraction of all stage-ticks, counted in the table; it equals
+        `(stages - 1) / (repeats * microbatches + stages - 1)`."""
+        return self.idle / self.microbatch.size
+
+
+def _hint_error(headline: str, hint: str) -> ValueError:
+    return ValueError(f"{headline}\nHint: {hint}")
+
+
+def _check_schedule(schedule: object, repeats: object) -> int:
+    if not isinstance(schedule, str) or schedule not in SCHEDULES:
+        raise _hint_error(
+            f"schedule must be one of {list(SCHEDULES)}, got {schedule!r}.",
+            "'gpipe' gives each stage one contiguous group of layers; 'circular' "
+            "gives each stage `repeats` interleaved groups.",
+        )
+    # The type here; the range below, with a hint.
+    repeats = check_size("repeats", repeats, minimum=-(2**31))
+    if repeats < 1:
+        raise _hint_error(
+            f"repeats must be >= 1, got {repeats}.",
+            "repeats is how many times the microbatches go round the stages.",
+        )
+    if schedule == "gpipe" and repeats != 1:
+        raise _hint_error(
+            f"repeats={repeats} needs schedule='circular': GPipe passes each "
+            "microbatch through the stages once.",
+            f"pass schedule='circular', repeats={repeats} (or repeats=1).",
+        )
+    return repeats
+
+
+def pipeline_schedule(
+    *,
+    stages: SupportsIndex,
+    microbatches: SupportsIndex,
+    repeats: SupportsIndex = 1,
+    schedule: Schedule = "gpipe",
+) -> PipelineSchedule:
+    """The tick-by-tick table of a GPipe or circular pipeline, in NumPy.
+
+    Microbatch `m` on round `r` (of `repeats`) reaches stage `s` at tick
+    `t = r * microbatches + m + s`: one tick after it left stage `s - 1`, and, on
+    stage 0 of round `r > 0`, `microbatches - stages + 1` ticks after it left the
+    last stage of round `r - 1` (so `microbatches >= stages` when `repeats > 1`).
+    Every stage is busy for `repeats * microbatches` consecutive ticks out of
+    `repeats * microbatches + stages - 1`, so the bubble is
+    `(stages - 1) / (repeats * microbatches + stages - 1)`.
+
+    **Arguments:**
+
+    - `stages`: the number of pipeline stages `S`.
+    - `microbatches`: the number of microbatches `M`.
+    - `repeats`: rounds through the stages, `R` (`1` for GPipe).
+    - `schedule`: `"gpipe"` or `"circular"`.
+
+    **Returns:**
+
+    A [`PipelineSchedule`][eqxscan.sharding.PipelineSchedule].
+    """
+    repeats = _check_schedule(schedule, repeats)
+    stages = check_size("stages", stages)
+    microbatches = check_size("microbatches", microbatches)
+    if schedule == "circular" and microbatches < stages:
+        raise _hint_error(
+            f"The circular schedule needs at least as many microbatches as stages, "
+            f"got microbatches={microbatches} for {stages} stages: a microbatch "
+            "would re-enter stage 0 before it has left the last stage.",
+            f"pass microbatches >= {stages} (e.g. {2 * stages}), or schedule='gpipe'.",
+        )
+    ticks = repeats * microbatches + stages - 1
+    work = np.arange(ticks)[:, None] - np.arange(stages)[None, :]  # r * M + m
+    busy = (work >= 0) & (work < repeats * microbatches)
+    microbatch = np.where(busy, work % microbatches, -1).astype(np.int32)
+    repeat = np.where(busy, work // microbatches, -1).astype(np.int32)
+    return PipelineSchedule(stages, microbatches, repeats, microbatch, repeat)
+
+
+def _split(stack: Stacked, stages: int, repeats: int) -> tuple[Any, Any]:
+    # Array leaves [L, ...] -> [S, R, K, ...]: chunk c = r * S + s (layers
+    # [c * K, (c + 1) * K)) goes to stage s, so each stage's R chunks are one
+    # contiguous block and a tick only indexes its own weights.
     dyn, static = eqx.partition(stack.layers, eqx.is_array)
-    per = stack.num_layers // stages
-    dyn = jtu.tree_map(lambda a: a.reshape(stages, per, *a.shape[1:]), dyn)
-    return dyn, static
+    per = stack.num_layers // (stages * repeats)
+
+    def one(a: jax.Array) -> jax.Array:
+        a = a.reshape(repeats, stages, per, *a.shape[1:])
+        return jnp.swapaxes(a, 0, 1)
+
+    return jtu.tree_map(one, dyn), static
+
+
+def _check_axes(mesh: Mesh, axes: Sequence[str], what: str) -> None:
+    for axis in axes:
+        if axis not in mesh.shape:
+            raise _hint_error(
+                f"{what} names mesh axis {axis!r}, but the mesh has axes "
+                f"{tuple(mesh.axis_names)} (sizes {dict(mesh.shape)}).",
+                f"build the mesh with an axis {axis!r}, e.g. jax.make_mesh((4, 2), "
+                f"({axis!r}, 'data')), or pass the name of one it has.",
+            )
 
 
 def pipeline(
@@ -34,17 +178,27 @@ def pipeline(
     mesh: Mesh,
     microbatches: SupportsIndex,
     stage_axis: str = "stage",
+    schedule: Schedule = "gpipe",
+    repeats: SupportsIndex = 1,
+    batch_axes: str | Sequence[str] = (),
 ) -> jax.Array:
     """Run `stack(x)` as a pipeline over the `stage_axis` of `mesh`.
 
-    The `L` layers are split into `S` contiguous stages (`S` the size of
-    `stage_axis`, which must divide `L`); stage `s` keeps only its own `L / S`
-    layers and scans them. The batch (axis 0 of `x`) is cut into `microbatches`
+    With `S` the size of `stage_axis` and `R = repeats`, the `L` layers are cut
+    into `S * R` chunks of `L / (S * R)` layers; chunk `c` runs on stage `c mod S`.
+    `schedule="gpipe"` (`R = 1`) gives stage `s` layers `[s * L/S, (s+1) * L/S)`;
+    `schedule="circular"` gives it `R` interleaved chunks, kept as one `[R, L/(S*R),
+    ...]` block per stage. The batch (axis 0 of `x`) is cut into `microbatches`
     equal parts which enter stage 0 one per tick and move to the next stage with
-    `ppermute`; after `microbatches + S - 1` ticks the last stage has every output.
-    Gradients (`jax.grad` through this function) run the pipeline backwards. The
-    result equals `stack(x)`; with `S` stages the idle fraction (the "bubble") is
-    `(S - 1) / (microbatches + S - 1)`.
+    `ppermute`; in the circular schedule the last stage sends them back to stage 0
+    for the next round. After `R * M + S - 1` ticks (the table of
+    [`pipeline_schedule`][eqxscan.sharding.pipeline_schedule]) the last stage has
+    every output. Gradients (`jax.grad` through this function) run the pipeline
+    backwards. The result equals `stack(x)`; the idle fraction (the "bubble") is
+    `(S - 1) / (R * M + S - 1)`.
+
+    Each stage scans its layers with the stack's own options, so its
+    `checkpoint=` setting (remat) applies within every stage.
 
     **Arguments:**
 
@@ -52,9 +206,14 @@ def pipeline(
       inputs (e.g. `StackedMLP.blocks`). Layer arguments, keys and `per_layer`
       values are not supported here.
     - `x`: the input, batch on axis 0.
-    - `mesh`: a mesh with an axis `stage_axis`; other axes are not used.
-    - `microbatches`: how many parts to cut the batch into (must divide it).
+    - `mesh`: a mesh with an axis `stage_axis`.
+    - `microbatches`: how many parts `M` to cut the batch into (must divide it;
+      at least `S` for the circular schedule).
     - `stage_axis`: the mesh axis of pipeline stages.
+    - `schedule`: `"gpipe"` or `"circular"`.
+    - `repeats`: rounds `R` through the stages (`1` for GPipe).
+    - `batch_axes`: mesh axes over which each microbatch's rows are split (data
+      parallelism next to the pipeline); by default they are replicated.
 
     **Returns:**
 
@@ -66,60 +225,104 @@ def pipeline(
             "model, pass its Stacked (e.g. `model.blocks`)."
         )
     microbatches = check_size("microbatches", microbatches)
-    stages = check_axis(check_mesh(mesh), stage_axis, "stage_axis")
-    if stack.num_layers % stages:
-        raise ValueError(
-            f"Cannot split the {stack.num_layers} layers of a Stacked into "
-            f"{stages} pipeline stages (mesh axis {stage_axis!r}): the number of "
-            "layers must be a multiple of the number of stages."
+    repeats = _check_schedule(schedule, repeats)
+    mesh = check_mesh(mesh)
+    _check_axes(mesh, (stage_axis,), "stage_axis")
+    batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
+    _check_axes(mesh, batch_axes, "batch_axes")
+    if stage_axis in batch_axes:
+        raise _hint_error(
+            f"batch_axes {batch_axes} include the stage axis {stage_axis!r}.",
+            "name only the other (data-parallel) mesh axes in batch_axes.",
         )
-    if x.ndim == 0 or microbatches < 1 or x.shape[0] % microbatches:
-        raise ValueError(
+    stages = mesh.shape[stage_axis]
+    chunks = stages * repeats
+    if stack.num_layers % chunks:
+        where = f"{stages} pipeline stages (mesh axis {stage_axis!r})"
+        if repeats > 1:
+            where += f" x {repeats} repeats = {chunks} chunks"
+        raise _hint_error(
+            f"Cannot split the {stack.num_layers} layers of a Stacked into {where}: "
+            f"the number of layers must be a multiple of {chunks}.",
+            "change the number of layers, the size of the stage axis"
+            + (" or repeats." if repeats > 1 else "."),
+        )
+    rows = int(np.prod([mesh.shape[a] for a in batch_axes]))
+    if x.ndim == 0 or x.shape[0] % microbatches or (x.shape[0] // microbatches) % rows:
+        raise _hint_error(
             f"Cannot cut a batch of shape {tuple(x.shape)} into {microbatches} "
-            "microbatches: axis 0 must be a positive multiple of microbatches."
+            "microbatches"
+            + (f" of rows split over {batch_axes} ({rows} ways)" if rows > 1 else "")
+            + f": axis 0 must be a positive multiple of {microbatches * rows}.",
+            "change the batch size or the number of microbatches.",
         )
-    per_stage = stack.num_layers // stages
-    dyn, static = _split(stack, stages)
+    table = pipeline_schedule(
+        stages=stages, microbatches=microbatches, repeats=repeats, schedule=schedule
+    )
+    per_chunk = stack.num_layers // chunks
+    dyn, static = _split(stack, stages, repeats)
     xs = x.reshape(microbatches, x.shape[0] // microbatches, *x.shape[1:])
-    ticks = microbatches + stages - 1
-    shift = [(s, s + 1) for s in range(stages - 1)]
+    # Stage 0 of round r > 0 takes what the last stage sent at the tick before.
+    arrived = np.concatenate([[-1], table.microbatch[:-1, -1]]).astype(np.int32)
+    last = np.where(table.repeat[:, -1] == repeats - 1, table.microbatch[:, -1], -1)
+    steps = (table.microbatch, table.repeat, arrived, last.astype(np.int32))
+    # A ring when the microbatches go round again, a line otherwise.
+    senders = stages if repeats > 1 else stages - 1
+    shift = [(s, (s + 1) % stages) for s in range(senders)]
 
-    def stage_fn(dyn: Any, xs: jax.Array) -> jax.Array:
-        # Runs on every stage at once (shard_map): `dyn` holds this stage's layers.
-        # `in_specs` places this stage's layers; `layer_sharding`, a sharding of
-        # the whole mesh, is not applied inside `shard_map`.
-        local = restack(
-            stack,
-            layers=eqx.combine(jtu.tree_map(lambda a: a[0], dyn), static),
-            num_layers=per_stage,
-            layer_sharding=None,
-        )
+    def stage_fn(dyn: PyTree, xs: jax.Array) -> jax.Array:
+        # Runs on every stage at once (shard_map): `dyn` holds this stage's
+        # [1, R, K, ...] block. `layer_sharding`, a sharding of the whole mesh,
+        # is not applied inside `shard_map`.
+        dyn = jtu.tree_map(lambda a: a[0], dyn)
         stage = jax.lax.axis_index(stage_axis)
         vary = lambda a: jax.lax.pcast(a, (stage_axis,), to="varying")
         state = vary(jnp.zeros_like(xs[0]))
+        # Stage 0's inputs: the microbatches, each replaced by its output of the
+        # last round once the last stage sends it back.
+        inputs = vary(xs)
         outputs = vary(jnp.zeros_like(xs))
 
-        def tick(carry: tuple, t: jax.Array) -> tuple[tuple, None]:
-            state, outputs = carry
-            fresh = jax.lax.dynamic_index_in_dim(
-                xs, jnp.minimum(t, microbatches - 1), keepdims=False
+        def put(buf: jax.Array, index: Int[Array, ""], value: jax.Array) -> jax.Array:
+            # Writes one slot, and only where `index >= 0`.
+            i = jnp.maximum(index, 0)
+            old = jax.lax.dynamic_index_in_dim(buf, i, keepdims=False)
+            new = jnp.where(index >= 0, value, old)
+            return jax.lax.dynamic_update_index_in_dim(buf, new, i, axis=0)
+
+        def tick(carry: tuple, step: tuple) -> tuple[tuple, None]:
+            state, inputs, outputs = carry
+            microbatch, repeat, arrived, last = step
+            m = jnp.maximum(microbatch[stage], 0)
+            r = jnp.maximum(repeat[stage], 0)
+            if repeats > 1:
+                inputs = put(inputs, jnp.where(stage == 0, arrived, -1), state)
+            fresh = jax.lax.dynamic_index_in_dim(inputs, m, keepdims=False)
+            chunk = jtu.tree_map(
+                lambda a: jax.lax.dynamic_index_in_dim(a, r, keepdims=False), dyn
+            )
+            local = restack(
+                stack,
+                layers=eqx.combine(chunk, static),
+                num_layers=per_chunk,
+                layer_sharding=None,
             )
             out = local(jnp.where(stage == 0, fresh, state))
-            done = t - (stages - 1)  # the microbatch leaving the last stage
-            written = jax.lax.dynamic_update_index_in_dim(
-                outputs, out, jnp.maximum(done, 0), axis=0
-            )
-            outputs = jnp.where((stage == stages - 1) & (done >= 0), written, outputs)
+            outputs = put(outputs, jnp.where(stage == stages - 1, last, -1), out)
             state = jax.lax.ppermute(out, stage_axis, shift)
-            return (state, outputs), None
+            return (state, inputs, outputs), None
 
-        (_, outputs), _ = jax.lax.scan(tick, (state, outputs), jnp.arange(ticks))
+        (_, _, outputs), _ = jax.lax.scan(
+            tick, (state, inputs, outputs), tuple(map(jnp.asarray, steps))
+        )
         return outputs[None]
 
     layer_spec = PartitionSpec(stage_axis)
-    # Each stage's layers on its devices, the microbatches everywhere.
+    rows_spec = PartitionSpec(None, batch_axes or None)
+    # Each stage's layers on its devices; the microbatches on every stage, their
+    # rows split over `batch_axes`.
     dyn = constrain(dyn, NamedSharding(mesh, layer_spec))
-    xs = constrain(xs, NamedSharding(mesh, PartitionSpec()))
+    xs = constrain(xs, NamedSharding(mesh, rows_spec))
     out = jax.shard_map(
         stage_fn,
         mesh=mesh,
@@ -128,5 +331,5 @@ def pipeline(
         axis_names={stage_axis},
     )(dyn, xs)
     # Only the last stage's buffer holds outputs.
-    out = constrain(out, NamedSharding(mesh, PartitionSpec()))
+    out = constrain(out, NamedSharding(mesh, PartitionSpec(None, None, *rows_spec[1:])))
     return out[stages - 1].reshape(x.shape)

@@ -1,0 +1,225 @@
+"""The GPipe and circular pipeline schedules: the tick table against its formula,
+equality with the unpipelined model (2 devices here; 8 devices and 2 processes x
+4 devices in tests/scripts/pipeline_checks.py), and the errors."""
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+
+import eqxscan
+from eqxscan import sharding
+from eqxscan.sharding._pipeline import _check_schedule
+
+from .helpers import max_rel_err, ROOT, run_script, script_path
+
+
+TIMEOUT = 240
+
+
+@pytest.mark.parametrize(
+    "stages, microbatches, repeats",
+    [(1, 3, 1), (2, 2, 1), (4, 1, 1), (4, 4, 2), (4, 8, 4), (3, 5, 3), (8, 16, 2)],
+)
+def test_schedule_table(stages, microbatches, repeats):
+    kind = "gpipe" if repeats == 1 and microbatches < stages else "circular"
+    table = sharding.pipeline_schedule(
+        stages=stages, microbatches=microbatches, repeats=repeats, schedule=kind
+    )
+    S, M, R = stages, microbatches, repeats
+    assert table.ticks == R * M + S - 1
+    assert table.idle == S * (S - 1)
+    assert table.bubble == pytest.approx((S - 1) / (R * M + S - 1), abs=1e-12)
+    tick = {}
+    for t in range(table.ticks):
+        for s in range(S):
+            m, r = int(table.microbatch[t, s]), int(table.repeat[t, s])
+            assert (m < 0) == (r < 0)
+            if m >= 0:
+                assert (m, r, s) not in tick  # each chunk runs each microbatch once
+                tick[m, r, s] = t
+    assert len(tick) == M * R * S
+    for (m, r, s), t in tick.items():
+        if s > 0:  # from the stage before, one tick earlier
+            assert tick[m, r, s - 1] == t - 1
+        elif r > 0:  # back from the last stage, after it has left it
+            assert tick[m, r - 1, S - 1] < t
+
+
+def test_schedule_gpipe_is_circular_of_one_round():
+    a = sharding.pipeline_schedule(stages=4, microbatches=6)
+    b = sharding.pipeline_schedule(stages=4, microbatches=6, schedule="circular")
+    assert np.array_equal(a.microbatch, b.microbatch)
+    assert np.array_equal(a.repeat, b.repeat)
+
+
+def test_circular_two_stages_equals_scan(getkey):
+    # An Explicit axis here; Auto axes in tests/scripts/pipeline_checks.py.
+    mesh = jax.make_mesh((2,), ("stage",), axis_types=(AxisType.Explicit,))
+    stack = eqxscan.StackedMLP(8, 8, key=getkey()).blocks
+    x = jax.random.normal(getkey(), (6, 8))
+
+    def loss(stack, x, pipe):
+        y = sharding.pipeline(stack, x, mesh=mesh, **pipe) if pipe else stack(x)
+        return jnp.sum(jnp.sin(y))
+
+    grad = eqx.filter_value_and_grad(loss)
+    ref_value, ref_grads = grad(stack, x, None)
+    # 4 chunks of 2 layers on 2 stages, microbatches of 2 rows.
+    pipe = dict(microbatches=3, schedule="circular", repeats=2)
+    value, grads = eqx.filter_jit(grad)(stack, x, pipe)
+    assert abs(float(value) - float(ref_value)) <= 1e-5 * abs(float(ref_value))
+    arrays = [eqx.filter(g, eqx.is_array) for g in (grads, ref_grads)]
+    assert max_rel_err(*arrays) < 1e-5
+
+
+def test_pipeline_errors(getkey):
+    mesh = jax.make_mesh((2,), ("stage",), axis_types=(AxisType.Auto,))
+    stack = eqxscan.StackedMLP(4, 6, key=getkey()).blocks
+    x = jnp.ones((4, 4))
+
+    def error(match, **kwargs):
+        kwargs = dict(mesh=mesh, microbatches=2) | kwargs
+        with pytest.raises(ValueError, match=match) as info:
+            sharding.pipeline(kwargs.pop("stack", stack), x, **kwargs)
+        assert "\nHint: " in str(info.value)
+
+    circular = dict(schedule="circular")
+    error(
+        r"6 layers of a Stacked into 2 pipeline stages .* x 2 repeats = 4 chunks",
+        repeats=2,
+        **circular,
+    )
+    error(r"needs at least as many microbatches as stages", microbatches=1, **circular)
+    error(r"shape \(4, 4\) into 3 microbatches", microbatches=3)
+    error(r"stage_axis names mesh axis 'pipe'", stage_axis="pipe")
+    error(r"batch_axes names mesh axis 'data'", batch_axes="data")
+    error(r"repeats=2 needs schedule='circular'", repeats=2)
+    error(r"repeats must be >= 1, got 0", repeats=0, **circular)
+    # A bad schedule name (under the suite's runtime type checking, beartype
+    # speaks first; the message of the check itself below).
+    with pytest.raises(Exception, match=r"schedule must be one of|'schedule'"):
+        sharding.pipeline(stack, x, mesh=mesh, microbatches=2, schedule="1f1b")
+    with pytest.raises(ValueError, match=r"(?s)'gpipe', 'circular'.*'1f1b'.*Hint:"):
+        _check_schedule("1f1b", 1)
+
+
+def check_runs(runs: list[dict], expected: set[str]) -> None:
+    names = {r["name"]: r for r in runs}
+    assert set(names) == expected
+    for r in runs:
+        assert r["err_loss"] <= 1e-5, r
+        assert r["err_grads"] <= 1e-5 and r["err_params"] <= 1e-5, r
+        # Each stage indexes its own weights: nothing is gathered in the ticks.
+        assert r["body_all_gathers"] == [], r
+    # One microbatch moves per tick (4 rows; 2 per device when its rows are split
+    # over "data"), forwards and backwards; GPipe's line of 4 stages x 2 data
+    # replicas has 6 links, the circular ring 8.
+    assert names["circular_data"]["body_permutes"].count("f32[2,8]") >= 2
+    assert set(names["circular_data"]["body_permute_pairs"]) == {8}
+    if "circular" in names:
+        assert names["gpipe_data"]["body_permutes"].count("f32[4,8]") >= 2
+        assert names["circular"]["body_permutes"].count("f32[4,8]") >= 2
+        assert set(names["gpipe_data"]["body_permute_pairs"]) == {6}
+        assert set(names["circular"]["body_permute_pairs"]) == {8}
+
+
+def test_eight_devices():
+    result = json.loads(run_script("pipeline_checks.py", "eight", timeout=TIMEOUT))
+    assert result["processes"] == 1
+    check_runs(result["runs"], {"gpipe_data", "circular", "circular_data"})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def processes(*procs: subprocess.Popen):
+    """Kill (SIGKILL) whatever is still running on the way out."""
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+            p.wait(timeout=30)
+
+
+def test_two_processes_stage_axis_across_them():
+    env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    paths = [str(ROOT), env.get("PYTHONPATH")]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    port = str(free_port())
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        logs = [out / f"two_{i}.log" for i in range(2)]
+        procs = []
+        for i, log in enumerate(logs):
+            with log.open("w") as f:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, str(script_path("pipeline_checks.py"))]
+                        + ["two", "--process-id", str(i), "--port", port]
+                        + ["--out", str(out)],
+                        stdout=f,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                        cwd=ROOT,
+                    )
+                )
+        with processes(*procs):
+            deadline = time.monotonic() + TIMEOUT
+            codes = [
+                p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs
+            ]
+        assert codes == [0, 0], "\n".join(log.read_text()[-3000:] for log in logs)
+        results = [json.loads((out / f"two_{i}.json").read_text()) for i in range(2)]
+    for result in results:
+        assert result["processes"] == 2
+        # Stages 0-1 on process 0, stages 2-3 on process 1.
+        assert result["stage_processes"] == [[0], [0], [1], [1]]
+        check_runs(result["runs"], {"circular_data"})
+
+
+def test_example_final_loss_unchanged_by_the_pipeline():
+    common = ["--devices-per-process", "8", "--dim", "16", "--layers", "8"]
+    common += ["--batch", "16", "--steps", "2"]
+    losses = []
+    for extra in ([], ["--pipeline-stages", "4", "--repeats", "2"]):
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "examples" / "sharded_training.py")]
+            + common
+            + extra,
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, PYTHONPATH=str(ROOT)),
+            cwd=ROOT,
+            timeout=TIMEOUT,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        last = proc.stdout.strip().splitlines()[-1]
+        m = re.fullmatch(
+            r"final loss: (\S+) after 2 steps on 1 processes x 8 devices", last
+        )
+        assert m, last
+        losses.append(float(m.group(1)))
+    assert "schedule 'circular', repeats 2, 8 microbatches" in proc.stdout
+    assert abs(losses[1] - losses[0]) <= 1e-5 * abs(losses[0]), losses
