@@ -18,6 +18,13 @@ from ._partition import (
     logical_spec as logical_spec,
 )
 from ._pipeline import pipeline as pipeline
+from ._plan_mesh import (
+    Accelerator as Accelerator,
+    ACCELERATORS as ACCELERATORS,
+    MeshCandidate as MeshCandidate,
+    MeshPlan as MeshPlan,
+    plan as plan,
+)
 from ._shard import (
     batch_shardings as batch_shardings,
     gather_layers as gather_layers,
