@@ -16,7 +16,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -82,18 +82,43 @@ def decoder(
     return Decoder(layers=layers, dim=dim, vocab=vocab, key=key, dtype=dtype)
 
 
-def adam() -> optax.GradientTransformation:
-    """Adam with float32 moments whatever the parameters' dtype (its updates are
-    cast back to each parameter's dtype)."""
-    inner = optax.adam(LEARNING_RATE)
+class AdamState(NamedTuple):
+    count: jax.Array
+    mu: Any
+    nu: Any
 
-    def init(params: Any) -> Any:
-        return inner.init(jax.tree.map(lambda p: p.astype(jnp.float32), params))
 
-    def update(grads: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+def adam(
+    learning_rate: float = LEARNING_RATE,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+) -> optax.GradientTransformation:
+    """Adam with float32 moments whatever the parameters' dtype; each update is
+    cast back to its parameter's dtype. (Written out rather than wrapping
+    `optax.adam`, whose bias correction needs standard dtype promotion.)"""
+
+    def init(params: Any) -> AdamState:
+        zeros = lambda p: jnp.zeros(p.shape, jnp.float32)
+        return AdamState(
+            jnp.zeros((), jnp.int32),
+            jax.tree.map(zeros, params),
+            jax.tree.map(zeros, params),
+        )
+
+    def update(grads: Any, state: AdamState, params: Any = None) -> tuple:
+        count = state.count + 1
         g32 = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-        updates, state = inner.update(g32, state)
-        return jax.tree.map(lambda u, g: u.astype(g.dtype), updates, grads), state
+        mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, g32)
+        nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, state.nu, g32)
+        t = count.astype(jnp.float32)
+        c1, c2 = 1 - jnp.float32(b1) ** t, 1 - jnp.float32(b2) ** t
+
+        def step(m: jax.Array, v: jax.Array, g: jax.Array) -> jax.Array:
+            u = -learning_rate * (m / c1) / (jnp.sqrt(v / c2) + eps)
+            return u.astype(g.dtype)
+
+        return jax.tree.map(step, mu, nu, grads), AdamState(count, mu, nu)
 
     return optax.GradientTransformation(init, update)
 
