@@ -647,9 +647,7 @@ def _run_all(spec: dict, report: Callable[[int, int, str], None]) -> list[dict]:
     ):
         optimizer = optimizer()
     batch = spec["batch"]
-    if isinstance(batch, dict) and (
-        "shape" in batch or "seq" in batch or "map" in batch
-    ):
+    if spec.get("encoded"):
         batch = _decode_batch(batch)
     devices = jax.devices()[: spec["devices"]]
     accelerator = Accelerator(*spec["accelerator"])
@@ -881,6 +879,7 @@ def plan(
                 else _reference(optimizer, "optimizer")
             ),
             batch=_encode_batch(batch),
+            encoded=True,
         )
         rows = _child(spec, report)
         simulated = "simulated CPU devices in a fresh process"
