@@ -1,23 +1,38 @@
-"""`eqxscan.sharding.plan` on 8 simulated CPU devices in this one process, run in
-a fresh process by test_plan_mesh.py (the device count is fixed when JAX starts):
-the chosen candidate's model and optimiser state are then really built on the 8
-devices and trained.
+"""`eqxscan.sharding.plan` on 8 simulated CPU devices, run in fresh processes (the
+device count is fixed when JAX starts): the chosen candidate's model and optimiser
+state are then really built on the 8 devices and trained.
 
-Prints one JSON object of measurements; the test asserts on it.
+    python tests/scripts/plan_checks.py
+        one process x 8 devices, and the same steps on one device (run by
+        test_plan_mesh.py)
+    python tests/scripts/plan_checks.py two --process-id I --port P
+        process I of a 2 x 4 job on 127.0.0.1 (run by
+        benchmarks/plan_two_processes.py)
+
+Prints one JSON object of measurements.
 """
 
 import os
+import sys
 
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+TWO = sys.argv[1:2] == ["two"]
+if not TWO:
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import json  # noqa: E402
 
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+
+
+if TWO:
+    jax.config.update("jax_num_cpu_devices", 4)
+    from eqxscan import sharding  # noqa: E402
+
+    sharding.initialize(f"127.0.0.1:{sys.argv[5]}", 2, int(sys.argv[3]), timeout=120)
 
 from eqxscan.bench import plan as bench  # noqa: E402
 from eqxscan.sharding import plan  # noqa: E402
@@ -32,7 +47,7 @@ def live_bytes(trees) -> dict[str, int]:
     """Bytes of the arrays of `trees` held by each device."""
     out: dict[str, int] = {}
     for leaf in jax.tree.leaves(trees):
-        for shard in leaf.addressable_shards:
+        for shard in leaf.addressable_shards:  # this process's devices
             key = str(shard.device.id)
             out[key] = out.get(key, 0) + shard.data.nbytes
     return out
@@ -85,7 +100,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     data = [
         tuple(
-            jnp.asarray(rng.integers(0, CONFIG["vocab"], (BATCH, SEQ)), jnp.int32)
+            rng.integers(0, CONFIG["vocab"], (BATCH, SEQ)).astype(np.int32)
             for _ in range(2)
         )
         for _ in range(STEPS)
@@ -94,9 +109,25 @@ def main() -> None:
     mem = compiled.memory_analysis()
     losses = []
     for tokens, targets in data:
-        placed = jax.device_put((tokens, targets), b_specs)
+        placed = tuple(
+            jax.make_array_from_callback(a.shape, s, lambda i, a=a: np.asarray(a)[i])
+            for a, s in zip((tokens, targets), b_specs)
+        )
         params, opt_state, (loss,) = compiled(params, opt_state, placed)
-        losses.append(float(loss))
+        losses.append(float(np.asarray(loss.addressable_data(0))))
+    if TWO:
+        print(
+            json.dumps(
+                dict(
+                    process=jax.process_index(),
+                    chosen=list(chosen.mesh),
+                    state_bytes=chosen.state_bytes,
+                    live=live,
+                    losses=losses,
+                )
+            )
+        )
+        return
 
     # The same steps on one device, without any sharding.
     model = bench.decoder(key, **CONFIG)  # on the default device
