@@ -8,13 +8,13 @@ from ._layers import (
     freeze_layers as freeze_layers,
     weight_decay_mask as weight_decay_mask,
 )
-from ._per_layer import (
-    per_layer as per_layer,
-    PerLayerState as PerLayerState,
-)
 from ._muon import (
     muon as muon,
     muon_dimension_numbers as muon_dimension_numbers,
+)
+from ._per_layer import (
+    per_layer as per_layer,
+    PerLayerState as PerLayerState,
 )
 from ._scale import layerwise_scale as layerwise_scale
 from ._stats import layer_norms as layer_norms

@@ -23,6 +23,13 @@ from ._pipeline import (
     PipelineSchedule as PipelineSchedule,
     Schedule as Schedule,
 )
+from ._plan_mesh import (
+    Accelerator as Accelerator,
+    ACCELERATORS as ACCELERATORS,
+    MeshCandidate as MeshCandidate,
+    MeshPlan as MeshPlan,
+    plan as plan,
+)
 from ._shard import (
     batch_shardings as batch_shardings,
     gather_layers as gather_layers,

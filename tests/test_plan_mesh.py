@@ -1,0 +1,152 @@
+"""`eqxscan.sharding.plan`: per-device figures of ahead-of-time compiled
+candidates, checked against analytic counts, against the arrays really placed on
+8 simulated devices, and against one device's training losses."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eqxscan.bench import plan as bench
+from eqxscan.sharding import MeshPlan, plan
+from eqxscan.sharding._plan_mesh import hlo_costs
+
+from .helpers import run_script
+
+
+CONFIG = dict(layers=2, dim=32, vocab=64, dtype="float32")
+L, D, V = CONFIG["layers"], CONFIG["dim"], CONFIG["vocab"]
+# float32 parameters and two float32 Adam moments, plus Adam's int32 step count.
+BYTES_PER_PARAM, COUNT_BYTES = 12, 4
+
+
+def analytic_state_bytes(fsdp: int, model: int) -> int:
+    """Parameters + Adam bytes on one device under `bench.AXES` / `bench.RULES`
+    with `min_size=0`: block matrices split over fsdp x model, the MLP's first
+    bias over model, every other leaf over fsdp."""
+    params = (
+        L * (12 * D * D / (fsdp * model) + 4 * D / model + 5 * D / fsdp)
+        + (2 * V * D + 2 * D) / fsdp
+    )
+    return int(params * BYTES_PER_PARAM) + COUNT_BYTES
+
+
+def within(a: float, b: float, rel: float = 0.1) -> bool:
+    return abs(a - b) <= rel * abs(b)
+
+
+def test_plan_on_eight_devices_matches_live_bytes_and_one_device_loss():
+    out = json.loads(run_script("plan_checks.py", timeout=900))
+    for row in out["rows"]:
+        _, fsdp, model = row["mesh"]
+        assert row["error"] is None
+        assert within(row["state_bytes"], analytic_state_bytes(fsdp, model)), row
+        # The compiled program's arguments are the state and this device's batch.
+        assert within(row["argument_bytes"], row["state_bytes"]), row
+    live = out["live"]
+    assert len(live) == 8
+    for device, nbytes in live.items():
+        assert within(nbytes, out["state_bytes"]), (device, nbytes)
+    # XLA's analysis of the program actually run agrees with the plan's.
+    assert within(out["run_argument_bytes"], out["argument_bytes"])
+    assert within(
+        max(live.values()) + out["batch_bytes_per_device"], out["run_argument_bytes"]
+    )
+    np.testing.assert_allclose(out["losses"], out["reference"], rtol=1e-5)
+
+
+def test_plan_compiles_in_a_fresh_process_when_devices_are_missing():
+    assert len(jax.devices()) < 8
+    seen = []
+    table = plan(
+        "eqxscan.bench.plan:decoder",
+        bench.train_step,  # a top-level function: passed by its name
+        optimizer="eqxscan.bench.plan:adam",
+        batch=bench.batch_shape(8, 4),
+        budget="1GB",
+        meshes=[(8, 1, 1)],
+        remat=(False,),
+        model_kwargs=CONFIG,
+        min_size=0,
+        progress=lambda i, n, what: seen.append((i, n)),
+    )
+    assert isinstance(table, MeshPlan)
+    assert "fresh process" in table.simulated
+    (row,) = table.candidates
+    assert row.error is None
+    assert row.state_bytes == analytic_state_bytes(1, 1)  # replicated: all of it
+    assert table.chosen is row
+    assert seen[0] == (0, 1) and seen[-1] == (1, 1)
+    text = str(table)
+    assert "| data | fsdp | model |" in text and "**chosen**" in text
+
+
+def test_nothing_fits_still_returns_the_table():
+    table = _nothing_fits()
+    assert table.chosen is None
+    assert len(table.candidates) == 1
+    assert table.candidates[0].device_bytes > 1000
+    assert "No candidate fits" in table.message and "Hint:" in table.message
+    assert "No candidate fits" in str(table)
+
+
+def _nothing_fits():
+    return plan(
+        bench.decoder,
+        bench.train_step,
+        optimizer=bench.adam,
+        batch=bench.batch_shape(2, 4),
+        budget="1kB",
+        devices=1,
+        remat=(False,),
+        model_kwargs=dict(layers=1, dim=8, vocab=16, dtype="float32"),
+    )
+
+
+def _plan(**kwargs):
+    args = dict(
+        optimizer="eqxscan.bench.plan:adam",
+        batch=bench.batch_shape(8, 4),
+        budget="1GB",
+        devices=8,
+        model_kwargs=CONFIG,
+    )
+    args.update(kwargs)
+    return plan("eqxscan.bench.plan:decoder", "eqxscan.bench.plan:train_step", **args)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(budget="lots"), "budget must be"),
+        (dict(model_axis=(3,), axes=bench.AXES), "does not divide 8 devices"),
+        (dict(model_axis=(2,)), "needs axes="),
+        (dict(meshes=[(2, 2, 1), (2, 2, 2)], devices=None), "one product"),
+        (dict(optimizer=lambda: bench.adam()), "importable by reference"),
+        (dict(optimizer="eqxscan.bench.nowhere:adam"), "cannot import"),
+        (dict(accelerator="abacus"), "unknown accelerator"),
+    ],
+)
+def test_bad_input_gets_one_clear_error(kwargs, match):
+    with pytest.raises(ValueError, match=match) as info:
+        _plan(**kwargs)
+    assert "Hint:" in str(info.value)
+
+
+def test_hlo_costs_counts_loop_bodies_per_iteration():
+    layers, batch, dim = 5, 16, 64
+
+    def f(w, x):
+        def body(h, wi):
+            return jnp.tanh(h @ wi), None
+
+        return jax.lax.scan(body, x, w)[0]
+
+    w = jnp.zeros((layers, dim, dim))
+    x = jnp.zeros((batch, dim))
+    text = jax.jit(f).lower(w, x).compile().as_text()
+    collectives, flops = hlo_costs(text)
+    assert collectives == {}
+    assert flops == layers * 2 * batch * dim * dim
