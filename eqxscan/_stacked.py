@@ -629,7 +629,8 @@ class Stacked(Scanning, Generic[LayerT]):
         The outputs, stacked leaf by leaf on a new leading axis of length `L`.
         With `mode="scan"` this is one `jax.vmap` over the layer axis; with
         `mode="loop"` a Python loop (the reference). `checkpoint` and `unroll`
-        do not apply: nothing is scanned.
+        do not apply: nothing is scanned; nor do `drop_path` and `layer_drop`,
+        which drop depth.
         """
         check_method(method, self.layers)
         keys = (
