@@ -18,6 +18,12 @@ from . import (
     sharding as sharding,
 )
 from ._chain import Chain as Chain
+from ._drop import (
+    DepthDrop as DepthDrop,
+    linear_rates as linear_rates,
+    LinearRates as LinearRates,
+    Rates as Rates,
+)
 from ._exit import run_layers as run_layers, run_until as run_until
 from ._options import (
     Checkpoint as Checkpoint,

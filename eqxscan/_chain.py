@@ -20,6 +20,7 @@ from ._checks import (
     noted,
     split_key,
 )
+from ._drop import depth_drop, DepthDrop
 from ._eager import compiled_when_eager
 from ._grouping import explain, warn_identity
 from ._options import ScanArgs, Scanning, ScanOptions
@@ -32,6 +33,7 @@ from ._stacked import (
     call_layer,
     check_method,
     check_per_layer,
+    drop_call,
     layer_pair,
     LayerIndex,
     Method,
@@ -452,12 +454,15 @@ class Chain(Scanning):
     num_layers: int = eqx.field(static=True)
     options: ScanOptions
     periodic: bool = eqx.field(static=True)
+    depth_drop: DepthDrop | None
 
     def __init__(
         self,
         layers: Sequence[Any],
         *,
         periodic: bool = True,
+        drop_path: object = 0.0,
+        layer_drop: object = 0.0,
         **options: Unpack[ScanArgs],
     ):
         """**Arguments:**
@@ -468,6 +473,10 @@ class Chain(Scanning):
           every scanned group.
         - `periodic`: also detect repeating patterns of different layers
           (default). With `False`, only runs of like layers are scanned.
+        - `drop_path`, `layer_drop`: stochastic depth and LayerDrop while
+          training, as for [`eqxscan.Stacked`][], with one rate per layer of the
+          chain (`eqxscan.linear_rates` rises over all `len(chain)` layers);
+          lone layers and scanned groups drop alike.
 
         **Raises:**
 
@@ -488,6 +497,7 @@ class Chain(Scanning):
         self.groups, self.layout = _assemble(layers, groups_plan, self.options)
         self.num_layers = len(layers)
         self.periodic = periodic
+        self.depth_drop = depth_drop(len(layers), drop_path, layer_drop)
 
     def __len__(self) -> int:
         return self.num_layers
@@ -514,7 +524,20 @@ class Chain(Scanning):
                     f"Slice {index} selects no layers of a Chain with "
                     f"{self.num_layers} layers; a Chain needs at least one."
                 )
-            return Chain(layers, periodic=self.periodic, **self.options.as_args())
+            if self.depth_drop is None:
+                return Chain(layers, periodic=self.periodic, **self.options.as_args())
+            drop = self.depth_drop.sliced(index)
+            chain = Chain(
+                layers,
+                periodic=self.periodic,
+                drop_path=drop.drop_path,
+                layer_drop=drop.layer_drop,
+                **self.options.as_args(),
+            )
+            if chain.depth_drop is None:
+                return chain
+            inference = self.depth_drop.inference
+            return eqx.tree_at(lambda c: c.depth_drop.inference, chain, inference)
         i = check_index(
             index,
             self.num_layers,
@@ -666,6 +689,12 @@ class Chain(Scanning):
             None
             if key is None
             else split_key(key, self.num_layers, type(self).__name__)
+        )
+        # Dropping wraps every layer's call (global layer indices: the rates and
+        # drop keys are routed to the groups as a `per_layer` argument).
+        has_state = find_state(args, kwargs) is not None
+        kwargs, method = drop_call(
+            self.depth_drop, kwargs, method, key, has_state, pairs, "Chain"
         )
         call = _Call(args, kwargs, keys, pairs, reverse, method)
         return run_groups(self.groups, self.layout, x, call, "Chain")

@@ -44,6 +44,13 @@ from ._checks import (
     split_key,
 )
 from ._constrain import check_layer_sharding, constrain, layers_may_be_sharded
+from ._drop import (
+    check_droppable,
+    depth_drop,
+    DepthDrop,
+    dropped_layer,
+    rates_of,
+)
 from ._eager import compiled_when_eager
 from ._engine import run
 from ._options import ScanArgs, Scanning, ScanOptions
@@ -274,6 +281,7 @@ class Stacked(Scanning, Generic[LayerT]):
     num_layers: int = eqx.field(static=True)
     options: ScanOptions
     layer_sharding: Sharding | PyTree[Sharding | None] | None = eqx.field(static=True)
+    depth_drop: DepthDrop | None
 
     def __init__(
         self,
@@ -283,6 +291,8 @@ class Stacked(Scanning, Generic[LayerT]):
         key: PRNGKeyArray | None = None,
         layers: LayerT | None = None,
         layer_sharding: Sharding | PyTree[Sharding | None] | None = None,
+        drop_path: object = 0.0,
+        layer_drop: object = 0.0,
         **options: Unpack[ScanArgs],
     ):
         """**Arguments:**
@@ -322,8 +332,18 @@ class Stacked(Scanning, Generic[LayerT]):
           (the program of `mode="loop"`, with this `checkpoint`); `"auto"`
           (default) is chosen with `checkpoint="auto"`'s rule.
 
+        - `drop_path`: stochastic depth while training: a rate per layer (one
+          number, `L` numbers or [`eqxscan.linear_rates`][]); per example,
+          layer `i`'s residual branch `layer(x) - x` is dropped with
+          probability `drop_path[i]`, else scaled by `1 / (1 - drop_path[i])`.
+        - `layer_drop`: LayerDrop while training: per call, layer `i` is skipped
+          for the whole batch with probability `layer_drop[i]`, its compute not
+          done (a `jax.lax.cond` in the scan body, forward and backward).
+
         `mode`, `checkpoint` and `unroll` make the module's
-        [`eqxscan.ScanOptions`][].
+        [`eqxscan.ScanOptions`][]; `drop_path` and `layer_drop` its
+        [`eqxscan.DepthDrop`][] (`.depth_drop`), which needs a `key` at every
+        call while training and does nothing under `eqx.nn.inference_mode`.
         """
         num_layers = check_size(
             "num_layers",
@@ -348,6 +368,7 @@ class Stacked(Scanning, Generic[LayerT]):
         self.layers = layers
         self.num_layers = num_layers
         self.layer_sharding = layer_sharding
+        self.depth_drop = depth_drop(num_layers, drop_path, layer_drop)
 
     @classmethod
     def from_layers(
@@ -376,7 +397,7 @@ class Stacked(Scanning, Generic[LayerT]):
         return cls(layers=stack_layers(layers), num_layers=len(layers), **options)
 
     def own_options(self) -> tuple[str, ...]:
-        return ("layer_sharding",)
+        return ("layer_sharding", "drop_path", "layer_drop")
 
     def replace_options(self, options: ScanOptions, **own: object) -> "Stacked[LayerT]":
         return restack(self, options=options, **own)
@@ -421,7 +442,16 @@ class Stacked(Scanning, Generic[LayerT]):
             layers = jtu.tree_map(
                 lambda a: a[index] if eqx.is_array(a) else a, self.layers
             )
-            return restack(self, layers=layers, num_layers=len(selected))
+            drop_path, layer_drop = rates_of(self.depth_drop)
+            if self.depth_drop is not None:
+                drop_path, layer_drop = rates_of(self.depth_drop.sliced(index))
+            return restack(
+                self,
+                layers=layers,
+                num_layers=len(selected),
+                drop_path=drop_path,
+                layer_drop=layer_drop,
+            )
         i = check_index(
             index,
             self.num_layers,
@@ -533,7 +563,7 @@ class Stacked(Scanning, Generic[LayerT]):
             else split_key(key, self.num_layers, type(self).__name__)
         )
         call = LayerCall(args, kwargs, keys, carry_only, reverse, method)
-        return scan_layers(self, x, call)[0]
+        return scan_layers(self, x, self._dropping(call, key))[0]
 
     @compiled_when_eager
     def scan(
@@ -561,7 +591,20 @@ class Stacked(Scanning, Generic[LayerT]):
             else split_key(key, self.num_layers, type(self).__name__)
         )
         call = LayerCall(args, kwargs, keys, stacked_pair, reverse, method)
-        return scan_layers(self, x, call)
+        return scan_layers(self, x, self._dropping(call, key))
+
+    def _dropping(self, call: LayerCall, key: PRNGKeyArray | None) -> LayerCall:
+        # `call` with LayerDrop and drop-path, when this call drops.
+        kwargs, method = drop_call(
+            self.depth_drop,
+            call.kwargs,
+            call.method,
+            key,
+            find_state(call.args, call.kwargs) is not None,
+            call.read_out is not carry_only,
+            type(self).__name__,
+        )
+        return call._replace(kwargs=kwargs, method=method)
 
     def vmap(
         self,
@@ -586,7 +629,8 @@ class Stacked(Scanning, Generic[LayerT]):
         The outputs, stacked leaf by leaf on a new leading axis of length `L`.
         With `mode="scan"` this is one `jax.vmap` over the layer axis; with
         `mode="loop"` a Python loop (the reference). `checkpoint` and `unroll`
-        do not apply: nothing is scanned.
+        do not apply: nothing is scanned; nor do `drop_path` and `layer_drop`,
+        which drop depth.
         """
         check_method(method, self.layers)
         keys = (
@@ -621,13 +665,16 @@ def _build(
 
 def restack(stack: Stacked[LayerT], **changes: object) -> Stacked[LayerT]:
     """`stack` rebuilt through `Stacked.__init__` with `changes` applied (any of
-    `layers`, `num_layers`, `options`, `layer_sharding`) and every other field
-    kept: how slicing, loading, sharding and `with_options` make a new stack."""
+    `layers`, `num_layers`, `options`, `layer_sharding`, `drop_path`,
+    `layer_drop`) and every other field kept (inference mode included): how
+    slicing, loading, sharding and `with_options` make a new stack."""
     fields: dict[str, object] = dict(
         layers=stack.layers,
         num_layers=stack.num_layers,
         options=stack.options,
         layer_sharding=stack.layer_sharding,
+        drop_path=rates_of(stack.depth_drop)[0],
+        layer_drop=rates_of(stack.depth_drop)[1],
     )
     for name in changes:
         if name not in fields:
@@ -635,7 +682,69 @@ def restack(stack: Stacked[LayerT], **changes: object) -> Stacked[LayerT]:
     fields.update(changes)
     options = fields.pop("options")
     assert isinstance(options, ScanOptions)
-    return type(stack)(**fields, **options.as_args())  # type: ignore[arg-type]
+    new = type(stack)(**fields, **options.as_args())  # type: ignore[arg-type]
+    if stack.depth_drop is None or new.depth_drop is None:
+        return new
+    inference = stack.depth_drop.inference
+    return eqx.tree_at(lambda s: s.depth_drop.inference, new, inference)
+
+
+def drop_call(
+    drop: DepthDrop | None,
+    kwargs: dict[str, object],
+    method: Method | None,
+    key: object,
+    has_state: bool,
+    pairs: bool,
+    who: str,
+) -> tuple[dict[str, object], Method | None]:
+    """The `(kwargs, method)` of a call, with each layer run through
+    `dropped_layer` when `drop` drops in this call (training, a rate above
+    zero); else as given. Each layer's rates and drop key reach it as a
+    `per_layer` argument, so a `Chain` routes them by global layer index as it
+    routes any other; `pairs` says whether layers return `(carry, y)`."""
+    if not check_droppable(drop, key, has_state, who):
+        return kwargs, method
+    assert key is not None
+    inner = method
+
+    def run(
+        layer: object,
+        x: PyTree,
+        *args: object,
+        key: PRNGKeyArray | None = None,
+        **kwargs: object,
+    ) -> PyTree:
+        # The layer gets its key only if it takes one: a key given only for
+        # dropping must not reach, say, an `eqx.nn.Linear`.
+        if key is not None and not takes_key(layer, inner):
+            key = None
+        return call_layer(layer, inner, x, args, kwargs, key, who)
+
+    wrapped = functools.partial(
+        dropped_layer,
+        _eqxscan_run=run,
+        _eqxscan_pairs=pairs,
+        _eqxscan_uses=drop.uses,
+    )
+    return {**kwargs, DROP: PerLayer(drop.per_layer_inputs(key))}, wrapped
+
+
+#: The keyword under which `dropped_layer` receives its layer's drop inputs.
+DROP = "_eqxscan_drop"
+
+
+def takes_key(layer: object, method: Method | None) -> bool:
+    """Whether running `method` of `layer` can be given `key=`."""
+    if isinstance(method, str):
+        target = getattr(layer, method)
+    else:
+        target = method or layer
+    try:
+        check_takes_key(target, "", "")
+    except TypeError:
+        return False
+    return True
 
 
 def scan_layers(stack: Stacked, x: PyTree, call: LayerCall) -> tuple[PyTree, PyTree]:

@@ -13,6 +13,7 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, jaxtyped, PRNGKeyArray, TypeCheckError
 
 from .._checks import check_size, describe
+from .._drop import check_droppable
 from .._eager import compiled_when_eager
 from .._exit import Bound, Layers, Predicate, run_layers, run_until
 from .._options import ScanArgs, Scanning, ScanOptions
@@ -157,6 +158,8 @@ class StackedMLP(Scanning):
         key: PRNGKeyArray | None = None,
         dtype: DTypeLike = jnp.float32,
         dropout: float = 0.0,
+        drop_path: object = 0.0,
+        layer_drop: object = 0.0,
         blocks: Stacked[MLPBlock] | None = None,
         **options: Unpack[ScanArgs],
     ):
@@ -167,9 +170,15 @@ class StackedMLP(Scanning):
         - `key`: a JAX PRNG key; layer `i` is built from `split(key, L)[i]`.
         - `dtype`: parameter and activation dtype (e.g. `jnp.bfloat16`).
         - `dropout`: dropout rate after the activation.
+        - `drop_path`, `layer_drop`: stochastic depth (per example, a block's
+          residual branch dropped or scaled by `1 / (1 - p)`) and LayerDrop
+          (per call, whole blocks skipped), as for [`eqxscan.Stacked`][]; both
+          need a `key` while training. Change them later with
+          `model.with_options(drop_path=...)`.
         - `mode`, `checkpoint`, `unroll`: as for [`eqxscan.Stacked`][].
         - `blocks`: instead of `dim`, `num_layers` and `key`, a `Stacked` of
-          [`eqxscan.MLPBlock`][]s to hold (its options are kept);
+          [`eqxscan.MLPBlock`][]s to hold (its options, drop rates included,
+          are kept);
           [`eqxscan.StackedMLP.from_layers`][] stacks a list.
         """
         if blocks is not None:
@@ -195,6 +204,8 @@ class StackedMLP(Scanning):
             lambda k: MLPBlock(dim, key=k, dtype=dtype, dropout=dropout),
             num_layers,
             key=key,
+            drop_path=drop_path,
+            layer_drop=layer_drop,
             **options,
         )
 
@@ -224,9 +235,11 @@ class StackedMLP(Scanning):
     def options(self) -> ScanOptions:
         return self.blocks.options
 
+    def own_options(self) -> tuple[str, ...]:
+        return ("drop_path", "layer_drop")
+
     def replace_options(self, options: ScanOptions, **own: object) -> "StackedMLP":
-        del own  # a StackedMLP has no options of its own
-        return StackedMLP(blocks=restack(self.blocks, options=options))
+        return StackedMLP(blocks=restack(self.blocks, options=options, **own))
 
     @property
     def dim(self) -> int:
@@ -250,8 +263,9 @@ class StackedMLP(Scanning):
         """**Arguments:**
 
         - `x`: `[..., D]` in the model's dtype (a JAX or NumPy array).
-        - `key`: required when `dropout > 0` outside inference mode; each layer
-          gets its own dropout key.
+        - `key`: required when `dropout`, `drop_path` or `layer_drop` is above 0
+          outside inference mode; each layer gets its own dropout key (and its
+          own drop keys, made as [`eqxscan.DepthDrop`][] documents).
 
         **Returns:**
 
@@ -328,6 +342,7 @@ class StackedMLP(Scanning):
                 "so it needs a `key`; pass `key=...` or use "
                 "`eqx.nn.inference_mode(model)`."
             )
+        check_droppable(self.blocks.depth_drop, key, False, "StackedMLP")
         return x
 
 
