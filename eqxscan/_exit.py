@@ -28,6 +28,7 @@ from ._checks import (
     split_key,
 )
 from ._constrain import constrain, layers_may_be_sharded
+from ._drop import DepthDrop
 from ._engine import run
 from ._remat import name_inputs
 from ._stacked import (
@@ -363,6 +364,7 @@ def _run_pattern(
 
 def _check_model(model: object, what: str) -> None:
     if isinstance(model, (Stacked, Chain)):
+        _check_no_drop(model, what)
         return
     hint = (
         f"Hint: a StackedMLP has its own `model.{what}(...)`."
@@ -373,6 +375,21 @@ def _check_model(model: object, what: str) -> None:
         f"eqxscan.{what} takes an eqxscan.Stacked or an eqxscan.Chain, got "
         f"{describe(model)}.\n{hint}"
     )
+
+
+def _check_no_drop(model: Stacked | Chain, what: str) -> None:
+    # These runs call the layers themselves, so drop rates would be skipped
+    # without a word: refuse them unless inference mode turns them off.
+    modules = jtu.tree_leaves(model, is_leaf=lambda n: isinstance(n, (Stacked, Chain)))
+    for module in [model, *modules]:
+        drop = getattr(module, "depth_drop", None)
+        if isinstance(drop, DepthDrop) and not drop.inference:
+            raise ValueError(
+                f"eqxscan.{what} does not apply drop_path/layer_drop, but this "
+                "model drops layers in training.\nHint: call it on "
+                "`eqx.nn.inference_mode(model)`, or build the model without drop "
+                "rates for these runs."
+            )
 
 
 def _check_no_state(args: tuple, kwargs: dict[str, object], who: str) -> None:

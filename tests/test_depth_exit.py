@@ -404,3 +404,22 @@ def test_fsdp_sharded_stack_gathers_one_layer_per_step():
     assert int(got[1]) == int(want[1])
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got[2], want[2], rtol=1e-5, atol=1e-6)
+
+
+def test_drop_rates_are_refused_in_training_and_off_in_inference(getkey):
+    # run_until/run_layers call the layers themselves: drop rates would be
+    # skipped silently, so a training-mode model with rates is refused.
+    stack = eqxscan.Stacked(
+        lambda k: eqx.nn.Linear(4, 4, key=k), 3, key=getkey(), layer_drop=0.5
+    )
+    x = jnp.ones(4)
+    with pytest.raises(ValueError, match="does not apply drop_path/layer_drop"):
+        eqxscan.run_layers(stack, x, slice(0, 2))
+    with pytest.raises(ValueError, match="does not apply drop_path/layer_drop"):
+        eqxscan.run_until(stack, x, lambda c: jnp.array(False))
+    quiet = eqx.nn.inference_mode(stack)
+    out, n = eqxscan.run_until(quiet, x, lambda c: jnp.array(False))
+    ref = x
+    for layer in quiet.unstack():
+        ref = layer(ref)
+    assert int(n) == 3 and np.allclose(out, ref, rtol=1e-6)
