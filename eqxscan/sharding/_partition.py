@@ -194,21 +194,24 @@ def logical_shardings(
             "axes must be a dict {path pattern: logical names} or a function "
             f"(path, leaf) -> names, got {type(axes).__name__}."
         )
-    default = jtu.tree_leaves(
-        model_shardings(model, mesh, fsdp_axis=fsdp_axis, min_size=min_size),
-        is_leaf=is_none,
-    )
-    position = iter(range(len(default)))
+    # The default sharding of each array, by key path (the walk skips `None`
+    # fields, which `model_shardings` keeps as leaves).
+    default = {
+        jtu.keystr(path): sharding
+        for path, sharding in jtu.tree_leaves_with_path(
+            model_shardings(model, mesh, fsdp_axis=fsdp_axis, min_size=min_size),
+            is_leaf=is_none,
+        )
+    }
 
     def one(leaf: object, site: Site) -> NamedSharding | None:
-        index = next(position)
         layer_axes, path = site.depth, site.path
         if not is_arraylike(leaf):
             return None
         name = jtu.keystr(path).lstrip(".")
         names = _lookup(axes, name, leaf)
         if names is None:
-            return default[index]
+            return default[jtu.keystr(path)]
         names = tuple(names)
         shape = tuple(leaf.shape)
         if len(names) + layer_axes != len(shape):
@@ -234,6 +237,4 @@ def logical_shardings(
                 )
         return NamedSharding(mesh, PartitionSpec(*([None] * layer_axes), *spec))
 
-    out = walk(one, model)
-    assert next(position, None) is None  # the same leaves as model_shardings
-    return out
+    return walk(one, model)
