@@ -179,6 +179,10 @@ class CheckpointManager:
                 enable_async_checkpointing=asynchronous,
                 cleanup_tmp_directories=True,
                 create=True,
+                # Made by `save` itself: made in the background, a step
+                # directory that cannot be created leaves Orbax's writer threads
+                # waiting for it (300 s each), and the process cannot exit.
+                async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
             ),
         )
 
@@ -211,7 +215,10 @@ class CheckpointManager:
         # Orbax waits for the previous save before it starts this one: that one
         # is complete now, and gets its digests.
         self._seal()
-        self._manager.save(step, args=args.Composite(**items), force=True)
+        try:
+            self._manager.save(step, args=args.Composite(**items), force=True)
+        except Exception as e:
+            raise self._save_failed([step], e) from e
         self._unsealed.append(step)
         if wait or not self._asynchronous:
             self.wait()
@@ -401,7 +408,10 @@ class CheckpointManager:
         pending, self._unsealed = self._unsealed, []
         if not pending:
             return
-        self._manager.wait_until_finished()
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            raise self._save_failed(pending, e) from e
         if jax.process_index() != 0:
             return
         for step in pending:
@@ -412,6 +422,29 @@ class CheckpointManager:
             with open(tmp, "w") as f:
                 json.dump(_file_digests(where), f, indent=0, sort_keys=True)
             os.replace(tmp, os.path.join(where, _DIGESTS))
+
+    def _save_failed(self, steps: list[int], error: Exception) -> Exception:
+        """The error to raise for a save of `steps` that failed with `error`: of
+        `error`'s type where it is an `OSError` (a `PermissionError` stays one),
+        with a headline naming the steps and the directory."""
+        cause = next(iter(str(error).strip().splitlines()), "")
+        cause = cause if len(cause) <= 300 else cause[:297] + "..."
+        try:
+            kept = f"the complete steps in it are {self.all_steps()}"
+        except Exception:
+            kept = "it cannot be listed"
+        which = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps}"
+        message = (
+            f"CheckpointManager could not save {which} to {self.directory!r}: "
+            f"{type(error).__name__}: {cause}\nHint: check that the directory "
+            f"exists and can be written (permissions, free space); {kept}; {DOCS}."
+        )
+        if isinstance(error, OSError):
+            try:
+                return type(error)(message)
+            except Exception:
+                return OSError(message)
+        return RuntimeError(message)
 
     def _latest_verified(self, latest: int) -> int:
         skipped = []
