@@ -12,6 +12,7 @@ than one per layer and parameter.
 import hashlib
 import json
 import os
+import re
 import warnings
 from typing import Any, SupportsIndex, TypeVar
 
@@ -20,7 +21,7 @@ import jax
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from .._checks import check_size, is_arraylike
+from .._checks import check_path, check_size, is_arraylike
 from .._tree import for_each, Site
 from ._distributed import DOCS
 from ._shard import MIN_SIZE, model_shardings, opt_state_shardings, shard
@@ -163,7 +164,11 @@ class CheckpointManager:
         """
         import orbax.checkpoint as ocp  # imported here: `import eqxscan` stays fast
 
-        self.directory = os.path.abspath(os.fspath(directory))
+        self.directory = os.path.abspath(
+            check_path("CheckpointManager: directory", directory)
+        )
+        if max_to_keep is not None:
+            max_to_keep = check_size("CheckpointManager: max_to_keep", max_to_keep)
         self._asynchronous = asynchronous
         self._unsealed: list[int] = []
         self._ocp = ocp
@@ -306,15 +311,20 @@ class CheckpointManager:
             )
         if verify:
             self._verify(step)
-        self._check(step, target)
         args = self._ocp.args
-        out = self._manager.restore(
-            step,
-            args=args.Composite(
-                step=args.JsonRestore(),
-                **{k: args.StandardRestore(v) for k, v in target.items()},
-            ),
-        )
+        try:
+            self._check(step, target)
+            out = self._manager.restore(
+                step,
+                args=args.Composite(
+                    step=args.JsonRestore(),
+                    **{k: args.StandardRestore(v) for k, v in target.items()},
+                ),
+            )
+        except (ValueError, OSError) as e:
+            if str(e).startswith(f"Step {step} in "):
+                raise  # ours, from `_check`
+            raise self._unreadable(step, e) from e
         model = _fill(model, named["model"], out["model"])
         if opt_state is not None:
             opt_state = _fill(opt_state, named["opt_state"], out["opt_state"])
@@ -322,6 +332,24 @@ class CheckpointManager:
             model, opt_state, mesh=mesh, fsdp_axis=fsdp_axis, min_size=min_size
         )
         return model, opt_state, int(out["step"]["step"])
+
+    def _unreadable(self, step: int, error: Exception) -> ValueError:
+        """A `ValueError` naming the step, item and entry that Orbax (TensorStore)
+        could not read, for its multi-kilobyte message (`DATA_LOSS`,
+        `OUT_OF_RANGE`, ...), trimmed."""
+        text = " ".join(str(error).split())
+        item = re.search(rf"/{step}/(\w+)/", text)
+        entry = re.search(r'Error reading "([^"]+?)/\.z', text)
+        where = (f" item {item.group(1)!r}" if item else "") + (
+            f" entry {entry.group(1)!r}" if entry else ""
+        )
+        cause = text if len(text) <= 200 else text[:197] + "..."
+        return ValueError(
+            f"Step {step} in {self.directory!r} could not be read:{where or ' '}"
+            f"{':' if where else ''} {cause}\nHint: its files are damaged or were "
+            f"changed; restore with verify=True to check them against their "
+            f"digests, or restore another step ({self.all_steps()}); {DOCS}."
+        )
 
     def _check(self, step: int, target: dict[str, Any]) -> None:
         # Orbax's own errors name tensorstore paths; name the entries instead.
