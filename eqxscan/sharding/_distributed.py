@@ -128,8 +128,8 @@ def initialize(
     process_id: int | None = None,
     *,
     timeout: float = 300,
-    heartbeat_timeout: float = 30,
-    shutdown_timeout: float = 60,
+    heartbeat_timeout: float = 60,
+    shutdown_timeout: float = 300,
 ) -> None:
     """Join this process to a multi-process JAX job (`jax.distributed.initialize`),
     failing with a clear message if the job does not form within `timeout` seconds.
