@@ -34,15 +34,72 @@ def noted(fn: Callable[..., Any], where: str, *args: Any, **kwargs: Any) -> Any:
     __tracebackhide__ = True
     try:
         return fn(*args, **kwargs)
-    except Exception as e:
-        # `where` also starts sentences ("The cell GRUCell at ..."); mid-note
-        # it reads in lower case.
-        if where.split(" ", 1)[0] in ("The", "Layer"):
-            where = where[0].lower() + where[1:]
-        note = f"(raised by {where}, run by eqxscan; {DEBUGGING_DOCS})"
-        if note not in getattr(e, "__notes__", ()):
-            e.add_note(note)
+    except (TypeError, ValueError) as e:
+        shown = _input(args)
+        if shown and type(e) in (TypeError, ValueError) and _raised_by_jax(e):
+            # JAX's shape errors ("dot_general requires ...") name no layer and
+            # no input: a headline that does, the original kept as the cause.
+            raise type(e)(_headline(where, shown, e)) from e
+        _note(e, where)
         raise
+    except Exception as e:
+        _note(e, where)
+        raise
+
+
+def _raised_by_jax(e: BaseException) -> bool:
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return False
+    name = tb.tb_frame.f_code.co_filename.replace(os.sep, "/")
+    return any(part in name for part in ("/jax/", "/jaxlib/", "/numpy/", "/equinox/"))
+
+
+def _input(args: tuple) -> str:
+    """The input of a layer's step, described: its first argument, the carry
+    (`""` where the first argument is a module, as for a group of layers)."""
+    is_module = lambda x: isinstance(x, eqx.Module)  # noqa: E731
+    if not args or any(map(is_module, jtu.tree_leaves(args[0], is_leaf=is_module))):
+        return ""
+    return describe_tree(args[0])
+
+
+def _headline(where: str, shown: str, e: BaseException) -> str:
+    first = next(iter(str(e).strip().splitlines()), type(e).__name__)
+    return (
+        f"{where} failed on its input {shown}: {first}\nHint: check the input's "
+        "shape and dtype against what the layer expects (the error may also be "
+        f"in the layer itself); {DEBUGGING_DOCS}."
+    )
+
+
+def describe_tree(tree: Any) -> str:
+    """`describe` of every leaf of `tree`, in its structure, shortened."""
+    leaves, treedef = jtu.tree_flatten(tree)
+    if treedef.num_leaves == 1 and treedef.num_nodes == 1:
+        return describe(leaves[0])
+    text = str(jtu.tree_unflatten(treedef, [_Shown(describe(x)) for x in leaves]))
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+class _Shown:
+    def __init__(self, text: str):
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _note(e: BaseException, where: str) -> None:
+    # `where` also starts sentences ("The cell GRUCell at ..."); mid-note it
+    # reads in lower case.
+    if where.split(" ", 1)[0] in ("The", "Layer"):
+        where = where[0].lower() + where[1:]
+    note = f"(raised by {where}, run by eqxscan; {DEBUGGING_DOCS})"
+    if note not in getattr(e, "__notes__", ()):
+        e.add_note(note)
 
 
 def describe(x: Any) -> str:
@@ -378,4 +435,45 @@ def split_key(key: object, num: int, who: str) -> jax.Array:
         )
     raise TypeError(
         f"{who} needs `key` to be one JAX PRNG key, got {describe(key)}.\n{hint}"
+    )
+
+
+def check_made_layer(made: object) -> None:
+    """Raise `TypeError` if `make_layer` returned no layer: `None` (a missing
+    `return`), a number or a string, which would only fail when called."""
+    if made is None or isinstance(made, (bool, int, float, complex, str, bytes)):
+        raise TypeError(
+            f"make_layer returned {describe(made)} ({type(made).__name__}), not a "
+            "layer.\nHint: make_layer(key, ...) must return the layer, e.g. an "
+            "eqx.Module called as `layer(x)`; is a `return` missing?"
+        )
+
+
+def check_policy(name: str, policy: Callable[..., Any]) -> None:
+    """Raise `TypeError` unless `policy` can be called as JAX calls a
+    rematerialisation policy, `policy(primitive, *avals, **params)`, and answers;
+    a callable that cannot (`len`) would fail only under `grad`, blamed on the
+    layer."""
+    aval = jax.core.ShapedArray((), jnp.float32)
+    try:
+        policy(jax.lax.mul_p, aval, aval)
+    except Exception as e:
+        raise TypeError(
+            f"{name}={describe(policy)} is not a rematerialisation policy: called "
+            f"as JAX calls one, policy(primitive, *avals, **params), it raised "
+            f"{type(e).__name__}: {e}\nHint: pass a jax.checkpoint_policies policy "
+            "(e.g. jax.checkpoint_policies.dots_saveable), True, False, 'auto', "
+            "'nested', 'offload' or an eqxscan.ScanCheckpoint."
+        ) from None
+
+
+def check_path(name: str, path: object) -> str:
+    """`os.fspath(path)`, or a `TypeError` naming `name` (e.g. `"save: path"`)
+    for anything that is not a path (`None`, a number, an array)."""
+    if isinstance(path, (str, os.PathLike)) and not isinstance(path, bytes):
+        return os.fspath(path)
+    raise TypeError(
+        f"{name} must be a path (a str or an os.PathLike such as pathlib.Path), "
+        f"got {type(path).__name__} ({describe(path)}).\nHint: pass the file or "
+        "directory name, e.g. 'checkpoints/model.npz'."
     )

@@ -9,7 +9,7 @@ from typing import Literal, TypeAlias, TypedDict, TypeVar
 
 import equinox as eqx
 
-from ._checks import check_option, check_unroll
+from ._checks import check_option, check_policy, check_unroll
 from ._remat import as_scan_checkpoint, Policy, ScanCheckpoint
 
 
@@ -45,7 +45,10 @@ def check_checkpoint(checkpoint: object) -> None:
 
     The one place that says which checkpoint values exist.
     """
-    if isinstance(checkpoint, (bool, ScanCheckpoint)) or callable(checkpoint):
+    if isinstance(checkpoint, (bool, ScanCheckpoint)):
+        return
+    if callable(checkpoint):
+        check_policy("checkpoint", checkpoint)
         return
     if isinstance(checkpoint, str):
         check_option("checkpoint", checkpoint, (False, True) + CHECKPOINT_STRINGS)

@@ -37,6 +37,7 @@ from ._checks import (
     check_callable,
     check_index,
     check_leading_axis,
+    check_made_layer,
     check_size,
     check_takes_key,
     describe,
@@ -139,6 +140,7 @@ def _check_make_layer(make_layer: object) -> None:
 
 
 def _check_made(layers: object) -> None:
+    check_made_layer(layers)
     if eqx.is_array(layers):
         one = jax.ShapeDtypeStruct(layers.shape[1:], layers.dtype)
         raise TypeError(

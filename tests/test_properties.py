@@ -1,4 +1,7 @@
-"""Property tests: random depths, widths, dtypes and pytree carries."""
+"""Property tests: random depths, widths, dtypes and pytree carries; generated
+bad input to every public entry point."""
+
+import json
 
 import equinox as eqx
 import jax
@@ -9,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 import eqxscan
 
-from .helpers import tree_allclose
+from .helpers import run_script, tree_allclose
 
 
 class PerLeaf(eqx.Module):
@@ -94,3 +97,22 @@ def test_scan_equals_loop_and_python(L, d, dtype, shapes, checkpoint, seed):
     assert tree_allclose(grad, loop_grad, **tol)
     assert jtu.tree_structure(out) == jtu.tree_structure(carry)
     assert all(leaf.dtype == dtype for leaf in jtu.tree_leaves(out))
+
+
+def test_generated_bad_input_is_refused_clearly_or_works_as_the_loop():
+    # In a fresh process, as a user runs it: without the tests' runtime type
+    # checks of annotations, which would refuse most of it first.
+    found = json.loads(run_script("fault_properties.py", "20", timeout=600))
+    assert found["raw"] == {}, json.dumps(found, indent=1)
+    tally = found["tally"]
+    assert set(tally) == {
+        "Stacked",
+        "Chain",
+        "Recurrent",
+        "StackedMLP",
+        "save/load",
+        "CheckpointManager",
+    }
+    for entry, counts in tally.items():
+        assert counts.get("clear", 0) >= 10, (entry, counts)
+        assert set(counts) <= {"clear", "works"}, (entry, counts)

@@ -34,9 +34,11 @@ try:
 except ImportError:  # pragma: no cover - not POSIX: stale files are not collected
     fcntl = None  # type: ignore[assignment]
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._checks import check_path, describe, is_arraylike
 from ._state_dict import from_state_dict, to_state_dict
 
 
@@ -86,7 +88,7 @@ def save(path: str | os.PathLike, model: Any) -> None:
     - `path`: the file to write (used as given; `.npz` is a good suffix).
     - `model`: any model that [`eqxscan.to_state_dict`][] accepts.
     """
-    path = os.fspath(path)
+    path = check_path("save: path", path)
     arrays = to_state_dict(model)
     for reserved in (_MANIFEST,):
         if reserved in arrays:
@@ -465,7 +467,7 @@ def _corrupt(path: str, e: _Corrupt) -> ValueError:
 
 
 def _open(path: str | os.PathLike) -> _Archive:
-    path = os.fspath(path)
+    path = check_path("load: path", path)
     try:
         return _Archive(path)
     except _Corrupt as e:
@@ -519,6 +521,13 @@ def load(path: str | os.PathLike, like: Any) -> Any:
     missing/unexpected keys, wrong shapes/dtypes or a different number of
     layers, or naming the file (and the member or array) if it is corrupt.
     """
+    if not any(is_arraylike(x) for x in jax.tree_util.tree_leaves(like)):
+        raise TypeError(
+            f"load: like must be a model of the saved layout, with arrays (or "
+            f"jax.ShapeDtypeStructs) in it, got {type(like).__name__} "
+            f"({describe(like)}).\nHint: pass a model built with the saved "
+            "configuration, e.g. eqx.filter_eval_shape(make_model, key)."
+        )
     archive = _open(path)
     try:
         return from_state_dict(like, archive)

@@ -219,6 +219,20 @@ def from_state_dict(like: T, state_dict: Mapping[str, object]) -> T:
     depths), missing or unexpected keys (naming them), or arrays of the wrong
     shape or dtype (naming the key and both shapes/dtypes).
     """
+    if not isinstance(state_dict, Mapping) or not all(
+        isinstance(k, str) for k in state_dict
+    ):
+        what = (
+            "a mapping with keys of type "
+            f"{sorted({type(k).__name__ for k in state_dict})}"
+            if isinstance(state_dict, Mapping)
+            else f"{type(state_dict).__name__} ({describe(state_dict)})"
+        )
+        raise TypeError(
+            f"from_state_dict: state_dict must be a mapping from names (str) to "
+            f"arrays, got {what}.\nHint: pass what eqxscan.to_state_dict returns, "
+            "or a dict such as dict(numpy.load(path))."
+        )
     leaves = _layout(like)
     expected = {name: leaf for leaf in leaves for name in leaf.names()}
     _check_depths(leaves, state_dict)

@@ -7,6 +7,7 @@ process holds, and `jit` over a mesh spanning every process's devices runs the
 collectives (gloo on CPU, NCCL on GPU, ICI/DCN on TPU).
 """
 
+import atexit
 import hashlib
 import math
 import os
@@ -37,12 +38,98 @@ def _exit_with(message: str) -> None:
     os._exit(1)
 
 
+def _check_seconds(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"initialize: {name} must be a number of seconds, got "
+            f"{type(value).__name__} ({value!r})."
+        )
+    if not 0 < value < 1e6:  # also refuses NaN
+        raise ValueError(
+            f"initialize: {name} must be a positive number of seconds, got {value!r}."
+        )
+    return float(value)
+
+
+class _PeerWatch:
+    """Every process of the job shows it is alive by a counter it bumps in JAX's
+    key-value store; a process whose counter stands still for `timeout` seconds
+    (or, for the coordinator, whose store cannot be reached) is taken as dead,
+    and this process reports it and exits. JAX's own heartbeat would end the
+    process with an abort and a message naming no process."""
+
+    def __init__(self, client: Any, me: int, count: int, timeout: float, where: str):
+        self.client, self.me, self.count = client, me, count
+        self.timeout, self.where = timeout, where
+        self.interval = min(1.0, timeout / 4)
+        now = time.monotonic()
+        self.seen = {i: ("", now) for i in range(count) if i != me}
+        self.reached = now  # when the store last answered
+        self.exiting = False
+        for target in (self._beat, self._judge):
+            threading.Thread(target=target, daemon=True, name="eqxscan-peers").start()
+        atexit.register(self._leave)
+
+    def _key(self, i: int) -> str:
+        return f"eqxscan/alive/{i}"
+
+    def _beat(self) -> None:
+        beat = 0
+        while True:
+            beat += 1
+            try:
+                self.client.key_value_set(self._key(self.me), str(beat), True)
+                self.reached = time.monotonic()
+            except Exception:
+                pass  # the store cannot be reached: `_judge` decides
+            for i in self.seen:
+                try:
+                    value = self.client.key_value_try_get(self._key(i))
+                except Exception:
+                    continue  # not written yet, or the store is gone
+                if value != self.seen[i][0]:
+                    self.seen[i] = (value, time.monotonic())
+            time.sleep(self.interval)
+
+    def _judge(self) -> None:
+        while True:
+            time.sleep(self.interval)
+            now = time.monotonic()
+            for i, (value, since) in list(self.seen.items()):
+                if value != "left" and now - since > self.timeout:
+                    self._lost(i, now - since)
+            if not self.exiting and now - self.reached > self.timeout:
+                self._lost(0, now - self.reached)  # the store is process 0's
+
+    def _lost(self, dead: int, silent: float) -> None:
+        what = f"process {dead}" + (" (the coordinator)" if dead == 0 else "")
+        _exit_with(
+            f"eqxscan.sharding: {self.where} lost {what}: it has shown no sign "
+            f"of life for {silent:.0f} s (heartbeat_timeout={self.timeout:g}), "
+            f"so it stopped or crashed; this process exits.\nHint: see the log "
+            f"of process {dead} for why it stopped, then restart the job from "
+            f"its last checkpoint; {DOCS}."
+        )
+
+    def _leave(self) -> None:
+        # Before JAX's own exit handler (registered earlier, so it runs later):
+        # a process that ends is not taken for a dead one by the others.
+        self.exiting = True
+        try:
+            self.client.key_value_set(self._key(self.me), "left", True)
+        except Exception:
+            if self.me != 0:  # the store, on process 0, is gone already
+                self._lost(0, time.monotonic() - self.reached)
+
+
 def initialize(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
     process_id: int | None = None,
     *,
     timeout: float = 300,
+    heartbeat_timeout: float = 60,
+    shutdown_timeout: float = 300,
 ) -> None:
     """Join this process to a multi-process JAX job (`jax.distributed.initialize`),
     failing with a clear message if the job does not form within `timeout` seconds.
@@ -59,6 +146,13 @@ def initialize(
     with an abort; this function reports instead, on standard error, which process
     waited for what and for how long, and exits with status 1.
 
+    Once the job has formed, each process watches the others: when one shows no
+    sign of life for `heartbeat_timeout` seconds (it crashed, was killed, or its
+    machine went away), every other process reports, on standard error, which
+    process it lost, and exits with status 1, rather than waiting in a
+    collective that cannot complete. (Process 0 runs JAX's coordination service:
+    when it ends, JAX's runtime ends the others at once, with its own message.)
+
     **Arguments:**
 
     - `coordinator_address`: `"host:port"` of process 0, reachable from every
@@ -66,6 +160,10 @@ def initialize(
     - `num_processes`: the number of processes in the job.
     - `process_id`: this process's index, `0 <= process_id < num_processes`.
     - `timeout`: seconds to wait for every process to join.
+    - `heartbeat_timeout`: seconds of silence after which a process is taken as
+      dead.
+    - `shutdown_timeout`: seconds a process that ends waits at exit for the
+      others to end too.
     """
     given = (coordinator_address, num_processes, process_id)
     if any(v is not None for v in given) and any(v is None for v in given):
@@ -81,6 +179,9 @@ def initialize(
                 f"num_processes={num_processes}.\nHint: number the processes "
                 f"from 0; {DOCS}."
             )
+    timeout = _check_seconds("timeout", timeout)
+    heartbeat_timeout = _check_seconds("heartbeat_timeout", heartbeat_timeout)
+    shutdown_timeout = _check_seconds("shutdown_timeout", shutdown_timeout)
     # The default in recent JAX; older versions have no CPU collectives without it.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     where = (
@@ -109,6 +210,10 @@ def initialize(
             process_id,
             # JAX's own limit comes later, so that the watchdog speaks first.
             initialization_timeout=int(timeout) + 30,
+            # JAX's heartbeat ends a survivor with an abort naming no process:
+            # later than the watch below, which names it.
+            heartbeat_timeout_seconds=int(2 * heartbeat_timeout) + 10,
+            shutdown_timeout_seconds=max(1, round(shutdown_timeout)),
         )
     except Exception as e:
         raise RuntimeError(
@@ -123,6 +228,16 @@ def initialize(
         num_processes if num_processes is not None else jax.process_count(),
         f"num_processes={num_processes}" if num_processes is not None else "",
     )
+    if jax.process_count() > 1:
+        from jax._src import distributed as jax_distributed
+
+        _PeerWatch(
+            jax_distributed.global_state.client,
+            jax.process_index(),
+            jax.process_count(),
+            heartbeat_timeout,
+            f"process {jax.process_index()} of {jax.process_count()}",
+        )
 
 
 def _fingerprint(text: str) -> int:

@@ -12,6 +12,7 @@ than one per layer and parameter.
 import hashlib
 import json
 import os
+import re
 import warnings
 from typing import Any, SupportsIndex, TypeVar
 
@@ -20,7 +21,7 @@ import jax
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from .._checks import check_size, is_arraylike
+from .._checks import check_path, check_size, is_arraylike
 from .._tree import for_each, Site
 from ._distributed import DOCS
 from ._shard import MIN_SIZE, model_shardings, opt_state_shardings, shard
@@ -163,7 +164,11 @@ class CheckpointManager:
         """
         import orbax.checkpoint as ocp  # imported here: `import eqxscan` stays fast
 
-        self.directory = os.path.abspath(os.fspath(directory))
+        self.directory = os.path.abspath(
+            check_path("CheckpointManager: directory", directory)
+        )
+        if max_to_keep is not None:
+            max_to_keep = check_size("CheckpointManager: max_to_keep", max_to_keep)
         self._asynchronous = asynchronous
         self._unsealed: list[int] = []
         self._ocp = ocp
@@ -179,6 +184,10 @@ class CheckpointManager:
                 enable_async_checkpointing=asynchronous,
                 cleanup_tmp_directories=True,
                 create=True,
+                # Made by `save` itself: made in the background, a step
+                # directory that cannot be created leaves Orbax's writer threads
+                # waiting for it (300 s each), and the process cannot exit.
+                async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
             ),
         )
 
@@ -211,7 +220,10 @@ class CheckpointManager:
         # Orbax waits for the previous save before it starts this one: that one
         # is complete now, and gets its digests.
         self._seal()
-        self._manager.save(step, args=args.Composite(**items), force=True)
+        try:
+            self._manager.save(step, args=args.Composite(**items), force=True)
+        except Exception as e:
+            raise self._save_failed([step], e) from e
         self._unsealed.append(step)
         if wait or not self._asynchronous:
             self.wait()
@@ -299,15 +311,20 @@ class CheckpointManager:
             )
         if verify:
             self._verify(step)
-        self._check(step, target)
         args = self._ocp.args
-        out = self._manager.restore(
-            step,
-            args=args.Composite(
-                step=args.JsonRestore(),
-                **{k: args.StandardRestore(v) for k, v in target.items()},
-            ),
-        )
+        try:
+            self._check(step, target)
+            out = self._manager.restore(
+                step,
+                args=args.Composite(
+                    step=args.JsonRestore(),
+                    **{k: args.StandardRestore(v) for k, v in target.items()},
+                ),
+            )
+        except (ValueError, OSError) as e:
+            if str(e).startswith(f"Step {step} in "):
+                raise  # ours, from `_check`
+            raise self._unreadable(step, e) from e
         model = _fill(model, named["model"], out["model"])
         if opt_state is not None:
             opt_state = _fill(opt_state, named["opt_state"], out["opt_state"])
@@ -315,6 +332,24 @@ class CheckpointManager:
             model, opt_state, mesh=mesh, fsdp_axis=fsdp_axis, min_size=min_size
         )
         return model, opt_state, int(out["step"]["step"])
+
+    def _unreadable(self, step: int, error: Exception) -> ValueError:
+        """A `ValueError` naming the step, item and entry that Orbax (TensorStore)
+        could not read, for its multi-kilobyte message (`DATA_LOSS`,
+        `OUT_OF_RANGE`, ...), trimmed."""
+        text = " ".join(str(error).split())
+        item = re.search(rf"/{step}/(\w+)/", text)
+        entry = re.search(r'Error reading "([^"]+?)/\.z', text)
+        where = (f" item {item.group(1)!r}" if item else "") + (
+            f" entry {entry.group(1)!r}" if entry else ""
+        )
+        cause = text if len(text) <= 200 else text[:197] + "..."
+        return ValueError(
+            f"Step {step} in {self.directory!r} could not be read:{where or ' '}"
+            f"{':' if where else ''} {cause}\nHint: its files are damaged or were "
+            f"changed; restore with verify=True to check them against their "
+            f"digests, or restore another step ({self.all_steps()}); {DOCS}."
+        )
 
     def _check(self, step: int, target: dict[str, Any]) -> None:
         # Orbax's own errors name tensorstore paths; name the entries instead.
@@ -401,7 +436,10 @@ class CheckpointManager:
         pending, self._unsealed = self._unsealed, []
         if not pending:
             return
-        self._manager.wait_until_finished()
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            raise self._save_failed(pending, e) from e
         if jax.process_index() != 0:
             return
         for step in pending:
@@ -412,6 +450,29 @@ class CheckpointManager:
             with open(tmp, "w") as f:
                 json.dump(_file_digests(where), f, indent=0, sort_keys=True)
             os.replace(tmp, os.path.join(where, _DIGESTS))
+
+    def _save_failed(self, steps: list[int], error: Exception) -> Exception:
+        """The error to raise for a save of `steps` that failed with `error`: of
+        `error`'s type where it is an `OSError` (a `PermissionError` stays one),
+        with a headline naming the steps and the directory."""
+        cause = next(iter(str(error).strip().splitlines()), "")
+        cause = cause if len(cause) <= 300 else cause[:297] + "..."
+        try:
+            kept = f"the complete steps in it are {self.all_steps()}"
+        except Exception:
+            kept = "it cannot be listed"
+        which = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps}"
+        message = (
+            f"CheckpointManager could not save {which} to {self.directory!r}: "
+            f"{type(error).__name__}: {cause}\nHint: check that the directory "
+            f"exists and can be written (permissions, free space); {kept}; {DOCS}."
+        )
+        if isinstance(error, OSError):
+            try:
+                return type(error)(message)
+            except Exception:
+                return OSError(message)
+        return RuntimeError(message)
 
     def _latest_verified(self, latest: int) -> int:
         skipped = []

@@ -1,0 +1,35 @@
+"""One process of a two-process job for tests/test_faults_processes.py:
+`python tests/scripts/peer_fault_job.py PROCESS_ID PORT WORK`.
+
+Joins the job, prints `ready`, then works until it is killed or its peer dies:
+`WORK` is `collective` (an allgather every 0.1 s) or `host` (no collectives).
+"""
+
+import os
+import sys
+import time
+
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import numpy as np  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+
+from eqxscan import sharding  # noqa: E402
+
+
+def main() -> int:
+    pid, port, work = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    sharding.initialize(f"127.0.0.1:{port}", 2, pid, timeout=60, heartbeat_timeout=3)
+    print("ready", flush=True)
+    step = 0
+    while True:
+        if work == "collective":
+            total = multihost_utils.process_allgather(np.int64(step)).sum()
+            assert total == 2 * step, total
+        step += 1
+        time.sleep(0.1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""Bad inputs that used to end in a raw error (or none until much later) get one
+headline naming the argument, layer or file, and one hint."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+
+import eqxscan
+
+
+ROOT = Path(__file__).resolve().parent.parent
+KEY = jax.random.key(0)
+
+
+def _linear(key):
+    return eqx.nn.Linear(4, 4, key=key)
+
+
+@pytest.mark.parametrize("made", [None, 1.5, "layer"])
+def test_make_layer_returning_no_layer_fails_at_construction(made):
+    with pytest.raises(TypeError) as e:
+        eqxscan.Stacked(lambda key: made, 2, key=KEY)
+    first, hint = str(e.value).splitlines()
+    assert first.startswith(f"make_layer returned {made!r} ({type(made).__name__})")
+    assert hint.startswith("Hint: make_layer(key, ...) must return the layer")
+
+
+def test_a_callable_that_is_no_policy_is_blamed_on_checkpoint():
+    with pytest.raises(TypeError) as e:
+        eqxscan.Stacked(_linear, 2, key=KEY, checkpoint=len)
+    first, hint = str(e.value).splitlines()
+    assert first.startswith("checkpoint=<built-in function len> is not a remat")
+    assert "Linear" not in first and hint.startswith("Hint: pass a jax.checkpoint_")
+    # Real policies pass the probe, and run as before.
+    for policy in (
+        jax.checkpoint_policies.dots_saveable,
+        jax.checkpoint_policies.save_only_these_names("a"),
+        jax.checkpoint_policies.nothing_saveable,
+    ):
+        stack = eqxscan.Stacked(_linear, 2, key=KEY, checkpoint=policy)
+        loss = lambda s, x: jnp.sum(s(x) ** 2)  # noqa: E731
+        x = jnp.linspace(-1, 1, 4)
+        got = jax.grad(loss, argnums=1)(stack, x)
+        want = jax.grad(loss, argnums=1)(stack.with_options(mode="loop"), x)
+        assert jnp.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["scan", "loop"])
+@pytest.mark.parametrize("jit", [False, True])
+def test_wrong_input_width_names_the_layer_and_the_input(mode, jit):
+    stack = eqxscan.Stacked(_linear, 2, key=KEY, mode=mode)
+    call = eqx.filter_jit(lambda s, x: s(x)) if jit else (lambda s, x: s(x))
+    with pytest.raises(TypeError) as e:
+        call(stack, jnp.ones(5))
+    first, hint = str(e.value).splitlines()[:2]
+    where = (
+        "The stacked layer Linear (one body for all 2 layers)"
+        if mode == "scan"
+        else "Layer 0 (Linear)"
+    )
+    assert first.startswith(f"{where} failed on its input float32[5]: dot_general")
+    assert hint.startswith("Hint: check the input's shape and dtype")
+    # JAX's own error is kept as the cause.
+    assert "dot_general requires contracting" in str(e.value.__cause__)
+
+
+def test_wrong_input_width_in_a_chain_names_the_group():
+    chain = eqxscan.Chain([_linear(KEY), _linear(KEY), eqx.nn.Linear(4, 2, key=KEY)])
+    with pytest.raises(TypeError) as e:
+        chain(jnp.ones(3))
+    first = str(e.value).splitlines()[0]
+    assert "failed on its input float32[3]: dot_general requires" in first, first
+    assert any("Chain layers 0-1" in n for n in e.value.__notes__), e.value.__notes__
+
+
+# Without the tests' runtime type checks of annotations, as a user runs it.
+UNCHECKED = """
+import jax
+import eqxscan
+from eqxscan import checkpoint
+
+model = eqxscan.StackedMLP(4, 2, key=jax.random.key(0))
+for bad in ([1, 2], None, {1: 2}, "blocks.0.w1"):
+    try:
+        checkpoint.from_state_dict(model, bad)
+    except TypeError as e:
+        print(str(e).splitlines()[0])
+        print(str(e).splitlines()[1][:30])
+"""
+
+
+def test_wrong_type_of_state_dict_is_named():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    run = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(UNCHECKED)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    head = "from_state_dict: state_dict must be a mapping from names (str) to arrays"
+    hint = "Hint: pass what eqxscan.to_sta"
+    assert run.stdout.splitlines() == [
+        f"{head}, got list ([1, 2]).",
+        hint,
+        f"{head}, got NoneType (None).",
+        hint,
+        f"{head}, got a mapping with keys of type ['int'].",
+        hint,
+        f"{head}, got str ('blocks.0.w1').",
+        hint,
+    ]
+
+
+def test_unreadable_orbax_data_is_named_by_step_item_and_entry(tmp_path):
+    model = eqxscan.StackedMLP(4, 2, key=KEY)
+    mesh = eqxscan.sharding.make_mesh(devices=jax.devices()[:1])
+    with eqxscan.sharding.CheckpointManager(tmp_path, asynchronous=False) as c:
+        c.save(1, model)
+        c.save(2, model)
+        for data in (tmp_path / "2" / "model").rglob("*"):
+            if data.is_file() and data.parent.name == "d":
+                data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+        with pytest.raises(ValueError) as e:
+            c.restore(model, mesh=mesh, step=2, min_size=0, verify=False)
+        first, hint = str(e.value).splitlines()
+        assert first.startswith(
+            f"Step 2 in {str(tmp_path)!r} could not be read: item 'model' entry "
+            "'blocks.*."
+        ), first
+        assert "OUT_OF_RANGE" in first or "DATA_LOSS" in first, first
+        assert len(first) < 400, first  # Orbax's own runs to kilobytes
+        assert hint.startswith("Hint: its files are damaged") and "[1, 2]" in hint
+        # The digests name the damaged file before Orbax reads it.
+        with pytest.raises(ValueError, match="Step 2 .* is corrupt: its file"):
+            c.restore(model, mesh=mesh, step=2, min_size=0)
+        restored, _, step = c.restore(model, mesh=mesh, step=1, min_size=0)
+        assert step == 1
+        for a, b in zip(
+            jax.tree.leaves(eqx.filter(restored, eqx.is_array)),
+            jax.tree.leaves(eqx.filter(model, eqx.is_array)),
+            strict=True,
+        ):
+            assert jnp.array_equal(a, b)

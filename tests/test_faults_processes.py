@@ -1,0 +1,77 @@
+"""A process of a multi-process job dies: every survivor exits within a bounded
+time with a headline naming the dead process (two processes on 127.0.0.1)."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .helpers import script_path
+
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = script_path("peer_fault_job.py")
+JOIN_TIMEOUT = 120
+# heartbeat_timeout=3 in the script, plus the time to notice and to exit; JAX's
+# own heartbeat would abort the survivor after 100 s, naming no process.
+EXIT_BOUND = 20
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# Process 1 dies mid-collective. (When process 0, which runs JAX's coordination
+# service, dies, JAX's runtime ends the others at once with its own message,
+# which no Python code can precede.)
+def test_survivor_of_a_dead_peer_exits_naming_it(tmp_path, dead=1, work="collective"):
+    port = _port()
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("XLA_FLAGS", None)
+    logs = [open(tmp_path / f"{i}.log", "w+") for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPT), str(i), str(port), work],
+            stdout=logs[i],
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+            env=env,
+        )
+        for i in range(2)
+    ]
+    try:
+        start = time.monotonic()
+        while not all("ready" in (tmp_path / f"{i}.log").read_text() for i in (0, 1)):
+            assert all(p.poll() is None for p in procs), [
+                (tmp_path / f"{i}.log").read_text()[-2000:] for i in (0, 1)
+            ]
+            assert time.monotonic() - start < JOIN_TIMEOUT
+            time.sleep(0.2)
+        time.sleep(1)  # a few steps together
+        procs[dead].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        survivor = procs[1 - dead]
+        code = survivor.wait(timeout=EXIT_BOUND + 30)
+        took = time.monotonic() - killed
+        text = (tmp_path / f"{1 - dead}.log").read_text()
+        assert took < EXIT_BOUND, (took, text[-3000:])
+        assert code == 1, text[-3000:]
+        lines = [line for line in text.splitlines() if line.strip()]
+        assert lines[-2].startswith(
+            "eqxscan.sharding: process 0 of 2 lost process 1: it has shown no "
+            "sign of life for "
+        ), text[-3000:]
+        assert lines[-1].startswith("Hint: see the log of process 1 for why")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=30)
+        for f in logs:
+            f.close()
