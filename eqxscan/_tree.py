@@ -20,7 +20,6 @@ ways:
 from collections.abc import Callable
 from typing import NamedTuple, Protocol, runtime_checkable, TypeVar
 
-import equinox as eqx
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
@@ -149,8 +148,18 @@ def walk(
         return tree.state_dict_layers(inner)  # type: ignore[return-value]
     if not names and isinstance(tree, Stacked):
         at = site.enter(jtu.GetAttrKey("layers"), (tree.num_layers,), tree.num_layers)
-        layers = walk(fn, tree.layers, stack=stack, site=at)
-        new = eqx.tree_at(lambda s: s.layers, tree, layers, is_leaf=is_none)
+        # The layers gain a layer axis; any other field (the drop rates) is
+        # visited where the stack itself sits, so every leaf is seen once.
+        children, treedef = jtu.tree_flatten_with_path(
+            tree, is_leaf=lambda x: x is not tree
+        )
+        rebuilt = [
+            walk(fn, child, stack=stack, site=at)
+            if path == (jtu.GetAttrKey("layers"),)
+            else walk(fn, child, stack=stack, site=site.child(tuple(path)))
+            for path, child in children
+        ]
+        new = jtu.tree_unflatten(treedef, rebuilt)
         return new if stack is None else stack(new, at)  # type: ignore[return-value]
     children, treedef = jtu.tree_flatten_with_path(
         tree, is_leaf=lambda x: x is not tree
