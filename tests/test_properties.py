@@ -35,7 +35,7 @@ carry_shapes = st.sampled_from(
 )
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(
     L=st.integers(1, 6),
     d=st.integers(1, 5),
