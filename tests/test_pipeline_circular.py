@@ -23,7 +23,7 @@ from jax.sharding import AxisType
 
 import eqxscan
 from eqxscan import sharding
-from eqxscan.sharding._pipeline import _check_schedule
+from eqxscan.sharding._pipeline import _check_layer_order, _check_schedule
 
 from .helpers import max_rel_err, ROOT, run_script, script_path
 
@@ -87,6 +87,21 @@ def test_circular_two_stages_equals_scan(getkey):
     assert max_rel_err(*arrays) < 1e-5
 
 
+def test_stage_order(getkey):
+    # The pipeline on a stage-ordered stack: tests/scripts/pipeline_checks.py.
+    rates = [0.01 * i for i in range(8)]
+    stack = eqxscan.StackedMLP(4, 8, key=getkey(), drop_path=rates).blocks
+    order = dict(stages=2, repeats=2)
+    staged = sharding.pipeline_order(stack, **order)
+    # 4 chunks of 2 layers: stage 0 runs chunks 0 and 2, stage 1 chunks 1 and 3.
+    layer = [0, 1, 4, 5, 2, 3, 6, 7]
+    assert np.array_equal(staged.layers.w1, stack.layers.w1[np.array(layer)])
+    assert staged.depth_drop.drop_path == tuple(rates[i] for i in layer)
+    back = sharding.pipeline_order(staged, **order, inverse=True)
+    assert np.array_equal(back.layers.w2, stack.layers.w2)
+    assert back.depth_drop.drop_path == stack.depth_drop.drop_path
+
+
 def test_pipeline_errors(getkey):
     mesh = jax.make_mesh((2,), ("stage",), axis_types=(AxisType.Auto,))
     stack = eqxscan.StackedMLP(4, 6, key=getkey()).blocks
@@ -116,6 +131,12 @@ def test_pipeline_errors(getkey):
         sharding.pipeline(stack, x, mesh=mesh, microbatches=2, schedule="1f1b")
     with pytest.raises(ValueError, match=r"(?s)'gpipe', 'circular'.*'1f1b'.*Hint:"):
         _check_schedule("1f1b", 1)
+    with pytest.raises(Exception, match=r"layer_order must be one of|'layer_order'"):
+        sharding.pipeline(stack, x, mesh=mesh, microbatches=2, layer_order="stages")
+    with pytest.raises(ValueError, match=r"(?s)'natural', 'stage'.*'stages'.*Hint:"):
+        _check_layer_order("stages")
+    with pytest.raises(ValueError, match=r"(?s)6 layers .* 4 chunks.*\nHint: "):
+        sharding.pipeline_order(stack, stages=2, repeats=2)
 
 
 def check_runs(runs: list[dict], expected: set[str]) -> None:
@@ -160,6 +181,34 @@ def processes(*procs: subprocess.Popen):
             if p.poll() is None:
                 p.send_signal(signal.SIGKILL)
             p.wait(timeout=30)
+
+
+def test_stage_order_moves_no_weights():
+    # A stack whose layer axis is split over "stage" (L/S layers per device);
+    # R = 2, M = 4 microbatches of 4 rows split over "data".
+    result = json.loads(run_script("pipeline_checks.py", "stage", timeout=TIMEOUT))
+    runs = {r["name"]: r for r in result["runs"]}
+    assert set(runs) == {"stage_order", "natural_order"}
+    for r in runs.values():
+        # Grads and updated params of the stage order mapped back to natural.
+        assert r["err_loss"] <= 1e-5, r
+        assert r["err_grads"] <= 1e-5 and r["err_params"] <= 1e-5, r
+        # Each device holds a quarter of the stack, before and after the step.
+        assert r["device_stack_bytes"] * 4 == r["stack_bytes"], r
+        assert r["device_new_stack_bytes"] == r["device_stack_bytes"], r
+    stage, natural = runs["stage_order"], runs["natural_order"]
+    # In stage order each device's shard is its stage's block: the program
+    # permutes only microbatches ([2, 8] per device); its all-to-alls reshape
+    # the batch's rows and the outputs ([.., 8]), as the natural order's do.
+    assert stage["weight_moves"] == [], stage
+    assert stage["permutes"] and set(stage["permutes"]) == {"f32[2,8]"}, stage
+    assert set(stage["all_to_alls"]) <= set(natural["all_to_alls"]), stage
+    # In natural order the same split holds other stages' chunks, which the
+    # program exchanges (w1 and w2 with all-to-alls and permutes).
+    moved = {m.split()[0] for m in natural["weight_moves"]}
+    assert moved == {"all-to-all", "collective-permute"}, natural
+    assert len(natural["all_to_alls"]) > len(stage["all_to_alls"]), natural
+    assert stage["device_argument_bytes"] == natural["device_argument_bytes"]
 
 
 def test_two_processes_stage_axis_across_them():

@@ -18,7 +18,9 @@ from ._partition import (
     logical_spec as logical_spec,
 )
 from ._pipeline import (
+    LayerOrder as LayerOrder,
     pipeline as pipeline,
+    pipeline_order as pipeline_order,
     pipeline_schedule as pipeline_schedule,
     PipelineSchedule as PipelineSchedule,
     Schedule as Schedule,

@@ -8,11 +8,15 @@ with `jax.lax.ppermute` inside one `jax.shard_map`; with `R > 1` they go round
 the ring of stages `R` times. Which stage works on which microbatch and chunk at
 each tick is one table, [`pipeline_schedule`][eqxscan.sharding.pipeline_schedule],
 which the program reads. Autodiff of that program is the backward pipeline.
+
+A stack kept in stage order ([`pipeline_order`][eqxscan.sharding.pipeline_order])
+and split over the stage axis along its layer axis holds each stage's chunks on
+that stage's devices already, so the pipeline moves no weights.
 """
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, Literal, SupportsIndex, TypeAlias
+from typing import Any, Literal, SupportsIndex, TypeAlias, TypeVar
 
 import equinox as eqx
 import jax
@@ -24,6 +28,7 @@ from jaxtyping import Array, Int, PyTree
 
 from .._checks import check_size
 from .._constrain import constrain
+from .._drop import rates_of
 from .._stacked import restack, Stacked
 from ._shard import check_mesh
 
@@ -35,6 +40,15 @@ chunks `s, s + S, s + 2S, ...` of `L / (S * repeats)` layers, and the microbatch
 go round the stages `repeats` times."""
 
 SCHEDULES: tuple[Schedule, ...] = ("gpipe", "circular")
+
+LayerOrder: TypeAlias = Literal["natural", "stage"]
+"""`"natural"`: the stack's layers in the order they run. `"stage"`: permuted by
+[`pipeline_order`][eqxscan.sharding.pipeline_order], stage `s`'s chunks in
+positions `[s * L/S, (s + 1) * L/S)`."""
+
+LAYER_ORDERS: tuple[LayerOrder, ...] = ("natural", "stage")
+
+StackT = TypeVar("StackT", bound=Stacked)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +114,98 @@ def _check_schedule(schedule: object, repeats: object) -> int:
     return repeats
 
 
+def _check_layer_order(layer_order: object) -> LayerOrder:
+    if not isinstance(layer_order, str) or layer_order not in LAYER_ORDERS:
+        raise _hint_error(
+            f"layer_order must be one of {list(LAYER_ORDERS)}, got {layer_order!r}.",
+            "'natural' for a stack in the order its layers run; 'stage' for one "
+            "permuted by eqxscan.sharding.pipeline_order.",
+        )
+    return layer_order  # type: ignore[return-value]
+
+
+def _check_chunks(num_layers: int, stages: int, repeats: int, where: str) -> int:
+    # The chunk length K = L / (S * R).
+    chunks = stages * repeats
+    if num_layers % chunks:
+        where = f"{stages} pipeline stages{where}"
+        if repeats > 1:
+            where += f" x {repeats} repeats = {chunks} chunks"
+        raise _hint_error(
+            f"Cannot split the {num_layers} layers of a Stacked into {where}: "
+            f"the number of layers must be a multiple of {chunks}.",
+            "change the number of layers, the size of the stage axis"
+            + (" or repeats." if repeats > 1 else "."),
+        )
+    return num_layers // chunks
+
+
+def pipeline_order(
+    stack: StackT,
+    *,
+    stages: SupportsIndex,
+    repeats: SupportsIndex,
+    inverse: bool = False,
+) -> StackT:
+    """The layers of `stack` permuted into stage order (or, with `inverse=True`,
+    back into their natural order).
+
+    With `K = L / (stages * repeats)`, the circular schedule runs chunk `c`
+    (layers `[c * K, (c + 1) * K)`) on stage `c mod stages`, so in the natural
+    order stage `s`'s chunks `s, s + stages, ...` are not one block of the layer
+    axis. In stage order they are: position `(s * repeats + r) * K + k` holds
+    layer `(r * stages + s) * K + k`, and stage `s`'s `repeats` chunks fill
+    positions `[s * L/stages, (s + 1) * L/stages)`. A stage-ordered stack split
+    over the stage axis along its layer axis (`PartitionSpec("stage")`) thus
+    holds on each device exactly the weights its stage runs, and
+    `pipeline(..., layer_order="stage")` moves none of them. With `repeats=1`
+    both orders are the same.
+
+    The stage-ordered stack is for `pipeline(..., layer_order="stage")` with the
+    same `stages` and `repeats`: called directly it would run its layers in the
+    permuted order. Its gradients, optimizer state and checkpoints follow its
+    order too; apply this function with `inverse=True` to the stack (and to
+    optimizer buffers of the stack's structure, such as Adam's moments) to get
+    the natural order, e.g. to save a checkpoint that loads into any topology.
+
+    **Arguments:**
+
+    - `stack`: a `Stacked` (or a pytree of its structure, such as a gradient)
+      whose array leaves have the layer axis first.
+    - `stages`: the number of pipeline stages `S` (the size of the stage axis).
+    - `repeats`: the rounds `R` of the circular schedule (`1` for GPipe).
+    - `inverse`: undo the permutation: stage order to natural order.
+
+    **Returns:**
+
+    `stack` with every array leaf of its layers, and its per-layer drop rates,
+    permuted along the layer axis.
+    """
+    if not isinstance(stack, Stacked):
+        raise TypeError(
+            f"pipeline_order permutes an eqxscan.Stacked, got "
+            f"{type(stack).__name__}; for a model, pass its Stacked (e.g. "
+            "`model.blocks`)."
+        )
+    stages = check_size("stages", stages)
+    repeats = check_size("repeats", repeats)
+    stack.check_layer_axis("reorder")
+    per = _check_chunks(stack.num_layers, stages, repeats, "")
+    outer, inner = (stages, repeats) if inverse else (repeats, stages)
+
+    def one(a: Any) -> Any:
+        # NumPy and JAX arrays alike.
+        a = a.reshape(outer, inner, per, *a.shape[1:])
+        return a.swapaxes(0, 1).reshape(stack.num_layers, *a.shape[3:])
+
+    layers = jtu.tree_map(lambda a: one(a) if eqx.is_array(a) else a, stack.layers)
+    order = one(np.arange(stack.num_layers))
+    rates = rates_of(stack.depth_drop)
+    if stack.depth_drop is not None:
+        rates = tuple(tuple(r[i] for i in order) for r in rates)
+    return restack(stack, layers=layers, drop_path=rates[0], layer_drop=rates[1])
+
+
 def pipeline_schedule(
     *,
     stages: SupportsIndex,
@@ -146,14 +252,20 @@ def pipeline_schedule(
     return PipelineSchedule(stages, microbatches, repeats, microbatch, repeat)
 
 
-def _split(stack: Stacked, stages: int, repeats: int) -> tuple[Any, Any]:
+def _split(
+    stack: Stacked, stages: int, repeats: int, layer_order: LayerOrder
+) -> tuple[Any, Any]:
     # Array leaves [L, ...] -> [S, R, K, ...]: chunk c = r * S + s (layers
     # [c * K, (c + 1) * K)) goes to stage s, so each stage's R chunks are one
-    # contiguous block and a tick only indexes its own weights.
+    # contiguous block and a tick only indexes its own weights. In stage order
+    # that block is already contiguous along L: a reshape, which keeps a split
+    # of L over the stage axis in place.
     dyn, static = eqx.partition(stack.layers, eqx.is_array)
     per = stack.num_layers // (stages * repeats)
 
     def one(a: jax.Array) -> jax.Array:
+        if layer_order == "stage":
+            return a.reshape(stages, repeats, per, *a.shape[1:])
         a = a.reshape(repeats, stages, per, *a.shape[1:])
         return jnp.swapaxes(a, 0, 1)
 
@@ -181,6 +293,7 @@ def pipeline(
     schedule: Schedule = "gpipe",
     repeats: SupportsIndex = 1,
     batch_axes: str | Sequence[str] = (),
+    layer_order: LayerOrder = "natural",
 ) -> jax.Array:
     """Run `stack(x)` as a pipeline over the `stage_axis` of `mesh`.
 
@@ -200,6 +313,14 @@ def pipeline(
     Each stage scans its layers with the stack's own options, so its
     `checkpoint=` setting (remat) applies within every stage.
 
+    For `R > 1`, a stack in the natural order whose layer axis is split over
+    `stage_axis` holds the wrong layers on each stage, and the program
+    exchanges them (an all-to-all) at every call; a replicated stack holds all
+    of them on every device. Permute it once with
+    [`pipeline_order`][eqxscan.sharding.pipeline_order], keep it split over
+    `stage_axis` along its layer axis, and pass `layer_order="stage"`: each
+    device then holds, and reads, only its stage's `[R, L/(S*R), ...]` block.
+
     **Arguments:**
 
     - `stack`: a `Stacked` of layers `layer(x) -> x` that accept a batch of
@@ -214,6 +335,9 @@ def pipeline(
     - `repeats`: rounds `R` through the stages (`1` for GPipe).
     - `batch_axes`: mesh axes over which each microbatch's rows are split (data
       parallelism next to the pipeline); by default they are replicated.
+    - `layer_order`: `"natural"`, or `"stage"` for a stack permuted by
+      `pipeline_order(stack, stages=S, repeats=R)`. The result is `stack(x)` of
+      the natural-order stack either way; gradients come in the stack's order.
 
     **Returns:**
 
@@ -226,6 +350,7 @@ def pipeline(
         )
     microbatches = check_size("microbatches", microbatches)
     repeats = _check_schedule(schedule, repeats)
+    layer_order = _check_layer_order(layer_order)
     mesh = check_mesh(mesh)
     _check_axes(mesh, (stage_axis,), "stage_axis")
     batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
@@ -236,17 +361,9 @@ def pipeline(
             "name only the other (data-parallel) mesh axes in batch_axes.",
         )
     stages = mesh.shape[stage_axis]
-    chunks = stages * repeats
-    if stack.num_layers % chunks:
-        where = f"{stages} pipeline stages (mesh axis {stage_axis!r})"
-        if repeats > 1:
-            where += f" x {repeats} repeats = {chunks} chunks"
-        raise _hint_error(
-            f"Cannot split the {stack.num_layers} layers of a Stacked into {where}: "
-            f"the number of layers must be a multiple of {chunks}.",
-            "change the number of layers, the size of the stage axis"
-            + (" or repeats." if repeats > 1 else "."),
-        )
+    per_chunk = _check_chunks(
+        stack.num_layers, stages, repeats, f" (mesh axis {stage_axis!r})"
+    )
     rows = int(np.prod([mesh.shape[a] for a in batch_axes]))
     if x.ndim == 0 or x.shape[0] % microbatches or (x.shape[0] // microbatches) % rows:
         raise _hint_error(
@@ -259,8 +376,7 @@ def pipeline(
     table = pipeline_schedule(
         stages=stages, microbatches=microbatches, repeats=repeats, schedule=schedule
     )
-    per_chunk = stack.num_layers // chunks
-    dyn, static = _split(stack, stages, repeats)
+    dyn, static = _split(stack, stages, repeats, layer_order)
     xs = x.reshape(microbatches, x.shape[0] // microbatches, *x.shape[1:])
     # Stage 0 of round r > 0 takes what the last stage sent at the tick before.
     arrived = np.concatenate([[-1], table.microbatch[:-1, -1]]).astype(np.int32)

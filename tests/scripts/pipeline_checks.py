@@ -6,6 +6,9 @@ test_pipeline_circular.py.
     python tests/scripts/pipeline_checks.py two --process-id I --port P --out DIR
         (2 processes x 4 devices, the stage axis spanning both) writes
         DIR/two_<I>.json.
+    python tests/scripts/pipeline_checks.py stage
+        (1 process x 8 devices) the circular schedule on a stack whose layer
+        axis is split over "stage", in stage order and in natural order.
 
 Each run trains the blocks of a `StackedMLP` for one Adam step on a
 (stage=4, data=2) mesh, pipelined, and compares the loss, the gradients and the
@@ -21,7 +24,7 @@ import sys
 
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    parser.add_argument("role", choices=["eight", "two"])
+    parser.add_argument("role", choices=["eight", "two", "stage"])
     parser.add_argument("--process-id", type=int, default=0)
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=60)
@@ -35,7 +38,7 @@ import jax  # noqa: E402
 
 
 jax.config.update("jax_platforms", "cpu")
-jax.config.update("jax_num_cpu_devices", 8 if args.role == "eight" else 4)
+jax.config.update("jax_num_cpu_devices", 4 if args.role == "two" else 8)
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 from eqxscan import sharding  # noqa: E402
@@ -98,8 +101,28 @@ OPT_STATE = optimizer.init(eqx.filter(BLOCKS, eqx.is_array))
 REF = make_step(None)(BLOCKS, OPT_STATE, X, Y)
 
 
-def run(mesh, name: str, checkpoint, **pipe) -> dict:
+# The weights' own shapes ([.., DIM, 4 * DIM] and [.., 4 * DIM, DIM]): what a
+# collective that moves weights (not microbatches of [.., DIM]) returns.
+WEIGHT_SHAPE = re.compile(rf"\b{DIM},{4 * DIM}\]|\b{4 * DIM},{DIM}\]")
+
+
+def weight_moves(hlo: str) -> list[str]:
+    """Results of the collectives anywhere in `hlo` that move weights."""
+    ops = ("all-gather", "all-to-all", "collective-permute", "reduce-scatter")
+    return [
+        f"{op} {shape}"
+        for op in ops
+        for shape in collectives(hlo, op)
+        if WEIGHT_SHAPE.search(shape)
+    ]
+
+
+def run(mesh, name: str, checkpoint, split_layers: bool = False, **pipe) -> dict:
     blocks = BLOCKS.with_options(checkpoint=checkpoint)
+    stage_order = pipe.get("layer_order") == "stage"
+    order = dict(stages=STAGES, repeats=pipe.get("repeats", 1))
+    if stage_order:
+        blocks = sharding.pipeline_order(blocks, **order)
     x, y = X, Y
     # Adam's state mirrors the module, options included.
     opt_state = optimizer.init(eqx.filter(blocks, eqx.is_array))
@@ -107,22 +130,44 @@ def run(mesh, name: str, checkpoint, **pipe) -> dict:
 
     rows = NamedSharding(mesh, PartitionSpec(pipe.get("batch_axes") or None))
     replicated = NamedSharding(mesh, PartitionSpec())
+    # The layer axis split over "stage" (each device holds L / S layers), or
+    # every layer on every device.
+    params = NamedSharding(mesh, PartitionSpec("stage")) if split_layers else replicated
     place = lambda tree, s: jax.tree.map(
         lambda a: jax.make_array_from_callback(a.shape, s, lambda i: a[i]),
         tree,
     )
     s_blocks = eqx.combine(
-        place(eqx.filter(blocks, eqx.is_array), replicated),
+        place(eqx.filter(blocks, eqx.is_array), params),
         eqx.filter(blocks, eqx.is_array, inverse=True),
     )
-    s_opt = place(opt_state, replicated)
+    # Adam's moments like their parameters, its step count replicated.
+    s_opt = jax.tree.map(
+        lambda a: place(a, params if a.ndim else replicated), opt_state
+    )
     s_x, s_y = place(x, rows), place(y, rows)
     step = make_step(dict(mesh=mesh, **pipe))
     compiled = step.lower(s_blocks, s_opt, s_x, s_y).compile()
     new_blocks, loss, grads = compiled(s_blocks, s_opt, s_x, s_y)
     hlo = compiled.compiled.as_text()
     bodies = "\n".join(loop_bodies(hlo).values())
-    return {
+    weights = lambda tree: jax.tree.leaves(eqx.filter(tree, eqx.is_array))
+    on_device = lambda tree: sum(a.addressable_shards[0].data.nbytes for a in tree)
+    memory = compiled.compiled.memory_analysis()
+    extra = {
+        "weight_moves": weight_moves(hlo),
+        "permutes": collectives(hlo, "collective-permute"),
+        "all_to_alls": collectives(hlo, "all-to-all"),
+        # Bytes of the stack, whole and on one device, before and after the step.
+        "stack_bytes": sum(a.nbytes for a in weights(s_blocks)),
+        "device_stack_bytes": on_device(weights(s_blocks)),
+        "device_new_stack_bytes": on_device(weights(new_blocks)),
+        "device_argument_bytes": memory.argument_size_in_bytes,
+    }
+    if stage_order:  # compared in the natural order
+        grads = sharding.pipeline_order(grads, **order, inverse=True)
+        new_blocks = sharding.pipeline_order(new_blocks, **order, inverse=True)
+    return extra | {
         "name": name,
         "loss": float(loss),
         "ref_loss": float(ref_loss),
@@ -143,6 +188,12 @@ def runs(mesh, role: str) -> list[dict]:
     # Both schedules, with and without data parallelism over "data", under two
     # remat settings of the stages' scans; across processes one of them.
     circular = dict(schedule="circular", repeats=2, microbatches=4)
+    if role == "stage":
+        split = dict(split_layers=True, batch_axes="data", **circular)
+        return [
+            run(mesh, "stage_order", True, layer_order="stage", **split),
+            run(mesh, "natural_order", True, **split),
+        ]
     if role == "two":
         return [run(mesh, "circular_data", True, batch_axes="data", **circular)]
     return [
@@ -163,7 +214,7 @@ if __name__ == "__main__":
         ],
         "runs": runs(mesh, args.role),
     }
-    if args.role == "eight":
+    if args.role != "two":
         json.dump(result, sys.stdout)
     else:
         with open(os.path.join(args.out, f"two_{args.process_id}.json"), "w") as f:
