@@ -10,7 +10,10 @@ For each (M, R) it prints the idle stage-ticks counted in the schedule's table
 of a training step (forward and backward; the fastest of `--repeat`, the settings
 taken in turns) and the idle fraction measured from step times, and the
 per-device memory of the compiled step (`memory_analysis()`), as a Markdown
-table.
+table. The timed step passes the stack as it is built (natural layer order,
+placed by XLA: replicated for R > 1); the last column is the argument memory of
+the same step with the stack in stage order (`eqxscan.sharding.pipeline_order`)
+split over "stage" along its layer axis, `layer_order="stage"`.
 
 The measured idle fraction is `1 - busy / step`: `busy` is the time of the same
 work without the bubble (every device runs its chunk of layers, forward and
@@ -57,8 +60,7 @@ def prepare(mesh, blocks, microbatches: int, repeats: int, args) -> dict:
     x = jax.random.normal(jax.random.key(1), (microbatches * args.rows, args.dim))
     x = jax.device_put(x, NamedSharding(mesh, PartitionSpec("data")))
 
-    @eqx.filter_jit
-    def step(blocks, x):
+    def step(blocks, x, layer_order):
         def loss(blocks):
             y = sharding.pipeline(
                 blocks,
@@ -68,14 +70,22 @@ def prepare(mesh, blocks, microbatches: int, repeats: int, args) -> dict:
                 schedule=schedule,
                 repeats=repeats,
                 batch_axes="data",
+                layer_order=layer_order,
             )
             return jnp.mean(y**2)
 
         return eqx.filter_value_and_grad(loss)(blocks)
 
-    compiled = step.lower(blocks, x).compile()
+    step = eqx.filter_jit(step)
+    compiled = step.lower(blocks, x, "natural").compile()
     memory = compiled.compiled.memory_analysis()
-    jax.block_until_ready(compiled(blocks, x))
+    # The stack in stage order, each device holding its stage's layers.
+    ordered = sharding.pipeline_order(blocks, stages=STAGES, repeats=repeats)
+    dyn, static = eqx.partition(ordered, eqx.is_array)
+    dyn = jax.device_put(dyn, NamedSharding(mesh, PartitionSpec("stage")))
+    ordered = eqx.combine(dyn, static)
+    staged = step.lower(ordered, x, "stage").compile().compiled.memory_analysis()
+    jax.block_until_ready(compiled(blocks, x, "natural"))
     run_busy = busy(mesh, blocks, microbatches, repeats, args)
     table = sharding.pipeline_schedule(
         stages=STAGES, microbatches=microbatches, repeats=repeats, schedule=schedule
@@ -87,12 +97,13 @@ def prepare(mesh, blocks, microbatches: int, repeats: int, args) -> dict:
         "idle": table.idle,
         "counted": table.bubble,
         "formula": (STAGES - 1) / (repeats * microbatches + STAGES - 1),
-        "run": lambda: jax.block_until_ready(compiled(blocks, x)),
+        "run": lambda: jax.block_until_ready(compiled(blocks, x, "natural")),
         "run_busy": run_busy,
         "times": [],
         "busy_times": [],
         "args_mib": memory.argument_size_in_bytes / 2**20,
         "temp_mib": memory.temp_size_in_bytes / 2**20,
+        "staged_args_mib": staged.argument_size_in_bytes / 2**20,
     }
 
 
@@ -198,15 +209,16 @@ def main() -> None:
     print(
         "| R | M | ticks | idle stage-ticks | counted | (S-1)/(R·M+S-1) | "
         "step (ms) | busy work (ms) | measured 1 - busy/step | args (MiB) | "
-        "temp (MiB) |"
+        "temp (MiB) | args, stage order (MiB) |"
     )
-    print("|" + " --- |" * 11)
+    print("|" + " --- |" * 12)
     for r in rows:
         print(
             f"| {r['R']} | {r['M']} | {r['ticks']} | {r['idle']} / "
             f"{r['ticks'] * STAGES} | {r['counted']:.3f} | {r['formula']:.3f} | "
             f"{r['time'] * 1e3:.1f} | {r['busy'] * 1e3:.1f} | {r['measured']:.3f} | "
-            f"{r['args_mib']:.2f} | {r['temp_mib']:.2f} |"
+            f"{r['args_mib']:.2f} | {r['temp_mib']:.2f} | "
+            f"{r['staged_args_mib']:.2f} |"
         )
     if args.plot:
         plot(rows, args.plot)

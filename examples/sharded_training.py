@@ -16,7 +16,11 @@ or with `--distributed` where JAX detects the cluster (e.g. under SLURM's `srun`
 `--pipeline-stages S` runs the model's layers as a pipeline
 (`eqxscan.sharding.pipeline`) over a `("stage", "data")` mesh of S stages, the
 batch split over "data"; `--repeats R > 1` uses the circular schedule (each stage
-holds R interleaved groups of layers), `--microbatches M` cuts the batch.
+holds R interleaved groups of layers), `--microbatches M` cuts the batch. The
+stack's layer axis is split over "stage": each device holds only its stage's
+layers (for R > 1 with the stack in stage order, `eqxscan.sharding.pipeline_order`,
+unless `--checkpoint-dir` is given: checkpoints keep the natural order, and then
+the stack is replicated).
 
 The model learns to imitate a fixed random "teacher" `StackedMLP`. Both are built
 in their shards (`eqxscan.sharding.create`); each process feeds its own rows of
@@ -189,7 +193,7 @@ def train(args: argparse.Namespace) -> None:
                 f"{jax.device_count()} devices. Pass a divisor of the device count."
             )
         # Stages over consecutive devices (across processes), data-parallel
-        # replicas of each stage next to it; the parameters are replicated.
+        # replicas of each stage next to it.
         auto = (jax.sharding.AxisType.Auto,) * 2
         mesh = jax.make_mesh(
             (stages, jax.device_count() // stages), ("stage", "data"), axis_types=auto
@@ -202,6 +206,10 @@ def train(args: argparse.Namespace) -> None:
             repeats=args.repeats,
             batch_axes=batch_axes,
         )
+        # For R > 1, the natural order would hold other stages' layers on each
+        # device; checkpoints keep it, so that they load into any topology.
+        if args.repeats > 1 and not args.checkpoint_dir:
+            pipe["layer_order"] = "stage"
     else:
         mesh = sharding.make_mesh(data=args.data if args.data else nproc)
         fsdp_axis, batch_axes, pipe = "fsdp", None, None
@@ -221,9 +229,31 @@ def train(args: argparse.Namespace) -> None:
     # Built in their shards: no process holds a whole model.
     model = sharding.create(make, key_model, **place)
     teacher = sharding.create(make, key_teacher, **place)
+    if pipe is not None and pipe.get("layer_order") == "stage":
+        order = dict(stages=stages, repeats=args.repeats)
+        blocks = sharding.pipeline_order(model.blocks, **order)
+        model = eqx.tree_at(lambda m: m.blocks, model, blocks)
     optimizer = optax.adam(args.lr)
     opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
-    model, opt_state, _ = sharding.shard(model, opt_state, **place)
+    if pipe is not None:
+        model_sh = sharding.model_shardings(model, **place)
+    if pipe is not None and (args.repeats == 1 or "layer_order" in pipe):
+        # Each device keeps its stage's layers: the layer axis over "stage".
+        split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("stage"))
+        layers = jax.tree.map(lambda _: split, model_sh.blocks.layers)
+        model_sh = eqx.tree_at(lambda m: m.blocks.layers, model_sh, layers)
+
+    def place_state(model, opt_state):
+        if pipe is None:
+            return sharding.shard(model, opt_state, **place)[:2]
+        opt_sh = sharding.opt_state_shardings(
+            opt_state, model, param_shardings=model_sh, **place
+        )
+        return sharding.constrain(model, model_sh), sharding.constrain(
+            opt_state, opt_sh
+        )
+
+    model, opt_state = place_state(model, opt_state)
     # Every process must hold the same model and mesh before the first collective.
     sharding.check_same_job(model, opt_state, mesh=mesh)
     rows = sharding.local_rows(
@@ -254,8 +284,8 @@ def train(args: argparse.Namespace) -> None:
             grads, opt_state, eqx.filter(model, eqx.is_array)
         )
         model = eqx.apply_updates(model, updates)
-        # Inside jit, `shard` pins the layout of the results (a constraint).
-        model, opt_state, _ = sharding.shard(model, opt_state, **place)
+        # Inside jit this pins the layout of the results (a constraint).
+        model, opt_state = place_state(model, opt_state)
         return model, opt_state, loss
 
     ckpt, start = None, 0
