@@ -315,8 +315,8 @@ def pipeline(
 
     For `R > 1`, a stack in the natural order whose layer axis is split over
     `stage_axis` holds the wrong layers on each stage, and the program
-    exchanges them (an all-to-all) at every call; a replicated stack holds all
-    of them on every device. Permute it once with
+    exchanges them (all-to-alls and permutes) at every call; a replicated stack
+    holds all of them on every device. Permute it once with
     [`pipeline_order`][eqxscan.sharding.pipeline_order], keep it split over
     `stage_axis` along its layer axis, and pass `layer_order="stage"`: each
     device then holds, and reads, only its stage's `[R, L/(S*R), ...]` block.
