@@ -87,6 +87,22 @@ def test_circular_two_stages_equals_scan(getkey):
     assert max_rel_err(*arrays) < 1e-5
 
 
+def test_drop_rates_refused_in_training_and_off_in_inference(getkey):
+    # The pipeline runs chunks of the stack itself: training-mode drop rates
+    # would be skipped, so they are refused; inference mode runs them off.
+    mesh = jax.make_mesh((2,), ("stage",), axis_types=(AxisType.Explicit,))
+    key = getkey()
+    plain = eqxscan.StackedMLP(8, 4, key=key).blocks
+    dropping = eqxscan.StackedMLP(8, 4, key=key, layer_drop=0.5).blocks
+    x = jax.random.normal(getkey(), (4, 8))
+    pipe = dict(mesh=mesh, microbatches=2, schedule="circular", repeats=2)
+    with pytest.raises(ValueError, match="does not apply drop_path/layer_drop"):
+        sharding.pipeline(dropping, x, **pipe)
+    quiet = eqx.nn.inference_mode(dropping)
+    run = eqx.filter_jit(lambda s, x: sharding.pipeline(s, x, **pipe))
+    assert max_rel_err(run(quiet, x), plain(x)) < 1e-5
+
+
 def test_stage_order(getkey):
     # The pipeline on a stage-ordered stack: tests/scripts/pipeline_checks.py.
     rates = [0.01 * i for i in range(8)]

@@ -373,6 +373,14 @@ def pipeline(
             + f": axis 0 must be a positive multiple of {microbatches * rows}.",
             "change the batch size or the number of microbatches.",
         )
+    drop = stack.depth_drop
+    if drop is not None and not drop.inference:
+        raise _hint_error(
+            "sharding.pipeline does not apply drop_path/layer_drop, but this "
+            "stack drops layers in training.",
+            "call it on `eqx.nn.inference_mode(stack)`, or build the stack "
+            "without drop rates.",
+        )
     table = pipeline_schedule(
         stages=stages, microbatches=microbatches, repeats=repeats, schedule=schedule
     )
@@ -422,6 +430,9 @@ def pipeline(
                 layers=eqx.combine(chunk, static),
                 num_layers=per_chunk,
                 layer_sharding=None,
+                # Rates are refused above unless inference mode turns them off.
+                drop_path=0.0,
+                layer_drop=0.0,
             )
             out = local(jnp.where(stage == 0, fresh, state))
             outputs = put(outputs, jnp.where(stage == stages - 1, last, -1), out)
