@@ -8,7 +8,7 @@ read `ndim`) sees one `[L, ...]` array where the unstacked model had `L` arrays.
 outside every stack.
 """
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import equinox as eqx
 import jax
@@ -143,7 +143,7 @@ def _update(
     updates: PyTree,
     state: object,
     params: PyTree | None,
-    extra_args: dict[str, Any],
+    extra_args: dict[str, object],
 ) -> tuple[PyTree, PerLayerState]:
     stacks = _stacks(updates)
     param_stacks = [None] * len(stacks) if params is None else _stacks(params)
@@ -262,7 +262,7 @@ def per_layer(
         updates: PyTree,
         state: object,
         params: PyTree | None = None,
-        **extra_args: Any,
+        **extra_args: object,
     ) -> tuple[PyTree, PerLayerState]:
         return _update(inner, updates, state, params, extra_args)
 

@@ -16,7 +16,7 @@ that stage's devices already, so the pipeline moves no weights.
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, Literal, SupportsIndex, TypeAlias, TypeVar
+from typing import Literal, SupportsIndex, TypeAlias, TypeVar
 
 import equinox as eqx
 import jax
@@ -193,7 +193,7 @@ def pipeline_order(
     per = _check_chunks(stack.num_layers, stages, repeats, "")
     outer, inner = (stages, repeats) if inverse else (repeats, stages)
 
-    def one(a: Any) -> Any:
+    def one(a: object) -> object:
         # NumPy and JAX arrays alike.
         a = a.reshape(outer, inner, per, *a.shape[1:])
         return a.swapaxes(0, 1).reshape(stack.num_layers, *a.shape[3:])
@@ -254,7 +254,7 @@ def pipeline_schedule(
 
 def _split(
     stack: Stacked, stages: int, repeats: int, layer_order: LayerOrder
-) -> tuple[Any, Any]:
+) -> tuple[object, object]:
     # Array leaves [L, ...] -> [S, R, K, ...]: chunk c = r * S + s (layers
     # [c * K, (c + 1) * K)) goes to stage s, so each stage's R chunks are one
     # contiguous block and a tick only indexes its own weights. In stage order

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, NamedTuple, TypeAlias
+from typing import Literal, NamedTuple, TypeAlias
 
 import equinox as eqx
 import jax
@@ -379,10 +379,10 @@ def hlo_costs(text: str) -> tuple[dict[str, int], float]:
 # ------------------------------------------------------------------ references
 
 
-def _resolve(ref: str, what: str) -> Any:
+def _resolve(ref: str, what: str) -> object:
     module, _, attr = ref.partition(":")
     try:
-        obj: Any = importlib.import_module(module)
+        obj: object = importlib.import_module(module)
         for part in attr.split("."):
             obj = getattr(obj, part)
     except (ImportError, AttributeError, ValueError) as e:
@@ -394,7 +394,7 @@ def _resolve(ref: str, what: str) -> Any:
     return obj
 
 
-def _reference(obj: Any, what: str) -> str:
+def _reference(obj: object, what: str) -> str:
     if isinstance(obj, str):
         if ":" not in obj:
             raise ValueError(
@@ -422,7 +422,7 @@ def _reference(obj: Any, what: str) -> str:
     return ref
 
 
-def _encode_batch(batch: Any) -> Any:
+def _encode_batch(batch: object) -> object:
     if isinstance(batch, jax.ShapeDtypeStruct):
         return {"shape": list(batch.shape), "dtype": jnp.dtype(batch.dtype).name}
     if isinstance(batch, (tuple, list)):
@@ -435,7 +435,7 @@ def _encode_batch(batch: Any) -> Any:
     )
 
 
-def _decode_batch(d: Any) -> Any:
+def _decode_batch(d: object) -> object:
     if "shape" in d:
         return jax.ShapeDtypeStruct(tuple(d["shape"]), jnp.dtype(d["dtype"]))
     if "seq" in d:
@@ -443,7 +443,7 @@ def _decode_batch(d: Any) -> Any:
     return {k: _decode_batch(v) for k, v in d["map"].items()}
 
 
-def _encode_checkpoint(c: Checkpoint) -> Any:
+def _encode_checkpoint(c: Checkpoint) -> object:
     if isinstance(c, (bool, str)):
         return c
     for name, value in vars(jax.checkpoint_policies).items():
@@ -456,7 +456,7 @@ def _encode_checkpoint(c: Checkpoint) -> Any:
     )
 
 
-def _decode_checkpoint(c: Any) -> Checkpoint:
+def _decode_checkpoint(c: object) -> Checkpoint:
     return getattr(jax.checkpoint_policies, c["policy"]) if isinstance(c, dict) else c
 
 
@@ -483,14 +483,14 @@ def mesh_shapes(devices: int, model: Sequence[int] = (1,)) -> list[MeshShape]:
 
 def _abstract(
     make_model: Callable,
-    model_kwargs: Mapping[str, Any],
-    optimizer: Any,
+    model_kwargs: Mapping[str, object],
+    optimizer: object,
     mesh: Mesh,
     checkpoint: Checkpoint,
-    axes: Mapping[str, Any] | None,
-    rules: Mapping[str, Any] | None,
+    axes: Mapping[str, object] | None,
+    rules: Mapping[str, object] | None,
     min_size: int,
-) -> tuple[tuple[Any, Any], tuple[Any, Any], Any]:
+) -> tuple[tuple[object, object], tuple[object, object], object]:
     """The model (gathering one layer per scan step) and optimiser state, as
     `ShapeDtypeStruct`s, with their shardings; and the model's static part."""
     key = jax.random.key(0)
@@ -504,7 +504,7 @@ def _abstract(
         )
         keep = ("model",)
 
-    def build(k: jax.Array) -> Any:
+    def build(k: jax.Array) -> object:
         model = with_checkpoint(make_model(k, **model_kwargs), checkpoint)
         return gather_layers(model, mesh, specs if keep else None, keep=keep)
 
@@ -525,7 +525,7 @@ def _abstract(
     return (params, param_specs), (opt_state, opt_specs), static
 
 
-def _per_device_bytes(tree: Any, specs: Any) -> int:
+def _per_device_bytes(tree: object, specs: object) -> int:
     total = 0
     for leaf, spec in zip(jtu.tree_leaves(tree), jtu.tree_leaves(specs), strict=True):
         shard = spec.shard_shape(tuple(leaf.shape))
@@ -535,16 +535,16 @@ def _per_device_bytes(tree: Any, specs: Any) -> int:
 
 def program(
     make_model: Callable,
-    model_kwargs: Mapping[str, Any],
+    model_kwargs: Mapping[str, object],
     step: Callable,
-    optimizer: Any,
-    batch: Any,
+    optimizer: object,
+    batch: object,
     mesh: Mesh,
     checkpoint: Checkpoint,
-    axes: Mapping[str, Any] | None,
-    rules: Mapping[str, Any] | None,
+    axes: Mapping[str, object] | None,
+    rules: Mapping[str, object] | None,
     min_size: int,
-) -> tuple[Any, tuple[Any, Any], tuple[Any, Any], Any, Any]:
+) -> tuple[object, tuple[object, object], tuple[object, object], object, object]:
     """The jitted step of one candidate, `(params, shardings)`, `(opt_state,
     shardings)` as `ShapeDtypeStruct`s, the batch's shardings and the model's
     static part (`step` then takes and returns the model's arrays only)."""
@@ -553,7 +553,7 @@ def program(
     )
     b_specs = batch_shardings(batch, mesh, batch_axes=("data", "fsdp"))
 
-    def train(params: Any, opt_state: Any, batch: Any) -> Any:
+    def train(params: object, opt_state: object, batch: object) -> object:
         out = step(eqx.combine(params, static), opt_state, batch)
         model, opt_state, *rest = out
         return eqx.filter(model, eqx.is_array), opt_state, tuple(rest)
@@ -569,14 +569,14 @@ def program(
 
 def _compile_one(
     make_model: Callable,
-    model_kwargs: Mapping[str, Any],
+    model_kwargs: Mapping[str, object],
     step: Callable,
-    optimizer: Any,
-    batch: Any,
+    optimizer: object,
+    batch: object,
     mesh: Mesh,
     checkpoint: Checkpoint,
-    axes: Mapping[str, Any] | None,
-    rules: Mapping[str, Any] | None,
+    axes: Mapping[str, object] | None,
+    rules: Mapping[str, object] | None,
     min_size: int,
     accelerator: Accelerator,
 ) -> MeshCandidate:
@@ -728,19 +728,19 @@ def _quiet(i: int, n: int, what: str) -> None:
 
 
 def plan(
-    make_model: Callable[..., Any] | str,
-    step: Callable[..., Any] | str,
+    make_model: Callable[..., object] | str,
+    step: Callable[..., object] | str,
     *,
-    batch: Any,
+    batch: object,
     budget: int | str,
-    optimizer: optax.GradientTransformation | Callable[[], Any] | str | None = None,
+    optimizer: optax.GradientTransformation | Callable[[], object] | str | None = None,
     devices: int | None = None,
     meshes: Sequence[MeshShape] | None = None,
     model_axis: Sequence[int] = (1,),
     remat: Sequence[Checkpoint] = (False, True),
     axes: Mapping[str, tuple[str | None, ...]] | None = None,
     rules: Mapping[str, str | None] | None = None,
-    model_kwargs: Mapping[str, Any] | None = None,
+    model_kwargs: Mapping[str, object] | None = None,
     min_size: int = MIN_SIZE,
     accelerator: str = "H100",
     peak_flops: float | None = None,
