@@ -11,6 +11,11 @@ new key (so LayerDrop's pattern changes and the time averages over patterns),
 with `block_until_ready`; the table gives the median, the ratio to
 `p = 0` and how many programs each model compiled after its warm-up step (0:
 every drop pattern reuses one executable). Prints a Markdown table.
+
+`layer_drop=1e-9` keeps every layer (in practice) and so measures what the
+`cond` itself costs; `layer_drop=0.99` skips almost every layer and so measures
+the floor: what a skipped layer still costs (slicing its weights for the
+`cond`, writing its zero gradient into the stacked gradient, its SGD update).
 """
 
 import statistics
@@ -40,6 +45,10 @@ def models() -> dict[str, eqxscan.StackedMLP]:
         "p = 0 (no dropping)": eqxscan.StackedMLP(D, L, key=key),
         "layer_drop=0.5": eqxscan.StackedMLP(D, L, key=key, layer_drop=0.5),
         "layer_drop=0.2": eqxscan.StackedMLP(D, L, key=key, layer_drop=0.2),
+        # The cost of the `cond` alone (every layer kept, in practice), and the
+        # floor (almost every layer skipped: what a skipped layer still costs).
+        "layer_drop=1e-9": eqxscan.StackedMLP(D, L, key=key, layer_drop=1e-9),
+        "layer_drop=0.99": eqxscan.StackedMLP(D, L, key=key, layer_drop=0.99),
         "drop_path=0.1": eqxscan.StackedMLP(D, L, key=key, drop_path=0.1),
         "drop_path=linear_rates(0.2)": eqxscan.StackedMLP(
             D, L, key=key, drop_path=eqxscan.linear_rates(0.2)

@@ -13,6 +13,7 @@ layer `i` uses `k_layer, k_path = jax.random.split(drop_keys[i])`. The layers'
 own keys (`jax.random.split(key, L)[i]`) are unchanged by dropping.
 """
 
+import functools
 import math
 import numbers
 from collections.abc import Callable, Sequence
@@ -348,17 +349,99 @@ def dropped_layer(
         # No LayerDrop, or a broken carry contract, which the engine reports.
         new_dyn, y_dyn = evaluate(x_dyn)
     else:
-
-        def skip(c_dyn: PyTree) -> tuple[PyTree, PyTree]:
-            zeros = jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), y_shape)
-            return c_dyn, zeros
-
         keep = jax.random.bernoulli(k_layer, 1.0 - layer_rate)
-        # A skipped layer's compute is not done, forward or backward: the
-        # transpose of a `cond` is a `cond` on the same predicate.
-        new_dyn, y_dyn = jax.lax.cond(keep, evaluate, skip, x_dyn)
+        new_dyn, y_dyn = _gated(keep, traced, out_tree, x_dyn)
     new_static, y_static = statics[0]
     new = eqx.combine(new_dyn, new_static)
     if not _eqxscan_pairs:
         return new
     return new, eqx.combine(y_dyn, y_static)
+
+
+def _zeros_like(a: Array) -> Array | np.ndarray:
+    """A zero cotangent for `a`: `float0` for integer, bool and key arrays."""
+    if jnp.issubdtype(a.dtype, jnp.inexact):
+        return jnp.zeros(a.shape, a.dtype)
+    return np.zeros(a.shape, jax.dtypes.float0)
+
+
+def _gated(
+    keep: Array, traced: jcore.ClosedJaxpr, out_tree: jtu.PyTreeDef, x_dyn: PyTree
+) -> tuple[PyTree, PyTree]:
+    """`traced` (one layer, `x -> (new, y)`) where `keep`, else `(x, zeros)`:
+    a `lax.cond` forward and backward.
+
+    A `jax.custom_vjp`, so that what the backward pass keeps of a layer is only
+    its inputs: the carry, and the traced layer's closed-over values (its
+    weights, sliced from the stack, and its `per_layer` arguments). Those are
+    the scan's own inputs, which the scan forwards instead of saving a copy
+    per step; a kept layer's backward recomputes its forward inside its branch.
+    Differentiating a plain `lax.cond` would instead save what the kept branch
+    computes, weights included, as outputs of the `cond`, and make the skipping
+    branch fill the same residuals with zeros."""
+    x_leaves = jtu.tree_leaves(x_dyn)
+    num_new = len(x_leaves)
+
+    def skip(fixed: list[Array], xs: list[Array], diff: list[Array]) -> list[Array]:
+        zeros = [jnp.zeros(a.shape, a.dtype) for a in traced.out_avals[num_new:]]
+        return list(xs) + zeros
+
+    floating = [jnp.issubdtype(a.dtype, jnp.inexact) for a in traced.out_avals]
+    if not all(floating):
+        # An integer carry or output has no cotangent to route through the
+        # backward `cond`: differentiate the plain `cond` instead.
+        flat = jax.lax.cond(
+            keep,
+            lambda _, xs, __: jcore.jaxpr_as_fun(traced)(*xs),
+            skip,
+            [],
+            x_leaves,
+            [],
+        )
+        return jtu.tree_unflatten(out_tree, flat)
+    consts = list(traced.consts)
+    inexact = [
+        isinstance(c, (jax.Array, np.ndarray)) and jnp.issubdtype(c.dtype, jnp.inexact)
+        for c in consts
+    ]
+    diff = [c for c, d in zip(consts, inexact) if d]
+    fixed = [c for c, d in zip(consts, inexact) if not d]
+
+    def layer(fixed: list[Array], xs: list[Array], diff: list[Array]) -> list[Array]:
+        diff_, fixed_ = iter(diff), iter(fixed)
+        merged = [next(diff_) if d else next(fixed_) for d in inexact]
+        return jcore.jaxpr_as_fun(jcore.ClosedJaxpr(traced.jaxpr, merged))(*xs)
+
+    # Every input is an argument (a custom_vjp may not close over tracers);
+    # `keep` and the integer, bool and key values (`fixed`) get no gradient.
+    Inputs: TypeAlias = tuple[Array, list[Array], list[Array], list[Array]]
+
+    @jax.custom_vjp
+    def gated(*inputs: object) -> list[Array]:
+        keep, *operands = inputs
+        return jax.lax.cond(keep, layer, skip, *operands)
+
+    def forward(*inputs: object) -> tuple[list[Array], Inputs]:
+        return gated(*inputs), inputs
+
+    def backward(inputs: Inputs, cts: list[Array]) -> tuple[object, ...]:
+        keep, fixed, xs, diff = inputs
+
+        def run(
+            cts: list[Array], fixed: list[Array], xs: list[Array], diff: list[Array]
+        ) -> tuple[list[Array], list[Array]]:
+            return jax.vjp(functools.partial(layer, fixed), xs, diff)[1](cts)
+
+        def skipped(
+            cts: list[Array], fixed: list[Array], xs: list[Array], diff: list[Array]
+        ) -> tuple[list[Array], list[Array]]:
+            # The carry passes through; the layer's inputs get no gradient.
+            return list(cts[:num_new]), [jnp.zeros_like(d) for d in diff]
+
+        ct_xs, ct_diff = jax.lax.cond(keep, run, skipped, cts, fixed, xs, diff)
+        ct_fixed = [_zeros_like(f) for f in fixed]
+        return _zeros_like(keep), ct_fixed, ct_xs, ct_diff
+
+    gated.defvjp(forward, backward)
+    flat = gated(keep, fixed, x_leaves, diff)
+    return jtu.tree_unflatten(out_tree, flat)

@@ -257,9 +257,10 @@ def _eqns(jaxpr, name):
     return found
 
 
-def test_layer_drop_is_a_cond_in_the_scan_body_forward_and_backward():
+@pytest.mark.parametrize("checkpoint", [False, True, "auto"])
+def test_layer_drop_is_a_cond_in_the_scan_body_forward_and_backward(checkpoint):
     stack = eqxscan.Stacked(
-        Block, L, key=jax.random.key(0), layer_drop=0.5, checkpoint=False, unroll=1
+        Block, L, key=jax.random.key(0), layer_drop=0.5, checkpoint=checkpoint, unroll=1
     )
     x = jnp.ones((B, D))
     key = jax.random.key(0)
@@ -276,6 +277,25 @@ def test_layer_drop_is_a_cond_in_the_scan_body_forward_and_backward():
     assert dots[0] == 0 and dots[1] > 0
     # Every matmul of the backward step is inside the cond: a skip skips them.
     assert len(_eqns(backward, "dot_general")) == dots[1]
+
+
+def test_layer_drop_saves_only_the_carry_and_the_choice():
+    # Without rematerialisation the forward scan saves, per layer, what the
+    # backward needs: the carry and whether the layer ran. The layer's weights
+    # are the scan's own inputs, passed on to the backward scan, not saved again
+    # per step; nor are a kept layer's activations, recomputed in its branch.
+    stack = eqxscan.Stacked(
+        Block, L, key=jax.random.key(0), layer_drop=0.5, checkpoint=False, unroll=1
+    )
+    x = jnp.ones((B, D))
+    key = jax.random.key(0)
+    grad = eqx.filter_make_jaxpr(eqx.filter_grad(lambda s: _loss(s, x, key)))(stack)
+    forward, backward = _eqns(grad[0].jaxpr, "scan")
+    carry = forward.params["num_carry"]
+    saved = sorted(tuple(v.aval.shape) for v in forward.outvars[carry:])
+    assert saved == [(L,), (L, B, D)]
+    stacked = {tuple(v.aval.shape) for v in backward.invars}
+    assert (L, D, D) in stacked  # the weights themselves, for the backward
 
 
 def test_every_drop_pattern_reuses_one_executable():
