@@ -120,6 +120,10 @@ def test_wrong_type_of_state_dict_is_named():
     ]
 
 
+# When one read fails, Orbax closes its event loop while tensorstore may still
+# finish other reads of the step; their callbacks then hit the closed loop and
+# Python reports that as an ignored exception, at a time that varies run to run.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_unreadable_orbax_data_is_named_by_step_item_and_entry(tmp_path):
     model = eqxscan.StackedMLP(4, 2, key=KEY)
     mesh = eqxscan.sharding.make_mesh(devices=jax.devices()[:1])
