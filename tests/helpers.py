@@ -1,9 +1,12 @@
 """Comparison helpers and small test layers shared by the tests, and a runner for
 the scripts that need a fresh process with several CPU devices."""
 
+import contextlib
 import json
 import os
 import re
+import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +51,25 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 SCRIPTS = ROOT / "tests" / "scripts"
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1, for a multi-process test's coordinator."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def processes(*procs: subprocess.Popen):
+    """Kill (SIGKILL) whatever is still running on the way out."""
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+            p.wait(timeout=30)
 
 
 def script_path(name: str) -> Path:

@@ -6,13 +6,10 @@ process run tests/scripts/multihost_checks.py and write what they measured; the 
 reference runs here. Every process has a timeout and is killed at the end.
 """
 
-import contextlib
 import json
 import os
 import pathlib
 import re
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,7 +26,7 @@ import eqxscan
 from eqxscan import sharding
 from eqxscan.sharding._create import lower_create
 
-from .helpers import script_path
+from .helpers import free_port, processes, script_path
 from .scripts.training import make_train_step
 
 
@@ -37,12 +34,6 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 CHECKS = script_path("multihost_checks.py")
 DIM, LAYERS, BATCH = 16, 3, 16  # as in multihost_checks.py
 TIMEOUT = 240
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def env() -> dict[str, str]:
@@ -62,18 +53,6 @@ def start(*argv: str, log: pathlib.Path) -> subprocess.Popen:
             env=env(),
             cwd=ROOT,
         )
-
-
-@contextlib.contextmanager
-def processes(*procs: subprocess.Popen):
-    """Kill (SIGKILL) whatever is still running on the way out."""
-    try:
-        yield procs
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-            p.wait(timeout=30)
 
 
 def tail(path: pathlib.Path) -> str:

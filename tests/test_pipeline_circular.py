@@ -2,12 +2,9 @@
 equality with the unpipelined model (2 devices here; 8 devices and 2 processes x
 4 devices in tests/scripts/pipeline_checks.py), and the errors."""
 
-import contextlib
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,7 +22,7 @@ import eqxscan
 from eqxscan import sharding
 from eqxscan.sharding._pipeline import _check_layer_order, _check_schedule
 
-from .helpers import max_rel_err, ROOT, run_script, script_path
+from .helpers import free_port, max_rel_err, processes, ROOT, run_script, script_path
 
 
 TIMEOUT = 240
@@ -179,24 +176,6 @@ def test_eight_devices():
     result = json.loads(run_script("pipeline_checks.py", "eight", timeout=TIMEOUT))
     assert result["processes"] == 1
     check_runs(result["runs"], {"gpipe_data", "circular", "circular_data"})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def processes(*procs: subprocess.Popen):
-    """Kill (SIGKILL) whatever is still running on the way out."""
-    try:
-        yield procs
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-            p.wait(timeout=30)
 
 
 def test_stage_order_moves_no_weights():
