@@ -6,11 +6,21 @@ without dropping.
 A `StackedMLP` with L=32, D=256 (hidden 1024); one train step is
 `eqx.filter_value_and_grad` of a squared loss plus an SGD update, jitted once
 per model and batch size (default 32 and 128). Each step is warmed up, then
-the models are timed interleaved, REPEATS times (default 7), each repeat with a
-new key (so LayerDrop's pattern changes and the time averages over patterns),
-with `block_until_ready`; the table gives the median, the ratio to
-`p = 0` and how many programs each model compiled after its warm-up step (0:
-every drop pattern reuses one executable). Prints a Markdown table.
+the models are timed interleaved, REPEATS times (default 16), repeat `r` with
+key `100 + r` for
+every model (so LayerDrop's pattern changes between repeats, and the models
+see the same patterns), with `block_until_ready`; the table gives the median,
+the ratio to `p = 0`, how many layers LayerDrop ran on average over the
+repeats' keys (by the documented key derivation) and how many programs each
+model compiled after its warm-up step (0: every drop pattern reuses one
+executable). Prints a Markdown table.
+
+On CPU, glibc serves each buffer of 32 MiB or more (here every stacked
+gradient) with fresh `mmap`ed pages, and the kernel's page faults on them cost
+about as much as this model's whole forward pass: a fixed cost of every step,
+dropping or not, that has nothing to do with the layers. The table names the
+allocator setting; `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` backs those buffers
+with huge pages (2 MiB), which removes most of that cost.
 
 `layer_drop=1e-9` keeps every layer (in practice) and so measures what the
 `cond` itself costs; `layer_drop=0.99` skips almost every layer and so measures
@@ -18,6 +28,7 @@ the floor: what a skipped layer still costs (slicing its weights for the
 `cond`, writing its zero gradient into the stacked gradient, its SGD update).
 """
 
+import os
 import statistics
 import sys
 import time
@@ -57,8 +68,7 @@ def models() -> dict[str, eqxscan.StackedMLP]:
 
 
 def train_step():
-    @eqx.filter_jit
-    def step(model, x, key):
+    def step(x, model, key):
         def loss(m):
             return jnp.mean(m(x, key=key) ** 2)
 
@@ -66,44 +76,68 @@ def train_step():
         model = eqx.apply_updates(model, jax.tree.map(lambda g: -1e-3 * g, grads))
         return value, model
 
-    return step
+    return eqx.filter_jit(step)
+
+
+def layers_run(model: eqxscan.StackedMLP, keys: list[jax.Array]) -> float:
+    """The mean number of layers LayerDrop runs for these keys, drawn as
+    docs/depth.md documents: per layer `k_layer = split(drop_keys[i])[0]`."""
+    rates = jnp.asarray(_rates(model))
+    runs = []
+    for key in keys:
+        drop_keys = jax.random.split(jax.random.fold_in(key, 0x5D0), L)
+        k_layer = jax.vmap(lambda k: jax.random.split(k)[0])(drop_keys)
+        runs.append(int(jnp.sum(jax.vmap(jax.random.bernoulli)(k_layer, 1 - rates))))
+    return statistics.mean(runs)
+
+
+def _rates(model: eqxscan.StackedMLP) -> tuple[float, ...]:
+    drop = model.blocks.depth_drop
+    return (0.0,) * L if drop is None else drop.layer_drop
 
 
 def measure(repeats: int, batch: int) -> list[str]:
     x = jax.random.normal(jax.random.key(1), (batch, D))
-    steps = {name: (model, train_step()) for name, model in models().items()}
-    for model, step in steps.values():  # warm up: compile and run once
-        jax.block_until_ready(step(model, x, jax.random.key(0)))
+    keys = [jax.random.key(100 + r) for r in range(repeats)]
+    steps = {}
+    for name, model in models().items():
+        step = train_step()
+        jax.block_until_ready(step(x, model, jax.random.key(0)))  # compile, run
+        steps[name] = model, step
     times: dict[str, list[float]] = {name: [] for name in steps}
     compiles = dict.fromkeys(steps, 0)
-    for r in range(repeats):
-        key = jax.random.key(100 + r)  # a new drop pattern each repeat
+    for key in keys:  # a new drop pattern each repeat, the same for every model
         for name, (model, step) in steps.items():
             before = len(COMPILES)
             start = time.perf_counter()
-            jax.block_until_ready(step(model, x, key))
+            jax.block_until_ready(step(x, model, key))
             times[name].append(time.perf_counter() - start)
             compiles[name] += len(COMPILES) - before
     base = statistics.median(times["p = 0 (no dropping)"])
     rows = []
-    for name in steps:
+    for name, (model, _) in steps.items():
         median = statistics.median(times[name])
         rows.append(
             f"| {batch} | {name} | {median * 1e3:.1f} | {median / base:.2f}x | "
-            f"{compiles[name]} |"
+            f"{layers_run(model, keys):.1f} | {compiles[name]} |"
         )
     return rows
 
 
-def main(repeats: int = 7, *batches: int) -> None:
+def main(repeats: int = 16, *batches: int) -> None:
     jax.monitoring.register_event_duration_secs_listener(_listen)
     rows = [row for batch in batches or (32, 128) for row in measure(repeats, batch)]
+    tunables = os.environ.get("GLIBC_TUNABLES", "none (glibc's defaults)")
     print(
         f"StackedMLP L={L}, D={D}, {jax.devices()[0].platform}, median of "
-        f"{repeats} interleaved train steps (one key each)\n"
+        f"{repeats} interleaved train steps (one key each); GLIBC_TUNABLES: "
+        f"{tunables}\n"
     )
-    print("| batch | model | train step (ms) | vs p = 0 | compiles after warm-up |")
-    print("|---:|---|---:|---:|---:|")
+    print(
+        "| batch | model | train step (ms) | vs p = 0 | layers run (mean) "
+        "| compiles after warm-up |"
+    )
+    print("|---:|---|---:|---:|---:|---:|")
     print("\n".join(rows))
 
 

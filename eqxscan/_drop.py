@@ -13,7 +13,7 @@ layer `i` uses `k_layer, k_path = jax.random.split(drop_keys[i])`. The layers'
 own keys (`jax.random.split(key, L)[i]`) are unchanged by dropping.
 """
 
-import functools
+import dataclasses
 import math
 import numbers
 from collections.abc import Callable, Sequence
@@ -25,9 +25,10 @@ import jax.extend.core as jcore
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jaxtyping import Array, PRNGKeyArray, PyTree
+from jaxtyping import Array, Float, Key, PRNGKeyArray, PyTree, UInt32
 
 from ._checks import describe
+from ._gate import gated_call
 
 
 #: Folded into a call's key to make the drop keys, apart from the layers' keys.
@@ -132,6 +133,32 @@ def resolve_rates(rates: object, num_layers: int, name: str) -> tuple[float, ...
     return tuple(check_rate(r, f"{name}[{i}]") for i, r in enumerate(rates))
 
 
+class DropInputs(eqx.Module):
+    """What a dropping call gives its layers, one entry per layer (leading axis
+    `L`, routed by a `Chain` like any `per_layer` argument): the drop-path and
+    LayerDrop rates and the drop keys, with which parts any layer uses, and
+    whether the scan that runs the layers gates LayerDrop itself (`gated`)."""
+
+    path_rate: Float[Array, "*layers"]
+    layer_rate: Float[Array, "*layers"]
+    key: Key[Array, "*layers"] | UInt32[Array, "*layers 2"]
+    uses: tuple[bool, bool] = eqx.field(static=True)
+    gated: bool = eqx.field(static=True, default=False)
+
+    def keep(self) -> Array:
+        """Whether each layer runs in this call: LayerDrop's choice, drawn from
+        the first half of each layer's drop key (as `dropped_layer` draws it)."""
+
+        def one(key: PRNGKeyArray, rate: Array) -> Array:
+            return jax.random.bernoulli(jax.random.split(key)[0], 1.0 - rate)
+
+        return jax.vmap(one)(self.key, self.layer_rate)
+
+    def gated_by_scan(self) -> "DropInputs":
+        """These inputs, for layers whose scan runs only the kept ones."""
+        return dataclasses.replace(self, gated=True)
+
+
 class DepthDrop(eqx.Module):
     """How a scanning module varies its depth while training: one drop-path
     rate and one LayerDrop rate per layer. A `Stacked`, `Chain` or `StackedMLP`
@@ -202,15 +229,16 @@ class DepthDrop(eqx.Module):
             self.inference,
         )
 
-    def per_layer_inputs(self, key: PRNGKeyArray) -> tuple[Array, Array, Array]:
-        """`(drop_path rates, layer_drop rates, drop keys)`, each with leading
-        axis `L`: what `dropped_layer` receives for each layer."""
+    def per_layer_inputs(self, key: PRNGKeyArray) -> DropInputs:
+        """The rates and drop keys of a call with `key`, each with leading axis
+        `L`: what `dropped_layer` receives for each layer."""
         length = self.num_layers
         keys = jax.random.split(jax.random.fold_in(key, DROP_STREAM), length)
-        return (
+        return DropInputs(
             jnp.asarray(self.drop_path, jnp.float32),
             jnp.asarray(self.layer_drop, jnp.float32),
             keys,
+            self.uses,
         )
 
 
@@ -298,23 +326,21 @@ def dropped_layer(
     layer: object,
     x: PyTree,
     *args: object,
-    _eqxscan_drop: tuple[Array, Array, PRNGKeyArray],
+    _eqxscan_drop: DropInputs,
     _eqxscan_run: Callable[..., PyTree],
     _eqxscan_pairs: bool,
-    _eqxscan_uses: tuple[bool, bool],
     key: PRNGKeyArray | None = None,
     **kwargs: object,
 ) -> PyTree:
     """One layer with LayerDrop and drop-path, as the `method=` of a stack's
     call: `_eqxscan_run(layer, x, *args, key=key, **kwargs)` runs the layer as
     the module would (its method, its key), `_eqxscan_drop` is this layer's
-    slice of `DepthDrop.per_layer_inputs`, `_eqxscan_pairs` says whether the
-    layer returns `(carry, y)`, and `_eqxscan_uses` whether any layer's
-    drop-path and any layer's LayerDrop rate is above zero (else that part is
-    left out of the program)."""
-    uses_path, uses_layer = _eqxscan_uses
-    path_rate, layer_rate, drop_key = _eqxscan_drop
-    k_layer, k_path = jax.random.split(drop_key)
+    slice of `DepthDrop.per_layer_inputs`, and `_eqxscan_pairs` says whether the
+    layer returns `(carry, y)`. A part no layer uses is left out of the program;
+    LayerDrop is left to the scan when the scan gates (`_eqxscan_drop.gated`)."""
+    drop = _eqxscan_drop
+    uses_path, uses_layer = drop.uses
+    k_layer, k_path = jax.random.split(drop.key)
     x_dyn, x_static = eqx.partition(x, eqx.is_array)
     statics: list[PyTree] = []
 
@@ -323,7 +349,7 @@ def dropped_layer(
         out = _eqxscan_run(layer, c, *args, key=key, **kwargs)
         new, y = out if _eqxscan_pairs else (out, None)
         if uses_path:
-            new = _drop_path(c, new, path_rate, k_path)
+            new = _drop_path(c, new, drop.path_rate, k_path)
         (new_dyn, new_static), (y_dyn, y_static) = (
             eqx.partition(new, eqx.is_array),
             eqx.partition(y, eqx.is_array),
@@ -331,117 +357,26 @@ def dropped_layer(
         statics.append((new_static, y_static))
         return new_dyn, y_dyn
 
-    # Traced once, here: the `cond` below evaluates the jaxpr, so the layer's
-    # Python runs once however it is used.
-    traced, out_shape = jax.make_jaxpr(run, return_shape=True)(x_dyn)
-    out_tree = jtu.tree_structure(out_shape)
-
-    def evaluate(c_dyn: PyTree) -> tuple[PyTree, PyTree]:
-        flat = jcore.jaxpr_as_fun(traced)(*jtu.tree_leaves(c_dyn))
-        return jtu.tree_unflatten(out_tree, flat)
-
-    new_shape, y_shape = out_shape
-    contract = jtu.tree_structure(new_shape) == jtu.tree_structure(x_dyn) and all(
-        a.shape == b.shape and a.dtype == b.dtype
-        for a, b in zip(jtu.tree_leaves(new_shape), jtu.tree_leaves(x_dyn))
-    )
-    if not (contract and uses_layer):
-        # No LayerDrop, or a broken carry contract, which the engine reports.
-        new_dyn, y_dyn = evaluate(x_dyn)
+    if drop.gated or not uses_layer:
+        new_dyn, y_dyn = run(x_dyn)
     else:
-        keep = jax.random.bernoulli(k_layer, 1.0 - layer_rate)
-        new_dyn, y_dyn = _gated(keep, traced, out_tree, x_dyn)
+        # A lone layer (of a `Chain`): gated here. Traced once, so that its
+        # Python runs once however the `cond` uses it.
+        traced, out_shape = jax.make_jaxpr(run, return_shape=True)(x_dyn)
+        new_shape, _ = out_shape
+        contract = jtu.tree_structure(new_shape) == jtu.tree_structure(x_dyn) and all(
+            a.shape == b.shape and a.dtype == b.dtype
+            for a, b in zip(jtu.tree_leaves(new_shape), jtu.tree_leaves(x_dyn))
+        )
+        operands = jtu.tree_leaves(x_dyn)
+        if contract:
+            keep = jax.random.bernoulli(k_layer, 1.0 - drop.layer_rate)
+            flat = gated_call(keep, traced, operands, len(operands))
+        else:  # a broken carry contract, which the caller reports
+            flat = jcore.jaxpr_as_fun(traced)(*operands)
+        new_dyn, y_dyn = jtu.tree_unflatten(jtu.tree_structure(out_shape), flat)
     new_static, y_static = statics[0]
     new = eqx.combine(new_dyn, new_static)
     if not _eqxscan_pairs:
         return new
     return new, eqx.combine(y_dyn, y_static)
-
-
-def _zeros_like(a: Array) -> Array | np.ndarray:
-    """A zero cotangent for `a`: `float0` for integer, bool and key arrays."""
-    if jnp.issubdtype(a.dtype, jnp.inexact):
-        return jnp.zeros(a.shape, a.dtype)
-    return np.zeros(a.shape, jax.dtypes.float0)
-
-
-def _gated(
-    keep: Array, traced: jcore.ClosedJaxpr, out_tree: jtu.PyTreeDef, x_dyn: PyTree
-) -> tuple[PyTree, PyTree]:
-    """`traced` (one layer, `x -> (new, y)`) where `keep`, else `(x, zeros)`:
-    a `lax.cond` forward and backward.
-
-    A `jax.custom_vjp`, so that what the backward pass keeps of a layer is only
-    its inputs: the carry, and the traced layer's closed-over values (its
-    weights, sliced from the stack, and its `per_layer` arguments). Those are
-    the scan's own inputs, which the scan forwards instead of saving a copy
-    per step; a kept layer's backward recomputes its forward inside its branch.
-    Differentiating a plain `lax.cond` would instead save what the kept branch
-    computes, weights included, as outputs of the `cond`, and make the skipping
-    branch fill the same residuals with zeros."""
-    x_leaves = jtu.tree_leaves(x_dyn)
-    num_new = len(x_leaves)
-
-    def skip(fixed: list[Array], xs: list[Array], diff: list[Array]) -> list[Array]:
-        zeros = [jnp.zeros(a.shape, a.dtype) for a in traced.out_avals[num_new:]]
-        return list(xs) + zeros
-
-    floating = [jnp.issubdtype(a.dtype, jnp.inexact) for a in traced.out_avals]
-    if not all(floating):
-        # An integer carry or output has no cotangent to route through the
-        # backward `cond`: differentiate the plain `cond` instead.
-        flat = jax.lax.cond(
-            keep,
-            lambda _, xs, __: jcore.jaxpr_as_fun(traced)(*xs),
-            skip,
-            [],
-            x_leaves,
-            [],
-        )
-        return jtu.tree_unflatten(out_tree, flat)
-    consts = list(traced.consts)
-    inexact = [
-        isinstance(c, (jax.Array, np.ndarray)) and jnp.issubdtype(c.dtype, jnp.inexact)
-        for c in consts
-    ]
-    diff = [c for c, d in zip(consts, inexact) if d]
-    fixed = [c for c, d in zip(consts, inexact) if not d]
-
-    def layer(fixed: list[Array], xs: list[Array], diff: list[Array]) -> list[Array]:
-        diff_, fixed_ = iter(diff), iter(fixed)
-        merged = [next(diff_) if d else next(fixed_) for d in inexact]
-        return jcore.jaxpr_as_fun(jcore.ClosedJaxpr(traced.jaxpr, merged))(*xs)
-
-    # Every input is an argument (a custom_vjp may not close over tracers);
-    # `keep` and the integer, bool and key values (`fixed`) get no gradient.
-    Inputs: TypeAlias = tuple[Array, list[Array], list[Array], list[Array]]
-
-    @jax.custom_vjp
-    def gated(*inputs: object) -> list[Array]:
-        keep, *operands = inputs
-        return jax.lax.cond(keep, layer, skip, *operands)
-
-    def forward(*inputs: object) -> tuple[list[Array], Inputs]:
-        return gated(*inputs), inputs
-
-    def backward(inputs: Inputs, cts: list[Array]) -> tuple[object, ...]:
-        keep, fixed, xs, diff = inputs
-
-        def run(
-            cts: list[Array], fixed: list[Array], xs: list[Array], diff: list[Array]
-        ) -> tuple[list[Array], list[Array]]:
-            return jax.vjp(functools.partial(layer, fixed), xs, diff)[1](cts)
-
-        def skipped(
-            cts: list[Array], fixed: list[Array], xs: list[Array], diff: list[Array]
-        ) -> tuple[list[Array], list[Array]]:
-            # The carry passes through; the layer's inputs get no gradient.
-            return list(cts[:num_new]), [jnp.zeros_like(d) for d in diff]
-
-        ct_xs, ct_diff = jax.lax.cond(keep, run, skipped, cts, fixed, xs, diff)
-        ct_fixed = [_zeros_like(f) for f in fixed]
-        return _zeros_like(keep), ct_fixed, ct_xs, ct_diff
-
-    gated.defvjp(forward, backward)
-    flat = gated(keep, fixed, x_leaves, diff)
-    return jtu.tree_unflatten(out_tree, flat)

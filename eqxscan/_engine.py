@@ -20,9 +20,10 @@ import jax
 import jax.extend.core as jcore
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from jaxtyping import PyTree
+from jaxtyping import Array, Bool, PyTree
 
 from ._checks import check_carry, noted
+from ._gate import can_gate_scan, gated_call, gated_scan, gated_step
 from ._options import ScanOptions
 from ._remat import (
     as_scan_checkpoint,
@@ -142,6 +143,7 @@ def run(
     where: Callable[[int | None], str] = lambda i: "step" if i is None else f"step {i}",
     gathered: bool = False,
     over: Literal["layers", "time"] = "layers",
+    keep: Bool[Array, " L"] | None = None,
 ) -> tuple[PyTree, PyTree]:
     """Run `step` over the leading axis (of length `length`) of the array pytree `xs`.
 
@@ -159,6 +161,9 @@ def run(
       `unroll="auto"` keeps the scan: unrolled, XLA may gather every step's at once.
     - `over`: what the steps are, for `unroll="auto"`: `"layers"` (weights in
       `xs`) or `"time"` (a cell's weights closed over).
+    - `keep`: LayerDrop's choice, one bool per step: step `i` runs only where
+      `keep[i]`; a skipped step passes the carry on and outputs zeros, and
+      costs next to nothing forward and backward (see `_gate.py`).
 
     **Returns:**
 
@@ -169,7 +174,7 @@ def run(
     """
     checkpoint = options.scan_checkpoint
     if options.mode == "loop":
-        return _run_loop(step, carry, xs, length, checkpoint, reverse, where)
+        return _run_loop(step, carry, xs, length, checkpoint, reverse, where, keep)
     traced, c_dyn, c_static = trace_step(step, carry, xs, length, where(None))
     # The rule sees "auto", or the value as a plain `checkpoint=` option.
     given = checkpoint if checkpoint.named else checkpoint.policy
@@ -185,13 +190,33 @@ def run(
         gathered,
         over,
     )
+    if keep is not None and _whole_scan(checkpoint, traced):
+        # The rule's choice, or saving all or nothing: the gated scan saves the
+        # carries and recomputes a kept layer in its backward branch.
+        c_flat, y_flat = gated_scan(
+            traced.jaxpr,
+            traced.n_carry,
+            jtu.tree_leaves(c_dyn),
+            jtu.tree_leaves(xs),
+            keep,
+            length=length,
+            reverse=reverse,
+            unroll=unroll,
+        )
+        c_dyn, ys = jtu.tree_unflatten(traced.out_tree, c_flat + y_flat)
+        return eqx.combine(c_dyn, c_static), eqx.combine(ys, traced.y_static)
     if checkpoint.is_rule:
         checkpoint = as_scan_checkpoint(decided)
+    body: Step = traced
+    if keep is not None:
+        # A checkpoint that names or nests what to save: each step gated on its
+        # own, inside the remat that the checkpoint asks for.
+        body = gated_step(traced.jaxpr, traced.out_tree, traced.n_carry)
+        xs = (xs, keep)
     if unroll is True and not checkpoint.named:
         # Unrolled fully: the loop's own program, from the one traced step.
-        c_dyn, ys = _unrolled(traced, c_dyn, xs, length, checkpoint, reverse)
+        c_dyn, ys = _unrolled(body, c_dyn, xs, length, checkpoint, reverse)
     elif checkpoint.named:
-        body: Step = traced
         if checkpoint.save_carries is not None:
             body = _named_carry(body)
         c_dyn, ys = nested_scan(
@@ -207,7 +232,7 @@ def run(
         )
     else:
         c_dyn, ys = jax.lax.scan(
-            remat(traced, checkpoint, in_scan=True),
+            remat(body, checkpoint, in_scan=True),
             c_dyn,
             xs,
             length=length,
@@ -217,8 +242,15 @@ def run(
     return eqx.combine(c_dyn, c_static), eqx.combine(ys, traced.y_static)
 
 
+def _whole_scan(checkpoint: ScanCheckpoint, traced: Traced) -> bool:
+    """Whether a gated scan runs as one `gated_scan`: a checkpoint that does not
+    name or nest (the scan saves the carries whatever it says), and a step
+    whose carry and outputs all take cotangents."""
+    return not checkpoint.named and can_gate_scan(traced.jaxpr)
+
+
 def _unrolled(
-    traced: Traced,
+    traced: Step,
     c_dyn: PyTree,
     xs: PyTree,
     length: int,
@@ -243,6 +275,7 @@ def _run_loop(
     checkpoint: ScanCheckpoint,
     reverse: bool,
     where: Callable[[int | None], str],
+    keep: Bool[Array, " L"] | None = None,
 ) -> tuple[PyTree, PyTree]:
     # The reference path. The "auto" rule is a scan-specific optimisation, so the
     # loop saves everything unless remat was asked for explicitly.
@@ -251,6 +284,9 @@ def _run_loop(
     )
 
     def step_fn(c: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
+        if keep is not None:
+            x, keep_i = x
+            return _gated_loop_step(step, c, x, keep_i)
         if not explicit:
             return step(c, x)
         # jax.checkpoint takes and returns arrays only: close over the rest.
@@ -271,7 +307,7 @@ def _run_loop(
 
     ys = [None] * length
     order = range(length - 1, -1, -1) if reverse else range(length)
-    slices = _unstack(xs, length) if length > 0 else []
+    slices = _unstack(xs if keep is None else (xs, keep), length) if length > 0 else []
     carry = clone(carry)  # the caller's stays valid (an `eqx.nn.State`)
     for current in order:
         old = clone(carry)  # the step may invalidate `carry` (an `eqx.nn.State`)
@@ -282,3 +318,37 @@ def _run_loop(
     if length == 0 or all(y is None for y in ys):
         return carry, None
     return carry, _stack(ys)
+
+
+def _gated_loop_step(
+    step: Step, c: PyTree, x: PyTree, keep: Bool[Array, ""]
+) -> tuple[PyTree, PyTree]:
+    """One step of the loop, run only where `keep`: traced on this step's
+    values, then `gated_call`. A step that breaks the carry contract runs
+    ungated, for the loop's check to report."""
+    c_dyn, c_static = eqx.partition(c, eqx.is_array)
+    statics: list[PyTree] = []
+
+    def body(c_dyn: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
+        new, y = step(eqx.combine(c_dyn, c_static), x)
+        (new_dyn, new_static), (y_dyn, y_static) = (
+            eqx.partition(new, eqx.is_array),
+            eqx.partition(y, eqx.is_array),
+        )
+        statics.append((new_static, y_static))
+        return new_dyn, y_dyn
+
+    jaxpr, out_shape = jax.make_jaxpr(body, return_shape=True)(c_dyn, x)
+    new_static, y_static = statics[0]
+    new_shape = out_shape[0]
+    same = jtu.tree_structure(new_shape) == jtu.tree_structure(c_dyn) and all(
+        jax.typeof(a).strip_weak_type() == jax.typeof(b).strip_weak_type()
+        for a, b in zip(jtu.tree_leaves(new_shape), jtu.tree_leaves(c_dyn))
+    )
+    operands = jtu.tree_leaves((c_dyn, x))
+    if same:
+        flat = gated_call(keep, jaxpr, operands, len(jtu.tree_leaves(c_dyn)))
+    else:
+        flat = jcore.jaxpr_as_fun(jaxpr)(*operands)
+    new_dyn, y_dyn = jtu.tree_unflatten(jtu.tree_structure(out_shape), flat)
+    return eqx.combine(new_dyn, new_static), eqx.combine(y_dyn, y_static)

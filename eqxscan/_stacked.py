@@ -49,6 +49,7 @@ from ._drop import (
     check_droppable,
     depth_drop,
     DepthDrop,
+    DropInputs,
     dropped_layer,
     rates_of,
 )
@@ -727,7 +728,6 @@ def drop_call(
         dropped_layer,
         _eqxscan_run=run,
         _eqxscan_pairs=pairs,
-        _eqxscan_uses=drop.uses,
     )
     return {**kwargs, DROP: PerLayer(drop.per_layer_inputs(key))}, wrapped
 
@@ -781,6 +781,7 @@ def scan_layers(stack: Stacked, x: PyTree, call: LayerCall) -> tuple[PyTree, PyT
         per_args[name], per_statics[name] = eqx.partition(value.tree, eqx.is_array)
     cls_name = type(stack.layers).__name__
     sharding = stack.layer_sharding
+    keep = _scan_gates(per_args, per_statics, length)
 
     def step(carry: PyTree, xs: tuple) -> tuple[PyTree, PyTree]:
         dyn, per, k = xs
@@ -817,7 +818,30 @@ def scan_layers(stack: Stacked, x: PyTree, call: LayerCall) -> tuple[PyTree, PyT
         where=where,
         # Unrolled, XLA may gather every sharded layer at once (FSDP).
         gathered=sharding is not None or layers_may_be_sharded(layer_dyn),
+        keep=keep,
     )
+
+
+def _scan_gates(per_args: dict, per_statics: dict, length: int) -> Array | None:
+    """LayerDrop's keep bits for a scan over `length` layers, when this call
+    drops layers (its `DROP` argument, one entry per layer): the scan then runs
+    only the kept layers, and the layers leave LayerDrop to it. `None` (and the
+    arguments unchanged) otherwise."""
+    name = _arg_name(DROP)
+    if name not in per_args:
+        return None
+    drop = eqx.combine(per_args[name], per_statics[name])
+    if not (
+        isinstance(drop, DropInputs)
+        and drop.uses[1]
+        and not drop.gated
+        and drop.layer_rate.shape == (length,)
+    ):
+        return None  # e.g. the repeats of a Chain's unit: gated inside
+    per_args[name], per_statics[name] = eqx.partition(
+        drop.gated_by_scan(), eqx.is_array
+    )
+    return drop.keep()
 
 
 def vmap_layers(stack: Stacked, x: PyTree, call: LayerCall) -> PyTree:

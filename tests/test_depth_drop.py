@@ -279,11 +279,13 @@ def test_layer_drop_is_a_cond_in_the_scan_body_forward_and_backward(checkpoint):
     assert len(_eqns(backward, "dot_general")) == dots[1]
 
 
-def test_layer_drop_saves_only_the_carry_and_the_choice():
-    # Without rematerialisation the forward scan saves, per layer, what the
-    # backward needs: the carry and whether the layer ran. The layer's weights
-    # are the scan's own inputs, passed on to the backward scan, not saved again
-    # per step; nor are a kept layer's activations, recomputed in its branch.
+def test_layer_drop_saves_only_the_carry_and_skipped_layers_touch_no_weights():
+    # The forward scan saves, per layer, only the carry it received. The weights
+    # are not scanned inputs (which every step would slice, kept or not): the
+    # stacked weights reach the step whole and only the kept branch indexes
+    # them; the backward scan carries the stacked gradient and only the kept
+    # branch writes into it. The old design (weights sliced as scan inputs)
+    # fails the `xs` and the slicing checks.
     stack = eqxscan.Stacked(
         Block, L, key=jax.random.key(0), layer_drop=0.5, checkpoint=False, unroll=1
     )
@@ -293,9 +295,30 @@ def test_layer_drop_saves_only_the_carry_and_the_choice():
     forward, backward = _eqns(grad[0].jaxpr, "scan")
     carry = forward.params["num_carry"]
     saved = sorted(tuple(v.aval.shape) for v in forward.outvars[carry:])
-    assert saved == [(L,), (L, B, D)]
-    stacked = {tuple(v.aval.shape) for v in backward.invars}
-    assert (L, D, D) in stacked  # the weights themselves, for the backward
+    assert saved == [(L, B, D)]
+    for scan in (forward, backward):
+        consts = scan.params["num_consts"]
+        scanned = [
+            v.aval.shape for v in scan.invars[consts + scan.params["num_carry"] :]
+        ]
+        assert (L, D, D) not in scanned  # the weights are not sliced per step
+        body = scan.params["jaxpr"].jaxpr
+        (cond,) = _eqns(body, "cond")
+        assert not [e for e in body.eqns if e.primitive.name == "dynamic_slice"]
+        skip, kept = sorted(
+            cond.params["branches"], key=lambda b: len(_eqns(b.jaxpr, "dot_general"))
+        )
+        assert not _eqns(skip.jaxpr, "dynamic_slice")
+        assert _eqns(kept.jaxpr, "dynamic_slice")
+    # The stacked weight gradient is a carry of the backward scan, written only
+    # by the kept branch.
+    carried = [v.aval.shape for v in backward.outvars[: backward.params["num_carry"]]]
+    assert (L, D, D) in carried
+    (cond,) = _eqns(backward.params["jaxpr"].jaxpr, "cond")
+    writes = sorted(
+        len(_eqns(b.jaxpr, "dynamic_update_slice")) for b in cond.params["branches"]
+    )
+    assert writes[0] == 0 and writes[1] > 0
 
 
 def test_every_drop_pattern_reuses_one_executable():

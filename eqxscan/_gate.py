@@ -1,0 +1,274 @@
+"""Steps that run only where a keep bit is set (LayerDrop): a skipped step
+passes its carry on and costs next to nothing, forward and backward.
+
+Two forms, both `jax.custom_vjp`s whose backward is a `lax.cond` on the same
+bit, so that a kept step's backward recomputes its forward inside its branch and
+a skipped one does no work:
+
+- `gated_call`: one step (a lone layer of a `Chain`; the loop mode; a scan whose
+  `checkpoint=` names or nests what to save, which the step's own remat must see).
+- `gated_scan`: the whole scan at once. The stacked inputs (the layers' weights)
+  reach the step whole and are indexed inside the kept branch, and the backward
+  scan writes a kept step's input gradients into one zero-filled stacked buffer
+  in place. A skipped layer then touches none of its weights in either pass;
+  scanned as inputs, every layer's weights would be sliced, and every skipped
+  layer's zero gradient written, whether it runs or not.
+"""
+
+import functools
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.extend.core as jcore
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jaxtyping import Array, Bool, PyTree
+
+
+def inexact(value: object) -> bool:
+    """Whether `value` is an array that takes a (non-`float0`) cotangent."""
+    dtype = getattr(value, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
+
+
+def _no_cotangent(a: object) -> Array | np.ndarray:
+    """A zero cotangent for `a`: `float0` for integer, bool and key arrays."""
+    if inexact(a):
+        return jnp.zeros(jnp.shape(a), a.dtype)  # type: ignore[union-attr]
+    return np.zeros(jnp.shape(a), jax.dtypes.float0)
+
+
+def _split(values: Sequence[object]) -> tuple[list[object], list[object], list[bool]]:
+    """`(fixed, diff, mask)`: the values without and with cotangents."""
+    mask = [inexact(v) for v in values]
+    diff = [v for v, d in zip(values, mask) if d]
+    fixed = [v for v, d in zip(values, mask) if not d]
+    return fixed, diff, mask
+
+
+def _merge(fixed: Sequence[object], diff: Sequence[object], mask: list[bool]) -> list:
+    """Undo `_split`."""
+    fixed_, diff_ = iter(fixed), iter(diff)
+    return [next(diff_) if d else next(fixed_) for d in mask]
+
+
+def _zeros(avals: Sequence[jax.core.ShapedArray]) -> list[Array]:
+    return [jnp.zeros(a.shape, a.dtype) for a in avals]  # type: ignore[attr-defined]
+
+
+def _evaluate(
+    traced: jcore.ClosedJaxpr, consts: list, carry: list, x: list
+) -> list[Array]:
+    """`traced`'s jaxpr on `carry + x`, with `consts` for its closed-over values."""
+    return jcore.jaxpr_as_fun(jcore.ClosedJaxpr(traced.jaxpr, consts))(*carry, *x)
+
+
+def gated_call(
+    keep: Bool[Array, ""],
+    traced: jcore.ClosedJaxpr,
+    operands: Sequence[Array],
+    num_carry: int,
+) -> list[Array]:
+    """`traced(*operands)` where `keep`, else `operands[:num_carry]` followed by
+    zeros for the other outputs. The first `num_carry` outputs are the carry, of
+    the types of the first `num_carry` operands.
+
+    What the backward pass keeps is the operands (the carry, and the layer's
+    inputs, which a scan forwards rather than saving a copy per step) and
+    `keep`; a kept step's backward recomputes its forward in its branch.
+    Differentiating a plain `lax.cond` would instead save what the kept branch
+    computes, weights included, as outputs of the `cond`, filled with zeros by
+    the skipping branch."""
+    operands = list(operands)
+    out_avals = traced.out_avals
+    y_avals = out_avals[num_carry:]
+
+    def skip(fixed: list, carry_and_rest: list) -> list[Array]:
+        return list(carry_and_rest[:num_carry]) + _zeros(y_avals)
+
+    if not all(inexact(a) for a in out_avals):
+        # An integer carry or output has no cotangent to route through the
+        # backward `cond`: differentiate the plain `cond` instead.
+        return jax.lax.cond(
+            keep,
+            lambda _, ops: jcore.jaxpr_as_fun(traced)(*ops),
+            skip,
+            [],
+            operands,
+        )
+    consts = list(traced.consts)
+    c_fixed, c_diff, c_mask = _split(consts)
+    o_fixed, o_diff, o_mask = _split(operands)
+
+    def layer(fixed: tuple[list, list], diff: tuple[list, list]) -> list[Array]:
+        const_vals = _merge(fixed[0], diff[0], c_mask)
+        ops = _merge(fixed[1], diff[1], o_mask)
+        return jcore.jaxpr_as_fun(jcore.ClosedJaxpr(traced.jaxpr, const_vals))(*ops)
+
+    def skipped_out(fixed: tuple[list, list], diff: tuple[list, list]) -> list[Array]:
+        return skip([], _merge(fixed[1], diff[1], o_mask))
+
+    # Every input is an argument (a custom_vjp may not close over tracers);
+    # `keep` and the integer, bool and key values (`fixed`) get no gradient.
+    @jax.custom_vjp
+    def gated(keep: Array, fixed: tuple[list, list], diff: tuple[list, list]) -> list:
+        return jax.lax.cond(keep, layer, skipped_out, fixed, diff)
+
+    def forward(keep: Array, fixed: tuple, diff: tuple) -> tuple[list, tuple]:
+        return gated(keep, fixed, diff), (keep, fixed, diff)
+
+    def backward(res: tuple, cts: list[Array]) -> tuple[object, ...]:
+        keep, fixed, diff = res
+
+        def run(cts: list, fixed: tuple, diff: tuple) -> tuple[list, list]:
+            return jax.vjp(functools.partial(layer, fixed), diff)[1](cts)[0]
+
+        def passed(cts: list, fixed: tuple, diff: tuple) -> tuple[list, list]:
+            # The carry's cotangent passes through (the carry operands, all
+            # inexact, come first); nothing else gets one.
+            rest = [jnp.zeros_like(v) for v in diff[1][num_carry:]]
+            return [jnp.zeros_like(c) for c in diff[0]], list(cts[:num_carry]) + rest
+
+        ct_diff = jax.lax.cond(keep, run, passed, list(cts), fixed, diff)
+        ct_fixed = jtu.tree_map(_no_cotangent, fixed)
+        return _no_cotangent(keep), ct_fixed, tuple(ct_diff)
+
+    gated.defvjp(forward, backward)
+    return gated(keep, (c_fixed, o_fixed), (c_diff, o_diff))
+
+
+def _at(a: Array, i: Array) -> Array:
+    """Entry `i` of `a`'s leading axis (inside a branch: only a kept step reads)."""
+    return jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False)
+
+
+def can_gate_scan(traced: jcore.ClosedJaxpr) -> bool:
+    """Whether `gated_scan` takes this step: every carry and output inexact
+    (else `gated_call` per step, which can fall back to a plain `cond`)."""
+    return all(inexact(a) for a in traced.out_avals)
+
+
+def gated_scan(
+    traced: jcore.ClosedJaxpr,
+    num_carry: int,
+    carry: list[Array],
+    xs: list[Array],
+    keep: Bool[Array, " L"],
+    *,
+    length: int,
+    reverse: bool,
+    unroll: int | bool,
+) -> tuple[list[Array], list[Array]]:
+    """Scan `traced` (one step: flat `carry + x_i` to flat `carry + y_i`) over the
+    leading axis of `xs`, running step `i` only where `keep[i]`; a skipped step
+    passes the carry on and outputs zeros.
+
+    **Returns:**
+
+    `(carry, ys)`, flat, the `ys` stacked on axis 0.
+
+    The forward pass saves the carry each step receives (as `checkpoint=True`
+    would); the backward pass recomputes a kept step inside its branch and
+    writes its input gradients into the stacked gradient at `i`, in place.
+    """
+    y_avals = traced.out_avals[num_carry:]
+    c_fixed, c_diff, c_mask = _split(list(traced.consts))
+    x_fixed, x_diff, x_mask = _split(xs)
+
+    def step_at(i: Array, consts: list, carry: list, xs_: list) -> list[Array]:
+        return _evaluate(traced, consts, carry, [_at(a, i) for a in xs_])
+
+    def scan_forward(
+        keep: Array, fixed: tuple, diff: tuple, carry: list, save: bool
+    ) -> tuple[list, list, list]:
+        consts = _merge(fixed[0], diff[0], c_mask)
+        xs_ = _merge(fixed[1], diff[1], x_mask)
+
+        def body(c: list, inp: tuple[Array, Array]) -> tuple[list, tuple]:
+            i, k = inp
+            out = jax.lax.cond(
+                k,
+                lambda c: step_at(i, consts, c, xs_),
+                lambda c: list(c) + _zeros(y_avals),
+                c,
+            )
+            return out[:num_carry], (out[num_carry:], c if save else [])
+
+        steps = (jnp.arange(length), keep)
+        carry, (ys, saved) = jax.lax.scan(
+            body, carry, steps, length=length, reverse=reverse, unroll=unroll
+        )
+        return carry, ys, saved
+
+    @jax.custom_vjp
+    def gated(keep: Array, fixed: tuple, diff: tuple, carry: list) -> tuple:
+        carry, ys, _ = scan_forward(keep, fixed, diff, carry, save=False)
+        return carry, ys
+
+    def forward(keep: Array, fixed: tuple, diff: tuple, carry: list) -> tuple:
+        carry_out, ys, saved = scan_forward(keep, fixed, diff, carry, save=True)
+        return (carry_out, ys), (keep, fixed, diff, saved)
+
+    def backward(res: tuple, cts: tuple[list, list]) -> tuple[object, ...]:
+        keep, fixed, diff, saved = res
+        ct_carry, ct_ys = cts
+        consts_fixed, xs_fixed = fixed
+        consts_diff, xs_diff = diff
+
+        def body(acc: tuple, inp: tuple) -> tuple[tuple, None]:
+            i, k, c_i, ct_y = inp
+
+            def run(ct: list, g_consts: list, g_xs: list) -> tuple[list, list, list]:
+                fixed_i = [_at(a, i) for a in xs_fixed]
+
+                def fn(consts_d: list, c: list, x_d: list) -> list[Array]:
+                    consts = _merge(consts_fixed, consts_d, c_mask)
+                    return _evaluate(traced, consts, c, _merge(fixed_i, x_d, x_mask))
+
+                diff_i = [_at(a, i) for a in xs_diff]
+                g_c, g_carry, g_x = jax.vjp(fn, consts_diff, c_i, diff_i)[1](
+                    list(ct) + list(ct_y)
+                )
+                g_consts = [a + b for a, b in zip(g_consts, g_c)]
+                g_xs = [
+                    jax.lax.dynamic_update_index_in_dim(buf, g, i, 0)
+                    for buf, g in zip(g_xs, g_x)
+                ]
+                return g_carry, g_consts, g_xs
+
+            def skip(ct: list, g_consts: list, g_xs: list) -> tuple[list, list, list]:
+                return list(ct), g_consts, g_xs
+
+            return jax.lax.cond(k, run, skip, *acc), None
+
+        start = (
+            list(ct_carry),
+            [jnp.zeros_like(c) for c in consts_diff],
+            [jnp.zeros_like(a) for a in xs_diff],
+        )
+        steps = (jnp.arange(length), keep, saved, list(ct_ys))
+        (g_carry, g_consts, g_xs), _ = jax.lax.scan(
+            body, start, steps, length=length, reverse=not reverse, unroll=unroll
+        )
+        ct_fixed = jtu.tree_map(_no_cotangent, fixed)
+        return _no_cotangent(keep), ct_fixed, (g_consts, g_xs), g_carry
+
+    gated.defvjp(forward, backward)
+    carry_out, ys = gated(keep, (c_fixed, x_fixed), (c_diff, x_diff), list(carry))
+    return list(carry_out), list(ys)
+
+
+def gated_step(
+    traced: jcore.ClosedJaxpr, out_tree: jtu.PyTreeDef, num_carry: int
+) -> Callable[[PyTree, tuple[PyTree, Array]], tuple[PyTree, PyTree]]:
+    """`traced` (a scan step over flat `(carry, x)` leaves, `out_tree` its
+    output's structure) as a step `(carry, (x, keep)) -> (carry, y)` run through
+    `gated_call`, for the engine's remat and nested scans."""
+
+    def step(c_dyn: PyTree, inputs: tuple[PyTree, Array]) -> tuple[PyTree, PyTree]:
+        x, keep = inputs
+        flat = gated_call(keep, traced, jtu.tree_leaves((c_dyn, x)), num_carry)
+        return jtu.tree_unflatten(out_tree, flat)
+
+    return step
