@@ -14,6 +14,8 @@ import eqxscan
 from eqxscan._engine import run
 from eqxscan._remat import ScanCheckpoint
 
+from .helpers import run_script
+
 
 L, B, D = 5, 3, 4
 KEEP = jnp.array([True, False, True, True, False])
@@ -198,3 +200,10 @@ def test_per_example_keys_under_vmap_and_jit_grad():
     want = eqx.filter_jit(eqx.filter_grad(loss))(loop)
     np.testing.assert_allclose(got.layers.w, want.layers.w, rtol=1e-4, atol=1e-6)
     assert float(jnp.max(jnp.abs(got.layers.w))) > 0
+
+
+def test_layer_drop_under_fsdp():
+    """Sharded (8 devices, FSDP) equals one device for several keys, and a
+    layer's weights are gathered only inside the branch that runs it."""
+    out = run_script("drop_checks.py", timeout=300)
+    assert "ok" in out.split()
