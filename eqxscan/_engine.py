@@ -292,16 +292,7 @@ def _run_loop(
         # jax.checkpoint takes and returns arrays only: close over the rest.
         c_dyn, c_static = eqx.partition(c, eqx.is_array)
         statics: list[PyTree] = []
-
-        def arrays_only(c_dyn: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
-            new, y = step(eqx.combine(c_dyn, c_static), x)
-            (new_dyn, new_static), (y_dyn, y_static) = (
-                eqx.partition(new, eqx.is_array),
-                eqx.partition(y, eqx.is_array),
-            )
-            statics.append((new_static, y_static))
-            return new_dyn, y_dyn
-
+        arrays_only = _arrays_only(step, c_static, statics)
         new_dyn, y_dyn = remat(arrays_only, checkpoint, in_scan=False)(c_dyn, x)
         return eqx.combine(new_dyn, statics[0][0]), eqx.combine(y_dyn, statics[0][1])
 
@@ -320,14 +311,10 @@ def _run_loop(
     return carry, _stack(ys)
 
 
-def _gated_loop_step(
-    step: Step, c: PyTree, x: PyTree, keep: Bool[Array, ""]
-) -> tuple[PyTree, PyTree]:
-    """One step of the loop, run only where `keep`: traced on this step's
-    values, then `gated_call`. A step that breaks the carry contract runs
-    ungated, for the loop's check to report."""
-    c_dyn, c_static = eqx.partition(c, eqx.is_array)
-    statics: list[PyTree] = []
+def _arrays_only(step: Step, c_static: PyTree, statics: list[PyTree]) -> Step:
+    """`step` on the array leaves of its carry and outputs (what `jax.checkpoint`,
+    `make_jaxpr` and `cond` take and return); the other leaves of the carry are
+    `c_static`, and those of each call's outputs are appended to `statics`."""
 
     def body(c_dyn: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
         new, y = step(eqx.combine(c_dyn, c_static), x)
@@ -338,11 +325,23 @@ def _gated_loop_step(
         statics.append((new_static, y_static))
         return new_dyn, y_dyn
 
+    return body
+
+
+def _gated_loop_step(
+    step: Step, c: PyTree, x: PyTree, keep: Bool[Array, ""]
+) -> tuple[PyTree, PyTree]:
+    """One step of the loop, run only where `keep`: traced on this step's
+    values, then `gated_call`. A step that breaks the carry contract runs
+    ungated, for the loop's check to report."""
+    c_dyn, c_static = eqx.partition(c, eqx.is_array)
+    statics: list[PyTree] = []
+    body = _arrays_only(step, c_static, statics)
     jaxpr, out_shape = jax.make_jaxpr(body, return_shape=True)(c_dyn, x)
     new_static, y_static = statics[0]
     new_shape = out_shape[0]
     same = jtu.tree_structure(new_shape) == jtu.tree_structure(c_dyn) and all(
-        jax.typeof(a).strip_weak_type() == jax.typeof(b).strip_weak_type()
+        a.shape == b.shape and a.dtype == b.dtype
         for a, b in zip(jtu.tree_leaves(new_shape), jtu.tree_leaves(c_dyn))
     )
     operands = jtu.tree_leaves((c_dyn, x))
