@@ -481,31 +481,47 @@ def mesh_shapes(devices: int, model: Sequence[int] = (1,)) -> list[MeshShape]:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """What every candidate of a plan compiles: the model (`make_model(key,
+    **model_kwargs)`), the train step `step(model, opt_state, batch)`, the
+    optimiser (or `None`), an example batch, and how the parameters are sharded
+    (logical `axes` and `rules`, or FSDP by size when `axes` is `None`; arrays
+    under `min_size` elements replicated)."""
+
+    make_model: Callable
+    model_kwargs: Mapping[str, object]
+    step: Callable
+    optimizer: object
+    batch: object
+    axes: Mapping[str, object] | None
+    rules: Mapping[str, object] | None
+    min_size: int
+
+
 def _abstract(
-    make_model: Callable,
-    model_kwargs: Mapping[str, object],
-    optimizer: object,
-    mesh: Mesh,
-    checkpoint: Checkpoint,
-    axes: Mapping[str, object] | None,
-    rules: Mapping[str, object] | None,
-    min_size: int,
+    job: Job, mesh: Mesh, checkpoint: Checkpoint
 ) -> tuple[tuple[object, object], tuple[object, object], object]:
     """The model (gathering one layer per scan step) and optimiser state, as
     `ShapeDtypeStruct`s, with their shardings; and the model's static part."""
     key = jax.random.key(0)
-    shape = eqx.filter_eval_shape(lambda k: make_model(k, **model_kwargs), key)
-    if axes is None:
-        specs = model_shardings(shape, mesh, fsdp_axis="fsdp", min_size=min_size)
+    shape = eqx.filter_eval_shape(lambda k: job.make_model(k, **job.model_kwargs), key)
+    if job.axes is None:
+        specs = model_shardings(shape, mesh, fsdp_axis="fsdp", min_size=job.min_size)
         keep: tuple[str, ...] = ()
     else:
         specs = logical_shardings(
-            shape, mesh, axes, rules or {}, fsdp_axis="fsdp", min_size=min_size
+            shape,
+            mesh,
+            job.axes,
+            job.rules or {},
+            fsdp_axis="fsdp",
+            min_size=job.min_size,
         )
         keep = ("model",)
 
     def build(k: jax.Array) -> object:
-        model = with_checkpoint(make_model(k, **model_kwargs), checkpoint)
+        model = with_checkpoint(job.make_model(k, **job.model_kwargs), checkpoint)
         return gather_layers(model, mesh, specs if keep else None, keep=keep)
 
     model = eqx.filter_eval_shape(build, key)
@@ -514,6 +530,7 @@ def _abstract(
         jtu.tree_structure(params),
         jtu.tree_leaves(eqx.filter(specs, lambda s: isinstance(s, NamedSharding))),
     )
+    optimizer = job.optimizer
     opt_state = None if optimizer is None else jax.eval_shape(optimizer.init, params)
     opt_specs = (
         None
@@ -534,27 +551,16 @@ def _per_device_bytes(tree: object, specs: object) -> int:
 
 
 def program(
-    make_model: Callable,
-    model_kwargs: Mapping[str, object],
-    step: Callable,
-    optimizer: object,
-    batch: object,
-    mesh: Mesh,
-    checkpoint: Checkpoint,
-    axes: Mapping[str, object] | None,
-    rules: Mapping[str, object] | None,
-    min_size: int,
+    job: Job, mesh: Mesh, checkpoint: Checkpoint
 ) -> tuple[object, tuple[object, object], tuple[object, object], object, object]:
     """The jitted step of one candidate, `(params, shardings)`, `(opt_state,
     shardings)` as `ShapeDtypeStruct`s, the batch's shardings and the model's
     static part (`step` then takes and returns the model's arrays only)."""
-    (params, p_specs), (opt_state, o_specs), static = _abstract(
-        make_model, model_kwargs, optimizer, mesh, checkpoint, axes, rules, min_size
-    )
-    b_specs = batch_shardings(batch, mesh, batch_axes=("data", "fsdp"))
+    (params, p_specs), (opt_state, o_specs), static = _abstract(job, mesh, checkpoint)
+    b_specs = batch_shardings(job.batch, mesh, batch_axes=("data", "fsdp"))
 
     def train(params: object, opt_state: object, batch: object) -> object:
-        out = step(eqx.combine(params, static), opt_state, batch)
+        out = job.step(eqx.combine(params, static), opt_state, batch)
         model, opt_state, *rest = out
         return eqx.filter(model, eqx.is_array), opt_state, tuple(rest)
 
@@ -568,37 +574,18 @@ def program(
 
 
 def _compile_one(
-    make_model: Callable,
-    model_kwargs: Mapping[str, object],
-    step: Callable,
-    optimizer: object,
-    batch: object,
-    mesh: Mesh,
-    checkpoint: Checkpoint,
-    axes: Mapping[str, object] | None,
-    rules: Mapping[str, object] | None,
-    min_size: int,
-    accelerator: Accelerator,
+    job: Job, mesh: Mesh, checkpoint: Checkpoint, accelerator: Accelerator
 ) -> MeshCandidate:
     shape = tuple(mesh.shape[a] for a in AXES)
     label = checkpoint_label(checkpoint)
     start = time.perf_counter()
     try:
         jitted, (params, p_specs), (opt_state, o_specs), _, _ = program(
-            make_model,
-            model_kwargs,
-            step,
-            optimizer,
-            batch,
-            mesh,
-            checkpoint,
-            axes,
-            rules,
-            min_size,
+            job, mesh, checkpoint
         )
     except ValueError as e:
         return MeshCandidate(shape, label, error=str(e).splitlines()[0])
-    compiled = jitted.lower(params, opt_state, batch).compile()
+    compiled = jitted.lower(params, opt_state, job.batch).compile()
     seconds = time.perf_counter() - start
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis() or {}
@@ -657,22 +644,20 @@ def _run_all(spec: dict, report: Callable[[int, int, str], None]) -> list[dict]:
     settings = [
         (tuple(m), _decode_checkpoint(c)) for m in spec["meshes"] for c in spec["remat"]
     ]
+    job = Job(
+        make_model,
+        spec["model_kwargs"],
+        step,
+        optimizer,
+        batch,
+        axes,
+        spec["rules"],
+        spec["min_size"],
+    )
     rows = []
     for i, (shape, checkpoint) in enumerate(settings):
         report(i, len(settings), f"{shape} {checkpoint_label(checkpoint)}")
-        row = _compile_one(
-            make_model,
-            spec["model_kwargs"],
-            step,
-            optimizer,
-            batch,
-            make_plan_mesh(shape, devices),
-            checkpoint,
-            axes,
-            spec["rules"],
-            spec["min_size"],
-            accelerator,
-        )
+        row = _compile_one(job, make_plan_mesh(shape, devices), checkpoint, accelerator)
         rows.append(row.to_json())
     report(len(settings), len(settings), "done")
     return rows

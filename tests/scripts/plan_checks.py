@@ -36,7 +36,7 @@ if TWO:
 
 from eqxscan.bench import plan as bench  # noqa: E402
 from eqxscan.sharding import plan  # noqa: E402
-from eqxscan.sharding._plan_mesh import make_plan_mesh, program  # noqa: E402
+from eqxscan.sharding._plan_mesh import Job, make_plan_mesh, program  # noqa: E402
 
 
 CONFIG = dict(layers=2, dim=32, vocab=64, dtype="float32")
@@ -74,18 +74,17 @@ def main() -> None:
     chosen = table.chosen
     assert chosen is not None, table.message
     mesh = make_plan_mesh(chosen.mesh, jax.devices())
-    jitted, (_, p_specs), (_, o_specs), b_specs, static = program(
+    job = Job(
         bench.decoder,
         CONFIG,
         bench.train_step,
         bench.adam(),
         batch,
-        mesh,
-        False,
         bench.AXES,
         bench.RULES,
         0,
     )
+    jitted, (_, p_specs), (_, o_specs), b_specs, static = program(job, mesh, False)
     # Really build the model and optimiser state in their shards.
     key = jax.random.key(0)
     # (In the plan's structure: every Stacked gathering one layer per step.)
