@@ -20,7 +20,7 @@ from ._checks import (
     noted,
     split_key,
 )
-from ._drop import depth_drop, DepthDrop
+from ._drop import depth_drop, DepthDrop, rates_of
 from ._eager import compiled_when_eager
 from ._grouping import explain, warn_identity
 from ._options import ScanArgs, Scanning, ScanOptions
@@ -476,7 +476,9 @@ class Chain(Scanning):
         - `drop_path`, `layer_drop`: stochastic depth and LayerDrop while
           training, as for [`eqxscan.Stacked`][], with one rate per layer of the
           chain (`eqxscan.linear_rates` rises over all `len(chain)` layers);
-          lone layers and scanned groups drop alike.
+          lone layers and scanned groups drop alike. Changed afterwards with
+          `chain.with_options(drop_path=..., layer_drop=...)`, which keeps
+          `eqx.nn.inference_mode` as set.
 
         **Raises:**
 
@@ -594,12 +596,28 @@ class Chain(Scanning):
         names = [_group_name(g, s) for g, s in zip(self.groups, self.layout)]
         return explain(layers, self.layout, names, _bodies(self.layout, self.groups))
 
+    def own_options(self) -> tuple[str, ...]:
+        return ("drop_path", "layer_drop")
+
     def replace_options(self, options: ScanOptions, **own: object) -> "Chain":
         # The same grouping, with `options` on every scanned group; each keeps its
         # `layer_sharding` (as set by `eqxscan.sharding.shard`).
-        del own  # a Chain has no options of its own
         groups = _set_options(self.groups, self.layout, options)
-        return eqx.tree_at(lambda c: (c.groups, c.options), self, (groups, options))
+        chain = eqx.tree_at(lambda c: (c.groups, c.options), self, (groups, options))
+        if not own:
+            return chain
+        drop_path, layer_drop = rates_of(self.depth_drop)
+        drop = depth_drop(
+            self.num_layers,
+            own.get("drop_path", drop_path),
+            own.get("layer_drop", layer_drop),
+        )
+        if drop is not None and self.depth_drop is not None:
+            # Kept as slicing keeps it: `eqx.nn.inference_mode` still holds.
+            drop = eqx.tree_at(lambda d: d.inference, drop, self.depth_drop.inference)
+        return eqx.tree_at(
+            lambda c: c.depth_drop, chain, drop, is_leaf=lambda n: n is None
+        )
 
     @compiled_when_eager
     def __call__(

@@ -7,7 +7,7 @@ Both work on a [`eqxscan.Stacked`][] and a [`eqxscan.Chain`][] (global layer
 indices); `StackedMLP` has them as methods.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 import equinox as eqx
@@ -17,8 +17,18 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, Bool, Int, PRNGKeyArray, PyTree
 
-from ._chain import _Call, _route, _take, Chain, Period, run_groups, Span
+from ._chain import (
+    _Call,
+    _kinds,
+    _route,
+    _take,
+    Chain,
+    Period,
+    run_groups,
+    Span,
+)
 from ._checks import (
+    CarryError,
     check_bool,
     check_callable,
     check_carry,
@@ -610,6 +620,172 @@ def _scan_gathered(
     )[0]
 
 
+class _Branch(NamedTuple):
+    """One body of a chain's traced subset: a lone layer or a scanned run,
+    reached from the chain's groups by `path` (a group index at each level, one
+    level per repeated unit on the way). Its layer is indexed by one traced
+    index per repeated unit, then one for a run (`run`); `layers` are the
+    global indices it covers."""
+
+    path: tuple[int, ...]
+    run: bool
+    layers: tuple[int, ...]
+    name: str
+
+
+def _walk(
+    groups: tuple, layout: tuple[Span, ...], path: tuple[int, ...], reps: tuple
+) -> Iterator[tuple[tuple[int, ...], bool, tuple[int, ...], str]]:
+    """`(path, run, indices, class name)` for each layer of `groups`, in order:
+    which body runs it and the indices (repeats, then the run's offset) that
+    pick its weights."""
+    for j, (group, span) in enumerate(zip(groups, layout)):
+        here = path + (j,)
+        if span.period == 0:
+            yield here, False, reps, type(group).__name__
+        elif span.period == 1:
+            name = type(group.layers).__name__
+            for o in range(span.size):
+                yield here, True, reps + (o,), name
+        else:
+            unit: Period = group.layers
+            for r in range(span.size // span.period):
+                yield from _walk(unit.groups, unit.layout, here, reps + (r,))
+
+
+def _describe_layers(layers: tuple[int, ...], name: str) -> str:
+    if len(layers) == 1:
+        return f"Layer {layers[0]} ({name})"
+    if layers == tuple(range(layers[0], layers[-1] + 1)):
+        return f"Layers {layers[0]}-{layers[-1]} ({name}, one body)"
+    shown = ", ".join(map(str, layers[:6])) + (", ..." if len(layers) > 6 else "")
+    return f"Layers {shown} ({name}, one body)"
+
+
+def _chain_table(chain: Chain) -> tuple[list[_Branch], np.ndarray]:
+    """The chain's bodies, and for each global layer a row `[body, i_0, ...]`:
+    which body runs it and the indices of its weights (padded with zeros)."""
+    walked = list(_walk(chain.groups, chain.layout, (), ()))
+    paths = list(dict.fromkeys(path for path, _, _, _ in walked))
+    width = 1 + max(len(indices) for _, _, indices, _ in walked)
+    table = np.zeros((len(walked), width), np.int32)
+    for g, (path, _, indices, _) in enumerate(walked):
+        table[g, : 1 + len(indices)] = (paths.index(path), *indices)
+    branches = []
+    for b, path in enumerate(paths):
+        layers = tuple(int(g) for g in np.flatnonzero(table[:, 0] == b))
+        _, run, _, name = walked[layers[0]]
+        branches.append(_Branch(path, run, layers, _describe_layers(layers, name)))
+    return branches, table
+
+
+def _branch_layer(chain: Chain, branch: _Branch, row: Int[Array, " w"]) -> object:
+    """The layer of `branch` that `row` (a row of `_chain_table`) picks: the
+    group reached by `branch.path`, indexed by the row's traced indices."""
+    groups: tuple = chain.groups
+    indices = []
+    for level, j in enumerate(branch.path):
+        group = groups[j]
+        if level < len(branch.path) - 1:  # a repeated unit: pick the repeat
+            indices.append(row[1 + level])
+            groups = group.layers.groups
+    tree = group.layers if branch.run else group
+    if branch.run:  # then the layer within the run
+        indices.append(row[len(branch.path)])
+    for i in indices:
+        tree = _index(tree, i)
+    if branch.run and group.layer_sharding is not None:
+        dyn, static = eqx.partition(tree, eqx.is_array)
+        tree = eqx.combine(constrain(dyn, group.layer_sharding), static)
+    return tree
+
+
+def _scan_chain(
+    chain: Chain,
+    x: PyTree,
+    idx: Int[Array, " n"],
+    args: tuple,
+    kwargs: dict[str, object],
+    keys: Array | None,
+    method: Method | None,
+    who: str,
+) -> PyTree:
+    """Scan the layers `idx` (traced) of `chain`: each step looks up which body
+    runs its layer and `lax.switch`es to it, and that body reads its one layer
+    from its group's stacked weights (a lone layer as it is). Every body is
+    traced once, and must return a carry like the one it receives."""
+    branches, table = _chain_table(chain)
+    rows = jnp.asarray(table)
+    c_static = eqx.filter(x, eqx.is_array, inverse=True)
+    options = chain.options
+
+    def body(
+        branch: _Branch, row: Array, a: tuple, kw: dict[str, object], k: object
+    ) -> Callable[[PyTree], PyTree]:
+        # Only the carry's arrays pass through the `switch`; the rest (broadcast
+        # arguments may be any Python value) is closed over.
+        def fn(c_dyn: PyTree) -> PyTree:
+            layer = _branch_layer(chain, branch, row)
+            dyn, static = eqx.partition(layer, eqx.is_array)
+            layer = eqx.combine(name_inputs(dyn, options.scan_checkpoint), static)
+            old = eqx.combine(c_dyn, c_static)
+            where = branch.name
+            new = noted(call_layer, where, layer, method, old, a, kw, k, who)
+            try:
+                check_carry(old, new, where)
+            except CarryError as e:
+                raise TypeError(
+                    f"{who}: {where} {e.what}\nHint: with traced indices each chosen "
+                    "layer is one step of one scan, so every layer of the chain "
+                    "must return a carry like its input; choose the layers "
+                    "statically (a slice or ints) to let a layer change the carry."
+                ) from None
+            return eqx.filter(new, eqx.is_array)
+
+        return fn
+
+    def step(carry: PyTree, xs: tuple) -> tuple[PyTree, None]:
+        g, k = xs
+        row = rows[g]
+        a = tuple(_pick(v, g) for v in args)
+        kw = {n: _pick(v, g) for n, v in kwargs.items()}
+        a, kw = name_inputs((a, kw), options.scan_checkpoint)
+        bodies = [body(branch, row, a, kw, k) for branch in branches]
+        new = jax.lax.switch(row[0], bodies, eqx.filter(carry, eqx.is_array))
+        return eqx.combine(new, c_static), None
+
+    def where(i: int | None) -> str:
+        if i is None:
+            return (
+                f"The chosen layers of a Chain (one switch over its "
+                f"{len(branches)} layer bodies)"
+            )
+        return f"Chosen layer {i} of a Chain"
+
+    gathered = any(
+        isinstance(g, Stacked) and g.layer_sharding is not None for g in chain.groups
+    ) or layers_may_be_sharded(eqx.filter(chain.groups, eqx.is_array))
+    sub_keys = None if keys is None else keys[idx]
+    n = int(idx.shape[0])
+    return run(
+        step,
+        x,
+        (idx, sub_keys),
+        length=n,
+        options=options,
+        where=where,
+        gathered=gathered,
+    )[0]
+
+
+def _check_chain_method(chain: Chain, method: Method | None) -> None:
+    if isinstance(method, str):
+        for layer in _kinds(chain.groups, chain.layout):
+            check_method(method, layer)
+    else:
+        check_method(method, None)
+
+
 def run_layers(
     model: Stacked | Chain,
     x: PyTree,
@@ -627,11 +803,11 @@ def run_layers(
     - `model`: an [`eqxscan.Stacked`][] or an [`eqxscan.Chain`][].
     - `x`: the carry.
     - `layers`: a slice (`slice(i, j)` runs layers `i..j-1`) or a sequence of
-      ints (negative counting from the end), checked; or, for a `Stacked`, an
-      integer array of layer indices, which may be traced: every choice of the
-      same length runs in one compiled program. Traced indices cannot be
-      checked and are clamped to `[0, L-1]`; concrete arrays are checked.
-      Indices may repeat (a layer run twice).
+      ints (negative counting from the end), checked; or an integer array of
+      layer indices (the chain's global indices for a `Chain`), which may be
+      traced: every choice of the same length runs in one compiled program.
+      Traced indices cannot be checked and are clamped to `[0, L-1]`; concrete
+      arrays are checked. Indices may repeat (a layer run twice).
     - `*args`, `**kwargs`: passed to every layer; values wrapped in
       [`eqxscan.per_layer`][] have the model's `L` layers first and the chosen
       layers get their own slices.
@@ -648,9 +824,17 @@ def run_layers(
     chosen layers get gradients (a repeated layer the sum). Static choices are
     sliced out of the stacked weights first; with an index array each scan
     step reads its one layer from the whole stack (no copy of the chosen
-    layers). A `Chain`'s layers differ, so it
-    takes static choices only, and each choice is grouped and compiled afresh.
-    Stateful layers (an `eqx.nn.State` argument) are not supported.
+    layers). A `Chain` given a static choice groups the chosen layers afresh
+    (each choice compiles its own program; a lone layer may change the carry).
+    Given an index array it scans the chosen layers with the chain's options,
+    and each step `lax.switch`es on the layer's group: every group's body
+    (a lone layer, a scanned run's one layer read from its stacked weights, a
+    layer of a repeated unit read from its repeat) is traced once into the
+    program and each step runs one of them, so every layer of the chain must
+    return a carry like its input (an error names the layer otherwise). Under
+    `jax.vmap` over the indices the `switch` becomes a select, and every step
+    runs every group's body. Stateful layers (an `eqx.nn.State` argument) are
+    not supported.
     """
     _check_model(model, "run_layers")
     who = f"run_layers of a {type(model).__name__}"
@@ -659,15 +843,12 @@ def run_layers(
     check_per_layer(args, kwargs, length)
     keys = None if key is None else split_key(key, length, type(model).__name__)
     if isinstance(layers, jax.Array):
-        if isinstance(model, Chain):
-            raise TypeError(
-                f"{who} takes static layer choices (a slice or ints), got "
-                f"{describe(layers)}.\nHint: a chain's layers differ, so which "
-                "run must be known when tracing; a Stacked takes traced indices."
-            )
         idx: object = _dynamic_indices(layers, length, who)
     else:
         idx = _static_indices(layers, length, who)
+    if isinstance(layers, jax.Array) and isinstance(model, Chain):
+        _check_chain_method(model, method)
+        return _scan_chain(model, x, idx, args, kwargs, keys, method, who)
     if isinstance(layers, jax.Array):
         check_method(method, model.layers)
         model.check_layer_axis("run")

@@ -160,7 +160,8 @@ class Scanning(eqx.Module):
         **Arguments:**
 
         - `mode`, `checkpoint`, `unroll`: as for [`eqxscan.Stacked`][].
-        - Any option of the module's own (`layer_sharding` of a `Stacked`,
+        - Any option of the module's own (`layer_sharding` of a `Stacked`;
+          `drop_path` and `layer_drop` of a `Stacked`, `Chain` or `StackedMLP`;
           `reverse` of a `Recurrent`).
 
         **Returns:**

@@ -218,6 +218,85 @@ def test_slicing_and_with_options_keep_rates():
     assert stack.with_options(layer_drop=0.2).depth_drop.layer_drop == (0.2,) * L
 
 
+def _chain_layers():
+    # Block x2 (a scanned run), a lone Other, Block x2 (another run).
+    keys = jax.random.split(jax.random.key(0), 5)
+    kinds = [Block, Block, Other, Block, Block]
+    return [kind(k) for kind, k in zip(kinds, keys)]
+
+
+def test_chain_with_options_sets_rates():
+    layers = _chain_layers()
+    plain = eqxscan.Chain(layers, checkpoint=False)
+    assert {s.period for s in plain.layout} == {0, 1}
+    rates = dict(
+        drop_path=eqxscan.linear_rates(0.6), layer_drop=[0.5, 0.2, 0.6, 0.4, 0.3]
+    )
+    built = eqxscan.Chain(layers, checkpoint=False, **rates)
+    changed = plain.with_options(**rates)
+    assert changed.depth_drop == built.depth_drop
+    assert changed.depth_drop.drop_path[-1] == 0.6  # over all 5 layers
+    x = jax.random.normal(jax.random.key(1), (B, D))
+
+    @eqx.filter_jit
+    def value_and_grad(model, key):
+        return eqx.filter_value_and_grad(_loss)(model, x, key)
+
+    for seed in range(2):
+        key = jax.random.key(seed)
+        (v, g), (v_built, g_built) = (
+            value_and_grad(changed, key),
+            value_and_grad(built, key),
+        )
+        np.testing.assert_allclose(v, v_built, rtol=1e-6)
+        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_built), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-6)
+    # Against the hand-written reference too, not only the constructor.
+    _agree(changed, x, range(3), rates)
+    # One rate changed, the other kept.
+    only = changed.with_options(layer_drop=0.1)
+    assert only.depth_drop.layer_drop == (0.1,) * 5
+    assert only.depth_drop.drop_path == built.depth_drop.drop_path
+
+
+def test_chain_with_options_zero_rates_and_inference_mode():
+    layers = _chain_layers()
+    plain = eqxscan.Chain(layers)
+    dropping = eqxscan.Chain(layers, drop_path=0.3, layer_drop=0.3)
+    x = jax.random.normal(jax.random.key(1), (B, D))
+    zero = dropping.with_options(layer_drop=0.0, drop_path=0.0)
+    assert zero.depth_drop is None
+    assert jnp.array_equal(zero(x), plain(x))  # no key needed
+    off = eqx.nn.inference_mode(dropping).with_options(drop_path=0.5, mode="loop")
+    assert off.depth_drop.inference and off.mode == "loop"
+    assert off.depth_drop.drop_path == (0.5,) * 5
+    np.testing.assert_allclose(off(x), plain(x), rtol=1e-6)
+    on = dropping.with_options(drop_path=0.5)
+    assert not on.depth_drop.inference
+    assert not jnp.allclose(on(x, key=jax.random.key(3)), plain(x))
+
+
+@pytest.mark.parametrize(
+    "rates, error, match",
+    [
+        (dict(drop_path=1.0), ValueError, r"drop_path must be in \[0, 1\), got 1.0"),
+        (dict(layer_drop=[0.1, 0.2]), ValueError, "has 2 rates, but the module has 5"),
+        (dict(drop_path=[0.1, 0.1, float("nan"), 0.1, 0.1]), ValueError, r"\[2\]"),
+        (dict(layer_drop="linear"), TypeError, "linear_rates"),
+    ],
+)
+def test_chain_with_options_bad_rates(rates, error, match):
+    chain = eqxscan.Chain(_chain_layers())
+    with pytest.raises(error, match=match) as info:
+        chain.with_options(**rates)
+    with pytest.raises(error) as built:
+        eqxscan.Chain(_chain_layers(), **rates)
+    assert str(info.value) == str(built.value)
+    assert str(info.value).splitlines()[1].startswith("Hint:")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'drop'"):
+        chain.with_options(drop=0.1)
+
+
 class Count(eqx.Module):
     """Adds one: the carry counts the layers that ran (the residual is 1)."""
 

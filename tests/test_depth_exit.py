@@ -349,6 +349,184 @@ def test_chain_run_layers_static():
         np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
+class Scale(eqx.Module):
+    """A third kind of layer, for a chain of two runs around a lone layer."""
+
+    s: Array
+
+    def __init__(self, key):
+        self.s = jr.uniform(key, (D,), minval=0.8, maxval=1.2)
+
+    def __call__(self, x, extra=None, *, key=None):
+        y = x * self.s + (0.0 if extra is None else extra)
+        return y if key is None else y - 0.01 * jr.uniform(key, x.shape)
+
+
+def _runs_and_lone():
+    # Grow x3 (a scanned run), a lone Shift, Scale x2 (another run).
+    keys = jr.split(jr.key(12), 6)
+    kinds = [Grow, Grow, Grow, Shift, Scale, Scale]
+    return eqxscan.Chain([kind(k) for kind, k in zip(kinds, keys)])
+
+
+def _hand_layers(chain, x, idx, keys, extras):
+    """The definition: the chosen layers in order, each with its own key and
+    `per_layer` slice."""
+    for i in idx:
+        x = chain[int(i)](x, extras[i], key=keys[i])
+    return x
+
+
+def _leaves(tree):
+    return jax.tree.leaves(eqx.filter(tree, eqx.is_array))
+
+
+@pytest.mark.parametrize(
+    "checkpoint", ["auto", eqxscan.ScanCheckpoint(policy=True, save_inputs=False)]
+)
+def test_chain_run_layers_traced_values_grads_one_compile(checkpoint):
+    chain = _runs_and_lone().with_options(checkpoint=checkpoint)
+    assert [s.period for s in chain.layout] == [1, 0, 1]
+    n = len(chain)
+    x = jnp.linspace(0.5, 1.0, D)
+    key = jr.key(13)
+    keys = jr.split(key, n)
+    extras = jnp.linspace(0.0, 0.3, n * D).reshape(n, D)
+
+    def hand(chain, idx):
+        return jnp.sum(_hand_layers(chain, x, idx, keys, extras) ** 2)
+
+    @jax.jit
+    def loss(chain, idx):
+        y = eqxscan.run_layers(chain, x, idx, eqxscan.per_layer(extras), key=key)
+        return jnp.sum(y**2)
+
+    grad = jax.jit(jax.grad(loss))
+    # In order, repeated, out of order, across all three groups, one group only.
+    for idx in ([0, 3, 5], [3, 3, 1], [5, 4, 0], [4, 2, 3], [1, 1, 1]):
+        got = loss(chain, jnp.array(idx))
+        np.testing.assert_allclose(got, hand(chain, idx), rtol=1e-5)
+        g = grad(chain, jnp.array(idx))
+        want = jax.grad(hand)(chain, idx)
+        for a, b in zip(_leaves(g), _leaves(want), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+        for i in range(n):
+            chosen = any(bool(jnp.any(a != 0)) for a in _leaves(g[i]))
+            assert chosen == (i in idx), (idx, i)
+    assert loss._cache_size() == 1 and grad._cache_size() == 1
+
+
+def test_chain_run_layers_traced_repeated_pattern_and_loop():
+    # A lone layer, a run and a repeated unit [Grow, Shift]: the step picks
+    # the repeat, then the unit's layer.
+    layers = _chain_layers()
+    chain = eqxscan.Chain(layers)
+    assert [s.period for s in chain.layout] == [0, 1, 2]
+    n = len(layers)
+    x = jnp.ones(D)
+    key = jr.key(14)
+    keys = jr.split(key, n)
+    extras = jnp.linspace(0.0, 0.2, n * D).reshape(n, D)
+
+    @jax.jit
+    def f(chain, idx):
+        return eqxscan.run_layers(chain, x, idx, eqxscan.per_layer(extras), key=key)
+
+    loop = chain.with_options(mode="loop")
+    for idx in ([3, 4, 5, 6], [8, 7, 6, 5], [6, 6, 0, 2], [4, 8, 1, 7]):
+        want = _hand_layers(chain, x, idx, keys, extras)
+        np.testing.assert_allclose(f(chain, jnp.array(idx)), want, rtol=1e-5)
+        np.testing.assert_allclose(f(loop, jnp.array(idx)), want, rtol=1e-5)
+    assert f._cache_size() == 2  # one for each mode
+    # Gradients reach the chosen repeat's layer, and only it.
+    g = jax.grad(lambda c: jnp.sum(f(c, jnp.array([5, 5, 8, 0]))))(chain)
+    want = jax.grad(lambda c: jnp.sum(_hand_layers(c, x, [5, 5, 8, 0], keys, extras)))(
+        chain
+    )
+    for a, b in zip(_leaves(g), _leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert [
+        i for i in range(n) if any(bool(jnp.any(a != 0)) for a in _leaves(g[i]))
+    ] == [0, 5, 8]
+
+
+def test_chain_run_layers_traced_vmap_and_clamping():
+    chain = _runs_and_lone()
+    n = len(chain)
+    xs = jnp.linspace(0.1, 1.0, 2 * D).reshape(2, D)
+    keys = jr.split(jr.key(15), n)
+    extras = jnp.zeros((n, D))
+
+    def run(x, idx):
+        return eqxscan.run_layers(chain, x, idx, key=jr.key(15))
+
+    # Over a batch of carries, and over a batch of index arrays.
+    idx = jnp.array([4, 0, 3])
+    got = jax.jit(jax.vmap(run, in_axes=(0, None)))(xs, idx)
+    for x, y in zip(xs, got):
+        want = _hand_layers(chain, x, [4, 0, 3], keys, extras)
+        np.testing.assert_allclose(y, want, rtol=1e-5)
+    choices = jnp.array([[5, 3, 1], [0, 0, 4]])
+    got = jax.jit(jax.vmap(run))(xs, choices)
+    for x, c, y in zip(xs, choices.tolist(), got):
+        np.testing.assert_allclose(
+            y, _hand_layers(chain, x, c, keys, extras), rtol=1e-5
+        )
+    # Traced indices are clamped to [0, L-1], as for a Stacked.
+    clamped = jax.jit(run)(xs[0], jnp.array([-3, 99, 2]))
+    want = _hand_layers(chain, xs[0], [0, n - 1, 2], keys, extras)
+    np.testing.assert_allclose(clamped, want, rtol=1e-5)
+    # Broadcast arguments need not be arrays (a method reading a string).
+    tagged = lambda layer, x, tag, scale: layer(x) * (scale if tag == "half" else 2)  # noqa: E731
+    got = jax.jit(
+        lambda i: eqxscan.run_layers(chain, xs[0], i, "half", scale=0.5, method=tagged)
+    )(jnp.array([3, 1]))
+    np.testing.assert_allclose(got, chain[1](chain[3](xs[0]) * 0.5) * 0.5, rtol=1e-5)
+
+
+class Widen(eqx.Module):
+    """Doubles the carry's width: fine in a call of the chain, not as one step
+    of a scan over chosen layers."""
+
+    def __call__(self, x, *, key=None):
+        return jnp.concatenate([x, x])
+
+
+class Half(eqx.Module):
+    def __call__(self, x, *, key=None):
+        return x.astype(jnp.float16)
+
+
+@pytest.mark.parametrize(
+    "odd, match",
+    [
+        (
+            Widen(),
+            r"Layer 2 \(Widen\) changed carry leaf `carry` from float32\[3\] to "
+            r"float32\[6\]",
+        ),
+        (
+            Half(),
+            r"Layer 2 \(Half\) changed carry leaf `carry` from float32\[3\] to "
+            r"float16\[3\]",
+        ),
+    ],
+)
+def test_chain_run_layers_traced_carry_must_keep_its_type(odd, match):
+    keys = jr.split(jr.key(16), 4)
+    chain = eqxscan.Chain([Grow(keys[0]), Grow(keys[1]), odd, Shift(keys[3])])
+    x = jnp.ones(D)
+    # Whatever is chosen: every body is traced, so the error comes first.
+    with pytest.raises(TypeError, match=match) as info:
+        jax.jit(lambda i: eqxscan.run_layers(chain, x, i))(jnp.array([0, 1]))
+    lines = str(info.value).splitlines()
+    assert lines[0].startswith("run_layers of a Chain: Layer 2")
+    assert len(lines) == 2 and lines[1].startswith("Hint:")
+    # Chosen statically, the chain is regrouped and a lone layer may widen.
+    static = eqxscan.run_layers(chain, x, [0, 1])
+    np.testing.assert_allclose(static, chain[1](chain[0](x)), rtol=1e-6)
+
+
 def test_bad_inputs(stack):
     x = jnp.ones(D)
     with pytest.raises(TypeError, match="must return a bool scalar, got float32"):
@@ -371,8 +549,8 @@ def test_bad_inputs(stack):
         eqxscan.run_layers(stack, x, slice(3, 1))
     with pytest.raises(TypeError, match="1-D integer array, got float32"):
         eqxscan.run_layers(stack, x, jnp.array([0.0, 1.0]))
-    with pytest.raises(TypeError, match="static layer choices"):
-        eqxscan.run_layers(eqxscan.Chain(_chain_layers()), x, jnp.array([0]))
+    with pytest.raises(IndexError, match="layer index 9 is out of range for 9"):
+        eqxscan.run_layers(eqxscan.Chain(_chain_layers()), x, jnp.array([0, 9]))
     # Under the test suite's runtime type checker the annotation catches it
     # first; without, eqxscan's own error names both.
     with pytest.raises(TypeError, match="Stacked"):
