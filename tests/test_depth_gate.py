@@ -71,9 +71,15 @@ CHECKPOINTS = [
 ]
 
 
-@pytest.mark.parametrize("checkpoint", CHECKPOINTS)
-@pytest.mark.parametrize("mode", ["scan", "loop"])
-@pytest.mark.parametrize("reverse", [False, True])
+# Every checkpoint form in the scan (the whole-scan gate for plain values and
+# policies, the per-step gate for named and nested ones); the loop and reverse
+# order with one form of each kind.
+CASES = [(c, "scan", False) for c in CHECKPOINTS] + [
+    (c, m, r) for c in (False, "nested") for m, r in (("loop", False), ("scan", True))
+]
+
+
+@pytest.mark.parametrize("checkpoint, mode, reverse", CASES)
 def test_gate_matches_a_hand_written_loop(checkpoint, mode, reverse):
     options = eqxscan.ScanOptions(mode=mode, checkpoint=checkpoint, unroll=1)
     w, b, x, scale = _inputs()
