@@ -120,6 +120,45 @@ def test_layer_drop_is_gated_inside_the_stages(getkey):
     assert " cond[" not in program()
 
 
+class _Wobble(eqx.Module):
+    # An elementwise layer: a batch of scalars, axis 0 the batch.
+    w: jax.Array
+
+    def __call__(self, x):
+        return x + jnp.tanh(self.w * x)
+
+
+def test_drop_rates_on_a_batch_of_scalars(getkey):
+    # A carry of one axis draws one drop-path bit per layer for the whole call
+    # (not one per row), which every microbatch then shares.
+    mesh = jax.make_mesh((2,), ("stage",), axis_types=(AxisType.Explicit,))
+    make = lambda k: _Wobble(jax.random.normal(k, ()))
+    rates = dict(drop_path=0.5, layer_drop=0.3)
+    stack = eqxscan.Stacked(make, 8, key=getkey(), **rates)
+    x = jax.random.normal(getkey(), (8,))
+    pipe = dict(mesh=mesh, microbatches=4, schedule="circular", repeats=2)
+
+    @eqx.filter_jit
+    def value_and_grads(stack, x, key, piped):
+        def loss(inputs):
+            s, x = inputs
+            y = sharding.pipeline(s, x, key=key, **pipe) if piped else s(x, key=key)
+            return jnp.sum(jnp.sin(y) * jnp.arange(1.0, 9.0))
+
+        return eqx.filter_value_and_grad(loss)((stack, x))
+
+    values = []
+    for _ in range(3):
+        key = getkey()
+        value, grads = value_and_grads(stack, x, key, True)
+        ref, ref_grads = value_and_grads(stack, x, key, False)
+        assert abs(float(value) - float(ref)) <= 1e-5 * abs(float(ref))
+        arrays = [eqx.filter(g, eqx.is_array) for g in (grads, ref_grads)]
+        assert max_rel_err(*arrays) < 1e-5
+        values.append(float(ref))
+    assert len(set(values)) == 3  # the keys drop differently
+
+
 def test_drop_rates_equal_the_unpipelined_call():
     # 8 devices as (stage=2, data=4): gpipe and circular (repeats=2), natural
     # and stage order, 2 and 4 microbatches, 3 keys each.

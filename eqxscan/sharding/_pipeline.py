@@ -292,10 +292,11 @@ def _split(
 
 
 class _Drops(eqx.Module):
-    # A call's drops, one entry per layer (leading axes [S, R, K] once split
-    # like the weights): LayerDrop's choice, and drop-path's rate and its mask
-    # of each microbatch's rows ([M, B / M], or [M] for a batch of scalars);
-    # `None` for what no layer uses.
+    """A call's drops, one entry per layer (leading axes `[S, R, K]` once split
+    like the weights): LayerDrop's choice, and drop-path's rate and its mask
+    of each microbatch's rows (`[M, B / M]`, or `[M]` for a batch of scalars);
+    `None` for what no layer uses."""
+
     keep: Bool[Array, "*layers"] | None
     path_rate: Float[Array, "*layers"] | None
     path_keep: Bool[Array, "*layers_microbatches_rows"] | None
@@ -392,12 +393,12 @@ def pipeline(
     mode, needs a `key`, and the result is then `stack(x, key=key)`, values and
     gradients, whatever the schedule, layer order and microbatches (for layers
     whose output does not depend on a key of their own: the layers get none,
-    as without drop rates). LayerDrop
-    chooses once per layer for the whole call (every microbatch skips the same
-    layers, and a stage does not compute a skipped layer), and drop-path's mask
-    of layer `i` is the one drawn for the whole batch, each microbatch taking
-    its rows. Both are drawn from the natural-order layers' drop keys, as
-    [`eqxscan.DepthDrop`][] documents, before the pipeline runs.
+    as without drop rates). LayerDrop chooses once per layer for the whole call
+    (every microbatch skips the same layers, and a stage does not compute a
+    skipped layer), and drop-path's mask of layer `i` is the one drawn for the
+    whole batch, each microbatch taking its rows. Both are drawn from the
+    natural-order layers' drop keys, as [`eqxscan.DepthDrop`][] documents,
+    before the pipeline runs.
 
     For `R > 1`, a stack in the natural order whose layer axis is split over
     `stage_axis` holds the wrong layers on each stage, and the program
