@@ -25,7 +25,7 @@ import jax.extend.core as jcore
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jaxtyping import Array, Float, Key, PRNGKeyArray, PyTree, UInt32
+from jaxtyping import Array, Bool, Float, Key, PRNGKeyArray, PyTree, UInt32
 
 from ._checks import describe
 from ._gate import gated_call
@@ -154,6 +154,17 @@ class DropInputs(eqx.Module):
 
         return jax.vmap(one)(self.key, self.layer_rate)
 
+    def path_keep(self, examples: int | None) -> Array:
+        """Drop-path's mask of each layer, `[L, examples]` (`[L]` for `None`, one
+        example per call): which examples keep the layer's residual branch,
+        drawn from the second half of each layer's drop key (as
+        `dropped_layer` draws it for a carry of `examples` examples)."""
+
+        def one(key: PRNGKeyArray, rate: Array) -> Array:
+            return path_mask(rate, jax.random.split(key)[1], examples)
+
+        return jax.vmap(one)(self.key, self.path_rate)
+
     def gated_by_scan(self) -> "DropInputs":
         """These inputs, for layers whose scan runs only the kept ones."""
         return dataclasses.replace(self, gated=True)
@@ -279,7 +290,7 @@ def check_droppable(
     return True
 
 
-def _examples(carry_dyn: PyTree) -> int | None:
+def carry_examples(carry_dyn: PyTree) -> int | None:
     """How many examples the carry holds: the shared leading axis when every
     array leaf has one and at least two axes, `None` (one example per call)
     when every leaf has at most one axis."""
@@ -301,10 +312,26 @@ def _examples(carry_dyn: PyTree) -> int | None:
 def _drop_path(old: PyTree, new: PyTree, rate: Array, key: PRNGKeyArray) -> PyTree:
     """`old + mask * (new - old) / (1 - rate)` per example, leaf by leaf; `new`
     itself where `rate == 0`."""
-    old_dyn = eqx.filter(old, eqx.is_array)
-    examples = _examples(old_dyn)
+    examples = carry_examples(eqx.filter(old, eqx.is_array))
+    return apply_drop_path(old, new, rate, path_mask(rate, key, examples))
+
+
+def path_mask(
+    rate: Float[Array, ""], key: PRNGKeyArray, examples: int | None
+) -> Bool[Array, "*examples"]:
+    """The drop-path mask that `_drop_path` draws for a carry of `examples`
+    examples (`None`: one example per call)."""
     shape = () if examples is None else (examples,)
-    keep = jax.random.bernoulli(key, 1.0 - rate, shape)
+    return jax.random.bernoulli(key, 1.0 - rate, shape)
+
+
+def apply_drop_path(
+    old: PyTree, new: PyTree, rate: Array, keep: Bool[Array, "*examples"]
+) -> PyTree:
+    """`_drop_path` with the mask given: `keep` has one entry per example of the
+    carry (or is a scalar), e.g. a pipeline microbatch's rows of the mask drawn
+    for the whole batch."""
+    old_dyn = eqx.filter(old, eqx.is_array)
     scale = 1.0 / (1.0 - rate)
 
     def one(a: Array, b: Array) -> Array:

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax.sharding import Sharding
-from jaxtyping import Array, PRNGKeyArray, PyTree
+from jaxtyping import Array, Bool, PRNGKeyArray, PyTree
 
 from ._alike import check_alike, stack_alike
 from ._checks import (
@@ -183,8 +183,11 @@ class LayerCall(NamedTuple):
     """What every layer of a run is called with: `args` and `kwargs` (values
     wrapped in [`eqxscan.per_layer`][] are sliced per layer), per-layer `keys`
     (already split, leading axis the layers; or `None`), how each output is
-    read (`read_out`), whether the layers run last to first (`reverse`), and
-    which of their methods runs (`method`; `None` for `__call__`)."""
+    read (`read_out`), whether the layers run last to first (`reverse`),
+    which of their methods runs (`method`; `None` for `__call__`), and
+    LayerDrop's choice when the caller has drawn it (`keep`, one bool per
+    layer, e.g. a pipeline stage's chunk of the whole stack's choice; the scan
+    then runs only the kept layers)."""
 
     args: tuple
     kwargs: dict[str, object]
@@ -192,6 +195,7 @@ class LayerCall(NamedTuple):
     read_out: ReadOut
     reverse: bool = False
     method: Method | None = None
+    keep: Bool[Array, " L"] | None = None
 
 
 def check_method(method: object, layer: object) -> None:
@@ -781,7 +785,9 @@ def scan_layers(stack: Stacked, x: PyTree, call: LayerCall) -> tuple[PyTree, PyT
         per_args[name], per_statics[name] = eqx.partition(value.tree, eqx.is_array)
     cls_name = type(stack.layers).__name__
     sharding = stack.layer_sharding
-    keep = _scan_gates(per_args, per_statics, length)
+    keep = call.keep
+    if keep is None:
+        keep = _scan_gates(per_args, per_statics, length)
 
     def step(carry: PyTree, xs: tuple) -> tuple[PyTree, PyTree]:
         dyn, per, k = xs

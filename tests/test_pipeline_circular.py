@@ -84,20 +84,98 @@ def test_circular_two_stages_equals_scan(getkey):
     assert max_rel_err(*arrays) < 1e-5
 
 
-def test_drop_rates_refused_in_training_and_off_in_inference(getkey):
-    # The pipeline runs chunks of the stack itself: training-mode drop rates
-    # would be skipped, so they are refused; inference mode runs them off.
+def test_drop_rates_need_a_key_and_are_off_in_inference(getkey):
+    # Training-mode drop rates need a key; inference mode runs every layer and
+    # ignores one.
     mesh = jax.make_mesh((2,), ("stage",), axis_types=(AxisType.Explicit,))
     key = getkey()
     plain = eqxscan.StackedMLP(8, 4, key=key).blocks
-    dropping = eqxscan.StackedMLP(8, 4, key=key, layer_drop=0.5).blocks
+    dropping = eqxscan.StackedMLP(8, 4, key=key, drop_path=0.5, layer_drop=0.5).blocks
     x = jax.random.normal(getkey(), (4, 8))
     pipe = dict(mesh=mesh, microbatches=2, schedule="circular", repeats=2)
-    with pytest.raises(ValueError, match="does not apply drop_path/layer_drop"):
+    with pytest.raises(ValueError, match=r"sharding.pipeline drops layers") as info:
         sharding.pipeline(dropping, x, **pipe)
+    assert "needs a `key`" in str(info.value)
+    assert "\nHint: " in str(info.value)
     quiet = eqx.nn.inference_mode(dropping)
-    run = eqx.filter_jit(lambda s, x: sharding.pipeline(s, x, **pipe))
-    assert max_rel_err(run(quiet, x), plain(x)) < 1e-5
+    run = eqx.filter_jit(lambda s, x, k: sharding.pipeline(s, x, key=k, **pipe))
+    assert max_rel_err(run(quiet, x, getkey()), plain(x)) < 1e-5
+    # The same key in training drops: the comparison above can fail.
+    assert max_rel_err(run(dropping, x, getkey()), plain(x)) > 1e-2
+
+
+def test_layer_drop_is_gated_inside_the_stages(getkey):
+    # A skipped layer is not computed: each stage's scan runs its chunk through
+    # the engine's gate (a `cond` on LayerDrop's choice), absent without it.
+    mesh = jax.make_mesh((2,), ("stage",), axis_types=(AxisType.Explicit,))
+    x = jnp.ones((4, 8))
+
+    def program(**rates):
+        stack = eqxscan.StackedMLP(8, 4, key=getkey(), **rates).blocks
+        run = lambda s, x, k: sharding.pipeline(s, x, key=k, mesh=mesh, microbatches=2)
+        return str(eqx.filter_make_jaxpr(run)(stack, x, getkey())[0])
+
+    assert " cond[" in program(layer_drop=0.5)
+    assert " cond[" not in program(drop_path=0.5)
+    assert " cond[" not in program()
+
+
+class _Wobble(eqx.Module):
+    # An elementwise layer: a batch of scalars, axis 0 the batch.
+    w: jax.Array
+
+    def __call__(self, x):
+        return x + jnp.tanh(self.w * x)
+
+
+def test_drop_rates_on_a_batch_of_scalars(getkey):
+    # A carry of one axis draws one drop-path bit per layer for the whole call
+    # (not one per row), which every microbatch then shares.
+    mesh = jax.make_mesh((2,), ("stage",), axis_types=(AxisType.Explicit,))
+    make = lambda k: _Wobble(jax.random.normal(k, ()))
+    rates = dict(drop_path=0.5, layer_drop=0.3)
+    stack = eqxscan.Stacked(make, 8, key=getkey(), **rates)
+    x = jax.random.normal(getkey(), (8,))
+    pipe = dict(mesh=mesh, microbatches=4, schedule="circular", repeats=2)
+
+    @eqx.filter_jit
+    def value_and_grads(stack, x, key, piped):
+        def loss(inputs):
+            s, x = inputs
+            y = sharding.pipeline(s, x, key=key, **pipe) if piped else s(x, key=key)
+            return jnp.sum(jnp.sin(y) * jnp.arange(1.0, 9.0))
+
+        return eqx.filter_value_and_grad(loss)((stack, x))
+
+    values = []
+    for _ in range(3):
+        key = getkey()
+        value, grads = value_and_grads(stack, x, key, True)
+        ref, ref_grads = value_and_grads(stack, x, key, False)
+        assert abs(float(value) - float(ref)) <= 1e-5 * abs(float(ref))
+        arrays = [eqx.filter(g, eqx.is_array) for g in (grads, ref_grads)]
+        assert max_rel_err(*arrays) < 1e-5
+        values.append(float(ref))
+    assert len(set(values)) == 3  # the keys drop differently
+
+
+def test_drop_rates_equal_the_unpipelined_call():
+    # 8 devices as (stage=2, data=4): gpipe and circular (repeats=2), natural
+    # and stage order, 2 and 4 microbatches, 3 keys each.
+    result = json.loads(run_script("pipeline_drop_checks.py", timeout=TIMEOUT))
+    runs = {r["name"]: r for r in result["runs"]}
+    expected = {
+        f"{schedule}_{order}_{m}"
+        for schedule in ("gpipe", "circular")
+        for order in ("natural", "stage")
+        for m in (2, 4)
+    }
+    assert set(runs) == expected | {"path_only", "layer_only"}
+    for r in runs.values():
+        # Loss, output and gradients (stack and x) of every key.
+        assert r["err"] <= 1e-5, r
+        # The keys drop differently, and differently from running every layer.
+        assert r["key_gap"] > 1e-2 and r["quiet_gap"] > 1e-2, r
 
 
 def test_stage_order(getkey):

@@ -15,7 +15,7 @@ that stage's devices already, so the pipeline moves no weights.
 """
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal, SupportsIndex, TypeAlias, TypeVar
 
 import equinox as eqx
@@ -24,12 +24,25 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from jaxtyping import Array, Int, PyTree
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
 
-from .._checks import check_size
+from .._checks import check_size, split_key
 from .._constrain import constrain
-from .._drop import rates_of
-from .._stacked import restack, Stacked
+from .._drop import (
+    apply_drop_path,
+    carry_examples,
+    check_droppable,
+    DepthDrop,
+    rates_of,
+)
+from .._stacked import (
+    carry_only,
+    LayerCall,
+    per_layer,
+    restack,
+    scan_layers,
+    Stacked,
+)
 from ._shard import check_mesh
 
 
@@ -49,6 +62,7 @@ positions `[s * L/S, (s + 1) * L/S)`."""
 LAYER_ORDERS: tuple[LayerOrder, ...] = ("natural", "stage")
 
 StackT = TypeVar("StackT", bound=Stacked)
+ArrayT = TypeVar("ArrayT", jax.Array, np.ndarray)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +154,15 @@ def _check_chunks(num_layers: int, stages: int, repeats: int, where: str) -> int
     return num_layers // chunks
 
 
+def _permute(a: ArrayT, stages: int, repeats: int, inverse: bool) -> ArrayT:
+    # The layer axis (axis 0) of a NumPy or JAX array from natural to stage
+    # order (or back): position (s * R + r) * K + k <-> layer (r * S + s) * K + k.
+    outer, inner = (stages, repeats) if inverse else (repeats, stages)
+    num_layers = a.shape[0]
+    b = a.reshape(outer, inner, num_layers // (stages * repeats), *a.shape[1:])
+    return b.swapaxes(0, 1).reshape(num_layers, *a.shape[1:])
+
+
 def pipeline_order(
     stack: StackT,
     *,
@@ -190,14 +213,8 @@ def pipeline_order(
     stages = check_size("stages", stages)
     repeats = check_size("repeats", repeats)
     stack.check_layer_axis("reorder")
-    per = _check_chunks(stack.num_layers, stages, repeats, "")
-    outer, inner = (stages, repeats) if inverse else (repeats, stages)
-
-    def one(a: object) -> object:
-        # NumPy and JAX arrays alike.
-        a = a.reshape(outer, inner, per, *a.shape[1:])
-        return a.swapaxes(0, 1).reshape(stack.num_layers, *a.shape[3:])
-
+    _check_chunks(stack.num_layers, stages, repeats, "")
+    one = lambda a: _permute(a, stages, repeats, inverse)
     layers = jtu.tree_map(lambda a: one(a) if eqx.is_array(a) else a, stack.layers)
     order = one(np.arange(stack.num_layers))
     rates = rates_of(stack.depth_drop)
@@ -252,24 +269,82 @@ def pipeline_schedule(
     return PipelineSchedule(stages, microbatches, repeats, microbatch, repeat)
 
 
+def _blocks(a: jax.Array, stages: int, repeats: int, layer_order: LayerOrder) -> Array:
+    # [L, ...] -> [S, R, K, ...]: chunk c = r * S + s (layers [c * K, (c + 1) * K))
+    # goes to stage s, so each stage's R chunks are one contiguous block and a
+    # tick only indexes its own. In stage order that block is already
+    # contiguous along L: a reshape, which keeps a split of L over the stage
+    # axis in place.
+    per = a.shape[0] // (stages * repeats)
+    if layer_order == "stage":
+        return a.reshape(stages, repeats, per, *a.shape[1:])
+    a = a.reshape(repeats, stages, per, *a.shape[1:])
+    return jnp.swapaxes(a, 0, 1)
+
+
 def _split(
     stack: Stacked, stages: int, repeats: int, layer_order: LayerOrder
 ) -> tuple[object, object]:
-    # Array leaves [L, ...] -> [S, R, K, ...]: chunk c = r * S + s (layers
-    # [c * K, (c + 1) * K)) goes to stage s, so each stage's R chunks are one
-    # contiguous block and a tick only indexes its own weights. In stage order
-    # that block is already contiguous along L: a reshape, which keeps a split
-    # of L over the stage axis in place.
+    # The stack's array leaves as [S, R, K, ...] blocks, and the rest.
     dyn, static = eqx.partition(stack.layers, eqx.is_array)
-    per = stack.num_layers // (stages * repeats)
+    blocks = lambda a: _blocks(a, stages, repeats, layer_order)
+    return jtu.tree_map(blocks, dyn), static
 
-    def one(a: jax.Array) -> jax.Array:
-        if layer_order == "stage":
-            return a.reshape(stages, repeats, per, *a.shape[1:])
-        a = a.reshape(repeats, stages, per, *a.shape[1:])
-        return jnp.swapaxes(a, 0, 1)
 
-    return jtu.tree_map(one, dyn), static
+class _Drops(eqx.Module):
+    """A call's drops, one entry per layer (leading axes `[S, R, K]` once split
+    like the weights): LayerDrop's choice, and drop-path's rate and its mask
+    of each microbatch's rows (`[M, B / M]`, or `[M]` for a batch of scalars);
+    `None` for what no layer uses."""
+
+    keep: Bool[Array, "*layers"] | None
+    path_rate: Float[Array, "*layers"] | None
+    path_keep: Bool[Array, "*layers_microbatches_rows"] | None
+
+
+def _drops(
+    drop: DepthDrop,
+    key: PRNGKeyArray,
+    x: jax.Array,
+    microbatches: int,
+    stages: int,
+    repeats: int,
+    layer_order: LayerOrder,
+) -> _Drops:
+    """What `stack(x, key=key)` draws for its drops, from the natural-order
+    layers' rates and drop keys (so the same in either `layer_order`), as
+    [S, R, K, ...] blocks of the natural order."""
+    rates = (np.asarray(drop.drop_path), np.asarray(drop.layer_drop))
+    if layer_order == "stage":
+        rates = tuple(_permute(r, stages, repeats, inverse=True) for r in rates)
+    inputs = DepthDrop(drop.num_layers, *rates).per_layer_inputs(key)
+    uses_path, uses_layer = drop.uses
+    keep = path_rate = path_keep = None
+    if uses_layer:
+        keep = inputs.keep()
+    if uses_path:
+        examples = carry_examples(x)
+        path_rate, path_keep = inputs.path_rate, inputs.path_keep(examples)
+        if examples is None:  # one mask entry per layer, the same for every row
+            path_keep = jnp.broadcast_to(
+                path_keep[:, None], (drop.num_layers, microbatches)
+            )
+        else:  # microbatch m is rows [m * B/M, (m + 1) * B/M)
+            path_keep = path_keep.reshape(drop.num_layers, microbatches, -1)
+    drops = _Drops(keep, path_rate, path_keep)
+    return jtu.tree_map(lambda a: _blocks(a, stages, repeats, "natural"), drops)
+
+
+def _path_dropped(
+    layer: Callable[[jax.Array], jax.Array],
+    x: jax.Array,
+    *,
+    _eqxscan_path: tuple[Float[Array, ""], Bool[Array, "*rows"]],
+) -> jax.Array:
+    # One layer of a stage's chunk with drop-path, its mask given: the rows of
+    # this microbatch of the mask drawn for the whole batch.
+    rate, keep = _eqxscan_path
+    return apply_drop_path(x, layer(x), rate, keep)
 
 
 def _check_axes(mesh: Mesh, axes: Sequence[str], what: str) -> None:
@@ -294,6 +369,7 @@ def pipeline(
     repeats: SupportsIndex = 1,
     batch_axes: str | Sequence[str] = (),
     layer_order: LayerOrder = "natural",
+    key: PRNGKeyArray | None = None,
 ) -> jax.Array:
     """Run `stack(x)` as a pipeline over the `stage_axis` of `mesh`.
 
@@ -313,6 +389,17 @@ def pipeline(
     Each stage scans its layers with the stack's own options, so its
     `checkpoint=` setting (remat) applies within every stage.
 
+    A stack with drop rates (`drop_path=`, `layer_drop=`), outside inference
+    mode, needs a `key`, and the result is then `stack(x, key=key)`, values and
+    gradients, whatever the schedule, layer order and microbatches (for layers
+    whose output does not depend on a key of their own: the layers get none,
+    as without drop rates). LayerDrop chooses once per layer for the whole call
+    (every microbatch skips the same layers, and a stage does not compute a
+    skipped layer), and drop-path's mask of layer `i` is the one drawn for the
+    whole batch, each microbatch taking its rows. Both are drawn from the
+    natural-order layers' drop keys, as [`eqxscan.DepthDrop`][] documents,
+    before the pipeline runs.
+
     For `R > 1`, a stack in the natural order whose layer axis is split over
     `stage_axis` holds the wrong layers on each stage, and the program
     exchanges them (all-to-alls and permutes) at every call; a replicated stack
@@ -325,7 +412,7 @@ def pipeline(
 
     - `stack`: a `Stacked` of layers `layer(x) -> x` that accept a batch of
       inputs (e.g. `StackedMLP.blocks`). Layer arguments, keys and `per_layer`
-      values are not supported here.
+      values are not supported here: the layers are called as `layer(x)`.
     - `x`: the input, batch on axis 0.
     - `mesh`: a mesh with an axis `stage_axis`.
     - `microbatches`: how many parts `M` to cut the batch into (must divide it;
@@ -338,10 +425,20 @@ def pipeline(
     - `layer_order`: `"natural"`, or `"stage"` for a stack permuted by
       `pipeline_order(stack, stages=S, repeats=R)`. The result is `stack(x)` of
       the natural-order stack either way; gradients come in the stack's order.
+    - `key`: the key of the stack's drop rates, needed when they are active;
+      otherwise (no rates, or inference mode) ignored. It drives the drops
+      only: the layers get no key, since a layer's own randomness (dropout)
+      would be drawn per microbatch, not for the whole batch.
 
     **Returns:**
 
-    `stack(x)`, computed stage by stage.
+    `stack(x)` (with drop rates active, `stack(x, key=key)`), computed stage by
+    stage.
+
+    **Raises:**
+
+    `ValueError` when the stack drops layers (training mode, a rate above 0)
+    and no `key` is given.
     """
     if not isinstance(stack, Stacked):
         raise TypeError(
@@ -374,13 +471,11 @@ def pipeline(
             "change the batch size or the number of microbatches.",
         )
     drop = stack.depth_drop
-    if drop is not None and not drop.inference:
-        raise _hint_error(
-            "sharding.pipeline does not apply drop_path/layer_drop, but this "
-            "stack drops layers in training.",
-            "call it on `eqx.nn.inference_mode(stack)`, or build the stack "
-            "without drop rates.",
-        )
+    drops = None
+    if check_droppable(drop, key, False, "sharding.pipeline"):
+        assert drop is not None and key is not None
+        split_key(key, 1, "sharding.pipeline")  # checks that it is one key
+        drops = _drops(drop, key, x, microbatches, stages, repeats, layer_order)
     table = pipeline_schedule(
         stages=stages, microbatches=microbatches, repeats=repeats, schedule=schedule
     )
@@ -394,11 +489,11 @@ def pipeline(
     senders = stages if repeats > 1 else stages - 1
     shift = [(s, (s + 1) % stages) for s in range(senders)]
 
-    def stage_fn(dyn: PyTree, xs: jax.Array) -> jax.Array:
-        # Runs on every stage at once (shard_map): `dyn` holds this stage's
-        # [1, R, K, ...] block. `layer_sharding`, a sharding of the whole mesh,
-        # is not applied inside `shard_map`.
-        dyn = jtu.tree_map(lambda a: a[0], dyn)
+    def stage_fn(dyn: PyTree, drops: _Drops | None, xs: jax.Array) -> jax.Array:
+        # Runs on every stage at once (shard_map): `dyn` and `drops` hold this
+        # stage's [1, R, K, ...] block. `layer_sharding`, a sharding of the
+        # whole mesh, is not applied inside `shard_map`.
+        dyn, drops = jtu.tree_map(lambda a: a[0], (dyn, drops))
         stage = jax.lax.axis_index(stage_axis)
         vary = lambda a: jax.lax.pcast(a, (stage_axis,), to="varying")
         state = vary(jnp.zeros_like(xs[0]))
@@ -430,11 +525,25 @@ def pipeline(
                 layers=eqx.combine(chunk, static),
                 num_layers=per_chunk,
                 layer_sharding=None,
-                # Rates are refused above unless inference mode turns them off.
+                # The whole stack's drops, if any, are applied below.
                 drop_path=0.0,
                 layer_drop=0.0,
             )
-            out = local(jnp.where(stage == 0, fresh, state))
+            call = LayerCall((), {}, None, carry_only)
+            if drops is not None:
+                # This chunk's LayerDrop choice, gated by its scan, and its
+                # drop-path masks of microbatch m's rows.
+                at = lambda a, i, axis=0: jax.lax.dynamic_index_in_dim(
+                    a, i, axis, keepdims=False
+                )
+                mine = jtu.tree_map(lambda a: at(a, r), drops)
+                call = call._replace(keep=mine.keep)
+                if mine.path_keep is not None:
+                    path = per_layer((mine.path_rate, at(mine.path_keep, m, 1)))
+                    call = call._replace(
+                        kwargs={"_eqxscan_path": path}, method=_path_dropped
+                    )
+            out = scan_layers(local, jnp.where(stage == 0, fresh, state), call)[0]
             outputs = put(outputs, jnp.where(stage == stages - 1, last, -1), out)
             state = jax.lax.ppermute(out, stage_axis, shift)
             return (state, inputs, outputs), None
@@ -448,15 +557,15 @@ def pipeline(
     rows_spec = PartitionSpec(None, batch_axes or None)
     # Each stage's layers on its devices; the microbatches on every stage, their
     # rows split over `batch_axes`.
-    dyn = constrain(dyn, NamedSharding(mesh, layer_spec))
+    dyn, drops = constrain((dyn, drops), NamedSharding(mesh, layer_spec))
     xs = constrain(xs, NamedSharding(mesh, rows_spec))
     out = jax.shard_map(
         stage_fn,
         mesh=mesh,
-        in_specs=(jtu.tree_map(lambda _: layer_spec, dyn), PartitionSpec()),
+        in_specs=(*jtu.tree_map(lambda _: layer_spec, (dyn, drops)), PartitionSpec()),
         out_specs=PartitionSpec(stage_axis),
         axis_names={stage_axis},
-    )(dyn, xs)
+    )(dyn, drops, xs)
     # Only the last stage's buffer holds outputs.
     out = constrain(out, NamedSharding(mesh, PartitionSpec(None, None, *rows_spec[1:])))
     return out[stages - 1].reshape(x.shape)
