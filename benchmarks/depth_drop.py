@@ -6,7 +6,7 @@ without dropping.
 A `StackedMLP` with L=32, D=256 (hidden 1024); one train step is
 `eqx.filter_value_and_grad` of a squared loss plus an SGD update, jitted once
 per model and batch size (default 32 and 128). Each step is warmed up, then
-the models are timed interleaved, REPEATS times (default 16), repeat `r` with
+the models are timed interleaved, REPEATS times (default 24), repeat `r` with
 key `100 + r` for
 every model (so LayerDrop's pattern changes between repeats, and the models
 see the same patterns), with `block_until_ready`; the table gives the median,
@@ -124,7 +124,7 @@ def measure(repeats: int, batch: int) -> list[str]:
     return rows
 
 
-def main(repeats: int = 16, *batches: int) -> None:
+def main(repeats: int = 24, *batches: int) -> None:
     jax.monitoring.register_event_duration_secs_listener(_listen)
     rows = [row for batch in batches or (32, 128) for row in measure(repeats, batch)]
     tunables = os.environ.get("GLIBC_TUNABLES", "none (glibc's defaults)")

@@ -31,6 +31,8 @@ from ._remat import (
     CARRY,
     name_tree,
     nested_scan,
+    OFFLOAD_POLICY,
+    Policy,
     ScanCheckpoint,
     Step,
 )
@@ -191,8 +193,7 @@ def run(
         over,
     )
     if keep is not None and _whole_scan(checkpoint, traced):
-        # The rule's choice, or saving all or nothing: the gated scan saves the
-        # carries and recomputes a kept layer in its backward branch.
+        # The rule's choice, or a plain value: a kept layer saves what it says.
         c_flat, y_flat = gated_scan(
             traced.jaxpr,
             traced.n_carry,
@@ -202,6 +203,9 @@ def run(
             length=length,
             reverse=reverse,
             unroll=unroll,
+            policy=_gate_policy(
+                as_scan_checkpoint(decided) if checkpoint.is_rule else checkpoint
+            ),
         )
         c_dyn, ys = jtu.tree_unflatten(traced.out_tree, c_flat + y_flat)
         return eqx.combine(c_dyn, c_static), eqx.combine(ys, traced.y_static)
@@ -247,6 +251,15 @@ def _whole_scan(checkpoint: ScanCheckpoint, traced: Traced) -> bool:
     name or nest (the scan saves the carries whatever it says), and a step
     whose carry and outputs all take cotangents."""
     return not checkpoint.named and can_gate_scan(traced.jaxpr)
+
+
+def _gate_policy(checkpoint: ScanCheckpoint) -> Policy | None:
+    """What a kept layer of a gated scan saves: the policy of a plain
+    `checkpoint=` value, or `None` (only the carry) for `True` and for
+    `"offload"`, whose host copies a branch of a `cond` would not keep."""
+    if checkpoint.policy is True or checkpoint.policy is OFFLOAD_POLICY:
+        return None
+    return checkpoint.base_policy()
 
 
 def _unrolled(

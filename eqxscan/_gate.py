@@ -54,7 +54,15 @@ def _merge(fixed: Sequence[object], diff: Sequence[object], mask: list[bool]) ->
 
 
 def _zeros(avals: Sequence[jax.core.ShapedArray]) -> list[Array]:
-    return [jnp.zeros(a.shape, a.dtype) for a in avals]  # type: ignore[attr-defined]
+    """Zeros of these types, varying over the same manual axes (inside
+    `shard_map`), so that a skipping branch matches a kept one."""
+    out = []
+    for a in avals:
+        z = jnp.zeros(a.shape, a.dtype)
+        manual = getattr(a, "manual_axis_type", None)
+        vma = tuple(sorted(getattr(manual, "varying", ())))
+        out.append(jax.lax.pcast(z, vma, to="varying") if vma else z)
+    return out
 
 
 def _evaluate(
@@ -159,41 +167,99 @@ def gated_scan(
     length: int,
     reverse: bool,
     unroll: int | bool,
+    policy: Callable[..., object] | None = None,
 ) -> tuple[list[Array], list[Array]]:
     """Scan `traced` (one step: flat `carry + x_i` to flat `carry + y_i`) over the
     leading axis of `xs`, running step `i` only where `keep[i]`; a skipped step
     passes the carry on and outputs zeros.
 
+    **Arguments:**
+
+    - `policy`: what a kept step saves for the backward pass, as a
+      `jax.checkpoint` policy: its inputs and what the policy keeps of its
+      internals (stacked over the steps; zeros for a skipped one). `None` saves
+      only the carry each step receives (as `checkpoint=True` would).
+
     **Returns:**
 
     `(carry, ys)`, flat, the `ys` stacked on axis 0.
 
-    The forward pass saves the carry each step receives (as `checkpoint=True`
-    would); the backward pass recomputes a kept step inside its branch and
-    writes its input gradients into the stacked gradient at `i`, in place.
+    The backward pass runs a kept step's backward inside its branch (from its
+    saved values, recomputing the rest) and writes its input gradients into the
+    stacked gradient at `i`, in place. A step's inputs are never saved: the
+    carry is, and the layer's slice of `xs` is read again from the whole `xs`.
     """
     y_avals = traced.out_avals[num_carry:]
     c_fixed, c_diff, c_mask = _split(list(traced.consts))
     x_fixed, x_diff, x_mask = _split(xs)
+    # How the forward pass saved each kept step's values (set while tracing it):
+    # the vjp's structure and, per leaf, the input it is (or None: saved).
+    layouts: list[tuple[jtu.PyTreeDef, tuple[int | None, ...]] | None] = []
 
-    def step_at(i: Array, consts: list, carry: list, xs_: list) -> list[Array]:
-        return _evaluate(traced, consts, carry, [_at(a, i) for a in xs_])
+    def layer(fixed: tuple, fixed_i: list) -> Callable[..., list[Array]]:
+        # Step `i` as a function of what gets cotangents.
+        def fn(consts_d: list, c: list, x_d: list) -> list[Array]:
+            consts = _merge(fixed[0], consts_d, c_mask)
+            return _evaluate(traced, consts, c, _merge(fixed_i, x_d, x_mask))
+
+        return fn
+
+    def linearized(i: Array, c: list, fixed: tuple, diff: tuple) -> tuple:
+        """Step `i`'s outputs, the values its vjp needs that are not its inputs,
+        and the layout to rebuild the vjp from them and the inputs."""
+        fixed_i, diff_i = [_at(a, i) for a in fixed[1]], [_at(a, i) for a in diff[1]]
+        fn = jax.checkpoint(layer(fixed, fixed_i), policy=policy, prevent_cse=False)
+        out, vjp_fn = jax.vjp(fn, diff[0], c, diff_i)
+        leaves, tree = jtu.tree_flatten(vjp_fn)
+        inputs = jtu.tree_leaves((diff[0], c, diff_i))
+        where = tuple(
+            next((n for n, v in enumerate(inputs) if v is leaf), None)
+            for leaf in leaves
+        )
+        saved = [leaf for leaf, w in zip(leaves, where) if w is None]
+        return out, saved, (tree, where)
 
     def scan_forward(
         keep: Array, fixed: tuple, diff: tuple, carry: list, save: bool
-    ) -> tuple[list, list, list]:
+    ) -> tuple[list, list, tuple[list, list]]:
         consts = _merge(fixed[0], diff[0], c_mask)
         xs_ = _merge(fixed[1], diff[1], x_mask)
 
         def body(c: list, inp: tuple[Array, Array]) -> tuple[list, tuple]:
             i, k = inp
-            out = jax.lax.cond(
-                k,
-                lambda c: step_at(i, consts, c, xs_),
-                lambda c: list(c) + _zeros(y_avals),
-                c,
-            )
-            return out[:num_carry], (out[num_carry:], c if save else [])
+            saved_avals: list = []
+            if save and policy is not None:
+                # Traced once for the saved values' types (for the skipping
+                # branch's zeros) and their layout.
+                found: list = []
+
+                def probe(i: Array, c: list, fixed: tuple, diff: tuple) -> list:
+                    _, saved, layout = linearized(i, c, fixed, diff)
+                    found.append(layout)
+                    return saved
+
+                # On the values' own types (varying manual axes included).
+                types = jtu.tree_map(jax.typeof, (i, c, fixed, diff))
+                saved_avals = list(jax.make_jaxpr(probe)(*types).out_avals)
+                layout = found[0]
+                usable = all(_zero_able(a) for a in saved_avals)
+                layouts.append(layout if usable else None)
+                if not usable:  # e.g. a key among the saved values: recompute
+                    saved_avals = []
+
+            def kept(c: list) -> list[Array]:
+                if not saved_avals:
+                    return _evaluate(traced, consts, c, [_at(a, i) for a in xs_])
+                out, saved, _ = linearized(i, c, fixed, diff)
+                return list(out) + list(saved)
+
+            def skipped(c: list) -> list[Array]:
+                return list(c) + _zeros(y_avals) + _zeros(saved_avals)
+
+            out = jax.lax.cond(k, kept, skipped, c)
+            new, y = out[:num_carry], out[num_carry : len(out) - len(saved_avals)]
+            saved = out[len(out) - len(saved_avals) :]
+            return new, (y, (c if save else [], saved))
 
         steps = (jnp.arange(length), keep)
         carry, (ys, saved) = jax.lax.scan(
@@ -211,25 +277,27 @@ def gated_scan(
         return (carry_out, ys), (keep, fixed, diff, saved)
 
     def backward(res: tuple, cts: tuple[list, list]) -> tuple[object, ...]:
-        keep, fixed, diff, saved = res
+        keep, fixed, diff, (carries, saved) = res
         ct_carry, ct_ys = cts
-        consts_fixed, xs_fixed = fixed
         consts_diff, xs_diff = diff
+        layout = layouts[-1] if layouts else None
 
         def body(acc: tuple, inp: tuple) -> tuple[tuple, None]:
-            i, k, c_i, ct_y = inp
+            i, k, c_i, saved_i, ct_y = inp
 
             def run(ct: list, g_consts: list, g_xs: list) -> tuple[list, list, list]:
-                fixed_i = [_at(a, i) for a in xs_fixed]
-
-                def fn(consts_d: list, c: list, x_d: list) -> list[Array]:
-                    consts = _merge(consts_fixed, consts_d, c_mask)
-                    return _evaluate(traced, consts, c, _merge(fixed_i, x_d, x_mask))
-
+                fixed_i = [_at(a, i) for a in fixed[1]]
                 diff_i = [_at(a, i) for a in xs_diff]
-                g_c, g_carry, g_x = jax.vjp(fn, consts_diff, c_i, diff_i)[1](
-                    list(ct) + list(ct_y)
-                )
+                if layout is None:  # recompute the step's forward here
+                    fn = layer(fixed, fixed_i)
+                    vjp_fn = jax.vjp(fn, consts_diff, c_i, diff_i)[1]
+                else:  # the forward's vjp, from its saved values and the inputs
+                    tree, where = layout
+                    inputs = jtu.tree_leaves((consts_diff, c_i, diff_i))
+                    rest = iter(saved_i)
+                    leaves = [next(rest) if w is None else inputs[w] for w in where]
+                    vjp_fn = jtu.tree_unflatten(tree, leaves)
+                g_c, g_carry, g_x = vjp_fn(list(ct) + list(ct_y))
                 g_consts = [a + b for a, b in zip(g_consts, g_c)]
                 g_xs = [
                     jax.lax.dynamic_update_index_in_dim(buf, g, i, 0)
@@ -247,7 +315,7 @@ def gated_scan(
             [jnp.zeros_like(c) for c in consts_diff],
             [jnp.zeros_like(a) for a in xs_diff],
         )
-        steps = (jnp.arange(length), keep, saved, list(ct_ys))
+        steps = (jnp.arange(length), keep, carries, saved, list(ct_ys))
         (g_carry, g_consts, g_xs), _ = jax.lax.scan(
             body, start, steps, length=length, reverse=not reverse, unroll=unroll
         )
@@ -257,6 +325,11 @@ def gated_scan(
     gated.defvjp(forward, backward)
     carry_out, ys = gated(keep, (c_fixed, x_fixed), (c_diff, x_diff), list(carry))
     return list(carry_out), list(ys)
+
+
+def _zero_able(aval: jax.core.ShapedArray) -> bool:
+    """Whether a skipped step can fill this saved value with zeros (not a key)."""
+    return not jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended)
 
 
 def gated_step(

@@ -358,15 +358,25 @@ def test_layer_drop_is_a_cond_in_the_scan_body_forward_and_backward(checkpoint):
     assert len(_eqns(backward, "dot_general")) == dots[1]
 
 
-def test_layer_drop_saves_only_the_carry_and_skipped_layers_touch_no_weights():
-    # The forward scan saves, per layer, only the carry it received. The weights
-    # are not scanned inputs (which every step would slice, kept or not): the
-    # stacked weights reach the step whole and only the kept branch indexes
-    # them; the backward scan carries the stacked gradient and only the kept
-    # branch writes into it. The old design (weights sliced as scan inputs)
-    # fails the `xs` and the slicing checks.
+DOTS = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+
+
+@pytest.mark.parametrize(
+    "checkpoint, saves",
+    [(True, [(L, B, D)]), (DOTS, [(L, B, D), (L, B, D)])],
+)
+def test_layer_drop_saves_what_checkpoint_says_and_skipped_layers_touch_no_weights(
+    checkpoint, saves
+):
+    # The forward scan saves, per layer, the carry it received and what the
+    # policy keeps (here the one matmul output), never the layer's weights. The
+    # weights are not scanned inputs (which every step would slice, kept or
+    # not): the stacked weights reach the step whole and only the kept branch
+    # indexes them; the backward scan carries the stacked gradient and only the
+    # kept branch writes into it. The old design (weights sliced as scan
+    # inputs) fails the `xs` and the slicing checks.
     stack = eqxscan.Stacked(
-        Block, L, key=jax.random.key(0), layer_drop=0.5, checkpoint=False, unroll=1
+        Block, L, key=jax.random.key(0), layer_drop=0.5, checkpoint=checkpoint, unroll=1
     )
     x = jnp.ones((B, D))
     key = jax.random.key(0)
@@ -374,7 +384,7 @@ def test_layer_drop_saves_only_the_carry_and_skipped_layers_touch_no_weights():
     forward, backward = _eqns(grad[0].jaxpr, "scan")
     carry = forward.params["num_carry"]
     saved = sorted(tuple(v.aval.shape) for v in forward.outvars[carry:])
-    assert saved == [(L, B, D)]
+    assert saved == saves
     for scan in (forward, backward):
         consts = scan.params["num_consts"]
         scanned = [
