@@ -2,17 +2,19 @@
 passes its carry on and costs next to nothing, forward and backward.
 
 Two forms, both `jax.custom_vjp`s whose backward is a `lax.cond` on the same
-bit, so that a kept step's backward recomputes its forward inside its branch and
-a skipped one does no work:
+bit, so that a kept step runs its backward inside its branch and a skipped one
+does no work:
 
-- `gated_call`: one step (a lone layer of a `Chain`; the loop mode; a scan whose
-  `checkpoint=` names or nests what to save, which the step's own remat must see).
+- `gated_call`: one step, whose backward recomputes its forward (a lone layer
+  of a `Chain`; the loop mode; a scan whose `checkpoint=` names or nests what to
+  save, which the step's own remat must see).
 - `gated_scan`: the whole scan at once. The stacked inputs (the layers' weights)
-  reach the step whole and are indexed inside the kept branch, and the backward
-  scan writes a kept step's input gradients into one zero-filled stacked buffer
-  in place. A skipped layer then touches none of its weights in either pass;
-  scanned as inputs, every layer's weights would be sliced, and every skipped
-  layer's zero gradient written, whether it runs or not.
+  reach the step whole and are indexed inside the kept branch; a kept step
+  saves what its `checkpoint=` policy keeps (never its inputs); and the
+  backward scan writes a kept step's input gradients into one zero-filled
+  stacked buffer in place. A skipped layer then touches none of its weights in
+  either pass; scanned as inputs, every layer's weights would be sliced, and
+  every skipped layer's zero gradient written, whether it runs or not.
 """
 
 import functools
