@@ -272,6 +272,18 @@ def _join(pieces: list[tuple[Any, Span, PyTree]]) -> PyTree:
     )
 
 
+def check_chain_method(
+    groups: tuple[Any, ...], layout: tuple[Span, ...], method: Method | None
+) -> None:
+    """Check `method` against every kind of layer the groups hold (a name must
+    be a method of each)."""
+    if isinstance(method, str):
+        for layer in _kinds(groups, layout):
+            check_method(method, layer)
+    else:
+        check_method(method, None)
+
+
 def run_groups(
     groups: tuple[Any, ...],
     layout: tuple[Span, ...],
@@ -698,11 +710,7 @@ class Chain(Scanning):
                 "Chain.scan does not take an eqx.nn.State; call the chain instead: "
                 "`x, state = chain(x, state)`."
             )
-        if isinstance(method, str):
-            for layer in _kinds(self.groups, self.layout):
-                check_method(method, layer)
-        else:
-            check_method(method, None)
+        check_chain_method(self.groups, self.layout, method)
         keys = (
             None
             if key is None

@@ -21,14 +21,13 @@ from typing import TypeAlias
 
 import equinox as eqx
 import jax
-import jax.extend.core as jcore
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, Bool, Float, Key, PRNGKeyArray, PyTree, UInt32
 
 from ._checks import describe
-from ._gate import gated_call
+from ._gate import gated
 
 
 #: Folded into a call's key to make the drop keys, apart from the layers' keys.
@@ -368,42 +367,16 @@ def dropped_layer(
     drop = _eqxscan_drop
     uses_path, uses_layer = drop.uses
     k_layer, k_path = jax.random.split(drop.key)
-    x_dyn, x_static = eqx.partition(x, eqx.is_array)
-    statics: list[PyTree] = []
 
-    def run(c_dyn: PyTree) -> tuple[PyTree, PyTree]:
-        c = eqx.combine(c_dyn, x_static)
+    def run(c: PyTree) -> tuple[PyTree, PyTree]:
         out = _eqxscan_run(layer, c, *args, key=key, **kwargs)
         new, y = out if _eqxscan_pairs else (out, None)
         if uses_path:
             new = _drop_path(c, new, drop.path_rate, k_path)
-        (new_dyn, new_static), (y_dyn, y_static) = (
-            eqx.partition(new, eqx.is_array),
-            eqx.partition(y, eqx.is_array),
-        )
-        statics.append((new_static, y_static))
-        return new_dyn, y_dyn
+        return new, y
 
     if drop.gated or not uses_layer:
-        new_dyn, y_dyn = run(x_dyn)
-    else:
-        # A lone layer (of a `Chain`): gated here. Traced once, so that its
-        # Python runs once however the `cond` uses it.
-        traced, out_shape = jax.make_jaxpr(run, return_shape=True)(x_dyn)
-        new_shape, _ = out_shape
-        contract = jtu.tree_structure(new_shape) == jtu.tree_structure(x_dyn) and all(
-            a.shape == b.shape and a.dtype == b.dtype
-            for a, b in zip(jtu.tree_leaves(new_shape), jtu.tree_leaves(x_dyn))
-        )
-        operands = jtu.tree_leaves(x_dyn)
-        if contract:
-            keep = jax.random.bernoulli(k_layer, 1.0 - drop.layer_rate)
-            flat = gated_call(keep, traced, operands, len(operands))
-        else:  # a broken carry contract, which the caller reports
-            flat = jcore.jaxpr_as_fun(traced)(*operands)
-        new_dyn, y_dyn = jtu.tree_unflatten(jtu.tree_structure(out_shape), flat)
-    new_static, y_static = statics[0]
-    new = eqx.combine(new_dyn, new_static)
-    if not _eqxscan_pairs:
-        return new
-    return new, eqx.combine(y_dyn, y_static)
+        new, y = run(x)
+    else:  # a lone layer (of a `Chain`): gated here
+        new, y = gated(run, x, jax.random.bernoulli(k_layer, 1.0 - drop.layer_rate))
+    return (new, y) if _eqxscan_pairs else new

@@ -23,7 +23,7 @@ import jax.tree_util as jtu
 from jaxtyping import Array, Bool, PyTree
 
 from ._checks import check_carry, noted
-from ._gate import can_gate_scan, gated_call, gated_scan, gated_step
+from ._gate import can_gate_scan, gated, gated_scan, gated_step
 from ._options import ScanOptions
 from ._remat import (
     as_scan_checkpoint,
@@ -298,14 +298,24 @@ def _run_loop(
 
     def step_fn(c: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
         if keep is not None:
+            # Traced on this step's values, then run only where kept.
             x, keep_i = x
-            return _gated_loop_step(step, c, x, keep_i)
+            return gated(lambda c: step(c, x), c, keep_i)
         if not explicit:
             return step(c, x)
         # jax.checkpoint takes and returns arrays only: close over the rest.
         c_dyn, c_static = eqx.partition(c, eqx.is_array)
         statics: list[PyTree] = []
-        arrays_only = _arrays_only(step, c_static, statics)
+
+        def arrays_only(c_dyn: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
+            new, y = step(eqx.combine(c_dyn, c_static), x)
+            (new_dyn, new_static), (y_dyn, y_static) = (
+                eqx.partition(new, eqx.is_array),
+                eqx.partition(y, eqx.is_array),
+            )
+            statics.append((new_static, y_static))
+            return new_dyn, y_dyn
+
         new_dyn, y_dyn = remat(arrays_only, checkpoint, in_scan=False)(c_dyn, x)
         return eqx.combine(new_dyn, statics[0][0]), eqx.combine(y_dyn, statics[0][1])
 
@@ -322,45 +332,3 @@ def _run_loop(
     if length == 0 or all(y is None for y in ys):
         return carry, None
     return carry, _stack(ys)
-
-
-def _arrays_only(step: Step, c_static: PyTree, statics: list[PyTree]) -> Step:
-    """`step` on the array leaves of its carry and outputs (what `jax.checkpoint`,
-    `make_jaxpr` and `cond` take and return); the other leaves of the carry are
-    `c_static`, and those of each call's outputs are appended to `statics`."""
-
-    def body(c_dyn: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
-        new, y = step(eqx.combine(c_dyn, c_static), x)
-        (new_dyn, new_static), (y_dyn, y_static) = (
-            eqx.partition(new, eqx.is_array),
-            eqx.partition(y, eqx.is_array),
-        )
-        statics.append((new_static, y_static))
-        return new_dyn, y_dyn
-
-    return body
-
-
-def _gated_loop_step(
-    step: Step, c: PyTree, x: PyTree, keep: Bool[Array, ""]
-) -> tuple[PyTree, PyTree]:
-    """One step of the loop, run only where `keep`: traced on this step's
-    values, then `gated_call`. A step that breaks the carry contract runs
-    ungated, for the loop's check to report."""
-    c_dyn, c_static = eqx.partition(c, eqx.is_array)
-    statics: list[PyTree] = []
-    body = _arrays_only(step, c_static, statics)
-    jaxpr, out_shape = jax.make_jaxpr(body, return_shape=True)(c_dyn, x)
-    new_static, y_static = statics[0]
-    new_shape = out_shape[0]
-    same = jtu.tree_structure(new_shape) == jtu.tree_structure(c_dyn) and all(
-        a.shape == b.shape and a.dtype == b.dtype
-        for a, b in zip(jtu.tree_leaves(new_shape), jtu.tree_leaves(c_dyn))
-    )
-    operands = jtu.tree_leaves((c_dyn, x))
-    if same:
-        flat = gated_call(keep, jaxpr, operands, len(jtu.tree_leaves(c_dyn)))
-    else:
-        flat = jcore.jaxpr_as_fun(jaxpr)(*operands)
-    new_dyn, y_dyn = jtu.tree_unflatten(jtu.tree_structure(out_shape), flat)
-    return eqx.combine(new_dyn, new_static), eqx.combine(y_dyn, y_static)

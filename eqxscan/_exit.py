@@ -19,10 +19,10 @@ from jaxtyping import Array, Bool, Int, PRNGKeyArray, PyTree
 
 from ._chain import (
     _Call,
-    _kinds,
     _route,
     _take,
     Chain,
+    check_chain_method,
     Period,
     run_groups,
     Span,
@@ -40,6 +40,7 @@ from ._checks import (
 from ._constrain import constrain, layers_may_be_sharded
 from ._drop import DepthDrop
 from ._engine import run
+from ._options import ScanOptions
 from ._remat import name_inputs
 from ._stacked import (
     call_layer,
@@ -607,16 +608,24 @@ def _scan_gathered(
     gathered = stack.layer_sharding is not None or layers_may_be_sharded(
         eqx.filter(stack.layers, eqx.is_array)
     )
+    return _scan_chosen(step, x, idx, keys, options, where, gathered)
+
+
+def _scan_chosen(
+    step: Callable[[PyTree, tuple], tuple[PyTree, None]],
+    x: PyTree,
+    idx: Int[Array, " n"],
+    keys: Array | None,
+    options: ScanOptions,
+    where: Callable[[int | None], str],
+    gathered: bool,
+) -> PyTree:
+    """The carry after `step` over the chosen layers `idx` (and their keys)."""
     sub_keys = None if keys is None else keys[idx]
-    n = int(idx.shape[0])
+    steps = (idx, sub_keys)
+    length = int(idx.shape[0])
     return run(
-        step,
-        x,
-        (idx, sub_keys),
-        length=n,
-        options=options,
-        where=where,
-        gathered=gathered,
+        step, x, steps, length=length, options=options, where=where, gathered=gathered
     )[0]
 
 
@@ -765,25 +774,7 @@ def _scan_chain(
     gathered = any(
         isinstance(g, Stacked) and g.layer_sharding is not None for g in chain.groups
     ) or layers_may_be_sharded(eqx.filter(chain.groups, eqx.is_array))
-    sub_keys = None if keys is None else keys[idx]
-    n = int(idx.shape[0])
-    return run(
-        step,
-        x,
-        (idx, sub_keys),
-        length=n,
-        options=options,
-        where=where,
-        gathered=gathered,
-    )[0]
-
-
-def _check_chain_method(chain: Chain, method: Method | None) -> None:
-    if isinstance(method, str):
-        for layer in _kinds(chain.groups, chain.layout):
-            check_method(method, layer)
-    else:
-        check_method(method, None)
+    return _scan_chosen(step, x, idx, keys, options, where, gathered)
 
 
 def run_layers(
@@ -847,7 +838,7 @@ def run_layers(
     else:
         idx = _static_indices(layers, length, who)
     if isinstance(layers, jax.Array) and isinstance(model, Chain):
-        _check_chain_method(model, method)
+        check_chain_method(model.groups, model.layout, method)
         return _scan_chain(model, x, idx, args, kwargs, keys, method, who)
     if isinstance(layers, jax.Array):
         check_method(method, model.layers)

@@ -20,6 +20,7 @@ does no work:
 import functools
 from collections.abc import Callable, Sequence
 
+import equinox as eqx
 import jax
 import jax.extend.core as jcore
 import jax.numpy as jnp
@@ -151,6 +152,42 @@ def gated_call(
 def _at(a: Array, i: Array) -> Array:
     """Entry `i` of `a`'s leading axis (inside a branch: only a kept step reads)."""
     return jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False)
+
+
+def gated(
+    fn: Callable[[PyTree], tuple[PyTree, PyTree]], c: PyTree, keep: Bool[Array, ""]
+) -> tuple[PyTree, PyTree]:
+    """`fn(c) -> (new carry, y)` where `keep`, else `(c, zeros like y)`, through
+    `gated_call`. `fn` is traced once (its Python runs once), on the array
+    leaves of `c`; its other leaves and those of its outputs are kept as they
+    are. An `fn` that breaks the carry contract runs ungated, for the caller's
+    check to report."""
+    c_dyn, c_static = eqx.partition(c, eqx.is_array)
+    statics: list[PyTree] = []
+
+    def body(c_dyn: PyTree) -> tuple[PyTree, PyTree]:
+        new, y = fn(eqx.combine(c_dyn, c_static))
+        (new_dyn, new_static), (y_dyn, y_static) = (
+            eqx.partition(new, eqx.is_array),
+            eqx.partition(y, eqx.is_array),
+        )
+        statics.append((new_static, y_static))
+        return new_dyn, y_dyn
+
+    traced, out_shape = jax.make_jaxpr(body, return_shape=True)(c_dyn)
+    new_shape = out_shape[0]
+    contract = jtu.tree_structure(new_shape) == jtu.tree_structure(c_dyn) and all(
+        a.shape == b.shape and a.dtype == b.dtype
+        for a, b in zip(jtu.tree_leaves(new_shape), jtu.tree_leaves(c_dyn))
+    )
+    operands = jtu.tree_leaves(c_dyn)
+    if contract:
+        flat = gated_call(keep, traced, operands, len(operands))
+    else:
+        flat = jcore.jaxpr_as_fun(traced)(*operands)
+    new_dyn, y_dyn = jtu.tree_unflatten(jtu.tree_structure(out_shape), flat)
+    new_static, y_static = statics[0]
+    return eqx.combine(new_dyn, new_static), eqx.combine(y_dyn, y_static)
 
 
 def can_gate_scan(traced: jcore.ClosedJaxpr) -> bool:

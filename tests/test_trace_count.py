@@ -135,3 +135,34 @@ def test_once_under_vmap_and_with_explain_auto():
     calls.clear()
     (choice,) = eqxscan.explain_auto(jax.vmap(stack), xs)
     assert calls == {"Layer": 1} and choice.cost.flops > 0
+
+
+@pytest.mark.parametrize("kind", ["Stacked", "Chain"])
+@pytest.mark.parametrize("checkpoint", (None, True, "nested"))
+def test_once_while_dropping(kind, checkpoint):
+    # LayerDrop's gate (the whole-scan form, the per-step form inside a nested
+    # checkpoint, and a Chain's lone layer) and drop-path evaluate the one
+    # traced layer; the loop mode still calls each layer once.
+    drops = dict(layer_drop=0.5, drop_path=0.2)
+    x, key = jnp.ones(WIDTH), jr.key(1)
+    for mode, times in (("scan", 1), ("loop", 4)):
+        options = {"mode": mode} | (
+            {} if checkpoint is None else {"checkpoint": checkpoint}
+        )
+        if kind == "Stacked":
+            model = eqxscan.Stacked(
+                lambda k: Layer(key=k), 4, key=jr.key(0), **drops, **options
+            )
+            want = {"Layer": times}
+        else:
+            keys = jr.split(jr.key(0), 4)
+            layers = [Layer(key=k) for k in keys[:2]] + [Other(key=k) for k in keys[2:]]
+            model = eqxscan.Chain([*layers, eqx.nn.Lambda(lone)], **drops, **options)
+            want = {"Layer": min(times, 2), "Other": min(times, 2), "lone": 1}
+        for fn in (
+            lambda m: m(x, key=key),
+            eqx.filter_grad(lambda m: jnp.sum(m(x, key=key))),
+        ):
+            calls.clear()
+            eqx.filter_jit(fn).lower(model)
+            assert calls == want, (kind, checkpoint, mode)
