@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, Bool, PyTree
 
+from ._auto import resolve
 from ._checks import check_carry, noted
 from ._gate import can_gate_scan, gated, gated_scan, gated_step
 from ._options import ScanOptions
@@ -37,7 +38,6 @@ from ._remat import (
     Step,
 )
 from ._stateful import clone
-from .remat._auto import resolve
 
 
 def remat(fn: Step, checkpoint: ScanCheckpoint, *, in_scan: bool) -> Step:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import eqxscan
-from eqxscan.remat import _auto
+from eqxscan import _auto
 
 
 def _thresholds(monkeypatch, **changes):

@@ -8,7 +8,7 @@ import equinox as eqx
 import jax.tree_util as jtu
 import numpy as np
 
-from .._stacked import Stacked
+from .._internal import Stacked
 from ._state_dict import from_state_dict, key_name
 
 

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._checks import check_path, describe, is_arraylike
+from .._internal import check_path, describe, is_arraylike
 from ._state_dict import from_state_dict, to_state_dict
 
 

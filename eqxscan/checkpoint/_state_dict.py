@@ -21,9 +21,16 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from .._checks import describe, is_arraylike
-from .._stacked import LayerIndex, Stacked
-from .._tree import key_name, pattern, Site, walk
+from .._internal import (
+    describe,
+    is_arraylike,
+    key_name,
+    LayerIndex,
+    pattern,
+    Site,
+    Stacked,
+    walk,
+)
 
 
 __all__ = ["from_state_dict", "key_name", "to_state_dict"]

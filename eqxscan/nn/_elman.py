@@ -10,7 +10,7 @@ import jax.random as jr
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .._checks import check_size
+from .._internal import check_size
 
 
 class ElmanCell(eqx.Module):

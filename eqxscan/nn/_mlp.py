@@ -12,12 +12,22 @@ from beartype import beartype
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, jaxtyped, PRNGKeyArray, TypeCheckError
 
-from .._checks import check_size, describe
-from .._drop import check_droppable
-from .._eager import compiled_when_eager
-from .._exit import Bound, Layers, Predicate, run_layers, run_until
-from .._options import ScanArgs, Scanning, ScanOptions
-from .._stacked import restack, Stacked
+from .._internal import (
+    Bound,
+    check_droppable,
+    check_size,
+    compiled_when_eager,
+    describe,
+    Layers,
+    Predicate,
+    restack,
+    run_layers,
+    run_until,
+    ScanArgs,
+    Scanning,
+    ScanOptions,
+    Stacked,
+)
 
 
 RMS_EPS = 1e-6

@@ -15,9 +15,7 @@ import jax.tree_util as jtu
 import optax
 from jaxtyping import PyTree
 
-from .._checks import check_index
-from .._stacked import Stacked
-from .._tree import Site, walk
+from .._internal import check_index, Site, Stacked, walk
 
 
 def _is_stacked(x: object) -> bool:

@@ -13,7 +13,7 @@ import jax
 import optax
 from jaxtyping import PyTree
 
-from .._tree import Site, walk
+from .._internal import Site, walk
 
 
 MuonDimensionNumbers = optax.contrib.MuonDimensionNumbers

@@ -16,7 +16,7 @@ import jax.tree_util as jtu
 import optax
 from jaxtyping import PyTree
 
-from .._stacked import Stacked
+from .._internal import Stacked
 
 
 class PerLayerState(NamedTuple):

@@ -16,9 +16,7 @@ import numpy as np
 import optax
 from jaxtyping import Array, ArrayLike, PyTree
 
-from .._checks import check_callable
-from .._stacked import LayerIndex
-from .._tree import pattern, Site, walk
+from .._internal import check_callable, LayerIndex, pattern, Site, walk
 
 
 def _scalar(fn: Callable[[int], ArrayLike], index: int, where: str) -> ArrayLike:

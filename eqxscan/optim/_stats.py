@@ -9,8 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, PyTree
 
-from .._stacked import LayerIndex
-from .._tree import for_each, pattern, Site
+from .._internal import for_each, LayerIndex, pattern, Site
 
 
 def _per_layer_norms(leaf: Array, depth: int, ord: int | float) -> Array:

@@ -8,9 +8,8 @@ chose and why, and choosing a setting that fits a memory budget.
 - [`eqxscan.remat.time_interleaved`][]: the timing used by both and by the bench.
 """
 
-from ._auto import (
+from .._internal import (
     AutoChoice as AutoChoice,
-    explain_auto as explain_auto,
     StepCost as StepCost,
     THRESHOLDS as THRESHOLDS,
     Thresholds as Thresholds,
@@ -24,4 +23,5 @@ from ._budget import (
     time_candidates as time_candidates,
 )
 from ._devices import peak_of as peak_of
+from ._explain import explain_auto as explain_auto
 from ._timing import time_interleaved as time_interleaved

@@ -27,8 +27,7 @@ import jax
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from .._checks import is_arraylike
-from .._options import Checkpoint, Scanning
+from .._internal import Checkpoint, is_arraylike, Scanning
 from ._devices import FALLBACK, Peak, peak_of
 from ._timing import time_interleaved
 

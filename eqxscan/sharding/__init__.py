@@ -5,7 +5,7 @@ Built on JAX's own sharding (`Mesh`, `NamedSharding`, `jit`), its multi-process
 runtime and Orbax; see `docs/sharding.md` and `docs/multihost.md`.
 """
 
-from .._constrain import constrain as constrain
+from .._internal import constrain as constrain
 from ._create import create as create
 from ._distributed import (
     check_same_job as check_same_job,

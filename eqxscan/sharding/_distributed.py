@@ -22,8 +22,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .._checks import is_arraylike
-from .._constrain import align, constrain
+from .._internal import align, constrain, is_arraylike
 
 
 DOCS = "see docs/multihost.md"

@@ -21,8 +21,7 @@ import jax
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from .._checks import check_path, check_size, is_arraylike
-from .._tree import for_each, Site
+from .._internal import check_path, check_size, for_each, is_arraylike, Site
 from ._distributed import DOCS
 from ._shard import MIN_SIZE, model_shardings, opt_state_shardings, shard
 

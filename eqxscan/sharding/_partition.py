@@ -16,9 +16,7 @@ from typing import Any, TypeAlias
 import jax.tree_util as jtu
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .._checks import is_arraylike
-from .._constrain import is_none
-from .._tree import Site, walk
+from .._internal import is_arraylike, is_none, Site, walk
 from ._shard import MIN_SIZE, model_shardings
 
 

@@ -26,21 +26,20 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
 
-from .._checks import check_size, split_key
-from .._constrain import constrain
-from .._drop import (
+from .._internal import (
     apply_drop_path,
     carry_examples,
-    check_droppable,
-    DepthDrop,
-    rates_of,
-)
-from .._stacked import (
     carry_only,
+    check_droppable,
+    check_size,
+    constrain,
+    DepthDrop,
     LayerCall,
     per_layer,
+    rates_of,
     restack,
     scan_layers,
+    split_key,
     Stacked,
 )
 from ._shard import check_mesh

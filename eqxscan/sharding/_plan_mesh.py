@@ -32,8 +32,7 @@ import jax.tree_util as jtu
 import optax
 from jax.sharding import AxisType, Mesh, NamedSharding
 
-from .._checks import is_arraylike
-from .._options import Checkpoint
+from .._internal import Checkpoint, is_arraylike
 from ..remat._budget import checkpoint_label, parse_bytes, with_checkpoint
 from ..remat._devices import PEAKS
 from ._partition import logical_shardings

@@ -14,10 +14,7 @@ import jax.tree_util as jtu
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, Sharding
 from jaxtyping import PyTree
 
-from .._checks import check_size, is_arraylike
-from .._constrain import align
-from .._stacked import restack, Stacked
-from .._tree import Site, walk
+from .._internal import align, check_size, is_arraylike, restack, Site, Stacked, walk
 from ._distributed import default_devices, place, place_batch
 
 

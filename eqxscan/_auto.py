@@ -1,4 +1,5 @@
-"""What `checkpoint="auto"` and `unroll="auto"` pick, from the traced step's shapes.
+"""The default: what `checkpoint="auto"` and `unroll="auto"` pick, from the
+traced step's shapes.
 
 When the scan body is traced, every shape is known. `measure_traced` reads the
 jaxpr the engine traced the step to (once; nothing runs) and counts:
@@ -16,6 +17,7 @@ has the rule's table and the measurements behind every threshold.
 """
 
 import contextlib
+import contextvars
 import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Literal, NamedTuple, TypeAlias, TypeVar
@@ -29,8 +31,8 @@ import numpy as np
 from jax.custom_batching import custom_vmap
 from jaxtyping import PyTree
 
-from .._options import Checkpoint
-from .._remat import Policy
+from ._options import Checkpoint
+from ._remat import Policy
 
 
 T = TypeVar("T")
@@ -404,8 +406,11 @@ def _flops(jaxpr: jcore.Jaxpr) -> int:
 # How many copies `jax.vmap` runs at once, read through the public batching API:
 # `_probe` is the identity, and under `vmap` its rule is called with the batch
 # size (then passes the value on, to any `vmap` further out). Outside `vmap` it
-# is a no-op, removed with the rest of the dead code when lowered.
-_SIZES: list[int] = []
+# is a no-op, removed with the rest of the dead code when lowered. The sizes
+# go to the list of the probe running in this context (`_vmapped_size`).
+_SIZES: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
+    "eqxscan_vmap_sizes", default=None
+)
 
 
 @custom_vmap
@@ -417,7 +422,9 @@ def _probe(a: jax.Array) -> jax.Array:
 def _probe_rule(
     axis_size: int, in_batched: list[bool], a: jax.Array
 ) -> tuple[jax.Array, bool]:
-    _SIZES.append(axis_size)
+    sizes = _SIZES.get()
+    if sizes is not None:
+        sizes.append(axis_size)
     return _probe(a), in_batched[0]
 
 
@@ -429,12 +436,14 @@ def _vmapped_size(x: object) -> int:
     `jit` inside the `vmap` hides it (1 is assumed)."""
     if not eqx.is_array(x) or jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
         return 1
-    del _SIZES[:]
-    # Without gradients: a derivative trace would wrap the value the rule sees.
-    _probe(jax.lax.stop_gradient(x))
-    size = int(np.prod(_SIZES, dtype=np.int64))
-    del _SIZES[:]
-    return size
+    sizes: list[int] = []
+    token = _SIZES.set(sizes)
+    try:
+        # Without gradients: a derivative trace would wrap the value the rule sees.
+        _probe(jax.lax.stop_gradient(x))
+    finally:
+        _SIZES.reset(token)
+    return int(np.prod(sizes, dtype=np.int64))
 
 
 def measure_traced(
@@ -478,7 +487,11 @@ def measure(
 # ---------------------------------------------------------------------------
 # Resolving inside the engine, and reporting it.
 
-_RECORDERS: list[list[AutoChoice]] = []
+# Where `resolve` reports its choices: the lists of the `recording()` blocks
+# open in this context (`eqxscan.remat.explain_auto` opens one).
+_RECORDERS: contextvars.ContextVar[tuple[list["AutoChoice"], ...]] = (
+    contextvars.ContextVar("eqxscan_auto_recorders", default=())
+)
 
 
 def resolve(
@@ -502,42 +515,18 @@ def resolve(
     checkpoint, unroll, rule = decide(
         cost, checkpoint, unroll, policy, platform, gathered=gathered, over=over
     )
-    for record in _RECORDERS:
+    for record in _RECORDERS.get():
         record.append(AutoChoice(checkpoint, unroll, rule, cost, where))
     return checkpoint, unroll
 
 
 @contextlib.contextmanager
-def _recording() -> Iterator[list[AutoChoice]]:
+def recording() -> Iterator[list[AutoChoice]]:
+    """Collect the `AutoChoice` of every scan that resolves `"auto"` inside the
+    block (in this context only: other threads and tasks are not seen)."""
     record: list[AutoChoice] = []
-    _RECORDERS.append(record)
+    token = _RECORDERS.set((*_RECORDERS.get(), record))
     try:
         yield record
     finally:
-        _RECORDERS.remove(record)
-
-
-def explain_auto(
-    fn: Callable[..., object], *args: PyTree, **kwargs: PyTree
-) -> list[AutoChoice]:
-    """What `checkpoint="auto"` and `unroll="auto"` pick for every scan that
-    `fn(*args, **kwargs)` runs, and why.
-
-    `fn` is traced abstractly (`jax.eval_shape`): nothing is computed. The choice
-    depends only on shapes and dtypes, so it is the one a jitted train step makes.
-
-    **Arguments:**
-
-    - `fn`: a module (`Stacked`, `Chain`, `Recurrent`, `StackedMLP`, ...) or any
-      function that calls one.
-    - `*args`, `**kwargs`: example inputs (arrays or `jax.ShapeDtypeStruct`s).
-
-    **Returns:**
-
-    A list of [`AutoChoice`][eqxscan.remat.AutoChoice], one per scan in call order (one
-    for a `Stacked`, one per scanned group of a `Chain`, two for a
-    `Bidirectional`); empty when no scan used `"auto"`.
-    """
-    with _recording() as record:
-        eqx.filter_eval_shape(fn, *args, **kwargs)
-    return list(record)
+        _RECORDERS.reset(token)

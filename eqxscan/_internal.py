@@ -1,0 +1,64 @@
+"""The core's internal API: the one list of private names the subpackages
+(`eqxscan.remat`, `nn`, `checkpoint`, `sharding`, `optim`, `bench`) may use.
+
+Everything else of the core is private to it; `tests/test_layout.py` fails on
+any import of another folder's private module but this one. A name here is
+kept stable for the periphery, not for users: users import `eqxscan`'s public
+names.
+"""
+
+from ._auto import (
+    AutoChoice as AutoChoice,
+    recording as recording,
+    StepCost as StepCost,
+    THRESHOLDS as THRESHOLDS,
+    Thresholds as Thresholds,
+)
+from ._checks import (
+    check_callable as check_callable,
+    check_index as check_index,
+    check_path as check_path,
+    check_size as check_size,
+    describe as describe,
+    is_arraylike as is_arraylike,
+    split_key as split_key,
+)
+from ._constrain import align as align, constrain as constrain, is_none as is_none
+from ._drop import (
+    apply_drop_path as apply_drop_path,
+    carry_examples as carry_examples,
+    check_droppable as check_droppable,
+    DepthDrop as DepthDrop,
+    rates_of as rates_of,
+)
+from ._eager import compiled_when_eager as compiled_when_eager
+from ._exit import (
+    Bound as Bound,
+    Layers as Layers,
+    Predicate as Predicate,
+    run_layers as run_layers,
+    run_until as run_until,
+)
+from ._options import (
+    Checkpoint as Checkpoint,
+    ScanArgs as ScanArgs,
+    Scanning as Scanning,
+    ScanOptions as ScanOptions,
+)
+from ._remat import Policy as Policy
+from ._stacked import (
+    carry_only as carry_only,
+    LayerCall as LayerCall,
+    LayerIndex as LayerIndex,
+    per_layer as per_layer,
+    restack as restack,
+    scan_layers as scan_layers,
+    Stacked as Stacked,
+)
+from ._tree import (
+    for_each as for_each,
+    key_name as key_name,
+    pattern as pattern,
+    Site as Site,
+    walk as walk,
+)
