@@ -116,18 +116,47 @@ def main() -> None:
         print("  " + " <-> ".join(group))
 
     # Private modules reached from another folder (bench reaching into the core).
-    def folder(m: str) -> str:
-        return m if mods[m].name == "__init__.py" else m.rpartition(".")[0]
+    found = crossing(graph, mods)
+    print(f"imports of another folder's private modules: {len(found)}")
+    for m, t in found:
+        print(f"  {m} -> {t}")
+    up = upward(graph, mods)
+    print(f"imports of a subpackage by the core: {len(up)}")
+    for m, t in up:
+        print(f"  {m} -> {t}")
 
-    crossing = sorted(
+
+#: The one private core module the subpackages may import.
+INTERNAL_API = "eqxscan._internal"
+
+
+def _folder(m: str, mods: dict[str, Path]) -> str:
+    return m if mods[m].name == "__init__.py" else m.rpartition(".")[0]
+
+
+def crossing(graph: dict[str, set[str]], mods: dict[str, Path]) -> list:
+    """`(module, target)` for every import of another folder's private module
+    other than the internal API."""
+    return sorted(
         (m, t)
         for m, targets in graph.items()
         for t in targets
-        if t.rpartition(".")[2].startswith("_") and folder(t) != folder(m)
+        if t.rpartition(".")[2].startswith("_")
+        and _folder(t, mods) != _folder(m, mods)
+        and t != INTERNAL_API
     )
-    print(f"imports of another folder's private modules: {len(crossing)}")
-    for m, t in crossing:
-        print(f"  {m} -> {t}")
+
+
+def upward(graph: dict[str, set[str]], mods: dict[str, Path]) -> list:
+    """`(module, target)` for every import of a subpackage by a core module (a
+    private module at the top of the package): arrows point down only."""
+    top = {m for m in mods if m.count(".") == 1 and m.rpartition(".")[2][0] == "_"}
+    return sorted(
+        (m, t)
+        for m in top
+        for t in graph[m]
+        if t.count(".") >= 1 and _folder(t, mods) != "eqxscan"
+    )
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ from ._drop import (
     LinearRates as LinearRates,
     Rates as Rates,
 )
-from ._exit import run_layers as run_layers, run_until as run_until
+from ._exit import run_until as run_until
+from ._layer_call import per_layer as per_layer
 from ._options import (
     Checkpoint as Checkpoint,
     Mode as Mode,
@@ -32,7 +33,8 @@ from ._options import (
 )
 from ._recurrent import Bidirectional as Bidirectional, Recurrent as Recurrent
 from ._remat import ScanCheckpoint as ScanCheckpoint
-from ._stacked import per_layer as per_layer, Stacked as Stacked
+from ._stacked import Stacked as Stacked
+from ._subset import run_layers as run_layers
 from .checkpoint import (
     from_flax_scan as from_flax_scan,
     from_state_dict as from_state_dict,

@@ -32,7 +32,7 @@ from jax.custom_batching import custom_vmap
 from jaxtyping import PyTree
 
 from ._options import Checkpoint
-from ._remat import Policy
+from ._remat import as_scan_checkpoint, AUTO_POLICY, Policy, ScanCheckpoint
 
 
 T = TypeVar("T")
@@ -499,25 +499,33 @@ def resolve(
     n_carry: int,
     values: PyTree[jax.Array],
     length: int,
-    checkpoint: T,
+    checkpoint: ScanCheckpoint,
     unroll: int | bool | Literal["auto"],
-    policy: Policy,
     where: str,
     gathered: bool = False,
-    over: Literal["layers", "time"] = "layers",
-) -> tuple[T | Checkpoint, int | bool]:
-    """`(checkpoint, unroll)` with any `"auto"` replaced by the rule's choice,
-    measured on the step traced once to `jaxpr` (see `measure_traced`)."""
-    if checkpoint != "auto" and unroll != "auto":
-        return checkpoint, unroll  # type: ignore[return-value]
-    cost = measure_traced(jaxpr, n_carry, values, length, policy)
+    over: Over = "layers",
+) -> tuple[ScanCheckpoint, int | bool]:
+    """`(checkpoint, unroll)` with eqxscan's rule applied where it chooses
+    (`checkpoint.is_rule`, `unroll="auto"`), measured on the step traced once
+    to `jaxpr` (see `measure_traced`); other values pass through."""
+    if not checkpoint.is_rule and unroll != "auto":
+        return checkpoint, unroll  # pyright: ignore[reportReturnType]  # not "auto"
+    cost = measure_traced(jaxpr, n_carry, values, length, AUTO_POLICY)
     platform = jax.default_backend()
-    checkpoint, unroll, rule = decide(
-        cost, checkpoint, unroll, policy, platform, gathered=gathered, over=over
+    # The rule sees "auto", or the value as a plain `checkpoint=` option.
+    given = checkpoint.policy if not checkpoint.named else checkpoint
+    raw, unroll, rule = decide(
+        cost,
+        "auto" if checkpoint.is_rule else given,  # pyright: ignore[reportArgumentType]  # passed through
+        unroll,
+        AUTO_POLICY,
+        platform,
+        gathered=gathered,
+        over=over,
     )
     for record in _RECORDERS.get():
-        record.append(AutoChoice(checkpoint, unroll, rule, cost, where))
-    return checkpoint, unroll
+        record.append(AutoChoice(raw, unroll, rule, cost, where))
+    return (as_scan_checkpoint(raw) if checkpoint.is_rule else checkpoint), unroll
 
 
 @contextlib.contextmanager

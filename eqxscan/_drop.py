@@ -1,11 +1,11 @@
 """Depth that varies while training: stochastic depth (drop-path) and LayerDrop.
 
-A scanning module with a [`eqxscan.DepthDrop`][] other than the default runs
-each layer through `dropped_layer`, as the `method=` of its own call, with the
-layer's rates and drop key as a `per_layer` argument. So `mode="scan"` and
-`mode="loop"` run the same code on the same slices, and a `Chain` routes the
-rates and keys to its groups by global layer index as it routes any
-`per_layer` argument.
+A scanning module with a [`eqxscan.DepthDrop`][] other than the default gives
+its call the layers' rates and drop keys (`DropInputs`, one entry per layer),
+and the layer-call seam (`eqxscan/_layer_call.py`) hands layer `i` its slice
+and runs it through `dropping`. So `mode="scan"` and `mode="loop"` run the same
+code on the same slices, and a `Chain` routes the rates and keys to its groups
+by global layer index as it routes every per-layer value.
 
 Per-layer keys, the documented way: for a call with `key`,
 `drop_keys = jax.random.split(jax.random.fold_in(key, DROP_STREAM), L)` and
@@ -136,28 +136,31 @@ class DropInputs(eqx.Module):
     """What a dropping call gives its layers, one entry per layer (leading axis
     `L`, routed by a `Chain` like any `per_layer` argument): the drop-path and
     LayerDrop rates and the drop keys, with which parts any layer uses, and
-    whether the scan that runs the layers gates LayerDrop itself (`gated`)."""
+    whether the scan that runs the layers gates LayerDrop itself (`gated`).
+    `path_keep`, when given, is drop-path's mask drawn by the caller (a
+    pipeline's rows of the whole batch's mask), used instead of the keys."""
 
     path_rate: Float[Array, "*layers"]
     layer_rate: Float[Array, "*layers"]
-    key: Key[Array, "*layers"] | UInt32[Array, "*layers 2"]
+    key: Key[Array, "*layers"] | UInt32[Array, "*layers 2"] | None
     uses: tuple[bool, bool] = eqx.field(static=True)
     gated: bool = eqx.field(static=True, default=False)
+    path_keep: Bool[Array, "*layers_rows"] | None = None
 
     def keep(self) -> Array:
         """Whether each layer runs in this call: LayerDrop's choice, drawn from
-        the first half of each layer's drop key (as `dropped_layer` draws it)."""
+        the first half of each layer's drop key (as `dropping` draws it)."""
 
         def one(key: PRNGKeyArray, rate: Array) -> Array:
             return jax.random.bernoulli(jax.random.split(key)[0], 1.0 - rate)
 
         return jax.vmap(one)(self.key, self.layer_rate)
 
-    def path_keep(self, examples: int | None) -> Array:
+    def path_masks(self, examples: int | None) -> Array:
         """Drop-path's mask of each layer, `[L, examples]` (`[L]` for `None`, one
         example per call): which examples keep the layer's residual branch,
         drawn from the second half of each layer's drop key (as
-        `dropped_layer` draws it for a carry of `examples` examples)."""
+        `dropping` draws it for a carry of `examples` examples)."""
 
         def one(key: PRNGKeyArray, rate: Array) -> Array:
             return path_mask(rate, jax.random.split(key)[1], examples)
@@ -241,7 +244,7 @@ class DepthDrop(eqx.Module):
 
     def per_layer_inputs(self, key: PRNGKeyArray) -> DropInputs:
         """The rates and drop keys of a call with `key`, each with leading axis
-        `L`: what `dropped_layer` receives for each layer."""
+        `L`: what each layer gets as its `drop` (see `dropping`)."""
         length = self.num_layers
         keys = jax.random.split(jax.random.fold_in(key, DROP_STREAM), length)
         return DropInputs(
@@ -348,35 +351,28 @@ def apply_drop_path(
     return eqx.combine(jtu.tree_map(one, old_dyn, new_dyn), new_static)
 
 
-def dropped_layer(
-    layer: object,
-    x: PyTree,
-    *args: object,
-    _eqxscan_drop: DropInputs,
-    _eqxscan_run: Callable[..., PyTree],
-    _eqxscan_pairs: bool,
-    key: PRNGKeyArray | None = None,
-    **kwargs: object,
-) -> PyTree:
-    """One layer with LayerDrop and drop-path, as the `method=` of a stack's
-    call: `_eqxscan_run(layer, x, *args, key=key, **kwargs)` runs the layer as
-    the module would (its method, its key), `_eqxscan_drop` is this layer's
-    slice of `DepthDrop.per_layer_inputs`, and `_eqxscan_pairs` says whether the
-    layer returns `(carry, y)`. A part no layer uses is left out of the program;
-    LayerDrop is left to the scan when the scan gates (`_eqxscan_drop.gated`)."""
-    drop = _eqxscan_drop
+def dropping(
+    fn: Callable[[PyTree], tuple[PyTree, PyTree]], drop: DropInputs
+) -> Callable[[PyTree], tuple[PyTree, PyTree]]:
+    """One layer `fn(carry) -> (carry, y)` with its drops: drop-path on the new
+    carry (its mask `drop.path_keep` when given, else drawn from the second half
+    of the layer's drop key), and LayerDrop from the first half unless the scan
+    that runs the layer gates it (`drop.gated`). A part no layer uses is left
+    out of the program."""
     uses_path, uses_layer = drop.uses
-    k_layer, k_path = jax.random.split(drop.key)
 
     def run(c: PyTree) -> tuple[PyTree, PyTree]:
-        out = _eqxscan_run(layer, c, *args, key=key, **kwargs)
-        new, y = out if _eqxscan_pairs else (out, None)
-        if uses_path:
-            new = _drop_path(c, new, drop.path_rate, k_path)
-        return new, y
+        new, y = fn(c)
+        if not uses_path:
+            return new, y
+        if drop.path_keep is not None:
+            return apply_drop_path(c, new, drop.path_rate, drop.path_keep), y
+        assert drop.key is not None
+        return _drop_path(c, new, drop.path_rate, jax.random.split(drop.key)[1]), y
 
     if drop.gated or not uses_layer:
-        new, y = run(x)
-    else:  # a lone layer (of a `Chain`): gated here
-        new, y = gated(run, x, jax.random.bernoulli(k_layer, 1.0 - drop.layer_rate))
-    return (new, y) if _eqxscan_pairs else new
+        return run
+    assert drop.key is not None
+    keep = jax.random.bernoulli(jax.random.split(drop.key)[0], 1.0 - drop.layer_rate)
+    # A layer no scan gates (a `Chain`'s lone layer): gated here.
+    return lambda c: gated(run, c, keep)

@@ -27,9 +27,8 @@ from ._checks import check_carry, noted
 from ._gate import can_gate_scan, gated, gated_scan, gated_step
 from ._options import ScanOptions
 from ._remat import (
-    as_scan_checkpoint,
-    AUTO_POLICY as AUTO_POLICY,
     CARRY,
+    name_inputs,
     name_tree,
     nested_scan,
     OFFLOAD_POLICY,
@@ -146,6 +145,7 @@ def run(
     gathered: bool = False,
     over: Literal["layers", "time"] = "layers",
     keep: Bool[Array, " L"] | None = None,
+    read: Callable[[PyTree], PyTree] | None = None,
 ) -> tuple[PyTree, PyTree]:
     """Run `step` over the leading axis (of length `length`) of the array pytree `xs`.
 
@@ -166,6 +166,11 @@ def run(
     - `keep`: LayerDrop's choice, one bool per step: step `i` runs only where
       `keep[i]`; a skipped step passes the carry on and outputs zeros, and
       costs next to nothing forward and backward (see `_gate.py`).
+    - `read`: what a step reads of its slice `x_i` before the step sees it
+      (e.g. its layer's weights constrained to a replicated sharding: FSDP's
+      gather of one layer). The engine names what `read` returns as the
+      step's inputs for `ScanCheckpoint(save_inputs=...)`, so a policy decides
+      whether the backward pass reads (or gathers) them again.
 
     **Returns:**
 
@@ -175,19 +180,17 @@ def run(
     options; with `mode="loop"` once per step, as a Python loop would.
     """
     checkpoint = options.scan_checkpoint
+    step = _reading(step, read, checkpoint)
     if options.mode == "loop":
         return _run_loop(step, carry, xs, length, checkpoint, reverse, where, keep)
     traced, c_dyn, c_static = trace_step(step, carry, xs, length, where(None))
-    # The rule sees "auto", or the value as a plain `checkpoint=` option.
-    given = checkpoint if checkpoint.named else checkpoint.policy
-    decided, unroll = resolve(
+    checkpoint, unroll = resolve(
         traced.jaxpr,
         traced.n_carry,
         (c_dyn, xs),
         length,
-        "auto" if checkpoint.is_rule else given,
+        checkpoint,
         options.unroll,
-        AUTO_POLICY,
         where(None),
         gathered,
         over,
@@ -203,14 +206,10 @@ def run(
             length=length,
             reverse=reverse,
             unroll=unroll,
-            policy=_gate_policy(
-                as_scan_checkpoint(decided) if checkpoint.is_rule else checkpoint
-            ),
+            policy=_gate_policy(checkpoint),
         )
         c_dyn, ys = jtu.tree_unflatten(traced.out_tree, c_flat + y_flat)
         return eqx.combine(c_dyn, c_static), eqx.combine(ys, traced.y_static)
-    if checkpoint.is_rule:
-        checkpoint = as_scan_checkpoint(decided)
     body: Step = traced
     if keep is not None:
         # A checkpoint that names or nests what to save: each step gated on its
@@ -244,6 +243,27 @@ def run(
             reverse=reverse,
         )
     return eqx.combine(c_dyn, c_static), eqx.combine(ys, traced.y_static)
+
+
+def _reading(
+    step: Step, read: Callable[[PyTree], PyTree] | None, checkpoint: ScanCheckpoint
+) -> Step:
+    """`step` given what `read` makes of its slice, named as the step's inputs
+    when `checkpoint` names them."""
+
+    def body(c: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
+        if read is not None:
+            x = read(x)
+        return step(c, name_inputs(x, checkpoint))
+
+    return body
+
+
+def named_inputs(options: ScanOptions) -> Callable[[PyTree], PyTree]:
+    """How a step that reads its inputs itself (a layer gathered from the whole
+    stack by a traced index) names them as `run` names a scan's inputs."""
+    checkpoint = options.scan_checkpoint
+    return lambda tree: name_inputs(tree, checkpoint)
 
 
 def _whole_scan(checkpoint: ScanCheckpoint, traced: Traced) -> bool:

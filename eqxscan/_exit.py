@@ -1,13 +1,12 @@
-"""Early exit and layer subsets: `run_until` runs a stack's layers until a
-predicate on the carry holds, in one `lax.while_loop` over the stacked layers
-whatever the exit depth; `run_layers` runs a chosen subset of the layers, given
-by static ints or a traced array of indices.
+"""Early exit: `run_until` runs a model's layers until a predicate on the carry
+holds, in one `lax.while_loop` over the stacked layers whatever the exit depth.
 
-Both work on a [`eqxscan.Stacked`][] and a [`eqxscan.Chain`][] (global layer
-indices); `StackedMLP` has them as methods.
+It works on a [`eqxscan.Stacked`][] and a [`eqxscan.Chain`][] (global layer
+indices), walking the segments each container describes of itself (see
+`eqxscan._layer_call.Segment`); `StackedMLP` has it as a method.
 """
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from typing import NamedTuple
 
 import equinox as eqx
@@ -17,18 +16,8 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, Bool, Int, PRNGKeyArray, PyTree
 
-from ._chain import (
-    _Call,
-    _route,
-    _take,
-    Chain,
-    check_chain_method,
-    Period,
-    run_groups,
-    Span,
-)
+from ._chain import Chain, chain_segments, check_chain_method
 from ._checks import (
-    CarryError,
     check_bool,
     check_callable,
     check_carry,
@@ -37,33 +26,15 @@ from ._checks import (
     noted,
     split_key,
 )
-from ._constrain import constrain, layers_may_be_sharded
 from ._drop import DepthDrop
-from ._engine import run
-from ._options import ScanOptions
-from ._remat import name_inputs
-from ._stacked import (
-    call_layer,
-    carry_only,
-    check_method,
-    check_per_layer,
-    LayerCall,
-    Method,
-    PerLayer,
-    restack,
-    scan_layers,
-    Stacked,
-)
+from ._layer_call import check_method, check_per_layer, LayerCall, Method, Segment
+from ._stacked import stack_segments, Stacked
 from ._stateful import find_state
 
 
 Bound = int | np.integer | Array
 """A layer count: an int (checked) or an integer scalar array, which may be
 traced (clamped)."""
-
-Layers = slice | Sequence[int] | np.ndarray | Array
-"""Which layers `run_layers` runs: a slice or ints (static, checked), or an
-integer array (traced or not: one program for every choice)."""
 
 Predicate = Callable[[PyTree], Bool[Array, ""] | Bool[Array, " B"] | bool]
 """`predicate(carry) -> bool`: a scalar for the whole batch, or one bool per
@@ -247,133 +218,39 @@ def _repeat(
     return jax.lax.while_loop(cond, step, (jnp.int32(0), state))[1]
 
 
-def _index(tree: PyTree, j: Int[Array, ""] | int) -> PyTree:
-    """Slice `j` of every array leaf (`dynamic_index_in_dim` when traced)."""
-    if isinstance(j, int):
-        return jtu.tree_map(lambda a: a[j] if eqx.is_array(a) else a, tree)
-    return jtu.tree_map(
-        lambda a: (
-            jax.lax.dynamic_index_in_dim(a, j, 0, keepdims=False)
-            if eqx.is_array(a)
-            else a
-        ),
-        tree,
-    )
-
-
-def _pick(value: object, j: Int[Array, ""] | int) -> object:
-    return _index(value.tree, j) if isinstance(value, PerLayer) else value
-
-
-def _stack_layer(
-    stack: Stacked,
-    j: Int[Array, ""] | int,
-    args: tuple,
-    kwargs: dict[str, object],
-    keys: Array | None,
-    method: Method | None,
-    who: str,
-) -> Callable[[PyTree], PyTree]:
-    """Layer `j` of `stack` as a function of the carry, with its `per_layer`
-    slices and key."""
-    layer = _index(stack.layers, j)
-    if stack.layer_sharding is not None:
-        dyn, static = eqx.partition(layer, eqx.is_array)
-        layer = eqx.combine(constrain(dyn, stack.layer_sharding), static)
-    a = tuple(_pick(v, j) for v in args)
-    kw = {n: _pick(v, j) for n, v in kwargs.items()}
-    k = None if keys is None else keys[j]
-    return lambda c: call_layer(layer, method, c, a, kw, k, who)
-
-
-def _run_stack(
-    ex: _Exit,
-    stack: Stacked,
-    state: _State,
-    c_static: PyTree,
-    args: tuple,
-    kwargs: dict[str, object],
-    keys: Array | None,
-    method: Method | None,
-    first: int,
+def _run_segments(
+    ex: _Exit, segments: tuple[Segment, ...], state: _State, c_static: PyTree
 ) -> _State:
-    name = type(stack.layers).__name__
+    """The segments in order, each layer run only while the run is active: a
+    lone layer behind a `cond`, a stretch of like layers (or of repeats of a
+    pattern) as one while loop."""
+    for seg in segments:
+        if seg.alone:
+            where = f"Layer {seg.start} ({seg.name})"
+            fn = seg.step(0)
+            assert callable(fn)
+            state = noted(_guarded, where, ex, state, fn, c_static, where)
+            continue
 
-    def body(j: Int[Array, ""] | int, s: _State) -> _State:
-        where = (
-            f"Layer {first + j} ({name})"
-            if isinstance(j, int)
-            else f"The stacked layer {name} (one body for layers {first}-"
-            f"{first + stack.num_layers - 1})"
-        )
-        fn = _stack_layer(stack, j, args, kwargs, keys, method, ex.who)
-        # The while loop runs a layer only while the run is active: no `cond`.
-        return noted(_advance, where, ex, s, fn, c_static, where)
-
-    return _repeat(ex, state, stack.num_layers, body)
-
-
-def _run_groups(
-    ex: _Exit,
-    groups: tuple,
-    layout: tuple[Span, ...],
-    state: _State,
-    c_static: PyTree,
-    call: _Call,
-    first: int,
-) -> _State:
-    """The groups of a chain (or of one repeat of a pattern) in order, each
-    layer run only while the run is active. `first` is the global index of the
-    groups' first layer (the first repeat's, inside a pattern)."""
-    for group, span in zip(groups, layout):
-        args = tuple(_route(a, span) for a in call.args)
-        kwargs = {n: _route(v, span) for n, v in call.kwargs.items()}
-        keys = None if call.keys is None else _take(call.keys, span)
-        start = first + span.start
-        if span.period == 0:
-            where = f"Layer {start} ({type(group).__name__})"
-
-            def layer(c: PyTree, group: object = group, a=args, kw=kwargs, k=keys):
-                return call_layer(group, call.method, c, a, kw, k, ex.who)
-
-            state = noted(_guarded, where, ex, state, layer, c_static, where)
-        elif span.period == 1:
-            state = _run_stack(
-                ex, group, state, c_static, args, kwargs, keys, call.method, start
+        def body(j: Int[Array, ""] | int, s: _State, seg: Segment = seg) -> _State:
+            got = seg.step(j)
+            if isinstance(got, tuple):  # a repeat of a pattern: its own segments
+                return _run_segments(ex, got, s, c_static)
+            last = seg.start + seg.count * seg.size - 1
+            where = (
+                f"Layer {seg.start + j} ({seg.name})"
+                if isinstance(j, int)
+                else f"The stacked layer {seg.name} (one body for layers "
+                f"{seg.start}-{last})"
             )
-        else:
-            state = _run_pattern(ex, group, span, state, c_static, call, args, kwargs)
+            # The while loop runs a layer only while the run is active: no `cond`.
+            return noted(_advance, where, ex, s, got, c_static, where)
+
+        state = _repeat(ex, state, seg.count, body)
     return state
 
 
-def _run_pattern(
-    ex: _Exit,
-    group: Stacked,
-    span: Span,
-    state: _State,
-    c_static: PyTree,
-    call: _Call,
-    args: tuple,
-    kwargs: dict[str, object],
-) -> _State:
-    """A repeated pattern of a chain: one while-loop step per repeat, each of
-    its layers run only while the run is active."""
-    keys = None if call.keys is None else _take(call.keys, span)
-
-    def body(r: Int[Array, ""] | int, s: _State) -> _State:
-        unit: Period = _index(group.layers, r)
-        # One repeat's `per_layer` slices and keys, then by the unit's groups.
-        unit_args = tuple(_pick(a, r) for a in args)
-        unit_kwargs = {n: _pick(v, r) for n, v in kwargs.items()}
-        unit_keys = None if keys is None else keys[r]
-        unit_call = call._replace(args=unit_args, kwargs=unit_kwargs, keys=unit_keys)
-        first = span.start + (r * span.period if isinstance(r, int) else 0)
-        return _run_groups(ex, unit.groups, unit.layout, s, c_static, unit_call, first)
-
-    return _repeat(ex, state, span.size // span.period, body)
-
-
-def _check_model(model: object, what: str) -> None:
+def check_model(model: object, what: str) -> None:
     if isinstance(model, (Stacked, Chain)):
         _check_no_drop(model, what)
         return
@@ -403,7 +280,7 @@ def _check_no_drop(model: Stacked | Chain, what: str) -> None:
             )
 
 
-def _check_no_state(args: tuple, kwargs: dict[str, object], who: str) -> None:
+def check_no_state(args: tuple, kwargs: dict[str, object], who: str) -> None:
     if find_state(args, kwargs) is not None:
         raise TypeError(
             f"{who} does not take an eqx.nn.State.\nHint: call the model itself "
@@ -477,11 +354,11 @@ def run_until(
     afresh: call it inside `eqx.filter_jit`, with what the predicate compares
     against as an argument (one program for every value).
     """
-    _check_model(model, "run_until")
+    check_model(model, "run_until")
     who = f"run_until of a {type(model).__name__}"
     check_callable("predicate", predicate)
     per_example = check_bool("per_example", per_example)
-    _check_no_state(args, kwargs, "run_until")
+    check_no_state(args, kwargs, "run_until")
     length = model.num_layers
     low = _check_bound("min_layers", min_layers, length, who)
     high = _check_bound(
@@ -506,362 +383,13 @@ def run_until(
         jnp.asarray(low == 0) & _halts(ex, x),
         jnp.zeros(shape, jnp.int32),
     )
+    call = LayerCall(args, kwargs, keys, method=method, caller=who)
     if isinstance(model, Stacked):
         check_method(method, model.layers)
         model.check_layer_axis("run")
-        end = _run_stack(ex, model, start, c_static, args, kwargs, keys, method, 0)
+        segments: tuple[Segment, ...] = (stack_segments(model, call),)
     else:
-        call = _Call(args, kwargs, keys, False, False, method)
-        end = _run_groups(ex, model.groups, model.layout, start, c_static, call, 0)
-    return eqx.combine(end.carry, c_static), end.count
-
-
-def _static_indices(layers: object, length: int, who: str) -> np.ndarray | slice:
-    """Static `layers` as a slice or a NumPy index array, checked."""
-    if isinstance(layers, slice):
-        chosen = range(length)[layers]
-        if len(chosen) == 0:
-            raise ValueError(
-                f"{who}: {layers} selects no layers of {length}.\nHint: "
-                "a slice i:j runs layers i to j-1 and needs i < j."
-            )
-        return layers
-    try:
-        idx = np.asarray(layers)
-    except Exception:
-        idx = None
-    if idx is None or idx.ndim != 1 or not np.issubdtype(idx.dtype, np.integer):
-        raise TypeError(
-            f"{who}: layers must be a slice, a sequence of ints or a 1-D integer "
-            f"array, got {describe(layers)}.\nHint: e.g. `slice(2, 5)`, "
-            "`[0, 2, 4]` or `jnp.arange(i, i + 3)`."
-        )
-    if idx.size == 0:
-        raise ValueError(f"{who}: layers is empty; choose at least one layer.")
-    bad = idx[(idx < -length) | (idx >= length)]
-    if bad.size:
-        raise IndexError(
-            f"{who}: layer index {int(bad[0])} is out of range for {length} "
-            "layers.\nHint: indices are in [-L, L), negative counting from the end."
-        )
-    return idx % length
-
-
-def _dynamic_indices(layers: Array, length: int, who: str) -> Array:
-    if layers.ndim != 1 or not jnp.issubdtype(layers.dtype, jnp.integer):
-        raise TypeError(
-            f"{who}: layers must be a 1-D integer array, got {describe(layers)}."
-            "\nHint: e.g. `jnp.arange(i, i + 3)` with a traced `i`."
-        )
-    if layers.shape[0] == 0:
-        raise ValueError(f"{who}: layers is empty; choose at least one layer.")
-    if not isinstance(layers, jax.core.Tracer):
-        _static_indices(np.asarray(layers), length, who)
-    # Traced indices cannot be checked: they are clamped to [0, L), as
-    # documented (negative indices are not counted from the end).
-    return jnp.clip(layers, 0, length - 1)
-
-
-def _take_layers(tree: PyTree, idx: object) -> PyTree:
-    return jtu.tree_map(lambda a: a[idx] if eqx.is_array(a) else a, tree)
-
-
-def _take_args(values: Sequence[object], idx: object) -> list[object]:
-    return [
-        PerLayer(_take_layers(v.tree, idx)) if isinstance(v, PerLayer) else v
-        for v in values
-    ]
-
-
-def _scan_gathered(
-    stack: Stacked,
-    x: PyTree,
-    idx: Int[Array, " n"],
-    args: tuple,
-    kwargs: dict[str, object],
-    keys: Array | None,
-    method: Method | None,
-) -> PyTree:
-    """Scan the layers `idx` (traced) of `stack`: each step gathers its one
-    layer's weights and `per_layer` slices from the whole stack, so no copy of
-    the chosen layers is made; gradients scatter back to the chosen layers."""
-    name = type(stack.layers).__name__
-    options = stack.options
-
-    def step(carry: PyTree, xs: tuple) -> tuple[PyTree, None]:
-        i, k = xs
-        layer = _index(stack.layers, i)
-        dyn, static = eqx.partition(layer, eqx.is_array)
-        if stack.layer_sharding is not None:
-            dyn = constrain(dyn, stack.layer_sharding)
-        a = tuple(_pick(v, i) for v in args)
-        kw = {n: _pick(v, i) for n, v in kwargs.items()}
-        dyn, a, kw = name_inputs((dyn, a, kw), options.scan_checkpoint)
-        out = call_layer(eqx.combine(dyn, static), method, carry, a, kw, k, "Stacked")
-        return out, None
-
-    def where(i: int | None) -> str:
-        if i is None:
-            return f"The stacked layer {name} (one body for the chosen layers)"
-        return f"Chosen layer {i} ({name})"
-
-    gathered = stack.layer_sharding is not None or layers_may_be_sharded(
-        eqx.filter(stack.layers, eqx.is_array)
-    )
-    return _scan_chosen(step, x, idx, keys, options, where, gathered)
-
-
-def _scan_chosen(
-    step: Callable[[PyTree, tuple], tuple[PyTree, None]],
-    x: PyTree,
-    idx: Int[Array, " n"],
-    keys: Array | None,
-    options: ScanOptions,
-    where: Callable[[int | None], str],
-    gathered: bool,
-) -> PyTree:
-    """The carry after `step` over the chosen layers `idx` (and their keys)."""
-    sub_keys = None if keys is None else keys[idx]
-    steps = (idx, sub_keys)
-    length = int(idx.shape[0])
-    return run(
-        step, x, steps, length=length, options=options, where=where, gathered=gathered
-    )[0]
-
-
-class _Branch(NamedTuple):
-    """One body of a chain's traced subset: a lone layer or a scanned run,
-    reached from the chain's groups by `path` (a group index at each level, one
-    level per repeated unit on the way). Its layer is indexed by one traced
-    index per repeated unit, then one for a run (`run`); `layers` are the
-    global indices it covers."""
-
-    path: tuple[int, ...]
-    run: bool
-    layers: tuple[int, ...]
-    name: str
-
-
-def _walk(
-    groups: tuple, layout: tuple[Span, ...], path: tuple[int, ...], reps: tuple
-) -> Iterator[tuple[tuple[int, ...], bool, tuple[int, ...], str]]:
-    """`(path, run, indices, class name)` for each layer of `groups`, in order:
-    which body runs it and the indices (repeats, then the run's offset) that
-    pick its weights."""
-    for j, (group, span) in enumerate(zip(groups, layout)):
-        here = path + (j,)
-        if span.period == 0:
-            yield here, False, reps, type(group).__name__
-        elif span.period == 1:
-            name = type(group.layers).__name__
-            for o in range(span.size):
-                yield here, True, reps + (o,), name
-        else:
-            unit: Period = group.layers
-            for r in range(span.size // span.period):
-                yield from _walk(unit.groups, unit.layout, here, reps + (r,))
-
-
-def _describe_layers(layers: tuple[int, ...], name: str) -> str:
-    if len(layers) == 1:
-        return f"Layer {layers[0]} ({name})"
-    if layers == tuple(range(layers[0], layers[-1] + 1)):
-        return f"Layers {layers[0]}-{layers[-1]} ({name}, one body)"
-    shown = ", ".join(map(str, layers[:6])) + (", ..." if len(layers) > 6 else "")
-    return f"Layers {shown} ({name}, one body)"
-
-
-def _chain_table(chain: Chain) -> tuple[list[_Branch], np.ndarray]:
-    """The chain's bodies, and for each global layer a row `[body, i_0, ...]`:
-    which body runs it and the indices of its weights (padded with zeros)."""
-    walked = list(_walk(chain.groups, chain.layout, (), ()))
-    paths = list(dict.fromkeys(path for path, _, _, _ in walked))
-    width = 1 + max(len(indices) for _, _, indices, _ in walked)
-    table = np.zeros((len(walked), width), np.int32)
-    for g, (path, _, indices, _) in enumerate(walked):
-        table[g, : 1 + len(indices)] = (paths.index(path), *indices)
-    branches = []
-    for b, path in enumerate(paths):
-        layers = tuple(int(g) for g in np.flatnonzero(table[:, 0] == b))
-        _, run, _, name = walked[layers[0]]
-        branches.append(_Branch(path, run, layers, _describe_layers(layers, name)))
-    return branches, table
-
-
-def _branch_layer(chain: Chain, branch: _Branch, row: Int[Array, " w"]) -> object:
-    """The layer of `branch` that `row` (a row of `_chain_table`) picks: the
-    group reached by `branch.path`, indexed by the row's traced indices."""
-    groups: tuple = chain.groups
-    indices = []
-    for level, j in enumerate(branch.path):
-        group = groups[j]
-        if level < len(branch.path) - 1:  # a repeated unit: pick the repeat
-            indices.append(row[1 + level])
-            groups = group.layers.groups
-    tree = group.layers if branch.run else group
-    if branch.run:  # then the layer within the run
-        indices.append(row[len(branch.path)])
-    for i in indices:
-        tree = _index(tree, i)
-    if branch.run and group.layer_sharding is not None:
-        dyn, static = eqx.partition(tree, eqx.is_array)
-        tree = eqx.combine(constrain(dyn, group.layer_sharding), static)
-    return tree
-
-
-def _scan_chain(
-    chain: Chain,
-    x: PyTree,
-    idx: Int[Array, " n"],
-    args: tuple,
-    kwargs: dict[str, object],
-    keys: Array | None,
-    method: Method | None,
-    who: str,
-) -> PyTree:
-    """Scan the layers `idx` (traced) of `chain`: each step looks up which body
-    runs its layer and `lax.switch`es to it, and that body reads its one layer
-    from its group's stacked weights (a lone layer as it is). Every body is
-    traced once, and must return a carry like the one it receives."""
-    branches, table = _chain_table(chain)
-    rows = jnp.asarray(table)
-    c_static = eqx.filter(x, eqx.is_array, inverse=True)
-    options = chain.options
-
-    def body(
-        branch: _Branch, row: Array, a: tuple, kw: dict[str, object], k: object
-    ) -> Callable[[PyTree], PyTree]:
-        # Only the carry's arrays pass through the `switch`; the rest (broadcast
-        # arguments may be any Python value) is closed over.
-        def fn(c_dyn: PyTree) -> PyTree:
-            layer = _branch_layer(chain, branch, row)
-            dyn, static = eqx.partition(layer, eqx.is_array)
-            layer = eqx.combine(name_inputs(dyn, options.scan_checkpoint), static)
-            old = eqx.combine(c_dyn, c_static)
-            where = branch.name
-            new = noted(call_layer, where, layer, method, old, a, kw, k, who)
-            try:
-                check_carry(old, new, where)
-            except CarryError as e:
-                raise TypeError(
-                    f"{who}: {where} {e.what}\nHint: with traced indices each chosen "
-                    "layer is one step of one scan, so every layer of the chain "
-                    "must return a carry like its input; choose the layers "
-                    "statically (a slice or ints) to let a layer change the carry."
-                ) from None
-            return eqx.filter(new, eqx.is_array)
-
-        return fn
-
-    def step(carry: PyTree, xs: tuple) -> tuple[PyTree, None]:
-        g, k = xs
-        row = rows[g]
-        a = tuple(_pick(v, g) for v in args)
-        kw = {n: _pick(v, g) for n, v in kwargs.items()}
-        a, kw = name_inputs((a, kw), options.scan_checkpoint)
-        bodies = [body(branch, row, a, kw, k) for branch in branches]
-        new = jax.lax.switch(row[0], bodies, eqx.filter(carry, eqx.is_array))
-        return eqx.combine(new, c_static), None
-
-    def where(i: int | None) -> str:
-        if i is None:
-            return (
-                f"The chosen layers of a Chain (one switch over its "
-                f"{len(branches)} layer bodies)"
-            )
-        return f"Chosen layer {i} of a Chain"
-
-    gathered = any(
-        isinstance(g, Stacked) and g.layer_sharding is not None for g in chain.groups
-    ) or layers_may_be_sharded(eqx.filter(chain.groups, eqx.is_array))
-    return _scan_chosen(step, x, idx, keys, options, where, gathered)
-
-
-def run_layers(
-    model: Stacked | Chain,
-    x: PyTree,
-    layers: Layers,
-    *args: object,
-    key: PRNGKeyArray | None = None,
-    method: Method | None = None,
-    **kwargs: object,
-) -> PyTree:
-    """Run only the chosen layers of `model`, in the order given: progressive
-    growing, depth-wise fine-tuning, a draft model of a model's first layers.
-
-    **Arguments:**
-
-    - `model`: an [`eqxscan.Stacked`][] or an [`eqxscan.Chain`][].
-    - `x`: the carry.
-    - `layers`: a slice (`slice(i, j)` runs layers `i..j-1`) or a sequence of
-      ints (negative counting from the end), checked; or an integer array of
-      layer indices (the chain's global indices for a `Chain`), which may be
-      traced: every choice of the same length runs in one compiled program.
-      Traced indices cannot be checked and are clamped to `[0, L-1]`; concrete
-      arrays are checked. Indices may repeat (a layer run twice).
-    - `*args`, `**kwargs`: passed to every layer; values wrapped in
-      [`eqxscan.per_layer`][] have the model's `L` layers first and the chosen
-      layers get their own slices.
-    - `key`: split into `len(model)` keys as for a full call; chosen layer `i`
-      gets `keys[i]`, the key it has in a full run.
-    - `method`: as for [`eqxscan.Stacked.__call__`][].
-
-    **Returns:**
-
-    The carry after the chosen layers.
-
-    A `Stacked` scans the chosen layers with its own options (`mode`,
-    `checkpoint=`, `unroll`), so this differentiates like a call: only the
-    chosen layers get gradients (a repeated layer the sum). Static choices are
-    sliced out of the stacked weights first; with an index array each scan
-    step reads its one layer from the whole stack (no copy of the chosen
-    layers). A `Chain` given a static choice groups the chosen layers afresh
-    (each choice compiles its own program; a lone layer may change the carry).
-    Given an index array it scans the chosen layers with the chain's options,
-    and each step `lax.switch`es on the layer's group: every group's body
-    (a lone layer, a scanned run's one layer read from its stacked weights, a
-    layer of a repeated unit read from its repeat) is traced once into the
-    program and each step runs one of them, so every layer of the chain must
-    return a carry like its input (an error names the layer otherwise). Under
-    `jax.vmap` over the indices the `switch` becomes a select, and every step
-    runs every group's body. Stateful layers (an `eqx.nn.State` argument) are
-    not supported.
-    """
-    _check_model(model, "run_layers")
-    who = f"run_layers of a {type(model).__name__}"
-    _check_no_state(args, kwargs, "run_layers")
-    length = model.num_layers
-    check_per_layer(args, kwargs, length)
-    keys = None if key is None else split_key(key, length, type(model).__name__)
-    if isinstance(layers, jax.Array):
-        idx: object = _dynamic_indices(layers, length, who)
-    else:
-        idx = _static_indices(layers, length, who)
-    if isinstance(layers, jax.Array) and isinstance(model, Chain):
         check_chain_method(model.groups, model.layout, method)
-        return _scan_chain(model, x, idx, args, kwargs, keys, method, who)
-    if isinstance(layers, jax.Array):
-        check_method(method, model.layers)
-        model.check_layer_axis("run")
-        return _scan_gathered(model, x, idx, args, kwargs, keys, method)
-    names = list(kwargs)
-    picked = _take_args(list(args) + [kwargs[n] for n in names], idx)
-    sub_args = tuple(picked[: len(args)])
-    sub_kwargs = dict(zip(names, picked[len(args) :]))
-    sub_keys = None if keys is None else keys[idx]
-    if isinstance(model, Chain):
-        chosen = model.unstack()
-        order = range(length)[idx] if isinstance(idx, slice) else idx.tolist()
-        sub = Chain(
-            [chosen[i] for i in order],
-            periodic=model.periodic,
-            **model.options.as_args(),
-        )
-        call = _Call(sub_args, sub_kwargs, sub_keys, False, False, method)
-        return run_groups(sub.groups, sub.layout, x, call, "Chain")[0]
-    check_method(method, model.layers)
-    model.check_layer_axis("run")
-    count = len(range(length)[idx]) if isinstance(idx, slice) else int(idx.shape[0])
-    sub = restack(model, layers=_take_layers(model.layers, idx), num_layers=count)
-    call = LayerCall(sub_args, sub_kwargs, sub_keys, carry_only, False, method)
-    return scan_layers(sub, x, call)[0]
+        segments = chain_segments(model.groups, model.layout, call)
+    end = _run_segments(ex, segments, start, c_static)
+    return eqx.combine(end.carry, c_static), end.count

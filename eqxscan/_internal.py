@@ -25,19 +25,18 @@ from ._checks import (
 )
 from ._constrain import align as align, constrain as constrain, is_none as is_none
 from ._drop import (
-    apply_drop_path as apply_drop_path,
     carry_examples as carry_examples,
     check_droppable as check_droppable,
     DepthDrop as DepthDrop,
+    DropInputs as DropInputs,
     rates_of as rates_of,
 )
 from ._eager import compiled_when_eager as compiled_when_eager
-from ._exit import (
-    Bound as Bound,
-    Layers as Layers,
-    Predicate as Predicate,
-    run_layers as run_layers,
-    run_until as run_until,
+from ._exit import Bound as Bound, Predicate as Predicate, run_until as run_until
+from ._layer_call import (
+    carry_only as carry_only,
+    LayerCall as LayerCall,
+    per_layer as per_layer,
 )
 from ._options import (
     Checkpoint as Checkpoint,
@@ -47,14 +46,12 @@ from ._options import (
 )
 from ._remat import Policy as Policy
 from ._stacked import (
-    carry_only as carry_only,
-    LayerCall as LayerCall,
     LayerIndex as LayerIndex,
-    per_layer as per_layer,
     restack as restack,
     scan_layers as scan_layers,
     Stacked as Stacked,
 )
+from ._subset import Layers as Layers, run_layers as run_layers
 from ._tree import (
     for_each as for_each,
     key_name as key_name,

@@ -23,7 +23,6 @@ from ._checks import (
 from ._eager import compiled_when_eager
 from ._engine import run
 from ._options import ScanArgs, Scanning, ScanOptions
-from ._remat import name_inputs
 from ._stateful import clone
 
 
@@ -473,7 +472,7 @@ class Recurrent(Scanning):
                 h = _where(cut, jtu.tree_map(_stop_gradient, h), h)
             if m is not None:
                 x_dyn = _hide(m, x_dyn)
-            x = eqx.combine(name_inputs(x_dyn, self.options.scan_checkpoint), xs_static)
+            x = eqx.combine(x_dyn, xs_static)  # named as inputs by the engine
             old = clone(h)  # the cell may invalidate `h` (an `eqx.nn.State`)
             if step_key is None:
                 new = cell(x, h, *args, **kwargs)

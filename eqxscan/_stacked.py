@@ -1,18 +1,11 @@
 """`Stacked`: L layers of one kind stored as one module with a leading layer axis.
 
-Besides the public `Stacked`, `per_layer` and `PerLayer`, this module offers one
-small internal protocol to the other layer containers (`Chain`), which run
-their scanned groups through `Stacked`'s public calls:
-
-- `Method`, `check_method` and `call_layer`: what to run of a layer
-  (`__call__`, a method name or a function) and running it, with its key;
-- `layer_pair`: a layer's output checked as the `(carry, y)` pair a `.scan`
-  expects; `check_per_layer`: the `per_layer` arguments of a call, checked;
-- `LayerIndex` and `StateDictFn`: how a container's `state_dict_layers` says
-  how its arrays are named in a state dict (see `eqxscan._tree`).
+Its calls describe themselves to the layer-call seam (`eqxscan/_layer_call.py`)
+as one `LayerCall`, and `scan_layers` runs layer `i` of the stack through it,
+one scan step per layer. `LayerIndex` and `StateDictFn` say how a container's
+`state_dict_layers` names its arrays in a state dict (see `eqxscan._tree`).
 """
 
-import functools
 import operator
 from collections.abc import Callable, Sequence
 from typing import (
@@ -29,34 +22,39 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax.sharding import Sharding
-from jaxtyping import Array, Bool, PRNGKeyArray, PyTree
+from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from ._alike import check_alike, stack_alike
 from ._checks import (
     check_bool,
     check_callable,
     check_index,
-    check_leading_axis,
     check_made_layer,
     check_size,
-    check_takes_key,
     describe,
     noted,
     split_key,
 )
 from ._constrain import check_layer_sharding, constrain, layers_may_be_sharded
-from ._drop import (
-    check_droppable,
-    depth_drop,
-    DepthDrop,
-    DropInputs,
-    dropped_layer,
-    rates_of,
-)
+from ._drop import check_droppable, depth_drop, DepthDrop, rates_of
 from ._eager import compiled_when_eager
 from ._engine import run
+from ._layer_call import (
+    arg_name,
+    carry_only,
+    check_method,
+    check_per_layer,
+    Index,
+    index,
+    LayerCall,
+    LayerFn,
+    Method,
+    pairs,
+    PerLayer,
+    run_one,
+    Segment,
+)
 from ._options import ScanArgs, Scanning, ScanOptions
-from ._remat import name_inputs
 from ._stateful import (
     find_state,
     get_arg,
@@ -73,52 +71,6 @@ MAX_LAYERS = 2**20
 
 
 LayerT = TypeVar("LayerT")
-
-
-class PerLayer(eqx.Module):
-    """An argument sliced along the layer axis: layer `i` receives slice `i` of
-    every array leaf. Build it with [`eqxscan.per_layer`][]."""
-
-    tree: PyTree
-
-
-def per_layer(tree: PyTree) -> PerLayer:
-    """Mark `tree` as a per-layer argument of a [`eqxscan.Stacked`][] call.
-
-    Every array leaf must have the layer axis (length `L`) first; layer `i` is
-    called with slice `i`. Non-array leaves are passed to every layer unchanged.
-    Use it positionally or as a keyword value, e.g. for per-layer KV caches:
-    `stack(x, cache=eqxscan.per_layer(caches))`.
-
-    **Arguments:**
-
-    - `tree`: any pytree whose array leaves have shape `(L, ...)`.
-
-    **Returns:**
-
-    A marker wrapping `tree`.
-    """
-    return PerLayer(tree)
-
-
-def _arg_name(index_or_name: int | str) -> str:
-    if isinstance(index_or_name, int):
-        return f"args[{index_or_name}]"
-    return f"kwargs[{index_or_name!r}]"
-
-
-def check_per_layer(args: tuple, kwargs: dict, length: int) -> dict[str, PerLayer]:
-    """The [`eqxscan.per_layer`][] arguments of a call, by name (`args[0]`,
-    `kwargs['cache']`), after checking that their array leaves have leading axis
-    `length`."""
-    named = [(_arg_name(i), a) for i, a in enumerate(args)]
-    named += [(_arg_name(n), v) for n, v in kwargs.items()]
-    found = {}
-    for name, value in named:
-        if isinstance(value, PerLayer):
-            check_leading_axis(value.tree, length, f"per_layer {name}", "layer")
-            found[name] = value
-    return found
 
 
 def stack_layers(layers: Sequence[LayerT], what: str = "Stacked.from_layers") -> LayerT:
@@ -150,97 +102,6 @@ def _check_made(layers: object) -> None:
         )
 
 
-ReadOut = Callable[[object, str], tuple[PyTree, PyTree]]
-"""How a runner reads a layer's output, given the layer's name: as the carry
-alone (`carry_only`) or as a `(carry, y)` pair."""
-
-
-def carry_only(out: object, who: str) -> tuple[PyTree, PyTree]:
-    """A layer's output read as the new carry, with no `y`."""
-    del who
-    return out, None
-
-
-def layer_pair(out: object, who: str, caller: str) -> tuple[PyTree, PyTree]:
-    """`out` as the `(carry, y)` pair that `caller` (e.g. `"Stacked.scan"`) expects
-    from `who` (a layer, named)."""
-    if not (isinstance(out, tuple) and len(out) == 2):
-        raise TypeError(
-            f"{caller} expects each layer to return a (carry, y) pair, but {who} "
-            f"returned {describe(out)}. Call the module itself for layers that "
-            "return only the carry."
-        )
-    return out
-
-
-Method = Callable[..., PyTree] | str
-"""What to run of each layer instead of `__call__`: a function
-`fn(layer, x, *args, **kwargs)` (e.g. an unbound method, `Block.decode`) or the
-name of a method (`"decode"`)."""
-
-
-class LayerCall(NamedTuple):
-    """What every layer of a run is called with: `args` and `kwargs` (values
-    wrapped in [`eqxscan.per_layer`][] are sliced per layer), per-layer `keys`
-    (already split, leading axis the layers; or `None`), how each output is
-    read (`read_out`), whether the layers run last to first (`reverse`),
-    which of their methods runs (`method`; `None` for `__call__`), and
-    LayerDrop's choice when the caller has drawn it (`keep`, one bool per
-    layer, e.g. a pipeline stage's chunk of the whole stack's choice; the scan
-    then runs only the kept layers)."""
-
-    args: tuple
-    kwargs: dict[str, object]
-    keys: Array | None
-    read_out: ReadOut
-    reverse: bool = False
-    method: Method | None = None
-    keep: Bool[Array, " L"] | None = None
-
-
-def check_method(method: object, layer: object) -> None:
-    """Raise unless `method` is `None`, a callable, or the name of a method of
-    `layer` (a layer or stacked layers, whose class is the layers' class)."""
-    if method is None or callable(method):
-        return
-    if not isinstance(method, str):
-        raise TypeError(
-            "method must be a function fn(layer, x, ...) (e.g. an unbound method "
-            f"such as Block.decode), a method name or None, got "
-            f"{type(method).__name__} ({method!r})."
-        )
-    if not callable(getattr(layer, method, None)):
-        raise AttributeError(
-            f"{type(layer).__name__} has no method {method!r} to run on each layer; "
-            "pass the name of one of its methods, or a function fn(layer, x, ...)."
-        )
-
-
-def call_layer(
-    layer: object,
-    method: Method | None,
-    x: PyTree,
-    args: tuple,
-    kwargs: dict[str, object],
-    key: Array | None = None,
-    who: str = "Stacked",
-) -> PyTree:
-    """Run `method` of `layer` (its `__call__` for `None`) as
-    `(x, *args, **kwargs)`, with `key=key` when a key is given, after checking
-    that what runs takes one (`who` names the caller in that error)."""
-    if method is None:
-        fn: Callable[..., PyTree] = layer  # type: ignore[assignment]
-    elif isinstance(method, str):
-        fn = getattr(layer, method)
-    else:
-        fn = functools.partial(method, layer)
-    if key is None:
-        return fn(x, *args, **kwargs)
-    target = fn if isinstance(method, str) else (method or layer)
-    check_takes_key(target, who, "layer i gets key=keys[i]")
-    return fn(x, *args, key=key, **kwargs)
-
-
 class LayerIndex(NamedTuple):
     """How the flat state-dict names of [`eqxscan.to_state_dict`][] number the
     layers of a subtree: an array element at layer-axis index `i` (one entry per
@@ -256,11 +117,6 @@ StateDictFn = Callable[[PyTree, LayerIndex, tuple[int, ...]], PyTree]
 """What a module's `state_dict_layers` applies to each subtree that holds layers:
 `fn(subtree, index, axes)`, with `axes` the sizes of the layer axes in front of
 the subtree's arrays; it returns the subtree to put in its place."""
-
-
-def stacked_pair(out: object, who: str) -> tuple[PyTree, PyTree]:
-    """A layer's output read as the `(carry, y)` pair `Stacked.scan` expects."""
-    return layer_pair(out, who, "Stacked.scan")
 
 
 class Stacked(Scanning, Generic[LayerT]):
@@ -564,13 +420,10 @@ class Stacked(Scanning, Generic[LayerT]):
         """
         check_method(method, self.layers)
         reverse = check_bool("reverse", reverse)
-        keys = (
-            None
-            if key is None
-            else split_key(key, self.num_layers, type(self).__name__)
-        )
-        call = LayerCall(args, kwargs, keys, carry_only, reverse, method)
-        return scan_layers(self, x, self._dropping(call, key))[0]
+        call = LayerCall(args, kwargs, self._keys(key), carry_only, reverse, method)
+        return scan_layers(
+            self, x, dropping_call(self.depth_drop, call, key, "Stacked")
+        )[0]
 
     @compiled_when_eager
     def scan(
@@ -592,26 +445,16 @@ class Stacked(Scanning, Generic[LayerT]):
         """
         check_method(method, self.layers)
         reverse = check_bool("reverse", reverse)
-        keys = (
-            None
-            if key is None
-            else split_key(key, self.num_layers, type(self).__name__)
+        call = LayerCall(args, kwargs, self._keys(key), STACKED_PAIRS, reverse, method)
+        return scan_layers(
+            self, x, dropping_call(self.depth_drop, call, key, "Stacked")
         )
-        call = LayerCall(args, kwargs, keys, stacked_pair, reverse, method)
-        return scan_layers(self, x, self._dropping(call, key))
 
-    def _dropping(self, call: LayerCall, key: PRNGKeyArray | None) -> LayerCall:
-        # `call` with LayerDrop and drop-path, when this call drops.
-        kwargs, method = drop_call(
-            self.depth_drop,
-            call.kwargs,
-            call.method,
-            key,
-            find_state(call.args, call.kwargs) is not None,
-            call.read_out is not carry_only,
-            type(self).__name__,
-        )
-        return call._replace(kwargs=kwargs, method=method)
+    def _keys(self, key: PRNGKeyArray | None) -> Array | None:
+        # Layer i's key: `split(key, L)[i]`.
+        if key is None:
+            return None
+        return split_key(key, self.num_layers, type(self).__name__)
 
     def vmap(
         self,
@@ -640,14 +483,8 @@ class Stacked(Scanning, Generic[LayerT]):
         which drop depth.
         """
         check_method(method, self.layers)
-        keys = (
-            None
-            if key is None
-            else split_key(key, self.num_layers, type(self).__name__)
-        )
-        return vmap_layers(
-            self, x, LayerCall(args, kwargs, keys, carry_only, False, method)
-        )
+        call = LayerCall(args, kwargs, self._keys(key), method=method)
+        return vmap_layers(self, x, call)
 
 
 def _build(
@@ -663,7 +500,7 @@ def _build(
     def one(k: PRNGKeyArray, slices: dict) -> LayerT:
         call_args = [
             eqx.combine(slices[n], per_static[n]) if n in slices else a
-            for n, a in ((_arg_name(i), a) for i, a in enumerate(args))
+            for n, a in ((arg_name(i), a) for i, a in enumerate(args))
         ]
         return make_layer(k, *call_args)
 
@@ -696,118 +533,73 @@ def restack(stack: Stacked[LayerT], **changes: object) -> Stacked[LayerT]:
     return eqx.tree_at(lambda s: s.depth_drop.inference, new, inference)
 
 
-def drop_call(
-    drop: DepthDrop | None,
-    kwargs: dict[str, object],
-    method: Method | None,
-    key: object,
-    has_state: bool,
-    pairs: bool,
-    who: str,
-) -> tuple[dict[str, object], Method | None]:
-    """The `(kwargs, method)` of a call, with each layer run through
-    `dropped_layer` when `drop` drops in this call (training, a rate above
-    zero); else as given. Each layer's rates and drop key reach it as a
-    `per_layer` argument, so a `Chain` routes them by global layer index as it
-    routes any other; `pairs` says whether layers return `(carry, y)`."""
+#: How `Stacked.scan` reads each layer's output.
+STACKED_PAIRS = pairs("Stacked.scan")
+
+
+def dropping_call(
+    drop: DepthDrop | None, call: LayerCall, key: object, who: str
+) -> LayerCall:
+    """`call` with the drop inputs of this call (`drop.per_layer_inputs(key)`)
+    when `drop` drops in it (training, a rate above zero). A model with drop
+    rates may be given a key for dropping alone, so a layer that takes no key
+    is called without one, in inference mode too."""
+    if drop is None:
+        return call
+    has_state = find_state(call.args, call.kwargs) is not None
+    call = call._replace(optional_key=True)
     if not check_droppable(drop, key, has_state, who):
-        return kwargs, method
+        return call
     assert key is not None
-    inner = method
-
-    def run(
-        layer: object,
-        x: PyTree,
-        *args: object,
-        key: PRNGKeyArray | None = None,
-        **kwargs: object,
-    ) -> PyTree:
-        # The layer gets its key only if it takes one: a key given only for
-        # dropping must not reach, say, an `eqx.nn.Linear`.
-        if key is not None and not takes_key(layer, inner):
-            key = None
-        return call_layer(layer, inner, x, args, kwargs, key, who)
-
-    wrapped = functools.partial(
-        dropped_layer,
-        _eqxscan_run=run,
-        _eqxscan_pairs=pairs,
-    )
-    return {**kwargs, DROP: PerLayer(drop.per_layer_inputs(key))}, wrapped
-
-
-#: The keyword under which `dropped_layer` receives its layer's drop inputs.
-DROP = "_eqxscan_drop"
-
-
-def takes_key(layer: object, method: Method | None) -> bool:
-    """Whether running `method` of `layer` can be given `key=`."""
-    if isinstance(method, str):
-        target = getattr(layer, method)
-    else:
-        target = method or layer
-    try:
-        check_takes_key(target, "", "")
-    except TypeError:
-        return False
-    return True
+    return call._replace(drop=drop.per_layer_inputs(key))  # pyright: ignore[reportArgumentType]  # checked by check_droppable
 
 
 def scan_layers(stack: Stacked, x: PyTree, call: LayerCall) -> tuple[PyTree, PyTree]:
-    """Fold `x` through the layers of `stack` as `call` says: layer `i` gets
-    `key=call.keys[i]` (when there are keys), its output read by `call.read_out`.
+    """Fold `x` through the layers of `stack` as `call` says, one scan step (or
+    loop step) per layer, layer `i` run through the layer-call seam with
+    `call.at(i)`'s inputs.
 
     **Returns:**
 
     `(final carry, ys)`, the `y`s stacked on axis 0 (`None` if there are none).
     """
-    args, kwargs, keys, read_out = call.args, call.kwargs, call.keys, call.read_out
     stack.check_layer_axis("call")
-    state_at = find_state(args, kwargs)
+    state_at = find_state(call.args, call.kwargs)
     if state_at is not None:
-        if read_out is not carry_only:
+        if call.read_out is not carry_only:
             raise TypeError(
                 "Stacked.scan does not take an eqx.nn.State; call the stack "
                 "instead: `x, state = stack(x, state)`."
             )
         # Layer i gets its own slice of the state and returns its new state,
         # collected like a `y`, then written back into the whole state.
-        state = get_arg(args, kwargs, state_at)
+        state = get_arg(call.args, call.kwargs, state_at)
         sub = layer_state(state, stack.layers, stack.num_layers, "This Stacked")
-        args, kwargs = replace_arg(args, kwargs, state_at, PerLayer(sub))
+        args, kwargs = replace_arg(call.args, call.kwargs, state_at, PerLayer(sub))
         sub_call = call._replace(args=args, kwargs=kwargs, read_out=state_pair)
         x, new_sub = scan_layers(stack, x, sub_call)
         return (x, updated(state, new_sub)), None
     length = stack.num_layers
+    check_per_layer(call.args, call.kwargs, length)
+    keep, drop = call.keep, call.drop
+    if keep is None and drop is not None and drop.uses[1] and call.unit is None:
+        # LayerDrop left to the scan, which then runs only the kept layers.
+        keep, call = drop.keep(), call._replace(drop=drop.gated_by_scan())
     layer_dyn, layer_static = eqx.partition(stack.layers, eqx.is_array)
-    per_args, per_statics = {}, {}
-    for name, value in check_per_layer(args, kwargs, length).items():
-        per_args[name], per_statics[name] = eqx.partition(value.tree, eqx.is_array)
+    per_xs, one = call.scanned()
     cls_name = type(stack.layers).__name__
     sharding = stack.layer_sharding
-    keep = call.keep
-    if keep is None:
-        keep = _scan_gates(per_args, per_statics, length)
 
-    def step(carry: PyTree, xs: tuple) -> tuple[PyTree, PyTree]:
-        dyn, per, k = xs
-        if sharding is not None:
-            dyn = constrain(dyn, sharding)
-        # Named after the gather, so `ScanCheckpoint(save_inputs=...)` decides
-        # whether the backward pass gathers the layer again.
-        dyn, per = name_inputs((dyn, per), stack.options.scan_checkpoint)
+    def read(xs: tuple[PyTree, PyTree]) -> tuple[PyTree, PyTree]:
+        # What a step reads: its layer's weights, constrained as
+        # `layer_sharding` says (FSDP gathers one layer here), and its slices.
+        dyn, per = xs
+        return (dyn if sharding is None else constrain(dyn, sharding)), per
+
+    def step(carry: PyTree, xs: tuple[PyTree, PyTree]) -> tuple[PyTree, PyTree]:
+        dyn, per = xs
         layer = eqx.combine(dyn, layer_static)
-
-        def pick(name: str, value: object) -> object:
-            # This layer's slice of a `per_layer` argument; others as given.
-            if name not in per:
-                return value
-            return eqx.combine(per[name], per_statics[name])
-
-        call_args = [pick(_arg_name(i), a) for i, a in enumerate(args)]
-        call_kwargs = {n: pick(_arg_name(n), v) for n, v in kwargs.items()}
-        out = call_layer(layer, call.method, carry, tuple(call_args), call_kwargs, k)
-        return read_out(out, f"the stacked layer {cls_name}")
+        return run_one(layer, call, one(per), carry, f"the stacked layer {cls_name}")
 
     def where(i: int | None) -> str:
         if i is None:
@@ -817,69 +609,66 @@ def scan_layers(stack: Stacked, x: PyTree, call: LayerCall) -> tuple[PyTree, PyT
     return run(
         step,
         x,
-        (layer_dyn, per_args, keys),
+        (layer_dyn, per_xs),
         length=length,
         options=stack.options,
         reverse=call.reverse,
         where=where,
+        read=read,
         # Unrolled, XLA may gather every sharded layer at once (FSDP).
         gathered=sharding is not None or layers_may_be_sharded(layer_dyn),
         keep=keep,
     )
 
 
-def _scan_gates(per_args: dict, per_statics: dict, length: int) -> Array | None:
-    """LayerDrop's keep bits for a scan over `length` layers, when this call
-    drops layers (its `DROP` argument, one entry per layer): the scan then runs
-    only the kept layers, and the layers leave LayerDrop to it. `None` (and the
-    arguments unchanged) otherwise."""
-    name = _arg_name(DROP)
-    if name not in per_args:
-        return None
-    drop = eqx.combine(per_args[name], per_statics[name])
-    if not (
-        isinstance(drop, DropInputs)
-        and drop.uses[1]
-        and not drop.gated
-        and drop.layer_rate.shape == (length,)
-    ):
-        return None  # e.g. the repeats of a Chain's unit: gated inside
-    per_args[name], per_statics[name] = eqx.partition(
-        drop.gated_by_scan(), eqx.is_array
-    )
-    return drop.keep()
-
-
 def vmap_layers(stack: Stacked, x: PyTree, call: LayerCall) -> PyTree:
     """Every layer of `stack` applied to the same `x` as `call` says, outputs
     stacked on a new leading axis: one `vmap`, or a loop with `mode="loop"`."""
     length = stack.num_layers
+    check_per_layer(call.args, call.kwargs, length)
     layer_dyn, layer_static = eqx.partition(stack.layers, eqx.is_array)
-    per_args, per_statics = {}, {}
-    for name, value in check_per_layer(call.args, call.kwargs, length).items():
-        per_args[name], per_statics[name] = eqx.partition(value.tree, eqx.is_array)
+    per_xs, one = call.scanned()
     cls_name = type(stack.layers).__name__
 
-    def one(dyn: PyTree, per: dict, k: Array | None) -> PyTree:
+    def each(dyn: PyTree, per: PyTree) -> PyTree:
         layer = eqx.combine(dyn, layer_static)
+        return run_one(layer, call, one(per), x, "Stacked.vmap")[0]
 
-        def pick(name: str, value: object) -> object:
-            if name not in per:
-                return value
-            return eqx.combine(per[name], per_statics[name])
-
-        call_args = [pick(_arg_name(i), a) for i, a in enumerate(call.args)]
-        call_kwargs = {n: pick(_arg_name(n), v) for n, v in call.kwargs.items()}
-        return call_layer(
-            layer, call.method, x, tuple(call_args), call_kwargs, k, "Stacked.vmap"
-        )
-
-    inputs = (layer_dyn, per_args, call.keys)
+    inputs = (layer_dyn, per_xs)
     if stack.mode == "loop":
         outs = []
         for i in range(length):
             layer_i = jtu.tree_map(lambda a, i=i: a[i], inputs)
-            outs.append(noted(one, f"Layer {i} ({cls_name})", *layer_i))
+            outs.append(noted(each, f"Layer {i} ({cls_name})", *layer_i))
         return jtu.tree_map(lambda *a: jnp.stack(a), *outs)
     where = f"The stacked layer {cls_name} (one body for all {length} layers)"
-    return noted(eqx.filter_vmap(one), where, *inputs)
+    return noted(eqx.filter_vmap(each), where, *inputs)
+
+
+def layer_of(stack: Stacked[LayerT], i: Index) -> LayerT:
+    """Layer `i` of `stack` (a traced index reads it with one dynamic slice of
+    every stacked array), constrained as its `layer_sharding` says."""
+    layer = index(stack.layers, i)
+    if stack.layer_sharding is None:
+        return layer
+    dyn, static = eqx.partition(layer, eqx.is_array)
+    return eqx.combine(constrain(dyn, stack.layer_sharding), static)
+
+
+def stack_layer_fn(stack: Stacked, call: LayerCall, i: Index) -> LayerFn:
+    """Layer `i` of `stack` as a function of the carry, as `call` runs it."""
+    name = f"the stacked layer {type(stack.layers).__name__}"
+    layer, one = layer_of(stack, i), call.at(i)
+    return lambda c: run_one(layer, call, one, c, name)[0]
+
+
+def stack_segments(stack: Stacked, call: LayerCall, start: int = 0) -> Segment:
+    """The layers of `stack` as one segment of a walk (see `Segment`), its
+    first layer the walk's layer `start`."""
+    return Segment(
+        start,
+        stack.num_layers,
+        1,
+        lambda j: stack_layer_fn(stack, call, j),
+        type(stack.layers).__name__,
+    )

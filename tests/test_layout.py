@@ -54,6 +54,24 @@ def test_bench_uses_public_names_only():
     assert reached == []
 
 
+def test_private_imports_only_through_the_internal_api():
+    # A subpackage reaches the core's internals only through eqxscan._internal,
+    # and the core imports no subpackage.
+    structure, mods, graph = _graph()
+    assert structure.crossing(graph, mods) == []
+    assert structure.upward(graph, mods) == []
+
+
+def test_private_import_rule_can_fail():
+    # The rule itself: a subpackage reaching a core private module other than
+    # the internal API, or the core reaching a subpackage, is reported.
+    structure, mods, graph = _graph()
+    bad = {**graph, "eqxscan.nn._mlp": graph["eqxscan.nn._mlp"] | {"eqxscan._chain"}}
+    assert ("eqxscan.nn._mlp", "eqxscan._chain") in structure.crossing(bad, mods)
+    up = {**graph, "eqxscan._engine": graph["eqxscan._engine"] | {"eqxscan.remat"}}
+    assert ("eqxscan._engine", "eqxscan.remat") in structure.upward(up, mods)
+
+
 def test_version_from_metadata():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert eqxscan.__version__ == project["version"]

@@ -15,7 +15,7 @@ that stage's devices already, so the pipeline moves no weights.
 """
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Literal, SupportsIndex, TypeAlias, TypeVar
 
 import equinox as eqx
@@ -27,15 +27,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
 
 from .._internal import (
-    apply_drop_path,
     carry_examples,
-    carry_only,
     check_droppable,
     check_size,
     constrain,
     DepthDrop,
+    DropInputs,
     LayerCall,
-    per_layer,
     rates_of,
     restack,
     scan_layers,
@@ -323,7 +321,7 @@ def _drops(
         keep = inputs.keep()
     if uses_path:
         examples = carry_examples(x)
-        path_rate, path_keep = inputs.path_rate, inputs.path_keep(examples)
+        path_rate, path_keep = inputs.path_rate, inputs.path_masks(examples)
         if examples is None:  # one mask entry per layer, the same for every row
             path_keep = jnp.broadcast_to(
                 path_keep[:, None], (drop.num_layers, microbatches)
@@ -332,18 +330,6 @@ def _drops(
             path_keep = path_keep.reshape(drop.num_layers, microbatches, -1)
     drops = _Drops(keep, path_rate, path_keep)
     return jtu.tree_map(lambda a: _blocks(a, stages, repeats, "natural"), drops)
-
-
-def _path_dropped(
-    layer: Callable[[jax.Array], jax.Array],
-    x: jax.Array,
-    *,
-    _eqxscan_path: tuple[Float[Array, ""], Bool[Array, "*rows"]],
-) -> jax.Array:
-    # One layer of a stage's chunk with drop-path, its mask given: the rows of
-    # this microbatch of the mask drawn for the whole batch.
-    rate, keep = _eqxscan_path
-    return apply_drop_path(x, layer(x), rate, keep)
 
 
 def _check_axes(mesh: Mesh, axes: Sequence[str], what: str) -> None:
@@ -528,7 +514,7 @@ def pipeline(
                 drop_path=0.0,
                 layer_drop=0.0,
             )
-            call = LayerCall((), {}, None, carry_only)
+            call = LayerCall((), {}, None)
             if drops is not None:
                 # This chunk's LayerDrop choice, gated by its scan, and its
                 # drop-path masks of microbatch m's rows.
@@ -538,10 +524,15 @@ def pipeline(
                 mine = jtu.tree_map(lambda a: at(a, r), drops)
                 call = call._replace(keep=mine.keep)
                 if mine.path_keep is not None:
-                    path = per_layer((mine.path_rate, at(mine.path_keep, m, 1)))
-                    call = call._replace(
-                        kwargs={"_eqxscan_path": path}, method=_path_dropped
+                    path = DropInputs(
+                        mine.path_rate,
+                        jnp.zeros_like(mine.path_rate),
+                        None,
+                        (True, False),
+                        gated=True,
+                        path_keep=at(mine.path_keep, m, 1),
                     )
+                    call = call._replace(drop=path)
             out = scan_layers(local, jnp.where(stage == 0, fresh, state), call)[0]
             outputs = put(outputs, jnp.where(stage == stages - 1, last, -1), out)
             state = jax.lax.ppermute(out, stage_axis, shift)
