@@ -116,6 +116,9 @@ def main() -> None:
         print("  " + " <-> ".join(group))
 
     # Private modules reached from another folder (bench reaching into the core).
+    print("ten longest functions:")
+    for lines_, name in longest(mods)[:10]:
+        print(f"  {lines_:4d} {name}")
     found = crossing(graph, mods)
     print(f"imports of another folder's private modules: {len(found)}")
     for m, t in found:
@@ -124,6 +127,18 @@ def main() -> None:
     print(f"imports of a subpackage by the core: {len(up)}")
     for m, t in up:
         print(f"  {m} -> {t}")
+
+
+def longest(mods: dict[str, Path]) -> list[tuple[int, str]]:
+    """`(lines, module:function)` of every function, longest first (a nested
+    function counts in its parent's lines and on its own)."""
+    out = []
+    for m, path in mods.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                assert node.end_lineno is not None
+                out.append((node.end_lineno - node.lineno + 1, f"{m}:{node.name}"))
+    return sorted(out, reverse=True)
 
 
 #: The one private core module the subpackages may import.

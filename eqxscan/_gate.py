@@ -17,6 +17,7 @@ does no work:
   every skipped layer's zero gradient written, whether it runs or not.
 """
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 
@@ -227,27 +228,65 @@ def gated_scan(
     saved values, recomputing the rest) and writes its input gradients into the
     stacked gradient at `i`, in place. A step's inputs are never saved: the
     carry is, and the layer's slice of `xs` is read again from the whole `xs`.
+    The steps are the methods of `_GatedScan`: `forward` (the scan of kept
+    steps), `backward` (the reverse scan writing gradients in place), with
+    `step`, `linearized` and `saved_types` for one step.
     """
-    y_avals = traced.out_avals[num_carry:]
     c_fixed, c_diff, c_mask = _split(list(traced.consts))
     x_fixed, x_diff, x_mask = _split(xs)
-    # How the forward pass saved each kept step's values (set while tracing it):
-    # the vjp's structure and, per leaf, the input it is (or None: saved).
-    layouts: list[tuple[jtu.PyTreeDef, tuple[int | None, ...]] | None] = []
+    scan = _GatedScan(
+        traced, num_carry, c_mask, x_mask, length, reverse, unroll, policy, []
+    )
 
-    def layer(fixed: tuple, fixed_i: list) -> Callable[..., list[Array]]:
-        # Step `i` as a function of what gets cotangents.
+    @jax.custom_vjp
+    def gated(keep: Array, fixed: tuple, diff: tuple, carry: list) -> tuple:
+        carry, ys, _ = scan.forward(keep, fixed, diff, carry, save=False)
+        return carry, ys
+
+    def forward(keep: Array, fixed: tuple, diff: tuple, carry: list) -> tuple:
+        carry_out, ys, saved = scan.forward(keep, fixed, diff, carry, save=True)
+        return (carry_out, ys), (keep, fixed, diff, saved)
+
+    gated.defvjp(forward, scan.backward)
+    carry_out, ys = gated(keep, (c_fixed, x_fixed), (c_diff, x_diff), list(carry))
+    return list(carry_out), list(ys)
+
+
+@dataclasses.dataclass(frozen=True)
+class _GatedScan:
+    """One `gated_scan`: the traced step and how its inputs split into values
+    that take cotangents (`diff`) and those that do not (`fixed`), as
+    `(consts, xs)` pairs. `layouts` records how the forward pass saved a kept
+    step's values (the vjp's structure and, per leaf, the input it is, or
+    `None`: saved), set while the forward scan is traced."""
+
+    traced: jcore.ClosedJaxpr
+    num_carry: int
+    c_mask: list[bool]
+    x_mask: list[bool]
+    length: int
+    reverse: bool
+    unroll: int | bool
+    policy: Callable[..., object] | None
+    layouts: list[tuple[jtu.PyTreeDef, tuple[int | None, ...]] | None]
+
+    def step(self, fixed: tuple, fixed_i: list) -> Callable[..., list[Array]]:
+        """Step `i` (its fixed slices `fixed_i`) as a function of what gets
+        cotangents: the consts, the carry and its slices of `xs`."""
+
         def fn(consts_d: list, c: list, x_d: list) -> list[Array]:
-            consts = _merge(fixed[0], consts_d, c_mask)
-            return _evaluate(traced, consts, c, _merge(fixed_i, x_d, x_mask))
+            consts = _merge(fixed[0], consts_d, self.c_mask)
+            return _evaluate(self.traced, consts, c, _merge(fixed_i, x_d, self.x_mask))
 
         return fn
 
-    def linearized(i: Array, c: list, fixed: tuple, diff: tuple) -> tuple:
+    def linearized(self, i: Array, c: list, fixed: tuple, diff: tuple) -> tuple:
         """Step `i`'s outputs, the values its vjp needs that are not its inputs,
         and the layout to rebuild the vjp from them and the inputs."""
         fixed_i, diff_i = [_at(a, i) for a in fixed[1]], [_at(a, i) for a in diff[1]]
-        fn = jax.checkpoint(layer(fixed, fixed_i), policy=policy, prevent_cse=False)
+        fn = jax.checkpoint(
+            self.step(fixed, fixed_i), policy=self.policy, prevent_cse=False
+        )
         out, vjp_fn = jax.vjp(fn, diff[0], c, diff_i)
         leaves, tree = jtu.tree_flatten(vjp_fn)
         inputs = jtu.tree_leaves((diff[0], c, diff_i))
@@ -258,68 +297,73 @@ def gated_scan(
         saved = [leaf for leaf, w in zip(leaves, where) if w is None]
         return out, saved, (tree, where)
 
-    def scan_forward(
-        keep: Array, fixed: tuple, diff: tuple, carry: list, save: bool
+    def saved_types(self, i: Array, c: list, fixed: tuple, diff: tuple) -> list:
+        """The types of what a kept step saves under the policy (for the
+        skipping branch's zeros), its layout recorded in `layouts`; none when
+        a saved value cannot be zero-filled (a key: the step is recomputed)."""
+        found: list = []
+
+        def probe(i: Array, c: list, fixed: tuple, diff: tuple) -> list:
+            _, saved, layout = self.linearized(i, c, fixed, diff)
+            found.append(layout)
+            return saved
+
+        # On the values' own types (varying manual axes included).
+        types = jtu.tree_map(jax.typeof, (i, c, fixed, diff))
+        avals = list(jax.make_jaxpr(probe)(*types).out_avals)
+        usable = all(_zero_able(a) for a in avals)
+        self.layouts.append(found[0] if usable else None)
+        return avals if usable else []
+
+    def forward(
+        self, keep: Array, fixed: tuple, diff: tuple, carry: list, save: bool
     ) -> tuple[list, list, tuple[list, list]]:
-        consts = _merge(fixed[0], diff[0], c_mask)
-        xs_ = _merge(fixed[1], diff[1], x_mask)
+        """The scan: a `cond` per step runs the kept ones. With `save`, each
+        step also outputs the carry it received and its saved values."""
+        consts = _merge(fixed[0], diff[0], self.c_mask)
+        xs = _merge(fixed[1], diff[1], self.x_mask)
+        y_avals = self.traced.out_avals[self.num_carry :]
+        n = self.num_carry
 
         def body(c: list, inp: tuple[Array, Array]) -> tuple[list, tuple]:
             i, k = inp
             saved_avals: list = []
-            if save and policy is not None:
-                # Traced once for the saved values' types (for the skipping
-                # branch's zeros) and their layout.
-                found: list = []
-
-                def probe(i: Array, c: list, fixed: tuple, diff: tuple) -> list:
-                    _, saved, layout = linearized(i, c, fixed, diff)
-                    found.append(layout)
-                    return saved
-
-                # On the values' own types (varying manual axes included).
-                types = jtu.tree_map(jax.typeof, (i, c, fixed, diff))
-                saved_avals = list(jax.make_jaxpr(probe)(*types).out_avals)
-                layout = found[0]
-                usable = all(_zero_able(a) for a in saved_avals)
-                layouts.append(layout if usable else None)
-                if not usable:  # e.g. a key among the saved values: recompute
-                    saved_avals = []
+            if save and self.policy is not None:
+                saved_avals = self.saved_types(i, c, fixed, diff)
 
             def kept(c: list) -> list[Array]:
                 if not saved_avals:
-                    return _evaluate(traced, consts, c, [_at(a, i) for a in xs_])
-                out, saved, _ = linearized(i, c, fixed, diff)
+                    return _evaluate(self.traced, consts, c, [_at(a, i) for a in xs])
+                out, saved, _ = self.linearized(i, c, fixed, diff)
                 return list(out) + list(saved)
 
             def skipped(c: list) -> list[Array]:
                 return list(c) + _zeros(y_avals) + _zeros(saved_avals)
 
             out = jax.lax.cond(k, kept, skipped, c)
-            new, y = out[:num_carry], out[num_carry : len(out) - len(saved_avals)]
+            new, y = out[:n], out[n : len(out) - len(saved_avals)]
             saved = out[len(out) - len(saved_avals) :]
             return new, (y, (c if save else [], saved))
 
-        steps = (jnp.arange(length), keep)
+        steps = (jnp.arange(self.length), keep)
         carry, (ys, saved) = jax.lax.scan(
-            body, carry, steps, length=length, reverse=reverse, unroll=unroll
+            body,
+            carry,
+            steps,
+            length=self.length,
+            reverse=self.reverse,
+            unroll=self.unroll,
         )
         return carry, ys, saved
 
-    @jax.custom_vjp
-    def gated(keep: Array, fixed: tuple, diff: tuple, carry: list) -> tuple:
-        carry, ys, _ = scan_forward(keep, fixed, diff, carry, save=False)
-        return carry, ys
-
-    def forward(keep: Array, fixed: tuple, diff: tuple, carry: list) -> tuple:
-        carry_out, ys, saved = scan_forward(keep, fixed, diff, carry, save=True)
-        return (carry_out, ys), (keep, fixed, diff, saved)
-
-    def backward(res: tuple, cts: tuple[list, list]) -> tuple[object, ...]:
+    def backward(self, res: tuple, cts: tuple[list, list]) -> tuple[object, ...]:
+        """The reverse scan: a kept step runs its vjp (rebuilt from its saved
+        values, or recomputed) and writes its slice's gradient into the stacked
+        gradient in place; a skipped step passes the carry's cotangent on."""
         keep, fixed, diff, (carries, saved) = res
         ct_carry, ct_ys = cts
         consts_diff, xs_diff = diff
-        layout = layouts[-1] if layouts else None
+        layout = self.layouts[-1] if self.layouts else None
 
         def body(acc: tuple, inp: tuple) -> tuple[tuple, None]:
             i, k, c_i, saved_i, ct_y = inp
@@ -328,7 +372,7 @@ def gated_scan(
                 fixed_i = [_at(a, i) for a in fixed[1]]
                 diff_i = [_at(a, i) for a in xs_diff]
                 if layout is None:  # recompute the step's forward here
-                    fn = layer(fixed, fixed_i)
+                    fn = self.step(fixed, fixed_i)
                     vjp_fn = jax.vjp(fn, consts_diff, c_i, diff_i)[1]
                 else:  # the forward's vjp, from its saved values and the inputs
                     tree, where = layout
@@ -354,16 +398,17 @@ def gated_scan(
             [jnp.zeros_like(c) for c in consts_diff],
             [jnp.zeros_like(a) for a in xs_diff],
         )
-        steps = (jnp.arange(length), keep, carries, saved, list(ct_ys))
+        steps = (jnp.arange(self.length), keep, carries, saved, list(ct_ys))
         (g_carry, g_consts, g_xs), _ = jax.lax.scan(
-            body, start, steps, length=length, reverse=not reverse, unroll=unroll
+            body,
+            start,
+            steps,
+            length=self.length,
+            reverse=not self.reverse,
+            unroll=self.unroll,
         )
         ct_fixed = jtu.tree_map(_no_cotangent, fixed)
         return _no_cotangent(keep), ct_fixed, (g_consts, g_xs), g_carry
-
-    gated.defvjp(forward, backward)
-    carry_out, ys = gated(keep, (c_fixed, x_fixed), (c_diff, x_diff), list(carry))
-    return list(carry_out), list(ys)
 
 
 def _zero_able(aval: jax.core.ShapedArray) -> bool:

@@ -22,6 +22,7 @@ from ._checks import (
 )
 from ._eager import compiled_when_eager
 from ._engine import run
+from ._layer_call import call_layer, LayerCall
 from ._options import ScanArgs, Scanning, ScanOptions
 from ._stateful import clone
 
@@ -462,10 +463,15 @@ class Recurrent(Scanning):
         where_all = f"The cell {name} (one body for all {length} time steps)"
         where_masked = where_all if self.mode == "scan" else f"The cell {name}"
 
+        # Step t's key through the layer-call seam, the cell run as a layer
+        # whose carry comes first (`_cell_step`).
+        call = LayerCall(args, kwargs, keys, method=_cell_step, caller="Recurrent")
+        per_step, one_step = call.scanned()
+
         def step(h: PyTree, inputs: tuple) -> tuple[PyTree, PyTree]:
-            x_dyn, m, n, step_key = inputs
-            if run_.broadcast_key:
-                step_key = key
+            x_dyn, m, n, per = inputs
+            one = one_step(per)
+            step_key = key if run_.broadcast_key else one.key
             if n is not None:
                 # Entering a new block: let values through, not gradients.
                 cut = (n > 0) & (n % k == 0)
@@ -474,10 +480,9 @@ class Recurrent(Scanning):
                 x_dyn = _hide(m, x_dyn)
             x = eqx.combine(x_dyn, xs_static)  # named as inputs by the engine
             old = clone(h)  # the cell may invalidate `h` (an `eqx.nn.State`)
-            if step_key is None:
-                new = cell(x, h, *args, **kwargs)
-            else:
-                new = cell(x, h, *args, **kwargs, key=step_key)
+            new = call_layer(
+                cell, _cell_step, h, (x, *one.args), one.kwargs, step_key, "Recurrent"
+            )
             if m is not None:
                 # Check before `jnp.where` can broadcast a wrong shape into the
                 # carry (without a mask the engine checks, naming the step).
@@ -488,7 +493,7 @@ class Recurrent(Scanning):
         def where(i: int | None) -> str:
             return where_all if i is None else f"The cell {name} at time step {i}"
 
-        inputs = (xs_dyn, mask, order, keys)
+        inputs = (xs_dyn, mask, order, per_step)
         if length == 0:
             h_T, hs = h0, _no_steps(step, h0, inputs, where_all)
         else:
@@ -503,6 +508,21 @@ class Recurrent(Scanning):
                 over="time",
             )
         return h_T, _time_layout(hs, run_.time_axis)
+
+
+def _cell_step(
+    cell: Callable[..., PyTree],
+    h: PyTree,
+    x: PyTree,
+    *args: PyTree,
+    key: PRNGKeyArray | None = None,
+    **kwargs: PyTree,
+) -> PyTree:
+    """The cell as a layer of the layer-call seam (carry first):
+    `cell(x, h, *args, **kwargs)`, with `key=` when one is given."""
+    if key is None:
+        return cell(x, h, *args, **kwargs)
+    return cell(x, h, *args, **kwargs, key=key)
 
 
 def _no_steps(

@@ -483,7 +483,9 @@ class Stacked(Scanning, Generic[LayerT]):
         which drop depth.
         """
         check_method(method, self.layers)
-        call = LayerCall(args, kwargs, self._keys(key), method=method)
+        call = LayerCall(
+            args, kwargs, self._keys(key), method=method, caller="Stacked.vmap"
+        )
         return vmap_layers(self, x, call)
 
 

@@ -207,6 +207,7 @@ def run_layers(
         else:
             check_method(method, model.layers)
             model.check_layer_axis("run")
+            call = call._replace(caller="Stacked")
         return _scan_indices(model, x, idx, call)  # pyright: ignore[reportArgumentType]  # an index array
     sub_call = call.take(idx)
     if isinstance(model, Chain):

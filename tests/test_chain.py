@@ -11,7 +11,7 @@ from jaxtyping import Array
 
 import eqxscan
 from eqxscan._chain import Period
-from eqxscan._plan import Group, plan
+from eqxscan._chain._grouping import Group, plan
 from eqxscan.remat import THRESHOLDS
 
 from .helpers import tree_allclose

@@ -15,6 +15,7 @@ that stage's devices already, so the pipeline moves no weights.
 """
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Literal, SupportsIndex, TypeAlias, TypeVar
 
@@ -425,6 +426,72 @@ def pipeline(
     `ValueError` when the stack drops layers (training mode, a rate above 0)
     and no `key` is given.
     """
+    p = _check_pipeline(
+        stack,
+        x,
+        mesh,
+        microbatches,
+        stage_axis,
+        schedule,
+        repeats,
+        batch_axes,
+        layer_order,
+    )
+    drops = None
+    if check_droppable(stack.depth_drop, key, False, "sharding.pipeline"):
+        assert stack.depth_drop is not None and key is not None
+        split_key(key, 1, "sharding.pipeline")  # checks that it is one key
+        drops = _drops(
+            stack.depth_drop, key, x, p.microbatches, p.stages, p.repeats, layer_order
+        )
+    dyn, static = _split(stack, p.stages, p.repeats, layer_order)
+    xs = x.reshape(p.microbatches, x.shape[0] // p.microbatches, *x.shape[1:])
+    stage_fn = functools.partial(_run_stage, p, stack, static)
+    layer_spec = PartitionSpec(p.stage_axis)
+    rows_spec = PartitionSpec(None, p.batch_axes or None)
+    # Each stage's layers on its devices; the microbatches on every stage, their
+    # rows split over `batch_axes`.
+    dyn, drops = constrain((dyn, drops), NamedSharding(mesh, layer_spec))
+    xs = constrain(xs, NamedSharding(mesh, rows_spec))
+    out = jax.shard_map(
+        stage_fn,
+        mesh=mesh,
+        in_specs=(*jtu.tree_map(lambda _: layer_spec, (dyn, drops)), PartitionSpec()),
+        out_specs=PartitionSpec(p.stage_axis),
+        axis_names={p.stage_axis},
+    )(dyn, drops, xs)
+    # Only the last stage's buffer holds outputs.
+    out = constrain(out, NamedSharding(mesh, PartitionSpec(None, None, *rows_spec[1:])))
+    return out[p.stages - 1].reshape(x.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pipeline:
+    """What a checked `pipeline` call runs: the stage axis and its size, the
+    chunks (`repeats` per stage, `per_chunk` layers each), the microbatches,
+    the data-parallel axes, and the schedule's table."""
+
+    stage_axis: str
+    stages: int
+    repeats: int
+    per_chunk: int
+    microbatches: int
+    batch_axes: tuple[str, ...]
+    table: PipelineSchedule
+
+
+def _check_pipeline(
+    stack: object,
+    x: jax.Array,
+    mesh: object,
+    microbatches: object,
+    stage_axis: str,
+    schedule: object,
+    repeats: object,
+    batch_axes: str | Sequence[str],
+    layer_order: object,
+) -> _Pipeline:
+    """Every argument of `pipeline` checked, with a clear error before tracing."""
     if not isinstance(stack, Stacked):
         raise TypeError(
             f"pipeline runs an eqxscan.Stacked, got {type(stack).__name__}; for a "
@@ -432,7 +499,7 @@ def pipeline(
         )
     microbatches = check_size("microbatches", microbatches)
     repeats = _check_schedule(schedule, repeats)
-    layer_order = _check_layer_order(layer_order)
+    _check_layer_order(layer_order)
     mesh = check_mesh(mesh)
     _check_axes(mesh, (stage_axis,), "stage_axis")
     batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
@@ -455,17 +522,67 @@ def pipeline(
             + f": axis 0 must be a positive multiple of {microbatches * rows}.",
             "change the batch size or the number of microbatches.",
         )
-    drop = stack.depth_drop
-    drops = None
-    if check_droppable(drop, key, False, "sharding.pipeline"):
-        assert drop is not None and key is not None
-        split_key(key, 1, "sharding.pipeline")  # checks that it is one key
-        drops = _drops(drop, key, x, microbatches, stages, repeats, layer_order)
     table = pipeline_schedule(
         stages=stages, microbatches=microbatches, repeats=repeats, schedule=schedule
     )
-    dyn, static = _split(stack, stages, repeats, layer_order)
-    xs = x.reshape(microbatches, x.shape[0] // microbatches, *x.shape[1:])
+    return _Pipeline(
+        stage_axis, stages, repeats, per_chunk, microbatches, batch_axes, table
+    )
+
+
+def _put(buf: jax.Array, index: Int[Array, ""], value: jax.Array) -> jax.Array:
+    """`buf` with slot `index` set to `value`, only where `index >= 0`."""
+    i = jnp.maximum(index, 0)
+    old = jax.lax.dynamic_index_in_dim(buf, i, keepdims=False)
+    new = jnp.where(index >= 0, value, old)
+    return jax.lax.dynamic_update_index_in_dim(buf, new, i, axis=0)
+
+
+def _at(a: jax.Array, i: Int[Array, ""], axis: int = 0) -> jax.Array:
+    return jax.lax.dynamic_index_in_dim(a, i, axis, keepdims=False)
+
+
+def _chunk_call(
+    drops: _Drops | None, r: Int[Array, ""], m: Int[Array, ""]
+) -> LayerCall:
+    """How chunk `r`'s layers are called for microbatch `m`: with this chunk's
+    LayerDrop choice (gated by its scan) and drop-path masks of the
+    microbatch's rows, when the call drops."""
+    call = LayerCall((), {}, None)
+    if drops is None:
+        return call
+    mine = jtu.tree_map(lambda a: _at(a, r), drops)
+    call = call._replace(keep=mine.keep)
+    if mine.path_keep is None:
+        return call
+    assert mine.path_rate is not None
+    path = DropInputs(
+        mine.path_rate,
+        jnp.zeros_like(mine.path_rate),
+        None,
+        (True, False),
+        gated=True,
+        path_keep=_at(mine.path_keep, m, 1),
+    )
+    return call._replace(drop=path)
+
+
+def _run_stage(
+    p: _Pipeline,
+    stack: Stacked,
+    static: PyTree,
+    dyn: PyTree,
+    drops: _Drops | None,
+    xs: jax.Array,
+) -> jax.Array:
+    """One stage's program (under `shard_map`, every stage at once): a scan over
+    the schedule's ticks. `dyn` and `drops` hold this stage's [1, R, K, ...]
+    block; `layer_sharding`, a sharding of the whole mesh, is not applied
+    inside `shard_map`."""
+    dyn, drops = jtu.tree_map(lambda a: a[0], (dyn, drops))
+    stage = jax.lax.axis_index(p.stage_axis)
+    vary = lambda a: jax.lax.pcast(a, (p.stage_axis,), to="varying")
+    table, stages, repeats = p.table, p.stages, p.repeats
     # Stage 0 of round r > 0 takes what the last stage sent at the tick before.
     arrived = np.concatenate([[-1], table.microbatch[:-1, -1]]).astype(np.int32)
     last = np.where(table.repeat[:, -1] == repeats - 1, table.microbatch[:, -1], -1)
@@ -474,88 +591,32 @@ def pipeline(
     senders = stages if repeats > 1 else stages - 1
     shift = [(s, (s + 1) % stages) for s in range(senders)]
 
-    def stage_fn(dyn: PyTree, drops: _Drops | None, xs: jax.Array) -> jax.Array:
-        # Runs on every stage at once (shard_map): `dyn` and `drops` hold this
-        # stage's [1, R, K, ...] block. `layer_sharding`, a sharding of the
-        # whole mesh, is not applied inside `shard_map`.
-        dyn, drops = jtu.tree_map(lambda a: a[0], (dyn, drops))
-        stage = jax.lax.axis_index(stage_axis)
-        vary = lambda a: jax.lax.pcast(a, (stage_axis,), to="varying")
-        state = vary(jnp.zeros_like(xs[0]))
-        # Stage 0's inputs: the microbatches, each replaced by its output of the
-        # last round once the last stage sends it back.
-        inputs = vary(xs)
-        outputs = vary(jnp.zeros_like(xs))
-
-        def put(buf: jax.Array, index: Int[Array, ""], value: jax.Array) -> jax.Array:
-            # Writes one slot, and only where `index >= 0`.
-            i = jnp.maximum(index, 0)
-            old = jax.lax.dynamic_index_in_dim(buf, i, keepdims=False)
-            new = jnp.where(index >= 0, value, old)
-            return jax.lax.dynamic_update_index_in_dim(buf, new, i, axis=0)
-
-        def tick(carry: tuple, step: tuple) -> tuple[tuple, None]:
-            state, inputs, outputs = carry
-            microbatch, repeat, arrived, last = step
-            m = jnp.maximum(microbatch[stage], 0)
-            r = jnp.maximum(repeat[stage], 0)
-            if repeats > 1:
-                inputs = put(inputs, jnp.where(stage == 0, arrived, -1), state)
-            fresh = jax.lax.dynamic_index_in_dim(inputs, m, keepdims=False)
-            chunk = jtu.tree_map(
-                lambda a: jax.lax.dynamic_index_in_dim(a, r, keepdims=False), dyn
-            )
-            local = restack(
-                stack,
-                layers=eqx.combine(chunk, static),
-                num_layers=per_chunk,
-                layer_sharding=None,
-                # The whole stack's drops, if any, are applied below.
-                drop_path=0.0,
-                layer_drop=0.0,
-            )
-            call = LayerCall((), {}, None)
-            if drops is not None:
-                # This chunk's LayerDrop choice, gated by its scan, and its
-                # drop-path masks of microbatch m's rows.
-                at = lambda a, i, axis=0: jax.lax.dynamic_index_in_dim(
-                    a, i, axis, keepdims=False
-                )
-                mine = jtu.tree_map(lambda a: at(a, r), drops)
-                call = call._replace(keep=mine.keep)
-                if mine.path_keep is not None:
-                    path = DropInputs(
-                        mine.path_rate,
-                        jnp.zeros_like(mine.path_rate),
-                        None,
-                        (True, False),
-                        gated=True,
-                        path_keep=at(mine.path_keep, m, 1),
-                    )
-                    call = call._replace(drop=path)
-            out = scan_layers(local, jnp.where(stage == 0, fresh, state), call)[0]
-            outputs = put(outputs, jnp.where(stage == stages - 1, last, -1), out)
-            state = jax.lax.ppermute(out, stage_axis, shift)
-            return (state, inputs, outputs), None
-
-        (_, _, outputs), _ = jax.lax.scan(
-            tick, (state, inputs, outputs), tuple(map(jnp.asarray, steps))
+    def tick(carry: tuple, step: tuple) -> tuple[tuple, None]:
+        # `state`: what this stage received; `inputs`: stage 0's microbatches,
+        # each replaced by its output of the last round once it comes back.
+        state, inputs, outputs = carry
+        microbatch, repeat, arrived, last = step
+        m = jnp.maximum(microbatch[stage], 0)
+        r = jnp.maximum(repeat[stage], 0)
+        if repeats > 1:
+            inputs = _put(inputs, jnp.where(stage == 0, arrived, -1), state)
+        fresh = _at(inputs, m)
+        chunk = jtu.tree_map(lambda a: _at(a, r), dyn)
+        local = restack(
+            stack,
+            layers=eqx.combine(chunk, static),
+            num_layers=p.per_chunk,
+            layer_sharding=None,
+            # The whole stack's drops, if any, are applied by `_chunk_call`.
+            drop_path=0.0,
+            layer_drop=0.0,
         )
-        return outputs[None]
+        call = _chunk_call(drops, r, m)
+        out = scan_layers(local, jnp.where(stage == 0, fresh, state), call)[0]
+        outputs = _put(outputs, jnp.where(stage == stages - 1, last, -1), out)
+        state = jax.lax.ppermute(out, p.stage_axis, shift)
+        return (state, inputs, outputs), None
 
-    layer_spec = PartitionSpec(stage_axis)
-    rows_spec = PartitionSpec(None, batch_axes or None)
-    # Each stage's layers on its devices; the microbatches on every stage, their
-    # rows split over `batch_axes`.
-    dyn, drops = constrain((dyn, drops), NamedSharding(mesh, layer_spec))
-    xs = constrain(xs, NamedSharding(mesh, rows_spec))
-    out = jax.shard_map(
-        stage_fn,
-        mesh=mesh,
-        in_specs=(*jtu.tree_map(lambda _: layer_spec, (dyn, drops)), PartitionSpec()),
-        out_specs=PartitionSpec(stage_axis),
-        axis_names={stage_axis},
-    )(dyn, drops, xs)
-    # Only the last stage's buffer holds outputs.
-    out = constrain(out, NamedSharding(mesh, PartitionSpec(None, None, *rows_spec[1:])))
-    return out[stages - 1].reshape(x.shape)
+    start = (vary(jnp.zeros_like(xs[0])), vary(xs), vary(jnp.zeros_like(xs)))
+    (_, _, outputs), _ = jax.lax.scan(tick, start, tuple(map(jnp.asarray, steps)))
+    return outputs[None]

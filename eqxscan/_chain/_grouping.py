@@ -1,19 +1,19 @@
 """How `Chain` groups its layers: a dynamic programme over groupings.
 
-Layers are first labelled by [`stack_classes`][eqxscan._plan.stack_classes] (two
-layers share a label iff they can be stacked together); [`plan`][eqxscan._plan.plan]
-then picks the grouping of the labels that traces the fewest layer bodies.
+Layers are first labelled by `stack_classes` (two layers share a label iff they
+can be stacked together); `plan` then picks the grouping of the labels that
+traces the fewest layer bodies.
 """
 
 import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from ._alike import alike
+from .._alike import alike
 
 
 class Group(NamedTuple):
-    """One group of a [`Plan`][eqxscan._plan.Plan]: the next `size` layers.
+    """One group of a `Plan`: the next `size` layers.
 
     - `period == 0`: one lone layer (`size == 1`), called directly.
     - `period == 1`: a run of `size` like layers, scanned.

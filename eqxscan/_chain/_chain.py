@@ -1,63 +1,53 @@
 """`Chain`: heterogeneous depth. Runs of like layers and repeating patterns of
 layers are scanned; the remaining layers are called directly. The grouping is
-chosen by `eqxscan._plan`."""
+chosen by `_grouping.py`."""
 
-import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple, overload, SupportsIndex, Unpack
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-import numpy as np
-from jaxtyping import Array, Int, PRNGKeyArray, PyTree
+from jaxtyping import PRNGKeyArray, PyTree
 
-from ._checks import (
+from .._checks import (
     CarryError,
     check_bool,
-    check_carry,
     check_index,
     describe,
     first_difference,
     noted,
     split_key,
 )
-from ._constrain import constrain
-from ._drop import depth_drop, DepthDrop, rates_of
-from ._eager import compiled_when_eager
-from ._grouping import explain, warn_identity
+from .._drop import depth_drop, DepthDrop, rates_of
+from .._eager import compiled_when_eager
 
 # Chain hands its layers their inputs through the layer-call seam: a lone
 # layer is run as layer `start` of the chain's call, a scanned group gets the
 # call's part for its layers (`LayerCall.part`), and a repeated unit's layers
 # the inner call of their repeat (`LayerCall.inner`).
-from ._layer_call import (
+from .._layer_call import (
     carry_only,
     check_method,
     check_per_layer,
-    Index,
-    index,
     LayerCall,
     Method,
     OneLayer,
     pairs,
     run_one,
-    Segment,
     Unit,
 )
-from ._options import ScanArgs, Scanning, ScanOptions
-from ._plan import Plan, plan, stack_classes
-from ._stacked import (
+from .._options import ScanArgs, Scanning, ScanOptions
+from .._stacked import (
     dropping_call,
-    layer_of,
     LayerIndex,
     scan_layers,
-    stack_layer_fn,
     Stacked,
     StateDictFn,
 )
-from ._stateful import find_state, get_arg, replace_arg, state_pair
+from .._stateful import find_state, get_arg, replace_arg, state_pair
+from ._explain import explain, warn_identity
+from ._grouping import Plan, plan, stack_classes
 
 
 class Span(NamedTuple):
@@ -656,177 +646,3 @@ class Chain(Scanning):
         # with everything else per layer.
         call = dropping_call(self.depth_drop, call, key, "Chain")
         return run_groups(self.groups, self.layout, x, call, "Chain")
-
-
-# ---------------------------------------------------------------------------
-# The chain's layers one at a time, for walks and traced subsets: what `Chain`
-# answers to "layer i as a function of the carry" (see `eqxscan._layer_call`).
-
-
-def chain_segments(
-    groups: tuple[Any, ...], layout: tuple[Span, ...], call: LayerCall, first: int = 0
-) -> tuple[Segment, ...]:
-    """The groups' layers as segments of a walk in order (see `Segment`): a
-    lone layer alone, a run one layer per step, a repeated unit one repeat per
-    step (its own segments); `first` is the global index of the first layer."""
-    out = []
-    for group, span in zip(groups, layout):
-        start = first + span.start
-        if span.period == 0:
-            one, name = call.at(span.start), type(group).__name__
-            fn = functools.partial(_lone_fn, group, call, one, name)
-            out.append(Segment(start, 1, 1, lambda j, fn=fn: fn, name, alone=True))
-        elif span.period == 1:
-            part = call.part(span.start, span.size, 1)
-            step = functools.partial(stack_layer_fn, group, part)
-            out.append(Segment(start, span.size, 1, step, type(group.layers).__name__))
-        else:
-            part = call.part(span.start, span.size, span.period)
-            step = functools.partial(_repeat_segments, group, span, part, start)
-            repeats = span.size // span.period
-            name = ", ".join(group.layers.class_names())
-            out.append(Segment(start, repeats, span.period, step, name))
-    return tuple(out)
-
-
-def _lone_fn(
-    layer: object, call: LayerCall, one: OneLayer, name: str, c: PyTree
-) -> PyTree:
-    return run_one(layer, call, one, c, name)[0]
-
-
-def _repeat_segments(
-    group: Stacked, span: Span, part: LayerCall, start: int, r: Index
-) -> tuple[Segment, ...]:
-    # Repeat `r` of a periodic group: its unit's layers, with the repeat's inputs.
-    unit: Period = layer_of(group, r)
-    first = start + (r * span.period if isinstance(r, int) else 0)
-    return chain_segments(unit.groups, unit.layout, part.inner(part.at(r)), first)
-
-
-class _Branch(NamedTuple):
-    """One body of a chain's traced subset: a lone layer or a scanned run,
-    reached from the chain's groups by `path` (a group index at each level, one
-    level per repeated unit on the way). Its layer is indexed by one traced
-    index per repeated unit, then one for a run (`run`); `layers` are the
-    global indices it covers."""
-
-    path: tuple[int, ...]
-    run: bool
-    layers: tuple[int, ...]
-    name: str
-
-
-def _walk(
-    groups: tuple, layout: tuple[Span, ...], path: tuple[int, ...], reps: tuple
-) -> Iterator[tuple[tuple[int, ...], bool, tuple[int, ...], str]]:
-    """`(path, run, indices, class name)` for each layer of `groups`, in order:
-    which body runs it and the indices (repeats, then the run's offset) that
-    pick its weights."""
-    for j, (group, span) in enumerate(zip(groups, layout)):
-        here = path + (j,)
-        if span.period == 0:
-            yield here, False, reps, type(group).__name__
-        elif span.period == 1:
-            name = type(group.layers).__name__
-            for o in range(span.size):
-                yield here, True, reps + (o,), name
-        else:
-            unit: Period = group.layers
-            for r in range(span.size // span.period):
-                yield from _walk(unit.groups, unit.layout, here, reps + (r,))
-
-
-def _describe_layers(layers: tuple[int, ...], name: str) -> str:
-    if len(layers) == 1:
-        return f"Layer {layers[0]} ({name})"
-    if layers == tuple(range(layers[0], layers[-1] + 1)):
-        return f"Layers {layers[0]}-{layers[-1]} ({name}, one body)"
-    shown = ", ".join(map(str, layers[:6])) + (", ..." if len(layers) > 6 else "")
-    return f"Layers {shown} ({name}, one body)"
-
-
-def _chain_table(chain: "Chain") -> tuple[list[_Branch], np.ndarray]:
-    """The chain's bodies, and for each global layer a row `[body, i_0, ...]`:
-    which body runs it and the indices of its weights (padded with zeros)."""
-    walked = list(_walk(chain.groups, chain.layout, (), ()))
-    paths = list(dict.fromkeys(path for path, _, _, _ in walked))
-    width = 1 + max(len(indices) for _, _, indices, _ in walked)
-    table = np.zeros((len(walked), width), np.int32)
-    for g, (path, _, indices, _) in enumerate(walked):
-        table[g, : 1 + len(indices)] = (paths.index(path), *indices)
-    branches = []
-    for b, path in enumerate(paths):
-        layers = tuple(int(g) for g in np.flatnonzero(table[:, 0] == b))
-        _, run, _, name = walked[layers[0]]
-        branches.append(_Branch(path, run, layers, _describe_layers(layers, name)))
-    return branches, table
-
-
-def _branch_layer(chain: "Chain", branch: _Branch, row: Int[Array, " w"]) -> object:
-    """The layer of `branch` that `row` (a row of `_chain_table`) picks: the
-    group reached by `branch.path`, indexed by the row's traced indices."""
-    groups: tuple = chain.groups
-    group: Any = None
-    indices = []
-    for level, j in enumerate(branch.path):
-        group = groups[j]
-        if level < len(branch.path) - 1:  # a repeated unit: pick the repeat
-            indices.append(row[1 + level])
-            groups = group.layers.groups
-    tree = group.layers if branch.run else group
-    if branch.run:  # then the layer within the run
-        indices.append(row[len(branch.path)])
-    for i in indices:
-        tree = index(tree, i)
-    if branch.run and group.layer_sharding is not None:
-        dyn, static = eqx.partition(tree, eqx.is_array)
-        tree = eqx.combine(constrain(dyn, group.layer_sharding), static)
-    return tree
-
-
-def chain_layer_fn(
-    chain: "Chain",
-    call: LayerCall,
-    name_inputs: Callable[[PyTree], PyTree],
-    carry_static: PyTree,
-    hint: str,
-) -> Callable[[Int[Array, ""], PyTree], PyTree]:
-    """Layer `g` (a traced global index) of `chain` as a function of the carry,
-    `fn(g, carry)`: a `lax.switch` on the body that holds the layer, which reads
-    its one layer from its group's stacked weights (a lone layer as it is).
-    Every body is traced once and must return a carry like the one it
-    receives (a `TypeError` naming the layer, with `hint`, otherwise).
-    `name_inputs` names what a body reads as the step's inputs."""
-    branches, table = _chain_table(chain)
-    rows = jnp.asarray(table)
-
-    def body(branch: _Branch, row: Array, one: OneLayer) -> Callable[[PyTree], PyTree]:
-        # Only the carry's arrays pass through the `switch`; the rest (broadcast
-        # arguments may be any Python value) is closed over.
-        def fn(c_dyn: PyTree) -> PyTree:
-            layer = name_inputs(_branch_layer(chain, branch, row))
-            old = eqx.combine(c_dyn, carry_static)
-            where = branch.name
-            new = noted(_lone_fn, where, layer, call, one, where, old)
-            try:
-                check_carry(old, new, where)
-            except CarryError as e:
-                raise TypeError(f"{call.caller}: {where} {e.what}\n{hint}") from None
-            return eqx.filter(new, eqx.is_array)
-
-        return fn
-
-    def layer(g: Int[Array, ""], carry: PyTree) -> PyTree:
-        row = rows[g]
-        one = name_inputs(call.at(g))
-        bodies = [body(branch, row, one) for branch in branches]
-        new = jax.lax.switch(row[0], bodies, eqx.filter(carry, eqx.is_array))
-        return eqx.combine(new, carry_static)
-
-    return layer
-
-
-def chain_bodies(chain: "Chain") -> int:
-    """How many layer bodies a traced subset of `chain` switches over."""
-    return len(_chain_table(chain)[0])

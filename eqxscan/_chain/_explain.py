@@ -5,7 +5,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from ._alike import compare, Difference
+from .._alike import compare, Difference
 
 
 def _reason(diff: Difference, j: int, other: Any) -> str:
