@@ -104,7 +104,7 @@ def muon(
       `ns_steps`, `weight_decay`, `adam_learning_rate`, `consistent_rms`, ...),
       except `muon_weight_dimension_numbers` (set here) and `adaptive=True`,
       which scales each leaf by one inner product over all its layers; use
-      `eqxscan.optim.per_layer(optax.contrib.muon(..., adaptive=True))` for it.
+      `eqxscan.optim.layerwise(optax.contrib.muon(..., adaptive=True))` for it.
 
     **Returns:**
 
@@ -124,7 +124,7 @@ def muon(
             "eqxscan.optim.muon does not support adaptive=True: optax scales each "
             "leaf by one inner product over the whole leaf, which on a stacked "
             "weight would mix all its layers.\n"
-            "Hint: use eqxscan.optim.per_layer(optax.contrib.muon(..., "
+            "Hint: use eqxscan.optim.layerwise(optax.contrib.muon(..., "
             "adaptive=True)), which runs optax per layer."
         )
     inner = optax.contrib.muon(
