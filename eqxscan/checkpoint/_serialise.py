@@ -23,6 +23,7 @@ import os
 import re
 import struct
 import tempfile
+import tokenize
 import zipfile
 import zlib
 from collections.abc import Iterator, Mapping
@@ -62,8 +63,19 @@ _ZIP_ERRORS = (
 )
 
 
+# What NumPy's `.npy` header parser raises besides those: `ast.literal_eval`'s
+# errors (`MemoryError` is its parser's stack overflow on a deeply nested
+# header, at most `_MAX_HEADER` bytes), and `tokenize`'s, from its second try at
+# a header it cannot parse.
+_HEADER_ERRORS = (SyntaxError, tokenize.TokenError, TypeError, MemoryError)
+
+
 class _Corrupt(ValueError):
     """Raised inside the reader; `load_state_dict` adds the file's name."""
+
+
+class _Foreign(_Corrupt):
+    """A well-formed file, but of another writer or another format."""
 
 
 def _digest(array: np.ndarray) -> str:
@@ -110,21 +122,36 @@ def save(path: str | os.PathLike, model: Any) -> None:
         )
     prefix = f".{os.path.basename(path)}."
     _remove_stale(directory, prefix)
-    fd, tmp = _locked_temporary(directory, prefix)
     try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays, **{_MANIFEST: np.array(manifest)})
-            f.flush()
-            os.fsync(f.fileno())
-            # Renamed while still locked, so no other save takes it for stale.
-            os.replace(tmp, path)
-    except BaseException:
+        fd, tmp = _locked_temporary(directory, prefix)
         try:
-            os.remove(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, **arrays, **{_MANIFEST: np.array(manifest)})
+                f.flush()
+                os.fsync(f.fileno())
+                # Renamed while still locked, so no other save takes it for stale.
+                os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.remove(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+    except OSError as e:
+        raise _refused_save(e, path, directory) from e
     _fsync_dir(directory)
+
+
+def _refused_save(e: OSError, path: str, directory: str) -> OSError:
+    """`e`, of the same class and `errno`, naming `path`: the system's own
+    message names the hidden temporary file, or no file at all."""
+    error = type(e)(
+        f"Cannot save to {path!r}: {e}.\nHint: eqxscan.save writes a temporary "
+        f"file ('.{os.path.basename(path)}.XXXXXXXX.tmp') in {directory!r}, then "
+        "renames it to the path; any previous file at the path is left as it was."
+    )
+    error.errno = e.errno
+    return error
 
 
 def _locked_temporary(directory: str, prefix: str) -> tuple[int, str]:
@@ -207,14 +234,20 @@ def _header(f: Any, member: str) -> tuple[tuple[int, ...], bool, np.dtype, int]:
             raise ValueError(f".npy format version {version}")
     except _Corrupt:
         raise
-    except (*_ZIP_ERRORS, SyntaxError) as e:
-        raise _Corrupt(f"member {member!r} has no valid .npy header ({e})") from None
+    except (*_ZIP_ERRORS, *_HEADER_ERRORS) as e:
+        why = str(e) or type(e).__name__
+        raise _Corrupt(f"member {member!r} has no valid .npy header ({why})") from None
     if dtype.hasobject or dtype.fields is not None or dtype.subdtype is not None:
         raise _Corrupt(
             f"member {member!r} holds {dtype} values, not plain numbers; eqxscan "
             "never stores such members and does not read them"
         )
     return tuple(shape), bool(fortran), dtype, f.tell()
+
+
+def _is_number(dtype: np.dtype) -> bool:
+    # "V": how `.npy` stores bfloat16 and the other ML dtypes.
+    return dtype.kind in "biufcV" and not dtype.hasobject and not dtype.fields
 
 
 def _nbytes(shape: tuple[int, ...], dtype: np.dtype) -> int:
@@ -303,9 +336,15 @@ class _Archive(Mapping[str, _Member]):
                 manifest = json.loads(text)
             except (ValueError, RecursionError) as e:
                 raise _Corrupt(f"its manifest is not valid JSON ({e})") from None
+            found = manifest.get("format") if isinstance(manifest, dict) else None
+            if type(found) is int and found != _FORMAT:
+                raise _Foreign(
+                    f"its manifest ('{_MANIFEST}.npy') is of format {found}, and "
+                    f"this version of eqxscan reads format {_FORMAT}"
+                )
             if (
                 not isinstance(manifest, dict)
-                or manifest.get("format") != _FORMAT
+                or found != _FORMAT
                 or not isinstance(manifest.get("arrays"), dict)
             ):
                 raise _Corrupt(
@@ -347,6 +386,13 @@ class _Archive(Mapping[str, _Member]):
         entries = {}
         for name in self.members:
             shape, _, dtype, offset = self._open_header(name)
+            if not _is_number(dtype):
+                what = {"U": "text", "S": "bytes"}.get(dtype.kind, "values")
+                raise _Foreign(
+                    f"it holds '{name}.npy' ({dtype.name} {what}), which eqxscan "
+                    f"does not read, and no '{_MANIFEST}.npy' (the manifest "
+                    f"eqxscan.save writes, format {_FORMAT})"
+                )
             if self.members[name].file_size != offset + _nbytes(shape, dtype):
                 raise _Corrupt(
                     f"member '{name}.npy' holds {self.members[name].file_size} "
@@ -372,8 +418,10 @@ class _Archive(Mapping[str, _Member]):
         try:
             dtype = jnp.dtype(entry.get("dtype"))
         except (TypeError, ValueError):
-            raise bad(f"has dtype {entry.get('dtype')!r}, which is none") from None
-        if dtype.kind not in "biufcV" or dtype.hasobject or dtype.fields:
+            raise bad(
+                f"has dtype {entry.get('dtype')!r}, which NumPy does not know"
+            ) from None
+        if not _is_number(dtype):
             raise bad(f"has dtype {dtype}, which eqxscan never stores")
         digest = entry.get("sha256")
         if digest is not None and not (
@@ -460,6 +508,13 @@ class _Archive(Mapping[str, _Member]):
 
 
 def _corrupt(path: str, e: _Corrupt) -> ValueError:
+    if isinstance(e, _Foreign):
+        return ValueError(
+            f"Checkpoint file {path!r} was written by another version of eqxscan "
+            f"or by another program: {e}.\nHint: load it with what wrote it and "
+            "save it again with this version's eqxscan.save (a plain numpy.savez "
+            f"of eqxscan.to_state_dict's arrays loads too); {_DOCS}."
+        )
     return ValueError(
         f"Checkpoint file {path!r} is corrupt or was not written by eqxscan.save: "
         f"{e}.\nHint: restore it from a copy, or save it again; {_DOCS}."
