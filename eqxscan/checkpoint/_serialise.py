@@ -17,6 +17,7 @@ array is checked against its digest. No member is ever unpickled.
 """
 
 import hashlib
+import io
 import json
 import math
 import os
@@ -26,18 +27,20 @@ import tempfile
 import tokenize
 import zipfile
 import zlib
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import TypedDict, TypeVar
 
 
 try:
     import fcntl
 except ImportError:  # pragma: no cover - not POSIX: stale files are not collected
-    fcntl = None  # type: ignore[assignment]
+    fcntl = None
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import PyTree
+from numpy.typing import DTypeLike
 
 from .._internal import check_path, describe, is_arraylike
 from ._state_dict import from_state_dict, to_state_dict
@@ -70,6 +73,19 @@ _ZIP_ERRORS = (
 _HEADER_ERRORS = (SyntaxError, tokenize.TokenError, TypeError, MemoryError)
 
 
+T = TypeVar("T")
+# A `.npy` header: shape, Fortran order, dtype, and its size in bytes.
+_Header = tuple[tuple[int, ...], bool, np.dtype, int]
+
+
+class _Entry(TypedDict):
+    """What the manifest (or a `.npy` header) says of one array."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    sha256: str | None
+
+
 class _Corrupt(ValueError):
     """Raised inside the reader; `load_state_dict` adds the file's name."""
 
@@ -80,10 +96,10 @@ class _Foreign(_Corrupt):
 
 def _digest(array: np.ndarray) -> str:
     flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-    return hashlib.sha256(flat).hexdigest()
+    return hashlib.sha256(flat.data).hexdigest()
 
 
-def save(path: str | os.PathLike, model: Any) -> None:
+def save(path: str | os.PathLike, model: PyTree) -> None:
     """Save `model`'s arrays to one `.npz` file, atomically.
 
     The archive holds [`eqxscan.to_state_dict`][]`(model)` (per-layer names such
@@ -126,7 +142,7 @@ def save(path: str | os.PathLike, model: Any) -> None:
         fd, tmp = _locked_temporary(directory, prefix)
         try:
             with os.fdopen(fd, "wb") as f:
-                np.savez(f, **arrays, **{_MANIFEST: np.array(manifest)})
+                _write_npz(f, {**arrays, _MANIFEST: np.array(manifest)})
                 f.flush()
                 os.fsync(f.fileno())
                 # Renamed while still locked, so no other save takes it for stale.
@@ -140,6 +156,15 @@ def save(path: str | os.PathLike, model: Any) -> None:
     except OSError as e:
         raise _refused_save(e, path, directory) from e
     _fsync_dir(directory)
+
+
+def _write_npz(f: io.BufferedIOBase, arrays: Mapping[str, np.ndarray]) -> None:
+    # As `numpy.savez` writes it, without its keywords: an array named `file` or
+    # `allow_pickle` would be taken for one.
+    with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as z:
+        for name, array in arrays.items():
+            with z.open(f"{name}.npy", "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, array, allow_pickle=False)
 
 
 def _refused_save(e: OSError, path: str, directory: str) -> OSError:
@@ -217,7 +242,7 @@ def _fsync_dir(directory: str) -> None:
 # Reading.
 
 
-def _header(f: Any, member: str) -> tuple[tuple[int, ...], bool, np.dtype, int]:
+def _header(f: io.BufferedIOBase, member: str) -> _Header:
     """`(shape, fortran_order, dtype, header bytes)` of the `.npy` member open
     as `f`, reading only its header."""
     try:
@@ -259,16 +284,18 @@ class _Member:
     NumPy asks for it: `shape` and `dtype` come from the manifest, so a model's
     names, shapes and dtypes are all checked before anything is read."""
 
-    def __init__(self, archive: "_Archive", name: str, entry: dict[str, Any]):
+    def __init__(self, archive: "_Archive", name: str, entry: _Entry):
         self.archive, self.name = archive, name
-        self.shape: tuple[int, ...] = entry["shape"]
-        self.dtype: np.dtype = entry["dtype"]
-        self.sha256: str | None = entry.get("sha256")
+        self.shape = entry["shape"]
+        self.dtype = entry["dtype"]
+        self.sha256 = entry["sha256"]
 
     def read(self) -> np.ndarray:
         return self.archive.read(self)
 
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+    def __array__(
+        self, dtype: DTypeLike | None = None, copy: bool | None = None
+    ) -> np.ndarray:
         array = self.read()
         return array if dtype is None else array.astype(dtype)
 
@@ -329,7 +356,7 @@ class _Archive(Mapping[str, _Member]):
             members[name[:-4]] = info
         return members
 
-    def _manifest(self) -> dict[str, dict[str, Any]]:
+    def _manifest(self) -> dict[str, _Entry]:
         if _MANIFEST in self.members:
             text = self._text(_MANIFEST)
             try:
@@ -383,7 +410,7 @@ class _Archive(Mapping[str, _Member]):
             return entries
         # A plain `numpy.savez` of a state dict: shapes, dtypes and sizes come
         # from each member's `.npy` header.
-        entries = {}
+        entries: dict[str, _Entry] = {}
         for name in self.members:
             shape, _, dtype, offset = self._open_header(name)
             if not _is_number(dtype):
@@ -402,7 +429,7 @@ class _Archive(Mapping[str, _Member]):
             entries[name] = self._entry(name, entry)
         return entries
 
-    def _entry(self, name: Any, entry: Any) -> dict[str, Any]:
+    def _entry(self, name: object, entry: object) -> _Entry:
         def bad(why: str) -> _Corrupt:
             return _Corrupt(f"its manifest entry {name!r} {why}")
 
@@ -430,9 +457,14 @@ class _Archive(Mapping[str, _Member]):
             raise bad(f"has sha256 {digest!r}, not 64 hex digits")
         return {"dtype": dtype, "shape": tuple(shape), "sha256": digest}
 
-    def _open_header(self, name: str) -> tuple[tuple[int, ...], bool, np.dtype, int]:
+    def _member_file(self, info: zipfile.ZipInfo) -> io.BufferedIOBase:
+        f = self.zip.open(info)
+        assert isinstance(f, io.BufferedIOBase)  # a `zipfile.ZipExtFile`
+        return f
+
+    def _open_header(self, name: str) -> _Header:
         try:
-            with self.zip.open(self.members[name]) as f:
+            with self._member_file(self.members[name]) as f:
                 return _header(f, f"{name}.npy")
         except _Corrupt:
             raise
@@ -446,11 +478,13 @@ class _Archive(Mapping[str, _Member]):
         data = self._data(name, lambda shape, dtype: dtype.kind == "U" and not shape)
         return str(data[()])
 
-    def _data(self, name: str, accept: Any) -> np.ndarray:
+    def _data(
+        self, name: str, accept: Callable[[tuple[int, ...], np.dtype], bool]
+    ) -> np.ndarray:
         member = f"{name}.npy"
         info = self.members[name]
         try:
-            with self.zip.open(info) as f:
+            with self._member_file(info) as f:
                 shape, fortran, dtype, offset = _header(f, member)
                 if not accept(shape, dtype):
                     raise _Corrupt(
@@ -463,7 +497,7 @@ class _Archive(Mapping[str, _Member]):
                         f"header says {dtype.name}{list(shape)}"
                     )
                 array = np.empty(shape[::-1] if fortran else shape, dtype)
-                view = memoryview(array.reshape(-1).view(np.uint8))
+                view = array.reshape(-1).view(np.uint8).data
                 if f.readinto(view) != view.nbytes or f.read(1):
                     raise _Corrupt(f"member {member!r} is truncated")
         except _Corrupt:
@@ -554,7 +588,7 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
         archive.close()
 
 
-def load(path: str | os.PathLike, like: Any) -> Any:
+def load(path: str | os.PathLike, like: T) -> T:
     """Load a file written by [`eqxscan.save`][] into a model shaped like `like`.
 
     Names, shapes and dtypes are checked against `like` before any array is
