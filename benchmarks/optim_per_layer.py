@@ -1,15 +1,15 @@
-"""`eqxscan.optim.per_layer`: equality with the unstacked model, and step time.
+"""`eqxscan.optim.layerwise`: equality with the unstacked model, and step time.
 
     python benchmarks/optim_per_layer.py [equality|time|all]
 
 - `equality`: the largest difference between any parameter of a stacked model
   and of the same layers kept in a list, after 20 training steps on the same
-  data, with `per_layer(tx)` on the stacked model and without it, for each
+  data, with `layerwise(tx)` on the stacked model and without it, for each
   transformation, on a StackedMLP-style stack and a Transformer block stack,
   each as a `Stacked` and as a `Chain` (two repeats of `block, block, dense`:
   a stack of units, each holding a stack of two blocks).
 - `time`: the step time of a `StackedMLP` (L=16, D=256) trained with
-  `per_layer(optax.adamw)` against plain `optax.adamw`, warmed up, timed in
+  `layerwise(optax.adamw)` against plain `optax.adamw`, warmed up, timed in
   interleaved repeats; the median of each and the median of the paired ratios,
   for the whole train step and for the optimiser update alone.
 
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import optax
 
 import eqxscan
-from eqxscan.optim import per_layer
+from eqxscan.optim import layerwise
 
 
 DIM, LAYERS, SEQ, STEPS = 32, 4, 8, 20
@@ -171,7 +171,7 @@ def equality() -> None:
     print(
         f"Max abs parameter difference from the unstacked model after {STEPS} "
         f"steps (fp32, D={DIM}, {LAYERS} stacked layers or a Chain of 6): "
-        "`per_layer(tx)` / plain `tx` on the stacked model.\n"
+        "`layerwise(tx)` / plain `tx` on the stacked model.\n"
     )
     print("| transformation | " + " | ".join(f"{b} {k}" for b, _, k in cases) + " |")
     print("|---" * (len(cases) + 1) + "|")
@@ -182,7 +182,7 @@ def equality() -> None:
         cells = []
         for stacked, unstacked in built:
             want = train(unstacked, wrap(make(), name), xs)
-            fixed = gap(train(stacked, wrap(per_layer(make()), name), xs), want)
+            fixed = gap(train(stacked, wrap(layerwise(make()), name), xs), want)
             plain = gap(train(stacked, wrap(make(), name), xs), want)
             cells.append(f"{fixed:.1e} / {plain:.1e}")
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
@@ -199,7 +199,7 @@ def timing(repeats: int = 21, steps: int = 5) -> None:
     runs = {}
     for name, tx in (
         ("adamw", optax.adamw(1e-3, weight_decay=0.1)),
-        ("per_layer(adamw)", per_layer(optax.adamw(1e-3, weight_decay=0.1))),
+        ("layerwise(adamw)", layerwise(optax.adamw(1e-3, weight_decay=0.1))),
     ):
 
         @eqx.filter_jit
@@ -243,10 +243,10 @@ def timing(repeats: int = 21, steps: int = 5) -> None:
         f"process ({jax.device_count()} device): median of {repeats} interleaved "
         f"repeats of {steps} steps; ratio: median of the per-repeat ratios.\n"
     )
-    print("| program | adamw (ms) | per_layer(adamw) (ms) | ratio |")
+    print("| program | adamw (ms) | layerwise(adamw) (ms) | ratio |")
     print("|---|---|---|---|")
     for which, label in ((0, "train step (grad + update)"), (1, "update alone")):
-        base, ours = times[("adamw", which)], times[("per_layer(adamw)", which)]
+        base, ours = times[("adamw", which)], times[("layerwise(adamw)", which)]
         # Each repeat times the two back to back: the median of their ratios
         # cancels the drift of a busy machine.
         ratio = statistics.median(o / b for o, b in zip(ours, base, strict=True))

@@ -5,15 +5,17 @@ one scan engine. Each subpackage builds on the core's public names and its
 shared model walker: `eqxscan.remat` (the `"auto"` rule explained, memory
 budgets), `eqxscan.nn` (ready-made models), `eqxscan.checkpoint` (state dicts,
 files, Flax import), `eqxscan.sharding` (meshes, FSDP, pipelining, several
-processes, Orbax) and `eqxscan.optim` (optax helpers).
+processes, Orbax) and `eqxscan.optim` (optax helpers, imported on first use, so
+that `import eqxscan` does not import optax).
 """
 
+import importlib as _importlib
 import importlib.metadata as _metadata
+from typing import TYPE_CHECKING as _TYPE_CHECKING
 
 from . import (
     checkpoint as checkpoint,
     nn as nn,
-    optim as optim,
     remat as remat,
     sharding as sharding,
 )
@@ -48,3 +50,18 @@ from .remat import explain_auto as explain_auto
 
 
 __version__ = _metadata.version("eqxscan")
+
+
+if _TYPE_CHECKING:
+    from . import optim as optim
+
+
+def __getattr__(name: str) -> object:
+    # PEP 562: `eqxscan.optim` (and optax with it) is imported on first use.
+    if name == "optim":
+        return _importlib.import_module(f"{__name__}.optim")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), "optim"})

@@ -77,10 +77,12 @@ def docstrings() -> list[tuple[str, str]]:
 
     found = []
     namespaces = [("eqxscan", eqxscan)]
+    # `dir`, not `vars`: `eqxscan.optim` is imported on first use.
     namespaces += [
         (f"eqxscan.{n}", m)
-        for n, m in sorted(vars(eqxscan).items())
-        if inspect.ismodule(m) and not n.startswith("_") and n != "bench"
+        for n in dir(eqxscan)
+        if not n.startswith("_") and n != "bench"
+        if inspect.ismodule(m := getattr(eqxscan, n))
     ]
     for prefix, namespace in namespaces:
         for name in sorted(n for n in vars(namespace) if not n.startswith("_")):

@@ -3,6 +3,7 @@ stray step directories and bad step numbers. Every fault either loads exactly
 what was saved or raises an error naming the file (and the member or array),
 never a raw zip/NumPy error and never advice to unpickle."""
 
+import errno
 import fcntl
 import io
 import json
@@ -189,7 +190,7 @@ def test_manifest_promising_a_huge_array_is_refused_by_the_model(tmp_path):
     [
         ("{not json", "not valid JSON"),
         ("[1, 2]", "not one of format 1"),
-        ({"format": 2, "arrays": {}}, "not one of format 1"),
+        ({"format": "1", "arrays": {}}, "not one of format 1"),
         (
             lambda m: m["arrays"]["blocks.0.w1"].update(dtype="object"),
             "'blocks.0.w1' has dtype object",
@@ -278,6 +279,120 @@ def test_flipped_bits_load_the_saved_values_or_are_named(tmp_path):
         else:
             assert eqx.tree_equal(loaded, model), pos
     assert refused > 100
+
+
+def _with_header(npy, text):
+    """The `.npy` bytes `npy` with its header text replaced by `text`."""
+    assert npy[:8] == b"\x93NUMPY\x01\x00"
+    length = int.from_bytes(npy[8:10], "little")
+    return npy[:8] + len(text).to_bytes(2, "little") + text + npy[10 + length :]
+
+
+HEADER = b"{'descr': '<f4', 'fortran_order': False, 'shape': (4, 16), }"
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        HEADER.replace(b"}", b"|"),  # one flipped bit: tokenize.TokenError
+        HEADER.replace(b"}", b"[1]: 2}"),  # an unhashable key: TypeError
+        b"-" * 9000 + b"1",  # the parser's stack overflows: MemoryError
+    ],
+    ids=["unclosed", "unhashable", "nested"],
+)
+@pytest.mark.parametrize("manifest", [True, False])
+def test_unparsable_npy_headers_are_named(tmp_path, header, manifest):
+    # With a valid zip CRC, as a flip in a member larger than zipfile's first
+    # read leaves it when NumPy parses the header.
+    path = tmp_path / "ckpt.npz"
+    if manifest:
+        eqxscan.save(path, _mlp())
+    else:
+        np.savez(path, **eqxscan.to_state_dict(_mlp()))
+    members = _members(path)
+    members["blocks.0.w1.npy"] = _with_header(members["blocks.0.w1.npy"], header)
+    _write(path, members)
+    _refused(path, "'blocks.0.w1.npy' has no valid .npy header")
+    with pytest.raises(ValueError, match="'blocks.0.w1.npy' has no valid .npy"):
+        eqxscan.load_state_dict(path)
+
+
+@pytest.mark.parametrize("manifest", [True, False])
+def test_a_member_stored_twice_is_refused(tmp_path, manifest):
+    # Readers differ on which of two same-named members they take: `zipfile`
+    # the last, others the first. Here the last passes every other check.
+    path = tmp_path / "ckpt.npz"
+    if manifest:
+        eqxscan.save(path, _mlp())
+    else:
+        np.savez(path, **eqxscan.to_state_dict(_mlp()))
+    members = _members(path)
+    other = _npy(np.ones((4, 16), np.float32))
+    with zipfile.ZipFile(path, "w") as z:
+        with pytest.warns(UserWarning, match="Duplicate name"):
+            for name, data in [("blocks.0.w1.npy", other), *members.items()]:
+                z.writestr(name, data)
+    _refused(path, "a second member named 'blocks.0.w1.npy'")
+
+
+OLDER_WRITER = "was written by another version of eqxscan or by another program"
+
+
+def test_files_of_other_writers_are_refused_in_plain_words(tmp_path):
+    state = eqxscan.to_state_dict(_mlp())
+    # An older eqxscan: a table of dtype names instead of the manifest.
+    older = tmp_path / "older.npz"
+    dtypes = json.dumps({k: v.dtype.name for k, v in state.items()})
+    np.savez(older, **state, __eqxscan_dtypes__=np.array(dtypes))
+    msg = _refused(
+        older,
+        OLDER_WRITER,
+        "it holds '__eqxscan_dtypes__.npy' (str",
+        " text), which eqxscan does not read, and no '__eqxscan_manifest__.npy' "
+        "(the manifest eqxscan.save writes, format 1)",
+    )
+    assert "corrupt" not in msg.splitlines()[0] and "numpy.savez" in msg, msg
+    # Another program: text next to the arrays.
+    other = tmp_path / "other.npz"
+    np.savez(other, **state, meta=np.array(b"step=3"))
+    _refused(other, OLDER_WRITER, "'meta.npy' (bytes")
+    # A later format of the manifest.
+    later = _saved(tmp_path)
+    _with_manifest(later, {"format": 2, "arrays": {}})
+    _refused(
+        later,
+        OLDER_WRITER,
+        "its manifest ('__eqxscan_manifest__.npy') is of format 2, and this "
+        "version of eqxscan reads format 1",
+    )
+
+
+def test_refused_saves_name_the_path(tmp_path, monkeypatch):
+    # Too long a name for the temporary file, though not for the path itself.
+    path = tmp_path / ("c" * 250 + ".npz")
+    with pytest.raises(OSError) as e:
+        eqxscan.save(path, _mlp())
+    assert e.value.errno == errno.ENAMETOOLONG
+    assert str(e.value).startswith(f"Cannot save to {str(path)!r}: "), e.value
+    assert f"in {str(tmp_path)!r}" in str(e.value).splitlines()[1]
+    # The disk full at the end of a save: the system names no file at all.
+    path = _saved(tmp_path)
+    before = path.read_bytes()
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError) as e:
+        eqxscan.save(path, _mlp(1))
+    monkeypatch.undo()
+    assert type(e.value) is OSError and e.value.errno == errno.ENOSPC
+    first, hint = str(e.value).splitlines()
+    assert first == (
+        f"Cannot save to {str(path)!r}: [Errno 28] No space left on device."
+    ), first
+    assert hint.startswith("Hint: eqxscan.save writes a temporary file ")
+    assert path.read_bytes() == before and os.listdir(tmp_path) == [path.name]
 
 
 def test_plain_savez_files_without_digests_still_load(tmp_path):

@@ -168,7 +168,7 @@ def test_muon_newton_schulz_is_batched(getkey):
 
 
 def test_muon_bad_arguments():
-    with pytest.raises(ValueError, match="adaptive=True.*\n.*per_layer"):
+    with pytest.raises(ValueError, match="adaptive=True.*\n.*optim.layerwise"):
         eqxscan.optim.muon(1e-2, adaptive=True)
     with pytest.raises(TypeError, match="sets `muon_weight_dimension_numbers`"):
         eqxscan.optim.muon(1e-2, muon_weight_dimension_numbers=None)

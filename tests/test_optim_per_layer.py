@@ -1,4 +1,4 @@
-"""eqxscan.optim.per_layer: training a stacked model with `per_layer(tx)` equals
+"""eqxscan.optim.layerwise: training a stacked model with `layerwise(tx)` equals
 training the same layers kept in a list with `tx`; without it, transformations
 that read whole arrays give another result."""
 
@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import eqxscan
-from eqxscan.optim import freeze_layers, per_layer, weight_decay_mask
+from eqxscan.optim import freeze_layers, layerwise, weight_decay_mask
 
 from .helpers import run_script
 
@@ -149,7 +149,7 @@ def test_per_layer_equals_unstacked(getkey, name):
     stacked, unstacked = _models(getkey(), "stacked")
     x = _x(getkey())
     tx = TRANSFORMS[name]
-    got = _train(stacked, per_layer(tx()), x)
+    got = _train(stacked, layerwise(tx()), x)
     want = _train(unstacked, tx(), x)
     assert _gap(got, want) < 1e-5
     assert _gap(stacked, want) > 1e-3  # the steps moved the weights
@@ -159,7 +159,7 @@ def test_per_layer_equals_unstacked(getkey, name):
 def test_per_layer_structures(getkey, kind):
     stacked, unstacked = _models(getkey(), kind)
     x = _x(getkey())
-    # The global clip stays global outside per_layer; inside it Muon
+    # The global clip stays global outside layerwise; inside it Muon
     # orthogonalises each layer's matrices, LAMB takes one trust ratio per
     # layer's array. The chain's repeated unit is a stack of units holding a
     # stack of two blocks: nested layer axes.
@@ -168,7 +168,7 @@ def test_per_layer_structures(getkey, kind):
         "transformer": optax.contrib.muon(1e-2),
         "chain": optax.lamb(1e-2),
     }[kind]
-    got = _train(stacked, optax.chain(clip, per_layer(tx)), x)
+    got = _train(stacked, optax.chain(clip, layerwise(tx)), x)
     want = _train(unstacked, optax.chain(clip, tx), x)
     assert _gap(got, want) < 1e-5
     assert _gap(stacked, want) > 1e-3
@@ -186,14 +186,14 @@ def test_without_per_layer_results_differ(getkey):
     ):
         want = _train(unstacked, tx, x)
         assert _gap(_train(stacked, tx, x), want) > 1e-4
-        assert _gap(_train(stacked, per_layer(tx), x), want) < 1e-5
+        assert _gap(_train(stacked, layerwise(tx), x), want) < 1e-5
 
 
 def test_per_layer_with_freeze_and_masks(getkey):
     stacked, unstacked = _models(getkey(), "stacked")
     x = _x(getkey())
     adamw = optax.adamw(1e-2, weight_decay=0.5, mask=_ndim_mask)
-    tx = freeze_layers(per_layer(adamw), [0], where=lambda p: p.body)
+    tx = freeze_layers(layerwise(adamw), [0], where=lambda p: p.body)
     got = _train(stacked, tx, x)
     # By hand on the list: layer 0 gets no update at all.
     labels = Net("train", ["frozen", "train", "train"])  # a callable itself
@@ -203,9 +203,9 @@ def test_per_layer_with_freeze_and_masks(getkey):
     want = _train(unstacked, ref, x)
     assert _gap(got, want) < 1e-5
     np.testing.assert_array_equal(got.body.layers.w1[0], stacked.body.layers.w1[0])
-    # A mask outside per_layer sees the whole tree, one inside sees one layer.
+    # A mask outside layerwise sees the whole tree, one inside sees one layer.
     lamb = optax.lamb(1e-2)
-    got = _train(stacked, optax.masked(per_layer(lamb), weight_decay_mask), x)
+    got = _train(stacked, optax.masked(layerwise(lamb), weight_decay_mask), x)
     want = _train(unstacked, optax.masked(lamb, _ndim_mask), x)
     assert _gap(got, want) < 1e-5
 
@@ -213,7 +213,7 @@ def test_per_layer_with_freeze_and_masks(getkey):
 def test_per_layer_state_and_errors(getkey):
     stacked, _ = _models(getkey(), "stacked")
     params = eqx.filter(stacked, eqx.is_inexact_array)
-    tx = per_layer(optax.adam(1e-2))
+    tx = layerwise(optax.adam(1e-2))
     state = tx.init(params)
     mu = state.stacks[0][0].mu
     # Buffers have the parameters' layout, each layer's state a row of it.
@@ -222,11 +222,12 @@ def test_per_layer_state_and_errors(getkey):
     assert state.stacks[0][0].count.shape == (3,)
     assert state.rest[0].mu.embed.weight.shape == (DIM, DIM)
     with pytest.raises(TypeError, match="GradientTransformation"):
-        per_layer(optax.adam)  # type: ignore[arg-type]
+        layerwise(optax.adam)  # type: ignore[arg-type]
     short = eqx.tree_at(lambda p: p.body.layers.w1, params, params.body.layers.w1[:2])
     with pytest.raises(ValueError, match=r"\.body\.layers\.w1` has shape \(2, 8, 32\)"):
         tx.init(short)
-    with pytest.raises(ValueError, match="hold 1 Stacked modules.*not a PerLayerState"):
+    match = "hold 1 Stacked modules.*not a LayerwiseState"
+    with pytest.raises(ValueError, match=match):
         tx.update(params, optax.adam(1e-2).init(params), params)
 
 

@@ -241,6 +241,24 @@ def test_save_load_round_trip_keeps_bfloat16(getkey, tmp_path):
     assert os.listdir(tmp_path) == ["ckpt.npz"]
 
 
+class _Keywords(eqx.Module):
+    # Named as `numpy.savez`'s own parameters.
+    file: jax.Array
+    allow_pickle: jax.Array
+
+
+def test_arrays_named_as_savez_keywords_round_trip(tmp_path):
+    model = _Keywords(jnp.ones(3), jnp.zeros(2))
+    eqxscan.save(tmp_path / "ckpt.npz", model)
+    assert eqx.tree_equal(eqxscan.load(tmp_path / "ckpt.npz", model), model)
+    with np.load(tmp_path / "ckpt.npz") as archive:
+        assert sorted(archive.files) == [
+            "__eqxscan_manifest__",
+            "allow_pickle",
+            "file",
+        ]
+
+
 def test_load_checks_depth(getkey, tmp_path):
     deep = _mlp(getkey(), num_layers=6)
     eqxscan.save(tmp_path / "c.npz", deep)

@@ -2,11 +2,11 @@
 
 import re
 from collections.abc import Mapping
-from typing import Any
 
 import equinox as eqx
 import jax.tree_util as jtu
 import numpy as np
+from jaxtyping import PyTree
 
 from .._internal import Stacked
 from ._state_dict import from_state_dict, key_name
@@ -40,7 +40,7 @@ def _dense_modules(tree: Mapping, prefix: str = "") -> dict[str, Mapping]:
     return found
 
 
-def _linear_paths(layer: Any) -> list[str]:
+def _linear_paths(layer: PyTree) -> list[str]:
     """Dotted paths of the `eqx.nn.Linear`s in one layer, in attribute order."""
     is_linear = lambda x: isinstance(x, eqx.nn.Linear)
     if is_linear(layer):
@@ -55,7 +55,7 @@ def _linear_paths(layer: Any) -> list[str]:
 
 def from_flax_scan(
     like: Stacked,
-    params: Mapping[str, Any],
+    params: Mapping[str, PyTree],
     *,
     modules: Mapping[str, str] | None = None,
 ) -> Stacked:

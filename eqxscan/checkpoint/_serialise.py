@@ -17,26 +17,30 @@ array is checked against its digest. No member is ever unpickled.
 """
 
 import hashlib
+import io
 import json
 import math
 import os
 import re
 import struct
 import tempfile
+import tokenize
 import zipfile
 import zlib
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import TypedDict, TypeVar
 
 
 try:
     import fcntl
 except ImportError:  # pragma: no cover - not POSIX: stale files are not collected
-    fcntl = None  # type: ignore[assignment]
+    fcntl = None
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import PyTree
+from numpy.typing import DTypeLike
 
 from .._internal import check_path, describe, is_arraylike
 from ._state_dict import from_state_dict, to_state_dict
@@ -62,16 +66,40 @@ _ZIP_ERRORS = (
 )
 
 
+# What NumPy's `.npy` header parser raises besides those: `ast.literal_eval`'s
+# errors (`MemoryError` is its parser's stack overflow on a deeply nested
+# header, at most `_MAX_HEADER` bytes), and `tokenize`'s, from its second try at
+# a header it cannot parse.
+_HEADER_ERRORS = (SyntaxError, tokenize.TokenError, TypeError, MemoryError)
+
+
+T = TypeVar("T")
+# A `.npy` header: shape, Fortran order, dtype, and its size in bytes.
+_Header = tuple[tuple[int, ...], bool, np.dtype, int]
+
+
+class _Entry(TypedDict):
+    """What the manifest (or a `.npy` header) says of one array."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    sha256: str | None
+
+
 class _Corrupt(ValueError):
     """Raised inside the reader; `load_state_dict` adds the file's name."""
 
 
+class _Foreign(_Corrupt):
+    """A well-formed file, but of another writer or another format."""
+
+
 def _digest(array: np.ndarray) -> str:
     flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-    return hashlib.sha256(flat).hexdigest()
+    return hashlib.sha256(flat.data).hexdigest()
 
 
-def save(path: str | os.PathLike, model: Any) -> None:
+def save(path: str | os.PathLike, model: PyTree) -> None:
     """Save `model`'s arrays to one `.npz` file, atomically.
 
     The archive holds [`eqxscan.to_state_dict`][]`(model)` (per-layer names such
@@ -110,21 +138,45 @@ def save(path: str | os.PathLike, model: Any) -> None:
         )
     prefix = f".{os.path.basename(path)}."
     _remove_stale(directory, prefix)
-    fd, tmp = _locked_temporary(directory, prefix)
     try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays, **{_MANIFEST: np.array(manifest)})
-            f.flush()
-            os.fsync(f.fileno())
-            # Renamed while still locked, so no other save takes it for stale.
-            os.replace(tmp, path)
-    except BaseException:
+        fd, tmp = _locked_temporary(directory, prefix)
         try:
-            os.remove(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+            with os.fdopen(fd, "wb") as f:
+                _write_npz(f, {**arrays, _MANIFEST: np.array(manifest)})
+                f.flush()
+                os.fsync(f.fileno())
+                # Renamed while still locked, so no other save takes it for stale.
+                os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.remove(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+    except OSError as e:
+        raise _refused_save(e, path, directory) from e
     _fsync_dir(directory)
+
+
+def _write_npz(f: io.BufferedIOBase, arrays: Mapping[str, np.ndarray]) -> None:
+    # As `numpy.savez` writes it, without its keywords: an array named `file` or
+    # `allow_pickle` would be taken for one.
+    with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as z:
+        for name, array in arrays.items():
+            with z.open(f"{name}.npy", "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, array, allow_pickle=False)
+
+
+def _refused_save(e: OSError, path: str, directory: str) -> OSError:
+    """`e`, of the same class and `errno`, naming `path`: the system's own
+    message names the hidden temporary file, or no file at all."""
+    error = type(e)(
+        f"Cannot save to {path!r}: {e}.\nHint: eqxscan.save writes a temporary "
+        f"file ('.{os.path.basename(path)}.XXXXXXXX.tmp') in {directory!r}, then "
+        "renames it to the path; any previous file at the path is left as it was."
+    )
+    error.errno = e.errno
+    return error
 
 
 def _locked_temporary(directory: str, prefix: str) -> tuple[int, str]:
@@ -190,7 +242,7 @@ def _fsync_dir(directory: str) -> None:
 # Reading.
 
 
-def _header(f: Any, member: str) -> tuple[tuple[int, ...], bool, np.dtype, int]:
+def _header(f: io.BufferedIOBase, member: str) -> _Header:
     """`(shape, fortran_order, dtype, header bytes)` of the `.npy` member open
     as `f`, reading only its header."""
     try:
@@ -207,14 +259,20 @@ def _header(f: Any, member: str) -> tuple[tuple[int, ...], bool, np.dtype, int]:
             raise ValueError(f".npy format version {version}")
     except _Corrupt:
         raise
-    except (*_ZIP_ERRORS, SyntaxError) as e:
-        raise _Corrupt(f"member {member!r} has no valid .npy header ({e})") from None
+    except (*_ZIP_ERRORS, *_HEADER_ERRORS) as e:
+        why = str(e) or type(e).__name__
+        raise _Corrupt(f"member {member!r} has no valid .npy header ({why})") from None
     if dtype.hasobject or dtype.fields is not None or dtype.subdtype is not None:
         raise _Corrupt(
             f"member {member!r} holds {dtype} values, not plain numbers; eqxscan "
             "never stores such members and does not read them"
         )
     return tuple(shape), bool(fortran), dtype, f.tell()
+
+
+def _is_number(dtype: np.dtype) -> bool:
+    # "V": how `.npy` stores bfloat16 and the other ML dtypes.
+    return dtype.kind in "biufcV" and not dtype.hasobject and not dtype.fields
 
 
 def _nbytes(shape: tuple[int, ...], dtype: np.dtype) -> int:
@@ -226,16 +284,18 @@ class _Member:
     NumPy asks for it: `shape` and `dtype` come from the manifest, so a model's
     names, shapes and dtypes are all checked before anything is read."""
 
-    def __init__(self, archive: "_Archive", name: str, entry: dict[str, Any]):
+    def __init__(self, archive: "_Archive", name: str, entry: _Entry):
         self.archive, self.name = archive, name
-        self.shape: tuple[int, ...] = entry["shape"]
-        self.dtype: np.dtype = entry["dtype"]
-        self.sha256: str | None = entry.get("sha256")
+        self.shape = entry["shape"]
+        self.dtype = entry["dtype"]
+        self.sha256 = entry["sha256"]
 
     def read(self) -> np.ndarray:
         return self.archive.read(self)
 
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+    def __array__(
+        self, dtype: DTypeLike | None = None, copy: bool | None = None
+    ) -> np.ndarray:
         array = self.read()
         return array if dtype is None else array.astype(dtype)
 
@@ -296,16 +356,22 @@ class _Archive(Mapping[str, _Member]):
             members[name[:-4]] = info
         return members
 
-    def _manifest(self) -> dict[str, dict[str, Any]]:
+    def _manifest(self) -> dict[str, _Entry]:
         if _MANIFEST in self.members:
             text = self._text(_MANIFEST)
             try:
                 manifest = json.loads(text)
             except (ValueError, RecursionError) as e:
                 raise _Corrupt(f"its manifest is not valid JSON ({e})") from None
+            found = manifest.get("format") if isinstance(manifest, dict) else None
+            if type(found) is int and found != _FORMAT:
+                raise _Foreign(
+                    f"its manifest ('{_MANIFEST}.npy') is of format {found}, and "
+                    f"this version of eqxscan reads format {_FORMAT}"
+                )
             if (
                 not isinstance(manifest, dict)
-                or manifest.get("format") != _FORMAT
+                or found != _FORMAT
                 or not isinstance(manifest.get("arrays"), dict)
             ):
                 raise _Corrupt(
@@ -344,9 +410,16 @@ class _Archive(Mapping[str, _Member]):
             return entries
         # A plain `numpy.savez` of a state dict: shapes, dtypes and sizes come
         # from each member's `.npy` header.
-        entries = {}
+        entries: dict[str, _Entry] = {}
         for name in self.members:
             shape, _, dtype, offset = self._open_header(name)
+            if not _is_number(dtype):
+                what = {"U": "text", "S": "bytes"}.get(dtype.kind, "values")
+                raise _Foreign(
+                    f"it holds '{name}.npy' ({dtype.name} {what}), which eqxscan "
+                    f"does not read, and no '{_MANIFEST}.npy' (the manifest "
+                    f"eqxscan.save writes, format {_FORMAT})"
+                )
             if self.members[name].file_size != offset + _nbytes(shape, dtype):
                 raise _Corrupt(
                     f"member '{name}.npy' holds {self.members[name].file_size} "
@@ -356,7 +429,7 @@ class _Archive(Mapping[str, _Member]):
             entries[name] = self._entry(name, entry)
         return entries
 
-    def _entry(self, name: Any, entry: Any) -> dict[str, Any]:
+    def _entry(self, name: object, entry: object) -> _Entry:
         def bad(why: str) -> _Corrupt:
             return _Corrupt(f"its manifest entry {name!r} {why}")
 
@@ -372,8 +445,10 @@ class _Archive(Mapping[str, _Member]):
         try:
             dtype = jnp.dtype(entry.get("dtype"))
         except (TypeError, ValueError):
-            raise bad(f"has dtype {entry.get('dtype')!r}, which is none") from None
-        if dtype.kind not in "biufcV" or dtype.hasobject or dtype.fields:
+            raise bad(
+                f"has dtype {entry.get('dtype')!r}, which NumPy does not know"
+            ) from None
+        if not _is_number(dtype):
             raise bad(f"has dtype {dtype}, which eqxscan never stores")
         digest = entry.get("sha256")
         if digest is not None and not (
@@ -382,9 +457,14 @@ class _Archive(Mapping[str, _Member]):
             raise bad(f"has sha256 {digest!r}, not 64 hex digits")
         return {"dtype": dtype, "shape": tuple(shape), "sha256": digest}
 
-    def _open_header(self, name: str) -> tuple[tuple[int, ...], bool, np.dtype, int]:
+    def _member_file(self, info: zipfile.ZipInfo) -> io.BufferedIOBase:
+        f = self.zip.open(info)
+        assert isinstance(f, io.BufferedIOBase)  # a `zipfile.ZipExtFile`
+        return f
+
+    def _open_header(self, name: str) -> _Header:
         try:
-            with self.zip.open(self.members[name]) as f:
+            with self._member_file(self.members[name]) as f:
                 return _header(f, f"{name}.npy")
         except _Corrupt:
             raise
@@ -398,11 +478,13 @@ class _Archive(Mapping[str, _Member]):
         data = self._data(name, lambda shape, dtype: dtype.kind == "U" and not shape)
         return str(data[()])
 
-    def _data(self, name: str, accept: Any) -> np.ndarray:
+    def _data(
+        self, name: str, accept: Callable[[tuple[int, ...], np.dtype], bool]
+    ) -> np.ndarray:
         member = f"{name}.npy"
         info = self.members[name]
         try:
-            with self.zip.open(info) as f:
+            with self._member_file(info) as f:
                 shape, fortran, dtype, offset = _header(f, member)
                 if not accept(shape, dtype):
                     raise _Corrupt(
@@ -415,7 +497,7 @@ class _Archive(Mapping[str, _Member]):
                         f"header says {dtype.name}{list(shape)}"
                     )
                 array = np.empty(shape[::-1] if fortran else shape, dtype)
-                view = memoryview(array.reshape(-1).view(np.uint8))
+                view = array.reshape(-1).view(np.uint8).data
                 if f.readinto(view) != view.nbytes or f.read(1):
                     raise _Corrupt(f"member {member!r} is truncated")
         except _Corrupt:
@@ -460,6 +542,13 @@ class _Archive(Mapping[str, _Member]):
 
 
 def _corrupt(path: str, e: _Corrupt) -> ValueError:
+    if isinstance(e, _Foreign):
+        return ValueError(
+            f"Checkpoint file {path!r} was written by another version of eqxscan "
+            f"or by another program: {e}.\nHint: load it with what wrote it and "
+            "save it again with this version's eqxscan.save (a plain numpy.savez "
+            f"of eqxscan.to_state_dict's arrays loads too); {_DOCS}."
+        )
     return ValueError(
         f"Checkpoint file {path!r} is corrupt or was not written by eqxscan.save: "
         f"{e}.\nHint: restore it from a copy, or save it again; {_DOCS}."
@@ -499,7 +588,7 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
         archive.close()
 
 
-def load(path: str | os.PathLike, like: Any) -> Any:
+def load(path: str | os.PathLike, like: T) -> T:
     """Load a file written by [`eqxscan.save`][] into a model shaped like `like`.
 
     Names, shapes and dtypes are checked against `like` before any array is

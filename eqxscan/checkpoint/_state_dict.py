@@ -12,7 +12,7 @@ are named by their index and dict entries by their key: `"heads.3.weight"`,
 
 import re
 from collections.abc import Callable, Mapping
-from typing import TypeVar
+from typing import TypeGuard, TypeVar
 
 import equinox as eqx
 import jax
@@ -65,14 +65,21 @@ def _fill(parts: Parts, index: tuple[int, ...]) -> str:
     return ".".join(str(p) for p in _resolve(parts, index))
 
 
+_ArrayLeaf = jax.Array | np.ndarray | jax.ShapeDtypeStruct
+
+
+def _is_array(x: object) -> TypeGuard[_ArrayLeaf]:
+    return is_arraylike(x)  # an array, or the `ShapeDtypeStruct` of one
+
+
 class _Leaf:
     """An array leaf of the model: its name pattern and the layer axes in front."""
 
-    def __init__(self, leaf: jax.Array | np.ndarray | jax.ShapeDtypeStruct, site: Site):
+    def __init__(self, leaf: _ArrayLeaf, site: Site):
         self.parts, self.depths, self.leaf = site.path, site.axes, leaf
         self.enclosing = site.enclosing
         parts, depths = self.parts, self.depths
-        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
             raise TypeError(
                 f"`{pattern(parts)}` holds typed PRNG keys ({leaf.dtype}), which "
                 "have no NumPy dtype; keep `jax.random.key_data(key)` in the model "
@@ -96,7 +103,7 @@ def _map_arrays(fn: Callable[[_Leaf], object], model: PyTree) -> PyTree:
     state-dict name: each `Stacked` and `Chain` names its own layers."""
 
     def one(leaf: object, site: Site) -> object:
-        return fn(_Leaf(leaf, site)) if is_arraylike(leaf) else leaf  # type: ignore[arg-type]
+        return fn(_Leaf(leaf, site)) if _is_array(leaf) else leaf
 
     return walk(one, model, names=True)
 
@@ -257,9 +264,11 @@ def from_state_dict(like: T, state_dict: Mapping[str, object]) -> T:
     wrong = []
     for name, leaf in expected.items():
         value = state_dict[name]
-        if not hasattr(value, "dtype"):
-            value = np.asarray(value)
-        shape, dtype = tuple(np.shape(value)), np.dtype(value.dtype)
+        shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+        if shape is None or dtype is None:  # e.g. a list or a Python number
+            array = np.asarray(value)
+            shape, dtype = array.shape, array.dtype
+        shape, dtype = tuple(shape), np.dtype(dtype)
         if shape != leaf.shape or dtype != leaf.dtype:
             wrong.append(
                 f"'{name}': model has {leaf.dtype.name}{list(leaf.shape)}, "

@@ -1,7 +1,7 @@
 """`StackedMLP`: a residual MLP stack with shape-checked stacked weights."""
 
 from collections.abc import Sequence
-from typing import Any, SupportsIndex, Unpack
+from typing import SupportsIndex, Unpack
 
 import equinox as eqx
 import jax
@@ -54,7 +54,7 @@ def rms_norm(scale: Array, x: Array, eps: float = RMS_EPS) -> Array:
     )
 
 
-def check_float_dtype(dtype: object) -> jnp.dtype:
+def check_float_dtype(dtype: DTypeLike) -> np.dtype:
     """`dtype` as a floating NumPy dtype, or a clear error."""
     try:
         found = jnp.dtype(dtype)
@@ -242,7 +242,7 @@ class StackedMLP(Scanning):
         return cls(blocks=Stacked.from_layers(blocks, **options))
 
     @property
-    def options(self) -> ScanOptions:
+    def options(self) -> ScanOptions:  # pyright: ignore[reportIncompatibleVariableOverride]  # an eqx.AbstractVar may be met by a property
         return self.blocks.options
 
     def own_options(self) -> tuple[str, ...]:
@@ -260,7 +260,7 @@ class StackedMLP(Scanning):
         return self.blocks.num_layers
 
     @property
-    def dtype(self) -> Any:
+    def dtype(self) -> np.dtype:
         return self.blocks.layers.w1.dtype
 
     @compiled_when_eager

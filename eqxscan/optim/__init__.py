@@ -1,6 +1,6 @@
 """Optimiser helpers for models built from [`eqxscan.Stacked`][] layers: a
 layer-axis-aware weight-decay mask, freezing of chosen layers, any optax
-transformation run per layer (`per_layer`), Muon with the layer axes as batch
+transformation run per layer (`layerwise`), Muon with the layer axes as batch
 axes, layer-wise learning rates and per-layer norms, for `optax`.
 """
 
@@ -8,13 +8,13 @@ from ._layers import (
     freeze_layers as freeze_layers,
     weight_decay_mask as weight_decay_mask,
 )
+from ._layerwise import (
+    layerwise as layerwise,
+    LayerwiseState as LayerwiseState,
+)
 from ._muon import (
     muon as muon,
     muon_dimension_numbers as muon_dimension_numbers,
-)
-from ._per_layer import (
-    per_layer as per_layer,
-    PerLayerState as PerLayerState,
 )
 from ._scale import layerwise_scale as layerwise_scale
 from ._stats import layer_norms as layer_norms

@@ -16,6 +16,7 @@ import optax
 from jaxtyping import PyTree
 
 from .._internal import check_index, Site, Stacked, walk
+from ._arrays import is_array
 
 
 def _is_stacked(x: object) -> bool:
@@ -62,7 +63,7 @@ def weight_decay_mask(params: PyTree, *, min_ndim: int = 2) -> PyTree[bool]:
     def decay(leaf: object, site: Site) -> bool | None:
         if leaf is None:
             return None  # no parameter here: no mask entry either
-        return bool(eqx.is_array(leaf) and leaf.ndim - site.depth >= min_ndim)
+        return bool(is_array(leaf) and leaf.ndim - site.depth >= min_ndim)
 
     return walk(decay, params)
 
@@ -93,7 +94,7 @@ def _zero_layers(stack: Stacked, flags: tuple[bool, ...], zero: float) -> Stacke
     frozen = jnp.asarray(flags)
 
     def zero_out(a: object) -> object:
-        if not eqx.is_array(a):
+        if not is_array(a):
             return a
         where = frozen.reshape((len(flags),) + (1,) * (a.ndim - 1))
         return jnp.where(where, jnp.asarray(zero, a.dtype), a)

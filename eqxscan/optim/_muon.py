@@ -8,12 +8,14 @@ other axis as a batch axis and orthogonalises all layers in one batched
 Newton–Schulz iteration (a `jax.vmap`, so batched matrix products, not a loop).
 """
 
-import equinox as eqx
+from typing import Any
+
 import jax
 import optax
 from jaxtyping import PyTree
 
 from .._internal import Site, walk
+from ._arrays import is_array
 
 
 MuonDimensionNumbers = optax.contrib.MuonDimensionNumbers
@@ -63,7 +65,7 @@ def muon_dimension_numbers(params: PyTree) -> PyTree:
     """
 
     def dims(leaf: object, site: Site) -> MuonDimensionNumbers | None:
-        if not eqx.is_array(leaf) or leaf.ndim - site.depth != 2:
+        if not is_array(leaf) or leaf.ndim - site.depth != 2:
             return None
         # Per layer as optax reads a matrix: axis 0 reduction, axis 1 output.
         return MuonDimensionNumbers(site.depth, site.depth + 1)
@@ -72,7 +74,7 @@ def muon_dimension_numbers(params: PyTree) -> PyTree:
 
 
 def muon(
-    learning_rate: optax.ScalarOrSchedule, **muon_kwargs: object
+    learning_rate: optax.ScalarOrSchedule, **muon_kwargs: Any
 ) -> optax.GradientTransformation:
     """`optax.contrib.muon` for models with [`eqxscan.Stacked`][] layers: each
     layer's weight matrices are orthogonalised as if the layers were kept in a
@@ -104,7 +106,7 @@ def muon(
       `ns_steps`, `weight_decay`, `adam_learning_rate`, `consistent_rms`, ...),
       except `muon_weight_dimension_numbers` (set here) and `adaptive=True`,
       which scales each leaf by one inner product over all its layers; use
-      `eqxscan.optim.per_layer(optax.contrib.muon(..., adaptive=True))` for it.
+      `eqxscan.optim.layerwise(optax.contrib.muon(..., adaptive=True))` for it.
 
     **Returns:**
 
@@ -124,13 +126,13 @@ def muon(
             "eqxscan.optim.muon does not support adaptive=True: optax scales each "
             "leaf by one inner product over the whole leaf, which on a stacked "
             "weight would mix all its layers.\n"
-            "Hint: use eqxscan.optim.per_layer(optax.contrib.muon(..., "
+            "Hint: use eqxscan.optim.layerwise(optax.contrib.muon(..., "
             "adaptive=True)), which runs optax per layer."
         )
     inner = optax.contrib.muon(
         learning_rate,
         muon_weight_dimension_numbers=muon_dimension_numbers,
-        **muon_kwargs,  # type: ignore[arg-type]
+        **muon_kwargs,
     )
 
     # optax's bias correction raises a float to the int32 step count, which

@@ -10,26 +10,26 @@ unstacking.
 
 from collections.abc import Callable
 
-import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 import optax
 from jaxtyping import Array, ArrayLike, PyTree
 
 from .._internal import check_callable, LayerIndex, pattern, Site, walk
+from ._arrays import is_array
 
 
 def _scalar(fn: Callable[[int], ArrayLike], index: int, where: str) -> ArrayLike:
     """`fn(index)`, checked to be one real number."""
     value = fn(index)
     try:
-        array = value if eqx.is_array(value) else np.asarray(value)
+        array = value if is_array(value) else np.asarray(value)
         ok = array.shape == () and np.dtype(array.dtype).kind in "iuf"
     except (TypeError, ValueError):  # e.g. a ragged list
         array, ok = None, False
     if not ok:
-        shaped = array is not None and array.shape != ()
-        got = f"shape {array.shape}" if shaped else repr(value)
+        shape = None if array is None else array.shape
+        got = repr(value) if shape in (None, ()) else f"shape {shape}"
         raise ValueError(
             f"layerwise_scale: fn({index}) returned {got[:60]} for layer {index} "
             f"(at `{where}`), but each layer's scale must be one real number.\n"
@@ -104,7 +104,7 @@ def layerwise_scale(
             return called[index]
 
         def scale(leaf: object, site: Site) -> object:
-            if not eqx.is_array(leaf):
+            if not is_array(leaf):
                 return leaf
             first = next((p for p in site.path if isinstance(p, LayerIndex)), None)
             if first is None:
@@ -117,7 +117,7 @@ def layerwise_scale(
 
 
 def _factors(
-    leaf: Array,
+    leaf: Array | np.ndarray,
     site: Site,
     first: LayerIndex,
     factor: Callable[[int, str], ArrayLike],

@@ -4,15 +4,15 @@ Each stacked array's norms come from one reduction over its per-layer axes, so
 the layers are never unstacked and the function runs under `jax.jit`.
 """
 
-import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, PyTree
 
 from .._internal import for_each, LayerIndex, pattern, Site
+from ._arrays import is_array
 
 
-def _per_layer_norms(leaf: Array, depth: int, ord: int | float) -> Array:
+def _per_layer_norms(leaf: Array | np.ndarray, depth: int, ord: int | float) -> Array:
     """The `ord`-norm of each layer's slice of `leaf` (its first `depth` axes are
     layer axes), in at least float32."""
     if jnp.issubdtype(leaf.dtype, jnp.inexact):
@@ -95,7 +95,7 @@ def layer_norms(tree: PyTree, ord: int | float = 2) -> dict[str, Float[Array, ".
     found: dict[str, list[tuple[Array, list[np.ndarray], tuple[int, ...]]]] = {}
 
     def visit(leaf: object, site: Site) -> None:
-        if eqx.is_array(leaf):
+        if is_array(leaf):
             norms = _per_layer_norms(leaf, site.depth, ord)
             found.setdefault(pattern(site.path), []).append((norms, *_positions(site)))
 

@@ -261,7 +261,7 @@ def time_candidates(
 
 
 def _kind(compiled: jax.stages.Compiled) -> Kind:
-    return "loop" if re.search(r"\bwhile\(", compiled.as_text()) else "unrolled"
+    return "loop" if re.search(r"\bwhile\(", compiled.as_text() or "") else "unrolled"
 
 
 def remat_table(
@@ -349,7 +349,9 @@ def remat_table(
     results = []
     leaves: list[Leaf] = []
     tried: Sequence[Unroll | None] = (None,) if unrolls is None else unrolls
-    settings = [(c, u) for c in candidates for u in tried]
+    settings: list[tuple[Checkpoint, Unroll | None]] = [
+        (c, u) for c in candidates for u in tried
+    ]
     for checkpoint, unroll in settings:
         lowered, leaves = _lower(step, with_checkpoint(model, checkpoint, unroll), args)
         text = lowered.as_text()
@@ -357,6 +359,11 @@ def remat_table(
             programs[text] = lowered.compile()
         compiled = programs[text]
         mem = compiled.memory_analysis()
+        if mem is None:
+            raise ValueError(
+                f"fit_remat: XLA gives no memory analysis on {jax.default_backend()}, "
+                "so the candidates' sizes are unknown."
+            )
         cost = compiled.cost_analysis() or {}
         flops = float(cost.get("flops", 0.0))
         moved = float(cost.get("bytes accessed", 0.0))
@@ -378,14 +385,15 @@ def remat_table(
         )
 
     if time_steps > 0:
-        if any(isinstance(x, jax.ShapeDtypeStruct) for x in jtu.tree_leaves(args)):
+        arrays = [x for x in leaves if not isinstance(x, jax.ShapeDtypeStruct)]
+        if len(arrays) != len(leaves):
             raise ValueError(
-                "fit_remat: time_steps > 0 runs the step, so args must be arrays, "
-                "not jax.ShapeDtypeStruct."
+                "fit_remat: time_steps > 0 runs the step, so the model and args "
+                "must be arrays, not jax.ShapeDtypeStruct."
             )
         choose(results, limit)  # raises if nothing fits, before any timing
         fitting = [c for c in results if c.device_bytes <= limit]
-        seconds = time_candidates(fitting, leaves, time_steps)
+        seconds = time_candidates(fitting, arrays, time_steps)
         results = [
             dataclasses.replace(c, measured_s=seconds[id(c.compiled)])
             if c.device_bytes <= limit

@@ -4,14 +4,13 @@ evenly on every step (used by `fit_remat` and by the benchmarks)."""
 import gc
 import random
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
 
 import jax
 
 
 def time_interleaved(
-    steps: dict[str, Callable[[], Any]],
+    steps: Mapping[str, Callable[[], object]],
     rounds: int,
     *,
     seed: int = 0,
@@ -33,6 +32,7 @@ def time_interleaved(
         rng.shuffle(order)
         gc.collect()
         for name in order:
+            out = None
             t0 = time.perf_counter()
             for _ in range(calls):
                 out = steps[name]()

@@ -1,4 +1,4 @@
-"""`eqxscan.optim.per_layer` under FSDP on 8 simulated CPU devices, run in a fresh
+"""`eqxscan.optim.layerwise` under FSDP on 8 simulated CPU devices, run in a fresh
 process by test_optim_per_layer.py: the state is laid out like its parameters,
 the compiled update gathers no whole stack, and a checkpointed state resumes
 bit-identically. Prints `ok` when every check passes."""
@@ -20,7 +20,7 @@ import optax  # noqa: E402
 
 import eqxscan  # noqa: E402
 from eqxscan import sharding  # noqa: E402
-from eqxscan.optim import per_layer  # noqa: E402
+from eqxscan.optim import layerwise  # noqa: E402
 from tests.helpers import collectives  # noqa: E402
 from tests.scripts.training import make_train_step  # noqa: E402
 
@@ -111,6 +111,6 @@ def check(name: str, tx: optax.GradientTransformation) -> None:
 
 
 if __name__ == "__main__":
-    check("adamw", per_layer(optax.adamw(1e-2, weight_decay=0.1)))
-    check("muon", per_layer(optax.contrib.muon(1e-2)))
+    check("adamw", layerwise(optax.adamw(1e-2, weight_decay=0.1)))
+    check("muon", layerwise(optax.contrib.muon(1e-2)))
     print("ok")

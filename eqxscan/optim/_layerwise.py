@@ -1,9 +1,9 @@
-"""`per_layer`: any optax transformation run on each layer of a stack on its own.
+"""`layerwise`: any optax transformation run on each layer of a stack on its own.
 
 An optax transformation that reasons per array (Muon's `ndim == 2` rule, LAMB and
 LARS trust ratios, `clip_by_block_rms`, Adafactor's factored moments, masks that
 read `ndim`) sees one `[L, ...]` array where the unstacked model had `L` arrays.
-`per_layer` gives it back the layers: it runs the transformation under
+`layerwise` gives it back the layers: it runs the transformation under
 `jax.vmap` over each stack's layer axis, and once more, unbatched, on the arrays
 outside every stack.
 """
@@ -19,14 +19,14 @@ from jaxtyping import PyTree
 from .._internal import Stacked
 
 
-class PerLayerState(NamedTuple):
-    """The state of [`eqxscan.optim.per_layer`][].
+class LayerwiseState(NamedTuple):
+    """The state of [`eqxscan.optim.layerwise`][].
 
     - `rest`: the inner transformation's state for the arrays outside every
       `Stacked`.
     - `stacks`: one state per outermost `Stacked` of the parameters, in
       `jax.tree_util` order: the inner transformation's state (a
-      `PerLayerState` again where the layers hold stacks), each array with the
+      `LayerwiseState` again where the layers hold stacks), each array with the
       stack's layer axis in front (the state of layer `i` is row `i`).
       Per-parameter buffers (Adam's `mu`, `nu`, ...) are laid out like the
       whole parameter tree, `None` outside their stack, so they match the
@@ -86,13 +86,13 @@ def _check_layers(where: str, stack: Stacked) -> None:
     for path, leaf in jtu.tree_leaves_with_path(stack.layers):
         if not eqx.is_array(leaf):
             raise TypeError(
-                f"per_layer: `{where}.layers{jtu.keystr(path)}` is a "
+                f"layerwise: `{where}.layers{jtu.keystr(path)}` is a "
                 f"{type(leaf).__name__}, not an array.\nHint: pass the parameters "
                 "as optax sees them, e.g. `eqx.filter(model, eqx.is_inexact_array)`."
             )
         if leaf.ndim == 0 or leaf.shape[0] != stack.num_layers:
             raise ValueError(
-                f"per_layer: `{where}.layers{jtu.keystr(path)}` has shape "
+                f"layerwise: `{where}.layers{jtu.keystr(path)}` has shape "
                 f"{tuple(leaf.shape)}, but the Stacked at `{where or '<root>'}` has "
                 f"{stack.num_layers} layers, so its leading axis must be "
                 f"{stack.num_layers}.\nHint: inside `eqx.filter_vmap` (e.g. an "
@@ -122,11 +122,11 @@ def _embed(state: PyTree, tree: PyTree, j: int, layers: PyTree) -> PyTree:
 
 
 def _init_layer(tx: optax.GradientTransformationExtraArgs, params: PyTree) -> PyTree:
-    # One layer: `tx`'s own state, or a `PerLayerState` if it holds stacks.
+    # One layer: `tx`'s own state, or a `LayerwiseState` if it holds stacks.
     return _init(tx, params) if _stacks(params) else tx.init(params)
 
 
-def _init(tx: optax.GradientTransformationExtraArgs, params: PyTree) -> PerLayerState:
+def _init(tx: optax.GradientTransformationExtraArgs, params: PyTree) -> LayerwiseState:
     states = []
     for j, (where, stack) in enumerate(_stacks(params)):
         if not _has_arrays(stack.layers):
@@ -135,7 +135,7 @@ def _init(tx: optax.GradientTransformationExtraArgs, params: PyTree) -> PerLayer
         _check_layers(where, stack)
         state = jax.vmap(lambda p: _init_layer(tx, p))(stack.layers)
         states.append(_embed(state, params, j, stack.layers))
-    return PerLayerState(tx.init(_outside(params)), tuple(states))
+    return LayerwiseState(tx.init(_outside(params)), tuple(states))
 
 
 def _update(
@@ -144,17 +144,17 @@ def _update(
     state: object,
     params: PyTree | None,
     extra_args: dict[str, object],
-) -> tuple[PyTree, PerLayerState]:
+) -> tuple[PyTree, LayerwiseState]:
     stacks = _stacks(updates)
     param_stacks = [None] * len(stacks) if params is None else _stacks(params)
-    if not isinstance(state, PerLayerState) or len(state.stacks) != len(stacks):
+    if not isinstance(state, LayerwiseState) or len(state.stacks) != len(stacks):
         found = (
             f"a state for {len(state.stacks)} stacks"
-            if isinstance(state, PerLayerState)
-            else f"a {type(state).__name__}, not a PerLayerState"
+            if isinstance(state, LayerwiseState)
+            else f"a {type(state).__name__}, not a LayerwiseState"
         )
         raise ValueError(
-            f"per_layer: the updates hold {len(stacks)} Stacked modules (outside "
+            f"layerwise: the updates hold {len(stacks)} Stacked modules (outside "
             f"any other), but the optimiser state is {found}.\nHint: initialise "
             "the optimiser with parameters of the same structure as the updates."
         )
@@ -175,7 +175,7 @@ def _update(
         leaves = jtu.tree_leaves(stored)
         if treedef.num_leaves != len(leaves):
             raise ValueError(
-                f"per_layer: the optimiser state of the Stacked at `{where}` holds "
+                f"layerwise: the optimiser state of the Stacked at `{where}` holds "
                 f"{len(leaves)} arrays, but its layers need {treedef.num_leaves}."
                 "\nHint: initialise the optimiser with parameters of the same "
                 "structure as the updates."
@@ -190,10 +190,10 @@ def _update(
         out, layer_state = jax.vmap(one)(stack.layers, layer_state, layer_params)
         new_layers[j] = out
         new_states.append(_embed(layer_state, updates, j, stack.layers))
-    return _with_layers(rest, new_layers), PerLayerState(rest_state, tuple(new_states))
+    return _with_layers(rest, new_layers), LayerwiseState(rest_state, tuple(new_states))
 
 
-def per_layer(
+def layerwise(
     tx: optax.GradientTransformation,
 ) -> optax.GradientTransformationExtraArgs:
     """Run `tx` on each layer of every [`eqxscan.Stacked`][] on its own, as on the
@@ -204,20 +204,20 @@ def per_layer(
     `optax.contrib.muon` sends every array with `ndim != 2` to Adam, LAMB and
     LARS take one trust ratio for all layers, `clip_by_block_rms` clips the stack
     as one block, Adafactor factors the wrong axes, and masks that read `ndim`
-    select the stacked biases. `per_layer(tx)` runs `tx` under `jax.vmap` over
+    select the stacked biases. `layerwise(tx)` runs `tx` under `jax.vmap` over
     each stack's layer axis (nested stacks, e.g. a repeated pattern of a
     [`eqxscan.Chain`][], once per axis) and once, as usual, on the arrays outside
-    every stack; training a stacked model with `per_layer(tx)` then equals
+    every stack; training a stacked model with `layerwise(tx)` then equals
     training the same layers kept in a list with `tx`.
 
     What `tx` sees is one layer at a time, so a reduction inside it is per layer
-    too: `per_layer(optax.chain(optax.clip_by_global_norm(1.0), ...))` clips
+    too: `layerwise(optax.chain(optax.clip_by_global_norm(1.0), ...))` clips
     each layer to norm 1. Keep global reductions outside:
-    `optax.chain(optax.clip_by_global_norm(1.0), per_layer(optax.adamw(1e-3)))`.
+    `optax.chain(optax.clip_by_global_norm(1.0), layerwise(optax.adamw(1e-3)))`.
     Masks given as functions (`optax.masked(..., weight_decay_mask)`, `adamw`'s
     `mask=`) are called with one layer's parameters inside, with the whole
     tree outside; [`eqxscan.optim.freeze_layers`][] goes outside
-    (`freeze_layers(per_layer(tx), ...)`), since it selects layers of a stack.
+    (`freeze_layers(layerwise(tx), ...)`), since it selects layers of a stack.
 
     !!! example
 
@@ -228,7 +228,7 @@ def per_layer(
             lambda k: eqx.nn.Linear(8, 8, key=k), 4, key=jax.random.key(0)
         )
         # Each layer's weight clipped to RMS 0.1 on its own, not the stack's.
-        optimiser = eqxscan.optim.per_layer(optax.clip_by_block_rms(0.1))
+        optimiser = eqxscan.optim.layerwise(optax.clip_by_block_rms(0.1))
         params = eqx.filter(stack, eqx.is_inexact_array)
         state = optimiser.init(params)
         grads = eqx.filter_grad(lambda m: jnp.sum(m(jnp.ones(8)) ** 2))(stack)
@@ -245,17 +245,17 @@ def per_layer(
     **Returns:**
 
     An `optax.GradientTransformationExtraArgs` whose state is a
-    [`eqxscan.optim.PerLayerState`][].
+    [`eqxscan.optim.LayerwiseState`][].
     """
     if not isinstance(tx, optax.GradientTransformation):
         raise TypeError(
-            "per_layer takes an optax.GradientTransformation, got "
+            "layerwise takes an optax.GradientTransformation, got "
             f"{type(tx).__name__}.\nHint: pass e.g. `optax.adamw(1e-3)`, not a "
             "function that builds one."
         )
     inner = optax.with_extra_args_support(tx)
 
-    def init(params: PyTree) -> PerLayerState:
+    def init(params: PyTree) -> LayerwiseState:
         return _init(inner, params)
 
     def update(
@@ -263,7 +263,7 @@ def per_layer(
         state: object,
         params: PyTree | None = None,
         **extra_args: object,
-    ) -> tuple[PyTree, PerLayerState]:
+    ) -> tuple[PyTree, LayerwiseState]:
         return _update(inner, updates, state, params, extra_args)
 
     return optax.GradientTransformationExtraArgs(init, update)
