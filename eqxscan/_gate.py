@@ -207,7 +207,7 @@ def gated_scan(
     length: int,
     reverse: bool,
     unroll: int | bool,
-    policy: Callable[..., object] | None = None,
+    policy: Policy | None = None,
 ) -> tuple[list[Array], list[Array]]:
     """Scan `traced` (one step: flat `carry + x_i` to flat `carry + y_i`) over the
     leading axis of `xs`, running step `i` only where `keep[i]`; a skipped step
@@ -267,7 +267,7 @@ class _GatedScan:
     length: int
     reverse: bool
     unroll: int | bool
-    policy: Callable[..., object] | None
+    policy: Policy | None
     layouts: list[tuple[jtu.PyTreeDef, tuple[int | None, ...]] | None]
 
     def step(self, fixed: tuple, fixed_i: list) -> Callable[..., list[Array]]:

@@ -45,7 +45,7 @@ OFFLOAD_POLICY = jax.checkpoint_policies.offload_dot_with_no_batch_dims(
     "device", "pinned_host"
 )
 
-Policy: TypeAlias = Callable[..., object]
+Policy: TypeAlias = Callable[..., bool]
 Keep: TypeAlias = bool | Literal["offload"] | None
 
 

@@ -103,7 +103,7 @@ def _hint_error(headline: str, hint: str) -> ValueError:
     return ValueError(f"{headline}\nHint: {hint}")
 
 
-def _check_schedule(schedule: object, repeats: object) -> int:
+def _check_schedule(schedule: object, repeats: object) -> tuple[Schedule, int]:
     if not isinstance(schedule, str) or schedule not in SCHEDULES:
         raise _hint_error(
             f"schedule must be one of {list(SCHEDULES)}, got {schedule!r}.",
@@ -123,7 +123,7 @@ def _check_schedule(schedule: object, repeats: object) -> int:
             "microbatch through the stages once.",
             f"pass schedule='circular', repeats={repeats} (or repeats=1).",
         )
-    return repeats
+    return schedule, repeats  # pyright: ignore[reportReturnType]  # one of SCHEDULES
 
 
 def _check_layer_order(layer_order: object) -> LayerOrder:
@@ -217,7 +217,8 @@ def pipeline_order(
     order = one(np.arange(stack.num_layers))
     rates = rates_of(stack.depth_drop)
     if stack.depth_drop is not None:
-        rates = tuple(tuple(r[i] for i in order) for r in rates)
+        drop = stack.depth_drop
+        rates = tuple(tuple(r[i] for i in order) for r in (drop.drop_path, drop.layer_drop))
     return restack(stack, layers=layers, drop_path=rates[0], layer_drop=rates[1])
 
 
@@ -315,7 +316,7 @@ def _drops(
     rates = (np.asarray(drop.drop_path), np.asarray(drop.layer_drop))
     if layer_order == "stage":
         rates = tuple(_permute(r, stages, repeats, inverse=True) for r in rates)
-    inputs = DepthDrop(drop.num_layers, *rates).per_layer_inputs(key)
+    inputs = DepthDrop(drop.num_layers, rates[0], rates[1]).per_layer_inputs(key)
     uses_path, uses_layer = drop.uses
     keep = path_rate = path_keep = None
     if uses_layer:
@@ -498,7 +499,7 @@ def _check_pipeline(
             "model, pass its Stacked (e.g. `model.blocks`)."
         )
     microbatches = check_size("microbatches", microbatches)
-    repeats = _check_schedule(schedule, repeats)
+    schedule, repeats = _check_schedule(schedule, repeats)
     _check_layer_order(layer_order)
     mesh = check_mesh(mesh)
     _check_axes(mesh, (stage_axis,), "stage_axis")
