@@ -255,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tokens = args.batch * args.seq
     flops = {
         str(L): (
-            _transformer.model_flops(L, args.dim, tokens, args.seq)
+            _transformer.transformer_flops(L, args.dim, tokens, args.seq)
             if args.model == "transformer"
             else model_flops(L, args.dim, tokens)
         )
@@ -295,12 +295,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"(L={check_layers}, D={args.dim}, float32)...",
         file=sys.stderr,
     )
-    check = (
-        _transformer.check_agreement if args.model == "transformer" else check_agreement
-    )
     try:
-        results["agreement"] = check(
-            [impls[n] for n in args.impls], num_layers=check_layers, **shape
+        results["agreement"] = check_agreement(
+            [impls[n] for n in args.impls],
+            num_layers=check_layers,
+            dim=args.dim,
+            batch=args.batch,
+            seq=args.seq,
+            model=args.model,
         )
     except MismatchError as e:
         raise SystemExit(f"eqxscan.bench: aborted: {e}") from None
