@@ -20,8 +20,8 @@ from jaxtyping import Array
 from eqxscan import StackedMLP
 from eqxscan.remat import explain_auto, time_interleaved
 
-from . import _transformer
 from ._impls import Built, Impl, IMPLS, LOOP, MismatchError, rel_err, TOLERANCE
+from ._transformer import IMPLS as TRANSFORMER_IMPLS, transformer_problem
 
 
 #: What checkpoint="auto" calls the matmul-saving policy.
@@ -72,7 +72,7 @@ def registry(model: str) -> tuple[Mapping[str, Impl[Any]], ProblemMaker]:
     """The implementations and the problem maker of a benchmark model (`"mlp"` or
     `"transformer"`); each model's implementations take that model's type."""
     if model == "transformer":
-        return _transformer.IMPLS, _transformer.transformer_problem
+        return TRANSFORMER_IMPLS, transformer_problem
     return IMPLS, mlp_problem
 
 
