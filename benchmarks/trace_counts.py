@@ -9,8 +9,8 @@ calls of any of its layer classes) and `Recurrent` (a counting cell; the
 layer (cell) per trace of the enclosing jit, forward (`model(x)`) and gradient
 (`eqx.filter_grad` of a sum). Tracing only: `eqx.filter_jit(f).lower(...)`.
 
-Trace time: the Transformer bench's block (pre-norm attention + MLP, D=256,
-B=8, T=64, fp32, written here with public names) stacked L times, with the
+Trace time: the Transformer bench's block (`eqxscan.bench.Block`: pre-norm
+attention + MLP, D=256, B=8, T=64, fp32) stacked L times, with the
 default options; timed is `jax.jit(step).trace(params, x, y)` for a fresh
 `step = jax.value_and_grad(loss)` each time (nothing is lowered or compiled),
 best of 3 (`--clock cpu`: by CPU time rather than wall time).
@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import jax.random as jr
 
 import eqxscan
+from eqxscan.bench import Block, mse
 
 
 CHECKPOINTS = (("default", None), ("False", False), ("True", True))
@@ -129,39 +130,6 @@ def table(lengths: list[int]) -> str:
     return "\n".join(rows)
 
 
-# ---------------------------------------------------------------------------
-# The Transformer bench's block, with public names.
-
-
-def causal_mask(seq: int) -> jax.Array:
-    return jnp.tril(jnp.ones((seq, seq), bool))
-
-
-class Block(eqx.Module):
-    ln1: eqx.nn.LayerNorm
-    attn: eqx.nn.MultiheadAttention
-    ln2: eqx.nn.LayerNorm
-    mlp_in: eqx.nn.Linear
-    mlp_out: eqx.nn.Linear
-
-    def __init__(self, dim: int, *, key: jax.Array):
-        k1, k2, k3 = jr.split(key, 3)
-        self.ln1 = eqx.nn.LayerNorm(dim, eps=1e-5)
-        self.attn = eqx.nn.MultiheadAttention(max(1, dim // 32), dim, key=k1)
-        self.ln2 = eqx.nn.LayerNorm(dim, eps=1e-5)
-        self.mlp_in = eqx.nn.Linear(dim, 4 * dim, key=k2)
-        self.mlp_out = eqx.nn.Linear(4 * dim, dim, key=k3)
-
-    def _one(self, x: jax.Array) -> jax.Array:
-        h = jax.vmap(self.ln1)(x)
-        x = x + self.attn(h, h, h, mask=causal_mask(x.shape[0]))
-        h = jax.vmap(self.ln2)(x)
-        return x + jax.vmap(self.mlp_out)(jax.nn.gelu(jax.vmap(self.mlp_in)(h)))
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return jax.vmap(self._one)(x)
-
-
 def transformer_trace_seconds(
     layers: int,
     dim: int = 256,
@@ -179,8 +147,7 @@ def transformer_trace_seconds(
     for _ in range(repeats):
 
         def loss(params, x, y):
-            out = eqx.combine(params, static)(x)
-            return jnp.mean((out - y) ** 2)
+            return mse(eqx.combine(params, static)(x), y)
 
         step = jax.value_and_grad(loss)
         start = clock()

@@ -7,11 +7,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from eqxscan.bench import _cli, _report
+from eqxscan.bench import _cli, _report, _transformer, make_problem
 from eqxscan.bench._impls import Built, Impl, IMPLS
 from eqxscan.bench._measure import (
     check_agreement,
-    make_problem,
     measure_compile,
     MismatchError,
     model_flops,
@@ -28,7 +27,7 @@ def _perturbed(model):
     def loss(params, x, y):
         return built.loss({**params, "w1": params["w1"] * 1.001}, x, y)
 
-    return Built(built.params, loss, built.to_mlp)
+    return Built(built.params, loss, built.to_canon)
 
 
 def _raises(model):
@@ -56,11 +55,11 @@ def test_gradients_map_back_to_the_stacked_layout():
     def swapped(model):
         built = IMPLS["jax-scan"].build(model)
 
-        def to_mlp(g):
-            w1, w2, scale = built.to_mlp(g)
-            return w1[::-1], w2, scale
+        def to_canon(g):
+            canon = built.to_canon(g)
+            return {**canon, "w1": canon["w1"][::-1]}
 
-        return Built(built.params, built.loss, to_mlp)
+        return Built(built.params, built.loss, to_canon)
 
     with pytest.raises(MismatchError, match="gradient of w1"):
         check_agreement(
@@ -88,7 +87,7 @@ def test_model_flops_counts_the_matmuls():
     # The matmul floor is exactly the model's matmuls: XLA's own count is 6L matmuls
     # less the input gradient of the first one (not needed), plus a small loss.
     layers, dim, batch, seq = 3, 16, 2, 4
-    model, x, y = make_problem(layers, dim, batch, seq, "float32")
+    model, x, y = make_problem("mlp", layers, dim, batch, seq, "float32")
     built = IMPLS["matmul-floor"].build(model)
     compiled = jax.jit(jax.value_and_grad(built.loss)).lower(built.params, x, y)
     xla = compiled.compile().cost_analysis()["flops"]
@@ -234,7 +233,7 @@ def test_tiny_end_to_end_run(tmp_path, capsys):
 
 def test_bfloat16_problem():
     # Every implementation keeps bfloat16 parameters (and so gradients) end to end.
-    model, x, y = make_problem(2, 8, 1, 2, "bfloat16")
+    model, x, y = make_problem("mlp", 2, 8, 1, 2, "bfloat16")
     assert model.dtype == jnp.bfloat16 and x.dtype == jnp.bfloat16
     for impl in IMPLS.values():
         if impl.available():
@@ -250,8 +249,6 @@ def test_bfloat16_problem():
 
 
 def test_transformer_implementations_match_the_loop():
-    from eqxscan.bench import _transformer
-
     # eqxscan's own options are checked against the loop by the engine's tests;
     # here: eqxscan's default and every peer's way of writing the block.
     names = ("eqxscan", "eqxscan-loop", "eqx-recipe", "jax-scan")
@@ -259,15 +256,15 @@ def test_transformer_implementations_match_the_loop():
     impls = [_transformer.IMPLS[n] for n in names if _transformer.IMPLS[n].available()]
     # D=64 gives two heads, so that the heads' layout is checked too.
     assert _transformer.num_heads(64) == 2
-    errors = _transformer.check_agreement(impls, num_layers=2, dim=64, batch=2, seq=3)
+    errors = check_agreement(
+        impls, model="transformer", num_layers=2, dim=64, batch=2, seq=3
+    )
     assert set(errors) == {i.name for i in impls}
     assert all(err <= 1e-5 for err in errors.values()), errors
     assert errors["eqxscan-loop"] == 0.0
 
 
 def test_transformer_mismatch_is_detected():
-    from eqxscan.bench import _transformer
-
     def swapped_heads(model):
         # Same loss, but the gradient of the key projection handed back in the
         # wrong orientation: must be caught.
@@ -276,8 +273,9 @@ def test_transformer_mismatch_is_detected():
         return Built(built.params, built.loss, to_canon)
 
     with pytest.raises(MismatchError, match="gradient of wk"):
-        _transformer.check_agreement(
+        check_agreement(
             [Impl("swapped", "wk transposed", swapped_heads)],
+            model="transformer",
             num_layers=1,
             dim=8,
             batch=1,

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqxscan.bench import plan as bench
+from eqxscan.bench import meshes as bench
 from eqxscan.sharding import MeshPlan, plan
 from eqxscan.sharding._plan_mesh import hlo_costs
 
@@ -61,9 +61,9 @@ def test_plan_compiles_in_a_fresh_process_when_devices_are_missing():
     assert len(jax.devices()) < 8
     seen = []
     table = plan(
-        "eqxscan.bench.plan:decoder",
+        "eqxscan.bench.meshes:decoder",
         bench.train_step,  # a top-level function: passed by its name
-        optimizer="eqxscan.bench.plan:adam",
+        optimizer="eqxscan.bench.meshes:adam",
         batch=bench.batch_shape(8, 4),
         budget="1GB",
         meshes=[(8, 1, 1)],
@@ -107,14 +107,16 @@ def _nothing_fits():
 
 def _plan(**kwargs):
     args = dict(
-        optimizer="eqxscan.bench.plan:adam",
+        optimizer="eqxscan.bench.meshes:adam",
         batch=bench.batch_shape(8, 4),
         budget="1GB",
         devices=8,
         model_kwargs=CONFIG,
     )
     args.update(kwargs)
-    return plan("eqxscan.bench.plan:decoder", "eqxscan.bench.plan:train_step", **args)
+    return plan(
+        "eqxscan.bench.meshes:decoder", "eqxscan.bench.meshes:train_step", **args
+    )
 
 
 @pytest.mark.parametrize(

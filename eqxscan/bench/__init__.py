@@ -1,3 +1,19 @@
 """`python -m eqxscan.bench`: compile time, step time and memory of a StackedMLP
-train step against depth, for eqxscan's options and its peers. Run it with
-`--help` for the options; `docs/benchmarks.md` explains the numbers."""
+or Transformer train step against depth, for eqxscan's options and its peers. Run
+it with `--help` for the options; `docs/benchmarks.md` explains the numbers.
+
+`python -m eqxscan.bench.meshes` compares the meshes and remat settings of a
+decoder built from the same Transformer `Block` on `N` devices, through
+`eqxscan.sharding.plan` (`docs/planning.md`).
+
+The benchmark's models, for scripts that measure something else on them:
+
+- `Block`: the pre-norm Transformer block on `[B, T, D]`.
+- `make_problem(model, num_layers, dim, batch, seq, dtype)`: the model
+  (`"mlp"` or `"transformer"`) and one batch, as every implementation gets them.
+- `mse`: the loss of every implementation.
+"""
+
+from ._impls import mse as mse
+from ._measure import make_problem as make_problem
+from ._transformer import Block as Block

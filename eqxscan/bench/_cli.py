@@ -233,8 +233,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from eqxscan.remat import peak_of
 
-    from . import _report, _transformer
     from ._measure import check_agreement, MismatchError, model_flops, registry
+    from ._report import markdown, plots, targets
+    from ._transformer import transformer_flops
     from ._worker import run_worker, WorkerError
 
     impls, _ = registry(args.model)
@@ -255,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tokens = args.batch * args.seq
     flops = {
         str(L): (
-            _transformer.model_flops(L, args.dim, tokens, args.seq)
+            transformer_flops(L, args.dim, tokens, args.seq)
             if args.model == "transformer"
             else model_flops(L, args.dim, tokens)
         )
@@ -295,12 +296,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"(L={check_layers}, D={args.dim}, float32)...",
         file=sys.stderr,
     )
-    check = (
-        _transformer.check_agreement if args.model == "transformer" else check_agreement
-    )
     try:
-        results["agreement"] = check(
-            [impls[n] for n in args.impls], num_layers=check_layers, **shape
+        results["agreement"] = check_agreement(
+            [impls[n] for n in args.impls],
+            num_layers=check_layers,
+            dim=args.dim,
+            batch=args.batch,
+            seq=args.seq,
+            model=args.model,
         )
     except MismatchError as e:
         raise SystemExit(f"eqxscan.bench: aborted: {e}") from None
@@ -343,11 +346,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             save()
 
     results["machine"]["load_average_end"] = load_average()
-    results["targets"] = _report.targets(results)
+    results["targets"] = targets(results)
     save()
-    text = _report.markdown(results)
+    text = markdown(results)
     (args.out / "results.md").write_text(text)
-    written = _report.plots(results, args.out)
+    written = plots(results, args.out)
     print(text)
     print(
         f"Wrote {args.out / 'results.json'}, {args.out / 'results.md'}"

@@ -104,7 +104,13 @@ def _compile_step(loss: Callable, model: Any, inputs: tuple) -> tuple[int, Any, 
     )
     lowered = jax.jit(step).lower(m, *inputs)
     fn = lowered.compile()
-    return int(fn.memory_analysis().temp_size_in_bytes), (fn, m), lowered.as_text()
+    memory = fn.memory_analysis()
+    if memory is None:
+        raise RuntimeError(
+            "XLA gave no memory analysis of the train step.\n"
+            f"The grid reads temp memory from it; backend: {jax.default_backend()}."
+        )
+    return int(memory.temp_size_in_bytes), (fn, m), lowered.as_text()
 
 
 def loop_temp_extrapolated(kind: str, size: tuple) -> dict:

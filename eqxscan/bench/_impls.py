@@ -8,14 +8,16 @@ layout, so that all of them can be checked against each other before timing.
 """
 
 import dataclasses
+import functools
 import importlib.util
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array, ArrayLike, PyTree
 
 from eqxscan import StackedMLP
 from eqxscan.nn import rms_norm
@@ -30,12 +32,17 @@ class MismatchError(RuntimeError):
     """Two implementations disagree on the loss or the gradients."""
 
 
-def rel_err(a: Any, b: Any) -> float:
+def rel_err(a: ArrayLike, b: ArrayLike) -> float:
     """The largest absolute difference of `a` and `b`, relative to `b`'s largest
     magnitude."""
-    a = np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
+    a64 = np.asarray(a, np.float64)
+    b64 = np.asarray(b, np.float64)
+    return float(np.max(np.abs(a64 - b64)) / (np.max(np.abs(b64)) + 1e-30))
+
+
+#: A gradient in a model's one layout, `{name: array stacked over layers}`: the
+#: `w1`, `w2`, `scale` of `StackedMLP`, the Transformer's `CANON`.
+Canon = dict[str, Array]
 
 
 class Built(NamedTuple):
@@ -44,22 +51,27 @@ class Built(NamedTuple):
     - `params`: a pytree of arrays (the differentiated argument).
     - `loss`: `loss(params, x, y) -> scalar`; the train step is
       `jax.value_and_grad(loss)`.
-    - `to_mlp`: maps a gradient of `params` to `(w1, w2, scale)` stacked as in
-      `StackedMLP`; `None` for entries that compute something else on purpose.
+    - `to_canon`: maps a gradient of `params` to the model's `Canon` layout;
+      `None` for entries that compute something else on purpose.
     """
 
-    params: Any
-    loss: Callable[[Any, jax.Array, jax.Array], jax.Array]
-    to_mlp: Callable[[Any], tuple[jax.Array, jax.Array, jax.Array]] | None
+    params: PyTree[Array]
+    loss: Callable[[PyTree[Array], Array, Array], Array]
+    to_canon: Callable[[PyTree[Array]], Canon] | None
+
+
+#: The benchmark model an implementation is built from (`StackedMLP`, or the
+#: Transformer's `Stacked` blocks).
+M = TypeVar("M", bound=eqx.Module)
 
 
 @dataclasses.dataclass(frozen=True)
-class Impl:
+class Impl(Generic[M]):
     """A named way of running the stack. `requires` names an optional import."""
 
     name: str
     description: str
-    build: Callable[[StackedMLP], Built]
+    build: Callable[[M], Built]
     requires: str | None = None
 
     def available(self) -> bool:
@@ -68,18 +80,26 @@ class Impl:
         )
 
 
-def mse(out: jax.Array, y: jax.Array) -> jax.Array:
+def mse(out: Array, y: Array) -> Array:
     """The loss of every implementation, reduced in float32."""
     diff = out.astype(jnp.float32) - y.astype(jnp.float32)
     return jnp.mean(diff * diff)
 
 
-def stacked_arrays(model: StackedMLP) -> tuple[jax.Array, jax.Array, jax.Array]:
+def stacked_arrays(model: StackedMLP) -> tuple[Array, Array, Array]:
     layers = model.blocks.layers
     return layers.w1, layers.w2, layers.scale
 
 
-def _block(w1: jax.Array, w2: jax.Array, scale: jax.Array, x: jax.Array) -> jax.Array:
+def _canon(w1: Array, w2: Array, scale: Array) -> Canon:
+    return dict(w1=w1, w2=w2, scale=scale)
+
+
+def _model_canon(model: StackedMLP) -> Canon:
+    return _canon(*stacked_arrays(model))
+
+
+def _block(w1: Array, w2: Array, scale: Array, x: Array) -> Array:
     return x + jax.nn.gelu(rms_norm(scale, x) @ w1) @ w2
 
 
@@ -93,10 +113,10 @@ def _eqxscan(**options: Any) -> Callable[[StackedMLP], Built]:
         )
         params, static = eqx.partition(model, eqx.is_array)
 
-        def loss(params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+        def loss(params: StackedMLP, x: Array, y: Array) -> Array:
             return mse(eqx.combine(params, static)(x), y)
 
-        return Built(params, loss, stacked_arrays)
+        return Built(params, loss, _model_canon)
 
     return build
 
@@ -107,21 +127,21 @@ def _eqxscan(**options: Any) -> Callable[[StackedMLP], Built]:
 
 
 class _RecipeBlock(eqx.Module):
-    w1: jax.Array
-    w2: jax.Array
-    scale: jax.Array
+    w1: Array
+    w2: Array
+    scale: Array
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: Array) -> Array:
         return _block(self.w1, self.w2, self.scale, x)
 
 
 class _RecipeModel(eqx.Module):
     layers: _RecipeBlock
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: Array) -> Array:
         dynamic, static = eqx.partition(self.layers, eqx.is_array)
 
-        def f(x: jax.Array, layer_dynamic: Any) -> tuple[jax.Array, None]:
+        def f(x: Array, layer_dynamic: _RecipeBlock) -> tuple[Array, None]:
             layer = eqx.combine(layer_dynamic, static)
             return layer(x), None
 
@@ -130,32 +150,33 @@ class _RecipeModel(eqx.Module):
 
 
 def _recipe(model: StackedMLP) -> Built:
-    w1, w2, scale = stacked_arrays(model)
     # `filter_vmap(make_layer)(keys)` is how the recipe builds the stack; building
     # from our arrays gives the same layout, so we construct it directly.
-    params = _RecipeModel(_RecipeBlock(w1, w2, scale))
+    params = _RecipeModel(_RecipeBlock(*stacked_arrays(model)))
 
-    def loss(params: _RecipeModel, x: jax.Array, y: jax.Array) -> jax.Array:
+    def loss(params: _RecipeModel, x: Array, y: Array) -> Array:
         return mse(params(x), y)
 
-    return Built(params, loss, lambda g: (g.layers.w1, g.layers.w2, g.layers.scale))
+    def to_canon(g: _RecipeModel) -> Canon:
+        return _canon(g.layers.w1, g.layers.w2, g.layers.scale)
+
+    return Built(params, loss, to_canon)
 
 
 # Plain JAX: a dict of stacked arrays and `lax.scan`.
 
 
 def _plain_jax(model: StackedMLP) -> Built:
-    w1, w2, scale = stacked_arrays(model)
-    params = {"w1": w1, "w2": w2, "scale": scale}
+    params = _model_canon(model)
 
-    def loss(params: dict, x: jax.Array, y: jax.Array) -> jax.Array:
-        def body(x: jax.Array, p: dict) -> tuple[jax.Array, None]:
+    def loss(params: Canon, x: Array, y: Array) -> Array:
+        def body(x: Array, p: Canon) -> tuple[Array, None]:
             return _block(p["w1"], p["w2"], p["scale"], x), None
 
         x, _ = jax.lax.scan(body, x, params)
         return mse(x, y)
 
-    return Built(params, loss, lambda g: (g["w1"], g["w2"], g["scale"]))
+    return Built(params, loss, dict)
 
 
 # The floor: exactly the model's matmuls (two per layer forward, their transposes
@@ -166,7 +187,7 @@ def _matmul_floor(model: StackedMLP) -> Built:
     w1, w2, _ = stacked_arrays(model)
     params = (list(w1), list(w2))
 
-    def loss(params: tuple, x: jax.Array, y: jax.Array) -> jax.Array:
+    def loss(params: tuple[list[Array], list[Array]], x: Array, y: Array) -> Array:
         for a, b in zip(*params):
             x = (x @ a) @ b
         return mse(x, y)
@@ -174,8 +195,40 @@ def _matmul_floor(model: StackedMLP) -> Built:
     return Built(params, loss, None)
 
 
-# Flax linen: `nn.scan` over a block module, parameters stacked on axis 0
-# (`variable_axes={"params": 0}`), one RNG per layer (`split_rngs`).
+def linen_stack(block: type, num_layers: int) -> Any:
+    """Flax linen's scan over layers: `nn.scan(block)` with its parameters stacked
+    on axis 0 (`variable_axes={"params": 0}`), one RNG per layer (`split_rngs`),
+    applied as `blocks` to `x`. `block(...)(x, None)` returns `(x, None)`."""
+    import flax.linen as nn
+
+    class Stack(nn.Module):
+        @nn.compact
+        def __call__(self, x: Array) -> Array:
+            scanned = nn.scan(
+                block,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                length=num_layers,
+            )
+            x, _ = scanned(name="blocks")(x, None)
+            return x
+
+    return Stack()
+
+
+def linen_loss(net: Any) -> Callable[[PyTree[Array], Array, Array], Array]:
+    """The loss of a linen module `net` on its variables."""
+
+    def loss(variables: PyTree[Array], x: Array, y: Array) -> Array:
+        out = net.apply(variables, x)
+        assert isinstance(out, Array)  # no mutable collections: the output alone
+        return mse(out, y)
+
+    return loss
+
+
+# Flax linen: `nn.scan` over a block module, parameters stacked on axis 0, one RNG
+# per layer.
 
 
 def _flax_linen(model: StackedMLP) -> Built:
@@ -184,57 +237,61 @@ def _flax_linen(model: StackedMLP) -> Built:
     w1, w2, scale = stacked_arrays(model)
     num_layers, dim = scale.shape
     dtype = w1.dtype
+    dense = functools.partial(nn.Dense, use_bias=False, dtype=dtype, param_dtype=dtype)
 
     class Block(nn.Module):
         @nn.compact
-        def __call__(self, x: jax.Array, _: None) -> tuple[jax.Array, None]:
+        def __call__(self, x: Array, _: None) -> tuple[Array, None]:
             s = self.param("scale", nn.initializers.ones, (dim,), dtype)
-            h = rms_norm(s, x)
-            dense = dict(use_bias=False, dtype=dtype, param_dtype=dtype)
-            h = nn.gelu(nn.Dense(4 * dim, **dense)(h))
-            return x + nn.Dense(dim, **dense)(h), None
+            h = nn.gelu(dense(4 * dim)(rms_norm(s, x)))
+            return x + dense(dim)(h), None
 
-    class Stack(nn.Module):
-        @nn.compact
-        def __call__(self, x: jax.Array) -> jax.Array:
-            scanned = nn.scan(
-                Block,
-                variable_axes={"params": 0},
-                split_rngs={"params": True},
-                length=num_layers,
-            )
-            x, _ = scanned(name="blocks")(x, None)
-            return x
-
-    net = Stack()
-    variables = {
-        "params": {
-            "blocks": {
-                "Dense_0": {"kernel": w1},
-                "Dense_1": {"kernel": w2},
-                "scale": scale,
-            }
-        }
-    }
+    net = linen_stack(Block, num_layers)
+    blocks = {"Dense_0": {"kernel": w1}, "Dense_1": {"kernel": w2}, "scale": scale}
+    variables = {"params": {"blocks": blocks}}
     x0 = jax.ShapeDtypeStruct((1, dim), dtype)
     check_same_layout(
         "flax-linen", jax.eval_shape(net.init, jax.random.key(0), x0), variables
     )
 
-    def loss(variables: dict, x: jax.Array, y: jax.Array) -> jax.Array:
-        return mse(net.apply(variables, x), y)
-
-    def to_mlp(g: dict) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def to_canon(g: dict[str, dict[str, Any]]) -> Canon:
         b = g["params"]["blocks"]
-        return b["Dense_0"]["kernel"], b["Dense_1"]["kernel"], b["scale"]
+        return _canon(b["Dense_0"]["kernel"], b["Dense_1"]["kernel"], b["scale"])
 
-    return Built(variables, loss, to_mlp)
+    return Built(variables, linen_loss(net), to_canon)
 
 
 # Flax NNX: the stack is built by a vmapped `__init__` with split RNGs and run by a
 # `nnx.scan`ned `__call__` that carries `x`. The train step uses NNX's functional
 # API (`nnx.split` / `nnx.merge`) so that it is jitted by plain `jax.jit` like the
 # others.
+
+
+def nnx_state(blocks: Callable[[], Any], values: PyTree[Array], name: str) -> Any:
+    """`(graphdef, state)` of the NNX module `blocks()` (built abstractly), its
+    parameters replaced by `values` (a nested dict in the state's layout)."""
+    from flax import nnx
+
+    graphdef, abstract = nnx.split(nnx.eval_shape(blocks))
+    state = jax.tree.map(lambda a: a, abstract)
+    for path, value in jax.tree_util.tree_flatten_with_path(values)[0]:
+        node = state
+        keys = [k.key for k in path]
+        for k in keys[:-1]:
+            node = node[k]
+        node[keys[-1]] = nnx.Param(value)
+    check_same_layout(name, abstract, state)
+    return graphdef, state
+
+
+def nnx_loss(graphdef: Any) -> Callable[[PyTree[Array], Array, Array], Array]:
+    """The loss of the NNX module `nnx.merge(graphdef, state)` on its state."""
+    from flax import nnx
+
+    def loss(state: PyTree[Array], x: Array, y: Array) -> Array:
+        return mse(nnx.merge(graphdef, state)(x), y)
+
+    return loss
 
 
 def _flax_nnx(model: StackedMLP) -> Built:
@@ -248,38 +305,30 @@ def _flax_nnx(model: StackedMLP) -> Built:
         @nnx.split_rngs(splits=num_layers)
         @nnx.vmap(in_axes=(0, 0))
         def __init__(self, rngs: nnx.Rngs):
-            kw = dict(use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
-            self.linear1 = nnx.Linear(dim, 4 * dim, **kw)
-            self.linear2 = nnx.Linear(4 * dim, dim, **kw)
+            linear = functools.partial(
+                nnx.Linear, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs
+            )
+            self.linear1 = linear(dim, 4 * dim)
+            self.linear2 = linear(4 * dim, dim)
             self.scale = nnx.Param(jnp.ones(dim, dtype))
 
         @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
-        def __call__(self, x: jax.Array) -> jax.Array:
+        def __call__(self, x: Array) -> Array:
             h = rms_norm(self.scale[...], x)
             return x + self.linear2(nnx.gelu(self.linear1(h)))
 
-    blocks = nnx.eval_shape(lambda: Blocks(nnx.Rngs(0)))
-    graphdef, abstract = nnx.split(blocks)
-    state = jax.tree.map(lambda a: a, abstract)
-    state["linear1"]["kernel"] = nnx.Param(w1)
-    state["linear2"]["kernel"] = nnx.Param(w2)
-    state["scale"] = nnx.Param(scale)
-    check_same_layout("flax-nnx", abstract, state)
+    values = {"linear1": {"kernel": w1}, "linear2": {"kernel": w2}, "scale": scale}
+    graphdef, state = nnx_state(lambda: Blocks(nnx.Rngs(0)), values, "flax-nnx")
 
-    def loss(state: Any, x: jax.Array, y: jax.Array) -> jax.Array:
-        return mse(nnx.merge(graphdef, state)(x), y)
-
-    def to_mlp(g: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
-        return (
-            g["linear1"]["kernel"][...],
-            g["linear2"]["kernel"][...],
-            g["scale"][...],
+    def to_canon(g: Any) -> Canon:
+        return _canon(
+            g["linear1"]["kernel"][...], g["linear2"]["kernel"][...], g["scale"][...]
         )
 
-    return Built(state, loss, to_mlp)
+    return Built(state, nnx_loss(graphdef), to_canon)
 
 
-def check_same_layout(name: str, expected: Any, got: Any) -> None:
+def check_same_layout(name: str, expected: PyTree, got: PyTree) -> None:
     # Guards the weight conversion against a library renaming its parameters.
     e = jax.tree_util.tree_flatten_with_path(expected)
     g = jax.tree_util.tree_flatten_with_path(got)
@@ -310,13 +359,13 @@ EQXSCAN_VARIANTS: tuple[tuple[str, str, dict[str, Any]], ...] = (
 )
 
 
-def eqxscan_impls(build: Callable[..., Callable[[Any], Built]]) -> list[Impl]:
+def eqxscan_impls(build: Callable[..., Callable[[M], Built]]) -> list[Impl[M]]:
     """One `Impl` per entry of `EQXSCAN_VARIANTS`, built by `build(**options)`."""
     return [Impl(n, d, build(**options)) for n, d, options in EQXSCAN_VARIANTS]
 
 
 #: Every implementation, in table order. The first is eqxscan's default.
-IMPLS: dict[str, Impl] = {
+IMPLS: dict[str, Impl[StackedMLP]] = {
     impl.name: impl
     for impl in [
         *eqxscan_impls(_eqxscan),

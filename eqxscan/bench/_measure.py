@@ -8,24 +8,28 @@ that nothing compiled earlier is reused.
 import functools
 import statistics
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array
 
 from eqxscan import StackedMLP
 from eqxscan.remat import explain_auto, time_interleaved
 
-from ._impls import Impl, IMPLS, LOOP, MismatchError, rel_err, TOLERANCE
+from ._impls import Built, Impl, IMPLS, LOOP, MismatchError, rel_err, TOLERANCE
+from ._transformer import IMPLS as TRANSFORMER_IMPLS, transformer_problem
 
 
 #: What checkpoint="auto" calls the matmul-saving policy.
 AUTO_POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 WARMUP = 1
+#: `problem(num_layers, dim, batch, seq, dtype) -> (model, x, y)`.
+ProblemMaker = Callable[[int, int, int, int, str], tuple[eqx.Module, Array, Array]]
 
 
 def model_flops(num_layers: int, dim: int, tokens: int) -> int:
@@ -36,9 +40,9 @@ def model_flops(num_layers: int, dim: int, tokens: int) -> int:
     return 3 * num_layers * 2 * (2 * tokens * dim * 4 * dim)
 
 
-def make_problem(
+def mlp_problem(
     num_layers: int, dim: int, batch: int, seq: int, dtype: str, seed: int = 0
-) -> tuple[StackedMLP, jax.Array, jax.Array]:
+) -> tuple[StackedMLP, Array, Array]:
     """The model and one batch `(x, y)`, identical for every implementation."""
     dt = DTYPES[dtype]
     # The layout comes from `StackedMLP` itself (traced, not run); the values from
@@ -48,7 +52,7 @@ def make_problem(
     )
     rng = np.random.default_rng(seed)
 
-    def init(leaf: Any) -> Any:
+    def init(leaf: object) -> object:
         if not isinstance(leaf, jax.ShapeDtypeStruct):
             return leaf
         # Fan-in scaling for the weights, ones for the norm scales.
@@ -64,54 +68,87 @@ def make_problem(
     return model, x, y
 
 
+def registry(model: str) -> tuple[Mapping[str, Impl[Any]], ProblemMaker]:
+    """The implementations and the problem maker of a benchmark model (`"mlp"` or
+    `"transformer"`); each model's implementations take that model's type."""
+    if model == "transformer":
+        return TRANSFORMER_IMPLS, transformer_problem
+    return IMPLS, mlp_problem
+
+
+def make_problem(
+    model: str, num_layers: int, dim: int, batch: int, seq: int, dtype: str
+) -> tuple[eqx.Module, Array, Array]:
+    """The benchmark's model and one batch `(x, y)` of shape `[batch, seq, dim]`.
+
+    **Arguments:**
+
+    - `model`: `"mlp"` (a `StackedMLP`) or `"transformer"` (a `Stacked` of
+      `Block`s).
+    - `num_layers`, `dim`, `batch`, `seq`: the sizes.
+    - `dtype`: `"float32"` or `"bfloat16"`.
+
+    **Returns:**
+
+    `(module, x, y)`: the same weights (from NumPy, seeded) and data as every
+    implementation of `python -m eqxscan.bench` starts from.
+    """
+    return registry(model)[1](num_layers, dim, batch, seq, dtype)
+
+
 def check_agreement(
-    impls: Sequence[Impl],
+    impls: Sequence[Impl[Any]],
     *,
     num_layers: int,
     dim: int,
     batch: int,
     seq: int,
+    model: str = "mlp",
     tolerance: float = TOLERANCE,
 ) -> dict[str, float]:
     """Check that every implementation gives the loop's loss and gradients.
 
-    All run in float32 from the same `StackedMLP` weights. The reference is the
-    unrolled loop (`eqxscan-loop`), whether or not it is among `impls`.
-    Implementations without a gradient mapping (the matmul floor) are skipped.
+    All run in float32 from the same weights. The reference is the unrolled loop
+    (`eqxscan-loop`), whether or not it is among `impls`; gradients are compared
+    in the model's `Canon` layout. Implementations without one (the matmul
+    floor) are skipped.
 
     **Returns:**
 
-    `{name: max relative error over loss and the w1, w2, scale gradients}`.
+    `{name: max relative error over the loss and every gradient}`.
 
     **Raises:**
 
     `MismatchError` naming the implementation, the quantity and both values when
     an error exceeds `tolerance`.
     """
-    model, x, y = make_problem(num_layers, dim, batch, seq, "float32")
-    reference = IMPLS[LOOP].build(model)
-    ref_loss, ref_grads = jax.jit(jax.value_and_grad(reference.loss))(
-        reference.params, x, y
-    )
-    assert reference.to_mlp is not None
-    ref = {
-        "loss": ref_loss,
-        **dict(zip(("w1", "w2", "scale"), reference.to_mlp(ref_grads))),
-    }
+    registered, make = registry(model)
+    module, x, y = make(num_layers, dim, batch, seq, "float32")
+
+    def run(impl: Impl[Any]) -> tuple[Array, dict[str, Array]] | None:
+        built = impl.build(module)
+        if built.to_canon is None:
+            return None
+        loss, grads = jax.jit(jax.value_and_grad(built.loss))(built.params, x, y)
+        return loss, {"loss": loss, **built.to_canon(grads)}
+
+    reference = run(registered[LOOP])
+    assert reference is not None
+    ref_loss, ref = reference
+    size = f"L={num_layers}, D={dim}, float32"
+    size = size if model == "mlp" else f"{model.capitalize()}, {size}"
     errors = {}
     for impl in impls:
         try:
-            built = impl.build(model)
-            if built.to_mlp is None:
-                continue
-            step = jax.jit(jax.value_and_grad(built.loss))
-            loss, grads = step(built.params, x, y)
+            found = run(impl)
         except Exception as e:
             raise MismatchError(
                 f"{impl.name} ({impl.description}) failed to compute the train "
                 f"step: {type(e).__name__}: {e}"
             ) from e
-        got = {"loss": loss, **dict(zip(("w1", "w2", "scale"), built.to_mlp(grads)))}
+        if found is None:
+            continue
+        loss, got = found
         worst = 0.0
         for what, value in got.items():
             label = what if what == "loss" else f"gradient of {what}"
@@ -126,23 +163,38 @@ def check_agreement(
                 raise MismatchError(
                     f"{impl.name} ({impl.description}) disagrees with the unrolled "
                     f"loop ({LOOP}) on the {label}: max relative error {err:.3g} > "
-                    f"{tolerance:g} (L={num_layers}, D={dim}, float32; loss "
-                    f"{float(loss):.6g} vs {float(ref_loss):.6g}). Benchmarking "
-                    "implementations that compute different things would be "
-                    "meaningless, so the run stops here."
+                    f"{tolerance:g} ({size}; loss {float(loss):.6g} vs "
+                    f"{float(ref_loss):.6g}). Benchmarking implementations that "
+                    "compute different things would be meaningless, so the run "
+                    "stops here."
                 )
             worst = max(worst, err)
         errors[impl.name] = worst
     return errors
 
 
-def registry(model: str) -> tuple[dict[str, Impl], Callable[..., Any]]:
-    """The implementations and the problem maker of a benchmark model."""
-    if model == "transformer":
-        from . import _transformer
+class _Compiled(NamedTuple):
+    built: Built
+    lowered: jax.stages.Lowered
+    compiled: jax.stages.Compiled
+    #: Trace, lower, XLA compile and their total.
+    seconds: tuple[float, float, float, float]
 
-        return _transformer.IMPLS, _transformer.make_problem
-    return IMPLS, make_problem
+
+def _compile_once(impl: Impl[Any], module: eqx.Module, x: Array, y: Array) -> _Compiled:
+    """One fresh compile (JAX's caches cleared first) of `impl`'s train step."""
+    jax.clear_caches()
+    built = impl.build(module)
+    jax.block_until_ready(built.params)
+    step = jax.jit(jax.value_and_grad(built.loss))
+    t0 = time.perf_counter()
+    traced = step.trace(built.params, x, y)
+    t1 = time.perf_counter()
+    lowered = traced.lower()
+    t2 = time.perf_counter()
+    compiled = lowered.compile()
+    t3 = time.perf_counter()
+    return _Compiled(built, lowered, compiled, (t1 - t0, t2 - t1, t3 - t2, t3 - t0))
 
 
 def measure_compile(
@@ -162,23 +214,12 @@ def measure_compile(
     caches cleared in between) and the times are medians."""
     impls, make = registry(model)
     module, x, y = make(num_layers, dim, batch, seq, dtype)
-    samples = []
-    for _ in range(compile_repeats):
-        jax.clear_caches()
-        built = impls[name].build(module)
-        jax.block_until_ready(built.params)
-        step = jax.jit(jax.value_and_grad(built.loss))
-        t0 = time.perf_counter()
-        traced = step.trace(built.params, x, y)
-        t1 = time.perf_counter()
-        lowered = traced.lower()
-        t2 = time.perf_counter()
-        compiled = lowered.compile()
-        t3 = time.perf_counter()
-        samples.append((t1 - t0, t2 - t1, t3 - t2, t3 - t0))
+    runs = [_compile_once(impls[name], module, x, y) for _ in range(compile_repeats)]
+    samples = [run.seconds for run in runs]
     trace_s, lower_s, compile_s, total_s = (
         statistics.median(column) for column in zip(*samples)
     )
+    built, lowered, compiled = runs[-1].built, runs[-1].lowered, runs[-1].compiled
     mem = compiled.memory_analysis()
     return {
         "impl": name,

@@ -80,7 +80,7 @@ def table(results: dict[str, Any]) -> str:
             mfu = ""
             if peak:
                 mfu = " " + _fmt(
-                    None if s is None else 100 * gflops * 1e9 / peak, ".1f"
+                    None if gflops is None else 100 * gflops * 1e9 / peak, ".1f"
                 )
                 mfu += "% |"
             shown = f"{name} ({c['auto']})" if c.get("auto") else name

@@ -8,27 +8,29 @@ gradients back to one flat layout (`CANON`) so that all can be checked against
 the unrolled loop before anything is timed.
 """
 
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, DTypeLike, Float, PRNGKeyArray, PyTree
 
 from eqxscan import Stacked
 
 from ._impls import (
     Built,
+    Canon,
     check_same_layout,
     eqxscan_impls,
     Impl,
-    LOOP,
-    MismatchError,
+    linen_loss,
+    linen_stack,
     mse,
-    rel_err,
-    TOLERANCE,
+    nnx_loss,
+    nnx_state,
 )
 
 
@@ -57,7 +59,7 @@ def num_heads(dim: int) -> int:
     return max(1, dim // size)
 
 
-def causal_mask(seq: int) -> jax.Array:
+def causal_mask(seq: int) -> Array:
     return jnp.tril(jnp.ones((seq, seq), bool))
 
 
@@ -70,7 +72,7 @@ class Block(eqx.Module):
     mlp_in: eqx.nn.Linear
     mlp_out: eqx.nn.Linear
 
-    def __init__(self, dim: int, *, key: PRNGKeyArray, dtype: Any = jnp.float32):
+    def __init__(self, dim: int, *, key: PRNGKeyArray, dtype: DTypeLike = jnp.float32):
         k1, k2, k3 = jax.random.split(key, 3)
         self.ln1 = eqx.nn.LayerNorm(dim, eps=EPS, dtype=dtype)
         self.attn = eqx.nn.MultiheadAttention(num_heads(dim), dim, key=k1, dtype=dtype)
@@ -88,9 +90,14 @@ class Block(eqx.Module):
         return jax.vmap(self._one)(x)
 
 
-def canon_of_block(b: Block) -> dict[str, jax.Array]:
+def canon_of_block(b: Block) -> Canon:
     """The `CANON` arrays of a (stacked) `Block` or of its gradient."""
     a = b.attn
+    # A LayerNorm made with its defaults has a weight and a bias, and `Block`'s
+    # linear layers keep theirs (the attention's projections have none).
+    assert b.ln1.weight is not None and b.ln1.bias is not None
+    assert b.ln2.weight is not None and b.ln2.bias is not None
+    assert b.mlp_in.bias is not None and b.mlp_out.bias is not None
     return dict(
         ln1_w=b.ln1.weight,
         ln1_b=b.ln1.bias,
@@ -107,9 +114,9 @@ def canon_of_block(b: Block) -> dict[str, jax.Array]:
     )
 
 
-def make_problem(
+def transformer_problem(
     num_layers: int, dim: int, batch: int, seq: int, dtype: str, seed: int = 0
-) -> tuple[Stacked, jax.Array, jax.Array]:
+) -> tuple[Stacked, Array, Array]:
     """The stacked blocks and one batch `(x, y)`, identical for every
     implementation. Values come from NumPy (fast at any depth)."""
     dt = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]
@@ -121,7 +128,7 @@ def make_problem(
     )
     rng = np.random.default_rng(seed)
 
-    def init(path: Any, leaf: Any) -> Any:
+    def init(path: jax.tree_util.KeyPath, leaf: object) -> object:
         if not isinstance(leaf, jax.ShapeDtypeStruct):
             return leaf
         name = jax.tree_util.keystr(path)
@@ -139,7 +146,7 @@ def make_problem(
     return model, x, y
 
 
-def model_flops(num_layers: int, dim: int, tokens: int, seq: int) -> int:
+def transformer_flops(num_layers: int, dim: int, tokens: int, seq: int) -> int:
     """Model FLOPs of one train step: per token and layer, the four `D x D`
     projections and the two MLP matmuls (`2 * 12 D^2` forward) plus the scores
     and the weighted sum over all `T` keys (`2 * 2 T D`, the masked half
@@ -155,7 +162,7 @@ def _eqxscan(**options: Any) -> Callable[[Stacked], Built]:
         model = model.with_options(**options)
         params, static = eqx.partition(model, eqx.is_array)
 
-        def loss(params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+        def loss(params: Stacked, x: Array, y: Array) -> Array:
             return mse(eqx.combine(params, static)(x), y)
 
         return Built(params, loss, lambda g: canon_of_block(g.layers))
@@ -168,8 +175,8 @@ def _recipe(model: Stacked) -> Built:
     # over the arrays, `combine` in the body.
     params, static = eqx.partition(model.layers, eqx.is_array)
 
-    def loss(params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
-        def f(x: jax.Array, layer: Any) -> tuple[jax.Array, None]:
+    def loss(params: Block, x: Array, y: Array) -> Array:
+        def f(x: Array, layer: Block) -> tuple[Array, None]:
             return eqx.combine(layer, static)(x), None
 
         x, _ = jax.lax.scan(f, x, params)
@@ -181,7 +188,7 @@ def _recipe(model: Stacked) -> Built:
 # Plain JAX: a dict of stacked arrays, hand-written layer norm and attention.
 
 
-def _layer_norm(w: jax.Array, b: jax.Array, x: jax.Array) -> jax.Array:
+def _layer_norm(w: Array, b: Array, x: Array) -> Array:
     h = x.astype(jnp.float32)
     mean = jnp.mean(h, -1, keepdims=True)
     var = jnp.mean(jnp.square(h - mean), -1, keepdims=True)
@@ -190,12 +197,12 @@ def _layer_norm(w: jax.Array, b: jax.Array, x: jax.Array) -> jax.Array:
     return (h * w + b).astype(x.dtype)
 
 
-def _plain_block(p: dict, x: jax.Array) -> jax.Array:
+def _plain_block(p: Canon, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
     batch, seq, dim = x.shape
     heads = num_heads(dim)
     h = _layer_norm(p["ln1_w"], p["ln1_b"], x)
 
-    def split(w: jax.Array) -> jax.Array:  # [B, T, D] -> [B, H, T, D/H]
+    def split(w: Array) -> Array:  # [B, T, D] -> [B, H, T, D/H]
         return (h @ w.T).reshape(batch, seq, heads, -1).transpose(0, 2, 1, 3)
 
     q, k, v = split(p["wq"]), split(p["wk"]), split(p["wv"])
@@ -213,7 +220,7 @@ def _plain_block(p: dict, x: jax.Array) -> jax.Array:
 def _plain_jax(model: Stacked) -> Built:
     params = canon_of_block(model.layers)
 
-    def loss(params: dict, x: jax.Array, y: jax.Array) -> jax.Array:
+    def loss(params: Canon, x: Array, y: Array) -> Array:
         x, _ = jax.lax.scan(lambda x, p: (_plain_block(p, x), None), x, params)
         return mse(x, y)
 
@@ -225,10 +232,10 @@ def _plain_jax(model: Stacked) -> Built:
 # `[H, D/H, D]`); the conversion below reshapes eqx's `[out, in]` weights.
 
 
-def _to_flax(c: dict, heads: int) -> dict:
+def _to_flax(c: Canon, heads: int) -> dict[str, dict[str, Any]]:
     num_layers, dim = c["ln1_w"].shape
 
-    def head_kernel(w: jax.Array) -> jax.Array:  # [L, D_out, D_in] -> [L, D, H, hd]
+    def head_kernel(w: Array) -> Array:  # [L, D_out, D_in] -> [L, D, H, hd]
         return jnp.swapaxes(w, 1, 2).reshape(num_layers, dim, heads, -1)
 
     return dict(
@@ -247,10 +254,10 @@ def _to_flax(c: dict, heads: int) -> dict:
     )
 
 
-def _from_flax(f: dict) -> dict:
+def _from_flax(f: dict[str, Any]) -> Canon:
     num_layers, dim = f["ln1"]["scale"].shape
 
-    def head_weight(k: jax.Array) -> jax.Array:  # [L, D, H, hd] -> [L, D_out, D_in]
+    def head_weight(k: Array) -> Array:  # [L, D, H, hd] -> [L, D_out, D_in]
         return jnp.swapaxes(k.reshape(num_layers, dim, dim), 1, 2)
 
     a = f["attn"]
@@ -270,103 +277,104 @@ def _from_flax(f: dict) -> dict:
     )
 
 
+def _sizes(canon: Canon) -> tuple[int, int, jnp.dtype, int]:
+    """`(layers, D, dtype, heads)` of a stack in the `CANON` layout."""
+    num_layers, dim = canon["ln1_w"].shape
+    return num_layers, dim, canon["w1"].dtype, num_heads(dim)
+
+
 def _flax_linen(model: Stacked) -> Built:
     import flax.linen as nn
 
     canon = canon_of_block(model.layers)
-    num_layers, dim = canon["ln1_w"].shape
-    dtype = canon["w1"].dtype
-    heads = num_heads(dim)
-    kw = dict(dtype=dtype, param_dtype=dtype)
+    num_layers, dim, dtype, heads = _sizes(canon)
+    ln = functools.partial(
+        nn.LayerNorm,
+        epsilon=EPS,
+        use_fast_variance=False,
+        dtype=dtype,
+        param_dtype=dtype,
+    )
+    dense = functools.partial(nn.Dense, dtype=dtype, param_dtype=dtype)
 
     class Block(nn.Module):
         @nn.compact
-        def __call__(self, x: jax.Array, _: None) -> tuple[jax.Array, None]:
-            ln = dict(epsilon=EPS, use_fast_variance=False, **kw)
-            h = nn.LayerNorm(name="ln1", **ln)(x)
+        def __call__(self, x: Array, _: None) -> tuple[Array, None]:
+            h = ln(name="ln1")(x)
             mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
             x = x + nn.MultiHeadDotProductAttention(
-                num_heads=heads, use_bias=False, name="attn", **kw
+                num_heads=heads,
+                use_bias=False,
+                name="attn",
+                dtype=dtype,
+                param_dtype=dtype,
             )(h, mask=mask)
-            h = nn.LayerNorm(name="ln2", **ln)(x)
-            h = nn.gelu(nn.Dense(4 * dim, name="mlp_in", **kw)(h))
-            return x + nn.Dense(dim, name="mlp_out", **kw)(h), None
+            h = ln(name="ln2")(x)
+            h = nn.gelu(dense(4 * dim, name="mlp_in")(h))
+            return x + dense(dim, name="mlp_out")(h), None
 
-    class Stack(nn.Module):
-        @nn.compact
-        def __call__(self, x: jax.Array) -> jax.Array:
-            scanned = nn.scan(
-                Block,
-                variable_axes={"params": 0},
-                split_rngs={"params": True},
-                length=num_layers,
-            )
-            x, _ = scanned(name="blocks")(x, None)
-            return x
-
-    net = Stack()
+    net = linen_stack(Block, num_layers)
     variables = {"params": {"blocks": _to_flax(canon, heads)}}
     x0 = jax.ShapeDtypeStruct((1, 2, dim), dtype)
     check_same_layout(
         "flax-linen", jax.eval_shape(net.init, jax.random.key(0), x0), variables
     )
-
-    def loss(variables: dict, x: jax.Array, y: jax.Array) -> jax.Array:
-        return mse(net.apply(variables, x), y)
-
-    return Built(variables, loss, lambda g: _from_flax(g["params"]["blocks"]))
+    to_canon = lambda g: _from_flax(g["params"]["blocks"])  # noqa: E731
+    return Built(variables, linen_loss(net), to_canon)
 
 
 def _flax_nnx(model: Stacked) -> Built:
     from flax import nnx
 
     canon = canon_of_block(model.layers)
-    num_layers, dim = canon["ln1_w"].shape
-    dtype = canon["w1"].dtype
-    heads = num_heads(dim)
+    num_layers, dim, dtype, heads = _sizes(canon)
 
     class Blocks(nnx.Module):
         @nnx.split_rngs(splits=num_layers)
         @nnx.vmap(in_axes=(0, 0))
         def __init__(self, rngs: nnx.Rngs):
-            kw = dict(dtype=dtype, param_dtype=dtype, rngs=rngs)
-            ln = dict(epsilon=EPS, use_fast_variance=False, **kw)
-            self.ln1 = nnx.LayerNorm(dim, **ln)
-            self.attn = nnx.MultiHeadAttention(
-                num_heads=heads, in_features=dim, use_bias=False, decode=False, **kw
+            ln = functools.partial(
+                nnx.LayerNorm,
+                epsilon=EPS,
+                use_fast_variance=False,
+                dtype=dtype,
+                param_dtype=dtype,
+                rngs=rngs,
             )
-            self.ln2 = nnx.LayerNorm(dim, **ln)
-            self.mlp_in = nnx.Linear(dim, 4 * dim, **kw)
-            self.mlp_out = nnx.Linear(4 * dim, dim, **kw)
+            linear = functools.partial(
+                nnx.Linear, dtype=dtype, param_dtype=dtype, rngs=rngs
+            )
+            self.ln1 = ln(dim)
+            self.attn = nnx.MultiHeadAttention(
+                num_heads=heads,
+                in_features=dim,
+                use_bias=False,
+                decode=False,
+                dtype=dtype,
+                param_dtype=dtype,
+                rngs=rngs,
+            )
+            self.ln2 = ln(dim)
+            self.mlp_in = linear(dim, 4 * dim)
+            self.mlp_out = linear(4 * dim, dim)
 
         @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
-        def __call__(self, x: jax.Array) -> jax.Array:
+        def __call__(self, x: Array) -> Array:
             mask = nnx.make_causal_mask(jnp.ones(x.shape[:2]))
             x = x + self.attn(self.ln1(x), mask=mask)
             return x + self.mlp_out(nnx.gelu(self.mlp_in(self.ln2(x))))
 
-    blocks = nnx.eval_shape(lambda: Blocks(nnx.Rngs(0)))
-    graphdef, abstract = nnx.split(blocks)
-    state = jax.tree.map(lambda a: a, abstract)
-    for path, value in jax.tree_util.tree_flatten_with_path(_to_flax(canon, heads))[0]:
-        node = state
-        keys = [k.key for k in path]
-        for k in keys[:-1]:
-            node = node[k]
-        node[keys[-1]] = nnx.Param(value)
-    check_same_layout("flax-nnx", abstract, state)
+    values = _to_flax(canon, heads)
+    graphdef, state = nnx_state(lambda: Blocks(nnx.Rngs(0)), values, "flax-nnx")
 
-    def loss(state: Any, x: jax.Array, y: jax.Array) -> jax.Array:
-        return mse(nnx.merge(graphdef, state)(x), y)
-
-    def to_canon(g: Any) -> dict:
+    def to_canon(g: PyTree[Array]) -> Canon:
         return _from_flax(nnx.to_pure_dict(g))
 
-    return Built(state, loss, to_canon)
+    return Built(state, nnx_loss(graphdef), to_canon)
 
 
 #: Every implementation, in table order; the names match the MLP benchmark's.
-IMPLS: dict[str, Impl] = {
+IMPLS: dict[str, Impl[Stacked]] = {
     impl.name: impl
     for impl in [
         *eqxscan_impls(_eqxscan),
@@ -376,53 +384,3 @@ IMPLS: dict[str, Impl] = {
         Impl("flax-nnx", "Flax NNX nnx.vmap + nnx.scan", _flax_nnx, requires="flax"),
     ]
 }
-
-
-def check_agreement(
-    impls: Sequence[Impl],
-    *,
-    num_layers: int,
-    dim: int,
-    batch: int,
-    seq: int,
-    tolerance: float = TOLERANCE,
-) -> dict[str, float]:
-    """As `_measure.check_agreement`, for the Transformer: every implementation's
-    loss and gradients (in the `CANON` layout) against the unrolled loop's."""
-    model, x, y = make_problem(num_layers, dim, batch, seq, "float32")
-
-    def run(impl: Impl) -> tuple[jax.Array, dict]:
-        built = impl.build(model)
-        loss, grads = jax.jit(jax.value_and_grad(built.loss))(built.params, x, y)
-        assert built.to_mlp is not None
-        return loss, built.to_mlp(grads)
-
-    ref_loss, ref = run(IMPLS[LOOP])
-    errors = {}
-    for impl in impls:
-        try:
-            loss, grads = run(impl)
-        except Exception as e:
-            raise MismatchError(
-                f"{impl.name} ({impl.description}) failed to compute the train "
-                f"step: {type(e).__name__}: {e}"
-            ) from e
-        worst = rel_err(loss, ref_loss)
-        label = "loss"
-        for name in CANON:
-            err = rel_err(grads[name], ref[name])
-            if np.shape(grads[name]) != np.shape(ref[name]):
-                err = np.inf
-            if not err <= worst:
-                worst, label = err, f"gradient of {name}"
-        if not worst <= tolerance:
-            raise MismatchError(
-                f"{impl.name} ({impl.description}) disagrees with the unrolled loop "
-                f"({LOOP}) on the {label}: max relative error {worst:.3g} > "
-                f"{tolerance:g} (Transformer, L={num_layers}, D={dim}, float32; loss "
-                f"{float(loss):.6g} vs {float(ref_loss):.6g}). Benchmarking "
-                "implementations that compute different things would be "
-                "meaningless, so the run stops here."
-            )
-        errors[impl.name] = worst
-    return errors

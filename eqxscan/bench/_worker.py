@@ -36,7 +36,7 @@ def _env() -> dict[str, str]:
 
 
 def run_worker(
-    spec: dict[str, Any], on_progress: Callable[[], None] = lambda: None
+    spec: dict[str, Any], on_progress: Callable[[], object] = lambda: None
 ) -> Any:
     """Run one measurement (`spec["task"]` is "compile" or "steps") in a fresh
     Python process and return its result."""

@@ -34,7 +34,7 @@ if TWO:
 
     sharding.initialize(f"127.0.0.1:{sys.argv[5]}", 2, int(sys.argv[3]), timeout=120)
 
-from eqxscan.bench import plan as bench  # noqa: E402
+from eqxscan.bench import meshes as bench  # noqa: E402
 from eqxscan.sharding import plan  # noqa: E402
 from eqxscan.sharding._plan_mesh import Job, make_plan_mesh, program  # noqa: E402
 

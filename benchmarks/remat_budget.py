@@ -1,4 +1,7 @@
-"""`python -m eqxscan.bench.budget`: does `fit_remat` pick a fast program?
+"""Does `fit_remat` pick a fast program? On the models of `python -m eqxscan.bench`.
+
+    python benchmarks/remat_budget.py --model mlp [--out DIR]
+    python benchmarks/remat_budget.py --model transformer
 
 Compiles one train step per candidate checkpoint setting (through
 `eqxscan.remat.remat_table`), times every candidate interleaved in
@@ -18,23 +21,27 @@ from typing import Any
 
 import equinox as eqx
 import jax
+from jaxtyping import Array
 
-from eqxscan.remat import choose, remat_table, time_candidates
+from eqxscan import StackedMLP
+from eqxscan.bench import make_problem, mse
+from eqxscan.remat import choose, remat_table, RematCandidate, time_candidates
 
-from ._impls import mse
-from ._measure import registry
 
-
-def _step(model: Any, x: jax.Array, y: jax.Array) -> Any:
+def _step(model: eqx.Module, x: Array, y: Array) -> tuple[Array, eqx.Module]:
     return eqx.filter_value_and_grad(lambda m: mse(m(x), y))(model)
+
+
+def _seconds(c: RematCandidate) -> float:
+    assert c.measured_s is not None  # every candidate is timed below
+    return c.measured_s
 
 
 def run(
     model_name: str, num_layers: int, dim: int, batch: int, seq: int, rounds: int
 ) -> dict[str, Any]:
-    _, make = registry(model_name)
-    module, x, y = make(num_layers, dim, batch, seq, "float32")
-    if model_name == "mlp":
+    module, x, y = make_problem(model_name, num_layers, dim, batch, seq, "float32")
+    if isinstance(module, StackedMLP):
         module = module.blocks  # the Stacked inside the StackedMLP
     t0 = time.perf_counter()
     table = remat_table(module, _step, 2**50, x, y)
@@ -57,10 +64,10 @@ def run(
                 "budget_bytes": budget,
                 "chosen": chosen.label,
                 "chosen_bytes": chosen.device_bytes,
-                "chosen_ms": chosen.measured_s * 1e3,
+                "chosen_ms": _seconds(chosen) * 1e3,
                 "fastest": fastest.label,
-                "fastest_ms": fastest.measured_s * 1e3,
-                "ratio": chosen.measured_s / fastest.measured_s,
+                "fastest_ms": _seconds(fastest) * 1e3,
+                "ratio": _seconds(chosen) / _seconds(fastest),
             }
         )
     # remat_table itself agrees with `choose` (same function) at the largest budget.
@@ -79,7 +86,7 @@ def run(
                 "gflop": c.flops / 1e9,
                 "gb_accessed": c.bytes_accessed / 1e9,
                 "estimated_ms": c.estimated_s * 1e3,
-                "measured_ms": c.measured_s * 1e3,
+                "measured_ms": _seconds(c) * 1e3,
             }
             for c in cands
         ],
@@ -124,7 +131,7 @@ def markdown(r: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m eqxscan.bench.budget")
+    p = argparse.ArgumentParser(description="Does fit_remat pick a fast program?")
     p.add_argument("--model", choices=["mlp", "transformer"], default="mlp")
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--dim", type=int)

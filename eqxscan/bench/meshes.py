@@ -1,4 +1,5 @@
-"""`python -m eqxscan.bench.plan`: plan a decoder's training run for `N` devices.
+"""`python -m eqxscan.bench.meshes`: the meshes of a decoder's training run on `N`
+devices.
 
 Prints the table of [`eqxscan.sharding.plan`][] (every mesh and remat setting,
 compiled ahead of time, nothing allocated) for a pre-norm decoder: token
@@ -7,7 +8,7 @@ causal attention, GELU MLP of width `4D`) in one `eqxscan.Stacked`, a final
 LayerNorm and an untied output projection; parameters in bfloat16 by default,
 Adam's moments in float32.
 
-    python -m eqxscan.bench.plan --devices 64 --layers 32 --dim 4096 --seq 2048 \\
+    python -m eqxscan.bench.meshes --devices 64 --layers 32 --dim 4096 --seq 2048 \\
         --batch 64 --vocab 32000 --budget 80GB --model-axis 1 8
 """
 
@@ -16,15 +17,15 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
-from eqxscan import Stacked
+from eqxscan import Checkpoint, Stacked
 from eqxscan.sharding import plan
 
 from ._transformer import Block, EPS
@@ -43,6 +44,14 @@ AXES: dict[str, tuple[str | None, ...]] = {
 }
 RULES: dict[str, str | None] = {"heads": "model", "mlp": "model", "embed": "fsdp"}
 LEARNING_RATE = 1e-3
+#: `--remat`'s words.
+REMAT_WORDS: dict[str, Checkpoint] = {
+    "False": False,
+    "True": True,
+    "auto": "auto",
+    "nested": "nested",
+    "offload": "offload",
+}
 
 
 class Decoder(eqx.Module):
@@ -83,9 +92,9 @@ def decoder(
 
 
 class AdamState(NamedTuple):
-    count: jax.Array
-    mu: Any
-    nu: Any
+    step: Array
+    mu: PyTree[Array]
+    nu: PyTree[Array]
 
 
 def adam(
@@ -98,7 +107,7 @@ def adam(
     cast back to its parameter's dtype. (Written out rather than wrapping
     `optax.adam`, whose bias correction needs standard dtype promotion.)"""
 
-    def init(params: Any) -> AdamState:
+    def init(params: optax.Params) -> AdamState:
         zeros = lambda p: jnp.zeros(p.shape, jnp.float32)
         return AdamState(
             jnp.zeros((), jnp.int32),
@@ -106,15 +115,21 @@ def adam(
             jax.tree.map(zeros, params),
         )
 
-    def update(grads: Any, state: AdamState, params: Any = None) -> tuple:
-        count = state.count + 1
+    def update(
+        updates: optax.Updates,
+        state: optax.OptState,
+        params: optax.Params | None = None,
+    ) -> tuple[optax.Updates, AdamState]:
+        assert isinstance(state, AdamState)
+        grads = updates
+        count = state.step + 1
         g32 = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, g32)
         nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, state.nu, g32)
         t = count.astype(jnp.float32)
         c1, c2 = 1 - jnp.float32(b1) ** t, 1 - jnp.float32(b2) ** t
 
-        def step(m: jax.Array, v: jax.Array, g: jax.Array) -> jax.Array:
+        def step(m: Array, v: Array, g: Array) -> Array:
             u = -learning_rate * (m / c1) / (jnp.sqrt(v / c2) + eps)
             return u.astype(g.dtype)
 
@@ -123,14 +138,14 @@ def adam(
     return optax.GradientTransformation(init, update)
 
 
-def loss_fn(model: Decoder, tokens: jax.Array, targets: jax.Array) -> jax.Array:
+def loss_fn(model: Decoder, tokens: Array, targets: Array) -> Array:
     logits = model(tokens).astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
 def train_step(
-    model: Decoder, opt_state: Any, batch: tuple[jax.Array, jax.Array]
-) -> tuple[Decoder, Any, jax.Array]:
+    model: Decoder, opt_state: optax.OptState, batch: tuple[Array, Array]
+) -> tuple[Decoder, optax.OptState, Array]:
     """One Adam step on next-token cross-entropy; `batch` is `(tokens, targets)`."""
     loss, grads = eqx.filter_value_and_grad(loss_fn)(model, *batch)
     updates, opt_state = adam().update(grads, opt_state)
@@ -173,9 +188,15 @@ def _bar(done: int, total: int, what: str) -> None:
     sys.stderr.flush()
 
 
+def _mesh(text: str) -> tuple[int, int, int]:
+    """`data,fsdp,model`, e.g. `8,8,1`."""
+    data, fsdp, model = (int(s) for s in text.split(","))
+    return data, fsdp, model
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(
-        prog="python -m eqxscan.bench.plan", description=__doc__
+        prog="python -m eqxscan.bench.meshes", description=__doc__
     )
     p.add_argument("--devices", type=int, required=True)
     p.add_argument("--layers", type=int, default=32)
@@ -193,22 +214,22 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="data,fsdp,model triples, e.g. 8,8,1 1,64,1 (default: all)",
     )
     p.add_argument(
-        "--remat", nargs="+", default=["False", "True"], help="False True auto ..."
+        "--remat",
+        nargs="+",
+        choices=list(REMAT_WORDS),
+        default=["False", "True"],
+        help="checkpoint settings to compare (default: False True)",
     )
     p.add_argument("--accelerator", default="H100")
     p.add_argument("--json", default=None, help="also write the rows here")
     args = p.parse_args(argv)
-    remat: list[Any] = [{"True": True, "False": False}.get(r, r) for r in args.remat]
-    meshes = (
-        None
-        if args.meshes is None
-        else [tuple(int(s) for s in m.split(",")) for m in args.meshes]
-    )
+    remat: list[Checkpoint] = [REMAT_WORDS[r] for r in args.remat]
+    meshes = None if args.meshes is None else [_mesh(m) for m in args.meshes]
     start = time.perf_counter()
     result = plan(
-        "eqxscan.bench.plan:decoder",
-        "eqxscan.bench.plan:train_step",
-        optimizer="eqxscan.bench.plan:adam",
+        "eqxscan.bench.meshes:decoder",
+        "eqxscan.bench.meshes:train_step",
+        optimizer="eqxscan.bench.meshes:adam",
         batch=batch_shape(args.batch or args.devices, args.seq),
         budget=args.budget,
         devices=None if meshes else args.devices,
