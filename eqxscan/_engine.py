@@ -70,7 +70,7 @@ class Traced:
     `y`, the same at every step."""
 
     jaxpr: jcore.ClosedJaxpr
-    out_tree: jtu.PyTreeDef
+    out_tree: jtu.PyTreeDef  # pyright: ignore[reportInvalidTypeForm]  # jax's stubs declare PyTreeDef a variable
     y_static: PyTree
     n_carry: int
 

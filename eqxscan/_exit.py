@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import equinox as eqx
 import jax
+import jax.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
@@ -69,7 +70,7 @@ class _State(NamedTuple):
     i: Int[Array, ""]
     carry: PyTree
     halted: Bool[Array, ""] | Bool[Array, " B"]
-    count: Int[Array, ""] | Int[Array, " B"]
+    layers_run: Int[Array, ""] | Int[Array, " B"]
 
 
 def _check_bound(name: str, value: object, length: int, who: str) -> Bound:
@@ -167,7 +168,7 @@ def _advance(
         new_dyn = jtu.tree_map(keep, state.carry, new_dyn)
     step = run.astype(jnp.int32)
     i = state.i + (_active(ex, state).astype(jnp.int32) if ex.masked else 1)
-    count = state.count + step
+    count = state.layers_run + step
     halted = state.halted | (
         (i >= ex.min_layers) & _halts(ex, eqx.combine(new_dyn, c_static))
     )
@@ -236,7 +237,7 @@ def _run_segments(
             got = seg.step(j)
             if isinstance(got, tuple):  # a repeat of a pattern: its own segments
                 return _run_segments(ex, got, s, c_static)
-            last = seg.start + seg.count * seg.size - 1
+            last = seg.start + seg.steps * seg.size - 1
             where = (
                 f"Layer {seg.start + j} ({seg.name})"
                 if isinstance(j, int)
@@ -246,7 +247,7 @@ def _run_segments(
             # The while loop runs a layer only while the run is active: no `cond`.
             return noted(_advance, where, ex, s, got, c_static, where)
 
-        state = _repeat(ex, state, seg.count, body)
+        state = _repeat(ex, state, seg.steps, body)
     return state
 
 
@@ -392,4 +393,4 @@ def run_until(
         check_chain_method(model.groups, model.layout, method)
         segments = chain_segments(model.groups, model.layout, call)
     end = _run_segments(ex, segments, start, c_static)
-    return eqx.combine(end.carry, c_static), end.count
+    return eqx.combine(end.carry, c_static), end.layers_run

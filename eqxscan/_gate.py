@@ -23,11 +23,14 @@ from collections.abc import Callable, Sequence
 
 import equinox as eqx
 import jax
+import jax.core
 import jax.extend.core as jcore
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, Bool, PyTree
+
+from ._remat import Policy
 
 
 def inexact(value: object) -> bool:
@@ -36,10 +39,10 @@ def inexact(value: object) -> bool:
     return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
 
 
-def _no_cotangent(a: object) -> Array | np.ndarray:
+def _no_cotangent(a: Array) -> Array | np.ndarray:
     """A zero cotangent for `a`: `float0` for integer, bool and key arrays."""
     if inexact(a):
-        return jnp.zeros(jnp.shape(a), a.dtype)  # type: ignore[union-attr]
+        return jnp.zeros(jnp.shape(a), a.dtype)
     return np.zeros(jnp.shape(a), jax.dtypes.float0)
 
 
@@ -268,7 +271,7 @@ class _GatedScan:
     reverse: bool
     unroll: int | bool
     policy: Policy | None
-    layouts: list[tuple[jtu.PyTreeDef, tuple[int | None, ...]] | None]
+    layouts: list[tuple[jtu.PyTreeDef, tuple[int | None, ...]] | None]  # pyright: ignore[reportInvalidTypeForm]  # jax's stubs declare PyTreeDef a variable
 
     def step(self, fixed: tuple, fixed_i: list) -> Callable[..., list[Array]]:
         """Step `i` (its fixed slices `fixed_i`) as a function of what gets
@@ -413,11 +416,13 @@ class _GatedScan:
 
 def _zero_able(aval: jax.core.ShapedArray) -> bool:
     """Whether a skipped step can fill this saved value with zeros (not a key)."""
-    return not jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended)
+    return not jnp.issubdtype(aval.dtype, jax.dtypes.extended)
 
 
 def gated_step(
-    traced: jcore.ClosedJaxpr, out_tree: jtu.PyTreeDef, num_carry: int
+    traced: jcore.ClosedJaxpr,
+    out_tree: jtu.PyTreeDef,  # pyright: ignore[reportInvalidTypeForm]  # jax's stubs declare PyTreeDef a variable
+    num_carry: int,
 ) -> Callable[[PyTree, tuple[PyTree, Array]], tuple[PyTree, PyTree]]:
     """`traced` (a scan step over flat `(carry, x)` leaves, `out_tree` its
     output's structure) as a step `(carry, (x, keep)) -> (carry, y)` run through

@@ -355,14 +355,14 @@ LayerFn = Callable[[PyTree], PyTree]
 
 class Segment(NamedTuple):
     """A stretch of a container's layers, for a walk over them in order (early
-    exit): `count` steps of `size` layers each, the first layer of step 0 being
+    exit): `steps` steps of `size` layers each, the first layer of step 0 being
     the container's layer `start`. `step(j)` is step `j` (an int, or a traced
     index inside a loop): one layer as a function of the carry, or the segments
     of one repeat of a pattern. `alone` marks a lone layer (one step, not in a
     loop); `name` is its layers' class for errors."""
 
     start: int
-    count: int
+    steps: int
     size: int
     step: "Callable[[Index], LayerFn | tuple[Segment, ...]]"
     name: str

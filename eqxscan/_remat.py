@@ -73,7 +73,7 @@ def _check_nested(nested: object) -> int | tuple[int, ...] | None:
             )
         return nested
     try:
-        blocks = operator.index(nested)
+        blocks = operator.index(nested)  # pyright: ignore[reportArgumentType]  # the TypeError is the check
     except TypeError:
         raise TypeError(
             "ScanCheckpoint(nested=...) must be None, a number of blocks (int) or a "
@@ -216,9 +216,10 @@ class ScanCheckpoint:
             offload_dst="pinned_host",
         )
 
-        def policy(prim: object, *args: object, **params: object) -> object:
+        def policy(prim: object, *args: object, **params: object) -> bool:
             if params.get("name") in (CARRY, INPUTS) and str(prim) == "name":
-                return names(prim, *args, **params)
+                # An offloading answer where offloaded; jax types policies bool.
+                return names(prim, *args, **params)  # pyright: ignore[reportReturnType]
             return base(prim, *args, **params)
 
         return policy

@@ -218,6 +218,7 @@ class Stacked(Scanning, Generic[LayerT]):
         self.options = ScanOptions(**options)
         if layers is None:
             _check_make_layer(make_layer)
+            assert make_layer is not None  # checked
             if key is None:
                 raise TypeError("Stacked needs `key=` to build its layers.")
             layers = _build(make_layer, num_layers, args, key)

@@ -7,10 +7,11 @@ array is one scan over the indices whose step runs "layer `i` as a function of
 the carry", as the model answers it (`stack_layer_fn`, `chain_layer_fn`).
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import equinox as eqx
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
@@ -106,12 +107,13 @@ def _scan_indices(
         weights = eqx.filter(model.layers, eqx.is_array)
         gathered = model.layer_sharding is not None
 
-        def layer(i: Int[Array, ""], c: PyTree) -> PyTree:
+        def stack_layer(i: Int[Array, ""], c: PyTree, /) -> PyTree:
             dyn, static = eqx.partition(layer_of(model, i), eqx.is_array)
             one = name(call.at(i))
             who = f"the stacked layer {cls}"
             return run_one(eqx.combine(name(dyn), static), call, one, c, who)[0]
 
+        layer: Callable[[Int[Array, ""], PyTree], PyTree] = stack_layer
     else:
         layer = chain_layer_fn(model, call, name, c_static, _TRACED_HINT)
         body = "The chosen layers of a Chain (one switch over its layer bodies)"

@@ -137,7 +137,8 @@ def _unit(call: LayerCall) -> Unit:
     slices). Returns what a layer would: the carry, or `(carry, ys)`."""
     reads_pairs = call.read_out is not carry_only
 
-    def run(unit: "Period", x: PyTree, one: OneLayer) -> PyTree:
+    def run(unit: object, x: PyTree, one: OneLayer) -> PyTree:
+        assert isinstance(unit, Period)
         x, ys = run_groups(unit.groups, unit.layout, x, call.inner(one), "Unit")
         return (x, ys) if reads_pairs else x
 

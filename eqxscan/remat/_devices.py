@@ -32,7 +32,7 @@ PEAKS: dict[str, Peak] = {
 #: what matters there is the ratio of the two. XLA's "bytes accessed" counts
 #: every fusion's operands, most of which stay in cache on a CPU, so a byte costs
 #: less than DRAM bandwidth suggests. At 2 FLOPs per byte the estimate ranks the
-#: candidates of both `python -m eqxscan.bench.budget` models as measured on the
+#: candidates of both `benchmarks/remat_budget.py` models as measured on the
 #: 2-core x86 benchmark machine; at 10 it preferred full remat, which measured
 #: 1.04-1.06x (StackedMLP) and 1.12-1.13x (Transformer) the "auto" program's time.
 FALLBACK = Peak(1e11, 5e10)

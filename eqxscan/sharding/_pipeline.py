@@ -218,7 +218,9 @@ def pipeline_order(
     rates = rates_of(stack.depth_drop)
     if stack.depth_drop is not None:
         drop = stack.depth_drop
-        rates = tuple(tuple(r[i] for i in order) for r in (drop.drop_path, drop.layer_drop))
+        rates = tuple(
+            tuple(r[i] for i in order) for r in (drop.drop_path, drop.layer_drop)
+        )
     return restack(stack, layers=layers, drop_path=rates[0], layer_drop=rates[1])
 
 
@@ -250,7 +252,7 @@ def pipeline_schedule(
 
     A [`PipelineSchedule`][eqxscan.sharding.PipelineSchedule].
     """
-    repeats = _check_schedule(schedule, repeats)
+    _, repeats = _check_schedule(schedule, repeats)
     stages = check_size("stages", stages)
     microbatches = check_size("microbatches", microbatches)
     if schedule == "circular" and microbatches < stages:
