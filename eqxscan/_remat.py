@@ -216,13 +216,13 @@ class ScanCheckpoint:
             offload_dst="pinned_host",
         )
 
-        def policy(prim: object, *args: object, **params: object) -> bool:
+        def policy(prim: object, *args: object, **params: object) -> object:
             if params.get("name") in (CARRY, INPUTS) and str(prim) == "name":
-                # An offloading answer where offloaded; jax types policies bool.
-                return names(prim, *args, **params)  # pyright: ignore[reportReturnType]
+                return names(prim, *args, **params)
             return base(prim, *args, **params)
 
-        return policy
+        # jax types policies as returning bool; offloading ones answer Offloadable.
+        return policy  # pyright: ignore[reportReturnType]
 
     def boundary_policy(self) -> Policy:
         """The outer levels' policy: only the block-boundary carry may be kept
