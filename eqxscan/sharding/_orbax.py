@@ -57,7 +57,7 @@ def _file_digests(where: str) -> dict[str, str]:
     return out
 
 
-def _part(entry: object) -> str:
+def _part(entry: Any) -> str:  # a key entry, which jax types as Any
     if isinstance(entry, jtu.GetAttrKey):
         return entry.name
     if isinstance(entry, jtu.SequenceKey):
@@ -307,7 +307,7 @@ class CheckpointManager:
                 f"step=None; {DOCS}."
             )
         shardings = model_shardings(model, mesh, fsdp_axis=fsdp_axis, min_size=min_size)
-        parts = {"model": (model, shardings)}
+        parts: dict[str, tuple[Any, Any]] = {"model": (model, shardings)}
         if opt_state is not None:
             opt_sh = opt_state_shardings(
                 opt_state, model, mesh, fsdp_axis=fsdp_axis, min_size=min_size
