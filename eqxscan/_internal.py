@@ -59,3 +59,4 @@ from ._tree import (
     Site as Site,
     walk as walk,
 )
+from ._words import checkpoint_label as checkpoint_label, parse_bytes as parse_bytes

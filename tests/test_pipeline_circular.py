@@ -67,8 +67,8 @@ def test_schedule_gpipe_is_circular_of_one_round():
 def test_circular_two_stages_equals_scan(getkey):
     # An Explicit axis here; Auto axes in tests/scripts/pipeline_checks.py.
     mesh = jax.make_mesh((2,), ("stage",), axis_types=(AxisType.Explicit,))
-    stack = eqxscan.StackedMLP(8, 8, key=getkey()).blocks
-    x = jax.random.normal(getkey(), (6, 8))
+    stack = eqxscan.StackedMLP(8, 24, key=getkey()).blocks
+    x = jax.random.normal(getkey(), (10, 8))
 
     def loss(stack, x, pipe):
         y = sharding.pipeline(stack, x, mesh=mesh, **pipe) if pipe else stack(x)
@@ -76,8 +76,9 @@ def test_circular_two_stages_equals_scan(getkey):
 
     grad = eqx.filter_value_and_grad(loss)
     ref_value, ref_grads = grad(stack, x, None)
-    # 4 chunks of 2 layers on 2 stages, microbatches of 2 rows.
-    pipe = dict(microbatches=3, schedule="circular", repeats=2)
+    # 6 chunks of 4 layers on 2 stages x 3 repeats, 5 microbatches of 2 rows:
+    # stages and repeats differ, so a mix-up of the two cannot pass.
+    pipe = dict(microbatches=5, schedule="circular", repeats=3)
     value, grads = eqx.filter_jit(grad)(stack, x, pipe)
     assert abs(float(value) - float(ref_value)) <= 1e-5 * abs(float(ref_value))
     arrays = [eqx.filter(g, eqx.is_array) for g in (grads, ref_grads)]

@@ -11,7 +11,7 @@ import pytest
 
 from eqxscan.bench import meshes as bench
 from eqxscan.sharding import MeshPlan, plan
-from eqxscan.sharding._plan_mesh import hlo_costs
+from eqxscan.sharding._mesh_plan._hlo import hlo_costs
 
 from .helpers import run_script
 
@@ -152,3 +152,56 @@ def test_hlo_costs_counts_loop_bodies_per_iteration():
     collectives, flops = hlo_costs(text)
     assert collectives == {}
     assert flops == layers * 2 * batch * dim * dim
+
+
+# One fused matmul (4x8 @ 8x16: 2 * 4 * 16 * 8 FLOPs) called from two places in
+# the entry and from a loop body run 3 times, which also all-reduces 4 x 16
+# floats per iteration: 5 matmuls and 3 all-reduces per run.
+_CALLED_TWICE = """\
+HloModule called_twice
+
+%fused_dot (p0: f32[4,8], p1: f32[8,16]) -> f32[4,16] {
+  %p0 = f32[4,8]{1,0} parameter(0)
+  %p1 = f32[8,16]{1,0} parameter(1)
+  ROOT %d = f32[4,16]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}
+}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%body (t: (s32[], f32[4,8], f32[8,16])) -> (s32[], f32[4,8], f32[8,16]) {
+  %t = (s32[], f32[4,8]{1,0}, f32[8,16]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %x = f32[4,8]{1,0} get-tuple-element(%t), index=1
+  %w = f32[8,16]{1,0} get-tuple-element(%t), index=2
+  %y = f32[4,16]{1,0} fusion(%x, %w), kind=kOutput, calls=%fused_dot
+  %r = f32[4,16]{1,0} all-reduce(%y), replica_groups={}, to_apply=%add
+  ROOT %out = (s32[], f32[4,8]{1,0}, f32[8,16]{1,0}) tuple(%i, %x, %w)
+}
+
+%cond (c: (s32[], f32[4,8], f32[8,16])) -> pred[] {
+  %c = (s32[], f32[4,8]{1,0}, f32[8,16]{1,0}) parameter(0)
+  ROOT %lt = pred[] constant(true)
+}
+
+ENTRY %main (x: f32[4,8], w: f32[8,16]) -> f32[4,16] {
+  %x = f32[4,8]{1,0} parameter(0)
+  %w = f32[8,16]{1,0} parameter(1)
+  %once = f32[4,16]{1,0} fusion(%x, %w), kind=kOutput, calls=%fused_dot
+  %twice = f32[4,16]{1,0} fusion(%x, %w), kind=kOutput, calls=%fused_dot
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[4,8]{1,0}, f32[8,16]{1,0}) tuple(%zero, %x, %w)
+  %loop = (s32[], f32[4,8], f32[8,16]) while(%init), condition=%cond, body=%body, %TRIP
+  ROOT %sum = f32[4,16]{1,0} add(%once, %twice)
+}
+"""
+
+
+def test_hlo_costs_counts_a_computation_once_per_call():
+    trip = 'backend_config={"known_trip_count":{"n":"3"}}'
+    collectives, flops = hlo_costs(_CALLED_TWICE.replace("%TRIP", trip))
+    assert flops == (2 + 3) * 2 * 4 * 16 * 8
+    assert collectives == {"all-reduce": 3 * 4 * 16 * 4}

@@ -12,6 +12,13 @@ from ._distributed import (
     initialize as initialize,
     local_rows as local_rows,
 )
+from ._mesh_plan import (
+    Accelerator as Accelerator,
+    ACCELERATORS as ACCELERATORS,
+    MeshCandidate as MeshCandidate,
+    MeshPlan as MeshPlan,
+    plan as plan,
+)
 from ._orbax import CheckpointManager as CheckpointManager
 from ._partition import (
     logical_shardings as logical_shardings,
@@ -24,13 +31,6 @@ from ._pipeline import (
     pipeline_schedule as pipeline_schedule,
     PipelineSchedule as PipelineSchedule,
     Schedule as Schedule,
-)
-from ._plan_mesh import (
-    Accelerator as Accelerator,
-    ACCELERATORS as ACCELERATORS,
-    MeshCandidate as MeshCandidate,
-    MeshPlan as MeshPlan,
-    plan as plan,
 )
 from ._shard import (
     batch_shardings as batch_shardings,

@@ -2,7 +2,7 @@
 holds a full copy."""
 
 from collections.abc import Callable
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
@@ -11,17 +11,16 @@ from jax.sharding import Mesh
 from ._shard import gather_layers, MIN_SIZE, model_shardings
 
 
-_P = ParamSpec("_P")
 _M = TypeVar("_M")
 
 
 def create(
-    make_model: Callable[_P, _M],
-    *args: _P.args,
+    make_model: Callable[..., _M],
+    *args: Any,
     mesh: Mesh,
     fsdp_axis: str | None = "fsdp",
     min_size: int = MIN_SIZE,
-    **kwargs: _P.kwargs,
+    **kwargs: Any,
 ) -> _M:
     """Build `make_model(*args, **kwargs)` directly in its shards.
 
@@ -72,12 +71,12 @@ def create(
 
 
 def lower_create(
-    make_model: Callable[_P, Any],
-    *args: _P.args,
+    make_model: Callable[..., object],
+    *args: Any,
     mesh: Mesh,
     fsdp_axis: str | None = "fsdp",
     min_size: int = MIN_SIZE,
-    **kwargs: _P.kwargs,
+    **kwargs: Any,
 ) -> jax.stages.Lowered:
     """The program [`eqxscan.sharding.create`][] runs, lowered and not run: e.g.
     `lower_create(...).compile().memory_analysis()` shows the bytes each device

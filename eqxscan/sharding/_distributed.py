@@ -15,14 +15,20 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TYPE_CHECKING
 
 import jax
 import jax.tree_util as jtu
 import numpy as np
+from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .._internal import align, constrain, is_arraylike
+
+
+if TYPE_CHECKING:
+    # `jax.Device`'s class: jax exports it as a variable, no type to the checker.
+    from jaxlib._jax import Device
 
 
 DOCS = "see docs/multihost.md"
@@ -291,7 +297,7 @@ def check_same_job(*trees: Any, mesh: Mesh | None = None) -> None:
         _agree("mesh", _fingerprint(f"{dict(mesh.shape)} {ids}"))
 
 
-def default_devices() -> list[jax.Device]:
+def default_devices() -> list["Device"]:
     """Every device of every process, ordered by process then id (on one process:
     `jax.devices()` as it is). A mesh filled in this order puts its first axis
     across processes and keeps runs of its last axis inside one."""
@@ -302,7 +308,7 @@ def default_devices() -> list[jax.Device]:
 
 
 def _is_traced(tree: Any) -> bool:
-    return any(isinstance(x, jax.core.Tracer) for x in jtu.tree_leaves(tree))
+    return any(isinstance(x, Tracer) for x in jtu.tree_leaves(tree))
 
 
 def place(tree: Any, shardings: Any, mesh: Mesh) -> Any:
@@ -330,13 +336,19 @@ def _assemble(tree: Any, shardings: Any, put: Callable[[Any, Any], Any]) -> Any:
     return jtu.tree_map(one, align(shardings, tree), tree, is_leaf=lambda x: x is None)
 
 
+def _row_slices(sharding: NamedSharding, rows: int) -> list[slice]:
+    """The rows of an array of `rows` rows that each of this process's devices
+    holds under `sharding`."""
+    indices = sharding.addressable_devices_indices_map((rows,)).values()
+    return [index[0] for index in indices if index is not None]
+
+
 def _blocks(sharding: NamedSharding) -> tuple[int, int]:
     """`(on this process, in all)`: the row blocks of a batch split by `sharding`."""
     spec = sharding.spec[0] if len(sharding.spec) else None
     axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
     total = math.prod(sharding.mesh.shape[a] for a in axes)
-    index = sharding.addressable_devices_indices_map((total,)).values()
-    return len({i[0].start for i in index}), total
+    return len({s.start for s in _row_slices(sharding, total)}), total
 
 
 def place_batch(batch: Any, mesh: Mesh, shardings_for: Callable[[Any], Any]) -> Any:
@@ -404,9 +416,9 @@ def local_rows(
             f"multiple of {total} rows; {DOCS}."
         )
     spec = PartitionSpec(axes if len(axes) > 1 else axes[0] if axes else None)
-    blocks = NamedSharding(mesh, spec).addressable_devices_indices_map((rows,))
-    starts = sorted({b[0].start or 0 for b in blocks.values()})
-    stops = sorted({rows if b[0].stop is None else b[0].stop for b in blocks.values()})
+    blocks = _row_slices(NamedSharding(mesh, spec), rows)
+    starts = sorted({b.start or 0 for b in blocks})
+    stops = sorted({rows if b.stop is None else b.stop for b in blocks})
     start, stop = starts[0], stops[-1]
     size = sum(b - a for a, b in zip(starts, stops))
     if size != stop - start:

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import warnings
+from types import ModuleType
 from typing import Any, SupportsIndex, TypeVar
 
 import equinox as eqx
@@ -56,7 +57,7 @@ def _file_digests(where: str) -> dict[str, str]:
     return out
 
 
-def _part(entry: object) -> str:
+def _part(entry: Any) -> str:  # a key entry, which jax types as Any
     if isinstance(entry, jtu.GetAttrKey):
         return entry.name
     if isinstance(entry, jtu.SequenceKey):
@@ -129,9 +130,24 @@ def _check_step(step: Any, method: str) -> int:
         ) from None
 
 
+def _import_orbax() -> ModuleType:
+    # Imported here: Orbax is an extra, and `import eqxscan` does without it.
+    try:
+        import orbax.checkpoint as ocp
+    except ImportError as e:
+        if (e.name or "").split(".")[0] != "orbax":
+            raise  # Orbax is there, but fails to import
+        raise ImportError(
+            "sharding.CheckpointManager needs Orbax, which is not installed.\n"
+            'Hint: pip install "eqxscan[orbax]" (or orbax-checkpoint).'
+        ) from e
+    return ocp
+
+
 class CheckpointManager:
     """Sharded checkpoints of a model, its optimizer state and the step number, in
-    one Orbax checkpoint per step (`orbax.checkpoint.CheckpointManager`).
+    one Orbax checkpoint per step (`orbax.checkpoint.CheckpointManager`). Needs
+    Orbax: `pip install "eqxscan[orbax]"`.
 
     Every process calls the same methods in the same order. Each writes only the
     shards its devices hold; a checkpoint restores onto any mesh and any number of
@@ -161,8 +177,7 @@ class CheckpointManager:
         - `asynchronous`: `save` returns once the arrays are copied off the
           devices, and writing goes on in the background while training runs.
         """
-        import orbax.checkpoint as ocp  # imported here: `import eqxscan` stays fast
-
+        ocp = _import_orbax()
         self.directory = os.path.abspath(
             check_path("CheckpointManager: directory", directory)
         )
@@ -292,7 +307,7 @@ class CheckpointManager:
                 f"step=None; {DOCS}."
             )
         shardings = model_shardings(model, mesh, fsdp_axis=fsdp_axis, min_size=min_size)
-        parts = {"model": (model, shardings)}
+        parts: dict[str, tuple[Any, Any]] = {"model": (model, shardings)}
         if opt_state is not None:
             opt_sh = opt_state_shardings(
                 opt_state, model, mesh, fsdp_axis=fsdp_axis, min_size=min_size

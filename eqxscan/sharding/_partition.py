@@ -112,7 +112,7 @@ def logical_spec(
     return PartitionSpec(*entries)
 
 
-def _lookup(axes: Any, path: str, leaf: Any) -> Names | None:
+def _lookup(axes: Axes, path: str, leaf: Any) -> Names | None:
     if callable(axes):
         return axes(path, leaf)
     for pattern, names in axes.items():
@@ -202,7 +202,7 @@ def logical_shardings(
         )
     }
 
-    def one(leaf: object, site: Site) -> NamedSharding | None:
+    def one(leaf: Any, site: Site) -> NamedSharding | None:
         layer_axes, path = site.depth, site.path
         if not is_arraylike(leaf):
             return None

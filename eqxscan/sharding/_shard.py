@@ -6,16 +6,22 @@ and XLA's partitioner) does all communication.
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, SupportsIndex, TypeVar
+from typing import Any, SupportsIndex, TYPE_CHECKING, TypeVar
 
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
+from jax.core import Tracer
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, Sharding
 from jaxtyping import PyTree
 
 from .._internal import align, check_size, is_arraylike, restack, Site, Stacked, walk
 from ._distributed import default_devices, place, place_batch
+
+
+if TYPE_CHECKING:
+    # `jax.Device`'s class: jax exports it as a variable, no type to the checker.
+    from jaxlib._jax import Device
 
 
 T = TypeVar("T")
@@ -31,7 +37,7 @@ def make_mesh(
     data: SupportsIndex | None = None,
     fsdp: SupportsIndex | None = None,
     *,
-    devices: Sequence[jax.Device] | None = None,
+    devices: Sequence["Device"] | None = None,
 ) -> Mesh:
     """A `("data", "fsdp")` mesh over `devices` (default: every device of every
     process, ordered by process).
@@ -58,7 +64,7 @@ def make_mesh(
     """
     devices = default_devices() if devices is None else list(devices)
     n = len(devices)
-    sizes = {}
+    sizes: dict[str, int | None] = {}
     for name, value in (("data", data), ("fsdp", fsdp)):
         try:
             sizes[name] = None if value is None else check_size(name, value)
@@ -66,27 +72,27 @@ def make_mesh(
             raise ValueError(
                 f"{name} must be a positive int or None, got {value!r}."
             ) from None
-    data, fsdp = sizes["data"], sizes["fsdp"]
-    if data is None and fsdp is None:
-        data = 1
-    for name, given, other in (("data", data, fsdp), ("fsdp", fsdp, data)):
+    rows, shards = sizes["data"], sizes["fsdp"]
+    if rows is None and shards is None:
+        rows = 1
+    for name, given, other in (("data", rows, shards), ("fsdp", shards, rows)):
         if other is None and given is not None and n % given:
             raise ValueError(
                 f"{name}={given} does not divide the {n} devices, so the other mesh "
                 f"axis cannot take the rest; choose a divisor of {n}."
             )
-    if data is None:
-        assert fsdp is not None
-        data = n // fsdp
-    if fsdp is None:
-        fsdp = n // data
-    if data * fsdp != n:
+    if rows is None:
+        assert shards is not None
+        rows = n // shards
+    if shards is None:
+        shards = n // rows
+    if rows * shards != n:
         raise ValueError(
-            f"A mesh of data={data} x fsdp={fsdp} needs {data * fsdp} devices, but "
-            f"{n} are given; choose sizes whose product is {n}."
+            f"A mesh of data={rows} x fsdp={shards} needs {rows * shards} devices, "
+            f"but {n} are given; choose sizes whose product is {n}."
         )
     return jax.make_mesh(
-        (data, fsdp),
+        (rows, shards),
         ("data", "fsdp"),
         axis_types=(AxisType.Auto, AxisType.Auto),
         devices=devices,
@@ -306,15 +312,16 @@ def opt_state_shardings(
             leaves = jtu.tree_leaves_with_path(x, is_leaf=_is_placeholder)
             out = []
             for (p, leaf), sharding, info in zip(leaves, param_shardings, param_info):
-                param = None if info is None else info.leaf
+                param: Any = None if info is None else info.leaf
+                known = info is not None and is_arraylike(param)
                 if not is_arraylike(leaf):
                     out.append(None)
-                elif is_arraylike(param) and leaf.shape == param.shape:
+                elif known and leaf.shape == param.shape:
                     out.append(sharding)
                 else:
                     spec = _leaf_spec(
                         leaf,
-                        info.layer_axes if is_arraylike(param) else 0,
+                        info.layer_axes if info is not None and known else 0,
                         _name("opt_state", path + p),
                         mesh,
                         fsdp_axis,
@@ -331,7 +338,7 @@ def opt_state_shardings(
     )
 
 
-def _batch_axes(mesh: Mesh, batch_axes: Any, fsdp_axis: str | None) -> tuple:
+def _batch_axes(mesh: Mesh, batch_axes: Any, fsdp_axis: str | None) -> tuple[str, ...]:
     if batch_axes is None:
         names = ("data",) + (() if fsdp_axis is None else (fsdp_axis,))
         axes = tuple(a for a in names if a in mesh.shape)
@@ -383,7 +390,7 @@ def batch_shardings(
     mesh = check_mesh(mesh)
     axes = _batch_axes(mesh, batch_axes, fsdp_axis)
     size = math.prod(mesh.shape[a] for a in axes)
-    spec = PartitionSpec(axes if len(axes) > 1 else axes[0])
+    spec = PartitionSpec(axes[0] if len(axes) == 1 else axes)
 
     def one(path: tuple, leaf: Any) -> Any:
         if not is_arraylike(leaf):
@@ -455,7 +462,7 @@ def gather_layers(
         if not (isinstance(sharding, NamedSharding) and sharding.mesh == mesh):
             if given is not None:
                 found = f"`shardings` has {sharding!r} there"
-            elif isinstance(leaf, jax.core.Tracer):
+            elif isinstance(leaf, Tracer):
                 found = "it is traced, and inside jit its placement is not known"
             else:
                 found = f"it is placed on {sharding!r}"
@@ -554,10 +561,13 @@ def shard(
     """
     mesh = check_mesh(mesh)
     shardings = model_shardings(model, mesh, fsdp_axis=fsdp_axis, min_size=min_size)
-    if opt_state is not None:
-        opt_sh = opt_state_shardings(
+    opt_sh = (
+        None
+        if opt_state is None
+        else opt_state_shardings(
             opt_state, model, mesh, fsdp_axis=fsdp_axis, min_size=min_size
         )
+    )
     if batch is not None:
         batch = place_batch(
             batch,

@@ -36,7 +36,11 @@ if TWO:
 
 from eqxscan.bench import meshes as bench  # noqa: E402
 from eqxscan.sharding import plan  # noqa: E402
-from eqxscan.sharding._plan_mesh import Job, make_plan_mesh, program  # noqa: E402
+from eqxscan.sharding._mesh_plan._candidates import (  # noqa: E402
+    Job,
+    make_plan_mesh,
+    program,
+)
 
 
 CONFIG = dict(layers=2, dim=32, vocab=64, dtype="float32")

@@ -1,0 +1,237 @@
+"""The candidates of a plan and their compiles: every `(data, fsdp, model)` mesh
+of `N` devices, the job each compiles (`Job`: model, step, optimiser, batch and
+how the parameters are sharded), the jitted step of one candidate (`program`),
+and XLA's figures of every candidate compiled in this process."""
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jaxtyping import PyTree
+
+from ..._internal import Checkpoint, checkpoint_label, is_arraylike
+from ...remat import with_checkpoint
+from .._partition import logical_shardings, Names
+from .._shard import (
+    batch_shardings,
+    gather_layers,
+    model_shardings,
+    opt_state_shardings,
+)
+from ._hlo import hlo_costs
+from ._report import Accelerator, MeshCandidate, MeshShape
+
+
+if TYPE_CHECKING:
+    import optax
+
+    # `jax.Device`'s class: jax exports it as a variable, no type to the checker.
+    from jaxlib._jax import Device
+
+
+AXES = ("data", "fsdp", "model")
+#: `progress(done, total, what)`, called before each compile.
+Progress = Callable[[int, int, str], None]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def mesh_shapes(devices: int, model: Sequence[int] = (1,)) -> list[MeshShape]:
+    """Every `(data, fsdp, model)` with product `devices`, `model` from `model`."""
+    out: list[MeshShape] = []
+    for m in model:
+        if devices % m:
+            raise ValueError(
+                f"plan: a model axis of {m} does not divide {devices} devices.\n"
+                f"Hint: choose model sizes among {_divisors(devices)}."
+            )
+        for d in _divisors(devices // m):
+            out.append((d, devices // m // d, m))
+    return out
+
+
+def make_plan_mesh(shape: MeshShape, devices: Sequence["Device"]) -> Mesh:
+    """The `("data", "fsdp", "model")` mesh of a candidate, over `devices`."""
+    return jax.make_mesh(
+        shape, AXES, axis_types=(AxisType.Auto,) * 3, devices=list(devices)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """What every candidate of a plan compiles: the model (`make_model(key,
+    **model_kwargs)`), the train step `step(model, opt_state, batch)`, the
+    optimiser (or `None`), an example batch, and how the parameters are sharded
+    (logical `axes` and `rules`, or FSDP by size when `axes` is `None`; arrays
+    under `min_size` elements replicated)."""
+
+    make_model: Callable[..., PyTree]
+    model_kwargs: Mapping[str, object]
+    step: Callable[..., Sequence[PyTree]]
+    optimizer: "optax.GradientTransformation | None"
+    batch: PyTree[jax.ShapeDtypeStruct]
+    axes: Mapping[str, Names] | None
+    rules: Mapping[str, str | None] | None
+    min_size: int
+
+    def model(self, key: jax.Array) -> PyTree:
+        return self.make_model(key, **self.model_kwargs)
+
+
+def _param_specs(job: Job, mesh: Mesh, shape: PyTree) -> PyTree:
+    """The shardings of the model's leaves (`None` for non-arrays)."""
+    if job.axes is None:
+        return model_shardings(shape, mesh, fsdp_axis="fsdp", min_size=job.min_size)
+    return logical_shardings(
+        shape, mesh, job.axes, job.rules or {}, fsdp_axis="fsdp", min_size=job.min_size
+    )
+
+
+def _abstract(
+    job: Job, mesh: Mesh, checkpoint: Checkpoint
+) -> tuple[tuple[PyTree, PyTree], tuple[PyTree, PyTree], PyTree]:
+    """The model (gathering one layer per scan step) and optimiser state, as
+    `ShapeDtypeStruct`s, with their shardings; and the model's static part."""
+    key = jax.random.key(0)
+    specs = _param_specs(job, mesh, eqx.filter_eval_shape(job.model, key))
+    # With logical axes the gathered layer stays split over "model".
+    keep: tuple[str, ...] = () if job.axes is None else ("model",)
+
+    def build(k: jax.Array) -> PyTree:
+        model = with_checkpoint(job.model(k), checkpoint)
+        return gather_layers(model, mesh, specs if keep else None, keep=keep)
+
+    model = eqx.filter_eval_shape(build, key)
+    params, static = eqx.partition(model, is_arraylike)
+    param_specs = jtu.tree_unflatten(
+        jtu.tree_structure(params),
+        jtu.tree_leaves(eqx.filter(specs, lambda s: isinstance(s, NamedSharding))),
+    )
+    if job.optimizer is None:
+        return (params, param_specs), (None, None), static
+    opt_state = jax.eval_shape(job.optimizer.init, params)
+    opt_specs = opt_state_shardings(
+        opt_state, model, mesh, fsdp_axis="fsdp", param_shardings=param_specs
+    )
+    return (params, param_specs), (opt_state, opt_specs), static
+
+
+def program(
+    job: Job, mesh: Mesh, checkpoint: Checkpoint
+) -> tuple[
+    jax.stages.Wrapped,
+    tuple[PyTree, PyTree],
+    tuple[PyTree, PyTree],
+    PyTree[NamedSharding],
+    PyTree,
+]:
+    """The jitted step of one candidate, `(params, shardings)`, `(opt_state,
+    shardings)` as `ShapeDtypeStruct`s, the batch's shardings and the model's
+    static part (`step` then takes and returns the model's arrays only)."""
+    (params, p_specs), (opt_state, o_specs), static = _abstract(job, mesh, checkpoint)
+    b_specs = batch_shardings(job.batch, mesh, batch_axes=("data", "fsdp"))
+
+    def train(params: PyTree, opt_state: PyTree, batch: PyTree) -> tuple:
+        model, opt_state, *rest = job.step(
+            eqx.combine(params, static), opt_state, batch
+        )
+        return eqx.filter(model, eqx.is_array), opt_state, tuple(rest)
+
+    jitted = jax.jit(
+        train,
+        in_shardings=(p_specs, o_specs, b_specs),
+        out_shardings=(p_specs, o_specs, None),
+        donate_argnums=(0, 1),
+    )
+    return jitted, (params, p_specs), (opt_state, o_specs), b_specs, static
+
+
+def _per_device_bytes(tree: PyTree, specs: PyTree[NamedSharding]) -> int:
+    total = 0
+    for leaf, spec in zip(jtu.tree_leaves(tree), jtu.tree_leaves(specs), strict=True):
+        shard = spec.shard_shape(tuple(leaf.shape))
+        total += math.prod(shard) * jnp.dtype(leaf.dtype).itemsize
+    return total
+
+
+def _estimate(
+    matmul_flops: float, collective: Mapping[str, int], accelerator: Accelerator
+) -> float:
+    # A ring all-reduce sends its bytes twice (a reduce-scatter, an all-gather).
+    sent = sum(b * (2 if k == "all-reduce" else 1) for k, b in collective.items())
+    return matmul_flops / accelerator.flops + sent / accelerator.link_bytes_per_s
+
+
+def compile_one(
+    job: Job, mesh: Mesh, checkpoint: Checkpoint, accelerator: Accelerator
+) -> MeshCandidate:
+    """Compile one candidate and read XLA's figures of it; a candidate whose
+    axes do not divide the arrays comes back with the reason as its `error`."""
+    shape = (mesh.shape["data"], mesh.shape["fsdp"], mesh.shape["model"])
+    label = checkpoint_label(checkpoint)
+    start = time.perf_counter()
+    try:
+        jitted, (params, p_specs), (opt_state, o_specs), _, _ = program(
+            job, mesh, checkpoint
+        )
+    except ValueError as e:
+        return MeshCandidate(shape, label, error=str(e).splitlines()[0])
+    compiled = jitted.lower(params, opt_state, job.batch).compile()
+    seconds = time.perf_counter() - start
+    mem = compiled.memory_analysis()
+    if mem is None:
+        raise RuntimeError(
+            f"plan: XLA gave no memory analysis of the {shape} {label} program."
+            "\nHint: plan compiles for CPU, GPU or TPU devices, which give one."
+        )
+    cost = compiled.cost_analysis() or {}
+    collective, matmul = hlo_costs(compiled.as_text() or "")
+    state = _per_device_bytes(params, p_specs)
+    if opt_state is not None:
+        state += _per_device_bytes(opt_state, o_specs)
+    return MeshCandidate(
+        mesh=shape,
+        checkpoint=label,
+        state_bytes=state,
+        argument_bytes=int(mem.argument_size_in_bytes),
+        output_bytes=int(mem.output_size_in_bytes),
+        alias_bytes=int(mem.alias_size_in_bytes),
+        temp_bytes=int(mem.temp_size_in_bytes),
+        flops=float(cost.get("flops", 0.0)),
+        bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+        matmul_flops=matmul,
+        collective_bytes=tuple(sorted(collective.items())),
+        compile_s=seconds,
+        estimated_s=_estimate(matmul, collective, accelerator),
+    )
+
+
+def compile_all(
+    job: Job,
+    shapes: Sequence[MeshShape],
+    remat: Sequence[Checkpoint],
+    devices: Sequence["Device"],
+    accelerator: Accelerator,
+    progress: Progress,
+) -> list[MeshCandidate]:
+    """Every mesh of `shapes` with every remat setting, compiled in this process
+    over `devices`."""
+    settings: list[tuple[MeshShape, Checkpoint]] = [
+        (shape, checkpoint) for shape in shapes for checkpoint in remat
+    ]
+    out = []
+    for i, (shape, checkpoint) in enumerate(settings):
+        progress(i, len(settings), f"{shape} {checkpoint_label(checkpoint)}")
+        mesh = make_plan_mesh(shape, devices)
+        out.append(compile_one(job, mesh, checkpoint, accelerator))
+    progress(len(settings), len(settings), "done")
+    return out

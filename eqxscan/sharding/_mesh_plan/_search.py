@@ -1,0 +1,212 @@
+"""`plan`: its arguments checked, every candidate compiled (here, or in a fresh
+process where this one lacks the devices), and the fastest that fits chosen."""
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Literal
+
+import jax
+from jaxtyping import PyTree
+
+from ..._internal import Checkpoint, parse_bytes
+from .._shard import MIN_SIZE
+from ._candidates import compile_all, mesh_shapes, Progress
+from ._child import compile_in_child
+from ._report import Accelerator, ACCELERATORS, MeshCandidate, MeshPlan, MeshShape
+from ._spec import encode, make_job, Optimizer
+
+
+def _accelerator(
+    name: str, peak_flops: float | None, link_bytes_per_s: float | None
+) -> Accelerator:
+    if name not in ACCELERATORS:
+        raise ValueError(
+            f"plan: unknown accelerator {name!r}.\nHint: one of "
+            f"{sorted(ACCELERATORS)}, with peak_flops= and link_bytes_per_s= to "
+            "override its figures."
+        )
+    base = ACCELERATORS[name]
+    return Accelerator(
+        base.flops if peak_flops is None else float(peak_flops),
+        base.link_bytes_per_s if link_bytes_per_s is None else float(link_bytes_per_s),
+    )
+
+
+def _check_model_axis(sizes: Sequence[int], axes: object) -> None:
+    if any(m > 1 for m in sizes) and axes is None:
+        raise ValueError(
+            "plan: a model axis larger than 1 needs axes= and rules= naming "
+            "which parameter axes it splits.\nHint: see "
+            "eqxscan.sharding.logical_shardings."
+        )
+
+
+def _given_meshes(
+    meshes: Sequence[Sequence[int]], devices: int | None
+) -> tuple[list[MeshShape], int]:
+    """`meshes` checked, and the number of devices they need."""
+    triples = [tuple(int(s) for s in m) for m in meshes]
+    sizes = {math.prod(m) for m in triples}
+    if any(len(m) != 3 or min(m) < 1 for m in triples) or len(sizes) != 1:
+        raise ValueError(
+            f"plan: meshes must be (data, fsdp, model) triples of positive sizes "
+            f"with one product, got {list(meshes)}.\nHint: e.g. [(8, 1, 1), "
+            "(1, 8, 1)] for 8 devices."
+        )
+    n = sizes.pop()
+    if devices is not None and devices != n:
+        raise ValueError(
+            f"plan: the meshes need {n} devices, but devices={devices}.\nHint: "
+            "leave devices out when giving meshes."
+        )
+    return [(d, f, m) for d, f, m in triples], n
+
+
+def _candidate_meshes(
+    devices: int | None,
+    meshes: Sequence[Sequence[int]] | None,
+    model_axis: Sequence[int],
+    axes: object,
+) -> tuple[list[MeshShape], int]:
+    """The meshes to try and the number of devices."""
+    if meshes is not None:
+        shapes, devices = _given_meshes(meshes, devices)
+        _check_model_axis([m for _, _, m in shapes], axes)
+        return shapes, devices
+    if devices is None:
+        raise ValueError(
+            "plan: give devices=N or meshes=[(data, fsdp, model), ...].\nHint: "
+            "devices=8 tries every factorisation of 8."
+        )
+    _check_model_axis(model_axis, axes)
+    return mesh_shapes(devices, model_axis), devices
+
+
+def _quiet(i: int, n: int, what: str) -> None:
+    pass
+
+
+def plan(
+    make_model: Callable[..., PyTree] | str,
+    step: Callable[..., Sequence[PyTree]] | str,
+    *,
+    batch: PyTree[jax.ShapeDtypeStruct],
+    budget: int | str,
+    optimizer: Optimizer = None,
+    devices: int | None = None,
+    meshes: Sequence[MeshShape] | None = None,
+    model_axis: Sequence[int] = (1,),
+    remat: Sequence[Checkpoint] = (False, True),
+    axes: Mapping[str, tuple[str | None, ...]] | None = None,
+    rules: Mapping[str, str | None] | None = None,
+    model_kwargs: Mapping[str, object] | None = None,
+    min_size: int = MIN_SIZE,
+    accelerator: str = "H100",
+    peak_flops: float | None = None,
+    link_bytes_per_s: float | None = None,
+    progress: Progress | None = None,
+    simulate: Literal["auto", "always"] = "auto",
+) -> MeshPlan:
+    """Compile a training step ahead of time for every mesh and remat setting on
+    `N` devices, and choose the fastest that fits a per-device memory budget.
+
+    The model is never allocated: `make_model(key, **model_kwargs)` runs under
+    `eqx.filter_eval_shape`. For each mesh `(data, fsdp, model)` and each remat
+    setting, the parameters are placed by [`eqxscan.sharding.model_shardings`][]
+    over `"fsdp"` (or, with `axes`, by [`eqxscan.sharding.logical_shardings`][],
+    e.g. MLP and head axes over `"model"`), every `Stacked` gathers one layer per
+    scan step ([`eqxscan.sharding.gather_layers`][], keeping `"model"` split),
+    the optimiser state follows its parameters, the batch is split over `"data"`
+    and `"fsdp"`, and `step` is `jax.jit(...).lower(...).compile()`d with the
+    parameters and optimiser state donated. A candidate whose axis sizes do not
+    divide the arrays is listed with the reason, not compiled.
+
+    The compile needs `N` devices. If this process has fewer, the candidates are
+    compiled in a fresh process with `N` simulated CPU devices; `make_model`,
+    `step` and `optimizer` must then be importable (`"module:attribute"`
+    strings, or top-level functions of an importable module, which are passed
+    by that name). CPU compiles give the program's per-device figures for a
+    target whose memory layout matches: sizes of arguments and outputs exactly,
+    temporaries as XLA's CPU backend schedules them.
+
+    **Arguments:**
+
+    - `make_model`: `make_model(key, **model_kwargs) -> model`.
+    - `step`: `step(model, opt_state, batch) -> (model, opt_state, *rest)`, one
+      training step returning the updated model and optimiser state first.
+    - `batch`: the batch as `jax.ShapeDtypeStruct`s (in tuples, lists or dicts),
+      axis 0 the global batch.
+    - `budget`: bytes per device, an int or a string such as `"80GB"`.
+    - `optimizer`: an `optax.GradientTransformation`, a function returning one,
+      or a reference to either; `None` gives `opt_state=None`.
+    - `devices`: `N`; with `meshes` it may be left out.
+    - `meshes`: the `(data, fsdp, model)` shapes to try; default every
+      factorisation of `N` with the model axis from `model_axis`.
+    - `model_axis`: model-axis sizes tried by default (more than 1 needs `axes`).
+    - `remat`: the `checkpoint=` settings to try on every scan.
+    - `axes`, `rules`: logical axis names and rules, as for `logical_shardings`
+      (mesh axes `"data"`, `"fsdp"`, `"model"`).
+    - `model_kwargs`: JSON-compatible keyword arguments of `make_model`.
+    - `min_size`: leaves with fewer elements are replicated.
+    - `accelerator`: a key of `ACCELERATORS` (`"H100"`, `"TPU v5p"`, ...) whose
+      figures the estimate assumes; `peak_flops`, `link_bytes_per_s` override
+      them.
+    - `progress`: called as `progress(done, total, what)` before each compile.
+    - `simulate`: `"always"` compiles in a fresh process even if this one has
+      the devices.
+
+    **Returns:**
+
+    An [`eqxscan.sharding.MeshPlan`][]. If nothing fits, `chosen` is `None` and
+    `plan.message` says by how much the smallest misses.
+    """
+    limit = parse_bytes(budget)
+    acc = _accelerator(accelerator, peak_flops, link_bytes_per_s)
+    shapes, devices = _candidate_meshes(devices, meshes, model_axis, axes)
+    if not remat:
+        raise ValueError("plan: remat is empty.\nHint: e.g. remat=(False, True).")
+    report = progress or _quiet
+    start = time.perf_counter()
+    kwargs = dict(model_kwargs or {})
+    if len(jax.devices()) >= devices and simulate == "auto":
+        job = make_job(
+            make_model, step, optimizer, batch, axes, rules, kwargs, min_size
+        )
+        here = jax.devices()[:devices]
+        candidates = compile_all(job, shapes, remat, here, acc, report)
+        simulated = f"this process's {here[0].platform} devices"
+    else:
+        spec = encode(
+            devices=devices,
+            shapes=shapes,
+            remat=remat,
+            make_model=make_model,
+            step=step,
+            optimizer=optimizer,
+            batch=batch,
+            axes=axes,
+            rules=rules,
+            model_kwargs=kwargs,
+            min_size=min_size,
+            accelerator=acc,
+        )
+        candidates = compile_in_child(spec, report)
+        simulated = "simulated CPU devices in a fresh process"
+    return MeshPlan(
+        devices=devices,
+        budget=limit,
+        candidates=tuple(candidates),
+        chosen=_fastest_fitting(candidates, limit),
+        accelerator_name=accelerator,
+        accelerator=acc,
+        simulated=simulated,
+        seconds=time.perf_counter() - start,
+    )
+
+
+def _fastest_fitting(
+    candidates: Sequence[MeshCandidate], limit: int
+) -> MeshCandidate | None:
+    fitting = [c for c in candidates if c.error is None and c.device_bytes <= limit]
+    return min(fitting, key=lambda c: c.estimated_s, default=None)
