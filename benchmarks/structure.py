@@ -145,32 +145,42 @@ def longest(mods: dict[str, Path]) -> list[tuple[int, str]]:
 INTERNAL_API = "eqxscan._internal"
 
 
-def _folder(m: str, mods: dict[str, Path]) -> str:
-    return m if mods[m].name == "__init__.py" else m.rpartition(".")[0]
+def owner(m: str) -> str:
+    """Who a module belongs to: `"core"` for the top of the package and its
+    private folders (`eqxscan._chain`), else its subpackage (`eqxscan.sharding`)."""
+    parts = m.split(".")
+    if len(parts) == 1 or parts[1].startswith("_"):
+        return "core"
+    return ".".join(parts[:2])
+
+
+def _private(m: str) -> bool:
+    return any(part.startswith("_") for part in m.split(".")[1:])
 
 
 def crossing(graph: dict[str, set[str]], mods: dict[str, Path]) -> list:
-    """`(module, target)` for every import of another folder's private module
-    other than the internal API."""
+    """`(module, target)` for every import of a private module of another owner
+    (the core or another subpackage) other than the internal API."""
+    del mods
     return sorted(
         (m, t)
         for m, targets in graph.items()
         for t in targets
-        if t.rpartition(".")[2].startswith("_")
-        and _folder(t, mods) != _folder(m, mods)
-        and t != INTERNAL_API
+        if _private(t) and owner(t) != owner(m) and t != INTERNAL_API
     )
 
 
 def upward(graph: dict[str, set[str]], mods: dict[str, Path]) -> list:
-    """`(module, target)` for every import of a subpackage by a core module (a
-    private module at the top of the package): arrows point down only."""
-    top = {m for m in mods if m.count(".") == 1 and m.rpartition(".")[2][0] == "_"}
+    """`(module, target)` for every import of a subpackage by the core (the
+    package's `__init__`, which re-exports the subpackages, aside): arrows point
+    down only."""
+    del mods
     return sorted(
         (m, t)
-        for m in top
-        for t in graph[m]
-        if t.count(".") >= 1 and _folder(t, mods) != "eqxscan"
+        for m, targets in graph.items()
+        if owner(m) == "core" and "." in m
+        for t in targets
+        if owner(t) != "core"
     )
 
 
