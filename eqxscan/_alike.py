@@ -13,13 +13,16 @@ that callers can say so instead of silently keeping the layers apart.
 import dataclasses
 import functools
 import types
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal, NamedTuple
 
 import equinox as eqx
 import jax
+import jax.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+from jaxtyping import PyTree
 
 from ._checks import describe, first_difference, same_leaf
 
@@ -38,7 +41,7 @@ class Difference(NamedTuple):
     verdict: Verdict
 
 
-def _describe(x: Any) -> str:
+def _describe(x: object) -> str:
     # `repr` of a partial is long and hides its arguments past 80 characters.
     if isinstance(x, functools.partial):
         func = getattr(x.func, "__name__", None) or describe(x.func)
@@ -48,11 +51,11 @@ def _describe(x: Any) -> str:
     return describe(x)
 
 
-def _uses_identity(x: Any) -> bool:
+def _uses_identity(x: object) -> bool:
     return type(x).__eq__ is object.__eq__
 
 
-def _concrete_equal(a: Any, b: Any) -> Verdict:
+def _concrete_equal(a: object, b: object) -> Verdict:
     # Arrays closed over by a function: compare values when they are concrete.
     if isinstance(a, jax.core.Tracer) or isinstance(b, jax.core.Tracer):
         return "unknown"
@@ -62,7 +65,7 @@ def _concrete_equal(a: Any, b: Any) -> Verdict:
     return "same" if np.array_equal(a, b) else "different"
 
 
-def _all(verdicts: Any) -> Verdict:
+def _all(verdicts: Iterable[Verdict]) -> Verdict:
     result: Verdict = "same"
     for v in verdicts:
         if v == "different":
@@ -72,7 +75,7 @@ def _all(verdicts: Any) -> Verdict:
     return result
 
 
-def _sequence(a: Any, b: Any) -> Verdict:
+def _sequence(a: Sequence[object], b: Sequence[object]) -> Verdict:
     if len(a) != len(b):
         return "different"
     return _all(value_verdict(x, y) for x, y in zip(a, b))
@@ -94,8 +97,10 @@ def _function(a: types.FunctionType, b: types.FunctionType) -> Verdict:
     )
 
 
-def value_verdict(a: Any, b: Any) -> Verdict:
+def value_verdict(a: object, b: Any) -> Verdict:
     """Whether two non-array values (static data, functions) are the same."""
+    # `b: Any`: past `type(a) is type(b)`, `b` has `a`'s type, which narrowing
+    # `a` does not carry over to `b`.
     if a is b:
         return "same"
     if eqx.is_array(a) or eqx.is_array(b) or isinstance(a, np.ndarray):
@@ -131,7 +136,8 @@ def value_verdict(a: Any, b: Any) -> Verdict:
     if isinstance(a, eqx.Module) or (
         dataclasses.is_dataclass(a) and not isinstance(a, type)
     ):
-        return "same" if compare(a, b) is None else compare(a, b).verdict
+        diff = compare(a, b)
+        return "same" if diff is None else diff.verdict
     try:
         if bool(a == b):
             return "same"
@@ -140,14 +146,14 @@ def value_verdict(a: Any, b: Any) -> Verdict:
     return "unknown" if _uses_identity(a) else "different"
 
 
-def compare(a: Any, b: Any, path: str = "") -> Difference | None:
+def compare(a: PyTree, b: PyTree, path: str = "") -> Difference | None:
     """The first place where two layers differ in a way that keeps them from
     sharing one body: structure, shape, dtype or non-array data. A difference
     that can only be judged by identity is reported only if nothing really
     differs. `None` when the layers are alike."""
     unknown: list[Difference] = []
 
-    def leaf(x: Any, y: Any, where: str) -> tuple[str, str, str] | None:
+    def leaf(x: object, y: object, where: str) -> tuple[str, str, str] | None:
         verdict = value_verdict(x, y)
         if verdict == "same":
             return None
@@ -163,7 +169,7 @@ def compare(a: Any, b: Any, path: str = "") -> Difference | None:
     return unknown[0] if unknown else None
 
 
-def alike(a: Any, b: Any) -> bool:
+def alike(a: PyTree, b: PyTree) -> bool:
     """Whether `a` and `b` can share one traced body (never raises)."""
     if jtu.tree_structure(a) == jtu.tree_structure(b) and all(
         same_leaf(x, y) for x, y in zip(jtu.tree_leaves(a), jtu.tree_leaves(b))
@@ -175,7 +181,7 @@ def alike(a: Any, b: Any) -> bool:
         return False
 
 
-def stack_alike(layers: list[Any]) -> Any:
+def stack_alike(layers: list[PyTree]) -> PyTree:
     """Stack layers that are [`alike`][eqxscan._alike.alike] leaf by leaf on a new
     axis 0. Non-array data is taken from the first layer, so layers that differ
     only by identity end up sharing its objects."""
@@ -189,7 +195,7 @@ def stack_alike(layers: list[Any]) -> Any:
 
 
 def check_alike(
-    layers: list[Any], what: str, names: tuple[str, str] | None = None
+    layers: list[PyTree], what: str, names: tuple[str, str] | None = None
 ) -> None:
     """Raise `ValueError` naming the first layer that cannot share a body with
     layer 0: its index, the leaf path and both values. `names` names the two

@@ -20,10 +20,10 @@ import contextlib
 import contextvars
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import Literal, NamedTuple, TypeAlias, TypeVar
+from typing import Literal, NamedTuple, TypeAlias
 
-import equinox as eqx
 import jax
+import jax.core
 import jax.extend.core as jcore
 import jax.numpy as jnp
 import jax.tree_util as jtu
@@ -31,11 +31,9 @@ import numpy as np
 from jax.custom_batching import custom_vmap
 from jaxtyping import PyTree
 
+from ._checks import is_array
 from ._options import Checkpoint
 from ._remat import as_scan_checkpoint, AUTO_POLICY, Policy, ScanCheckpoint
-
-
-T = TypeVar("T")
 
 
 Over: TypeAlias = Literal["layers", "time"]
@@ -199,7 +197,7 @@ def decide(
     cost: StepCost,
     checkpoint: Checkpoint,
     unroll: int | bool | Literal["auto"],
-    policy: Callable[..., bool],
+    policy: Policy,
     platform: str,
     *,
     gathered: bool = False,
@@ -210,14 +208,16 @@ def decide(
     each step may gather its own sharded weights (FSDP)."""
     t = THRESHOLDS
     u_rule: UnrollRule = "given"
-    if _is_auto(unroll):
+    if isinstance(unroll, str):  # "auto"
         u_rule = unroll_rule(cost, platform, gathered, over, t)
-        unroll = {"short": True, "time": t.time_unroll}.get(u_rule, 1)
+        steps = {"short": True, "time": t.time_unroll}.get(u_rule, 1)
+    else:
+        steps = unroll
     c_rule: CheckpointRule = "given"
     if _is_auto(checkpoint):
-        c_rule = "unrolled" if unroll is True else checkpoint_rule(cost, platform, t)
+        c_rule = "unrolled" if steps is True else checkpoint_rule(cost, platform, t)
         checkpoint = policy if c_rule == "policy" else c_rule in _FULL_REMAT
-    return Decision(checkpoint, unroll, AutoRule(u_rule, c_rule, platform, over, t))
+    return Decision(checkpoint, steps, AutoRule(u_rule, c_rule, platform, over, t))
 
 
 def _mib(n: int) -> str:
@@ -344,13 +344,23 @@ class AutoChoice:
 # Measuring the step.
 
 
-def _nbytes(aval: jax.ShapeDtypeStruct | jax.core.ShapedArray) -> int:
-    dtype = aval.dtype  # type: ignore[union-attr]
+def _shape(aval: jax.core.AbstractValue) -> tuple[int, ...]:
+    # A value without a shape (a token) counts as a scalar.
+    return aval.shape if isinstance(aval, jax.core.ShapedArray) else ()
+
+
+def _size(aval: jax.core.AbstractValue) -> int:
+    return int(np.prod(_shape(aval), dtype=np.int64))
+
+
+def _nbytes(aval: jax.core.AbstractValue) -> int:
+    if not isinstance(aval, jax.core.ShapedArray):
+        return 0
+    dtype = aval.dtype
     # PRNG keys have an extended dtype, which NumPy cannot interpret.
-    if not jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+    if not jnp.issubdtype(dtype, jax.dtypes.extended):
         dtype = jnp.dtype(dtype)
-    shape = aval.shape  # type: ignore[union-attr]
-    return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    return _size(aval) * dtype.itemsize
 
 
 def _saved_bytes(jaxpr: jcore.ClosedJaxpr, n_carry: int, policy: Policy | None) -> int:
@@ -358,8 +368,9 @@ def _saved_bytes(jaxpr: jcore.ClosedJaxpr, n_carry: int, policy: Policy | None) 
     would stack per step: not the step's per-step inputs (scanned already) nor
     its consts (closed-over values, the same at every step); the incoming carry
     does count. Differentiates the jaxpr: the step's Python code does not run."""
-    step = jcore.jaxpr_as_fun(jaxpr)
-    fn = step if policy is None else jax.checkpoint(step, policy=policy)
+    fn = step = jcore.jaxpr_as_fun(jaxpr)
+    if policy is not None:
+        fn = jax.checkpoint(step, policy=policy)  # pyright: ignore[reportArgumentType]  # jax says bool; offloading ones answer Offloadable
 
     def residuals(*leaves: jax.Array) -> object:
         return jax.vjp(fn, *leaves)[1]
@@ -380,10 +391,22 @@ def _saved_bytes(jaxpr: jcore.ClosedJaxpr, n_carry: int, policy: Policy | None) 
     return total
 
 
+def _sub_jaxprs(params: dict[str, object]) -> list[jcore.Jaxpr]:
+    # `jax.extend.core.jaxprs_in_params` from jax 0.10 on; spelled out for 0.9.
+    out = []
+    for value in params.values():
+        for v in value if isinstance(value, tuple) else (value,):
+            if isinstance(v, jcore.ClosedJaxpr):
+                out.append(v.jaxpr)
+            elif isinstance(v, jcore.Jaxpr):
+                out.append(v)
+    return out
+
+
 def _flops(jaxpr: jcore.Jaxpr) -> int:
     total = 0
     for eqn in jaxpr.eqns:
-        subs = list(jcore.jaxprs_in_params(eqn.params))
+        subs = _sub_jaxprs(eqn.params)
         if subs:
             times = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
             # Branches of a `cond` are alternatives: count the most expensive.
@@ -392,10 +415,10 @@ def _flops(jaxpr: jcore.Jaxpr) -> int:
                 max(inner) if eqn.primitive.name == "cond" else sum(inner)
             )
             continue
-        out = sum(int(np.prod(v.aval.shape, dtype=np.int64)) for v in eqn.outvars)
+        out = sum(_size(v.aval) for v in eqn.outvars)
         if eqn.primitive.name == "dot_general":
             (lhs_contract, _), _ = eqn.params["dimension_numbers"]
-            lhs = eqn.invars[0].aval.shape
+            lhs = _shape(eqn.invars[0].aval)
             k = int(np.prod([lhs[d] for d in lhs_contract], dtype=np.int64))
             total += 2 * out * k
         else:
@@ -434,7 +457,7 @@ def _vmapped_size(x: object) -> int:
     `vmap` hides its batch from the traced step, whose shapes are per example,
     yet the batch multiplies every byte and FLOP. Nested `vmap`s multiply; a
     `jit` inside the `vmap` hides it (1 is assumed)."""
-    if not eqx.is_array(x) or jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
+    if not is_array(x) or jnp.issubdtype(x.dtype, jax.dtypes.extended):
         return 1
     sizes: list[int] = []
     token = _SIZES.set(sizes)
@@ -508,8 +531,8 @@ def resolve(
     """`(checkpoint, unroll)` with eqxscan's rule applied where it chooses
     (`checkpoint.is_rule`, `unroll="auto"`), measured on the step traced once
     to `jaxpr` (see `measure_traced`); other values pass through."""
-    if not checkpoint.is_rule and unroll != "auto":
-        return checkpoint, unroll  # pyright: ignore[reportReturnType]  # not "auto"
+    if not checkpoint.is_rule and not isinstance(unroll, str):  # no "auto"
+        return checkpoint, unroll
     cost = measure_traced(jaxpr, n_carry, values, length, AUTO_POLICY)
     platform = jax.default_backend()
     # The rule sees "auto", or the value as a plain `checkpoint=` option.

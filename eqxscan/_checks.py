@@ -9,15 +9,20 @@ import inspect
 import operator
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast, ParamSpec, Protocol, SupportsIndex, TypeGuard, TypeVar
 
 import equinox as eqx
 import jax
 import jax._src.traceback_util as traceback_util
+import jax.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+from jaxtyping import PyTree
 
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 # As Equinox does: with JAX's traceback filtering on (the default), frames from
 # this package are hidden from tracebacks that pass through JAX, so an error
@@ -27,7 +32,7 @@ traceback_util.register_exclusion(os.path.dirname(__file__))
 DEBUGGING_DOCS = "see docs/debugging.md"
 
 
-def noted(fn: Callable[..., Any], where: str, *args: Any, **kwargs: Any) -> Any:
+def noted(fn: Callable[P, R], where: str, *args: P.args, **kwargs: P.kwargs) -> R:
     """Call `fn(*args, **kwargs)`; an exception it raises gets one note naming
     `where` (e.g. "Layer 3 (Block)"), since it otherwise says nothing about which
     layer or step raised it. An exception is noted once per place."""
@@ -75,7 +80,7 @@ def _headline(where: str, shown: str, e: BaseException) -> str:
     )
 
 
-def describe_tree(tree: Any) -> str:
+def describe_tree(tree: PyTree) -> str:
     """`describe` of every leaf of `tree`, in its structure, shortened."""
     leaves, treedef = jtu.tree_flatten(tree)
     if treedef.num_leaves == 1 and treedef.num_nodes == 1:
@@ -102,17 +107,25 @@ def _note(e: BaseException, where: str) -> None:
         e.add_note(note)
 
 
-def describe(x: Any) -> str:
+class _Shaped(Protocol):
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def dtype(self) -> jax.typing.DTypeLike: ...
+
+
+def describe(x: object) -> str:
     """`float32[8,16]` for arrays, `repr` (shortened) for anything else."""
     if isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) or hasattr(
         x, "aval"
     ):
+        x = cast(_Shaped, x)  # an array, or what stands for one (a jaxpr's value)
         shape = ",".join(str(d) for d in x.shape)
         # PRNG keys have an extended dtype (`key<fry>`), which NumPy cannot read.
         dtype = x.dtype
         name = (
             str(dtype)
-            if jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+            if jnp.issubdtype(dtype, jax.dtypes.extended)
             else (jnp.dtype(dtype).name)
         )
         return f"{name}[{shape}]"
@@ -120,7 +133,14 @@ def describe(x: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def is_arraylike(x: Any) -> bool:
+def is_array(x: object) -> TypeGuard[jax.Array | np.ndarray | np.generic]:
+    """`eqx.is_array`, as a type guard."""
+    return eqx.is_array(x)
+
+
+def is_arraylike(
+    x: object,
+) -> TypeGuard[jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct]:
     """An array, or the `jax.ShapeDtypeStruct` standing for one (`eval_shape`)."""
     return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
@@ -128,7 +148,7 @@ def is_arraylike(x: Any) -> bool:
 Found = tuple[str, str, str]
 
 
-def _exactly_equal(a: Any, b: Any, path: str) -> Found | None:
+def _exactly_equal(a: object, b: object, path: str) -> Found | None:
     try:
         same = bool(a is b or a == b)
     except Exception:
@@ -137,10 +157,10 @@ def _exactly_equal(a: Any, b: Any, path: str) -> Found | None:
 
 
 def first_difference(
-    a: Any,
-    b: Any,
+    a: PyTree,
+    b: PyTree,
     path: str = "",
-    leaf: Callable[[Any, Any, str], Found | None] = _exactly_equal,
+    leaf: Callable[[object, object, str], Found | None] = _exactly_equal,
 ) -> Found | None:
     """The first place where two pytrees differ in structure, static data, shape or
     dtype, as `(path, description of a, description of b)`; `None` if they agree.
@@ -150,7 +170,9 @@ def first_difference(
     judged by `leaf(a, b, path)` (default: identical or equal).
     """
 
-    def walk(a: Any, b: Any, path: str) -> Found | None:
+    # `b: Any`: past `type(a) is type(b)`, `b` has `a`'s type, which narrowing
+    # `a` does not carry over to `b`.
+    def walk(a: object, b: Any, path: str) -> Found | None:
         if is_arraylike(a) or is_arraylike(b):
             if not (is_arraylike(a) and is_arraylike(b)):
                 return path, describe(a), describe(b)
@@ -173,8 +195,8 @@ def first_difference(
             pairs = [(x, y, f"[{i}]") for i, (x, y) in enumerate(zip(a, b))]
         elif isinstance(a, dict):
             if set(a) != set(b):
-                keys = (f"keys {sorted(map(str, d))}" for d in (a, b))
-                return (path, *keys)
+                ka, kb = (f"keys {sorted(map(str, d))}" for d in (a, b))
+                return path, ka, kb
             pairs = [(a[k], b[k], f"[{k!r}]") for k in a]
         elif jtu.treedef_is_leaf(jtu.tree_structure(a)):
             return leaf(a, b, path)
@@ -194,42 +216,10 @@ def first_difference(
     return walk(a, b, path)
 
 
-def can_stack(a: Any, b: Any) -> bool:
-    """Whether `a` and `b` have identical structure, static fields, non-array leaves,
-    shapes and dtypes, so that they can be stacked into one module (never raises)."""
-    if jtu.tree_structure(a) != jtu.tree_structure(b):
-        return False
-    return all(same_leaf(x, y) for x, y in zip(jtu.tree_leaves(a), jtu.tree_leaves(b)))
-
-
-def check_stackable(layers: Sequence[Any], what: str = "layers") -> None:
-    """Raise `ValueError` if `layers` cannot be stacked into one module."""
-    if len(layers) == 0:
-        raise ValueError(f"{what}: need at least one layer, got an empty sequence.")
-    ref = layers[0]
-    ref_def = jtu.tree_structure(ref)
-    ref_leaves = jtu.tree_leaves(ref)
-    for i, layer in enumerate(layers[1:], start=1):
-        if jtu.tree_structure(layer) == ref_def and all(
-            same_leaf(x, y) for x, y in zip(ref_leaves, jtu.tree_leaves(layer))
-        ):
-            continue
-        diff = first_difference(ref, layer)
-        if diff is None:  # pragma: no cover - structures differ in an unnamed way
-            diff = ("", str(ref_def), str(jtu.tree_structure(layer)))
-        path, d0, di = diff
-        raise ValueError(
-            f"{what}: layer {i} ({type(layer).__name__}) cannot be stacked with "
-            f"layer 0 ({type(ref).__name__}): at `{path or '<root>'}` layer 0 has "
-            f"{d0} but layer {i} has {di}. Stacked layers need identical structure, "
-            "static fields, non-array leaves, shapes and dtypes."
-        )
-
-
-def same_leaf(x: Any, y: Any) -> bool:
-    if eqx.is_array(x) and eqx.is_array(y):
+def same_leaf(x: object, y: object) -> bool:
+    if is_array(x) and is_array(y):
         return x.shape == y.shape and x.dtype == y.dtype
-    if eqx.is_array(x) or eqx.is_array(y):
+    if is_array(x) or is_array(y):
         return False
     try:
         return bool(x is y or x == y)
@@ -247,7 +237,7 @@ class CarryError(TypeError):
         self.where, self.what, self.step = where, what, step
 
 
-def check_carry(old: Any, new: Any, where: str, step: int | None = None) -> None:
+def check_carry(old: PyTree, new: PyTree, where: str, step: int | None = None) -> None:
     """Raise `CarryError` (a `TypeError`) unless `new` has the tree structure,
     shapes and dtypes of `old`: the contract every scan step must keep."""
     old_def, new_def = jtu.tree_structure(old), jtu.tree_structure(new)
@@ -288,7 +278,7 @@ def check_carry(old: Any, new: Any, where: str, step: int | None = None) -> None
         )
 
 
-def check_leading_axis(tree: Any, length: int, name: str, axis_name: str) -> None:
+def check_leading_axis(tree: PyTree, length: int, name: str, axis_name: str) -> None:
     """Raise `ValueError` unless each array leaf of `tree` has leading axis `length`."""
     for path, leaf in jtu.tree_leaves_with_path(tree):
         if not eqx.is_array(leaf):
@@ -300,12 +290,12 @@ def check_leading_axis(tree: Any, length: int, name: str, axis_name: str) -> Non
             )
 
 
-def check_option(name: str, value: Any, allowed: Sequence[Any]) -> None:
+def check_option(name: str, value: object, allowed: Sequence[object]) -> None:
     if not any(value is a or (type(value) is type(a) and value == a) for a in allowed):
         raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}.")
 
 
-def check_unroll(unroll: Any) -> None:
+def check_unroll(unroll: object) -> None:
     if isinstance(unroll, bool) or (isinstance(unroll, str) and unroll == "auto"):
         return
     if not isinstance(unroll, int):
@@ -317,19 +307,21 @@ def check_unroll(unroll: Any) -> None:
         raise ValueError(f"unroll must be >= 1 (or a bool), got {unroll}.")
 
 
-def check_callable(name: str, value: Any) -> Callable:
+def check_callable(name: str, value: object) -> Callable[..., Any]:
     if not callable(value):
         raise TypeError(f"{name} must be callable, got {type(value).__name__}.")
     return value
 
 
-def check_takes_key(fn: Any, what: str, per: str) -> None:
+def check_takes_key(fn: object, what: str, per: str) -> None:
     """Raise `TypeError` unless `fn` can be called with `key=`.
 
     `what` is the caller that was given the key (e.g. `"Stacked"`), `per` says
     how it hands keys out (e.g. `"layer i gets key=keys[i]"`). Called before the
     call, so the user does not get a bare "unexpected keyword argument 'key'".
     """
+    if not callable(fn):  # let the call say so
+        return
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # no signature to read: let the call decide
@@ -354,7 +346,7 @@ def check_takes_key(fn: Any, what: str, per: str) -> None:
 
 def check_size(
     name: str,
-    value: Any,
+    value: object,
     minimum: int = 1,
     maximum: int | None = None,
     hint: str = "",
@@ -363,7 +355,7 @@ def check_size(
     `operator.index` accepts (NumPy integers included) but `bool`, in
     `[minimum, maximum]`."""
     try:
-        if isinstance(value, bool):
+        if isinstance(value, bool) or not isinstance(value, SupportsIndex):
             raise TypeError
         size = operator.index(value)
     except TypeError:
@@ -389,7 +381,7 @@ def check_bool(name: str, value: object) -> bool:
     raise TypeError(f"{name} must be a bool, got {type(value).__name__} ({value!r}).")
 
 
-def check_index(index: Any, length: int, who: str, hint: str) -> int:
+def check_index(index: object, length: int, who: str, hint: str) -> int:
     """`index` as a layer index in `range(length)` (negative counts from the end),
     or a clear error: a traced index (with `hint` on what to do instead), a
     non-integer, or one out of range."""
@@ -399,6 +391,8 @@ def check_index(index: Any, length: int, who: str, hint: str) -> int:
             f"concrete ints: {hint}"
         )
     try:
+        if not isinstance(index, SupportsIndex):
+            raise TypeError
         i = operator.index(index)
     except TypeError:
         raise TypeError(
@@ -417,7 +411,7 @@ def split_key(key: object, num: int, who: str) -> jax.Array:
     (`jax.random.PRNGKey`). Anything else (an int, a `uint32[3]`, a batch of
     keys) gets an error naming `who` rather than JAX's own."""
     if isinstance(key, jax.Array) or isinstance(key, np.ndarray):
-        typed = jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+        typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
         if typed and key.shape == ():
             return jax.random.split(key, num)
         if not typed and key.dtype == np.uint32 and key.shape == (2,):
@@ -426,9 +420,7 @@ def split_key(key: object, num: int, who: str) -> jax.Array:
         "Hint: pass one key (jax.random.key(seed)); eqxscan splits it into one "
         "per layer or step."
     )
-    if isinstance(key, jax.Array) and jax.dtypes.issubdtype(
-        key.dtype, jax.dtypes.prng_key
-    ):
+    if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         hint = (
             "Hint: pass one key, not a batch of keys; eqxscan splits it into one "
             "per layer or step."
@@ -449,7 +441,7 @@ def check_made_layer(made: object) -> None:
         )
 
 
-def check_policy(name: str, policy: Callable[..., Any]) -> None:
+def check_policy(name: str, policy: Callable[..., object]) -> None:
     """Raise `TypeError` unless `policy` can be called as JAX calls a
     rematerialisation policy, `policy(primitive, *avals, **params)`, and answers;
     a callable that cannot (`len`) would fail only under `grad`, blamed on the

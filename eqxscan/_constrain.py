@@ -87,11 +87,10 @@ def layers_may_be_sharded(tree: PyTree) -> bool:
         if not eqx.is_array(leaf):
             continue
         sharding = getattr(jax.typeof(leaf), "sharding", None)
-        spec = getattr(sharding, "spec", None)
-        if spec is None:
+        if not isinstance(sharding, NamedSharding):
             continue
         sizes = dict(sharding.mesh.shape)
-        for entry in spec:
+        for entry in sharding.spec:
             names = entry if isinstance(entry, tuple) else (entry,)
             if any(sizes.get(name, 1) > 1 for name in names if name is not None):
                 return True

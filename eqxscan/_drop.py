@@ -21,6 +21,7 @@ from typing import TypeAlias
 
 import equinox as eqx
 import jax
+import jax.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
@@ -154,6 +155,7 @@ class DropInputs(eqx.Module):
         def one(key: PRNGKeyArray, rate: Array) -> Array:
             return jax.random.bernoulli(jax.random.split(key)[0], 1.0 - rate)
 
+        assert self.key is not None, "drawn by the caller (path_keep) only"
         return jax.vmap(one)(self.key, self.layer_rate)
 
     def path_masks(self, examples: int | None) -> Array:
@@ -165,6 +167,7 @@ class DropInputs(eqx.Module):
         def one(key: PRNGKeyArray, rate: Array) -> Array:
             return path_mask(rate, jax.random.split(key)[1], examples)
 
+        assert self.key is not None, "drawn by the caller (path_keep) only"
         return jax.vmap(one)(self.key, self.path_rate)
 
     def gated_by_scan(self) -> "DropInputs":

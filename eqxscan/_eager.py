@@ -16,6 +16,7 @@ from typing import ParamSpec, TypeVar
 
 import equinox as eqx
 import jax
+import jax.core
 import jax.tree_util as jtu
 
 

@@ -3,7 +3,7 @@
 import dataclasses
 import operator
 from collections.abc import Callable, Mapping
-from typing import TypedDict, Unpack
+from typing import Protocol, TypedDict, Unpack
 
 import equinox as eqx
 import jax
@@ -18,6 +18,7 @@ from ._checks import (
     check_option,
     check_takes_key,
     describe,
+    is_array,
     split_key,
 )
 from ._eager import compiled_when_eager
@@ -158,7 +159,7 @@ def _time_layout(hs: PyTree, time_axis: int) -> PyTree:
         return hs
 
     def one(path: tuple, a: object) -> object:
-        if not eqx.is_array(a):
+        if not is_array(a):
             return a
         if not -a.ndim <= time_axis < a.ndim:
             raise ValueError(
@@ -167,7 +168,7 @@ def _time_layout(hs: PyTree, time_axis: int) -> PyTree:
                 f"{time_axis} to put time on. Give every carry leaf that axis, or "
                 "run per example with `jax.vmap(rnn)`."
             )
-        return jnp.moveaxis(a, 0, time_axis)
+        return jnp.moveaxis(jnp.asarray(a), 0, time_axis)
 
     return jtu.tree_map_with_path(one, hs)
 
@@ -226,7 +227,7 @@ def _time_length(xs: PyTree, length: object, time_axis: int) -> int:
 
 
 def _check_mask(mask: object, length: int) -> Bool[Array, " T"]:
-    if not eqx.is_array(mask):
+    if not is_array(mask):
         raise TypeError(
             f"mask must be a boolean array of shape ({length},), got "
             f"{type(mask).__name__}."
@@ -241,6 +242,13 @@ def _check_mask(mask: object, length: int) -> Bool[Array, " T"]:
     return jnp.asarray(mask)
 
 
+class _Sized(Protocol):
+    """A cell that says what one step takes."""
+
+    input_size: int
+    hidden_size: int
+
+
 def _check_known_cell(cell: Callable[..., PyTree], h0: PyTree, xs: PyTree) -> None:
     """For the cells whose shapes are known (`eqx.nn.GRUCell`, `eqx.nn.LSTMCell`,
     `ElmanCell`), check `h0` and `xs` up front: a batched or mis-sized input
@@ -251,24 +259,25 @@ def _check_known_cell(cell: Callable[..., PyTree], h0: PyTree, xs: PyTree) -> No
     known = type(cell) in (eqx.nn.GRUCell, eqx.nn.LSTMCell)
     if not (known or vars(type(cell)).get("known_shapes") is True):
         return
+    sizes: _Sized = cell  # pyright: ignore[reportAssignmentType]  # checked above
     name = (
-        f"{type(cell).__name__}(input_size={cell.input_size}, "
-        f"hidden_size={cell.hidden_size})"
+        f"{type(cell).__name__}(input_size={sizes.input_size}, "
+        f"hidden_size={sizes.hidden_size})"
     )
     batch_hint = (
         " Recurrent runs one sequence; for a batch, map over it: "
         "`jax.vmap(rnn)(h0, xs)`."
     )
-    hidden = (cell.hidden_size,)
+    hidden = (sizes.hidden_size,)
     if type(cell) is eqx.nn.LSTMCell:
         ok = (
             isinstance(h0, (tuple, list))
             and len(h0) == 2
-            and all(eqx.is_array(a) and a.shape == hidden for a in h0)
+            and all(is_array(a) and a.shape == hidden for a in h0)
         )
         expected = f"a pair (h, c) of arrays of shape {hidden}"
     else:
-        ok = eqx.is_array(h0) and h0.shape == hidden
+        ok = is_array(h0) and h0.shape == hidden
         expected = f"an array of shape {hidden}"
     if not ok:
         got = (
@@ -279,11 +288,11 @@ def _check_known_cell(cell: Callable[..., PyTree], h0: PyTree, xs: PyTree) -> No
         raise ValueError(
             f"h0 is {got}, but {name} takes a carry that is {expected}." + batch_hint
         )
-    if not (eqx.is_array(xs) and xs.shape[1:] == (cell.input_size,)):
+    if not (is_array(xs) and xs.shape[1:] == (sizes.input_size,)):
         raise ValueError(
             f"xs is {describe(xs)}, but {name} takes one input of shape "
-            f"({cell.input_size},) per step, so xs must have shape "
-            f"(T, {cell.input_size})." + batch_hint
+            f"({sizes.input_size},) per step, so xs must have shape "
+            f"(T, {sizes.input_size})." + batch_hint
         )
 
 
@@ -557,6 +566,7 @@ def _as_recurrent(rnn: object, reverse: bool, what: str) -> Recurrent:
             )
         return rnn
     check_callable(what, rnn)
+    assert callable(rnn)
     return Recurrent(rnn, reverse=reverse)
 
 

@@ -32,6 +32,7 @@ from ._checks import (
     check_made_layer,
     check_size,
     describe,
+    is_array,
     noted,
     split_key,
 )
@@ -94,7 +95,7 @@ def _check_make_layer(make_layer: object) -> None:
 
 def _check_made(layers: object) -> None:
     check_made_layer(layers)
-    if eqx.is_array(layers):
+    if is_array(layers):
         one = jax.ShapeDtypeStruct(layers.shape[1:], layers.dtype)
         raise TypeError(
             f"make_layer returned an array ({describe(one)}), not a layer. It must "

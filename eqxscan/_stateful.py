@@ -12,15 +12,12 @@ from typing import Any, TypeVar
 
 import equinox as eqx
 import jax.tree_util as jtu
+from jaxtyping import PyTree
 
 from ._checks import describe
 
 
 T = TypeVar("T")
-
-
-def _is_index(x: Any) -> bool:
-    return isinstance(x, eqx.nn.StateIndex)
 
 
 def find_state(args: tuple, kwargs: dict[str, Any]) -> int | str | None:
@@ -37,7 +34,7 @@ def find_state(args: tuple, kwargs: dict[str, Any]) -> int | str | None:
 
 
 def replace_arg(
-    args: tuple, kwargs: dict[str, Any], where: int | str, value: Any
+    args: tuple, kwargs: dict[str, Any], where: int | str, value: object
 ) -> tuple[tuple, dict[str, Any]]:
     """`args` and `kwargs` with the argument at `where` replaced by `value`."""
     if isinstance(where, int):
@@ -49,7 +46,9 @@ def get_arg(args: tuple, kwargs: dict[str, Any], where: int | str) -> Any:
     return args[where] if isinstance(where, int) else kwargs[where]
 
 
-def layer_state(state: eqx.nn.State, layers: Any, length: int, what: str) -> Any:
+def layer_state(
+    state: eqx.nn.State, layers: PyTree, length: int, what: str
+) -> eqx.nn.State:
     """The part of `state` that belongs to the stacked `layers`, checked to have
     the layer axis (of length `length`) first."""
     sub = state.substate(layers)
@@ -64,7 +63,7 @@ def layer_state(state: eqx.nn.State, layers: Any, length: int, what: str) -> Any
     return sub
 
 
-def state_pair(out: Any, who: str) -> tuple[Any, Any]:
+def state_pair(out: object, who: str) -> tuple[PyTree, eqx.nn.State]:
     """A stateful layer's output `(x, state)` read as the scan's `(carry, y)`."""
     if not (
         isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], eqx.nn.State)
@@ -74,7 +73,7 @@ def state_pair(out: Any, who: str) -> tuple[Any, Any]:
             f"(x, state), as Equinox's stateful layers do, but {who} returned "
             f"{describe(out)}."
         )
-    return out
+    return out[0], out[1]
 
 
 def updated(state: eqx.nn.State, sub: eqx.nn.State) -> eqx.nn.State:

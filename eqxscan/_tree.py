@@ -18,7 +18,7 @@ ways:
 """
 
 from collections.abc import Callable
-from typing import NamedTuple, Protocol, runtime_checkable, TypeVar
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax.tree_util as jtu
 from jaxtyping import PyTree
@@ -26,11 +26,6 @@ from jaxtyping import PyTree
 from ._checks import is_arraylike
 from ._constrain import is_none
 from ._stacked import LayerIndex, Stacked, StateDictFn
-
-
-T = TypeVar("T")
-Part = jtu.GetAttrKey | jtu.SequenceKey | jtu.DictKey | jtu.FlattenedIndexKey
-NamePart = str | LayerIndex
 
 
 class Site(NamedTuple):
@@ -83,9 +78,11 @@ class NamesLayers(Protocol):
     def state_dict_layers(self, fn: StateDictFn) -> "NamesLayers": ...
 
 
-def key_name(entry: object, where: tuple) -> str:
+def key_name(entry: Any, where: tuple) -> str:
     """The name of one key-path entry in a state dict (an attribute, index or
     key); `where` is the name so far, for the error message."""
+    # `entry: Any`: JAX types its key classes as `Any`, so `isinstance` narrows
+    # nothing.
     if isinstance(entry, jtu.GetAttrKey):
         return entry.name
     if isinstance(entry, jtu.SequenceKey):
@@ -110,12 +107,12 @@ def pattern(parts: tuple, fill: str = "*") -> str:
 
 def walk(
     fn: Callable[[object, Site], object],
-    tree: T,
+    tree: PyTree,
     *,
     names: bool = False,
     stack: Callable[[Stacked, Site], Stacked] | None = None,
     site: Site = ROOT,
-) -> T:
+) -> PyTree:
     """`tree` rebuilt with every leaf replaced by `fn(leaf, site)`.
 
     **Arguments:**
@@ -136,7 +133,7 @@ def walk(
     static fields and options.
     """
     if is_none(tree) or is_arraylike(tree):
-        return fn(tree, site)  # type: ignore[return-value]
+        return fn(tree, site)
     if names and isinstance(tree, NamesLayers):
         num_layers = tree.num_layers
 
@@ -145,7 +142,7 @@ def walk(
                 fn, subtree, names=True, site=site.enter(index, axes, num_layers)
             )
 
-        return tree.state_dict_layers(inner)  # type: ignore[return-value]
+        return tree.state_dict_layers(inner)
     if not names and isinstance(tree, Stacked):
         at = site.enter(jtu.GetAttrKey("layers"), (tree.num_layers,), tree.num_layers)
         # The layers gain a layer axis; any other field (the drop rates) is
@@ -160,14 +157,14 @@ def walk(
             for path, child in children
         ]
         new = jtu.tree_unflatten(treedef, rebuilt)
-        return new if stack is None else stack(new, at)  # type: ignore[return-value]
+        return new if stack is None else stack(new, at)
     children, treedef = jtu.tree_flatten_with_path(
         tree, is_leaf=lambda x: x is not tree
     )
     if not children:  # an empty node, e.g. `()` or a module of static fields
         return tree
     if jtu.treedef_is_leaf(treedef):  # a leaf that is not an array, e.g. a float
-        return fn(tree, site)  # type: ignore[return-value]
+        return fn(tree, site)
     rebuilt = []
     for path, child in children:
         if names:
@@ -180,11 +177,14 @@ def walk(
     return jtu.tree_unflatten(treedef, rebuilt)
 
 
-def for_each(fn: Callable[[object, Site], None], tree: PyTree, **kwargs: bool) -> None:
-    """Call `fn(leaf, site)` at every leaf of `tree`, as `walk` visits them."""
+def for_each(
+    fn: Callable[[object, Site], None], tree: PyTree, *, names: bool = False
+) -> None:
+    """Call `fn(leaf, site)` at every leaf of `tree`, as `walk` visits them (by
+    state-dict name with `names=True`)."""
 
     def visit(leaf: object, site: Site) -> object:
         fn(leaf, site)
         return leaf
 
-    walk(visit, tree, **kwargs)  # type: ignore[arg-type]
+    walk(visit, tree, names=names)

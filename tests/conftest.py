@@ -1,4 +1,7 @@
+import atexit
 import os
+import shutil
+import tempfile
 
 
 # Tests run on CPU with two host devices, as Equinox's own suite does.
@@ -12,6 +15,22 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+# One compilation cache for the run: tests (and the processes they start) that
+# build the same program compile it once (a third less time for test_stacked.py).
+# A fresh directory each run; EQXSCAN_TEST_CACHE=0 turns it off.
+if os.environ.get("EQXSCAN_TEST_CACHE", "1") == "1":
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        _cache = tempfile.mkdtemp(prefix="eqxscan-jax-cache-")
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+        atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    jax.config.update(
+        "jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"]
+    )
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 @pytest.fixture

@@ -13,12 +13,24 @@ from pathlib import Path
 
 import equinox as eqx
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 
 import eqxscan
+
+
+def sub_jaxprs(params):
+    """The jaxprs in an equation's params (`jax.extend.core.jaxprs_in_params`,
+    which only jax >= 0.10 has)."""
+    for value in params.values():
+        for v in value if isinstance(value, tuple) else (value,):
+            if isinstance(v, jax.extend.core.ClosedJaxpr):
+                yield v.jaxpr
+            elif isinstance(v, jax.extend.core.Jaxpr):
+                yield v
 
 
 def tree_allclose(a, b, *, rtol=1e-5, atol=1e-6) -> bool:

@@ -4,12 +4,13 @@ statistics, inference mode, the `cond` in the program, compile once, errors."""
 
 import equinox as eqx
 import jax
-import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import eqxscan
+
+from .helpers import sub_jaxprs
 
 
 D, L, B = 4, 4, 3
@@ -331,7 +332,7 @@ def _eqns(jaxpr, name):
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == name:
             found.append(eqn)
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        for sub in sub_jaxprs(eqn.params):
             found.extend(_eqns(sub, name))
     return found
 

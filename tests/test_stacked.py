@@ -12,7 +12,7 @@ import pytest
 import eqxscan
 from eqxscan.remat import THRESHOLDS
 
-from .helpers import stable_id, tree_allclose
+from .helpers import stable_id, sub_jaxprs, tree_allclose
 
 
 SHORT_SCAN = THRESHOLDS.short_scan
@@ -173,7 +173,7 @@ def test_unroll(unroll, getkey):
 def _eqns(jaxpr):
     for eqn in jaxpr.eqns:
         yield eqn
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        for sub in sub_jaxprs(eqn.params):
             yield from _eqns(sub)
 
 

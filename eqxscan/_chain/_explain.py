@@ -3,12 +3,11 @@ kept like layers apart, and a plain-text account of every group."""
 
 import warnings
 from collections.abc import Sequence
-from typing import Any
 
 from .._alike import compare, Difference
 
 
-def _reason(diff: Difference, j: int, other: Any) -> str:
+def _reason(diff: Difference, j: int, other: object) -> str:
     text = (
         f"unlike layer {j} ({type(other).__name__}) at `{diff.path or '<root>'}`: "
         f"it has {diff.b}, layer {j} has {diff.a}"
@@ -18,7 +17,7 @@ def _reason(diff: Difference, j: int, other: Any) -> str:
     return text
 
 
-def warn_identity(layers: Sequence[Any], labels: Sequence[int]) -> None:
+def warn_identity(layers: Sequence[object], labels: Sequence[int]) -> None:
     """Warn once if two neighbouring layers are kept apart only because an object
     they hold compares by identity (it may well be the same thing made twice)."""
     for i in range(len(layers) - 1):
@@ -40,7 +39,7 @@ def warn_identity(layers: Sequence[Any], labels: Sequence[int]) -> None:
 
 
 def explain(
-    layers: Sequence[Any],
+    layers: Sequence[object],
     spans: Sequence[tuple[int, int, int]],
     names: Sequence[str],
     bodies: int,
