@@ -105,9 +105,9 @@ class ScanOptions(eqx.Module):
         check_option("mode", mode, MODES)
         check_checkpoint(checkpoint)
         check_unroll(unroll)
-        self.mode = mode  # type: ignore[assignment]
-        self.checkpoint = checkpoint  # type: ignore[assignment]
-        self.unroll = unroll  # type: ignore[assignment]
+        self.mode = mode  # type: ignore[assignment]  # checked above
+        self.checkpoint = checkpoint  # type: ignore[assignment]  # checked above
+        self.unroll = unroll  # type: ignore[assignment]  # checked above
         self.scan_checkpoint = as_scan_checkpoint(checkpoint)
 
     def as_args(self) -> ScanArgs:

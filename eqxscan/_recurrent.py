@@ -133,7 +133,7 @@ def _check_truncate(truncate: object) -> int | None:
     if isinstance(truncate, bool):
         raise TypeError(f"truncate must be a positive int or None, got {truncate!r}.")
     try:
-        k = operator.index(truncate)  # type: ignore[arg-type]
+        k = operator.index(truncate)  # type: ignore[arg-type]  # its TypeError is the check
     except TypeError:
         raise TypeError(
             "truncate must be a positive int (the number of steps per truncated "
@@ -353,7 +353,8 @@ class Recurrent(Scanning):
 
     def replace_options(self, options: ScanOptions, **own: object) -> "Recurrent":
         reverse = own.get("reverse", self.reverse)
-        return Recurrent(self.cell, reverse=reverse, **options.as_args())  # type: ignore[arg-type]
+        args = options.as_args()
+        return Recurrent(self.cell, reverse=reverse, **args)  # type: ignore[arg-type]  # checked options
 
     @compiled_when_eager
     def __call__(

@@ -221,8 +221,7 @@ class ScanCheckpoint:
                 return names(prim, *args, **params)
             return base(prim, *args, **params)
 
-        # jax types policies as returning bool; offloading ones answer Offloadable.
-        return policy  # pyright: ignore[reportReturnType]
+        return policy  # pyright: ignore[reportReturnType]  # offloading answers are not bools
 
     def boundary_policy(self) -> Policy:
         """The outer levels' policy: only the block-boundary carry may be kept
@@ -246,7 +245,7 @@ def as_scan_checkpoint(checkpoint: object) -> ScanCheckpoint:
     if isinstance(checkpoint, str) and checkpoint == "offload":
         checkpoint = OFFLOAD_POLICY
     return ScanCheckpoint(
-        policy=checkpoint,  # type: ignore[arg-type]
+        policy=checkpoint,  # type: ignore[arg-type]  # a checked checkpoint= value
         save_carries=None,
         save_inputs=None,
     )

@@ -530,7 +530,8 @@ def restack(stack: Stacked[LayerT], **changes: object) -> Stacked[LayerT]:
     fields.update(changes)
     options = fields.pop("options")
     assert isinstance(options, ScanOptions)
-    new = type(stack)(**fields, **options.as_args())  # type: ignore[arg-type]
+    # `fields` holds what `__init__` takes, by name (checked above).
+    new = type(stack)(**fields, **options.as_args())  # type: ignore[arg-type]  # see above
     if stack.depth_drop is None or new.depth_drop is None:
         return new
     inference = stack.depth_drop.inference

@@ -133,7 +133,7 @@ def _check_layer_order(layer_order: object) -> LayerOrder:
             "'natural' for a stack in the order its layers run; 'stage' for one "
             "permuted by eqxscan.sharding.pipeline_order.",
         )
-    return layer_order  # type: ignore[return-value]
+    return layer_order  # type: ignore[return-value]  # one of LAYER_ORDERS
 
 
 def _check_chunks(num_layers: int, stages: int, repeats: int, where: str) -> int:
