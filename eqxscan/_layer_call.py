@@ -18,6 +18,13 @@ call of its layers as one `LayerCall` and runs layer `i` through it:
 A container answers only "layer `i` as a function of the carry"; nothing here
 knows a container's layout, and nothing outside knows how arguments, keys and
 drop inputs are sliced.
+
+Every per-layer value is read-only today: a scan slices it as an input, and
+what a layer returns besides its carry is stacked again as a new `ys` array.
+A per-layer buffer that layers update (a KV cache) belongs here too: it would
+travel in the scan's carry instead of its inputs, `at(i)` would read layer
+`i`'s slice of it, and `run_one` would write the layer's new slice (or its new
+rows) back into the stacked buffer, so that no second copy of it exists.
 """
 
 import functools
