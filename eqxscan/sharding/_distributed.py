@@ -29,6 +29,8 @@ from .._internal import align, constrain, is_arraylike
 if TYPE_CHECKING:
     # `jax.Device`'s class: jax exports it as a variable, no type to the checker.
     from jaxlib._jax import Device
+else:  # the same class, named at run time for the runtime type checker
+    Device = jax.Device
 
 
 DOCS = "see docs/multihost.md"
@@ -297,7 +299,7 @@ def check_same_job(*trees: Any, mesh: Mesh | None = None) -> None:
         _agree("mesh", _fingerprint(f"{dict(mesh.shape)} {ids}"))
 
 
-def default_devices() -> list["Device"]:
+def default_devices() -> list[Device]:
     """Every device of every process, ordered by process then id (on one process:
     `jax.devices()` as it is). A mesh filled in this order puts its first axis
     across processes and keeps runs of its last axis inside one."""

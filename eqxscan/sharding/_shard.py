@@ -22,6 +22,8 @@ from ._distributed import default_devices, place, place_batch
 if TYPE_CHECKING:
     # `jax.Device`'s class: jax exports it as a variable, no type to the checker.
     from jaxlib._jax import Device
+else:  # the same class, named at run time for the runtime type checker
+    Device = jax.Device
 
 
 T = TypeVar("T")
@@ -37,7 +39,7 @@ def make_mesh(
     data: SupportsIndex | None = None,
     fsdp: SupportsIndex | None = None,
     *,
-    devices: Sequence["Device"] | None = None,
+    devices: Sequence[Device] | None = None,
 ) -> Mesh:
     """A `("data", "fsdp")` mesh over `devices` (default: every device of every
     process, ordered by process).
