@@ -28,7 +28,7 @@ rows) back into the stacked buffer, so that no second copy of it exists.
 """
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import equinox as eqx
@@ -267,6 +267,12 @@ class LayerCall(NamedTuple):
     def _arguments(self) -> list[object]:
         return [*self.args, *self.kwargs.values()]
 
+    def _split(self, values: Sequence[object]) -> tuple[tuple, dict[str, object]]:
+        # `values` (one per argument, as `_arguments` lists them) as args, kwargs.
+        return tuple(values[: len(self.args)]), dict(
+            zip(self.kwargs, values[len(self.args) :])
+        )
+
     def _with_per_layer(self, new: tuple[PyTree, ...]) -> "LayerCall":
         # `self` with its per-layer values replaced by `new` (from
         # `per_layer_values`), each still wrapped as it was.
@@ -276,8 +282,7 @@ class LayerCall(NamedTuple):
             PerLayer(next(it)) if isinstance(v, PerLayer) else v
             for v in self._arguments()
         ]
-        args = tuple(values[: len(self.args)])
-        kwargs = dict(zip(self.kwargs, values[len(self.args) :]))
+        args, kwargs = self._split(values)
         return self._replace(args=args, kwargs=kwargs, keys=keys, drop=drop)
 
     def _one(self, new: tuple[PyTree, ...]) -> OneLayer:
@@ -285,8 +290,7 @@ class LayerCall(NamedTuple):
         trees, key, drop = new
         it = iter(trees)
         values = [next(it) if isinstance(v, PerLayer) else v for v in self._arguments()]
-        args = tuple(values[: len(self.args)])
-        kwargs = dict(zip(self.kwargs, values[len(self.args) :]))
+        args, kwargs = self._split(values)
         return OneLayer(args, kwargs, key, drop)
 
     def at(self, i: Index) -> OneLayer:
@@ -322,8 +326,7 @@ class LayerCall(NamedTuple):
         flags = [isinstance(v, PerLayer) for v in self._arguments()]
         values = [*one.args, *one.kwargs.values()]
         values = [PerLayer(v) if f else v for v, f in zip(values, flags)]
-        args = tuple(values[: len(self.args)])
-        kwargs = dict(zip(self.kwargs, values[len(self.args) :]))
+        args, kwargs = self._split(values)
         return self._replace(
             args=args, kwargs=kwargs, keys=one.key, drop=one.drop, keep=None, unit=None
         )

@@ -270,10 +270,11 @@ T = TypeVar("T")
 
 def name_tree(tree: T, name: str) -> T:
     """Every array leaf of `tree` named `name` for the checkpoint policies (PRNG
-    keys excepted: they are cheap to keep and cannot be offloaded)."""
+    keys excepted: they are cheap to keep and cannot be offloaded); other
+    leaves (a broadcast Python number, say) as they are."""
 
-    def one(a: jax.Array) -> jax.Array:
-        if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+    def one(a: object) -> object:
+        if not isinstance(a, jax.Array) or jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
             return a
         return checkpoint_name(a, name)
 

@@ -137,3 +137,34 @@ def test_inference_mode_with_drop_rates_calls_keyless_layers_without_a_key(conta
     )
     with pytest.raises(TypeError, match="takes no `key` argument"):
         plain(x, key=jax.random.key(0))
+
+
+@pytest.mark.parametrize("container", ["stacked", "chain"])
+def test_named_inputs_leave_broadcast_numbers_alone(container):
+    # With save_inputs named, a traced subset names what each step reads; a
+    # broadcast Python float among a layer's arguments is not an array to name.
+    cp = eqxscan.ScanCheckpoint(policy=True, save_inputs=True)
+
+    class Scaled(eqx.Module):
+        weight: jax.Array
+
+        def __call__(self, x, scale):
+            return jnp.tanh(x * self.weight) * scale
+
+    scaled = [Scaled(jnp.float32(0.5 + i)) for i in range(4)]
+    model = (
+        eqxscan.Stacked.from_layers(scaled, checkpoint=cp)
+        if container == "stacked"
+        else eqxscan.Chain(scaled, checkpoint=cp)
+    )
+    x = jnp.float32(0.3)
+    idx = jnp.array([2, 0])
+
+    def loss(m, idx):
+        return eqxscan.run_layers(m, x, idx, scale=0.5)
+
+    got = eqx.filter_grad(loss)(model, idx)
+    want = eqx.filter_grad(lambda m: eqxscan.run_layers(m, x, [2, 0], scale=0.5))(model)
+    assert all(
+        jnp.allclose(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))
+    )
