@@ -19,6 +19,7 @@ from . import (
     remat as remat,
     sharding as sharding,
 )
+from ._buffers import Buffer as Buffer, buffer as buffer, LayerBuffers as LayerBuffers
 from ._chain import Chain as Chain
 from ._drop import (
     DepthDrop as DepthDrop,
@@ -27,6 +28,7 @@ from ._drop import (
     Rates as Rates,
 )
 from ._exit import run_until as run_until
+from ._layer_buffers import layer_buffers as layer_buffers
 from ._layer_call import per_layer as per_layer
 from ._options import (
     Checkpoint as Checkpoint,

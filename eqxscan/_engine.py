@@ -47,8 +47,6 @@ def remat(fn: Step, checkpoint: ScanCheckpoint, *, in_scan: bool) -> Step:
     if not checkpoint.named:
         if checkpoint.policy is False:
             return fn
-        if checkpoint.policy is True:
-            return jax.checkpoint(fn, prevent_cse=prevent_cse)
         policy = checkpoint.base_policy()
         return jax.checkpoint(fn, policy=policy, prevent_cse=prevent_cse)
     if checkpoint.save_carries is not None:

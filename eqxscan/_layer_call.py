@@ -19,12 +19,14 @@ A container answers only "layer `i` as a function of the carry"; nothing here
 knows a container's layout, and nothing outside knows how arguments, keys and
 drop inputs are sliced.
 
-Every per-layer value is read-only today: a scan slices it as an input, and
-what a layer returns besides its carry is stacked again as a new `ys` array.
-A per-layer buffer that layers update (a KV cache) belongs here too: it would
-travel in the scan's carry instead of its inputs, `at(i)` would read layer
-`i`'s slice of it, and `run_one` would write the layer's new slice (or its new
-rows) back into the stacked buffer, so that no second copy of it exists.
+A `per_layer` value is read-only: a scan slices it as an input, and what a
+layer returns besides its carry is stacked again as a new `ys` array. A
+per-layer buffer that layers update (an [`eqxscan.buffer`][], e.g. a KV cache)
+travels in the scan's carry instead: the container puts a view of layer `i`'s
+slice (`Buffer.at(i)`) in the layer's inputs, and `run_one` reads the slice,
+calls the layer and writes what it returned (its new rows, when it wrote rows)
+back into the one stacked buffer (see `eqxscan/_buffers.py`), returning
+`((carry, buffer), y)`.
 """
 
 import functools
@@ -36,6 +38,7 @@ import jax
 import jax.tree_util as jtu
 from jaxtyping import Array, Bool, Int, PyTree
 
+from ._buffers import call_writing, find_buffer, view_of, with_view
 from ._checks import check_leading_axis, check_takes_key, describe
 from ._drop import DropInputs, dropping
 
@@ -344,7 +347,15 @@ def run_one(
 ) -> tuple[PyTree, PyTree]:
     """Run `layer` on `carry` as `call` says, with its inputs `one`, and read its
     output as `(carry, y)`: its method and key, then drop-path and (for a layer
-    whose scan does not gate it) LayerDrop. `who` names the layer in errors."""
+    whose scan does not gate it) LayerDrop. `who` names the layer in errors.
+
+    With a buffer view among its inputs (see `eqxscan/_buffers.py`), a layer
+    (not a unit, which passes the view on to its own layers) returns
+    `(carry, new_slice)` where it would return its carry, and the result is
+    `((carry, buffer), y)`, the buffer with the layer's writes made."""
+    at = find_buffer(one.args, one.kwargs) if call.unit is None else None
+    if at is not None:
+        return _run_writing(layer, call, one, at, carry, who)
     if call.unit is not None:
         # A repeat of several layers: the unit drops and keys its own layers.
         return call.read_out(call.unit(layer, carry, one), who)
@@ -357,6 +368,42 @@ def run_one(
         return call.read_out(out, who)
 
     return (fn if one.drop is None else dropping(fn, one.drop))(carry)
+
+
+def _run_writing(
+    layer: object,
+    call: LayerCall,
+    one: OneLayer,
+    at: int | str,
+    carry: PyTree,
+    who: str,
+) -> tuple[PyTree, PyTree]:
+    # Layer `who` given its slice of the buffer at `at`; its new slice written
+    # back (only the rows it wrote, when it wrote rows).
+    if one.drop is not None:
+        raise TypeError(
+            f"{who} is called with an eqxscan.buffer and with drop_path or "
+            "layer_drop, which cannot skip a layer's write.\nDecode in inference "
+            "mode (`eqx.nn.inference_mode(model)`) or without a key."
+        )
+    view = view_of(one.args, one.kwargs, at)
+
+    def fn(old: PyTree) -> tuple[tuple[PyTree, PyTree], PyTree]:
+        args, kwargs = with_view(one.args, one.kwargs, at, old)  # pyright: ignore[reportArgumentType]  # the slice stands where the view was
+        new, y = run_one(
+            layer, call, one._replace(args=args, kwargs=kwargs), carry, who
+        )
+        if not (isinstance(new, tuple) and len(new) == 2):
+            raise TypeError(
+                f"{who} is called with an eqxscan.buffer, so it must return "
+                f"(x, buffer) where it returns its carry, but it returned "
+                f"{describe(new)}.\nReturn the layer's new buffer slice beside x "
+                "(unchanged if the layer does not write)."
+            )
+        return (new[0], y), new[1]
+
+    (new_carry, y), writes = call_writing(fn, view.read(), who)
+    return (new_carry, view.write(writes)), y
 
 
 LayerFn = Callable[[PyTree], PyTree]

@@ -26,6 +26,10 @@ CARRY = "eqxscan.carry"
 INPUTS = "eqxscan.inputs"
 #: The carry at the start of a block of a nested scan.
 BLOCK_CARRY = "eqxscan.block_carry"
+#: A layer's read of its slice of an `eqxscan.buffer`: every policy saves it, so
+#: the backward pass keeps each layer's slice rather than the whole stacked
+#: buffer that travels in the carry.
+BUFFER_READ = "eqxscan.buffer_read"
 
 #: The matmul-saving policy: save the outputs of matmuls that have no batch
 #: dimensions (the weight products) and recompute the elementwise work (norms,
@@ -46,6 +50,8 @@ OFFLOAD_POLICY = jax.checkpoint_policies.offload_dot_with_no_batch_dims(
 )
 
 Policy: TypeAlias = Callable[..., bool]
+
+SAVE_BUFFER_READS: Policy = jax.checkpoint_policies.save_only_these_names(BUFFER_READ)
 Keep: TypeAlias = bool | Literal["offload"] | None
 
 
@@ -171,12 +177,15 @@ class ScanCheckpoint:
         return self.policy == "auto" and not self.named and self.nested is None
 
     def base_policy(self) -> Policy:
-        """The `jax.checkpoint_policies` policy of the step's internals."""
+        """The `jax.checkpoint_policies` policy of the step's internals (a
+        layer's read of its buffer slice is saved whatever it says)."""
         if self.policy is True:
-            return jax.checkpoint_policies.nothing_saveable
+            return SAVE_BUFFER_READS
         if self.policy is False:
             return jax.checkpoint_policies.everything_saveable
-        return AUTO_POLICY if isinstance(self.policy, str) else self.policy
+        return _saving_buffer_reads(
+            AUTO_POLICY if isinstance(self.policy, str) else self.policy
+        )
 
     def levels(self, length: int) -> tuple[int, ...] | None:
         """The lengths of the outer levels of the nested scan over `length` steps,
@@ -233,6 +242,17 @@ class ScanCheckpoint:
             offload_src="device",
             offload_dst="pinned_host",
         )
+
+
+def _saving_buffer_reads(policy: Policy) -> Policy:
+    # `policy`, and a buffer read saved (an offloading policy's answers are not
+    # bools, so `save_from_both_policies` cannot combine them).
+    def both(prim: object, *args: object, **params: object) -> object:
+        if params.get("name") == BUFFER_READ and str(prim) == "name":
+            return True
+        return policy(prim, *args, **params)
+
+    return both  # pyright: ignore[reportReturnType]  # offloading answers are not bools
 
 
 def as_scan_checkpoint(checkpoint: object) -> ScanCheckpoint:

@@ -25,6 +25,14 @@ from jax.sharding import Sharding
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from ._alike import check_alike, stack_alike
+from ._buffers import (
+    Buffer,
+    check_buffer_axis,
+    find_buffer,
+    refuse_buffer,
+    view_of,
+    with_view,
+)
 from ._checks import (
     check_bool,
     check_callable,
@@ -586,25 +594,45 @@ def scan_layers(stack: Stacked, x: PyTree, call: LayerCall) -> tuple[PyTree, PyT
         return (x, updated(state, new_sub)), None
     length = stack.num_layers
     check_per_layer(call.args, call.kwargs, length)
+    cls_name = type(stack.layers).__name__
+    at = find_buffer(call.args, call.kwargs)
+    view = None if at is None else view_of(call.args, call.kwargs, at)
+    if view is not None:
+        check_buffer_axis(view, length, f"This Stacked of {cls_name} layers")
+        if call.drop is not None or call.keep is not None:
+            raise TypeError(
+                "A Stacked called with an eqxscan.buffer cannot drop layers "
+                "(drop_path, layer_drop), which would skip their writes.\nDecode "
+                "in inference mode (`eqx.nn.inference_mode(model)`) or without a key."
+            )
     keep, drop = call.keep, call.drop
     if keep is None and drop is not None and drop.uses[1] and call.unit is None:
         # LayerDrop left to the scan, which then runs only the kept layers.
         keep, call = drop.keep(), call._replace(drop=drop.gated_by_scan())
     layer_dyn, layer_static = eqx.partition(stack.layers, eqx.is_array)
     per_xs, one = call.scanned()
-    cls_name = type(stack.layers).__name__
     sharding = stack.layer_sharding
+    # With a buffer, the stacked buffer travels in the carry and step `i` gets
+    # the view of its slice `i`: the step index is scanned beside the weights.
+    steps = None if view is None else jnp.arange(length)
 
-    def read(xs: tuple[PyTree, PyTree]) -> tuple[PyTree, PyTree]:
+    def read(xs: tuple[PyTree, PyTree, PyTree]) -> tuple[PyTree, PyTree, PyTree]:
         # What a step reads: its layer's weights, constrained as
         # `layer_sharding` says (FSDP gathers one layer here), and its slices.
-        dyn, per = xs
-        return (dyn if sharding is None else constrain(dyn, sharding)), per
+        dyn, per, i = xs
+        return (dyn if sharding is None else constrain(dyn, sharding)), per, i
 
-    def step(carry: PyTree, xs: tuple[PyTree, PyTree]) -> tuple[PyTree, PyTree]:
-        dyn, per = xs
+    def step(carry: PyTree, xs: tuple[PyTree, PyTree, PyTree]) -> tuple[PyTree, PyTree]:
+        dyn, per, i = xs
         layer = eqx.combine(dyn, layer_static)
-        return run_one(layer, call, one(per), carry, f"the stacked layer {cls_name}")
+        inputs, who = one(per), f"the stacked layer {cls_name}"
+        if view is None:
+            return run_one(layer, call, inputs, carry, who)
+        assert at is not None
+        x, tree = carry
+        here = Buffer(tree, (*view.prefix, i))
+        args, kwargs = with_view(inputs.args, inputs.kwargs, at, here)
+        return run_one(layer, call, inputs._replace(args=args, kwargs=kwargs), x, who)
 
     def where(i: int | None) -> str:
         if i is None:
@@ -613,8 +641,8 @@ def scan_layers(stack: Stacked, x: PyTree, call: LayerCall) -> tuple[PyTree, PyT
 
     return run(
         step,
-        x,
-        (layer_dyn, per_xs),
+        x if view is None else (x, view.tree),
+        (layer_dyn, per_xs, steps),
         length=length,
         options=stack.options,
         reverse=call.reverse,
@@ -631,6 +659,7 @@ def vmap_layers(stack: Stacked, x: PyTree, call: LayerCall) -> PyTree:
     stacked on a new leading axis: one `vmap`, or a loop with `mode="loop"`."""
     length = stack.num_layers
     check_per_layer(call.args, call.kwargs, length)
+    refuse_buffer(call.args, call.kwargs, "Stacked.vmap")
     layer_dyn, layer_static = eqx.partition(stack.layers, eqx.is_array)
     per_xs, one = call.scanned()
     cls_name = type(stack.layers).__name__

@@ -10,6 +10,14 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import PRNGKeyArray, PyTree
 
+from .._buffers import (
+    Buffer,
+    find_buffer,
+    LayerBuffers,
+    Place,
+    view_of,
+    with_view,
+)
 from .._checks import (
     CarryError,
     check_bool,
@@ -197,6 +205,38 @@ def _join(pieces: list[tuple[Any, Span, PyTree]]) -> PyTree:
     )
 
 
+def check_chain_buffers(tree: PyTree, chain: "Chain") -> LayerBuffers:
+    """`tree` (a `Chain`'s buffer), checked to hold one part per group."""
+    if not isinstance(tree, LayerBuffers) or tree.layout != places(
+        chain.groups, chain.layout
+    ):
+        got = (
+            f"LayerBuffers of another chain's {len(tree.groups)} groups"
+            if isinstance(tree, LayerBuffers)
+            else describe(tree)
+        )
+        raise TypeError(
+            f"A Chain's eqxscan.buffer holds each of its {len(chain.groups)} "
+            f"groups' buffers, but it wraps {got}.\nBuild it with "
+            "eqxscan.layer_buffers(chain, make) for this chain."
+        )
+    return tree
+
+
+def places(groups: tuple[Any, ...], layout: tuple[Span, ...]) -> tuple[Place, ...]:
+    """Where each group sits, as a `LayerBuffers` records it (with a repeated
+    pattern's own layout)."""
+    return tuple(
+        (
+            span.start,
+            span.size,
+            span.period,
+            places(g.layers.groups, g.layers.layout) if span.period > 1 else (),
+        )
+        for g, span in zip(groups, layout)
+    )
+
+
 def check_chain_method(
     groups: tuple[Any, ...], layout: tuple[Span, ...], method: Method | None
 ) -> None:
@@ -222,11 +262,24 @@ def run_groups(
     pieces = []
     changed = ""  # how the last lone layer that changed the carry changed it
     state_at = find_state(call.args, call.kwargs)
-    order = list(zip(groups, layout))
-    for group, span in reversed(order) if call.reverse else order:
+    at = find_buffer(call.args, call.kwargs)
+    # With a buffer, group `k` gets the view of its part `tree[k]` (fixed at
+    # the same enclosing steps) and returns its part updated.
+    view = None if at is None else view_of(call.args, call.kwargs, at)
+    trees = None if view is None else list(view.tree)
+    order = list(enumerate(zip(groups, layout)))
+    for k, (group, span) in reversed(order) if call.reverse else order:
         where = f"{owner} {_group_name(group, span)}{changed}"
+        group_call = call
+        if view is not None and at is not None and trees is not None:
+            args, kwargs = with_view(
+                call.args, call.kwargs, at, Buffer(trees[k], view.prefix)
+            )
+            group_call = call._replace(args=args, kwargs=kwargs)
         try:
-            new_x, ys = noted(_call_group, where, group, span, x, call)
+            new_x, ys = noted(_call_group, where, group, span, x, group_call)
+            if trees is not None:
+                new_x, trees[k] = new_x
         except CarryError as e:
             # The group changed the carry itself: its headline names it (by the
             # layer's index in the chain when the loop knows which one).
@@ -255,7 +308,8 @@ def run_groups(
         return (x, get_arg(call.args, call.kwargs, state_at)), None
     if call.reverse:
         pieces.reverse()  # ys in layer order, whatever the direction
-    return x, (_join(pieces) if call.read_out is not carry_only else None)
+    ys = _join(pieces) if call.read_out is not carry_only else None
+    return (x if trees is None else (x, tuple(trees))), ys
 
 
 def _name_groups(
@@ -630,6 +684,16 @@ class Chain(Scanning):
         method: Method | None,
     ) -> tuple[PyTree, PyTree]:
         check_per_layer(args, kwargs, self.num_layers)
+        at = find_buffer(args, kwargs)
+        if at is not None:
+            if find_state(args, kwargs) is not None:
+                raise TypeError(
+                    "A Chain call takes an eqx.nn.State or an eqxscan.buffer, "
+                    "not both.\nKeep per-layer state in the buffer."
+                )
+            # Group `k`'s part of the buffer is `groups[k]` (see layer_buffers).
+            tree = check_chain_buffers(view_of(args, kwargs, at).tree, self)
+            args, kwargs = with_view(args, kwargs, at, Buffer(tree.groups))
         if pairs and find_state(args, kwargs):
             raise TypeError(
                 "Chain.scan does not take an eqx.nn.State; call the chain instead: "
@@ -646,4 +710,7 @@ class Chain(Scanning):
         # Drop inputs are per layer (global layer indices), routed to the groups
         # with everything else per layer.
         call = dropping_call(self.depth_drop, call, key, "Chain")
-        return run_groups(self.groups, self.layout, x, call, "Chain")
+        out, ys = run_groups(self.groups, self.layout, x, call, "Chain")
+        if at is not None:
+            out = (out[0], LayerBuffers(out[1], tree.layout))
+        return out, ys

@@ -1,0 +1,303 @@
+"""Per-layer buffers updated in place (KV caches, per-layer recurrent state).
+
+A buffer is stacked like the layers (layer `i`'s part is slice `i`), but unlike a
+[`eqxscan.per_layer`][] argument it is not sliced as a scan input: the whole
+stacked buffer travels in the scan's carry, each step reads its layer's slice,
+and what the layer returns is written back into the stacked buffer. With the
+buffer donated, the output aliases the input and no second copy exists.
+
+A layer that writes only some rows of its slice with
+`jax.lax.dynamic_update_slice` (a decode step writing the new keys at `pos`)
+has those rows alone written into the stacked buffer: the update is found in
+the layer's traced program, so the layer's code stays the code of one layer.
+Any other new slice is written back whole; a slice returned unchanged is not
+written at all.
+
+Inside an enclosing scan (a repeat of a `Chain`'s pattern) a layer's buffer is
+a view: the stacked array of its group and the indices already fixed by the
+enclosing steps (`prefix`), so that writes land in the one array at every
+level.
+"""
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import equinox as eqx
+import jax
+import jax.extend.core as jcore
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jax.ad_checkpoint import checkpoint_name
+from jaxtyping import Array, Int, PyTree
+
+from ._checks import describe
+from ._remat import BUFFER_READ
+from ._stateful import get_arg, replace_arg
+
+
+Index = int | Int[Array, ""]
+
+
+class Buffer(eqx.Module):
+    """A per-layer buffer of a call, updated in place: build it with
+    [`eqxscan.buffer`][]."""
+
+    tree: PyTree
+    prefix: tuple[Index, ...] = ()
+
+    def at(self, i: Index) -> "Buffer":
+        """The view of step `i` of the scan over this buffer's leading
+        (unfixed) axis."""
+        return Buffer(self.tree, (*self.prefix, i))
+
+    def read(self) -> PyTree:
+        """The slice this view stands for (named for remat, see `BUFFER_READ`)."""
+        if not self.prefix:
+            return self.tree
+        return jtu.tree_map(
+            lambda a: checkpoint_name(_slice(a, self.prefix), BUFFER_READ), self.tree
+        )
+
+    def write(self, writes: list["Write"]) -> PyTree:
+        """The stacked buffer with `writes` (one per leaf) made."""
+        leaves, treedef = jtu.tree_flatten(self.tree)
+        new = [w.apply(a, self.prefix) for a, w in zip(leaves, writes, strict=True)]
+        return jtu.tree_unflatten(treedef, new)
+
+
+#: Where a `LayerBuffers` part sits: `(start, size, period, inner)`, as a
+#: chain's group (`inner` is a repeated pattern's own layout, else `()`).
+Place = tuple[int, int, int, tuple]
+
+
+class LayerBuffers(eqx.Module):
+    """Every layer's buffer of a [`eqxscan.Chain`][], each of its own size, laid
+    out as the chain's groups: a lone layer's buffer as it is, a scanned run's
+    stacked on a leading axis, a repeated pattern's as one part per group of
+    the pattern with the repeat axis in front. Build it with
+    [`eqxscan.layer_buffers`][]; `layer(i)` is layer `i`'s buffer."""
+
+    groups: tuple[PyTree, ...]
+    layout: tuple[Place, ...] = eqx.field(static=True)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of every layer's buffer: the sum of their own sizes."""
+        return sum(a.nbytes for a in jtu.tree_leaves(self.groups))
+
+    def layer(self, i: int) -> PyTree:
+        """Layer `i`'s buffer (`None` for a layer without one)."""
+        for part, (start, size, period, inner) in zip(self.groups, self.layout):
+            if not start <= i < start + size:
+                continue
+            if period == 0:
+                return part
+            if period == 1:
+                return index(part, i - start)
+            r, j = divmod(i - start, period)
+            return LayerBuffers(index(part, r), inner).layer(j)
+        size = sum(place[1] for place in self.layout)
+        raise IndexError(f"Layer {i} is out of range for buffers of {size} layers.")
+
+
+def buffer(tree: PyTree) -> Buffer:
+    """Mark `tree` as a per-layer buffer of a call, updated in place.
+
+    Layer `i` is called with slice `i` of every leaf where the marked argument
+    was, and returns its new slice beside its carry: `layer(x, cache, ...) ->
+    (x, cache)`. The call then returns `(x, buffer)` with every layer's slice
+    written back (`stack.scan` layers return `((x, cache), y)`, and the call
+    `((x, buffer), ys)`). Under `jax.jit` with the buffer donated, the update is
+    in place: no copy of the whole buffer exists at any time, and a layer that
+    writes rows with `jax.lax.dynamic_update_slice` writes only those rows.
+
+    **Arguments:**
+
+    - `tree`: for a [`eqxscan.Stacked`][], a pytree of arrays with the layer
+      axis first; for a [`eqxscan.Chain`][], what
+      [`eqxscan.layer_buffers`][] builds (each layer's buffer of its own size).
+
+    **Returns:**
+
+    A marker wrapping `tree`.
+    """
+    leaves = jtu.tree_leaves(tree)
+    bad = [a for a in leaves if not eqx.is_array(a)]
+    if bad:
+        raise TypeError(
+            f"eqxscan.buffer takes a pytree of arrays, but it holds {describe(bad[0])}."
+            "\nPass the arrays a layer updates; broadcast anything else."
+        )
+    return Buffer(tree)
+
+
+def find_buffer(args: tuple, kwargs: dict[str, object]) -> int | str | None:
+    """Where the [`eqxscan.buffer`][] argument of a call is (its position or
+    name), or `None`."""
+    found: list[int | str] = [i for i, a in enumerate(args) if isinstance(a, Buffer)]
+    found += [n for n, v in kwargs.items() if isinstance(v, Buffer)]
+    if len(found) > 1:
+        raise TypeError(
+            f"A call has {len(found)} eqxscan.buffer arguments; pass one buffer "
+            "(any pytree, e.g. a tuple of keys and values)."
+        )
+    return found[0] if found else None
+
+
+def with_view(
+    args: tuple, kwargs: dict[str, object], at: int | str, value: object
+) -> tuple[tuple, dict[str, object]]:
+    """`args`, `kwargs` with the buffer at `at` replaced by `value` (a view, or
+    the slice a layer receives)."""
+    return replace_arg(args, kwargs, at, value)
+
+
+def view_of(args: tuple, kwargs: dict[str, object], at: int | str) -> "Buffer":
+    """The buffer argument at `at`."""
+    view = get_arg(args, kwargs, at)
+    assert isinstance(view, Buffer)
+    return view
+
+
+def refuse_buffer(args: tuple, kwargs: dict[str, object], who: str) -> None:
+    """Raise if a call that cannot update buffers in place was given one."""
+    if find_buffer(args, kwargs) is not None:
+        raise TypeError(
+            f"{who} does not take an eqxscan.buffer; call the model itself, "
+            "which returns (x, buffer)."
+        )
+
+
+def check_buffer_axis(view: Buffer, length: int, who: str) -> None:
+    """Raise unless every leaf of `view`'s buffer has the layer axis (of
+    `length`) after the axes its prefix fixes."""
+    p = len(view.prefix)
+    for path, a in jtu.tree_leaves_with_path(view.tree):
+        if a.ndim <= p or a.shape[p] != length:
+            raise ValueError(
+                f"{who} has {length} layers, but buffer leaf "
+                f"`buffer{jtu.keystr(path)}` is {describe(a)}: its "
+                f"{'first' if p == 0 else f'axis {p}'} axis is not the layer "
+                f"axis.\nStack each layer's buffer on a new leading axis, or "
+                "build it with eqxscan.layer_buffers."
+            )
+
+
+def index(tree: PyTree, i: int) -> PyTree:
+    """Slice `i` of every leaf of a buffer."""
+    return jtu.tree_map(lambda a: a[i], tree)
+
+
+def _slice(a: Array, prefix: tuple[Index, ...]) -> Array:
+    # `a[prefix]`: static slicing for ints, a dynamic slice for traced indices.
+    if all(isinstance(i, int) for i in prefix):
+        return a[prefix]
+    for i in prefix:
+        a = jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False)
+    return a
+
+
+def _start(prefix: tuple[Index, ...], rest: tuple[object, ...]) -> list[Array]:
+    return [jnp.asarray(i, jnp.int32) for i in (*prefix, *rest)]
+
+
+class Write(NamedTuple):
+    """What a layer wrote into one leaf of its slice: `rows` at `start` (from a
+    `dynamic_update_slice` of the slice it received), its whole new slice
+    (`rows` with `start=None`), or nothing (`rows=None`)."""
+
+    rows: Array | None
+    start: tuple[Array, ...] | None = None
+
+    def apply(self, a: Array, prefix: tuple[Index, ...]) -> Array:
+        """`a` (the stacked leaf) with this write made at the view `prefix`."""
+        if self.rows is None:
+            return a
+        if not prefix and self.start is None:
+            return self.rows
+        rows = self.rows.reshape((1,) * len(prefix) + self.rows.shape)
+        rest = self.start if self.start is not None else (0,) * self.rows.ndim
+        return jax.lax.dynamic_update_slice(a, rows, _start(prefix, rest))
+
+
+def call_writing(
+    fn: Callable[[PyTree], tuple[PyTree, PyTree]], old: PyTree, who: str
+) -> tuple[PyTree, list[Write]]:
+    """Run `fn(old) -> (out, new)`, where `new` is the layer's new buffer slice
+    for the slice `old`, and say what it wrote into each leaf.
+
+    `fn` is traced once to a jaxpr; a leaf of `new` made by a
+    `dynamic_update_slice` of the same leaf of `old` is returned as its update
+    and start indices (rows), a leaf returned unchanged as no write, and any
+    other as the whole new leaf. Nothing of `fn` runs twice.
+    """
+    leaves, treedef = jtu.tree_flatten(old)
+
+    def flat(*ls: Array) -> tuple[tuple[Array, ...], PyTree]:
+        out, new = fn(jtu.tree_unflatten(treedef, ls))
+        _check_same(old, new, who)
+        return tuple(jtu.tree_leaves(new)), out
+
+    closed, out_dyn, out_static = eqx.filter_make_jaxpr(flat)(*leaves)
+    jaxpr = closed.jaxpr
+    made = {v: e for e in jaxpr.eqns for v in e.outvars}
+    kinds: list[str] = []
+    outvars = []
+    for k, var in enumerate(jaxpr.outvars[: len(leaves)]):
+        eqn = made.get(var) if isinstance(var, jcore.Var) else None
+        if var is jaxpr.invars[k]:
+            kinds.append("same")
+        elif (
+            eqn is not None
+            and eqn.primitive is jax.lax.dynamic_update_slice_p
+            and eqn.invars[0] is jaxpr.invars[k]
+        ):
+            kinds.append("rows")
+            outvars += eqn.invars[1:]
+        else:
+            kinds.append("whole")
+            outvars.append(var)
+    outvars += jaxpr.outvars[len(leaves) :]
+    new_jaxpr = jaxpr.replace(
+        outvars=outvars, debug_info=jaxpr.debug_info.with_unknown_names()
+    )
+    values = list(
+        jcore.jaxpr_as_fun(jcore.ClosedJaxpr(new_jaxpr, closed.consts))(*leaves)
+    )
+    writes = []
+    for kind, leaf in zip(kinds, leaves):
+        if kind == "same":
+            writes.append(Write(None))
+        elif kind == "whole":
+            writes.append(Write(values.pop(0)))
+        else:
+            rows = values.pop(0)
+            start = tuple(jnp.asarray(values.pop(0)) for _ in range(leaf.ndim))
+            writes.append(Write(rows, start))
+    # What is left are `out`'s arrays: put them back in the whole output.
+    full = [None] * len(leaves) + values
+    _, out = eqx.combine(
+        jtu.tree_unflatten(jtu.tree_structure(out_dyn), full), out_static
+    )
+    return out, writes
+
+
+def _check_same(old: PyTree, new: PyTree, who: str) -> None:
+    # A layer's new slice must be laid out as the one it received.
+    old_leaves, old_def = jtu.tree_flatten_with_path(old)
+    new_leaves, new_def = jtu.tree_flatten(new)
+    if old_def != jtu.tree_structure(new) and not (
+        len(old_leaves) == len(new_leaves) == 0
+    ):
+        raise TypeError(
+            f"{who} returned a buffer of another structure: it received "
+            f"{jtu.tree_structure(old)} and returned {new_def}.\nReturn "
+            "(x, buffer) with the buffer laid out as the layer received it."
+        )
+    for (path, a), b in zip(old_leaves, new_leaves):
+        if not eqx.is_array(b) or a.shape != b.shape or a.dtype != b.dtype:
+            raise TypeError(
+                f"{who} returned buffer leaf `buffer{jtu.keystr(path)}` as "
+                f"{describe(b)}, but received it as {describe(a)}.\nA layer's "
+                "buffer keeps its shape and dtype (cast before writing)."
+            )
