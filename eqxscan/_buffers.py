@@ -58,12 +58,6 @@ class Buffer(eqx.Module):
             lambda a: checkpoint_name(_slice(a, self.prefix), BUFFER_READ), self.tree
         )
 
-    def write(self, writes: list["Write"]) -> PyTree:
-        """The stacked buffer with `writes` (one per leaf) made."""
-        leaves, treedef = jtu.tree_flatten(self.tree)
-        new = [w.apply(a, self.prefix) for a, w in zip(leaves, writes, strict=True)]
-        return jtu.tree_unflatten(treedef, new)
-
 
 #: Where a `LayerBuffers` part sits: `(start, size, period, inner)`, as a
 #: chain's group (`inner` is a repeated pattern's own layout, else `()`).
@@ -221,16 +215,25 @@ class Write(NamedTuple):
 
 
 def call_writing(
-    fn: Callable[[PyTree], tuple[PyTree, PyTree]], old: PyTree, who: str
-) -> tuple[PyTree, list[Write]]:
-    """Run `fn(old) -> (out, new)`, where `new` is the layer's new buffer slice
-    for the slice `old`, and say what it wrote into each leaf.
+    fn: Callable[[PyTree], tuple[PyTree, PyTree]], view: Buffer, who: str
+) -> tuple[PyTree, PyTree]:
+    """Run `fn(old) -> (out, new)` on the slice `old` of `view`, where `new` is
+    the layer's new slice, and write it into the stacked buffer.
 
-    `fn` is traced once to a jaxpr; a leaf of `new` made by a
-    `dynamic_update_slice` of the same leaf of `old` is returned as its update
-    and start indices (rows), a leaf returned unchanged as no write, and any
-    other as the whole new leaf. Nothing of `fn` runs twice.
+    **Returns:**
+
+    `(out, tree)`: what `fn` returned besides its slice, and the stacked buffer
+    with the layer's writes made.
+
+    `fn` is traced once to a jaxpr, then evaluated equation by equation (no
+    Python code of `fn` runs twice). A leaf of `new` made by a
+    `dynamic_update_slice` of the same leaf of `old` is written as those rows
+    into the stacked buffer, and whatever the layer reads of its updated slice
+    is read back from the stacked buffer: the old slice is then dead once the
+    rows are written, so XLA updates the buffer in place rather than copying
+    it. A leaf returned unchanged is not written; any other is written whole.
     """
+    old = view.read()
     leaves, treedef = jtu.tree_flatten(old)
 
     def flat(*ls: Array) -> tuple[tuple[Array, ...], PyTree]:
@@ -241,45 +244,55 @@ def call_writing(
     closed, out_dyn, out_static = eqx.filter_make_jaxpr(flat)(*leaves)
     jaxpr = closed.jaxpr
     made = {v: e for e in jaxpr.eqns for v in e.outvars}
-    kinds: list[str] = []
-    outvars = []
+    rows_of: dict[int, int] = {}  # id of a row-writing equation -> its leaf
     for k, var in enumerate(jaxpr.outvars[: len(leaves)]):
         eqn = made.get(var) if isinstance(var, jcore.Var) else None
-        if var is jaxpr.invars[k]:
-            kinds.append("same")
-        elif (
+        if (
             eqn is not None
             and eqn.primitive is jax.lax.dynamic_update_slice_p
             and eqn.invars[0] is jaxpr.invars[k]
         ):
-            kinds.append("rows")
-            outvars += eqn.invars[1:]
+            rows_of[id(eqn)] = k
+    stacked = jtu.tree_leaves(view.tree)
+    env: dict[jcore.Var, object] = {}
+
+    def value(v: object) -> object:
+        return v.val if isinstance(v, jcore.Literal) else env[v]  # pyright: ignore[reportArgumentType]  # a Var
+
+    env.update(zip(jaxpr.constvars, closed.consts))
+    env.update(zip(jaxpr.invars, leaves))
+    for eqn in jaxpr.eqns:
+        k = rows_of.get(id(eqn))
+        if k is not None:
+            rows, *start = (value(v) for v in eqn.invars[1:])
+            stacked[k] = Write(rows, tuple(start)).apply(stacked[k], view.prefix)  # pyright: ignore[reportArgumentType]  # arrays
+            env[eqn.outvars[0]] = _slice(stacked[k], view.prefix)
+            continue
+        ans = _bind(eqn, [value(v) for v in eqn.invars])
+        if eqn.primitive.multiple_results:
+            env.update(zip(eqn.outvars, ans))
         else:
-            kinds.append("whole")
-            outvars.append(var)
-    outvars += jaxpr.outvars[len(leaves) :]
-    new_jaxpr = jaxpr.replace(
-        outvars=outvars, debug_info=jaxpr.debug_info.with_unknown_names()
-    )
-    values = list(
-        jcore.jaxpr_as_fun(jcore.ClosedJaxpr(new_jaxpr, closed.consts))(*leaves)
-    )
-    writes = []
-    for kind, leaf in zip(kinds, leaves):
-        if kind == "same":
-            writes.append(Write(None))
-        elif kind == "whole":
-            writes.append(Write(values.pop(0)))
-        else:
-            rows = values.pop(0)
-            start = tuple(jnp.asarray(values.pop(0)) for _ in range(leaf.ndim))
-            writes.append(Write(rows, start))
+            env[eqn.outvars[0]] = ans
+    results = [value(v) for v in jaxpr.outvars]
+    for k, (var, new) in enumerate(zip(jaxpr.outvars, results[: len(leaves)])):
+        if k in rows_of.values() or var is jaxpr.invars[k]:
+            continue  # written as rows, or returned unchanged
+        stacked[k] = Write(new).apply(stacked[k], view.prefix)  # pyright: ignore[reportArgumentType]  # an array
     # What is left are `out`'s arrays: put them back in the whole output.
-    full = [None] * len(leaves) + values
+    full = [None] * len(leaves) + results[len(leaves) :]
     _, out = eqx.combine(
         jtu.tree_unflatten(jtu.tree_structure(out_dyn), full), out_static
     )
-    return out, writes
+    return out, jtu.tree_unflatten(jtu.tree_structure(view.tree), stacked)
+
+
+def _bind(eqn: jcore.JaxprEqn, args: list[object]) -> object:
+    # What `jax.core.eval_jaxpr` does for one equation (older jax returned
+    # `(subfuns, params)` from `get_bind_params`).
+    bound = eqn.primitive.get_bind_params(eqn.params)
+    subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
+    with eqn.ctx.manager:
+        return eqn.primitive.bind(*subfuns, *args, **params)
 
 
 def _check_same(old: PyTree, new: PyTree, who: str) -> None:

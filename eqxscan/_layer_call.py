@@ -402,8 +402,8 @@ def _run_writing(
             )
         return (new[0], y), new[1]
 
-    (new_carry, y), writes = call_writing(fn, view.read(), who)
-    return (new_carry, view.write(writes)), y
+    (new_carry, y), tree = call_writing(fn, view, who)
+    return (new_carry, tree), y
 
 
 LayerFn = Callable[[PyTree], PyTree]

@@ -1,0 +1,231 @@
+"""One KV-cache decode step through L layers, six ways: XLA temp and alias
+bytes, bytes accessed, compile time and step time (interleaved repeats,
+median), the cache donated in every row.
+
+- `in place`: `stack(x, eqxscan.buffer(cache), pos=pos)`, each layer writing
+  its new row with `jax.lax.dynamic_update_slice`;
+- `ys`: the cache as `eqxscan.per_layer(cache)` and the new cache as the
+  scan's `ys` (`stack.scan`);
+- `scan, slice`: `lax.scan` by hand, the stacked cache in the carry, layer
+  `i`'s whole slice read and written back;
+- `scan, rows`: `lax.scan` by hand, only the new row written into the stacked
+  cache;
+- `loop`: a Python loop over unstacked layers and a list of per-layer caches
+  (unrolled at trace time);
+- `loop mode`: the same stack with `mode="loop"`.
+
+A batch of sequences is decoded as a server does: the step `jax.vmap`-ed over
+the batch, each sequence at its own position.
+
+    python benchmarks/decode.py --layers 16 32 64 --length 2048 8192 --batch 1 8
+"""
+
+import argparse
+import math
+import statistics
+import time
+from collections.abc import Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+
+import eqxscan
+
+
+class Block(eqx.Module):
+    """Pre-norm-free attention + MLP block decoding one token against its cache."""
+
+    wqkv: jax.Array
+    wo: jax.Array
+    w1: jax.Array
+    w2: jax.Array
+    heads: int = eqx.field(static=True)
+
+    def __init__(self, dim: int, heads: int, *, key: jax.Array):
+        k1, k2, k3, k4 = jr.split(key, 4)
+        self.wqkv = jr.normal(k1, (dim, 3 * dim)) / math.sqrt(dim)
+        self.wo = jr.normal(k2, (dim, dim)) / math.sqrt(dim)
+        self.w1 = jr.normal(k3, (dim, 4 * dim)) / math.sqrt(dim)
+        self.w2 = jr.normal(k4, (4 * dim, dim)) / math.sqrt(4 * dim)
+        self.heads = heads
+
+    def qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        d = x.shape[-1]
+        q, k, v = jnp.split(x @ self.wqkv, 3, -1)
+        return tuple(a.reshape(1, self.heads, d // self.heads) for a in (q, k, v))  # pyright: ignore[reportReturnType]
+
+    def attend(self, x, q, kc, vc, pos):
+        t, e = kc.shape[0], kc.shape[-1]
+        s = jnp.einsum("shd,thd->hst", q, kc) / math.sqrt(e)
+        s = jnp.where(jnp.arange(t)[None, None] <= pos, s, -1e30)
+        o = jnp.einsum("hst,thd->shd", jax.nn.softmax(s, -1), vc)
+        x = x + o.reshape(1, -1) @ self.wo
+        return x + jax.nn.gelu(x @ self.w1) @ self.w2
+
+    def __call__(self, x, cache, pos):
+        kc, vc = cache
+        q, k, v = self.qkv(x)
+        kc = jax.lax.dynamic_update_slice(kc, k, (pos, 0, 0))
+        vc = jax.lax.dynamic_update_slice(vc, v, (pos, 0, 0))
+        return self.attend(x, q, kc, vc, pos), (kc, vc)
+
+
+def variants(stack: eqxscan.Stacked) -> dict[str, tuple[Callable, bool]]:
+    """name -> (decode step of one sequence `fn(model, x, pos, cache)`, whether
+    it takes a list of per-layer caches and unstacked layers)."""
+    w = stack.layers
+    n = stack.num_layers
+
+    def in_place(s, x, pos, cache):
+        return s(x, eqxscan.buffer(cache), pos=pos)
+
+    def ys(s, x, pos, cache):
+        def one(layer, x, cache, pos):
+            return layer(x, cache, pos)
+
+        return s.scan(x, eqxscan.per_layer(cache), pos, method=one)
+
+    def scan_slice(s, x, pos, cache):
+        dyn, static = eqx.partition(s.layers, eqx.is_array)
+
+        def step(c, a):
+            (x, cache), (d, i) = c, a
+            sl = jax.tree.map(
+                lambda b: jax.lax.dynamic_index_in_dim(b, i, 0, False), cache
+            )
+            x, sl = eqx.combine(d, static)(x, sl, pos)
+            cache = jax.tree.map(
+                lambda b, s: jax.lax.dynamic_update_index_in_dim(b, s, i, 0), cache, sl
+            )
+            return (x, cache), None
+
+        return jax.lax.scan(step, (x, cache), (dyn, jnp.arange(n)))[0]
+
+    def scan_rows(s, x, pos, cache):
+        dyn, static = eqx.partition(s.layers, eqx.is_array)
+
+        def step(c, a):
+            (x, (kc, vc)), (d, i) = c, a
+            layer = eqx.combine(d, static)
+            q, k, v = layer.qkv(x)
+            kc = jax.lax.dynamic_update_slice(kc, k[None], (i, pos, 0, 0))
+            vc = jax.lax.dynamic_update_slice(vc, v[None], (i, pos, 0, 0))
+            sl = [jax.lax.dynamic_index_in_dim(b, i, 0, False) for b in (kc, vc)]
+            return (layer.attend(x, q, *sl, pos), (kc, vc)), None
+
+        return jax.lax.scan(step, (x, cache), (dyn, jnp.arange(n)))[0]
+
+    def loop(layers, x, pos, caches):
+        out = []
+        for layer, c in zip(layers, caches):
+            x, c = layer(x, c, pos)
+            out.append(c)
+        return x, out
+
+    loop_mode = stack.with_options(mode="loop")
+    del w
+    return {
+        "in place": (in_place, False),
+        "loop mode": (lambda s, x, p, c: in_place(loop_mode, x, p, c), False),
+        "ys": (ys, False),
+        "scan, slice": (scan_slice, False),
+        "scan, rows": (scan_rows, False),
+        "loop": (loop, True),
+    }
+
+
+def measure(
+    num_layers: int, length: int, batch: int, dim: int, heads: int, repeats: int
+):
+    stack = eqxscan.Stacked(
+        lambda k: Block(dim, heads, key=k), num_layers, key=jr.key(0)
+    )
+    e = dim // heads
+    x = jr.normal(jr.key(1), (batch, 1, dim))
+    pos = jnp.arange(batch, dtype=jnp.int32) * 7 + length // 2
+    rows = []
+    compiled = {}
+    for name, (fn, unrolled) in variants(stack).items():
+        model = stack.unstack() if unrolled else stack
+        shape = (batch, length, heads, e)
+        if unrolled:
+            cache = [(jnp.zeros(shape), jnp.zeros(shape)) for _ in range(num_layers)]
+            axes = 0
+        else:
+            cache = (jnp.zeros((batch, num_layers, *shape[1:])),) * 2
+            cache = jax.tree.map(jnp.copy, cache)
+            axes = 0
+        step = jax.jit(
+            jax.vmap(fn, in_axes=(None, 0, 0, axes), out_axes=0), donate_argnums=3
+        )
+        t0 = time.perf_counter()
+        exe = step.lower(model, x, pos, cache).compile()
+        compile_s = time.perf_counter() - t0
+        mem = exe.memory_analysis()
+        cost = exe.cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        compiled[name] = (exe, model, cache)
+        rows.append(
+            dict(
+                name=name,
+                temp=mem.temp_size_in_bytes,
+                alias=mem.alias_size_in_bytes,
+                bytes=cost.get("bytes accessed", 0.0),
+                compile=compile_s,
+            )
+        )
+    times = {name: [] for name in compiled}
+    state = {name: c for name, (_, _, c) in compiled.items()}
+    for r in range(repeats + 2):
+        for name, (exe, model, _) in compiled.items():
+            t0 = time.perf_counter()
+            y, state[name] = exe(model, x, pos, state[name])
+            jax.block_until_ready(state[name])
+            if r >= 2:
+                times[name].append(time.perf_counter() - t0)
+    for row in rows:
+        row["step"] = statistics.median(times[row["name"]])
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, nargs="+", default=[16, 32, 64])
+    parser.add_argument("--length", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args()
+    mib = 2**20
+    print(
+        f"jax {jax.__version__}, {jax.devices()[0].platform}, D={args.dim}, H={args.heads}"
+    )
+    print(
+        "| L | T | B | variant | cache MiB | temp MiB | alias MiB | bytes accessed MiB "
+        "| bytes / loop | step ms | step / loop | compile s |"
+    )
+    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for num_layers in args.layers:
+        for length in args.length:
+            for batch in args.batch:
+                rows = measure(
+                    num_layers, length, batch, args.dim, args.heads, args.repeats
+                )
+                loop = next(r for r in rows if r["name"] == "loop")
+                cache = 2 * 4 * num_layers * batch * length * args.dim
+                for r in rows:
+                    print(
+                        f"| {num_layers} | {length} | {batch} | {r['name']} "
+                        f"| {cache / mib:.0f} | {r['temp'] / mib:.1f} "
+                        f"| {r['alias'] / mib:.0f} | {r['bytes'] / mib:.1f} "
+                        f"| {r['bytes'] / loop['bytes']:.2f} | {r['step'] * 1e3:.1f} "
+                        f"| {r['step'] / loop['step']:.2f} | {r['compile']:.2f} |",
+                        flush=True,
+                    )
+
+
+if __name__ == "__main__":
+    main()
