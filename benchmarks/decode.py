@@ -201,7 +201,8 @@ def main() -> None:
     args = parser.parse_args()
     mib = 2**20
     print(
-        f"jax {jax.__version__}, {jax.devices()[0].platform}, D={args.dim}, H={args.heads}"
+        f"jax {jax.__version__}, {jax.devices()[0].platform}, "
+        f"D={args.dim}, H={args.heads}"
     )
     print(
         "| L | T | B | variant | cache MiB | temp MiB | alias MiB | bytes accessed MiB "

@@ -245,6 +245,7 @@ def call_writing(
     jaxpr = closed.jaxpr
     made = {v: e for e in jaxpr.eqns for v in e.outvars}
     rows_of: dict[int, int] = {}  # id of a row-writing equation -> its leaf
+    whole_of: dict[jcore.Var, list[int]] = {}  # a new slice made here -> its leaves
     for k, var in enumerate(jaxpr.outvars[: len(leaves)]):
         eqn = made.get(var) if isinstance(var, jcore.Var) else None
         if (
@@ -253,6 +254,8 @@ def call_writing(
             and eqn.invars[0] is jaxpr.invars[k]
         ):
             rows_of[id(eqn)] = k
+        elif eqn is not None:
+            whole_of.setdefault(var, []).append(k)
     stacked = jtu.tree_leaves(view.tree)
     env: dict[jcore.Var, object] = {}
 
@@ -270,13 +273,22 @@ def call_writing(
             continue
         ans = _bind(eqn, [value(v) for v in eqn.invars])
         if eqn.primitive.multiple_results:
-            env.update(zip(eqn.outvars, ans))
+            env.update(zip(eqn.outvars, ans))  # pyright: ignore[reportArgumentType, reportCallIssue]  # a list of results
         else:
             env[eqn.outvars[0]] = ans
+        for v in eqn.outvars:
+            for k in whole_of.get(v, ()):
+                # Written as soon as it is made, and read back like rows.
+                stacked[k] = Write(env[v]).apply(stacked[k], view.prefix)  # pyright: ignore[reportArgumentType]  # an array
+            if v in whole_of:
+                env[v] = _slice(stacked[whole_of[v][0]], view.prefix)
     results = [value(v) for v in jaxpr.outvars]
+    written = set(rows_of.values()) | {k for ks in whole_of.values() for k in ks}
     for k, (var, new) in enumerate(zip(jaxpr.outvars, results[: len(leaves)])):
-        if k in rows_of.values() or var is jaxpr.invars[k]:
-            continue  # written as rows, or returned unchanged
+        if k in written or var is jaxpr.invars[k]:
+            continue  # written above, or returned unchanged
+        # A new slice that no equation made (an input other than its own, a
+        # constant): written whole.
         stacked[k] = Write(new).apply(stacked[k], view.prefix)  # pyright: ignore[reportArgumentType]  # an array
     # What is left are `out`'s arrays: put them back in the whole output.
     full = [None] * len(leaves) + results[len(leaves) :]

@@ -17,6 +17,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, Bool, Int, PRNGKeyArray, PyTree
 
+from ._buffers import refuse_buffer
 from ._chain import Chain, chain_segments, check_chain_method
 from ._checks import (
     check_bool,
@@ -384,6 +385,7 @@ def run_until(
         jnp.asarray(low == 0) & _halts(ex, x),
         jnp.zeros(shape, jnp.int32),
     )
+    refuse_buffer(args, kwargs, "run_until")
     call = LayerCall(args, kwargs, keys, method=method, caller=who)
     if isinstance(model, Stacked):
         check_method(method, model.layers)

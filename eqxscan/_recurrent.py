@@ -12,6 +12,7 @@ import jax.random as jr
 import jax.tree_util as jtu
 from jaxtyping import Array, ArrayLike, Bool, PRNGKeyArray, PyTree
 
+from ._buffers import refuse_buffer
 from ._checks import (
     check_callable,
     check_carry,
@@ -475,6 +476,7 @@ class Recurrent(Scanning):
 
         # Step t's key through the layer-call seam, the cell run as a layer
         # whose carry comes first (`_cell_step`).
+        refuse_buffer(args, kwargs, "Recurrent")
         call = LayerCall(args, kwargs, keys, method=_cell_step, caller="Recurrent")
         per_step, one_step = call.scanned()
 

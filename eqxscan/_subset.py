@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
+from ._buffers import refuse_buffer
 from ._chain import Chain, chain_layer_fn, check_chain_method, run_groups
 from ._checks import describe, split_key
 from ._constrain import layers_may_be_sharded
@@ -202,6 +203,7 @@ def run_layers(
         idx: object = _dynamic_indices(layers, length, who)
     else:
         idx = _static_indices(layers, length, who)
+    refuse_buffer(args, kwargs, "run_layers")
     call = LayerCall(args, kwargs, keys, method=method, caller=who)
     if isinstance(layers, jax.Array):
         if isinstance(model, Chain):

@@ -685,6 +685,7 @@ class Chain(Scanning):
     ) -> tuple[PyTree, PyTree]:
         check_per_layer(args, kwargs, self.num_layers)
         at = find_buffer(args, kwargs)
+        tree = None
         if at is not None:
             if find_state(args, kwargs) is not None:
                 raise TypeError(
@@ -711,6 +712,6 @@ class Chain(Scanning):
         # with everything else per layer.
         call = dropping_call(self.depth_drop, call, key, "Chain")
         out, ys = run_groups(self.groups, self.layout, x, call, "Chain")
-        if at is not None:
+        if tree is not None:
             out = (out[0], LayerBuffers(out[1], tree.layout))
         return out, ys

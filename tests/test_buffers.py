@@ -1,0 +1,426 @@
+"""Per-layer buffers updated in place (`eqxscan.buffer`): values and buffer
+contents against `mode="loop"` and hand-written loops, gradients of a prefill
+under every checkpoint setting, batching, Chain layouts, in-place memory from
+XLA's own analysis, compile counts, and bad input."""
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+
+import eqxscan
+
+
+D, H = 8, 2
+
+
+class Attn(eqx.Module):
+    """A decode layer: writes its new keys/values at `pos` into its cache and
+    attends over the cache (positions up to `pos + S - 1`)."""
+
+    wqkv: jax.Array
+    wo: jax.Array
+    window: int = eqx.field(static=True, default=0)
+
+    def __init__(self, *, key: jax.Array, window: int = 0):
+        k1, k2 = jr.split(key)
+        self.wqkv = jr.normal(k1, (D, 3 * D)) / math.sqrt(D)
+        self.wo = jr.normal(k2, (D, D)) / math.sqrt(D)
+        self.window = window
+
+    def __call__(self, x, cache, pos):
+        s = x.shape[0]
+        q, k, v = (a.reshape(s, H, D // H) for a in jnp.split(x @ self.wqkv, 3, -1))
+        kc, vc = cache
+        t = kc.shape[0]
+        at = pos % t if self.window else pos  # a window layer keeps a ring buffer
+        kc = jax.lax.dynamic_update_slice(kc, k, (at, 0, 0))
+        vc = jax.lax.dynamic_update_slice(vc, v, (at, 0, 0))
+        if self.window:
+            # Slot j holds the latest position congruent to j.
+            slot = jnp.arange(t)
+            seen = pos + s - 1 - (pos + s - 1 - slot) % t
+            ok = (seen[None] <= pos + jnp.arange(s)[:, None]) & (seen[None] >= 0)
+            ok &= seen[None] > pos + jnp.arange(s)[:, None] - t
+        else:
+            ok = jnp.arange(t)[None] <= pos + jnp.arange(s)[:, None]
+        scores = jnp.einsum("shd,thd->hst", q, kc) / math.sqrt(D // H)
+        scores = jnp.where(ok[None], scores, -1e30)
+        o = jnp.einsum("hst,thd->shd", jax.nn.softmax(scores, -1), vc)
+        return x + jnp.tanh(o.reshape(s, D) @ self.wo), (kc, vc)
+
+
+def cache_of(t: int, lead: tuple[int, ...] = ()):
+    shape = (*lead, t, H, D // H)
+    return (jnp.zeros(shape), jnp.zeros(shape))
+
+
+def hand_loop(layers, x, caches, pos):
+    """The reference: a Python loop over the layers and their own caches."""
+    new = []
+    for layer, c in zip(layers, caches):
+        x, c = layer(x, c, pos)
+        new.append(c)
+    return x, new
+
+
+def stacked(n: int = 3, **options) -> eqxscan.Stacked:
+    return eqxscan.Stacked(lambda k: Attn(key=k), n, key=jr.key(0), **options)
+
+
+def per_layer_list(tree, n):
+    return [jax.tree.map(lambda a, i=i: a[i], tree) for i in range(n)]
+
+
+def assert_close(a, b, tol=1e-6):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("mode", ["scan", "loop"])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_stacked_decode_matches_hand_loop(mode, reverse):
+    n, t = 3, 8
+    stack = stacked(n, mode=mode)
+    step = jax.jit(
+        lambda s, x, c, p: s(x, eqxscan.buffer(c), pos=p, reverse=reverse),
+        donate_argnums=2,
+    )
+    layers = stack.unstack()[::-1] if reverse else stack.unstack()
+    cache = cache_of(t, (n,))
+    ref = per_layer_list(cache, n)
+    ref = ref[::-1] if reverse else ref
+    x = jr.normal(jr.key(1), (2, D))
+    for pos in range(0, 6, 2):  # a prefill of 2 rows, then chunks of 2
+        y, cache = step(stack, x, cache, pos)
+        x_ref, ref = hand_loop(layers, x, ref, pos)
+        assert_close(y, x_ref)
+        assert_close(
+            cache,
+            jax.tree.map(lambda *a: jnp.stack(a), *(ref[::-1] if reverse else ref)),
+        )
+        x = y
+    assert step._cache_size() == 1  # one program for every position
+
+
+def test_scan_returns_ys_beside_buffer():
+    n = 3
+    stack = stacked(n)
+
+    def one(layer, x, cache, pos):
+        x, cache = layer(x, cache, pos)
+        return (x, cache), x.sum()
+
+    x = jr.normal(jr.key(1), (1, D))
+    (y, cache), ys = stack.scan(x, eqxscan.buffer(cache_of(4, (n,))), 1, method=one)
+    ref_x, ref_c = hand_loop(
+        stack.unstack(), x, per_layer_list(cache_of(4, (n,)), n), 1
+    )
+    assert_close(y, ref_x)
+    assert_close(cache, jax.tree.map(lambda *a: jnp.stack(a), *ref_c))
+    assert ys.shape == (n,)
+    loop = stack.with_options(mode="loop")
+    (_, _), ys_loop = loop.scan(x, eqxscan.buffer(cache_of(4, (n,))), 1, method=one)
+    assert_close(ys, ys_loop)
+
+
+def test_batched_decode_positions_per_sequence():
+    n, t, b = 2, 8, 3
+    stack = stacked(n)
+    pos = jnp.array([0, 3, 5])
+    x = jr.normal(jr.key(2), (b, 1, D))
+    cache = jax.tree.map(lambda a: jr.normal(jr.key(3), a.shape), cache_of(t, (b, n)))
+    step = jax.jit(jax.vmap(lambda x, c, p: stack(x, eqxscan.buffer(c), pos=p)))
+    y, new = step(x, cache, pos)
+    for i in range(b):
+        mine = jax.tree.map(lambda a, i=i: a[i], cache)
+        x_ref, c_ref = hand_loop(
+            stack.unstack(), x[i], per_layer_list(mine, n), int(pos[i])
+        )
+        assert_close(y[i], x_ref, 1e-5)
+        assert_close(
+            jax.tree.map(lambda a, i=i: a[i], new),
+            jax.tree.map(lambda *a: jnp.stack(a), *c_ref),
+            1e-5,
+        )
+
+
+CHECKPOINTS = [
+    False,
+    True,
+    "auto",
+    jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "nested",
+    "offload",
+    eqxscan.ScanCheckpoint(policy=True, save_carries=True, save_inputs=False),
+]
+
+
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS, ids=str)
+def test_prefill_gradients(checkpoint):
+    # Training through the cache: a prefill writes rows 0-2, a decode step at 3
+    # reads them; gradients with respect to weights and input.
+    n, t = 4, 6
+    stack = stacked(n, checkpoint=checkpoint)
+    x = jr.normal(jr.key(4), (3, D))
+
+    def loss(stack, x):
+        y, cache = stack(x, eqxscan.buffer(cache_of(t, (n,))), pos=0)
+        z, cache = stack(y[-1:], eqxscan.buffer(cache), pos=3)
+        return jnp.sum(z**2) + jnp.sum(cache[0] ** 2)
+
+    def loss_ref(layers, x):
+        y, caches = hand_loop(layers, x, [cache_of(t)] * n, 0)
+        z, caches = hand_loop(layers, y[-1:], caches, 3)
+        return jnp.sum(z**2) + sum(jnp.sum(c[0] ** 2) for c in caches)
+
+    val, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(stack, x)
+    ref_val, (ref_layers, ref_x) = jax.value_and_grad(loss_ref, argnums=(0, 1))(
+        stack.unstack(), x
+    )
+    np.testing.assert_allclose(val, ref_val, rtol=1e-5)
+    assert_close(grads[1], ref_x, 1e-5)
+    assert_close(
+        grads[0].layers, jax.tree.map(lambda *a: jnp.stack(a), *ref_layers), 1e-5
+    )
+
+
+def test_prefill_gradient_finite_differences():
+    n, t = 2, 4
+    stack = stacked(n)
+    x = jr.normal(jr.key(5), (2, D))
+    v = jr.normal(jr.key(6), (2, D))
+
+    def loss(x):
+        y, cache = stack(x, eqxscan.buffer(cache_of(t, (n,))), pos=1)
+        return jnp.sum(jnp.sin(y)) + jnp.sum(cache[1] * cache[0])
+
+    g = jax.grad(loss)(x)
+    eps = 1e-3
+    fd = (loss(x + eps * v) - loss(x - eps * v)) / (2 * eps)
+    np.testing.assert_allclose(jnp.vdot(g, v), fd, rtol=2e-3)
+
+
+def _chain_layers():
+    # Mistral/Gemma style: two window layers (ring buffers of 3), one global
+    # layer (the full length), repeated twice, then a lone projection-free
+    # layer with no cache.
+    keys = jr.split(jr.key(7), 7)
+    layers = [Attn(key=keys[i], window=0 if i % 3 == 2 else 3) for i in range(6)]
+    return layers + [Lone()]
+
+
+class Lone(eqx.Module):
+    scale: jax.Array = eqx.field(default_factory=lambda: jnp.array(0.5))
+
+    def __call__(self, x, cache, pos):
+        assert cache is None
+        return x * self.scale, None
+
+
+def _make(t):
+    return lambda i, layer: (
+        None if isinstance(layer, Lone) else cache_of(layer.window or t)
+    )
+
+
+@pytest.mark.parametrize("mode", ["scan", "loop"])
+def test_chain_window_and_global_caches(mode):
+    t = 8
+    layers = _chain_layers()
+    chain = eqxscan.Chain(layers, mode=mode)
+    assert "repeats" in chain.explain()
+    buffers = eqxscan.layer_buffers(chain, _make(t))
+    own = sum(
+        2 * (layer.window or t) * D * 4 for layer in layers if isinstance(layer, Attn)
+    )
+    assert buffers.nbytes == own  # the sum of the layers' own sizes, not L x T
+    step = jax.jit(lambda c, x, b, p: c(x, eqxscan.buffer(b), pos=p))
+    refs = [buffers.layer(i) for i in range(len(layers))]
+    x = jr.normal(jr.key(8), (1, D))
+    for pos in range(6):  # past the window: the ring buffers wrap
+        y, buffers = step(chain, x, buffers, pos)
+        x_ref, refs = hand_loop(layers, x, refs, pos)
+        assert_close(y, x_ref, 1e-5)
+        for i, r in enumerate(refs):
+            assert_close(buffers.layer(i), r, 1e-5)
+        x = y
+    assert step._cache_size() == 1
+
+
+def test_chain_runs_and_lone_layers_match_loop_mode():
+    keys = jr.split(jr.key(9), 5)
+    layers = [Attn(key=k) for k in keys[:3]] + [
+        Attn(key=keys[3], window=2),
+        Attn(key=keys[4]),
+    ]
+    chain = eqxscan.Chain(layers)
+    loop = chain.with_options(mode="loop")
+    buffers = eqxscan.layer_buffers(chain, _make(5))
+    x = jr.normal(jr.key(10), (2, D))
+    y, b = chain(x, eqxscan.buffer(buffers), pos=1)
+    y_loop, b_loop = loop(x, eqxscan.buffer(buffers), pos=1)
+    y_ref, refs = hand_loop(layers, x, [buffers.layer(i) for i in range(5)], 1)
+    assert_close(y, y_loop)
+    assert_close(y, y_ref, 1e-5)
+    assert_close(b.groups, b_loop.groups)
+    for i, r in enumerate(refs):
+        assert_close(b.layer(i), r, 1e-5)
+
+
+def _memory(fn, *args):
+    exe = jax.jit(fn, donate_argnums=len(args) - 1).lower(*args).compile()
+    mem = exe.memory_analysis()
+    cost = exe.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return mem.temp_size_in_bytes, mem.alias_size_in_bytes, cost["bytes accessed"]
+
+
+def test_decode_updates_the_cache_in_place():
+    # XLA's own analysis: the donated cache is aliased to the output, no step
+    # holds a second copy of it, and the bytes a step touches are the loop's
+    # order, not the cache's. The per-layer `ys` way copies the cache, which
+    # this test tells apart.
+    n, t = 4, 512
+    stack = stacked(n)
+    x = jr.normal(jr.key(11), (1, D))
+    cache = cache_of(t, (n,))
+    nbytes = sum(a.nbytes for a in cache)
+    slice_bytes = nbytes // n
+
+    def in_place(s, x, c):
+        return s(x, eqxscan.buffer(c), pos=7)
+
+    def ys(s, x, c):
+        return s.scan(x, eqxscan.per_layer(c), 7, method=lambda f, x, c, p: f(x, c, p))
+
+    def loop(layers, x, caches):
+        return hand_loop(layers, x, caches, 7)
+
+    temp, alias, accessed = _memory(in_place, stack, x, cache)
+    loop_temp, loop_alias, loop_accessed = _memory(
+        loop, stack.unstack(), x, per_layer_list(cache, n)
+    )
+    ys_temp, _, _ = _memory(ys, stack, x, cache)
+    assert alias == nbytes == loop_alias
+    assert temp <= loop_temp + slice_bytes
+    assert accessed <= 1.2 * loop_accessed
+    assert ys_temp >= nbytes  # the copy this avoids
+
+
+def test_whole_slice_write_costs_what_a_hand_written_scan_does():
+    # A layer that rewrites its whole slice (no rows found) is written into the
+    # one buffer, aliased to the input: the same program as `lax.scan` by hand
+    # with the slice read and written back. (For a slice computed elementwise
+    # from the old one, XLA's CPU backend copies the buffer in both.)
+    class Decay(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x, state):
+            state = 0.5 * state + x[None]
+            return x + state.sum(), state
+
+    n = 4
+    stack = eqxscan.Stacked(lambda k: Decay(jr.normal(k, (256,))), n, key=jr.key(0))
+    state = jnp.ones((n, 1024, 256))
+    x = jnp.ones(256)
+    temp, alias, _ = _memory(lambda s, x, c: s(x, eqxscan.buffer(c)), stack, x, state)
+
+    def hand(s, x, c):
+        dyn, static = eqx.partition(s.layers, eqx.is_array)
+
+        def step(carry, a):
+            (x, c), (d, i) = carry, a
+            sl = jax.lax.dynamic_index_in_dim(c, i, 0, False)
+            x, sl = eqx.combine(d, static)(x, sl)
+            return (x, jax.lax.dynamic_update_index_in_dim(c, sl, i, 0)), None
+
+        return jax.lax.scan(step, (x, c), (dyn, jnp.arange(n)))[0]
+
+    hand_temp, hand_alias, _ = _memory(hand, stack, x, state)
+    assert alias == hand_alias == state.nbytes
+    assert temp <= hand_temp
+    y, new = stack(x, eqxscan.buffer(state))
+    xs, outs = x, []
+    for i in range(n):
+        xs, s_i = stack[i](xs, state[i])
+        outs.append(s_i)
+    assert_close(y, xs)
+    assert_close(new, jnp.stack(outs))
+
+
+def test_unchanged_buffer_is_not_written():
+    class Reader(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x, table):
+            return x + table[0] * self.w, table
+
+    stack = eqxscan.Stacked(lambda k: Reader(jr.normal(k, (4,))), 3, key=jr.key(0))
+    table = jr.normal(jr.key(1), (3, 2, 4))
+    jaxpr = jax.make_jaxpr(lambda s, x, t: stack(x, eqxscan.buffer(t)))(
+        stack, jnp.ones(4), table
+    )
+    assert "dynamic_update_slice" not in str(jaxpr)
+    y, same = stack(jnp.ones(4), eqxscan.buffer(table))
+    assert_close(same, table)
+
+
+def test_bad_input_errors():
+    stack = stacked(3)
+    x = jnp.ones((1, D))
+    with pytest.raises(ValueError, match=r"buffer leaf `buffer\[0\]`.*layer axis"):
+        stack(x, eqxscan.buffer(cache_of(4, (2,))), pos=0)
+    with pytest.raises(TypeError, match="pytree of arrays"):
+        eqxscan.buffer({"k": 1.0})
+
+    class NoBuffer(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x, cache):
+            return x * self.w[None]
+
+    bad = eqxscan.Stacked(lambda k: NoBuffer(jnp.ones(D)), 2, key=jr.key(0))
+    with pytest.raises(TypeError, match=r"must return \(x, buffer\)"):
+        bad(x, eqxscan.buffer(jnp.zeros((2, 3))))
+
+    class Widen(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x, cache):
+            return x, cache.astype(jnp.float16)
+
+    widen = eqxscan.Stacked(lambda k: Widen(jnp.ones(D)), 2, key=jr.key(0))
+    with pytest.raises(TypeError, match=r"keeps its shape and dtype"):
+        widen(x, eqxscan.buffer(jnp.zeros((2, 3))))
+    with pytest.raises(TypeError, match="does not take an eqxscan.buffer"):
+        stack.vmap(x, eqxscan.buffer(cache_of(4, (3,))), pos=0)
+    with pytest.raises(TypeError, match="does not take an eqxscan.buffer"):
+        eqxscan.run_layers(stack, x, [0, 1], eqxscan.buffer(cache_of(4, (3,))), pos=0)
+    with pytest.raises(TypeError, match="2 eqxscan.buffer arguments"):
+        stack(x, eqxscan.buffer(cache_of(4, (3,))), eqxscan.buffer(cache_of(4, (3,))))
+    dropping = stacked(3, drop_path=0.5)
+    with pytest.raises(TypeError, match="drop"):
+        dropping(x, eqxscan.buffer(cache_of(4, (3,))), pos=0, key=jr.key(0))
+
+
+def test_chain_buffer_errors():
+    layers = _chain_layers()
+    chain = eqxscan.Chain(layers)
+    with pytest.raises(TypeError, match="layer_buffers"):
+        chain(jnp.ones((1, D)), eqxscan.buffer(cache_of(4, (7,))), pos=0)
+    other = eqxscan.Chain(layers[:3])
+    with pytest.raises(TypeError, match="another chain"):
+        chain(
+            jnp.ones((1, D)),
+            eqxscan.buffer(eqxscan.layer_buffers(other, _make(4))),
+            pos=0,
+        )
+    # Layers scanned together need buffers of one shape.
+    run = eqxscan.Chain([Attn(key=k) for k in jr.split(jr.key(0), 3)])
+    with pytest.raises(ValueError, match="layers 0 and 1 are scanned together"):
+        eqxscan.layer_buffers(run, lambda i, layer: cache_of(4 + i))
