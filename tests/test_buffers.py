@@ -424,3 +424,58 @@ def test_chain_buffer_errors():
     run = eqxscan.Chain([Attn(key=k) for k in jr.split(jr.key(0), 3)])
     with pytest.raises(ValueError, match="layers 0 and 1 are scanned together"):
         eqxscan.layer_buffers(run, lambda i, layer: cache_of(4 + i))
+
+
+@pytest.mark.parametrize("split", ["batch", "heads"])
+def test_sharded_decode_matches_one_device(split):
+    # FSDP weights (each scan step gathers one layer) and a cache split over
+    # the batch or the heads: the values of one device.
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    n, t, b = 2, 4, 2
+    stack = stacked(n)
+    mesh = jax.make_mesh((2,), ("fsdp",), axis_types=(AxisType.Auto,))
+    placed, _, _ = eqxscan.sharding.shard(stack, mesh=mesh, min_size=0)
+    assert placed.layer_sharding is not None
+    spec = P("fsdp") if split == "batch" else P(None, None, None, "fsdp")
+    cache = jax.tree.map(lambda a: jr.normal(jr.key(12), a.shape), cache_of(t, (b, n)))
+    x = jr.normal(jr.key(13), (b, 1, D))
+    pos = jnp.array([1, 2])
+
+    def step(s, x, c, p):
+        return jax.vmap(lambda x, c, p: s(x, eqxscan.buffer(c), pos=p))(x, c, p)
+
+    want = jax.jit(step)(stack, x, cache, pos)
+    sharded = jax.device_put(cache, NamedSharding(mesh, spec))
+    got = jax.jit(step)(placed, x, sharded, pos)
+    assert_close(got, want, 1e-5)
+    assert tuple(got[1][0].sharding.spec)[: len(spec)] == tuple(spec)  # stays split
+
+
+def test_cross_layer_kv_sharing_inside_the_pattern():
+    # A layer that reads an earlier layer's cache instead of keeping its own:
+    # the pair is one layer of the pattern, with one cache between them.
+    class SharedKV(eqx.Module):
+        writer: Attn
+        reader_wo: jax.Array
+
+        def __call__(self, x, cache, pos):
+            x, cache = self.writer(x, cache, pos)
+            q = x.reshape(x.shape[0], H, D // H)
+            k, v = cache
+            ok = jnp.arange(k.shape[0])[None] <= pos + jnp.arange(x.shape[0])[:, None]
+            s = jnp.where(ok[None], jnp.einsum("shd,thd->hst", q, k), -1e30)
+            o = jnp.einsum("hst,thd->shd", jax.nn.softmax(s, -1), v)
+            return x + o.reshape(x.shape) @ self.reader_wo, cache
+
+    keys = jr.split(jr.key(14), 4)
+    pairs = [SharedKV(Attn(key=k), jr.normal(k, (D, D)) / D) for k in keys]
+    chain = eqxscan.Chain(pairs)
+    buffers = eqxscan.layer_buffers(chain, lambda i, pair: cache_of(6))
+    assert buffers.nbytes == 4 * 2 * 6 * D * 4  # one cache per pair, not two
+    x = jr.normal(jr.key(15), (2, D))
+    y, new = chain(x, eqxscan.buffer(buffers), pos=2)
+    y_ref, refs = hand_loop(pairs, x, [buffers.layer(i) for i in range(4)], 2)
+    assert_close(y, y_ref, 1e-5)
+    for i, r in enumerate(refs):
+        assert_close(new.layer(i), r, 1e-5)
