@@ -116,6 +116,8 @@ def test_scan_returns_ys_beside_buffer():
         return (x, cache), x.sum()
 
     x = jr.normal(jr.key(1), (1, D))
+    built = eqxscan.layer_buffers(stack, lambda i, layer: cache_of(4))
+    assert_close(built, cache_of(4, (n,)))  # a Stacked's: stacked on axis 0
     (y, cache), ys = stack.scan(x, eqxscan.buffer(cache_of(4, (n,))), 1, method=one)
     ref_x, ref_c = hand_loop(
         stack.unstack(), x, per_layer_list(cache_of(4, (n,)), n), 1
