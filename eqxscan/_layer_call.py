@@ -55,8 +55,10 @@ def per_layer(tree: PyTree) -> PerLayer:
 
     Every array leaf must have the layer axis (length `L`) first; layer `i` is
     called with slice `i`. Non-array leaves are passed to every layer unchanged.
-    Use it positionally or as a keyword value, e.g. for per-layer KV caches:
-    `stack(x, cache=eqxscan.per_layer(caches))`.
+    Use it positionally or as a keyword value, e.g. for a per-layer
+    configuration: `stack(x, scale=eqxscan.per_layer(scales))`. A per-layer
+    value that layers update (a KV cache) is an [`eqxscan.buffer`][] instead,
+    written in place rather than copied into a new output.
 
     **Arguments:**
 
