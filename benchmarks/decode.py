@@ -18,10 +18,12 @@ A batch of sequences is decoded as a server does: the step `jax.vmap`-ed over
 the batch, each sequence at its own position.
 
     python benchmarks/decode.py --layers 16 32 64 --length 2048 8192 --batch 1 8
+    python benchmarks/decode.py --layers 16 --length 2048 --batch 1 --hlo
 """
 
 import argparse
 import math
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -136,37 +138,43 @@ def variants(stack: eqxscan.Stacked) -> dict[str, tuple[Callable, bool]]:
     }
 
 
-def measure(
-    num_layers: int, length: int, batch: int, dim: int, heads: int, repeats: int
-):
+def compiled_steps(
+    num_layers: int, length: int, batch: int, dim: int, heads: int
+) -> dict[str, tuple]:
+    """name -> (compiled step, model, cache, x, pos, compile seconds)."""
     stack = eqxscan.Stacked(
         lambda k: Block(dim, heads, key=k), num_layers, key=jr.key(0)
     )
     e = dim // heads
     x = jr.normal(jr.key(1), (batch, 1, dim))
     pos = jnp.arange(batch, dtype=jnp.int32) * 7 + length // 2
-    rows = []
     compiled = {}
     for name, (fn, unrolled) in variants(stack).items():
         model = stack.unstack() if unrolled else stack
         shape = (batch, length, heads, e)
         if unrolled:
             cache = [(jnp.zeros(shape), jnp.zeros(shape)) for _ in range(num_layers)]
-            axes = 0
         else:
             cache = (jnp.zeros((batch, num_layers, *shape[1:])),) * 2
             cache = jax.tree.map(jnp.copy, cache)
-            axes = 0
         step = jax.jit(
-            jax.vmap(fn, in_axes=(None, 0, 0, axes), out_axes=0), donate_argnums=3
+            jax.vmap(fn, in_axes=(None, 0, 0, 0), out_axes=0), donate_argnums=3
         )
         t0 = time.perf_counter()
         exe = step.lower(model, x, pos, cache).compile()
-        compile_s = time.perf_counter() - t0
+        compiled[name] = (exe, model, cache, x, pos, time.perf_counter() - t0)
+    return compiled
+
+
+def measure(
+    num_layers: int, length: int, batch: int, dim: int, heads: int, repeats: int
+):
+    compiled = compiled_steps(num_layers, length, batch, dim, heads)
+    rows = []
+    for name, (exe, _, _, _, _, compile_s) in compiled.items():
         mem = exe.memory_analysis()
         cost = exe.cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
-        compiled[name] = (exe, model, cache)
         rows.append(
             dict(
                 name=name,
@@ -177,9 +185,9 @@ def measure(
             )
         )
     times = {name: [] for name in compiled}
-    state = {name: c for name, (_, _, c) in compiled.items()}
+    state = {name: c[2] for name, c in compiled.items()}
     for r in range(repeats + 2):
-        for name, (exe, model, _) in compiled.items():
+        for name, (exe, model, _, x, pos, _) in compiled.items():
             t0 = time.perf_counter()
             y, state[name] = exe(model, x, pos, state[name])
             jax.block_until_ready(state[name])
@@ -190,6 +198,42 @@ def measure(
     return rows
 
 
+def step_copies(exe) -> list[str]:
+    """The copies in a compiled step's optimised HLO: fusions with no dot that
+    slice dynamically, transpose or copy, and plain copies/transposes; each as
+    its output type, with the computation it sits in (a scan body is a while
+    loop's body, run once per layer)."""
+    text = exe.as_text()
+    comps: dict[str, list[str]] = {}
+    current = None
+    for line in text.splitlines():
+        m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if m:
+            current = m.group(1)
+            comps[current] = []
+        elif current:
+            comps[current].append(line)
+    copies = []
+    for name, lines in comps.items():
+        if name.startswith("fused"):  # inside a fusion listed below
+            continue
+        for line in lines:
+            m = re.search(
+                r"= (\w+\[[\d,]*\])\{[^}]*\} fusion\(.*calls=%?([\w.\-]+)", line
+            )
+            if m:
+                body = "\n".join(comps.get(m.group(2), []))
+                moves = any(
+                    op in body for op in ("dynamic-slice", "transpose", " copy(")
+                )
+                if moves and " dot(" not in body and "dynamic-update-slice" not in body:
+                    copies.append(f"{name}: fusion {m.group(1)}")
+            m = re.search(r"= (\w+\[[\d,]*\])\{[^}]*\} (copy|transpose)\(", line)
+            if m:
+                copies.append(f"{name}: {m.group(2)} {m.group(1)}")
+    return copies
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[16, 32, 64])
@@ -198,7 +242,20 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument(
+        "--hlo",
+        action="store_true",
+        help="print the copies in each variant's optimised step and stop",
+    )
     args = parser.parse_args()
+    if args.hlo:
+        for name, (exe, *_) in compiled_steps(
+            args.layers[0], args.length[0], args.batch[0], args.dim, args.heads
+        ).items():
+            print(f"{name}:")
+            for line in step_copies(exe):
+                print(f"  {line}")
+        return
     mib = 2**20
     print(
         f"jax {jax.__version__}, {jax.devices()[0].platform}, "
