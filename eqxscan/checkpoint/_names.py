@@ -325,7 +325,7 @@ class NameMap:
             rule = Rule(rule) if isinstance(rule, str) else rule
             if not isinstance(rule, Rule):
                 raise TypeError(
-                    f"NameMap: the rule for {ours!r} must be an external name (str) "
+                    f"NameMap: rules[{ours!r}] must be an external name (str) "
                     f"or an eqxscan.checkpoint.Rule, got {describe(rule)}."
                 )
             self._rules.append(_Compiled(ours, rule, f"NameMap rule {k} ({ours[0]!r})"))
