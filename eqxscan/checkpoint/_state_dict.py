@@ -298,12 +298,15 @@ def from_state_dict(like: T, state_dict: Mapping[str, object]) -> T:
         )
 
     def load(leaf: _Leaf) -> jax.Array | np.ndarray:
-        parts = [np.asarray(state_dict[name]) for name in leaf.names()]
-        value = (
-            np.stack(parts).reshape(leaf.depths + leaf.shape)
-            if leaf.depths
-            else parts[0]
-        )
+        names = leaf.names()
+        if not leaf.depths:
+            return _restore(leaf.leaf, np.asarray(state_dict[names[0]]))
+        # Each layer read straight into the stacked array, one at a time: a
+        # file read lazily holds one layer's slice beside it, not all of them.
+        value = np.empty(leaf.depths + leaf.shape, leaf.dtype)
+        flat = value.reshape((-1, *leaf.shape))
+        for k, name in enumerate(names):
+            flat[k] = np.asarray(state_dict[name])
         return _restore(leaf.leaf, value)
 
     model = _map_arrays(load, like)
