@@ -174,7 +174,7 @@ def test_every_problem_is_reported_at_once_with_its_layer():
     with pytest.raises(ValueError) as e:
         TORCH.load(_model(1), external)
     first, hint = str(e.value).splitlines()
-    assert "(1 missing, 1 mis-shaped, 2 unused)" in first
+    assert "(1 mis-shaped, 1 missing, 2 unused)" in first
     assert (
         "missing 'model.layers.2.self_attn.v_proj.weight' (layer 2) for "
         "'blocks.2.wqkv'" in first

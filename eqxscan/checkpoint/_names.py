@@ -477,13 +477,13 @@ class NameMap:
             for n in external
             if n not in expected and not any(r.fullmatch(n) for r in self._ignore)
         ]
-        problems = missing + wrong + unused
+        problems = wrong + missing + unused
         if problems:
             counts = ", ".join(
                 f"{len(x)} {what}"
                 for x, what in (
-                    (missing, "missing"),
                     (wrong, "mis-shaped"),
+                    (missing, "missing"),
                     (unused, "unused"),
                 )
                 if x
