@@ -43,8 +43,11 @@ from .checkpoint import (
     from_flax_scan as from_flax_scan,
     from_state_dict as from_state_dict,
     load as load,
+    load_safetensors as load_safetensors,
     load_state_dict as load_state_dict,
+    read_safetensors as read_safetensors,
     save as save,
+    save_safetensors as save_safetensors,
     to_state_dict as to_state_dict,
 )
 from .nn import ElmanCell as ElmanCell, MLPBlock as MLPBlock, StackedMLP as StackedMLP

@@ -1,11 +1,25 @@
 """Checkpoints of stacked models: per-layer state dicts (`"blocks.3.w1"`),
-single-file `.npz` save and load with integrity checks, and import of Flax
-`nn.scan` parameters. Sharded checkpoints across processes are
+safetensors files (one or sharded, as Hugging Face lays them out), name maps to
+other conventions, single-file `.npz` save and load with integrity checks, and
+import of Flax `nn.scan` parameters. Sharded checkpoints across processes are
 [`eqxscan.sharding.CheckpointManager`][] (Orbax), beside the sharding they
 restore into. All of these are also at the
 top level (`eqxscan.save`, `eqxscan.to_state_dict`, ...)."""
 
-from ._flax import from_flax_scan as from_flax_scan
+from ._flax import flax_scan_state as flax_scan_state, from_flax_scan as from_flax_scan
+from ._names import (
+    Join as Join,
+    NameMap as NameMap,
+    Reshape as Reshape,
+    Rule as Rule,
+    Split as Split,
+    Transpose as Transpose,
+)
+from ._safetensors import (
+    load_safetensors as load_safetensors,
+    read_safetensors as read_safetensors,
+    save_safetensors as save_safetensors,
+)
 from ._serialise import (
     load as load,
     load_state_dict as load_state_dict,

@@ -8,7 +8,8 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from .._internal import Stacked
+from .._internal import describe, Stacked
+from ._names import NameMap
 from ._state_dict import from_state_dict, key_name
 
 
@@ -53,11 +54,57 @@ def _linear_paths(layer: PyTree) -> list[str]:
     ]
 
 
+def flax_scan_state(params: Mapping[str, PyTree]) -> dict[str, np.ndarray]:
+    """The parameters of a Flax linen `nn.scan` over layers as a per-layer state
+    dict of Flax's own names: `"3.Sub_0.DenseGeneral_0.kernel"` is layer 3's
+    slice of `params["Sub_0"]["DenseGeneral_0"]["kernel"]`.
+
+    **Arguments:**
+
+    - `params`: the scanned module's parameters (the outer `"params"` is
+      optional); every array has the layer axis first.
+
+    **Returns:**
+
+    A `dict[str, numpy.ndarray]`, layer-major, for a
+    [`eqxscan.checkpoint.NameMap`][] to load (as `from_flax_scan(like, params,
+    names=...)` does).
+    """
+    if set(params) == {"params"}:
+        params = params["params"]
+    arrays: dict[str, np.ndarray] = {}
+
+    def walk(tree: Mapping, prefix: str) -> None:
+        for name, value in tree.items():
+            path = f"{prefix}{name}"
+            if isinstance(value, Mapping):
+                walk(value, path + ".")
+            else:
+                arrays[path] = np.asarray(value)
+
+    walk(params, "")
+    depths = {name: a.shape[0] if a.ndim else None for name, a in arrays.items()}
+    if len(set(depths.values())) > 1 or None in depths.values():
+        found = ", ".join(f"'{n}' {list(arrays[n].shape)}" for n in list(arrays)[:6])
+        raise ValueError(
+            f"The Flax parameters do not share one leading layer axis: {found}.\n"
+            "Hint: pass the parameters of the nn.scan module itself, scanned with "
+            'variable_axes={"params": 0}.'
+        )
+    num_layers = next(iter(depths.values()), 0) or 0
+    return {
+        f"{i}.{name}": array[i]
+        for i in range(num_layers)
+        for name, array in arrays.items()
+    }
+
+
 def from_flax_scan(
     like: Stacked,
     params: Mapping[str, PyTree],
     *,
     modules: Mapping[str, str] | None = None,
+    names: NameMap | None = None,
 ) -> Stacked:
     """Load the parameters of a Flax linen `nn.scan` over layers into a `Stacked`
     whose layers use `eqx.nn.Linear`.
@@ -79,6 +126,12 @@ def from_flax_scan(
       an `eqx.nn.Linear` inside one layer (e.g. `"linear"`; `""` if the layer is
       itself a `Linear`). By default the Flax `Dense`s, in numeric order, are
       matched to the layer's `Linear`s in attribute order.
+    - `names`: instead of `modules`, a [`eqxscan.checkpoint.NameMap`][] from
+      the layer's names (`"{i}.norm.weight"`) to Flax's, as
+      [`eqxscan.checkpoint.flax_scan_state`][] names them
+      (`"{i}.LayerNorm_0.scale"`): any module, nested or not (`LayerNorm`,
+      `RMSNorm`, `Embed`, `Conv` with `Transpose((2, 1, 0))`, `DenseGeneral`
+      with `Reshape`).
 
     **Returns:**
 
@@ -86,6 +139,13 @@ def from_flax_scan(
     """
     if not isinstance(like, Stacked):
         raise TypeError(f"like must be an eqxscan.Stacked, got {type(like).__name__}.")
+    if names is not None:
+        if modules is not None:
+            raise ValueError(
+                f"from_flax_scan: pass modules= or names=, not both (got "
+                f"{describe(modules)}).\nHint: a NameMap also maps Dense layers."
+            )
+        return names.load(like, flax_scan_state(params))
     if set(params) == {"params"}:
         params = params["params"]
     dense = _dense_modules(params)

@@ -135,6 +135,23 @@ def to_state_dict(model: PyTree) -> dict[str, np.ndarray]:
 
     A `dict[str, numpy.ndarray]` in the model's leaf order.
     """
+    entries = []
+    arrays: dict[int, np.ndarray] = {}
+    for name, leaf, index in entries_of(model):
+        if isinstance(leaf.leaf, jax.ShapeDtypeStruct):
+            raise TypeError(
+                f"`{pattern(leaf.parts)}` is an abstract {describe(leaf.leaf)}; "
+                "to_state_dict needs concrete arrays."
+            )
+        if id(leaf) not in arrays:
+            arrays[id(leaf)] = np.asarray(leaf.leaf)
+        entries.append((name, np.asarray(arrays[id(leaf)][index])))
+    return dict(entries)
+
+
+def entries_of(model: PyTree) -> list[tuple[str, "_Leaf", tuple[int, ...]]]:
+    """`(name, leaf, layer index)` of every per-layer entry of `model`, in the
+    order of [`eqxscan.to_state_dict`][], without reading any array."""
     leaves = _layout(model)
     # Layer-major order, as a list of layers would give: "blocks.0.w1",
     # "blocks.0.w2", ..., "blocks.1.w1". Each attribute prefix sorts by where it
@@ -145,12 +162,6 @@ def to_state_dict(model: PyTree) -> dict[str, np.ndarray]:
             first_seen.setdefault(leaf.parts[:j], len(first_seen))
     entries = []
     for leaf in leaves:
-        if isinstance(leaf.leaf, jax.ShapeDtypeStruct):
-            raise TypeError(
-                f"`{pattern(leaf.parts)}` is an abstract {describe(leaf.leaf)}; "
-                "to_state_dict needs concrete arrays."
-            )
-        array = np.asarray(leaf.leaf)
         for index, name in zip(np.ndindex(*leaf.depths), leaf.names()):
             resolved = _resolve(leaf.parts, index)
             order = tuple(
@@ -159,9 +170,9 @@ def to_state_dict(model: PyTree) -> dict[str, np.ndarray]:
                 else first_seen[leaf.parts[: j + 1]]
                 for j, p in enumerate(leaf.parts)
             )
-            entries.append((order, name, np.asarray(array[index])))
+            entries.append((order, name, leaf, index))
     entries.sort(key=lambda e: e[0])
-    return {name: value for _, name, value in entries}
+    return [(name, leaf, index) for _, name, leaf, index in entries]
 
 
 def _listed(names: list[str]) -> str:
@@ -287,12 +298,15 @@ def from_state_dict(like: T, state_dict: Mapping[str, object]) -> T:
         )
 
     def load(leaf: _Leaf) -> jax.Array | np.ndarray:
-        parts = [np.asarray(state_dict[name]) for name in leaf.names()]
-        value = (
-            np.stack(parts).reshape(leaf.depths + leaf.shape)
-            if leaf.depths
-            else parts[0]
-        )
+        names = leaf.names()
+        if not leaf.depths:
+            return _restore(leaf.leaf, np.asarray(state_dict[names[0]]))
+        # Each layer read straight into the stacked array, one at a time: a
+        # file read lazily holds one layer's slice beside it, not all of them.
+        value = np.empty(leaf.depths + leaf.shape, leaf.dtype)
+        flat = value.reshape((-1, *leaf.shape))
+        for k, name in enumerate(names):
+            flat[k] = np.asarray(state_dict[name])
         return _restore(leaf.leaf, value)
 
     model = _map_arrays(load, like)

@@ -1,0 +1,567 @@
+"""Name maps: how eqxscan's per-layer names map to another convention's, declared
+once and used both ways (export and load).
+
+A rule maps one or more of eqxscan's names (patterns with placeholders such as
+`{i}`, the layer index as [`eqxscan.to_state_dict`][] writes it, so global
+across a `Chain`'s runs and periodic units) to one or more external names,
+through a short list of array operations applied in order on export:
+`Join` (several of eqxscan's arrays concatenated), `Reshape`, `Transpose`,
+`Split` (one array cut into several external ones). Loading inverts them, with
+the shapes that `like` gives.
+"""
+
+import dataclasses
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TypeVar
+
+import jax
+import numpy as np
+from numpy.typing import DTypeLike
+
+from .._internal import describe, is_arraylike
+from ._state_dict import entries_of, from_state_dict
+
+
+__all__ = ["Join", "NameMap", "Reshape", "Rule", "Split", "Transpose"]
+
+T = TypeVar("T")
+Shape = tuple[int, ...]
+_PLACEHOLDER = re.compile(r"\{([A-Za-z_]\w*)\}")
+_MAX_LISTED = 10
+
+
+@dataclasses.dataclass(frozen=True)
+class Transpose:
+    """Permute the axes (`axes=None` reverses them: `[in, out]` <-> `[out, in]`)."""
+
+    axes: tuple[int, ...] | None = None
+
+    def shape(self, shape: Shape) -> Shape:
+        return tuple(shape[a] for a in self._axes(len(shape)))
+
+    def _axes(self, ndim: int) -> tuple[int, ...]:
+        axes = tuple(reversed(range(ndim))) if self.axes is None else self.axes
+        if sorted(a % ndim for a in axes) != list(range(ndim)):
+            raise ValueError(f"Transpose{axes} does not permute {ndim} axes")
+        return tuple(a % ndim for a in axes)
+
+    def apply(self, array: np.ndarray) -> np.ndarray:
+        return np.transpose(array, self._axes(array.ndim))
+
+    def invert(self, array: np.ndarray) -> np.ndarray:
+        return np.transpose(array, np.argsort(self._axes(array.ndim)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Reshape:
+    """Reshape (one `-1` allowed), e.g. the head axes `[H, hd, D]` <-> `[H*hd, D]`."""
+
+    to: tuple[int, ...]
+
+    def shape(self, shape: Shape) -> Shape:
+        size = int(np.prod(shape, dtype=np.int64))
+        known = int(np.prod([d for d in self.to if d != -1], dtype=np.int64))
+        if self.to.count(-1) > 1 or (
+            (size != known) if -1 not in self.to else (known == 0 or size % known)
+        ):
+            raise ValueError(f"Reshape{self.to} does not fit shape {list(shape)}")
+        return tuple(size // known if d == -1 else d for d in self.to)
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """The last operation of a rule with several external names: cut along
+    `axis` into pieces of `sizes` (e.g. a fused `wqkv` into q/k/v projections;
+    with grouped-query heads `sizes=(H*hd, K*hd, K*hd)`)."""
+
+    axis: int
+    sizes: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Join:
+    """The first operation of a rule with several of eqxscan's names:
+    concatenate them along `axis` (loading cuts them apart again, with the
+    sizes `like` gives)."""
+
+    axis: int
+
+
+_Op = Transpose | Reshape | Split | Join
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """External name(s) for one of [`eqxscan.checkpoint.NameMap`][]'s entries,
+    and the operations, in export order, that make them.
+
+    **Arguments:**
+
+    - `theirs`: an external name pattern, or a tuple of them (then the last
+      operation is a `Split` with one size per name).
+    - `ops`: `Join(axis)` (first, when the entry's key is a tuple of eqxscan
+      names), `Reshape(shape)`, `Transpose(axes)`, `Split(axis, sizes)` (last).
+    """
+
+    theirs: tuple[str, ...]
+    ops: tuple[_Op, ...] = ()
+
+    def __init__(self, theirs: str | Sequence[str], *ops: _Op):
+        names = (theirs,) if isinstance(theirs, str) else tuple(theirs)
+        object.__setattr__(self, "theirs", names)
+        object.__setattr__(self, "ops", ops)
+
+
+def _compile(pattern: str, where: str) -> tuple[re.Pattern[str], tuple[str, ...]]:
+    keys = tuple(_PLACEHOLDER.findall(pattern))
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"{where}: '{pattern}' repeats a placeholder")
+    pieces = _PLACEHOLDER.split(pattern)
+    regex = "".join(
+        rf"(?P<{p}>\d+)" if k % 2 else re.escape(p) for k, p in enumerate(pieces)
+    )
+    return re.compile(regex), keys
+
+
+def _where(binding: Mapping[str, int]) -> str:
+    if not binding:
+        return ""
+    if len(binding) == 1:
+        return f" (layer {next(iter(binding.values()))})"
+    return " (" + ", ".join(f"{k}={v}" for k, v in binding.items()) + ")"
+
+
+def _listed(items: Sequence[str]) -> str:
+    more = len(items) - _MAX_LISTED
+    return "; ".join(items[:_MAX_LISTED]) + (f"; and {more} more" if more > 0 else "")
+
+
+def _spec(shape: Shape, dtype: np.dtype) -> str:
+    return f"{np.dtype(dtype).name}{list(shape)}"
+
+
+class Lazy:
+    """An array read only when NumPy asks for it: `shape` and `dtype` are known
+    before (so a whole file can be checked first)."""
+
+    def __init__(self, shape: Shape, dtype: DTypeLike, read: Callable[[], np.ndarray]):
+        self.shape, self.dtype, self.read = tuple(shape), np.dtype(dtype), read
+
+    def __array__(
+        self, dtype: DTypeLike | None = None, copy: bool | None = None
+    ) -> np.ndarray:
+        array = self.read()
+        return array if dtype is None else array.astype(dtype)
+
+
+class _Compiled:
+    def __init__(self, ours: tuple[str, ...], rule: Rule, where: str):
+        self.ours, self.rule = ours, rule
+        compiled = [_compile(p, where) for p in ours]
+        self.ours_regex = [c[0] for c in compiled]
+        self.keys = compiled[0][1]
+        theirs = [_compile(p, where) for p in rule.theirs]
+        self.theirs_regex = [c[0] for c in theirs]
+        for pattern, (_, keys) in zip(ours + rule.theirs, compiled + theirs):
+            if set(keys) != set(self.keys):
+                raise ValueError(
+                    f"{where}: '{pattern}' has placeholders {sorted(keys)}, the rule "
+                    f"{sorted(self.keys)}; every name of a rule needs the same ones."
+                )
+        ops = rule.ops
+        joins = [k for k, op in enumerate(ops) if isinstance(op, Join)]
+        splits = [k for k, op in enumerate(ops) if isinstance(op, Split)]
+        if (len(ours) > 1) != (joins == [0]) or len(joins) > 1:
+            raise ValueError(
+                f"{where}: a rule from {len(ours)} eqxscan names needs "
+                + ("a Join as its first operation" if len(ours) > 1 else "no Join")
+            )
+        if (len(rule.theirs) > 1) != (splits == [len(ops) - 1]) or len(splits) > 1:
+            raise ValueError(
+                f"{where}: a rule to {len(rule.theirs)} external names needs "
+                + (
+                    "a Split as its last operation"
+                    if len(rule.theirs) > 1
+                    else "no Split"
+                )
+            )
+        if splits and len(ops[-1].sizes) != len(rule.theirs):  # type: ignore[union-attr]
+            raise ValueError(
+                f"{where}: Split{ops[-1].sizes} gives {len(ops[-1].sizes)} pieces "  # type: ignore[union-attr]
+                f"for {len(rule.theirs)} external names"
+            )
+
+    def names(
+        self, patterns: Iterable[str], binding: Mapping[str, int]
+    ) -> tuple[str, ...]:
+        return tuple(p.format(**binding) for p in patterns)
+
+    def shapes(self, shapes: Sequence[Shape]) -> list[list[Shape]]:
+        """The shapes after each operation, starting from eqxscan's (export order)."""
+        steps = [list(shapes)]
+        current = list(shapes)
+        for op in self.rule.ops:
+            if isinstance(op, Join):
+                first = current[0]
+                ax = op.axis % len(first)
+                if any(
+                    len(s) != len(first)
+                    or s[:ax] + s[ax + 1 :] != first[:ax] + first[ax + 1 :]
+                    for s in current
+                ):
+                    raise ValueError(
+                        f"Join({op.axis}) cannot join shapes "
+                        f"{[list(s) for s in current]}"
+                    )
+                current = [
+                    first[:ax] + (sum(s[ax] for s in current),) + first[ax + 1 :]
+                ]
+            elif isinstance(op, Split):
+                (shape,) = current
+                ax = op.axis % len(shape)
+                if sum(op.sizes) != shape[ax]:
+                    raise ValueError(
+                        f"Split({op.axis}, {op.sizes}) does not fit shape {list(shape)}"
+                    )
+                current = [shape[:ax] + (n,) + shape[ax + 1 :] for n in op.sizes]
+            else:
+                current = [op.shape(current[0])]
+            steps.append(current)
+        return steps
+
+    def export(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+        current = list(arrays)
+        for op in self.rule.ops:
+            if isinstance(op, Join):
+                current = [np.concatenate(current, axis=op.axis)]
+            elif isinstance(op, Split):
+                cuts = np.cumsum(op.sizes)[:-1]
+                current = np.split(current[0], cuts, axis=op.axis)
+            elif isinstance(op, Reshape):
+                current = [current[0].reshape(op.to)]
+            else:
+                current = [op.apply(current[0])]
+        return [np.ascontiguousarray(a) for a in current]
+
+    def load(
+        self, arrays: Sequence[np.ndarray], steps: list[list[Shape]]
+    ) -> list[np.ndarray]:
+        current = list(arrays)
+        for k in reversed(range(len(self.rule.ops))):
+            op, before = self.rule.ops[k], steps[k]
+            if isinstance(op, Split):
+                current = [np.concatenate(current, axis=op.axis)]
+            elif isinstance(op, Join):
+                ax = op.axis % len(before[0])
+                cuts = np.cumsum([s[ax] for s in before])[:-1]
+                current = np.split(current[0], cuts, axis=ax)
+            elif isinstance(op, Reshape):
+                current = [current[0].reshape(before[0])]
+            else:
+                current = [op.invert(current[0])]
+        return [np.ascontiguousarray(a) for a in current]
+
+
+class NameMap:
+    """How eqxscan's per-layer names ([`eqxscan.to_state_dict`][]) map to an
+    external convention's, declared once and used both ways:
+    [`eqxscan.save_safetensors`][] and `export` write the external names,
+    [`eqxscan.load_safetensors`][] and `load` read them back into a model.
+
+    !!! example
+
+        ```python
+        import jax, numpy as np, eqxscan
+        from eqxscan.checkpoint import NameMap, Rule, Transpose
+
+        model = eqxscan.Stacked(
+            lambda k: eqxscan.MLPBlock(4, key=k), 2, key=jax.random.key(0)
+        )
+        names = NameMap(
+            {
+                "{i}.w1": Rule("layers.{i}.up.weight", Transpose()),
+                "{i}.w2": Rule("layers.{i}.down.weight", Transpose()),
+                "{i}.scale": "layers.{i}.norm.weight",
+            },
+            ignore=["layers.{i}.rotary.inv_freq"],
+        )
+        external = names.export(model)
+        assert external["layers.1.up.weight"].shape == (16, 4)  # [out, in]
+        np.testing.assert_array_equal(external["layers.1.up.weight"], model[1].w1.T)
+        external["layers.0.rotary.inv_freq"] = np.ones(2, np.float32)  # ignored
+        assert eqxscan.to_state_dict(names.load(model, external)).keys() == (
+            eqxscan.to_state_dict(model).keys()
+        )
+        ```
+
+    **Arguments:**
+
+    - `rules`: maps each eqxscan name pattern (or a tuple of them, joined) to an
+      external name pattern or a [`eqxscan.checkpoint.Rule`][]. Placeholders
+      such as `{i}` stand for a layer index; both sides of a rule use the same
+      ones. The first rule whose pattern matches a name is used.
+    - `ignore`: external name patterns that exist on their side only (rotary
+      buffers, a tied head's copy of the embedding): skipped when loading,
+      never written.
+    - `keep`: eqxscan name patterns that exist on this side only: loading keeps
+      `like`'s arrays, exporting leaves them out.
+    - `format`: the `format` entry of a safetensors file's metadata (`"pt"` for
+      PyTorch names, `"flax"` for Flax names, as Hugging Face reads them).
+    """
+
+    def __init__(
+        self,
+        rules: Mapping[str | tuple[str, ...], str | Rule],
+        *,
+        ignore: Sequence[str] = (),
+        keep: Sequence[str] = (),
+        format: str = "pt",
+    ):
+        self.format = format
+        self._rules: list[_Compiled] = []
+        for k, (ours, rule) in enumerate(rules.items()):
+            ours = (ours,) if isinstance(ours, str) else tuple(ours)
+            rule = Rule(rule) if isinstance(rule, str) else rule
+            if not isinstance(rule, Rule):
+                raise TypeError(
+                    f"NameMap: rules[{ours!r}] must be an external name (str) "
+                    f"or an eqxscan.checkpoint.Rule, got {describe(rule)}."
+                )
+            self._rules.append(_Compiled(ours, rule, f"NameMap rule {k} ({ours[0]!r})"))
+        self._ignore = [_compile(p, "NameMap ignore")[0] for p in ignore]
+        self._keep = [_compile(p, "NameMap keep")[0] for p in keep]
+
+    # Planning: which rule makes which names, from shapes alone.
+
+    def _bind(
+        self, layout: Mapping[str, tuple[Shape, np.dtype]]
+    ) -> tuple[list[tuple[_Compiled, dict[str, int], tuple[str, ...]]], list[str]]:
+        """Each rule applied, with its binding and eqxscan names, in the order of
+        `layout`; and the names that are kept from `like`."""
+        used: set[str] = set()
+        bound: list[tuple[_Compiled, dict[str, int], tuple[str, ...]]] = []
+        kept, unmapped, incomplete = [], [], []
+        for name in layout:
+            if name in used:
+                continue
+            if any(r.fullmatch(name) for r in self._keep):
+                kept.append(name)
+                continue
+            for rule in self._rules:
+                match = next(
+                    (m for r in rule.ours_regex if (m := r.fullmatch(name))), None
+                )
+                if match is None:
+                    continue
+                binding = {k: int(v) for k, v in match.groupdict().items()}
+                ours = rule.names(rule.ours, binding)
+                absent = [n for n in ours if n not in layout or n in used]
+                if absent:
+                    incomplete.append(f"'{name}' needs {', '.join(map(repr, absent))}")
+                    break
+                used.update(ours)
+                bound.append((rule, binding, ours))
+                break
+            else:
+                unmapped.append(name)
+        if unmapped or incomplete:
+            raise ValueError(
+                "The name map does not cover the model: "
+                + _listed(
+                    [f"no rule for '{n}'" for n in unmapped]
+                    + [f"joined rule {x} in the model" for x in incomplete]
+                )
+                + ".\nHint: add a rule for each of these names, or list names that "
+                "exist only in eqxscan's model in `keep=`."
+            )
+        return bound, kept
+
+    def _plan(
+        self, layout: Mapping[str, tuple[Shape, np.dtype]]
+    ) -> tuple[list["_Planned"], list[str]]:
+        bound, kept = self._bind(layout)
+        planned, bad = [], []
+        for rule, binding, ours in bound:
+            try:
+                dtypes = {layout[n][1] for n in ours}
+                if len(dtypes) > 1:
+                    raise ValueError(f"Join of dtypes {sorted(d.name for d in dtypes)}")
+                steps = rule.shapes([layout[n][0] for n in ours])
+            except ValueError as e:
+                shapes = ", ".join(f"'{n}' {_spec(*layout[n])}" for n in ours)
+                bad.append(f"{e}, for {shapes}")
+                continue
+            theirs = rule.names(rule.rule.theirs, binding)
+            planned.append(
+                _Planned(rule, binding, ours, theirs, steps, layout[ours[0]][1])
+            )
+        if bad:
+            raise ValueError(
+                "The name map's operations do not fit the model's arrays: "
+                + _listed(bad)
+                + ".\nHint: check the Reshape/Split sizes against the model's "
+                "configuration."
+            )
+        return planned, kept
+
+    def _theirs_where(self, name: str) -> str:
+        for rule in self._rules:
+            for regex in rule.theirs_regex:
+                if m := regex.fullmatch(name):
+                    return _where({k: int(v) for k, v in m.groupdict().items()})
+        return ""
+
+    # Export.
+
+    def plan_export(
+        self, entries: Sequence[tuple[str, Shape, np.dtype, Callable[[], np.ndarray]]]
+    ) -> list[tuple[str, Lazy]]:
+        """The external entries made from eqxscan's `(name, shape, dtype, read)`,
+        each read only when asked for (a fused array is read once per piece)."""
+        reads = {name: read for name, _, _, read in entries}
+        layout = {
+            name: (tuple(shape), np.dtype(dtype)) for name, shape, dtype, _ in entries
+        }
+        planned, _ = self._plan(layout)
+        out: list[tuple[str, Lazy]] = []
+        for p in planned:
+            for k, name in enumerate(p.theirs):
+                read = _piece(p.rule, [reads[n] for n in p.ours], k)
+                out.append((name, Lazy(p.steps[-1][k], p.dtype, read)))
+        return out
+
+    def export(self, model: object) -> dict[str, np.ndarray]:
+        """The external state dict of `model` (concrete arrays), in its order."""
+        from ._state_dict import to_state_dict
+
+        state = to_state_dict(model)
+        entries = [(n, a.shape, a.dtype, (lambda a=a: a)) for n, a in state.items()]
+        return {name: lazy.read() for name, lazy in self.plan_export(entries)}
+
+    # Load.
+
+    def mapping(
+        self,
+        like: object,
+        external: Mapping[str, object],
+        *,
+        source: str = "the external state dict",
+    ) -> dict[str, object]:
+        """eqxscan's state dict for `like`, made lazily from `external` (values
+        with `shape` and `dtype`), after checking every name and shape at once."""
+        layout: dict[str, tuple[Shape, np.dtype]] = {}
+        leaves: dict[str, tuple[object, tuple[int, ...]]] = {}
+        for name, leaf, index in entries_of(like):
+            layout[name] = (leaf.shape, leaf.dtype)
+            leaves[name] = (leaf.leaf, index)
+        planned, kept = self._plan(layout)
+        expected: dict[str, tuple[_Planned, int]] = {}
+        for p in planned:
+            for k, name in enumerate(p.theirs):
+                expected[name] = (p, k)
+        missing, wrong = [], []
+        for name, (p, k) in expected.items():
+            if name not in external:
+                missing.append(f"missing '{name}'{_where(p.binding)} for '{p.ours[0]}'")
+                continue
+            shape, dtype = _shape_dtype(external[name])
+            want = p.steps[-1][k]
+            if shape != want or dtype != p.dtype:
+                wrong.append(
+                    f"'{name}'{_where(p.binding)} is {_spec(shape, dtype)}, "
+                    f"'{p.ours[0]}' needs {_spec(want, p.dtype)}"
+                )
+        unused = [
+            f"unused '{n}'{self._theirs_where(n)}"
+            for n in external
+            if n not in expected and not any(r.fullmatch(n) for r in self._ignore)
+        ]
+        problems = wrong + missing + unused
+        if problems:
+            counts = ", ".join(
+                f"{len(x)} {what}"
+                for x, what in (
+                    (wrong, "mis-shaped"),
+                    (missing, "missing"),
+                    (unused, "unused"),
+                )
+                if x
+            )
+            raise ValueError(
+                f"The names in {source} do not match the model through the name "
+                f"map ({counts}): {_listed(problems)}.\nHint: a depth or size of "
+                "the model's configuration differs from the file's, or the map "
+                "needs a rule (or an `ignore=` pattern for names of their side only)."
+            )
+        state: dict[str, object] = {}
+        for p in planned:
+            read = _inverse(p, [external[n] for n in p.theirs])
+            for k, name in enumerate(p.ours):
+                state[name] = Lazy(layout[name][0], p.dtype, _nth(read, k))
+        for name in kept:
+            leaf, index = leaves[name]
+            if not isinstance(leaf, (jax.Array, np.ndarray)):
+                raise TypeError(
+                    f"'{name}' is kept from like (NameMap keep=), but like holds an "
+                    f"abstract {describe(leaf)} there.\nHint: pass a like with "
+                    "concrete arrays for the names in keep=."
+                )
+            state[name] = np.asarray(leaf)[index]
+        return state
+
+    def load(self, like: T, external: Mapping[str, object]) -> T:
+        """`like` with its arrays from `external`, a state dict of external names
+        (NumPy or JAX arrays). Every unmapped, unused or mis-shaped name is
+        reported at once, with its layer."""
+        if not any(is_arraylike(x) for x in jax.tree_util.tree_leaves(like)):
+            raise TypeError(
+                f"NameMap.load: like must be a model, got {describe(like)}."
+            )
+        return from_state_dict(like, self.mapping(like, external))
+
+
+@dataclasses.dataclass
+class _Planned:
+    rule: _Compiled
+    binding: dict[str, int]
+    ours: tuple[str, ...]
+    theirs: tuple[str, ...]
+    steps: list[list[Shape]]
+    dtype: np.dtype
+
+
+def _shape_dtype(value: object) -> tuple[Shape, np.dtype]:
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is None or dtype is None:
+        array = np.asarray(value)
+        shape, dtype = array.shape, array.dtype
+    return tuple(shape), np.dtype(dtype)
+
+
+def _piece(
+    rule: _Compiled, reads: list[Callable[[], np.ndarray]], k: int
+) -> Callable[[], np.ndarray]:
+    return lambda: rule.export([r() for r in reads])[k]
+
+
+def _inverse(p: _Planned, values: list[object]) -> Callable[[], list[np.ndarray]]:
+    cache: list[list[np.ndarray]] = []
+    reads = [0]
+
+    def read() -> list[np.ndarray]:
+        # The eqxscan arrays of a joined rule come from the same pieces: read
+        # them once, and let them go once each of its arrays has been taken.
+        if not cache:
+            cache.append(p.rule.load([np.asarray(v) for v in values], p.steps))
+        out = cache[0]
+        reads[0] += 1
+        if reads[0] % len(p.ours) == 0:
+            cache.clear()
+        return out
+
+    return read
+
+
+def _nth(read: Callable[[], list[np.ndarray]], k: int) -> Callable[[], np.ndarray]:
+    return lambda: read()[k]

@@ -1,0 +1,554 @@
+"""safetensors files of a model's per-layer state dict: one file, or shards with
+the index JSON that Hugging Face writes, through the `safetensors` package's
+NumPy API (imported on first use, so `import eqxscan` does not import it).
+
+Writing streams: each shard gathers only its own layer slices, so a stacked
+model is never held twice in host memory (at most one shard beside it).
+Every file goes to a temporary file first, then `os.replace`. Each file's
+metadata holds the SHA-256 digest of each of its arrays and a token of the save,
+which the index repeats: loading checks both, so a flipped bit in the data or
+a shard of another save is refused, as for `.npz` checkpoints.
+"""
+
+import hashlib
+import json
+import os
+import re
+import secrets
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TypeVar
+
+import jax
+import numpy as np
+
+from .._internal import check_path, describe, is_arraylike
+from ._names import Lazy, NameMap
+from ._serialise import _fsync_dir, _locked_temporary, _remove_stale
+from ._state_dict import entries_of, from_state_dict
+
+
+__all__ = ["load_safetensors", "read_safetensors", "save_safetensors"]
+
+T = TypeVar("T")
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+_SHARD = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
+_DIGESTS = "eqxscan.sha256"  # metadata: JSON {name: hex digest}
+_TOKEN = "eqxscan.save"  # metadata of each file and of the index: one save's token
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_DOCS = "see docs/checkpoints.md"
+Entry = tuple[str, tuple[int, ...], np.dtype, Callable[[], np.ndarray]]
+
+
+def _package():
+    try:
+        import safetensors
+        import safetensors.numpy
+    except ImportError as e:  # pragma: no cover - a dependency of eqxscan
+        raise ImportError(
+            "eqxscan's safetensors files need the `safetensors` package: "
+            "pip install safetensors"
+        ) from e
+    return safetensors
+
+
+def _size(max_shard_size: int | str | None) -> int | None:
+    if max_shard_size is None or isinstance(max_shard_size, int):
+        if isinstance(max_shard_size, int) and max_shard_size < 1:
+            raise ValueError(f"max_shard_size must be positive, got {max_shard_size}.")
+        return max_shard_size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(max_shard_size))
+    if m is None or m.group(2).upper() not in _UNITS:
+        raise ValueError(
+            f"max_shard_size must be a number of bytes or a size such as '5GB' "
+            f"or '500MiB', got {max_shard_size!r}."
+        )
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def _digest(array: np.ndarray) -> str:
+    flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    return hashlib.sha256(flat.data).hexdigest()
+
+
+def _entries(model: object) -> list[Entry]:
+    """`(name, shape, dtype, read)` of each per-layer array of `model`, in
+    [`eqxscan.to_state_dict`][]'s order; `read` copies only its own slice
+    to the host."""
+    out: list[Entry] = []
+    hosts: dict[int, np.ndarray] = {}
+
+    def reader(
+        leaf: object, index: tuple[int, ...], key: int
+    ) -> Callable[[], np.ndarray]:
+        def read() -> np.ndarray:
+            if isinstance(leaf, jax.Array) and not all(
+                d.platform == "cpu" for d in leaf.devices()
+            ):
+                return np.asarray(leaf[index])  # one slice off the device
+            if key not in hosts:  # on the host already: a view, no copy
+                hosts[key] = np.asarray(leaf)
+            return hosts[key][index]
+
+        return read
+
+    for name, leaf, index in entries_of(model):
+        if isinstance(leaf.leaf, jax.ShapeDtypeStruct):
+            raise TypeError(
+                f"save_safetensors: '{name}' is an abstract {describe(leaf.leaf)}; "
+                "saving needs concrete arrays."
+            )
+        out.append((name, leaf.shape, leaf.dtype, reader(leaf.leaf, index, id(leaf))))
+    return out
+
+
+def _shards(
+    entries: Sequence[tuple[str, Lazy]], max_size: int | None
+) -> list[list[tuple[str, Lazy]]]:
+    """Consecutive entries grouped into files of at most `max_size` bytes (an
+    array larger than that gets a file of its own), as Hugging Face does."""
+    shards: list[list[tuple[str, Lazy]]] = [[]]
+    size = 0
+    for name, lazy in entries:
+        nbytes = int(np.prod(lazy.shape, dtype=np.int64)) * lazy.dtype.itemsize
+        if max_size is not None and shards[-1] and size + nbytes > max_size:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, lazy))
+        size += nbytes
+    return shards
+
+
+def _write_atomic(
+    final: str, write: Callable[[str], None], temporaries: list[tuple[str, str, int]]
+) -> None:
+    """Write a temporary file beside `final` with `write(tmp)`, fsynced; it is
+    renamed by the caller once every file of the save is written."""
+    directory, base = os.path.split(final)
+    prefix = f".{base}."
+    _remove_stale(directory, prefix)
+    fd, tmp = _locked_temporary(directory, prefix)
+    temporaries.append((tmp, final, fd))
+    write(tmp)
+    os.fsync(fd)
+
+
+def save_safetensors(
+    path: str | os.PathLike,
+    model: object,
+    *,
+    names: NameMap | None = None,
+    max_shard_size: int | str | None = None,
+    metadata: Mapping[str, str] | None = None,
+) -> list[str]:
+    """Save `model`'s per-layer state dict as safetensors: one file, or a
+    directory as Hugging Face lays it out.
+
+    With a `path` ending in `.safetensors`, one file. Otherwise `path` is a
+    directory (made if absent): `model.safetensors`, or, past `max_shard_size`,
+    `model-00001-of-0000N.safetensors` files and `model.safetensors.index.json`
+    (`{"metadata": {"total_size": ...}, "weight_map": {name: file}}`). The
+    arrays are written one file at a time, each layer's slice taken from the
+    stacked arrays as its file is written, so the model is never copied whole.
+    bfloat16 stays bfloat16. Every file is written to a temporary file and
+    moved into place once all are written: an error mid-save leaves the
+    previous files intact.
+
+    **Arguments:**
+
+    - `path`: a `.safetensors` file, or a directory.
+    - `model`: any model that [`eqxscan.to_state_dict`][] accepts.
+    - `names`: a [`eqxscan.checkpoint.NameMap`][] to write another convention's
+      names (e.g. Hugging Face's); by default eqxscan's own.
+    - `max_shard_size`: bytes per file (an int, or `"5GB"`, `"500MiB"`); only
+      with a directory.
+    - `metadata`: extra string entries for each file's metadata (`format`
+      defaults to the name map's, or `"pt"`).
+
+    **Returns:**
+
+    The paths written, the index last.
+    """
+    path = check_path("save_safetensors: path", path)
+    max_size = _size(max_shard_size)
+    single = path.endswith(".safetensors")
+    if single and max_size is not None:
+        raise ValueError(
+            f"save_safetensors: max_shard_size needs a directory, but {path!r} "
+            "names one .safetensors file.\nHint: pass the directory to write "
+            "model-00001-of-0000N.safetensors files into."
+        )
+    entries = _entries(model)
+    external = (
+        names.plan_export(entries)
+        if names is not None
+        else [(n, Lazy(s, d, r)) for n, s, d, r in entries]
+    )
+    info = {"format": names.format if names is not None else "pt", **(metadata or {})}
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in info.items()):
+        raise TypeError("save_safetensors: metadata must map strings to strings.")
+    token = secrets.token_hex(8)
+    info[_TOKEN] = token
+    directory = os.path.dirname(os.path.abspath(path)) if single else path
+    if not single and not os.path.isdir(directory):
+        if not os.path.isdir(os.path.dirname(os.path.abspath(directory))):
+            raise FileNotFoundError(
+                f"Cannot save to {path!r}: its parent directory does not exist."
+            )
+        os.makedirs(directory, exist_ok=True)
+    if single and not os.path.isdir(directory):
+        raise FileNotFoundError(
+            f"Cannot save to {path!r}: its directory {directory!r} does not exist."
+        )
+    shards = _shards(external, max_size)
+    n = len(shards)
+    files = (
+        [path]
+        if single
+        else [os.path.join(directory, SINGLE)]
+        if n == 1
+        else [
+            os.path.join(directory, f"model-{k + 1:05d}-of-{n:05d}.safetensors")
+            for k in range(n)
+        ]
+    )
+    st = _package()
+    temporaries: list[tuple[str, str, int]] = []
+    weight_map: dict[str, str] = {}
+    total = 0
+    try:
+        for file, shard in zip(files, shards):
+            arrays = {name: np.ascontiguousarray(lazy.read()) for name, lazy in shard}
+            for name, array in arrays.items():
+                weight_map[name] = os.path.basename(file)
+                total += array.nbytes
+            digests = json.dumps({k: _digest(v) for k, v in arrays.items()})
+            meta = {**info, _DIGESTS: digests}
+            _write_atomic(file, _saver(st, arrays, meta), temporaries)
+            del arrays  # before the next shard's slices are gathered
+        if n > 1:
+            index = {
+                "metadata": {"total_size": total, _TOKEN: token},
+                "weight_map": weight_map,
+            }
+
+            def write_index(tmp: str) -> None:
+                with open(tmp, "w", encoding="utf-8") as f:
+                    json.dump(index, f, indent=2)
+
+            _write_atomic(os.path.join(directory, INDEX), write_index, temporaries)
+        for tmp, final, _ in temporaries:
+            os.replace(tmp, final)  # the index last: it names the new shards
+    except BaseException as e:
+        for tmp, _, _ in temporaries:
+            try:
+                os.remove(tmp)
+            except FileNotFoundError:
+                pass
+        if isinstance(e, OSError):
+            raise _refused(e, path) from e
+        raise
+    finally:
+        for _, _, fd in temporaries:
+            os.close(fd)
+    _fsync_dir(directory)
+    if not single:
+        _remove_old(directory, {os.path.basename(f) for f in files}, n > 1)
+    return [final for _, final, _ in temporaries]
+
+
+def _saver(
+    st: object, arrays: dict[str, np.ndarray], meta: dict[str, str]
+) -> Callable[[str], None]:
+    return lambda tmp: st.numpy.save_file(arrays, tmp, metadata=meta)  # type: ignore[attr-defined]
+
+
+def _refused(e: OSError, path: str) -> OSError:
+    error = type(e)(
+        f"Cannot save to {path!r}: {e}.\nHint: save_safetensors writes temporary "
+        "files ('.<name>.XXXXXXXX.tmp') beside the final ones, then renames them; "
+        "the previous files are left as they were."
+    )
+    error.errno = e.errno
+    return error
+
+
+def _remove_old(directory: str, written: set[str], sharded: bool) -> None:
+    """The files of an earlier save to `directory` that this one replaces."""
+    for name in os.listdir(directory):
+        old_shard = _SHARD.fullmatch(name) is not None
+        old_other = name == (SINGLE if sharded else INDEX)
+        if (old_shard or old_other) and name not in written:
+            try:
+                os.remove(os.path.join(directory, name))
+            except OSError:
+                pass
+
+
+# Reading.
+
+
+class _Corrupt(ValueError):
+    pass
+
+
+def _bad(path: str, why: str) -> ValueError:
+    return _Corrupt(
+        f"Safetensors file {path!r} is corrupt or is not a safetensors file: {why}."
+        f"\nHint: restore it from a copy, or save it again; {_DOCS}."
+    )
+
+
+class _Files(Mapping[str, Lazy]):
+    """The arrays of a safetensors file or sharded directory, by name: shapes
+    and dtypes from the headers, data read (and checked against its digest)
+    only when asked for."""
+
+    def __init__(self, path: str):
+        self.handles: list[object] = []
+        self.entries: dict[str, Lazy] = {}
+        files, token, self.where = self._resolve(path)
+        try:
+            for file, names in files.items():
+                self._open(file, names, token)
+        except BaseException:
+            self.close()
+            raise
+
+    def _resolve(
+        self, path: str
+    ) -> tuple[dict[str, list[str] | None], str | None, str]:
+        if os.path.isdir(path):
+            if os.path.isfile(os.path.join(path, SINGLE)):
+                return {os.path.join(path, SINGLE): None}, None, path
+            if os.path.isfile(os.path.join(path, INDEX)):
+                path = os.path.join(path, INDEX)
+            else:
+                raise FileNotFoundError(
+                    f"No safetensors checkpoint in {path!r}: neither {SINGLE} nor "
+                    f"{INDEX} is there."
+                )
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"No safetensors file {path!r}.")
+        if not path.endswith(".json"):
+            return {path: None}, None, path
+        try:
+            with open(path, encoding="utf-8") as f:
+                index = json.load(f)
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            raise ValueError(
+                f"Safetensors index {path!r} is not valid JSON ({e}).\nHint: "
+                f"restore it from a copy, or save again; {_DOCS}."
+            ) from None
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) and _plain(v)
+            for k, v in weight_map.items()
+        ):
+            raise ValueError(
+                f"Safetensors index {path!r} has no valid 'weight_map' (an object "
+                "from array names to file names in its directory).\nHint: an "
+                f"index as Hugging Face writes it is expected; {_DOCS}."
+            )
+        meta = index.get("metadata")
+        token = meta.get(_TOKEN) if isinstance(meta, dict) else None
+        directory = os.path.dirname(path)
+        files: dict[str, list[str] | None] = {}
+        for name, file in weight_map.items():
+            files.setdefault(os.path.join(directory, file), []).append(name)  # type: ignore[union-attr]
+        absent = sorted(os.path.basename(f) for f in files if not os.path.isfile(f))
+        if absent:
+            raise FileNotFoundError(
+                f"Safetensors index {path!r} names files that are not there: "
+                f"{', '.join(map(repr, absent))}.\nHint: copy every shard beside "
+                "the index, or save again."
+            )
+        return files, token if isinstance(token, str) else None, path
+
+    def _open(self, file: str, names: list[str] | None, token: str | None) -> None:
+        st = _package()
+        try:
+            handle = st.safe_open(file, framework="np")
+            self.handles.append(handle)
+            keys = list(handle.keys())
+            meta = handle.metadata() or {}
+            specs = {}
+            for key in keys:
+                piece = handle.get_slice(key)
+                specs[key] = (tuple(piece.get_shape()), piece.get_dtype())
+        except Exception as e:  # the package's SafetensorError, or an OSError
+            with open(file, "rb") as f:
+                start = f.read(4)
+            if start.startswith(b"PK"):
+                why = (
+                    "it is a zip archive (an .npz of eqxscan.save? read it with "
+                    "eqxscan.load)"
+                )
+            else:
+                why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            raise _bad(file, why) from None
+        digests: dict[str, str] = {}
+        if _DIGESTS in meta:
+            try:
+                digests = json.loads(meta[_DIGESTS])
+                assert isinstance(digests, dict)
+            except (ValueError, AssertionError):
+                raise _bad(
+                    file, f"its metadata '{_DIGESTS}' is not a JSON object"
+                ) from None
+        if digests and sorted(digests) != sorted(keys):
+            raise _bad(file, "its arrays differ from the names its metadata records")
+        if token is not None and meta.get(_TOKEN) != token:
+            raise _Corrupt(
+                f"Safetensors file {file!r} is of another save than its index "
+                f"{self.where!r}: a save was interrupted, or files of two saves "
+                "were mixed.\nHint: save again, or restore the directory from a copy."
+            )
+        if names is not None:
+            missing = sorted(set(names) - set(keys))
+            extra = sorted(set(keys) - set(names))
+            if missing or extra:
+                what = "; ".join(
+                    f"{w} {', '.join(map(repr, x[:10]))}"
+                    for w, x in (("missing", missing), ("not in the index", extra))
+                    if x
+                )
+                raise _bad(file, f"its arrays differ from its index: {what}")
+        for key, (shape, dtype_name) in specs.items():
+            if key in self.entries:
+                raise _bad(file, f"'{key}' is in another file of the index too")
+            dtype = _dtype(file, key, dtype_name)
+            self.entries[key] = Lazy(
+                shape, dtype, self._reader(handle, file, key, digests.get(key))
+            )
+
+    def _reader(
+        self, handle: object, file: str, key: str, digest: str | None
+    ) -> Callable[[], np.ndarray]:
+        def read() -> np.ndarray:
+            try:
+                array = handle.get_tensor(key)  # type: ignore[attr-defined]
+            except Exception as e:
+                raise _bad(file, f"'{key}' cannot be read ({e})") from None
+            if digest is not None and _digest(array) != digest:
+                raise _bad(
+                    file,
+                    f"array '{key}' does not match its SHA-256 digest: its data "
+                    "changed after it was saved",
+                )
+            return np.asarray(array)
+
+        return read
+
+    def __getitem__(self, name: str) -> Lazy:
+        return self.entries[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def close(self) -> None:
+        for handle in self.handles:
+            try:
+                handle.__exit__(None, None, None)  # type: ignore[attr-defined]
+            except Exception:
+                pass
+        self.handles.clear()
+
+
+_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
+    "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8",
+    "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+}  # fmt: skip
+
+
+def _dtype(file: str, key: str, name: str) -> np.dtype:
+    try:
+        return np.dtype(jax.numpy.dtype(_DTYPES.get(name, name.lower())))
+    except TypeError:
+        raise _bad(file, f"'{key}' has dtype {name}, which NumPy cannot hold") from None
+
+
+def _plain(file: str) -> bool:
+    return os.path.basename(file) == file and file not in ("", ".", "..")
+
+
+def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """Read every array of a safetensors file or directory (as
+    [`eqxscan.save_safetensors`][] or Hugging Face write them), with their
+    dtypes (bfloat16 included), each checked against its digest where the
+    file has one.
+
+    **Arguments:**
+
+    - `path`: a `.safetensors` file, a `model.safetensors.index.json`, or a
+      directory holding either.
+
+    **Returns:**
+
+    A `dict[str, numpy.ndarray]` of the file's own names.
+    """
+    files = _Files(check_path("read_safetensors: path", path))
+    try:
+        return {name: lazy.read() for name, lazy in files.items()}
+    finally:
+        files.close()
+
+
+def load_safetensors(
+    path: str | os.PathLike, like: T, *, names: NameMap | None = None
+) -> T:
+    """Load a safetensors file or directory into a model shaped like `like`.
+
+    Names, shapes and dtypes are checked against `like` before any array is
+    read (through `names` if given, reporting every missing, unused or
+    mis-shaped name at once, with its layer), and each array against its
+    digest where the file has one.
+
+    **Arguments:**
+
+    - `path`: a `.safetensors` file, a `model.safetensors.index.json`, or a
+      directory holding either (as Hugging Face lays them out).
+    - `like`: a model of the wanted layout (arrays or `jax.ShapeDtypeStruct`s),
+      as for [`eqxscan.from_state_dict`][].
+    - `names`: a [`eqxscan.checkpoint.NameMap`][] from the file's names to
+      eqxscan's; by default the file holds eqxscan's own names.
+
+    **Returns:**
+
+    `like` with its arrays replaced by the file's.
+
+    **Raises:**
+
+    `FileNotFoundError` for a missing file or shard; `ValueError` naming the
+    file for a corrupt one (truncated, a bad header, a changed array) and
+    naming the keys, layers, shapes or dtypes that differ from the model.
+    """
+    if not any(is_arraylike(x) for x in jax.tree_util.tree_leaves(like)):
+        raise TypeError(
+            f"load_safetensors: like must be a model of the saved layout, with "
+            f"arrays (or jax.ShapeDtypeStructs) in it, got {describe(like)}.\n"
+            "Hint: pass a model built with the saved configuration, e.g. "
+            "eqx.filter_eval_shape(make_model, key)."
+        )
+    files = _Files(check_path("load_safetensors: path", path))
+    try:
+        state: Mapping[str, object] = files
+        if names is not None:
+            state = names.mapping(like, files, source=repr(files.where))
+        try:
+            return from_state_dict(like, state)
+        except _Corrupt:
+            raise
+        except ValueError as e:
+            first, *rest = str(e).splitlines()
+            raise ValueError(
+                "\n".join([f"{files.where!r} does not fit the model: {first}", *rest])
+            ) from None
+    finally:
+        files.close()

@@ -1,0 +1,249 @@
+"""Name maps, declared once and used both ways: renames with the layer index
+(global across a Chain's runs and periodic units), transposes, fused
+projections split and joined (grouped-query heads), head-axis reshapes, names
+of one side only; every problem reported at once, with its layer."""
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqxscan
+from eqxscan.checkpoint import Join, NameMap, Reshape, Rule, Split, Transpose
+
+
+D, H, K, HD = 8, 4, 2, 2  # model width, query heads, key/value heads, head size
+
+
+class Block(eqx.Module):
+    norm: jax.Array  # [D]
+    wqkv: jax.Array  # [D, (H + 2K) * HD]: fused, [in, out]
+    wo: jax.Array  # [H, HD, D]: by head
+
+    def __init__(self, *, key):
+        k1, k2 = jax.random.split(key)
+        self.norm = jnp.ones(D)
+        self.wqkv = jax.random.normal(k1, (D, (H + 2 * K) * HD))
+        self.wo = jax.random.normal(k2, (H, HD, D))
+
+
+class Model(eqx.Module):
+    embed: jax.Array
+    blocks: eqxscan.Stacked
+
+    def __init__(self, num_layers=3, *, key):
+        k1, k2 = jax.random.split(key)
+        self.embed = jax.random.normal(k1, (16, D))
+        self.blocks = eqxscan.Stacked(lambda k: Block(key=k), num_layers, key=k2)
+
+
+@functools.cache
+def _model(seed=0, num_layers=3):
+    return Model(num_layers, key=jax.random.key(seed))
+
+
+PT = "model.layers.{i}.self_attn."
+TORCH = NameMap(
+    {
+        "embed": "model.embed_tokens.weight",
+        "blocks.{i}.norm": "model.layers.{i}.input_layernorm.weight",
+        "blocks.{i}.wqkv": Rule(
+            [PT + "q_proj.weight", PT + "k_proj.weight", PT + "v_proj.weight"],
+            Transpose(),
+            Split(0, (H * HD, K * HD, K * HD)),
+        ),
+        "blocks.{i}.wo": Rule(PT + "o_proj.weight", Reshape((H * HD, D)), Transpose()),
+    },
+    ignore=["model.layers.{i}.self_attn.rotary_emb.inv_freq"],
+)
+
+
+def _by_hand(model):
+    """What the map should write, built with plain NumPy."""
+    out = {"model.embed_tokens.weight": np.asarray(model.embed)}
+    for i in range(model.blocks.num_layers):
+        layer = model.blocks[i]
+        q, k, v = np.split(np.asarray(layer.wqkv), [H * HD, (H + K) * HD], axis=1)
+        out[f"model.layers.{i}.input_layernorm.weight"] = np.asarray(layer.norm)
+        out[PT.format(i=i) + "q_proj.weight"] = q.T
+        out[PT.format(i=i) + "k_proj.weight"] = k.T
+        out[PT.format(i=i) + "v_proj.weight"] = v.T
+        out[PT.format(i=i) + "o_proj.weight"] = np.asarray(layer.wo).reshape(-1, D).T
+    return out
+
+
+def test_export_matches_a_hand_written_conversion_and_loads_back():
+    model = _model()
+    external = TORCH.export(model)
+    expected = _by_hand(model)
+    assert list(external) == [
+        "model.embed_tokens.weight",
+        *[
+            n.format(i=i)
+            for i in range(3)
+            for n in [
+                "model.layers.{i}.input_layernorm.weight",
+                PT + "q_proj.weight",
+                PT + "k_proj.weight",
+                PT + "v_proj.weight",
+                PT + "o_proj.weight",
+            ]
+        ],
+    ]
+    assert external[PT.format(i=0) + "k_proj.weight"].shape == (K * HD, D)
+    for name, array in expected.items():
+        np.testing.assert_array_equal(external[name], array, err_msg=name)
+    # Load: the inverse, from the hand-written arrays, and a buffer of their
+    # side only, ignored.
+    expected["model.layers.1.self_attn.rotary_emb.inv_freq"] = np.ones(2)
+    loaded = TORCH.load(_model(1), expected)
+    assert eqx.tree_equal(loaded, model)
+
+
+def test_joined_on_our_side_split_back_on_load():
+    # GPT-2's fused c_attn: separate q/k/v here, one [D, 3D] array there.
+    class Attn(eqx.Module):
+        q: jax.Array
+        k: jax.Array
+        v: jax.Array
+
+    key = jax.random.key(0)
+    stack = eqxscan.Stacked(
+        lambda k: Attn(*jax.random.normal(k, (3, 2, D, D))[:, 0]), 2, key=key
+    )
+    names = NameMap(
+        {("{i}.q", "{i}.k", "{i}.v"): Rule("h.{i}.attn.c_attn.weight", Join(1))}
+    )
+    external = names.export(stack)
+    assert list(external) == ["h.0.attn.c_attn.weight", "h.1.attn.c_attn.weight"]
+    np.testing.assert_array_equal(
+        external["h.1.attn.c_attn.weight"],
+        np.concatenate([stack[1].q, stack[1].k, stack[1].v], axis=1),
+    )
+    other = eqxscan.Stacked(lambda k: Attn(*jnp.zeros((3, D, D))), 2, key=key)
+    assert eqx.tree_equal(names.load(other, external), stack)
+
+
+def test_layer_index_is_global_across_a_chains_runs_and_periodic_units():
+    class Local(eqx.Module):
+        w: jax.Array
+
+    class Global(eqx.Module):
+        w: jax.Array
+        gate: jax.Array
+
+    def layers(seed):
+        keys = jax.random.split(jax.random.key(seed), 7)
+        return [
+            Global(jax.random.normal(k, (2, 3)), jnp.full(3, float(i)))
+            if i % 3 == 2
+            else Local(jax.random.normal(k, (2, 3)))
+            for i, k in enumerate(keys)
+        ]
+
+    chain = eqxscan.Chain(layers(0))  # L L G L L G L: repeats of (L, L, G)
+    assert any(isinstance(g, eqxscan.Stacked) for g in chain.groups)
+    model = {"layers": chain}
+    names = NameMap(
+        {
+            "layers.{i}.w": Rule("h.{i}.kernel", Transpose()),
+            "layers.{i}.gate": "h.{i}.gate",
+        }
+    )
+    external = names.export(model)
+    assert sorted(external, key=lambda n: int(n.split(".")[1])) == list(external)
+    for i, layer in enumerate(chain.unstack()):
+        np.testing.assert_array_equal(external[f"h.{i}.kernel"], layer.w.T)
+        if i % 3 == 2:
+            np.testing.assert_array_equal(external[f"h.{i}.gate"], np.full(3, i))
+        else:
+            assert f"h.{i}.gate" not in external
+    loaded = names.load({"layers": eqxscan.Chain(layers(1))}, external)
+    assert eqx.tree_equal(loaded, model)
+
+
+def test_every_problem_is_reported_at_once_with_its_layer():
+    external = _by_hand(_model())
+    del external[PT.format(i=2) + "v_proj.weight"]
+    external[PT.format(i=1) + "k_proj.weight"] = np.zeros((D, D), np.float32)
+    external["model.layers.3.input_layernorm.weight"] = np.ones(D, np.float32)
+    external["lm_head.weight"] = np.ones((16, D), np.float32)
+    with pytest.raises(ValueError) as e:
+        TORCH.load(_model(1), external)
+    first, hint = str(e.value).splitlines()
+    assert "(1 mis-shaped, 1 missing, 2 unused)" in first
+    assert (
+        "missing 'model.layers.2.self_attn.v_proj.weight' (layer 2) for "
+        "'blocks.2.wqkv'" in first
+    )
+    assert (
+        "'model.layers.1.self_attn.k_proj.weight' (layer 1) is float32[8, 8], "
+        "'blocks.1.wqkv' needs float32[4, 8]" in first
+    )
+    assert "unused 'model.layers.3.input_layernorm.weight' (layer 3)" in first
+    assert "unused 'lm_head.weight'" in first
+    assert hint.startswith("Hint: ")
+
+
+def test_names_of_one_side_only():
+    # `keep`: a buffer of eqxscan's model only, taken from like and not written.
+    class WithTable(eqx.Module):
+        model: Model
+        rope: jax.Array
+
+    ours = WithTable(_model(), jnp.arange(4.0))
+    names = NameMap(
+        {"model.embed": "model.embed_tokens.weight", **_prefixed(TORCH)},
+        keep=["rope"],
+    )
+    external = names.export(ours)
+    assert "rope" not in external and len(external) == 16
+    like = WithTable(_model(1), jnp.arange(4.0) + 1)
+    loaded = names.load(like, external)
+    assert eqx.tree_equal(loaded.model, _model())
+    np.testing.assert_array_equal(loaded.rope, like.rope)
+
+
+def _prefixed(names):
+    return {
+        "model.blocks.{i}.norm": "model.layers.{i}.input_layernorm.weight",
+        "model.blocks.{i}.wqkv": names._rules[2].rule,
+        "model.blocks.{i}.wo": names._rules[3].rule,
+    }
+
+
+def test_maps_that_do_not_fit_are_named():
+    with pytest.raises(ValueError, match="no rule for 'blocks.0.wo'"):
+        NameMap(
+            {"embed": "e", "blocks.{i}.norm": "n.{i}", "blocks.{i}.wqkv": "a.{i}"}
+        ).export(_model())
+    fused = Rule(("q.{i}", "k.{i}", "v.{i}"), Split(0, (4, 4, 4)))
+    with pytest.raises(ValueError, match=r"Split\(0, \(4, 4, 4\)\) does not fit") as e:
+        NameMap(
+            {"embed": "e", "blocks.{i}.norm": "n.{i}", "blocks.{i}.wo": "o.{i}"}
+            | {"blocks.{i}.wqkv": fused}
+        ).export(_model())
+    assert "'blocks.2.wqkv' float32[8, 16]" in str(e.value)
+    with pytest.raises(ValueError, match="needs a Split as its last operation"):
+        NameMap({"a": Rule(("b", "c"))})
+    with pytest.raises(ValueError, match="same ones"):
+        NameMap({"blocks.{i}.norm": "norm"})
+    with pytest.raises(TypeError, match="rules"):
+        NameMap({"a": 3})  # type: ignore[dict-item]
+
+
+def test_safetensors_files_through_a_name_map(tmp_path):
+    model = _model()
+    eqxscan.save_safetensors(tmp_path, model, names=TORCH, max_shard_size=600)
+    plain = eqxscan.read_safetensors(tmp_path)
+    expected = _by_hand(model)
+    assert sorted(plain) == sorted(expected)
+    for name, array in expected.items():
+        np.testing.assert_array_equal(plain[name], array)
+    loaded = eqxscan.load_safetensors(tmp_path, _model(1), names=TORCH)
+    assert eqx.tree_equal(loaded, model)
+    with pytest.raises(ValueError, match=r"\(5 missing\): missing 'model.layers.3"):
+        eqxscan.load_safetensors(tmp_path, _model(1, num_layers=4), names=TORCH)

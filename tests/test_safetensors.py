@@ -1,0 +1,283 @@
+"""safetensors checkpoints: one file and sharded directories as Hugging Face lays
+them out, bfloat16, streaming, and faults (truncated, flipped bits, foreign
+files, the wrong model, a missing shard, interrupted saves). Every fault either
+loads exactly what was saved or raises an error naming the file."""
+
+import functools
+import json
+import os
+import struct
+import tracemalloc
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import safetensors.numpy
+
+import eqxscan
+
+
+@functools.cache  # models are immutable: build each once
+def _mlp(seed=0, dim=4, num_layers=2, **kw):
+    return eqxscan.StackedMLP(dim, num_layers, key=jax.random.key(seed), **kw)
+
+
+def _refused(path, *match, like=None, error=ValueError, where=None):
+    with pytest.raises(error) as e:
+        eqxscan.load_safetensors(path, _mlp(1) if like is None else like)
+    msg = str(e.value)
+    assert str(where or path) in msg, msg
+    for m in match:
+        assert m in msg, msg
+    assert len(msg.splitlines()) <= 2, msg
+    return msg
+
+
+def test_one_file_round_trip_keeps_bfloat16_and_reads_with_plain_safetensors(
+    tmp_path,
+):
+    model = _mlp(dtype=jnp.bfloat16)
+    path = tmp_path / "model.safetensors"
+    assert eqxscan.save_safetensors(path, model) == [str(path)]
+    assert os.listdir(tmp_path) == ["model.safetensors"]
+    loaded = eqxscan.load_safetensors(path, _mlp(1, dtype=jnp.bfloat16))
+    assert loaded.blocks.layers.w1.dtype == jnp.bfloat16
+    assert eqx.tree_equal(loaded, model)
+    # The package alone reads the same per-layer arrays, as bfloat16.
+    plain = safetensors.numpy.load_file(path)
+    state = eqxscan.to_state_dict(model)
+    assert sorted(plain) == sorted(state)
+    for name, array in state.items():
+        assert plain[name].dtype == jnp.bfloat16
+        np.testing.assert_array_equal(plain[name], array)
+    # And an abstract like: nothing initialised to be overwritten.
+    like = eqx.filter_eval_shape(_mlp, 0, dtype=jnp.bfloat16)
+    assert eqx.tree_equal(eqxscan.load_safetensors(path, like), model)
+
+
+def test_sharded_directory_as_hugging_face_lays_it_out(tmp_path):
+    model = _mlp(dim=8, num_layers=3)
+    state = eqxscan.to_state_dict(model)
+    sizes = {k: v.nbytes for k, v in state.items()}  # w1, w2: 1024, scale: 32
+    written = eqxscan.save_safetensors(tmp_path, model, max_shard_size="2.1KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == sum(sizes.values())
+    assert list(index["weight_map"]) == list(state)  # to_state_dict's order
+    # Greedy, as Hugging Face: a new file when the next array would not fit.
+    files = sorted(set(index["weight_map"].values()))
+    assert files == [f"model-{k:05d}-of-00003.safetensors" for k in range(1, 4)]
+    for name, file in index["weight_map"].items():
+        assert file == files[int(name.split(".")[1])], name  # a layer each
+    for file in files:
+        size = sum(sizes[n] for n, f in index["weight_map"].items() if f == file)
+        assert size <= 2100
+        assert sorted(safetensors.numpy.load_file(tmp_path / file)) == sorted(
+            n for n, f in index["weight_map"].items() if f == file
+        )
+    assert written[-1] == str(tmp_path / "model.safetensors.index.json")
+    for where in (tmp_path, tmp_path / "model.safetensors.index.json"):
+        loaded = eqxscan.load_safetensors(where, _mlp(1, dim=8, num_layers=3))
+        assert eqx.tree_equal(loaded, model)
+    # Saving again unsharded replaces the shards and the index.
+    eqxscan.save_safetensors(tmp_path, model)
+    assert os.listdir(tmp_path) == ["model.safetensors"]
+    eqxscan.save_safetensors(tmp_path, model, max_shard_size=1500)
+    assert "model.safetensors" not in os.listdir(tmp_path)
+
+
+def test_saving_streams_one_shard_at_a_time(tmp_path):
+    # 8 layers of 2 x [64, 256] float32: 1 MiB in all, 64 KiB a layer's matrix.
+    model = _mlp(dim=64, num_layers=8)
+    host = jax.tree.map(lambda x: np.asarray(x) if eqx.is_array(x) else x, model)
+    total = sum(v.nbytes for v in eqxscan.to_state_dict(host).values())
+    tracemalloc.start()
+    try:
+        eqxscan.save_safetensors(tmp_path, host, max_shard_size=70_000)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(os.listdir(tmp_path)) > 8
+    assert peak < total / 4, (peak, total)
+    like = _mlp(1, dim=64, num_layers=8)
+    assert eqx.tree_equal(eqxscan.load_safetensors(tmp_path, like), model)
+
+
+def test_bad_arguments_are_named(tmp_path):
+    with pytest.raises(ValueError, match="max_shard_size needs a directory"):
+        eqxscan.save_safetensors(tmp_path / "m.safetensors", _mlp(), max_shard_size=10)
+    with pytest.raises(ValueError, match="'5 parsecs'"):
+        eqxscan.save_safetensors(tmp_path, _mlp(), max_shard_size="5 parsecs")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        eqxscan.save_safetensors(tmp_path / "a" / "b" / "m.safetensors", _mlp())
+    with pytest.raises(TypeError, match="abstract"):
+        eqxscan.save_safetensors(
+            tmp_path / "m.safetensors", eqx.filter_eval_shape(_mlp)
+        )
+    with pytest.raises(FileNotFoundError, match="neither model.safetensors nor"):
+        eqxscan.load_safetensors(tmp_path, _mlp())
+    with pytest.raises(FileNotFoundError, match="No safetensors file"):
+        eqxscan.load_safetensors(tmp_path / "gone.safetensors", _mlp())
+
+
+# Faults.
+
+
+def _saved(tmp_path, model=None):
+    path = tmp_path / "model.safetensors"
+    eqxscan.save_safetensors(path, _mlp() if model is None else model)
+    return path
+
+
+def test_truncated_files_are_refused_and_named(tmp_path):
+    data = _saved(tmp_path).read_bytes()
+    cut = tmp_path / "cut.safetensors"
+    for n in sorted({0, 1, 7, 8, 9, 30, 100} | set(range(0, len(data), 97))):
+        cut.write_bytes(data[:n])
+        _refused(cut, "is corrupt or is not a safetensors file")
+    cut.write_bytes(data[:-1])
+    _refused(cut, "is corrupt")
+
+
+def test_flipped_bits_load_the_saved_values_or_are_named(tmp_path):
+    # Anywhere, the header and the data alike: never another model, never a
+    # raw error of the package.
+    model = _mlp()
+    path = _saved(tmp_path, model)
+    data = bytearray(path.read_bytes())
+    (header,) = struct.unpack("<Q", data[:8])
+    rng = np.random.default_rng(0)
+    flipped = tmp_path / "flipped.safetensors"
+    refused = {"header": 0, "data": 0}
+    positions = [*rng.choice(8 + header, 100, replace=False)]
+    positions += [*rng.choice(np.arange(8 + header, len(data)), 60, replace=False)]
+    for pos in positions:
+        changed = bytearray(data)
+        changed[pos] ^= 1 << int(rng.integers(8))
+        flipped.write_bytes(bytes(changed))
+        try:
+            loaded = eqxscan.load_safetensors(flipped, _mlp(1))
+        except ValueError as e:
+            assert str(flipped) in str(e) and len(str(e).splitlines()) == 2, (pos, e)
+            refused["header" if pos < 8 + header else "data"] += 1
+        else:
+            assert eqx.tree_equal(loaded, model), pos
+    assert refused["data"] == 60  # every change of the data: its digest
+    assert refused["header"] > 50
+
+
+def test_flipped_header_byte_is_the_packages_error_named_with_the_file(tmp_path):
+    path = _saved(tmp_path)
+    data = bytearray(path.read_bytes())
+    data[8] ^= 0x40  # the header's opening brace
+    path.write_bytes(bytes(data))
+    msg = _refused(path, "SafetensorError")
+    assert msg.splitlines()[1].startswith("Hint: restore it from a copy")
+
+
+def test_foreign_files_are_refused_in_plain_words(tmp_path):
+    npz = tmp_path / "model.npz"
+    eqxscan.save(npz, _mlp())
+    _refused(npz, "it is a zip archive", "eqxscan.load")
+    text = tmp_path / "notes.safetensors"
+    text.write_text("hello, world: not weights at all")
+    _refused(text, "is corrupt or is not a safetensors file")
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text("{not json")
+    _refused(index, "is not valid JSON")
+    index.write_text(json.dumps({"weight_map": {"blocks.0.w1": "../elsewhere"}}))
+    _refused(index, "has no valid 'weight_map'")
+
+
+def test_files_of_other_writers_without_digests_load(tmp_path):
+    # As another program writes them: the same names, no eqxscan metadata.
+    model = _mlp()
+    path = tmp_path / "plain.safetensors"
+    safetensors.numpy.save_file(eqxscan.to_state_dict(model), path)
+    assert eqx.tree_equal(eqxscan.load_safetensors(path, _mlp(1)), model)
+    state = eqxscan.read_safetensors(path)
+    assert list(state) and all(isinstance(v, np.ndarray) for v in state.values())
+
+
+def test_the_wrong_model_is_named(tmp_path):
+    path = _saved(tmp_path, _mlp(num_layers=3))
+    _refused(path, "model has L=2 layers in blocks, checkpoint has 3", where="blocks")
+    _refused(
+        path,
+        "'blocks.0.w1': model has float32[8, 32], checkpoint has float32[4, 16]",
+        like=_mlp(dim=8, num_layers=3),
+    )
+    _refused(
+        path,
+        "checkpoint has float32",
+        like=_mlp(num_layers=3, dtype=jnp.bfloat16),
+    )
+    _refused(
+        path, "missing keys: 'w'; unexpected keys: 'blocks.0.", like={"w": jnp.ones(3)}
+    )
+
+
+def test_missing_or_mixed_shards_are_named(tmp_path):
+    model = _mlp(dim=8, num_layers=3)
+    eqxscan.save_safetensors(tmp_path, model, max_shard_size=1500)
+    shards = sorted(p for p in os.listdir(tmp_path) if p.endswith(".safetensors"))
+    like = _mlp(1, dim=8, num_layers=3)
+    # A shard of another save of the same model, in place of the right one.
+    other = tmp_path / "other"
+    eqxscan.save_safetensors(other, _mlp(2, dim=8, num_layers=3), max_shard_size=1500)
+    good = (tmp_path / shards[1]).read_bytes()
+    (tmp_path / shards[1]).write_bytes((other / shards[1]).read_bytes())
+    _refused(tmp_path, "is of another save than its index", like=like, where=shards[1])
+    (tmp_path / shards[1]).write_bytes(good)
+    assert eqx.tree_equal(eqxscan.load_safetensors(tmp_path, like), model)
+    # A shard gone.
+    os.remove(tmp_path / shards[2])
+    _refused(
+        tmp_path,
+        "names files that are not there",
+        repr(shards[2]),
+        like=like,
+        error=FileNotFoundError,
+    )
+
+
+def test_index_and_shard_that_disagree_are_named(tmp_path):
+    eqxscan.save_safetensors(tmp_path, _mlp(dim=8), max_shard_size=1500)
+    path = tmp_path / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    moved = index["weight_map"]["blocks.0.w1"] = index["weight_map"]["blocks.1.w1"]
+    path.write_text(json.dumps(index))
+    _refused(
+        tmp_path, "its arrays differ from its index", like=_mlp(dim=8), where=moved
+    )
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_interrupted_save_leaves_the_old_files_intact(tmp_path, monkeypatch, sharded):
+    old, new = _mlp(0, dim=8), _mlp(1, dim=8)
+    kw = {"max_shard_size": 1500} if sharded else {}
+    target = tmp_path if sharded else tmp_path / "model.safetensors"
+    eqxscan.save_safetensors(target, old, **kw)
+    before = {p: (tmp_path / p).read_bytes() for p in os.listdir(tmp_path)}
+    real = safetensors.numpy.save_file
+    calls = []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == (2 if sharded else 1):  # the second shard, or the file
+            raise OSError(28, "No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", flaky)
+    with pytest.raises(OSError) as e:
+        eqxscan.save_safetensors(target, new, **kw)
+    monkeypatch.undo()
+    assert e.value.errno == 28 and str(e.value).startswith(
+        f"Cannot save to {str(target)!r}"
+    )
+    after = {p: (tmp_path / p).read_bytes() for p in os.listdir(tmp_path)}
+    assert after == before  # no temporary file left, nothing replaced
+    assert eqx.tree_equal(eqxscan.load_safetensors(target, new), old)
+    eqxscan.save_safetensors(target, new, **kw)
+    assert eqx.tree_equal(eqxscan.load_safetensors(target, old), new)
