@@ -1,9 +1,10 @@
 """Flax linen `nn.scan` parameters beyond `Dense`, through a name map: LayerNorm,
-RMSNorm, Conv, DenseGeneral, in a nested module; checked against Flax's own
+RMSNorm, Embed, Conv, DenseGeneral, in a nested module; checked against Flax's own
 forward pass."""
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -24,6 +25,7 @@ class FlaxSub(nn.Module):
 class FlaxBlock(nn.Module):
     @nn.compact
     def __call__(self, x, _):
+        x = x + nn.Embed(S, D)(jnp.arange(x.shape[0]))  # learned positions
         h = nn.Conv(D, (3,), padding="SAME")(nn.LayerNorm()(x))
         h = FlaxSub()(nn.relu(nn.Dense(F)(h)))
         return x + nn.Dense(D)(h.reshape(h.shape[0], -1)), None
@@ -39,6 +41,7 @@ class Sub(eqx.Module):
 
 
 class Block(eqx.Module):
+    pos: eqx.nn.Embedding
     norm: eqx.nn.LayerNorm
     conv: eqx.nn.Conv1d
     up: eqx.nn.Linear
@@ -46,7 +49,8 @@ class Block(eqx.Module):
     down: eqx.nn.Linear
 
     def __init__(self, *, key):
-        k = jax.random.split(key, 4)
+        k = jax.random.split(key, 5)
+        self.pos = eqx.nn.Embedding(S, D, key=k[4])
         self.norm = eqx.nn.LayerNorm(D, eps=1e-6)
         self.conv = eqx.nn.Conv1d(D, D, 3, padding=1, key=k[0])
         self.up = eqx.nn.Linear(D, F, key=k[1])
@@ -54,6 +58,7 @@ class Block(eqx.Module):
         self.down = eqx.nn.Linear(H * E, D, key=k[3])
 
     def __call__(self, x):  # [S, D], channels last as in Flax
+        x = x + jax.vmap(self.pos)(jnp.arange(x.shape[0]))
         h = self.conv(jax.vmap(self.norm)(x).T).T
         h = jax.nn.relu(jax.vmap(self.up)(h))
         h = jax.vmap(self.sub.proj)(jax.vmap(self.sub.norm)(h))
@@ -62,6 +67,7 @@ class Block(eqx.Module):
 
 NAMES = NameMap(
     {
+        "{i}.pos.weight": "{i}.Embed_0.embedding",  # both [vocab, D]
         "{i}.norm.weight": "{i}.LayerNorm_0.scale",
         "{i}.norm.bias": "{i}.LayerNorm_0.bias",
         # eqx: [out, in, width], Flax: [width, in, out]; eqx's bias is [out, 1].
