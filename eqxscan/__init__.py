@@ -32,6 +32,7 @@ from ._exit import run_until as run_until
 from ._layer_buffers import layer_buffers as layer_buffers
 from ._layer_call import per_layer as per_layer
 from ._layer_index import layer_index as layer_index
+from ._nonfinite import find_nonfinite as find_nonfinite, NonFinite as NonFinite
 from ._options import (
     Checkpoint as Checkpoint,
     Mode as Mode,
