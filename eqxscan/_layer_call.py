@@ -396,7 +396,8 @@ def run_one(
         out = call_layer(layer, call.method, c, one.args, one.kwargs, key, call.caller)
         return call.read_out(out, who)
 
-    with at_layer(one.number), inside_layer():
+    # Named for profiles: a scanned stack's ops carry the layer's class.
+    with at_layer(one.number), inside_layer(), jax.named_scope(type(layer).__name__):
         new, y = (fn if one.drop is None else dropping(fn, one.drop))(carry)
     return tapped(one.number, new, carry), y
 

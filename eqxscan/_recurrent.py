@@ -494,9 +494,16 @@ class Recurrent(Scanning):
                 x_dyn = _hide(m, x_dyn)
             x = eqx.combine(x_dyn, xs_static)  # named as inputs by the engine
             old = clone(h)  # the cell may invalidate `h` (an `eqx.nn.State`)
-            new = call_layer(
-                cell, _cell_step, h, (x, *one.args), one.kwargs, step_key, "Recurrent"
-            )
+            with jax.named_scope(name):  # the cell's class, in profiles
+                new = call_layer(
+                    cell,
+                    _cell_step,
+                    h,
+                    (x, *one.args),
+                    one.kwargs,
+                    step_key,
+                    "Recurrent",
+                )
             if m is not None:
                 # Check before `jnp.where` can broadcast a wrong shape into the
                 # carry (without a mask the engine checks, naming the step).
