@@ -66,26 +66,39 @@ def _containers(tree: PyTree) -> list[Stacked | Chain]:
     return [c for c in found if isinstance(c, Stacked | Chain)]
 
 
+def _stack_counts(stack: Stacked, start: int, total: int, out: dict) -> None:
+    # A stacked gradient leaf `[L, ...]`: its non-finite entries per layer,
+    # placed at layers `start ..` of a container of `total` layers.
+    n = stack.num_layers
+    for path, leaf in jtu.tree_leaves_with_path(stack.layers):
+        if eqx.is_inexact_array(leaf) and leaf.ndim >= 1 and leaf.shape[0] == n:
+            bad = ~jnp.isfinite(leaf.reshape(n, -1))
+            counts = jnp.sum(bad, axis=1).astype(jnp.float32)
+            row = out.setdefault(jtu.keystr(path), jnp.zeros(total, jnp.float32))
+            out[jtu.keystr(path)] = row.at[start : start + n].add(counts)
+
+
 def _param_counts(grads: PyTree) -> list[dict[str, Float[Array, " L"]]]:
-    # Per container, per parameter path: non-finite entries of each layer's
-    # gradient.
+    """Per container in `grads`, per parameter path: the non-finite entries of
+    each layer's gradient (a `Chain`'s repeated units are not split)."""
     out = []
     for container in _containers(grads):
-        layers = container.unstack()
-        paths = {}
-        for i, layer in enumerate(layers):
-            for path, leaf in jtu.tree_leaves_with_path(layer):
-                if eqx.is_inexact_array(leaf):
-                    count = jnp.sum(~jnp.isfinite(leaf)).astype(jnp.float32)
-                    paths.setdefault(jtu.keystr(path), [None] * len(layers))[i] = count
-        out.append(
-            {
-                p: jnp.stack(
-                    [jnp.zeros((), jnp.float32) if c is None else c for c in cs]
-                )
-                for p, cs in paths.items()
-            }
-        )
+        counts: dict[str, Array] = {}
+        if isinstance(container, Stacked):
+            _stack_counts(container, 0, container.num_layers, counts)
+        else:
+            total = len(container)
+            for group, span in zip(container.groups, container.layout):
+                if span.period == 1:
+                    _stack_counts(group, span.start, total, counts)
+                elif span.period == 0:
+                    for path, leaf in jtu.tree_leaves_with_path(group):
+                        if eqx.is_inexact_array(leaf):
+                            bad = jnp.sum(~jnp.isfinite(leaf)).astype(jnp.float32)
+                            key = jtu.keystr(path)
+                            row = counts.setdefault(key, jnp.zeros(total, jnp.float32))
+                            counts[key] = row.at[span.start].add(bad)
+        out.append(counts)
     return out
 
 
@@ -98,7 +111,7 @@ def _program(
         return tap(lambda *a: loss_fn(m, *a), nonfinite_count, probe=pr)(*inputs)
 
     # The probe has one entry per layer and carry leaf, like the forward counts.
-    counted = jax.eval_shape(lambda m: loss((m, None))[1], model)
+    counted = jax.eval_shape(lambda: loss((model, None))[1])
     zeros = jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), counted)
     (value, forward), (g_model, g_probe) = eqx.filter_value_and_grad(
         loss, has_aux=True

@@ -117,3 +117,13 @@ def test_loss_after_the_container(getkey):
         stack, lambda m, x: jnp.log(-jnp.sum(m(x) ** 2)), jnp.ones(D)
     )
     assert r.where == "loss" and r.found
+
+
+def test_a_whole_model_with_static_fields(getkey):
+    # The container inside a model; its layers have non-array fields (dropout).
+    model = eqxscan.StackedMLP(8, 4, key=getkey())
+    for k in (0, 3):
+        w1 = model.blocks.layers.w1.at[k].set(jnp.nan)
+        bad = eqx.tree_at(lambda m: m.blocks.layers.w1, model, w1)
+        r = eqxscan.find_nonfinite(bad, lambda m, x: jnp.mean(m(x) ** 2), jnp.ones(8))
+        assert (r.where, r.index, r.leaf) == ("forward", k, "carry"), r
