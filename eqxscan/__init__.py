@@ -18,6 +18,7 @@ from . import (
     nn as nn,
     remat as remat,
     sharding as sharding,
+    stats as stats,
 )
 from ._buffers import Buffer as Buffer, buffer as buffer, LayerBuffers as LayerBuffers
 from ._chain import Chain as Chain
@@ -30,6 +31,8 @@ from ._drop import (
 from ._exit import run_until as run_until
 from ._layer_buffers import layer_buffers as layer_buffers
 from ._layer_call import per_layer as per_layer
+from ._layer_index import layer_index as layer_index
+from ._nonfinite import find_nonfinite as find_nonfinite, NonFinite as NonFinite
 from ._options import (
     Checkpoint as Checkpoint,
     Mode as Mode,
@@ -39,6 +42,7 @@ from ._recurrent import Bidirectional as Bidirectional, Recurrent as Recurrent
 from ._remat import ScanCheckpoint as ScanCheckpoint
 from ._stacked import Stacked as Stacked
 from ._subset import run_layers as run_layers
+from ._taps import Probe as Probe, probe as probe, tap as tap
 from .checkpoint import (
     from_flax_scan as from_flax_scan,
     from_state_dict as from_state_dict,

@@ -25,6 +25,7 @@ from jaxtyping import Array, Bool, PyTree
 from ._auto import resolve
 from ._checks import check_carry, noted
 from ._gate import can_gate_scan, gated, gated_scan, gated_step
+from ._layer_index import indexed, loop_step
 from ._options import ScanOptions
 from ._remat import (
     CARRY,
@@ -37,6 +38,7 @@ from ._remat import (
     Step,
 )
 from ._stateful import clone
+from ._taps import collected
 
 
 def remat(fn: Step, checkpoint: ScanCheckpoint, *, in_scan: bool) -> Step:
@@ -131,6 +133,8 @@ def _stack(ys: list[PyTree]) -> PyTree:
     return eqx.combine(jtu.tree_map(lambda *a: jnp.stack(a), *dyn), static[0])
 
 
+@collected  # taps' records leave each step (`eqxscan/_taps.py`)
+@indexed  # each step knows its index (`eqxscan/_layer_index.py`)
 def run(
     step: Step,
     carry: PyTree,
@@ -343,7 +347,8 @@ def _run_loop(
     carry = clone(carry)  # the caller's stays valid (an `eqx.nn.State`)
     for current in order:
         old = clone(carry)  # the step may invalidate `carry` (an `eqx.nn.State`)
-        new, y = noted(step_fn, where(current), carry, slices[current])
+        with loop_step(current):
+            new, y = noted(step_fn, where(current), carry, slices[current])
         check_carry(old, new, where(current), current)
         # Kept apart from the next step's carry, which that step may invalidate.
         carry, ys[current] = new, clone(y)

@@ -41,6 +41,8 @@ from jaxtyping import Array, Bool, Int, PyTree
 from ._buffers import call_writing, find_buffer, view_of, with_view
 from ._checks import check_leading_axis, check_takes_key, describe
 from ._drop import DropInputs, dropping
+from ._layer_index import at_layer
+from ._taps import inside_layer, tapped
 
 
 class PerLayer(eqx.Module):
@@ -214,12 +216,14 @@ def takes_key(layer: object, method: Method | None) -> bool:
 
 class OneLayer(NamedTuple):
     """What one layer is called with: its arguments (its slices of the
-    `per_layer` ones), its key (or `None`) and its drop inputs (or `None`)."""
+    `per_layer` ones), its key (or `None`), its drop inputs (or `None`) and its
+    global index (see `LayerCall`; `None` when not known)."""
 
     args: tuple
     kwargs: dict[str, object]
     key: Array | None = None
     drop: DropInputs | None = None
+    number: Index | None = None
 
 
 Unit = Callable[[object, PyTree, OneLayer], PyTree]
@@ -250,6 +254,9 @@ class LayerCall(NamedTuple):
       (see `Unit`); the per-layer values then have the repeat axis first.
     - `caller`: names the container in errors (e.g. a key given to layers that
       take none).
+    - `first`, `stride`: layer `i` of this call is the outermost container's
+      layer `first + i * stride` (a unit's step `i` starts at that layer);
+      `first` is `None` when that is not known (layers taken out of order).
     """
 
     args: tuple
@@ -263,6 +270,12 @@ class LayerCall(NamedTuple):
     optional_key: bool = False
     unit: Unit | None = None
     caller: str = "Stacked"
+    first: Index | None = 0
+    stride: int = 1
+
+    def index_of(self, i: Index) -> Index | None:
+        """The global index of this call's layer (or unit) `i`."""
+        return None if self.first is None else self.first + i * self.stride
 
     def per_layer_values(self) -> tuple[PyTree, ...]:
         """Everything with a leading layer axis, in one tuple (for slicing)."""
@@ -301,12 +314,17 @@ class LayerCall(NamedTuple):
     def at(self, i: Index) -> OneLayer:
         """Layer `i`'s inputs: slice `i` of every per-layer value (a static
         slice for an int, a dynamic one for an array index)."""
-        return self._one(index(self.per_layer_values(), i))
+        one = self._one(index(self.per_layer_values(), i))
+        return one._replace(number=self.index_of(i))
 
     def take(self, idx: slice | object) -> "LayerCall":
         """The call of the layers `idx` (a static slice or index array), in
         that order: every per-layer value cut to them."""
-        return self._with_per_layer(take(self.per_layer_values(), idx))
+        first = None
+        if isinstance(idx, slice) and idx.step in (None, 1) and self.first is not None:
+            first = self.first + (idx.start or 0)
+        new = self._with_per_layer(take(self.per_layer_values(), idx))
+        return new._replace(first=first, stride=1)
 
     def part(self, start: int, size: int, period: int) -> "LayerCall":
         """The call of layers `start .. start + size - 1` as one group: a run
@@ -323,7 +341,9 @@ class LayerCall(NamedTuple):
                 ),
                 part,
             )
-        return self._with_per_layer(part)
+        first = self.index_of(start)
+        new = self._with_per_layer(part)
+        return new._replace(first=first, stride=max(period, 1))
 
     def inner(self, one: OneLayer) -> "LayerCall":
         """The call of a unit's own layers, from one repeat's inputs `one` (see
@@ -333,7 +353,14 @@ class LayerCall(NamedTuple):
         values = [PerLayer(v) if f else v for v, f in zip(values, flags)]
         args, kwargs = self._split(values)
         return self._replace(
-            args=args, kwargs=kwargs, keys=one.key, drop=one.drop, keep=None, unit=None
+            args=args,
+            kwargs=kwargs,
+            keys=one.key,
+            drop=one.drop,
+            keep=None,
+            unit=None,
+            first=one.number,
+            stride=1,
         )
 
     def scanned(self) -> tuple[PyTree, Callable[[PyTree], OneLayer]]:
@@ -369,7 +396,10 @@ def run_one(
         out = call_layer(layer, call.method, c, one.args, one.kwargs, key, call.caller)
         return call.read_out(out, who)
 
-    return (fn if one.drop is None else dropping(fn, one.drop))(carry)
+    # Named for profiles: a scanned stack's ops carry the layer's class.
+    with at_layer(one.number), inside_layer(), jax.named_scope(type(layer).__name__):
+        new, y = (fn if one.drop is None else dropping(fn, one.drop))(carry)
+    return tapped(one.number, new, carry), y
 
 
 def _run_writing(

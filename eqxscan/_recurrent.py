@@ -25,8 +25,10 @@ from ._checks import (
 from ._eager import compiled_when_eager
 from ._engine import run
 from ._layer_call import call_layer, LayerCall
+from ._layer_index import step_index
 from ._options import ScanArgs, Scanning, ScanOptions
 from ._stateful import clone
+from ._taps import tapped
 
 
 class RecurrentArgs(TypedDict, total=False):
@@ -492,14 +494,22 @@ class Recurrent(Scanning):
                 x_dyn = _hide(m, x_dyn)
             x = eqx.combine(x_dyn, xs_static)  # named as inputs by the engine
             old = clone(h)  # the cell may invalidate `h` (an `eqx.nn.State`)
-            new = call_layer(
-                cell, _cell_step, h, (x, *one.args), one.kwargs, step_key, "Recurrent"
-            )
+            with jax.named_scope(name):  # the cell's class, in profiles
+                new = call_layer(
+                    cell,
+                    _cell_step,
+                    h,
+                    (x, *one.args),
+                    one.kwargs,
+                    step_key,
+                    "Recurrent",
+                )
             if m is not None:
                 # Check before `jnp.where` can broadcast a wrong shape into the
                 # carry (without a mask the engine checks, naming the step).
                 check_carry(old, new, where_masked)
                 new = _where(m, new, old)
+            new = tapped(step_index(), new, old)
             return new, new
 
         def where(i: int | None) -> str:

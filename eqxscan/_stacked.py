@@ -63,6 +63,7 @@ from ._layer_call import (
     run_one,
     Segment,
 )
+from ._layer_index import step_index
 from ._options import ScanArgs, Scanning, ScanOptions
 from ._stateful import (
     find_state,
@@ -626,6 +627,7 @@ def scan_layers(stack: Stacked, x: PyTree, call: LayerCall) -> tuple[PyTree, PyT
         dyn, per, i = xs
         layer = eqx.combine(dyn, layer_static)
         inputs, who = one(per), f"the stacked layer {cls_name}"
+        inputs = inputs._replace(number=call.index_of(step_index()))
         if view is None:
             return run_one(layer, call, inputs, carry, who)
         assert at is not None

@@ -6,6 +6,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple, overload, SupportsIndex, Unpack
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import PRNGKeyArray, PyTree
@@ -164,7 +165,9 @@ def _call_group(
     part = call.part(span.start, span.size, span.period)
     if span.period > 1:
         part = part._replace(unit=_unit(call))
-    x, ys = scan_layers(group, x, part)
+    last = span.start + span.size - 1
+    with jax.named_scope(f"layers_{span.start}-{last}"):  # the run, in profiles
+        x, ys = scan_layers(group, x, part)
     if span.period > 1 and ys is not None:
         ys = jtu.tree_map(
             lambda a: a.reshape(span.size, *a.shape[2:]) if eqx.is_array(a) else a,

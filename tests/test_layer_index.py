@@ -1,0 +1,133 @@
+"""`eqxscan.layer_index()`: a layer's own index inside its call, checked
+against `mode="loop"` and a hand-written loop, in `Stacked` and in `Chain`s
+of every grouping (runs, repeated units, lone layers), under jit, vmap, grad."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+from jaxtyping import Array
+
+import eqxscan
+
+
+D = 3
+
+
+class A(eqx.Module):
+    w: Array
+
+    def __init__(self, key):
+        self.w = 1.0 + 0.1 * jr.normal(key, (D,))
+
+    def __call__(self, x):
+        return jnp.tanh(x * self.w + 0.1 * _f(eqxscan.layer_index()))
+
+
+class B(eqx.Module):
+    w: Array
+
+    def __init__(self, key):
+        self.w = 0.1 * jr.normal(key, (D, D))
+
+    def __call__(self, x):
+        return x + self.w @ x - 0.05 * _f(eqxscan.layer_index())
+
+
+def _f(i):
+    return jnp.asarray(i, jnp.float32)
+
+
+MAKERS = {"A": A, "B": B}
+
+
+def build(pattern, key):
+    return [MAKERS[c](k) for c, k in zip(pattern, jr.split(key, len(pattern)))]
+
+
+def by_hand(layers, x, reverse=False):
+    order = list(enumerate(layers))
+    for i, layer in reversed(order) if reverse else order:
+        if isinstance(layer, A):
+            x = jnp.tanh(x * layer.w + 0.1 * i)
+        else:
+            x = x + layer.w @ x - 0.05 * i
+    return x
+
+
+class Seen(eqx.Module):
+    def __call__(self, x):
+        i = eqxscan.layer_index()
+        return x.at[i].set(jnp.asarray(i, x.dtype) + 100.0 * isinstance(i, int))
+
+
+def test_stacked_traced_in_scan_int_in_loop(getkey):
+    stack = eqxscan.Stacked(lambda k: Seen(), 4, key=getkey())
+    x = jnp.zeros(4)
+    np.testing.assert_array_equal(stack(x), [0, 1, 2, 3])
+    np.testing.assert_array_equal(jax.jit(stack)(x), [0, 1, 2, 3])
+    loop = stack.with_options(mode="loop")
+    np.testing.assert_array_equal(jax.jit(loop)(x), [100, 101, 102, 103])
+    np.testing.assert_array_equal(stack(x, reverse=True), [0, 1, 2, 3])
+
+
+@pytest.mark.parametrize(
+    "pattern", ["AAAA", "AABB", "AB" * 3, "AAB" * 3 + "AA", "BABABAA"]
+)
+@pytest.mark.parametrize("reverse", [False, True])
+def test_chain_global_index_matches_loop_and_hand(pattern, reverse, getkey):
+    layers = build(pattern, getkey())
+    chain = eqxscan.Chain(layers)
+    x = jr.normal(getkey(), (D,))
+    want = by_hand(layers, x, reverse)
+    got = jax.jit(lambda c, x: c(x, reverse=reverse))(chain, x)
+    loop = chain.with_options(mode="loop")
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(loop(x, reverse=reverse), want, rtol=1e-5, atol=1e-6)
+
+
+def test_under_vmap_and_grad(getkey):
+    layers = build("AB" * 2 + "AA", getkey())
+    chain = eqxscan.Chain(layers)
+    xs = jr.normal(getkey(), (5, D))
+    np.testing.assert_allclose(
+        jax.vmap(chain)(xs), jax.vmap(lambda x: by_hand(layers, x))(xs), rtol=1e-5
+    )
+
+    def loss(model, x):
+        return jnp.sum(model(x) ** 2)
+
+    stack = eqxscan.Stacked.from_layers(build("AAAA", getkey()))
+    g = eqx.filter_grad(loss)(stack, xs[0])
+    g_loop = eqx.filter_grad(loss)(stack.with_options(mode="loop"), xs[0])
+    g_hand = jax.grad(lambda ls: jnp.sum(by_hand(ls, xs[0]) ** 2))(stack.unstack())
+    np.testing.assert_allclose(g.layers.w, g_loop.layers.w, rtol=1e-5)
+    np.testing.assert_allclose(g.layers.w, jnp.stack([h.w for h in g_hand]), rtol=1e-5)
+
+
+def test_with_remat_and_unroll(getkey):
+    layers = build("AAAAAA", getkey())
+    x = jr.normal(getkey(), (D,))
+    want = by_hand(layers, x)
+    for options in [
+        dict(checkpoint=True),
+        dict(checkpoint="nested"),
+        dict(unroll=True),
+    ]:
+        stack = eqxscan.Stacked.from_layers(layers, **options)
+        np.testing.assert_allclose(stack(x), want, rtol=1e-5, atol=1e-6)
+
+
+def test_outside_a_layer_is_an_error(getkey):
+    with pytest.raises(RuntimeError, match=r"layer_index\(\) was called outside"):
+        eqxscan.layer_index()
+
+    class Plain(eqx.Module):
+        def __call__(self, x):
+            return x + _f(eqxscan.layer_index())
+
+    # A layer called by hand is not run by a container.
+    with pytest.raises(RuntimeError, match="outside a layer"):
+        Plain()(jnp.ones(()))

@@ -1,0 +1,129 @@
+"""`eqxscan.find_nonfinite`: NaN and inf injected at every layer and time
+step, in the forward and in the backward pass, are found where they were put,
+by one compiled program."""
+
+import equinox as eqx
+import jax.numpy as jnp
+import jax.random as jr
+import pytest
+from jaxtyping import Array
+
+import eqxscan
+
+
+D, L = 4, 5
+traces = []
+
+
+class Block(eqx.Module):
+    w: Array
+    s: Array  # scales the output: inf here overflows the forward pass
+    h: Array  # 0 here: a finite forward whose backward pass is NaN
+
+    def __call__(self, x):
+        traces.append(None)
+        y = (jnp.tanh(self.w @ x) + x) * self.s
+        return y + jnp.sqrt(jnp.sum(x**2) * self.h)
+
+
+def make(key):
+    w = 0.3 * jr.normal(key, (L, D, D))
+    return eqxscan.Stacked(layers=Block(w, jnp.ones(L), jnp.ones(L)), num_layers=L)
+
+
+def loss_fn(model, x):
+    return jnp.mean(model(x) ** 2)
+
+
+def injected(stack, field, k, value):
+    arr = getattr(stack.layers, field)
+    return eqx.tree_at(lambda s: getattr(s.layers, field), stack, arr.at[k].set(value))
+
+
+def test_clean_step_reports_nothing(getkey):
+    report = eqxscan.find_nonfinite(make(getkey()), loss_fn, jnp.ones(D))
+    assert not report.found and report.where is None and report.index is None
+    assert "No NaN or inf" in str(report)
+
+
+@pytest.mark.parametrize("mode", ["scan", "loop"])
+def test_every_layer_forward_and_backward(mode, getkey):
+    stack = make(getkey()).with_options(mode=mode)
+    x = jr.normal(getkey(), (D,))
+    for k in range(L):
+        r = eqxscan.find_nonfinite(injected(stack, "w", k, jnp.nan), loss_fn, x)
+        assert (r.where, r.index, r.leaf) == ("forward", k, "carry"), r
+        r = eqxscan.find_nonfinite(injected(stack, "s", k, jnp.inf), loss_fn, x)
+        assert (r.where, r.index, r.leaf) == ("forward", k, "carry"), r
+        r = eqxscan.find_nonfinite(injected(stack, "h", k, 0.0), loss_fn, x)
+        assert (r.where, r.index) == ("backward", k), r
+        assert r.leaf in ("carry", "layer.h"), r
+        assert f"at layer {k}" in r.message
+
+
+def test_one_compile_for_any_data(getkey):
+    stack, x = make(getkey()), jr.normal(getkey(), (D,))
+    eqxscan.find_nonfinite(stack, loss_fn, x)
+    before = len(traces)
+    for k in range(L):
+        eqxscan.find_nonfinite(injected(stack, "h", k, 0.0), loss_fn, x + k)
+        eqxscan.find_nonfinite(injected(stack, "w", k, jnp.nan), loss_fn, x)
+    assert len(traces) == before  # no new trace, so no new compile
+
+
+class Pair(eqx.Module):
+    w: Array
+    bad: Array
+
+    def __call__(self, c):
+        a, b = c["a"], c["b"]
+        return {"a": jnp.tanh(self.w @ a), "b": b * self.bad}
+
+
+def pair_loss(model, c):
+    out = model(c)
+    return jnp.sum(out["a"]) + jnp.sum(out["b"])
+
+
+def test_names_the_carry_leaf_in_a_chain(getkey):
+    keys = jr.split(getkey(), 6)
+    layers = [Pair(0.3 * jr.normal(k, (D, D)), jnp.ones(())) for k in keys]
+    c = {"a": jnp.ones(D), "b": jnp.ones(D)}
+    for k in range(6):
+        bad = list(layers)
+        bad[k] = Pair(bad[k].w, jnp.asarray(jnp.nan))
+        r = eqxscan.find_nonfinite(eqxscan.Chain(bad), pair_loss, c)
+        assert (r.where, r.index, r.leaf) == ("forward", k, "carry['b']"), r
+
+
+def test_recurrent_every_time_step(getkey):
+    cell = eqxscan.ElmanCell(3, D, key=getkey())
+    rnn = eqxscan.Recurrent(cell)
+    xs = jr.normal(getkey(), (6, 3))
+
+    def loss(model, h0, xs):
+        h, hs = model(h0, xs)
+        return jnp.sum(hs**2)
+
+    for t in range(6):
+        r = eqxscan.find_nonfinite(rnn, loss, jnp.zeros(D), xs.at[t, 1].set(jnp.nan))
+        assert (r.where, r.index) == ("forward", t), r
+        assert "time step" in r.message
+
+
+def test_loss_after_the_container(getkey):
+    stack = make(getkey())
+    r = eqxscan.find_nonfinite(
+        stack, lambda m, x: jnp.log(-jnp.sum(m(x) ** 2)), jnp.ones(D)
+    )
+    assert r.where == "loss" and r.found
+
+
+def test_a_whole_model_with_static_fields(getkey):
+    # The container inside a model; its layers have non-array fields (dropout).
+    model = eqxscan.StackedMLP(8, 4, key=getkey())
+    for k in (0, 3):
+        w1 = model.blocks.layers.w1.at[k].set(jnp.nan)
+        bad = eqx.tree_at(lambda m: m.blocks.layers.w1, model, w1)
+        r = eqxscan.find_nonfinite(bad, lambda m, x: jnp.mean(m(x) ** 2), jnp.ones(8))
+        assert (r.where, r.index, r.leaf) == ("forward", k, "carry"), r

@@ -1,0 +1,274 @@
+"""Carry taps and gradient taps (`eqxscan.tap`, `eqxscan.probe`), checked
+against the same statistics computed by hand-written loops over the layers (and
+per-layer `jax.vjp`s for the cotangents), and against `mode="loop"`."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+from jaxtyping import Array
+
+import eqxscan
+from eqxscan.stats import max_abs, nonfinite_count, rms
+
+
+D = 4
+
+
+class A(eqx.Module):
+    w: Array
+
+    def __init__(self, key):
+        self.w = 0.5 * jr.normal(key, (D, D))
+
+    def __call__(self, x):
+        return jnp.tanh(self.w @ x) + x
+
+
+class B(eqx.Module):
+    s: Array
+
+    def __init__(self, key):
+        self.s = 1.0 + 0.2 * jr.normal(key, (D,))
+
+    def __call__(self, x):
+        return x * self.s
+
+
+MAKERS = {"A": A, "B": B}
+
+
+def build(pattern, key):
+    return [MAKERS[c](k) for c, k in zip(pattern, jr.split(key, len(pattern)))]
+
+
+def both(x):
+    return {"rms": rms(x), "max": max_abs(x)}
+
+
+def hand_taps(layers, x, stat, reverse=False):
+    """`stat` of each layer's output, by layer index, from a Python loop."""
+    out = [None] * len(layers)
+    order = list(enumerate(layers))
+    for i, layer in reversed(order) if reverse else order:
+        x = layer(x)
+        out[i] = stat(x)
+    return x, jax.tree.map(lambda *a: jnp.stack(a), *out)
+
+
+def close(a, b):
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-6)
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+
+
+@pytest.mark.parametrize("mode", ["scan", "loop"])
+def test_stacked_carry_taps_match_a_loop(mode, getkey):
+    layers = build("AAAAA", getkey())
+    stack = eqxscan.Stacked.from_layers(layers, mode=mode)
+    x = jr.normal(getkey(), (D,))
+    want_y, want = hand_taps(layers, x, both)
+    y, got = eqxscan.tap(stack, both)(x)
+    close(y, want_y)
+    close(got, want)
+    y, got = jax.jit(lambda s, x: eqxscan.tap(s, both)(x))(stack, x)
+    close(got, want)
+
+
+@pytest.mark.parametrize("pattern", ["AB" * 3, "AAB" * 2 + "AB", "BAAAB"])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_chain_taps_in_global_layer_order(pattern, reverse, getkey):
+    layers = build(pattern, getkey())
+    chain = eqxscan.Chain(layers)
+    x = jr.normal(getkey(), (D,))
+    _, want = hand_taps(layers, x, rms, reverse)
+    for model in (chain, chain.with_options(mode="loop")):
+        y, got = eqxscan.tap(model, rms)(x, reverse=reverse)
+        close(got, want)
+
+
+def test_stat_of_output_and_input(getkey):
+    layers = build("AAA", getkey())
+    stack = eqxscan.Stacked.from_layers(layers)
+    x = jr.normal(getkey(), (D,))
+
+    def update(out, inp):  # the size of each layer's residual update
+        return jnp.sqrt(jnp.sum((out - inp) ** 2))
+
+    want, h = [], x
+    for layer in layers:
+        new = layer(h)
+        want.append(update(new, h))
+        h = new
+    _, got = eqxscan.tap(stack, update)(x)
+    np.testing.assert_allclose(got, jnp.stack(want), rtol=1e-5)
+
+
+def test_recurrent_taps_per_time_step(getkey):
+    cell = eqxscan.ElmanCell(3, D, key=getkey())
+    xs = jr.normal(getkey(), (6, 3))
+    h0 = jnp.zeros(D)
+    for reverse in (False, True):
+        rnn = eqxscan.Recurrent(cell, reverse=reverse)
+        (_, hs), got = eqxscan.tap(rnn, max_abs)(h0, xs)
+        np.testing.assert_allclose(got, jnp.max(jnp.abs(hs), axis=1), rtol=1e-5)
+        loop = eqxscan.Recurrent(cell, reverse=reverse, mode="loop")
+        _, got_loop = eqxscan.tap(loop, max_abs)(h0, xs)
+        np.testing.assert_allclose(got_loop, got, rtol=1e-5)
+
+
+def test_taps_under_vmap_and_grad(getkey):
+    layers = build("AAAA", getkey())
+    stack = eqxscan.Stacked.from_layers(layers)
+    xs = jr.normal(getkey(), (3, D))
+    _, got = jax.vmap(lambda x: eqxscan.tap(stack, rms)(x))(xs)
+    want = jnp.stack([hand_taps(layers, x, rms)[1] for x in xs])
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+    def loss(model, x):
+        y, r = eqxscan.tap(model, rms)(x)
+        return jnp.sum(y**2), r
+
+    (value, r), g = eqx.filter_value_and_grad(loss, has_aux=True)(stack, xs[0])
+    g_plain = eqx.filter_grad(lambda m, x: jnp.sum(m(x) ** 2))(stack, xs[0])
+    np.testing.assert_allclose(g.layers.w, g_plain.layers.w, rtol=1e-5)
+    np.testing.assert_allclose(r, hand_taps(layers, xs[0], rms)[1], rtol=1e-5)
+
+
+def test_one_trace_for_any_data(getkey):
+    traces = []
+
+    class Counted(eqx.Module):
+        w: Array
+
+        def __call__(self, x):
+            traces.append(None)
+            return jnp.tanh(self.w @ x)
+
+    stack = eqxscan.Stacked(lambda k: Counted(jr.normal(k, (D, D))), 6, key=getkey())
+    step = eqx.filter_jit(lambda s, x: eqxscan.tap(s, both)(x))
+    for _ in range(3):
+        step(stack, jr.normal(getkey(), (D,)))
+    assert len(traces) == 1  # one body traced, once, for every call
+    eager = eqxscan.tap(stack, both)
+    for _ in range(2):
+        eager(jr.normal(getkey(), (D,)))
+    assert len(traces) == 2
+
+
+def test_container_inside_a_layer_is_not_tapped(getkey):
+    inner = eqxscan.Stacked.from_layers(build("BB", getkey()))
+
+    class Outer(eqx.Module):
+        inner: eqxscan.Stacked
+
+        def __call__(self, x):
+            return self.inner(x) + 1.0
+
+    stack = eqxscan.Stacked.from_layers([Outer(inner), Outer(inner), Outer(inner)])
+    x = jr.normal(getkey(), (D,))
+    _, got = eqxscan.tap(stack, rms)(x)
+    assert got.shape == (3,)
+    np.testing.assert_allclose(got, hand_taps(stack.unstack(), x, rms)[1], rtol=1e-5)
+
+
+def test_tap_errors():
+    with pytest.raises(TypeError, match="ran no layers"):
+        eqxscan.tap(lambda x: x, rms)(jnp.ones(2))
+
+
+# --- gradient taps ----------------------------------------------------------
+
+
+def hand_cotangents(layers, x, loss, reverse=False):
+    """The cotangent reaching each layer's output, by layer index: the forward
+    loop keeps each layer's `jax.vjp`, the backward loop runs them in turn."""
+    order = [i for i in range(len(layers))]
+    if reverse:
+        order = order[::-1]
+    vjps = {}
+    for i in order:
+        x, vjps[i] = jax.vjp(layers[i], x)
+    ct = jax.grad(loss)(x)
+    cts = [None] * len(layers)
+    for i in reversed(order):
+        cts[i] = ct
+        (ct,) = vjps[i](ct)
+    return cts
+
+
+def loss_fn(y):
+    return jnp.sum(jnp.sin(y) * jnp.arange(1.0, D + 1.0))
+
+
+@pytest.mark.parametrize("mode", ["scan", "loop"])
+def test_grad_taps_match_per_layer_vjps(mode, getkey):
+    layers = build("AAAAA", getkey())
+    stack = eqxscan.Stacked.from_layers(layers, mode=mode)
+    x = jr.normal(getkey(), (D,))
+    p = eqxscan.probe(both, x, len(stack))
+
+    def loss(model_and_probe, x):
+        model, p = model_and_probe
+        y, _ = eqxscan.tap(model, probe=p)(x)
+        return loss_fn(y)
+
+    value, (g, gp) = eqx.filter_jit(eqx.filter_value_and_grad(loss))((stack, p), x)
+    assert isinstance(gp, eqxscan.Probe)
+    cts = hand_cotangents(layers, x, loss_fn)
+    want = jax.tree.map(lambda *a: jnp.stack(a), *[both(c) for c in cts])
+    close(gp.values, want)
+    g_plain = eqx.filter_grad(lambda m: loss_fn(m(x)))(stack)
+    np.testing.assert_allclose(g.layers.w, g_plain.layers.w, rtol=1e-5)
+    np.testing.assert_allclose(value, loss_fn(stack(x)), rtol=1e-5)
+
+
+@pytest.mark.parametrize("pattern", ["AB" * 3, "AAB" * 2 + "A"])
+def test_grad_taps_in_a_chain(pattern, getkey):
+    layers = build(pattern, getkey())
+    chain = eqxscan.Chain(layers, checkpoint=True)
+    x = jr.normal(getkey(), (D,))
+    p = eqxscan.probe(rms, x, len(chain))
+    for reverse in (False, True):
+
+        def loss(p, reverse=reverse):
+            y, _ = eqxscan.tap(chain, probe=p)(x, reverse=reverse)
+            return loss_fn(y)
+
+        gp = jax.grad(loss)(p)
+        cts = hand_cotangents(layers, x, loss_fn, reverse)
+        np.testing.assert_allclose(
+            gp.values, jnp.stack([rms(c) for c in cts]), rtol=1e-5
+        )
+
+
+def test_grad_taps_per_time_step(getkey):
+    cell = eqxscan.ElmanCell(3, D, key=getkey())
+    xs = jr.normal(getkey(), (5, 3))
+    h0 = jr.normal(getkey(), (D,))
+    rnn = eqxscan.Recurrent(cell)
+    p = eqxscan.probe(rms, h0, 5)
+
+    def loss(p):
+        (h, _), _ = eqxscan.tap(rnn, probe=p)(h0, xs)
+        return loss_fn(h)
+
+    steps = [lambda h, x=x: cell(x, h) for x in xs]
+    cts = hand_cotangents(steps, h0, loss_fn)
+    got = jax.grad(loss)(p).values
+    np.testing.assert_allclose(got, jnp.stack([rms(c) for c in cts]), rtol=1e-5)
+
+
+def test_nonfinite_counts_in_the_backward_pass(getkey):
+    layers = build("AAAA", getkey())
+    stack = eqxscan.Stacked.from_layers(layers)
+    x = jr.normal(getkey(), (D,))
+    p = eqxscan.probe(nonfinite_count, x, 4)
+
+    def loss(p):
+        y, _ = eqxscan.tap(stack, probe=p)(x)
+        return jnp.sum(jnp.sqrt(y - 100.0))  # nan cotangents from the loss
+
+    np.testing.assert_array_equal(jax.grad(loss)(p).values, [D, D, D, D])
