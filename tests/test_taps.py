@@ -272,3 +272,41 @@ def test_nonfinite_counts_in_the_backward_pass(getkey):
         return jnp.sum(jnp.sqrt(y - 100.0))  # nan cotangents from the loss
 
     np.testing.assert_array_equal(jax.grad(loss)(p).values, [D, D, D, D])
+
+
+def test_taps_with_fsdp_weights_match_one_device(getkey):
+    # Weights split over two devices (each scan step gathers one layer), a
+    # batch split over them too: carry and gradient taps as on one device.
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    layers = build("AAAA", getkey())
+    stack = eqxscan.Stacked.from_layers(layers)
+    mesh = jax.make_mesh((2,), ("fsdp",), axis_types=(AxisType.Auto,))
+    placed, _, _ = eqxscan.sharding.shard(stack, mesh=mesh, min_size=0)
+    assert placed.layer_sharding is not None
+    xs = jr.normal(getkey(), (4, D))
+    p = eqxscan.probe(both, xs[0], len(stack))
+
+    def step(model, p, xs):
+        def loss(mp, x):
+            y, stats = eqxscan.tap(mp[0], both, probe=mp[1])(x)
+            return loss_fn(y), stats
+
+        per = jax.vmap(
+            lambda x: eqx.filter_value_and_grad(loss, has_aux=True)((model, p), x)
+        )
+        (_, stats), (_, gp) = per(xs)
+        return stats, gp.values
+
+    want = eqx.filter_jit(step)(stack, p, xs)
+    sharded = jax.device_put(xs, NamedSharding(mesh, P("fsdp")))
+    got = eqx.filter_jit(step)(placed, p, sharded)
+    close(got, want)
+    # And against the hand-written loop and per-layer vjps, per example.
+    for k in range(4):
+        _, taps = hand_taps(layers, xs[k], both)
+        cts = [both(c) for c in hand_cotangents(layers, xs[k], loss_fn)]
+        close(
+            jax.tree.map(lambda a, k=k: a[k], got),
+            (taps, jax.tree.map(lambda *a: jnp.stack(a), *cts)),
+        )
