@@ -51,6 +51,7 @@ from ._stacked import (
     scan_layers as scan_layers,
     Stacked as Stacked,
 )
+from ._stats import max_abs as max_abs, nonfinite_count as nonfinite_count, rms as rms
 from ._subset import Layers as Layers, run_layers as run_layers
 from ._tree import (
     for_each as for_each,

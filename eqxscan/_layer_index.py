@@ -51,6 +51,12 @@ def at_layer(i: Index | None) -> contextlib.AbstractContextManager[None]:
     return _set(_LAYER, i)
 
 
+def current_step() -> Index | None:
+    """The index of the engine step being traced, or `None` outside one (the
+    shape-only trace of a run of length 0)."""
+    return _STEP.get()
+
+
 def step_index() -> Index:
     """The index of the engine step being traced (see `indexed`)."""
     i = _STEP.get()

@@ -21,8 +21,8 @@ from jaxtyping import Array, Float, PyTree
 from ._chain import Chain
 from ._recurrent import Recurrent
 from ._stacked import Stacked
+from ._stats import nonfinite_count
 from ._taps import Probe, tap
-from .stats import nonfinite_count
 
 
 @dataclasses.dataclass(frozen=True)

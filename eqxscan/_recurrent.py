@@ -25,7 +25,7 @@ from ._checks import (
 from ._eager import compiled_when_eager
 from ._engine import run
 from ._layer_call import call_layer, LayerCall
-from ._layer_index import step_index
+from ._layer_index import current_step
 from ._options import ScanArgs, Scanning, ScanOptions
 from ._stateful import clone
 from ._taps import tapped
@@ -509,7 +509,7 @@ class Recurrent(Scanning):
                 # carry (without a mask the engine checks, naming the step).
                 check_carry(old, new, where_masked)
                 new = _where(m, new, old)
-            new = tapped(step_index(), new, old)
+            new = tapped(current_step(), new, old)
             return new, new
 
         def where(i: int | None) -> str:
