@@ -6,8 +6,10 @@ every time (seconds of compile, and memory that `jax.clear_caches()` does not
 return). Such a call goes through one `eqx.filter_jit` per method instead,
 whose cache is keyed by the module's and arguments' structure, so the second
 call of the same shapes compiles nothing. Under `jit`, `grad`, `vmap` (any
-argument a tracer) and in `mode="loop"` (the debugging path, where a layer's
-Python runs at every call) the method runs as written.
+argument a tracer), in `mode="loop"` (the debugging path, where a layer's
+Python runs at every call) and inside `eqxscan.tap` (whose probe is no argument
+of the call, so the cache would hand back an untapped program) the method runs
+as written.
 """
 
 import functools
@@ -18,6 +20,8 @@ import equinox as eqx
 import jax
 import jax.core
 import jax.tree_util as jtu
+
+from ._taps import tapping
 
 
 P = ParamSpec("P")
@@ -36,7 +40,7 @@ def compiled_when_eager(method: Callable[P, R]) -> Callable[P, R]:
 
     @functools.wraps(method)
     def call(*args: P.args, **kwargs: P.kwargs) -> R:
-        if getattr(args[0], "mode", "scan") == "loop":
+        if getattr(args[0], "mode", "scan") == "loop" or tapping():
             return method(*args, **kwargs)
         leaves = jtu.tree_leaves((args, kwargs))  # one flatten for both checks
         if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):

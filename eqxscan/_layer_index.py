@@ -33,7 +33,8 @@ _LAYER: contextvars.ContextVar[Index | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def _set(var: contextvars.ContextVar, value: object) -> Iterator[None]:
+def setting(var: contextvars.ContextVar, value: object) -> Iterator[None]:
+    """`var` set to `value` for the block, then reset."""
     token = var.set(value)
     try:
         yield
@@ -43,12 +44,12 @@ def _set(var: contextvars.ContextVar, value: object) -> Iterator[None]:
 
 def loop_step(i: int) -> contextlib.AbstractContextManager[None]:
     """Set around step `i` of the engine's Python loop (`mode="loop"`)."""
-    return _set(_LOOP_STEP, i)
+    return setting(_LOOP_STEP, i)
 
 
 def at_layer(i: Index | None) -> contextlib.AbstractContextManager[None]:
     """Set around a layer's call: its global index (`None`: not known)."""
-    return _set(_LAYER, i)
+    return setting(_LAYER, i)
 
 
 def current_step() -> Index | None:
@@ -85,7 +86,7 @@ def indexed(run: Run) -> Run:
             x, i = x
             here = _LOOP_STEP.get() if loop else i
             # A step inside another container's layer starts with no layer set.
-            with _set(_STEP, here), at_layer(None):
+            with setting(_STEP, here), at_layer(None):
                 return step(c, x)
 
         read = kwargs.get("read")

@@ -16,7 +16,7 @@ import contextvars
 import dataclasses
 import functools
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import equinox as eqx
 import jax
@@ -24,6 +24,8 @@ import jax.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, Float, Int, PyTree
+
+from ._layer_index import setting
 
 
 Stat = Callable[..., PyTree]
@@ -50,18 +52,14 @@ _SCOPE: contextvars.ContextVar[list | None] = contextvars.ContextVar(
 )
 
 
-@contextlib.contextmanager
-def _set(var: contextvars.ContextVar, value: object) -> Iterator[None]:
-    token = var.set(value)
-    try:
-        yield
-    finally:
-        var.reset(token)
+def tapping() -> bool:
+    """Whether a container call now is tapped (its trace then depends on it)."""
+    return _TAPPING.get() is not None
 
 
 def inside_layer() -> contextlib.AbstractContextManager[None]:
     """Set around a layer's own call: containers inside a layer are not tapped."""
-    return _set(_TAPPING, None)
+    return setting(_TAPPING, None)
 
 
 class Probe(eqx.Module):
@@ -180,7 +178,7 @@ def collected(run: Run) -> Run:
 
         def body(c: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
             records: list = []
-            with _set(_SCOPE, records):
+            with setting(_SCOPE, records):
                 new, y = step(c, x)
             return new, (y, records)
 
@@ -303,7 +301,7 @@ def _run(
     kwargs: dict,
 ) -> tuple[PyTree, PyTree]:
     records: list = []
-    with _set(_TAPPING, _Tapping(stat, with_input, probe)), _set(_SCOPE, records):
+    with setting(_TAPPING, _Tapping(stat, with_input, probe)), setting(_SCOPE, records):
         out = model(*args, **kwargs)
     if stat is None:
         return out, None

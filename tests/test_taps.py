@@ -261,6 +261,37 @@ def test_grad_taps_per_time_step(getkey):
     np.testing.assert_allclose(got, jnp.stack([rms(c) for c in cts]), rtol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["stacked", "chain", "recurrent"])
+def test_probe_after_an_untapped_eager_call(kind, getkey):
+    # An eager call compiles itself once per structure; the probe lives outside
+    # the call's arguments, so a cached untapped program must not be reused.
+    x = jr.normal(getkey(), (D,))
+    if kind == "recurrent":
+        cell = eqxscan.ElmanCell(3, D, key=getkey())
+        xs = jr.normal(getkey(), (5, 3))
+        model = eqxscan.Recurrent(cell)
+        steps = [lambda h, x=x: cell(x, h) for x in xs]
+        args = (x, xs)
+    else:
+        steps = build("AB" * 2 + "A" if kind == "chain" else "AAAAA", getkey())
+        model = (
+            eqxscan.Chain(steps)
+            if kind == "chain"
+            else eqxscan.Stacked.from_layers(steps)
+        )
+        args = (x,)
+    model(*args)  # eager, untapped: fills the compiled-call cache
+    p = eqxscan.probe(rms, x, len(steps))
+
+    def loss(p):
+        y, _ = eqxscan.tap(model, probe=p)(*args)
+        return loss_fn(y[0] if kind == "recurrent" else y)
+
+    cts = hand_cotangents(steps, x, loss_fn)
+    got = jax.grad(loss)(p).values
+    np.testing.assert_allclose(got, jnp.stack([rms(c) for c in cts]), rtol=1e-5)
+
+
 def test_nonfinite_counts_in_the_backward_pass(getkey):
     layers = build("AAAA", getkey())
     stack = eqxscan.Stacked.from_layers(layers)
