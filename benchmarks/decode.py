@@ -1,9 +1,12 @@
-"""One KV-cache decode step through L layers, six ways: XLA temp and alias
+"""One KV-cache decode step through L layers, seven ways: XLA temp and alias
 bytes, bytes accessed, compile time and step time (interleaved repeats,
 median), the cache donated in every row.
 
 - `in place`: `stack(x, eqxscan.buffer(cache), pos=pos)`, each layer writing
-  its new row with `jax.lax.dynamic_update_slice`;
+  its new row with `jax.lax.dynamic_update_slice` (on CPU the layer reads a
+  copy of its updated slice: `reads="auto"`);
+- `in place, view`: the same with `eqxscan.buffer(cache, reads="view")`, the
+  layer reading its slice straight from the stacked cache;
 - `ys`: the cache as `eqxscan.per_layer(cache)` and the new cache as the
   scan's `ys` (`stack.scan`);
 - `scan, slice`: `lax.scan` by hand, the stacked cache in the carry, layer
@@ -83,6 +86,9 @@ def variants(stack: eqxscan.Stacked) -> dict[str, tuple[Callable, bool]]:
     def in_place(s, x, pos, cache):
         return s(x, eqxscan.buffer(cache), pos=pos)
 
+    def in_place_view(s, x, pos, cache):
+        return s(x, eqxscan.buffer(cache, reads="view"), pos=pos)
+
     def ys(s, x, pos, cache):
         def one(layer, x, cache, pos):
             return layer(x, cache, pos)
@@ -130,6 +136,7 @@ def variants(stack: eqxscan.Stacked) -> dict[str, tuple[Callable, bool]]:
     del w
     return {
         "in place": (in_place, False),
+        "in place, view": (in_place_view, False),
         "loop mode": (lambda s, x, p, c: in_place(loop_mode, x, p, c), False),
         "ys": (ys, False),
         "scan, slice": (scan_slice, False),

@@ -26,7 +26,6 @@ from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from ._alike import check_alike, stack_alike
 from ._buffers import (
-    Buffer,
     check_buffer_axis,
     find_buffer,
     refuse_buffer,
@@ -632,7 +631,7 @@ def scan_layers(stack: Stacked, x: PyTree, call: LayerCall) -> tuple[PyTree, PyT
             return run_one(layer, call, inputs, carry, who)
         assert at is not None
         x, tree = carry
-        here = Buffer(tree, (*view.prefix, i))
+        here = view.of(tree).at(i)
         args, kwargs = with_view(inputs.args, inputs.kwargs, at, here)
         return run_one(layer, call, inputs._replace(args=args, kwargs=kwargs), x, who)
 

@@ -3,6 +3,7 @@ contents against `mode="loop"` and hand-written loops, gradients of a prefill
 under every checkpoint setting, batching, Chain layouts, in-place memory from
 XLA's own analysis, compile counts, and bad input."""
 
+import functools as ft
 import math
 
 import equinox as eqx
@@ -282,11 +283,13 @@ def _memory(fn, *args):
     return mem.temp_size_in_bytes, mem.alias_size_in_bytes, cost["bytes accessed"]
 
 
-def test_decode_updates_the_cache_in_place():
+@pytest.mark.parametrize("reads", ["view", "copy"])
+def test_decode_updates_the_cache_in_place(reads):
     # XLA's own analysis: the donated cache is aliased to the output, no step
     # holds a second copy of it, and the bytes a step touches are the loop's
     # order, not the cache's. The per-layer `ys` way copies the cache, which
-    # this test tells apart.
+    # this test tells apart. `reads="copy"` adds one read and one write of a
+    # layer's slice per layer, and one slice of temp memory.
     n, t = 4, 512
     stack = stacked(n)
     x = jr.normal(jr.key(11), (1, D))
@@ -294,8 +297,8 @@ def test_decode_updates_the_cache_in_place():
     nbytes = sum(a.nbytes for a in cache)
     slice_bytes = nbytes // n
 
-    def in_place(s, x, c):
-        return s(x, eqxscan.buffer(c), pos=7)
+    def in_place(s, x, c, reads=reads):
+        return s(x, eqxscan.buffer(c, reads=reads), pos=7)
 
     def ys(s, x, c):
         return s.scan(x, eqxscan.per_layer(c), 7, method=lambda f, x, c, p: f(x, c, p))
@@ -310,8 +313,25 @@ def test_decode_updates_the_cache_in_place():
     ys_temp, _, _ = _memory(ys, stack, x, cache)
     assert alias == nbytes == loop_alias
     assert temp <= loop_temp + slice_bytes
-    assert accessed <= 1.2 * loop_accessed
+    if reads == "view":
+        assert accessed <= 1.2 * loop_accessed
+    else:
+        _, _, view_accessed = _memory(
+            ft.partial(in_place, reads="view"), stack, x, cache
+        )
+        # Each layer's slice read and written once more (a stack of 4 layers
+        # is unrolled, so every layer's copy is counted), plus each copy's
+        # index and predicate scalars.
+        assert view_accessed < accessed <= view_accessed + 2 * nbytes + 64 * n
+        auto_temp, _, auto_accessed = _memory(
+            ft.partial(in_place, reads="auto"), stack, x, cache
+        )
+        assert (auto_temp, auto_accessed) == (temp, accessed)  # CPU: copy
     assert ys_temp >= nbytes  # the copy this avoids
+    y, c = in_place(stack, x, cache)
+    y_view, c_view = in_place(stack, x, cache, reads="view")
+    assert_close(y, y_view)
+    assert_close(c, c_view)
 
 
 def test_whole_slice_write_costs_what_a_hand_written_scan_does():
@@ -377,6 +397,9 @@ def test_bad_input_errors():
     x = jnp.ones((1, D))
     with pytest.raises(ValueError, match=r"buffer leaf `buffer\[0\]`.*layer axis"):
         stack(x, eqxscan.buffer(cache_of(4, (2,))), pos=0)
+    # (Under the suite's runtime type checking, beartype may speak first.)
+    with pytest.raises(Exception, match=r"reads='fused'; expected 'auto'|'reads'"):
+        eqxscan.buffer(cache_of(4, (2,)), reads="fused")  # pyright: ignore[reportArgumentType]
     with pytest.raises(TypeError, match="pytree of arrays"):
         eqxscan.buffer({"k": 1.0})
 

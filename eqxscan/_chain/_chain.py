@@ -12,7 +12,6 @@ import jax.tree_util as jtu
 from jaxtyping import PRNGKeyArray, PyTree
 
 from .._buffers import (
-    Buffer,
     find_buffer,
     LayerBuffers,
     Place,
@@ -275,9 +274,7 @@ def run_groups(
         where = f"{owner} {_group_name(group, span)}{changed}"
         group_call = call
         if view is not None and at is not None and trees is not None:
-            args, kwargs = with_view(
-                call.args, call.kwargs, at, Buffer(trees[k], view.prefix)
-            )
+            args, kwargs = with_view(call.args, call.kwargs, at, view.of(trees[k]))
             group_call = call._replace(args=args, kwargs=kwargs)
         try:
             new_x, ys = noted(_call_group, where, group, span, x, group_call)
@@ -696,8 +693,9 @@ class Chain(Scanning):
                     "not both.\nKeep per-layer state in the buffer."
                 )
             # Group `k`'s part of the buffer is `groups[k]` (see layer_buffers).
-            tree = check_chain_buffers(view_of(args, kwargs, at).tree, self)
-            args, kwargs = with_view(args, kwargs, at, Buffer(tree.groups))
+            given = view_of(args, kwargs, at)
+            tree = check_chain_buffers(given.tree, self)
+            args, kwargs = with_view(args, kwargs, at, given.of(tree.groups))
         if pairs and find_state(args, kwargs):
             raise TypeError(
                 "Chain.scan does not take an eqx.nn.State; call the chain instead: "
