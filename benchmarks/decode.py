@@ -22,6 +22,8 @@ the batch, each sequence at its own position.
 
     python benchmarks/decode.py --layers 16 32 64 --length 2048 8192 --batch 1 8
     python benchmarks/decode.py --layers 16 --length 2048 --batch 1 --hlo
+    python benchmarks/decode.py --layers 16 32 64 --length 2048 --batch 1 \
+        --variants "in place" --compiles 5 --repeats 1
 """
 
 import argparse
@@ -146,9 +148,17 @@ def variants(stack: eqxscan.Stacked) -> dict[str, tuple[Callable, bool]]:
 
 
 def compiled_steps(
-    num_layers: int, length: int, batch: int, dim: int, heads: int
+    num_layers: int,
+    length: int,
+    batch: int,
+    dim: int,
+    heads: int,
+    only: list[str] | None = None,
+    compiles: int = 1,
 ) -> dict[str, tuple]:
-    """name -> (compiled step, model, cache, x, pos, compile seconds)."""
+    """name -> (compiled step, model, cache, x, pos, compile seconds): the
+    variants named in `only` (all by default), each compiled `compiles` times
+    from a fresh trace, the median time kept."""
     stack = eqxscan.Stacked(
         lambda k: Block(dim, heads, key=k), num_layers, key=jr.key(0)
     )
@@ -157,6 +167,8 @@ def compiled_steps(
     pos = jnp.arange(batch, dtype=jnp.int32) * 7 + length // 2
     compiled = {}
     for name, (fn, unrolled) in variants(stack).items():
+        if only is not None and name not in only:
+            continue
         model = stack.unstack() if unrolled else stack
         shape = (batch, length, heads, e)
         if unrolled:
@@ -164,19 +176,30 @@ def compiled_steps(
         else:
             cache = (jnp.zeros((batch, num_layers, *shape[1:])),) * 2
             cache = jax.tree.map(jnp.copy, cache)
-        step = jax.jit(
-            jax.vmap(fn, in_axes=(None, 0, 0, 0), out_axes=0), donate_argnums=3
-        )
-        t0 = time.perf_counter()
-        exe = step.lower(model, x, pos, cache).compile()
-        compiled[name] = (exe, model, cache, x, pos, time.perf_counter() - t0)
+        seconds = []
+        for _ in range(compiles):
+            jax.clear_caches()
+            step = jax.jit(
+                jax.vmap(fn, in_axes=(None, 0, 0, 0), out_axes=0), donate_argnums=3
+            )
+            t0 = time.perf_counter()
+            exe = step.lower(model, x, pos, cache).compile()
+            seconds.append(time.perf_counter() - t0)
+        compiled[name] = (exe, model, cache, x, pos, statistics.median(seconds))
     return compiled
 
 
 def measure(
-    num_layers: int, length: int, batch: int, dim: int, heads: int, repeats: int
+    num_layers: int,
+    length: int,
+    batch: int,
+    dim: int,
+    heads: int,
+    repeats: int,
+    only: list[str] | None = None,
+    compiles: int = 1,
 ):
-    compiled = compiled_steps(num_layers, length, batch, dim, heads)
+    compiled = compiled_steps(num_layers, length, batch, dim, heads, only, compiles)
     rows = []
     for name, (exe, _, _, _, _, compile_s) in compiled.items():
         mem = exe.memory_analysis()
@@ -250,6 +273,17 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument(
+        "--variants",
+        nargs="+",
+        help="only these variants (the loop is always run: ratios are to it)",
+    )
+    parser.add_argument(
+        "--compiles",
+        type=int,
+        default=1,
+        help="compile each step this many times, from a fresh trace (median)",
+    )
+    parser.add_argument(
         "--hlo",
         action="store_true",
         help="print the copies in each variant's optimised step and stop",
@@ -276,8 +310,16 @@ def main() -> None:
     for num_layers in args.layers:
         for length in args.length:
             for batch in args.batch:
+                only = None if args.variants is None else [*args.variants, "loop"]
                 rows = measure(
-                    num_layers, length, batch, args.dim, args.heads, args.repeats
+                    num_layers,
+                    length,
+                    batch,
+                    args.dim,
+                    args.heads,
+                    args.repeats,
+                    only,
+                    args.compiles,
                 )
                 loop = next(r for r in rows if r["name"] == "loop")
                 cache = 2 * 4 * num_layers * batch * length * args.dim
