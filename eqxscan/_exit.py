@@ -32,6 +32,7 @@ from ._drop import DepthDrop
 from ._layer_call import check_method, check_per_layer, LayerCall, Method, Segment
 from ._stacked import stack_segments, Stacked
 from ._stateful import find_state
+from ._taps import tapping
 
 
 Bound = int | np.integer | Array
@@ -357,6 +358,12 @@ def run_until(
     against as an argument (one program for every value).
     """
     check_model(model, "run_until")
+    if tapping():
+        raise TypeError(
+            "eqxscan.tap does not reach run_until: its layers run in a while "
+            "loop of traced length.\nTap the model itself, or run_layers with "
+            "the layers to watch."
+        )
     who = f"run_until of a {type(model).__name__}"
     check_callable("predicate", predicate)
     per_example = check_bool("per_example", per_example)

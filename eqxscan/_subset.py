@@ -31,6 +31,7 @@ from ._layer_call import (
 )
 from ._options import ScanOptions
 from ._stacked import layer_of, restack, scan_layers, Stacked
+from ._taps import covering, tapping
 
 
 Layers = slice | Sequence[int] | np.ndarray | Array
@@ -204,8 +205,24 @@ def run_layers(
     else:
         idx = _static_indices(layers, length, who)
     refuse_buffer(args, kwargs, "run_layers")
+    static_run = isinstance(idx, slice) and idx.step in (None, 1)
+    if tapping() and not isinstance(layers, jax.Array) and not static_run:
+        # Taps number the layers they record; layers taken out of order are
+        # numbered as the traced indices' scan numbers them.
+        order = range(length)[idx] if isinstance(idx, slice) else idx.tolist()
+        layers = idx = jnp.asarray(list(order), jnp.int32)
     call = LayerCall(args, kwargs, keys, method=method, caller=who)
-    if isinstance(layers, jax.Array):
+    with covering(length):
+        return _run_chosen(model, x, idx, isinstance(layers, jax.Array), call)
+
+
+def _run_chosen(
+    model: Stacked | Chain, x: PyTree, idx: object, traced: bool, call: LayerCall
+) -> PyTree:
+    # `run_layers` once its arguments are checked: `idx` an index array when
+    # `traced`, else a static slice or NumPy index array.
+    length, method = model.num_layers, call.method
+    if traced:
         if isinstance(model, Chain):
             check_chain_method(model.groups, model.layout, method)
         else:
@@ -216,7 +233,7 @@ def run_layers(
     sub_call = call.take(idx)
     if isinstance(model, Chain):
         chosen = model.unstack()
-        order = range(length)[idx] if isinstance(idx, slice) else idx.tolist()
+        order = range(length)[idx] if isinstance(idx, slice) else idx.tolist()  # pyright: ignore[reportAttributeAccessIssue]  # a NumPy array
         sub = Chain(
             [chosen[i] for i in order],
             periodic=model.periodic,
@@ -226,7 +243,7 @@ def run_layers(
         return run_groups(sub.groups, sub.layout, x, sub_call, "Chain")[0]
     check_method(method, model.layers)
     model.check_layer_axis("run")
-    count = len(range(length)[idx]) if isinstance(idx, slice) else int(idx.shape[0])
+    count = len(range(length)[idx]) if isinstance(idx, slice) else int(idx.shape[0])  # pyright: ignore[reportAttributeAccessIssue]  # a NumPy array
     layers = jax.tree.map(lambda a: a[idx] if eqx.is_array(a) else a, model.layers)
     sub = restack(model, layers=layers, num_layers=count)
     return scan_layers(sub, x, sub_call._replace(caller="Stacked"))[0]

@@ -16,7 +16,7 @@ import contextvars
 import dataclasses
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 
 import equinox as eqx
 import jax
@@ -187,6 +187,51 @@ def collected(run: Run) -> Run:
         return c, ys
 
     return wrapped
+
+
+@contextlib.contextmanager
+def held() -> Iterator[list]:
+    """The records made inside the block, kept from the enclosing scope: a
+    `lax.switch` branch returns them (a record must not leave its trace), and
+    `add` puts them in the scope after the switch."""
+    records: list = []
+    if _TAPPING.get() is None or _SCOPE.get() is None:
+        yield records
+        return
+    with setting(_SCOPE, records):
+        yield records
+
+
+def add(records: Sequence) -> None:
+    """Put `records` (from `held`) in the enclosing scope."""
+    outer = _SCOPE.get()
+    if _TAPPING.get() is not None and outer is not None:
+        outer.extend(records)
+
+
+@contextlib.contextmanager
+def covering(length: int) -> Iterator[None]:
+    """Around a call that may run only some of a model's `length` layers
+    (`run_layers`): while tapped, its records are padded to one per layer, so
+    that layers not run read zeros (as LayerDrop's skipped layers do) rather
+    than the gathered taps being cut to the number of layers run."""
+    outer = _SCOPE.get()
+    if _TAPPING.get() is None or outer is None:
+        yield
+        return
+    records: list = []
+    with setting(_SCOPE, records):
+        yield
+    outer.extend(records)
+    count = sum(idx.size for idx, _ in records)
+    if records and count < length:
+        idx, stats = records[0]
+        pad = jtu.tree_map(
+            lambda a: jnp.zeros((length - count, *a.shape[idx.ndim :]), a.dtype),
+            stats,
+        )
+        # Index 0 is the slot `_gather` drops.
+        outer.append((jnp.zeros((length - count,), jnp.float32), pad))
 
 
 def _takes_input(stat: Stat) -> bool:

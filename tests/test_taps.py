@@ -2,6 +2,8 @@
 against the same statistics computed by hand-written loops over the layers (and
 per-layer `jax.vjp`s for the cotangents), and against `mode="loop"`."""
 
+import functools as ft
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -290,6 +292,54 @@ def test_probe_after_an_untapped_eager_call(kind, getkey):
     cts = hand_cotangents(steps, x, loss_fn)
     got = jax.grad(loss)(p).values
     np.testing.assert_allclose(got, jnp.stack([rms(c) for c in cts]), rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["stacked", "chain"])
+def test_taps_of_run_layers_are_by_layer_index(kind, getkey):
+    # One row per layer of the model, zeros for the layers not run, whatever the
+    # choice (a run, an index list out of order, an index array under jit).
+    layers = build("AAAAA" if kind == "stacked" else "ABAAB", getkey())
+    model = (
+        eqxscan.Stacked.from_layers(layers)
+        if kind == "stacked"
+        else eqxscan.Chain(layers)
+    )
+    x = jr.normal(getkey(), (D,))
+    for sel in (slice(1, 4), [0, 2, 3], [4, 1], jnp.array([3, 0, 2])):
+        order = range(5)[sel] if isinstance(sel, slice) else [int(i) for i in sel]
+        y, want = x, np.zeros((5,), np.float32)
+        for i in order:
+            y = layers[i](y)
+            want[i] = rms(y)
+        run = ft.partial(eqxscan.run_layers, model, layers=sel)
+        got_y, got = eqxscan.tap(run, rms)(x)
+        close(got_y, y)
+        close(got, want)
+        if isinstance(sel, jax.Array):
+            got = jax.jit(
+                lambda x, sel: eqxscan.tap(
+                    lambda x: eqxscan.run_layers(model, x, sel), rms
+                )(x)[1]
+            )(x, sel)
+            close(got, want)
+        # The gradient reaching each chosen layer's output, at its index.
+        p = eqxscan.probe(rms, x, 5)
+        gp = jax.grad(lambda p, run=run: loss_fn(eqxscan.tap(run, probe=p)(x)[0]))(p)
+        cts = hand_cotangents([layers[i] for i in order], x, loss_fn)
+        want = np.zeros((5,), np.float32)
+        for i, ct in zip(order, cts):
+            want[i] = rms(ct)
+        close(gp.values, want)
+
+
+def test_run_until_is_refused_by_taps(getkey):
+    stack = eqxscan.Stacked.from_layers(build("AAA", getkey()))
+
+    def run(x):
+        return eqxscan.run_until(stack, x, lambda c: jnp.array(False))
+
+    with pytest.raises(TypeError, match=r"tap does not reach run_until"):
+        eqxscan.tap(run, rms)(jnp.ones(D))
 
 
 def test_nonfinite_counts_in_the_backward_pass(getkey):

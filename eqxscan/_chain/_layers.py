@@ -16,6 +16,7 @@ from .._checks import CarryError, check_carry, noted
 from .._constrain import constrain
 from .._layer_call import Index, index, LayerCall, OneLayer, run_one, Segment
 from .._stacked import layer_of, stack_layer_fn, Stacked
+from .._taps import add, held
 from ._chain import Chain, Period, Span
 
 
@@ -164,12 +165,13 @@ def chain_layer_fn(
             layer = name_inputs(_branch_layer(chain, branch, row))
             old = eqx.combine(c_dyn, carry_static)
             where = branch.name
-            new = noted(_lone_fn, where, layer, call, one, where, old)
+            with held() as records:  # taps' records leave the switch as outputs
+                new = noted(_lone_fn, where, layer, call, one, where, old)
             try:
                 check_carry(old, new, where)
             except CarryError as e:
                 raise TypeError(f"{call.caller}: {where} {e.what}\n{hint}") from None
-            return eqx.filter(new, eqx.is_array)
+            return eqx.filter(new, eqx.is_array), tuple(records)
 
         return fn
 
@@ -177,7 +179,8 @@ def chain_layer_fn(
         row = rows[g]
         one = name_inputs(call.at(g))
         bodies = [body(branch, row, one) for branch in branches]
-        new = jax.lax.switch(row[0], bodies, eqx.filter(carry, eqx.is_array))
+        new, records = jax.lax.switch(row[0], bodies, eqx.filter(carry, eqx.is_array))
+        add(records)
         return eqx.combine(new, carry_static)
 
     return layer
