@@ -53,6 +53,7 @@ from ._stacked import (
 )
 from ._stats import max_abs as max_abs, nonfinite_count as nonfinite_count, rms as rms
 from ._subset import Layers as Layers, run_layers as run_layers
+from ._taps import tapping as tapping
 from ._tree import (
     for_each as for_each,
     key_name as key_name,

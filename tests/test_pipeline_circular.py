@@ -199,6 +199,12 @@ def test_pipeline_errors(getkey):
     stack = eqxscan.StackedMLP(4, 6, key=getkey()).blocks
     x = jnp.ones((4, 4))
 
+    def piped(x):
+        return sharding.pipeline(stack, x, mesh=mesh, microbatches=2)
+
+    with pytest.raises(TypeError, match="tap does not reach sharding.pipeline"):
+        eqxscan.tap(piped, eqxscan.stats.rms)(x)
+
     def error(match, **kwargs):
         kwargs = dict(mesh=mesh, microbatches=2) | kwargs
         with pytest.raises(ValueError, match=match) as info:

@@ -40,6 +40,7 @@ from .._internal import (
     scan_layers,
     split_key,
     Stacked,
+    tapping,
 )
 from ._shard import check_mesh
 
@@ -499,6 +500,12 @@ def _check_pipeline(
         raise TypeError(
             f"pipeline runs an eqxscan.Stacked, got {type(stack).__name__}; for a "
             "model, pass its Stacked (e.g. `model.blocks`)."
+        )
+    if tapping():
+        raise TypeError(
+            "eqxscan.tap does not reach sharding.pipeline: its stages run inside "
+            "shard_map.\nTap the stack without the pipeline (the same values), "
+            "e.g. on a smaller batch."
         )
     microbatches = check_size("microbatches", microbatches)
     schedule, repeats = _check_schedule(schedule, repeats)
