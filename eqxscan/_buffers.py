@@ -127,8 +127,8 @@ def buffer(tree: PyTree, *, reads: Reads = "auto") -> Buffer:
       transposes (token-major keys in attention) reads about twice as fast this
       way, as XLA's CPU backend transposes a separate array with a tiled
       kernel but a fused slice element by element. `"auto"` (the default) is
-      `"copy"` on CPU and `"view"` on GPU and TPU, where the fused read is
-      what XLA does best.
+      `"copy"` on CPU and `"view"` on other backends, where XLA can read the
+      slice where it lies.
 
     **Returns:**
 
