@@ -236,7 +236,7 @@ def _run_chosen(
         order = range(length)[idx] if isinstance(idx, slice) else idx.tolist()  # pyright: ignore[reportAttributeAccessIssue]  # a NumPy array
         sub = Chain(
             [chosen[i] for i in order],
-            periodic=model.periodic,
+            patterns=model.patterns,
             **model.options.as_args(),
         )
         sub_call = sub_call._replace(caller="Chain")
