@@ -174,7 +174,7 @@ def test_chain_dtype_error_names_the_layer(getkey, mode):
         with pytest.raises(TypeError) as info:
             chain(jnp.ones(4, jnp.bfloat16))
     headline = str(info.value).splitlines()[0]
-    layer = "layer 1" if mode == "loop" else "layers 1-3"
-    assert headline.startswith(f"Chain {layer} (Linear")
+    layer = "layer 1 (Linear" if mode == "loop" else "layers 1-3 (stack of Linear"
+    assert headline.startswith(f"Chain {layer}")
     assert "from bfloat16[8] to float32[8]" in headline
     assert "layer 0" not in headline
