@@ -80,7 +80,7 @@ def _stack_counts(stack: Stacked, start: int, total: int, out: dict) -> None:
 
 def _param_counts(grads: PyTree) -> list[dict[str, Float[Array, " L"]]]:
     """Per container in `grads`, per parameter path: the non-finite entries of
-    each layer's gradient (a `Chain`'s repeated units are not split)."""
+    each layer's gradient (a `Chain`'s repeated patterns are not split)."""
     out = []
     for container in _containers(grads):
         counts: dict[str, Array] = {}
