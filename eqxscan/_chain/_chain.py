@@ -83,8 +83,9 @@ def _assemble(
         else:
             repeats = []
             for p in range(0, size, per_step):
-                inner, layout_ = _assemble(chunk[p : p + per_step], pattern, options)
-                repeats.append(Pattern(inner, layout_, per_step))
+                repeat = chunk[p : p + per_step]
+                inner, inner_layout = _assemble(repeat, pattern, options)
+                repeats.append(Pattern(inner, inner_layout, per_step))
             groups.append(Stacked.from_layers(repeats, **options.as_args()))
         layout.append(Placement(start, size, per_step))
         start += size
