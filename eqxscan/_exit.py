@@ -225,7 +225,7 @@ def _run_segments(
     ex: _Exit, segments: tuple[Segment, ...], state: _State, c_static: PyTree
 ) -> _State:
     """The segments in order, each layer run only while the run is active: a
-    lone layer behind a `cond`, a stretch of like layers (or of repeats of a
+    lone layer behind a `cond`, a stack of like layers (or the repeats of a
     pattern) as one while loop."""
     for seg in segments:
         if seg.alone:

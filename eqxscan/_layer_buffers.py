@@ -11,7 +11,7 @@ from jaxtyping import PyTree
 
 from ._buffers import LayerBuffers
 from ._chain import Chain
-from ._chain._chain import Period, places, Span
+from ._chain._chain import Pattern, Placement, places
 from ._checks import describe, first_difference
 from ._stacked import Stacked
 
@@ -56,25 +56,28 @@ def layer_buffers(model: Stacked | Chain, make: MakeBuffer) -> PyTree:
 
 
 def _groups(
-    groups: tuple[Any, ...], layout: tuple[Span, ...], make: MakeBuffer, offset: int
+    groups: tuple[Any, ...],
+    layout: tuple[Placement, ...],
+    make: MakeBuffer,
+    offset: int,
 ) -> tuple[PyTree, ...]:
     parts = []
     for group, span in zip(groups, layout):
         start = offset + span.start
-        if span.period == 0:
+        if span.per_step == 0:
             parts.append(_made(make, start, group))
-        elif span.period == 1:
+        elif span.per_step == 1:
             parts.append(_run(group, make, start, "Chain"))
         else:
             reps = []
-            for r in range(span.size // span.period):
+            for r in range(span.size // span.per_step):
                 unit = group[r]
-                assert isinstance(unit, Period)
+                assert isinstance(unit, Pattern)
                 reps.append(
-                    _groups(unit.groups, unit.layout, make, start + r * span.period)
+                    _groups(unit.groups, unit.layout, make, start + r * span.per_step)
                 )
             parts.append(
-                _stack(reps, [start + r * span.period for r in range(len(reps))])
+                _stack(reps, [start + r * span.per_step for r in range(len(reps))])
             )
     return tuple(parts)
 

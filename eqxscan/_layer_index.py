@@ -105,7 +105,7 @@ def layer_index() -> Index:
     per scan step; with `mode="loop"`, and for a [`eqxscan.Chain`][]'s lone
     layers, a Python `int`. It counts the layers of the outermost container
     that runs the layer: a `Chain`'s layers are numbered `0 .. len(chain) - 1`
-    across its scanned runs, repeated units and lone layers, as
+    across its stacks, repeated patterns and lone layers, as
     `chain.unstack()` lists them; `reverse=True` keeps each layer's index. A
     layer of a container that is itself inside another container's layer gets
     its index in the inner one.

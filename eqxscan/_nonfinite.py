@@ -80,7 +80,7 @@ def _stack_counts(stack: Stacked, start: int, total: int, out: dict) -> None:
 
 def _param_counts(grads: PyTree) -> list[dict[str, Float[Array, " L"]]]:
     """Per container in `grads`, per parameter path: the non-finite entries of
-    each layer's gradient (a `Chain`'s repeated units are not split)."""
+    each layer's gradient (a `Chain`'s repeated patterns are not split)."""
     out = []
     for container in _containers(grads):
         counts: dict[str, Array] = {}
@@ -89,9 +89,9 @@ def _param_counts(grads: PyTree) -> list[dict[str, Float[Array, " L"]]]:
         else:
             total = len(container)
             for group, span in zip(container.groups, container.layout):
-                if span.period == 1:
+                if span.per_step == 1:
                     _stack_counts(group, span.start, total, counts)
-                elif span.period == 0:
+                elif span.per_step == 0:
                     for path, leaf in jtu.tree_leaves_with_path(group):
                         if eqx.is_inexact_array(leaf):
                             bad = jnp.sum(~jnp.isfinite(leaf)).astype(jnp.float32)

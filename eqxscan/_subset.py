@@ -186,8 +186,8 @@ def run_layers(
     (each choice compiles its own program; a lone layer may change the carry).
     Given an index array it scans the chosen layers with the chain's options,
     and each step `lax.switch`es on the layer's group: every group's body
-    (a lone layer, a scanned run's one layer read from its stacked weights, a
-    layer of a repeated unit read from its repeat) is traced once into the
+    (a lone layer, a stack's one layer read from its stacked weights, a
+    layer of a repeated pattern read from its repeat) is traced once into the
     program and each step runs one of them, so every layer of the chain must
     return a carry like its input (an error names the layer otherwise). Under
     `jax.vmap` over the indices the `switch` becomes a select, and every step
@@ -236,7 +236,7 @@ def _run_chosen(
         order = range(length)[idx] if isinstance(idx, slice) else idx.tolist()  # pyright: ignore[reportAttributeAccessIssue]  # a NumPy array
         sub = Chain(
             [chosen[i] for i in order],
-            periodic=model.periodic,
+            patterns=model.patterns,
             **model.options.as_args(),
         )
         sub_call = sub_call._replace(caller="Chain")

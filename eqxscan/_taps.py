@@ -8,7 +8,7 @@ adds the layer's slice of the probe to the output through a `custom_vjp` whose
 backward pass returns the probe's statistic of the cotangent. The engine
 (`collected`) gives every scan step a scope of its own and returns what the
 step recorded as extra per-step outputs, so statistics leave nested scans
-(a `Chain`'s repeated units) stacked; `tap` scatters them by layer index.
+(a `Chain`'s repeated patterns) stacked; `tap` scatters them by layer index.
 """
 
 import contextlib
@@ -298,8 +298,8 @@ def tap(
     **Arguments:**
 
     - `model`: the container to call. Its layers are numbered as
-      [`eqxscan.layer_index`][] numbers them (a `Chain`'s across its runs,
-      repeated units and lone layers); a `Recurrent`'s steps by time step. A
+      [`eqxscan.layer_index`][] numbers them (a `Chain`'s across its stacks,
+      repeated patterns and lone layers); a `Recurrent`'s steps by time step. A
       container inside one of its layers is not tapped.
     - `stat`: `stat(output)` or `stat(output, input)`, a pytree of arrays from
       a layer's output carry (and the carry it received), e.g.

@@ -35,7 +35,7 @@ class Site(NamedTuple):
       strings and `LayerIndex`es).
     - `axes`: the sizes of the layer axes in front of the node's arrays,
       outermost first: one per enclosing `Stacked`, so a `Stacked` inside a
-      `Stacked`'s layer has two (by name, a repeated unit of a `Chain` adds its
+      `Stacked`'s layer has two (by name, a repeated pattern of a `Chain` adds its
       repeat axis too).
     - `enclosing`: for each enclosing `Stacked` (or, by name, `Chain`), the
       position in `path` of the entry that stands for its layers (`.layers`, or

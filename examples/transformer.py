@@ -389,7 +389,7 @@ def main(argv=None):
     )
     groups = ", ".join(
         f"{type(g).__name__}[{s.start}:{s.start + s.size}]"
-        + (f" period {s.period}" if s.period > 1 else "")
+        + (f" pattern of {s.per_step}" if s.per_step > 1 else "")
         for g, s in zip(model.blocks.groups, model.blocks.layout)
     )
     print(f"{args.layers} blocks grouped as: {groups}")

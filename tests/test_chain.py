@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from jaxtyping import Array
 
 import eqxscan
-from eqxscan._chain import Period
+from eqxscan._chain import Pattern
 from eqxscan._chain._grouping import Group, plan
 from eqxscan.remat import THRESHOLDS
 
@@ -97,13 +97,13 @@ def loop(layers, x, *args, key=None, bias=None, **kwargs):
 
 
 def layout(chain):
-    return [(s.start, s.size, s.period) for s in chain.layout]
+    return [(s.start, s.size, s.per_step) for s in chain.layout]
 
 
 # --- grouping ---------------------------------------------------------------
 
 
-def test_runs_become_stacked(getkey):
+def test_like_layers_become_stacks(getkey):
     layers = build("AAABCC", getkey())
     chain = eqxscan.Chain(layers)
     assert layout(chain) == [(0, 3, 1), (3, 1, 0), (4, 2, 1)]
@@ -120,27 +120,29 @@ def test_different_shapes_are_not_stacked(getkey):
     assert layout(chain) == [(0, 2, 1), (2, 1, 0)]
 
 
-def test_alternating_is_one_periodic_scan(getkey):
+def test_alternating_is_one_pattern_scan(getkey):
     layers = build("AB" * 6, getkey())
     chain = eqxscan.Chain(layers)
     assert layout(chain) == [(0, 12, 2)]
     (group,) = chain.groups
     assert isinstance(group, eqxscan.Stacked) and group.num_layers == 6
-    assert isinstance(group.layers, Period)
+    assert isinstance(group.layers, Pattern)
     assert group.layers.groups[0].w.shape == (6, D, D)  # Affine, one per repeat
 
 
-def test_unit_with_inner_run(getkey):
-    # local, local, global repeated (and a remainder): the unit's run is scanned too.
+def test_pattern_with_inner_stack(getkey):
+    # local, local, global repeated (and a remainder): the pattern's stack is
+    # scanned too.
     layers = build("AAB" * 3 + "AA", getkey())
     chain = eqxscan.Chain(layers)
     assert layout(chain) == [(0, 9, 3), (9, 2, 1)]
-    unit = chain.groups[0].layers
-    assert [(s.start, s.size, s.period) for s in unit.layout] == [(0, 2, 1), (2, 1, 0)]
-    assert unit.groups[0].layers.w.shape == (3, 2, D, D)  # [repeats, run, ...]
+    pattern = chain.groups[0].layers
+    inner = [(s.start, s.size, s.per_step) for s in pattern.layout]
+    assert inner == [(0, 2, 1), (2, 1, 0)]
+    assert pattern.groups[0].layers.w.shape == (3, 2, D, D)  # [repeats, stack, ...]
 
 
-def test_prefix_and_suffix_around_period(getkey):
+def test_prefix_and_suffix_around_pattern(getkey):
     layers = build("C" + "AB" * 3 + "A", getkey())
     assert layout(eqxscan.Chain(layers)) == [(0, 1, 0), (1, 6, 2), (7, 1, 0)]
 
@@ -150,23 +152,23 @@ def test_prefix_and_suffix_around_period(getkey):
     [
         ("ABABA", [(0, 4, 2), (4, 1, 0)]),  # tie: the first group takes the most
         ("AABAAB" + "AA", [(0, 6, 3), (6, 2, 1)]),
-        ("AAAA", [(0, 4, 1)]),  # a run beats (AA) x 2
+        ("AAAA", [(0, 4, 1)]),  # a stack beats (AA) x 2
         ("ABC", [(0, 1, 0), (1, 1, 0), (2, 1, 0)]),
-        ("AB", [(0, 1, 0), (1, 1, 0)]),  # one repeat is no period
+        ("AB", [(0, 1, 0), (1, 1, 0)]),  # one repeat is no pattern
         ("ABCABCAB", [(0, 6, 3), (6, 1, 0), (7, 1, 0)]),
     ],
 )
 def test_grouping_choice(pattern, expected):
     classes = tuple("ABC".index(c) for c in pattern)
     starts, out = 0, []
-    for size, period, _ in plan(classes, True):
-        out.append((starts, size, period))
+    for size, per_step, _ in plan(classes, True):
+        out.append((starts, size, per_step))
         starts += size
     assert out == expected
 
 
-def test_periodic_false(getkey):
-    chain = eqxscan.Chain(build("ABAB", getkey()), periodic=False)
+def test_patterns_false(getkey):
+    chain = eqxscan.Chain(build("ABAB", getkey()), patterns=False)
     assert layout(chain) == [(0, 1, 0), (1, 1, 0), (2, 1, 0), (3, 1, 0)]
 
 
@@ -177,23 +179,23 @@ def test_plan_covers_layers_and_groups_alike(pattern):
     chain = eqxscan.Chain(layers)
     # Groups tile the sequence, in order.
     end = 0
-    for span in chain.layout:
-        assert span.start == end
-        end += span.size
-        assert span.period in (0, 1) or span.size % span.period == 0
+    for place in chain.layout:
+        assert place.start == end
+        end += place.size
+        assert place.per_step in (0, 1) or place.size % place.per_step == 0
     assert end == len(pattern)
     # Round trip is exact: same classes, same arrays.
     back = chain.unstack()
     assert [type(x) for x in back] == [type(x) for x in layers]
     assert bool(eqx.tree_equal(back, layers))
-    # Never more bodies than a plain chain of runs.
-    runs = 1 + sum(a != b for a, b in zip(pattern, pattern[1:]))
-    assert _bodies(plan(tuple("ABC".index(c) for c in pattern), True)) <= runs
+    # Never more bodies than a plain chain of stacks.
+    stacks = 1 + sum(a != b for a, b in zip(pattern, pattern[1:]))
+    assert _bodies(plan(tuple("ABC".index(c) for c in pattern), True)) <= stacks
 
 
 def _bodies(groups: tuple[Group, ...]) -> int:
-    # Layer bodies a plan traces: one per lone layer or run, a unit's own once.
-    return sum(_bodies(g.unit) if g.period > 1 else 1 for g in groups)
+    # Layer bodies a plan traces: one per lone layer or stack, a pattern's own once.
+    return sum(_bodies(g.pattern) if g.per_step > 1 else 1 for g in groups)
 
 
 def test_unstack_round_trip_exact(getkey):
@@ -319,11 +321,11 @@ def test_with_options_keeps_weights(getkey):
 
 
 def _scanned(groups, layout):
-    # Every Stacked the chain made, those inside repeated units included.
-    for group, span in zip(groups, layout):
-        if span.period > 0:
+    # Every Stacked the chain made, those inside repeated patterns included.
+    for group, place in zip(groups, layout):
+        if place.per_step > 0:
             yield group
-        if span.period > 1:
+        if place.per_step > 1:
             yield from _scanned(group.layers.groups, group.layers.layout)
 
 
@@ -337,7 +339,7 @@ def test_with_options_keeps_layer_sharding(getkey):
     other = chain.with_options(mode="loop", checkpoint=True, unroll=2)
     assert layout(other) == layout(chain) == [(0, 6, 3), (6, 2, 1)]
     groups = list(_scanned(other.groups, other.layout))
-    assert len(groups) == 3  # the repeats, the A run inside the unit, the C run
+    assert len(groups) == 3  # the repeats, the A stack inside the pattern, the C stack
     for group in groups:
         assert group.layer_sharding == replicated
         assert (group.mode, group.checkpoint, group.unroll) == ("loop", True, 2)
@@ -414,7 +416,7 @@ def test_misfit_in_pytree_carry_names_leaf(getkey):
         eqx.filter_jit(lambda c, x: c(x))(chain, x)
     assert type(info.value).__name__ == "TypePromotionError"
     msg = "\n".join(info.value.__notes__)  # one note names the layer and carry
-    assert "layers 1-2 (Use, scanned)" in msg
+    assert "layers 1-2 (stack of Use, scanned)" in msg
     assert "`carry['h']` is float16[4], changed from float32[4]" in msg
     assert "by layer 0 (Split)" in msg
 
@@ -443,7 +445,8 @@ def test_scanned_group_must_keep_carry(getkey):
     layers = [Affine(getkey(), out=3), Affine(getkey(), out=3)]
     with pytest.raises(TypeError, match="changed carry leaf") as info:
         eqxscan.Chain(layers)(jnp.ones(D))
-    assert any("layers 0-1 (Affine, scanned)" in n for n in info.value.__notes__)
+    notes = info.value.__notes__
+    assert any("layers 0-1 (stack of Affine, scanned)" in n for n in notes)
 
 
 def test_per_layer_needs_chain_length(getkey):
@@ -512,5 +515,5 @@ def test_reverse_must_be_a_bool(getkey, method):
     run = inspect.unwrap(getattr(eqxscan.Chain, method))
     with pytest.raises(TypeError, match=r"reverse must be a bool, got str \('False'\)"):
         run(chain, jnp.ones(4), reverse="False")
-    with pytest.raises(TypeError, match="periodic"):
-        eqxscan.Chain(list(chain), periodic="yes")
+    with pytest.raises(TypeError, match="patterns"):
+        eqxscan.Chain(list(chain), patterns="yes")

@@ -168,7 +168,7 @@ def test_chain_global_layer_indices():
     layers.append(Third(keys[4]))
     rates = dict(drop_path=eqxscan.linear_rates(0.5), layer_drop=0.3)
     chain = eqxscan.Chain(layers, checkpoint=False, **rates)
-    assert any(s.period > 1 for s in chain.layout)
+    assert any(s.per_step > 1 for s in chain.layout)
     assert chain.depth_drop.drop_path[-1] == 0.5  # rising over all 5 layers
     x = jax.random.normal(jax.random.key(1), (B, D))
     _agree(chain, x, range(3), rates)
@@ -229,7 +229,7 @@ def _chain_layers():
 def test_chain_with_options_sets_rates():
     layers = _chain_layers()
     plain = eqxscan.Chain(layers, checkpoint=False)
-    assert {s.period for s in plain.layout} == {0, 1}
+    assert {s.per_step for s in plain.layout} == {0, 1}
     rates = dict(
         drop_path=eqxscan.linear_rates(0.6), layer_drop=[0.5, 0.2, 0.6, 0.4, 0.3]
     )

@@ -200,7 +200,7 @@ def _chain_layers():
 def test_chain_run_until_every_depth_global_keys():
     layers = _chain_layers()
     chain = eqxscan.Chain(layers)
-    assert {s.period for s in chain.layout} == {0, 1, 2}  # lone, run, pattern
+    assert {s.per_step for s in chain.layout} == {0, 1, 2}  # lone, stack, pattern
     x = jnp.ones(D)
     key = jr.key(4)
     keys = jr.split(key, len(layers))
@@ -386,7 +386,7 @@ def _leaves(tree):
 )
 def test_chain_run_layers_traced_values_grads_one_compile(checkpoint):
     chain = _runs_and_lone().with_options(checkpoint=checkpoint)
-    assert [s.period for s in chain.layout] == [1, 0, 1]
+    assert [s.per_step for s in chain.layout] == [1, 0, 1]
     n = len(chain)
     x = jnp.linspace(0.5, 1.0, D)
     key = jr.key(13)
@@ -421,7 +421,7 @@ def test_chain_run_layers_traced_repeated_pattern_and_loop():
     # the repeat, then the unit's layer.
     layers = _chain_layers()
     chain = eqxscan.Chain(layers)
-    assert [s.period for s in chain.layout] == [0, 1, 2]
+    assert [s.per_step for s in chain.layout] == [0, 1, 2]
     n = len(layers)
     x = jnp.ones(D)
     key = jr.key(14)

@@ -75,7 +75,7 @@ def test_chain_keeps_apart_what_really_differs(getkey):
     ]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a real difference is not warned about
-        chain = eqxscan.Chain(slopes, periodic=False)
+        chain = eqxscan.Chain(slopes, patterns=False)
     assert [span.size for span in chain.layout] == [1, 1, 1, 1]
     x = jnp.linspace(-1.0, 1.0, 4)
     np.testing.assert_allclose(chain(x), _loop(slopes, x), rtol=1e-6)
@@ -135,21 +135,21 @@ def _mixed(key):
 
 def test_chain_state_dict_by_global_layer_index(getkey):
     layers = _mixed(getkey())
-    periodic = Holder(eqxscan.Chain(layers))
-    runs = Holder(eqxscan.Chain(layers, periodic=False))
+    repeated = Holder(eqxscan.Chain(layers))
+    stacks = Holder(eqxscan.Chain(layers, patterns=False))
     plain = Holder(list(layers))
-    assert periodic.layers.layout != runs.layers.layout
-    sd = eqxscan.to_state_dict(periodic)
+    assert repeated.layers.layout != stacks.layers.layout
+    sd = eqxscan.to_state_dict(repeated)
     assert sd.keys() == eqxscan.to_state_dict(plain).keys()
     assert "layers.1.weight" in sd and "layers.0.layers.0.weight" in sd
     for name, value in eqxscan.to_state_dict(plain).items():
         np.testing.assert_array_equal(sd[name], value)
     x = jnp.ones(4)
-    for like in (runs, plain, periodic):
+    for like in (stacks, plain, repeated):
         loaded = eqxscan.from_state_dict(like, sd)
         assert eqx.tree_equal(loaded, like)
     # And back: a list's checkpoint loads into either grouping.
-    loaded = eqxscan.from_state_dict(runs, eqxscan.to_state_dict(plain))
+    loaded = eqxscan.from_state_dict(stacks, eqxscan.to_state_dict(plain))
     np.testing.assert_array_equal(loaded.layers(x), _loop(layers, x))
 
 
@@ -174,7 +174,7 @@ def test_chain_dtype_error_names_the_layer(getkey, mode):
         with pytest.raises(TypeError) as info:
             chain(jnp.ones(4, jnp.bfloat16))
     headline = str(info.value).splitlines()[0]
-    layer = "layer 1" if mode == "loop" else "layers 1-3"
-    assert headline.startswith(f"Chain {layer} (Linear")
+    layer = "layer 1 (Linear" if mode == "loop" else "layers 1-3 (stack of Linear"
+    assert headline.startswith(f"Chain {layer}")
     assert "from bfloat16[8] to float32[8]" in headline
     assert "layer 0" not in headline

@@ -84,7 +84,7 @@ def test_every_container_hands_layer_i_its_own_inputs(mode, pattern):
     want = _loop(layers, x, extra, keys, flag=1.0)
     chain = eqxscan.Chain(layers, mode=mode)
     kinds = {"run": (1,), "periodic": (2,), "lone": (0,) * n}[pattern]
-    assert tuple(s.period for s in chain.layout) == kinds
+    assert tuple(s.per_step for s in chain.layout) == kinds
     got = chain(x, eqxscan.per_layer(extra), key=key, flag=1.0)
     assert jnp.allclose(got, want, atol=1e-5)
     if pattern == "run":

@@ -39,7 +39,7 @@ def _chain(key):
         for i in range(6)
     ]
     chain = eqxscan.Chain(layers + [eqx.nn.Linear(6, 6, use_bias=False, key=next(k))])
-    assert [s.period for s in chain.layout] == [3, 0]
+    assert [s.per_step for s in chain.layout] == [3, 0]
     return chain
 
 

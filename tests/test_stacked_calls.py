@@ -146,7 +146,7 @@ def test_reverse_chain(mode, getkey):
     layers += [eqx.nn.Linear(D, D, use_bias=False, key=getkey())]
     layers += [Block(getkey()), lin(), Block(getkey()), lin()]
     chain = eqxscan.Chain(layers, mode=mode)
-    assert [span.period for span in chain.layout] == [1, 0, 2]
+    assert [span.per_step for span in chain.layout] == [1, 0, 2]
     x = jr.normal(getkey(), (D,))
 
     def run(chain, x):

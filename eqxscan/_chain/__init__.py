@@ -5,8 +5,8 @@ from ._chain import (
     Chain as Chain,
     CHAIN_PAIRS as CHAIN_PAIRS,
     check_chain_method as check_chain_method,
-    Period as Period,
+    Pattern as Pattern,
+    Placement as Placement,
     run_groups as run_groups,
-    Span as Span,
 )
 from ._layers import chain_layer_fn as chain_layer_fn, chain_segments as chain_segments

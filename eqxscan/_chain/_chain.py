@@ -1,4 +1,4 @@
-"""`Chain`: heterogeneous depth. Runs of like layers and repeating patterns of
+"""`Chain`: heterogeneous depth. Stacks of like layers and repeated patterns of
 layers are scanned; the remaining layers are called directly. The grouping is
 chosen by `_grouping.py`."""
 
@@ -32,8 +32,8 @@ from .._eager import compiled_when_eager
 
 # Chain hands its layers their inputs through the layer-call seam: a lone
 # layer is run as layer `start` of the chain's call, a scanned group gets the
-# call's part for its layers (`LayerCall.part`), and a repeated unit's layers
-# the inner call of their repeat (`LayerCall.inner`).
+# call of its layers (`LayerCall.part`), and a repeated pattern's layers the
+# inner call of their repeat (`LayerCall.inner`).
 from .._layer_call import (
     carry_only,
     check_method,
@@ -58,79 +58,82 @@ from ._explain import explain, warn_identity
 from ._grouping import Plan, plan, stack_classes
 
 
-class Span(NamedTuple):
+class Placement(NamedTuple):
     """Where a group of a [`eqxscan.Chain`][] sits: layers `start` to
-    `start + size - 1`. `period` is `0` for a lone layer, `1` for a scanned run
-    of like layers, and `K >= 2` for `size // K` repeats of a unit of `K` layers
-    scanned one unit per step."""
+    `start + size - 1`, and how it is scanned: `per_step` layers per scan step,
+    `0` for a lone layer (not scanned), `1` for a stack of like layers, and
+    `K >= 2` for a pattern of `K` layers repeated `size // K` times."""
 
     start: int
     size: int
-    period: int
+    per_step: int
 
 
 def _assemble(
     layers: Sequence[Any], groups_plan: Plan, options: ScanOptions
-) -> tuple[tuple[Any, ...], tuple[Span, ...]]:
+) -> tuple[tuple[Any, ...], tuple[Placement, ...]]:
     """Build the groups that `groups_plan` describes from `layers`."""
     groups, layout, start = [], [], 0
-    for size, period, unit in groups_plan:
+    for size, per_step, pattern in groups_plan:
         chunk = list(layers[start : start + size])
-        if period == 0:
+        if per_step == 0:
             groups.append(chunk[0])
-        elif period == 1:
+        elif per_step == 1:
             groups.append(Stacked.from_layers(chunk, **options.as_args()))
         else:
-            units = []
-            for p in range(0, size, period):
-                inner, inner_layout = _assemble(chunk[p : p + period], unit, options)
-                units.append(Period(inner, inner_layout, period))
-            groups.append(Stacked.from_layers(units, **options.as_args()))
-        layout.append(Span(start, size, period))
+            repeats = []
+            for p in range(0, size, per_step):
+                repeat = chunk[p : p + per_step]
+                inner, inner_layout = _assemble(repeat, pattern, options)
+                repeats.append(Pattern(inner, inner_layout, per_step))
+            groups.append(Stacked.from_layers(repeats, **options.as_args()))
+        layout.append(Placement(start, size, per_step))
         start += size
     return tuple(groups), tuple(layout)
 
 
-def _unstack(groups: tuple[Any, ...], layout: tuple[Span, ...]) -> list[Any]:
+def _unstack(groups: tuple[Any, ...], layout: tuple[Placement, ...]) -> list[Any]:
     layers: list[Any] = []
-    for group, span in zip(groups, layout):
-        if span.period == 0:
+    for group, place in zip(groups, layout):
+        if place.per_step == 0:
             layers.append(group)
-        elif span.period == 1:
+        elif place.per_step == 1:
             layers.extend(group.unstack())
         else:
-            for unit in group.unstack():
-                layers.extend(unit.unstack())
+            for repeat in group.unstack():
+                layers.extend(repeat.unstack())
     return layers
 
 
 def _set_options(
-    groups: tuple[Any, ...], layout: tuple[Span, ...], options: ScanOptions
+    groups: tuple[Any, ...], layout: tuple[Placement, ...], options: ScanOptions
 ) -> tuple[Any, ...]:
     """`groups` with `options` set on every scanned group, those inside repeated
-    units included; other fields (e.g. `layer_sharding`) and lone layers are kept."""
+    patterns included; other fields (e.g. `layer_sharding`) and lone layers are
+    kept."""
     new = []
-    for group, span in zip(groups, layout):
-        if span.period > 1:
-            unit = group.layers
-            inner = _set_options(unit.groups, unit.layout, options)
+    for group, place in zip(groups, layout):
+        if place.per_step > 1:
+            pattern = group.layers
+            inner = _set_options(pattern.groups, pattern.layout, options)
             group = eqx.tree_at(lambda s: s.layers.groups, group, inner)
-        if span.period > 0:
+        if place.per_step > 0:
             group = group.with_options(**options.as_args())
         new.append(group)
     return tuple(new)
 
 
-def _group_name(group: Any, span: Span) -> str:
-    if span.period == 0:
-        return f"layer {span.start} ({type(group).__name__})"
-    last = span.start + span.size - 1
-    if span.period == 1:
-        return f"layers {span.start}-{last} ({type(group.layers).__name__}, scanned)"
-    unit = ", ".join(group.layers.class_names())
+def _group_name(group: Any, place: Placement) -> str:
+    if place.per_step == 0:
+        return f"layer {place.start} ({type(group).__name__})"
+    last = place.start + place.size - 1
+    if place.per_step == 1:
+        name = type(group.layers).__name__
+        return f"layers {place.start}-{last} (stack of {name}, scanned)"
+    pattern = ", ".join(group.layers.class_names())
     return (
-        f"layers {span.start}-{last} ({span.size // span.period} repeats of "
-        f"[{unit}], scanned)"
+        f"layers {place.start}-{last} ({place.size // place.per_step} repeats of "
+        f"pattern [{pattern}], scanned)"
     )
 
 
@@ -138,57 +141,58 @@ def _group_name(group: Any, span: Span) -> str:
 CHAIN_PAIRS = pairs("Chain.scan")
 
 
-def _unit(call: LayerCall) -> Unit:
-    """How one repeat of a periodic group runs, within the chain's `call`: its
+def _run_repeat(call: LayerCall) -> Unit:
+    """How one repeat of a pattern runs, within the chain's `call`: its
     layers in the chain's direction, with the chain's method, each given its
     slice of the repeat's inputs (its key, drop inputs and `per_layer`
     slices). Returns what a layer would: the carry, or `(carry, ys)`."""
     reads_pairs = call.read_out is not carry_only
 
-    def run(unit: object, x: PyTree, one: OneLayer) -> PyTree:
-        assert isinstance(unit, Period)
-        x, ys = run_groups(unit.groups, unit.layout, x, call.inner(one), "Unit")
+    def run(repeat: object, x: PyTree, one: OneLayer) -> PyTree:
+        assert isinstance(repeat, Pattern)
+        inner = call.inner(one)
+        x, ys = run_groups(repeat.groups, repeat.layout, x, inner, "Pattern")
         return (x, ys) if reads_pairs else x
 
     return run
 
 
 def _call_group(
-    group: Any, span: Span, x: PyTree, call: LayerCall
+    group: Any, place: Placement, x: PyTree, call: LayerCall
 ) -> tuple[PyTree, PyTree]:
-    """Run one group; `ys` (when reading pairs) has a leading axis of `span.size`."""
-    if span.period == 0:
-        who = _group_name(group, span)
-        x, y = run_one(group, call, call.at(span.start), x, who)
+    """Run one group; `ys` (when reading pairs) has a leading axis of `place.size`."""
+    if place.per_step == 0:
+        who = _group_name(group, place)
+        x, y = run_one(group, call, call.at(place.start), x, who)
         return x, jtu.tree_map(lambda a: a[None] if eqx.is_array(a) else a, y)
-    part = call.part(span.start, span.size, span.period)
-    if span.period > 1:
-        part = part._replace(unit=_unit(call))
-    last = span.start + span.size - 1
-    with jax.named_scope(f"layers_{span.start}-{last}"):  # the run, in profiles
-        x, ys = scan_layers(group, x, part)
-    if span.period > 1 and ys is not None:
+    group_call = call.part(place.start, place.size, place.per_step)
+    if place.per_step > 1:
+        group_call = group_call._replace(unit=_run_repeat(call))
+    last = place.start + place.size - 1
+    with jax.named_scope(f"layers_{place.start}-{last}"):  # the group, in profiles
+        x, ys = scan_layers(group, x, group_call)
+    if place.per_step > 1 and ys is not None:
         ys = jtu.tree_map(
-            lambda a: a.reshape(span.size, *a.shape[2:]) if eqx.is_array(a) else a,
+            lambda a: a.reshape(place.size, *a.shape[2:]) if eqx.is_array(a) else a,
             ys,
         )
     return x, ys
 
 
-def _bodies(layout: tuple[Span, ...], groups: tuple[Any, ...]) -> int:
-    """How many layer bodies a grouping traces (a unit's own, once)."""
+def _bodies(layout: tuple[Placement, ...], groups: tuple[Any, ...]) -> int:
+    """How many layer bodies a grouping traces (a pattern's own, once)."""
     return sum(
-        _bodies(g.layers.layout, g.layers.groups) if s.period > 1 else 1
+        _bodies(g.layers.layout, g.layers.groups) if s.per_step > 1 else 1
         for g, s in zip(groups, layout)
     )
 
 
-def _join(pieces: list[tuple[Any, Span, PyTree]]) -> PyTree:
+def _join(pieces: list[tuple[Any, Placement, PyTree]]) -> PyTree:
     """Concatenate the groups' `ys` along the layer axis."""
     if all(ys is None for _, _, ys in pieces):
         return None
-    first_group, first_span, first = pieces[0]
-    for group, span, ys in pieces[1:]:
+    first_group, first_place, first = pieces[0]
+    for group, place, ys in pieces[1:]:
         a = jtu.tree_map(lambda a: a[0] if eqx.is_array(a) else a, first)
         b = jtu.tree_map(lambda a: a[0] if eqx.is_array(a) else a, ys)
         diff = first_difference(a, b) if ys is not None and first is not None else None
@@ -196,8 +200,8 @@ def _join(pieces: list[tuple[Any, Span, PyTree]]) -> PyTree:
             path, da, db = diff or ("", describe(first), describe(ys))
             raise TypeError(
                 f"Chain.scan stacks every layer's y, so they must agree, but at "
-                f"`y{path}` {_group_name(first_group, first_span)} gave {da} and "
-                f"{_group_name(group, span)} gave {db}."
+                f"`y{path}` {_group_name(first_group, first_place)} gave {da} and "
+                f"{_group_name(group, place)} gave {db}."
             )
     if len(pieces) == 1:
         return first
@@ -208,7 +212,7 @@ def _join(pieces: list[tuple[Any, Span, PyTree]]) -> PyTree:
 
 
 def check_chain_buffers(tree: PyTree, chain: "Chain") -> LayerBuffers:
-    """`tree` (a `Chain`'s buffer), checked to hold one part per group."""
+    """`tree` (a `Chain`'s buffer), checked to hold one buffer per group."""
     if not isinstance(tree, LayerBuffers) or tree.layout != places(
         chain.groups, chain.layout
     ):
@@ -225,22 +229,22 @@ def check_chain_buffers(tree: PyTree, chain: "Chain") -> LayerBuffers:
     return tree
 
 
-def places(groups: tuple[Any, ...], layout: tuple[Span, ...]) -> tuple[Place, ...]:
+def places(groups: tuple[Any, ...], layout: tuple[Placement, ...]) -> tuple[Place, ...]:
     """Where each group sits, as a `LayerBuffers` records it (with a repeated
     pattern's own layout)."""
     return tuple(
         (
-            span.start,
-            span.size,
-            span.period,
-            places(g.layers.groups, g.layers.layout) if span.period > 1 else (),
+            place.start,
+            place.size,
+            place.per_step,
+            places(g.layers.groups, g.layers.layout) if place.per_step > 1 else (),
         )
-        for g, span in zip(groups, layout)
+        for g, place in zip(groups, layout)
     )
 
 
 def check_chain_method(
-    groups: tuple[Any, ...], layout: tuple[Span, ...], method: Method | None
+    groups: tuple[Any, ...], layout: tuple[Placement, ...], method: Method | None
 ) -> None:
     """Check `method` against every kind of layer the groups hold (a name must
     be a method of each)."""
@@ -253,7 +257,7 @@ def check_chain_method(
 
 def run_groups(
     groups: tuple[Any, ...],
-    layout: tuple[Span, ...],
+    layout: tuple[Placement, ...],
     x: PyTree,
     call: LayerCall,
     owner: str,
@@ -265,45 +269,45 @@ def run_groups(
     changed = ""  # how the last lone layer that changed the carry changed it
     state_at = find_state(call.args, call.kwargs)
     at = find_buffer(call.args, call.kwargs)
-    # With a buffer, group `k` gets the view of its part `tree[k]` (fixed at
-    # the same enclosing steps) and returns its part updated.
+    # With a buffer, group `k` gets the view of its own buffer `tree[k]` (fixed
+    # at the same enclosing steps) and returns it updated.
     view = None if at is None else view_of(call.args, call.kwargs, at)
     trees = None if view is None else list(view.tree)
     order = list(enumerate(zip(groups, layout)))
-    for k, (group, span) in reversed(order) if call.reverse else order:
-        where = f"{owner} {_group_name(group, span)}{changed}"
+    for k, (group, place) in reversed(order) if call.reverse else order:
+        where = f"{owner} {_group_name(group, place)}{changed}"
         group_call = call
         if view is not None and at is not None and trees is not None:
             args, kwargs = with_view(call.args, call.kwargs, at, view.of(trees[k]))
             group_call = call._replace(args=args, kwargs=kwargs)
         try:
-            new_x, ys = noted(_call_group, where, group, span, x, group_call)
+            new_x, ys = noted(_call_group, where, group, place, x, group_call)
             if trees is not None:
                 new_x, trees[k] = new_x
         except CarryError as e:
             # The group changed the carry itself: its headline names it (by the
             # layer's index in the chain when the loop knows which one).
-            name = _group_name(group, span)
-            if span.period == 1 and e.step is not None:
-                name = f"layer {span.start + e.step} ({type(group.layers).__name__})"
+            name = _group_name(group, place)
+            if place.per_step == 1 and e.step is not None:
+                name = f"layer {place.start + e.step} ({type(group.layers).__name__})"
             e.args = (f"{owner} {name} {e.what}",)
             raise
         if state_at is not None:
             # A stateful fold: every group returns `(x, state)`, and the next
             # one is called with the new state.
-            new_x, state = state_pair(new_x, _group_name(group, span))
+            new_x, state = state_pair(new_x, _group_name(group, place))
             args, kwargs = replace_arg(call.args, call.kwargs, state_at, state)
             call = call._replace(args=args, kwargs=kwargs)
-        if span.period == 0:
+        if place.per_step == 0:
             diff = first_difference(x, new_x)
             if diff is not None:
                 path, before, after = diff
                 changed = (
                     f", whose carry `carry{path}` is {after}, changed from {before} "
-                    f"by {_group_name(group, span)}"
+                    f"by {_group_name(group, place)}"
                 )
         x = new_x
-        pieces.append((group, span, ys))
+        pieces.append((group, place, ys))
     if state_at is not None:
         return (x, get_arg(call.args, call.kwargs, state_at)), None
     if call.reverse:
@@ -314,68 +318,68 @@ def run_groups(
 
 def _name_groups(
     groups: tuple[Any, ...],
-    layout: tuple[Span, ...],
+    layout: tuple[Placement, ...],
     fn: StateDictFn,
     offset: LayerIndex,
     axes: tuple[int, ...],
 ) -> tuple[Any, ...]:
-    """`groups` (of a chain, or of one repeat of a periodic group) with `fn`
+    """`groups` (of a chain, or of one repeat of a pattern) with `fn`
     applied to what each holds, each layer named by its index in the chain.
     `offset` numbers this sequence's layers (its first layer's index, and the
     strides of the repeat axes `axes` in front of its arrays)."""
     new = []
-    for group, span in zip(groups, layout):
-        first = offset.start + span.start
-        if span.period == 0:
+    for group, place in zip(groups, layout):
+        first = offset.start + place.start
+        if place.per_step == 0:
             new.append(fn(group, LayerIndex(first, offset.strides), axes))
-        elif span.period == 1:
+        elif place.per_step == 1:
             index = LayerIndex(first, offset.strides + (1,))
-            layers = fn(group.layers, index, axes + (span.size,))
+            layers = fn(group.layers, index, axes + (place.size,))
             new.append(eqx.tree_at(lambda s: s.layers, group, layers))
         else:
-            unit = group.layers
-            repeats = LayerIndex(first, offset.strides + (span.period,))
-            inner = axes + (span.size // span.period,)
-            unit_groups = _name_groups(unit.groups, unit.layout, fn, repeats, inner)
-            new.append(eqx.tree_at(lambda s: s.layers.groups, group, unit_groups))
+            pattern = group.layers
+            repeats = LayerIndex(first, offset.strides + (place.per_step,))
+            inner = axes + (place.size // place.per_step,)
+            named = _name_groups(pattern.groups, pattern.layout, fn, repeats, inner)
+            new.append(eqx.tree_at(lambda s: s.layers.groups, group, named))
     return tuple(new)
 
 
-def _kinds(groups: tuple[Any, ...], layout: tuple[Span, ...]) -> list[Any]:
+def _kinds(groups: tuple[Any, ...], layout: tuple[Placement, ...]) -> list[Any]:
     """One layer (or stacked layers) of each kind in the groups."""
     kinds = []
-    for group, span in zip(groups, layout):
-        if span.period == 0:
+    for group, place in zip(groups, layout):
+        if place.per_step == 0:
             kinds.append(group)
-        elif span.period == 1:
+        elif place.per_step == 1:
             kinds.append(group.layers)
         else:
             kinds.extend(_kinds(group.layers.groups, group.layers.layout))
     return kinds
 
 
-class Period(eqx.Module):
-    """One repeat of a periodic pattern inside a [`eqxscan.Chain`][]: `K` layers
-    run in order. The unit's own runs of like layers are scanned too, so a
+class Pattern(eqx.Module):
+    """One repeat of a pattern inside a [`eqxscan.Chain`][]: `K` layers run in
+    order. Stacks of like layers within the pattern are scanned too, so a
     pattern like `local x5, global` traces two layer bodies.
 
-    A `Chain` stacks the repeats as a `Stacked` of `Period`s and scans over them,
+    A `Chain` stacks the repeats as a `Stacked` of `Pattern`s and scans over them,
     one repeat per step, calling the stack with a `method=` that runs a repeat's
     layers with the chain's per-call options (direction, method, keys and
     whether layers return `(carry, y)` pairs).
     """
 
     groups: tuple[Any, ...]
-    layout: tuple[Span, ...] = eqx.field(static=True)
+    layout: tuple[Placement, ...] = eqx.field(static=True)
     num_layers: int = eqx.field(static=True)
 
     def class_names(self) -> list[str]:
         """The class name of each of the `K` layers (also right for a stacked
-        `Period`, whose arrays have a repeat axis)."""
+        `Pattern`, whose arrays have a repeat axis)."""
         return [
-            type(group if span.period == 0 else group.layers).__name__
-            for group, span in zip(self.groups, self.layout)
-            for _ in range(1 if span.period == 0 else span.size)
+            type(group if place.per_step == 0 else group.layers).__name__
+            for group, place in zip(self.groups, self.layout)
+            for _ in range(1 if place.per_step == 0 else place.size)
         ]
 
     def unstack(self) -> list[Any]:
@@ -397,29 +401,31 @@ class Period(eqx.Module):
             else split_key(key, self.num_layers, type(self).__name__)
         )
         call = LayerCall(args, kwargs, keys, caller="Chain")
-        return run_groups(self.groups, self.layout, x, call, "Unit")[0]
+        return run_groups(self.groups, self.layout, x, call, "Pattern")[0]
 
 
 class Chain(Scanning):
     """A sequence of layers that are not all alike, run as a fold with as few
     traced layer bodies as possible.
 
-    - Runs of consecutive layers with identical structure, static fields,
+    The layers are cut into groups, each handled as one:
+
+    - A stack: consecutive layers with identical structure, static fields,
       non-array leaves, shapes and dtypes become one [`eqxscan.Stacked`][]
-      (one scanned body).
-    - A repeating pattern of layers (`A, B, A, B, ...`, or `local, local, global`
-      repeated) becomes a `Stacked` of `Period`s: one scan step runs
-      one repeat of the unit, so the program does not grow with the number of
-      repeats. Layers left over before or after the repeats are grouped the same
-      way.
-    - Any other layer is called directly.
+      (one scanned body, one layer per step).
+    - A repeated pattern of different layers (`A, B, A, B, ...`, or
+      `local, local, global` repeated) becomes a `Stacked` of `Pattern`s: one
+      scan step runs one repeat of the pattern, so the program does not grow
+      with the number of repeats. Layers left over before or after the repeats
+      are grouped the same way.
+    - A lone layer: any other layer, called directly.
 
     Among all groupings the chain picks the one that traces the fewest layer
-    bodies, then the one with the fewest groups (counting groups inside a unit);
-    ties go to the grouping whose earliest group covers the most layers. The
-    result is in `chain.groups` (a scanned run or pattern appears as a
-    `Stacked`, a lone layer as itself) and `chain.layout` (one
-    `Span(start, size, period)` per group).
+    bodies, then the one with the fewest groups (counting groups inside a
+    pattern); ties go to the grouping whose earliest group covers the most
+    layers. The result is in `chain.groups` (a stack or a repeated pattern
+    appears as a `Stacked`, a lone layer as itself) and `chain.layout` (one
+    `Placement(start, size, per_step)` per group).
 
     !!! example
 
@@ -441,17 +447,17 @@ class Chain(Scanning):
     """
 
     groups: tuple[Any, ...]
-    layout: tuple[Span, ...] = eqx.field(static=True)
+    layout: tuple[Placement, ...] = eqx.field(static=True)
     num_layers: int = eqx.field(static=True)
     options: ScanOptions
-    periodic: bool = eqx.field(static=True)
+    patterns: bool = eqx.field(static=True)
     depth_drop: DepthDrop | None
 
     def __init__(
         self,
         layers: Sequence[Any],
         *,
-        periodic: bool = True,
+        patterns: bool = True,
         drop_path: object = 0.0,
         layer_drop: object = 0.0,
         **options: Unpack[ScanArgs],
@@ -462,8 +468,8 @@ class Chain(Scanning):
           `layer(x, *args, **kwargs)` and returning the new carry.
         - `mode`, `checkpoint`, `unroll`: as for [`eqxscan.Stacked`][], used for
           every scanned group.
-        - `periodic`: also detect repeating patterns of different layers
-          (default). With `False`, only runs of like layers are scanned.
+        - `patterns`: also find repeated patterns of different layers
+          (default). With `False`, only stacks of like layers are scanned.
         - `drop_path`, `layer_drop`: stochastic depth and LayerDrop while
           training, as for [`eqxscan.Stacked`][], with one rate per layer of the
           chain (`eqxscan.linear_rates` rises over all `len(chain)` layers);
@@ -483,13 +489,13 @@ class Chain(Scanning):
         if len(layers) == 0:
             raise ValueError("Chain needs at least one layer, got an empty sequence.")
         self.options = ScanOptions(**options)
-        periodic = check_bool("periodic", periodic)
+        patterns = check_bool("patterns", patterns)
         labels = stack_classes(layers)
         warn_identity(layers, labels)
-        groups_plan = plan(labels, periodic)
+        groups_plan = plan(labels, patterns)
         self.groups, self.layout = _assemble(layers, groups_plan, self.options)
         self.num_layers = len(layers)
-        self.periodic = periodic
+        self.patterns = patterns
         self.depth_drop = depth_drop(len(layers), drop_path, layer_drop)
 
     def __len__(self) -> int:
@@ -518,11 +524,11 @@ class Chain(Scanning):
                     f"{self.num_layers} layers; a Chain needs at least one."
                 )
             if self.depth_drop is None:
-                return Chain(layers, periodic=self.periodic, **self.options.as_args())
+                return Chain(layers, patterns=self.patterns, **self.options.as_args())
             drop = self.depth_drop.sliced(index)
             chain = Chain(
                 layers,
-                periodic=self.periodic,
+                patterns=self.patterns,
                 drop_path=drop.drop_path,
                 layer_drop=drop.layer_drop,
                 **self.options.as_args(),
@@ -537,16 +543,16 @@ class Chain(Scanning):
             "Chain",
             "mark it static, or index `chain.unstack()`.",
         )
-        for group, span in zip(self.groups, self.layout):
-            offset = i - span.start
-            if not 0 <= offset < span.size:
+        for group, place in zip(self.groups, self.layout):
+            offset = i - place.start
+            if not 0 <= offset < place.size:
                 continue
-            if span.period == 0:
+            if place.per_step == 0:
                 return group
-            if span.period == 1:
+            if place.per_step == 1:
                 return group[offset]
-            unit = group[offset // span.period]
-            return unit.unstack()[offset % span.period]
+            repeat = group[offset // place.per_step]
+            return repeat.unstack()[offset % place.per_step]
         raise AssertionError("unreachable: the layout covers every layer")
 
     def unstack(self) -> list[Any]:
@@ -561,9 +567,9 @@ class Chain(Scanning):
         **Arguments:**
 
         - `fn`: applied to each lone layer as `fn(layer, LayerIndex(i, ()), ())`,
-          to a scanned run's stacked layers as
+          to a stack's stacked layers as
           `fn(layers, LayerIndex(start, (1,)), (size,))`, and to the layers of
-          a repeated unit with the repeat axis in front (stride `K`).
+          a repeated pattern with the repeat axis in front (stride `K`).
 
         **Returns:**
 
@@ -692,7 +698,7 @@ class Chain(Scanning):
                     "A Chain call takes an eqx.nn.State or an eqxscan.buffer, "
                     "not both.\nKeep per-layer state in the buffer."
                 )
-            # Group `k`'s part of the buffer is `groups[k]` (see layer_buffers).
+            # Group `k`'s buffer is `groups[k]` (see layer_buffers).
             given = view_of(args, kwargs, at)
             tree = check_chain_buffers(given.tree, self)
             args, kwargs = with_view(args, kwargs, at, given.of(tree.groups))

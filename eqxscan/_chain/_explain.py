@@ -40,21 +40,21 @@ def warn_identity(layers: Sequence[object], labels: Sequence[int]) -> None:
 
 def explain(
     layers: Sequence[object],
-    spans: Sequence[tuple[int, int, int]],
+    layout: Sequence[tuple[int, int, int]],
     names: Sequence[str],
     bodies: int,
 ) -> str:
-    """One line per group (`spans` holds `(start, size, period)`, `names` the
+    """One line per group (`layout` holds `(start, size, per_step)`, `names` the
     group names), and for each lone layer why it was not scanned with a
     neighbour."""
     n = len(layers)
-    count = len(spans)
+    count = len(layout)
     lines = [
         f"Chain of {n} layer{'s' * (n != 1)} in {count} group{'s' * (count != 1)}, "
         f"tracing {bodies} layer bod{'ies' if bodies != 1 else 'y'}:"
     ]
-    for (start, _, period), name in zip(spans, names):
-        if period > 0:
+    for (start, _, per_step), name in zip(layout, names):
+        if per_step > 0:
             lines.append(f"  {name}")
             continue
         reasons = []

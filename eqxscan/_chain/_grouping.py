@@ -15,15 +15,15 @@ from .._alike import alike
 class Group(NamedTuple):
     """One group of a `Plan`: the next `size` layers.
 
-    - `period == 0`: one lone layer (`size == 1`), called directly.
-    - `period == 1`: a run of `size` like layers, scanned.
-    - `period == K >= 2`: `size // K` repeats of a unit of `K` layers, scanned one
-      unit per step; `unit` is the plan of one repeat.
+    - `per_step == 0`: one lone layer (`size == 1`), called directly.
+    - `per_step == 1`: a stack of `size` like layers, scanned one layer per step.
+    - `per_step == K >= 2`: a pattern of `K` layers repeated `size // K` times,
+      scanned one repeat per step; `pattern` is the plan of one repeat.
     """
 
     size: int
-    period: int
-    unit: "Plan" = ()
+    per_step: int
+    pattern: "Plan" = ()
 
 
 Plan = tuple[Group, ...]
@@ -32,7 +32,7 @@ Plan = tuple[Group, ...]
 
 class _Cost(NamedTuple):
     # Compared in this order: layer bodies traced, then groups (those inside
-    # units included).
+    # patterns included).
     bodies: int
     groups: int
 
@@ -50,13 +50,13 @@ def stack_classes(layers: Sequence[object]) -> tuple[int, ...]:
     return tuple(labels)
 
 
-def plan(classes: tuple[int, ...], periodic: bool) -> Plan:
+def plan(classes: tuple[int, ...], patterns: bool) -> Plan:
     """The grouping of a sequence of layer classes with the smallest program.
 
     Cost of a grouping, compared lexicographically: (1) the number of layer
-    bodies traced (a lone layer or a scanned run traces one body; a periodic
-    group traces the bodies of its unit's own best grouping, once for all
-    repeats), then (2) the number of groups, counting those inside units. Ties go
+    bodies traced (a lone layer or a stack traces one body; a repeated pattern
+    traces the bodies of the pattern's own best grouping, once for all
+    repeats), then (2) the number of groups, counting those inside patterns. Ties go
     to the grouping whose first group covers the most layers, so the choice is
     deterministic and a remainder comes last.
 
@@ -72,15 +72,15 @@ def plan(classes: tuple[int, ...], periodic: bool) -> Plan:
     ```
 
     which traces four layer bodies (S, local, global, H) however many repeats
-    there are. With `periodic=False` only runs are scanned:
+    there are. With `patterns=False` only stacks are scanned:
     `S, local x2, global, local x2, global, local x2, global, H` (eight groups,
     eight bodies).
     """
-    return _best(classes, periodic)[0]
+    return _best(classes, patterns)[0]
 
 
 @functools.cache
-def _best(classes: tuple[int, ...], periodic: bool) -> tuple[Plan, _Cost]:
+def _best(classes: tuple[int, ...], patterns: bool) -> tuple[Plan, _Cost]:
     n = len(classes)
     # best[i]: the cost of classes[i:] and its first group.
     best: list[tuple[_Cost, Group | None]] = [(_Cost(0, 0), None)] * (n + 1)
@@ -88,7 +88,7 @@ def _best(classes: tuple[int, ...], periodic: bool) -> tuple[Plan, _Cost]:
         best[i] = min(
             (
                 (_Cost(c.bodies + rest.bodies, c.groups + rest.groups), g)
-                for c, g in _candidates(classes, i, periodic)
+                for c, g in _candidates(classes, i, patterns)
                 for rest in [best[i + g.size][0]]
             ),
             key=lambda t: (t[0], -t[1].size),
@@ -103,26 +103,27 @@ def _best(classes: tuple[int, ...], periodic: bool) -> tuple[Plan, _Cost]:
 
 
 def _candidates(
-    classes: tuple[int, ...], i: int, periodic: bool
+    classes: tuple[int, ...], i: int, patterns: bool
 ) -> list[tuple[_Cost, Group]]:
     """Every group that may start at layer `i`, with its own cost."""
     n = len(classes)
     options = [(_Cost(1, 1), Group(1, 0))]
-    run = 1
-    while i + run < n and classes[i + run] == classes[i]:
-        run += 1
-    options.extend((_Cost(1, 1), Group(m, 1)) for m in range(2, run + 1))
-    if not periodic:
+    same = 1  # how many layers from `i` on share its class
+    while i + same < n and classes[i + same] == classes[i]:
+        same += 1
+    options.extend((_Cost(1, 1), Group(m, 1)) for m in range(2, same + 1))
+    if not patterns:
         return options
-    # A unit inside the run would be one class repeated: the run does better.
-    for k in range(max(2, run + 1), (n - i) // 2 + 1):
-        unit = classes[i : i + k]
+    # A pattern within those layers would be one class repeated: the stack
+    # does better.
+    for k in range(max(2, same + 1), (n - i) // 2 + 1):
+        pattern = classes[i : i + k]
         repeats = 1
-        while classes[i + repeats * k : i + (repeats + 1) * k] == unit:
+        while classes[i + repeats * k : i + (repeats + 1) * k] == pattern:
             repeats += 1
-        if repeats < 2 or not _primitive(unit):
-            continue  # a power of a shorter unit: that unit does better
-        inner, cost = _best(unit, periodic)
+        if repeats < 2 or not _primitive(pattern):
+            continue  # a shorter pattern repeated: that pattern does better
+        inner, cost = _best(pattern, patterns)
         options.extend(
             (_Cost(cost.bodies, 1 + cost.groups), Group(p * k, k, inner))
             for p in range(2, repeats + 1)
@@ -130,9 +131,9 @@ def _candidates(
     return options
 
 
-def _primitive(unit: tuple[int, ...]) -> bool:
-    """Whether `unit` is not a repeat of a shorter unit."""
-    k = len(unit)
+def _primitive(pattern: tuple[int, ...]) -> bool:
+    """Whether `pattern` is not a shorter pattern repeated."""
+    k = len(pattern)
     return not any(
-        k % d == 0 and unit == unit[:d] * (k // d) for d in range(1, k // 2 + 1)
+        k % d == 0 and pattern == pattern[:d] * (k // d) for d in range(1, k // 2 + 1)
     )

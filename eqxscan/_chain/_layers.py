@@ -17,32 +17,36 @@ from .._constrain import constrain
 from .._layer_call import Index, index, LayerCall, OneLayer, run_one, Segment
 from .._stacked import layer_of, stack_layer_fn, Stacked
 from .._taps import add, held
-from ._chain import Chain, Period, Span
+from ._chain import Chain, Pattern, Placement
 
 
 def chain_segments(
-    groups: tuple[Any, ...], layout: tuple[Span, ...], call: LayerCall, first: int = 0
+    groups: tuple[Any, ...],
+    layout: tuple[Placement, ...],
+    call: LayerCall,
+    first: int = 0,
 ) -> tuple[Segment, ...]:
     """The groups' layers as segments of a walk in order (see `Segment`): a
-    lone layer alone, a run one layer per step, a repeated unit one repeat per
-    step (its own segments); `first` is the global index of the first layer."""
+    lone layer alone, a stack one layer per step, a repeated pattern one repeat
+    per step (its own segments); `first` is the global index of the first
+    layer."""
     out = []
-    for group, span in zip(groups, layout):
-        start = first + span.start
-        if span.period == 0:
-            one, name = call.at(span.start), type(group).__name__
+    for group, place in zip(groups, layout):
+        start = first + place.start
+        if place.per_step == 0:
+            one, name = call.at(place.start), type(group).__name__
             fn = functools.partial(_lone_fn, group, call, one, name)
             out.append(Segment(start, 1, 1, lambda j, fn=fn: fn, name, alone=True))
-        elif span.period == 1:
-            part = call.part(span.start, span.size, 1)
-            step = functools.partial(stack_layer_fn, group, part)
-            out.append(Segment(start, span.size, 1, step, type(group.layers).__name__))
+        elif place.per_step == 1:
+            group_call = call.part(place.start, place.size, 1)
+            step = functools.partial(stack_layer_fn, group, group_call)
+            out.append(Segment(start, place.size, 1, step, type(group.layers).__name__))
         else:
-            part = call.part(span.start, span.size, span.period)
-            step = functools.partial(_repeat_segments, group, span, part, start)
-            repeats = span.size // span.period
+            group_call = call.part(place.start, place.size, place.per_step)
+            step = functools.partial(_repeat_segments, group, place, group_call, start)
+            repeats = place.size // place.per_step
             name = ", ".join(group.layers.class_names())
-            out.append(Segment(start, repeats, span.period, step, name))
+            out.append(Segment(start, repeats, place.per_step, step, name))
     return tuple(out)
 
 
@@ -53,45 +57,46 @@ def _lone_fn(
 
 
 def _repeat_segments(
-    group: Stacked, span: Span, part: LayerCall, start: int, r: Index
+    group: Stacked, place: Placement, group_call: LayerCall, start: int, r: Index
 ) -> tuple[Segment, ...]:
-    # Repeat `r` of a periodic group: its unit's layers, with the repeat's inputs.
-    unit: Period = layer_of(group, r)
-    first = start + (r * span.period if isinstance(r, int) else 0)
-    return chain_segments(unit.groups, unit.layout, part.inner(part.at(r)), first)
+    # Repeat `r` of a pattern: its layers, with the repeat's inputs.
+    repeat: Pattern = layer_of(group, r)
+    call = group_call.inner(group_call.at(r))
+    first = start + (r * place.per_step if isinstance(r, int) else 0)
+    return chain_segments(repeat.groups, repeat.layout, call, first)
 
 
 class _Branch(NamedTuple):
-    """One body of a chain's traced subset: a lone layer or a scanned run,
-    reached from the chain's groups by `path` (a group index at each level, one
-    level per repeated unit on the way). Its layer is indexed by one traced
-    index per repeated unit, then one for a run (`run`); `layers` are the
+    """One body of a chain's traced subset: a lone layer or a stack, reached
+    from the chain's groups by `path` (a group index at each level, one level
+    per repeated pattern on the way). Its layer is indexed by one traced index
+    per repeated pattern, then one within a stack (`stacked`); `layers` are the
     global indices it covers."""
 
     path: tuple[int, ...]
-    run: bool
+    stacked: bool
     layers: tuple[int, ...]
     name: str
 
 
 def _walk(
-    groups: tuple, layout: tuple[Span, ...], path: tuple[int, ...], reps: tuple
+    groups: tuple, layout: tuple[Placement, ...], path: tuple[int, ...], reps: tuple
 ) -> Iterator[tuple[tuple[int, ...], bool, tuple[int, ...], str]]:
-    """`(path, run, indices, class name)` for each layer of `groups`, in order:
-    which body runs it and the indices (repeats, then the run's offset) that
+    """`(path, stacked, indices, class name)` for each layer of `groups`, in
+    order: which body runs it and the indices (repeats, then within a stack) that
     pick its weights."""
-    for j, (group, span) in enumerate(zip(groups, layout)):
+    for j, (group, place) in enumerate(zip(groups, layout)):
         here = path + (j,)
-        if span.period == 0:
+        if place.per_step == 0:
             yield here, False, reps, type(group).__name__
-        elif span.period == 1:
+        elif place.per_step == 1:
             name = type(group.layers).__name__
-            for o in range(span.size):
+            for o in range(place.size):
                 yield here, True, reps + (o,), name
         else:
-            unit: Period = group.layers
-            for r in range(span.size // span.period):
-                yield from _walk(unit.groups, unit.layout, here, reps + (r,))
+            pattern: Pattern = group.layers
+            for r in range(place.size // place.per_step):
+                yield from _walk(pattern.groups, pattern.layout, here, reps + (r,))
 
 
 def _describe_layers(layers: tuple[int, ...], name: str) -> str:
@@ -115,8 +120,9 @@ def _chain_table(chain: Chain) -> tuple[list[_Branch], np.ndarray]:
     branches = []
     for b, path in enumerate(paths):
         layers = tuple(int(g) for g in np.flatnonzero(table[:, 0] == b))
-        _, run, _, name = walked[layers[0]]
-        branches.append(_Branch(path, run, layers, _describe_layers(layers, name)))
+        _, stacked, _, name = walked[layers[0]]
+        branch = _Branch(path, stacked, layers, _describe_layers(layers, name))
+        branches.append(branch)
     return branches, table
 
 
@@ -128,15 +134,15 @@ def _branch_layer(chain: Chain, branch: _Branch, row: Int[Array, " w"]) -> objec
     indices = []
     for level, j in enumerate(branch.path):
         group = groups[j]
-        if level < len(branch.path) - 1:  # a repeated unit: pick the repeat
+        if level < len(branch.path) - 1:  # a repeated pattern: pick the repeat
             indices.append(row[1 + level])
             groups = group.layers.groups
-    tree = group.layers if branch.run else group
-    if branch.run:  # then the layer within the run
+    tree = group.layers if branch.stacked else group
+    if branch.stacked:  # then the layer within the stack
         indices.append(row[len(branch.path)])
     for i in indices:
         tree = index(tree, i)
-    if branch.run and group.layer_sharding is not None:
+    if branch.stacked and group.layer_sharding is not None:
         dyn, static = eqx.partition(tree, eqx.is_array)
         tree = eqx.combine(constrain(dyn, group.layer_sharding), static)
     return tree

@@ -3,7 +3,7 @@ once and used both ways (export and load).
 
 A rule maps one or more of eqxscan's names (patterns with placeholders such as
 `{i}`, the layer index as [`eqxscan.to_state_dict`][] writes it, so global
-across a `Chain`'s runs and periodic units) to one or more external names,
+across a `Chain`'s stacks and repeated patterns) to one or more external names,
 through a short list of array operations applied in order on export:
 `Join` (several of eqxscan's arrays concatenated), `Reshape`, `Transpose`,
 `Split` (one array cut into several external ones). Loading inverts them, with

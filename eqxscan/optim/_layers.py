@@ -31,7 +31,7 @@ def weight_decay_mask(params: PyTree, *, min_ndim: int = 2) -> PyTree[bool]:
     [`eqxscan.Stacked`][] every array has an extra leading layer axis, so that
     rule also decays the stacked biases and norm scales (shape `[L, D]`). This
     mask counts each enclosing layer axis away (nested `Stacked`s, e.g. the
-    repeated units of an [`eqxscan.Chain`][], count once each), so a stacked
+    repeated patterns of an [`eqxscan.Chain`][], count once each), so a stacked
     model is decayed exactly like the same layers kept in a list.
 
     !!! example

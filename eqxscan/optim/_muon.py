@@ -27,7 +27,7 @@ def muon_dimension_numbers(params: PyTree) -> PyTree:
     default would give Muon if the layers were kept in a list.
 
     An array with two axes per layer (after counting away the layer axes of
-    every enclosing `Stacked`: nested stacks and the repeated units of an
+    every enclosing `Stacked`: nested stacks and the repeated patterns of an
     [`eqxscan.Chain`][] count once each) is a Muon matrix; its layer axes are
     batch axes, so each layer's matrix is orthogonalised on its own, all layers
     at once. Per layer, the first matrix axis is the reduction axis and the

@@ -52,7 +52,7 @@ def layerwise_scale(
     Layer indices are the numbers in the parameters' state-dict names (see
     [`eqxscan.to_state_dict`][]): a [`eqxscan.Stacked`][] numbers its layers
     from 0; an [`eqxscan.Chain`][] numbers its layers by their index in the
-    chain, across scanned runs, lone layers and repeated units (so the layer
+    chain, across stacks, lone layers and repeated patterns (so the layer
     called `"layers.7.weight"` is scaled by `fn(7)`). A `Stacked` nested inside
     a layer is part of that layer: all its arrays get the enclosing layer's
     factor. Separate stacks (e.g. an encoder's and a decoder's) each number

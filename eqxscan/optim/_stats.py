@@ -56,7 +56,7 @@ def layer_norms(tree: PyTree, ord: int | float = 2) -> dict[str, Float[Array, ".
     [`eqxscan.StackedMLP`][] are summarised as `"blocks.*.w1"`, an array of
     shape `[L]` whose entry `i` is the norm of layer `i`'s `w1`. An
     [`eqxscan.Chain`][]'s layers are numbered by their index in the chain, so
-    its scanned runs, lone layers and repeated units that share a name fill one
+    its stacks, lone layers and repeated patterns that share a name fill one
     array of length `len(chain)`; a layer without that array (e.g. a lone layer
     with no bias) has `nan` there. A `Stacked` nested inside a layer adds one
     `*` and one axis (`"blocks.*.heads.*.weight"`, shape `[L, H]`). Arrays
