@@ -10,6 +10,11 @@ The trivial baseline predicts 1.0 (the mean target) and scores 1/6 ~= 0.167 MSE.
 
     python examples/rnn_bptt.py                 # GRU, under a minute on 2 CPU cores
     python examples/rnn_bptt.py --cell lstm --steps 3000 --plot loss.png
+    python examples/rnn_bptt.py --tiny          # every check at the smallest sizes
+
+`--tiny` (what the tests run) keeps every step and check below but shortens the
+sequences (T=10), the hidden state (16), the batch (32), the gradient check (2
+directions) and the timing (3 repeats); the default steps become 150.
 
 What it shows:
 
@@ -40,6 +45,7 @@ import eqxscan
 LENGTH = 30  # padded sequence length T
 HIDDEN = 32
 BATCH = 64
+TINY = {"length": 10, "hidden": 16, "batch": 32, "steps": 150}  # --tiny
 LEARNING_RATE = 1e-2
 CLIP_NORM = 1.0  # global gradient-norm clipping, the usual guard for RNNs
 BASELINE = 1 / 6  # E[(a + b - 1)^2] for a, b ~ U(0, 1): always predicting 1.0
@@ -70,16 +76,16 @@ class Model(eqx.Module):
     rnn: eqxscan.Recurrent
     head: eqx.nn.Linear
 
-    def __init__(self, cell: str, *, key: PRNGKeyArray):
+    def __init__(self, cell: str, hidden: int = HIDDEN, *, key: PRNGKeyArray):
         k_cell, k_head = jr.split(key)
-        self.rnn = eqxscan.Recurrent(CELLS[cell](2, HIDDEN, key=k_cell))
-        self.head = eqx.nn.Linear(HIDDEN, "scalar", key=k_head)
+        self.rnn = eqxscan.Recurrent(CELLS[cell](2, hidden, key=k_cell))
+        self.head = eqx.nn.Linear(hidden, "scalar", key=k_head)
 
     def with_rnn_options(self, **options) -> "Model":
         return eqx.tree_at(lambda m: m.rnn, self, self.rnn.with_options(**options))
 
     def h0(self):
-        zeros = jnp.zeros(HIDDEN, self.head.weight.dtype)
+        zeros = jnp.zeros(self.head.in_features, self.head.weight.dtype)
         # LSTMCell carries (h, c); the others carry h.
         return (zeros, zeros) if isinstance(self.rnn.cell, eqx.nn.LSTMCell) else zeros
 
@@ -102,7 +108,9 @@ def max_rel_err(a, b) -> float:
     )
 
 
-def gradient_check(model: Model, key: PRNGKeyArray, directions: int = 8) -> None:
+def gradient_check(
+    model: Model, key: PRNGKeyArray, directions: int = 8, length: int = 12
+) -> None:
     """BPTT (lax.scan) vs BPTT through a Python loop vs central finite differences,
     all in float64 on a few short sequences."""
     # Finite differences need float64; enable it only inside this block.
@@ -111,7 +119,7 @@ def gradient_check(model: Model, key: PRNGKeyArray, directions: int = 8) -> None
             lambda a: jnp.asarray(a, jnp.float64) if eqx.is_inexact_array(a) else a,
             model,
         )
-        xs, mask, targets = make_batch(key, 4, length=12)
+        xs, mask, targets = make_batch(key, 4, length=length)
         xs, targets = xs.astype(jnp.float64), targets.astype(jnp.float64)
         params, static = eqx.partition(model, eqx.is_inexact_array)
         loss = lambda p, mode="scan": loss_fn(
@@ -157,7 +165,13 @@ def gradient_check(model: Model, key: PRNGKeyArray, directions: int = 8) -> None
     assert loop_err < 1e-10 and fd_err < 1e-6, "gradient check failed"
 
 
-def train(model: Model, steps: int, key: PRNGKeyArray) -> tuple[Model, list[float]]:
+def train(
+    model: Model,
+    steps: int,
+    key: PRNGKeyArray,
+    batch: int = BATCH,
+    length: int = LENGTH,
+) -> tuple[Model, list[float]]:
     optimiser = optax.chain(
         optax.clip_by_global_norm(CLIP_NORM), optax.adam(LEARNING_RATE)
     )
@@ -165,7 +179,7 @@ def train(model: Model, steps: int, key: PRNGKeyArray) -> tuple[Model, list[floa
 
     @eqx.filter_jit
     def step(model, opt_state, key):
-        xs, mask, targets = make_batch(key, BATCH)
+        xs, mask, targets = make_batch(key, batch, length)
         loss, grads = eqx.filter_value_and_grad(loss_fn)(model, xs, mask, targets)
         updates, opt_state = optimiser.update(grads, opt_state, model)
         return eqx.apply_updates(model, updates), opt_state, loss
@@ -180,9 +194,15 @@ def train(model: Model, steps: int, key: PRNGKeyArray) -> tuple[Model, list[floa
     return model, losses
 
 
-def time_forward(model: Model, key: PRNGKeyArray, repeats: int = 50) -> None:
+def time_forward(
+    model: Model,
+    key: PRNGKeyArray,
+    repeats: int = 50,
+    batch: int = BATCH,
+    length: int = LENGTH,
+) -> None:
     """Compile time and steady time of one batched forward pass over time."""
-    xs, mask, _ = make_batch(key, BATCH)
+    xs, mask, _ = make_batch(key, batch, length)
     cell, h0 = model.rnn.cell, model.h0()
 
     def with_scan(xs, mask):
@@ -203,13 +223,13 @@ def time_forward(model: Model, key: PRNGKeyArray, repeats: int = 50) -> None:
                 return h, hs
 
             # fori_loop carries only state: preallocate the per-step outputs.
-            hs = jtu.tree_map(lambda a: jnp.zeros((LENGTH, *a.shape), a.dtype), h0)
-            return jax.lax.fori_loop(0, LENGTH, body, (h0, hs))
+            hs = jtu.tree_map(lambda a: jnp.zeros((length, *a.shape), a.dtype), h0)
+            return jax.lax.fori_loop(0, length, body, (h0, hs))
 
         return jax.vmap(one)(xs, mask)
 
     print(
-        f"Forward pass, batch {BATCH}, T={LENGTH} (median of {repeats} after warm-up):"
+        f"Forward pass, batch {batch}, T={length} (median of {repeats} after warm-up):"
     )
     print(f"  {'':18}{'compile':>10}{'steady':>12}")
     results = {}
@@ -266,30 +286,41 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cell", choices=sorted(CELLS), default="gru")
     parser.add_argument("--plot", metavar="PATH", help="write the loss curve as PNG")
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="every check at the smallest sizes, in seconds (what the tests run)",
+    )
     args = parser.parse_args()
+    if args.tiny:
+        length, hidden, batch = TINY["length"], TINY["hidden"], TINY["batch"]
+        directions, check_length, repeats = 2, 6, 3
+    else:
+        length, hidden, batch = LENGTH, HIDDEN, BATCH
+        directions, check_length, repeats = 8, 12, 50
     if args.steps is None:
-        args.steps = DEFAULT_STEPS[args.cell]
+        args.steps = TINY["steps"] if args.tiny else DEFAULT_STEPS[args.cell]
 
     start = time.perf_counter()
     k_model, k_check, k_train, k_eval, k_time = jr.split(jr.key(args.seed), 5)
-    model = Model(args.cell, key=k_model)
+    model = Model(args.cell, hidden, key=k_model)
     n_params = sum(a.size for a in jtu.tree_leaves(eqx.filter(model, eqx.is_array)))
     print(
-        f"Adding problem: T={LENGTH} (lengths {LENGTH // 2}..{LENGTH}, padded and "
-        f"masked), {args.cell} cell, hidden {HIDDEN}, {n_params} parameters"
+        f"Adding problem: T={length} (lengths {length // 2}..{length}, padded and "
+        f"masked), {args.cell} cell, hidden {hidden}, {n_params} parameters"
     )
     print()
-    gradient_check(model, k_check)
+    gradient_check(model, k_check, directions, check_length)
     print()
 
-    eval_batch = make_batch(k_eval, 1000)
+    eval_batch = make_batch(k_eval, 1000, length)
     evaluate = eqx.filter_jit(loss_fn)
     baseline = float(jnp.mean((1.0 - eval_batch[2]) ** 2))
     initial = float(evaluate(model, *eval_batch))
-    model, losses = train(model, args.steps, k_train)
+    model, losses = train(model, args.steps, k_train, batch, length)
     final = float(evaluate(model, *eval_batch))
     print(
-        f"Training: {args.steps} Adam steps, batch {BATCH}, lr {LEARNING_RATE:g}, "
+        f"Training: {args.steps} Adam steps, batch {batch}, lr {LEARNING_RATE:g}, "
         f"gradient norm clipped to {CLIP_NORM:g}"
     )
     print(f"  baseline MSE (predict 1.0)   {baseline:.4f}")
@@ -300,7 +331,7 @@ def main() -> None:
         plot(losses, args.plot)
         print(f"  loss curve written to {args.plot}")
     print()
-    time_forward(model, k_time)
+    time_forward(model, k_time, repeats, batch, length)
     print()
     print(f"Total time {time.perf_counter() - start:.0f}s")
 

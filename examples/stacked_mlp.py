@@ -5,6 +5,11 @@ model (`mode="scan"`, the default) against the same weights run as an unrolled
 Python loop (`mode="loop"`): compile time and steady-state train-step time.
 
     python examples/stacked_mlp.py [--steps 300] [--layers 16] [--dim 64]
+    python examples/stacked_mlp.py --tiny   # every step at the smallest sizes
+
+`--tiny` (what the tests run) keeps every step but trains 60 steps of a 4-layer,
+16-wide model on batches of 64 and times 3 repeats; flags given with it still
+apply.
 """
 
 import argparse
@@ -45,6 +50,9 @@ def make_step(optimizer):
     return step
 
 
+TINY = dict(steps=60, layers=4, dim=16, batch=64, repeats=3)  # --tiny
+
+
 def compare_train_steps(models, optimizer, x, y, repeats=15):
     """AOT compile time of each model's train step, then steady-state step times
     measured interleaved (so machine noise hits every model alike)."""
@@ -73,7 +81,12 @@ def main(argv=None):
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=15, help="timed steps")
+    parser.add_argument("--tiny", action="store_true", help="the smallest sizes")
     args = parser.parse_args(argv)
+    if args.tiny:
+        parser.set_defaults(**TINY)
+        args = parser.parse_args(argv)
     if args.steps < 1 or args.layers < 1 or args.dim < 1 or args.batch < 1:
         parser.error("--steps, --layers, --dim and --batch must be positive")
 
@@ -112,7 +125,7 @@ def main(argv=None):
         )
         for mode in ("scan", "loop")
     }
-    results = compare_train_steps(models, optimizer, x, y)
+    results = compare_train_steps(models, optimizer, x, y, args.repeats)
     for name, (c, s) in results.items():
         print(f"  {name:5s} compile {c:6.2f} s   step {s * 1e3:7.2f} ms (median)")
     (cs, ss), (cl, sl) = results["scan"], results["loop"]

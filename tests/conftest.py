@@ -18,12 +18,21 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 
 # One compilation cache for the run: tests (and the processes they start) that
 # build the same program compile it once (a third less time for test_stacked.py).
-# A fresh directory each run; EQXSCAN_TEST_CACHE=0 turns it off.
-if os.environ.get("EQXSCAN_TEST_CACHE", "1") == "1":
+# A fresh directory each run; EQXSCAN_TEST_CACHE=0 turns it off, and
+# EQXSCAN_TEST_CACHE=worker gives each pytest-xdist worker its own (jax 0.9's
+# cache is not safe for two processes writing one directory).
+_CACHE_MODE = os.environ.get("EQXSCAN_TEST_CACHE", "1")
+if _CACHE_MODE in ("1", "worker"):
     if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
         _cache = tempfile.mkdtemp(prefix="eqxscan-jax-cache-")
         os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
         atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    _worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if _CACHE_MODE == "worker" and _worker:
+        # The controller made the directory and removes it; the workers inherit it.
+        _cache = os.path.join(os.environ["JAX_COMPILATION_CACHE_DIR"], _worker)
+        os.makedirs(_cache, exist_ok=True)
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
     jax.config.update(

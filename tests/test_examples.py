@@ -27,9 +27,7 @@ def run_example(name, *args, timeout=600):
 
 
 def test_stacked_mlp_example_learns():
-    stdout = run_example(
-        "stacked_mlp.py", "--steps", "60", "--layers", "4", "--dim", "16"
-    )
+    stdout = run_example("stacked_mlp.py", "--tiny")
     baseline = float(re.search(r"baseline .*MSE: ([0-9.]+)", stdout).group(1))
     final = float(re.search(r"final val MSE: ([0-9.]+)", stdout).group(1))
     assert final < 0.7 * baseline

@@ -786,7 +786,7 @@ def test_example_trains_below_baseline():
     env = dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
     proc = subprocess.run(
-        [sys.executable, str(root / "examples" / "rnn_bptt.py"), "--steps", "300"],
+        [sys.executable, str(root / "examples" / "rnn_bptt.py"), "--tiny"],
         capture_output=True,
         text=True,
         env=env,

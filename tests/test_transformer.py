@@ -163,13 +163,7 @@ def test_example_runs(tmp_path):
         [
             sys.executable,
             str(EXAMPLE),
-            "--steps=3",
-            "--dim=16",
-            "--layers=2",
-            "--batch=8",
-            "--samples=2",
-            "--test-words=32",
-            "--max-word=4",  # short words: the checks below hold at any length
+            "--tiny",  # 3 steps, 2 blocks, short words: the checks hold at any length
         ],
         capture_output=True,
         text=True,
