@@ -1,8 +1,8 @@
-"""`python -m eqxscan.bench`: compile time, step time and memory of a StackedMLP
+"""`python -m benchmarks.bench`: compile time, step time and memory of a StackedMLP
 or Transformer train step against depth, for eqxscan's options and its peers. Run
 it with `--help` for the options; `docs/benchmarks.md` explains the numbers.
 
-`python -m eqxscan.bench.meshes` compares the meshes and remat settings of a
+`python -m benchmarks.bench.meshes` compares the meshes and remat settings of a
 decoder built from the same Transformer `Block` on `N` devices, through
 `eqxscan.sharding.plan` (`docs/planning.md`).
 

@@ -1,4 +1,4 @@
-"""`python -m eqxscan.bench --grid`: the default's speed and memory at every size.
+"""`python -m benchmarks.bench --grid`: the default's speed and memory at every size.
 
 For each grid point (a `StackedMLP` of width `D` and depth `L`, or a GRU/LSTM of hidden
 size `H` over `T` steps) one process compiles the train step of the loop
@@ -319,7 +319,7 @@ def run_grid(
 
 
 def main_grid(args: Any) -> int:
-    """`python -m eqxscan.bench --grid [--repeats N] [--out DIR]`."""
+    """`python -m benchmarks.bench --grid [--repeats N] [--out DIR]`."""
 
     # Recorded as the main bench records it (`load_average_start`/`_end`).
     machine = describe_machine()
