@@ -5,10 +5,23 @@ program as one of them; the loop's memory extrapolated past `MAX_LOOP_LENGTH`.""
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
 
 from benchmarks.bench import _cli, _grid
+
+
+@pytest.fixture(autouse=True)
+def _fast_compiles(monkeypatch):
+    # What is checked here does not depend on XLA's optimisations; skipping most
+    # of them makes the many small compiles (here and in the bench's worker
+    # processes) cheaper.
+    monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)
 
 
 def test_tiny_grid_run(monkeypatch, tmp_path, capsys):
@@ -56,16 +69,16 @@ def test_tiny_grid_run(monkeypatch, tmp_path, capsys):
 def test_loop_memory_is_extrapolated(monkeypatch):
     # Past `MAX_LOOP_LENGTH` the loop is not compiled at the point's length: its
     # temp memory is the line through two shorter loops.
-    monkeypatch.setattr(_grid, "MAX_LOOP_LENGTH", 8)
+    monkeypatch.setattr(_grid, "MAX_LOOP_LENGTH", 4)
 
     def loop_temp(steps):
         model, loss, inputs, with_options = _grid._problem("gru", (4, steps))
-        return _grid._compile_step(loss, with_options(model, mode="loop"), inputs)[0]
+        return _grid.compile_step(loss, with_options(model, mode="loop"), inputs)[0]
 
-    extrapolated = _grid.loop_temp_extrapolated("gru", (4, 12))
-    assert extrapolated["lengths"] == [4, 8]
-    assert extrapolated["bytes"] == [loop_temp(4), loop_temp(8)]
-    actual = loop_temp(12)
+    extrapolated = _grid.loop_temp_extrapolated("gru", (4, 6))
+    assert extrapolated["lengths"] == [2, 4]
+    assert extrapolated["bytes"] == [loop_temp(2), loop_temp(4)]
+    actual = loop_temp(6)
     assert abs(extrapolated["estimate"] - actual) <= 0.02 * actual
 
 
