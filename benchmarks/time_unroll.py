@@ -12,7 +12,7 @@ import functools
 
 import jax
 import numpy as np
-from bench._grid import compile_step, rnn_problem
+from bench import compile_step, rnn_problem
 
 import eqxscan
 from eqxscan.remat import time_interleaved

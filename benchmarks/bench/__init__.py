@@ -12,8 +12,11 @@ The benchmark's models, for scripts that measure something else on them:
 - `make_problem(model, num_layers, dim, batch, seq, dtype)`: the model
   (`"mlp"` or `"transformer"`) and one batch, as every implementation gets them.
 - `mse`: the loss of every implementation.
+- `rnn_problem(cell, hidden, steps, inputs, batch)` and `compile_step(loss,
+  model, inputs)`: the grid's recurrent problem and its compiled train step.
 """
 
+from ._grid import compile_step as compile_step, rnn_problem as rnn_problem
 from ._impls import mse as mse
 from ._measure import make_problem as make_problem
 from ._transformer import Block as Block
