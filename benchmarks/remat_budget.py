@@ -1,4 +1,4 @@
-"""Does `fit_remat` pick a fast program? On the models of `python -m eqxscan.bench`.
+"""Does `fit_remat` pick a fast program? On the models of `python -m benchmarks.bench`.
 
     python benchmarks/remat_budget.py --model mlp [--out DIR]
     python benchmarks/remat_budget.py --model transformer
@@ -21,10 +21,10 @@ from typing import Any
 
 import equinox as eqx
 import jax
+from bench import make_problem, mse
 from jaxtyping import Array
 
 from eqxscan import StackedMLP
-from eqxscan.bench import make_problem, mse
 from eqxscan.remat import choose, remat_table, RematCandidate, time_candidates
 
 

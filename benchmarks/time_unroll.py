@@ -10,16 +10,14 @@ A point is `cell:hidden:inputs:steps:batch`, with `cell` one of gru, lstm, elman
 import argparse
 import functools
 
-import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
+from bench import compile_step, rnn_problem
 
 import eqxscan
 from eqxscan.remat import time_interleaved
 
 
-CELLS = {"gru": eqx.nn.GRUCell, "lstm": eqx.nn.LSTMCell, "elman": eqxscan.ElmanCell}
 POINTS = [
     "gru:256:8:30:64",
     "gru:256:8:300:64",
@@ -40,18 +38,6 @@ POINTS = [
 ]
 
 
-def loss(model, h0, xs):
-    _, hs = jax.vmap(model)(h0, xs)
-    return jnp.mean(jax.tree.leaves(hs)[0] ** 2)
-
-
-def compiled(model, h0, xs):
-    params, static = eqx.partition(model, eqx.is_inexact_array)
-    step = jax.value_and_grad(lambda p, *a: loss(eqx.combine(p, static), *a))
-    fn = jax.jit(step).lower(params, h0, xs).compile()
-    return functools.partial(fn, params, h0, xs)
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("points", nargs="*", default=POINTS)
@@ -61,18 +47,14 @@ def main():
     for point in args.points:
         cell, hidden, inputs, steps, batch = point.split(":")
         hidden, inputs, steps, batch = map(int, (hidden, inputs, steps, batch))
-        model = eqxscan.Recurrent(CELLS[cell](inputs, hidden, key=jax.random.key(0)))
-        rng = np.random.default_rng(0)
-        xs = jnp.asarray(rng.standard_normal((batch, steps, inputs)), jnp.float32)
-        zeros = jnp.zeros((batch, hidden), jnp.float32)
-        h0 = (zeros, zeros) if cell == "lstm" else zeros
-        (choice,) = eqxscan.explain_auto(loss, model, h0, xs)
-        runs = {
-            f"u{u}": compiled(
-                model.with_options(checkpoint=choice.checkpoint, unroll=u), h0, xs
-            )
-            for u in (1, 2)
-        }
+        model, loss, data, _ = rnn_problem(cell, hidden, steps, inputs, batch)
+        (choice,) = eqxscan.explain_auto(loss, model, *data)
+        runs = {}
+        for u in (1, 2):
+            options = dict(checkpoint=choice.checkpoint, unroll=u)
+            scan = model.with_options(**options)
+            _, (fn, params), _ = compile_step(loss, scan, data)
+            runs[f"u{u}"] = functools.partial(fn, params, *data)
         for run in runs.values():
             jax.block_until_ready(run())
         times = time_interleaved(runs, args.rounds, seed=5)

@@ -9,7 +9,7 @@ calls of any of its layer classes) and `Recurrent` (a counting cell; the
 layer (cell) per trace of the enclosing jit, forward (`model(x)`) and gradient
 (`eqx.filter_grad` of a sum). Tracing only: `eqx.filter_jit(f).lower(...)`.
 
-Trace time: the Transformer bench's block (`eqxscan.bench.Block`: pre-norm
+Trace time: the Transformer bench's block (`benchmarks.bench.Block`: pre-norm
 attention + MLP, D=256, B=8, T=64, fp32) stacked L times, with the
 default options; timed is `jax.jit(step).trace(params, x, y)` for a fresh
 `step = jax.value_and_grad(loss)` each time (nothing is lowered or compiled),
@@ -23,9 +23,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+from bench import Block, mse
 
 import eqxscan
-from eqxscan.bench import Block, mse
 
 
 CHECKPOINTS = (("default", None), ("False", False), ("True", True))

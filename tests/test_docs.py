@@ -81,7 +81,7 @@ def docstrings() -> list[tuple[str, str]]:
     namespaces += [
         (f"eqxscan.{n}", m)
         for n in dir(eqxscan)
-        if not n.startswith("_") and n != "bench"
+        if not n.startswith("_")
         if inspect.ismodule(m := getattr(eqxscan, n))
     ]
     for prefix, namespace in namespaces:

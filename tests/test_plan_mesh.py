@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqxscan.bench import meshes as bench
+from benchmarks.bench import meshes as bench
 from eqxscan.sharding import MeshPlan, plan
 from eqxscan.sharding._mesh_plan._hlo import hlo_costs
 
@@ -61,9 +61,9 @@ def test_plan_compiles_in_a_fresh_process_when_devices_are_missing():
     assert len(jax.devices()) < 8
     seen = []
     table = plan(
-        "eqxscan.bench.meshes:decoder",
+        "benchmarks.bench.meshes:decoder",
         bench.train_step,  # a top-level function: passed by its name
-        optimizer="eqxscan.bench.meshes:adam",
+        optimizer="benchmarks.bench.meshes:adam",
         batch=bench.batch_shape(8, 4),
         budget="1GB",
         meshes=[(8, 1, 1)],
@@ -107,7 +107,7 @@ def _nothing_fits():
 
 def _plan(**kwargs):
     args = dict(
-        optimizer="eqxscan.bench.meshes:adam",
+        optimizer="benchmarks.bench.meshes:adam",
         batch=bench.batch_shape(8, 4),
         budget="1GB",
         devices=8,
@@ -115,7 +115,7 @@ def _plan(**kwargs):
     )
     args.update(kwargs)
     return plan(
-        "eqxscan.bench.meshes:decoder", "eqxscan.bench.meshes:train_step", **args
+        "benchmarks.bench.meshes:decoder", "benchmarks.bench.meshes:train_step", **args
     )
 
 
@@ -127,7 +127,7 @@ def _plan(**kwargs):
         (dict(model_axis=(2,)), "needs axes="),
         (dict(meshes=[(2, 2, 1), (2, 2, 2)], devices=None), "one product"),
         (dict(optimizer=lambda: bench.adam()), "importable by reference"),
-        (dict(optimizer="eqxscan.bench.nowhere:adam"), "cannot import"),
+        (dict(optimizer="benchmarks.bench.nowhere:adam"), "cannot import"),
         (dict(accelerator="abacus"), "unknown accelerator"),
     ],
 )

@@ -34,7 +34,7 @@ if TWO:
 
     sharding.initialize(f"127.0.0.1:{sys.argv[5]}", 2, int(sys.argv[3]), timeout=120)
 
-from eqxscan.bench import meshes as bench  # noqa: E402
+from benchmarks.bench import meshes as bench  # noqa: E402
 from eqxscan.sharding import plan  # noqa: E402
 from eqxscan.sharding._mesh_plan._candidates import (  # noqa: E402
     Job,

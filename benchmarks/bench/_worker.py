@@ -1,7 +1,8 @@
 """Both ends of the subprocess protocol.
 
-The parent calls `run_worker(spec)`, which starts `python -m eqxscan.bench._worker
-SPEC` with the persistent compilation cache off. The child prints one `PROGRESS`
+The parent calls `run_worker(spec)`, which starts `python -m benchmarks.bench._worker
+SPEC` (this package's own name, however it was imported) with the persistent
+compilation cache off. The child prints one `PROGRESS`
 line per finished timing round and finally one `RESULT <json>` line.
 """
 
@@ -15,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 
-PROGRESS = "#eqxscan-bench-progress"
-RESULT = "#eqxscan-bench-result "
+PROGRESS = "#bench-progress"
+RESULT = "#bench-result "
 
 
 class WorkerError(RuntimeError):
@@ -27,10 +28,13 @@ def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    # Make the child import this very copy of eqxscan, installed or not.
-    root = str(Path(__file__).resolve().parents[2])
+    # Make the child import this very copy of the bench (`benchmarks.bench` from
+    # the checkout's root, or `bench` from benchmarks/) and of eqxscan.
+    here = Path(__file__).resolve().parent
+    top = here.parents[__package__.count(".")]
+    roots = list(dict.fromkeys([str(top), str(here.parents[1])]))
     env["PYTHONPATH"] = os.pathsep.join(
-        [root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        roots + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     )
     return env
 
@@ -45,7 +49,7 @@ def run_worker(
     with (
         tempfile.TemporaryFile("w+") as err,
         subprocess.Popen(
-            [sys.executable, "-m", "eqxscan.bench._worker", json.dumps(spec)],
+            [sys.executable, "-m", f"{__package__}._worker", json.dumps(spec)],
             stdout=subprocess.PIPE,
             stderr=err,
             text=True,

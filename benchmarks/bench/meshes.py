@@ -1,14 +1,14 @@
-"""`python -m eqxscan.bench.meshes`: the meshes of a decoder's training run on `N`
+"""`python -m benchmarks.bench.meshes`: the meshes of a decoder's training run on `N`
 devices.
 
 Prints the table of [`eqxscan.sharding.plan`][] (every mesh and remat setting,
 compiled ahead of time, nothing allocated) for a pre-norm decoder: token
-embedding, `L` blocks of the benchmark Transformer (`eqxscan.bench`'s `Block`:
+embedding, `L` blocks of the benchmark Transformer (`benchmarks.bench`'s `Block`:
 causal attention, GELU MLP of width `4D`) in one `eqxscan.Stacked`, a final
 LayerNorm and an untied output projection; parameters in bfloat16 by default,
 Adam's moments in float32.
 
-    python -m eqxscan.bench.meshes --devices 64 --layers 32 --dim 4096 --seq 2048 \\
+    python -m benchmarks.bench.meshes --devices 64 --layers 32 --dim 4096 --seq 2048 \\
         --batch 64 --vocab 32000 --budget 80GB --model-axis 1 8
 """
 
@@ -196,7 +196,7 @@ def _mesh(text: str) -> tuple[int, int, int]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(
-        prog="python -m eqxscan.bench.meshes", description=__doc__
+        prog="python -m benchmarks.bench.meshes", description=__doc__
     )
     p.add_argument("--devices", type=int, required=True)
     p.add_argument("--layers", type=int, default=32)
@@ -226,10 +226,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     remat: list[Checkpoint] = [REMAT_WORDS[r] for r in args.remat]
     meshes = None if args.meshes is None else [_mesh(m) for m in args.meshes]
     start = time.perf_counter()
+    # By reference, for the fresh processes `plan` starts when devices are missing.
+    here = __spec__.name if __spec__ is not None else __name__
     result = plan(
-        "eqxscan.bench.meshes:decoder",
-        "eqxscan.bench.meshes:train_step",
-        optimizer="eqxscan.bench.meshes:adam",
+        f"{here}:decoder",
+        f"{here}:train_step",
+        optimizer=f"{here}:adam",
         batch=batch_shape(args.batch or args.devices, args.seq),
         budget=args.budget,
         devices=None if meshes else args.devices,

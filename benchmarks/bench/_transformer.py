@@ -1,4 +1,4 @@
-"""The Transformer model of `python -m eqxscan.bench --model transformer`.
+"""The Transformer model of `python -m benchmarks.bench --model transformer`.
 
 A pre-norm decoder block, `x + attn(ln1(x))` then `x + mlp(ln2(x))`, with causal
 `eqx.nn.MultiheadAttention` (no projection biases) and a GELU MLP of width `4D`

@@ -91,7 +91,7 @@ def make_problem(
     **Returns:**
 
     `(module, x, y)`: the same weights (from NumPy, seeded) and data as every
-    implementation of `python -m eqxscan.bench` starts from.
+    implementation of `python -m benchmarks.bench` starts from.
     """
     return registry(model)[1](num_layers, dim, batch, seq, dtype)
 

@@ -1,4 +1,4 @@
-"""The implementations compared by `python -m eqxscan.bench`.
+"""The implementations compared by `python -m benchmarks.bench`.
 
 Every implementation computes the same residual MLP stack as `eqxscan.StackedMLP`
 (`x + gelu(rms_norm(x) @ w1) @ w2` per layer) and the same loss, written the way

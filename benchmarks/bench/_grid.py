@@ -1,4 +1,4 @@
-"""`python -m eqxscan.bench --grid`: the default's speed and memory at every size.
+"""`python -m benchmarks.bench --grid`: the default's speed and memory at every size.
 
 For each grid point (a `StackedMLP` of width `D` and depth `L`, or a GRU/LSTM of hidden
 size `H` over `T` steps) one process compiles the train step of the loop
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eqxscan import Recurrent, StackedMLP
+from eqxscan import ElmanCell, Recurrent, StackedMLP
 from eqxscan.remat import explain_auto, THRESHOLDS, time_interleaved
 
 from ._machine import describe_machine, load_average
@@ -67,14 +67,22 @@ def _mlp_problem(dim: int, layers: int) -> tuple[Any, Callable, tuple, Callable]
     return model, loss, (x,), with_options
 
 
-def _rnn_problem(
-    cell: str, hidden: int, steps: int
+#: The recurrent cells a grid point (or `benchmarks/time_unroll.py`) may name.
+CELLS = {"gru": eqx.nn.GRUCell, "lstm": eqx.nn.LSTMCell, "elman": ElmanCell}
+
+
+def rnn_problem(
+    cell: str,
+    hidden: int,
+    steps: int,
+    inputs: int = RNN_INPUT,
+    batch: int = BATCH * SEQ,
 ) -> tuple[Any, Callable, tuple, Callable]:
+    """A `Recurrent` cell over `steps` steps, vmapped over `batch` sequences: the
+    model, the loss `loss(model, h0, xs)`, its inputs and `with_options`."""
     rng = np.random.default_rng(0)
-    make = {"gru": eqx.nn.GRUCell, "lstm": eqx.nn.LSTMCell}[cell]
-    model = Recurrent(make(RNN_INPUT, hidden, key=jax.random.key(0)))
-    batch = BATCH * SEQ
-    xs = jnp.asarray(rng.standard_normal((batch, steps, RNN_INPUT)), jnp.float32)
+    model = Recurrent(CELLS[cell](inputs, hidden, key=jax.random.key(0)))
+    xs = jnp.asarray(rng.standard_normal((batch, steps, inputs)), jnp.float32)
     zeros = jnp.zeros((batch, hidden), jnp.float32)
     h0 = (zeros, zeros) if cell == "lstm" else zeros
 
@@ -91,10 +99,10 @@ def _rnn_problem(
 def _problem(kind: str, size: tuple) -> tuple[Any, Callable, tuple, Callable]:
     if kind == "mlp":
         return _mlp_problem(*size)
-    return _rnn_problem(kind, *size)
+    return rnn_problem(kind, *size)
 
 
-def _compile_step(loss: Callable, model: Any, inputs: tuple) -> tuple[int, Any, str]:
+def compile_step(loss: Callable, model: Any, inputs: tuple) -> tuple[int, Any, str]:
     """Compile the train step: XLA's temp memory, the compiled step (with its
     float arrays) and the lowered text."""
     # Differentiate the float arrays; the rest is fixed for the compiled step.
@@ -121,7 +129,7 @@ def loop_temp_extrapolated(kind: str, size: tuple) -> dict:
     for n in lengths:
         model, loss, inputs, with_options = _problem(kind, (size[0], n))
         loop = with_options(model, mode="loop")
-        measured.append(_compile_step(loss, loop, inputs)[0])
+        measured.append(compile_step(loss, loop, inputs)[0])
     slope = (measured[1] - measured[0]) / (lengths[1] - lengths[0])
     estimate = measured[1] + slope * (size[1] - lengths[1])
     return {"lengths": list(lengths), "bytes": measured, "estimate": int(estimate)}
@@ -144,7 +152,7 @@ def measure_point(kind: str, size: tuple, rounds: int, seed: int = 0) -> dict:
     compiled, memory, compile_s, text = {}, {}, {}, {}
     for name, full in variants.items():
         t0 = time.perf_counter()
-        memory[name], compiled[name], text[name] = _compile_step(loss, full, inputs)
+        memory[name], compiled[name], text[name] = compile_step(loss, full, inputs)
         compile_s[name] = time.perf_counter() - t0
         fn, m = compiled[name]
         jax.block_until_ready(fn(m, *inputs))
@@ -319,7 +327,7 @@ def run_grid(
 
 
 def main_grid(args: Any) -> int:
-    """`python -m eqxscan.bench --grid [--repeats N] [--out DIR]`."""
+    """`python -m benchmarks.bench --grid [--repeats N] [--out DIR]`."""
 
     # Recorded as the main bench records it (`load_average_start`/`_end`).
     machine = describe_machine()

@@ -254,7 +254,7 @@ def markdown(results: dict[str, Any]) -> str:
     )
     repeats = cfg.get("compile_repeats", 1)
     head = [
-        "# eqxscan.bench",
+        "# benchmarks.bench",
         "",
         f"`{results['command']}`",
         "",

@@ -1,4 +1,4 @@
-"""`python -m eqxscan.bench`: compile time, step time and memory against depth.
+"""`python -m benchmarks.bench`: compile time, step time and memory against depth.
 
 Measures `StackedMLP`'s train step (`value_and_grad` of a loss) written with
 eqxscan and with its peers. First every implementation is checked to give the
@@ -81,7 +81,7 @@ def _impl_list(text: str) -> list[str]:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m eqxscan.bench",
+        prog="python -m benchmarks.bench",
         description=(
             "Compile time, step time and memory of a StackedMLP train step against "
             "depth, for eqxscan's options and for the hand-written Equinox recipe, "
@@ -207,7 +207,7 @@ def _backend() -> str:
 def resolved_command(args: argparse.Namespace) -> str:
     """The command line that reproduces this run with every default spelled out."""
     parts = [
-        "python -m eqxscan.bench",
+        "python -m benchmarks.bench",
         f"--model {args.model}",
         "--layers " + ",".join(map(str, args.layers)),
         f"--dim {args.dim} --batch {args.batch} --seq {args.seq}",
@@ -265,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = resolved_command(args)
     print(f"Running: {command}", file=sys.stderr)
     results: dict[str, Any] = {
-        "command": ("python -m eqxscan.bench " + shlex.join(argv)).strip(),
+        "command": ("python -m benchmarks.bench " + shlex.join(argv)).strip(),
         "resolved_command": command,
         "config": {
             "model": args.model,
@@ -306,10 +306,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             model=args.model,
         )
     except MismatchError as e:
-        raise SystemExit(f"eqxscan.bench: aborted: {e}") from None
+        raise SystemExit(f"benchmarks.bench: aborted: {e}") from None
 
     total = len(args.layers) * (len(args.impls) + args.repeats)
-    with tqdm(total=total, desc="eqxscan.bench", file=sys.stderr) as bar:
+    with tqdm(total=total, desc="benchmarks.bench", file=sys.stderr) as bar:
         for layers in args.layers:
             common = dict(
                 num_layers=layers, **shape, dtype=args.dtype, model=args.model
