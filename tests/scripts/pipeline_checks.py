@@ -41,11 +41,11 @@ jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 4 if args.role == "two" else 8)
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
-from eqxscan import sharding  # noqa: E402
+from eqxscan import distributed, sharding  # noqa: E402
 
 
 if args.role == "two":
-    sharding.initialize(
+    distributed.initialize(
         f"127.0.0.1:{args.port}", 2, args.process_id, timeout=args.timeout
     )
 
