@@ -568,7 +568,7 @@ BAD_STEPS = """
 import os, sys
 import jax
 import eqxscan
-from eqxscan import sharding
+from eqxscan import checkpoint
 
 root = sys.argv[1]
 model = eqxscan.StackedMLP(4, 2, key=jax.random.key(0))

@@ -17,7 +17,7 @@ FAILING_SAVES = """
 import os, shutil, sys
 import jax
 import eqxscan
-from eqxscan import sharding
+from eqxscan import checkpoint
 from orbax.checkpoint._src.path import atomicity
 
 model = eqxscan.StackedMLP(4, 2, key=jax.random.key(0))
