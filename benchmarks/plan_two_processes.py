@@ -1,4 +1,4 @@
-"""`eqxscan.sharding.plan`'s predictions on 2 processes x 4 CPU devices (127.0.0.1).
+"""`eqxscan.planning.plan`'s predictions on 2 processes x 4 CPU devices (127.0.0.1).
 
 Runs tests/scripts/plan_checks.py as one process with 8 devices (which also trains
 on one device for reference) and as a 2 x 4 job, and prints, per process, the

@@ -4,9 +4,10 @@ The core is this folder: `Stacked`, `Chain`, `Recurrent`, their options and the
 one scan engine. Each subpackage builds on the core's public names and its
 shared model walker: `eqxscan.remat` (the `"auto"` rule explained, memory
 budgets), `eqxscan.nn` (ready-made models), `eqxscan.checkpoint` (state dicts,
-files, Flax import), `eqxscan.sharding` (meshes, FSDP, pipelining, several
-processes, Orbax) and `eqxscan.optim` (optax helpers, imported on first use, so
-that `import eqxscan` does not import optax).
+files, Flax import, Orbax), `eqxscan.sharding` (meshes, FSDP, pipelining), and,
+imported on first use, `eqxscan.planning` (which mesh), `eqxscan.distributed`
+(several processes) and `eqxscan.optim` (optax helpers, so that `import eqxscan`
+does not import optax).
 """
 
 import importlib as _importlib
@@ -62,15 +63,18 @@ __version__ = _metadata.version("eqxscan")
 
 
 if _TYPE_CHECKING:
-    from . import optim as optim
+    from . import distributed as distributed, optim as optim, planning as planning
+
+# Imported on first use: optax with `optim`; the others are rarely needed.
+_LAZY = ("distributed", "optim", "planning")
 
 
 def __getattr__(name: str) -> object:
-    # PEP 562: `eqxscan.optim` (and optax with it) is imported on first use.
-    if name == "optim":
-        return _importlib.import_module(f"{__name__}.optim")
+    # PEP 562: each of `_LAZY` is imported on first use.
+    if name in _LAZY:
+        return _importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), "optim"})
+    return sorted({*globals(), *_LAZY})

@@ -13,12 +13,13 @@ from typing import Any, cast, ParamSpec, Protocol, SupportsIndex, TypeGuard, Typ
 
 import equinox as eqx
 import jax
-import jax._src.traceback_util as traceback_util
 import jax.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
+
+import eqxscan._jax_private as traceback_util
 
 
 P = ParamSpec("P")

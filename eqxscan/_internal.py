@@ -33,6 +33,7 @@ from ._drop import (
 )
 from ._eager import compiled_when_eager as compiled_when_eager
 from ._exit import Bound as Bound, Predicate as Predicate, run_until as run_until
+from ._jax_private import distributed_client as distributed_client
 from ._layer_call import (
     carry_only as carry_only,
     LayerCall as LayerCall,

@@ -1,5 +1,5 @@
 """Settings in words and back, as the budget tools (`eqxscan.remat.fit_remat`,
-`eqxscan.sharding.plan`) read and print them: a byte budget such as `"6GiB"`
+`eqxscan.planning.plan`) read and print them: a byte budget such as `"6GiB"`
 (`parse_bytes`) and a `checkpoint=` setting's name (`checkpoint_label`)."""
 
 import re

@@ -163,11 +163,11 @@ def train(args: argparse.Namespace) -> None:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", args.devices_per_process)
 
-    from eqxscan import sharding
+    from eqxscan import checkpoint, distributed, sharding
 
     explicit = args.coordinator, args.num_processes, args.process_id
     if args.distributed or any(a is not None for a in explicit):
-        sharding.initialize(
+        distributed.initialize(
             args.coordinator,
             args.num_processes,
             args.process_id,
@@ -255,8 +255,8 @@ def train(args: argparse.Namespace) -> None:
 
     model, opt_state = place_state(model, opt_state)
     # Every process must hold the same model and mesh before the first collective.
-    sharding.check_same_job(model, opt_state, mesh=mesh)
-    rows = sharding.local_rows(
+    distributed.check_same_job(model, opt_state, mesh=mesh)
+    rows = distributed.local_rows(
         args.batch, mesh, batch_axes=batch_axes or ("data", "fsdp")
     )
 
@@ -290,7 +290,7 @@ def train(args: argparse.Namespace) -> None:
 
     ckpt, start = None, 0
     if args.checkpoint_dir:
-        ckpt = sharding.CheckpointManager(args.checkpoint_dir, max_to_keep=args.keep)
+        ckpt = checkpoint.CheckpointManager(args.checkpoint_dir, max_to_keep=args.keep)
         if args.resume and ckpt.latest_step() is not None:
             t = time.perf_counter()
             model, opt_state, start = ckpt.restore(

@@ -1,4 +1,4 @@
-"""Optional dependencies: Orbax is imported only by `sharding.CheckpointManager`,
+"""Optional dependencies: Orbax is imported only by `checkpoint.CheckpointManager`,
 which without it names the extra to install."""
 
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from eqxscan import sharding
+from eqxscan import checkpoint
 
 
 def test_import_eqxscan_leaves_orbax_out():
@@ -26,5 +26,5 @@ def test_checkpoint_manager_without_orbax_names_the_extra(monkeypatch, tmp_path)
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "orbax", None)
     with pytest.raises(ImportError, match=r"needs Orbax") as info:
-        sharding.CheckpointManager(tmp_path)
+        checkpoint.CheckpointManager(tmp_path)
     assert 'Hint: pip install "eqxscan[orbax]"' in str(info.value)

@@ -503,7 +503,7 @@ def test_bad_step_numbers_are_refused(tmp_path, step, error, match):
     directory = tmp_path / "ckpt"
     mesh = eqxscan.sharding.make_mesh(devices=jax.devices()[:1])
     model = _mlp()
-    with eqxscan.sharding.CheckpointManager(directory, asynchronous=False) as c:
+    with eqxscan.checkpoint.CheckpointManager(directory, asynchronous=False) as c:
         calls = [lambda: c.save(step, model)]
         if step is not None:
             calls.append(lambda: c.restore(model, mesh=mesh, step=step))
@@ -525,7 +525,7 @@ def test_bad_step_numbers_are_refused(tmp_path, step, error, match):
 def test_numpy_integer_steps_are_plain_steps(tmp_path):
     model = _mlp()
     mesh = eqxscan.sharding.make_mesh(devices=jax.devices()[:1])
-    with eqxscan.sharding.CheckpointManager(tmp_path, asynchronous=False) as c:
+    with eqxscan.checkpoint.CheckpointManager(tmp_path, asynchronous=False) as c:
         c.save(np.int64(4), model)
         assert c.all_steps() == [4]
         restored, _, step = c.restore(model, mesh=mesh, step=np.int32(4), min_size=0)
@@ -536,7 +536,7 @@ def test_numpy_integer_steps_are_plain_steps(tmp_path):
 def test_stray_and_incomplete_step_directories_are_skipped(tmp_path):
     model = _mlp()
     mesh = eqxscan.sharding.make_mesh(devices=jax.devices()[:1])
-    with eqxscan.sharding.CheckpointManager(tmp_path, asynchronous=False) as c:
+    with eqxscan.checkpoint.CheckpointManager(tmp_path, asynchronous=False) as c:
         c.save(3, model)
     (tmp_path / "7").mkdir()  # stray
     (tmp_path / "5").mkdir()  # a step whose files were partly deleted
@@ -546,7 +546,7 @@ def test_stray_and_incomplete_step_directories_are_skipped(tmp_path):
         dirs_exist_ok=True,
         ignore=lambda d, names: ["_CHECKPOINT_METADATA"],
     )
-    with eqxscan.sharding.CheckpointManager(tmp_path, asynchronous=False) as c:
+    with eqxscan.checkpoint.CheckpointManager(tmp_path, asynchronous=False) as c:
         assert c.all_steps() == [3]
         with pytest.warns(
             UserWarning, match=r"7 \(it has no '_CHECKPOINT_METADATA'\), 5"
@@ -568,11 +568,11 @@ BAD_STEPS = """
 import os, sys
 import jax
 import eqxscan
-from eqxscan import sharding
+from eqxscan import checkpoint
 
 root = sys.argv[1]
 model = eqxscan.StackedMLP(4, 2, key=jax.random.key(0))
-with sharding.CheckpointManager(os.path.join(root, "ckpt"), asynchronous=False) as c:
+with checkpoint.CheckpointManager(os.path.join(root, "ckpt"), asynchronous=False) as c:
     for step in ["../escape", 1.5, "a", True, -1]:
         try:
             c.save(step, model)
@@ -609,7 +609,7 @@ def test_bad_step_numbers_are_refused_without_type_checking_hooks(tmp_path):
 def test_corrupt_orbax_step_is_named_by_its_digests(tmp_path):
     model = _mlp()
     mesh = eqxscan.sharding.make_mesh(devices=jax.devices()[:1])
-    with eqxscan.sharding.CheckpointManager(tmp_path) as c:  # asynchronous
+    with eqxscan.checkpoint.CheckpointManager(tmp_path) as c:  # asynchronous
         c.save(1, model)
         c.save(2, model)
     for step in (1, 2):
@@ -624,7 +624,7 @@ def test_corrupt_orbax_step_is_named_by_its_digests(tmp_path):
     data[len(data) // 2] ^= 4
     target.write_bytes(bytes(data))
     name = str(target.relative_to(tmp_path / "2"))
-    with eqxscan.sharding.CheckpointManager(tmp_path, asynchronous=False) as c:
+    with eqxscan.checkpoint.CheckpointManager(tmp_path, asynchronous=False) as c:
         for step in (None, 2):
             with pytest.raises(ValueError) as e:
                 c.restore(model, mesh=mesh, step=step, min_size=0)

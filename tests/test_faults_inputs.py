@@ -127,7 +127,7 @@ def test_wrong_type_of_state_dict_is_named():
 def test_unreadable_orbax_data_is_named_by_step_item_and_entry(tmp_path):
     model = eqxscan.StackedMLP(4, 2, key=KEY)
     mesh = eqxscan.sharding.make_mesh(devices=jax.devices()[:1])
-    with eqxscan.sharding.CheckpointManager(tmp_path, asynchronous=False) as c:
+    with eqxscan.checkpoint.CheckpointManager(tmp_path, asynchronous=False) as c:
         c.save(1, model)
         c.save(2, model)
         for data in (tmp_path / "2" / "model").rglob("*"):

@@ -64,7 +64,7 @@ def test_survivor_of_a_dead_peer_exits_naming_it(tmp_path, dead=1, work="collect
         assert code == 1, text[-3000:]
         lines = [line for line in text.splitlines() if line.strip()]
         assert lines[-2].startswith(
-            "eqxscan.sharding: process 0 of 2 lost process 1: it has shown no "
+            "eqxscan.distributed: process 0 of 2 lost process 1: it has shown no "
             "sign of life for "
         ), text[-3000:]
         assert lines[-1].startswith("Hint: see the log of process 1 for why")

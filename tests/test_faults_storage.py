@@ -17,7 +17,7 @@ FAILING_SAVES = """
 import os, shutil, sys
 import jax
 import eqxscan
-from eqxscan import sharding
+from eqxscan import checkpoint
 from orbax.checkpoint._src.path import atomicity
 
 model = eqxscan.StackedMLP(4, 2, key=jax.random.key(0))
@@ -28,7 +28,7 @@ async def refuse(self, *args, **kwargs):
 
 # The write of a step fails in the background (read-only storage): the error
 # surfaces at the next save.
-with sharding.CheckpointManager(sys.argv[1]) as c:  # asynchronous
+with checkpoint.CheckpointManager(sys.argv[1]) as c:  # asynchronous
     c.save(1, model, wait=True)
     atomicity.AtomicRenameTemporaryPath.finalize = refuse
     c.save(2, model)
@@ -44,7 +44,7 @@ with sharding.CheckpointManager(sys.argv[1]) as c:  # asynchronous
 
 # The directory is gone, a file in its place: `save` itself raises, and the
 # error ends the process.
-with sharding.CheckpointManager(sys.argv[2]) as c:
+with checkpoint.CheckpointManager(sys.argv[2]) as c:
     c.save(1, model, wait=True)
     shutil.rmtree(sys.argv[2])
     with open(sys.argv[2], "w") as f:

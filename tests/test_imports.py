@@ -1,5 +1,7 @@
 """`import eqxscan` imports jax, Equinox and jaxtyping, not the libraries of its
-optional parts: optax is imported with `eqxscan.optim`, on first use."""
+optional parts: optax is imported with `eqxscan.optim`, on first use; so are
+`eqxscan.planning` and `eqxscan.distributed`; Orbax when a
+`CheckpointManager` is made."""
 
 import os
 import pathlib
@@ -33,6 +35,16 @@ import eqxscan
 
 print("after import eqxscan:", first)
 print("optim loaded:", "eqxscan.optim" in sys.modules)
+print("planning, distributed loaded:", [
+    m for m in sys.modules if m.startswith(("eqxscan.planning", "eqxscan.distributed"))
+])
+assert {"planning", "distributed"} <= set(dir(eqxscan))
+plan = eqxscan.planning.plan
+from eqxscan.distributed import initialize
+
+assert eqxscan.distributed.initialize is initialize
+print("planning, distributed:", plan.__module__, initialize.__module__)
+print("after both:", first)
 assert "optim" in dir(eqxscan)
 tx = eqxscan.optim.layerwise  # imported here, optax with it
 print("optax loaded:", "optax" in sys.modules)
@@ -60,6 +72,9 @@ def test_import_eqxscan_leaves_optional_libraries_out():
     assert run.stdout.splitlines() == [
         "after import eqxscan: {}",
         "optim loaded: False",
+        "planning, distributed loaded: []",
+        "planning, distributed: eqxscan.planning._search eqxscan.distributed._runtime",
+        "after both: {}",
         "optax loaded: True",
         "AttributeError: module 'eqxscan' has no attribute 'no_such_name'",
     ]

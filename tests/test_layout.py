@@ -72,6 +72,34 @@ def test_private_import_rule_can_fail():
     assert ("eqxscan.nn._mlp", "eqxscan._chain") in structure.crossing(bad, mods)
     up = {**graph, "eqxscan._engine": graph["eqxscan._engine"] | {"eqxscan.remat"}}
     assert ("eqxscan._engine", "eqxscan.remat") in structure.upward(up, mods)
+    # Planning, the runtime and the Orbax manager use sharding's public names
+    # only, and the core only through the internal API.
+    for m, t in [
+        ("eqxscan.planning._candidates", "eqxscan.sharding._shard"),
+        ("eqxscan.distributed._runtime", "eqxscan._jax_private"),
+        ("eqxscan.checkpoint._orbax", "eqxscan.sharding._place"),
+    ]:
+        bad = {**graph, m: graph[m] | {t}}
+        assert (m, t) in structure.crossing(bad, mods)
+    lazy = {**graph, "eqxscan._checks": graph["eqxscan._checks"] | {"eqxscan.planning"}}
+    assert ("eqxscan._checks", "eqxscan.planning") in structure.upward(lazy, mods)
+
+
+def _private_jax_uses(files):
+    # `jaxlib._jax` under TYPE_CHECKING names a class only and is not counted.
+    return sorted(
+        str(f.relative_to(ROOT))
+        for f in files
+        if "jax._src" in f.read_text() and f.name != "_jax_private.py"
+    )
+
+
+def test_private_jax_in_one_place():
+    # Every use of `jax._src` is in eqxscan/_jax_private.py, guarded and tested.
+    assert _private_jax_uses((ROOT / "eqxscan").rglob("*.py")) == []
+    assert _private_jax_uses([ROOT / "tests" / "test_jax_private.py"]) == [
+        "tests/test_jax_private.py"
+    ]
 
 
 def test_version_from_metadata():

@@ -23,7 +23,7 @@ import optax
 import pytest
 
 import eqxscan
-from eqxscan import sharding
+from eqxscan import checkpoint, distributed, sharding
 from eqxscan.sharding._create import lower_create
 
 from .helpers import free_port, processes, script_path
@@ -220,7 +220,7 @@ def test_checkpoint_across_topologies(runs):
     # ... and on 1 x 1, here.
     mesh = sharding.make_mesh(devices=jax.devices()[:1])
     like, opt_like = abstract()
-    with sharding.CheckpointManager(runs["ckpt"]) as ckpt:
+    with checkpoint.CheckpointManager(runs["ckpt"]) as ckpt:
         model, opt_state, step = ckpt.restore(like, opt_like, mesh=mesh, min_size=0)
     assert step == 6
     assert_close(by_path(model), group(runs["two_after6"], "model"), 0)
@@ -234,7 +234,7 @@ def test_resume_equals_uninterrupted(runs):
     assert abs(eight["resumed_loss6"] - two["loss6"]) <= 1e-5 * two["loss6"]
     mesh = sharding.make_mesh(devices=jax.devices()[:1])
     like, opt_like = abstract()
-    with sharding.CheckpointManager(runs["ckpt"]) as ckpt:
+    with checkpoint.CheckpointManager(runs["ckpt"]) as ckpt:
         model, opt_state, step = ckpt.restore(
             like, opt_like, mesh=mesh, step=3, min_size=0
         )
@@ -283,9 +283,9 @@ def test_process_that_cannot_join_fails_fast(tmp_path):
 
 def test_initialize_checks_arguments():
     with pytest.raises(ValueError, match="Give coordinator_address, num_processes"):
-        sharding.initialize("127.0.0.1:1234", 2)
+        distributed.initialize("127.0.0.1:1234", 2)
     with pytest.raises(ValueError, match=r"process_id=2 is outside 0\.\.1"):
-        sharding.initialize("127.0.0.1:1234", 2, 2)
+        distributed.initialize("127.0.0.1:1234", 2, 2)
 
 
 def final_loss(stdout: str, processes: int, devices: int) -> float:
@@ -338,7 +338,7 @@ def test_single_process_checkpoints(tmp_path, getkey):
     model = sharding.create(make_model, getkey(), mesh=mesh, min_size=0)
     opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
     model, opt_state, _ = sharding.shard(model, opt_state, mesh=mesh, min_size=0)
-    with sharding.CheckpointManager(tmp_path, max_to_keep=2, asynchronous=False) as c:
+    with checkpoint.CheckpointManager(tmp_path, max_to_keep=2, asynchronous=False) as c:
         with pytest.raises(FileNotFoundError, match="No complete checkpoint"):
             c.restore(model, mesh=mesh)
         for step in (1, 2, 3):
@@ -378,8 +378,8 @@ def test_create_on_one_process(getkey):
         eqxscan.StackedMLP, 8, 2, key=key, mesh=mesh, fsdp_axis=None, min_size=0
     )
     assert mlp.blocks.layer_sharding is None and mlp.blocks.num_layers == 2
-    assert sharding.local_rows(6, mesh) == slice(0, 6)
+    assert distributed.local_rows(6, mesh) == slice(0, 6)
     with pytest.raises(ValueError, match=r"(?s)batch of 5 rows .* multiple of 2 rows"):
-        sharding.local_rows(5, mesh)
+        distributed.local_rows(5, mesh)
     want = by_path(eqxscan.StackedMLP(8, 2, key=key))
     assert_close(by_path(mlp), want, 1e-6)

@@ -160,11 +160,16 @@ def test_drop_rates_on_a_batch_of_scalars(getkey):
     assert len(set(values)) == 3  # the keys drop differently
 
 
-def test_drop_rates_equal_the_unpipelined_call():
+@pytest.fixture(scope="module")
+def one_process() -> dict:
+    # The checks on 1 process x 8 devices, in one fresh process: JAX starts once.
+    return json.loads(run_script("pipeline_checks.py", "one", timeout=2 * TIMEOUT))
+
+
+def test_drop_rates_equal_the_unpipelined_call(one_process):
     # 8 devices as (stage=2, data=4): gpipe and circular (repeats=2), natural
     # and stage order, 2 and 4 microbatches, 3 keys each.
-    result = json.loads(run_script("pipeline_drop_checks.py", timeout=TIMEOUT))
-    runs = {r["name"]: r for r in result["runs"]}
+    runs = {r["name"]: r for r in one_process["drop_runs"]}
     expected = {
         "gpipe_natural_2",
         "gpipe_stage_4",
@@ -257,17 +262,15 @@ def check_runs(runs: list[dict], expected: set[str]) -> None:
         assert set(names["circular"]["body_permute_pairs"]) == {8}
 
 
-def test_eight_devices():
-    result = json.loads(run_script("pipeline_checks.py", "eight", timeout=TIMEOUT))
-    assert result["processes"] == 1
-    check_runs(result["runs"], {"gpipe_data", "circular", "circular_data"})
+def test_eight_devices(one_process):
+    assert one_process["processes"] == 1
+    check_runs(one_process["runs"], {"gpipe_data", "circular", "circular_data"})
 
 
-def test_stage_order_moves_no_weights():
+def test_stage_order_moves_no_weights(one_process):
     # A stack whose layer axis is split over "stage" (L/S layers per device);
     # R = 2, M = 4 microbatches of 4 rows split over "data".
-    result = json.loads(run_script("pipeline_checks.py", "stage", timeout=TIMEOUT))
-    runs = {r["name"]: r for r in result["runs"]}
+    runs = {r["name"]: r for r in one_process["stage_runs"]}
     assert set(runs) == {"stage_order", "natural_order"}
     for r in runs.values():
         # Grads and updated params of the stage order mapped back to natural.

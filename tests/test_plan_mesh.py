@@ -1,4 +1,4 @@
-"""`eqxscan.sharding.plan`: per-device figures of ahead-of-time compiled
+"""`eqxscan.planning.plan`: per-device figures of ahead-of-time compiled
 candidates, checked against analytic counts, against the arrays really placed on
 8 simulated devices, and against one device's training losses."""
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from benchmarks.bench import meshes as bench
-from eqxscan.sharding import MeshPlan, plan
-from eqxscan.sharding._mesh_plan._hlo import hlo_costs
+from eqxscan.planning import MeshPlan, plan
+from eqxscan.planning._hlo import hlo_costs
 
 from .helpers import run_script
 

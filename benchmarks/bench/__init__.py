@@ -4,7 +4,7 @@ it with `--help` for the options; `docs/benchmarks.md` explains the numbers.
 
 `python -m benchmarks.bench.meshes` compares the meshes and remat settings of a
 decoder built from the same Transformer `Block` on `N` devices, through
-`eqxscan.sharding.plan` (`docs/planning.md`).
+`eqxscan.planning.plan` (`docs/planning.md`).
 
 The benchmark's models, for scripts that measure something else on them:
 

@@ -1,7 +1,7 @@
 """`python -m benchmarks.bench.meshes`: the meshes of a decoder's training run on `N`
 devices.
 
-Prints the table of [`eqxscan.sharding.plan`][] (every mesh and remat setting,
+Prints the table of [`eqxscan.planning.plan`][] (every mesh and remat setting,
 compiled ahead of time, nothing allocated) for a pre-norm decoder: token
 embedding, `L` blocks of the benchmark Transformer (`benchmarks.bench`'s `Block`:
 causal attention, GELU MLP of width `4D`) in one `eqxscan.Stacked`, a final
@@ -26,7 +26,7 @@ import optax
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 from eqxscan import Checkpoint, Stacked
-from eqxscan.sharding import plan
+from eqxscan.planning import plan
 
 from ._transformer import Block, EPS
 
@@ -87,7 +87,7 @@ class Decoder(eqx.Module):
 def decoder(
     key: PRNGKeyArray, *, layers: int, dim: int, vocab: int, dtype: str = "bfloat16"
 ) -> Decoder:
-    """`Decoder(...)`: the model builder [`eqxscan.sharding.plan`][] calls."""
+    """`Decoder(...)`: the model builder [`eqxscan.planning.plan`][] calls."""
     return Decoder(layers=layers, dim=dim, vocab=vocab, key=key, dtype=dtype)
 
 

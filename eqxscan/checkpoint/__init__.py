@@ -2,7 +2,7 @@
 safetensors files (one or sharded, as Hugging Face lays them out), name maps to
 other conventions, single-file `.npz` save and load with integrity checks, and
 import of Flax `nn.scan` parameters. Sharded checkpoints across processes are
-[`eqxscan.sharding.CheckpointManager`][] (Orbax), beside the sharding they
+[`eqxscan.checkpoint.CheckpointManager`][] (Orbax), beside the sharding they
 restore into. All of these are also at the
 top level (`eqxscan.save`, `eqxscan.to_state_dict`, ...)."""
 
@@ -15,6 +15,7 @@ from ._names import (
     Split as Split,
     Transpose as Transpose,
 )
+from ._orbax import CheckpointManager as CheckpointManager
 from ._safetensors import (
     load_safetensors as load_safetensors,
     read_safetensors as read_safetensors,

@@ -1,25 +1,14 @@
 """Data-parallel, FSDP and pipeline sharding of models built from
 [`eqxscan.Stacked`][] layers.
 
-Built on JAX's own sharding (`Mesh`, `NamedSharding`, `jit`), its multi-process
-runtime and Orbax; see `docs/sharding.md` and `docs/multihost.md`.
+Built on JAX's own sharding (`Mesh`, `NamedSharding`, `jit`); see
+`docs/sharding.md`. Beside it: `eqxscan.planning` (which mesh to use),
+`eqxscan.distributed` (several processes) and
+`eqxscan.checkpoint.CheckpointManager` (sharded training checkpoints, Orbax).
 """
 
 from .._internal import constrain as constrain
 from ._create import create as create
-from ._distributed import (
-    check_same_job as check_same_job,
-    initialize as initialize,
-    local_rows as local_rows,
-)
-from ._mesh_plan import (
-    Accelerator as Accelerator,
-    ACCELERATORS as ACCELERATORS,
-    MeshCandidate as MeshCandidate,
-    MeshPlan as MeshPlan,
-    plan as plan,
-)
-from ._orbax import CheckpointManager as CheckpointManager
 from ._partition import (
     logical_shardings as logical_shardings,
     logical_spec as logical_spec,
@@ -36,6 +25,7 @@ from ._shard import (
     batch_shardings as batch_shardings,
     gather_layers as gather_layers,
     make_mesh as make_mesh,
+    MIN_SIZE as MIN_SIZE,
     model_shardings as model_shardings,
     opt_state_shardings as opt_state_shardings,
     shard as shard,

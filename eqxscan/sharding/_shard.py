@@ -16,7 +16,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, Sharding
 from jaxtyping import PyTree
 
 from .._internal import align, check_size, is_arraylike, restack, Site, Stacked, walk
-from ._distributed import default_devices, place, place_batch
+from ._place import default_devices, place, place_batch
 
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ def make_mesh(
     `AxisType.Auto`: JAX's sharding propagation decides the layout of
     intermediates, so model code needs no sharding annotations.
 
-    With several processes (after `eqxscan.sharding.initialize`) the default
+    With several processes (after `eqxscan.distributed.initialize`) the default
     devices are taken process by process, so `"data"` runs across processes first
     and each process's devices form whole `"fsdp"` groups where the sizes allow:
     FSDP's all-gathers then stay inside a host, and only gradients cross hosts.
@@ -537,7 +537,7 @@ def shard(
     layout of the updated model and state at the end of a training step.
 
     On a mesh spanning several processes, `batch` holds this process's rows only
-    (see [`eqxscan.sharding.local_rows`][]) and comes back as global arrays
+    (see [`eqxscan.distributed.local_rows`][]) and comes back as global arrays
     (`jax.make_array_from_process_local_data`); `model` and `opt_state` are either
     the same on every process or global arrays already (e.g. from
     [`eqxscan.sharding.create`][]).

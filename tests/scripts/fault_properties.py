@@ -200,7 +200,7 @@ def save_load(name, value):
 @run
 @given(name=st.sampled_from(["step", "directory", "max_to_keep"]), value=junk)
 def manager(name, value):
-    from eqxscan import sharding
+    from eqxscan import checkpoint, sharding
 
     with tempfile.TemporaryDirectory() as where:
         if name != "step":
@@ -209,12 +209,12 @@ def manager(name, value):
                 "CheckpointManager",
                 name,
                 value,
-                lambda: sharding.CheckpointManager(asynchronous=False, **args),
+                lambda: checkpoint.CheckpointManager(asynchronous=False, **args),
             )
             if made is not None:
                 made.close()
             return
-        with sharding.CheckpointManager(where, asynchronous=False) as c:
+        with checkpoint.CheckpointManager(where, asynchronous=False) as c:
             attempt("CheckpointManager", "step", value, lambda: c.save(value, MODEL))
             attempt(
                 "CheckpointManager",

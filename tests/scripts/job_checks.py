@@ -1,7 +1,9 @@
 """One process of a two-process job for tests/test_job_agreement.py:
 `python tests/scripts/job_checks.py PROCESS_ID NUM_PROCESSES PORT WIDTH`.
 
-Prints `agreed`, or the RuntimeError's message and exits with status 3.
+Checks a layout every process shares, then a `(WIDTH, 4)` array's: prints
+`agreed` after each check that passes, or the RuntimeError's message and exits
+with status 3.
 """
 
 import os
@@ -12,14 +14,16 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax.numpy as jnp  # noqa: E402
 
-from eqxscan import sharding  # noqa: E402
+from eqxscan import distributed  # noqa: E402
 
 
 def main() -> int:
     pid, count, port, width = (int(a) for a in sys.argv[1:5])
     try:
-        sharding.initialize(f"127.0.0.1:{port}", count, pid, timeout=60)
-        sharding.check_same_job({"w": jnp.zeros((width, 4))})
+        distributed.initialize(f"127.0.0.1:{port}", count, pid, timeout=60)
+        distributed.check_same_job({"w": jnp.zeros((4, 4))})
+        print("agreed", flush=True)
+        distributed.check_same_job({"w": jnp.zeros((width, 4))})
     except RuntimeError as e:
         print(f"RuntimeError: {e}", flush=True)
         # The job is broken: skip JAX's exit-time shutdown barrier, which would

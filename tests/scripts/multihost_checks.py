@@ -42,12 +42,12 @@ jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8 if args.role == "eight" else 4)
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
-from eqxscan import sharding  # noqa: E402
+from eqxscan import checkpoint, distributed, sharding  # noqa: E402
 from eqxscan.sharding._create import lower_create  # noqa: E402
 
 
 if args.role != "eight":
-    sharding.initialize(
+    distributed.initialize(
         f"127.0.0.1:{args.port}", 2, args.process_id, timeout=args.timeout
     )
 
@@ -78,7 +78,7 @@ def batch(step: int) -> tuple[jax.Array, jax.Array]:
 
 
 def local_batch(step: int, mesh):
-    rows = sharding.local_rows(BATCH, mesh)
+    rows = distributed.local_rows(BATCH, mesh)
     x, y = batch(step)
     return sharding.shard(None, batch=(x[rows], y[rows]), mesh=mesh)[2]
 
@@ -138,7 +138,7 @@ def two() -> dict:
     results["mesh_rows_processes"] = [
         sorted({d.process_index for d in row}) for row in mesh.devices
     ]
-    rows = sharding.local_rows(BATCH, mesh)
+    rows = distributed.local_rows(BATCH, mesh)
     results["local_rows"] = multihost_utils.process_allgather(
         np.array([rows.start, rows.stop])
     ).tolist()
@@ -173,7 +173,7 @@ def two() -> dict:
     dump("two_after3.npz", model=model, opt_state=opt_state, grads=grads)
 
     # Checkpoints: step 3 written asynchronously while steps 4-6 run.
-    ckpt = sharding.CheckpointManager(CKPT, max_to_keep=3)
+    ckpt = checkpoint.CheckpointManager(CKPT, max_to_keep=3)
     t = time.perf_counter()
     ckpt.save(3, model, opt_state)
     results["save_blocked_s"] = time.perf_counter() - t
@@ -228,7 +228,7 @@ def eight() -> dict:
     results["loss3"] = loss
     dump("eight_after3.npz", model=model, opt_state=opt_state, grads=grads)
     # What the two processes saved, after one of their saves was killed.
-    ckpt = sharding.CheckpointManager(CKPT)
+    ckpt = checkpoint.CheckpointManager(CKPT)
     results["steps_after_kill"] = ckpt.all_steps()
     like, opt_like = abstract()
     model, opt_state, step_no = ckpt.restore(like, opt_like, mesh=mesh, min_size=0)

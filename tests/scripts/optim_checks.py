@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import eqxscan  # noqa: E402
-from eqxscan import sharding  # noqa: E402
+from eqxscan import checkpoint, sharding  # noqa: E402
 from eqxscan.optim import layerwise  # noqa: E402
 from tests.helpers import collectives  # noqa: E402
 from tests.scripts.training import make_train_step  # noqa: E402
@@ -90,7 +90,7 @@ def check(name: str, tx: optax.GradientTransformation) -> None:
     for _ in range(2):
         model, state, _, _ = step(model, state, x, y)
     with tempfile.TemporaryDirectory() as directory:
-        with sharding.CheckpointManager(directory, asynchronous=False) as manager:
+        with checkpoint.CheckpointManager(directory, asynchronous=False) as manager:
             manager.save(2, model, state)
             ref_model, ref_state = model, state
             for _ in range(2):

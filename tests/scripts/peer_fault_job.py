@@ -15,12 +15,12 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
-from eqxscan import sharding  # noqa: E402
+from eqxscan import distributed  # noqa: E402
 
 
 def main() -> int:
     pid, port, work = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    sharding.initialize(f"127.0.0.1:{port}", 2, pid, timeout=60, heartbeat_timeout=3)
+    distributed.initialize(f"127.0.0.1:{port}", 2, pid, timeout=60, heartbeat_timeout=3)
     print("ready", flush=True)
     step = 0
     while True:

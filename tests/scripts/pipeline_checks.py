@@ -1,14 +1,16 @@
 """Pipeline checks on 8 simulated CPU devices, run in fresh processes by
 test_pipeline_circular.py.
 
-    python tests/scripts/pipeline_checks.py eight
-        (1 process x 8 devices) prints one JSON object of measurements.
+    python tests/scripts/pipeline_checks.py one
+        (1 process x 8 devices) prints one JSON object of measurements: `runs`
+        (both schedules on a (stage=4, data=2) mesh), `stage_runs` (the circular
+        schedule on a stack whose layer axis is split over "stage", in stage
+        order and in natural order) and `drop_runs` (drop rates under the
+        pipeline: tests/scripts/pipeline_drop_checks.py), in one process so
+        that JAX starts once.
     python tests/scripts/pipeline_checks.py two --process-id I --port P --out DIR
         (2 processes x 4 devices, the stage axis spanning both) writes
         DIR/two_<I>.json.
-    python tests/scripts/pipeline_checks.py stage
-        (1 process x 8 devices) the circular schedule on a stack whose layer
-        axis is split over "stage", in stage order and in natural order.
 
 Each run trains the blocks of a `StackedMLP` for one Adam step on a
 (stage=4, data=2) mesh, pipelined, and compares the loss, the gradients and the
@@ -24,7 +26,7 @@ import sys
 
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    parser.add_argument("role", choices=["eight", "two", "stage"])
+    parser.add_argument("role", choices=["one", "two"])
     parser.add_argument("--process-id", type=int, default=0)
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=60)
@@ -41,11 +43,11 @@ jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 4 if args.role == "two" else 8)
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
-from eqxscan import sharding  # noqa: E402
+from eqxscan import distributed, sharding  # noqa: E402
 
 
 if args.role == "two":
-    sharding.initialize(
+    distributed.initialize(
         f"127.0.0.1:{args.port}", 2, args.process_id, timeout=args.timeout
     )
 
@@ -61,6 +63,10 @@ import eqxscan  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 from tests.helpers import collectives, max_rel_err  # noqa: E402
 from tests.scripts.sharding_checks import loop_bodies  # noqa: E402
+
+
+if args.role == "one":  # the same 8 devices
+    from tests.scripts.pipeline_drop_checks import checks as drop_checks
 
 
 DIM, LAYERS, BATCH, STAGES = 8, 8, 16, 4
@@ -188,7 +194,7 @@ def runs(mesh, role: str) -> list[dict]:
     # Both schedules, with and without data parallelism over "data", under two
     # remat settings of the stages' scans; across processes one of them.
     circular = dict(schedule="circular", repeats=2, microbatches=4)
-    if role == "stage":
+    if role == "stage":  # part of `one`
         split = dict(split_layers=True, batch_axes="data", **circular)
         return [
             run(mesh, "stage_order", True, layer_order="stage", **split),
@@ -214,7 +220,9 @@ if __name__ == "__main__":
         ],
         "runs": runs(mesh, args.role),
     }
-    if args.role != "two":
+    if args.role == "one":
+        result["stage_runs"] = runs(mesh, "stage")
+        result["drop_runs"] = drop_checks()
         json.dump(result, sys.stdout)
     else:
         with open(os.path.join(args.out, f"two_{args.process_id}.json"), "w") as f:

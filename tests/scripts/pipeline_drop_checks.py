@@ -1,5 +1,5 @@
-"""Drop rates under the pipeline on 8 simulated CPU devices, run in a fresh
-process by test_pipeline_circular.py.
+"""Drop rates under the pipeline on 8 simulated CPU devices, run by
+`pipeline_checks.py one` (in the same process as its other checks) or alone:
 
     python tests/scripts/pipeline_drop_checks.py
 

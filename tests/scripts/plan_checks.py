@@ -1,4 +1,4 @@
-"""`eqxscan.sharding.plan` on 8 simulated CPU devices, run in fresh processes (the
+"""`eqxscan.planning.plan` on 8 simulated CPU devices, run in fresh processes (the
 device count is fixed when JAX starts): the chosen candidate's model and optimiser
 state are then really built on the 8 devices and trained.
 
@@ -30,13 +30,13 @@ import numpy as np  # noqa: E402
 
 if TWO:
     jax.config.update("jax_num_cpu_devices", 4)
-    from eqxscan import sharding  # noqa: E402
+    from eqxscan import distributed  # noqa: E402
 
-    sharding.initialize(f"127.0.0.1:{sys.argv[5]}", 2, int(sys.argv[3]), timeout=120)
+    distributed.initialize(f"127.0.0.1:{sys.argv[5]}", 2, int(sys.argv[3]), timeout=120)
 
 from benchmarks.bench import meshes as bench  # noqa: E402
-from eqxscan.sharding import plan  # noqa: E402
-from eqxscan.sharding._mesh_plan._candidates import (  # noqa: E402
+from eqxscan.planning import plan  # noqa: E402
+from eqxscan.planning._candidates import (  # noqa: E402
     Job,
     make_plan_mesh,
     program,

@@ -1,10 +1,11 @@
-"""Several processes, one program: joining JAX's multi-controller runtime and
-turning each process's data into global `jax.Array`s.
+"""Several processes, one program: joining JAX's multi-controller runtime,
+watching the other processes, checking they run the same job, and each one's
+rows of a global batch.
 
-JAX does the communication: `jax.distributed.initialize` connects the processes,
-`jax.make_array_from_process_local_data` assembles a global batch from the rows each
-process holds, and `jit` over a mesh spanning every process's devices runs the
-collectives (gloo on CPU, NCCL on GPU, ICI/DCN on TPU).
+JAX does the communication: `jax.distributed.initialize` connects the processes
+and `jit` over a mesh spanning every process's devices runs the collectives (gloo
+on CPU, NCCL on GPU, ICI/DCN on TPU); `eqxscan.sharding` places arrays on such a
+mesh.
 """
 
 import atexit
@@ -14,23 +15,16 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, TYPE_CHECKING
+import warnings
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.tree_util as jtu
 import numpy as np
-from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .._internal import align, constrain, is_arraylike
-
-
-if TYPE_CHECKING:
-    # `jax.Device`'s class: jax exports it as a variable, no type to the checker.
-    from jaxlib._jax import Device
-else:  # the same class, named at run time for the runtime type checker
-    Device = jax.Device
+from .._internal import distributed_client, is_arraylike
 
 
 DOCS = "see docs/multihost.md"
@@ -111,7 +105,7 @@ class _PeerWatch:
     def _lost(self, dead: int, silent: float) -> None:
         what = f"process {dead}" + (" (the coordinator)" if dead == 0 else "")
         _exit_with(
-            f"eqxscan.sharding: {self.where} lost {what}: it has shown no sign "
+            f"eqxscan.distributed: {self.where} lost {what}: it has shown no sign "
             f"of life for {silent:.0f} s (heartbeat_timeout={self.timeout:g}), "
             f"so it stopped or crashed; this process exits.\nHint: see the log "
             f"of process {dead} for why it stopped, then restart the job from "
@@ -201,7 +195,7 @@ def initialize(
         timeout,
         _exit_with,
         (
-            f"eqxscan.sharding.initialize: {where} waited {timeout:g} s for all "
+            f"eqxscan.distributed.initialize: {where} waited {timeout:g} s for all "
             "processes to join the job, and not all did.\n"
             "Hint: start every process with the same coordinator address and "
             "process count, check process 0 is running and its port is reachable, "
@@ -236,10 +230,19 @@ def initialize(
         f"num_processes={num_processes}" if num_processes is not None else "",
     )
     if jax.process_count() > 1:
-        from jax._src import distributed as jax_distributed
-
+        client = distributed_client()
+        if client is None:
+            warnings.warn(
+                f"eqxscan.distributed.initialize: JAX {jax.__version__} has no "
+                "key-value store client where eqxscan looks for it, so a process "
+                "that stops is not reported by name; JAX's own heartbeat ends the "
+                f"others later.\nHint: use a JAX version eqxscan supports; {DOCS}.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
         _PeerWatch(
-            jax_distributed.global_state.client,
+            client,
             jax.process_index(),
             jax.process_count(),
             heartbeat_timeout,
@@ -299,91 +302,6 @@ def check_same_job(*trees: Any, mesh: Mesh | None = None) -> None:
         _agree("mesh", _fingerprint(f"{dict(mesh.shape)} {ids}"))
 
 
-def default_devices() -> list[Device]:
-    """Every device of every process, ordered by process then id (on one process:
-    `jax.devices()` as it is). A mesh filled in this order puts its first axis
-    across processes and keeps runs of its last axis inside one."""
-    devices = jax.devices()
-    if jax.process_count() == 1:
-        return list(devices)
-    return sorted(devices, key=lambda d: (d.process_index, d.id))
-
-
-def _is_traced(tree: Any) -> bool:
-    return any(isinstance(x, Tracer) for x in jtu.tree_leaves(tree))
-
-
-def place(tree: Any, shardings: Any, mesh: Mesh) -> Any:
-    """Place `tree`, which every process holds in full, on `shardings`.
-
-    Inside `jit`, or on one process, this is `constrain`. On a mesh spanning
-    several processes `jax.device_put` assembles each global array from the copy
-    every process holds (each keeps only its own shards); arrays that are global
-    already are resharded by `constrain`.
-    """
-    if _is_traced(tree) or not mesh.is_multi_process:
-        return constrain(tree, shardings)
-    return _assemble(tree, shardings, jax.device_put)
-
-
-def _assemble(tree: Any, shardings: Any, put: Callable[[Any, Any], Any]) -> Any:
-    # `put(x, sharding)` for local arrays; global ones are resharded by `jit`.
-    def one(sharding: Any, x: Any) -> Any:
-        if not is_arraylike(x) or sharding is None:
-            return x
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            return constrain(x, sharding)
-        return put(x, sharding)
-
-    return jtu.tree_map(one, align(shardings, tree), tree, is_leaf=lambda x: x is None)
-
-
-def _row_slices(sharding: NamedSharding, rows: int) -> list[slice]:
-    """The rows of an array of `rows` rows that each of this process's devices
-    holds under `sharding`."""
-    indices = sharding.addressable_devices_indices_map((rows,)).values()
-    return [index[0] for index in indices if index is not None]
-
-
-def _blocks(sharding: NamedSharding) -> tuple[int, int]:
-    """`(on this process, in all)`: the row blocks of a batch split by `sharding`."""
-    spec = sharding.spec[0] if len(sharding.spec) else None
-    axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
-    total = math.prod(sharding.mesh.shape[a] for a in axes)
-    return len({s.start for s in _row_slices(sharding, total)}), total
-
-
-def place_batch(batch: Any, mesh: Mesh, shardings_for: Callable[[Any], Any]) -> Any:
-    """Place `batch` with `shardings_for(batch)`, where on a mesh spanning several
-    processes `batch` holds this process's rows only: each global array is
-    assembled from every process's rows (`jax.make_array_from_process_local_data`).
-    Inside `jit`, or on one process, this is `constrain`."""
-    if _is_traced(batch) or not mesh.is_multi_process:
-        return constrain(batch, shardings_for(batch))
-    # The batch's split, from a stand-in every batch split divides.
-    probe = jax.ShapeDtypeStruct((mesh.devices.size,), jax.numpy.float32)
-    (sharding,) = jtu.tree_leaves(shardings_for([probe]))
-    here, total = _blocks(sharding)
-
-    def global_like(path: tuple, x: Any) -> Any:
-        if not is_arraylike(x):
-            return x
-        if x.ndim == 0 or x.shape[0] % here:
-            raise ValueError(
-                f"`batch{jtu.keystr(path)}` has shape {tuple(x.shape)} on process "
-                f"{jax.process_index()}, whose devices hold {here} of the "
-                f"batch's {total} blocks.\nHint: give each process a multiple "
-                f"of {here} rows, its own rows rather than the global batch; {DOCS}."
-            )
-        rows = x.shape[0] // here * total
-        return jax.ShapeDtypeStruct((rows,) + tuple(x.shape[1:]), x.dtype)
-
-    shardings = shardings_for(jtu.tree_map_with_path(global_like, batch))
-    return _assemble(
-        batch, shardings, lambda x, s: jax.make_array_from_process_local_data(s, x)
-    )
-
-
 def local_rows(
     rows: int,
     mesh: Mesh,
@@ -418,7 +336,9 @@ def local_rows(
             f"multiple of {total} rows; {DOCS}."
         )
     spec = PartitionSpec(axes if len(axes) > 1 else axes[0] if axes else None)
-    blocks = _row_slices(NamedSharding(mesh, spec), rows)
+    # The rows each of this process's devices holds.
+    indices = NamedSharding(mesh, spec).addressable_devices_indices_map((rows,))
+    blocks = [index[0] for index in indices.values() if index is not None]
     starts = sorted({b.start or 0 for b in blocks})
     stops = sorted({rows if b.stop is None else b.stop for b in blocks})
     start, stop = starts[0], stops[-1]

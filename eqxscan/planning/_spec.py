@@ -10,9 +10,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import PyTree
 
-from ..._internal import Checkpoint
-from .._partition import Names
-from ._candidates import Job
+from .._internal import Checkpoint
+from ._candidates import Job, Names
 from ._report import Accelerator, MeshShape
 
 
@@ -101,7 +100,7 @@ def _function(obj: Callable[..., Any] | str, what: str) -> Callable[..., Any]:
 
 def as_optimizer(optimizer: Optimizer) -> "optax.GradientTransformation | None":
     """The transform `optimizer` stands for (resolved, or called if a function)."""
-    import optax  # imported here: `import eqxscan.sharding` does not need it
+    import optax  # imported here: `import eqxscan.planning` does not need it
 
     if optimizer is None or isinstance(optimizer, optax.GradientTransformation):
         return optimizer
@@ -161,7 +160,7 @@ def _encode_checkpoint(c: Checkpoint) -> Json:
 
 
 def _encode_optimizer(optimizer: Optimizer) -> str | None:
-    import optax  # imported here: `import eqxscan.sharding` does not need it
+    import optax  # imported here: `import eqxscan.planning` does not need it
 
     if optimizer is None:
         return None

@@ -23,10 +23,10 @@ import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from .._internal import check_path, check_size, for_each, is_arraylike, Site
-from ._distributed import DOCS
-from ._shard import MIN_SIZE, model_shardings, opt_state_shardings, shard
+from ..sharding import MIN_SIZE, model_shardings, opt_state_shardings, shard
 
 
+DOCS = "see docs/multihost.md"
 _M = TypeVar("_M")
 _S = TypeVar("_S")
 _LAYER = "*"
@@ -138,7 +138,8 @@ def _import_orbax() -> ModuleType:
         if (e.name or "").split(".")[0] != "orbax":
             raise  # Orbax is there, but fails to import
         raise ImportError(
-            "sharding.CheckpointManager needs Orbax, which is not installed.\n"
+            "eqxscan.checkpoint.CheckpointManager needs Orbax, which is not "
+            "installed.\n"
             'Hint: pip install "eqxscan[orbax]" (or orbax-checkpoint).'
         ) from e
     return ocp

@@ -9,8 +9,8 @@ from typing import Literal
 import jax
 from jaxtyping import PyTree
 
-from ..._internal import Checkpoint, parse_bytes
-from .._shard import MIN_SIZE
+from .._internal import Checkpoint, parse_bytes
+from ..sharding import MIN_SIZE
 from ._candidates import compile_all, mesh_shapes, Progress
 from ._child import compile_in_child
 from ._report import Accelerator, ACCELERATORS, MeshCandidate, MeshPlan, MeshShape
@@ -158,7 +158,7 @@ def plan(
 
     **Returns:**
 
-    An [`eqxscan.sharding.MeshPlan`][]. If nothing fits, `chosen` is `None` and
+    An [`eqxscan.planning.MeshPlan`][]. If nothing fits, `chosen` is `None` and
     `plan.message` says by how much the smallest misses.
     """
     limit = parse_bytes(budget)

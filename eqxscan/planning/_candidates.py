@@ -7,7 +7,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeAlias
 
 import equinox as eqx
 import jax
@@ -16,12 +16,12 @@ import jax.tree_util as jtu
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jaxtyping import PyTree
 
-from ..._internal import Checkpoint, checkpoint_label, is_arraylike
-from ...remat import with_checkpoint
-from .._partition import logical_shardings, Names
-from .._shard import (
+from .._internal import Checkpoint, checkpoint_label, is_arraylike
+from ..remat import with_checkpoint
+from ..sharding import (
     batch_shardings,
     gather_layers,
+    logical_shardings,
     model_shardings,
     opt_state_shardings,
 )
@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 
 
 AXES = ("data", "fsdp", "model")
+#: Logical axis names of one leaf, as for `eqxscan.sharding.logical_shardings`.
+Names: TypeAlias = tuple[str | None, ...]
 #: `progress(done, total, what)`, called before each compile.
 Progress = Callable[[int, int, str], None]
 

@@ -6,7 +6,7 @@ import dataclasses
 import math
 from typing import Any, NamedTuple, TypeAlias
 
-from ...remat import peak_of
+from ..remat import peak_of
 
 
 #: `(data, fsdp, model)`: the sizes of the three mesh axes.
@@ -61,7 +61,7 @@ class MeshCandidate:
     - `collective_bytes`: `(kind, bytes)` pairs: the result bytes of each kind of
       collective per step, loop bodies counted once per iteration.
     - `compile_s`: seconds to lower and compile.
-    - `estimated_s`: see [`eqxscan.sharding.MeshPlan`][].
+    - `estimated_s`: see [`eqxscan.planning.MeshPlan`][].
     - `error`: why the candidate could not be compiled (e.g. an axis that does
       not divide), else `None`.
     """
@@ -111,7 +111,7 @@ _NAMED = ("all-gather", "all-reduce", "reduce-scatter")  # a column each
 
 @dataclasses.dataclass(frozen=True)
 class MeshPlan:
-    """Every candidate of an [`eqxscan.sharding.plan`][] call, and the choice.
+    """Every candidate of an [`eqxscan.planning.plan`][] call, and the choice.
     `str(plan)` is a Markdown table.
 
     The estimate of a step's seconds assumes the `accelerator`'s figures: dense

@@ -3,7 +3,7 @@ devices (`--xla_force_host_platform_device_count`, which must be set before JAX
 starts): this process writes the `Spec` to a file and reads the candidates back
 from another; the child reports its progress on stderr.
 
-The child's side is `main`, run as `python -m eqxscan.sharding._mesh_plan SPEC
+The child's side is `main`, run as `python -m eqxscan.planning SPEC
 OUT`.
 """
 
@@ -25,7 +25,7 @@ from ._spec import decode, Spec
 _PROGRESS = "eqxscan-plan-progress "
 _TAIL = 40  # lines of the child's stderr kept for the error
 # The folder holding the `eqxscan` package, for the child's import path.
-_ROOT = str(Path(__file__).resolve().parents[3])
+_ROOT = str(Path(__file__).resolve().parents[2])
 _MAIN = __name__.rpartition(".")[0]  # this package, whose __main__ runs `main`
 
 

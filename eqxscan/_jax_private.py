@@ -1,0 +1,56 @@
+"""Every use of JAX's private modules (`jax._src`), in one place.
+
+JAX may move or drop these names in any release. Each is looked up here, on
+use, and a JAX without it degrades as each function says rather than failing at
+`import eqxscan`; `tests/test_jax_private.py` checks that the installed JAX has
+them all (`missing()`), and what happens when one is gone.
+"""
+
+import importlib
+from typing import Any
+
+
+#: `(module, attribute path)` of every private name used.
+NAMES = (
+    ("jax._src.traceback_util", "register_exclusion"),
+    ("jax._src.distributed", "global_state.client"),
+)
+
+
+def _lookup(module: str, attribute: str) -> Any:
+    """`module.attribute` (a dotted path), or `None` where this JAX lacks it."""
+    try:
+        found: Any = importlib.import_module(module)
+    except ImportError:
+        return None
+    for part in attribute.split("."):
+        found = getattr(found, part, None)
+    return found
+
+
+def missing() -> list[str]:
+    """The names of `NAMES` this JAX lacks (`client` is `None` until a
+    multi-process job is joined, so only its holder is looked for)."""
+    out = []
+    for module, attribute in NAMES:
+        holder = attribute.rpartition(".")[0]
+        if _lookup(module, holder or attribute) is None:
+            out.append(f"{module}.{attribute}")
+    return out
+
+
+def register_exclusion(path: str) -> None:
+    """Hide the frames of files under `path` from JAX's filtered tracebacks, so
+    that an error raised by eqxscan's checks points at the user's line. Without
+    `jax._src.traceback_util.register_exclusion` this does nothing: tracebacks
+    then show eqxscan's frames too."""
+    register = _lookup("jax._src.traceback_util", "register_exclusion")
+    if register is not None:
+        register(path)
+
+
+def distributed_client() -> Any | None:
+    """The client of JAX's key-value store for the multi-process job this process
+    has joined (`jax._src.distributed.global_state.client`), or `None` where this
+    JAX has no such name; the caller says what it does without it."""
+    return _lookup("jax._src.distributed", "global_state.client")

@@ -1,8 +1,0 @@
-"""The child process of a plan: `python -m eqxscan.sharding._mesh_plan SPEC OUT`."""
-
-import sys
-
-from ._child import main
-
-
-main(sys.argv[1:])

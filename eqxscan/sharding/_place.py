@@ -1,0 +1,113 @@
+"""Placing trees and batches on a mesh that may span several processes: each
+process's data turned into global `jax.Array`s.
+
+JAX does the communication: `jax.device_put` assembles an array every process
+holds in full, `jax.make_array_from_process_local_data` a global batch from the
+rows each process holds.
+"""
+
+import math
+from collections.abc import Callable
+from typing import Any, TYPE_CHECKING
+
+import jax
+import jax.tree_util as jtu
+from jax.core import Tracer
+from jax.sharding import Mesh, NamedSharding
+
+from .._internal import align, constrain, is_arraylike
+
+
+if TYPE_CHECKING:
+    # `jax.Device`'s class: jax exports it as a variable, no type to the checker.
+    from jaxlib._jax import Device
+else:  # the same class, named at run time for the runtime type checker
+    Device = jax.Device
+
+
+DOCS = "see docs/multihost.md"
+
+
+def default_devices() -> list[Device]:
+    """Every device of every process, ordered by process then id (on one process:
+    `jax.devices()` as it is). A mesh filled in this order puts its first axis
+    across processes and keeps runs of its last axis inside one."""
+    devices = jax.devices()
+    if jax.process_count() == 1:
+        return list(devices)
+    return sorted(devices, key=lambda d: (d.process_index, d.id))
+
+
+def _is_traced(tree: Any) -> bool:
+    return any(isinstance(x, Tracer) for x in jtu.tree_leaves(tree))
+
+
+def place(tree: Any, shardings: Any, mesh: Mesh) -> Any:
+    """Place `tree`, which every process holds in full, on `shardings`.
+
+    Inside `jit`, or on one process, this is `constrain`. On a mesh spanning
+    several processes `jax.device_put` assembles each global array from the copy
+    every process holds (each keeps only its own shards); arrays that are global
+    already are resharded by `constrain`.
+    """
+    if _is_traced(tree) or not mesh.is_multi_process:
+        return constrain(tree, shardings)
+    return _assemble(tree, shardings, jax.device_put)
+
+
+def _assemble(tree: Any, shardings: Any, put: Callable[[Any, Any], Any]) -> Any:
+    # `put(x, sharding)` for local arrays; global ones are resharded by `jit`.
+    def one(sharding: Any, x: Any) -> Any:
+        if not is_arraylike(x) or sharding is None:
+            return x
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return constrain(x, sharding)
+        return put(x, sharding)
+
+    return jtu.tree_map(one, align(shardings, tree), tree, is_leaf=lambda x: x is None)
+
+
+def _row_slices(sharding: NamedSharding, rows: int) -> list[slice]:
+    """The rows of an array of `rows` rows that each of this process's devices
+    holds under `sharding`."""
+    indices = sharding.addressable_devices_indices_map((rows,)).values()
+    return [index[0] for index in indices if index is not None]
+
+
+def _blocks(sharding: NamedSharding) -> tuple[int, int]:
+    """`(on this process, in all)`: the row blocks of a batch split by `sharding`."""
+    spec = sharding.spec[0] if len(sharding.spec) else None
+    axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
+    total = math.prod(sharding.mesh.shape[a] for a in axes)
+    return len({s.start for s in _row_slices(sharding, total)}), total
+
+
+def place_batch(batch: Any, mesh: Mesh, shardings_for: Callable[[Any], Any]) -> Any:
+    """Place `batch` with `shardings_for(batch)`, where on a mesh spanning several
+    processes `batch` holds this process's rows only: each global array is
+    assembled from every process's rows (`jax.make_array_from_process_local_data`).
+    Inside `jit`, or on one process, this is `constrain`."""
+    if _is_traced(batch) or not mesh.is_multi_process:
+        return constrain(batch, shardings_for(batch))
+    # The batch's split, from a stand-in every batch split divides.
+    probe = jax.ShapeDtypeStruct((mesh.devices.size,), jax.numpy.float32)
+    (sharding,) = jtu.tree_leaves(shardings_for([probe]))
+    here, total = _blocks(sharding)
+
+    def global_like(path: tuple, x: Any) -> Any:
+        if not is_arraylike(x):
+            return x
+        if x.ndim == 0 or x.shape[0] % here:
+            raise ValueError(
+                f"`batch{jtu.keystr(path)}` has shape {tuple(x.shape)} on process "
+                f"{jax.process_index()}, whose devices hold {here} of the "
+                f"batch's {total} blocks.\nHint: give each process a multiple "
+                f"of {here} rows, its own rows rather than the global batch; {DOCS}."
+            )
+        rows = x.shape[0] // here * total
+        return jax.ShapeDtypeStruct((rows,) + tuple(x.shape[1:]), x.dtype)
+
+    shardings = shardings_for(jtu.tree_map_with_path(global_like, batch))
+    return _assemble(
+        batch, shardings, lambda x, s: jax.make_array_from_process_local_data(s, x)
+    )
