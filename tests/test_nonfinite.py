@@ -165,3 +165,26 @@ def test_only_the_input_cotangent_goes_nonfinite(getkey):
         stack = eqxscan.Stacked(layers=Poisoned(w, flag), num_layers=L)
         r = eqxscan.find_nonfinite(stack, loss_fn, x)
         assert (r.where, r.index, r.leaf) == ("backward", k, "carry"), r
+
+
+class SqrtCell(eqx.Module):
+    w: Array
+    b: Array  # 0 here: a finite forward whose gradient for `b` is inf
+
+    def __call__(self, h, x):
+        return jnp.tanh(self.w * h + x) + jnp.sqrt(self.b)
+
+
+def test_recurrent_cell_parameter_gradient(getkey):
+    # Every carry and cotangent is finite; only the shared cell's own gradient
+    # is not (it once reported "No NaN or inf").
+    xs = jr.normal(getkey(), (4, D))
+
+    def loss(model, h0, xs):
+        return jnp.sum(model(h0, xs)[1] ** 2)
+
+    good = eqxscan.Recurrent(SqrtCell(jnp.ones(D), jnp.ones(D)))
+    assert not eqxscan.find_nonfinite(good, loss, jnp.zeros(D), xs).found
+    bad = eqxscan.Recurrent(SqrtCell(jnp.ones(D), jnp.zeros(D)))
+    r = eqxscan.find_nonfinite(bad, loss, jnp.zeros(D), xs)
+    assert (r.found, r.where, r.index, r.leaf) == (True, "backward", None, "cell.b"), r
