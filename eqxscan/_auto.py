@@ -60,8 +60,11 @@ class Thresholds:
     nearly_all_matmul: float = 1.25
     #: Unroll fully a scan of at most this many steps ...
     short_scan: int = 8
-    #: ... of fewer FLOPs than this in all (steps × FLOPs per step).
+    #: ... of fewer FLOPs than this in all (steps × FLOPs per step) ...
     unroll_flops: int = 8 * 10**8
+    #: ... and, over layers, whose other steps' inputs (weights) total at most
+    #: this: unrolled, XLA slices every layer's weights out of the stack at once.
+    unroll_copies: int = 32 * 2**10
     #: CPU: unroll by this a scan over time with one carried array, a step of
     #: nearly all matmul outputs (`nearly_all_matmul`) ...
     time_unroll: int = 2
@@ -72,9 +75,11 @@ class Thresholds:
 #: The thresholds `"auto"` uses.
 THRESHOLDS = Thresholds()
 
-UnrollRule: TypeAlias = Literal["given", "sharded", "short", "time", "scan"]
+UnrollRule: TypeAlias = Literal["given", "sharded", "short", "copies", "time", "scan"]
 """Which rule set `unroll`: `"given"` (explicit, not `"auto"`), `"sharded"` (the
-layers may be sharded: 1), `"short"` (a short, small scan: `True`), `"time"` (on
+layers may be sharded: 1), `"short"` (a short, small scan: `True`), `"copies"` (a
+short, small scan over layers whose weights unrolled would be copied at once,
+more than `unroll_copies`: 1), `"time"` (on
 CPU, a matmul-heavy scan over time with one carried array: `time_unroll`),
 `"scan"` (none of those: 1)."""
 
@@ -103,6 +108,14 @@ class StepCost:
     saved_bytes: int
     policy_saved_bytes: int
     carry_arrays: int = 1
+    #: Bytes of one step's own inputs (a layer's weights and per-layer values).
+    xs_bytes: int = 0
+
+    @property
+    def copies_total(self) -> int:
+        """Bytes of the steps' inputs an unrolled program holds beyond a scan's
+        one step: every other step's slice, cut out of the stack at once."""
+        return self.xs_bytes * max(self.length - 1, 0)
 
     @property
     def saved_total(self) -> int:
@@ -127,6 +140,9 @@ def unroll_rule(
     if gathered:
         return "sharded"
     if cost.length <= t.short_scan and cost.length * cost.flops < t.unroll_flops:
+        if over == "layers" and cost.copies_total > t.unroll_copies:
+            # The loop's temp memory holds one layer's weights at a time.
+            return "copies"
         return "short"
     if (
         over == "time"
@@ -239,6 +255,12 @@ def _unroll_reason(rule: AutoRule, cost: StepCost) -> str:
         return (
             f"{steps} (at most {t.short_scan}, under {t.unroll_flops:.0e} in all): "
             "unroll fully"
+        )
+    if rule.unroll == "copies":
+        return (
+            f"{steps} (at most {t.short_scan}), but unrolled the other layers' "
+            f"weights ({_mib(cost.copies_total)}, more than "
+            f"{_mib(t.unroll_copies)}) would be copied at once: unroll 1"
         )
     if rule.unroll == "time":
         return (
@@ -481,6 +503,7 @@ def measure_traced(
     whole `vmap` batch of `values` (the carry and `xs`) when there is one."""
     batch = max([_vmapped_size(a) for a in jtu.tree_leaves(values)] or [1])
     carry = jaxpr.in_avals[:n_carry]
+    xs = jaxpr.in_avals[n_carry:]
     return StepCost(
         length=length,
         flops=batch * _flops(jaxpr.jaxpr),
@@ -488,6 +511,7 @@ def measure_traced(
         saved_bytes=batch * _saved_bytes(jaxpr, n_carry, None),
         policy_saved_bytes=batch * _saved_bytes(jaxpr, n_carry, policy),
         carry_arrays=n_carry,
+        xs_bytes=batch * sum(_nbytes(a) for a in xs),
     )
 
 

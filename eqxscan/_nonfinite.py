@@ -37,7 +37,8 @@ class NonFinite:
       backward), or `None`.
     - `index`: the layer (or time step) that first produced one: in the
       forward pass the lowest index with a non-finite output, in the backward
-      pass the first one the backward pass reached (the highest), or `None`.
+      pass the first one the backward pass reached (the highest), or `None`
+      (also for a `Recurrent` cell's parameter gradient, summed over steps).
     - `leaf`: the carry leaf (or, for a parameter gradient, the parameter)
       that held it, as a path such as `"carry[0]"` or `"layer.weight"`.
     - `message`: one line saying all this.
@@ -102,10 +103,23 @@ def _param_counts(grads: PyTree) -> list[dict[str, Float[Array, " L"]]]:
     return out
 
 
+def _shared_counts(grads: PyTree) -> dict[str, Array]:
+    """Per parameter of each `Recurrent`'s cell in `grads`: its non-finite
+    entries. The cell's weights are shared by every time step, so their
+    gradient (summed over the steps) names no step."""
+    out: dict[str, Array] = {}
+    found = jtu.tree_leaves(grads, is_leaf=lambda x: isinstance(x, Recurrent))
+    for rnn in (r for r in found if isinstance(r, Recurrent)):
+        for path, leaf in jtu.tree_leaves_with_path(rnn):
+            if eqx.is_inexact_array(leaf):
+                out[jtu.keystr(path)] = jnp.sum(~jnp.isfinite(leaf))
+    return out
+
+
 @eqx.filter_jit
 def _program(
     model: PyTree, loss_fn: Callable[..., Array], inputs: tuple
-) -> tuple[Array, PyTree, PyTree, list]:
+) -> tuple[Array, PyTree, PyTree, tuple[list, dict[str, Array]]]:
     def loss(model_and_probe: tuple[PyTree, Probe | None]) -> tuple[Array, PyTree]:
         m, pr = model_and_probe
         return tap(lambda *a: loss_fn(m, *a), nonfinite_count, probe=pr)(*inputs)
@@ -116,7 +130,8 @@ def _program(
     (value, forward), (g_model, g_probe) = eqx.filter_value_and_grad(
         loss, has_aux=True
     )((model, Probe(zeros, nonfinite_count)))
-    return value, forward, g_probe.values, _param_counts(g_model)
+    params = _param_counts(g_model)
+    return value, forward, g_probe.values, (params, _shared_counts(g_model))
 
 
 def _first(tree: PyTree, last: bool) -> tuple[int, str] | None:
@@ -177,7 +192,9 @@ def find_nonfinite(
 
     A [`eqxscan.NonFinite`][] report; `str(report)` is one line.
     """
-    value, forward, backward, params = jax.device_get(_program(model, loss_fn, inputs))
+    value, forward, backward, (params, shared) = jax.device_get(
+        _program(model, loss_fn, inputs)
+    )
     leaves = jtu.tree_leaves(forward)
     if not leaves:
         raise TypeError(
@@ -188,6 +205,18 @@ def find_nonfinite(
     length = leaves[0].shape[0]
     what = "time step" if isinstance(model, Recurrent) else "layer"
     report = _report(float(value), forward, backward, params, length, what)
+    bad = [path for path, count in shared.items() if count > 0]
+    if report.where is None and bad:
+        # Every step's cotangent is finite, yet the cell's own gradient is not.
+        leaf = bad[0].lstrip(".")
+        message = (
+            f"The backward pass went non-finite in the cell's parameter {leaf}: "
+            "its gradient, summed over the time steps, holds NaN or inf while "
+            "every carry and cotangent is finite (no one time step is named)."
+        )
+        return dataclasses.replace(
+            report, found=True, where="backward", leaf=leaf, message=message
+        )
     return report
 
 

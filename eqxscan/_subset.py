@@ -179,11 +179,14 @@ def run_layers(
 
     A `Stacked` scans the chosen layers with its own options (`mode`,
     `checkpoint=`, `unroll`), so this differentiates like a call: only the
-    chosen layers get gradients (a repeated layer the sum). Static choices are
-    sliced out of the stacked weights first; with an index array each scan
-    step reads its one layer from the whole stack (no copy of the chosen
-    layers). A `Chain` given a static choice groups the chosen layers afresh
-    (each choice compiles its own program; a lone layer may change the carry).
+    chosen layers get gradients (a repeated layer the sum). A static stretch
+    of consecutive layers is sliced out of the stacked weights first; with an
+    index array, or static layers out of order, each scan step reads its one
+    layer from the whole stack (no copy of the chosen layers). Every chosen
+    layer reads its index in `model` with [`eqxscan.layer_index`][]. A `Chain`
+    given a static choice groups each stretch of consecutive chosen layers
+    afresh (each choice compiles its own program; a lone layer may change the
+    carry).
     Given an index array it scans the chosen layers with the chain's options,
     and each step `lax.switch`es on the layer's group: every group's body
     (a lone layer, a stack's one layer read from its stacked weights, a
@@ -216,11 +219,23 @@ def run_layers(
         return _run_chosen(model, x, idx, isinstance(layers, jax.Array), call)
 
 
+def _stretches(order: list[int]) -> list[tuple[int, int]]:
+    """`order` cut into stretches of consecutive layers, as `(start, stop)`."""
+    out: list[tuple[int, int]] = []
+    for i in order:
+        if out and out[-1][1] == i:
+            out[-1] = (out[-1][0], i + 1)
+        else:
+            out.append((i, i + 1))
+    return out
+
+
 def _run_chosen(
     model: Stacked | Chain, x: PyTree, idx: object, traced: bool, call: LayerCall
 ) -> PyTree:
     # `run_layers` once its arguments are checked: `idx` an index array when
-    # `traced`, else a static slice or NumPy index array.
+    # `traced`, else a static slice or NumPy index array. Every layer runs
+    # knowing its global index (`layer_index()`, the call's `first`).
     length, method = model.num_layers, call.method
     if traced:
         if isinstance(model, Chain):
@@ -230,20 +245,27 @@ def _run_chosen(
             model.check_layer_axis("run")
             call = call._replace(caller="Stacked")
         return _scan_indices(model, x, idx, call)  # pyright: ignore[reportArgumentType]  # an index array
-    sub_call = call.take(idx)
+    order = list(range(length)[idx] if isinstance(idx, slice) else idx.tolist())  # pyright: ignore[reportAttributeAccessIssue]  # a NumPy array
     if isinstance(model, Chain):
         chosen = model.unstack()
-        order = range(length)[idx] if isinstance(idx, slice) else idx.tolist()  # pyright: ignore[reportAttributeAccessIssue]  # a NumPy array
-        sub = Chain(
-            [chosen[i] for i in order],
-            patterns=model.patterns,
-            **model.options.as_args(),
-        )
-        sub_call = sub_call._replace(caller="Chain")
-        return run_groups(sub.groups, sub.layout, x, sub_call, "Chain")[0]
+        # Each stretch of consecutive layers runs as a Chain of its own, so
+        # that its layers keep their global indices (`layer_index()`).
+        for start, stop in _stretches(order):
+            sub = Chain(
+                chosen[start:stop], patterns=model.patterns, **model.options.as_args()
+            )
+            sub_call = call.take(slice(start, stop))._replace(caller="Chain")
+            x = run_groups(sub.groups, sub.layout, x, sub_call, "Chain")[0]
+        return x
+    if _stretches(order) != [(order[0], order[-1] + 1)]:
+        # Layers out of order are one scan over their indices, each step
+        # reading its layer from the stack and knowing its global index.
+        return _run_chosen(model, x, jnp.asarray(order, jnp.int32), True, call)
+    idx = slice(order[0], order[-1] + 1)
+    sub_call = call.take(idx)
     check_method(method, model.layers)
     model.check_layer_axis("run")
-    count = len(range(length)[idx]) if isinstance(idx, slice) else int(idx.shape[0])  # pyright: ignore[reportAttributeAccessIssue]  # a NumPy array
+    count = len(order)
     layers = jax.tree.map(lambda a: a[idx] if eqx.is_array(a) else a, model.layers)
     sub = restack(model, layers=layers, num_layers=count)
     return scan_layers(sub, x, sub_call._replace(caller="Stacked"))[0]

@@ -93,7 +93,8 @@ def probe(stat: Callable[[PyTree], PyTree], carry: PyTree, length: int) -> Probe
       e.g. [`eqxscan.stats.rms`][].
     - `carry`: the carry, or `jax.ShapeDtypeStruct`s with its shapes.
     - `length`: the number of layers of the container (`len(model)`), or of
-      time steps for an [`eqxscan.Recurrent`][].
+      time steps for an [`eqxscan.Recurrent`][]; [`eqxscan.tap`][] raises a
+      `ValueError` naming both numbers when the call runs another number.
 
     **Returns:**
 
@@ -154,6 +155,9 @@ def tapped(i: Index | None, new: PyTree, old: PyTree) -> PyTree:
     if state.stat is not None:
         stats = state.stat(new, old) if state.with_input else state.stat(new)
         scope.append((jnp.asarray(i, jnp.float32) + 1, stats))
+    elif state.probe is not None:
+        # Only counted: the probe needs one row per layer (see `_check_rows`).
+        scope.append((jnp.asarray(i, jnp.float32) + 1, None))
     if state.probe is not None:
         dyn, rest = eqx.partition(new, eqx.is_inexact_array)
         p = _at(state.probe.values, i)
@@ -224,6 +228,9 @@ def covering(length: int) -> Iterator[None]:
         yield
     outer.extend(records)
     count = sum(idx.size for idx, _ in records)
+    if records and count > length:
+        # Layers chosen more than once: still `length` rows of a probe.
+        outer.append((None, -(count - length)))
     if records and count < length:
         idx, stats = records[0]
         pad = jtu.tree_map(
@@ -253,6 +260,8 @@ def _gather(records: list, where: str) -> PyTree:
     # came out of, as one `[L, ...]` pytree in layer order.
     ids, stats = [], []
     for idx, s in records:
+        if idx is None:  # a repeat count from `covering`
+            continue
         n = idx.ndim
         ids.append(idx.reshape(-1).astype(jnp.int32))
         stats.append(jtu.tree_map(lambda a, n=n: a.reshape(-1, *a.shape[n:]), s))
@@ -348,6 +357,8 @@ def _run(
     records: list = []
     with setting(_TAPPING, _Tapping(stat, with_input, probe)), setting(_SCOPE, records):
         out = model(*args, **kwargs)
+    if probe is not None:
+        _check_rows(probe, records, model)
     if stat is None:
         return out, None
     if not records:
@@ -357,6 +368,22 @@ def _run(
             "`eqxscan.tap(model.blocks, stat)(x)` inside the model's forward."
         )
     return out, _gather(records, "eqxscan.tap")
+
+
+def _check_rows(probe: Probe, records: list, model: object) -> None:
+    # A probe row per layer: a wrong length would silently merge rows (indices
+    # past the end are clamped) or leave rows that no layer reaches.
+    leaves = jtu.tree_leaves(probe.values)
+    if not leaves or not records:
+        return
+    rows = leaves[0].shape[0]
+    count = sum(s if idx is None else idx.size for idx, s in records)
+    if rows != count:
+        raise ValueError(
+            f"eqxscan.tap: the probe has {rows} rows, but calling "
+            f"{type(model).__name__} ran {count} layers (or time steps).\nBuild "
+            f"it with eqxscan.probe(stat, carry, {count}): one row per layer."
+        )
 
 
 _run_jitted = eqx.filter_jit(_run)

@@ -155,7 +155,7 @@ def _scanned(unroll):
     return unroll is not True and unroll == 1
 
 
-def test_what_is_unrolled_depends_on_depth_and_the_whole_scans_flops():
+def test_what_is_unrolled_depends_on_depth_and_the_whole_scans_flops(monkeypatch):
     def picked(width, depth, tokens=64):
         stack = eqxscan.StackedMLP(width, depth, key=jr.key(0))
         x = jax.ShapeDtypeStruct((tokens, width), jnp.float32)
@@ -163,14 +163,113 @@ def test_what_is_unrolled_depends_on_depth_and_the_whole_scans_flops():
         return choice
 
     # 8 small layers: the loop's program; 9: scanned.
-    assert picked(16, T.short_scan).unroll is True
-    assert _scanned(picked(16, T.short_scan + 1).unroll)
+    assert picked(8, T.short_scan).unroll is True
+    assert _scanned(picked(8, T.short_scan + 1).unroll)
+    # Width 64: 128 KiB of weights a layer, which unrolled would be copied at once.
+    assert picked(64, 4).rule.unroll == "copies" and _scanned(picked(64, 4).unroll)
     # Width 64 over 2304 tokens: 1.5e8 FLOPs a layer, unrolled at 4 layers (6e8
-    # in all) but not at 8 (1.2e9).
+    # in all) but not at 8 (1.2e9), when copies are allowed.
+    _thresholds(monkeypatch, unroll_copies=2**30)
     four, eight = picked(64, 4, tokens=2304), picked(64, 8, tokens=2304)
     assert 4 * four.cost.flops < T.unroll_flops < 8 * eight.cost.flops
     assert four.unroll is True and _scanned(eight.unroll)
     assert (four.rule.unroll, eight.rule.unroll) == ("short", "scan")
+
+
+def test_unrolled_only_when_the_weights_copied_at_once_are_few():
+    # Unrolled, every layer's weights are sliced out of the stack at once; a
+    # scan holds one layer's. Over time the cell's weights are not sliced.
+    small = cost(length=T.short_scan, xs_bytes=T.unroll_copies // (T.short_scan - 1))
+    big = cost(length=T.short_scan, xs_bytes=small.xs_bytes + 1)
+    assert pick(small)[1::2] == (True, "short")
+    assert pick(big)[1::2] == (1, "copies")
+    assert pick(big, over="time")[1::2] == (True, "short")
+    assert pick(cost(length=1, xs_bytes=2**30))[1::2] == (True, "short")
+    assert "copied at once" in _auto.reason(pick_rule(big), big)
+
+
+def pick_rule(c):
+    return _auto.decide(c, "auto", "auto", POLICY, "cpu").rule
+
+
+def _temp(fn, *args, donate=()):
+    dyn, static = eqx.partition(args, eqx.is_array)
+    run = jax.jit(lambda *d: fn(*eqx.combine(d, static)), donate_argnums=donate)
+    return run.lower(*dyn).compile().memory_analysis().temp_size_in_bytes
+
+
+def _nbytes(tree):
+    return sum(a.nbytes for a in jtu.tree_leaves(eqx.filter(tree, eqx.is_array)))
+
+
+class Decode(eqx.Module):
+    """A decode layer writing its key and value at `pos` into its cache."""
+
+    wkv: jax.Array
+    wo: jax.Array
+
+    def __init__(self, key):
+        k1, k2 = jr.split(key)
+        self.wkv = 0.1 * jr.normal(k1, (64, 128))
+        self.wo = 0.1 * jr.normal(k2, (64, 64))
+
+    def __call__(self, x, cache, pos):
+        k, v = jnp.split(x @ self.wkv, 2, -1)
+        kc = jax.lax.dynamic_update_slice(cache[0], k, (pos, 0))
+        vc = jax.lax.dynamic_update_slice(cache[1], v, (pos, 0))
+        o = jax.nn.softmax(x @ kc.T, -1) @ vc
+        return x + jnp.tanh(o @ self.wo), (kc, vc)
+
+
+@pytest.mark.parametrize("depth", [2, 4, 8])
+def test_default_temp_at_most_the_loops_for_short_stacks(depth):
+    # XLA's own memory analysis of the default against `mode="loop"` and
+    # against a Python loop over separate layers (each layer's weights read in
+    # place). The slack over the latter is what a scan step holds: one layer's
+    # weights (and, decoding, one layer's cache slice). Unrolled, XLA sliced
+    # every layer's weights out of the stack at once (temp 8x the loop's).
+    stack = eqxscan.StackedMLP(64, depth, key=jr.key(0)).blocks
+    loop = stack.with_options(mode="loop")
+    layers = stack.unstack()
+    x = jnp.ones((8, 64))
+    one_layer = _nbytes(layers[0])
+
+    def call(m, x):
+        if isinstance(m, list):
+            for layer in m:
+                x = layer(x)
+            return x
+        return m(x)
+
+    def train(m, x):
+        return eqx.filter_grad(lambda m: jnp.mean(call(m, x) ** 2))(m)
+
+    for fn in (call, train):
+        temp, hand = _temp(fn, stack, x), _temp(fn, layers, x)
+        assert temp <= _temp(fn, loop, x)
+        assert temp <= hand + one_layer, (fn.__name__, temp, hand, one_layer)
+
+    t = 1024
+    dec = eqxscan.Stacked(Decode, depth, key=jr.key(1))
+    cache = (jnp.zeros((depth, t, 64)), jnp.zeros((depth, t, 64)))
+    caches = [(cache[0][i], cache[1][i]) for i in range(depth)]
+    y = jnp.ones((1, 64))
+
+    def step(m, y, c):
+        return m(y, eqxscan.buffer(c), pos=7)
+
+    def step_by_hand(ls, y, cs):
+        out = []
+        for layer, c in zip(ls, cs):
+            y, c = layer(y, c, 7)
+            out.append(c)
+        return y, out
+
+    temp = _temp(step, dec, y, cache, donate=2)
+    hand = _temp(step_by_hand, dec.unstack(), y, caches, donate=2)
+    assert temp <= _temp(step, dec.with_options(mode="loop"), y, cache, donate=2)
+    slack = _nbytes(dec.unstack()[0]) + 2 * t * 64 * 4
+    assert temp <= hand + slack, (temp, hand, slack)
 
 
 def test_a_stack_that_gathers_its_layers_stays_scanned():

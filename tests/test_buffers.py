@@ -504,3 +504,31 @@ def test_cross_layer_kv_sharing_inside_the_pattern():
     assert_close(y, y_ref, 1e-5)
     for i, r in enumerate(refs):
         assert_close(new.layer(i), r, 1e-5)
+
+
+def test_make_gets_each_layers_own_index_in_a_repeated_pattern():
+    # `make` fills each layer's buffer with its index: every layer,
+    # lone, in a run or at any place of a repeated pattern, must read back its
+    # own (a wrong index inside a repeat once passed every test).
+    layers = _chain_layers() + _chain_layers()[:3]
+    chain = eqxscan.Chain(layers)
+    assert "repeats" in chain.explain()
+    seen = []
+
+    def make(i, layer):
+        seen.append((i, layer))
+        if isinstance(layer, Lone):
+            return None
+        return jnp.full((layer.window or 5, 2), float(i))
+
+    buffers = eqxscan.layer_buffers(chain, make)
+    assert sorted(i for i, _ in seen) == list(range(len(layers)))
+    for i, layer in seen:
+        assert type(layer) is type(layers[i])
+        assert getattr(layer, "window", None) == getattr(layers[i], "window", None)
+    for i, layer in enumerate(layers):
+        got = buffers.layer(i)
+        if isinstance(layer, Lone):
+            assert got is None
+        else:
+            np.testing.assert_array_equal(got, np.full((layer.window or 5, 2), i))

@@ -47,8 +47,8 @@ def build(pattern, key):
     return [MAKERS[c](k) for c, k in zip(pattern, jr.split(key, len(pattern)))]
 
 
-def by_hand(layers, x, reverse=False):
-    order = list(enumerate(layers))
+def by_hand(layers, x, reverse=False, first=0):
+    order = list(enumerate(layers, first))
     for i, layer in reversed(order) if reverse else order:
         if isinstance(layer, A):
             x = jnp.tanh(x * layer.w + 0.1 * i)
@@ -131,3 +131,33 @@ def test_outside_a_layer_is_an_error(getkey):
     # A layer called by hand is not run by a container.
     with pytest.raises(RuntimeError, match="outside a layer"):
         Plain()(jnp.ones(()))
+
+
+CHOICES = {
+    "list": ([1, 3, 4], [1, 3, 4]),
+    "tuple": ((4, 0, 2), [4, 0, 2]),
+    "slice": (slice(1, 5, 2), [1, 3]),
+    "array": (jnp.asarray([3, 1, 4]), [3, 1, 4]),
+}
+
+
+@pytest.mark.parametrize("form", list(CHOICES))
+@pytest.mark.parametrize("mode", ["scan", "loop"])
+def test_run_layers_sees_global_index(form, mode, getkey):
+    # Each chosen layer reads its index in the whole model, whatever form the
+    # choice takes (a list or tuple once raised "called outside a layer").
+    layers, chosen = CHOICES[form]
+    stack = eqxscan.Stacked(lambda k: Seen(), 5, key=getkey(), mode=mode)
+    got = eqxscan.run_layers(stack, jnp.zeros(5), layers)
+    want = np.zeros(5)
+    want[chosen] = np.asarray(chosen)
+    np.testing.assert_array_equal(got % 100, want)  # + 100: a Python int
+
+    hand = build("AABAB", getkey())
+    chain = eqxscan.Chain(hand, mode=mode)
+    x = jr.normal(getkey(), (D,))
+    want_x = x
+    for i in chosen:
+        want_x = by_hand(hand[i : i + 1], want_x, first=i)
+    got_x = eqxscan.run_layers(chain, x, layers)
+    np.testing.assert_allclose(got_x, want_x, rtol=1e-5, atol=1e-6)

@@ -3,6 +3,7 @@ step, in the forward and in the backward pass, are found where they were put,
 by one compiled program."""
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import jax.random as jr
 import pytest
@@ -127,3 +128,63 @@ def test_a_whole_model_with_static_fields(getkey):
         bad = eqx.tree_at(lambda m: m.blocks.layers.w1, model, w1)
         r = eqxscan.find_nonfinite(bad, lambda m, x: jnp.mean(m(x) ** 2), jnp.ones(8))
         assert (r.where, r.index, r.leaf) == ("forward", k, "carry"), r
+
+
+@jax.custom_vjp
+def _poison(x, flag):
+    return x
+
+
+def _poison_fwd(x, flag):
+    return x, flag
+
+
+def _poison_bwd(flag, g):
+    # Where `flag` is set, a NaN cotangent for the input; nothing else changes.
+    return jnp.where(flag > 0, jnp.nan, g), jnp.zeros_like(flag)
+
+
+_poison.defvjp(_poison_fwd, _poison_bwd)
+
+
+class Poisoned(eqx.Module):
+    w: Array
+    flag: Array  # 1: this layer passes a NaN cotangent to its input
+
+    def __call__(self, x):
+        return jnp.tanh(self.w @ _poison(x, self.flag))
+
+
+def test_only_the_input_cotangent_goes_nonfinite(getkey):
+    # Layer k's own parameter gradient is finite; only the cotangent it passes
+    # down is NaN, so the layer below (whose gradients then go NaN) is not it.
+    w = 0.3 * jr.normal(getkey(), (L, D, D))
+    x = jr.normal(getkey(), (D,))
+    for k in range(1, L):
+        flag = jnp.zeros(L).at[k].set(1.0)
+        stack = eqxscan.Stacked(layers=Poisoned(w, flag), num_layers=L)
+        r = eqxscan.find_nonfinite(stack, loss_fn, x)
+        assert (r.where, r.index, r.leaf) == ("backward", k, "carry"), r
+
+
+class SqrtCell(eqx.Module):
+    w: Array
+    b: Array  # 0 here: a finite forward whose gradient for `b` is inf
+
+    def __call__(self, h, x):
+        return jnp.tanh(self.w * h + x) + jnp.sqrt(self.b)
+
+
+def test_recurrent_cell_parameter_gradient(getkey):
+    # Every carry and cotangent is finite; only the shared cell's own gradient
+    # is not (it once reported "No NaN or inf").
+    xs = jr.normal(getkey(), (4, D))
+
+    def loss(model, h0, xs):
+        return jnp.sum(model(h0, xs)[1] ** 2)
+
+    good = eqxscan.Recurrent(SqrtCell(jnp.ones(D), jnp.ones(D)))
+    assert not eqxscan.find_nonfinite(good, loss, jnp.zeros(D), xs).found
+    bad = eqxscan.Recurrent(SqrtCell(jnp.ones(D), jnp.zeros(D)))
+    r = eqxscan.find_nonfinite(bad, loss, jnp.zeros(D), xs)
+    assert (r.found, r.where, r.index, r.leaf) == (True, "backward", None, "cell.b"), r

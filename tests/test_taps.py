@@ -391,3 +391,31 @@ def test_taps_with_fsdp_weights_match_one_device(getkey):
             jax.tree.map(lambda a, k=k: a[k], got),
             (taps, jax.tree.map(lambda *a: jnp.stack(a), *cts)),
         )
+
+
+@pytest.mark.parametrize("rows", [4, 6])
+def test_a_probe_of_the_wrong_length_is_an_error(rows, getkey):
+    # It once merged rows silently: 4 rows for 5 layers added layers 3 and 4.
+    stack = eqxscan.Stacked(lambda k: eqx.nn.Linear(3, 3, key=k), 5, key=getkey())
+    x = jnp.ones(3)
+    p = eqxscan.probe(eqxscan.stats.rms, x, rows)
+
+    def loss(p):
+        return jnp.sum(eqxscan.tap(stack, eqxscan.stats.rms, probe=p)(x)[0])
+
+    with pytest.raises(ValueError, match=f"probe has {rows} rows, .* ran 5 layers"):
+        jax.grad(loss)(p)
+    # The right length: each row the statistic of that layer's own cotangent.
+    g = jax.grad(loss)(eqxscan.probe(eqxscan.stats.rms, x, 5)).values
+    layers = stack.unstack()
+
+    def tail(h, i):
+        for layer in layers[i + 1 :]:
+            h = layer(h)
+        return jnp.sum(h)
+
+    h = x
+    for i, layer in enumerate(layers):
+        h = layer(h)
+        want = eqxscan.stats.rms(jax.grad(tail)(h, i))
+        np.testing.assert_allclose(g[i], want, rtol=1e-5)
