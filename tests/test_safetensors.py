@@ -7,7 +7,10 @@ import functools
 import json
 import os
 import struct
+import subprocess
+import sys
 import tracemalloc
+from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -17,6 +20,10 @@ import pytest
 import safetensors.numpy
 
 import eqxscan
+
+
+ROOT = Path(__file__).resolve().parent.parent
+KILLS = ROOT / "tests" / "scripts" / "safetensors_kills.py"
 
 
 @functools.cache  # models are immutable: build each once
@@ -281,3 +288,41 @@ def test_interrupted_save_leaves_the_old_files_intact(tmp_path, monkeypatch, sha
     assert eqx.tree_equal(eqxscan.load_safetensors(target, new), old)
     eqxscan.save_safetensors(target, new, **kw)
     assert eqx.tree_equal(eqxscan.load_safetensors(target, old), new)
+
+
+def test_a_save_killed_at_any_file_event_leaves_the_old_or_the_new_checkpoint(
+    tmp_path,
+):
+    # A sharded save over a sharded checkpoint of the same file names, over a
+    # single file, and a single file over shards: SIGKILLed before each rename,
+    # link, removal and fsync in turn (before the fix, 6 of the 15 kills of the
+    # first left a directory from which neither loaded).
+    pairs = ["1500,1500", "0,1500", "1500,0"]
+    run = subprocess.run(
+        [sys.executable, str(KILLS), str(tmp_path), *pairs],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT)),
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [json.loads(line) for line in run.stdout.splitlines()]
+    for pair in pairs:
+        seen = [line for line in lines if line["pair"] == pair]
+        assert not seen[-1]["killed"] and all(x["killed"] for x in seen[:-1])
+        assert len(seen) > 8, seen  # every file event of the save, in turn
+        bad = [(x["k"], x["loads"]) for x in seen if x["loads"] not in ("old", "new")]
+        assert not bad, (pair, bad)
+        # Old first, then new, never back.
+        loads = [x["loads"] for x in seen]
+        assert loads == sorted(loads, key=["old", "new"].index), loads
+        files = {tuple(x["files_after_next_save"]) for x in seen}
+        if pair.endswith(",0"):
+            assert files == {("model.safetensors",)}, files
+        else:
+            assert files == {
+                (
+                    *(f"model-{k:05d}-of-00006.safetensors" for k in range(1, 7)),
+                    "model.safetensors.index.json",
+                )
+            }, files

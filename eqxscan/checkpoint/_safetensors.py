@@ -4,7 +4,10 @@ NumPy API (imported on first use, so `import eqxscan` does not import it).
 
 Writing streams: each shard gathers only its own layer slices, so a stacked
 model is never held twice in host memory (at most one shard beside it).
-Every file goes to a temporary file first, then `os.replace`. Each file's
+Every file goes to a temporary file first, then `os.replace`; a sharded save
+over another checkpoint never renames a file the old index names before the new
+index is in place, so a save killed at any instant leaves the old checkpoint or
+the new one (see `_commit_shards`). Each file's
 metadata holds the SHA-256 digest of each of its arrays and a token of the save,
 which the index repeats: loading checks both, so a flipped bit in the data or
 a shard of another save is refused, as for `.npz` checkpoints.
@@ -22,8 +25,8 @@ import jax
 import numpy as np
 
 from .._internal import check_path, describe, is_arraylike
+from ._files import fsync_dir, locked_temporary, remove_stale
 from ._names import Lazy, NameMap
-from ._serialise import _fsync_dir, _locked_temporary, _remove_stale
 from ._state_dict import entries_of, from_state_dict
 
 
@@ -33,6 +36,8 @@ T = TypeVar("T")
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 _SHARD = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
+# A new shard under the name of its save, until its index replaces the old one.
+_STAGED = re.compile(r"model-(\d{5})-of-(\d{5})\.[0-9a-f]{16}\.safetensors")
 _DIGESTS = "eqxscan.sha256"  # metadata: JSON {name: hex digest}
 _TOKEN = "eqxscan.save"  # metadata of each file and of the index: one save's token
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -127,8 +132,8 @@ def _write_atomic(
     renamed by the caller once every file of the save is written."""
     directory, base = os.path.split(final)
     prefix = f".{base}."
-    _remove_stale(directory, prefix)
-    fd, tmp = _locked_temporary(directory, prefix)
+    remove_stale(directory, prefix)
+    fd, tmp = locked_temporary(directory, prefix)
     temporaries.append((tmp, final, fd))
     write(tmp)
     os.fsync(fd)
@@ -217,6 +222,7 @@ def save_safetensors(
     temporaries: list[tuple[str, str, int]] = []
     weight_map: dict[str, str] = {}
     total = 0
+    committed = [False]  # set once an index names the new shards
     try:
         for file, shard in zip(files, shards):
             arrays = {name: np.ascontiguousarray(lazy.read()) for name, lazy in shard}
@@ -227,35 +233,96 @@ def save_safetensors(
             meta = {**info, _DIGESTS: digests}
             _write_atomic(file, _saver(st, arrays, meta), temporaries)
             del arrays  # before the next shard's slices are gathered
-        if n > 1:
-            index = {
-                "metadata": {"total_size": total, _TOKEN: token},
-                "weight_map": weight_map,
-            }
-
-            def write_index(tmp: str) -> None:
-                with open(tmp, "w", encoding="utf-8") as f:
-                    json.dump(index, f, indent=2)
-
-            _write_atomic(os.path.join(directory, INDEX), write_index, temporaries)
-        for tmp, final, _ in temporaries:
-            os.replace(tmp, final)  # the index last: it names the new shards
+        if n == 1:
+            # One file: it is in place, or it is not; a single file is read
+            # before an index, so the old shards go only after it is there.
+            ((tmp, final, _),) = temporaries
+            os.replace(tmp, final)
+            committed[0] = True
+            fsync_dir(directory)
+            if not single:
+                _remove_old(directory, {SINGLE}, INDEX)
+            return [final]
+        index: dict[str, object] = {"metadata": {"total_size": total, _TOKEN: token}}
+        return _commit_shards(
+            directory, temporaries, index, weight_map, token, committed
+        )
     except BaseException as e:
-        for tmp, _, _ in temporaries:
-            try:
-                os.remove(tmp)
-            except FileNotFoundError:
-                pass
+        if not committed[0]:
+            for tmp, final, _ in temporaries:
+                for leftover in (tmp, _staged(final, token)):
+                    try:
+                        os.remove(leftover)
+                    except FileNotFoundError:
+                        pass
         if isinstance(e, OSError):
             raise _refused(e, path) from e
         raise
     finally:
         for _, _, fd in temporaries:
             os.close(fd)
-    _fsync_dir(directory)
-    if not single:
-        _remove_old(directory, {os.path.basename(f) for f in files}, n > 1)
-    return [final for _, final, _ in temporaries]
+
+
+def _staged(final: str, token: str) -> str:
+    return final[: -len(".safetensors")] + f".{token}.safetensors"
+
+
+def _commit_shards(
+    directory: str,
+    temporaries: list[tuple[str, str, int]],
+    index: dict[str, object],
+    weight_map: dict[str, str],
+    token: str,
+    committed: list[bool],
+) -> list[str]:
+    """Put written shards and their index in place, so that at every instant the
+    directory holds a complete checkpoint, the old or the new: the old index
+    names files of the same names as the new, so the new shards first take names
+    of their own (`model-00001-of-00003.<token>.safetensors`), an index naming
+    them replaces the old one, the old files go, the shards get their usual
+    names (hard links), and a second index names those."""
+    finals = [final for _, final, _ in temporaries]
+    staged = [_staged(final, token) for final in finals]
+    for (tmp, _, _), stage in zip(temporaries, staged):
+        os.replace(tmp, stage)
+    fsync_dir(directory)
+
+    def put_index(files: list[str]) -> None:
+        by_name = {
+            os.path.basename(f): os.path.basename(g) for f, g in zip(finals, files)
+        }
+        index["weight_map"] = {k: by_name[v] for k, v in weight_map.items()}
+        final = os.path.join(directory, INDEX)
+        remove_stale(directory, f".{INDEX}.")
+        fd, tmp = locked_temporary(directory, f".{INDEX}.")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(index, f, indent=2)
+                f.flush()
+                os.fsync(f.fileno())
+                os.replace(tmp, final)  # while locked: not stale to other saves
+        except BaseException:
+            try:
+                os.remove(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        fsync_dir(directory)
+
+    put_index(staged)
+    committed[0] = True
+    # The new checkpoint is complete: the old one's files may go.
+    _remove_old(directory, {os.path.basename(s) for s in staged}, SINGLE)
+    try:
+        for stage, final in zip(staged, finals):
+            os.link(stage, final)
+    except OSError:  # pragma: no cover - a file system without hard links
+        return [*staged, os.path.join(directory, INDEX)]
+    put_index(finals)
+    for stage in staged:
+        os.remove(stage)
+    fsync_dir(directory)
+    return [*finals, os.path.join(directory, INDEX)]
 
 
 def _saver(
@@ -274,16 +341,17 @@ def _refused(e: OSError, path: str) -> OSError:
     return error
 
 
-def _remove_old(directory: str, written: set[str], sharded: bool) -> None:
-    """The files of an earlier save to `directory` that this one replaces."""
+def _remove_old(directory: str, keep: set[str], other: str) -> None:
+    """Remove the files of earlier saves to `directory` (shards, the shards of
+    interrupted saves, and `other`: the index or the single file) but `keep`."""
     for name in os.listdir(directory):
-        old_shard = _SHARD.fullmatch(name) is not None
-        old_other = name == (SINGLE if sharded else INDEX)
-        if (old_shard or old_other) and name not in written:
+        old = _SHARD.fullmatch(name) or _STAGED.fullmatch(name) or name == other
+        if old and name not in keep:
             try:
                 os.remove(os.path.join(directory, name))
             except OSError:
                 pass
+    fsync_dir(directory)
 
 
 # Reading.

@@ -23,18 +23,11 @@ import math
 import os
 import re
 import struct
-import tempfile
 import tokenize
 import zipfile
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import TypedDict, TypeVar
-
-
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - not POSIX: stale files are not collected
-    fcntl = None
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +36,11 @@ from jaxtyping import PyTree
 from numpy.typing import DTypeLike
 
 from .._internal import check_path, describe, is_arraylike
+from ._files import (
+    fsync_dir as _fsync_dir,
+    locked_temporary as _locked_temporary,
+    remove_stale as _remove_stale,
+)
 from ._state_dict import from_state_dict, to_state_dict
 
 
@@ -51,8 +49,6 @@ _FORMAT = 1
 _MAX_HEADER = 10_000  # bytes of a `.npy` header, as NumPy's own limit
 _MAX_MANIFEST = 1 << 28
 _DOCS = "see docs/checkpoints.md"
-# mkstemp's names: the prefix, 8 characters of this alphabet, the suffix.
-_TOKEN = re.compile(r"[a-z0-9_]{8}")
 # What `zipfile` raises for files it cannot read (a `_Corrupt` is re-raised first).
 _ZIP_ERRORS = (
     zipfile.BadZipFile,
@@ -177,66 +173,6 @@ def _refused_save(e: OSError, path: str, directory: str) -> OSError:
     )
     error.errno = e.errno
     return error
-
-
-def _locked_temporary(directory: str, prefix: str) -> tuple[int, str]:
-    """A new temporary file for `prefix`, locked for as long as it stays open:
-    the lock tells the saves of other processes that it is not stale (the
-    system releases it when its process dies, however it dies)."""
-    while True:
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=prefix, suffix=".tmp")
-        if fcntl is None:
-            return fd, tmp
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        if os.fstat(fd).st_nlink:
-            return fd, tmp
-        # Another save took it for stale in the instant before it was locked.
-        os.close(fd)
-
-
-def _remove_stale(directory: str, prefix: str) -> None:
-    """Remove the temporary files of killed saves to the same path: those named as
-    `save` names them that no living save holds locked."""
-    if fcntl is None:  # pragma: no cover
-        return
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return
-    for name in names:
-        if not (
-            name.startswith(prefix)
-            and name.endswith(".tmp")
-            and _TOKEN.fullmatch(name[len(prefix) : -len(".tmp")])
-        ):
-            continue
-        full = os.path.join(directory, name)
-        try:
-            fd = os.open(full, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if os.stat(full).st_ino == os.fstat(fd).st_ino:
-                os.remove(full)
-        except OSError:
-            pass  # locked by a save in progress, or not ours to remove
-        finally:
-            os.close(fd)
-
-
-def _fsync_dir(directory: str) -> None:
-    # Makes the rename itself durable; not possible on every platform.
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # Reading.
