@@ -247,3 +247,32 @@ def test_safetensors_files_through_a_name_map(tmp_path):
     assert eqx.tree_equal(loaded, model)
     with pytest.raises(ValueError, match=r"\(5 missing\): missing 'model.layers.3"):
         eqxscan.load_safetensors(tmp_path, _model(1, num_layers=4), names=TORCH)
+
+
+def test_a_transpose_that_is_not_its_own_inverse_round_trips():
+    # (1, 2, 0) undone is (2, 0, 1): a map that applied the same permutation
+    # both ways would load [D, H, HD] into `wo` ([H, HD, D]) and fail, or
+    # export the wrong axes.
+    names = NameMap(
+        {
+            "embed": "model.embed_tokens.weight",
+            "blocks.{i}.norm": "model.layers.{i}.input_layernorm.weight",
+            "blocks.{i}.wqkv": "model.layers.{i}.qkv",
+            "blocks.{i}.wo": Rule("model.layers.{i}.o", Transpose((1, 2, 0))),
+        }
+    )
+    model = _model()
+    external = names.export(model)
+    for i in range(3):
+        np.testing.assert_array_equal(
+            external[f"model.layers.{i}.o"],
+            np.transpose(np.asarray(model.blocks[i].wo), (1, 2, 0)),
+        )
+    assert eqx.tree_equal(names.load(_model(1), external), model)
+    # And from their side: a file written by hand loads to the inverse.
+    theirs = {**external, "model.layers.0.o": np.arange(HD * D * H, dtype=np.float32)}
+    theirs["model.layers.0.o"] = theirs["model.layers.0.o"].reshape(HD, D, H)
+    loaded = names.load(_model(1), theirs)
+    np.testing.assert_array_equal(
+        loaded.blocks[0].wo, np.transpose(theirs["model.layers.0.o"], (2, 0, 1))
+    )

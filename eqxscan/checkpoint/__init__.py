@@ -6,6 +6,7 @@ import of Flax `nn.scan` parameters. Sharded checkpoints across processes are
 restore into. All of these are also at the
 top level (`eqxscan.save`, `eqxscan.to_state_dict`, ...)."""
 
+from ._files import CorruptFileError as CorruptFileError
 from ._flax import flax_scan_state as flax_scan_state, from_flax_scan as from_flax_scan
 from ._names import (
     Join as Join,

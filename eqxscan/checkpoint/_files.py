@@ -19,6 +19,15 @@ _TOKEN = re.compile(r"[a-z0-9_]{8}")
 _UMASK = threading.Lock()
 
 
+class CorruptFileError(ValueError):
+    """A checkpoint file that is truncated, changed after it was saved (an
+    array no longer matches its digest), mixed with the files of another save,
+    or not such a file at all. The message names the file (and the array or
+    member) and ends with a hint; a `ValueError`, so code that caught those
+    still does.
+    """
+
+
 def _umask() -> int:
     # Linux says it without changing it; elsewhere, set and restore it (under a
     # lock, as no other thread of eqxscan creates files meanwhile).

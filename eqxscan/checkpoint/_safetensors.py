@@ -23,9 +23,10 @@ from typing import TypeVar
 
 import jax
 import numpy as np
+from numpy.typing import DTypeLike
 
 from .._internal import check_path, describe, is_arraylike
-from ._files import fsync_dir, locked_temporary, remove_stale
+from ._files import CorruptFileError, fsync_dir, locked_temporary, remove_stale
 from ._names import Lazy, NameMap
 from ._state_dict import entries_of, from_state_dict
 
@@ -126,16 +127,20 @@ def _shards(
 
 
 def _write_atomic(
-    final: str, write: Callable[[str], None], temporaries: list[tuple[str, str, int]]
+    final: str, data: bytes, temporaries: list[tuple[str, str, int]]
 ) -> None:
-    """Write a temporary file beside `final` with `write(tmp)`, fsynced; it is
-    renamed by the caller once every file of the save is written."""
+    """Write `data` to a temporary file beside `final`, fsynced; it is renamed by
+    the caller once every file of the save is written. Written through the
+    locked descriptor (the package's `save_file` replaces the file it is given
+    with one of mode 0600, which neither the lock nor the umask would cover)."""
     directory, base = os.path.split(final)
     prefix = f".{base}."
     remove_stale(directory, prefix)
     fd, tmp = locked_temporary(directory, prefix)
     temporaries.append((tmp, final, fd))
-    write(tmp)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
     os.fsync(fd)
 
 
@@ -231,8 +236,10 @@ def save_safetensors(
                 total += array.nbytes
             digests = json.dumps({k: _digest(v) for k, v in arrays.items()})
             meta = {**info, _DIGESTS: digests}
-            _write_atomic(file, _saver(st, arrays, meta), temporaries)
+            data = st.numpy.save(arrays, metadata=meta)  # type: ignore[attr-defined]
             del arrays  # before the next shard's slices are gathered
+            _write_atomic(file, data, temporaries)
+            del data
         if n == 1:
             # One file: it is in place, or it is not; a single file is read
             # before an index, so the old shards go only after it is there.
@@ -325,12 +332,6 @@ def _commit_shards(
     return [*finals, os.path.join(directory, INDEX)]
 
 
-def _saver(
-    st: object, arrays: dict[str, np.ndarray], meta: dict[str, str]
-) -> Callable[[str], None]:
-    return lambda tmp: st.numpy.save_file(arrays, tmp, metadata=meta)  # type: ignore[attr-defined]
-
-
 def _refused(e: OSError, path: str) -> OSError:
     error = type(e)(
         f"Cannot save to {path!r}: {e}.\nHint: save_safetensors writes temporary "
@@ -357,12 +358,8 @@ def _remove_old(directory: str, keep: set[str], other: str) -> None:
 # Reading.
 
 
-class _Corrupt(ValueError):
-    pass
-
-
-def _bad(path: str, why: str) -> ValueError:
-    return _Corrupt(
+def _bad(path: str, why: str) -> CorruptFileError:
+    return CorruptFileError(
         f"Safetensors file {path!r} is corrupt or is not a safetensors file: {why}."
         f"\nHint: restore it from a copy, or save it again; {_DOCS}."
     )
@@ -405,7 +402,7 @@ class _Files(Mapping[str, Lazy]):
             with open(path, encoding="utf-8") as f:
                 index = json.load(f)
         except (ValueError, UnicodeDecodeError, RecursionError) as e:
-            raise ValueError(
+            raise CorruptFileError(
                 f"Safetensors index {path!r} is not valid JSON ({e}).\nHint: "
                 f"restore it from a copy, or save again; {_DOCS}."
             ) from None
@@ -414,7 +411,7 @@ class _Files(Mapping[str, Lazy]):
             isinstance(k, str) and isinstance(v, str) and _plain(v)
             for k, v in weight_map.items()
         ):
-            raise ValueError(
+            raise CorruptFileError(
                 f"Safetensors index {path!r} has no valid 'weight_map' (an object "
                 "from array names to file names in its directory).\nHint: an "
                 f"index as Hugging Face writes it is expected; {_DOCS}."
@@ -468,7 +465,7 @@ class _Files(Mapping[str, Lazy]):
         if digests and sorted(digests) != sorted(keys):
             raise _bad(file, "its arrays differ from the names its metadata records")
         if token is not None and meta.get(_TOKEN) != token:
-            raise _Corrupt(
+            raise CorruptFileError(
                 f"Safetensors file {file!r} is of another save than its index "
                 f"{self.where!r}: a save was interrupted, or files of two saves "
                 "were mixed.\nHint: save again, or restore the directory from a copy."
@@ -546,6 +543,15 @@ def _plain(file: str) -> bool:
     return os.path.basename(file) == file and file not in ("", ".", "..")
 
 
+def _cast(files: Mapping[str, Lazy], dtype: np.dtype) -> dict[str, Lazy]:
+    def cast(lazy: Lazy) -> Lazy:
+        if not jax.numpy.issubdtype(lazy.dtype, jax.numpy.floating):
+            return lazy
+        return Lazy(lazy.shape, dtype, lambda: lazy.read().astype(dtype))
+
+    return {name: cast(lazy) for name, lazy in files.items()}
+
+
 def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """Read every array of a safetensors file or directory (as
     [`eqxscan.save_safetensors`][] or Hugging Face write them), with their
@@ -569,7 +575,11 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
 
 
 def load_safetensors(
-    path: str | os.PathLike, like: T, *, names: NameMap | None = None
+    path: str | os.PathLike,
+    like: T,
+    *,
+    names: NameMap | None = None,
+    dtype: DTypeLike | None = None,
 ) -> T:
     """Load a safetensors file or directory into a model shaped like `like`.
 
@@ -586,6 +596,10 @@ def load_safetensors(
       as for [`eqxscan.from_state_dict`][].
     - `names`: a [`eqxscan.checkpoint.NameMap`][] from the file's names to
       eqxscan's; by default the file holds eqxscan's own names.
+    - `dtype`: if given, the file's floating-point arrays are cast to it as they
+      are read (as Hugging Face's `torch_dtype=`), e.g. a bfloat16 file into a
+      float32 model; integer and boolean arrays are left as they are. By
+      default each array keeps the file's dtype, which must be the model's.
 
     **Returns:**
 
@@ -593,9 +607,11 @@ def load_safetensors(
 
     **Raises:**
 
-    `FileNotFoundError` for a missing file or shard; `ValueError` naming the
-    file for a corrupt one (truncated, a bad header, a changed array) and
-    naming the keys, layers, shapes or dtypes that differ from the model.
+    `FileNotFoundError` for a missing file or shard;
+    [`eqxscan.checkpoint.CorruptFileError`][] (a `ValueError`) naming the file
+    for a corrupt one (truncated, a bad header, a changed array, a shard of
+    another save); `ValueError` naming the keys, layers, shapes or dtypes that
+    differ from the model.
     """
     if not any(is_arraylike(x) for x in jax.tree_util.tree_leaves(like)):
         raise TypeError(
@@ -607,11 +623,13 @@ def load_safetensors(
     files = _Files(check_path("load_safetensors: path", path))
     try:
         state: Mapping[str, object] = files
+        if dtype is not None:
+            state = _cast(files, np.dtype(jax.numpy.dtype(dtype)))
         if names is not None:
-            state = names.mapping(like, files, source=repr(files.where))
+            state = names.mapping(like, state, source=repr(files.where))
         try:
             return from_state_dict(like, state)
-        except _Corrupt:
+        except CorruptFileError:
             raise
         except ValueError as e:
             first, *rest = str(e).splitlines()

@@ -37,6 +37,7 @@ from numpy.typing import DTypeLike
 
 from .._internal import check_path, describe, is_arraylike
 from ._files import (
+    CorruptFileError,
     fsync_dir as _fsync_dir,
     locked_temporary as _locked_temporary,
     remove_stale as _remove_stale,
@@ -256,7 +257,7 @@ class _Archive(Mapping[str, _Member]):
         try:
             self.zip = zipfile.ZipFile(path)
         except _ZIP_ERRORS as e:
-            raise ValueError(
+            raise CorruptFileError(
                 f"{path!r} is not a checkpoint written by eqxscan.save (an .npz "
                 f"archive of arrays): {'empty file' if size == 0 else e}."
             ) from None
@@ -485,7 +486,7 @@ def _corrupt(path: str, e: _Corrupt) -> ValueError:
             "save it again with this version's eqxscan.save (a plain numpy.savez "
             f"of eqxscan.to_state_dict's arrays loads too); {_DOCS}."
         )
-    return ValueError(
+    return CorruptFileError(
         f"Checkpoint file {path!r} is corrupt or was not written by eqxscan.save: "
         f"{e}.\nHint: restore it from a copy, or save it again; {_DOCS}."
     )
