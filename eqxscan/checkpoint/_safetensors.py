@@ -10,7 +10,7 @@ index is in place, so a save killed at any instant leaves the old checkpoint or
 the new one (see `_commit_shards`). Each file's
 metadata holds the SHA-256 digest of each of its arrays and a token of the save,
 which the index repeats: loading checks both, so a flipped bit in the data or
-a shard of another save is refused, as for `.npz` checkpoints.
+a shard of another save is refused.
 """
 
 import hashlib
@@ -78,6 +78,12 @@ def _digest(array: np.ndarray) -> str:
     return hashlib.sha256(flat.data).hexdigest()
 
 
+def _contiguous(array: np.ndarray) -> np.ndarray:
+    # Not `np.ascontiguousarray` alone: it makes a 0-d array 1-d.
+    array = np.asarray(array)
+    return array if array.flags.c_contiguous else np.ascontiguousarray(array)
+
+
 def _entries(model: object) -> list[Entry]:
     """`(name, shape, dtype, read)` of each per-layer array of `model`, in
     [`eqxscan.to_state_dict`][]'s order; `read` copies only its own slice
@@ -95,7 +101,7 @@ def _entries(model: object) -> list[Entry]:
                 return np.asarray(leaf[index])  # one slice off the device
             if key not in hosts:  # on the host already: a view, no copy
                 hosts[key] = np.asarray(leaf)
-            return hosts[key][index]
+            return np.asarray(hosts[key][index])  # a 0-d leaf: not a scalar
 
         return read
 
@@ -181,6 +187,11 @@ def save_safetensors(
     The paths written, the index last.
     """
     path = check_path("save_safetensors: path", path)
+    if not path:
+        raise ValueError(
+            "save_safetensors: path is empty.\nHint: pass a .safetensors file or "
+            "a directory, e.g. 'checkpoints/model.safetensors'."
+        )
     max_size = _size(max_shard_size)
     single = path.endswith(".safetensors")
     if single and max_size is not None:
@@ -230,7 +241,7 @@ def save_safetensors(
     committed = [False]  # set once an index names the new shards
     try:
         for file, shard in zip(files, shards):
-            arrays = {name: np.ascontiguousarray(lazy.read()) for name, lazy in shard}
+            arrays = {name: _contiguous(lazy.read()) for name, lazy in shard}
             for name, array in arrays.items():
                 weight_map[name] = os.path.basename(file)
                 total += array.nbytes
@@ -447,8 +458,8 @@ class _Files(Mapping[str, Lazy]):
                 start = f.read(4)
             if start.startswith(b"PK"):
                 why = (
-                    "it is a zip archive (an .npz of eqxscan.save? read it with "
-                    "eqxscan.load)"
+                    "it is a zip archive (an .npz of an earlier eqxscan.save? "
+                    "read it with eqxscan.load)"
                 )
             else:
                 why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
