@@ -171,10 +171,12 @@ def test_every_problem_is_reported_at_once_with_its_layer():
     external[PT.format(i=1) + "k_proj.weight"] = np.zeros((D, D), np.float32)
     external["model.layers.3.input_layernorm.weight"] = np.ones(D, np.float32)
     external["lm_head.weight"] = np.ones((16, D), np.float32)
+    external["model.layers.1.mlp.up.weight"] = np.ones(D, np.float32)  # no rule
     with pytest.raises(ValueError) as e:
         TORCH.load(_model(1), external)
     first, hint = str(e.value).splitlines()
-    assert "(1 mis-shaped, 1 missing, 2 unused)" in first
+    assert "(1 mis-shaped, 1 missing, 3 unused)" in first
+    assert "unused 'model.layers.1.mlp.up.weight' (layer 1)" in first
     assert (
         "missing 'model.layers.2.self_attn.v_proj.weight' (layer 2) for "
         "'blocks.2.wqkv'" in first
@@ -245,8 +247,18 @@ def test_safetensors_files_through_a_name_map(tmp_path):
         np.testing.assert_array_equal(plain[name], array)
     loaded = eqxscan.load_safetensors(tmp_path, _model(1), names=TORCH)
     assert eqx.tree_equal(loaded, model)
-    with pytest.raises(ValueError, match=r"\(5 missing\): missing 'model.layers.3"):
-        eqxscan.load_safetensors(tmp_path, _model(1, num_layers=4), names=TORCH)
+    # Another depth: one line naming both, not a name per array.
+    for num_layers, words in [
+        (4, "has 3 layers, the model 4"),
+        (2, "has 3 layers, the model 2"),
+    ]:
+        with pytest.raises(ValueError) as e:
+            eqxscan.load_safetensors(
+                tmp_path, _model(1, num_layers=num_layers), names=TORCH
+            )
+        first, hint = str(e.value).splitlines()
+        assert first.endswith(f"through the name map: the file {words}."), first
+        assert "missing" not in first and "unused" not in first, first
 
 
 def test_a_transpose_that_is_not_its_own_inverse_round_trips():
