@@ -288,3 +288,56 @@ def test_a_transpose_that_is_not_its_own_inverse_round_trips():
     np.testing.assert_array_equal(
         loaded.blocks[0].wo, np.transpose(theirs["model.layers.0.o"], (2, 0, 1))
     )
+
+
+def test_flax_gpt2_conv1d_kernels_are_out_in_and_a_square_one_needs_the_map(
+    tmp_path,
+):
+    # Hugging Face's Flax GPT-2 stores each `Conv1D` kernel [out, in] (PyTorch's
+    # [in, out]); `c_proj` is square, so its shape cannot tell the two apart:
+    # only the map's `Transpose()` does, and the file's format is checked.
+    from transformers.models.gpt2.modeling_flax_gpt2 import FlaxConv1D
+
+    class Proj(eqx.Module):
+        w: jax.Array  # [in, out]: x @ w
+        b: jax.Array
+
+    stack = eqxscan.Stacked(
+        lambda k: Proj(jax.random.normal(k, (D, D)), jax.random.normal(k, (D,))),
+        2,
+        key=jax.random.key(0),
+    )
+    flax_gpt2 = NameMap(
+        {
+            "{i}.w": Rule("transformer.h.{i}.attn.c_proj.kernel", Transpose()),
+            "{i}.b": "transformer.h.{i}.attn.c_proj.bias",
+        },
+        format="flax",
+    )
+    eqxscan.save_safetensors(tmp_path, stack, names=flax_gpt2)
+    state = eqxscan.read_safetensors(tmp_path)
+    x = jax.random.normal(jax.random.key(1), (D,))  # one row: no rank promotion
+    for i in range(2):
+        params = {
+            "kernel": state[f"transformer.h.{i}.attn.c_proj.kernel"],
+            "bias": state[f"transformer.h.{i}.attn.c_proj.bias"],
+        }
+        theirs = FlaxConv1D(features=D).apply({"params": params}, x)
+        ours = x @ stack[i].w + stack[i].b
+        np.testing.assert_allclose(theirs, ours, rtol=1e-5, atol=1e-5)
+    like = eqxscan.Stacked(
+        lambda k: Proj(jnp.zeros((D, D)), jnp.zeros(D)), 2, key=jax.random.key(2)
+    )
+    assert eqx.tree_equal(
+        eqxscan.load_safetensors(tmp_path, like, names=flax_gpt2), stack
+    )
+    # PyTorch's layout (no transpose) would load the square kernel transposed:
+    # the file says it is Flax's, so that map is refused.
+    torch_gpt2 = NameMap(
+        {
+            "{i}.w": "transformer.h.{i}.attn.c_proj.kernel",
+            "{i}.b": "transformer.h.{i}.attn.c_proj.bias",
+        }
+    )
+    with pytest.raises(ValueError, match="holds format 'flax'.*is for format 'pt'"):
+        eqxscan.load_safetensors(tmp_path, like, names=torch_gpt2)

@@ -383,6 +383,7 @@ class _Files(Mapping[str, Lazy]):
 
     def __init__(self, path: str):
         self.handles: list[object] = []
+        self.formats: set[str] = set()  # the metadata's `format`: "pt", "flax"
         self.entries: dict[str, Lazy] = {}
         files, token, self.where = self._resolve(path)
         try:
@@ -449,6 +450,8 @@ class _Files(Mapping[str, Lazy]):
             self.handles.append(handle)
             keys = list(handle.keys())
             meta = handle.metadata() or {}
+            if isinstance(meta.get("format"), str):
+                self.formats.add(meta["format"])
             specs = {}
             for key in keys:
                 piece = handle.get_slice(key)
@@ -554,6 +557,25 @@ def _plain(file: str) -> bool:
     return os.path.basename(file) == file and file not in ("", ".", "..")
 
 
+_LAYOUTS = ("pt", "flax", "tf")  # as Hugging Face names the frameworks
+
+
+def _check_format(files: _Files, names: NameMap) -> None:
+    # The same names can hold a matrix either way round (GPT-2's `Conv1D` is
+    # [in, out] in PyTorch, [out, in] in Flax), and a square one fits both: only
+    # the file's own word for its layout tells them apart.
+    other = sorted(f for f in files.formats if f in _LAYOUTS and f != names.format)
+    if other and names.format in _LAYOUTS:
+        raise ValueError(
+            f"{files.where!r} says it holds format {other[0]!r} (its metadata), "
+            f"and the name map is for format {names.format!r}: the same names "
+            "may hold matrices transposed, and a square one would load "
+            "transposed without another error.\nHint: load it with a name map "
+            f"for {other[0]!r} (NameMap(..., format={other[0]!r}), with that "
+            "layout's Transpose rules); see docs/pretrained.md."
+        )
+
+
 def _cast(files: Mapping[str, Lazy], dtype: np.dtype) -> dict[str, Lazy]:
     def cast(lazy: Lazy) -> Lazy:
         if not jax.numpy.issubdtype(lazy.dtype, jax.numpy.floating):
@@ -622,7 +644,8 @@ def load_safetensors(
     [`eqxscan.checkpoint.CorruptFileError`][] (a `ValueError`) naming the file
     for a corrupt one (truncated, a bad header, a changed array, a shard of
     another save); `ValueError` naming the keys, layers, shapes or dtypes that
-    differ from the model.
+    differ from the model, or when the file's metadata names another `format`
+    than `names` (`"pt"`, `"flax"`: layouts that may hold a matrix transposed).
     """
     if not any(is_arraylike(x) for x in jax.tree_util.tree_leaves(like)):
         raise TypeError(
@@ -637,6 +660,7 @@ def load_safetensors(
         if dtype is not None:
             state = _cast(files, np.dtype(jax.numpy.dtype(dtype)))
         if names is not None:
+            _check_format(files, names)
             state = names.mapping(like, state, source=repr(files.where))
         try:
             return from_state_dict(like, state)
