@@ -468,5 +468,5 @@ def check_path(name: str, path: object) -> str:
     raise TypeError(
         f"{name} must be a path (a str or an os.PathLike such as pathlib.Path), "
         f"got {type(path).__name__} ({describe(path)}).\nHint: pass the file or "
-        "directory name, e.g. 'checkpoints/model.npz'."
+        "directory name, e.g. 'checkpoints/model.safetensors'."
     )

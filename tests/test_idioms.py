@@ -76,7 +76,7 @@ def test_load_does_not_recompile(getkey, tmp_path, placement):
     step = eqx.filter_jit(lambda m, x: m(x))
     x = jnp.ones(4)
     expected = step(model, x)
-    path = os.fspath(tmp_path / "model.npz")
+    path = os.fspath(tmp_path / "model.safetensors")
     eqxscan.save(path, model)
     loaded = eqxscan.load(path, model)
     for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(loaded)):

@@ -171,10 +171,12 @@ def test_every_problem_is_reported_at_once_with_its_layer():
     external[PT.format(i=1) + "k_proj.weight"] = np.zeros((D, D), np.float32)
     external["model.layers.3.input_layernorm.weight"] = np.ones(D, np.float32)
     external["lm_head.weight"] = np.ones((16, D), np.float32)
+    external["model.layers.1.mlp.up.weight"] = np.ones(D, np.float32)  # no rule
     with pytest.raises(ValueError) as e:
         TORCH.load(_model(1), external)
     first, hint = str(e.value).splitlines()
-    assert "(1 mis-shaped, 1 missing, 2 unused)" in first
+    assert "(1 mis-shaped, 1 missing, 3 unused)" in first
+    assert "unused 'model.layers.1.mlp.up.weight' (layer 1)" in first
     assert (
         "missing 'model.layers.2.self_attn.v_proj.weight' (layer 2) for "
         "'blocks.2.wqkv'" in first
@@ -245,5 +247,97 @@ def test_safetensors_files_through_a_name_map(tmp_path):
         np.testing.assert_array_equal(plain[name], array)
     loaded = eqxscan.load_safetensors(tmp_path, _model(1), names=TORCH)
     assert eqx.tree_equal(loaded, model)
-    with pytest.raises(ValueError, match=r"\(5 missing\): missing 'model.layers.3"):
-        eqxscan.load_safetensors(tmp_path, _model(1, num_layers=4), names=TORCH)
+    # Another depth: one line naming both, not a name per array.
+    for num_layers, words in [
+        (4, "has 3 layers, the model 4"),
+        (2, "has 3 layers, the model 2"),
+    ]:
+        with pytest.raises(ValueError) as e:
+            eqxscan.load_safetensors(
+                tmp_path, _model(1, num_layers=num_layers), names=TORCH
+            )
+        first, hint = str(e.value).splitlines()
+        assert first.endswith(f"through the name map: the file {words}."), first
+        assert "missing" not in first and "unused" not in first, first
+
+
+def test_a_transpose_that_is_not_its_own_inverse_round_trips():
+    # (1, 2, 0) undone is (2, 0, 1): a map that applied the same permutation
+    # both ways would load [D, H, HD] into `wo` ([H, HD, D]) and fail, or
+    # export the wrong axes.
+    names = NameMap(
+        {
+            "embed": "model.embed_tokens.weight",
+            "blocks.{i}.norm": "model.layers.{i}.input_layernorm.weight",
+            "blocks.{i}.wqkv": "model.layers.{i}.qkv",
+            "blocks.{i}.wo": Rule("model.layers.{i}.o", Transpose((1, 2, 0))),
+        }
+    )
+    model = _model()
+    external = names.export(model)
+    for i in range(3):
+        np.testing.assert_array_equal(
+            external[f"model.layers.{i}.o"],
+            np.transpose(np.asarray(model.blocks[i].wo), (1, 2, 0)),
+        )
+    assert eqx.tree_equal(names.load(_model(1), external), model)
+    # And from their side: a file written by hand loads to the inverse.
+    theirs = {**external, "model.layers.0.o": np.arange(HD * D * H, dtype=np.float32)}
+    theirs["model.layers.0.o"] = theirs["model.layers.0.o"].reshape(HD, D, H)
+    loaded = names.load(_model(1), theirs)
+    np.testing.assert_array_equal(
+        loaded.blocks[0].wo, np.transpose(theirs["model.layers.0.o"], (2, 0, 1))
+    )
+
+
+def test_flax_gpt2_conv1d_kernels_are_out_in_and_a_square_one_needs_the_map(
+    tmp_path,
+):
+    # Hugging Face's Flax GPT-2 stores each `Conv1D` kernel [out, in] (PyTorch's
+    # [in, out]); `c_proj` is square, so its shape cannot tell the two apart:
+    # only the map's `Transpose()` does, and the file's format is checked.
+    from transformers.models.gpt2.modeling_flax_gpt2 import FlaxConv1D
+
+    class Proj(eqx.Module):
+        w: jax.Array  # [in, out]: x @ w
+        b: jax.Array
+
+    stack = eqxscan.Stacked(
+        lambda k: Proj(jax.random.normal(k, (D, D)), jax.random.normal(k, (D,))),
+        2,
+        key=jax.random.key(0),
+    )
+    flax_gpt2 = NameMap(
+        {
+            "{i}.w": Rule("transformer.h.{i}.attn.c_proj.kernel", Transpose()),
+            "{i}.b": "transformer.h.{i}.attn.c_proj.bias",
+        },
+        format="flax",
+    )
+    eqxscan.save_safetensors(tmp_path, stack, names=flax_gpt2)
+    state = eqxscan.read_safetensors(tmp_path)
+    x = jax.random.normal(jax.random.key(1), (D,))  # one row: no rank promotion
+    for i in range(2):
+        params = {
+            "kernel": state[f"transformer.h.{i}.attn.c_proj.kernel"],
+            "bias": state[f"transformer.h.{i}.attn.c_proj.bias"],
+        }
+        theirs = FlaxConv1D(features=D).apply({"params": params}, x)
+        ours = x @ stack[i].w + stack[i].b
+        np.testing.assert_allclose(theirs, ours, rtol=1e-5, atol=1e-5)
+    like = eqxscan.Stacked(
+        lambda k: Proj(jnp.zeros((D, D)), jnp.zeros(D)), 2, key=jax.random.key(2)
+    )
+    assert eqx.tree_equal(
+        eqxscan.load_safetensors(tmp_path, like, names=flax_gpt2), stack
+    )
+    # PyTorch's layout (no transpose) would load the square kernel transposed:
+    # the file says it is Flax's, so that map is refused.
+    torch_gpt2 = NameMap(
+        {
+            "{i}.w": "transformer.h.{i}.attn.c_proj.kernel",
+            "{i}.b": "transformer.h.{i}.attn.c_proj.bias",
+        }
+    )
+    with pytest.raises(ValueError, match="holds format 'flax'.*is for format 'pt'"):
+        eqxscan.load_safetensors(tmp_path, like, names=torch_gpt2)

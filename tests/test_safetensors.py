@@ -7,7 +7,10 @@ import functools
 import json
 import os
 import struct
+import subprocess
+import sys
 import tracemalloc
+from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -17,6 +20,10 @@ import pytest
 import safetensors.numpy
 
 import eqxscan
+
+
+ROOT = Path(__file__).resolve().parent.parent
+KILLS = ROOT / "tests" / "scripts" / "safetensors_kills.py"
 
 
 @functools.cache  # models are immutable: build each once
@@ -178,7 +185,7 @@ def test_flipped_header_byte_is_the_packages_error_named_with_the_file(tmp_path)
 
 def test_foreign_files_are_refused_in_plain_words(tmp_path):
     npz = tmp_path / "model.npz"
-    eqxscan.save(npz, _mlp())
+    np.savez(npz, **eqxscan.to_state_dict(_mlp()))
     _refused(npz, "it is a zip archive", "eqxscan.load")
     text = tmp_path / "notes.safetensors"
     text.write_text("hello, world: not weights at all")
@@ -260,7 +267,7 @@ def test_interrupted_save_leaves_the_old_files_intact(tmp_path, monkeypatch, sha
     target = tmp_path if sharded else tmp_path / "model.safetensors"
     eqxscan.save_safetensors(target, old, **kw)
     before = {p: (tmp_path / p).read_bytes() for p in os.listdir(tmp_path)}
-    real = safetensors.numpy.save_file
+    real = os.write
     calls = []
 
     def flaky(*args, **kwargs):
@@ -269,7 +276,7 @@ def test_interrupted_save_leaves_the_old_files_intact(tmp_path, monkeypatch, sha
             raise OSError(28, "No space left on device")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(safetensors.numpy, "save_file", flaky)
+    monkeypatch.setattr(os, "write", flaky)  # how each file's bytes are written
     with pytest.raises(OSError) as e:
         eqxscan.save_safetensors(target, new, **kw)
     monkeypatch.undo()
@@ -281,3 +288,113 @@ def test_interrupted_save_leaves_the_old_files_intact(tmp_path, monkeypatch, sha
     assert eqx.tree_equal(eqxscan.load_safetensors(target, new), old)
     eqxscan.save_safetensors(target, new, **kw)
     assert eqx.tree_equal(eqxscan.load_safetensors(target, old), new)
+
+
+def test_a_save_killed_at_any_file_event_leaves_the_old_or_the_new_checkpoint(
+    tmp_path,
+):
+    # A sharded save over a sharded checkpoint of the same file names, over a
+    # single file, and a single file over shards: SIGKILLed before each rename,
+    # link, removal and fsync in turn (before the fix, 6 of the 15 kills of the
+    # first left a directory from which neither loaded).
+    pairs = ["1500,1500", "0,1500", "1500,0"]
+    run = subprocess.run(
+        [sys.executable, str(KILLS), str(tmp_path), *pairs],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT)),
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [json.loads(line) for line in run.stdout.splitlines()]
+    for pair in pairs:
+        seen = [line for line in lines if line["pair"] == pair]
+        assert not seen[-1]["killed"] and all(x["killed"] for x in seen[:-1])
+        assert len(seen) > 8, seen  # every file event of the save, in turn
+        bad = [(x["k"], x["loads"]) for x in seen if x["loads"] not in ("old", "new")]
+        assert not bad, (pair, bad)
+        # Old first, then new, never back.
+        loads = [x["loads"] for x in seen]
+        assert loads == sorted(loads, key=["old", "new"].index), loads
+        files = {tuple(x["files_after_next_save"]) for x in seen}
+        if pair.endswith(",0"):
+            assert files == {("model.safetensors",)}, files
+        else:
+            assert files == {
+                (
+                    *(f"model-{k:05d}-of-00006.safetensors" for k in range(1, 7)),
+                    "model.safetensors.index.json",
+                )
+            }, files
+
+
+def test_a_shard_that_exactly_fills_max_shard_size_is_not_split(tmp_path):
+    model = _mlp(dim=8, num_layers=3)
+    sizes = [v.nbytes for v in eqxscan.to_state_dict(model).values()]
+    total, layer = sum(sizes), sum(sizes) // 3  # 2080 bytes a layer
+    for max_size, files in [
+        (total, ["model.safetensors"]),  # exactly all: one file
+        (total - 1, ["model-00001-of-00002.safetensors"]),  # one byte over
+        (layer, [f"model-0000{k}-of-00003.safetensors" for k in (1, 2, 3)]),
+        (layer - 1, ["model-00001-of-00005.safetensors"]),
+    ]:
+        where = tmp_path / str(max_size)
+        eqxscan.save_safetensors(where, model, max_shard_size=max_size)
+        found = sorted(p for p in os.listdir(where) if p.endswith(".safetensors"))
+        assert found[: len(files)] == files, (max_size, found)
+        if max_size == layer:
+            assert len(found) == 3
+
+
+def test_files_respect_the_umask(tmp_path):
+    model = _mlp(dim=8)
+    old = os.umask(0o022)
+    try:
+        eqxscan.save_safetensors(tmp_path / "one.safetensors", model)
+        eqxscan.save_safetensors(tmp_path / "d", model, max_shard_size=1500)
+        os.umask(0o077)
+        eqxscan.save_safetensors(tmp_path / "private.safetensors", model)
+    finally:
+        os.umask(old)
+    modes = {
+        p.relative_to(tmp_path).as_posix(): p.stat().st_mode & 0o777
+        for p in tmp_path.rglob("*")
+        if p.is_file()
+    }
+    assert modes.pop("private.safetensors") == 0o600
+    assert len(modes) == 6 and set(modes.values()) == {0o644}, modes
+
+
+def test_corrupt_files_raise_the_public_error_class(tmp_path):
+    path = _saved(tmp_path)
+    data = path.read_bytes()
+    error = eqxscan.checkpoint.CorruptFileError
+    assert issubclass(error, ValueError)
+    path.write_bytes(data[:-1])  # truncated
+    _refused(path, "is corrupt", error=error)
+    changed = bytearray(data)
+    changed[-1] ^= 1  # a changed array
+    path.write_bytes(bytes(changed))
+    _refused(path, "does not match its SHA-256 digest", error=error)
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text("{not json")
+    _refused(index, "is not valid JSON", error=error)
+    # The wrong model is not a corrupt file.
+    path.write_bytes(data)
+    with pytest.raises(ValueError) as e:
+        eqxscan.load_safetensors(path, _mlp(dim=8))
+    assert not isinstance(e.value, error)
+
+
+def test_dtype_casts_floating_arrays_on_load(tmp_path):
+    f32, bf16 = _mlp(), _mlp(dtype=jnp.bfloat16)
+    for saved, like, dtype in [(bf16, f32, jnp.float32), (f32, bf16, jnp.bfloat16)]:
+        path = tmp_path / f"{jnp.dtype(dtype).name}.safetensors"
+        eqxscan.save_safetensors(path, saved)
+        _refused(path, "checkpoint has", like=like)  # not without dtype=
+        loaded = eqxscan.load_safetensors(path, like, dtype=dtype)
+        want = jax.tree.map(
+            lambda x, d=dtype: x.astype(d) if eqx.is_inexact_array(x) else x, saved
+        )
+        assert eqx.tree_equal(loaded, want), dtype
+        assert loaded.blocks.layers.w1.dtype == dtype

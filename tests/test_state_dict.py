@@ -230,88 +230,65 @@ def test_bad_leaves_are_named():
 
 def test_save_load_round_trip_keeps_bfloat16(getkey, tmp_path):
     model = _mlp(getkey(), dtype=jnp.bfloat16)
-    path = tmp_path / "ckpt.npz"
-    eqxscan.save(path, model)
+    path = tmp_path / "model.safetensors"
+    assert eqxscan.save(path, model) == [str(path)]
     loaded = eqxscan.load(path, _mlp(getkey(), dtype=jnp.bfloat16))
     assert loaded.blocks.layers.w1.dtype == jnp.bfloat16
     assert eqx.tree_equal(loaded, model)
-    # The file is a plain archive with per-layer names.
-    with np.load(path) as archive:
-        assert "blocks.2.w2" in archive.files
-    assert os.listdir(tmp_path) == ["ckpt.npz"]
+    # The file is safetensors, with per-layer names.
+    state = eqxscan.load_state_dict(path)
+    assert eqx.tree_equal(state, eqxscan.to_state_dict(model))
+    assert state["blocks.2.w2"].dtype == jnp.bfloat16
+    assert os.listdir(tmp_path) == ["model.safetensors"]
 
 
-class _Keywords(eqx.Module):
-    # Named as `numpy.savez`'s own parameters.
-    file: jax.Array
-    allow_pickle: jax.Array
+FIXTURE = os.path.join(os.path.dirname(__file__), "data", "stacked_mlp_4x2_bf16.npz")
+DEPRECATED = r"(?s)an \.npz checkpoint of an earlier eqxscan version.*save_safetensors"
 
 
-def test_arrays_named_as_savez_keywords_round_trip(tmp_path):
-    model = _Keywords(jnp.ones(3), jnp.zeros(2))
-    eqxscan.save(tmp_path / "ckpt.npz", model)
-    assert eqx.tree_equal(eqxscan.load(tmp_path / "ckpt.npz", model), model)
-    with np.load(tmp_path / "ckpt.npz") as archive:
-        assert sorted(archive.files) == [
-            "__eqxscan_manifest__",
-            "allow_pickle",
-            "file",
-        ]
+def test_npz_files_of_earlier_versions_load_with_a_deprecation_warning(tmp_path):
+    # Written by the former `.npz` writer: StackedMLP(4, 2) in bfloat16, key 0.
+    model = eqxscan.StackedMLP(4, 2, key=jr.key(0), dtype=jnp.bfloat16)
+    like = eqx.filter_eval_shape(
+        lambda: eqxscan.StackedMLP(4, 2, key=jr.key(1), dtype=jnp.bfloat16)
+    )
+    with pytest.warns(DeprecationWarning, match=DEPRECATED):
+        loaded = eqxscan.load(FIXTURE, like)
+    assert eqx.tree_equal(loaded, model)
+    with pytest.warns(DeprecationWarning, match=DEPRECATED):
+        state = eqxscan.load_state_dict(FIXTURE)
+    assert eqx.tree_equal(state, eqxscan.to_state_dict(model))
+    # Saved again, as the warning says.
+    eqxscan.save(tmp_path / "model.safetensors", loaded)
+    assert eqx.tree_equal(eqxscan.load(tmp_path / "model.safetensors", like), model)
+    with pytest.raises(ValueError, match="eqxscan writes safetensors only"):
+        eqxscan.save(tmp_path / "model.npz", model)
+    assert os.listdir(tmp_path) == ["model.safetensors"]
 
 
 def test_load_checks_depth(getkey, tmp_path):
     deep = _mlp(getkey(), num_layers=6)
-    eqxscan.save(tmp_path / "c.npz", deep)
+    eqxscan.save(tmp_path / "c.safetensors", deep)
     with pytest.raises(ValueError, match="model has L=4 layers in blocks, checkpoint"):
-        eqxscan.load(tmp_path / "c.npz", _first_layers(deep, 4))
+        eqxscan.load(tmp_path / "c.safetensors", _first_layers(deep, 4))
 
 
 def test_save_load_name_the_path_on_bad_files(getkey, tmp_path):
     model = _mlp(getkey())
-    missing = tmp_path / "no" / "such" / "ckpt.npz"
-    with pytest.raises(FileNotFoundError, match=r"ckpt\.npz.*does not exist"):
+    missing = tmp_path / "no" / "such" / "ckpt.safetensors"
+    with pytest.raises(FileNotFoundError, match=r"ckpt\.safetensors.*does not exist"):
         eqxscan.save(missing, model)
     assert os.listdir(tmp_path) == []
-    garbage = tmp_path / "notes.txt"
+    corrupt = eqxscan.checkpoint.CorruptFileError
+    garbage = tmp_path / "notes.safetensors"
     garbage.write_bytes(b"not a checkpoint")
-    with pytest.raises(ValueError, match=r"notes\.txt' is not a checkpoint"):
+    with pytest.raises(corrupt, match=r"notes\.safetensors' is corrupt or is not a"):
         eqxscan.load(garbage, model)
-    single = tmp_path / "one.npy"
-    np.save(single, np.ones(3))
-    with pytest.raises(ValueError, match=r"one\.npy' holds a single \.npy array"):
-        eqxscan.load(single, model)
-
-
-def test_failed_write_keeps_old_checkpoint_and_leaves_no_stray_files(
-    getkey, tmp_path, monkeypatch
-):
-    old, new = _mlp(getkey()), _mlp(getkey())
-    path = tmp_path / "ckpt.npz"
-    eqxscan.save(path, old)
-    before = path.read_bytes()
-
-    # Fail in the middle of the archive: after the first array has been written.
-    real_write = np.lib.format.write_array
-    calls = []
-
-    def flaky_write(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise OSError("disk full")
-        return real_write(*args, **kwargs)
-
-    monkeypatch.setattr(np.lib.format, "write_array", flaky_write)
-    with pytest.raises(OSError, match="disk full"):
-        eqxscan.save(path, new)
-    assert len(calls) == 2
-    assert path.read_bytes() == before
-    assert os.listdir(tmp_path) == ["ckpt.npz"]
-    monkeypatch.undo()
-
-    assert eqx.tree_equal(eqxscan.load(path, new), old)
-    eqxscan.save(path, new)  # and a successful write replaces it
-    assert eqx.tree_equal(eqxscan.load(path, old), new)
-    assert os.listdir(tmp_path) == ["ckpt.npz"]
+    empty = tmp_path / "empty.npz"
+    empty.write_bytes(b"")
+    with pytest.warns(DeprecationWarning, match=DEPRECATED):
+        with pytest.raises(corrupt, match=r"empty\.npz' is not a checkpoint"):
+            eqxscan.load(empty, model)
 
 
 def _two_layer_stack(key):

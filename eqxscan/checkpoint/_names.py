@@ -132,6 +132,11 @@ def _where(binding: Mapping[str, int]) -> str:
     return " (" + ", ".join(f"{k}={v}" for k, v in binding.items()) + ")"
 
 
+def _layer(binding: Mapping[str, int]) -> int:
+    # The layer of a binding of one placeholder; -1 (every depth has it) if none.
+    return next(iter(binding.values())) if len(binding) == 1 else -1
+
+
 def _listed(items: Sequence[str]) -> str:
     more = len(items) - _MAX_LISTED
     return "; ".join(items[:_MAX_LISTED]) + (f"; and {more} more" if more > 0 else "")
@@ -405,12 +410,41 @@ class NameMap:
             )
         return planned, kept
 
-    def _theirs_where(self, name: str) -> str:
+    def _binding(self, name: str) -> dict[str, int]:
+        """The placeholders' values in an external name: by the rule it matches,
+        or, matching none, the name's numeric parts (`h.3.mlp.w`: layer 3)."""
         for rule in self._rules:
             for regex in rule.theirs_regex:
                 if m := regex.fullmatch(name):
-                    return _where({k: int(v) for k, v in m.groupdict().items()})
-        return ""
+                    return {k: int(v) for k, v in m.groupdict().items()}
+        numbers = [int(part) for part in name.split(".") if part.isdecimal()]
+        if len(numbers) == 1:
+            return {"layer": numbers[0]}
+        return {f"index {k}": n for k, n in enumerate(numbers)}
+
+    def _theirs_where(self, name: str) -> str:
+        return _where(self._binding(name))
+
+    def _depths(
+        self, planned: Sequence["_Planned"], external: Mapping[str, object]
+    ) -> tuple[int, int] | None:
+        """`(the file's layers, the model's)` when they differ: the layer indices
+        of names of one placeholder are 0, 1, ... N-1 on each side, and each of
+        the file's layers has as many names."""
+        model = {_layer(p.binding) for p in planned if len(p.binding) == 1}
+        counts: dict[int, int] = {}
+        for n in external:
+            binding = self._binding(n)
+            if len(binding) == 1:
+                counts[_layer(binding)] = counts.get(_layer(binding), 0) + 1
+        found = set(counts)
+        if not model or not found or len(model) == len(found):
+            return None
+        if len(set(counts.values())) > 1:  # not whole layers: name each problem
+            return None
+        if model != set(range(len(model))) or found != set(range(len(found))):
+            return None
+        return len(found), len(model)
 
     # Export.
 
@@ -461,9 +495,13 @@ class NameMap:
             for k, name in enumerate(p.theirs):
                 expected[name] = (p, k)
         missing, wrong = [], []
+        depths = self._depths(planned, external)
         for name, (p, k) in expected.items():
             if name not in external:
-                missing.append(f"missing '{name}'{_where(p.binding)} for '{p.ours[0]}'")
+                if depths is None or _layer(p.binding) < depths[0]:
+                    missing.append(
+                        f"missing '{name}'{_where(p.binding)} for '{p.ours[0]}'"
+                    )
                 continue
             shape, dtype = _shape_dtype(external[name])
             want = p.steps[-1][k]
@@ -475,9 +513,22 @@ class NameMap:
         unused = [
             f"unused '{n}'{self._theirs_where(n)}"
             for n in external
-            if n not in expected and not any(r.fullmatch(n) for r in self._ignore)
+            if n not in expected
+            and not any(r.fullmatch(n) for r in self._ignore)
+            and (depths is None or _layer(self._binding(n)) < depths[1])
         ]
         problems = wrong + missing + unused
+        if depths is not None:
+            # One line for what would be a missing or unused name per array.
+            n_file, n_model = depths
+            depth = f"the file has {n_file} layers, the model {n_model}"
+            if not problems:
+                raise ValueError(
+                    f"The names in {source} do not fit the model through the name "
+                    f"map: {depth}.\nHint: build the model with the file's number "
+                    "of layers (its configuration's depth)."
+                )
+            problems.insert(0, depth)
         if problems:
             counts = ", ".join(
                 f"{len(x)} {what}"

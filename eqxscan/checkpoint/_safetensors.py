@@ -4,53 +4,50 @@ NumPy API (imported on first use, so `import eqxscan` does not import it).
 
 Writing streams: each shard gathers only its own layer slices, so a stacked
 model is never held twice in host memory (at most one shard beside it).
-Every file goes to a temporary file first, then `os.replace`. Each file's
+Every file goes to a temporary file first, then `os.replace`; a sharded save
+over another checkpoint never renames a file the old index names before the new
+index is in place, so a save killed at any instant leaves the old checkpoint or
+the new one (see `_commit_shards`). Each file's
 metadata holds the SHA-256 digest of each of its arrays and a token of the save,
 which the index repeats: loading checks both, so a flipped bit in the data or
-a shard of another save is refused, as for `.npz` checkpoints.
+a shard of another save is refused.
 """
 
-import hashlib
 import json
 import os
 import re
 import secrets
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 import jax
 import numpy as np
+from numpy.typing import DTypeLike
 
 from .._internal import check_path, describe, is_arraylike
+from ._files import CorruptFileError, fsync_dir, locked_temporary, remove_stale
 from ._names import Lazy, NameMap
-from ._serialise import _fsync_dir, _locked_temporary, _remove_stale
+from ._safetensors_read import (
+    _digest,
+    _DIGESTS,
+    _Files,
+    _package,
+    _TOKEN,
+    INDEX,
+    SINGLE,
+)
 from ._state_dict import entries_of, from_state_dict
 
 
 __all__ = ["load_safetensors", "read_safetensors", "save_safetensors"]
 
 T = TypeVar("T")
-SINGLE = "model.safetensors"
-INDEX = "model.safetensors.index.json"
 _SHARD = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
-_DIGESTS = "eqxscan.sha256"  # metadata: JSON {name: hex digest}
-_TOKEN = "eqxscan.save"  # metadata of each file and of the index: one save's token
+# A new shard under the name of its save, until its index replaces the old one.
+_STAGED = re.compile(r"model-(\d{5})-of-(\d{5})\.[0-9a-f]{16}\.safetensors")
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-_DOCS = "see docs/checkpoints.md"
 Entry = tuple[str, tuple[int, ...], np.dtype, Callable[[], np.ndarray]]
-
-
-def _package():
-    try:
-        import safetensors
-        import safetensors.numpy
-    except ImportError as e:  # pragma: no cover - a dependency of eqxscan
-        raise ImportError(
-            "eqxscan's safetensors files need the `safetensors` package: "
-            "pip install safetensors"
-        ) from e
-    return safetensors
 
 
 def _size(max_shard_size: int | str | None) -> int | None:
@@ -67,9 +64,10 @@ def _size(max_shard_size: int | str | None) -> int | None:
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
-def _digest(array: np.ndarray) -> str:
-    flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-    return hashlib.sha256(flat.data).hexdigest()
+def _contiguous(array: np.ndarray) -> np.ndarray:
+    # Not `np.ascontiguousarray` alone: it makes a 0-d array 1-d.
+    array = np.asarray(array)
+    return array if array.flags.c_contiguous else np.ascontiguousarray(array)
 
 
 def _entries(model: object) -> list[Entry]:
@@ -89,7 +87,7 @@ def _entries(model: object) -> list[Entry]:
                 return np.asarray(leaf[index])  # one slice off the device
             if key not in hosts:  # on the host already: a view, no copy
                 hosts[key] = np.asarray(leaf)
-            return hosts[key][index]
+            return np.asarray(hosts[key][index])  # a 0-d leaf: not a scalar
 
         return read
 
@@ -121,16 +119,20 @@ def _shards(
 
 
 def _write_atomic(
-    final: str, write: Callable[[str], None], temporaries: list[tuple[str, str, int]]
+    final: str, data: bytes, temporaries: list[tuple[str, str, int]]
 ) -> None:
-    """Write a temporary file beside `final` with `write(tmp)`, fsynced; it is
-    renamed by the caller once every file of the save is written."""
+    """Write `data` to a temporary file beside `final`, fsynced; it is renamed by
+    the caller once every file of the save is written. Written through the
+    locked descriptor (the package's `save_file` replaces the file it is given
+    with one of mode 0600, which neither the lock nor the umask would cover)."""
     directory, base = os.path.split(final)
     prefix = f".{base}."
-    _remove_stale(directory, prefix)
-    fd, tmp = _locked_temporary(directory, prefix)
+    remove_stale(directory, prefix)
+    fd, tmp = locked_temporary(directory, prefix)
     temporaries.append((tmp, final, fd))
-    write(tmp)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
     os.fsync(fd)
 
 
@@ -171,6 +173,11 @@ def save_safetensors(
     The paths written, the index last.
     """
     path = check_path("save_safetensors: path", path)
+    if not path:
+        raise ValueError(
+            "save_safetensors: path is empty.\nHint: pass a .safetensors file or "
+            "a directory, e.g. 'checkpoints/model.safetensors'."
+        )
     max_size = _size(max_shard_size)
     single = path.endswith(".safetensors")
     if single and max_size is not None:
@@ -217,51 +224,109 @@ def save_safetensors(
     temporaries: list[tuple[str, str, int]] = []
     weight_map: dict[str, str] = {}
     total = 0
+    committed = [False]  # set once an index names the new shards
     try:
         for file, shard in zip(files, shards):
-            arrays = {name: np.ascontiguousarray(lazy.read()) for name, lazy in shard}
+            arrays = {name: _contiguous(lazy.read()) for name, lazy in shard}
             for name, array in arrays.items():
                 weight_map[name] = os.path.basename(file)
                 total += array.nbytes
             digests = json.dumps({k: _digest(v) for k, v in arrays.items()})
             meta = {**info, _DIGESTS: digests}
-            _write_atomic(file, _saver(st, arrays, meta), temporaries)
+            data = st.numpy.save(arrays, metadata=meta)  # type: ignore[attr-defined]
             del arrays  # before the next shard's slices are gathered
-        if n > 1:
-            index = {
-                "metadata": {"total_size": total, _TOKEN: token},
-                "weight_map": weight_map,
-            }
-
-            def write_index(tmp: str) -> None:
-                with open(tmp, "w", encoding="utf-8") as f:
-                    json.dump(index, f, indent=2)
-
-            _write_atomic(os.path.join(directory, INDEX), write_index, temporaries)
-        for tmp, final, _ in temporaries:
-            os.replace(tmp, final)  # the index last: it names the new shards
+            _write_atomic(file, data, temporaries)
+            del data
+        if n == 1:
+            # One file: it is in place, or it is not; a single file is read
+            # before an index, so the old shards go only after it is there.
+            ((tmp, final, _),) = temporaries
+            os.replace(tmp, final)
+            committed[0] = True
+            fsync_dir(directory)
+            if not single:
+                _remove_old(directory, {SINGLE}, INDEX)
+            return [final]
+        index: dict[str, object] = {"metadata": {"total_size": total, _TOKEN: token}}
+        return _commit_shards(
+            directory, temporaries, index, weight_map, token, committed
+        )
     except BaseException as e:
-        for tmp, _, _ in temporaries:
-            try:
-                os.remove(tmp)
-            except FileNotFoundError:
-                pass
+        if not committed[0]:
+            for tmp, final, _ in temporaries:
+                for leftover in (tmp, _staged(final, token)):
+                    try:
+                        os.remove(leftover)
+                    except FileNotFoundError:
+                        pass
         if isinstance(e, OSError):
             raise _refused(e, path) from e
         raise
     finally:
         for _, _, fd in temporaries:
             os.close(fd)
-    _fsync_dir(directory)
-    if not single:
-        _remove_old(directory, {os.path.basename(f) for f in files}, n > 1)
-    return [final for _, final, _ in temporaries]
 
 
-def _saver(
-    st: object, arrays: dict[str, np.ndarray], meta: dict[str, str]
-) -> Callable[[str], None]:
-    return lambda tmp: st.numpy.save_file(arrays, tmp, metadata=meta)  # type: ignore[attr-defined]
+def _staged(final: str, token: str) -> str:
+    return final[: -len(".safetensors")] + f".{token}.safetensors"
+
+
+def _commit_shards(
+    directory: str,
+    temporaries: list[tuple[str, str, int]],
+    index: dict[str, object],
+    weight_map: dict[str, str],
+    token: str,
+    committed: list[bool],
+) -> list[str]:
+    """Put written shards and their index in place, so that at every instant the
+    directory holds a complete checkpoint, the old or the new: the old index
+    names files of the same names as the new, so the new shards first take names
+    of their own (`model-00001-of-00003.<token>.safetensors`), an index naming
+    them replaces the old one, the old files go, the shards get their usual
+    names (hard links), and a second index names those."""
+    finals = [final for _, final, _ in temporaries]
+    staged = [_staged(final, token) for final in finals]
+    for (tmp, _, _), stage in zip(temporaries, staged):
+        os.replace(tmp, stage)
+    fsync_dir(directory)
+
+    def put_index(files: list[str]) -> None:
+        by_name = {
+            os.path.basename(f): os.path.basename(g) for f, g in zip(finals, files)
+        }
+        index["weight_map"] = {k: by_name[v] for k, v in weight_map.items()}
+        final = os.path.join(directory, INDEX)
+        remove_stale(directory, f".{INDEX}.")
+        fd, tmp = locked_temporary(directory, f".{INDEX}.")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(index, f, indent=2)
+                f.flush()
+                os.fsync(f.fileno())
+                os.replace(tmp, final)  # while locked: not stale to other saves
+        except BaseException:
+            try:
+                os.remove(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        fsync_dir(directory)
+
+    put_index(staged)
+    committed[0] = True
+    # The new checkpoint is complete: the old one's files may go.
+    _remove_old(directory, {os.path.basename(s) for s in staged}, SINGLE)
+    try:
+        for stage, final in zip(staged, finals):
+            os.link(stage, final)
+    except OSError:  # pragma: no cover - a file system without hard links
+        return [*staged, os.path.join(directory, INDEX)]
+    put_index(finals)
+    for stage in staged:
+        os.remove(stage)
+    fsync_dir(directory)
+    return [*finals, os.path.join(directory, INDEX)]
 
 
 def _refused(e: OSError, path: str) -> OSError:
@@ -274,208 +339,45 @@ def _refused(e: OSError, path: str) -> OSError:
     return error
 
 
-def _remove_old(directory: str, written: set[str], sharded: bool) -> None:
-    """The files of an earlier save to `directory` that this one replaces."""
+def _remove_old(directory: str, keep: set[str], other: str) -> None:
+    """Remove the files of earlier saves to `directory` (shards, the shards of
+    interrupted saves, and `other`: the index or the single file) but `keep`."""
     for name in os.listdir(directory):
-        old_shard = _SHARD.fullmatch(name) is not None
-        old_other = name == (SINGLE if sharded else INDEX)
-        if (old_shard or old_other) and name not in written:
+        old = _SHARD.fullmatch(name) or _STAGED.fullmatch(name) or name == other
+        if old and name not in keep:
             try:
                 os.remove(os.path.join(directory, name))
             except OSError:
                 pass
+    fsync_dir(directory)
 
 
-# Reading.
+_LAYOUTS = ("pt", "flax", "tf")  # as Hugging Face names the frameworks
 
 
-class _Corrupt(ValueError):
-    pass
+def _check_format(files: _Files, names: NameMap) -> None:
+    # The same names can hold a matrix either way round (GPT-2's `Conv1D` is
+    # [in, out] in PyTorch, [out, in] in Flax), and a square one fits both: only
+    # the file's own word for its layout tells them apart.
+    other = sorted(f for f in files.formats if f in _LAYOUTS and f != names.format)
+    if other and names.format in _LAYOUTS:
+        raise ValueError(
+            f"{files.where!r} says it holds format {other[0]!r} (its metadata), "
+            f"and the name map is for format {names.format!r}: the same names "
+            "may hold matrices transposed, and a square one would load "
+            "transposed without another error.\nHint: load it with a name map "
+            f"for {other[0]!r} (NameMap(..., format={other[0]!r}), with that "
+            "layout's Transpose rules); see docs/pretrained.md."
+        )
 
 
-def _bad(path: str, why: str) -> ValueError:
-    return _Corrupt(
-        f"Safetensors file {path!r} is corrupt or is not a safetensors file: {why}."
-        f"\nHint: restore it from a copy, or save it again; {_DOCS}."
-    )
+def _cast(files: Mapping[str, Lazy], dtype: np.dtype) -> dict[str, Lazy]:
+    def cast(lazy: Lazy) -> Lazy:
+        if not jax.numpy.issubdtype(lazy.dtype, jax.numpy.floating):
+            return lazy
+        return Lazy(lazy.shape, dtype, lambda: lazy.read().astype(dtype))
 
-
-class _Files(Mapping[str, Lazy]):
-    """The arrays of a safetensors file or sharded directory, by name: shapes
-    and dtypes from the headers, data read (and checked against its digest)
-    only when asked for."""
-
-    def __init__(self, path: str):
-        self.handles: list[object] = []
-        self.entries: dict[str, Lazy] = {}
-        files, token, self.where = self._resolve(path)
-        try:
-            for file, names in files.items():
-                self._open(file, names, token)
-        except BaseException:
-            self.close()
-            raise
-
-    def _resolve(
-        self, path: str
-    ) -> tuple[dict[str, list[str] | None], str | None, str]:
-        if os.path.isdir(path):
-            if os.path.isfile(os.path.join(path, SINGLE)):
-                return {os.path.join(path, SINGLE): None}, None, path
-            if os.path.isfile(os.path.join(path, INDEX)):
-                path = os.path.join(path, INDEX)
-            else:
-                raise FileNotFoundError(
-                    f"No safetensors checkpoint in {path!r}: neither {SINGLE} nor "
-                    f"{INDEX} is there."
-                )
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"No safetensors file {path!r}.")
-        if not path.endswith(".json"):
-            return {path: None}, None, path
-        try:
-            with open(path, encoding="utf-8") as f:
-                index = json.load(f)
-        except (ValueError, UnicodeDecodeError, RecursionError) as e:
-            raise ValueError(
-                f"Safetensors index {path!r} is not valid JSON ({e}).\nHint: "
-                f"restore it from a copy, or save again; {_DOCS}."
-            ) from None
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) and _plain(v)
-            for k, v in weight_map.items()
-        ):
-            raise ValueError(
-                f"Safetensors index {path!r} has no valid 'weight_map' (an object "
-                "from array names to file names in its directory).\nHint: an "
-                f"index as Hugging Face writes it is expected; {_DOCS}."
-            )
-        meta = index.get("metadata")
-        token = meta.get(_TOKEN) if isinstance(meta, dict) else None
-        directory = os.path.dirname(path)
-        files: dict[str, list[str] | None] = {}
-        for name, file in weight_map.items():
-            files.setdefault(os.path.join(directory, file), []).append(name)  # type: ignore[union-attr]
-        absent = sorted(os.path.basename(f) for f in files if not os.path.isfile(f))
-        if absent:
-            raise FileNotFoundError(
-                f"Safetensors index {path!r} names files that are not there: "
-                f"{', '.join(map(repr, absent))}.\nHint: copy every shard beside "
-                "the index, or save again."
-            )
-        return files, token if isinstance(token, str) else None, path
-
-    def _open(self, file: str, names: list[str] | None, token: str | None) -> None:
-        st = _package()
-        try:
-            handle = st.safe_open(file, framework="np")
-            self.handles.append(handle)
-            keys = list(handle.keys())
-            meta = handle.metadata() or {}
-            specs = {}
-            for key in keys:
-                piece = handle.get_slice(key)
-                specs[key] = (tuple(piece.get_shape()), piece.get_dtype())
-        except Exception as e:  # the package's SafetensorError, or an OSError
-            with open(file, "rb") as f:
-                start = f.read(4)
-            if start.startswith(b"PK"):
-                why = (
-                    "it is a zip archive (an .npz of eqxscan.save? read it with "
-                    "eqxscan.load)"
-                )
-            else:
-                why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-            raise _bad(file, why) from None
-        digests: dict[str, str] = {}
-        if _DIGESTS in meta:
-            try:
-                digests = json.loads(meta[_DIGESTS])
-                assert isinstance(digests, dict)
-            except (ValueError, AssertionError):
-                raise _bad(
-                    file, f"its metadata '{_DIGESTS}' is not a JSON object"
-                ) from None
-        if digests and sorted(digests) != sorted(keys):
-            raise _bad(file, "its arrays differ from the names its metadata records")
-        if token is not None and meta.get(_TOKEN) != token:
-            raise _Corrupt(
-                f"Safetensors file {file!r} is of another save than its index "
-                f"{self.where!r}: a save was interrupted, or files of two saves "
-                "were mixed.\nHint: save again, or restore the directory from a copy."
-            )
-        if names is not None:
-            missing = sorted(set(names) - set(keys))
-            extra = sorted(set(keys) - set(names))
-            if missing or extra:
-                what = "; ".join(
-                    f"{w} {', '.join(map(repr, x[:10]))}"
-                    for w, x in (("missing", missing), ("not in the index", extra))
-                    if x
-                )
-                raise _bad(file, f"its arrays differ from its index: {what}")
-        for key, (shape, dtype_name) in specs.items():
-            if key in self.entries:
-                raise _bad(file, f"'{key}' is in another file of the index too")
-            dtype = _dtype(file, key, dtype_name)
-            self.entries[key] = Lazy(
-                shape, dtype, self._reader(handle, file, key, digests.get(key))
-            )
-
-    def _reader(
-        self, handle: object, file: str, key: str, digest: str | None
-    ) -> Callable[[], np.ndarray]:
-        def read() -> np.ndarray:
-            try:
-                array = handle.get_tensor(key)  # type: ignore[attr-defined]
-            except Exception as e:
-                raise _bad(file, f"'{key}' cannot be read ({e})") from None
-            if digest is not None and _digest(array) != digest:
-                raise _bad(
-                    file,
-                    f"array '{key}' does not match its SHA-256 digest: its data "
-                    "changed after it was saved",
-                )
-            return np.asarray(array)
-
-        return read
-
-    def __getitem__(self, name: str) -> Lazy:
-        return self.entries[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.entries)
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
-    def close(self) -> None:
-        for handle in self.handles:
-            try:
-                handle.__exit__(None, None, None)  # type: ignore[attr-defined]
-            except Exception:
-                pass
-        self.handles.clear()
-
-
-_DTYPES = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
-    "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8",
-    "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-}  # fmt: skip
-
-
-def _dtype(file: str, key: str, name: str) -> np.dtype:
-    try:
-        return np.dtype(jax.numpy.dtype(_DTYPES.get(name, name.lower())))
-    except TypeError:
-        raise _bad(file, f"'{key}' has dtype {name}, which NumPy cannot hold") from None
-
-
-def _plain(file: str) -> bool:
-    return os.path.basename(file) == file and file not in ("", ".", "..")
+    return {name: cast(lazy) for name, lazy in files.items()}
 
 
 def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
@@ -501,7 +403,11 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
 
 
 def load_safetensors(
-    path: str | os.PathLike, like: T, *, names: NameMap | None = None
+    path: str | os.PathLike,
+    like: T,
+    *,
+    names: NameMap | None = None,
+    dtype: DTypeLike | None = None,
 ) -> T:
     """Load a safetensors file or directory into a model shaped like `like`.
 
@@ -518,6 +424,10 @@ def load_safetensors(
       as for [`eqxscan.from_state_dict`][].
     - `names`: a [`eqxscan.checkpoint.NameMap`][] from the file's names to
       eqxscan's; by default the file holds eqxscan's own names.
+    - `dtype`: if given, the file's floating-point arrays are cast to it as they
+      are read (as Hugging Face's `torch_dtype=`), e.g. a bfloat16 file into a
+      float32 model; integer and boolean arrays are left as they are. By
+      default each array keeps the file's dtype, which must be the model's.
 
     **Returns:**
 
@@ -525,9 +435,12 @@ def load_safetensors(
 
     **Raises:**
 
-    `FileNotFoundError` for a missing file or shard; `ValueError` naming the
-    file for a corrupt one (truncated, a bad header, a changed array) and
-    naming the keys, layers, shapes or dtypes that differ from the model.
+    `FileNotFoundError` for a missing file or shard;
+    [`eqxscan.checkpoint.CorruptFileError`][] (a `ValueError`) naming the file
+    for a corrupt one (truncated, a bad header, a changed array, a shard of
+    another save); `ValueError` naming the keys, layers, shapes or dtypes that
+    differ from the model, or when the file's metadata names another `format`
+    than `names` (`"pt"`, `"flax"`: layouts that may hold a matrix transposed).
     """
     if not any(is_arraylike(x) for x in jax.tree_util.tree_leaves(like)):
         raise TypeError(
@@ -539,11 +452,14 @@ def load_safetensors(
     files = _Files(check_path("load_safetensors: path", path))
     try:
         state: Mapping[str, object] = files
+        if dtype is not None:
+            state = _cast(files, np.dtype(jax.numpy.dtype(dtype)))
         if names is not None:
-            state = names.mapping(like, files, source=repr(files.where))
+            _check_format(files, names)
+            state = names.mapping(like, state, source=repr(files.where))
         try:
             return from_state_dict(like, state)
-        except _Corrupt:
+        except CorruptFileError:
             raise
         except ValueError as e:
             first, *rest = str(e).splitlines()

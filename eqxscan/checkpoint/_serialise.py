@@ -1,575 +1,81 @@
-"""Single-file checkpoints: an `.npz` of the per-layer state dict, written atomically.
+"""`eqxscan.save` and `eqxscan.load`: safetensors, the one format eqxscan writes.
 
-Why an `.npz` of [`eqxscan.to_state_dict`][] rather than
-`eqx.tree_serialise_leaves`: the latter stores leaves by position, so a model of
-another depth or layout either fails with an unnamed size error or, worse, loads
-shifted weights. A named archive lets `load` say which keys are missing or
-unexpected and which depths differ, and it can be read by NumPy (or PyTorch)
-without eqxscan or the model's class. `.npy` cannot name bfloat16 and other
-ML dtypes, so the archive also stores a manifest: each array's dtype name, shape
-and SHA-256 digest.
-
-Reading trusts nothing in the file: the members are matched against the
-manifest (names, and their sizes in the zip directory against shape x itemsize)
-before any array is read, members must be stored uncompressed (as `numpy.savez`
-writes them), so no member can inflate beyond the file's own size, and every
-array is checked against its digest. No member is ever unpickled.
+The `.npz` checkpoints of earlier versions still load, read-only and with a
+`DeprecationWarning` naming the replacement, so that they can be saved again.
 """
 
-import hashlib
-import io
-import json
-import math
 import os
-import re
-import struct
-import tempfile
-import tokenize
-import zipfile
-import zlib
-from collections.abc import Callable, Iterator, Mapping
-from typing import TypedDict, TypeVar
-
-
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - not POSIX: stale files are not collected
-    fcntl = None
+import warnings
+from typing import TypeVar
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jaxtyping import PyTree
-from numpy.typing import DTypeLike
 
 from .._internal import check_path, describe, is_arraylike
-from ._state_dict import from_state_dict, to_state_dict
-
-
-_MANIFEST = "__eqxscan_manifest__"  # {"format": 1, "arrays": {name: entry}}
-_FORMAT = 1
-_MAX_HEADER = 10_000  # bytes of a `.npy` header, as NumPy's own limit
-_MAX_MANIFEST = 1 << 28
-_DOCS = "see docs/checkpoints.md"
-# mkstemp's names: the prefix, 8 characters of this alphabet, the suffix.
-_TOKEN = re.compile(r"[a-z0-9_]{8}")
-# What `zipfile` raises for files it cannot read (a `_Corrupt` is re-raised first).
-_ZIP_ERRORS = (
-    zipfile.BadZipFile,
-    EOFError,
-    OSError,
-    NotImplementedError,
-    RuntimeError,
-    ValueError,
-    struct.error,
-    zlib.error,
-)
-
-
-# What NumPy's `.npy` header parser raises besides those: `ast.literal_eval`'s
-# errors (`MemoryError` is its parser's stack overflow on a deeply nested
-# header, at most `_MAX_HEADER` bytes), and `tokenize`'s, from its second try at
-# a header it cannot parse.
-_HEADER_ERRORS = (SyntaxError, tokenize.TokenError, TypeError, MemoryError)
+from ._npz import open_npz, read_npz
+from ._safetensors import load_safetensors, read_safetensors, save_safetensors
+from ._state_dict import from_state_dict
 
 
 T = TypeVar("T")
-# A `.npy` header: shape, Fortran order, dtype, and its size in bytes.
-_Header = tuple[tuple[int, ...], bool, np.dtype, int]
+_ZIP = (b"PK\x03\x04", b"PK\x05\x06")  # a zip's first bytes (an empty zip's too)
 
 
-class _Entry(TypedDict):
-    """What the manifest (or a `.npy` header) says of one array."""
-
-    dtype: np.dtype
-    shape: tuple[int, ...]
-    sha256: str | None
-
-
-class _Corrupt(ValueError):
-    """Raised inside the reader; `load_state_dict` adds the file's name."""
+def _is_npz(path: str) -> bool:
+    if path.endswith(".npz"):
+        return True
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) in _ZIP
+    except OSError:  # a directory, or no such file: safetensors says which
+        return False
 
 
-class _Foreign(_Corrupt):
-    """A well-formed file, but of another writer or another format."""
+def _deprecated(path: str, what: str) -> None:
+    warnings.warn(
+        f"{what}: {path!r} is an .npz checkpoint of an earlier eqxscan version; "
+        "reading .npz is deprecated and eqxscan no longer writes it.\nHint: save "
+        "the loaded model again with eqxscan.save_safetensors (or eqxscan.save, "
+        "which writes safetensors), e.g. to 'model.safetensors'.",
+        DeprecationWarning,
+        stacklevel=3,
+    )
 
 
-def _digest(array: np.ndarray) -> str:
-    flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-    return hashlib.sha256(flat.data).hexdigest()
-
-
-def save(path: str | os.PathLike, model: PyTree) -> None:
-    """Save `model`'s arrays to one `.npz` file, atomically.
-
-    The archive holds [`eqxscan.to_state_dict`][]`(model)` (per-layer names such
-    as `"blocks.0.w1"`) plus a manifest of each array's dtype name (so bfloat16
-    survives), shape and SHA-256 digest, which [`eqxscan.load`][] checks. It is
-    written to a temporary file in the same directory, flushed and fsynced,
-    then moved over `path` with `os.replace`: a crash or error mid-write leaves
-    any previous file at `path` intact. A failed save removes its temporary
-    file; one killed before it could (`SIGKILL`, power loss) leaves it, and the
-    next save to `path` removes it.
+def save(path: str | os.PathLike, model: PyTree) -> list[str]:
+    """Save `model`'s arrays as safetensors: the same as
+    [`eqxscan.save_safetensors`][]`(path, model)`.
 
     **Arguments:**
 
-    - `path`: the file to write (used as given; `.npz` is a good suffix).
+    - `path`: a `.safetensors` file, or a directory (then `model.safetensors`
+      in it).
     - `model`: any model that [`eqxscan.to_state_dict`][] accepts.
+
+    **Returns:**
+
+    The paths written.
     """
     path = check_path("save: path", path)
-    arrays = to_state_dict(model)
-    for reserved in (_MANIFEST,):
-        if reserved in arrays:
-            raise ValueError(f"'{reserved}' is reserved and cannot name a model array.")
-    manifest = json.dumps(
-        {
-            "format": _FORMAT,
-            "arrays": {
-                k: {"dtype": v.dtype.name, "shape": list(v.shape), "sha256": _digest(v)}
-                for k, v in arrays.items()
-            },
-        }
-    )
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        # Otherwise the error names the temporary file, not the one asked for.
-        raise FileNotFoundError(
-            f"Cannot save to {path!r}: its directory {directory!r} does not exist."
+    if path.endswith(".npz"):
+        raise ValueError(
+            f"save: path {path!r} names an .npz file, and eqxscan writes safetensors "
+            "only (.npz checkpoints of earlier versions still load, read-only).\n"
+            "Hint: save to 'model.safetensors' (or a directory) instead."
         )
-    prefix = f".{os.path.basename(path)}."
-    _remove_stale(directory, prefix)
-    try:
-        fd, tmp = _locked_temporary(directory, prefix)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                _write_npz(f, {**arrays, _MANIFEST: np.array(manifest)})
-                f.flush()
-                os.fsync(f.fileno())
-                # Renamed while still locked, so no other save takes it for stale.
-                os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.remove(tmp)
-            except FileNotFoundError:
-                pass
-            raise
-    except OSError as e:
-        raise _refused_save(e, path, directory) from e
-    _fsync_dir(directory)
-
-
-def _write_npz(f: io.BufferedIOBase, arrays: Mapping[str, np.ndarray]) -> None:
-    # As `numpy.savez` writes it, without its keywords: an array named `file` or
-    # `allow_pickle` would be taken for one.
-    with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as z:
-        for name, array in arrays.items():
-            with z.open(f"{name}.npy", "w", force_zip64=True) as member:
-                np.lib.format.write_array(member, array, allow_pickle=False)
-
-
-def _refused_save(e: OSError, path: str, directory: str) -> OSError:
-    """`e`, of the same class and `errno`, naming `path`: the system's own
-    message names the hidden temporary file, or no file at all."""
-    error = type(e)(
-        f"Cannot save to {path!r}: {e}.\nHint: eqxscan.save writes a temporary "
-        f"file ('.{os.path.basename(path)}.XXXXXXXX.tmp') in {directory!r}, then "
-        "renames it to the path; any previous file at the path is left as it was."
-    )
-    error.errno = e.errno
-    return error
-
-
-def _locked_temporary(directory: str, prefix: str) -> tuple[int, str]:
-    """A new temporary file for `prefix`, locked for as long as it stays open:
-    the lock tells the saves of other processes that it is not stale (the
-    system releases it when its process dies, however it dies)."""
-    while True:
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=prefix, suffix=".tmp")
-        if fcntl is None:
-            return fd, tmp
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        if os.fstat(fd).st_nlink:
-            return fd, tmp
-        # Another save took it for stale in the instant before it was locked.
-        os.close(fd)
-
-
-def _remove_stale(directory: str, prefix: str) -> None:
-    """Remove the temporary files of killed saves to the same path: those named as
-    `save` names them that no living save holds locked."""
-    if fcntl is None:  # pragma: no cover
-        return
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return
-    for name in names:
-        if not (
-            name.startswith(prefix)
-            and name.endswith(".tmp")
-            and _TOKEN.fullmatch(name[len(prefix) : -len(".tmp")])
-        ):
-            continue
-        full = os.path.join(directory, name)
-        try:
-            fd = os.open(full, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if os.stat(full).st_ino == os.fstat(fd).st_ino:
-                os.remove(full)
-        except OSError:
-            pass  # locked by a save in progress, or not ours to remove
-        finally:
-            os.close(fd)
-
-
-def _fsync_dir(directory: str) -> None:
-    # Makes the rename itself durable; not possible on every platform.
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-# Reading.
-
-
-def _header(f: io.BufferedIOBase, member: str) -> _Header:
-    """`(shape, fortran_order, dtype, header bytes)` of the `.npy` member open
-    as `f`, reading only its header."""
-    try:
-        version = np.lib.format.read_magic(f)
-        if version == (1, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_1_0(
-                f, max_header_size=_MAX_HEADER
-            )
-        elif version == (2, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_2_0(
-                f, max_header_size=_MAX_HEADER
-            )
-        else:
-            raise ValueError(f".npy format version {version}")
-    except _Corrupt:
-        raise
-    except (*_ZIP_ERRORS, *_HEADER_ERRORS) as e:
-        why = str(e) or type(e).__name__
-        raise _Corrupt(f"member {member!r} has no valid .npy header ({why})") from None
-    if dtype.hasobject or dtype.fields is not None or dtype.subdtype is not None:
-        raise _Corrupt(
-            f"member {member!r} holds {dtype} values, not plain numbers; eqxscan "
-            "never stores such members and does not read them"
-        )
-    return tuple(shape), bool(fortran), dtype, f.tell()
-
-
-def _is_number(dtype: np.dtype) -> bool:
-    # "V": how `.npy` stores bfloat16 and the other ML dtypes.
-    return dtype.kind in "biufcV" and not dtype.hasobject and not dtype.fields
-
-
-def _nbytes(shape: tuple[int, ...], dtype: np.dtype) -> int:
-    return math.prod(shape) * dtype.itemsize
-
-
-class _Member:
-    """One array of the archive, read (and checked against its digest) only when
-    NumPy asks for it: `shape` and `dtype` come from the manifest, so a model's
-    names, shapes and dtypes are all checked before anything is read."""
-
-    def __init__(self, archive: "_Archive", name: str, entry: _Entry):
-        self.archive, self.name = archive, name
-        self.shape = entry["shape"]
-        self.dtype = entry["dtype"]
-        self.sha256 = entry["sha256"]
-
-    def read(self) -> np.ndarray:
-        return self.archive.read(self)
-
-    def __array__(
-        self, dtype: DTypeLike | None = None, copy: bool | None = None
-    ) -> np.ndarray:
-        array = self.read()
-        return array if dtype is None else array.astype(dtype)
-
-
-class _Archive(Mapping[str, _Member]):
-    """The members of a checkpoint file, validated against its manifest and the
-    zip directory; nothing but `.npy` headers and the manifest is read."""
-
-    def __init__(self, path: str):
-        self.path = path
-        try:
-            size = os.path.getsize(path)
-            with open(path, "rb") as f:
-                start = f.read(6)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"No checkpoint file {path!r}.") from None
-        if start == b"\x93NUMPY":
-            raise ValueError(
-                f"{path!r} holds a single .npy array, not a checkpoint written by "
-                "eqxscan.save (an .npz archive of arrays)."
-            )
-        try:
-            self.zip = zipfile.ZipFile(path)
-        except _ZIP_ERRORS as e:
-            raise ValueError(
-                f"{path!r} is not a checkpoint written by eqxscan.save (an .npz "
-                f"archive of arrays): {'empty file' if size == 0 else e}."
-            ) from None
-        try:
-            self.members = self._members(size)
-            self._entries = self._manifest()
-        except BaseException:
-            self.zip.close()
-            raise
-
-    def _members(self, size: int) -> dict[str, zipfile.ZipInfo]:
-        members: dict[str, zipfile.ZipInfo] = {}
-        for info in self.zip.infolist():
-            name = info.filename
-            if not name.endswith(".npy") or name[:-4] in members:
-                what = "a second member" if name[:-4] in members else "a member"
-                raise _Corrupt(f"{what} named {name!r}, not one array's .npy")
-            if info.flag_bits & 0x21:  # encrypted, or a patch
-                raise _Corrupt(
-                    f"member {name!r} is encrypted or patched (zip flags "
-                    f"{info.flag_bits:#x}); eqxscan.save writes plain members"
-                )
-            if info.compress_type != zipfile.ZIP_STORED:
-                raise _Corrupt(
-                    f"member {name!r} is compressed; eqxscan.save stores arrays "
-                    "uncompressed, so that no member can inflate beyond the file"
-                )
-            if info.file_size != info.compress_size or info.file_size > size:
-                raise _Corrupt(
-                    f"member {name!r} claims {info.file_size} bytes (stored in "
-                    f"{info.compress_size}) in a file of {size}"
-                )
-            members[name[:-4]] = info
-        return members
-
-    def _manifest(self) -> dict[str, _Entry]:
-        if _MANIFEST in self.members:
-            text = self._text(_MANIFEST)
-            try:
-                manifest = json.loads(text)
-            except (ValueError, RecursionError) as e:
-                raise _Corrupt(f"its manifest is not valid JSON ({e})") from None
-            found = manifest.get("format") if isinstance(manifest, dict) else None
-            if type(found) is int and found != _FORMAT:
-                raise _Foreign(
-                    f"its manifest ('{_MANIFEST}.npy') is of format {found}, and "
-                    f"this version of eqxscan reads format {_FORMAT}"
-                )
-            if (
-                not isinstance(manifest, dict)
-                or found != _FORMAT
-                or not isinstance(manifest.get("arrays"), dict)
-            ):
-                raise _Corrupt(
-                    f"its manifest is not one of format {_FORMAT} (a JSON object "
-                    "with 'format' and 'arrays')"
-                )
-            entries = {
-                name: self._entry(name, entry)
-                for name, entry in manifest["arrays"].items()
-            }
-            names = set(self.members) - {_MANIFEST}
-            missing, extra = sorted(set(entries) - names), sorted(names - set(entries))
-            if missing or extra:
-                raise _Corrupt(
-                    "its members differ from its manifest: "
-                    + "; ".join(
-                        f"{what} {', '.join(map(repr, items[:10]))}"
-                        for what, items in (
-                            ("missing", missing),
-                            ("not in the manifest", extra),
-                        )
-                        if items
-                    )
-                )
-            for name, entry in entries.items():
-                overhead = self.members[name].file_size - _nbytes(
-                    entry["shape"], entry["dtype"]
-                )
-                if not 10 <= overhead <= 16 + _MAX_HEADER:
-                    raise _Corrupt(
-                        f"member '{name}.npy' holds {self.members[name].file_size} "
-                        f"bytes, but its manifest entry "
-                        f"{entry['dtype'].name}{entry['shape']} needs "
-                        f"{_nbytes(entry['shape'], entry['dtype'])} plus a header"
-                    )
-            return entries
-        # A plain `numpy.savez` of a state dict: shapes, dtypes and sizes come
-        # from each member's `.npy` header.
-        entries: dict[str, _Entry] = {}
-        for name in self.members:
-            shape, _, dtype, offset = self._open_header(name)
-            if not _is_number(dtype):
-                what = {"U": "text", "S": "bytes"}.get(dtype.kind, "values")
-                raise _Foreign(
-                    f"it holds '{name}.npy' ({dtype.name} {what}), which eqxscan "
-                    f"does not read, and no '{_MANIFEST}.npy' (the manifest "
-                    f"eqxscan.save writes, format {_FORMAT})"
-                )
-            if self.members[name].file_size != offset + _nbytes(shape, dtype):
-                raise _Corrupt(
-                    f"member '{name}.npy' holds {self.members[name].file_size} "
-                    f"bytes, but its header says {dtype.name}{list(shape)}"
-                )
-            entry = {"dtype": dtype.name, "shape": list(shape)}
-            entries[name] = self._entry(name, entry)
-        return entries
-
-    def _entry(self, name: object, entry: object) -> _Entry:
-        def bad(why: str) -> _Corrupt:
-            return _Corrupt(f"its manifest entry {name!r} {why}")
-
-        if not isinstance(name, str) or name not in self.members:
-            raise bad("names no member of the file")
-        if not isinstance(entry, dict):
-            raise bad("is not a JSON object")
-        shape = entry.get("shape")
-        if not isinstance(shape, list) or not all(
-            type(d) is int and 0 <= d < 2**62 for d in shape
-        ):
-            raise bad(f"has shape {shape!r}, not a list of non-negative ints")
-        try:
-            dtype = jnp.dtype(entry.get("dtype"))
-        except (TypeError, ValueError):
-            raise bad(
-                f"has dtype {entry.get('dtype')!r}, which NumPy does not know"
-            ) from None
-        if not _is_number(dtype):
-            raise bad(f"has dtype {dtype}, which eqxscan never stores")
-        digest = entry.get("sha256")
-        if digest is not None and not (
-            isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest)
-        ):
-            raise bad(f"has sha256 {digest!r}, not 64 hex digits")
-        return {"dtype": dtype, "shape": tuple(shape), "sha256": digest}
-
-    def _member_file(self, info: zipfile.ZipInfo) -> io.BufferedIOBase:
-        f = self.zip.open(info)
-        assert isinstance(f, io.BufferedIOBase)  # a `zipfile.ZipExtFile`
-        return f
-
-    def _open_header(self, name: str) -> _Header:
-        try:
-            with self._member_file(self.members[name]) as f:
-                return _header(f, f"{name}.npy")
-        except _Corrupt:
-            raise
-        except _ZIP_ERRORS as e:
-            raise _Corrupt(f"member '{name}.npy' cannot be read ({e})") from None
-
-    def _text(self, name: str) -> str:
-        info = self.members[name]
-        if info.file_size > _MAX_MANIFEST:
-            raise _Corrupt(f"its manifest holds {info.file_size} bytes")
-        data = self._data(name, lambda shape, dtype: dtype.kind == "U" and not shape)
-        return str(data[()])
-
-    def _data(
-        self, name: str, accept: Callable[[tuple[int, ...], np.dtype], bool]
-    ) -> np.ndarray:
-        member = f"{name}.npy"
-        info = self.members[name]
-        try:
-            with self._member_file(info) as f:
-                shape, fortran, dtype, offset = _header(f, member)
-                if not accept(shape, dtype):
-                    raise _Corrupt(
-                        f"member {member!r} holds {dtype.name}{list(shape)}, "
-                        "unlike its manifest entry"
-                    )
-                if info.file_size != offset + _nbytes(shape, dtype):
-                    raise _Corrupt(
-                        f"member {member!r} holds {info.file_size} bytes, but its "
-                        f"header says {dtype.name}{list(shape)}"
-                    )
-                array = np.empty(shape[::-1] if fortran else shape, dtype)
-                view = array.reshape(-1).view(np.uint8).data
-                if f.readinto(view) != view.nbytes or f.read(1):
-                    raise _Corrupt(f"member {member!r} is truncated")
-        except _Corrupt:
-            raise
-        except _ZIP_ERRORS as e:
-            raise _Corrupt(f"member {member!r} cannot be read ({e})") from None
-        return array.T if fortran else array
-
-    def read(self, member: _Member) -> np.ndarray:
-        want = member.dtype
-
-        def accept(shape: tuple[int, ...], dtype: np.dtype) -> bool:
-            # `.npy` stores bfloat16 and other ML dtypes as raw void bytes.
-            return shape == member.shape and (
-                dtype == want or (dtype.kind == "V" and dtype.itemsize == want.itemsize)
-            )
-
-        try:
-            array = self._data(member.name, accept)
-            if array.dtype != want:
-                array = array.view(want)
-            if member.sha256 is not None and _digest(array) != member.sha256:
-                raise _Corrupt(
-                    f"array '{member.name}' does not match its SHA-256 digest: its "
-                    "data changed after it was saved"
-                )
-        except _Corrupt as e:
-            raise _corrupt(self.path, e) from None
-        return array
-
-    def __getitem__(self, name: str) -> _Member:
-        return _Member(self, name, self._entries[name])
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._entries)
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def close(self) -> None:
-        self.zip.close()
-
-
-def _corrupt(path: str, e: _Corrupt) -> ValueError:
-    if isinstance(e, _Foreign):
-        return ValueError(
-            f"Checkpoint file {path!r} was written by another version of eqxscan "
-            f"or by another program: {e}.\nHint: load it with what wrote it and "
-            "save it again with this version's eqxscan.save (a plain numpy.savez "
-            f"of eqxscan.to_state_dict's arrays loads too); {_DOCS}."
-        )
-    return ValueError(
-        f"Checkpoint file {path!r} is corrupt or was not written by eqxscan.save: "
-        f"{e}.\nHint: restore it from a copy, or save it again; {_DOCS}."
-    )
-
-
-def _open(path: str | os.PathLike) -> _Archive:
-    path = check_path("load: path", path)
-    try:
-        return _Archive(path)
-    except _Corrupt as e:
-        raise _corrupt(path, e) from None
+    return save_safetensors(path, model)
 
 
 def load_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """Read the state dict of a file written by [`eqxscan.save`][], with the
-    original dtypes (bfloat16 included), each array checked against its digest.
+    """Read the state dict of a file written by [`eqxscan.save`][]: as
+    [`eqxscan.read_safetensors`][], or, for an `.npz` of an earlier version,
+    with a `DeprecationWarning` (its original dtypes, bfloat16 included, each
+    array checked against its digest).
 
     **Arguments:**
 
-    - `path`: the checkpoint file.
+    - `path`: a safetensors file or directory, or an earlier version's `.npz`.
 
     **Returns:**
 
@@ -577,26 +83,29 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
 
     **Raises:**
 
-    `FileNotFoundError` if there is no such file; `ValueError` naming the file
-    (and the member or array) if it is not such a checkpoint, is truncated, or
-    its manifest, sizes or digests disagree with its arrays.
+    `FileNotFoundError` if there is no such file;
+    [`eqxscan.checkpoint.CorruptFileError`][] naming the file (and the member
+    or array) if it is truncated or its sizes or digests disagree with its
+    arrays; `ValueError` if it is another program's file.
     """
-    archive = _open(path)
-    try:
-        return {name: archive[name].read() for name in archive}
-    finally:
-        archive.close()
+    path = check_path("load_state_dict: path", path)
+    if _is_npz(path):
+        _deprecated(path, "load_state_dict")
+        return read_npz(path)
+    return read_safetensors(path)
 
 
 def load(path: str | os.PathLike, like: T) -> T:
-    """Load a file written by [`eqxscan.save`][] into a model shaped like `like`.
+    """Load a file written by [`eqxscan.save`][] into a model shaped like `like`:
+    as [`eqxscan.load_safetensors`][], or, for an `.npz` of an earlier version,
+    with a `DeprecationWarning`.
 
     Names, shapes and dtypes are checked against `like` before any array is
     read, and each array against its digest as it is read.
 
     **Arguments:**
 
-    - `path`: the checkpoint file.
+    - `path`: a safetensors file or directory, or an earlier version's `.npz`.
     - `like`: a model of the wanted layout (arrays or `jax.ShapeDtypeStruct`s),
       as for [`eqxscan.from_state_dict`][].
 
@@ -608,8 +117,12 @@ def load(path: str | os.PathLike, like: T) -> T:
 
     `FileNotFoundError` if there is no such file; `ValueError` naming
     missing/unexpected keys, wrong shapes/dtypes or a different number of
-    layers, or naming the file (and the member or array) if it is corrupt.
+    layers; [`eqxscan.checkpoint.CorruptFileError`][] naming the file (and the
+    member or array) if it is corrupt.
     """
+    path = check_path("load: path", path)
+    if not _is_npz(path):
+        return load_safetensors(path, like)
     if not any(is_arraylike(x) for x in jax.tree_util.tree_leaves(like)):
         raise TypeError(
             f"load: like must be a model of the saved layout, with arrays (or "
@@ -617,7 +130,8 @@ def load(path: str | os.PathLike, like: T) -> T:
             f"({describe(like)}).\nHint: pass a model built with the saved "
             "configuration, e.g. eqx.filter_eval_shape(make_model, key)."
         )
-    archive = _open(path)
+    _deprecated(path, "load")
+    archive = open_npz(path)
     try:
         return from_state_dict(like, archive)
     finally:

@@ -186,7 +186,7 @@ MODEL = eqxscan.nn.StackedMLP(4, 1, key=jr.key(0))
 @given(name=st.sampled_from(["path", "model", "like"]), value=junk)
 def save_load(name, value):
     with tempfile.TemporaryDirectory() as where:
-        path = os.path.join(where, "m.npz")
+        path = os.path.join(where, "m.safetensors")
         if name == "path":
             attempt("save/load", "path", value, lambda: eqxscan.save(value, MODEL))
             attempt("save/load", "path", value, lambda: eqxscan.load(value, MODEL))

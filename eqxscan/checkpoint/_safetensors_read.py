@@ -1,0 +1,226 @@
+"""Reading safetensors files and sharded directories: the arrays by name, their
+shapes and dtypes from the headers, data read (and checked against the digest
+eqxscan's writer records) only when asked for."""
+
+import hashlib
+import json
+import os
+from collections.abc import Callable, Iterator, Mapping
+
+import jax
+import numpy as np
+
+from ._files import CorruptFileError
+from ._names import Lazy
+
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+_DIGESTS = "eqxscan.sha256"  # metadata: JSON {name: hex digest}
+_TOKEN = "eqxscan.save"  # metadata of each file and of the index: one save's token
+_DOCS = "see docs/checkpoints.md"
+
+
+def _package():
+    try:
+        import safetensors
+        import safetensors.numpy
+    except ImportError as e:  # pragma: no cover - a dependency of eqxscan
+        raise ImportError(
+            "eqxscan's safetensors files need the `safetensors` package: "
+            "pip install safetensors"
+        ) from e
+    return safetensors
+
+
+def _digest(array: np.ndarray) -> str:
+    flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    return hashlib.sha256(flat.data).hexdigest()
+
+
+def _bad(path: str, why: str) -> CorruptFileError:
+    return CorruptFileError(
+        f"Safetensors file {path!r} is corrupt or is not a safetensors file: {why}."
+        f"\nHint: restore it from a copy, or save it again; {_DOCS}."
+    )
+
+
+class _Files(Mapping[str, Lazy]):
+    """The arrays of a safetensors file or sharded directory, by name: shapes
+    and dtypes from the headers, data read (and checked against its digest)
+    only when asked for."""
+
+    def __init__(self, path: str):
+        self.handles: list[object] = []
+        self.formats: set[str] = set()  # the metadata's `format`: "pt", "flax"
+        self.entries: dict[str, Lazy] = {}
+        files, token, self.where = self._resolve(path)
+        try:
+            for file, names in files.items():
+                self._open(file, names, token)
+        except BaseException:
+            self.close()
+            raise
+
+    def _resolve(
+        self, path: str
+    ) -> tuple[dict[str, list[str] | None], str | None, str]:
+        if os.path.isdir(path):
+            if os.path.isfile(os.path.join(path, SINGLE)):
+                return {os.path.join(path, SINGLE): None}, None, path
+            if os.path.isfile(os.path.join(path, INDEX)):
+                path = os.path.join(path, INDEX)
+            else:
+                raise FileNotFoundError(
+                    f"No safetensors checkpoint in {path!r}: neither {SINGLE} nor "
+                    f"{INDEX} is there."
+                )
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"No safetensors file {path!r}.")
+        if not path.endswith(".json"):
+            return {path: None}, None, path
+        try:
+            with open(path, encoding="utf-8") as f:
+                index = json.load(f)
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            raise CorruptFileError(
+                f"Safetensors index {path!r} is not valid JSON ({e}).\nHint: "
+                f"restore it from a copy, or save again; {_DOCS}."
+            ) from None
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) and _plain(v)
+            for k, v in weight_map.items()
+        ):
+            raise CorruptFileError(
+                f"Safetensors index {path!r} has no valid 'weight_map' (an object "
+                "from array names to file names in its directory).\nHint: an "
+                f"index as Hugging Face writes it is expected; {_DOCS}."
+            )
+        meta = index.get("metadata")
+        token = meta.get(_TOKEN) if isinstance(meta, dict) else None
+        directory = os.path.dirname(path)
+        files: dict[str, list[str] | None] = {}
+        for name, file in weight_map.items():
+            files.setdefault(os.path.join(directory, file), []).append(name)  # type: ignore[union-attr]
+        absent = sorted(os.path.basename(f) for f in files if not os.path.isfile(f))
+        if absent:
+            raise FileNotFoundError(
+                f"Safetensors index {path!r} names files that are not there: "
+                f"{', '.join(map(repr, absent))}.\nHint: copy every shard beside "
+                "the index, or save again."
+            )
+        return files, token if isinstance(token, str) else None, path
+
+    def _open(self, file: str, names: list[str] | None, token: str | None) -> None:
+        st = _package()
+        try:
+            handle = st.safe_open(file, framework="np")
+            self.handles.append(handle)
+            keys = list(handle.keys())
+            meta = handle.metadata() or {}
+            if isinstance(meta.get("format"), str):
+                self.formats.add(meta["format"])
+            specs = {}
+            for key in keys:
+                piece = handle.get_slice(key)
+                specs[key] = (tuple(piece.get_shape()), piece.get_dtype())
+        except Exception as e:  # the package's SafetensorError, or an OSError
+            with open(file, "rb") as f:
+                start = f.read(4)
+            if start.startswith(b"PK"):
+                why = (
+                    "it is a zip archive (an .npz of an earlier eqxscan.save? "
+                    "read it with eqxscan.load)"
+                )
+            else:
+                why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            raise _bad(file, why) from None
+        digests: dict[str, str] = {}
+        if _DIGESTS in meta:
+            try:
+                digests = json.loads(meta[_DIGESTS])
+                assert isinstance(digests, dict)
+            except (ValueError, AssertionError):
+                raise _bad(
+                    file, f"its metadata '{_DIGESTS}' is not a JSON object"
+                ) from None
+        if digests and sorted(digests) != sorted(keys):
+            raise _bad(file, "its arrays differ from the names its metadata records")
+        if token is not None and meta.get(_TOKEN) != token:
+            raise CorruptFileError(
+                f"Safetensors file {file!r} is of another save than its index "
+                f"{self.where!r}: a save was interrupted, or files of two saves "
+                "were mixed.\nHint: save again, or restore the directory from a copy."
+            )
+        if names is not None:
+            missing = sorted(set(names) - set(keys))
+            extra = sorted(set(keys) - set(names))
+            if missing or extra:
+                what = "; ".join(
+                    f"{w} {', '.join(map(repr, x[:10]))}"
+                    for w, x in (("missing", missing), ("not in the index", extra))
+                    if x
+                )
+                raise _bad(file, f"its arrays differ from its index: {what}")
+        for key, (shape, dtype_name) in specs.items():
+            if key in self.entries:
+                raise _bad(file, f"'{key}' is in another file of the index too")
+            dtype = _dtype(file, key, dtype_name)
+            self.entries[key] = Lazy(
+                shape, dtype, self._reader(handle, file, key, digests.get(key))
+            )
+
+    def _reader(
+        self, handle: object, file: str, key: str, digest: str | None
+    ) -> Callable[[], np.ndarray]:
+        def read() -> np.ndarray:
+            try:
+                array = handle.get_tensor(key)  # type: ignore[attr-defined]
+            except Exception as e:
+                raise _bad(file, f"'{key}' cannot be read ({e})") from None
+            if digest is not None and _digest(array) != digest:
+                raise _bad(
+                    file,
+                    f"array '{key}' does not match its SHA-256 digest: its data "
+                    "changed after it was saved",
+                )
+            return np.asarray(array)
+
+        return read
+
+    def __getitem__(self, name: str) -> Lazy:
+        return self.entries[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def close(self) -> None:
+        for handle in self.handles:
+            try:
+                handle.__exit__(None, None, None)  # type: ignore[attr-defined]
+            except Exception:
+                pass
+        self.handles.clear()
+
+
+_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
+    "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8",
+    "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+}  # fmt: skip
+
+
+def _dtype(file: str, key: str, name: str) -> np.dtype:
+    try:
+        return np.dtype(jax.numpy.dtype(_DTYPES.get(name, name.lower())))
+    except TypeError:
+        raise _bad(file, f"'{key}' has dtype {name}, which NumPy cannot hold") from None
+
+
+def _plain(file: str) -> bool:
+    return os.path.basename(file) == file and file not in ("", ".", "..")
