@@ -35,6 +35,7 @@ from ._eager import compiled_when_eager as compiled_when_eager
 from ._exit import Bound as Bound, Predicate as Predicate, run_until as run_until
 from ._layer_call import (
     carry_only as carry_only,
+    index as index,
     LayerCall as LayerCall,
     per_layer as per_layer,
 )

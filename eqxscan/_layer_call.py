@@ -19,6 +19,11 @@ A container answers only "layer `i` as a function of the carry"; nothing here
 knows a container's layout, and nothing outside knows how arguments, keys and
 drop inputs are sliced.
 
+Cutting a tree at layer `i` is `index(tree, i)` (a static or traced `i`, see
+`Index`) and at several layers `take(tree, idx)`: every container, feature and
+subpackage cuts layers with these two (defined in `eqxscan/_index.py`, below
+the features the seam applies, and re-exported here).
+
 A `per_layer` value is read-only: a scan slices it as an input, and what a
 layer returns besides its carry is stacked again as a new `ys` array. A
 per-layer buffer that layers update (an [`eqxscan.buffer`][], e.g. a KV cache)
@@ -36,11 +41,17 @@ from typing import NamedTuple
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
-from jaxtyping import Array, Bool, Int, PyTree
+from jaxtyping import Array, Bool, PyTree
 
 from ._buffers import call_writing, find_buffer, view_of, with_view
 from ._checks import check_leading_axis, check_takes_key, describe
 from ._drop import DropInputs, dropping
+from ._index import (
+    Index as Index,
+    index as index,
+    Indices as Indices,
+    take as take,
+)
 from ._layer_index import at_layer
 from ._taps import inside_layer, tapped
 
@@ -71,30 +82,6 @@ def per_layer(tree: PyTree) -> PerLayer:
     A marker wrapping `tree`.
     """
     return PerLayer(tree)
-
-
-Index = int | Int[Array, ""]
-"""A layer index: a Python int, or an integer scalar array (traced or not)."""
-
-
-def index(tree: PyTree, i: Index) -> PyTree:
-    """Slice `i` of every array leaf of `tree` (a `dynamic_index_in_dim` for an
-    array index: one program for every `i`)."""
-    if isinstance(i, int):
-        return jtu.tree_map(lambda a: a[i] if eqx.is_array(a) else a, tree)
-    return jtu.tree_map(
-        lambda a: (
-            jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False)
-            if eqx.is_array(a)
-            else a
-        ),
-        tree,
-    )
-
-
-def take(tree: PyTree, idx: slice | object) -> PyTree:
-    """The layers `idx` (a slice or an index array) of every array leaf."""
-    return jtu.tree_map(lambda a: a[idx] if eqx.is_array(a) else a, tree)
 
 
 def arg_name(index_or_name: int | str) -> str:
@@ -317,7 +304,7 @@ class LayerCall(NamedTuple):
         one = self._one(index(self.per_layer_values(), i))
         return one._replace(number=self.index_of(i))
 
-    def take(self, idx: slice | object) -> "LayerCall":
+    def take(self, idx: Indices) -> "LayerCall":
         """The call of the layers `idx` (a static slice or index array), in
         that order: every per-layer value cut to them."""
         first = None
