@@ -13,7 +13,10 @@ call of its layers as one `LayerCall` and runs layer `i` through it:
 - `LayerCall.scanned()` splits what is per layer into the arrays a scan slices
   (`xs`) and rebuilds one step's `OneLayer` from its slice;
 - `run_one(layer, call, one, carry, who)` calls the layer (its method, its key,
-  drop-path and LayerDrop) and reads what it returned as `(carry, y)`.
+  drop-path and LayerDrop) and reads what it returned as `(carry, y)`; it sets
+  the layer's index, its named scope and its taps around the call. A
+  `Recurrent`'s cell is run by it too, as a layer whose carry comes first, on a
+  call `over="time"`.
 
 A container answers only "layer `i` as a function of the carry"; nothing here
 knows a container's layout, and nothing outside knows how arguments, keys and
@@ -36,7 +39,7 @@ back into the one stacked buffer (see `eqxscan/_buffers.py`), returning
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import equinox as eqx
 import jax
@@ -53,6 +56,7 @@ from ._index import (
     take as take,
 )
 from ._layer_index import at_layer
+from ._stateful import clone
 from ._taps import inside_layer, tapped
 
 
@@ -204,7 +208,8 @@ def takes_key(layer: object, method: Method | None) -> bool:
 class OneLayer(NamedTuple):
     """What one layer is called with: its arguments (its slices of the
     `per_layer` ones), its key (or `None`), its drop inputs (or `None`) and its
-    global index (see `LayerCall`; `None` when not known)."""
+    global index (see `LayerCall`; a time step on a call `over="time"`; `None`
+    when not known), which taps record it by."""
 
     args: tuple
     kwargs: dict[str, object]
@@ -244,6 +249,9 @@ class LayerCall(NamedTuple):
     - `first`, `stride`: layer `i` of this call is the outermost container's
       layer `first + i * stride` (a unit's step `i` starts at that layer);
       `first` is `None` when that is not known (layers taken out of order).
+    - `over`: what the steps are: `"layers"`, or a `Recurrent`'s `"time"` steps,
+      which run one cell (no layer is set for [`eqxscan.layer_index`][]) and
+      are tapped by their time step.
     """
 
     args: tuple
@@ -259,6 +267,7 @@ class LayerCall(NamedTuple):
     caller: str = "Stacked"
     first: Index | None = 0
     stride: int = 1
+    over: Literal["layers", "time"] = "layers"
 
     def index_of(self, i: Index) -> Index | None:
         """The global index of this call's layer (or unit) `i`."""
@@ -383,10 +392,12 @@ def run_one(
         out = call_layer(layer, call.method, c, one.args, one.kwargs, key, call.caller)
         return call.read_out(out, who)
 
+    old = clone(carry)  # the layer may invalidate `carry` (an `eqx.nn.State`)
+    number = one.number if call.over == "layers" else None
     # Named for profiles: a scanned stack's ops carry the layer's class.
-    with at_layer(one.number), inside_layer(), jax.named_scope(type(layer).__name__):
+    with at_layer(number), inside_layer(), jax.named_scope(type(layer).__name__):
         new, y = (fn if one.drop is None else dropping(fn, one.drop))(carry)
-    return tapped(one.number, new, carry), y
+    return tapped(one.number, new, old), y
 
 
 def _run_writing(
