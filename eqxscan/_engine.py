@@ -25,6 +25,7 @@ from jaxtyping import Array, Bool, PyTree
 from ._auto import resolve
 from ._checks import check_carry, noted
 from ._gate import can_gate_scan, gated, gated_scan, gated_step
+from ._index import index
 from ._layer_index import indexed, loop_step
 from ._options import ScanOptions
 from ._remat import (
@@ -118,7 +119,7 @@ def _unstack(xs: PyTree, length: int) -> list[PyTree]:
     # One `split` per leaf rather than `length` slices: its transpose is a single
     # concatenate, so the loop's gradient does not add up `length` padded copies.
     if length == 1:
-        return [jtu.tree_map(lambda a: a[0], xs)]
+        return [index(xs, 0)]
     leaves, treedef = jtu.tree_flatten(xs)
     pieces = [jax.lax.split(a, [1] * length) for a in leaves]
     return [
