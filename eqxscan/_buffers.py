@@ -28,14 +28,13 @@ import jax.extend.core as jcore
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax.ad_checkpoint import checkpoint_name
-from jaxtyping import Array, Int, PyTree
+from jaxtyping import Array, PyTree
 
 from ._checks import describe
+from ._index import Index, index
 from ._remat import BUFFER_READ
 from ._stateful import get_arg, replace_arg
 
-
-Index = int | Int[Array, ""]
 
 #: How a layer reads its slice: `"view"` straight from the stacked buffer,
 #: `"copy"` through one contiguous copy per step, `"auto"` as the backend suits.
@@ -201,20 +200,6 @@ def check_buffer_axis(view: Buffer, length: int, who: str) -> None:
             )
 
 
-def index(tree: PyTree, i: int) -> PyTree:
-    """Slice `i` of every leaf of a buffer."""
-    return jtu.tree_map(lambda a: a[i], tree)
-
-
-def _slice(a: Array, prefix: tuple[Index, ...]) -> Array:
-    # `a[prefix]`: static slicing for ints, a dynamic slice for traced indices.
-    if all(isinstance(i, int) for i in prefix):
-        return a[prefix]
-    for i in prefix:
-        a = jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False)
-    return a
-
-
 def _read(a: Array, prefix: tuple[Index, ...], reads: Reads) -> Array:
     # A step's slice of a stacked leaf, as `reads` says. XLA fuses a dynamic
     # slice into its consumers, and nothing but a conditional's result keeps it
@@ -225,11 +210,11 @@ def _read(a: Array, prefix: tuple[Index, ...], reads: Reads) -> Array:
     if reads == "auto":
         reads = "copy" if jax.default_backend() == "cpu" else "view"
     if reads == "view" or static:
-        return _slice(a, prefix)
+        return index(a, prefix)
     shape = a.shape[len(prefix) :]
     return jax.lax.cond(
         jnp.asarray(prefix[-1]) >= 0,
-        lambda a: _slice(a, prefix),
+        lambda a: index(a, prefix),
         lambda a: jnp.zeros(shape, a.dtype),
         a,
     )

@@ -25,6 +25,7 @@ from jaxtyping import Array, Bool, PyTree
 from ._auto import resolve
 from ._checks import check_carry, noted
 from ._gate import can_gate_scan, gated, gated_scan, gated_step
+from ._index import index
 from ._layer_index import indexed, loop_step
 from ._options import ScanOptions
 from ._remat import (
@@ -118,7 +119,7 @@ def _unstack(xs: PyTree, length: int) -> list[PyTree]:
     # One `split` per leaf rather than `length` slices: its transpose is a single
     # concatenate, so the loop's gradient does not add up `length` padded copies.
     if length == 1:
-        return [jtu.tree_map(lambda a: a[0], xs)]
+        return [index(xs, 0)]
     leaves, treedef = jtu.tree_flatten(xs)
     pieces = [jax.lax.split(a, [1] * length) for a in leaves]
     return [
@@ -197,21 +198,54 @@ def run(
         gathered,
         over,
     )
+    how = (length, reverse, unroll, checkpoint)
     if keep is not None and _whole_scan(checkpoint, traced):
-        # The rule's choice, or a plain value: a kept layer saves what it says.
-        c_flat, y_flat = gated_scan(
-            traced.jaxpr,
-            traced.n_carry,
-            jtu.tree_leaves(c_dyn),
-            jtu.tree_leaves(xs),
-            keep,
-            length=length,
-            reverse=reverse,
-            unroll=unroll,
-            policy=_gate_policy(checkpoint),
-        )
-        c_dyn, ys = jtu.tree_unflatten(traced.out_tree, c_flat + y_flat)
-        return eqx.combine(c_dyn, c_static), eqx.combine(ys, traced.y_static)
+        c_dyn, ys = _gated_whole(traced, c_dyn, xs, keep, *how)
+    else:
+        c_dyn, ys = _scanned(traced, c_dyn, xs, keep, *how)
+    return eqx.combine(c_dyn, c_static), eqx.combine(ys, traced.y_static)
+
+
+def _gated_whole(
+    traced: Traced,
+    c_dyn: PyTree,
+    xs: PyTree,
+    keep: Bool[Array, " L"],
+    length: int,
+    reverse: bool,
+    unroll: int | bool,
+    checkpoint: ScanCheckpoint,
+) -> tuple[PyTree, PyTree]:
+    """`(carry, ys)` (array parts) of a scan gated by LayerDrop's `keep` as one
+    `gated_scan`, each kept layer saving what the checkpoint says."""
+    # The rule's choice, or a plain value: a kept layer saves what it says.
+    c_flat, y_flat = gated_scan(
+        traced.jaxpr,
+        traced.n_carry,
+        jtu.tree_leaves(c_dyn),
+        jtu.tree_leaves(xs),
+        keep,
+        length=length,
+        reverse=reverse,
+        unroll=unroll,
+        policy=_gate_policy(checkpoint),
+    )
+    return jtu.tree_unflatten(traced.out_tree, c_flat + y_flat)
+
+
+def _scanned(
+    traced: Traced,
+    c_dyn: PyTree,
+    xs: PyTree,
+    keep: Bool[Array, " L"] | None,
+    length: int,
+    reverse: bool,
+    unroll: int | bool,
+    checkpoint: ScanCheckpoint,
+) -> tuple[PyTree, PyTree]:
+    """`(carry, ys)` (array parts) of the traced step run `length` times as
+    `checkpoint` and `unroll` say: unrolled, a nested scan, or one `lax.scan`;
+    each step gated on its own where `keep` is given."""
     body: Step = traced
     if keep is not None:
         # A checkpoint that names or nests what to save: each step gated on its
@@ -220,11 +254,11 @@ def run(
         xs = (xs, keep)
     if unroll is True and not checkpoint.named:
         # Unrolled fully: the loop's own program, from the one traced step.
-        c_dyn, ys = _unrolled(body, c_dyn, xs, length, checkpoint, reverse)
-    elif checkpoint.named:
+        return _unrolled(body, c_dyn, xs, length, checkpoint, reverse)
+    if checkpoint.named:
         if checkpoint.save_carries is not None:
             body = _named_carry(body)
-        c_dyn, ys = nested_scan(
+        return nested_scan(
             body,
             c_dyn,
             xs,
@@ -235,16 +269,14 @@ def run(
             checkpoint.boundary_policy(),
             reverse,
         )
-    else:
-        c_dyn, ys = jax.lax.scan(
-            remat(body, checkpoint, in_scan=True),
-            c_dyn,
-            xs,
-            length=length,
-            unroll=unroll,
-            reverse=reverse,
-        )
-    return eqx.combine(c_dyn, c_static), eqx.combine(ys, traced.y_static)
+    return jax.lax.scan(
+        remat(body, checkpoint, in_scan=True),
+        c_dyn,
+        xs,
+        length=length,
+        unroll=unroll,
+        reverse=reverse,
+    )
 
 
 def _reading(

@@ -369,16 +369,7 @@ def run_until(
     per_example = check_bool("per_example", per_example)
     check_no_state(args, kwargs, "run_until")
     length = model.num_layers
-    low = _check_bound("min_layers", min_layers, length, who)
-    high = _check_bound(
-        "max_layers", length if max_layers is None else max_layers, length, who
-    )
-    if isinstance(low, int) and isinstance(high, int) and low > high:
-        raise ValueError(
-            f"{who}: min_layers={low} is more than max_layers={high}.\nHint: "
-            "min_layers is the fewest layers to run before the predicate is "
-            "checked, max_layers the most."
-        )
+    low, high = _bounds(min_layers, max_layers, length, who)
     check_per_layer(args, kwargs, length)
     keys = None if key is None else split_key(key, length, type(model).__name__)
     batch = _batch_size(x, who) if per_example else 0
@@ -394,12 +385,34 @@ def run_until(
     )
     refuse_buffer(args, kwargs, "run_until")
     call = LayerCall(args, kwargs, keys, method=method, caller=who)
-    if isinstance(model, Stacked):
-        check_method(method, model.layers)
-        model.check_layer_axis("run")
-        segments: tuple[Segment, ...] = (stack_segments(model, call),)
-    else:
-        check_chain_method(model.groups, model.layout, method)
-        segments = chain_segments(model.groups, model.layout, call)
-    end = _run_segments(ex, segments, start, c_static)
+    end = _run_segments(ex, _segments(model, call), start, c_static)
     return eqx.combine(end.carry, c_static), end.layers_run
+
+
+def _bounds(
+    min_layers: Bound, max_layers: Bound | None, length: int, who: str
+) -> tuple[Bound, Bound]:
+    """`(low, high)`: the bounds on the layers run, checked (ints) against
+    `length` and each other."""
+    low = _check_bound("min_layers", min_layers, length, who)
+    high = _check_bound(
+        "max_layers", length if max_layers is None else max_layers, length, who
+    )
+    if isinstance(low, int) and isinstance(high, int) and low > high:
+        raise ValueError(
+            f"{who}: min_layers={low} is more than max_layers={high}.\nHint: "
+            "min_layers is the fewest layers to run before the predicate is "
+            "checked, max_layers the most."
+        )
+    return low, high
+
+
+def _segments(model: Stacked | Chain, call: LayerCall) -> tuple[Segment, ...]:
+    """`model`'s layers as the segments an early exit walks, as `call` runs
+    them, after checking that they have `call.method`."""
+    if isinstance(model, Stacked):
+        check_method(call.method, model.layers)
+        model.check_layer_axis("run")
+        return (stack_segments(model, call),)
+    check_chain_method(model.groups, model.layout, call.method)
+    return chain_segments(model.groups, model.layout, call)

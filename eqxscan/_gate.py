@@ -30,6 +30,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, Bool, PyTree
 
+from ._index import index
 from ._remat import Policy
 
 
@@ -151,11 +152,6 @@ def gated_call(
 
     gated.defvjp(forward, backward)
     return gated(keep, (c_fixed, o_fixed), (c_diff, o_diff))
-
-
-def _at(a: Array, i: Array) -> Array:
-    """Entry `i` of `a`'s leading axis (inside a branch: only a kept step reads)."""
-    return jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False)
 
 
 def gated(
@@ -286,7 +282,8 @@ class _GatedScan:
     def linearized(self, i: Array, c: list, fixed: tuple, diff: tuple) -> tuple:
         """Step `i`'s outputs, the values its vjp needs that are not its inputs,
         and the layout to rebuild the vjp from them and the inputs."""
-        fixed_i, diff_i = [_at(a, i) for a in fixed[1]], [_at(a, i) for a in diff[1]]
+        fixed_i = [index(a, i) for a in fixed[1]]
+        diff_i = [index(a, i) for a in diff[1]]
         fn = jax.checkpoint(
             self.step(fixed, fixed_i), policy=self.policy, prevent_cse=False
         )
@@ -336,7 +333,7 @@ class _GatedScan:
 
             def kept(c: list) -> list[Array]:
                 if not saved_avals:
-                    return _evaluate(self.traced, consts, c, [_at(a, i) for a in xs])
+                    return _evaluate(self.traced, consts, c, [index(a, i) for a in xs])
                 out, saved, _ = self.linearized(i, c, fixed, diff)
                 return list(out) + list(saved)
 
@@ -372,8 +369,8 @@ class _GatedScan:
             i, k, c_i, saved_i, ct_y = inp
 
             def run(ct: list, g_consts: list, g_xs: list) -> tuple[list, list, list]:
-                fixed_i = [_at(a, i) for a in fixed[1]]
-                diff_i = [_at(a, i) for a in xs_diff]
+                fixed_i = [index(a, i) for a in fixed[1]]
+                diff_i = [index(a, i) for a in xs_diff]
                 if layout is None:  # recompute the step's forward here
                     fn = self.step(fixed, fixed_i)
                     vjp_fn = jax.vjp(fn, consts_diff, c_i, diff_i)[1]

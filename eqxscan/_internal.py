@@ -36,6 +36,7 @@ from ._exit import Bound as Bound, Predicate as Predicate, run_until as run_unti
 from ._jax_private import distributed_client as distributed_client
 from ._layer_call import (
     carry_only as carry_only,
+    index as index,
     LayerCall as LayerCall,
     per_layer as per_layer,
 )

@@ -13,11 +13,19 @@ call of its layers as one `LayerCall` and runs layer `i` through it:
 - `LayerCall.scanned()` splits what is per layer into the arrays a scan slices
   (`xs`) and rebuilds one step's `OneLayer` from its slice;
 - `run_one(layer, call, one, carry, who)` calls the layer (its method, its key,
-  drop-path and LayerDrop) and reads what it returned as `(carry, y)`.
+  drop-path and LayerDrop) and reads what it returned as `(carry, y)`; it sets
+  the layer's index, its named scope and its taps around the call. A
+  `Recurrent`'s cell is run by it too, as a layer whose carry comes first, on a
+  call `over="time"`.
 
 A container answers only "layer `i` as a function of the carry"; nothing here
 knows a container's layout, and nothing outside knows how arguments, keys and
 drop inputs are sliced.
+
+Cutting a tree at layer `i` is `index(tree, i)` (a static or traced `i`, see
+`Index`) and at several layers `take(tree, idx)`: every container, feature and
+subpackage cuts layers with these two (defined in `eqxscan/_index.py`, below
+the features the seam applies, and re-exported here).
 
 A `per_layer` value is read-only: a scan slices it as an input, and what a
 layer returns besides its carry is stacked again as a new `ys` array. A
@@ -31,17 +39,24 @@ back into the one stacked buffer (see `eqxscan/_buffers.py`), returning
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
-from jaxtyping import Array, Bool, Int, PyTree
+from jaxtyping import Array, Bool, PyTree
 
 from ._buffers import call_writing, find_buffer, view_of, with_view
 from ._checks import check_leading_axis, check_takes_key, describe
 from ._drop import DropInputs, dropping
+from ._index import (
+    Index as Index,
+    index as index,
+    Indices as Indices,
+    take as take,
+)
 from ._layer_index import at_layer
+from ._stateful import clone
 from ._taps import inside_layer, tapped
 
 
@@ -71,30 +86,6 @@ def per_layer(tree: PyTree) -> PerLayer:
     A marker wrapping `tree`.
     """
     return PerLayer(tree)
-
-
-Index = int | Int[Array, ""]
-"""A layer index: a Python int, or an integer scalar array (traced or not)."""
-
-
-def index(tree: PyTree, i: Index) -> PyTree:
-    """Slice `i` of every array leaf of `tree` (a `dynamic_index_in_dim` for an
-    array index: one program for every `i`)."""
-    if isinstance(i, int):
-        return jtu.tree_map(lambda a: a[i] if eqx.is_array(a) else a, tree)
-    return jtu.tree_map(
-        lambda a: (
-            jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False)
-            if eqx.is_array(a)
-            else a
-        ),
-        tree,
-    )
-
-
-def take(tree: PyTree, idx: slice | object) -> PyTree:
-    """The layers `idx` (a slice or an index array) of every array leaf."""
-    return jtu.tree_map(lambda a: a[idx] if eqx.is_array(a) else a, tree)
 
 
 def arg_name(index_or_name: int | str) -> str:
@@ -217,7 +208,8 @@ def takes_key(layer: object, method: Method | None) -> bool:
 class OneLayer(NamedTuple):
     """What one layer is called with: its arguments (its slices of the
     `per_layer` ones), its key (or `None`), its drop inputs (or `None`) and its
-    global index (see `LayerCall`; `None` when not known)."""
+    global index (see `LayerCall`; a time step on a call `over="time"`; `None`
+    when not known), which taps record it by."""
 
     args: tuple
     kwargs: dict[str, object]
@@ -257,6 +249,9 @@ class LayerCall(NamedTuple):
     - `first`, `stride`: layer `i` of this call is the outermost container's
       layer `first + i * stride` (a unit's step `i` starts at that layer);
       `first` is `None` when that is not known (layers taken out of order).
+    - `over`: what the steps are: `"layers"`, or a `Recurrent`'s `"time"` steps,
+      which run one cell (no layer is set for [`eqxscan.layer_index`][]) and
+      are tapped by their time step.
     """
 
     args: tuple
@@ -272,6 +267,7 @@ class LayerCall(NamedTuple):
     caller: str = "Stacked"
     first: Index | None = 0
     stride: int = 1
+    over: Literal["layers", "time"] = "layers"
 
     def index_of(self, i: Index) -> Index | None:
         """The global index of this call's layer (or unit) `i`."""
@@ -317,7 +313,7 @@ class LayerCall(NamedTuple):
         one = self._one(index(self.per_layer_values(), i))
         return one._replace(number=self.index_of(i))
 
-    def take(self, idx: slice | object) -> "LayerCall":
+    def take(self, idx: Indices) -> "LayerCall":
         """The call of the layers `idx` (a static slice or index array), in
         that order: every per-layer value cut to them."""
         first = None
@@ -396,10 +392,12 @@ def run_one(
         out = call_layer(layer, call.method, c, one.args, one.kwargs, key, call.caller)
         return call.read_out(out, who)
 
+    old = clone(carry)  # the layer may invalidate `carry` (an `eqx.nn.State`)
+    number = one.number if call.over == "layers" else None
     # Named for profiles: a scanned stack's ops carry the layer's class.
-    with at_layer(one.number), inside_layer(), jax.named_scope(type(layer).__name__):
+    with at_layer(number), inside_layer(), jax.named_scope(type(layer).__name__):
         new, y = (fn if one.drop is None else dropping(fn, one.drop))(carry)
-    return tapped(one.number, new, carry), y
+    return tapped(one.number, new, old), y
 
 
 def _run_writing(

@@ -14,12 +14,11 @@ import functools
 from collections.abc import Callable, Iterator
 
 import jax.numpy as jnp
-from jaxtyping import Array, Int, PyTree
+from jaxtyping import Array, PyTree
 
+from ._index import Index
 from ._options import ScanOptions
 
-
-Index = int | Int[Array, ""]
 
 _LOOP_STEP: contextvars.ContextVar[int | None] = contextvars.ContextVar(
     "eqxscan_loop_step", default=None

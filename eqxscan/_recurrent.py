@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
-from jaxtyping import Array, ArrayLike, Bool, PRNGKeyArray, PyTree
+from jaxtyping import Array, ArrayLike, Bool, Int, PRNGKeyArray, PyTree
 
 from ._buffers import refuse_buffer
 from ._checks import (
@@ -24,11 +24,10 @@ from ._checks import (
 )
 from ._eager import compiled_when_eager
 from ._engine import run
-from ._layer_call import call_layer, LayerCall
+from ._layer_call import LayerCall, OneLayer, run_one
 from ._layer_index import current_step
 from ._options import ScanArgs, Scanning, ScanOptions
 from ._stateful import clone
-from ._taps import tapped
 
 
 class RecurrentArgs(TypedDict, total=False):
@@ -316,6 +315,35 @@ class Recurrent(Scanning):
         h_T, hs = rnn(jnp.zeros(8), xs)
         assert hs.shape == (20, 8) and jnp.allclose(hs[-1], h_T)
         ```
+
+    !!! example
+
+        A cell with a `mask=` of its own (over the slots of a memory it
+        attends to) gets it through `cell_kwargs`, while `mask=` skips
+        padded time steps:
+
+        ```python
+        import equinox as eqx, jax, jax.numpy as jnp, eqxscan
+
+
+        class Attend(eqx.Module):
+            cell: eqxscan.ElmanCell
+
+            def __call__(self, x, h, memory, *, mask):
+                scores = jnp.where(mask, memory @ h, -jnp.inf)
+                return self.cell(x, h + jax.nn.softmax(scores) @ memory)
+
+
+        cell = Attend(eqxscan.ElmanCell(3, 8, key=jax.random.key(0)))
+        rnn = eqxscan.Recurrent(cell)
+        xs, memory = jnp.ones((6, 3)), jnp.ones((4, 8))  # 6 steps, 4 memory slots
+        slots = jnp.array([True, True, False, False])    # the cell's own mask
+        steps = jnp.arange(6) < 5                        # the last step is padding
+        h_T, hs = rnn(
+            jnp.zeros(8), xs, memory, mask=steps, cell_kwargs={"mask": slots}
+        )
+        assert jnp.array_equal(hs[5], hs[4])             # step 5 was skipped
+        ```
     """
 
     cell: Callable[..., PyTree]
@@ -392,8 +420,9 @@ class Recurrent(Scanning):
         - `key`: optional PRNG key, split into `T` keys; step `t` calls the cell
           with `key=keys[t]`. Without it the cell is called without `key`.
         - `cell_kwargs`: optional dict of the cell's keyword arguments, passed
-          unchanged to the cell at every step, like `*args`. Per-step values
-          belong in `xs` (which may be a pytree) instead.
+          unchanged to the cell at every step, like `*args` (see the class's
+          second example). Per-step values belong in `xs` (which may be a
+          pytree) instead.
         - `mask`: optional `bool[T]`. Where `mask[t]` is False the step is
           skipped: the carry passes through unchanged, so padding a sequence at
           either end does not change its final state. The cell sees zeros in
@@ -419,117 +448,124 @@ class Recurrent(Scanning):
         `time_axis` and aligned with `xs`, so `hs[t]` (for `time_axis=0`) is the
         carry right after consuming `xs[t]` (also with `reverse=True`, where
         `h_T` equals `hs[0]`).
-
-        !!! example
-
-            A cell with a `mask=` of its own (over the slots of a memory it
-            attends to) gets it through `cell_kwargs`, while `mask=` skips
-            padded time steps:
-
-            ```python
-            import equinox as eqx, jax, jax.numpy as jnp, eqxscan
-
-
-            class Attend(eqx.Module):
-                cell: eqxscan.ElmanCell
-
-                def __call__(self, x, h, memory, *, mask):
-                    scores = jnp.where(mask, memory @ h, -jnp.inf)
-                    return self.cell(x, h + jax.nn.softmax(scores) @ memory)
-
-
-            cell = Attend(eqxscan.ElmanCell(3, 8, key=jax.random.key(0)))
-            rnn = eqxscan.Recurrent(cell)
-            xs, memory = jnp.ones((6, 3)), jnp.ones((4, 8))  # 6 steps, 4 memory slots
-            slots = jnp.array([True, True, False, False])    # the cell's own mask
-            steps = jnp.arange(6) < 5                        # the last step is padding
-            h_T, hs = rnn(
-                jnp.zeros(8), xs, memory, mask=steps, cell_kwargs={"mask": slots}
-            )
-            assert jnp.array_equal(hs[5], hs[4])             # step 5 was skipped
-            ```
         """
         run_ = _controls("Recurrent", xs, options)
         kwargs = _check_cell_kwargs("Recurrent", cell_kwargs)
-        length, k, mask = run_.length, run_.truncate, run_.mask
         xs = _time_major(xs, run_.time_axis)
         xs_dyn, xs_static = eqx.partition(xs, eqx.is_array)
         _check_known_cell(self.cell, h0, xs)
-        keys = None
-        if key is not None:
-            per = (
-                "every step gets the same key"
-                if run_.broadcast_key
-                else "step t gets key=keys[t]"
-            )
-            check_takes_key(self.cell, "Recurrent", per)
-            if not run_.broadcast_key:
-                keys = split_key(key, length, type(self).__name__)
-        # Position of each step in consumption order, for the truncation blocks.
-        order = None
-        if k is not None:
-            order = jnp.arange(length)
-            if self.reverse:
-                order = length - 1 - order
-        cell = self.cell
-        name = type(cell).__name__
-        where_all = f"The cell {name} (one body for all {length} time steps)"
-        where_masked = where_all if self.mode == "scan" else f"The cell {name}"
-
-        # Step t's key through the layer-call seam, the cell run as a layer
-        # whose carry comes first (`_cell_step`).
+        keys = _step_keys(self.cell, key, run_, type(self).__name__)
         refuse_buffer(args, kwargs, "Recurrent")
-        call = LayerCall(args, kwargs, keys, method=_cell_step, caller="Recurrent")
+        # Step t's arguments and key through the layer-call seam, the cell run
+        # as a layer whose carry comes first (`_cell_step`).
+        call = LayerCall(
+            args, kwargs, keys, method=_cell_step, caller="Recurrent", over="time"
+        )
         per_step, one_step = call.scanned()
-
-        def step(h: PyTree, inputs: tuple) -> tuple[PyTree, PyTree]:
-            x_dyn, m, n, per = inputs
-            one = one_step(per)
-            step_key = key if run_.broadcast_key else one.key
-            if n is not None:
-                # Entering a new block: let values through, not gradients.
-                cut = (n > 0) & (n % k == 0)
-                h = _where(cut, jtu.tree_map(_stop_gradient, h), h)
-            if m is not None:
-                x_dyn = _hide(m, x_dyn)
-            x = eqx.combine(x_dyn, xs_static)  # named as inputs by the engine
-            old = clone(h)  # the cell may invalidate `h` (an `eqx.nn.State`)
-            with jax.named_scope(name):  # the cell's class, in profiles
-                new = call_layer(
-                    cell,
-                    _cell_step,
-                    h,
-                    (x, *one.args),
-                    one.kwargs,
-                    step_key,
-                    "Recurrent",
-                )
-            if m is not None:
-                # Check before `jnp.where` can broadcast a wrong shape into the
-                # carry (without a mask the engine checks, naming the step).
-                check_carry(old, new, where_masked)
-                new = _where(m, new, old)
-            new = tapped(current_step(), new, old)
-            return new, new
-
-        def where(i: int | None) -> str:
-            return where_all if i is None else f"The cell {name} at time step {i}"
-
-        inputs = (xs_dyn, mask, order, per_step)
-        if length == 0:
+        name = type(self.cell).__name__
+        where_all = f"The cell {name} (one body for all {run_.length} time steps)"
+        masked = where_all if self.mode == "scan" else f"The cell {name}"
+        step = _time_step(self.cell, call, one_step, xs_static, run_, key, masked)
+        inputs = (xs_dyn, run_.mask, _consumption_order(run_, self.reverse), per_step)
+        if run_.length == 0:
             h_T, hs = h0, _no_steps(step, h0, inputs, where_all)
         else:
             h_T, hs = run(
                 step,
                 h0,
                 inputs,
-                length=length,
+                length=run_.length,
                 options=self.options,
                 reverse=self.reverse,
-                where=where,
+                where=lambda i: (
+                    where_all if i is None else f"The cell {name} at time step {i}"
+                ),
                 over="time",
             )
         return h_T, _time_layout(hs, run_.time_axis)
+
+
+def _step_keys(
+    cell: Callable[..., PyTree],
+    key: PRNGKeyArray | None,
+    controls: _Controls,
+    who: str,
+) -> Array | None:
+    """Step `t`'s key `keys[t]`, split from `key` (`None` without a key, or when
+    every step gets `key` itself), after checking that the cell takes one."""
+    if key is None:
+        return None
+    per = (
+        "every step gets the same key"
+        if controls.broadcast_key
+        else "step t gets key=keys[t]"
+    )
+    check_takes_key(cell, "Recurrent", per)
+    if controls.broadcast_key:
+        return None
+    return split_key(key, controls.length, who)
+
+
+def _consumption_order(controls: _Controls, reverse: bool) -> Int[Array, " T"] | None:
+    """Each step's position in consumption order, for truncation's blocks
+    (`None` without truncation)."""
+    if controls.truncate is None:
+        return None
+    order = jnp.arange(controls.length)
+    return controls.length - 1 - order if reverse else order
+
+
+def _time_step(
+    cell: Callable[..., PyTree],
+    call: LayerCall,
+    one_step: Callable[[PyTree], OneLayer],
+    xs_static: PyTree,
+    controls: _Controls,
+    key: PRNGKeyArray | None,
+    where: str,
+) -> Callable[[PyTree, tuple], tuple[PyTree, PyTree]]:
+    """The engine's step `(h, (x_t, mask_t, position_t, per_step_t)) -> (h, h)`:
+    truncation and masking around the cell, which runs through the layer-call
+    seam (its key, named scope and taps there). `where` names the cell in a
+    masked step's carry error."""
+    k = controls.truncate
+
+    def step(h: PyTree, inputs: tuple) -> tuple[PyTree, PyTree]:
+        x_dyn, m, n, per = inputs
+        if n is not None and k is not None:
+            # Entering a new block: let values through, not gradients.
+            cut = (n > 0) & (n % k == 0)
+            h = _where(cut, jtu.tree_map(_stop_gradient, h), h)
+        if m is not None:
+            x_dyn = _hide(m, x_dyn)
+        one = one_step(per)
+        one = one._replace(
+            args=(eqx.combine(x_dyn, xs_static), *one.args),  # named by the engine
+            key=key if controls.broadcast_key else one.key,
+            number=current_step(),
+        )
+        this = call if m is None else call._replace(method=_masked_cell_step(m, where))
+        new, _ = run_one(cell, this, one, h, f"The cell {type(cell).__name__}")
+        return new, new
+
+    return step
+
+
+def _masked_cell_step(keep: Bool[Array, ""], where: str) -> Callable[..., PyTree]:
+    """`_cell_step` on a step that `mask` may skip: the new carry where `keep`,
+    else the old one (`where` names the cell in a carry error)."""
+
+    def cell_step(
+        cell: Callable[..., PyTree], h: PyTree, *rest: PyTree, **kw: PyTree
+    ) -> PyTree:
+        old = clone(h)  # the cell may invalidate `h` (an `eqx.nn.State`)
+        new = _cell_step(cell, h, *rest, **kw)
+        # Check before `jnp.where` can broadcast a wrong shape into the carry
+        # (without a mask the engine checks, naming the step).
+        check_carry(old, new, where)
+        return _where(keep, new, old)
+
+    return cell_step
 
 
 def _cell_step(

@@ -61,6 +61,7 @@ from ._layer_call import (
     PerLayer,
     run_one,
     Segment,
+    take,
 )
 from ._layer_index import step_index
 from ._options import ScanArgs, Scanning, ScanOptions
@@ -312,9 +313,7 @@ class Stacked(Scanning, Generic[LayerT]):
                     f"Slice {index} selects no layers of a Stacked with "
                     f"{self.num_layers} layers; a Stacked needs at least one."
                 )
-            layers = jtu.tree_map(
-                lambda a: a[index] if eqx.is_array(a) else a, self.layers
-            )
+            layers = take(self.layers, index)
             drop_path, layer_drop = rates_of(self.depth_drop)
             if self.depth_drop is not None:
                 drop_path, layer_drop = rates_of(self.depth_drop.sliced(index))
@@ -332,7 +331,10 @@ class Stacked(Scanning, Generic[LayerT]):
             "mark it static, or select with "
             "`jax.tree.map(lambda a: a[i], stack.layers)`.",
         )
-        return jtu.tree_map(lambda a: a[i] if eqx.is_array(a) else a, self.layers)
+        # The parameter `index` (named in errors) hides the seam's `index`.
+        from ._layer_call import index as index_at
+
+        return index_at(self.layers, i)
 
     def unstack(self) -> list[LayerT]:
         """The layers as a list of ordinary (unstacked) modules."""
@@ -673,7 +675,7 @@ def vmap_layers(stack: Stacked, x: PyTree, call: LayerCall) -> PyTree:
     if stack.mode == "loop":
         outs = []
         for i in range(length):
-            layer_i = jtu.tree_map(lambda a, i=i: a[i], inputs)
+            layer_i = index(inputs, i)
             outs.append(noted(each, f"Layer {i} ({cls_name})", *layer_i))
         return jtu.tree_map(lambda *a: jnp.stack(a), *outs)
     where = f"The stacked layer {cls_name} (one body for all {length} layers)"

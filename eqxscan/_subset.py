@@ -25,9 +25,11 @@ from ._exit import check_model, check_no_state
 from ._layer_call import (
     check_method,
     check_per_layer,
+    Indices,
     LayerCall,
     Method,
     run_one,
+    take,
 )
 from ._options import ScanOptions
 from ._stacked import layer_of, restack, scan_layers, Stacked
@@ -204,7 +206,7 @@ def run_layers(
     check_per_layer(args, kwargs, length)
     keys = None if key is None else split_key(key, length, type(model).__name__)
     if isinstance(layers, jax.Array):
-        idx: object = _dynamic_indices(layers, length, who)
+        idx: Indices = _dynamic_indices(layers, length, who)
     else:
         idx = _static_indices(layers, length, who)
     refuse_buffer(args, kwargs, "run_layers")
@@ -231,7 +233,7 @@ def _stretches(order: list[int]) -> list[tuple[int, int]]:
 
 
 def _run_chosen(
-    model: Stacked | Chain, x: PyTree, idx: object, traced: bool, call: LayerCall
+    model: Stacked | Chain, x: PyTree, idx: Indices, traced: bool, call: LayerCall
 ) -> PyTree:
     # `run_layers` once its arguments are checked: `idx` an index array when
     # `traced`, else a static slice or NumPy index array. Every layer runs
@@ -266,6 +268,6 @@ def _run_chosen(
     check_method(method, model.layers)
     model.check_layer_axis("run")
     count = len(order)
-    layers = jax.tree.map(lambda a: a[idx] if eqx.is_array(a) else a, model.layers)
+    layers = take(model.layers, idx)
     sub = restack(model, layers=layers, num_layers=count)
     return scan_layers(sub, x, sub_call._replace(caller="Stacked"))[0]

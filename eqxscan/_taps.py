@@ -23,16 +23,15 @@ import jax
 import jax.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from jaxtyping import Array, Float, Int, PyTree
+from jaxtyping import Array, Float, PyTree
 
+from ._index import Index, index
 from ._layer_index import setting
 
 
 Stat = Callable[..., PyTree]
 """`stat(output)` or `stat(output, input)`: a pytree of arrays from a layer's
 output carry (and the carry it was given)."""
-
-Index = int | Int[Array, ""]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,14 +136,6 @@ def _probed_bwd(
 _probed.defvjp(_probed_fwd, _probed_bwd)
 
 
-def _at(tree: PyTree, i: Index) -> PyTree:
-    if isinstance(i, int):
-        return jtu.tree_map(lambda a: a[i], tree)
-    return jtu.tree_map(
-        lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree
-    )
-
-
 def tapped(i: Index | None, new: PyTree, old: PyTree) -> PyTree:
     """Layer (or step) `i`'s output `new`, given `old`: its statistics
     recorded, and its slice of the probe attached, while a call is tapped."""
@@ -160,7 +151,7 @@ def tapped(i: Index | None, new: PyTree, old: PyTree) -> PyTree:
         scope.append((jnp.asarray(i, jnp.float32) + 1, None))
     if state.probe is not None:
         dyn, rest = eqx.partition(new, eqx.is_inexact_array)
-        p = _at(state.probe.values, i)
+        p = index(state.probe.values, i)
         new = eqx.combine(_probed(state.probe.stat, dyn, p), rest)
     return new
 

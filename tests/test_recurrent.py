@@ -778,6 +778,32 @@ def test_subclassed_cell_shapes_are_not_assumed(getkey):
     assert tree_allclose(h_T, expected)
 
 
+def test_cell_runs_through_the_layer_call_seam(getkey):
+    # A tapped Recurrent taps its time steps only: a container inside the cell
+    # is not tapped (as for a Stacked's layers), and the cell is no layer.
+    inner = eqxscan.Stacked(
+        lambda k: eqxscan.ElmanCell(HID, HID, key=k), 2, key=getkey()
+    )
+
+    class Deep(eqx.Module):
+        cell: eqxscan.ElmanCell
+        inner: eqxscan.Stacked
+
+        def __call__(self, x, h):
+            return self.inner(self.cell(x, h), method=lambda c, h: c(h, h))
+
+    cell = Deep(eqxscan.ElmanCell(IN, HID, key=getkey()), inner)
+    xs = jr.normal(getkey(), (T, IN))
+    h0 = jnp.zeros(HID)
+    rms = lambda h: jnp.sqrt(jnp.mean(h**2))
+    for mode in ("scan", "loop"):
+        rnn = eqxscan.Recurrent(cell, mode=mode)
+        (h_T, hs), got = eqxscan.tap(rnn, rms)(h0, xs)
+        assert got.shape == (T,)
+        np.testing.assert_allclose(got, jax.vmap(rms)(hs), rtol=1e-5)
+        np.testing.assert_allclose(h_T, python_loop(cell, h0, xs)[0], rtol=1e-5)
+
+
 # ------------------------------------------------------------------ example
 
 

@@ -34,6 +34,7 @@ from .._internal import (
     constrain,
     DepthDrop,
     DropInputs,
+    index,
     LayerCall,
     rates_of,
     restack,
@@ -548,10 +549,6 @@ def _put(buf: jax.Array, index: Int[Array, ""], value: jax.Array) -> jax.Array:
     return jax.lax.dynamic_update_index_in_dim(buf, new, i, axis=0)
 
 
-def _at(a: jax.Array, i: Int[Array, ""], axis: int = 0) -> jax.Array:
-    return jax.lax.dynamic_index_in_dim(a, i, axis, keepdims=False)
-
-
 def _chunk_call(
     drops: _Drops | None, r: Int[Array, ""], m: Int[Array, ""]
 ) -> LayerCall:
@@ -561,7 +558,7 @@ def _chunk_call(
     call = LayerCall((), {}, None)
     if drops is None:
         return call
-    mine = jtu.tree_map(lambda a: _at(a, r), drops)
+    mine = index(drops, r)
     call = call._replace(keep=mine.keep)
     if mine.path_keep is None:
         return call
@@ -572,7 +569,7 @@ def _chunk_call(
         None,
         (True, False),
         gated=True,
-        path_keep=_at(mine.path_keep, m, 1),
+        path_keep=index(mine.path_keep, m, axis=1),
     )
     return call._replace(drop=path)
 
@@ -610,8 +607,8 @@ def _run_stage(
         r = jnp.maximum(repeat[stage], 0)
         if repeats > 1:
             inputs = _put(inputs, jnp.where(stage == 0, arrived, -1), state)
-        fresh = _at(inputs, m)
-        chunk = jtu.tree_map(lambda a: _at(a, r), dyn)
+        fresh = index(inputs, m)
+        chunk = index(dyn, r)
         local = restack(
             stack,
             layers=eqx.combine(chunk, static),
