@@ -147,7 +147,7 @@ INTERNAL_API = "eqxscan._internal"
 
 def owner(m: str) -> str:
     """Who a module belongs to: `"core"` for the top of the package and its
-    private folders (`eqxscan._chain`), else its subpackage (`eqxscan.sharding`)."""
+    private folders (`eqxscan._scan`), else its subpackage (`eqxscan.sharding`)."""
     parts = m.split(".")
     if len(parts) == 1 or parts[1].startswith("_"):
         return "core"

@@ -21,29 +21,39 @@ from . import (
     sharding as sharding,
     stats as stats,
 )
-from ._buffers import Buffer as Buffer, buffer as buffer, LayerBuffers as LayerBuffers
-from ._chain import Chain as Chain
-from ._drop import (
+from ._containers.chain import Chain as Chain
+from ._containers.recurrent import (
+    Bidirectional as Bidirectional,
+    Recurrent as Recurrent,
+)
+from ._containers.stacked import Stacked as Stacked
+from ._features.buffer_layout import layer_buffers as layer_buffers
+from ._features.early_exit import run_until as run_until
+from ._features.layer_subsets import run_layers as run_layers
+from ._features.nonfinite import (
+    find_nonfinite as find_nonfinite,
+    NonFinite as NonFinite,
+)
+from ._scan.buffers import (
+    Buffer as Buffer,
+    buffer as buffer,
+    LayerBuffers as LayerBuffers,
+)
+from ._scan.depth_drop import (
     DepthDrop as DepthDrop,
     linear_rates as linear_rates,
     LinearRates as LinearRates,
     Rates as Rates,
 )
-from ._exit import run_until as run_until
-from ._layer_buffers import layer_buffers as layer_buffers
-from ._layer_call import per_layer as per_layer
-from ._layer_index import layer_index as layer_index
-from ._nonfinite import find_nonfinite as find_nonfinite, NonFinite as NonFinite
-from ._options import (
+from ._scan.layer_call import per_layer as per_layer
+from ._scan.layer_index import layer_index as layer_index
+from ._scan.options import (
     Checkpoint as Checkpoint,
     Mode as Mode,
     ScanOptions as ScanOptions,
 )
-from ._recurrent import Bidirectional as Bidirectional, Recurrent as Recurrent
-from ._remat import ScanCheckpoint as ScanCheckpoint
-from ._stacked import Stacked as Stacked
-from ._subset import run_layers as run_layers
-from ._taps import Probe as Probe, probe as probe, tap as tap
+from ._scan.remat import ScanCheckpoint as ScanCheckpoint
+from ._scan.taps import Probe as Probe, probe as probe, tap as tap
 from .checkpoint import (
     from_flax_scan as from_flax_scan,
     from_state_dict as from_state_dict,

@@ -7,14 +7,26 @@ kept stable for the periphery, not for users: users import `eqxscan`'s public
 names.
 """
 
-from ._auto import (
-    AutoChoice as AutoChoice,
-    recording as recording,
-    StepCost as StepCost,
-    THRESHOLDS as THRESHOLDS,
-    Thresholds as Thresholds,
+from ._containers.stacked import (
+    LayerIndex as LayerIndex,
+    restack as restack,
+    scan_layers as scan_layers,
+    Stacked as Stacked,
 )
-from ._checks import (
+from ._containers.walk import (
+    for_each as for_each,
+    key_name as key_name,
+    pattern as pattern,
+    Site as Site,
+    walk as walk,
+)
+from ._features.early_exit import (
+    Bound as Bound,
+    Predicate as Predicate,
+    run_until as run_until,
+)
+from ._features.layer_subsets import Layers as Layers, run_layers as run_layers
+from ._helpers.checks import (
     check_callable as check_callable,
     check_index as check_index,
     check_path as check_path,
@@ -23,44 +35,47 @@ from ._checks import (
     is_arraylike as is_arraylike,
     split_key as split_key,
 )
-from ._constrain import align as align, constrain as constrain, is_none as is_none
-from ._drop import (
+from ._helpers.constrain import (
+    align as align,
+    constrain as constrain,
+    is_none as is_none,
+)
+from ._helpers.jax_private import distributed_client as distributed_client
+from ._scan.auto import (
+    AutoChoice as AutoChoice,
+    recording as recording,
+    StepCost as StepCost,
+    THRESHOLDS as THRESHOLDS,
+    Thresholds as Thresholds,
+)
+from ._scan.depth_drop import (
     carry_examples as carry_examples,
     check_droppable as check_droppable,
     DepthDrop as DepthDrop,
     DropInputs as DropInputs,
     rates_of as rates_of,
 )
-from ._eager import compiled_when_eager as compiled_when_eager
-from ._exit import Bound as Bound, Predicate as Predicate, run_until as run_until
-from ._jax_private import distributed_client as distributed_client
-from ._layer_call import (
+from ._scan.eager_compile import compiled_when_eager as compiled_when_eager
+from ._scan.layer_call import (
     carry_only as carry_only,
     index as index,
     LayerCall as LayerCall,
     per_layer as per_layer,
 )
-from ._options import (
+from ._scan.options import (
     Checkpoint as Checkpoint,
     ScanArgs as ScanArgs,
     Scanning as Scanning,
     ScanOptions as ScanOptions,
 )
-from ._remat import Policy as Policy
-from ._stacked import (
-    LayerIndex as LayerIndex,
-    restack as restack,
-    scan_layers as scan_layers,
-    Stacked as Stacked,
+from ._scan.remat import Policy as Policy
+from ._scan.setting_names import (
+    checkpoint_label as checkpoint_label,
+    parse_bytes as parse_bytes,
 )
-from ._stats import max_abs as max_abs, nonfinite_count as nonfinite_count, rms as rms
-from ._subset import Layers as Layers, run_layers as run_layers
-from ._taps import tapping as tapping
-from ._tree import (
-    for_each as for_each,
-    key_name as key_name,
-    pattern as pattern,
-    Site as Site,
-    walk as walk,
+from ._scan.tap_stats import (
+    max_abs as max_abs,
+    nonfinite_count as nonfinite_count,
+    rms as rms,
 )
-from ._words import checkpoint_label as checkpoint_label, parse_bytes as parse_bytes
+from ._scan.taps import tapping as tapping

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import eqxscan
-from eqxscan import _auto
+from eqxscan._scan import auto as _auto
 
 
 def _thresholds(monkeypatch, **changes):

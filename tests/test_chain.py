@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from jaxtyping import Array
 
 import eqxscan
-from eqxscan._chain import Pattern
-from eqxscan._chain._grouping import Group, plan
+from eqxscan._containers.chain import Pattern
+from eqxscan._containers.chain.grouping import Group, plan
 from eqxscan.remat import THRESHOLDS
 
 from .helpers import tree_allclose

@@ -1,10 +1,10 @@
-"""The validation helpers of `eqxscan/_checks.py`."""
+"""The validation helpers of `eqxscan/_helpers/checks.py`."""
 
 import jax
 import numpy as np
 import pytest
 
-from eqxscan._checks import describe, split_key
+from eqxscan._helpers.checks import describe, split_key
 
 
 def test_split_key_accepts_one_key_of_either_kind():

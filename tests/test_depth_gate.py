@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import eqxscan
-from eqxscan._engine import run
-from eqxscan._remat import ScanCheckpoint
+from eqxscan._scan.engine import run
+from eqxscan._scan.remat import ScanCheckpoint
 
 from .helpers import run_script
 

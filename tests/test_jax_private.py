@@ -1,12 +1,12 @@
-"""JAX's private names, used in one place (`eqxscan._jax_private`): the installed
-JAX has them all, and a JAX without one degrades as documented."""
+"""JAX's private names, used in one place (`eqxscan._helpers.jax_private`): the
+installed JAX has them all, and a JAX without one degrades as documented."""
 
 import sys
 
 import jax
 import pytest
 
-from eqxscan import _jax_private
+from eqxscan._helpers import jax_private as _jax_private
 
 
 def test_installed_jax_has_every_private_name():

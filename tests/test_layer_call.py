@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import eqxscan
-from eqxscan._layer_call import LayerCall, OneLayer, PerLayer
+from eqxscan._scan.layer_call import LayerCall, OneLayer, PerLayer
 
 
 class Seen(eqx.Module):

@@ -68,21 +68,35 @@ def test_private_import_rule_can_fail():
     # The rule itself: a subpackage reaching a core private module other than
     # the internal API, or the core reaching a subpackage, is reported.
     structure, mods, graph = _graph()
-    bad = {**graph, "eqxscan.nn._mlp": graph["eqxscan.nn._mlp"] | {"eqxscan._chain"}}
-    assert ("eqxscan.nn._mlp", "eqxscan._chain") in structure.crossing(bad, mods)
-    up = {**graph, "eqxscan._engine": graph["eqxscan._engine"] | {"eqxscan.remat"}}
-    assert ("eqxscan._engine", "eqxscan.remat") in structure.upward(up, mods)
+    bad = {
+        **graph,
+        "eqxscan.nn._mlp": graph["eqxscan.nn._mlp"] | {"eqxscan._containers.chain"},
+    }
+    assert ("eqxscan.nn._mlp", "eqxscan._containers.chain") in structure.crossing(
+        bad, mods
+    )
+    up = {
+        **graph,
+        "eqxscan._scan.engine": graph["eqxscan._scan.engine"] | {"eqxscan.remat"},
+    }
+    assert ("eqxscan._scan.engine", "eqxscan.remat") in structure.upward(up, mods)
     # Planning, the runtime and the Orbax manager use sharding's public names
     # only, and the core only through the internal API.
     for m, t in [
         ("eqxscan.planning._candidates", "eqxscan.sharding._shard"),
-        ("eqxscan.distributed._runtime", "eqxscan._jax_private"),
+        ("eqxscan.distributed._runtime", "eqxscan._helpers.jax_private"),
         ("eqxscan.checkpoint._orbax", "eqxscan.sharding._place"),
     ]:
         bad = {**graph, m: graph[m] | {t}}
         assert (m, t) in structure.crossing(bad, mods)
-    lazy = {**graph, "eqxscan._checks": graph["eqxscan._checks"] | {"eqxscan.planning"}}
-    assert ("eqxscan._checks", "eqxscan.planning") in structure.upward(lazy, mods)
+    lazy = {
+        **graph,
+        "eqxscan._helpers.checks": graph["eqxscan._helpers.checks"]
+        | {"eqxscan.planning"},
+    }
+    assert ("eqxscan._helpers.checks", "eqxscan.planning") in structure.upward(
+        lazy, mods
+    )
 
 
 def _private_jax_uses(files):
@@ -90,12 +104,12 @@ def _private_jax_uses(files):
     return sorted(
         str(f.relative_to(ROOT))
         for f in files
-        if "jax._src" in f.read_text() and f.name != "_jax_private.py"
+        if "jax._src" in f.read_text() and f.name != "jax_private.py"
     )
 
 
 def test_private_jax_in_one_place():
-    # Every use of `jax._src` is in eqxscan/_jax_private.py, guarded and tested.
+    # Every use of `jax._src` is in eqxscan/_helpers/jax_private.py, guarded and tested.
     assert _private_jax_uses((ROOT / "eqxscan").rglob("*.py")) == []
     assert _private_jax_uses([ROOT / "tests" / "test_jax_private.py"]) == [
         "tests/test_jax_private.py"

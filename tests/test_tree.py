@@ -1,4 +1,5 @@
-"""The model walker of `eqxscan._tree`: key paths, layer depths and state-dict names."""
+"""The model walker of `eqxscan._containers.walk`: key paths, layer depths and
+state-dict names."""
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -8,8 +9,8 @@ import numpy as np
 import pytest
 
 import eqxscan
-from eqxscan._stacked import LayerIndex
-from eqxscan._tree import for_each, Site, walk
+from eqxscan._containers.stacked import LayerIndex
+from eqxscan._containers.walk import for_each, Site, walk
 
 
 class Block(eqx.Module):

@@ -1,4 +1,4 @@
-"""`explain_auto`: what the core's `"auto"` rule (`eqxscan/_auto.py`) picks for
+"""`explain_auto`: what the core's `"auto"` rule (`eqxscan/_scan/auto.py`) picks for
 every scan a function runs, and why."""
 
 from collections.abc import Callable

@@ -1,0 +1,139 @@
+"""How `Chain` groups its layers: a dynamic programme over groupings.
+
+Layers are first labelled by `stack_classes` (two layers share a label iff they
+can be stacked together); `plan` then picks the grouping of the labels that
+traces the fewest layer bodies.
+"""
+
+import functools
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from ..._helpers.stackable import alike
+
+
+class Group(NamedTuple):
+    """One group of a `Plan`: the next `size` layers.
+
+    - `per_step == 0`: one lone layer (`size == 1`), called directly.
+    - `per_step == 1`: a stack of `size` like layers, scanned one layer per step.
+    - `per_step == K >= 2`: a pattern of `K` layers repeated `size // K` times,
+      scanned one repeat per step; `pattern` is the plan of one repeat.
+    """
+
+    size: int
+    per_step: int
+    pattern: "Plan" = ()
+
+
+Plan = tuple[Group, ...]
+"""The groups of a sequence of layers, in order."""
+
+
+class _Cost(NamedTuple):
+    # Compared in this order: layer bodies traced, then groups (those inside
+    # patterns included).
+    bodies: int
+    groups: int
+
+
+def stack_classes(layers: Sequence[object]) -> tuple[int, ...]:
+    """Label layers so that two share a label iff they can be stacked together."""
+    reps: list[object] = []
+    labels = []
+    for layer in layers:
+        label = next((j for j, rep in enumerate(reps) if alike(rep, layer)), None)
+        if label is None:
+            label = len(reps)
+            reps.append(layer)
+        labels.append(label)
+    return tuple(labels)
+
+
+def plan(classes: tuple[int, ...], patterns: bool) -> Plan:
+    """The grouping of a sequence of layer classes with the smallest program.
+
+    Cost of a grouping, compared lexicographically: (1) the number of layer
+    bodies traced (a lone layer or a stack traces one body; a repeated pattern
+    traces the bodies of the pattern's own best grouping, once for all
+    repeats), then (2) the number of groups, counting those inside patterns. Ties go
+    to the grouping whose first group covers the most layers, so the choice is
+    deterministic and a remainder comes last.
+
+    **Example:** a stem `S`, then `(local, local, global)` three times, then a
+    head `H`, has classes `(0, 1, 1, 2, 1, 1, 2, 1, 1, 2, 3)`. The plan is
+
+    ```python
+    (
+        Group(1, 0),  # S, called directly
+        Group(9, 3, (Group(2, 1), Group(1, 0))),  # 3 repeats of [local x2, global]
+        Group(1, 0),  # H
+    )
+    ```
+
+    which traces four layer bodies (S, local, global, H) however many repeats
+    there are. With `patterns=False` only stacks are scanned:
+    `S, local x2, global, local x2, global, local x2, global, H` (eight groups,
+    eight bodies).
+    """
+    return _best(classes, patterns)[0]
+
+
+@functools.cache
+def _best(classes: tuple[int, ...], patterns: bool) -> tuple[Plan, _Cost]:
+    n = len(classes)
+    # best[i]: the cost of classes[i:] and its first group.
+    best: list[tuple[_Cost, Group | None]] = [(_Cost(0, 0), None)] * (n + 1)
+    for i in range(n - 1, -1, -1):
+        best[i] = min(
+            (
+                (_Cost(c.bodies + rest.bodies, c.groups + rest.groups), g)
+                for c, g in _candidates(classes, i, patterns)
+                for rest in [best[i + g.size][0]]
+            ),
+            key=lambda t: (t[0], -t[1].size),
+        )
+    groups, i = [], 0
+    while i < n:
+        group = best[i][1]
+        assert group is not None
+        groups.append(group)
+        i += group.size
+    return tuple(groups), best[0][0]
+
+
+def _candidates(
+    classes: tuple[int, ...], i: int, patterns: bool
+) -> list[tuple[_Cost, Group]]:
+    """Every group that may start at layer `i`, with its own cost."""
+    n = len(classes)
+    options = [(_Cost(1, 1), Group(1, 0))]
+    same = 1  # how many layers from `i` on share its class
+    while i + same < n and classes[i + same] == classes[i]:
+        same += 1
+    options.extend((_Cost(1, 1), Group(m, 1)) for m in range(2, same + 1))
+    if not patterns:
+        return options
+    # A pattern within those layers would be one class repeated: the stack
+    # does better.
+    for k in range(max(2, same + 1), (n - i) // 2 + 1):
+        pattern = classes[i : i + k]
+        repeats = 1
+        while classes[i + repeats * k : i + (repeats + 1) * k] == pattern:
+            repeats += 1
+        if repeats < 2 or not _primitive(pattern):
+            continue  # a shorter pattern repeated: that pattern does better
+        inner, cost = _best(pattern, patterns)
+        options.extend(
+            (_Cost(cost.bodies, 1 + cost.groups), Group(p * k, k, inner))
+            for p in range(2, repeats + 1)
+        )
+    return options
+
+
+def _primitive(pattern: tuple[int, ...]) -> bool:
+    """Whether `pattern` is not a shorter pattern repeated."""
+    k = len(pattern)
+    return not any(
+        k % d == 0 and pattern == pattern[:d] * (k // d) for d in range(1, k // 2 + 1)
+    )

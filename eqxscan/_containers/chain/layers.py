@@ -1,0 +1,197 @@
+"""A chain's layers one at a time: what `Chain` answers to "layer `i` as a
+function of the carry" (see `eqxscan._scan.layer_call`), for walks in order
+(`chain_segments`, early exit) and for traced subsets (`chain_layer_fn`)."""
+
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Int, PyTree
+
+from ..._helpers.checks import CarryError, check_carry, noted
+from ..._helpers.constrain import constrain
+from ..._scan.layer_call import Index, index, LayerCall, OneLayer, run_one, Segment
+from ..._scan.taps import add, held
+from ..stacked import layer_of, stack_layer_fn, Stacked
+from .chain import Chain, Pattern, Placement
+
+
+def chain_segments(
+    groups: tuple[Any, ...],
+    layout: tuple[Placement, ...],
+    call: LayerCall,
+    first: int = 0,
+) -> tuple[Segment, ...]:
+    """The groups' layers as segments of a walk in order (see `Segment`): a
+    lone layer alone, a stack one layer per step, a repeated pattern one repeat
+    per step (its own segments); `first` is the global index of the first
+    layer."""
+    out = []
+    for group, place in zip(groups, layout):
+        start = first + place.start
+        if place.per_step == 0:
+            one, name = call.at(place.start), type(group).__name__
+            fn = functools.partial(_lone_fn, group, call, one, name)
+            out.append(Segment(start, 1, 1, lambda j, fn=fn: fn, name, alone=True))
+        elif place.per_step == 1:
+            group_call = call.part(place.start, place.size, 1)
+            step = functools.partial(stack_layer_fn, group, group_call)
+            out.append(Segment(start, place.size, 1, step, type(group.layers).__name__))
+        else:
+            group_call = call.part(place.start, place.size, place.per_step)
+            step = functools.partial(_repeat_segments, group, place, group_call, start)
+            repeats = place.size // place.per_step
+            name = ", ".join(group.layers.class_names())
+            out.append(Segment(start, repeats, place.per_step, step, name))
+    return tuple(out)
+
+
+def _lone_fn(
+    layer: object, call: LayerCall, one: OneLayer, name: str, c: PyTree
+) -> PyTree:
+    return run_one(layer, call, one, c, name)[0]
+
+
+def _repeat_segments(
+    group: Stacked, place: Placement, group_call: LayerCall, start: int, r: Index
+) -> tuple[Segment, ...]:
+    # Repeat `r` of a pattern: its layers, with the repeat's inputs.
+    repeat: Pattern = layer_of(group, r)
+    call = group_call.inner(group_call.at(r))
+    first = start + (r * place.per_step if isinstance(r, int) else 0)
+    return chain_segments(repeat.groups, repeat.layout, call, first)
+
+
+class _Branch(NamedTuple):
+    """One body of a chain's traced subset: a lone layer or a stack, reached
+    from the chain's groups by `path` (a group index at each level, one level
+    per repeated pattern on the way). Its layer is indexed by one traced index
+    per repeated pattern, then one within a stack (`stacked`); `layers` are the
+    global indices it covers."""
+
+    path: tuple[int, ...]
+    stacked: bool
+    layers: tuple[int, ...]
+    name: str
+
+
+def _walk(
+    groups: tuple, layout: tuple[Placement, ...], path: tuple[int, ...], reps: tuple
+) -> Iterator[tuple[tuple[int, ...], bool, tuple[int, ...], str]]:
+    """`(path, stacked, indices, class name)` for each layer of `groups`, in
+    order: which body runs it and the indices (repeats, then within a stack) that
+    pick its weights."""
+    for j, (group, place) in enumerate(zip(groups, layout)):
+        here = path + (j,)
+        if place.per_step == 0:
+            yield here, False, reps, type(group).__name__
+        elif place.per_step == 1:
+            name = type(group.layers).__name__
+            for o in range(place.size):
+                yield here, True, reps + (o,), name
+        else:
+            pattern: Pattern = group.layers
+            for r in range(place.size // place.per_step):
+                yield from _walk(pattern.groups, pattern.layout, here, reps + (r,))
+
+
+def _describe_layers(layers: tuple[int, ...], name: str) -> str:
+    if len(layers) == 1:
+        return f"Layer {layers[0]} ({name})"
+    if layers == tuple(range(layers[0], layers[-1] + 1)):
+        return f"Layers {layers[0]}-{layers[-1]} ({name}, one body)"
+    shown = ", ".join(map(str, layers[:6])) + (", ..." if len(layers) > 6 else "")
+    return f"Layers {shown} ({name}, one body)"
+
+
+def _chain_table(chain: Chain) -> tuple[list[_Branch], np.ndarray]:
+    """The chain's bodies, and for each global layer a row `[body, i_0, ...]`:
+    which body runs it and the indices of its weights (padded with zeros)."""
+    walked = list(_walk(chain.groups, chain.layout, (), ()))
+    paths = list(dict.fromkeys(path for path, _, _, _ in walked))
+    width = 1 + max(len(indices) for _, _, indices, _ in walked)
+    table = np.zeros((len(walked), width), np.int32)
+    for g, (path, _, indices, _) in enumerate(walked):
+        table[g, : 1 + len(indices)] = (paths.index(path), *indices)
+    branches = []
+    for b, path in enumerate(paths):
+        layers = tuple(int(g) for g in np.flatnonzero(table[:, 0] == b))
+        _, stacked, _, name = walked[layers[0]]
+        branch = _Branch(path, stacked, layers, _describe_layers(layers, name))
+        branches.append(branch)
+    return branches, table
+
+
+def _branch_layer(chain: Chain, branch: _Branch, row: Int[Array, " w"]) -> object:
+    """The layer of `branch` that `row` (a row of `_chain_table`) picks: the
+    group reached by `branch.path`, indexed by the row's traced indices."""
+    groups: tuple = chain.groups
+    group: Any = None
+    indices = []
+    for level, j in enumerate(branch.path):
+        group = groups[j]
+        if level < len(branch.path) - 1:  # a repeated pattern: pick the repeat
+            indices.append(row[1 + level])
+            groups = group.layers.groups
+    tree = group.layers if branch.stacked else group
+    if branch.stacked:  # then the layer within the stack
+        indices.append(row[len(branch.path)])
+    for i in indices:
+        tree = index(tree, i)
+    if branch.stacked and group.layer_sharding is not None:
+        dyn, static = eqx.partition(tree, eqx.is_array)
+        tree = eqx.combine(constrain(dyn, group.layer_sharding), static)
+    return tree
+
+
+def chain_layer_fn(
+    chain: Chain,
+    call: LayerCall,
+    name_inputs: Callable[[PyTree], PyTree],
+    carry_static: PyTree,
+    hint: str,
+) -> Callable[[Int[Array, ""], PyTree], PyTree]:
+    """Layer `g` (a traced global index) of `chain` as a function of the carry,
+    `fn(g, carry)`: a `lax.switch` on the body that holds the layer, which reads
+    its one layer from its group's stacked weights (a lone layer as it is).
+    Every body is traced once and must return a carry like the one it
+    receives (a `TypeError` naming the layer, with `hint`, otherwise).
+    `name_inputs` names what a body reads as the step's inputs."""
+    branches, table = _chain_table(chain)
+    rows = jnp.asarray(table)
+
+    def body(branch: _Branch, row: Array, one: OneLayer) -> Callable[[PyTree], PyTree]:
+        # Only the carry's arrays pass through the `switch`; the rest (broadcast
+        # arguments may be any Python value) is closed over.
+        def fn(c_dyn: PyTree) -> PyTree:
+            layer = name_inputs(_branch_layer(chain, branch, row))
+            old = eqx.combine(c_dyn, carry_static)
+            where = branch.name
+            with held() as records:  # taps' records leave the switch as outputs
+                new = noted(_lone_fn, where, layer, call, one, where, old)
+            try:
+                check_carry(old, new, where)
+            except CarryError as e:
+                raise TypeError(f"{call.caller}: {where} {e.what}\n{hint}") from None
+            return eqx.filter(new, eqx.is_array), tuple(records)
+
+        return fn
+
+    def layer(g: Int[Array, ""], carry: PyTree) -> PyTree:
+        row = rows[g]
+        one = name_inputs(call.at(g))
+        bodies = [body(branch, row, one) for branch in branches]
+        new, records = jax.lax.switch(row[0], bodies, eqx.filter(carry, eqx.is_array))
+        add(records)
+        return eqx.combine(new, carry_static)
+
+    return layer
+
+
+def chain_bodies(chain: Chain) -> int:
+    """How many layer bodies a traced subset of `chain` switches over."""
+    return len(_chain_table(chain)[0])

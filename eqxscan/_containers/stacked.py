@@ -1,0 +1,711 @@
+"""`Stacked`: L layers of one kind stored as one module with a leading layer axis.
+
+Its calls describe themselves to the layer-call seam (`eqxscan/_scan/layer_call.py`)
+as one `LayerCall`, and `scan_layers` runs layer `i` of the stack through it,
+one scan step per layer. `LayerIndex` and `StateDictFn` say how a container's
+`state_dict_layers` names its arrays in a state dict (see `eqxscan._containers.walk`).
+"""
+
+import operator
+from collections.abc import Callable, Sequence
+from typing import (
+    Generic,
+    NamedTuple,
+    overload,
+    SupportsIndex,
+    TypeVar,
+    Unpack,
+)
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jax.sharding import Sharding
+from jaxtyping import Array, PRNGKeyArray, PyTree
+
+from .._helpers.checks import (
+    check_bool,
+    check_callable,
+    check_index,
+    check_made_layer,
+    check_size,
+    describe,
+    is_array,
+    noted,
+    split_key,
+)
+from .._helpers.constrain import check_layer_sharding, constrain, layers_may_be_sharded
+from .._helpers.stackable import check_alike, stack_alike
+from .._helpers.stateful import (
+    find_state,
+    get_arg,
+    layer_state,
+    replace_arg,
+    state_pair,
+    updated,
+)
+from .._scan.buffers import (
+    check_buffer_axis,
+    find_buffer,
+    refuse_buffer,
+    view_of,
+    with_view,
+)
+from .._scan.depth_drop import check_droppable, depth_drop, DepthDrop, rates_of
+from .._scan.eager_compile import compiled_when_eager
+from .._scan.engine import run
+from .._scan.layer_call import (
+    arg_name,
+    carry_only,
+    check_method,
+    check_per_layer,
+    Index,
+    index,
+    LayerCall,
+    LayerFn,
+    Method,
+    pairs,
+    PerLayer,
+    run_one,
+    Segment,
+    take,
+)
+from .._scan.layer_index import step_index
+from .._scan.options import ScanArgs, Scanning, ScanOptions
+
+
+#: The most layers a stack may have: beyond, the per-layer keys alone take
+#: gigabytes (and `jax.random.split` aborts the interpreter past 2**62).
+MAX_LAYERS = 2**20
+
+
+LayerT = TypeVar("LayerT")
+
+
+def stack_layers(layers: Sequence[LayerT], what: str = "Stacked.from_layers") -> LayerT:
+    """Stack layers that can share one body leaf by leaf on a new axis 0 (layers
+    that differ only by identity share the first one's objects)."""
+    layers = list(layers)
+    check_alike(layers, what)
+    return stack_alike(layers)
+
+
+def _check_make_layer(make_layer: object) -> None:
+    if isinstance(make_layer, eqx.Module):
+        name = type(make_layer).__name__
+        raise TypeError(
+            f"make_layer must be a function that builds one layer from a key, but "
+            f"got a {name} instance (a layer, not a way to make one). Pass e.g. "
+            f"`lambda k: {name}(..., key=k)`."
+        )
+    check_callable("make_layer", make_layer)
+
+
+def _check_made(layers: object) -> None:
+    check_made_layer(layers)
+    if is_array(layers):
+        one = jax.ShapeDtypeStruct(layers.shape[1:], layers.dtype)
+        raise TypeError(
+            f"make_layer returned an array ({describe(one)}), not a layer. It must "
+            "return a module (e.g. an `eqx.Module`) that is called as `layer(x)`."
+        )
+
+
+class LayerIndex(NamedTuple):
+    """How the flat state-dict names of [`eqxscan.to_state_dict`][] number the
+    layers of a subtree: an array element at layer-axis index `i` (one entry per
+    leading layer axis of the subtree) belongs to layer
+    `start + sum(i[k] * strides[k])`. A `Stacked`'s layers are
+    `LayerIndex(0, (1,))`; layer 5 of a `Chain`, alone, is `LayerIndex(5, ())`."""
+
+    start: int
+    strides: tuple[int, ...]
+
+
+StateDictFn = Callable[[PyTree, LayerIndex, tuple[int, ...]], PyTree]
+"""What a module's `state_dict_layers` applies to each subtree that holds layers:
+`fn(subtree, index, axes)`, with `axes` the sizes of the layer axes in front of
+the subtree's arrays; it returns the subtree to put in its place."""
+
+
+class Stacked(Scanning, Generic[LayerT]):
+    """`L` layers of one kind, stored as one module whose array leaves have a
+    leading layer axis, and run with `jax.lax.scan` (or a Python loop).
+
+    Stacking is a storage layout, not weight sharing: layer `i` has its own
+    weights, `stack.layers.weight[i]`. `Stacked[Block]` is the type of a stack of
+    `Block`s: `stack[i]` is a `Block`, `stack[i:j]` a `Stacked[Block]`.
+
+    !!! example
+
+        ```python
+        import equinox as eqx, jax, jax.numpy as jnp, eqxscan
+
+        stack = eqxscan.Stacked(
+            lambda k: eqx.nn.Linear(8, 8, key=k), 4, key=jax.random.key(0)
+        )
+        y = stack(jnp.ones(8))          # layer(x) -> new x, four times
+        assert stack.layers.weight.shape == (4, 8, 8)
+        ```
+    """
+
+    layers: LayerT
+    num_layers: int = eqx.field(static=True)
+    options: ScanOptions
+    layer_sharding: Sharding | PyTree[Sharding | None] | None = eqx.field(static=True)
+    depth_drop: DepthDrop | None
+
+    def __init__(
+        self,
+        make_layer: Callable[..., LayerT] | None = None,
+        num_layers: SupportsIndex | None = None,
+        *args: object,
+        key: PRNGKeyArray | None = None,
+        layers: LayerT | None = None,
+        layer_sharding: Sharding | PyTree[Sharding | None] | None = None,
+        drop_path: object = 0.0,
+        layer_drop: object = 0.0,
+        **options: Unpack[ScanArgs],
+    ):
+        """**Arguments:**
+
+        - `make_layer`: builds one layer from a key (and `*args`). It is run once
+          under `eqx.filter_vmap`, so layer `i` is exactly
+          `make_layer(jax.random.split(key, num_layers)[i], *args_i)`.
+        - `num_layers`: `L >= 1`.
+        - `*args`: more arguments for `make_layer`, after the key. Values wrapped
+          in [`eqxscan.per_layer`][] are sliced (layer `i` gets slice `i`, e.g. of
+          `jnp.arange(L)` or of a per-layer configuration array); others are
+          passed to every layer unchanged.
+        - `key`: a JAX PRNG key.
+        - `layers`: instead of `make_layer` and `key`, layers that are already
+          stacked (every array leaf has leading axis `num_layers`), e.g. from
+          `stack.layers`. [`eqxscan.Stacked.from_layers`][] stacks a list.
+        - `layer_sharding`: a `jax.sharding.Sharding` (or `None`) that each scan
+          step constrains its one layer's weights to before calling it. FSDP uses
+          a replicated sharding here, so that a step all-gathers only the layer it
+          runs; [`eqxscan.sharding.shard`][] sets it for you. It may also be a
+          pytree with one layer's structure (a sharding per array, without the
+          layer axis), e.g. to keep tensor-parallel axes split while the FSDP
+          axis is gathered: [`eqxscan.sharding.gather_layers`][] with `keep=`
+          builds it.
+        - `mode`: `"scan"` (`jax.lax.scan`, one traced body) or `"loop"` (a Python
+          loop over the same weights: the reference and debugging path).
+        - `checkpoint`: rematerialisation. `"auto"` (default: chosen from the
+          traced layer's shapes: save everything when that is small, else
+          recompute; see [`eqxscan.explain_auto`][]), `False` (save everything),
+          `True` (`jax.checkpoint` around each layer), a
+          `jax.checkpoint_policies` policy, `"nested"` (two-level scan whose
+          saved carries grow like `sqrt(L)`), `"offload"` (the matmul outputs
+          kept in host memory), or an [`eqxscan.ScanCheckpoint`][] (a policy plus
+          what to do with each layer's carry and inputs, and nesting of any
+          shape). All give the same values and gradients.
+        - `unroll`: a positive int, passed to `jax.lax.scan`; `True` unrolls fully
+          (the program of `mode="loop"`, with this `checkpoint`); `"auto"`
+          (default) is chosen with `checkpoint="auto"`'s rule.
+
+        - `drop_path`: stochastic depth while training: a rate per layer (one
+          number, `L` numbers or [`eqxscan.linear_rates`][]); per example,
+          layer `i`'s residual branch `layer(x) - x` is dropped with
+          probability `drop_path[i]`, else scaled by `1 / (1 - drop_path[i])`.
+        - `layer_drop`: LayerDrop while training: per call, layer `i` is skipped
+          for the whole batch with probability `layer_drop[i]`, its compute not
+          done (a `jax.lax.cond` in the scan body, forward and backward).
+
+        `mode`, `checkpoint` and `unroll` make the module's
+        [`eqxscan.ScanOptions`][]; `drop_path` and `layer_drop` its
+        [`eqxscan.DepthDrop`][] (`.depth_drop`), which needs a `key` at every
+        call while training and does nothing under `eqx.nn.inference_mode`.
+        """
+        num_layers = check_size(
+            "num_layers",
+            num_layers,
+            maximum=MAX_LAYERS,
+            hint="Hint: a stack holds every layer's weights at once; for a long "
+            "loop over time use eqxscan.Recurrent or jax.lax.scan.",
+        )
+        self.options = ScanOptions(**options)
+        if layers is None:
+            _check_make_layer(make_layer)
+            assert make_layer is not None  # checked
+            if key is None:
+                raise TypeError("Stacked needs `key=` to build its layers.")
+            layers = _build(make_layer, num_layers, args, key)
+            _check_made(layers)
+        elif make_layer is not None or key is not None or args:
+            raise TypeError(
+                "Stacked takes either `make_layer` and `key` (and arguments for "
+                "`make_layer`), or already-stacked `layers`, not both."
+            )
+        check_layer_sharding(layer_sharding, layers)
+        self.layers = layers
+        self.num_layers = num_layers
+        self.layer_sharding = layer_sharding
+        self.depth_drop = depth_drop(num_layers, drop_path, layer_drop)
+
+    @classmethod
+    def from_layers(
+        cls,
+        layers: Sequence[LayerT],
+        **options: Unpack[ScanArgs],
+    ) -> "Stacked[LayerT]":
+        """Stack already-built layers (e.g. loaded from a per-layer checkpoint).
+
+        **Arguments:**
+
+        - `layers`: a non-empty sequence of layers with identical structure,
+          static fields, shapes and dtypes.
+        - `mode`, `checkpoint`, `unroll`: as for `__init__`.
+
+        **Returns:**
+
+        A `Stacked` whose `unstack()` gives the layers back exactly.
+
+        **Raises:**
+
+        `ValueError` naming the layer index, leaf path and both shapes/dtypes (or
+        static values) when the layers cannot be stacked.
+        """
+        layers = list(layers)
+        return cls(layers=stack_layers(layers), num_layers=len(layers), **options)
+
+    def own_options(self) -> tuple[str, ...]:
+        return ("layer_sharding", "drop_path", "layer_drop")
+
+    def replace_options(self, options: ScanOptions, **own: object) -> "Stacked[LayerT]":
+        return restack(self, options=options, **own)
+
+    def __len__(self) -> int:
+        return self.num_layers
+
+    @overload
+    def __getitem__(self, index: slice) -> "Stacked[LayerT]": ...
+
+    @overload
+    def __getitem__(self, index: SupportsIndex) -> LayerT: ...
+
+    def check_layer_axis(self, what: str) -> None:
+        """Raise unless every array leaf has the layer axis first. A batch of
+        stacks (an ensemble made with `eqx.filter_vmap`) has its batch axis in
+        front: JAX would clamp an index into it, and `lax.scan` would fail with a
+        bare length error."""
+        for path, leaf in jtu.tree_leaves_with_path(self.layers):
+            if eqx.is_array(leaf) and (
+                leaf.ndim == 0 or leaf.shape[0] != self.num_layers
+            ):
+                raise ValueError(
+                    f"Cannot {what} this Stacked: it has {self.num_layers} layers, "
+                    f"but `layers{jtu.keystr(path)}` has shape {tuple(leaf.shape)}, "
+                    "so its first axis is not the layer axis.\n"
+                    "Call and index a batch of stacks (e.g. an ensemble built "
+                    "with `eqx.filter_vmap`) inside `eqx.filter_vmap`: "
+                    "`eqx.filter_vmap(lambda s: s[i])(stacks)` (see docs/idioms.md)."
+                )
+
+    def __getitem__(self, index: SupportsIndex | slice) -> "LayerT | Stacked[LayerT]":
+        """`stack[i]` is layer `i` (negative allowed); `stack[i:j]` a `Stacked`."""
+        self.check_layer_axis("index")
+        if isinstance(index, slice):
+            selected = range(self.num_layers)[index]
+            if len(selected) == 0:
+                raise ValueError(
+                    f"Slice {index} selects no layers of a Stacked with "
+                    f"{self.num_layers} layers; a Stacked needs at least one."
+                )
+            layers = take(self.layers, index)
+            drop_path, layer_drop = rates_of(self.depth_drop)
+            if self.depth_drop is not None:
+                drop_path, layer_drop = rates_of(self.depth_drop.sliced(index))
+            return restack(
+                self,
+                layers=layers,
+                num_layers=len(selected),
+                drop_path=drop_path,
+                layer_drop=layer_drop,
+            )
+        i = check_index(
+            index,
+            self.num_layers,
+            "Stacked",
+            "mark it static, or select with "
+            "`jax.tree.map(lambda a: a[i], stack.layers)`.",
+        )
+        # The parameter `index` (named in errors) hides the seam's `index`.
+        from .._scan.layer_call import index as index_at
+
+        return index_at(self.layers, i)
+
+    def unstack(self) -> list[LayerT]:
+        """The layers as a list of ordinary (unstacked) modules."""
+        return [self[i] for i in range(self.num_layers)]
+
+    def state_dict_layers(self, fn: StateDictFn) -> "Stacked[LayerT]":
+        """How [`eqxscan.to_state_dict`][] names this stack's arrays: the layer
+        index takes the place of the stacked axis and of the `layers` field, so
+        layer `i`'s `w1` is `"<prefix>.i.w1"`, as for a list of layers.
+
+        **Arguments:**
+
+        - `fn`: applied to `layers` as `fn(self.layers, LayerIndex(0, (1,)),
+          (num_layers,))` (see `eqxscan._containers.stacked.StateDictFn`).
+
+        **Returns:**
+
+        This stack with `layers` replaced by what `fn` returned, rebuilt (and
+        so checked) as `Stacked.__init__` builds one.
+        """
+        layers = fn(self.layers, LayerIndex(0, (1,)), (self.num_layers,))
+        return restack(self, layers=layers)
+
+    def with_layer(self, index: SupportsIndex, layer: LayerT) -> "Stacked[LayerT]":
+        """A copy with layer `index` replaced by `layer` (layer surgery), every
+        option kept. `eqx.tree_at(lambda s: s[i], ...)` cannot do this, since
+        `stack[i]` is computed from the stacked arrays.
+
+        **Arguments:**
+
+        - `index`: the layer to replace (negative counts from the end).
+        - `layer`: the new layer, checked as [`eqxscan.Stacked.from_layers`][]
+          checks its layers: the same structure, static fields, shapes and
+          dtypes as the others.
+
+        **Returns:**
+
+        A `Stacked` whose layer `index` is `layer` and whose other layers are this
+        one's.
+
+        **Raises:**
+
+        `IndexError` for an index out of range; `ValueError` naming the leaf
+        path and both values when `layer` cannot be stacked with the others.
+        """
+        current = self[index]  # checks the index
+        i = operator.index(index) % self.num_layers
+        check_alike(
+            [current, layer],
+            f"Stacked.with_layer({i}, ...)",
+            names=(f"layer {i}", "the new layer"),
+        )
+        # By leaves: `layer` may differ from the others only by identity.
+        old, treedef = jtu.tree_flatten(self.layers)
+        new = [
+            a.at[i].set(b) if eqx.is_array(a) else a
+            for a, b in zip(old, jtu.tree_leaves(layer))
+        ]
+        return restack(self, layers=jtu.tree_unflatten(treedef, new))
+
+    @compiled_when_eager
+    def __call__(
+        self,
+        x: PyTree,
+        *args: object,
+        key: PRNGKeyArray | None = None,
+        method: Method | None = None,
+        reverse: bool = False,
+        **kwargs: object,
+    ) -> PyTree:
+        """Fold `x` through the layers: `x = layer_i(x, *args, **kwargs)`.
+
+        **Arguments:**
+
+        - `x`: the carry, any pytree; every layer must return one of the same
+          structure, shapes and dtypes.
+        - `*args`, `**kwargs`: passed to every layer (broadcast), except values
+          wrapped in [`eqxscan.per_layer`][], which are sliced per layer.
+        - `key`: if given, split into `L` keys and layer `i` gets `key=keys[i]`.
+        - `method`: run this instead of `__call__`: a function
+          `fn(layer, x, *args, **kwargs)` such as an unbound method
+          (`Block.decode`), or a method name (`"decode"`).
+        - `reverse`: run layer `L-1` first and layer `0` last. The scan reads the
+          weights backwards (no reversed copy, unlike `stack[::-1]`); layer `i`
+          keeps `keys[i]` and its `per_layer` slice.
+
+        Stateful layers (Equinox's `layer(x, state) -> (x, state)`, e.g. with
+        `eqx.nn.BatchNorm`) are called as Equinox calls them: pass the
+        `eqx.nn.State` from `eqx.nn.make_with_state` as an argument and each
+        layer gets its own slice of it; the call then returns `(x, state)`.
+
+        **Returns:**
+
+        The final carry (or `(carry, state)` when called with a state).
+        """
+        check_method(method, self.layers)
+        reverse = check_bool("reverse", reverse)
+        call = LayerCall(args, kwargs, self._keys(key), carry_only, reverse, method)
+        return scan_layers(
+            self, x, dropping_call(self.depth_drop, call, key, "Stacked")
+        )[0]
+
+    @compiled_when_eager
+    def scan(
+        self,
+        x: PyTree,
+        *args: object,
+        key: PRNGKeyArray | None = None,
+        method: Method | None = None,
+        reverse: bool = False,
+        **kwargs: object,
+    ) -> tuple[PyTree, PyTree]:
+        """Like `__call__`, but each layer returns `(new_x, y_i)`.
+
+        **Returns:**
+
+        `(final carry, ys)` with the `y_i` stacked leaf by leaf on axis 0
+        (`None` if layers return `(x, None)`). `ys[i]` is layer `i`'s, also with
+        `reverse=True`.
+        """
+        check_method(method, self.layers)
+        reverse = check_bool("reverse", reverse)
+        call = LayerCall(args, kwargs, self._keys(key), STACKED_PAIRS, reverse, method)
+        return scan_layers(
+            self, x, dropping_call(self.depth_drop, call, key, "Stacked")
+        )
+
+    def _keys(self, key: PRNGKeyArray | None) -> Array | None:
+        # Layer i's key: `split(key, L)[i]`.
+        if key is None:
+            return None
+        return split_key(key, self.num_layers, type(self).__name__)
+
+    def vmap(
+        self,
+        x: PyTree,
+        *args: object,
+        key: PRNGKeyArray | None = None,
+        method: Method | None = None,
+        **kwargs: object,
+    ) -> PyTree:
+        """Apply every layer to the same `x`, in parallel, and stack the outputs:
+        `ys[i] = layer_i(x, *args, **kwargs)` (ensembles, mixture-of-experts).
+
+        **Arguments:**
+
+        - `x`, `*args`, `**kwargs`: given to every layer, except values wrapped
+          in [`eqxscan.per_layer`][], which are sliced per layer.
+        - `key`: if given, split into `L` keys and layer `i` gets `key=keys[i]`.
+        - `method`: as for `__call__`.
+
+        **Returns:**
+
+        The outputs, stacked leaf by leaf on a new leading axis of length `L`.
+        With `mode="scan"` this is one `jax.vmap` over the layer axis; with
+        `mode="loop"` a Python loop (the reference). `checkpoint` and `unroll`
+        do not apply: nothing is scanned; nor do `drop_path` and `layer_drop`,
+        which drop depth.
+        """
+        check_method(method, self.layers)
+        call = LayerCall(
+            args, kwargs, self._keys(key), method=method, caller="Stacked.vmap"
+        )
+        return vmap_layers(self, x, call)
+
+
+def _build(
+    make_layer: Callable[..., LayerT], num_layers: int, args: tuple, key: PRNGKeyArray
+) -> LayerT:
+    """`make_layer(keys[i], *args_i)` for every layer, in one `eqx.filter_vmap`:
+    `per_layer` arguments sliced, others broadcast."""
+    per = check_per_layer(args, {}, num_layers)
+    per_dyn, per_static = {}, {}
+    for name, value in per.items():
+        per_dyn[name], per_static[name] = eqx.partition(value.tree, eqx.is_array)
+
+    def one(k: PRNGKeyArray, slices: dict) -> LayerT:
+        call_args = [
+            eqx.combine(slices[n], per_static[n]) if n in slices else a
+            for n, a in ((arg_name(i), a) for i, a in enumerate(args))
+        ]
+        return make_layer(k, *call_args)
+
+    return eqx.filter_vmap(one)(split_key(key, num_layers, "Stacked"), per_dyn)
+
+
+def restack(stack: Stacked[LayerT], **changes: object) -> Stacked[LayerT]:
+    """`stack` rebuilt through `Stacked.__init__` with `changes` applied (any of
+    `layers`, `num_layers`, `options`, `layer_sharding`, `drop_path`,
+    `layer_drop`) and every other field kept (inference mode included): how
+    slicing, loading, sharding and `with_options` make a new stack."""
+    fields: dict[str, object] = dict(
+        layers=stack.layers,
+        num_layers=stack.num_layers,
+        options=stack.options,
+        layer_sharding=stack.layer_sharding,
+        drop_path=rates_of(stack.depth_drop)[0],
+        layer_drop=rates_of(stack.depth_drop)[1],
+    )
+    for name in changes:
+        if name not in fields:
+            raise TypeError(f"restack() got an unexpected keyword argument {name!r}.")
+    fields.update(changes)
+    options = fields.pop("options")
+    assert isinstance(options, ScanOptions)
+    # `fields` holds what `__init__` takes, by name (checked above).
+    new = type(stack)(**fields, **options.as_args())  # type: ignore[arg-type]  # see above
+    if stack.depth_drop is None or new.depth_drop is None:
+        return new
+    inference = stack.depth_drop.inference
+    return eqx.tree_at(lambda s: s.depth_drop.inference, new, inference)
+
+
+#: How `Stacked.scan` reads each layer's output.
+STACKED_PAIRS = pairs("Stacked.scan")
+
+
+def dropping_call(
+    drop: DepthDrop | None, call: LayerCall, key: object, who: str
+) -> LayerCall:
+    """`call` with the drop inputs of this call (`drop.per_layer_inputs(key)`)
+    when `drop` drops in it (training, a rate above zero). A model with drop
+    rates may be given a key for dropping alone, so a layer that takes no key
+    is called without one, in inference mode too."""
+    if drop is None:
+        return call
+    has_state = find_state(call.args, call.kwargs) is not None
+    call = call._replace(optional_key=True)
+    if not check_droppable(drop, key, has_state, who):
+        return call
+    assert key is not None
+    return call._replace(drop=drop.per_layer_inputs(key))  # pyright: ignore[reportArgumentType]  # checked by check_droppable
+
+
+def scan_layers(stack: Stacked, x: PyTree, call: LayerCall) -> tuple[PyTree, PyTree]:
+    """Fold `x` through the layers of `stack` as `call` says, one scan step (or
+    loop step) per layer, layer `i` run through the layer-call seam with
+    `call.at(i)`'s inputs.
+
+    **Returns:**
+
+    `(final carry, ys)`, the `y`s stacked on axis 0 (`None` if there are none).
+    """
+    stack.check_layer_axis("call")
+    state_at = find_state(call.args, call.kwargs)
+    if state_at is not None:
+        if call.read_out is not carry_only:
+            raise TypeError(
+                "Stacked.scan does not take an eqx.nn.State; call the stack "
+                "instead: `x, state = stack(x, state)`."
+            )
+        # Layer i gets its own slice of the state and returns its new state,
+        # collected like a `y`, then written back into the whole state.
+        state = get_arg(call.args, call.kwargs, state_at)
+        sub = layer_state(state, stack.layers, stack.num_layers, "This Stacked")
+        args, kwargs = replace_arg(call.args, call.kwargs, state_at, PerLayer(sub))
+        sub_call = call._replace(args=args, kwargs=kwargs, read_out=state_pair)
+        x, new_sub = scan_layers(stack, x, sub_call)
+        return (x, updated(state, new_sub)), None
+    length = stack.num_layers
+    check_per_layer(call.args, call.kwargs, length)
+    cls_name = type(stack.layers).__name__
+    at = find_buffer(call.args, call.kwargs)
+    view = None if at is None else view_of(call.args, call.kwargs, at)
+    if view is not None:
+        check_buffer_axis(view, length, f"This Stacked of {cls_name} layers")
+        if call.drop is not None or call.keep is not None:
+            raise TypeError(
+                "A Stacked called with an eqxscan.buffer cannot drop layers "
+                "(drop_path, layer_drop), which would skip their writes.\nDecode "
+                "in inference mode (`eqx.nn.inference_mode(model)`) or without a key."
+            )
+    keep, drop = call.keep, call.drop
+    if keep is None and drop is not None and drop.uses[1] and call.unit is None:
+        # LayerDrop left to the scan, which then runs only the kept layers.
+        keep, call = drop.keep(), call._replace(drop=drop.gated_by_scan())
+    layer_dyn, layer_static = eqx.partition(stack.layers, eqx.is_array)
+    per_xs, one = call.scanned()
+    sharding = stack.layer_sharding
+    # With a buffer, the stacked buffer travels in the carry and step `i` gets
+    # the view of its slice `i`: the step index is scanned beside the weights.
+    steps = None if view is None else jnp.arange(length)
+
+    def read(xs: tuple[PyTree, PyTree, PyTree]) -> tuple[PyTree, PyTree, PyTree]:
+        # What a step reads: its layer's weights, constrained as
+        # `layer_sharding` says (FSDP gathers one layer here), and its slices.
+        dyn, per, i = xs
+        return (dyn if sharding is None else constrain(dyn, sharding)), per, i
+
+    def step(carry: PyTree, xs: tuple[PyTree, PyTree, PyTree]) -> tuple[PyTree, PyTree]:
+        dyn, per, i = xs
+        layer = eqx.combine(dyn, layer_static)
+        inputs, who = one(per), f"the stacked layer {cls_name}"
+        inputs = inputs._replace(number=call.index_of(step_index()))
+        if view is None:
+            return run_one(layer, call, inputs, carry, who)
+        assert at is not None
+        x, tree = carry
+        here = view.of(tree).at(i)
+        args, kwargs = with_view(inputs.args, inputs.kwargs, at, here)
+        return run_one(layer, call, inputs._replace(args=args, kwargs=kwargs), x, who)
+
+    def where(i: int | None) -> str:
+        if i is None:
+            return f"The stacked layer {cls_name} (one body for all {length} layers)"
+        return f"Layer {i} ({cls_name})"
+
+    return run(
+        step,
+        x if view is None else (x, view.tree),
+        (layer_dyn, per_xs, steps),
+        length=length,
+        options=stack.options,
+        reverse=call.reverse,
+        where=where,
+        read=read,
+        # Unrolled, XLA may gather every sharded layer at once (FSDP).
+        gathered=sharding is not None or layers_may_be_sharded(layer_dyn),
+        keep=keep,
+    )
+
+
+def vmap_layers(stack: Stacked, x: PyTree, call: LayerCall) -> PyTree:
+    """Every layer of `stack` applied to the same `x` as `call` says, outputs
+    stacked on a new leading axis: one `vmap`, or a loop with `mode="loop"`."""
+    length = stack.num_layers
+    check_per_layer(call.args, call.kwargs, length)
+    refuse_buffer(call.args, call.kwargs, "Stacked.vmap")
+    layer_dyn, layer_static = eqx.partition(stack.layers, eqx.is_array)
+    per_xs, one = call.scanned()
+    cls_name = type(stack.layers).__name__
+
+    def each(dyn: PyTree, per: PyTree) -> PyTree:
+        layer = eqx.combine(dyn, layer_static)
+        return run_one(layer, call, one(per), x, "Stacked.vmap")[0]
+
+    inputs = (layer_dyn, per_xs)
+    if stack.mode == "loop":
+        outs = []
+        for i in range(length):
+            layer_i = index(inputs, i)
+            outs.append(noted(each, f"Layer {i} ({cls_name})", *layer_i))
+        return jtu.tree_map(lambda *a: jnp.stack(a), *outs)
+    where = f"The stacked layer {cls_name} (one body for all {length} layers)"
+    return noted(eqx.filter_vmap(each), where, *inputs)
+
+
+def layer_of(stack: Stacked[LayerT], i: Index) -> LayerT:
+    """Layer `i` of `stack` (a traced index reads it with one dynamic slice of
+    every stacked array), constrained as its `layer_sharding` says."""
+    layer = index(stack.layers, i)
+    if stack.layer_sharding is None:
+        return layer
+    dyn, static = eqx.partition(layer, eqx.is_array)
+    return eqx.combine(constrain(dyn, stack.layer_sharding), static)
+
+
+def stack_layer_fn(stack: Stacked, call: LayerCall, i: Index) -> LayerFn:
+    """Layer `i` of `stack` as a function of the carry, as `call` runs it."""
+    name = f"the stacked layer {type(stack.layers).__name__}"
+    layer, one = layer_of(stack, i), call.at(i)
+    return lambda c: run_one(layer, call, one, c, name)[0]
+
+
+def stack_segments(stack: Stacked, call: LayerCall, start: int = 0) -> Segment:
+    """The layers of `stack` as one segment of a walk (see `Segment`), its
+    first layer the walk's layer `start`."""
+    return Segment(
+        start,
+        stack.num_layers,
+        1,
+        lambda j: stack_layer_fn(stack, call, j),
+        type(stack.layers).__name__,
+    )

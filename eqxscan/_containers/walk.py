@@ -1,0 +1,190 @@
+"""One walk over a model: every leaf visited with where it sits (its key path and
+the layer axes in front of its arrays), every [`eqxscan.Stacked`][] and
+[`eqxscan.Chain`][] entered on the way.
+
+Sharding, partitioning, the optimiser helpers, Orbax names and state dicts all
+rebuild a model through `walk`. It walks in one of two
+ways:
+
+- by key path (the default): a `Stacked` is entered through its `layers` field,
+  which adds one layer axis; a `Chain` is an ordinary pytree (its scanned groups
+  are `Stacked`s). Paths are `jax.tree_util` key paths, as `eqx.filter` and
+  `jax.jit`'s shardings see the model.
+- by state-dict name (`names=True`): a module that owns its state-dict names
+  (a `Stacked` or `Chain`; see `NamesLayers`) is
+  entered through its `state_dict_layers`, which puts a
+  `LayerIndex` in the path where the layer
+  number goes; other entries are attribute names, indices and dict keys.
+"""
+
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+import jax.tree_util as jtu
+from jaxtyping import PyTree
+
+from .._helpers.checks import is_arraylike
+from .._helpers.constrain import is_none
+from .stacked import LayerIndex, Stacked, StateDictFn
+
+
+class Site(NamedTuple):
+    """Where a node sits in the model being walked.
+
+    - `path`: the key path from the root (by state-dict name: the name parts,
+      strings and `LayerIndex`es).
+    - `axes`: the sizes of the layer axes in front of the node's arrays,
+      outermost first: one per enclosing `Stacked`, so a `Stacked` inside a
+      `Stacked`'s layer has two (by name, a repeated pattern of a `Chain` adds its
+      repeat axis too).
+    - `enclosing`: for each enclosing `Stacked` (or, by name, `Chain`), the
+      position in `path` of the entry that stands for its layers (`.layers`, or
+      the layer index) and its number of layers.
+    """
+
+    path: tuple = ()
+    axes: tuple[int, ...] = ()
+    enclosing: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def depth(self) -> int:
+        """The number of layer axes in front of the node's own axes."""
+        return len(self.axes)
+
+    def child(self, entries: tuple) -> "Site":
+        return self._replace(path=self.path + tuple(entries))
+
+    def enter(self, entry: object, axes: tuple[int, ...], num_layers: int) -> "Site":
+        return Site(
+            self.path + (entry,),
+            self.axes + axes,
+            self.enclosing + ((len(self.path), num_layers),),
+        )
+
+
+ROOT = Site()
+"""Where the root of a walk sits: no path, no layer axes."""
+
+
+@runtime_checkable
+class NamesLayers(Protocol):
+    """A module that says how its arrays are named in a state dict (`Stacked`,
+    `Chain`): `num_layers`, and `state_dict_layers(fn)`, which returns the module
+    with each subtree holding layers replaced by `fn(subtree, index, axes)` (see
+    `eqxscan._containers.stacked.StateDictFn`)."""
+
+    num_layers: int
+
+    def state_dict_layers(self, fn: StateDictFn) -> "NamesLayers": ...
+
+
+def key_name(entry: Any, where: tuple) -> str:
+    """The name of one key-path entry in a state dict (an attribute, index or
+    key); `where` is the name so far, for the error message."""
+    # `entry: Any`: JAX types its key classes as `Any`, so `isinstance` narrows
+    # nothing.
+    if isinstance(entry, jtu.GetAttrKey):
+        return entry.name
+    if isinstance(entry, jtu.SequenceKey):
+        return str(entry.idx)
+    if isinstance(entry, (jtu.DictKey, jtu.FlattenedIndexKey)):
+        name = str(entry.key)
+    else:
+        name = str(entry)
+    if "." in name or name == "":
+        raise ValueError(
+            f"Cannot name the entry {entry} under `{pattern(where) or '<root>'}` "
+            "in a state dict: names are joined with '.', so dict keys must be "
+            "non-empty and contain no '.'."
+        )
+    return name
+
+
+def pattern(parts: tuple, fill: str = "*") -> str:
+    """Name parts joined with '.', each layer index shown as `fill`."""
+    return ".".join(fill if isinstance(p, LayerIndex) else p for p in parts)
+
+
+def walk(
+    fn: Callable[[object, Site], object],
+    tree: PyTree,
+    *,
+    names: bool = False,
+    stack: Callable[[Stacked, Site], Stacked] | None = None,
+    site: Site = ROOT,
+) -> PyTree:
+    """`tree` rebuilt with every leaf replaced by `fn(leaf, site)`.
+
+    **Arguments:**
+
+    - `fn`: called at every leaf (`None`, arrays and other non-pytree values),
+      in `jax.tree_util.tree_leaves` order, with where it sits.
+    - `tree`: any pytree, usually a model.
+    - `names`: walk by state-dict name rather than by key path (see the module
+      docstring): `Site.path` holds name parts.
+    - `stack`: by key path, called as `stack(stacked, site)` for each `Stacked`
+      once its layers are rebuilt (inner stacks first), `site` being that of its
+      `layers`; what it returns takes the stack's place.
+    - `site`: where `tree` itself sits.
+
+    **Returns:**
+
+    `tree` with its leaves replaced. Each `Stacked` and `Chain` keeps its type,
+    static fields and options.
+    """
+    if is_none(tree) or is_arraylike(tree):
+        return fn(tree, site)
+    if names and isinstance(tree, NamesLayers):
+        num_layers = tree.num_layers
+
+        def inner(subtree: PyTree, index: LayerIndex, axes: tuple[int, ...]) -> PyTree:
+            return walk(
+                fn, subtree, names=True, site=site.enter(index, axes, num_layers)
+            )
+
+        return tree.state_dict_layers(inner)
+    if not names and isinstance(tree, Stacked):
+        at = site.enter(jtu.GetAttrKey("layers"), (tree.num_layers,), tree.num_layers)
+        # The layers gain a layer axis; any other field (the drop rates) is
+        # visited where the stack itself sits, so every leaf is seen once.
+        children, treedef = jtu.tree_flatten_with_path(
+            tree, is_leaf=lambda x: x is not tree
+        )
+        rebuilt = [
+            walk(fn, child, stack=stack, site=at)
+            if path == (jtu.GetAttrKey("layers"),)
+            else walk(fn, child, stack=stack, site=site.child(tuple(path)))
+            for path, child in children
+        ]
+        new = jtu.tree_unflatten(treedef, rebuilt)
+        return new if stack is None else stack(new, at)
+    children, treedef = jtu.tree_flatten_with_path(
+        tree, is_leaf=lambda x: x is not tree
+    )
+    if not children:  # an empty node, e.g. `()` or a module of static fields
+        return tree
+    if jtu.treedef_is_leaf(treedef):  # a leaf that is not an array, e.g. a float
+        return fn(tree, site)
+    rebuilt = []
+    for path, child in children:
+        if names:
+            entries = tuple(key_name(entry, site.path) for entry in path)
+        else:
+            entries = tuple(path)
+        rebuilt.append(
+            walk(fn, child, names=names, stack=stack, site=site.child(entries))
+        )
+    return jtu.tree_unflatten(treedef, rebuilt)
+
+
+def for_each(
+    fn: Callable[[object, Site], None], tree: PyTree, *, names: bool = False
+) -> None:
+    """Call `fn(leaf, site)` at every leaf of `tree`, as `walk` visits them (by
+    state-dict name with `names=True`)."""
+
+    def visit(leaf: object, site: Site) -> object:
+        fn(leaf, site)
+        return leaf
+
+    walk(visit, tree, names=names)

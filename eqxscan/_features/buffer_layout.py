@@ -1,0 +1,117 @@
+"""`layer_buffers`: every layer's buffer, of its own size, laid out for a call
+with [`eqxscan.buffer`][]."""
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jaxtyping import PyTree
+
+from .._containers.chain import Chain
+from .._containers.chain.chain import Pattern, Placement, places
+from .._containers.stacked import Stacked
+from .._helpers.checks import describe, first_difference
+from .._scan.buffers import LayerBuffers
+
+
+MakeBuffer = Callable[[int, Any], PyTree]
+"""`make(i, layer)`: layer `i`'s buffer (a pytree of arrays, or `None`)."""
+
+
+def layer_buffers(model: Stacked | Chain, make: MakeBuffer) -> PyTree:
+    """Build every layer's buffer (e.g. its KV cache), each of its own size.
+
+    **Arguments:**
+
+    - `model`: a [`eqxscan.Stacked`][] or a [`eqxscan.Chain`][].
+    - `make`: `make(i, layer)` returns layer `i`'s buffer, a pytree of arrays
+      (e.g. `jnp.zeros` of the layer's cache shape) or `None` for a layer that
+      keeps none. Layers scanned together (a run of like layers, the same
+      position in every repeat of a pattern) need buffers of one structure,
+      shape and dtype.
+
+    **Returns:**
+
+    For a `Stacked`, the buffers stacked on a leading layer axis; for a `Chain`,
+    a [`eqxscan.LayerBuffers`][] laid out as its groups, whose bytes are the sum
+    of the layers' own. Pass it as `eqxscan.buffer(...)`. It is built in one
+    compiled program, so the stacked buffer is made once, never assembled from
+    copies.
+    """
+    if isinstance(model, Stacked):
+        return eqx.filter_jit(lambda m: _run(m, make, 0, "Stacked"))(model)
+    if isinstance(model, Chain):
+
+        def build(chain: Chain) -> LayerBuffers:
+            groups = _groups(chain.groups, chain.layout, make, 0)
+            return LayerBuffers(groups, places(chain.groups, chain.layout))
+
+        return eqx.filter_jit(build)(model)
+    raise TypeError(
+        "eqxscan.layer_buffers takes a Stacked or a Chain, got "
+        f"{type(model).__name__}.\nPass the model whose layers the buffers belong to."
+    )
+
+
+def _groups(
+    groups: tuple[Any, ...],
+    layout: tuple[Placement, ...],
+    make: MakeBuffer,
+    offset: int,
+) -> tuple[PyTree, ...]:
+    parts = []
+    for group, span in zip(groups, layout):
+        start = offset + span.start
+        if span.per_step == 0:
+            parts.append(_made(make, start, group))
+        elif span.per_step == 1:
+            parts.append(_run(group, make, start, "Chain"))
+        else:
+            reps = []
+            for r in range(span.size // span.per_step):
+                unit = group[r]
+                assert isinstance(unit, Pattern)
+                reps.append(
+                    _groups(unit.groups, unit.layout, make, start + r * span.per_step)
+                )
+            parts.append(
+                _stack(reps, [start + r * span.per_step for r in range(len(reps))])
+            )
+    return tuple(parts)
+
+
+def _run(stack: Stacked, make: MakeBuffer, start: int, who: str) -> PyTree:
+    # A run's buffers, stacked: checked alike, since one scan body reads them.
+    del who
+    made = [_made(make, start + j, stack[j]) for j in range(stack.num_layers)]
+    return _stack(made, [start + j for j in range(stack.num_layers)])
+
+
+def _made(make: MakeBuffer, i: int, layer: object) -> PyTree:
+    tree = make(i, layer)
+    bad = [a for a in jtu.tree_leaves(tree) if not eqx.is_array(a)]
+    if bad:
+        raise TypeError(
+            f"layer_buffers: make({i}, layer) returned a buffer holding "
+            f"{describe(bad[0])}.\nReturn a pytree of arrays (or None)."
+        )
+    return tree
+
+
+def _stack(trees: list[PyTree], layers: list[int]) -> PyTree:
+    # Buffers of layers scanned together, on a new leading axis.
+    for tree, i in zip(trees[1:], layers[1:]):
+        diff = first_difference(trees[0], tree)
+        if diff is not None:
+            path, a, b = diff
+            raise ValueError(
+                f"layer_buffers: layers {layers[0]} and {i} are scanned together, "
+                f"but their buffers differ at `buffer{path}`: {a} vs {b}.\nGive "
+                "them one shape, or make what sizes it (e.g. a window) a static "
+                "field so that the layers are grouped apart."
+            )
+    if trees[0] is None:
+        return None
+    return jtu.tree_map(lambda *a: jnp.stack(a), *trees)

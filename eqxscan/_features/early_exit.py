@@ -1,0 +1,418 @@
+"""Early exit: `run_until` runs a model's layers until a predicate on the carry
+holds, in one `lax.while_loop` over the stacked layers whatever the exit depth.
+
+It works on a [`eqxscan.Stacked`][] and a [`eqxscan.Chain`][] (global layer
+indices), walking the segments each container describes of itself (see
+`eqxscan._scan.layer_call.Segment`); `StackedMLP` has it as a method.
+"""
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import equinox as eqx
+import jax
+import jax.core
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jaxtyping import Array, Bool, Int, PRNGKeyArray, PyTree
+
+from .._containers.chain import Chain, chain_segments, check_chain_method
+from .._containers.stacked import stack_segments, Stacked
+from .._helpers.checks import (
+    check_bool,
+    check_callable,
+    check_carry,
+    check_size,
+    describe,
+    noted,
+    split_key,
+)
+from .._helpers.stateful import find_state
+from .._scan.buffers import refuse_buffer
+from .._scan.depth_drop import DepthDrop
+from .._scan.layer_call import check_method, check_per_layer, LayerCall, Method, Segment
+from .._scan.taps import tapping
+
+
+Bound = int | np.integer | Array
+"""A layer count: an int (checked) or an integer scalar array, which may be
+traced (clamped)."""
+
+Predicate = Callable[[PyTree], Bool[Array, ""] | Bool[Array, " B"] | bool]
+"""`predicate(carry) -> bool`: a scalar for the whole batch, or one bool per
+example (`[B]`, the carry's leading axis) with `per_example=True`."""
+
+_PREDICATE_HINT = (
+    "Hint: return a comparison, e.g. `lambda x: jnp.max(jnp.abs(x)) > 3.0` for "
+    "the whole batch, or one bool per example with per_example=True, e.g. "
+    "`lambda x: jnp.linalg.norm(x, axis=-1) > 3.0`."
+)
+
+
+class _Exit(NamedTuple):
+    """How a run decides to stop: the predicate, whether per example (with the
+    batch size `batch`), the bounds, and whether to mask instead of skipping
+    (`mode="loop"`, the reference)."""
+
+    predicate: Predicate
+    per_example: bool
+    batch: int
+    min_layers: Bound
+    max_layers: Bound
+    masked: bool
+    who: str
+
+
+class _State(NamedTuple):
+    """What the run carries from layer to layer: layers visited `i`, the carry's
+    array leaves, which examples (or whether the batch) halted, and the layers
+    run per example (or for the batch)."""
+
+    i: Int[Array, ""]
+    carry: PyTree
+    halted: Bool[Array, ""] | Bool[Array, " B"]
+    layers_run: Int[Array, ""] | Int[Array, " B"]
+
+
+def _check_bound(name: str, value: object, length: int, who: str) -> Bound:
+    if isinstance(value, (jax.Array, np.ndarray)) and not isinstance(value, np.integer):
+        if value.shape != () or not jnp.issubdtype(value.dtype, jnp.integer):
+            raise TypeError(
+                f"{who}: {name} must be an int or an integer scalar array, got "
+                f"{describe(value)}.\nHint: pass e.g. `jnp.int32(k)` to choose the "
+                "bound at run time without recompiling."
+            )
+        if not isinstance(value, jax.core.Tracer):
+            check_size(name, int(value), minimum=0, maximum=length)
+        # Traced: clamped to [0, L], as documented.
+        return jnp.clip(jnp.asarray(value, jnp.int32), 0, length)
+    return check_size(
+        name,
+        value,
+        minimum=0,
+        maximum=length,
+        hint=f"Hint: the model has {length} layers.",
+    )
+
+
+def _batch_size(carry: PyTree, who: str) -> int:
+    """The leading axis shared by every array leaf of the carry."""
+    sizes = {}
+    for path, leaf in jtu.tree_leaves_with_path(carry):
+        if eqx.is_array(leaf):
+            if leaf.ndim == 0:
+                raise ValueError(
+                    f"{who} with per_example=True freezes examples along the "
+                    f"carry's leading axis, but `carry{jtu.keystr(path)}` is a "
+                    f"scalar ({describe(leaf)}).\nHint: give every carry leaf "
+                    "the batch axis first, or use per_example=False."
+                )
+            sizes[jtu.keystr(path)] = leaf.shape[0]
+    if not sizes:
+        raise ValueError(f"{who} with per_example=True needs an array carry.")
+    if len(set(sizes.values())) > 1:
+        raise ValueError(
+            f"{who} with per_example=True needs every carry leaf to share the "
+            f"batch axis first, but the leading axes are {sizes}.\nHint: put the "
+            "batch axis first in every leaf, or use per_example=False."
+        )
+    return next(iter(sizes.values()))
+
+
+def _halts(ex: _Exit, carry: PyTree) -> Array:
+    """The predicate on `carry`, checked: a bool scalar, or `[B]` per example."""
+    out = noted(ex.predicate, f"The predicate of {ex.who}", carry)
+    shape = (ex.batch,) if ex.per_example else ()
+    if isinstance(out, (bool, np.bool_)):
+        out = jnp.asarray(out)
+    if not (
+        isinstance(out, (jax.Array, np.ndarray))
+        and out.dtype == jnp.bool_
+        and out.shape == shape
+    ):
+        expected = f"bool[{ex.batch}]" if ex.per_example else "a bool scalar"
+        raise TypeError(
+            f"The predicate of {ex.who} must return {expected}, got "
+            f"{describe(out)}.\n{_PREDICATE_HINT}"
+        )
+    return jnp.asarray(out)
+
+
+def _active(ex: _Exit, state: _State) -> Bool[Array, ""]:
+    """Whether the next layer runs for some example."""
+    return (state.i < ex.max_layers) & ~jnp.all(state.halted)
+
+
+def _advance(
+    ex: _Exit,
+    state: _State,
+    layer: Callable[[PyTree], PyTree],
+    c_static: PyTree,
+    where: str,
+) -> _State:
+    """`state` after one more layer. Halted examples keep their carry (a select,
+    so that a NaN in a discarded row does not leak); with `masked`, the whole
+    step is also discarded when no layer should run."""
+    old = eqx.combine(state.carry, c_static)
+    new = layer(old)
+    check_carry(old, new, where)
+    new_dyn = eqx.partition(new, eqx.is_array)[0]
+    run = ~state.halted
+    if ex.masked:
+        run = run & _active(ex, state)
+    if ex.per_example or ex.masked:
+
+        def keep(a: Array, b: Array) -> Array:
+            mask = run.reshape(run.shape + (1,) * (a.ndim - run.ndim))
+            return jnp.where(mask, b, a)
+
+        new_dyn = jtu.tree_map(keep, state.carry, new_dyn)
+    step = run.astype(jnp.int32)
+    i = state.i + (_active(ex, state).astype(jnp.int32) if ex.masked else 1)
+    count = state.layers_run + step
+    halted = state.halted | (
+        (i >= ex.min_layers) & _halts(ex, eqx.combine(new_dyn, c_static))
+    )
+    return _State(i, new_dyn, halted, count)
+
+
+def _guarded(
+    ex: _Exit,
+    state: _State,
+    layer: Callable[[PyTree], PyTree],
+    c_static: PyTree,
+    where: str,
+) -> _State:
+    """One layer that runs only while the run is active (`lax.cond`; masked in
+    `mode="loop"`)."""
+    if ex.masked:
+        return _advance(ex, state, layer, c_static, where)
+    return jax.lax.cond(
+        _active(ex, state),
+        lambda s: _advance(ex, s, layer, c_static, where),
+        lambda s: s,
+        state,
+    )
+
+
+def _repeat(
+    ex: _Exit,
+    state: _State,
+    size: int,
+    body: Callable[[Int[Array, ""] | int, _State], _State],
+) -> _State:
+    """`body(j, state)` for `j = 0, 1, ...` while the run is active, at most
+    `size` times: one `lax.while_loop` (a Python loop over all `size` in
+    `mode="loop"`)."""
+    if ex.masked:
+        for j in range(size):
+            state = body(j, state)
+        return state
+
+    def cond(js: tuple[Array, _State]) -> Array:
+        j, s = js
+        return (j < size) & _active(ex, s)
+
+    def step(js: tuple[Array, _State]) -> tuple[Array, _State]:
+        j, s = js
+        return j + 1, body(j, s)
+
+    return jax.lax.while_loop(cond, step, (jnp.int32(0), state))[1]
+
+
+def _run_segments(
+    ex: _Exit, segments: tuple[Segment, ...], state: _State, c_static: PyTree
+) -> _State:
+    """The segments in order, each layer run only while the run is active: a
+    lone layer behind a `cond`, a stack of like layers (or the repeats of a
+    pattern) as one while loop."""
+    for seg in segments:
+        if seg.alone:
+            where = f"Layer {seg.start} ({seg.name})"
+            fn = seg.step(0)
+            assert callable(fn)
+            state = noted(_guarded, where, ex, state, fn, c_static, where)
+            continue
+
+        def body(j: Int[Array, ""] | int, s: _State, seg: Segment = seg) -> _State:
+            got = seg.step(j)
+            if isinstance(got, tuple):  # a repeat of a pattern: its own segments
+                return _run_segments(ex, got, s, c_static)
+            last = seg.start + seg.steps * seg.size - 1
+            where = (
+                f"Layer {seg.start + j} ({seg.name})"
+                if isinstance(j, int)
+                else f"The stacked layer {seg.name} (one body for layers "
+                f"{seg.start}-{last})"
+            )
+            # The while loop runs a layer only while the run is active: no `cond`.
+            return noted(_advance, where, ex, s, got, c_static, where)
+
+        state = _repeat(ex, state, seg.steps, body)
+    return state
+
+
+def check_model(model: object, what: str) -> None:
+    if isinstance(model, (Stacked, Chain)):
+        _check_no_drop(model, what)
+        return
+    hint = (
+        f"Hint: a StackedMLP has its own `model.{what}(...)`."
+        if hasattr(model, what)
+        else "Hint: pass an eqxscan.Stacked or an eqxscan.Chain."
+    )
+    raise TypeError(
+        f"eqxscan.{what} takes an eqxscan.Stacked or an eqxscan.Chain, got "
+        f"{describe(model)}.\n{hint}"
+    )
+
+
+def _check_no_drop(model: Stacked | Chain, what: str) -> None:
+    # These runs call the layers themselves, so drop rates would be skipped
+    # without a word: refuse them unless inference mode turns them off.
+    modules = jtu.tree_leaves(model, is_leaf=lambda n: isinstance(n, (Stacked, Chain)))
+    for module in [model, *modules]:
+        drop = getattr(module, "depth_drop", None)
+        if isinstance(drop, DepthDrop) and not drop.inference:
+            raise ValueError(
+                f"eqxscan.{what} does not apply drop_path/layer_drop, but this "
+                "model drops layers in training.\nHint: call it on "
+                "`eqx.nn.inference_mode(model)`, or build the model without drop "
+                "rates for these runs."
+            )
+
+
+def check_no_state(args: tuple, kwargs: dict[str, object], who: str) -> None:
+    if find_state(args, kwargs) is not None:
+        raise TypeError(
+            f"{who} does not take an eqx.nn.State.\nHint: call the model itself "
+            "for stateful layers: `x, state = model(x, state)`."
+        )
+
+
+def run_until(
+    model: Stacked | Chain,
+    x: PyTree,
+    predicate: Predicate,
+    *args: object,
+    per_example: bool = False,
+    min_layers: Bound = 0,
+    max_layers: Bound | None = None,
+    key: PRNGKeyArray | None = None,
+    method: Method | None = None,
+    **kwargs: object,
+) -> tuple[PyTree, Int[Array, ""] | Int[Array, " B"]]:
+    """Run the layers of `model` in order until `predicate(carry)` holds (early
+    exit at inference), in one compiled program for every exit depth.
+
+    The predicate is checked on the input and after each layer, once at least
+    `min_layers` layers have run; the run stops when it holds, or after
+    `max_layers` layers. As a Python loop:
+
+    ```text
+    n = 0
+    while n < max_layers and not (n >= min_layers and predicate(x)):
+        x = layer[n](x, key=keys[n]); n += 1
+    ```
+
+    **Arguments:**
+
+    - `model`: an [`eqxscan.Stacked`][] or an [`eqxscan.Chain`][] (whose layers
+      must keep the carry's structure, shapes and dtypes; layer indices are the
+      chain's).
+    - `x`: the carry.
+    - `predicate`: `predicate(carry) -> bool scalar`; with `per_example=True`,
+      one bool per example (`[B]`, over the carry's leading axis).
+    - `*args`, `**kwargs`: passed to every layer, except values wrapped in
+      [`eqxscan.per_layer`][], which are sliced per layer (by its index in the
+      model).
+    - `per_example`: freeze each example once its predicate holds: its carry
+      stops changing (a select: what the layer computes for a halted row is
+      discarded, NaNs included), while the layers run on for the others until
+      all have halted (or `max_layers`).
+    - `min_layers`, `max_layers`: bounds on the layers run (default `0` and
+      `len(model)`). Ints are checked; traced integer scalars (one program for
+      every bound) are clamped to `[0, len(model)]`.
+    - `key`: split into `len(model)` keys as for a call: layer `i` gets
+      `keys[i]`, so the layers that run get the keys of a full call.
+    - `method`: as for [`eqxscan.Stacked.__call__`][].
+
+    **Returns:**
+
+    `(carry, layers_run)`: the carry after the last layer that ran (per
+    example: after its own last layer) and how many layers ran, an `int32`
+    scalar (`[B]` per example).
+
+    With `mode="scan"` this is a `jax.lax.while_loop` over the stacked layers
+    (a lone layer of a chain sits behind a `lax.cond`), so layers after the exit
+    cost nothing. `jax.lax.while_loop` has no reverse-mode derivative, so
+    `jax.grad` through `run_until` fails (JAX's error names `while_loop`); it is
+    for inference (forward-mode `jax.jvp` and `jax.vmap` work). With
+    `mode="loop"` (the reference) every layer runs in Python and its result is
+    discarded after the exit. `checkpoint=` has no effect: nothing is saved for
+    a backward pass. Under `jax.vmap` a whole-batch exit becomes per mapped
+    example, as for `while_loop`. Stateful layers (an `eqx.nn.State`
+    argument) are not supported. Called outside `jit`, every call compiles
+    afresh: call it inside `eqx.filter_jit`, with what the predicate compares
+    against as an argument (one program for every value).
+    """
+    check_model(model, "run_until")
+    if tapping():
+        raise TypeError(
+            "eqxscan.tap does not reach run_until: its layers run in a while "
+            "loop of traced length.\nTap the model itself, or run_layers with "
+            "the layers to watch."
+        )
+    who = f"run_until of a {type(model).__name__}"
+    check_callable("predicate", predicate)
+    per_example = check_bool("per_example", per_example)
+    check_no_state(args, kwargs, "run_until")
+    length = model.num_layers
+    low, high = _bounds(min_layers, max_layers, length, who)
+    check_per_layer(args, kwargs, length)
+    keys = None if key is None else split_key(key, length, type(model).__name__)
+    batch = _batch_size(x, who) if per_example else 0
+    masked = model.mode == "loop"
+    ex = _Exit(predicate, per_example, batch, low, high, masked, who)
+    c_dyn, c_static = eqx.partition(x, eqx.is_array)
+    shape = (batch,) if per_example else ()
+    start = _State(
+        jnp.int32(0),
+        c_dyn,
+        jnp.asarray(low == 0) & _halts(ex, x),
+        jnp.zeros(shape, jnp.int32),
+    )
+    refuse_buffer(args, kwargs, "run_until")
+    call = LayerCall(args, kwargs, keys, method=method, caller=who)
+    end = _run_segments(ex, _segments(model, call), start, c_static)
+    return eqx.combine(end.carry, c_static), end.layers_run
+
+
+def _bounds(
+    min_layers: Bound, max_layers: Bound | None, length: int, who: str
+) -> tuple[Bound, Bound]:
+    """`(low, high)`: the bounds on the layers run, checked (ints) against
+    `length` and each other."""
+    low = _check_bound("min_layers", min_layers, length, who)
+    high = _check_bound(
+        "max_layers", length if max_layers is None else max_layers, length, who
+    )
+    if isinstance(low, int) and isinstance(high, int) and low > high:
+        raise ValueError(
+            f"{who}: min_layers={low} is more than max_layers={high}.\nHint: "
+            "min_layers is the fewest layers to run before the predicate is "
+            "checked, max_layers the most."
+        )
+    return low, high
+
+
+def _segments(model: Stacked | Chain, call: LayerCall) -> tuple[Segment, ...]:
+    """`model`'s layers as the segments an early exit walks, as `call` runs
+    them, after checking that they have `call.method`."""
+    if isinstance(model, Stacked):
+        check_method(call.method, model.layers)
+        model.check_layer_axis("run")
+        return (stack_segments(model, call),)
+    check_chain_method(model.groups, model.layout, call.method)
+    return chain_segments(model.groups, model.layout, call)

@@ -1,0 +1,273 @@
+"""Layer subsets: `run_layers` runs a chosen subset of a model's layers, given by
+static ints or an array of indices (traced or not: one program for every
+choice).
+
+A static choice runs a new `Stacked` or `Chain` of the chosen layers; an index
+array is one scan over the indices whose step runs "layer `i` as a function of
+the carry", as the model answers it (`stack_layer_fn`, `chain_layer_fn`).
+"""
+
+from collections.abc import Callable, Sequence
+
+import equinox as eqx
+import jax
+import jax.core
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Int, PRNGKeyArray, PyTree
+
+from .._containers.chain import Chain, chain_layer_fn, check_chain_method, run_groups
+from .._containers.stacked import layer_of, restack, scan_layers, Stacked
+from .._helpers.checks import describe, split_key
+from .._helpers.constrain import layers_may_be_sharded
+from .._scan.buffers import refuse_buffer
+from .._scan.engine import named_inputs, run
+from .._scan.layer_call import (
+    check_method,
+    check_per_layer,
+    Indices,
+    LayerCall,
+    Method,
+    run_one,
+    take,
+)
+from .._scan.options import ScanOptions
+from .._scan.taps import covering, tapping
+from .early_exit import check_model, check_no_state
+
+
+Layers = slice | Sequence[int] | np.ndarray | Array
+"""Which layers `run_layers` runs: a slice or ints (static, checked), or an
+integer array (traced or not: one program for every choice)."""
+
+_TRACED_HINT = (
+    "Hint: with traced indices each chosen layer is one step of one scan, so "
+    "every layer of the chain must return a carry like its input; choose the "
+    "layers statically (a slice or ints) to let a layer change the carry."
+)
+
+
+def _static_indices(layers: object, length: int, who: str) -> np.ndarray | slice:
+    """Static `layers` as a slice or a NumPy index array, checked."""
+    if isinstance(layers, slice):
+        chosen = range(length)[layers]
+        if len(chosen) == 0:
+            raise ValueError(
+                f"{who}: {layers} selects no layers of {length}.\nHint: "
+                "a slice i:j runs layers i to j-1 and needs i < j."
+            )
+        return layers
+    try:
+        idx = np.asarray(layers)
+    except Exception:
+        idx = None
+    if idx is None or idx.ndim != 1 or not np.issubdtype(idx.dtype, np.integer):
+        raise TypeError(
+            f"{who}: layers must be a slice, a sequence of ints or a 1-D integer "
+            f"array, got {describe(layers)}.\nHint: e.g. `slice(2, 5)`, "
+            "`[0, 2, 4]` or `jnp.arange(i, i + 3)`."
+        )
+    if idx.size == 0:
+        raise ValueError(f"{who}: layers is empty; choose at least one layer.")
+    bad = idx[(idx < -length) | (idx >= length)]
+    if bad.size:
+        raise IndexError(
+            f"{who}: layer index {int(bad[0])} is out of range for {length} "
+            "layers.\nHint: indices are in [-L, L), negative counting from the end."
+        )
+    return idx % length
+
+
+def _dynamic_indices(layers: Array, length: int, who: str) -> Array:
+    if layers.ndim != 1 or not jnp.issubdtype(layers.dtype, jnp.integer):
+        raise TypeError(
+            f"{who}: layers must be a 1-D integer array, got {describe(layers)}."
+            "\nHint: e.g. `jnp.arange(i, i + 3)` with a traced `i`."
+        )
+    if layers.shape[0] == 0:
+        raise ValueError(f"{who}: layers is empty; choose at least one layer.")
+    if not isinstance(layers, jax.core.Tracer):
+        # Concrete: checked, negative indices counted from the end, as for ints.
+        chosen = _static_indices(np.asarray(layers), length, who)
+        return jnp.asarray(chosen, layers.dtype)
+    # Traced indices cannot be checked: they are clamped to [0, L), as
+    # documented (negative indices are not counted from the end).
+    return jnp.clip(layers, 0, length - 1)
+
+
+def _scan_indices(
+    model: Stacked | Chain, x: PyTree, idx: Int[Array, " n"], call: LayerCall
+) -> PyTree:
+    """The carry after the layers `idx` (traced) of `model`, one scan step per
+    chosen layer: each step reads its one layer from the whole model (no copy of
+    the chosen layers is made; gradients scatter back to them)."""
+    options: ScanOptions = model.options
+    name = named_inputs(options)
+    c_static = eqx.filter(x, eqx.is_array, inverse=True)
+    if isinstance(model, Stacked):
+        cls = type(model.layers).__name__
+        body = f"The stacked layer {cls} (one body for the chosen layers)"
+        step_name = f"Chosen layer {{}} ({cls})"
+        weights = eqx.filter(model.layers, eqx.is_array)
+        gathered = model.layer_sharding is not None
+
+        def stack_layer(i: Int[Array, ""], c: PyTree, /) -> PyTree:
+            dyn, static = eqx.partition(layer_of(model, i), eqx.is_array)
+            one = name(call.at(i))
+            who = f"the stacked layer {cls}"
+            return run_one(eqx.combine(name(dyn), static), call, one, c, who)[0]
+
+        layer: Callable[[Int[Array, ""], PyTree], PyTree] = stack_layer
+    else:
+        layer = chain_layer_fn(model, call, name, c_static, _TRACED_HINT)
+        body = "The chosen layers of a Chain (one switch over its layer bodies)"
+        step_name = "Chosen layer {} of a Chain"
+        weights = eqx.filter(model.groups, eqx.is_array)
+        gathered = any(
+            isinstance(g, Stacked) and g.layer_sharding is not None
+            for g in model.groups
+        )
+
+    def step(carry: PyTree, i: Int[Array, ""]) -> tuple[PyTree, None]:
+        return layer(i, carry), None
+
+    def where(i: int | None) -> str:
+        return body if i is None else step_name.format(i)
+
+    return run(
+        step,
+        x,
+        idx,
+        length=int(idx.shape[0]),
+        options=options,
+        where=where,
+        # Unrolled, XLA may gather every sharded layer at once (FSDP).
+        gathered=gathered or layers_may_be_sharded(weights),
+    )[0]
+
+
+def run_layers(
+    model: Stacked | Chain,
+    x: PyTree,
+    layers: Layers,
+    *args: object,
+    key: PRNGKeyArray | None = None,
+    method: Method | None = None,
+    **kwargs: object,
+) -> PyTree:
+    """Run only the chosen layers of `model`, in the order given: progressive
+    growing, depth-wise fine-tuning, a draft model of a model's first layers.
+
+    **Arguments:**
+
+    - `model`: an [`eqxscan.Stacked`][] or an [`eqxscan.Chain`][].
+    - `x`: the carry.
+    - `layers`: a slice (`slice(i, j)` runs layers `i..j-1`) or a sequence of
+      ints (negative counting from the end), checked; or an integer array of
+      layer indices (the chain's global indices for a `Chain`), which may be
+      traced: every choice of the same length runs in one compiled program.
+      Traced indices cannot be checked and are clamped to `[0, L-1]`; concrete
+      arrays are checked. Indices may repeat (a layer run twice).
+    - `*args`, `**kwargs`: passed to every layer; values wrapped in
+      [`eqxscan.per_layer`][] have the model's `L` layers first and the chosen
+      layers get their own slices.
+    - `key`: split into `len(model)` keys as for a full call; chosen layer `i`
+      gets `keys[i]`, the key it has in a full run.
+    - `method`: as for [`eqxscan.Stacked.__call__`][].
+
+    **Returns:**
+
+    The carry after the chosen layers.
+
+    A `Stacked` scans the chosen layers with its own options (`mode`,
+    `checkpoint=`, `unroll`), so this differentiates like a call: only the
+    chosen layers get gradients (a repeated layer the sum). A static stretch
+    of consecutive layers is sliced out of the stacked weights first; with an
+    index array, or static layers out of order, each scan step reads its one
+    layer from the whole stack (no copy of the chosen layers). Every chosen
+    layer reads its index in `model` with [`eqxscan.layer_index`][]. A `Chain`
+    given a static choice groups each stretch of consecutive chosen layers
+    afresh (each choice compiles its own program; a lone layer may change the
+    carry).
+    Given an index array it scans the chosen layers with the chain's options,
+    and each step `lax.switch`es on the layer's group: every group's body
+    (a lone layer, a stack's one layer read from its stacked weights, a
+    layer of a repeated pattern read from its repeat) is traced once into the
+    program and each step runs one of them, so every layer of the chain must
+    return a carry like its input (an error names the layer otherwise). Under
+    `jax.vmap` over the indices the `switch` becomes a select, and every step
+    runs every group's body. Stateful layers (an `eqx.nn.State` argument) are
+    not supported.
+    """
+    check_model(model, "run_layers")
+    who = f"run_layers of a {type(model).__name__}"
+    check_no_state(args, kwargs, "run_layers")
+    length = model.num_layers
+    check_per_layer(args, kwargs, length)
+    keys = None if key is None else split_key(key, length, type(model).__name__)
+    if isinstance(layers, jax.Array):
+        idx: Indices = _dynamic_indices(layers, length, who)
+    else:
+        idx = _static_indices(layers, length, who)
+    refuse_buffer(args, kwargs, "run_layers")
+    static_run = isinstance(idx, slice) and idx.step in (None, 1)
+    if tapping() and not isinstance(layers, jax.Array) and not static_run:
+        # Taps number the layers they record; layers taken out of order are
+        # numbered as the traced indices' scan numbers them.
+        order = range(length)[idx] if isinstance(idx, slice) else idx.tolist()
+        layers = idx = jnp.asarray(list(order), jnp.int32)
+    call = LayerCall(args, kwargs, keys, method=method, caller=who)
+    with covering(length):
+        return _run_chosen(model, x, idx, isinstance(layers, jax.Array), call)
+
+
+def _stretches(order: list[int]) -> list[tuple[int, int]]:
+    """`order` cut into stretches of consecutive layers, as `(start, stop)`."""
+    out: list[tuple[int, int]] = []
+    for i in order:
+        if out and out[-1][1] == i:
+            out[-1] = (out[-1][0], i + 1)
+        else:
+            out.append((i, i + 1))
+    return out
+
+
+def _run_chosen(
+    model: Stacked | Chain, x: PyTree, idx: Indices, traced: bool, call: LayerCall
+) -> PyTree:
+    # `run_layers` once its arguments are checked: `idx` an index array when
+    # `traced`, else a static slice or NumPy index array. Every layer runs
+    # knowing its global index (`layer_index()`, the call's `first`).
+    length, method = model.num_layers, call.method
+    if traced:
+        if isinstance(model, Chain):
+            check_chain_method(model.groups, model.layout, method)
+        else:
+            check_method(method, model.layers)
+            model.check_layer_axis("run")
+            call = call._replace(caller="Stacked")
+        return _scan_indices(model, x, idx, call)  # pyright: ignore[reportArgumentType]  # an index array
+    order = list(range(length)[idx] if isinstance(idx, slice) else idx.tolist())  # pyright: ignore[reportAttributeAccessIssue]  # a NumPy array
+    if isinstance(model, Chain):
+        chosen = model.unstack()
+        # Each stretch of consecutive layers runs as a Chain of its own, so
+        # that its layers keep their global indices (`layer_index()`).
+        for start, stop in _stretches(order):
+            sub = Chain(
+                chosen[start:stop], patterns=model.patterns, **model.options.as_args()
+            )
+            sub_call = call.take(slice(start, stop))._replace(caller="Chain")
+            x = run_groups(sub.groups, sub.layout, x, sub_call, "Chain")[0]
+        return x
+    if _stretches(order) != [(order[0], order[-1] + 1)]:
+        # Layers out of order are one scan over their indices, each step
+        # reading its layer from the stack and knowing its global index.
+        return _run_chosen(model, x, jnp.asarray(order, jnp.int32), True, call)
+    idx = slice(order[0], order[-1] + 1)
+    sub_call = call.take(idx)
+    check_method(method, model.layers)
+    model.check_layer_axis("run")
+    count = len(order)
+    layers = take(model.layers, idx)
+    sub = restack(model, layers=layers, num_layers=count)
+    return scan_layers(sub, x, sub_call._replace(caller="Stacked"))[0]

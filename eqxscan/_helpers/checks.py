@@ -1,0 +1,472 @@
+"""Validation helpers: every error names what is wrong, where, and what was expected.
+
+Errors are decorated in one way only: [`noted`][eqxscan._helpers.checks.noted] adds one
+note naming the layer or step that raised, with a one-line pointer to the docs.
+"""
+
+import dataclasses
+import inspect
+import operator
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, cast, ParamSpec, Protocol, SupportsIndex, TypeGuard, TypeVar
+
+import equinox as eqx
+import jax
+import jax.core
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jaxtyping import PyTree
+
+from . import jax_private as traceback_util
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+# As Equinox does: with JAX's traceback filtering on (the default), frames from
+# this package are hidden from tracebacks that pass through JAX, so an error
+# raised by a user's layer points at the user's code.
+traceback_util.register_exclusion(os.path.dirname(__file__))
+
+DEBUGGING_DOCS = "see docs/debugging.md"
+
+
+def noted(fn: Callable[P, R], where: str, *args: P.args, **kwargs: P.kwargs) -> R:
+    """Call `fn(*args, **kwargs)`; an exception it raises gets one note naming
+    `where` (e.g. "Layer 3 (Block)"), since it otherwise says nothing about which
+    layer or step raised it. An exception is noted once per place."""
+    __tracebackhide__ = True
+    try:
+        return fn(*args, **kwargs)
+    except (TypeError, ValueError) as e:
+        shown = _input(args)
+        if shown and type(e) in (TypeError, ValueError) and _raised_by_jax(e):
+            # JAX's shape errors ("dot_general requires ...") name no layer and
+            # no input: a headline that does, the original kept as the cause.
+            raise type(e)(_headline(where, shown, e)) from e
+        _note(e, where)
+        raise
+    except Exception as e:
+        _note(e, where)
+        raise
+
+
+def _raised_by_jax(e: BaseException) -> bool:
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return False
+    name = tb.tb_frame.f_code.co_filename.replace(os.sep, "/")
+    return any(part in name for part in ("/jax/", "/jaxlib/", "/numpy/", "/equinox/"))
+
+
+def _input(args: tuple) -> str:
+    """The input of a layer's step, described: its first argument, the carry
+    (`""` where the first argument is a module, as for a group of layers)."""
+    is_module = lambda x: isinstance(x, eqx.Module)  # noqa: E731
+    if not args or any(map(is_module, jtu.tree_leaves(args[0], is_leaf=is_module))):
+        return ""
+    return describe_tree(args[0])
+
+
+def _headline(where: str, shown: str, e: BaseException) -> str:
+    first = next(iter(str(e).strip().splitlines()), type(e).__name__)
+    return (
+        f"{where} failed on its input {shown}: {first}\nHint: check the input's "
+        "shape and dtype against what the layer expects (the error may also be "
+        f"in the layer itself); {DEBUGGING_DOCS}."
+    )
+
+
+def describe_tree(tree: PyTree) -> str:
+    """`describe` of every leaf of `tree`, in its structure, shortened."""
+    leaves, treedef = jtu.tree_flatten(tree)
+    if treedef.num_leaves == 1 and treedef.num_nodes == 1:
+        return describe(leaves[0])
+    text = str(jtu.tree_unflatten(treedef, [_Shown(describe(x)) for x in leaves]))
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+class _Shown:
+    def __init__(self, text: str):
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _note(e: BaseException, where: str) -> None:
+    # `where` also starts sentences ("The cell GRUCell at ..."); mid-note it
+    # reads in lower case.
+    if where.split(" ", 1)[0] in ("The", "Layer"):
+        where = where[0].lower() + where[1:]
+    note = f"(raised by {where}, run by eqxscan; {DEBUGGING_DOCS})"
+    if note not in getattr(e, "__notes__", ()):
+        e.add_note(note)
+
+
+class _Shaped(Protocol):
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def dtype(self) -> jax.typing.DTypeLike: ...
+
+
+def describe(x: object) -> str:
+    """`float32[8,16]` for arrays, `repr` (shortened) for anything else."""
+    if isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) or hasattr(
+        x, "aval"
+    ):
+        x = cast(_Shaped, x)  # an array, or what stands for one (a jaxpr's value)
+        shape = ",".join(str(d) for d in x.shape)
+        # PRNG keys have an extended dtype (`key<fry>`), which NumPy cannot read.
+        dtype = x.dtype
+        name = (
+            str(dtype)
+            if jnp.issubdtype(dtype, jax.dtypes.extended)
+            else (jnp.dtype(dtype).name)
+        )
+        return f"{name}[{shape}]"
+    text = repr(x)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def is_array(x: object) -> TypeGuard[jax.Array | np.ndarray | np.generic]:
+    """`eqx.is_array`, as a type guard."""
+    return eqx.is_array(x)
+
+
+def is_arraylike(
+    x: object,
+) -> TypeGuard[jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct]:
+    """An array, or the `jax.ShapeDtypeStruct` standing for one (`eval_shape`)."""
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+Found = tuple[str, str, str]
+
+
+def _exactly_equal(a: object, b: object, path: str) -> Found | None:
+    try:
+        same = bool(a is b or a == b)
+    except Exception:
+        same = False
+    return None if same else (path, describe(a), describe(b))
+
+
+def first_difference(
+    a: PyTree,
+    b: PyTree,
+    path: str = "",
+    leaf: Callable[[object, object, str], Found | None] = _exactly_equal,
+) -> Found | None:
+    """The first place where two pytrees differ in structure, static data, shape or
+    dtype, as `(path, description of a, description of b)`; `None` if they agree.
+
+    Modules are walked field by field (static fields included), so a differing
+    hyperparameter is reported by its attribute path. Two non-array leaves are
+    judged by `leaf(a, b, path)` (default: identical or equal).
+    """
+
+    # `b: Any`: past `type(a) is type(b)`, `b` has `a`'s type, which narrowing
+    # `a` does not carry over to `b`.
+    def walk(a: object, b: Any, path: str) -> Found | None:
+        if is_arraylike(a) or is_arraylike(b):
+            if not (is_arraylike(a) and is_arraylike(b)):
+                return path, describe(a), describe(b)
+            if a.shape != b.shape or jnp.dtype(a.dtype) != jnp.dtype(b.dtype):
+                return path, describe(a), describe(b)
+            return None
+        if type(a) is not type(b):
+            return path, f"type {type(a).__name__}", f"type {type(b).__name__}"
+        if isinstance(a, eqx.Module) or (
+            dataclasses.is_dataclass(a) and not isinstance(a, type)
+        ):
+            pairs = [
+                (getattr(a, f.name, None), getattr(b, f.name, None), f".{f.name}")
+                for f in dataclasses.fields(a)
+                if hasattr(a, f.name) or hasattr(b, f.name)
+            ]
+        elif isinstance(a, (list, tuple)):
+            if len(a) != len(b):
+                return path, f"length {len(a)}", f"length {len(b)}"
+            pairs = [(x, y, f"[{i}]") for i, (x, y) in enumerate(zip(a, b))]
+        elif isinstance(a, dict):
+            if set(a) != set(b):
+                ka, kb = (f"keys {sorted(map(str, d))}" for d in (a, b))
+                return path, ka, kb
+            pairs = [(a[k], b[k], f"[{k!r}]") for k in a]
+        elif jtu.treedef_is_leaf(jtu.tree_structure(a)):
+            return leaf(a, b, path)
+        else:
+            # Some other registered pytree node: compare by flattening one level.
+            la, ta = jtu.tree_flatten(a, is_leaf=lambda x: x is not a)
+            lb, tb = jtu.tree_flatten(b, is_leaf=lambda x: x is not b)
+            if ta != tb:
+                return path, f"structure {ta}", f"structure {tb}"
+            pairs = [(x, y, f"<{i}>") for i, (x, y) in enumerate(zip(la, lb))]
+        for x, y, where in pairs:
+            diff = walk(x, y, path + where)
+            if diff is not None:
+                return diff
+        return None
+
+    return walk(a, b, path)
+
+
+def same_leaf(x: object, y: object) -> bool:
+    if is_array(x) and is_array(y):
+        return x.shape == y.shape and x.dtype == y.dtype
+    if is_array(x) or is_array(y):
+        return False
+    try:
+        return bool(x is y or x == y)
+    except Exception:
+        return False
+
+
+class CarryError(TypeError):
+    """A step returned a carry unlike the one it received. `where` names the step
+    (`step` is its index, `None` for the one body of a scan) and `what` says what
+    changed, so that a caller running several groups can name the step anew."""
+
+    def __init__(self, where: str, what: str, step: int | None = None):
+        super().__init__(f"{where} {what}")
+        self.where, self.what, self.step = where, what, step
+
+
+def check_carry(old: PyTree, new: PyTree, where: str, step: int | None = None) -> None:
+    """Raise `CarryError` (a `TypeError`) unless `new` has the tree structure,
+    shapes and dtypes of `old`: the contract every scan step must keep."""
+    old_def, new_def = jtu.tree_structure(old), jtu.tree_structure(new)
+    if old_def != new_def:
+        diff = first_difference(old, new)
+        detail = (
+            f" At `carry{diff[0]}` the input has {diff[1]} but the output has "
+            f"{diff[2]}."
+            if diff is not None
+            else ""
+        )
+        raise CarryError(
+            where,
+            "returned a carry whose tree structure differs from its input "
+            f"carry.{detail} Every step must return a carry of the same structure, "
+            f"shapes and dtypes as it receives (input {old_def}, output {new_def}).",
+            step,
+        )
+    leaves = jtu.tree_leaves_with_path(old)
+    for (path, a), b in zip(leaves, jtu.tree_leaves(new)):
+        if same_leaf(a, b):
+            continue
+        hint = ""
+        if eqx.is_array(a) and eqx.is_array(b) and a.shape == b.shape:
+            hint = (
+                " (a dtype promotion: cast the layer's result back, e.g. "
+                f"`.astype({jnp.dtype(a.dtype).name})`, or keep its parameters in "
+                f"{jnp.dtype(a.dtype).name})"
+            )
+        elif not eqx.is_array(a):
+            hint = " (carry leaves that change must be JAX arrays: use jnp.asarray)"
+        raise CarryError(
+            where,
+            f"changed carry leaf `carry{jtu.keystr(path)}` from "
+            f"{describe(a)} to {describe(b)}{hint}. Every step must return a carry "
+            "with the same structure, shapes and dtypes as it receives.",
+            step,
+        )
+
+
+def check_leading_axis(tree: PyTree, length: int, name: str, axis_name: str) -> None:
+    """Raise `ValueError` unless each array leaf of `tree` has leading axis `length`."""
+    for path, leaf in jtu.tree_leaves_with_path(tree):
+        if not eqx.is_array(leaf):
+            continue
+        if leaf.ndim == 0 or leaf.shape[0] != length:
+            raise ValueError(
+                f"{name}{jtu.keystr(path)} has shape {tuple(leaf.shape)}, but its "
+                f"leading axis must be the {axis_name} axis of length {length}."
+            )
+
+
+def check_option(name: str, value: object, allowed: Sequence[object]) -> None:
+    if not any(value is a or (type(value) is type(a) and value == a) for a in allowed):
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}.")
+
+
+def check_unroll(unroll: object) -> None:
+    if isinstance(unroll, bool) or (isinstance(unroll, str) and unroll == "auto"):
+        return
+    if not isinstance(unroll, int):
+        raise TypeError(
+            "unroll must be a positive int, a bool or 'auto', got "
+            f"{type(unroll).__name__}."
+        )
+    if unroll < 1:
+        raise ValueError(f"unroll must be >= 1 (or a bool), got {unroll}.")
+
+
+def check_callable(name: str, value: object) -> Callable[..., Any]:
+    if not callable(value):
+        raise TypeError(f"{name} must be callable, got {type(value).__name__}.")
+    return value
+
+
+def check_takes_key(fn: object, what: str, per: str) -> None:
+    """Raise `TypeError` unless `fn` can be called with `key=`.
+
+    `what` is the caller that was given the key (e.g. `"Stacked"`), `per` says
+    how it hands keys out (e.g. `"layer i gets key=keys[i]"`). Called before the
+    call, so the user does not get a bare "unexpected keyword argument 'key'".
+    """
+    if not callable(fn):  # let the call say so
+        return
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read: let the call decide
+        return
+    for p in signature.parameters.values():
+        if p.kind is p.VAR_KEYWORD or (
+            p.name == "key" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ):
+            return
+    if inspect.isfunction(fn) or inspect.ismethod(fn):
+        name = target = fn.__qualname__
+    else:
+        name = type(fn).__name__
+        target = f"{name}.__call__"
+    raise TypeError(
+        f"{what} was called with `key=...` and passes it on ({per}), but "
+        f"{name}{signature} takes no `key` argument. Call it without `key` if "
+        f"{name} needs no randomness, or give {target} a keyword-only "
+        "`key=None` parameter."
+    )
+
+
+def check_size(
+    name: str,
+    value: object,
+    minimum: int = 1,
+    maximum: int | None = None,
+    hint: str = "",
+) -> int:
+    """`value` as a plain `int`, for sizes such as `num_layers` or `dim`: anything
+    `operator.index` accepts (NumPy integers included) but `bool`, in
+    `[minimum, maximum]`."""
+    try:
+        if isinstance(value, bool) or not isinstance(value, SupportsIndex):
+            raise TypeError
+        size = operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"{name} must be an int (or a NumPy integer), got "
+            f"{type(value).__name__} ({value!r})."
+        ) from None
+    if size < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {size}.")
+    if maximum is not None and size > maximum:
+        raise ValueError(
+            f"{name} must be at most {maximum}, got {size}."
+            + (f"\n{hint}" if hint else "")
+        )
+    return size
+
+
+def check_bool(name: str, value: object) -> bool:
+    """`value` if it is a `bool` (or a NumPy bool), else a `TypeError` naming
+    `name`: a string such as `"False"` would otherwise count as true."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, got {type(value).__name__} ({value!r}).")
+
+
+def check_index(index: object, length: int, who: str, hint: str) -> int:
+    """`index` as a layer index in `range(length)` (negative counts from the end),
+    or a clear error: a traced index (with `hint` on what to do instead), a
+    non-integer, or one out of range."""
+    if isinstance(index, jax.core.Tracer):
+        raise TypeError(
+            f"{who} got a traced index (e.g. a jit argument); indices must be "
+            f"concrete ints: {hint}"
+        )
+    try:
+        if not isinstance(index, SupportsIndex):
+            raise TypeError
+        i = operator.index(index)
+    except TypeError:
+        raise TypeError(
+            f"{who} indices must be ints or slices, got {type(index).__name__}."
+        ) from None
+    if not -length <= i < length:
+        raise IndexError(
+            f"Layer index {i} is out of range for a {who} with {length} layers."
+        )
+    return i % length
+
+
+def split_key(key: object, num: int, who: str) -> jax.Array:
+    """`jax.random.split(key, num)`, after checking that `key` is one PRNG key:
+    a typed key (`jax.random.key`) of shape `()` or a raw `uint32[2]` one
+    (`jax.random.PRNGKey`). Anything else (an int, a `uint32[3]`, a batch of
+    keys) gets an error naming `who` rather than JAX's own."""
+    if isinstance(key, jax.Array) or isinstance(key, np.ndarray):
+        typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+        if typed and key.shape == ():
+            return jax.random.split(key, num)
+        if not typed and key.dtype == np.uint32 and key.shape == (2,):
+            return jax.random.split(key, num)
+    hint = (
+        "Hint: pass one key (jax.random.key(seed)); eqxscan splits it into one "
+        "per layer or step."
+    )
+    if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        hint = (
+            "Hint: pass one key, not a batch of keys; eqxscan splits it into one "
+            "per layer or step."
+        )
+    raise TypeError(
+        f"{who} needs `key` to be one JAX PRNG key, got {describe(key)}.\n{hint}"
+    )
+
+
+def check_made_layer(made: object) -> None:
+    """Raise `TypeError` if `make_layer` returned no layer: `None` (a missing
+    `return`), a number or a string, which would only fail when called."""
+    if made is None or isinstance(made, (bool, int, float, complex, str, bytes)):
+        raise TypeError(
+            f"make_layer returned {describe(made)} ({type(made).__name__}), not a "
+            "layer.\nHint: make_layer(key, ...) must return the layer, e.g. an "
+            "eqx.Module called as `layer(x)`; is a `return` missing?"
+        )
+
+
+def check_policy(name: str, policy: Callable[..., object]) -> None:
+    """Raise `TypeError` unless `policy` can be called as JAX calls a
+    rematerialisation policy, `policy(primitive, *avals, **params)`, and answers;
+    a callable that cannot (`len`) would fail only under `grad`, blamed on the
+    layer."""
+    aval = jax.core.ShapedArray((), jnp.float32)
+    try:
+        policy(jax.lax.mul_p, aval, aval)
+    except Exception as e:
+        raise TypeError(
+            f"{name}={describe(policy)} is not a rematerialisation policy: called "
+            f"as JAX calls one, policy(primitive, *avals, **params), it raised "
+            f"{type(e).__name__}: {e}\nHint: pass a jax.checkpoint_policies policy "
+            "(e.g. jax.checkpoint_policies.dots_saveable), True, False, 'auto', "
+            "'nested', 'offload' or an eqxscan.ScanCheckpoint."
+        ) from None
+
+
+def check_path(name: str, path: object) -> str:
+    """`os.fspath(path)`, or a `TypeError` naming `name` (e.g. `"save: path"`)
+    for anything that is not a path (`None`, a number, an array)."""
+    if isinstance(path, (str, os.PathLike)) and not isinstance(path, bytes):
+        return os.fspath(path)
+    raise TypeError(
+        f"{name} must be a path (a str or an os.PathLike such as pathlib.Path), "
+        f"got {type(path).__name__} ({describe(path)}).\nHint: pass the file or "
+        "directory name, e.g. 'checkpoints/model.safetensors'."
+    )

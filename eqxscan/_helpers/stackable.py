@@ -1,0 +1,225 @@
+"""When two layers are alike enough to share one traced body.
+
+Layers stack when they have the same structure, shapes and dtypes and the same
+non-array data (static fields, activation functions, markers). "The same" cannot
+always mean `==`: a `functools.partial` or a lambda made once per layer, or an
+`eqx.nn.StateIndex` (whose marker is a fresh `object()` per instance), differ
+only by identity. Where the difference is provably only identity, the layers are
+alike and stack as if they shared the first layer's object; where identity is all
+that can be compared (an object without `__eq__`), the answer is "unknown", so
+that callers can say so instead of silently keeping the layers apart.
+"""
+
+import dataclasses
+import functools
+import types
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.core
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jaxtyping import PyTree
+
+from .checks import describe, first_difference, same_leaf
+
+
+Verdict = Literal["same", "different", "unknown"]
+
+
+class Difference(NamedTuple):
+    """Where two layers differ: the leaf path, both values described, and whether
+    the values really differ (`"different"`) or can only be told apart by
+    identity (`"unknown"`)."""
+
+    path: str
+    a: str
+    b: str
+    verdict: Verdict
+
+
+def _describe(x: object) -> str:
+    # `repr` of a partial is long and hides its arguments past 80 characters.
+    if isinstance(x, functools.partial):
+        func = getattr(x.func, "__name__", None) or describe(x.func)
+        args = [describe(a) for a in x.args]
+        args += [f"{k}={describe(v)}" for k, v in x.keywords.items()]
+        return f"partial({', '.join([func, *args])})"
+    return describe(x)
+
+
+def _uses_identity(x: object) -> bool:
+    return type(x).__eq__ is object.__eq__
+
+
+def _concrete_equal(a: object, b: object) -> Verdict:
+    # Arrays closed over by a function: compare values when they are concrete.
+    if isinstance(a, jax.core.Tracer) or isinstance(b, jax.core.Tracer):
+        return "unknown"
+    a, b = np.asarray(a), np.asarray(b)
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return "different"
+    return "same" if np.array_equal(a, b) else "different"
+
+
+def _all(verdicts: Iterable[Verdict]) -> Verdict:
+    result: Verdict = "same"
+    for v in verdicts:
+        if v == "different":
+            return "different"
+        if v == "unknown":
+            result = "unknown"
+    return result
+
+
+def _sequence(a: Sequence[object], b: Sequence[object]) -> Verdict:
+    if len(a) != len(b):
+        return "different"
+    return _all(value_verdict(x, y) for x, y in zip(a, b))
+
+
+def _function(a: types.FunctionType, b: types.FunctionType) -> Verdict:
+    # One `def` or `lambda` evaluated more than once: same code, same globals;
+    # what may differ is what each instance captured.
+    if a.__code__ is not b.__code__ or a.__globals__ is not b.__globals__:
+        return "different"
+    cells_a = [c.cell_contents for c in a.__closure__ or ()]
+    cells_b = [c.cell_contents for c in b.__closure__ or ()]
+    return _all(
+        [
+            _sequence(a.__defaults__ or (), b.__defaults__ or ()),
+            value_verdict(a.__kwdefaults__ or {}, b.__kwdefaults__ or {}),
+            _sequence(cells_a, cells_b),
+        ]
+    )
+
+
+def value_verdict(a: object, b: Any) -> Verdict:
+    """Whether two non-array values (static data, functions) are the same."""
+    # `b: Any`: past `type(a) is type(b)`, `b` has `a`'s type, which narrowing
+    # `a` does not carry over to `b`.
+    if a is b:
+        return "same"
+    if eqx.is_array(a) or eqx.is_array(b) or isinstance(a, np.ndarray):
+        return _concrete_equal(a, b)
+    if type(a) is not type(b):
+        return "different"
+    if type(a) is object:
+        # A bare `object()` is only ever a unique marker (e.g. `StateIndex`'s).
+        return "same"
+    if isinstance(a, functools.partial):
+        return _all(
+            [
+                value_verdict(a.func, b.func),
+                _sequence(a.args, b.args),
+                value_verdict(a.keywords, b.keywords),
+            ]
+        )
+    if isinstance(a, types.FunctionType):
+        return _function(a, b)
+    if isinstance(a, types.MethodType):
+        return _all(
+            [
+                value_verdict(a.__func__, b.__func__),
+                value_verdict(a.__self__, b.__self__),
+            ]
+        )
+    if isinstance(a, (tuple, list)):
+        return _sequence(a, b)
+    if isinstance(a, dict):
+        if list(a) != list(b):
+            return "different"
+        return _all(value_verdict(a[k], b[k]) for k in a)
+    if isinstance(a, eqx.Module) or (
+        dataclasses.is_dataclass(a) and not isinstance(a, type)
+    ):
+        diff = compare(a, b)
+        return "same" if diff is None else diff.verdict
+    try:
+        if bool(a == b):
+            return "same"
+    except Exception:
+        return "unknown"
+    return "unknown" if _uses_identity(a) else "different"
+
+
+def compare(a: PyTree, b: PyTree, path: str = "") -> Difference | None:
+    """The first place where two layers differ in a way that keeps them from
+    sharing one body: structure, shape, dtype or non-array data. A difference
+    that can only be judged by identity is reported only if nothing really
+    differs. `None` when the layers are alike."""
+    unknown: list[Difference] = []
+
+    def leaf(x: object, y: object, where: str) -> tuple[str, str, str] | None:
+        verdict = value_verdict(x, y)
+        if verdict == "same":
+            return None
+        found = (where, _describe(x), _describe(y))
+        if verdict == "unknown":
+            unknown.append(Difference(*found, "unknown"))
+            return None
+        return found
+
+    diff = first_difference(a, b, path, leaf=leaf)
+    if diff is not None:
+        return Difference(*diff, "different")
+    return unknown[0] if unknown else None
+
+
+def alike(a: PyTree, b: PyTree) -> bool:
+    """Whether `a` and `b` can share one traced body (never raises)."""
+    if jtu.tree_structure(a) == jtu.tree_structure(b) and all(
+        same_leaf(x, y) for x, y in zip(jtu.tree_leaves(a), jtu.tree_leaves(b))
+    ):
+        return True  # the common, fast case: equal treedefs and leaves
+    try:
+        return compare(a, b) is None
+    except Exception:
+        return False
+
+
+def stack_alike(layers: list[PyTree]) -> PyTree:
+    """Stack layers that are [`alike`][eqxscan._helpers.stackable.alike] leaf by
+    leaf on a new axis 0. Non-array data is taken from the first layer, so layers
+    that differ only by identity end up sharing its objects."""
+    first, treedef = jtu.tree_flatten(layers[0])
+    columns = [first] + [jtu.tree_leaves(layer) for layer in layers[1:]]
+    stacked = [
+        jnp.stack(leaves) if eqx.is_array(leaves[0]) else leaves[0]
+        for leaves in zip(*columns)
+    ]
+    return jtu.tree_unflatten(treedef, stacked)
+
+
+def check_alike(
+    layers: list[PyTree], what: str, names: tuple[str, str] | None = None
+) -> None:
+    """Raise `ValueError` naming the first layer that cannot share a body with
+    layer 0: its index, the leaf path and both values. `names` names the two
+    layers when there are only two (instead of "layer 0" and "layer 1")."""
+    if len(layers) == 0:
+        raise ValueError(f"{what}: need at least one layer, got an empty sequence.")
+    for i, layer in enumerate(layers[1:], start=1):
+        if alike(layers[0], layer):
+            continue
+        diff = compare(layers[0], layer)
+        if diff is None:  # pragma: no cover - `alike` caught an exception
+            diff = Difference(
+                "", type(layers[0]).__name__, type(layer).__name__, "different"
+            )
+        hint = (
+            " These objects compare by identity only: create one and pass the same "
+            "object to every layer."
+            if diff.verdict == "unknown"
+            else " Stacked layers need identical structure, static fields, "
+            "non-array leaves, shapes and dtypes."
+        )
+        first, other = names or ("layer 0", f"layer {i}")
+        raise ValueError(
+            f"{what}: {other} ({type(layer).__name__}) cannot be stacked with "
+            f"{first} ({type(layers[0]).__name__}): at `{diff.path or '<root>'}` "
+            f"{first} has {diff.a} but {other} has {diff.b}.{hint}"
+        )

@@ -1,0 +1,92 @@
+"""Stateful layers (`eqx.nn.State`, `eqx.nn.StateIndex`, `eqx.nn.BatchNorm`) in
+a stack, called the way Equinox calls stateful models: `y, state = model(x, state)`.
+
+`eqx.nn.make_with_state(eqxscan.Stacked)(...)` builds the layers under
+`eqx.filter_vmap`, so each `StateIndex` of the stacked layer holds one marker and
+its state has a leading layer axis. A call hands layer `i` its own slice of that
+state (as a [`eqxscan.per_layer`][] argument) and collects the states the layers
+return as the scan's outputs, which are then written back into the whole state.
+"""
+
+from typing import Any, TypeVar
+
+import equinox as eqx
+import jax.tree_util as jtu
+from jaxtyping import PyTree
+
+from .checks import describe
+
+
+T = TypeVar("T")
+
+
+def find_state(args: tuple, kwargs: dict[str, Any]) -> int | str | None:
+    """Where the `eqx.nn.State` argument of a call is: its position in `args` or
+    its name in `kwargs`; `None` if there is none."""
+    found = [i for i, a in enumerate(args) if isinstance(a, eqx.nn.State)]
+    found += [n for n, v in kwargs.items() if isinstance(v, eqx.nn.State)]
+    if len(found) > 1:
+        raise TypeError(
+            f"A stack was called with {len(found)} eqx.nn.State arguments; pass one "
+            "State holding the state of the whole model."
+        )
+    return found[0] if found else None
+
+
+def replace_arg(
+    args: tuple, kwargs: dict[str, Any], where: int | str, value: object
+) -> tuple[tuple, dict[str, Any]]:
+    """`args` and `kwargs` with the argument at `where` replaced by `value`."""
+    if isinstance(where, int):
+        return args[:where] + (value,) + args[where + 1 :], kwargs
+    return args, {**kwargs, where: value}
+
+
+def get_arg(args: tuple, kwargs: dict[str, Any], where: int | str) -> Any:
+    return args[where] if isinstance(where, int) else kwargs[where]
+
+
+def layer_state(
+    state: eqx.nn.State, layers: PyTree, length: int, what: str
+) -> eqx.nn.State:
+    """The part of `state` that belongs to the stacked `layers`, checked to have
+    the layer axis (of length `length`) first."""
+    sub = state.substate(layers)
+    for path, leaf in jtu.tree_leaves_with_path(sub):
+        if getattr(leaf, "ndim", 0) == 0 or leaf.shape[0] != length:
+            raise ValueError(
+                f"{what} has {length} layers, but its state entry "
+                f"`{jtu.keystr(path)}` is {describe(leaf)}: the layer axis of length "
+                f"{length} must come first. Make the model and its state together "
+                "with `eqx.nn.make_with_state`."
+            )
+    return sub
+
+
+def state_pair(out: object, who: str) -> tuple[PyTree, eqx.nn.State]:
+    """A stateful layer's output `(x, state)` read as the scan's `(carry, y)`."""
+    if not (
+        isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], eqx.nn.State)
+    ):
+        raise TypeError(
+            f"A stack called with an eqx.nn.State expects each layer to return "
+            f"(x, state), as Equinox's stateful layers do, but {who} returned "
+            f"{describe(out)}."
+        )
+    return out[0], out[1]
+
+
+def updated(state: eqx.nn.State, sub: eqx.nn.State) -> eqx.nn.State:
+    """`state` with the entries of its substate `sub` replaced, leaving `state`
+    itself valid (`State.update` invalidates it): a scanned call does not
+    consume the caller's state, as `jax.lax.scan` over the layers would not."""
+    return clone(state).update(sub)
+
+
+def clone(tree: T) -> T:
+    """A copy of `tree`'s structure sharing its leaves. An `eqx.nn.State` is
+    invalidated once a layer calls `set` on it, so a carry that must be read
+    after the step (to check it, or to keep it on a masked step) is cloned first,
+    as Equinox recommends."""
+    leaves, treedef = jtu.tree_flatten(tree)
+    return jtu.tree_unflatten(treedef, leaves)

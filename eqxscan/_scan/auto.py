@@ -1,0 +1,587 @@
+"""The default: what `checkpoint="auto"` and `unroll="auto"` pick, from the
+traced step's shapes.
+
+When the scan body is traced, every shape is known. `measure_traced` reads the
+jaxpr the engine traced the step to (once; nothing runs) and counts:
+
+- the bytes a plain scan would save per step for the backward pass (the
+  residuals of `jax.vjp` of the step, less the step's inputs and the values it
+  closes over, which a scan does not stack),
+- the same under the matmul-saving policy (`dots_with_no_batch_dims_saveable`),
+- the bytes of the carry and how many arrays it holds, and
+- the FLOPs of one step (`2·M·N·K` per matmul, one per element of everything else).
+
+`decide` turns those into a choice by two small rules, `unroll_rule` and
+`checkpoint_rule`, over the numbers in `THRESHOLDS`; docs/default-checkpoint.md
+has the rule's table and the measurements behind every threshold.
+"""
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Literal, NamedTuple, TypeAlias
+
+import jax
+import jax.core
+import jax.extend.core as jcore
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jax.custom_batching import custom_vmap
+from jaxtyping import PyTree
+
+from .._helpers.checks import is_array
+from .options import Checkpoint
+from .remat import as_scan_checkpoint, AUTO_POLICY, Policy, ScanCheckpoint
+
+
+Over: TypeAlias = Literal["layers", "time"]
+"""What a scan's steps are: `"layers"` (each step's weights in `xs`) or `"time"` (a
+cell's weights closed over, their gradient summed across steps)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Thresholds:
+    """The numbers of the rule, one per line; docs/default-checkpoint.md has the
+    measurements behind each. Byte totals are per step × the scan's length."""
+
+    #: Save everything when a plain scan's residuals are at most this ...
+    small_residuals: int = 4 * 2**20
+    #: ... and at most this many times what the matmul-saving policy keeps.
+    matmul_dominated: float = 1.2
+    #: Platforms where the CPU-measured rules (marked CPU below) apply.
+    cpu_platforms: tuple[str, ...] = ("cpu",)
+    #: CPU: full remat for steps of fewer FLOPs than this ...
+    full_remat_flops: int = 10**7
+    #: CPU: ... or when the matmul-saving policy's residuals exceed this.
+    full_remat_residuals: int = 64 * 2**20
+    #: CPU: else save everything when that is at most this × what the policy keeps.
+    nearly_all_matmul: float = 1.25
+    #: Unroll fully a scan of at most this many steps ...
+    short_scan: int = 8
+    #: ... of fewer FLOPs than this in all (steps × FLOPs per step) ...
+    unroll_flops: int = 8 * 10**8
+    #: ... and, over layers, whose other steps' inputs (weights) total at most
+    #: this: unrolled, XLA slices every layer's weights out of the stack at once.
+    unroll_copies: int = 32 * 2**10
+    #: CPU: unroll by this a scan over time with one carried array, a step of
+    #: nearly all matmul outputs (`nearly_all_matmul`) ...
+    time_unroll: int = 2
+    #: CPU: ... and of at least this many FLOPs.
+    time_unroll_flops: int = 10**7
+
+
+#: The thresholds `"auto"` uses.
+THRESHOLDS = Thresholds()
+
+UnrollRule: TypeAlias = Literal["given", "sharded", "short", "copies", "time", "scan"]
+"""Which rule set `unroll`: `"given"` (explicit, not `"auto"`), `"sharded"` (the
+layers may be sharded: 1), `"short"` (a short, small scan: `True`), `"copies"` (a
+short, small scan over layers whose weights unrolled would be copied at once,
+more than `unroll_copies`: 1), `"time"` (on
+CPU, a matmul-heavy scan over time with one carried array: `time_unroll`),
+`"scan"` (none of those: 1)."""
+
+CheckpointRule: TypeAlias = Literal[
+    "given",
+    "unrolled",
+    "small",
+    "small-step",
+    "large-matmuls",
+    "nearly-all-matmul",
+    "policy",
+]
+"""Which rule set `checkpoint`: `"given"` (explicit), `"unrolled"` (unrolled
+fully: `False`, as the loop), `"small"` (small residuals, mostly matmul outputs:
+`False`), on CPU `"small-step"` and `"large-matmuls"` (`True`) and
+`"nearly-all-matmul"` (`False`), else `"policy"` (the matmul-saving policy)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    """What one traced scan step costs (see the module docstring)."""
+
+    length: int
+    flops: int
+    carry_bytes: int
+    saved_bytes: int
+    policy_saved_bytes: int
+    carry_arrays: int = 1
+    #: Bytes of one step's own inputs (a layer's weights and per-layer values).
+    xs_bytes: int = 0
+
+    @property
+    def copies_total(self) -> int:
+        """Bytes of the steps' inputs an unrolled program holds beyond a scan's
+        one step: every other step's slice, cut out of the stack at once."""
+        return self.xs_bytes * max(self.length - 1, 0)
+
+    @property
+    def saved_total(self) -> int:
+        """Bytes a plain scan saves over all its steps."""
+        return self.saved_bytes * self.length
+
+    @property
+    def policy_total(self) -> int:
+        """Bytes the matmul-saving policy saves over all steps."""
+        return self.policy_saved_bytes * self.length
+
+    @property
+    def ratio(self) -> float:
+        """What a plain scan saves ÷ what the matmul-saving policy keeps."""
+        return self.saved_bytes / max(self.policy_saved_bytes, 1)
+
+
+def unroll_rule(
+    cost: StepCost, platform: str, gathered: bool, over: Over, t: Thresholds
+) -> UnrollRule:
+    """The rule for `unroll="auto"`: the first that applies."""
+    if gathered:
+        return "sharded"
+    if cost.length <= t.short_scan and cost.length * cost.flops < t.unroll_flops:
+        if over == "layers" and cost.copies_total > t.unroll_copies:
+            # The loop's temp memory holds one layer's weights at a time.
+            return "copies"
+        return "short"
+    if (
+        over == "time"
+        and platform in t.cpu_platforms
+        and cost.carry_arrays == 1
+        and cost.flops >= t.time_unroll_flops
+        and cost.ratio <= t.nearly_all_matmul
+    ):
+        return "time"
+    return "scan"
+
+
+def checkpoint_rule(cost: StepCost, platform: str, t: Thresholds) -> CheckpointRule:
+    """The rule for `checkpoint="auto"` in a scan not unrolled fully: the first
+    that applies."""
+    cpu = platform in t.cpu_platforms
+    if cost.saved_total <= t.small_residuals and cost.ratio <= t.matmul_dominated:
+        return "small"
+    if cpu and cost.flops < t.full_remat_flops:
+        return "small-step"
+    if cpu and cost.policy_total > t.full_remat_residuals:
+        return "large-matmuls"
+    if cpu and cost.ratio <= t.nearly_all_matmul:
+        return "nearly-all-matmul"
+    return "policy"
+
+
+#: The rules that recompute the whole step; `"policy"` keeps the policy's, the
+#: others save everything.
+_FULL_REMAT: tuple[CheckpointRule, ...] = ("small-step", "large-matmuls")
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoRule:
+    """Which rules of `"auto"` fired for one scan, and the facts they read.
+
+    **Fields:**
+
+    - `unroll`: a `UnrollRule`: `"given"`, `"sharded"`, `"short"`, `"time"` or
+      `"scan"`.
+    - `checkpoint`: a `CheckpointRule`: `"given"`, `"unrolled"`, `"small"`,
+      `"small-step"`, `"large-matmuls"`, `"nearly-all-matmul"` or `"policy"`.
+    - `platform`: `jax.default_backend()` when the rule ran.
+    - `over`: `"layers"` or `"time"`.
+    - `thresholds`: the numbers the rule compared with.
+    """
+
+    unroll: UnrollRule
+    checkpoint: CheckpointRule
+    platform: str
+    over: Over = "layers"
+    thresholds: Thresholds = dataclasses.field(default=THRESHOLDS, repr=False)
+
+
+class Decision(NamedTuple):
+    """`decide`'s answer: the resolved options and the rules behind them."""
+
+    checkpoint: Checkpoint
+    unroll: int | bool
+    rule: AutoRule
+
+
+def _is_auto(value: object) -> bool:
+    return isinstance(value, str) and value == "auto"
+
+
+def decide(
+    cost: StepCost,
+    checkpoint: Checkpoint,
+    unroll: int | bool | Literal["auto"],
+    policy: Policy,
+    platform: str,
+    *,
+    gathered: bool = False,
+    over: Over = "layers",
+) -> Decision:
+    """Resolve `"auto"` in `checkpoint` and/or `unroll` by `unroll_rule` and
+    `checkpoint_rule` (with `THRESHOLDS`); explicit values pass through. `gathered`:
+    each step may gather its own sharded weights (FSDP)."""
+    t = THRESHOLDS
+    u_rule: UnrollRule = "given"
+    if isinstance(unroll, str):  # "auto"
+        u_rule = unroll_rule(cost, platform, gathered, over, t)
+        steps = {"short": True, "time": t.time_unroll}.get(u_rule, 1)
+    else:
+        steps = unroll
+    c_rule: CheckpointRule = "given"
+    if _is_auto(checkpoint):
+        c_rule = "unrolled" if steps is True else checkpoint_rule(cost, platform, t)
+        checkpoint = policy if c_rule == "policy" else c_rule in _FULL_REMAT
+    return Decision(checkpoint, steps, AutoRule(u_rule, c_rule, platform, over, t))
+
+
+def _mib(n: int) -> str:
+    if n < 2**20:
+        return f"{n / 2**10:.1f} KiB"
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _unroll_reason(rule: AutoRule, cost: StepCost) -> str:
+    t, on = rule.thresholds, rule.platform
+    steps = f"{cost.length} steps of {cost.flops:.3g} FLOPs"
+    if rule.unroll == "sharded":
+        return (
+            "the layers may be sharded (layer_sharding, Explicit mesh axes in their "
+            "types, or an Auto mesh set with jax.set_mesh), so each step may gather "
+            "its own: keep the scan, unroll 1"
+        )
+    if rule.unroll == "short":
+        return (
+            f"{steps} (at most {t.short_scan}, under {t.unroll_flops:.0e} in all): "
+            "unroll fully"
+        )
+    if rule.unroll == "copies":
+        return (
+            f"{steps} (at most {t.short_scan}), but unrolled the other layers' "
+            f"weights ({_mib(cost.copies_total)}, more than "
+            f"{_mib(t.unroll_copies)}) would be copied at once: unroll 1"
+        )
+    if rule.unroll == "time":
+        return (
+            f"on {on}, {cost.length} time steps of {cost.flops:.3g} FLOPs (>= "
+            f"{t.time_unroll_flops:.0e}), one carried array, nearly all matmul "
+            f"outputs: unroll {t.time_unroll}"
+        )
+    why = ""  # why a scan over time on CPU was not unrolled by `time_unroll`
+    if rule.over == "time" and on in t.cpu_platforms:
+        if cost.carry_arrays != 1:
+            why = f", {cost.carry_arrays} carried arrays"
+        elif cost.flops < t.time_unroll_flops:
+            why = f" (< {t.time_unroll_flops:.0e})"
+        else:
+            why = ", not nearly all matmul outputs"
+    return f"{steps}{why}: unroll 1"
+
+
+def _checkpoint_reason(rule: AutoRule, cost: StepCost) -> str:
+    t, on = rule.thresholds, rule.platform
+    if rule.checkpoint == "unrolled":
+        return "unrolled fully, so save what the loop saves"
+    facts = (
+        f"a plain scan saves {_mib(cost.saved_total)}, {cost.ratio:.2f}x what saving "
+        f"matmul outputs keeps ({_mib(cost.policy_total)})"
+    )
+    if rule.checkpoint == "small":
+        return (
+            f"{facts}: at most {_mib(t.small_residuals)} and {t.matmul_dominated}x, "
+            "so save everything"
+        )
+    over = (
+        f"more than {_mib(t.small_residuals)}"
+        if cost.saved_total > t.small_residuals
+        else f"more than {t.matmul_dominated}x"
+    )
+    verdict = {
+        "small-step": f"so on {on}, with {cost.flops:.3g} FLOPs per step (< "
+        f"{t.full_remat_flops:.0e}), recompute the whole step",
+        "large-matmuls": f"so on {on}, with more than "
+        f"{_mib(t.full_remat_residuals)} of matmul outputs, recompute the whole step",
+        "nearly-all-matmul": f"but on {on} at most {t.nearly_all_matmul}x is nearly "
+        "all matmul outputs: save everything",
+        "policy": "so save matmul outputs and recompute the rest",
+    }[rule.checkpoint]
+    return f"{facts}: {over}, {verdict}"
+
+
+def reason(rule: AutoRule, cost: StepCost) -> str:
+    """One sentence with the numbers behind `rule`'s choice for `cost`."""
+    parts = []
+    if rule.unroll != "given":
+        parts.append(_unroll_reason(rule, cost))
+    if rule.checkpoint != "given":
+        parts.append(_checkpoint_reason(rule, cost))
+    return "; ".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoChoice:
+    """What `"auto"` chose for one scan, and why.
+
+    **Fields:**
+
+    - `checkpoint`: the resolved option: `False` (save everything), `True` (full
+      remat) or a `jax.checkpoint_policies` policy.
+    - `unroll`: the resolved `unroll`.
+    - `rule`: which rule fired: `rule.unroll` and `rule.checkpoint` name it
+      (`"given"` where the option was explicit; the values are listed in
+      docs/default-checkpoint.md).
+    - `cost`: the measured [`StepCost`][eqxscan.remat.StepCost].
+    - `where`: which scan (the layer type or cell, as in error messages).
+
+    `reason` is one sentence with the numbers behind the choice, derived from
+    `rule` and `cost`.
+    """
+
+    checkpoint: Checkpoint
+    unroll: int | bool
+    rule: AutoRule
+    cost: StepCost
+    where: str
+
+    @property
+    def reason(self) -> str:
+        return reason(self.rule, self.cost)
+
+    @property
+    def checkpoint_name(self) -> str:
+        if callable(self.checkpoint):
+            return getattr(self.checkpoint, "__name__", repr(self.checkpoint))
+        return repr(self.checkpoint)
+
+    def __repr__(self) -> str:
+        return (
+            f"AutoChoice(checkpoint={self.checkpoint_name}, unroll={self.unroll!r}, "
+            f"rule=({self.rule.checkpoint!r}, {self.rule.unroll!r}), "
+            f"where={self.where!r}, reason={self.reason!r})"
+        )
+
+
+# ---------------------------------------------------------------------------
+# Measuring the step.
+
+
+def _shape(aval: jax.core.AbstractValue) -> tuple[int, ...]:
+    # A value without a shape (a token) counts as a scalar.
+    return aval.shape if isinstance(aval, jax.core.ShapedArray) else ()
+
+
+def _size(aval: jax.core.AbstractValue) -> int:
+    return int(np.prod(_shape(aval), dtype=np.int64))
+
+
+def _nbytes(aval: jax.core.AbstractValue) -> int:
+    if not isinstance(aval, jax.core.ShapedArray):
+        return 0
+    dtype = aval.dtype
+    # PRNG keys have an extended dtype, which NumPy cannot interpret.
+    if not jnp.issubdtype(dtype, jax.dtypes.extended):
+        dtype = jnp.dtype(dtype)
+    return _size(aval) * dtype.itemsize
+
+
+def _saved_bytes(jaxpr: jcore.ClosedJaxpr, n_carry: int, policy: Policy | None) -> int:
+    """Bytes of the residuals of `vjp` of the traced step `jaxpr` that a scan
+    would stack per step: not the step's per-step inputs (scanned already) nor
+    its consts (closed-over values, the same at every step); the incoming carry
+    does count. Differentiates the jaxpr: the step's Python code does not run."""
+    fn = step = jcore.jaxpr_as_fun(jaxpr)
+    if policy is not None:
+        fn = jax.checkpoint(step, policy=policy)  # pyright: ignore[reportArgumentType]  # jax says bool; offloading ones answer Offloadable
+
+    def residuals(*leaves: jax.Array) -> object:
+        return jax.vjp(fn, *leaves)[1]
+
+    try:
+        vjp_jaxpr = jax.make_jaxpr(residuals)(*jaxpr.in_avals).jaxpr
+    except (TypeError, ValueError, NotImplementedError):
+        # A step that cannot be reverse-differentiated (a callback without a
+        # derivative, say) has no residuals to weigh, and remat changes nothing.
+        return 0
+    not_stacked = set(vjp_jaxpr.invars[n_carry:]) | set(vjp_jaxpr.constvars)
+    seen, total = set(), 0
+    for v in vjp_jaxpr.outvars:
+        if not isinstance(v, jcore.Var) or v in not_stacked or v in seen:
+            continue
+        seen.add(v)
+        total += _nbytes(v.aval)
+    return total
+
+
+def _sub_jaxprs(params: dict[str, object]) -> list[jcore.Jaxpr]:
+    # `jax.extend.core.jaxprs_in_params` from jax 0.10 on; spelled out for 0.9.
+    out = []
+    for value in params.values():
+        for v in value if isinstance(value, tuple) else (value,):
+            if isinstance(v, jcore.ClosedJaxpr):
+                out.append(v.jaxpr)
+            elif isinstance(v, jcore.Jaxpr):
+                out.append(v)
+    return out
+
+
+def _flops(jaxpr: jcore.Jaxpr) -> int:
+    total = 0
+    for eqn in jaxpr.eqns:
+        subs = _sub_jaxprs(eqn.params)
+        if subs:
+            times = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
+            # Branches of a `cond` are alternatives: count the most expensive.
+            inner = [_flops(s) for s in subs]
+            total += times * (
+                max(inner) if eqn.primitive.name == "cond" else sum(inner)
+            )
+            continue
+        out = sum(_size(v.aval) for v in eqn.outvars)
+        if eqn.primitive.name == "dot_general":
+            (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+            lhs = _shape(eqn.invars[0].aval)
+            k = int(np.prod([lhs[d] for d in lhs_contract], dtype=np.int64))
+            total += 2 * out * k
+        else:
+            total += out
+    return total
+
+
+# How many copies `jax.vmap` runs at once, read through the public batching API:
+# `_probe` is the identity, and under `vmap` its rule is called with the batch
+# size (then passes the value on, to any `vmap` further out). Outside `vmap` it
+# is a no-op, removed with the rest of the dead code when lowered. The sizes
+# go to the list of the probe running in this context (`_vmapped_size`).
+_SIZES: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
+    "eqxscan_vmap_sizes", default=None
+)
+
+
+@custom_vmap
+def _probe(a: jax.Array) -> jax.Array:
+    return a
+
+
+@_probe.def_vmap
+def _probe_rule(
+    axis_size: int, in_batched: list[bool], a: jax.Array
+) -> tuple[jax.Array, bool]:
+    sizes = _SIZES.get()
+    if sizes is not None:
+        sizes.append(axis_size)
+    return _probe(a), in_batched[0]
+
+
+def _vmapped_size(x: object) -> int:
+    """How many copies of `x` `jax.vmap` runs at once (1 outside `vmap`).
+
+    `vmap` hides its batch from the traced step, whose shapes are per example,
+    yet the batch multiplies every byte and FLOP. Nested `vmap`s multiply; a
+    `jit` inside the `vmap` hides it (1 is assumed)."""
+    if not is_array(x) or jnp.issubdtype(x.dtype, jax.dtypes.extended):
+        return 1
+    sizes: list[int] = []
+    token = _SIZES.set(sizes)
+    try:
+        # Without gradients: a derivative trace would wrap the value the rule sees.
+        _probe(jax.lax.stop_gradient(x))
+    finally:
+        _SIZES.reset(token)
+    return int(np.prod(sizes, dtype=np.int64))
+
+
+def measure_traced(
+    jaxpr: jcore.ClosedJaxpr,
+    n_carry: int,
+    values: PyTree[jax.Array],
+    length: int,
+    policy: Policy,
+) -> StepCost:
+    """The [`StepCost`][eqxscan.remat.StepCost] of a step traced once to `jaxpr` (whose
+    first `n_carry` inputs are the carry's leaves) over `length` steps, for the
+    whole `vmap` batch of `values` (the carry and `xs`) when there is one."""
+    batch = max([_vmapped_size(a) for a in jtu.tree_leaves(values)] or [1])
+    carry = jaxpr.in_avals[:n_carry]
+    xs = jaxpr.in_avals[n_carry:]
+    return StepCost(
+        length=length,
+        flops=batch * _flops(jaxpr.jaxpr),
+        carry_bytes=batch * sum(_nbytes(a) for a in carry),
+        saved_bytes=batch * _saved_bytes(jaxpr, n_carry, None),
+        policy_saved_bytes=batch * _saved_bytes(jaxpr, n_carry, policy),
+        carry_arrays=n_carry,
+        xs_bytes=batch * sum(_nbytes(a) for a in xs),
+    )
+
+
+def measure(
+    step: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]],
+    carry: PyTree[jax.Array],
+    xs: PyTree[jax.Array],
+    length: int,
+    policy: Policy,
+) -> StepCost:
+    """The [`StepCost`][eqxscan.remat.StepCost] of `step(carry, x_i)` over `length`
+    steps (traced once here; the engine measures the jaxpr it traced already)."""
+    x = jtu.tree_map(lambda a: jcore.mapped_aval(length, 0, jax.typeof(a)), xs)
+    c = jtu.tree_map(jax.typeof, carry)
+    jaxpr = jax.make_jaxpr(step)(c, x)
+    n_carry = len(jtu.tree_leaves(carry))
+    return measure_traced(jaxpr, n_carry, (carry, xs), length, policy)
+
+
+# ---------------------------------------------------------------------------
+# Resolving inside the engine, and reporting it.
+
+# Where `resolve` reports its choices: the lists of the `recording()` blocks
+# open in this context (`eqxscan.remat.explain_auto` opens one).
+_RECORDERS: contextvars.ContextVar[tuple[list["AutoChoice"], ...]] = (
+    contextvars.ContextVar("eqxscan_auto_recorders", default=())
+)
+
+
+def resolve(
+    jaxpr: jcore.ClosedJaxpr,
+    n_carry: int,
+    values: PyTree[jax.Array],
+    length: int,
+    checkpoint: ScanCheckpoint,
+    unroll: int | bool | Literal["auto"],
+    where: str,
+    gathered: bool = False,
+    over: Over = "layers",
+) -> tuple[ScanCheckpoint, int | bool]:
+    """`(checkpoint, unroll)` with eqxscan's rule applied where it chooses
+    (`checkpoint.is_rule`, `unroll="auto"`), measured on the step traced once
+    to `jaxpr` (see `measure_traced`); other values pass through."""
+    if not checkpoint.is_rule and not isinstance(unroll, str):  # no "auto"
+        return checkpoint, unroll
+    cost = measure_traced(jaxpr, n_carry, values, length, AUTO_POLICY)
+    platform = jax.default_backend()
+    # The rule sees "auto", or the value as a plain `checkpoint=` option.
+    given = checkpoint.policy if not checkpoint.named else checkpoint
+    raw, unroll, rule = decide(
+        cost,
+        "auto" if checkpoint.is_rule else given,  # pyright: ignore[reportArgumentType]  # passed through
+        unroll,
+        AUTO_POLICY,
+        platform,
+        gathered=gathered,
+        over=over,
+    )
+    for record in _RECORDERS.get():
+        record.append(AutoChoice(raw, unroll, rule, cost, where))
+    return (as_scan_checkpoint(raw) if checkpoint.is_rule else checkpoint), unroll
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[AutoChoice]]:
+    """Collect the `AutoChoice` of every scan that resolves `"auto"` inside the
+    block (in this context only: other threads and tasks are not seen)."""
+    record: list[AutoChoice] = []
+    token = _RECORDERS.set((*_RECORDERS.get(), record))
+    try:
+        yield record
+    finally:
+        _RECORDERS.reset(token)

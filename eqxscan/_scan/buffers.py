@@ -1,0 +1,357 @@
+"""Per-layer buffers updated in place (KV caches, per-layer recurrent state).
+
+A buffer is stacked like the layers (layer `i`'s part is slice `i`), but unlike a
+[`eqxscan.per_layer`][] argument it is not sliced as a scan input: the whole
+stacked buffer travels in the scan's carry, each step reads its layer's slice,
+and what the layer returns is written back into the stacked buffer. With the
+buffer donated, the output aliases the input and no second copy exists.
+
+A layer that writes only some rows of its slice with
+`jax.lax.dynamic_update_slice` (a decode step writing the new keys at `pos`)
+has those rows alone written into the stacked buffer: the update is found in
+the layer's traced program, so the layer's code stays the code of one layer.
+Any other new slice is written back whole; a slice returned unchanged is not
+written at all.
+
+Inside an enclosing scan (a repeat of a `Chain`'s pattern) a layer's buffer is
+a view: the stacked array of its group and the indices already fixed by the
+enclosing steps (`prefix`), so that writes land in the one array at every
+level.
+"""
+
+from collections.abc import Callable
+from typing import Literal, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.extend.core as jcore
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jax.ad_checkpoint import checkpoint_name
+from jaxtyping import Array, PyTree
+
+from .._helpers.checks import describe
+from .._helpers.stateful import get_arg, replace_arg
+from .index import Index, index
+from .remat import BUFFER_READ
+
+
+#: How a layer reads its slice: `"view"` straight from the stacked buffer,
+#: `"copy"` through one contiguous copy per step, `"auto"` as the backend suits.
+Reads = Literal["auto", "view", "copy"]
+
+
+class Buffer(eqx.Module):
+    """A per-layer buffer of a call, updated in place: build it with
+    [`eqxscan.buffer`][]."""
+
+    tree: PyTree
+    prefix: tuple[Index, ...] = ()
+    reads: Reads = eqx.field(static=True, default="auto")
+
+    def at(self, i: Index) -> "Buffer":
+        """The view of step `i` of the scan over this buffer's leading
+        (unfixed) axis."""
+        return Buffer(self.tree, (*self.prefix, i), self.reads)
+
+    def of(self, tree: PyTree) -> "Buffer":
+        """This view of another stacked buffer (the same prefix and reads)."""
+        return Buffer(tree, self.prefix, self.reads)
+
+    def read(self) -> PyTree:
+        """The slice this view stands for (named for remat, see `BUFFER_READ`)."""
+        if not self.prefix:
+            return self.tree
+        return jtu.tree_map(
+            lambda a: checkpoint_name(_read(a, self.prefix, self.reads), BUFFER_READ),
+            self.tree,
+        )
+
+
+#: Where a `LayerBuffers` part sits: `(start, size, period, inner)`, as a
+#: chain's group (`inner` is a repeated pattern's own layout, else `()`).
+Place = tuple[int, int, int, tuple]
+
+
+class LayerBuffers(eqx.Module):
+    """Every layer's buffer of a [`eqxscan.Chain`][], each of its own size, laid
+    out as the chain's groups: a lone layer's buffer as it is, a scanned run's
+    stacked on a leading axis, a repeated pattern's as one part per group of
+    the pattern with the repeat axis in front. Build it with
+    [`eqxscan.layer_buffers`][]; `layer(i)` is layer `i`'s buffer."""
+
+    groups: tuple[PyTree, ...]
+    layout: tuple[Place, ...] = eqx.field(static=True)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of every layer's buffer: the sum of their own sizes."""
+        return sum(a.nbytes for a in jtu.tree_leaves(self.groups))
+
+    def layer(self, i: int) -> PyTree:
+        """Layer `i`'s buffer (`None` for a layer without one)."""
+        for part, (start, size, period, inner) in zip(self.groups, self.layout):
+            if not start <= i < start + size:
+                continue
+            if period == 0:
+                return part
+            if period == 1:
+                return index(part, i - start)
+            r, j = divmod(i - start, period)
+            return LayerBuffers(index(part, r), inner).layer(j)
+        size = sum(place[1] for place in self.layout)
+        raise IndexError(f"Layer {i} is out of range for buffers of {size} layers.")
+
+
+def buffer(tree: PyTree, *, reads: Reads = "auto") -> Buffer:
+    """Mark `tree` as a per-layer buffer of a call, updated in place.
+
+    Layer `i` is called with slice `i` of every leaf where the marked argument
+    was, and returns its new slice beside its carry: `layer(x, cache, ...) ->
+    (x, cache)`. The call then returns `(x, buffer)` with every layer's slice
+    written back (`stack.scan` layers return `((x, cache), y)`, and the call
+    `((x, buffer), ys)`). Under `jax.jit` with the buffer donated, the update is
+    in place: no copy of the whole buffer exists at any time, and a layer that
+    writes rows with `jax.lax.dynamic_update_slice` writes only those rows.
+
+    **Arguments:**
+
+    - `tree`: for a [`eqxscan.Stacked`][], a pytree of arrays with the layer
+      axis first; for a [`eqxscan.Chain`][], what
+      [`eqxscan.layer_buffers`][] builds (each layer's buffer of its own size).
+    - `reads`: how a layer reads its slice of a scanned buffer. `"view"` reads
+      it from the stacked buffer, and XLA fuses the slicing into whatever reads
+      it. `"copy"` copies the (updated) slice out once per step, one slice of
+      temp memory, then reads the copy: on CPU a slice that the layer
+      transposes (token-major keys in attention) reads about twice as fast this
+      way, as XLA's CPU backend transposes a separate array with a tiled
+      kernel but a fused slice element by element. `"auto"` (the default) is
+      `"copy"` on CPU and `"view"` on other backends, where XLA can read the
+      slice where it lies.
+
+    **Returns:**
+
+    A marker wrapping `tree`.
+    """
+    leaves = jtu.tree_leaves(tree)
+    bad = [a for a in leaves if not eqx.is_array(a)]
+    if bad:
+        raise TypeError(
+            f"eqxscan.buffer takes a pytree of arrays, but it holds {describe(bad[0])}."
+            "\nPass the arrays a layer updates; broadcast anything else."
+        )
+    if reads not in ("auto", "view", "copy"):
+        raise ValueError(
+            f"eqxscan.buffer got reads={reads!r}; expected 'auto', 'view' or 'copy'."
+            "\nHint: 'auto' reads a copy on CPU and the stacked buffer elsewhere."
+        )
+    return Buffer(tree, (), reads)
+
+
+def find_buffer(args: tuple, kwargs: dict[str, object]) -> int | str | None:
+    """Where the [`eqxscan.buffer`][] argument of a call is (its position or
+    name), or `None`."""
+    found: list[int | str] = [i for i, a in enumerate(args) if isinstance(a, Buffer)]
+    found += [n for n, v in kwargs.items() if isinstance(v, Buffer)]
+    if len(found) > 1:
+        raise TypeError(
+            f"A call has {len(found)} eqxscan.buffer arguments; pass one buffer "
+            "(any pytree, e.g. a tuple of keys and values)."
+        )
+    return found[0] if found else None
+
+
+def with_view(
+    args: tuple, kwargs: dict[str, object], at: int | str, value: object
+) -> tuple[tuple, dict[str, object]]:
+    """`args`, `kwargs` with the buffer at `at` replaced by `value` (a view, or
+    the slice a layer receives)."""
+    return replace_arg(args, kwargs, at, value)
+
+
+def view_of(args: tuple, kwargs: dict[str, object], at: int | str) -> "Buffer":
+    """The buffer argument at `at`."""
+    view = get_arg(args, kwargs, at)
+    assert isinstance(view, Buffer)
+    return view
+
+
+def refuse_buffer(args: tuple, kwargs: dict[str, object], who: str) -> None:
+    """Raise if a call that cannot update buffers in place was given one."""
+    if find_buffer(args, kwargs) is not None:
+        raise TypeError(
+            f"{who} does not take an eqxscan.buffer; call the model itself, "
+            "which returns (x, buffer)."
+        )
+
+
+def check_buffer_axis(view: Buffer, length: int, who: str) -> None:
+    """Raise unless every leaf of `view`'s buffer has the layer axis (of
+    `length`) after the axes its prefix fixes."""
+    p = len(view.prefix)
+    for path, a in jtu.tree_leaves_with_path(view.tree):
+        if a.ndim <= p or a.shape[p] != length:
+            raise ValueError(
+                f"{who} has {length} layers, but buffer leaf "
+                f"`buffer{jtu.keystr(path)}` is {describe(a)}: its "
+                f"{'first' if p == 0 else f'axis {p}'} axis is not the layer "
+                f"axis.\nStack each layer's buffer on a new leading axis, or "
+                "build it with eqxscan.layer_buffers."
+            )
+
+
+def _read(a: Array, prefix: tuple[Index, ...], reads: Reads) -> Array:
+    # A step's slice of a stacked leaf, as `reads` says. XLA fuses a dynamic
+    # slice into its consumers, and nothing but a conditional's result keeps it
+    # a separate array: the predicate (the layer index is never negative) is
+    # unknown to XLA, so the slice is copied once, contiguously, and the
+    # zeros branch never runs.
+    static = all(isinstance(i, int) for i in prefix)
+    if reads == "auto":
+        reads = "copy" if jax.default_backend() == "cpu" else "view"
+    if reads == "view" or static:
+        return index(a, prefix)
+    shape = a.shape[len(prefix) :]
+    return jax.lax.cond(
+        jnp.asarray(prefix[-1]) >= 0,
+        lambda a: index(a, prefix),
+        lambda a: jnp.zeros(shape, a.dtype),
+        a,
+    )
+
+
+def _start(prefix: tuple[Index, ...], rest: tuple[object, ...]) -> list[Array]:
+    return [jnp.asarray(i, jnp.int32) for i in (*prefix, *rest)]
+
+
+class Write(NamedTuple):
+    """What a layer wrote into one leaf of its slice: `rows` at `start` (from a
+    `dynamic_update_slice` of the slice it received), its whole new slice
+    (`rows` with `start=None`), or nothing (`rows=None`)."""
+
+    rows: Array | None
+    start: tuple[Array, ...] | None = None
+
+    def apply(self, a: Array, prefix: tuple[Index, ...]) -> Array:
+        """`a` (the stacked leaf) with this write made at the view `prefix`."""
+        if self.rows is None:
+            return a
+        if not prefix and self.start is None:
+            return self.rows
+        rows = self.rows.reshape((1,) * len(prefix) + self.rows.shape)
+        rest = self.start if self.start is not None else (0,) * self.rows.ndim
+        return jax.lax.dynamic_update_slice(a, rows, _start(prefix, rest))
+
+
+def call_writing(
+    fn: Callable[[PyTree], tuple[PyTree, PyTree]], view: Buffer, who: str
+) -> tuple[PyTree, PyTree]:
+    """Run `fn(old) -> (out, new)` on the slice `old` of `view`, where `new` is
+    the layer's new slice, and write it into the stacked buffer.
+
+    **Returns:**
+
+    `(out, tree)`: what `fn` returned besides its slice, and the stacked buffer
+    with the layer's writes made.
+
+    `fn` is traced once to a jaxpr, then evaluated equation by equation (no
+    Python code of `fn` runs twice). A leaf of `new` made by a
+    `dynamic_update_slice` of the same leaf of `old` is written as those rows
+    into the stacked buffer, and whatever the layer reads of its updated slice
+    is read back from the stacked buffer: the old slice is then dead once the
+    rows are written, so XLA updates the buffer in place rather than copying
+    it. A leaf returned unchanged is not written; any other is written whole.
+    """
+    old = view.read()
+    leaves, treedef = jtu.tree_flatten(old)
+
+    def flat(*ls: Array) -> tuple[tuple[Array, ...], PyTree]:
+        out, new = fn(jtu.tree_unflatten(treedef, ls))
+        _check_same(old, new, who)
+        return tuple(jtu.tree_leaves(new)), out
+
+    closed, out_dyn, out_static = eqx.filter_make_jaxpr(flat)(*leaves)
+    jaxpr = closed.jaxpr
+    made = {v: e for e in jaxpr.eqns for v in e.outvars}
+    rows_of: dict[int, int] = {}  # id of a row-writing equation -> its leaf
+    whole_of: dict[jcore.Var, list[int]] = {}  # a new slice made here -> its leaves
+    for k, var in enumerate(jaxpr.outvars[: len(leaves)]):
+        eqn = made.get(var) if isinstance(var, jcore.Var) else None
+        if (
+            eqn is not None
+            and eqn.primitive is jax.lax.dynamic_update_slice_p
+            and eqn.invars[0] is jaxpr.invars[k]
+        ):
+            rows_of[id(eqn)] = k
+        elif eqn is not None:
+            whole_of.setdefault(var, []).append(k)
+    stacked = jtu.tree_leaves(view.tree)
+    env: dict[jcore.Var, object] = {}
+
+    def value(v: object) -> object:
+        return v.val if isinstance(v, jcore.Literal) else env[v]  # pyright: ignore[reportArgumentType]  # a Var
+
+    env.update(zip(jaxpr.constvars, closed.consts))
+    env.update(zip(jaxpr.invars, leaves))
+    for eqn in jaxpr.eqns:
+        k = rows_of.get(id(eqn))
+        if k is not None:
+            rows, *start = (value(v) for v in eqn.invars[1:])
+            stacked[k] = Write(rows, tuple(start)).apply(stacked[k], view.prefix)  # pyright: ignore[reportArgumentType]  # arrays
+            env[eqn.outvars[0]] = _read(stacked[k], view.prefix, view.reads)
+            continue
+        ans = _bind(eqn, [value(v) for v in eqn.invars])
+        if eqn.primitive.multiple_results:
+            env.update(zip(eqn.outvars, ans))  # pyright: ignore[reportArgumentType, reportCallIssue]  # a list of results
+        else:
+            env[eqn.outvars[0]] = ans
+        for v in eqn.outvars:
+            for k in whole_of.get(v, ()):
+                # Written as soon as it is made, and read back like rows.
+                stacked[k] = Write(env[v]).apply(stacked[k], view.prefix)  # pyright: ignore[reportArgumentType]  # an array
+            if v in whole_of:
+                env[v] = _read(stacked[whole_of[v][0]], view.prefix, view.reads)
+    results = [value(v) for v in jaxpr.outvars]
+    written = set(rows_of.values()) | {k for ks in whole_of.values() for k in ks}
+    for k, (var, new) in enumerate(zip(jaxpr.outvars, results[: len(leaves)])):
+        if k in written or var is jaxpr.invars[k]:
+            continue  # written above, or returned unchanged
+        # A new slice that no equation made (an input other than its own, a
+        # constant): written whole.
+        stacked[k] = Write(new).apply(stacked[k], view.prefix)  # pyright: ignore[reportArgumentType]  # an array
+    # What is left are `out`'s arrays: put them back in the whole output.
+    full = [None] * len(leaves) + results[len(leaves) :]
+    _, out = eqx.combine(
+        jtu.tree_unflatten(jtu.tree_structure(out_dyn), full), out_static
+    )
+    return out, jtu.tree_unflatten(jtu.tree_structure(view.tree), stacked)
+
+
+def _bind(eqn: jcore.JaxprEqn, args: list[object]) -> object:
+    # What `jax.core.eval_jaxpr` does for one equation (older jax returned
+    # `(subfuns, params)` from `get_bind_params`).
+    bound = eqn.primitive.get_bind_params(eqn.params)
+    subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
+    with eqn.ctx.manager:
+        return eqn.primitive.bind(*subfuns, *args, **params)
+
+
+def _check_same(old: PyTree, new: PyTree, who: str) -> None:
+    # A layer's new slice must be laid out as the one it received.
+    old_leaves, old_def = jtu.tree_flatten_with_path(old)
+    new_leaves, new_def = jtu.tree_flatten(new)
+    if old_def != jtu.tree_structure(new) and not (
+        len(old_leaves) == len(new_leaves) == 0
+    ):
+        raise TypeError(
+            f"{who} returned a buffer of another structure: it received "
+            f"{jtu.tree_structure(old)} and returned {new_def}.\nReturn "
+            "(x, buffer) with the buffer laid out as the layer received it."
+        )
+    for (path, a), b in zip(old_leaves, new_leaves):
+        if not eqx.is_array(b) or a.shape != b.shape or a.dtype != b.dtype:
+            raise TypeError(
+                f"{who} returned buffer leaf `buffer{jtu.keystr(path)}` as "
+                f"{describe(b)}, but received it as {describe(a)}.\nA layer's "
+                "buffer keeps its shape and dtype (cast before writing)."
+            )

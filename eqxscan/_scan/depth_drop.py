@@ -1,0 +1,381 @@
+"""Depth that varies while training: stochastic depth (drop-path) and LayerDrop.
+
+A scanning module with a [`eqxscan.DepthDrop`][] other than the default gives
+its call the layers' rates and drop keys (`DropInputs`, one entry per layer),
+and the layer-call seam (`eqxscan/_scan/layer_call.py`) hands layer `i` its slice
+and runs it through `dropping`. So `mode="scan"` and `mode="loop"` run the same
+code on the same slices, and a `Chain` routes the rates and keys to its groups
+by global layer index as it routes every per-layer value.
+
+Per-layer keys, the documented way: for a call with `key`,
+`drop_keys = jax.random.split(jax.random.fold_in(key, DROP_STREAM), L)` and
+layer `i` uses `k_layer, k_path = jax.random.split(drop_keys[i])`. The layers'
+own keys (`jax.random.split(key, L)[i]`) are unchanged by dropping.
+"""
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Callable, Sequence
+from typing import TypeAlias
+
+import equinox as eqx
+import jax
+import jax.core
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jaxtyping import Array, Bool, Float, Key, PRNGKeyArray, PyTree, UInt32
+
+from .._helpers.checks import describe
+from .skip import gated
+
+
+#: Folded into a call's key to make the drop keys, apart from the layers' keys.
+DROP_STREAM = 0x5D0
+
+
+class LinearRates(eqx.Module):
+    """A rate rising linearly with depth, from `0` at the first layer to
+    `max_rate` at the last (timm's `torch.linspace(0, drop_path_rate, depth)`).
+    Build it with [`eqxscan.linear_rates`][]."""
+
+    max_rate: float = eqx.field(static=True)
+
+    def rates(self, num_layers: int) -> tuple[float, ...]:
+        """The `num_layers` rates: `max_rate * i / (L - 1)` (`0.0` for `L = 1`)."""
+        if num_layers == 1:
+            return (0.0,)
+        return tuple(
+            float(r) for r in np.linspace(0.0, self.max_rate, num_layers).tolist()
+        )
+
+
+Rates: TypeAlias = float | Sequence[float] | Array | np.ndarray | LinearRates
+"""A per-layer drop rate: one number for every layer, one number per layer
+(a sequence or a concrete array of length `L`), or [`eqxscan.linear_rates`][]."""
+
+
+def linear_rates(max_rate: float) -> LinearRates:
+    """Drop rates rising linearly with depth, as vision transformers use for
+    stochastic depth: layer `i` of `L` gets `max_rate * i / (L - 1)`.
+
+    **Arguments:**
+
+    - `max_rate`: the last layer's rate, in `[0, 1)`.
+
+    **Returns:**
+
+    A frozen [`eqxscan.LinearRates`][] to pass as `drop_path=` or `layer_drop=`;
+    the module it is given to fills in `L` (a `Chain` its total depth).
+    """
+    return LinearRates(check_rate(max_rate, "linear_rates(max_rate)"))
+
+
+def check_rate(value: object, name: str) -> float:
+    """`value` as a float in `[0, 1)`, or an error naming `name` (e.g.
+    `"drop_path[3]"`) with a hint."""
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(
+            f"{name} is a traced value ({describe(value)}), but drop rates are "
+            "static: they choose the program.\nHint: pass Python floats (or a "
+            "concrete array) when building the module, outside `jit`."
+        )
+    if isinstance(value, (jax.Array, np.ndarray)) and value.ndim == 0:
+        value = value.item()
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{name} must be a number in [0, 1), got {describe(value)}.\n"
+            "Hint: a rate is the probability of dropping, e.g. 0.1."
+        )
+    rate = float(value)
+    if math.isnan(rate) or not 0.0 <= rate < 1.0:
+        raise ValueError(
+            f"{name} must be in [0, 1), got {rate!r}.\nHint: a rate is the "
+            "probability of dropping; 1 would drop every time (and drop-path "
+            "rescales by 1 / (1 - p))."
+        )
+    return rate
+
+
+def resolve_rates(rates: object, num_layers: int, name: str) -> tuple[float, ...]:
+    """`rates` (a [`eqxscan.Rates`][] value) as one checked float per layer."""
+    if isinstance(rates, LinearRates):
+        return rates.rates(num_layers)
+    if isinstance(rates, jax.core.Tracer):
+        check_rate(rates, name)  # raises: rates are static
+    if isinstance(rates, (jax.Array, np.ndarray)) and rates.ndim == 0:
+        rates = rates.item()
+    if isinstance(rates, (numbers.Real, np.bool_)) and not isinstance(
+        rates, (jax.Array, np.ndarray)
+    ):
+        return (check_rate(rates, name),) * num_layers
+    if isinstance(rates, (jax.Array, np.ndarray)):
+        if rates.ndim != 1:
+            raise ValueError(
+                f"{name} must be one rate or one per layer, got an array of shape "
+                f"{tuple(rates.shape)}.\nHint: pass {num_layers} rates, e.g. "
+                "eqxscan.linear_rates(0.1)."
+            )
+        rates = list(rates)
+    if not isinstance(rates, Sequence) or isinstance(rates, str):
+        raise TypeError(
+            f"{name} must be a number, a sequence of {num_layers} numbers or "
+            f"eqxscan.linear_rates(max_rate), got {describe(rates)}.\n"
+            "Hint: e.g. drop_path=0.1 or drop_path=eqxscan.linear_rates(0.1)."
+        )
+    if len(rates) != num_layers:
+        raise ValueError(
+            f"{name} has {len(rates)} rates, but the module has {num_layers} "
+            f"layers.\nHint: pass one rate per layer (layer i gets {name}[i]), one "
+            "number for all, or eqxscan.linear_rates(max_rate)."
+        )
+    return tuple(check_rate(r, f"{name}[{i}]") for i, r in enumerate(rates))
+
+
+class DropInputs(eqx.Module):
+    """What a dropping call gives its layers, one entry per layer (leading axis
+    `L`, routed by a `Chain` like any `per_layer` argument): the drop-path and
+    LayerDrop rates and the drop keys, with which parts any layer uses, and
+    whether the scan that runs the layers gates LayerDrop itself (`gated`).
+    `path_keep`, when given, is drop-path's mask drawn by the caller (a
+    pipeline's rows of the whole batch's mask), used instead of the keys."""
+
+    path_rate: Float[Array, "*layers"]
+    layer_rate: Float[Array, "*layers"]
+    key: Key[Array, "*layers"] | UInt32[Array, "*layers 2"] | None
+    uses: tuple[bool, bool] = eqx.field(static=True)
+    gated: bool = eqx.field(static=True, default=False)
+    path_keep: Bool[Array, "*layers_rows"] | None = None
+
+    def keep(self) -> Array:
+        """Whether each layer runs in this call: LayerDrop's choice, drawn from
+        the first half of each layer's drop key (as `dropping` draws it)."""
+
+        def one(key: PRNGKeyArray, rate: Array) -> Array:
+            return jax.random.bernoulli(jax.random.split(key)[0], 1.0 - rate)
+
+        assert self.key is not None, "drawn by the caller (path_keep) only"
+        return jax.vmap(one)(self.key, self.layer_rate)
+
+    def path_masks(self, examples: int | None) -> Array:
+        """Drop-path's mask of each layer, `[L, examples]` (`[L]` for `None`, one
+        example per call): which examples keep the layer's residual branch,
+        drawn from the second half of each layer's drop key (as
+        `dropping` draws it for a carry of `examples` examples)."""
+
+        def one(key: PRNGKeyArray, rate: Array) -> Array:
+            return path_mask(rate, jax.random.split(key)[1], examples)
+
+        assert self.key is not None, "drawn by the caller (path_keep) only"
+        return jax.vmap(one)(self.key, self.path_rate)
+
+    def gated_by_scan(self) -> "DropInputs":
+        """These inputs, for layers whose scan runs only the kept ones."""
+        return dataclasses.replace(self, gated=True)
+
+
+class DepthDrop(eqx.Module):
+    """How a scanning module varies its depth while training: one drop-path
+    rate and one LayerDrop rate per layer. A `Stacked`, `Chain` or `StackedMLP`
+    built with `drop_path=` or `layer_drop=` above zero holds one as
+    `.depth_drop` (`None` otherwise).
+
+    Dropping happens only in training: `inference` is set by
+    `eqx.nn.inference_mode`, as for `eqx.nn.Dropout`. Like `eqx.nn.Dropout`,
+    it is a Python bool in the module's pytree: transform such a module with
+    `eqx.filter_grad` / `eqx.filter_jit` (or partition it) rather than
+    `jax.grad` / `jax.jit`.
+    """
+
+    drop_path: tuple[float, ...] = eqx.field(static=True)
+    layer_drop: tuple[float, ...] = eqx.field(static=True)
+    inference: bool
+
+    def __init__(
+        self,
+        num_layers: int,
+        drop_path: object = 0.0,
+        layer_drop: object = 0.0,
+        inference: bool = False,
+    ):
+        """**Arguments:**
+
+        - `num_layers`: `L`, the module's depth.
+        - `drop_path`: the stochastic-depth rate of each layer (a
+          [`eqxscan.Rates`][] value): per example, layer `i`'s residual branch
+          `layer(x) - x` is dropped with probability `p_i`, else scaled by
+          `1 / (1 - p_i)`.
+        - `layer_drop`: the LayerDrop rate of each layer: per call, layer `i` is
+          skipped for the whole batch (its compute not done) with probability
+          `q_i`; a layer that runs is not rescaled.
+        - `inference`: no dropping at all (set by `eqx.nn.inference_mode`).
+
+        **Raises:**
+
+        `TypeError` or `ValueError` naming the rate (and layer) that is not a
+        number in `[0, 1)`, or a length that is not `L`. (Checked here, not by
+        the annotations, so the message is the same with or without a runtime
+        type checker.)
+        """
+        self.drop_path = resolve_rates(drop_path, num_layers, "drop_path")
+        self.layer_drop = resolve_rates(layer_drop, num_layers, "layer_drop")
+        self.inference = inference
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.drop_path)
+
+    @property
+    def active(self) -> bool:
+        """Whether a call drops anything: training, and some rate above zero."""
+        return not self.inference and (any(self.drop_path) or any(self.layer_drop))
+
+    @property
+    def uses(self) -> tuple[bool, bool]:
+        """Whether any layer has a drop-path rate, and a LayerDrop rate, above 0."""
+        return any(self.drop_path), any(self.layer_drop)
+
+    def sliced(self, index: slice) -> "DepthDrop":
+        """The rates of the layers `range(L)[index]` (for `stack[i:j]`)."""
+        return DepthDrop(
+            len(range(self.num_layers)[index]),
+            self.drop_path[index],
+            self.layer_drop[index],
+            self.inference,
+        )
+
+    def per_layer_inputs(self, key: PRNGKeyArray) -> DropInputs:
+        """The rates and drop keys of a call with `key`, each with leading axis
+        `L`: what each layer gets as its `drop` (see `dropping`)."""
+        length = self.num_layers
+        keys = jax.random.split(jax.random.fold_in(key, DROP_STREAM), length)
+        return DropInputs(
+            jnp.asarray(self.drop_path, jnp.float32),
+            jnp.asarray(self.layer_drop, jnp.float32),
+            keys,
+            self.uses,
+        )
+
+
+def depth_drop(
+    num_layers: int, drop_path: object, layer_drop: object
+) -> DepthDrop | None:
+    """The `.depth_drop` of a module of `num_layers` layers: `None` when no rate
+    is above zero, so that a module that never drops holds no `inference` flag
+    (a Python bool leaf, which `jax.grad` would refuse) and runs as before."""
+    drop = DepthDrop(num_layers, drop_path, layer_drop)
+    return drop if any(drop.uses) else None
+
+
+def rates_of(drop: DepthDrop | None) -> tuple[Rates, Rates]:
+    """`(drop_path, layer_drop)` of a module's `.depth_drop`, to rebuild it."""
+    return (0.0, 0.0) if drop is None else (drop.drop_path, drop.layer_drop)
+
+
+def check_droppable(
+    drop: DepthDrop | None, key: object, has_state: bool, who: str
+) -> bool:
+    """Whether this call drops; raise when it would but cannot (no key, or
+    stateful layers, whose skipped state has no meaning)."""
+    if drop is None or not drop.active:
+        return False
+    if key is None:
+        raise ValueError(
+            f"{who} drops layers while training (drop_path or layer_drop above "
+            "0), so it needs a `key`.\nHint: pass `key=...`, or call "
+            "`eqx.nn.inference_mode(model)` to run every layer."
+        )
+    if has_state:
+        raise TypeError(
+            f"{who} drops layers while training, but its layers are stateful "
+            "(called with an eqx.nn.State).\nHint: drop_path and layer_drop need "
+            "layers that return only the carry; use eqx.nn.inference_mode(model)."
+        )
+    return True
+
+
+def carry_examples(carry_dyn: PyTree) -> int | None:
+    """How many examples the carry holds: the shared leading axis when every
+    array leaf has one and at least two axes, `None` (one example per call)
+    when every leaf has at most one axis."""
+    leaves = jtu.tree_leaves(carry_dyn)
+    if all(a.ndim <= 1 for a in leaves):
+        return None
+    sizes = {a.shape[0] for a in leaves if a.ndim >= 2}
+    if len(sizes) == 1 and all(a.ndim >= 2 for a in leaves):
+        return sizes.pop()
+    shapes = ", ".join(describe(a) for a in leaves)
+    raise ValueError(
+        f"drop_path drops per example, the leading axis of every carry leaf, but "
+        f"the carry's arrays ({shapes}) do not share one.\nHint: give every "
+        "carry leaf the batch axis first ([B, ...]), or eqx.filter_vmap over the "
+        "batch with one key per example."
+    )
+
+
+def _drop_path(old: PyTree, new: PyTree, rate: Array, key: PRNGKeyArray) -> PyTree:
+    """`old + mask * (new - old) / (1 - rate)` per example, leaf by leaf; `new`
+    itself where `rate == 0`."""
+    examples = carry_examples(eqx.filter(old, eqx.is_array))
+    return apply_drop_path(old, new, rate, path_mask(rate, key, examples))
+
+
+def path_mask(
+    rate: Float[Array, ""], key: PRNGKeyArray, examples: int | None
+) -> Bool[Array, "*examples"]:
+    """The drop-path mask that `_drop_path` draws for a carry of `examples`
+    examples (`None`: one example per call)."""
+    shape = () if examples is None else (examples,)
+    return jax.random.bernoulli(key, 1.0 - rate, shape)
+
+
+def apply_drop_path(
+    old: PyTree, new: PyTree, rate: Array, keep: Bool[Array, "*examples"]
+) -> PyTree:
+    """`_drop_path` with the mask given: `keep` has one entry per example of the
+    carry (or is a scalar), e.g. a pipeline microbatch's rows of the mask drawn
+    for the whole batch."""
+    old_dyn = eqx.filter(old, eqx.is_array)
+    scale = 1.0 / (1.0 - rate)
+
+    def one(a: Array, b: Array) -> Array:
+        k = keep.reshape(keep.shape + (1,) * (a.ndim - keep.ndim))
+        dropped = jnp.where(k, a + (b - a) * scale.astype(b.dtype), a)
+        return jnp.where(rate == 0, b, dropped.astype(b.dtype))
+
+    new_dyn, new_static = eqx.partition(new, eqx.is_array)
+    same = jtu.tree_structure(old_dyn) == jtu.tree_structure(new_dyn) and all(
+        a.shape == b.shape
+        for a, b in zip(jtu.tree_leaves(old_dyn), jtu.tree_leaves(new_dyn))
+    )
+    if not same:
+        return new  # the engine reports the broken carry contract
+    return eqx.combine(jtu.tree_map(one, old_dyn, new_dyn), new_static)
+
+
+def dropping(
+    fn: Callable[[PyTree], tuple[PyTree, PyTree]], drop: DropInputs
+) -> Callable[[PyTree], tuple[PyTree, PyTree]]:
+    """One layer `fn(carry) -> (carry, y)` with its drops: drop-path on the new
+    carry (its mask `drop.path_keep` when given, else drawn from the second half
+    of the layer's drop key), and LayerDrop from the first half unless the scan
+    that runs the layer gates it (`drop.gated`). A part no layer uses is left
+    out of the program."""
+    uses_path, uses_layer = drop.uses
+
+    def run(c: PyTree) -> tuple[PyTree, PyTree]:
+        new, y = fn(c)
+        if not uses_path:
+            return new, y
+        if drop.path_keep is not None:
+            return apply_drop_path(c, new, drop.path_rate, drop.path_keep), y
+        assert drop.key is not None
+        return _drop_path(c, new, drop.path_rate, jax.random.split(drop.key)[1]), y
+
+    if drop.gated or not uses_layer:
+        return run
+    assert drop.key is not None
+    keep = jax.random.bernoulli(jax.random.split(drop.key)[0], 1.0 - drop.layer_rate)
+    # A layer no scan gates (a `Chain`'s lone layer): gated here.
+    return lambda c: gated(run, c, keep)

@@ -1,0 +1,54 @@
+"""Eager calls that reuse one compiled program per structure.
+
+Called outside any JAX transformation, a scanning module would hand
+`jax.lax.scan` a freshly made body at every call, and JAX compiles a fresh body
+every time (seconds of compile, and memory that `jax.clear_caches()` does not
+return). Such a call goes through one `eqx.filter_jit` per method instead,
+whose cache is keyed by the module's and arguments' structure, so the second
+call of the same shapes compiles nothing. Under `jit`, `grad`, `vmap` (any
+argument a tracer), in `mode="loop"` (the debugging path, where a layer's
+Python runs at every call) and inside `eqxscan.tap` (whose probe is no argument
+of the call, so the cache would hand back an untapped program) the method runs
+as written.
+"""
+
+import functools
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
+import equinox as eqx
+import jax
+import jax.core
+import jax.tree_util as jtu
+
+from .taps import tapping
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def compiled_when_eager(method: Callable[P, R]) -> Callable[P, R]:
+    """Decorate a scanning module's call method so that an eager call runs
+    through one cached `eqx.filter_jit` of it (see the module docstring)."""
+
+    def typed(kinds: tuple[type, ...], *args: P.args, **kwargs: P.kwargs) -> R:
+        del kinds  # only part of the cache's key
+        return method(*args, **kwargs)
+
+    jitted = eqx.filter_jit(typed)
+
+    @functools.wraps(method)
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        if getattr(args[0], "mode", "scan") == "loop" or tapping():
+            return method(*args, **kwargs)
+        leaves = jtu.tree_leaves((args, kwargs))  # one flatten for both checks
+        if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+            return method(*args, **kwargs)
+        # `filter_jit` keys its cache by the non-array leaves' hash and equality,
+        # under which True == 1 == 1.0: their types join the key, so that a value
+        # the method would refuse never reuses the program of one it accepted.
+        kinds = tuple(type(leaf) for leaf in leaves if not eqx.is_array(leaf))
+        return jitted(kinds, *args, **kwargs)
+
+    return call

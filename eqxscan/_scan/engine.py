@@ -1,0 +1,389 @@
+"""The one scan engine behind `Stacked`, `Chain` and `Recurrent`.
+
+It runs `step(carry, x_i) -> (carry, y_i)` over the leading axis of `xs`, either
+with `jax.lax.scan` or with a Python loop (the reference path), applies the
+requested rematerialisation, and checks the carry contract while the step is
+traced, before `lax.scan` or XLA can raise anything less readable.
+
+Outside the loop the step is traced exactly once, to a closed jaxpr on one
+step's shapes (`Traced`). The `"auto"` rule measures that jaxpr, and the scan
+body, the nested levels and a fully unrolled scan all evaluate it, so a layer's
+Python code runs once per trace of the enclosing `jit`, whatever the options.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Literal
+
+import equinox as eqx
+import jax
+import jax.extend.core as jcore
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jaxtyping import Array, Bool, PyTree
+
+from .._helpers.checks import check_carry, noted
+from .._helpers.stateful import clone
+from .auto import resolve
+from .index import index
+from .layer_index import indexed, loop_step
+from .options import ScanOptions
+from .remat import (
+    CARRY,
+    name_inputs,
+    name_tree,
+    nested_scan,
+    OFFLOAD_POLICY,
+    Policy,
+    ScanCheckpoint,
+    Step,
+)
+from .skip import can_gate_scan, gated, gated_scan, gated_step
+from .taps import collected
+
+
+def remat(fn: Step, checkpoint: ScanCheckpoint, *, in_scan: bool) -> Step:
+    """`fn` (one scan step) wrapped in `jax.checkpoint` as `checkpoint` asks."""
+    # Inside a scan the loop boundary already stops XLA from CSE-ing the
+    # recomputation away, so `prevent_cse=False` avoids needless barriers.
+    prevent_cse = not in_scan
+    if not checkpoint.named:
+        if checkpoint.policy is False:
+            return fn
+        policy = checkpoint.base_policy()
+        return jax.checkpoint(fn, policy=policy, prevent_cse=prevent_cse)
+    if checkpoint.save_carries is not None:
+        fn = _named_carry(fn)
+    policy = checkpoint.step_policy(checkpoint.base_policy())
+    return jax.checkpoint(fn, policy=policy, prevent_cse=prevent_cse)
+
+
+def _named_carry(body: Step) -> Step:
+    # The carry a step receives, named so that `ScanCheckpoint` can keep,
+    # recompute or offload it.
+    return lambda c, x: body(name_tree(c, CARRY), x)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Traced:
+    """A step traced once: `jaxpr` maps the flat leaves of `(carry, x)` (array
+    leaves only) to those of `(carry, y)`; `y_static` is the non-array part of
+    `y`, the same at every step."""
+
+    jaxpr: jcore.ClosedJaxpr
+    out_tree: jtu.PyTreeDef  # pyright: ignore[reportInvalidTypeForm]  # jax's stubs declare PyTreeDef a variable
+    y_static: PyTree
+    n_carry: int
+
+    def __call__(self, c_dyn: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
+        """Evaluate the traced step (no Python code of the step runs)."""
+        out = jcore.jaxpr_as_fun(self.jaxpr)(*jtu.tree_leaves((c_dyn, x)))
+        return jtu.tree_unflatten(self.out_tree, out)
+
+
+def trace_step(
+    step: Step, carry: PyTree, xs: PyTree, length: int, where: str
+) -> tuple[Traced, PyTree, PyTree]:
+    """Trace `step` once on one step's shapes, checking the carry contract and
+    noting errors with `where`. Closed-over tracers become the jaxpr's consts.
+
+    **Returns:**
+
+    `(traced, c_dyn, c_static)`: the traced step and the carry's array and
+    other leaves (the latter must come back unchanged, and are not traced).
+    """
+    c_dyn, c_static = eqx.partition(carry, eqx.is_array)
+    y_static_box: list[PyTree] = []
+
+    def body(c_dyn: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
+        c = eqx.combine(c_dyn, c_static)
+        old = clone(c)  # the step may invalidate `c` (an `eqx.nn.State`)
+        new, y = noted(step, where, c, x)
+        check_carry(old, new, where)
+        new_dyn, _ = eqx.partition(new, eqx.is_array)
+        y_dyn, y_static = eqx.partition(y, eqx.is_array)
+        y_static_box.append(y_static)
+        return new_dyn, y_dyn
+
+    # The types `lax.scan` gives its body: the carry's as they are (weak types,
+    # shardings, varying manual axes included), the inputs' without axis 0.
+    c_types = jtu.tree_map(jax.typeof, c_dyn)
+    x_types = jtu.tree_map(lambda a: jcore.mapped_aval(length, 0, jax.typeof(a)), xs)
+    jaxpr, out_shape = jax.make_jaxpr(body, return_shape=True)(c_types, x_types)
+    n_carry = len(jtu.tree_leaves(c_dyn))
+    traced = Traced(jaxpr, jtu.tree_structure(out_shape), y_static_box[0], n_carry)
+    return traced, c_dyn, c_static
+
+
+def _unstack(xs: PyTree, length: int) -> list[PyTree]:
+    # One `split` per leaf rather than `length` slices: its transpose is a single
+    # concatenate, so the loop's gradient does not add up `length` padded copies.
+    if length == 1:
+        return [index(xs, 0)]
+    leaves, treedef = jtu.tree_flatten(xs)
+    pieces = [jax.lax.split(a, [1] * length) for a in leaves]
+    return [
+        jtu.tree_unflatten(treedef, [p[i][0] for p in pieces]) for i in range(length)
+    ]
+
+
+def _stack(ys: list[PyTree]) -> PyTree:
+    # Stack the array leaves; keep the other leaves once, as `lax.scan` does with
+    # the static part of its one traced body's output.
+    dyn, static = zip(*(eqx.partition(y, eqx.is_array) for y in ys))
+    return eqx.combine(jtu.tree_map(lambda *a: jnp.stack(a), *dyn), static[0])
+
+
+@collected  # taps' records leave each step (`eqxscan/_scan/taps.py`)
+@indexed  # each step knows its index (`eqxscan/_scan/layer_index.py`)
+def run(
+    step: Step,
+    carry: PyTree,
+    xs: PyTree,
+    *,
+    length: int,
+    options: ScanOptions,
+    reverse: bool = False,
+    where: Callable[[int | None], str] = lambda i: "step" if i is None else f"step {i}",
+    gathered: bool = False,
+    over: Literal["layers", "time"] = "layers",
+    keep: Bool[Array, " L"] | None = None,
+    read: Callable[[PyTree], PyTree] | None = None,
+) -> tuple[PyTree, PyTree]:
+    """Run `step` over the leading axis (of length `length`) of the array pytree `xs`.
+
+    **Arguments:**
+
+    - `step`: `step(carry, x_i) -> (carry, y_i)`. May close over anything.
+    - `carry`: any pytree; array leaves are scanned, other leaves must come back
+      unchanged.
+    - `xs`: a pytree of arrays, each with leading axis `length`.
+    - `options`: mode, rematerialisation (read as `options.scan_checkpoint`) and
+      unroll.
+    - `reverse`: consume `xs` last to first; `ys` stays aligned with `xs`.
+    - `where`: names step `i` (or every step, for `None`) in error messages.
+    - `gathered`: each step may gather its slice of sharded `xs` (FSDP), so
+      `unroll="auto"` keeps the scan: unrolled, XLA may gather every step's at once.
+    - `over`: what the steps are, for `unroll="auto"`: `"layers"` (weights in
+      `xs`) or `"time"` (a cell's weights closed over).
+    - `keep`: LayerDrop's choice, one bool per step: step `i` runs only where
+      `keep[i]`; a skipped step passes the carry on and outputs zeros, and
+      costs next to nothing forward and backward (see `_scan/skip.py`).
+    - `read`: what a step reads of its slice `x_i` before the step sees it
+      (e.g. its layer's weights constrained to a replicated sharding: FSDP's
+      gather of one layer). The engine names what `read` returns as the
+      step's inputs for `ScanCheckpoint(save_inputs=...)`, so a policy decides
+      whether the backward pass reads (or gathers) them again.
+
+    **Returns:**
+
+    `(final carry, ys)` with `ys` stacked on axis 0 (`None` if steps return `None`).
+
+    With `mode="scan"` the step is traced once (see `trace_step`), whatever the
+    options; with `mode="loop"` once per step, as a Python loop would.
+    """
+    checkpoint = options.scan_checkpoint
+    step = _reading(step, read, checkpoint)
+    if options.mode == "loop":
+        return _run_loop(step, carry, xs, length, checkpoint, reverse, where, keep)
+    traced, c_dyn, c_static = trace_step(step, carry, xs, length, where(None))
+    checkpoint, unroll = resolve(
+        traced.jaxpr,
+        traced.n_carry,
+        (c_dyn, xs),
+        length,
+        checkpoint,
+        options.unroll,
+        where(None),
+        gathered,
+        over,
+    )
+    how = (length, reverse, unroll, checkpoint)
+    if keep is not None and _whole_scan(checkpoint, traced):
+        c_dyn, ys = _gated_whole(traced, c_dyn, xs, keep, *how)
+    else:
+        c_dyn, ys = _scanned(traced, c_dyn, xs, keep, *how)
+    return eqx.combine(c_dyn, c_static), eqx.combine(ys, traced.y_static)
+
+
+def _gated_whole(
+    traced: Traced,
+    c_dyn: PyTree,
+    xs: PyTree,
+    keep: Bool[Array, " L"],
+    length: int,
+    reverse: bool,
+    unroll: int | bool,
+    checkpoint: ScanCheckpoint,
+) -> tuple[PyTree, PyTree]:
+    """`(carry, ys)` (array parts) of a scan gated by LayerDrop's `keep` as one
+    `gated_scan`, each kept layer saving what the checkpoint says."""
+    # The rule's choice, or a plain value: a kept layer saves what it says.
+    c_flat, y_flat = gated_scan(
+        traced.jaxpr,
+        traced.n_carry,
+        jtu.tree_leaves(c_dyn),
+        jtu.tree_leaves(xs),
+        keep,
+        length=length,
+        reverse=reverse,
+        unroll=unroll,
+        policy=_gate_policy(checkpoint),
+    )
+    return jtu.tree_unflatten(traced.out_tree, c_flat + y_flat)
+
+
+def _scanned(
+    traced: Traced,
+    c_dyn: PyTree,
+    xs: PyTree,
+    keep: Bool[Array, " L"] | None,
+    length: int,
+    reverse: bool,
+    unroll: int | bool,
+    checkpoint: ScanCheckpoint,
+) -> tuple[PyTree, PyTree]:
+    """`(carry, ys)` (array parts) of the traced step run `length` times as
+    `checkpoint` and `unroll` say: unrolled, a nested scan, or one `lax.scan`;
+    each step gated on its own where `keep` is given."""
+    body: Step = traced
+    if keep is not None:
+        # A checkpoint that names or nests what to save: each step gated on its
+        # own, inside the remat that the checkpoint asks for.
+        body = gated_step(traced.jaxpr, traced.out_tree, traced.n_carry)
+        xs = (xs, keep)
+    if unroll is True and not checkpoint.named:
+        # Unrolled fully: the loop's own program, from the one traced step.
+        return _unrolled(body, c_dyn, xs, length, checkpoint, reverse)
+    if checkpoint.named:
+        if checkpoint.save_carries is not None:
+            body = _named_carry(body)
+        return nested_scan(
+            body,
+            c_dyn,
+            xs,
+            length,
+            checkpoint.levels(length) or (),
+            unroll,
+            checkpoint.step_policy(checkpoint.base_policy()),
+            checkpoint.boundary_policy(),
+            reverse,
+        )
+    return jax.lax.scan(
+        remat(body, checkpoint, in_scan=True),
+        c_dyn,
+        xs,
+        length=length,
+        unroll=unroll,
+        reverse=reverse,
+    )
+
+
+def _reading(
+    step: Step, read: Callable[[PyTree], PyTree] | None, checkpoint: ScanCheckpoint
+) -> Step:
+    """`step` given what `read` makes of its slice, named as the step's inputs
+    when `checkpoint` names them."""
+
+    def body(c: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
+        if read is not None:
+            x = read(x)
+        return step(c, name_inputs(x, checkpoint))
+
+    return body
+
+
+def named_inputs(options: ScanOptions) -> Callable[[PyTree], PyTree]:
+    """How a step that reads its inputs itself (a layer gathered from the whole
+    stack by a traced index) names them as `run` names a scan's inputs."""
+    checkpoint = options.scan_checkpoint
+    return lambda tree: name_inputs(tree, checkpoint)
+
+
+def _whole_scan(checkpoint: ScanCheckpoint, traced: Traced) -> bool:
+    """Whether a gated scan runs as one `gated_scan`: a checkpoint that does not
+    name or nest (the scan saves the carries whatever it says), and a step
+    whose carry and outputs all take cotangents."""
+    return not checkpoint.named and can_gate_scan(traced.jaxpr)
+
+
+def _gate_policy(checkpoint: ScanCheckpoint) -> Policy | None:
+    """What a kept layer of a gated scan saves: the policy of a plain
+    `checkpoint=` value, or `None` (only the carry) for `True` and for
+    `"offload"`, whose host copies a branch of a `cond` would not keep."""
+    if checkpoint.policy is True or checkpoint.policy is OFFLOAD_POLICY:
+        return None
+    return checkpoint.base_policy()
+
+
+def _unrolled(
+    traced: Step,
+    c_dyn: PyTree,
+    xs: PyTree,
+    length: int,
+    checkpoint: ScanCheckpoint,
+    reverse: bool,
+) -> tuple[PyTree, PyTree]:
+    # What `_run_loop` builds (one slice per step, the outputs stacked), with
+    # each step the evaluated jaxpr rather than a new trace of the step.
+    fn = remat(traced, checkpoint, in_scan=False)
+    ys: list[PyTree] = [None] * length
+    slices = _unstack(xs, length)
+    for i in range(length - 1, -1, -1) if reverse else range(length):
+        c_dyn, ys[i] = fn(c_dyn, slices[i])
+    return c_dyn, jtu.tree_map(lambda *a: jnp.stack(a), *ys)
+
+
+def _run_loop(
+    step: Step,
+    carry: PyTree,
+    xs: PyTree,
+    length: int,
+    checkpoint: ScanCheckpoint,
+    reverse: bool,
+    where: Callable[[int | None], str],
+    keep: Bool[Array, " L"] | None = None,
+) -> tuple[PyTree, PyTree]:
+    # The reference path. The "auto" rule is a scan-specific optimisation, so the
+    # loop saves everything unless remat was asked for explicitly.
+    explicit = not checkpoint.is_rule and not (
+        checkpoint.policy is False and not checkpoint.named
+    )
+
+    def step_fn(c: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
+        if keep is not None:
+            # Traced on this step's values, then run only where kept.
+            x, keep_i = x
+            return gated(lambda c: step(c, x), c, keep_i)
+        if not explicit:
+            return step(c, x)
+        # jax.checkpoint takes and returns arrays only: close over the rest.
+        c_dyn, c_static = eqx.partition(c, eqx.is_array)
+        statics: list[PyTree] = []
+
+        def arrays_only(c_dyn: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
+            new, y = step(eqx.combine(c_dyn, c_static), x)
+            (new_dyn, new_static), (y_dyn, y_static) = (
+                eqx.partition(new, eqx.is_array),
+                eqx.partition(y, eqx.is_array),
+            )
+            statics.append((new_static, y_static))
+            return new_dyn, y_dyn
+
+        new_dyn, y_dyn = remat(arrays_only, checkpoint, in_scan=False)(c_dyn, x)
+        return eqx.combine(new_dyn, statics[0][0]), eqx.combine(y_dyn, statics[0][1])
+
+    ys = [None] * length
+    order = range(length - 1, -1, -1) if reverse else range(length)
+    slices = _unstack(xs if keep is None else (xs, keep), length) if length > 0 else []
+    carry = clone(carry)  # the caller's stays valid (an `eqx.nn.State`)
+    for current in order:
+        old = clone(carry)  # the step may invalidate `carry` (an `eqx.nn.State`)
+        with loop_step(current):
+            new, y = noted(step_fn, where(current), carry, slices[current])
+        check_carry(old, new, where(current), current)
+        # Kept apart from the next step's carry, which that step may invalidate.
+        carry, ys[current] = new, clone(y)
+    if length == 0 or all(y is None for y in ys):
+        return carry, None
+    return carry, _stack(ys)

@@ -1,0 +1,456 @@
+"""The layer-call seam: how a container hands layer `i` what it is called with,
+and takes back what it returns.
+
+Every container (`Stacked`, `Chain`'s runs, repeated units and lone layers,
+`run_until`, `run_layers`, the LayerDrop gate, `sharding.pipeline`) describes a
+call of its layers as one `LayerCall` and runs layer `i` through it:
+
+- `LayerCall.at(i)` is layer `i`'s `OneLayer`: the `per_layer` arguments
+  sliced at `i` (a Python int or a traced index), its key, its drop inputs;
+- `LayerCall.part(start, size, period)` is the call of a contiguous group of
+  layers (a `Chain`'s run or repeated unit), with every per-layer value cut to
+  the group;
+- `LayerCall.scanned()` splits what is per layer into the arrays a scan slices
+  (`xs`) and rebuilds one step's `OneLayer` from its slice;
+- `run_one(layer, call, one, carry, who)` calls the layer (its method, its key,
+  drop-path and LayerDrop) and reads what it returned as `(carry, y)`; it sets
+  the layer's index, its named scope and its taps around the call. A
+  `Recurrent`'s cell is run by it too, as a layer whose carry comes first, on a
+  call `over="time"`.
+
+A container answers only "layer `i` as a function of the carry"; nothing here
+knows a container's layout, and nothing outside knows how arguments, keys and
+drop inputs are sliced.
+
+Cutting a tree at layer `i` is `index(tree, i)` (a static or traced `i`, see
+`Index`) and at several layers `take(tree, idx)`: every container, feature and
+subpackage cuts layers with these two (defined in `eqxscan/_scan/index.py`, below
+the features the seam applies, and re-exported here).
+
+A `per_layer` value is read-only: a scan slices it as an input, and what a
+layer returns besides its carry is stacked again as a new `ys` array. A
+per-layer buffer that layers update (an [`eqxscan.buffer`][], e.g. a KV cache)
+travels in the scan's carry instead: the container puts a view of layer `i`'s
+slice (`Buffer.at(i)`) in the layer's inputs, and `run_one` reads the slice,
+calls the layer and writes what it returned (its new rows, when it wrote rows)
+back into the one stacked buffer (see `eqxscan/_scan/buffers.py`), returning
+`((carry, buffer), y)`.
+"""
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Literal, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+from jaxtyping import Array, Bool, PyTree
+
+from .._helpers.checks import check_leading_axis, check_takes_key, describe
+from .._helpers.stateful import clone
+from .buffers import call_writing, find_buffer, view_of, with_view
+from .depth_drop import DropInputs, dropping
+from .index import (
+    Index as Index,
+    index as index,
+    Indices as Indices,
+    take as take,
+)
+from .layer_index import at_layer
+from .taps import inside_layer, tapped
+
+
+class PerLayer(eqx.Module):
+    """An argument sliced along the layer axis: layer `i` receives slice `i` of
+    every array leaf. Build it with [`eqxscan.per_layer`][]."""
+
+    tree: PyTree
+
+
+def per_layer(tree: PyTree) -> PerLayer:
+    """Mark `tree` as a per-layer argument of a [`eqxscan.Stacked`][] call.
+
+    Every array leaf must have the layer axis (length `L`) first; layer `i` is
+    called with slice `i`. Non-array leaves are passed to every layer unchanged.
+    Use it positionally or as a keyword value, e.g. for a per-layer
+    configuration: `stack(x, scale=eqxscan.per_layer(scales))`. A per-layer
+    value that layers update (a KV cache) is an [`eqxscan.buffer`][] instead,
+    written in place rather than copied into a new output.
+
+    **Arguments:**
+
+    - `tree`: any pytree whose array leaves have shape `(L, ...)`.
+
+    **Returns:**
+
+    A marker wrapping `tree`.
+    """
+    return PerLayer(tree)
+
+
+def arg_name(index_or_name: int | str) -> str:
+    """How errors name a call's argument: `args[0]`, `kwargs['cache']`."""
+    if isinstance(index_or_name, int):
+        return f"args[{index_or_name}]"
+    return f"kwargs[{index_or_name!r}]"
+
+
+def check_per_layer(args: tuple, kwargs: dict, length: int) -> dict[str, PerLayer]:
+    """The [`eqxscan.per_layer`][] arguments of a call, by name (`args[0]`,
+    `kwargs['cache']`), after checking that their array leaves have leading axis
+    `length`."""
+    named = [(arg_name(i), a) for i, a in enumerate(args)]
+    named += [(arg_name(n), v) for n, v in kwargs.items()]
+    found = {}
+    for name, value in named:
+        if isinstance(value, PerLayer):
+            check_leading_axis(value.tree, length, f"per_layer {name}", "layer")
+            found[name] = value
+    return found
+
+
+ReadOut = Callable[[object, str], tuple[PyTree, PyTree]]
+"""How a layer's output is read, given the layer's name: as the carry alone
+(`carry_only`) or as a `(carry, y)` pair (`pairs(caller)`)."""
+
+
+def carry_only(out: object, who: str) -> tuple[PyTree, PyTree]:
+    """A layer's output read as the new carry, with no `y`."""
+    del who
+    return out, None
+
+
+def layer_pair(out: object, who: str, caller: str) -> tuple[PyTree, PyTree]:
+    """`out` as the `(carry, y)` pair that `caller` (e.g. `"Stacked.scan"`) expects
+    from `who` (a layer, named)."""
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise TypeError(
+            f"{caller} expects each layer to return a (carry, y) pair, but {who} "
+            f"returned {describe(out)}. Call the module itself for layers that "
+            "return only the carry."
+        )
+    return out
+
+
+def pairs(caller: str) -> ReadOut:
+    """The read-out of `caller`'s layers, which return `(carry, y)` pairs."""
+    return functools.partial(_pair_of, caller=caller)
+
+
+def _pair_of(out: object, who: str, *, caller: str) -> tuple[PyTree, PyTree]:
+    return layer_pair(out, who, caller)
+
+
+Method = Callable[..., PyTree] | str
+"""What to run of each layer instead of `__call__`: a function
+`fn(layer, x, *args, **kwargs)` (e.g. an unbound method, `Block.decode`) or the
+name of a method (`"decode"`)."""
+
+
+def check_method(method: object, layer: object) -> None:
+    """Raise unless `method` is `None`, a callable, or the name of a method of
+    `layer` (a layer or stacked layers, whose class is the layers' class)."""
+    if method is None or callable(method):
+        return
+    if not isinstance(method, str):
+        raise TypeError(
+            "method must be a function fn(layer, x, ...) (e.g. an unbound method "
+            f"such as Block.decode), a method name or None, got "
+            f"{type(method).__name__} ({method!r})."
+        )
+    if not callable(getattr(layer, method, None)):
+        raise AttributeError(
+            f"{type(layer).__name__} has no method {method!r} to run on each layer; "
+            "pass the name of one of its methods, or a function fn(layer, x, ...)."
+        )
+
+
+def _target(layer: object, method: Method | None) -> Callable[..., PyTree]:
+    # What runs, for reading its signature.
+    if isinstance(method, str):
+        return getattr(layer, method)
+    return method or layer  # pyright: ignore[reportReturnType]  # a module is callable
+
+
+def call_layer(
+    layer: object,
+    method: Method | None,
+    x: PyTree,
+    args: tuple,
+    kwargs: dict[str, object],
+    key: Array | None = None,
+    who: str = "Stacked",
+) -> PyTree:
+    """Run `method` of `layer` (its `__call__` for `None`) as
+    `(x, *args, **kwargs)`, with `key=key` when a key is given, after checking
+    that what runs takes one (`who` names the caller in that error)."""
+    if method is None:
+        fn: Callable[..., PyTree] = layer  # pyright: ignore[reportAssignmentType]  # a module is callable
+    elif isinstance(method, str):
+        fn = getattr(layer, method)
+    else:
+        fn = functools.partial(method, layer)
+    if key is None:
+        return fn(x, *args, **kwargs)
+    check_takes_key(_target(layer, method), who, "layer i gets key=keys[i]")
+    return fn(x, *args, key=key, **kwargs)
+
+
+def takes_key(layer: object, method: Method | None) -> bool:
+    """Whether running `method` of `layer` can be given `key=`."""
+    try:
+        check_takes_key(_target(layer, method), "", "")
+    except TypeError:
+        return False
+    return True
+
+
+class OneLayer(NamedTuple):
+    """What one layer is called with: its arguments (its slices of the
+    `per_layer` ones), its key (or `None`), its drop inputs (or `None`) and its
+    global index (see `LayerCall`; a time step on a call `over="time"`; `None`
+    when not known), which taps record it by."""
+
+    args: tuple
+    kwargs: dict[str, object]
+    key: Array | None = None
+    drop: DropInputs | None = None
+    number: Index | None = None
+
+
+Unit = Callable[[object, PyTree, OneLayer], PyTree]
+"""How a container runs one step that is itself several layers (a repeat of a
+`Chain`'s pattern): `unit(step_module, carry, one) -> output`, read as a
+layer's output is; `one` holds the repeat's slices (per-layer arguments, keys
+and drop inputs with the unit's layer axis first), and `LayerCall.inner(one)`
+is the call of the unit's own layers."""
+
+
+class LayerCall(NamedTuple):
+    """How every layer of a run is called.
+
+    - `args`, `kwargs`: passed to every layer; values wrapped in
+      [`eqxscan.per_layer`][] are sliced per layer.
+    - `keys`: per-layer keys (leading axis the layers), or `None`.
+    - `read_out`: how a layer's output is read (`carry_only`, `pairs(...)`).
+    - `reverse`: whether the layers run last to first.
+    - `method`: what runs of each layer (`None` for `__call__`).
+    - `keep`: LayerDrop's choice when the caller has drawn it (one bool per
+      layer, e.g. a pipeline stage's chunk of the whole stack's choice): a scan
+      then runs only the kept layers.
+    - `drop`: drop-path and LayerDrop inputs, one entry per layer (leading
+      axis the layers), or `None` when the call does not drop.
+    - `optional_key`: a layer that takes no `key` is called without one (the
+      key was given for dropping, which such a layer does not see).
+    - `unit`: set when each step of the run is a repeat of several layers
+      (see `Unit`); the per-layer values then have the repeat axis first.
+    - `caller`: names the container in errors (e.g. a key given to layers that
+      take none).
+    - `first`, `stride`: layer `i` of this call is the outermost container's
+      layer `first + i * stride` (a unit's step `i` starts at that layer);
+      `first` is `None` when that is not known (layers taken out of order).
+    - `over`: what the steps are: `"layers"`, or a `Recurrent`'s `"time"` steps,
+      which run one cell (no layer is set for [`eqxscan.layer_index`][]) and
+      are tapped by their time step.
+    """
+
+    args: tuple
+    kwargs: dict[str, object]
+    keys: Array | None
+    read_out: ReadOut = carry_only
+    reverse: bool = False
+    method: Method | None = None
+    keep: Bool[Array, " L"] | None = None
+    drop: DropInputs | None = None
+    optional_key: bool = False
+    unit: Unit | None = None
+    caller: str = "Stacked"
+    first: Index | None = 0
+    stride: int = 1
+    over: Literal["layers", "time"] = "layers"
+
+    def index_of(self, i: Index) -> Index | None:
+        """The global index of this call's layer (or unit) `i`."""
+        return None if self.first is None else self.first + i * self.stride
+
+    def per_layer_values(self) -> tuple[PyTree, ...]:
+        """Everything with a leading layer axis, in one tuple (for slicing)."""
+        per = [v.tree for v in self._arguments() if isinstance(v, PerLayer)]
+        return (tuple(per), self.keys, self.drop)
+
+    def _arguments(self) -> list[object]:
+        return [*self.args, *self.kwargs.values()]
+
+    def _split(self, values: Sequence[object]) -> tuple[tuple, dict[str, object]]:
+        # `values` (one per argument, as `_arguments` lists them) as args, kwargs.
+        return tuple(values[: len(self.args)]), dict(
+            zip(self.kwargs, values[len(self.args) :])
+        )
+
+    def _with_per_layer(self, new: tuple[PyTree, ...]) -> "LayerCall":
+        # `self` with its per-layer values replaced by `new` (from
+        # `per_layer_values`), each still wrapped as it was.
+        trees, keys, drop = new
+        it = iter(trees)
+        values = [
+            PerLayer(next(it)) if isinstance(v, PerLayer) else v
+            for v in self._arguments()
+        ]
+        args, kwargs = self._split(values)
+        return self._replace(args=args, kwargs=kwargs, keys=keys, drop=drop)
+
+    def _one(self, new: tuple[PyTree, ...]) -> OneLayer:
+        # One layer's inputs from its slices `new` of the per-layer values.
+        trees, key, drop = new
+        it = iter(trees)
+        values = [next(it) if isinstance(v, PerLayer) else v for v in self._arguments()]
+        args, kwargs = self._split(values)
+        return OneLayer(args, kwargs, key, drop)
+
+    def at(self, i: Index) -> OneLayer:
+        """Layer `i`'s inputs: slice `i` of every per-layer value (a static
+        slice for an int, a dynamic one for an array index)."""
+        one = self._one(index(self.per_layer_values(), i))
+        return one._replace(number=self.index_of(i))
+
+    def take(self, idx: Indices) -> "LayerCall":
+        """The call of the layers `idx` (a static slice or index array), in
+        that order: every per-layer value cut to them."""
+        first = None
+        if isinstance(idx, slice) and idx.step in (None, 1) and self.first is not None:
+            first = self.first + (idx.start or 0)
+        new = self._with_per_layer(take(self.per_layer_values(), idx))
+        return new._replace(first=first, stride=1)
+
+    def part(self, start: int, size: int, period: int) -> "LayerCall":
+        """The call of layers `start .. start + size - 1` as one group: a run
+        (`period == 1`), or `size // period` repeats of a unit of `period`
+        layers (`period >= 2`; the per-layer values get a repeat axis in front
+        of the unit's layer axis)."""
+        part = take(self.per_layer_values(), slice(start, start + size))
+        if period > 1:
+            part = jtu.tree_map(
+                lambda a: (
+                    a.reshape(size // period, period, *a.shape[1:])
+                    if eqx.is_array(a)
+                    else a
+                ),
+                part,
+            )
+        first = self.index_of(start)
+        new = self._with_per_layer(part)
+        return new._replace(first=first, stride=max(period, 1))
+
+    def inner(self, one: OneLayer) -> "LayerCall":
+        """The call of a unit's own layers, from one repeat's inputs `one` (see
+        `Unit`): its slices of the per-layer arguments are per layer again."""
+        flags = [isinstance(v, PerLayer) for v in self._arguments()]
+        values = [*one.args, *one.kwargs.values()]
+        values = [PerLayer(v) if f else v for v, f in zip(values, flags)]
+        args, kwargs = self._split(values)
+        return self._replace(
+            args=args,
+            kwargs=kwargs,
+            keys=one.key,
+            drop=one.drop,
+            keep=None,
+            unit=None,
+            first=one.number,
+            stride=1,
+        )
+
+    def scanned(self) -> tuple[PyTree, Callable[[PyTree], OneLayer]]:
+        """`(xs, one)`: the array parts of the per-layer values, each with the
+        layer axis first (what a scan slices), and `one(x_i)`, the layer's
+        inputs rebuilt from one step's slice."""
+        dyn, static = eqx.partition(self.per_layer_values(), eqx.is_array)
+        return dyn, lambda x: self._one(eqx.combine(x, static))
+
+
+def run_one(
+    layer: object, call: LayerCall, one: OneLayer, carry: PyTree, who: str
+) -> tuple[PyTree, PyTree]:
+    """Run `layer` on `carry` as `call` says, with its inputs `one`, and read its
+    output as `(carry, y)`: its method and key, then drop-path and (for a layer
+    whose scan does not gate it) LayerDrop. `who` names the layer in errors.
+
+    With a buffer view among its inputs (see `eqxscan/_scan/buffers.py`), a layer
+    (not a unit, which passes the view on to its own layers) returns
+    `(carry, new_slice)` where it would return its carry, and the result is
+    `((carry, buffer), y)`, the buffer with the layer's writes made."""
+    at = find_buffer(one.args, one.kwargs) if call.unit is None else None
+    if at is not None:
+        return _run_writing(layer, call, one, at, carry, who)
+    if call.unit is not None:
+        # A repeat of several layers: the unit drops and keys its own layers.
+        return call.read_out(call.unit(layer, carry, one), who)
+    key = one.key
+    if key is not None and call.optional_key and not takes_key(layer, call.method):
+        key = None
+
+    def fn(c: PyTree) -> tuple[PyTree, PyTree]:
+        out = call_layer(layer, call.method, c, one.args, one.kwargs, key, call.caller)
+        return call.read_out(out, who)
+
+    old = clone(carry)  # the layer may invalidate `carry` (an `eqx.nn.State`)
+    number = one.number if call.over == "layers" else None
+    # Named for profiles: a scanned stack's ops carry the layer's class.
+    with at_layer(number), inside_layer(), jax.named_scope(type(layer).__name__):
+        new, y = (fn if one.drop is None else dropping(fn, one.drop))(carry)
+    return tapped(one.number, new, old), y
+
+
+def _run_writing(
+    layer: object,
+    call: LayerCall,
+    one: OneLayer,
+    at: int | str,
+    carry: PyTree,
+    who: str,
+) -> tuple[PyTree, PyTree]:
+    # Layer `who` given its slice of the buffer at `at`; its new slice written
+    # back (only the rows it wrote, when it wrote rows).
+    if one.drop is not None:
+        raise TypeError(
+            f"{who} is called with an eqxscan.buffer and with drop_path or "
+            "layer_drop, which cannot skip a layer's write.\nDecode in inference "
+            "mode (`eqx.nn.inference_mode(model)`) or without a key."
+        )
+    view = view_of(one.args, one.kwargs, at)
+
+    def fn(old: PyTree) -> tuple[tuple[PyTree, PyTree], PyTree]:
+        args, kwargs = with_view(one.args, one.kwargs, at, old)  # pyright: ignore[reportArgumentType]  # the slice stands where the view was
+        new, y = run_one(
+            layer, call, one._replace(args=args, kwargs=kwargs), carry, who
+        )
+        if not (isinstance(new, tuple) and len(new) == 2):
+            raise TypeError(
+                f"{who} is called with an eqxscan.buffer, so it must return "
+                f"(x, buffer) where it returns its carry, but it returned "
+                f"{describe(new)}.\nReturn the layer's new buffer slice beside x "
+                "(unchanged if the layer does not write)."
+            )
+        return (new[0], y), new[1]
+
+    (new_carry, y), tree = call_writing(fn, view, who)
+    return (new_carry, tree), y
+
+
+LayerFn = Callable[[PyTree], PyTree]
+"""One layer as a function of the carry (its inputs bound): `carry -> carry`."""
+
+
+class Segment(NamedTuple):
+    """A stretch of a container's layers, for a walk over them in order (early
+    exit): `steps` steps of `size` layers each, the first layer of step 0 being
+    the container's layer `start`. `step(j)` is step `j` (an int, or a traced
+    index inside a loop): one layer as a function of the carry, or the segments
+    of one repeat of a pattern. `alone` marks a lone layer (one step, not in a
+    loop); `name` is its layers' class for errors."""
+
+    start: int
+    steps: int
+    size: int
+    step: "Callable[[Index], LayerFn | tuple[Segment, ...]]"
+    name: str
+    alone: bool = False

@@ -1,0 +1,147 @@
+"""Which step of a scan, and which layer of a container, is being traced.
+
+The engine (`eqxscan/_scan/engine.py`) scans each step's index beside its inputs
+and sets it around the step (`step_index`): a traced int32 under `lax.scan`,
+the Python int of the loop with `mode="loop"`. A container turns it into the
+global index of the layer it runs (`LayerCall.first + i * LayerCall.stride`),
+and the layer-call seam sets that around the layer's call, where
+[`eqxscan.layer_index`][] reads it.
+"""
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import Callable, Iterator
+
+import jax.numpy as jnp
+from jaxtyping import Array, PyTree
+
+from .index import Index
+from .options import ScanOptions
+
+
+_LOOP_STEP: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "eqxscan_loop_step", default=None
+)
+_STEP: contextvars.ContextVar[Index | None] = contextvars.ContextVar(
+    "eqxscan_step", default=None
+)
+_LAYER: contextvars.ContextVar[Index | None] = contextvars.ContextVar(
+    "eqxscan_layer", default=None
+)
+
+
+@contextlib.contextmanager
+def setting(var: contextvars.ContextVar, value: object) -> Iterator[None]:
+    """`var` set to `value` for the block, then reset."""
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
+def loop_step(i: int) -> contextlib.AbstractContextManager[None]:
+    """Set around step `i` of the engine's Python loop (`mode="loop"`)."""
+    return setting(_LOOP_STEP, i)
+
+
+def at_layer(i: Index | None) -> contextlib.AbstractContextManager[None]:
+    """Set around a layer's call: its global index (`None`: not known)."""
+    return setting(_LAYER, i)
+
+
+def current_step() -> Index | None:
+    """The index of the engine step being traced, or `None` outside one (the
+    shape-only trace of a run of length 0)."""
+    return _STEP.get()
+
+
+def step_index() -> Index:
+    """The index of the engine step being traced (see `indexed`)."""
+    i = _STEP.get()
+    assert i is not None, "step_index() is read only inside an engine step"
+    return i
+
+
+Run = Callable[..., tuple[PyTree, PyTree]]
+
+
+def indexed(run: Run) -> Run:
+    """The engine's `run`, its step given its own index: `jnp.arange(length)`
+    scanned beside `xs`, or the loop's Python int with `mode="loop"`."""
+
+    @functools.wraps(run)
+    def wrapped(
+        step: Callable, carry: PyTree, xs: PyTree, **kwargs: object
+    ) -> tuple[PyTree, PyTree]:
+        length = kwargs["length"]
+        options = kwargs["options"]
+        assert isinstance(options, ScanOptions)
+        loop = options.mode == "loop"
+        steps = jnp.arange(length, dtype=jnp.int32)  # pyright: ignore[reportArgumentType]  # an int
+
+        def body(c: PyTree, x: tuple[PyTree, Array]) -> tuple[PyTree, PyTree]:
+            x, i = x
+            here = _LOOP_STEP.get() if loop else i
+            # A step inside another container's layer starts with no layer set.
+            with setting(_STEP, here), at_layer(None):
+                return step(c, x)
+
+        read = kwargs.get("read")
+        if callable(read):
+            kwargs = {**kwargs, "read": lambda x: (read(x[0]), x[1])}
+        return run(body, carry, (xs, steps), **kwargs)
+
+    return wrapped
+
+
+def layer_index() -> Index:
+    """The index of the layer being called, read inside its `__call__` (or the
+    method a container runs).
+
+    Under `jax.lax.scan` (`mode="scan"`) it is a traced int32 scalar, one value
+    per scan step; with `mode="loop"`, and for a [`eqxscan.Chain`][]'s lone
+    layers, a Python `int`. It counts the layers of the outermost container
+    that runs the layer: a `Chain`'s layers are numbered `0 .. len(chain) - 1`
+    across its stacks, repeated patterns and lone layers, as
+    `chain.unstack()` lists them; `reverse=True` keeps each layer's index. A
+    layer of a container that is itself inside another container's layer gets
+    its index in the inner one.
+
+    For logging (`jax.debug.print("layer {}", eqxscan.layer_index())`),
+    layer-dependent scaling, or choosing among per-layer values without
+    threading `per_layer(jnp.arange(L))` through every call.
+
+    !!! example
+
+        ```python
+        import equinox as eqx, jax, jax.numpy as jnp, eqxscan
+
+        class Scaled(eqx.Module):
+            def __call__(self, x):
+                i = eqxscan.layer_index()
+                return x * (1.0 + jnp.asarray(i, x.dtype))  # layer i: times i + 1
+
+        stack = eqxscan.Stacked(lambda k: Scaled(), 4, key=jax.random.key(0))
+        assert stack(jnp.ones(())) == 1 * 2 * 3 * 4
+        assert stack.with_options(mode="loop")(jnp.ones(())) == 24
+        ```
+
+    **Returns:**
+
+    The layer's index: an int32 scalar array (traced) or a Python `int`.
+
+    **Raises:**
+
+    `RuntimeError` when called outside a layer run by a `Stacked` or `Chain`.
+    """
+    i = _LAYER.get()
+    if i is None:
+        raise RuntimeError(
+            "eqxscan.layer_index() was called outside a layer: it reads the index "
+            "of the layer that a Stacked or Chain is running.\nCall it inside a "
+            "layer's __call__ (or the method the container runs), while the "
+            "container calls it."
+        )
+    return i

@@ -1,0 +1,184 @@
+"""`ScanOptions`: how a scanning module runs (mode, rematerialisation, unroll).
+
+Every module that runs the scan engine (`Stacked`, `Chain`, `Recurrent`,
+`StackedMLP`) holds one `ScanOptions` and shares `with_options` through
+[`Scanning`][eqxscan._scan.options.Scanning].
+"""
+
+from typing import Literal, TypeAlias, TypedDict, TypeVar
+
+import equinox as eqx
+
+from .._helpers.checks import check_option, check_policy, check_unroll
+from .remat import as_scan_checkpoint, Policy, ScanCheckpoint
+
+
+Mode: TypeAlias = Literal["scan", "loop"]
+"""`"scan"` runs `jax.lax.scan` (one traced body); `"loop"` a Python loop over the
+same weights (the reference and debugging path)."""
+
+Checkpoint: TypeAlias = (
+    bool | Literal["auto", "nested", "offload"] | Policy | ScanCheckpoint
+)
+"""Rematerialisation of each scan step: `False`, `True`, `"auto"`, `"nested"`,
+`"offload"`, a `jax.checkpoint_policies` policy, or a [`eqxscan.ScanCheckpoint`][]
+(a policy plus what to do with each step's carry and inputs, and the nesting).
+See the remat guide."""
+
+
+class ScanArgs(TypedDict, total=False):
+    """The keyword arguments `mode=`, `checkpoint=` and `unroll=` that every
+    scanning module's constructor takes (as `**options`), defined once."""
+
+    mode: Mode
+    checkpoint: Checkpoint
+    unroll: int | bool | Literal["auto"]
+
+
+MODES: tuple[Mode, ...] = ("scan", "loop")
+CHECKPOINT_STRINGS: tuple[str, ...] = ("auto", "nested", "offload")
+OPTION_NAMES = ("mode", "checkpoint", "unroll")
+
+
+def check_checkpoint(checkpoint: object) -> None:
+    """Raise unless `checkpoint` is a valid [`eqxscan.Checkpoint`][] value.
+
+    The one place that says which checkpoint values exist.
+    """
+    if isinstance(checkpoint, (bool, ScanCheckpoint)):
+        return
+    if callable(checkpoint):
+        check_policy("checkpoint", checkpoint)
+        return
+    if isinstance(checkpoint, str):
+        check_option("checkpoint", checkpoint, (False, True) + CHECKPOINT_STRINGS)
+        return
+    raise TypeError(
+        "checkpoint must be False, True, 'auto', 'nested', 'offload', a "
+        "jax.checkpoint_policies policy or an eqxscan.ScanCheckpoint, got "
+        f"{type(checkpoint).__name__}."
+    )
+
+
+class ScanOptions(eqx.Module):
+    """How a scanning module runs its layers or time steps. Frozen and validated
+    once, when it is made; every scanning module holds one as `.options`.
+
+    !!! example
+
+        ```python
+        import eqxscan
+
+        options = eqxscan.ScanOptions(mode="loop", checkpoint=True)
+        assert options.replace(unroll=2).unroll == 2
+        ```
+    """
+
+    mode: Mode = eqx.field(static=True)
+    checkpoint: Checkpoint = eqx.field(static=True)
+    unroll: int | bool | Literal["auto"] = eqx.field(static=True)
+    #: `checkpoint` as the one `ScanCheckpoint` the engine, the `"auto"` rule
+    #: and the budget tools read (made once, here; `checkpoint` stays as given).
+    scan_checkpoint: ScanCheckpoint = eqx.field(static=True, repr=False)
+
+    def __init__(
+        self,
+        mode: object = "scan",
+        checkpoint: object = "auto",
+        unroll: object = "auto",
+    ):
+        """**Arguments:**
+
+        - `mode`: a [`eqxscan.Mode`][]: `"scan"` or `"loop"`.
+        - `checkpoint`: a [`eqxscan.Checkpoint`][] value.
+        - `unroll`: a positive int, passed to `jax.lax.scan`; `True` to unroll
+          fully (the program of `mode="loop"`, with this `checkpoint`); or
+          `"auto"` (chosen with `checkpoint="auto"`'s rule; see
+          [`eqxscan.explain_auto`][]).
+
+        **Raises:**
+
+        `ValueError` or `TypeError` naming the option, the value and what is
+        allowed. (Values are checked here, not by the annotations, so the
+        message is the same with or without a runtime type checker.)
+        """
+        check_option("mode", mode, MODES)
+        check_checkpoint(checkpoint)
+        check_unroll(unroll)
+        self.mode = mode  # type: ignore[assignment]  # checked above
+        self.checkpoint = checkpoint  # type: ignore[assignment]  # checked above
+        self.unroll = unroll  # type: ignore[assignment]  # checked above
+        self.scan_checkpoint = as_scan_checkpoint(checkpoint)
+
+    def as_args(self) -> ScanArgs:
+        """These options as the keyword arguments of a scanning module."""
+        return ScanArgs(mode=self.mode, checkpoint=self.checkpoint, unroll=self.unroll)
+
+    def replace(self, **changes: object) -> "ScanOptions":
+        """A copy with `changes` (any of `mode`, `checkpoint`, `unroll`) applied,
+        validated like a new one."""
+        check_names(changes, OPTION_NAMES, "ScanOptions.replace")
+        values = {name: getattr(self, name) for name in OPTION_NAMES}
+        return ScanOptions(**{**values, **changes})
+
+
+def check_names(given: dict[str, object], allowed: tuple[str, ...], what: str) -> None:
+    """Raise the `TypeError` Python raises for an unknown keyword argument."""
+    for name in given:
+        if name not in allowed:
+            raise TypeError(
+                f"{what}() got an unexpected keyword argument {name!r}; it takes "
+                f"{', '.join(allowed)}."
+            )
+
+
+ScanningT = TypeVar("ScanningT", bound="Scanning")
+
+
+class Scanning(eqx.Module):
+    """Base of the modules that run the scan engine: each holds one
+    [`eqxscan.ScanOptions`][] as `options`, readable as `.mode`, `.checkpoint`
+    and `.unroll`, and changed with `with_options`."""
+
+    options: eqx.AbstractVar[ScanOptions]
+
+    @property
+    def mode(self) -> Mode:
+        return self.options.mode
+
+    @property
+    def checkpoint(self) -> Checkpoint:
+        return self.options.checkpoint
+
+    @property
+    def unroll(self) -> int | bool | Literal["auto"]:
+        return self.options.unroll
+
+    def with_options(self: ScanningT, **changes: object) -> ScanningT:
+        """A copy with the same weights and new options; options not given are kept.
+
+        **Arguments:**
+
+        - `mode`, `checkpoint`, `unroll`: as for [`eqxscan.Stacked`][].
+        - Any option of the module's own (`layer_sharding` of a `Stacked`;
+          `drop_path` and `layer_drop` of a `Stacked`, `Chain` or `StackedMLP`;
+          `reverse` of a `Recurrent`).
+
+        **Returns:**
+
+        A module of the same type sharing this one's arrays.
+        """
+        scan = {k: changes.pop(k) for k in OPTION_NAMES if k in changes}
+        check_names(changes, OPTION_NAMES + self.own_options(), "with_options")
+        return self.replace_options(self.options.replace(**scan), **changes)
+
+    def own_options(self) -> tuple[str, ...]:
+        """Names of the options besides `ScanOptions` that `with_options` takes."""
+        return ()
+
+    def replace_options(
+        self: ScanningT, options: ScanOptions, **own: object
+    ) -> ScanningT:
+        """This module with `options` (and its own options `own`) in place."""
+        del own  # no own options here
+        return eqx.tree_at(lambda m: m.options, self, options)

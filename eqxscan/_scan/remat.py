@@ -1,0 +1,380 @@
+"""`ScanCheckpoint`: what a scan keeps for the backward pass, beyond one policy.
+
+A step's internals follow a `jax.checkpoint` policy; the carry a step receives and
+its per-step inputs are named (`CARRY`, `INPUTS`) so that they can be saved,
+recomputed or offloaded to host memory on their own; and the steps can be grouped
+into nested levels of any shape (Flax's `remat_scan(lengths=...)`, Haliax's
+`ScanCheckpointPolicy(nested=...)`).
+"""
+
+import dataclasses
+import math
+import operator
+from collections.abc import Callable
+from typing import Literal, TypeAlias, TypeVar
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jax.ad_checkpoint import checkpoint_name
+from jaxtyping import PyTree
+
+
+#: The names a scan gives the carry each step receives and its per-step inputs,
+#: for `jax.checkpoint_policies.save_only_these_names` and friends.
+CARRY = "eqxscan.carry"
+INPUTS = "eqxscan.inputs"
+#: The carry at the start of a block of a nested scan.
+BLOCK_CARRY = "eqxscan.block_carry"
+#: A layer's read of its slice of an `eqxscan.buffer`: every policy saves it, so
+#: the backward pass keeps each layer's slice rather than the whole stacked
+#: buffer that travels in the carry.
+BUFFER_READ = "eqxscan.buffer_read"
+
+#: The matmul-saving policy: save the outputs of matmuls that have no batch
+#: dimensions (the weight products) and recompute the elementwise work (norms,
+#: activations, residual adds) in the backward pass. A plain scan stores every
+#: elementwise intermediate of every step in stacked buffers, which costs more
+#: time and memory than the unrolled loop once they add up. `checkpoint="auto"`
+#: picks between saving everything, this policy and full remat from the traced
+#: step's shapes (eqxscan/_scan/auto.py; docs/default-checkpoint.md); it is also what
+#: `"auto"` means as the `policy` of a `ScanCheckpoint` that names or nests.
+AUTO_POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+
+#: What `checkpoint="offload"` means: the values `AUTO_POLICY` keeps, but in host
+#: memory ("pinned_host") rather than on the device; XLA copies them back for the
+#: backward pass. Where device and host memory are one (the CPU backend) the
+#: placement is a no-op and the program matches `AUTO_POLICY`'s.
+OFFLOAD_POLICY = jax.checkpoint_policies.offload_dot_with_no_batch_dims(
+    "device", "pinned_host"
+)
+
+Policy: TypeAlias = Callable[..., bool]
+
+SAVE_BUFFER_READS: Policy = jax.checkpoint_policies.save_only_these_names(BUFFER_READ)
+Keep: TypeAlias = bool | Literal["offload"] | None
+
+
+def _check_keep(name: str, value: object) -> None:
+    if value is not None and not any(value is v for v in (True, False)):
+        if value != "offload":
+            raise ValueError(
+                f"ScanCheckpoint({name}=...) must be True (save), False (recompute), "
+                f"'offload' (save in pinned host memory) or None (not named: the "
+                f"policy decides), got {value!r}."
+            )
+
+
+def _check_nested(nested: object) -> int | tuple[int, ...] | None:
+    if nested is None:
+        return None
+    if isinstance(nested, tuple) and not isinstance(nested, bool):
+        if len(nested) < 2 or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in nested
+        ):
+            raise ValueError(
+                "ScanCheckpoint(nested=(a, b, ...)) needs two or more positive int "
+                f"lengths, outermost first, whose product is the scan length; got "
+                f"{nested!r}."
+            )
+        return nested
+    try:
+        blocks = operator.index(nested)  # pyright: ignore[reportArgumentType]  # the TypeError is the check
+    except TypeError:
+        raise TypeError(
+            "ScanCheckpoint(nested=...) must be None, a number of blocks (int) or a "
+            f"tuple of lengths, got {type(nested).__name__} ({nested!r})."
+        ) from None
+    if isinstance(nested, bool) or blocks < 1:
+        raise ValueError(
+            f"ScanCheckpoint(nested=...) as a block count must be >= 1, got {nested!r}."
+        )
+    return blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanCheckpoint:
+    """A `checkpoint=` value that also says what to do with each step's carry and
+    inputs, and how to nest the scan.
+
+    **Arguments:**
+
+    - `policy`: the step's internals, as the plain `checkpoint=` options: `"auto"`
+      (default), `True` (recompute everything), `False` (save everything) or a
+      `jax.checkpoint_policies` policy.
+    - `save_carries`: the carry each step receives. `True` (default) keeps it, as
+      any scan does; `"offload"` keeps it in pinned host memory; `False`
+      recomputes it from the carry at the start of its block, which needs nested
+      blocks (with `nested=None`, about `sqrt(L)` blocks are used).
+    - `save_inputs`: each step's slice of the scanned inputs (a layer's weights,
+      after the `layer_sharding` constraint, and its `per_layer` arguments; a
+      time step's inputs). `False` (default) reads them again in the backward
+      pass (re-gathering FSDP-sharded weights); `True` saves them; `"offload"`
+      saves them in pinned host memory.
+      `None` (for either) leaves the value unnamed, so the policy alone decides, as
+      for a plain `checkpoint=` value.
+    - `nested`: `None`, a number of blocks (a two-level scan: the outer level keeps
+      one carry per block, the inner steps are recomputed), or a tuple of lengths
+      `(a, b, ...)`, outermost first, whose product is the scan length (one level
+      per entry).
+
+    Every `checkpoint=` value is one of these (see `ScanOptions.scan_checkpoint`):
+    `False`, `True`, a policy and `"offload"` are `ScanCheckpoint(policy=...,
+    save_carries=None, save_inputs=None)`; `"auto"` is the same with
+    `policy="auto"`, which for a flat scan that names nothing means eqxscan's
+    rule (resolved when the step is traced), and elsewhere the matmul-saving
+    policy; `"nested"` is `ScanCheckpoint(save_carries=False, save_inputs=None)`.
+
+    The carry and inputs are named `eqxscan.ScanCheckpoint.CARRY` and
+    `eqxscan.ScanCheckpoint.INPUTS` inside the step, so a policy of your own can
+    also refer to them.
+
+    !!! example
+
+        ```python
+        import equinox as eqx, jax, jax.numpy as jnp, eqxscan
+
+        policy = eqxscan.ScanCheckpoint(policy=True, save_carries="offload")
+        stack = eqxscan.Stacked(
+            lambda k: eqx.nn.Linear(8, 8, key=k), 6, key=jax.random.key(0),
+            checkpoint=policy,
+        )
+        grads = jax.grad(lambda s: jnp.sum(s(jnp.ones(8))))(stack)
+        ```
+    """
+
+    policy: bool | Literal["auto"] | Policy = "auto"
+    save_carries: Keep = True
+    save_inputs: Keep = False
+    nested: int | tuple[int, ...] | None = None
+
+    CARRY = CARRY
+    INPUTS = INPUTS
+
+    def __post_init__(self) -> None:
+        policy = self.policy
+        if not (
+            policy is True or policy is False or policy == "auto" or callable(policy)
+        ):
+            raise ValueError(
+                "ScanCheckpoint(policy=...) must be 'auto', True, False or a "
+                f"jax.checkpoint_policies policy, got {policy!r}."
+            )
+        _check_keep("save_carries", self.save_carries)
+        _check_keep("save_inputs", self.save_inputs)
+        object.__setattr__(self, "nested", _check_nested(self.nested))
+
+    @property
+    def named(self) -> bool:
+        """Whether the carry or the inputs are named for the step's policy (else
+        the value behaves as a plain `checkpoint=` value)."""
+        return self.save_carries is not None or self.save_inputs is not None
+
+    @property
+    def is_rule(self) -> bool:
+        """Whether eqxscan's `"auto"` rule chooses (`checkpoint="auto"`): policy
+        `"auto"` on a flat scan that names nothing."""
+        return self.policy == "auto" and not self.named and self.nested is None
+
+    def base_policy(self) -> Policy:
+        """The `jax.checkpoint_policies` policy of the step's internals (a
+        layer's read of its buffer slice is saved whatever it says)."""
+        if self.policy is True:
+            return SAVE_BUFFER_READS
+        if self.policy is False:
+            return jax.checkpoint_policies.everything_saveable
+        return _saving_buffer_reads(
+            AUTO_POLICY if isinstance(self.policy, str) else self.policy
+        )
+
+    def levels(self, length: int) -> tuple[int, ...] | None:
+        """The lengths of the outer levels of the nested scan over `length` steps,
+        outermost first (the innermost level takes the rest); `None` for one flat
+        scan. A block count that does not divide `length` leaves a remainder,
+        run flat after the blocks."""
+        nested = self.nested
+        if nested is None:
+            if self.save_carries is not False:
+                return None
+            return (length // sqrt_block(length),)
+        if isinstance(nested, tuple):
+            if math.prod(nested) != length:
+                raise ValueError(
+                    f"ScanCheckpoint(nested={nested}) has {math.prod(nested)} steps "
+                    f"in all, but the scan has {length}; the lengths' product must "
+                    "equal the number of layers (or time steps)."
+                )
+            return nested[:-1]
+        return (min(nested, length),)
+
+    def step_policy(self, base: Policy) -> Policy:
+        """The innermost steps' policy: `base` for the internals, the `save_*`
+        options for the named carry and inputs."""
+        if not self.named:
+            return base
+        saved, offloaded = [], []
+        for name, keep in ((CARRY, self.save_carries), (INPUTS, self.save_inputs)):
+            if keep == "offload":
+                offloaded.append(name)
+            elif keep is True:
+                saved.append(name)
+        names = jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=saved,
+            names_which_can_be_offloaded=offloaded,
+            offload_src="device",
+            offload_dst="pinned_host",
+        )
+
+        def policy(prim: object, *args: object, **params: object) -> object:
+            if params.get("name") in (CARRY, INPUTS) and str(prim) == "name":
+                return names(prim, *args, **params)
+            return base(prim, *args, **params)
+
+        return policy  # pyright: ignore[reportReturnType]  # offloading answers are not bools
+
+    def boundary_policy(self) -> Policy:
+        """The outer levels' policy: only the block-boundary carry may be kept
+        (offloaded with `save_carries="offload"`); everything else is recomputed."""
+        offload = [BLOCK_CARRY] if self.save_carries == "offload" else []
+        return jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[],
+            names_which_can_be_offloaded=offload,
+            offload_src="device",
+            offload_dst="pinned_host",
+        )
+
+
+def _saving_buffer_reads(policy: Policy) -> Policy:
+    # `policy`, and a buffer read saved (an offloading policy's answers are not
+    # bools, so `save_from_both_policies` cannot combine them).
+    def both(prim: object, *args: object, **params: object) -> object:
+        if params.get("name") == BUFFER_READ and str(prim) == "name":
+            return True
+        return policy(prim, *args, **params)
+
+    return both  # pyright: ignore[reportReturnType]  # offloading answers are not bools
+
+
+def as_scan_checkpoint(checkpoint: object) -> ScanCheckpoint:
+    """Any valid `checkpoint=` value as the one `ScanCheckpoint` the engine reads
+    (see `ScanCheckpoint`'s docstring for the correspondence)."""
+    if isinstance(checkpoint, ScanCheckpoint):
+        return checkpoint
+    if isinstance(checkpoint, str) and checkpoint == "nested":
+        return ScanCheckpoint(save_carries=False, save_inputs=None)
+    if isinstance(checkpoint, str) and checkpoint == "offload":
+        checkpoint = OFFLOAD_POLICY
+    return ScanCheckpoint(
+        policy=checkpoint,  # type: ignore[arg-type]  # a checked checkpoint= value
+        save_carries=None,
+        save_inputs=None,
+    )
+
+
+def sqrt_block(length: int) -> int:
+    """Steps per block of a two-level scan: a divisor of `length` near its square
+    root when there is one (reshaping `[L, ...]` to `[L/b, b, ...]` is free, while
+    splitting off a remainder copies the stacked weights), else `ceil(sqrt(L))`."""
+    if length <= 1:
+        return 1
+    root = math.sqrt(length)
+    divisors = [d for d in range(1, length + 1) if length % d == 0]
+    best = min(divisors, key=lambda d: (d + length // d, -d))
+    if best + length // best <= 3 * root:
+        return best
+    return math.isqrt(length - 1) + 1
+
+
+T = TypeVar("T")
+
+
+def name_tree(tree: T, name: str) -> T:
+    """Every array leaf of `tree` named `name` for the checkpoint policies (PRNG
+    keys excepted: they are cheap to keep and cannot be offloaded); other
+    leaves (a broadcast Python number, say) as they are."""
+
+    def one(a: object) -> object:
+        if not isinstance(a, jax.Array) or jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+            return a
+        return checkpoint_name(a, name)
+
+    return jtu.tree_map(one, tree)
+
+
+def name_inputs(tree: T, checkpoint: ScanCheckpoint) -> T:
+    """A step's inputs, named `INPUTS` when `checkpoint` names them (and left
+    alone otherwise, so other programs do not change)."""
+    if checkpoint.save_inputs is None:
+        return tree
+    return name_tree(tree, INPUTS)
+
+
+Step: TypeAlias = Callable[[PyTree, PyTree], tuple[PyTree, PyTree]]
+
+
+def nested_scan(
+    body: Step,
+    carry: PyTree,
+    xs: PyTree,
+    length: int,
+    levels: tuple[int, ...],
+    unroll: int | bool,
+    step_policy: Policy | None,
+    boundary_policy: Policy | None,
+    reverse: bool = False,
+) -> tuple[PyTree, PyTree]:
+    """`lax.scan(body, carry, xs, reverse=reverse)` as nested scans: `levels` are
+    the lengths of the outer levels (outermost first); the innermost level takes
+    the rest. Each outer level's body is checkpointed, so only its carries are
+    kept and the steps inside are recomputed in the backward pass. Reversed, every
+    level runs backwards, so `xs` is read in place rather than flipped."""
+    step = jax.checkpoint(body, policy=step_policy, prevent_cse=False)
+    if not levels:
+        return jax.lax.scan(
+            step, carry, xs, length=length, unroll=unroll, reverse=reverse
+        )
+    outer, inner_levels = levels[0], levels[1:]
+    inner = length // outer
+    head = outer * inner
+
+    def block(c: PyTree, xs_block: PyTree) -> tuple[PyTree, PyTree]:
+        c = name_tree(c, BLOCK_CARRY)
+        return nested_scan(
+            body,
+            c,
+            xs_block,
+            inner,
+            inner_levels,
+            unroll,
+            step_policy,
+            boundary_policy,
+            reverse,
+        )
+
+    def blocks(carry: PyTree) -> tuple[PyTree, PyTree]:
+        split = jtu.tree_map(lambda a: a[:head].reshape(outer, inner, *a.shape[1:]), xs)
+        carry, ys = jax.lax.scan(
+            jax.checkpoint(block, policy=boundary_policy, prevent_cse=False),
+            carry,
+            split,
+            length=outer,
+            reverse=reverse,
+        )
+        return carry, jtu.tree_map(lambda a: a.reshape(head, *a.shape[2:]), ys)
+
+    def rest(carry: PyTree) -> tuple[PyTree, PyTree]:
+        tail = jtu.tree_map(lambda a: a[head:], xs)
+        return jax.lax.scan(
+            step, carry, tail, length=length - head, unroll=unroll, reverse=reverse
+        )
+
+    if head == length:
+        return blocks(carry)
+    # The remainder comes last in consumption order.
+    if reverse:
+        carry, ys_tail = rest(carry)
+        carry, ys = blocks(carry)
+    else:
+        carry, ys = blocks(carry)
+        carry, ys_tail = rest(carry)
+    return carry, jtu.tree_map(lambda a, b: jnp.concatenate([a, b]), ys, ys_tail)

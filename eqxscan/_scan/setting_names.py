@@ -1,0 +1,48 @@
+"""Settings in words and back, as the budget tools (`eqxscan.remat.fit_remat`,
+`eqxscan.planning.plan`) read and print them: a byte budget such as `"6GiB"`
+(`parse_bytes`) and a `checkpoint=` setting's name (`checkpoint_label`)."""
+
+import re
+
+import jax
+
+from .options import Checkpoint
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(budget: int | str) -> int:
+    """`6 * 2**30`, `"6GiB"`, `"512MB"`, `"1.5 GB"` -> a number of bytes."""
+    if isinstance(budget, int) and not isinstance(budget, bool) and budget > 0:
+        return budget
+    if isinstance(budget, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", budget)
+        if m and m.group(2).lower() in _UNITS and float(m.group(1)) > 0:
+            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    raise ValueError(
+        f"budget must be a positive number of bytes or a string such as '6GiB' or "
+        f"'512MB', got {budget!r}.\nHint: units are B, kB, MB, GB, TB (powers of "
+        "1000) and KiB, MiB, GiB, TiB (powers of 1024)."
+    )
+
+
+def checkpoint_label(checkpoint: Checkpoint) -> str:
+    """`"auto"`, `"True"`, or a policy's name in `jax.checkpoint_policies`."""
+    if isinstance(checkpoint, (str, bool)):
+        return repr(checkpoint) if isinstance(checkpoint, str) else str(checkpoint)
+    for name, value in vars(jax.checkpoint_policies).items():
+        if value is checkpoint:
+            return name
+    return getattr(checkpoint, "__name__", repr(checkpoint))

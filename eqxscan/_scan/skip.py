@@ -1,0 +1,433 @@
+"""Steps that run only where a keep bit is set (LayerDrop): a skipped step
+passes its carry on and costs next to nothing, forward and backward.
+
+Two forms, both `jax.custom_vjp`s whose backward is a `lax.cond` on the same
+bit, so that a kept step runs its backward inside its branch and a skipped one
+does no work:
+
+- `gated_call`: one step, whose backward recomputes its forward (a lone layer
+  of a `Chain`; the loop mode; a scan whose `checkpoint=` names or nests what to
+  save, which the step's own remat must see).
+- `gated_scan`: the whole scan at once. The stacked inputs (the layers' weights)
+  reach the step whole and are indexed inside the kept branch; a kept step
+  saves what its `checkpoint=` policy keeps (never its inputs); and the
+  backward scan writes a kept step's input gradients into one zero-filled
+  stacked buffer in place. A skipped layer then touches none of its weights in
+  either pass; scanned as inputs, every layer's weights would be sliced, and
+  every skipped layer's zero gradient written, whether it runs or not.
+"""
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+
+import equinox as eqx
+import jax
+import jax.core
+import jax.extend.core as jcore
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jaxtyping import Array, Bool, PyTree
+
+from .index import index
+from .remat import Policy
+
+
+def inexact(value: object) -> bool:
+    """Whether `value` is an array that takes a (non-`float0`) cotangent."""
+    dtype = getattr(value, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
+
+
+def _no_cotangent(a: Array) -> Array | np.ndarray:
+    """A zero cotangent for `a`: `float0` for integer, bool and key arrays."""
+    if inexact(a):
+        return jnp.zeros(jnp.shape(a), a.dtype)
+    return np.zeros(jnp.shape(a), jax.dtypes.float0)
+
+
+def _split(values: Sequence[object]) -> tuple[list[object], list[object], list[bool]]:
+    """`(fixed, diff, mask)`: the values without and with cotangents."""
+    mask = [inexact(v) for v in values]
+    diff = [v for v, d in zip(values, mask) if d]
+    fixed = [v for v, d in zip(values, mask) if not d]
+    return fixed, diff, mask
+
+
+def _merge(fixed: Sequence[object], diff: Sequence[object], mask: list[bool]) -> list:
+    """Undo `_split`."""
+    fixed_, diff_ = iter(fixed), iter(diff)
+    return [next(diff_) if d else next(fixed_) for d in mask]
+
+
+def _zeros(avals: Sequence[jax.core.ShapedArray]) -> list[Array]:
+    """Zeros of these types, varying over the same manual axes (inside
+    `shard_map`), so that a skipping branch matches a kept one."""
+    out = []
+    for a in avals:
+        z = jnp.zeros(a.shape, a.dtype)
+        manual = getattr(a, "manual_axis_type", None)
+        vma = tuple(sorted(getattr(manual, "varying", ())))
+        out.append(jax.lax.pcast(z, vma, to="varying") if vma else z)
+    return out
+
+
+def _evaluate(
+    traced: jcore.ClosedJaxpr, consts: list, carry: list, x: list
+) -> list[Array]:
+    """`traced`'s jaxpr on `carry + x`, with `consts` for its closed-over values."""
+    return jcore.jaxpr_as_fun(jcore.ClosedJaxpr(traced.jaxpr, consts))(*carry, *x)
+
+
+def gated_call(
+    keep: Bool[Array, ""],
+    traced: jcore.ClosedJaxpr,
+    operands: Sequence[Array],
+    num_carry: int,
+) -> list[Array]:
+    """`traced(*operands)` where `keep`, else `operands[:num_carry]` followed by
+    zeros for the other outputs. The first `num_carry` outputs are the carry, of
+    the types of the first `num_carry` operands.
+
+    What the backward pass keeps is the operands (the carry, and the layer's
+    inputs, which a scan forwards rather than saving a copy per step) and
+    `keep`; a kept step's backward recomputes its forward in its branch.
+    Differentiating a plain `lax.cond` would instead save what the kept branch
+    computes, weights included, as outputs of the `cond`, filled with zeros by
+    the skipping branch."""
+    operands = list(operands)
+    out_avals = traced.out_avals
+    y_avals = out_avals[num_carry:]
+
+    def skip(fixed: list, carry_and_rest: list) -> list[Array]:
+        return list(carry_and_rest[:num_carry]) + _zeros(y_avals)
+
+    if not all(inexact(a) for a in out_avals):
+        # An integer carry or output has no cotangent to route through the
+        # backward `cond`: differentiate the plain `cond` instead.
+        return jax.lax.cond(
+            keep,
+            lambda _, ops: jcore.jaxpr_as_fun(traced)(*ops),
+            skip,
+            [],
+            operands,
+        )
+    consts = list(traced.consts)
+    c_fixed, c_diff, c_mask = _split(consts)
+    o_fixed, o_diff, o_mask = _split(operands)
+
+    def layer(fixed: tuple[list, list], diff: tuple[list, list]) -> list[Array]:
+        const_vals = _merge(fixed[0], diff[0], c_mask)
+        ops = _merge(fixed[1], diff[1], o_mask)
+        return jcore.jaxpr_as_fun(jcore.ClosedJaxpr(traced.jaxpr, const_vals))(*ops)
+
+    def skipped_out(fixed: tuple[list, list], diff: tuple[list, list]) -> list[Array]:
+        return skip([], _merge(fixed[1], diff[1], o_mask))
+
+    # Every input is an argument (a custom_vjp may not close over tracers);
+    # `keep` and the integer, bool and key values (`fixed`) get no gradient.
+    @jax.custom_vjp
+    def gated(keep: Array, fixed: tuple[list, list], diff: tuple[list, list]) -> list:
+        return jax.lax.cond(keep, layer, skipped_out, fixed, diff)
+
+    def forward(keep: Array, fixed: tuple, diff: tuple) -> tuple[list, tuple]:
+        return gated(keep, fixed, diff), (keep, fixed, diff)
+
+    def backward(res: tuple, cts: list[Array]) -> tuple[object, ...]:
+        keep, fixed, diff = res
+
+        def run(cts: list, fixed: tuple, diff: tuple) -> tuple[list, list]:
+            return jax.vjp(functools.partial(layer, fixed), diff)[1](cts)[0]
+
+        def passed(cts: list, fixed: tuple, diff: tuple) -> tuple[list, list]:
+            # The carry's cotangent passes through (the carry operands, all
+            # inexact, come first); nothing else gets one.
+            rest = [jnp.zeros_like(v) for v in diff[1][num_carry:]]
+            return [jnp.zeros_like(c) for c in diff[0]], list(cts[:num_carry]) + rest
+
+        ct_diff = jax.lax.cond(keep, run, passed, list(cts), fixed, diff)
+        ct_fixed = jtu.tree_map(_no_cotangent, fixed)
+        return _no_cotangent(keep), ct_fixed, tuple(ct_diff)
+
+    gated.defvjp(forward, backward)
+    return gated(keep, (c_fixed, o_fixed), (c_diff, o_diff))
+
+
+def gated(
+    fn: Callable[[PyTree], tuple[PyTree, PyTree]], c: PyTree, keep: Bool[Array, ""]
+) -> tuple[PyTree, PyTree]:
+    """`fn(c) -> (new carry, y)` where `keep`, else `(c, zeros like y)`, through
+    `gated_call`. `fn` is traced once (its Python runs once), on the array
+    leaves of `c`; its other leaves and those of its outputs are kept as they
+    are. An `fn` that breaks the carry contract runs ungated, for the caller's
+    check to report."""
+    c_dyn, c_static = eqx.partition(c, eqx.is_array)
+    statics: list[PyTree] = []
+
+    def body(c_dyn: PyTree) -> tuple[PyTree, PyTree]:
+        new, y = fn(eqx.combine(c_dyn, c_static))
+        (new_dyn, new_static), (y_dyn, y_static) = (
+            eqx.partition(new, eqx.is_array),
+            eqx.partition(y, eqx.is_array),
+        )
+        statics.append((new_static, y_static))
+        return new_dyn, y_dyn
+
+    traced, out_shape = jax.make_jaxpr(body, return_shape=True)(c_dyn)
+    new_shape = out_shape[0]
+    contract = jtu.tree_structure(new_shape) == jtu.tree_structure(c_dyn) and all(
+        a.shape == b.shape and a.dtype == b.dtype
+        for a, b in zip(jtu.tree_leaves(new_shape), jtu.tree_leaves(c_dyn))
+    )
+    operands = jtu.tree_leaves(c_dyn)
+    if contract:
+        flat = gated_call(keep, traced, operands, len(operands))
+    else:
+        flat = jcore.jaxpr_as_fun(traced)(*operands)
+    new_dyn, y_dyn = jtu.tree_unflatten(jtu.tree_structure(out_shape), flat)
+    new_static, y_static = statics[0]
+    return eqx.combine(new_dyn, new_static), eqx.combine(y_dyn, y_static)
+
+
+def can_gate_scan(traced: jcore.ClosedJaxpr) -> bool:
+    """Whether `gated_scan` takes this step: every carry and output inexact
+    (else `gated_call` per step, which can fall back to a plain `cond`)."""
+    return all(inexact(a) for a in traced.out_avals)
+
+
+def gated_scan(
+    traced: jcore.ClosedJaxpr,
+    num_carry: int,
+    carry: list[Array],
+    xs: list[Array],
+    keep: Bool[Array, " L"],
+    *,
+    length: int,
+    reverse: bool,
+    unroll: int | bool,
+    policy: Policy | None = None,
+) -> tuple[list[Array], list[Array]]:
+    """Scan `traced` (one step: flat `carry + x_i` to flat `carry + y_i`) over the
+    leading axis of `xs`, running step `i` only where `keep[i]`; a skipped step
+    passes the carry on and outputs zeros.
+
+    **Arguments:**
+
+    - `policy`: what a kept step saves for the backward pass, as a
+      `jax.checkpoint` policy: its inputs and what the policy keeps of its
+      internals (stacked over the steps; zeros for a skipped one). `None` saves
+      only the carry each step receives (as `checkpoint=True` would).
+
+    **Returns:**
+
+    `(carry, ys)`, flat, the `ys` stacked on axis 0.
+
+    The backward pass runs a kept step's backward inside its branch (from its
+    saved values, recomputing the rest) and writes its input gradients into the
+    stacked gradient at `i`, in place. A step's inputs are never saved: the
+    carry is, and the layer's slice of `xs` is read again from the whole `xs`.
+    The steps are the methods of `_GatedScan`: `forward` (the scan of kept
+    steps), `backward` (the reverse scan writing gradients in place), with
+    `step`, `linearized` and `saved_types` for one step.
+    """
+    c_fixed, c_diff, c_mask = _split(list(traced.consts))
+    x_fixed, x_diff, x_mask = _split(xs)
+    scan = _GatedScan(
+        traced, num_carry, c_mask, x_mask, length, reverse, unroll, policy, []
+    )
+
+    @jax.custom_vjp
+    def gated(keep: Array, fixed: tuple, diff: tuple, carry: list) -> tuple:
+        carry, ys, _ = scan.forward(keep, fixed, diff, carry, save=False)
+        return carry, ys
+
+    def forward(keep: Array, fixed: tuple, diff: tuple, carry: list) -> tuple:
+        carry_out, ys, saved = scan.forward(keep, fixed, diff, carry, save=True)
+        return (carry_out, ys), (keep, fixed, diff, saved)
+
+    gated.defvjp(forward, scan.backward)
+    carry_out, ys = gated(keep, (c_fixed, x_fixed), (c_diff, x_diff), list(carry))
+    return list(carry_out), list(ys)
+
+
+@dataclasses.dataclass(frozen=True)
+class _GatedScan:
+    """One `gated_scan`: the traced step and how its inputs split into values
+    that take cotangents (`diff`) and those that do not (`fixed`), as
+    `(consts, xs)` pairs. `layouts` records how the forward pass saved a kept
+    step's values (the vjp's structure and, per leaf, the input it is, or
+    `None`: saved), set while the forward scan is traced."""
+
+    traced: jcore.ClosedJaxpr
+    num_carry: int
+    c_mask: list[bool]
+    x_mask: list[bool]
+    length: int
+    reverse: bool
+    unroll: int | bool
+    policy: Policy | None
+    layouts: list[tuple[jtu.PyTreeDef, tuple[int | None, ...]] | None]  # pyright: ignore[reportInvalidTypeForm]  # jax's stubs declare PyTreeDef a variable
+
+    def step(self, fixed: tuple, fixed_i: list) -> Callable[..., list[Array]]:
+        """Step `i` (its fixed slices `fixed_i`) as a function of what gets
+        cotangents: the consts, the carry and its slices of `xs`."""
+
+        def fn(consts_d: list, c: list, x_d: list) -> list[Array]:
+            consts = _merge(fixed[0], consts_d, self.c_mask)
+            return _evaluate(self.traced, consts, c, _merge(fixed_i, x_d, self.x_mask))
+
+        return fn
+
+    def linearized(self, i: Array, c: list, fixed: tuple, diff: tuple) -> tuple:
+        """Step `i`'s outputs, the values its vjp needs that are not its inputs,
+        and the layout to rebuild the vjp from them and the inputs."""
+        fixed_i = [index(a, i) for a in fixed[1]]
+        diff_i = [index(a, i) for a in diff[1]]
+        fn = jax.checkpoint(
+            self.step(fixed, fixed_i), policy=self.policy, prevent_cse=False
+        )
+        out, vjp_fn = jax.vjp(fn, diff[0], c, diff_i)
+        leaves, tree = jtu.tree_flatten(vjp_fn)
+        inputs = jtu.tree_leaves((diff[0], c, diff_i))
+        where = tuple(
+            next((n for n, v in enumerate(inputs) if v is leaf), None)
+            for leaf in leaves
+        )
+        saved = [leaf for leaf, w in zip(leaves, where) if w is None]
+        return out, saved, (tree, where)
+
+    def saved_types(self, i: Array, c: list, fixed: tuple, diff: tuple) -> list:
+        """The types of what a kept step saves under the policy (for the
+        skipping branch's zeros), its layout recorded in `layouts`; none when
+        a saved value cannot be zero-filled (a key: the step is recomputed)."""
+        found: list = []
+
+        def probe(i: Array, c: list, fixed: tuple, diff: tuple) -> list:
+            _, saved, layout = self.linearized(i, c, fixed, diff)
+            found.append(layout)
+            return saved
+
+        # On the values' own types (varying manual axes included).
+        types = jtu.tree_map(jax.typeof, (i, c, fixed, diff))
+        avals = list(jax.make_jaxpr(probe)(*types).out_avals)
+        usable = all(_zero_able(a) for a in avals)
+        self.layouts.append(found[0] if usable else None)
+        return avals if usable else []
+
+    def forward(
+        self, keep: Array, fixed: tuple, diff: tuple, carry: list, save: bool
+    ) -> tuple[list, list, tuple[list, list]]:
+        """The scan: a `cond` per step runs the kept ones. With `save`, each
+        step also outputs the carry it received and its saved values."""
+        consts = _merge(fixed[0], diff[0], self.c_mask)
+        xs = _merge(fixed[1], diff[1], self.x_mask)
+        y_avals = self.traced.out_avals[self.num_carry :]
+        n = self.num_carry
+
+        def body(c: list, inp: tuple[Array, Array]) -> tuple[list, tuple]:
+            i, k = inp
+            saved_avals: list = []
+            if save and self.policy is not None:
+                saved_avals = self.saved_types(i, c, fixed, diff)
+
+            def kept(c: list) -> list[Array]:
+                if not saved_avals:
+                    return _evaluate(self.traced, consts, c, [index(a, i) for a in xs])
+                out, saved, _ = self.linearized(i, c, fixed, diff)
+                return list(out) + list(saved)
+
+            def skipped(c: list) -> list[Array]:
+                return list(c) + _zeros(y_avals) + _zeros(saved_avals)
+
+            out = jax.lax.cond(k, kept, skipped, c)
+            new, y = out[:n], out[n : len(out) - len(saved_avals)]
+            saved = out[len(out) - len(saved_avals) :]
+            return new, (y, (c if save else [], saved))
+
+        steps = (jnp.arange(self.length), keep)
+        carry, (ys, saved) = jax.lax.scan(
+            body,
+            carry,
+            steps,
+            length=self.length,
+            reverse=self.reverse,
+            unroll=self.unroll,
+        )
+        return carry, ys, saved
+
+    def backward(self, res: tuple, cts: tuple[list, list]) -> tuple[object, ...]:
+        """The reverse scan: a kept step runs its vjp (rebuilt from its saved
+        values, or recomputed) and writes its slice's gradient into the stacked
+        gradient in place; a skipped step passes the carry's cotangent on."""
+        keep, fixed, diff, (carries, saved) = res
+        ct_carry, ct_ys = cts
+        consts_diff, xs_diff = diff
+        layout = self.layouts[-1] if self.layouts else None
+
+        def body(acc: tuple, inp: tuple) -> tuple[tuple, None]:
+            i, k, c_i, saved_i, ct_y = inp
+
+            def run(ct: list, g_consts: list, g_xs: list) -> tuple[list, list, list]:
+                fixed_i = [index(a, i) for a in fixed[1]]
+                diff_i = [index(a, i) for a in xs_diff]
+                if layout is None:  # recompute the step's forward here
+                    fn = self.step(fixed, fixed_i)
+                    vjp_fn = jax.vjp(fn, consts_diff, c_i, diff_i)[1]
+                else:  # the forward's vjp, from its saved values and the inputs
+                    tree, where = layout
+                    inputs = jtu.tree_leaves((consts_diff, c_i, diff_i))
+                    rest = iter(saved_i)
+                    leaves = [next(rest) if w is None else inputs[w] for w in where]
+                    vjp_fn = jtu.tree_unflatten(tree, leaves)
+                g_c, g_carry, g_x = vjp_fn(list(ct) + list(ct_y))
+                g_consts = [a + b for a, b in zip(g_consts, g_c)]
+                g_xs = [
+                    jax.lax.dynamic_update_index_in_dim(buf, g, i, 0)
+                    for buf, g in zip(g_xs, g_x)
+                ]
+                return g_carry, g_consts, g_xs
+
+            def skip(ct: list, g_consts: list, g_xs: list) -> tuple[list, list, list]:
+                return list(ct), g_consts, g_xs
+
+            return jax.lax.cond(k, run, skip, *acc), None
+
+        start = (
+            list(ct_carry),
+            [jnp.zeros_like(c) for c in consts_diff],
+            [jnp.zeros_like(a) for a in xs_diff],
+        )
+        steps = (jnp.arange(self.length), keep, carries, saved, list(ct_ys))
+        (g_carry, g_consts, g_xs), _ = jax.lax.scan(
+            body,
+            start,
+            steps,
+            length=self.length,
+            reverse=not self.reverse,
+            unroll=self.unroll,
+        )
+        ct_fixed = jtu.tree_map(_no_cotangent, fixed)
+        return _no_cotangent(keep), ct_fixed, (g_consts, g_xs), g_carry
+
+
+def _zero_able(aval: jax.core.ShapedArray) -> bool:
+    """Whether a skipped step can fill this saved value with zeros (not a key)."""
+    return not jnp.issubdtype(aval.dtype, jax.dtypes.extended)
+
+
+def gated_step(
+    traced: jcore.ClosedJaxpr,
+    out_tree: jtu.PyTreeDef,  # pyright: ignore[reportInvalidTypeForm]  # jax's stubs declare PyTreeDef a variable
+    num_carry: int,
+) -> Callable[[PyTree, tuple[PyTree, Array]], tuple[PyTree, PyTree]]:
+    """`traced` (a scan step over flat `(carry, x)` leaves, `out_tree` its
+    output's structure) as a step `(carry, (x, keep)) -> (carry, y)` run through
+    `gated_call`, for the engine's remat and nested scans."""
+
+    def step(c_dyn: PyTree, inputs: tuple[PyTree, Array]) -> tuple[PyTree, PyTree]:
+        x, keep = inputs
+        flat = gated_call(keep, traced, jtu.tree_leaves((c_dyn, x)), num_carry)
+        return jtu.tree_unflatten(out_tree, flat)
+
+    return step
