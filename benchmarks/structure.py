@@ -127,6 +127,10 @@ def main() -> None:
     print(f"imports of a subpackage by the core: {len(up)}")
     for m, t in up:
         print(f"  {m} -> {t}")
+    up = climbing(graph)
+    print(f"imports of a higher core folder: {len(up)}")
+    for m, t in up:
+        print(f"  {m} -> {t}")
 
 
 def longest(mods: dict[str, Path]) -> list[tuple[int, str]]:
@@ -152,6 +156,41 @@ def owner(m: str) -> str:
     if len(parts) == 1 or parts[1].startswith("_"):
         return "core"
     return ".".join(parts[:2])
+
+
+#: The core's folders, lowest first: a module imports from its own folder or
+#: lower ones only (see each folder's README.md).
+CORE_FOLDERS = (
+    "eqxscan._helpers",
+    "eqxscan._scan",
+    "eqxscan._containers",
+    "eqxscan._features",
+)
+
+
+def _level(m: str) -> int | None:
+    for i, folder in enumerate(CORE_FOLDERS):
+        if m == folder or m.startswith(folder + "."):
+            return i
+    return None
+
+
+def climbing(graph: dict[str, set[str]]) -> list:
+    """`(module, target)` for every import of a higher core folder by a lower one
+    (`eqxscan._scan` reaching `eqxscan._containers`), and every core module
+    outside the folders but the package's `__init__` and the internal API."""
+    out = []
+    for m, targets in graph.items():
+        if owner(m) != "core" or m in ("eqxscan", INTERNAL_API):
+            continue
+        level = _level(m)
+        if level is None:
+            out.append((m, "(no core folder)"))
+            continue
+        out += [
+            (m, t) for t in targets if (_level(t) is not None) and _level(t) > level
+        ]
+    return sorted(out)
 
 
 def _private(m: str) -> bool:

@@ -116,6 +116,25 @@ def test_private_jax_in_one_place():
     ]
 
 
+def test_core_folders_import_downward():
+    # _helpers < _scan < _containers < _features: each folder's README says what
+    # it may import.
+    structure, _, graph = _graph()
+    assert structure.climbing(graph) == []
+    for folder in structure.CORE_FOLDERS:
+        readme = ROOT.joinpath(*folder.split(".")) / "README.md"
+        assert readme.read_text().startswith(f"# `{folder}`")
+
+
+def test_core_folder_rule_can_fail():
+    structure, _, graph = _graph()
+    seam = "eqxscan._scan.layer_call"
+    up = {**graph, seam: graph[seam] | {"eqxscan._containers.stacked"}}
+    assert (seam, "eqxscan._containers.stacked") in structure.climbing(up)
+    loose = {**graph, "eqxscan._loose": set()}
+    assert ("eqxscan._loose", "(no core folder)") in structure.climbing(loose)
+
+
 def test_version_from_metadata():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert eqxscan.__version__ == project["version"]
