@@ -1,5 +1,5 @@
 """Temporary memory and FLOPs of one gradient of a 24-layer StackedMLP for each
-nesting shape of `checkpoint=` (XLA's `memory_analysis()` and `cost_analysis()`,
+nesting shape of `remat=` (XLA's `memory_analysis()` and `cost_analysis()`,
 so the figures do not depend on machine load).
 
     python benchmarks/nested_shapes.py [--dim 256] [--batch 64]
@@ -18,12 +18,12 @@ SHAPES = [
     ('"auto" (flat)', "auto"),
     ("True (flat)", True),
     ('"nested" (sqrt: 4 x 6)', "nested"),
-    ("nested=2", eqxscan.ScanCheckpoint(nested=2)),
-    ("nested=4", eqxscan.ScanCheckpoint(nested=4)),
-    ("nested=8", eqxscan.ScanCheckpoint(nested=8)),
-    ("nested=(2, 3, 4)", eqxscan.ScanCheckpoint(nested=(2, 3, 4))),
-    ("nested=(2, 2, 2, 3)", eqxscan.ScanCheckpoint(nested=(2, 2, 2, 3))),
-    ('save_carries="offload"', eqxscan.ScanCheckpoint(save_carries="offload")),
+    ("nested=2", eqxscan.ScanRemat(nested=2)),
+    ("nested=4", eqxscan.ScanRemat(nested=4)),
+    ("nested=8", eqxscan.ScanRemat(nested=8)),
+    ("nested=(2, 3, 4)", eqxscan.ScanRemat(nested=(2, 3, 4))),
+    ("nested=(2, 2, 2, 3)", eqxscan.ScanRemat(nested=(2, 2, 2, 3))),
+    ('save_carries="offload"', eqxscan.ScanRemat(save_carries="offload")),
 ]
 
 
@@ -39,10 +39,10 @@ def main() -> None:
     def loss(m: eqxscan.StackedMLP) -> jax.Array:
         return jnp.mean(m(x) ** 2)
 
-    print("| checkpoint | temp memory (MiB) | GFLOP |")
+    print("| remat | temp memory (MiB) | GFLOP |")
     print("| --- | ---: | ---: |")
-    for name, checkpoint in SHAPES:
-        blocks = model.blocks.with_options(checkpoint=checkpoint)
+    for name, remat in SHAPES:
+        blocks = model.blocks.with_options(remat=remat)
         m = eqx.tree_at(lambda m: m.blocks, model, blocks)
         compiled = eqx.filter_jit(eqx.filter_grad(loss)).lower(m).compile().compiled
         cost = compiled.cost_analysis()

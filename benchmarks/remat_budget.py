@@ -3,7 +3,7 @@
     python benchmarks/remat_budget.py --model mlp [--out DIR]
     python benchmarks/remat_budget.py --model transformer
 
-Compiles one train step per candidate checkpoint setting (through
+Compiles one train step per candidate remat setting (through
 `eqxscan.remat.remat_table`), times every candidate interleaved in
 one process, and then, at four budgets from the smallest candidate's bytes to
 the largest's, compares the program `fit_remat` chooses from XLA's estimates
@@ -79,7 +79,7 @@ def run(
         "programs": table.compiles,
         "candidates": [
             {
-                "checkpoint": c.label,
+                "remat": c.label,
                 "kind": c.kind,
                 "device_bytes": c.device_bytes,
                 "temp_bytes": c.temp_bytes,
@@ -104,13 +104,13 @@ def markdown(r: dict[str, Any]) -> str:
         f"{len(r['candidates'])} candidates, {r['programs']} distinct programs "
         f"compiled in {r['compile_all_s']:.1f} s.",
         "",
-        "| checkpoint | temp MiB | total MiB | GFLOP | GB accessed | estimated ms "
+        "| remat | temp MiB | total MiB | GFLOP | GB accessed | estimated ms "
         "| measured ms |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for c in r["candidates"]:
         out.append(
-            f"| {c['checkpoint']} | {c['temp_bytes'] / mib:.1f} | "
+            f"| {c['remat']} | {c['temp_bytes'] / mib:.1f} | "
             f"{c['device_bytes'] / mib:.1f} | {c['gflop']:.2f} | "
             f"{c['gb_accessed']:.3f} | {c['estimated_ms']:.2f} | "
             f"{c['measured_ms']:.1f} |"

@@ -1,6 +1,6 @@
 """Train-step time of `unroll=2` against `unroll=1` for `eqxscan.Recurrent` cells,
 in interleaved rounds (ratios within a round, median over rounds), each with the
-`checkpoint` that `"auto"` picks; and what `unroll="auto"` picks.
+`remat` that `"auto"` picks; and what `unroll="auto"` picks.
 
     python benchmarks/time_unroll.py [--rounds 41] [gru:256:8:30:64 ...]
 
@@ -51,7 +51,7 @@ def main():
         (choice,) = eqxscan.explain_auto(loss, model, *data)
         runs = {}
         for u in (1, 2):
-            options = dict(checkpoint=choice.checkpoint, unroll=u)
+            options = dict(remat=choice.remat, unroll=u)
             scan = model.with_options(**options)
             _, (fn, params), _ = compile_step(loss, scan, data)
             runs[f"u{u}"] = functools.partial(fn, params, *data)
@@ -60,7 +60,7 @@ def main():
         times = time_interleaved(runs, args.rounds, seed=5)
         ratio = np.median(np.asarray(times["u2"]) / np.asarray(times["u1"]))
         print(
-            f"{point:20s} checkpoint={choice.checkpoint_name:10s} "
+            f"{point:20s} remat={choice.checkpoint_name:10s} "
             f"auto unroll={choice.unroll!r:5s} {choice.cost.flops:.2g} FLOPs/step  "
             f"unroll=1 {np.median(times['u1']) * 1e3:8.2f} ms  unroll=2/1 {ratio:.3f}",
             flush=True,

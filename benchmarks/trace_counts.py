@@ -28,8 +28,8 @@ from bench import Block, mse
 import eqxscan
 
 
-CHECKPOINTS = (("default", None), ("False", False), ("True", True))
-CHECKPOINTS += (('"nested"', "nested"), ('"offload"', "offload"))
+REMATS = (("default", None), ("False", False), ("True", True))
+REMATS += (('"nested"', "nested"), ('"offload"', "offload"))
 WIDTH = 4
 
 _calls: dict[str, int] = {}
@@ -72,11 +72,11 @@ def _lone(x: jax.Array) -> jax.Array:
     return x * 2.0
 
 
-def make_case(kind: str, length: int, checkpoint: object, mode: str = "scan"):
-    """`(fn, model, input)` for one case; `checkpoint=None` keeps the default."""
+def make_case(kind: str, length: int, remat: object, mode: str = "scan"):
+    """`(fn, model, input)` for one case; `remat=None` keeps the default."""
     options = {"mode": mode}
-    if checkpoint is not None:
-        options["checkpoint"] = checkpoint
+    if remat is not None:
+        options["remat"] = remat
     key = jr.key(0)
     x = jnp.ones(WIDTH)
     if kind == "Stacked":
@@ -98,10 +98,10 @@ def make_case(kind: str, length: int, checkpoint: object, mode: str = "scan"):
 
 
 def count_calls(
-    kind: str, length: int, checkpoint: object, grad: bool, mode: str = "scan"
+    kind: str, length: int, remat: object, grad: bool, mode: str = "scan"
 ) -> dict[str, int]:
     """Calls of each layer class (cell) while one `eqx.filter_jit` traces."""
-    fn, model, x = make_case(kind, length, checkpoint, mode)
+    fn, model, x = make_case(kind, length, remat, mode)
     if grad:
         inner = fn
         fn = eqx.filter_grad(lambda m, x: jnp.sum(inner(m, x)))
@@ -111,14 +111,14 @@ def count_calls(
 
 
 def table(lengths: list[int]) -> str:
-    head = "| model | checkpoint | pass | " + " | ".join(f"L={n}" for n in lengths)
+    head = "| model | remat | pass | " + " | ".join(f"L={n}" for n in lengths)
     rows = [head + " |", "|---|---|---|" + "---:|" * len(lengths)]
-    cases = CHECKPOINTS + (('mode="loop"', "loop"),)
+    cases = REMATS + (('mode="loop"', "loop"),)
     for kind in ("Stacked", "Chain", "Recurrent"):
-        for label, checkpoint in cases:
+        for label, remat in cases:
             for grad in (False, True):
-                mode = "loop" if checkpoint == "loop" else "scan"
-                cp = None if checkpoint == "loop" else checkpoint
+                mode = "loop" if remat == "loop" else "scan"
+                cp = None if remat == "loop" else remat
                 counts = [
                     max(count_calls(kind, n, cp, grad, mode).values()) for n in lengths
                 ]

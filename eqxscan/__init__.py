@@ -1,7 +1,9 @@
 """eqxscan: scan over layers and over time, first-class for Equinox.
 
-The core is this folder: `Stacked`, `Chain`, `Recurrent`, their options and the
-one scan engine. Each subpackage builds on the core's public names and its
+The core is this folder's private folders: `_helpers`, `_scan` (options, remat,
+the default, the one scan engine and the layer-call seam), `_containers`
+(`Stacked`, `Chain`, `Recurrent`) and `_features` (early exit, subsets, the
+non-finite finder). Each subpackage builds on the core's public names and its
 shared model walker: `eqxscan.remat` (the `"auto"` rule explained, memory
 budgets), `eqxscan.nn` (ready-made models), `eqxscan.checkpoint` (state dicts,
 files, Flax import, Orbax), `eqxscan.sharding` (meshes, FSDP, pipelining), and,
@@ -48,11 +50,11 @@ from ._scan.depth_drop import (
 from ._scan.layer_call import per_layer as per_layer
 from ._scan.layer_index import layer_index as layer_index
 from ._scan.options import (
-    Checkpoint as Checkpoint,
     Mode as Mode,
+    Remat as Remat,
     ScanOptions as ScanOptions,
 )
-from ._scan.remat import ScanCheckpoint as ScanCheckpoint
+from ._scan.remat import ScanRemat as ScanRemat
 from ._scan.taps import Probe as Probe, probe as probe, tap as tap
 from .checkpoint import (
     from_flax_scan as from_flax_scan,

@@ -1,14 +1,17 @@
 """The core's internal API: the one list of private names the subpackages
-(`eqxscan.remat`, `nn`, `checkpoint`, `sharding`, `optim`, `bench`) may use.
+(`eqxscan.remat`, `nn`, `checkpoint`, `sharding`, `planning`, `distributed`,
+`optim`) may use.
 
-Everything else of the core is private to it; `tests/test_layout.py` fails on
+The core lives in four folders (`_helpers`, `_scan`, `_containers`,
+`_features`; each has a README of what it holds). Everything else of the core
+is private to it; `tests/test_layout.py` fails on
 any import of another folder's private module but this one. A name here is
 kept stable for the periphery, not for users: users import `eqxscan`'s public
 names.
 """
 
 from ._containers.stacked import (
-    LayerIndex as LayerIndex,
+    LayerNumbering as LayerNumbering,
     restack as restack,
     scan_layers as scan_layers,
     Stacked as Stacked,
@@ -63,15 +66,15 @@ from ._scan.layer_call import (
     per_layer as per_layer,
 )
 from ._scan.options import (
-    Checkpoint as Checkpoint,
+    Remat as Remat,
     ScanArgs as ScanArgs,
     Scanning as Scanning,
     ScanOptions as ScanOptions,
 )
 from ._scan.remat import Policy as Policy
 from ._scan.setting_names import (
-    checkpoint_label as checkpoint_label,
     parse_bytes as parse_bytes,
+    remat_label as remat_label,
 )
 from ._scan.tap_stats import (
     max_abs as max_abs,

@@ -100,7 +100,7 @@ def main(argv=None):
     baseline = float(jnp.mean((y_val - y_all.mean(0)) ** 2))
     print(
         f"StackedMLP: L={args.layers}, D={args.dim}, "
-        f"w1 {model.blocks.layers.w1.shape}, checkpoint={model.blocks.checkpoint!r}"
+        f"w1 {model.blocks.layers.w1.shape}, remat={model.blocks.remat!r}"
     )
     print(f"baseline (predict the mean) val MSE: {baseline:.4f}")
 

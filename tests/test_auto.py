@@ -1,4 +1,4 @@
-"""`checkpoint="auto"` and `unroll="auto"`: the rule's choices, explicit options
+"""`remat="auto"` and `unroll="auto"`: the rule's choices, explicit options
 winning, and equal values and gradients whatever the rule picks."""
 
 import contextlib
@@ -37,11 +37,11 @@ POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 T = _auto.THRESHOLDS
 
 
-def pick(c, checkpoint="auto", unroll="auto", platform="cpu", **kwargs):
-    """`(checkpoint, unroll, checkpoint rule, unroll rule)` that `decide` gives."""
-    d = _auto.decide(c, checkpoint, unroll, POLICY, platform, **kwargs)
+def pick(c, remat="auto", unroll="auto", platform="cpu", **kwargs):
+    """`(remat, unroll, remat rule, unroll rule)` that `decide` gives."""
+    d = _auto.decide(c, remat, unroll, POLICY, platform, **kwargs)
     assert isinstance(d.rule, _auto.AutoRule)
-    return d.checkpoint, d.unroll, d.rule.checkpoint, d.rule.unroll
+    return d.remat, d.unroll, d.rule.remat, d.rule.unroll
 
 
 # --- the rule on synthetic costs: both sides of every threshold ---------------
@@ -115,8 +115,8 @@ def test_short_small_scans_unroll_fully_and_save_what_the_loop_saves():
     unrolled = (False, True, "unrolled", "short")
     assert pick(short) == unrolled
     assert pick(short, platform="gpu") == unrolled
-    # An explicit checkpoint is kept; an explicit full unroll saves as the loop does.
-    assert pick(short, checkpoint=True) == (True, True, "given", "short")
+    # An explicit remat is kept; an explicit full unroll saves as the loop does.
+    assert pick(short, remat=True) == (True, True, "given", "short")
     assert pick(cost(), unroll=True) == (False, True, "unrolled", "given")
     longer = cost(length=T.short_scan + 1, saved_bytes=10**9)
     assert pick(longer) == (True, 1, "small-step", "scan")
@@ -136,7 +136,7 @@ def test_full_unroll_is_the_loops_program():
     stack = eqxscan.StackedMLP(8, 3, key=jr.key(0))
     x = jr.normal(jr.key(1), (2, 8))
     (choice,) = eqxscan.explain_auto(stack, x)
-    assert (choice.checkpoint, choice.unroll) == (False, True)
+    assert (choice.remat, choice.unroll) == (False, True)
 
     def lowered(m):
         dyn, static = eqx.partition(m, eqx.is_inexact_array)
@@ -145,7 +145,7 @@ def test_full_unroll_is_the_loops_program():
 
     loop = lowered(_mlp_options(stack, mode="loop"))
     assert lowered(stack) == loop
-    assert lowered(_mlp_options(stack, checkpoint=False, unroll=True)) == loop
+    assert lowered(_mlp_options(stack, remat=False, unroll=True)) == loop
     assert "while" not in loop
     assert "while" in lowered(_mlp_options(stack, unroll=1))
 
@@ -331,9 +331,9 @@ def test_layers_that_may_be_sharded_stay_scanned():
 
 def test_decide_leaves_explicit_values_alone():
     c = cost(saved_bytes=10**9)
-    for checkpoint in (False, True, POLICY, "nested"):
+    for remat in (False, True, POLICY, "nested"):
         for unroll in (1, 3, True):
-            assert pick(c, checkpoint, unroll) == (checkpoint, unroll, "given", "given")
+            assert pick(c, remat, unroll) == (remat, unroll, "given", "given")
 
 
 def test_reason_names_the_numbers():
@@ -342,7 +342,7 @@ def test_reason_names_the_numbers():
     c = cost(length=12, flops=10**7, saved_bytes=24 * mib, policy_saved_bytes=8 * mib)
     d = _auto.decide(c, "auto", "auto", POLICY, "cpu")
     reason = eqxscan.remat.AutoChoice(*d, cost=c, where="here").reason
-    assert (d.rule.checkpoint, d.rule.unroll) == ("large-matmuls", "scan")
+    assert (d.rule.remat, d.rule.unroll) == ("large-matmuls", "scan")
     for number in ("12 steps", "1e+07 FLOPs", "288.00 MiB", "3.00x", "96.00 MiB"):
         assert number in reason, (number, reason)
     assert "64.00 MiB of matmul outputs" in reason
@@ -397,16 +397,16 @@ def small_gru():
 def test_small_gru_saves_everything_and_big_one_recomputes(monkeypatch):
     rnn, h0, xs = small_gru(), jnp.zeros(4), jnp.ones((12, 2))
     (choice,) = eqxscan.explain_auto(rnn, h0, xs)
-    assert (choice.checkpoint, choice.unroll) == (False, 1)
+    assert (choice.remat, choice.unroll) == (False, 1)
     assert "GRUCell" in choice.where
     # The same cell over the threshold (lowered, rather than a large model).
     total = choice.cost.saved_bytes * choice.cost.length
     _thresholds(monkeypatch, small_residuals=total - 1)
     (choice,) = eqxscan.explain_auto(rnn, h0, xs)
-    assert choice.checkpoint is True
+    assert choice.remat is True
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     (choice,) = eqxscan.explain_auto(rnn, h0, xs)
-    assert choice.checkpoint is POLICY
+    assert choice.remat is POLICY
 
 
 def test_small_lstm_recomputes():
@@ -417,7 +417,7 @@ def test_small_lstm_recomputes():
     (choice,) = eqxscan.explain_auto(rnn, h0, jnp.ones((12, 2)))
     assert choice.cost.ratio > T.matmul_dominated
     assert choice.cost.saved_total < T.small_residuals
-    assert (choice.checkpoint, choice.rule.checkpoint) == (True, "small-step")
+    assert (choice.remat, choice.rule.remat) == (True, "small-step")
 
 
 def test_recurrent_cells_of_256_save_everything_on_cpu(monkeypatch):
@@ -438,15 +438,15 @@ def test_recurrent_cells_of_256_save_everything_on_cpu(monkeypatch):
         assert c.flops >= T.full_remat_flops
         assert c.ratio <= T.nearly_all_matmul
         assert c.carry_arrays == len(jtu.tree_leaves(h0))
-        assert (choice.checkpoint, choice.unroll) == (False, unroll)
-        assert choice.rule.checkpoint == "nearly-all-matmul"
+        assert (choice.remat, choice.unroll) == (False, unroll)
+        assert choice.rule.remat == "nearly-all-matmul"
         assert choice.rule.unroll == ("time" if unroll == 2 else "scan")
         # An explicit unroll wins.
         (fixed,) = eqxscan.explain_auto(jax.vmap(model.with_options(unroll=1)), h0, xs)
-        assert (fixed.checkpoint, fixed.unroll) == (False, 1)
+        assert (fixed.remat, fixed.unroll) == (False, 1)
         monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
         (choice,) = eqxscan.explain_auto(rnn, h0, xs)
-        assert (choice.checkpoint, choice.unroll) == (POLICY, 1)
+        assert (choice.remat, choice.unroll) == (POLICY, 1)
 
 
 def test_time_scans_unroll_by_two_on_cpu():
@@ -489,8 +489,8 @@ def test_mlp_recomputes_its_elementwise_work(mlp):
     model = mlp
     (choice,) = eqxscan.explain_auto(model, jnp.ones((3, 8)))
     assert choice.cost.ratio > T.matmul_dominated
-    assert (choice.checkpoint, choice.unroll) == (True, 1)
-    assert (choice.rule.checkpoint, choice.rule.unroll) == ("small-step", "scan")
+    assert (choice.remat, choice.unroll) == (True, 1)
+    assert (choice.rule.remat, choice.rule.unroll) == ("small-step", "scan")
 
 
 def test_every_chain_group_and_direction_is_explained():
@@ -506,13 +506,11 @@ def test_every_chain_group_and_direction_is_explained():
 
 def test_explicit_options_always_win():
     rnn, h0, xs = small_gru(), jnp.zeros(4), jnp.ones((12, 2))
-    assert (
-        eqxscan.explain_auto(rnn.with_options(checkpoint=True, unroll=1), h0, xs) == []
-    )
-    (c,) = eqxscan.explain_auto(rnn.with_options(checkpoint=True), h0, xs)
-    assert (c.checkpoint, c.unroll, c.rule.checkpoint) == (True, 1, "given")
+    assert eqxscan.explain_auto(rnn.with_options(remat=True, unroll=1), h0, xs) == []
+    (c,) = eqxscan.explain_auto(rnn.with_options(remat=True), h0, xs)
+    assert (c.remat, c.unroll, c.rule.remat) == (True, 1, "given")
     (c,) = eqxscan.explain_auto(rnn.with_options(unroll=3), h0, xs)
-    assert (c.checkpoint, c.unroll, c.rule.unroll) == (False, 3, "given")
+    assert (c.remat, c.unroll, c.rule.unroll) == (False, 3, "given")
 
     # ... and in the traced program: an explicit remat is there, "auto" has none.
     def remats(m):
@@ -520,8 +518,8 @@ def test_explicit_options_always_win():
         return text.count("checkpoint") + text.count("remat")
 
     assert remats(rnn) == 0
-    assert remats(rnn.with_options(checkpoint=True)) > 0
-    assert remats(rnn.with_options(checkpoint=POLICY)) > 0
+    assert remats(rnn.with_options(remat=True)) > 0
+    assert remats(rnn.with_options(remat=POLICY)) > 0
 
 
 def test_a_step_that_cannot_be_differentiated_still_runs():
@@ -532,7 +530,7 @@ def test_a_step_that_cannot_be_differentiated_still_runs():
 
     stack = eqxscan.Stacked(lambda k: eqx.nn.Lambda(layer), 2, key=jr.key(0))
     (choice,) = eqxscan.explain_auto(stack, jnp.ones(3))
-    assert choice.cost.saved_bytes == 0 and choice.checkpoint is False
+    assert choice.cost.saved_bytes == 0 and choice.remat is False
     np.testing.assert_allclose(stack(jnp.ones(3)), np.cos(np.cos(np.ones(3))))
 
 
@@ -595,7 +593,7 @@ def problems(mlp):
             model,
             args,
             _value_and_grad(opts(model, mode="loop"), *args),
-            _value_and_grad(opts(model, checkpoint=False, unroll=1), *args),
+            _value_and_grad(opts(model, remat=False, unroll=1), *args),
         )
         for model, args, opts in cases
     ]
@@ -609,7 +607,7 @@ def test_every_choice_matches_the_loop_and_the_plain_scan(
     expected = {"save-all": False, "remat": True, "policy": POLICY}[choice]
     for model, args, loop, plain in problems:
         (picked,) = eqxscan.explain_auto(model, *args)
-        assert picked.checkpoint is expected
+        assert picked.remat is expected
         got = _value_and_grad(model, *args)
         _close(got, loop)
         _close(got, plain)
@@ -627,4 +625,4 @@ def test_unroll_by_two_matches_the_loop(monkeypatch):
     assert "scan" in str(jax.make_jaxpr(lambda h, x: rnn(h, x))(*args))
     got = _value_and_grad(rnn, *args)
     _close(got, _value_and_grad(rnn.with_options(mode="loop"), *args))
-    _close(got, _value_and_grad(rnn.with_options(checkpoint=False, unroll=1), *args))
+    _close(got, _value_and_grad(rnn.with_options(remat=False, unroll=1), *args))

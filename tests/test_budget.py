@@ -1,4 +1,4 @@
-"""`fit_remat` (remat chosen for a memory budget) and `checkpoint="offload"`."""
+"""`fit_remat` (remat chosen for a memory budget) and `remat="offload"`."""
 
 import dataclasses
 
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 import eqxscan
-from eqxscan.remat._budget import CANDIDATES, choose, parse_bytes, with_checkpoint
+from eqxscan.remat._budget import CANDIDATES, choose, parse_bytes, with_remat
 from eqxscan.remat._devices import Peak
 
 from .helpers import tree_allclose
@@ -34,11 +34,11 @@ def mlp_table(mlp_problem):
     return eqxscan.remat.remat_table(model, _mse_step, "1GiB", x)
 
 
-# checkpoint="offload"
+# remat="offload"
 
 
 def _arrays(tree):
-    # The gradients' static fields carry the (differing) checkpoint settings.
+    # The gradients' static fields carry the (differing) remat settings.
     return jax.tree.leaves(eqx.filter(tree, eqx.is_array))
 
 
@@ -56,14 +56,14 @@ def _two_part_loss(models, x):
     return jnp.mean(ys**2) + jnp.sum(h**2)
 
 
-@pytest.mark.parametrize("compare", [dict(checkpoint=False), dict(mode="loop")])
+@pytest.mark.parametrize("compare", [dict(remat=False), dict(mode="loop")])
 def test_offload_gives_the_same_values_and_gradients(compare, getkey):
     models = _elman_model(getkey())
     x = jax.random.normal(getkey(), (5, 4))
     step = eqx.filter_jit(eqx.filter_value_and_grad(_two_part_loss))
-    offload = with_checkpoint(models, "offload")
-    assert offload[0].blocks.checkpoint == "offload"
-    assert offload[1].checkpoint == "offload"
+    offload = with_remat(models, "offload")
+    assert offload[0].blocks.remat == "offload"
+    assert offload[1].remat == "offload"
     other = jax.tree.map(
         lambda m: m.with_options(**compare),
         models,
@@ -81,12 +81,12 @@ def test_offload_moves_the_saved_matmuls_to_the_host(getkey):
     x = jnp.ones((2, 8))
     grad = eqx.filter_grad(lambda m: jnp.sum(m(x)))
     jaxprs = {
-        checkpoint: str(
+        remat: str(
             eqx.filter_make_jaxpr(grad)(
-                eqxscan.StackedMLP(8, 3, key=getkey(), checkpoint=checkpoint)
+                eqxscan.StackedMLP(8, 3, key=getkey(), remat=remat)
             )[0]
         )
-        for checkpoint in ("offload", "auto")
+        for remat in ("offload", "auto")
     }
     assert "f32<host>[2,32]" in jaxprs["offload"]
     assert "<host>" not in jaxprs["auto"]
@@ -94,10 +94,10 @@ def test_offload_moves_the_saved_matmuls_to_the_host(getkey):
 
 def test_offload_is_a_valid_option_and_typos_are_not():
     layer = lambda k: eqx.nn.Linear(4, 4, key=k)  # noqa: E731
-    stacked = eqxscan.Stacked(layer, 2, key=jax.random.key(0), checkpoint="offload")
-    assert stacked.checkpoint == "offload"
-    with pytest.raises(ValueError, match="checkpoint must be one of .*'offload'"):
-        eqxscan.Stacked(layer, 2, key=jax.random.key(0), checkpoint="offloaded")
+    stacked = eqxscan.Stacked(layer, 2, key=jax.random.key(0), remat="offload")
+    assert stacked.remat == "offload"
+    with pytest.raises(ValueError, match="remat must be one of .*'offload'"):
+        eqxscan.Stacked(layer, 2, key=jax.random.key(0), remat="offloaded")
 
 
 # parse_bytes
@@ -128,7 +128,7 @@ def test_parse_bytes_rejects(bad):
 
 def test_table_lists_every_candidate_from_xla(mlp_problem, mlp_table):
     model, x = mlp_problem
-    assert [c.checkpoint for c in mlp_table.candidates] == list(CANDIDATES)
+    assert [c.remat for c in mlp_table.candidates] == list(CANDIDATES)
     # Identical programs are compiled once: "auto" resolves (from the step's
     # shapes) to one of the explicit settings, and shares its program.
     assert mlp_table.compiles < len(CANDIDATES)
@@ -168,7 +168,7 @@ def test_chooses_the_cheapest_fitting_candidate(mlp_problem, mlp_table):
         fitting = [c for c in table.candidates if c.device_bytes <= budget]
         assert table.chosen in fitting
         assert table.chosen.estimated_s == min(c.estimated_s for c in fitting)
-        assert got.blocks.checkpoint is table.chosen.checkpoint
+        assert got.blocks.remat is table.chosen.remat
         chosen_labels.append(table.chosen.label)
     assert chosen_labels == ["False", "True"]
     # Only the setting changes: same values and gradients as the input model.
@@ -182,7 +182,7 @@ def test_a_budget_nothing_fits_lists_every_candidate(mlp_problem):
     with pytest.raises(ValueError) as info:
         eqxscan.remat.fit_remat(model, _mse_step, "1kB", x, candidates=("auto", True))
     message = str(info.value)
-    assert "no checkpoint setting fits the budget of 0.0 MiB (1000 bytes)" in message
+    assert "no remat setting fits the budget of 0.0 MiB (1000 bytes)" in message
     assert "'auto': " in message and "True: " in message and "MiB" in message
     assert "docs/remat.md" in message
 
@@ -195,7 +195,7 @@ def test_time_steps_chooses_by_measured_time(mlp_problem):
     assert all(c.measured_s is not None and c.measured_s > 0 for c in table.candidates)
     assert table.chosen.measured_s == min(c.measured_s for c in table.candidates)
     got = table.chosen.apply(model)
-    assert got.blocks.checkpoint is table.chosen.checkpoint
+    assert got.blocks.remat is table.chosen.remat
 
 
 def test_unrolls_are_tried_with_every_candidate(getkey):
@@ -223,8 +223,8 @@ def test_unrolls_are_tried_with_every_candidate(getkey):
     ]
     assert table.compiles == 4  # unrolling changes the program
     assert table.chosen.measured_s == min(c.measured_s for c in table.candidates)
-    assert (got.checkpoint, got.unroll) == (
-        table.chosen.checkpoint,
+    assert (got.remat, got.unroll) == (
+        table.chosen.remat,
         table.chosen.unroll,
     )
     # Only the settings change: the same loss and gradients.
@@ -257,7 +257,7 @@ def test_every_scan_in_the_model_gets_the_setting(getkey):
         models, step, 2**30, x, candidates=(True, "nested")
     )
     got = eqxscan.remat.fit_remat(models, step, 2**30, x, candidates=(True, "nested"))
-    assert got[0].blocks.checkpoint == got[1].checkpoint == table.chosen.checkpoint
+    assert got[0].blocks.remat == got[1].remat == table.chosen.remat
     # Shape-only inputs are enough to compile.
     shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
     eqxscan.remat.fit_remat(models, step, 2**30, shape, candidates=(True,))
@@ -283,7 +283,7 @@ def test_bad_calls(mlp_problem):
 
 def _candidate(label, device_bytes, estimated_s, kind="loop", measured_s=None):
     return eqxscan.remat.RematCandidate(
-        checkpoint=True,
+        remat=True,
         label=label,
         temp_bytes=device_bytes,
         argument_bytes=0,

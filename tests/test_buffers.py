@@ -1,6 +1,6 @@
 """Per-layer buffers updated in place (`eqxscan.buffer`): values and buffer
 contents against `mode="loop"` and hand-written loops, gradients of a prefill
-under every checkpoint setting, batching, Chain layouts, in-place memory from
+under every remat setting, batching, Chain layouts, in-place memory from
 XLA's own analysis, compile counts, and bad input."""
 
 import functools as ft
@@ -152,23 +152,23 @@ def test_batched_decode_positions_per_sequence():
         )
 
 
-CHECKPOINTS = [
+REMATS = [
     False,
     True,
     "auto",
     jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "nested",
     "offload",
-    eqxscan.ScanCheckpoint(policy=True, save_carries=True, save_inputs=False),
+    eqxscan.ScanRemat(policy=True, save_carries=True, save_inputs=False),
 ]
 
 
-@pytest.mark.parametrize("checkpoint", CHECKPOINTS, ids=str)
-def test_prefill_gradients(checkpoint):
+@pytest.mark.parametrize("remat", REMATS, ids=str)
+def test_prefill_gradients(remat):
     # Training through the cache: a prefill writes rows 0-2, a decode step at 3
     # reads them; gradients with respect to weights and input.
     n, t = 4, 6
-    stack = stacked(n, checkpoint=checkpoint)
+    stack = stacked(n, remat=remat)
     x = jr.normal(jr.key(4), (3, D))
 
     def loss(stack, x):

@@ -314,9 +314,9 @@ def test_scan_collects_every_layer(getkey):
 
 def test_with_options_keeps_weights(getkey):
     layers = build("ABAB", getkey())
-    chain = eqxscan.Chain(layers, checkpoint=False)
+    chain = eqxscan.Chain(layers, remat=False)
     other = chain.with_options(mode="loop")
-    assert other.mode == "loop" and other.checkpoint is False
+    assert other.mode == "loop" and other.remat is False
     assert bool(eqx.tree_equal(other.unstack(), layers))
 
 
@@ -336,14 +336,14 @@ def test_with_options_keeps_layer_sharding(getkey):
     mesh = eqxscan.sharding.make_mesh(fsdp=1, devices=jax.devices()[:1])
     chain = eqxscan.sharding.gather_layers(eqxscan.Chain(layers), mesh)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    other = chain.with_options(mode="loop", checkpoint=True, unroll=2)
+    other = chain.with_options(mode="loop", remat=True, unroll=2)
     assert layout(other) == layout(chain) == [(0, 6, 3), (6, 2, 1)]
     groups = list(_scanned(other.groups, other.layout))
     assert len(groups) == 3  # the repeats, the A stack inside the pattern, the C stack
     for group in groups:
         assert group.layer_sharding == replicated
-        assert (group.mode, group.checkpoint, group.unroll) == ("loop", True, 2)
-    assert (other.mode, other.checkpoint, other.unroll) == ("loop", True, 2)
+        assert (group.mode, group.remat, group.unroll) == ("loop", True, 2)
+    assert (other.mode, other.remat, other.unroll) == ("loop", True, 2)
     assert bool(eqx.tree_equal(other.unstack(), layers))
     x = jnp.linspace(-1.0, 1.0, D)
     assert tree_allclose(other(x), loop(layers, x))
@@ -481,9 +481,9 @@ def test_checkpoint_options_agree(getkey):
 
     base = eqxscan.Chain(layers)
     v1, g1 = value_and_grad(base, x)
-    for checkpoint in [False, "nested"]:
-        other = base.with_options(checkpoint=checkpoint, unroll=2)
-        assert other.groups[0].checkpoint == checkpoint
+    for remat in [False, "nested"]:
+        other = base.with_options(remat=remat, unroll=2)
+        assert other.groups[0].remat == remat
         v2, g2 = value_and_grad(other, x)
         assert tree_allclose(v1, v2)
         assert tree_allclose(g1.unstack(), g2.unstack(), rtol=1e-5, atol=1e-6)

@@ -112,16 +112,16 @@ def _agree(model, x, seeds, rates, **ref_kw):
 
 
 def test_scan_loop_and_reference_agree():
-    stack = eqxscan.Stacked(Block, L, key=jax.random.key(0), checkpoint=False, **RATES)
+    stack = eqxscan.Stacked(Block, L, key=jax.random.key(0), remat=False, **RATES)
     x = jax.random.normal(jax.random.key(1), (B, D))
     _agree(stack, x, range(3), RATES)
 
 
-@pytest.mark.parametrize("checkpoint", [True, "nested"])
-def test_checkpoint_and_per_layer_inputs(checkpoint):
+@pytest.mark.parametrize("remat", [True, "nested"])
+def test_checkpoint_and_per_layer_inputs(remat):
     rates = dict(drop_path=eqxscan.linear_rates(0.6), layer_drop=0.4)
     stack = eqxscan.Stacked(
-        Block, L, key=jax.random.key(0), checkpoint=checkpoint, unroll=1, **rates
+        Block, L, key=jax.random.key(0), remat=remat, unroll=1, **rates
     )
     x = jax.random.normal(jax.random.key(1), (B, D))
     per = jnp.linspace(0.5, 1.5, L)
@@ -167,7 +167,7 @@ def test_chain_global_layer_indices():
     layers = [Block(k) if i % 2 == 0 else Other(k) for i, k in enumerate(keys[:4])]
     layers.append(Third(keys[4]))
     rates = dict(drop_path=eqxscan.linear_rates(0.5), layer_drop=0.3)
-    chain = eqxscan.Chain(layers, checkpoint=False, **rates)
+    chain = eqxscan.Chain(layers, remat=False, **rates)
     assert any(s.per_step > 1 for s in chain.layout)
     assert chain.depth_drop.drop_path[-1] == 0.5  # rising over all 5 layers
     x = jax.random.normal(jax.random.key(1), (B, D))
@@ -228,12 +228,12 @@ def _chain_layers():
 
 def test_chain_with_options_sets_rates():
     layers = _chain_layers()
-    plain = eqxscan.Chain(layers, checkpoint=False)
+    plain = eqxscan.Chain(layers, remat=False)
     assert {s.per_step for s in plain.layout} == {0, 1}
     rates = dict(
         drop_path=eqxscan.linear_rates(0.6), layer_drop=[0.5, 0.2, 0.6, 0.4, 0.3]
     )
-    built = eqxscan.Chain(layers, checkpoint=False, **rates)
+    built = eqxscan.Chain(layers, remat=False, **rates)
     changed = plain.with_options(**rates)
     assert changed.depth_drop == built.depth_drop
     assert changed.depth_drop.drop_path[-1] == 0.6  # over all 5 layers
@@ -337,10 +337,10 @@ def _eqns(jaxpr, name):
     return found
 
 
-@pytest.mark.parametrize("checkpoint", [False, True, "auto"])
-def test_layer_drop_is_a_cond_in_the_scan_body_forward_and_backward(checkpoint):
+@pytest.mark.parametrize("remat", [False, True, "auto"])
+def test_layer_drop_is_a_cond_in_the_scan_body_forward_and_backward(remat):
     stack = eqxscan.Stacked(
-        Block, L, key=jax.random.key(0), layer_drop=0.5, checkpoint=checkpoint, unroll=1
+        Block, L, key=jax.random.key(0), layer_drop=0.5, remat=remat, unroll=1
     )
     x = jnp.ones((B, D))
     key = jax.random.key(0)
@@ -363,11 +363,11 @@ DOTS = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 
 
 @pytest.mark.parametrize(
-    "checkpoint, saves",
+    "remat, saves",
     [(True, [(L, B, D)]), (DOTS, [(L, B, D), (L, B, D)])],
 )
 def test_layer_drop_saves_what_checkpoint_says_and_skipped_layers_touch_no_weights(
-    checkpoint, saves
+    remat, saves
 ):
     # The forward scan saves, per layer, the carry it received and what the
     # policy keeps (here the one matmul output), never the layer's weights. The
@@ -377,7 +377,7 @@ def test_layer_drop_saves_what_checkpoint_says_and_skipped_layers_touch_no_weigh
     # kept branch writes into it. The old design (weights sliced as scan
     # inputs) fails the `xs` and the slicing checks.
     stack = eqxscan.Stacked(
-        Block, L, key=jax.random.key(0), layer_drop=0.5, checkpoint=checkpoint, unroll=1
+        Block, L, key=jax.random.key(0), layer_drop=0.5, remat=remat, unroll=1
     )
     x = jnp.ones((B, D))
     key = jax.random.key(0)

@@ -263,10 +263,10 @@ def test_stacked_mlp_run_until_and_run_layers():
 
 
 @pytest.mark.parametrize(
-    "checkpoint", ["auto", eqxscan.ScanCheckpoint(policy=True, save_inputs=False)]
+    "remat", ["auto", eqxscan.ScanRemat(policy=True, save_inputs=False)]
 )
-def test_run_layers_values_and_grads_traced_indices(stack, checkpoint):
-    stack = stack.with_options(checkpoint=checkpoint)
+def test_run_layers_values_and_grads_traced_indices(stack, remat):
+    stack = stack.with_options(remat=remat)
     x = jnp.ones(D)
     key = jr.key(7)
     keys = jr.split(key, L)
@@ -382,10 +382,10 @@ def _leaves(tree):
 
 
 @pytest.mark.parametrize(
-    "checkpoint", ["auto", eqxscan.ScanCheckpoint(policy=True, save_inputs=False)]
+    "remat", ["auto", eqxscan.ScanRemat(policy=True, save_inputs=False)]
 )
-def test_chain_run_layers_traced_values_grads_one_compile(checkpoint):
-    chain = _runs_and_lone().with_options(checkpoint=checkpoint)
+def test_chain_run_layers_traced_values_grads_one_compile(remat):
+    chain = _runs_and_lone().with_options(remat=remat)
     assert [s.per_step for s in chain.layout] == [1, 0, 1]
     n = len(chain)
     x = jnp.linspace(0.5, 1.0, D)

@@ -1,6 +1,6 @@
 """The engine's LayerDrop gate (`run(..., keep=...)`): a step runs only where its
 keep bit is set. Every form (the whole-scan gate, the per-step gate inside a
-named or nested checkpoint, the loop, the plain-`cond` fallback for integer
+named or nested remat, the loop, the plain-`cond` fallback for integer
 carries) against a hand-written loop, in values and gradients (carry, scanned
 inputs, closed-over values), and against finite differences."""
 
@@ -12,7 +12,7 @@ import pytest
 
 import eqxscan
 from eqxscan._scan.engine import run
-from eqxscan._scan.remat import ScanCheckpoint
+from eqxscan._scan.remat import ScanRemat
 
 from .helpers import run_script
 
@@ -61,27 +61,27 @@ def _loss(fn):
     return loss
 
 
-CHECKPOINTS = [
+REMATS = [
     False,
     True,
     "auto",
     "nested",
     jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    ScanCheckpoint(save_carries=True),
+    ScanRemat(save_carries=True),
 ]
 
 
-# Every checkpoint form in the scan (the whole-scan gate for plain values and
+# Every remat form in the scan (the whole-scan gate for plain values and
 # policies, the per-step gate for named and nested ones); the loop and reverse
 # order with one form of each kind.
-CASES = [(c, "scan", False) for c in CHECKPOINTS] + [
+CASES = [(c, "scan", False) for c in REMATS] + [
     (c, m, r) for c in (False, "nested") for m, r in (("loop", False), ("scan", True))
 ]
 
 
-@pytest.mark.parametrize("checkpoint, mode, reverse", CASES)
-def test_gate_matches_a_hand_written_loop(checkpoint, mode, reverse):
-    options = eqxscan.ScanOptions(mode=mode, checkpoint=checkpoint, unroll=1)
+@pytest.mark.parametrize("remat, mode, reverse", CASES)
+def test_gate_matches_a_hand_written_loop(remat, mode, reverse):
+    options = eqxscan.ScanOptions(mode=mode, remat=remat, unroll=1)
     w, b, x, scale = _inputs()
 
     def got(w, b, x, scale):
@@ -104,7 +104,7 @@ def test_gate_matches_a_hand_written_loop(checkpoint, mode, reverse):
 
 @pytest.mark.parametrize("unroll", [2, True])
 def test_gate_unrolled(unroll):
-    options = eqxscan.ScanOptions(checkpoint=False, unroll=unroll)
+    options = eqxscan.ScanOptions(remat=False, unroll=unroll)
     w, b, x, scale = _inputs()
     got = jax.grad(_loss(lambda *a: _engine(*a, KEEP, options)), argnums=(0, 2))
     want = jax.grad(_loss(lambda *a: _reference(*a, KEEP)), argnums=(0, 2))
@@ -113,7 +113,7 @@ def test_gate_unrolled(unroll):
 
 
 def test_gate_against_finite_differences():
-    options = eqxscan.ScanOptions(checkpoint="auto")
+    options = eqxscan.ScanOptions(remat="auto")
     w, b, x, scale = _inputs()
     loss = jax.jit(_loss(lambda *a: _engine(*a, KEEP, options)))
     grads = jax.grad(loss, argnums=(0, 1, 2, 3))(w, b, x, scale)

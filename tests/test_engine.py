@@ -1,4 +1,4 @@
-"""The scan engine: one normalised checkpoint value, nested remat in reverse
+"""The scan engine: one normalised remat value, nested remat in reverse
 against the loop, and the caller's `eqx.nn.State` left valid."""
 
 import equinox as eqx
@@ -17,35 +17,35 @@ D = 3
 POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 
 
-# --- one checkpoint value --------------------------------------------------------
+# --- one remat value --------------------------------------------------------
 
 
 def test_every_checkpoint_value_is_one_scan_checkpoint():
     plain = dict(save_carries=None, save_inputs=None)
     policy = jax.checkpoint_policies.dots_saveable
     for given, want in (
-        (False, eqxscan.ScanCheckpoint(policy=False, **plain)),
-        (True, eqxscan.ScanCheckpoint(policy=True, **plain)),
-        ("auto", eqxscan.ScanCheckpoint(policy="auto", **plain)),
-        (policy, eqxscan.ScanCheckpoint(policy=policy, **plain)),
-        ("nested", eqxscan.ScanCheckpoint(save_carries=False, save_inputs=None)),
-        (eqxscan.ScanCheckpoint(nested=2), eqxscan.ScanCheckpoint(nested=2)),
+        (False, eqxscan.ScanRemat(policy=False, **plain)),
+        (True, eqxscan.ScanRemat(policy=True, **plain)),
+        ("auto", eqxscan.ScanRemat(policy="auto", **plain)),
+        (policy, eqxscan.ScanRemat(policy=policy, **plain)),
+        ("nested", eqxscan.ScanRemat(save_carries=False, save_inputs=None)),
+        (eqxscan.ScanRemat(nested=2), eqxscan.ScanRemat(nested=2)),
     ):
-        options = eqxscan.ScanOptions(checkpoint=given)
-        assert options.scan_checkpoint == want, given
-        assert options.checkpoint is given  # as the user gave it
-    offload = eqxscan.ScanOptions(checkpoint="offload").scan_checkpoint
+        options = eqxscan.ScanOptions(remat=given)
+        assert options.scan_remat == want, given
+        assert options.remat is given  # as the user gave it
+    offload = eqxscan.ScanOptions(remat="offload").scan_remat
     assert callable(offload.policy) and not offload.named
     # Only "auto" is resolved by the rule.
     rules = [
-        eqxscan.ScanOptions(checkpoint=c).scan_checkpoint.is_rule
-        for c in (False, True, "auto", "nested", "offload", eqxscan.ScanCheckpoint())
+        eqxscan.ScanOptions(remat=c).scan_remat.is_rule
+        for c in (False, True, "auto", "nested", "offload", eqxscan.ScanRemat())
     ]
     assert rules == [False, False, True, False, False, False]
-    assert eqxscan.ScanOptions(checkpoint="auto") == eqxscan.ScanOptions()
-    assert eqxscan.ScanOptions(checkpoint=True) != eqxscan.ScanOptions()
+    assert eqxscan.ScanOptions(remat="auto") == eqxscan.ScanOptions()
+    assert eqxscan.ScanOptions(remat=True) != eqxscan.ScanOptions()
     with pytest.raises((TypeError, ValueError), match="save_inputs"):
-        eqxscan.ScanCheckpoint(save_inputs="host")
+        eqxscan.ScanRemat(save_inputs="host")
 
 
 # --- nested remat, reversed, against the loop ---------------------------------------
@@ -53,9 +53,9 @@ def test_every_checkpoint_value_is_one_scan_checkpoint():
 
 NESTED = [
     "nested",
-    eqxscan.ScanCheckpoint(nested=2),
-    eqxscan.ScanCheckpoint(nested=(2, 3)),
-    eqxscan.ScanCheckpoint(nested=3, save_carries="offload", save_inputs=True),
+    eqxscan.ScanRemat(nested=2),
+    eqxscan.ScanRemat(nested=(2, 3)),
+    eqxscan.ScanRemat(nested=3, save_carries="offload", save_inputs=True),
 ]
 
 
@@ -86,25 +86,25 @@ def _loss(rnn, h0, xs):
     return jnp.sum(jnp.sin(h)) + jnp.sum(jnp.cos(hs) * jnp.arange(6.0)[:, None])
 
 
-@pytest.mark.parametrize("checkpoint", NESTED)
-def test_nested_recurrent_reverse_matches_the_loop(checkpoint, getkey):
+@pytest.mark.parametrize("remat", NESTED)
+def test_nested_recurrent_reverse_matches_the_loop(remat, getkey):
     cell = eqxscan.ElmanCell(D, D, key=getkey())
     h0, xs = jr.normal(getkey(), (D,)), jr.normal(getkey(), (6, D))
 
     for reverse in (False, True):
-        loop = eqxscan.Recurrent(cell, mode="loop", checkpoint=False, reverse=reverse)
-        scan = eqxscan.Recurrent(cell, checkpoint=checkpoint, reverse=reverse)
+        loop = eqxscan.Recurrent(cell, mode="loop", remat=False, reverse=reverse)
+        scan = eqxscan.Recurrent(cell, remat=remat, reverse=reverse)
         want = value_and_grads(_loss, loop, h0, xs)
         got = value_and_grads(_loss, scan, h0, xs)
-        assert tree_allclose(got, want, rtol=1e-4), (checkpoint, reverse)
+        assert tree_allclose(got, want, rtol=1e-4), (remat, reverse)
         # The reversed run differs from the forward one (so the check has teeth).
         if reverse:
-            fwd = eqxscan.Recurrent(cell, mode="loop", checkpoint=False)
+            fwd = eqxscan.Recurrent(cell, mode="loop", remat=False)
             assert not np.allclose(value_and_grads(_loss, fwd, h0, xs)[0], want[0])
 
 
-@pytest.mark.parametrize("checkpoint", NESTED)
-def test_nested_stacked_and_chain_reverse_match_the_loop(checkpoint, getkey):
+@pytest.mark.parametrize("remat", NESTED)
+def test_nested_stacked_and_chain_reverse_match_the_loop(remat, getkey):
     def make(key):
         k1, k2 = jr.split(key)
         return Tagged(_dense(k1), jr.normal(k2, (D,)))
@@ -115,19 +115,19 @@ def test_nested_stacked_and_chain_reverse_match_the_loop(checkpoint, getkey):
     def loss(model, x):
         return jnp.sum(jnp.sin(model(x, reverse=True)))
 
-    want = value_and_grads(loss, stack.with_options(mode="loop", checkpoint=False), x)
-    got = value_and_grads(loss, stack.with_options(checkpoint=checkpoint), x)
-    assert tree_allclose(got, want, rtol=1e-4), checkpoint
+    want = value_and_grads(loss, stack.with_options(mode="loop", remat=False), x)
+    got = value_and_grads(loss, stack.with_options(remat=remat), x)
+    assert tree_allclose(got, want, rtol=1e-4), remat
     forward = jax.value_and_grad(lambda m: jnp.sum(jnp.sin(m(x))))(stack)[0]
     assert not np.allclose(forward, want[0])
 
     # A Chain: a scanned run of six between two lone layers, reversed.
     layers = [eqx.nn.Lambda(jnp.tanh), *stack.unstack(), eqx.nn.Lambda(jnp.sin)]
-    chain = eqxscan.Chain(layers, checkpoint=checkpoint)
-    ref = eqxscan.Chain(layers, mode="loop", checkpoint=False)
+    chain = eqxscan.Chain(layers, remat=remat)
+    ref = eqxscan.Chain(layers, mode="loop", remat=False)
     assert tree_allclose(
         value_and_grads(loss, chain, x), value_and_grads(loss, ref, x), rtol=1e-4
-    ), checkpoint
+    ), remat
 
 
 # --- the caller's eqx.nn.State stays valid --------------------------------------

@@ -34,9 +34,9 @@ def test_make_layer_returning_no_layer_fails_at_construction(made):
 
 def test_a_callable_that_is_no_policy_is_blamed_on_checkpoint():
     with pytest.raises(TypeError) as e:
-        eqxscan.Stacked(_linear, 2, key=KEY, checkpoint=len)
+        eqxscan.Stacked(_linear, 2, key=KEY, remat=len)
     first, hint = str(e.value).splitlines()
-    assert first.startswith("checkpoint=<built-in function len> is not a remat")
+    assert first.startswith("remat=<built-in function len> is not a remat")
     assert "Linear" not in first and hint.startswith("Hint: pass a jax.checkpoint_")
     # Real policies pass the probe, and run as before.
     for policy in (
@@ -44,7 +44,7 @@ def test_a_callable_that_is_no_policy_is_blamed_on_checkpoint():
         jax.checkpoint_policies.save_only_these_names("a"),
         jax.checkpoint_policies.nothing_saveable,
     ):
-        stack = eqxscan.Stacked(_linear, 2, key=KEY, checkpoint=policy)
+        stack = eqxscan.Stacked(_linear, 2, key=KEY, remat=policy)
         loss = lambda s, x: jnp.sum(s(x) ** 2)  # noqa: E731
         x = jnp.linspace(-1, 1, 4)
         got = jax.grad(loss, argnums=1)(stack, x)

@@ -1,5 +1,5 @@
 """Options that change the program but never the values: `unroll` and
-`checkpoint` must reach the program of `Recurrent` and `Chain` (a test that
+`remat` must reach the program of `Recurrent` and `Chain` (a test that
 compares values alone would pass if they were dropped)."""
 
 import equinox as eqx
@@ -44,12 +44,12 @@ def _chain(**options):
 @pytest.mark.parametrize("build", [_recurrent, _chain])
 @pytest.mark.parametrize("unroll", [1, 3])
 def test_unroll_reaches_the_scan(build, unroll):
-    scans, _ = _program(build(unroll=unroll, checkpoint=False), jnp.zeros(4))
+    scans, _ = _program(build(unroll=unroll, remat=False), jnp.zeros(4))
     assert scans and set(scans) == {unroll}, scans
 
 
 @pytest.mark.parametrize("build", [_recurrent, _chain])
 def test_checkpoint_reaches_the_program(build):
-    _, without = _program(build(checkpoint=False), jnp.zeros(4))
-    _, with_remat = _program(build(checkpoint=True), jnp.zeros(4))
+    _, without = _program(build(remat=False), jnp.zeros(4))
+    _, with_remat = _program(build(remat=True), jnp.zeros(4))
     assert without == 0 and with_remat >= 1, (without, with_remat)

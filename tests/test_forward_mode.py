@@ -1,7 +1,7 @@
 """Forward mode and higher derivatives through every scan.
 
 `jax.jvp`, `jax.jacfwd` and `jax.hessian` (forward over reverse) must give the
-loop's values for every checkpoint option, and agree with finite differences:
+loop's values for every remat option, and agree with finite differences:
 scanned models are ordinary JAX functions, with no custom derivative rules that
 would block forward mode.
 """
@@ -23,12 +23,12 @@ D, L, T = 4, 6, 7  # more than four layers/steps, so "auto" keeps a scan
 
 OPTIONS = [
     {},
-    {"checkpoint": False, "unroll": 1},
-    {"checkpoint": True, "unroll": 1},
-    {"checkpoint": "nested"},
-    {"checkpoint": "offload", "unroll": 1},
-    {"checkpoint": jax.checkpoint_policies.dots_saveable, "unroll": 2},
-    {"checkpoint": eqxscan.ScanCheckpoint(nested=2, save_inputs=True)},
+    {"remat": False, "unroll": 1},
+    {"remat": True, "unroll": 1},
+    {"remat": "nested"},
+    {"remat": "offload", "unroll": 1},
+    {"remat": jax.checkpoint_policies.dots_saveable, "unroll": 2},
+    {"remat": eqxscan.ScanRemat(nested=2, save_inputs=True)},
     {"unroll": True},
 ]
 
@@ -80,7 +80,7 @@ def derivatives(model, f_of_model, x, tangent, reference):
             lambda p, t: p + sign * eps * t, params, tangent
         )
         fd = (f(moved(1.0), x) - f(moved(-1.0), x)) / (2 * eps)
-        # Forward over reverse (`checkpoint="offload"` cannot be differentiated
+        # Forward over reverse (`remat="offload"` cannot be differentiated
         # in reverse twice: docs/remat.md#offload).
         hess = jax.hessian(f, argnums=1)(params, x)
         return jvp, fd, hess, jax.jacfwd(f)(params, x)
@@ -93,7 +93,7 @@ def check(model, f_of_model, x, getkey, *, exact=True):
     remat in reverse mode, and finite differences; its Hessian in `x` is
     symmetric. `exact=False` skips finite differences, for a loss whose
     gradient is truncated on purpose."""
-    loop = model.with_options(mode="loop", checkpoint=False, unroll=1)
+    loop = model.with_options(mode="loop", remat=False, unroll=1)
     tangent = random_like(eqx.filter(model, eqx.is_array), getkey())
     # The same tangent, in the loop's structure (their options differ).
     loop_tangent = jtu.tree_unflatten(

@@ -122,15 +122,15 @@ def test_numpy_integer_sizes(getkey):
 
 
 def test_with_layer(getkey):
-    stack = eqxscan.Stacked(_linear, 4, key=getkey(), mode="loop", checkpoint=True)
+    stack = eqxscan.Stacked(_linear, 4, key=getkey(), mode="loop", remat=True)
     new_layer = _linear(getkey())
     for i in (1, -1):
         replaced = stack.with_layer(i, new_layer)
         layers = stack.unstack()
         layers[i] = new_layer
-        expected = eqxscan.Stacked.from_layers(layers, mode="loop", checkpoint=True)
+        expected = eqxscan.Stacked.from_layers(layers, mode="loop", remat=True)
         assert eqx.tree_equal(replaced, expected)
-    assert (replaced.mode, replaced.checkpoint) == ("loop", True)
+    assert (replaced.mode, replaced.remat) == ("loop", True)
     x = jnp.ones(4)
     np.testing.assert_allclose(replaced(x), _loop(layers, x), rtol=1e-6)
     with pytest.raises(IndexError, match="Layer index 4 is out of range"):

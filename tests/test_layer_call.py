@@ -143,7 +143,7 @@ def test_inference_mode_with_drop_rates_calls_keyless_layers_without_a_key(conta
 def test_named_inputs_leave_broadcast_numbers_alone(container):
     # With save_inputs named, a traced subset names what each step reads; a
     # broadcast Python float among a layer's arguments is not an array to name.
-    cp = eqxscan.ScanCheckpoint(policy=True, save_inputs=True)
+    cp = eqxscan.ScanRemat(policy=True, save_inputs=True)
 
     class Scaled(eqx.Module):
         weight: jax.Array
@@ -153,9 +153,9 @@ def test_named_inputs_leave_broadcast_numbers_alone(container):
 
     scaled = [Scaled(jnp.float32(0.5 + i)) for i in range(4)]
     model = (
-        eqxscan.Stacked.from_layers(scaled, checkpoint=cp)
+        eqxscan.Stacked.from_layers(scaled, remat=cp)
         if container == "stacked"
-        else eqxscan.Chain(scaled, checkpoint=cp)
+        else eqxscan.Chain(scaled, remat=cp)
     )
     x = jnp.float32(0.3)
     idx = jnp.array([2, 0])

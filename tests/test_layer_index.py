@@ -112,8 +112,8 @@ def test_with_remat_and_unroll(getkey):
     x = jr.normal(getkey(), (D,))
     want = by_hand(layers, x)
     for options in [
-        dict(checkpoint=True),
-        dict(checkpoint="nested"),
+        dict(remat=True),
+        dict(remat="nested"),
         dict(unroll=True),
     ]:
         stack = eqxscan.Stacked.from_layers(layers, **options)

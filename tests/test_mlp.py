@@ -40,7 +40,7 @@ def test_layout_and_forward_matches_hand_written(getkey):
     assert jnp.allclose(model(np.asarray(x)), expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kw", [dict(mode="loop"), dict(checkpoint=False)])
+@pytest.mark.parametrize("kw", [dict(mode="loop"), dict(remat=False)])
 def test_default_matches_loop_and_no_remat_grads(kw, getkey):
     model = eqxscan.StackedMLP(8, 4, key=getkey())
     other = eqx.tree_at(lambda m: m.blocks, model, model.blocks.with_options(**kw))

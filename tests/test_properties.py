@@ -41,10 +41,10 @@ carry_shapes = st.sampled_from(
     d=st.integers(1, 5),
     dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
     shapes=carry_shapes,
-    checkpoint=st.sampled_from([False, True, "auto", "nested"]),
+    remat=st.sampled_from([False, True, "auto", "nested"]),
     seed=st.integers(0, 2**16),
 )
-def test_scan_equals_loop_and_python(L, d, dtype, shapes, checkpoint, seed):
+def test_scan_equals_loop_and_python(L, d, dtype, shapes, remat, seed):
     spec = shapes(d)
     is_shape = lambda s: isinstance(s, tuple)  # noqa: E731
 
@@ -62,7 +62,7 @@ def test_scan_equals_loop_and_python(L, d, dtype, shapes, checkpoint, seed):
         )
 
     key = jr.key(seed)
-    stack = eqxscan.Stacked(make, L, key=key, checkpoint=checkpoint)
+    stack = eqxscan.Stacked(make, L, key=key, remat=remat)
     carry = jtu.tree_map(
         lambda s: (
             jnp.linspace(-1, 1, max(1, int(jnp.prod(jnp.array(s)))))

@@ -112,12 +112,12 @@ def test_matches_handwritten_lax_scan(name, getkey):
 @pytest.mark.parametrize(
     "options",
     [
-        dict(checkpoint=False),
-        dict(checkpoint=True),
-        dict(checkpoint="nested"),
-        dict(checkpoint=jax.checkpoint_policies.nothing_saveable),
+        dict(remat=False),
+        dict(remat=True),
+        dict(remat="nested"),
+        dict(remat=jax.checkpoint_policies.nothing_saveable),
         dict(unroll=3),
-        dict(checkpoint="nested", reverse=True),
+        dict(remat="nested", reverse=True),
     ],
     ids=stable_id,
 )
@@ -201,13 +201,13 @@ def test_single_step(getkey):
 
 
 def test_is_a_pytree_module(getkey):
-    rnn = eqxscan.Recurrent(make_cell("elman", getkey()), checkpoint=True)
+    rnn = eqxscan.Recurrent(make_cell("elman", getkey()), remat=True)
     xs = jr.normal(getkey(), (T, IN))
     g = eqx.filter_grad(lambda r: jnp.sum(r(jnp.zeros(HID), xs)[0]))(rnn)
-    assert type(g) is eqxscan.Recurrent and g.checkpoint is True
+    assert type(g) is eqxscan.Recurrent and g.remat is True
     assert g.cell.weight_hh.shape == (HID, HID)
     loop = rnn.with_options(mode="loop", unroll=2)
-    assert (loop.mode, loop.unroll, loop.checkpoint) == ("loop", 2, True)
+    assert (loop.mode, loop.unroll, loop.remat) == ("loop", 2, True)
     assert loop.cell is rnn.cell
 
 
@@ -339,8 +339,8 @@ def test_nonfinite_padding_leaves_values_and_grads_unchanged(
     want, want_grads = short(cell, h0, spread), grad(short, cell, h0, spread)
     kept = ft.partial(jtu.tree_map, lambda a: a[keep])
     checkpoints = ("auto", "nested") if mode == "scan" else ("auto",)
-    for checkpoint in checkpoints:
-        rnn = eqxscan.Recurrent(cell, reverse=reverse, mode=mode, checkpoint=checkpoint)
+    for remat in checkpoints:
+        rnn = eqxscan.Recurrent(cell, reverse=reverse, mode=mode, remat=remat)
 
         @eqx.filter_jit  # one program for every padding value
         def both(cell, h0, padded, mask, rnn=rnn):
@@ -350,7 +350,7 @@ def test_nonfinite_padding_leaves_values_and_grads_unchanged(
         for value in PADDING:
             padded, mask = pad(xs, value, before, after)
             (h_T, hs), (g_cell, g_h0, g_xs) = both(cell, h0, padded, mask)
-            where = (value, checkpoint)
+            where = (value, remat)
             assert tree_allclose(h_T, want[0]) and tree_allclose(
                 kept(hs), kept(want[1])
             )
@@ -715,8 +715,8 @@ def test_error_bad_options(getkey):
     cell = make_cell("elman", getkey())
     with pytest.raises(ValueError, match="mode"):
         eqxscan.Recurrent(cell, mode="fast")
-    with pytest.raises(ValueError, match="checkpoint"):
-        eqxscan.Recurrent(cell, checkpoint="sometimes")
+    with pytest.raises(ValueError, match="remat"):
+        eqxscan.Recurrent(cell, remat="sometimes")
     with pytest.raises(ValueError, match="mode must be one of"):
         eqxscan.Recurrent(cell).with_options(mode="fast")
     with pytest.raises(ValueError, match="unroll"):

@@ -1,5 +1,5 @@
-"""Rematerialisation (`ScanCheckpoint`): nested remat shapes, saving or
-offloading carries and inputs, and checkpointing over time."""
+"""Rematerialisation (`ScanRemat`): nested remat shapes, saving or
+offloading carries and inputs, and rematerialisation over time."""
 
 import equinox as eqx
 import jax
@@ -34,16 +34,16 @@ def test_nested_shapes(nested, outer_carries, getkey):
     layers = 12
     stack = eqxscan.Stacked(lambda k: Block(k), layers, key=getkey())
     x = jr.normal(getkey(), (D,))
-    policy = eqxscan.ScanCheckpoint(nested=nested)
+    policy = eqxscan.ScanRemat(nested=nested)
     loss = lambda s, x: jnp.sum(jnp.sin(s(x)))
     want = arrays(jax.value_and_grad(loss, argnums=(0, 1))(stack, x))
     for mode in MODES:
-        s = stack.with_options(checkpoint=policy, mode=mode)
+        s = stack.with_options(remat=policy, mode=mode)
         got = arrays(jax.value_and_grad(loss, argnums=(0, 1))(s, x))
         assert tree_allclose(got, want, rtol=1e-4), (mode, nested)
     # Only the carries at the outermost block boundaries are kept; inner levels
     # are recomputed block by block.
-    shapes = residual_shapes(loss, stack.with_options(checkpoint=policy), x)
+    shapes = residual_shapes(loss, stack.with_options(remat=policy), x)
     assert (outer_carries, D) in shapes and (layers, D) not in shapes, shapes
 
 
@@ -61,13 +61,11 @@ def residual_shapes(fn, *args):
 def test_nested_errors(getkey):
     stack = make_stack(getkey)
     with pytest.raises(ValueError, match=r"nested=\(2, 3\)\) has 6 steps.*has 4"):
-        stack.with_options(checkpoint=eqxscan.ScanCheckpoint(nested=(2, 3)))(
-            jnp.ones(D)
-        )
+        stack.with_options(remat=eqxscan.ScanRemat(nested=(2, 3)))(jnp.ones(D))
     with pytest.raises(ValueError, match="two or more positive int lengths"):
-        eqxscan.ScanCheckpoint(nested=(4,))
+        eqxscan.ScanRemat(nested=(4,))
     with pytest.raises(ValueError, match="block count must be >= 1"):
-        eqxscan.ScanCheckpoint(nested=0)
+        eqxscan.ScanRemat(nested=0)
 
 
 # ---- carries and inputs: save / offload
@@ -80,8 +78,8 @@ def test_checkpoint_carries_and_inputs(getkey):
     want = arrays(jax.value_and_grad(loss, argnums=(0, 1))(stack, x))
 
     def run(**options):
-        policy = eqxscan.ScanCheckpoint(**options)
-        s = stack.with_options(checkpoint=policy)
+        policy = eqxscan.ScanRemat(**options)
+        s = stack.with_options(remat=policy)
         got = arrays(jax.value_and_grad(loss, argnums=(0, 1))(s, x))
         assert tree_allclose(got, want, rtol=1e-4), options
         from jax._src.ad_checkpoint import saved_residuals
@@ -109,9 +107,7 @@ def test_checkpoint_carries_and_inputs(getkey):
     assert made(recomputed, f"float32[2,{D}]"), recomputed
     # Combined with any jax policy, and with mode="loop".
     run(policy=jax.checkpoint_policies.dots_saveable, save_carries="offload")
-    s = stack.with_options(
-        checkpoint=eqxscan.ScanCheckpoint(save_carries="offload"), mode="loop"
-    )
+    s = stack.with_options(remat=eqxscan.ScanRemat(save_carries="offload"), mode="loop")
     got = arrays(jax.value_and_grad(loss, argnums=(0, 1))(s, x))
     assert tree_allclose(got, want, rtol=1e-4)
 
@@ -119,11 +115,11 @@ def test_checkpoint_carries_and_inputs(getkey):
 def test_checkpoint_policy_errors(getkey):
     # (A runtime type checker may catch these first, by the annotations.)
     with pytest.raises((TypeError, ValueError), match=r"save_carries"):
-        eqxscan.ScanCheckpoint(save_carries="host")
+        eqxscan.ScanRemat(save_carries="host")
     with pytest.raises((TypeError, ValueError), match=r"policy"):
-        eqxscan.ScanCheckpoint(policy="nested")
-    with pytest.raises((TypeError, ValueError), match="checkpoint"):
-        make_stack(getkey, checkpoint="everything")
+        eqxscan.ScanRemat(policy="nested")
+    with pytest.raises((TypeError, ValueError), match="remat"):
+        make_stack(getkey, remat="everything")
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -132,8 +128,8 @@ def test_scan_checkpoint_over_time(mode, getkey):
     h0, xs = jr.normal(getkey(), (HID,)), jr.normal(getkey(), (6, IN))
     memory = jr.normal(getkey(), (HID, HID))
 
-    def run(checkpoint, reverse):
-        rnn = eqxscan.Recurrent(cell, mode=mode, checkpoint=checkpoint, reverse=reverse)
+    def run(remat, reverse):
+        rnn = eqxscan.Recurrent(cell, mode=mode, remat=remat, reverse=reverse)
         return value_and_grads(
             lambda h, m: rnn(h, xs, m, cell_kwargs={"scale": 0.5}), h0, memory
         )
@@ -141,7 +137,7 @@ def test_scan_checkpoint_over_time(mode, getkey):
     for reverse in (False, True):
         want = run(False, reverse)
         for policy in (
-            eqxscan.ScanCheckpoint(nested=(2, 3), save_carries="offload"),
-            eqxscan.ScanCheckpoint(nested=4, save_inputs=True),
+            eqxscan.ScanRemat(nested=(2, 3), save_carries="offload"),
+            eqxscan.ScanRemat(nested=4, save_inputs=True),
         ):
             assert tree_allclose(run(policy, reverse), want, rtol=1e-4), policy

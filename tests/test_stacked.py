@@ -18,7 +18,7 @@ from .helpers import stable_id, sub_jaxprs, tree_allclose
 SHORT_SCAN = THRESHOLDS.short_scan
 
 
-CHECKPOINTS = [
+REMATS = [
     False,
     True,
     "auto",
@@ -75,9 +75,9 @@ def test_layer_i_is_make_layer_of_key_i():
 
 
 @pytest.mark.parametrize("mode", ["scan", "loop"])
-@pytest.mark.parametrize("checkpoint", CHECKPOINTS, ids=stable_id)
-def test_matches_python_loop_values_grads_update(mode, checkpoint, getkey):
-    stack = make_stack(5, mode=mode, checkpoint=checkpoint)
+@pytest.mark.parametrize("remat", REMATS, ids=stable_id)
+def test_matches_python_loop_values_grads_update(mode, remat, getkey):
+    stack = make_stack(5, mode=mode, remat=remat)
     x = jr.normal(getkey(), (3, 4))
     key = getkey()
 
@@ -132,7 +132,7 @@ def test_matches_hand_written_equinox_recipe(getkey):
 @pytest.mark.parametrize("L", [1, 2, 7, 16])
 def test_nested_any_depth(L, getkey):
     # Primes and perfect squares: blocks of ceil(sqrt(L)) plus a remainder.
-    stack = make_stack(L, checkpoint="nested")
+    stack = make_stack(L, remat="nested")
     x = jr.normal(getkey(), (4,))
     key = getkey()
 
@@ -141,7 +141,7 @@ def test_nested_any_depth(L, getkey):
         return eqx.filter_value_and_grad(lambda m: m(x, key=key).sum())(m)
 
     value, g = value_and_grad(stack)
-    ref_value, g_ref = value_and_grad(stack.with_options(checkpoint=False))
+    ref_value, g_ref = value_and_grad(stack.with_options(remat=False))
     # The value sums O(1) terms to about 0.03: float32 rounding in a different
     # order moves it by ~1e-7 absolute, over 1e-6 relative (seen once in CI).
     assert jnp.allclose(value, ref_value, rtol=1e-5, atol=1e-6)
@@ -152,7 +152,7 @@ def test_nested_saves_sqrt_many_carries():
     # With remat, what is saved is (about) one carry per outer step plus one
     # block's worth: count the carry-sized residuals.
     L, dim = 64, 32
-    stack = make_stack(L, dim=dim, checkpoint="nested")
+    stack = make_stack(L, dim=dim, remat="nested")
     x = jnp.ones((dim,))
     f = jax.linearize(lambda m: m(x), stack)[1]
     saved = [
@@ -181,7 +181,7 @@ def _eqns(jaxpr):
 def test_unroll_reaches_the_program(unroll):
     # Unrolling never changes values, so look at the program: `unroll` reaches
     # `lax.scan`, and `True` leaves no scan but every layer's two matmuls.
-    stack = make_stack(5, unroll=unroll, checkpoint=False)
+    stack = make_stack(5, unroll=unroll, remat=False)
     jaxpr = jax.make_jaxpr(lambda x: stack(x))(jnp.ones(4)).jaxpr
     eqns = list(_eqns(jaxpr))
     scans = [e.params["unroll"] for e in eqns if e.primitive.name == "scan"]
@@ -211,7 +211,7 @@ def test_keys_are_split_per_layer():
 
 def test_same_key_same_weights_whatever_options():
     a = make_stack(4, key=jr.key(9))
-    b = make_stack(4, key=jr.key(9), mode="loop", checkpoint=True, unroll=2)
+    b = make_stack(4, key=jr.key(9), mode="loop", remat=True, unroll=2)
     assert eqx.tree_equal(a.layers, b.layers)
 
 
@@ -246,10 +246,10 @@ def test_indexing_and_slicing():
 
 
 def test_with_options_keeps_weights_and_unset_options():
-    stack = make_stack(3, checkpoint=True, unroll=3)
+    stack = make_stack(3, remat=True, unroll=3)
     other = stack.with_options(mode="loop")
     assert other.layers is stack.layers
-    assert (other.mode, other.checkpoint, other.unroll) == ("loop", True, 3)
+    assert (other.mode, other.remat, other.unroll) == ("loop", True, 3)
     with pytest.raises(ValueError, match="mode"):
         stack.with_options(mode="fast")
 
@@ -524,8 +524,8 @@ CONSTRUCTION_ERRORS = [
     (dict(num_layers=2**31), ValueError, "num_layers must be at most"),
     (dict(num_layers=10**9), ValueError, "num_layers must be at most"),
     (dict(mode="unrolled"), ValueError, "mode must be one of"),
-    (dict(checkpoint="sqrt"), ValueError, "checkpoint must be one of"),
-    (dict(checkpoint=3), TypeError, "checkpoint must be"),
+    (dict(remat="sqrt"), ValueError, "remat must be one of"),
+    (dict(remat=3), TypeError, "remat must be"),
     (dict(unroll=0), ValueError, "unroll must be >= 1"),
     (dict(unroll=1.5), TypeError, "unroll"),
 ]
@@ -555,9 +555,9 @@ def test_options_are_one_frozen_value():
         lambda k: Block(2, key=k), 2, key=jr.key(0), mode="loop", unroll=2
     )
     assert stack.options == eqxscan.ScanOptions("loop", "auto", 2)
-    other = stack.with_options(checkpoint=True)
+    other = stack.with_options(remat=True)
     assert other.options == eqxscan.ScanOptions("loop", True, 2)
-    assert stack.options.checkpoint == "auto"  # unchanged
+    assert stack.options.remat == "auto"  # unchanged
     with pytest.raises(dataclasses.FrozenInstanceError):
         stack.options.mode = "scan"
     with pytest.raises(TypeError, match="unexpected keyword argument 'moed'"):
@@ -610,7 +610,7 @@ def test_auto_saves_less_than_plain_scan_and_loop():
         f = jax.jit(jax.grad(lambda d: jnp.mean(eqx.combine(d, static)(x) ** 2)))
         return f.lower(dyn).compile().memory_analysis().temp_size_in_bytes
 
-    auto, plain, loop = temp({}), temp(dict(checkpoint=False)), temp(dict(mode="loop"))
+    auto, plain, loop = temp({}), temp(dict(remat=False)), temp(dict(mode="loop"))
     assert auto < loop < plain
 
 

@@ -230,7 +230,7 @@ def test_grad_taps_match_per_layer_vjps(mode, getkey):
 @pytest.mark.parametrize("pattern", ["AB" * 3, "AAB" * 2 + "A"])
 def test_grad_taps_in_a_chain(pattern, getkey):
     layers = build(pattern, getkey())
-    chain = eqxscan.Chain(layers, checkpoint=True)
+    chain = eqxscan.Chain(layers, remat=True)
     x = jr.normal(getkey(), (D,))
     p = eqxscan.probe(rms, x, len(chain))
     for reverse in (False, True):

@@ -12,7 +12,7 @@ import eqxscan
 
 WIDTH = 3
 LENGTHS = (4, 16, 64)
-CHECKPOINTS = (None, False, True, "nested", "offload")  # None: the default
+REMATS = (None, False, True, "nested", "offload")  # None: the default
 
 calls: dict[str, int] = {}
 
@@ -52,10 +52,10 @@ class Cell(eqx.Module):
         return jnp.tanh(self.linear(jnp.concatenate([x, h])))
 
 
-def case(kind, length, checkpoint, mode="scan"):
+def case(kind, length, remat, mode="scan"):
     options = {"mode": mode}
-    if checkpoint is not None:
-        options["checkpoint"] = checkpoint
+    if remat is not None:
+        options["remat"] = remat
     key, x = jr.key(0), jnp.ones(WIDTH)
     if kind == "Stacked":
         model = eqxscan.Stacked(lambda k: Layer(key=k), length, key=key, **options)
@@ -70,8 +70,8 @@ def case(kind, length, checkpoint, mode="scan"):
     return (lambda m, xs: m(jnp.zeros(WIDTH), xs)[0]), model, jnp.ones((length, 3))
 
 
-def traced_calls(kind, length, checkpoint, grad, mode="scan"):
-    fn, model, x = case(kind, length, checkpoint, mode)
+def traced_calls(kind, length, remat, grad, mode="scan"):
+    fn, model, x = case(kind, length, remat, mode)
     if grad:
         inner = fn
         fn = eqx.filter_grad(lambda m, x: jnp.sum(inner(m, x)))
@@ -89,13 +89,13 @@ def expected(kind, times):
 
 
 @pytest.mark.parametrize("kind", ["Stacked", "Chain", "Recurrent"])
-@pytest.mark.parametrize("checkpoint", CHECKPOINTS)
+@pytest.mark.parametrize("remat", REMATS)
 @pytest.mark.parametrize("grad", [False, True])
-def test_each_layer_is_traced_once(kind, checkpoint, grad):
+def test_each_layer_is_traced_once(kind, remat, grad):
     for length in LENGTHS:
-        got = traced_calls(kind, length, checkpoint, grad)
+        got = traced_calls(kind, length, remat, grad)
         want = {name: 1 for name in expected(kind, length)}
-        assert got == want, (kind, length, checkpoint, grad)
+        assert got == want, (kind, length, remat, grad)
 
 
 @pytest.mark.parametrize("kind", ["Stacked", "Chain", "Recurrent"])
@@ -111,10 +111,10 @@ def test_the_loop_traces_every_layer(kind):
     [
         dict(unroll=True),
         dict(unroll=2),
-        dict(checkpoint="nested", unroll=True),
-        dict(checkpoint=eqxscan.ScanCheckpoint(nested=(2, 2))),
-        dict(checkpoint=eqxscan.ScanCheckpoint(save_carries="offload")),
-        dict(checkpoint=jax.checkpoint_policies.dots_saveable, unroll=True),
+        dict(remat="nested", unroll=True),
+        dict(remat=eqxscan.ScanRemat(nested=(2, 2))),
+        dict(remat=eqxscan.ScanRemat(save_carries="offload")),
+        dict(remat=jax.checkpoint_policies.dots_saveable, unroll=True),
     ],
 )
 def test_once_with_other_options(options):
@@ -138,17 +138,15 @@ def test_once_under_vmap_and_with_explain_auto():
 
 
 @pytest.mark.parametrize("kind", ["Stacked", "Chain"])
-@pytest.mark.parametrize("checkpoint", (None, True, "nested"))
-def test_once_while_dropping(kind, checkpoint):
+@pytest.mark.parametrize("remat", (None, True, "nested"))
+def test_once_while_dropping(kind, remat):
     # LayerDrop's gate (the whole-scan form, the per-step form inside a nested
-    # checkpoint, and a Chain's lone layer) and drop-path evaluate the one
+    # remat, and a Chain's lone layer) and drop-path evaluate the one
     # traced layer; the loop mode still calls each layer once.
     drops = dict(layer_drop=0.5, drop_path=0.2)
     x, key = jnp.ones(WIDTH), jr.key(1)
     for mode, times in (("scan", 1), ("loop", 4)):
-        options = {"mode": mode} | (
-            {} if checkpoint is None else {"checkpoint": checkpoint}
-        )
+        options = {"mode": mode} | ({} if remat is None else {"remat": remat})
         if kind == "Stacked":
             model = eqxscan.Stacked(
                 lambda k: Layer(key=k), 4, key=jr.key(0), **drops, **options
@@ -165,4 +163,4 @@ def test_once_while_dropping(kind, checkpoint):
         ):
             calls.clear()
             eqx.filter_jit(fn).lower(model)
-            assert calls == want, (kind, checkpoint, mode)
+            assert calls == want, (kind, remat, mode)

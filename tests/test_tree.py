@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import eqxscan
-from eqxscan._containers.stacked import LayerIndex
+from eqxscan._containers.stacked import LayerNumbering
 from eqxscan._containers.walk import for_each, Site, walk
 
 
@@ -55,14 +55,14 @@ def test_key_paths_and_depths_match_the_layer_axes(getkey):
 def test_walk_rebuilds_and_keeps_stacked_fields(getkey):
     model = _model(getkey())
     model = eqx.tree_at(
-        lambda m: m.blocks, model, model.blocks.with_options(checkpoint=True)
+        lambda m: m.blocks, model, model.blocks.with_options(remat=True)
     )
     shapes = walk(
         lambda leaf, site: (site.depth, leaf.shape) if eqx.is_array(leaf) else leaf,
         model,
     )
     assert isinstance(shapes.blocks, eqxscan.Stacked)
-    assert shapes.blocks.checkpoint is True and shapes.extra == (None, ())
+    assert shapes.blocks.remat is True and shapes.extra == (None, ())
     assert shapes.blocks.layers.inner.layers.weight == (2, (2, 3, 4, 4))
     assert shapes.head.bias == (0, (2,))
 
@@ -115,14 +115,14 @@ def test_names_walk_numbers_chain_layers_by_index(getkey):
             names.add(
                 ".".join(
                     str(p.start + sum(next(it) * s for s in p.strides))
-                    if isinstance(p, LayerIndex)
+                    if isinstance(p, LayerNumbering)
                     else p
                     for p in parts
                 )
             )
     assert names == set(eqxscan.to_state_dict({"layers": layers}))
     for parts, (axes, shape) in found.items():
-        assert isinstance(parts[1], LayerIndex) and shape[: len(axes)] == axes
+        assert isinstance(parts[1], LayerNumbering) and shape[: len(axes)] == axes
 
 
 def test_names_walk_rejects_dotted_dict_keys(getkey):

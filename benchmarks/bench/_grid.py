@@ -2,7 +2,7 @@
 
 For each grid point (a `StackedMLP` of width `D` and depth `L`, or a GRU/LSTM of hidden
 size `H` over `T` steps) one process compiles the train step of the loop
-(`mode="loop"`), of the default (`checkpoint="auto"`, `unroll="auto"`) and of every
+(`mode="loop"`), of the default (`remat="auto"`, `unroll="auto"`) and of every
 explicit setting in `EXPLICIT` (and, for at most `THRESHOLDS.short_scan` steps, full
 unrolling), reads XLA's temp memory of each, and times them in interleaved, shuffled
 rounds. Ratios are taken within a round, then the median over rounds is reported. The
@@ -31,7 +31,7 @@ from ._machine import describe_machine, load_average
 from ._measure import AUTO_POLICY, setting_label
 
 
-#: Explicit settings the default is compared with: `(checkpoint, unroll)`.
+#: Explicit settings the default is compared with: `(remat, unroll)`.
 EXPLICIT: tuple[tuple[Any, int], ...] = tuple(
     (c, u) for c in (False, AUTO_POLICY, True) for u in (1, 2)
 )
@@ -139,7 +139,7 @@ def measure_point(kind: str, size: tuple, rounds: int, seed: int = 0) -> dict:
     """Temp memory and interleaved step times of every variant at one grid point."""
     model, loss, inputs, with_options = _problem(kind, size)
     length = size[1]
-    variants = {"default": with_options(model, checkpoint="auto", unroll="auto")}
+    variants = {"default": with_options(model, remat="auto", unroll="auto")}
     if length <= MAX_LOOP_LENGTH:
         variants["loop"] = with_options(model, mode="loop")
     # Short scans may also be unrolled fully (which "auto" does when steps are small).
@@ -147,7 +147,7 @@ def measure_point(kind: str, size: tuple, rounds: int, seed: int = 0) -> dict:
         [(c, True) for c, _ in EXPLICIT[::2]] if length <= THRESHOLDS.short_scan else []
     )
     for c, u in [*EXPLICIT, *full]:
-        variants[setting_label(c, u)] = with_options(model, checkpoint=c, unroll=u)
+        variants[setting_label(c, u)] = with_options(model, remat=c, unroll=u)
     choice = explain_auto(loss, variants["default"], *inputs)[0]
     compiled, memory, compile_s, text = {}, {}, {}, {}
     for name, full in variants.items():
@@ -185,8 +185,8 @@ def measure_point(kind: str, size: tuple, rounds: int, seed: int = 0) -> dict:
         "kind": kind,
         "size": list(size),
         "choice": {
-            "checkpoint": setting_label(choice.checkpoint, 1).split("/")[0],
-            "label": setting_label(choice.checkpoint, choice.unroll),
+            "remat": setting_label(choice.remat, 1).split("/")[0],
+            "label": setting_label(choice.remat, choice.unroll),
             "unroll": choice.unroll,
             "reason": choice.reason,
             "saved_bytes": choice.cost.saved_bytes * choice.cost.length,
@@ -413,7 +413,7 @@ def plot(results: dict, path: Path) -> None:
         range(3), ["step\nvs loop", "temp memory\nvs loop", "step vs\nbest explicit"]
     )
     ax.set_yticks(range(len(names)), names, fontsize=8)
-    ax.set_title('checkpoint="auto", unroll="auto": ratios (green < 1 < red)')
+    ax.set_title('remat="auto", unroll="auto": ratios (green < 1 < red)')
     fig.colorbar(im, ax=ax, label="log2 ratio")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -345,17 +345,17 @@ _POLICIES = jax.checkpoint_policies
 
 #: eqxscan's variants in both benchmark models: `(name, description, options)`.
 EQXSCAN_VARIANTS: tuple[tuple[str, str, dict[str, Any]], ...] = (
-    ("eqxscan", "eqxscan default (checkpoint='auto')", {}),
+    ("eqxscan", "eqxscan default (remat='auto')", {}),
     ("eqxscan-loop", "eqxscan mode='loop' (unrolled)", {"mode": "loop"}),
-    ("eqxscan-plain", "eqxscan checkpoint=False", {"checkpoint": False}),
-    ("eqxscan-remat", "eqxscan checkpoint=True", {"checkpoint": True}),
-    ("eqxscan-nested", "eqxscan checkpoint='nested'", {"checkpoint": "nested"}),
+    ("eqxscan-plain", "eqxscan remat=False", {"remat": False}),
+    ("eqxscan-remat", "eqxscan remat=True", {"remat": True}),
+    ("eqxscan-nested", "eqxscan remat='nested'", {"remat": "nested"}),
     (
         "eqxscan-dots",
-        "eqxscan checkpoint=dots_saveable",
-        {"checkpoint": _POLICIES.dots_saveable},
+        "eqxscan remat=dots_saveable",
+        {"remat": _POLICIES.dots_saveable},
     ),
-    ("eqxscan-offload", "eqxscan checkpoint='offload'", {"checkpoint": "offload"}),
+    ("eqxscan-offload", "eqxscan remat='offload'", {"remat": "offload"}),
 )
 
 
@@ -371,8 +371,8 @@ IMPLS: dict[str, Impl[StackedMLP]] = {
         *eqxscan_impls(_eqxscan),
         Impl(
             "eqxscan-save-all",
-            "eqxscan checkpoint=everything_saveable",
-            _eqxscan(checkpoint=_POLICIES.everything_saveable),
+            "eqxscan remat=everything_saveable",
+            _eqxscan(remat=_POLICIES.everything_saveable),
         ),
         Impl("eqx-recipe", "Equinox recipe (filter_vmap+partition+scan)", _recipe),
         Impl("jax-scan", "plain JAX dict of arrays + lax.scan", _plain_jax),

@@ -24,7 +24,7 @@ from ._impls import Built, Impl, IMPLS, LOOP, MismatchError, rel_err, TOLERANCE
 from ._transformer import IMPLS as TRANSFORMER_IMPLS, transformer_problem
 
 
-#: What checkpoint="auto" calls the matmul-saving policy.
+#: What remat="auto" calls the matmul-saving policy.
 AUTO_POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 WARMUP = 1
@@ -224,7 +224,7 @@ def measure_compile(
     return {
         "impl": name,
         "layers": num_layers,
-        # What the default resolved to (the other eqxscan entries set `checkpoint`).
+        # What the default resolved to (the other eqxscan entries set `remat`).
         "auto": (
             resolved_auto(built.loss, built.params, x, y) if name == "eqxscan" else None
         ),
@@ -241,23 +241,23 @@ def measure_compile(
     }
 
 
-def setting_label(checkpoint: Any, unroll: int | bool) -> str:
-    """A short name for a `(checkpoint, unroll)` setting, as in `"dots/u1"`:
+def setting_label(remat: Any, unroll: int | bool) -> str:
+    """A short name for a `(remat, unroll)` setting, as in `"dots/u1"`:
     `save-all` (`False`), `remat` (`True`), `dots` (the default's matmul-saving
     policy), else the option's repr; `full` when unrolled fully."""
-    if checkpoint is False or checkpoint is True:
-        name = "remat" if checkpoint else "save-all"
-    elif checkpoint is AUTO_POLICY:
+    if remat is False or remat is True:
+        name = "remat" if remat else "save-all"
+    elif remat is AUTO_POLICY:
         name = "dots"
     else:
-        name = getattr(checkpoint, "__name__", repr(checkpoint))
+        name = getattr(remat, "__name__", repr(remat))
     return f"{name}/{'full' if unroll is True else f'u{unroll}'}"
 
 
 def resolved_auto(fn: Callable, *args: Any) -> str | None:
     """What `"auto"` resolved to in `fn(*args)` (`setting_label` per scan, joined
     by `", "`); None when no scan used `"auto"`."""
-    found = [setting_label(c.checkpoint, c.unroll) for c in explain_auto(fn, *args)]
+    found = [setting_label(c.remat, c.unroll) for c in explain_auto(fn, *args)]
     return ", ".join(found) or None
 
 

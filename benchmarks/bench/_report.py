@@ -291,9 +291,9 @@ def markdown(results: dict[str, Any]) -> str:
     ]
     if any(row.get("auto") for row in results["compile"]):
         head += [
-            '`eqxscan (...)` is the default, `checkpoint="auto"` and '
+            '`eqxscan (...)` is the default, `remat="auto"` and '
             '`unroll="auto"`, with what they resolved to at that depth '
-            "(`checkpoint/unroll`; `dots` is the matmul-saving policy).",
+            "(`remat/unroll`; `dots` is the matmul-saving policy).",
             "",
         ]
     head += [

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
-from eqxscan import Checkpoint, Stacked
+from eqxscan import Remat, Stacked
 from eqxscan.planning import plan
 
 from ._transformer import Block, EPS
@@ -45,7 +45,7 @@ AXES: dict[str, tuple[str | None, ...]] = {
 RULES: dict[str, str | None] = {"heads": "model", "mlp": "model", "embed": "fsdp"}
 LEARNING_RATE = 1e-3
 #: `--remat`'s words.
-REMAT_WORDS: dict[str, Checkpoint] = {
+REMAT_WORDS: dict[str, Remat] = {
     "False": False,
     "True": True,
     "auto": "auto",
@@ -218,12 +218,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         nargs="+",
         choices=list(REMAT_WORDS),
         default=["False", "True"],
-        help="checkpoint settings to compare (default: False True)",
+        help="remat settings to compare (default: False True)",
     )
     p.add_argument("--accelerator", default="H100")
     p.add_argument("--json", default=None, help="also write the rows here")
     args = p.parse_args(argv)
-    remat: list[Checkpoint] = [REMAT_WORDS[r] for r in args.remat]
+    remat: list[Remat] = [REMAT_WORDS[r] for r in args.remat]
     meshes = None if args.meshes is None else [_mesh(m) for m in args.meshes]
     start = time.perf_counter()
     # By reference, for the fresh processes `plan` starts when devices are missing.
@@ -263,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print("\n| data | fsdp | model | params+opt GiB (plan) | analytic GiB | ratio |")
     print("|---:|---:|---:|---:|---:|---:|")
     for c in result.candidates:
-        if c.error is None and c.checkpoint == result.candidates[0].checkpoint:
+        if c.error is None and c.remat == result.candidates[0].remat:
             a = analytic[c.mesh]
             print(
                 f"| {c.mesh[0]} | {c.mesh[1]} | {c.mesh[2]} | "

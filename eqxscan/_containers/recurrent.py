@@ -365,13 +365,13 @@ class Recurrent(Scanning):
           `xs` either way.
         - `mode`: `"scan"` (`jax.lax.scan`) or `"loop"` (a Python loop over the
           time steps: the reference path; identical values, keys and gradients).
-        - `checkpoint`: rematerialisation per time step, as for
+        - `remat`: rematerialisation per time step, as for
           [`eqxscan.Stacked`][]: `"auto"` (default), `False`, `True`, a
           `jax.checkpoint_policies` policy, or `"nested"` (saved carries grow like
           `sqrt(T)`, for long sequences).
         - `unroll`: a positive int, passed to `jax.lax.scan`; `True` unrolls fully
-          (the program of `mode="loop"`, with this `checkpoint`); `"auto"`
-          (default) is chosen with `checkpoint="auto"`'s rule.
+          (the program of `mode="loop"`, with this `remat`); `"auto"`
+          (default) is chosen with `remat="auto"`'s rule.
         """
         check_callable("cell", cell)
         check_option("reverse", reverse, (False, True))

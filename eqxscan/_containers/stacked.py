@@ -2,7 +2,7 @@
 
 Its calls describe themselves to the layer-call seam (`eqxscan/_scan/layer_call.py`)
 as one `LayerCall`, and `scan_layers` runs layer `i` of the stack through it,
-one scan step per layer. `LayerIndex` and `StateDictFn` say how a container's
+one scan step per layer. `LayerNumbering` and `StateDictFn` say how a container's
 `state_dict_layers` names its arrays in a state dict (see `eqxscan._containers.walk`).
 """
 
@@ -112,18 +112,19 @@ def _check_made(layers: object) -> None:
         )
 
 
-class LayerIndex(NamedTuple):
+class LayerNumbering(NamedTuple):
     """How the flat state-dict names of [`eqxscan.to_state_dict`][] number the
     layers of a subtree: an array element at layer-axis index `i` (one entry per
     leading layer axis of the subtree) belongs to layer
     `start + sum(i[k] * strides[k])`. A `Stacked`'s layers are
-    `LayerIndex(0, (1,))`; layer 5 of a `Chain`, alone, is `LayerIndex(5, ())`."""
+    `LayerNumbering(0, (1,))`; layer 5 of a `Chain`, alone, is
+    `LayerNumbering(5, ())`."""
 
     start: int
     strides: tuple[int, ...]
 
 
-StateDictFn = Callable[[PyTree, LayerIndex, tuple[int, ...]], PyTree]
+StateDictFn = Callable[[PyTree, LayerNumbering, tuple[int, ...]], PyTree]
 """What a module's `state_dict_layers` applies to each subtree that holds layers:
 `fn(subtree, index, axes)`, with `axes` the sizes of the layer axes in front of
 the subtree's arrays; it returns the subtree to put in its place."""
@@ -192,18 +193,18 @@ class Stacked(Scanning, Generic[LayerT]):
           builds it.
         - `mode`: `"scan"` (`jax.lax.scan`, one traced body) or `"loop"` (a Python
           loop over the same weights: the reference and debugging path).
-        - `checkpoint`: rematerialisation. `"auto"` (default: chosen from the
+        - `remat`: rematerialisation. `"auto"` (default: chosen from the
           traced layer's shapes: save everything when that is small, else
           recompute; see [`eqxscan.explain_auto`][]), `False` (save everything),
           `True` (`jax.checkpoint` around each layer), a
           `jax.checkpoint_policies` policy, `"nested"` (two-level scan whose
           saved carries grow like `sqrt(L)`), `"offload"` (the matmul outputs
-          kept in host memory), or an [`eqxscan.ScanCheckpoint`][] (a policy plus
+          kept in host memory), or an [`eqxscan.ScanRemat`][] (a policy plus
           what to do with each layer's carry and inputs, and nesting of any
           shape). All give the same values and gradients.
         - `unroll`: a positive int, passed to `jax.lax.scan`; `True` unrolls fully
-          (the program of `mode="loop"`, with this `checkpoint`); `"auto"`
-          (default) is chosen with `checkpoint="auto"`'s rule.
+          (the program of `mode="loop"`, with this `remat`); `"auto"`
+          (default) is chosen with `remat="auto"`'s rule.
 
         - `drop_path`: stochastic depth while training: a rate per layer (one
           number, `L` numbers or [`eqxscan.linear_rates`][]); per example,
@@ -213,7 +214,7 @@ class Stacked(Scanning, Generic[LayerT]):
           for the whole batch with probability `layer_drop[i]`, its compute not
           done (a `jax.lax.cond` in the scan body, forward and backward).
 
-        `mode`, `checkpoint` and `unroll` make the module's
+        `mode`, `remat` and `unroll` make the module's
         [`eqxscan.ScanOptions`][]; `drop_path` and `layer_drop` its
         [`eqxscan.DepthDrop`][] (`.depth_drop`), which needs a `key` at every
         call while training and does nothing under `eqx.nn.inference_mode`.
@@ -256,7 +257,7 @@ class Stacked(Scanning, Generic[LayerT]):
 
         - `layers`: a non-empty sequence of layers with identical structure,
           static fields, shapes and dtypes.
-        - `mode`, `checkpoint`, `unroll`: as for `__init__`.
+        - `mode`, `remat`, `unroll`: as for `__init__`.
 
         **Returns:**
 
@@ -347,7 +348,7 @@ class Stacked(Scanning, Generic[LayerT]):
 
         **Arguments:**
 
-        - `fn`: applied to `layers` as `fn(self.layers, LayerIndex(0, (1,)),
+        - `fn`: applied to `layers` as `fn(self.layers, LayerNumbering(0, (1,)),
           (num_layers,))` (see `eqxscan._containers.stacked.StateDictFn`).
 
         **Returns:**
@@ -355,7 +356,7 @@ class Stacked(Scanning, Generic[LayerT]):
         This stack with `layers` replaced by what `fn` returned, rebuilt (and
         so checked) as `Stacked.__init__` builds one.
         """
-        layers = fn(self.layers, LayerIndex(0, (1,)), (self.num_layers,))
+        layers = fn(self.layers, LayerNumbering(0, (1,)), (self.num_layers,))
         return restack(self, layers=layers)
 
     def with_layer(self, index: SupportsIndex, layer: LayerT) -> "Stacked[LayerT]":
@@ -490,7 +491,7 @@ class Stacked(Scanning, Generic[LayerT]):
 
         The outputs, stacked leaf by leaf on a new leading axis of length `L`.
         With `mode="scan"` this is one `jax.vmap` over the layer axis; with
-        `mode="loop"` a Python loop (the reference). `checkpoint` and `unroll`
+        `mode="loop"` a Python loop (the reference). `remat` and `unroll`
         do not apply: nothing is scanned; nor do `drop_path` and `layer_drop`,
         which drop depth.
         """

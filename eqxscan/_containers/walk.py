@@ -13,7 +13,7 @@ ways:
 - by state-dict name (`names=True`): a module that owns its state-dict names
   (a `Stacked` or `Chain`; see `NamesLayers`) is
   entered through its `state_dict_layers`, which puts a
-  `LayerIndex` in the path where the layer
+  `LayerNumbering` in the path where the layer
   number goes; other entries are attribute names, indices and dict keys.
 """
 
@@ -25,14 +25,14 @@ from jaxtyping import PyTree
 
 from .._helpers.checks import is_arraylike
 from .._helpers.constrain import is_none
-from .stacked import LayerIndex, Stacked, StateDictFn
+from .stacked import LayerNumbering, Stacked, StateDictFn
 
 
 class Site(NamedTuple):
     """Where a node sits in the model being walked.
 
     - `path`: the key path from the root (by state-dict name: the name parts,
-      strings and `LayerIndex`es).
+      strings and `LayerNumbering`es).
     - `axes`: the sizes of the layer axes in front of the node's arrays,
       outermost first: one per enclosing `Stacked`, so a `Stacked` inside a
       `Stacked`'s layer has two (by name, a repeated pattern of a `Chain` adds its
@@ -102,7 +102,7 @@ def key_name(entry: Any, where: tuple) -> str:
 
 def pattern(parts: tuple, fill: str = "*") -> str:
     """Name parts joined with '.', each layer index shown as `fill`."""
-    return ".".join(fill if isinstance(p, LayerIndex) else p for p in parts)
+    return ".".join(fill if isinstance(p, LayerNumbering) else p for p in parts)
 
 
 def walk(
@@ -137,7 +137,9 @@ def walk(
     if names and isinstance(tree, NamesLayers):
         num_layers = tree.num_layers
 
-        def inner(subtree: PyTree, index: LayerIndex, axes: tuple[int, ...]) -> PyTree:
+        def inner(
+            subtree: PyTree, index: LayerNumbering, axes: tuple[int, ...]
+        ) -> PyTree:
             return walk(
                 fn, subtree, names=True, site=site.enter(index, axes, num_layers)
             )

@@ -350,7 +350,7 @@ def run_until(
     `jax.grad` through `run_until` fails (JAX's error names `while_loop`); it is
     for inference (forward-mode `jax.jvp` and `jax.vmap` work). With
     `mode="loop"` (the reference) every layer runs in Python and its result is
-    discarded after the exit. `checkpoint=` has no effect: nothing is saved for
+    discarded after the exit. `remat=` has no effect: nothing is saved for
     a backward pass. Under `jax.vmap` a whole-batch exit becomes per mapped
     example, as for `while_loop`. Stateful layers (an `eqx.nn.State`
     argument) are not supported. Called outside `jit`, every call compiles

@@ -180,7 +180,7 @@ def run_layers(
     The carry after the chosen layers.
 
     A `Stacked` scans the chosen layers with its own options (`mode`,
-    `checkpoint=`, `unroll`), so this differentiates like a call: only the
+    `remat=`, `unroll`), so this differentiates like a call: only the
     chosen layers get gradients (a repeated layer the sum). A static stretch
     of consecutive layers is sliced out of the stacked weights first; with an
     index array, or static layers out of order, each scan step reads its one

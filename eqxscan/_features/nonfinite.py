@@ -184,7 +184,7 @@ def find_nonfinite(
     - `model`: what `loss_fn` is differentiated with respect to (a model, or a
       [`eqxscan.Stacked`][], [`eqxscan.Chain`][] or [`eqxscan.Recurrent`][]).
     - `loss_fn`: `loss_fn(model, *inputs) -> scalar`. It must call exactly one
-      container (directly, not inside its own `vmap`, `checkpoint` or `jit`):
+      container (directly, not inside its own `vmap`, `remat` or `jit`):
       that container's layers are the ones reported.
     - `*inputs`: the rest of `loss_fn`'s arguments (a batch).
 

@@ -456,7 +456,7 @@ def check_policy(name: str, policy: Callable[..., object]) -> None:
             f"as JAX calls one, policy(primitive, *avals, **params), it raised "
             f"{type(e).__name__}: {e}\nHint: pass a jax.checkpoint_policies policy "
             "(e.g. jax.checkpoint_policies.dots_saveable), True, False, 'auto', "
-            "'nested', 'offload' or an eqxscan.ScanCheckpoint."
+            "'nested', 'offload' or an eqxscan.ScanRemat."
         ) from None
 
 

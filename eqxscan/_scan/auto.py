@@ -1,4 +1,4 @@
-"""The default: what `checkpoint="auto"` and `unroll="auto"` pick, from the
+"""The default: what `remat="auto"` and `unroll="auto"` pick, from the
 traced step's shapes.
 
 When the scan body is traced, every shape is known. `measure_traced` reads the
@@ -12,7 +12,7 @@ jaxpr the engine traced the step to (once; nothing runs) and counts:
 - the FLOPs of one step (`2·M·N·K` per matmul, one per element of everything else).
 
 `decide` turns those into a choice by two small rules, `unroll_rule` and
-`checkpoint_rule`, over the numbers in `THRESHOLDS`; docs/default-checkpoint.md
+`remat_rule`, over the numbers in `THRESHOLDS`; docs/default-remat.md
 has the rule's table and the measurements behind every threshold.
 """
 
@@ -32,8 +32,8 @@ from jax.custom_batching import custom_vmap
 from jaxtyping import PyTree
 
 from .._helpers.checks import is_array
-from .options import Checkpoint
-from .remat import as_scan_checkpoint, AUTO_POLICY, Policy, ScanCheckpoint
+from .options import Remat
+from .remat import as_scan_remat, AUTO_POLICY, Policy, ScanRemat
 
 
 Over: TypeAlias = Literal["layers", "time"]
@@ -43,7 +43,7 @@ cell's weights closed over, their gradient summed across steps)."""
 
 @dataclasses.dataclass(frozen=True)
 class Thresholds:
-    """The numbers of the rule, one per line; docs/default-checkpoint.md has the
+    """The numbers of the rule, one per line; docs/default-remat.md has the
     measurements behind each. Byte totals are per step × the scan's length."""
 
     #: Save everything when a plain scan's residuals are at most this ...
@@ -83,7 +83,7 @@ more than `unroll_copies`: 1), `"time"` (on
 CPU, a matmul-heavy scan over time with one carried array: `time_unroll`),
 `"scan"` (none of those: 1)."""
 
-CheckpointRule: TypeAlias = Literal[
+RematRule: TypeAlias = Literal[
     "given",
     "unrolled",
     "small",
@@ -92,7 +92,7 @@ CheckpointRule: TypeAlias = Literal[
     "nearly-all-matmul",
     "policy",
 ]
-"""Which rule set `checkpoint`: `"given"` (explicit), `"unrolled"` (unrolled
+"""Which rule set `remat`: `"given"` (explicit), `"unrolled"` (unrolled
 fully: `False`, as the loop), `"small"` (small residuals, mostly matmul outputs:
 `False`), on CPU `"small-step"` and `"large-matmuls"` (`True`) and
 `"nearly-all-matmul"` (`False`), else `"policy"` (the matmul-saving policy)."""
@@ -155,8 +155,8 @@ def unroll_rule(
     return "scan"
 
 
-def checkpoint_rule(cost: StepCost, platform: str, t: Thresholds) -> CheckpointRule:
-    """The rule for `checkpoint="auto"` in a scan not unrolled fully: the first
+def remat_rule(cost: StepCost, platform: str, t: Thresholds) -> RematRule:
+    """The rule for `remat="auto"` in a scan not unrolled fully: the first
     that applies."""
     cpu = platform in t.cpu_platforms
     if cost.saved_total <= t.small_residuals and cost.ratio <= t.matmul_dominated:
@@ -172,7 +172,7 @@ def checkpoint_rule(cost: StepCost, platform: str, t: Thresholds) -> CheckpointR
 
 #: The rules that recompute the whole step; `"policy"` keeps the policy's, the
 #: others save everything.
-_FULL_REMAT: tuple[CheckpointRule, ...] = ("small-step", "large-matmuls")
+_FULL_REMAT: tuple[RematRule, ...] = ("small-step", "large-matmuls")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +183,7 @@ class AutoRule:
 
     - `unroll`: a `UnrollRule`: `"given"`, `"sharded"`, `"short"`, `"time"` or
       `"scan"`.
-    - `checkpoint`: a `CheckpointRule`: `"given"`, `"unrolled"`, `"small"`,
+    - `remat`: a `RematRule`: `"given"`, `"unrolled"`, `"small"`,
       `"small-step"`, `"large-matmuls"`, `"nearly-all-matmul"` or `"policy"`.
     - `platform`: `jax.default_backend()` when the rule ran.
     - `over`: `"layers"` or `"time"`.
@@ -191,7 +191,7 @@ class AutoRule:
     """
 
     unroll: UnrollRule
-    checkpoint: CheckpointRule
+    remat: RematRule
     platform: str
     over: Over = "layers"
     thresholds: Thresholds = dataclasses.field(default=THRESHOLDS, repr=False)
@@ -200,7 +200,7 @@ class AutoRule:
 class Decision(NamedTuple):
     """`decide`'s answer: the resolved options and the rules behind them."""
 
-    checkpoint: Checkpoint
+    remat: Remat
     unroll: int | bool
     rule: AutoRule
 
@@ -211,7 +211,7 @@ def _is_auto(value: object) -> bool:
 
 def decide(
     cost: StepCost,
-    checkpoint: Checkpoint,
+    remat: Remat,
     unroll: int | bool | Literal["auto"],
     policy: Policy,
     platform: str,
@@ -219,8 +219,8 @@ def decide(
     gathered: bool = False,
     over: Over = "layers",
 ) -> Decision:
-    """Resolve `"auto"` in `checkpoint` and/or `unroll` by `unroll_rule` and
-    `checkpoint_rule` (with `THRESHOLDS`); explicit values pass through. `gathered`:
+    """Resolve `"auto"` in `remat` and/or `unroll` by `unroll_rule` and
+    `remat_rule` (with `THRESHOLDS`); explicit values pass through. `gathered`:
     each step may gather its own sharded weights (FSDP)."""
     t = THRESHOLDS
     u_rule: UnrollRule = "given"
@@ -229,11 +229,11 @@ def decide(
         steps = {"short": True, "time": t.time_unroll}.get(u_rule, 1)
     else:
         steps = unroll
-    c_rule: CheckpointRule = "given"
-    if _is_auto(checkpoint):
-        c_rule = "unrolled" if steps is True else checkpoint_rule(cost, platform, t)
-        checkpoint = policy if c_rule == "policy" else c_rule in _FULL_REMAT
-    return Decision(checkpoint, steps, AutoRule(u_rule, c_rule, platform, over, t))
+    c_rule: RematRule = "given"
+    if _is_auto(remat):
+        c_rule = "unrolled" if steps is True else remat_rule(cost, platform, t)
+        remat = policy if c_rule == "policy" else c_rule in _FULL_REMAT
+    return Decision(remat, steps, AutoRule(u_rule, c_rule, platform, over, t))
 
 
 def _mib(n: int) -> str:
@@ -279,15 +279,15 @@ def _unroll_reason(rule: AutoRule, cost: StepCost) -> str:
     return f"{steps}{why}: unroll 1"
 
 
-def _checkpoint_reason(rule: AutoRule, cost: StepCost) -> str:
+def _remat_reason(rule: AutoRule, cost: StepCost) -> str:
     t, on = rule.thresholds, rule.platform
-    if rule.checkpoint == "unrolled":
+    if rule.remat == "unrolled":
         return "unrolled fully, so save what the loop saves"
     facts = (
         f"a plain scan saves {_mib(cost.saved_total)}, {cost.ratio:.2f}x what saving "
         f"matmul outputs keeps ({_mib(cost.policy_total)})"
     )
-    if rule.checkpoint == "small":
+    if rule.remat == "small":
         return (
             f"{facts}: at most {_mib(t.small_residuals)} and {t.matmul_dominated}x, "
             "so save everything"
@@ -305,7 +305,7 @@ def _checkpoint_reason(rule: AutoRule, cost: StepCost) -> str:
         "nearly-all-matmul": f"but on {on} at most {t.nearly_all_matmul}x is nearly "
         "all matmul outputs: save everything",
         "policy": "so save matmul outputs and recompute the rest",
-    }[rule.checkpoint]
+    }[rule.remat]
     return f"{facts}: {over}, {verdict}"
 
 
@@ -314,8 +314,8 @@ def reason(rule: AutoRule, cost: StepCost) -> str:
     parts = []
     if rule.unroll != "given":
         parts.append(_unroll_reason(rule, cost))
-    if rule.checkpoint != "given":
-        parts.append(_checkpoint_reason(rule, cost))
+    if rule.remat != "given":
+        parts.append(_remat_reason(rule, cost))
     return "; ".join(parts)
 
 
@@ -325,12 +325,12 @@ class AutoChoice:
 
     **Fields:**
 
-    - `checkpoint`: the resolved option: `False` (save everything), `True` (full
+    - `remat`: the resolved option: `False` (save everything), `True` (full
       remat) or a `jax.checkpoint_policies` policy.
     - `unroll`: the resolved `unroll`.
-    - `rule`: which rule fired: `rule.unroll` and `rule.checkpoint` name it
+    - `rule`: which rule fired: `rule.unroll` and `rule.remat` name it
       (`"given"` where the option was explicit; the values are listed in
-      docs/default-checkpoint.md).
+      docs/default-remat.md).
     - `cost`: the measured [`StepCost`][eqxscan.remat.StepCost].
     - `where`: which scan (the layer type or cell, as in error messages).
 
@@ -338,7 +338,7 @@ class AutoChoice:
     `rule` and `cost`.
     """
 
-    checkpoint: Checkpoint
+    remat: Remat
     unroll: int | bool
     rule: AutoRule
     cost: StepCost
@@ -350,14 +350,14 @@ class AutoChoice:
 
     @property
     def checkpoint_name(self) -> str:
-        if callable(self.checkpoint):
-            return getattr(self.checkpoint, "__name__", repr(self.checkpoint))
-        return repr(self.checkpoint)
+        if callable(self.remat):
+            return getattr(self.remat, "__name__", repr(self.remat))
+        return repr(self.remat)
 
     def __repr__(self) -> str:
         return (
-            f"AutoChoice(checkpoint={self.checkpoint_name}, unroll={self.unroll!r}, "
-            f"rule=({self.rule.checkpoint!r}, {self.rule.unroll!r}), "
+            f"AutoChoice(remat={self.checkpoint_name}, unroll={self.unroll!r}, "
+            f"rule=({self.rule.remat!r}, {self.rule.unroll!r}), "
             f"where={self.where!r}, reason={self.reason!r})"
         )
 
@@ -546,24 +546,24 @@ def resolve(
     n_carry: int,
     values: PyTree[jax.Array],
     length: int,
-    checkpoint: ScanCheckpoint,
+    remat: ScanRemat,
     unroll: int | bool | Literal["auto"],
     where: str,
     gathered: bool = False,
     over: Over = "layers",
-) -> tuple[ScanCheckpoint, int | bool]:
-    """`(checkpoint, unroll)` with eqxscan's rule applied where it chooses
-    (`checkpoint.is_rule`, `unroll="auto"`), measured on the step traced once
+) -> tuple[ScanRemat, int | bool]:
+    """`(remat, unroll)` with eqxscan's rule applied where it chooses
+    (`remat.is_rule`, `unroll="auto"`), measured on the step traced once
     to `jaxpr` (see `measure_traced`); other values pass through."""
-    if not checkpoint.is_rule and not isinstance(unroll, str):  # no "auto"
-        return checkpoint, unroll
+    if not remat.is_rule and not isinstance(unroll, str):  # no "auto"
+        return remat, unroll
     cost = measure_traced(jaxpr, n_carry, values, length, AUTO_POLICY)
     platform = jax.default_backend()
-    # The rule sees "auto", or the value as a plain `checkpoint=` option.
-    given = checkpoint.policy if not checkpoint.named else checkpoint
+    # The rule sees "auto", or the value as a plain `remat=` option.
+    given = remat.policy if not remat.named else remat
     raw, unroll, rule = decide(
         cost,
-        "auto" if checkpoint.is_rule else given,  # pyright: ignore[reportArgumentType]  # passed through
+        "auto" if remat.is_rule else given,  # pyright: ignore[reportArgumentType]  # passed through
         unroll,
         AUTO_POLICY,
         platform,
@@ -572,7 +572,7 @@ def resolve(
     )
     for record in _RECORDERS.get():
         record.append(AutoChoice(raw, unroll, rule, cost, where))
-    return (as_scan_checkpoint(raw) if checkpoint.is_rule else checkpoint), unroll
+    return (as_scan_remat(raw) if remat.is_rule else remat), unroll
 
 
 @contextlib.contextmanager

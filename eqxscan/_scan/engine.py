@@ -35,31 +35,31 @@ from .remat import (
     nested_scan,
     OFFLOAD_POLICY,
     Policy,
-    ScanCheckpoint,
+    ScanRemat,
     Step,
 )
 from .skip import can_gate_scan, gated, gated_scan, gated_step
 from .taps import collected
 
 
-def remat(fn: Step, checkpoint: ScanCheckpoint, *, in_scan: bool) -> Step:
-    """`fn` (one scan step) wrapped in `jax.checkpoint` as `checkpoint` asks."""
+def wrap_remat(fn: Step, remat: ScanRemat, *, in_scan: bool) -> Step:
+    """`fn` (one scan step) wrapped in `jax.checkpoint` as `remat` asks."""
     # Inside a scan the loop boundary already stops XLA from CSE-ing the
     # recomputation away, so `prevent_cse=False` avoids needless barriers.
     prevent_cse = not in_scan
-    if not checkpoint.named:
-        if checkpoint.policy is False:
+    if not remat.named:
+        if remat.policy is False:
             return fn
-        policy = checkpoint.base_policy()
+        policy = remat.base_policy()
         return jax.checkpoint(fn, policy=policy, prevent_cse=prevent_cse)
-    if checkpoint.save_carries is not None:
+    if remat.save_carries is not None:
         fn = _named_carry(fn)
-    policy = checkpoint.step_policy(checkpoint.base_policy())
+    policy = remat.step_policy(remat.base_policy())
     return jax.checkpoint(fn, policy=policy, prevent_cse=prevent_cse)
 
 
 def _named_carry(body: Step) -> Step:
-    # The carry a step receives, named so that `ScanCheckpoint` can keep,
+    # The carry a step receives, named so that `ScanRemat` can keep,
     # recompute or offload it.
     return lambda c, x: body(name_tree(c, CARRY), x)
 
@@ -158,7 +158,7 @@ def run(
     - `carry`: any pytree; array leaves are scanned, other leaves must come back
       unchanged.
     - `xs`: a pytree of arrays, each with leading axis `length`.
-    - `options`: mode, rematerialisation (read as `options.scan_checkpoint`) and
+    - `options`: mode, rematerialisation (read as `options.scan_remat`) and
       unroll.
     - `reverse`: consume `xs` last to first; `ys` stays aligned with `xs`.
     - `where`: names step `i` (or every step, for `None`) in error messages.
@@ -172,7 +172,7 @@ def run(
     - `read`: what a step reads of its slice `x_i` before the step sees it
       (e.g. its layer's weights constrained to a replicated sharding: FSDP's
       gather of one layer). The engine names what `read` returns as the
-      step's inputs for `ScanCheckpoint(save_inputs=...)`, so a policy decides
+      step's inputs for `ScanRemat(save_inputs=...)`, so a policy decides
       whether the backward pass reads (or gathers) them again.
 
     **Returns:**
@@ -182,24 +182,24 @@ def run(
     With `mode="scan"` the step is traced once (see `trace_step`), whatever the
     options; with `mode="loop"` once per step, as a Python loop would.
     """
-    checkpoint = options.scan_checkpoint
-    step = _reading(step, read, checkpoint)
+    remat = options.scan_remat
+    step = _reading(step, read, remat)
     if options.mode == "loop":
-        return _run_loop(step, carry, xs, length, checkpoint, reverse, where, keep)
+        return _run_loop(step, carry, xs, length, remat, reverse, where, keep)
     traced, c_dyn, c_static = trace_step(step, carry, xs, length, where(None))
-    checkpoint, unroll = resolve(
+    remat, unroll = resolve(
         traced.jaxpr,
         traced.n_carry,
         (c_dyn, xs),
         length,
-        checkpoint,
+        remat,
         options.unroll,
         where(None),
         gathered,
         over,
     )
-    how = (length, reverse, unroll, checkpoint)
-    if keep is not None and _whole_scan(checkpoint, traced):
+    how = (length, reverse, unroll, remat)
+    if keep is not None and _whole_scan(remat, traced):
         c_dyn, ys = _gated_whole(traced, c_dyn, xs, keep, *how)
     else:
         c_dyn, ys = _scanned(traced, c_dyn, xs, keep, *how)
@@ -214,10 +214,10 @@ def _gated_whole(
     length: int,
     reverse: bool,
     unroll: int | bool,
-    checkpoint: ScanCheckpoint,
+    remat: ScanRemat,
 ) -> tuple[PyTree, PyTree]:
     """`(carry, ys)` (array parts) of a scan gated by LayerDrop's `keep` as one
-    `gated_scan`, each kept layer saving what the checkpoint says."""
+    `gated_scan`, each kept layer saving what the remat says."""
     # The rule's choice, or a plain value: a kept layer saves what it says.
     c_flat, y_flat = gated_scan(
         traced.jaxpr,
@@ -228,7 +228,7 @@ def _gated_whole(
         length=length,
         reverse=reverse,
         unroll=unroll,
-        policy=_gate_policy(checkpoint),
+        policy=_gate_policy(remat),
     )
     return jtu.tree_unflatten(traced.out_tree, c_flat + y_flat)
 
@@ -241,36 +241,36 @@ def _scanned(
     length: int,
     reverse: bool,
     unroll: int | bool,
-    checkpoint: ScanCheckpoint,
+    remat: ScanRemat,
 ) -> tuple[PyTree, PyTree]:
     """`(carry, ys)` (array parts) of the traced step run `length` times as
-    `checkpoint` and `unroll` say: unrolled, a nested scan, or one `lax.scan`;
+    `remat` and `unroll` say: unrolled, a nested scan, or one `lax.scan`;
     each step gated on its own where `keep` is given."""
     body: Step = traced
     if keep is not None:
-        # A checkpoint that names or nests what to save: each step gated on its
-        # own, inside the remat that the checkpoint asks for.
+        # A remat that names or nests what to save: each step gated on its
+        # own, inside the remat that the remat asks for.
         body = gated_step(traced.jaxpr, traced.out_tree, traced.n_carry)
         xs = (xs, keep)
-    if unroll is True and not checkpoint.named:
+    if unroll is True and not remat.named:
         # Unrolled fully: the loop's own program, from the one traced step.
-        return _unrolled(body, c_dyn, xs, length, checkpoint, reverse)
-    if checkpoint.named:
-        if checkpoint.save_carries is not None:
+        return _unrolled(body, c_dyn, xs, length, remat, reverse)
+    if remat.named:
+        if remat.save_carries is not None:
             body = _named_carry(body)
         return nested_scan(
             body,
             c_dyn,
             xs,
             length,
-            checkpoint.levels(length) or (),
+            remat.levels(length) or (),
             unroll,
-            checkpoint.step_policy(checkpoint.base_policy()),
-            checkpoint.boundary_policy(),
+            remat.step_policy(remat.base_policy()),
+            remat.boundary_policy(),
             reverse,
         )
     return jax.lax.scan(
-        remat(body, checkpoint, in_scan=True),
+        wrap_remat(body, remat, in_scan=True),
         c_dyn,
         xs,
         length=length,
@@ -280,15 +280,15 @@ def _scanned(
 
 
 def _reading(
-    step: Step, read: Callable[[PyTree], PyTree] | None, checkpoint: ScanCheckpoint
+    step: Step, read: Callable[[PyTree], PyTree] | None, remat: ScanRemat
 ) -> Step:
     """`step` given what `read` makes of its slice, named as the step's inputs
-    when `checkpoint` names them."""
+    when `remat` names them."""
 
     def body(c: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
         if read is not None:
             x = read(x)
-        return step(c, name_inputs(x, checkpoint))
+        return step(c, name_inputs(x, remat))
 
     return body
 
@@ -296,24 +296,24 @@ def _reading(
 def named_inputs(options: ScanOptions) -> Callable[[PyTree], PyTree]:
     """How a step that reads its inputs itself (a layer gathered from the whole
     stack by a traced index) names them as `run` names a scan's inputs."""
-    checkpoint = options.scan_checkpoint
-    return lambda tree: name_inputs(tree, checkpoint)
+    remat = options.scan_remat
+    return lambda tree: name_inputs(tree, remat)
 
 
-def _whole_scan(checkpoint: ScanCheckpoint, traced: Traced) -> bool:
-    """Whether a gated scan runs as one `gated_scan`: a checkpoint that does not
+def _whole_scan(remat: ScanRemat, traced: Traced) -> bool:
+    """Whether a gated scan runs as one `gated_scan`: a remat that does not
     name or nest (the scan saves the carries whatever it says), and a step
     whose carry and outputs all take cotangents."""
-    return not checkpoint.named and can_gate_scan(traced.jaxpr)
+    return not remat.named and can_gate_scan(traced.jaxpr)
 
 
-def _gate_policy(checkpoint: ScanCheckpoint) -> Policy | None:
+def _gate_policy(remat: ScanRemat) -> Policy | None:
     """What a kept layer of a gated scan saves: the policy of a plain
-    `checkpoint=` value, or `None` (only the carry) for `True` and for
+    `remat=` value, or `None` (only the carry) for `True` and for
     `"offload"`, whose host copies a branch of a `cond` would not keep."""
-    if checkpoint.policy is True or checkpoint.policy is OFFLOAD_POLICY:
+    if remat.policy is True or remat.policy is OFFLOAD_POLICY:
         return None
-    return checkpoint.base_policy()
+    return remat.base_policy()
 
 
 def _unrolled(
@@ -321,12 +321,12 @@ def _unrolled(
     c_dyn: PyTree,
     xs: PyTree,
     length: int,
-    checkpoint: ScanCheckpoint,
+    remat: ScanRemat,
     reverse: bool,
 ) -> tuple[PyTree, PyTree]:
     # What `_run_loop` builds (one slice per step, the outputs stacked), with
     # each step the evaluated jaxpr rather than a new trace of the step.
-    fn = remat(traced, checkpoint, in_scan=False)
+    fn = wrap_remat(traced, remat, in_scan=False)
     ys: list[PyTree] = [None] * length
     slices = _unstack(xs, length)
     for i in range(length - 1, -1, -1) if reverse else range(length):
@@ -339,16 +339,14 @@ def _run_loop(
     carry: PyTree,
     xs: PyTree,
     length: int,
-    checkpoint: ScanCheckpoint,
+    remat: ScanRemat,
     reverse: bool,
     where: Callable[[int | None], str],
     keep: Bool[Array, " L"] | None = None,
 ) -> tuple[PyTree, PyTree]:
     # The reference path. The "auto" rule is a scan-specific optimisation, so the
     # loop saves everything unless remat was asked for explicitly.
-    explicit = not checkpoint.is_rule and not (
-        checkpoint.policy is False and not checkpoint.named
-    )
+    explicit = not remat.is_rule and not (remat.policy is False and not remat.named)
 
     def step_fn(c: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
         if keep is not None:
@@ -370,7 +368,7 @@ def _run_loop(
             statics.append((new_static, y_static))
             return new_dyn, y_dyn
 
-        new_dyn, y_dyn = remat(arrays_only, checkpoint, in_scan=False)(c_dyn, x)
+        new_dyn, y_dyn = wrap_remat(arrays_only, remat, in_scan=False)(c_dyn, x)
         return eqx.combine(new_dyn, statics[0][0]), eqx.combine(y_dyn, statics[0][1])
 
     ys = [None] * length

@@ -10,53 +10,51 @@ from typing import Literal, TypeAlias, TypedDict, TypeVar
 import equinox as eqx
 
 from .._helpers.checks import check_option, check_policy, check_unroll
-from .remat import as_scan_checkpoint, Policy, ScanCheckpoint
+from .remat import as_scan_remat, Policy, ScanRemat
 
 
 Mode: TypeAlias = Literal["scan", "loop"]
 """`"scan"` runs `jax.lax.scan` (one traced body); `"loop"` a Python loop over the
 same weights (the reference and debugging path)."""
 
-Checkpoint: TypeAlias = (
-    bool | Literal["auto", "nested", "offload"] | Policy | ScanCheckpoint
-)
+Remat: TypeAlias = bool | Literal["auto", "nested", "offload"] | Policy | ScanRemat
 """Rematerialisation of each scan step: `False`, `True`, `"auto"`, `"nested"`,
-`"offload"`, a `jax.checkpoint_policies` policy, or a [`eqxscan.ScanCheckpoint`][]
+`"offload"`, a `jax.checkpoint_policies` policy, or a [`eqxscan.ScanRemat`][]
 (a policy plus what to do with each step's carry and inputs, and the nesting).
 See the remat guide."""
 
 
 class ScanArgs(TypedDict, total=False):
-    """The keyword arguments `mode=`, `checkpoint=` and `unroll=` that every
+    """The keyword arguments `mode=`, `remat=` and `unroll=` that every
     scanning module's constructor takes (as `**options`), defined once."""
 
     mode: Mode
-    checkpoint: Checkpoint
+    remat: Remat
     unroll: int | bool | Literal["auto"]
 
 
 MODES: tuple[Mode, ...] = ("scan", "loop")
-CHECKPOINT_STRINGS: tuple[str, ...] = ("auto", "nested", "offload")
-OPTION_NAMES = ("mode", "checkpoint", "unroll")
+REMAT_STRINGS: tuple[str, ...] = ("auto", "nested", "offload")
+OPTION_NAMES = ("mode", "remat", "unroll")
 
 
-def check_checkpoint(checkpoint: object) -> None:
-    """Raise unless `checkpoint` is a valid [`eqxscan.Checkpoint`][] value.
+def check_remat(remat: object) -> None:
+    """Raise unless `remat` is a valid [`eqxscan.Remat`][] value.
 
-    The one place that says which checkpoint values exist.
+    The one place that says which remat values exist.
     """
-    if isinstance(checkpoint, (bool, ScanCheckpoint)):
+    if isinstance(remat, (bool, ScanRemat)):
         return
-    if callable(checkpoint):
-        check_policy("checkpoint", checkpoint)
+    if callable(remat):
+        check_policy("remat", remat)
         return
-    if isinstance(checkpoint, str):
-        check_option("checkpoint", checkpoint, (False, True) + CHECKPOINT_STRINGS)
+    if isinstance(remat, str):
+        check_option("remat", remat, (False, True) + REMAT_STRINGS)
         return
     raise TypeError(
-        "checkpoint must be False, True, 'auto', 'nested', 'offload', a "
-        "jax.checkpoint_policies policy or an eqxscan.ScanCheckpoint, got "
-        f"{type(checkpoint).__name__}."
+        "remat must be False, True, 'auto', 'nested', 'offload', a "
+        "jax.checkpoint_policies policy or an eqxscan.ScanRemat, got "
+        f"{type(remat).__name__}."
     )
 
 
@@ -69,31 +67,31 @@ class ScanOptions(eqx.Module):
         ```python
         import eqxscan
 
-        options = eqxscan.ScanOptions(mode="loop", checkpoint=True)
+        options = eqxscan.ScanOptions(mode="loop", remat=True)
         assert options.replace(unroll=2).unroll == 2
         ```
     """
 
     mode: Mode = eqx.field(static=True)
-    checkpoint: Checkpoint = eqx.field(static=True)
+    remat: Remat = eqx.field(static=True)
     unroll: int | bool | Literal["auto"] = eqx.field(static=True)
-    #: `checkpoint` as the one `ScanCheckpoint` the engine, the `"auto"` rule
-    #: and the budget tools read (made once, here; `checkpoint` stays as given).
-    scan_checkpoint: ScanCheckpoint = eqx.field(static=True, repr=False)
+    #: `remat` as the one `ScanRemat` the engine, the `"auto"` rule
+    #: and the budget tools read (made once, here; `remat` stays as given).
+    scan_remat: ScanRemat = eqx.field(static=True, repr=False)
 
     def __init__(
         self,
         mode: object = "scan",
-        checkpoint: object = "auto",
+        remat: object = "auto",
         unroll: object = "auto",
     ):
         """**Arguments:**
 
         - `mode`: a [`eqxscan.Mode`][]: `"scan"` or `"loop"`.
-        - `checkpoint`: a [`eqxscan.Checkpoint`][] value.
+        - `remat`: a [`eqxscan.Remat`][] value.
         - `unroll`: a positive int, passed to `jax.lax.scan`; `True` to unroll
-          fully (the program of `mode="loop"`, with this `checkpoint`); or
-          `"auto"` (chosen with `checkpoint="auto"`'s rule; see
+          fully (the program of `mode="loop"`, with this `remat`); or
+          `"auto"` (chosen with `remat="auto"`'s rule; see
           [`eqxscan.explain_auto`][]).
 
         **Raises:**
@@ -103,19 +101,19 @@ class ScanOptions(eqx.Module):
         message is the same with or without a runtime type checker.)
         """
         check_option("mode", mode, MODES)
-        check_checkpoint(checkpoint)
+        check_remat(remat)
         check_unroll(unroll)
         self.mode = mode  # type: ignore[assignment]  # checked above
-        self.checkpoint = checkpoint  # type: ignore[assignment]  # checked above
+        self.remat = remat  # type: ignore[assignment]  # checked above
         self.unroll = unroll  # type: ignore[assignment]  # checked above
-        self.scan_checkpoint = as_scan_checkpoint(checkpoint)
+        self.scan_remat = as_scan_remat(remat)
 
     def as_args(self) -> ScanArgs:
         """These options as the keyword arguments of a scanning module."""
-        return ScanArgs(mode=self.mode, checkpoint=self.checkpoint, unroll=self.unroll)
+        return ScanArgs(mode=self.mode, remat=self.remat, unroll=self.unroll)
 
     def replace(self, **changes: object) -> "ScanOptions":
-        """A copy with `changes` (any of `mode`, `checkpoint`, `unroll`) applied,
+        """A copy with `changes` (any of `mode`, `remat`, `unroll`) applied,
         validated like a new one."""
         check_names(changes, OPTION_NAMES, "ScanOptions.replace")
         values = {name: getattr(self, name) for name in OPTION_NAMES}
@@ -137,7 +135,7 @@ ScanningT = TypeVar("ScanningT", bound="Scanning")
 
 class Scanning(eqx.Module):
     """Base of the modules that run the scan engine: each holds one
-    [`eqxscan.ScanOptions`][] as `options`, readable as `.mode`, `.checkpoint`
+    [`eqxscan.ScanOptions`][] as `options`, readable as `.mode`, `.remat`
     and `.unroll`, and changed with `with_options`."""
 
     options: eqx.AbstractVar[ScanOptions]
@@ -147,8 +145,8 @@ class Scanning(eqx.Module):
         return self.options.mode
 
     @property
-    def checkpoint(self) -> Checkpoint:
-        return self.options.checkpoint
+    def remat(self) -> Remat:
+        return self.options.remat
 
     @property
     def unroll(self) -> int | bool | Literal["auto"]:
@@ -159,7 +157,7 @@ class Scanning(eqx.Module):
 
         **Arguments:**
 
-        - `mode`, `checkpoint`, `unroll`: as for [`eqxscan.Stacked`][].
+        - `mode`, `remat`, `unroll`: as for [`eqxscan.Stacked`][].
         - Any option of the module's own (`layer_sharding` of a `Stacked`;
           `drop_path` and `layer_drop` of a `Stacked`, `Chain` or `StackedMLP`;
           `reverse` of a `Recurrent`).

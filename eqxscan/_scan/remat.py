@@ -1,4 +1,4 @@
-"""`ScanCheckpoint`: what a scan keeps for the backward pass, beyond one policy.
+"""`ScanRemat`: what a scan keeps for the backward pass, beyond one policy.
 
 A step's internals follow a `jax.checkpoint` policy; the carry a step receives and
 its per-step inputs are named (`CARRY`, `INPUTS`) so that they can be saved,
@@ -35,13 +35,13 @@ BUFFER_READ = "eqxscan.buffer_read"
 #: dimensions (the weight products) and recompute the elementwise work (norms,
 #: activations, residual adds) in the backward pass. A plain scan stores every
 #: elementwise intermediate of every step in stacked buffers, which costs more
-#: time and memory than the unrolled loop once they add up. `checkpoint="auto"`
+#: time and memory than the unrolled loop once they add up. `remat="auto"`
 #: picks between saving everything, this policy and full remat from the traced
-#: step's shapes (eqxscan/_scan/auto.py; docs/default-checkpoint.md); it is also what
-#: `"auto"` means as the `policy` of a `ScanCheckpoint` that names or nests.
+#: step's shapes (eqxscan/_scan/auto.py; docs/default-remat.md); it is also what
+#: `"auto"` means as the `policy` of a `ScanRemat` that names or nests.
 AUTO_POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 
-#: What `checkpoint="offload"` means: the values `AUTO_POLICY` keeps, but in host
+#: What `remat="offload"` means: the values `AUTO_POLICY` keeps, but in host
 #: memory ("pinned_host") rather than on the device; XLA copies them back for the
 #: backward pass. Where device and host memory are one (the CPU backend) the
 #: placement is a no-op and the program matches `AUTO_POLICY`'s.
@@ -59,7 +59,7 @@ def _check_keep(name: str, value: object) -> None:
     if value is not None and not any(value is v for v in (True, False)):
         if value != "offload":
             raise ValueError(
-                f"ScanCheckpoint({name}=...) must be True (save), False (recompute), "
+                f"ScanRemat({name}=...) must be True (save), False (recompute), "
                 f"'offload' (save in pinned host memory) or None (not named: the "
                 f"policy decides), got {value!r}."
             )
@@ -73,7 +73,7 @@ def _check_nested(nested: object) -> int | tuple[int, ...] | None:
             isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in nested
         ):
             raise ValueError(
-                "ScanCheckpoint(nested=(a, b, ...)) needs two or more positive int "
+                "ScanRemat(nested=(a, b, ...)) needs two or more positive int "
                 f"lengths, outermost first, whose product is the scan length; got "
                 f"{nested!r}."
             )
@@ -82,24 +82,24 @@ def _check_nested(nested: object) -> int | tuple[int, ...] | None:
         blocks = operator.index(nested)  # pyright: ignore[reportArgumentType]  # the TypeError is the check
     except TypeError:
         raise TypeError(
-            "ScanCheckpoint(nested=...) must be None, a number of blocks (int) or a "
+            "ScanRemat(nested=...) must be None, a number of blocks (int) or a "
             f"tuple of lengths, got {type(nested).__name__} ({nested!r})."
         ) from None
     if isinstance(nested, bool) or blocks < 1:
         raise ValueError(
-            f"ScanCheckpoint(nested=...) as a block count must be >= 1, got {nested!r}."
+            f"ScanRemat(nested=...) as a block count must be >= 1, got {nested!r}."
         )
     return blocks
 
 
 @dataclasses.dataclass(frozen=True)
-class ScanCheckpoint:
-    """A `checkpoint=` value that also says what to do with each step's carry and
+class ScanRemat:
+    """A `remat=` value that also says what to do with each step's carry and
     inputs, and how to nest the scan.
 
     **Arguments:**
 
-    - `policy`: the step's internals, as the plain `checkpoint=` options: `"auto"`
+    - `policy`: the step's internals, as the plain `remat=` options: `"auto"`
       (default), `True` (recompute everything), `False` (save everything) or a
       `jax.checkpoint_policies` policy.
     - `save_carries`: the carry each step receives. `True` (default) keeps it, as
@@ -112,21 +112,21 @@ class ScanCheckpoint:
       pass (re-gathering FSDP-sharded weights); `True` saves them; `"offload"`
       saves them in pinned host memory.
       `None` (for either) leaves the value unnamed, so the policy alone decides, as
-      for a plain `checkpoint=` value.
+      for a plain `remat=` value.
     - `nested`: `None`, a number of blocks (a two-level scan: the outer level keeps
       one carry per block, the inner steps are recomputed), or a tuple of lengths
       `(a, b, ...)`, outermost first, whose product is the scan length (one level
       per entry).
 
-    Every `checkpoint=` value is one of these (see `ScanOptions.scan_checkpoint`):
-    `False`, `True`, a policy and `"offload"` are `ScanCheckpoint(policy=...,
+    Every `remat=` value is one of these (see `ScanOptions.scan_remat`):
+    `False`, `True`, a policy and `"offload"` are `ScanRemat(policy=...,
     save_carries=None, save_inputs=None)`; `"auto"` is the same with
     `policy="auto"`, which for a flat scan that names nothing means eqxscan's
     rule (resolved when the step is traced), and elsewhere the matmul-saving
-    policy; `"nested"` is `ScanCheckpoint(save_carries=False, save_inputs=None)`.
+    policy; `"nested"` is `ScanRemat(save_carries=False, save_inputs=None)`.
 
-    The carry and inputs are named `eqxscan.ScanCheckpoint.CARRY` and
-    `eqxscan.ScanCheckpoint.INPUTS` inside the step, so a policy of your own can
+    The carry and inputs are named `eqxscan.ScanRemat.CARRY` and
+    `eqxscan.ScanRemat.INPUTS` inside the step, so a policy of your own can
     also refer to them.
 
     !!! example
@@ -134,10 +134,10 @@ class ScanCheckpoint:
         ```python
         import equinox as eqx, jax, jax.numpy as jnp, eqxscan
 
-        policy = eqxscan.ScanCheckpoint(policy=True, save_carries="offload")
+        policy = eqxscan.ScanRemat(policy=True, save_carries="offload")
         stack = eqxscan.Stacked(
             lambda k: eqx.nn.Linear(8, 8, key=k), 6, key=jax.random.key(0),
-            checkpoint=policy,
+            remat=policy,
         )
         grads = jax.grad(lambda s: jnp.sum(s(jnp.ones(8))))(stack)
         ```
@@ -157,7 +157,7 @@ class ScanCheckpoint:
             policy is True or policy is False or policy == "auto" or callable(policy)
         ):
             raise ValueError(
-                "ScanCheckpoint(policy=...) must be 'auto', True, False or a "
+                "ScanRemat(policy=...) must be 'auto', True, False or a "
                 f"jax.checkpoint_policies policy, got {policy!r}."
             )
         _check_keep("save_carries", self.save_carries)
@@ -167,12 +167,12 @@ class ScanCheckpoint:
     @property
     def named(self) -> bool:
         """Whether the carry or the inputs are named for the step's policy (else
-        the value behaves as a plain `checkpoint=` value)."""
+        the value behaves as a plain `remat=` value)."""
         return self.save_carries is not None or self.save_inputs is not None
 
     @property
     def is_rule(self) -> bool:
-        """Whether eqxscan's `"auto"` rule chooses (`checkpoint="auto"`): policy
+        """Whether eqxscan's `"auto"` rule chooses (`remat="auto"`): policy
         `"auto"` on a flat scan that names nothing."""
         return self.policy == "auto" and not self.named and self.nested is None
 
@@ -200,7 +200,7 @@ class ScanCheckpoint:
         if isinstance(nested, tuple):
             if math.prod(nested) != length:
                 raise ValueError(
-                    f"ScanCheckpoint(nested={nested}) has {math.prod(nested)} steps "
+                    f"ScanRemat(nested={nested}) has {math.prod(nested)} steps "
                     f"in all, but the scan has {length}; the lengths' product must "
                     "equal the number of layers (or time steps)."
                 )
@@ -255,17 +255,17 @@ def _saving_buffer_reads(policy: Policy) -> Policy:
     return both  # pyright: ignore[reportReturnType]  # offloading answers are not bools
 
 
-def as_scan_checkpoint(checkpoint: object) -> ScanCheckpoint:
-    """Any valid `checkpoint=` value as the one `ScanCheckpoint` the engine reads
-    (see `ScanCheckpoint`'s docstring for the correspondence)."""
-    if isinstance(checkpoint, ScanCheckpoint):
-        return checkpoint
-    if isinstance(checkpoint, str) and checkpoint == "nested":
-        return ScanCheckpoint(save_carries=False, save_inputs=None)
-    if isinstance(checkpoint, str) and checkpoint == "offload":
-        checkpoint = OFFLOAD_POLICY
-    return ScanCheckpoint(
-        policy=checkpoint,  # type: ignore[arg-type]  # a checked checkpoint= value
+def as_scan_remat(remat: object) -> ScanRemat:
+    """Any valid `remat=` value as the one `ScanRemat` the engine reads
+    (see `ScanRemat`'s docstring for the correspondence)."""
+    if isinstance(remat, ScanRemat):
+        return remat
+    if isinstance(remat, str) and remat == "nested":
+        return ScanRemat(save_carries=False, save_inputs=None)
+    if isinstance(remat, str) and remat == "offload":
+        remat = OFFLOAD_POLICY
+    return ScanRemat(
+        policy=remat,  # type: ignore[arg-type]  # a checked remat= value
         save_carries=None,
         save_inputs=None,
     )
@@ -289,7 +289,7 @@ T = TypeVar("T")
 
 
 def name_tree(tree: T, name: str) -> T:
-    """Every array leaf of `tree` named `name` for the checkpoint policies (PRNG
+    """Every array leaf of `tree` named `name` for the remat policies (PRNG
     keys excepted: they are cheap to keep and cannot be offloaded); other
     leaves (a broadcast Python number, say) as they are."""
 
@@ -301,10 +301,10 @@ def name_tree(tree: T, name: str) -> T:
     return jtu.tree_map(one, tree)
 
 
-def name_inputs(tree: T, checkpoint: ScanCheckpoint) -> T:
-    """A step's inputs, named `INPUTS` when `checkpoint` names them (and left
+def name_inputs(tree: T, remat: ScanRemat) -> T:
+    """A step's inputs, named `INPUTS` when `remat` names them (and left
     alone otherwise, so other programs do not change)."""
-    if checkpoint.save_inputs is None:
+    if remat.save_inputs is None:
         return tree
     return name_tree(tree, INPUTS)
 

@@ -1,12 +1,12 @@
 """Settings in words and back, as the budget tools (`eqxscan.remat.fit_remat`,
 `eqxscan.planning.plan`) read and print them: a byte budget such as `"6GiB"`
-(`parse_bytes`) and a `checkpoint=` setting's name (`checkpoint_label`)."""
+(`parse_bytes`) and a `remat=` setting's name (`remat_label`)."""
 
 import re
 
 import jax
 
-from .options import Checkpoint
+from .options import Remat
 
 
 _UNITS = {
@@ -38,11 +38,11 @@ def parse_bytes(budget: int | str) -> int:
     )
 
 
-def checkpoint_label(checkpoint: Checkpoint) -> str:
+def remat_label(remat: Remat) -> str:
     """`"auto"`, `"True"`, or a policy's name in `jax.checkpoint_policies`."""
-    if isinstance(checkpoint, (str, bool)):
-        return repr(checkpoint) if isinstance(checkpoint, str) else str(checkpoint)
+    if isinstance(remat, (str, bool)):
+        return repr(remat) if isinstance(remat, str) else str(remat)
     for name, value in vars(jax.checkpoint_policies).items():
-        if value is checkpoint:
+        if value is remat:
             return name
-    return getattr(checkpoint, "__name__", repr(checkpoint))
+    return getattr(remat, "__name__", repr(remat))

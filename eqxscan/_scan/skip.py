@@ -6,11 +6,11 @@ bit, so that a kept step runs its backward inside its branch and a skipped one
 does no work:
 
 - `gated_call`: one step, whose backward recomputes its forward (a lone layer
-  of a `Chain`; the loop mode; a scan whose `checkpoint=` names or nests what to
+  of a `Chain`; the loop mode; a scan whose `remat=` names or nests what to
   save, which the step's own remat must see).
 - `gated_scan`: the whole scan at once. The stacked inputs (the layers' weights)
   reach the step whole and are indexed inside the kept branch; a kept step
-  saves what its `checkpoint=` policy keeps (never its inputs); and the
+  saves what its `remat=` policy keeps (never its inputs); and the
   backward scan writes a kept step's input gradients into one zero-filled
   stacked buffer in place. A skipped layer then touches none of its weights in
   either pass; scanned as inputs, every layer's weights would be sliced, and
@@ -217,7 +217,7 @@ def gated_scan(
     - `policy`: what a kept step saves for the backward pass, as a
       `jax.checkpoint` policy: its inputs and what the policy keeps of its
       internals (stacked over the steps; zeros for a skipped one). `None` saves
-      only the carry each step receives (as `checkpoint=True` would).
+      only the carry each step receives (as `remat=True` would).
 
     **Returns:**
 

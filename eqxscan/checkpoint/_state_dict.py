@@ -25,7 +25,7 @@ from .._internal import (
     describe,
     is_arraylike,
     key_name,
-    LayerIndex,
+    LayerNumbering,
     pattern,
     Site,
     Stacked,
@@ -35,16 +35,16 @@ from .._internal import (
 
 __all__ = ["from_state_dict", "key_name", "to_state_dict"]
 
-# A name is a tuple of parts: strings, and a `LayerIndex` where a layer number
+# A name is a tuple of parts: strings, and a `LayerNumbering` where a layer number
 # goes (one per enclosing `Stacked` or `Chain`, outermost first).
-Parts = tuple[str | LayerIndex, ...]
+Parts = tuple[str | LayerNumbering, ...]
 T = TypeVar("T")
 _MAX_LISTED = 10
 
 
 def _regex(parts: Parts) -> str:
     return r"\.".join(
-        r"\d+" if isinstance(p, LayerIndex) else re.escape(p) for p in parts
+        r"\d+" if isinstance(p, LayerNumbering) else re.escape(p) for p in parts
     )
 
 
@@ -54,7 +54,7 @@ def _resolve(parts: Parts, index: tuple[int, ...]) -> list[str | int]:
     it = iter(index)
     resolved: list[str | int] = []
     for p in parts:
-        if isinstance(p, LayerIndex):
+        if isinstance(p, LayerNumbering):
             resolved.append(p.start + sum(next(it) * s for s in p.strides))
         else:
             resolved.append(p)
@@ -166,7 +166,7 @@ def entries_of(model: PyTree) -> list[tuple[str, "_Leaf", tuple[int, ...]]]:
             resolved = _resolve(leaf.parts, index)
             order = tuple(
                 resolved[j]
-                if isinstance(p, LayerIndex)
+                if isinstance(p, LayerNumbering)
                 else first_seen[leaf.parts[: j + 1]]
                 for j, p in enumerate(leaf.parts)
             )

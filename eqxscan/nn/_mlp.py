@@ -185,7 +185,7 @@ class StackedMLP(Scanning):
           (per call, whole blocks skipped), as for [`eqxscan.Stacked`][]; both
           need a `key` while training. Change them later with
           `model.with_options(drop_path=...)`.
-        - `mode`, `checkpoint`, `unroll`: as for [`eqxscan.Stacked`][].
+        - `mode`, `remat`, `unroll`: as for [`eqxscan.Stacked`][].
         - `blocks`: instead of `dim`, `num_layers` and `key`, a `Stacked` of
           [`eqxscan.MLPBlock`][]s to hold (its options, drop rates included,
           are kept);
@@ -233,7 +233,7 @@ class StackedMLP(Scanning):
         **Arguments:**
 
         - `blocks`: a non-empty sequence of `MLPBlock`s of one width and dtype.
-        - `mode`, `checkpoint`, `unroll`: as for [`eqxscan.Stacked`][].
+        - `mode`, `remat`, `unroll`: as for [`eqxscan.Stacked`][].
 
         **Returns:**
 

@@ -15,7 +15,7 @@ import numpy as np
 import optax
 from jaxtyping import Array, ArrayLike, PyTree
 
-from .._internal import check_callable, LayerIndex, pattern, Site, walk
+from .._internal import check_callable, LayerNumbering, pattern, Site, walk
 from ._arrays import is_array
 
 
@@ -106,7 +106,7 @@ def layerwise_scale(
         def scale(leaf: object, site: Site) -> object:
             if not is_array(leaf):
                 return leaf
-            first = next((p for p in site.path if isinstance(p, LayerIndex)), None)
+            first = next((p for p in site.path if isinstance(p, LayerNumbering)), None)
             if first is None:
                 return leaf if unstacked == 1.0 else leaf * unstacked
             return leaf * _factors(leaf, site, first, factor)
@@ -119,7 +119,7 @@ def layerwise_scale(
 def _factors(
     leaf: Array | np.ndarray,
     site: Site,
-    first: LayerIndex,
+    first: LayerNumbering,
     factor: Callable[[int, str], ArrayLike],
 ) -> Array:
     """The factors of `leaf`'s layers, shaped to broadcast against it: one per

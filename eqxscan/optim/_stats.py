@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, PyTree
 
-from .._internal import for_each, LayerIndex, pattern, Site
+from .._internal import for_each, LayerNumbering, pattern, Site
 from ._arrays import is_array
 
 
@@ -29,7 +29,7 @@ def _positions(site: Site) -> tuple[list[np.ndarray], tuple[int, ...]]:
     """For each layer-axis element of a leaf, the layer number of each layer
     index in its name (one array per index, shaped like the layer axes), and
     the number of layers of each enclosing container."""
-    indices = [p for p in site.path if isinstance(p, LayerIndex)]
+    indices = [p for p in site.path if isinstance(p, LayerNumbering)]
     grid = np.indices(site.axes, dtype=int) if site.axes else np.zeros((0,), int)
     numbers, axis = [], 0
     for index in indices:

@@ -16,8 +16,8 @@ import jax.tree_util as jtu
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jaxtyping import PyTree
 
-from .._internal import Checkpoint, checkpoint_label, is_arraylike
-from ..remat import with_checkpoint
+from .._internal import is_arraylike, Remat, remat_label
+from ..remat import with_remat
 from ..sharding import (
     batch_shardings,
     gather_layers,
@@ -99,7 +99,7 @@ def _param_specs(job: Job, mesh: Mesh, shape: PyTree) -> PyTree:
 
 
 def _abstract(
-    job: Job, mesh: Mesh, checkpoint: Checkpoint
+    job: Job, mesh: Mesh, remat: Remat
 ) -> tuple[tuple[PyTree, PyTree], tuple[PyTree, PyTree], PyTree]:
     """The model (gathering one layer per scan step) and optimiser state, as
     `ShapeDtypeStruct`s, with their shardings; and the model's static part."""
@@ -109,7 +109,7 @@ def _abstract(
     keep: tuple[str, ...] = () if job.axes is None else ("model",)
 
     def build(k: jax.Array) -> PyTree:
-        model = with_checkpoint(job.model(k), checkpoint)
+        model = with_remat(job.model(k), remat)
         return gather_layers(model, mesh, specs if keep else None, keep=keep)
 
     model = eqx.filter_eval_shape(build, key)
@@ -128,7 +128,7 @@ def _abstract(
 
 
 def program(
-    job: Job, mesh: Mesh, checkpoint: Checkpoint
+    job: Job, mesh: Mesh, remat: Remat
 ) -> tuple[
     jax.stages.Wrapped,
     tuple[PyTree, PyTree],
@@ -139,7 +139,7 @@ def program(
     """The jitted step of one candidate, `(params, shardings)`, `(opt_state,
     shardings)` as `ShapeDtypeStruct`s, the batch's shardings and the model's
     static part (`step` then takes and returns the model's arrays only)."""
-    (params, p_specs), (opt_state, o_specs), static = _abstract(job, mesh, checkpoint)
+    (params, p_specs), (opt_state, o_specs), static = _abstract(job, mesh, remat)
     b_specs = batch_shardings(job.batch, mesh, batch_axes=("data", "fsdp"))
 
     def train(params: PyTree, opt_state: PyTree, batch: PyTree) -> tuple:
@@ -174,16 +174,16 @@ def _estimate(
 
 
 def compile_one(
-    job: Job, mesh: Mesh, checkpoint: Checkpoint, accelerator: Accelerator
+    job: Job, mesh: Mesh, remat: Remat, accelerator: Accelerator
 ) -> MeshCandidate:
     """Compile one candidate and read XLA's figures of it; a candidate whose
     axes do not divide the arrays comes back with the reason as its `error`."""
     shape = (mesh.shape["data"], mesh.shape["fsdp"], mesh.shape["model"])
-    label = checkpoint_label(checkpoint)
+    label = remat_label(remat)
     start = time.perf_counter()
     try:
         jitted, (params, p_specs), (opt_state, o_specs), _, _ = program(
-            job, mesh, checkpoint
+            job, mesh, remat
         )
     except ValueError as e:
         return MeshCandidate(shape, label, error=str(e).splitlines()[0])
@@ -202,7 +202,7 @@ def compile_one(
         state += _per_device_bytes(opt_state, o_specs)
     return MeshCandidate(
         mesh=shape,
-        checkpoint=label,
+        remat=label,
         state_bytes=state,
         argument_bytes=int(mem.argument_size_in_bytes),
         output_bytes=int(mem.output_size_in_bytes),
@@ -220,20 +220,20 @@ def compile_one(
 def compile_all(
     job: Job,
     shapes: Sequence[MeshShape],
-    remat: Sequence[Checkpoint],
+    remat: Sequence[Remat],
     devices: Sequence["Device"],
     accelerator: Accelerator,
     progress: Progress,
 ) -> list[MeshCandidate]:
     """Every mesh of `shapes` with every remat setting, compiled in this process
     over `devices`."""
-    settings: list[tuple[MeshShape, Checkpoint]] = [
-        (shape, checkpoint) for shape in shapes for checkpoint in remat
+    settings: list[tuple[MeshShape, Remat]] = [
+        (shape, setting) for shape in shapes for setting in remat
     ]
     out = []
-    for i, (shape, checkpoint) in enumerate(settings):
-        progress(i, len(settings), f"{shape} {checkpoint_label(checkpoint)}")
+    for i, (shape, setting) in enumerate(settings):
+        progress(i, len(settings), f"{shape} {remat_label(setting)}")
         mesh = make_plan_mesh(shape, devices)
-        out.append(compile_one(job, mesh, checkpoint, accelerator))
+        out.append(compile_one(job, mesh, setting, accelerator))
     progress(len(settings), len(settings), "done")
     return out

@@ -48,7 +48,7 @@ class MeshCandidate:
 
     **Fields:**
 
-    - `mesh`: `(data, fsdp, model)` axis sizes; `checkpoint`: the remat setting
+    - `mesh`: `(data, fsdp, model)` axis sizes; `remat`: the remat setting
       in words.
     - `state_bytes`: parameters + optimiser state held by each device, from the
       shardings (the largest over devices).
@@ -67,7 +67,7 @@ class MeshCandidate:
     """
 
     mesh: MeshShape
-    checkpoint: str
+    remat: str
     state_bytes: int = 0
     argument_bytes: int = 0
     output_bytes: int = 0
@@ -146,7 +146,7 @@ class MeshPlan:
             c = self.chosen
             return (
                 f"chosen: data={c.mesh[0]} fsdp={c.mesh[1]} model={c.mesh[2]}, "
-                f"checkpoint={c.checkpoint}"
+                f"remat={c.remat}"
             )
         smallest = min(
             (c for c in self.candidates if c.error is None),
@@ -178,7 +178,7 @@ class MeshPlan:
             f"{a.link_bytes_per_s / 1e9:.0f} GB/s per device); "
             f"{len(self.candidates)} candidates in {self.seconds:.1f} s",
             "",
-            f"| data | fsdp | model | checkpoint | params+opt {name} | args {name} | "
+            f"| data | fsdp | model | remat | params+opt {name} | args {name} | "
             f"temp {name} | peak {name} | fits | matmul TFLOP | all-gather GB | "
             "all-reduce GB | reduce-scatter GB | other coll. GB | compile s | "
             "estimated ms | |",
@@ -190,7 +190,7 @@ class MeshPlan:
         d, f, m = c.mesh
         if c.error is not None:
             return (
-                f"| {d} | {f} | {m} | {c.checkpoint} | – | – | – | – | no | "
+                f"| {d} | {f} | {m} | {c.remat} | – | – | – | – | no | "
                 f"– | – | – | – | – | – | – | {c.error[:60]} |"
             )
         unit, _ = self._unit()
@@ -198,7 +198,7 @@ class MeshPlan:
         named = " | ".join(f"{coll.get(k, 0) / 1e9:.2f}" for k in _NAMED)
         other = sum(b for k, b in coll.items() if k not in _NAMED)
         return (
-            f"| {d} | {f} | {m} | {c.checkpoint} | {c.state_bytes / unit:.2f} | "
+            f"| {d} | {f} | {m} | {c.remat} | {c.state_bytes / unit:.2f} | "
             f"{c.argument_bytes / unit:.2f} | {c.temp_bytes / unit:.2f} | "
             f"{c.device_bytes / unit:.2f} | "
             f"{'yes' if c.device_bytes <= self.budget else 'no'} | "

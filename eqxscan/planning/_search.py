@@ -9,7 +9,7 @@ from typing import Literal
 import jax
 from jaxtyping import PyTree
 
-from .._internal import Checkpoint, parse_bytes
+from .._internal import parse_bytes, Remat
 from ..sharding import MIN_SIZE
 from ._candidates import compile_all, mesh_shapes, Progress
 from ._child import compile_in_child
@@ -97,7 +97,7 @@ def plan(
     devices: int | None = None,
     meshes: Sequence[MeshShape] | None = None,
     model_axis: Sequence[int] = (1,),
-    remat: Sequence[Checkpoint] = (False, True),
+    remat: Sequence[Remat] = (False, True),
     axes: Mapping[str, tuple[str | None, ...]] | None = None,
     rules: Mapping[str, str | None] | None = None,
     model_kwargs: Mapping[str, object] | None = None,
@@ -144,7 +144,7 @@ def plan(
     - `meshes`: the `(data, fsdp, model)` shapes to try; default every
       factorisation of `N` with the model axis from `model_axis`.
     - `model_axis`: model-axis sizes tried by default (more than 1 needs `axes`).
-    - `remat`: the `checkpoint=` settings to try on every scan.
+    - `remat`: the `remat=` settings to try on every scan.
     - `axes`, `rules`: logical axis names and rules, as for `logical_shardings`
       (mesh axes `"data"`, `"fsdp"`, `"model"`).
     - `model_kwargs`: JSON-compatible keyword arguments of `make_model`.

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import PyTree
 
-from .._internal import Checkpoint
+from .._internal import Remat
 from ._candidates import Job, Names
 from ._report import Accelerator, MeshShape
 
@@ -146,7 +146,7 @@ def _encode_batch(batch: PyTree[jax.ShapeDtypeStruct]) -> Json:
     )
 
 
-def _encode_checkpoint(c: Checkpoint) -> Json:
+def _encode_remat(c: Remat) -> Json:
     if isinstance(c, (bool, str)):
         return c
     for name, value in vars(jax.checkpoint_policies).items():
@@ -177,7 +177,7 @@ def encode(
     *,
     devices: int,
     shapes: Sequence[MeshShape],
-    remat: Sequence[Checkpoint],
+    remat: Sequence[Remat],
     make_model: Callable[..., PyTree] | str,
     step: Callable[..., Sequence[PyTree]] | str,
     optimizer: Optimizer,
@@ -192,7 +192,7 @@ def encode(
     return Spec(
         devices=devices,
         meshes=[list(m) for m in shapes],
-        remat=[_encode_checkpoint(c) for c in remat],
+        remat=[_encode_remat(c) for c in remat],
         make_model=reference(make_model, "make_model"),
         step=reference(step, "step"),
         optimizer=_encode_optimizer(optimizer),
@@ -216,13 +216,13 @@ def _decode_batch(d: Json) -> PyTree[jax.ShapeDtypeStruct]:
     return {k: _decode_batch(v) for k, v in d["map"].items()}
 
 
-def _decode_checkpoint(c: Json) -> Checkpoint:
+def _decode_remat(c: Json) -> Remat:
     return getattr(jax.checkpoint_policies, c["policy"]) if isinstance(c, dict) else c
 
 
 def decode(
     spec: Spec,
-) -> tuple[Job, list[MeshShape], list[Checkpoint], Accelerator]:
+) -> tuple[Job, list[MeshShape], list[Remat], Accelerator]:
     """The job, meshes, remat settings and accelerator figures of `spec`."""
     axes = spec["axes"]
     job = make_job(
@@ -236,5 +236,5 @@ def decode(
         spec["min_size"],
     )
     shapes: list[MeshShape] = [(d, f, m) for d, f, m in spec["meshes"]]
-    remat: list[Checkpoint] = [_decode_checkpoint(c) for c in spec["remat"]]
+    remat: list[Remat] = [_decode_remat(c) for c in spec["remat"]]
     return job, shapes, remat, Accelerator(*spec["accelerator"])

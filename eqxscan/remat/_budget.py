@@ -1,6 +1,6 @@
 """Choosing rematerialisation for a memory budget, from XLA's own accounting.
 
-`remat_table` compiles a training step once per candidate `checkpoint=` setting,
+`remat_table` compiles a training step once per candidate `remat=` setting,
 reads `memory_analysis()` and `cost_analysis()` of each compiled program, and
 `fit_remat` applies the fastest program that fits.
 
@@ -11,7 +11,7 @@ loops (every step counted). `choose` compares estimates within a kind; across
 kinds it takes the program without loops, which exists only where the scans
 are unrolled fully: where `unroll="auto"` found them short and small, the sizes
 at which the loop measured faster than every scan setting
-(docs/default-checkpoint.md), or where `unroll=True` was asked for. Measured
+(docs/default-remat.md), or where `unroll=True` was asked for. Measured
 times (`time_steps`) compare every kind.
 """
 
@@ -28,10 +28,10 @@ import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from .._internal import (
-    Checkpoint,
-    checkpoint_label,
     is_arraylike,
     parse_bytes,
+    Remat,
+    remat_label,
     Scanning,
 )
 from ._devices import FALLBACK, Peak, peak_of
@@ -49,7 +49,7 @@ Leaf: TypeAlias = jax.Array | jax.ShapeDtypeStruct
 #: The settings tried by default, from most saved to least: "auto", a policy
 #: saving every matmul output, the same values offloaded to host memory, `True`,
 #: "nested", and `False` (save everything: fastest where it fits, on a GPU).
-CANDIDATES: tuple[Checkpoint, ...] = (
+CANDIDATES: tuple[Remat, ...] = (
     "auto",
     jax.checkpoint_policies.dots_saveable,
     "offload",
@@ -65,7 +65,7 @@ class RematCandidate:
 
     **Fields:**
 
-    - `checkpoint`, `unroll`: the setting (`unroll=None`: the model's own).
+    - `remat`, `unroll`: the setting (`unroll=None`: the model's own).
     - `label`: the setting in words.
     - `temp_bytes`, `argument_bytes`, `output_bytes`, `host_temp_bytes`: from
       `memory_analysis()`.
@@ -78,7 +78,7 @@ class RematCandidate:
     - `measured_s`: the median measured seconds per step, with `time_steps`.
     """
 
-    checkpoint: Checkpoint
+    remat: Remat
     label: str
     temp_bytes: int
     argument_bytes: int
@@ -99,7 +99,7 @@ class RematCandidate:
 
     def apply(self, model: M) -> M:
         """`model` with this setting on all its scans."""
-        return with_checkpoint(model, self.checkpoint, self.unroll)
+        return with_remat(model, self.remat, self.unroll)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +118,7 @@ class RematTable:
             f"budget {self.budget / mib:.1f} MiB; {self.compiles} programs compiled "
             f"for {len(self.candidates)} candidates",
             "",
-            "| checkpoint | kind | temp MiB | args+out MiB | total MiB | host MiB | "
+            "| remat | kind | temp MiB | args+out MiB | total MiB | host MiB | "
             "fits | GFLOP | GB accessed | estimated ms | measured ms | |",
             "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---|",
         ]
@@ -161,7 +161,7 @@ def choose(
             f"{c.label}: {c.device_bytes / mib:.1f} MiB" for c in candidates
         )
         raise ValueError(
-            f"fit_remat: no checkpoint setting fits the budget of {budget / mib:.1f} "
+            f"fit_remat: no remat setting fits the budget of {budget / mib:.1f} "
             f"MiB ({budget} bytes). Temp + argument + output bytes per candidate: "
             f"{listed}.\nHint: raise the budget, shrink the batch, or shard the "
             "model; see docs/remat.md."
@@ -178,13 +178,11 @@ def _is_scan(x: object) -> bool:
     return isinstance(x, Scanning)
 
 
-def with_checkpoint(
-    model: M, checkpoint: Checkpoint, unroll: Unroll | None = None
-) -> M:
-    """`model` with `checkpoint` (and `unroll`, unless `None`) set on every
+def with_remat(model: M, remat: Remat, unroll: Unroll | None = None) -> M:
+    """`model` with `remat` (and `unroll`, unless `None`) set on every
     scanning module in it (`Stacked`, `Chain`, `Recurrent`, `StackedMLP`; the
     outermost ones, which pass it on)."""
-    options: dict[str, Checkpoint | Unroll] = {"checkpoint": checkpoint}
+    options: dict[str, Remat | Unroll] = {"remat": remat}
     if unroll is not None:
         options["unroll"] = unroll
     return jtu.tree_map(
@@ -194,8 +192,8 @@ def with_checkpoint(
     )
 
 
-def _label(checkpoint: Checkpoint, unroll: Unroll | None) -> str:
-    label = checkpoint_label(checkpoint)
+def _label(remat: Remat, unroll: Unroll | None) -> str:
+    label = remat_label(remat)
     return label if unroll is None else f"{label}, unroll={unroll!r}"
 
 
@@ -203,7 +201,7 @@ def _lower(
     step: Callable[..., PyTree], model: PyTree, args: tuple[PyTree, ...]
 ) -> tuple[jax.stages.Lowered, list[Leaf]]:
     # The compiled program takes the flat list of array leaves, the same for every
-    # candidate (the checkpoint setting lives in static fields).
+    # candidate (the remat setting lives in static fields).
     dynamic, static = eqx.partition((model, args), is_arraylike)
     leaves, treedef = jtu.tree_flatten(dynamic)
 
@@ -237,12 +235,12 @@ def remat_table(
     step: Callable[..., PyTree],
     budget: int | str,
     *args: PyTree,
-    candidates: Sequence[Checkpoint] = CANDIDATES,
+    candidates: Sequence[Remat] = CANDIDATES,
     unrolls: Sequence[Unroll] | None = None,
     peak: Peak | None = None,
     time_steps: int = 0,
 ) -> RematTable:
-    """Every candidate `checkpoint=` setting for a memory budget, compiled, with
+    """Every candidate `remat=` setting for a memory budget, compiled, with
     XLA's own figures, and the one [`eqxscan.remat.fit_remat`][] picks.
 
     Every candidate setting is applied to all `Stacked`, `Chain` and `Recurrent`
@@ -268,7 +266,7 @@ def remat_table(
     - `budget`: bytes, as an int or a string such as `"6GiB"` or `"512MB"`.
     - `*args`: the step's other inputs (a batch, optimiser state); arrays or
       `jax.ShapeDtypeStruct`s (the latter only with `time_steps=0`).
-    - `candidates`: the `checkpoint=` settings to try, default `"auto"`,
+    - `candidates`: the `remat=` settings to try, default `"auto"`,
       `dots_saveable`, `"offload"`, `True`, `"nested"` and `False`.
     - `unrolls`: `unroll=` values to try with every candidate, e.g. `(1, 2)`;
       comparing several needs `time_steps` (XLA's cost analysis counts a loop
@@ -296,7 +294,7 @@ def remat_table(
     if not any(_is_scan(x) for x in found):
         raise ValueError(
             f"fit_remat: {type(model).__name__} holds no eqxscan.Stacked, Chain or "
-            "Recurrent, so there is no checkpoint setting to choose.\nHint: see "
+            "Recurrent, so there is no remat setting to choose.\nHint: see "
             "docs/remat.md."
         )
     if not candidates:
@@ -317,11 +315,11 @@ def remat_table(
     results = []
     leaves: list[Leaf] = []
     tried: Sequence[Unroll | None] = (None,) if unrolls is None else unrolls
-    settings: list[tuple[Checkpoint, Unroll | None]] = [
+    settings: list[tuple[Remat, Unroll | None]] = [
         (c, u) for c in candidates for u in tried
     ]
-    for checkpoint, unroll in settings:
-        lowered, leaves = _lower(step, with_checkpoint(model, checkpoint, unroll), args)
+    for remat, unroll in settings:
+        lowered, leaves = _lower(step, with_remat(model, remat, unroll), args)
         text = lowered.as_text()
         if text not in programs:
             programs[text] = lowered.compile()
@@ -337,8 +335,8 @@ def remat_table(
         moved = float(cost.get("bytes accessed", 0.0))
         results.append(
             RematCandidate(
-                checkpoint=checkpoint,
-                label=_label(checkpoint, unroll),
+                remat=remat,
+                label=_label(remat, unroll),
                 temp_bytes=int(mem.temp_size_in_bytes),
                 argument_bytes=int(mem.argument_size_in_bytes),
                 output_bytes=int(mem.output_size_in_bytes),
@@ -377,12 +375,12 @@ def fit_remat(
     step: Callable[..., PyTree],
     budget: int | str,
     *args: PyTree,
-    candidates: Sequence[Checkpoint] = CANDIDATES,
+    candidates: Sequence[Remat] = CANDIDATES,
     unrolls: Sequence[Unroll] | None = None,
     peak: Peak | None = None,
     time_steps: int = 0,
 ) -> M:
-    """Pick the `checkpoint=` setting for a memory budget, from XLA's own figures:
+    """Pick the `remat=` setting for a memory budget, from XLA's own figures:
     `model` with the setting [`eqxscan.remat.remat_table`][] chooses (and `unroll`, with
     `unrolls`) on all its scans. The arguments are `remat_table`'s; call that for
     every candidate's figures.

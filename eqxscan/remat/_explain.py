@@ -12,7 +12,7 @@ from .._internal import AutoChoice, recording
 def explain_auto(
     fn: Callable[..., object], *args: PyTree, **kwargs: PyTree
 ) -> list[AutoChoice]:
-    """What `checkpoint="auto"` and `unroll="auto"` pick for every scan that
+    """What `remat="auto"` and `unroll="auto"` pick for every scan that
     `fn(*args, **kwargs)` runs, and why.
 
     `fn` is traced abstractly (`jax.eval_shape`): nothing is computed. The choice

@@ -378,7 +378,7 @@ def pipeline(
     `(S - 1) / (R * M + S - 1)`.
 
     Each stage scans its layers with the stack's own options, so its
-    `checkpoint=` setting (remat) applies within every stage.
+    `remat=` setting (remat) applies within every stage.
 
     A stack with drop rates (`drop_path=`, `layer_drop=`), outside inference
     mode, needs a `key`, and the result is then `stack(x, key=key)`, values and

@@ -115,7 +115,7 @@ def linear(key):
 def stacked(name, value):
     if big(name, value):
         return
-    args = dict(num_layers=2, mode="scan", checkpoint="auto", unroll=1, key=jr.key(0))
+    args = dict(num_layers=2, mode="scan", remat="auto", unroll=1, key=jr.key(0))
     args[name] = value
     count = args.pop("num_layers")
     stack = attempt(
@@ -132,7 +132,7 @@ def stacked(name, value):
     name=st.sampled_from(["mode", "checkpoint", "unroll", "reverse", "x"]), value=junk
 )
 def chain(name, value):
-    args = dict(mode="scan", checkpoint="auto", unroll=1)
+    args = dict(mode="scan", remat="auto", unroll=1)
     x = jnp.linspace(-1, 1, 4)
     if name == "x":
         x = value
@@ -155,7 +155,7 @@ def chain(name, value):
 @run
 @given(name=st.sampled_from(["reverse", "mode", "unroll", "checkpoint"]), value=junk)
 def recurrent(name, value):
-    args = dict(reverse=False, mode="scan", unroll=1, checkpoint=False)
+    args = dict(reverse=False, mode="scan", unroll=1, remat=False)
     args[name] = value
     cell = eqxscan.ElmanCell(3, 4, key=jr.key(0))
     rnn = attempt("Recurrent", name, value, lambda: eqxscan.Recurrent(cell, **args))

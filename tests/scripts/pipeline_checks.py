@@ -123,8 +123,8 @@ def weight_moves(hlo: str) -> list[str]:
     ]
 
 
-def run(mesh, name: str, checkpoint, split_layers: bool = False, **pipe) -> dict:
-    blocks = BLOCKS.with_options(checkpoint=checkpoint)
+def run(mesh, name: str, remat, split_layers: bool = False, **pipe) -> dict:
+    blocks = BLOCKS.with_options(remat=remat)
     stage_order = pipe.get("layer_order") == "stage"
     order = dict(stages=STAGES, repeats=pipe.get("repeats", 1))
     if stage_order:

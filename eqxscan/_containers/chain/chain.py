@@ -49,7 +49,7 @@ from ..._scan.layer_call import (
 from ..._scan.options import ScanArgs, Scanning, ScanOptions
 from ..stacked import (
     dropping_call,
-    LayerIndex,
+    LayerNumbering,
     scan_layers,
     Stacked,
     StateDictFn,
@@ -320,7 +320,7 @@ def _name_groups(
     groups: tuple[Any, ...],
     layout: tuple[Placement, ...],
     fn: StateDictFn,
-    offset: LayerIndex,
+    offset: LayerNumbering,
     axes: tuple[int, ...],
 ) -> tuple[Any, ...]:
     """`groups` (of a chain, or of one repeat of a pattern) with `fn`
@@ -331,14 +331,14 @@ def _name_groups(
     for group, place in zip(groups, layout):
         first = offset.start + place.start
         if place.per_step == 0:
-            new.append(fn(group, LayerIndex(first, offset.strides), axes))
+            new.append(fn(group, LayerNumbering(first, offset.strides), axes))
         elif place.per_step == 1:
-            index = LayerIndex(first, offset.strides + (1,))
+            index = LayerNumbering(first, offset.strides + (1,))
             layers = fn(group.layers, index, axes + (place.size,))
             new.append(eqx.tree_at(lambda s: s.layers, group, layers))
         else:
             pattern = group.layers
-            repeats = LayerIndex(first, offset.strides + (place.per_step,))
+            repeats = LayerNumbering(first, offset.strides + (place.per_step,))
             inner = axes + (place.size // place.per_step,)
             named = _name_groups(pattern.groups, pattern.layout, fn, repeats, inner)
             new.append(eqx.tree_at(lambda s: s.layers.groups, group, named))
@@ -466,7 +466,7 @@ class Chain(Scanning):
 
         - `layers`: a non-empty list (or tuple) of layers, each called as
           `layer(x, *args, **kwargs)` and returning the new carry.
-        - `mode`, `checkpoint`, `unroll`: as for [`eqxscan.Stacked`][], used for
+        - `mode`, `remat`, `unroll`: as for [`eqxscan.Stacked`][], used for
           every scanned group.
         - `patterns`: also find repeated patterns of different layers
           (default). With `False`, only stacks of like layers are scanned.
@@ -566,9 +566,9 @@ class Chain(Scanning):
 
         **Arguments:**
 
-        - `fn`: applied to each lone layer as `fn(layer, LayerIndex(i, ()), ())`,
+        - `fn`: applied to each lone layer as `fn(layer, LayerNumbering(i, ()), ())`,
           to a stack's stacked layers as
-          `fn(layers, LayerIndex(start, (1,)), (size,))`, and to the layers of
+          `fn(layers, LayerNumbering(start, (1,)), (size,))`, and to the layers of
           a repeated pattern with the repeat axis in front (stride `K`).
 
         **Returns:**
@@ -576,7 +576,7 @@ class Chain(Scanning):
         This chain, grouped as it is, with those subtrees replaced by what `fn`
         returned.
         """
-        groups = _name_groups(self.groups, self.layout, fn, LayerIndex(0, ()), ())
+        groups = _name_groups(self.groups, self.layout, fn, LayerNumbering(0, ()), ())
         return eqx.tree_at(lambda c: c.groups, self, groups)
 
     def explain(self) -> str:
