@@ -1,5 +1,5 @@
-"""Saving and loading a stacked model's weights: safetensors (one file, and
-sharded) against eqxscan's `.npz`. Time (median of interleaved repeats, one
+"""Saving and loading a stacked model's weights as safetensors, one file against
+sharded. Time (median of interleaved repeats, one
 process), the peak of the process's resident anonymous memory above what it
 held before each call (sampled every millisecond; the loaded model itself
 included), and file sizes.
@@ -73,19 +73,16 @@ def run(dim: int, layers: int, repeats: int, dtype) -> None:
     shard = max(nbytes // 4, 1)
     tmp = tempfile.mkdtemp()
     paths = {
-        "npz": os.path.join(tmp, "model.npz"),
         "safetensors": os.path.join(tmp, "model.safetensors"),
         "safetensors, 4 shards": os.path.join(tmp, "sharded"),
     }
     save = {
-        "npz": lambda: eqxscan.save(paths["npz"], model),
         "safetensors": lambda: eqxscan.save_safetensors(paths["safetensors"], model),
         "safetensors, 4 shards": lambda: eqxscan.save_safetensors(
             paths["safetensors, 4 shards"], model, max_shard_size=shard
         ),
     }
     load = {
-        "npz": lambda: eqxscan.load(paths["npz"], like),
         "safetensors": lambda: eqxscan.load_safetensors(paths["safetensors"], like),
         "safetensors, 4 shards": lambda: eqxscan.load_safetensors(
             paths["safetensors, 4 shards"], like
