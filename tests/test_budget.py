@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 import eqxscan
+from eqxscan._scan import auto as _auto
 from eqxscan.remat._budget import CANDIDATES, choose, parse_bytes, with_remat
 from eqxscan.remat._devices import Peak
 
@@ -338,11 +339,15 @@ def test_choose_compares_estimates_within_a_kind():
     assert choose(loop_fastest, 1000, measured=True).label == "loop"
 
 
-def test_short_stacks_do_not_pick_the_loop_by_its_body_alone():
+def test_short_stacks_do_not_pick_the_loop_by_its_body_alone(monkeypatch):
     # At L=6 "auto" unrolls the stack fully (XLA counts all six layers) while
     # "nested" keeps a loop (its body counted once), so nested's raw estimate is
     # the lowest although it recomputes more; it measured 1.19x "auto"'s step on
-    # the Transformer bench. The pick is an unrolled program.
+    # the Transformer bench. The pick is an unrolled program. (The default
+    # unrolls these 160 KiB of weights once the copy limit allows it.)
+    monkeypatch.setattr(
+        _auto, "THRESHOLDS", dataclasses.replace(_auto.THRESHOLDS, unroll_copies=2**30)
+    )
     model = eqxscan.StackedMLP(32, 6, key=jax.random.key(0))
     x = jnp.ones((64, 32))
     table = eqxscan.remat.remat_table(model, _mse_step, "1GiB", x)
