@@ -387,7 +387,7 @@ class Recurrent(Scanning):
     ) -> "Recurrent":
         reverse = own.get("reverse", self.reverse)
         args = options.as_args()
-        return Recurrent(self.cell, reverse=reverse, **args)  # type: ignore[arg-type]  # checked options
+        return Recurrent(self.cell, reverse=reverse, **args)
 
     @compiled_when_eager
     def __call__(

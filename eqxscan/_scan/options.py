@@ -138,7 +138,7 @@ class ScanOptions(eqx.Module):
         validated like a new one."""
         check_names(changes, OPTION_NAMES, "ScanOptions.replace")
         values = {name: getattr(self, name) for name in OPTION_NAMES}
-        return ScanOptions(**{**values, **changes})  # pyright: ignore[reportArgumentType]  # checked there
+        return ScanOptions(**{**values, **changes})
 
 
 def check_names(
