@@ -34,6 +34,7 @@ from ._helpers.checks import (
     check_index as check_index,
     check_path as check_path,
     check_size as check_size,
+    Checked as Checked,
     describe as describe,
     is_arraylike as is_arraylike,
     split_key as split_key,
@@ -56,6 +57,7 @@ from ._scan.depth_drop import (
     check_droppable as check_droppable,
     DepthDrop as DepthDrop,
     DropInputs as DropInputs,
+    Rates as Rates,
     rates_of as rates_of,
 )
 from ._scan.eager_compile import compiled_when_eager as compiled_when_eager
@@ -66,6 +68,7 @@ from ._scan.layer_call import (
     per_layer as per_layer,
 )
 from ._scan.options import (
+    OwnOptions as OwnOptions,
     Remat as Remat,
     ScanArgs as ScanArgs,
     Scanning as Scanning,

@@ -27,7 +27,7 @@ from .._scan.eager_compile import compiled_when_eager
 from .._scan.engine import run
 from .._scan.layer_call import LayerCall, OneLayer, run_one
 from .._scan.layer_index import current_step
-from .._scan.options import ScanArgs, Scanning, ScanOptions
+from .._scan.options import OwnOptions, ScanArgs, Scanning, ScanOptions
 
 
 class RecurrentArgs(TypedDict, total=False):
@@ -382,10 +382,12 @@ class Recurrent(Scanning):
     def own_options(self) -> tuple[str, ...]:
         return ("reverse",)
 
-    def replace_options(self, options: ScanOptions, **own: object) -> "Recurrent":
+    def replace_options(
+        self, options: ScanOptions, **own: Unpack[OwnOptions]
+    ) -> "Recurrent":
         reverse = own.get("reverse", self.reverse)
         args = options.as_args()
-        return Recurrent(self.cell, reverse=reverse, **args)  # type: ignore[arg-type]  # checked options
+        return Recurrent(self.cell, reverse=reverse, **args)
 
     @compiled_when_eager
     def __call__(

@@ -30,6 +30,7 @@ from .._helpers.checks import (
     check_index,
     check_made_layer,
     check_size,
+    Checked,
     describe,
     is_array,
     noted,
@@ -52,7 +53,13 @@ from .._scan.buffers import (
     view_of,
     with_view,
 )
-from .._scan.depth_drop import check_droppable, depth_drop, DepthDrop, rates_of
+from .._scan.depth_drop import (
+    check_droppable,
+    depth_drop,
+    DepthDrop,
+    Rates,
+    rates_of,
+)
 from .._scan.eager_compile import compiled_when_eager
 from .._scan.engine import run
 from .._scan.layer_call import (
@@ -72,7 +79,7 @@ from .._scan.layer_call import (
     take,
 )
 from .._scan.layer_index import step_index
-from .._scan.options import ScanArgs, Scanning, ScanOptions
+from .._scan.options import OwnOptions, ScanArgs, Scanning, ScanOptions
 
 
 #: The most layers a stack may have: beyond, the per-layer keys alone take
@@ -161,12 +168,12 @@ class Stacked(Scanning, Generic[LayerT]):
         self,
         make_layer: Callable[..., LayerT] | None = None,
         num_layers: SupportsIndex | None = None,
-        *args: object,
+        *args: PyTree,
         key: PRNGKeyArray | None = None,
         layers: LayerT | None = None,
         layer_sharding: Sharding | PyTree[Sharding | None] | None = None,
-        drop_path: object = 0.0,
-        layer_drop: object = 0.0,
+        drop_path: Checked[Rates] = 0.0,
+        layer_drop: Checked[Rates] = 0.0,
         **options: Unpack[ScanArgs],
     ):
         """**Arguments:**
@@ -274,7 +281,9 @@ class Stacked(Scanning, Generic[LayerT]):
     def own_options(self) -> tuple[str, ...]:
         return ("layer_sharding", "drop_path", "layer_drop")
 
-    def replace_options(self, options: ScanOptions, **own: object) -> "Stacked[LayerT]":
+    def replace_options(
+        self, options: ScanOptions, **own: Unpack[OwnOptions]
+    ) -> "Stacked[LayerT]":
         return restack(self, options=options, **own)
 
     def __len__(self) -> int:
@@ -400,11 +409,11 @@ class Stacked(Scanning, Generic[LayerT]):
     def __call__(
         self,
         x: PyTree,
-        *args: object,
+        *args: PyTree,
         key: PRNGKeyArray | None = None,
         method: Method | None = None,
         reverse: bool = False,
-        **kwargs: object,
+        **kwargs: PyTree,
     ) -> PyTree:
         """Fold `x` through the layers: `x = layer_i(x, *args, **kwargs)`.
 
@@ -442,11 +451,11 @@ class Stacked(Scanning, Generic[LayerT]):
     def scan(
         self,
         x: PyTree,
-        *args: object,
+        *args: PyTree,
         key: PRNGKeyArray | None = None,
         method: Method | None = None,
         reverse: bool = False,
-        **kwargs: object,
+        **kwargs: PyTree,
     ) -> tuple[PyTree, PyTree]:
         """Like `__call__`, but each layer returns `(new_x, y_i)`.
 
@@ -472,10 +481,10 @@ class Stacked(Scanning, Generic[LayerT]):
     def vmap(
         self,
         x: PyTree,
-        *args: object,
+        *args: PyTree,
         key: PRNGKeyArray | None = None,
         method: Method | None = None,
-        **kwargs: object,
+        **kwargs: PyTree,
     ) -> PyTree:
         """Apply every layer to the same `x`, in parallel, and stack the outputs:
         `ys[i] = layer_i(x, *args, **kwargs)` (ensembles, mixture-of-experts).

@@ -295,13 +295,13 @@ def run_until(
     model: Stacked | Chain,
     x: PyTree,
     predicate: Predicate,
-    *args: object,
+    *args: PyTree,
     per_example: bool = False,
     min_layers: Bound = 0,
     max_layers: Bound | None = None,
     key: PRNGKeyArray | None = None,
     method: Method | None = None,
-    **kwargs: object,
+    **kwargs: PyTree,
 ) -> tuple[PyTree, Int[Array, ""] | Int[Array, " B"]]:
     """Run the layers of `model` in order until `predicate(carry)` holds (early
     exit at inference), in one compiled program for every exit depth.

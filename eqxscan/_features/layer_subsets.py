@@ -150,10 +150,10 @@ def run_layers(
     model: Stacked | Chain,
     x: PyTree,
     layers: Layers,
-    *args: object,
+    *args: PyTree,
     key: PRNGKeyArray | None = None,
     method: Method | None = None,
-    **kwargs: object,
+    **kwargs: PyTree,
 ) -> PyTree:
     """Run only the chosen layers of `model`, in the order given: progressive
     growing, depth-wise fine-tuning, a draft model of a model's first layers.

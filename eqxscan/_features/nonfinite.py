@@ -153,7 +153,7 @@ def _pick(counts: object, last: bool) -> int | None:
 
 
 def find_nonfinite(
-    model: PyTree, loss_fn: Callable[..., Array], *inputs: object
+    model: PyTree, loss_fn: Callable[..., Array], *inputs: PyTree
 ) -> NonFinite:
     """Find the layer (or time step) that first produced a NaN or inf in one
     training step, the carry leaf that held it, and whether the forward or the

@@ -9,7 +9,18 @@ import inspect
 import operator
 import os
 from collections.abc import Callable, Sequence
-from typing import Any, cast, ParamSpec, Protocol, SupportsIndex, TypeGuard, TypeVar
+from typing import (
+    Annotated,
+    Any,
+    cast,
+    ParamSpec,
+    Protocol,
+    SupportsIndex,
+    TYPE_CHECKING,
+    TypeAlias,
+    TypeGuard,
+    TypeVar,
+)
 
 import equinox as eqx
 import jax
@@ -24,6 +35,21 @@ from . import jax_private as traceback_util
 
 P = ParamSpec("P")
 R = TypeVar("R")
+HintT = TypeVar("HintT")
+
+# A parameter typed `Checked[T]` is a `T` to static type checkers and `object`
+# at run time: the function checks it itself, so a bad value gets its clear
+# error (the option, the value, what is allowed) with or without a runtime type
+# checker (beartype under the tests) in front of it.
+if TYPE_CHECKING:
+    Checked: TypeAlias = Annotated[HintT, "checked by the function itself"]
+else:
+
+    class _Checked:
+        def __getitem__(self, hint: object) -> type:
+            return object
+
+    Checked = _Checked()
 
 # As Equinox does: with JAX's traceback filtering on (the default), frames from
 # this package are hidden from tracebacks that pass through JAX, so an error

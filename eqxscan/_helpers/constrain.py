@@ -8,6 +8,8 @@ import jax.tree_util as jtu
 from jax.sharding import AxisType, NamedSharding, PartitionSpec, Sharding
 from jaxtyping import PyTree
 
+from .checks import Checked
+
 
 T = TypeVar("T")
 
@@ -44,7 +46,9 @@ def align(shardings: object, tree: PyTree) -> PyTree:
     return jtu.tree_map_with_path(one, tree)
 
 
-def constrain(tree: T, shardings: object) -> T:
+def constrain(
+    tree: T, shardings: Checked[Sharding | PyTree[Sharding | None] | None]
+) -> T:
     """Constrain the array leaves of `tree` to `shardings` (one `Sharding` or a
     pytree prefix of `tree`, matched by key path; `None` entries leave their
     subtree alone).

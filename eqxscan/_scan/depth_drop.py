@@ -27,7 +27,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, Bool, Float, Key, PRNGKeyArray, PyTree, UInt32
 
-from .._helpers.checks import describe
+from .._helpers.checks import Checked, describe
 from .skip import gated
 
 
@@ -195,8 +195,8 @@ class DepthDrop(eqx.Module):
     def __init__(
         self,
         num_layers: int,
-        drop_path: object = 0.0,
-        layer_drop: object = 0.0,
+        drop_path: Checked[Rates] = 0.0,
+        layer_drop: Checked[Rates] = 0.0,
         inference: bool = False,
     ):
         """**Arguments:**
@@ -259,7 +259,7 @@ class DepthDrop(eqx.Module):
 
 
 def depth_drop(
-    num_layers: int, drop_path: object, layer_drop: object
+    num_layers: int, drop_path: Checked[Rates], layer_drop: Checked[Rates]
 ) -> DepthDrop | None:
     """The `.depth_drop` of a module of `num_layers` layers: `None` when no rate
     is above zero, so that a module that never drops holds no `inference` flag

@@ -5,11 +5,15 @@ Every module that runs the scan engine (`Stacked`, `Chain`, `Recurrent`,
 [`Scanning`][eqxscan._scan.options.Scanning].
 """
 
-from typing import Literal, TypeAlias, TypedDict, TypeVar
+from collections.abc import Mapping
+from typing import cast, Literal, TypeAlias, TypedDict, TypeVar, Unpack
 
 import equinox as eqx
+from jax.sharding import Sharding
+from jaxtyping import PyTree
 
-from .._helpers.checks import check_option, check_policy, check_unroll
+from .._helpers.checks import check_option, check_policy, check_unroll, Checked
+from .depth_drop import Rates
 from .remat import as_scan_remat, Policy, ScanRemat
 
 
@@ -24,13 +28,30 @@ Remat: TypeAlias = bool | Literal["auto", "nested", "offload"] | Policy | ScanRe
 See the remat guide."""
 
 
+Unroll: TypeAlias = int | bool | Literal["auto"]
+
+
 class ScanArgs(TypedDict, total=False):
     """The keyword arguments `mode=`, `remat=` and `unroll=` that every
     scanning module's constructor takes (as `**options`), defined once."""
 
     mode: Mode
     remat: Remat
-    unroll: int | bool | Literal["auto"]
+    unroll: Unroll
+
+
+class OwnOptions(TypedDict, total=False):
+    """The options of a scanning module besides its `ScanOptions` (each module
+    takes those it names in `own_options`; `with_options` checks the names)."""
+
+    layer_sharding: Sharding | PyTree[Sharding | None] | None
+    drop_path: Rates
+    layer_drop: Rates
+    reverse: bool
+
+
+class OptionChanges(ScanArgs, OwnOptions, total=False):
+    """The keyword arguments of `with_options`."""
 
 
 MODES: tuple[Mode, ...] = ("scan", "loop")
@@ -74,16 +95,16 @@ class ScanOptions(eqx.Module):
 
     mode: Mode = eqx.field(static=True)
     remat: Remat = eqx.field(static=True)
-    unroll: int | bool | Literal["auto"] = eqx.field(static=True)
+    unroll: Unroll = eqx.field(static=True)
     #: `remat` as the one `ScanRemat` the engine, the `"auto"` rule
     #: and the budget tools read (made once, here; `remat` stays as given).
     scan_remat: ScanRemat = eqx.field(static=True, repr=False)
 
     def __init__(
         self,
-        mode: object = "scan",
-        remat: object = "auto",
-        unroll: object = "auto",
+        mode: Checked[Mode] = "scan",
+        remat: Checked[Remat] = "auto",
+        unroll: Checked[Unroll] = "auto",
     ):
         """**Arguments:**
 
@@ -103,16 +124,16 @@ class ScanOptions(eqx.Module):
         check_option("mode", mode, MODES)
         check_remat(remat)
         check_unroll(unroll)
-        self.mode = mode  # type: ignore[assignment]  # checked above
-        self.remat = remat  # type: ignore[assignment]  # checked above
-        self.unroll = unroll  # type: ignore[assignment]  # checked above
+        self.mode = mode
+        self.remat = remat
+        self.unroll = unroll
         self.scan_remat = as_scan_remat(remat)
 
     def as_args(self) -> ScanArgs:
         """These options as the keyword arguments of a scanning module."""
         return ScanArgs(mode=self.mode, remat=self.remat, unroll=self.unroll)
 
-    def replace(self, **changes: object) -> "ScanOptions":
+    def replace(self, **changes: Unpack[ScanArgs]) -> "ScanOptions":
         """A copy with `changes` (any of `mode`, `remat`, `unroll`) applied,
         validated like a new one."""
         check_names(changes, OPTION_NAMES, "ScanOptions.replace")
@@ -120,7 +141,9 @@ class ScanOptions(eqx.Module):
         return ScanOptions(**{**values, **changes})
 
 
-def check_names(given: dict[str, object], allowed: tuple[str, ...], what: str) -> None:
+def check_names(
+    given: Mapping[str, object], allowed: tuple[str, ...], what: str
+) -> None:
     """Raise the `TypeError` Python raises for an unknown keyword argument."""
     for name in given:
         if name not in allowed:
@@ -149,10 +172,10 @@ class Scanning(eqx.Module):
         return self.options.remat
 
     @property
-    def unroll(self) -> int | bool | Literal["auto"]:
+    def unroll(self) -> Unroll:
         return self.options.unroll
 
-    def with_options(self: ScanningT, **changes: object) -> ScanningT:
+    def with_options(self: ScanningT, **changes: Unpack[OptionChanges]) -> ScanningT:
         """A copy with the same weights and new options; options not given are kept.
 
         **Arguments:**
@@ -166,7 +189,7 @@ class Scanning(eqx.Module):
 
         A module of the same type sharing this one's arrays.
         """
-        scan = {k: changes.pop(k) for k in OPTION_NAMES if k in changes}
+        scan = cast(ScanArgs, {k: changes.pop(k) for k in OPTION_NAMES if k in changes})
         check_names(changes, OPTION_NAMES + self.own_options(), "with_options")
         return self.replace_options(self.options.replace(**scan), **changes)
 
@@ -175,7 +198,7 @@ class Scanning(eqx.Module):
         return ()
 
     def replace_options(
-        self: ScanningT, options: ScanOptions, **own: object
+        self: ScanningT, options: ScanOptions, **own: Unpack[OwnOptions]
     ) -> ScanningT:
         """This module with `options` (and its own options `own`) in place."""
         del own  # no own options here

@@ -17,6 +17,7 @@ from typing import TypeVar
 
 import jax
 import numpy as np
+from jaxtyping import PyTree
 from numpy.typing import DTypeLike
 
 from .._internal import describe, is_arraylike
@@ -465,7 +466,7 @@ class NameMap:
                 out.append((name, Lazy(p.steps[-1][k], p.dtype, read)))
         return out
 
-    def export(self, model: object) -> dict[str, np.ndarray]:
+    def export(self, model: PyTree) -> dict[str, np.ndarray]:
         """The external state dict of `model` (concrete arrays), in its order."""
         from ._state_dict import to_state_dict
 
@@ -477,7 +478,7 @@ class NameMap:
 
     def mapping(
         self,
-        like: object,
+        like: PyTree,
         external: Mapping[str, object],
         *,
         source: str = "the external state dict",

@@ -22,6 +22,7 @@ from typing import TypeVar
 
 import jax
 import numpy as np
+from jaxtyping import PyTree
 from numpy.typing import DTypeLike
 
 from .._internal import check_path, describe, is_arraylike
@@ -138,7 +139,7 @@ def _write_atomic(
 
 def save_safetensors(
     path: str | os.PathLike,
-    model: object,
+    model: PyTree,
     *,
     names: NameMap | None = None,
     max_shard_size: int | str | None = None,

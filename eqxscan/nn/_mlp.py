@@ -16,10 +16,13 @@ from .._internal import (
     Bound,
     check_droppable,
     check_size,
+    Checked,
     compiled_when_eager,
     describe,
     Layers,
+    OwnOptions,
     Predicate,
+    Rates,
     restack,
     run_layers,
     run_until,
@@ -168,8 +171,8 @@ class StackedMLP(Scanning):
         key: PRNGKeyArray | None = None,
         dtype: DTypeLike = jnp.float32,
         dropout: float = 0.0,
-        drop_path: object = 0.0,
-        layer_drop: object = 0.0,
+        drop_path: Checked[Rates] = 0.0,
+        layer_drop: Checked[Rates] = 0.0,
         blocks: Stacked[MLPBlock] | None = None,
         **options: Unpack[ScanArgs],
     ):
@@ -248,7 +251,9 @@ class StackedMLP(Scanning):
     def own_options(self) -> tuple[str, ...]:
         return ("drop_path", "layer_drop")
 
-    def replace_options(self, options: ScanOptions, **own: object) -> "StackedMLP":
+    def replace_options(
+        self, options: ScanOptions, **own: Unpack[OwnOptions]
+    ) -> "StackedMLP":
         return StackedMLP(blocks=restack(self.blocks, options=options, **own))
 
     @property

@@ -15,6 +15,7 @@ from ..._helpers.checks import (
     CarryError,
     check_bool,
     check_index,
+    Checked,
     describe,
     first_difference,
     noted,
@@ -28,7 +29,7 @@ from ..._scan.buffers import (
     view_of,
     with_view,
 )
-from ..._scan.depth_drop import depth_drop, DepthDrop, rates_of
+from ..._scan.depth_drop import depth_drop, DepthDrop, Rates, rates_of
 from ..._scan.eager_compile import compiled_when_eager
 
 # Chain hands its layers their inputs through the layer-call seam: a lone
@@ -46,7 +47,7 @@ from ..._scan.layer_call import (
     run_one,
     Unit,
 )
-from ..._scan.options import ScanArgs, Scanning, ScanOptions
+from ..._scan.options import OwnOptions, ScanArgs, Scanning, ScanOptions
 from ..stacked import (
     dropping_call,
     LayerNumbering,
@@ -389,9 +390,9 @@ class Pattern(eqx.Module):
     def __call__(
         self,
         x: PyTree,
-        *args: object,
+        *args: PyTree,
         key: PRNGKeyArray | None = None,
-        **kwargs: object,
+        **kwargs: PyTree,
     ) -> PyTree:
         """Run the `K` layers in order, as a `Chain` of them runs (`key` split
         into `K`, `per_layer` arguments with leading axis `K`)."""
@@ -458,8 +459,8 @@ class Chain(Scanning):
         layers: Sequence[Any],
         *,
         patterns: bool = True,
-        drop_path: object = 0.0,
-        layer_drop: object = 0.0,
+        drop_path: Checked[Rates] = 0.0,
+        layer_drop: Checked[Rates] = 0.0,
         **options: Unpack[ScanArgs],
     ):
         """**Arguments:**
@@ -596,7 +597,9 @@ class Chain(Scanning):
     def own_options(self) -> tuple[str, ...]:
         return ("drop_path", "layer_drop")
 
-    def replace_options(self, options: ScanOptions, **own: object) -> "Chain":
+    def replace_options(
+        self, options: ScanOptions, **own: Unpack[OwnOptions]
+    ) -> "Chain":
         # The same grouping, with `options` on every scanned group; each keeps its
         # `layer_sharding` (as set by `eqxscan.sharding.shard`).
         groups = _set_options(self.groups, self.layout, options)
@@ -620,11 +623,11 @@ class Chain(Scanning):
     def __call__(
         self,
         x: PyTree,
-        *args: object,
+        *args: PyTree,
         key: PRNGKeyArray | None = None,
         method: Method | None = None,
         reverse: bool = False,
-        **kwargs: object,
+        **kwargs: PyTree,
     ) -> PyTree:
         """Fold `x` through the layers: `x = layer_i(x, *args, **kwargs)`.
 
@@ -661,11 +664,11 @@ class Chain(Scanning):
     def scan(
         self,
         x: PyTree,
-        *args: object,
+        *args: PyTree,
         key: PRNGKeyArray | None = None,
         method: Method | None = None,
         reverse: bool = False,
-        **kwargs: object,
+        **kwargs: PyTree,
     ) -> tuple[PyTree, PyTree]:
         """Like `__call__`, but each layer returns `(new_x, y_i)`.
 
