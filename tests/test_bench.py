@@ -14,20 +14,14 @@ from benchmarks.bench import _cli, _report, _transformer, make_problem
 from benchmarks.bench._impls import Built, Impl, IMPLS
 from benchmarks.bench._measure import check_agreement, MismatchError, model_flops
 
+from .helpers import fast_compiles  # noqa: F401  (a fixture)
+
+
+# XLA's optimisations do not change what is checked here; most are skipped.
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 
 TINY = dict(dim=8, batch=2, seq=3)
-
-
-@pytest.fixture(autouse=True)
-def _fast_compiles(monkeypatch):
-    # What is checked here does not depend on XLA's optimisations; skipping most
-    # of them makes the many small compiles (here and in the bench's worker
-    # processes) cheaper.
-    monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
 
 
 #: The peers; eqxscan's own options are checked against the loop by the engine's

@@ -5,23 +5,16 @@ program as one of them; the loop's memory extrapolated past `MAX_LOOP_LENGTH`.""
 import json
 import os
 
-import jax
 import numpy as np
 import pytest
 
 from benchmarks.bench import _cli, _grid
 
+from .helpers import fast_compiles  # noqa: F401  (a fixture)
 
-@pytest.fixture(autouse=True)
-def _fast_compiles(monkeypatch):
-    # What is checked here does not depend on XLA's optimisations; skipping most
-    # of them makes the many small compiles (here and in the bench's worker
-    # processes) cheaper.
-    monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
+
+# XLA's optimisations do not change what is checked here; most are skipped.
+pytestmark = pytest.mark.usefixtures("fast_compiles")
 
 
 def test_tiny_grid_run(monkeypatch, tmp_path, capsys):
