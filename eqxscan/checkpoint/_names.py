@@ -21,7 +21,7 @@ from jaxtyping import PyTree
 
 from .._internal import describe
 from ._files import Lazy, listed, shape_dtype
-from ._state_dict import check_like, entries_of, from_state_dict, to_state_dict
+from ._state_dict import check_like, entries_of, from_state_dict, host_entries
 
 
 __all__ = ["Join", "NameMap", "Reshape", "Rule", "Split", "Transpose"]
@@ -423,15 +423,12 @@ class NameMap:
     # Export.
 
     def plan_export(
-        self, entries: Sequence[tuple[str, Shape, np.dtype, Callable[[], np.ndarray]]]
+        self, entries: Sequence[tuple[str, Lazy]]
     ) -> list[tuple[str, Lazy]]:
-        """The external entries made from eqxscan's `(name, shape, dtype, read)`,
-        each read only when asked for (a fused array is read once per piece)."""
-        reads = {name: read for name, _, _, read in entries}
-        layout = {
-            name: (tuple(shape), np.dtype(dtype)) for name, shape, dtype, _ in entries
-        }
-        planned, _ = self._plan(layout)
+        """The external entries made from eqxscan's, each read only when asked
+        for (a fused array is read once per piece)."""
+        reads = {name: lazy.read for name, lazy in entries}
+        planned, _ = self._plan({name: (x.shape, x.dtype) for name, x in entries})
         out: list[tuple[str, Lazy]] = []
         for p in planned:
             for k, name in enumerate(p.theirs):
@@ -441,9 +438,8 @@ class NameMap:
 
     def export(self, model: PyTree) -> dict[str, np.ndarray]:
         """The external state dict of `model` (concrete arrays), in its order."""
-        state = to_state_dict(model)
-        entries = [(n, a.shape, a.dtype, (lambda a=a: a)) for n, a in state.items()]
-        return {name: lazy.read() for name, lazy in self.plan_export(entries)}
+        entries = self.plan_export(host_entries(model, "NameMap.export"))
+        return {name: lazy.read() for name, lazy in entries}
 
     # Load.
 

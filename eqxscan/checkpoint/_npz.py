@@ -36,8 +36,11 @@ _FORMAT = 1
 _MAX_HEADER = 10_000  # bytes of a `.npy` header, as NumPy's own limit
 _MAX_MANIFEST = 1 << 28
 _DOCS = "see docs/checkpoints.md"
-# What `zipfile` raises for files it cannot read (a `_Corrupt` is re-raised first).
-_ZIP_ERRORS = (
+# What `zipfile` raises for files it cannot read (a `_Corrupt` is re-raised
+# first), and NumPy's `.npy` header parser besides: `ast.literal_eval`'s errors
+# (`MemoryError` is its stack overflow on a deeply nested header) and those of
+# `tokenize`, its second try.
+_ERRORS = (
     zipfile.BadZipFile,
     EOFError,
     OSError,
@@ -46,11 +49,11 @@ _ZIP_ERRORS = (
     ValueError,
     struct.error,
     zlib.error,
+    SyntaxError,
+    tokenize.TokenError,
+    TypeError,
+    MemoryError,
 )
-# What NumPy's `.npy` header parser raises besides: `ast.literal_eval`'s errors
-# (`MemoryError` is its stack overflow on a deeply nested header) and those of
-# `tokenize`, its second try.
-_HEADER_ERRORS = (SyntaxError, tokenize.TokenError, TypeError, MemoryError)
 Shape = tuple[int, ...]
 _Entry = tuple[Shape, np.dtype, str | None]  # shape, dtype, SHA-256 digest
 
@@ -72,7 +75,7 @@ def _header(f: io.BufferedIOBase, member: str) -> tuple[Shape, bool, np.dtype]:
         if version == (2, 0):
             read = np.lib.format.read_array_header_2_0
         shape, fortran, dtype = read(f, max_header_size=_MAX_HEADER)
-    except (*_ZIP_ERRORS, *_HEADER_ERRORS) as e:
+    except _ERRORS as e:
         why = str(e) or type(e).__name__
         raise _Corrupt(f"member {member!r} has no valid .npy header ({why})") from None
     if dtype.hasobject or dtype.fields is not None or dtype.subdtype is not None:
@@ -112,17 +115,15 @@ class _Archive(Mapping[str, Lazy]):
             )
         try:
             self.zip = zipfile.ZipFile(path)
-        except _ZIP_ERRORS as e:
+        except _ERRORS as e:
             raise CorruptFileError(
                 f"{path!r} is not a checkpoint written by eqxscan.save (an .npz "
                 f"archive of arrays): {'empty file' if size == 0 else e}."
             ) from None
         try:
             self.members = self._members(size)
-            if _MANIFEST in self.members:
-                self.entries = self._manifest()
-            else:
-                self.entries = self._headers()
+            manifest = _MANIFEST in self.members
+            self.entries = self._manifest() if manifest else self._headers()
         except BaseException:
             self.zip.close()
             raise
@@ -250,7 +251,7 @@ class _Archive(Mapping[str, Lazy]):
                 yield f, shape, fortran, dtype
         except _Corrupt:
             raise
-        except _ZIP_ERRORS as e:
+        except _ERRORS as e:
             raise _Corrupt(f"member {member!r} cannot be read ({e})") from None
 
     def _npy(self, name: str, accept: Callable[[Shape, np.dtype], bool]) -> np.ndarray:

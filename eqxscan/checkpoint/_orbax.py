@@ -491,15 +491,8 @@ class CheckpointManager:
         return RuntimeError(message)
 
     def _latest_verified(self, latest: int) -> int:
-        def corrupt(step: int) -> str | None:
-            try:
-                self._verify(step)
-            except ValueError as e:
-                return str(e).splitlines()[0]
-            return None
-
         steps = [s for s in self.all_steps() if s <= latest]
-        step, skipped = _newest(steps, corrupt)
+        step, skipped = _newest(steps, self._corruption)
         if step is None:
             raise ValueError(
                 f"Every step of {self.directory!r} is corrupt: {'; '.join(skipped)}"
@@ -515,33 +508,36 @@ class CheckpointManager:
         return step
 
     def _verify(self, step: int) -> None:
-        # Names the first file whose digest differs (or that is missing).
+        if why := self._corruption(step):
+            raise ValueError(
+                f"{why}.\nHint: restore another step (all_steps() lists them: "
+                f"{self.all_steps()}); {DOCS}."
+            )
+
+    def _corruption(self, step: int) -> str | None:
+        # Names the first file of `step` that differs from its digest; `None`
+        # if all match, or if it has none (saved before digests, or killed
+        # before they were written).
         where = os.path.join(self.directory, str(step))
+        corrupt = f"Step {step} in {self.directory!r} is corrupt"
         try:
             with open(os.path.join(where, _DIGESTS)) as f:
                 saved = json.load(f)
         except FileNotFoundError:
-            return  # saved before digests, or killed before they were written
+            return None
         except (ValueError, OSError) as e:
-            raise ValueError(
-                f"Step {step} in {self.directory!r} has an unreadable digest file "
-                f"{_DIGESTS!r} ({e}).\nHint: restore another step (all_steps() "
-                f"lists them), or delete the file to restore without checking."
-            ) from None
+            return f"{corrupt}: its digest file {_DIGESTS!r} cannot be read ({e})"
         for name, digest in sorted(saved.items()) if isinstance(saved, dict) else ():
-            path = os.path.join(where, name)
             try:
-                found = _sha256_file(path)
+                found = _sha256_file(os.path.join(where, name))
             except (FileNotFoundError, IsADirectoryError):
-                found = "missing"
+                return f"{corrupt}: its file {name!r} is missing"
             if found != digest:
-                what = "is missing" if found == "missing" else "differs from its digest"
-                raise ValueError(
-                    f"Step {step} in {self.directory!r} is corrupt: its file "
-                    f"{name!r} {what} (SHA-256 written when the step was saved)."
-                    f"\nHint: restore another step (all_steps() lists them: "
-                    f"{self.all_steps()}); {DOCS}."
+                return (
+                    f"{corrupt}: its file {name!r} differs from its digest (SHA-256 "
+                    "written when the step was saved)"
                 )
+        return None
 
     def close(self) -> None:
         """Finish pending saves and release Orbax's resources."""

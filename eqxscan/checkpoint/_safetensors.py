@@ -17,7 +17,7 @@ import json
 import os
 import re
 import secrets
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
 import jax
@@ -25,7 +25,7 @@ import numpy as np
 from jaxtyping import PyTree
 from numpy.typing import DTypeLike
 
-from .._internal import check_path, describe
+from .._internal import check_path
 from ._files import (
     CorruptFileError,
     digest,
@@ -43,7 +43,7 @@ from ._safetensors_read import (
     INDEX,
     SINGLE,
 )
-from ._state_dict import check_like, entries_of, from_state_dict
+from ._state_dict import check_like, from_state_dict, host_entries
 
 
 __all__ = ["load_safetensors", "read_safetensors", "save_safetensors"]
@@ -54,7 +54,6 @@ _SHARD = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
 _STAGED = re.compile(r"model-(\d{5})-of-(\d{5})\.[0-9a-f]{16}\.safetensors")
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-Entry = tuple[str, tuple[int, ...], np.dtype, Callable[[], np.ndarray]]
 
 
 def _size(max_shard_size: int | str | None) -> int | None:
@@ -75,37 +74,6 @@ def _contiguous(array: np.ndarray) -> np.ndarray:
     # Not `np.ascontiguousarray` alone: it makes a 0-d array 1-d.
     array = np.asarray(array)
     return array if array.flags.c_contiguous else np.ascontiguousarray(array)
-
-
-def _entries(model: object) -> list[Entry]:
-    """`(name, shape, dtype, read)` of each per-layer array of `model`, in
-    [`eqxscan.to_state_dict`][]'s order; `read` copies only its own slice
-    to the host."""
-    out: list[Entry] = []
-    hosts: dict[int, np.ndarray] = {}
-
-    def reader(
-        leaf: object, index: tuple[int, ...], key: int
-    ) -> Callable[[], np.ndarray]:
-        def read() -> np.ndarray:
-            if isinstance(leaf, jax.Array) and not all(
-                d.platform == "cpu" for d in leaf.devices()
-            ):
-                return np.asarray(leaf[index])  # one slice off the device
-            if key not in hosts:  # on the host already: a view, no copy
-                hosts[key] = np.asarray(leaf)
-            return np.asarray(hosts[key][index])  # a 0-d leaf: not a scalar
-
-        return read
-
-    for name, leaf, index in entries_of(model):
-        if isinstance(leaf.leaf, jax.ShapeDtypeStruct):
-            raise TypeError(
-                f"save_safetensors: '{name}' is an abstract {describe(leaf.leaf)}; "
-                "saving needs concrete arrays."
-            )
-        out.append((name, leaf.shape, leaf.dtype, reader(leaf.leaf, index, id(leaf))))
-    return out
 
 
 def _shards(
@@ -175,12 +143,8 @@ def save_safetensors(
             "names one .safetensors file.\nHint: pass the directory to write "
             "model-00001-of-0000N.safetensors files into."
         )
-    entries = _entries(model)
-    external = (
-        names.plan_export(entries)
-        if names is not None
-        else [(n, Lazy(s, d, r)) for n, s, d, r in entries]
-    )
+    entries = host_entries(model, "save_safetensors", sliced=True)
+    external = entries if names is None else names.plan_export(entries)
     info = {"format": names.format if names is not None else "pt", **(metadata or {})}
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in info.items()):
         raise TypeError("save_safetensors: metadata must map strings to strings.")

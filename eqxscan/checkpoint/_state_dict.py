@@ -31,7 +31,7 @@ from .._internal import (
     Stacked,
     walk,
 )
-from ._files import listed, shape_dtype
+from ._files import Lazy, listed, shape_dtype
 
 
 __all__ = ["from_state_dict", "key_name", "to_state_dict"]
@@ -49,16 +49,14 @@ def _regex(parts: Parts) -> str:
 
 
 def _resolve(parts: Parts, index: tuple[int, ...]) -> list[str | int]:
-    """`parts` with each layer number filled in from `index` (one entry per
-    leading layer axis)."""
+    # `parts` with each layer number filled in from `index` (one per layer axis).
     it = iter(index)
-    resolved: list[str | int] = []
-    for p in parts:
-        if isinstance(p, LayerNumbering):
-            resolved.append(p.start + sum(next(it) * s for s in p.strides))
-        else:
-            resolved.append(p)
-    return resolved
+    return [
+        p.start + sum(next(it) * s for s in p.strides)
+        if isinstance(p, LayerNumbering)
+        else p
+        for p in parts
+    ]
 
 
 _ArrayLeaf = jax.Array | np.ndarray | jax.ShapeDtypeStruct
@@ -141,18 +139,38 @@ def to_state_dict(model: PyTree) -> dict[str, np.ndarray]:
 
     A `dict[str, numpy.ndarray]` in the model's leaf order.
     """
-    entries = []
-    arrays: dict[int, np.ndarray] = {}
+    return {name: lazy.read() for name, lazy in host_entries(model, "to_state_dict")}
+
+
+def host_entries(
+    model: PyTree, who: str, *, sliced: bool = False
+) -> list[tuple[str, Lazy]]:
+    """Each per-layer array of `model`, in [`eqxscan.to_state_dict`][]'s order,
+    read to the host when asked for: each leaf copied once, or, with `sliced`,
+    a leaf off the host one layer's slice at a time."""
+    hosts: dict[int, np.ndarray] = {}
+
+    def reader(leaf: _Leaf, index: tuple[int, ...]) -> Callable[[], np.ndarray]:
+        def read() -> np.ndarray:
+            x = leaf.leaf
+            if sliced and isinstance(x, jax.Array):
+                if not all(d.platform == "cpu" for d in x.devices()):
+                    return np.asarray(x[index])  # one slice off the device
+            if id(leaf) not in hosts:  # on the host already: a view, no copy
+                hosts[id(leaf)] = np.asarray(x)
+            return np.asarray(hosts[id(leaf)][index])  # a 0-d leaf: not a scalar
+
+        return read
+
+    out = []
     for name, leaf, index in entries_of(model):
         if isinstance(leaf.leaf, jax.ShapeDtypeStruct):
             raise TypeError(
-                f"`{pattern(leaf.parts)}` is an abstract {describe(leaf.leaf)}; "
-                "to_state_dict needs concrete arrays."
+                f"{who} needs concrete arrays, but '{name}' is an abstract "
+                f"{describe(leaf.leaf)}."
             )
-        if id(leaf) not in arrays:
-            arrays[id(leaf)] = np.asarray(leaf.leaf)
-        entries.append((name, np.asarray(arrays[id(leaf)][index])))
-    return dict(entries)
+        out.append((name, Lazy(leaf.shape, leaf.dtype, reader(leaf, index))))
+    return out
 
 
 def entries_of(model: PyTree) -> list[tuple[str, "_Leaf", tuple[int, ...]]]:
