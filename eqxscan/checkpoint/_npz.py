@@ -59,7 +59,7 @@ _Entry = tuple[Shape, np.dtype, str | None]  # shape, dtype, SHA-256 digest
 
 
 class _Corrupt(ValueError):
-    """Raised inside the reader; `open_npz` adds the file's name."""
+    """Raised inside the reader, which adds the file's name."""
 
 
 class _Foreign(_Corrupt):
@@ -95,7 +95,7 @@ def _nbytes(shape: Shape, dtype: np.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
-class _Archive(Mapping[str, Lazy]):
+class NpzArchive(Mapping[str, Lazy]):
     """The arrays of a checkpoint file, validated against its manifest and the
     zip directory; nothing but `.npy` headers and the manifest is read before
     an array is asked for."""
@@ -124,8 +124,10 @@ class _Archive(Mapping[str, Lazy]):
             self.members = self._members(size)
             manifest = _MANIFEST in self.members
             self.entries = self._manifest() if manifest else self._headers()
-        except BaseException:
+        except BaseException as e:
             self.zip.close()
+            if isinstance(e, _Corrupt):
+                raise _error(path, e) from None
             raise
 
     def _members(self, size: int) -> dict[str, zipfile.ZipInfo]:
@@ -298,7 +300,7 @@ class _Archive(Mapping[str, Lazy]):
     def __len__(self) -> int:
         return len(self.entries)
 
-    def __enter__(self) -> "_Archive":
+    def __enter__(self) -> "NpzArchive":
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -317,11 +319,3 @@ def _error(path: str, e: _Corrupt) -> ValueError:
         f"Checkpoint file {path!r} is corrupt or was not written by eqxscan.save: "
         f"{e}.\nHint: restore it from a copy; {_DOCS}."
     )
-
-
-def open_npz(path: str) -> _Archive:
-    """The arrays of an `.npz` checkpoint, by name, read when asked for."""
-    try:
-        return _Archive(path)
-    except _Corrupt as e:
-        raise _error(path, e) from None

@@ -12,7 +12,7 @@ import numpy as np
 from jaxtyping import PyTree
 
 from .._internal import check_path
-from ._npz import _Archive, open_npz
+from ._npz import NpzArchive
 from ._safetensors import load_safetensors, read_safetensors, save_safetensors
 from ._state_dict import check_like, from_state_dict
 
@@ -21,7 +21,7 @@ T = TypeVar("T")
 _ZIP = (b"PK\x03\x04", b"PK\x05\x06")  # a zip's first bytes (an empty zip's too)
 
 
-def _npz(path: str, who: str) -> _Archive | None:
+def _npz(path: str, who: str) -> NpzArchive | None:
     """The `.npz` archive at `path` (with a `DeprecationWarning`), or `None` for
     safetensors."""
     try:
@@ -39,7 +39,7 @@ def _npz(path: str, who: str) -> _Archive | None:
         DeprecationWarning,
         stacklevel=3,
     )
-    return open_npz(path)
+    return NpzArchive(path)
 
 
 def save(path: str | os.PathLike, model: PyTree) -> list[str]:
