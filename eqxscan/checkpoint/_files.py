@@ -1,11 +1,18 @@
 """Files written whole or not at all: locked temporary files beside the final
 ones (created with the mode the umask allows, as `open` would), the removal of
-those that killed writers left behind, and fsyncs of directories."""
+those that killed writers left behind, and fsyncs of directories; and what the
+readers share: arrays read when asked for, the error for a corrupt file,
+digests, lists of names."""
 
+import hashlib
 import os
 import re
 import tempfile
 import threading
+from collections.abc import Callable, Iterable
+
+import numpy as np
+from numpy.typing import DTypeLike
 
 
 try:
@@ -26,6 +33,53 @@ class CorruptFileError(ValueError):
     member) and ends with a hint; a `ValueError`, so code that caught those
     still does.
     """
+
+
+class Lazy:
+    """An array read only when NumPy asks for it: `shape` and `dtype` are known
+    before (so a whole file can be checked first)."""
+
+    def __init__(
+        self, shape: tuple[int, ...], dtype: DTypeLike, read: Callable[[], np.ndarray]
+    ):
+        self.shape, self.dtype, self.read = tuple(shape), np.dtype(dtype), read
+
+    def __array__(
+        self, dtype: DTypeLike | None = None, copy: bool | None = None
+    ) -> np.ndarray:
+        array = self.read()
+        return array if dtype is None else array.astype(dtype)
+
+
+def shape_dtype(value: object) -> tuple[tuple[int, ...], np.dtype]:
+    # Of an array, a `Lazy` or anything NumPy makes one of (a list, a number).
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is None or dtype is None:
+        array = np.asarray(value)
+        shape, dtype = array.shape, array.dtype
+    return tuple(shape), np.dtype(dtype)
+
+
+def listed(items: list[str], sep: str = "; ") -> str:
+    # At most 10 of `items`, and how many more.
+    more = f" and {len(items) - 10} more" if len(items) > 10 else ""
+    return sep.join(items[:10]) + more
+
+
+def digest(array: np.ndarray) -> str:
+    flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    return hashlib.sha256(flat.data).hexdigest()
+
+
+def differences(found: Iterable[str], listed: Iterable[str], where: str) -> str:
+    """The names `listed` but not `found`, and those `found` but not listed in
+    `where` (10 of each at most); empty if none."""
+    missing, extra = sorted(set(listed) - set(found)), sorted(set(found) - set(listed))
+    return "; ".join(
+        f"{what} {', '.join(map(repr, names[:10]))}"
+        for what, names in (("missing", missing), (f"not in the {where}", extra))
+        if names
+    )
 
 
 def _umask() -> int:

@@ -18,10 +18,10 @@ from typing import TypeVar
 import jax
 import numpy as np
 from jaxtyping import PyTree
-from numpy.typing import DTypeLike
 
-from .._internal import describe, is_arraylike
-from ._state_dict import entries_of, from_state_dict
+from .._internal import describe
+from ._files import Lazy, listed, shape_dtype
+from ._state_dict import check_like, entries_of, from_state_dict, host_entries
 
 
 __all__ = ["Join", "NameMap", "Reshape", "Rule", "Split", "Transpose"]
@@ -29,7 +29,11 @@ __all__ = ["Join", "NameMap", "Reshape", "Rule", "Split", "Transpose"]
 T = TypeVar("T")
 Shape = tuple[int, ...]
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_]\w*)\}")
-_MAX_LISTED = 10
+
+
+# Each operation maps the list of arrays before it to the list after it (one
+# array but after a `Join` or before a `Split`): `shapes` on shapes alone,
+# `apply` on export, `invert` on loading, given the shapes before it.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,20 +42,20 @@ class Transpose:
 
     axes: tuple[int, ...] | None = None
 
-    def shape(self, shape: Shape) -> Shape:
-        return tuple(shape[a] for a in self._axes(len(shape)))
-
     def _axes(self, ndim: int) -> tuple[int, ...]:
         axes = tuple(reversed(range(ndim))) if self.axes is None else self.axes
         if sorted(a % ndim for a in axes) != list(range(ndim)):
             raise ValueError(f"Transpose{axes} does not permute {ndim} axes")
         return tuple(a % ndim for a in axes)
 
-    def apply(self, array: np.ndarray) -> np.ndarray:
-        return np.transpose(array, self._axes(array.ndim))
+    def shapes(self, shapes: list[Shape]) -> list[Shape]:
+        return [tuple(shapes[0][a] for a in self._axes(len(shapes[0])))]
 
-    def invert(self, array: np.ndarray) -> np.ndarray:
-        return np.transpose(array, np.argsort(self._axes(array.ndim)))
+    def apply(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        return [np.transpose(arrays[0], self._axes(arrays[0].ndim))]
+
+    def invert(self, arrays: list[np.ndarray], _: list[Shape]) -> list[np.ndarray]:
+        return [np.transpose(arrays[0], np.argsort(self._axes(arrays[0].ndim)))]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,14 +64,20 @@ class Reshape:
 
     to: tuple[int, ...]
 
-    def shape(self, shape: Shape) -> Shape:
-        size = int(np.prod(shape, dtype=np.int64))
+    def shapes(self, shapes: list[Shape]) -> list[Shape]:
+        size = int(np.prod(shapes[0], dtype=np.int64))
         known = int(np.prod([d for d in self.to if d != -1], dtype=np.int64))
         if self.to.count(-1) > 1 or (
             (size != known) if -1 not in self.to else (known == 0 or size % known)
         ):
-            raise ValueError(f"Reshape{self.to} does not fit shape {list(shape)}")
-        return tuple(size // known if d == -1 else d for d in self.to)
+            raise ValueError(f"Reshape{self.to} does not fit shape {list(shapes[0])}")
+        return [tuple(size // known if d == -1 else d for d in self.to)]
+
+    def apply(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        return [arrays[0].reshape(self.to)]
+
+    def invert(self, arrays: list[np.ndarray], before: list[Shape]) -> list[np.ndarray]:
+        return [arrays[0].reshape(before[0])]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +89,21 @@ class Split:
     axis: int
     sizes: tuple[int, ...]
 
+    def shapes(self, shapes: list[Shape]) -> list[Shape]:
+        (shape,) = shapes
+        ax = self.axis % len(shape)
+        if sum(self.sizes) != shape[ax]:
+            raise ValueError(
+                f"Split({self.axis}, {self.sizes}) does not fit shape {list(shape)}"
+            )
+        return [shape[:ax] + (n,) + shape[ax + 1 :] for n in self.sizes]
+
+    def apply(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        return np.split(arrays[0], np.cumsum(self.sizes)[:-1], axis=self.axis)
+
+    def invert(self, arrays: list[np.ndarray], _: list[Shape]) -> list[np.ndarray]:
+        return [np.concatenate(arrays, axis=self.axis)]
+
 
 @dataclasses.dataclass(frozen=True)
 class Join:
@@ -87,6 +112,25 @@ class Join:
     sizes `like` gives)."""
 
     axis: int
+
+    def shapes(self, shapes: list[Shape]) -> list[Shape]:
+        first = shapes[0]
+        ax = self.axis % len(first)
+        if any(
+            len(s) != len(first) or s[:ax] + s[ax + 1 :] != first[:ax] + first[ax + 1 :]
+            for s in shapes
+        ):
+            raise ValueError(
+                f"Join({self.axis}) cannot join shapes {[list(s) for s in shapes]}"
+            )
+        return [first[:ax] + (sum(s[ax] for s in shapes),) + first[ax + 1 :]]
+
+    def apply(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        return [np.concatenate(arrays, axis=self.axis)]
+
+    def invert(self, arrays: list[np.ndarray], before: list[Shape]) -> list[np.ndarray]:
+        ax = self.axis % len(before[0])
+        return np.split(arrays[0], np.cumsum([s[ax] for s in before])[:-1], axis=ax)
 
 
 _Op = Transpose | Reshape | Split | Join
@@ -138,27 +182,12 @@ def _layer(binding: Mapping[str, int]) -> int:
     return next(iter(binding.values())) if len(binding) == 1 else -1
 
 
-def _listed(items: Sequence[str]) -> str:
-    more = len(items) - _MAX_LISTED
-    return "; ".join(items[:_MAX_LISTED]) + (f"; and {more} more" if more > 0 else "")
+def _names(patterns: Iterable[str], binding: Mapping[str, int]) -> tuple[str, ...]:
+    return tuple(p.format(**binding) for p in patterns)
 
 
 def _spec(shape: Shape, dtype: np.dtype) -> str:
     return f"{np.dtype(dtype).name}{list(shape)}"
-
-
-class Lazy:
-    """An array read only when NumPy asks for it: `shape` and `dtype` are known
-    before (so a whole file can be checked first)."""
-
-    def __init__(self, shape: Shape, dtype: DTypeLike, read: Callable[[], np.ndarray]):
-        self.shape, self.dtype, self.read = tuple(shape), np.dtype(dtype), read
-
-    def __array__(
-        self, dtype: DTypeLike | None = None, copy: bool | None = None
-    ) -> np.ndarray:
-        array = self.read()
-        return array if dtype is None else array.astype(dtype)
 
 
 class _Compiled:
@@ -175,97 +204,44 @@ class _Compiled:
                     f"{where}: '{pattern}' has placeholders {sorted(keys)}, the rule "
                     f"{sorted(self.keys)}; every name of a rule needs the same ones."
                 )
-        ops = rule.ops
+        ops, n_ours, n_theirs = rule.ops, len(ours), len(rule.theirs)
         joins = [k for k, op in enumerate(ops) if isinstance(op, Join)]
         splits = [k for k, op in enumerate(ops) if isinstance(op, Split)]
-        if (len(ours) > 1) != (joins == [0]) or len(joins) > 1:
+        if (n_ours > 1) != (joins == [0]) or len(joins) > 1:
+            need = "a Join as its first operation" if n_ours > 1 else "no Join"
             raise ValueError(
-                f"{where}: a rule from {len(ours)} eqxscan names needs "
-                + ("a Join as its first operation" if len(ours) > 1 else "no Join")
+                f"{where}: a rule from {n_ours} eqxscan names needs {need}"
             )
-        if (len(rule.theirs) > 1) != (splits == [len(ops) - 1]) or len(splits) > 1:
+        if (n_theirs > 1) != (splits == [len(ops) - 1]) or len(splits) > 1:
+            need = "a Split as its last operation" if n_theirs > 1 else "no Split"
             raise ValueError(
-                f"{where}: a rule to {len(rule.theirs)} external names needs "
-                + (
-                    "a Split as its last operation"
-                    if len(rule.theirs) > 1
-                    else "no Split"
-                )
+                f"{where}: a rule to {n_theirs} external names needs {need}"
             )
-        if splits and len(ops[-1].sizes) != len(rule.theirs):  # type: ignore[union-attr]
+        if ops and isinstance(last := ops[-1], Split) and len(last.sizes) != n_theirs:
             raise ValueError(
-                f"{where}: Split{ops[-1].sizes} gives {len(ops[-1].sizes)} pieces "  # type: ignore[union-attr]
-                f"for {len(rule.theirs)} external names"
+                f"{where}: Split{last.sizes} gives {len(last.sizes)} pieces for "
+                f"{n_theirs} external names"
             )
-
-    def names(
-        self, patterns: Iterable[str], binding: Mapping[str, int]
-    ) -> tuple[str, ...]:
-        return tuple(p.format(**binding) for p in patterns)
 
     def shapes(self, shapes: Sequence[Shape]) -> list[list[Shape]]:
         """The shapes after each operation, starting from eqxscan's (export order)."""
         steps = [list(shapes)]
-        current = list(shapes)
         for op in self.rule.ops:
-            if isinstance(op, Join):
-                first = current[0]
-                ax = op.axis % len(first)
-                if any(
-                    len(s) != len(first)
-                    or s[:ax] + s[ax + 1 :] != first[:ax] + first[ax + 1 :]
-                    for s in current
-                ):
-                    raise ValueError(
-                        f"Join({op.axis}) cannot join shapes "
-                        f"{[list(s) for s in current]}"
-                    )
-                current = [
-                    first[:ax] + (sum(s[ax] for s in current),) + first[ax + 1 :]
-                ]
-            elif isinstance(op, Split):
-                (shape,) = current
-                ax = op.axis % len(shape)
-                if sum(op.sizes) != shape[ax]:
-                    raise ValueError(
-                        f"Split({op.axis}, {op.sizes}) does not fit shape {list(shape)}"
-                    )
-                current = [shape[:ax] + (n,) + shape[ax + 1 :] for n in op.sizes]
-            else:
-                current = [op.shape(current[0])]
-            steps.append(current)
+            steps.append(op.shapes(steps[-1]))
         return steps
 
     def export(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
         current = list(arrays)
         for op in self.rule.ops:
-            if isinstance(op, Join):
-                current = [np.concatenate(current, axis=op.axis)]
-            elif isinstance(op, Split):
-                cuts = np.cumsum(op.sizes)[:-1]
-                current = np.split(current[0], cuts, axis=op.axis)
-            elif isinstance(op, Reshape):
-                current = [current[0].reshape(op.to)]
-            else:
-                current = [op.apply(current[0])]
+            current = op.apply(current)
         return [np.ascontiguousarray(a) for a in current]
 
     def load(
         self, arrays: Sequence[np.ndarray], steps: list[list[Shape]]
     ) -> list[np.ndarray]:
         current = list(arrays)
-        for k in reversed(range(len(self.rule.ops))):
-            op, before = self.rule.ops[k], steps[k]
-            if isinstance(op, Split):
-                current = [np.concatenate(current, axis=op.axis)]
-            elif isinstance(op, Join):
-                ax = op.axis % len(before[0])
-                cuts = np.cumsum([s[ax] for s in before])[:-1]
-                current = np.split(current[0], cuts, axis=ax)
-            elif isinstance(op, Reshape):
-                current = [current[0].reshape(before[0])]
-            else:
-                current = [op.invert(current[0])]
+        for op, before in reversed(list(zip(self.rule.ops, steps))):
+            current = op.invert(current, before)
         return [np.ascontiguousarray(a) for a in current]
 
 
@@ -361,7 +337,7 @@ class NameMap:
                 if match is None:
                     continue
                 binding = {k: int(v) for k, v in match.groupdict().items()}
-                ours = rule.names(rule.ours, binding)
+                ours = _names(rule.ours, binding)
                 absent = [n for n in ours if n not in layout or n in used]
                 if absent:
                     incomplete.append(f"'{name}' needs {', '.join(map(repr, absent))}")
@@ -374,7 +350,7 @@ class NameMap:
         if unmapped or incomplete:
             raise ValueError(
                 "The name map does not cover the model: "
-                + _listed(
+                + listed(
                     [f"no rule for '{n}'" for n in unmapped]
                     + [f"joined rule {x} in the model" for x in incomplete]
                 )
@@ -398,14 +374,14 @@ class NameMap:
                 shapes = ", ".join(f"'{n}' {_spec(*layout[n])}" for n in ours)
                 bad.append(f"{e}, for {shapes}")
                 continue
-            theirs = rule.names(rule.rule.theirs, binding)
+            theirs = _names(rule.rule.theirs, binding)
             planned.append(
                 _Planned(rule, binding, ours, theirs, steps, layout[ours[0]][1])
             )
         if bad:
             raise ValueError(
                 "The name map's operations do not fit the model's arrays: "
-                + _listed(bad)
+                + listed(bad)
                 + ".\nHint: check the Reshape/Split sizes against the model's "
                 "configuration."
             )
@@ -422,9 +398,6 @@ class NameMap:
         if len(numbers) == 1:
             return {"layer": numbers[0]}
         return {f"index {k}": n for k, n in enumerate(numbers)}
-
-    def _theirs_where(self, name: str) -> str:
-        return _where(self._binding(name))
 
     def _depths(
         self, planned: Sequence["_Planned"], external: Mapping[str, object]
@@ -450,15 +423,12 @@ class NameMap:
     # Export.
 
     def plan_export(
-        self, entries: Sequence[tuple[str, Shape, np.dtype, Callable[[], np.ndarray]]]
+        self, entries: Sequence[tuple[str, Lazy]]
     ) -> list[tuple[str, Lazy]]:
-        """The external entries made from eqxscan's `(name, shape, dtype, read)`,
-        each read only when asked for (a fused array is read once per piece)."""
-        reads = {name: read for name, _, _, read in entries}
-        layout = {
-            name: (tuple(shape), np.dtype(dtype)) for name, shape, dtype, _ in entries
-        }
-        planned, _ = self._plan(layout)
+        """The external entries made from eqxscan's, each read only when asked
+        for (a fused array is read once per piece)."""
+        reads = {name: lazy.read for name, lazy in entries}
+        planned, _ = self._plan({name: (x.shape, x.dtype) for name, x in entries})
         out: list[tuple[str, Lazy]] = []
         for p in planned:
             for k, name in enumerate(p.theirs):
@@ -468,11 +438,8 @@ class NameMap:
 
     def export(self, model: PyTree) -> dict[str, np.ndarray]:
         """The external state dict of `model` (concrete arrays), in its order."""
-        from ._state_dict import to_state_dict
-
-        state = to_state_dict(model)
-        entries = [(n, a.shape, a.dtype, (lambda a=a: a)) for n, a in state.items()]
-        return {name: lazy.read() for name, lazy in self.plan_export(entries)}
+        entries = self.plan_export(host_entries(model, "NameMap.export"))
+        return {name: lazy.read() for name, lazy in entries}
 
     # Load.
 
@@ -504,7 +471,7 @@ class NameMap:
                         f"missing '{name}'{_where(p.binding)} for '{p.ours[0]}'"
                     )
                 continue
-            shape, dtype = _shape_dtype(external[name])
+            shape, dtype = shape_dtype(external[name])
             want = p.steps[-1][k]
             if shape != want or dtype != p.dtype:
                 wrong.append(
@@ -512,7 +479,7 @@ class NameMap:
                     f"'{p.ours[0]}' needs {_spec(want, p.dtype)}"
                 )
         unused = [
-            f"unused '{n}'{self._theirs_where(n)}"
+            f"unused '{n}'{_where(self._binding(n))}"
             for n in external
             if n not in expected
             and not any(r.fullmatch(n) for r in self._ignore)
@@ -542,7 +509,7 @@ class NameMap:
             )
             raise ValueError(
                 f"The names in {source} do not match the model through the name "
-                f"map ({counts}): {_listed(problems)}.\nHint: a depth or size of "
+                f"map ({counts}): {listed(problems)}.\nHint: a depth or size of "
                 "the model's configuration differs from the file's, or the map "
                 "needs a rule (or an `ignore=` pattern for names of their side only)."
             )
@@ -566,10 +533,7 @@ class NameMap:
         """`like` with its arrays from `external`, a state dict of external names
         (NumPy or JAX arrays). Every unmapped, unused or mis-shaped name is
         reported at once, with its layer."""
-        if not any(is_arraylike(x) for x in jax.tree_util.tree_leaves(like)):
-            raise TypeError(
-                f"NameMap.load: like must be a model, got {describe(like)}."
-            )
+        check_like("NameMap.load", like)
         return from_state_dict(like, self.mapping(like, external))
 
 
@@ -581,14 +545,6 @@ class _Planned:
     theirs: tuple[str, ...]
     steps: list[list[Shape]]
     dtype: np.dtype
-
-
-def _shape_dtype(value: object) -> tuple[Shape, np.dtype]:
-    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
-    if shape is None or dtype is None:
-        array = np.asarray(value)
-        shape, dtype = array.shape, array.dtype
-    return tuple(shape), np.dtype(dtype)
 
 
 def _piece(

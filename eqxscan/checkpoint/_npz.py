@@ -13,7 +13,7 @@ writes them), so no member can inflate beyond the file's own size, and every
 array is checked against its digest. No member is ever unpickled.
 """
 
-import hashlib
+import contextlib
 import io
 import json
 import math
@@ -24,15 +24,11 @@ import tokenize
 import zipfile
 import zlib
 from collections.abc import Callable, Iterator, Mapping
-from typing import TypedDict, TypeVar
 
 import jax.numpy as jnp
 import numpy as np
-from numpy.typing import DTypeLike
 
-from ._files import (
-    CorruptFileError,
-)
+from ._files import CorruptFileError, differences, digest, Lazy
 
 
 _MANIFEST = "__eqxscan_manifest__"  # {"format": 1, "arrays": {name: entry}}
@@ -40,8 +36,11 @@ _FORMAT = 1
 _MAX_HEADER = 10_000  # bytes of a `.npy` header, as NumPy's own limit
 _MAX_MANIFEST = 1 << 28
 _DOCS = "see docs/checkpoints.md"
-# What `zipfile` raises for files it cannot read (a `_Corrupt` is re-raised first).
-_ZIP_ERRORS = (
+# What `zipfile` raises for files it cannot read (a `_Corrupt` is re-raised
+# first), and NumPy's `.npy` header parser besides: `ast.literal_eval`'s errors
+# (`MemoryError` is its stack overflow on a deeply nested header) and those of
+# `tokenize`, its second try.
+_ERRORS = (
     zipfile.BadZipFile,
     EOFError,
     OSError,
@@ -50,63 +49,33 @@ _ZIP_ERRORS = (
     ValueError,
     struct.error,
     zlib.error,
+    SyntaxError,
+    tokenize.TokenError,
+    TypeError,
+    MemoryError,
 )
-
-
-# What NumPy's `.npy` header parser raises besides those: `ast.literal_eval`'s
-# errors (`MemoryError` is its parser's stack overflow on a deeply nested
-# header, at most `_MAX_HEADER` bytes), and `tokenize`'s, from its second try at
-# a header it cannot parse.
-_HEADER_ERRORS = (SyntaxError, tokenize.TokenError, TypeError, MemoryError)
-
-
-T = TypeVar("T")
-# A `.npy` header: shape, Fortran order, dtype, and its size in bytes.
-_Header = tuple[tuple[int, ...], bool, np.dtype, int]
-
-
-class _Entry(TypedDict):
-    """What the manifest (or a `.npy` header) says of one array."""
-
-    dtype: np.dtype
-    shape: tuple[int, ...]
-    sha256: str | None
+Shape = tuple[int, ...]
+_Entry = tuple[Shape, np.dtype, str | None]  # shape, dtype, SHA-256 digest
 
 
 class _Corrupt(ValueError):
-    """Raised inside the reader; `load_state_dict` adds the file's name."""
+    """Raised inside the reader, which adds the file's name."""
 
 
 class _Foreign(_Corrupt):
     """A well-formed file, but of another writer or another format."""
 
 
-def _digest(array: np.ndarray) -> str:
-    flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-    return hashlib.sha256(flat.data).hexdigest()
-
-
-# Reading.
-
-
-def _header(f: io.BufferedIOBase, member: str) -> _Header:
-    """`(shape, fortran_order, dtype, header bytes)` of the `.npy` member open
-    as `f`, reading only its header."""
+def _header(f: io.BufferedIOBase, member: str) -> tuple[Shape, bool, np.dtype]:
     try:
         version = np.lib.format.read_magic(f)
-        if version == (1, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_1_0(
-                f, max_header_size=_MAX_HEADER
-            )
-        elif version == (2, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_2_0(
-                f, max_header_size=_MAX_HEADER
-            )
-        else:
+        if version not in ((1, 0), (2, 0)):
             raise ValueError(f".npy format version {version}")
-    except _Corrupt:
-        raise
-    except (*_ZIP_ERRORS, *_HEADER_ERRORS) as e:
+        read = np.lib.format.read_array_header_1_0
+        if version == (2, 0):
+            read = np.lib.format.read_array_header_2_0
+        shape, fortran, dtype = read(f, max_header_size=_MAX_HEADER)
+    except _ERRORS as e:
         why = str(e) or type(e).__name__
         raise _Corrupt(f"member {member!r} has no valid .npy header ({why})") from None
     if dtype.hasobject or dtype.fields is not None or dtype.subdtype is not None:
@@ -114,7 +83,7 @@ def _header(f: io.BufferedIOBase, member: str) -> _Header:
             f"member {member!r} holds {dtype} values, not plain numbers; eqxscan "
             "never stores such members and does not read them"
         )
-    return tuple(shape), bool(fortran), dtype, f.tell()
+    return tuple(shape), bool(fortran), dtype
 
 
 def _is_number(dtype: np.dtype) -> bool:
@@ -122,34 +91,14 @@ def _is_number(dtype: np.dtype) -> bool:
     return dtype.kind in "biufcV" and not dtype.hasobject and not dtype.fields
 
 
-def _nbytes(shape: tuple[int, ...], dtype: np.dtype) -> int:
+def _nbytes(shape: Shape, dtype: np.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
-class _Member:
-    """One array of the archive, read (and checked against its digest) only when
-    NumPy asks for it: `shape` and `dtype` come from the manifest, so a model's
-    names, shapes and dtypes are all checked before anything is read."""
-
-    def __init__(self, archive: "_Archive", name: str, entry: _Entry):
-        self.archive, self.name = archive, name
-        self.shape = entry["shape"]
-        self.dtype = entry["dtype"]
-        self.sha256 = entry["sha256"]
-
-    def read(self) -> np.ndarray:
-        return self.archive.read(self)
-
-    def __array__(
-        self, dtype: DTypeLike | None = None, copy: bool | None = None
-    ) -> np.ndarray:
-        array = self.read()
-        return array if dtype is None else array.astype(dtype)
-
-
-class _Archive(Mapping[str, _Member]):
-    """The members of a checkpoint file, validated against its manifest and the
-    zip directory; nothing but `.npy` headers and the manifest is read."""
+class NpzArchive(Mapping[str, Lazy]):
+    """The arrays of a checkpoint file, validated against its manifest and the
+    zip directory; nothing but `.npy` headers and the manifest is read before
+    an array is asked for."""
 
     def __init__(self, path: str):
         self.path = path
@@ -166,16 +115,19 @@ class _Archive(Mapping[str, _Member]):
             )
         try:
             self.zip = zipfile.ZipFile(path)
-        except _ZIP_ERRORS as e:
+        except _ERRORS as e:
             raise CorruptFileError(
                 f"{path!r} is not a checkpoint written by eqxscan.save (an .npz "
                 f"archive of arrays): {'empty file' if size == 0 else e}."
             ) from None
         try:
             self.members = self._members(size)
-            self._entries = self._manifest()
-        except BaseException:
+            manifest = _MANIFEST in self.members
+            self.entries = self._manifest() if manifest else self._headers()
+        except BaseException as e:
             self.zip.close()
+            if isinstance(e, _Corrupt):
+                raise _error(path, e) from None
             raise
 
     def _members(self, size: int) -> dict[str, zipfile.ZipInfo]:
@@ -204,62 +156,45 @@ class _Archive(Mapping[str, _Member]):
         return members
 
     def _manifest(self) -> dict[str, _Entry]:
-        if _MANIFEST in self.members:
-            text = self._text(_MANIFEST)
-            try:
-                manifest = json.loads(text)
-            except (ValueError, RecursionError) as e:
-                raise _Corrupt(f"its manifest is not valid JSON ({e})") from None
-            found = manifest.get("format") if isinstance(manifest, dict) else None
-            if type(found) is int and found != _FORMAT:
-                raise _Foreign(
-                    f"its manifest ('{_MANIFEST}.npy') is of format {found}, and "
-                    f"this version of eqxscan reads format {_FORMAT}"
-                )
-            if (
-                not isinstance(manifest, dict)
-                or found != _FORMAT
-                or not isinstance(manifest.get("arrays"), dict)
-            ):
+        if self.members[_MANIFEST].file_size > _MAX_MANIFEST:
+            raise _Corrupt(f"its manifest holds {self.members[_MANIFEST].file_size}")
+        text = self._npy(
+            _MANIFEST, lambda shape, dtype: dtype.kind == "U" and not shape
+        )
+        try:
+            manifest = json.loads(str(text[()]))
+        except (ValueError, RecursionError) as e:
+            raise _Corrupt(f"its manifest is not valid JSON ({e})") from None
+        found = manifest.get("format") if isinstance(manifest, dict) else None
+        if type(found) is int and found != _FORMAT:
+            raise _Foreign(
+                f"its manifest ('{_MANIFEST}.npy') is of format {found}, and "
+                f"this version of eqxscan reads format {_FORMAT}"
+            )
+        if found != _FORMAT or not isinstance(manifest.get("arrays"), dict):
+            raise _Corrupt(
+                f"its manifest is not one of format {_FORMAT} (a JSON object "
+                "with 'format' and 'arrays')"
+            )
+        entries = {k: self._entry(k, v) for k, v in manifest["arrays"].items()}
+        if why := differences(set(self.members) - {_MANIFEST}, entries, "manifest"):
+            raise _Corrupt(f"its members differ from its manifest: {why}")
+        for name, (shape, dtype, _) in entries.items():
+            size, needs = self.members[name].file_size, _nbytes(shape, dtype)
+            if not 10 <= size - needs <= 16 + _MAX_HEADER:
                 raise _Corrupt(
-                    f"its manifest is not one of format {_FORMAT} (a JSON object "
-                    "with 'format' and 'arrays')"
+                    f"member '{name}.npy' holds {size} bytes, but its manifest "
+                    f"entry {dtype.name}{list(shape)} needs {needs} plus a header"
                 )
-            entries = {
-                name: self._entry(name, entry)
-                for name, entry in manifest["arrays"].items()
-            }
-            names = set(self.members) - {_MANIFEST}
-            missing, extra = sorted(set(entries) - names), sorted(names - set(entries))
-            if missing or extra:
-                raise _Corrupt(
-                    "its members differ from its manifest: "
-                    + "; ".join(
-                        f"{what} {', '.join(map(repr, items[:10]))}"
-                        for what, items in (
-                            ("missing", missing),
-                            ("not in the manifest", extra),
-                        )
-                        if items
-                    )
-                )
-            for name, entry in entries.items():
-                overhead = self.members[name].file_size - _nbytes(
-                    entry["shape"], entry["dtype"]
-                )
-                if not 10 <= overhead <= 16 + _MAX_HEADER:
-                    raise _Corrupt(
-                        f"member '{name}.npy' holds {self.members[name].file_size} "
-                        f"bytes, but its manifest entry "
-                        f"{entry['dtype'].name}{entry['shape']} needs "
-                        f"{_nbytes(entry['shape'], entry['dtype'])} plus a header"
-                    )
-            return entries
+        return entries
+
+    def _headers(self) -> dict[str, _Entry]:
         # A plain `numpy.savez` of a state dict: shapes, dtypes and sizes come
         # from each member's `.npy` header.
         entries: dict[str, _Entry] = {}
         for name in self.members:
-            shape, _, dtype, offset = self._open_header(name)
+            with self._open(name) as (_, shape, _, dtype):
+                pass
             if not _is_number(dtype):
                 what = {"U": "text", "S": "bytes"}.get(dtype.kind, "values")
                 raise _Foreign(
@@ -267,13 +202,9 @@ class _Archive(Mapping[str, _Member]):
                     f"does not read, and no '{_MANIFEST}.npy' (the manifest "
                     f"eqxscan.save writes, format {_FORMAT})"
                 )
-            if self.members[name].file_size != offset + _nbytes(shape, dtype):
-                raise _Corrupt(
-                    f"member '{name}.npy' holds {self.members[name].file_size} "
-                    f"bytes, but its header says {dtype.name}{list(shape)}"
-                )
-            entry = {"dtype": dtype.name, "shape": list(shape)}
-            entries[name] = self._entry(name, entry)
+            entries[name] = self._entry(
+                name, {"dtype": dtype.name, "shape": list(shape)}
+            )
         return entries
 
     def _entry(self, name: object, entry: object) -> _Entry:
@@ -284,7 +215,7 @@ class _Archive(Mapping[str, _Member]):
             raise bad("names no member of the file")
         if not isinstance(entry, dict):
             raise bad("is not a JSON object")
-        shape = entry.get("shape")
+        shape, sha256 = entry.get("shape"), entry.get("sha256")
         if not isinstance(shape, list) or not all(
             type(d) is int and 0 <= d < 2**62 for d in shape
         ):
@@ -297,98 +228,86 @@ class _Archive(Mapping[str, _Member]):
             ) from None
         if not _is_number(dtype):
             raise bad(f"has dtype {dtype}, which eqxscan never stores")
-        digest = entry.get("sha256")
-        if digest is not None and not (
-            isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest)
+        if sha256 is not None and not (
+            isinstance(sha256, str) and re.fullmatch(r"[0-9a-f]{64}", sha256)
         ):
-            raise bad(f"has sha256 {digest!r}, not 64 hex digits")
-        return {"dtype": dtype, "shape": tuple(shape), "sha256": digest}
+            raise bad(f"has sha256 {sha256!r}, not 64 hex digits")
+        return tuple(shape), dtype, sha256
 
-    def _member_file(self, info: zipfile.ZipInfo) -> io.BufferedIOBase:
-        f = self.zip.open(info)
-        assert isinstance(f, io.BufferedIOBase)  # a `zipfile.ZipExtFile`
-        return f
-
-    def _open_header(self, name: str) -> _Header:
+    @contextlib.contextmanager
+    def _open(
+        self, name: str
+    ) -> Iterator[tuple[io.BufferedIOBase, Shape, bool, np.dtype]]:
+        """Member `name` past its `.npy` header, and the header's shape, Fortran
+        order and dtype, checked against the member's size."""
+        member, info = f"{name}.npy", self.members[name]
         try:
-            with self._member_file(self.members[name]) as f:
-                return _header(f, f"{name}.npy")
-        except _Corrupt:
-            raise
-        except _ZIP_ERRORS as e:
-            raise _Corrupt(f"member '{name}.npy' cannot be read ({e})") from None
-
-    def _text(self, name: str) -> str:
-        info = self.members[name]
-        if info.file_size > _MAX_MANIFEST:
-            raise _Corrupt(f"its manifest holds {info.file_size} bytes")
-        data = self._data(name, lambda shape, dtype: dtype.kind == "U" and not shape)
-        return str(data[()])
-
-    def _data(
-        self, name: str, accept: Callable[[tuple[int, ...], np.dtype], bool]
-    ) -> np.ndarray:
-        member = f"{name}.npy"
-        info = self.members[name]
-        try:
-            with self._member_file(info) as f:
-                shape, fortran, dtype, offset = _header(f, member)
-                if not accept(shape, dtype):
-                    raise _Corrupt(
-                        f"member {member!r} holds {dtype.name}{list(shape)}, "
-                        "unlike its manifest entry"
-                    )
-                if info.file_size != offset + _nbytes(shape, dtype):
+            with self.zip.open(info) as f:
+                assert isinstance(f, io.BufferedIOBase)  # a `zipfile.ZipExtFile`
+                shape, fortran, dtype = _header(f, member)
+                if info.file_size != f.tell() + _nbytes(shape, dtype):
                     raise _Corrupt(
                         f"member {member!r} holds {info.file_size} bytes, but its "
                         f"header says {dtype.name}{list(shape)}"
                     )
-                array = np.empty(shape[::-1] if fortran else shape, dtype)
-                view = array.reshape(-1).view(np.uint8).data
-                if f.readinto(view) != view.nbytes or f.read(1):
-                    raise _Corrupt(f"member {member!r} is truncated")
+                yield f, shape, fortran, dtype
         except _Corrupt:
             raise
-        except _ZIP_ERRORS as e:
+        except _ERRORS as e:
             raise _Corrupt(f"member {member!r} cannot be read ({e})") from None
+
+    def _npy(self, name: str, accept: Callable[[Shape, np.dtype], bool]) -> np.ndarray:
+        with self._open(name) as (f, shape, fortran, dtype):
+            if not accept(shape, dtype):
+                raise _Corrupt(
+                    f"member '{name}.npy' holds {dtype.name}{list(shape)}, unlike "
+                    "its manifest entry"
+                )
+            array = np.empty(shape[::-1] if fortran else shape, dtype)
+            view = array.reshape(-1).view(np.uint8).data
+            if f.readinto(view) != view.nbytes or f.read(1):
+                raise _Corrupt(f"member '{name}.npy' is truncated")
         return array.T if fortran else array
 
-    def read(self, member: _Member) -> np.ndarray:
-        want = member.dtype
+    def read(self, name: str) -> np.ndarray:
+        """The array `name`, checked against its digest."""
+        shape, want, sha256 = self.entries[name]
 
-        def accept(shape: tuple[int, ...], dtype: np.dtype) -> bool:
+        def accept(found: Shape, dtype: np.dtype) -> bool:
             # `.npy` stores bfloat16 and other ML dtypes as raw void bytes.
-            return shape == member.shape and (
+            return found == shape and (
                 dtype == want or (dtype.kind == "V" and dtype.itemsize == want.itemsize)
             )
 
         try:
-            array = self._data(member.name, accept)
-            if array.dtype != want:
-                array = array.view(want)
-            if member.sha256 is not None and _digest(array) != member.sha256:
+            array = self._npy(name, accept).view(want)
+            if sha256 is not None and digest(array) != sha256:
                 raise _Corrupt(
-                    f"array '{member.name}' does not match its SHA-256 digest: its "
+                    f"array '{name}' does not match its SHA-256 digest: its "
                     "data changed after it was saved"
                 )
         except _Corrupt as e:
-            raise _corrupt(self.path, e) from None
+            raise _error(self.path, e) from None
         return array
 
-    def __getitem__(self, name: str) -> _Member:
-        return _Member(self, name, self._entries[name])
+    def __getitem__(self, name: str) -> Lazy:
+        shape, dtype, _ = self.entries[name]
+        return Lazy(shape, dtype, lambda: self.read(name))
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._entries)
+        return iter(self.entries)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self.entries)
 
-    def close(self) -> None:
+    def __enter__(self) -> "NpzArchive":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
         self.zip.close()
 
 
-def _corrupt(path: str, e: _Corrupt) -> ValueError:
+def _error(path: str, e: _Corrupt) -> ValueError:
     if isinstance(e, _Foreign):
         return ValueError(
             f"Checkpoint file {path!r} was written by another version of eqxscan "
@@ -400,20 +319,3 @@ def _corrupt(path: str, e: _Corrupt) -> ValueError:
         f"Checkpoint file {path!r} is corrupt or was not written by eqxscan.save: "
         f"{e}.\nHint: restore it from a copy; {_DOCS}."
     )
-
-
-def open_npz(path: str) -> _Archive:
-    """The arrays of an `.npz` checkpoint, by name, read when asked for."""
-    try:
-        return _Archive(path)
-    except _Corrupt as e:
-        raise _corrupt(path, e) from None
-
-
-def read_npz(path: str) -> dict[str, np.ndarray]:
-    """Every array of an `.npz` checkpoint, each checked against its digest."""
-    archive = open_npz(path)
-    try:
-        return {name: archive[name].read() for name in archive}
-    finally:
-        archive.close()

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import warnings
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any, SupportsIndex, TypeVar
 
@@ -24,6 +25,7 @@ from jaxtyping import PyTree
 
 from .._internal import check_path, check_size, for_each, is_arraylike, Site
 from ..sharding import MIN_SIZE, model_shardings, opt_state_shardings, shard
+from ._files import listed
 
 
 DOCS = "see docs/multihost.md"
@@ -39,22 +41,17 @@ _DIGESTS = "eqxscan_digests.json"
 
 
 def _sha256_file(path: str) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _file_digests(where: str) -> dict[str, str]:
-    out = {}
-    for root, _, files in os.walk(where):
-        for name in files:
-            path = os.path.join(root, name)
-            rel = os.path.relpath(path, where)
-            if rel not in (_DIGESTS, f".{_DIGESTS}.tmp"):
-                out[rel] = _sha256_file(path)
-    return out
+    paths = [os.path.join(r, n) for r, _, names in os.walk(where) for n in names]
+    return {
+        rel: _sha256_file(path)
+        for path in paths
+        if (rel := os.path.relpath(path, where)) not in (_DIGESTS, f".{_DIGESTS}.tmp")
+    }
 
 
 def _part(entry: Any) -> str:  # a key entry, which jax types as Any
@@ -68,9 +65,8 @@ def _part(entry: Any) -> str:  # a key entry, which jax types as Any
 
 
 def _named_leaves(tree: PyTree) -> list[tuple[tuple[str, ...], Any]]:
-    """`(name parts, leaf)` of every array leaf of `tree`, in `jtu.tree_leaves`
-    order; inside a `Stacked` the layer axis (its `layers` entry) is the part
-    `*`."""
+    # `(name parts, leaf)` of each array leaf, in order; a `Stacked`'s `layers`
+    # entry (its layer axis) is the part `*`.
     out = []
 
     def name(leaf: object, site: Site) -> None:
@@ -107,15 +103,36 @@ def _flat_names(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _fill(
-    like: _M, named: list[tuple[tuple[str, ...], Any]], values: dict[str, Any]
-) -> _M:
+def _target(tree: PyTree, shardings: PyTree) -> dict[str, Any]:
+    # What Orbax restores `tree` as: each array's shape, dtype and sharding.
+    leaves = zip(_named_leaves(tree), jtu.tree_leaves(shardings), strict=True)
+    return _nest(
+        [
+            (p, jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s))
+            for (p, x), s in leaves
+        ]
+    )
+
+
+def _fill(like: _M, values: dict[str, Any]) -> _M:
     # `like` with its array leaves replaced, in order, by the restored ones.
     flat = _flat_names(values)
     arrays, rest = eqx.partition(like, is_arraylike)
-    leaves = [flat[".".join(parts)] for parts, _ in named]
-    treedef = jtu.tree_structure(arrays)
-    return eqx.combine(jtu.tree_unflatten(treedef, leaves), rest)
+    leaves = [flat[".".join(parts)] for parts, _ in _named_leaves(like)]
+    return eqx.combine(jtu.tree_unflatten(jtu.tree_structure(arrays), leaves), rest)
+
+
+def _newest(
+    steps: list[int], problem: Callable[[int], str | None]
+) -> tuple[int | None, list[str]]:
+    # The newest step without a problem, and `"step (problem)"` of newer ones.
+    skipped = []
+    for step in sorted(steps, reverse=True):
+        why = problem(step)
+        if why is None:
+            return step, skipped
+        skipped.append(f"{step} ({why})")
+    return None, skipped
 
 
 def _check_step(step: Any, method: str) -> int:
@@ -286,19 +303,37 @@ class CheckpointManager:
         checkpoint, missing from `model`/`opt_state`, or of another shape or
         dtype.
         """
-        if step is not None:
-            step = _check_step(step, "restore")
+        step, verify = self._step_to_restore(step, verify, skip_corrupt)
+        kw: dict[str, Any] = {"fsdp_axis": fsdp_axis, "min_size": min_size}
+        target = {"model": _target(model, model_shardings(model, mesh, **kw))}
+        if opt_state is not None:
+            sh = opt_state_shardings(opt_state, model, mesh, **kw)
+            target["opt_state"] = _target(opt_state, sh)
+        if verify:
+            self._verify(step)
+        out = self._read(step, target)
+        model = _fill(model, out["model"])
+        if opt_state is not None:
+            opt_state = _fill(opt_state, out["opt_state"])
+        model, opt_state, _ = shard(model, opt_state, mesh=mesh, **kw)
+        return model, opt_state, int(out["step"]["step"])
+
+    def _step_to_restore(
+        self, step: SupportsIndex | None, verify: bool, skip_corrupt: bool
+    ) -> tuple[int, bool]:
+        # The step, and whether it is still to be verified.
         if step is None:
-            step = self.latest_step()
-            if step is None:
+            latest = self.latest_step()
+            if latest is None:
                 raise FileNotFoundError(
                     f"No complete checkpoint in {self.directory!r}.\nHint: save "
                     f"one first, or check the directory; {DOCS}."
                 )
             if verify and skip_corrupt:
-                step = self._latest_verified(step)
-                verify = False  # just done
-        elif step not in self.all_steps():
+                return self._latest_verified(latest), False
+            return latest, verify
+        step = _check_step(step, "restore")
+        if step not in self.all_steps():
             why = "no checkpoint of that step"
             if step in self._manager.all_steps():
                 why = f"its directory is incomplete: {self._incomplete(step)}"
@@ -307,29 +342,13 @@ class CheckpointManager:
                 f"has steps {self.all_steps()}.\nHint: pass one of them or "
                 f"step=None; {DOCS}."
             )
-        shardings = model_shardings(model, mesh, fsdp_axis=fsdp_axis, min_size=min_size)
-        parts: dict[str, tuple[Any, Any]] = {"model": (model, shardings)}
-        if opt_state is not None:
-            opt_sh = opt_state_shardings(
-                opt_state, model, mesh, fsdp_axis=fsdp_axis, min_size=min_size
-            )
-            parts["opt_state"] = (opt_state, opt_sh)
-        named, target = {}, {}
-        for name, (tree, sh) in parts.items():
-            named[name] = _named_leaves(tree)
-            sh_leaves = jtu.tree_leaves(sh)
-            target[name] = _nest(
-                [
-                    (p, jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s))
-                    for (p, x), s in zip(named[name], sh_leaves, strict=True)
-                ]
-            )
-        if verify:
-            self._verify(step)
+        return step, verify
+
+    def _read(self, step: int, target: dict[str, Any]) -> Any:
         args = self._ocp.args
         try:
             self._check(step, target)
-            out = self._manager.restore(
+            return self._manager.restore(
                 step,
                 args=args.Composite(
                     step=args.JsonRestore(),
@@ -340,18 +359,10 @@ class CheckpointManager:
             if str(e).startswith(f"Step {step} in "):
                 raise  # ours, from `_check`
             raise self._unreadable(step, e) from e
-        model = _fill(model, named["model"], out["model"])
-        if opt_state is not None:
-            opt_state = _fill(opt_state, named["opt_state"], out["opt_state"])
-        model, opt_state, _ = shard(
-            model, opt_state, mesh=mesh, fsdp_axis=fsdp_axis, min_size=min_size
-        )
-        return model, opt_state, int(out["step"]["step"])
 
     def _unreadable(self, step: int, error: Exception) -> ValueError:
-        """A `ValueError` naming the step, item and entry that Orbax (TensorStore)
-        could not read, for its multi-kilobyte message (`DATA_LOSS`,
-        `OUT_OF_RANGE`, ...), trimmed."""
+        # Orbax's (TensorStore's) messages run to kilobytes: name the item and
+        # entry, and trim the rest.
         text = " ".join(str(error).split())
         item = re.search(rf"/{step}/(\w+)/", text)
         entry = re.search(r'Error reading "([^"]+?)/\.z', text)
@@ -387,8 +398,7 @@ class CheckpointManager:
         ]
         if missing or unexpected or wrong:
             problems = [
-                f"{what}: {'; '.join(items[:10])}"
-                + (f" and {len(items) - 10} more" if len(items) > 10 else "")
+                f"{what}: {listed(items)}"
                 for what, items in (
                     ("not in the checkpoint", missing),
                     ("only in the checkpoint", unexpected),
@@ -403,9 +413,8 @@ class CheckpointManager:
             )
 
     def _incomplete(self, step: int) -> str | None:
-        """Why the directory of `step` is not a complete checkpoint (`None` if it
-        is one): Orbax lists any directory named by an integer, a stray or
-        emptied one too."""
+        # Why `step` is no complete checkpoint: Orbax lists any directory named
+        # by an integer, a stray or emptied one too.
         where = os.path.join(self.directory, str(step))
         for part in _COMPLETE:
             if not os.path.exists(os.path.join(where, part)):
@@ -416,14 +425,7 @@ class CheckpointManager:
         """The newest complete step, or `None`. Newer directories that are not
         complete checkpoints (stray, emptied or partly deleted) are skipped with
         a warning naming them."""
-        skipped = []
-        for step in sorted(self._manager.all_steps(), reverse=True):
-            why = self._incomplete(step)
-            if why is None:
-                break
-            skipped.append(f"{step} ({why})")
-        else:
-            step = None
+        step, skipped = _newest(self._manager.all_steps(), self._incomplete)
         if skipped:
             warnings.warn(
                 f"Skipped step directories of {self.directory!r} that are not "
@@ -446,8 +448,8 @@ class CheckpointManager:
         self._seal()
 
     def _seal(self) -> None:
-        """Write the digests of the steps saved since, once they are complete
-        (process 0 only: it finalises the steps, after every process wrote)."""
+        # The digests of the steps saved since, once complete; by process 0
+        # only, which finalises the steps after every process wrote.
         pending, self._unsealed = self._unsealed, []
         if not pending:
             return
@@ -467,9 +469,8 @@ class CheckpointManager:
             os.replace(tmp, os.path.join(where, _DIGESTS))
 
     def _save_failed(self, steps: list[int], error: Exception) -> Exception:
-        """The error to raise for a save of `steps` that failed with `error`: of
-        `error`'s type where it is an `OSError` (a `PermissionError` stays one),
-        with a headline naming the steps and the directory."""
+        # Of `error`'s type where it is an `OSError` (a `PermissionError` stays
+        # one), with a headline naming the steps and the directory.
         cause = next(iter(str(error).strip().splitlines()), "")
         cause = cause if len(cause) <= 300 else cause[:297] + "..."
         try:
@@ -490,55 +491,53 @@ class CheckpointManager:
         return RuntimeError(message)
 
     def _latest_verified(self, latest: int) -> int:
-        skipped = []
-        for step in sorted((s for s in self.all_steps() if s <= latest), reverse=True):
-            try:
-                self._verify(step)
-            except ValueError as e:
-                skipped.append(f"{step} ({str(e).splitlines()[0]})")
-                continue
-            if skipped:
-                warnings.warn(
-                    f"Skipped corrupt steps of {self.directory!r}: "
-                    f"{'; '.join(skipped)}; restoring step {step}.",
-                    UserWarning,
-                    stacklevel=3,
-                )
-            return step
-        raise ValueError(
-            f"Every step of {self.directory!r} is corrupt: {'; '.join(skipped)}"
-            f"\nHint: restore one with verify=False at your own risk; {DOCS}."
-        )
+        steps = [s for s in self.all_steps() if s <= latest]
+        step, skipped = _newest(steps, self._corruption)
+        if step is None:
+            raise ValueError(
+                f"Every step of {self.directory!r} is corrupt: {'; '.join(skipped)}"
+                f"\nHint: restore one with verify=False at your own risk; {DOCS}."
+            )
+        if skipped:
+            warnings.warn(
+                f"Skipped corrupt steps of {self.directory!r}: "
+                f"{'; '.join(skipped)}; restoring step {step}.",
+                UserWarning,
+                stacklevel=3,
+            )
+        return step
 
     def _verify(self, step: int) -> None:
-        """Raise `ValueError` naming the first file of `step` whose digest
-        differs from the one written when it was saved (or that is missing)."""
+        if why := self._corruption(step):
+            raise ValueError(
+                f"{why}.\nHint: restore another step (all_steps() lists them: "
+                f"{self.all_steps()}); {DOCS}."
+            )
+
+    def _corruption(self, step: int) -> str | None:
+        # Names the first file of `step` that differs from its digest; `None`
+        # if all match, or if it has none (saved before digests, or killed
+        # before they were written).
         where = os.path.join(self.directory, str(step))
+        corrupt = f"Step {step} in {self.directory!r} is corrupt"
         try:
             with open(os.path.join(where, _DIGESTS)) as f:
                 saved = json.load(f)
         except FileNotFoundError:
-            return  # saved before digests, or killed before they were written
+            return None
         except (ValueError, OSError) as e:
-            raise ValueError(
-                f"Step {step} in {self.directory!r} has an unreadable digest file "
-                f"{_DIGESTS!r} ({e}).\nHint: restore another step (all_steps() "
-                f"lists them), or delete the file to restore without checking."
-            ) from None
+            return f"{corrupt}: its digest file {_DIGESTS!r} cannot be read ({e})"
         for name, digest in sorted(saved.items()) if isinstance(saved, dict) else ():
-            path = os.path.join(where, name)
             try:
-                found = _sha256_file(path)
+                found = _sha256_file(os.path.join(where, name))
             except (FileNotFoundError, IsADirectoryError):
-                found = "missing"
+                return f"{corrupt}: its file {name!r} is missing"
             if found != digest:
-                what = "is missing" if found == "missing" else "differs from its digest"
-                raise ValueError(
-                    f"Step {step} in {self.directory!r} is corrupt: its file "
-                    f"{name!r} {what} (SHA-256 written when the step was saved)."
-                    f"\nHint: restore another step (all_steps() lists them: "
-                    f"{self.all_steps()}); {DOCS}."
+                return (
+                    f"{corrupt}: its file {name!r} differs from its digest (SHA-256 "
+                    "written when the step was saved)"
                 )
+        return None
 
     def close(self) -> None:
         """Finish pending saves and release Orbax's resources."""

@@ -17,7 +17,7 @@ import json
 import os
 import re
 import secrets
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
 import jax
@@ -25,11 +25,17 @@ import numpy as np
 from jaxtyping import PyTree
 from numpy.typing import DTypeLike
 
-from .._internal import check_path, describe, is_arraylike
-from ._files import CorruptFileError, fsync_dir, locked_temporary, remove_stale
-from ._names import Lazy, NameMap
+from .._internal import check_path
+from ._files import (
+    CorruptFileError,
+    digest,
+    fsync_dir,
+    Lazy,
+    locked_temporary,
+    remove_stale,
+)
+from ._names import NameMap
 from ._safetensors_read import (
-    _digest,
     _DIGESTS,
     _Files,
     _package,
@@ -37,7 +43,7 @@ from ._safetensors_read import (
     INDEX,
     SINGLE,
 )
-from ._state_dict import entries_of, from_state_dict
+from ._state_dict import check_like, from_state_dict, host_entries
 
 
 __all__ = ["load_safetensors", "read_safetensors", "save_safetensors"]
@@ -48,7 +54,6 @@ _SHARD = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
 _STAGED = re.compile(r"model-(\d{5})-of-(\d{5})\.[0-9a-f]{16}\.safetensors")
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-Entry = tuple[str, tuple[int, ...], np.dtype, Callable[[], np.ndarray]]
 
 
 def _size(max_shard_size: int | str | None) -> int | None:
@@ -71,37 +76,6 @@ def _contiguous(array: np.ndarray) -> np.ndarray:
     return array if array.flags.c_contiguous else np.ascontiguousarray(array)
 
 
-def _entries(model: object) -> list[Entry]:
-    """`(name, shape, dtype, read)` of each per-layer array of `model`, in
-    [`eqxscan.to_state_dict`][]'s order; `read` copies only its own slice
-    to the host."""
-    out: list[Entry] = []
-    hosts: dict[int, np.ndarray] = {}
-
-    def reader(
-        leaf: object, index: tuple[int, ...], key: int
-    ) -> Callable[[], np.ndarray]:
-        def read() -> np.ndarray:
-            if isinstance(leaf, jax.Array) and not all(
-                d.platform == "cpu" for d in leaf.devices()
-            ):
-                return np.asarray(leaf[index])  # one slice off the device
-            if key not in hosts:  # on the host already: a view, no copy
-                hosts[key] = np.asarray(leaf)
-            return np.asarray(hosts[key][index])  # a 0-d leaf: not a scalar
-
-        return read
-
-    for name, leaf, index in entries_of(model):
-        if isinstance(leaf.leaf, jax.ShapeDtypeStruct):
-            raise TypeError(
-                f"save_safetensors: '{name}' is an abstract {describe(leaf.leaf)}; "
-                "saving needs concrete arrays."
-            )
-        out.append((name, leaf.shape, leaf.dtype, reader(leaf.leaf, index, id(leaf))))
-    return out
-
-
 def _shards(
     entries: Sequence[tuple[str, Lazy]], max_size: int | None
 ) -> list[list[tuple[str, Lazy]]]:
@@ -117,24 +91,6 @@ def _shards(
         shards[-1].append((name, lazy))
         size += nbytes
     return shards
-
-
-def _write_atomic(
-    final: str, data: bytes, temporaries: list[tuple[str, str, int]]
-) -> None:
-    """Write `data` to a temporary file beside `final`, fsynced; it is renamed by
-    the caller once every file of the save is written. Written through the
-    locked descriptor (the package's `save_file` replaces the file it is given
-    with one of mode 0600, which neither the lock nor the umask would cover)."""
-    directory, base = os.path.split(final)
-    prefix = f".{base}."
-    remove_stale(directory, prefix)
-    fd, tmp = locked_temporary(directory, prefix)
-    temporaries.append((tmp, final, fd))
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
-    os.fsync(fd)
 
 
 def save_safetensors(
@@ -187,147 +143,160 @@ def save_safetensors(
             "names one .safetensors file.\nHint: pass the directory to write "
             "model-00001-of-0000N.safetensors files into."
         )
-    entries = _entries(model)
-    external = (
-        names.plan_export(entries)
-        if names is not None
-        else [(n, Lazy(s, d, r)) for n, s, d, r in entries]
-    )
+    entries = host_entries(model, "save_safetensors", sliced=True)
+    external = entries if names is None else names.plan_export(entries)
     info = {"format": names.format if names is not None else "pt", **(metadata or {})}
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in info.items()):
         raise TypeError("save_safetensors: metadata must map strings to strings.")
-    token = secrets.token_hex(8)
-    info[_TOKEN] = token
-    directory = os.path.dirname(os.path.abspath(path)) if single else path
-    if not single and not os.path.isdir(directory):
-        if not os.path.isdir(os.path.dirname(os.path.abspath(directory))):
+    shards = _shards(external, max_size)
+    directory = _directory(path, single)
+    files = [path] if single else _file_names(directory, len(shards))
+    with _Save(path, directory, info) as save:
+        for file, shard in zip(files, shards):
+            save.write(file, shard)
+        return save.commit(single)
+
+
+def _directory(path: str, single: bool) -> str:
+    # The directory to save into; one named by `path` is made if its parent exists.
+    if single:
+        directory = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(directory):
+            raise FileNotFoundError(
+                f"Cannot save to {path!r}: its directory {directory!r} does not exist."
+            )
+        return directory
+    if not os.path.isdir(path):
+        if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             raise FileNotFoundError(
                 f"Cannot save to {path!r}: its parent directory does not exist."
             )
-        os.makedirs(directory, exist_ok=True)
-    if single and not os.path.isdir(directory):
-        raise FileNotFoundError(
-            f"Cannot save to {path!r}: its directory {directory!r} does not exist."
-        )
-    shards = _shards(external, max_size)
-    n = len(shards)
-    files = (
-        [path]
-        if single
-        else [os.path.join(directory, SINGLE)]
-        if n == 1
-        else [
-            os.path.join(directory, f"model-{k + 1:05d}-of-{n:05d}.safetensors")
-            for k in range(n)
-        ]
-    )
-    st = _package()
-    temporaries: list[tuple[str, str, int]] = []
-    weight_map: dict[str, str] = {}
-    total = 0
-    committed = [False]  # set once an index names the new shards
-    try:
-        for file, shard in zip(files, shards):
-            arrays = {name: _contiguous(lazy.read()) for name, lazy in shard}
-            for name, array in arrays.items():
-                weight_map[name] = os.path.basename(file)
-                total += array.nbytes
-            digests = json.dumps({k: _digest(v) for k, v in arrays.items()})
-            meta = {**info, _DIGESTS: digests}
-            data = st.numpy.save(arrays, metadata=meta)  # type: ignore[attr-defined]
-            del arrays  # before the next shard's slices are gathered
-            _write_atomic(file, data, temporaries)
-            del data
-        if n == 1:
-            # One file: it is in place, or it is not; a single file is read
-            # before an index, so the old shards go only after it is there.
-            ((tmp, final, _),) = temporaries
-            os.replace(tmp, final)
-            committed[0] = True
-            fsync_dir(directory)
-            if not single:
-                _remove_old(directory, {SINGLE}, INDEX)
-            return [final]
-        index: dict[str, object] = {"metadata": {"total_size": total, _TOKEN: token}}
-        return _commit_shards(
-            directory, temporaries, index, weight_map, token, committed
-        )
-    except BaseException as e:
-        if not committed[0]:
-            for tmp, final, _ in temporaries:
-                for leftover in (tmp, _staged(final, token)):
-                    try:
-                        os.remove(leftover)
-                    except FileNotFoundError:
-                        pass
-        if isinstance(e, OSError):
-            raise _refused(e, path) from e
-        raise
-    finally:
-        for _, _, fd in temporaries:
+        os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _file_names(directory: str, n: int) -> list[str]:
+    if n == 1:
+        return [os.path.join(directory, SINGLE)]
+    names = [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+    return [os.path.join(directory, name) for name in names]
+
+
+class _Save:
+    """The files of one save, each written to a locked temporary file beside
+    its final one and put in place by `commit` once all are written: until
+    then, an error removes them and leaves the previous files intact."""
+
+    def __init__(self, path: str, directory: str, info: dict[str, str]):
+        self.path, self.directory = path, directory
+        self.token = secrets.token_hex(8)
+        self.info = {**info, _TOKEN: self.token}
+        self.temporaries: list[tuple[str, str, int]] = []  # (tmp, final, locked fd)
+        self.staged: list[str] = []
+        self.weight_map: dict[str, str] = {}
+        self.total = 0
+        self.committed = False  # set once the file, or an index of the shards, is there
+
+    def write(self, final: str, shard: list[tuple[str, Lazy]]) -> None:
+        arrays = {name: _contiguous(lazy.read()) for name, lazy in shard}
+        for name, array in arrays.items():
+            self.weight_map[name] = os.path.basename(final)
+            self.total += array.nbytes
+        meta = {
+            **self.info,
+            _DIGESTS: json.dumps({k: digest(v) for k, v in arrays.items()}),
+        }
+        data = _package().numpy.save(arrays, metadata=meta)
+        del arrays  # before the next shard's slices are gathered
+        self._temporary(final, data)
+
+    def _temporary(self, final: str, data: bytes) -> str:
+        # Written through the locked descriptor: the package's `save_file`
+        # replaces the file it is given with one of mode 0600, which neither
+        # the lock nor the umask would cover.
+        directory, base = os.path.split(final)
+        remove_stale(directory, f".{base}.")
+        fd, tmp = locked_temporary(directory, f".{base}.")
+        self.temporaries.append((tmp, final, fd))
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+        return tmp
+
+    def commit(self, single: bool) -> list[str]:
+        if len(self.temporaries) > 1:
+            return self._commit_shards()
+        # One file: it is in place, or it is not; a single file is read before
+        # an index, so the old shards go only after it is there.
+        ((tmp, final, _),) = self.temporaries
+        os.replace(tmp, final)
+        self.committed = True
+        fsync_dir(self.directory)
+        if not single:
+            _remove_old(self.directory, {SINGLE}, INDEX)
+        return [final]
+
+    def _commit_shards(self) -> list[str]:
+        """Put the shards and their index in place so that at every instant the
+        directory holds a complete checkpoint, the old or the new: the old index
+        names files of the same names as the new, so the new shards first take
+        names of their own (`model-00001-of-00003.<token>.safetensors`), an index
+        naming them replaces the old one, the old files go, the shards get their
+        usual names (hard links), and a second index names those."""
+        finals = [final for _, final, _ in self.temporaries]
+        self.staged = [_staged(final, self.token) for final in finals]
+        for (tmp, _, _), stage in zip(self.temporaries, self.staged):
+            os.replace(tmp, stage)
+        fsync_dir(self.directory)
+        self._index(dict(zip(finals, self.staged)))
+        self.committed = True
+        # The new checkpoint is complete: the old one's files may go.
+        _remove_old(self.directory, set(map(os.path.basename, self.staged)), SINGLE)
+        index = os.path.join(self.directory, INDEX)
+        try:
+            for stage, final in zip(self.staged, finals):
+                os.link(stage, final)
+        except OSError:  # pragma: no cover - a file system without hard links
+            return [*self.staged, index]
+        self._index({final: final for final in finals})
+        for stage in self.staged:
+            os.remove(stage)
+        fsync_dir(self.directory)
+        return [*finals, index]
+
+    def _index(self, files: dict[str, str]) -> None:
+        # The index naming each array's file, as `files` renames it.
+        names = {os.path.basename(k): os.path.basename(v) for k, v in files.items()}
+        index = {
+            "metadata": {"total_size": self.total, _TOKEN: self.token},
+            "weight_map": {k: names[v] for k, v in self.weight_map.items()},
+        }
+        final = os.path.join(self.directory, INDEX)
+        tmp = self._temporary(final, json.dumps(index, indent=2).encode())
+        os.replace(tmp, final)  # while locked: not stale to other saves
+        fsync_dir(self.directory)
+
+    def __enter__(self) -> "_Save":
+        return self
+
+    def __exit__(self, kind: object, error: BaseException | None, tb: object) -> None:
+        leftovers = [tmp for tmp, _, _ in self.temporaries]
+        if error is not None and not self.committed:
+            leftovers += self.staged
+        for leftover in leftovers if error is not None else ():
+            try:
+                os.remove(leftover)
+            except FileNotFoundError:
+                pass
+        for _, _, fd in self.temporaries:
             os.close(fd)
+        if isinstance(error, OSError):
+            raise _refused(error, self.path) from error
 
 
 def _staged(final: str, token: str) -> str:
     return final[: -len(".safetensors")] + f".{token}.safetensors"
-
-
-def _commit_shards(
-    directory: str,
-    temporaries: list[tuple[str, str, int]],
-    index: dict[str, object],
-    weight_map: dict[str, str],
-    token: str,
-    committed: list[bool],
-) -> list[str]:
-    """Put written shards and their index in place, so that at every instant the
-    directory holds a complete checkpoint, the old or the new: the old index
-    names files of the same names as the new, so the new shards first take names
-    of their own (`model-00001-of-00003.<token>.safetensors`), an index naming
-    them replaces the old one, the old files go, the shards get their usual
-    names (hard links), and a second index names those."""
-    finals = [final for _, final, _ in temporaries]
-    staged = [_staged(final, token) for final in finals]
-    for (tmp, _, _), stage in zip(temporaries, staged):
-        os.replace(tmp, stage)
-    fsync_dir(directory)
-
-    def put_index(files: list[str]) -> None:
-        by_name = {
-            os.path.basename(f): os.path.basename(g) for f, g in zip(finals, files)
-        }
-        index["weight_map"] = {k: by_name[v] for k, v in weight_map.items()}
-        final = os.path.join(directory, INDEX)
-        remove_stale(directory, f".{INDEX}.")
-        fd, tmp = locked_temporary(directory, f".{INDEX}.")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(index, f, indent=2)
-                f.flush()
-                os.fsync(f.fileno())
-                os.replace(tmp, final)  # while locked: not stale to other saves
-        except BaseException:
-            try:
-                os.remove(tmp)
-            except FileNotFoundError:
-                pass
-            raise
-        fsync_dir(directory)
-
-    put_index(staged)
-    committed[0] = True
-    # The new checkpoint is complete: the old one's files may go.
-    _remove_old(directory, {os.path.basename(s) for s in staged}, SINGLE)
-    try:
-        for stage, final in zip(staged, finals):
-            os.link(stage, final)
-    except OSError:  # pragma: no cover - a file system without hard links
-        return [*staged, os.path.join(directory, INDEX)]
-    put_index(finals)
-    for stage in staged:
-        os.remove(stage)
-    fsync_dir(directory)
-    return [*finals, os.path.join(directory, INDEX)]
 
 
 def _refused(e: OSError, path: str) -> OSError:
@@ -443,13 +412,7 @@ def load_safetensors(
     differ from the model, or when the file's metadata names another `format`
     than `names` (`"pt"`, `"flax"`: layouts that may hold a matrix transposed).
     """
-    if not any(is_arraylike(x) for x in jax.tree_util.tree_leaves(like)):
-        raise TypeError(
-            f"load_safetensors: like must be a model of the saved layout, with "
-            f"arrays (or jax.ShapeDtypeStructs) in it, got {describe(like)}.\n"
-            "Hint: pass a model built with the saved configuration, e.g. "
-            "eqx.filter_eval_shape(make_model, key)."
-        )
+    check_like("load_safetensors", like)
     files = _Files(check_path("load_safetensors: path", path))
     try:
         state: Mapping[str, object] = files

@@ -2,7 +2,6 @@
 shapes and dtypes from the headers, data read (and checked against the digest
 eqxscan's writer records) only when asked for."""
 
-import hashlib
 import json
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -10,8 +9,7 @@ from collections.abc import Callable, Iterator, Mapping
 import jax
 import numpy as np
 
-from ._files import CorruptFileError
-from ._names import Lazy
+from ._files import CorruptFileError, differences, digest, Lazy
 
 
 SINGLE = "model.safetensors"
@@ -31,11 +29,6 @@ def _package():
             "pip install safetensors"
         ) from e
     return safetensors
-
-
-def _digest(array: np.ndarray) -> str:
-    flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-    return hashlib.sha256(flat.data).hexdigest()
 
 
 def _bad(path: str, why: str) -> CorruptFileError:
@@ -153,16 +146,8 @@ class _Files(Mapping[str, Lazy]):
                 f"{self.where!r}: a save was interrupted, or files of two saves "
                 "were mixed.\nHint: save again, or restore the directory from a copy."
             )
-        if names is not None:
-            missing = sorted(set(names) - set(keys))
-            extra = sorted(set(keys) - set(names))
-            if missing or extra:
-                what = "; ".join(
-                    f"{w} {', '.join(map(repr, x[:10]))}"
-                    for w, x in (("missing", missing), ("not in the index", extra))
-                    if x
-                )
-                raise _bad(file, f"its arrays differ from its index: {what}")
+        if names is not None and (why := differences(keys, names, "index")):
+            raise _bad(file, f"its arrays differ from its index: {why}")
         for key, (shape, dtype_name) in specs.items():
             if key in self.entries:
                 raise _bad(file, f"'{key}' is in another file of the index too")
@@ -172,14 +157,14 @@ class _Files(Mapping[str, Lazy]):
             )
 
     def _reader(
-        self, handle: object, file: str, key: str, digest: str | None
+        self, handle: object, file: str, key: str, expected: str | None
     ) -> Callable[[], np.ndarray]:
         def read() -> np.ndarray:
             try:
                 array = handle.get_tensor(key)  # type: ignore[attr-defined]
             except Exception as e:
                 raise _bad(file, f"'{key}' cannot be read ({e})") from None
-            if digest is not None and _digest(array) != digest:
+            if expected is not None and digest(array) != expected:
                 raise _bad(
                     file,
                     f"array '{key}' does not match its SHA-256 digest: its data "

@@ -8,39 +8,38 @@ import os
 import warnings
 from typing import TypeVar
 
-import jax
 import numpy as np
 from jaxtyping import PyTree
 
-from .._internal import check_path, describe, is_arraylike
-from ._npz import open_npz, read_npz
+from .._internal import check_path
+from ._npz import NpzArchive
 from ._safetensors import load_safetensors, read_safetensors, save_safetensors
-from ._state_dict import from_state_dict
+from ._state_dict import check_like, from_state_dict
 
 
 T = TypeVar("T")
 _ZIP = (b"PK\x03\x04", b"PK\x05\x06")  # a zip's first bytes (an empty zip's too)
 
 
-def _is_npz(path: str) -> bool:
-    if path.endswith(".npz"):
-        return True
+def _npz(path: str, who: str) -> NpzArchive | None:
+    """The `.npz` archive at `path` (with a `DeprecationWarning`), or `None` for
+    safetensors."""
     try:
         with open(path, "rb") as f:
-            return f.read(4) in _ZIP
-    except OSError:  # a directory, or no such file: safetensors says which
-        return False
-
-
-def _deprecated(path: str, what: str) -> None:
+            npz = path.endswith(".npz") or f.read(4) in _ZIP
+    except OSError:  # a directory, or no such file: the readers say which
+        npz = path.endswith(".npz")
+    if not npz:
+        return None
     warnings.warn(
-        f"{what}: {path!r} is an .npz checkpoint of an earlier eqxscan version; "
+        f"{who}: {path!r} is an .npz checkpoint of an earlier eqxscan version; "
         "reading .npz is deprecated and eqxscan no longer writes it.\nHint: save "
         "the loaded model again with eqxscan.save_safetensors (or eqxscan.save, "
         "which writes safetensors), e.g. to 'model.safetensors'.",
         DeprecationWarning,
         stacklevel=3,
     )
+    return NpzArchive(path)
 
 
 def save(path: str | os.PathLike, model: PyTree) -> list[str]:
@@ -89,10 +88,11 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
     arrays; `ValueError` if it is another program's file.
     """
     path = check_path("load_state_dict: path", path)
-    if _is_npz(path):
-        _deprecated(path, "load_state_dict")
-        return read_npz(path)
-    return read_safetensors(path)
+    archive = _npz(path, "load_state_dict")
+    if archive is None:
+        return read_safetensors(path)
+    with archive:
+        return {name: archive.read(name) for name in archive}
 
 
 def load(path: str | os.PathLike, like: T) -> T:
@@ -121,18 +121,9 @@ def load(path: str | os.PathLike, like: T) -> T:
     member or array) if it is corrupt.
     """
     path = check_path("load: path", path)
-    if not _is_npz(path):
+    check_like("load", like)
+    archive = _npz(path, "load")
+    if archive is None:
         return load_safetensors(path, like)
-    if not any(is_arraylike(x) for x in jax.tree_util.tree_leaves(like)):
-        raise TypeError(
-            f"load: like must be a model of the saved layout, with arrays (or "
-            f"jax.ShapeDtypeStructs) in it, got {type(like).__name__} "
-            f"({describe(like)}).\nHint: pass a model built with the saved "
-            "configuration, e.g. eqx.filter_eval_shape(make_model, key)."
-        )
-    _deprecated(path, "load")
-    archive = open_npz(path)
-    try:
+    with archive:
         return from_state_dict(like, archive)
-    finally:
-        archive.close()

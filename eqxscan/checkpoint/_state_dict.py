@@ -12,7 +12,7 @@ are named by their index and dict entries by their key: `"heads.3.weight"`,
 
 import re
 from collections.abc import Callable, Mapping
-from typing import TypeGuard, TypeVar
+from typing import cast, TypeVar
 
 import equinox as eqx
 import jax
@@ -31,6 +31,7 @@ from .._internal import (
     Stacked,
     walk,
 )
+from ._files import Lazy, listed, shape_dtype
 
 
 __all__ = ["from_state_dict", "key_name", "to_state_dict"]
@@ -39,7 +40,6 @@ __all__ = ["from_state_dict", "key_name", "to_state_dict"]
 # goes (one per enclosing `Stacked` or `Chain`, outermost first).
 Parts = tuple[str | LayerNumbering, ...]
 T = TypeVar("T")
-_MAX_LISTED = 10
 
 
 def _regex(parts: Parts) -> str:
@@ -49,27 +49,17 @@ def _regex(parts: Parts) -> str:
 
 
 def _resolve(parts: Parts, index: tuple[int, ...]) -> list[str | int]:
-    """`parts` with each layer number filled in from `index` (one entry per
-    leading layer axis)."""
+    # `parts` with each layer number filled in from `index` (one per layer axis).
     it = iter(index)
-    resolved: list[str | int] = []
-    for p in parts:
-        if isinstance(p, LayerNumbering):
-            resolved.append(p.start + sum(next(it) * s for s in p.strides))
-        else:
-            resolved.append(p)
-    return resolved
-
-
-def _fill(parts: Parts, index: tuple[int, ...]) -> str:
-    return ".".join(str(p) for p in _resolve(parts, index))
+    return [
+        p.start + sum(next(it) * s for s in p.strides)
+        if isinstance(p, LayerNumbering)
+        else p
+        for p in parts
+    ]
 
 
 _ArrayLeaf = jax.Array | np.ndarray | jax.ShapeDtypeStruct
-
-
-def _is_array(x: object) -> TypeGuard[_ArrayLeaf]:
-    return is_arraylike(x)  # an array, or the `ShapeDtypeStruct` of one
 
 
 class _Leaf:
@@ -95,7 +85,10 @@ class _Leaf:
         self.dtype = np.dtype(leaf.dtype)
 
     def names(self) -> list[str]:
-        return [_fill(self.parts, i) for i in np.ndindex(*self.depths)]
+        return [
+            ".".join(map(str, _resolve(self.parts, i)))
+            for i in np.ndindex(*self.depths)
+        ]
 
 
 def _map_arrays(fn: Callable[[_Leaf], object], model: PyTree) -> PyTree:
@@ -103,7 +96,8 @@ def _map_arrays(fn: Callable[[_Leaf], object], model: PyTree) -> PyTree:
     state-dict name: each `Stacked` and `Chain` names its own layers."""
 
     def one(leaf: object, site: Site) -> object:
-        return fn(_Leaf(leaf, site)) if _is_array(leaf) else leaf
+        # An array, or the `ShapeDtypeStruct` of one.
+        return fn(_Leaf(cast(_ArrayLeaf, leaf), site)) if is_arraylike(leaf) else leaf
 
     return walk(one, model, names=True)
 
@@ -112,6 +106,16 @@ def _layout(model: PyTree) -> list[_Leaf]:
     leaves: list[_Leaf] = []
     _map_arrays(leaves.append, model)
     return leaves
+
+
+def check_like(who: str, like: object) -> None:
+    if not any(is_arraylike(x) for x in jax.tree_util.tree_leaves(like)):
+        raise TypeError(
+            f"{who}: like must be a model of the saved layout, with arrays (or "
+            f"jax.ShapeDtypeStructs) in it, got {describe(like)}.\nHint: pass a "
+            "model built with the saved configuration, e.g. "
+            "eqx.filter_eval_shape(make_model, key)."
+        )
 
 
 def to_state_dict(model: PyTree) -> dict[str, np.ndarray]:
@@ -135,18 +139,38 @@ def to_state_dict(model: PyTree) -> dict[str, np.ndarray]:
 
     A `dict[str, numpy.ndarray]` in the model's leaf order.
     """
-    entries = []
-    arrays: dict[int, np.ndarray] = {}
+    return {name: lazy.read() for name, lazy in host_entries(model, "to_state_dict")}
+
+
+def host_entries(
+    model: PyTree, who: str, *, sliced: bool = False
+) -> list[tuple[str, Lazy]]:
+    """Each per-layer array of `model`, in [`eqxscan.to_state_dict`][]'s order,
+    read to the host when asked for: each leaf copied once, or, with `sliced`,
+    a leaf off the host one layer's slice at a time."""
+    hosts: dict[int, np.ndarray] = {}
+
+    def reader(leaf: _Leaf, index: tuple[int, ...]) -> Callable[[], np.ndarray]:
+        def read() -> np.ndarray:
+            x = leaf.leaf
+            if sliced and isinstance(x, jax.Array):
+                if not all(d.platform == "cpu" for d in x.devices()):
+                    return np.asarray(x[index])  # one slice off the device
+            if id(leaf) not in hosts:  # on the host already: a view, no copy
+                hosts[id(leaf)] = np.asarray(x)
+            return np.asarray(hosts[id(leaf)][index])  # a 0-d leaf: not a scalar
+
+        return read
+
+    out = []
     for name, leaf, index in entries_of(model):
         if isinstance(leaf.leaf, jax.ShapeDtypeStruct):
             raise TypeError(
-                f"`{pattern(leaf.parts)}` is an abstract {describe(leaf.leaf)}; "
-                "to_state_dict needs concrete arrays."
+                f"{who} needs concrete arrays, but '{name}' is an abstract "
+                f"{describe(leaf.leaf)}."
             )
-        if id(leaf) not in arrays:
-            arrays[id(leaf)] = np.asarray(leaf.leaf)
-        entries.append((name, np.asarray(arrays[id(leaf)][index])))
-    return dict(entries)
+        out.append((name, Lazy(leaf.shape, leaf.dtype, reader(leaf, index))))
+    return out
 
 
 def entries_of(model: PyTree) -> list[tuple[str, "_Leaf", tuple[int, ...]]]:
@@ -173,12 +197,6 @@ def entries_of(model: PyTree) -> list[tuple[str, "_Leaf", tuple[int, ...]]]:
             entries.append((order, name, leaf, index))
     entries.sort(key=lambda e: e[0])
     return [(name, leaf, index) for _, name, leaf, index in entries]
-
-
-def _listed(names: list[str]) -> str:
-    shown = ", ".join(f"'{n}'" for n in names[:_MAX_LISTED])
-    more = len(names) - _MAX_LISTED
-    return shown + (f" and {more} more" if more > 0 else "")
 
 
 def _check_depths(leaves: list[_Leaf], state_dict: Mapping[str, object]) -> None:
@@ -261,25 +279,20 @@ def from_state_dict(like: T, state_dict: Mapping[str, object]) -> T:
     leaves = _layout(like)
     expected = {name: leaf for leaf in leaves for name in leaf.names()}
     _check_depths(leaves, state_dict)
-    missing = [k for k in expected if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in expected]
+    missing = [f"'{k}'" for k in expected if k not in state_dict]
+    unexpected = [f"'{k}'" for k in state_dict if k not in expected]
     if missing or unexpected:
-        lines = []
-        if missing:
-            lines.append(f"missing keys: {_listed(missing)}")
-        if unexpected:
-            lines.append(f"unexpected keys: {_listed(unexpected)}")
+        lines = [
+            f"{what} keys: {listed(keys, ', ')}"
+            for what, keys in (("missing", missing), ("unexpected", unexpected))
+            if keys
+        ]
         raise ValueError(
-            "The state dict does not match the model: " + "; ".join(lines) + "."
+            f"The state dict does not match the model: {'; '.join(lines)}."
         )
     wrong = []
     for name, leaf in expected.items():
-        value = state_dict[name]
-        shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
-        if shape is None or dtype is None:  # e.g. a list or a Python number
-            array = np.asarray(value)
-            shape, dtype = array.shape, array.dtype
-        shape, dtype = tuple(shape), np.dtype(dtype)
+        shape, dtype = shape_dtype(state_dict[name])
         if shape != leaf.shape or dtype != leaf.dtype:
             wrong.append(
                 f"'{name}': model has {leaf.dtype.name}{list(leaf.shape)}, "
@@ -287,14 +300,7 @@ def from_state_dict(like: T, state_dict: Mapping[str, object]) -> T:
             )
     if wrong:
         raise ValueError(
-            "The state dict has arrays of the wrong shape or dtype: "
-            + "; ".join(wrong[:_MAX_LISTED])
-            + (
-                f" and {len(wrong) - _MAX_LISTED} more"
-                if len(wrong) > _MAX_LISTED
-                else ""
-            )
-            + "."
+            f"The state dict has arrays of the wrong shape or dtype: {listed(wrong)}."
         )
 
     def load(leaf: _Leaf) -> jax.Array | np.ndarray:
