@@ -52,11 +52,11 @@ from ._scan.auto import (
     THRESHOLDS as THRESHOLDS,
     Thresholds as Thresholds,
 )
-from ._scan.depth_drop import (
+from ._scan.drop_rates import (
     carry_examples as carry_examples,
     check_droppable as check_droppable,
-    DepthDrop as DepthDrop,
     DropInputs as DropInputs,
+    DropRates as DropRates,
     Rates as Rates,
     rates_of as rates_of,
 )

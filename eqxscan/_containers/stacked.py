@@ -53,10 +53,10 @@ from .._scan.buffers import (
     view_of,
     with_view,
 )
-from .._scan.depth_drop import (
+from .._scan.drop_rates import (
     check_droppable,
-    depth_drop,
-    DepthDrop,
+    DropRates,
+    new_drop_rates,
     Rates,
     rates_of,
 )
@@ -162,7 +162,7 @@ class Stacked(Scanning, Generic[LayerT]):
     num_layers: int = eqx.field(static=True)
     options: ScanOptions
     layer_sharding: Sharding | PyTree[Sharding | None] | None = eqx.field(static=True)
-    depth_drop: DepthDrop | None
+    drop_rates: DropRates | None
 
     def __init__(
         self,
@@ -223,7 +223,7 @@ class Stacked(Scanning, Generic[LayerT]):
 
         `mode`, `remat` and `unroll` make the module's
         [`eqxscan.ScanOptions`][]; `drop_path` and `layer_drop` its
-        [`eqxscan.DepthDrop`][] (`.depth_drop`), which needs a `key` at every
+        [`eqxscan.DropRates`][] (`.drop_rates`), which needs a `key` at every
         call while training and does nothing under `eqx.nn.inference_mode`.
         """
         num_layers = check_size(
@@ -250,7 +250,7 @@ class Stacked(Scanning, Generic[LayerT]):
         self.layers = layers
         self.num_layers = num_layers
         self.layer_sharding = layer_sharding
-        self.depth_drop = depth_drop(num_layers, drop_path, layer_drop)
+        self.drop_rates = new_drop_rates(num_layers, drop_path, layer_drop)
 
     @classmethod
     def from_layers(
@@ -324,9 +324,9 @@ class Stacked(Scanning, Generic[LayerT]):
                     f"{self.num_layers} layers; a Stacked needs at least one."
                 )
             layers = take(self.layers, index)
-            drop_path, layer_drop = rates_of(self.depth_drop)
-            if self.depth_drop is not None:
-                drop_path, layer_drop = rates_of(self.depth_drop.sliced(index))
+            drop_path, layer_drop = rates_of(self.drop_rates)
+            if self.drop_rates is not None:
+                drop_path, layer_drop = rates_of(self.drop_rates.sliced(index))
             return restack(
                 self,
                 layers=layers,
@@ -444,7 +444,7 @@ class Stacked(Scanning, Generic[LayerT]):
         reverse = check_bool("reverse", reverse)
         call = LayerCall(args, kwargs, self._keys(key), carry_only, reverse, method)
         return scan_layers(
-            self, x, dropping_call(self.depth_drop, call, key, "Stacked")
+            self, x, dropping_call(self.drop_rates, call, key, "Stacked")
         )[0]
 
     @compiled_when_eager
@@ -469,7 +469,7 @@ class Stacked(Scanning, Generic[LayerT]):
         reverse = check_bool("reverse", reverse)
         call = LayerCall(args, kwargs, self._keys(key), STACKED_PAIRS, reverse, method)
         return scan_layers(
-            self, x, dropping_call(self.depth_drop, call, key, "Stacked")
+            self, x, dropping_call(self.drop_rates, call, key, "Stacked")
         )
 
     def _keys(self, key: PRNGKeyArray | None) -> Array | None:
@@ -541,8 +541,8 @@ def restack(stack: Stacked[LayerT], **changes: object) -> Stacked[LayerT]:
         num_layers=stack.num_layers,
         options=stack.options,
         layer_sharding=stack.layer_sharding,
-        drop_path=rates_of(stack.depth_drop)[0],
-        layer_drop=rates_of(stack.depth_drop)[1],
+        drop_path=rates_of(stack.drop_rates)[0],
+        layer_drop=rates_of(stack.drop_rates)[1],
     )
     for name in changes:
         if name not in fields:
@@ -552,10 +552,10 @@ def restack(stack: Stacked[LayerT], **changes: object) -> Stacked[LayerT]:
     assert isinstance(options, ScanOptions)
     # `fields` holds what `__init__` takes, by name (checked above).
     new = type(stack)(**fields, **options.as_args())  # type: ignore[arg-type]  # see above
-    if stack.depth_drop is None or new.depth_drop is None:
+    if stack.drop_rates is None or new.drop_rates is None:
         return new
-    inference = stack.depth_drop.inference
-    return eqx.tree_at(lambda s: s.depth_drop.inference, new, inference)
+    inference = stack.drop_rates.inference
+    return eqx.tree_at(lambda s: s.drop_rates.inference, new, inference)
 
 
 #: How `Stacked.scan` reads each layer's output.
@@ -563,7 +563,7 @@ STACKED_PAIRS = pairs("Stacked.scan")
 
 
 def dropping_call(
-    drop: DepthDrop | None, call: LayerCall, key: object, who: str
+    drop: DropRates | None, call: LayerCall, key: object, who: str
 ) -> LayerCall:
     """`call` with the drop inputs of this call (`drop.per_layer_inputs(key)`)
     when `drop` drops in it (training, a rate above zero). A model with drop
@@ -611,16 +611,16 @@ def scan_layers(stack: Stacked, x: PyTree, call: LayerCall) -> tuple[PyTree, PyT
     view = None if at is None else view_of(call.args, call.kwargs, at)
     if view is not None:
         check_buffer_axis(view, length, f"This Stacked of {cls_name} layers")
-        if call.drop is not None or call.keep is not None:
+        if call.drop is not None or call.runs is not None:
             raise TypeError(
                 "A Stacked called with an eqxscan.buffer cannot drop layers "
                 "(drop_path, layer_drop), which would skip their writes.\nDecode "
                 "in inference mode (`eqx.nn.inference_mode(model)`) or without a key."
             )
-    keep, drop = call.keep, call.drop
-    if keep is None and drop is not None and drop.uses[1] and call.unit is None:
-        # LayerDrop left to the scan, which then runs only the kept layers.
-        keep, call = drop.keep(), call._replace(drop=drop.gated_by_scan())
+    runs, drop = call.runs, call.drop
+    if runs is None and drop is not None and drop.uses[1] and call.unit is None:
+        # LayerDrop left to the scan, which then runs only the layers that run.
+        runs, call = drop.runs(), call._replace(drop=drop.skipped_by_scan())
     layer_dyn, layer_static = eqx.partition(stack.layers, eqx.is_array)
     per_xs, one = call.scanned()
     sharding = stack.layer_sharding
@@ -663,7 +663,7 @@ def scan_layers(stack: Stacked, x: PyTree, call: LayerCall) -> tuple[PyTree, PyT
         read=read,
         # Unrolled, XLA may gather every sharded layer at once (FSDP).
         gathered=sharding is not None or layers_may_be_sharded(layer_dyn),
-        keep=keep,
+        runs=runs,
     )
 
 

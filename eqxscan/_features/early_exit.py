@@ -30,7 +30,7 @@ from .._helpers.checks import (
 )
 from .._helpers.stateful import find_state
 from .._scan.buffers import refuse_buffer
-from .._scan.depth_drop import DepthDrop
+from .._scan.drop_rates import DropRates
 from .._scan.layer_call import check_method, check_per_layer, LayerCall, Method, Segment
 from .._scan.taps import tapping
 
@@ -273,8 +273,8 @@ def _check_no_drop(model: Stacked | Chain, what: str) -> None:
     # without a word: refuse them unless inference mode turns them off.
     modules = jtu.tree_leaves(model, is_leaf=lambda n: isinstance(n, (Stacked, Chain)))
     for module in [model, *modules]:
-        drop = getattr(module, "depth_drop", None)
-        if isinstance(drop, DepthDrop) and not drop.inference:
+        drop = getattr(module, "drop_rates", None)
+        if isinstance(drop, DropRates) and not drop.inference:
             raise ValueError(
                 f"eqxscan.{what} does not apply drop_path/layer_drop, but this "
                 "model drops layers in training.\nHint: call it on "

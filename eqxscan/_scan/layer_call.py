@@ -2,7 +2,7 @@
 and takes back what it returns.
 
 Every container (`Stacked`, `Chain`'s runs, repeated units and lone layers,
-`run_until`, `run_layers`, the LayerDrop gate, `sharding.pipeline`) describes a
+`run_until`, `run_layers`, LayerDrop's skipping, `sharding.pipeline`) describes a
 call of its layers as one `LayerCall` and runs layer `i` through it:
 
 - `LayerCall.at(i)` is layer `i`'s `OneLayer`: the `per_layer` arguments
@@ -49,7 +49,7 @@ from jaxtyping import Array, Bool, PyTree
 from .._helpers.checks import check_leading_axis, check_takes_key, describe
 from .._helpers.stateful import clone
 from .buffers import call_writing, find_buffer, view_of, with_view
-from .depth_drop import DropInputs, dropping
+from .drop_rates import DropInputs, dropping
 from .index import (
     Index as Index,
     index as index,
@@ -237,7 +237,7 @@ class LayerCall(NamedTuple):
     - `method`: what runs of each layer (`None` for `__call__`).
     - `keep`: LayerDrop's choice when the caller has drawn it (one bool per
       layer, e.g. a pipeline stage's chunk of the whole stack's choice): a scan
-      then runs only the kept layers.
+      then runs only the layers that run.
     - `drop`: drop-path and LayerDrop inputs, one entry per layer (leading
       axis the layers), or `None` when the call does not drop.
     - `optional_key`: a layer that takes no `key` is called without one (the
@@ -260,7 +260,7 @@ class LayerCall(NamedTuple):
     read_out: ReadOut = carry_only
     reverse: bool = False
     method: Method | None = None
-    keep: Bool[Array, " L"] | None = None
+    runs: Bool[Array, " L"] | None = None
     drop: DropInputs | None = None
     optional_key: bool = False
     unit: Unit | None = None
@@ -353,7 +353,7 @@ class LayerCall(NamedTuple):
             kwargs=kwargs,
             keys=one.key,
             drop=one.drop,
-            keep=None,
+            runs=None,
             unit=None,
             first=one.number,
             stride=1,
@@ -372,7 +372,7 @@ def run_one(
 ) -> tuple[PyTree, PyTree]:
     """Run `layer` on `carry` as `call` says, with its inputs `one`, and read its
     output as `(carry, y)`: its method and key, then drop-path and (for a layer
-    whose scan does not gate it) LayerDrop. `who` names the layer in errors.
+    whose scan does not skip it) LayerDrop. `who` names the layer in errors.
 
     With a buffer view among its inputs (see `eqxscan/_scan/buffers.py`), a layer
     (not a unit, which passes the view on to its own layers) returns

@@ -29,7 +29,7 @@ from ..._scan.buffers import (
     view_of,
     with_view,
 )
-from ..._scan.depth_drop import depth_drop, DepthDrop, Rates, rates_of
+from ..._scan.drop_rates import DropRates, new_drop_rates, Rates, rates_of
 from ..._scan.eager_compile import compiled_when_eager
 
 # Chain hands its layers their inputs through the layer-call seam: a lone
@@ -452,7 +452,7 @@ class Chain(Scanning):
     num_layers: int = eqx.field(static=True)
     options: ScanOptions
     patterns: bool = eqx.field(static=True)
-    depth_drop: DepthDrop | None
+    drop_rates: DropRates | None
 
     def __init__(
         self,
@@ -497,7 +497,7 @@ class Chain(Scanning):
         self.groups, self.layout = _assemble(layers, groups_plan, self.options)
         self.num_layers = len(layers)
         self.patterns = patterns
-        self.depth_drop = depth_drop(len(layers), drop_path, layer_drop)
+        self.drop_rates = new_drop_rates(len(layers), drop_path, layer_drop)
 
     def __len__(self) -> int:
         return self.num_layers
@@ -524,9 +524,9 @@ class Chain(Scanning):
                     f"Slice {index} selects no layers of a Chain with "
                     f"{self.num_layers} layers; a Chain needs at least one."
                 )
-            if self.depth_drop is None:
+            if self.drop_rates is None:
                 return Chain(layers, patterns=self.patterns, **self.options.as_args())
-            drop = self.depth_drop.sliced(index)
+            drop = self.drop_rates.sliced(index)
             chain = Chain(
                 layers,
                 patterns=self.patterns,
@@ -534,10 +534,10 @@ class Chain(Scanning):
                 layer_drop=drop.layer_drop,
                 **self.options.as_args(),
             )
-            if chain.depth_drop is None:
+            if chain.drop_rates is None:
                 return chain
-            inference = self.depth_drop.inference
-            return eqx.tree_at(lambda c: c.depth_drop.inference, chain, inference)
+            inference = self.drop_rates.inference
+            return eqx.tree_at(lambda c: c.drop_rates.inference, chain, inference)
         i = check_index(
             index,
             self.num_layers,
@@ -606,17 +606,17 @@ class Chain(Scanning):
         chain = eqx.tree_at(lambda c: (c.groups, c.options), self, (groups, options))
         if not own:
             return chain
-        drop_path, layer_drop = rates_of(self.depth_drop)
-        drop = depth_drop(
+        drop_path, layer_drop = rates_of(self.drop_rates)
+        drop = new_drop_rates(
             self.num_layers,
             own.get("drop_path", drop_path),
             own.get("layer_drop", layer_drop),
         )
-        if drop is not None and self.depth_drop is not None:
+        if drop is not None and self.drop_rates is not None:
             # Kept as slicing keeps it: `eqx.nn.inference_mode` still holds.
-            drop = eqx.tree_at(lambda d: d.inference, drop, self.depth_drop.inference)
+            drop = eqx.tree_at(lambda d: d.inference, drop, self.drop_rates.inference)
         return eqx.tree_at(
-            lambda c: c.depth_drop, chain, drop, is_leaf=lambda n: n is None
+            lambda c: c.drop_rates, chain, drop, is_leaf=lambda n: n is None
         )
 
     @compiled_when_eager
@@ -720,7 +720,7 @@ class Chain(Scanning):
         call = LayerCall(args, kwargs, keys, read_out, reverse, method, caller="Chain")
         # Drop inputs are per layer (global layer indices), routed to the groups
         # with everything else per layer.
-        call = dropping_call(self.depth_drop, call, key, "Chain")
+        call = dropping_call(self.drop_rates, call, key, "Chain")
         out, ys = run_groups(self.groups, self.layout, x, call, "Chain")
         if tree is not None:
             out = (out[0], LayerBuffers(out[1], tree.layout))
