@@ -10,10 +10,10 @@ kept stable for the periphery, not for users: users import `eqxscan`'s public
 names.
 """
 
+from ._containers.stack_calls import scan_layers as scan_layers
 from ._containers.stacked import (
     LayerNumbering as LayerNumbering,
     restack as restack,
-    scan_layers as scan_layers,
     Stacked as Stacked,
 )
 from ._containers.walk import (

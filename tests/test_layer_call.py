@@ -54,7 +54,7 @@ def test_at_part_take_and_inner_slice_every_per_layer_value():
     traced = jax.jit(lambda i: call.at(i).args[0])(jnp.int32(4))
     assert float(traced) == 4.0
     # A group of layers 2..5 as 2 repeats of a unit of 2: [repeat, K, ...].
-    part = call.part(2, 4, 2)
+    part = call.placed(2, 4, 2)
     assert part.args[0].tree.shape == (2, 2)
     assert part.keys.shape == (2, 2)
     inner = part.inner(part.at(1))  # repeat 1: layers 4 and 5

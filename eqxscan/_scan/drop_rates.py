@@ -273,6 +273,14 @@ def rates_of(drop: DropRates | None) -> tuple[Rates, Rates]:
     return (0.0, 0.0) if drop is None else (drop.drop_path, drop.layer_drop)
 
 
+def with_mode_of(new: DropRates | None, old: DropRates | None) -> DropRates | None:
+    """`new` in `old`'s inference mode (as `eqx.nn.inference_mode` set it): how
+    slicing and changing a module's rates keep its mode."""
+    if new is None or old is None:
+        return new
+    return eqx.tree_at(lambda d: d.inference, new, old.inference)
+
+
 def check_droppable(
     drop: DropRates | None, key: object, has_state: bool, who: str
 ) -> bool:
