@@ -270,6 +270,8 @@ class Chain(Scanning):
 
     def _with_rates(self, drop: DropRates | None) -> "Chain":
         # This chain holding `drop` (`None` included).
+        if drop is self.drop_rates:
+            return self
         is_none = lambda n: n is None  # noqa: E731
         return eqx.tree_at(lambda c: c.drop_rates, self, drop, is_leaf=is_none)
 
