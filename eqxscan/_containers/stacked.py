@@ -2,8 +2,9 @@
 
 Its layers are built by `stack_build.py`. Its calls describe themselves to the
 layer-call seam (`eqxscan/_scan/layer_call.py`) as one `LayerCall`, which
-`stack_calls.py` runs, one scan step per layer. `LayerNumbering` and `StateDictFn` say how a container's
-`state_dict_layers` names its arrays in a state dict (see `eqxscan._containers.walk`).
+`stack_calls.py` runs, one scan step per layer. `LayerNumbering` and
+`StateDictFn` say how a container's `state_dict_layers` names its arrays in a
+state dict (see `eqxscan._containers.walk`).
 """
 
 import operator
