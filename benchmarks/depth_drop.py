@@ -92,7 +92,7 @@ def layers_run(model: eqxscan.StackedMLP, keys: list[jax.Array]) -> float:
 
 
 def _rates(model: eqxscan.StackedMLP) -> tuple[float, ...]:
-    drop = model.blocks.depth_drop
+    drop = model.blocks.drop_rates
     return (0.0,) * L if drop is None else drop.layer_drop
 
 

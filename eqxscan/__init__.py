@@ -41,8 +41,8 @@ from ._scan.buffers import (
     buffer as buffer,
     LayerBuffers as LayerBuffers,
 )
-from ._scan.depth_drop import (
-    DepthDrop as DepthDrop,
+from ._scan.drop_rates import (
+    DropRates as DropRates,
     linear_rates as linear_rates,
     LinearRates as LinearRates,
     Rates as Rates,

@@ -10,10 +10,10 @@ kept stable for the periphery, not for users: users import `eqxscan`'s public
 names.
 """
 
+from ._containers.stack_calls import scan_layers as scan_layers
 from ._containers.stacked import (
     LayerNumbering as LayerNumbering,
     restack as restack,
-    scan_layers as scan_layers,
     Stacked as Stacked,
 )
 from ._containers.walk import (
@@ -52,11 +52,11 @@ from ._scan.auto import (
     THRESHOLDS as THRESHOLDS,
     Thresholds as Thresholds,
 )
-from ._scan.depth_drop import (
+from ._scan.drop_rates import (
     carry_examples as carry_examples,
     check_droppable as check_droppable,
-    DepthDrop as DepthDrop,
     DropInputs as DropInputs,
+    DropRates as DropRates,
     Rates as Rates,
     rates_of as rates_of,
 )

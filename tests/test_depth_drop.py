@@ -78,7 +78,7 @@ def _loss(model, x, key, *args):
 def _agree(model, x, seeds, rates, **ref_kw):
     """Scan, loop and the reference: values and gradients, one compile."""
     loop = model.with_options(mode="loop")
-    drop = model.depth_drop
+    drop = model.drop_rates
 
     def ref_loss(layers, key):
         return jnp.sum(
@@ -125,7 +125,7 @@ def test_checkpoint_and_per_layer_inputs(remat):
     )
     x = jax.random.normal(jax.random.key(1), (B, D))
     per = jnp.linspace(0.5, 1.5, L)
-    drop = stack.depth_drop
+    drop = stack.drop_rates
     assert drop.drop_path == pytest.approx((0.0, 0.2, 0.4, 0.6))
 
     @eqx.filter_jit
@@ -169,7 +169,7 @@ def test_chain_global_layer_indices():
     rates = dict(drop_path=eqxscan.linear_rates(0.5), layer_drop=0.3)
     chain = eqxscan.Chain(layers, remat=False, **rates)
     assert any(s.per_step > 1 for s in chain.layout)
-    assert chain.depth_drop.drop_path[-1] == 0.5  # rising over all 5 layers
+    assert chain.drop_rates.drop_path[-1] == 0.5  # rising over all 5 layers
     x = jax.random.normal(jax.random.key(1), (B, D))
     _agree(chain, x, range(3), rates)
 
@@ -189,7 +189,7 @@ def test_stacked_mlp():
     got, want, inference, plain_out = run(model, plain, jax.random.key(2))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert jnp.array_equal(inference, plain_out)
-    assert model.with_options(drop_path=0.0, layer_drop=0.0).blocks.depth_drop is None
+    assert model.with_options(drop_path=0.0, layer_drop=0.0).blocks.drop_rates is None
     with pytest.raises(ValueError, match="StackedMLP drops layers"):
         model(x)
 
@@ -198,15 +198,15 @@ def test_inference_mode_and_zero_rates_are_the_plain_model():
     plain = eqxscan.Stacked(Block, L, key=jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (B, D))
     zero = eqxscan.Stacked(Block, L, key=jax.random.key(0), drop_path=[0.0] * L)
-    assert zero.depth_drop is None
+    assert zero.drop_rates is None
     assert jnp.array_equal(zero(x), plain(x))
     dropping = eqxscan.Stacked(
         Block, L, key=jax.random.key(0), drop_path=0.5, layer_drop=0.5
     )
     off = eqx.nn.inference_mode(dropping)
-    assert off.depth_drop.inference
+    assert off.drop_rates.inference
     assert jnp.array_equal(off(x), plain(x))  # no key needed
-    assert off[1:3].depth_drop.inference  # slicing keeps the mode
+    assert off[1:3].drop_rates.inference  # slicing keeps the mode
     assert not jnp.array_equal(dropping(x, key=jax.random.key(5)), plain(x))
 
 
@@ -214,9 +214,9 @@ def test_slicing_and_with_options_keep_rates():
     stack = eqxscan.Stacked(
         Block, L, key=jax.random.key(0), drop_path=eqxscan.linear_rates(0.3)
     )
-    assert stack[1:3].depth_drop.drop_path == stack.depth_drop.drop_path[1:3]
-    assert stack.with_options(mode="loop").depth_drop == stack.depth_drop
-    assert stack.with_options(layer_drop=0.2).depth_drop.layer_drop == (0.2,) * L
+    assert stack[1:3].drop_rates.drop_path == stack.drop_rates.drop_path[1:3]
+    assert stack.with_options(mode="loop").drop_rates == stack.drop_rates
+    assert stack.with_options(layer_drop=0.2).drop_rates.layer_drop == (0.2,) * L
 
 
 def _chain_layers():
@@ -235,8 +235,8 @@ def test_chain_with_options_sets_rates():
     )
     built = eqxscan.Chain(layers, remat=False, **rates)
     changed = plain.with_options(**rates)
-    assert changed.depth_drop == built.depth_drop
-    assert changed.depth_drop.drop_path[-1] == 0.6  # over all 5 layers
+    assert changed.drop_rates == built.drop_rates
+    assert changed.drop_rates.drop_path[-1] == 0.6  # over all 5 layers
     x = jax.random.normal(jax.random.key(1), (B, D))
 
     @eqx.filter_jit
@@ -256,8 +256,8 @@ def test_chain_with_options_sets_rates():
     _agree(changed, x, range(3), rates)
     # One rate changed, the other kept.
     only = changed.with_options(layer_drop=0.1)
-    assert only.depth_drop.layer_drop == (0.1,) * 5
-    assert only.depth_drop.drop_path == built.depth_drop.drop_path
+    assert only.drop_rates.layer_drop == (0.1,) * 5
+    assert only.drop_rates.drop_path == built.drop_rates.drop_path
 
 
 def test_chain_with_options_zero_rates_and_inference_mode():
@@ -266,14 +266,14 @@ def test_chain_with_options_zero_rates_and_inference_mode():
     dropping = eqxscan.Chain(layers, drop_path=0.3, layer_drop=0.3)
     x = jax.random.normal(jax.random.key(1), (B, D))
     zero = dropping.with_options(layer_drop=0.0, drop_path=0.0)
-    assert zero.depth_drop is None
+    assert zero.drop_rates is None
     assert jnp.array_equal(zero(x), plain(x))  # no key needed
     off = eqx.nn.inference_mode(dropping).with_options(drop_path=0.5, mode="loop")
-    assert off.depth_drop.inference and off.mode == "loop"
-    assert off.depth_drop.drop_path == (0.5,) * 5
+    assert off.drop_rates.inference and off.mode == "loop"
+    assert off.drop_rates.drop_path == (0.5,) * 5
     np.testing.assert_allclose(off(x), plain(x), rtol=1e-6)
     on = dropping.with_options(drop_path=0.5)
-    assert not on.depth_drop.inference
+    assert not on.drop_rates.inference
     assert not jnp.allclose(on(x, key=jax.random.key(3)), plain(x))
 
 
@@ -372,9 +372,9 @@ def test_layer_drop_saves_what_checkpoint_says_and_skipped_layers_touch_no_weigh
     # The forward scan saves, per layer, the carry it received and what the
     # policy keeps (here the one matmul output), never the layer's weights. The
     # weights are not scanned inputs (which every step would slice, kept or
-    # not): the stacked weights reach the step whole and only the kept branch
+    # not): the stacked weights reach the step whole and only the running branch
     # indexes them; the backward scan carries the stacked gradient and only the
-    # kept branch writes into it. The old design (weights sliced as scan
+    # running branch writes into it. The old design (weights sliced as scan
     # inputs) fails the `xs` and the slicing checks.
     stack = eqxscan.Stacked(
         Block, L, key=jax.random.key(0), layer_drop=0.5, remat=remat, unroll=1
@@ -401,7 +401,7 @@ def test_layer_drop_saves_what_checkpoint_says_and_skipped_layers_touch_no_weigh
         assert not _eqns(skip.jaxpr, "dynamic_slice")
         assert _eqns(kept.jaxpr, "dynamic_slice")
     # The stacked weight gradient is a carry of the backward scan, written only
-    # by the kept branch.
+    # by the running branch.
     carried = [v.aval.shape for v in backward.outvars[: backward.params["num_carry"]]]
     assert (L, D, D) in carried
     (cond,) = _eqns(backward.params["jaxpr"].jaxpr, "cond")

@@ -417,8 +417,8 @@ def test_chain_run_layers_traced_values_grads_one_compile(remat):
 
 
 def test_chain_run_layers_traced_repeated_pattern_and_loop():
-    # A lone layer, a run and a repeated unit [Grow, Shift]: the step picks
-    # the repeat, then the unit's layer.
+    # A lone layer, a stack and a repeated pattern [Grow, Shift]: the step
+    # picks the repeat, then the pattern's layer.
     layers = _chain_layers()
     chain = eqxscan.Chain(layers)
     assert [s.per_step for s in chain.layout] == [0, 1, 2]

@@ -41,7 +41,7 @@ def _loop(layers, x, extra, keys=None, **kwargs):
     return x
 
 
-def test_at_part_take_and_inner_slice_every_per_layer_value():
+def test_at_placed_take_and_inner_slice_every_per_layer_value():
     keys = jax.random.split(jax.random.key(0), 6)
     call = LayerCall(
         (PerLayer(jnp.arange(6.0)), 2.0), {"c": PerLayer(-jnp.arange(6.0))}, keys
@@ -53,8 +53,8 @@ def test_at_part_take_and_inner_slice_every_per_layer_value():
     # A traced index reads the same slice.
     traced = jax.jit(lambda i: call.at(i).args[0])(jnp.int32(4))
     assert float(traced) == 4.0
-    # A group of layers 2..5 as 2 repeats of a unit of 2: [repeat, K, ...].
-    part = call.part(2, 4, 2)
+    # Layers 2..5 placed as a pattern of 2 repeated twice: [repeat, K, ...].
+    part = call.placed(2, 4, 2)
     assert part.args[0].tree.shape == (2, 2)
     assert part.keys.shape == (2, 2)
     inner = part.inner(part.at(1))  # repeat 1: layers 4 and 5
@@ -66,14 +66,14 @@ def test_at_part_take_and_inner_slice_every_per_layer_value():
 
 
 @pytest.mark.parametrize("mode", ["scan", "loop"])
-@pytest.mark.parametrize("pattern", ["run", "periodic", "lone"])
+@pytest.mark.parametrize("pattern", ["stack", "pattern", "lone"])
 def test_every_container_hands_layer_i_its_own_inputs(mode, pattern):
-    # Runs, repeated units and lone layers of a Chain, and a Stacked, give layer
+    # Stacks, repeated patterns and lone layers of a Chain, and a Stacked, give layer
     # i exactly its slice, its key and the user's keywords, nothing more.
     n = 6
-    if pattern == "run":
+    if pattern == "stack":
         layers = _layers(n)
-    elif pattern == "periodic":
+    elif pattern == "pattern":
         layers = [Seen(jnp.float32(1.0 + 0.1 * i), tag=i % 2) for i in range(n)]
     else:
         layers = [Seen(jnp.float32(1.0 + 0.1 * i), tag=i) for i in range(n)]
@@ -83,11 +83,11 @@ def test_every_container_hands_layer_i_its_own_inputs(mode, pattern):
     x = jnp.ones((1,))
     want = _loop(layers, x, extra, keys, flag=1.0)
     chain = eqxscan.Chain(layers, mode=mode)
-    kinds = {"run": (1,), "periodic": (2,), "lone": (0,) * n}[pattern]
+    kinds = {"stack": (1,), "pattern": (2,), "lone": (0,) * n}[pattern]
     assert tuple(s.per_step for s in chain.layout) == kinds
     got = chain(x, eqxscan.per_layer(extra), key=key, flag=1.0)
     assert jnp.allclose(got, want, atol=1e-5)
-    if pattern == "run":
+    if pattern == "stack":
         stack = eqxscan.Stacked.from_layers(layers, mode=mode)
         got = stack(x, eqxscan.per_layer(extra), key=key, flag=1.0)
         assert jnp.allclose(got, want, atol=1e-5)

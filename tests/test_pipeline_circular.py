@@ -105,9 +105,9 @@ def test_drop_rates_need_a_key_and_are_off_in_inference(getkey):
     assert max_rel_err(run(dropping, x, getkey()), plain(x)) > 1e-2
 
 
-def test_layer_drop_is_gated_inside_the_stages(getkey):
+def test_layer_drop_is_skipped_inside_the_stages(getkey):
     # A skipped layer is not computed: each stage's scan runs its chunk through
-    # the engine's gate (a `cond` on LayerDrop's choice), absent without it.
+    # the engine's skip (a `cond` on LayerDrop's choice), absent without it.
     mesh = jax.make_mesh((2,), ("stage",), axis_types=(AxisType.Explicit,))
     x = jnp.ones((4, 8))
 
@@ -193,10 +193,10 @@ def test_stage_order(getkey):
     # 4 chunks of 2 layers: stage 0 runs chunks 0 and 2, stage 1 chunks 1 and 3.
     layer = [0, 1, 4, 5, 2, 3, 6, 7]
     assert np.array_equal(staged.layers.w1, stack.layers.w1[np.array(layer)])
-    assert staged.depth_drop.drop_path == tuple(rates[i] for i in layer)
+    assert staged.drop_rates.drop_path == tuple(rates[i] for i in layer)
     back = sharding.pipeline_order(staged, **order, inverse=True)
     assert np.array_equal(back.layers.w2, stack.layers.w2)
-    assert back.depth_drop.drop_path == stack.depth_drop.drop_path
+    assert back.drop_rates.drop_path == stack.drop_rates.drop_path
 
 
 def test_pipeline_errors(getkey):

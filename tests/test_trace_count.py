@@ -140,7 +140,7 @@ def test_once_under_vmap_and_with_explain_auto():
 @pytest.mark.parametrize("kind", ["Stacked", "Chain"])
 @pytest.mark.parametrize("remat", (None, True, "nested"))
 def test_once_while_dropping(kind, remat):
-    # LayerDrop's gate (the whole-scan form, the per-step form inside a nested
+    # LayerDrop's skip (the whole-scan form, the per-step form inside a nested
     # remat, and a Chain's lone layer) and drop-path evaluate the one
     # traced layer; the loop mode still calls each layer once.
     drops = dict(layer_drop=0.5, drop_path=0.2)

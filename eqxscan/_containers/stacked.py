@@ -1,122 +1,43 @@
 """`Stacked`: L layers of one kind stored as one module with a leading layer axis.
 
-Its calls describe themselves to the layer-call seam (`eqxscan/_scan/layer_call.py`)
-as one `LayerCall`, and `scan_layers` runs layer `i` of the stack through it,
-one scan step per layer. `LayerNumbering` and `StateDictFn` say how a container's
-`state_dict_layers` names its arrays in a state dict (see `eqxscan._containers.walk`).
+Its layers are built by `stack_build.py`. Its calls describe themselves to the
+layer-call seam (`eqxscan/_scan/layer_call.py`) as one `LayerCall`, which
+`stack_calls.py` runs, one scan step per layer. `LayerNumbering` and
+`StateDictFn` say how a container's `state_dict_layers` names its arrays in a
+state dict (see `eqxscan._containers.walk`).
 """
 
 import operator
 from collections.abc import Callable, Sequence
-from typing import (
-    Generic,
-    NamedTuple,
-    overload,
-    SupportsIndex,
-    TypeVar,
-    Unpack,
-)
+from typing import Generic, NamedTuple, overload, SupportsIndex, Unpack
 
 import equinox as eqx
-import jax
-import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax.sharding import Sharding
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
-from .._helpers.checks import (
-    check_bool,
-    check_callable,
-    check_index,
-    check_made_layer,
-    check_size,
-    Checked,
-    describe,
-    is_array,
-    noted,
-    split_key,
-)
-from .._helpers.constrain import check_layer_sharding, constrain, layers_may_be_sharded
-from .._helpers.stackable import check_alike, stack_alike
-from .._helpers.stateful import (
-    find_state,
-    get_arg,
-    layer_state,
-    replace_arg,
-    state_pair,
-    updated,
-)
-from .._scan.buffers import (
-    check_buffer_axis,
-    find_buffer,
-    refuse_buffer,
-    view_of,
-    with_view,
-)
-from .._scan.depth_drop import (
-    check_droppable,
-    depth_drop,
-    DepthDrop,
-    Rates,
-    rates_of,
-)
+from .._helpers.checks import check_bool, check_index, check_size, Checked, split_key
+from .._helpers.constrain import check_layer_sharding
+from .._helpers.stackable import check_alike
+from .._scan.drop_rates import DropRates, new_drop_rates, Rates, rates_of, with_mode_of
 from .._scan.eager_compile import compiled_when_eager
-from .._scan.engine import run
 from .._scan.layer_call import (
-    arg_name,
     carry_only,
     check_method,
-    check_per_layer,
-    Index,
-    index,
+    index as index_at,
     LayerCall,
-    LayerFn,
     Method,
     pairs,
-    PerLayer,
-    run_one,
-    Segment,
+    ReadOut,
     take,
 )
-from .._scan.layer_index import step_index
 from .._scan.options import OwnOptions, ScanArgs, Scanning, ScanOptions
+from .stack_build import build_layers, LayerT, MAX_LAYERS, stack_layers
+from .stack_calls import dropping_call, scan_layers, vmap_layers
 
 
-#: The most layers a stack may have: beyond, the per-layer keys alone take
-#: gigabytes (and `jax.random.split` aborts the interpreter past 2**62).
-MAX_LAYERS = 2**20
-
-
-LayerT = TypeVar("LayerT")
-
-
-def stack_layers(layers: Sequence[LayerT], what: str = "Stacked.from_layers") -> LayerT:
-    """Stack layers that can share one body leaf by leaf on a new axis 0 (layers
-    that differ only by identity share the first one's objects)."""
-    layers = list(layers)
-    check_alike(layers, what)
-    return stack_alike(layers)
-
-
-def _check_make_layer(make_layer: object) -> None:
-    if isinstance(make_layer, eqx.Module):
-        name = type(make_layer).__name__
-        raise TypeError(
-            f"make_layer must be a function that builds one layer from a key, but "
-            f"got a {name} instance (a layer, not a way to make one). Pass e.g. "
-            f"`lambda k: {name}(..., key=k)`."
-        )
-    check_callable("make_layer", make_layer)
-
-
-def _check_made(layers: object) -> None:
-    check_made_layer(layers)
-    if is_array(layers):
-        one = jax.ShapeDtypeStruct(layers.shape[1:], layers.dtype)
-        raise TypeError(
-            f"make_layer returned an array ({describe(one)}), not a layer. It must "
-            "return a module (e.g. an `eqx.Module`) that is called as `layer(x)`."
-        )
+#: How `Stacked.scan` reads each layer's output.
+STACKED_PAIRS = pairs("Stacked.scan")
 
 
 class LayerNumbering(NamedTuple):
@@ -162,7 +83,7 @@ class Stacked(Scanning, Generic[LayerT]):
     num_layers: int = eqx.field(static=True)
     options: ScanOptions
     layer_sharding: Sharding | PyTree[Sharding | None] | None = eqx.field(static=True)
-    depth_drop: DepthDrop | None
+    drop_rates: DropRates | None
 
     def __init__(
         self,
@@ -223,7 +144,7 @@ class Stacked(Scanning, Generic[LayerT]):
 
         `mode`, `remat` and `unroll` make the module's
         [`eqxscan.ScanOptions`][]; `drop_path` and `layer_drop` its
-        [`eqxscan.DepthDrop`][] (`.depth_drop`), which needs a `key` at every
+        [`eqxscan.DropRates`][] (`.drop_rates`), which needs a `key` at every
         call while training and does nothing under `eqx.nn.inference_mode`.
         """
         num_layers = check_size(
@@ -235,12 +156,7 @@ class Stacked(Scanning, Generic[LayerT]):
         )
         self.options = ScanOptions(**options)
         if layers is None:
-            _check_make_layer(make_layer)
-            assert make_layer is not None  # checked
-            if key is None:
-                raise TypeError("Stacked needs `key=` to build its layers.")
-            layers = _build(make_layer, num_layers, args, key)
-            _check_made(layers)
+            layers = build_layers(make_layer, num_layers, args, key)
         elif make_layer is not None or key is not None or args:
             raise TypeError(
                 "Stacked takes either `make_layer` and `key` (and arguments for "
@@ -250,7 +166,7 @@ class Stacked(Scanning, Generic[LayerT]):
         self.layers = layers
         self.num_layers = num_layers
         self.layer_sharding = layer_sharding
-        self.depth_drop = depth_drop(num_layers, drop_path, layer_drop)
+        self.drop_rates = new_drop_rates(num_layers, drop_path, layer_drop)
 
     @classmethod
     def from_layers(
@@ -324,9 +240,8 @@ class Stacked(Scanning, Generic[LayerT]):
                     f"{self.num_layers} layers; a Stacked needs at least one."
                 )
             layers = take(self.layers, index)
-            drop_path, layer_drop = rates_of(self.depth_drop)
-            if self.depth_drop is not None:
-                drop_path, layer_drop = rates_of(self.depth_drop.sliced(index))
+            drop = None if self.drop_rates is None else self.drop_rates.sliced(index)
+            drop_path, layer_drop = rates_of(drop)
             return restack(
                 self,
                 layers=layers,
@@ -341,9 +256,6 @@ class Stacked(Scanning, Generic[LayerT]):
             "mark it static, or select with "
             "`jax.tree.map(lambda a: a[i], stack.layers)`.",
         )
-        # The parameter `index` (named in errors) hides the seam's `index`.
-        from .._scan.layer_call import index as index_at
-
         return index_at(self.layers, i)
 
     def unstack(self) -> list[LayerT]:
@@ -440,12 +352,7 @@ class Stacked(Scanning, Generic[LayerT]):
 
         The final carry (or `(carry, state)` when called with a state).
         """
-        check_method(method, self.layers)
-        reverse = check_bool("reverse", reverse)
-        call = LayerCall(args, kwargs, self._keys(key), carry_only, reverse, method)
-        return scan_layers(
-            self, x, dropping_call(self.depth_drop, call, key, "Stacked")
-        )[0]
+        return self._fold(x, args, kwargs, key, method, reverse, carry_only)[0]
 
     @compiled_when_eager
     def scan(
@@ -465,12 +372,23 @@ class Stacked(Scanning, Generic[LayerT]):
         (`None` if layers return `(x, None)`). `ys[i]` is layer `i`'s, also with
         `reverse=True`.
         """
+        return self._fold(x, args, kwargs, key, method, reverse, STACKED_PAIRS)
+
+    def _fold(
+        self,
+        x: PyTree,
+        args: tuple[PyTree, ...],
+        kwargs: dict[str, PyTree],
+        key: PRNGKeyArray | None,
+        method: Method | None,
+        reverse: object,  # checked here, with a clear error
+        read_out: ReadOut,
+    ) -> tuple[PyTree, PyTree]:
         check_method(method, self.layers)
         reverse = check_bool("reverse", reverse)
-        call = LayerCall(args, kwargs, self._keys(key), STACKED_PAIRS, reverse, method)
-        return scan_layers(
-            self, x, dropping_call(self.depth_drop, call, key, "Stacked")
-        )
+        call = LayerCall(args, kwargs, self._keys(key), read_out, reverse, method)
+        drop_call = dropping_call(self.drop_rates, call, key, "Stacked")
+        return scan_layers(self, x, drop_call)
 
     def _keys(self, key: PRNGKeyArray | None) -> Array | None:
         # Layer i's key: `split(key, L)[i]`.
@@ -511,26 +429,6 @@ class Stacked(Scanning, Generic[LayerT]):
         return vmap_layers(self, x, call)
 
 
-def _build(
-    make_layer: Callable[..., LayerT], num_layers: int, args: tuple, key: PRNGKeyArray
-) -> LayerT:
-    """`make_layer(keys[i], *args_i)` for every layer, in one `eqx.filter_vmap`:
-    `per_layer` arguments sliced, others broadcast."""
-    per = check_per_layer(args, {}, num_layers)
-    per_dyn, per_static = {}, {}
-    for name, value in per.items():
-        per_dyn[name], per_static[name] = eqx.partition(value.tree, eqx.is_array)
-
-    def one(k: PRNGKeyArray, slices: dict) -> LayerT:
-        call_args = [
-            eqx.combine(slices[n], per_static[n]) if n in slices else a
-            for n, a in ((arg_name(i), a) for i, a in enumerate(args))
-        ]
-        return make_layer(k, *call_args)
-
-    return eqx.filter_vmap(one)(split_key(key, num_layers, "Stacked"), per_dyn)
-
-
 def restack(stack: Stacked[LayerT], **changes: object) -> Stacked[LayerT]:
     """`stack` rebuilt through `Stacked.__init__` with `changes` applied (any of
     `layers`, `num_layers`, `options`, `layer_sharding`, `drop_path`,
@@ -541,8 +439,8 @@ def restack(stack: Stacked[LayerT], **changes: object) -> Stacked[LayerT]:
         num_layers=stack.num_layers,
         options=stack.options,
         layer_sharding=stack.layer_sharding,
-        drop_path=rates_of(stack.depth_drop)[0],
-        layer_drop=rates_of(stack.depth_drop)[1],
+        drop_path=rates_of(stack.drop_rates)[0],
+        layer_drop=rates_of(stack.drop_rates)[1],
     )
     for name in changes:
         if name not in fields:
@@ -552,170 +450,7 @@ def restack(stack: Stacked[LayerT], **changes: object) -> Stacked[LayerT]:
     assert isinstance(options, ScanOptions)
     # `fields` holds what `__init__` takes, by name (checked above).
     new = type(stack)(**fields, **options.as_args())  # type: ignore[arg-type]  # see above
-    if stack.depth_drop is None or new.depth_drop is None:
+    drop = with_mode_of(new.drop_rates, stack.drop_rates)
+    if drop is new.drop_rates:
         return new
-    inference = stack.depth_drop.inference
-    return eqx.tree_at(lambda s: s.depth_drop.inference, new, inference)
-
-
-#: How `Stacked.scan` reads each layer's output.
-STACKED_PAIRS = pairs("Stacked.scan")
-
-
-def dropping_call(
-    drop: DepthDrop | None, call: LayerCall, key: object, who: str
-) -> LayerCall:
-    """`call` with the drop inputs of this call (`drop.per_layer_inputs(key)`)
-    when `drop` drops in it (training, a rate above zero). A model with drop
-    rates may be given a key for dropping alone, so a layer that takes no key
-    is called without one, in inference mode too."""
-    if drop is None:
-        return call
-    has_state = find_state(call.args, call.kwargs) is not None
-    call = call._replace(optional_key=True)
-    if not check_droppable(drop, key, has_state, who):
-        return call
-    assert key is not None
-    return call._replace(drop=drop.per_layer_inputs(key))  # pyright: ignore[reportArgumentType]  # checked by check_droppable
-
-
-def scan_layers(stack: Stacked, x: PyTree, call: LayerCall) -> tuple[PyTree, PyTree]:
-    """Fold `x` through the layers of `stack` as `call` says, one scan step (or
-    loop step) per layer, layer `i` run through the layer-call seam with
-    `call.at(i)`'s inputs.
-
-    **Returns:**
-
-    `(final carry, ys)`, the `y`s stacked on axis 0 (`None` if there are none).
-    """
-    stack.check_layer_axis("call")
-    state_at = find_state(call.args, call.kwargs)
-    if state_at is not None:
-        if call.read_out is not carry_only:
-            raise TypeError(
-                "Stacked.scan does not take an eqx.nn.State; call the stack "
-                "instead: `x, state = stack(x, state)`."
-            )
-        # Layer i gets its own slice of the state and returns its new state,
-        # collected like a `y`, then written back into the whole state.
-        state = get_arg(call.args, call.kwargs, state_at)
-        sub = layer_state(state, stack.layers, stack.num_layers, "This Stacked")
-        args, kwargs = replace_arg(call.args, call.kwargs, state_at, PerLayer(sub))
-        sub_call = call._replace(args=args, kwargs=kwargs, read_out=state_pair)
-        x, new_sub = scan_layers(stack, x, sub_call)
-        return (x, updated(state, new_sub)), None
-    length = stack.num_layers
-    check_per_layer(call.args, call.kwargs, length)
-    cls_name = type(stack.layers).__name__
-    at = find_buffer(call.args, call.kwargs)
-    view = None if at is None else view_of(call.args, call.kwargs, at)
-    if view is not None:
-        check_buffer_axis(view, length, f"This Stacked of {cls_name} layers")
-        if call.drop is not None or call.keep is not None:
-            raise TypeError(
-                "A Stacked called with an eqxscan.buffer cannot drop layers "
-                "(drop_path, layer_drop), which would skip their writes.\nDecode "
-                "in inference mode (`eqx.nn.inference_mode(model)`) or without a key."
-            )
-    keep, drop = call.keep, call.drop
-    if keep is None and drop is not None and drop.uses[1] and call.unit is None:
-        # LayerDrop left to the scan, which then runs only the kept layers.
-        keep, call = drop.keep(), call._replace(drop=drop.gated_by_scan())
-    layer_dyn, layer_static = eqx.partition(stack.layers, eqx.is_array)
-    per_xs, one = call.scanned()
-    sharding = stack.layer_sharding
-    # With a buffer, the stacked buffer travels in the carry and step `i` gets
-    # the view of its slice `i`: the step index is scanned beside the weights.
-    steps = None if view is None else jnp.arange(length)
-
-    def read(xs: tuple[PyTree, PyTree, PyTree]) -> tuple[PyTree, PyTree, PyTree]:
-        # What a step reads: its layer's weights, constrained as
-        # `layer_sharding` says (FSDP gathers one layer here), and its slices.
-        dyn, per, i = xs
-        return (dyn if sharding is None else constrain(dyn, sharding)), per, i
-
-    def step(carry: PyTree, xs: tuple[PyTree, PyTree, PyTree]) -> tuple[PyTree, PyTree]:
-        dyn, per, i = xs
-        layer = eqx.combine(dyn, layer_static)
-        inputs, who = one(per), f"the stacked layer {cls_name}"
-        inputs = inputs._replace(number=call.index_of(step_index()))
-        if view is None:
-            return run_one(layer, call, inputs, carry, who)
-        assert at is not None
-        x, tree = carry
-        here = view.of(tree).at(i)
-        args, kwargs = with_view(inputs.args, inputs.kwargs, at, here)
-        return run_one(layer, call, inputs._replace(args=args, kwargs=kwargs), x, who)
-
-    def where(i: int | None) -> str:
-        if i is None:
-            return f"The stacked layer {cls_name} (one body for all {length} layers)"
-        return f"Layer {i} ({cls_name})"
-
-    return run(
-        step,
-        x if view is None else (x, view.tree),
-        (layer_dyn, per_xs, steps),
-        length=length,
-        options=stack.options,
-        reverse=call.reverse,
-        where=where,
-        read=read,
-        # Unrolled, XLA may gather every sharded layer at once (FSDP).
-        gathered=sharding is not None or layers_may_be_sharded(layer_dyn),
-        keep=keep,
-    )
-
-
-def vmap_layers(stack: Stacked, x: PyTree, call: LayerCall) -> PyTree:
-    """Every layer of `stack` applied to the same `x` as `call` says, outputs
-    stacked on a new leading axis: one `vmap`, or a loop with `mode="loop"`."""
-    length = stack.num_layers
-    check_per_layer(call.args, call.kwargs, length)
-    refuse_buffer(call.args, call.kwargs, "Stacked.vmap")
-    layer_dyn, layer_static = eqx.partition(stack.layers, eqx.is_array)
-    per_xs, one = call.scanned()
-    cls_name = type(stack.layers).__name__
-
-    def each(dyn: PyTree, per: PyTree) -> PyTree:
-        layer = eqx.combine(dyn, layer_static)
-        return run_one(layer, call, one(per), x, "Stacked.vmap")[0]
-
-    inputs = (layer_dyn, per_xs)
-    if stack.mode == "loop":
-        outs = []
-        for i in range(length):
-            layer_i = index(inputs, i)
-            outs.append(noted(each, f"Layer {i} ({cls_name})", *layer_i))
-        return jtu.tree_map(lambda *a: jnp.stack(a), *outs)
-    where = f"The stacked layer {cls_name} (one body for all {length} layers)"
-    return noted(eqx.filter_vmap(each), where, *inputs)
-
-
-def layer_of(stack: Stacked[LayerT], i: Index) -> LayerT:
-    """Layer `i` of `stack` (a traced index reads it with one dynamic slice of
-    every stacked array), constrained as its `layer_sharding` says."""
-    layer = index(stack.layers, i)
-    if stack.layer_sharding is None:
-        return layer
-    dyn, static = eqx.partition(layer, eqx.is_array)
-    return eqx.combine(constrain(dyn, stack.layer_sharding), static)
-
-
-def stack_layer_fn(stack: Stacked, call: LayerCall, i: Index) -> LayerFn:
-    """Layer `i` of `stack` as a function of the carry, as `call` runs it."""
-    name = f"the stacked layer {type(stack.layers).__name__}"
-    layer, one = layer_of(stack, i), call.at(i)
-    return lambda c: run_one(layer, call, one, c, name)[0]
-
-
-def stack_segments(stack: Stacked, call: LayerCall, start: int = 0) -> Segment:
-    """The layers of `stack` as one segment of a walk (see `Segment`), its
-    first layer the walk's layer `start`."""
-    return Segment(
-        start,
-        stack.num_layers,
-        1,
-        lambda j: stack_layer_fn(stack, call, j),
-        type(stack.layers).__name__,
-    )
+    return eqx.tree_at(lambda s: s.drop_rates, new, drop)

@@ -145,21 +145,14 @@ def walk(
             )
 
         return tree.state_dict_layers(inner)
-    if not names and isinstance(tree, Stacked):
-        at = site.enter(jtu.GetAttrKey("layers"), (tree.num_layers,), tree.num_layers)
-        # The layers gain a layer axis; any other field (the drop rates) is
-        # visited where the stack itself sits, so every leaf is seen once.
-        children, treedef = jtu.tree_flatten_with_path(
-            tree, is_leaf=lambda x: x is not tree
-        )
-        rebuilt = [
-            walk(fn, child, stack=stack, site=at)
-            if path == (jtu.GetAttrKey("layers"),)
-            else walk(fn, child, stack=stack, site=site.child(tuple(path)))
-            for path, child in children
-        ]
-        new = jtu.tree_unflatten(treedef, rebuilt)
-        return new if stack is None else stack(new, at)
+    # A stack's layers gain a layer axis; its other fields (the drop rates) are
+    # visited where the stack itself sits, so every leaf is seen once.
+    stacked = not names and isinstance(tree, Stacked)
+    at = (
+        site.enter(jtu.GetAttrKey("layers"), (tree.num_layers,), tree.num_layers)
+        if stacked
+        else site
+    )
     children, treedef = jtu.tree_flatten_with_path(
         tree, is_leaf=lambda x: x is not tree
     )
@@ -169,14 +162,15 @@ def walk(
         return fn(tree, site)
     rebuilt = []
     for path, child in children:
-        if names:
-            entries = tuple(key_name(entry, site.path) for entry in path)
+        if stacked and path == (jtu.GetAttrKey("layers"),):
+            child_site = at
+        elif names:
+            child_site = site.child(tuple(key_name(e, site.path) for e in path))
         else:
-            entries = tuple(path)
-        rebuilt.append(
-            walk(fn, child, names=names, stack=stack, site=site.child(entries))
-        )
-    return jtu.tree_unflatten(treedef, rebuilt)
+            child_site = site.child(tuple(path))
+        rebuilt.append(walk(fn, child, names=names, stack=stack, site=child_site))
+    new = jtu.tree_unflatten(treedef, rebuilt)
+    return new if not stacked or stack is None else stack(new, at)
 
 
 def for_each(

@@ -10,7 +10,7 @@ import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from .._containers.chain import Chain
-from .._containers.chain.chain import Pattern, Placement, places
+from .._containers.chain.groups import Pattern, Placement, places
 from .._containers.stacked import Stacked
 from .._helpers.checks import describe, first_difference
 from .._scan.buffers import LayerBuffers

@@ -2,8 +2,8 @@
 holds, in one `lax.while_loop` over the stacked layers whatever the exit depth.
 
 It works on a [`eqxscan.Stacked`][] and a [`eqxscan.Chain`][] (global layer
-indices), walking the segments each container describes of itself (see
-`eqxscan._scan.layer_call.Segment`); `StackedMLP` has it as a method.
+indices), walking the groups each container describes of itself (see
+`eqxscan._scan.layer_call.GroupSteps`); `StackedMLP` has it as a method.
 """
 
 from collections.abc import Callable
@@ -17,8 +17,9 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, Bool, Int, PRNGKeyArray, PyTree
 
-from .._containers.chain import Chain, chain_segments, check_chain_method
-from .._containers.stacked import stack_segments, Stacked
+from .._containers.chain import Chain, chain_steps, check_chain_method
+from .._containers.stack_calls import stack_steps
+from .._containers.stacked import Stacked
 from .._helpers.checks import (
     check_bool,
     check_callable,
@@ -30,8 +31,14 @@ from .._helpers.checks import (
 )
 from .._helpers.stateful import find_state
 from .._scan.buffers import refuse_buffer
-from .._scan.depth_drop import DepthDrop
-from .._scan.layer_call import check_method, check_per_layer, LayerCall, Method, Segment
+from .._scan.drop_rates import DropRates
+from .._scan.layer_call import (
+    check_method,
+    check_per_layer,
+    GroupSteps,
+    LayerCall,
+    Method,
+)
 from .._scan.taps import tapping
 
 
@@ -150,10 +157,15 @@ def _advance(
     layer: Callable[[PyTree], PyTree],
     c_static: PyTree,
     where: str,
+    guarded: bool = False,
 ) -> _State:
     """`state` after one more layer. Halted examples keep their carry (a select,
     so that a NaN in a discarded row does not leak); with `masked`, the whole
-    step is also discarded when no layer should run."""
+    step is also discarded when no layer should run. `guarded`: the layer runs
+    behind a `lax.cond` on whether the run is active (a lone layer)."""
+    if guarded and not ex.masked:
+        run_it = lambda s: _advance(ex, s, layer, c_static, where)  # noqa: E731
+        return jax.lax.cond(_active(ex, state), run_it, lambda s: s, state)
     old = eqx.combine(state.carry, c_static)
     new = layer(old)
     check_carry(old, new, where)
@@ -175,25 +187,6 @@ def _advance(
         (i >= ex.min_layers) & _halts(ex, eqx.combine(new_dyn, c_static))
     )
     return _State(i, new_dyn, halted, count)
-
-
-def _guarded(
-    ex: _Exit,
-    state: _State,
-    layer: Callable[[PyTree], PyTree],
-    c_static: PyTree,
-    where: str,
-) -> _State:
-    """One layer that runs only while the run is active (`lax.cond`; masked in
-    `mode="loop"`)."""
-    if ex.masked:
-        return _advance(ex, state, layer, c_static, where)
-    return jax.lax.cond(
-        _active(ex, state),
-        lambda s: _advance(ex, s, layer, c_static, where),
-        lambda s: s,
-        state,
-    )
 
 
 def _repeat(
@@ -221,35 +214,37 @@ def _repeat(
     return jax.lax.while_loop(cond, step, (jnp.int32(0), state))[1]
 
 
-def _run_segments(
-    ex: _Exit, segments: tuple[Segment, ...], state: _State, c_static: PyTree
+def _walk_groups(
+    ex: _Exit, groups: tuple[GroupSteps, ...], state: _State, c_static: PyTree
 ) -> _State:
-    """The segments in order, each layer run only while the run is active: a
-    lone layer behind a `cond`, a stack of like layers (or the repeats of a
-    pattern) as one while loop."""
-    for seg in segments:
-        if seg.alone:
-            where = f"Layer {seg.start} ({seg.name})"
-            fn = seg.step(0)
+    """The groups in order, each layer run only while the run is active: a
+    lone layer behind a `cond`, a stack of like layers (or the pattern steps of
+    a repeated pattern) as one while loop."""
+    for group in groups:
+        if group.per_step == 0:
+            where = f"Layer {group.start} ({group.name})"
+            fn = group.step(0)
             assert callable(fn)
-            state = noted(_guarded, where, ex, state, fn, c_static, where)
+            state = noted(_advance, where, ex, state, fn, c_static, where, True)
             continue
 
-        def body(j: Int[Array, ""] | int, s: _State, seg: Segment = seg) -> _State:
-            got = seg.step(j)
-            if isinstance(got, tuple):  # a repeat of a pattern: its own segments
-                return _run_segments(ex, got, s, c_static)
-            last = seg.start + seg.steps * seg.size - 1
+        def body(
+            j: Int[Array, ""] | int, s: _State, group: GroupSteps = group
+        ) -> _State:
+            got = group.step(j)
+            if isinstance(got, tuple):  # a pattern step: its own groups
+                return _walk_groups(ex, got, s, c_static)
+            last = group.start + group.steps - 1  # a stack: one layer per step
             where = (
-                f"Layer {seg.start + j} ({seg.name})"
+                f"Layer {group.start + j} ({group.name})"
                 if isinstance(j, int)
-                else f"The stacked layer {seg.name} (one body for layers "
-                f"{seg.start}-{last})"
+                else f"The stacked layer {group.name} (one body for layers "
+                f"{group.start}-{last})"
             )
             # The while loop runs a layer only while the run is active: no `cond`.
             return noted(_advance, where, ex, s, got, c_static, where)
 
-        state = _repeat(ex, state, seg.steps, body)
+        state = _repeat(ex, state, group.steps, body)
     return state
 
 
@@ -273,8 +268,8 @@ def _check_no_drop(model: Stacked | Chain, what: str) -> None:
     # without a word: refuse them unless inference mode turns them off.
     modules = jtu.tree_leaves(model, is_leaf=lambda n: isinstance(n, (Stacked, Chain)))
     for module in [model, *modules]:
-        drop = getattr(module, "depth_drop", None)
-        if isinstance(drop, DepthDrop) and not drop.inference:
+        drop = getattr(module, "drop_rates", None)
+        if isinstance(drop, DropRates) and not drop.inference:
             raise ValueError(
                 f"eqxscan.{what} does not apply drop_path/layer_drop, but this "
                 "model drops layers in training.\nHint: call it on "
@@ -385,7 +380,7 @@ def run_until(
     )
     refuse_buffer(args, kwargs, "run_until")
     call = LayerCall(args, kwargs, keys, method=method, caller=who)
-    end = _run_segments(ex, _segments(model, call), start, c_static)
+    end = _walk_groups(ex, _groups(model, call), start, c_static)
     return eqx.combine(end.carry, c_static), end.layers_run
 
 
@@ -407,12 +402,12 @@ def _bounds(
     return low, high
 
 
-def _segments(model: Stacked | Chain, call: LayerCall) -> tuple[Segment, ...]:
-    """`model`'s layers as the segments an early exit walks, as `call` runs
+def _groups(model: Stacked | Chain, call: LayerCall) -> tuple[GroupSteps, ...]:
+    """`model`'s layers as the groups an early exit walks, as `call` runs
     them, after checking that they have `call.method`."""
     if isinstance(model, Stacked):
         check_method(call.method, model.layers)
         model.check_layer_axis("run")
-        return (stack_segments(model, call),)
+        return (stack_steps(model, call),)
     check_chain_method(model.groups, model.layout, call.method)
-    return chain_segments(model.groups, model.layout, call)
+    return chain_steps(model.groups, model.layout, call)

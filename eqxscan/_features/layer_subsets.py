@@ -17,7 +17,8 @@ import numpy as np
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
 from .._containers.chain import Chain, chain_layer_fn, check_chain_method, run_groups
-from .._containers.stacked import layer_of, restack, scan_layers, Stacked
+from .._containers.stack_calls import layer_of, scan_layers
+from .._containers.stacked import restack, Stacked
 from .._helpers.checks import describe, split_key
 from .._helpers.constrain import layers_may_be_sharded
 from .._scan.buffers import refuse_buffer

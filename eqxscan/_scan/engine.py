@@ -38,7 +38,7 @@ from .remat import (
     ScanRemat,
     Step,
 )
-from .skip import can_gate_scan, gated, gated_scan, gated_step
+from .skip import can_skip_scan, skip_layer, skip_scan, skip_step
 from .taps import collected
 
 
@@ -147,7 +147,7 @@ def run(
     where: Callable[[int | None], str] = lambda i: "step" if i is None else f"step {i}",
     gathered: bool = False,
     over: Literal["layers", "time"] = "layers",
-    keep: Bool[Array, " L"] | None = None,
+    runs: Bool[Array, " L"] | None = None,
     read: Callable[[PyTree], PyTree] | None = None,
 ) -> tuple[PyTree, PyTree]:
     """Run `step` over the leading axis (of length `length`) of the array pytree `xs`.
@@ -166,8 +166,8 @@ def run(
       `unroll="auto"` keeps the scan: unrolled, XLA may gather every step's at once.
     - `over`: what the steps are, for `unroll="auto"`: `"layers"` (weights in
       `xs`) or `"time"` (a cell's weights closed over).
-    - `keep`: LayerDrop's choice, one bool per step: step `i` runs only where
-      `keep[i]`; a skipped step passes the carry on and outputs zeros, and
+    - `runs`: LayerDrop's choice, one bool per step: step `i` runs only where
+      `runs[i]`; a skipped step passes the carry on and outputs zeros, and
       costs next to nothing forward and backward (see `_scan/skip.py`).
     - `read`: what a step reads of its slice `x_i` before the step sees it
       (e.g. its layer's weights constrained to a replicated sharding: FSDP's
@@ -185,7 +185,7 @@ def run(
     remat = options.scan_remat
     step = _reading(step, read, remat)
     if options.mode == "loop":
-        return _run_loop(step, carry, xs, length, remat, reverse, where, keep)
+        return _run_loop(step, carry, xs, length, remat, reverse, where, runs)
     traced, c_dyn, c_static = trace_step(step, carry, xs, length, where(None))
     remat, unroll = resolve(
         traced.jaxpr,
@@ -199,36 +199,36 @@ def run(
         over,
     )
     how = (length, reverse, unroll, remat)
-    if keep is not None and _whole_scan(remat, traced):
-        c_dyn, ys = _gated_whole(traced, c_dyn, xs, keep, *how)
+    if runs is not None and _whole_scan(remat, traced):
+        c_dyn, ys = _skip_whole(traced, c_dyn, xs, runs, *how)
     else:
-        c_dyn, ys = _scanned(traced, c_dyn, xs, keep, *how)
+        c_dyn, ys = _scanned(traced, c_dyn, xs, runs, *how)
     return eqx.combine(c_dyn, c_static), eqx.combine(ys, traced.y_static)
 
 
-def _gated_whole(
+def _skip_whole(
     traced: Traced,
     c_dyn: PyTree,
     xs: PyTree,
-    keep: Bool[Array, " L"],
+    runs: Bool[Array, " L"],
     length: int,
     reverse: bool,
     unroll: int | bool,
     remat: ScanRemat,
 ) -> tuple[PyTree, PyTree]:
-    """`(carry, ys)` (array parts) of a scan gated by LayerDrop's `keep` as one
-    `gated_scan`, each kept layer saving what the remat says."""
-    # The rule's choice, or a plain value: a kept layer saves what it says.
-    c_flat, y_flat = gated_scan(
+    """`(carry, ys)` (array parts) of a scan that runs only the steps LayerDrop
+    chose (`runs`), as one `skip_scan`, each saving what the remat says."""
+    # The rule's choice, or a plain value: a layer that runs saves what it says.
+    c_flat, y_flat = skip_scan(
         traced.jaxpr,
         traced.n_carry,
         jtu.tree_leaves(c_dyn),
         jtu.tree_leaves(xs),
-        keep,
+        runs,
         length=length,
         reverse=reverse,
         unroll=unroll,
-        policy=_gate_policy(remat),
+        policy=_skip_policy(remat),
     )
     return jtu.tree_unflatten(traced.out_tree, c_flat + y_flat)
 
@@ -237,7 +237,7 @@ def _scanned(
     traced: Traced,
     c_dyn: PyTree,
     xs: PyTree,
-    keep: Bool[Array, " L"] | None,
+    runs: Bool[Array, " L"] | None,
     length: int,
     reverse: bool,
     unroll: int | bool,
@@ -245,13 +245,13 @@ def _scanned(
 ) -> tuple[PyTree, PyTree]:
     """`(carry, ys)` (array parts) of the traced step run `length` times as
     `remat` and `unroll` say: unrolled, a nested scan, or one `lax.scan`;
-    each step gated on its own where `keep` is given."""
+    each step skipped on its own where `runs` is given."""
     body: Step = traced
-    if keep is not None:
-        # A remat that names or nests what to save: each step gated on its
+    if runs is not None:
+        # A remat that names or nests what to save: each step skipped on its
         # own, inside the remat that the remat asks for.
-        body = gated_step(traced.jaxpr, traced.out_tree, traced.n_carry)
-        xs = (xs, keep)
+        body = skip_step(traced.jaxpr, traced.out_tree, traced.n_carry)
+        xs = (xs, runs)
     if unroll is True and not remat.named:
         # Unrolled fully: the loop's own program, from the one traced step.
         return _unrolled(body, c_dyn, xs, length, remat, reverse)
@@ -301,14 +301,14 @@ def named_inputs(options: ScanOptions) -> Callable[[PyTree], PyTree]:
 
 
 def _whole_scan(remat: ScanRemat, traced: Traced) -> bool:
-    """Whether a gated scan runs as one `gated_scan`: a remat that does not
+    """Whether a skipping scan runs as one `skip_scan`: a remat that does not
     name or nest (the scan saves the carries whatever it says), and a step
     whose carry and outputs all take cotangents."""
-    return not remat.named and can_gate_scan(traced.jaxpr)
+    return not remat.named and can_skip_scan(traced.jaxpr)
 
 
-def _gate_policy(remat: ScanRemat) -> Policy | None:
-    """What a kept layer of a gated scan saves: the policy of a plain
+def _skip_policy(remat: ScanRemat) -> Policy | None:
+    """What a layer that runs of a skipping scan saves: the policy of a plain
     `remat=` value, or `None` (only the carry) for `True` and for
     `"offload"`, whose host copies a branch of a `cond` would not keep."""
     if remat.policy is True or remat.policy is OFFLOAD_POLICY:
@@ -342,17 +342,17 @@ def _run_loop(
     remat: ScanRemat,
     reverse: bool,
     where: Callable[[int | None], str],
-    keep: Bool[Array, " L"] | None = None,
+    runs: Bool[Array, " L"] | None = None,
 ) -> tuple[PyTree, PyTree]:
     # The reference path. The "auto" rule is a scan-specific optimisation, so the
     # loop saves everything unless remat was asked for explicitly.
     explicit = not remat.is_rule and not (remat.policy is False and not remat.named)
 
     def step_fn(c: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
-        if keep is not None:
-            # Traced on this step's values, then run only where kept.
-            x, keep_i = x
-            return gated(lambda c: step(c, x), c, keep_i)
+        if runs is not None:
+            # Traced on this step's values, then run only where it runs.
+            x, runs_i = x
+            return skip_layer(lambda c: step(c, x), c, runs_i)
         if not explicit:
             return step(c, x)
         # jax.checkpoint takes and returns arrays only: close over the rest.
@@ -373,7 +373,7 @@ def _run_loop(
 
     ys = [None] * length
     order = range(length - 1, -1, -1) if reverse else range(length)
-    slices = _unstack(xs if keep is None else (xs, keep), length) if length > 0 else []
+    slices = _unstack(xs if runs is None else (xs, runs), length) if length > 0 else []
     carry = clone(carry)  # the caller's stays valid (an `eqx.nn.State`)
     for current in order:
         old = clone(carry)  # the step may invalidate `carry` (an `eqx.nn.State`)

@@ -2,7 +2,7 @@
 seam (`eqxscan/_scan/layer_call.py`).
 
 It sits below the seam because the features the seam applies (taps, buffers,
-the LayerDrop gate, `eqxscan.layer_index`) cut trees at a layer too, and the
+LayerDrop's skipping, `eqxscan.layer_index`) cut trees at a layer too, and the
 seam imports them.
 """
 

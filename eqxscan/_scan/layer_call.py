@@ -1,15 +1,16 @@
 """The layer-call seam: how a container hands layer `i` what it is called with,
 and takes back what it returns.
 
-Every container (`Stacked`, `Chain`'s runs, repeated units and lone layers,
-`run_until`, `run_layers`, the LayerDrop gate, `sharding.pipeline`) describes a
-call of its layers as one `LayerCall` and runs layer `i` through it:
+Every container (`Stacked`; a `Chain`'s lone layers, stacks and repeated
+patterns; `run_until`, `run_layers`, LayerDrop's skipping, `sharding.pipeline`)
+describes a call of its layers as one `LayerCall` and runs layer `i` through it:
 
 - `LayerCall.at(i)` is layer `i`'s `OneLayer`: the `per_layer` arguments
   sliced at `i` (a Python int or a traced index), its key, its drop inputs;
-- `LayerCall.part(start, size, period)` is the call of a contiguous group of
-  layers (a `Chain`'s run or repeated unit), with every per-layer value cut to
-  the group;
+- `LayerCall.placed(start, size, per_step)` is the call of a group placed as a
+  `Chain`'s `Placement(start, size, per_step)` says (a stack, one layer per
+  scan step, or a repeated pattern, one pattern step of `per_step` layers per
+  scan step), with every per-layer value cut to the group;
 - `LayerCall.scanned()` splits what is per layer into the arrays a scan slices
   (`xs`) and rebuilds one step's `OneLayer` from its slice;
 - `run_one(layer, call, one, carry, who)` calls the layer (its method, its key,
@@ -18,7 +19,8 @@ call of its layers as one `LayerCall` and runs layer `i` through it:
   `Recurrent`'s cell is run by it too, as a layer whose carry comes first, on a
   call `over="time"`.
 
-A container answers only "layer `i` as a function of the carry"; nothing here
+A container answers only "layer `i` as a function of the carry" (and, for a
+walk in order such as early exit, its groups as `GroupSteps`); nothing here
 knows a container's layout, and nothing outside knows how arguments, keys and
 drop inputs are sliced.
 
@@ -49,7 +51,7 @@ from jaxtyping import Array, Bool, PyTree
 from .._helpers.checks import check_leading_axis, check_takes_key, describe
 from .._helpers.stateful import clone
 from .buffers import call_writing, find_buffer, view_of, with_view
-from .depth_drop import DropInputs, dropping
+from .drop_rates import DropInputs, dropping
 from .index import (
     Index as Index,
     index as index,
@@ -120,7 +122,7 @@ def carry_only(out: object, who: str) -> tuple[PyTree, PyTree]:
     return out, None
 
 
-def layer_pair(out: object, who: str, caller: str) -> tuple[PyTree, PyTree]:
+def layer_pair(out: object, who: str, *, caller: str) -> tuple[PyTree, PyTree]:
     """`out` as the `(carry, y)` pair that `caller` (e.g. `"Stacked.scan"`) expects
     from `who` (a layer, named)."""
     if not (isinstance(out, tuple) and len(out) == 2):
@@ -134,11 +136,7 @@ def layer_pair(out: object, who: str, caller: str) -> tuple[PyTree, PyTree]:
 
 def pairs(caller: str) -> ReadOut:
     """The read-out of `caller`'s layers, which return `(carry, y)` pairs."""
-    return functools.partial(_pair_of, caller=caller)
-
-
-def _pair_of(out: object, who: str, *, caller: str) -> tuple[PyTree, PyTree]:
-    return layer_pair(out, who, caller)
+    return functools.partial(layer_pair, caller=caller)
 
 
 Method = Callable[..., PyTree] | str
@@ -218,12 +216,12 @@ class OneLayer(NamedTuple):
     number: Index | None = None
 
 
-Unit = Callable[[object, PyTree, OneLayer], PyTree]
-"""How a container runs one step that is itself several layers (a repeat of a
-`Chain`'s pattern): `unit(step_module, carry, one) -> output`, read as a
-layer's output is; `one` holds the repeat's slices (per-layer arguments, keys
-and drop inputs with the unit's layer axis first), and `LayerCall.inner(one)`
-is the call of the unit's own layers."""
+PatternStep = Callable[[object, PyTree, OneLayer], PyTree]
+"""How a `Chain` runs one pattern step (one repeat of a repeated pattern, several
+layers in one scan step): `pattern_step(repeat, carry, one) -> output`, read as
+a layer's output is; `one` holds the repeat's slices (per-layer arguments, keys
+and drop inputs with the pattern's layer axis first), and `LayerCall.inner(one)`
+is the call of the pattern's own layers."""
 
 
 class LayerCall(NamedTuple):
@@ -237,17 +235,17 @@ class LayerCall(NamedTuple):
     - `method`: what runs of each layer (`None` for `__call__`).
     - `keep`: LayerDrop's choice when the caller has drawn it (one bool per
       layer, e.g. a pipeline stage's chunk of the whole stack's choice): a scan
-      then runs only the kept layers.
+      then runs only the layers that run.
     - `drop`: drop-path and LayerDrop inputs, one entry per layer (leading
       axis the layers), or `None` when the call does not drop.
     - `optional_key`: a layer that takes no `key` is called without one (the
       key was given for dropping, which such a layer does not see).
-    - `unit`: set when each step of the run is a repeat of several layers
-      (see `Unit`); the per-layer values then have the repeat axis first.
+    - `pattern_step`: set when each scan step is a pattern step (see
+      `PatternStep`); the per-layer values then have the repeat axis first.
     - `caller`: names the container in errors (e.g. a key given to layers that
       take none).
     - `first`, `stride`: layer `i` of this call is the outermost container's
-      layer `first + i * stride` (a unit's step `i` starts at that layer);
+      layer `first + i * stride` (pattern step `i` starts at that layer);
       `first` is `None` when that is not known (layers taken out of order).
     - `over`: what the steps are: `"layers"`, or a `Recurrent`'s `"time"` steps,
       which run one cell (no layer is set for [`eqxscan.layer_index`][]) and
@@ -260,17 +258,17 @@ class LayerCall(NamedTuple):
     read_out: ReadOut = carry_only
     reverse: bool = False
     method: Method | None = None
-    keep: Bool[Array, " L"] | None = None
+    runs: Bool[Array, " L"] | None = None
     drop: DropInputs | None = None
     optional_key: bool = False
-    unit: Unit | None = None
+    pattern_step: PatternStep | None = None
     caller: str = "Stacked"
     first: Index | None = 0
     stride: int = 1
     over: Literal["layers", "time"] = "layers"
 
     def index_of(self, i: Index) -> Index | None:
-        """The global index of this call's layer (or unit) `i`."""
+        """The global index of this call's layer (or pattern step) `i`."""
         return None if self.first is None else self.first + i * self.stride
 
     def per_layer_values(self) -> tuple[PyTree, ...]:
@@ -287,25 +285,27 @@ class LayerCall(NamedTuple):
             zip(self.kwargs, values[len(self.args) :])
         )
 
-    def _with_per_layer(self, new: tuple[PyTree, ...]) -> "LayerCall":
-        # `self` with its per-layer values replaced by `new` (from
-        # `per_layer_values`), each still wrapped as it was.
-        trees, keys, drop = new
+    def _filled(self, trees: Sequence[PyTree], wrap: bool) -> tuple[tuple, dict]:
+        # The arguments with the `per_layer` ones replaced by `trees`, in order
+        # (wrapped as `per_layer` again when `wrap`).
         it = iter(trees)
         values = [
-            PerLayer(next(it)) if isinstance(v, PerLayer) else v
+            (PerLayer(next(it)) if wrap else next(it)) if isinstance(v, PerLayer) else v
             for v in self._arguments()
         ]
-        args, kwargs = self._split(values)
+        return self._split(values)
+
+    def _with_per_layer(self, new: tuple[PyTree, ...]) -> "LayerCall":
+        # `self` with its per-layer values replaced by `new` (as
+        # `per_layer_values` lists them).
+        trees, keys, drop = new
+        args, kwargs = self._filled(trees, wrap=True)
         return self._replace(args=args, kwargs=kwargs, keys=keys, drop=drop)
 
     def _one(self, new: tuple[PyTree, ...]) -> OneLayer:
         # One layer's inputs from its slices `new` of the per-layer values.
         trees, key, drop = new
-        it = iter(trees)
-        values = [next(it) if isinstance(v, PerLayer) else v for v in self._arguments()]
-        args, kwargs = self._split(values)
-        return OneLayer(args, kwargs, key, drop)
+        return OneLayer(*self._filled(trees, wrap=False), key, drop)
 
     def at(self, i: Index) -> OneLayer:
         """Layer `i`'s inputs: slice `i` of every per-layer value (a static
@@ -322,28 +322,27 @@ class LayerCall(NamedTuple):
         new = self._with_per_layer(take(self.per_layer_values(), idx))
         return new._replace(first=first, stride=1)
 
-    def part(self, start: int, size: int, period: int) -> "LayerCall":
-        """The call of layers `start .. start + size - 1` as one group: a run
-        (`period == 1`), or `size // period` repeats of a unit of `period`
-        layers (`period >= 2`; the per-layer values get a repeat axis in front
-        of the unit's layer axis)."""
+    def placed(self, start: int, size: int, per_step: int) -> "LayerCall":
+        """The call of layers `start .. start + size - 1` as one group: a stack
+        (`per_step == 1`), or `size // per_step` pattern steps of `per_step`
+        layers (`per_step >= 2`; the per-layer values get a repeat axis in
+        front of the pattern's layer axis)."""
         part = take(self.per_layer_values(), slice(start, start + size))
-        if period > 1:
+        if per_step > 1:
             part = jtu.tree_map(
                 lambda a: (
-                    a.reshape(size // period, period, *a.shape[1:])
+                    a.reshape(size // per_step, per_step, *a.shape[1:])
                     if eqx.is_array(a)
                     else a
                 ),
                 part,
             )
-        first = self.index_of(start)
         new = self._with_per_layer(part)
-        return new._replace(first=first, stride=max(period, 1))
+        return new._replace(first=self.index_of(start), stride=max(per_step, 1))
 
     def inner(self, one: OneLayer) -> "LayerCall":
-        """The call of a unit's own layers, from one repeat's inputs `one` (see
-        `Unit`): its slices of the per-layer arguments are per layer again."""
+        """The call of a pattern's own layers, from one repeat's inputs `one` (see
+        `PatternStep`): its slices of the per-layer arguments are per layer again."""
         flags = [isinstance(v, PerLayer) for v in self._arguments()]
         values = [*one.args, *one.kwargs.values()]
         values = [PerLayer(v) if f else v for v, f in zip(values, flags)]
@@ -353,8 +352,8 @@ class LayerCall(NamedTuple):
             kwargs=kwargs,
             keys=one.key,
             drop=one.drop,
-            keep=None,
-            unit=None,
+            runs=None,
+            pattern_step=None,
             first=one.number,
             stride=1,
         )
@@ -372,18 +371,18 @@ def run_one(
 ) -> tuple[PyTree, PyTree]:
     """Run `layer` on `carry` as `call` says, with its inputs `one`, and read its
     output as `(carry, y)`: its method and key, then drop-path and (for a layer
-    whose scan does not gate it) LayerDrop. `who` names the layer in errors.
+    whose scan does not skip it) LayerDrop. `who` names the layer in errors.
 
     With a buffer view among its inputs (see `eqxscan/_scan/buffers.py`), a layer
-    (not a unit, which passes the view on to its own layers) returns
+    (not a pattern step, which passes the view on to its own layers) returns
     `(carry, new_slice)` where it would return its carry, and the result is
     `((carry, buffer), y)`, the buffer with the layer's writes made."""
-    at = find_buffer(one.args, one.kwargs) if call.unit is None else None
+    at = find_buffer(one.args, one.kwargs) if call.pattern_step is None else None
     if at is not None:
         return _run_writing(layer, call, one, at, carry, who)
-    if call.unit is not None:
-        # A repeat of several layers: the unit drops and keys its own layers.
-        return call.read_out(call.unit(layer, carry, one), who)
+    if call.pattern_step is not None:
+        # A pattern step drops and keys its own layers.
+        return call.read_out(call.pattern_step(layer, carry, one), who)
     key = one.key
     if key is not None and call.optional_key and not takes_key(layer, call.method):
         key = None
@@ -440,17 +439,16 @@ LayerFn = Callable[[PyTree], PyTree]
 """One layer as a function of the carry (its inputs bound): `carry -> carry`."""
 
 
-class Segment(NamedTuple):
-    """A stretch of a container's layers, for a walk over them in order (early
-    exit): `steps` steps of `size` layers each, the first layer of step 0 being
-    the container's layer `start`. `step(j)` is step `j` (an int, or a traced
-    index inside a loop): one layer as a function of the carry, or the segments
-    of one repeat of a pattern. `alone` marks a lone layer (one step, not in a
-    loop); `name` is its layers' class for errors."""
+class GroupSteps(NamedTuple):
+    """One group of a container's layers, for a walk over them in order (early
+    exit): `steps` steps of `per_step` layers each (`0`: a lone layer, one
+    step, not in a loop), as a `Chain`'s `Placement` says, its first layer the
+    container's layer `start`. `step(j)` is step `j` (an int, or a traced index
+    inside a loop): one layer as a function of the carry, or the groups of one
+    pattern step. `name` is its layers' class for errors."""
 
     start: int
     steps: int
-    size: int
-    step: "Callable[[Index], LayerFn | tuple[Segment, ...]]"
+    per_step: int
+    step: "Callable[[Index], LayerFn | tuple[GroupSteps, ...]]"
     name: str
-    alone: bool = False

@@ -13,7 +13,7 @@ from jax.sharding import Sharding
 from jaxtyping import PyTree
 
 from .._helpers.checks import check_option, check_policy, check_unroll, Checked
-from .depth_drop import Rates
+from .drop_rates import Rates
 from .remat import as_scan_remat, Policy, ScanRemat
 
 

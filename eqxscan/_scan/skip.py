@@ -1,17 +1,17 @@
-"""Steps that run only where a keep bit is set (LayerDrop): a skipped step
+"""Steps that run only where a run bit is set (LayerDrop): a skipped step
 passes its carry on and costs next to nothing, forward and backward.
 
 Two forms, both `jax.custom_vjp`s whose backward is a `lax.cond` on the same
-bit, so that a kept step runs its backward inside its branch and a skipped one
+bit, so that a step that runs does its backward inside its branch and a skipped one
 does no work:
 
-- `gated_call`: one step, whose backward recomputes its forward (a lone layer
+- `skip_call`: one step, whose backward recomputes its forward (a lone layer
   of a `Chain`; the loop mode; a scan whose `remat=` names or nests what to
   save, which the step's own remat must see).
-- `gated_scan`: the whole scan at once. The stacked inputs (the layers' weights)
-  reach the step whole and are indexed inside the kept branch; a kept step
+- `skip_scan`: the whole scan at once. The stacked inputs (the layers' weights)
+  reach the step whole and are indexed inside the running branch; a step that runs
   saves what its `remat=` policy keeps (never its inputs); and the
-  backward scan writes a kept step's input gradients into one zero-filled
+  backward scan writes the input gradients of a step that runs into one zero-filled
   stacked buffer in place. A skipped layer then touches none of its weights in
   either pass; scanned as inputs, every layer's weights would be sliced, and
   every skipped layer's zero gradient written, whether it runs or not.
@@ -63,7 +63,7 @@ def _merge(fixed: Sequence[object], diff: Sequence[object], mask: list[bool]) ->
 
 def _zeros(avals: Sequence[jax.core.ShapedArray]) -> list[Array]:
     """Zeros of these types, varying over the same manual axes (inside
-    `shard_map`), so that a skipping branch matches a kept one."""
+    `shard_map`), so that a skipping branch matches a running one."""
     out = []
     for a in avals:
         z = jnp.zeros(a.shape, a.dtype)
@@ -80,20 +80,20 @@ def _evaluate(
     return jcore.jaxpr_as_fun(jcore.ClosedJaxpr(traced.jaxpr, consts))(*carry, *x)
 
 
-def gated_call(
-    keep: Bool[Array, ""],
+def skip_call(
+    runs: Bool[Array, ""],
     traced: jcore.ClosedJaxpr,
     operands: Sequence[Array],
     num_carry: int,
 ) -> list[Array]:
-    """`traced(*operands)` where `keep`, else `operands[:num_carry]` followed by
+    """`traced(*operands)` where `runs`, else `operands[:num_carry]` followed by
     zeros for the other outputs. The first `num_carry` outputs are the carry, of
     the types of the first `num_carry` operands.
 
     What the backward pass keeps is the operands (the carry, and the layer's
     inputs, which a scan forwards rather than saving a copy per step) and
-    `keep`; a kept step's backward recomputes its forward in its branch.
-    Differentiating a plain `lax.cond` would instead save what the kept branch
+    `runs`; the backward of a step that runs recomputes its forward in its branch.
+    Differentiating a plain `lax.cond` would instead save what the running branch
     computes, weights included, as outputs of the `cond`, filled with zeros by
     the skipping branch."""
     operands = list(operands)
@@ -107,7 +107,7 @@ def gated_call(
         # An integer carry or output has no cotangent to route through the
         # backward `cond`: differentiate the plain `cond` instead.
         return jax.lax.cond(
-            keep,
+            runs,
             lambda _, ops: jcore.jaxpr_as_fun(traced)(*ops),
             skip,
             [],
@@ -126,16 +126,18 @@ def gated_call(
         return skip([], _merge(fixed[1], diff[1], o_mask))
 
     # Every input is an argument (a custom_vjp may not close over tracers);
-    # `keep` and the integer, bool and key values (`fixed`) get no gradient.
+    # `runs` and the integer, bool and key values (`fixed`) get no gradient.
     @jax.custom_vjp
-    def gated(keep: Array, fixed: tuple[list, list], diff: tuple[list, list]) -> list:
-        return jax.lax.cond(keep, layer, skipped_out, fixed, diff)
+    def skipping(
+        runs: Array, fixed: tuple[list, list], diff: tuple[list, list]
+    ) -> list:
+        return jax.lax.cond(runs, layer, skipped_out, fixed, diff)
 
-    def forward(keep: Array, fixed: tuple, diff: tuple) -> tuple[list, tuple]:
-        return gated(keep, fixed, diff), (keep, fixed, diff)
+    def forward(runs: Array, fixed: tuple, diff: tuple) -> tuple[list, tuple]:
+        return skipping(runs, fixed, diff), (runs, fixed, diff)
 
     def backward(res: tuple, cts: list[Array]) -> tuple[object, ...]:
-        keep, fixed, diff = res
+        runs, fixed, diff = res
 
         def run(cts: list, fixed: tuple, diff: tuple) -> tuple[list, list]:
             return jax.vjp(functools.partial(layer, fixed), diff)[1](cts)[0]
@@ -146,21 +148,21 @@ def gated_call(
             rest = [jnp.zeros_like(v) for v in diff[1][num_carry:]]
             return [jnp.zeros_like(c) for c in diff[0]], list(cts[:num_carry]) + rest
 
-        ct_diff = jax.lax.cond(keep, run, passed, list(cts), fixed, diff)
+        ct_diff = jax.lax.cond(runs, run, passed, list(cts), fixed, diff)
         ct_fixed = jtu.tree_map(_no_cotangent, fixed)
-        return _no_cotangent(keep), ct_fixed, tuple(ct_diff)
+        return _no_cotangent(runs), ct_fixed, tuple(ct_diff)
 
-    gated.defvjp(forward, backward)
-    return gated(keep, (c_fixed, o_fixed), (c_diff, o_diff))
+    skipping.defvjp(forward, backward)
+    return skipping(runs, (c_fixed, o_fixed), (c_diff, o_diff))
 
 
-def gated(
-    fn: Callable[[PyTree], tuple[PyTree, PyTree]], c: PyTree, keep: Bool[Array, ""]
+def skip_layer(
+    fn: Callable[[PyTree], tuple[PyTree, PyTree]], c: PyTree, runs: Bool[Array, ""]
 ) -> tuple[PyTree, PyTree]:
-    """`fn(c) -> (new carry, y)` where `keep`, else `(c, zeros like y)`, through
-    `gated_call`. `fn` is traced once (its Python runs once), on the array
+    """`fn(c) -> (new carry, y)` where `runs`, else `(c, zeros like y)`, through
+    `skip_call`. `fn` is traced once (its Python runs once), on the array
     leaves of `c`; its other leaves and those of its outputs are kept as they
-    are. An `fn` that breaks the carry contract runs ungated, for the caller's
+    are. An `fn` that breaks the carry contract runs without skipping, for the caller's
     check to report."""
     c_dyn, c_static = eqx.partition(c, eqx.is_array)
     statics: list[PyTree] = []
@@ -182,7 +184,7 @@ def gated(
     )
     operands = jtu.tree_leaves(c_dyn)
     if contract:
-        flat = gated_call(keep, traced, operands, len(operands))
+        flat = skip_call(runs, traced, operands, len(operands))
     else:
         flat = jcore.jaxpr_as_fun(traced)(*operands)
     new_dyn, y_dyn = jtu.tree_unflatten(jtu.tree_structure(out_shape), flat)
@@ -190,18 +192,18 @@ def gated(
     return eqx.combine(new_dyn, new_static), eqx.combine(y_dyn, y_static)
 
 
-def can_gate_scan(traced: jcore.ClosedJaxpr) -> bool:
-    """Whether `gated_scan` takes this step: every carry and output inexact
-    (else `gated_call` per step, which can fall back to a plain `cond`)."""
+def can_skip_scan(traced: jcore.ClosedJaxpr) -> bool:
+    """Whether `skip_scan` takes this step: every carry and output inexact
+    (else `skip_call` per step, which can fall back to a plain `cond`)."""
     return all(inexact(a) for a in traced.out_avals)
 
 
-def gated_scan(
+def skip_scan(
     traced: jcore.ClosedJaxpr,
     num_carry: int,
     carry: list[Array],
     xs: list[Array],
-    keep: Bool[Array, " L"],
+    runs: Bool[Array, " L"],
     *,
     length: int,
     reverse: bool,
@@ -209,12 +211,12 @@ def gated_scan(
     policy: Policy | None = None,
 ) -> tuple[list[Array], list[Array]]:
     """Scan `traced` (one step: flat `carry + x_i` to flat `carry + y_i`) over the
-    leading axis of `xs`, running step `i` only where `keep[i]`; a skipped step
+    leading axis of `xs`, running step `i` only where `runs[i]`; a skipped step
     passes the carry on and outputs zeros.
 
     **Arguments:**
 
-    - `policy`: what a kept step saves for the backward pass, as a
+    - `policy`: what a step that runs saves for the backward pass, as a
       `jax.checkpoint` policy: its inputs and what the policy keeps of its
       internals (stacked over the steps; zeros for a skipped one). `None` saves
       only the carry each step receives (as `remat=True` would).
@@ -223,39 +225,39 @@ def gated_scan(
 
     `(carry, ys)`, flat, the `ys` stacked on axis 0.
 
-    The backward pass runs a kept step's backward inside its branch (from its
+    The backward pass does the backward of a step that runs inside its branch (from its
     saved values, recomputing the rest) and writes its input gradients into the
     stacked gradient at `i`, in place. A step's inputs are never saved: the
     carry is, and the layer's slice of `xs` is read again from the whole `xs`.
-    The steps are the methods of `_GatedScan`: `forward` (the scan of kept
+    The steps are the methods of `_SkipScan`: `forward` (the scan of the steps that run
     steps), `backward` (the reverse scan writing gradients in place), with
     `step`, `linearized` and `saved_types` for one step.
     """
     c_fixed, c_diff, c_mask = _split(list(traced.consts))
     x_fixed, x_diff, x_mask = _split(xs)
-    scan = _GatedScan(
+    scan = _SkipScan(
         traced, num_carry, c_mask, x_mask, length, reverse, unroll, policy, []
     )
 
     @jax.custom_vjp
-    def gated(keep: Array, fixed: tuple, diff: tuple, carry: list) -> tuple:
-        carry, ys, _ = scan.forward(keep, fixed, diff, carry, save=False)
+    def skipping(runs: Array, fixed: tuple, diff: tuple, carry: list) -> tuple:
+        carry, ys, _ = scan.forward(runs, fixed, diff, carry, save=False)
         return carry, ys
 
-    def forward(keep: Array, fixed: tuple, diff: tuple, carry: list) -> tuple:
-        carry_out, ys, saved = scan.forward(keep, fixed, diff, carry, save=True)
-        return (carry_out, ys), (keep, fixed, diff, saved)
+    def forward(runs: Array, fixed: tuple, diff: tuple, carry: list) -> tuple:
+        carry_out, ys, saved = scan.forward(runs, fixed, diff, carry, save=True)
+        return (carry_out, ys), (runs, fixed, diff, saved)
 
-    gated.defvjp(forward, scan.backward)
-    carry_out, ys = gated(keep, (c_fixed, x_fixed), (c_diff, x_diff), list(carry))
+    skipping.defvjp(forward, scan.backward)
+    carry_out, ys = skipping(runs, (c_fixed, x_fixed), (c_diff, x_diff), list(carry))
     return list(carry_out), list(ys)
 
 
 @dataclasses.dataclass(frozen=True)
-class _GatedScan:
-    """One `gated_scan`: the traced step and how its inputs split into values
+class _SkipScan:
+    """One `skip_scan`: the traced step and how its inputs split into values
     that take cotangents (`diff`) and those that do not (`fixed`), as
-    `(consts, xs)` pairs. `layouts` records how the forward pass saved a kept
+    `(consts, xs)` pairs. `layouts` records how the forward pass saved a running
     step's values (the vjp's structure and, per leaf, the input it is, or
     `None`: saved), set while the forward scan is traced."""
 
@@ -298,7 +300,7 @@ class _GatedScan:
         return out, saved, (tree, where)
 
     def saved_types(self, i: Array, c: list, fixed: tuple, diff: tuple) -> list:
-        """The types of what a kept step saves under the policy (for the
+        """The types of what a step that runs saves under the policy (for the
         skipping branch's zeros), its layout recorded in `layouts`; none when
         a saved value cannot be zero-filled (a key: the step is recomputed)."""
         found: list = []
@@ -316,9 +318,9 @@ class _GatedScan:
         return avals if usable else []
 
     def forward(
-        self, keep: Array, fixed: tuple, diff: tuple, carry: list, save: bool
+        self, runs: Array, fixed: tuple, diff: tuple, carry: list, save: bool
     ) -> tuple[list, list, tuple[list, list]]:
-        """The scan: a `cond` per step runs the kept ones. With `save`, each
+        """The scan: a `cond` per step runs the ones that run. With `save`, each
         step also outputs the carry it received and its saved values."""
         consts = _merge(fixed[0], diff[0], self.c_mask)
         xs = _merge(fixed[1], diff[1], self.x_mask)
@@ -331,7 +333,7 @@ class _GatedScan:
             if save and self.policy is not None:
                 saved_avals = self.saved_types(i, c, fixed, diff)
 
-            def kept(c: list) -> list[Array]:
+            def running(c: list) -> list[Array]:
                 if not saved_avals:
                     return _evaluate(self.traced, consts, c, [index(a, i) for a in xs])
                 out, saved, _ = self.linearized(i, c, fixed, diff)
@@ -340,12 +342,12 @@ class _GatedScan:
             def skipped(c: list) -> list[Array]:
                 return list(c) + _zeros(y_avals) + _zeros(saved_avals)
 
-            out = jax.lax.cond(k, kept, skipped, c)
+            out = jax.lax.cond(k, running, skipped, c)
             new, y = out[:n], out[n : len(out) - len(saved_avals)]
             saved = out[len(out) - len(saved_avals) :]
             return new, (y, (c if save else [], saved))
 
-        steps = (jnp.arange(self.length), keep)
+        steps = (jnp.arange(self.length), runs)
         carry, (ys, saved) = jax.lax.scan(
             body,
             carry,
@@ -357,10 +359,10 @@ class _GatedScan:
         return carry, ys, saved
 
     def backward(self, res: tuple, cts: tuple[list, list]) -> tuple[object, ...]:
-        """The reverse scan: a kept step runs its vjp (rebuilt from its saved
+        """The reverse scan: a step that runs does its vjp (rebuilt from its saved
         values, or recomputed) and writes its slice's gradient into the stacked
         gradient in place; a skipped step passes the carry's cotangent on."""
-        keep, fixed, diff, (carries, saved) = res
+        runs, fixed, diff, (carries, saved) = res
         ct_carry, ct_ys = cts
         consts_diff, xs_diff = diff
         layout = self.layouts[-1] if self.layouts else None
@@ -398,7 +400,7 @@ class _GatedScan:
             [jnp.zeros_like(c) for c in consts_diff],
             [jnp.zeros_like(a) for a in xs_diff],
         )
-        steps = (jnp.arange(self.length), keep, carries, saved, list(ct_ys))
+        steps = (jnp.arange(self.length), runs, carries, saved, list(ct_ys))
         (g_carry, g_consts, g_xs), _ = jax.lax.scan(
             body,
             start,
@@ -408,7 +410,7 @@ class _GatedScan:
             unroll=self.unroll,
         )
         ct_fixed = jtu.tree_map(_no_cotangent, fixed)
-        return _no_cotangent(keep), ct_fixed, (g_consts, g_xs), g_carry
+        return _no_cotangent(runs), ct_fixed, (g_consts, g_xs), g_carry
 
 
 def _zero_able(aval: jax.core.ShapedArray) -> bool:
@@ -416,18 +418,18 @@ def _zero_able(aval: jax.core.ShapedArray) -> bool:
     return not jnp.issubdtype(aval.dtype, jax.dtypes.extended)
 
 
-def gated_step(
+def skip_step(
     traced: jcore.ClosedJaxpr,
     out_tree: jtu.PyTreeDef,  # pyright: ignore[reportInvalidTypeForm]  # jax's stubs declare PyTreeDef a variable
     num_carry: int,
 ) -> Callable[[PyTree, tuple[PyTree, Array]], tuple[PyTree, PyTree]]:
     """`traced` (a scan step over flat `(carry, x)` leaves, `out_tree` its
-    output's structure) as a step `(carry, (x, keep)) -> (carry, y)` run through
-    `gated_call`, for the engine's remat and nested scans."""
+    output's structure) as a step `(carry, (x, runs)) -> (carry, y)` run through
+    `skip_call`, for the engine's remat and nested scans."""
 
     def step(c_dyn: PyTree, inputs: tuple[PyTree, Array]) -> tuple[PyTree, PyTree]:
-        x, keep = inputs
-        flat = gated_call(keep, traced, jtu.tree_leaves((c_dyn, x)), num_carry)
+        x, runs = inputs
+        flat = skip_call(runs, traced, jtu.tree_leaves((c_dyn, x)), num_carry)
         return jtu.tree_unflatten(out_tree, flat)
 
     return step

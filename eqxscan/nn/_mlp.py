@@ -280,7 +280,7 @@ class StackedMLP(Scanning):
         - `x`: `[..., D]` in the model's dtype (a JAX or NumPy array).
         - `key`: required when `dropout`, `drop_path` or `layer_drop` is above 0
           outside inference mode; each layer gets its own dropout key (and its
-          own drop keys, made as [`eqxscan.DepthDrop`][] documents).
+          own drop keys, made as [`eqxscan.DropRates`][] documents).
 
         **Returns:**
 
@@ -357,7 +357,7 @@ class StackedMLP(Scanning):
                 "so it needs a `key`; pass `key=...` or use "
                 "`eqx.nn.inference_mode(model)`."
             )
-        check_droppable(self.blocks.depth_drop, key, False, "StackedMLP")
+        check_droppable(self.blocks.drop_rates, key, False, "StackedMLP")
         return x
 
 

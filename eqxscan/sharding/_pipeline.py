@@ -32,8 +32,8 @@ from .._internal import (
     check_droppable,
     check_size,
     constrain,
-    DepthDrop,
     DropInputs,
+    DropRates,
     index,
     LayerCall,
     rates_of,
@@ -217,9 +217,9 @@ def pipeline_order(
     one = lambda a: _permute(a, stages, repeats, inverse)
     layers = jtu.tree_map(lambda a: one(a) if eqx.is_array(a) else a, stack.layers)
     order = one(np.arange(stack.num_layers))
-    rates = rates_of(stack.depth_drop)
-    if stack.depth_drop is not None:
-        drop = stack.depth_drop
+    rates = rates_of(stack.drop_rates)
+    if stack.drop_rates is not None:
+        drop = stack.drop_rates
         rates = tuple(
             tuple(r[i] for i in order) for r in (drop.drop_path, drop.layer_drop)
         )
@@ -300,13 +300,13 @@ class _Drops(eqx.Module):
     of each microbatch's rows (`[M, B / M]`, or `[M]` for a batch of scalars);
     `None` for what no layer uses."""
 
-    keep: Bool[Array, "*layers"] | None
+    runs: Bool[Array, "*layers"] | None
     path_rate: Float[Array, "*layers"] | None
-    path_keep: Bool[Array, "*layers_microbatches_rows"] | None
+    path_mask: Bool[Array, "*layers_microbatches_rows"] | None
 
 
 def _drops(
-    drop: DepthDrop,
+    drop: DropRates,
     key: PRNGKeyArray,
     x: jax.Array,
     microbatches: int,
@@ -320,21 +320,21 @@ def _drops(
     rates = (np.asarray(drop.drop_path), np.asarray(drop.layer_drop))
     if layer_order == "stage":
         rates = tuple(_permute(r, stages, repeats, inverse=True) for r in rates)
-    inputs = DepthDrop(drop.num_layers, rates[0], rates[1]).per_layer_inputs(key)
+    inputs = DropRates(drop.num_layers, rates[0], rates[1]).per_layer_inputs(key)
     uses_path, uses_layer = drop.uses
-    keep = path_rate = path_keep = None
+    runs = path_rate = path_mask = None
     if uses_layer:
-        keep = inputs.keep()
+        runs = inputs.runs()
     if uses_path:
         examples = carry_examples(x)
-        path_rate, path_keep = inputs.path_rate, inputs.path_masks(examples)
+        path_rate, path_mask = inputs.path_rate, inputs.path_masks(examples)
         if examples is None:  # one mask entry per layer, the same for every row
-            path_keep = jnp.broadcast_to(
-                path_keep[:, None], (drop.num_layers, microbatches)
+            path_mask = jnp.broadcast_to(
+                path_mask[:, None], (drop.num_layers, microbatches)
             )
         else:  # microbatch m is rows [m * B/M, (m + 1) * B/M)
-            path_keep = path_keep.reshape(drop.num_layers, microbatches, -1)
-    drops = _Drops(keep, path_rate, path_keep)
+            path_mask = path_mask.reshape(drop.num_layers, microbatches, -1)
+    drops = _Drops(runs, path_rate, path_mask)
     return jtu.tree_map(lambda a: _blocks(a, stages, repeats, "natural"), drops)
 
 
@@ -388,7 +388,7 @@ def pipeline(
     (every microbatch skips the same layers, and a stage does not compute a
     skipped layer), and drop-path's mask of layer `i` is the one drawn for the
     whole batch, each microbatch taking its rows. Both are drawn from the
-    natural-order layers' drop keys, as [`eqxscan.DepthDrop`][] documents,
+    natural-order layers' drop keys, as [`eqxscan.DropRates`][] documents,
     before the pipeline runs.
 
     For `R > 1`, a stack in the natural order whose layer axis is split over
@@ -443,11 +443,11 @@ def pipeline(
         layer_order,
     )
     drops = None
-    if check_droppable(stack.depth_drop, key, False, "sharding.pipeline"):
-        assert stack.depth_drop is not None and key is not None
+    if check_droppable(stack.drop_rates, key, False, "sharding.pipeline"):
+        assert stack.drop_rates is not None and key is not None
         split_key(key, 1, "sharding.pipeline")  # checks that it is one key
         drops = _drops(
-            stack.depth_drop, key, x, p.microbatches, p.stages, p.repeats, layer_order
+            stack.drop_rates, key, x, p.microbatches, p.stages, p.repeats, layer_order
         )
     dyn, static = _split(stack, p.stages, p.repeats, layer_order)
     xs = x.reshape(p.microbatches, x.shape[0] // p.microbatches, *x.shape[1:])
@@ -553,14 +553,14 @@ def _chunk_call(
     drops: _Drops | None, r: Int[Array, ""], m: Int[Array, ""]
 ) -> LayerCall:
     """How chunk `r`'s layers are called for microbatch `m`: with this chunk's
-    LayerDrop choice (gated by its scan) and drop-path masks of the
+    LayerDrop choice (skipped by its scan) and drop-path masks of the
     microbatch's rows, when the call drops."""
     call = LayerCall((), {}, None)
     if drops is None:
         return call
     mine = index(drops, r)
-    call = call._replace(keep=mine.keep)
-    if mine.path_keep is None:
+    call = call._replace(runs=mine.runs)
+    if mine.path_mask is None:
         return call
     assert mine.path_rate is not None
     path = DropInputs(
@@ -568,8 +568,8 @@ def _chunk_call(
         jnp.zeros_like(mine.path_rate),
         None,
         (True, False),
-        gated=True,
-        path_keep=index(mine.path_keep, m, axis=1),
+        scan_skips=True,
+        path_mask=index(mine.path_mask, m, axis=1),
     )
     return call._replace(drop=path)
 

@@ -1,12 +1,11 @@
 """`Chain`: a sequence of layers that are not all alike, its grouping and its
 answers to the layer-call seam."""
 
-from .chain import (
-    Chain as Chain,
-    CHAIN_PAIRS as CHAIN_PAIRS,
+from .chain import Chain as Chain, CHAIN_PAIRS as CHAIN_PAIRS
+from .groups import (
     check_chain_method as check_chain_method,
     Pattern as Pattern,
     Placement as Placement,
     run_groups as run_groups,
 )
-from .layers import chain_layer_fn as chain_layer_fn, chain_segments as chain_segments
+from .layers import chain_layer_fn as chain_layer_fn, chain_steps as chain_steps

@@ -1,6 +1,6 @@
 """A chain's layers one at a time: what `Chain` answers to "layer `i` as a
 function of the carry" (see `eqxscan._scan.layer_call`), for walks in order
-(`chain_segments`, early exit) and for traced subsets (`chain_layer_fn`)."""
+(`chain_steps`, early exit) and for traced subsets (`chain_layer_fn`)."""
 
 import functools
 from collections.abc import Callable, Iterator
@@ -14,39 +14,39 @@ from jaxtyping import Array, Int, PyTree
 
 from ..._helpers.checks import CarryError, check_carry, noted
 from ..._helpers.constrain import constrain
-from ..._scan.layer_call import Index, index, LayerCall, OneLayer, run_one, Segment
+from ..._scan.layer_call import GroupSteps, Index, index, LayerCall, OneLayer, run_one
 from ..._scan.taps import add, held
-from ..stacked import layer_of, stack_layer_fn, Stacked
-from .chain import Chain, Pattern, Placement
+from ..stack_calls import layer_of, stack_layer_fn
+from ..stacked import Stacked
+from .chain import Chain
+from .groups import Pattern, Placement
 
 
-def chain_segments(
+def chain_steps(
     groups: tuple[Any, ...],
     layout: tuple[Placement, ...],
     call: LayerCall,
     first: int = 0,
-) -> tuple[Segment, ...]:
-    """The groups' layers as segments of a walk in order (see `Segment`): a
-    lone layer alone, a stack one layer per step, a repeated pattern one repeat
-    per step (its own segments); `first` is the global index of the first
-    layer."""
+) -> tuple[GroupSteps, ...]:
+    """The groups' layers as `GroupSteps` of a walk in order: a lone layer
+    alone, a stack one layer per step, a repeated pattern one pattern step per
+    step (its own groups); `first` is the global index of the first layer."""
     out = []
     for group, place in zip(groups, layout):
-        start = first + place.start
-        if place.per_step == 0:
+        start, per_step = first + place.start, place.per_step
+        if per_step == 0:
             one, name = call.at(place.start), type(group).__name__
             fn = functools.partial(_lone_fn, group, call, one, name)
-            out.append(Segment(start, 1, 1, lambda j, fn=fn: fn, name, alone=True))
-        elif place.per_step == 1:
-            group_call = call.part(place.start, place.size, 1)
+            out.append(GroupSteps(start, 1, 0, lambda j, fn=fn: fn, name))
+            continue
+        group_call = call.placed(place.start, place.size, per_step)
+        if per_step == 1:
             step = functools.partial(stack_layer_fn, group, group_call)
-            out.append(Segment(start, place.size, 1, step, type(group.layers).__name__))
+            name = type(group.layers).__name__
         else:
-            group_call = call.part(place.start, place.size, place.per_step)
-            step = functools.partial(_repeat_segments, group, place, group_call, start)
-            repeats = place.size // place.per_step
+            step = functools.partial(_pattern_steps, group, place, group_call, start)
             name = ", ".join(group.layers.class_names())
-            out.append(Segment(start, repeats, place.per_step, step, name))
+        out.append(GroupSteps(start, place.size // per_step, per_step, step, name))
     return tuple(out)
 
 
@@ -56,14 +56,14 @@ def _lone_fn(
     return run_one(layer, call, one, c, name)[0]
 
 
-def _repeat_segments(
+def _pattern_steps(
     group: Stacked, place: Placement, group_call: LayerCall, start: int, r: Index
-) -> tuple[Segment, ...]:
+) -> tuple[GroupSteps, ...]:
     # Repeat `r` of a pattern: its layers, with the repeat's inputs.
     repeat: Pattern = layer_of(group, r)
     call = group_call.inner(group_call.at(r))
     first = start + (r * place.per_step if isinstance(r, int) else 0)
-    return chain_segments(repeat.groups, repeat.layout, call, first)
+    return chain_steps(repeat.groups, repeat.layout, call, first)
 
 
 class _Branch(NamedTuple):
@@ -190,8 +190,3 @@ def chain_layer_fn(
         return eqx.combine(new, carry_static)
 
     return layer
-
-
-def chain_bodies(chain: Chain) -> int:
-    """How many layer bodies a traced subset of `chain` switches over."""
-    return len(_chain_table(chain)[0])

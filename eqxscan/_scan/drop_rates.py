@@ -1,6 +1,6 @@
 """Depth that varies while training: stochastic depth (drop-path) and LayerDrop.
 
-A scanning module with a [`eqxscan.DepthDrop`][] other than the default gives
+A scanning module with a [`eqxscan.DropRates`][] other than the default gives
 its call the layers' rates and drop keys (`DropInputs`, one entry per layer),
 and the layer-call seam (`eqxscan/_scan/layer_call.py`) hands layer `i` its slice
 and runs it through `dropping`. So `mode="scan"` and `mode="loop"` run the same
@@ -28,7 +28,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Key, PRNGKeyArray, PyTree, UInt32
 
 from .._helpers.checks import Checked, describe
-from .skip import gated
+from .skip import skip_layer
 
 
 #: Folded into a call's key to make the drop keys, apart from the layers' keys.
@@ -137,25 +137,25 @@ class DropInputs(eqx.Module):
     """What a dropping call gives its layers, one entry per layer (leading axis
     `L`, routed by a `Chain` like any `per_layer` argument): the drop-path and
     LayerDrop rates and the drop keys, with which parts any layer uses, and
-    whether the scan that runs the layers gates LayerDrop itself (`gated`).
-    `path_keep`, when given, is drop-path's mask drawn by the caller (a
+    whether the scan that runs the layers skips them itself (`scan_skips`).
+    `path_mask`, when given, is drop-path's mask drawn by the caller (a
     pipeline's rows of the whole batch's mask), used instead of the keys."""
 
     path_rate: Float[Array, "*layers"]
     layer_rate: Float[Array, "*layers"]
     key: Key[Array, "*layers"] | UInt32[Array, "*layers 2"] | None
     uses: tuple[bool, bool] = eqx.field(static=True)
-    gated: bool = eqx.field(static=True, default=False)
-    path_keep: Bool[Array, "*layers_rows"] | None = None
+    scan_skips: bool = eqx.field(static=True, default=False)
+    path_mask: Bool[Array, "*layers_rows"] | None = None
 
-    def keep(self) -> Array:
+    def runs(self) -> Array:
         """Whether each layer runs in this call: LayerDrop's choice, drawn from
         the first half of each layer's drop key (as `dropping` draws it)."""
 
         def one(key: PRNGKeyArray, rate: Array) -> Array:
             return jax.random.bernoulli(jax.random.split(key)[0], 1.0 - rate)
 
-        assert self.key is not None, "drawn by the caller (path_keep) only"
+        assert self.key is not None, "drawn by the caller (path_mask) only"
         return jax.vmap(one)(self.key, self.layer_rate)
 
     def path_masks(self, examples: int | None) -> Array:
@@ -167,19 +167,19 @@ class DropInputs(eqx.Module):
         def one(key: PRNGKeyArray, rate: Array) -> Array:
             return path_mask(rate, jax.random.split(key)[1], examples)
 
-        assert self.key is not None, "drawn by the caller (path_keep) only"
+        assert self.key is not None, "drawn by the caller (path_mask) only"
         return jax.vmap(one)(self.key, self.path_rate)
 
-    def gated_by_scan(self) -> "DropInputs":
-        """These inputs, for layers whose scan runs only the kept ones."""
-        return dataclasses.replace(self, gated=True)
+    def skipped_by_scan(self) -> "DropInputs":
+        """These inputs, for layers whose scan runs only the ones that run."""
+        return dataclasses.replace(self, scan_skips=True)
 
 
-class DepthDrop(eqx.Module):
+class DropRates(eqx.Module):
     """How a scanning module varies its depth while training: one drop-path
     rate and one LayerDrop rate per layer. A `Stacked`, `Chain` or `StackedMLP`
     built with `drop_path=` or `layer_drop=` above zero holds one as
-    `.depth_drop` (`None` otherwise).
+    `.drop_rates` (`None` otherwise).
 
     Dropping happens only in training: `inference` is set by
     `eqx.nn.inference_mode`, as for `eqx.nn.Dropout`. Like `eqx.nn.Dropout`,
@@ -236,9 +236,9 @@ class DepthDrop(eqx.Module):
         """Whether any layer has a drop-path rate, and a LayerDrop rate, above 0."""
         return any(self.drop_path), any(self.layer_drop)
 
-    def sliced(self, index: slice) -> "DepthDrop":
+    def sliced(self, index: slice) -> "DropRates":
         """The rates of the layers `range(L)[index]` (for `stack[i:j]`)."""
-        return DepthDrop(
+        return DropRates(
             len(range(self.num_layers)[index]),
             self.drop_path[index],
             self.layer_drop[index],
@@ -258,23 +258,31 @@ class DepthDrop(eqx.Module):
         )
 
 
-def depth_drop(
+def new_drop_rates(
     num_layers: int, drop_path: Checked[Rates], layer_drop: Checked[Rates]
-) -> DepthDrop | None:
-    """The `.depth_drop` of a module of `num_layers` layers: `None` when no rate
+) -> DropRates | None:
+    """The `.drop_rates` of a module of `num_layers` layers: `None` when no rate
     is above zero, so that a module that never drops holds no `inference` flag
     (a Python bool leaf, which `jax.grad` would refuse) and runs as before."""
-    drop = DepthDrop(num_layers, drop_path, layer_drop)
+    drop = DropRates(num_layers, drop_path, layer_drop)
     return drop if any(drop.uses) else None
 
 
-def rates_of(drop: DepthDrop | None) -> tuple[Rates, Rates]:
-    """`(drop_path, layer_drop)` of a module's `.depth_drop`, to rebuild it."""
+def rates_of(drop: DropRates | None) -> tuple[Rates, Rates]:
+    """`(drop_path, layer_drop)` of a module's `.drop_rates`, to rebuild it."""
     return (0.0, 0.0) if drop is None else (drop.drop_path, drop.layer_drop)
 
 
+def with_mode_of(new: DropRates | None, old: DropRates | None) -> DropRates | None:
+    """`new` in `old`'s inference mode (as `eqx.nn.inference_mode` set it): how
+    slicing and changing a module's rates keep its mode."""
+    if new is None or old is None:
+        return new
+    return eqx.tree_at(lambda d: d.inference, new, old.inference)
+
+
 def check_droppable(
-    drop: DepthDrop | None, key: object, has_state: bool, who: str
+    drop: DropRates | None, key: object, has_state: bool, who: str
 ) -> bool:
     """Whether this call drops; raise when it would but cannot (no key, or
     stateful layers, whose skipped state has no meaning)."""
@@ -331,16 +339,16 @@ def path_mask(
 
 
 def apply_drop_path(
-    old: PyTree, new: PyTree, rate: Array, keep: Bool[Array, "*examples"]
+    old: PyTree, new: PyTree, rate: Array, mask: Bool[Array, "*examples"]
 ) -> PyTree:
-    """`_drop_path` with the mask given: `keep` has one entry per example of the
+    """`_drop_path` with the mask given: `mask` has one entry per example of the
     carry (or is a scalar), e.g. a pipeline microbatch's rows of the mask drawn
     for the whole batch."""
     old_dyn = eqx.filter(old, eqx.is_array)
     scale = 1.0 / (1.0 - rate)
 
     def one(a: Array, b: Array) -> Array:
-        k = keep.reshape(keep.shape + (1,) * (a.ndim - keep.ndim))
+        k = mask.reshape(mask.shape + (1,) * (a.ndim - mask.ndim))
         dropped = jnp.where(k, a + (b - a) * scale.astype(b.dtype), a)
         return jnp.where(rate == 0, b, dropped.astype(b.dtype))
 
@@ -358,9 +366,9 @@ def dropping(
     fn: Callable[[PyTree], tuple[PyTree, PyTree]], drop: DropInputs
 ) -> Callable[[PyTree], tuple[PyTree, PyTree]]:
     """One layer `fn(carry) -> (carry, y)` with its drops: drop-path on the new
-    carry (its mask `drop.path_keep` when given, else drawn from the second half
+    carry (its mask `drop.path_mask` when given, else drawn from the second half
     of the layer's drop key), and LayerDrop from the first half unless the scan
-    that runs the layer gates it (`drop.gated`). A part no layer uses is left
+    that runs the layer skips it (`drop.scan_skips`). A part no layer uses is left
     out of the program."""
     uses_path, uses_layer = drop.uses
 
@@ -368,14 +376,14 @@ def dropping(
         new, y = fn(c)
         if not uses_path:
             return new, y
-        if drop.path_keep is not None:
-            return apply_drop_path(c, new, drop.path_rate, drop.path_keep), y
+        if drop.path_mask is not None:
+            return apply_drop_path(c, new, drop.path_rate, drop.path_mask), y
         assert drop.key is not None
         return _drop_path(c, new, drop.path_rate, jax.random.split(drop.key)[1]), y
 
-    if drop.gated or not uses_layer:
+    if drop.scan_skips or not uses_layer:
         return run
     assert drop.key is not None
-    keep = jax.random.bernoulli(jax.random.split(drop.key)[0], 1.0 - drop.layer_rate)
-    # A layer no scan gates (a `Chain`'s lone layer): gated here.
-    return lambda c: gated(run, c, keep)
+    runs = jax.random.bernoulli(jax.random.split(drop.key)[0], 1.0 - drop.layer_rate)
+    # A layer no scan skips (a `Chain`'s lone layer): skipped here.
+    return lambda c: skip_layer(run, c, runs)

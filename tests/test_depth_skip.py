@@ -1,5 +1,5 @@
-"""The engine's LayerDrop gate (`run(..., keep=...)`): a step runs only where its
-keep bit is set. Every form (the whole-scan gate, the per-step gate inside a
+"""The engine's LayerDrop skip (`run(..., runs=...)`): a step runs only where its
+run bit is set. Every form (the whole-scan skip, the per-step skip inside a
 named or nested remat, the loop, the plain-`cond` fallback for integer
 carries) against a hand-written loop, in values and gradients (carry, scanned
 inputs, closed-over values), and against finite differences."""
@@ -35,22 +35,22 @@ def _layer(w, b, h, scale):
     return new, jnp.sum(new, axis=-1)  # a per-step output too
 
 
-def _reference(w, b, x, scale, keep, reverse=False):
+def _reference(w, b, x, scale, runs, reverse=False):
     ys = [None] * L
     order = range(L - 1, -1, -1) if reverse else range(L)
     for i in order:
         new, y = _layer(w[i], b[i], x, scale)
-        x = jnp.where(keep[i], new, x)
-        ys[i] = jnp.where(keep[i], y, jnp.zeros_like(y))
+        x = jnp.where(runs[i], new, x)
+        ys[i] = jnp.where(runs[i], y, jnp.zeros_like(y))
     return x, jnp.stack(ys)
 
 
-def _engine(w, b, x, scale, keep, options, reverse=False):
+def _engine(w, b, x, scale, runs, options, reverse=False):
     def step(h, inputs):
         w_i, b_i = inputs
         return _layer(w_i, b_i, h, scale)
 
-    return run(step, x, (w, b), length=L, options=options, reverse=reverse, keep=keep)
+    return run(step, x, (w, b), length=L, options=options, reverse=reverse, runs=runs)
 
 
 def _loss(fn):
@@ -71,8 +71,8 @@ REMATS = [
 ]
 
 
-# Every remat form in the scan (the whole-scan gate for plain values and
-# policies, the per-step gate for named and nested ones); the loop and reverse
+# Every remat form in the scan (the whole-scan skip for plain values and
+# policies, the per-step skip for named and nested ones); the loop and reverse
 # order with one form of each kind.
 CASES = [(c, "scan", False) for c in REMATS] + [
     (c, m, r) for c in (False, "nested") for m, r in (("loop", False), ("scan", True))
@@ -80,7 +80,7 @@ CASES = [(c, "scan", False) for c in REMATS] + [
 
 
 @pytest.mark.parametrize("remat, mode, reverse", CASES)
-def test_gate_matches_a_hand_written_loop(remat, mode, reverse):
+def test_skip_matches_a_hand_written_loop(remat, mode, reverse):
     options = eqxscan.ScanOptions(mode=mode, remat=remat, unroll=1)
     w, b, x, scale = _inputs()
 
@@ -103,7 +103,7 @@ def test_gate_matches_a_hand_written_loop(remat, mode, reverse):
 
 
 @pytest.mark.parametrize("unroll", [2, True])
-def test_gate_unrolled(unroll):
+def test_skip_unrolled(unroll):
     options = eqxscan.ScanOptions(remat=False, unroll=unroll)
     w, b, x, scale = _inputs()
     got = jax.grad(_loss(lambda *a: _engine(*a, KEEP, options)), argnums=(0, 2))
@@ -112,7 +112,7 @@ def test_gate_unrolled(unroll):
         np.testing.assert_allclose(a, r, rtol=1e-4, atol=1e-6)
 
 
-def test_gate_against_finite_differences():
+def test_skip_against_finite_differences():
     options = eqxscan.ScanOptions(remat="auto")
     w, b, x, scale = _inputs()
     loss = jax.jit(_loss(lambda *a: _engine(*a, KEEP, options)))
@@ -133,8 +133,8 @@ def test_gate_against_finite_differences():
 
 
 class Counting(eqx.Module):
-    """A carry with an integer leaf: `(x, layers run)`. The whole-scan gate
-    needs cotangents for every carry leaf, so this takes the per-step gate and
+    """A carry with an integer leaf: `(x, layers run)`. The whole-scan skip
+    needs cotangents for every carry leaf, so this takes the per-step skip and
     its plain-`cond` fallback."""
 
     w: jax.Array
@@ -162,9 +162,9 @@ def test_integer_carry_leaf(mode):
         drop_keys = jax.random.split(jax.random.fold_in(key, 0x5D0), L)
         h, n = x, 0
         for i in range(L):
-            keep = jax.random.bernoulli(jax.random.split(drop_keys[i])[0], 0.5)
-            h = jnp.where(keep, h + jnp.tanh(h @ ws[i]), h)
-            n = n + keep.astype(jnp.int32)
+            runs = jax.random.bernoulli(jax.random.split(drop_keys[i])[0], 0.5)
+            h = jnp.where(runs, h + jnp.tanh(h @ ws[i]), h)
+            n = n + runs.astype(jnp.int32)
         return jnp.sum(h**2), n
 
     runs = set()
@@ -189,7 +189,7 @@ class Tanh(Counting):
 
 
 def test_per_example_keys_under_vmap_and_jit_grad():
-    # Batched keep bits: the `cond`s become selects; values and gradients must
+    # Batched run bits: the `cond`s become selects; values and gradients must
     # still equal the loop's, under jit(grad(vmap(...))).
     stack = eqxscan.Stacked(Tanh, L, key=jax.random.key(0), layer_drop=0.5)
     loop = stack.with_options(mode="loop")

@@ -1,0 +1,215 @@
+"""How a [`eqxscan.Stacked`][] runs its layers: the scan (or loop) of
+`Stacked.__call__` and `.scan`, the `vmap` of `.vmap`, and layer `i` on its own
+(traced subsets, early exit). Each hands layer `i` its inputs through the
+layer-call seam (`eqxscan/_scan/layer_call.py`)."""
+
+import functools
+from typing import Any, Protocol, runtime_checkable
+
+import equinox as eqx
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jax.sharding import Sharding
+from jaxtyping import PyTree
+
+from .._helpers.checks import noted
+from .._helpers.constrain import constrain, layers_may_be_sharded
+from .._helpers.stateful import (
+    find_state,
+    get_arg,
+    layer_state,
+    replace_arg,
+    state_pair,
+    updated,
+)
+from .._scan.buffers import (
+    check_buffer_axis,
+    find_buffer,
+    refuse_buffer,
+    view_of,
+    with_view,
+)
+from .._scan.drop_rates import check_droppable, DropRates
+from .._scan.engine import run
+from .._scan.layer_call import (
+    carry_only,
+    check_per_layer,
+    GroupSteps,
+    Index,
+    index,
+    LayerCall,
+    LayerFn,
+    PerLayer,
+    run_one,
+)
+from .._scan.layer_index import step_index
+from .._scan.options import ScanOptions
+
+
+@runtime_checkable
+class Stack(Protocol):
+    """What running a stack reads of a `Stacked`."""
+
+    @property
+    def layers(self) -> Any: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def options(self) -> ScanOptions: ...
+    @property
+    def mode(self) -> str: ...
+    @property
+    def layer_sharding(self) -> Sharding | PyTree[Sharding | None] | None: ...
+    def check_layer_axis(self, what: str) -> None: ...
+
+
+def dropping_call(
+    drop: DropRates | None, call: LayerCall, key: object, who: str
+) -> LayerCall:
+    """`call` with the drop inputs of this call when `drop` drops in it
+    (training, a rate above zero). A model with drop rates may be given a key
+    for dropping alone, so a layer that takes no key is called without one."""
+    if drop is None:
+        return call
+    has_state = find_state(call.args, call.kwargs) is not None
+    call = call._replace(optional_key=True)
+    if not check_droppable(drop, key, has_state, who):
+        return call
+    assert key is not None
+    return call._replace(drop=drop.per_layer_inputs(key))  # pyright: ignore[reportArgumentType]  # checked by check_droppable
+
+
+def _where(cls_name: str, length: int, i: int | None) -> str:
+    # How errors name the step: one body for every layer, or layer `i`.
+    if i is None:
+        return f"The stacked layer {cls_name} (one body for all {length} layers)"
+    return f"Layer {i} ({cls_name})"
+
+
+def scan_layers(stack: Stack, x: PyTree, call: LayerCall) -> tuple[PyTree, PyTree]:
+    """Fold `x` through the layers of `stack` as `call` says, one scan step (or
+    loop step) per layer, layer `i` run with `call.at(i)`'s inputs.
+
+    **Returns:**
+
+    `(final carry, ys)`, the `y`s stacked on axis 0 (`None` if there are none).
+    """
+    stack.check_layer_axis("call")
+    state_at = find_state(call.args, call.kwargs)
+    if state_at is not None:
+        if call.read_out is not carry_only:
+            raise TypeError(
+                "Stacked.scan does not take an eqx.nn.State; call the stack "
+                "instead: `x, state = stack(x, state)`."
+            )
+        # Layer i gets its own slice of the state and returns its new state,
+        # collected like a `y`, then written back into the whole state.
+        state = get_arg(call.args, call.kwargs, state_at)
+        sub = layer_state(state, stack.layers, stack.num_layers, "This Stacked")
+        args, kwargs = replace_arg(call.args, call.kwargs, state_at, PerLayer(sub))
+        sub_call = call._replace(args=args, kwargs=kwargs, read_out=state_pair)
+        x, new_sub = scan_layers(stack, x, sub_call)
+        return (x, updated(state, new_sub)), None
+    length = stack.num_layers
+    check_per_layer(call.args, call.kwargs, length)
+    cls_name = type(stack.layers).__name__
+    at = find_buffer(call.args, call.kwargs)
+    view = None if at is None else view_of(call.args, call.kwargs, at)
+    if view is not None:
+        check_buffer_axis(view, length, f"This Stacked of {cls_name} layers")
+        if call.drop is not None or call.runs is not None:
+            raise TypeError(
+                "A Stacked called with an eqxscan.buffer cannot drop layers "
+                "(drop_path, layer_drop), which would skip their writes.\nDecode "
+                "in inference mode (`eqx.nn.inference_mode(model)`) or without a key."
+            )
+    runs, drop = call.runs, call.drop
+    if runs is None and drop is not None and drop.uses[1] and not call.pattern_step:
+        # LayerDrop left to the scan, which then runs only the layers that run.
+        runs, call = drop.runs(), call._replace(drop=drop.skipped_by_scan())
+    layer_dyn, layer_static = eqx.partition(stack.layers, eqx.is_array)
+    per_xs, one = call.scanned()
+    sharding = stack.layer_sharding
+    # With a buffer, the stacked buffer travels in the carry and step `i` gets
+    # the view of its slice `i`: the step index is scanned beside the weights.
+    steps = None if view is None else jnp.arange(length)
+
+    def read(xs: tuple[PyTree, PyTree, PyTree]) -> tuple[PyTree, PyTree, PyTree]:
+        # A step's layer, constrained as `layer_sharding` says (FSDP gathers
+        # one layer here), and its slices.
+        dyn, per, i = xs
+        return (dyn if sharding is None else constrain(dyn, sharding)), per, i
+
+    def step(carry: PyTree, xs: tuple[PyTree, PyTree, PyTree]) -> tuple[PyTree, PyTree]:
+        dyn, per, i = xs
+        layer = eqx.combine(dyn, layer_static)
+        inputs, who = one(per), f"the stacked layer {cls_name}"
+        inputs = inputs._replace(number=call.index_of(step_index()))
+        if view is None:
+            return run_one(layer, call, inputs, carry, who)
+        assert at is not None
+        x, tree = carry
+        args, kwargs = with_view(inputs.args, inputs.kwargs, at, view.of(tree).at(i))
+        return run_one(layer, call, inputs._replace(args=args, kwargs=kwargs), x, who)
+
+    return run(
+        step,
+        x if view is None else (x, view.tree),
+        (layer_dyn, per_xs, steps),
+        length=length,
+        options=stack.options,
+        reverse=call.reverse,
+        where=lambda i: _where(cls_name, length, i),
+        read=read,
+        # Unrolled, XLA may gather every sharded layer at once (FSDP).
+        gathered=sharding is not None or layers_may_be_sharded(layer_dyn),
+        runs=runs,
+    )
+
+
+def vmap_layers(stack: Stack, x: PyTree, call: LayerCall) -> PyTree:
+    """Every layer of `stack` applied to the same `x` as `call` says, outputs
+    stacked on a new leading axis: one `vmap`, or a loop with `mode="loop"`."""
+    length = stack.num_layers
+    check_per_layer(call.args, call.kwargs, length)
+    refuse_buffer(call.args, call.kwargs, "Stacked.vmap")
+    layer_dyn, layer_static = eqx.partition(stack.layers, eqx.is_array)
+    per_xs, one = call.scanned()
+    cls_name = type(stack.layers).__name__
+
+    def each(dyn: PyTree, per: PyTree) -> PyTree:
+        layer = eqx.combine(dyn, layer_static)
+        return run_one(layer, call, one(per), x, "Stacked.vmap")[0]
+
+    inputs = (layer_dyn, per_xs)
+    if stack.mode == "loop":
+        outs = [
+            noted(each, _where(cls_name, length, i), *index(inputs, i))
+            for i in range(length)
+        ]
+        return jtu.tree_map(lambda *a: jnp.stack(a), *outs)
+    return noted(eqx.filter_vmap(each), _where(cls_name, length, None), *inputs)
+
+
+def layer_of(stack: Stack, i: Index) -> Any:
+    """Layer `i` of `stack` (a traced index reads it with one dynamic slice of
+    every stacked array), constrained as its `layer_sharding` says."""
+    layer = index(stack.layers, i)
+    if stack.layer_sharding is None:
+        return layer
+    dyn, static = eqx.partition(layer, eqx.is_array)
+    return eqx.combine(constrain(dyn, stack.layer_sharding), static)
+
+
+def stack_layer_fn(stack: Stack, call: LayerCall, i: Index) -> LayerFn:
+    """Layer `i` of `stack` as a function of the carry, as `call` runs it."""
+    name = f"the stacked layer {type(stack.layers).__name__}"
+    layer, one = layer_of(stack, i), call.at(i)
+    return lambda c: run_one(layer, call, one, c, name)[0]
+
+
+def stack_steps(stack: Stack, call: LayerCall, start: int = 0) -> GroupSteps:
+    """The layers of `stack` as one group of a walk in order, one layer per
+    step, its first layer the walk's layer `start`."""
+    step = functools.partial(stack_layer_fn, stack, call)
+    return GroupSteps(start, stack.num_layers, 1, step, type(stack.layers).__name__)
