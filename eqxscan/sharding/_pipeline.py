@@ -428,7 +428,13 @@ def pipeline(
         batch_axes,
         layer_order,
     )
-    drops = _drops(p, stack.depth_drop, key, x)
+    return _run(p, stack, x, mesh, _drops(p, stack.depth_drop, key, x))
+
+
+def _run(
+    p: _Pipeline, stack: Stacked, x: jax.Array, mesh: Mesh, drops: _Drops | None
+) -> jax.Array:
+    """The checked pipeline: every stage's program under one `shard_map`."""
     dyn, static = eqx.partition(stack.layers, eqx.is_array)
     dyn = jtu.tree_map(lambda a: _blocks(a, p, p.layer_order), dyn)
     xs = x.reshape(p.microbatches, x.shape[0] // p.microbatches, *x.shape[1:])

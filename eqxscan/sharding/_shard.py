@@ -153,14 +153,13 @@ def _leaf_spec(
     if not candidates and not strict:
         return PartitionSpec()
     if not candidates:
-        if layer_axes == 0:
-            layer_note = ""
-        elif layer_axes == 1:
-            layer_note = " (axis 0 is the layer axis of a Stacked"
-        else:
-            layer_note = f" (axes 0-{layer_axes - 1} are layer axes of nested Stackeds"
+        layer_note = ""
         if layer_axes:
-            layer_note += ", never sharded because each scan step reads one layer)"
+            layer_note = (
+                " (axis 0 is the layer axis of a Stacked"
+                if layer_axes == 1
+                else f" (axes 0-{layer_axes - 1} are layer axes of nested Stackeds"
+            ) + ", never sharded because each scan step reads one layer)"
         sizes = shape[layer_axes:]
         raise ValueError(
             f"Cannot shard `{path}` with shape {shape}{layer_note} over mesh axis "
@@ -237,12 +236,6 @@ def _strip(tree: Any) -> Any:
     return _set_layer_sharding(tree, lambda site, layers: None)
 
 
-class _Info:
-    # A parameter and how many layer axes lead it (a plain object: a pytree leaf).
-    def __init__(self, leaf: Any, layer_axes: int):
-        self.leaf, self.layer_axes = leaf, layer_axes
-
-
 def _is_placeholder(x: Any) -> bool:
     # Positions of a params-like tree that hold no array: `None` (eqx.filter) or
     # optax's `MaskedNode` (optax.masked).
@@ -302,39 +295,37 @@ def opt_state_shardings(
         param_shardings = model_shardings(
             params, mesh, fsdp_axis=fsdp_axis, min_size=min_size
         )
-    param_shardings = jtu.tree_leaves(param_shardings, is_leaf=_is_placeholder)
-    param_info = jtu.tree_leaves(
-        walk(lambda x, site: _Info(x, site.depth), params), is_leaf=_is_placeholder
+    # Each parameter (or `None`) with its sharding and number of layer axes.
+    per_param = list(
+        zip(
+            jtu.tree_leaves(params, is_leaf=_is_placeholder),
+            jtu.tree_leaves(param_shardings, is_leaf=_is_placeholder),
+            jtu.tree_leaves(
+                walk(lambda x, s: s.depth, params), is_leaf=_is_placeholder
+            ),
+        )
     )
-    replicated = NamedSharding(mesh, PartitionSpec())
-
     is_params_like = _params_like(params)
 
+    def buffer(path: tuple, leaf: Any, param: Any, sharding: Any, depth: Any) -> Any:
+        if not is_arraylike(leaf):
+            return None
+        if not is_arraylike(param):
+            depth = 0
+        elif leaf.shape == param.shape:
+            return sharding
+        name = _name("opt_state", path)
+        spec = _leaf_spec(leaf, depth, name, mesh, fsdp_axis, min_size, strict=False)
+        return NamedSharding(mesh, spec)
+
     def one(path: tuple, x: Any) -> Any:
-        if is_params_like(x):
-            leaves = jtu.tree_leaves_with_path(x, is_leaf=_is_placeholder)
-            out = []
-            for (p, leaf), sharding, info in zip(leaves, param_shardings, param_info):
-                param: Any = None if info is None else info.leaf
-                known = info is not None and is_arraylike(param)
-                if not is_arraylike(leaf):
-                    out.append(None)
-                elif known and leaf.shape == param.shape:
-                    out.append(sharding)
-                else:
-                    spec = _leaf_spec(
-                        leaf,
-                        info.layer_axes if info is not None and known else 0,
-                        _name("opt_state", path + p),
-                        mesh,
-                        fsdp_axis,
-                        min_size,
-                        strict=False,
-                    )
-                    out.append(NamedSharding(mesh, spec))
-            treedef = jtu.tree_structure(x, is_leaf=_is_placeholder)
-            return jtu.tree_unflatten(treedef, out)
-        return replicated if is_arraylike(x) else None
+        if not is_params_like(x):
+            return NamedSharding(mesh, PartitionSpec()) if is_arraylike(x) else None
+        leaves = jtu.tree_leaves_with_path(x, is_leaf=_is_placeholder)
+        out = [
+            buffer(path + p, leaf, *info) for (p, leaf), info in zip(leaves, per_param)
+        ]
+        return jtu.tree_unflatten(jtu.tree_structure(x, is_leaf=_is_placeholder), out)
 
     return jtu.tree_map_with_path(
         one, opt_state, is_leaf=lambda x: _is_placeholder(x) or is_params_like(x)
