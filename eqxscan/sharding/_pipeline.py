@@ -105,6 +105,15 @@ def _hint_error(headline: str, hint: str) -> ValueError:
     return ValueError(f"{headline}\nHint: {hint}")
 
 
+def _check_stack(stack: object, what: str) -> Stacked:
+    if not isinstance(stack, Stacked):
+        raise TypeError(
+            f"{what} an eqxscan.Stacked, got {type(stack).__name__}; for a model, "
+            "pass its Stacked (e.g. `model.blocks`)."
+        )
+    return stack
+
+
 def _check_schedule(schedule: object, repeats: object) -> tuple[Schedule, int]:
     if not isinstance(schedule, str) or schedule not in SCHEDULES:
         raise _hint_error(
@@ -204,12 +213,7 @@ def pipeline_order(
     `stack` with every array leaf of its layers, and its per-layer drop rates,
     permuted along the layer axis.
     """
-    if not isinstance(stack, Stacked):
-        raise TypeError(
-            f"pipeline_order permutes an eqxscan.Stacked, got "
-            f"{type(stack).__name__}; for a model, pass its Stacked (e.g. "
-            "`model.blocks`)."
-        )
+    _check_stack(stack, "pipeline_order permutes")
     stages = check_size("stages", stages)
     repeats = check_size("repeats", repeats)
     stack.check_layer_axis("reorder")
@@ -219,7 +223,8 @@ def pipeline_order(
     order, rates = one(np.arange(stack.num_layers)), {}
     if (drop := stack.depth_drop) is not None:
         rates = {n: tuple(getattr(drop, n)[i] for i in order) for n in _RATES}
-    return restack(stack, layers=layers, **rates)
+    # `restack` rebuilds `type(stack)`.
+    return restack(stack, layers=layers, **rates)  # pyright: ignore[reportReturnType]
 
 
 def pipeline_schedule(
@@ -468,11 +473,7 @@ def _check_pipeline(
     layer_order: object,
 ) -> _Pipeline:
     """Every argument of `pipeline` checked, with a clear error before tracing."""
-    if not isinstance(stack, Stacked):
-        raise TypeError(
-            f"pipeline runs an eqxscan.Stacked, got {type(stack).__name__}; for a "
-            "model, pass its Stacked (e.g. `model.blocks`)."
-        )
+    stack = _check_stack(stack, "pipeline runs")
     if tapping():
         raise TypeError(
             "eqxscan.tap does not reach sharding.pipeline: its stages run inside "
