@@ -286,6 +286,13 @@ def test_initialize_checks_arguments():
         distributed.initialize("127.0.0.1:1234", 2)
     with pytest.raises(ValueError, match=r"process_id=2 is outside 0\.\.1"):
         distributed.initialize("127.0.0.1:1234", 2, 2)
+    # Seconds may be ints: the arguments pass the type check and reach the checks.
+    with pytest.raises(ValueError, match=r"process_id=2 is outside 0\.\.1"):
+        distributed.initialize(
+            "127.0.0.1:1234", 2, 2, timeout=5, heartbeat_timeout=6, shutdown_timeout=7
+        )
+    with pytest.raises(ValueError, match="timeout must be a positive number"):
+        distributed.initialize(timeout=0)
 
 
 def final_loss(stdout: str, processes: int, devices: int) -> float:

@@ -128,9 +128,9 @@ def initialize(
     num_processes: int | None = None,
     process_id: int | None = None,
     *,
-    timeout: float = 300,
-    heartbeat_timeout: float = 60,
-    shutdown_timeout: float = 300,
+    timeout: float | int = 300,
+    heartbeat_timeout: float | int = 60,
+    shutdown_timeout: float | int = 300,
 ) -> None:
     """Join this process to a multi-process JAX job (`jax.distributed.initialize`),
     failing with a clear message if the job does not form within `timeout` seconds.
@@ -166,6 +166,33 @@ def initialize(
     - `shutdown_timeout`: seconds a process that ends waits at exit for the
       others to end too.
     """
+    where = _check_job(coordinator_address, num_processes, process_id)
+    timeout = _check_seconds("timeout", timeout)
+    heartbeat_timeout = _check_seconds("heartbeat_timeout", heartbeat_timeout)
+    shutdown_timeout = _check_seconds("shutdown_timeout", shutdown_timeout)
+    # The default in recent JAX; older versions have no CPU collectives without it.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    _join(
+        where,
+        (coordinator_address, num_processes, process_id),
+        timeout,
+        heartbeat_timeout,
+        shutdown_timeout,
+    )
+    _agree(
+        "process count",
+        num_processes if num_processes is not None else jax.process_count(),
+        f"num_processes={num_processes}" if num_processes is not None else "",
+    )
+    if jax.process_count() > 1:
+        _watch_peers(heartbeat_timeout)
+
+
+def _check_job(
+    coordinator_address: str | None, num_processes: int | None, process_id: int | None
+) -> str:
+    """All three given or none, `process_id` in range; who this process is, in
+    words."""
     given = (coordinator_address, num_processes, process_id)
     if any(v is not None for v in given) and any(v is None for v in given):
         raise ValueError(
@@ -173,23 +200,24 @@ def initialize(
             f"{coordinator_address!r}, {num_processes!r}, {process_id!r}).\nHint: "
             f"or give none of them, to let JAX detect the cluster; {DOCS}."
         )
-    if num_processes is not None and process_id is not None:
-        if not 0 <= process_id < num_processes:
-            raise ValueError(
-                f"process_id={process_id} is outside 0..{num_processes - 1} for "
-                f"num_processes={num_processes}.\nHint: number the processes "
-                f"from 0; {DOCS}."
-            )
-    timeout = _check_seconds("timeout", timeout)
-    heartbeat_timeout = _check_seconds("heartbeat_timeout", heartbeat_timeout)
-    shutdown_timeout = _check_seconds("shutdown_timeout", shutdown_timeout)
-    # The default in recent JAX; older versions have no CPU collectives without it.
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    where = (
+    if num_processes is None or process_id is None:
+        return "this process (cluster detected by JAX)"
+    if not 0 <= process_id < num_processes:
+        raise ValueError(
+            f"process_id={process_id} is outside 0..{num_processes - 1} for "
+            f"num_processes={num_processes}.\nHint: number the processes "
+            f"from 0; {DOCS}."
+        )
+    return (
         f"process {process_id} of {num_processes} (coordinator {coordinator_address})"
-        if process_id is not None
-        else "this process (cluster detected by JAX)"
     )
+
+
+def _join(
+    where: str, args: tuple, timeout: float, heartbeat: float, shutdown: float
+) -> None:
+    """`jax.distributed.initialize(*args)`, reported by a watchdog if the job has
+    not formed within `timeout` seconds."""
     start = time.monotonic()
     watchdog = threading.Timer(
         timeout,
@@ -206,15 +234,13 @@ def initialize(
     watchdog.start()
     try:
         jax.distributed.initialize(
-            coordinator_address,
-            num_processes,
-            process_id,
+            *args,
             # JAX's own limit comes later, so that the watchdog speaks first.
             initialization_timeout=int(timeout) + 30,
             # JAX's heartbeat ends a survivor with an abort naming no process:
             # later than the watch below, which names it.
-            heartbeat_timeout_seconds=int(2 * heartbeat_timeout) + 10,
-            shutdown_timeout_seconds=max(1, round(shutdown_timeout)),
+            heartbeat_timeout_seconds=int(2 * heartbeat) + 10,
+            shutdown_timeout_seconds=max(1, round(shutdown)),
         )
     except Exception as e:
         raise RuntimeError(
@@ -224,30 +250,22 @@ def initialize(
         ) from e
     finally:
         watchdog.cancel()
-    _agree(
-        "process count",
-        num_processes if num_processes is not None else jax.process_count(),
-        f"num_processes={num_processes}" if num_processes is not None else "",
-    )
-    if jax.process_count() > 1:
-        client = distributed_client()
-        if client is None:
-            warnings.warn(
-                f"eqxscan.distributed.initialize: JAX {jax.__version__} has no "
-                "key-value store client where eqxscan looks for it, so a process "
-                "that stops is not reported by name; JAX's own heartbeat ends the "
-                f"others later.\nHint: use a JAX version eqxscan supports; {DOCS}.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            return
-        _PeerWatch(
-            client,
-            jax.process_index(),
-            jax.process_count(),
-            heartbeat_timeout,
-            f"process {jax.process_index()} of {jax.process_count()}",
+
+
+def _watch_peers(heartbeat_timeout: float) -> None:
+    client = distributed_client()
+    if client is None:
+        warnings.warn(
+            f"eqxscan.distributed.initialize: JAX {jax.__version__} has no "
+            "key-value store client where eqxscan looks for it, so a process "
+            "that stops is not reported by name; JAX's own heartbeat ends the "
+            f"others later.\nHint: use a JAX version eqxscan supports; {DOCS}.",
+            RuntimeWarning,
+            stacklevel=3,
         )
+        return
+    me, count = jax.process_index(), jax.process_count()
+    _PeerWatch(client, me, count, heartbeat_timeout, f"process {me} of {count}")
 
 
 def _fingerprint(text: str) -> int:

@@ -103,8 +103,8 @@ def _zero_layers(stack: Stacked, flags: tuple[bool, ...], zero: float) -> Stacke
     return jtu.tree_map(zero_out, stack)
 
 
-def _first_stacked(tree: PyTree) -> Stacked:
-    return next(n for n in jtu.tree_leaves(tree, is_leaf=_is_stacked) if _is_stacked(n))
+def _stacks(tree: PyTree) -> list[Stacked]:
+    return [n for n in jtu.tree_leaves(tree, is_leaf=_is_stacked) if _is_stacked(n)]
 
 
 def _select(
@@ -113,7 +113,7 @@ def _select(
     """A `where` for `eqx.tree_at` that picks the `Stacked`(s) to freeze."""
     if where is not None:
         return where
-    found = [n for n in jtu.tree_leaves(tree, is_leaf=_is_stacked) if _is_stacked(n)]
+    found = _stacks(tree)
     if len(found) != 1:
         raise ValueError(
             f"freeze_layers found {len(found)} Stacked modules (not nested in "
@@ -121,7 +121,7 @@ def _select(
             "indices refer to. Pass `where=lambda model: model.blocks` (any "
             "function returning the Stacked, or a tuple of them)."
         )
-    return _first_stacked
+    return lambda tree: _stacks(tree)[0]
 
 
 def freeze_layers(

@@ -8,32 +8,12 @@ import math
 import re
 
 
-COLLECTIVES = (
-    "all-gather",
-    "all-reduce",
-    "reduce-scatter",
-    "all-to-all",
-    "collective-permute",
-)
+_COLLECTIVES = "all-gather all-reduce reduce-scatter all-to-all collective-permute"
 _DTYPE_BYTES = {
-    "pred": 1,
-    "s4": 1,
-    "u4": 1,
-    "s8": 1,
-    "u8": 1,
-    "f8e4m3fn": 1,
-    "f8e5m2": 1,
-    "s16": 2,
-    "u16": 2,
-    "f16": 2,
-    "bf16": 2,
-    "s32": 4,
-    "u32": 4,
-    "f32": 4,
-    "s64": 8,
-    "u64": 8,
-    "f64": 8,
-    "c64": 8,
+    **dict.fromkeys(("pred", "s4", "u4", "s8", "u8", "f8e4m3fn", "f8e5m2"), 1),
+    **dict.fromkeys(("s16", "u16", "f16", "bf16"), 2),
+    **dict.fromkeys(("s32", "u32", "f32"), 4),
+    **dict.fromkeys(("s64", "u64", "f64", "c64"), 8),
     "c128": 16,
 }
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
@@ -48,10 +28,8 @@ _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
 
 @dataclasses.dataclass
 class _Computation:
-    lines: list[str]
-    """Its instructions, one a line."""
-    params: dict[str, str]
-    """Each parameter's name and shape text, from the header."""
+    lines: list[str]  # its instructions
+    params: dict[str, str]  # each parameter's name and shape text
 
 
 def _shape_bytes(text: str) -> int:
@@ -168,7 +146,7 @@ def _costs(comp: _Computation) -> tuple[dict[str, int], float]:
         var, result, op, operands = m.groups()
         shapes[var] = result
         base = op.removesuffix("-start")
-        if base in COLLECTIVES and not op.endswith("-done"):
+        if base in _COLLECTIVES.split() and not op.endswith("-done"):
             collective[base] = collective.get(base, 0) + _collective_bytes(op, result)
         elif op == "dot":
             flops += _dot_flops(line, result, operands, shapes)

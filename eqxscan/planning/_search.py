@@ -68,8 +68,11 @@ def _candidate_meshes(
     meshes: Sequence[Sequence[int]] | None,
     model_axis: Sequence[int],
     axes: object,
+    remat: Sequence[Remat],
 ) -> tuple[list[MeshShape], int]:
     """The meshes to try and the number of devices."""
+    if not remat:
+        raise ValueError("plan: remat is empty.\nHint: e.g. remat=(False, True).")
     if meshes is not None:
         shapes, devices = _given_meshes(meshes, devices)
         _check_model_axis([m for _, _, m in shapes], axes)
@@ -163,41 +166,19 @@ def plan(
     """
     limit = parse_bytes(budget)
     acc = _accelerator(accelerator, peak_flops, link_bytes_per_s)
-    shapes, devices = _candidate_meshes(devices, meshes, model_axis, axes)
-    if not remat:
-        raise ValueError("plan: remat is empty.\nHint: e.g. remat=(False, True).")
-    report = progress or _quiet
+    shapes, devices = _candidate_meshes(devices, meshes, model_axis, axes, remat)
     start = time.perf_counter()
     kwargs = dict(model_kwargs or {})
-    if len(jax.devices()) >= devices and simulate == "auto":
-        job = make_job(
-            make_model, step, optimizer, batch, axes, rules, kwargs, min_size
-        )
-        here = jax.devices()[:devices]
-        candidates = compile_all(job, shapes, remat, here, acc, report)
-        simulated = f"this process's {here[0].platform} devices"
-    else:
-        spec = encode(
-            devices=devices,
-            shapes=shapes,
-            remat=remat,
-            make_model=make_model,
-            step=step,
-            optimizer=optimizer,
-            batch=batch,
-            axes=axes,
-            rules=rules,
-            model_kwargs=kwargs,
-            min_size=min_size,
-            accelerator=acc,
-        )
-        candidates = compile_in_child(spec, report)
-        simulated = "simulated CPU devices in a fresh process"
+    job = (make_model, step, optimizer, batch, axes, rules, kwargs, min_size)
+    compiled, simulated = _compile(
+        devices, shapes, remat, acc, job, simulate, progress or _quiet
+    )
+    fitting = [c for c in compiled if c.error is None and c.device_bytes <= limit]
     return MeshPlan(
         devices=devices,
         budget=limit,
-        candidates=tuple(candidates),
-        chosen=_fastest_fitting(candidates, limit),
+        candidates=tuple(compiled),
+        chosen=min(fitting, key=lambda c: c.estimated_s, default=None),
         accelerator_name=accelerator,
         accelerator=acc,
         simulated=simulated,
@@ -205,8 +186,20 @@ def plan(
     )
 
 
-def _fastest_fitting(
-    candidates: Sequence[MeshCandidate], limit: int
-) -> MeshCandidate | None:
-    fitting = [c for c in candidates if c.error is None and c.device_bytes <= limit]
-    return min(fitting, key=lambda c: c.estimated_s, default=None)
+def _compile(
+    devices: int,
+    shapes: list[MeshShape],
+    remat: Sequence[Remat],
+    acc: Accelerator,
+    job: tuple,  # the arguments of `make_job`
+    simulate: str,
+    progress: Progress,
+) -> tuple[list[MeshCandidate], str]:
+    """Every candidate compiled, here or in a fresh process; and which devices
+    compiled them, in words."""
+    if len(jax.devices()) >= devices and simulate == "auto":
+        here = jax.devices()[:devices]
+        found = compile_all(make_job(*job), shapes, remat, here, acc, progress)
+        return found, f"this process's {here[0].platform} devices"
+    found = compile_in_child(encode(devices, shapes, remat, acc, *job), progress)
+    return found, "simulated CPU devices in a fresh process"

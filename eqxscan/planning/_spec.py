@@ -174,10 +174,10 @@ def _encode_optimizer(optimizer: Optimizer) -> str | None:
 
 
 def encode(
-    *,
     devices: int,
     shapes: Sequence[MeshShape],
     remat: Sequence[Remat],
+    accelerator: Accelerator,
     make_model: Callable[..., PyTree] | str,
     step: Callable[..., Sequence[PyTree]] | str,
     optimizer: Optimizer,
@@ -186,9 +186,9 @@ def encode(
     rules: Mapping[str, str | None] | None,
     model_kwargs: Mapping[str, object],
     min_size: int,
-    accelerator: Accelerator,
 ) -> Spec:
-    """`plan`'s work as JSON; raises if a part of it cannot be passed."""
+    """`plan`'s work as JSON (the arguments of `make_job` after the first four);
+    raises if a part of it cannot be passed."""
     return Spec(
         devices=devices,
         meshes=[list(m) for m in shapes],

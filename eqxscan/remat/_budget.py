@@ -1,18 +1,14 @@
-"""Choosing rematerialisation for a memory budget, from XLA's own accounting.
+"""Choosing rematerialisation for a memory budget, from XLA's own accounting:
+`remat_table` compiles a training step once per candidate `remat=` setting and
+reads `memory_analysis()` and `cost_analysis()` of each program; `fit_remat`
+applies the fastest that fits.
 
-`remat_table` compiles a training step once per candidate `remat=` setting,
-reads `memory_analysis()` and `cost_analysis()` of each compiled program, and
-`fit_remat` applies the fastest program that fits.
-
-XLA's cost analysis counts a loop's body once, not once per iteration, so its
-figures rank programs of one kind only: loops over the same steps (each body,
-one layer's or one time step's work, on the same footing), or programs without
-loops (every step counted). `choose` compares estimates within a kind; across
-kinds it takes the program without loops, which exists only where the scans
-are unrolled fully: where `unroll="auto"` found them short and small, the sizes
-at which the loop measured faster than every scan setting
-(docs/default-remat.md), or where `unroll=True` was asked for. Measured
-times (`time_steps`) compare every kind.
+XLA's cost analysis counts a loop's body once, so its figures rank programs of
+one kind only: loops over the same steps, or programs without loops, which
+exist where the scans are unrolled fully (`unroll=True`, or where
+`unroll="auto"` found them short and small: docs/default-remat.md). `choose`
+compares estimates within a kind and across kinds takes the program without
+loops; measured times (`time_steps`) compare every kind.
 """
 
 import dataclasses
@@ -192,11 +188,6 @@ def with_remat(model: M, remat: Remat, unroll: Unroll | None = None) -> M:
     )
 
 
-def _label(remat: Remat, unroll: Unroll | None) -> str:
-    label = remat_label(remat)
-    return label if unroll is None else f"{label}, unroll={unroll!r}"
-
-
 def _lower(
     step: Callable[..., PyTree], model: PyTree, args: tuple[PyTree, ...]
 ) -> tuple[jax.stages.Lowered, list[Leaf]]:
@@ -224,10 +215,6 @@ def time_candidates(
     steps = {str(k): functools.partial(c, leaves) for k, c in programs.items()}
     times = time_interleaved(steps, repeats)
     return {k: statistics.median(times[str(k)]) for k in programs}
-
-
-def _kind(compiled: jax.stages.Compiled) -> Kind:
-    return "loop" if re.search(r"\bwhile\(", compiled.as_text() or "") else "unrolled"
 
 
 def remat_table(
@@ -288,10 +275,33 @@ def remat_table(
     bytes each one needs.
     """
     limit = parse_bytes(budget)
+    _check_table(model, candidates, unrolls, time_steps)
+    if peak is None:
+        peak = peak_of(jax.devices()[0].device_kind) or FALLBACK
+    programs: dict[str, jax.stages.Compiled] = {}
+    results, leaves = [], []
+    for remat in candidates:
+        for unroll in (None,) if unrolls is None else unrolls:
+            lowered, leaves = _lower(step, with_remat(model, remat, unroll), args)
+            text = lowered.as_text()
+            if text not in programs:
+                programs[text] = lowered.compile()
+            results.append(_candidate(programs[text], remat, unroll, peak))
+    if time_steps > 0:
+        results = _timed(results, leaves, limit, time_steps)
+    best = choose(results, limit, measured=time_steps > 0)
+    return RematTable(limit, tuple(results), best, len(programs))
+
+
+def _check_table(
+    model: PyTree,
+    candidates: Sequence[Remat],
+    unrolls: Sequence[Unroll] | None,
+    time_steps: object,
+) -> None:
     if isinstance(time_steps, bool) or not isinstance(time_steps, int):
         raise TypeError(f"time_steps must be an int, got {time_steps!r}.")
-    found = jtu.tree_leaves(model, is_leaf=_is_scan)
-    if not any(_is_scan(x) for x in found):
+    if not any(_is_scan(x) for x in jtu.tree_leaves(model, is_leaf=_is_scan)):
         raise ValueError(
             f"fit_remat: {type(model).__name__} holds no eqxscan.Stacked, Chain or "
             "Recurrent, so there is no remat setting to choose.\nHint: see "
@@ -307,67 +317,59 @@ def remat_table(
             "Hint: XLA's cost analysis counts a loop body once, so an unrolled body "
             "would look more expensive than it is; time the candidates instead."
         )
-    if peak is None:
-        device = jax.devices()[0]
-        peak = peak_of(device.device_kind) or FALLBACK
 
-    programs: dict[str, jax.stages.Compiled] = {}
-    results = []
-    leaves: list[Leaf] = []
-    tried: Sequence[Unroll | None] = (None,) if unrolls is None else unrolls
-    settings: list[tuple[Remat, Unroll | None]] = [
-        (c, u) for c in candidates for u in tried
-    ]
-    for remat, unroll in settings:
-        lowered, leaves = _lower(step, with_remat(model, remat, unroll), args)
-        text = lowered.as_text()
-        if text not in programs:
-            programs[text] = lowered.compile()
-        compiled = programs[text]
-        mem = compiled.memory_analysis()
-        if mem is None:
-            raise ValueError(
-                f"fit_remat: XLA gives no memory analysis on {jax.default_backend()}, "
-                "so the candidates' sizes are unknown."
-            )
-        cost = compiled.cost_analysis() or {}
-        flops = float(cost.get("flops", 0.0))
-        moved = float(cost.get("bytes accessed", 0.0))
-        results.append(
-            RematCandidate(
-                remat=remat,
-                label=_label(remat, unroll),
-                temp_bytes=int(mem.temp_size_in_bytes),
-                argument_bytes=int(mem.argument_size_in_bytes),
-                output_bytes=int(mem.output_size_in_bytes),
-                host_temp_bytes=int(getattr(mem, "host_temp_size_in_bytes", 0)),
-                flops=flops,
-                bytes_accessed=moved,
-                estimated_s=flops / peak.flops + moved / peak.bytes_per_s,
-                compiled=compiled,
-                unroll=unroll,
-                kind=_kind(compiled),
-            )
+
+def _candidate(
+    compiled: jax.stages.Compiled, remat: Remat, unroll: Unroll | None, peak: Peak
+) -> RematCandidate:
+    """XLA's figures of one candidate's compiled program."""
+    mem = compiled.memory_analysis()
+    if mem is None:
+        raise ValueError(
+            f"fit_remat: XLA gives no memory analysis on {jax.default_backend()}, "
+            "so the candidates' sizes are unknown."
         )
+    cost = compiled.cost_analysis() or {}
+    flops = float(cost.get("flops", 0.0))
+    moved = float(cost.get("bytes accessed", 0.0))
+    label = remat_label(remat)
+    return RematCandidate(
+        remat=remat,
+        label=label if unroll is None else f"{label}, unroll={unroll!r}",
+        temp_bytes=int(mem.temp_size_in_bytes),
+        argument_bytes=int(mem.argument_size_in_bytes),
+        output_bytes=int(mem.output_size_in_bytes),
+        host_temp_bytes=int(getattr(mem, "host_temp_size_in_bytes", 0)),
+        flops=flops,
+        bytes_accessed=moved,
+        estimated_s=flops / peak.flops + moved / peak.bytes_per_s,
+        compiled=compiled,
+        unroll=unroll,
+        kind="loop"
+        if re.search(r"\bwhile\(", compiled.as_text() or "")
+        else "unrolled",
+    )
 
-    if time_steps > 0:
-        arrays = [x for x in leaves if not isinstance(x, jax.ShapeDtypeStruct)]
-        if len(arrays) != len(leaves):
-            raise ValueError(
-                "fit_remat: time_steps > 0 runs the step, so the model and args "
-                "must be arrays, not jax.ShapeDtypeStruct."
-            )
-        choose(results, limit)  # raises if nothing fits, before any timing
-        fitting = [c for c in results if c.device_bytes <= limit]
-        seconds = time_candidates(fitting, arrays, time_steps)
-        results = [
-            dataclasses.replace(c, measured_s=seconds[id(c.compiled)])
-            if c.device_bytes <= limit
-            else c
-            for c in results
-        ]
-    best = choose(results, limit, measured=time_steps > 0)
-    return RematTable(limit, tuple(results), best, len(programs))
+
+def _timed(
+    results: list[RematCandidate], leaves: list[Leaf], limit: int, time_steps: int
+) -> list[RematCandidate]:
+    """`results` with the fitting candidates' measured seconds."""
+    arrays = [x for x in leaves if not isinstance(x, jax.ShapeDtypeStruct)]
+    if len(arrays) != len(leaves):
+        raise ValueError(
+            "fit_remat: time_steps > 0 runs the step, so the model and args "
+            "must be arrays, not jax.ShapeDtypeStruct."
+        )
+    choose(results, limit)  # raises if nothing fits, before any timing
+    fitting = [c for c in results if c.device_bytes <= limit]
+    seconds = time_candidates(fitting, arrays, time_steps)
+    return [
+        dataclasses.replace(c, measured_s=seconds[id(c.compiled)])
+        if c.device_bytes <= limit
+        else c
+        for c in results
+    ]
 
 
 def fit_remat(

@@ -17,7 +17,7 @@ import jax.tree_util as jtu
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .._internal import is_arraylike, is_none, Site, walk
-from ._shard import MIN_SIZE, model_shardings
+from ._shard import check_mesh, MIN_SIZE, model_shardings
 
 
 #: The logical names of one layer's axes: a name, or `None` for a replicated axis.
@@ -185,8 +185,7 @@ def logical_shardings(
         assert specs.blocks.layers.scale.spec == P()  # no names: replicated
         ```
     """
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
+    mesh = check_mesh(mesh)
     if not (callable(axes) or isinstance(axes, Mapping)):
         raise TypeError(
             "axes must be a dict {path pattern: logical names} or a function "
@@ -203,36 +202,41 @@ def logical_shardings(
     }
 
     def one(leaf: Any, site: Site) -> NamedSharding | None:
-        layer_axes, path = site.depth, site.path
         if not is_arraylike(leaf):
             return None
-        name = jtu.keystr(path).lstrip(".")
+        name = jtu.keystr(site.path).lstrip(".")
         names = _lookup(axes, name, leaf)
         if names is None:
-            return default[jtu.keystr(path)]
-        names = tuple(names)
-        shape = tuple(leaf.shape)
-        if len(names) + layer_axes != len(shape):
-            layers = f" after its {layer_axes} layer axis(es)" if layer_axes else ""
-            raise ValueError(
-                f"`{name}` has shape {shape}, so it needs {len(shape) - layer_axes} "
-                f"logical names{layers}, but got {names}. Name the axes of one "
-                "layer; the layer axis of a Stacked is added for you."
-            )
-        spec = logical_spec(names, rules, mesh)
-        for dim, entry, axis_name in zip(shape[layer_axes:], spec, names):
-            if entry is None:
-                continue
-            size = math.prod(
-                mesh.shape[a] for a in (entry if isinstance(entry, tuple) else (entry,))
-            )
-            if dim % size:
-                raise ValueError(
-                    f"Cannot shard `{name}` with shape {shape}: its axis "
-                    f"{axis_name!r} has size {dim}, which mesh axis {entry!r} of "
-                    f"size {size} does not divide. Change the rule for "
-                    f"{axis_name!r} or the mesh."
-                )
-        return NamedSharding(mesh, PartitionSpec(*([None] * layer_axes), *spec))
+            return default[jtu.keystr(site.path)]
+        return _named(leaf, site.depth, name, tuple(names), rules, mesh)
 
     return walk(one, model)
+
+
+def _named(
+    leaf: Any, layer_axes: int, name: str, names: Names, rules: Rules, mesh: Mesh
+) -> NamedSharding:
+    """The sharding of `leaf` (at `name`) whose axes after its `layer_axes` have
+    the logical `names`."""
+    shape = tuple(leaf.shape)
+    if len(names) + layer_axes != len(shape):
+        layers = f" after its {layer_axes} layer axis(es)" if layer_axes else ""
+        raise ValueError(
+            f"`{name}` has shape {shape}, so it needs {len(shape) - layer_axes} "
+            f"logical names{layers}, but got {names}. Name the axes of one "
+            "layer; the layer axis of a Stacked is added for you."
+        )
+    spec = logical_spec(names, rules, mesh)
+    for dim, entry, axis_name in zip(shape[layer_axes:], spec, names):
+        if entry is None:
+            continue
+        axes = entry if isinstance(entry, tuple) else (entry,)
+        size = math.prod(mesh.shape[a] for a in axes)
+        if dim % size:
+            raise ValueError(
+                f"Cannot shard `{name}` with shape {shape}: its axis "
+                f"{axis_name!r} has size {dim}, which mesh axis {entry!r} of "
+                f"size {size} does not divide. Change the rule for "
+                f"{axis_name!r} or the mesh."
+            )
+    return NamedSharding(mesh, PartitionSpec(*([None] * layer_axes), *spec))

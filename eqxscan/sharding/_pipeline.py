@@ -36,14 +36,13 @@ from .._internal import (
     DropRates,
     index,
     LayerCall,
-    rates_of,
     restack,
     scan_layers,
     split_key,
     Stacked,
     tapping,
 )
-from ._shard import check_mesh
+from ._shard import check_axes, check_mesh
 
 
 Schedule: TypeAlias = Literal["gpipe", "circular"]
@@ -61,6 +60,7 @@ positions `[s * L/S, (s + 1) * L/S)`."""
 
 LAYER_ORDERS: tuple[LayerOrder, ...] = ("natural", "stage")
 
+_RATES = ("drop_path", "layer_drop")
 StackT = TypeVar("StackT", bound=Stacked)
 ArrayT = TypeVar("ArrayT", jax.Array, np.ndarray)
 
@@ -103,6 +103,15 @@ class PipelineSchedule:
 
 def _hint_error(headline: str, hint: str) -> ValueError:
     return ValueError(f"{headline}\nHint: {hint}")
+
+
+def _check_stack(stack: object, what: str) -> Stacked:
+    if not isinstance(stack, Stacked):
+        raise TypeError(
+            f"{what} an eqxscan.Stacked, got {type(stack).__name__}; for a model, "
+            "pass its Stacked (e.g. `model.blocks`)."
+        )
+    return stack
 
 
 def _check_schedule(schedule: object, repeats: object) -> tuple[Schedule, int]:
@@ -204,26 +213,18 @@ def pipeline_order(
     `stack` with every array leaf of its layers, and its per-layer drop rates,
     permuted along the layer axis.
     """
-    if not isinstance(stack, Stacked):
-        raise TypeError(
-            f"pipeline_order permutes an eqxscan.Stacked, got "
-            f"{type(stack).__name__}; for a model, pass its Stacked (e.g. "
-            "`model.blocks`)."
-        )
+    _check_stack(stack, "pipeline_order permutes")
     stages = check_size("stages", stages)
     repeats = check_size("repeats", repeats)
     stack.check_layer_axis("reorder")
     _check_chunks(stack.num_layers, stages, repeats, "")
     one = lambda a: _permute(a, stages, repeats, inverse)
     layers = jtu.tree_map(lambda a: one(a) if eqx.is_array(a) else a, stack.layers)
-    order = one(np.arange(stack.num_layers))
-    rates = rates_of(stack.drop_rates)
-    if stack.drop_rates is not None:
-        drop = stack.drop_rates
-        rates = tuple(
-            tuple(r[i] for i in order) for r in (drop.drop_path, drop.layer_drop)
-        )
-    return restack(stack, layers=layers, drop_path=rates[0], layer_drop=rates[1])
+    order, rates = one(np.arange(stack.num_layers)), {}
+    if (drop := stack.drop_rates) is not None:
+        rates = {n: tuple(getattr(drop, n)[i] for i in order) for n in _RATES}
+    # `restack` rebuilds `type(stack)`.
+    return restack(stack, layers=layers, **rates)  # pyright: ignore[reportReturnType]
 
 
 def pipeline_schedule(
@@ -272,33 +273,38 @@ def pipeline_schedule(
     return PipelineSchedule(stages, microbatches, repeats, microbatch, repeat)
 
 
-def _blocks(a: jax.Array, stages: int, repeats: int, layer_order: LayerOrder) -> Array:
+@dataclasses.dataclass(frozen=True)
+class _Pipeline:
+    """A checked `pipeline` call: the stage axis and its size, the chunks
+    (`repeats` per stage, `per_chunk` layers each), the microbatches, the
+    data-parallel axes, the stack's layer order and the schedule's table."""
+
+    stage_axis: str
+    stages: int
+    repeats: int
+    per_chunk: int
+    microbatches: int
+    batch_axes: tuple[str, ...]
+    layer_order: LayerOrder
+    table: PipelineSchedule
+
+
+def _blocks(a: jax.Array, p: _Pipeline, layer_order: LayerOrder) -> Array:
     # [L, ...] -> [S, R, K, ...]: chunk c = r * S + s (layers [c * K, (c + 1) * K))
     # goes to stage s, so each stage's R chunks are one contiguous block and a
     # tick only indexes its own. In stage order that block is already
     # contiguous along L: a reshape, which keeps a split of L over the stage
     # axis in place.
-    per = a.shape[0] // (stages * repeats)
     if layer_order == "stage":
-        return a.reshape(stages, repeats, per, *a.shape[1:])
-    a = a.reshape(repeats, stages, per, *a.shape[1:])
+        return a.reshape(p.stages, p.repeats, p.per_chunk, *a.shape[1:])
+    a = a.reshape(p.repeats, p.stages, p.per_chunk, *a.shape[1:])
     return jnp.swapaxes(a, 0, 1)
 
 
-def _split(
-    stack: Stacked, stages: int, repeats: int, layer_order: LayerOrder
-) -> tuple[object, object]:
-    # The stack's array leaves as [S, R, K, ...] blocks, and the rest.
-    dyn, static = eqx.partition(stack.layers, eqx.is_array)
-    blocks = lambda a: _blocks(a, stages, repeats, layer_order)
-    return jtu.tree_map(blocks, dyn), static
-
-
 class _Drops(eqx.Module):
-    """A call's drops, one entry per layer (leading axes `[S, R, K]` once split
-    like the weights): LayerDrop's choice, and drop-path's rate and its mask
-    of each microbatch's rows (`[M, B / M]`, or `[M]` for a batch of scalars);
-    `None` for what no layer uses."""
+    """A call's drops per layer (`[S, R, K]` blocks like the weights):
+    LayerDrop's choice, drop-path's rate and its mask of each microbatch's rows
+    (`[M, B / M]`, or `[M]` for a batch of scalars); `None` where unused."""
 
     runs: Bool[Array, "*layers"] | None
     path_rate: Float[Array, "*layers"] | None
@@ -306,47 +312,32 @@ class _Drops(eqx.Module):
 
 
 def _drops(
-    drop: DropRates,
-    key: PRNGKeyArray,
-    x: jax.Array,
-    microbatches: int,
-    stages: int,
-    repeats: int,
-    layer_order: LayerOrder,
-) -> _Drops:
-    """What `stack(x, key=key)` draws for its drops, from the natural-order
-    layers' rates and drop keys (so the same in either `layer_order`), as
-    [S, R, K, ...] blocks of the natural order."""
+    p: _Pipeline, drop: DropRates | None, key: PRNGKeyArray | None, x: jax.Array
+) -> _Drops | None:
+    """What `stack(x, key=key)` draws for its drops (`None` if it drops
+    nothing), from the natural-order layers' rates and keys."""
+    if not check_droppable(drop, key, False, "sharding.pipeline"):
+        return None
+    assert drop is not None and key is not None
+    split_key(key, 1, "sharding.pipeline")  # checks that it is one key
     rates = (np.asarray(drop.drop_path), np.asarray(drop.layer_drop))
-    if layer_order == "stage":
-        rates = tuple(_permute(r, stages, repeats, inverse=True) for r in rates)
+    if p.layer_order == "stage":
+        rates = tuple(_permute(r, p.stages, p.repeats, inverse=True) for r in rates)
     inputs = DropRates(drop.num_layers, rates[0], rates[1]).per_layer_inputs(key)
     uses_path, uses_layer = drop.uses
-    runs = path_rate = path_mask = None
-    if uses_layer:
-        runs = inputs.runs()
+    runs = inputs.runs() if uses_layer else None
+    path_rate = path_mask = None
     if uses_path:
         examples = carry_examples(x)
         path_rate, path_mask = inputs.path_rate, inputs.path_masks(examples)
         if examples is None:  # one mask entry per layer, the same for every row
             path_mask = jnp.broadcast_to(
-                path_mask[:, None], (drop.num_layers, microbatches)
+                path_mask[:, None], (drop.num_layers, p.microbatches)
             )
         else:  # microbatch m is rows [m * B/M, (m + 1) * B/M)
-            path_mask = path_mask.reshape(drop.num_layers, microbatches, -1)
+            path_mask = path_mask.reshape(drop.num_layers, p.microbatches, -1)
     drops = _Drops(runs, path_rate, path_mask)
-    return jtu.tree_map(lambda a: _blocks(a, stages, repeats, "natural"), drops)
-
-
-def _check_axes(mesh: Mesh, axes: Sequence[str], what: str) -> None:
-    for axis in axes:
-        if axis not in mesh.shape:
-            raise _hint_error(
-                f"{what} names mesh axis {axis!r}, but the mesh has axes "
-                f"{tuple(mesh.axis_names)} (sizes {dict(mesh.shape)}).",
-                f"build the mesh with an axis {axis!r}, e.g. jax.make_mesh((4, 2), "
-                f"({axis!r}, 'data')), or pass the name of one it has.",
-            )
+    return jtu.tree_map(lambda a: _blocks(a, p, "natural"), drops)
 
 
 def pipeline(
@@ -395,7 +386,7 @@ def pipeline(
     `stage_axis` holds the wrong layers on each stage, and the program
     exchanges them (all-to-alls and permutes) at every call; a replicated stack
     holds all of them on every device. Permute it once with
-    [`pipeline_order`][eqxscan.sharding.pipeline_order], keep it split over
+    [`pipeline_order`][eqxscan.sharding.pipeline_order], runs it split over
     `stage_axis` along its layer axis, and pass `layer_order="stage"`: each
     device then holds, and reads, only its stage's `[R, L/(S*R), ...]` block.
 
@@ -442,16 +433,16 @@ def pipeline(
         batch_axes,
         layer_order,
     )
-    drops = None
-    if check_droppable(stack.drop_rates, key, False, "sharding.pipeline"):
-        assert stack.drop_rates is not None and key is not None
-        split_key(key, 1, "sharding.pipeline")  # checks that it is one key
-        drops = _drops(
-            stack.drop_rates, key, x, p.microbatches, p.stages, p.repeats, layer_order
-        )
-    dyn, static = _split(stack, p.stages, p.repeats, layer_order)
+    return _run(p, stack, x, mesh, _drops(p, stack.drop_rates, key, x))
+
+
+def _run(
+    p: _Pipeline, stack: Stacked, x: jax.Array, mesh: Mesh, drops: _Drops | None
+) -> jax.Array:
+    """The checked pipeline: every stage's program under one `shard_map`."""
+    dyn, static = eqx.partition(stack.layers, eqx.is_array)
+    dyn = jtu.tree_map(lambda a: _blocks(a, p, p.layer_order), dyn)
     xs = x.reshape(p.microbatches, x.shape[0] // p.microbatches, *x.shape[1:])
-    stage_fn = functools.partial(_run_stage, p, stack, static)
     layer_spec = PartitionSpec(p.stage_axis)
     rows_spec = PartitionSpec(None, p.batch_axes or None)
     # Each stage's layers on its devices; the microbatches on every stage, their
@@ -459,30 +450,15 @@ def pipeline(
     dyn, drops = constrain((dyn, drops), NamedSharding(mesh, layer_spec))
     xs = constrain(xs, NamedSharding(mesh, rows_spec))
     out = jax.shard_map(
-        stage_fn,
+        functools.partial(_run_stage, p, stack, static),
         mesh=mesh,
         in_specs=(*jtu.tree_map(lambda _: layer_spec, (dyn, drops)), PartitionSpec()),
-        out_specs=PartitionSpec(p.stage_axis),
+        out_specs=layer_spec,
         axis_names={p.stage_axis},
     )(dyn, drops, xs)
     # Only the last stage's buffer holds outputs.
     out = constrain(out, NamedSharding(mesh, PartitionSpec(None, None, *rows_spec[1:])))
     return out[p.stages - 1].reshape(x.shape)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Pipeline:
-    """What a checked `pipeline` call runs: the stage axis and its size, the
-    chunks (`repeats` per stage, `per_chunk` layers each), the microbatches,
-    the data-parallel axes, and the schedule's table."""
-
-    stage_axis: str
-    stages: int
-    repeats: int
-    per_chunk: int
-    microbatches: int
-    batch_axes: tuple[str, ...]
-    table: PipelineSchedule
 
 
 def _check_pipeline(
@@ -497,11 +473,7 @@ def _check_pipeline(
     layer_order: object,
 ) -> _Pipeline:
     """Every argument of `pipeline` checked, with a clear error before tracing."""
-    if not isinstance(stack, Stacked):
-        raise TypeError(
-            f"pipeline runs an eqxscan.Stacked, got {type(stack).__name__}; for a "
-            "model, pass its Stacked (e.g. `model.blocks`)."
-        )
+    stack = _check_stack(stack, "pipeline runs")
     if tapping():
         raise TypeError(
             "eqxscan.tap does not reach sharding.pipeline: its stages run inside "
@@ -510,11 +482,10 @@ def _check_pipeline(
         )
     microbatches = check_size("microbatches", microbatches)
     schedule, repeats = _check_schedule(schedule, repeats)
-    _check_layer_order(layer_order)
+    order = _check_layer_order(layer_order)
     mesh = check_mesh(mesh)
-    _check_axes(mesh, (stage_axis,), "stage_axis")
-    batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
-    _check_axes(mesh, batch_axes, "batch_axes")
+    (stage_axis,) = check_axes(mesh, stage_axis, "stage_axis")
+    batch_axes = check_axes(mesh, batch_axes, "batch_axes")
     if stage_axis in batch_axes:
         raise _hint_error(
             f"batch_axes {batch_axes} include the stage axis {stage_axis!r}.",
@@ -537,24 +508,22 @@ def _check_pipeline(
         stages=stages, microbatches=microbatches, repeats=repeats, schedule=schedule
     )
     return _Pipeline(
-        stage_axis, stages, repeats, per_chunk, microbatches, batch_axes, table
+        stage_axis, stages, repeats, per_chunk, microbatches, batch_axes, order, table
     )
 
 
-def _put(buf: jax.Array, index: Int[Array, ""], value: jax.Array) -> jax.Array:
-    """`buf` with slot `index` set to `value`, only where `index >= 0`."""
-    i = jnp.maximum(index, 0)
-    old = jax.lax.dynamic_index_in_dim(buf, i, keepdims=False)
-    new = jnp.where(index >= 0, value, old)
-    return jax.lax.dynamic_update_index_in_dim(buf, new, i, axis=0)
+def _put(buf: jax.Array, i: Int[Array, ""], value: jax.Array) -> jax.Array:
+    # Slot `i` of `buf` set to `value` where `i >= 0` (else left as it was).
+    j = jnp.maximum(i, 0)
+    new = jnp.where(i >= 0, value, index(buf, j))
+    return jax.lax.dynamic_update_index_in_dim(buf, new, j, axis=0)
 
 
 def _chunk_call(
     drops: _Drops | None, r: Int[Array, ""], m: Int[Array, ""]
 ) -> LayerCall:
-    """How chunk `r`'s layers are called for microbatch `m`: with this chunk's
-    LayerDrop choice (skipped by its scan) and drop-path masks of the
-    microbatch's rows, when the call drops."""
+    """How chunk `r`'s layers are called for microbatch `m`: with the chunk's
+    LayerDrop choice and drop-path masks of the microbatch's rows."""
     call = LayerCall((), {}, None)
     if drops is None:
         return call
@@ -584,8 +553,7 @@ def _run_stage(
 ) -> jax.Array:
     """One stage's program (under `shard_map`, every stage at once): a scan over
     the schedule's ticks. `dyn` and `drops` hold this stage's [1, R, K, ...]
-    block; `layer_sharding`, a sharding of the whole mesh, is not applied
-    inside `shard_map`."""
+    block."""
     dyn, drops = jtu.tree_map(lambda a: a[0], (dyn, drops))
     stage = jax.lax.axis_index(p.stage_axis)
     vary = lambda a: jax.lax.pcast(a, (p.stage_axis,), to="varying")
@@ -613,6 +581,7 @@ def _run_stage(
             stack,
             layers=eqx.combine(chunk, static),
             num_layers=p.per_chunk,
+            # A sharding of the whole mesh: not applied inside `shard_map`.
             layer_sharding=None,
             # The whole stack's drops, if any, are applied by `_chunk_call`.
             drop_path=0.0,

@@ -25,9 +25,6 @@ else:  # the same class, named at run time for the runtime type checker
     Device = jax.Device
 
 
-DOCS = "see docs/multihost.md"
-
-
 def default_devices() -> list[Device]:
     """Every device of every process, ordered by process then id (on one process:
     `jax.devices()` as it is). A mesh filled in this order puts its first axis
@@ -102,7 +99,8 @@ def place_batch(batch: Any, mesh: Mesh, shardings_for: Callable[[Any], Any]) -> 
                 f"`batch{jtu.keystr(path)}` has shape {tuple(x.shape)} on process "
                 f"{jax.process_index()}, whose devices hold {here} of the "
                 f"batch's {total} blocks.\nHint: give each process a multiple "
-                f"of {here} rows, its own rows rather than the global batch; {DOCS}."
+                f"of {here} rows, its own rows rather than the global batch; see "
+                "docs/multihost.md."
             )
         rows = x.shape[0] // here * total
         return jax.ShapeDtypeStruct((rows,) + tuple(x.shape[1:]), x.dtype)

@@ -66,28 +66,19 @@ def make_mesh(
     """
     devices = default_devices() if devices is None else list(devices)
     n = len(devices)
-    sizes: dict[str, int | None] = {}
-    for name, value in (("data", data), ("fsdp", fsdp)):
-        try:
-            sizes[name] = None if value is None else check_size(name, value)
-        except (TypeError, ValueError):
-            raise ValueError(
-                f"{name} must be a positive int or None, got {value!r}."
-            ) from None
-    rows, shards = sizes["data"], sizes["fsdp"]
+    rows, shards = _mesh_size("data", data), _mesh_size("fsdp", fsdp)
     if rows is None and shards is None:
         rows = 1
-    for name, given, other in (("data", rows, shards), ("fsdp", shards, rows)):
-        if other is None and given is not None and n % given:
+    if rows is None or shards is None:
+        # The axis given takes a divisor of the devices, the other the rest.
+        name, given = ("data", rows) if shards is None else ("fsdp", shards)
+        assert given is not None
+        if n % given:
             raise ValueError(
                 f"{name}={given} does not divide the {n} devices, so the other mesh "
                 f"axis cannot take the rest; choose a divisor of {n}."
             )
-    if rows is None:
-        assert shards is not None
-        rows = n // shards
-    if shards is None:
-        shards = n // rows
+        rows, shards = (given, n // given) if shards is None else (n // given, given)
     if rows * shards != n:
         raise ValueError(
             f"A mesh of data={rows} x fsdp={shards} needs {rows * shards} devices, "
@@ -101,19 +92,31 @@ def make_mesh(
     )
 
 
-def check_axis(mesh: Mesh, axis: str, what: str) -> int:
-    if axis not in mesh.shape:
+def _mesh_size(name: str, value: object) -> int | None:
+    try:
+        return None if value is None else check_size(name, value)
+    except (TypeError, ValueError):
         raise ValueError(
-            f"{what} names mesh axis {axis!r}, but the mesh has axes "
-            f"{tuple(mesh.axis_names)} (sizes {dict(mesh.shape)}). Build the mesh "
-            f"with an axis {axis!r} or pass the name of one it has"
-            + (
-                " (or fsdp_axis=None to replicate the parameters)."
-                if what == "fsdp_axis"
-                else "."
+            f"{name} must be a positive int or None, got {value!r}."
+        ) from None
+
+
+def check_axes(mesh: Mesh, axes: str | Sequence[str], what: str) -> tuple[str, ...]:
+    """`axes` (one name or several) as a tuple, each checked to be an axis of
+    `mesh`."""
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    for axis in axes:
+        if axis not in mesh.shape:
+            replicate = "; fsdp_axis=None replicates the parameters"
+            raise ValueError(
+                f"{what} names mesh axis {axis!r}, but the mesh has axes "
+                f"{tuple(mesh.axis_names)} (sizes {dict(mesh.shape)})"
+                + (replicate if what == "fsdp_axis" else "")
+                + f".\nHint: build the mesh with an axis {axis!r}, e.g. "
+                f"jax.make_mesh((4, 2), ({axis!r}, 'data')), or pass the name of "
+                "one it has."
             )
-        )
-    return mesh.shape[axis]
+    return axes
 
 
 def check_mesh(mesh: Any) -> Mesh:
@@ -150,14 +153,13 @@ def _leaf_spec(
     if not candidates and not strict:
         return PartitionSpec()
     if not candidates:
-        if layer_axes == 0:
-            layer_note = ""
-        elif layer_axes == 1:
-            layer_note = " (axis 0 is the layer axis of a Stacked"
-        else:
-            layer_note = f" (axes 0-{layer_axes - 1} are layer axes of nested Stackeds"
+        layer_note = ""
         if layer_axes:
-            layer_note += ", never sharded because each scan step reads one layer)"
+            layer_note = (
+                " (axis 0 is the layer axis of a Stacked"
+                if layer_axes == 1
+                else f" (axes 0-{layer_axes - 1} are layer axes of nested Stackeds"
+            ) + ", never sharded because each scan step reads one layer)"
         sizes = shape[layer_axes:]
         raise ValueError(
             f"Cannot shard `{path}` with shape {shape}{layer_note} over mesh axis "
@@ -206,8 +208,7 @@ def model_shardings(
     mesh has no axis `fsdp_axis`.
     """
     mesh = check_mesh(mesh)
-    if fsdp_axis is not None:
-        check_axis(mesh, fsdp_axis, "fsdp_axis")
+    check_axes(mesh, () if fsdp_axis is None else fsdp_axis, "fsdp_axis")
 
     def one(leaf: object, site: Site) -> NamedSharding | None:
         if not is_arraylike(leaf):
@@ -233,12 +234,6 @@ def _strip(tree: Any) -> Any:
     # Every `layer_sharding` unset, so that a model and its sharded copy have
     # comparable structures.
     return _set_layer_sharding(tree, lambda site, layers: None)
-
-
-class _Info:
-    # A parameter and how many layer axes lead it (a plain object: a pytree leaf).
-    def __init__(self, leaf: Any, layer_axes: int):
-        self.leaf, self.layer_axes = leaf, layer_axes
 
 
 def _is_placeholder(x: Any) -> bool:
@@ -294,46 +289,43 @@ def opt_state_shardings(
     leaf, `None` elsewhere.
     """
     mesh = check_mesh(mesh)
-    if fsdp_axis is not None:
-        check_axis(mesh, fsdp_axis, "fsdp_axis")
+    check_axes(mesh, () if fsdp_axis is None else fsdp_axis, "fsdp_axis")
     params = eqx.filter(model, is_arraylike)
     if param_shardings is None:
         param_shardings = model_shardings(
             params, mesh, fsdp_axis=fsdp_axis, min_size=min_size
         )
-    param_shardings = jtu.tree_leaves(param_shardings, is_leaf=_is_placeholder)
-    param_info = jtu.tree_leaves(
-        walk(lambda x, site: _Info(x, site.depth), params), is_leaf=_is_placeholder
+    # Each parameter (or `None`) with its sharding and number of layer axes.
+    per_param = list(
+        zip(
+            jtu.tree_leaves(params, is_leaf=_is_placeholder),
+            jtu.tree_leaves(param_shardings, is_leaf=_is_placeholder),
+            jtu.tree_leaves(
+                walk(lambda x, s: s.depth, params), is_leaf=_is_placeholder
+            ),
+        )
     )
-    replicated = NamedSharding(mesh, PartitionSpec())
-
     is_params_like = _params_like(params)
 
+    def buffer(path: tuple, leaf: Any, param: Any, sharding: Any, depth: Any) -> Any:
+        if not is_arraylike(leaf):
+            return None
+        if not is_arraylike(param):
+            depth = 0
+        elif leaf.shape == param.shape:
+            return sharding
+        name = _name("opt_state", path)
+        spec = _leaf_spec(leaf, depth, name, mesh, fsdp_axis, min_size, strict=False)
+        return NamedSharding(mesh, spec)
+
     def one(path: tuple, x: Any) -> Any:
-        if is_params_like(x):
-            leaves = jtu.tree_leaves_with_path(x, is_leaf=_is_placeholder)
-            out = []
-            for (p, leaf), sharding, info in zip(leaves, param_shardings, param_info):
-                param: Any = None if info is None else info.leaf
-                known = info is not None and is_arraylike(param)
-                if not is_arraylike(leaf):
-                    out.append(None)
-                elif known and leaf.shape == param.shape:
-                    out.append(sharding)
-                else:
-                    spec = _leaf_spec(
-                        leaf,
-                        info.layer_axes if info is not None and known else 0,
-                        _name("opt_state", path + p),
-                        mesh,
-                        fsdp_axis,
-                        min_size,
-                        strict=False,
-                    )
-                    out.append(NamedSharding(mesh, spec))
-            treedef = jtu.tree_structure(x, is_leaf=_is_placeholder)
-            return jtu.tree_unflatten(treedef, out)
-        return replicated if is_arraylike(x) else None
+        if not is_params_like(x):
+            return NamedSharding(mesh, PartitionSpec()) if is_arraylike(x) else None
+        leaves = jtu.tree_leaves_with_path(x, is_leaf=_is_placeholder)
+        out = [
+            buffer(path + p, leaf, *info) for (p, leaf), info in zip(leaves, per_param)
+        ]
+        return jtu.tree_unflatten(jtu.tree_structure(x, is_leaf=_is_placeholder), out)
 
     return jtu.tree_map_with_path(
         one, opt_state, is_leaf=lambda x: _is_placeholder(x) or is_params_like(x)
@@ -351,10 +343,7 @@ def _batch_axes(mesh: Mesh, batch_axes: Any, fsdp_axis: str | None) -> tuple[str
                 "the axes to split the batch over."
             )
         return axes
-    axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
-    for a in axes:
-        check_axis(mesh, a, "batch_axes")
-    return axes
+    return check_axes(mesh, batch_axes, "batch_axes")
 
 
 def batch_shardings(
@@ -448,9 +437,7 @@ def gather_layers(
     path of an array that is not placed on `mesh`.
     """
     mesh = check_mesh(mesh)
-    keep = (keep,) if isinstance(keep, str) else tuple(keep)
-    for axis in keep:
-        check_axis(mesh, axis, "keep")
+    keep = check_axes(mesh, keep, "keep")
     if not keep:
         replicated = NamedSharding(mesh, PartitionSpec())
         return _set_layer_sharding(model, lambda site, layers: replicated)
