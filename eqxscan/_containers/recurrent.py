@@ -25,6 +25,7 @@ from .._scan.engine import run
 from .._scan.layer_call import LayerCall, OneLayer, run_one
 from .._scan.layer_index import current_step
 from .._scan.options import OwnOptions, ScanArgs, Scanning, ScanOptions
+from .._scan.taps import emitted, in_cell
 from .recurrent_inputs import (
     check_cell_kwargs,
     check_known_cell,
@@ -310,7 +311,7 @@ def _time_step(
         )
         this = call if m is None else call._replace(method=_masked_cell_step(m, where))
         new, _ = run_one(cell, this, one, h, f"The cell {type(cell).__name__}")
-        return new, new
+        return new, emitted(one.number, new)
 
     return step
 
@@ -342,9 +343,10 @@ def _cell_step(
 ) -> PyTree:
     """The cell as a layer of the layer-call seam (carry first):
     `cell(x, h, *args, **kwargs)`, with `key=` when one is given."""
-    if key is None:
-        return cell(x, h, *args, **kwargs)
-    return cell(x, h, *args, **kwargs, key=key)
+    with in_cell():
+        if key is None:
+            return cell(x, h, *args, **kwargs)
+        return cell(x, h, *args, **kwargs, key=key)
 
 
 def _no_steps(
