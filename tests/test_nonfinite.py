@@ -213,10 +213,12 @@ def test_two_containers_are_told_apart(getkey):
     assert "time step 4 of Recurrent" in r.message
 
 
+@pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("t", [0, 2, 5])
-def test_recurrent_cotangent_from_the_loss_names_its_step(t, getkey):
+def test_recurrent_cotangent_from_the_loss_names_its_step(t, reverse, getkey):
     # Only hs[t]'s cotangent is NaN (sqrt at 0): once reported as step t + 1.
-    rnn = eqxscan.Recurrent(eqxscan.ElmanCell(3, D, key=getkey()))
+    cell = eqxscan.ElmanCell(3, D, key=getkey())
+    rnn = eqxscan.Recurrent(cell, reverse=reverse)
     xs = jr.normal(getkey(), (6, 3))
 
     def loss(model, h0, xs):
@@ -226,3 +228,6 @@ def test_recurrent_cotangent_from_the_loss_names_its_step(t, getkey):
     r = eqxscan.find_nonfinite(rnn, loss, jnp.zeros(D), xs)
     assert (r.where, r.index, r.leaf) == ("loss", t, "carry"), r
     assert f"time step {t}'s output" in r.message
+    # A NaN input at step t: the first output in the order the steps ran.
+    r = eqxscan.find_nonfinite(rnn, loss, jnp.zeros(D), xs.at[t, 0].set(jnp.nan))
+    assert (r.where, r.index) == ("forward", t), r

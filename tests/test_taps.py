@@ -487,6 +487,8 @@ def test_containers_in_a_tapped_recurrent_cell_are_tapped(mode, getkey):
         want_chain.append(c)
     close(got["Stacked"], jnp.stack(want_inner))
     close(got["Chain"], jnp.stack(want_chain))
+    with pytest.raises(TypeError, match="ran no layers"):  # no time steps
+        eqxscan.tap(rnn, rms)(jnp.zeros(D), xs[:0])
     # A probe still has one row per time step of the Recurrent itself.
     p = eqxscan.probe(rms, jnp.zeros(D), 4)
     g = jax.grad(lambda p: jnp.sum(eqxscan.tap(rnn, probe=p)(jnp.zeros(D), xs)[0][0]))

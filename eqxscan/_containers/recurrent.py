@@ -25,7 +25,7 @@ from .._scan.engine import run
 from .._scan.layer_call import LayerCall, OneLayer, run_one
 from .._scan.layer_index import current_step
 from .._scan.options import OwnOptions, ScanArgs, Scanning, ScanOptions
-from .._scan.taps import emitted, in_cell
+from .._scan.taps import emitted, in_cell, untapped
 from .recurrent_inputs import (
     check_cell_kwargs,
     check_known_cell,
@@ -365,7 +365,8 @@ def _no_steps(
         new, _ = step(h, x)
         check_carry(h, new, where)
 
-    eqx.filter_eval_shape(traced, h0, one)
+    with untapped():
+        eqx.filter_eval_shape(traced, h0, one)
     h_dyn, h_static = eqx.partition(h0, eqx.is_array)
     empty = jtu.tree_map(lambda a: jnp.zeros((0, *a.shape), a.dtype), h_dyn)
     return eqx.combine(empty, h_static)

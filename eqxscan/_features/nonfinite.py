@@ -68,16 +68,11 @@ class NonFinite:
         return self.message
 
 
-def _stack_counts(stack: Stacked, start: int, total: int, out: dict) -> None:
-    # A stacked gradient leaf `[L, ...]`: its non-finite entries per layer,
-    # placed at layers `start ..` of a container of `total` layers.
-    n = stack.num_layers
-    for path, leaf in jtu.tree_leaves_with_path(stack.layers):
-        if eqx.is_inexact_array(leaf) and leaf.ndim >= 1 and leaf.shape[0] == n:
-            bad = ~jnp.isfinite(leaf.reshape(n, -1))
-            counts = jnp.sum(bad, axis=1).astype(jnp.float32)
-            row = out.setdefault(jtu.keystr(path), jnp.zeros(total, jnp.float32))
-            out[jtu.keystr(path)] = row.at[start : start + n].add(counts)
+def _add(out: dict, path: tuple, counts: Array, start: int, total: int) -> None:
+    # A leaf's non-finite entries per layer, placed at layers `start ..` of a
+    # container of `total` layers.
+    row = out.get(jtu.keystr(path), jnp.zeros(total, jnp.float32))
+    out[jtu.keystr(path)] = row.at[start : start + counts.size].add(counts)
 
 
 def _param_counts(grads: PyTree) -> list[tuple[str, dict[str, Float[Array, " L"]]]]:
@@ -90,20 +85,25 @@ def _param_counts(grads: PyTree) -> list[tuple[str, dict[str, Float[Array, " L"]
         if not is_container(container):
             continue
         counts: dict[str, Array] = {}
-        if isinstance(container, Stacked):
-            _stack_counts(container, 0, container.num_layers, counts)
-        else:
-            total = len(container)
-            for group, span in zip(container.groups, container.layout):
-                if span.per_step == 1:
-                    _stack_counts(group, span.start, total, counts)
-                elif span.per_step == 0:
-                    for path, leaf in jtu.tree_leaves_with_path(group):
-                        if eqx.is_inexact_array(leaf):
-                            bad = jnp.sum(~jnp.isfinite(leaf)).astype(jnp.float32)
-                            key = jtu.keystr(path)
-                            row = counts.setdefault(key, jnp.zeros(total, jnp.float32))
-                            counts[key] = row.at[span.start].add(bad)
+        total = len(container)
+        parts = (
+            [(container, 0, 1)]
+            if isinstance(container, Stacked)
+            else [
+                (g, s.start, s.per_step)
+                for g, s in zip(container.groups, container.layout)
+            ]
+        )
+        for part, start, per_step in parts:
+            if per_step > 1:
+                continue  # a repeated pattern's gradients are not split
+            n, tree = (part.num_layers, part.layers) if per_step else (1, part)
+            for path, leaf in jtu.tree_leaves_with_path(tree):
+                if eqx.is_inexact_array(leaf) and (
+                    not per_step or (leaf.ndim and leaf.shape[0] == n)
+                ):
+                    bad = jnp.sum(~jnp.isfinite(leaf.reshape(n, -1)), axis=1)
+                    _add(counts, path, bad.astype(jnp.float32), start, total)
         out.append((type(container).__name__, counts))
     return out
 
@@ -134,14 +134,14 @@ def _program(model: PyTree, loss_fn: Callable[..., Array], inputs: tuple) -> tup
     # `Recurrent` emits (`hs`), which the loss alone reaches.
     calls = eqx.filter_eval_shape(lambda: loss((model, None))[1])
     zeros = {
-        n: jtu.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), c) for n, c in calls
+        c.name: jtu.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), s) for c, s in calls
     }
     probes = tuple(Probe(zeros, nonfinite_count, per_call=True) for _ in range(2))
     (value, forward), (g_model, g_probes) = eqx.filter_value_and_grad(
         loss, has_aux=True
     )((model, probes))
     backward, emitted = (p.values for p in g_probes)
-    rows = [(n, c, backward[n], emitted[n]) for n, c in forward]
+    rows = [(c, s, backward[c.name], emitted[c.name]) for c, s in forward]
     return value, rows, (_param_counts(g_model), _shared_counts(g_model))
 
 
@@ -232,8 +232,8 @@ def find_nonfinite(
 def _report(value: float, rows: list, params: list) -> NonFinite:
     several = len(rows) > 1
     pick = (lambda t: dict(t)) if several else (lambda t: t[0][1])  # noqa: E731
-    forward = pick([(n, f) for n, f, _, _ in rows])
-    backward = pick([(n, b) for n, _, b, _ in rows])
+    forward = pick([(c.name, f) for c, f, _, _ in rows])
+    backward = pick([(c.name, b) for c, _, b, _ in rows])
 
     def done(
         where: Literal["forward", "backward", "loss"] | None,
@@ -252,8 +252,8 @@ def _report(value: float, rows: list, params: list) -> NonFinite:
         what = "time step" if name.startswith("Recurrent") else "layer"
         return f"{what} {i}" + (f" of {name}" if several else "")
 
-    for name, fwd_counts, _, _ in rows:
-        fwd = _first(fwd_counts, last=False)
+    for call, fwd_counts, _, _ in rows:
+        name, fwd = call.name, _first(fwd_counts, last=call.reverse)
         if fwd is not None:
             i, path = fwd
             return done(
@@ -275,8 +275,8 @@ def _report(value: float, rows: list, params: list) -> NonFinite:
     # Param counts in the order the containers appear in the gradients, given
     # to the calls of the same class and length in call order.
     unclaimed = list(params)
-    for name, fwd_counts, bwd_counts, emitted in reversed(rows):
-        length = jtu.tree_leaves(fwd_counts)[0].shape[0]
+    for call, fwd_counts, bwd_counts, emitted in reversed(rows):
+        name, length = call.name, jtu.tree_leaves(fwd_counts)[0].shape[0]
         mine = next(
             (
                 p
@@ -288,7 +288,9 @@ def _report(value: float, rows: list, params: list) -> NonFinite:
         )
         if mine is not None:
             unclaimed.remove(mine)
-        found = _backward(bwd_counts, emitted, mine[1] if mine else {}, length)
+        found = _backward(
+            bwd_counts, emitted, mine[1] if mine else {}, length, call.reverse
+        )
         if found is not None:
             where, i, leaf, said = found
             if where == "loss":
@@ -309,28 +311,30 @@ def _report(value: float, rows: list, params: list) -> NonFinite:
 
 
 def _backward(
-    backward: PyTree, emitted: PyTree, params: dict, length: int
+    backward: PyTree, emitted: PyTree, params: dict, length: int, reverse: bool
 ) -> tuple[Literal["backward", "loss"], int, str, str] | None:
-    # The backward pass reaches the highest index first: the cotangent of
-    # output j came non-finite from the loss (what a `Recurrent` emits, or the
-    # last output), or layer j + 1 passed it down, or a layer made non-finite
-    # gradients of its own parameters.
+    # The backward pass reaches the highest index first (the lowest when the
+    # call ran in reverse): the cotangent of output j came non-finite from the
+    # loss (what a `Recurrent` emits, or the last output), or the next layer
+    # passed it down, or a layer made non-finite gradients of its own
+    # parameters.
     candidates = []
-    bwd = _first(backward, last=True)
+    bwd = _first(backward, last=not reverse)
     if bwd is not None:
         j, path = bwd
-        from_loss = _first(emitted, last=True)
-        if j == length - 1 or (from_loss is not None and from_loss[0] == j):
+        from_loss = _first(emitted, last=not reverse)
+        if j == (0 if reverse else length - 1) or (from_loss and from_loss[0] == j):
             said = "the backward pass of loss_fn after the container made it."
             return "loss", j, f"carry{path}", said
-        candidates.append((j + 1, f"carry{path}", "input"))
+        candidates.append((j - 1 if reverse else j + 1, f"carry{path}", "input"))
     for path, per_layer in params.items():
         i = _pick(per_layer, last=True)
         if i is not None:
             candidates.append((i, f"layer{path}", "param"))
     if not candidates:
         return None
-    i, leaf, kind = max(candidates, key=lambda c: c[0])
+    first = min if reverse else max
+    i, leaf, kind = first(candidates, key=lambda c: c[0])
     said = (
         f"passed a non-finite cotangent to its input {leaf}"
         if kind == "input"

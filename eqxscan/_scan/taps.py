@@ -43,6 +43,7 @@ class _Call:
     name: str
     depth: int = 0
     offset: int = 0
+    reverse: bool = False  # a `Recurrent(..., reverse=True)`: last step first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +91,11 @@ def inside_layer() -> Iterator[None]:
         yield
 
 
+def untapped() -> contextlib.AbstractContextManager[None]:
+    """Set around a trace that is never run (its records would leak)."""
+    return setting(_TAPPING, None)
+
+
 def in_cell() -> contextlib.AbstractContextManager[None]:
     """Set around a `Recurrent`'s cell: containers it calls are tapped, each
     call with rows of its own per time step."""
@@ -110,7 +116,8 @@ def call_of(module: object) -> Iterator[None]:
         k += 1
         name = f"{type(module).__name__}_{k}"
     top = [r for r in state.records if r[2].depth == 0]
-    call = _Call(name, _DEPTH.get(), _count(top))
+    reverse = getattr(module, "reverse", False) is True
+    call = _Call(name, _DEPTH.get(), _count(top), reverse)
     state.calls.append(call)
     with setting(_CALL, call):
         yield
@@ -135,10 +142,6 @@ class Probe(eqx.Module):
     gives the container calls of a function that calls several."""
 
 
-def _inexact(tree: PyTree) -> PyTree:
-    return eqx.filter(tree, eqx.is_inexact_array)
-
-
 def probe(stat: Callable[[PyTree], PyTree], carry: PyTree, length: int) -> Probe:
     """A [`eqxscan.Probe`][] for `length` layers (or time steps) whose carry
     looks like `carry`.
@@ -157,7 +160,7 @@ def probe(stat: Callable[[PyTree], PyTree], carry: PyTree, length: int) -> Probe
 
     A `Probe` of zeros, `values` with leading axis `length`.
     """
-    shapes = jax.eval_shape(stat, _inexact(carry))
+    shapes = jax.eval_shape(stat, eqx.filter(carry, eqx.is_inexact_array))
 
     def zeros(s: jax.ShapeDtypeStruct) -> Array:
         if not jnp.issubdtype(s.dtype, jnp.inexact):
@@ -173,25 +176,10 @@ def probe(stat: Callable[[PyTree], PyTree], carry: PyTree, length: int) -> Probe
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _probed(stat: Callable[[PyTree], PyTree], x: PyTree, p: PyTree) -> PyTree:
-    del stat, p
-    return x
+    return x  # its backward pass: the cotangent, and `stat` of it for `p`
 
 
-def _probed_fwd(
-    stat: Callable[[PyTree], PyTree], x: PyTree, p: PyTree
-) -> tuple[PyTree, None]:
-    del stat, p
-    return x, None
-
-
-def _probed_bwd(
-    stat: Callable[[PyTree], PyTree], res: None, ct: PyTree
-) -> tuple[PyTree, PyTree]:
-    del res
-    return ct, stat(ct)
-
-
-_probed.defvjp(_probed_fwd, _probed_bwd)
+_probed.defvjp(lambda stat, x, p: (x, None), lambda stat, res, ct: (ct, stat(ct)))
 
 
 def tapped(i: Index | None, new: PyTree, old: PyTree) -> PyTree:
@@ -439,9 +427,9 @@ def tap_calls(
     args: tuple,
     kwargs: dict,
     emitted: Probe | None = None,
-) -> tuple[PyTree, list[tuple[str, PyTree]] | None]:
+) -> tuple[PyTree, list[tuple[_Call, PyTree]] | None]:
     """`tap`'s call of `model`, its statistics per container call, in call
-    order, named (`None` without `stat`)."""
+    order (`None` without `stat`)."""
     # Records made outside any container call (`run_layers`) are the model's.
     outside = _Call(getattr(model, "__name__", "outside"))
     records: list = []
@@ -466,13 +454,13 @@ def tap_calls(
             "Stacked, Chain or Recurrent.\nTap the container itself, e.g. "
             "`eqxscan.tap(model.blocks, stat)(x)` inside the model's forward."
         )
-    return out, [(c.name, _gather(rs, c.depth, "eqxscan.tap")) for c, rs in calls]
+    return out, [(c, _gather(rs, c.depth, "eqxscan.tap")) for c, rs in calls]
 
 
 def _run(*args: object) -> tuple[PyTree, PyTree]:
     out, calls = tap_calls(*args)  # pyright: ignore[reportArgumentType]
     if calls is None or len(calls) > 1:
-        return out, None if calls is None else dict(calls)
+        return out, None if calls is None else {c.name: s for c, s in calls}
     return out, calls[0][1]
 
 
