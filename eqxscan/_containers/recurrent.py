@@ -46,14 +46,10 @@ def _where(cond: Bool[Array, ""], new: PyTree, old: PyTree) -> PyTree:
 
 
 def _hide(keep: Bool[Array, ""], x: PyTree[Array]) -> PyTree[Array]:
-    """`x` where the step is kept, zeros where it is masked.
-
-    Masking selects the old carry with `jnp.where`, but the cell still runs on a
-    masked step, and reverse mode multiplies the zero cotangent of the discarded
-    result by the cell's derivatives there: with NaN or inf padding, 0 * nan is
-    nan, in every weight's gradient. On zeros the cell's derivatives are finite
-    (the "double where"), so padding of any value changes neither values nor
-    gradients."""
+    """`x` where the step is kept, zeros where it is masked: the cell still runs
+    on a masked step, and reverse mode multiplies the discarded result's zero
+    cotangent by its derivatives there (0 * nan is nan, for NaN padding). On
+    zeros they are finite (the "double where")."""
     return jtu.tree_map(lambda a: jnp.where(keep, a, jnp.zeros_like(a)), x)
 
 
