@@ -188,3 +188,46 @@ def test_recurrent_cell_parameter_gradient(getkey):
     bad = eqxscan.Recurrent(SqrtCell(jnp.ones(D), jnp.zeros(D)))
     r = eqxscan.find_nonfinite(bad, loss, jnp.zeros(D), xs)
     assert (r.found, r.where, r.index, r.leaf) == (True, "backward", None, "cell.b"), r
+
+
+def test_two_containers_are_told_apart(getkey):
+    # The second container's layer 2 was once reported as the first's.
+    first, second = make(getkey()), make(getkey())
+    rnn = eqxscan.Recurrent(eqxscan.ElmanCell(D, D, key=getkey()))
+    x, xs = jr.normal(getkey(), (D,)), jr.normal(getkey(), (6, D))
+
+    def both(m, x):
+        return loss_fn(m[1], m[0](x))
+
+    r = eqxscan.find_nonfinite((first, injected(second, "w", 2, jnp.nan)), both, x)
+    assert (r.where, r.index, r.call) == ("forward", 2, "Stacked_1"), r
+    assert "layer 2 of Stacked_1" in r.message
+    r = eqxscan.find_nonfinite((injected(first, "w", 3, jnp.nan), second), both, x)
+    assert (r.where, r.index, r.call) == ("forward", 3, "Stacked"), r
+
+    def then_rnn(m, x, xs):
+        return jnp.sum(m[1](m[0](x), xs)[1] ** 2)
+
+    r = eqxscan.find_nonfinite((first, rnn), then_rnn, x, xs.at[4, 0].set(jnp.nan))
+    assert (r.where, r.index, r.call) == ("forward", 4, "Recurrent"), r
+    assert "time step 4 of Recurrent" in r.message
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("t", [0, 2, 5])
+def test_recurrent_cotangent_from_the_loss_names_its_step(t, reverse, getkey):
+    # Only hs[t]'s cotangent is NaN (sqrt at 0): once reported as step t + 1.
+    cell = eqxscan.ElmanCell(3, D, key=getkey())
+    rnn = eqxscan.Recurrent(cell, reverse=reverse)
+    xs = jr.normal(getkey(), (6, 3))
+
+    def loss(model, h0, xs):
+        _, hs = model(h0, xs)
+        return jnp.sum(hs**2) + jnp.sum(jnp.sqrt(hs[t] * 0.0))
+
+    r = eqxscan.find_nonfinite(rnn, loss, jnp.zeros(D), xs)
+    assert (r.where, r.index, r.leaf) == ("loss", t, "carry"), r
+    assert f"time step {t}'s output" in r.message
+    # A NaN input at step t: the first output in the order the steps ran.
+    r = eqxscan.find_nonfinite(rnn, loss, jnp.zeros(D), xs.at[t, 0].set(jnp.nan))
+    assert (r.where, r.index) == ("forward", t), r

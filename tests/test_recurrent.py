@@ -779,8 +779,8 @@ def test_subclassed_cell_shapes_are_not_assumed(getkey):
 
 
 def test_cell_runs_through_the_layer_call_seam(getkey):
-    # A tapped Recurrent taps its time steps only: a container inside the cell
-    # is not tapped (as for a Stacked's layers), and the cell is no layer.
+    # A tapped Recurrent taps its time steps (the cell is no layer), and a
+    # container inside the cell gets rows of its own, per time step.
     inner = eqxscan.Stacked(
         lambda k: eqxscan.ElmanCell(HID, HID, key=k), 2, key=getkey()
     )
@@ -799,9 +799,16 @@ def test_cell_runs_through_the_layer_call_seam(getkey):
     for mode in ("scan", "loop"):
         rnn = eqxscan.Recurrent(cell, mode=mode)
         (h_T, hs), got = eqxscan.tap(rnn, rms)(h0, xs)
-        assert got.shape == (T,)
-        np.testing.assert_allclose(got, jax.vmap(rms)(hs), rtol=1e-5)
+        assert got["Recurrent"].shape == (T,) and got["Stacked"].shape == (T, 2)
+        np.testing.assert_allclose(got["Recurrent"], jax.vmap(rms)(hs), rtol=1e-5)
         np.testing.assert_allclose(h_T, python_loop(cell, h0, xs)[0], rtol=1e-5)
+        mids = jax.vmap(lambda x, h: cell.cell(x, h))(
+            xs, jnp.concatenate([h0[None], hs[:-1]])
+        )
+        inner_taps = jax.vmap(
+            lambda m: eqxscan.tap(inner, rms)(m, method=lambda c, h: c(h, h))[1]
+        )(mids)
+        np.testing.assert_allclose(got["Stacked"], inner_taps, rtol=1e-5)
 
 
 # ------------------------------------------------------------------ example

@@ -419,3 +419,77 @@ def test_a_probe_of_the_wrong_length_is_an_error(rows, getkey):
         h = layer(h)
         want = eqxscan.stats.rms(jax.grad(tail)(h, i))
         np.testing.assert_allclose(g[i], want, rtol=1e-5)
+
+
+def test_each_container_call_gets_its_own_rows(getkey):
+    # Two calls once shared rows: the second's layer i wrote over the first's.
+    first = eqxscan.Stacked.from_layers(build("AAAA", getkey()))
+    second = eqxscan.Stacked.from_layers(build("AAA", getkey()))
+    rnn = eqxscan.Recurrent(eqxscan.ElmanCell(D, D, key=getkey()))
+    x, xs = jr.normal(getkey(), (D,)), jr.normal(getkey(), (5, D))
+    y, got = eqxscan.tap(lambda x: second(first(x)), rms)(x)
+    assert sorted(got) == ["Stacked", "Stacked_1"]
+    close(got["Stacked"], eqxscan.tap(first, rms)(x)[1])
+    close(got["Stacked_1"], eqxscan.tap(second, rms)(first(x))[1])
+    _, got = eqxscan.tap(lambda x: rnn(first(x), xs), rms)(x)
+    close(got["Recurrent"], eqxscan.tap(rnn, rms)(first(x), xs)[1])
+    close(got["Stacked"], eqxscan.tap(first, rms)(x)[1])
+
+
+def test_taps_inside_a_recurrent_cell_match_the_container_alone(getkey):
+    stack = eqxscan.Stacked.from_layers(build("AAA", getkey()))
+
+    class Cell(eqx.Module):
+        stack: eqxscan.Stacked
+
+        def __call__(self, x, h):
+            y, r = eqxscan.tap(self.stack, rms)(h[0] + x)
+            return y, r
+
+    xs = jr.normal(getkey(), (4, D))
+    h, want = jnp.zeros(D), []
+    for x in xs:
+        h, r = eqxscan.tap(stack, rms)(h + x)
+        want.append(r)
+    for mode in ("scan", "loop"):
+        rnn = eqxscan.Recurrent(Cell(stack), mode=mode)
+        _, (_, got) = rnn((jnp.zeros(D), jnp.zeros(3)), xs)
+        close(got, jnp.stack(want))
+        # Tapped itself too: the cell's own taps are still the stack's.
+        ((_, (_, got)), _) = eqxscan.tap(rnn, rms)((jnp.zeros(D), jnp.zeros(3)), xs)
+        close(got, jnp.stack(want))
+
+
+@pytest.mark.parametrize("mode", ["scan", "loop"])
+def test_containers_in_a_tapped_recurrent_cell_are_tapped(mode, getkey):
+    # They once went untapped: a cell is no layer of a stack, and the rows of
+    # the containers it calls are their own, one row of layers per time step.
+    inner = eqxscan.Stacked.from_layers(build("AAA", getkey()))
+    chain = eqxscan.Chain(build("AB" * 2 + "A", getkey()))
+
+    class Cell(eqx.Module):
+        inner: eqxscan.Stacked
+        chain: eqxscan.Chain
+
+        def __call__(self, x, h):
+            return self.chain(self.inner(h + x))
+
+    rnn = eqxscan.Recurrent(Cell(inner, chain), mode=mode)
+    xs = jr.normal(getkey(), (4, D))
+    (_, hs), got = eqxscan.tap(rnn, rms)(jnp.zeros(D), xs)
+    assert sorted(got) == ["Chain", "Recurrent", "Stacked"]
+    close(got["Recurrent"], jax.vmap(rms)(hs))
+    h, want_inner, want_chain = jnp.zeros(D), [], []
+    for x in xs:
+        mid, r = eqxscan.tap(inner, rms)(h + x)
+        h, c = eqxscan.tap(chain, rms)(mid)
+        want_inner.append(r)
+        want_chain.append(c)
+    close(got["Stacked"], jnp.stack(want_inner))
+    close(got["Chain"], jnp.stack(want_chain))
+    with pytest.raises(TypeError, match="ran no layers"):  # no time steps
+        eqxscan.tap(rnn, rms)(jnp.zeros(D), xs[:0])
+    # A probe still has one row per time step of the Recurrent itself.
+    p = eqxscan.probe(rms, jnp.zeros(D), 4)
+    g = jax.grad(lambda p: jnp.sum(eqxscan.tap(rnn, probe=p)(jnp.zeros(D), xs)[0][0]))
+    assert g(p).values.shape == (4,)

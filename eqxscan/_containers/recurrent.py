@@ -1,16 +1,14 @@
 """`Recurrent` runs a cell over time; also `Bidirectional`."""
 
-import dataclasses
-import operator
 from collections.abc import Callable, Mapping
-from typing import Protocol, TypedDict, Unpack
+from typing import Unpack
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
-from jaxtyping import Array, ArrayLike, Bool, Int, PRNGKeyArray, PyTree
+from jaxtyping import Array, Bool, Int, PRNGKeyArray, PyTree
 
 from .._helpers.checks import (
     check_callable,
@@ -18,7 +16,6 @@ from .._helpers.checks import (
     check_option,
     check_takes_key,
     describe,
-    is_array,
     split_key,
 )
 from .._helpers.stateful import clone
@@ -28,82 +25,17 @@ from .._scan.engine import run
 from .._scan.layer_call import LayerCall, OneLayer, run_one
 from .._scan.layer_index import current_step
 from .._scan.options import OwnOptions, ScanArgs, Scanning, ScanOptions
-
-
-class RecurrentArgs(TypedDict, total=False):
-    """The keyword arguments that control a run of [`eqxscan.Recurrent`][] (and
-    both directions of [`eqxscan.Bidirectional`][]), defined once. The cell's own
-    arguments are never among them: they go in `cell_kwargs=`."""
-
-    mask: ArrayLike | None
-    truncate: int | None
-    length: int | None
-    time_axis: int
-    broadcast_key: bool
-
-
-_CONTROLS = tuple(RecurrentArgs.__annotations__)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Controls:
-    """`RecurrentArgs`, checked once against `xs`: what one run needs."""
-
-    length: int
-    time_axis: int
-    mask: Bool[Array, " T"] | None
-    truncate: int | None
-    broadcast_key: bool
-
-
-def _check_names(who: str, options: Mapping[str, object]) -> None:
-    unknown = [name for name in options if name not in _CONTROLS]
-    if unknown:
-        names = ", ".join(repr(n) for n in unknown)
-        example = ", ".join(f"{n!r}: ..." for n in unknown)
-        raise TypeError(
-            f"{who} got unknown keyword argument{'s' if len(unknown) > 1 else ''} "
-            f"{names}; its own keywords are {', '.join(_CONTROLS)}, key and "
-            "cell_kwargs.\nHint: the cell's own keyword arguments go in one dict, "
-            f"passed to the cell at every step: cell_kwargs={{{example}}}."
-        )
-
-
-def _controls(who: str, xs: PyTree, options: Mapping[str, object]) -> _Controls:
-    _check_names(who, options)
-    time_axis = _check_time_axis(options.get("time_axis", 0))
-    length = _time_length(xs, options.get("length"), time_axis)
-    mask = options.get("mask")
-    broadcast_key = options.get("broadcast_key", False)
-    check_option("broadcast_key", broadcast_key, (False, True))
-    return _Controls(
-        length=length,
-        time_axis=time_axis,
-        mask=None if mask is None else _check_mask(mask, length),
-        truncate=_check_truncate(options.get("truncate")),
-        broadcast_key=bool(broadcast_key),
-    )
-
-
-def _check_cell_kwargs(
-    who: str, cell_kwargs: Mapping[str, PyTree] | None
-) -> dict[str, PyTree]:
-    if cell_kwargs is None:
-        return {}
-    if not isinstance(cell_kwargs, Mapping) or not all(
-        isinstance(k, str) for k in cell_kwargs
-    ):
-        raise TypeError(
-            "cell_kwargs must be a dict of the cell's keyword arguments (str keys), "
-            f"got {describe(cell_kwargs)}."
-        )
-    if "key" in cell_kwargs:
-        raise TypeError(
-            f"cell_kwargs has 'key', but {who} hands the cell its key itself: pass "
-            "key=... to the call (split per step, or the same key at every step "
-            "with broadcast_key=True)."
-        )
-    return dict(cell_kwargs)
+from .._scan.taps import emitted, in_cell, untapped
+from .recurrent_inputs import (
+    check_cell_kwargs,
+    check_known_cell,
+    check_names,
+    Controls,
+    controls,
+    RecurrentArgs,
+    time_layout,
+    time_major,
+)
 
 
 def _where(cond: Bool[Array, ""], new: PyTree, old: PyTree) -> PyTree:
@@ -114,188 +46,15 @@ def _where(cond: Bool[Array, ""], new: PyTree, old: PyTree) -> PyTree:
 
 
 def _hide(keep: Bool[Array, ""], x: PyTree[Array]) -> PyTree[Array]:
-    """`x` where the step is kept, zeros where it is masked.
-
-    Masking selects the old carry with `jnp.where`, but the cell still runs on a
-    masked step, and reverse mode multiplies the zero cotangent of the discarded
-    result by the cell's derivatives there: with NaN or inf padding, 0 * nan is
-    nan, in every weight's gradient. On zeros the cell's derivatives are finite
-    (the "double where"), so padding of any value changes neither values nor
-    gradients."""
+    """`x` where the step is kept, zeros where it is masked: the cell still runs
+    on a masked step, and reverse mode multiplies the discarded result's zero
+    cotangent by its derivatives there (0 * nan is nan, for NaN padding). On
+    zeros they are finite (the "double where")."""
     return jtu.tree_map(lambda a: jnp.where(keep, a, jnp.zeros_like(a)), x)
 
 
 def _stop_gradient(a: object) -> object:
     return jax.lax.stop_gradient(a) if eqx.is_array(a) else a
-
-
-def _check_truncate(truncate: object) -> int | None:
-    if truncate is None:
-        return None
-    if isinstance(truncate, bool):
-        raise TypeError(f"truncate must be a positive int or None, got {truncate!r}.")
-    try:
-        k = operator.index(truncate)  # type: ignore[arg-type]  # its TypeError is the check
-    except TypeError:
-        raise TypeError(
-            "truncate must be a positive int (the number of steps per truncated "
-            f"BPTT block) or None, got {type(truncate).__name__} ({truncate!r})."
-        ) from None
-    if k < 1:
-        raise ValueError(f"truncate must be >= 1, got {k}.")
-    return k
-
-
-def _time_major(xs: PyTree, time_axis: int) -> PyTree:
-    """`xs` with the time axis of every array leaf moved to axis 0."""
-    if time_axis == 0:
-        return xs
-    return jtu.tree_map(
-        lambda a: jnp.moveaxis(a, time_axis, 0) if eqx.is_array(a) else a, xs
-    )
-
-
-def _time_layout(hs: PyTree, time_axis: int) -> PyTree:
-    """`hs` (time on axis 0) with time moved to `time_axis`, as in `xs`."""
-    if time_axis == 0:
-        return hs
-
-    def one(path: tuple, a: object) -> object:
-        if not is_array(a):
-            return a
-        if not -a.ndim <= time_axis < a.ndim:
-            raise ValueError(
-                f"hs{jtu.keystr(path)} (the carry stacked over time) has shape "
-                f"{tuple(a.shape[1:])} per step, so it has no axis time_axis="
-                f"{time_axis} to put time on. Give every carry leaf that axis, or "
-                "run per example with `jax.vmap(rnn)`."
-            )
-        return jnp.moveaxis(jnp.asarray(a), 0, time_axis)
-
-    return jtu.tree_map_with_path(one, hs)
-
-
-def _check_time_axis(time_axis: object) -> int:
-    if isinstance(time_axis, bool) or not isinstance(time_axis, int):
-        raise TypeError(
-            f"time_axis must be an int, got {type(time_axis).__name__} ({time_axis!r})."
-        )
-    return time_axis
-
-
-def _time_length(xs: PyTree, length: object, time_axis: int) -> int:
-    """The number of steps: the length of the time axis of `xs`, or `length`."""
-    if length is not None and (
-        isinstance(length, bool) or not isinstance(length, int) or length < 0
-    ):
-        raise ValueError(f"length must be a non-negative int or None, got {length!r}.")
-    arrays = [(p, a) for p, a in jtu.tree_leaves_with_path(xs) if eqx.is_array(a)]
-    if not arrays:
-        if length is None:
-            raise ValueError(
-                "xs has no array leaves, so it has no time axis. Pass the inputs "
-                "with time on axis 0 (e.g. an array of shape (T, input_size)), or "
-                "`length=T` to run T steps without inputs."
-            )
-        return length
-    where = "axis 0" if time_axis == 0 else f"axis time_axis={time_axis}"
-    path, first = arrays[0]
-    if first.ndim == 0:
-        raise ValueError(
-            f"xs{jtu.keystr(path)} is a scalar, but every array in xs needs a "
-            f"time axis ({where})."
-        )
-    found = None
-    for p, a in arrays:
-        if not -a.ndim <= time_axis < a.ndim:
-            raise ValueError(
-                f"xs{jtu.keystr(p)} has shape {tuple(a.shape)}, which has no axis "
-                f"time_axis={time_axis}; every array in xs needs its time axis there."
-            )
-        if found is None:
-            found = a.shape[time_axis]
-        elif a.shape[time_axis] != found:
-            raise ValueError(
-                f"xs{jtu.keystr(p)} has shape {tuple(a.shape)}, but its {where} must "
-                f"be the time axis of length {found} (set by xs{jtu.keystr(path)})."
-            )
-    assert found is not None
-    if length is not None and length != found:
-        raise ValueError(
-            f"length={length} was given, but xs{jtu.keystr(path)} has {found} steps "
-            f"on {where}; pass one or the other, or make them agree."
-        )
-    return found
-
-
-def _check_mask(mask: object, length: int) -> Bool[Array, " T"]:
-    if not is_array(mask):
-        raise TypeError(
-            f"mask must be a boolean array of shape ({length},), got "
-            f"{type(mask).__name__}."
-        )
-    if mask.dtype != jnp.bool_ or mask.shape != (length,):
-        raise ValueError(
-            f"mask must be a boolean array of shape ({length},) (one entry per time "
-            f"step of xs), got {jnp.dtype(mask.dtype).name}{list(mask.shape)}. "
-            "For a batch, build `mask = jnp.arange(T)[None, :] < lengths[:, None]` "
-            "and map over it: `jax.vmap(rnn)(h0, xs, mask=mask)`."
-        )
-    return jnp.asarray(mask)
-
-
-class _Sized(Protocol):
-    """A cell that says what one step takes."""
-
-    input_size: int
-    hidden_size: int
-
-
-def _check_known_cell(cell: Callable[..., PyTree], h0: PyTree, xs: PyTree) -> None:
-    """For the cells whose shapes are known (`eqx.nn.GRUCell`, `eqx.nn.LSTMCell`,
-    `ElmanCell`), check `h0` and `xs` up front: a batched or mis-sized input
-    otherwise fails deep inside the cell with a bare `dot_general` error."""
-    # Exact types: a subclass may well take other shapes. Other cells declare
-    # `known_shapes = True` (a class variable) when `input_size` and
-    # `hidden_size` say what one step takes, as `eqxscan.nn.ElmanCell` does.
-    known = type(cell) in (eqx.nn.GRUCell, eqx.nn.LSTMCell)
-    if not (known or vars(type(cell)).get("known_shapes") is True):
-        return
-    sizes: _Sized = cell  # pyright: ignore[reportAssignmentType]  # checked above
-    name = (
-        f"{type(cell).__name__}(input_size={sizes.input_size}, "
-        f"hidden_size={sizes.hidden_size})"
-    )
-    batch_hint = (
-        " Recurrent runs one sequence; for a batch, map over it: "
-        "`jax.vmap(rnn)(h0, xs)`."
-    )
-    hidden = (sizes.hidden_size,)
-    if type(cell) is eqx.nn.LSTMCell:
-        ok = (
-            isinstance(h0, (tuple, list))
-            and len(h0) == 2
-            and all(is_array(a) and a.shape == hidden for a in h0)
-        )
-        expected = f"a pair (h, c) of arrays of shape {hidden}"
-    else:
-        ok = is_array(h0) and h0.shape == hidden
-        expected = f"an array of shape {hidden}"
-    if not ok:
-        got = (
-            "(" + ", ".join(describe(a) for a in h0) + ")"
-            if isinstance(h0, (tuple, list))
-            else describe(h0)
-        )
-        raise ValueError(
-            f"h0 is {got}, but {name} takes a carry that is {expected}." + batch_hint
-        )
-    if not (is_array(xs) and xs.shape[1:] == (sizes.input_size,)):
-        raise ValueError(
-            f"xs is {describe(xs)}, but {name} takes one input of shape "
-            f"({sizes.input_size},) per step, so xs must have shape "
-            f"(T, {sizes.input_size})." + batch_hint
-        )
 
 
 class Recurrent(Scanning):
@@ -451,11 +210,11 @@ class Recurrent(Scanning):
         carry right after consuming `xs[t]` (also with `reverse=True`, where
         `h_T` equals `hs[0]`).
         """
-        run_ = _controls("Recurrent", xs, options)
-        kwargs = _check_cell_kwargs("Recurrent", cell_kwargs)
-        xs = _time_major(xs, run_.time_axis)
+        run_ = controls("Recurrent", xs, options)
+        kwargs = check_cell_kwargs("Recurrent", cell_kwargs)
+        xs = time_major(xs, run_.time_axis)
         xs_dyn, xs_static = eqx.partition(xs, eqx.is_array)
-        _check_known_cell(self.cell, h0, xs)
+        check_known_cell(self.cell, h0, xs)
         keys = _step_keys(self.cell, key, run_, type(self).__name__)
         refuse_buffer(args, kwargs, "Recurrent")
         # Step t's arguments and key through the layer-call seam, the cell run
@@ -484,13 +243,13 @@ class Recurrent(Scanning):
                 ),
                 over="time",
             )
-        return h_T, _time_layout(hs, run_.time_axis)
+        return h_T, time_layout(hs, run_.time_axis)
 
 
 def _step_keys(
     cell: Callable[..., PyTree],
     key: PRNGKeyArray | None,
-    controls: _Controls,
+    controls: Controls,
     who: str,
 ) -> Array | None:
     """Step `t`'s key `keys[t]`, split from `key` (`None` without a key, or when
@@ -508,7 +267,7 @@ def _step_keys(
     return split_key(key, controls.length, who)
 
 
-def _consumption_order(controls: _Controls, reverse: bool) -> Int[Array, " T"] | None:
+def _consumption_order(controls: Controls, reverse: bool) -> Int[Array, " T"] | None:
     """Each step's position in consumption order, for truncation's blocks
     (`None` without truncation)."""
     if controls.truncate is None:
@@ -522,7 +281,7 @@ def _time_step(
     call: LayerCall,
     one_step: Callable[[PyTree], OneLayer],
     xs_static: PyTree,
-    controls: _Controls,
+    controls: Controls,
     key: PRNGKeyArray | None,
     where: str,
 ) -> Callable[[PyTree, tuple], tuple[PyTree, PyTree]]:
@@ -548,7 +307,7 @@ def _time_step(
         )
         this = call if m is None else call._replace(method=_masked_cell_step(m, where))
         new, _ = run_one(cell, this, one, h, f"The cell {type(cell).__name__}")
-        return new, new
+        return new, emitted(one.number, new)
 
     return step
 
@@ -580,9 +339,10 @@ def _cell_step(
 ) -> PyTree:
     """The cell as a layer of the layer-call seam (carry first):
     `cell(x, h, *args, **kwargs)`, with `key=` when one is given."""
-    if key is None:
-        return cell(x, h, *args, **kwargs)
-    return cell(x, h, *args, **kwargs, key=key)
+    with in_cell():
+        if key is None:
+            return cell(x, h, *args, **kwargs)
+        return cell(x, h, *args, **kwargs, key=key)
 
 
 def _no_steps(
@@ -601,7 +361,8 @@ def _no_steps(
         new, _ = step(h, x)
         check_carry(h, new, where)
 
-    eqx.filter_eval_shape(traced, h0, one)
+    with untapped():
+        eqx.filter_eval_shape(traced, h0, one)
     h_dyn, h_static = eqx.partition(h0, eqx.is_array)
     empty = jtu.tree_map(lambda a: jnp.zeros((0, *a.shape), a.dtype), h_dyn)
     return eqx.combine(empty, h_static)
@@ -701,7 +462,7 @@ class Bidirectional(eqx.Module):
             raise TypeError(
                 f"Bidirectional expects h0 = (h0_forward, h0_backward), got {got}."
             )
-        _check_names("Bidirectional", options)
+        check_names("Bidirectional", options)
         kf, kb = (None, None) if key is None else jr.split(key)
         hf, hs_f = self.forward(
             h0[0], xs, *args, key=kf, cell_kwargs=cell_kwargs, **options

@@ -22,7 +22,7 @@ from .._containers.chain import Chain
 from .._containers.recurrent import Recurrent
 from .._containers.stacked import Stacked
 from .._scan.tap_stats import nonfinite_count
-from .._scan.taps import Probe, tap
+from .._scan.taps import Probe, tap_calls
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,8 +37,10 @@ class NonFinite:
       backward), or `None`.
     - `index`: the layer (or time step) that first produced one: in the
       forward pass the lowest index with a non-finite output, in the backward
-      pass the first one the backward pass reached (the highest), or `None`
-      (also for a `Recurrent` cell's parameter gradient, summed over steps).
+      pass the first one the backward pass reached (the highest); for
+      `"loss"`, the one whose output got the non-finite cotangent from
+      `loss_fn`; or `None` (a non-finite loss value, or a `Recurrent` cell's
+      parameter gradient, summed over steps).
     - `leaf`: the carry leaf (or, for a parameter gradient, the parameter)
       that held it, as a path such as `"carry[0]"` or `"layer.weight"`.
     - `message`: one line saying all this.
@@ -46,6 +48,10 @@ class NonFinite:
       per layer of each carry leaf, and of each leaf of the cotangent reaching
       each layer's output (`[L]` arrays, the carry's structure).
     - `loss`: the loss value.
+    - `call`: when `loss_fn` calls several containers, the one it names, as
+      [`eqxscan.tap`][] names its calls (`"Stacked"`, `"Stacked_1"`,
+      `"Recurrent"`, in call order); `forward` and `backward` are then dicts
+      keyed by these names. `None` for one container.
     """
 
     found: bool
@@ -56,50 +62,49 @@ class NonFinite:
     forward: PyTree
     backward: PyTree
     loss: float
+    call: str | None = None
 
     def __str__(self) -> str:
         return self.message
 
 
-def _containers(tree: PyTree) -> list[Stacked | Chain]:
-    """The outermost `Stacked`s and `Chain`s in `tree`."""
-    found = jtu.tree_leaves(tree, is_leaf=lambda x: isinstance(x, Stacked | Chain))
-    return [c for c in found if isinstance(c, Stacked | Chain)]
+def _add(out: dict, path: tuple, counts: Array, start: int, total: int) -> None:
+    # A leaf's non-finite entries per layer, placed at layers `start ..` of a
+    # container of `total` layers.
+    row = out.get(jtu.keystr(path), jnp.zeros(total, jnp.float32))
+    out[jtu.keystr(path)] = row.at[start : start + counts.size].add(counts)
 
 
-def _stack_counts(stack: Stacked, start: int, total: int, out: dict) -> None:
-    # A stacked gradient leaf `[L, ...]`: its non-finite entries per layer,
-    # placed at layers `start ..` of a container of `total` layers.
-    n = stack.num_layers
-    for path, leaf in jtu.tree_leaves_with_path(stack.layers):
-        if eqx.is_inexact_array(leaf) and leaf.ndim >= 1 and leaf.shape[0] == n:
-            bad = ~jnp.isfinite(leaf.reshape(n, -1))
-            counts = jnp.sum(bad, axis=1).astype(jnp.float32)
-            row = out.setdefault(jtu.keystr(path), jnp.zeros(total, jnp.float32))
-            out[jtu.keystr(path)] = row.at[start : start + n].add(counts)
-
-
-def _param_counts(grads: PyTree) -> list[dict[str, Float[Array, " L"]]]:
-    """Per container in `grads`, per parameter path: the non-finite entries of
-    each layer's gradient (a `Chain`'s repeated patterns are not split)."""
+def _param_counts(grads: PyTree) -> list[tuple[str, dict[str, Float[Array, " L"]]]]:
+    """Per outermost `Stacked` or `Chain` in `grads` (its class name beside),
+    per parameter path: the non-finite entries of each layer's gradient (a
+    `Chain`'s repeated patterns are not split)."""
     out = []
-    for container in _containers(grads):
+    is_container = lambda x: isinstance(x, Stacked | Chain)  # noqa: E731
+    for container in jtu.tree_leaves(grads, is_leaf=is_container):
+        if not is_container(container):
+            continue
         counts: dict[str, Array] = {}
-        if isinstance(container, Stacked):
-            _stack_counts(container, 0, container.num_layers, counts)
-        else:
-            total = len(container)
-            for group, span in zip(container.groups, container.layout):
-                if span.per_step == 1:
-                    _stack_counts(group, span.start, total, counts)
-                elif span.per_step == 0:
-                    for path, leaf in jtu.tree_leaves_with_path(group):
-                        if eqx.is_inexact_array(leaf):
-                            bad = jnp.sum(~jnp.isfinite(leaf)).astype(jnp.float32)
-                            key = jtu.keystr(path)
-                            row = counts.setdefault(key, jnp.zeros(total, jnp.float32))
-                            counts[key] = row.at[span.start].add(bad)
-        out.append(counts)
+        total = len(container)
+        parts = (
+            [(container, 0, 1)]
+            if isinstance(container, Stacked)
+            else [
+                (g, s.start, s.per_step)
+                for g, s in zip(container.groups, container.layout)
+            ]
+        )
+        for part, start, per_step in parts:
+            if per_step > 1:
+                continue  # a repeated pattern's gradients are not split
+            n, tree = (part.num_layers, part.layers) if per_step else (1, part)
+            for path, leaf in jtu.tree_leaves_with_path(tree):
+                if eqx.is_inexact_array(leaf) and (
+                    not per_step or (leaf.ndim and leaf.shape[0] == n)
+                ):
+                    bad = jnp.sum(~jnp.isfinite(leaf.reshape(n, -1)), axis=1)
+                    _add(counts, path, bad.astype(jnp.float32), start, total)
+        out.append((type(container).__name__, counts))
     return out
 
 
@@ -117,21 +122,27 @@ def _shared_counts(grads: PyTree) -> dict[str, Array]:
 
 
 @eqx.filter_jit
-def _program(
-    model: PyTree, loss_fn: Callable[..., Array], inputs: tuple
-) -> tuple[Array, PyTree, PyTree, tuple[list, dict[str, Array]]]:
-    def loss(model_and_probe: tuple[PyTree, Probe | None]) -> tuple[Array, PyTree]:
-        m, pr = model_and_probe
-        return tap(lambda *a: loss_fn(m, *a), nonfinite_count, probe=pr)(*inputs)
+def _program(model: PyTree, loss_fn: Callable[..., Array], inputs: tuple) -> tuple:
+    def loss(m_and_probes: tuple[PyTree, tuple | None]) -> tuple[Array, PyTree]:
+        m, probes = m_and_probes
+        probe, emitted = (None, None) if probes is None else probes
+        fn = lambda *a: loss_fn(m, *a)  # noqa: E731
+        return tap_calls(fn, nonfinite_count, False, probe, inputs, {}, emitted)
 
-    # The probe has one entry per layer and carry leaf, like the forward counts.
-    counted = jax.eval_shape(lambda: loss((model, None))[1])
-    zeros = jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), counted)
-    (value, forward), (g_model, g_probe) = eqx.filter_value_and_grad(
+    # Two probes per container call, one row per layer and carry leaf, like the
+    # forward counts: the cotangent of each output carry, and of what a
+    # `Recurrent` emits (`hs`), which the loss alone reaches.
+    calls = eqx.filter_eval_shape(lambda: loss((model, None))[1])
+    zeros = {
+        c.name: jtu.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), s) for c, s in calls
+    }
+    probes = tuple(Probe(zeros, nonfinite_count, per_call=True) for _ in range(2))
+    (value, forward), (g_model, g_probes) = eqx.filter_value_and_grad(
         loss, has_aux=True
-    )((model, Probe(zeros, nonfinite_count)))
-    params = _param_counts(g_model)
-    return value, forward, g_probe.values, (params, _shared_counts(g_model))
+    )((model, probes))
+    backward, emitted = (p.values for p in g_probes)
+    rows = [(c, s, backward[c.name], emitted[c.name]) for c, s in forward]
+    return value, rows, (_param_counts(g_model), _shared_counts(g_model))
 
 
 def _first(tree: PyTree, last: bool) -> tuple[int, str] | None:
@@ -183,28 +194,26 @@ def find_nonfinite(
 
     - `model`: what `loss_fn` is differentiated with respect to (a model, or a
       [`eqxscan.Stacked`][], [`eqxscan.Chain`][] or [`eqxscan.Recurrent`][]).
-    - `loss_fn`: `loss_fn(model, *inputs) -> scalar`. It must call exactly one
-      container (directly, not inside its own `vmap`, `remat` or `jit`):
-      that container's layers are the ones reported.
+    - `loss_fn`: `loss_fn(model, *inputs) -> scalar`. It calls the containers
+      directly (not inside its own `vmap`, `remat` or `jit`); each call is
+      checked, and when there are several the report names the call
+      (`report.call`).
     - `*inputs`: the rest of `loss_fn`'s arguments (a batch).
 
     **Returns:**
 
     A [`eqxscan.NonFinite`][] report; `str(report)` is one line.
     """
-    value, forward, backward, (params, shared) = jax.device_get(
-        _program(model, loss_fn, inputs)
-    )
-    leaves = jtu.tree_leaves(forward)
-    if not leaves:
+    value, rows, (params, shared) = jax.device_get(_program(model, loss_fn, inputs))
+    # Calls inside a `Recurrent`'s cell (counts per time step) are not checked.
+    rows = [r for r in rows if all(np.ndim(a) == 1 for a in jtu.tree_leaves(r[1]))]
+    if not any(jtu.tree_leaves(c) for _, c, _, _ in rows):
         raise TypeError(
             "eqxscan.find_nonfinite: the tapped container's carry has no "
             "floating-point leaves to check.\nCheck that loss_fn calls a Stacked, "
             "Chain or Recurrent whose carry holds floats."
         )
-    length = leaves[0].shape[0]
-    what = "time step" if isinstance(model, Recurrent) else "layer"
-    report = _report(float(value), forward, backward, params, length, what)
+    report = _report(float(value), rows, params)
     bad = [path for path, count in shared.items() if count > 0]
     if report.where is None and bad:
         # Every step's cotangent is finite, yet the cell's own gradient is not.
@@ -220,76 +229,115 @@ def find_nonfinite(
     return report
 
 
-def _report(
-    value: float,
-    forward: PyTree,
-    backward: PyTree,
-    params: list,
-    length: int,
-    what: str,
-) -> NonFinite:
+def _report(value: float, rows: list, params: list) -> NonFinite:
+    several = len(rows) > 1
+    pick = (lambda t: dict(t)) if several else (lambda t: t[0][1])  # noqa: E731
+    forward = pick([(c.name, f) for c, f, _, _ in rows])
+    backward = pick([(c.name, b) for c, _, b, _ in rows])
+
     def done(
         where: Literal["forward", "backward", "loss"] | None,
         index: int | None,
         leaf: str | None,
         message: str,
+        call: str | None = None,
     ) -> NonFinite:
         found = where is not None or not np.isfinite(value)
-        return NonFinite(found, where, index, leaf, message, forward, backward, value)
-
-    fwd = _first(forward, last=False)
-    if fwd is not None:
-        i, path = fwd
-        return done(
-            "forward",
-            i,
-            f"carry{path}",
-            f"The forward pass went non-finite at {what} {i}: its output carry{path} "
-            f"holds NaN or inf (every earlier {what}'s output is finite).",
+        call = call if several else None
+        return NonFinite(
+            found, where, index, leaf, message, forward, backward, value, call
         )
+
+    def at(name: str, i: int) -> str:
+        what = "time step" if name.startswith("Recurrent") else "layer"
+        return f"{what} {i}" + (f" of {name}" if several else "")
+
+    for call, fwd_counts, _, _ in rows:
+        name, fwd = call.name, _first(fwd_counts, last=call.reverse)
+        if fwd is not None:
+            i, path = fwd
+            return done(
+                "forward",
+                i,
+                f"carry{path}",
+                f"The forward pass went non-finite at {at(name, i)}: its output "
+                f"carry{path} holds NaN or inf (every earlier output is finite).",
+                name,
+            )
     if not np.isfinite(value):
         return done(
             "loss",
             None,
             None,
-            f"Every {what}'s output is finite, but the loss is {value}: the part "
+            f"Every layer's output is finite, but the loss is {value}: the part "
             "of loss_fn after the container made it.",
         )
-    # The backward pass reaches the highest index first: layer j + 1 passed a
-    # non-finite cotangent to layer j's output, or made non-finite gradients
-    # of its own parameters.
-    bwd = _first(backward, last=True)
+    # Param counts in the order the containers appear in the gradients, given
+    # to the calls of the same class and length in call order.
+    unclaimed = list(params)
+    for call, fwd_counts, bwd_counts, emitted in reversed(rows):
+        name, length = call.name, jtu.tree_leaves(fwd_counts)[0].shape[0]
+        mine = next(
+            (
+                p
+                for p in unclaimed
+                if name.split("_")[0] == p[0]
+                and all(a.shape[0] == length for a in p[1].values())
+            ),
+            None,
+        )
+        if mine is not None:
+            unclaimed.remove(mine)
+        found = _backward(
+            bwd_counts, emitted, mine[1] if mine else {}, length, call.reverse
+        )
+        if found is not None:
+            where, i, leaf, said = found
+            if where == "loss":
+                message = (
+                    f"The cotangent of {at(name, i)}'s output {leaf} is already "
+                    f"non-finite: {said}"
+                )
+            else:
+                message = (
+                    f"The backward pass went non-finite at {at(name, i)}: it "
+                    f"{said} (the forward pass and the cotangents reaching it are "
+                    "finite)."
+                )
+            return done(where, i, leaf, message, name)
+    return done(
+        None, None, None, "No NaN or inf: loss, carries and gradients are finite."
+    )
+
+
+def _backward(
+    backward: PyTree, emitted: PyTree, params: dict, length: int, reverse: bool
+) -> tuple[Literal["backward", "loss"], int, str, str] | None:
+    # The backward pass reaches the highest index first (the lowest when the
+    # call ran in reverse): the cotangent of output j came non-finite from the
+    # loss (what a `Recurrent` emits, or the last output), or the next layer
+    # passed it down, or a layer made non-finite gradients of its own
+    # parameters.
     candidates = []
+    bwd = _first(backward, last=not reverse)
     if bwd is not None:
         j, path = bwd
-        if j == length - 1:
-            return done(
-                "loss",
-                None,
-                f"carry{path}",
-                f"The cotangent of the last {what}'s output carry{path} is already "
-                "non-finite: the backward pass of loss_fn after the container made it.",
-            )
-        candidates.append((j + 1, f"carry{path}", "input"))
-    for counts in params:
-        for path, per_layer in counts.items():
-            i = _pick(per_layer, last=True)
-            if i is not None:
-                candidates.append((i, f"layer{path}", "param"))
+        from_loss = _first(emitted, last=not reverse)
+        if j == (0 if reverse else length - 1) or (from_loss and from_loss[0] == j):
+            said = "the backward pass of loss_fn after the container made it."
+            return "loss", j, f"carry{path}", said
+        candidates.append((j - 1 if reverse else j + 1, f"carry{path}", "input"))
+    for path, per_layer in params.items():
+        i = _pick(per_layer, last=True)
+        if i is not None:
+            candidates.append((i, f"layer{path}", "param"))
     if not candidates:
-        return done(
-            None, None, None, "No NaN or inf: loss, carries and gradients are finite."
-        )
-    i, leaf, kind = max(candidates, key=lambda c: c[0])
+        return None
+    first = min if reverse else max
+    i, leaf, kind = first(candidates, key=lambda c: c[0])
     said = (
         f"passed a non-finite cotangent to its input {leaf}"
         if kind == "input"
         else f"gave its parameter {leaf} a non-finite gradient"
     )
-    return done(
-        "backward",
-        i,
-        leaf,
-        f"The backward pass went non-finite at {what} {i}: it {said} (the forward "
-        "pass and the cotangents reaching it are finite).",
-    )
+    return "backward", i, leaf, said

@@ -246,22 +246,13 @@ class Write(NamedTuple):
 def call_writing(
     fn: Callable[[PyTree], tuple[PyTree, PyTree]], view: Buffer, who: str
 ) -> tuple[PyTree, PyTree]:
-    """Run `fn(old) -> (out, new)` on the slice `old` of `view`, where `new` is
-    the layer's new slice, and write it into the stacked buffer.
-
-    **Returns:**
-
-    `(out, tree)`: what `fn` returned besides its slice, and the stacked buffer
-    with the layer's writes made.
-
-    `fn` is traced once to a jaxpr, then evaluated equation by equation (no
-    Python code of `fn` runs twice). A leaf of `new` made by a
-    `dynamic_update_slice` of the same leaf of `old` is written as those rows
-    into the stacked buffer, and whatever the layer reads of its updated slice
-    is read back from the stacked buffer: the old slice is then dead once the
-    rows are written, so XLA updates the buffer in place rather than copying
-    it. A leaf returned unchanged is not written; any other is written whole.
-    """
+    """`(out, tree)`: what `fn(old) -> (out, new)` returns besides the layer's
+    new slice, run on `view`'s slice `old`, and the stacked buffer with `new`
+    written. `fn` is traced once and its jaxpr evaluated equation by equation:
+    rows a `dynamic_update_slice` of `old` writes go straight into the stacked
+    buffer, and what the layer reads of its updated slice is read back from
+    there, so the old slice is dead and XLA updates the buffer in place. A leaf
+    returned unchanged is not written; any other is written whole."""
     old = view.read()
     leaves, treedef = jtu.tree_flatten(old)
 

@@ -21,7 +21,7 @@ import jax
 import jax.core
 import jax.tree_util as jtu
 
-from .taps import tapping
+from .taps import call_of, tapping
 
 
 P = ParamSpec("P")
@@ -41,7 +41,8 @@ def compiled_when_eager(method: Callable[P, R]) -> Callable[P, R]:
     @functools.wraps(method)
     def call(*args: P.args, **kwargs: P.kwargs) -> R:
         if getattr(args[0], "mode", "scan") == "loop" or tapping():
-            return method(*args, **kwargs)
+            with call_of(args[0]):  # a tapped call's records are its own rows
+                return method(*args, **kwargs)
         leaves = jtu.tree_leaves((args, kwargs))  # one flatten for both checks
         if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
             return method(*args, **kwargs)

@@ -9,6 +9,8 @@ backward pass returns the probe's statistic of the cotangent. The engine
 (`collected`) gives every scan step a scope of its own and returns what the
 step recorded as extra per-step outputs, so statistics leave nested scans
 (a `Chain`'s repeated patterns) stacked; `tap` scatters them by layer index.
+Every container call made while tapped (`call_of`, around each container
+method) tags its records, so that each call gets rows of its own.
 """
 
 import contextlib
@@ -34,20 +36,45 @@ Stat = Callable[..., PyTree]
 output carry (and the carry it was given)."""
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Call:
+    # One container call: its name, how many scan steps enclose it (a call in a
+    # `Recurrent`'s cell: one per time step) and its first row of a probe.
+    name: str
+    depth: int = 0
+    offset: int = 0
+    reverse: bool = False  # a `Recurrent(..., reverse=True)`: last step first
+
+
 @dataclasses.dataclass(frozen=True)
 class _Tapping:
     stat: Stat | None
     with_input: bool
     probe: "Probe | None"
+    # A probe of the cotangent of what a `Recurrent` emits (`hs`), apart from
+    # its carry: `find_nonfinite` tells the loss's cotangents from the cell's.
+    emitted: "Probe | None"
+    calls: list[_Call]
+    records: list  # the tapped function's own, to count probe rows by
 
 
 _TAPPING: contextvars.ContextVar[_Tapping | None] = contextvars.ContextVar(
     "eqxscan_tapping", default=None
 )
 # What the innermost scope (a scan step, or the tapped call) has recorded:
-# `(index + 1, stats)` pairs, the index a float (0 marks a skipped layer).
+# `(index + 1, stats, call)`, the index a float (0 marks a skipped layer).
 _SCOPE: contextvars.ContextVar[list | None] = contextvars.ContextVar(
     "eqxscan_tap_scope", default=None
+)
+_CALL: contextvars.ContextVar[_Call | None] = contextvars.ContextVar(
+    "eqxscan_tap_call", default=None
+)
+_DEPTH: contextvars.ContextVar[int] = contextvars.ContextVar(
+    "eqxscan_tap_depth", default=0
+)
+# The tapping a layer's call paused, which a `Recurrent`'s cell resumes.
+_PAUSED: contextvars.ContextVar[_Tapping | None] = contextvars.ContextVar(
+    "eqxscan_tap_paused", default=None
 )
 
 
@@ -56,9 +83,44 @@ def tapping() -> bool:
     return _TAPPING.get() is not None
 
 
-def inside_layer() -> contextlib.AbstractContextManager[None]:
-    """Set around a layer's own call: containers inside a layer are not tapped."""
+@contextlib.contextmanager
+def inside_layer() -> Iterator[None]:
+    """Set around a layer's own call: containers inside a layer are not tapped
+    (a tap inside the layer taps them), except in a `Recurrent`'s cell."""
+    with setting(_PAUSED, _TAPPING.get()), setting(_TAPPING, None):
+        yield
+
+
+def untapped() -> contextlib.AbstractContextManager[None]:
+    """Set around a trace that is never run (its records would leak)."""
     return setting(_TAPPING, None)
+
+
+def in_cell() -> contextlib.AbstractContextManager[None]:
+    """Set around a `Recurrent`'s cell: containers it calls are tapped, each
+    call with rows of its own per time step."""
+    return setting(_TAPPING, _PAUSED.get())
+
+
+@contextlib.contextmanager
+def call_of(module: object) -> Iterator[None]:
+    """Around a container's call: while tapped, its records are its own rows,
+    named after its class (`Stacked`, then `Stacked_1`, ...)."""
+    state = _TAPPING.get()
+    if state is None:
+        yield
+        return
+    names = {c.name for c in state.calls}
+    name, k = type(module).__name__, 0
+    while name in names:
+        k += 1
+        name = f"{type(module).__name__}_{k}"
+    top = [r for r in state.records if r[2].depth == 0]
+    reverse = getattr(module, "reverse", False) is True
+    call = _Call(name, _DEPTH.get(), _count(top), reverse)
+    state.calls.append(call)
+    with setting(_CALL, call):
+        yield
 
 
 class Probe(eqx.Module):
@@ -73,12 +135,11 @@ class Probe(eqx.Module):
     `eqx.filter_value_and_grad` call.
     """
 
-    values: PyTree[Float[Array, "L ..."]]
+    values: PyTree[Float[Array, "_L ..."]]  # per call, of its own length
     stat: Callable[[PyTree], PyTree] = eqx.field(static=True)
-
-
-def _inexact(tree: PyTree) -> PyTree:
-    return eqx.filter(tree, eqx.is_inexact_array)
+    per_call: bool = eqx.field(static=True, default=False)
+    """`values` is a dict of such rows keyed by the names [`eqxscan.tap`][]
+    gives the container calls of a function that calls several."""
 
 
 def probe(stat: Callable[[PyTree], PyTree], carry: PyTree, length: int) -> Probe:
@@ -99,7 +160,7 @@ def probe(stat: Callable[[PyTree], PyTree], carry: PyTree, length: int) -> Probe
 
     A `Probe` of zeros, `values` with leading axis `length`.
     """
-    shapes = jax.eval_shape(stat, _inexact(carry))
+    shapes = jax.eval_shape(stat, eqx.filter(carry, eqx.is_inexact_array))
 
     def zeros(s: jax.ShapeDtypeStruct) -> Array:
         if not jnp.issubdtype(s.dtype, jnp.inexact):
@@ -115,25 +176,10 @@ def probe(stat: Callable[[PyTree], PyTree], carry: PyTree, length: int) -> Probe
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _probed(stat: Callable[[PyTree], PyTree], x: PyTree, p: PyTree) -> PyTree:
-    del stat, p
-    return x
+    return x  # its backward pass: the cotangent, and `stat` of it for `p`
 
 
-def _probed_fwd(
-    stat: Callable[[PyTree], PyTree], x: PyTree, p: PyTree
-) -> tuple[PyTree, None]:
-    del stat, p
-    return x, None
-
-
-def _probed_bwd(
-    stat: Callable[[PyTree], PyTree], res: None, ct: PyTree
-) -> tuple[PyTree, PyTree]:
-    del res
-    return ct, stat(ct)
-
-
-_probed.defvjp(_probed_fwd, _probed_bwd)
+_probed.defvjp(lambda stat, x, p: (x, None), lambda stat, res, ct: (ct, stat(ct)))
 
 
 def tapped(i: Index | None, new: PyTree, old: PyTree) -> PyTree:
@@ -143,17 +189,31 @@ def tapped(i: Index | None, new: PyTree, old: PyTree) -> PyTree:
     scope = _SCOPE.get()
     if state is None or scope is None or i is None:
         return new
+    stats = None  # without `stat`, only counted: a probe has a row per layer
     if state.stat is not None:
         stats = state.stat(new, old) if state.with_input else state.stat(new)
-        scope.append((jnp.asarray(i, jnp.float32) + 1, stats))
-    elif state.probe is not None:
-        # Only counted: the probe needs one row per layer (see `_check_rows`).
-        scope.append((jnp.asarray(i, jnp.float32) + 1, None))
-    if state.probe is not None:
-        dyn, rest = eqx.partition(new, eqx.is_inexact_array)
-        p = index(state.probe.values, i)
-        new = eqx.combine(_probed(state.probe.stat, dyn, p), rest)
-    return new
+    scope.append((jnp.asarray(i, jnp.float32) + 1, stats, _CALL.get()))
+    return _attached(state.probe, i, new)
+
+
+def emitted(i: Index | None, y: PyTree) -> PyTree:
+    """Time step `i`'s output `y` (its carry, as `hs[i]`), its slice of the
+    probe of what is emitted attached (see `_Tapping.emitted`)."""
+    state = _TAPPING.get()
+    if state is None or _SCOPE.get() is None or i is None:
+        return y
+    return _attached(state.emitted, i, y)
+
+
+def _attached(probe: Probe | None, i: Index, new: PyTree) -> PyTree:
+    call = _CALL.get()
+    if probe is None or call is None or call.depth:  # not per time step
+        return new
+    values, row = probe.values, i + call.offset  # calls' rows follow each other
+    if probe.per_call:
+        values, row = values[call.name], i
+    dyn, rest = eqx.partition(new, eqx.is_inexact_array)
+    return eqx.combine(_probed(probe.stat, dyn, index(values, row)), rest)
 
 
 Run = Callable[..., tuple[PyTree, PyTree]]
@@ -167,18 +227,23 @@ def collected(run: Run) -> Run:
     def wrapped(
         step: Callable, carry: PyTree, xs: PyTree, **kwargs: object
     ) -> tuple[PyTree, PyTree]:
-        outer = _SCOPE.get()
-        if _TAPPING.get() is None or outer is None:
+        state, outer = _TAPPING.get(), _SCOPE.get()
+        if state is None or outer is None:
             return run(step, carry, xs, **kwargs)
+        calls: list = []  # the records' calls, which are no scan outputs
 
         def body(c: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
-            records: list = []
-            with setting(_SCOPE, records):
+            opened, records = len(state.calls), []
+            with setting(_SCOPE, records), setting(_DEPTH, _DEPTH.get() + 1):
                 new, y = step(c, x)
-            return new, (y, records)
+            if calls:  # a later step of `mode="loop"`: the same calls again
+                del state.calls[opened:]
+            else:
+                calls[:] = [r[2] for r in records]
+            return new, (y, [r[:2] for r in records])
 
         c, (ys, records) = run(body, carry, xs, **kwargs)
-        outer.extend(records)
+        outer.extend((*r, call) for r, call in zip(records, calls))
         return c, ys
 
     return wrapped
@@ -195,13 +260,14 @@ def held() -> Iterator[list]:
         return
     with setting(_SCOPE, records):
         yield records
+    records[:] = [r[:2] for r in records]  # arrays only, for the switch
 
 
 def add(records: Sequence) -> None:
-    """Put `records` (from `held`) in the enclosing scope."""
+    """Put `records` (from `held`, their calls dropped) in the enclosing scope."""
     outer = _SCOPE.get()
     if _TAPPING.get() is not None and outer is not None:
-        outer.extend(records)
+        outer.extend((*r[:2], _CALL.get()) for r in records)
 
 
 @contextlib.contextmanager
@@ -210,26 +276,33 @@ def covering(length: int) -> Iterator[None]:
     (`run_layers`): while tapped, its records are padded to one per layer, so
     that layers not run read zeros (as LayerDrop's skipped layers do) rather
     than the gathered taps being cut to the number of layers run."""
-    outer = _SCOPE.get()
+    outer, call = _SCOPE.get(), _CALL.get()
     if _TAPPING.get() is None or outer is None:
         yield
         return
     records: list = []
     with setting(_SCOPE, records):
         yield
+    if not records:
+        return
     outer.extend(records)
-    count = sum(idx.size for idx, _ in records)
-    if records and count > length:
+    count = _count(records)
+    if count > length:
         # Layers chosen more than once: still `length` rows of a probe.
-        outer.append((None, -(count - length)))
-    if records and count < length:
-        idx, stats = records[0]
+        outer.append((None, -(count - length), call))
+    if count < length:
+        idx, stats, _ = records[0]
         pad = jtu.tree_map(
             lambda a: jnp.zeros((length - count, *a.shape[idx.ndim :]), a.dtype),
             stats,
         )
         # Index 0 is the slot `_gather` drops.
-        outer.append((jnp.zeros((length - count,), jnp.float32), pad))
+        outer.append((jnp.zeros((length - count,), jnp.float32), pad, call))
+
+
+def _count(records: list) -> int:
+    # Rows: a record's layers, or (index `None`) a repeat count from `covering`.
+    return sum(s if idx is None else idx.size for idx, s, _ in records)
 
 
 def _takes_input(stat: Stat) -> bool:
@@ -246,30 +319,33 @@ def _takes_input(stat: Stat) -> bool:
     return len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
 
 
-def _gather(records: list, where: str) -> PyTree:
+def _gather(records: list, depth: int, where: str) -> PyTree:
     # The records (index + 1, stats), each with leading axes of the scans it
-    # came out of, as one `[L, ...]` pytree in layer order.
+    # came out of, as one `[L, ...]` pytree in layer order (after the `depth`
+    # axes of the scans around the call, a `Recurrent`'s time steps).
     ids, stats = [], []
-    for idx, s in records:
-        if idx is None:  # a repeat count from `covering`
-            continue
-        n = idx.ndim
-        ids.append(idx.reshape(-1).astype(jnp.int32))
-        stats.append(jtu.tree_map(lambda a, n=n: a.reshape(-1, *a.shape[n:]), s))
-    all_ids = jnp.concatenate(ids)
-    length = all_ids.shape[0]
+    for idx, s, _ in records:
+        if idx is not None:  # not a repeat count from `covering`
+            outer, n = idx.shape[:depth], idx.ndim
+            ids.append(idx.reshape(*outer, -1).astype(jnp.int32))
+            cut = lambda a, n=n, o=outer: a.reshape(*o, -1, *a.shape[n:])  # noqa: E731
+            stats.append(jtu.tree_map(cut, s))
+    all_ids = jnp.concatenate(ids, axis=depth)
     try:
-        joined = jtu.tree_map(lambda *a: jnp.concatenate(a), *stats)
+        joined = jtu.tree_map(lambda *a: jnp.concatenate(a, axis=depth), *stats)
     except ValueError as e:
         raise TypeError(
             f"{where}: the statistic returned pytrees of different structures at "
             f"different layers ({e}).\nReturn the same structure for every layer "
             "(e.g. one value per carry leaf, for carries that all look alike)."
         ) from None
-    return jtu.tree_map(
-        lambda a: jnp.zeros((length + 1, *a.shape[1:]), a.dtype).at[all_ids].set(a)[1:],
-        joined,
-    )
+
+    def scatter(ids: Array, a: Array) -> Array:
+        return jnp.zeros((ids.shape[0] + 1, *a.shape[1:]), a.dtype).at[ids].set(a)[1:]
+
+    for _ in range(depth):
+        scatter = jax.vmap(scatter)
+    return jtu.tree_map(lambda a: scatter(all_ids, a), joined)
 
 
 def tap(
@@ -297,23 +373,29 @@ def tap(
 
     **Arguments:**
 
-    - `model`: the container to call. Its layers are numbered as
-      [`eqxscan.layer_index`][] numbers them (a `Chain`'s across its stacks,
-      repeated patterns and lone layers); a `Recurrent`'s steps by time step. A
-      container inside one of its layers is not tapped.
+    - `model`: the container to call, or a function that calls containers.
+      Their layers are numbered as [`eqxscan.layer_index`][] numbers them (a
+      `Chain`'s across its stacks, repeated patterns and lone layers); a
+      `Recurrent`'s steps by time step. A container inside a layer is not
+      tapped; one that a `Recurrent`'s cell calls is.
     - `stat`: `stat(output)` or `stat(output, input)`, a pytree of arrays from
       a layer's output carry (and the carry it received), e.g.
       [`eqxscan.stats.rms`][], or a function returning a dict of several.
     - `probe`: an [`eqxscan.Probe`][] for gradient taps: differentiate with
       respect to it, and its gradient holds its statistic of the cotangent
-      reaching each layer's output.
+      reaching each layer's output. With several container calls its rows
+      follow one another in call order, or, with `per_call=True`, its
+      `values` are keyed as the statistics are (calls in a cell have none).
 
     **Returns:**
 
     A function taking `model`'s arguments and returning `(output, stats)`:
     `model`'s own output, and `stat`'s pytree with a leading axis of one entry
     per layer (or step), `None` without `stat`. A layer that LayerDrop skipped
-    has zeros there.
+    has zeros there. When several container calls are tapped, `stats` is a
+    dict with each call's own, keyed by its class name in call order
+    (`"Stacked"`, `"Stacked_1"`, `"Recurrent"`); a call inside a `Recurrent`'s
+    cell has a leading time axis before its layers.
     """
     if stat is not None and not callable(stat):
         raise TypeError(f"eqxscan.tap: stat must be a function, got {stat!r}.")
@@ -337,44 +419,72 @@ def tap(
     return call
 
 
-def _run(
+def tap_calls(
     model: Callable[..., PyTree],
     stat: Stat | None,
     with_input: bool,
     probe: Probe | None,
     args: tuple,
     kwargs: dict,
-) -> tuple[PyTree, PyTree]:
+    emitted: Probe | None = None,
+) -> tuple[PyTree, list[tuple[_Call, PyTree]] | None]:
+    """`tap`'s call of `model`, its statistics per container call, in call
+    order (`None` without `stat`)."""
+    # Records made outside any container call (`run_layers`) are the model's.
+    outside = _Call(getattr(model, "__name__", "outside"))
     records: list = []
-    with setting(_TAPPING, _Tapping(stat, with_input, probe)), setting(_SCOPE, records):
+    state = _Tapping(stat, with_input, probe, emitted, [outside], records)
+    with (
+        setting(_TAPPING, state),
+        setting(_SCOPE, records),
+        setting(_CALL, outside),
+        setting(_DEPTH, 0),
+    ):
         out = model(*args, **kwargs)
-    if probe is not None:
-        _check_rows(probe, records, model)
+    calls = [(c, [r for r in records if r[2] is c]) for c in state.calls]
+    calls = [(c, rs) for c, rs in calls if rs]
+    for p in (probe, emitted):
+        if p is not None:
+            _check_rows(p, [(c, rs) for c, rs in calls if not c.depth], model)
     if stat is None:
         return out, None
-    if not records:
+    if not calls:
         raise TypeError(
             f"eqxscan.tap: calling {type(model).__name__} ran no layers of a "
             "Stacked, Chain or Recurrent.\nTap the container itself, e.g. "
             "`eqxscan.tap(model.blocks, stat)(x)` inside the model's forward."
         )
-    return out, _gather(records, "eqxscan.tap")
+    return out, [(c, _gather(rs, c.depth, "eqxscan.tap")) for c, rs in calls]
 
 
-def _check_rows(probe: Probe, records: list, model: object) -> None:
+def _run(*args: object) -> tuple[PyTree, PyTree]:
+    out, calls = tap_calls(*args)  # pyright: ignore[reportArgumentType]
+    if calls is None or len(calls) > 1:
+        return out, None if calls is None else {c.name: s for c, s in calls}
+    return out, calls[0][1]
+
+
+def _check_rows(probe: Probe, calls: list, model: object) -> None:
     # A probe row per layer: a wrong length would silently merge rows (indices
     # past the end are clamped) or leave rows that no layer reaches.
-    leaves = jtu.tree_leaves(probe.values)
-    if not leaves or not records:
+    if not calls:
         return
-    rows = leaves[0].shape[0]
-    count = sum(s if idx is None else idx.size for idx, s in records)
-    if rows != count:
-        raise ValueError(
-            f"eqxscan.tap: the probe has {rows} rows, but calling "
-            f"{type(model).__name__} ran {count} layers (or time steps).\nBuild "
-            f"it with eqxscan.probe(stat, carry, {count}): one row per layer."
-        )
+    if probe.per_call:
+        wanted = [(c.name, probe.values.get(c.name), [rs]) for c, rs in calls]
+    else:
+        wanted = [(type(model).__name__, probe.values, [rs for _, rs in calls])]
+    for name, values, records in wanted:
+        leaves = jtu.tree_leaves(values)
+        if values is not None and not leaves:
+            continue  # a carry with no floats: nothing reaches the probe
+        rows = leaves[0].shape[0] if leaves else 0
+        count = sum(_count(rs) for rs in records)
+        if rows != count:
+            raise ValueError(
+                f"eqxscan.tap: the probe has {rows} rows, but calling {name} ran "
+                f"{count} layers (or time steps).\nBuild it with "
+                f"eqxscan.probe(stat, carry, {count}): one row per layer."
+            )
 
 
 _run_jitted = eqx.filter_jit(_run)
