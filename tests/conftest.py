@@ -13,6 +13,19 @@ import jax.random as jr  # noqa: E402
 import pytest  # noqa: E402
 
 
+# XLA's backend (LLVM) optimisations cost most of a small program's compile
+# time and change no program's structure: memory_analysis(), cost_analysis()
+# and the HLO the tests read are the same. Off by default (the processes that
+# tests start inherit it); EQXSCAN_TEST_OPTIMIZE=1 turns them on, and a test
+# whose tolerance is tighter than unoptimised arithmetic's rounding is marked
+# `optimized`.
+if os.environ.get("EQXSCAN_TEST_OPTIMIZE", "0") != "1":
+    os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+jax.config.update(
+    "jax_disable_most_optimizations",
+    os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS", "0") == "1",
+)
+
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
@@ -47,3 +60,16 @@ def getkey():
     """A fresh PRNG key on every call, deterministic per test."""
     keys = iter(jr.split(jr.key(5678), 1000))
     return lambda: next(keys)
+
+
+@pytest.fixture(autouse=True)
+def _optimized(request, monkeypatch):
+    """`@pytest.mark.optimized`: this test compiles with XLA's optimisations on."""
+    if request.node.get_closest_marker("optimized") is None:
+        yield
+        return
+    monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "0")
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", False)
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)

@@ -18,7 +18,6 @@ import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
-import pytest
 
 import eqxscan
 
@@ -190,15 +189,3 @@ class Block(eqx.Module):
 
 def make_stack(getkey, mode="scan", **options):
     return eqxscan.Stacked(lambda k: Block(k), L, key=getkey(), mode=mode, **options)
-
-
-@pytest.fixture
-def fast_compiles(monkeypatch):
-    # What is checked here does not depend on XLA's optimisations; skipping most
-    # of them makes the many small compiles (here and in the bench's worker
-    # processes) cheaper.
-    monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)

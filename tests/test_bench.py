@@ -14,12 +14,6 @@ from benchmarks.bench import _cli, _report, _transformer, make_problem
 from benchmarks.bench._impls import Built, Impl, IMPLS
 from benchmarks.bench._measure import check_agreement, MismatchError, model_flops
 
-from .helpers import fast_compiles  # noqa: F401  (a fixture)
-
-
-# XLA's optimisations do not change what is checked here; most are skipped.
-pytestmark = pytest.mark.usefixtures("fast_compiles")
-
 
 TINY = dict(dim=8, batch=2, seq=3)
 

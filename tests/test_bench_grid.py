@@ -10,12 +10,6 @@ import pytest
 
 from benchmarks.bench import _cli, _grid
 
-from .helpers import fast_compiles  # noqa: F401  (a fixture)
-
-
-# XLA's optimisations do not change what is checked here; most are skipped.
-pytestmark = pytest.mark.usefixtures("fast_compiles")
-
 
 def test_tiny_grid_run(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(_grid, "MLP_POINTS", [])
