@@ -192,12 +192,12 @@ def freeze_layers(
             ),
         )
 
-    def init(params: PyTree) -> optax.OptState:
+    def init(params: PyTree) -> PyTree:
         return inner.init(params)
 
     def update(
-        updates: PyTree, state: optax.OptState, params: PyTree = None
-    ) -> tuple[PyTree, optax.OptState]:
+        updates: PyTree, state: PyTree, params: PyTree = None
+    ) -> tuple[PyTree, PyTree]:
         updates, state = inner.update(freeze(updates, 0.0), state, params)
         # `p + (-0.0)` is `p` bit for bit, signed zeros included (`+0.0` is not).
         return freeze(updates, -0.0), state

@@ -34,8 +34,8 @@ class LayerwiseState(NamedTuple):
       [`eqxscan.sharding.opt_state_shardings`][]).
     """
 
-    rest: optax.OptState
-    stacks: tuple[optax.OptState, ...]
+    rest: PyTree
+    stacks: tuple[PyTree, ...]
 
 
 def _is_stacked(x: object) -> bool:

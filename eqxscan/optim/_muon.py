@@ -138,13 +138,13 @@ def muon(
     # optax's bias correction raises a float to the int32 step count, which
     # `jax_numpy_dtype_promotion="strict"` rejects; optax is written for the
     # standard rules, so its update runs under them.
-    def init(params: PyTree) -> optax.OptState:
+    def init(params: PyTree) -> PyTree:
         with jax.numpy_dtype_promotion("standard"):
             return inner.init(params)
 
     def update(
-        updates: PyTree, state: optax.OptState, params: PyTree = None
-    ) -> tuple[PyTree, optax.OptState]:
+        updates: PyTree, state: PyTree, params: PyTree = None
+    ) -> tuple[PyTree, PyTree]:
         with jax.numpy_dtype_promotion("standard"):
             return inner.update(updates, state, params)
 

@@ -92,8 +92,8 @@ def layerwise_scale(
         )
 
     def update(
-        updates: PyTree, state: optax.OptState, params: PyTree = None
-    ) -> tuple[PyTree, optax.OptState]:
+        updates: PyTree, state: PyTree, params: PyTree = None
+    ) -> tuple[PyTree, PyTree]:
         del params
         # One call of fn per layer and trace, whatever the number of arrays.
         called: dict[int, ArrayLike] = {}
