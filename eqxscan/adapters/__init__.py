@@ -4,4 +4,5 @@ adapters, inside a [`eqxscan.Stacked`][] stacked along the layer axis like any
 other leaf, so that the base is never copied.
 """
 
+from ._add import add_lora as add_lora, Target as Target, trainable as trainable
 from ._lora import LoRA as LoRA, Orientation as Orientation
