@@ -479,3 +479,39 @@ def test_merge_errors(getkey):
         ValueError, match=r"unmerge: at the LoRA `blocks.\*.w1`.*float32\[3,8,8\]"
     ):
         adapters.unmerge(wrong, model)
+
+
+def test_dropout_on_the_adapter_input(getkey):
+    model = eqxscan.StackedMLP(8, 3, key=getkey())
+    model = adapters.add_lora(
+        model, ["*.w1", "*.w2"], rank=2, alpha=4.0, dropout=0.5, key=getkey()
+    )
+    model = _random_b(model, getkey())
+    x = jr.normal(getkey(), (2, 8))
+    with pytest.raises(ValueError, match=r"LoRA at `blocks.\*.w1` has dropout=0.5"):
+        model(x)
+    keyed = adapters.with_dropout_key(model, getkey())
+    w1, w2 = keyed.blocks.layers.w1, keyed.blocks.layers.w2
+    data = jax.random.key_data
+    # Each layer and each weight its own key.
+    assert len({tuple(np.asarray(data(k)).ravel()) for k in [*w1.key, *w2.key]}) == 6
+
+    def dropped(w, h, i):
+        keep = jr.bernoulli(w.key[i], 0.5, h.shape)
+        lo = _at(w, i)
+        return h @ lo.base + S * (jnp.where(keep, h / 0.5, 0.0) @ lo.a[0]) @ lo.b[0]
+
+    def reference(m, x):
+        layers = m.blocks.layers
+        for i in range(3):
+            h = jax.nn.gelu(dropped(layers.w1, rms_norm(layers.scale[i], x), i))
+            x = x + dropped(layers.w2, h, i)
+        return x
+
+    expected = _loss_and_adapter_grads(reference, keyed, x)
+    for m in (keyed, keyed.with_options(mode="loop")):
+        _assert_close(_loss_and_adapter_grads(lambda m, x: m(x), m, x), expected)
+    # Off in inference mode, with or without keys.
+    for m in (model, keyed):
+        off = eqx.nn.inference_mode(m)
+        _assert_close(off(x), _mlp_reference(model, x))
