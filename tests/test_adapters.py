@@ -105,7 +105,7 @@ def test_wrong_use_raises(getkey):
 import optax  # noqa: E402
 
 import eqxscan  # noqa: E402
-from eqxscan import adapters  # noqa: E402
+from eqxscan import adapters, sharding  # noqa: E402
 from eqxscan.nn import rms_norm  # noqa: E402
 
 
@@ -515,3 +515,32 @@ def test_dropout_on_the_adapter_input(getkey):
     for m in (model, keyed):
         off = eqx.nn.inference_mode(m)
         _assert_close(off(x), _mlp_reference(model, x))
+
+
+def test_taps_report_each_adapted_layer(getkey):
+    model = _mlp(getkey)
+    x = jr.normal(getkey(), (2, 8))
+    y, rms = eqxscan.tap(model.blocks, eqxscan.stats.rms)(x)
+    expected, h = [], x
+    layers = model.blocks.layers
+    for i in range(3):
+        g = jax.nn.gelu(_adapt(_at(layers.w1, i), rms_norm(layers.scale[i], h)))
+        h = h + _adapt(_at(layers.w2, i), g)
+        expected.append(jnp.sqrt(jnp.mean(h**2)))
+    _assert_close((y, rms), (h, jnp.stack(expected)))
+
+
+def test_fsdp_base_with_replicated_adapters(getkey):
+    # The test process has two devices: the bases sharded over both, the
+    # adapters (below min_size) replicated.
+    model = _mlp(getkey)
+    x = jr.normal(getkey(), (4, 8))
+    mesh = sharding.make_mesh(fsdp=2)
+    placed, _, batch = sharding.shard(model, None, x, mesh=mesh, min_size=256)
+    w1 = placed.blocks.layers.w1
+    assert not w1.base.sharding.is_fully_replicated
+    assert w1.a.sharding.is_fully_replicated and w1.b.sharding.is_fully_replicated
+    _assert_close(
+        _loss_and_adapter_grads(lambda m, x: m(x), placed, batch),
+        _loss_and_adapter_grads(lambda m, x: m(x), model, x),
+    )
