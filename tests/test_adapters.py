@@ -544,3 +544,26 @@ def test_fsdp_base_with_replicated_adapters(getkey):
         _loss_and_adapter_grads(lambda m, x: m(x), placed, batch),
         _loss_and_adapter_grads(lambda m, x: m(x), model, x),
     )
+
+
+def test_llama_example(getkey):
+    # examples/llama.py's decoder: adapted attention and MLP projections give
+    # the logits of the same model with the adapters merged into its weights.
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "llama.py"
+    spec = importlib.util.spec_from_file_location("llama_for_adapters", path)
+    llama = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(llama)
+    config = llama.Config(vocab=32, dim=16, hidden=24, layers=2, heads=2, kv_heads=1)
+    model = llama.Llama(config, key=getkey())
+    adapted = adapters.add_lora(
+        model, ["blocks.*.wqkv", "blocks.*.w13", "blocks.*.w2"], rank=2, key=getkey()
+    )
+    adapted = _random_b(adapted, getkey())
+    assert _is_lora(adapted.blocks.layers.wqkv) and not _is_lora(adapted.lm_head)
+    tokens = jnp.arange(5) % 32
+    logits = eqx.filter_jit(lambda m: m(tokens))
+    _assert_close(logits(adapted), logits(adapters.merge(adapted)), tol=1e-4)
+    assert not np.allclose(logits(adapted), logits(model), atol=1e-3)
