@@ -44,6 +44,13 @@ class LoRA(eqx.Module):
     | `"x@W"` | `[in, out]` | `[K, in, r]` | `[K, r, out]` |
     | `"W@x"` | `[out, in]` | `[K, r, in]` | `[K, out, r]` |
 
+    `active` is the adapter used (an `int32` scalar per layer); `alpha` and
+    `rank` give the scaling `alpha / rank`. Besides PEFT's fields: `name`, the
+    weight's state-dict name (`"blocks.*.w1"`), for error messages; `dropout`,
+    the dropout rate on the adapters' input, with `inference` (set by
+    `eqx.nn.inference_mode`) and `key` (set by
+    [`eqxscan.adapters.with_dropout_key`][], one key per layer).
+
     `.shape`, `.dtype` and `.ndim` are those of `base`. Other array operations
     (`+`, indexing, `jnp.asarray`) raise a `TypeError` naming the leaf and
     pointing to [`eqxscan.adapters.merge`][]; `jnp.matmul`, `jnp.einsum` and
