@@ -48,7 +48,7 @@ class _FormsTheSum(adapters.LoRA):
         return x @ (self.base + self.scaling * self.a[k] @ self.b[k])
 
 
-def _train_step_temp(model, spec, x):
+def _gradient_temp(model, spec, x):
     params, static = eqx.partition(model, spec)
     loss = lambda p: jnp.sum(eqx.combine(p, static)(x) ** 2)  # noqa: E731
     compiled = jax.jit(jax.grad(loss)).lower(params).compile()
@@ -65,13 +65,17 @@ def test_the_base_is_not_copied(getkey):
     one_adapter = num_layers * (d * r + r * 4 * d) * 4 * 2  # w1 and w2, f32
     ids = 2 * num_layers * 4
     assert _nbytes(model) == _nbytes(base) + k * one_adapter + ids
-    # A train step's temporaries: the unadapted step's plus at most one layer's
-    # adapters and activations.
+    # A gradient's temporaries: the unadapted one's plus one layer's adapters
+    # and activations when each layer is recomputed; when matmul outputs are
+    # saved (remat="auto" here), also the adapter branch's (`x @ a`, then
+    # `@ b`) in every layer.
     x = jnp.ones((batch, d))
-    plain = _train_step_temp(base, eqx.is_inexact_array, x)
-    adapted = _train_step_temp(model, adapters.trainable(model), x)
-    bound = k * one_adapter // num_layers + batch * 5 * d * 4
-    assert adapted <= plain + bound
+    layer = k * one_adapter // num_layers + batch * 5 * d * 4
+    branch = num_layers * batch * ((r + 4 * d) + (r + d)) * 4
+    for remat, bound in ((True, layer), ("auto", layer + branch)):
+        plain = _gradient_temp(base.with_options(remat=remat), eqx.is_inexact_array, x)
+        adapted = model.with_options(remat=remat)
+        assert _gradient_temp(adapted, adapters.trainable(adapted), x) <= plain + bound
     # Forming `base + delta` in the layer keeps a merged weight per layer.
     summed = jax.tree.map(
         lambda n: (
@@ -82,7 +86,7 @@ def test_the_base_is_not_copied(getkey):
         model,
         is_leaf=_is_lora,
     )
-    assert _train_step_temp(summed, adapters.trainable(summed), x) > plain + bound
+    assert _gradient_temp(summed, adapters.trainable(summed), x) > plain + bound
 
 
 def test_merge_and_unmerge(getkey):
