@@ -79,6 +79,7 @@ def add_lora(
     )
     patterns = [t for t in found if isinstance(t, str)]
     matched: set[str] = set()
+    given = model
 
     def replace(leaf: object, site: Site) -> object:
         name = pattern(site.path)
@@ -102,7 +103,7 @@ def add_lora(
     if missing:
         raise ValueError(
             f"add_lora: the target pattern(s) {missing} match no array of the "
-            f"model. Its 2-D weights are named {_weight_names(model)[:12]}.\n"
+            f"model. Its 2-D weights are named {_weight_names(given)[:12]}.\n"
             "Hint: names are eqxscan.to_state_dict's, with each layer index shown "
             "as `*` (every layer of a stack is adapted together)."
         )
