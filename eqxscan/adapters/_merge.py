@@ -126,4 +126,14 @@ def unmerge(
             base = fn(weight, node.a, node.b, k, -node.scaling, node.orientation)
         return eqx.tree_at(lambda lo: lo.base, node, base)
 
-    return jtu.tree_map(one, adapted, merged, is_leaf=_is_lora)
+    try:
+        return jtu.tree_map(one, adapted, merged, is_leaf=_is_lora)
+    except ValueError as e:
+        if "pytree structure" not in str(e):
+            raise
+        first = str(e).strip().splitlines()[0:2]
+        raise ValueError(
+            "unmerge: the merged model is not shaped as the adapted model with "
+            f"arrays in place of its LoRAs ({' '.join(x.strip() for x in first)})."
+            "\nHint: pass the model merge() returned and the model it merged."
+        ) from e
