@@ -1,0 +1,10 @@
+"""LoRA adapters on a shared base: a layer's weight replaced by a
+[`eqxscan.adapters.LoRA`][] that holds the frozen weight and `K` low-rank
+adapters, inside a [`eqxscan.Stacked`][] stacked along the layer axis like any
+other leaf, so that the base is never copied.
+"""
+
+from ._add import add_lora as add_lora, Target as Target, trainable as trainable
+from ._lora import LoRA as LoRA, Orientation as Orientation
+from ._merge import merge as merge, unmerge as unmerge
+from ._select import select as select, with_dropout_key as with_dropout_key

@@ -1,0 +1,441 @@
+"""LoRA adapters: the product from the stored base and adapters, against
+hand-written references."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+
+import eqxscan
+from eqxscan import adapters
+from eqxscan.adapters import LoRA
+from eqxscan.nn import rms_norm
+
+
+def _lora(getkey, orientation="x@W", m=6, n=5, r=2, k=3, active=1, alpha=4.0):
+    base = jr.normal(getkey(), (m, n))
+    if orientation == "x@W":
+        a, b = jr.normal(getkey(), (k, m, r)), jr.normal(getkey(), (k, r, n))
+    else:
+        a, b = jr.normal(getkey(), (k, r, n)), jr.normal(getkey(), (k, m, r))
+    return LoRA(base, a, b, jnp.asarray(active), alpha, r, orientation, name="w")
+
+
+@pytest.mark.parametrize("active", [0, 2, -1])
+def test_x_at_lora_is_the_low_rank_product(getkey, active):
+    lora = _lora(getkey, active=active)
+    x = jr.normal(getkey(), (2, 3, 6))  # any leading shape
+    expected = x @ lora.base
+    if active >= 0:
+        expected = expected + 2.0 * (x @ lora.a[active]) @ lora.b[active]
+    np.testing.assert_allclose(x @ lora, expected, rtol=1e-5, atol=1e-5)
+    # NumPy inputs and a jitted call give the same.
+    np.testing.assert_allclose(np.asarray(x) @ lora, expected, rtol=1e-5, atol=1e-5)
+    jitted = eqx.filter_jit(lambda lo, x: x @ lo)(lora, x)
+    np.testing.assert_allclose(jitted, expected, rtol=1e-5, atol=1e-5)
+    assert (lora.shape, lora.dtype, lora.ndim) == ((6, 5), jnp.float32, 2)
+
+
+@pytest.mark.parametrize("active", [1, -1])
+def test_lora_at_x_is_the_mirror(getkey, active):
+    lora = _lora(getkey, "W@x", active=active)
+    for x in (jr.normal(getkey(), (5,)), jr.normal(getkey(), (4, 5, 2))):
+        expected = lora.base @ x
+        if active >= 0:
+            expected = expected + 2.0 * lora.b[active] @ (lora.a[active] @ x)
+        np.testing.assert_allclose(lora @ x, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_base_alone_ignores_a_non_finite_adapter(getkey):
+    lora = _lora(getkey, active=-1)
+    lora = eqx.tree_at(lambda lo: lo.a, lora, lora.a.at[0].set(jnp.nan))
+    x = jr.normal(getkey(), (6,))
+    np.testing.assert_allclose(x @ lora, x @ lora.base, rtol=1e-6)
+
+
+def test_base_alone_gives_adapters_no_gradient(getkey):
+    lora = _lora(getkey, active=-1)
+    x = jr.normal(getkey(), (6,))
+    grads = eqx.filter_grad(lambda lo: jnp.sum(x @ lo))(lora)
+    assert not jnp.any(grads.a) and not jnp.any(grads.b) and jnp.all(grads.base)
+
+
+def test_a_traced_active_selects_per_row(getkey):
+    lora = _lora(getkey)
+    xs, ids = jr.normal(getkey(), (4, 6)), jnp.array([0, 2, -1, 1])
+    rows = jax.vmap(lambda x, i: x @ eqx.tree_at(lambda lo: lo.active, lora, i))
+    expected = [
+        x @ lora.base + (2.0 * (x @ lora.a[i]) @ lora.b[i] if i >= 0 else 0)
+        for x, i in zip(xs, ids.tolist())
+    ]
+    np.testing.assert_allclose(rows(xs, ids), jnp.stack(expected), rtol=1e-5)
+
+
+def test_other_operations_raise(getkey):
+    lora = _lora(getkey)
+    x = jnp.ones((2, 6))
+    for op in (
+        lambda: x + lora,
+        lambda: lora * 2,
+        lambda: lora[0],
+        lambda: jnp.asarray(lora),
+        lambda: np.asarray(lora),
+        lambda: lora.T,
+    ):
+        with pytest.raises(TypeError, match=r"The LoRA at `w`.*\n.*merge"):
+            op()
+    # jax.numpy functions refuse it as an operand (never silently use the base).
+    for op in (jnp.matmul, jnp.dot, lambda x, w: jnp.einsum("bi,io->bo", x, w)):
+        with pytest.raises(TypeError, match="requires ndarray or scalar"):
+            op(x, lora)
+
+
+def test_wrong_use_raises(getkey):
+    lora = _lora(getkey)
+    with pytest.raises(TypeError, match=r"'x@W' but was used as `lora @ x`"):
+        lora @ jnp.ones(5)
+    with pytest.raises(TypeError, match=r"got x of shape \(2, 5\).*size 6"):
+        jnp.ones((2, 5)) @ lora
+    stacked = jax.tree.map(lambda a: jnp.stack([a, a]), lora)
+    with pytest.raises(TypeError, match=r"base float32\[2,6,5\] with 1 layer axes"):
+        jnp.ones(6) @ stacked
+
+
+# Models adapted by add_lora, against hand-written LoRA loops over their layers.
+
+
+S = 2.0  # alpha / rank below
+
+
+def _random_b(model, key):
+    """Adapters that change the output (`add_lora` starts `b` at zero)."""
+    loras = [x for x in jax.tree.leaves(model, is_leaf=_is_lora) if _is_lora(x)]
+    keys = jr.split(key, len(loras))
+    return eqx.tree_at(
+        lambda m: [lo.b for lo in jax.tree.leaves(m, is_leaf=_is_lora) if _is_lora(lo)],
+        model,
+        [0.5 * jr.normal(k, lo.b.shape) for k, lo in zip(keys, loras)],
+    )
+
+
+def _is_lora(x):
+    return isinstance(x, adapters.LoRA)
+
+
+def _at(tree, i):
+    """Layer `i` of stacked arrays (a LoRA's `inference` flag is not stacked)."""
+    return jax.tree.map(lambda a: a[i] if eqx.is_array(a) else a, tree)
+
+
+def _adapt(w, x, k=0):
+    """x @ W + s * (x @ A) @ B, written out, for one layer's LoRA (or array)."""
+    if not _is_lora(w):
+        return x @ w
+    if k < 0:
+        return x @ w.base
+    return x @ w.base + S * (x @ w.a[k]) @ w.b[k]
+
+
+def _mlp_reference(model, x, k=0):
+    layers = model.blocks.layers
+    for i in range(model.num_layers):
+        w1, w2, scale = (_at(t, i) for t in (layers.w1, layers.w2, layers.scale))
+        h = jax.nn.gelu(_adapt(w1, rms_norm(scale, x), k))
+        x = x + _adapt(w2, h, k)
+    return x
+
+
+def _mlp(getkey, k=1, **options):
+    model = eqxscan.StackedMLP(8, 3, key=getkey(), **options)
+    model = adapters.add_lora(
+        model, ["blocks.*.w1", "*.w2"], rank=2, alpha=4.0, num_adapters=k, key=getkey()
+    )
+    return _random_b(model, getkey())
+
+
+def _call(model, x):
+    return model(x)
+
+
+def _losses_and_grads(x, *runs):
+    """For each `(fn, model)`, the loss `sum(fn(model, x) ** 2)` and its gradient
+    with respect to the adapters, all in one compiled program (one compile)."""
+    parts = [eqx.partition(m, adapters.trainable(m)) for _, m in runs]
+
+    @jax.jit
+    def all_runs(params, x):
+        out = []
+        for (fn, _), p, (_, static) in zip(runs, params, parts):
+            loss = lambda p, fn=fn, s=static: jnp.sum(fn(eqx.combine(p, s), x) ** 2)  # noqa: E731
+            out.append(jax.value_and_grad(loss)(p))
+        return out
+
+    return all_runs([p for p, _ in parts], x)
+
+
+def _assert_close(a, b, tol=1e-5):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(x, y, rtol=tol, atol=tol)
+
+
+def test_stacked_mlp_equals_a_hand_written_lora_loop(getkey):
+    model = _mlp(getkey)
+    x, key = jr.normal(getkey(), (2, 8)), getkey()
+    policy = jax.checkpoint_policies.dots_saveable
+    runs = [model.with_options(mode="loop")]
+    runs += [
+        model.with_options(remat=r) for r in (False, True, "auto", "nested", policy)
+    ]
+    dropping = model.with_options(drop_path=0.5)
+    drop = lambda m, x: m(x, key=key)  # noqa: E731
+    expected, *got, dropped, dropped_loop = _losses_and_grads(
+        x,
+        (_mlp_reference, model),
+        *[(_call, r) for r in runs],
+        (drop, dropping),
+        (drop, dropping.with_options(mode="loop")),
+    )
+    for g in got:
+        _assert_close(g, expected)
+    # Only the adapters have gradients.
+    grads = got[0][1].blocks.layers
+    assert grads.w1.base is None and grads.scale is None
+    assert grads.w1.a.shape == (3, 1, 8, 2) and jnp.all(grads.w2.b != 0)
+    # Drop path: the scan drops what the loop drops.
+    _assert_close(dropped, dropped_loop)
+    assert not np.allclose(dropped[0], expected[0])
+
+
+class LinearBlock(eqx.Module):
+    linear: eqx.nn.Linear
+
+    def __init__(self, dim, *, key):
+        self.linear = eqx.nn.Linear(dim, dim, key=key)
+
+    def __call__(self, x):
+        return x + jnp.tanh(self.linear(x))
+
+
+def test_linear_stack_equals_a_hand_written_lora_loop(getkey):
+    stack = eqxscan.Stacked(lambda k: LinearBlock(6, key=k), 3, key=getkey())
+    stack = adapters.add_lora(stack, eqx.nn.Linear, rank=2, alpha=4.0, key=getkey())
+    stack = _random_b(stack, getkey())
+    lora = stack.layers.linear.weight
+    assert lora.orientation == "W@x" and lora.a.shape == (3, 1, 2, 6)
+
+    def reference(stack, x):
+        w, bias = stack.layers.linear.weight, stack.layers.linear.bias
+        for i in range(3):
+            base, a, b = w.base[i], w.a[i, 0], w.b[i, 0]
+            x = x + jnp.tanh(base @ x + S * b @ (a @ x) + bias[i])
+        return x
+
+    x = jr.normal(getkey(), (6,))
+    loop = stack.with_options(mode="loop", remat=True)
+    expected, *got = _losses_and_grads(
+        x, (reference, stack), (_call, stack), (_call, loop)
+    )
+    for g in got:
+        _assert_close(g, expected)
+
+
+class Dense(eqx.Module):
+    w: jax.Array
+
+    def __call__(self, x):
+        return x + jnp.tanh(x @ self.w)
+
+
+class TwoDense(eqx.Module):
+    w: jax.Array
+    v: jax.Array
+
+    def __call__(self, x):
+        return x + jnp.tanh(x @ self.w) @ self.v
+
+
+def test_chain_equals_a_hand_written_lora_loop(getkey):
+    layers = [Dense(jr.normal(getkey(), (4, 4))) for _ in range(2)]
+    layers += [TwoDense(jr.normal(getkey(), (4, 3)), jr.normal(getkey(), (3, 4)))]
+    layers += [Dense(jr.normal(getkey(), (4, 4)))]
+    chain = adapters.add_lora(
+        eqxscan.Chain(layers), "*.w", rank=2, alpha=4.0, key=getkey()
+    )
+    chain = _random_b(chain, getkey())
+    stack, two, last = chain.groups
+    assert _is_lora(stack.layers.w) and _is_lora(two.w) and not _is_lora(two.v)
+
+    def reference(chain, x):
+        stack, two, last = chain.groups
+        for i in range(2):
+            x = x + jnp.tanh(_adapt(_at(stack.layers.w, i), x))
+        x = x + jnp.tanh(_adapt(two.w, x)) @ two.v
+        return x + jnp.tanh(_adapt(last.w, x))
+
+    x = jr.normal(getkey(), (3, 4))
+    expected, got = _losses_and_grads(x, (reference, chain), (_call, chain))
+    _assert_close(got, expected)
+
+
+def test_init_is_pefts(getkey):
+    key = getkey()
+    model = eqxscan.StackedMLP(8, 3, key=getkey())
+    loop = model.with_options(mode="loop")
+    one, two = (
+        adapters.add_lora(m, "blocks.*.w1", rank=2, num_adapters=2, key=key)
+        for m in (model, loop)
+    )
+    lora = one.blocks.layers.w1
+    assert lora.base is model.blocks.layers.w1  # the base itself, not a copy
+    assert lora.alpha == 2.0 and lora.rank == 2 and not jnp.any(lora.b)
+    assert jnp.all(lora.active == 0)
+    # a ~ U(-1/sqrt(in), 1/sqrt(in)), every layer and adapter its own.
+    assert jnp.max(jnp.abs(lora.a)) <= 8**-0.5 and jnp.max(jnp.abs(lora.a)) > 0.2
+    flat = lora.a.reshape(6, -1)
+    assert len({tuple(np.asarray(r).round(6)) for r in flat}) == 6
+    # The same key gives the same adapters whatever the mode.
+    np.testing.assert_array_equal(lora.a, two.blocks.layers.w1.a)
+    # b = 0: the adapted model starts as the base.
+    x = jr.normal(getkey(), (2, 8))
+    np.testing.assert_allclose(one(x), model(x), rtol=1e-6, atol=1e-6)
+
+
+def test_add_lora_errors(getkey):
+    model = eqxscan.StackedMLP(8, 2, key=getkey())
+    with pytest.raises(
+        ValueError, match=r"\['blocks.\*.w3'\] match no array.*blocks.\*.w1"
+    ):
+        adapters.add_lora(model, "blocks.*.w3", rank=2, key=getkey())
+    with pytest.raises(ValueError, match=r"`blocks.\*.scale` has shape \(2, 8\)"):
+        adapters.add_lora(model, "blocks.*.scale", rank=2, key=getkey())
+    with pytest.raises(
+        ValueError, match=r"rank=9 .* `blocks.\*.w1` \(8x32\).*at most 8"
+    ):
+        adapters.add_lora(model, "blocks.*.w1", rank=9, key=getkey())
+    with pytest.raises(ValueError, match="rank must be >= 1"):
+        adapters.add_lora(model, "blocks.*.w1", rank=0, key=getkey())
+    with pytest.raises(ValueError, match="Linear matches no module"):
+        adapters.add_lora(model, eqx.nn.Linear, rank=2, key=getkey())
+    with pytest.raises(TypeError, match="each target must be"):
+        adapters.add_lora(model, [3], rank=2, key=getkey())
+    with pytest.raises(TypeError, match="non-empty list"):
+        adapters.add_lora(model, [], rank=2, key=getkey())
+    with pytest.raises(ValueError, match="num_adapters must be >= 1"):
+        adapters.add_lora(model, "*.w1", rank=2, num_adapters=0, key=getkey())
+    with pytest.raises(ValueError, match="orientation must be 'x@W' or 'W@x'"):
+        adapters.add_lora(model, "*.w1", rank=2, orientation="xW", key=getkey())
+    with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\)"):
+        adapters.add_lora(model, "*.w1", rank=2, dropout=1.0, key=getkey())
+
+
+def test_several_adapters_in_one_batch(getkey):
+    base = eqxscan.StackedMLP(8, 3, key=getkey())
+    model = adapters.add_lora(
+        base, ["*.w1", "*.w2"], rank=2, alpha=4.0, num_adapters=3, key=getkey()
+    )
+    model = _random_b(model, getkey())
+    xs, ids = jr.normal(getkey(), (6, 8)), jnp.array([0, 2, -1, 1, 0, 2])
+
+    @jax.jit
+    def run(xs, ids, far):
+        rows = jax.vmap(lambda x, i: adapters.select(model, i)(x))(xs, ids)
+        alone = {k: adapters.select(model, k)(xs) for k in (0, 1, 2, -1)}
+        by_hand = {k: _mlp_reference(model, xs, k) for k in (0, 1, 2, -1)}
+        # The default after add_lora is adapter 0; a traced id out of range is
+        # the base alone.
+        return rows, alone, by_hand, model(xs), adapters.select(model, far)(xs)
+
+    rows, alone, by_hand, default, far = run(xs, ids, jnp.int32(7))
+    for k in (0, 1, 2, -1):
+        _assert_close(rows[ids == k], alone[k][ids == k])
+        _assert_close(rows[ids == k], by_hand[k][ids == k])
+    plain = base(xs)
+    _assert_close(rows[ids == -1], plain[ids == -1])
+    _assert_close((default, far), (alone[0], plain))
+
+
+def test_select_errors(getkey):
+    model = _mlp(getkey, k=2)
+    with pytest.raises(ValueError, match=r"adapter 2 does not exist.*`blocks.\*.w1`"):
+        adapters.select(model, 2)
+    with pytest.raises(ValueError, match=r"must be in \[-1, 2\)"):
+        adapters.select(model, -2)
+    with pytest.raises(TypeError, match=r"ids must be an int.*float32\[3\]"):
+        adapters.select(model, jnp.zeros(3))
+    with pytest.raises(ValueError, match="holds no LoRA"):
+        adapters.select(eqxscan.StackedMLP(8, 2, key=getkey()), 0)
+
+
+def test_dropout_on_the_adapter_input(getkey):
+    model = eqxscan.StackedMLP(8, 3, key=getkey())
+    model = adapters.add_lora(
+        model, ["*.w1", "*.w2"], rank=2, alpha=4.0, dropout=0.5, key=getkey()
+    )
+    model = _random_b(model, getkey())
+    x = jr.normal(getkey(), (2, 8))
+    with pytest.raises(ValueError, match=r"LoRA at `blocks.\*.w1` has dropout=0.5"):
+        model(x)
+    keyed = adapters.with_dropout_key(model, getkey())
+    w1, w2 = keyed.blocks.layers.w1, keyed.blocks.layers.w2
+    data = jax.random.key_data
+    # Each layer and each weight its own key.
+    assert len({tuple(np.asarray(data(k)).ravel()) for k in [*w1.key, *w2.key]}) == 6
+
+    def dropped(w, h, i):
+        keep = jr.bernoulli(w.key[i], 0.5, h.shape)
+        lo = _at(w, i)
+        return h @ lo.base + S * (jnp.where(keep, h / 0.5, 0.0) @ lo.a[0]) @ lo.b[0]
+
+    def reference(m, x):
+        layers = m.blocks.layers
+        for i in range(3):
+            h = jax.nn.gelu(dropped(layers.w1, rms_norm(layers.scale[i], x), i))
+            x = x + dropped(layers.w2, h, i)
+        return x
+
+    loop = keyed.with_options(mode="loop")
+    expected, *got = _losses_and_grads(
+        x, (reference, keyed), (_call, keyed), (_call, loop)
+    )
+    for g in got:
+        _assert_close(g, expected)
+    # Off in inference mode, with or without keys.
+    off = jax.jit(lambda x: [eqx.nn.inference_mode(m)(x) for m in (model, keyed)])
+    _assert_close(off(x), [eqx.filter_jit(_mlp_reference)(model, x)] * 2)
+
+
+def test_taps_report_each_adapted_layer(getkey):
+    model = _mlp(getkey)
+    x = jr.normal(getkey(), (2, 8))
+    y, rms = eqxscan.tap(model.blocks, eqxscan.stats.rms)(x)
+    expected, h = [], x
+    layers = model.blocks.layers
+    for i in range(3):
+        g = jax.nn.gelu(_adapt(_at(layers.w1, i), rms_norm(layers.scale[i], h)))
+        h = h + _adapt(_at(layers.w2, i), g)
+        expected.append(jnp.sqrt(jnp.mean(h**2)))
+    _assert_close((y, rms), (h, jnp.stack(expected)))
+
+
+def test_llama_example(getkey):
+    # examples/llama.py's decoder: adapted attention and MLP projections give
+    # the logits of the same model with the adapters merged into its weights.
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "llama.py"
+    spec = importlib.util.spec_from_file_location("llama_for_adapters", path)
+    llama = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(llama)
+    config = llama.Config(vocab=32, dim=16, hidden=24, layers=2, heads=2, kv_heads=1)
+    model = llama.Llama(config, key=getkey())
+    adapted = adapters.add_lora(
+        model, ["blocks.*.wqkv", "blocks.*.w13", "blocks.*.w2"], rank=2, key=getkey()
+    )
+    adapted = _random_b(adapted, getkey())
+    assert _is_lora(adapted.blocks.layers.wqkv) and not _is_lora(adapted.lm_head)
+    tokens = jnp.arange(5) % 32
+    logits = eqx.filter_jit(lambda m: m(tokens))
+    _assert_close(logits(adapted), logits(adapters.merge(adapted)), tol=1e-4)
