@@ -17,6 +17,7 @@ import importlib.metadata as _metadata
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 
 from . import (
+    adapters as adapters,
     checkpoint as checkpoint,
     nn as nn,
     remat as remat,

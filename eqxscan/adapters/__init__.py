@@ -1,0 +1,7 @@
+"""LoRA adapters on a shared base: a layer's weight replaced by a
+[`eqxscan.adapters.LoRA`][] that holds the frozen weight and `K` low-rank
+adapters, inside a [`eqxscan.Stacked`][] stacked along the layer axis like any
+other leaf, so that the base is never copied.
+"""
+
+from ._lora import LoRA as LoRA, Orientation as Orientation

@@ -1,0 +1,176 @@
+"""`LoRA`: a frozen weight and `K` low-rank adapters, used where the weight was.
+
+A layer keeps its own code (`x @ self.w`, or `self.weight @ x` as
+`eqx.nn.Linear` does): the product is computed from the stored base and the
+active adapter, `x @ base + (alpha / r) * (x @ a[k]) @ b[k]`, without forming
+`base + delta`. Inside an [`eqxscan.Stacked`][] every array of a `LoRA` has the
+layer axis in front, like any other leaf, so layer `i` is handed its own slice
+of the base and of the adapters by the scan, and the base is never copied.
+"""
+
+from typing import Literal, NoReturn
+
+import equinox as eqx
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+
+Orientation = Literal["x@W", "W@x"]
+"""How a layer uses its weight: `x @ W` (base `[in, out]`, as `StackedMLP`'s
+`w1`) or `W @ x` (base `[out, in]`, as `eqx.nn.Linear`'s `weight` and PyTorch)."""
+
+MERGE_HINT = (
+    "Hint: a LoRA computes only `x @ lora` and `lora @ x`; for anything else, "
+    "use `eqxscan.adapters.merge(model)` to get plain weights."
+)
+
+
+class LoRA(eqx.Module):
+    """A frozen weight with `K` low-rank adapters, standing where the weight was.
+
+    `x @ lora` (orientation `"x@W"`) is `x @ base + (alpha / rank) *
+    (dropout(x) @ a[k]) @ b[k]`, and `lora @ x` (orientation `"W@x"`) is
+    `base @ x + (alpha / rank) * b[k] @ (a[k] @ dropout(x))`, with `k = active`;
+    `active == -1` gives the base alone. `base + delta` is never formed.
+
+    Shapes, per layer (inside a [`eqxscan.Stacked`][] each array has the layer
+    axes in front):
+
+    | orientation | `base` | `a` (PEFT's `lora_A`) | `b` (PEFT's `lora_B`) |
+    | --- | --- | --- | --- |
+    | `"x@W"` | `[in, out]` | `[K, in, r]` | `[K, r, out]` |
+    | `"W@x"` | `[out, in]` | `[K, r, in]` | `[K, out, r]` |
+
+    `.shape`, `.dtype` and `.ndim` are those of `base`. Other array operations
+    (`+`, indexing, `jnp.asarray`) raise a `TypeError` naming the leaf and
+    pointing to [`eqxscan.adapters.merge`][]; `jnp.matmul`, `jnp.einsum` and
+    `jnp.dot` raise JAX's own `TypeError` ("requires ndarray or scalar
+    arguments"). Build one with [`eqxscan.adapters.add_lora`][].
+    """
+
+    base: Float[Array, "*layers p q"]
+    a: Float[Array, "*layers k _ _"]
+    b: Float[Array, "*layers k _ _"]
+    active: Int[Array, "*layers"]
+    alpha: float = eqx.field(static=True)
+    rank: int = eqx.field(static=True)
+    orientation: Orientation = eqx.field(static=True)
+    name: str = eqx.field(static=True, default="")
+    dropout: float = eqx.field(static=True, default=0.0)
+    inference: bool = False
+    key: PRNGKeyArray | None = None
+
+    # NumPy's operators then return NotImplemented, so `np_array @ lora` reaches
+    # `__rmatmul__` too.
+    __array_ufunc__ = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.base.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.base.dtype
+
+    @property
+    def ndim(self) -> int:
+        return self.base.ndim
+
+    @property
+    def num_adapters(self) -> int:
+        """`K`, the number of adapters."""
+        return self.a.shape[-3]
+
+    @property
+    def scaling(self) -> float:
+        """`alpha / rank`, as PEFT scales its adapters."""
+        return self.alpha / self.rank
+
+    def __rmatmul__(self, x: Array | np.ndarray) -> Array:
+        """`x @ lora`, for orientation `"x@W"`: `x` is `[..., in]`."""
+        self._check("x @ lora", "x@W", x, -1, 0)
+        x = jnp.asarray(x)
+        k = self._adapter()
+        delta = (self._dropped(x) @ self.a[k]) @ self.b[k]
+        return x @ self.base + self._masked(delta)
+
+    def __matmul__(self, x: Array | np.ndarray) -> Array:
+        """`lora @ x`, for orientation `"W@x"`: `x` is `[in]` or `[..., in, n]`."""
+        self._check("lora @ x", "W@x", x, -2 if jnp.ndim(x) > 1 else -1, 1)
+        x = jnp.asarray(x)
+        k = self._adapter()
+        delta = self.b[k] @ (self.a[k] @ self._dropped(x))
+        return self.base @ x + self._masked(delta)
+
+    def _adapter(self) -> Array:
+        # -1 (the base alone) reads adapter 0, whose term is then masked out.
+        return jnp.maximum(self.active, 0)
+
+    def _masked(self, delta: Array) -> Array:
+        # `where`, not a multiplication by 0: a non-finite adapter does not leak
+        # into the base's output, and its gradient is zero.
+        scaled = (self.scaling * delta).astype(self.base.dtype)
+        return jnp.where(self.active >= 0, scaled, jnp.zeros((), scaled.dtype))
+
+    def _dropped(self, x: Array) -> Array:
+        if self.dropout == 0 or self.inference:
+            return x
+        if self.key is None:
+            raise ValueError(
+                f"The LoRA at `{self.name or '<unnamed>'}` has dropout="
+                f"{self.dropout} and is not in inference mode, but holds no "
+                "dropout key.\nHint: call `eqxscan.adapters.with_dropout_key"
+                "(model, key)` with a fresh key every step, or use "
+                "`eqx.nn.inference_mode(model)`."
+            )
+        keep = jr.bernoulli(self.key, 1.0 - self.dropout, x.shape)
+        return jnp.where(keep, x / (1.0 - self.dropout), jnp.zeros((), x.dtype))
+
+    def _check(
+        self, op: str, orientation: Orientation, x: object, x_axis: int, w_axis: int
+    ) -> None:
+        where = f"The LoRA at `{self.name or '<unnamed>'}`"
+        if self.orientation != orientation:
+            other = "lora @ x" if orientation == "x@W" else "x @ lora"
+            raise TypeError(
+                f"{where} has orientation {self.orientation!r} but was used as "
+                f"`{op}`; it computes `{other}` only.\nHint: pass "
+                f"orientation={orientation!r} to add_lora for a layer that "
+                f"computes `{op}`."
+            )
+        if self.base.ndim != 2:
+            raise TypeError(
+                f"{where} has base {_shape(self.base)} with "
+                f"{self.base.ndim - 2} layer axes in front; `{op}` takes one "
+                "layer's weight.\nHint: it is used inside its Stacked's layers, "
+                "which the scan hands one layer each; or index the stack first."
+            )
+        shape = jnp.shape(x)  # pyright: ignore[reportArgumentType]
+        if len(shape) == 0 or shape[x_axis] != self.base.shape[w_axis]:
+            raise TypeError(
+                f"{where}: `{op}` got x of shape {tuple(shape)}, but the base is "
+                f"{_shape(self.base)} ({orientation}), so x's axis {x_axis} must "
+                f"have size {self.base.shape[w_axis]}.\nHint: check the layer's "
+                "input shape."
+            )
+
+    def _unsupported(self, *_: object, **__: object) -> NoReturn:
+        raise TypeError(
+            f"The LoRA at `{self.name or '<unnamed>'}` (base {_shape(self.base)}) "
+            "supports only `x @ lora` and `lora @ x`, not this operation.\n"
+            + MERGE_HINT
+        )
+
+    __add__ = __radd__ = __sub__ = __rsub__ = _unsupported
+    __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _unsupported
+    __pow__ = __neg__ = __getitem__ = __array__ = _unsupported
+
+    @property
+    def T(self) -> NoReturn:  # noqa: N802  # the array attribute's name
+        self._unsupported()
+
+
+def _shape(x: Array) -> str:
+    return f"{jnp.dtype(x.dtype).name}[{','.join(map(str, x.shape))}]"
