@@ -16,6 +16,7 @@ float32), `adapter_model.safetensors` and
 the base model alone, all float32.
 """
 
+import copy
 import pathlib
 import random
 import sys
@@ -52,10 +53,14 @@ def main(out: pathlib.Path) -> None:
     # The base weights are rounded to bfloat16 and saved so (the file is half
     # the size, under the fixture's 300 KB); the model computes in float32 on
     # exactly those values, as eqxscan's does after loading them as float32.
-    base = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    # Only the parameters: `.to(torch.bfloat16)` on the model would round the
+    # rotary frequencies too.
+    base = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for param in base.parameters():
+            param.copy_(param.to(torch.bfloat16).to(torch.float32))
     out.mkdir(parents=True, exist_ok=True)
-    base.save_pretrained(out, safe_serialization=True)
-    base = base.to(torch.float32)
+    copy.deepcopy(base).to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
 
     tokens = torch.randint(0, config.vocab_size, (2, 10), generator=None)
     with torch.no_grad():
