@@ -5,3 +5,4 @@ other leaf, so that the base is never copied.
 """
 
 from ._lora import LoRA as LoRA, Orientation as Orientation
+from ._peft import load_peft as load_peft, save_peft as save_peft
