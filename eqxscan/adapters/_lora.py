@@ -33,7 +33,8 @@ class LoRA(eqx.Module):
     `x @ lora` (orientation `"x@W"`) is `x @ base + (alpha / rank) *
     (dropout(x) @ a[k]) @ b[k]`, and `lora @ x` (orientation `"W@x"`) is
     `base @ x + (alpha / rank) * b[k] @ (a[k] @ dropout(x))`, with `k = active`;
-    `active == -1` gives the base alone. `base + delta` is never formed.
+    `active == -1` (or any other id outside `[0, K)`) gives the base alone.
+    `base + delta` is never formed.
 
     Shapes, per layer (inside a [`eqxscan.Stacked`][] each array has the layer
     axes in front):
@@ -105,14 +106,16 @@ class LoRA(eqx.Module):
         return self.base @ x + self._masked(delta)
 
     def _adapter(self) -> Array:
-        # -1 (the base alone) reads adapter 0, whose term is then masked out.
-        return jnp.maximum(self.active, 0)
+        # Out of range (-1: the base alone) reads a valid adapter, whose term is
+        # then masked out.
+        return jnp.clip(self.active, 0, self.num_adapters - 1)
 
     def _masked(self, delta: Array) -> Array:
         # `where`, not a multiplication by 0: a non-finite adapter does not leak
-        # into the base's output, and its gradient is zero.
+        # into the base's output.
         scaled = (self.scaling * delta).astype(self.base.dtype)
-        return jnp.where(self.active >= 0, scaled, jnp.zeros((), scaled.dtype))
+        used = (self.active >= 0) & (self.active < self.num_adapters)
+        return jnp.where(used, scaled, jnp.zeros((), scaled.dtype))
 
     def _dropped(self, x: Array) -> Array:
         if self.dropout == 0 or self.inference:

@@ -135,6 +135,12 @@ class MLPBlock(eqx.Module):
         return x + h @ self.w2
 
 
+def _shapes(*arrays: Array | eqx.Module) -> list[jax.ShapeDtypeStruct]:
+    """The shapes checked, not the arrays: a weight may be a module standing for
+    one (an `eqxscan.adapters.LoRA`, whose `.shape` and `.dtype` are its base's)."""
+    return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]  # pyright: ignore[reportAttributeAccessIssue]
+
+
 @jaxtyped(typechecker=beartype)
 def _stacked_shapes(
     w1: Float[Array, "L D 4*D"],
@@ -337,7 +343,7 @@ class StackedMLP(Scanning):
         is given when dropout is active."""
         x = jnp.asarray(x)
         try:
-            _input_shape(self.blocks.layers.w1, x)
+            jax.eval_shape(_input_shape, *_shapes(self.blocks.layers.w1, x))
         except TypeCheckError as e:
             raise TypeCheckError(
                 f"StackedMLP input x is {describe(x)}, but the model takes a "
@@ -366,7 +372,7 @@ def check_stacked_mlp(model: StackedMLP) -> None:
     `model.blocks` holds `w1: [L, D, 4*D]`, `w2: [L, 4*D, D]`, `scale: [L, D]`."""
     layers = model.blocks.layers
     try:
-        _stacked_shapes(layers.w1, layers.w2, layers.scale)
+        jax.eval_shape(_stacked_shapes, *_shapes(layers.w1, layers.w2, layers.scale))
     except TypeCheckError as e:
         raise TypeCheckError(
             "StackedMLP.blocks has arrays of the wrong shapes: expected "

@@ -1,0 +1,129 @@
+"""`merge`: plain weights from a model's LoRAs; `unmerge`: the LoRAs back.
+
+Both run layer by layer: one jitted `fori_loop` per weight adds (or subtracts)
+one layer's `delta` into the stacked base at a time, so that what XLA allocates
+besides the arrays themselves is one layer's delta, not the stack's.
+"""
+
+from typing import Literal
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+from jaxtyping import Array, PyTree
+
+from .._internal import Checked, describe
+from ._lora import LoRA
+
+
+def _is_lora(x: object) -> bool:
+    return isinstance(x, LoRA)
+
+
+def _check_adapter(lora: LoRA, adapter: object, who: str) -> int:
+    if isinstance(adapter, bool) or not isinstance(adapter, int):
+        raise TypeError(f"{who}: adapter must be an int, got {describe(adapter)}.")
+    if not -1 <= adapter < lora.num_adapters:
+        raise ValueError(
+            f"{who}: adapter {adapter} does not exist: the LoRA at `{lora.name}` "
+            f"holds {lora.num_adapters} adapter(s), so adapter must be in "
+            f"[-1, {lora.num_adapters}).\nHint: -1 is the base alone."
+        )
+    return adapter
+
+
+def _add_delta(
+    weight: Array,
+    a: Array,
+    b: Array,
+    adapter: int,
+    scale: float,
+    orientation: Literal["x@W", "W@x"],
+) -> Array:
+    """`weight + scale * delta` of `adapter`, one layer at a time."""
+    shape = weight.shape
+    flat = weight.reshape((-1,) + shape[-2:])
+    a = a.reshape((-1,) + a.shape[-3:])
+    b = b.reshape((-1,) + b.shape[-3:])
+
+    def one(i: Array, w: Array) -> Array:
+        ai, bi = a[i, adapter], b[i, adapter]
+        delta = ai @ bi if orientation == "x@W" else bi @ ai
+        return w.at[i].add((scale * delta).astype(w.dtype))
+
+    return jax.lax.fori_loop(0, flat.shape[0], one, flat).reshape(shape)
+
+
+_STATIC = ("adapter", "scale", "orientation")
+_jitted = jax.jit(_add_delta, static_argnames=_STATIC)
+_donating = jax.jit(_add_delta, static_argnames=_STATIC, donate_argnums=0)
+
+
+def merge(model: PyTree, adapter: Checked[int] = 0, *, donate: bool = False) -> PyTree:
+    """A plain model: every [`eqxscan.adapters.LoRA`][] replaced by `base + delta`
+    of one adapter.
+
+    **Arguments:**
+
+    - `model`: a model returned by [`eqxscan.adapters.add_lora`][].
+    - `adapter`: the adapter merged into every weight (`-1`: the base alone).
+    - `donate`: update the bases in place (their buffers are donated, so `model`
+      and anything sharing its base arrays can no longer be used). Then peak
+      memory is the model plus one layer's delta; otherwise the merged weights
+      are new arrays beside the bases.
+
+    **Returns:**
+
+    `model` with arrays where its `LoRA`s were; the layers compute what the
+    adapted model computes with `adapter` selected.
+    """
+    fn = _donating if donate else _jitted
+
+    def one(node: object) -> object:
+        if not isinstance(node, LoRA):
+            return node
+        k = _check_adapter(node, adapter, "merge")
+        if k == -1:
+            return node.base
+        return fn(node.base, node.a, node.b, k, node.scaling, node.orientation)
+
+    return jtu.tree_map(one, model, is_leaf=_is_lora)
+
+
+def unmerge(
+    merged: PyTree, adapted: PyTree, adapter: Checked[int] = 0, *, donate: bool = False
+) -> PyTree:
+    """The adapted model back from a merged one: each base is the merged weight
+    minus the delta of `adapter`, the adapters are `adapted`'s.
+
+    **Arguments:**
+
+    - `merged`: what [`eqxscan.adapters.merge`][] returned (possibly changed since
+      in its arrays other than the merged weights, which are kept).
+    - `adapted`: the model it was merged from (only its adapters are read).
+    - `adapter`: the adapter that was merged.
+    - `donate`: update the merged weights in place (as for `merge`).
+
+    **Returns:**
+
+    `adapted`'s structure with `merged`'s arrays, each `LoRA`'s base recovered
+    (to float rounding).
+    """
+    fn = _donating if donate else _jitted
+
+    def one(node: object, weight: object) -> object:
+        if not isinstance(node, LoRA):
+            return weight
+        k = _check_adapter(node, adapter, "unmerge")
+        if not (isinstance(weight, jax.Array) and weight.shape == node.base.shape):
+            raise ValueError(
+                f"unmerge: at the LoRA `{node.name}` the merged model holds "
+                f"{describe(weight)}, but the base is {describe(node.base)}.\n"
+                "Hint: pass the model merge() returned and the model it merged."
+            )
+        base = weight
+        if k != -1:
+            base = fn(weight, node.a, node.b, k, -node.scaling, node.orientation)
+        return eqx.tree_at(lambda lo: lo.base, node, base)
+
+    return jtu.tree_map(one, adapted, merged, is_leaf=_is_lora)

@@ -1,0 +1,108 @@
+"""Which adapter each call uses (`select`), and the adapters' dropout keys."""
+
+import equinox as eqx
+import jax
+import jax.core
+import jax.numpy as jnp
+import jax.random as jr
+import jax.tree_util as jtu
+import numpy as np
+from jaxtyping import Array, Int, PRNGKeyArray, PyTree
+
+from .._internal import Checked, describe
+from ._lora import LoRA
+
+
+def _is_lora(x: object) -> bool:
+    return isinstance(x, LoRA)
+
+
+def loras(model: PyTree) -> list[LoRA]:
+    """Every `LoRA` of `model`, in `jax.tree_util` order."""
+    return [x for x in jtu.tree_leaves(model, is_leaf=_is_lora) if _is_lora(x)]
+
+
+def select(model: PyTree, ids: Checked[int | Int[Array, ""]]) -> PyTree:
+    """`model` with every [`eqxscan.adapters.LoRA`][] set to use adapter `ids`
+    (`-1`: the base alone).
+
+    Under `jax.vmap` each row uses its own adapter while the base is read once:
+    `jax.vmap(lambda x, i: adapters.select(model, i)(x))(xs, ids)`. The adapters
+    of each row are gathered layer by layer, inside the scan's step.
+
+    **Arguments:**
+
+    - `model`: a model returned by [`eqxscan.adapters.add_lora`][].
+    - `ids`: an `int` or an integer scalar array, possibly traced. A concrete id
+      must be in `[-1, K)`; a traced id outside `[0, K)` gives the base alone
+      (it cannot be checked before it is known).
+
+    **Returns:**
+
+    `model` with the `active` field of each `LoRA` set (broadcast to its layers).
+    """
+    if isinstance(ids, bool) or not (
+        isinstance(ids, (int, np.integer))
+        or (
+            isinstance(ids, (jax.Array, np.ndarray))
+            and ids.ndim == 0
+            and jnp.issubdtype(ids.dtype, jnp.integer)
+        )
+    ):
+        raise TypeError(
+            f"select: ids must be an int or an integer scalar array, got "
+            f"{describe(ids)}.\nHint: for one adapter per row, vmap over rows: "
+            "jax.vmap(lambda x, i: adapters.select(model, i)(x))(xs, ids)."
+        )
+    found = loras(model)
+    if not found:
+        raise ValueError(
+            "select: the model holds no LoRA.\nHint: add adapters first with "
+            "eqxscan.adapters.add_lora."
+        )
+    if not isinstance(ids, jax.core.Tracer):
+        value = int(ids)
+        for lora in found:
+            if not -1 <= value < lora.num_adapters:
+                raise ValueError(
+                    f"select: adapter {value} does not exist: the LoRA at "
+                    f"`{lora.name}` holds {lora.num_adapters} adapter(s), so ids "
+                    f"must be in [-1, {lora.num_adapters}).\nHint: -1 selects "
+                    "the base alone."
+                )
+    chosen = jnp.asarray(ids, jnp.int32)
+    return eqx.tree_at(
+        lambda m: [lo.active for lo in loras(m)],
+        model,
+        [jnp.broadcast_to(chosen, lo.active.shape) for lo in found],
+    )
+
+
+def with_dropout_key(model: PyTree, key: PRNGKeyArray) -> PyTree:
+    """`model` with a dropout key in every [`eqxscan.adapters.LoRA`][] that has
+    dropout: each adapted weight and each of its layers gets its own key.
+
+    Call it with a fresh key at every training step (a key kept in the model
+    would drop the same units every step). Without a key, a `LoRA` with dropout
+    raises when called outside `eqx.nn.inference_mode`.
+
+    **Arguments:**
+
+    - `model`: a model returned by [`eqxscan.adapters.add_lora`][].
+    - `key`: a JAX PRNG key.
+
+    **Returns:**
+
+    `model` with the keys set.
+    """
+    found = loras(model)
+    keys = [
+        jr.split(jr.fold_in(key, n), lo.active.shape) if lo.dropout > 0 else None
+        for n, lo in enumerate(found)
+    ]
+    return eqx.tree_at(
+        lambda m: [lo.key for lo in loras(m)],
+        model,
+        keys,
+        is_leaf=lambda x: x is None,
+    )
