@@ -6,7 +6,6 @@ tests/scripts/make_peft_fixture.py): a tiny Llama with an adapter on its
 import importlib.util
 import json
 import pathlib
-import shutil
 import types
 
 import equinox as eqx
@@ -17,11 +16,14 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import eqxscan
-from eqxscan.adapters import load_peft, LoRA, save_peft
+from eqxscan import adapters
+from eqxscan.adapters import load_peft, save_peft
+from eqxscan.checkpoint import NameMap, Reshape, Rule
 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data" / "peft_llama"
+WEIGHTS = "adapter_model.safetensors"
 spec = importlib.util.spec_from_file_location(
     "llama_example", ROOT / "examples" / "llama.py"
 )
@@ -36,25 +38,6 @@ PREFIX = "base_model.model.model.layers.{i}."
 DOWN = PREFIX + "mlp.down_proj.lora_{f}.weight"
 
 
-def _lora(base, rank, alpha, orientation, num_adapters, key, *, layers=()):
-    """A LoRA on `base` ([*layers, p, q]), `a` random and `b` zero, base alone."""
-    p, q = base.shape[-2:]
-    inner, outer = (p, q) if orientation == "x@W" else (q, p)
-    k_shape = (*layers, num_adapters)
-    a_shape = (*k_shape, inner, rank) if orientation == "x@W" else (*k_shape, rank, q)
-    b_shape = (*k_shape, rank, outer) if orientation == "x@W" else (*k_shape, p, rank)
-    del inner, outer
-    return LoRA(
-        base=base,
-        a=jax.random.normal(key, a_shape),
-        b=jnp.zeros(b_shape),
-        active=jnp.full(layers, -1, jnp.int32),
-        alpha=alpha,
-        rank=rank,
-        orientation=orientation,
-    )
-
-
 @pytest.fixture(scope="module")
 def base():
     """The fixture's base model, loaded through examples/llama.py's torch names."""
@@ -66,21 +49,10 @@ def base():
     return config, names, model
 
 
-def _adapted(model, config, *, rank=4, alpha=8.0, num_adapters=1, field="w2"):
-    """`model` with a LoRA on `blocks.{i}.<field>` of every layer."""
-    key = jax.random.key(1)
-    where = lambda m: getattr(m.blocks.layers, field)  # noqa: E731
-    lora = _lora(
-        where(model), rank, alpha, "x@W", num_adapters, key, layers=(config.layers,)
-    )
-    return eqx.tree_at(where, model, lora)
-
-
-def _activate(model, k):
-    w2 = model.blocks.layers.w2
-    return eqx.tree_at(
-        lambda m: m.blocks.layers.w2.active, model, jnp.full_like(w2.active, k)
-    )
+def _adapted(model, targets="blocks.*.w2", **kwargs):
+    """`model` with LoRAs on `targets` (PEFT's initialisation: `b` zero)."""
+    kwargs = {"rank": 4, "alpha": 8.0, **kwargs}
+    return adapters.add_lora(model, targets, key=jax.random.key(1), **kwargs)
 
 
 @eqx.filter_jit
@@ -96,15 +68,15 @@ def _close(ours, reference):
 
 def test_fixture_logits(base):
     config, names, model = base
-    adapted = load_peft(_adapted(model, config), DATA, names)
+    adapted = load_peft(_adapted(model), DATA, names)
     tokens = jnp.asarray(REFERENCE["tokens"])
-    _close(_logits(_activate(adapted, 0), tokens), REFERENCE["logits"])
-    _close(_logits(_activate(adapted, -1), tokens), REFERENCE["base_logits"])
+    _close(_logits(adapters.select(adapted, 0), tokens), REFERENCE["logits"])
+    _close(_logits(adapters.select(adapted, -1), tokens), REFERENCE["base_logits"])
     # The loop over the same weights, and the base model without LoRAs.
     looped = eqx.tree_at(
         lambda m: m.blocks, adapted, adapted.blocks.with_options(mode="loop")
     )
-    _close(_logits(_activate(looped, 0), tokens), REFERENCE["logits"])
+    _close(_logits(adapters.select(looped, 0), tokens), REFERENCE["logits"])
     _close(_logits(model, tokens), REFERENCE["base_logits"])
 
 
@@ -112,9 +84,9 @@ def test_factors_placed_by_hand(base):
     # PEFT's change to down_proj.weight [out, in] is scaling * B @ A; eqxscan's
     # w2 is its transpose ([in, out]), so a @ b must be (B @ A).T.
     config, names, model = base
-    loaded = load_peft(_adapted(model, config, num_adapters=3), DATA, names, adapter=1)
+    loaded = load_peft(_adapted(model, num_adapters=3), DATA, names, adapter=1)
     lora = loaded.blocks.layers.w2
-    before = _adapted(model, config, num_adapters=3).blocks.layers.w2
+    before = _adapted(model, num_adapters=3).blocks.layers.w2
     for i in range(config.layers):
         a_file, b_file = FILE[DOWN.format(i=i, f="A")], FILE[DOWN.format(i=i, f="B")]
         np.testing.assert_array_equal(lora.a[i, 1], a_file.T)
@@ -133,7 +105,7 @@ def test_factors_placed_by_hand(base):
 
 def test_round_trip(base, tmp_path):
     config, names, model = base
-    loaded = load_peft(_adapted(model, config), DATA, names)
+    loaded = load_peft(_adapted(model), DATA, names)
     written = save_peft(loaded, tmp_path, names, task_type="CAUSAL_LM")
     assert written == [
         str(tmp_path / "adapter_model.safetensors"),
@@ -161,7 +133,7 @@ def test_round_trip(base, tmp_path):
     ]
     assert {k: ours[k] for k in keys} == {k: PEFT_CONFIG[k] for k in keys}
     # And back: the same factors.
-    again = load_peft(_adapted(model, config), tmp_path, names)
+    again = load_peft(_adapted(model), tmp_path, names)
     for field in ("a", "b"):
         np.testing.assert_array_equal(
             getattr(again.blocks.layers.w2, field),
@@ -175,3 +147,234 @@ def test_round_trip(base, tmp_path):
     ]
     config_again = json.loads((tmp_path / "adapter_config.json").read_text())
     assert config_again["base_model_name_or_path"] == "tiny-llama"
+
+
+def test_fan_in_fan_out(base, tmp_path):
+    # A Conv1D-style file ([in, out] weights, fan_in_fan_out): PEFT's change is
+    # (B @ A).T of its stored weight, which w2's Transpose rule turns back:
+    # the LoRA on w2 is then "W@x" (w2 as [out, in] = [96, 64]).
+    config, names, model = base
+    a_file = {i: FILE[DOWN.format(i=i, f="A")] for i in range(config.layers)}
+    b_file = {i: FILE[DOWN.format(i=i, f="B")] for i in range(config.layers)}
+    tensors = {
+        DOWN.format(i=i, f="A"): np.ascontiguousarray(b_file[i].T) for i in a_file
+    }
+    tensors |= {
+        DOWN.format(i=i, f="B"): np.ascontiguousarray(a_file[i].T) for i in a_file
+    }
+    directory = _fabricate(tmp_path, tensors, {"fan_in_fan_out": True})
+    loaded = load_peft(_adapted(model, orientation="W@x"), directory, names)
+    lora = loaded.blocks.layers.w2
+    for i in range(config.layers):
+        np.testing.assert_allclose(
+            lora.b[i, 0] @ lora.a[i, 0],
+            (b_file[i] @ a_file[i]).T,
+            rtol=1e-6,
+            atol=1e-6,
+        )
+    save_peft(loaded, tmp_path / "again", names)
+    again = json.loads((tmp_path / "again" / "adapter_config.json").read_text())
+    assert again["fan_in_fan_out"] is True
+    saved = load_file(str(tmp_path / "again" / "adapter_model.safetensors"))
+    for name, value in tensors.items():
+        np.testing.assert_array_equal(saved[name], value)
+
+
+def test_peft_loads_our_files(base, tmp_path):
+    # PEFT itself reads save_peft's files onto the PyTorch base model.
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    _, names, model = base
+    # Adapter 1 of 2, changed from the file's: PEFT must read ours, not the fixture's.
+    two = load_peft(_adapted(model, num_adapters=2), DATA, names, adapter=1)
+    w2 = two.blocks.layers.w2
+    two = eqx.tree_at(lambda m: m.blocks.layers.w2.b, two, w2.b.at[:, 1].mul(0.5))
+    save_peft(two, tmp_path, names, adapter=1, task_type="CAUSAL_LM")
+    hf = transformers.LlamaForCausalLM.from_pretrained(DATA, torch_dtype=torch.float32)
+    adapted = peft.PeftModel.from_pretrained(hf, tmp_path).eval()
+    tokens = REFERENCE["tokens"]
+    with torch.no_grad():
+        theirs = adapted(torch.from_numpy(tokens).long()).logits.numpy()
+    _close(_logits(adapters.select(two, 1), jnp.asarray(tokens)), theirs)
+    assert not np.allclose(theirs, REFERENCE["logits"], atol=1e-3)
+
+
+def _fabricate(tmp_path, tensors=None, config=None, *, text=None):
+    """An adapter directory: the fixture's files, or these tensors and entries."""
+    directory = tmp_path / "adapter"
+    directory.mkdir(exist_ok=True)
+    save_file(FILE if tensors is None else tensors, str(directory / WEIGHTS))
+    if text is None:
+        text = json.dumps({**PEFT_CONFIG, **(config or {})})
+    (directory / "adapter_config.json").write_text(text)
+    return directory
+
+
+def _without(*names):
+    return {k: v for k, v in FILE.items() if k not in names}
+
+
+Q = PREFIX.format(i=0) + "self_attn.q_proj.lora_{f}.weight"
+
+
+@pytest.mark.parametrize(
+    "kwargs, tensors, message",
+    [
+        (
+            {"rank": 2},
+            None,
+            "holds rank-4 adapters, but the LoRA at 'blocks.0.w2' (layer 0) has rank 2",
+        ),
+        ({"alpha": 4.0}, None, "scales its adapters by 2 (lora_alpha=8, r=4)"),
+        (
+            {"orientation": "W@x"},
+            None,
+            "has orientation 'W@x', but the name map stores "
+            "'model.layers.0.mlp.down_proj.weight' as [in, out]",
+        ),
+        (
+            {},
+            FILE | {Q.format(f="A"): np.zeros((4, 64), np.float32)},
+            "no LoRA of the model stands for 'model.layers.0.self_attn.q_proj'",
+        ),
+        (
+            {},
+            FILE
+            | {
+                PREFIX.format(i=0) + "mlp.foo_proj.lora_A.weight": np.zeros(
+                    (4, 64), np.float32
+                )
+            },
+            "no LoRA of the model stands for 'model.layers.0.mlp.foo_proj'",
+        ),
+        (
+            {},
+            _without(DOWN.format(i=2, f="A"), DOWN.format(i=2, f="B")),
+            "no factors for the LoRA at 'blocks.2.w2' (layer 2) "
+            "('model.layers.2.mlp.down_proj')",
+        ),
+        (
+            {},
+            _without(DOWN.format(i=1, f="B")),
+            f"'{DOWN.format(i=1, f='B')}' is missing, for 'blocks.1.w2' (layer 1)",
+        ),
+        (
+            {},
+            FILE | {DOWN.format(i=1, f="A"): np.zeros((4, 95), np.float32)},
+            f"'{DOWN.format(i=1, f='A')}' is [4, 95], the LoRA at 'blocks.1.w2' "
+            "(layer 1) needs [4, 96]",
+        ),
+        (
+            {},
+            FILE | {"base_model.model.lm_head.weight": np.zeros((2, 2), np.float32)},
+            "holds tensors that are not LoRA factors",
+        ),
+    ],
+)
+def test_mismatch_errors(base, tmp_path, kwargs, tensors, message):
+    _, names, model = base
+    directory = _fabricate(tmp_path, tensors)
+    with pytest.raises(ValueError, match="Hint:") as error:
+        load_peft(_adapted(model, **kwargs), directory, names)
+    assert message in str(error.value)
+
+
+def test_fused_and_reshaped_weights(base, tmp_path):
+    config, names, model = base
+    tensors = {Q.format(f="A"): np.zeros((4, 64), np.float32)}
+    tensors[Q.format(f="B")] = np.zeros((64, 4), np.float32)
+    directory = _fabricate(tmp_path, tensors, {"target_modules": ["q_proj"]})
+    with pytest.raises(ValueError, match="Hint:") as error:
+        load_peft(_adapted(model, "blocks.*.wqkv"), directory, names)
+    assert (
+        "The LoRA at 'blocks.0.wqkv' (layer 0) cannot be written as PEFT's rank-4 "
+        "pair: the name map fuses 3 weights into it "
+        "('model.layers.0.self_attn.q_proj.weight' [64, 64], "
+    ) in str(error.value)
+    # A map that reshapes w2 [96, 64] into [64, 96]: the shape of a transpose,
+    # not its values.
+    reshaped = NameMap(
+        {
+            "blocks.{i}.w2": Rule(
+                "model.layers.{i}.mlp.down_proj.weight", Reshape((64, 96))
+            )
+        }
+    )
+    with pytest.raises(ValueError, match="Hint:") as error:
+        load_peft(_adapted(model), DATA, reshaped)
+    assert (
+        "the name map reshapes it into 'model.layers.0.mlp.down_proj.weight' [64, 96]"
+    ) in str(error.value)
+    # A map to Flax names ("...kernel"): not a PyTorch module's weight.
+    with pytest.raises(ValueError, match="Hint:") as error:
+        load_peft(_adapted(model), DATA, llama.flax_names(config))
+    assert "as 'model.layers.0.mlp.down_proj.kernel', not a PyTorch" in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("{not json", "it is not valid JSON"),
+        ("[1, 2]", "it holds list, not a JSON object"),
+        (json.dumps({**PEFT_CONFIG, "peft_type": "IA3"}), "'peft_type' is 'IA3'"),
+        (
+            json.dumps({k: v for k, v in PEFT_CONFIG.items() if k != "r"}),
+            "'r' is None, expected a positive number",
+        ),
+        (json.dumps({**PEFT_CONFIG, "r": 2.5}), "'r' is 2.5, not an integer"),
+        (json.dumps({**PEFT_CONFIG, "lora_alpha": "8"}), "'lora_alpha' is '8'"),
+        (json.dumps({**PEFT_CONFIG, "use_dora": True}), "'use_dora' is True"),
+        (
+            json.dumps({**PEFT_CONFIG, "rank_pattern": {"down_proj": 8}}),
+            "'rank_pattern' is {'down_proj': 8}",
+        ),
+    ],
+)
+def test_config_errors(base, tmp_path, text, message):
+    _, names, model = base
+    directory = _fabricate(tmp_path, text=text)
+    with pytest.raises(ValueError, match="Hint:") as error:
+        load_peft(_adapted(model), directory, names)
+    assert "adapter_config.json' is not a PEFT LoRA config: " + message in str(
+        error.value
+    )
+
+
+def test_argument_errors(base, tmp_path):
+    _, names, model = base
+    directory = _fabricate(tmp_path)
+    two = _adapted(model, num_adapters=2)
+    for adapter, message in [
+        (None, "adapter=None does not name one of the 2 adapters"),
+        (2, "adapter=2 does not name one of the 2 adapters"),
+        (-1, "adapter=-1 is negative"),
+    ]:
+        with pytest.raises(ValueError, match="Hint:") as error:
+            load_peft(two, directory, names, adapter=adapter)
+        assert "load_peft: " + message in str(error.value)
+    with pytest.raises(ValueError, match="the model holds no eqxscan.adapters.LoRA"):
+        load_peft(model, directory, names)
+    with pytest.raises(TypeError, match="name_map must be an eqxscan.checkpoint"):
+        load_peft(_adapted(model), directory, {"blocks.{i}.w2": "x"})
+    (directory / WEIGHTS).unlink()
+    with pytest.raises(FileNotFoundError, match="No adapter_model.safetensors at"):
+        load_peft(_adapted(model), directory, names)
+    (directory / "adapter_config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="No adapter_config.json at"):
+        load_peft(_adapted(model), directory, names)
+
+
+def test_save_errors(base, tmp_path):
+    _, names, model = base
+    mixed = _adapted(_adapted(model), "lm_head", rank=2)
+    with pytest.raises(ValueError, match=r"have different ranks \(\[2, 4\]\)"):
+        save_peft(mixed, tmp_path, names)
+    # The embedding's rule keeps PyTorch's layout: "x@W" there means a Conv1D
+    # file, w2's Transpose a Linear one; one config cannot say both.
+    layouts = _adapted(_adapted(model), "embed", orientation="x@W")
+    with pytest.raises(ValueError, match="different layouts of PEFT's stored weights"):
+        save_peft(layouts, tmp_path, names)
+    with pytest.raises(ValueError, match="save_peft: adapter=1 does not name one"):
+        save_peft(_adapted(model), tmp_path, names, adapter=1)
+    assert list(tmp_path.iterdir()) == []

@@ -22,7 +22,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from .._internal import describe, for_each, LayerNumbering, pattern, Site
+from .._internal import Checked, describe, for_each, LayerNumbering, pattern, Site
 from ..checkpoint import NameMap, read_safetensors, save_safetensors
 from ._lora import LoRA, Orientation
 
@@ -173,7 +173,7 @@ def _target(
     return _Target(lora, ours, index, layer, name[: -len(".weight")], transposed)
 
 
-def _targets(model: PyTree, name_map: NameMap, who: str) -> list[_Target]:
+def _targets(model: PyTree, name_map: Checked[NameMap], who: str) -> list[_Target]:
     """Every layer of every LoRA of `model`, with its PEFT module."""
     if not isinstance(name_map, NameMap):
         raise TypeError(
@@ -416,9 +416,9 @@ def _match(
 def load_peft(
     model: PyTree,
     directory: str | os.PathLike,
-    name_map: NameMap,
+    name_map: Checked[NameMap],
     *,
-    adapter: int | None = None,
+    adapter: Checked[int | None] = None,
 ) -> PyTree:
     """Load a PEFT LoRA adapter (the directory `peft`'s `save_pretrained`
     writes) into the [`eqxscan.adapters.LoRA`][]s of `model`.
@@ -528,9 +528,9 @@ def _write_json(path: str, value: Mapping[str, object]) -> None:
 def save_peft(
     model: PyTree,
     directory: str | os.PathLike,
-    name_map: NameMap,
+    name_map: Checked[NameMap],
     *,
-    adapter: int = 0,
+    adapter: Checked[int] = 0,
     base_model_name_or_path: str = "",
     task_type: str | None = None,
 ) -> list[str]:
