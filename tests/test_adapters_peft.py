@@ -6,6 +6,7 @@ tests/scripts/make_peft_fixture.py): a tiny Llama with an adapter on its
 import importlib.util
 import json
 import pathlib
+import shutil
 import types
 
 import equinox as eqx
@@ -190,9 +191,16 @@ def test_peft_loads_our_files(base, tmp_path):
     two = load_peft(_adapted(model, num_adapters=2), DATA, names, adapter=1)
     w2 = two.blocks.layers.w2
     two = eqx.tree_at(lambda m: m.blocks.layers.w2.b, two, w2.b.at[:, 1].mul(0.5))
-    save_peft(two, tmp_path, names, adapter=1, task_type="CAUSAL_LM")
-    hf = transformers.LlamaForCausalLM.from_pretrained(DATA, torch_dtype=torch.float32)
-    adapted = peft.PeftModel.from_pretrained(hf, tmp_path).eval()
+    save_peft(two, tmp_path / "ours", names, adapter=1, task_type="CAUSAL_LM")
+    # The base model alone: beside adapter_config.json, transformers would load
+    # the fixture's adapter onto it.
+    (tmp_path / "base").mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(DATA / name, tmp_path / "base" / name)
+    hf = transformers.LlamaForCausalLM.from_pretrained(
+        tmp_path / "base", dtype=torch.float32
+    )
+    adapted = peft.PeftModel.from_pretrained(hf, tmp_path / "ours").eval()
     tokens = REFERENCE["tokens"]
     with torch.no_grad():
         theirs = adapted(torch.from_numpy(tokens).long()).logits.numpy()
