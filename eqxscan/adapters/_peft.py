@@ -16,15 +16,24 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
-import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from .._internal import Checked, describe, for_each, LayerNumbering, pattern, Site
+from .._internal import Checked
 from ..checkpoint import NameMap, read_safetensors, save_safetensors
-from ._lora import LoRA, Orientation
+from ._lora import LoRA
+from ._peft_targets import (
+    adapter_index,
+    expected_orientation,
+    host_factors,
+    loras_of,
+    peft_layers,
+    PeftLayer,
+    swap,
+    tree_of,
+)
 
 
 __all__ = ["load_peft", "save_peft"]
@@ -37,27 +46,6 @@ _FACTORS = {".lora_A.weight": "lora_A", ".lora_B.weight": "lora_B"}
 
 
 @dataclasses.dataclass(frozen=True)
-class _Target:
-    """One layer of one of the model's `LoRA`s, as PEFT names it."""
-
-    lora: LoRA
-    ours: str  # eqxscan's per-layer name of the weight, e.g. "blocks.2.w2"
-    index: tuple[int, ...]  # the layer's index along the LoRA's layer axes
-    layer: int | None  # the layer number in `ours`, for messages
-    module: str  # PEFT's module, e.g. "model.layers.2.mlp.down_proj"
-    transposed: bool  # the map stores the weight transposed ([in, out])
-
-    @property
-    def where(self) -> str:
-        return _where(self.ours, self.layer)
-
-    def out_in(self) -> tuple[int, int]:
-        """The `(out, in)` sizes of the weight, from the LoRA's orientation."""
-        m, n = self.lora.base.shape[-2:]
-        return (m, n) if self.lora.orientation == "W@x" else (n, m)
-
-
-@dataclasses.dataclass(frozen=True)
 class _Config:
     """The entries of `adapter_config.json` that loading uses."""
 
@@ -65,184 +53,6 @@ class _Config:
     lora_alpha: float
     scaling: float
     fan_in_fan_out: bool
-
-
-# Finding the model's LoRAs and what PEFT calls each of their layers.
-
-
-def _where(ours: str, layer: int | None) -> str:
-    return f"'{ours}'" + ("" if layer is None else f" (layer {layer})")
-
-
-def _loras(model: PyTree, who: str) -> list[tuple[LoRA, Site]]:
-    """Each `LoRA` of `model`, with where its `a` sits (by state-dict name)."""
-    leaves = jtu.tree_leaves(model, is_leaf=lambda x: isinstance(x, LoRA))
-    loras = [x for x in leaves if isinstance(x, LoRA)]
-    if not loras:
-        raise ValueError(
-            f"{who}: the model holds no eqxscan.adapters.LoRA, got "
-            f"{describe(model)}.\nHint: add adapters with "
-            "eqxscan.adapters.add_lora(model, ...) first, with the file's targets."
-        )
-    by_leaf = {id(lora.a): lora for lora in loras}
-    sites: dict[int, Site] = {}
-
-    def visit(leaf: object, site: Site) -> None:
-        if id(leaf) in by_leaf and site.path[-1:] == ("a",):
-            sites[id(leaf)] = site
-
-    for_each(visit, model, names=True)
-    if len(sites) != len(loras):  # a copy of `a` was walked, not `a` itself
-        raise ValueError(
-            f"{who}: {len(loras) - len(sites)} of the model's LoRAs have no state-"
-            "dict name.\nHint: keep each LoRA where add_lora put it."
-        )
-    return [(lora, sites[id(lora.a)]) for lora in loras]
-
-
-def _layers(site: Site) -> list[tuple[str, tuple[int, ...], int | None]]:
-    """`(name, index, layer)` of each layer of the weight whose `a` is at `site`."""
-    out = []
-    for index in np.ndindex(*site.axes):
-        it = iter(index)
-        parts, layer = [], None
-        for p in site.path[:-1]:
-            if isinstance(p, LayerNumbering):
-                layer = p.start + sum(next(it) * s for s in p.strides)
-            parts.append(str(layer if isinstance(p, LayerNumbering) else p))
-        out.append((".".join(parts), tuple(index), layer))
-    return out
-
-
-def _tree(arrays: Mapping[str, np.ndarray]) -> dict:
-    """A pytree with these state-dict names (`"a.0.b"` -> `{"a": {"0": {"b": v}}}`)."""
-    tree: dict = {}
-    for name, value in arrays.items():
-        *parents, last = name.split(".")
-        node = tree
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[last] = value
-    return tree
-
-
-def _refused(name_map: NameMap, ours: str, shape: tuple[int, ...]) -> str:
-    """Why the map does not give `ours` as one PyTorch weight (its own shape)."""
-    try:
-        out = name_map.export(_tree({ours: np.zeros(shape, np.uint8)}))
-    except ValueError as e:
-        return str(e).splitlines()[0]
-    if not out:
-        return "the name map keeps it on eqxscan's side only (keep=)"
-    if len(out) > 1:
-        names = ", ".join(f"'{n}' {list(v.shape)}" for n, v in out.items())
-        return f"the name map fuses {len(out)} weights into it ({names})"
-    ((name, value),) = out.items()
-    return f"the name map reshapes it into '{name}' {list(value.shape)}"
-
-
-def _target(
-    name_map: NameMap, lora: LoRA, ours: str, index: tuple[int, ...], layer: int | None
-) -> _Target:
-    # A small probe of distinct values tells the rule's operations apart: the
-    # map must give it back as it is or transposed, under one `.weight` name.
-    probe = np.arange(6, dtype=np.float32).reshape(2, 3)
-    try:
-        out = name_map.export(_tree({ours: probe}))
-    except ValueError:
-        out = {}
-    ((name, value),) = out.items() if len(out) == 1 else [("", probe[:0])]
-    same = value.shape == probe.shape and np.array_equal(value, probe)
-    transposed = value.shape == probe.T.shape and np.array_equal(value, probe.T)
-    where = _where(ours, layer)
-    if not (same or transposed):
-        why = _refused(name_map, ours, tuple(lora.base.shape[-2:]))
-        raise ValueError(
-            f"The LoRA at {where} cannot be written as PEFT's rank-{lora.rank} "
-            f"pair: {why}. PEFT adapts one PyTorch Linear weight, which the map "
-            "must give as eqxscan's weight or its transpose.\nHint: adapt only "
-            "weights that the map renames or transposes (e.g. not fused q/k/v or "
-            "gate/up projections, nor weights it reshapes by head)."
-        )
-    if not name.endswith(".weight"):
-        raise ValueError(
-            f"The name map gives the LoRA at {where} as '{name}', not a PyTorch "
-            "module's '<module>.weight', which PEFT adapts.\nHint: use the map of "
-            "the PyTorch checkpoint (names ending in '.weight')."
-        )
-    return _Target(lora, ours, index, layer, name[: -len(".weight")], transposed)
-
-
-def _targets(model: PyTree, name_map: Checked[NameMap], who: str) -> list[_Target]:
-    """Every layer of every LoRA of `model`, with its PEFT module."""
-    if not isinstance(name_map, NameMap):
-        raise TypeError(
-            f"{who}: name_map must be an eqxscan.checkpoint.NameMap (the base "
-            f"model's, to PyTorch names), got {describe(name_map)}."
-        )
-    targets = []
-    for lora, site in _loras(model, who):
-        if not isinstance(lora.a, (jax.Array, np.ndarray)):
-            raise TypeError(
-                f"{who} needs concrete arrays, but the LoRA at "
-                f"'{pattern(site.path[:-1])}' holds {describe(lora.a)}.\nHint: "
-                "pass the model itself, not its eval_shape."
-            )
-        if lora.base.ndim != len(site.axes) + 2:
-            raise ValueError(
-                f"{who}: the LoRA at '{pattern(site.path[:-1])}' has a "
-                f"base of shape {tuple(lora.base.shape)} with {len(site.axes)} "
-                "layer axes; PEFT adapts 2-D weights only.\nHint: adapt the "
-                "model's matrices."
-            )
-        for ours, index, layer in _layers(site):
-            targets.append(_target(name_map, lora, ours, index, layer))
-    return targets
-
-
-def _loras_of(targets: Sequence[_Target]) -> list[LoRA]:
-    return list({id(t.lora): t.lora for t in targets}.values())
-
-
-def _hosts(targets: Sequence[_Target]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """Each LoRA's `a` and `b`, copied to the host once."""
-    return {id(x): (np.array(x.a), np.array(x.b)) for x in _loras_of(targets)}
-
-
-def _swap(lora: LoRA, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    # PEFT's (lora_A, lora_B) <-> a LoRA's (a, b), both ways: "W@x" holds them
-    # as they are, "x@W" transposed (its delta `a @ b` is `(B @ A).T`).
-    return (a.T, b.T) if lora.orientation == "x@W" else (a, b)
-
-
-def _expected(target: _Target, fan_in_fan_out: bool) -> Orientation:
-    # PEFT's change to its stored weight is `B @ A` (`[out, in]`), or its
-    # transpose with `fan_in_fan_out` (a Conv1D's `[in, out]` weight); the map
-    # transposes that weight or not on its way to ours.
-    return "W@x" if target.transposed == fan_in_fan_out else "x@W"
-
-
-def _adapter(loras: Sequence[LoRA], adapter: int | None, who: str) -> int:
-    k = {lora.num_adapters for lora in loras}
-    if len(k) > 1:
-        raise ValueError(
-            f"{who}: the model's LoRAs hold different numbers of adapters "
-            f"({sorted(k)}).\nHint: build every LoRA with one add_lora call."
-        )
-    (num,) = k
-    if adapter is None and num == 1:
-        return 0
-    if isinstance(adapter, bool) or not isinstance(adapter, int) or adapter >= num:
-        raise ValueError(
-            f"{who}: adapter={adapter!r} does not name one of the {num} adapters "
-            f"of the model's LoRAs.\nHint: pass adapter=k with 0 <= k < {num}."
-        )
-    if adapter < 0:
-        raise ValueError(
-            f"{who}: adapter={adapter} is negative; -1 (the base alone) is a value "
-            f"of `active`, not an adapter.\nHint: pass 0 <= adapter < {num}."
-        )
-    return adapter
 
 
 # The config file.
@@ -346,7 +156,7 @@ def _few(items: Sequence[str], n: int = 6) -> str:
     return ", ".join(items[:n]) + more
 
 
-def _check_loras(targets: Sequence[_Target], config: _Config, path: str) -> None:
+def _check_loras(targets: Sequence[PeftLayer], config: _Config, path: str) -> None:
     """Each LoRA's rank, scale and orientation against the file's."""
     seen: set[int] = set()
     for t in targets:
@@ -367,7 +177,7 @@ def _check_loras(targets: Sequence[_Target], config: _Config, path: str) -> None
                 f"by {lora.scaling:g} (alpha={lora.alpha:g}).\nHint: add_lora with "
                 f"alpha={config.scaling * lora.rank:g}."
             )
-        want = _expected(t, config.fan_in_fan_out)
+        want = expected_orientation(t, config.fan_in_fan_out)
         if lora.orientation != want:
             stored = "[in, out]" if t.transposed else "[out, in]"
             raise ValueError(
@@ -380,7 +190,7 @@ def _check_loras(targets: Sequence[_Target], config: _Config, path: str) -> None
 
 
 def _match(
-    targets: Sequence[_Target],
+    targets: Sequence[PeftLayer],
     modules: Mapping[str, Mapping[str, np.ndarray]],
     config: _Config,
     path: str,
@@ -451,9 +261,9 @@ def load_peft(
     """
     config = _read_config(directory := os.fspath(directory))
     path, modules = _read_factors(directory)
-    targets = _targets(model, name_map, "load_peft")
-    loras = _loras_of(targets)
-    k = _adapter(loras, adapter, "load_peft")
+    targets = peft_layers(model, name_map, "load_peft")
+    loras = loras_of(targets)
+    k = adapter_index(loras, adapter, "load_peft")
     _check_loras(targets, config, path)
     problems = _match(targets, modules, config, path)
     if problems:
@@ -462,11 +272,11 @@ def load_peft(
             "Hint: add_lora on the weights the file adapts, in a model of the "
             "file's depth and sizes (its base model's configuration)."
         )
-    new = _hosts(targets)
+    new = host_factors(targets)
     for t in targets:
         a, b = new[id(t.lora)]
         factors = modules[t.module]
-        pair = _swap(t.lora, factors["lora_A"], factors["lora_B"])
+        pair = swap(t.lora, factors["lora_A"], factors["lora_B"])
         a[t.index + (k,)], b[t.index + (k,)] = pair  # cast to the LoRA's dtype
 
     def replace(x: object) -> object:
@@ -490,21 +300,16 @@ def _one(values: set[T], what: str, hint: str) -> T:
     return next(iter(values))
 
 
-def _factors(targets: Sequence[_Target], k: int) -> dict[str, np.ndarray]:
+def _factors(targets: Sequence[PeftLayer], k: int) -> dict[str, np.ndarray]:
     """PEFT's tensors of adapter `k`, by PEFT's names."""
-    hosts = _hosts(targets)
+    hosts = host_factors(targets)
     tensors: dict[str, np.ndarray] = {}
     for t in targets:
         a, b = (x[t.index + (k,)] for x in hosts[id(t.lora)])
-        for factor, value in zip(("lora_A", "lora_B"), _swap(t.lora, a, b)):
-            name = f"{_PREFIX}{t.module}.{factor}.weight"
-            if name in tensors:
-                raise ValueError(
-                    f"save_peft: two LoRAs stand for PEFT's '{t.module}' through "
-                    f"the name map (one of them at {t.where}).\nHint: check the "
-                    "map's rules: each weight needs a name of its own."
-                )
-            tensors[name] = np.ascontiguousarray(value)
+        for factor, value in zip(("lora_A", "lora_B"), swap(t.lora, a, b)):
+            tensors[f"{_PREFIX}{t.module}.{factor}.weight"] = np.ascontiguousarray(
+                value
+            )
     return tensors
 
 
@@ -562,9 +367,9 @@ def save_peft(
     The paths written: the weights, then the config.
     """
     directory = os.fspath(directory)
-    targets = _targets(model, name_map, "save_peft")
-    loras = _loras_of(targets)
-    k = _adapter(loras, adapter, "save_peft")
+    targets = peft_layers(model, name_map, "save_peft")
+    loras = loras_of(targets)
+    k = adapter_index(loras, adapter, "save_peft")
     hint = "build every LoRA with one add_lora call."
     rank = _one({lora.rank for lora in loras}, "ranks", hint)
     alpha = _one({lora.alpha for lora in loras}, "alphas", hint)
@@ -592,7 +397,7 @@ def save_peft(
     }
     os.makedirs(directory, exist_ok=True)
     weights = os.path.join(directory, WEIGHTS)
-    save_safetensors(weights, _tree(tensors))
+    save_safetensors(weights, tree_of(tensors))
     path = os.path.join(directory, CONFIG)
     _write_json(path, config)
     return [weights, path]
