@@ -19,7 +19,7 @@ from safetensors.numpy import load_file, save_file
 import eqxscan
 from eqxscan import adapters
 from eqxscan.adapters import load_peft, save_peft
-from eqxscan.checkpoint import NameMap, Reshape, Rule
+from eqxscan.checkpoint import NameMap, Reshape, Rule, Transpose
 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -375,9 +375,6 @@ def test_argument_errors(base, tmp_path):
 
 def test_save_errors(base, tmp_path):
     _, names, model = base
-    mixed = _adapted(_adapted(model), "lm_head", rank=2)
-    with pytest.raises(ValueError, match=r"have different ranks \(\[2, 4\]\)"):
-        save_peft(mixed, tmp_path, names)
     # The embedding's rule keeps PyTorch's layout: "x@W" there means a Conv1D
     # file, w2's Transpose a Linear one; one config cannot say both.
     layouts = _adapted(_adapted(model), "embed", orientation="x@W")
@@ -385,4 +382,66 @@ def test_save_errors(base, tmp_path):
         save_peft(layouts, tmp_path, names)
     with pytest.raises(ValueError, match="save_peft: adapter=1 does not name one"):
         save_peft(_adapted(model), tmp_path, names, adapter=1)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_model_errors(base, tmp_path):
+    config, names, model = base
+    directory = _fabricate(tmp_path)
+    adapted = _adapted(model)
+    abstract = eqx.filter_eval_shape(lambda: adapted)
+    with pytest.raises(TypeError, match="load_peft needs concrete arrays, but the "):
+        load_peft(abstract, directory, names)
+    mixed = _adapted(_adapted(model), "lm_head", num_adapters=2)
+    with pytest.raises(ValueError, match=r"different numbers of adapters \(\[1, 2\]\)"):
+        load_peft(mixed, directory, names)
+    # A map that keeps w2 on eqxscan's side, and one that gives lm_head the
+    # name of layer 0's down_proj.
+    kept = NameMap({}, keep=["blocks.{i}.w2"])
+    with pytest.raises(ValueError, match="the name map keeps it on eqxscan's side"):
+        load_peft(adapted, directory, kept)
+    clash = NameMap(
+        {
+            "blocks.{i}.w2": Rule("model.layers.{i}.mlp.down_proj.weight", Transpose()),
+            "lm_head": Rule("model.layers.0.mlp.down_proj.weight", Transpose()),
+        }
+    )
+    with pytest.raises(
+        ValueError,
+        match="the LoRAs at 'blocks.0.w2' \\(layer 0\\) and 'lm_head' both stand "
+        "for PEFT's 'model.layers.0.mlp.down_proj'",
+    ):
+        load_peft(_adapted(adapted, "lm_head"), directory, clash)
+    # One LoRA in two places (a tied weight adapted once, used twice).
+    lora = adapted.blocks.layers.w2
+    with pytest.raises(ValueError, match="one LoRA stands both at 'x' and at 'y'"):
+        load_peft({"x": lora, "y": lora}, directory, names)
+    # A LoRA with a leading axis of its own, outside any stack.
+    cube = adapters.LoRA(
+        base=jnp.zeros((2, 3, 4)),
+        a=jnp.zeros((2, 1, 3, 1)),
+        b=jnp.zeros((2, 1, 1, 4)),
+        active=jnp.zeros(2, jnp.int32),
+        alpha=1.0,
+        rank=1,
+        orientation="x@W",
+    )
+    with pytest.raises(ValueError, match=r"base of shape \(2, 3, 4\) with 0 layer"):
+        load_peft({"w": cube}, directory, NameMap({"w": "w.weight"}))
+
+
+@pytest.mark.parametrize(
+    "other, message",
+    [
+        ({"rank": 2}, r"have different ranks \(\[2, 4\]\)"),
+        ({"alpha": 2.0}, r"have different alphas \(\[2.0, 8.0\]\)"),
+        ({"dropout": 0.1}, r"have different dropout rates \(\[0.0, 0.1\]\)"),
+        ({"num_adapters": 2}, r"different numbers of adapters \(\[1, 2\]\)"),
+    ],
+)
+def test_save_mixed_loras(base, tmp_path, other, message):
+    _, names, model = base
+    mixed = _adapted(_adapted(model), "lm_head", **other)
+    with pytest.raises(ValueError, match=message):
+        save_peft(mixed, tmp_path, names)
     assert list(tmp_path.iterdir()) == []
