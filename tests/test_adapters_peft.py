@@ -445,3 +445,28 @@ def test_save_mixed_loras(base, tmp_path, other, message):
     with pytest.raises(ValueError, match=message):
         save_peft(mixed, tmp_path, names)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_dtype_and_placement(base):
+    # bfloat16 LoRAs get the file's float32 factors rounded; a sharded `a`
+    # keeps its sharding.
+    config, names, model = base
+    adapted = _adapted(model)
+    lora = adapted.blocks.layers.w2
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
+    spec = jax.sharding.PartitionSpec(None, None, "x", None)
+    sharded_a = jax.device_put(lora.a, jax.sharding.NamedSharding(mesh, spec))
+    adapted = eqx.tree_at(
+        lambda m: (m.blocks.layers.w2.a, m.blocks.layers.w2.b),
+        adapted,
+        (sharded_a, lora.b.astype(jnp.bfloat16)),
+    )
+    loaded = load_peft(adapted, DATA, names).blocks.layers.w2
+    assert loaded.a.sharding == sharded_a.sharding
+    assert loaded.b.dtype == jnp.bfloat16
+    for i in range(config.layers):
+        np.testing.assert_array_equal(loaded.a[i, 0], FILE[DOWN.format(i=i, f="A")].T)
+        np.testing.assert_array_equal(
+            loaded.b[i, 0],
+            FILE[DOWN.format(i=i, f="B")].T.astype(jnp.bfloat16),
+        )

@@ -16,6 +16,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
+import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
@@ -283,9 +284,16 @@ def load_peft(
         if not isinstance(x, LoRA) or id(x) not in new:
             return x
         a, b = new[id(x)]
-        return dataclasses.replace(x, a=jnp.asarray(a), b=jnp.asarray(b))
+        return dataclasses.replace(x, a=_placed(a, x.a), b=_placed(b, x.b))
 
     return jtu.tree_map(replace, model, is_leaf=lambda x: isinstance(x, LoRA))
+
+
+def _placed(value: np.ndarray, like: jax.Array | np.ndarray) -> jax.Array:
+    # Where `like` is (its devices and sharding, e.g. a sharded stack's).
+    if isinstance(like, jax.Array):
+        return jax.device_put(value, like.sharding)
+    return jnp.asarray(value)
 
 
 # Saving.
