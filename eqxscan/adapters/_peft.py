@@ -5,7 +5,8 @@ For each adapted PyTorch `Linear` `<module>` (weight `[out, in]`), PEFT stores
 `[out, r]`. The base model's [`eqxscan.checkpoint.NameMap`][] says which of our
 weights that is: a rule without operations keeps `[out, in]` ("W@x": `a =
 lora_A`, `b = lora_B`), a `Transpose` gives `[in, out]` ("x@W": `a = lora_A.T`,
-`b = lora_B.T`); a weight the map splits, joins or reshapes is refused.
+`b = lora_B.T`); a weight the map splits, joins or reshapes is refused
+(`_peft_targets.py` reads the map's rules).
 """
 
 import dataclasses
@@ -240,7 +241,9 @@ def load_peft(
     `active` as they are. Each file module's weight is found through
     `name_map`, the base model's map to PyTorch names (e.g. `examples/llama.py`'s
     `torch_names`); the map's rule for it must rename it, or rename and
-    transpose it. The factors are cast to the LoRA's dtype.
+    transpose it. The file's tensor names, not its `target_modules`, say which
+    modules it adapts. The factors are cast to the LoRA's dtype and placed
+    where its arrays are.
 
     **Arguments:**
 
