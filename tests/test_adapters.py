@@ -105,7 +105,7 @@ def test_wrong_use_raises(getkey):
 import optax  # noqa: E402
 
 import eqxscan  # noqa: E402
-from eqxscan import adapters  # noqa: E402
+from eqxscan import adapters, sharding  # noqa: E402
 from eqxscan.nn import rms_norm  # noqa: E402
 
 
@@ -479,3 +479,91 @@ def test_merge_errors(getkey):
         ValueError, match=r"unmerge: at the LoRA `blocks.\*.w1`.*float32\[3,8,8\]"
     ):
         adapters.unmerge(wrong, model)
+
+
+def test_dropout_on_the_adapter_input(getkey):
+    model = eqxscan.StackedMLP(8, 3, key=getkey())
+    model = adapters.add_lora(
+        model, ["*.w1", "*.w2"], rank=2, alpha=4.0, dropout=0.5, key=getkey()
+    )
+    model = _random_b(model, getkey())
+    x = jr.normal(getkey(), (2, 8))
+    with pytest.raises(ValueError, match=r"LoRA at `blocks.\*.w1` has dropout=0.5"):
+        model(x)
+    keyed = adapters.with_dropout_key(model, getkey())
+    w1, w2 = keyed.blocks.layers.w1, keyed.blocks.layers.w2
+    data = jax.random.key_data
+    # Each layer and each weight its own key.
+    assert len({tuple(np.asarray(data(k)).ravel()) for k in [*w1.key, *w2.key]}) == 6
+
+    def dropped(w, h, i):
+        keep = jr.bernoulli(w.key[i], 0.5, h.shape)
+        lo = _at(w, i)
+        return h @ lo.base + S * (jnp.where(keep, h / 0.5, 0.0) @ lo.a[0]) @ lo.b[0]
+
+    def reference(m, x):
+        layers = m.blocks.layers
+        for i in range(3):
+            h = jax.nn.gelu(dropped(layers.w1, rms_norm(layers.scale[i], x), i))
+            x = x + dropped(layers.w2, h, i)
+        return x
+
+    expected = _loss_and_adapter_grads(reference, keyed, x)
+    for m in (keyed, keyed.with_options(mode="loop")):
+        _assert_close(_loss_and_adapter_grads(lambda m, x: m(x), m, x), expected)
+    # Off in inference mode, with or without keys.
+    for m in (model, keyed):
+        off = eqx.nn.inference_mode(m)
+        _assert_close(off(x), _mlp_reference(model, x))
+
+
+def test_taps_report_each_adapted_layer(getkey):
+    model = _mlp(getkey)
+    x = jr.normal(getkey(), (2, 8))
+    y, rms = eqxscan.tap(model.blocks, eqxscan.stats.rms)(x)
+    expected, h = [], x
+    layers = model.blocks.layers
+    for i in range(3):
+        g = jax.nn.gelu(_adapt(_at(layers.w1, i), rms_norm(layers.scale[i], h)))
+        h = h + _adapt(_at(layers.w2, i), g)
+        expected.append(jnp.sqrt(jnp.mean(h**2)))
+    _assert_close((y, rms), (h, jnp.stack(expected)))
+
+
+def test_fsdp_base_with_replicated_adapters(getkey):
+    # The test process has two devices: the bases sharded over both, the
+    # adapters (below min_size) replicated.
+    model = _mlp(getkey)
+    x = jr.normal(getkey(), (4, 8))
+    mesh = sharding.make_mesh(fsdp=2)
+    placed, _, batch = sharding.shard(model, None, x, mesh=mesh, min_size=256)
+    w1 = placed.blocks.layers.w1
+    assert not w1.base.sharding.is_fully_replicated
+    assert w1.a.sharding.is_fully_replicated and w1.b.sharding.is_fully_replicated
+    _assert_close(
+        _loss_and_adapter_grads(lambda m, x: m(x), placed, batch),
+        _loss_and_adapter_grads(lambda m, x: m(x), model, x),
+    )
+
+
+def test_llama_example(getkey):
+    # examples/llama.py's decoder: adapted attention and MLP projections give
+    # the logits of the same model with the adapters merged into its weights.
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "llama.py"
+    spec = importlib.util.spec_from_file_location("llama_for_adapters", path)
+    llama = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(llama)
+    config = llama.Config(vocab=32, dim=16, hidden=24, layers=2, heads=2, kv_heads=1)
+    model = llama.Llama(config, key=getkey())
+    adapted = adapters.add_lora(
+        model, ["blocks.*.wqkv", "blocks.*.w13", "blocks.*.w2"], rank=2, key=getkey()
+    )
+    adapted = _random_b(adapted, getkey())
+    assert _is_lora(adapted.blocks.layers.wqkv) and not _is_lora(adapted.lm_head)
+    tokens = jnp.arange(5) % 32
+    logits = eqx.filter_jit(lambda m: m(tokens))
+    _assert_close(logits(adapted), logits(adapters.merge(adapted)), tol=1e-4)
+    assert not np.allclose(logits(adapted), logits(model), atol=1e-3)
