@@ -1,0 +1,230 @@
+"""Which PEFT module each layer of a model's [`eqxscan.adapters.LoRA`][]s
+stands for, through the base model's [`eqxscan.checkpoint.NameMap`][].
+
+The map's rule for a LoRA's weight is read by exporting a small probe of
+distinct values under the weight's name: the rule must give it back as it is
+(PyTorch's `[out, in]`, "W@x") or transposed (`[in, out]`, "x@W"), under one
+`<module>.weight` name. A weight the map splits, joins or reshapes cannot hold
+one rank-r pair.
+"""
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.tree_util as jtu
+import numpy as np
+from jaxtyping import PyTree
+
+from .._internal import Checked, describe, for_each, LayerNumbering, pattern, Site
+from ..checkpoint import NameMap
+from ._lora import LoRA, Orientation
+
+
+@dataclasses.dataclass(frozen=True)
+class PeftLayer:
+    """One layer of one of the model's `LoRA`s, as PEFT names it."""
+
+    lora: LoRA
+    ours: str  # eqxscan's per-layer name of the weight, e.g. "blocks.2.w2"
+    index: tuple[int, ...]  # the layer's index along the LoRA's layer axes
+    layer: int | None  # the layer number in `ours`, for messages
+    module: str  # PEFT's module, e.g. "model.layers.2.mlp.down_proj"
+    transposed: bool  # the map stores the weight transposed ([in, out])
+
+    @property
+    def where(self) -> str:
+        return _where(self.ours, self.layer)
+
+    def out_in(self) -> tuple[int, int]:
+        """The `(out, in)` sizes of the weight, from the LoRA's orientation."""
+        m, n = self.lora.base.shape[-2:]
+        return (m, n) if self.lora.orientation == "W@x" else (n, m)
+
+
+def _where(ours: str, layer: int | None) -> str:
+    return f"'{ours}'" + ("" if layer is None else f" (layer {layer})")
+
+
+def _loras(model: PyTree, who: str) -> list[tuple[LoRA, Site]]:
+    """Each `LoRA` of `model`, with where its `a` sits (by state-dict name)."""
+    leaves = jtu.tree_leaves(model, is_leaf=lambda x: isinstance(x, LoRA))
+    loras = [x for x in leaves if isinstance(x, LoRA)]
+    if not loras:
+        raise ValueError(
+            f"{who}: the model holds no eqxscan.adapters.LoRA, got "
+            f"{describe(model)}.\nHint: add adapters with "
+            "eqxscan.adapters.add_lora(model, ...) first, with the file's targets."
+        )
+    by_leaf = {id(lora.a): lora for lora in loras}
+    sites: dict[int, Site] = {}
+
+    def visit(leaf: object, site: Site) -> None:
+        if id(leaf) not in by_leaf or site.path[-1:] != ("a",):
+            return
+        if id(leaf) in sites:  # one LoRA in two places: which name would it have?
+            first = pattern(sites[id(leaf)].path[:-1])
+            raise ValueError(
+                f"{who}: one LoRA stands both at '{first}' and at "
+                f"'{pattern(site.path[:-1])}'.\nHint: adapt a tied weight in one "
+                "place only."
+            )
+        sites[id(leaf)] = site
+
+    for_each(visit, model, names=True)
+    return [(lora, sites[id(lora.a)]) for lora in by_leaf.values()]
+
+
+def _layers(site: Site) -> list[tuple[str, tuple[int, ...], int | None]]:
+    """`(name, index, layer)` of each layer of the weight whose `a` is at `site`."""
+    out = []
+    for index in np.ndindex(*site.axes):
+        it = iter(index)
+        parts, layer = [], None
+        for p in site.path[:-1]:
+            if isinstance(p, LayerNumbering):
+                layer = p.start + sum(next(it) * s for s in p.strides)
+            parts.append(str(layer if isinstance(p, LayerNumbering) else p))
+        out.append((".".join(parts), tuple(index), layer))
+    return out
+
+
+def tree_of(arrays: Mapping[str, np.ndarray]) -> dict:
+    """A pytree with these state-dict names (`"a.0.b"` -> `{"a": {"0": {"b": v}}}`)."""
+    tree: dict = {}
+    for name, value in arrays.items():
+        *parents, last = name.split(".")
+        node = tree
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return tree
+
+
+def _refused(name_map: NameMap, ours: str, shape: tuple[int, ...]) -> str:
+    """Why the map does not give `ours` as one PyTorch weight (its own shape)."""
+    try:
+        out = name_map.export(tree_of({ours: np.zeros(shape, np.uint8)}))
+    except ValueError as e:
+        return str(e).splitlines()[0]
+    if not out:
+        return "the name map keeps it on eqxscan's side only (keep=)"
+    if len(out) > 1:
+        names = ", ".join(f"'{n}' {list(v.shape)}" for n, v in out.items())
+        return f"the name map fuses {len(out)} weights into it ({names})"
+    ((name, value),) = out.items()
+    return f"the name map reshapes it into '{name}' {list(value.shape)}"
+
+
+def _target(
+    name_map: NameMap, lora: LoRA, ours: str, index: tuple[int, ...], layer: int | None
+) -> PeftLayer:
+    # A small probe of distinct values tells the rule's operations apart: the
+    # map must give it back as it is or transposed, under one `.weight` name.
+    probe = np.arange(6, dtype=np.float32).reshape(2, 3)
+    try:
+        out = name_map.export(tree_of({ours: probe}))
+    except ValueError:
+        out = {}
+    ((name, value),) = out.items() if len(out) == 1 else [("", probe[:0])]
+    same = value.shape == probe.shape and np.array_equal(value, probe)
+    transposed = value.shape == probe.T.shape and np.array_equal(value, probe.T)
+    where = _where(ours, layer)
+    if not (same or transposed):
+        why = _refused(name_map, ours, tuple(lora.base.shape[-2:]))
+        raise ValueError(
+            f"The LoRA at {where} cannot be written as PEFT's rank-{lora.rank} "
+            f"pair: {why}. PEFT adapts one PyTorch Linear weight, which the map "
+            "must give as eqxscan's weight or its transpose.\nHint: adapt only "
+            "weights that the map renames or transposes (e.g. not fused q/k/v or "
+            "gate/up projections, nor weights it reshapes by head)."
+        )
+    if not name.endswith(".weight"):
+        raise ValueError(
+            f"The name map gives the LoRA at {where} as '{name}', not a PyTorch "
+            "module's '<module>.weight', which PEFT adapts.\nHint: use the map of "
+            "the PyTorch checkpoint (names ending in '.weight')."
+        )
+    return PeftLayer(lora, ours, index, layer, name[: -len(".weight")], transposed)
+
+
+def peft_layers(model: PyTree, name_map: Checked[NameMap], who: str) -> list[PeftLayer]:
+    """Every layer of every LoRA of `model`, with its PEFT module."""
+    if not isinstance(name_map, NameMap):
+        raise TypeError(
+            f"{who}: name_map must be an eqxscan.checkpoint.NameMap (the base "
+            f"model's, to PyTorch names), got {describe(name_map)}."
+        )
+    targets = []
+    for lora, site in _loras(model, who):
+        if not isinstance(lora.a, (jax.Array, np.ndarray)):
+            raise TypeError(
+                f"{who} needs concrete arrays, but the LoRA at "
+                f"'{pattern(site.path[:-1])}' holds {describe(lora.a)}.\nHint: "
+                "pass the model itself, not its eval_shape."
+            )
+        if lora.base.ndim != len(site.axes) + 2:
+            raise ValueError(
+                f"{who}: the LoRA at '{pattern(site.path[:-1])}' has a "
+                f"base of shape {tuple(lora.base.shape)} with {len(site.axes)} "
+                "layer axes; PEFT adapts 2-D weights only.\nHint: adapt the "
+                "model's matrices."
+            )
+        for ours, index, layer in _layers(site):
+            targets.append(_target(name_map, lora, ours, index, layer))
+    seen: dict[str, PeftLayer] = {}
+    for t in targets:
+        if (other := seen.setdefault(t.module, t)) is not t:
+            raise ValueError(
+                f"{who}: the LoRAs at {other.where} and {t.where} both stand for "
+                f"PEFT's '{t.module}' through the name map.\nHint: check the map's "
+                "rules: each weight needs an external name of its own."
+            )
+    return targets
+
+
+def loras_of(targets: Sequence[PeftLayer]) -> list[LoRA]:
+    return list({id(t.lora): t.lora for t in targets}.values())
+
+
+def host_factors(
+    targets: Sequence[PeftLayer],
+) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Each LoRA's `a` and `b`, copied to the host once."""
+    return {id(x): (np.array(x.a), np.array(x.b)) for x in loras_of(targets)}
+
+
+def swap(lora: LoRA, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    # PEFT's (lora_A, lora_B) <-> a LoRA's (a, b), both ways: "W@x" holds them
+    # as they are, "x@W" transposed (its delta `a @ b` is `(B @ A).T`).
+    return (a.T, b.T) if lora.orientation == "x@W" else (a, b)
+
+
+def expected_orientation(target: PeftLayer, fan_in_fan_out: bool) -> Orientation:
+    # PEFT's change to its stored weight is `B @ A` (`[out, in]`), or its
+    # transpose with `fan_in_fan_out` (a Conv1D's `[in, out]` weight); the map
+    # transposes that weight or not on its way to ours.
+    return "W@x" if target.transposed == fan_in_fan_out else "x@W"
+
+
+def adapter_index(loras: Sequence[LoRA], adapter: int | None, who: str) -> int:
+    k = {lora.num_adapters for lora in loras}
+    if len(k) > 1:
+        raise ValueError(
+            f"{who}: the model's LoRAs hold different numbers of adapters "
+            f"({sorted(k)}).\nHint: build every LoRA with one add_lora call."
+        )
+    (num,) = k
+    if adapter is None and num == 1:
+        return 0
+    if isinstance(adapter, bool) or not isinstance(adapter, int) or adapter >= num:
+        raise ValueError(
+            f"{who}: adapter={adapter!r} does not name one of the {num} adapters "
+            f"of the model's LoRAs.\nHint: pass adapter=k with 0 <= k < {num}."
+        )
+    if adapter < 0:
+        raise ValueError(
+            f"{who}: adapter={adapter} is negative; -1 (the base alone) is a value "
+            f"of `active`, not an adapter.\nHint: pass 0 <= adapter < {num}."
+        )
+    return adapter
