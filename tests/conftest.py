@@ -8,19 +8,28 @@ import tempfile
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import jax.random as jr  # noqa: E402
-import pytest  # noqa: E402
-
-
 # XLA's backend (LLVM) optimisations cost most of a small program's compile
 # time and change no program's structure: memory_analysis(), cost_analysis()
 # and the HLO the tests read are the same. Off by default (the processes that
 # tests start inherit it); EQXSCAN_TEST_OPTIMIZE=1 turns them on, and a test
 # whose tolerance is tighter than unoptimised arithmetic's rounding is marked
-# `optimized`.
+# `optimized`. XLA:CPU's older fusion emitters compile in about half the time
+# of its MLIR ones, with the same buffers and values: EQXSCAN_TEST_XLA_FLAGS
+# carries that flag to the processes tests start with their own XLA_FLAGS.
 if os.environ.get("EQXSCAN_TEST_OPTIMIZE", "0") != "1":
     os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+    os.environ.setdefault(
+        "EQXSCAN_TEST_XLA_FLAGS", "--xla_cpu_use_fusion_emitters=false"
+    )
+_extra = os.environ.get("EQXSCAN_TEST_XLA_FLAGS", "")
+if _extra and _extra not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " " + _extra
+
+import jax  # noqa: E402
+import jax.random as jr  # noqa: E402
+import pytest  # noqa: E402
+
+
 jax.config.update(
     "jax_disable_most_optimizations",
     os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS", "0") == "1",

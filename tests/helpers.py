@@ -94,7 +94,8 @@ def run_script(name: str, *args: str, timeout: float) -> str:
     device count) and return what it printed; on failure the assertion names the
     script, its exit status and the end of its output."""
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the script sets its own device count
+    # The script adds its own device count to conftest's compile-time flags.
+    env["XLA_FLAGS"] = os.environ.get("EQXSCAN_TEST_XLA_FLAGS", "")
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
         [sys.executable, str(script_path(name)), *args],

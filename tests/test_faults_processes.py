@@ -32,7 +32,8 @@ def _port() -> int:
 def test_survivor_of_a_dead_peer_exits_naming_it(tmp_path, dead=1, work="collective"):
     port = _port()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("XLA_FLAGS", None)
+    # Each script adds its own device count to the tests' compile flags.
+    env["XLA_FLAGS"] = os.environ.get("EQXSCAN_TEST_XLA_FLAGS", "")
     logs = [open(tmp_path / f"{i}.log", "w+") for i in range(2)]
     procs = [
         subprocess.Popen(

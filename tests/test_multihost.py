@@ -38,7 +38,8 @@ TIMEOUT = 240
 
 def env() -> dict[str, str]:
     out = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu")
-    out.pop("XLA_FLAGS", None)  # each script sets its own device count
+    # Each script adds its own device count to the tests' compile flags.
+    out["XLA_FLAGS"] = os.environ.get("EQXSCAN_TEST_XLA_FLAGS", "")
     paths = [str(ROOT), out.get("PYTHONPATH")]
     out["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     return out

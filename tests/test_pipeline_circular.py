@@ -296,7 +296,8 @@ def test_stage_order_moves_no_weights(one_process):
 
 def test_two_processes_stage_axis_across_them():
     env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    # Each script adds its own device count to the tests' compile flags.
+    env["XLA_FLAGS"] = os.environ.get("EQXSCAN_TEST_XLA_FLAGS", "")
     paths = [str(ROOT), env.get("PYTHONPATH")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     port = str(free_port())

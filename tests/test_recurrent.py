@@ -817,7 +817,7 @@ def test_cell_runs_through_the_layer_call_seam(getkey):
 def test_example_trains_below_baseline():
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = os.environ.get("EQXSCAN_TEST_XLA_FLAGS", "")  # one device
     proc = subprocess.run(
         [sys.executable, str(root / "examples" / "rnn_bptt.py"), "--tiny"],
         capture_output=True,

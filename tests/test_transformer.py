@@ -158,7 +158,7 @@ def test_all_global_blocks_form_one_scanned_run(tf, getkey):
 
 def test_example_runs(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = os.environ.get("EQXSCAN_TEST_XLA_FLAGS", "")  # one device
     result = subprocess.run(
         [
             sys.executable,

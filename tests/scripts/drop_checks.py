@@ -8,7 +8,9 @@ import os
 import re
 
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+)
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import equinox as eqx  # noqa: E402

@@ -6,7 +6,9 @@ bit-identically. Prints `ok` when every check passes."""
 import os
 
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+)
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import math  # noqa: E402

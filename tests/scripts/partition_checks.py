@@ -7,7 +7,9 @@ Prints one JSON object of measurements; the test asserts on it.
 import os
 
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+)
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import json  # noqa: E402

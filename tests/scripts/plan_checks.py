@@ -18,7 +18,9 @@ import sys
 
 TWO = sys.argv[1:2] == ["two"]
 if not TWO:
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    )
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import json  # noqa: E402
