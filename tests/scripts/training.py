@@ -1,6 +1,8 @@
 """The training step the sharding tests compare across meshes and processes: one
 definition, used in the test process and in the scripts it starts."""
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -13,6 +15,9 @@ def loss_fn(model, x, y):
     return jnp.mean((model(x) - y) ** 2)
 
 
+# One jitted function per (optimizer, mesh, axis): callers that ask again reuse
+# its compiled programs instead of tracing and compiling the same step anew.
+@functools.cache
 def make_train_step(optimizer, mesh: Mesh | None, fsdp_axis: str | None = "fsdp"):
     """A jitted `(model, opt_state, x, y) -> (model, opt_state, loss, grads)`.
 
