@@ -135,3 +135,27 @@ def base_as_adapted(model):
         model,
         [jnp.zeros_like(lo.b) for lo in loras],
     )
+
+
+def test_benchmark_smoke():
+    # benchmarks/adapters.py --tiny: it runs, and its numbers are the
+    # arrays' own (the LoRA model's bytes against K copies of the base).
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.adapters", "--tiny"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
+    rows = {int(r.split()[0]): r.split()[1:] for r in out.splitlines()[2:]}
+    assert sorted(rows) == [1, 2]
+    model = eqxscan.StackedMLP(16, 2, key=jr.key(0))
+    base = sum(a.nbytes for a in jax.tree.leaves(model) if eqx.is_array(a))
+    assert float(rows[2][1]) == round(2 * base / 2**20, 2)
+    assert float(rows[2][0]) < float(rows[2][1])
