@@ -137,22 +137,14 @@ def base_as_adapted(model):
     )
 
 
-def test_benchmark_smoke():
-    # benchmarks/adapters.py --tiny: it runs, and its numbers are the
-    # arrays' own (the LoRA model's bytes against K copies of the base).
-    import pathlib
-    import subprocess
-    import sys
+def test_benchmark_smoke(monkeypatch, capsys):
+    # benchmarks/adapters.py --tiny, in this process: it runs, and its numbers
+    # are the arrays' own (the LoRA model's bytes against K copies of the base).
+    from benchmarks import adapters as bench
 
-    root = pathlib.Path(__file__).resolve().parents[1]
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.adapters", "--tiny"],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=120,
-    ).stdout
+    monkeypatch.setattr("sys.argv", ["adapters", "--tiny"])
+    bench.main()
+    out = capsys.readouterr().out
     rows = {int(r.split()[0]): r.split()[1:] for r in out.splitlines()[2:]}
     assert sorted(rows) == [1, 2]
     model = eqxscan.StackedMLP(16, 2, key=jr.key(0))
