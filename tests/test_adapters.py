@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
+import optax
 import pytest
 
 import eqxscan
@@ -440,3 +441,64 @@ def test_llama_example(getkey):
     # One program: the adapted logits and the merged model's.
     both = eqx.filter_jit(lambda m: (m(tokens), adapters.merge(m)(tokens)))
     _assert_close(*both(adapted), tol=1e-4)
+
+
+def test_layerwise_optimiser_trains_only_the_adapters(getkey):
+    # eqxscan.optim.layerwise(LAMB) on an adapted StackedMLP: every layer's
+    # adapters get their own trust ratio, as optax.lamb run on each layer's
+    # adapters apart does (one shared ratio per stacked array would differ).
+    model = _mlp(getkey, k=2)
+    x = jr.normal(getkey(), (4, 8))
+    lamb = optax.lamb(0.05, weight_decay=0.1)
+    tx = eqxscan.optim.layerwise(lamb)
+    params, static = eqx.partition(model, adapters.trainable(model))
+    loss = lambda p: jnp.sum(jnp.sin(eqx.combine(p, static)(x)))  # noqa: E731
+
+    def adapters_of(m):
+        return [
+            getattr(w, f)
+            for w in (m.blocks.layers.w1, m.blocks.layers.w2)
+            for f in ("a", "b")
+        ]
+
+    def by_layer(m):
+        # Each layer's adapters apart, and the hand-written model's loss.
+        layers = [[f[i] for f in adapters_of(m)] for i in range(m.num_layers)]
+
+        def hand_loss(layers):
+            stacked = [jnp.stack(f) for f in zip(*layers, strict=True)]
+            return jnp.sum(
+                jnp.sin(_mlp_reference(eqx.tree_at(adapters_of, m, stacked), x))
+            )
+
+        return layers, hand_loss
+
+    @jax.jit
+    def both(params):
+        state = tx.init(params)
+        layers, hand_loss = by_layer(eqx.combine(params, static))
+        states = [lamb.init(p) for p in layers]
+        for _ in range(2):
+            updates, state = tx.update(jax.grad(loss)(params), state, params)
+            params = eqx.apply_updates(params, updates)
+            grads = jax.grad(hand_loss)(layers)
+            for i, (g, p) in enumerate(zip(grads, layers, strict=True)):
+                u, states[i] = lamb.update(g, states[i], p)
+                layers[i] = optax.apply_updates(p, u)
+        return params, state, layers
+
+    with jax.numpy_dtype_promotion("standard"):  # optax's int32 step count
+        new, state, layers = both(params)
+    trained = eqx.combine(new, static)
+    for i, expected in enumerate(layers):
+        _assert_close([f[i] for f in adapters_of(trained)], expected)
+    # Only the adapters moved and have optimiser state: the base weights and
+    # norm scales are the model's own, and Adam's moments are the adapters' size.
+    assert eqx.tree_equal(
+        eqx.filter(trained, adapters.trainable(model), inverse=True),
+        eqx.filter(model, adapters.trainable(model), inverse=True),
+    )
+    assert not eqx.tree_equal(adapters_of(trained), adapters_of(model))
+    adapter_bytes = sum(a.nbytes for a in adapters_of(model))
+    moments = [a for a in jax.tree.leaves(state) if a.ndim >= 3]
+    assert sum(a.nbytes for a in moments) == 2 * adapter_bytes
