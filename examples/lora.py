@@ -192,6 +192,23 @@ def greedy(
     return jnp.concatenate(out, axis=1)
 
 
+def compiled(step) -> int:
+    """How many programs a jitted function has compiled (jax's own count)."""
+    return step._cache_size()  # pyright: ignore[reportAttributeAccessIssue]
+
+
+def with_adapters(base: Llama, setup: Setup, key: PRNGKeyArray) -> Llama:
+    """`base` with one adapter per task on every target, all set to adapter 0."""
+    return adapters.add_lora(
+        base,
+        TARGETS,
+        rank=setup.rank,
+        alpha=setup.alpha,
+        num_adapters=len(TASKS),
+        key=key,
+    )
+
+
 def train(model: Llama, setup: Setup, key: PRNGKeyArray) -> Llama:
     """Adam on the adapters only, every batch mixing both tasks."""
     params, static = eqx.partition(model, adapters.trainable(model))
@@ -216,7 +233,7 @@ def train(model: Llama, setup: Setup, key: PRNGKeyArray) -> Llama:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description="Two LoRA adapters on a tiny Llama.")
     parser.add_argument("--tiny", action="store_true", help="a smoke test")
     parser.add_argument("--steps", type=int, help="training steps")
     args = parser.parse_args()
@@ -226,8 +243,7 @@ def main() -> None:
     c = setup.config
     keys = iter(jax.random.split(jax.random.key(0), 6))
     base = Llama(c, key=next(keys))
-    lora = dict(rank=setup.rank, alpha=setup.alpha, num_adapters=len(TASKS))
-    model = adapters.add_lora(base, TARGETS, **lora, key=next(keys))
+    model = with_adapters(base, setup, next(keys))
     frozen = sum(x.size for x in jax.tree.leaves(eqx.filter(base, eqx.is_array)))
     params = eqx.filter(model, adapters.trainable(model))
     per_adapter = sum(x.size for x in jax.tree.leaves(params)) // len(TASKS)
@@ -256,7 +272,7 @@ def main() -> None:
     # PEFT files, one directory per adapter, read into a fresh adapted model.
     names = fused_names(c)
     with tempfile.TemporaryDirectory() as tmp:
-        fresh = adapters.add_lora(base, TARGETS, **lora, key=next(keys))
+        fresh = with_adapters(base, setup, next(keys))
         for k, task in enumerate(TASKS):
             path = os.path.join(tmp, task)
             adapters.save_peft(model, path, names, adapter=k, task_type="CAUSAL_LM")
@@ -278,7 +294,7 @@ def main() -> None:
     same = bool(jnp.all(jnp.argmax(full[:, setup.length : -1], -1) == adapted))
     print(
         f"greedy decoding with KV caches, {len(ids)} rows twice in {seconds:.1f} s, "
-        f"{step._cache_size()} compiled steps; tokens = full forward's: {same}"
+        f"{compiled(step)} compiled steps; tokens = full forward's: {same}"
     )
     for r, k in enumerate(ids.tolist()):
         ours = float(jnp.mean(adapted[r] == answers[r]))
