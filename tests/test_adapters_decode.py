@@ -139,15 +139,36 @@ def base_as_adapted(model):
 
 def test_benchmark_smoke(monkeypatch, capsys):
     # benchmarks/adapters.py --tiny, in this process: it runs, and its numbers
-    # are the arrays' own (the LoRA model's bytes against K copies of the base).
+    # are the arrays' own (the LoRA model's bytes against K copies of the base;
+    # Adam's state against the adapters and the model) and jax's compile counts.
+    import re
+
     from benchmarks import adapters as bench
 
     monkeypatch.setattr("sys.argv", ["adapters", "--tiny"])
-    bench.main()
-    out = capsys.readouterr().out
-    rows = {int(r.split()[0]): r.split()[1:] for r in out.splitlines()[2:]}
+    with jax.numpy_dtype_promotion("standard"):  # optax's int32 step count
+        bench.main()
+    memory, train, decode, compiles = capsys.readouterr().out.split("\n\n")
+    rows = {int(r.split()[0]): r.split()[1:] for r in memory.splitlines()[2:]}
     assert sorted(rows) == [1, 2]
     model = eqxscan.StackedMLP(16, 2, key=jr.key(0))
     base = sum(a.nbytes for a in jax.tree.leaves(model) if eqx.is_array(a))
     assert float(rows[2][1]) == round(2 * base / 2**20, 2)
     assert float(rows[2][0]) < float(rows[2][1])
+
+    # Adam keeps two moments of what it trains: the adapters, or the model.
+    lora = adapters.add_lora(model, ["*.w1", "*.w2"], rank=2, key=jr.key(1))
+    params = eqx.filter(lora, adapters.trainable(lora))
+    adapter = sum(a.nbytes for a in jax.tree.leaves(params))
+    steps = {r.split()[0]: r.split()[1:] for r in train.splitlines()[2:4]}
+    assert float(steps["lora"][2]) == round((2 * adapter + 4) / 2**20, 3)
+    assert float(steps["full"][2]) == round((2 * base + 4) / 2**20, 3)
+    assert float(steps["lora"][3]) == round(adapter / 2**20, 3)
+    assert "LoRA's Adam state: 2.00x the adapters' bytes (+ 4 B" in train
+    times = {r.split()[0]: float(r.split()[1]) for r in decode.splitlines()[2:5]}
+    assert sorted(times) == ["base", "mixed", "single"]
+    assert all(t > 0 for t in times.values())
+    # Every step compiled once over all its calls, the mixed decode step too,
+    # although each call had new adapter ids.
+    counts = dict(re.findall(r"(\w+_step) (\d+)", compiles))
+    assert len(counts) == 5 and set(counts.values()) == {"1"}
