@@ -45,9 +45,11 @@ def test_lora_example_trains_saves_and_serves_two_adapters():
         assert float(after) < 0.9 * float(before)
     # The PEFT files read back give the trained adapters' logits exactly.
     assert "reloaded: max |logit diff| 0.00e+00" in stdout
-    # One prefill and one decode program for both batches (mixed ids, base
-    # alone), whose greedy tokens are the uncached forward pass's.
-    assert "2 compiled steps; tokens = full forward's: True" in stdout
+    # The cached greedy tokens are the uncached forward pass's. One program per
+    # function: the reloaded model is the trained one's, and the decode step
+    # (a prefill and a step) serves mixed ids and the base alone (ids -1).
+    assert "tokens = full forward's: True" in stdout
+    assert "compiled programs: evaluate 1, train_step 1, serve_step 2" in stdout
     rows = re.findall(
         r"row \d adapter (\d) .*accuracy ([0-9.]+) \(base ([0-9.]+)\)", stdout
     )

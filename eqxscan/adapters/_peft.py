@@ -293,8 +293,10 @@ def load_peft(
 
 
 def _placed(value: np.ndarray, like: jax.Array | np.ndarray) -> jax.Array:
-    # Where `like` is (its devices and sharding, e.g. a sharded stack's).
-    if isinstance(like, jax.Array):
+    # Where `like` is (its devices and sharding, e.g. a sharded stack's), and
+    # committed only if `like` was: jitted functions compiled for the model
+    # are keyed on it, and would compile again for committed factors.
+    if isinstance(like, jax.Array) and like.committed:
         return jax.device_put(value, like.sharding)
     return jnp.asarray(value)
 
