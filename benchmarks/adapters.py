@@ -35,8 +35,8 @@ from eqxscan import adapters
 COMPILES: collections.Counter[str] = collections.Counter()
 
 
-def _count_compile(event: str, duration: float, **kwargs: str | int) -> None:
-    del duration
+def _count_compile(event: str, duration_secs: float, **kwargs: str | int) -> None:
+    del duration_secs
     if event == "/jax/core/compile/backend_compile_duration":
         COMPILES[str(kwargs.get("fun_name", ""))] += 1
 
@@ -125,7 +125,7 @@ def train_steps(dim: int, layers: int, rank: int, batch: int, repeats: int):
     target = jnp.roll(x, 1, axis=-1)
     optimiser = optax.adam(1e-4)
 
-    def runner(model, spec, name: str) -> tuple[Runner, int]:
+    def runner(model, spec, name: str) -> tuple[Runner, optax.OptState]:
         params, static = eqx.partition(model, spec)
         state = optimiser.init(params)
 
@@ -273,7 +273,7 @@ def main() -> None:
     parser.add_argument("--decode-batch", type=int, default=8)
     parser.add_argument("--decode-adapters", type=int, default=4)
     parser.add_argument("--cache-length", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--repeats", type=int, default=31)
     parser.add_argument("--tiny", action="store_true", help="a smoke test")
     args = parser.parse_args()
     if args.tiny:

@@ -45,8 +45,8 @@ TARGETS = ["blocks.*.wqkv", "blocks.*.w13", "blocks.*.w2", "lm_head"]
 COMPILES: collections.Counter[str] = collections.Counter()
 
 
-def _count_compile(event: str, duration: float, **kwargs: str | int) -> None:
-    del duration
+def _count_compile(event: str, duration_secs: float, **kwargs: str | int) -> None:
+    del duration_secs
     if event == "/jax/core/compile/backend_compile_duration":
         COMPILES[str(kwargs.get("fun_name", ""))] += 1
 
