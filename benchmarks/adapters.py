@@ -33,7 +33,7 @@ from eqxscan import adapters
 
 # XLA's compiles per jitted function name and their seconds, from jax's own event.
 COMPILES: collections.Counter[str] = collections.Counter()
-COMPILE_SECONDS: collections.Counter[str] = collections.Counter()
+COMPILE_SECONDS: collections.defaultdict[str, float] = collections.defaultdict(float)
 
 
 def _count_compile(event: str, duration_secs: float, **kwargs: str | int) -> None:
