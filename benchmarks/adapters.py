@@ -51,7 +51,9 @@ def _nbytes(tree) -> int:
 
 
 def _temp(fn, *args) -> int:
-    return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+    memory = jax.jit(fn).lower(*args).compile().memory_analysis()
+    assert memory is not None, "this backend reports no memory analysis"
+    return memory.temp_size_in_bytes
 
 
 def measure(dim: int, layers: int, rank: int, k: int, batch: int) -> dict[str, int]:
@@ -262,7 +264,7 @@ def decode_steps(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description="LoRA adapters, measured.")
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--rank", type=int, default=8)
