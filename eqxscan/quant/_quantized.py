@@ -40,8 +40,8 @@ DEQUANTIZE_HINT = (
 )
 
 
-def _dtype_name(dtype: DTypeLike) -> str:
-    return jnp.dtype(dtype).name
+def _float_dtype(dtype: DTypeLike) -> np.dtype:
+    return jnp.dtype(dtype)
 
 
 class Quantized(eqx.Module):
@@ -67,8 +67,9 @@ class Quantized(eqx.Module):
     group) of zeros has scale 1. Inside an [`eqxscan.Stacked`][] each array has
     the layer axes in front.
 
-    `dtype` is the float dtype the layer sees (a dtype name, usable wherever a
-    dtype is); `.shape` and `.ndim` are the float weight's. `name` is the
+    `dtype` is the float dtype the layer sees (given as a dtype or its name,
+    `"bfloat16"`; kept as a `numpy.dtype`); `.shape` and `.ndim` are the float
+    weight's. `name` is the
     weight's state-dict name (`"blocks.*.w1"`), for error messages. Other array
     operations raise a `TypeError` pointing to [`eqxscan.quant.dequantize`][].
     Build one with [`eqxscan.quant.quantize`][].
@@ -79,7 +80,7 @@ class Quantized(eqx.Module):
     kind: Kind = eqx.field(static=True)
     orientation: Orientation = eqx.field(static=True)
     group_size: int | None = eqx.field(static=True)
-    dtype: str = eqx.field(static=True, converter=_dtype_name)
+    dtype: np.dtype = eqx.field(static=True, converter=_float_dtype)
     name: str = eqx.field(static=True, default="")
 
     # NumPy's operators then return NotImplemented, so `np_array @ q` reaches
