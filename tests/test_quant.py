@@ -146,6 +146,7 @@ def _assert_same_as_dequantized(qmodel, x):
         np.testing.assert_allclose(qm(x), fm(x), rtol=1e-5, atol=1e-5)
         (lq, gq), (lf, gf) = _loss_and_grads(qm, x), _loss_and_grads(fm, x)
         np.testing.assert_allclose(lq, lf, rtol=1e-5)
+        stored = iter(q for q in jax.tree.leaves(qmodel, is_leaf=_is_q) if _is_q(q))
         pairs = zip(
             jax.tree.leaves(gq, is_leaf=_is_q), jax.tree.leaves(gf), strict=True
         )
@@ -161,7 +162,7 @@ def _assert_same_as_dequantized(qmodel, x):
                 else np.asarray
             )
             gw, got = flip(np.asarray(expected)), flip(np.asarray(g.scales))
-            values = flip(np.asarray(_stored(qmodel, g.name).values))
+            values = flip(np.asarray(next(stored).values))
             prod = _decoded(g.kind, values) * gw
             groups = got.shape[-2]
             prod = prod.reshape(*prod.shape[:-2], groups, -1, prod.shape[-1]).sum(-2)
@@ -169,14 +170,6 @@ def _assert_same_as_dequantized(qmodel, x):
             # tolerance from the largest.
             atol = 1e-5 * np.abs(prod).max()
             np.testing.assert_allclose(got, prod, rtol=1e-4, atol=atol)
-
-
-def _stored(model, name):
-    found = [
-        q for q in jax.tree.leaves(model, is_leaf=_is_q) if _is_q(q) and q.name == name
-    ]
-    (q,) = found
-    return q
 
 
 def _mode(model, mode):
@@ -200,3 +193,147 @@ def test_stacked_mlp_equals_its_dequantized_weights(getkey, kind):
     assert isinstance(w1, Quantized) and w1.name == "blocks.*.w1"
     assert w1.values.shape[0] == 3 and w1.shape == (3, 32, 128)
     _assert_same_as_dequantized(q, jr.normal(getkey(), (2, 32)))
+
+
+class LinearBlock(eqx.Module):
+    linear: eqx.nn.Linear
+
+    def __init__(self, dim, *, key):
+        self.linear = eqx.nn.Linear(dim, dim, key=key)
+
+    def __call__(self, x):
+        return x + jnp.tanh(self.linear(x))
+
+
+class Dense(eqx.Module):
+    w: jax.Array
+
+    def __call__(self, x):
+        return x + jnp.tanh(x @ self.w)
+
+
+class TwoDense(eqx.Module):
+    w: jax.Array
+    v: jax.Array
+
+    def __call__(self, x):
+        return x + jnp.tanh(x @ self.w) @ self.v
+
+
+def test_linear_stack_by_module_type(getkey):
+    stack = eqxscan.Stacked(lambda k: LinearBlock(64, key=k), 3, key=getkey())
+    q = quant.quantize(stack, eqx.nn.Linear, kind="int4", group_size=32)
+    weight = q.layers.linear.weight
+    assert weight.orientation == "W@x" and weight.values.shape == (3, 64, 32)
+    assert weight.scales.shape == (3, 64, 2) and weight.name.endswith(".weight")
+    _assert_same_as_dequantized(q, jr.normal(getkey(), (64,)))
+
+
+def test_chain(getkey):
+    layers = [Dense(jr.normal(getkey(), (32, 32))) for _ in range(2)]
+    layers += [TwoDense(jr.normal(getkey(), (32, 64)), jr.normal(getkey(), (64, 32)))]
+    q = quant.quantize(eqxscan.Chain(layers), "*.w", kind="int8")
+    stack, two = q.groups
+    assert _is_q(stack.layers.w) and _is_q(two.w) and not _is_q(two.v)
+    assert stack.layers.w.values.shape == (2, 32, 32)
+    _assert_same_as_dequantized(q, jr.normal(getkey(), (3, 32)))
+
+
+def test_weight_bytes(getkey):
+    model = eqxscan.StackedMLP(128, 2, key=getkey())
+    targets = ["blocks.*.w1", "blocks.*.w2"]
+    f32 = sum(x.nbytes for x in (model.blocks.layers.w1, model.blocks.layers.w2))
+
+    def stored(kind):
+        q = quant.quantize(model, targets, kind=kind)
+        found = [n for n in jax.tree.leaves(q, is_leaf=_is_q) if _is_q(n)]
+        assert len(found) == 2
+        return sum(n.values.nbytes + n.scales.nbytes for n in found)
+
+    assert stored("int8") <= 0.26 * f32
+    assert stored("fp8") <= 0.26 * f32
+    assert stored("int4") <= 0.14 * f32
+
+
+def _raises(error, match, fn):
+    with pytest.raises(error, match=match) as info:
+        fn()
+    assert "\nHint: " in str(info.value)
+
+
+def test_quantize_errors(getkey):
+    model = eqxscan.StackedMLP(32, 3, key=getkey())
+    w1 = ["blocks.*.w1"]
+    _raises(
+        ValueError,
+        "group_size must be one of",
+        lambda: quant.quantize(model, w1, kind="int4", group_size=48),
+    )
+    _raises(
+        ValueError,
+        "kind must be one of",
+        lambda: quant.quantize(model, w1, kind="int2"),
+    )
+    # w1 is [32, 128]: 32 inputs, not a multiple of 64.
+    _raises(
+        ValueError,
+        r"`blocks\.\*\.w1` \(float32\[3,32,128\], 1 layer axes\): its input size 32 .* group_size=64",
+        lambda: quant.quantize(model, w1, kind="int4", group_size=64),
+    )
+    # An odd input size.
+    odd = eqxscan.Stacked.from_layers([Holder(jnp.ones((33, 8)))] * 2)
+    _raises(
+        ValueError,
+        "input size 33",
+        lambda: quant.quantize(odd, "*.w", kind="int4", group_size=32),
+    )
+    _raises(
+        ValueError,
+        r"\['blocks\.\*\.w3'\] match no array.*'blocks\.\*\.w1'",
+        lambda: quant.quantize(model, ["blocks.*.w1", "blocks.*.w3"]),
+    )
+    _raises(
+        ValueError,
+        "Linear matches no module",
+        lambda: quant.quantize(model, eqx.nn.Linear),
+    )
+    ints = eqxscan.Stacked.from_layers([Holder(jnp.ones((4, 4), jnp.int32))] * 2)
+    _raises(
+        TypeError,
+        r"`\*\.w` \(int32\[2,4,4\].*not a floating array",
+        lambda: quant.quantize(ints, "*.w"),
+    )
+    _raises(
+        ValueError,
+        r"`blocks\.\*\.scale` .* 1 axes per layer",
+        lambda: quant.quantize(model, "blocks.*.scale"),
+    )
+    _raises(TypeError, "targets must be", lambda: quant.quantize(model, []))
+    # A non-finite weight is named with its layer.
+    w = model.blocks.layers.w2.at[2, 5, 1].set(jnp.inf)
+    bad = eqx.tree_at(lambda m: m.blocks.layers.w2, model, w)
+    _raises(
+        ValueError,
+        r"`blocks\.\*\.w2` .* NaN or inf in layer 2",
+        lambda: quant.quantize(bad, "blocks.*.w2"),
+    )
+
+
+def test_wrong_use_raises(getkey):
+    w = _quantize(_weights(getkey), kind="int8")
+    one = _layer(w, 0)
+    _raises(
+        TypeError,
+        r"orientation 'x@W' but was used as `q @ x`",
+        lambda: one @ jnp.ones((24,)),
+    )
+    _raises(TypeError, r"1 layer axes in front", lambda: jnp.ones((64,)) @ w)
+    _raises(
+        TypeError,
+        r"got x of shape \(3, 5\).* axis -1 must have size 64",
+        lambda: jnp.ones((3, 5)) @ one,
+    )
+    _raises(
+        TypeError, r"`\*\.w` \(int8->float32\[64,24\]\) supports only", lambda: one + 1
+    )
+    _raises(TypeError, "supports only", lambda: one.T)
