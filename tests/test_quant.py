@@ -81,10 +81,14 @@ def test_fp8_bound(getkey):
     wn = np.asarray(w)
     amax = np.abs(wn).max(axis=1, keepdims=True)
     scale = np.where(amax == 0, 1.0, amax / 448)
-    assert q.values.dtype == jnp.float8_e4m3fn
+    # The bits of float8_e4m3fn values, as uint8.
+    assert q.values.dtype == jnp.uint8
     np.testing.assert_allclose(q.scales, scale, rtol=1e-6)
     stored = (wn / scale).astype(ml_dtypes.float8_e4m3fn)
-    np.testing.assert_array_equal(np.asarray(q.values, np.float32), stored)
+    np.testing.assert_array_equal(q.values, stored.view(np.uint8))
+    # float8 values given are stored as their bits.
+    again = Quantized(jnp.asarray(stored), q.scales, "fp8", "x@W", None, "float32")
+    np.testing.assert_array_equal(again.values, q.values)
     # e4m3: 3 mantissa bits (relative step 2^-3, so 2^-4 rounding); subnormals
     # below 2^-6 are spaced 2^-9.
     err = np.abs(np.asarray(q.dequantize()) - wn)
@@ -133,7 +137,9 @@ def _is_q(x):
 
 def _decoded(kind, values):
     """Stored values (`[..., in, out]` layout) as floats, in NumPy."""
-    return _nibbles(values) if kind == "int4" else np.asarray(values, np.float32)
+    if kind == "fp8":
+        return values.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    return _nibbles(values) if kind == "int4" else values.astype(np.float32)
 
 
 def _assert_same_as_dequantized(qmodel, x):
@@ -277,7 +283,8 @@ def test_quantize_errors(getkey):
     # w1 is [32, 128]: 32 inputs, not a multiple of 64.
     _raises(
         ValueError,
-        r"`blocks\.\*\.w1` \(float32\[3,32,128\], 1 layer axes\): its input size 32 .* group_size=64",
+        r"`blocks\.\*\.w1` \(float32\[3,32,128\], 1 layer axes\): its input "
+        r"size 32 .* group_size=64",
         lambda: quant.quantize(model, w1, kind="int4", group_size=64),
     )
     # An odd input size.

@@ -32,7 +32,6 @@ GROUP_SIZES = (32, 64, 128)
 
 # The largest magnitude each kind stores: the scale maps max|w| onto it.
 LIMIT = {"int8": 127.0, "int4": 7.0, "fp8": 448.0}
-STORED = {"int8": jnp.int8, "int4": jnp.uint8, "fp8": jnp.float8_e4m3fn}
 
 DEQUANTIZE_HINT = (
     "Hint: a Quantized computes only `x @ q` and `q @ x`; for anything else, "
@@ -42,6 +41,13 @@ DEQUANTIZE_HINT = (
 
 def _float_dtype(dtype: DTypeLike) -> np.dtype:
     return jnp.dtype(dtype)
+
+
+def fp8_bits(values: Array) -> Array:
+    """float8_e4m3fn values as the uint8 of their bits (other arrays as given)."""
+    if values.dtype == jnp.float8_e4m3fn:
+        return jax.lax.bitcast_convert_type(values, jnp.uint8)
+    return values
 
 
 class Quantized(eqx.Module):
@@ -57,10 +63,13 @@ class Quantized(eqx.Module):
     | `kind` | `values` | `scales` (float32) |
     | --- | --- | --- |
     | `"int8"` | int8 `[in, out]` | `[1, out]`: max abs over `in` / 127 |
-    | `"fp8"` | float8_e4m3fn `[in, out]` | `[1, out]`: max abs over `in` / 448 |
+    | `"fp8"` | uint8 `[in, out]` | `[1, out]`: max abs over `in` / 448 |
     | `"int4"` | uint8 `[in // 2, out]` | `[in // g, out]`: max abs of a group / 7 |
 
     (`g` is `group_size`.) Integers are symmetric: int8 in [-127, 127].
+    `"fp8"` stores the bits of float8_e4m3fn values as uint8 (float8 values
+    given are converted): XLA:CPU cannot slice a float8 array, and converts a
+    whole stack of them to float16 before a scan.
 
     `"int4"` packs input rows `2i` (low nibble) and `2i + 1` (high nibble) into
     one byte, each a two's-complement 4-bit integer in [-7, 7]. A column (or
@@ -75,7 +84,7 @@ class Quantized(eqx.Module):
     Build one with [`eqxscan.quant.quantize`][].
     """
 
-    values: Shaped[Array, "*layers _ _"]
+    values: Shaped[Array, "*layers _ _"] = eqx.field(converter=fp8_bits)
     scales: Float[Array, "*layers _ _"]
     kind: Kind = eqx.field(static=True)
     orientation: Orientation = eqx.field(static=True)
@@ -109,6 +118,9 @@ class Quantized(eqx.Module):
             values, scales = jnp.swapaxes(values, -1, -2), jnp.swapaxes(scales, -1, -2)
         if self.kind == "int4":
             w = _grouped(unpack_int4(values), scales)
+        elif self.kind == "fp8":
+            fp8 = jax.lax.bitcast_convert_type(values, jnp.float8_e4m3fn)
+            w = fp8.astype(jnp.float32) * scales
         else:
             w = values.astype(jnp.float32) * scales
         w = w.astype(self.dtype)
@@ -229,7 +241,7 @@ def quantize_array(
         if kind == "int8":
             values = jnp.round(scaled).astype(jnp.int8)
         else:
-            values = scaled.astype(jnp.float8_e4m3fn)
+            values = fp8_bits(scaled.astype(jnp.float8_e4m3fn))
         group_size = None
     if orientation == "W@x":
         values, scales = jnp.swapaxes(values, -1, -2), jnp.swapaxes(scales, -1, -2)
