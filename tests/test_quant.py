@@ -189,6 +189,7 @@ def _mode(model, mode):
 
 
 KINDS = ["int8", "int4", "fp8"]
+TARGETS = ["blocks.*.w1", "blocks.*.w2"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -344,3 +345,49 @@ def test_wrong_use_raises(getkey):
         TypeError, r"`\*\.w` \(int8->float32\[64,24\]\) supports only", lambda: one + 1
     )
     _raises(TypeError, "supports only", lambda: one.T)
+
+
+def test_report_against_errors_by_hand(getkey):
+    model = eqxscan.StackedMLP(32, 3, key=getkey())
+    q = quant.quantize(model, TARGETS, kind="int4", group_size=32)
+    report = quant.report(model, q)
+    assert [(r.name, r.layer) for r in report] == [
+        (name, (i,)) for name in TARGETS for i in range(3)
+    ]
+    float_weights = {
+        "blocks.*.w1": model.blocks.layers.w1,
+        "blocks.*.w2": model.blocks.layers.w2,
+    }
+    deq = quant.dequantize(q)
+    deq_weights = {
+        "blocks.*.w1": deq.blocks.layers.w1,
+        "blocks.*.w2": deq.blocks.layers.w2,
+    }
+    for r in report:
+        w = np.asarray(float_weights[r.name][r.layer[0]], np.float64)
+        diff = np.asarray(deq_weights[r.name][r.layer[0]], np.float64) - w
+        np.testing.assert_allclose(r.max_abs, np.abs(diff).max(), rtol=1e-6)
+        np.testing.assert_allclose(
+            r.relative, np.linalg.norm(diff) / np.linalg.norm(w), rtol=1e-5
+        )
+    assert report.worst().relative == max(r.relative for r in report)
+    text = str(report).splitlines()
+    assert text[0].split() == "weight layer max abs error relative error".split()
+    # A header, a rule, then a row per weight and layer.
+    assert text[4].split() == [
+        "blocks.*.w1",
+        "2",
+        f"{report.rows[2].max_abs:.3e}",
+        f"{report.rows[2].relative:.3e}",
+    ]
+    assert len(text) == 2 + 6
+    # The wrong pair of models is named.
+    _raises(ValueError, "holds no Quantized", lambda: quant.report(model, model))
+    shallow = eqxscan.StackedMLP(32, 2, key=getkey())
+    _raises(ValueError, "not shaped as", lambda: quant.report(shallow, q))
+    wide = eqxscan.StackedMLP(64, 3, key=getkey())
+    _raises(
+        ValueError,
+        r"at `blocks\.\*\.w1` the float model holds float32\[3,64,256\]",
+        lambda: quant.report(wide, q),
+    )
