@@ -38,9 +38,11 @@ def _release(model: PyTree) -> PyTree:
 
 
 def _weight(leaf: object) -> Array | Quantized | None:
-    """What can be adapted at a leaf: an array, or a held `Quantized`."""
+    """What can be adapted at a leaf: an array, or a (held) `Quantized`."""
     if isinstance(leaf, _Held):
         return leaf.weight
+    if isinstance(leaf, Quantized):
+        return leaf
     return cast(Array, leaf) if is_arraylike(leaf) else None
 
 
@@ -207,8 +209,8 @@ def _replace_modules(
         nonlocal count
         if not isinstance(node, kind):
             return node
-        weight = getattr(node, "weight", None)
-        if not (is_arraylike(weight) or isinstance(weight, Quantized)):
+        weight = _weight(getattr(node, "weight", None))
+        if weight is None:
             raise TypeError(
                 f"add_lora: the {kind.__name__} at `{jtu.keystr(path)}` has no "
                 "array `weight` to adapt.\nHint: target its weight by name instead."

@@ -188,5 +188,5 @@ class LoRA(eqx.Module):
         self._unsupported()
 
 
-def _shape(x: Array) -> str:
+def _shape(x: Array | Quantized) -> str:
     return f"{jnp.dtype(x.dtype).name}[{','.join(map(str, x.shape))}]"

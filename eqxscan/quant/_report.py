@@ -105,7 +105,7 @@ def report(float_model: PyTree, quantized_model: PyTree) -> Report:
     pairs: list[tuple[str, Quantized, object]] = []
 
     def pair(path: tuple, q: object, w: object) -> None:
-        if is_quantized(q):
+        if isinstance(q, Quantized):
             pairs.append((q.name or jtu.keystr(path), q, w))
 
     try:
