@@ -37,7 +37,6 @@ def _whole_stack_floats(hlo):
     return sorted(set(re.findall(rf"\b(?:f32|bf16|f16){shapes}", hlo)))
 
 
-@pytest.mark.optimized
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_one_layer_of_float_weights_at_a_time(getkey, dtype):
     model = eqxscan.StackedMLP(D, L, key=getkey(), dtype=dtype)
