@@ -1,15 +1,18 @@
 """Quantized stacks and memory: a scanned step forms one layer's float weights at
-a time, never the stack's, and no whole-stack dtype conversion appears."""
+a time, never the stack's, and no whole-stack dtype conversion appears; FSDP
+shards quantized weights as their float weights."""
 
 import re
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import eqxscan
-from eqxscan import quant
+from eqxscan import quant, sharding
 
 
 L, D = 8, 128
@@ -72,3 +75,25 @@ def test_benchmark_smoke(monkeypatch, capsys):
         nbytes = sum(a.nbytes for a in jax.tree.leaves(model) if eqx.is_array(a))
         assert mib[fmt, "scan"] == mib[fmt, "unrolled"] == round(nbytes / 2**20, 2)
     assert mib["int4", "scan"] < mib["int8", "scan"] < mib["bfloat16", "scan"]
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_fsdp_shards_as_the_float_weights(getkey, kind):
+    # On the test process's two CPU devices.
+    mesh = sharding.make_mesh(fsdp=2)
+    model = eqxscan.StackedMLP(32, 2, key=getkey())
+    q = quant.quantize(model, TARGETS, kind=kind, group_size=32)
+    floats = sharding.model_shardings(model, mesh, min_size=0).blocks.layers
+    specs = sharding.model_shardings(q, mesh, min_size=0).blocks.layers
+    assert floats.w1.spec == P(None, None, "fsdp") and floats.w2.spec == P(None, "fsdp")
+    assert specs.w1.values.spec == specs.w1.scales.spec == floats.w1.spec
+    assert specs.w2.values.spec == floats.w2.spec
+    # Scales along w2's inputs: int4's [L, 4, D] groups divide, int8's [L, 1, D]
+    # is replicated.
+    assert specs.w2.scales.spec == (floats.w2.spec if kind == "int4" else P())
+    placed, _, _ = sharding.shard(q, mesh=mesh, min_size=0)
+    assert placed.blocks.layers.w2.values.sharding.spec == floats.w2.spec
+    x = jnp.ones((4, 32))
+    np.testing.assert_allclose(
+        eqx.filter_jit(lambda m, x: m(x))(placed, x), q(x), rtol=1e-5, atol=1e-5
+    )
