@@ -23,6 +23,12 @@ from ._quantized import (
 )
 
 
+# Compiled, so that XLA fuses the elementwise steps: no float32 copies of the
+# whole stack besides the one read.
+_quantize_array = jax.jit(
+    quantize_array, static_argnames=("kind", "orientation", "group_size", "name")
+)
+
 Target = str | type[eqx.Module]
 """A weight to quantize: a state-dict name pattern (`"blocks.*.w1"`, `fnmatch`
 syntax, layer indices shown as `*`), or a module type whose `weight` is
@@ -156,7 +162,7 @@ def _quantized(
                 "meaningless.\nHint: find where it came from with "
                 "eqxscan.find_nonfinite, or fix the weight before quantizing."
             )
-    return quantize_array(w, kind, orientation, group_size, name)
+    return _quantize_array(w, kind, orientation, group_size, name)
 
 
 def _replace_modules(
