@@ -6,6 +6,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import jaxtyping
 import ml_dtypes
 import numpy as np
 import pytest
@@ -333,6 +334,40 @@ def test_quantize_errors(getkey):
         r"`blocks\.\*\.w2` .* NaN or inf in layer 2",
         lambda: quant.quantize(bad, "blocks.*.w2"),
     )
+
+
+def test_inconsistent_quantized_raises():
+    def make(values, scales, kind="int8", group_size=None, orientation="x@W"):
+        return Quantized(values, scales, kind, orientation, group_size, "float32", "w")
+
+    i8, u8 = jnp.zeros((64, 8), jnp.int8), jnp.zeros((32, 8), jnp.uint8)
+    _raises(
+        ValueError,
+        r"`w`: 'int8' values int8\[64,8\] \(x@W\) need scales of shape \[1, 8\], "
+        r"got float32\[1,4\]",
+        lambda: make(i8, jnp.ones((1, 4))),
+    )
+    _raises(
+        ValueError,
+        "'fp8' values must be uint8",
+        lambda: make(i8, jnp.ones((1, 8)), "fp8"),
+    )
+    # Under the tests' runtime type checking the `Literal` is checked first.
+    with pytest.raises((ValueError, jaxtyping.TypeCheckError), match="int2"):
+        make(i8, jnp.ones((1, 8)), "int2")
+    _raises(
+        ValueError,
+        "group_size must be one of",
+        lambda: make(u8, jnp.ones((1, 8)), "int4"),
+    )
+    _raises(
+        ValueError,
+        "input size 64 is not a multiple of group_size=128",
+        lambda: make(u8, jnp.ones((1, 8)), "int4", 128),
+    )
+    # W@x: the transpose of every array.
+    q = make(u8.T, jnp.ones((8, 2)), "int4", 32, "W@x")
+    assert q.shape == (8, 64)
 
 
 def test_wrong_use_raises(getkey):

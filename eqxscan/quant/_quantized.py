@@ -96,6 +96,43 @@ class Quantized(eqx.Module):
     # `__rmatmul__` too.
     __array_ufunc__ = None
 
+    def __check_init__(self) -> None:
+        where = f"Quantized weight `{self.name or '<unnamed>'}`"
+        hint = (
+            "\nHint: build one with eqxscan.quant.quantize; the layouts are in "
+            "Quantized's docstring."
+        )
+        if self.kind not in KINDS or self.orientation not in ("x@W", "W@x"):
+            raise ValueError(
+                f"{where}: kind must be one of {list(KINDS)} and orientation 'x@W' "
+                f"or 'W@x', got {self.kind!r} and {self.orientation!r}." + hint
+            )
+        stored = jnp.int8 if self.kind == "int8" else jnp.uint8
+        if self.values.dtype != stored or self.values.ndim < 2:
+            raise ValueError(
+                f"{where}: {self.kind!r} values must be {jnp.dtype(stored).name} "
+                f"with 2 axes per layer, got {_array(self.values)}." + hint
+            )
+        if not (self.kind == "int4") == (self.group_size in GROUP_SIZES):
+            raise ValueError(
+                f"{where}: group_size must be one of {list(GROUP_SIZES)} for 'int4' "
+                f"and None otherwise, got {self.group_size!r} for "
+                f"{self.kind!r}." + hint
+            )
+        size_in = self.shape[-2 if self.orientation == "x@W" else -1]
+        if self.group_size and size_in % self.group_size:
+            raise ValueError(
+                f"{where}: its input size {size_in} is not a multiple of "
+                f"group_size={self.group_size}." + hint
+            )
+        expected = _scales_shape(self)
+        if self.scales.shape != expected:
+            raise ValueError(
+                f"{where}: {self.kind!r} values {_array(self.values)} "
+                f"({self.orientation}) need scales of shape {list(expected)}, got "
+                f"{_array(self.scales)}." + hint
+            )
+
     @property
     def shape(self) -> tuple[int, ...]:
         *layers, rows, cols = self.values.shape
@@ -178,6 +215,18 @@ class Quantized(eqx.Module):
     @property
     def T(self) -> NoReturn:  # noqa: N802  # the array attribute's name
         self._unsupported()
+
+
+def _array(a: Array) -> str:
+    return f"{jnp.dtype(a.dtype).name}[{','.join(map(str, a.shape))}]"
+
+
+def _scales_shape(q: Quantized) -> tuple[int, ...]:
+    """The scales' shape that `q`'s values and group size call for."""
+    *layers, rows, cols = q.shape
+    size_in, out = (rows, cols) if q.orientation == "x@W" else (cols, rows)
+    groups = size_in // q.group_size if q.group_size else 1
+    return (*layers, groups, out) if q.orientation == "x@W" else (*layers, out, groups)
 
 
 def describe(q: Quantized) -> str:
