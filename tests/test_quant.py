@@ -343,9 +343,14 @@ def test_inconsistent_quantized_raises():
     i8, u8 = jnp.zeros((64, 8), jnp.int8), jnp.zeros((32, 8), jnp.uint8)
     _raises(
         ValueError,
-        r"`w`: 'int8' values int8\[64,8\] \(x@W\) need scales of shape \[1, 8\], "
-        r"got float32\[1,4\]",
+        r"`w`: 'int8' values int8\[64,8\] \(x@W\) need float32 scales of shape "
+        r"\[1, 8\], got float32\[1,4\]",
         lambda: make(i8, jnp.ones((1, 4))),
+    )
+    _raises(
+        ValueError,
+        r"need float32 scales .* got bfloat16\[1,8\]",
+        lambda: make(i8, jnp.ones((1, 8), jnp.bfloat16)),
     )
     _raises(
         ValueError,

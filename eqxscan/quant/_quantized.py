@@ -78,10 +78,10 @@ class Quantized(eqx.Module):
 
     `dtype` is the float dtype the layer sees (given as a dtype or its name,
     `"bfloat16"`; kept as a `numpy.dtype`); `.shape` and `.ndim` are the float
-    weight's. `name` is the
-    weight's state-dict name (`"blocks.*.w1"`), for error messages. Other array
-    operations raise a `TypeError` pointing to [`eqxscan.quant.dequantize`][].
-    Build one with [`eqxscan.quant.quantize`][].
+    weight's. `name` is the weight's state-dict name (`"blocks.*.w1"`), for
+    error messages. Other array operations raise a `TypeError` pointing to
+    [`eqxscan.quant.dequantize`][]. Build one with [`eqxscan.quant.quantize`][];
+    one built by hand is checked against these layouts.
     """
 
     values: Shaped[Array, "*layers _ _"] = eqx.field(converter=fp8_bits)
@@ -113,7 +113,7 @@ class Quantized(eqx.Module):
                 f"{where}: {self.kind!r} values must be {jnp.dtype(stored).name} "
                 f"with 2 axes per layer, got {_array(self.values)}." + hint
             )
-        if not (self.kind == "int4") == (self.group_size in GROUP_SIZES):
+        if (self.kind == "int4") != (self.group_size in GROUP_SIZES):
             raise ValueError(
                 f"{where}: group_size must be one of {list(GROUP_SIZES)} for 'int4' "
                 f"and None otherwise, got {self.group_size!r} for "
@@ -126,11 +126,11 @@ class Quantized(eqx.Module):
                 f"group_size={self.group_size}." + hint
             )
         expected = _scales_shape(self)
-        if self.scales.shape != expected:
+        if self.scales.shape != expected or self.scales.dtype != jnp.float32:
             raise ValueError(
                 f"{where}: {self.kind!r} values {_array(self.values)} "
-                f"({self.orientation}) need scales of shape {list(expected)}, got "
-                f"{_array(self.scales)}." + hint
+                f"({self.orientation}) need float32 scales of shape "
+                f"{list(expected)}, got {_array(self.scales)}." + hint
             )
 
     @property
