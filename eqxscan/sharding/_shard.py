@@ -17,6 +17,7 @@ from jaxtyping import PyTree
 
 from .._internal import align, check_size, is_arraylike, restack, Site, Stacked, walk
 from ._place import default_devices, place, place_batch
+from ._quantized import follow_float_weights
 
 
 if TYPE_CHECKING:
@@ -187,6 +188,11 @@ def model_shardings(
     fewer than `min_size` elements are replicated, and every leaf is replicated
     across the other mesh axes (e.g. `"data"`).
 
+    A [`eqxscan.quant.Quantized`][] weight is sharded as the float weight it
+    stands for: its `values` and `scales` along that weight's sharded axis, each
+    where that axis of its own divides (else replicated: int8's `[1, out]` scales
+    of a weight sharded along its inputs).
+
     **Arguments:**
 
     - `model`: any pytree (usually an `eqx.Module` containing `Stacked`s).
@@ -217,7 +223,11 @@ def model_shardings(
         spec = _leaf_spec(leaf, site.depth, name, mesh, fsdp_axis, min_size)
         return NamedSharding(mesh, spec)
 
-    return walk(one, model)
+    def spec_of(weight: jax.ShapeDtypeStruct, depth: int, path: tuple) -> PartitionSpec:
+        name = _name("model", path)
+        return _leaf_spec(weight, depth, name, mesh, fsdp_axis, min_size)
+
+    return follow_float_weights(model, walk(one, model), mesh, spec_of)
 
 
 def _set_layer_sharding(tree: T, layer_sharding: LayerShardingFn) -> T:

@@ -1,0 +1,81 @@
+"""Quantized stacks on 8 simulated CPU devices (FSDP over all 8), run in a fresh
+process by test_quant_memory.py. Prints one JSON object; the test asserts on it.
+"""
+
+import os
+
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+)
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import json  # noqa: E402
+
+import equinox as eqx  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import eqxscan  # noqa: E402
+from eqxscan import quant, sharding  # noqa: E402
+from tests.helpers import collectives  # noqa: E402
+
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+DIM, LAYERS, BATCH = 64, 3, 8
+TARGETS = ["blocks.*.w1", "blocks.*.w2"]
+
+
+def specs(tree) -> dict[str, str]:
+    return {
+        jax.tree_util.keystr(path): str(s.spec)
+        for path, s in jax.tree_util.tree_leaves_with_path(tree)
+    }
+
+
+def main() -> None:
+    mesh = sharding.make_mesh(fsdp=8)
+    model = eqxscan.StackedMLP(DIM, LAYERS, key=jax.random.key(0)).with_options(
+        unroll=1
+    )
+    x = jax.random.normal(jax.random.key(1), (BATCH, DIM))
+    out: dict[str, object] = {
+        "float": specs(sharding.model_shardings(model, mesh, min_size=0))
+    }
+    for kind in ("int8", "int4", "fp8"):
+        q = quant.quantize(model, TARGETS, kind=kind, group_size=32)
+        placed, _, batch = sharding.shard(q, batch=x, mesh=mesh, min_size=0)
+
+        # Gradients of the float arrays (the scales, the norms' scale); the
+        # stored values are arguments too, so that they keep their sharding.
+        def parts(m):
+            floats, rest = eqx.partition(m, eqx.is_inexact_array)
+            ints, static = eqx.partition(rest, eqx.is_array)
+            return floats, ints, static
+
+        def loss(floats, ints, x, static):
+            return jnp.sum(eqx.combine(floats, ints, static)(x) ** 2)
+
+        floats, ints, static = parts(placed)
+        step = jax.jit(jax.value_and_grad(loss), static_argnums=3)
+        value, grads = step(floats, ints, batch, static)
+        f1, i1, s1 = parts(q)
+        value1, grads1 = step(f1, i1, x, s1)  # one device
+        err = max(
+            float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+            for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads1))
+        )
+        hlo = step.lower(floats, ints, batch, static).compile().as_text()
+        out[kind] = {
+            "specs": specs(sharding.model_shardings(q, mesh, min_size=0)),
+            "placed_w1_values": str(placed.blocks.layers.w1.values.sharding.spec),
+            "err_loss": abs(float(value) - float(value1)) / abs(float(value1)),
+            "err_grads": err,
+            "all_gathers": collectives(hlo, "all-gather"),
+        }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
