@@ -47,6 +47,7 @@ class _Files(Mapping[str, Lazy]):
     def __init__(self, path: str):
         self.handles: list[object] = []
         self.formats: set[str] = set()  # the metadata's `format`: "pt", "flax"
+        self.metadata: dict[str, dict[str, str]] = {}  # each file's, by file name
         self.entries: dict[str, Lazy] = {}
         files, token, self.where = self._resolve(path)
         try:
@@ -115,6 +116,7 @@ class _Files(Mapping[str, Lazy]):
             meta = handle.metadata() or {}
             if isinstance(meta.get("format"), str):
                 self.formats.add(meta["format"])
+            self.metadata[os.path.basename(file)] = dict(meta)
             specs = {}
             for key in keys:
                 piece = handle.get_slice(key)
@@ -225,7 +227,7 @@ def _raw(
             begin, end = json.loads(f.read(size))[key]["data_offsets"]
             array = np.empty(shape, dtype)
             f.seek(8 + size + begin)
-            if f.readinto(memoryview(array.reshape(-1).view(np.uint8))) != end - begin:
+            if f.readinto(array.reshape(-1).view(np.uint8).data) != end - begin:
                 raise ValueError("the file ends before the array does")
         return array
 
