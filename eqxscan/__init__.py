@@ -20,6 +20,7 @@ from . import (
     adapters as adapters,
     checkpoint as checkpoint,
     nn as nn,
+    quant as quant,
     remat as remat,
     sharding as sharding,
     stats as stats,

@@ -1,0 +1,12 @@
+"""Quantized weights: a layer's weight replaced by a [`eqxscan.quant.Quantized`][]
+that stores int8, int4 or fp8 values with float scales and is dequantized where
+the layer multiplies by it; inside a [`eqxscan.Stacked`][], one layer at a time,
+within the scan's step.
+"""
+
+from ._quantize import (
+    dequantize as dequantize,
+    quantize as quantize,
+    Target as Target,
+)
+from ._quantized import Kind as Kind, Orientation as Orientation, Quantized as Quantized

@@ -1,0 +1,237 @@
+"""`quantize`: targeted weights replaced by `Quantized`s; `dequantize`: back."""
+
+import fnmatch
+from collections.abc import Sequence
+from typing import cast
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jaxtyping import Array, PyTree
+
+from .._internal import Checked, describe, is_arraylike, pattern, Site, walk
+from ._quantized import (
+    GROUP_SIZES,
+    Kind,
+    KINDS,
+    Orientation,
+    quantize_array,
+    Quantized,
+)
+
+
+Target = str | type[eqx.Module]
+"""A weight to quantize: a state-dict name pattern (`"blocks.*.w1"`, `fnmatch`
+syntax, layer indices shown as `*`), or a module type whose `weight` is
+quantized (e.g. `eqx.nn.Linear`), as [`eqxscan.adapters.add_lora`][] takes them."""
+
+
+def is_quantized(x: object) -> bool:
+    return isinstance(x, Quantized)
+
+
+def quantize(
+    model: PyTree,
+    targets: Checked[Target | Sequence[Target]],
+    *,
+    kind: Checked[Kind] = "int8",
+    group_size: Checked[int] = 128,
+    orientation: Checked[Orientation] = "x@W",
+) -> PyTree:
+    """`model` with each targeted weight replaced by a [`eqxscan.quant.Quantized`][].
+
+    Inside an [`eqxscan.Stacked`][] (or an [`eqxscan.Chain`][]'s stacks) a weight is
+    quantized in every layer, each layer with its own scales; the `Quantized`'s
+    arrays have the layer axes in front, so a scan dequantizes one layer at a time.
+
+    **Arguments:**
+
+    - `model`: any pytree, usually a model containing `Stacked`s or `Chain`s.
+    - `targets`: a name pattern or a module type, or a list of them. A pattern is
+      matched (`fnmatch`) against the names of [`eqxscan.to_state_dict`][], with
+      every layer index shown as `*`: `"blocks.*.w1"`, `"*.w2"`. A module type
+      (e.g. `eqx.nn.Linear`) quantizes the `weight` of every module of that type,
+      in orientation `"W@x"`.
+    - `kind`: `"int8"`, `"int4"` or `"fp8"` (see [`eqxscan.quant.Quantized`][]).
+    - `group_size`: for `"int4"`, the inputs sharing a scale: 32, 64 or 128; each
+      weight's input size must be a multiple of it. Ignored for other kinds.
+    - `orientation`: how the layers use the weights a pattern matches: `"x@W"`
+      (weight `[in, out]`) or `"W@x"` (`[out, in]`).
+
+    **Returns:**
+
+    `model` with the targets replaced; nothing else changes.
+    """
+    found = _targets(targets)
+    if kind not in KINDS:
+        raise ValueError(
+            f"quantize: kind must be one of {list(KINDS)}, got {kind!r}.\nHint: "
+            "'int8' and 'fp8' keep a scale per output channel, 'int4' per group."
+        )
+    if kind == "int4" and (
+        isinstance(group_size, bool) or group_size not in GROUP_SIZES
+    ):
+        raise ValueError(
+            f"quantize: group_size must be one of {list(GROUP_SIZES)} for 'int4', "
+            f"got {group_size!r}.\nHint: a smaller group is more accurate and "
+            "stores more scales."
+        )
+    if orientation not in ("x@W", "W@x"):
+        raise ValueError(f"orientation must be 'x@W' or 'W@x', got {orientation!r}.")
+    size = group_size if kind == "int4" else None
+    patterns = [t for t in found if isinstance(t, str)]
+    matched: set[str] = set()
+    given = model
+
+    def replace(leaf: object, site: Site) -> object:
+        name = pattern(site.path)
+        hits = [p for p in patterns if fnmatch.fnmatchcase(name, p)]
+        if not hits or not is_arraylike(leaf):
+            return leaf
+        matched.update(hits)
+        w = cast(Array, leaf)
+        return _quantized(w, site.depth, name, kind, orientation, size)
+
+    if patterns:
+        model = walk(replace, model, names=True)
+    for module in (t for t in found if not isinstance(t, str)):
+        model, count = _replace_modules(model, module, kind, size)
+        if count == 0:
+            raise ValueError(
+                f"quantize: the target {module.__name__} matches no module of the "
+                "model.\nHint: pass the type of the modules that hold the weights "
+                "(e.g. eqx.nn.Linear), or a name pattern such as 'blocks.*.w1'."
+            )
+    missing = [p for p in patterns if p not in matched]
+    if missing:
+        raise ValueError(
+            f"quantize: the target pattern(s) {missing} match no array of the "
+            f"model. Its 2-D weights are named {_weight_names(given)[:12]}.\n"
+            "Hint: names are eqxscan.to_state_dict's, with each layer index shown "
+            "as `*` (every layer of a stack is quantized together)."
+        )
+    return model
+
+
+def _quantized(
+    w: Array,
+    depth: int,
+    name: str,
+    kind: Kind,
+    orientation: Orientation,
+    group_size: int | None,
+) -> Quantized:
+    """`w` quantized, after checking it can be: floating, 2-D per layer, sizes
+    that divide, and finite in every layer."""
+    where = f"quantize: the target `{name}` ({describe(w)}, {depth} layer axes)"
+    if not jnp.issubdtype(w.dtype, jnp.floating):
+        raise TypeError(
+            f"{where} is not a floating array; only float weights are quantized."
+            "\nHint: narrow the pattern to the model's float weight matrices."
+        )
+    shape = tuple(w.shape[depth:])
+    if len(shape) != 2:
+        raise ValueError(
+            f"{where} has {len(shape)} axes per layer, but quantize takes 2-D "
+            "weights.\nHint: narrow the pattern to matrices."
+        )
+    size_in = shape[0] if orientation == "x@W" else shape[1]
+    if group_size is not None and size_in % group_size:
+        raise ValueError(
+            f"{where}: its input size {size_in} (orientation {orientation!r}) is "
+            f"not a multiple of group_size={group_size}, as 'int4' needs.\nHint: "
+            f"pass a group_size in {list(GROUP_SIZES)} that divides {size_in}, or "
+            "quantize this weight with kind='int8'."
+        )
+    if not isinstance(w, jax.core.Tracer):
+        finite = np.asarray(jnp.isfinite(w).reshape(-1, shape[0] * shape[1]).all(1))
+        if not finite.all():
+            bad = np.unravel_index(int(np.argmin(finite)), w.shape[:depth] or (1,))
+            layer = ".".join(map(str, bad)) if depth else "(no layer axis)"
+            raise ValueError(
+                f"{where} holds NaN or inf in layer {layer}; its scales would be "
+                "meaningless.\nHint: find where it came from with "
+                "eqxscan.find_nonfinite, or fix the weight before quantizing."
+            )
+    return quantize_array(w, kind, orientation, group_size, name)
+
+
+def _replace_modules(
+    model: PyTree, module: type[eqx.Module], kind: Kind, group_size: int | None
+) -> tuple[PyTree, int]:
+    """`model` with the `weight` of each `module` quantized ("W@x")."""
+    count = 0
+
+    def replace(path: tuple, node: object) -> object:
+        nonlocal count
+        if not isinstance(node, module):
+            return node
+        weight = getattr(node, "weight", None)
+        if not is_arraylike(weight):
+            raise TypeError(
+                f"quantize: the {module.__name__} at `{jtu.keystr(path)}` has no "
+                "array `weight` to quantize.\nHint: target its weight by name "
+                "instead."
+            )
+        count += 1
+        w = cast(Array, weight)
+        name = jtu.keystr(path) + ".weight"
+        q = _quantized(w, max(w.ndim - 2, 0), name, kind, "W@x", group_size)
+        return eqx.tree_at(lambda mod: mod.weight, node, q)
+
+    is_module = lambda x: isinstance(x, module)  # noqa: E731
+    return jtu.tree_map_with_path(replace, model, is_leaf=is_module), count
+
+
+def _targets(targets: object) -> list[Target]:
+    items = [targets] if isinstance(targets, (str, type)) else targets
+    if not isinstance(items, Sequence) or not items:
+        raise TypeError(
+            "quantize: targets must be a name pattern, a module type, or a "
+            f"non-empty list of them, got {targets!r}.\nHint: e.g. "
+            "targets=['blocks.*.w1', 'blocks.*.w2'] or targets=eqx.nn.Linear."
+        )
+    for t in items:
+        if not (
+            isinstance(t, str) or (isinstance(t, type) and issubclass(t, eqx.Module))
+        ):
+            raise TypeError(
+                f"quantize: each target must be a name pattern (str) or an "
+                f"eqx.Module type, got {t!r}.\nHint: e.g. 'blocks.*.w1' or "
+                "eqx.nn.Linear."
+            )
+    return list(items)
+
+
+def _weight_names(model: PyTree) -> list[str]:
+    names: list[str] = []
+
+    def visit(leaf: object, site: Site) -> object:
+        if is_arraylike(leaf) and leaf.ndim - site.depth == 2:
+            names.append(pattern(site.path))
+        return leaf
+
+    walk(visit, model, names=True)
+    return sorted(set(names))
+
+
+def dequantize(model: PyTree) -> PyTree:
+    """`model` with every [`eqxscan.quant.Quantized`][] replaced by its float
+    weight (of the dtype it was quantized from, layer axes kept).
+
+    **Arguments:**
+
+    - `model`: a model returned by [`eqxscan.quant.quantize`][] (also with LoRAs
+      over its quantized weights: their bases become float arrays).
+
+    **Returns:**
+
+    `model` with float arrays where its `Quantized`s were.
+    """
+    return jtu.tree_map(
+        lambda x: x.dequantize() if is_quantized(x) else x,
+        model,
+        is_leaf=is_quantized,
+    )

@@ -1,0 +1,237 @@
+"""`Quantized`: a weight stored as 8-bit, 4-bit or fp8 values with float scales,
+used where the weight was.
+
+A layer keeps its own code (`x @ self.w1`, or `self.weight @ x` as
+`eqx.nn.Linear` does): the product dequantizes the stored values and multiplies.
+Inside an [`eqxscan.Stacked`][] every array of a `Quantized` has the layer axes in
+front, like any other leaf, so the scan hands layer `i` its own slice and the
+float weight exists for one layer at a time, never for the whole stack.
+"""
+
+from typing import Literal, NoReturn
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Shaped
+from numpy.typing import DTypeLike
+
+
+Orientation = Literal["x@W", "W@x"]
+"""How a layer uses its weight, as for [`eqxscan.adapters.LoRA`][]: `x @ W`
+(float weight `[in, out]`) or `W @ x` (`[out, in]`, as `eqx.nn.Linear`)."""
+
+Kind = Literal["int8", "int4", "fp8"]
+"""The storage format: `"int8"` (symmetric, a scale per output channel), `"int4"`
+(symmetric, two values a byte, a scale per group of inputs) or `"fp8"`
+(`float8_e4m3fn`, a scale per output channel)."""
+
+KINDS: tuple[Kind, ...] = ("int8", "int4", "fp8")
+GROUP_SIZES = (32, 64, 128)
+
+# The largest magnitude each kind stores: the scale maps max|w| onto it.
+LIMIT = {"int8": 127.0, "int4": 7.0, "fp8": 448.0}
+STORED = {"int8": jnp.int8, "int4": jnp.uint8, "fp8": jnp.float8_e4m3fn}
+
+DEQUANTIZE_HINT = (
+    "Hint: a Quantized computes only `x @ q` and `q @ x`; for anything else, "
+    "use `eqxscan.quant.dequantize(model)` to get float weights."
+)
+
+
+def _dtype_name(dtype: DTypeLike) -> str:
+    return jnp.dtype(dtype).name
+
+
+class Quantized(eqx.Module):
+    """A weight stored quantized, standing where the float weight was.
+
+    `x @ q` (orientation `"x@W"`) is `x @ q.dequantize()` and `q @ x` (orientation
+    `"W@x"`) is `q.dequantize() @ x`: the float weight is formed from the stored
+    values, for the one layer being run, and multiplied.
+
+    Layouts, per layer, for orientation `"x@W"` (float weight `[in, out]`;
+    `"W@x"` stores the transpose of every array):
+
+    | `kind` | `values` | `scales` (float32) |
+    | --- | --- | --- |
+    | `"int8"` | int8 `[in, out]` | `[1, out]`: max abs over `in` / 127 |
+    | `"fp8"` | float8_e4m3fn `[in, out]` | `[1, out]`: max abs over `in` / 448 |
+    | `"int4"` | uint8 `[in // 2, out]` | `[in // g, out]`: max abs of a group / 7 |
+
+    (`g` is `group_size`.) Integers are symmetric: int8 in [-127, 127].
+
+    `"int4"` packs input rows `2i` (low nibble) and `2i + 1` (high nibble) into
+    one byte, each a two's-complement 4-bit integer in [-7, 7]. A column (or
+    group) of zeros has scale 1. Inside an [`eqxscan.Stacked`][] each array has
+    the layer axes in front.
+
+    `dtype` is the float dtype the layer sees (a dtype name, usable wherever a
+    dtype is); `.shape` and `.ndim` are the float weight's. `name` is the
+    weight's state-dict name (`"blocks.*.w1"`), for error messages. Other array
+    operations raise a `TypeError` pointing to [`eqxscan.quant.dequantize`][].
+    Build one with [`eqxscan.quant.quantize`][].
+    """
+
+    values: Shaped[Array, "*layers _ _"]
+    scales: Float[Array, "*layers _ _"]
+    kind: Kind = eqx.field(static=True)
+    orientation: Orientation = eqx.field(static=True)
+    group_size: int | None = eqx.field(static=True)
+    dtype: str = eqx.field(static=True, converter=_dtype_name)
+    name: str = eqx.field(static=True, default="")
+
+    # NumPy's operators then return NotImplemented, so `np_array @ q` reaches
+    # `__rmatmul__` too.
+    __array_ufunc__ = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        *layers, rows, cols = self.values.shape
+        if self.kind == "int4":
+            if self.orientation == "x@W":
+                rows *= 2
+            else:
+                cols *= 2
+        return (*layers, rows, cols)
+
+    @property
+    def ndim(self) -> int:
+        return self.values.ndim
+
+    def dequantize(self) -> Array:
+        """The float weight (of `dtype`), with the layer axes kept: per layer
+        inside a scan's step, or the whole stack when called on the stack."""
+        values, scales = self.values, self.scales
+        if self.orientation == "W@x":  # the `[in, out]` layout, transposed back below
+            values, scales = jnp.swapaxes(values, -1, -2), jnp.swapaxes(scales, -1, -2)
+        if self.kind == "int4":
+            w = _grouped(unpack_int4(values), scales)
+        else:
+            w = values.astype(jnp.float32) * scales
+        w = w.astype(self.dtype)
+        return jnp.swapaxes(w, -1, -2) if self.orientation == "W@x" else w
+
+    def __rmatmul__(self, x: Array | np.ndarray) -> Array:
+        """`x @ q`, for orientation `"x@W"`: `x` is `[..., in]`."""
+        self._check("x @ q", "x@W", x, -1, 0)
+        return jnp.asarray(x) @ self.dequantize()
+
+    def __matmul__(self, x: Array | np.ndarray) -> Array:
+        """`q @ x`, for orientation `"W@x"`: `x` is `[in]` or `[..., in, n]`."""
+        self._check("q @ x", "W@x", x, -2 if jnp.ndim(x) > 1 else -1, 1)
+        return self.dequantize() @ jnp.asarray(x)
+
+    def _check(
+        self, op: str, orientation: Orientation, x: object, x_axis: int, w_axis: int
+    ) -> None:
+        where = f"The Quantized weight at `{self.name or '<unnamed>'}`"
+        if self.orientation != orientation:
+            other = "q @ x" if orientation == "x@W" else "x @ q"
+            raise TypeError(
+                f"{where} has orientation {self.orientation!r} but was used as "
+                f"`{op}`; it computes `{other}` only.\nHint: pass "
+                f"orientation={orientation!r} to quantize for a layer that "
+                f"computes `{op}`."
+            )
+        if self.ndim != 2:
+            raise TypeError(
+                f"{where} is {describe(self)} with {self.ndim - 2} layer axes in "
+                f"front; `{op}` takes one layer's weight.\nHint: it is used inside "
+                "its Stacked's layers, which the scan hands one layer each; or "
+                "index the stack first."
+            )
+        shape = jnp.shape(x)  # pyright: ignore[reportArgumentType]
+        if len(shape) == 0 or shape[x_axis] != self.shape[w_axis]:
+            raise TypeError(
+                f"{where}: `{op}` got x of shape {tuple(shape)}, but the weight is "
+                f"{describe(self)} ({orientation}), so x's axis {x_axis} must "
+                f"have size {self.shape[w_axis]}.\nHint: check the layer's input "
+                "shape."
+            )
+
+    def _unsupported(self, *_: object, **__: object) -> NoReturn:
+        raise TypeError(
+            f"The Quantized weight at `{self.name or '<unnamed>'}` "
+            f"({describe(self)}) supports only `x @ q` and `q @ x`, not this "
+            "operation.\n" + DEQUANTIZE_HINT
+        )
+
+    __add__ = __radd__ = __sub__ = __rsub__ = _unsupported
+    __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _unsupported
+    __pow__ = __neg__ = __getitem__ = __array__ = _unsupported
+
+    @property
+    def T(self) -> NoReturn:  # noqa: N802  # the array attribute's name
+        self._unsupported()
+
+
+def describe(q: Quantized) -> str:
+    """`int8->float32[128,512]`: the stored kind and the float weight's shape."""
+    return f"{q.kind}->{q.dtype}[{','.join(map(str, q.shape))}]"
+
+
+def _grouped(values: Array, scales: Array) -> Array:
+    """`values` (`[..., in, out]`) times the scale of each input group."""
+    *layers, rows, cols = values.shape
+    groups = scales.shape[-2]
+    w = values.reshape(*layers, groups, rows // groups, cols).astype(jnp.float32)
+    return (w * scales[..., :, None, :]).reshape(values.shape)
+
+
+def pack_int4(q: Array) -> Array:
+    """int8 values in [-8, 7], `[..., 2n, out]`, packed two a byte: `[..., n, out]`
+    uint8, row `2i` in the low nibble and `2i + 1` in the high one."""
+    low = q[..., 0::2, :].astype(jnp.uint8) & jnp.uint8(0xF)
+    high = q[..., 1::2, :].astype(jnp.uint8) & jnp.uint8(0xF)
+    return low | (high << jnp.uint8(4))
+
+
+def unpack_int4(packed: Array) -> Array:
+    """`pack_int4` undone: uint8 `[..., n, out]` to int8 `[..., 2n, out]`."""
+    signed = jax.lax.bitcast_convert_type(packed, jnp.int8)
+    # Arithmetic shifts sign-extend each nibble.
+    low = jnp.right_shift(jnp.left_shift(signed, jnp.int8(4)), jnp.int8(4))
+    high = jnp.right_shift(signed, jnp.int8(4))
+    both = jnp.stack([low, high], axis=-2)  # [..., n, 2, out]
+    *layers, n, _, cols = both.shape
+    return both.reshape(*layers, 2 * n, cols)
+
+
+def quantize_array(
+    w: Array,
+    kind: Kind,
+    orientation: Orientation,
+    group_size: int | None,
+    name: str = "",
+) -> Quantized:
+    """`w` (`[*layers, in, out]` for `"x@W"`, `[*layers, out, in]` for `"W@x"`)
+    quantized; shapes and sizes are checked by the caller."""
+    dtype = w.dtype
+    w = w.astype(jnp.float32)
+    if orientation == "W@x":
+        w = jnp.swapaxes(w, -1, -2)
+    limit = LIMIT[kind]
+    if kind == "int4":
+        assert group_size is not None
+        *layers, rows, cols = w.shape
+        groups = w.reshape(*layers, rows // group_size, group_size, cols)
+        amax = jnp.max(jnp.abs(groups), axis=-2)  # [..., groups, out]
+        scales = jnp.where(amax == 0, 1.0, amax / limit)
+        q = jnp.clip(jnp.round(groups / scales[..., :, None, :]), -limit, limit)
+        values = pack_int4(q.astype(jnp.int8).reshape(w.shape))
+    else:
+        amax = jnp.max(jnp.abs(w), axis=-2, keepdims=True)  # [..., 1, out]
+        scales = jnp.where(amax == 0, 1.0, amax / limit)
+        scaled = jnp.clip(w / scales, -limit, limit)
+        if kind == "int8":
+            values = jnp.round(scaled).astype(jnp.int8)
+        else:
+            values = scaled.astype(jnp.float8_e4m3fn)
+        group_size = None
+    if orientation == "W@x":
+        values, scales = jnp.swapaxes(values, -1, -2), jnp.swapaxes(scales, -1, -2)
+    return Quantized(
+        values, scales.astype(jnp.float32), kind, orientation, group_size, dtype, name
+    )
