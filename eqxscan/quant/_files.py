@@ -278,8 +278,12 @@ def _fit(opened: Opened, like: T, state: Mapping[str, object]) -> T:
         raise
     except ValueError as e:
         first, *rest = str(e).splitlines()
+        hint = rest or [
+            "Hint: build like with the saved model's configuration (depth, "
+            "sizes, dtype), quantized as the file was."
+        ]
         raise ValueError(
-            "\n".join([f"{opened.where!r} does not fit the model: {first}", *rest])
+            "\n".join([f"{opened.where!r} does not fit the model: {first}", *hint])
         ) from None
 
 
