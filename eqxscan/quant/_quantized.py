@@ -32,7 +32,6 @@ GROUP_SIZES = (32, 64, 128)
 
 # The largest magnitude each kind stores: the scale maps max|w| onto it.
 LIMIT = {"int8": 127.0, "int4": 7.0, "fp8": 448.0}
-STORED = {"int8": jnp.int8, "int4": jnp.uint8, "fp8": jnp.float8_e4m3fn}
 
 DEQUANTIZE_HINT = (
     "Hint: a Quantized computes only `x @ q` and `q @ x`; for anything else, "
@@ -40,8 +39,15 @@ DEQUANTIZE_HINT = (
 )
 
 
-def _dtype_name(dtype: DTypeLike) -> str:
-    return jnp.dtype(dtype).name
+def _float_dtype(dtype: DTypeLike) -> np.dtype:
+    return jnp.dtype(dtype)
+
+
+def fp8_bits(values: Array) -> Array:
+    """float8_e4m3fn values as the uint8 of their bits (other arrays as given)."""
+    if values.dtype == jnp.float8_e4m3fn:
+        return jax.lax.bitcast_convert_type(values, jnp.uint8)
+    return values
 
 
 class Quantized(eqx.Module):
@@ -57,29 +63,33 @@ class Quantized(eqx.Module):
     | `kind` | `values` | `scales` (float32) |
     | --- | --- | --- |
     | `"int8"` | int8 `[in, out]` | `[1, out]`: max abs over `in` / 127 |
-    | `"fp8"` | float8_e4m3fn `[in, out]` | `[1, out]`: max abs over `in` / 448 |
+    | `"fp8"` | uint8 `[in, out]` | `[1, out]`: max abs over `in` / 448 |
     | `"int4"` | uint8 `[in // 2, out]` | `[in // g, out]`: max abs of a group / 7 |
 
     (`g` is `group_size`.) Integers are symmetric: int8 in [-127, 127].
+    `"fp8"` stores the bits of float8_e4m3fn values as uint8 (float8 values
+    given are converted): XLA:CPU cannot slice a float8 array, and converts a
+    whole stack of them to float16 before a scan.
 
     `"int4"` packs input rows `2i` (low nibble) and `2i + 1` (high nibble) into
     one byte, each a two's-complement 4-bit integer in [-7, 7]. A column (or
     group) of zeros has scale 1. Inside an [`eqxscan.Stacked`][] each array has
     the layer axes in front.
 
-    `dtype` is the float dtype the layer sees (a dtype name, usable wherever a
-    dtype is); `.shape` and `.ndim` are the float weight's. `name` is the
+    `dtype` is the float dtype the layer sees (given as a dtype or its name,
+    `"bfloat16"`; kept as a `numpy.dtype`); `.shape` and `.ndim` are the float
+    weight's. `name` is the
     weight's state-dict name (`"blocks.*.w1"`), for error messages. Other array
     operations raise a `TypeError` pointing to [`eqxscan.quant.dequantize`][].
     Build one with [`eqxscan.quant.quantize`][].
     """
 
-    values: Shaped[Array, "*layers _ _"]
+    values: Shaped[Array, "*layers _ _"] = eqx.field(converter=fp8_bits)
     scales: Float[Array, "*layers _ _"]
     kind: Kind = eqx.field(static=True)
     orientation: Orientation = eqx.field(static=True)
     group_size: int | None = eqx.field(static=True)
-    dtype: str = eqx.field(static=True, converter=_dtype_name)
+    dtype: np.dtype = eqx.field(static=True, converter=_float_dtype)
     name: str = eqx.field(static=True, default="")
 
     # NumPy's operators then return NotImplemented, so `np_array @ q` reaches
@@ -108,6 +118,9 @@ class Quantized(eqx.Module):
             values, scales = jnp.swapaxes(values, -1, -2), jnp.swapaxes(scales, -1, -2)
         if self.kind == "int4":
             w = _grouped(unpack_int4(values), scales)
+        elif self.kind == "fp8":
+            fp8 = jax.lax.bitcast_convert_type(values, jnp.float8_e4m3fn)
+            w = fp8.astype(jnp.float32) * scales
         else:
             w = values.astype(jnp.float32) * scales
         w = w.astype(self.dtype)
@@ -228,7 +241,7 @@ def quantize_array(
         if kind == "int8":
             values = jnp.round(scaled).astype(jnp.int8)
         else:
-            values = scaled.astype(jnp.float8_e4m3fn)
+            values = fp8_bits(scaled.astype(jnp.float8_e4m3fn))
         group_size = None
     if orientation == "W@x":
         values, scales = jnp.swapaxes(values, -1, -2), jnp.swapaxes(scales, -1, -2)

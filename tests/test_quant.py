@@ -1,0 +1,346 @@
+"""Quantized weights: the stored layouts against NumPy, the rounding bounds of
+each kind, and quantized models against the same models on the dequantized
+float weights (scan and loop, values and gradients)."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import ml_dtypes
+import numpy as np
+import pytest
+
+import eqxscan
+from eqxscan import quant
+from eqxscan.quant import Quantized
+
+
+def _weights(getkey, shape=(2, 64, 24)):
+    # Columns of very different sizes, and a zero column in layer 1.
+    w = jr.normal(getkey(), shape) * jnp.exp(jr.normal(getkey(), (1, 1, shape[-1])))
+    return w.at[1, :, 3].set(0.0)
+
+
+class Holder(eqx.Module):
+    w: jax.Array
+
+
+def _quantize(w, **kwargs):
+    """The `Quantized` of `w`'s layers (axis 0), as `quantize` makes it in a stack."""
+    stack = eqxscan.Stacked.from_layers([Holder(wi) for wi in w])
+    return quant.quantize(stack, "*.w", **kwargs).layers.w
+
+
+def _nibbles(packed):
+    """NumPy's reading of the int4 layout: row 2i the low nibble, 2i+1 the high,
+    two's complement."""
+    packed = np.asarray(packed).astype(np.int16)
+    low, high = packed & 0xF, packed >> 4
+    low, high = (np.where(v >= 8, v - 16, v) for v in (low, high))
+    out = np.empty(packed.shape[:-2] + (2 * packed.shape[-2], packed.shape[-1]))
+    out[..., 0::2, :], out[..., 1::2, :] = low, high
+    return out
+
+
+def test_int8_layout_and_bound(getkey):
+    w = _weights(getkey)
+    q = _quantize(w, kind="int8")
+    wn = np.asarray(w)
+    amax = np.abs(wn).max(axis=1, keepdims=True)
+    scale = np.where(amax == 0, 1.0, amax / 127)
+    assert q.values.dtype == jnp.int8 and q.values.shape == (2, 64, 24)
+    np.testing.assert_allclose(q.scales, scale, rtol=1e-6)
+    np.testing.assert_array_equal(q.values, np.round(wn / scale))
+    assert np.all(np.abs(np.asarray(q.values)) <= 127)
+    # Per element within half a step of its column's scale, in every layer.
+    err = np.abs(np.asarray(q.dequantize()) - wn)
+    assert np.all(err <= scale / 2 * (1 + 1e-5))
+    assert np.all(np.asarray(q.dequantize())[1, :, 3] == 0) and scale[1, 0, 3] == 1
+    assert (q.shape, q.dtype, q.ndim) == ((2, 64, 24), jnp.float32, 3)
+
+
+def test_int4_layout_and_bound(getkey):
+    w = _weights(getkey)
+    q = _quantize(w, kind="int4", group_size=32)
+    assert q.values.dtype == jnp.uint8 and q.values.shape == (2, 32, 24)
+    assert q.scales.shape == (2, 2, 24) and q.group_size == 32
+    wn = np.asarray(w).reshape(2, 2, 32, 24)
+    amax = np.abs(wn).max(axis=2)
+    scale = np.where(amax == 0, 1.0, amax / 7)
+    np.testing.assert_allclose(q.scales, scale, rtol=1e-6)
+    expected = np.round(wn / scale[:, :, None, :]).reshape(2, 64, 24)
+    np.testing.assert_array_equal(_nibbles(q.values), expected)
+    err = np.abs(np.asarray(q.dequantize()) - np.asarray(w)).reshape(2, 2, 32, 24)
+    assert np.all(err <= scale[:, :, None, :] / 2 * (1 + 1e-5))
+    assert q.shape == (2, 64, 24)
+
+
+def test_fp8_bound(getkey):
+    w = _weights(getkey)
+    q = _quantize(w, kind="fp8")
+    wn = np.asarray(w)
+    amax = np.abs(wn).max(axis=1, keepdims=True)
+    scale = np.where(amax == 0, 1.0, amax / 448)
+    # The bits of float8_e4m3fn values, as uint8.
+    assert q.values.dtype == jnp.uint8
+    np.testing.assert_allclose(q.scales, scale, rtol=1e-6)
+    stored = (wn / scale).astype(ml_dtypes.float8_e4m3fn)
+    np.testing.assert_array_equal(q.values, stored.view(np.uint8))
+    # float8 values given are stored as their bits.
+    again = Quantized(jnp.asarray(stored), q.scales, "fp8", "x@W", None, "float32")
+    np.testing.assert_array_equal(again.values, q.values)
+    # e4m3: 3 mantissa bits (relative step 2^-3, so 2^-4 rounding); subnormals
+    # below 2^-6 are spaced 2^-9.
+    err = np.abs(np.asarray(q.dequantize()) - wn)
+    assert np.all(err <= 2.0**-4 * np.abs(wn) + 2.0**-10 * scale + 1e-7)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
+def test_w_at_x_stores_the_transpose(getkey, kind):
+    w = _weights(getkey)
+    wt = jnp.swapaxes(w, -1, -2)
+    a = _quantize(w, kind=kind, group_size=32)
+    b = _quantize(wt, kind=kind, group_size=32, orientation="W@x")
+    assert b.orientation == "W@x" and b.shape == (2, 24, 64)
+    np.testing.assert_array_equal(
+        np.asarray(b.values, np.float32),
+        np.swapaxes(np.asarray(a.values, np.float32), 1, 2),
+    )
+    np.testing.assert_array_equal(b.scales, jnp.swapaxes(a.scales, 1, 2))
+    np.testing.assert_array_equal(b.dequantize(), jnp.swapaxes(a.dequantize(), 1, 2))
+    x = jr.normal(getkey(), (64, 3))
+    one = _layer(b, 0)
+    np.testing.assert_allclose(one @ x, one.dequantize() @ x, rtol=1e-6)
+
+
+def _layer(q, i):
+    return jax.tree.map(lambda a: a[i], q)
+
+
+def test_bf16_weights_stay_bf16(getkey):
+    w = _weights(getkey).astype(jnp.bfloat16)
+    q = _quantize(w, kind="int8")
+    assert q.dtype == jnp.bfloat16 and q.dequantize().dtype == jnp.bfloat16
+    x = jr.normal(getkey(), (5, 64)).astype(jnp.bfloat16)
+    y = x @ _layer(q, 0)
+    assert y.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(y, x @ _layer(q, 0).dequantize())
+
+
+def _loss_and_grads(model, x):
+    return eqx.filter_value_and_grad(lambda m, x: jnp.sum(jnp.sin(m(x))))(model, x)
+
+
+def _is_q(x):
+    return isinstance(x, Quantized)
+
+
+def _decoded(kind, values):
+    """Stored values (`[..., in, out]` layout) as floats, in NumPy."""
+    if kind == "fp8":
+        return values.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    return _nibbles(values) if kind == "int4" else values.astype(np.float32)
+
+
+def _assert_same_as_dequantized(qmodel, x):
+    """`qmodel` (scan and loop) against the model on its dequantized weights: the
+    output, the float leaves' gradients, and each quantized weight's scales'
+    gradient against the float weight's, folded by hand."""
+    fmodel = quant.dequantize(qmodel)
+    for mode in ("scan", "loop"):
+        qm, fm = _mode(qmodel, mode), _mode(fmodel, mode)
+        np.testing.assert_allclose(qm(x), fm(x), rtol=1e-5, atol=1e-5)
+        (lq, gq), (lf, gf) = _loss_and_grads(qm, x), _loss_and_grads(fm, x)
+        np.testing.assert_allclose(lq, lf, rtol=1e-5)
+        stored = iter(q for q in jax.tree.leaves(qmodel, is_leaf=_is_q) if _is_q(q))
+        pairs = zip(
+            jax.tree.leaves(gq, is_leaf=_is_q), jax.tree.leaves(gf), strict=True
+        )
+        for g, expected in pairs:
+            if not _is_q(g):
+                np.testing.assert_allclose(g, expected, rtol=1e-4, atol=1e-5)
+                continue
+            # d/d scale = sum over the scale's inputs of value * d/dW.
+            # `g` holds the gradient of the scales beside the model's values.
+            flip = (
+                (lambda a: np.swapaxes(a, -1, -2))
+                if g.orientation == "W@x"
+                else np.asarray
+            )
+            gw, got = flip(np.asarray(expected)), flip(np.asarray(g.scales))
+            values = flip(np.asarray(next(stored).values))
+            prod = _decoded(g.kind, values) * gw
+            groups = got.shape[-2]
+            prod = prod.reshape(*prod.shape[:-2], groups, -1, prod.shape[-1]).sum(-2)
+            # Sums of terms up to 127 times larger than the result: an absolute
+            # tolerance from the largest.
+            atol = 1e-5 * np.abs(prod).max()
+            np.testing.assert_allclose(got, prod, rtol=1e-4, atol=atol)
+
+
+def _mode(model, mode):
+    # Every stack of the model in `mode`.
+    is_stack = lambda n: isinstance(n, eqxscan.Stacked)  # noqa: E731
+    return jax.tree.map(
+        lambda n: n.with_options(mode=mode) if is_stack(n) else n,
+        model,
+        is_leaf=is_stack,
+    )
+
+
+KINDS = ["int8", "int4", "fp8"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_stacked_mlp_equals_its_dequantized_weights(getkey, kind):
+    model = eqxscan.StackedMLP(32, 3, key=getkey())
+    q = quant.quantize(model, ["blocks.*.w1", "blocks.*.w2"], kind=kind, group_size=32)
+    w1 = q.blocks.layers.w1
+    assert isinstance(w1, Quantized) and w1.name == "blocks.*.w1"
+    assert w1.values.shape[0] == 3 and w1.shape == (3, 32, 128)
+    _assert_same_as_dequantized(q, jr.normal(getkey(), (2, 32)))
+
+
+class LinearBlock(eqx.Module):
+    linear: eqx.nn.Linear
+
+    def __init__(self, dim, *, key):
+        self.linear = eqx.nn.Linear(dim, dim, key=key)
+
+    def __call__(self, x):
+        return x + jnp.tanh(self.linear(x))
+
+
+class Dense(eqx.Module):
+    w: jax.Array
+
+    def __call__(self, x):
+        return x + jnp.tanh(x @ self.w)
+
+
+class TwoDense(eqx.Module):
+    w: jax.Array
+    v: jax.Array
+
+    def __call__(self, x):
+        return x + jnp.tanh(x @ self.w) @ self.v
+
+
+def test_linear_stack_by_module_type(getkey):
+    stack = eqxscan.Stacked(lambda k: LinearBlock(64, key=k), 3, key=getkey())
+    q = quant.quantize(stack, eqx.nn.Linear, kind="int4", group_size=32)
+    weight = q.layers.linear.weight
+    assert weight.orientation == "W@x" and weight.values.shape == (3, 64, 32)
+    assert weight.scales.shape == (3, 64, 2) and weight.name.endswith(".weight")
+    _assert_same_as_dequantized(q, jr.normal(getkey(), (64,)))
+
+
+def test_chain(getkey):
+    layers = [Dense(jr.normal(getkey(), (32, 32))) for _ in range(2)]
+    layers += [TwoDense(jr.normal(getkey(), (32, 64)), jr.normal(getkey(), (64, 32)))]
+    q = quant.quantize(eqxscan.Chain(layers), "*.w", kind="int8")
+    stack, two = q.groups
+    assert _is_q(stack.layers.w) and _is_q(two.w) and not _is_q(two.v)
+    assert stack.layers.w.values.shape == (2, 32, 32)
+    _assert_same_as_dequantized(q, jr.normal(getkey(), (3, 32)))
+
+
+def test_weight_bytes(getkey):
+    model = eqxscan.StackedMLP(128, 2, key=getkey())
+    targets = ["blocks.*.w1", "blocks.*.w2"]
+    f32 = sum(x.nbytes for x in (model.blocks.layers.w1, model.blocks.layers.w2))
+
+    def stored(kind):
+        q = quant.quantize(model, targets, kind=kind)
+        found = [n for n in jax.tree.leaves(q, is_leaf=_is_q) if _is_q(n)]
+        assert len(found) == 2
+        return sum(n.values.nbytes + n.scales.nbytes for n in found)
+
+    assert stored("int8") <= 0.26 * f32
+    assert stored("fp8") <= 0.26 * f32
+    assert stored("int4") <= 0.14 * f32
+
+
+def _raises(error, match, fn):
+    with pytest.raises(error, match=match) as info:
+        fn()
+    assert "\nHint: " in str(info.value)
+
+
+def test_quantize_errors(getkey):
+    model = eqxscan.StackedMLP(32, 3, key=getkey())
+    w1 = ["blocks.*.w1"]
+    _raises(
+        ValueError,
+        "group_size must be one of",
+        lambda: quant.quantize(model, w1, kind="int4", group_size=48),
+    )
+    _raises(
+        ValueError,
+        "kind must be one of",
+        lambda: quant.quantize(model, w1, kind="int2"),
+    )
+    # w1 is [32, 128]: 32 inputs, not a multiple of 64.
+    _raises(
+        ValueError,
+        r"`blocks\.\*\.w1` \(float32\[3,32,128\], 1 layer axes\): its input "
+        r"size 32 .* group_size=64",
+        lambda: quant.quantize(model, w1, kind="int4", group_size=64),
+    )
+    # An odd input size.
+    odd = eqxscan.Stacked.from_layers([Holder(jnp.ones((33, 8)))] * 2)
+    _raises(
+        ValueError,
+        "input size 33",
+        lambda: quant.quantize(odd, "*.w", kind="int4", group_size=32),
+    )
+    _raises(
+        ValueError,
+        r"\['blocks\.\*\.w3'\] match no array.*'blocks\.\*\.w1'",
+        lambda: quant.quantize(model, ["blocks.*.w1", "blocks.*.w3"]),
+    )
+    _raises(
+        ValueError,
+        "Linear matches no module",
+        lambda: quant.quantize(model, eqx.nn.Linear),
+    )
+    ints = eqxscan.Stacked.from_layers([Holder(jnp.ones((4, 4), jnp.int32))] * 2)
+    _raises(
+        TypeError,
+        r"`\*\.w` \(int32\[2,4,4\].*not a floating array",
+        lambda: quant.quantize(ints, "*.w"),
+    )
+    _raises(
+        ValueError,
+        r"`blocks\.\*\.scale` .* 1 axes per layer",
+        lambda: quant.quantize(model, "blocks.*.scale"),
+    )
+    _raises(TypeError, "targets must be", lambda: quant.quantize(model, []))
+    # A non-finite weight is named with its layer.
+    w = model.blocks.layers.w2.at[2, 5, 1].set(jnp.inf)
+    bad = eqx.tree_at(lambda m: m.blocks.layers.w2, model, w)
+    _raises(
+        ValueError,
+        r"`blocks\.\*\.w2` .* NaN or inf in layer 2",
+        lambda: quant.quantize(bad, "blocks.*.w2"),
+    )
+
+
+def test_wrong_use_raises(getkey):
+    w = _quantize(_weights(getkey), kind="int8")
+    one = _layer(w, 0)
+    _raises(
+        TypeError,
+        r"orientation 'x@W' but was used as `q @ x`",
+        lambda: one @ jnp.ones((24,)),
+    )
+    _raises(TypeError, r"1 layer axes in front", lambda: jnp.ones((64,)) @ w)
+    _raises(
+        TypeError,
+        r"got x of shape \(3, 5\).* axis -1 must have size 64",
+        lambda: jnp.ones((3, 5)) @ one,
+    )
+    _raises(
+        TypeError, r"`\*\.w` \(int8->float32\[64,24\]\) supports only", lambda: one + 1
+    )
+    _raises(TypeError, "supports only", lambda: one.T)
