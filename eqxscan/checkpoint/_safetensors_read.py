@@ -4,7 +4,6 @@ eqxscan's writer records) only when asked for."""
 
 import json
 import os
-import struct
 from collections.abc import Callable, Iterator, Mapping
 
 import jax
@@ -155,25 +154,16 @@ class _Files(Mapping[str, Lazy]):
             if key in self.entries:
                 raise _bad(file, f"'{key}' is in another file of the index too")
             dtype = _dtype(file, key, dtype_name)
-            get = (
-                _raw(file, key, shape, dtype)
-                if dtype_name in _RAW
-                else handle.get_tensor  # type: ignore[attr-defined]
-            )
             self.entries[key] = Lazy(
-                shape, dtype, self._reader(get, file, key, digests.get(key))
+                shape, dtype, self._reader(handle, file, key, digests.get(key))
             )
 
     def _reader(
-        self,
-        get: Callable[[str], np.ndarray],
-        file: str,
-        key: str,
-        expected: str | None,
+        self, handle: object, file: str, key: str, expected: str | None
     ) -> Callable[[], np.ndarray]:
         def read() -> np.ndarray:
             try:
-                array = get(key)
+                array = handle.get_tensor(key)  # type: ignore[attr-defined]
             except Exception as e:
                 raise _bad(file, f"'{key}' cannot be read ({e})") from None
             if expected is not None and digest(array) != expected:
@@ -210,28 +200,6 @@ _DTYPES = {
     "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8",
     "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
 }  # fmt: skip
-
-
-# Dtypes the package's NumPy API cannot hand over (it looks them up in NumPy,
-# which has them only through ml_dtypes): read from the file's bytes instead.
-_RAW = ("F8_E4M3", "F8_E5M2")
-
-
-def _raw(
-    file: str, key: str, shape: tuple[int, ...], dtype: np.dtype
-) -> Callable[[str], np.ndarray]:
-    def get(_: str) -> np.ndarray:
-        # The package has checked the header and that the offsets fit the shape.
-        with open(file, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            begin, end = json.loads(f.read(size))[key]["data_offsets"]
-            array = np.empty(shape, dtype)
-            f.seek(8 + size + begin)
-            if f.readinto(array.reshape(-1).view(np.uint8).data) != end - begin:
-                raise ValueError("the file ends before the array does")
-        return array
-
-    return get
 
 
 def _dtype(file: str, key: str, name: str) -> np.dtype:
