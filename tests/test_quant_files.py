@@ -130,7 +130,7 @@ def test_sharded_round_trip_of_a_module_target_in_bfloat16(tmp_path):
     )
     loaded = quant.load(tmp_path, like)
     _same_bits(loaded, q)
-    assert loaded.layers.weight.dtype == "bfloat16"
+    assert loaded.layers.weight.dtype == jnp.bfloat16
     # The loaded stack runs as the saved one, and as the loop over its layers.
     x = jnp.linspace(-1, 1, 64, dtype=jnp.bfloat16)
     np.testing.assert_array_equal(loaded(x), q(x))
@@ -325,7 +325,7 @@ def test_truncated_or_corrupted_files_are_refused_and_named(tmp_path):
     for n in (0, 9, 200, len(data) // 2, len(data) - 1):
         cut.write_bytes(data[:n])
         _refused(cut, like, "is corrupt", error=CorruptFileError)
-    # A flipped bit in a layer's float8 values: its digest.
+    # A flipped bit in a layer's fp8 values: its digest.
     header = int.from_bytes(data[:8], "little")
     begin, _ = json.loads(data[8 : 8 + header])["blocks.1.w1.values"]["data_offsets"]
     flipped = bytearray(data)

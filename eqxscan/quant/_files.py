@@ -4,7 +4,7 @@ time.
 
 A file holds a model's state dict ([`eqxscan.to_state_dict`][]'s names), so a
 `Quantized` at `blocks.*.w1` is stored as its fields: `blocks.3.w1.values`
-(int8, uint8 or float8_e4m3fn) and `blocks.3.w1.scales` (float32) for layer 3.
+(int8, or uint8 for int4 and fp8) and `blocks.3.w1.scales` (float32) for layer 3.
 How each weight was quantized is in every file's metadata, under
 `"eqxscan.quant"`: a JSON object from the weight's name pattern (layer indices
 as `*`) to its `kind`, `group_size`, `orientation` and float `dtype`. Float
@@ -66,7 +66,7 @@ class _Spec:
 
 
 def _spec(q: Quantized) -> _Spec:
-    return _Spec(q.kind, q.group_size, q.orientation, q.dtype)
+    return _Spec(q.kind, q.group_size, q.orientation, np.dtype(q.dtype).name)
 
 
 class _At:
