@@ -203,7 +203,8 @@ def test_mismatches_are_named_by_weight(tmp_path):
     _refused(
         int4,
         _like("int4", 32, dim=64),
-        "no record of how they were quantized (its metadata 'eqxscan.quant')",
+        "`blocks.*.w1` is quantized in the file ('blocks.0.w1.values') with no "
+        "record of how (its metadata 'eqxscan.quant')",
     )
 
 
@@ -231,6 +232,39 @@ def test_float_and_quantized_files_are_not_mistaken_for_each_other(tmp_path):
         "`blocks.*.w1` is quantized in the file",
     )
     assert "w2" not in msg
+
+
+class Dense(eqx.Module):
+    w: jax.Array
+
+    def __call__(self, x):
+        return x + jnp.tanh(x @ self.w)
+
+
+class TwoDense(eqx.Module):
+    w: jax.Array
+    v: jax.Array
+
+    def __call__(self, x):
+        return x + jnp.tanh(x @ self.w) @ self.v
+
+
+def test_a_chain_whose_stacks_share_a_name_in_and_out_of_files(tmp_path):
+    # `layers.*.w` is [32, 32] in the stack of layers 0-1 and [32, 64] in layer
+    # 2: each layer's name says which.
+    keys = iter(jax.random.split(jax.random.key(0), 4))
+    normal = lambda *shape: jax.random.normal(next(keys), shape)  # noqa: E731
+    chain = eqxscan.Chain(
+        [Dense(normal(32, 32)), Dense(normal(32, 32)),
+         TwoDense(normal(32, 64), normal(64, 32))]
+    )  # fmt: skip
+    floats = tmp_path / "f.safetensors"
+    eqxscan.save(floats, chain)
+    got = quant.quantize_file(floats, chain, targets="*.w", kind="int4", group_size=32)
+    want = quant.quantize(chain, "*.w", kind="int4", group_size=32)
+    _same_bits(got, want)
+    quant.save(tmp_path / "q.safetensors", want)
+    _same_bits(quant.load(tmp_path / "q.safetensors", want), want)
 
 
 LLAMA_TARGETS = ["blocks.*.wqkv", "blocks.*.w13", "blocks.*.w2"]

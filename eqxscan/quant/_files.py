@@ -15,7 +15,6 @@ arrays keep their names. The files are written and read by
 import dataclasses
 import json
 import os
-import re
 from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
@@ -79,50 +78,70 @@ class _At:
 
 @dataclasses.dataclass(frozen=True)
 class _Weight:
-    """A `Quantized` of a model and its name: `pattern` (layer indices as `*`)
-    and `regex`, which matches each layer's name."""
+    """A `Quantized` of a model, its name pattern (layer indices as `*`) and
+    the names of its layers, in the order of its stacked arrays."""
 
     q: Quantized
     pattern: str
-    regex: re.Pattern[str]
+    names: list[str]
 
 
-def _name(parts: tuple) -> tuple[str, re.Pattern[str]]:
-    pattern = ".".join("*" if isinstance(p, LayerNumbering) else p for p in parts)
-    regex = r"\.".join(
-        r"\d+" if isinstance(p, LayerNumbering) else re.escape(p) for p in parts
-    )
-    return pattern, re.compile(regex)
+def _layer_names(parts: tuple, axes: tuple[int, ...]) -> list[str]:
+    # As `LayerNumbering` says: index `i` of the layer axes is layer
+    # `start + sum(i[k] * strides[k])`, each numbering taking its own axes.
+    names = []
+    for index in np.ndindex(*axes):
+        at = iter(index)
+        names.append(
+            ".".join(
+                str(p.start + sum(next(at) * s for s in p.strides))
+                if isinstance(p, LayerNumbering)
+                else p
+                for p in parts
+            )
+        )
+    return names
 
 
-def _weights(model: PyTree) -> tuple[dict[str, _Weight], dict[str, str]]:
-    """The `Quantized`s of `model` by name pattern, and its other arrays'
-    patterns (with what they hold, for errors)."""
+def _weights(model: PyTree) -> tuple[list[_Weight], dict[str, str]]:
+    """The `Quantized`s of `model`, and its other arrays' name patterns (with
+    what they hold, for errors)."""
     marked = jtu.tree_map(
         lambda x: _At(x) if is_quantized(x) else x, model, is_leaf=is_quantized
     )
-    quantized: dict[str, _Weight] = {}
+    quantized: list[_Weight] = []
     floats: dict[str, str] = {}
 
     def visit(leaf: object, site: Site) -> object:
-        pattern, regex = _name(site.path)
+        pattern = ".".join(
+            "*" if isinstance(p, LayerNumbering) else p for p in site.path
+        )
         if isinstance(leaf, _At):
-            other = quantized.get(pattern)
-            if other is not None and _spec(other.q) != _spec(leaf.q):
-                raise ValueError(
-                    f"quantize save: two Quantized weights are named `{pattern}` "
-                    f"(the stacks of a Chain), quantized differently: "
-                    f"{_spec(other.q)} and {_spec(leaf.q)}; a file records one "
-                    "way per name.\nHint: quantize them alike, or save the "
-                    "dequantized model."
-                )
-            quantized[pattern] = _Weight(leaf.q, pattern, regex)
+            names = _layer_names(site.path, site.axes)
+            quantized.append(_Weight(leaf.q, pattern, names))
         elif is_arraylike(leaf):
             floats[pattern] = f"{jnp.dtype(leaf.dtype).name}{list(leaf.shape)}"
         return leaf
 
     walk(visit, marked, names=True)
     return quantized, floats
+
+
+def _by_pattern(weights: list[_Weight]) -> dict[str, _Weight]:
+    """`weights` by name pattern: the stacks of a `Chain` share one, and must
+    then be quantized alike, as a file records one quantization per pattern."""
+    found: dict[str, _Weight] = {}
+    for w in weights:
+        other = found.setdefault(w.pattern, w)
+        if _spec(other.q) != _spec(w.q):
+            raise ValueError(
+                f"Two Quantized weights of the model are named `{w.pattern}` "
+                f"(in the stacks of a Chain) and quantized differently: "
+                f"{_spec(other.q)} and {_spec(w.q)}; a file records one "
+                "quantization per name.\nHint: quantize them alike, or "
+                "dequantize one of them."
+            )
+    return found
 
 
 def save(
@@ -152,7 +171,7 @@ def save(
 
     The paths written, the index last.
     """
-    quantized, _ = _weights(model)
+    quantized = _by_pattern(_weights(model)[0])
     record = {
         pattern: dataclasses.asdict(_spec(w.q)) for pattern, w in quantized.items()
     }
@@ -209,22 +228,19 @@ def _check_like(who: str, like: object) -> None:
         )
 
 
-def _floats_in(names: Sequence[str], weight: _Weight) -> list[str]:
-    return [n for n in names if weight.regex.fullmatch(n)]
-
-
 def _problems(opened: Opened, like: PyTree) -> list[tuple[str, str]]:
     """What makes the files unfit for `like` before any array is read: each a
     line and its hint."""
-    quantized, floats = _weights(like)
+    weights, floats = _weights(like)
+    quantized = _by_pattern(weights)
     recorded = _recorded(opened)
-    names = list(opened.arrays)
+    arrays = opened.arrays
     problems = []
     for pattern, w in quantized.items():
-        found = _floats_in(names, w)
+        found = [n for n in w.names if n in arrays]
         spec = (recorded or {}).get(pattern)
         if found:
-            shape, dtype = opened.arrays[found[0]].shape, opened.arrays[found[0]].dtype
+            shape, dtype = arrays[found[0]].shape, arrays[found[0]].dtype
             problems.append(
                 (
                     f"`{pattern}` is a float array in the file "
@@ -245,6 +261,15 @@ def _problems(opened: Opened, like: PyTree) -> list[tuple[str, str]]:
                     "from a float model of the file's dtype.",
                 )
             )
+        elif spec is None and f"{w.names[0]}.values" in arrays:
+            problems.append(
+                (
+                    f"`{pattern}` is quantized in the file ('{w.names[0]}.values') "
+                    f"with no record of how (its metadata {METADATA!r})",
+                    "Hint: write quantized models with eqxscan.quant.save, which "
+                    f"records it; {_DOCS}.",
+                )
+            )
     for pattern, spec in (recorded or {}).items():
         if pattern in floats and pattern not in quantized:
             problems.append(
@@ -254,17 +279,6 @@ def _problems(opened: Opened, like: PyTree) -> list[tuple[str, str]]:
                     "Hint: pass like=eqxscan.quant.quantize(model, targets, ...) "
                     "as the file was quantized, and dequantize after loading if "
                     "float weights are wanted.",
-                )
-            )
-    if recorded is None and quantized:
-        stored = [n for n in names if n.endswith((".values", ".scales"))]
-        if stored:
-            problems.append(
-                (
-                    f"the file holds arrays such as '{stored[0]}' but no record of "
-                    f"how they were quantized (its metadata {METADATA!r})",
-                    "Hint: write quantized models with eqxscan.quant.save, which "
-                    f"records it; {_DOCS}.",
                 )
             )
     return problems
@@ -360,17 +374,16 @@ class _Layer:
         if piece in self.kept:
             return self.kept.pop(piece)
         q = self.weight.q
-        w = np.asarray(self.array)
-        if not np.isfinite(w.astype(np.float32)).all():
+        # On the device: no second host copy of the layer.
+        w = jnp.asarray(np.asarray(self.array))
+        if not bool(jnp.isfinite(w).all()):
             raise ValueError(
                 f"quantize_file: '{self.name}' in {self.where!r} holds NaN or inf "
                 f"(the weight `{self.weight.pattern}`); its scales would be "
                 "meaningless.\nHint: check the file (eqxscan.load it and run "
                 "eqxscan.find_nonfinite), or leave this weight out of targets."
             )
-        done = quantize_array(
-            jnp.asarray(w), q.kind, q.orientation, q.group_size, q.name
-        )
+        done = quantize_array(w, q.kind, q.orientation, q.group_size, q.name)
         del w  # before the next layer is read
         pieces = (np.asarray(done.values), np.asarray(done.scales))
         self.kept[1 - piece] = pieces[1 - piece]
@@ -381,11 +394,11 @@ def _quantizing(opened: Opened, qlike: PyTree) -> dict[str, object]:
     """The state dict of the quantized model, each quantized weight's layers
     made from the file's float arrays as they are asked for; after checking
     each float layer's shape and dtype."""
-    quantized, _ = _weights(qlike)
+    layers = {n: w for w in _weights(qlike)[0] for n in w.names}
     state: dict[str, object] = {}
     wrong = []
     for name, array in opened.arrays.items():
-        weight = next((w for w in quantized.values() if w.regex.fullmatch(name)), None)
+        weight = layers.get(name)
         if weight is None:
             state[name] = array
             continue
