@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 import eqxscan
-from eqxscan import quant
+from eqxscan import adapters, quant
 from eqxscan.quant import Quantized
+
+from .test_adapters import _assert_close, _call, _losses_and_grads, _random_b
 
 
 def _weights(getkey, shape=(2, 64, 24)):
@@ -189,6 +191,7 @@ def _mode(model, mode):
 
 
 KINDS = ["int8", "int4", "fp8"]
+TARGETS = ["blocks.*.w1", "blocks.*.w2"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -344,3 +347,123 @@ def test_wrong_use_raises(getkey):
         TypeError, r"`\*\.w` \(int8->float32\[64,24\]\) supports only", lambda: one + 1
     )
     _raises(TypeError, "supports only", lambda: one.T)
+
+
+def test_report_against_errors_by_hand(getkey):
+    model = eqxscan.StackedMLP(32, 3, key=getkey())
+    q = quant.quantize(model, TARGETS, kind="int4", group_size=32)
+    report = quant.report(model, q)
+    assert [(r.name, r.layer) for r in report] == [
+        (name, (i,)) for name in TARGETS for i in range(3)
+    ]
+    float_weights = {
+        "blocks.*.w1": model.blocks.layers.w1,
+        "blocks.*.w2": model.blocks.layers.w2,
+    }
+    deq = quant.dequantize(q)
+    deq_weights = {
+        "blocks.*.w1": deq.blocks.layers.w1,
+        "blocks.*.w2": deq.blocks.layers.w2,
+    }
+    for r in report:
+        w = np.asarray(float_weights[r.name][r.layer[0]], np.float64)
+        diff = np.asarray(deq_weights[r.name][r.layer[0]], np.float64) - w
+        np.testing.assert_allclose(r.max_abs, np.abs(diff).max(), rtol=1e-6)
+        np.testing.assert_allclose(
+            r.relative, np.linalg.norm(diff) / np.linalg.norm(w), rtol=1e-5
+        )
+    assert report.worst().relative == max(r.relative for r in report)
+    text = str(report).splitlines()
+    assert text[0].split() == "weight layer max abs error relative error".split()
+    # A header, a rule, then a row per weight and layer.
+    assert text[4].split() == [
+        "blocks.*.w1",
+        "2",
+        f"{report.rows[2].max_abs:.3e}",
+        f"{report.rows[2].relative:.3e}",
+    ]
+    assert len(text) == 2 + 6
+    # The wrong pair of models is named.
+    _raises(ValueError, "holds no Quantized", lambda: quant.report(model, model))
+    shallow = eqxscan.StackedMLP(32, 2, key=getkey())
+    _raises(ValueError, "not shaped as", lambda: quant.report(shallow, q))
+    wide = eqxscan.StackedMLP(64, 3, key=getkey())
+    _raises(
+        ValueError,
+        r"at `blocks\.\*\.w1` the float model holds float32\[3,64,256\]",
+        lambda: quant.report(wide, q),
+    )
+
+
+@pytest.mark.parametrize("kind", ["int4", "fp8"])
+def test_qlora_trains_the_adapters_as_on_the_float_base(getkey, kind):
+    model = eqxscan.StackedMLP(32, 2, key=getkey())
+    q = quant.quantize(model, TARGETS, kind=kind, group_size=32)
+    qlora = adapters.add_lora(q, ["blocks.*.w1", "*.w2"], rank=2, key=getkey())
+    qlora = _random_b(qlora, getkey())
+    lora = qlora.blocks.layers.w1
+    assert isinstance(lora.base, Quantized)
+    assert lora.base.values is q.blocks.layers.w1.values  # not a copy
+    assert lora.a.shape == (2, 1, 32, 2) and lora.dtype == jnp.float32
+    # The adapters over the dequantized float base: the reference.
+    on_float = quant.dequantize(qlora)
+    assert isinstance(on_float.blocks.layers.w1.base, jax.Array)
+    loop = qlora.with_options(mode="loop")
+    expected, *got = _losses_and_grads(
+        jr.normal(getkey(), (2, 32)),
+        (_call, on_float),
+        (_call, qlora),
+        (_call, loop),
+    )
+    for g in got:
+        _assert_close(g, expected)
+    # Gradients exist for the adapters only, and are not zero.
+    grads = got[0][1].blocks.layers
+    assert grads.scale is None and jax.tree.leaves(grads.w1.base) == []
+    assert jnp.all(grads.w1.a != 0) and jnp.all(grads.w2.b != 0)
+
+
+def test_qlora_by_module_type_and_merge(getkey):
+    stack = eqxscan.Stacked(lambda k: LinearBlock(64, key=k), 2, key=getkey())
+    q = quant.quantize(stack, eqx.nn.Linear, kind="int8")
+    qlora = _random_b(
+        adapters.add_lora(q, eqx.nn.Linear, rank=2, key=getkey()), getkey()
+    )
+    weight = qlora.layers.linear.weight
+    assert isinstance(weight.base, Quantized) and weight.orientation == "W@x"
+    x = jr.normal(getkey(), (64,))
+    np.testing.assert_allclose(
+        qlora(x), quant.dequantize(qlora)(x), rtol=1e-5, atol=1e-5
+    )
+    # Merging into a quantized base is refused; the base alone is the Quantized.
+    _raises(
+        ValueError,
+        r"merge: the LoRA at `.*weight` has a quantized base \(int8",
+        lambda: adapters.merge(qlora),
+    )
+    assert adapters.merge(qlora, -1).layers.linear.weight is weight.base
+    merged = adapters.merge(quant.dequantize(qlora))
+    np.testing.assert_allclose(merged(x), qlora(x), rtol=1e-5, atol=1e-5)
+
+
+def test_decoding_with_caches(getkey):
+    from .test_adapters_decode import _generate, Decoder, L, T
+    from .test_buffers import cache_of
+
+    model = Decoder(key=getkey())
+    q = quant.quantize(model, ["blocks.*.wqkv", "blocks.*.wo"], kind="int8")
+    assert isinstance(q.blocks.layers.wqkv, Quantized)
+    step = eqx.filter_jit(
+        lambda m, _, t, c, pos: m(t, c, pos), donate="all-except-first"
+    )
+    prompts = jr.randint(getkey(), (3,), 0, 16, jnp.int32)
+    got = _generate(step, q, None, prompts, cache_of(T, (L,)), 3)
+    on_float = quant.dequantize(q)
+    on_float = eqx.tree_at(
+        lambda m: m.blocks, on_float, on_float.blocks.with_options(mode="loop")
+    )
+    expected = _generate(step, on_float, None, prompts, cache_of(T, (L,)), 3)
+    for ours, theirs in zip(got[0], expected[0], strict=True):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+    for ours, theirs in zip(got[1], expected[1], strict=True):
+        np.testing.assert_array_equal(ours, theirs)

@@ -54,3 +54,22 @@ def test_one_layer_of_float_weights_at_a_time(getkey, dtype):
     # The check can fail: dequantizing the whole stack before the scan.
     temp, hlo = _step(q, x, hoist=True)
     assert temp > bound and _whole_stack_floats(hlo) != []
+
+
+def test_benchmark_smoke(monkeypatch, capsys):
+    # benchmarks/quantized.py --tiny, in this process: it runs, and its weight
+    # bytes are the models' own.
+    from benchmarks import quantized as bench
+
+    monkeypatch.setattr("sys.argv", ["quantized", "--tiny"])
+    bench.main()
+    rows = [r.split() for r in capsys.readouterr().out.splitlines()[2:]]
+    assert [(r[3], r[4]) for r in rows] == [
+        (f, s) for f in bench.FORMATS for s in ("scan", "unrolled")
+    ]
+    mib = {(r[3], r[4]): float(r[5]) for r in rows}
+    for fmt in bench.FORMATS:
+        model = bench.model_of(fmt, 128, 2)
+        nbytes = sum(a.nbytes for a in jax.tree.leaves(model) if eqx.is_array(a))
+        assert mib[fmt, "scan"] == mib[fmt, "unrolled"] == round(nbytes / 2**20, 2)
+    assert mib["int4", "scan"] < mib["int8", "scan"] < mib["bfloat16", "scan"]

@@ -15,7 +15,35 @@ import numpy as np
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from .._internal import check_size, Checked, is_arraylike, pattern, Site, walk
+from ..quant import Quantized
 from ._lora import LoRA, Orientation
+
+
+class _Held:
+    """A `Quantized` held as one leaf (not a pytree), so that a walk by name sees
+    it where its weight was, under the weight's name."""
+
+    def __init__(self, weight: Quantized):
+        self.weight = weight
+
+
+def _hold(model: PyTree) -> PyTree:
+    is_q = lambda x: isinstance(x, Quantized)  # noqa: E731
+    return jtu.tree_map(lambda x: _Held(x) if is_q(x) else x, model, is_leaf=is_q)
+
+
+def _release(model: PyTree) -> PyTree:
+    is_held = lambda x: isinstance(x, _Held)  # noqa: E731
+    return jtu.tree_map(lambda x: x.weight if is_held(x) else x, model, is_leaf=is_held)
+
+
+def _weight(leaf: object) -> Array | Quantized | None:
+    """What can be adapted at a leaf: an array, or a (held) `Quantized`."""
+    if isinstance(leaf, _Held):
+        return leaf.weight
+    if isinstance(leaf, Quantized):
+        return leaf
+    return cast(Array, leaf) if is_arraylike(leaf) else None
 
 
 Target = str | type[eqx.Module]
@@ -50,7 +78,9 @@ def add_lora(
       matched (`fnmatch`) against the names of
       [`eqxscan.to_state_dict`][], with every layer index shown as `*`:
       `"blocks.*.w1"`, `"*.w2"`. A module type (e.g. `eqx.nn.Linear`) adapts
-      the `weight` of every module of that type, in orientation `"W@x"`.
+      the `weight` of every module of that type, in orientation `"W@x"`. A
+      [`eqxscan.quant.Quantized`][] weight is matched as the float weight it
+      stands for, and becomes the `LoRA`'s base (QLoRA).
     - `rank`: `r`, at least 1 and at most the smaller side of each weight.
     - `alpha`: the adapters are scaled by `alpha / rank` (default: `rank`).
     - `dropout`: dropout rate on the adapters' input (PEFT's `lora_dropout`);
@@ -84,13 +114,14 @@ def add_lora(
     def replace(leaf: object, site: Site) -> object:
         name = pattern(site.path)
         hits = [p for p in patterns if fnmatch.fnmatchcase(name, p)]
-        if not hits or not is_arraylike(leaf):
+        weight = _weight(leaf)
+        if not hits or weight is None:
             return leaf
         matched.update(hits)
-        return make(cast(Array, leaf), site.depth, name, orientation, key)
+        return make(weight, site.depth, name, orientation, key)
 
     if patterns:
-        model = walk(replace, model, names=True)
+        model = _release(walk(replace, _hold(model), names=True))
     for kind in (t for t in found if not isinstance(t, str)):
         model, count = _replace_modules(model, kind, make, key)
         if count == 0:
@@ -122,7 +153,7 @@ class _Maker:
 
     def __call__(
         self,
-        base: Array,
+        base: Array | Quantized,
         depth: int,
         name: str,
         orientation: Orientation,
@@ -178,8 +209,8 @@ def _replace_modules(
         nonlocal count
         if not isinstance(node, kind):
             return node
-        weight = getattr(node, "weight", None)
-        if not is_arraylike(weight):
+        weight = _weight(getattr(node, "weight", None))
+        if weight is None:
             raise TypeError(
                 f"add_lora: the {kind.__name__} at `{jtu.keystr(path)}` has no "
                 "array `weight` to adapt.\nHint: target its weight by name instead."
@@ -187,7 +218,7 @@ def _replace_modules(
         count += 1
         depth = weight.ndim - 2  # the layer axes of enclosing stacks
         name = jtu.keystr(path) + ".weight"
-        lora = make(cast(Array, weight), max(depth, 0), name, "W@x", key)
+        lora = make(weight, max(depth, 0), name, "W@x", key)
         return eqx.tree_at(lambda mod: mod.weight, node, lora)
 
     is_kind = lambda x: isinstance(x, kind)  # noqa: E731
@@ -218,11 +249,12 @@ def _weight_names(model: PyTree) -> list[str]:
     names: list[str] = []
 
     def visit(leaf: object, site: Site) -> object:
-        if is_arraylike(leaf) and leaf.ndim - site.depth == 2:
+        weight = _weight(leaf)
+        if weight is not None and weight.ndim - site.depth == 2:
             names.append(pattern(site.path))
         return leaf
 
-    walk(visit, model, names=True)
+    walk(visit, _hold(model), names=True)
     return sorted(set(names))
 
 

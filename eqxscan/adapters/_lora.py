@@ -16,6 +16,8 @@ import jax.random as jr
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from ..quant import Quantized
+
 
 Orientation = Literal["x@W", "W@x"]
 """How a layer uses its weight: `x @ W` (base `[in, out]`, as `StackedMLP`'s
@@ -51,6 +53,10 @@ class LoRA(eqx.Module):
     `eqx.nn.inference_mode`) and `key` (set by
     [`eqxscan.adapters.with_dropout_key`][], one key per layer).
 
+    The base may be a [`eqxscan.quant.Quantized`][] (QLoRA): `add_lora` on a
+    quantized model adapts the quantized weights as it adapts float ones, and the
+    base is dequantized one layer at a time inside the scan.
+
     `.shape`, `.dtype` and `.ndim` are those of `base`. Other array operations
     (`+`, indexing, `jnp.asarray`) raise a `TypeError` naming the leaf and
     pointing to [`eqxscan.adapters.merge`][]; `jnp.matmul`, `jnp.einsum` and
@@ -58,7 +64,7 @@ class LoRA(eqx.Module):
     arguments"). Build one with [`eqxscan.adapters.add_lora`][].
     """
 
-    base: Float[Array, "*layers p q"]
+    base: Float[Array, "*layers p q"] | Quantized
     a: Float[Array, "*layers k _ _"]
     b: Float[Array, "*layers k _ _"]
     active: Int[Array, "*layers"]
@@ -182,5 +188,5 @@ class LoRA(eqx.Module):
         self._unsupported()
 
 
-def _shape(x: Array) -> str:
+def _shape(x: Array | Quantized) -> str:
     return f"{jnp.dtype(x.dtype).name}[{','.join(map(str, x.shape))}]"

@@ -13,6 +13,7 @@ import jax.tree_util as jtu
 from jaxtyping import Array, PyTree
 
 from .._internal import Checked, describe
+from ..quant import Quantized
 from ._lora import LoRA
 
 
@@ -30,6 +31,18 @@ def _check_adapter(lora: LoRA, adapter: object, who: str) -> int:
             f"[-1, {lora.num_adapters}).\nHint: -1 is the base alone."
         )
     return adapter
+
+
+def _refuse_quantized(lora: LoRA, who: str) -> None:
+    if isinstance(lora.base, Quantized):
+        raise ValueError(
+            f"{who}: the LoRA at `{lora.name}` has a quantized base "
+            f"({lora.base.kind}, {lora.base.dtype.name}{list(lora.base.shape)}); "
+            "adding a delta to it would need the float weight, quantized again, "
+            "with new rounding.\nHint: merge into float weights with "
+            f"`adapters.{who}(quant.dequantize(model))`, then quantize the "
+            "result if wanted."
+        )
 
 
 def _add_delta(
@@ -67,6 +80,8 @@ def merge(model: PyTree, adapter: Checked[int] = 0, *, donate: bool = False) -> 
 
     - `model`: a model returned by [`eqxscan.adapters.add_lora`][].
     - `adapter`: the adapter merged into every weight (`-1`: the base alone).
+      A quantized base ([`eqxscan.quant.Quantized`][], QLoRA) is refused unless
+      `adapter` is -1: merge `eqxscan.quant.dequantize(model)` instead.
     - `donate`: update the bases in place (their buffers are donated, so `model`
       and anything sharing its base arrays can no longer be used). Then peak
       memory is the model plus one layer's delta; otherwise the merged weights
@@ -85,6 +100,7 @@ def merge(model: PyTree, adapter: Checked[int] = 0, *, donate: bool = False) -> 
         k = _check_adapter(node, adapter, "merge")
         if k == -1:
             return node.base
+        _refuse_quantized(node, "merge")
         return fn(node.base, node.a, node.b, k, node.scaling, node.orientation)
 
     return jtu.tree_map(one, model, is_leaf=_is_lora)
@@ -115,6 +131,7 @@ def unmerge(
         if not isinstance(node, LoRA):
             return weight
         k = _check_adapter(node, adapter, "unmerge")
+        _refuse_quantized(node, "unmerge")
         if not (isinstance(weight, jax.Array) and weight.shape == node.base.shape):
             raise ValueError(
                 f"unmerge: at the LoRA `{node.name}` the merged model holds "

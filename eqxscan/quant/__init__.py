@@ -11,3 +11,4 @@ from ._quantize import (
     Target as Target,
 )
 from ._quantized import Kind as Kind, Orientation as Orientation, Quantized as Quantized
+from ._report import LayerError as LayerError, Report as Report, report as report

@@ -1,0 +1,119 @@
+"""Quantized stacked weights against float ones, for a decode step of a
+StackedMLP (one token per row, the weights as arguments): the model's bytes,
+XLA's temporaries (`memory_analysis()`) and bytes accessed (`cost_analysis()`),
+compile time, and step time (median of interleaved repeats after a warm-up),
+for float32, bfloat16, int8, int4 (groups of 128) and fp8, each scanned
+(`mode="scan"`, `unroll=1`) and unrolled (`mode="loop"`) side by side.
+
+    python -m benchmarks.quantized            # B = 1 and 8, L = 16, D = 512
+    python -m benchmarks.quantized --full     # B = 1, 8; L = 16, 32; D = 512, 1024
+    python -m benchmarks.quantized --tiny     # a smoke test
+"""
+
+import argparse
+import itertools
+import statistics
+import time
+from collections.abc import Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+import eqxscan
+from eqxscan import quant
+
+
+FORMATS = ("float32", "bfloat16", "int8", "int4", "fp8")
+STEPS = {"scan": dict(mode="scan", unroll=1), "unrolled": dict(mode="loop")}
+TARGETS = ["blocks.*.w1", "blocks.*.w2"]
+
+
+def _nbytes(tree) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(tree) if eqx.is_array(x))
+
+
+def model_of(fmt: str, dim: int, layers: int) -> eqxscan.StackedMLP:
+    """The model in `fmt`: a float dtype, or float32 weights quantized."""
+    dtype = jnp.bfloat16 if fmt == "bfloat16" else jnp.float32
+    model = eqxscan.StackedMLP(dim, layers, key=jax.random.key(0), dtype=dtype)
+    if fmt in ("float32", "bfloat16"):
+        return model
+    return quant.quantize(model, TARGETS, kind=fmt, group_size=128)
+
+
+def _accessed(compiled) -> float:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return float(cost.get("bytes accessed", float("nan")))
+
+
+def compile_step(model, batch: int, step: str) -> tuple[Callable[[], jax.Array], dict]:
+    """The compiled step, ready to call, and what XLA says of it."""
+    model = eqx.tree_at(
+        lambda m: m.blocks, model, model.blocks.with_options(**STEPS[step])
+    )
+    params, static = eqx.partition(model, eqx.is_array)
+    x = jnp.ones((batch, model.dim), model.dtype)
+    start = time.perf_counter()
+    compiled = (
+        jax.jit(lambda p, x: eqx.combine(p, static)(x)).lower(params, x).compile()
+    )
+    seconds = time.perf_counter() - start
+    facts = {
+        "bytes": _nbytes(params),
+        "temp": compiled.memory_analysis().temp_size_in_bytes,
+        "accessed": _accessed(compiled),
+        "compile_s": seconds,
+    }
+    return (lambda: compiled(params, x)), facts
+
+
+def measure(batch: int, layers: int, dim: int, repeats: int) -> list[dict]:
+    """Every format and step at one size, timed in interleaved rounds."""
+    runs = []
+    for fmt in FORMATS:
+        model = model_of(fmt, dim, layers)
+        for step in STEPS:
+            call, facts = compile_step(model, batch, step)
+            call().block_until_ready()  # warm-up
+            runs.append((call, {"format": fmt, "step": step, **facts}, []))
+    for _ in range(repeats):
+        for call, _, times in runs:
+            start = time.perf_counter()
+            call().block_until_ready()
+            times.append(time.perf_counter() - start)
+    return [{**facts, "step_ms": 1e3 * statistics.median(t)} for _, facts, t in runs]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--layers", type=int, nargs="+", default=[16])
+    parser.add_argument("--dim", type=int, nargs="+", default=[512])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--full", action="store_true", help="L = 16, 32; D = 512, 1024")
+    parser.add_argument("--tiny", action="store_true", help="a smoke test")
+    args = parser.parse_args()
+    if args.full:
+        args.layers, args.dim = [16, 32], [512, 1024]
+    if args.tiny:
+        args.batch, args.layers, args.dim, args.repeats = [1], [2], [128], 2
+    print(f"StackedMLP decode step, w1 and w2 quantized, {jax.default_backend()}")
+    mib = 2.0**20
+    print(
+        f"{'B':>2} {'L':>3} {'D':>5} {'format':<9}{'step':<9}{'weights MiB':>12}"
+        f"{'temp MiB':>10}{'accessed MiB':>13}{'compile s':>10}{'step ms':>9}"
+    )
+    for batch, layers, dim in itertools.product(args.batch, args.layers, args.dim):
+        for r in measure(batch, layers, dim, args.repeats):
+            print(
+                f"{batch:>2} {layers:>3} {dim:>5} {r['format']:<9}{r['step']:<9}"
+                f"{r['bytes'] / mib:>12.2f}{r['temp'] / mib:>10.2f}"
+                f"{r['accessed'] / mib:>13.2f}{r['compile_s']:>10.2f}"
+                f"{r['step_ms']:>9.3f}"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""`report`: how far each quantized weight is from the float one, layer by layer."""
+
+import dataclasses
+from typing import NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jaxtyping import Array, PyTree
+
+from .._internal import describe
+from ._quantize import is_quantized
+from ._quantized import Quantized
+
+
+class LayerError(NamedTuple):
+    """One quantized weight in one layer: its error against the float weight."""
+
+    name: str
+    """The weight's state-dict name pattern (`"blocks.*.w1"`), or its key path."""
+    layer: tuple[int, ...]
+    """The layer's index along each layer axis (`()` outside any stack)."""
+    max_abs: float
+    """`max |dequantized - float|`."""
+    relative: float
+    """`||dequantized - float||_F / ||float||_F` (0 for an exact zero weight)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """The errors of a quantized model's weights, one row per weight and layer
+    (iterate over it for the [`LayerError`][eqxscan.quant.LayerError] rows);
+    `str(report)` is a table."""
+
+    rows: tuple[LayerError, ...]
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def worst(self) -> LayerError:
+        """The row with the largest relative error."""
+        return max(self.rows, key=lambda r: r.relative)
+
+    def __str__(self) -> str:
+        head = ("weight", "layer", "max abs error", "relative error")
+        body = [
+            (
+                r.name,
+                ".".join(map(str, r.layer)) or "-",
+                f"{r.max_abs:.3e}",
+                f"{r.relative:.3e}",
+            )
+            for r in self.rows
+        ]
+        widths = [max(len(row[i]) for row in [head, *body]) for i in range(4)]
+        lines = [
+            "  ".join(
+                c.ljust(w) if i < 2 else c.rjust(w)
+                for i, (c, w) in enumerate(zip(row, widths))
+            )
+            for row in [head, *body]
+        ]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+
+@eqx.filter_jit
+def _errors(q: Quantized, w: Array) -> tuple[Array, Array]:
+    """Max abs and relative Frobenius error of each layer, one layer at a time
+    (`lax.map`), so that one layer's float weight is formed at once."""
+    flat = jtu.tree_map(lambda a: a.reshape(-1, *a.shape[-2:]), q)
+    w = w.reshape(-1, *w.shape[-2:])
+
+    def one(args: tuple[Quantized, Array]) -> tuple[Array, Array]:
+        layer, wi = args
+        wi = wi.astype(jnp.float32)
+        diff = layer.dequantize().astype(jnp.float32) - wi
+        norm, err = jnp.linalg.norm(wi), jnp.linalg.norm(diff)
+        relative = jnp.where(norm > 0, err / jnp.where(norm > 0, norm, 1.0), err)
+        return jnp.max(jnp.abs(diff)), relative
+
+    return jax.lax.map(one, (flat, w))
+
+
+def report(float_model: PyTree, quantized_model: PyTree) -> Report:
+    """Per weight and per layer: how far [`eqxscan.quant.quantize`][]'s weights
+    are from the float weights they were made from.
+
+    **Arguments:**
+
+    - `float_model`: the model before quantizing.
+    - `quantized_model`: what `quantize` returned for it.
+
+    **Returns:**
+
+    A [`Report`][eqxscan.quant.Report]: for every `Quantized` and each of its
+    layers, the max abs error and the relative Frobenius error of the dequantized
+    weight; `print(report)` shows them as a table.
+    """
+    pairs: list[tuple[str, Quantized, object]] = []
+
+    def pair(path: tuple, q: object, w: object) -> None:
+        if isinstance(q, Quantized):
+            pairs.append((q.name or jtu.keystr(path), q, w))
+
+    try:
+        jtu.tree_map_with_path(pair, quantized_model, float_model, is_leaf=is_quantized)
+    except ValueError as e:
+        raise ValueError(
+            "report: the float model is not shaped as the quantized model with "
+            f"arrays where its Quantized weights are ({str(e).splitlines()[0]}).\n"
+            "Hint: pass the model given to quantize, then what it returned."
+        ) from e
+    if not pairs:
+        raise ValueError(
+            "report: the quantized model holds no Quantized weight.\nHint: pass "
+            "the model given to quantize, then what it returned."
+        )
+    rows: list[LayerError] = []
+    for name, q, w in pairs:
+        if not (isinstance(w, jax.Array | np.ndarray) and w.shape == q.shape):
+            raise ValueError(
+                f"report: at `{name}` the float model holds {describe(w)}, but the "
+                f"quantized weight stands for {q.dtype.name}{list(q.shape)}.\nHint: "
+                "pass the model given to quantize, then what it returned."
+            )
+        max_abs, relative = (np.asarray(a) for a in _errors(q, jnp.asarray(w)))
+        layers = q.shape[:-2]
+        for i in range(max_abs.shape[0]):
+            index = tuple(int(n) for n in np.unravel_index(i, layers)) if layers else ()
+            rows.append(LayerError(name, index, float(max_abs[i]), float(relative[i])))
+    return Report(tuple(rows))
