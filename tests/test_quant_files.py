@@ -151,6 +151,22 @@ def test_sharded_round_trip_of_a_module_target_in_bfloat16(tmp_path):
     )
 
 
+def test_a_quantized_base_under_lora_adapters(tmp_path):
+    # QLoRA: the Quantized is the LoRA's `base`, and named so.
+    q = eqxscan.adapters.add_lora(
+        _quantized("int4", 32), "blocks.*.w1", rank=2, key=jax.random.key(1)
+    )
+    path = tmp_path / "qlora.safetensors"
+    quant.save(path, q)
+    with safetensors.safe_open(path, framework="np") as f:
+        assert "blocks.1.w1.base.values" in f.keys()
+        assert list(json.loads(f.metadata()["eqxscan.quant"])) == [
+            "blocks.*.w1.base",
+            "blocks.*.w2",
+        ]
+    _same_bits(quant.load(path, q), q)
+
+
 def _rewrite(path, drop=(), metadata=None):
     # The file as another writer would leave it: arrays dropped, metadata
     # changed, no digests.
