@@ -19,6 +19,8 @@ from ._names import (
 from ._orbax import CheckpointManager as CheckpointManager
 from ._safetensors import (
     load_safetensors as load_safetensors,
+    open_safetensors as open_safetensors,
+    Opened as Opened,
     read_safetensors as read_safetensors,
     save_safetensors as save_safetensors,
 )

@@ -13,12 +13,13 @@ which the index repeats: loading checks both, so a flipped bit in the data or
 a shard of another save is refused.
 """
 
+import contextlib
 import json
 import os
 import re
 import secrets
-from collections.abc import Mapping, Sequence
-from typing import TypeVar
+from collections.abc import Iterator, Mapping, Sequence
+from typing import NamedTuple, TypeVar
 
 import jax
 import numpy as np
@@ -46,7 +47,13 @@ from ._safetensors_read import (
 from ._state_dict import check_like, from_state_dict, host_entries
 
 
-__all__ = ["load_safetensors", "read_safetensors", "save_safetensors"]
+__all__ = [
+    "load_safetensors",
+    "open_safetensors",
+    "Opened",
+    "read_safetensors",
+    "save_safetensors",
+]
 
 T = TypeVar("T")
 _SHARD = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
@@ -372,6 +379,90 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
         files.close()
 
 
+class Opened(NamedTuple):
+    """What [`eqxscan.checkpoint.open_safetensors`][] gives: the arrays, their
+    files' metadata, and the path they were read from."""
+
+    arrays: Mapping[str, Lazy]
+    """Array-likes by name: `shape` and `dtype` known without reading, the data
+    read (and checked against its digest) by `numpy.asarray(array)`."""
+    metadata: dict[str, dict[str, str]]
+    """Each file's safetensors `__metadata__`, by file name."""
+    where: str
+    """The file or index read."""
+
+
+@contextlib.contextmanager
+def open_safetensors(
+    path: str | os.PathLike,
+    like: PyTree | None = None,
+    *,
+    names: NameMap | None = None,
+    dtype: DTypeLike | None = None,
+) -> Iterator[Opened]:
+    """Open a safetensors file or directory and read its arrays only when asked
+    for, one at a time: what [`eqxscan.load_safetensors`][] reads from, for
+    code that loads (or converts) a checkpoint piece by piece.
+
+    ```python
+    import os, tempfile
+    import jax, numpy as np, eqxscan
+    from eqxscan.checkpoint import open_safetensors
+
+    model = eqxscan.StackedMLP(4, 2, key=jax.random.key(0))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "model.safetensors")
+        eqxscan.save_safetensors(path, model, metadata={"note": "hi"})
+        with open_safetensors(path) as opened:
+            w1 = opened.arrays["blocks.1.w1"]
+            assert w1.shape == (4, 16)  # from the header: nothing read yet
+            np.testing.assert_array_equal(np.asarray(w1), model.blocks[1].w1)
+            assert opened.metadata["model.safetensors"]["note"] == "hi"
+    ```
+
+    **Arguments:**
+
+    - `path`: a `.safetensors` file, a `model.safetensors.index.json`, or a
+      directory holding either.
+    - `like`: with `names`, the model whose names the arrays get.
+    - `names`: a [`eqxscan.checkpoint.NameMap`][] from the file's names to
+      eqxscan's for `like`: every name and shape is checked at once, as
+      `load_safetensors` does, and the arrays are keyed by eqxscan's names. By
+      default they keep the file's own names.
+    - `dtype`: the file's floating-point arrays are cast to it as they are read.
+
+    **Returns:**
+
+    A context manager giving an [`eqxscan.checkpoint.Opened`][]: `arrays`
+    (each with `shape` and `dtype`; `numpy.asarray(array)` reads it),
+    `metadata` (each file's `__metadata__`) and `where`. The files are closed
+    on leaving it.
+
+    **Raises:**
+
+    As [`eqxscan.load_safetensors`][] for the files and the name map.
+    """
+    if names is not None and like is None:
+        raise TypeError(
+            "open_safetensors: names needs like, the model whose names the "
+            "arrays get.\nHint: pass like=model (arrays or "
+            "jax.ShapeDtypeStructs)."
+        )
+    if like is not None:
+        check_like("open_safetensors", like)
+    files = _Files(check_path("open_safetensors: path", path))
+    try:
+        arrays: Mapping[str, Lazy] = files
+        if dtype is not None:
+            arrays = _cast(files, np.dtype(jax.numpy.dtype(dtype)))
+        if names is not None:
+            _check_format(files, names)
+            arrays = names.mapping(like, arrays, source=repr(files.where))  # pyright: ignore[reportAssignmentType]
+        yield Opened(arrays, files.metadata, files.where)
+    finally:
+        files.close()
+
+
 def load_safetensors(
     path: str | os.PathLike,
     like: T,
@@ -413,22 +504,13 @@ def load_safetensors(
     than `names` (`"pt"`, `"flax"`: layouts that may hold a matrix transposed).
     """
     check_like("load_safetensors", like)
-    files = _Files(check_path("load_safetensors: path", path))
-    try:
-        state: Mapping[str, object] = files
-        if dtype is not None:
-            state = _cast(files, np.dtype(jax.numpy.dtype(dtype)))
-        if names is not None:
-            _check_format(files, names)
-            state = names.mapping(like, state, source=repr(files.where))
+    with open_safetensors(path, like, names=names, dtype=dtype) as opened:
         try:
-            return from_state_dict(like, state)
+            return from_state_dict(like, opened.arrays)
         except CorruptFileError:
             raise
         except ValueError as e:
             first, *rest = str(e).splitlines()
             raise ValueError(
-                "\n".join([f"{files.where!r} does not fit the model: {first}", *rest])
+                "\n".join([f"{opened.where!r} does not fit the model: {first}", *rest])
             ) from None
-    finally:
-        files.close()

@@ -46,6 +46,7 @@ class _Files(Mapping[str, Lazy]):
     def __init__(self, path: str):
         self.handles: list[object] = []
         self.formats: set[str] = set()  # the metadata's `format`: "pt", "flax"
+        self.metadata: dict[str, dict[str, str]] = {}  # each file's, by file name
         self.entries: dict[str, Lazy] = {}
         files, token, self.where = self._resolve(path)
         try:
@@ -114,6 +115,7 @@ class _Files(Mapping[str, Lazy]):
             meta = handle.metadata() or {}
             if isinstance(meta.get("format"), str):
                 self.formats.add(meta["format"])
+            self.metadata[os.path.basename(file)] = dict(meta)
             specs = {}
             for key in keys:
                 piece = handle.get_slice(key)

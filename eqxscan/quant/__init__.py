@@ -4,6 +4,7 @@ the layer multiplies by it; inside a [`eqxscan.Stacked`][], one layer at a time,
 within the scan's step.
 """
 
+from ._files import load as load, quantize_file as quantize_file, save as save
 from ._quantize import (
     dequantize as dequantize,
     quantize as quantize,

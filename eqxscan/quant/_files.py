@@ -1,0 +1,484 @@
+"""Quantized models in safetensors files: `save`, `load`, and `quantize_file`,
+which quantizes a float checkpoint as it reads it, one layer of one weight at a
+time.
+
+A file holds a model's state dict ([`eqxscan.to_state_dict`][]'s names), so a
+`Quantized` at `blocks.*.w1` is stored as its fields: `blocks.3.w1.values`
+(int8, or uint8 for int4 and fp8) and `blocks.3.w1.scales` (float32) for layer 3.
+How each weight was quantized is in every file's metadata, under
+`"eqxscan.quant"`: a JSON object from the weight's name pattern (layer indices
+as `*`) to its `kind`, `group_size`, `orientation` and float `dtype`. Float
+arrays keep their names. The files are written and read by
+`eqxscan.checkpoint` (atomic, sharded, checked against their digests).
+"""
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import TypeVar
+
+import equinox as eqx
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jaxtyping import PyTree
+
+from .._internal import (
+    describe as describe_value,
+    is_arraylike,
+    LayerNumbering,
+    Site,
+    walk,
+)
+from ..checkpoint import (
+    CorruptFileError,
+    from_state_dict,
+    NameMap,
+    open_safetensors,
+    Opened,
+    save_safetensors,
+)
+from ._quantize import is_quantized, quantize, Target
+from ._quantized import describe, Kind, Orientation, quantize_array, Quantized
+
+
+__all__ = ["load", "quantize_file", "save"]
+
+T = TypeVar("T")
+METADATA = "eqxscan.quant"
+_DOCS = "see docs/quantization.md#files"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    """How one weight is quantized: what the file records of it."""
+
+    kind: str
+    group_size: int | None
+    orientation: str
+    dtype: str
+
+    def __str__(self) -> str:
+        group = f", group size {self.group_size}" if self.kind == "int4" else ""
+        return f"{self.kind}{group}, {self.orientation}, {self.dtype}"
+
+
+def _spec(q: Quantized) -> _Spec:
+    return _Spec(q.kind, q.group_size, q.orientation, np.dtype(q.dtype).name)
+
+
+class _At:
+    """A `Quantized` held as a plain leaf, so that the walk by state-dict name
+    says where it sits instead of entering it."""
+
+    def __init__(self, q: Quantized):
+        self.q = q
+
+
+@dataclasses.dataclass(frozen=True)
+class _Weight:
+    """A `Quantized` of a model, its name pattern (layer indices as `*`) and
+    the names of its layers, in the order of its stacked arrays."""
+
+    q: Quantized
+    pattern: str
+    names: list[str]
+
+
+def _layer_names(parts: tuple, axes: tuple[int, ...]) -> list[str]:
+    # As `LayerNumbering` says: index `i` of the layer axes is layer
+    # `start + sum(i[k] * strides[k])`, each numbering taking its own axes.
+    names = []
+    for index in np.ndindex(*axes):
+        at = iter(index)
+        names.append(
+            ".".join(
+                str(p.start + sum(next(at) * s for s in p.strides))
+                if isinstance(p, LayerNumbering)
+                else p
+                for p in parts
+            )
+        )
+    return names
+
+
+def _weights(model: PyTree) -> tuple[list[_Weight], dict[str, str]]:
+    """The `Quantized`s of `model`, and its other arrays' name patterns (with
+    what they hold, for errors)."""
+    marked = jtu.tree_map(
+        lambda x: _At(x) if is_quantized(x) else x, model, is_leaf=is_quantized
+    )
+    quantized: list[_Weight] = []
+    floats: dict[str, str] = {}
+
+    def visit(leaf: object, site: Site) -> object:
+        pattern = ".".join(
+            "*" if isinstance(p, LayerNumbering) else p for p in site.path
+        )
+        if isinstance(leaf, _At):
+            names = _layer_names(site.path, site.axes)
+            quantized.append(_Weight(leaf.q, pattern, names))
+        elif is_arraylike(leaf):
+            floats[pattern] = f"{jnp.dtype(leaf.dtype).name}{list(leaf.shape)}"
+        return leaf
+
+    walk(visit, marked, names=True)
+    return quantized, floats
+
+
+def _by_pattern(weights: list[_Weight]) -> dict[str, _Weight]:
+    """`weights` by name pattern: the stacks of a `Chain` share one, and must
+    then be quantized alike, as a file records one quantization per pattern."""
+    found: dict[str, _Weight] = {}
+    for w in weights:
+        other = found.setdefault(w.pattern, w)
+        if _spec(other.q) != _spec(w.q):
+            raise ValueError(
+                f"Two Quantized weights of the model are named `{w.pattern}` "
+                f"(in the stacks of a Chain) and quantized differently: "
+                f"{_spec(other.q)} and {_spec(w.q)}; a file records one "
+                "quantization per name.\nHint: quantize them alike, or "
+                "dequantize one of them."
+            )
+    return found
+
+
+def save(
+    path: str | os.PathLike,
+    model: PyTree,
+    *,
+    max_shard_size: int | str | None = None,
+) -> list[str]:
+    """Save a quantized model as safetensors: the stored values and scales of
+    each [`eqxscan.quant.Quantized`][] (`<name>.values`, `<name>.scales`, per
+    layer), its other arrays as [`eqxscan.save`][] names them, and how each
+    weight was quantized in the files' metadata.
+
+    Written as [`eqxscan.save_safetensors`][] writes: one file or Hugging
+    Face's sharded layout, one layer's slices gathered at a time, to temporary
+    files moved into place once all are written.
+
+    **Arguments:**
+
+    - `path`: a `.safetensors` file, or a directory.
+    - `model`: a model returned by [`eqxscan.quant.quantize`][] (or
+      [`eqxscan.quant.quantize_file`][]), with concrete arrays.
+    - `max_shard_size`: bytes per file (an int, or `"5GB"`, `"500MiB"`); only
+      with a directory.
+
+    **Returns:**
+
+    The paths written, the index last.
+    """
+    quantized = _by_pattern(_weights(model)[0])
+    record = {
+        pattern: dataclasses.asdict(_spec(w.q)) for pattern, w in quantized.items()
+    }
+    return save_safetensors(
+        path,
+        model,
+        max_shard_size=max_shard_size,
+        metadata={METADATA: json.dumps(record, sort_keys=True)},
+    )
+
+
+def _recorded(opened: Opened) -> dict[str, _Spec] | None:
+    """What the files' metadata records of each quantized weight; `None` for
+    files of another writer, which record nothing."""
+    texts = {file: meta.get(METADATA) for file, meta in opened.metadata.items()}
+    found = {text for text in texts.values() if text is not None}
+    if not found:
+        return None
+    file = next(f for f, text in texts.items() if text == min(found))
+    if len(found) > 1 or None in texts.values():
+        raise CorruptFileError(
+            f"The files of {opened.where!r} record different quantizations in "
+            f"their metadata {METADATA!r} ({file!r} and another): files of two "
+            "saves are mixed.\nHint: save the model again, or restore the "
+            "directory from a copy."
+        )
+    try:
+        entries = json.loads(min(found))
+        assert isinstance(entries, dict)
+        return {
+            pattern: _Spec(
+                str(e["kind"]),
+                None if e["group_size"] is None else int(e["group_size"]),
+                str(e["orientation"]),
+                str(e["dtype"]),
+            )
+            for pattern, e in entries.items()
+        }
+    except (ValueError, TypeError, KeyError, AssertionError) as e:
+        raise CorruptFileError(
+            f"Safetensors file {os.path.join(opened.where, file)!r} has a "
+            f"metadata entry {METADATA!r} that is not what eqxscan.quant.save "
+            f"writes ({type(e).__name__}: {e}).\nHint: save the model again; "
+            f"{_DOCS}."
+        ) from None
+
+
+def _check_like(who: str, like: object) -> None:
+    if not any(is_arraylike(x) for x in jtu.tree_leaves(like)):
+        raise TypeError(
+            f"{who}: like must be a model of the file's layout, with arrays (or "
+            f"jax.ShapeDtypeStructs) in it, got {describe_value(like)}.\nHint: "
+            "e.g. eqx.filter_eval_shape(eqxscan.quant.quantize, model, targets)."
+        )
+
+
+def _problems(opened: Opened, like: PyTree) -> list[tuple[str, str]]:
+    """What makes the files unfit for `like` before any array is read: each a
+    line and its hint."""
+    weights, floats = _weights(like)
+    quantized = _by_pattern(weights)
+    recorded = _recorded(opened)
+    arrays = opened.arrays
+    problems = []
+    for pattern, w in quantized.items():
+        found = [n for n in w.names if n in arrays]
+        spec = (recorded or {}).get(pattern)
+        if found:
+            shape, dtype = arrays[found[0]].shape, arrays[found[0]].dtype
+            problems.append(
+                (
+                    f"`{pattern}` is a float array in the file "
+                    f"({np.dtype(dtype).name}{list(shape)} at '{found[0]}'), and "
+                    f"quantized in the model ({describe(w.q)})",
+                    "Hint: quantize a float file with eqxscan.quant.quantize_file("
+                    "path, like, targets=...), or load it with eqxscan.load into "
+                    "the float model.",
+                )
+            )
+        elif spec is not None and spec != _spec(w.q):
+            problems.append(
+                (
+                    f"`{pattern}` is quantized as {spec} in the file, as "
+                    f"{_spec(w.q)} in the model",
+                    "Hint: build like with eqxscan.quant.quantize(...) as the "
+                    "file was quantized (its kind, group_size and orientation), "
+                    "from a float model of the file's dtype.",
+                )
+            )
+        elif spec is None and f"{w.names[0]}.values" in arrays:
+            problems.append(
+                (
+                    f"`{pattern}` is quantized in the file ('{w.names[0]}.values') "
+                    f"with no record of how (its metadata {METADATA!r})",
+                    "Hint: write quantized models with eqxscan.quant.save, which "
+                    f"records it; {_DOCS}.",
+                )
+            )
+    for pattern, spec in (recorded or {}).items():
+        if pattern in floats and pattern not in quantized:
+            problems.append(
+                (
+                    f"`{pattern}` is quantized in the file ({spec}), and a float "
+                    f"array in the model ({floats[pattern]})",
+                    "Hint: pass like=eqxscan.quant.quantize(model, targets, ...) "
+                    "as the file was quantized, and dequantize after loading if "
+                    "float weights are wanted.",
+                )
+            )
+    return problems
+
+
+def _fit(opened: Opened, like: T, state: Mapping[str, object]) -> T:
+    """`from_state_dict`, its errors naming the files."""
+    try:
+        return from_state_dict(like, state)
+    except CorruptFileError:
+        raise
+    except ValueError as e:
+        first, *rest = str(e).splitlines()
+        hint = rest or [
+            "Hint: build like with the saved model's configuration (depth, "
+            "sizes, dtype), quantized as the file was."
+        ]
+        raise ValueError(
+            "\n".join([f"{opened.where!r} does not fit the model: {first}", *hint])
+        ) from None
+
+
+def load(path: str | os.PathLike, like: T) -> T:
+    """Load a file written by [`eqxscan.quant.save`][] into a quantized model
+    shaped like `like`.
+
+    Before any array is read, each weight's quantization in the file's
+    metadata (kind, group size, orientation, float dtype) is checked against
+    `like`'s, and names, shapes and dtypes as [`eqxscan.load`][] checks them;
+    each array is checked against its digest as it is read. The arrays load
+    bit for bit.
+
+    **Arguments:**
+
+    - `path`: a `.safetensors` file, a `model.safetensors.index.json`, or a
+      directory holding either.
+    - `like`: a quantized model of the saved layout (arrays or
+      `jax.ShapeDtypeStruct`s), e.g.
+      `eqx.filter_eval_shape(eqxscan.quant.quantize, float_model, targets)`.
+
+    **Returns:**
+
+    `like` with its arrays replaced by the saved ones.
+
+    **Raises:**
+
+    `ValueError` naming each weight quantized otherwise in the file (another
+    kind, group size, orientation or dtype), held as a float array on one side
+    and quantized on the other, and the keys, layers and shapes that differ;
+    `FileNotFoundError` and [`eqxscan.checkpoint.CorruptFileError`][] as
+    [`eqxscan.load_safetensors`][] raises them.
+    """
+    _check_like("eqxscan.quant.load", like)
+    with open_safetensors(path) as opened:
+        problems = _problems(opened, like)
+        if problems:
+            lines = "; ".join(line for line, _ in problems[:10])
+            more = f" and {len(problems) - 10} more" if len(problems) > 10 else ""
+            raise ValueError(
+                f"{opened.where!r} does not fit the quantized model: "
+                f"{lines}{more}.\n{problems[0][1]}"
+            )
+        return _fit(opened, like, opened.arrays)
+
+
+class _Pending:
+    """One layer's `values` or `scales`, made when NumPy asks for it by
+    quantizing that layer's float weight, read then; the other of the pair is
+    kept until it is asked for."""
+
+    def __init__(self, layer: "_Layer", piece: int):
+        self.layer, self.piece = layer, piece
+        q = layer.weight.q
+        stored = q.values if piece == 0 else q.scales
+        self.shape = tuple(stored.shape[stored.ndim - 2 :])
+        self.dtype = np.dtype(stored.dtype)
+
+    def __array__(
+        self, dtype: np.dtype | None = None, copy: bool | None = None
+    ) -> np.ndarray:
+        array = self.layer.take(self.piece)
+        return array if dtype is None else array.astype(dtype)
+
+
+class _Layer:
+    """One layer of one quantized weight, quantized from its float array once."""
+
+    def __init__(self, weight: _Weight, name: str, array: object, where: str):
+        self.weight, self.name, self.array, self.where = weight, name, array, where
+        self.kept: dict[int, np.ndarray] = {}
+
+    def take(self, piece: int) -> np.ndarray:
+        if piece in self.kept:
+            return self.kept.pop(piece)
+        q = self.weight.q
+        # On the device: no second host copy of the layer.
+        w = jnp.asarray(np.asarray(self.array))
+        if not bool(jnp.isfinite(w).all()):
+            raise ValueError(
+                f"quantize_file: '{self.name}' in {self.where!r} holds NaN or inf "
+                f"(the weight `{self.weight.pattern}`); its scales would be "
+                "meaningless.\nHint: check the file (eqxscan.load it and run "
+                "eqxscan.find_nonfinite), or leave this weight out of targets."
+            )
+        done = quantize_array(w, q.kind, q.orientation, q.group_size, q.name)
+        del w  # before the next layer is read
+        pieces = (np.asarray(done.values), np.asarray(done.scales))
+        self.kept[1 - piece] = pieces[1 - piece]
+        return pieces[piece]
+
+
+def _quantizing(opened: Opened, qlike: PyTree) -> dict[str, object]:
+    """The state dict of the quantized model, each quantized weight's layers
+    made from the file's float arrays as they are asked for; after checking
+    each float layer's shape and dtype."""
+    layers = {n: w for w in _weights(qlike)[0] for n in w.names}
+    state: dict[str, object] = {}
+    wrong = []
+    for name, array in opened.arrays.items():
+        weight = layers.get(name)
+        if weight is None:
+            state[name] = array
+            continue
+        q = weight.q
+        want = (tuple(q.shape[q.ndim - 2 :]), np.dtype(jnp.dtype(q.dtype)))
+        have = (tuple(array.shape), np.dtype(array.dtype))
+        if have != want:
+            wrong.append(
+                f"'{name}': model has {want[1].name}{list(want[0])}, checkpoint "
+                f"has {have[1].name}{list(have[0])}"
+            )
+            continue
+        layer = _Layer(weight, name, array, opened.where)
+        state[f"{name}.values"], state[f"{name}.scales"] = (
+            _Pending(layer, 0),
+            _Pending(layer, 1),
+        )
+    if wrong:
+        more = f" and {len(wrong) - 10} more" if len(wrong) > 10 else ""
+        raise ValueError(
+            f"{opened.where!r} does not fit the model: the weights to quantize "
+            f"have the wrong shape or dtype: {'; '.join(wrong[:10])}{more}.\n"
+            "Hint: build like with the file's configuration (sizes and dtype)."
+        )
+    return state
+
+
+def quantize_file(
+    path: str | os.PathLike,
+    like: T,
+    *,
+    targets: Target | Sequence[Target],
+    name_map: NameMap | None = None,
+    kind: Kind = "int8",
+    group_size: int = 128,
+    orientation: Orientation = "x@W",
+) -> T:
+    """Quantize a float safetensors checkpoint as it is read: the same model as
+    `eqxscan.quant.quantize(eqxscan.load_safetensors(path, like,
+    names=name_map), targets, ...)`, bit for bit, without ever holding more
+    than one layer of one float weight beside the quantized model.
+
+    Each targeted weight is read one layer at a time (through `name_map`, e.g.
+    a Hugging Face Llama's, one file or sharded), quantized, and written into
+    its place in the quantized stack; the other arrays load as
+    `load_safetensors` loads them.
+
+    **Arguments:**
+
+    - `path`: a `.safetensors` file, a `model.safetensors.index.json`, or a
+      directory holding either.
+    - `like`: the float model of the file's layout (arrays or
+      `jax.ShapeDtypeStruct`s, e.g. from `eqx.filter_eval_shape`).
+    - `targets`, `kind`, `group_size`, `orientation`: as for
+      [`eqxscan.quant.quantize`][].
+    - `name_map`: a [`eqxscan.checkpoint.NameMap`][] from the file's names to
+      eqxscan's; by default the file holds eqxscan's own names.
+
+    **Returns:**
+
+    The quantized model, as [`eqxscan.quant.quantize`][] returns it.
+
+    **Raises:**
+
+    As [`eqxscan.load_safetensors`][] for the files and names, and as
+    [`eqxscan.quant.quantize`][] for the targets; `ValueError` naming the
+    array of a weight that holds NaN or inf.
+    """
+    _check_like("eqxscan.quant.quantize_file", like)
+    qlike = eqx.filter_eval_shape(
+        quantize,
+        like,
+        targets,
+        kind=kind,
+        group_size=group_size,
+        orientation=orientation,
+    )
+    # `like`'s own arrays where nothing is quantized: their placement is kept.
+    qlike = jtu.tree_map(
+        lambda q, x: q if is_quantized(q) else x, qlike, like, is_leaf=is_quantized
+    )
+    with open_safetensors(path, like, names=name_map) as opened:
+        return _fit(opened, qlike, _quantizing(opened, qlike))
