@@ -147,6 +147,11 @@ class Quantized(eqx.Module):
     def ndim(self) -> int:
         return self.values.ndim
 
+    def stored_arrays(self) -> tuple[Array, Array]:
+        """`(values, scales)`: what [`eqxscan.sharding`][] shards as the float
+        weight this stands for (along the axes that weight is sharded on)."""
+        return self.values, self.scales
+
     def dequantize(self) -> Array:
         """The float weight (of `dtype`), with the layer axes kept: per layer
         inside a scan's step, or the whole stack when called on the stack."""

@@ -1,14 +1,38 @@
-"""Shardings of quantized weights: those of the float weights they stand for."""
+"""Shardings of weights stored in other arrays (`eqxscan.quant.Quantized`):
+those of the float weights they stand for."""
 
 from collections.abc import Callable
+from typing import cast, Protocol
 
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from jaxtyping import PyTree
+from jaxtyping import Array, PyTree
 
-from ..quant import Quantized
+
+class StandsForWeight(Protocol):
+    """A module storing a weight in other arrays: the weight's `shape`, `dtype` and
+    `ndim`, and the arrays that are sharded as it. Recognised by its methods, so
+    that this package need not import the ones it serves (they import it)."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> np.dtype: ...
+
+    @property
+    def ndim(self) -> int: ...
+
+    def stored_arrays(self) -> tuple[Array, ...]: ...
+
+
+def stands_for_weight(node: object) -> bool:
+    return isinstance(node, eqx.Module) and callable(
+        getattr(type(node), "stored_arrays", None)
+    )
 
 
 def follow_float_weights(
@@ -17,26 +41,26 @@ def follow_float_weights(
     mesh: Mesh,
     spec_of: Callable[[jax.ShapeDtypeStruct, int, tuple], PartitionSpec],
 ) -> PyTree:
-    """`shardings` (of `model`'s arrays) with each `Quantized`'s `values` and
-    `scales` sharded along the axis that `spec_of` shards its float weight along,
-    each where that axis of its own divides (else replicated)."""
+    """`shardings` (of `model`'s arrays) with the stored arrays of each weight
+    kept in other arrays (a `Quantized`'s `values` and `scales`) sharded along
+    the axis that `spec_of` shards its float weight along, each where that axis
+    of its own divides (else replicated)."""
 
     def one(path: tuple, node: object, specs: PyTree) -> PyTree:
-        if not isinstance(node, Quantized):
+        if not stands_for_weight(node):
             return specs
-        weight = jax.ShapeDtypeStruct(node.shape, node.dtype)
-        spec = spec_of(weight, node.ndim - 2, path)
+        w = cast(StandsForWeight, node)
+        spec = spec_of(jax.ShapeDtypeStruct(w.shape, w.dtype), w.ndim - 2, path)
         return eqx.tree_at(
-            lambda q: (q.values, q.scales),
+            lambda q: q.stored_arrays(),
             specs,
             tuple(
                 NamedSharding(mesh, _along(spec, a.shape, mesh))
-                for a in (node.values, node.scales)
+                for a in w.stored_arrays()
             ),
         )
 
-    is_q = lambda x: isinstance(x, Quantized)  # noqa: E731
-    return jtu.tree_map_with_path(one, model, shardings, is_leaf=is_q)
+    return jtu.tree_map_with_path(one, model, shardings, is_leaf=stands_for_weight)
 
 
 def _along(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
