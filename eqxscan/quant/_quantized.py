@@ -161,8 +161,7 @@ class Quantized(eqx.Module):
         if self.kind == "int4":
             w = _grouped(unpack_int4(values), scales)
         elif self.kind == "fp8":
-            fp8 = jax.lax.bitcast_convert_type(values, jnp.float8_e4m3fn)
-            w = fp8.astype(jnp.float32) * scales
+            w = _e4m3_to_float32(values) * scales
         else:
             w = values.astype(jnp.float32) * scales
         w = w.astype(self.dtype)
@@ -171,12 +170,37 @@ class Quantized(eqx.Module):
     def __rmatmul__(self, x: Array | np.ndarray) -> Array:
         """`x @ q`, for orientation `"x@W"`: `x` is `[..., in]`."""
         self._check("x @ q", "x@W", x, -1, 0)
-        return jnp.asarray(x) @ self.dequantize()
+        x = jnp.asarray(x)
+        if self.kind == "int4":
+            low, high = self._int4_halves()
+            return x[..., 0::2] @ low + x[..., 1::2] @ high
+        return x @ self.dequantize()
 
     def __matmul__(self, x: Array | np.ndarray) -> Array:
         """`q @ x`, for orientation `"W@x"`: `x` is `[in]` or `[..., in, n]`."""
         self._check("q @ x", "W@x", x, -2 if jnp.ndim(x) > 1 else -1, 1)
-        return self.dequantize() @ jnp.asarray(x)
+        x = jnp.asarray(x)
+        if self.kind == "int4":
+            low, high = self._int4_halves()
+            if x.ndim == 1:
+                return low @ x[0::2] + high @ x[1::2]
+            return low @ x[..., 0::2, :] + high @ x[..., 1::2, :]
+        return self.dequantize() @ x
+
+    def _int4_halves(self) -> tuple[Array, Array]:
+        # The float weights of the even and of the odd input rows, each in the
+        # stored layout: multiplying by both halves of `x` needs no interleaving
+        # of the two nibbles, which XLA:CPU runs as slow elementwise copies.
+        values, scales = self.values, self.scales
+        if self.orientation == "W@x":
+            values, scales = jnp.swapaxes(values, -1, -2), jnp.swapaxes(scales, -1, -2)
+        signed = jax.lax.bitcast_convert_type(values, jnp.int8)
+        low = jnp.right_shift(jnp.left_shift(signed, jnp.int8(4)), jnp.int8(4))
+        high = jnp.right_shift(signed, jnp.int8(4))
+        halves = tuple(_grouped(h, scales).astype(self.dtype) for h in (low, high))
+        if self.orientation == "W@x":
+            return jnp.swapaxes(halves[0], -1, -2), jnp.swapaxes(halves[1], -1, -2)
+        return halves[0], halves[1]
 
     def _check(
         self, op: str, orientation: Orientation, x: object, x_axis: int, w_axis: int
@@ -245,6 +269,21 @@ def _grouped(values: Array, scales: Array) -> Array:
     groups = scales.shape[-2]
     w = values.reshape(*layers, groups, rows // groups, cols).astype(jnp.float32)
     return (w * scales[..., :, None, :]).reshape(values.shape)
+
+
+def _e4m3_to_float32(bits: Array) -> Array:
+    """float8_e4m3fn bits (uint8, no NaN) as float32, exactly. Integer work
+    that fuses into the multiply: XLA:CPU's own float8 conversion is a slow
+    elementwise loop of its own (1.5x a float32 step's time)."""
+    u = bits.astype(jnp.uint32)
+    magnitude = u & jnp.uint32(0x7F)
+    # A normal value's exponent (bias 7) rebiased to float32's (127); below,
+    # subnormals are m * 2^-9.
+    rebiased = (magnitude << 20) + jnp.uint32(120 << 23)
+    normal = jax.lax.bitcast_convert_type(rebiased, jnp.float32)
+    subnormal = (magnitude & jnp.uint32(7)).astype(jnp.float32) * (2.0**-9)
+    v = jnp.where(magnitude < 8, subnormal, normal)
+    return jnp.where(u >= 0x80, -v, v)
 
 
 def pack_int4(q: Array) -> Array:
