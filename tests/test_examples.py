@@ -55,3 +55,27 @@ def test_lora_example_trains_saves_and_serves_two_adapters():
     )
     assert sorted({k for k, _, _ in rows}) == ["0", "1"] and len(rows) == 8
     assert sum(float(a) for _, a, _ in rows) > sum(float(b) for _, _, b in rows)
+
+
+def test_quantized_llama_example():
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("EQXSCAN_TEST_XLA_FLAGS", ""))
+    stdout = run_example("quantized_llama.py", env=env)
+    scale = float(re.search(r"max \|logit\| ([0-9.]+)", stdout).group(1))
+    rows = {
+        m.group(1): [float(g) for g in m.group(2, 3, 4)]
+        for m in re.finditer(
+            r"^(int8|int4|fp8) .*?([0-9.e+-]+) \(blocks.*?\)\s+([0-9.e+-]+)\s+"
+            r"([0-9.]+)$",
+            stdout,
+            re.M,
+        )
+    }
+    assert sorted(rows) == ["fp8", "int4", "int8"]
+    # Weight error: int8 (7 bits of magnitude) below fp8 (3 of mantissa) below
+    # int4 (3 bits per group of 32).
+    assert rows["int8"][0] < rows["fp8"][0] < rows["int4"][0]
+    # int8: the logits within 5% of their largest, every greedy token the float
+    # model's.
+    assert rows["int8"][1] < 0.05 * scale
+    assert rows["int8"][2] == 1.0
+    assert "int8 saved and loaded: max |logit diff| 0.00e+00" in stdout
