@@ -7,8 +7,10 @@ while reading the file through the Flax name map (`eqxscan.quant.quantize_file`)
 prints the worst per-layer weight error (`eqxscan.quant.report`), the logits'
 largest difference from the float model's, and how many greedy tokens agree
 with the float model's. The int8 model is saved and loaded back
-(`quant.save`/`quant.load`) with the same logits. Needs `transformers<5` (a tiny
-random `FlaxLlamaForCausalLM`, no download):
+(`quant.save`/`quant.load`) with the same logits. The weights are a tiny random
+`FlaxLlamaForCausalLM`'s (`transformers<5`, no download), or without
+transformers a random eqxscan Llama's of the same spread written with the same
+name map (the output says which):
 
     python examples/quantized_llama.py
 """
@@ -19,9 +21,10 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from llama import Config, flax_names, greedy, Llama
+from jaxtyping import Array, Int
+from llama import Config, flax_names, Llama
 
-from eqxscan import load_safetensors, quant
+from eqxscan import load_safetensors, quant, save_safetensors
 
 
 TARGETS = ["blocks.*.wqkv", "blocks.*.w13", "blocks.*.w2"]
@@ -29,9 +32,18 @@ PROMPTS = [[3, 14, 15, 92], [65, 35, 89, 79], [1, 2, 3, 4], [100, 7, 42, 9]]
 STEPS = 8
 
 
-def main() -> None:
-    from transformers import FlaxLlamaForCausalLM, LlamaConfig
-
+def _write_weights(path: str) -> tuple[Config, str]:
+    """The float model's safetensors file under Flax names, and where it came from."""
+    try:
+        from transformers import FlaxLlamaForCausalLM, LlamaConfig
+    except ImportError:
+        config = Config()
+        model = Llama(config, key=jax.random.key(0))
+        # Spread 0.2, as the Hugging Face model's initializer_range below: at
+        # Llama's 0.02 every position's greedy token is the same.
+        model = jax.tree.map(lambda x: x * 10 if x.ndim > 1 else x, model)
+        save_safetensors(path, model, names=flax_names(config))
+        return config, "random eqxscan weights (transformers not importable)"
     hf_config = LlamaConfig(
         vocab_size=128,
         hidden_size=64,
@@ -42,19 +54,37 @@ def main() -> None:
         max_position_embeddings=64,
         initializer_range=0.2,
     )
-    hf = FlaxLlamaForCausalLM(hf_config, seed=0)
-    config = Config.from_hf(hf_config)
-    like = eqx.filter_eval_shape(Llama, config, key=jax.random.key(0))
-    names = flax_names(config)
-    prompts = jnp.array(PROMPTS, jnp.int32)
-    logits = eqx.filter_jit(lambda m, t: jax.vmap(m)(t))
+    FlaxLlamaForCausalLM(hf_config, seed=0).save_pretrained(
+        path, safe_serialization=True
+    )
+    return Config.from_hf(hf_config), "a random FlaxLlamaForCausalLM's file"
 
+
+@eqx.filter_jit
+def _logits(model: Llama, tokens: Int[Array, "B T"]) -> Array:
+    return jax.vmap(model)(tokens)
+
+
+def _greedy(model: Llama, prompts: Int[Array, "B P"], steps: int) -> np.ndarray:
+    """examples/llama.py's greedy decoding (the prefix recomputed at each step),
+    every prompt at once and one compiled program per model."""
+    tokens = jnp.pad(prompts, ((0, 0), (0, steps)))
+    for n in range(prompts.shape[1], prompts.shape[1] + steps):
+        tokens = tokens.at[:, n].set(jnp.argmax(_logits(model, tokens)[:, n - 1], -1))
+    return np.asarray(tokens)
+
+
+def main() -> None:
+    prompts = jnp.array(PROMPTS, jnp.int32)
     with tempfile.TemporaryDirectory() as tmp:
-        hf.save_pretrained(tmp, safe_serialization=True)
+        config, source = _write_weights(tmp)
+        print(f"weights: {source}")
+        like = eqx.filter_eval_shape(Llama, config, key=jax.random.key(0))
+        names = flax_names(config)
         model = load_safetensors(tmp, like, names=names)
-        reference = np.asarray(logits(model, prompts))
+        tokens = _greedy(model, prompts, STEPS)
+        reference = np.asarray(_logits(model, prompts))
         scale = np.abs(reference).max()
-        tokens = np.stack([np.asarray(greedy(model, p, STEPS)) for p in prompts])
         print(f"float32 logits: max |logit| {scale:.2f}")
         print("kind  weights KiB  worst rel. error  max |logit diff|  greedy agree")
         floats = _bytes(model)
@@ -63,9 +93,11 @@ def main() -> None:
                 tmp, like, targets=TARGETS, name_map=names, kind=kind, group_size=32
             )
             worst = quant.report(model, q).worst()
-            diff = np.abs(np.asarray(logits(q, prompts)) - reference).max()
-            ours = np.stack([np.asarray(greedy(q, p, STEPS)) for p in prompts])
-            agree = np.mean(ours[:, len(PROMPTS[0]) :] == tokens[:, len(PROMPTS[0]) :])
+            diff = np.abs(np.asarray(_logits(q, prompts)) - reference).max()
+            ours = _greedy(q, prompts, STEPS)
+            agree = np.mean(
+                ours[:, prompts.shape[1] :] == tokens[:, prompts.shape[1] :]
+            )
             print(
                 f"{kind:5} {_bytes(q) / 1024:8.1f}/{floats / 1024:.1f} "
                 f"{worst.relative:10.2e} ({worst.name} {list(worst.layer)}) "
@@ -74,7 +106,7 @@ def main() -> None:
             if kind == "int8":
                 quant.save(f"{tmp}/int8", q)
                 back = quant.load(f"{tmp}/int8", q)
-                again = np.abs(np.asarray(logits(back, prompts)) - logits(q, prompts))
+                again = np.abs(np.asarray(_logits(back, prompts) - _logits(q, prompts)))
                 print(f"int8 saved and loaded: max |logit diff| {again.max():.2e}")
 
 
