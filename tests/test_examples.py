@@ -1,8 +1,11 @@
+import importlib.util
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,6 +61,9 @@ def test_lora_example_trains_saves_and_serves_two_adapters():
 
 
 def test_quantized_llama_example():
+    # The figures below are those of the Hugging Face model's draw of weights.
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("needs transformers<5")
     env = dict(os.environ, XLA_FLAGS=os.environ.get("EQXSCAN_TEST_XLA_FLAGS", ""))
     stdout = run_example("quantized_llama.py", env=env)
     scale = float(re.search(r"max \|logit\| ([0-9.]+)", stdout).group(1))
@@ -77,6 +83,8 @@ def test_quantized_llama_example():
     # To first order each of the 9 quantized matrices (3 layers x wqkv, w13,
     # w2) moves the logits by at most its relative error times their scale, so
     # the errors add up to at most 9 x the worst one (measured: 3.4x to 4.2x).
+    # Weights of spread 0.2 keep attention far from linear, so this holds for
+    # this draw, not for every one (another random draw gives int8 8.2x).
     for kind, (worst, diff, _) in rows.items():
         assert diff <= 9 * worst * scale, kind
     # int8: the logits within 5% of their largest, every greedy token the float
