@@ -3,7 +3,9 @@ StackedMLP (one token per row, the weights as arguments): the model's bytes,
 XLA's temporaries (`memory_analysis()`) and bytes accessed (`cost_analysis()`),
 compile time, and step time (median of interleaved repeats after a warm-up),
 for float32, bfloat16, int8, int4 (groups of 128) and fp8, each scanned
-(`mode="scan"`, `unroll=1`) and unrolled (`mode="loop"`) side by side.
+(`mode="scan"`, `unroll=1`) and unrolled (`mode="loop"`) side by side. Then
+each quantized kind's accuracy against float32: the worst relative Frobenius
+error of a layer's weight (`quant.report`) and the output's largest difference.
 
     python -m benchmarks.quantized            # B = 1 and 8, L = 16, D = 512
     python -m benchmarks.quantized --full     # B = 1, 8; L = 16, 32; D = 512, 1024
@@ -86,6 +88,25 @@ def measure(batch: int, layers: int, dim: int, repeats: int) -> list[dict]:
     return [{**facts, "step_ms": 1e3 * statistics.median(t)} for _, facts, t in runs]
 
 
+def accuracy(layers: int, dim: int) -> list[dict]:
+    """Each quantized kind against the float32 model on 8 random rows."""
+    float_model = model_of("float32", dim, layers)
+    x = jax.random.normal(jax.random.key(1), (8, dim))
+    reference = float_model(x)
+    rows = []
+    for fmt in FORMATS[2:]:
+        model = model_of(fmt, dim, layers)
+        rows.append(
+            {
+                "format": fmt,
+                "weight_error": quant.report(float_model, model).worst().relative,
+                "output_diff": float(jnp.abs(model(x) - reference).max()),
+                "output_scale": float(jnp.abs(reference).max()),
+            }
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
@@ -112,6 +133,17 @@ def main() -> None:
                 f"{r['bytes'] / mib:>12.2f}{r['temp'] / mib:>10.2f}"
                 f"{r['accessed'] / mib:>13.2f}{r['compile_s']:>10.2f}"
                 f"{r['step_ms']:>9.3f}"
+            )
+    print("\nAccuracy against float32 (8 random rows)")
+    print(
+        f"{'L':>3} {'D':>5} {'format':<9}{'worst rel. error':>17}"
+        f"{'max |out diff|':>15}{'max |out|':>10}"
+    )
+    for layers, dim in itertools.product(args.layers, args.dim):
+        for r in accuracy(layers, dim):
+            print(
+                f"{layers:>3} {dim:>5} {r['format']:<9}{r['weight_error']:>17.2e}"
+                f"{r['output_diff']:>15.2e}{r['output_scale']:>10.2f}"
             )
 
 

@@ -65,7 +65,8 @@ def test_benchmark_smoke(monkeypatch, capsys):
 
     monkeypatch.setattr("sys.argv", ["quantized", "--tiny"])
     bench.main()
-    rows = [r.split() for r in capsys.readouterr().out.splitlines()[2:]]
+    timing, accuracy = capsys.readouterr().out.split("\n\nAccuracy")
+    rows = [r.split() for r in timing.splitlines()[2:]]
     assert [(r[3], r[4]) for r in rows] == [
         (f, s) for f in bench.FORMATS for s in ("scan", "unrolled")
     ]
@@ -75,6 +76,16 @@ def test_benchmark_smoke(monkeypatch, capsys):
         nbytes = sum(a.nbytes for a in jax.tree.leaves(model) if eqx.is_array(a))
         assert mib[fmt, "scan"] == mib[fmt, "unrolled"] == round(nbytes / 2**20, 2)
     assert mib["int4", "scan"] < mib["int8", "scan"] < mib["bfloat16", "scan"]
+    # The accuracy table: each kind's worst weight error in the order of its
+    # precision, and the float32 output's scale as computed here.
+    acc = {r.split()[2]: r.split()[3:] for r in accuracy.splitlines()[2:]}
+    assert list(acc) == ["int8", "int4", "fp8"]
+    errors = {k: float(v[0]) for k, v in acc.items()}
+    assert errors["int8"] < errors["fp8"] < errors["int4"]
+    x = jax.random.normal(jax.random.key(1), (8, 128))
+    scale = float(jnp.abs(bench.model_of("float32", 128, 2)(x)).max())
+    assert all(float(v[2]) == round(scale, 2) for v in acc.values())
+    assert all(0 < float(v[1]) < scale for v in acc.values())
 
 
 def test_fsdp_on_eight_devices():
