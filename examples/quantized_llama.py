@@ -39,8 +39,8 @@ def _write_weights(path: str) -> tuple[Config, str]:
     except ImportError:
         config = Config()
         model = Llama(config, key=jax.random.key(0))
-        # Spread 0.2, as the Hugging Face model's initializer_range below: at
-        # Llama's 0.02 every position's greedy token is the same.
+        # Spread 0.2 (not Llama's 0.02), as the Hugging Face model's
+        # initializer_range below: logits far enough apart for greedy tokens.
         model = jax.tree.map(lambda x: x * 10 if x.ndim > 1 else x, model)
         save_safetensors(path, model, names=flax_names(config))
         return config, "random eqxscan weights (transformers not importable)"
