@@ -23,6 +23,12 @@ from ._containers.walk import (
     Site as Site,
     walk as walk,
 )
+from ._containers.weight_targets import (
+    replace_weights as replace_weights,
+    stands_for_weight as stands_for_weight,
+    StandsForWeight as StandsForWeight,
+    Target as Target,
+)
 from ._features.early_exit import (
     Bound as Bound,
     Predicate as Predicate,

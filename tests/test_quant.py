@@ -348,6 +348,12 @@ def test_quantize_errors(getkey):
         "Linear matches no module",
         lambda: quant.quantize(model, eqx.nn.Linear),
     )
+    # A weight quantized already is named as such, not as a missing one.
+    _raises(
+        ValueError,
+        r"`blocks\.\*\.w1` is quantized already \('int8'\)",
+        lambda: quant.quantize(quant.quantize(model, w1), w1),
+    )
     ints = eqxscan.Stacked.from_layers([Holder(jnp.ones((4, 4), jnp.int32))] * 2)
     _raises(
         TypeError,

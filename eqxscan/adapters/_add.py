@@ -1,7 +1,6 @@
 """`add_lora`: targeted weights replaced by `LoRA`s; `trainable`: their adapters."""
 
 import dataclasses
-import fnmatch
 import math
 from collections.abc import Sequence
 from typing import cast
@@ -14,42 +13,14 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
-from .._internal import check_size, Checked, is_arraylike, pattern, Site, walk
+from .._internal import (
+    check_size,
+    Checked,
+    replace_weights,
+    Target,
+)
 from ..quant import Quantized
 from ._lora import LoRA, Orientation
-
-
-class _Held:
-    """A `Quantized` held as one leaf (not a pytree), so that a walk by name sees
-    it where its weight was, under the weight's name."""
-
-    def __init__(self, weight: Quantized):
-        self.weight = weight
-
-
-def _hold(model: PyTree) -> PyTree:
-    is_q = lambda x: isinstance(x, Quantized)  # noqa: E731
-    return jtu.tree_map(lambda x: _Held(x) if is_q(x) else x, model, is_leaf=is_q)
-
-
-def _release(model: PyTree) -> PyTree:
-    is_held = lambda x: isinstance(x, _Held)  # noqa: E731
-    return jtu.tree_map(lambda x: x.weight if is_held(x) else x, model, is_leaf=is_held)
-
-
-def _weight(leaf: object) -> Array | Quantized | None:
-    """What can be adapted at a leaf: an array, or a (held) `Quantized`."""
-    if isinstance(leaf, _Held):
-        return leaf.weight
-    if isinstance(leaf, Quantized):
-        return leaf
-    return cast(Array, leaf) if is_arraylike(leaf) else None
-
-
-Target = str | type[eqx.Module]
-"""A weight to adapt: a state-dict name pattern (`"blocks.*.w1"`, `fnmatch`
-syntax, layer indices shown as `*`), or a module type whose `weight` is adapted
-(e.g. `eqx.nn.Linear`)."""
 
 
 def add_lora(
@@ -95,7 +66,6 @@ def add_lora(
 
     `model` with the targets replaced; nothing else changes.
     """
-    found = _targets(targets)
     rank = check_size("rank", rank)
     num_adapters = check_size("num_adapters", num_adapters)
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
@@ -107,38 +77,14 @@ def add_lora(
     make = _Maker(
         rank, float(rank if alpha is None else alpha), float(dropout), num_adapters
     )
-    patterns = [t for t in found if isinstance(t, str)]
-    matched: set[str] = set()
-    given = model
-
-    def replace(leaf: object, site: Site) -> object:
-        name = pattern(site.path)
-        hits = [p for p in patterns if fnmatch.fnmatchcase(name, p)]
-        weight = _weight(leaf)
-        if not hits or weight is None:
-            return leaf
-        matched.update(hits)
-        return make(weight, site.depth, name, orientation, key)
-
-    if patterns:
-        model = _release(walk(replace, _hold(model), names=True))
-    for kind in (t for t in found if not isinstance(t, str)):
-        model, count = _replace_modules(model, kind, make, key)
-        if count == 0:
-            raise ValueError(
-                f"add_lora: the target {kind.__name__} matches no module of the "
-                f"model.\nHint: pass the type of the modules that hold the weights "
-                "(e.g. eqx.nn.Linear), or a name pattern such as 'blocks.*.w1'."
-            )
-    missing = [p for p in patterns if p not in matched]
-    if missing:
-        raise ValueError(
-            f"add_lora: the target pattern(s) {missing} match no array of the "
-            f"model. Its 2-D weights are named {_weight_names(given)[:12]}.\n"
-            "Hint: names are eqxscan.to_state_dict's, with each layer index shown "
-            "as `*` (every layer of a stack is adapted together)."
-        )
-    return model
+    return replace_weights(
+        model,
+        targets,
+        lambda w, depth, name, o: make(cast(Array | Quantized, w), depth, name, o, key),
+        orientation=orientation,
+        who="add_lora",
+        verb=("adapt", "adapted"),
+    )
 
 
 @dataclasses.dataclass
@@ -197,65 +143,6 @@ class _Maker:
             name=name,
             dropout=self.dropout,
         )
-
-
-def _replace_modules(
-    model: PyTree, kind: type[eqx.Module], make: _Maker, key: PRNGKeyArray
-) -> tuple[PyTree, int]:
-    """`model` with the `weight` of each `kind` module adapted ("W@x")."""
-    count = 0
-
-    def replace(path: tuple, node: object) -> object:
-        nonlocal count
-        if not isinstance(node, kind):
-            return node
-        weight = _weight(getattr(node, "weight", None))
-        if weight is None:
-            raise TypeError(
-                f"add_lora: the {kind.__name__} at `{jtu.keystr(path)}` has no "
-                "array `weight` to adapt.\nHint: target its weight by name instead."
-            )
-        count += 1
-        depth = weight.ndim - 2  # the layer axes of enclosing stacks
-        name = jtu.keystr(path) + ".weight"
-        lora = make(weight, max(depth, 0), name, "W@x", key)
-        return eqx.tree_at(lambda mod: mod.weight, node, lora)
-
-    is_kind = lambda x: isinstance(x, kind)  # noqa: E731
-    return jtu.tree_map_with_path(replace, model, is_leaf=is_kind), count
-
-
-def _targets(targets: object) -> list[Target]:
-    items = [targets] if isinstance(targets, (str, type)) else targets
-    if not isinstance(items, Sequence) or not items:
-        raise TypeError(
-            "add_lora: targets must be a name pattern, a module type, or a "
-            f"non-empty list of them, got {targets!r}.\nHint: e.g. "
-            "targets=['blocks.*.w1', 'blocks.*.w2'] or targets=eqx.nn.Linear."
-        )
-    for t in items:
-        if not (
-            isinstance(t, str) or (isinstance(t, type) and issubclass(t, eqx.Module))
-        ):
-            raise TypeError(
-                f"add_lora: each target must be a name pattern (str) or an "
-                f"eqx.Module type, got {t!r}.\nHint: e.g. 'blocks.*.w1' or "
-                "eqx.nn.Linear."
-            )
-    return list(items)
-
-
-def _weight_names(model: PyTree) -> list[str]:
-    names: list[str] = []
-
-    def visit(leaf: object, site: Site) -> object:
-        weight = _weight(leaf)
-        if weight is not None and weight.ndim - site.depth == 2:
-            names.append(pattern(site.path))
-        return leaf
-
-    walk(visit, _hold(model), names=True)
-    return sorted(set(names))
 
 
 def trainable(model: PyTree) -> PyTree[bool]:

@@ -1,10 +1,8 @@
 """`quantize`: targeted weights replaced by `Quantized`s; `dequantize`: back."""
 
-import fnmatch
 from collections.abc import Sequence
 from typing import cast
 
-import equinox as eqx
 import jax
 import jax.core
 import jax.numpy as jnp
@@ -12,7 +10,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, PyTree
 
-from .._internal import Checked, describe, is_arraylike, pattern, Site, walk
+from .._internal import Checked, describe, replace_weights, Target
 from ._quantized import (
     GROUP_SIZES,
     Kind,
@@ -28,11 +26,6 @@ from ._quantized import (
 _quantize_array = jax.jit(
     quantize_array, static_argnames=("kind", "orientation", "group_size", "name")
 )
-
-Target = str | type[eqx.Module]
-"""A weight to quantize: a state-dict name pattern (`"blocks.*.w1"`, `fnmatch`
-syntax, layer indices shown as `*`), or a module type whose `weight` is
-quantized (e.g. `eqx.nn.Linear`), as [`eqxscan.adapters.add_lora`][] takes them."""
 
 
 def is_quantized(x: object) -> bool:
@@ -71,7 +64,6 @@ def quantize(
 
     `model` with the targets replaced; nothing else changes.
     """
-    found = _targets(targets)
     if kind not in KINDS:
         raise ValueError(
             f"quantize: kind must be one of {list(KINDS)}, got {kind!r}.\nHint: "
@@ -88,38 +80,24 @@ def quantize(
     if orientation not in ("x@W", "W@x"):
         raise ValueError(f"orientation must be 'x@W' or 'W@x', got {orientation!r}.")
     size = group_size if kind == "int4" else None
-    patterns = [t for t in found if isinstance(t, str)]
-    matched: set[str] = set()
-    given = model
 
-    def replace(leaf: object, site: Site) -> object:
-        name = pattern(site.path)
-        hits = [p for p in patterns if fnmatch.fnmatchcase(name, p)]
-        if not hits or not is_arraylike(leaf):
-            return leaf
-        matched.update(hits)
-        w = cast(Array, leaf)
-        return _quantized(w, site.depth, name, kind, orientation, size)
-
-    if patterns:
-        model = walk(replace, model, names=True)
-    for module in (t for t in found if not isinstance(t, str)):
-        model, count = _replace_modules(model, module, kind, size)
-        if count == 0:
+    def make(w: object, depth: int, name: str, o: Orientation) -> Quantized:
+        if isinstance(w, Quantized):
             raise ValueError(
-                f"quantize: the target {module.__name__} matches no module of the "
-                "model.\nHint: pass the type of the modules that hold the weights "
-                "(e.g. eqx.nn.Linear), or a name pattern such as 'blocks.*.w1'."
+                f"quantize: the target `{name}` is quantized already "
+                f"({w.kind!r}).\nHint: dequantize it first "
+                "(eqxscan.quant.dequantize), or leave it out of the targets."
             )
-    missing = [p for p in patterns if p not in matched]
-    if missing:
-        raise ValueError(
-            f"quantize: the target pattern(s) {missing} match no array of the "
-            f"model. Its 2-D weights are named {_weight_names(given)[:12]}.\n"
-            "Hint: names are eqxscan.to_state_dict's, with each layer index shown "
-            "as `*` (every layer of a stack is quantized together)."
-        )
-    return model
+        return _quantized(cast(Array, w), depth, name, kind, o, size)
+
+    return replace_weights(
+        model,
+        targets,
+        make,
+        orientation=orientation,
+        who="quantize",
+        verb=("quantize", "quantized"),
+    )
 
 
 def _quantized(
@@ -163,65 +141,6 @@ def _quantized(
                 "eqxscan.find_nonfinite, or fix the weight before quantizing."
             )
     return _quantize_array(w, kind, orientation, group_size, name)
-
-
-def _replace_modules(
-    model: PyTree, module: type[eqx.Module], kind: Kind, group_size: int | None
-) -> tuple[PyTree, int]:
-    """`model` with the `weight` of each `module` quantized ("W@x")."""
-    count = 0
-
-    def replace(path: tuple, node: object) -> object:
-        nonlocal count
-        if not isinstance(node, module):
-            return node
-        weight = getattr(node, "weight", None)
-        if not is_arraylike(weight):
-            raise TypeError(
-                f"quantize: the {module.__name__} at `{jtu.keystr(path)}` has no "
-                "array `weight` to quantize.\nHint: target its weight by name "
-                "instead."
-            )
-        count += 1
-        w = cast(Array, weight)
-        name = jtu.keystr(path) + ".weight"
-        q = _quantized(w, max(w.ndim - 2, 0), name, kind, "W@x", group_size)
-        return eqx.tree_at(lambda mod: mod.weight, node, q)
-
-    is_module = lambda x: isinstance(x, module)  # noqa: E731
-    return jtu.tree_map_with_path(replace, model, is_leaf=is_module), count
-
-
-def _targets(targets: object) -> list[Target]:
-    items = [targets] if isinstance(targets, (str, type)) else targets
-    if not isinstance(items, Sequence) or not items:
-        raise TypeError(
-            "quantize: targets must be a name pattern, a module type, or a "
-            f"non-empty list of them, got {targets!r}.\nHint: e.g. "
-            "targets=['blocks.*.w1', 'blocks.*.w2'] or targets=eqx.nn.Linear."
-        )
-    for t in items:
-        if not (
-            isinstance(t, str) or (isinstance(t, type) and issubclass(t, eqx.Module))
-        ):
-            raise TypeError(
-                f"quantize: each target must be a name pattern (str) or an "
-                f"eqx.Module type, got {t!r}.\nHint: e.g. 'blocks.*.w1' or "
-                "eqx.nn.Linear."
-            )
-    return list(items)
-
-
-def _weight_names(model: PyTree) -> list[str]:
-    names: list[str] = []
-
-    def visit(leaf: object, site: Site) -> object:
-        if is_arraylike(leaf) and leaf.ndim - site.depth == 2:
-            names.append(pattern(site.path))
-        return leaf
-
-    walk(visit, model, names=True)
-    return sorted(set(names))
 
 
 def dequantize(model: PyTree) -> PyTree:

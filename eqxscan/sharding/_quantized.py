@@ -2,37 +2,15 @@
 those of the float weights they stand for."""
 
 from collections.abc import Callable
-from typing import cast, Protocol
+from typing import cast
 
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
-import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from jaxtyping import Array, PyTree
+from jaxtyping import PyTree
 
-
-class StandsForWeight(Protocol):
-    """A module storing a weight in other arrays: the weight's `shape`, `dtype` and
-    `ndim`, and the arrays that are sharded as it. Recognised by its methods, so
-    that this package need not import the ones it serves (they import it)."""
-
-    @property
-    def shape(self) -> tuple[int, ...]: ...
-
-    @property
-    def dtype(self) -> np.dtype: ...
-
-    @property
-    def ndim(self) -> int: ...
-
-    def stored_arrays(self) -> tuple[Array, ...]: ...
-
-
-def stands_for_weight(node: object) -> bool:
-    return isinstance(node, eqx.Module) and callable(
-        getattr(type(node), "stored_arrays", None)
-    )
+from .._internal import stands_for_weight, StandsForWeight
 
 
 def follow_float_weights(

@@ -1,0 +1,187 @@
+"""`replace_weights`: the weights that targets name (state-dict name patterns or
+module types), each replaced by what a function builds from it. The one way
+`eqxscan.adapters.add_lora` and `eqxscan.quant.quantize` find their weights."""
+
+import fnmatch
+from collections.abc import Callable, Sequence
+from typing import Literal, Protocol, runtime_checkable
+
+import equinox as eqx
+import jax.tree_util as jtu
+import numpy as np
+from jaxtyping import Array, PyTree
+
+from .._helpers.checks import is_arraylike
+from .walk import pattern, Site, walk
+
+
+Target = str | type[eqx.Module]
+"""A weight to replace: a state-dict name pattern (`"blocks.*.w1"`, `fnmatch`
+syntax, layer indices shown as `*`), or a module type whose `weight` is replaced
+(e.g. `eqx.nn.Linear`)."""
+
+Orientation = Literal["x@W", "W@x"]
+
+
+@runtime_checkable
+class StandsForWeight(Protocol):
+    """A module keeping a weight in other arrays (`eqxscan.quant.Quantized`): the
+    weight's `shape`, `dtype` and `ndim`, and the arrays that hold it. Recognised
+    by `stored_arrays`, so that the core need not import the ones it serves."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> np.dtype: ...
+
+    @property
+    def ndim(self) -> int: ...
+
+    def stored_arrays(self) -> tuple[Array, ...]: ...
+
+
+Weight = Array | StandsForWeight
+Make = Callable[[Weight, int, str, Orientation], PyTree]
+"""`make(weight, depth, name, orientation)`: the replacement of one weight with
+`depth` layer axes in front, named `name` (layer indices as `*`)."""
+
+
+def stands_for_weight(node: object) -> bool:
+    return isinstance(node, eqx.Module) and callable(
+        getattr(type(node), "stored_arrays", None)
+    )
+
+
+class _Held:
+    # A stand-in held as one leaf (not a pytree), so that a walk by name sees it
+    # where its weight was, under the weight's name.
+    def __init__(self, weight: StandsForWeight):
+        self.weight = weight
+
+
+def _hold(model: PyTree) -> PyTree:
+    return jtu.tree_map(
+        lambda x: _Held(x) if stands_for_weight(x) else x,
+        model,
+        is_leaf=stands_for_weight,
+    )
+
+
+def _release(model: PyTree) -> PyTree:
+    is_held = lambda x: isinstance(x, _Held)  # noqa: E731
+    return jtu.tree_map(lambda x: x.weight if is_held(x) else x, model, is_leaf=is_held)
+
+
+def weight_at(leaf: object) -> Weight | None:
+    """What can be replaced at a leaf: an array, or a (held) stand-in."""
+    if isinstance(leaf, _Held):
+        return leaf.weight
+    if stands_for_weight(leaf) or is_arraylike(leaf):
+        return leaf  # pyright: ignore[reportReturnType]
+    return None
+
+
+def replace_weights(
+    model: PyTree,
+    targets: object,
+    make: Make,
+    *,
+    orientation: Orientation,
+    who: str,
+    verb: tuple[str, str],
+) -> PyTree:
+    """`model` with each weight that `targets` name replaced by `make`'s result: a
+    pattern's matches in `orientation`, a module type's `weight`s in `"W@x"`.
+    `who` and `verb` (e.g. `("adapt", "adapted")`) word the errors: a target of
+    the wrong type, or one that matches nothing, which lists the model's names."""
+    found = _targets(targets, who)
+    patterns = [t for t in found if isinstance(t, str)]
+    matched: set[str] = set()
+
+    def replace(leaf: object, site: Site) -> object:
+        name = pattern(site.path)
+        hits = [p for p in patterns if fnmatch.fnmatchcase(name, p)]
+        weight = weight_at(leaf)
+        if not hits or weight is None:
+            return leaf
+        matched.update(hits)
+        return make(weight, site.depth, name, orientation)
+
+    out = _release(walk(replace, _hold(model), names=True)) if patterns else model
+    for kind in (t for t in found if not isinstance(t, str)):
+        out = _replace_modules(out, kind, make, who, verb[0])
+    missing = [p for p in patterns if p not in matched]
+    if missing:
+        raise ValueError(
+            f"{who}: the target pattern(s) {missing} match no array of the "
+            f"model. Its 2-D weights are named {_weight_names(model)[:12]}.\n"
+            "Hint: names are eqxscan.to_state_dict's, with each layer index shown "
+            f"as `*` (every layer of a stack is {verb[1]} together)."
+        )
+    return out
+
+
+def _replace_modules(
+    model: PyTree, kind: type[eqx.Module], make: Make, who: str, verb: str
+) -> PyTree:
+    count = 0
+
+    def replace(path: tuple, node: object) -> object:
+        nonlocal count
+        if not isinstance(node, kind):
+            return node
+        weight = weight_at(getattr(node, "weight", None))
+        if weight is None:
+            raise TypeError(
+                f"{who}: the {kind.__name__} at `{jtu.keystr(path)}` has no "
+                f"array `weight` to {verb}.\nHint: target its weight by name "
+                "instead."
+            )
+        count += 1
+        name = jtu.keystr(path) + ".weight"
+        new = make(weight, max(weight.ndim - 2, 0), name, "W@x")
+        return eqx.tree_at(lambda mod: mod.weight, node, new)
+
+    is_kind = lambda x: isinstance(x, kind)  # noqa: E731
+    out = jtu.tree_map_with_path(replace, model, is_leaf=is_kind)
+    if count == 0:
+        raise ValueError(
+            f"{who}: the target {kind.__name__} matches no module of the "
+            "model.\nHint: pass the type of the modules that hold the weights "
+            "(e.g. eqx.nn.Linear), or a name pattern such as 'blocks.*.w1'."
+        )
+    return out
+
+
+def _targets(targets: object, who: str) -> list[Target]:
+    items = [targets] if isinstance(targets, (str, type)) else targets
+    if not isinstance(items, Sequence) or not items:
+        raise TypeError(
+            f"{who}: targets must be a name pattern, a module type, or a "
+            f"non-empty list of them, got {targets!r}.\nHint: e.g. "
+            "targets=['blocks.*.w1', 'blocks.*.w2'] or targets=eqx.nn.Linear."
+        )
+    for t in items:
+        if not (
+            isinstance(t, str) or (isinstance(t, type) and issubclass(t, eqx.Module))
+        ):
+            raise TypeError(
+                f"{who}: each target must be a name pattern (str) or an "
+                f"eqx.Module type, got {t!r}.\nHint: e.g. 'blocks.*.w1' or "
+                "eqx.nn.Linear."
+            )
+    return list(items)
+
+
+def _weight_names(model: PyTree) -> list[str]:
+    names: list[str] = []
+
+    def visit(leaf: object, site: Site) -> object:
+        weight = weight_at(leaf)
+        if weight is not None and weight.ndim - site.depth == 2:
+            names.append(pattern(site.path))
+        return leaf
+
+    walk(visit, _hold(model), names=True)
+    return sorted(set(names))
