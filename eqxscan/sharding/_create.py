@@ -24,25 +24,23 @@ def create(
 ) -> _M:
     """Build `make_model(*args, **kwargs)` directly in its shards.
 
-    `eqx.filter_eval_shape` finds the model's structure without computing it;
-    [`eqxscan.sharding.model_shardings`][] chooses each array's layout; then one
-    `jit`, whose `out_shardings` are those layouts, runs `make_model`. XLA
-    partitions the initialisation, so each device computes and stores only its
-    own shards: the full model never exists, on any device or process. The
-    values equal those of `make_model(*args, **kwargs)` run eagerly (JAX's
-    random numbers do not depend on how they are sharded).
-
-    With `fsdp_axis` set, every [`eqxscan.Stacked`][] gathers one layer per scan
-    step, as after [`eqxscan.sharding.shard`][].
+    One `jit` runs `make_model` with the layouts of
+    [`eqxscan.sharding.model_shardings`][] (of the model's shapes, from
+    `eqx.filter_eval_shape`) as its `out_shardings`: XLA partitions the
+    initialisation, so each device computes and stores only its own shards and
+    the full model never exists, on any device or process. The values equal
+    those of `make_model(*args, **kwargs)` run eagerly (JAX's random numbers do
+    not depend on sharding). With `fsdp_axis` set, every [`eqxscan.Stacked`][]
+    gathers one layer per scan step, as after [`eqxscan.sharding.shard`][].
 
     **Arguments:**
 
-    - `make_model`: builds the model; JAX arrays among `args`/`kwargs` (e.g. a
-      key) are traced, everything else is static.
-    - `*args`, `**kwargs`: passed to `make_model`.
+    - `make_model`, `*args`, `**kwargs`: `make_model(*args, **kwargs)` builds the
+      model; JAX arrays among the arguments (e.g. a key) are traced, the rest
+      is static.
     - `mesh`: the `jax.sharding.Mesh` to build on, e.g. from
-      [`eqxscan.sharding.make_mesh`][]; it may span several processes, each of
-      which calls `create` alike.
+      [`eqxscan.sharding.make_mesh`][]; if it spans several processes, each
+      calls `create` alike.
     - `fsdp_axis`, `min_size`: as for `model_shardings`.
 
     **Returns:**
@@ -78,10 +76,8 @@ def lower_create(
     min_size: int = MIN_SIZE,
     **kwargs: Any,
 ) -> jax.stages.Lowered:
-    """The program [`eqxscan.sharding.create`][] runs, lowered and not run: e.g.
-    `lower_create(...).compile().memory_analysis()` shows the bytes each device
-    holds while the model is built. Arguments as for `create`.
-    """
+    """The program `create` runs, lowered: `.compile().memory_analysis()` shows
+    the bytes each device holds while the model is built."""
     return _program(make_model, args, kwargs, mesh, fsdp_axis, min_size)[0]
 
 

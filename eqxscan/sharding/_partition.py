@@ -1,12 +1,6 @@
-"""Tensor parallelism: per-parameter partition specs from logical axis names.
-
-A parameter's axes get logical names (`("embed", "mlp")`), and rules map each name
-to a mesh axis (`{"embed": "fsdp", "mlp": "model"}`), as Flax's
-`with_partitioning` / `logical_to_mesh_axes` and MaxText's logical axis rules do.
-The names describe one layer; the layer axes of enclosing `Stacked`s are added
-(unsharded) here. Like the rest of `eqxscan.sharding`, this only chooses
-`NamedSharding`s: `jit` and XLA insert the collectives.
-"""
+"""Tensor parallelism: per-parameter partition specs from logical axis names
+(`("embed", "mlp")`) and rules mapping each to a mesh axis, as Flax's
+`logical_to_mesh_axes` and MaxText's logical axis rules do."""
 
 import fnmatch
 import math
@@ -40,10 +34,7 @@ def _rules(rules: Any) -> dict[str, tuple[str, ...]]:
                 f"(name, mesh_axis) pairs, got the entry {pair!r}."
             )
         name, axes = pair
-        if axes is None:
-            axes = ()
-        elif isinstance(axes, str):
-            axes = (axes,)
+        axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
         out.setdefault(name, tuple(axes))  # the first rule for a name wins
     return out
 
@@ -82,18 +73,15 @@ def logical_spec(
     """
     table = _rules(rules)
     entries: list[Any] = []
-    used: dict[str, str] = {}
+    used: dict[str, str | None] = {}
     for name in names:
-        if name is None:
-            entries.append(None)
-            continue
-        if name not in table:
+        if name is not None and name not in table:
             raise ValueError(
                 f"The logical axis name {name!r} has no rule; the rules name "
                 f"{sorted(table)}. Add a rule for it (mapping it to None "
                 "replicates that axis)."
             )
-        axes = table[name]
+        axes = () if name is None else table[name]
         for axis in axes:
             if mesh is not None and axis not in mesh.shape:
                 raise ValueError(
@@ -133,26 +121,23 @@ def logical_shardings(
     """The `NamedSharding` of every array leaf of `model`, from logical axis names.
 
     A parameter whose path matches `axes` is sharded by its names under `rules`
-    (tensor parallelism, e.g. `"mlp"` over a `"model"` mesh axis, next to FSDP,
-    e.g. `"embed"` over `"fsdp"`). The names describe one layer: inside a
-    [`eqxscan.Stacked`][] the leading layer axis is added, unsharded, since each
-    scan step reads one layer. Parameters that match nothing get the FSDP rule of
+    (e.g. `"mlp"` over a `"model"` mesh axis next to `"embed"` over `"fsdp"`).
+    The names describe one layer: inside a [`eqxscan.Stacked`][] the layer axis
+    is added, unsharded. Parameters that match nothing get the FSDP rule of
     [`eqxscan.sharding.model_shardings`][] over `fsdp_axis` (replicated when it
-    is `None`, the default).
-
-    Pass the result to `jax.device_put` / [`eqxscan.sharding.constrain`][], and to
-    [`eqxscan.sharding.opt_state_shardings`][] as `param_shardings` so the
-    optimizer state follows. Do not combine it with
-    [`eqxscan.sharding.gather_layers`][], which would gather the model axis too.
+    is `None`, the default). Pass the result to
+    [`eqxscan.sharding.constrain`][], to
+    [`eqxscan.sharding.opt_state_shardings`][] as `param_shardings`, and to
+    [`eqxscan.sharding.gather_layers`][] with the model axis in its `keep`.
 
     **Arguments:**
 
     - `model`: any pytree, usually an `eqx.Module` containing `Stacked`s.
     - `mesh`: a `jax.sharding.Mesh`, e.g. with axes `("fsdp", "model")`.
-    - `axes`: the logical names of each parameter's axes (of one layer), either
-      `{pattern: names}` with glob patterns on the parameter path without the
-      leading dot (e.g. `"blocks.layers.w1"` or `"*.w1"`; the first match
-      wins), or a function `(path, leaf) -> names or None`.
+    - `axes`: the logical names of each parameter's axes (of one layer):
+      `{pattern: names}`, glob patterns on the parameter path without the
+      leading dot (`"blocks.layers.w1"`, `"*.w1"`; the first match wins), or a
+      function `(path, leaf) -> names or None`.
     - `rules`: logical name -> mesh axis, as for [`eqxscan.sharding.logical_spec`][].
     - `fsdp_axis`, `min_size`: the rule for parameters without names.
 
@@ -228,9 +213,7 @@ def _named(
         )
     spec = logical_spec(names, rules, mesh)
     for dim, entry, axis_name in zip(shape[layer_axes:], spec, names):
-        if entry is None:
-            continue
-        axes = entry if isinstance(entry, tuple) else (entry,)
+        axes = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
         size = math.prod(mesh.shape[a] for a in axes)
         if dim % size:
             raise ValueError(

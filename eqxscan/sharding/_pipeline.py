@@ -1,18 +1,7 @@
 """Pipeline parallelism over the layer axis of a `Stacked`: the GPipe and the
-circular (interleaved) schedules.
-
-The `L` layers are cut into `S * R` chunks of `K = L / (S * R)` layers; chunk `c`
-lives on stage `c mod S` of a mesh axis (GPipe: `R = 1`, one contiguous chunk
-per stage). The batch is cut into `M` microbatches that move from stage to stage
-with `jax.lax.ppermute` inside one `jax.shard_map`; with `R > 1` they go round
-the ring of stages `R` times. Which stage works on which microbatch and chunk at
-each tick is one table, [`pipeline_schedule`][eqxscan.sharding.pipeline_schedule],
-which the program reads. Autodiff of that program is the backward pipeline.
-
-A stack kept in stage order ([`pipeline_order`][eqxscan.sharding.pipeline_order])
-and split over the stage axis along its layer axis holds each stage's chunks on
-that stage's devices already, so the pipeline moves no weights.
-"""
+circular (interleaved) schedules, as one `jax.shard_map` whose microbatches move
+between stages with `jax.lax.ppermute`, following the table of
+`pipeline_schedule`. Autodiff of that program is the backward pipeline."""
 
 import dataclasses
 import functools
@@ -46,17 +35,15 @@ from ._shard import check_axes, check_mesh
 
 
 Schedule: TypeAlias = Literal["gpipe", "circular"]
-"""`"gpipe"`: stage `s` holds one contiguous chunk of `L / S` layers and each
-microbatch passes every stage once. `"circular"`: stage `s` holds `repeats`
-chunks `s, s + S, s + 2S, ...` of `L / (S * repeats)` layers, and the microbatches
-go round the stages `repeats` times."""
+"""`"gpipe"`: stage `s` holds one chunk of `L / S` layers, passed once.
+`"circular"`: it holds chunks `s, s + S, ...` of `L / (S * repeats)` layers, and
+the microbatches go round the stages `repeats` times."""
 
 SCHEDULES: tuple[Schedule, ...] = ("gpipe", "circular")
 
 LayerOrder: TypeAlias = Literal["natural", "stage"]
-"""`"natural"`: the stack's layers in the order they run. `"stage"`: permuted by
-[`pipeline_order`][eqxscan.sharding.pipeline_order], stage `s`'s chunks in
-positions `[s * L/S, (s + 1) * L/S)`."""
+"""`"natural"`: the layers in the order they run. `"stage"`: permuted by
+[`pipeline_order`][eqxscan.sharding.pipeline_order]."""
 
 LAYER_ORDERS: tuple[LayerOrder, ...] = ("natural", "stage")
 
@@ -68,12 +55,9 @@ ArrayT = TypeVar("ArrayT", jax.Array, np.ndarray)
 @dataclasses.dataclass(frozen=True)
 class PipelineSchedule:
     """What every stage does at every tick of a pipeline: the table that
-    [`pipeline`][eqxscan.sharding.pipeline] runs.
-
-    At tick `t`, stage `s` runs its repeat `repeat[t, s]` (its layer chunk
-    `repeat[t, s] * stages + s`) on microbatch `microbatch[t, s]`, or idles where
-    both are `-1`. Microbatch `m` on its `r`-th round reaches stage `s` at tick
-    `r * microbatches + m + s`.
+    [`pipeline`][eqxscan.sharding.pipeline] runs. At tick `t`, stage `s` runs its
+    repeat `repeat[t, s]` (layer chunk `repeat[t, s] * stages + s`) on microbatch
+    `microbatch[t, s]`, or idles where both are `-1`.
     """
 
     stages: int
@@ -183,30 +167,24 @@ def pipeline_order(
     back into their natural order).
 
     With `K = L / (stages * repeats)`, the circular schedule runs chunk `c`
-    (layers `[c * K, (c + 1) * K)`) on stage `c mod stages`, so in the natural
-    order stage `s`'s chunks `s, s + stages, ...` are not one block of the layer
-    axis. In stage order they are: position `(s * repeats + r) * K + k` holds
-    layer `(r * stages + s) * K + k`, and stage `s`'s `repeats` chunks fill
-    positions `[s * L/stages, (s + 1) * L/stages)`. A stage-ordered stack split
-    over the stage axis along its layer axis (`PartitionSpec("stage")`) thus
-    holds on each device exactly the weights its stage runs, and
-    `pipeline(..., layer_order="stage")` moves none of them. With `repeats=1`
-    both orders are the same.
-
-    The stage-ordered stack is for `pipeline(..., layer_order="stage")` with the
-    same `stages` and `repeats`: called directly it would run its layers in the
-    permuted order. Its gradients, optimizer state and checkpoints follow its
-    order too; apply this function with `inverse=True` to the stack (and to
-    optimizer buffers of the stack's structure, such as Adam's moments) to get
-    the natural order, e.g. to save a checkpoint that loads into any topology.
+    (layers `[c * K, (c + 1) * K)`) on stage `c mod stages`. In stage order,
+    position `(s * repeats + r) * K + k` holds layer `(r * stages + s) * K + k`,
+    so stage `s`'s chunks fill positions `[s * L/stages, (s + 1) * L/stages)`:
+    split over the stage axis along its layer axis (`PartitionSpec("stage")`),
+    each device holds exactly the weights its stage runs, and
+    `pipeline(..., layer_order="stage")` (same `stages` and `repeats`) moves
+    none. With `repeats=1` both orders are the same. Called directly, the
+    permuted stack runs its layers in that order, and its gradients, optimizer
+    state and checkpoints follow it: `inverse=True` on the stack (and on
+    optimizer buffers of its structure, such as Adam's moments) gives the
+    natural order back, e.g. for a checkpoint that loads into any topology.
 
     **Arguments:**
 
-    - `stack`: a `Stacked` (or a pytree of its structure, such as a gradient)
-      whose array leaves have the layer axis first.
+    - `stack`: a `Stacked` (or a pytree of its structure, such as a gradient).
     - `stages`: the number of pipeline stages `S` (the size of the stage axis).
     - `repeats`: the rounds `R` of the circular schedule (`1` for GPipe).
-    - `inverse`: undo the permutation: stage order to natural order.
+    - `inverse`: from stage order to natural order.
 
     **Returns:**
 
@@ -236,13 +214,12 @@ def pipeline_schedule(
 ) -> PipelineSchedule:
     """The tick-by-tick table of a GPipe or circular pipeline, in NumPy.
 
-    Microbatch `m` on round `r` (of `repeats`) reaches stage `s` at tick
-    `t = r * microbatches + m + s`: one tick after it left stage `s - 1`, and, on
+    Microbatch `m` on round `r` reaches stage `s` at tick
+    `t = r * microbatches + m + s`: one tick after it left stage `s - 1`, and on
     stage 0 of round `r > 0`, `microbatches - stages + 1` ticks after it left the
-    last stage of round `r - 1` (so `microbatches >= stages` when `repeats > 1`).
-    Every stage is busy for `repeats * microbatches` consecutive ticks out of
-    `repeats * microbatches + stages - 1`, so the bubble is
-    `(stages - 1) / (repeats * microbatches + stages - 1)`.
+    last stage (so `microbatches >= stages` when `repeats > 1`). Every stage is
+    busy `repeats * microbatches` ticks of `repeats * microbatches + stages - 1`:
+    the bubble is `(stages - 1) / (repeats * microbatches + stages - 1)`.
 
     **Arguments:**
 
@@ -275,9 +252,7 @@ def pipeline_schedule(
 
 @dataclasses.dataclass(frozen=True)
 class _Pipeline:
-    """A checked `pipeline` call: the stage axis and its size, the chunks
-    (`repeats` per stage, `per_chunk` layers each), the microbatches, the
-    data-parallel axes, the stack's layer order and the schedule's table."""
+    """A checked `pipeline` call."""
 
     stage_axis: str
     stages: int
@@ -290,11 +265,8 @@ class _Pipeline:
 
 
 def _blocks(a: jax.Array, p: _Pipeline, layer_order: LayerOrder) -> Array:
-    # [L, ...] -> [S, R, K, ...]: chunk c = r * S + s (layers [c * K, (c + 1) * K))
-    # goes to stage s, so each stage's R chunks are one contiguous block and a
-    # tick only indexes its own. In stage order that block is already
-    # contiguous along L: a reshape, which keeps a split of L over the stage
-    # axis in place.
+    # [L, ...] -> [S, R, K, ...]: chunk c = r * S + s goes to stage s, each stage's
+    # R chunks one block. In stage order a reshape, keeping a split of L in place.
     if layer_order == "stage":
         return a.reshape(p.stages, p.repeats, p.per_chunk, *a.shape[1:])
     a = a.reshape(p.repeats, p.stages, p.per_chunk, *a.shape[1:])
@@ -302,9 +274,8 @@ def _blocks(a: jax.Array, p: _Pipeline, layer_order: LayerOrder) -> Array:
 
 
 class _Drops(eqx.Module):
-    """A call's drops per layer (`[S, R, K]` blocks like the weights):
-    LayerDrop's choice, drop-path's rate and its mask of each microbatch's rows
-    (`[M, B / M]`, or `[M]` for a batch of scalars); `None` where unused."""
+    """A call's drops per layer, in `[S, R, K]` blocks like the weights; drop-path's
+    mask per microbatch's rows (`[M, B / M]`, or `[M]` for a batch of scalars)."""
 
     runs: Bool[Array, "*layers"] | None
     path_rate: Float[Array, "*layers"] | None
@@ -314,8 +285,7 @@ class _Drops(eqx.Module):
 def _drops(
     p: _Pipeline, drop: DropRates | None, key: PRNGKeyArray | None, x: jax.Array
 ) -> _Drops | None:
-    """What `stack(x, key=key)` draws for its drops (`None` if it drops
-    nothing), from the natural-order layers' rates and keys."""
+    """What `stack(x, key=key)` draws for its drops (`None` if it drops nothing)."""
     if not check_droppable(drop, key, False, "sharding.pipeline"):
         return None
     assert drop is not None and key is not None
@@ -356,45 +326,38 @@ def pipeline(
     """Run `stack(x)` as a pipeline over the `stage_axis` of `mesh`.
 
     With `S` the size of `stage_axis` and `R = repeats`, the `L` layers are cut
-    into `S * R` chunks of `L / (S * R)` layers; chunk `c` runs on stage `c mod S`.
-    `schedule="gpipe"` (`R = 1`) gives stage `s` layers `[s * L/S, (s+1) * L/S)`;
-    `schedule="circular"` gives it `R` interleaved chunks, kept as one `[R, L/(S*R),
-    ...]` block per stage. The batch (axis 0 of `x`) is cut into `microbatches`
-    equal parts which enter stage 0 one per tick and move to the next stage with
-    `ppermute`; in the circular schedule the last stage sends them back to stage 0
-    for the next round. After `R * M + S - 1` ticks (the table of
+    into `S * R` chunks of `L / (S * R)` layers; chunk `c` runs on stage `c mod S`
+    (`"gpipe"`, `R = 1`: stage `s` runs layers `[s * L/S, (s+1) * L/S)`). The
+    batch (axis 0 of `x`) is cut into `microbatches` equal parts which enter
+    stage 0 one per tick and move on with `ppermute`; in the circular schedule
+    the last stage sends them back to stage 0 for the next round. After
+    `R * M + S - 1` ticks (the table of
     [`pipeline_schedule`][eqxscan.sharding.pipeline_schedule]) the last stage has
-    every output. Gradients (`jax.grad` through this function) run the pipeline
-    backwards. The result equals `stack(x)`; the idle fraction (the "bubble") is
-    `(S - 1) / (R * M + S - 1)`.
-
-    Each stage scans its layers with the stack's own options, so its
-    `remat=` setting (remat) applies within every stage.
+    every output, equal to `stack(x)`; the idle fraction (the "bubble") is
+    `(S - 1) / (R * M + S - 1)`. `jax.grad` through it runs the pipeline
+    backwards. Each stage scans its layers with the stack's own options
+    (`remat=` included).
 
     A stack with drop rates (`drop_path=`, `layer_drop=`), outside inference
     mode, needs a `key`, and the result is then `stack(x, key=key)`, values and
     gradients, whatever the schedule, layer order and microbatches (for layers
-    whose output does not depend on a key of their own: the layers get none,
-    as without drop rates). LayerDrop chooses once per layer for the whole call
-    (every microbatch skips the same layers, and a stage does not compute a
-    skipped layer), and drop-path's mask of layer `i` is the one drawn for the
-    whole batch, each microbatch taking its rows. Both are drawn from the
-    natural-order layers' drop keys, as [`eqxscan.DropRates`][] documents,
-    before the pipeline runs.
+    that take no key of their own: they get none, as without drop rates).
+    LayerDrop chooses once per layer for the whole call (a stage does not
+    compute a skipped layer), and drop-path's mask of layer `i` is the one drawn
+    for the whole batch, each microbatch taking its rows; both from the
+    natural-order layers' drop keys, as [`eqxscan.DropRates`][] documents.
 
-    For `R > 1`, a stack in the natural order whose layer axis is split over
-    `stage_axis` holds the wrong layers on each stage, and the program
-    exchanges them (all-to-alls and permutes) at every call; a replicated stack
-    holds all of them on every device. Permute it once with
-    [`pipeline_order`][eqxscan.sharding.pipeline_order], runs it split over
-    `stage_axis` along its layer axis, and pass `layer_order="stage"`: each
-    device then holds, and reads, only its stage's `[R, L/(S*R), ...]` block.
+    For `R > 1`, a natural-order stack split over `stage_axis` along its layer
+    axis holds the wrong layers on each stage, exchanged at every call (a
+    replicated one holds all of them everywhere). Permute it once with
+    [`pipeline_order`][eqxscan.sharding.pipeline_order], split it so, and pass
+    `layer_order="stage"`: each device then holds and reads only its stage's
+    `[R, L/(S*R), ...]` block.
 
     **Arguments:**
 
-    - `stack`: a `Stacked` of layers `layer(x) -> x` that accept a batch of
-      inputs (e.g. `StackedMLP.blocks`). Layer arguments, keys and `per_layer`
-      values are not supported here: the layers are called as `layer(x)`.
+    - `stack`: a `Stacked` of layers `layer(x) -> x` that accept a batch (e.g.
+      `StackedMLP.blocks`); no layer arguments, keys or `per_layer` values.
     - `x`: the input, batch on axis 0.
     - `mesh`: a mesh with an axis `stage_axis`.
     - `microbatches`: how many parts `M` to cut the batch into (must divide it;
@@ -407,15 +370,13 @@ def pipeline(
     - `layer_order`: `"natural"`, or `"stage"` for a stack permuted by
       `pipeline_order(stack, stages=S, repeats=R)`. The result is `stack(x)` of
       the natural-order stack either way; gradients come in the stack's order.
-    - `key`: the key of the stack's drop rates, needed when they are active;
-      otherwise (no rates, or inference mode) ignored. It drives the drops
-      only: the layers get no key, since a layer's own randomness (dropout)
-      would be drawn per microbatch, not for the whole batch.
+    - `key`: the key of the stack's drop rates, needed when they are active,
+      else ignored. The layers get no key: their own randomness (dropout) would
+      be drawn per microbatch, not for the whole batch.
 
     **Returns:**
 
-    `stack(x)` (with drop rates active, `stack(x, key=key)`), computed stage by
-    stage.
+    `stack(x)` (with drop rates active, `stack(x, key=key)`).
 
     **Raises:**
 
@@ -524,23 +485,16 @@ def _chunk_call(
 ) -> LayerCall:
     """How chunk `r`'s layers are called for microbatch `m`: with the chunk's
     LayerDrop choice and drop-path masks of the microbatch's rows."""
-    call = LayerCall((), {}, None)
     if drops is None:
-        return call
-    mine = index(drops, r)
-    call = call._replace(runs=mine.runs)
-    if mine.path_mask is None:
-        return call
-    assert mine.path_rate is not None
-    path = DropInputs(
-        mine.path_rate,
-        jnp.zeros_like(mine.path_rate),
-        None,
-        (True, False),
-        scan_skips=True,
-        path_mask=index(mine.path_mask, m, axis=1),
-    )
-    return call._replace(drop=path)
+        return LayerCall((), {}, None)
+    mine, path = index(drops, r), None
+    if mine.path_mask is not None:
+        assert mine.path_rate is not None
+        zeros, mask = jnp.zeros_like(mine.path_rate), index(mine.path_mask, m, axis=1)
+        path = DropInputs(
+            mine.path_rate, zeros, None, (True, False), scan_skips=True, path_mask=mask
+        )
+    return LayerCall((), {}, None, runs=mine.runs, drop=path)
 
 
 def _run_stage(

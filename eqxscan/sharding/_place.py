@@ -1,10 +1,5 @@
 """Placing trees and batches on a mesh that may span several processes: each
-process's data turned into global `jax.Array`s.
-
-JAX does the communication: `jax.device_put` assembles an array every process
-holds in full, `jax.make_array_from_process_local_data` a global batch from the
-rows each process holds.
-"""
+process's data turned into global `jax.Array`s, JAX doing the communication."""
 
 import math
 from collections.abc import Callable
@@ -13,7 +8,7 @@ from typing import Any, TYPE_CHECKING
 import jax
 import jax.tree_util as jtu
 from jax.core import Tracer
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from .._internal import align, constrain, is_arraylike
 
@@ -40,13 +35,9 @@ def _is_traced(tree: Any) -> bool:
 
 
 def place(tree: Any, shardings: Any, mesh: Mesh) -> Any:
-    """Place `tree`, which every process holds in full, on `shardings`.
-
-    Inside `jit`, or on one process, this is `constrain`. On a mesh spanning
-    several processes `jax.device_put` assembles each global array from the copy
-    every process holds (each keeps only its own shards); arrays that are global
-    already are resharded by `constrain`.
-    """
+    """Place `tree`, which every process holds in full, on `shardings`: with
+    `constrain` inside `jit`, on one process, or for arrays global already; else
+    with `jax.device_put`, each process keeping only its own shards."""
     if _is_traced(tree) or not mesh.is_multi_process:
         return constrain(tree, shardings)
     return _assemble(tree, shardings, jax.device_put)
@@ -64,32 +55,21 @@ def _assemble(tree: Any, shardings: Any, put: Callable[[Any, Any], Any]) -> Any:
     return jtu.tree_map(one, align(shardings, tree), tree, is_leaf=lambda x: x is None)
 
 
-def _row_slices(sharding: NamedSharding, rows: int) -> list[slice]:
-    """The rows of an array of `rows` rows that each of this process's devices
-    holds under `sharding`."""
-    indices = sharding.addressable_devices_indices_map((rows,)).values()
-    return [index[0] for index in indices if index is not None]
-
-
-def _blocks(sharding: NamedSharding) -> tuple[int, int]:
-    """`(on this process, in all)`: the row blocks of a batch split by `sharding`."""
-    spec = sharding.spec[0] if len(sharding.spec) else None
-    axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
-    total = math.prod(sharding.mesh.shape[a] for a in axes)
-    return len({s.start for s in _row_slices(sharding, total)}), total
-
-
 def place_batch(batch: Any, mesh: Mesh, shardings_for: Callable[[Any], Any]) -> Any:
-    """Place `batch` with `shardings_for(batch)`, where on a mesh spanning several
-    processes `batch` holds this process's rows only: each global array is
-    assembled from every process's rows (`jax.make_array_from_process_local_data`).
-    Inside `jit`, or on one process, this is `constrain`."""
+    """Place `batch` with `shardings_for(batch)`; on a mesh spanning several
+    processes `batch` holds this process's rows only, assembled into global
+    arrays (`jax.make_array_from_process_local_data`), else this is `constrain`."""
     if _is_traced(batch) or not mesh.is_multi_process:
         return constrain(batch, shardings_for(batch))
-    # The batch's split, from a stand-in every batch split divides.
+    # The batch's split, from a stand-in every batch split divides: its row
+    # blocks in all, and those this process's devices hold.
     probe = jax.ShapeDtypeStruct((mesh.devices.size,), jax.numpy.float32)
     (sharding,) = jtu.tree_leaves(shardings_for([probe]))
-    here, total = _blocks(sharding)
+    spec = sharding.spec[0] if len(sharding.spec) else None
+    axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
+    total = math.prod(mesh.shape[a] for a in axes)
+    indices = sharding.addressable_devices_indices_map((total,)).values()
+    here = len({i[0].start for i in indices if i is not None})
 
     def global_like(path: tuple, x: Any) -> Any:
         if not is_arraylike(x):

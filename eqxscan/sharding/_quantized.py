@@ -29,22 +29,11 @@ def follow_float_weights(
             return specs
         w = cast(StandsForWeight, node)
         spec = spec_of(jax.ShapeDtypeStruct(w.shape, w.dtype), w.ndim - 2, path)
-        return eqx.tree_at(
-            lambda q: q.stored_arrays(),
-            specs,
-            tuple(
-                NamedSharding(mesh, _along(spec, a.shape, mesh))
-                for a in w.stored_arrays()
-            ),
+        divides = lambda a: all(
+            n is None or a.shape[i] % mesh.shape[n] == 0 for i, n in enumerate(spec)
         )
+        stored = [spec if divides(a) else PartitionSpec() for a in w.stored_arrays()]
+        new = tuple(NamedSharding(mesh, s) for s in stored)
+        return eqx.tree_at(lambda q: q.stored_arrays(), specs, new)
 
     return jtu.tree_map_with_path(one, model, shardings, is_leaf=stands_for_weight)
-
-
-def _along(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
-    """`spec` for an array of `shape`, or replicated where an axis it shards
-    does not divide."""
-    for axis, name in enumerate(spec):
-        if name is not None and shape[axis] % mesh.shape[name]:
-            return PartitionSpec()
-    return spec

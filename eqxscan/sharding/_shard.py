@@ -1,12 +1,10 @@
-"""Data-parallel and FSDP placement of models with stacked layers, on JAX's meshes.
+"""Data-parallel and FSDP placement of models with stacked layers: this only
+chooses `NamedSharding`s; JAX (`jit`, XLA's partitioner) does all communication."""
 
-Everything here only chooses `NamedSharding`s; JAX (`jit`, its sharding propagation
-and XLA's partitioner) does all communication.
-"""
-
+import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, SupportsIndex, TYPE_CHECKING, TypeVar
+from typing import Any, SupportsIndex, TypeVar
 
 import equinox as eqx
 import jax
@@ -16,15 +14,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, Sharding
 from jaxtyping import PyTree
 
 from .._internal import align, check_size, is_arraylike, restack, Site, Stacked, walk
-from ._place import default_devices, place, place_batch
+from ._place import default_devices, Device, place, place_batch
 from ._quantized import follow_float_weights
-
-
-if TYPE_CHECKING:
-    # `jax.Device`'s class: jax exports it as a variable, no type to the checker.
-    from jaxlib._jax import Device
-else:  # the same class, named at run time for the runtime type checker
-    Device = jax.Device
 
 
 T = TypeVar("T")
@@ -45,21 +36,17 @@ def make_mesh(
     """A `("data", "fsdp")` mesh over `devices` (default: every device of every
     process, ordered by process).
 
-    At most one of `data` and `fsdp` may be left out: it takes the remaining
-    devices. With neither given, all devices go to `"fsdp"` (`data=1`). The axes are
-    `AxisType.Auto`: JAX's sharding propagation decides the layout of
-    intermediates, so model code needs no sharding annotations.
-
-    With several processes (after `eqxscan.distributed.initialize`) the default
-    devices are taken process by process, so `"data"` runs across processes first
-    and each process's devices form whole `"fsdp"` groups where the sizes allow:
-    FSDP's all-gathers then stay inside a host, and only gradients cross hosts.
+    The one of `data` and `fsdp` left out takes the remaining devices; with
+    neither, all go to `"fsdp"`. The axes are `AxisType.Auto`, so model code
+    needs no sharding annotations. With several processes, `"data"` runs across
+    processes first and each process's devices form whole `"fsdp"` groups where
+    the sizes allow: FSDP's all-gathers stay inside a host.
 
     **Arguments:**
 
-    - `data`: number of data-parallel replicas (parameters replicated across them).
+    - `data`: number of data-parallel replicas.
     - `fsdp`: number of devices each parameter is sharded over.
-    - `devices`: the devices to use, in mesh order.
+    - `devices`: the devices, in mesh order.
 
     **Returns:**
 
@@ -103,8 +90,7 @@ def _mesh_size(name: str, value: object) -> int | None:
 
 
 def check_axes(mesh: Mesh, axes: str | Sequence[str], what: str) -> tuple[str, ...]:
-    """`axes` (one name or several) as a tuple, each checked to be an axis of
-    `mesh`."""
+    """`axes` (one name or several) as a tuple of axes of `mesh`."""
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
     for axis in axes:
         if axis not in mesh.shape:
@@ -129,10 +115,6 @@ def check_mesh(mesh: Any) -> Mesh:
     return mesh
 
 
-def _name(prefix: str, path: tuple) -> str:
-    return prefix + jtu.keystr(path)
-
-
 def _leaf_spec(
     leaf: Any,
     layer_axes: int,
@@ -142,9 +124,8 @@ def _leaf_spec(
     min_size: int,
     strict: bool = True,
 ) -> PartitionSpec:
-    """Shard the largest non-layer axis divisible by the fsdp axis size (the first
-    such axis on ties); replicate small leaves and everything without fsdp. With no
-    divisible axis: raise if `strict`, else replicate."""
+    """The rule of `model_shardings`; with no divisible axis, raise if `strict`,
+    else replicate."""
     shape = tuple(leaf.shape)
     if fsdp_axis is None or math.prod(shape) < min_size:
         return PartitionSpec()
@@ -182,50 +163,45 @@ def model_shardings(
     """The `NamedSharding` of every array leaf of `model` (FSDP over `fsdp_axis`).
 
     Inside a [`eqxscan.Stacked`][] the leading layer axis is never sharded: each
-    scan step reads one layer, and JAX's `scan` needs its `xs` unsharded along the
-    scanned axis. Of the remaining axes, the largest that divides by the size of
-    `fsdp_axis` is sharded over it (the first such axis on ties). Leaves with
-    fewer than `min_size` elements are replicated, and every leaf is replicated
-    across the other mesh axes (e.g. `"data"`).
-
-    A [`eqxscan.quant.Quantized`][] weight is sharded as the float weight it
-    stands for: its `values` and `scales` along that weight's sharded axis, each
-    where that axis of its own divides (else replicated: int8's `[1, out]` scales
-    of a weight sharded along its inputs).
+    scan step reads one layer, and `scan` needs its `xs` unsharded along it. Of
+    the other axes, the largest that divides by the size of `fsdp_axis` is
+    sharded over it (the first on ties). Leaves with fewer than `min_size`
+    elements are replicated, and every leaf is replicated across the other mesh
+    axes (e.g. `"data"`). A [`eqxscan.quant.Quantized`][] weight is sharded as
+    the float weight it stands for: its `values` and `scales` along that
+    weight's sharded axis where their own axis divides (else replicated, as
+    int8's `[1, out]` scales of a weight sharded along its inputs).
 
     **Arguments:**
 
     - `model`: any pytree (usually an `eqx.Module` containing `Stacked`s).
     - `mesh`: a `jax.sharding.Mesh`.
-    - `fsdp_axis`: the mesh axis parameters are sharded over; `None` replicates
-      every parameter (pure data parallelism).
+    - `fsdp_axis`: the mesh axis to shard over; `None` replicates everything.
     - `min_size`: leaves with fewer elements are replicated.
 
     **Returns:**
 
     A pytree with the structure of `model`: a `NamedSharding` at each array leaf,
-    `None` elsewhere. Usable as `jax.jit`'s `in_shardings`/`out_shardings` for
+    `None` elsewhere; `jax.jit`'s `in_shardings`/`out_shardings` for
     `eqx.filter(model, eqx.is_array)`.
 
     **Raises:**
 
     `ValueError` naming the leaf path, its shape and the mesh axis size when a
     leaf of at least `min_size` elements has no axis that divides, or when the
-    mesh has no axis `fsdp_axis`.
+    mesh lacks `fsdp_axis`.
     """
     mesh = check_mesh(mesh)
     check_axes(mesh, () if fsdp_axis is None else fsdp_axis, "fsdp_axis")
 
+    def spec_of(leaf: Any, depth: int, path: tuple) -> PartitionSpec:
+        name = "model" + jtu.keystr(path)
+        return _leaf_spec(leaf, depth, name, mesh, fsdp_axis, min_size)
+
     def one(leaf: object, site: Site) -> NamedSharding | None:
         if not is_arraylike(leaf):
             return None
-        name = _name("model", site.path)
-        spec = _leaf_spec(leaf, site.depth, name, mesh, fsdp_axis, min_size)
-        return NamedSharding(mesh, spec)
-
-    def spec_of(weight: jax.ShapeDtypeStruct, depth: int, path: tuple) -> PartitionSpec:
-        name = _name("model", path)
-        return _leaf_spec(weight, depth, name, mesh, fsdp_axis, min_size)
+        return NamedSharding(mesh, spec_of(leaf, site.depth, site.path))
 
     return follow_float_weights(model, walk(one, model), mesh, spec_of)
 
@@ -240,28 +216,22 @@ def _set_layer_sharding(tree: T, layer_sharding: LayerShardingFn) -> T:
     return walk(lambda leaf, site: leaf, tree, stack=set_one)
 
 
-def _strip(tree: Any) -> Any:
-    # Every `layer_sharding` unset, so that a model and its sharded copy have
-    # comparable structures.
-    return _set_layer_sharding(tree, lambda site, layers: None)
-
-
 def _is_placeholder(x: Any) -> bool:
     # Positions of a params-like tree that hold no array: `None` (eqx.filter) or
     # optax's `MaskedNode` (optax.masked).
     return x is None or type(x).__name__ == "MaskedNode"
 
 
-def _param_structure(tree: Any) -> Any:
-    return jtu.tree_structure(_strip(tree), is_leaf=_is_placeholder)
-
-
 def _params_like(params: PyTree) -> Callable[[object], bool]:
     # Whether a subtree of an optimizer state is a per-parameter buffer of
-    # `params` (e.g. Adam's `mu`): the same type and structure, `layer_sharding`
-    # aside.
-    target = _param_structure(params)
-    return lambda x: type(x) is type(params) and _param_structure(x) == target
+    # `params` (e.g. Adam's `mu`): the same type and structure, with every
+    # `layer_sharding` unset so that a model and its sharded copy compare equal.
+    def structure(tree: Any) -> Any:
+        unset = _set_layer_sharding(tree, lambda site, layers: None)
+        return jtu.tree_structure(unset, is_leaf=_is_placeholder)
+
+    target = structure(params)
+    return lambda x: type(x) is type(params) and structure(x) == target
 
 
 def opt_state_shardings(
@@ -276,22 +246,21 @@ def opt_state_shardings(
     """Shardings for an optimizer state (e.g. optax's) that shard each per-parameter
     buffer like its parameter.
 
-    Every subtree of `opt_state` with the structure of the model's parameters
-    (`eqx.filter(model, eqx.is_array)`, with `None` or optax's `MaskedNode` where
-    there is no parameter) is a per-parameter buffer, e.g. Adam's `mu` and `nu`: a
-    leaf there with its parameter's shape gets the parameter's sharding, a leaf of
-    another shape (e.g. a factored second moment) the rule of
-    [`eqxscan.sharding.model_shardings`][] for its own shape (replicated, not an
-    error, if no axis divides). Everything else (step counts, scalar
-    hyperparameters) is replicated.
+    A subtree of `opt_state` with the structure of the parameters
+    (`eqx.filter(model, eqx.is_array)`, `None` or optax's `MaskedNode` where there
+    is no parameter) is a per-parameter buffer, e.g. Adam's `mu`: a leaf there of
+    its parameter's shape gets the parameter's sharding, one of another shape
+    (a factored second moment) the rule of [`eqxscan.sharding.model_shardings`][]
+    (replicated, not an error, if no axis divides). Everything else (step counts,
+    scalar hyperparameters) is replicated.
 
     **Arguments:**
 
     - `opt_state`: the optimizer state, any pytree.
     - `model`: the model whose parameters the state was built for.
     - `mesh`, `fsdp_axis`, `min_size`: as for `model_shardings`.
-    - `param_shardings`: the parameters' shardings, if not those of
-      `model_shardings` (e.g. from `eqxscan.sharding.logical_shardings`).
+    - `param_shardings`: the parameters' shardings if not `model_shardings`'
+      (e.g. `logical_shardings`').
 
     **Returns:**
 
@@ -306,15 +275,9 @@ def opt_state_shardings(
             params, mesh, fsdp_axis=fsdp_axis, min_size=min_size
         )
     # Each parameter (or `None`) with its sharding and number of layer axes.
-    per_param = list(
-        zip(
-            jtu.tree_leaves(params, is_leaf=_is_placeholder),
-            jtu.tree_leaves(param_shardings, is_leaf=_is_placeholder),
-            jtu.tree_leaves(
-                walk(lambda x, s: s.depth, params), is_leaf=_is_placeholder
-            ),
-        )
-    )
+    leaves = lambda tree: jtu.tree_leaves(tree, is_leaf=_is_placeholder)
+    depths = walk(lambda x, s: s.depth, params)
+    per_param = list(zip(leaves(params), leaves(param_shardings), leaves(depths)))
     is_params_like = _params_like(params)
 
     def buffer(path: tuple, leaf: Any, param: Any, sharding: Any, depth: Any) -> Any:
@@ -324,7 +287,7 @@ def opt_state_shardings(
             depth = 0
         elif leaf.shape == param.shape:
             return sharding
-        name = _name("opt_state", path)
+        name = "opt_state" + jtu.keystr(path)
         spec = _leaf_spec(leaf, depth, name, mesh, fsdp_axis, min_size, strict=False)
         return NamedSharding(mesh, spec)
 
@@ -364,18 +327,14 @@ def batch_shardings(
     fsdp_axis: str | None = "fsdp",
 ) -> Any:
     """Shardings that split every array leaf of `batch` along axis 0 over the
-    batch axes of `mesh`.
-
-    By default the batch is split over `"data"` and `fsdp_axis`, whichever the mesh
-    has: FSDP is data parallelism whose parameters are sharded, so every device
-    gets its own examples.
+    batch axes of `mesh`: by default `"data"` and `fsdp_axis`, whichever the mesh
+    has (FSDP is data parallelism: every device gets its own examples).
 
     **Arguments:**
 
     - `batch`: a pytree whose array leaves have the batch on axis 0.
     - `mesh`: a `jax.sharding.Mesh`.
-    - `batch_axes`: mesh axis name(s) to split the batch over; `None` for the
-      default above.
+    - `batch_axes`: mesh axis name(s) to split the batch over, or `None`.
     - `fsdp_axis`: as for `model_shardings` (only used by the default).
 
     **Returns:**
@@ -386,7 +345,7 @@ def batch_shardings(
     **Raises:**
 
     `ValueError` naming the leaf path, its batch size and the mesh axes' total
-    size when the batch does not divide, or when a mesh axis is missing.
+    size when the batch does not divide, or a missing mesh axis.
     """
     mesh = check_mesh(mesh)
     axes = _batch_axes(mesh, batch_axes, fsdp_axis)
@@ -399,7 +358,7 @@ def batch_shardings(
         if leaf.ndim == 0 or leaf.shape[0] % size:
             got = "a scalar" if leaf.ndim == 0 else f"batch size {leaf.shape[0]}"
             raise ValueError(
-                f"Cannot shard `{_name('batch', path)}` with shape "
+                f"Cannot shard `batch{jtu.keystr(path)}` with shape "
                 f"{tuple(leaf.shape)} over mesh axes {axes} (total size {size}, "
                 f"{dict((a, mesh.shape[a]) for a in axes)}): it has {got}, and "
                 f"axis 0 must be a multiple of {size}."
@@ -418,22 +377,17 @@ def gather_layers(
 ) -> Any:
     """`model` with every [`eqxscan.Stacked`][] set to gather the one layer each scan
     step runs (its `layer_sharding`): FSDP's per-layer all-gather inside the loop,
-    rather than XLA gathering activations instead.
-
-    By default each step gathers its layer whole (replicated on `mesh`). With
-    tensor parallelism, name the mesh axes that stay split in `keep`: each step
-    then gathers every other axis (FSDP's) of each weight and keeps these, as the
-    weight is placed (`shardings`, or the arrays' own placement).
+    rather than XLA gathering activations instead. By default each step gathers
+    its layer whole (replicated on `mesh`); with tensor parallelism, `keep` names
+    the mesh axes that stay split, as the weights are placed.
 
     **Arguments:**
 
-    - `model`: any pytree, usually an `eqx.Module` containing `Stacked`s (nested
-      ones included).
+    - `model`: any pytree, usually an `eqx.Module` containing (nested) `Stacked`s.
     - `mesh`: the `jax.sharding.Mesh` the model is placed on.
-    - `shardings`: with `keep`, the placement of `model`'s arrays: a pytree of
-      `NamedSharding`s with `model`'s structure (e.g. from
-      [`eqxscan.sharding.logical_shardings`][]). By default, read from the arrays,
-      which must then be placed on `mesh` already.
+    - `shardings`: with `keep`, the `NamedSharding`s of `model`'s arrays, a
+      pytree of its structure (e.g. from [`eqxscan.sharding.logical_shardings`][]);
+      by default read from the arrays, which must be placed on `mesh` already.
     - `keep`: mesh axes that a layer keeps split while it runs (e.g. `"model"`).
 
     **Returns:**
@@ -498,11 +452,8 @@ def _restructure(opt_state: Any, old: Any, new: Any) -> Any:
     is_params_like = _params_like(old)
 
     def one(x: Any) -> Any:
-        if is_params_like(x):
-            return jtu.tree_unflatten(
-                new_def, jtu.tree_leaves(x, is_leaf=_is_placeholder)
-            )
-        return x
+        leaves = jtu.tree_leaves(x, is_leaf=_is_placeholder)
+        return jtu.tree_unflatten(new_def, leaves) if is_params_like(x) else x
 
     return jtu.tree_map(
         one, opt_state, is_leaf=lambda x: _is_placeholder(x) or is_params_like(x)
@@ -524,30 +475,26 @@ def shard(
     Parameters get [`eqxscan.sharding.model_shardings`][], the optimizer state
     [`eqxscan.sharding.opt_state_shardings`][] and the batch
     [`eqxscan.sharding.batch_shardings`][]. With `fsdp_axis` set, every `Stacked`
-    also gets `layer_sharding` replicated (see
-    [`eqxscan.sharding.gather_layers`][]), so that each scan step all-gathers just
-    the layer it runs; the per-parameter buffers of `opt_state` get the matching
-    structure, so `optimizer.update` accepts the new model's gradients.
-
-    Outside `jit` this moves the arrays (`jax.device_put`); inside `jit` it
-    constrains them (`jax.lax.with_sharding_constraint`), so the same call pins the
-    layout of the updated model and state at the end of a training step.
+    gathers one layer per scan step ([`eqxscan.sharding.gather_layers`][]), and
+    the buffers of `opt_state` get the matching structure, so `optimizer.update`
+    accepts the new model's gradients. Outside `jit` this moves the arrays
+    (`jax.device_put`); inside `jit` it constrains them
+    (`jax.lax.with_sharding_constraint`), pinning the layout of the updated
+    model and state at the end of a training step.
 
     On a mesh spanning several processes, `batch` holds this process's rows only
-    (see [`eqxscan.distributed.local_rows`][]) and comes back as global arrays
-    (`jax.make_array_from_process_local_data`); `model` and `opt_state` are either
-    the same on every process or global arrays already (e.g. from
-    [`eqxscan.sharding.create`][]).
+    (see [`eqxscan.distributed.local_rows`][]) and comes back as global arrays;
+    `model` and `opt_state` are the same on every process or global arrays
+    already (e.g. from [`eqxscan.sharding.create`][]).
 
     **Arguments:**
 
     - `model`: any pytree, usually an `eqx.Module` containing `Stacked`s.
     - `opt_state`: the optimizer state for `model`'s parameters, or `None`.
-    - `batch`: a pytree with the batch on axis 0 of every array leaf, or `None`.
-      With several processes: this process's rows.
+    - `batch`: the batch on axis 0 of every array leaf, or `None`.
     - `mesh`: a `jax.sharding.Mesh`, e.g. from [`eqxscan.sharding.make_mesh`][].
-    - `fsdp_axis`, `min_size`: as for `model_shardings`.
-    - `batch_axes`: as for `batch_shardings`.
+    - `fsdp_axis`, `min_size`, `batch_axes`: as for `model_shardings` and
+      `batch_shardings`.
 
     **Returns:**
 
@@ -556,28 +503,20 @@ def shard(
     **Raises:**
 
     `ValueError` naming the leaf path, its shape and the mesh axis size when an
-    axis does not divide, or naming the missing mesh axis.
+    axis does not divide, or the missing mesh axis.
     """
-    mesh = check_mesh(mesh)
     shardings = model_shardings(model, mesh, fsdp_axis=fsdp_axis, min_size=min_size)
-    opt_sh = (
-        None
-        if opt_state is None
-        else opt_state_shardings(
-            opt_state, model, mesh, fsdp_axis=fsdp_axis, min_size=min_size
-        )
-    )
     if batch is not None:
-        batch = place_batch(
-            batch,
-            mesh,
-            lambda b: batch_shardings(
-                b, mesh, batch_axes=batch_axes, fsdp_axis=fsdp_axis
-            ),
+        for_batch = functools.partial(
+            batch_shardings, mesh=mesh, batch_axes=batch_axes, fsdp_axis=fsdp_axis
         )
+        batch = place_batch(batch, mesh, for_batch)
     new = place(model, shardings, mesh)
     if fsdp_axis is not None:
         new = gather_layers(new, mesh)
     if opt_state is not None:
+        opt_sh = opt_state_shardings(
+            opt_state, model, mesh, fsdp_axis=fsdp_axis, min_size=min_size
+        )
         opt_state = _restructure(place(opt_state, opt_sh, mesh), model, new)
     return new, opt_state, batch
