@@ -4,6 +4,7 @@ how the parameters are sharded), the jitted step of one candidate (`program`),
 and XLA's figures of every candidate compiled in this process."""
 
 import dataclasses
+import itertools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -49,16 +50,13 @@ def _divisors(n: int) -> list[int]:
 
 def mesh_shapes(devices: int, model: Sequence[int] = (1,)) -> list[MeshShape]:
     """Every `(data, fsdp, model)` with product `devices`, `model` from `model`."""
-    out: list[MeshShape] = []
     for m in model:
         if devices % m:
             raise ValueError(
                 f"plan: a model axis of {m} does not divide {devices} devices.\n"
                 f"Hint: choose model sizes among {_divisors(devices)}."
             )
-        for d in _divisors(devices // m):
-            out.append((d, devices // m // d, m))
-    return out
+    return [(d, devices // m // d, m) for m in model for d in _divisors(devices // m)]
 
 
 def make_plan_mesh(shape: MeshShape, devices: Sequence["Device"]) -> Mesh:
@@ -89,44 +87,6 @@ class Job:
         return self.make_model(key, **self.model_kwargs)
 
 
-def _param_specs(job: Job, mesh: Mesh, shape: PyTree) -> PyTree:
-    """The shardings of the model's leaves (`None` for non-arrays)."""
-    if job.axes is None:
-        return model_shardings(shape, mesh, fsdp_axis="fsdp", min_size=job.min_size)
-    return logical_shardings(
-        shape, mesh, job.axes, job.rules or {}, fsdp_axis="fsdp", min_size=job.min_size
-    )
-
-
-def _abstract(
-    job: Job, mesh: Mesh, remat: Remat
-) -> tuple[tuple[PyTree, PyTree], tuple[PyTree, PyTree], PyTree]:
-    """The model (gathering one layer per scan step) and optimiser state, as
-    `ShapeDtypeStruct`s, with their shardings; and the model's static part."""
-    key = jax.random.key(0)
-    specs = _param_specs(job, mesh, eqx.filter_eval_shape(job.model, key))
-    # With logical axes the gathered layer stays split over "model".
-    keep: tuple[str, ...] = () if job.axes is None else ("model",)
-
-    def build(k: jax.Array) -> PyTree:
-        model = with_remat(job.model(k), remat)
-        return gather_layers(model, mesh, specs if keep else None, keep=keep)
-
-    model = eqx.filter_eval_shape(build, key)
-    params, static = eqx.partition(model, is_arraylike)
-    param_specs = jtu.tree_unflatten(
-        jtu.tree_structure(params),
-        jtu.tree_leaves(eqx.filter(specs, lambda s: isinstance(s, NamedSharding))),
-    )
-    if job.optimizer is None:
-        return (params, param_specs), (None, None), static
-    opt_state = jax.eval_shape(job.optimizer.init, params)
-    opt_specs = opt_state_shardings(
-        opt_state, model, mesh, fsdp_axis="fsdp", param_shardings=param_specs
-    )
-    return (params, param_specs), (opt_state, opt_specs), static
-
-
 def program(
     job: Job, mesh: Mesh, remat: Remat
 ) -> tuple[
@@ -138,8 +98,36 @@ def program(
 ]:
     """The jitted step of one candidate, `(params, shardings)`, `(opt_state,
     shardings)` as `ShapeDtypeStruct`s, the batch's shardings and the model's
-    static part (`step` then takes and returns the model's arrays only)."""
-    (params, p_specs), (opt_state, o_specs), static = _abstract(job, mesh, remat)
+    static part (`step` then takes and returns the model's arrays only); every
+    `Stacked` gathers one layer per scan step."""
+    key = jax.random.key(0)
+    shape, size = eqx.filter_eval_shape(job.model, key), job.min_size
+    if job.axes is None:
+        specs = model_shardings(shape, mesh, fsdp_axis="fsdp", min_size=size)
+    else:
+        rules = job.rules or {}
+        specs = logical_shardings(
+            shape, mesh, job.axes, rules, fsdp_axis="fsdp", min_size=size
+        )
+    # With logical axes the gathered layer stays split over "model".
+    keep: tuple[str, ...] = () if job.axes is None else ("model",)
+
+    def build(k: jax.Array) -> PyTree:
+        model = with_remat(job.model(k), remat)
+        return gather_layers(model, mesh, specs if keep else None, keep=keep)
+
+    model = eqx.filter_eval_shape(build, key)
+    params, static = eqx.partition(model, is_arraylike)
+    p_specs = jtu.tree_unflatten(
+        jtu.tree_structure(params),
+        jtu.tree_leaves(eqx.filter(specs, lambda s: isinstance(s, NamedSharding))),
+    )
+    opt_state = o_specs = None
+    if job.optimizer is not None:
+        opt_state = jax.eval_shape(job.optimizer.init, params)
+        o_specs = opt_state_shardings(
+            opt_state, model, mesh, fsdp_axis="fsdp", param_shardings=p_specs
+        )
     b_specs = batch_shardings(job.batch, mesh, batch_axes=("data", "fsdp"))
 
     def train(params: PyTree, opt_state: PyTree, batch: PyTree) -> tuple:
@@ -158,11 +146,11 @@ def program(
 
 
 def _per_device_bytes(tree: PyTree, specs: PyTree[NamedSharding]) -> int:
-    total = 0
-    for leaf, spec in zip(jtu.tree_leaves(tree), jtu.tree_leaves(specs), strict=True):
-        shard = spec.shard_shape(tuple(leaf.shape))
-        total += math.prod(shard) * jnp.dtype(leaf.dtype).itemsize
-    return total
+    pairs = zip(jtu.tree_leaves(tree), jtu.tree_leaves(specs), strict=True)
+    return sum(
+        math.prod(spec.shard_shape(tuple(leaf.shape))) * jnp.dtype(leaf.dtype).itemsize
+        for leaf, spec in pairs
+    )
 
 
 def _estimate(
@@ -197,13 +185,10 @@ def compile_one(
         )
     cost = compiled.cost_analysis() or {}
     collective, matmul = hlo_costs(compiled.as_text() or "")
-    state = _per_device_bytes(params, p_specs)
-    if opt_state is not None:
-        state += _per_device_bytes(opt_state, o_specs)
     return MeshCandidate(
         mesh=shape,
         remat=label,
-        state_bytes=state,
+        state_bytes=_per_device_bytes((params, opt_state), (p_specs, o_specs)),
         argument_bytes=int(mem.argument_size_in_bytes),
         output_bytes=int(mem.output_size_in_bytes),
         alias_bytes=int(mem.alias_size_in_bytes),
@@ -227,9 +212,7 @@ def compile_all(
 ) -> list[MeshCandidate]:
     """Every mesh of `shapes` with every remat setting, compiled in this process
     over `devices`."""
-    settings: list[tuple[MeshShape, Remat]] = [
-        (shape, setting) for shape in shapes for setting in remat
-    ]
+    settings = list(itertools.product(shapes, remat))
     out = []
     for i, (shape, setting) in enumerate(settings):
         progress(i, len(settings), f"{shape} {remat_label(setting)}")

@@ -1,11 +1,7 @@
 """Compiling a plan's candidates in a fresh process with `N` simulated CPU
-devices (`--xla_force_host_platform_device_count`, which must be set before JAX
-starts): this process writes the `Spec` to a file and reads the candidates back
-from another; the child reports its progress on stderr.
-
-The child's side is `main`, run as `python -m eqxscan.planning SPEC
-OUT`.
-"""
+devices: this process writes the `Spec` to a file and reads the candidates back
+from another; the child (`main`, run as `python -m eqxscan.planning SPEC OUT`)
+reports its progress on stderr."""
 
 import json
 import os
@@ -30,20 +26,18 @@ _MAIN = __name__.rpartition(".")[0]  # this package, whose __main__ runs `main`
 
 
 def _child_env(devices: int) -> dict[str, str]:
-    env = dict(os.environ)
+    count = "--xla_force_host_platform_device_count"
     flags = [
-        f
-        for f in env.get("XLA_FLAGS", "").split()
-        if not f.startswith("--xla_force_host_platform_device_count")
+        f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(count)
     ]
-    flags.append(f"--xla_force_host_platform_device_count={devices}")
-    env["XLA_FLAGS"] = " ".join(flags)
-    env["JAX_PLATFORMS"] = "cpu"
     # The working directory too: references may name modules found from it.
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (os.getcwd(), _ROOT, env.get("PYTHONPATH", "")) if p
-    )
-    return env
+    path = (os.getcwd(), _ROOT, os.environ.get("PYTHONPATH", ""))
+    return {
+        **os.environ,
+        "XLA_FLAGS": " ".join([*flags, f"{count}={devices}"]),
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": os.pathsep.join(p for p in path if p),
+    }
 
 
 def _relay(proc: subprocess.Popen[str], progress: Progress) -> list[str]:

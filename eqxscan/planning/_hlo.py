@@ -32,19 +32,18 @@ class _Computation:
     params: dict[str, str]  # each parameter's name and shape text
 
 
+def _ints(dims: str) -> list[int]:
+    return [int(d) for d in dims.split(",") if d]
+
+
 def _shape_bytes(text: str) -> int:
-    total = 0
-    for dtype, dims in _ARRAY.findall(text):
-        if dtype in _DTYPE_BYTES:
-            total += _DTYPE_BYTES[dtype] * math.prod(
-                int(d) for d in dims.split(",") if d
-            )
-    return total
+    arrays = _ARRAY.findall(text)
+    return sum(_DTYPE_BYTES.get(t, 0) * math.prod(_ints(dims)) for t, dims in arrays)
 
 
 def _dims(text: str) -> list[int]:
     m = _ARRAY.search(text)
-    return [] if m is None else [int(d) for d in m.group(2).split(",") if d]
+    return [] if m is None else _ints(m.group(2))
 
 
 def _computations(text: str) -> tuple[dict[str, _Computation], str | None]:
@@ -84,27 +83,20 @@ def _calls(comp: _Computation, comps: dict[str, _Computation]) -> list[tuple[str
     return out
 
 
-def _callers_first(calls: dict[str, list[tuple[str, int]]], entry: str) -> list[str]:
-    """The computations reached from `entry`, each after all its callers."""
-    seen: set[str] = set()
-    finished: list[str] = []
+def _runs(comps: dict[str, _Computation], entry: str) -> dict[str, int]:
+    """How many times each computation reached from `entry` runs per run of it:
+    the sum over the places that call it."""
+    calls = {name: _calls(comp, comps) for name, comp in comps.items()}
+    finished: list[str] = []  # each computation after every one it calls
 
     def visit(name: str) -> None:  # as deep as the calls nest: a few levels
-        seen.add(name)
         for callee, _ in calls[name]:
-            if callee not in seen:
+            if callee not in finished:
                 visit(callee)
         finished.append(name)
 
     visit(entry)
-    return finished[::-1]
-
-
-def _runs(comps: dict[str, _Computation], entry: str) -> dict[str, int]:
-    """How many times each computation runs per run of `entry`: the sum over
-    the places that call it."""
-    calls = {name: _calls(comp, comps) for name, comp in comps.items()}
-    order = _callers_first(calls, entry)
+    order = finished[::-1]  # callers first
     runs = dict.fromkeys(order, 0)
     runs[entry] = 1
     for name in order:
@@ -113,24 +105,13 @@ def _runs(comps: dict[str, _Computation], entry: str) -> dict[str, int]:
     return runs
 
 
-def _collective_bytes(op: str, result: str) -> int:
-    size = _shape_bytes(result)
-    if op in ("all-gather-start", "collective-permute-start"):
-        size //= 2  # an async start's result holds its operand too
-    return size
-
-
 def _dot_flops(line: str, result: str, operands: str, shapes: dict[str, str]) -> float:
     lhs = _OPERAND.match(operands)
     contract = _CONTRACTING.search(line)
     if lhs is None or contract is None:
         return 0.0
     lhs_dims = _dims(shapes.get(lhs.group(1), ""))
-    k = math.prod(
-        lhs_dims[int(i)]
-        for i in contract.group(1).split(",")
-        if i and int(i) < len(lhs_dims)
-    )
+    k = math.prod(lhs_dims[i] for i in _ints(contract.group(1)) if i < len(lhs_dims))
     return 2.0 * math.prod(_dims(result)) * k
 
 
@@ -147,7 +128,10 @@ def _costs(comp: _Computation) -> tuple[dict[str, int], float]:
         shapes[var] = result
         base = op.removesuffix("-start")
         if base in _COLLECTIVES.split() and not op.endswith("-done"):
-            collective[base] = collective.get(base, 0) + _collective_bytes(op, result)
+            size = _shape_bytes(result)
+            if op in ("all-gather-start", "collective-permute-start"):
+                size //= 2  # an async start's result holds its operand too
+            collective[base] = collective.get(base, 0) + size
         elif op == "dot":
             flops += _dot_flops(line, result, operands, shapes)
     return collective, flops

@@ -48,22 +48,18 @@ class MeshCandidate:
 
     **Fields:**
 
-    - `mesh`: `(data, fsdp, model)` axis sizes; `remat`: the remat setting
-      in words.
-    - `state_bytes`: parameters + optimiser state held by each device, from the
-      shardings (the largest over devices).
+    - `mesh`: `(data, fsdp, model)` axis sizes; `remat`: the setting in words.
+    - `state_bytes`: parameters + optimiser state held by each device (the
+      largest over devices), from the shardings.
     - `argument_bytes`, `output_bytes`, `alias_bytes`, `temp_bytes`: from
-      `memory_analysis()` (parameters and optimiser state are donated, so
-      outputs alias them).
+      `memory_analysis()` (outputs alias the donated parameters and state).
     - `flops`, `bytes_accessed`: `cost_analysis()`, which counts a loop body once.
-    - `matmul_flops`: FLOPs of the program's dots per step, each loop body
-      counted once per iteration (read from the compiled HLO).
-    - `collective_bytes`: `(kind, bytes)` pairs: the result bytes of each kind of
-      collective per step, loop bodies counted once per iteration.
+    - `matmul_flops`, `collective_bytes`: the FLOPs of the dots and the result
+      bytes of each kind of collective (`(kind, bytes)` pairs) per step, read
+      from the compiled HLO with loop bodies counted once per iteration.
     - `compile_s`: seconds to lower and compile.
     - `estimated_s`: see [`eqxscan.planning.MeshPlan`][].
-    - `error`: why the candidate could not be compiled (e.g. an axis that does
-      not divide), else `None`.
+    - `error`: why the candidate could not be compiled, else `None`.
     """
 
     mesh: MeshShape
@@ -114,11 +110,9 @@ class MeshPlan:
     """Every candidate of an [`eqxscan.planning.plan`][] call, and the choice.
     `str(plan)` is a Markdown table.
 
-    The estimate of a step's seconds assumes the `accelerator`'s figures: dense
-    matmul FLOPs at peak (`matmul_flops / accelerator.flops`) plus every
-    collective's bytes sent at the link bandwidth, an all-reduce twice (a ring
-    all-reduce is a reduce-scatter and an all-gather), with no overlap of the
-    two and nothing else counted. It ranks candidates; it is not a step time.
+    The estimate of a step's seconds, which ranks candidates and is no step
+    time, is `matmul_flops / accelerator.flops` plus every collective's bytes
+    at the link bandwidth (an all-reduce's twice, as a ring does), no overlap.
 
     **Fields:**
 
@@ -148,16 +142,8 @@ class MeshPlan:
                 f"chosen: data={c.mesh[0]} fsdp={c.mesh[1]} model={c.mesh[2]}, "
                 f"remat={c.remat}"
             )
-        smallest = min(
-            (c for c in self.candidates if c.error is None),
-            key=lambda c: c.device_bytes,
-            default=None,
-        )
-        least = (
-            ""
-            if smallest is None
-            else f" The smallest needs {smallest.device_bytes / 2**30:.2f} GiB."
-        )
+        sizes = [c.device_bytes for c in self.candidates if c.error is None]
+        least = f" The smallest needs {min(sizes) / 2**30:.2f} GiB." if sizes else ""
         return (
             f"No candidate fits the budget of {self.budget / 2**30:.2f} GiB per "
             f"device.{least}\nHint: add devices, shrink the batch, or try more "
@@ -211,5 +197,4 @@ class MeshPlan:
         rows = self._header() + [self._row(c) for c in self.candidates]
         return "\n".join(rows + ["", self.message])
 
-    def __str__(self) -> str:
-        return self.markdown()
+    __str__ = markdown

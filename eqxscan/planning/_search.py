@@ -13,7 +13,7 @@ from .._internal import parse_bytes, Remat
 from ..sharding import MIN_SIZE
 from ._candidates import compile_all, mesh_shapes, Progress
 from ._child import compile_in_child
-from ._report import Accelerator, ACCELERATORS, MeshCandidate, MeshPlan, MeshShape
+from ._report import Accelerator, ACCELERATORS, MeshPlan, MeshShape
 from ._spec import encode, make_job, Optimizer
 
 
@@ -86,10 +86,6 @@ def _candidate_meshes(
     return mesh_shapes(devices, model_axis), devices
 
 
-def _quiet(i: int, n: int, what: str) -> None:
-    pass
-
-
 def plan(
     make_model: Callable[..., PyTree] | str,
     step: Callable[..., Sequence[PyTree]] | str,
@@ -114,24 +110,23 @@ def plan(
     """Compile a training step ahead of time for every mesh and remat setting on
     `N` devices, and choose the fastest that fits a per-device memory budget.
 
-    The model is never allocated: `make_model(key, **model_kwargs)` runs under
-    `eqx.filter_eval_shape`. For each mesh `(data, fsdp, model)` and each remat
+    The model is never allocated (`make_model(key, **model_kwargs)` runs under
+    `eqx.filter_eval_shape`). For each mesh `(data, fsdp, model)` and remat
     setting, the parameters are placed by [`eqxscan.sharding.model_shardings`][]
-    over `"fsdp"` (or, with `axes`, by [`eqxscan.sharding.logical_shardings`][],
-    e.g. MLP and head axes over `"model"`), every `Stacked` gathers one layer per
-    scan step ([`eqxscan.sharding.gather_layers`][], keeping `"model"` split),
-    the optimiser state follows its parameters, the batch is split over `"data"`
-    and `"fsdp"`, and `step` is `jax.jit(...).lower(...).compile()`d with the
+    over `"fsdp"` (or, with `axes`, by [`eqxscan.sharding.logical_shardings`][]),
+    every `Stacked` gathers one layer per scan step
+    ([`eqxscan.sharding.gather_layers`][], keeping `"model"` split), the
+    optimiser state follows its parameters, the batch is split over `"data"` and
+    `"fsdp"`, and `step` is `jax.jit(...).lower(...).compile()`d with the
     parameters and optimiser state donated. A candidate whose axis sizes do not
     divide the arrays is listed with the reason, not compiled.
 
-    The compile needs `N` devices. If this process has fewer, the candidates are
-    compiled in a fresh process with `N` simulated CPU devices; `make_model`,
-    `step` and `optimizer` must then be importable (`"module:attribute"`
-    strings, or top-level functions of an importable module, which are passed
-    by that name). CPU compiles give the program's per-device figures for a
-    target whose memory layout matches: sizes of arguments and outputs exactly,
-    temporaries as XLA's CPU backend schedules them.
+    If this process has fewer than `N` devices, the candidates are compiled in
+    a fresh process with `N` simulated CPU devices; `make_model`, `step` and
+    `optimizer` must then be importable (`"module:attribute"` strings, or
+    top-level functions of an importable module). CPU compiles give the
+    per-device figures of a target whose memory layout matches: argument and
+    output sizes exactly, temporaries as XLA's CPU backend schedules them.
 
     **Arguments:**
 
@@ -143,9 +138,9 @@ def plan(
     - `budget`: bytes per device, an int or a string such as `"80GB"`.
     - `optimizer`: an `optax.GradientTransformation`, a function returning one,
       or a reference to either; `None` gives `opt_state=None`.
-    - `devices`: `N`; with `meshes` it may be left out.
+    - `devices`: `N` (may be left out with `meshes`).
     - `meshes`: the `(data, fsdp, model)` shapes to try; default every
-      factorisation of `N` with the model axis from `model_axis`.
+      factorisation of `N` with a model axis from `model_axis`.
     - `model_axis`: model-axis sizes tried by default (more than 1 needs `axes`).
     - `remat`: the `remat=` settings to try on every scan.
     - `axes`, `rules`: logical axis names and rules, as for `logical_shardings`
@@ -170,9 +165,14 @@ def plan(
     start = time.perf_counter()
     kwargs = dict(model_kwargs or {})
     job = (make_model, step, optimizer, batch, axes, rules, kwargs, min_size)
-    compiled, simulated = _compile(
-        devices, shapes, remat, acc, job, simulate, progress or _quiet
-    )
+    progress = progress or (lambda i, n, what: None)
+    if len(jax.devices()) >= devices and simulate == "auto":
+        here = jax.devices()[:devices]
+        compiled = compile_all(make_job(*job), shapes, remat, here, acc, progress)
+        simulated = f"this process's {here[0].platform} devices"
+    else:  # the arguments travel as JSON
+        compiled = compile_in_child(encode(devices, shapes, remat, acc, job), progress)
+        simulated = "simulated CPU devices in a fresh process"
     fitting = [c for c in compiled if c.error is None and c.device_bytes <= limit]
     return MeshPlan(
         devices=devices,
@@ -184,22 +184,3 @@ def plan(
         simulated=simulated,
         seconds=time.perf_counter() - start,
     )
-
-
-def _compile(
-    devices: int,
-    shapes: list[MeshShape],
-    remat: Sequence[Remat],
-    acc: Accelerator,
-    job: tuple,  # the arguments of `make_job`
-    simulate: str,
-    progress: Progress,
-) -> tuple[list[MeshCandidate], str]:
-    """Every candidate compiled, here or in a fresh process; and which devices
-    compiled them, in words."""
-    if len(jax.devices()) >= devices and simulate == "auto":
-        here = jax.devices()[:devices]
-        found = compile_all(make_job(*job), shapes, remat, here, acc, progress)
-        return found, f"this process's {here[0].platform} devices"
-    found = compile_in_child(encode(devices, shapes, remat, acc, *job), progress)
-    return found, "simulated CPU devices in a fresh process"

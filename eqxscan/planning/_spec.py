@@ -73,11 +73,10 @@ def reference(obj: object, what: str) -> str:
     name = getattr(obj, "__qualname__", None)
     ref = f"{module}:{name}"
     ok = module not in (None, "__main__") and bool(name) and "<" not in str(name)
-    if ok:
-        try:
-            ok = resolve(ref, what) is obj
-        except ValueError:
-            ok = False
+    try:
+        ok = ok and resolve(ref, what) is obj
+    except ValueError:
+        ok = False
     if not ok:
         raise ValueError(
             f"plan: {what} {obj!r} must be importable by reference, since this "
@@ -130,9 +129,6 @@ def make_job(
     )
 
 
-# ------------------------------------------------------------- into JSON
-
-
 def _encode_batch(batch: PyTree[jax.ShapeDtypeStruct]) -> Json:
     if isinstance(batch, jax.ShapeDtypeStruct):
         return {"shape": list(batch.shape), "dtype": jnp.dtype(batch.dtype).name}
@@ -178,17 +174,11 @@ def encode(
     shapes: Sequence[MeshShape],
     remat: Sequence[Remat],
     accelerator: Accelerator,
-    make_model: Callable[..., PyTree] | str,
-    step: Callable[..., Sequence[PyTree]] | str,
-    optimizer: Optimizer,
-    batch: PyTree[jax.ShapeDtypeStruct],
-    axes: Mapping[str, Names] | None,
-    rules: Mapping[str, str | None] | None,
-    model_kwargs: Mapping[str, object],
-    min_size: int,
+    job: tuple,
 ) -> Spec:
-    """`plan`'s work as JSON (the arguments of `make_job` after the first four);
-    raises if a part of it cannot be passed."""
+    """`plan`'s work as JSON (`job`: the arguments of `make_job`); raises if a
+    part of it cannot be passed."""
+    make_model, step, optimizer, batch, axes, rules, model_kwargs, min_size = job
     return Spec(
         devices=devices,
         meshes=[list(m) for m in shapes],
@@ -205,9 +195,6 @@ def encode(
     )
 
 
-# ------------------------------------------------------------- out of JSON
-
-
 def _decode_batch(d: Json) -> PyTree[jax.ShapeDtypeStruct]:
     if "shape" in d:
         return jax.ShapeDtypeStruct(tuple(d["shape"]), jnp.dtype(d["dtype"]))
@@ -220,9 +207,7 @@ def _decode_remat(c: Json) -> Remat:
     return getattr(jax.checkpoint_policies, c["policy"]) if isinstance(c, dict) else c
 
 
-def decode(
-    spec: Spec,
-) -> tuple[Job, list[MeshShape], list[Remat], Accelerator]:
+def decode(spec: Spec) -> tuple[Job, list[MeshShape], list[Remat], Accelerator]:
     """The job, meshes, remat settings and accelerator figures of `spec`."""
     axes = spec["axes"]
     job = make_job(
