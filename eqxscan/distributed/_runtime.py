@@ -1,15 +1,11 @@
 """Several processes, one program: joining JAX's multi-controller runtime,
 watching the other processes, checking they run the same job, and each one's
-rows of a global batch.
-
-JAX does the communication: `jax.distributed.initialize` connects the processes
-and `jit` over a mesh spanning every process's devices runs the collectives (gloo
-on CPU, NCCL on GPU, ICI/DCN on TPU); `eqxscan.sharding` places arrays on such a
-mesh.
-"""
+rows of a global batch. JAX does the communication (`jax.distributed.initialize`
+connects the processes, `jit` over a mesh spanning them runs the collectives)."""
 
 import atexit
 import hashlib
+import itertools
 import math
 import os
 import sys
@@ -28,6 +24,7 @@ from .._internal import distributed_client, is_arraylike
 
 
 DOCS = "see docs/multihost.md"
+_ALIVE = "eqxscan/alive/{}"  # the key of process i's heartbeat
 
 
 def _exit_with(message: str) -> None:
@@ -53,39 +50,34 @@ def _check_seconds(name: str, value: object) -> float:
 
 
 class _PeerWatch:
-    """Every process of the job shows it is alive by a counter it bumps in JAX's
-    key-value store; a process whose counter stands still for `timeout` seconds
-    (or, for the coordinator, whose store cannot be reached) is taken as dead,
-    and this process reports it and exits. JAX's own heartbeat would end the
-    process with an abort and a message naming no process."""
+    """Every process bumps a counter in JAX's key-value store; one whose counter
+    stands still for `timeout` seconds (the coordinator: whose store cannot be
+    reached) is dead, and this process names it and exits, where JAX's own
+    heartbeat would abort naming no process."""
 
-    def __init__(self, client: Any, me: int, count: int, timeout: float, where: str):
-        self.client, self.me, self.count = client, me, count
-        self.timeout, self.where = timeout, where
+    def __init__(self, client: Any, timeout: float):
+        self.client, self.timeout = client, timeout
+        self.me, count = jax.process_index(), jax.process_count()
+        self.where = f"process {self.me} of {count}"
         self.interval = min(1.0, timeout / 4)
         now = time.monotonic()
-        self.seen = {i: ("", now) for i in range(count) if i != me}
+        self.seen = {i: ("", now) for i in range(count) if i != self.me}
         self.reached = now  # when the store last answered
         self.exiting = False
         for target in (self._beat, self._judge):
             threading.Thread(target=target, daemon=True, name="eqxscan-peers").start()
         atexit.register(self._leave)
 
-    def _key(self, i: int) -> str:
-        return f"eqxscan/alive/{i}"
-
     def _beat(self) -> None:
-        beat = 0
-        while True:
-            beat += 1
+        for beat in itertools.count(1):
             try:
-                self.client.key_value_set(self._key(self.me), str(beat), True)
+                self.client.key_value_set(_ALIVE.format(self.me), str(beat), True)
                 self.reached = time.monotonic()
             except Exception:
                 pass  # the store cannot be reached: `_judge` decides
             for i in self.seen:
                 try:
-                    value = self.client.key_value_try_get(self._key(i))
+                    value = self.client.key_value_try_get(_ALIVE.format(i))
                 except Exception:
                     continue  # not written yet, or the store is gone
                 if value != self.seen[i][0]:
@@ -117,7 +109,7 @@ class _PeerWatch:
         # a process that ends is not taken for a dead one by the others.
         self.exiting = True
         try:
-            self.client.key_value_set(self._key(self.me), "left", True)
+            self.client.key_value_set(_ALIVE.format(self.me), "left", True)
         except Exception:
             if self.me != 0:  # the store, on process 0, is gone already
                 self._lost(0, time.monotonic() - self.reached)
@@ -136,35 +128,29 @@ def initialize(
     failing with a clear message if the job does not form within `timeout` seconds.
 
     Call it once per process, before any other JAX call. With no arguments, JAX
-    detects the cluster: SLURM (`srun`), Open MPI (`mpirun`), MPI via `mpi4py`,
-    Kubernetes (an indexed Job or JobSet; needs `jax[k8s]`) and Cloud TPU VMs and
-    pods (GCE and GKE). Otherwise give all three arguments; the process with
-    `process_id=0` also runs the coordinator, which listens on the port of
-    `coordinator_address`. CPU collectives use gloo.
+    detects the cluster: SLURM, Open MPI, MPI via `mpi4py`, Kubernetes (an
+    indexed Job or JobSet; needs `jax[k8s]`), Cloud TPU VMs and pods. Otherwise
+    give all three arguments; process 0 also runs the coordinator, listening on
+    the port of `coordinator_address`. CPU collectives use gloo.
 
     If not all `num_processes` processes join within `timeout` seconds (one was
-    not started, or cannot reach the coordinator), JAX's runtime ends the process
-    with an abort; this function reports instead, on standard error, which process
-    waited for what and for how long, and exits with status 1.
-
-    Once the job has formed, each process watches the others: when one shows no
-    sign of life for `heartbeat_timeout` seconds (it crashed, was killed, or its
-    machine went away), every other process reports, on standard error, which
-    process it lost, and exits with status 1, rather than waiting in a
-    collective that cannot complete. (Process 0 runs JAX's coordination service:
-    when it ends, JAX's runtime ends the others at once, with its own message.)
+    not started, or cannot reach the coordinator), this function reports on
+    standard error which process waited for what and how long, and exits with
+    status 1, where JAX's runtime would abort. Once the job has formed, when a
+    process shows no sign of life for `heartbeat_timeout` seconds (it crashed,
+    was killed, or its machine went away), every other one reports on standard
+    error which process it lost and exits with status 1, rather than waiting in
+    a collective that cannot complete. (Process 0 runs JAX's coordination
+    service: when it ends, JAX's runtime ends the others at once.)
 
     **Arguments:**
 
-    - `coordinator_address`: `"host:port"` of process 0, reachable from every
-      process.
+    - `coordinator_address`: `"host:port"` of process 0, reachable from all.
     - `num_processes`: the number of processes in the job.
     - `process_id`: this process's index, `0 <= process_id < num_processes`.
     - `timeout`: seconds to wait for every process to join.
-    - `heartbeat_timeout`: seconds of silence after which a process is taken as
-      dead.
-    - `shutdown_timeout`: seconds a process that ends waits at exit for the
-      others to end too.
+    - `heartbeat_timeout`: seconds of silence after which a process is dead.
+    - `shutdown_timeout`: seconds a process waits at exit for the others.
     """
     where = _check_job(coordinator_address, num_processes, process_id)
     timeout = _check_seconds("timeout", timeout)
@@ -172,20 +158,24 @@ def initialize(
     shutdown_timeout = _check_seconds("shutdown_timeout", shutdown_timeout)
     # The default in recent JAX; older versions have no CPU collectives without it.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    _join(
-        where,
-        (coordinator_address, num_processes, process_id),
-        timeout,
-        heartbeat_timeout,
-        shutdown_timeout,
-    )
-    _agree(
-        "process count",
-        num_processes if num_processes is not None else jax.process_count(),
-        f"num_processes={num_processes}" if num_processes is not None else "",
-    )
-    if jax.process_count() > 1:
-        _watch_peers(heartbeat_timeout)
+    args = (coordinator_address, num_processes, process_id)
+    _join(where, args, timeout, heartbeat_timeout, shutdown_timeout)
+    shown = "" if num_processes is None else f"num_processes={num_processes}"
+    _agree("process count", num_processes or jax.process_count(), shown)
+    if jax.process_count() == 1:
+        return
+    client = distributed_client()
+    if client is None:
+        warnings.warn(
+            f"eqxscan.distributed.initialize: JAX {jax.__version__} has no "
+            "key-value store client where eqxscan looks for it, so a process "
+            "that stops is not reported by name; JAX's own heartbeat ends the "
+            f"others later.\nHint: use a JAX version eqxscan supports; {DOCS}.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    else:
+        _PeerWatch(client, heartbeat_timeout)
 
 
 def _check_job(
@@ -219,17 +209,14 @@ def _join(
     """`jax.distributed.initialize(*args)`, reported by a watchdog if the job has
     not formed within `timeout` seconds."""
     start = time.monotonic()
-    watchdog = threading.Timer(
-        timeout,
-        _exit_with,
-        (
-            f"eqxscan.distributed.initialize: {where} waited {timeout:g} s for all "
-            "processes to join the job, and not all did.\n"
-            "Hint: start every process with the same coordinator address and "
-            "process count, check process 0 is running and its port is reachable, "
-            f"or raise timeout; {DOCS}.",
-        ),
+    message = (
+        f"eqxscan.distributed.initialize: {where} waited {timeout:g} s for all "
+        "processes to join the job, and not all did.\n"
+        "Hint: start every process with the same coordinator address and "
+        "process count, check process 0 is running and its port is reachable, "
+        f"or raise timeout; {DOCS}."
     )
+    watchdog = threading.Timer(timeout, _exit_with, (message,))
     watchdog.daemon = True
     watchdog.start()
     try:
@@ -250,22 +237,6 @@ def _join(
         ) from e
     finally:
         watchdog.cancel()
-
-
-def _watch_peers(heartbeat_timeout: float) -> None:
-    client = distributed_client()
-    if client is None:
-        warnings.warn(
-            f"eqxscan.distributed.initialize: JAX {jax.__version__} has no "
-            "key-value store client where eqxscan looks for it, so a process "
-            "that stops is not reported by name; JAX's own heartbeat ends the "
-            f"others later.\nHint: use a JAX version eqxscan supports; {DOCS}.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return
-    me, count = jax.process_index(), jax.process_count()
-    _PeerWatch(client, me, count, heartbeat_timeout, f"process {me} of {count}")
 
 
 def _fingerprint(text: str) -> int:
@@ -295,10 +266,9 @@ def _agree(what: str, value: int, shown: str = "") -> None:
 
 def check_same_job(*trees: Any, mesh: Mesh | None = None) -> None:
     """Check that every process of a multi-process job holds the same model
-    structure (the tree structure, shapes and dtypes of `trees`, not their values)
-    and the same `mesh`, before training starts: a mismatch would otherwise
-    surface as a hang or a wrong result in the first collective. On one process
-    this does nothing.
+    structure (tree structure, shapes and dtypes of `trees`, not values) and the
+    same `mesh`: a mismatch would otherwise surface as a hang or a wrong result
+    in the first collective. On one process this does nothing.
 
     **Arguments:**
 
@@ -327,11 +297,9 @@ def local_rows(
     batch_axes: str | Sequence[str] = ("data", "fsdp"),
 ) -> slice:
     """The rows of a global batch of `rows` examples that this process feeds to
-    [`eqxscan.sharding.shard`][] (`batch=`), for a batch split over `batch_axes`.
-
-    Each process usually reads its own part of the data set and never sees the
-    global batch; this is for when every process can produce the global batch
-    (e.g. from a seed), so that a run gives the same result on any topology.
+    [`eqxscan.sharding.shard`][] (`batch=`), for a batch split over `batch_axes`:
+    for when every process can produce the global batch (e.g. from a seed), so
+    that a run gives the same result on any topology.
 
     **Arguments:**
 
