@@ -1,12 +1,6 @@
-"""`layerwise`: any optax transformation run on each layer of a stack on its own.
-
-An optax transformation that reasons per array (Muon's `ndim == 2` rule, LAMB and
-LARS trust ratios, `clip_by_block_rms`, Adafactor's factored moments, masks that
-read `ndim`) sees one `[L, ...]` array where the unstacked model had `L` arrays.
-`layerwise` gives it back the layers: it runs the transformation under
-`jax.vmap` over each stack's layer axis, and once more, unbatched, on the arrays
-outside every stack.
-"""
+"""`layerwise`: any optax transformation run on each layer of a stack on its own,
+under `jax.vmap` over each stack's layer axis, and once more, unbatched, on the
+arrays outside every stack."""
 
 from typing import NamedTuple
 
@@ -26,12 +20,10 @@ class LayerwiseState(NamedTuple):
       `Stacked`.
     - `stacks`: one state per outermost `Stacked` of the parameters, in
       `jax.tree_util` order: the inner transformation's state (a
-      `LayerwiseState` again where the layers hold stacks), each array with the
-      stack's layer axis in front (the state of layer `i` is row `i`).
-      Per-parameter buffers (Adam's `mu`, `nu`, ...) are laid out like the
-      whole parameter tree, `None` outside their stack, so they match the
-      parameters as optax's own states do (e.g. for
-      [`eqxscan.sharding.opt_state_shardings`][]).
+      `LayerwiseState` again where the layers hold stacks), layer `i`'s in row
+      `i`. Per-parameter buffers (Adam's `mu`, `nu`, ...) are laid out like the
+      whole parameter tree, `None` outside their stack, as optax's own states
+      are (e.g. for [`eqxscan.sharding.opt_state_shardings`][]).
     """
 
     rest: PyTree
@@ -199,25 +191,23 @@ def layerwise(
     """Run `tx` on each layer of every [`eqxscan.Stacked`][] on its own, as on the
     unstacked model.
 
-    Stacking turns `L` arrays of shape `[D, 4D]` into one `[L, D, 4D]` array, and
-    optax transformations that look at a whole array then mean something else:
-    `optax.contrib.muon` sends every array with `ndim != 2` to Adam, LAMB and
-    LARS take one trust ratio for all layers, `clip_by_block_rms` clips the stack
-    as one block, Adafactor factors the wrong axes, and masks that read `ndim`
-    select the stacked biases. `layerwise(tx)` runs `tx` under `jax.vmap` over
-    each stack's layer axis (nested stacks, e.g. a repeated pattern of a
-    [`eqxscan.Chain`][], once per axis) and once, as usual, on the arrays outside
-    every stack; training a stacked model with `layerwise(tx)` then equals
-    training the same layers kept in a list with `tx`.
+    On a stacked `[L, D, 4D]` array, transformations that look at a whole array
+    mean something else: `optax.contrib.muon` sends every array with `ndim != 2`
+    to Adam, LAMB and LARS take one trust ratio for all layers,
+    `clip_by_block_rms` clips the stack as one block, Adafactor factors the
+    wrong axes, masks that read `ndim` select the stacked biases. `layerwise(tx)`
+    runs `tx` under `jax.vmap` over each stack's layer axis (nested stacks, e.g.
+    an [`eqxscan.Chain`][]'s repeated pattern, once per axis) and once on the
+    arrays outside every stack: it then trains as `tx` on the layers in a list.
 
-    What `tx` sees is one layer at a time, so a reduction inside it is per layer
-    too: `layerwise(optax.chain(optax.clip_by_global_norm(1.0), ...))` clips
-    each layer to norm 1. Keep global reductions outside:
+    A reduction inside `tx` is per layer too
+    (`layerwise(optax.chain(optax.clip_by_global_norm(1.0), ...))` clips each
+    layer to norm 1); keep global ones outside:
     `optax.chain(optax.clip_by_global_norm(1.0), layerwise(optax.adamw(1e-3)))`.
     Masks given as functions (`optax.masked(..., weight_decay_mask)`, `adamw`'s
-    `mask=`) are called with one layer's parameters inside, with the whole
-    tree outside; [`eqxscan.optim.freeze_layers`][] goes outside
-    (`freeze_layers(layerwise(tx), ...)`), since it selects layers of a stack.
+    `mask=`) get one layer's parameters inside, the whole tree outside;
+    [`eqxscan.optim.freeze_layers`][] selects layers of a stack, so it goes
+    outside: `freeze_layers(layerwise(tx), ...)`.
 
     !!! example
 
