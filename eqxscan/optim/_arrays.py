@@ -1,4 +1,4 @@
-"""`eqx.is_array` as a type guard, and the layer numbers of a stacked array."""
+"""Type guards for arrays and stacks, and the layer numbers of a stacked array."""
 
 from typing import TypeGuard
 
@@ -6,7 +6,11 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from .._internal import LayerNumbering, Site
+from .._internal import LayerNumbering, Site, Stacked
+
+
+def is_stacked(x: object) -> bool:
+    return isinstance(x, Stacked)
 
 
 def is_array(x: object) -> TypeGuard[jax.Array | np.ndarray]:

@@ -12,11 +12,7 @@ import optax
 from jaxtyping import PyTree
 
 from .._internal import check_index, Site, Stacked, walk
-from ._arrays import is_array
-
-
-def _is_stacked(x: object) -> bool:
-    return isinstance(x, Stacked)
+from ._arrays import is_array, is_stacked
 
 
 def weight_decay_mask(params: PyTree, *, min_ndim: int = 2) -> PyTree[bool]:
@@ -27,19 +23,6 @@ def weight_decay_mask(params: PyTree, *, min_ndim: int = 2) -> PyTree[bool]:
     This mask counts each enclosing layer axis away (nested `Stacked`s, e.g. an
     [`eqxscan.Chain`][]'s repeated patterns, once each): a stacked model is
     decayed exactly like the same layers kept in a list.
-
-    !!! example
-
-        ```python
-        import equinox as eqx, jax, optax, eqxscan
-
-        stack = eqxscan.Stacked(
-            lambda k: eqx.nn.Linear(8, 8, key=k), 4, key=jax.random.key(0)
-        )
-        mask = eqxscan.optim.weight_decay_mask(stack)
-        assert mask.layers.weight and not mask.layers.bias
-        optimiser = optax.adamw(1e-3, mask=eqxscan.optim.weight_decay_mask)
-        ```
 
     **Arguments:**
 
@@ -94,7 +77,7 @@ def _zero_layers(stack: Stacked, layers: LayerSelection, zero: float) -> Stacked
 
 
 def _stacks(tree: PyTree) -> list[Stacked]:
-    return [n for n in jtu.tree_leaves(tree, is_leaf=_is_stacked) if _is_stacked(n)]
+    return [n for n in jtu.tree_leaves(tree, is_leaf=is_stacked) if is_stacked(n)]
 
 
 def _select(tree: PyTree) -> Stacked:
@@ -124,26 +107,6 @@ def freeze_layers(
     the trained layers) and their updates after it (weight decay cannot reach
     them): frozen layers stay bit-identical, the others train as on their own.
 
-    !!! example
-
-        ```python
-        import equinox as eqx, jax, jax.numpy as jnp, optax, eqxscan
-
-        stack = eqxscan.Stacked(
-            lambda k: eqx.nn.Linear(8, 8, key=k), 4, key=jax.random.key(0)
-        )
-        # Layers 0 and 1 frozen; weight decay cannot reach them either.
-        sgdw = optax.chain(optax.add_decayed_weights(0.1), optax.sgd(1e-2))
-        optimiser = eqxscan.optim.freeze_layers(sgdw, range(0, 2))
-        params = eqx.filter(stack, eqx.is_inexact_array)
-        state = optimiser.init(params)
-        grads = eqx.filter_grad(lambda m: jnp.sum(m(jnp.ones(8)) ** 2))(stack)
-        updates, state = optimiser.update(grads, state, params)
-        new = eqx.apply_updates(stack, updates)
-        assert (new.layers.weight[:2] == stack.layers.weight[:2]).all()
-        assert not (new.layers.weight[2:] == stack.layers.weight[2:]).all()
-        ```
-
     **Arguments:**
 
     - `inner`: the optimiser, e.g. `optax.adamw(1e-3)`.
@@ -163,7 +126,7 @@ def freeze_layers(
         select = _select if where is None else where
         picked = select(tree)
         for stack in picked if isinstance(picked, (tuple, list)) else (picked,):
-            if not _is_stacked(stack):
+            if not is_stacked(stack):
                 raise TypeError(
                     f"freeze_layers: `where` returned a {type(stack).__name__}, "
                     "not an eqxscan.Stacked (or a tuple of them)."

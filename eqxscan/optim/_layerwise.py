@@ -2,6 +2,7 @@
 under `jax.vmap` over each stack's layer axis, and once more, unbatched, on the
 arrays outside every stack."""
 
+import functools
 from typing import NamedTuple
 
 import equinox as eqx
@@ -11,27 +12,22 @@ import optax
 from jaxtyping import PyTree
 
 from .._internal import Stacked
+from ._arrays import is_stacked
 
 
 class LayerwiseState(NamedTuple):
     """The state of [`eqxscan.optim.layerwise`][].
 
-    - `rest`: the inner transformation's state for the arrays outside every
-      `Stacked`.
-    - `stacks`: one state per outermost `Stacked` of the parameters, in
-      `jax.tree_util` order: the inner transformation's state (a
-      `LayerwiseState` again where the layers hold stacks), layer `i`'s in row
-      `i`. Per-parameter buffers (Adam's `mu`, `nu`, ...) are laid out like the
-      whole parameter tree, `None` outside their stack, as optax's own states
+    - `rest`: the inner state for the arrays outside every `Stacked`.
+    - `stacks`: one inner state per outermost `Stacked`, in `jax.tree_util`
+      order (a `LayerwiseState` again where the layers hold stacks), layer `i`'s
+      in row `i`. Per-parameter buffers (Adam's `mu`, `nu`, ...) are laid out
+      like the whole parameter tree, `None` outside their stack, as optax's own
       are (e.g. for [`eqxscan.sharding.opt_state_shardings`][]).
     """
 
     rest: PyTree
     stacks: tuple[PyTree, ...]
-
-
-def _is_stacked(x: object) -> bool:
-    return isinstance(x, Stacked)
 
 
 def _is_placeholder(x: object) -> bool:
@@ -42,30 +38,27 @@ def _is_placeholder(x: object) -> bool:
 
 def _stacks(tree: PyTree) -> list[tuple[str, Stacked]]:
     """The outermost `Stacked`s of `tree` with their key paths, in leaf order."""
-    found = jtu.tree_flatten_with_path(tree, is_leaf=_is_stacked)[0]
-    return [(jtu.keystr(path), node) for path, node in found if _is_stacked(node)]
+    found = jtu.tree_flatten_with_path(tree, is_leaf=is_stacked)[0]
+    return [(jtu.keystr(path), node) for path, node in found if is_stacked(node)]
 
 
 def _outside(tree: PyTree) -> PyTree:
     """`tree` with every array inside a `Stacked` replaced by `None`."""
 
     def clear(node: object) -> object:
-        return jtu.tree_map(lambda _: None, node) if _is_stacked(node) else node
+        return jtu.tree_map(lambda _: None, node) if is_stacked(node) else node
 
-    return jtu.tree_map(clear, tree, is_leaf=_is_stacked)
+    return jtu.tree_map(clear, tree, is_leaf=is_stacked)
 
 
 def _with_layers(tree: PyTree, new: dict[int, PyTree]) -> PyTree:
     """`tree` with the layers of its `j`-th outermost `Stacked` set to `new[j]`."""
-    nodes, treedef = jtu.tree_flatten(tree, is_leaf=_is_stacked)
-    j = 0
-    for i, node in enumerate(nodes):
-        if _is_stacked(node):
-            if j in new:
-                nodes[i] = eqx.tree_at(
-                    lambda s: s.layers, node, new[j], is_leaf=_is_placeholder
-                )
-            j += 1
+    nodes, treedef = jtu.tree_flatten(tree, is_leaf=is_stacked)
+    at = [i for i, node in enumerate(nodes) if is_stacked(node)]
+    for j, layers in new.items():
+        nodes[at[j]] = eqx.tree_at(
+            lambda s: s.layers, nodes[at[j]], layers, is_leaf=_is_placeholder
+        )
     return jtu.tree_unflatten(treedef, nodes)
 
 
@@ -93,9 +86,9 @@ def _check_layers(where: str, stack: Stacked) -> None:
 
 
 def _embed(state: PyTree, tree: PyTree, j: int, layers: PyTree) -> PyTree:
-    """`state` (of stack `j`'s layers) with each per-parameter buffer, a subtree
-    of the type and structure of `layers`, put in place of that stack's layers in
-    an otherwise empty copy of `tree`: the layout of optax's own buffers."""
+    """`state` (of stack `j`'s layers) with each per-parameter buffer (a subtree
+    like `layers`) put in place of those layers in an empty copy of `tree`: the
+    layout of optax's own buffers."""
     target = jtu.tree_structure(layers, is_leaf=_is_placeholder)
     if jtu.treedef_is_leaf(target):  # a bare array cannot be told from a count
         return state
@@ -134,8 +127,8 @@ def _update(
     tx: optax.GradientTransformationExtraArgs,
     updates: PyTree,
     state: object,
-    params: PyTree | None,
-    extra_args: dict[str, object],
+    params: PyTree | None = None,
+    **extra_args: object,
 ) -> tuple[PyTree, LayerwiseState]:
     stacks = _stacks(updates)
     param_stacks = [None] * len(stacks) if params is None else _stacks(params)
@@ -175,7 +168,7 @@ def _update(
 
         def one(u: PyTree, s: PyTree, p: PyTree) -> tuple[PyTree, PyTree]:
             if _stacks(u):
-                return _update(tx, u, s, p, extra_args)
+                return _update(tx, u, s, p, **extra_args)
             return tx.update(u, s, p, **extra_args)
 
         layer_state = jtu.tree_unflatten(treedef, leaves)
@@ -200,9 +193,8 @@ def layerwise(
     an [`eqxscan.Chain`][]'s repeated pattern, once per axis) and once on the
     arrays outside every stack: it then trains as `tx` on the layers in a list.
 
-    A reduction inside `tx` is per layer too
-    (`layerwise(optax.chain(optax.clip_by_global_norm(1.0), ...))` clips each
-    layer to norm 1); keep global ones outside:
+    A reduction inside `tx` is per layer (a global-norm clip inside clips each
+    layer); keep global ones outside:
     `optax.chain(optax.clip_by_global_norm(1.0), layerwise(optax.adamw(1e-3)))`.
     Masks given as functions (`optax.masked(..., weight_decay_mask)`, `adamw`'s
     `mask=`) get one layer's parameters inside, the whole tree outside;
@@ -244,16 +236,6 @@ def layerwise(
             "function that builds one."
         )
     inner = optax.with_extra_args_support(tx)
-
-    def init(params: PyTree) -> LayerwiseState:
-        return _init(inner, params)
-
-    def update(
-        updates: PyTree,
-        state: object,
-        params: PyTree | None = None,
-        **extra_args: object,
-    ) -> tuple[PyTree, LayerwiseState]:
-        return _update(inner, updates, state, params, extra_args)
-
-    return optax.GradientTransformationExtraArgs(init, update)
+    return optax.GradientTransformationExtraArgs(
+        functools.partial(_init, inner), functools.partial(_update, inner)
+    )

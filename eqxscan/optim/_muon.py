@@ -22,29 +22,11 @@ def muon_dimension_numbers(params: PyTree) -> PyTree:
     with [`eqxscan.Stacked`][] layers: Muon for exactly the arrays optax's
     default would give Muon if the layers were kept in a list.
 
-    An array with two axes per layer (the layer axes of every enclosing
-    `Stacked` counted away: nested stacks and an [`eqxscan.Chain`][]'s repeated
-    patterns once each) is a Muon matrix, its layer axes batch axes: each
-    layer's matrix is orthogonalised on its own, all layers at once. Per layer,
-    the first matrix axis is the reduction axis and the second the output axis,
-    as optax's default reads an unstacked matrix. Every other array gets
+    An array with two axes per layer (after one axis per enclosing `Stacked`,
+    an [`eqxscan.Chain`][]'s repeated patterns included) is a Muon matrix, its
+    layer axes batch axes; per layer, axis 0 is the reduction axis and axis 1
+    the output axis, as optax reads an unstacked matrix. Every other array gets
     `None`: optax's AdamW branch.
-
-    !!! example
-
-        ```python
-        import equinox as eqx, jax, optax, eqxscan
-
-        stack = eqxscan.Stacked(
-            lambda k: eqx.nn.Linear(8, 16, key=k), 4, key=jax.random.key(0)
-        )
-        dims = eqxscan.optim.muon_dimension_numbers(stack)
-        assert dims.layers.weight == optax.contrib.MuonDimensionNumbers(1, 2)
-        assert dims.layers.bias is None
-        optimiser = optax.contrib.muon(
-            1e-3, muon_weight_dimension_numbers=eqxscan.optim.muon_dimension_numbers
-        )
-        ```
 
     **Arguments:**
 
@@ -53,9 +35,9 @@ def muon_dimension_numbers(params: PyTree) -> PyTree:
 
     **Returns:**
 
-    A pytree like `params` with an `optax.contrib.MuonDimensionNumbers` for each
-    Muon array and `None` everywhere else. Pass the function itself as
-    `muon_weight_dimension_numbers` (optax calls it with the parameters).
+    A pytree like `params`, an `optax.contrib.MuonDimensionNumbers` for each
+    Muon array and `None` elsewhere. Pass the function itself as
+    `muon_weight_dimension_numbers`.
     """
 
     def dims(leaf: object, site: Site) -> MuonDimensionNumbers | None:
@@ -77,20 +59,6 @@ def muon(
     The same as `optax.contrib.muon(learning_rate, ...,
     muon_weight_dimension_numbers=eqxscan.optim.muon_dimension_numbers)` (see
     there for which arrays get Muon; the others get optax's elementwise AdamW).
-
-    !!! example
-
-        ```python
-        import equinox as eqx, jax, jax.numpy as jnp, eqxscan
-
-        model = eqxscan.StackedMLP(8, 4, key=jax.random.key(0))
-        optimiser = eqxscan.optim.muon(1e-2)
-        params = eqx.filter(model, eqx.is_inexact_array)
-        state = optimiser.init(params)
-        grads = eqx.filter_grad(lambda m: jnp.sum(m(jnp.ones(8)) ** 2))(model)
-        updates, state = optimiser.update(grads, state, params)
-        model = eqx.apply_updates(model, updates)
-        ```
 
     **Arguments:**
 
@@ -128,8 +96,7 @@ def muon(
     )
 
     # optax's bias correction raises a float to the int32 step count, which
-    # `jax_numpy_dtype_promotion="strict"` rejects; optax is written for the
-    # standard rules, so it runs under them.
+    # `jax_numpy_dtype_promotion="strict"` rejects: optax runs under the standard.
     def standard(fn: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
             with jax.numpy_dtype_promotion("standard"):

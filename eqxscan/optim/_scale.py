@@ -50,19 +50,6 @@ def layerwise_scale(
     encoder's and a decoder's) each count from 0; give each its own
     `layerwise_scale` with `optax.partition` to scale them differently.
 
-    !!! example
-
-        ```python
-        import optax, eqxscan
-
-        num_layers, decay = 12, 0.8
-        # The top layer trains at the full rate, each one below at 0.8 times it.
-        optimiser = optax.chain(
-            optax.adamw(1e-4),
-            eqxscan.optim.layerwise_scale(lambda i: decay ** (num_layers - 1 - i)),
-        )
-        ```
-
     **Arguments:**
 
     - `fn`: called with each layer's index (an `int`) when the update is

@@ -10,12 +10,9 @@ from ._arrays import is_array, layer_numbers
 
 
 def _per_layer_norms(leaf: Array | np.ndarray, depth: int, ord: int | float) -> Array:
-    """The `ord`-norm of each layer's slice of `leaf` (its first `depth` axes are
-    layer axes), in at least float32."""
-    if jnp.issubdtype(leaf.dtype, jnp.inexact):
-        dtype = jnp.promote_types(leaf.dtype, jnp.float32)
-    else:
-        dtype = jnp.float32
+    """The `ord`-norm of each layer's slice of `leaf`, in at least float32."""
+    inexact = jnp.issubdtype(leaf.dtype, jnp.inexact)
+    dtype = jnp.promote_types(leaf.dtype, jnp.float32) if inexact else jnp.float32
     flat = leaf.astype(dtype).reshape(leaf.shape[:depth] + (-1,))
     if flat.shape[-1] == 0:  # no entries per layer: norm 0, as for an empty vector
         return jnp.zeros(flat.shape[:-1], jnp.real(flat).dtype)
@@ -39,17 +36,6 @@ def layer_norms(tree: PyTree, ord: int | float = 2) -> dict[str, Float[Array, ".
     no bias). A `Stacked` nested inside a layer adds one `*` and one axis
     (`"blocks.*.heads.*.weight"`, `[L, H]`). Arrays outside any `Stacked` or
     `Chain` keep their plain name, with a scalar norm.
-
-    !!! example
-
-        ```python
-        import equinox as eqx, jax, jax.numpy as jnp, eqxscan
-
-        model = eqxscan.StackedMLP(8, 4, key=jax.random.key(0))
-        grads = eqx.filter_grad(lambda m: jnp.sum(m(jnp.ones(8)) ** 2))(model)
-        norms = jax.jit(eqxscan.optim.layer_norms)(grads)
-        assert norms["blocks.*.w1"].shape == (4,)
-        ```
 
     **Arguments:**
 
@@ -84,15 +70,14 @@ def layer_norms(tree: PyTree, ord: int | float = 2) -> dict[str, Float[Array, ".
 
 
 def _assemble(parts: list[tuple[Array, list[np.ndarray], tuple[int, ...]]]) -> Array:
-    """One array of norms for one name, from the arrays that carry it (several
-    for the groups of a `Chain`), indexed by layer number; `nan` where no array
-    has that layer."""
+    """One name's norms by layer number, from the arrays that carry it (several
+    for a `Chain`'s groups); `nan` where none has that layer."""
     shape = tuple(max(s) for s in zip(*(sizes for _, _, sizes in parts)))
     norms, numbers, _ = parts[0]
     flat = np.ravel_multi_index(numbers, shape) if shape else np.zeros((), int)
-    if len(parts) == 1 and np.array_equal(flat.ravel(), np.arange(flat.size)):
-        if flat.size == int(np.prod(shape)):  # the usual Stacked: already in order
-            return norms.reshape(shape)
+    in_order = np.array_equal(flat.ravel(), np.arange(int(np.prod(shape))))
+    if len(parts) == 1 and in_order:  # the usual Stacked
+        return norms.reshape(shape)
     dtype = jnp.result_type(*(n.dtype for n, _, _ in parts))
     out = jnp.full(shape, jnp.nan, dtype)
     for norms, numbers, _ in parts:
