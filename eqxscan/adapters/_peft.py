@@ -25,7 +25,6 @@ from ..checkpoint import NameMap, read_safetensors, save_safetensors
 from ._lora import is_lora, LoRA
 from ._peft_targets import (
     adapter_index,
-    expected_orientation,
     host_factors,
     loras_of,
     peft_layers,
@@ -157,12 +156,11 @@ def _few(items: Sequence[str], n: int = 6) -> str:
 
 def _check_loras(targets: Sequence[PeftLayer], config: _Config, path: str) -> None:
     """Each LoRA's rank, scale and orientation against the file's."""
-    seen: set[int] = set()
+    firsts: dict[int, PeftLayer] = {}
     for t in targets:
+        firsts.setdefault(id(t.lora), t)
+    for t in firsts.values():
         lora = t.lora
-        if id(lora) in seen:
-            continue
-        seen.add(id(lora))
         if lora.rank != config.r:
             raise ValueError(
                 f"{path!r} holds rank-{config.r} adapters, but the LoRA at "
@@ -176,7 +174,10 @@ def _check_loras(targets: Sequence[PeftLayer], config: _Config, path: str) -> No
                 f"by {lora.scaling:g} (alpha={lora.alpha:g}).\nHint: add_lora with "
                 f"alpha={config.scaling * lora.rank:g}."
             )
-        want = expected_orientation(t, config.fan_in_fan_out)
+        # PEFT's change to its stored weight is `B @ A` (`[out, in]`), or its
+        # transpose with `fan_in_fan_out` (a Conv1D's `[in, out]` weight); the
+        # map transposes that weight or not on its way to ours.
+        want = "W@x" if t.transposed == config.fan_in_fan_out else "x@W"
         if lora.orientation != want:
             stored = "[in, out]" if t.transposed else "[out, in]"
             raise ValueError(
@@ -315,9 +316,8 @@ def _factors(targets: Sequence[PeftLayer], k: int) -> dict[str, np.ndarray]:
     for t in targets:
         a, b = (x[t.index + (k,)] for x in hosts[id(t.lora)])
         for factor, value in zip(("lora_A", "lora_B"), swap(t.lora, a, b)):
-            tensors[f"{_PREFIX}{t.module}.{factor}.weight"] = np.ascontiguousarray(
-                value
-            )
+            name = f"{_PREFIX}{t.module}.{factor}.weight"
+            tensors[name] = np.ascontiguousarray(value)
     return tensors
 
 

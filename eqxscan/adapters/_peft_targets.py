@@ -13,7 +13,7 @@ from jaxtyping import PyTree
 
 from .._internal import Checked, describe, for_each, LayerNumbering, pattern, Site
 from ..checkpoint import NameMap
-from ._lora import LoRA, loras, Orientation
+from ._lora import LoRA, loras
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,13 +192,6 @@ def swap(lora: LoRA, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarr
     # PEFT's (lora_A, lora_B) <-> a LoRA's (a, b), both ways: "W@x" holds them
     # as they are, "x@W" transposed (its delta `a @ b` is `(B @ A).T`).
     return (a.T, b.T) if lora.orientation == "x@W" else (a, b)
-
-
-def expected_orientation(target: PeftLayer, fan_in_fan_out: bool) -> Orientation:
-    # PEFT's change to its stored weight is `B @ A` (`[out, in]`), or its
-    # transpose with `fan_in_fan_out` (a Conv1D's `[in, out]` weight); the map
-    # transposes that weight or not on its way to ours.
-    return "W@x" if target.transposed == fan_in_fan_out else "x@W"
 
 
 def adapter_index(loras: Sequence[LoRA], adapter: int | None, who: str) -> int:
