@@ -18,11 +18,6 @@ Orientation = Literal["x@W", "W@x"]
 """How a layer uses its weight: `x @ W` (base `[in, out]`, as `StackedMLP`'s
 `w1`) or `W @ x` (base `[out, in]`, as `eqx.nn.Linear`'s `weight` and PyTorch)."""
 
-MERGE_HINT = (
-    "Hint: a LoRA computes only `x @ lora` and `lora @ x`; for anything else, "
-    "use `eqxscan.adapters.merge(model)` to get plain weights."
-)
-
 
 class LoRA(eqx.Module):
     """A frozen weight with `K` low-rank adapters, standing where the weight was.
@@ -167,8 +162,9 @@ class LoRA(eqx.Module):
     def _unsupported(self, *_: object, **__: object) -> NoReturn:
         raise TypeError(
             f"The LoRA at `{self.name or '<unnamed>'}` (base {_shape(self.base)}) "
-            "supports only `x @ lora` and `lora @ x`, not this operation.\n"
-            + MERGE_HINT
+            "supports only `x @ lora` and `lora @ x`, not this operation.\nHint: "
+            "a LoRA computes only `x @ lora` and `lora @ x`; for anything else, "
+            "use `eqxscan.adapters.merge(model)` to get plain weights."
         )
 
     __add__ = __radd__ = __sub__ = __rsub__ = _unsupported

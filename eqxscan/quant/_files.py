@@ -83,18 +83,15 @@ class _Weight:
 def _layer_names(parts: tuple, axes: tuple[int, ...]) -> list[str]:
     # As `LayerNumbering` says: index `i` of the layer axes is layer
     # `start + sum(i[k] * strides[k])`, each numbering taking its own axes.
-    names = []
-    for index in np.ndindex(*axes):
-        at = iter(index)
-        names.append(
-            ".".join(
-                str(p.start + sum(next(at) * s for s in p.strides))
-                if isinstance(p, LayerNumbering)
-                else p
-                for p in parts
-            )
+    return [
+        ".".join(
+            str(p.start + sum(next(at) * s for s in p.strides))
+            if isinstance(p, LayerNumbering)
+            else p
+            for p in parts
         )
-    return names
+        for at in map(iter, np.ndindex(*axes))
+    ]
 
 
 def _weights(model: PyTree) -> tuple[list[_Weight], dict[str, str]]:

@@ -26,11 +26,6 @@ GROUP_SIZES = (32, 64, 128)
 # The largest magnitude each kind stores: the scale maps max|w| onto it.
 LIMIT = {"int8": 127.0, "int4": 7.0, "fp8": 448.0}
 
-DEQUANTIZE_HINT = (
-    "Hint: a Quantized computes only `x @ q` and `q @ x`; for anything else, "
-    "use `eqxscan.quant.dequantize(model)` to get float weights."
-)
-
 
 def fp8_bits(values: Array) -> Array:
     """float8_e4m3fn values as the uint8 of their bits (other arrays as given)."""
@@ -112,7 +107,10 @@ class Quantized(eqx.Module):
                 f"{where}: its input size {size_in} is not a multiple of "
                 f"group_size={self.group_size}." + hint
             )
-        expected = _scales_shape(self)
+        *layers, rows, cols = self.shape
+        groups = size_in // self.group_size if self.group_size else 1
+        x_at_w = self.orientation == "x@W"
+        expected = (*layers, groups, cols) if x_at_w else (*layers, rows, groups)
         if self.scales.shape != expected or self.scales.dtype != jnp.float32:
             raise ValueError(
                 f"{where}: {self.kind!r} values {_array(self.values)} "
@@ -219,7 +217,9 @@ class Quantized(eqx.Module):
         raise TypeError(
             f"The Quantized weight at `{self.name or '<unnamed>'}` "
             f"({describe(self)}) supports only `x @ q` and `q @ x`, not this "
-            "operation.\n" + DEQUANTIZE_HINT
+            "operation.\nHint: a Quantized computes only `x @ q` and `q @ x`; for "
+            "anything else, use `eqxscan.quant.dequantize(model)` to get float "
+            "weights."
         )
 
     __add__ = __radd__ = __sub__ = __rsub__ = _unsupported
@@ -233,14 +233,6 @@ class Quantized(eqx.Module):
 
 def _array(a: Array) -> str:
     return f"{jnp.dtype(a.dtype).name}[{','.join(map(str, a.shape))}]"
-
-
-def _scales_shape(q: Quantized) -> tuple[int, ...]:
-    """The scales' shape that `q`'s values and group size call for."""
-    *layers, rows, cols = q.shape
-    size_in, out = (rows, cols) if q.orientation == "x@W" else (cols, rows)
-    groups = size_in // q.group_size if q.group_size else 1
-    return (*layers, groups, out) if q.orientation == "x@W" else (*layers, out, groups)
 
 
 def describe(q: Quantized) -> str:
