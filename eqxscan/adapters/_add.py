@@ -1,6 +1,6 @@
 """`add_lora`: targeted weights replaced by `LoRA`s; `trainable`: their adapters."""
 
-import dataclasses
+import itertools
 import math
 from collections.abc import Sequence
 from typing import cast
@@ -20,7 +20,7 @@ from .._internal import (
     Target,
 )
 from ..quant import Quantized
-from ._lora import LoRA, Orientation
+from ._lora import is_lora, LoRA, Orientation
 
 
 def add_lora(
@@ -37,21 +37,19 @@ def add_lora(
     """`model` with each targeted weight replaced by a [`eqxscan.adapters.LoRA`][].
 
     Inside an [`eqxscan.Stacked`][] (or an [`eqxscan.Chain`][]'s stacks) a weight is
-    adapted in every layer: the `LoRA`'s arrays have the layer axes in front, and
-    its base is the stacked weight itself, not a copy. Initialised as PEFT does
-    (`init_lora_weights=True`): `a` Kaiming-uniform (`U(-1/sqrt(in), 1/sqrt(in))`),
-    `b` zero, so the adapted model starts equal to the base; adapter 0 is active.
+    adapted in every layer, its base the stacked weight itself, not a copy.
+    Initialised as PEFT does: `a` Kaiming-uniform (`U(-1/sqrt(in), 1/sqrt(in))`),
+    `b` zero (the adapted model starts equal to the base); adapter 0 is active.
 
     **Arguments:**
 
     - `model`: any pytree, usually a model containing `Stacked`s or `Chain`s.
     - `targets`: a name pattern or a module type, or a list of them. A pattern is
-      matched (`fnmatch`) against the names of
-      [`eqxscan.to_state_dict`][], with every layer index shown as `*`:
-      `"blocks.*.w1"`, `"*.w2"`. A module type (e.g. `eqx.nn.Linear`) adapts
-      the `weight` of every module of that type, in orientation `"W@x"`. A
-      [`eqxscan.quant.Quantized`][] weight is matched as the float weight it
-      stands for, and becomes the `LoRA`'s base (QLoRA).
+      matched (`fnmatch`) against [`eqxscan.to_state_dict`][]'s names with
+      every layer index as `*`: `"blocks.*.w1"`, `"*.w2"`. A module type (e.g.
+      `eqx.nn.Linear`) adapts the `weight` of each such module, in orientation
+      `"W@x"`. A [`eqxscan.quant.Quantized`][] is matched as its float weight
+      and becomes the base (QLoRA).
     - `rank`: `r`, at least 1 and at most the smaller side of each weight.
     - `alpha`: the adapters are scaled by `alpha / rank` (default: `rank`).
     - `dropout`: dropout rate on the adapters' input (PEFT's `lora_dropout`);
@@ -59,8 +57,8 @@ def add_lora(
     - `num_adapters`: `K`, adapters held side by side over one base.
     - `orientation`: how the layers use the weights a pattern matches: `"x@W"`
       (base `[in, out]`) or `"W@x"` (base `[out, in]`).
-    - `key`: a JAX PRNG key; every weight, layer and adapter gets its own, derived
-      from the weight's position and layer index (not from how the model runs).
+    - `key`: a JAX PRNG key; each weight, layer and adapter gets its own, from
+      the weight's position and layer index (not from how the model runs).
 
     **Returns:**
 
@@ -74,37 +72,11 @@ def add_lora(
         raise ValueError(f"dropout must be in [0, 1), got {dropout!r}.")
     if orientation not in ("x@W", "W@x"):
         raise ValueError(f"orientation must be 'x@W' or 'W@x', got {orientation!r}.")
-    make = _Maker(
-        rank, float(rank if alpha is None else alpha), float(dropout), num_adapters
-    )
-    return replace_weights(
-        model,
-        targets,
-        lambda w, depth, name, o: make(cast(Array | Quantized, w), depth, name, o, key),
-        orientation=orientation,
-        who="add_lora",
-        verb=("adapt", "adapted"),
-    )
+    alpha = float(rank if alpha is None else alpha)
+    count = itertools.count()
 
-
-@dataclasses.dataclass
-class _Maker:
-    """Builds each adapted weight's `LoRA`, counting them for their keys."""
-
-    rank: int
-    alpha: float
-    dropout: float
-    num_adapters: int
-    count: int = 0
-
-    def __call__(
-        self,
-        base: Array | Quantized,
-        depth: int,
-        name: str,
-        orientation: Orientation,
-        key: PRNGKeyArray,
-    ) -> LoRA:
+    def make(w: object, depth: int, name: str, orientation: Orientation) -> LoRA:
+        base = cast(Array | Quantized, w)
         axes, shape = tuple(base.shape[:depth]), tuple(base.shape[depth:])
         if len(shape) != 2:
             raise ValueError(
@@ -113,43 +85,50 @@ class _Maker:
                 "LoRA adapts 2-D weights.\nHint: narrow the pattern to matrices."
             )
         m, n = shape
-        if self.rank > min(m, n):
+        if rank > min(m, n):
             raise ValueError(
-                f"add_lora: rank={self.rank} is larger than the weight `{name}` "
+                f"add_lora: rank={rank} is larger than the weight `{name}` "
                 f"({m}x{n}) allows; the rank must be at most {min(m, n)}.\nHint: "
                 "pick a rank well below the smaller side."
             )
-        r, k = self.rank, self.num_adapters
         fan_in, a_shape, b_shape = (
-            (m, (m, r), (r, n)) if orientation == "x@W" else (n, (r, n), (m, r))
+            (m, (m, rank), (rank, n))
+            if orientation == "x@W"
+            else (n, (rank, n), (m, rank))
         )
         # Each adapted weight, then each layer, then each adapter its own key.
-        leaf_key = jr.fold_in(key, self.count)
-        self.count += 1
         layers = int(np.prod(axes, dtype=int))
-        keys = jr.split(leaf_key, (layers, k))
+        keys = jr.split(jr.fold_in(key, next(count)), (layers, num_adapters))
         bound = 1.0 / math.sqrt(fan_in)
         a = jax.vmap(
             jax.vmap(lambda kk: jr.uniform(kk, a_shape, base.dtype, -bound, bound))
         )(keys)
         return LoRA(
             base,
-            a.reshape(axes + (k,) + a_shape),
-            jnp.zeros(axes + (k,) + b_shape, base.dtype),
+            a.reshape(axes + (num_adapters,) + a_shape),
+            jnp.zeros(axes + (num_adapters,) + b_shape, base.dtype),
             jnp.zeros(axes, jnp.int32),
-            self.alpha,
-            r,
+            alpha,
+            rank,
             orientation,
             name=name,
-            dropout=self.dropout,
+            dropout=float(dropout),
         )
+
+    return replace_weights(
+        model,
+        targets,
+        make,
+        orientation=orientation,
+        who="add_lora",
+        verb=("adapt", "adapted"),
+    )
 
 
 def trainable(model: PyTree) -> PyTree[bool]:
-    """A filter spec that is `True` exactly on the adapters (`a`, `b`) of every
-    [`eqxscan.adapters.LoRA`][]: for `eqx.partition`, `eqx.filter_grad` and
-    `optax.masked`, so that gradients and optimiser state exist for the adapters
-    only.
+    """A filter spec, `True` exactly on the adapters (`a`, `b`) of every
+    [`eqxscan.adapters.LoRA`][], for `eqx.partition`, `eqx.filter_grad` and
+    `optax.masked`: gradients and optimiser state for the adapters only.
 
     **Arguments:**
 
@@ -166,4 +145,4 @@ def trainable(model: PyTree) -> PyTree[bool]:
         off = jtu.tree_map(lambda _: False, node)
         return eqx.tree_at(lambda lo: (lo.a, lo.b), off, (True, True))
 
-    return jtu.tree_map(spec, model, is_leaf=lambda x: isinstance(x, LoRA))
+    return jtu.tree_map(spec, model, is_leaf=is_lora)

@@ -1,20 +1,15 @@
-"""`LoRA`: a frozen weight and `K` low-rank adapters, used where the weight was.
-
-A layer keeps its own code (`x @ self.w`, or `self.weight @ x` as
-`eqx.nn.Linear` does): the product is computed from the stored base and the
-active adapter, `x @ base + (alpha / r) * (x @ a[k]) @ b[k]`, without forming
-`base + delta`. Inside an [`eqxscan.Stacked`][] every array of a `LoRA` has the
-layer axis in front, like any other leaf, so layer `i` is handed its own slice
-of the base and of the adapters by the scan, and the base is never copied.
-"""
+"""`LoRA`: a frozen weight and `K` low-rank adapters, used where the weight was:
+the layer's own `x @ self.w` computes `x @ base + (alpha / r) * (x @ a[k]) @ b[k]`
+without forming `base + delta`, and a scan hands each layer its slices."""
 
 from typing import Literal, NoReturn
 
 import equinox as eqx
 import jax.numpy as jnp
 import jax.random as jr
+import jax.tree_util as jtu
 import numpy as np
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 from ..quant import Quantized
 
@@ -22,11 +17,6 @@ from ..quant import Quantized
 Orientation = Literal["x@W", "W@x"]
 """How a layer uses its weight: `x @ W` (base `[in, out]`, as `StackedMLP`'s
 `w1`) or `W @ x` (base `[out, in]`, as `eqx.nn.Linear`'s `weight` and PyTorch)."""
-
-MERGE_HINT = (
-    "Hint: a LoRA computes only `x @ lora` and `lora @ x`; for anything else, "
-    "use `eqxscan.adapters.merge(model)` to get plain weights."
-)
 
 
 class LoRA(eqx.Module):
@@ -46,22 +36,19 @@ class LoRA(eqx.Module):
     | `"x@W"` | `[in, out]` | `[K, in, r]` | `[K, r, out]` |
     | `"W@x"` | `[out, in]` | `[K, r, in]` | `[K, out, r]` |
 
-    `active` is the adapter used (an `int32` scalar per layer); `alpha` and
-    `rank` give the scaling `alpha / rank`. Besides PEFT's fields: `name`, the
-    weight's state-dict name (`"blocks.*.w1"`), for error messages; `dropout`,
-    the dropout rate on the adapters' input, with `inference` (set by
-    `eqx.nn.inference_mode`) and `key` (set by
+    `active` is the adapter used (an `int32` scalar per layer); the scaling is
+    `alpha / rank`. Besides PEFT's fields: `name`, the weight's state-dict name
+    (`"blocks.*.w1"`), for errors; `dropout`, the rate on the adapters' input,
+    with `inference` (set by `eqx.nn.inference_mode`) and `key` (set by
     [`eqxscan.adapters.with_dropout_key`][], one key per layer).
 
-    The base may be a [`eqxscan.quant.Quantized`][] (QLoRA): `add_lora` on a
-    quantized model adapts the quantized weights as it adapts float ones, and the
-    base is dequantized one layer at a time inside the scan.
+    The base may be a [`eqxscan.quant.Quantized`][] (QLoRA), dequantized one
+    layer at a time inside the scan.
 
-    `.shape`, `.dtype` and `.ndim` are those of `base`. Other array operations
-    (`+`, indexing, `jnp.asarray`) raise a `TypeError` naming the leaf and
-    pointing to [`eqxscan.adapters.merge`][]; `jnp.matmul`, `jnp.einsum` and
-    `jnp.dot` raise JAX's own `TypeError` ("requires ndarray or scalar
-    arguments"). Build one with [`eqxscan.adapters.add_lora`][].
+    `.shape`, `.dtype` and `.ndim` are the base's. Other array operations (`+`,
+    indexing, `jnp.asarray`) raise a `TypeError` naming the leaf and pointing
+    to [`eqxscan.adapters.merge`][] (`jnp.matmul`, `jnp.einsum` and `jnp.dot`
+    raise JAX's own). Build one with [`eqxscan.adapters.add_lora`][].
     """
 
     base: Float[Array, "*layers p q"] | Quantized
@@ -175,8 +162,9 @@ class LoRA(eqx.Module):
     def _unsupported(self, *_: object, **__: object) -> NoReturn:
         raise TypeError(
             f"The LoRA at `{self.name or '<unnamed>'}` (base {_shape(self.base)}) "
-            "supports only `x @ lora` and `lora @ x`, not this operation.\n"
-            + MERGE_HINT
+            "supports only `x @ lora` and `lora @ x`, not this operation.\nHint: "
+            "a LoRA computes only `x @ lora` and `lora @ x`; for anything else, "
+            "use `eqxscan.adapters.merge(model)` to get plain weights."
         )
 
     __add__ = __radd__ = __sub__ = __rsub__ = _unsupported
@@ -190,3 +178,22 @@ class LoRA(eqx.Module):
 
 def _shape(x: Array | Quantized) -> str:
     return f"{jnp.dtype(x.dtype).name}[{','.join(map(str, x.shape))}]"
+
+
+def is_lora(x: object) -> bool:
+    return isinstance(x, LoRA)
+
+
+def loras(model: PyTree) -> list[LoRA]:
+    """Every `LoRA` of `model`, in `jax.tree_util` order."""
+    return [x for x in jtu.tree_leaves(model, is_leaf=is_lora) if is_lora(x)]
+
+
+def check_adapter(lora: LoRA, adapter: int, who: str, what: str, hint: str) -> None:
+    """`adapter` in `[-1, K)` of `lora`; `what` names the argument in the error."""
+    if not -1 <= adapter < lora.num_adapters:
+        raise ValueError(
+            f"{who}: adapter {adapter} does not exist: the LoRA at `{lora.name}` "
+            f"holds {lora.num_adapters} adapter(s), so {what} must be in "
+            f"[-1, {lora.num_adapters}).\nHint: -1 {hint}."
+        )

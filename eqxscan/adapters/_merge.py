@@ -1,9 +1,6 @@
-"""`merge`: plain weights from a model's LoRAs; `unmerge`: the LoRAs back.
-
-Both run layer by layer: one jitted `fori_loop` per weight adds (or subtracts)
-one layer's `delta` into the stacked base at a time, so that what XLA allocates
-besides the arrays themselves is one layer's delta, not the stack's.
-"""
+"""`merge`: plain weights from a model's LoRAs; `unmerge`: the LoRAs back. Both
+add (or subtract) one layer's `delta` at a time (a jitted `fori_loop`), so XLA
+allocates one layer's delta besides the arrays, not the stack's."""
 
 from typing import Literal
 
@@ -14,22 +11,13 @@ from jaxtyping import Array, PyTree
 
 from .._internal import Checked, describe
 from ..quant import Quantized
-from ._lora import LoRA
-
-
-def _is_lora(x: object) -> bool:
-    return isinstance(x, LoRA)
+from ._lora import check_adapter, is_lora, LoRA
 
 
 def _check_adapter(lora: LoRA, adapter: object, who: str) -> int:
     if isinstance(adapter, bool) or not isinstance(adapter, int):
         raise TypeError(f"{who}: adapter must be an int, got {describe(adapter)}.")
-    if not -1 <= adapter < lora.num_adapters:
-        raise ValueError(
-            f"{who}: adapter {adapter} does not exist: the LoRA at `{lora.name}` "
-            f"holds {lora.num_adapters} adapter(s), so adapter must be in "
-            f"[-1, {lora.num_adapters}).\nHint: -1 is the base alone."
-        )
+    check_adapter(lora, adapter, who, "adapter", "is the base alone")
     return adapter
 
 
@@ -82,10 +70,9 @@ def merge(model: PyTree, adapter: Checked[int] = 0, *, donate: bool = False) -> 
     - `adapter`: the adapter merged into every weight (`-1`: the base alone).
       A quantized base ([`eqxscan.quant.Quantized`][], QLoRA) is refused unless
       `adapter` is -1: merge `eqxscan.quant.dequantize(model)` instead.
-    - `donate`: update the bases in place (their buffers are donated, so `model`
-      and anything sharing its base arrays can no longer be used). Then peak
-      memory is the model plus one layer's delta; otherwise the merged weights
-      are new arrays beside the bases.
+    - `donate`: update the bases in place (donated: `model` and anything
+      sharing its base arrays can no longer be used); peak memory is then the
+      model plus one layer's delta, else the merged weights are new arrays.
 
     **Returns:**
 
@@ -103,7 +90,7 @@ def merge(model: PyTree, adapter: Checked[int] = 0, *, donate: bool = False) -> 
         _refuse_quantized(node, "merge")
         return fn(node.base, node.a, node.b, k, node.scaling, node.orientation)
 
-    return jtu.tree_map(one, model, is_leaf=_is_lora)
+    return jtu.tree_map(one, model, is_leaf=is_lora)
 
 
 def unmerge(
@@ -144,7 +131,7 @@ def unmerge(
         return eqx.tree_at(lambda lo: lo.base, node, base)
 
     try:
-        return jtu.tree_map(one, adapted, merged, is_leaf=_is_lora)
+        return jtu.tree_map(one, adapted, merged, is_leaf=is_lora)
     except ValueError as e:
         if "pytree structure" not in str(e):
             raise

@@ -1,12 +1,9 @@
 """PEFT's LoRA adapter files in and out of a model's [`eqxscan.adapters.LoRA`][]s.
 
-For each adapted PyTorch `Linear` `<module>` (weight `[out, in]`), PEFT stores
-`base_model.model.<module>.lora_A.weight` `[r, in]` and `...lora_B.weight`
-`[out, r]`. The base model's [`eqxscan.checkpoint.NameMap`][] says which of our
-weights that is: a rule without operations keeps `[out, in]` ("W@x": `a =
-lora_A`, `b = lora_B`), a `Transpose` gives `[in, out]` ("x@W": `a = lora_A.T`,
-`b = lora_B.T`); a weight the map splits, joins or reshapes is refused
-(`_peft_targets.py` reads the map's rules).
+PEFT stores `base_model.model.<module>.lora_A.weight` `[r, in]` and
+`...lora_B.weight` `[out, r]` for a PyTorch `Linear` (`[out, in]`); the base
+model's name map gives our weight as it is ("W@x": `a = lora_A`, `b = lora_B`)
+or transposed ("x@W": `a = lora_A.T`, `b = lora_B.T`), see `_peft_targets.py`.
 """
 
 import dataclasses
@@ -25,10 +22,9 @@ from jaxtyping import PyTree
 
 from .._internal import Checked
 from ..checkpoint import NameMap, read_safetensors, save_safetensors
-from ._lora import LoRA
+from ._lora import is_lora, LoRA
 from ._peft_targets import (
     adapter_index,
-    expected_orientation,
     host_factors,
     loras_of,
     peft_layers,
@@ -160,12 +156,11 @@ def _few(items: Sequence[str], n: int = 6) -> str:
 
 def _check_loras(targets: Sequence[PeftLayer], config: _Config, path: str) -> None:
     """Each LoRA's rank, scale and orientation against the file's."""
-    seen: set[int] = set()
+    firsts: dict[int, PeftLayer] = {}
     for t in targets:
+        firsts.setdefault(id(t.lora), t)
+    for t in firsts.values():
         lora = t.lora
-        if id(lora) in seen:
-            continue
-        seen.add(id(lora))
         if lora.rank != config.r:
             raise ValueError(
                 f"{path!r} holds rank-{config.r} adapters, but the LoRA at "
@@ -179,7 +174,10 @@ def _check_loras(targets: Sequence[PeftLayer], config: _Config, path: str) -> No
                 f"by {lora.scaling:g} (alpha={lora.alpha:g}).\nHint: add_lora with "
                 f"alpha={config.scaling * lora.rank:g}."
             )
-        want = expected_orientation(t, config.fan_in_fan_out)
+        # PEFT's change to its stored weight is `B @ A` (`[out, in]`), or its
+        # transpose with `fan_in_fan_out` (a Conv1D's `[in, out]` weight); the
+        # map transposes that weight or not on its way to ours.
+        want = "W@x" if t.transposed == config.fan_in_fan_out else "x@W"
         if lora.orientation != want:
             stored = "[in, out]" if t.transposed else "[out, in]"
             raise ValueError(
@@ -235,15 +233,13 @@ def load_peft(
     """Load a PEFT LoRA adapter (the directory `peft`'s `save_pretrained`
     writes) into the [`eqxscan.adapters.LoRA`][]s of `model`.
 
-    The model already holds its LoRAs ([`eqxscan.adapters.add_lora`][] on the
-    weights the file adapts, with the file's rank and scale): this fills one of
-    their `K` adapters and leaves the base weights, the other adapters and
-    `active` as they are. Each file module's weight is found through
-    `name_map`, the base model's map to PyTorch names (e.g. `examples/llama.py`'s
-    `torch_names`); the map's rule for it must rename it, or rename and
-    transpose it. The file's tensor names, not its `target_modules`, say which
-    modules it adapts. The factors are cast to the LoRA's dtype and placed
-    where its arrays are.
+    The model holds its LoRAs already ([`eqxscan.adapters.add_lora`][] on the
+    weights the file adapts, with its rank and scale); one of their `K`
+    adapters is filled, nothing else changes. Each module's weight is found
+    through `name_map` (e.g. `examples/llama.py`'s `torch_names`), whose rule
+    must rename it, or rename and transpose it; the file's tensor names, not
+    its `target_modules`, say which modules it adapts. The factors are cast to
+    the LoRA's dtype and placed where its arrays are.
 
     **Arguments:**
 
@@ -259,9 +255,9 @@ def load_peft(
 
     **Raises:**
 
-    `FileNotFoundError` for a missing file; `ValueError`, naming the weight and
-    layer, for a bad config, another rank or scale, a module without a LoRA, a
-    LoRA without factors, a mis-shaped factor, or a weight the map fuses.
+    `FileNotFoundError` for a missing file; `ValueError`, naming weight and
+    layer, for a bad config, another rank or scale, a module without a LoRA (or
+    the reverse), a mis-shaped factor, or a weight the map fuses.
     """
     config = _read_config(directory := os.fspath(directory))
     path, modules = _read_factors(directory)
@@ -289,7 +285,7 @@ def load_peft(
         a, b = new[id(x)]
         return dataclasses.replace(x, a=_placed(a, x.a), b=_placed(b, x.b))
 
-    return jtu.tree_map(replace, model, is_leaf=lambda x: isinstance(x, LoRA))
+    return jtu.tree_map(replace, model, is_leaf=is_lora)
 
 
 def _placed(value: np.ndarray, like: jax.Array | np.ndarray) -> jax.Array:
@@ -320,9 +316,8 @@ def _factors(targets: Sequence[PeftLayer], k: int) -> dict[str, np.ndarray]:
     for t in targets:
         a, b = (x[t.index + (k,)] for x in hosts[id(t.lora)])
         for factor, value in zip(("lora_A", "lora_B"), swap(t.lora, a, b)):
-            tensors[f"{_PREFIX}{t.module}.{factor}.weight"] = np.ascontiguousarray(
-                value
-            )
+            name = f"{_PREFIX}{t.module}.{factor}.weight"
+            tensors[name] = np.ascontiguousarray(value)
     return tensors
 
 
@@ -356,12 +351,10 @@ def save_peft(
     does: `adapter_model.safetensors` and `adapter_config.json`, which `peft`'s
     `PeftModel.from_pretrained` loads onto the PyTorch base model.
 
-    The inverse of [`eqxscan.adapters.load_peft`][]: each LoRA's weight is
-    named through `name_map` (which must rename it, or rename and transpose
-    it), and its factors are written as PEFT's `lora_A` `[r, in]` and `lora_B`
-    `[out, r]`. `target_modules` lists the modules' last names (as
-    `["down_proj"]`). Each file is written to a temporary file and renamed
-    into place, the weights first.
+    The inverse of [`eqxscan.adapters.load_peft`][], through the same
+    `name_map`: factors as PEFT's `lora_A` `[r, in]` and `lora_B` `[out, r]`,
+    `target_modules` the modules' last names (`["down_proj"]`). Each file is
+    written to a temporary file and renamed into place, the weights first.
 
     **Arguments:**
 
@@ -371,8 +364,7 @@ def save_peft(
     - `name_map`: the base model's [`eqxscan.checkpoint.NameMap`][] to PyTorch
       names.
     - `adapter`: which of the `K` adapters to write.
-    - `base_model_name_or_path`: the config's entry of that name (the base
-      model PEFT loads the adapter onto).
+    - `base_model_name_or_path`: the config's entry of that name.
     - `task_type`: the config's `task_type` (e.g. `"CAUSAL_LM"`), or `None`.
 
     **Returns:**

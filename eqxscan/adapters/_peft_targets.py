@@ -1,24 +1,19 @@
 """Which PEFT module each layer of a model's [`eqxscan.adapters.LoRA`][]s
-stands for, through the base model's [`eqxscan.checkpoint.NameMap`][].
-
-The map's rule for a LoRA's weight is read by exporting a small probe of
-distinct values under the weight's name: the rule must give it back as it is
-(PyTorch's `[out, in]`, "W@x") or transposed (`[in, out]`, "x@W"), under one
-`<module>.weight` name. A weight the map splits, joins or reshapes cannot hold
-one rank-r pair.
-"""
+stands for, through the base model's [`eqxscan.checkpoint.NameMap`][]: a probe
+exported under the weight's name must come back as it is or transposed, under
+one `<module>.weight` name (a weight split, joined or reshaped cannot hold one
+rank-r pair)."""
 
 import dataclasses
 from collections.abc import Mapping, Sequence
 
 import jax
-import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
 from .._internal import Checked, describe, for_each, LayerNumbering, pattern, Site
 from ..checkpoint import NameMap
-from ._lora import LoRA, Orientation
+from ._lora import LoRA, loras
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,15 +43,14 @@ def _where(ours: str, layer: int | None) -> str:
 
 def _loras(model: PyTree, who: str) -> list[tuple[LoRA, Site]]:
     """Each `LoRA` of `model`, with where its `a` sits (by state-dict name)."""
-    leaves = jtu.tree_leaves(model, is_leaf=lambda x: isinstance(x, LoRA))
-    loras = [x for x in leaves if isinstance(x, LoRA)]
-    if not loras:
+    found = loras(model)
+    if not found:
         raise ValueError(
             f"{who}: the model holds no eqxscan.adapters.LoRA, got "
             f"{describe(model)}.\nHint: add adapters with "
             "eqxscan.adapters.add_lora(model, ...) first, with the file's targets."
         )
-    by_leaf = {id(lora.a): lora for lora in loras}
+    by_leaf = {id(lora.a): lora for lora in found}
     sites: dict[int, Site] = {}
 
     def visit(leaf: object, site: Site) -> None:
@@ -198,13 +192,6 @@ def swap(lora: LoRA, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarr
     # PEFT's (lora_A, lora_B) <-> a LoRA's (a, b), both ways: "W@x" holds them
     # as they are, "x@W" transposed (its delta `a @ b` is `(B @ A).T`).
     return (a.T, b.T) if lora.orientation == "x@W" else (a, b)
-
-
-def expected_orientation(target: PeftLayer, fan_in_fan_out: bool) -> Orientation:
-    # PEFT's change to its stored weight is `B @ A` (`[out, in]`), or its
-    # transpose with `fan_in_fan_out` (a Conv1D's `[in, out]` weight); the map
-    # transposes that weight or not on its way to ours.
-    return "W@x" if target.transposed == fan_in_fan_out else "x@W"
 
 
 def adapter_index(loras: Sequence[LoRA], adapter: int | None, who: str) -> int:

@@ -5,30 +5,20 @@ import jax
 import jax.core
 import jax.numpy as jnp
 import jax.random as jr
-import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
 from .._internal import Checked, describe
-from ._lora import LoRA
-
-
-def _is_lora(x: object) -> bool:
-    return isinstance(x, LoRA)
-
-
-def loras(model: PyTree) -> list[LoRA]:
-    """Every `LoRA` of `model`, in `jax.tree_util` order."""
-    return [x for x in jtu.tree_leaves(model, is_leaf=_is_lora) if _is_lora(x)]
+from ._lora import check_adapter, loras
 
 
 def select(model: PyTree, ids: Checked[int | Int[Array, ""]]) -> PyTree:
     """`model` with every [`eqxscan.adapters.LoRA`][] set to use adapter `ids`
     (`-1`: the base alone).
 
-    Under `jax.vmap` each row uses its own adapter while the base is read once:
-    `jax.vmap(lambda x, i: adapters.select(model, i)(x))(xs, ids)`. The adapters
-    of each row are gathered layer by layer, inside the scan's step.
+    Under `jax.vmap` each row uses its own adapter and the base is read once
+    (`jax.vmap(lambda x, i: adapters.select(model, i)(x))(xs, ids)`), each
+    row's adapters gathered layer by layer inside the scan's step.
 
     **Arguments:**
 
@@ -61,15 +51,8 @@ def select(model: PyTree, ids: Checked[int | Int[Array, ""]]) -> PyTree:
             "eqxscan.adapters.add_lora."
         )
     if not isinstance(ids, jax.core.Tracer):
-        value = int(ids)
         for lora in found:
-            if not -1 <= value < lora.num_adapters:
-                raise ValueError(
-                    f"select: adapter {value} does not exist: the LoRA at "
-                    f"`{lora.name}` holds {lora.num_adapters} adapter(s), so ids "
-                    f"must be in [-1, {lora.num_adapters}).\nHint: -1 selects "
-                    "the base alone."
-                )
+            check_adapter(lora, int(ids), "select", "ids", "selects the base alone")
     chosen = jnp.asarray(ids, jnp.int32)
     return eqx.tree_at(
         lambda m: [lo.active for lo in loras(m)],
@@ -80,11 +63,9 @@ def select(model: PyTree, ids: Checked[int | Int[Array, ""]]) -> PyTree:
 
 def with_dropout_key(model: PyTree, key: PRNGKeyArray) -> PyTree:
     """`model` with a dropout key in every [`eqxscan.adapters.LoRA`][] that has
-    dropout: each adapted weight and each of its layers gets its own key.
-
-    Call it with a fresh key at every training step (a key kept in the model
-    would drop the same units every step). Without a key, a `LoRA` with dropout
-    raises when called outside `eqx.nn.inference_mode`.
+    dropout, one per adapted weight and layer. Call it with a fresh key at
+    every training step; without a key, a `LoRA` with dropout raises when
+    called outside `eqx.nn.inference_mode`.
 
     **Arguments:**
 

@@ -1,8 +1,6 @@
-"""Optimiser helpers for models built from [`eqxscan.Stacked`][] layers: a
-layer-axis-aware weight-decay mask, freezing of chosen layers, any optax
-transformation run per layer (`layerwise`), Muon with the layer axes as batch
-axes, layer-wise learning rates and per-layer norms, for `optax`.
-"""
+"""optax helpers for models built from [`eqxscan.Stacked`][] layers: a weight-decay
+mask, frozen layers, any transformation run per layer (`layerwise`), Muon with
+the layer axes as batch axes, layer-wise learning rates and per-layer norms."""
 
 from ._layers import (
     freeze_layers as freeze_layers,

@@ -1,4 +1,4 @@
-"""`eqx.is_array` as a type guard, for the walks over parameters and updates."""
+"""Type guards for arrays and stacks, and the layer numbers of a stacked array."""
 
 from typing import TypeGuard
 
@@ -6,8 +6,25 @@ import equinox as eqx
 import jax
 import numpy as np
 
+from .._internal import LayerNumbering, Site, Stacked
+
+
+def is_stacked(x: object) -> bool:
+    return isinstance(x, Stacked)
+
 
 def is_array(x: object) -> TypeGuard[jax.Array | np.ndarray]:
-    """`eqx.is_array(x)`: a JAX or NumPy array (a NumPy scalar too, which acts
-    as a 0-d array)."""
+    """`eqx.is_array(x)` (a NumPy scalar too, which acts as a 0-d array)."""
     return eqx.is_array(x)
+
+
+def layer_numbers(site: Site) -> list[np.ndarray]:
+    """For each layer index in `site`'s name, the layer number at each element
+    of the layer axes (shaped like them): `start + sum(i[k] * strides[k])`, each
+    `LayerNumbering` over its own axes."""
+    grid = iter(np.indices(site.axes, dtype=int))
+    return [
+        sum((s * next(grid) for s in p.strides), np.full(site.axes, p.start, int))
+        for p in site.path
+        if isinstance(p, LayerNumbering)
+    ]

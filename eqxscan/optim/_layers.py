@@ -1,10 +1,6 @@
-"""Optimiser helpers that know about the layer axis of [`eqxscan.Stacked`][].
-
-Stacking adds a leading axis to every array of a layer, so the usual rules of
-thumb that read `ndim` (decay matrices, not biases or norm scales) and the usual
-ways of freezing part of a model (`eqx.partition`, masks per leaf) no longer see
-layers. These helpers count the layer axes away and select layers by index.
-"""
+"""A weight-decay mask that counts the layer axes away, and freezing of layers
+chosen by index: stacking adds a leading axis to every array, which rules that
+read `ndim` and freezing by leaf (`eqx.partition`) do not see."""
 
 from collections.abc import Callable, Sequence
 from typing import SupportsIndex
@@ -16,36 +12,17 @@ import optax
 from jaxtyping import PyTree
 
 from .._internal import check_index, Site, Stacked, walk
-from ._arrays import is_array
-
-
-def _is_stacked(x: object) -> bool:
-    return isinstance(x, Stacked)
+from ._arrays import is_array, is_stacked
 
 
 def weight_decay_mask(params: PyTree, *, min_ndim: int = 2) -> PyTree[bool]:
     """Which arrays to decay: those with at least `min_ndim` axes per layer.
 
-    The common rule "decay weight matrices, not biases or norm scales" is
-    usually written `lambda p: jax.tree.map(lambda a: a.ndim >= 2, p)`. Inside a
-    [`eqxscan.Stacked`][] every array has an extra leading layer axis, so that
-    rule also decays the stacked biases and norm scales (shape `[L, D]`). This
-    mask counts each enclosing layer axis away (nested `Stacked`s, e.g. the
-    repeated patterns of an [`eqxscan.Chain`][], count once each), so a stacked
-    model is decayed exactly like the same layers kept in a list.
-
-    !!! example
-
-        ```python
-        import equinox as eqx, jax, optax, eqxscan
-
-        stack = eqxscan.Stacked(
-            lambda k: eqx.nn.Linear(8, 8, key=k), 4, key=jax.random.key(0)
-        )
-        mask = eqxscan.optim.weight_decay_mask(stack)
-        assert mask.layers.weight and not mask.layers.bias
-        optimiser = optax.adamw(1e-3, mask=eqxscan.optim.weight_decay_mask)
-        ```
+    The usual rule `lambda p: jax.tree.map(lambda a: a.ndim >= 2, p)` also
+    decays the biases and norm scales of a [`eqxscan.Stacked`][] (`[L, D]`).
+    This mask counts each enclosing layer axis away (nested `Stacked`s, e.g. an
+    [`eqxscan.Chain`][]'s repeated patterns, once each): a stacked model is
+    decayed exactly like the same layers kept in a list.
 
     **Arguments:**
 
@@ -55,9 +32,9 @@ def weight_decay_mask(params: PyTree, *, min_ndim: int = 2) -> PyTree[bool]:
 
     **Returns:**
 
-    A pytree like `params` with `True` for each array to decay and `False` for
-    every other leaf: what `optax.adamw(mask=...)` and `optax.masked` take.
-    Pass the function itself as `mask` (it is called with the parameters).
+    A pytree like `params`, `True` for each array to decay and `False` for
+    every other leaf, for `optax.adamw(mask=...)` and `optax.masked` (pass the
+    function itself as `mask`: it is called with the parameters).
     """
 
     def decay(leaf: object, site: Site) -> bool | None:
@@ -71,32 +48,28 @@ def weight_decay_mask(params: PyTree, *, min_ndim: int = 2) -> PyTree[bool]:
 LayerSelection = SupportsIndex | slice | Sequence[SupportsIndex]
 
 
-def _layer_flags(layers: LayerSelection, num_layers: int) -> tuple[bool, ...]:
-    """One flag per layer: whether `layers` selects it (indices as for a list)."""
+def _zero_layers(stack: Stacked, layers: LayerSelection, zero: float) -> Stacked:
+    """`stack` with every array leaf set to `zero` on the layers `layers` selects
+    (indices as for a list)."""
+    n = stack.num_layers
     if isinstance(layers, slice):
-        chosen = set(range(num_layers)[layers])
+        chosen = set(range(n)[layers])
     else:
-        items = layers if isinstance(layers, Sequence) else [layers]
         chosen = set()
-        for item in items:
+        for item in layers if isinstance(layers, Sequence) else [layers]:
             if isinstance(item, bool) or not hasattr(type(item), "__index__"):
                 raise TypeError(
                     "Layers to freeze must be given as an int, a slice, a range or "
                     f"a sequence of ints, got {type(item).__name__} ({item!r})."
                 )
             hint = "freeze_layers takes concrete layer indices."
-            chosen.add(check_index(item, num_layers, "Stacked", hint))
-    return tuple(i in chosen for i in range(num_layers))
-
-
-def _zero_layers(stack: Stacked, flags: tuple[bool, ...], zero: float) -> Stacked:
-    """`stack` with every array leaf set to `zero` on the flagged layers."""
-    frozen = jnp.asarray(flags)
+            chosen.add(check_index(item, n, "Stacked", hint))
+    frozen = jnp.asarray([i in chosen for i in range(n)])
 
     def zero_out(a: object) -> object:
         if not is_array(a):
             return a
-        where = frozen.reshape((len(flags),) + (1,) * (a.ndim - 1))
+        where = frozen.reshape((n,) + (1,) * (a.ndim - 1))
         return jnp.where(where, jnp.asarray(zero, a.dtype), a)
 
     # A Stacked's only pytree children are its layers' leaves.
@@ -104,15 +77,11 @@ def _zero_layers(stack: Stacked, flags: tuple[bool, ...], zero: float) -> Stacke
 
 
 def _stacks(tree: PyTree) -> list[Stacked]:
-    return [n for n in jtu.tree_leaves(tree, is_leaf=_is_stacked) if _is_stacked(n)]
+    return [n for n in jtu.tree_leaves(tree, is_leaf=is_stacked) if is_stacked(n)]
 
 
-def _select(
-    tree: PyTree, where: Callable[[PyTree], PyTree] | None
-) -> Callable[[PyTree], PyTree]:
-    """A `where` for `eqx.tree_at` that picks the `Stacked`(s) to freeze."""
-    if where is not None:
-        return where
+def _select(tree: PyTree) -> Stacked:
+    """The one outermost `Stacked` of `tree`, when no `where` picks them."""
     found = _stacks(tree)
     if len(found) != 1:
         raise ValueError(
@@ -121,7 +90,7 @@ def _select(
             "indices refer to. Pass `where=lambda model: model.blocks` (any "
             "function returning the Stacked, or a tuple of them)."
         )
-    return lambda tree: _stacks(tree)[0]
+    return found[0]
 
 
 def freeze_layers(
@@ -133,32 +102,10 @@ def freeze_layers(
     """Run `inner` with layers `layers` of a [`eqxscan.Stacked`][] frozen.
 
     `eqx.partition` cannot select part of a layer axis, and zeroing only the
-    gradients of frozen layers still moves them through AdamW's weight decay.
-    This wrapper zeroes the frozen layers' gradients before `inner` (so, e.g., a
-    global-norm clip sees only the trained layers) and their updates after it
-    (so weight decay cannot reach them): frozen layers stay bit-identical after
-    any number of steps, and the other layers train exactly as they would on
-    their own.
-
-    !!! example
-
-        ```python
-        import equinox as eqx, jax, jax.numpy as jnp, optax, eqxscan
-
-        stack = eqxscan.Stacked(
-            lambda k: eqx.nn.Linear(8, 8, key=k), 4, key=jax.random.key(0)
-        )
-        # Layers 0 and 1 frozen; weight decay cannot reach them either.
-        sgdw = optax.chain(optax.add_decayed_weights(0.1), optax.sgd(1e-2))
-        optimiser = eqxscan.optim.freeze_layers(sgdw, range(0, 2))
-        params = eqx.filter(stack, eqx.is_inexact_array)
-        state = optimiser.init(params)
-        grads = eqx.filter_grad(lambda m: jnp.sum(m(jnp.ones(8)) ** 2))(stack)
-        updates, state = optimiser.update(grads, state, params)
-        new = eqx.apply_updates(stack, updates)
-        assert (new.layers.weight[:2] == stack.layers.weight[:2]).all()
-        assert not (new.layers.weight[2:] == stack.layers.weight[2:]).all()
-        ```
+    gradients still lets AdamW's weight decay move frozen layers. This zeroes
+    the frozen layers' gradients before `inner` (a global-norm clip sees only
+    the trained layers) and their updates after it (weight decay cannot reach
+    them): frozen layers stay bit-identical, the others train as on their own.
 
     **Arguments:**
 
@@ -176,24 +123,17 @@ def freeze_layers(
     """
 
     def freeze(tree: PyTree, zero: float) -> PyTree:
-        select = _select(tree, where)
+        select = _select if where is None else where
         picked = select(tree)
         for stack in picked if isinstance(picked, (tuple, list)) else (picked,):
-            if not _is_stacked(stack):
+            if not is_stacked(stack):
                 raise TypeError(
                     f"freeze_layers: `where` returned a {type(stack).__name__}, "
                     "not an eqxscan.Stacked (or a tuple of them)."
                 )
         return eqx.tree_at(
-            select,
-            tree,
-            replace_fn=lambda s: _zero_layers(
-                s, _layer_flags(layers, s.num_layers), zero
-            ),
+            select, tree, replace_fn=lambda s: _zero_layers(s, layers, zero)
         )
-
-    def init(params: PyTree) -> PyTree:
-        return inner.init(params)
 
     def update(
         updates: PyTree, state: PyTree, params: PyTree = None
@@ -202,4 +142,4 @@ def freeze_layers(
         # `p + (-0.0)` is `p` bit for bit, signed zeros included (`+0.0` is not).
         return freeze(updates, -0.0), state
 
-    return optax.GradientTransformation(init, update)
+    return optax.GradientTransformation(inner.init, update)

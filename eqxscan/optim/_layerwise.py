@@ -1,13 +1,8 @@
-"""`layerwise`: any optax transformation run on each layer of a stack on its own.
+"""`layerwise`: any optax transformation run on each layer of a stack on its own,
+under `jax.vmap` over each stack's layer axis, and once more, unbatched, on the
+arrays outside every stack."""
 
-An optax transformation that reasons per array (Muon's `ndim == 2` rule, LAMB and
-LARS trust ratios, `clip_by_block_rms`, Adafactor's factored moments, masks that
-read `ndim`) sees one `[L, ...]` array where the unstacked model had `L` arrays.
-`layerwise` gives it back the layers: it runs the transformation under
-`jax.vmap` over each stack's layer axis, and once more, unbatched, on the arrays
-outside every stack.
-"""
-
+import functools
 from typing import NamedTuple
 
 import equinox as eqx
@@ -17,29 +12,22 @@ import optax
 from jaxtyping import PyTree
 
 from .._internal import Stacked
+from ._arrays import is_stacked
 
 
 class LayerwiseState(NamedTuple):
     """The state of [`eqxscan.optim.layerwise`][].
 
-    - `rest`: the inner transformation's state for the arrays outside every
-      `Stacked`.
-    - `stacks`: one state per outermost `Stacked` of the parameters, in
-      `jax.tree_util` order: the inner transformation's state (a
-      `LayerwiseState` again where the layers hold stacks), each array with the
-      stack's layer axis in front (the state of layer `i` is row `i`).
-      Per-parameter buffers (Adam's `mu`, `nu`, ...) are laid out like the
-      whole parameter tree, `None` outside their stack, so they match the
-      parameters as optax's own states do (e.g. for
-      [`eqxscan.sharding.opt_state_shardings`][]).
+    - `rest`: the inner state for the arrays outside every `Stacked`.
+    - `stacks`: one inner state per outermost `Stacked`, in `jax.tree_util`
+      order (a `LayerwiseState` again where the layers hold stacks), layer `i`'s
+      in row `i`. Per-parameter buffers (Adam's `mu`, `nu`, ...) are laid out
+      like the whole parameter tree, `None` outside their stack, as optax's own
+      are (e.g. for [`eqxscan.sharding.opt_state_shardings`][]).
     """
 
     rest: PyTree
     stacks: tuple[PyTree, ...]
-
-
-def _is_stacked(x: object) -> bool:
-    return isinstance(x, Stacked)
 
 
 def _is_placeholder(x: object) -> bool:
@@ -50,30 +38,27 @@ def _is_placeholder(x: object) -> bool:
 
 def _stacks(tree: PyTree) -> list[tuple[str, Stacked]]:
     """The outermost `Stacked`s of `tree` with their key paths, in leaf order."""
-    found = jtu.tree_flatten_with_path(tree, is_leaf=_is_stacked)[0]
-    return [(jtu.keystr(path), node) for path, node in found if _is_stacked(node)]
+    found = jtu.tree_flatten_with_path(tree, is_leaf=is_stacked)[0]
+    return [(jtu.keystr(path), node) for path, node in found if is_stacked(node)]
 
 
 def _outside(tree: PyTree) -> PyTree:
     """`tree` with every array inside a `Stacked` replaced by `None`."""
 
     def clear(node: object) -> object:
-        return jtu.tree_map(lambda _: None, node) if _is_stacked(node) else node
+        return jtu.tree_map(lambda _: None, node) if is_stacked(node) else node
 
-    return jtu.tree_map(clear, tree, is_leaf=_is_stacked)
+    return jtu.tree_map(clear, tree, is_leaf=is_stacked)
 
 
 def _with_layers(tree: PyTree, new: dict[int, PyTree]) -> PyTree:
     """`tree` with the layers of its `j`-th outermost `Stacked` set to `new[j]`."""
-    nodes, treedef = jtu.tree_flatten(tree, is_leaf=_is_stacked)
-    j = 0
-    for i, node in enumerate(nodes):
-        if _is_stacked(node):
-            if j in new:
-                nodes[i] = eqx.tree_at(
-                    lambda s: s.layers, node, new[j], is_leaf=_is_placeholder
-                )
-            j += 1
+    nodes, treedef = jtu.tree_flatten(tree, is_leaf=is_stacked)
+    at = [i for i, node in enumerate(nodes) if is_stacked(node)]
+    for j, layers in new.items():
+        nodes[at[j]] = eqx.tree_at(
+            lambda s: s.layers, nodes[at[j]], layers, is_leaf=_is_placeholder
+        )
     return jtu.tree_unflatten(treedef, nodes)
 
 
@@ -101,9 +86,9 @@ def _check_layers(where: str, stack: Stacked) -> None:
 
 
 def _embed(state: PyTree, tree: PyTree, j: int, layers: PyTree) -> PyTree:
-    """`state` (of stack `j`'s layers) with each per-parameter buffer, a subtree
-    of the type and structure of `layers`, put in place of that stack's layers in
-    an otherwise empty copy of `tree`: the layout of optax's own buffers."""
+    """`state` (of stack `j`'s layers) with each per-parameter buffer (a subtree
+    like `layers`) put in place of those layers in an empty copy of `tree`: the
+    layout of optax's own buffers."""
     target = jtu.tree_structure(layers, is_leaf=_is_placeholder)
     if jtu.treedef_is_leaf(target):  # a bare array cannot be told from a count
         return state
@@ -142,8 +127,8 @@ def _update(
     tx: optax.GradientTransformationExtraArgs,
     updates: PyTree,
     state: object,
-    params: PyTree | None,
-    extra_args: dict[str, object],
+    params: PyTree | None = None,
+    **extra_args: object,
 ) -> tuple[PyTree, LayerwiseState]:
     stacks = _stacks(updates)
     param_stacks = [None] * len(stacks) if params is None else _stacks(params)
@@ -183,7 +168,7 @@ def _update(
 
         def one(u: PyTree, s: PyTree, p: PyTree) -> tuple[PyTree, PyTree]:
             if _stacks(u):
-                return _update(tx, u, s, p, extra_args)
+                return _update(tx, u, s, p, **extra_args)
             return tx.update(u, s, p, **extra_args)
 
         layer_state = jtu.tree_unflatten(treedef, leaves)
@@ -199,25 +184,22 @@ def layerwise(
     """Run `tx` on each layer of every [`eqxscan.Stacked`][] on its own, as on the
     unstacked model.
 
-    Stacking turns `L` arrays of shape `[D, 4D]` into one `[L, D, 4D]` array, and
-    optax transformations that look at a whole array then mean something else:
-    `optax.contrib.muon` sends every array with `ndim != 2` to Adam, LAMB and
-    LARS take one trust ratio for all layers, `clip_by_block_rms` clips the stack
-    as one block, Adafactor factors the wrong axes, and masks that read `ndim`
-    select the stacked biases. `layerwise(tx)` runs `tx` under `jax.vmap` over
-    each stack's layer axis (nested stacks, e.g. a repeated pattern of a
-    [`eqxscan.Chain`][], once per axis) and once, as usual, on the arrays outside
-    every stack; training a stacked model with `layerwise(tx)` then equals
-    training the same layers kept in a list with `tx`.
+    On a stacked `[L, D, 4D]` array, transformations that look at a whole array
+    mean something else: `optax.contrib.muon` sends every array with `ndim != 2`
+    to Adam, LAMB and LARS take one trust ratio for all layers,
+    `clip_by_block_rms` clips the stack as one block, Adafactor factors the
+    wrong axes, masks that read `ndim` select the stacked biases. `layerwise(tx)`
+    runs `tx` under `jax.vmap` over each stack's layer axis (nested stacks, e.g.
+    an [`eqxscan.Chain`][]'s repeated pattern, once per axis) and once on the
+    arrays outside every stack: it then trains as `tx` on the layers in a list.
 
-    What `tx` sees is one layer at a time, so a reduction inside it is per layer
-    too: `layerwise(optax.chain(optax.clip_by_global_norm(1.0), ...))` clips
-    each layer to norm 1. Keep global reductions outside:
+    A reduction inside `tx` is per layer (a global-norm clip inside clips each
+    layer); keep global ones outside:
     `optax.chain(optax.clip_by_global_norm(1.0), layerwise(optax.adamw(1e-3)))`.
     Masks given as functions (`optax.masked(..., weight_decay_mask)`, `adamw`'s
-    `mask=`) are called with one layer's parameters inside, with the whole
-    tree outside; [`eqxscan.optim.freeze_layers`][] goes outside
-    (`freeze_layers(layerwise(tx), ...)`), since it selects layers of a stack.
+    `mask=`) get one layer's parameters inside, the whole tree outside;
+    [`eqxscan.optim.freeze_layers`][] selects layers of a stack, so it goes
+    outside: `freeze_layers(layerwise(tx), ...)`.
 
     !!! example
 
@@ -254,16 +236,6 @@ def layerwise(
             "function that builds one."
         )
     inner = optax.with_extra_args_support(tx)
-
-    def init(params: PyTree) -> LayerwiseState:
-        return _init(inner, params)
-
-    def update(
-        updates: PyTree,
-        state: object,
-        params: PyTree | None = None,
-        **extra_args: object,
-    ) -> tuple[PyTree, LayerwiseState]:
-        return _update(inner, updates, state, params, extra_args)
-
-    return optax.GradientTransformationExtraArgs(init, update)
+    return optax.GradientTransformationExtraArgs(
+        functools.partial(_init, inner), functools.partial(_update, inner)
+    )

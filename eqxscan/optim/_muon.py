@@ -1,13 +1,9 @@
-"""Muon on stacked layers, with the layer axes as Newton–Schulz batch axes.
-
-`optax.contrib.muon` decides per leaf: a leaf with exactly two axes is
-orthogonalised, every other leaf goes to its AdamW branch. A stacked weight
-`[L, D_out, D_in]` has three axes, so by default it silently gets AdamW. Given
-`MuonDimensionNumbers` naming the per-layer matrix axes, optax treats every
-other axis as a batch axis and orthogonalises all layers in one batched
-Newton–Schulz iteration (a `jax.vmap`, so batched matrix products, not a loop).
+"""Muon on stacked layers: `optax.contrib.muon` gives a stacked weight (three
+axes) its AdamW branch unless `MuonDimensionNumbers` name the per-layer matrix
+axes; then the layer axes are batch axes of one batched Newton–Schulz iteration.
 """
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -26,31 +22,11 @@ def muon_dimension_numbers(params: PyTree) -> PyTree:
     with [`eqxscan.Stacked`][] layers: Muon for exactly the arrays optax's
     default would give Muon if the layers were kept in a list.
 
-    An array with two axes per layer (after counting away the layer axes of
-    every enclosing `Stacked`: nested stacks and the repeated patterns of an
-    [`eqxscan.Chain`][] count once each) is a Muon matrix; its layer axes are
-    batch axes, so each layer's matrix is orthogonalised on its own, all layers
-    at once. Per layer, the first matrix axis is the reduction axis and the
-    second the output axis, as optax's default reads an unstacked matrix (an
-    `eqx.nn.Linear` weight `[out, in]` is read the same way it is without
-    stacking). Every other array (per-layer vectors and scalars, tensors with
-    more than two axes per layer) gets `None`: optax's AdamW branch.
-
-    !!! example
-
-        ```python
-        import equinox as eqx, jax, optax, eqxscan
-
-        stack = eqxscan.Stacked(
-            lambda k: eqx.nn.Linear(8, 16, key=k), 4, key=jax.random.key(0)
-        )
-        dims = eqxscan.optim.muon_dimension_numbers(stack)
-        assert dims.layers.weight == optax.contrib.MuonDimensionNumbers(1, 2)
-        assert dims.layers.bias is None
-        optimiser = optax.contrib.muon(
-            1e-3, muon_weight_dimension_numbers=eqxscan.optim.muon_dimension_numbers
-        )
-        ```
+    An array with two axes per layer (after one axis per enclosing `Stacked`,
+    an [`eqxscan.Chain`][]'s repeated patterns included) is a Muon matrix, its
+    layer axes batch axes; per layer, axis 0 is the reduction axis and axis 1
+    the output axis, as optax reads an unstacked matrix. Every other array gets
+    `None`: optax's AdamW branch.
 
     **Arguments:**
 
@@ -59,9 +35,9 @@ def muon_dimension_numbers(params: PyTree) -> PyTree:
 
     **Returns:**
 
-    A pytree like `params` with an `optax.contrib.MuonDimensionNumbers` for each
-    Muon array and `None` everywhere else. Pass the function itself as
-    `muon_weight_dimension_numbers` (optax calls it with the parameters).
+    A pytree like `params`, an `optax.contrib.MuonDimensionNumbers` for each
+    Muon array and `None` elsewhere. Pass the function itself as
+    `muon_weight_dimension_numbers`.
     """
 
     def dims(leaf: object, site: Site) -> MuonDimensionNumbers | None:
@@ -77,27 +53,12 @@ def muon(
     learning_rate: optax.ScalarOrSchedule, **muon_kwargs: Any
 ) -> optax.GradientTransformation:
     """`optax.contrib.muon` for models with [`eqxscan.Stacked`][] layers: each
-    layer's weight matrices are orthogonalised as if the layers were kept in a
-    list, all layers in one batched Newton–Schulz iteration.
+    layer's matrices are orthogonalised as if the layers were kept in a list,
+    all layers in one batched Newton–Schulz iteration.
 
     The same as `optax.contrib.muon(learning_rate, ...,
-    muon_weight_dimension_numbers=eqxscan.optim.muon_dimension_numbers)`; see
-    [`eqxscan.optim.muon_dimension_numbers`][] for which arrays get Muon (the
-    others get optax's AdamW branch, elementwise, so per layer as well).
-
-    !!! example
-
-        ```python
-        import equinox as eqx, jax, jax.numpy as jnp, eqxscan
-
-        model = eqxscan.StackedMLP(8, 4, key=jax.random.key(0))
-        optimiser = eqxscan.optim.muon(1e-2)
-        params = eqx.filter(model, eqx.is_inexact_array)
-        state = optimiser.init(params)
-        grads = eqx.filter_grad(lambda m: jnp.sum(m(jnp.ones(8)) ** 2))(model)
-        updates, state = optimiser.update(grads, state, params)
-        model = eqx.apply_updates(model, updates)
-        ```
+    muon_weight_dimension_numbers=eqxscan.optim.muon_dimension_numbers)` (see
+    there for which arrays get Muon; the others get optax's elementwise AdamW).
 
     **Arguments:**
 
@@ -110,9 +71,8 @@ def muon(
 
     **Returns:**
 
-    An `optax.GradientTransformation`. (Its updates run under JAX's standard
-    dtype promotion, as optax's Muon needs, also where a program sets
-    `jax_numpy_dtype_promotion="strict"`.)
+    An `optax.GradientTransformation`, run under JAX's standard dtype promotion
+    (as optax's Muon needs) even where `jax_numpy_dtype_promotion="strict"`.
     """
     if "muon_weight_dimension_numbers" in muon_kwargs:
         raise TypeError(
@@ -136,16 +96,12 @@ def muon(
     )
 
     # optax's bias correction raises a float to the int32 step count, which
-    # `jax_numpy_dtype_promotion="strict"` rejects; optax is written for the
-    # standard rules, so its update runs under them.
-    def init(params: PyTree) -> PyTree:
-        with jax.numpy_dtype_promotion("standard"):
-            return inner.init(params)
+    # `jax_numpy_dtype_promotion="strict"` rejects: optax runs under the standard.
+    def standard(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with jax.numpy_dtype_promotion("standard"):
+                return fn(*args, **kwargs)
 
-    def update(
-        updates: PyTree, state: PyTree, params: PyTree = None
-    ) -> tuple[PyTree, PyTree]:
-        with jax.numpy_dtype_promotion("standard"):
-            return inner.update(updates, state, params)
+        return run
 
-    return optax.GradientTransformation(init, update)
+    return optax.GradientTransformation(standard(inner.init), standard(inner.update))

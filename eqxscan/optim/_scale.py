@@ -1,22 +1,15 @@
-"""Layer-wise learning rates: each layer's update scaled by a function of its index.
-
-Layers are numbered as their state-dict names number them (see
-[`eqxscan.to_state_dict`][]): a `Stacked`'s layers from 0, and a `Chain`'s by
-their index in the chain, across its scanned runs, lone layers and repeated
-units. Each stacked array gets its scales as one constant of the shape of its
-layer axes, broadcast over the per-layer axes: one multiply per array, no
-unstacking.
-"""
+"""Layer-wise learning rates: each layer's update scaled by a function of its
+index, as one constant per stacked array broadcast over its per-layer axes."""
 
 from collections.abc import Callable
 
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jaxtyping import Array, ArrayLike, PyTree
+from jaxtyping import ArrayLike, PyTree
 
 from .._internal import check_callable, LayerNumbering, pattern, Site, walk
-from ._arrays import is_array
+from ._arrays import is_array, layer_numbers
 
 
 def _scalar(fn: Callable[[int], ArrayLike], index: int, where: str) -> ArrayLike:
@@ -47,43 +40,28 @@ def layerwise_scale(
     fine-tuning.
 
     The same as `optax.multi_transform` with one label per layer, each label's
-    transform `optax.scale(fn(i))`, on the model with its layers kept in a list.
+    transform `optax.scale(fn(i))`, on the model with its layers in a list.
 
-    Layer indices are the numbers in the parameters' state-dict names (see
-    [`eqxscan.to_state_dict`][]): a [`eqxscan.Stacked`][] numbers its layers
-    from 0; an [`eqxscan.Chain`][] numbers its layers by their index in the
-    chain, across stacks, lone layers and repeated patterns (so the layer
-    called `"layers.7.weight"` is scaled by `fn(7)`). A `Stacked` nested inside
-    a layer is part of that layer: all its arrays get the enclosing layer's
-    factor. Separate stacks (e.g. an encoder's and a decoder's) each number
-    their layers from 0; give each its own `layerwise_scale` with
-    `optax.partition` to scale them differently.
-
-    !!! example
-
-        ```python
-        import optax, eqxscan
-
-        num_layers, decay = 12, 0.8
-        # The top layer trains at the full rate, each one below at 0.8 times it.
-        optimiser = optax.chain(
-            optax.adamw(1e-4),
-            eqxscan.optim.layerwise_scale(lambda i: decay ** (num_layers - 1 - i)),
-        )
-        ```
+    Layer indices are the numbers of the state-dict names
+    ([`eqxscan.to_state_dict`][]): a [`eqxscan.Stacked`][]'s from 0, an
+    [`eqxscan.Chain`][]'s by index in the chain, across stacks, lone layers and
+    repeated patterns (`"layers.7.weight"` is scaled by `fn(7)`). A `Stacked`
+    nested inside a layer gets that layer's factor. Separate stacks (an
+    encoder's and a decoder's) each count from 0; give each its own
+    `layerwise_scale` with `optax.partition` to scale them differently.
 
     **Arguments:**
 
-    - `fn`: called with each layer's index (an `int`) when the update is traced,
-      it returns that layer's factor (a real number).
+    - `fn`: called with each layer's index (an `int`) when the update is
+      traced; returns that layer's factor (a real number).
     - `unstacked`: the factor for arrays outside any `Stacked` or `Chain`
       (embeddings, heads, final norms).
 
     **Returns:**
 
-    A stateless `optax.GradientTransformation`; chain it after the optimiser
-    (it scales updates, so `optax.chain(optax.adamw(lr), layerwise_scale(fn))`
-    gives each layer the learning rate `lr * fn(i)`).
+    A stateless `optax.GradientTransformation` that scales updates: chained
+    after the optimiser, `optax.chain(optax.adamw(lr), layerwise_scale(fn))`
+    gives each layer the learning rate `lr * fn(i)`.
     """
     check_callable("layerwise_scale's fn", fn)
     if isinstance(unstacked, bool) or not isinstance(unstacked, (int, float)):
@@ -109,26 +87,16 @@ def layerwise_scale(
             first = next((p for p in site.path if isinstance(p, LayerNumbering)), None)
             if first is None:
                 return leaf if unstacked == 1.0 else leaf * unstacked
-            return leaf * _factors(leaf, site, first, factor)
+            # One factor per index along the outermost stack's (or Chain's) axes.
+            skip = len(site.axes) - len(first.strides)
+            index = layer_numbers(site)[0][(...,) + (0,) * skip]
+            where = pattern(site.path)
+            values = [
+                jnp.asarray(factor(int(i), where), leaf.dtype) for i in index.flat
+            ]
+            shape = index.shape + (1,) * (leaf.ndim - index.ndim)
+            return leaf * jnp.stack(values).reshape(shape)
 
         return walk(scale, updates, names=True), state
 
     return optax.GradientTransformation(optax.init_empty_state, update)
-
-
-def _factors(
-    leaf: Array | np.ndarray,
-    site: Site,
-    first: LayerNumbering,
-    factor: Callable[[int, str], ArrayLike],
-) -> Array:
-    """The factors of `leaf`'s layers, shaped to broadcast against it: one per
-    index along the layer axes of the outermost `Stacked` or `Chain`."""
-    axes = site.axes[: len(first.strides)]
-    index = np.full(axes, first.start, dtype=int)
-    for k, stride in enumerate(first.strides):
-        index = index + stride * np.indices(axes, dtype=int)[k]
-    where = pattern(site.path)
-    values = [jnp.asarray(factor(int(i), where), leaf.dtype) for i in index.ravel()]
-    shape = axes + (1,) * (leaf.ndim - len(axes))
-    return jnp.stack(values).reshape(shape)

@@ -1,45 +1,22 @@
-"""Per-layer norms of stacked arrays, for logging gradients, parameters or updates.
-
-Each stacked array's norms come from one reduction over its per-layer axes, so
-the layers are never unstacked and the function runs under `jax.jit`.
-"""
+"""Per-layer norms of stacked arrays, for logging gradients, parameters or
+updates: one reduction per array, no unstacking, under `jax.jit` too."""
 
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, PyTree
 
-from .._internal import for_each, LayerNumbering, pattern, Site
-from ._arrays import is_array
+from .._internal import for_each, pattern, Site
+from ._arrays import is_array, layer_numbers
 
 
 def _per_layer_norms(leaf: Array | np.ndarray, depth: int, ord: int | float) -> Array:
-    """The `ord`-norm of each layer's slice of `leaf` (its first `depth` axes are
-    layer axes), in at least float32."""
-    if jnp.issubdtype(leaf.dtype, jnp.inexact):
-        dtype = jnp.promote_types(leaf.dtype, jnp.float32)
-    else:
-        dtype = jnp.float32
+    """The `ord`-norm of each layer's slice of `leaf`, in at least float32."""
+    inexact = jnp.issubdtype(leaf.dtype, jnp.inexact)
+    dtype = jnp.promote_types(leaf.dtype, jnp.float32) if inexact else jnp.float32
     flat = leaf.astype(dtype).reshape(leaf.shape[:depth] + (-1,))
     if flat.shape[-1] == 0:  # no entries per layer: norm 0, as for an empty vector
         return jnp.zeros(flat.shape[:-1], jnp.real(flat).dtype)
     return jnp.linalg.norm(flat, ord=ord, axis=-1)
-
-
-def _positions(site: Site) -> tuple[list[np.ndarray], tuple[int, ...]]:
-    """For each layer-axis element of a leaf, the layer number of each layer
-    index in its name (one array per index, shaped like the layer axes), and
-    the number of layers of each enclosing container."""
-    indices = [p for p in site.path if isinstance(p, LayerNumbering)]
-    grid = np.indices(site.axes, dtype=int) if site.axes else np.zeros((0,), int)
-    numbers, axis = [], 0
-    for index in indices:
-        number = np.full(site.axes, index.start, dtype=int)
-        for stride in index.strides:
-            number = number + stride * grid[axis]
-            axis += 1
-        numbers.append(number)
-    sizes = tuple(num_layers for _, num_layers in site.enclosing)
-    return numbers, sizes
 
 
 def layer_norms(tree: PyTree, ord: int | float = 2) -> dict[str, Float[Array, "..."]]:
@@ -47,31 +24,18 @@ def layer_norms(tree: PyTree, ord: int | float = 2) -> dict[str, Float[Array, ".
     with the layer number shown as `*`.
 
     For logging gradients, parameters or updates of a model with
-    [`eqxscan.Stacked`][] layers without unstacking them: the norms of a stacked
-    array come from one reduction over its per-layer axes, and the function can
-    be called inside `jax.jit`.
+    [`eqxscan.Stacked`][] layers: one reduction over each stacked array's
+    per-layer axes, no unstacking, also inside `jax.jit`.
 
-    Keys are the names of [`eqxscan.to_state_dict`][] with each layer number
-    replaced by `*`: the weights `"blocks.0.w1"`, `"blocks.1.w1"`, ... of a
-    [`eqxscan.StackedMLP`][] are summarised as `"blocks.*.w1"`, an array of
-    shape `[L]` whose entry `i` is the norm of layer `i`'s `w1`. An
-    [`eqxscan.Chain`][]'s layers are numbered by their index in the chain, so
-    its stacks, lone layers and repeated patterns that share a name fill one
-    array of length `len(chain)`; a layer without that array (e.g. a lone layer
-    with no bias) has `nan` there. A `Stacked` nested inside a layer adds one
-    `*` and one axis (`"blocks.*.heads.*.weight"`, shape `[L, H]`). Arrays
-    outside any `Stacked` or `Chain` keep their plain name, with a scalar norm.
-
-    !!! example
-
-        ```python
-        import equinox as eqx, jax, jax.numpy as jnp, eqxscan
-
-        model = eqxscan.StackedMLP(8, 4, key=jax.random.key(0))
-        grads = eqx.filter_grad(lambda m: jnp.sum(m(jnp.ones(8)) ** 2))(model)
-        norms = jax.jit(eqxscan.optim.layer_norms)(grads)
-        assert norms["blocks.*.w1"].shape == (4,)
-        ```
+    Keys are [`eqxscan.to_state_dict`][]'s names with each layer number as `*`:
+    the `"blocks.0.w1"`, `"blocks.1.w1"`, ... of a [`eqxscan.StackedMLP`][] give
+    `"blocks.*.w1"`, of shape `[L]`, entry `i` the norm of layer `i`'s `w1`. An
+    [`eqxscan.Chain`][]'s stacks, lone layers and repeated patterns that share a
+    name fill one array of length `len(chain)` (layers numbered by their index
+    in the chain), `nan` for a layer without that array (e.g. a lone layer with
+    no bias). A `Stacked` nested inside a layer adds one `*` and one axis
+    (`"blocks.*.heads.*.weight"`, `[L, H]`). Arrays outside any `Stacked` or
+    `Chain` keep their plain name, with a scalar norm.
 
     **Arguments:**
 
@@ -97,22 +61,23 @@ def layer_norms(tree: PyTree, ord: int | float = 2) -> dict[str, Float[Array, ".
     def visit(leaf: object, site: Site) -> None:
         if is_array(leaf):
             norms = _per_layer_norms(leaf, site.depth, ord)
-            found.setdefault(pattern(site.path), []).append((norms, *_positions(site)))
+            sizes = tuple(num_layers for _, num_layers in site.enclosing)
+            parts = found.setdefault(pattern(site.path), [])
+            parts.append((norms, layer_numbers(site), sizes))
 
     for_each(visit, tree, names=True)
     return {name: _assemble(parts) for name, parts in found.items()}
 
 
 def _assemble(parts: list[tuple[Array, list[np.ndarray], tuple[int, ...]]]) -> Array:
-    """One array of norms for one name, from the arrays that carry it (several
-    for the groups of a `Chain`), indexed by layer number; `nan` where no array
-    has that layer."""
+    """One name's norms by layer number, from the arrays that carry it (several
+    for a `Chain`'s groups); `nan` where none has that layer."""
     shape = tuple(max(s) for s in zip(*(sizes for _, _, sizes in parts)))
     norms, numbers, _ = parts[0]
     flat = np.ravel_multi_index(numbers, shape) if shape else np.zeros((), int)
-    if len(parts) == 1 and np.array_equal(flat.ravel(), np.arange(flat.size)):
-        if flat.size == int(np.prod(shape)):  # the usual Stacked: already in order
-            return norms.reshape(shape)
+    in_order = np.array_equal(flat.ravel(), np.arange(int(np.prod(shape))))
+    if len(parts) == 1 and in_order:  # the usual Stacked
+        return norms.reshape(shape)
     dtype = jnp.result_type(*(n.dtype for n, _, _ in parts))
     out = jnp.full(shape, jnp.nan, dtype)
     for norms, numbers, _ in parts:

@@ -1,15 +1,8 @@
-"""Quantized models in safetensors files: `save`, `load`, and `quantize_file`,
-which quantizes a float checkpoint as it reads it, one layer of one weight at a
-time.
-
-A file holds a model's state dict ([`eqxscan.to_state_dict`][]'s names), so a
-`Quantized` at `blocks.*.w1` is stored as its fields: `blocks.3.w1.values`
-(int8, or uint8 for int4 and fp8) and `blocks.3.w1.scales` (float32) for layer 3.
-How each weight was quantized is in every file's metadata, under
-`"eqxscan.quant"`: a JSON object from the weight's name pattern (layer indices
-as `*`) to its `kind`, `group_size`, `orientation` and float `dtype`. Float
-arrays keep their names. The files are written and read by
-`eqxscan.checkpoint` (atomic, sharded, checked against their digests).
+"""Quantized models in safetensors files (`save`, `load`), and `quantize_file`,
+which quantizes a float checkpoint one layer of one weight at a time. A
+`Quantized` at `blocks.*.w1` is stored as `blocks.3.w1.values` and
+`blocks.3.w1.scales` for layer 3; each file's metadata `"eqxscan.quant"` maps
+each weight's name pattern to how it was quantized (docs/quantization.md#files).
 """
 
 import dataclasses
@@ -28,6 +21,7 @@ from .._internal import (
     describe as describe_value,
     is_arraylike,
     LayerNumbering,
+    pattern as name_pattern,
     Site,
     walk,
 )
@@ -89,23 +83,19 @@ class _Weight:
 def _layer_names(parts: tuple, axes: tuple[int, ...]) -> list[str]:
     # As `LayerNumbering` says: index `i` of the layer axes is layer
     # `start + sum(i[k] * strides[k])`, each numbering taking its own axes.
-    names = []
-    for index in np.ndindex(*axes):
-        at = iter(index)
-        names.append(
-            ".".join(
-                str(p.start + sum(next(at) * s for s in p.strides))
-                if isinstance(p, LayerNumbering)
-                else p
-                for p in parts
-            )
+    return [
+        ".".join(
+            str(p.start + sum(next(at) * s for s in p.strides))
+            if isinstance(p, LayerNumbering)
+            else p
+            for p in parts
         )
-    return names
+        for at in map(iter, np.ndindex(*axes))
+    ]
 
 
 def _weights(model: PyTree) -> tuple[list[_Weight], dict[str, str]]:
-    """The `Quantized`s of `model`, and its other arrays' name patterns (with
-    what they hold, for errors)."""
+    """The `Quantized`s of `model`, and what its other arrays hold by pattern."""
     marked = jtu.tree_map(
         lambda x: _At(x) if is_quantized(x) else x, model, is_leaf=is_quantized
     )
@@ -113,14 +103,12 @@ def _weights(model: PyTree) -> tuple[list[_Weight], dict[str, str]]:
     floats: dict[str, str] = {}
 
     def visit(leaf: object, site: Site) -> object:
-        pattern = ".".join(
-            "*" if isinstance(p, LayerNumbering) else p for p in site.path
-        )
         if isinstance(leaf, _At):
             names = _layer_names(site.path, site.axes)
-            quantized.append(_Weight(leaf.q, pattern, names))
+            quantized.append(_Weight(leaf.q, name_pattern(site.path), names))
         elif is_arraylike(leaf):
-            floats[pattern] = f"{jnp.dtype(leaf.dtype).name}{list(leaf.shape)}"
+            shape = f"{jnp.dtype(leaf.dtype).name}{list(leaf.shape)}"
+            floats[name_pattern(site.path)] = shape
         return leaf
 
     walk(visit, marked, names=True)
@@ -128,8 +116,8 @@ def _weights(model: PyTree) -> tuple[list[_Weight], dict[str, str]]:
 
 
 def _by_pattern(weights: list[_Weight]) -> dict[str, _Weight]:
-    """`weights` by name pattern: the stacks of a `Chain` share one, and must
-    then be quantized alike, as a file records one quantization per pattern."""
+    """`weights` by name pattern, which a `Chain`'s stacks share: then quantized
+    alike, as a file records one quantization per pattern."""
     found: dict[str, _Weight] = {}
     for w in weights:
         other = found.setdefault(w.pattern, w)
@@ -150,14 +138,12 @@ def save(
     *,
     max_shard_size: int | str | None = None,
 ) -> list[str]:
-    """Save a quantized model as safetensors: the stored values and scales of
-    each [`eqxscan.quant.Quantized`][] (`<name>.values`, `<name>.scales`, per
-    layer), its other arrays as [`eqxscan.save`][] names them, and how each
-    weight was quantized in the files' metadata.
-
-    Written as [`eqxscan.save_safetensors`][] writes: one file or Hugging
-    Face's sharded layout, one layer's slices gathered at a time, to temporary
-    files moved into place once all are written.
+    """Save a quantized model as safetensors: each
+    [`eqxscan.quant.Quantized`][]'s `<name>.values` and `<name>.scales` per
+    layer, the other arrays as [`eqxscan.save`][] names them, and how each
+    weight was quantized in the metadata. Written as
+    [`eqxscan.save_safetensors`][] writes (one file or Hugging Face's sharded
+    layout, through temporary files moved into place once all are written).
 
     **Arguments:**
 
@@ -184,8 +170,8 @@ def save(
 
 
 def _recorded(opened: Opened) -> dict[str, _Spec] | None:
-    """What the files' metadata records of each quantized weight; `None` for
-    files of another writer, which record nothing."""
+    """What the files' metadata records of each quantized weight (`None`: files
+    of another writer)."""
     texts = {file: meta.get(METADATA) for file, meta in opened.metadata.items()}
     found = {text for text in texts.values() if text is not None}
     if not found:
@@ -229,8 +215,7 @@ def _check_like(who: str, like: object) -> None:
 
 
 def _problems(opened: Opened, like: PyTree) -> list[tuple[str, str]]:
-    """What makes the files unfit for `like` before any array is read: each a
-    line and its hint."""
+    """What makes the files unfit for `like`, each a line and its hint."""
     weights, floats = _weights(like)
     quantized = _by_pattern(weights)
     recorded = _recorded(opened)
@@ -305,11 +290,10 @@ def load(path: str | os.PathLike, like: T) -> T:
     """Load a file written by [`eqxscan.quant.save`][] into a quantized model
     shaped like `like`.
 
-    Before any array is read, each weight's quantization in the file's
-    metadata (kind, group size, orientation, float dtype) is checked against
-    `like`'s, and names, shapes and dtypes as [`eqxscan.load`][] checks them;
-    each array is checked against its digest as it is read. The arrays load
-    bit for bit.
+    Before any array is read, each weight's recorded quantization (kind, group
+    size, orientation, float dtype) is checked against `like`'s, and names,
+    shapes and dtypes as [`eqxscan.load`][] checks them; each array is checked
+    against its digest as it is read. The arrays load bit for bit.
 
     **Arguments:**
 
@@ -325,11 +309,11 @@ def load(path: str | os.PathLike, like: T) -> T:
 
     **Raises:**
 
-    `ValueError` naming each weight quantized otherwise in the file (another
-    kind, group size, orientation or dtype), held as a float array on one side
-    and quantized on the other, and the keys, layers and shapes that differ;
-    `FileNotFoundError` and [`eqxscan.checkpoint.CorruptFileError`][] as
-    [`eqxscan.load_safetensors`][] raises them.
+    `ValueError` naming each weight quantized otherwise in the file, or float
+    on one side and quantized on the other, and the keys, layers and shapes
+    that differ; `FileNotFoundError` and
+    [`eqxscan.checkpoint.CorruptFileError`][] as [`eqxscan.load_safetensors`][]
+    raises them.
     """
     _check_like("eqxscan.quant.load", like)
     with open_safetensors(path) as opened:
@@ -345,9 +329,8 @@ def load(path: str | os.PathLike, like: T) -> T:
 
 
 class _Pending:
-    """One layer's `values` or `scales`, made when NumPy asks for it by
-    quantizing that layer's float weight, read then; the other of the pair is
-    kept until it is asked for."""
+    """One layer's `values` or `scales`, quantized from the float layer when
+    NumPy asks for it (the other of the pair kept until asked for)."""
 
     def __init__(self, layer: "_Layer", piece: int):
         self.layer, self.piece = layer, piece
@@ -391,9 +374,8 @@ class _Layer:
 
 
 def _quantizing(opened: Opened, qlike: PyTree) -> dict[str, object]:
-    """The state dict of the quantized model, each quantized weight's layers
-    made from the file's float arrays as they are asked for; after checking
-    each float layer's shape and dtype."""
+    """The quantized model's state dict, each quantized layer made from the
+    file's float array (its shape and dtype checked) when asked for."""
     layers = {n: w for w in _weights(qlike)[0] for n in w.names}
     state: dict[str, object] = {}
     wrong = []
@@ -438,13 +420,10 @@ def quantize_file(
 ) -> T:
     """Quantize a float safetensors checkpoint as it is read: the same model as
     `eqxscan.quant.quantize(eqxscan.load_safetensors(path, like,
-    names=name_map), targets, ...)`, bit for bit, without ever holding more
-    than one layer of one float weight beside the quantized model.
-
-    Each targeted weight is read one layer at a time (through `name_map`, e.g.
-    a Hugging Face Llama's, one file or sharded), quantized, and written into
-    its place in the quantized stack; the other arrays load as
-    `load_safetensors` loads them.
+    names=name_map), targets, ...)`, bit for bit, holding at most one layer of
+    one float weight beside the quantized model (each targeted weight is read,
+    quantized and placed one layer at a time; other arrays load as
+    `load_safetensors` loads them).
 
     **Arguments:**
 
@@ -455,7 +434,7 @@ def quantize_file(
     - `targets`, `kind`, `group_size`, `orientation`: as for
       [`eqxscan.quant.quantize`][].
     - `name_map`: a [`eqxscan.checkpoint.NameMap`][] from the file's names to
-      eqxscan's; by default the file holds eqxscan's own names.
+      eqxscan's (e.g. a Hugging Face Llama's); by default eqxscan's own.
 
     **Returns:**
 

@@ -42,9 +42,8 @@ def quantize(
 ) -> PyTree:
     """`model` with each targeted weight replaced by a [`eqxscan.quant.Quantized`][].
 
-    Inside an [`eqxscan.Stacked`][] (or an [`eqxscan.Chain`][]'s stacks) a weight is
-    quantized in every layer, each layer with its own scales; the `Quantized`'s
-    arrays have the layer axes in front, so a scan dequantizes one layer at a time.
+    Inside an [`eqxscan.Stacked`][] (or an [`eqxscan.Chain`][]'s stacks) every
+    layer is quantized with its own scales, and a scan dequantizes one at a time.
 
     **Arguments:**
 
@@ -108,8 +107,7 @@ def _quantized(
     orientation: Orientation,
     group_size: int | None,
 ) -> Quantized:
-    """`w` quantized, after checking it can be: floating, 2-D per layer, sizes
-    that divide, and finite in every layer."""
+    """`w` quantized, once floating, 2-D per layer, divisible and finite."""
     where = f"quantize: the target `{name}` ({describe(w)}, {depth} layer axes)"
     if not jnp.issubdtype(w.dtype, jnp.floating):
         raise TypeError(
@@ -149,8 +147,8 @@ def dequantize(model: PyTree) -> PyTree:
 
     **Arguments:**
 
-    - `model`: a model returned by [`eqxscan.quant.quantize`][] (also with LoRAs
-      over its quantized weights: their bases become float arrays).
+    - `model`: a model returned by [`eqxscan.quant.quantize`][] (LoRAs over its
+      quantized weights get float bases).
 
     **Returns:**
 

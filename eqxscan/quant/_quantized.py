@@ -1,12 +1,6 @@
 """`Quantized`: a weight stored as 8-bit, 4-bit or fp8 values with float scales,
-used where the weight was.
-
-A layer keeps its own code (`x @ self.w1`, or `self.weight @ x` as
-`eqx.nn.Linear` does): the product dequantizes the stored values and multiplies.
-Inside an [`eqxscan.Stacked`][] every array of a `Quantized` has the layer axes in
-front, like any other leaf, so the scan hands layer `i` its own slice and the
-float weight exists for one layer at a time, never for the whole stack.
-"""
+used where the weight was: the layer's own `x @ self.w1` dequantizes and
+multiplies, and inside a scan the float weight exists for one layer at a time."""
 
 from typing import Literal, NoReturn
 
@@ -15,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Shaped
-from numpy.typing import DTypeLike
 
 
 Orientation = Literal["x@W", "W@x"]
@@ -32,15 +25,6 @@ GROUP_SIZES = (32, 64, 128)
 
 # The largest magnitude each kind stores: the scale maps max|w| onto it.
 LIMIT = {"int8": 127.0, "int4": 7.0, "fp8": 448.0}
-
-DEQUANTIZE_HINT = (
-    "Hint: a Quantized computes only `x @ q` and `q @ x`; for anything else, "
-    "use `eqxscan.quant.dequantize(model)` to get float weights."
-)
-
-
-def _float_dtype(dtype: DTypeLike) -> np.dtype:
-    return jnp.dtype(dtype)
 
 
 def fp8_bits(values: Array) -> Array:
@@ -68,18 +52,16 @@ class Quantized(eqx.Module):
 
     (`g` is `group_size`.) Integers are symmetric: int8 in [-127, 127].
     `"fp8"` stores the bits of float8_e4m3fn values as uint8 (float8 values
-    given are converted): XLA:CPU cannot slice a float8 array, and converts a
-    whole stack of them to float16 before a scan.
+    given are converted): XLA:CPU cannot slice a float8 array. `"int4"` packs
+    input rows `2i` (low nibble) and `2i + 1` (high nibble) into one byte, each
+    a two's-complement 4-bit integer in [-7, 7]. A column (or group) of zeros
+    has scale 1. Inside an [`eqxscan.Stacked`][] each array has the layer axes
+    in front.
 
-    `"int4"` packs input rows `2i` (low nibble) and `2i + 1` (high nibble) into
-    one byte, each a two's-complement 4-bit integer in [-7, 7]. A column (or
-    group) of zeros has scale 1. Inside an [`eqxscan.Stacked`][] each array has
-    the layer axes in front.
-
-    `dtype` is the float dtype the layer sees (given as a dtype or its name,
+    `dtype` is the float dtype the layer sees (a dtype or its name,
     `"bfloat16"`; kept as a `numpy.dtype`); `.shape` and `.ndim` are the float
-    weight's. `name` is the weight's state-dict name (`"blocks.*.w1"`), for
-    error messages. Other array operations raise a `TypeError` pointing to
+    weight's; `name` is its state-dict name (`"blocks.*.w1"`), for errors.
+    Other array operations raise a `TypeError` pointing to
     [`eqxscan.quant.dequantize`][]. Build one with [`eqxscan.quant.quantize`][];
     one built by hand is checked against these layouts.
     """
@@ -89,7 +71,7 @@ class Quantized(eqx.Module):
     kind: Kind = eqx.field(static=True)
     orientation: Orientation = eqx.field(static=True)
     group_size: int | None = eqx.field(static=True)
-    dtype: np.dtype = eqx.field(static=True, converter=_float_dtype)
+    dtype: np.dtype = eqx.field(static=True, converter=jnp.dtype)
     name: str = eqx.field(static=True, default="")
 
     # NumPy's operators then return NotImplemented, so `np_array @ q` reaches
@@ -125,7 +107,10 @@ class Quantized(eqx.Module):
                 f"{where}: its input size {size_in} is not a multiple of "
                 f"group_size={self.group_size}." + hint
             )
-        expected = _scales_shape(self)
+        *layers, rows, cols = self.shape
+        groups = size_in // self.group_size if self.group_size else 1
+        x_at_w = self.orientation == "x@W"
+        expected = (*layers, groups, cols) if x_at_w else (*layers, rows, groups)
         if self.scales.shape != expected or self.scales.dtype != jnp.float32:
             raise ValueError(
                 f"{where}: {self.kind!r} values {_array(self.values)} "
@@ -148,24 +133,21 @@ class Quantized(eqx.Module):
         return self.values.ndim
 
     def stored_arrays(self) -> tuple[Array, Array]:
-        """`(values, scales)`: what [`eqxscan.sharding`][] shards as the float
-        weight this stands for (along the axes that weight is sharded on)."""
+        """`(values, scales)`, which [`eqxscan.sharding`][] shards as the float
+        weight."""
         return self.values, self.scales
 
     def dequantize(self) -> Array:
         """The float weight (of `dtype`), with the layer axes kept: per layer
         inside a scan's step, or the whole stack when called on the stack."""
-        values, scales = self.values, self.scales
-        if self.orientation == "W@x":  # the `[in, out]` layout, transposed back below
-            values, scales = jnp.swapaxes(values, -1, -2), jnp.swapaxes(scales, -1, -2)
+        values, scales = self._in_out()
         if self.kind == "int4":
             w = _grouped(unpack_int4(values), scales)
         elif self.kind == "fp8":
             w = _e4m3_to_float32(values) * scales
         else:
             w = values.astype(jnp.float32) * scales
-        w = w.astype(self.dtype)
-        return jnp.swapaxes(w, -1, -2) if self.orientation == "W@x" else w
+        return self._in_out(w.astype(self.dtype))[0]
 
     def __rmatmul__(self, x: Array | np.ndarray) -> Array:
         """`x @ q`, for orientation `"x@W"`: `x` is `[..., in]`."""
@@ -187,20 +169,21 @@ class Quantized(eqx.Module):
             return low @ x[..., 0::2, :] + high @ x[..., 1::2, :]
         return self.dequantize() @ x
 
-    def _int4_halves(self) -> tuple[Array, Array]:
+    def _in_out(self, *arrays: Array) -> tuple[Array, ...]:
+        # `arrays` (by default the stored ones) between the `[in, out]` layout
+        # and this orientation's: "W@x" stores the transpose.
+        arrays = arrays or (self.values, self.scales)
+        if self.orientation == "x@W":
+            return arrays
+        return tuple(jnp.swapaxes(a, -1, -2) for a in arrays)
+
+    def _int4_halves(self) -> tuple[Array, ...]:
         # The float weights of the even and of the odd input rows, each in the
         # stored layout: multiplying by both halves of `x` needs no interleaving
         # of the two nibbles, which XLA:CPU runs as slow elementwise copies.
-        values, scales = self.values, self.scales
-        if self.orientation == "W@x":
-            values, scales = jnp.swapaxes(values, -1, -2), jnp.swapaxes(scales, -1, -2)
-        signed = jax.lax.bitcast_convert_type(values, jnp.int8)
-        low = jnp.right_shift(jnp.left_shift(signed, jnp.int8(4)), jnp.int8(4))
-        high = jnp.right_shift(signed, jnp.int8(4))
-        halves = tuple(_grouped(h, scales).astype(self.dtype) for h in (low, high))
-        if self.orientation == "W@x":
-            return jnp.swapaxes(halves[0], -1, -2), jnp.swapaxes(halves[1], -1, -2)
-        return halves[0], halves[1]
+        values, scales = self._in_out()
+        halves = (_grouped(h, scales).astype(self.dtype) for h in _nibbles(values))
+        return self._in_out(*halves)
 
     def _check(
         self, op: str, orientation: Orientation, x: object, x_axis: int, w_axis: int
@@ -234,7 +217,9 @@ class Quantized(eqx.Module):
         raise TypeError(
             f"The Quantized weight at `{self.name or '<unnamed>'}` "
             f"({describe(self)}) supports only `x @ q` and `q @ x`, not this "
-            "operation.\n" + DEQUANTIZE_HINT
+            "operation.\nHint: a Quantized computes only `x @ q` and `q @ x`; for "
+            "anything else, use `eqxscan.quant.dequantize(model)` to get float "
+            "weights."
         )
 
     __add__ = __radd__ = __sub__ = __rsub__ = _unsupported
@@ -248,14 +233,6 @@ class Quantized(eqx.Module):
 
 def _array(a: Array) -> str:
     return f"{jnp.dtype(a.dtype).name}[{','.join(map(str, a.shape))}]"
-
-
-def _scales_shape(q: Quantized) -> tuple[int, ...]:
-    """The scales' shape that `q`'s values and group size call for."""
-    *layers, rows, cols = q.shape
-    size_in, out = (rows, cols) if q.orientation == "x@W" else (cols, rows)
-    groups = size_in // q.group_size if q.group_size else 1
-    return (*layers, groups, out) if q.orientation == "x@W" else (*layers, out, groups)
 
 
 def describe(q: Quantized) -> str:
@@ -272,9 +249,8 @@ def _grouped(values: Array, scales: Array) -> Array:
 
 
 def _e4m3_to_float32(bits: Array) -> Array:
-    """float8_e4m3fn bits (uint8, no NaN) as float32, exactly. Integer work
-    that fuses into the multiply: XLA:CPU's own float8 conversion is a slow
-    elementwise loop of its own (1.5x a float32 step's time)."""
+    """float8_e4m3fn bits (uint8, no NaN) as float32, exactly, by integer work
+    that fuses into the multiply (XLA:CPU's float8 conversion is a slow loop)."""
     u = bits.astype(jnp.uint32)
     magnitude = u & jnp.uint32(0x7F)
     # A normal value's exponent (bias 7) rebiased to float32's (127); below,
@@ -294,13 +270,17 @@ def pack_int4(q: Array) -> Array:
     return low | (high << jnp.uint8(4))
 
 
-def unpack_int4(packed: Array) -> Array:
-    """`pack_int4` undone: uint8 `[..., n, out]` to int8 `[..., 2n, out]`."""
+def _nibbles(packed: Array) -> tuple[Array, Array]:
+    """The low and the high nibbles of uint8 `packed`, as int8."""
     signed = jax.lax.bitcast_convert_type(packed, jnp.int8)
     # Arithmetic shifts sign-extend each nibble.
     low = jnp.right_shift(jnp.left_shift(signed, jnp.int8(4)), jnp.int8(4))
-    high = jnp.right_shift(signed, jnp.int8(4))
-    both = jnp.stack([low, high], axis=-2)  # [..., n, 2, out]
+    return low, jnp.right_shift(signed, jnp.int8(4))
+
+
+def unpack_int4(packed: Array) -> Array:
+    """`pack_int4` undone: uint8 `[..., n, out]` to int8 `[..., 2n, out]`."""
+    both = jnp.stack(_nibbles(packed), axis=-2)  # [..., n, 2, out]
     *layers, n, _, cols = both.shape
     return both.reshape(*layers, 2 * n, cols)
 
@@ -312,12 +292,11 @@ def quantize_array(
     group_size: int | None,
     name: str = "",
 ) -> Quantized:
-    """`w` (`[*layers, in, out]` for `"x@W"`, `[*layers, out, in]` for `"W@x"`)
-    quantized; shapes and sizes are checked by the caller."""
+    """`w` quantized; the caller checks shapes and sizes."""
     dtype = w.dtype
     w = w.astype(jnp.float32)
     if orientation == "W@x":
-        w = jnp.swapaxes(w, -1, -2)
+        w = jnp.swapaxes(w, -1, -2)  # and the stored arrays back below
     limit = LIMIT[kind]
     if kind == "int4":
         assert group_size is not None

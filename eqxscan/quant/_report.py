@@ -58,15 +58,14 @@ class Report:
             for r in self.rows
         ]
         widths = [max(len(row[i]) for row in [head, *body]) for i in range(4)]
-        lines = [
+        rule = tuple("-" * w for w in widths)
+        return "\n".join(
             "  ".join(
                 c.ljust(w) if i < 2 else c.rjust(w)
                 for i, (c, w) in enumerate(zip(row, widths))
             )
-            for row in [head, *body]
-        ]
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        return "\n".join(lines)
+            for row in [head, rule, *body]
+        )
 
 
 @eqx.filter_jit
