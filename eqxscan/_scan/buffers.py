@@ -314,12 +314,10 @@ def _check_same(old: PyTree, new: PyTree, who: str) -> None:
     # A layer's new slice must be laid out as the one it received.
     old_leaves, old_def = jtu.tree_flatten_with_path(old)
     new_leaves, new_def = jtu.tree_flatten(new)
-    if old_def != jtu.tree_structure(new) and not (
-        len(old_leaves) == len(new_leaves) == 0
-    ):
+    if old_def != new_def and (old_leaves or new_leaves):
         raise TypeError(
             f"{who} returned a buffer of another structure: it received "
-            f"{jtu.tree_structure(old)} and returned {new_def}.\nReturn "
+            f"{old_def} and returned {new_def}.\nReturn "
             "(x, buffer) with the buffer laid out as the layer received it."
         )
     for (path, a), b in zip(old_leaves, new_leaves):
