@@ -12,7 +12,6 @@ own keys (`jax.random.split(key, L)[i]`) are unchanged by dropping.
 """
 
 import dataclasses
-import math
 import numbers
 from collections.abc import Callable, Sequence
 from typing import TypeAlias
@@ -83,7 +82,7 @@ def check_rate(value: object, name: str) -> float:
             "Hint: a rate is the probability of dropping, e.g. 0.1."
         )
     rate = float(value)
-    if math.isnan(rate) or not 0.0 <= rate < 1.0:
+    if not 0.0 <= rate < 1.0:  # nan included
         raise ValueError(
             f"{name} must be in [0, 1), got {rate!r}.\nHint: a rate is the "
             "probability of dropping; 1 would drop every time (and drop-path "
