@@ -25,7 +25,7 @@ import jax.tree_util as jtu
 from jaxtyping import Array, Float, PyTree
 
 from .index import Index, index
-from .layer_index import setting
+from .layer_index import Run, setting
 
 
 Stat = Callable[..., PyTree]
@@ -211,9 +211,6 @@ def _attached(probe: Probe | None, i: Index, new: PyTree) -> PyTree:
         values, row = values[call.name], i
     dyn, rest = eqx.partition(new, eqx.is_inexact_array)
     return eqx.combine(_probed(probe.stat, dyn, index(values, row)), rest)
-
-
-Run = Callable[..., tuple[PyTree, PyTree]]
 
 
 def collected(run: Run) -> Run:
