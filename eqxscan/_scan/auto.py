@@ -1,19 +1,14 @@
 """The default: what `remat="auto"` and `unroll="auto"` pick, from the
 traced step's shapes.
 
-When the scan body is traced, every shape is known. `measure_traced` reads the
-jaxpr the engine traced the step to (once; nothing runs) and counts:
-
-- the bytes a plain scan would save per step for the backward pass (the
-  residuals of `jax.vjp` of the step, less the step's inputs and the values it
-  closes over, which a scan does not stack),
-- the same under the matmul-saving policy (`dots_with_no_batch_dims_saveable`),
-- the bytes of the carry and how many arrays it holds, and
-- the FLOPs of one step (`2·M·N·K` per matmul, one per element of everything else).
-
-`decide` turns those into a choice by two small rules, `unroll_rule` and
-`remat_rule`, over the numbers in `THRESHOLDS`; docs/default-remat.md
-has the rule's table and the measurements behind every threshold.
+`measure_traced` reads the jaxpr the engine traced the step to (nothing runs)
+and counts the bytes a plain scan saves per step for the backward pass (the
+residuals of `jax.vjp` of the step, less its inputs and consts, which a scan
+does not stack), the same under the matmul-saving policy, the carry's bytes and
+arrays, and the FLOPs of one step (`2·M·N·K` per matmul, one per element of
+everything else). `decide` turns those into a choice by two small rules,
+`unroll_rule` and `remat_rule`, over `THRESHOLDS`; docs/default-remat.md has
+the rule's table and the measurements behind every threshold.
 """
 
 import contextlib
@@ -76,12 +71,10 @@ class Thresholds:
 THRESHOLDS = Thresholds()
 
 UnrollRule: TypeAlias = Literal["given", "sharded", "short", "copies", "time", "scan"]
-"""Which rule set `unroll`: `"given"` (explicit, not `"auto"`), `"sharded"` (the
-layers may be sharded: 1), `"short"` (a short, small scan: `True`), `"copies"` (a
-short, small scan over layers whose weights unrolled would be copied at once,
-more than `unroll_copies`: 1), `"time"` (on
-CPU, a matmul-heavy scan over time with one carried array: `time_unroll`),
-`"scan"` (none of those: 1)."""
+"""Which rule set `unroll`: `"given"` (explicit), `"sharded"` (1), `"short"` (a
+short, small scan: `True`), `"copies"` (one whose other layers' weights unrolled
+would be copied at once: 1), `"time"` (on CPU, a matmul-heavy scan over time
+with one carried array: `time_unroll`), `"scan"` (none of those: 1)."""
 
 RematRule: TypeAlias = Literal[
     "given",
@@ -92,10 +85,9 @@ RematRule: TypeAlias = Literal[
     "nearly-all-matmul",
     "policy",
 ]
-"""Which rule set `remat`: `"given"` (explicit), `"unrolled"` (unrolled
-fully: `False`, as the loop), `"small"` (small residuals, mostly matmul outputs:
-`False`), on CPU `"small-step"` and `"large-matmuls"` (`True`) and
-`"nearly-all-matmul"` (`False`), else `"policy"` (the matmul-saving policy)."""
+"""Which rule set `remat`: `"given"` (explicit), `"unrolled"` (`False`, as the
+loop), `"small"` (`False`), on CPU `"small-step"` and `"large-matmuls"` (`True`)
+and `"nearly-all-matmul"` (`False`), else `"policy"` (the matmul-saving one)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,18 +169,9 @@ _FULL_REMAT: tuple[RematRule, ...] = ("small-step", "large-matmuls")
 
 @dataclasses.dataclass(frozen=True)
 class AutoRule:
-    """Which rules of `"auto"` fired for one scan, and the facts they read.
-
-    **Fields:**
-
-    - `unroll`: a `UnrollRule`: `"given"`, `"sharded"`, `"short"`, `"time"` or
-      `"scan"`.
-    - `remat`: a `RematRule`: `"given"`, `"unrolled"`, `"small"`,
-      `"small-step"`, `"large-matmuls"`, `"nearly-all-matmul"` or `"policy"`.
-    - `platform`: `jax.default_backend()` when the rule ran.
-    - `over`: `"layers"` or `"time"`.
-    - `thresholds`: the numbers the rule compared with.
-    """
+    """Which rules of `"auto"` fired for one scan (an `UnrollRule` and a
+    `RematRule`), on which `platform` (`jax.default_backend()`), for steps
+    `over` layers or time, and the `thresholds` they compared with."""
 
     unroll: UnrollRule
     remat: RematRule
@@ -203,10 +186,6 @@ class Decision(NamedTuple):
     remat: Remat
     unroll: int | bool
     rule: AutoRule
-
-
-def _is_auto(value: object) -> bool:
-    return isinstance(value, str) and value == "auto"
 
 
 def decide(
@@ -230,44 +209,34 @@ def decide(
     else:
         steps = unroll
     c_rule: RematRule = "given"
-    if _is_auto(remat):
+    if remat == "auto":
         c_rule = "unrolled" if steps is True else remat_rule(cost, platform, t)
         remat = policy if c_rule == "policy" else c_rule in _FULL_REMAT
     return Decision(remat, steps, AutoRule(u_rule, c_rule, platform, over, t))
 
 
 def _mib(n: int) -> str:
-    if n < 2**20:
-        return f"{n / 2**10:.1f} KiB"
-    return f"{n / 2**20:.2f} MiB"
+    return f"{n / 2**10:.1f} KiB" if n < 2**20 else f"{n / 2**20:.2f} MiB"
 
 
 def _unroll_reason(rule: AutoRule, cost: StepCost) -> str:
     t, on = rule.thresholds, rule.platform
     steps = f"{cost.length} steps of {cost.flops:.3g} FLOPs"
-    if rule.unroll == "sharded":
-        return (
-            "the layers may be sharded (layer_sharding, Explicit mesh axes in their "
-            "types, or an Auto mesh set with jax.set_mesh), so each step may gather "
-            "its own: keep the scan, unroll 1"
-        )
-    if rule.unroll == "short":
-        return (
-            f"{steps} (at most {t.short_scan}, under {t.unroll_flops:.0e} in all): "
-            "unroll fully"
-        )
-    if rule.unroll == "copies":
-        return (
-            f"{steps} (at most {t.short_scan}), but unrolled the other layers' "
-            f"weights ({_mib(cost.copies_total)}, more than "
-            f"{_mib(t.unroll_copies)}) would be copied at once: unroll 1"
-        )
-    if rule.unroll == "time":
-        return (
-            f"on {on}, {cost.length} time steps of {cost.flops:.3g} FLOPs (>= "
-            f"{t.time_unroll_flops:.0e}), one carried array, nearly all matmul "
-            f"outputs: unroll {t.time_unroll}"
-        )
+    said = {
+        "sharded": "the layers may be sharded (layer_sharding, Explicit mesh axes "
+        "in their types, or an Auto mesh set with jax.set_mesh), so each step may "
+        "gather its own: keep the scan, unroll 1",
+        "short": f"{steps} (at most {t.short_scan}, under {t.unroll_flops:.0e} in "
+        "all): unroll fully",
+        "copies": f"{steps} (at most {t.short_scan}), but unrolled the other "
+        f"layers' weights ({_mib(cost.copies_total)}, more than "
+        f"{_mib(t.unroll_copies)}) would be copied at once: unroll 1",
+        "time": f"on {on}, {cost.length} time steps of {cost.flops:.3g} FLOPs (>= "
+        f"{t.time_unroll_flops:.0e}), one carried array, nearly all matmul "
+        f"outputs: unroll {t.time_unroll}",
+    }
+    if rule.unroll in said:
+        return said[rule.unroll]
     why = ""  # why a scan over time on CPU was not unrolled by `time_unroll`
     if rule.over == "time" and on in t.cpu_platforms:
         if cost.carry_arrays != 1:
@@ -404,25 +373,18 @@ def _saved_bytes(jaxpr: jcore.ClosedJaxpr, n_carry: int, policy: Policy | None) 
         # derivative, say) has no residuals to weigh, and remat changes nothing.
         return 0
     not_stacked = set(vjp_jaxpr.invars[n_carry:]) | set(vjp_jaxpr.constvars)
-    seen, total = set(), 0
-    for v in vjp_jaxpr.outvars:
-        if not isinstance(v, jcore.Var) or v in not_stacked or v in seen:
-            continue
-        seen.add(v)
-        total += _nbytes(v.aval)
-    return total
+    saved = {v for v in vjp_jaxpr.outvars if isinstance(v, jcore.Var)} - not_stacked
+    return sum(_nbytes(v.aval) for v in saved)
 
 
 def _sub_jaxprs(params: dict[str, object]) -> list[jcore.Jaxpr]:
     # `jax.extend.core.jaxprs_in_params` from jax 0.10 on; spelled out for 0.9.
-    out = []
-    for value in params.values():
-        for v in value if isinstance(value, tuple) else (value,):
-            if isinstance(v, jcore.ClosedJaxpr):
-                out.append(v.jaxpr)
-            elif isinstance(v, jcore.Jaxpr):
-                out.append(v)
-    return out
+    values = [v for p in params.values() for v in (p if isinstance(p, tuple) else (p,))]
+    return [
+        v.jaxpr if isinstance(v, jcore.ClosedJaxpr) else v
+        for v in values
+        if isinstance(v, (jcore.ClosedJaxpr, jcore.Jaxpr))
+    ]
 
 
 def _flops(jaxpr: jcore.Jaxpr) -> int:

@@ -1,22 +1,14 @@
 """Per-layer buffers updated in place (KV caches, per-layer recurrent state).
 
-A buffer is stacked like the layers (layer `i`'s part is slice `i`), but unlike a
-[`eqxscan.per_layer`][] argument it is not sliced as a scan input: the whole
-stacked buffer travels in the scan's carry, each step reads its layer's slice,
-and what the layer returns is written back into the stacked buffer. With the
-buffer donated, the output aliases the input and no second copy exists.
-
-A layer that writes only some rows of its slice with
-`jax.lax.dynamic_update_slice` (a decode step writing the new keys at `pos`)
-has those rows alone written into the stacked buffer: the update is found in
-the layer's traced program, so the layer's code stays the code of one layer.
-Any other new slice is written back whole; a slice returned unchanged is not
-written at all.
-
-Inside an enclosing scan (a repeat of a `Chain`'s pattern) a layer's buffer is
-a view: the stacked array of its group and the indices already fixed by the
-enclosing steps (`prefix`), so that writes land in the one array at every
-level.
+A buffer is stacked like the layers, but unlike a [`eqxscan.per_layer`][]
+argument the whole stacked buffer travels in the scan's carry: each step reads
+its layer's slice, and what the layer returns is written back (donated, the
+output aliases the input). Rows a layer writes with
+`jax.lax.dynamic_update_slice` (a decode step's new keys at `pos`), found in its
+traced program, are written alone; any other new slice whole; an unchanged one
+not at all. Inside an enclosing scan (a `Chain`'s pattern) a layer's buffer is a
+view: its group's stacked array and the indices the enclosing steps fixed
+(`prefix`), so that writes land in the one array at every level.
 """
 
 from collections.abc import Callable
@@ -120,14 +112,12 @@ def buffer(tree: PyTree, *, reads: Reads = "auto") -> Buffer:
       axis first; for a [`eqxscan.Chain`][], what
       [`eqxscan.layer_buffers`][] builds (each layer's buffer of its own size).
     - `reads`: how a layer reads its slice of a scanned buffer. `"view"` reads
-      it from the stacked buffer, and XLA fuses the slicing into whatever reads
-      it. `"copy"` copies the (updated) slice out once per step, one slice of
-      temp memory, then reads the copy: on CPU a slice that the layer
-      transposes (token-major keys in attention) reads about twice as fast this
-      way, as XLA's CPU backend transposes a separate array with a tiled
-      kernel but a fused slice element by element. `"auto"` (the default) is
-      `"copy"` on CPU and `"view"` on other backends, where XLA can read the
-      slice where it lies.
+      it from the stacked buffer (XLA fuses the slicing into its readers).
+      `"copy"` copies the (updated) slice out once per step (one slice of temp
+      memory): on CPU a slice the layer transposes (token-major keys in
+      attention) reads about twice as fast, as XLA:CPU transposes a separate
+      array with a tiled kernel but a fused slice element by element. `"auto"`
+      (default) is `"copy"` on CPU, `"view"` elsewhere.
 
     **Returns:**
 
@@ -201,11 +191,10 @@ def check_buffer_axis(view: Buffer, length: int, who: str) -> None:
 
 
 def _read(a: Array, prefix: tuple[Index, ...], reads: Reads) -> Array:
-    # A step's slice of a stacked leaf, as `reads` says. XLA fuses a dynamic
-    # slice into its consumers, and nothing but a conditional's result keeps it
-    # a separate array: the predicate (the layer index is never negative) is
-    # unknown to XLA, so the slice is copied once, contiguously, and the
-    # zeros branch never runs.
+    # A step's slice of a stacked leaf, as `reads` says. Only a conditional's
+    # result keeps a dynamic slice from being fused into its readers: XLA does
+    # not know the predicate (the index is never negative), so the slice is
+    # copied once, contiguously, and the zeros branch never runs.
     static = all(isinstance(i, int) for i in prefix)
     if reads == "auto":
         reads = "copy" if jax.default_backend() == "cpu" else "view"
@@ -220,14 +209,9 @@ def _read(a: Array, prefix: tuple[Index, ...], reads: Reads) -> Array:
     )
 
 
-def _start(prefix: tuple[Index, ...], rest: tuple[object, ...]) -> list[Array]:
-    return [jnp.asarray(i, jnp.int32) for i in (*prefix, *rest)]
-
-
 class Write(NamedTuple):
-    """What a layer wrote into one leaf of its slice: `rows` at `start` (from a
-    `dynamic_update_slice` of the slice it received), its whole new slice
-    (`rows` with `start=None`), or nothing (`rows=None`)."""
+    """What a layer wrote into one leaf of its slice: `rows` at `start`, its
+    whole new slice (`start=None`), or nothing (`rows=None`)."""
 
     rows: Array | None
     start: tuple[Array, ...] | None = None
@@ -240,19 +224,18 @@ class Write(NamedTuple):
             return self.rows
         rows = self.rows.reshape((1,) * len(prefix) + self.rows.shape)
         rest = self.start if self.start is not None else (0,) * self.rows.ndim
-        return jax.lax.dynamic_update_slice(a, rows, _start(prefix, rest))
+        start = [jnp.asarray(i, jnp.int32) for i in (*prefix, *rest)]
+        return jax.lax.dynamic_update_slice(a, rows, start)
 
 
 def call_writing(
     fn: Callable[[PyTree], tuple[PyTree, PyTree]], view: Buffer, who: str
 ) -> tuple[PyTree, PyTree]:
-    """`(out, tree)`: what `fn(old) -> (out, new)` returns besides the layer's
-    new slice, run on `view`'s slice `old`, and the stacked buffer with `new`
-    written. `fn` is traced once and its jaxpr evaluated equation by equation:
-    rows a `dynamic_update_slice` of `old` writes go straight into the stacked
-    buffer, and what the layer reads of its updated slice is read back from
-    there, so the old slice is dead and XLA updates the buffer in place. A leaf
-    returned unchanged is not written; any other is written whole."""
+    """`(out, tree)`: `out` of `fn(old) -> (out, new)` on `view`'s slice `old`,
+    and the stacked buffer with `new` written. `fn`'s jaxpr is evaluated
+    equation by equation: rows a `dynamic_update_slice` of `old` writes go
+    straight into the stacked buffer, and what the layer reads of its updated
+    slice is read back from there, so XLA updates the buffer in place."""
     old = view.read()
     leaves, treedef = jtu.tree_flatten(old)
 
@@ -331,12 +314,10 @@ def _check_same(old: PyTree, new: PyTree, who: str) -> None:
     # A layer's new slice must be laid out as the one it received.
     old_leaves, old_def = jtu.tree_flatten_with_path(old)
     new_leaves, new_def = jtu.tree_flatten(new)
-    if old_def != jtu.tree_structure(new) and not (
-        len(old_leaves) == len(new_leaves) == 0
-    ):
+    if old_def != new_def and (old_leaves or new_leaves):
         raise TypeError(
             f"{who} returned a buffer of another structure: it received "
-            f"{jtu.tree_structure(old)} and returned {new_def}.\nReturn "
+            f"{old_def} and returned {new_def}.\nReturn "
             "(x, buffer) with the buffer laid out as the layer received it."
         )
     for (path, a), b in zip(old_leaves, new_leaves):

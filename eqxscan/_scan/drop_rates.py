@@ -1,11 +1,9 @@
 """Depth that varies while training: stochastic depth (drop-path) and LayerDrop.
 
-A scanning module with a [`eqxscan.DropRates`][] other than the default gives
-its call the layers' rates and drop keys (`DropInputs`, one entry per layer),
-and the layer-call seam (`eqxscan/_scan/layer_call.py`) hands layer `i` its slice
-and runs it through `dropping`. So `mode="scan"` and `mode="loop"` run the same
-code on the same slices, and a `Chain` routes the rates and keys to its groups
-by global layer index as it routes every per-layer value.
+A dropping call gives its layers their rates and drop keys (`DropInputs`, one
+entry per layer), which the layer-call seam slices like any per-layer value and
+applies through `dropping`: `mode="scan"` and `mode="loop"` run the same code
+on the same slices, and a `Chain` routes them by global layer index.
 
 Per-layer keys, the documented way: for a call with `key`,
 `drop_keys = jax.random.split(jax.random.fold_in(key, DROP_STREAM), L)` and
@@ -14,7 +12,6 @@ own keys (`jax.random.split(key, L)[i]`) are unchanged by dropping.
 """
 
 import dataclasses
-import math
 import numbers
 from collections.abc import Callable, Sequence
 from typing import TypeAlias
@@ -44,11 +41,7 @@ class LinearRates(eqx.Module):
 
     def rates(self, num_layers: int) -> tuple[float, ...]:
         """The `num_layers` rates: `max_rate * i / (L - 1)` (`0.0` for `L = 1`)."""
-        if num_layers == 1:
-            return (0.0,)
-        return tuple(
-            float(r) for r in np.linspace(0.0, self.max_rate, num_layers).tolist()
-        )
+        return tuple(np.linspace(0.0, self.max_rate, num_layers).tolist())
 
 
 Rates: TypeAlias = float | Sequence[float] | Array | np.ndarray | LinearRates
@@ -89,7 +82,7 @@ def check_rate(value: object, name: str) -> float:
             "Hint: a rate is the probability of dropping, e.g. 0.1."
         )
     rate = float(value)
-    if math.isnan(rate) or not 0.0 <= rate < 1.0:
+    if not 0.0 <= rate < 1.0:  # nan included
         raise ValueError(
             f"{name} must be in [0, 1), got {rate!r}.\nHint: a rate is the "
             "probability of dropping; 1 would drop every time (and drop-path "
@@ -102,15 +95,13 @@ def resolve_rates(rates: object, num_layers: int, name: str) -> tuple[float, ...
     """`rates` (a [`eqxscan.Rates`][] value) as one checked float per layer."""
     if isinstance(rates, LinearRates):
         return rates.rates(num_layers)
-    if isinstance(rates, jax.core.Tracer):
-        check_rate(rates, name)  # raises: rates are static
-    if isinstance(rates, (jax.Array, np.ndarray)) and rates.ndim == 0:
-        rates = rates.item()
-    if isinstance(rates, (numbers.Real, np.bool_)) and not isinstance(
-        rates, (jax.Array, np.ndarray)
+    array = isinstance(rates, (jax.Array, np.ndarray))
+    # One rate (`check_rate` refuses a traced one: rates are static).
+    if isinstance(rates, (numbers.Real, np.bool_, jax.core.Tracer)) or (
+        array and rates.ndim == 0
     ):
         return (check_rate(rates, name),) * num_layers
-    if isinstance(rates, (jax.Array, np.ndarray)):
+    if array:
         if rates.ndim != 1:
             raise ValueError(
                 f"{name} must be one rate or one per layer, got an array of shape "
@@ -322,18 +313,11 @@ def carry_examples(carry_dyn: PyTree) -> int | None:
     )
 
 
-def _drop_path(old: PyTree, new: PyTree, rate: Array, key: PRNGKeyArray) -> PyTree:
-    """`old + mask * (new - old) / (1 - rate)` per example, leaf by leaf; `new`
-    itself where `rate == 0`."""
-    examples = carry_examples(eqx.filter(old, eqx.is_array))
-    return apply_drop_path(old, new, rate, path_mask(rate, key, examples))
-
-
 def path_mask(
     rate: Float[Array, ""], key: PRNGKeyArray, examples: int | None
 ) -> Bool[Array, "*examples"]:
-    """The drop-path mask that `_drop_path` draws for a carry of `examples`
-    examples (`None`: one example per call)."""
+    """The drop-path mask of a carry of `examples` examples (`None`: one example
+    per call)."""
     shape = () if examples is None else (examples,)
     return jax.random.bernoulli(key, 1.0 - rate, shape)
 
@@ -341,8 +325,9 @@ def path_mask(
 def apply_drop_path(
     old: PyTree, new: PyTree, rate: Array, mask: Bool[Array, "*examples"]
 ) -> PyTree:
-    """`_drop_path` with the mask given: `mask` has one entry per example of the
-    carry (or is a scalar), e.g. a pipeline microbatch's rows of the mask drawn
+    """`old + mask * (new - old) / (1 - rate)` per example, leaf by leaf (`new`
+    itself where `rate == 0`): `mask` has one entry per example of the carry
+    (or is a scalar), e.g. a pipeline microbatch's rows of the mask drawn
     for the whole batch."""
     old_dyn = eqx.filter(old, eqx.is_array)
     scale = 1.0 / (1.0 - rate)
@@ -376,10 +361,12 @@ def dropping(
         new, y = fn(c)
         if not uses_path:
             return new, y
-        if drop.path_mask is not None:
-            return apply_drop_path(c, new, drop.path_rate, drop.path_mask), y
-        assert drop.key is not None
-        return _drop_path(c, new, drop.path_rate, jax.random.split(drop.key)[1]), y
+        mask = drop.path_mask
+        if mask is None:
+            assert drop.key is not None
+            examples = carry_examples(eqx.filter(c, eqx.is_array))
+            mask = path_mask(drop.path_rate, jax.random.split(drop.key)[1], examples)
+        return apply_drop_path(c, new, drop.path_rate, mask), y
 
     if drop.scan_skips or not uses_layer:
         return run

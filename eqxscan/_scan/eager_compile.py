@@ -1,15 +1,12 @@
 """Eager calls that reuse one compiled program per structure.
 
-Called outside any JAX transformation, a scanning module would hand
-`jax.lax.scan` a freshly made body at every call, and JAX compiles a fresh body
-every time (seconds of compile, and memory that `jax.clear_caches()` does not
-return). Such a call goes through one `eqx.filter_jit` per method instead,
-whose cache is keyed by the module's and arguments' structure, so the second
-call of the same shapes compiles nothing. Under `jit`, `grad`, `vmap` (any
-argument a tracer), in `mode="loop"` (the debugging path, where a layer's
-Python runs at every call) and inside `eqxscan.tap` (whose probe is no argument
-of the call, so the cache would hand back an untapped program) the method runs
-as written.
+Called eagerly, a scanning module would hand `jax.lax.scan` a fresh body at
+every call, compiled anew each time (seconds, and memory `jax.clear_caches()`
+does not return). Such a call goes through one `eqx.filter_jit` per method,
+keyed by the structure of the module and arguments. Under a transformation (any
+argument a tracer), in `mode="loop"` (the debugging path) and inside
+`eqxscan.tap` (whose probe is no argument, so the cache would hand back an
+untapped program) the method runs as written.
 """
 
 import functools

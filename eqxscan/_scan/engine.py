@@ -34,34 +34,26 @@ from .remat import (
     name_tree,
     nested_scan,
     OFFLOAD_POLICY,
-    Policy,
     ScanRemat,
     Step,
 )
-from .skip import can_skip_scan, skip_layer, skip_scan, skip_step
+from .skip import arrays_only, can_skip_scan, skip_layer, skip_scan, skip_step
 from .taps import collected
 
 
 def wrap_remat(fn: Step, remat: ScanRemat, *, in_scan: bool) -> Step:
     """`fn` (one scan step) wrapped in `jax.checkpoint` as `remat` asks."""
+    if not remat.named and remat.policy is False:
+        return fn
+    body = fn
+    if remat.save_carries is not None:
+        # The carry a step receives, named for `ScanRemat` to keep, recompute
+        # or offload.
+        body = lambda c, x: fn(name_tree(c, CARRY), x)  # noqa: E731
     # Inside a scan the loop boundary already stops XLA from CSE-ing the
     # recomputation away, so `prevent_cse=False` avoids needless barriers.
-    prevent_cse = not in_scan
-    if not remat.named:
-        if remat.policy is False:
-            return fn
-        policy = remat.base_policy()
-        return jax.checkpoint(fn, policy=policy, prevent_cse=prevent_cse)
-    if remat.save_carries is not None:
-        fn = _named_carry(fn)
     policy = remat.step_policy(remat.base_policy())
-    return jax.checkpoint(fn, policy=policy, prevent_cse=prevent_cse)
-
-
-def _named_carry(body: Step) -> Step:
-    # The carry a step receives, named so that `ScanRemat` can keep,
-    # recompute or offload it.
-    return lambda c, x: body(name_tree(c, CARRY), x)
+    return jax.checkpoint(body, policy=policy, prevent_cse=not in_scan)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -84,14 +76,9 @@ class Traced:
 def trace_step(
     step: Step, carry: PyTree, xs: PyTree, length: int, where: str
 ) -> tuple[Traced, PyTree, PyTree]:
-    """Trace `step` once on one step's shapes, checking the carry contract and
-    noting errors with `where`. Closed-over tracers become the jaxpr's consts.
-
-    **Returns:**
-
-    `(traced, c_dyn, c_static)`: the traced step and the carry's array and
-    other leaves (the latter must come back unchanged, and are not traced).
-    """
+    """`(traced, c_dyn, c_static)`: `step` traced once on one step's shapes
+    (the carry contract checked, errors noted with `where`; closed-over tracers
+    become consts), and the carry's array and other (untraced) leaves."""
     c_dyn, c_static = eqx.partition(carry, eqx.is_array)
     y_static_box: list[PyTree] = []
 
@@ -127,13 +114,6 @@ def _unstack(xs: PyTree, length: int) -> list[PyTree]:
     ]
 
 
-def _stack(ys: list[PyTree]) -> PyTree:
-    # Stack the array leaves; keep the other leaves once, as `lax.scan` does with
-    # the static part of its one traced body's output.
-    dyn, static = zip(*(eqx.partition(y, eqx.is_array) for y in ys))
-    return eqx.combine(jtu.tree_map(lambda *a: jnp.stack(a), *dyn), static[0])
-
-
 @collected  # taps' records leave each step (`eqxscan/_scan/taps.py`)
 @indexed  # each step knows its index (`eqxscan/_scan/layer_index.py`)
 def run(
@@ -155,25 +135,20 @@ def run(
     **Arguments:**
 
     - `step`: `step(carry, x_i) -> (carry, y_i)`. May close over anything.
-    - `carry`: any pytree; array leaves are scanned, other leaves must come back
-      unchanged.
+    - `carry`: any pytree; its other leaves than arrays must come back unchanged.
     - `xs`: a pytree of arrays, each with leading axis `length`.
-    - `options`: mode, rematerialisation (read as `options.scan_remat`) and
-      unroll.
+    - `options`: mode, remat (read as `options.scan_remat`) and unroll.
     - `reverse`: consume `xs` last to first; `ys` stays aligned with `xs`.
     - `where`: names step `i` (or every step, for `None`) in error messages.
     - `gathered`: each step may gather its slice of sharded `xs` (FSDP), so
       `unroll="auto"` keeps the scan: unrolled, XLA may gather every step's at once.
     - `over`: what the steps are, for `unroll="auto"`: `"layers"` (weights in
       `xs`) or `"time"` (a cell's weights closed over).
-    - `runs`: LayerDrop's choice, one bool per step: step `i` runs only where
-      `runs[i]`; a skipped step passes the carry on and outputs zeros, and
-      costs next to nothing forward and backward (see `_scan/skip.py`).
-    - `read`: what a step reads of its slice `x_i` before the step sees it
-      (e.g. its layer's weights constrained to a replicated sharding: FSDP's
-      gather of one layer). The engine names what `read` returns as the
-      step's inputs for `ScanRemat(save_inputs=...)`, so a policy decides
-      whether the backward pass reads (or gathers) them again.
+    - `runs`: LayerDrop's choice, one bool per step: a skipped step passes the
+      carry on, outputs zeros and costs next to nothing (see `skip.py`).
+    - `read`: what a step reads of its slice `x_i` (e.g. FSDP's gather of one
+      layer), named as the step's inputs for `ScanRemat(save_inputs=...)`, so
+      a policy decides whether the backward pass reads (gathers) it again.
 
     **Returns:**
 
@@ -198,39 +173,28 @@ def run(
         gathered,
         over,
     )
-    how = (length, reverse, unroll, remat)
-    if runs is not None and _whole_scan(remat, traced):
-        c_dyn, ys = _skip_whole(traced, c_dyn, xs, runs, *how)
+    # A skipping scan runs as one `skip_scan` when its remat does not name or
+    # nest (the scan saves the carries whatever it says) and the step's carry
+    # and outputs all take cotangents. A layer that runs saves what a plain
+    # `remat=` policy says; only the carry for `True` and for `"offload"`,
+    # whose host copies a branch of a `cond` would not keep.
+    if runs is not None and not remat.named and can_skip_scan(traced.jaxpr):
+        plain = not (remat.policy is True or remat.policy is OFFLOAD_POLICY)
+        c_flat, y_flat = skip_scan(
+            traced.jaxpr,
+            traced.n_carry,
+            jtu.tree_leaves(c_dyn),
+            jtu.tree_leaves(xs),
+            runs,
+            length=length,
+            reverse=reverse,
+            unroll=unroll,
+            policy=remat.base_policy() if plain else None,
+        )
+        c_dyn, ys = jtu.tree_unflatten(traced.out_tree, c_flat + y_flat)
     else:
-        c_dyn, ys = _scanned(traced, c_dyn, xs, runs, *how)
+        c_dyn, ys = _scanned(traced, c_dyn, xs, runs, length, reverse, unroll, remat)
     return eqx.combine(c_dyn, c_static), eqx.combine(ys, traced.y_static)
-
-
-def _skip_whole(
-    traced: Traced,
-    c_dyn: PyTree,
-    xs: PyTree,
-    runs: Bool[Array, " L"],
-    length: int,
-    reverse: bool,
-    unroll: int | bool,
-    remat: ScanRemat,
-) -> tuple[PyTree, PyTree]:
-    """`(carry, ys)` (array parts) of a scan that runs only the steps LayerDrop
-    chose (`runs`), as one `skip_scan`, each saving what the remat says."""
-    # The rule's choice, or a plain value: a layer that runs saves what it says.
-    c_flat, y_flat = skip_scan(
-        traced.jaxpr,
-        traced.n_carry,
-        jtu.tree_leaves(c_dyn),
-        jtu.tree_leaves(xs),
-        runs,
-        length=length,
-        reverse=reverse,
-        unroll=unroll,
-        policy=_skip_policy(remat),
-    )
-    return jtu.tree_unflatten(traced.out_tree, c_flat + y_flat)
 
 
 def _scanned(
@@ -243,48 +207,31 @@ def _scanned(
     unroll: int | bool,
     remat: ScanRemat,
 ) -> tuple[PyTree, PyTree]:
-    """`(carry, ys)` (array parts) of the traced step run `length` times as
-    `remat` and `unroll` say: unrolled, a nested scan, or one `lax.scan`;
-    each step skipped on its own where `runs` is given."""
+    """`(carry, ys)` (array parts) of the traced step run `length` times:
+    unrolled, a nested scan, or one `lax.scan`; with `runs`, each step skipped
+    on its own, inside the remat asked for."""
     body: Step = traced
     if runs is not None:
-        # A remat that names or nests what to save: each step skipped on its
-        # own, inside the remat that the remat asks for.
         body = skip_step(traced.jaxpr, traced.out_tree, traced.n_carry)
         xs = (xs, runs)
     if unroll is True and not remat.named:
         # Unrolled fully: the loop's own program, from the one traced step.
         return _unrolled(body, c_dyn, xs, length, remat, reverse)
-    if remat.named:
-        if remat.save_carries is not None:
-            body = _named_carry(body)
-        return nested_scan(
-            body,
-            c_dyn,
-            xs,
-            length,
-            remat.levels(length) or (),
-            unroll,
-            remat.step_policy(remat.base_policy()),
-            remat.boundary_policy(),
-            reverse,
-        )
-    return jax.lax.scan(
+    return nested_scan(
         wrap_remat(body, remat, in_scan=True),
         c_dyn,
         xs,
-        length=length,
-        unroll=unroll,
-        reverse=reverse,
+        length,
+        (remat.levels(length) if remat.named else None) or (),
+        unroll,
+        remat.boundary_policy(),
+        reverse,
     )
 
 
 def _reading(
     step: Step, read: Callable[[PyTree], PyTree] | None, remat: ScanRemat
 ) -> Step:
-    """`step` given what `read` makes of its slice, named as the step's inputs
-    when `remat` names them."""
-
     def body(c: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
         if read is not None:
             x = read(x)
@@ -298,22 +245,6 @@ def named_inputs(options: ScanOptions) -> Callable[[PyTree], PyTree]:
     stack by a traced index) names them as `run` names a scan's inputs."""
     remat = options.scan_remat
     return lambda tree: name_inputs(tree, remat)
-
-
-def _whole_scan(remat: ScanRemat, traced: Traced) -> bool:
-    """Whether a skipping scan runs as one `skip_scan`: a remat that does not
-    name or nest (the scan saves the carries whatever it says), and a step
-    whose carry and outputs all take cotangents."""
-    return not remat.named and can_skip_scan(traced.jaxpr)
-
-
-def _skip_policy(remat: ScanRemat) -> Policy | None:
-    """What a layer that runs of a skipping scan saves: the policy of a plain
-    `remat=` value, or `None` (only the carry) for `True` and for
-    `"offload"`, whose host copies a branch of a `cond` would not keep."""
-    if remat.policy is True or remat.policy is OFFLOAD_POLICY:
-        return None
-    return remat.base_policy()
 
 
 def _unrolled(
@@ -357,19 +288,8 @@ def _run_loop(
             return step(c, x)
         # jax.checkpoint takes and returns arrays only: close over the rest.
         c_dyn, c_static = eqx.partition(c, eqx.is_array)
-        statics: list[PyTree] = []
-
-        def arrays_only(c_dyn: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
-            new, y = step(eqx.combine(c_dyn, c_static), x)
-            (new_dyn, new_static), (y_dyn, y_static) = (
-                eqx.partition(new, eqx.is_array),
-                eqx.partition(y, eqx.is_array),
-            )
-            statics.append((new_static, y_static))
-            return new_dyn, y_dyn
-
-        new_dyn, y_dyn = wrap_remat(arrays_only, remat, in_scan=False)(c_dyn, x)
-        return eqx.combine(new_dyn, statics[0][0]), eqx.combine(y_dyn, statics[0][1])
+        body, statics = arrays_only(step, c_static)
+        return eqx.combine(wrap_remat(body, remat, in_scan=False)(c_dyn, x), statics[0])
 
     ys = [None] * length
     order = range(length - 1, -1, -1) if reverse else range(length)
@@ -384,4 +304,7 @@ def _run_loop(
         carry, ys[current] = new, clone(y)
     if length == 0 or all(y is None for y in ys):
         return carry, None
-    return carry, _stack(ys)
+    # The array leaves stacked, the others kept once (as `lax.scan` keeps the
+    # static part of its one traced body's output).
+    dyn, static = zip(*(eqx.partition(y, eqx.is_array) for y in ys))
+    return carry, eqx.combine(jtu.tree_map(lambda *a: jnp.stack(a), *dyn), static[0])

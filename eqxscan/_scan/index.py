@@ -1,10 +1,6 @@
 """Index a tree at layer `i`: the one definition, re-exported by the layer-call
-seam (`eqxscan/_scan/layer_call.py`).
-
-It sits below the seam because the features the seam applies (taps, buffers,
-LayerDrop's skipping, `eqxscan.layer_index`) cut trees at a layer too, and the
-seam imports them.
-"""
+seam, below it because the features the seam imports (taps, buffers, skipping)
+cut trees at a layer too."""
 
 import equinox as eqx
 import jax
@@ -24,11 +20,9 @@ not)."""
 
 def index(tree: PyTree, i: Index | tuple[Index, ...], axis: int = 0) -> PyTree:
     """Slice `i` of every array leaf of `tree` along `axis` (non-array leaves
-    unchanged).
-
-    An int is a static slice; an array index is a `dynamic_index_in_dim`: one
-    program for every `i`. A tuple of indices (a buffer view's prefix, see
-    `eqxscan/_scan/buffers.py`) cuts the leading axes one after the other."""
+    unchanged): static for an int, a `dynamic_index_in_dim` (one program for
+    every `i`) for an array; a tuple (a buffer view's prefix) cuts the leading
+    axes one after the other."""
     if isinstance(i, tuple):
         for j in i:
             tree = index(tree, j, axis)

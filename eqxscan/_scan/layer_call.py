@@ -1,42 +1,21 @@
 """The layer-call seam: how a container hands layer `i` what it is called with,
 and takes back what it returns.
 
-Every container (`Stacked`; a `Chain`'s lone layers, stacks and repeated
-patterns; `run_until`, `run_layers`, LayerDrop's skipping, `sharding.pipeline`)
-describes a call of its layers as one `LayerCall` and runs layer `i` through it:
+Every container (`Stacked`; a `Chain`'s lone layers, stacks and patterns;
+`run_until`, `run_layers`, `sharding.pipeline`; a `Recurrent`'s cell, on a
+call `over="time"`) describes a call of its layers as one `LayerCall`:
+`at(i)` is layer `i`'s `OneLayer` (its `per_layer` slices, key and drop
+inputs), `placed` cuts the call to one group of a `Chain`, `scanned` splits it
+into the arrays a scan slices, and `run_one` calls the layer (method, key,
+drop-path, LayerDrop, its index, named scope and taps) and reads its output as
+`(carry, y)`. Nothing here knows a container's layout, and nothing outside
+knows how arguments, keys and drop inputs are sliced; layers are cut with
+`index` and `take` (from `index.py`, re-exported here).
 
-- `LayerCall.at(i)` is layer `i`'s `OneLayer`: the `per_layer` arguments
-  sliced at `i` (a Python int or a traced index), its key, its drop inputs;
-- `LayerCall.placed(start, size, per_step)` is the call of a group placed as a
-  `Chain`'s `Placement(start, size, per_step)` says (a stack, one layer per
-  scan step, or a repeated pattern, one pattern step of `per_step` layers per
-  scan step), with every per-layer value cut to the group;
-- `LayerCall.scanned()` splits what is per layer into the arrays a scan slices
-  (`xs`) and rebuilds one step's `OneLayer` from its slice;
-- `run_one(layer, call, one, carry, who)` calls the layer (its method, its key,
-  drop-path and LayerDrop) and reads what it returned as `(carry, y)`; it sets
-  the layer's index, its named scope and its taps around the call. A
-  `Recurrent`'s cell is run by it too, as a layer whose carry comes first, on a
-  call `over="time"`.
-
-A container answers only "layer `i` as a function of the carry" (and, for a
-walk in order such as early exit, its groups as `GroupSteps`); nothing here
-knows a container's layout, and nothing outside knows how arguments, keys and
-drop inputs are sliced.
-
-Cutting a tree at layer `i` is `index(tree, i)` (a static or traced `i`, see
-`Index`) and at several layers `take(tree, idx)`: every container, feature and
-subpackage cuts layers with these two (defined in `eqxscan/_scan/index.py`, below
-the features the seam applies, and re-exported here).
-
-A `per_layer` value is read-only: a scan slices it as an input, and what a
-layer returns besides its carry is stacked again as a new `ys` array. A
-per-layer buffer that layers update (an [`eqxscan.buffer`][], e.g. a KV cache)
-travels in the scan's carry instead: the container puts a view of layer `i`'s
-slice (`Buffer.at(i)`) in the layer's inputs, and `run_one` reads the slice,
-calls the layer and writes what it returned (its new rows, when it wrote rows)
-back into the one stacked buffer (see `eqxscan/_scan/buffers.py`), returning
-`((carry, buffer), y)`.
+A `per_layer` value is read-only; a buffer that layers update (an
+[`eqxscan.buffer`][], e.g. a KV cache) travels in the carry instead: layer `i`
+gets a view of its slice, and `run_one` writes what it returned back into the
+one stacked buffer (`buffers.py`), returning `((carry, buffer), y)`.
 """
 
 import functools
@@ -103,11 +82,9 @@ def check_per_layer(args: tuple, kwargs: dict, length: int) -> dict[str, PerLaye
     `length`."""
     named = [(arg_name(i), a) for i, a in enumerate(args)]
     named += [(arg_name(n), v) for n, v in kwargs.items()]
-    found = {}
-    for name, value in named:
-        if isinstance(value, PerLayer):
-            check_leading_axis(value.tree, length, f"per_layer {name}", "layer")
-            found[name] = value
+    found = {name: v for name, v in named if isinstance(v, PerLayer)}
+    for name, value in found.items():
+        check_leading_axis(value.tree, length, f"per_layer {name}", "layer")
     return found
 
 
@@ -122,21 +99,20 @@ def carry_only(out: object, who: str) -> tuple[PyTree, PyTree]:
     return out, None
 
 
-def layer_pair(out: object, who: str, *, caller: str) -> tuple[PyTree, PyTree]:
-    """`out` as the `(carry, y)` pair that `caller` (e.g. `"Stacked.scan"`) expects
-    from `who` (a layer, named)."""
-    if not (isinstance(out, tuple) and len(out) == 2):
-        raise TypeError(
-            f"{caller} expects each layer to return a (carry, y) pair, but {who} "
-            f"returned {describe(out)}. Call the module itself for layers that "
-            "return only the carry."
-        )
-    return out
-
-
 def pairs(caller: str) -> ReadOut:
-    """The read-out of `caller`'s layers, which return `(carry, y)` pairs."""
-    return functools.partial(layer_pair, caller=caller)
+    """The read-out of `caller`'s layers (e.g. `"Stacked.scan"`'s), which return
+    `(carry, y)` pairs."""
+
+    def read(out: object, who: str) -> tuple[PyTree, PyTree]:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(
+                f"{caller} expects each layer to return a (carry, y) pair, but "
+                f"{who} returned {describe(out)}. Call the module itself for "
+                "layers that return only the carry."
+            )
+        return out
+
+    return read
 
 
 Method = Callable[..., PyTree] | str
@@ -182,12 +158,9 @@ def call_layer(
     """Run `method` of `layer` (its `__call__` for `None`) as
     `(x, *args, **kwargs)`, with `key=key` when a key is given, after checking
     that what runs takes one (`who` names the caller in that error)."""
-    if method is None:
-        fn: Callable[..., PyTree] = layer  # pyright: ignore[reportAssignmentType]  # a module is callable
-    elif isinstance(method, str):
-        fn = getattr(layer, method)
-    else:
-        fn = functools.partial(method, layer)
+    fn = (
+        functools.partial(method, layer) if callable(method) else _target(layer, method)
+    )
     if key is None:
         return fn(x, *args, **kwargs)
     check_takes_key(_target(layer, method), who, "layer i gets key=keys[i]")
@@ -204,10 +177,9 @@ def takes_key(layer: object, method: Method | None) -> bool:
 
 
 class OneLayer(NamedTuple):
-    """What one layer is called with: its arguments (its slices of the
-    `per_layer` ones), its key (or `None`), its drop inputs (or `None`) and its
-    global index (see `LayerCall`; a time step on a call `over="time"`; `None`
-    when not known), which taps record it by."""
+    """What one layer is called with: its arguments (its `per_layer` slices),
+    key, drop inputs and global index (a time step `over="time"`; `None` when
+    not known), which taps record it by."""
 
     args: tuple
     kwargs: dict[str, object]
@@ -227,29 +199,23 @@ is the call of the pattern's own layers."""
 class LayerCall(NamedTuple):
     """How every layer of a run is called.
 
-    - `args`, `kwargs`: passed to every layer; values wrapped in
-      [`eqxscan.per_layer`][] are sliced per layer.
-    - `keys`: per-layer keys (leading axis the layers), or `None`.
-    - `read_out`: how a layer's output is read (`carry_only`, `pairs(...)`).
-    - `reverse`: whether the layers run last to first.
-    - `method`: what runs of each layer (`None` for `__call__`).
-    - `keep`: LayerDrop's choice when the caller has drawn it (one bool per
-      layer, e.g. a pipeline stage's chunk of the whole stack's choice): a scan
-      then runs only the layers that run.
-    - `drop`: drop-path and LayerDrop inputs, one entry per layer (leading
-      axis the layers), or `None` when the call does not drop.
+    - `args`, `kwargs`: passed to every layer; [`eqxscan.per_layer`][] values
+      are sliced per layer.
+    - `keys`: per-layer keys, or `None`; `read_out`: `carry_only` or
+      `pairs(...)`; `reverse`: last layer first; `method`: what runs of each
+      layer (`None`: `__call__`).
+    - `runs`: LayerDrop's choice when the caller drew it (a pipeline stage's
+      chunk of the stack's): a scan then runs only the layers that run.
+    - `drop`: drop-path and LayerDrop inputs, one entry per layer, or `None`.
     - `optional_key`: a layer that takes no `key` is called without one (the
-      key was given for dropping, which such a layer does not see).
+      key was given for dropping only).
     - `pattern_step`: set when each scan step is a pattern step (see
       `PatternStep`); the per-layer values then have the repeat axis first.
-    - `caller`: names the container in errors (e.g. a key given to layers that
-      take none).
+    - `caller`: names the container in errors.
     - `first`, `stride`: layer `i` of this call is the outermost container's
-      layer `first + i * stride` (pattern step `i` starts at that layer);
-      `first` is `None` when that is not known (layers taken out of order).
-    - `over`: what the steps are: `"layers"`, or a `Recurrent`'s `"time"` steps,
-      which run one cell (no layer is set for [`eqxscan.layer_index`][]) and
-      are tapped by their time step.
+      layer `first + i * stride`; `first` is `None` when not known.
+    - `over`: `"layers"`, or a `Recurrent`'s `"time"` steps, which set no
+      [`eqxscan.layer_index`][] and are tapped by time step.
     """
 
     args: tuple

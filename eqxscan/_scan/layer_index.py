@@ -1,11 +1,9 @@
 """Which step of a scan, and which layer of a container, is being traced.
 
-The engine (`eqxscan/_scan/engine.py`) scans each step's index beside its inputs
-and sets it around the step (`step_index`): a traced int32 under `lax.scan`,
-the Python int of the loop with `mode="loop"`. A container turns it into the
-global index of the layer it runs (`LayerCall.first + i * LayerCall.stride`),
-and the layer-call seam sets that around the layer's call, where
-[`eqxscan.layer_index`][] reads it.
+The engine sets each step's index around the step (`step_index`: a traced
+int32 under `lax.scan`, the loop's Python int with `mode="loop"`); a container
+turns it into the global index of the layer it runs, which the layer-call seam
+sets around the layer's call for [`eqxscan.layer_index`][].
 """
 
 import contextlib
@@ -17,7 +15,6 @@ import jax.numpy as jnp
 from jaxtyping import Array, PyTree
 
 from .index import Index
-from .options import ScanOptions
 
 
 _LOOP_STEP: contextvars.ContextVar[int | None] = contextvars.ContextVar(
@@ -75,11 +72,8 @@ def indexed(run: Run) -> Run:
     def wrapped(
         step: Callable, carry: PyTree, xs: PyTree, **kwargs: object
     ) -> tuple[PyTree, PyTree]:
-        length = kwargs["length"]
-        options = kwargs["options"]
-        assert isinstance(options, ScanOptions)
-        loop = options.mode == "loop"
-        steps = jnp.arange(length, dtype=jnp.int32)  # pyright: ignore[reportArgumentType]  # an int
+        loop = getattr(kwargs["options"], "mode", "scan") == "loop"
+        steps = jnp.arange(kwargs["length"], dtype=jnp.int32)  # pyright: ignore[reportArgumentType]  # an int
 
         def body(c: PyTree, x: tuple[PyTree, Array]) -> tuple[PyTree, PyTree]:
             x, i = x
@@ -100,18 +94,15 @@ def layer_index() -> Index:
     """The index of the layer being called, read inside its `__call__` (or the
     method a container runs).
 
-    Under `jax.lax.scan` (`mode="scan"`) it is a traced int32 scalar, one value
-    per scan step; with `mode="loop"`, and for a [`eqxscan.Chain`][]'s lone
-    layers, a Python `int`. It counts the layers of the outermost container
-    that runs the layer: a `Chain`'s layers are numbered `0 .. len(chain) - 1`
-    across its stacks, repeated patterns and lone layers, as
-    `chain.unstack()` lists them; `reverse=True` keeps each layer's index. A
-    layer of a container that is itself inside another container's layer gets
-    its index in the inner one.
-
-    For logging (`jax.debug.print("layer {}", eqxscan.layer_index())`),
-    layer-dependent scaling, or choosing among per-layer values without
-    threading `per_layer(jnp.arange(L))` through every call.
+    Under `jax.lax.scan` (`mode="scan"`) a traced int32 scalar; with
+    `mode="loop"`, and for a [`eqxscan.Chain`][]'s lone layers, a Python `int`.
+    It counts the layers of the outermost container that runs the layer (a
+    `Chain`'s `0 .. len(chain) - 1` across its groups, as `chain.unstack()`
+    lists them; `reverse=True` keeps each layer's index); a container inside
+    another's layer counts its own. For logging
+    (`jax.debug.print("layer {}", eqxscan.layer_index())`), layer-dependent
+    scaling, or choosing among per-layer values without threading
+    `per_layer(jnp.arange(L))` through every call.
 
     !!! example
 

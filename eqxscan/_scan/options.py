@@ -1,9 +1,5 @@
-"""`ScanOptions`: how a scanning module runs (mode, rematerialisation, unroll).
-
-Every module that runs the scan engine (`Stacked`, `Chain`, `Recurrent`,
-`StackedMLP`) holds one `ScanOptions` and shares `with_options` through
-[`Scanning`][eqxscan._scan.options.Scanning].
-"""
+"""`ScanOptions` (mode, rematerialisation, unroll), which every scanning module
+holds, and `Scanning`, its base, which gives it `with_options`."""
 
 from collections.abc import Mapping
 from typing import cast, Literal, TypeAlias, TypedDict, TypeVar, Unpack
@@ -41,8 +37,8 @@ class ScanArgs(TypedDict, total=False):
 
 
 class OwnOptions(TypedDict, total=False):
-    """The options of a scanning module besides its `ScanOptions` (each module
-    takes those it names in `own_options`; `with_options` checks the names)."""
+    """The options of a scanning module besides its `ScanOptions` (each takes
+    those it names in `own_options`)."""
 
     layer_sharding: Sharding | PyTree[Sharding | None] | None
     drop_path: Rates
@@ -60,10 +56,8 @@ OPTION_NAMES = ("mode", "remat", "unroll")
 
 
 def check_remat(remat: object) -> None:
-    """Raise unless `remat` is a valid [`eqxscan.Remat`][] value.
-
-    The one place that says which remat values exist.
-    """
+    """Raise unless `remat` is a valid [`eqxscan.Remat`][] value (the one place
+    that says which exist)."""
     if isinstance(remat, (bool, ScanRemat)):
         return
     if callable(remat):

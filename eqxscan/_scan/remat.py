@@ -31,20 +31,15 @@ BLOCK_CARRY = "eqxscan.block_carry"
 #: buffer that travels in the carry.
 BUFFER_READ = "eqxscan.buffer_read"
 
-#: The matmul-saving policy: save the outputs of matmuls that have no batch
-#: dimensions (the weight products) and recompute the elementwise work (norms,
-#: activations, residual adds) in the backward pass. A plain scan stores every
-#: elementwise intermediate of every step in stacked buffers, which costs more
-#: time and memory than the unrolled loop once they add up. `remat="auto"`
-#: picks between saving everything, this policy and full remat from the traced
-#: step's shapes (eqxscan/_scan/auto.py; docs/default-remat.md); it is also what
-#: `"auto"` means as the `policy` of a `ScanRemat` that names or nests.
+#: The matmul-saving policy: save the weight products, recompute the elementwise
+#: work (norms, activations, residual adds), which a plain scan would store for
+#: every step. `remat="auto"` picks between saving everything, this policy and
+#: full remat (`auto.py`); it is what `"auto"` means as the `policy` of a
+#: `ScanRemat` that names or nests.
 AUTO_POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 
-#: What `remat="offload"` means: the values `AUTO_POLICY` keeps, but in host
-#: memory ("pinned_host") rather than on the device; XLA copies them back for the
-#: backward pass. Where device and host memory are one (the CPU backend) the
-#: placement is a no-op and the program matches `AUTO_POLICY`'s.
+#: What `remat="offload"` means: the values `AUTO_POLICY` keeps, in pinned host
+#: memory (on CPU, where both are one, the program matches `AUTO_POLICY`'s).
 OFFLOAD_POLICY = jax.checkpoint_policies.offload_dot_with_no_batch_dims(
     "device", "pinned_host"
 )
@@ -56,19 +51,18 @@ Keep: TypeAlias = bool | Literal["offload"] | None
 
 
 def _check_keep(name: str, value: object) -> None:
-    if value is not None and not any(value is v for v in (True, False)):
-        if value != "offload":
-            raise ValueError(
-                f"ScanRemat({name}=...) must be True (save), False (recompute), "
-                f"'offload' (save in pinned host memory) or None (not named: the "
-                f"policy decides), got {value!r}."
-            )
+    if not (value is None or value is True or value is False or value == "offload"):
+        raise ValueError(
+            f"ScanRemat({name}=...) must be True (save), False (recompute), "
+            f"'offload' (save in pinned host memory) or None (not named: the "
+            f"policy decides), got {value!r}."
+        )
 
 
 def _check_nested(nested: object) -> int | tuple[int, ...] | None:
     if nested is None:
         return None
-    if isinstance(nested, tuple) and not isinstance(nested, bool):
+    if isinstance(nested, tuple):
         if len(nested) < 2 or not all(
             isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in nested
         ):
@@ -110,24 +104,20 @@ class ScanRemat:
       after the `layer_sharding` constraint, and its `per_layer` arguments; a
       time step's inputs). `False` (default) reads them again in the backward
       pass (re-gathering FSDP-sharded weights); `True` saves them; `"offload"`
-      saves them in pinned host memory.
-      `None` (for either) leaves the value unnamed, so the policy alone decides, as
-      for a plain `remat=` value.
-    - `nested`: `None`, a number of blocks (a two-level scan: the outer level keeps
-      one carry per block, the inner steps are recomputed), or a tuple of lengths
-      `(a, b, ...)`, outermost first, whose product is the scan length (one level
-      per entry).
+      saves them in pinned host memory. `None` (for either) leaves the value
+      unnamed: the policy alone decides, as for a plain `remat=` value.
+    - `nested`: `None`, a number of blocks (a two-level scan: the outer level
+      keeps one carry per block, the inner steps are recomputed), or a tuple of
+      lengths `(a, b, ...)`, outermost first, whose product is the scan length.
 
-    Every `remat=` value is one of these (see `ScanOptions.scan_remat`):
-    `False`, `True`, a policy and `"offload"` are `ScanRemat(policy=...,
-    save_carries=None, save_inputs=None)`; `"auto"` is the same with
-    `policy="auto"`, which for a flat scan that names nothing means eqxscan's
-    rule (resolved when the step is traced), and elsewhere the matmul-saving
-    policy; `"nested"` is `ScanRemat(save_carries=False, save_inputs=None)`.
-
-    The carry and inputs are named `eqxscan.ScanRemat.CARRY` and
-    `eqxscan.ScanRemat.INPUTS` inside the step, so a policy of your own can
-    also refer to them.
+    Every `remat=` value is one of these (`ScanOptions.scan_remat`): `False`,
+    `True`, a policy and `"offload"` are `ScanRemat(policy=...,
+    save_carries=None, save_inputs=None)`; `"auto"` the same with
+    `policy="auto"` (eqxscan's rule for a flat scan that names nothing, else
+    the matmul-saving policy); `"nested"` is `ScanRemat(save_carries=False,
+    save_inputs=None)`. Inside the step the carry and inputs are named
+    `eqxscan.ScanRemat.CARRY` and `eqxscan.ScanRemat.INPUTS`, for policies of
+    your own.
 
     !!! example
 
@@ -183,9 +173,8 @@ class ScanRemat:
             return SAVE_BUFFER_READS
         if self.policy is False:
             return jax.checkpoint_policies.everything_saveable
-        return _saving_buffer_reads(
-            AUTO_POLICY if isinstance(self.policy, str) else self.policy
-        )
+        policy = AUTO_POLICY if isinstance(self.policy, str) else self.policy
+        return _by_name((BUFFER_READ,), lambda *a, **p: True, policy)
 
     def levels(self, length: int) -> tuple[int, ...] | None:
         """The lengths of the outer levels of the nested scan over `length` steps,
@@ -212,47 +201,39 @@ class ScanRemat:
         options for the named carry and inputs."""
         if not self.named:
             return base
-        saved, offloaded = [], []
-        for name, keep in ((CARRY, self.save_carries), (INPUTS, self.save_inputs)):
-            if keep == "offload":
-                offloaded.append(name)
-            elif keep is True:
-                saved.append(name)
-        names = jax.checkpoint_policies.save_and_offload_only_these_names(
-            names_which_can_be_saved=saved,
-            names_which_can_be_offloaded=offloaded,
-            offload_src="device",
-            offload_dst="pinned_host",
+        keeps = {CARRY: self.save_carries, INPUTS: self.save_inputs}
+        names = _names_policy(
+            [n for n, k in keeps.items() if k is True],
+            [n for n, k in keeps.items() if k == "offload"],
         )
-
-        def policy(prim: object, *args: object, **params: object) -> object:
-            if params.get("name") in (CARRY, INPUTS) and str(prim) == "name":
-                return names(prim, *args, **params)
-            return base(prim, *args, **params)
-
-        return policy  # pyright: ignore[reportReturnType]  # offloading answers are not bools
+        return _by_name(tuple(keeps), names, base)
 
     def boundary_policy(self) -> Policy:
         """The outer levels' policy: only the block-boundary carry may be kept
         (offloaded with `save_carries="offload"`); everything else is recomputed."""
-        offload = [BLOCK_CARRY] if self.save_carries == "offload" else []
-        return jax.checkpoint_policies.save_and_offload_only_these_names(
-            names_which_can_be_saved=[],
-            names_which_can_be_offloaded=offload,
-            offload_src="device",
-            offload_dst="pinned_host",
+        return _names_policy(
+            [], [BLOCK_CARRY] if self.save_carries == "offload" else []
         )
 
 
-def _saving_buffer_reads(policy: Policy) -> Policy:
-    # `policy`, and a buffer read saved (an offloading policy's answers are not
-    # bools, so `save_from_both_policies` cannot combine them).
-    def both(prim: object, *args: object, **params: object) -> object:
-        if params.get("name") == BUFFER_READ and str(prim) == "name":
-            return True
-        return policy(prim, *args, **params)
+def _names_policy(saved: list[str], offloaded: list[str]) -> Policy:
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=saved,
+        names_which_can_be_offloaded=offloaded,
+        offload_src="device",
+        offload_dst="pinned_host",
+    )
 
-    return both  # pyright: ignore[reportReturnType]  # offloading answers are not bools
+
+def _by_name(names: tuple[str, ...], named: Policy, base: Policy) -> Policy:
+    # `named` for the values named `names`, else `base` (an offloading policy's
+    # answers are not bools, so `save_from_both_policies` cannot combine them).
+    def policy(prim: object, *args: object, **params: object) -> object:
+        if params.get("name") in names and str(prim) == "name":
+            return named(prim, *args, **params)
+        return base(prim, *args, **params)
+
+    return policy  # pyright: ignore[reportReturnType]  # offloading answers are not bools
 
 
 def as_scan_remat(remat: object) -> ScanRemat:
@@ -289,9 +270,8 @@ T = TypeVar("T")
 
 
 def name_tree(tree: T, name: str) -> T:
-    """Every array leaf of `tree` named `name` for the remat policies (PRNG
-    keys excepted: they are cheap to keep and cannot be offloaded); other
-    leaves (a broadcast Python number, say) as they are."""
+    """Every array leaf of `tree` named `name` for the remat policies, but PRNG
+    keys (cheap to keep, and they cannot be offloaded)."""
 
     def one(a: object) -> object:
         if not isinstance(a, jax.Array) or jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
@@ -302,8 +282,7 @@ def name_tree(tree: T, name: str) -> T:
 
 
 def name_inputs(tree: T, remat: ScanRemat) -> T:
-    """A step's inputs, named `INPUTS` when `remat` names them (and left
-    alone otherwise, so other programs do not change)."""
+    """A step's inputs, named `INPUTS` when `remat` names them."""
     if remat.save_inputs is None:
         return tree
     return name_tree(tree, INPUTS)
@@ -313,68 +292,57 @@ Step: TypeAlias = Callable[[PyTree, PyTree], tuple[PyTree, PyTree]]
 
 
 def nested_scan(
-    body: Step,
+    step: Step,
     carry: PyTree,
     xs: PyTree,
     length: int,
     levels: tuple[int, ...],
     unroll: int | bool,
-    step_policy: Policy | None,
     boundary_policy: Policy | None,
     reverse: bool = False,
 ) -> tuple[PyTree, PyTree]:
-    """`lax.scan(body, carry, xs, reverse=reverse)` as nested scans: `levels` are
-    the lengths of the outer levels (outermost first); the innermost level takes
-    the rest. Each outer level's body is checkpointed, so only its carries are
-    kept and the steps inside are recomputed in the backward pass. Reversed, every
-    level runs backwards, so `xs` is read in place rather than flipped."""
-    step = jax.checkpoint(body, policy=step_policy, prevent_cse=False)
-    if not levels:
-        return jax.lax.scan(
-            step, carry, xs, length=length, unroll=unroll, reverse=reverse
-        )
-    outer, inner_levels = levels[0], levels[1:]
-    inner = length // outer
-    head = outer * inner
+    """`lax.scan(step, carry, xs, reverse=reverse)` as nested scans, `levels` the
+    outer levels' lengths (outermost first; the innermost takes the rest). Each
+    outer level's body is checkpointed with `boundary_policy`, so only its
+    carries are kept. Reversed, every level runs backwards, so `xs` is read in
+    place rather than flipped."""
 
-    def block(c: PyTree, xs_block: PyTree) -> tuple[PyTree, PyTree]:
-        c = name_tree(c, BLOCK_CARRY)
-        return nested_scan(
-            body,
-            c,
-            xs_block,
-            inner,
-            inner_levels,
-            unroll,
-            step_policy,
-            boundary_policy,
-            reverse,
-        )
+    def scan(
+        carry: PyTree, xs: PyTree, length: int, levels: tuple[int, ...]
+    ) -> tuple[PyTree, PyTree]:
+        if not levels:
+            return jax.lax.scan(
+                step, carry, xs, length=length, unroll=unroll, reverse=reverse
+            )
+        outer, inner = levels[0], length // levels[0]
+        head = outer * inner
 
-    def blocks(carry: PyTree) -> tuple[PyTree, PyTree]:
-        split = jtu.tree_map(lambda a: a[:head].reshape(outer, inner, *a.shape[1:]), xs)
-        carry, ys = jax.lax.scan(
-            jax.checkpoint(block, policy=boundary_policy, prevent_cse=False),
-            carry,
-            split,
-            length=outer,
-            reverse=reverse,
-        )
-        return carry, jtu.tree_map(lambda a: a.reshape(head, *a.shape[2:]), ys)
+        def block(c: PyTree, xs_block: PyTree) -> tuple[PyTree, PyTree]:
+            return scan(name_tree(c, BLOCK_CARRY), xs_block, inner, levels[1:])
 
-    def rest(carry: PyTree) -> tuple[PyTree, PyTree]:
+        def blocks(carry: PyTree) -> tuple[PyTree, PyTree]:
+            split = jtu.tree_map(
+                lambda a: a[:head].reshape(outer, inner, *a.shape[1:]), xs
+            )
+            carry, ys = jax.lax.scan(
+                jax.checkpoint(block, policy=boundary_policy, prevent_cse=False),
+                carry,
+                split,
+                length=outer,
+                reverse=reverse,
+            )
+            return carry, jtu.tree_map(lambda a: a.reshape(head, *a.shape[2:]), ys)
+
+        if head == length:
+            return blocks(carry)
         tail = jtu.tree_map(lambda a: a[head:], xs)
-        return jax.lax.scan(
-            step, carry, tail, length=length - head, unroll=unroll, reverse=reverse
-        )
+        # The remainder comes last in consumption order.
+        if reverse:
+            carry, ys_tail = scan(carry, tail, length - head, ())
+            carry, ys = blocks(carry)
+        else:
+            carry, ys = blocks(carry)
+            carry, ys_tail = scan(carry, tail, length - head, ())
+        return carry, jtu.tree_map(lambda a, b: jnp.concatenate([a, b]), ys, ys_tail)
 
-    if head == length:
-        return blocks(carry)
-    # The remainder comes last in consumption order.
-    if reverse:
-        carry, ys_tail = rest(carry)
-        carry, ys = blocks(carry)
-    else:
-        carry, ys = blocks(carry)
-        carry, ys_tail = rest(carry)
-    return carry, jtu.tree_map(lambda a, b: jnp.concatenate([a, b]), ys, ys_tail)
+    return scan(carry, xs, length, levels)

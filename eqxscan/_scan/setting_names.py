@@ -42,7 +42,5 @@ def remat_label(remat: Remat) -> str:
     """`"auto"`, `"True"`, or a policy's name in `jax.checkpoint_policies`."""
     if isinstance(remat, (str, bool)):
         return repr(remat) if isinstance(remat, str) else str(remat)
-    for name, value in vars(jax.checkpoint_policies).items():
-        if value is remat:
-            return name
-    return getattr(remat, "__name__", repr(remat))
+    named = (n for n, v in vars(jax.checkpoint_policies).items() if v is remat)
+    return next(named, getattr(remat, "__name__", repr(remat)))

@@ -1,20 +1,12 @@
 """Steps that run only where a run bit is set (LayerDrop): a skipped step
 passes its carry on and costs next to nothing, forward and backward.
 
-Two forms, both `jax.custom_vjp`s whose backward is a `lax.cond` on the same
-bit, so that a step that runs does its backward inside its branch and a skipped one
-does no work:
-
-- `skip_call`: one step, whose backward recomputes its forward (a lone layer
-  of a `Chain`; the loop mode; a scan whose `remat=` names or nests what to
-  save, which the step's own remat must see).
-- `skip_scan`: the whole scan at once. The stacked inputs (the layers' weights)
-  reach the step whole and are indexed inside the running branch; a step that runs
-  saves what its `remat=` policy keeps (never its inputs); and the
-  backward scan writes the input gradients of a step that runs into one zero-filled
-  stacked buffer in place. A skipped layer then touches none of its weights in
-  either pass; scanned as inputs, every layer's weights would be sliced, and
-  every skipped layer's zero gradient written, whether it runs or not.
+Both forms are `jax.custom_vjp`s whose backward is a `lax.cond` on the same
+bit: `skip_call`, one step whose backward recomputes its forward (a `Chain`'s
+lone layer, the loop, a scan whose `remat=` names or nests), and `skip_scan`,
+the whole scan at once, the stacked weights indexed inside the running branch
+and their gradients written into one stacked buffer in place, so that a
+skipped layer touches none of its weights in either pass.
 """
 
 import dataclasses
@@ -64,13 +56,15 @@ def _merge(fixed: Sequence[object], diff: Sequence[object], mask: list[bool]) ->
 def _zeros(avals: Sequence[jax.core.ShapedArray]) -> list[Array]:
     """Zeros of these types, varying over the same manual axes (inside
     `shard_map`), so that a skipping branch matches a running one."""
-    out = []
-    for a in avals:
+
+    def zeros(a: jax.core.ShapedArray) -> Array:
         z = jnp.zeros(a.shape, a.dtype)
-        manual = getattr(a, "manual_axis_type", None)
-        vma = tuple(sorted(getattr(manual, "varying", ())))
-        out.append(jax.lax.pcast(z, vma, to="varying") if vma else z)
-    return out
+        vma = tuple(
+            sorted(getattr(getattr(a, "manual_axis_type", None), "varying", ()))
+        )
+        return jax.lax.pcast(z, vma, to="varying") if vma else z
+
+    return [zeros(a) for a in avals]
 
 
 def _evaluate(
@@ -86,44 +80,34 @@ def skip_call(
     operands: Sequence[Array],
     num_carry: int,
 ) -> list[Array]:
-    """`traced(*operands)` where `runs`, else `operands[:num_carry]` followed by
-    zeros for the other outputs. The first `num_carry` outputs are the carry, of
-    the types of the first `num_carry` operands.
+    """`traced(*operands)` where `runs`, else the carry (`operands[:num_carry]`,
+    the first outputs' types) followed by zeros.
 
-    What the backward pass keeps is the operands (the carry, and the layer's
-    inputs, which a scan forwards rather than saving a copy per step) and
-    `runs`; the backward of a step that runs recomputes its forward in its branch.
-    Differentiating a plain `lax.cond` would instead save what the running branch
-    computes, weights included, as outputs of the `cond`, filled with zeros by
-    the skipping branch."""
+    The backward pass keeps the operands (which a scan forwards rather than
+    copying per step) and `runs`, and a step that runs recomputes its forward in
+    its branch; a plain `lax.cond` would save what the running branch computes,
+    weights included, zero-filled by the skipping branch."""
     operands = list(operands)
-    out_avals = traced.out_avals
-    y_avals = out_avals[num_carry:]
+    y_avals = traced.out_avals[num_carry:]
 
-    def skip(fixed: list, carry_and_rest: list) -> list[Array]:
-        return list(carry_and_rest[:num_carry]) + _zeros(y_avals)
+    def skip(ops: Sequence[Array]) -> list[Array]:
+        return list(ops[:num_carry]) + _zeros(y_avals)
 
-    if not all(inexact(a) for a in out_avals):
+    if not can_skip_scan(traced):
         # An integer carry or output has no cotangent to route through the
         # backward `cond`: differentiate the plain `cond` instead.
         return jax.lax.cond(
-            runs,
-            lambda _, ops: jcore.jaxpr_as_fun(traced)(*ops),
-            skip,
-            [],
-            operands,
+            runs, lambda o: jcore.jaxpr_as_fun(traced)(*o), skip, operands
         )
-    consts = list(traced.consts)
-    c_fixed, c_diff, c_mask = _split(consts)
+    c_fixed, c_diff, c_mask = _split(list(traced.consts))
     o_fixed, o_diff, o_mask = _split(operands)
 
     def layer(fixed: tuple[list, list], diff: tuple[list, list]) -> list[Array]:
-        const_vals = _merge(fixed[0], diff[0], c_mask)
-        ops = _merge(fixed[1], diff[1], o_mask)
-        return jcore.jaxpr_as_fun(jcore.ClosedJaxpr(traced.jaxpr, const_vals))(*ops)
+        consts = _merge(fixed[0], diff[0], c_mask)
+        return _evaluate(traced, consts, _merge(fixed[1], diff[1], o_mask), [])
 
     def skipped_out(fixed: tuple[list, list], diff: tuple[list, list]) -> list[Array]:
-        return skip([], _merge(fixed[1], diff[1], o_mask))
+        return skip(_merge(fixed[1], diff[1], o_mask))
 
     # Every input is an argument (a custom_vjp may not close over tracers);
     # `runs` and the integer, bool and key values (`fixed`) get no gradient.
@@ -156,26 +140,31 @@ def skip_call(
     return skipping(runs, (c_fixed, o_fixed), (c_diff, o_diff))
 
 
+def arrays_only(
+    fn: Callable[..., tuple[PyTree, PyTree]], c_static: PyTree
+) -> tuple[Callable[..., tuple[PyTree, PyTree]], list[tuple[PyTree, PyTree]]]:
+    """`fn(carry, *rest) -> (carry, y)` on the carry's array leaves (its others
+    `c_static`), returning array leaves only (for `jax.checkpoint` and
+    `make_jaxpr`), and the list where each call puts its outputs' other leaves."""
+    statics: list[tuple[PyTree, PyTree]] = []
+
+    def body(c_dyn: PyTree, *rest: PyTree) -> tuple[PyTree, PyTree]:
+        new, y = fn(eqx.combine(c_dyn, c_static), *rest)
+        dyn, static = eqx.partition((new, y), eqx.is_array)
+        statics.append(static)
+        return dyn
+
+    return body, statics
+
+
 def skip_layer(
     fn: Callable[[PyTree], tuple[PyTree, PyTree]], c: PyTree, runs: Bool[Array, ""]
 ) -> tuple[PyTree, PyTree]:
     """`fn(c) -> (new carry, y)` where `runs`, else `(c, zeros like y)`, through
-    `skip_call`. `fn` is traced once (its Python runs once), on the array
-    leaves of `c`; its other leaves and those of its outputs are kept as they
-    are. An `fn` that breaks the carry contract runs without skipping, for the caller's
-    check to report."""
+    `skip_call` (`fn` traced once, on the array leaves of `c`). An `fn` that
+    breaks the carry contract runs without skipping, for the caller to report."""
     c_dyn, c_static = eqx.partition(c, eqx.is_array)
-    statics: list[PyTree] = []
-
-    def body(c_dyn: PyTree) -> tuple[PyTree, PyTree]:
-        new, y = fn(eqx.combine(c_dyn, c_static))
-        (new_dyn, new_static), (y_dyn, y_static) = (
-            eqx.partition(new, eqx.is_array),
-            eqx.partition(y, eqx.is_array),
-        )
-        statics.append((new_static, y_static))
-        return new_dyn, y_dyn
-
+    body, statics = arrays_only(fn, c_static)
     traced, out_shape = jax.make_jaxpr(body, return_shape=True)(c_dyn)
     new_shape = out_shape[0]
     contract = jtu.tree_structure(new_shape) == jtu.tree_structure(c_dyn) and all(
@@ -187,9 +176,9 @@ def skip_layer(
         flat = skip_call(runs, traced, operands, len(operands))
     else:
         flat = jcore.jaxpr_as_fun(traced)(*operands)
-    new_dyn, y_dyn = jtu.tree_unflatten(jtu.tree_structure(out_shape), flat)
-    new_static, y_static = statics[0]
-    return eqx.combine(new_dyn, new_static), eqx.combine(y_dyn, y_static)
+    return eqx.combine(
+        jtu.tree_unflatten(jtu.tree_structure(out_shape), flat), statics[0]
+    )
 
 
 def can_skip_scan(traced: jcore.ClosedJaxpr) -> bool:
@@ -210,29 +199,15 @@ def skip_scan(
     unroll: int | bool,
     policy: Policy | None = None,
 ) -> tuple[list[Array], list[Array]]:
-    """Scan `traced` (one step: flat `carry + x_i` to flat `carry + y_i`) over the
-    leading axis of `xs`, running step `i` only where `runs[i]`; a skipped step
-    passes the carry on and outputs zeros.
+    """`(carry, ys)`, flat: `traced` (flat `carry + x_i` to `carry + y_i`)
+    scanned over `xs`, step `i` run only where `runs[i]` (a skipped step passes
+    the carry on and outputs zeros).
 
-    **Arguments:**
-
-    - `policy`: what a step that runs saves for the backward pass, as a
-      `jax.checkpoint` policy: its inputs and what the policy keeps of its
-      internals (stacked over the steps; zeros for a skipped one). `None` saves
-      only the carry each step receives (as `remat=True` would).
-
-    **Returns:**
-
-    `(carry, ys)`, flat, the `ys` stacked on axis 0.
-
-    The backward pass does the backward of a step that runs inside its branch (from its
-    saved values, recomputing the rest) and writes its input gradients into the
-    stacked gradient at `i`, in place. A step's inputs are never saved: the
-    carry is, and the layer's slice of `xs` is read again from the whole `xs`.
-    The steps are the methods of `_SkipScan`: `forward` (the scan of the steps that run
-    steps), `backward` (the reverse scan writing gradients in place), with
-    `step`, `linearized` and `saved_types` for one step.
-    """
+    A step that runs saves what `policy` (a `jax.checkpoint` policy) keeps of
+    its internals, stacked over the steps (zeros for a skipped one); `None`
+    saves only the carry (as `remat=True`). Its backward runs inside its branch
+    and writes its input gradients into the stacked gradient at `i`, in place;
+    its slice of `xs` is never saved but read again (see `_SkipScan`)."""
     c_fixed, c_diff, c_mask = _split(list(traced.consts))
     x_fixed, x_diff, x_mask = _split(xs)
     scan = _SkipScan(
@@ -255,11 +230,10 @@ def skip_scan(
 
 @dataclasses.dataclass(frozen=True)
 class _SkipScan:
-    """One `skip_scan`: the traced step and how its inputs split into values
-    that take cotangents (`diff`) and those that do not (`fixed`), as
-    `(consts, xs)` pairs. `layouts` records how the forward pass saved a running
-    step's values (the vjp's structure and, per leaf, the input it is, or
-    `None`: saved), set while the forward scan is traced."""
+    """One `skip_scan`: the traced step, its inputs split into values that take
+    cotangents (`diff`) and those that do not (`fixed`), as `(consts, xs)`
+    pairs. `layouts` records, while the forward scan is traced, how it saved a
+    running step's vjp (its structure and, per leaf, the input it is or `None`)."""
 
     traced: jcore.ClosedJaxpr
     num_carry: int
@@ -272,8 +246,8 @@ class _SkipScan:
     layouts: list[tuple[jtu.PyTreeDef, tuple[int | None, ...]] | None]  # pyright: ignore[reportInvalidTypeForm]  # jax's stubs declare PyTreeDef a variable
 
     def step(self, fixed: tuple, fixed_i: list) -> Callable[..., list[Array]]:
-        """Step `i` (its fixed slices `fixed_i`) as a function of what gets
-        cotangents: the consts, the carry and its slices of `xs`."""
+        """Step `i` (its fixed slices `fixed_i`) as a function of its consts,
+        carry and slices of `xs` that get cotangents."""
 
         def fn(consts_d: list, c: list, x_d: list) -> list[Array]:
             consts = _merge(fixed[0], consts_d, self.c_mask)
@@ -300,9 +274,9 @@ class _SkipScan:
         return out, saved, (tree, where)
 
     def saved_types(self, i: Array, c: list, fixed: tuple, diff: tuple) -> list:
-        """The types of what a step that runs saves under the policy (for the
-        skipping branch's zeros), its layout recorded in `layouts`; none when
-        a saved value cannot be zero-filled (a key: the step is recomputed)."""
+        """The types of what a running step saves (for the skipping branch's
+        zeros), its layout recorded in `layouts`; none when a saved value
+        cannot be zero-filled (a key: the step is recomputed)."""
         found: list = []
 
         def probe(i: Array, c: list, fixed: tuple, diff: tuple) -> list:
@@ -313,15 +287,15 @@ class _SkipScan:
         # On the values' own types (varying manual axes included).
         types = jtu.tree_map(jax.typeof, (i, c, fixed, diff))
         avals = list(jax.make_jaxpr(probe)(*types).out_avals)
-        usable = all(_zero_able(a) for a in avals)
+        usable = not any(jnp.issubdtype(a.dtype, jax.dtypes.extended) for a in avals)
         self.layouts.append(found[0] if usable else None)
         return avals if usable else []
 
     def forward(
         self, runs: Array, fixed: tuple, diff: tuple, carry: list, save: bool
     ) -> tuple[list, list, tuple[list, list]]:
-        """The scan: a `cond` per step runs the ones that run. With `save`, each
-        step also outputs the carry it received and its saved values."""
+        """The scan, a `cond` per step; with `save`, each step also outputs the
+        carry it received and its saved values."""
         consts = _merge(fixed[0], diff[0], self.c_mask)
         xs = _merge(fixed[1], diff[1], self.x_mask)
         y_avals = self.traced.out_avals[self.num_carry :]
@@ -360,8 +334,7 @@ class _SkipScan:
 
     def backward(self, res: tuple, cts: tuple[list, list]) -> tuple[object, ...]:
         """The reverse scan: a step that runs does its vjp (rebuilt from its saved
-        values, or recomputed) and writes its slice's gradient into the stacked
-        gradient in place; a skipped step passes the carry's cotangent on."""
+        values, or recomputed) and writes its slice's gradient in place."""
         runs, fixed, diff, (carries, saved) = res
         ct_carry, ct_ys = cts
         consts_diff, xs_diff = diff
@@ -411,11 +384,6 @@ class _SkipScan:
         )
         ct_fixed = jtu.tree_map(_no_cotangent, fixed)
         return _no_cotangent(runs), ct_fixed, (g_consts, g_xs), g_carry
-
-
-def _zero_able(aval: jax.core.ShapedArray) -> bool:
-    """Whether a skipped step can fill this saved value with zeros (not a key)."""
-    return not jnp.issubdtype(aval.dtype, jax.dtypes.extended)
 
 
 def skip_step(

@@ -1,16 +1,13 @@
 """Taps: per-layer statistics of what flows between the layers, collected from
 the scanned call itself.
 
-While [`eqxscan.tap`][] runs a container, the layer-call seam hands every
-layer's output to `tapped` (with the layer's global index): it records
-`stat(output[, input])` in the current scope and, with a [`eqxscan.Probe`][],
-adds the layer's slice of the probe to the output through a `custom_vjp` whose
-backward pass returns the probe's statistic of the cotangent. The engine
-(`collected`) gives every scan step a scope of its own and returns what the
-step recorded as extra per-step outputs, so statistics leave nested scans
-(a `Chain`'s repeated patterns) stacked; `tap` scatters them by layer index.
-Every container call made while tapped (`call_of`, around each container
-method) tags its records, so that each call gets rows of its own.
+While [`eqxscan.tap`][] runs, the layer-call seam hands every layer's output
+to `tapped`, which records `stat(output[, input])` in the current scope and
+adds the layer's slice of a [`eqxscan.Probe`][] through a `custom_vjp` whose
+backward returns the probe's statistic of the cotangent. The engine
+(`collected`) returns each scan step's records as extra per-step outputs, so
+they leave nested scans stacked, and `tap` scatters them by layer index; each
+container call (`call_of`) tags its records, to get rows of its own.
 """
 
 import contextlib
@@ -28,7 +25,7 @@ import jax.tree_util as jtu
 from jaxtyping import Array, Float, PyTree
 
 from .index import Index, index
-from .layer_index import setting
+from .layer_index import Run, setting
 
 
 Stat = Callable[..., PyTree]
@@ -79,14 +76,14 @@ _PAUSED: contextvars.ContextVar[_Tapping | None] = contextvars.ContextVar(
 
 
 def tapping() -> bool:
-    """Whether a container call now is tapped (its trace then depends on it)."""
+    """Whether a container call now is tapped."""
     return _TAPPING.get() is not None
 
 
 @contextlib.contextmanager
 def inside_layer() -> Iterator[None]:
-    """Set around a layer's own call: containers inside a layer are not tapped
-    (a tap inside the layer taps them), except in a `Recurrent`'s cell."""
+    """Set around a layer's call: containers inside it are not tapped, except
+    in a `Recurrent`'s cell."""
     with setting(_PAUSED, _TAPPING.get()), setting(_TAPPING, None):
         yield
 
@@ -97,8 +94,8 @@ def untapped() -> contextlib.AbstractContextManager[None]:
 
 
 def in_cell() -> contextlib.AbstractContextManager[None]:
-    """Set around a `Recurrent`'s cell: containers it calls are tapped, each
-    call with rows of its own per time step."""
+    """Set around a `Recurrent`'s cell: containers it calls are tapped, with
+    rows of their own per time step."""
     return setting(_TAPPING, _PAUSED.get())
 
 
@@ -184,7 +181,7 @@ _probed.defvjp(lambda stat, x, p: (x, None), lambda stat, res, ct: (ct, stat(ct)
 
 def tapped(i: Index | None, new: PyTree, old: PyTree) -> PyTree:
     """Layer (or step) `i`'s output `new`, given `old`: its statistics
-    recorded, and its slice of the probe attached, while a call is tapped."""
+    recorded and its slice of the probe attached."""
     state = _TAPPING.get()
     scope = _SCOPE.get()
     if state is None or scope is None or i is None:
@@ -216,12 +213,9 @@ def _attached(probe: Probe | None, i: Index, new: PyTree) -> PyTree:
     return eqx.combine(_probed(probe.stat, dyn, index(values, row)), rest)
 
 
-Run = Callable[..., tuple[PyTree, PyTree]]
-
-
 def collected(run: Run) -> Run:
-    """The engine's `run`, each step's records (while tapped) returned beside
-    its `y` and added, stacked, to the enclosing scope."""
+    """The engine's `run`, each step's records returned beside its `y` and
+    added, stacked, to the enclosing scope."""
 
     @functools.wraps(run)
     def wrapped(
@@ -273,9 +267,8 @@ def add(records: Sequence) -> None:
 @contextlib.contextmanager
 def covering(length: int) -> Iterator[None]:
     """Around a call that may run only some of a model's `length` layers
-    (`run_layers`): while tapped, its records are padded to one per layer, so
-    that layers not run read zeros (as LayerDrop's skipped layers do) rather
-    than the gathered taps being cut to the number of layers run."""
+    (`run_layers`): its records padded to one per layer, so that layers not run
+    read zeros (as LayerDrop's skipped layers do)."""
     outer, call = _SCOPE.get(), _CALL.get()
     if _TAPPING.get() is None or outer is None:
         yield
@@ -310,13 +303,9 @@ def _takes_input(stat: Stat) -> bool:
         params = inspect.signature(stat).parameters.values()
     except (TypeError, ValueError):
         return False
-    positional = [
-        p
-        for p in params
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        and p.default is p.empty
-    ]
-    return len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = sum(p.kind in kinds and p.default is p.empty for p in params)
+    return required >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
 
 
 def _gather(records: list, depth: int, where: str) -> PyTree:
@@ -428,7 +417,7 @@ def tap_calls(
     kwargs: dict,
     emitted: Probe | None = None,
 ) -> tuple[PyTree, list[tuple[_Call, PyTree]] | None]:
-    """`tap`'s call of `model`, its statistics per container call, in call
+    """`tap`'s call of `model`, and its statistics per container call, in call
     order (`None` without `stat`)."""
     # Records made outside any container call (`run_layers`) are the model's.
     outside = _Call(getattr(model, "__name__", "outside"))
