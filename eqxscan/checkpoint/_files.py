@@ -4,11 +4,12 @@ those that killed writers left behind, and fsyncs of directories; and what the
 readers share: arrays read when asked for, the error for a corrupt file,
 digests, lists of names."""
 
+import contextlib
 import hashlib
 import os
 import re
-import tempfile
-import threading
+import secrets
+import string
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -21,9 +22,9 @@ except ImportError:  # pragma: no cover - not POSIX: stale files are not collect
     fcntl = None
 
 
-# mkstemp's names: the prefix, 8 characters of this alphabet, the suffix.
+# A temporary file's name: the prefix, 8 characters of this alphabet, ".tmp".
+_ALPHABET = string.ascii_lowercase + string.digits + "_"
 _TOKEN = re.compile(r"[a-z0-9_]{8}")
-_UMASK = threading.Lock()
 
 
 class CorruptFileError(ValueError):
@@ -82,33 +83,19 @@ def differences(found: Iterable[str], listed: Iterable[str], where: str) -> str:
     )
 
 
-def _umask() -> int:
-    # Linux says it without changing it; elsewhere, set and restore it (under a
-    # lock, as no other thread of eqxscan creates files meanwhile).
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    with _UMASK:
-        mask = os.umask(0o022)
-        os.umask(mask)
-    return mask
-
-
 def locked_temporary(directory: str, prefix: str) -> tuple[int, str]:
     """A new temporary file for `prefix`, locked for as long as it stays open:
     the lock tells the saves of other processes that it is not stale (the
     system releases it when its process dies, however it dies). Its mode is
     what `open` gives a new file (0644 under umask 022), not mkstemp's 0600."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
     while True:
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=prefix, suffix=".tmp")
+        token = "".join(secrets.choice(_ALPHABET) for _ in range(8))
+        tmp = os.path.join(directory, f"{prefix}{token}.tmp")
         try:
-            os.fchmod(fd, 0o666 & ~_umask())
-        except OSError:  # pragma: no cover - a file system without modes
-            pass
+            fd = os.open(tmp, flags, 0o666)
+        except FileExistsError:  # pragma: no cover - one in 36**8
+            continue
         if fcntl is None:  # pragma: no cover
             return fd, tmp
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -139,14 +126,12 @@ def remove_stale(directory: str, prefix: str) -> None:
             fd = os.open(full, os.O_RDONLY)
         except OSError:
             continue
-        try:
+        # An OSError: locked by a save in progress, or not ours to remove.
+        with contextlib.suppress(OSError):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             if os.stat(full).st_ino == os.fstat(fd).st_ino:
                 os.remove(full)
-        except OSError:
-            pass  # locked by a save in progress, or not ours to remove
-        finally:
-            os.close(fd)
+        os.close(fd)
 
 
 def fsync_dir(directory: str) -> None:
@@ -155,9 +140,6 @@ def fsync_dir(directory: str) -> None:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:
         return
-    try:
+    with contextlib.suppress(OSError):
         os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    os.close(fd)

@@ -8,9 +8,9 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from .._internal import describe, Stacked
+from .._internal import describe, key_name, Stacked
 from ._names import NameMap
-from ._state_dict import from_state_dict, key_name
+from ._state_dict import from_state_dict
 
 
 def _natural(name: str) -> list:

@@ -10,9 +10,10 @@ through a short list of array operations applied in order on export:
 the shapes that `like` gives.
 """
 
+import collections
 import dataclasses
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 import jax
@@ -23,8 +24,6 @@ from .._internal import describe
 from ._files import Lazy, listed, shape_dtype
 from ._state_dict import check_like, entries_of, from_state_dict, host_entries
 
-
-__all__ = ["Join", "NameMap", "Reshape", "Rule", "Split", "Transpose"]
 
 T = TypeVar("T")
 Shape = tuple[int, ...]
@@ -170,20 +169,14 @@ def _compile(pattern: str, where: str) -> tuple[re.Pattern[str], tuple[str, ...]
 
 
 def _where(binding: Mapping[str, int]) -> str:
-    if not binding:
-        return ""
     if len(binding) == 1:
-        return f" (layer {next(iter(binding.values()))})"
-    return " (" + ", ".join(f"{k}={v}" for k, v in binding.items()) + ")"
+        return f" (layer {_layer(binding)})"
+    return f" ({', '.join(f'{k}={v}' for k, v in binding.items())})" if binding else ""
 
 
 def _layer(binding: Mapping[str, int]) -> int:
     # The layer of a binding of one placeholder; -1 (every depth has it) if none.
     return next(iter(binding.values())) if len(binding) == 1 else -1
-
-
-def _names(patterns: Iterable[str], binding: Mapping[str, int]) -> tuple[str, ...]:
-    return tuple(p.format(**binding) for p in patterns)
 
 
 def _spec(shape: Shape, dtype: np.dtype) -> str:
@@ -230,19 +223,17 @@ class _Compiled:
             steps.append(op.shapes(steps[-1]))
         return steps
 
-    def export(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
-        current = list(arrays)
+    def export(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
         for op in self.rule.ops:
-            current = op.apply(current)
-        return [np.ascontiguousarray(a) for a in current]
+            arrays = op.apply(arrays)
+        return [np.ascontiguousarray(a) for a in arrays]
 
     def load(
-        self, arrays: Sequence[np.ndarray], steps: list[list[Shape]]
+        self, arrays: list[np.ndarray], steps: list[list[Shape]]
     ) -> list[np.ndarray]:
-        current = list(arrays)
         for op, before in reversed(list(zip(self.rule.ops, steps))):
-            current = op.invert(current, before)
-        return [np.ascontiguousarray(a) for a in current]
+            arrays = op.invert(arrays, before)
+        return [np.ascontiguousarray(a) for a in arrays]
 
 
 class NameMap:
@@ -337,7 +328,7 @@ class NameMap:
                 if match is None:
                     continue
                 binding = {k: int(v) for k, v in match.groupdict().items()}
-                ours = _names(rule.ours, binding)
+                ours = tuple(p.format(**binding) for p in rule.ours)
                 absent = [n for n in ours if n not in layout or n in used]
                 if absent:
                     incomplete.append(f"'{name}' needs {', '.join(map(repr, absent))}")
@@ -374,7 +365,7 @@ class NameMap:
                 shapes = ", ".join(f"'{n}' {_spec(*layout[n])}" for n in ours)
                 bad.append(f"{e}, for {shapes}")
                 continue
-            theirs = _names(rule.rule.theirs, binding)
+            theirs = tuple(p.format(**binding) for p in rule.rule.theirs)
             planned.append(
                 _Planned(rule, binding, ours, theirs, steps, layout[ours[0]][1])
             )
@@ -406,17 +397,16 @@ class NameMap:
         of names of one placeholder are 0, 1, ... N-1 on each side, and each of
         the file's layers has as many names."""
         model = {_layer(p.binding) for p in planned if len(p.binding) == 1}
-        counts: dict[int, int] = {}
-        for n in external:
-            binding = self._binding(n)
-            if len(binding) == 1:
-                counts[_layer(binding)] = counts.get(_layer(binding), 0) + 1
+        bindings = (self._binding(n) for n in external)
+        counts = collections.Counter(_layer(b) for b in bindings if len(b) == 1)
         found = set(counts)
-        if not model or not found or len(model) == len(found):
-            return None
-        if len(set(counts.values())) > 1:  # not whole layers: name each problem
-            return None
-        if model != set(range(len(model))) or found != set(range(len(found))):
+        if (
+            len(set(counts.values())) != 1  # none, or not whole layers: name each
+            or not model
+            or len(model) == len(found)
+            or model != set(range(len(model)))
+            or found != set(range(len(found)))
+        ):
             return None
         return len(found), len(model)
 

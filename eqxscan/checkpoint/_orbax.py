@@ -1,12 +1,9 @@
 """Sharded checkpoints with Orbax: every process writes only its own shards, and a
 checkpoint restores onto any mesh and any number of processes.
 
-A step holds three Orbax items: `model`, `opt_state` and `step`. Names inside them
-keep the per-layer meaning of [`eqxscan.to_state_dict`][] with the layer index left
-as `*`: the entry `blocks.*.w1` of `model` is the stacked array whose row `i` is the
-state-dict entry `blocks.i.w1` (two leading axes, `*.*`, for nested `Stacked`s).
-Storing each stack as one array keeps a deep model at a handful of entries rather
-than one per layer and parameter.
+Entries keep [`eqxscan.to_state_dict`][]'s names with the layer index as `*`:
+`blocks.*.w1` is the stacked array whose row `i` is `blocks.i.w1` (`*.*` for
+nested `Stacked`s), so a deep model is a handful of entries, not one per layer.
 """
 
 import hashlib
@@ -309,8 +306,11 @@ class CheckpointManager:
         if opt_state is not None:
             sh = opt_state_shardings(opt_state, model, mesh, **kw)
             target["opt_state"] = _target(opt_state, sh)
-        if verify:
-            self._verify(step)
+        if verify and (why := self._corruption(step)):
+            raise ValueError(
+                f"{why}.\nHint: restore another step (all_steps() lists them: "
+                f"{self.all_steps()}); {DOCS}."
+            )
         out = self._read(step, target)
         model = _fill(model, out["model"])
         if opt_state is not None:
@@ -384,8 +384,6 @@ class CheckpointManager:
             {k: metadata[k].tree for k in target if metadata.get(k) is not None}
         )
         wanted = _flat_names(target)
-        missing = sorted(set(wanted) - set(saved))
-        unexpected = sorted(set(saved) - set(wanted))
         wrong = [
             f"'{k}': wanted {v.dtype}{list(v.shape)}, saved "
             f"{saved[k].dtype}{list(saved[k].shape)}"
@@ -396,16 +394,16 @@ class CheckpointManager:
                 or jax.numpy.dtype(saved[k].dtype) != v.dtype
             )
         ]
-        if missing or unexpected or wrong:
-            problems = [
-                f"{what}: {listed(items)}"
-                for what, items in (
-                    ("not in the checkpoint", missing),
-                    ("only in the checkpoint", unexpected),
-                    ("of another shape or dtype", wrong),
-                )
-                if items
-            ]
+        problems = [
+            f"{what}: {listed(items)}"
+            for what, items in (
+                ("not in the checkpoint", sorted(set(wanted) - set(saved))),
+                ("only in the checkpoint", sorted(set(saved) - set(wanted))),
+                ("of another shape or dtype", wrong),
+            )
+            if items
+        ]
+        if problems:
             raise ValueError(
                 f"Step {step} in {self.directory!r} does not match the model and "
                 f"optimizer state to restore: {' | '.join(problems)}.\nHint: pass a "
@@ -506,13 +504,6 @@ class CheckpointManager:
                 stacklevel=3,
             )
         return step
-
-    def _verify(self, step: int) -> None:
-        if why := self._corruption(step):
-            raise ValueError(
-                f"{why}.\nHint: restore another step (all_steps() lists them: "
-                f"{self.all_steps()}); {DOCS}."
-            )
 
     def _corruption(self, step: int) -> str | None:
         # Names the first file of `step` that differs from its digest; `None`

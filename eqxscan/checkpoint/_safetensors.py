@@ -1,16 +1,11 @@
 """safetensors files of a model's per-layer state dict: one file, or shards with
-the index JSON that Hugging Face writes, through the `safetensors` package's
-NumPy API (imported on first use, so `import eqxscan` does not import it).
+Hugging Face's index JSON, through the `safetensors` package's NumPy API.
 
-Writing streams: each shard gathers only its own layer slices, so a stacked
-model is never held twice in host memory (at most one shard beside it).
-Every file goes to a temporary file first, then `os.replace`; a sharded save
-over another checkpoint never renames a file the old index names before the new
-index is in place, so a save killed at any instant leaves the old checkpoint or
-the new one (see `_commit_shards`). Each file's
-metadata holds the SHA-256 digest of each of its arrays and a token of the save,
-which the index repeats: loading checks both, so a flipped bit in the data or
-a shard of another save is refused.
+Each shard gathers only its own layer slices, so a model is never held twice in
+host memory. A save killed at any instant leaves the old checkpoint or the new
+one (see `_commit_shards`). Each file's metadata holds the SHA-256 digest of
+each array and a token of the save, which the index repeats: loading checks
+both, refusing a flipped bit or a shard of another save.
 """
 
 import contextlib
@@ -47,14 +42,6 @@ from ._safetensors_read import (
 from ._state_dict import check_like, from_state_dict, host_entries
 
 
-__all__ = [
-    "load_safetensors",
-    "open_safetensors",
-    "Opened",
-    "read_safetensors",
-    "save_safetensors",
-]
-
 T = TypeVar("T")
 _SHARD = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
 # A new shard under the name of its save, until its index replaces the old one.
@@ -75,12 +62,6 @@ def _size(max_shard_size: int | str | None) -> int | None:
             f"or '500MiB', got {max_shard_size!r}."
         )
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-
-
-def _contiguous(array: np.ndarray) -> np.ndarray:
-    # Not `np.ascontiguousarray` alone: it makes a 0-d array 1-d.
-    array = np.asarray(array)
-    return array if array.flags.c_contiguous else np.ascontiguousarray(array)
 
 
 def _shards(
@@ -111,13 +92,12 @@ def save_safetensors(
     """Save `model`'s per-layer state dict as safetensors: one file, or a
     directory as Hugging Face lays it out.
 
-    With a `path` ending in `.safetensors`, one file. Otherwise `path` is a
-    directory (made if absent): `model.safetensors`, or, past `max_shard_size`,
+    A `path` ending in `.safetensors` is one file. Otherwise it is a directory
+    (made if absent): `model.safetensors`, or, past `max_shard_size`,
     `model-00001-of-0000N.safetensors` files and `model.safetensors.index.json`
-    (`{"metadata": {"total_size": ...}, "weight_map": {name: file}}`). The
-    arrays are written one file at a time, each layer's slice taken from the
-    stacked arrays as its file is written, so the model is never copied whole.
-    bfloat16 stays bfloat16. Every file is written to a temporary file and
+    (`{"metadata": {"total_size": ...}, "weight_map": {name: file}}`). Each
+    layer's slice is taken as its file is written, so the model is never copied
+    whole; bfloat16 stays bfloat16. Files are written to temporary files and
     moved into place once all are written: an error mid-save leaves the
     previous files intact.
 
@@ -166,20 +146,13 @@ def save_safetensors(
 
 def _directory(path: str, single: bool) -> str:
     # The directory to save into; one named by `path` is made if its parent exists.
-    if single:
-        directory = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(directory):
-            raise FileNotFoundError(
-                f"Cannot save to {path!r}: its directory {directory!r} does not exist."
-            )
-        return directory
-    if not os.path.isdir(path):
-        if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            raise FileNotFoundError(
-                f"Cannot save to {path!r}: its parent directory does not exist."
-            )
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        where = f"directory {parent!r}" if single else "parent directory"
+        raise FileNotFoundError(f"Cannot save to {path!r}: its {where} does not exist.")
+    if not single:
         os.makedirs(path, exist_ok=True)
-    return path
+    return parent if single else path
 
 
 def _file_names(directory: str, n: int) -> list[str]:
@@ -205,7 +178,10 @@ class _Save:
         self.committed = False  # set once the file, or an index of the shards, is there
 
     def write(self, final: str, shard: list[tuple[str, Lazy]]) -> None:
-        arrays = {name: _contiguous(lazy.read()) for name, lazy in shard}
+        # Not `np.ascontiguousarray`: it makes a 0-d array 1-d.
+        arrays = {
+            name: np.require(lazy.read(), requirements="C") for name, lazy in shard
+        }
         for name, array in arrays.items():
             self.weight_map[name] = os.path.basename(final)
             self.total += array.nbytes
@@ -252,7 +228,10 @@ class _Save:
         naming them replaces the old one, the old files go, the shards get their
         usual names (hard links), and a second index names those."""
         finals = [final for _, final, _ in self.temporaries]
-        self.staged = [_staged(final, self.token) for final in finals]
+        self.staged = [
+            f"{final[: -len('.safetensors')]}.{self.token}.safetensors"
+            for final in finals
+        ]
         for (tmp, _, _), stage in zip(self.temporaries, self.staged):
             os.replace(tmp, stage)
         fsync_dir(self.directory)
@@ -288,32 +267,21 @@ class _Save:
         return self
 
     def __exit__(self, kind: object, error: BaseException | None, tb: object) -> None:
-        leftovers = [tmp for tmp, _, _ in self.temporaries]
-        if error is not None and not self.committed:
-            leftovers += self.staged
-        for leftover in leftovers if error is not None else ():
-            try:
-                os.remove(leftover)
-            except FileNotFoundError:
-                pass
+        if error is not None:
+            leftovers = [tmp for tmp, _, _ in self.temporaries]
+            for leftover in leftovers + ([] if self.committed else self.staged):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(leftover)
         for _, _, fd in self.temporaries:
             os.close(fd)
         if isinstance(error, OSError):
-            raise _refused(error, self.path) from error
-
-
-def _staged(final: str, token: str) -> str:
-    return final[: -len(".safetensors")] + f".{token}.safetensors"
-
-
-def _refused(e: OSError, path: str) -> OSError:
-    error = type(e)(
-        f"Cannot save to {path!r}: {e}.\nHint: save_safetensors writes temporary "
-        "files ('.<name>.XXXXXXXX.tmp') beside the final ones, then renames them; "
-        "the previous files are left as they were."
-    )
-    error.errno = e.errno
-    return error
+            refused = type(error)(
+                f"Cannot save to {self.path!r}: {error}.\nHint: save_safetensors "
+                "writes temporary files ('.<name>.XXXXXXXX.tmp') beside the final "
+                "ones, then renames them; the previous files are left as they were."
+            )
+            refused.errno = error.errno
+            raise refused from error
 
 
 def _remove_old(directory: str, keep: set[str], other: str) -> None:
@@ -322,10 +290,8 @@ def _remove_old(directory: str, keep: set[str], other: str) -> None:
     for name in os.listdir(directory):
         old = _SHARD.fullmatch(name) or _STAGED.fullmatch(name) or name == other
         if old and name not in keep:
-            try:
+            with contextlib.suppress(OSError):
                 os.remove(os.path.join(directory, name))
-            except OSError:
-                pass
     fsync_dir(directory)
 
 

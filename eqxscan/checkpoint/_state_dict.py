@@ -24,7 +24,6 @@ from jaxtyping import PyTree
 from .._internal import (
     describe,
     is_arraylike,
-    key_name,
     LayerNumbering,
     pattern,
     Site,
@@ -33,8 +32,6 @@ from .._internal import (
 )
 from ._files import Lazy, listed, shape_dtype
 
-
-__all__ = ["from_state_dict", "key_name", "to_state_dict"]
 
 # A name is a tuple of parts: strings, and a `LayerNumbering` where a layer number
 # goes (one per enclosing `Stacked` or `Chain`, outermost first).
