@@ -10,7 +10,8 @@ import os
 import re
 import secrets
 import string
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 from numpy.typing import DTypeLike
@@ -65,6 +66,17 @@ def listed(items: list[str], sep: str = "; ") -> str:
     # At most 10 of `items`, and how many more.
     more = f" and {len(items) - 10} more" if len(items) > 10 else ""
     return sep.join(items[:10]) + more
+
+
+def flatten(tree: Mapping, prefix: str = "") -> dict[str, Any]:
+    # The leaves of nested mappings, by their keys joined with ".".
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, Mapping):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def digest(array: np.ndarray) -> str:

@@ -67,8 +67,8 @@ def _size(max_shard_size: int | str | None) -> int | None:
 def _shards(
     entries: Sequence[tuple[str, Lazy]], max_size: int | None
 ) -> list[list[tuple[str, Lazy]]]:
-    """Consecutive entries grouped into files of at most `max_size` bytes (an
-    array larger than that gets a file of its own), as Hugging Face does."""
+    # Consecutive entries in files of at most `max_size` bytes (a larger array
+    # gets a file of its own), as Hugging Face does.
     shards: list[list[tuple[str, Lazy]]] = [[]]
     size = 0
     for name, lazy in entries:
@@ -163,9 +163,8 @@ def _file_names(directory: str, n: int) -> list[str]:
 
 
 class _Save:
-    """The files of one save, each written to a locked temporary file beside
-    its final one and put in place by `commit` once all are written: until
-    then, an error removes them and leaves the previous files intact."""
+    """The files of one save, in locked temporary files beside their final ones
+    until `commit`: an error before removes them, leaving the old files."""
 
     def __init__(self, path: str, directory: str, info: dict[str, str]):
         self.path, self.directory = path, directory
@@ -285,8 +284,8 @@ class _Save:
 
 
 def _remove_old(directory: str, keep: set[str], other: str) -> None:
-    """Remove the files of earlier saves to `directory` (shards, the shards of
-    interrupted saves, and `other`: the index or the single file) but `keep`."""
+    # Remove the files of earlier saves to `directory` (shards, staged shards,
+    # and `other`: the index or the single file) but `keep`.
     for name in os.listdir(directory):
         old = _SHARD.fullmatch(name) or _STAGED.fullmatch(name) or name == other
         if old and name not in keep:
@@ -325,9 +324,8 @@ def _cast(files: Mapping[str, Lazy], dtype: np.dtype) -> dict[str, Lazy]:
 
 def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """Read every array of a safetensors file or directory (as
-    [`eqxscan.save_safetensors`][] or Hugging Face write them), with their
-    dtypes (bfloat16 included), each checked against its digest where the
-    file has one.
+    [`eqxscan.save_safetensors`][] or Hugging Face write them) in its dtype,
+    bfloat16 included, checked against its digest where the file has one.
 
     **Arguments:**
 
@@ -346,8 +344,7 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
 
 
 class Opened(NamedTuple):
-    """What [`eqxscan.checkpoint.open_safetensors`][] gives: the arrays, their
-    files' metadata, and the path they were read from."""
+    """What [`eqxscan.checkpoint.open_safetensors`][] gives."""
 
     arrays: Mapping[str, Lazy]
     """Array-likes by name: `shape` and `dtype` known without reading, the data
@@ -366,9 +363,9 @@ def open_safetensors(
     names: NameMap | None = None,
     dtype: DTypeLike | None = None,
 ) -> Iterator[Opened]:
-    """Open a safetensors file or directory and read its arrays only when asked
-    for, one at a time: what [`eqxscan.load_safetensors`][] reads from, for
-    code that loads (or converts) a checkpoint piece by piece.
+    """Open a safetensors file or directory, reading each array only when asked
+    for: what [`eqxscan.load_safetensors`][] reads from, for code that loads
+    (or converts) a checkpoint piece by piece.
 
     ```python
     import os, tempfile
@@ -393,16 +390,14 @@ def open_safetensors(
     - `like`: with `names`, the model whose names the arrays get.
     - `names`: a [`eqxscan.checkpoint.NameMap`][] from the file's names to
       eqxscan's for `like`: every name and shape is checked at once, as
-      `load_safetensors` does, and the arrays are keyed by eqxscan's names. By
-      default they keep the file's own names.
+      `load_safetensors` does, and the arrays get eqxscan's names (by default,
+      the file's own).
     - `dtype`: the file's floating-point arrays are cast to it as they are read.
 
     **Returns:**
 
-    A context manager giving an [`eqxscan.checkpoint.Opened`][]: `arrays`
-    (each with `shape` and `dtype`; `numpy.asarray(array)` reads it),
-    `metadata` (each file's `__metadata__`) and `where`. The files are closed
-    on leaving it.
+    A context manager giving an [`eqxscan.checkpoint.Opened`][] (`arrays`,
+    `metadata`, `where`); the files are closed on leaving it.
 
     **Raises:**
 
@@ -437,11 +432,10 @@ def load_safetensors(
     dtype: DTypeLike | None = None,
 ) -> T:
     """Load a safetensors file or directory into a model shaped like `like`.
-
     Names, shapes and dtypes are checked against `like` before any array is
     read (through `names` if given, reporting every missing, unused or
-    mis-shaped name at once, with its layer), and each array against its
-    digest where the file has one.
+    mis-shaped name at once, with its layer), each array against its digest
+    where the file has one.
 
     **Arguments:**
 
@@ -451,10 +445,10 @@ def load_safetensors(
       as for [`eqxscan.from_state_dict`][].
     - `names`: a [`eqxscan.checkpoint.NameMap`][] from the file's names to
       eqxscan's; by default the file holds eqxscan's own names.
-    - `dtype`: if given, the file's floating-point arrays are cast to it as they
-      are read (as Hugging Face's `torch_dtype=`), e.g. a bfloat16 file into a
-      float32 model; integer and boolean arrays are left as they are. By
-      default each array keeps the file's dtype, which must be the model's.
+    - `dtype`: the file's floating-point arrays are cast to it as they are read
+      (as Hugging Face's `torch_dtype=`), e.g. a bfloat16 file into a float32
+      model; integer and boolean arrays are not. By default each array keeps
+      the file's dtype, which must be the model's.
 
     **Returns:**
 
