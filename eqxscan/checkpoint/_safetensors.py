@@ -136,30 +136,20 @@ def save_safetensors(
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in info.items()):
         raise TypeError("save_safetensors: metadata must map strings to strings.")
     shards = _shards(external, max_size)
-    directory = _directory(path, single)
-    files = [path] if single else _file_names(directory, len(shards))
-    with _Save(path, directory, info) as save:
-        for file, shard in zip(files, shards):
-            save.write(file, shard)
-        return save.commit(single)
-
-
-def _directory(path: str, single: bool) -> str:
     # The directory to save into; one named by `path` is made if its parent exists.
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         where = f"directory {parent!r}" if single else "parent directory"
         raise FileNotFoundError(f"Cannot save to {path!r}: its {where} does not exist.")
-    if not single:
-        os.makedirs(path, exist_ok=True)
-    return parent if single else path
-
-
-def _file_names(directory: str, n: int) -> list[str]:
-    if n == 1:
-        return [os.path.join(directory, SINGLE)]
-    names = [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
-    return [os.path.join(directory, name) for name in names]
+    directory = parent if single else path
+    os.makedirs(directory, exist_ok=True)
+    n = len(shards)
+    bases = [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+    files = [os.path.join(directory, b) for b in (bases if n > 1 else [SINGLE])]
+    with _Save(path, directory, info) as save:
+        for file, shard in zip([path] if single else files, shards):
+            save.write(file, shard)
+        return save.commit(single)
 
 
 class _Save:

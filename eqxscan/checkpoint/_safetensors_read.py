@@ -83,7 +83,10 @@ class _Files(Mapping[str, Lazy]):
             ) from None
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) and _plain(v)
+            isinstance(k, str)
+            and isinstance(v, str)
+            and os.path.basename(v) == v
+            and v not in ("", ".", "..")
             for k, v in weight_map.items()
         ):
             raise CorruptFileError(
@@ -131,15 +134,12 @@ class _Files(Mapping[str, Lazy]):
             else:
                 why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             raise _bad(file, why) from None
-        digests: dict[str, str] = {}
-        if _DIGESTS in meta:
-            try:
-                digests = json.loads(meta[_DIGESTS])
-                assert isinstance(digests, dict)
-            except (ValueError, AssertionError):
-                raise _bad(
-                    file, f"its metadata '{_DIGESTS}' is not a JSON object"
-                ) from None
+        try:
+            digests = json.loads(meta.get(_DIGESTS, "{}"))
+        except ValueError:
+            digests = None
+        if not isinstance(digests, dict):
+            raise _bad(file, f"its metadata '{_DIGESTS}' is not a JSON object")
         if digests and sorted(digests) != sorted(keys):
             raise _bad(file, "its arrays differ from the names its metadata records")
         if token is not None and meta.get(_TOKEN) != token:
@@ -153,7 +153,13 @@ class _Files(Mapping[str, Lazy]):
         for key, (shape, dtype_name) in specs.items():
             if key in self.entries:
                 raise _bad(file, f"'{key}' is in another file of the index too")
-            dtype = _dtype(file, key, dtype_name)
+            try:
+                dtype = np.dtype(
+                    jax.numpy.dtype(_DTYPES.get(dtype_name, dtype_name.lower()))
+                )
+            except TypeError:
+                why = f"'{key}' has dtype {dtype_name}, which NumPy cannot hold"
+                raise _bad(file, why) from None
             self.entries[key] = Lazy(
                 shape, dtype, self._reader(handle, file, key, digests.get(key))
             )
@@ -200,14 +206,3 @@ _DTYPES = {
     "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8",
     "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
 }  # fmt: skip
-
-
-def _dtype(file: str, key: str, name: str) -> np.dtype:
-    try:
-        return np.dtype(jax.numpy.dtype(_DTYPES.get(name, name.lower())))
-    except TypeError:
-        raise _bad(file, f"'{key}' has dtype {name}, which NumPy cannot hold") from None
-
-
-def _plain(file: str) -> bool:
-    return os.path.basename(file) == file and file not in ("", ".", "..")
