@@ -1,8 +1,6 @@
-"""Files written whole or not at all: locked temporary files beside the final
-ones (created with the mode the umask allows, as `open` would), the removal of
-those that killed writers left behind, and fsyncs of directories; and what the
-readers share: arrays read when asked for, the error for a corrupt file,
-digests, lists of names."""
+"""Files written whole or not at all (locked temporary files beside the final
+ones, the removal of those killed writers left, fsyncs of directories), and what
+the readers share: lazy arrays, the error for a corrupt file, digests, lists."""
 
 import contextlib
 import hashlib
@@ -32,14 +30,12 @@ class CorruptFileError(ValueError):
     """A checkpoint file that is truncated, changed after it was saved (an
     array no longer matches its digest), mixed with the files of another save,
     or not such a file at all. The message names the file (and the array or
-    member) and ends with a hint; a `ValueError`, so code that caught those
-    still does.
-    """
+    member) and ends with a hint; a `ValueError`, as before it existed."""
 
 
 class Lazy:
-    """An array read only when NumPy asks for it: `shape` and `dtype` are known
-    before (so a whole file can be checked first)."""
+    """An array read when NumPy asks for it, its `shape` and `dtype` known before
+    (so a whole file can be checked first)."""
 
     def __init__(
         self, shape: tuple[int, ...], dtype: DTypeLike, read: Callable[[], np.ndarray]
@@ -85,8 +81,8 @@ def digest(array: np.ndarray) -> str:
 
 
 def differences(found: Iterable[str], listed: Iterable[str], where: str) -> str:
-    """The names `listed` but not `found`, and those `found` but not listed in
-    `where` (10 of each at most); empty if none."""
+    # The names `listed` but not `found`, and those `found` but not listed in
+    # `where` (10 of each at most); empty if none.
     missing, extra = sorted(set(listed) - set(found)), sorted(set(found) - set(listed))
     return "; ".join(
         f"{what} {', '.join(map(repr, names[:10]))}"

@@ -24,8 +24,7 @@ def _dense_modules(tree: Mapping, prefix: str = "") -> dict[str, Mapping]:
     for name, value in tree.items():
         path = f"{prefix}.{name}" if prefix else str(name)
         if isinstance(value, Mapping) and "kernel" in value:
-            extra = sorted(set(value) - {"kernel", "bias"})
-            if extra:
+            if extra := sorted(set(value) - {"kernel", "bias"}):
                 raise ValueError(
                     f"Flax module '{path}' has parameters {extra} besides "
                     "kernel/bias; only Dense layers are converted."
@@ -148,8 +147,7 @@ def from_flax_scan(
                 f"eqx.nn.Linear {linears}; pass `modules=` to pair them."
             )
         modules = dict(zip(flax_names, linears))
-    unknown = sorted(set(modules) - set(dense))
-    if unknown:
+    if unknown := sorted(set(modules) - set(dense)):
         raise ValueError(
             f"modules names Flax Dense layers {unknown} that are not in the "
             f"parameters (found {sorted(dense)})."

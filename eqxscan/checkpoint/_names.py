@@ -324,8 +324,7 @@ class NameMap:
                     continue
                 binding = {k: int(v) for k, v in match.groupdict().items()}
                 ours = tuple(p.format(**binding) for p in rule.ours)
-                absent = [n for n in ours if n not in layout or n in used]
-                if absent:
+                if absent := [n for n in ours if n not in layout or n in used]:
                     incomplete.append(f"'{name}' needs {', '.join(map(repr, absent))}")
                     break
                 used.update(ours)

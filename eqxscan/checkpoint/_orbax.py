@@ -174,8 +174,8 @@ class CheckpointManager:
         - `directory`: where the steps go, one subdirectory each; with several
           hosts, storage every host can reach (a shared file system, GCS, S3).
         - `max_to_keep`: keep only the newest this many steps (`None`: all).
-        - `asynchronous`: `save` returns once the arrays are copied off the
-          devices, and writing goes on in the background while training runs.
+        - `asynchronous`: `save` returns once the arrays are off the devices,
+          writing on in the background while training runs.
         """
         ocp = _import_orbax()
         self.directory = os.path.abspath(
@@ -216,8 +216,7 @@ class CheckpointManager:
 
         **Arguments:**
 
-        - `step`: the step number, a non-negative `int`; also the checkpoint's
-          name.
+        - `step`: the step number (a non-negative `int`), the checkpoint's name.
         - `model`: the model (any pytree; `Stacked` layers keep their `*` names).
         - `opt_state`: the optimizer state, or `None`.
         - `wait`: block until the checkpoint is complete, even if asynchronous.

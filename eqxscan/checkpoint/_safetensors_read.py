@@ -20,14 +20,9 @@ _DOCS = "see docs/checkpoints.md"
 
 
 def _package():
-    try:
-        import safetensors
-        import safetensors.numpy
-    except ImportError as e:  # pragma: no cover - a dependency of eqxscan
-        raise ImportError(
-            "eqxscan's safetensors files need the `safetensors` package: "
-            "pip install safetensors"
-        ) from e
+    # Imported on first use, so that `import eqxscan` does without it.
+    import safetensors.numpy
+
     return safetensors
 
 
