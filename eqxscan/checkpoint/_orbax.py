@@ -12,7 +12,6 @@ import os
 import re
 import warnings
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any, SupportsIndex, TypeVar
 
 import equinox as eqx
@@ -130,21 +129,6 @@ def _check_step(step: Any, method: str) -> int:
         ) from None
 
 
-def _import_orbax() -> ModuleType:
-    # Imported here: Orbax is an extra, and `import eqxscan` does without it.
-    try:
-        import orbax.checkpoint as ocp
-    except ImportError as e:
-        if (e.name or "").split(".")[0] != "orbax":
-            raise  # Orbax is there, but fails to import
-        raise ImportError(
-            "eqxscan.checkpoint.CheckpointManager needs Orbax, which is not "
-            "installed.\n"
-            'Hint: pip install "eqxscan[orbax]" (or orbax-checkpoint).'
-        ) from e
-    return ocp
-
-
 class CheckpointManager:
     """Sharded checkpoints of a model, its optimizer state and the step number, in
     one Orbax checkpoint per step (`orbax.checkpoint.CheckpointManager`). Needs
@@ -177,7 +161,16 @@ class CheckpointManager:
         - `asynchronous`: `save` returns once the arrays are off the devices,
           writing on in the background while training runs.
         """
-        ocp = _import_orbax()
+        # Imported here: Orbax is an extra, and `import eqxscan` does without it.
+        try:
+            import orbax.checkpoint as ocp
+        except ImportError as e:
+            if (e.name or "").split(".")[0] != "orbax":
+                raise  # Orbax is there, but fails to import
+            raise ImportError(
+                "eqxscan.checkpoint.CheckpointManager needs Orbax, which is not "
+                'installed.\nHint: pip install "eqxscan[orbax]" (or orbax-checkpoint).'
+            ) from e
         self.directory = os.path.abspath(
             check_path("CheckpointManager: directory", directory)
         )
