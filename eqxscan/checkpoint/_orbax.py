@@ -11,7 +11,7 @@ import json
 import os
 import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, SupportsIndex, TypeVar
 
 import equinox as eqx
@@ -106,7 +106,7 @@ def _fill(like: _M, values: dict[str, Any]) -> _M:
 
 
 def _newest(
-    steps: list[int], problem: Callable[[int], str | None]
+    steps: Sequence[int], problem: Callable[[int], str | None]
 ) -> tuple[int | None, list[str]]:
     # The newest step without a problem, and `"step (problem)"` of newer ones.
     skipped = []

@@ -2,6 +2,7 @@
 shapes and dtypes from the headers, data read (and checked against the digest
 eqxscan's writer records) only when asked for."""
 
+import contextlib
 import json
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -34,9 +35,7 @@ def _bad(path: str, why: str) -> CorruptFileError:
 
 
 class _Files(Mapping[str, Lazy]):
-    """The arrays of a safetensors file or sharded directory, by name: shapes
-    and dtypes from the headers, data read (and checked against its digest)
-    only when asked for."""
+    """The arrays of a safetensors file or sharded directory, by name."""
 
     def __init__(self, path: str):
         self.handles: list[object] = []
@@ -188,10 +187,8 @@ class _Files(Mapping[str, Lazy]):
 
     def close(self) -> None:
         for handle in self.handles:
-            try:
+            with contextlib.suppress(Exception):
                 handle.__exit__(None, None, None)  # type: ignore[attr-defined]
-            except Exception:
-                pass
         self.handles.clear()
 
 
