@@ -42,10 +42,9 @@ def _dense_modules(tree: Mapping, prefix: str = "") -> dict[str, Mapping]:
 
 
 def _linear_paths(layer: PyTree) -> list[str]:
-    # Dotted paths of the `eqx.nn.Linear`s in one layer, in attribute order.
+    # Dotted paths of the `eqx.nn.Linear`s in one layer, in attribute order
+    # (`""` for a layer that is one).
     is_linear = lambda x: isinstance(x, eqx.nn.Linear)
-    if is_linear(layer):
-        return [""]
     found = jtu.tree_flatten_with_path(layer, is_leaf=is_linear)[0]
     return [
         ".".join(key_name(k, ()) for k in path)
