@@ -11,7 +11,7 @@ import json
 import os
 import re
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, SupportsIndex, TypeVar
 
 import equinox as eqx
@@ -75,7 +75,7 @@ def _named_leaves(tree: PyTree) -> list[tuple[tuple[str, ...], Any]]:
     return out
 
 
-def _nest(named: list[tuple[tuple[str, ...], Any]]) -> dict[str, Any]:
+def _nest(named: Iterable[tuple[tuple[str, ...], Any]]) -> dict[str, Any]:
     # Nested dicts: Orbax names each entry by its path, e.g. `model.blocks.*.w1`.
     root: dict[str, Any] = {}
     for parts, leaf in named:
@@ -90,10 +90,7 @@ def _target(tree: PyTree, shardings: PyTree) -> dict[str, Any]:
     # What Orbax restores `tree` as: each array's shape, dtype and sharding.
     leaves = zip(_named_leaves(tree), jtu.tree_leaves(shardings), strict=True)
     return _nest(
-        [
-            (p, jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s))
-            for (p, x), s in leaves
-        ]
+        (p, jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)) for (p, x), s in leaves
     )
 
 
