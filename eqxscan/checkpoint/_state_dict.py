@@ -88,7 +88,6 @@ def _map_arrays(fn: Callable[[_Leaf], object], model: PyTree) -> PyTree:
     # `model` with each array leaf replaced by `fn(_Leaf(...))`.
 
     def one(leaf: object, site: Site) -> object:
-        # An array, or the `ShapeDtypeStruct` of one.
         return fn(_Leaf(cast(_ArrayLeaf, leaf), site)) if is_arraylike(leaf) else leaf
 
     return walk(one, model, names=True)
@@ -164,11 +163,11 @@ def host_entries(
 
 
 def entries_of(model: PyTree) -> list[tuple[str, "_Leaf", tuple[int, ...]]]:
-    # `(name, leaf, layer index)` of each entry, in `to_state_dict`'s order.
+    # `(name, leaf, layer index)` of each entry, in `to_state_dict`'s layer-major
+    # order, as a list of layers would give: "blocks.0.w1", "blocks.0.w2", ...,
+    # "blocks.1.w1". Each attribute prefix sorts by where it first appears in
+    # the model, each layer axis by its index.
     leaves = _layout(model)
-    # Layer-major order, as a list of layers would give: "blocks.0.w1",
-    # "blocks.0.w2", ..., "blocks.1.w1". Each attribute prefix sorts by where it
-    # first appears in the model, each layer axis by its index.
     first_seen: dict[tuple, int] = {}
     for leaf in leaves:
         for j in range(1, len(leaf.parts) + 1):
