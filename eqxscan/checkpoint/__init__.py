@@ -1,10 +1,9 @@
 """Checkpoints of stacked models: per-layer state dicts (`"blocks.3.w1"`),
-safetensors files (one or sharded, as Hugging Face lays them out; `save` and
-`load` too, which also reads the `.npz` files of earlier versions), name maps to
-other conventions, and import of Flax `nn.scan` parameters. Sharded checkpoints
-across processes are [`eqxscan.checkpoint.CheckpointManager`][] (Orbax), beside
-the sharding they restore into. All of these are also at the top level
-(`eqxscan.save`, `eqxscan.to_state_dict`, ...)."""
+safetensors files (one or sharded as Hugging Face lays them out; `save` and
+`load`, which also read earlier versions' `.npz`), name maps to other
+conventions, Flax `nn.scan` import, and sharded multi-process checkpoints
+([`eqxscan.checkpoint.CheckpointManager`][], Orbax). The save and load functions
+are also at the top level (`eqxscan.save`, `eqxscan.to_state_dict`, ...)."""
 
 from ._files import CorruptFileError as CorruptFileError
 from ._flax import flax_scan_state as flax_scan_state, from_flax_scan as from_flax_scan

@@ -1,15 +1,15 @@
-"""Files written whole or not at all: locked temporary files beside the final
-ones (created with the mode the umask allows, as `open` would), the removal of
-those that killed writers left behind, and fsyncs of directories; and what the
-readers share: arrays read when asked for, the error for a corrupt file,
-digests, lists of names."""
+"""Files written whole or not at all (locked temporary files beside the final
+ones, the removal of those killed writers left, fsyncs of directories), and what
+the readers share: lazy arrays, the error for a corrupt file, digests, lists."""
 
+import contextlib
 import hashlib
 import os
 import re
-import tempfile
-import threading
-from collections.abc import Callable, Iterable
+import secrets
+import string
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 from numpy.typing import DTypeLike
@@ -21,23 +21,21 @@ except ImportError:  # pragma: no cover - not POSIX: stale files are not collect
     fcntl = None
 
 
-# mkstemp's names: the prefix, 8 characters of this alphabet, the suffix.
+# A temporary file's name: the prefix, 8 characters of this alphabet, ".tmp".
+_ALPHABET = string.ascii_lowercase + string.digits + "_"
 _TOKEN = re.compile(r"[a-z0-9_]{8}")
-_UMASK = threading.Lock()
 
 
 class CorruptFileError(ValueError):
     """A checkpoint file that is truncated, changed after it was saved (an
     array no longer matches its digest), mixed with the files of another save,
     or not such a file at all. The message names the file (and the array or
-    member) and ends with a hint; a `ValueError`, so code that caught those
-    still does.
-    """
+    member) and ends with a hint; a `ValueError`, as before it existed."""
 
 
 class Lazy:
-    """An array read only when NumPy asks for it: `shape` and `dtype` are known
-    before (so a whole file can be checked first)."""
+    """An array read when NumPy asks for it, its `shape` and `dtype` known before
+    (so a whole file can be checked first)."""
 
     def __init__(
         self, shape: tuple[int, ...], dtype: DTypeLike, read: Callable[[], np.ndarray]
@@ -66,14 +64,25 @@ def listed(items: list[str], sep: str = "; ") -> str:
     return sep.join(items[:10]) + more
 
 
+def flatten(tree: Mapping, prefix: str = "") -> dict[str, Any]:
+    # The leaves of nested mappings, by their keys joined with ".".
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, Mapping):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 def digest(array: np.ndarray) -> str:
     flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
     return hashlib.sha256(flat.data).hexdigest()
 
 
 def differences(found: Iterable[str], listed: Iterable[str], where: str) -> str:
-    """The names `listed` but not `found`, and those `found` but not listed in
-    `where` (10 of each at most); empty if none."""
+    # The names `listed` but not `found`, and those `found` but not listed in
+    # `where` (10 of each at most); empty if none.
     missing, extra = sorted(set(listed) - set(found)), sorted(set(found) - set(listed))
     return "; ".join(
         f"{what} {', '.join(map(repr, names[:10]))}"
@@ -82,33 +91,19 @@ def differences(found: Iterable[str], listed: Iterable[str], where: str) -> str:
     )
 
 
-def _umask() -> int:
-    # Linux says it without changing it; elsewhere, set and restore it (under a
-    # lock, as no other thread of eqxscan creates files meanwhile).
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    with _UMASK:
-        mask = os.umask(0o022)
-        os.umask(mask)
-    return mask
-
-
 def locked_temporary(directory: str, prefix: str) -> tuple[int, str]:
     """A new temporary file for `prefix`, locked for as long as it stays open:
     the lock tells the saves of other processes that it is not stale (the
     system releases it when its process dies, however it dies). Its mode is
     what `open` gives a new file (0644 under umask 022), not mkstemp's 0600."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
     while True:
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=prefix, suffix=".tmp")
+        token = "".join(secrets.choice(_ALPHABET) for _ in range(8))
+        tmp = os.path.join(directory, f"{prefix}{token}.tmp")
         try:
-            os.fchmod(fd, 0o666 & ~_umask())
-        except OSError:  # pragma: no cover - a file system without modes
-            pass
+            fd = os.open(tmp, flags, 0o666)
+        except FileExistsError:  # pragma: no cover - one in 36**8
+            continue
         if fcntl is None:  # pragma: no cover
             return fd, tmp
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -139,14 +134,12 @@ def remove_stale(directory: str, prefix: str) -> None:
             fd = os.open(full, os.O_RDONLY)
         except OSError:
             continue
-        try:
+        # An OSError: locked by a save in progress, or not ours to remove.
+        with contextlib.suppress(OSError):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             if os.stat(full).st_ino == os.fstat(fd).st_ino:
                 os.remove(full)
-        except OSError:
-            pass  # locked by a save in progress, or not ours to remove
-        finally:
-            os.close(fd)
+        os.close(fd)
 
 
 def fsync_dir(directory: str) -> None:
@@ -155,9 +148,6 @@ def fsync_dir(directory: str) -> None:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:
         return
-    try:
+    with contextlib.suppress(OSError):
         os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    os.close(fd)

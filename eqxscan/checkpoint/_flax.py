@@ -8,9 +8,10 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from .._internal import describe, Stacked
+from .._internal import describe, key_name, Stacked
+from ._files import flatten
 from ._names import NameMap
-from ._state_dict import from_state_dict, key_name
+from ._state_dict import from_state_dict
 
 
 def _natural(name: str) -> list:
@@ -18,13 +19,12 @@ def _natural(name: str) -> list:
 
 
 def _dense_modules(tree: Mapping, prefix: str = "") -> dict[str, Mapping]:
-    """The Flax `Dense` submodules (dicts holding a `kernel`) by dotted path."""
+    # The Flax `Dense` submodules (dicts holding a `kernel`) by dotted path.
     found: dict[str, Mapping] = {}
     for name, value in tree.items():
         path = f"{prefix}.{name}" if prefix else str(name)
         if isinstance(value, Mapping) and "kernel" in value:
-            extra = sorted(set(value) - {"kernel", "bias"})
-            if extra:
+            if extra := sorted(set(value) - {"kernel", "bias"}):
                 raise ValueError(
                     f"Flax module '{path}' has parameters {extra} besides "
                     "kernel/bias; only Dense layers are converted."
@@ -42,10 +42,9 @@ def _dense_modules(tree: Mapping, prefix: str = "") -> dict[str, Mapping]:
 
 
 def _linear_paths(layer: PyTree) -> list[str]:
-    """Dotted paths of the `eqx.nn.Linear`s in one layer, in attribute order."""
+    # Dotted paths of the `eqx.nn.Linear`s in one layer, in attribute order
+    # (`""` for a layer that is one).
     is_linear = lambda x: isinstance(x, eqx.nn.Linear)
-    if is_linear(layer):
-        return [""]
     found = jtu.tree_flatten_with_path(layer, is_leaf=is_linear)[0]
     return [
         ".".join(key_name(k, ()) for k in path)
@@ -61,28 +60,17 @@ def flax_scan_state(params: Mapping[str, PyTree]) -> dict[str, np.ndarray]:
 
     **Arguments:**
 
-    - `params`: the scanned module's parameters (the outer `"params"` is
-      optional); every array has the layer axis first.
+    - `params`: the scanned module's parameters (the outer `"params"`
+      optional), every array with the layer axis first.
 
     **Returns:**
 
-    A `dict[str, numpy.ndarray]`, layer-major, for a
-    [`eqxscan.checkpoint.NameMap`][] to load (as `from_flax_scan(like, params,
-    names=...)` does).
+    A layer-major `dict[str, numpy.ndarray]`, for a
+    [`eqxscan.checkpoint.NameMap`][] to load (as `from_flax_scan` does).
     """
     if set(params) == {"params"}:
         params = params["params"]
-    arrays: dict[str, np.ndarray] = {}
-
-    def walk(tree: Mapping, prefix: str) -> None:
-        for name, value in tree.items():
-            path = f"{prefix}{name}"
-            if isinstance(value, Mapping):
-                walk(value, path + ".")
-            else:
-                arrays[path] = np.asarray(value)
-
-    walk(params, "")
+    arrays = {name: np.asarray(value) for name, value in flatten(params).items()}
     depths = {name: a.shape[0] if a.ndim else None for name, a in arrays.items()}
     if len(set(depths.values())) > 1 or None in depths.values():
         found = ", ".join(f"'{n}' {list(arrays[n].shape)}" for n in list(arrays)[:6])
@@ -110,22 +98,21 @@ def from_flax_scan(
     whose layers use `eqx.nn.Linear`.
 
     `nn.scan(..., variable_axes={"params": 0})` stores each `Dense` as
-    `kernel: [N, in, out]` and `bias: [N, out]`; an `eqx.nn.Linear` stores
-    `weight: [out, in]`, so each layer's kernel is transposed. The result is
-    checked like any [`eqxscan.from_state_dict`][] load: different depths,
-    shapes or missing layers raise `ValueError` naming them.
+    `kernel: [N, in, out]` and `bias: [N, out]`; each layer's kernel is
+    transposed into an `eqx.nn.Linear`'s `weight: [out, in]`. As in any
+    [`eqxscan.from_state_dict`][] load, different depths, shapes or missing
+    layers raise `ValueError` naming them.
 
     **Arguments:**
 
     - `like`: a `Stacked` of the wanted layout (e.g. built with any key).
-    - `params`: the scanned module's parameters, e.g.
+    - `params`: the scanned module's parameters (its subtree, if nested), e.g.
       `{"params": {"Dense_0": {"kernel": ..., "bias": ...}}}` (the outer
-      `"params"` is optional). Pass the subtree of the scanned module if it is
-      nested inside a larger model.
-    - `modules`: maps each Flax `Dense` path (e.g. `"Dense_0"`) to the path of
-      an `eqx.nn.Linear` inside one layer (e.g. `"linear"`; `""` if the layer is
-      itself a `Linear`). By default the Flax `Dense`s, in numeric order, are
-      matched to the layer's `Linear`s in attribute order.
+      `"params"` optional).
+    - `modules`: maps each Flax `Dense` path (`"Dense_0"`) to the path of an
+      `eqx.nn.Linear` in one layer (`"linear"`; `""` if the layer is one). By
+      default the `Dense`s, in numeric order, pair with the layer's `Linear`s
+      in attribute order.
     - `names`: instead of `modules`, a [`eqxscan.checkpoint.NameMap`][] from
       the layer's names (`"{i}.norm.weight"`) to Flax's, as
       [`eqxscan.checkpoint.flax_scan_state`][] names them
@@ -159,8 +146,7 @@ def from_flax_scan(
                 f"eqx.nn.Linear {linears}; pass `modules=` to pair them."
             )
         modules = dict(zip(flax_names, linears))
-    unknown = sorted(set(modules) - set(dense))
-    if unknown:
+    if unknown := sorted(set(modules) - set(dense)):
         raise ValueError(
             f"modules names Flax Dense layers {unknown} that are not in the "
             f"parameters (found {sorted(dense)})."

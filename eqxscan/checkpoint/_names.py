@@ -1,18 +1,15 @@
-"""Name maps: how eqxscan's per-layer names map to another convention's, declared
-once and used both ways (export and load).
+"""Name maps: eqxscan's per-layer names to another convention's, used both ways.
 
-A rule maps one or more of eqxscan's names (patterns with placeholders such as
-`{i}`, the layer index as [`eqxscan.to_state_dict`][] writes it, so global
-across a `Chain`'s stacks and repeated patterns) to one or more external names,
-through a short list of array operations applied in order on export:
-`Join` (several of eqxscan's arrays concatenated), `Reshape`, `Transpose`,
-`Split` (one array cut into several external ones). Loading inverts them, with
-the shapes that `like` gives.
+A rule maps one or more of eqxscan's name patterns (`{i}`: the layer index as
+[`eqxscan.to_state_dict`][] writes it) to one or more external names through
+array operations applied in order on export (`Join`, `Reshape`, `Transpose`,
+`Split`); loading inverts them, with the shapes `like` gives.
 """
 
+import collections
 import dataclasses
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 import jax
@@ -24,16 +21,14 @@ from ._files import Lazy, listed, shape_dtype
 from ._state_dict import check_like, entries_of, from_state_dict, host_entries
 
 
-__all__ = ["Join", "NameMap", "Reshape", "Rule", "Split", "Transpose"]
-
 T = TypeVar("T")
 Shape = tuple[int, ...]
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_]\w*)\}")
 
 
-# Each operation maps the list of arrays before it to the list after it (one
-# array but after a `Join` or before a `Split`): `shapes` on shapes alone,
-# `apply` on export, `invert` on loading, given the shapes before it.
+# Each operation maps a list of arrays to another (one array but after a `Join`
+# or before a `Split`): `shapes` on shapes alone, `apply` on export, `invert` on
+# loading, given the shapes before it.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,8 +133,8 @@ _Op = Transpose | Reshape | Split | Join
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-    """External name(s) for one of [`eqxscan.checkpoint.NameMap`][]'s entries,
-    and the operations, in export order, that make them.
+    """External name(s) for a [`eqxscan.checkpoint.NameMap`][] entry, and the
+    operations, in export order, that make them.
 
     **Arguments:**
 
@@ -170,20 +165,14 @@ def _compile(pattern: str, where: str) -> tuple[re.Pattern[str], tuple[str, ...]
 
 
 def _where(binding: Mapping[str, int]) -> str:
-    if not binding:
-        return ""
     if len(binding) == 1:
-        return f" (layer {next(iter(binding.values()))})"
-    return " (" + ", ".join(f"{k}={v}" for k, v in binding.items()) + ")"
+        return f" (layer {_layer(binding)})"
+    return f" ({', '.join(f'{k}={v}' for k, v in binding.items())})" if binding else ""
 
 
 def _layer(binding: Mapping[str, int]) -> int:
     # The layer of a binding of one placeholder; -1 (every depth has it) if none.
     return next(iter(binding.values())) if len(binding) == 1 else -1
-
-
-def _names(patterns: Iterable[str], binding: Mapping[str, int]) -> tuple[str, ...]:
-    return tuple(p.format(**binding) for p in patterns)
 
 
 def _spec(shape: Shape, dtype: np.dtype) -> str:
@@ -230,26 +219,24 @@ class _Compiled:
             steps.append(op.shapes(steps[-1]))
         return steps
 
-    def export(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
-        current = list(arrays)
+    def export(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
         for op in self.rule.ops:
-            current = op.apply(current)
-        return [np.ascontiguousarray(a) for a in current]
+            arrays = op.apply(arrays)
+        return [np.ascontiguousarray(a) for a in arrays]
 
     def load(
-        self, arrays: Sequence[np.ndarray], steps: list[list[Shape]]
+        self, arrays: list[np.ndarray], steps: list[list[Shape]]
     ) -> list[np.ndarray]:
-        current = list(arrays)
         for op, before in reversed(list(zip(self.rule.ops, steps))):
-            current = op.invert(current, before)
-        return [np.ascontiguousarray(a) for a in current]
+            arrays = op.invert(arrays, before)
+        return [np.ascontiguousarray(a) for a in arrays]
 
 
 class NameMap:
     """How eqxscan's per-layer names ([`eqxscan.to_state_dict`][]) map to an
-    external convention's, declared once and used both ways:
-    [`eqxscan.save_safetensors`][] and `export` write the external names,
-    [`eqxscan.load_safetensors`][] and `load` read them back into a model.
+    external convention's, used both ways: [`eqxscan.save_safetensors`][] and
+    `export` write the external names, [`eqxscan.load_safetensors`][] and
+    `load` read them into a model.
 
     !!! example
 
@@ -283,11 +270,10 @@ class NameMap:
       external name pattern or a [`eqxscan.checkpoint.Rule`][]. Placeholders
       such as `{i}` stand for a layer index; both sides of a rule use the same
       ones. The first rule whose pattern matches a name is used.
-    - `ignore`: external name patterns that exist on their side only (rotary
-      buffers, a tied head's copy of the embedding): skipped when loading,
-      never written.
-    - `keep`: eqxscan name patterns that exist on this side only: loading keeps
-      `like`'s arrays, exporting leaves them out.
+    - `ignore`: external name patterns of their side only (rotary buffers, a
+      tied head's copy of the embedding): skipped when loading, never written.
+    - `keep`: eqxscan name patterns of this side only: loading keeps `like`'s
+      arrays, exporting leaves them out.
     - `format`: the `format` entry of a safetensors file's metadata (`"pt"` for
       PyTorch names, `"flax"` for Flax names, as Hugging Face reads them).
     """
@@ -316,14 +302,14 @@ class NameMap:
 
     # Planning: which rule makes which names, from shapes alone.
 
-    def _bind(
+    def _plan(
         self, layout: Mapping[str, tuple[Shape, np.dtype]]
-    ) -> tuple[list[tuple[_Compiled, dict[str, int], tuple[str, ...]]], list[str]]:
-        """Each rule applied, with its binding and eqxscan names, in the order of
-        `layout`; and the names that are kept from `like`."""
+    ) -> tuple[list["_Planned"], list[str]]:
+        # Each rule applied, with its names and shapes, in `layout`'s order; and
+        # the names kept from `like`.
         used: set[str] = set()
-        bound: list[tuple[_Compiled, dict[str, int], tuple[str, ...]]] = []
-        kept, unmapped, incomplete = [], [], []
+        planned: list[_Planned] = []
+        kept, unmapped, incomplete, bad = [], [], [], []
         for name in layout:
             if name in used:
                 continue
@@ -337,13 +323,24 @@ class NameMap:
                 if match is None:
                     continue
                 binding = {k: int(v) for k, v in match.groupdict().items()}
-                ours = _names(rule.ours, binding)
-                absent = [n for n in ours if n not in layout or n in used]
-                if absent:
+                ours = tuple(p.format(**binding) for p in rule.ours)
+                if absent := [n for n in ours if n not in layout or n in used]:
                     incomplete.append(f"'{name}' needs {', '.join(map(repr, absent))}")
                     break
                 used.update(ours)
-                bound.append((rule, binding, ours))
+                try:
+                    dtypes = {layout[n][1] for n in ours}
+                    if len(dtypes) > 1:
+                        names = sorted(d.name for d in dtypes)
+                        raise ValueError(f"Join of dtypes {names}")
+                    steps = rule.shapes([layout[n][0] for n in ours])
+                except ValueError as e:
+                    shapes = ", ".join(f"'{n}' {_spec(*layout[n])}" for n in ours)
+                    bad.append(f"{e}, for {shapes}")
+                    break
+                theirs = tuple(p.format(**binding) for p in rule.rule.theirs)
+                dtype = layout[ours[0]][1]
+                planned.append(_Planned(rule, binding, ours, theirs, steps, dtype))
                 break
             else:
                 unmapped.append(name)
@@ -357,27 +354,6 @@ class NameMap:
                 + ".\nHint: add a rule for each of these names, or list names that "
                 "exist only in eqxscan's model in `keep=`."
             )
-        return bound, kept
-
-    def _plan(
-        self, layout: Mapping[str, tuple[Shape, np.dtype]]
-    ) -> tuple[list["_Planned"], list[str]]:
-        bound, kept = self._bind(layout)
-        planned, bad = [], []
-        for rule, binding, ours in bound:
-            try:
-                dtypes = {layout[n][1] for n in ours}
-                if len(dtypes) > 1:
-                    raise ValueError(f"Join of dtypes {sorted(d.name for d in dtypes)}")
-                steps = rule.shapes([layout[n][0] for n in ours])
-            except ValueError as e:
-                shapes = ", ".join(f"'{n}' {_spec(*layout[n])}" for n in ours)
-                bad.append(f"{e}, for {shapes}")
-                continue
-            theirs = _names(rule.rule.theirs, binding)
-            planned.append(
-                _Planned(rule, binding, ours, theirs, steps, layout[ours[0]][1])
-            )
         if bad:
             raise ValueError(
                 "The name map's operations do not fit the model's arrays: "
@@ -388,8 +364,8 @@ class NameMap:
         return planned, kept
 
     def _binding(self, name: str) -> dict[str, int]:
-        """The placeholders' values in an external name: by the rule it matches,
-        or, matching none, the name's numeric parts (`h.3.mlp.w`: layer 3)."""
+        # The placeholders' values in an external name: by the rule it matches,
+        # or, matching none, the name's numeric parts (`h.3.mlp.w`: layer 3).
         for rule in self._rules:
             for regex in rule.theirs_regex:
                 if m := regex.fullmatch(name):
@@ -402,21 +378,20 @@ class NameMap:
     def _depths(
         self, planned: Sequence["_Planned"], external: Mapping[str, object]
     ) -> tuple[int, int] | None:
-        """`(the file's layers, the model's)` when they differ: the layer indices
-        of names of one placeholder are 0, 1, ... N-1 on each side, and each of
-        the file's layers has as many names."""
+        # `(the file's layers, the model's)` when they differ: the layer indices
+        # of one-placeholder names are 0..N-1 on each side, each of the file's
+        # layers with as many names.
         model = {_layer(p.binding) for p in planned if len(p.binding) == 1}
-        counts: dict[int, int] = {}
-        for n in external:
-            binding = self._binding(n)
-            if len(binding) == 1:
-                counts[_layer(binding)] = counts.get(_layer(binding), 0) + 1
+        bindings = (self._binding(n) for n in external)
+        counts = collections.Counter(_layer(b) for b in bindings if len(b) == 1)
         found = set(counts)
-        if not model or not found or len(model) == len(found):
-            return None
-        if len(set(counts.values())) > 1:  # not whole layers: name each problem
-            return None
-        if model != set(range(len(model))) or found != set(range(len(found))):
+        if (
+            len(set(counts.values())) != 1  # none, or not whole layers: name each
+            or not model
+            or len(model) == len(found)
+            or model != set(range(len(model)))
+            or found != set(range(len(found)))
+        ):
             return None
         return len(found), len(model)
 
@@ -425,8 +400,8 @@ class NameMap:
     def plan_export(
         self, entries: Sequence[tuple[str, Lazy]]
     ) -> list[tuple[str, Lazy]]:
-        """The external entries made from eqxscan's, each read only when asked
-        for (a fused array is read once per piece)."""
+        # The external entries made from eqxscan's, read when asked for (a fused
+        # array once per piece).
         reads = {name: lazy.read for name, lazy in entries}
         planned, _ = self._plan({name: (x.shape, x.dtype) for name, x in entries})
         out: list[tuple[str, Lazy]] = []
@@ -450,18 +425,12 @@ class NameMap:
         *,
         source: str = "the external state dict",
     ) -> dict[str, object]:
-        """eqxscan's state dict for `like`, made lazily from `external` (values
-        with `shape` and `dtype`), after checking every name and shape at once."""
-        layout: dict[str, tuple[Shape, np.dtype]] = {}
-        leaves: dict[str, tuple[object, tuple[int, ...]]] = {}
-        for name, leaf, index in entries_of(like):
-            layout[name] = (leaf.shape, leaf.dtype)
-            leaves[name] = (leaf.leaf, index)
+        # eqxscan's state dict for `like`, made lazily from `external` (values
+        # with `shape` and `dtype`), after checking every name and shape at once.
+        leaves = {name: (leaf, index) for name, leaf, index in entries_of(like)}
+        layout = {name: (leaf.shape, leaf.dtype) for name, (leaf, _) in leaves.items()}
         planned, kept = self._plan(layout)
-        expected: dict[str, tuple[_Planned, int]] = {}
-        for p in planned:
-            for k, name in enumerate(p.theirs):
-                expected[name] = (p, k)
+        expected = {name: (p, k) for p in planned for k, name in enumerate(p.theirs)}
         missing, wrong = [], []
         depths = self._depths(planned, external)
         for name, (p, k) in expected.items():
@@ -520,6 +489,7 @@ class NameMap:
                 state[name] = Lazy(layout[name][0], p.dtype, _nth(read, k))
         for name in kept:
             leaf, index = leaves[name]
+            leaf = leaf.leaf
             if not isinstance(leaf, (jax.Array, np.ndarray)):
                 raise TypeError(
                     f"'{name}' is kept from like (NameMap keep=), but like holds an "

@@ -1,16 +1,12 @@
-"""Reading the `.npz` checkpoints of earlier versions (read-only: eqxscan now
-writes safetensors, and [`eqxscan.load`][] reads these with a
-`DeprecationWarning`).
+"""Reading the `.npz` checkpoints of earlier versions (read-only, with a
+`DeprecationWarning`): an `.npz` of [`eqxscan.to_state_dict`][] plus a manifest
+of each array's dtype name (`.npy` cannot name bfloat16), shape and SHA-256
+digest; a plain `numpy.savez` of a state dict reads too.
 
-Such a file is an `.npz` of [`eqxscan.to_state_dict`][] plus a manifest: each
-array's dtype name (`.npy` cannot name bfloat16 and other ML dtypes), shape and
-SHA-256 digest. A plain `numpy.savez` of a state dict reads too.
-
-Reading trusts nothing in the file: the members are matched against the
-manifest (names, and their sizes in the zip directory against shape x itemsize)
-before any array is read, members must be stored uncompressed (as `numpy.savez`
-writes them), so no member can inflate beyond the file's own size, and every
-array is checked against its digest. No member is ever unpickled.
+Nothing in the file is trusted: members are matched against the manifest (names,
+and zip directory sizes against shape x itemsize) before any array is read, must
+be stored uncompressed (so none can inflate beyond the file), and each array is
+checked against its digest. No member is ever unpickled.
 """
 
 import contextlib
@@ -97,8 +93,7 @@ def _nbytes(shape: Shape, dtype: np.dtype) -> int:
 
 class NpzArchive(Mapping[str, Lazy]):
     """The arrays of a checkpoint file, validated against its manifest and the
-    zip directory; nothing but `.npy` headers and the manifest is read before
-    an array is asked for."""
+    zip directory before any array is read."""
 
     def __init__(self, path: str):
         self.path = path
@@ -189,8 +184,7 @@ class NpzArchive(Mapping[str, Lazy]):
         return entries
 
     def _headers(self) -> dict[str, _Entry]:
-        # A plain `numpy.savez` of a state dict: shapes, dtypes and sizes come
-        # from each member's `.npy` header.
+        # A plain `numpy.savez`: shapes and dtypes from the `.npy` headers.
         entries: dict[str, _Entry] = {}
         for name in self.members:
             with self._open(name) as (_, shape, _, dtype):
@@ -238,8 +232,8 @@ class NpzArchive(Mapping[str, Lazy]):
     def _open(
         self, name: str
     ) -> Iterator[tuple[io.BufferedIOBase, Shape, bool, np.dtype]]:
-        """Member `name` past its `.npy` header, and the header's shape, Fortran
-        order and dtype, checked against the member's size."""
+        # Member `name` past its `.npy` header, and the header's shape, Fortran
+        # order and dtype, checked against the member's size.
         member, info = f"{name}.npy", self.members[name]
         try:
             with self.zip.open(info) as f:
@@ -270,7 +264,6 @@ class NpzArchive(Mapping[str, Lazy]):
         return array.T if fortran else array
 
     def read(self, name: str) -> np.ndarray:
-        """The array `name`, checked against its digest."""
         shape, want, sha256 = self.entries[name]
 
         def accept(found: Shape, dtype: np.dtype) -> bool:

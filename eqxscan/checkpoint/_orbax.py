@@ -1,12 +1,9 @@
 """Sharded checkpoints with Orbax: every process writes only its own shards, and a
 checkpoint restores onto any mesh and any number of processes.
 
-A step holds three Orbax items: `model`, `opt_state` and `step`. Names inside them
-keep the per-layer meaning of [`eqxscan.to_state_dict`][] with the layer index left
-as `*`: the entry `blocks.*.w1` of `model` is the stacked array whose row `i` is the
-state-dict entry `blocks.i.w1` (two leading axes, `*.*`, for nested `Stacked`s).
-Storing each stack as one array keeps a deep model at a handful of entries rather
-than one per layer and parameter.
+Entries keep [`eqxscan.to_state_dict`][]'s names with the layer index as `*`:
+`blocks.*.w1` is the stacked array whose row `i` is `blocks.i.w1` (`*.*` for
+nested `Stacked`s), so a deep model is a handful of entries, not one per layer.
 """
 
 import hashlib
@@ -14,8 +11,7 @@ import json
 import os
 import re
 import warnings
-from collections.abc import Callable
-from types import ModuleType
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, SupportsIndex, TypeVar
 
 import equinox as eqx
@@ -25,18 +21,16 @@ from jaxtyping import PyTree
 
 from .._internal import check_path, check_size, for_each, is_arraylike, Site
 from ..sharding import MIN_SIZE, model_shardings, opt_state_shardings, shard
-from ._files import listed
+from ._files import flatten, listed
 
 
 DOCS = "see docs/multihost.md"
 _M = TypeVar("_M")
 _S = TypeVar("_S")
 _LAYER = "*"
-# What every complete step directory holds: Orbax writes its metadata file when
-# it finalises a step, after the items.
+# What every complete step directory holds (Orbax writes its metadata last).
 _COMPLETE = ("_CHECKPOINT_METADATA", "model", "step")
-# Written into a step directory by process 0 once the step is complete: the
-# SHA-256 of every file in it, checked by `restore` (Orbax checks none).
+# The SHA-256 of every file of a complete step, by process 0 (Orbax checks none).
 _DIGESTS = "eqxscan_digests.json"
 
 
@@ -65,8 +59,7 @@ def _part(entry: Any) -> str:  # a key entry, which jax types as Any
 
 
 def _named_leaves(tree: PyTree) -> list[tuple[tuple[str, ...], Any]]:
-    # `(name parts, leaf)` of each array leaf, in order; a `Stacked`'s `layers`
-    # entry (its layer axis) is the part `*`.
+    # `(name parts, leaf)` of each array leaf; a layer axis is the part `*`.
     out = []
 
     def name(leaf: object, site: Site) -> None:
@@ -82,7 +75,7 @@ def _named_leaves(tree: PyTree) -> list[tuple[tuple[str, ...], Any]]:
     return out
 
 
-def _nest(named: list[tuple[tuple[str, ...], Any]]) -> dict[str, Any]:
+def _nest(named: Iterable[tuple[tuple[str, ...], Any]]) -> dict[str, Any]:
     # Nested dicts: Orbax names each entry by its path, e.g. `model.blocks.*.w1`.
     root: dict[str, Any] = {}
     for parts, leaf in named:
@@ -93,37 +86,24 @@ def _nest(named: list[tuple[tuple[str, ...], Any]]) -> dict[str, Any]:
     return root
 
 
-def _flat_names(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(_flat_names(v, f"{prefix}{k}."))
-        else:
-            out[prefix + k] = v
-    return out
-
-
 def _target(tree: PyTree, shardings: PyTree) -> dict[str, Any]:
     # What Orbax restores `tree` as: each array's shape, dtype and sharding.
     leaves = zip(_named_leaves(tree), jtu.tree_leaves(shardings), strict=True)
     return _nest(
-        [
-            (p, jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s))
-            for (p, x), s in leaves
-        ]
+        (p, jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)) for (p, x), s in leaves
     )
 
 
 def _fill(like: _M, values: dict[str, Any]) -> _M:
     # `like` with its array leaves replaced, in order, by the restored ones.
-    flat = _flat_names(values)
+    flat = flatten(values)
     arrays, rest = eqx.partition(like, is_arraylike)
     leaves = [flat[".".join(parts)] for parts, _ in _named_leaves(like)]
     return eqx.combine(jtu.tree_unflatten(jtu.tree_structure(arrays), leaves), rest)
 
 
 def _newest(
-    steps: list[int], problem: Callable[[int], str | None]
+    steps: Sequence[int], problem: Callable[[int], str | None]
 ) -> tuple[int | None, list[str]]:
     # The newest step without a problem, and `"step (problem)"` of newer ones.
     skipped = []
@@ -136,8 +116,7 @@ def _newest(
 
 
 def _check_step(step: Any, method: str) -> int:
-    # A step names a directory: a string could name one outside the checkpoint
-    # directory, a float one that restores as another step.
+    # A step names a directory: not a string (one outside) nor a float.
     try:
         return check_size(f"CheckpointManager.{method}: step", step, minimum=0)
     except TypeError:
@@ -147,37 +126,21 @@ def _check_step(step: Any, method: str) -> int:
         ) from None
 
 
-def _import_orbax() -> ModuleType:
-    # Imported here: Orbax is an extra, and `import eqxscan` does without it.
-    try:
-        import orbax.checkpoint as ocp
-    except ImportError as e:
-        if (e.name or "").split(".")[0] != "orbax":
-            raise  # Orbax is there, but fails to import
-        raise ImportError(
-            "eqxscan.checkpoint.CheckpointManager needs Orbax, which is not "
-            "installed.\n"
-            'Hint: pip install "eqxscan[orbax]" (or orbax-checkpoint).'
-        ) from e
-    return ocp
-
-
 class CheckpointManager:
     """Sharded checkpoints of a model, its optimizer state and the step number, in
     one Orbax checkpoint per step (`orbax.checkpoint.CheckpointManager`). Needs
     Orbax: `pip install "eqxscan[orbax]"`.
 
-    Every process calls the same methods in the same order. Each writes only the
-    shards its devices hold; a checkpoint restores onto any mesh and any number of
-    processes (e.g. saved on 2 processes x 4 devices, restored on 1 x 8 or 1 x 1).
-    A step appears in `directory` only once every process has finished writing it
-    (Orbax writes to a temporary directory and renames it when complete), so a
-    process killed mid-save leaves the previous checkpoint as the latest one.
+    Every process calls the same methods in the same order, and writes only the
+    shards its devices hold; a checkpoint restores onto any mesh and number of
+    processes (saved on 2 processes x 4 devices, restored on 1 x 8 or 1 x 1).
+    A step appears in `directory` only once every process has written it, so a
+    process killed mid-save leaves the previous checkpoint as the latest.
 
-    A step holds the items `model`, `opt_state` and `step`. Names in them are
-    those of [`eqxscan.to_state_dict`][] with the layer index left as `*`
-    (`blocks.*.w1` in `model`, `0.mu.blocks.*.w1` in `opt_state`), the stacked
-    array holding every layer; see `docs/multihost.md`.
+    A step holds the items `model`, `opt_state` and `step`, named as by
+    [`eqxscan.to_state_dict`][] with the layer index as `*` (`blocks.*.w1` in
+    `model`, `0.mu.blocks.*.w1` in `opt_state`), one stacked array for every
+    layer; see `docs/multihost.md`.
     """
 
     def __init__(
@@ -192,10 +155,19 @@ class CheckpointManager:
         - `directory`: where the steps go, one subdirectory each; with several
           hosts, storage every host can reach (a shared file system, GCS, S3).
         - `max_to_keep`: keep only the newest this many steps (`None`: all).
-        - `asynchronous`: `save` returns once the arrays are copied off the
-          devices, and writing goes on in the background while training runs.
+        - `asynchronous`: `save` returns once the arrays are off the devices,
+          writing on in the background while training runs.
         """
-        ocp = _import_orbax()
+        # Imported here: Orbax is an extra, and `import eqxscan` does without it.
+        try:
+            import orbax.checkpoint as ocp
+        except ImportError as e:
+            if (e.name or "").split(".")[0] != "orbax":
+                raise  # Orbax is there, but fails to import
+            raise ImportError(
+                "eqxscan.checkpoint.CheckpointManager needs Orbax, which is not "
+                'installed.\nHint: pip install "eqxscan[orbax]" (or orbax-checkpoint).'
+            ) from e
         self.directory = os.path.abspath(
             check_path("CheckpointManager: directory", directory)
         )
@@ -216,9 +188,8 @@ class CheckpointManager:
                 enable_async_checkpointing=asynchronous,
                 cleanup_tmp_directories=True,
                 create=True,
-                # Made by `save` itself: made in the background, a step
-                # directory that cannot be created leaves Orbax's writer threads
-                # waiting for it (300 s each), and the process cannot exit.
+                # Made in the foreground: one that cannot be made in the background
+                # leaves Orbax's writers waiting (300 s each), the process hung.
                 async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
             ),
         )
@@ -235,8 +206,7 @@ class CheckpointManager:
 
         **Arguments:**
 
-        - `step`: the step number, a non-negative `int`; also the checkpoint's
-          name.
+        - `step`: the step number (a non-negative `int`), the checkpoint's name.
         - `model`: the model (any pytree; `Stacked` layers keep their `*` names).
         - `opt_state`: the optimizer state, or `None`.
         - `wait`: block until the checkpoint is complete, even if asynchronous.
@@ -249,8 +219,7 @@ class CheckpointManager:
         }
         if opt_state is not None:
             items["opt_state"] = args.StandardSave(_nest(_named_leaves(opt_state)))
-        # Orbax waits for the previous save before it starts this one: that one
-        # is complete now, and gets its digests.
+        # Orbax waits for the previous save, complete now: it gets its digests.
         self._seal()
         try:
             self._manager.save(step, args=args.Composite(**items), force=True)
@@ -278,10 +247,8 @@ class CheckpointManager:
         **Arguments:**
 
         - `model`: a model of the saved structure; its arrays may be
-          `jax.ShapeDtypeStruct`s (`eqx.filter_eval_shape(make_model, ...)`), so
-          the full model is never built.
-        - `opt_state`: likewise for the optimizer state (`None`: not restored,
-          e.g. for inference).
+          `jax.ShapeDtypeStruct`s (`eqx.filter_eval_shape(make_model, ...)`).
+        - `opt_state`: likewise for the optimizer state (`None`: not restored).
         - `mesh`: the mesh to restore onto; any topology.
         - `step`: the step to restore (default: the latest).
         - `fsdp_axis`, `min_size`: as for `shard`.
@@ -289,8 +256,8 @@ class CheckpointManager:
           digests written when it was saved (each process reads the whole step
           once more); a step without digests is restored unchecked.
         - `skip_corrupt`: with `step=None` and `verify`, restore the newest step
-          whose files match their digests, skipping newer ones that do not with
-          a warning naming them (by default a corrupt latest step raises).
+          whose files match their digests, skipping newer ones with a warning
+          naming them (by default a corrupt latest step raises).
 
         **Returns:**
 
@@ -309,8 +276,11 @@ class CheckpointManager:
         if opt_state is not None:
             sh = opt_state_shardings(opt_state, model, mesh, **kw)
             target["opt_state"] = _target(opt_state, sh)
-        if verify:
-            self._verify(step)
+        if verify and (why := self._corruption(step)):
+            raise ValueError(
+                f"{why}.\nHint: restore another step (all_steps() lists them: "
+                f"{self.all_steps()}); {DOCS}."
+            )
         out = self._read(step, target)
         model = _fill(model, out["model"])
         if opt_state is not None:
@@ -361,8 +331,7 @@ class CheckpointManager:
             raise self._unreadable(step, e) from e
 
     def _unreadable(self, step: int, error: Exception) -> ValueError:
-        # Orbax's (TensorStore's) messages run to kilobytes: name the item and
-        # entry, and trim the rest.
+        # TensorStore's messages run to kilobytes: name the item and entry.
         text = " ".join(str(error).split())
         item = re.search(rf"/{step}/(\w+)/", text)
         entry = re.search(r'Error reading "([^"]+?)/\.z', text)
@@ -380,12 +349,10 @@ class CheckpointManager:
     def _check(self, step: int, target: dict[str, Any]) -> None:
         # Orbax's own errors name tensorstore paths; name the entries instead.
         metadata = self._manager.item_metadata(step)
-        saved = _flat_names(
+        saved = flatten(
             {k: metadata[k].tree for k in target if metadata.get(k) is not None}
         )
-        wanted = _flat_names(target)
-        missing = sorted(set(wanted) - set(saved))
-        unexpected = sorted(set(saved) - set(wanted))
+        wanted = flatten(target)
         wrong = [
             f"'{k}': wanted {v.dtype}{list(v.shape)}, saved "
             f"{saved[k].dtype}{list(saved[k].shape)}"
@@ -396,16 +363,16 @@ class CheckpointManager:
                 or jax.numpy.dtype(saved[k].dtype) != v.dtype
             )
         ]
-        if missing or unexpected or wrong:
-            problems = [
-                f"{what}: {listed(items)}"
-                for what, items in (
-                    ("not in the checkpoint", missing),
-                    ("only in the checkpoint", unexpected),
-                    ("of another shape or dtype", wrong),
-                )
-                if items
-            ]
+        problems = [
+            f"{what}: {listed(items)}"
+            for what, items in (
+                ("not in the checkpoint", sorted(set(wanted) - set(saved))),
+                ("only in the checkpoint", sorted(set(saved) - set(wanted))),
+                ("of another shape or dtype", wrong),
+            )
+            if items
+        ]
+        if problems:
             raise ValueError(
                 f"Step {step} in {self.directory!r} does not match the model and "
                 f"optimizer state to restore: {' | '.join(problems)}.\nHint: pass a "
@@ -413,8 +380,8 @@ class CheckpointManager:
             )
 
     def _incomplete(self, step: int) -> str | None:
-        # Why `step` is no complete checkpoint: Orbax lists any directory named
-        # by an integer, a stray or emptied one too.
+        # Why `step` is no complete checkpoint (Orbax lists any integer's
+        # directory, a stray or emptied one too).
         where = os.path.join(self.directory, str(step))
         for part in _COMPLETE:
             if not os.path.exists(os.path.join(where, part)):
@@ -448,8 +415,8 @@ class CheckpointManager:
         self._seal()
 
     def _seal(self) -> None:
-        # The digests of the steps saved since, once complete; by process 0
-        # only, which finalises the steps after every process wrote.
+        # The digests of the steps saved since, by process 0 (which finalises
+        # the steps after every process wrote).
         pending, self._unsealed = self._unsealed, []
         if not pending:
             return
@@ -469,8 +436,7 @@ class CheckpointManager:
             os.replace(tmp, os.path.join(where, _DIGESTS))
 
     def _save_failed(self, steps: list[int], error: Exception) -> Exception:
-        # Of `error`'s type where it is an `OSError` (a `PermissionError` stays
-        # one), with a headline naming the steps and the directory.
+        # Naming the steps and the directory; an `OSError` keeps its type.
         cause = next(iter(str(error).strip().splitlines()), "")
         cause = cause if len(cause) <= 300 else cause[:297] + "..."
         try:
@@ -507,17 +473,9 @@ class CheckpointManager:
             )
         return step
 
-    def _verify(self, step: int) -> None:
-        if why := self._corruption(step):
-            raise ValueError(
-                f"{why}.\nHint: restore another step (all_steps() lists them: "
-                f"{self.all_steps()}); {DOCS}."
-            )
-
     def _corruption(self, step: int) -> str | None:
-        # Names the first file of `step` that differs from its digest; `None`
-        # if all match, or if it has none (saved before digests, or killed
-        # before they were written).
+        # The first file of `step` that differs from its digest; `None` if all
+        # match or there are none (saved before digests, or killed first).
         where = os.path.join(self.directory, str(step))
         corrupt = f"Step {step} in {self.directory!r} is corrupt"
         try:

@@ -1,16 +1,11 @@
 """safetensors files of a model's per-layer state dict: one file, or shards with
-the index JSON that Hugging Face writes, through the `safetensors` package's
-NumPy API (imported on first use, so `import eqxscan` does not import it).
+Hugging Face's index JSON, through the `safetensors` package's NumPy API.
 
-Writing streams: each shard gathers only its own layer slices, so a stacked
-model is never held twice in host memory (at most one shard beside it).
-Every file goes to a temporary file first, then `os.replace`; a sharded save
-over another checkpoint never renames a file the old index names before the new
-index is in place, so a save killed at any instant leaves the old checkpoint or
-the new one (see `_commit_shards`). Each file's
-metadata holds the SHA-256 digest of each of its arrays and a token of the save,
-which the index repeats: loading checks both, so a flipped bit in the data or
-a shard of another save is refused.
+Each shard gathers only its own layer slices, so a model is never held twice in
+host memory. A save killed at any instant leaves the old checkpoint or the new
+one (see `_commit_shards`). Each file's metadata holds the SHA-256 digest of
+each array and a token of the save, which the index repeats: loading checks
+both, refusing a flipped bit or a shard of another save.
 """
 
 import contextlib
@@ -47,14 +42,6 @@ from ._safetensors_read import (
 from ._state_dict import check_like, from_state_dict, host_entries
 
 
-__all__ = [
-    "load_safetensors",
-    "open_safetensors",
-    "Opened",
-    "read_safetensors",
-    "save_safetensors",
-]
-
 T = TypeVar("T")
 _SHARD = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
 # A new shard under the name of its save, until its index replaces the old one.
@@ -77,17 +64,11 @@ def _size(max_shard_size: int | str | None) -> int | None:
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
-def _contiguous(array: np.ndarray) -> np.ndarray:
-    # Not `np.ascontiguousarray` alone: it makes a 0-d array 1-d.
-    array = np.asarray(array)
-    return array if array.flags.c_contiguous else np.ascontiguousarray(array)
-
-
 def _shards(
     entries: Sequence[tuple[str, Lazy]], max_size: int | None
 ) -> list[list[tuple[str, Lazy]]]:
-    """Consecutive entries grouped into files of at most `max_size` bytes (an
-    array larger than that gets a file of its own), as Hugging Face does."""
+    # Consecutive entries in files of at most `max_size` bytes (a larger array
+    # gets a file of its own), as Hugging Face does.
     shards: list[list[tuple[str, Lazy]]] = [[]]
     size = 0
     for name, lazy in entries:
@@ -111,13 +92,12 @@ def save_safetensors(
     """Save `model`'s per-layer state dict as safetensors: one file, or a
     directory as Hugging Face lays it out.
 
-    With a `path` ending in `.safetensors`, one file. Otherwise `path` is a
-    directory (made if absent): `model.safetensors`, or, past `max_shard_size`,
+    A `path` ending in `.safetensors` is one file. Otherwise it is a directory
+    (made if absent): `model.safetensors`, or, past `max_shard_size`,
     `model-00001-of-0000N.safetensors` files and `model.safetensors.index.json`
-    (`{"metadata": {"total_size": ...}, "weight_map": {name: file}}`). The
-    arrays are written one file at a time, each layer's slice taken from the
-    stacked arrays as its file is written, so the model is never copied whole.
-    bfloat16 stays bfloat16. Every file is written to a temporary file and
+    (`{"metadata": {"total_size": ...}, "weight_map": {name: file}}`). Each
+    layer's slice is taken as its file is written, so the model is never copied
+    whole; bfloat16 stays bfloat16. Files are written to temporary files and
     moved into place once all are written: an error mid-save leaves the
     previous files intact.
 
@@ -156,43 +136,25 @@ def save_safetensors(
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in info.items()):
         raise TypeError("save_safetensors: metadata must map strings to strings.")
     shards = _shards(external, max_size)
-    directory = _directory(path, single)
-    files = [path] if single else _file_names(directory, len(shards))
+    # The directory to save into; one named by `path` is made if its parent exists.
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        where = f"directory {parent!r}" if single else "parent directory"
+        raise FileNotFoundError(f"Cannot save to {path!r}: its {where} does not exist.")
+    directory = parent if single else path
+    os.makedirs(directory, exist_ok=True)
+    n = len(shards)
+    bases = [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+    files = [os.path.join(directory, b) for b in (bases if n > 1 else [SINGLE])]
     with _Save(path, directory, info) as save:
-        for file, shard in zip(files, shards):
+        for file, shard in zip([path] if single else files, shards):
             save.write(file, shard)
         return save.commit(single)
 
 
-def _directory(path: str, single: bool) -> str:
-    # The directory to save into; one named by `path` is made if its parent exists.
-    if single:
-        directory = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(directory):
-            raise FileNotFoundError(
-                f"Cannot save to {path!r}: its directory {directory!r} does not exist."
-            )
-        return directory
-    if not os.path.isdir(path):
-        if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            raise FileNotFoundError(
-                f"Cannot save to {path!r}: its parent directory does not exist."
-            )
-        os.makedirs(path, exist_ok=True)
-    return path
-
-
-def _file_names(directory: str, n: int) -> list[str]:
-    if n == 1:
-        return [os.path.join(directory, SINGLE)]
-    names = [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
-    return [os.path.join(directory, name) for name in names]
-
-
 class _Save:
-    """The files of one save, each written to a locked temporary file beside
-    its final one and put in place by `commit` once all are written: until
-    then, an error removes them and leaves the previous files intact."""
+    """The files of one save, in locked temporary files beside their final ones
+    until `commit`: an error before removes them, leaving the old files."""
 
     def __init__(self, path: str, directory: str, info: dict[str, str]):
         self.path, self.directory = path, directory
@@ -205,7 +167,10 @@ class _Save:
         self.committed = False  # set once the file, or an index of the shards, is there
 
     def write(self, final: str, shard: list[tuple[str, Lazy]]) -> None:
-        arrays = {name: _contiguous(lazy.read()) for name, lazy in shard}
+        # Not `np.ascontiguousarray`: it makes a 0-d array 1-d.
+        arrays = {
+            name: np.require(lazy.read(), requirements="C") for name, lazy in shard
+        }
         for name, array in arrays.items():
             self.weight_map[name] = os.path.basename(final)
             self.total += array.nbytes
@@ -252,7 +217,10 @@ class _Save:
         naming them replaces the old one, the old files go, the shards get their
         usual names (hard links), and a second index names those."""
         finals = [final for _, final, _ in self.temporaries]
-        self.staged = [_staged(final, self.token) for final in finals]
+        self.staged = [
+            f"{final[: -len('.safetensors')]}.{self.token}.safetensors"
+            for final in finals
+        ]
         for (tmp, _, _), stage in zip(self.temporaries, self.staged):
             os.replace(tmp, stage)
         fsync_dir(self.directory)
@@ -288,44 +256,31 @@ class _Save:
         return self
 
     def __exit__(self, kind: object, error: BaseException | None, tb: object) -> None:
-        leftovers = [tmp for tmp, _, _ in self.temporaries]
-        if error is not None and not self.committed:
-            leftovers += self.staged
-        for leftover in leftovers if error is not None else ():
-            try:
-                os.remove(leftover)
-            except FileNotFoundError:
-                pass
+        if error is not None:
+            leftovers = [tmp for tmp, _, _ in self.temporaries]
+            for leftover in leftovers + ([] if self.committed else self.staged):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(leftover)
         for _, _, fd in self.temporaries:
             os.close(fd)
         if isinstance(error, OSError):
-            raise _refused(error, self.path) from error
-
-
-def _staged(final: str, token: str) -> str:
-    return final[: -len(".safetensors")] + f".{token}.safetensors"
-
-
-def _refused(e: OSError, path: str) -> OSError:
-    error = type(e)(
-        f"Cannot save to {path!r}: {e}.\nHint: save_safetensors writes temporary "
-        "files ('.<name>.XXXXXXXX.tmp') beside the final ones, then renames them; "
-        "the previous files are left as they were."
-    )
-    error.errno = e.errno
-    return error
+            refused = type(error)(
+                f"Cannot save to {self.path!r}: {error}.\nHint: save_safetensors "
+                "writes temporary files ('.<name>.XXXXXXXX.tmp') beside the final "
+                "ones, then renames them; the previous files are left as they were."
+            )
+            refused.errno = error.errno
+            raise refused from error
 
 
 def _remove_old(directory: str, keep: set[str], other: str) -> None:
-    """Remove the files of earlier saves to `directory` (shards, the shards of
-    interrupted saves, and `other`: the index or the single file) but `keep`."""
+    # Remove the files of earlier saves to `directory` (shards, staged shards,
+    # and `other`: the index or the single file) but `keep`.
     for name in os.listdir(directory):
         old = _SHARD.fullmatch(name) or _STAGED.fullmatch(name) or name == other
         if old and name not in keep:
-            try:
+            with contextlib.suppress(OSError):
                 os.remove(os.path.join(directory, name))
-            except OSError:
-                pass
     fsync_dir(directory)
 
 
@@ -359,9 +314,8 @@ def _cast(files: Mapping[str, Lazy], dtype: np.dtype) -> dict[str, Lazy]:
 
 def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """Read every array of a safetensors file or directory (as
-    [`eqxscan.save_safetensors`][] or Hugging Face write them), with their
-    dtypes (bfloat16 included), each checked against its digest where the
-    file has one.
+    [`eqxscan.save_safetensors`][] or Hugging Face write them) in its dtype,
+    bfloat16 included, checked against its digest where the file has one.
 
     **Arguments:**
 
@@ -380,8 +334,7 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
 
 
 class Opened(NamedTuple):
-    """What [`eqxscan.checkpoint.open_safetensors`][] gives: the arrays, their
-    files' metadata, and the path they were read from."""
+    """What [`eqxscan.checkpoint.open_safetensors`][] gives."""
 
     arrays: Mapping[str, Lazy]
     """Array-likes by name: `shape` and `dtype` known without reading, the data
@@ -400,9 +353,9 @@ def open_safetensors(
     names: NameMap | None = None,
     dtype: DTypeLike | None = None,
 ) -> Iterator[Opened]:
-    """Open a safetensors file or directory and read its arrays only when asked
-    for, one at a time: what [`eqxscan.load_safetensors`][] reads from, for
-    code that loads (or converts) a checkpoint piece by piece.
+    """Open a safetensors file or directory, reading each array only when asked
+    for: what [`eqxscan.load_safetensors`][] reads from, for code that loads
+    (or converts) a checkpoint piece by piece.
 
     ```python
     import os, tempfile
@@ -427,16 +380,14 @@ def open_safetensors(
     - `like`: with `names`, the model whose names the arrays get.
     - `names`: a [`eqxscan.checkpoint.NameMap`][] from the file's names to
       eqxscan's for `like`: every name and shape is checked at once, as
-      `load_safetensors` does, and the arrays are keyed by eqxscan's names. By
-      default they keep the file's own names.
+      `load_safetensors` does, and the arrays get eqxscan's names (by default,
+      the file's own).
     - `dtype`: the file's floating-point arrays are cast to it as they are read.
 
     **Returns:**
 
-    A context manager giving an [`eqxscan.checkpoint.Opened`][]: `arrays`
-    (each with `shape` and `dtype`; `numpy.asarray(array)` reads it),
-    `metadata` (each file's `__metadata__`) and `where`. The files are closed
-    on leaving it.
+    A context manager giving an [`eqxscan.checkpoint.Opened`][] (`arrays`,
+    `metadata`, `where`); the files are closed on leaving it.
 
     **Raises:**
 
@@ -471,11 +422,10 @@ def load_safetensors(
     dtype: DTypeLike | None = None,
 ) -> T:
     """Load a safetensors file or directory into a model shaped like `like`.
-
     Names, shapes and dtypes are checked against `like` before any array is
     read (through `names` if given, reporting every missing, unused or
-    mis-shaped name at once, with its layer), and each array against its
-    digest where the file has one.
+    mis-shaped name at once, with its layer), each array against its digest
+    where the file has one.
 
     **Arguments:**
 
@@ -485,10 +435,10 @@ def load_safetensors(
       as for [`eqxscan.from_state_dict`][].
     - `names`: a [`eqxscan.checkpoint.NameMap`][] from the file's names to
       eqxscan's; by default the file holds eqxscan's own names.
-    - `dtype`: if given, the file's floating-point arrays are cast to it as they
-      are read (as Hugging Face's `torch_dtype=`), e.g. a bfloat16 file into a
-      float32 model; integer and boolean arrays are left as they are. By
-      default each array keeps the file's dtype, which must be the model's.
+    - `dtype`: the file's floating-point arrays are cast to it as they are read
+      (as Hugging Face's `torch_dtype=`), e.g. a bfloat16 file into a float32
+      model; integer and boolean arrays are not. By default each array keeps
+      the file's dtype, which must be the model's.
 
     **Returns:**
 

@@ -2,6 +2,7 @@
 shapes and dtypes from the headers, data read (and checked against the digest
 eqxscan's writer records) only when asked for."""
 
+import contextlib
 import json
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -20,14 +21,9 @@ _DOCS = "see docs/checkpoints.md"
 
 
 def _package():
-    try:
-        import safetensors
-        import safetensors.numpy
-    except ImportError as e:  # pragma: no cover - a dependency of eqxscan
-        raise ImportError(
-            "eqxscan's safetensors files need the `safetensors` package: "
-            "pip install safetensors"
-        ) from e
+    # Imported on first use, so that `import eqxscan` does without it.
+    import safetensors.numpy
+
     return safetensors
 
 
@@ -39,9 +35,7 @@ def _bad(path: str, why: str) -> CorruptFileError:
 
 
 class _Files(Mapping[str, Lazy]):
-    """The arrays of a safetensors file or sharded directory, by name: shapes
-    and dtypes from the headers, data read (and checked against its digest)
-    only when asked for."""
+    """The arrays of a safetensors file or sharded directory, by name."""
 
     def __init__(self, path: str):
         self.handles: list[object] = []
@@ -83,7 +77,10 @@ class _Files(Mapping[str, Lazy]):
             ) from None
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) and _plain(v)
+            isinstance(k, str)
+            and isinstance(v, str)
+            and os.path.basename(v) == v
+            and v not in ("", ".", "..")
             for k, v in weight_map.items()
         ):
             raise CorruptFileError(
@@ -131,15 +128,12 @@ class _Files(Mapping[str, Lazy]):
             else:
                 why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             raise _bad(file, why) from None
-        digests: dict[str, str] = {}
-        if _DIGESTS in meta:
-            try:
-                digests = json.loads(meta[_DIGESTS])
-                assert isinstance(digests, dict)
-            except (ValueError, AssertionError):
-                raise _bad(
-                    file, f"its metadata '{_DIGESTS}' is not a JSON object"
-                ) from None
+        try:
+            digests = json.loads(meta.get(_DIGESTS, "{}"))
+        except ValueError:
+            digests = None
+        if not isinstance(digests, dict):
+            raise _bad(file, f"its metadata '{_DIGESTS}' is not a JSON object")
         if digests and sorted(digests) != sorted(keys):
             raise _bad(file, "its arrays differ from the names its metadata records")
         if token is not None and meta.get(_TOKEN) != token:
@@ -153,7 +147,13 @@ class _Files(Mapping[str, Lazy]):
         for key, (shape, dtype_name) in specs.items():
             if key in self.entries:
                 raise _bad(file, f"'{key}' is in another file of the index too")
-            dtype = _dtype(file, key, dtype_name)
+            try:
+                dtype = np.dtype(
+                    jax.numpy.dtype(_DTYPES.get(dtype_name, dtype_name.lower()))
+                )
+            except TypeError:
+                why = f"'{key}' has dtype {dtype_name}, which NumPy cannot hold"
+                raise _bad(file, why) from None
             self.entries[key] = Lazy(
                 shape, dtype, self._reader(handle, file, key, digests.get(key))
             )
@@ -187,10 +187,8 @@ class _Files(Mapping[str, Lazy]):
 
     def close(self) -> None:
         for handle in self.handles:
-            try:
+            with contextlib.suppress(Exception):
                 handle.__exit__(None, None, None)  # type: ignore[attr-defined]
-            except Exception:
-                pass
         self.handles.clear()
 
 
@@ -200,14 +198,3 @@ _DTYPES = {
     "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8",
     "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
 }  # fmt: skip
-
-
-def _dtype(file: str, key: str, name: str) -> np.dtype:
-    try:
-        return np.dtype(jax.numpy.dtype(_DTYPES.get(name, name.lower())))
-    except TypeError:
-        raise _bad(file, f"'{key}' has dtype {name}, which NumPy cannot hold") from None
-
-
-def _plain(file: str) -> bool:
-    return os.path.basename(file) == file and file not in ("", ".", "..")

@@ -1,8 +1,5 @@
-"""`eqxscan.save` and `eqxscan.load`: safetensors, the one format eqxscan writes.
-
-The `.npz` checkpoints of earlier versions still load, read-only and with a
-`DeprecationWarning` naming the replacement, so that they can be saved again.
-"""
+"""`eqxscan.save` and `eqxscan.load`: safetensors, the one format eqxscan writes;
+the `.npz` files of earlier versions still load, with a `DeprecationWarning`."""
 
 import os
 import warnings
@@ -22,8 +19,7 @@ _ZIP = (b"PK\x03\x04", b"PK\x05\x06")  # a zip's first bytes (an empty zip's too
 
 
 def _npz(path: str, who: str) -> NpzArchive | None:
-    """The `.npz` archive at `path` (with a `DeprecationWarning`), or `None` for
-    safetensors."""
+    # The `.npz` archive at `path` (with a `DeprecationWarning`), or `None`.
     try:
         with open(path, "rb") as f:
             npz = path.endswith(".npz") or f.read(4) in _ZIP
@@ -68,9 +64,8 @@ def save(path: str | os.PathLike, model: PyTree) -> list[str]:
 
 def load_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """Read the state dict of a file written by [`eqxscan.save`][]: as
-    [`eqxscan.read_safetensors`][], or, for an `.npz` of an earlier version,
-    with a `DeprecationWarning` (its original dtypes, bfloat16 included, each
-    array checked against its digest).
+    [`eqxscan.read_safetensors`][], or, for an earlier version's `.npz`, with a
+    `DeprecationWarning` (original dtypes, bfloat16 included, digests checked).
 
     **Arguments:**
 
@@ -83,9 +78,9 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
     **Raises:**
 
     `FileNotFoundError` if there is no such file;
-    [`eqxscan.checkpoint.CorruptFileError`][] naming the file (and the member
-    or array) if it is truncated or its sizes or digests disagree with its
-    arrays; `ValueError` if it is another program's file.
+    [`eqxscan.checkpoint.CorruptFileError`][] naming the file (and member or
+    array) if it is truncated or its sizes or digests disagree with its arrays;
+    `ValueError` if it is another program's file.
     """
     path = check_path("load_state_dict: path", path)
     archive = _npz(path, "load_state_dict")
@@ -97,11 +92,9 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
 
 def load(path: str | os.PathLike, like: T) -> T:
     """Load a file written by [`eqxscan.save`][] into a model shaped like `like`:
-    as [`eqxscan.load_safetensors`][], or, for an `.npz` of an earlier version,
-    with a `DeprecationWarning`.
-
-    Names, shapes and dtypes are checked against `like` before any array is
-    read, and each array against its digest as it is read.
+    as [`eqxscan.load_safetensors`][], or, for an earlier version's `.npz`, with
+    a `DeprecationWarning`. Names, shapes and dtypes are checked against `like`
+    before any array is read, and each array against its digest as it is read.
 
     **Arguments:**
 

@@ -1,13 +1,9 @@
 """Per-layer checkpoint layouts: a stacked model as a flat, torch/HF-style state dict.
 
-Names are dotted attribute paths. Inside a `Stacked` the layer index replaces the
-stacked axis (and the `Stacked`'s own `layers` field is left out), so the first
-layer's `w1` of a `StackedMLP` is `"blocks.0.w1"`, exactly as if the layers had
-been kept in a list. The layers of a `Chain` are named by their index in the
-chain, whatever its grouping: layer 3's weight of a chain at `model.layers` is
-`"layers.3.weight"`, as for a list or a `Stacked` there. List and tuple elements
-are named by their index and dict entries by their key: `"heads.3.weight"`,
-`"norms.final.scale"`.
+Names are dotted attribute paths, with the layer index in place of a `Stacked`'s
+layer axis (its `layers` field left out): `"blocks.0.w1"`, as if the layers were
+a list. A `Chain`'s layers are numbered in the chain, whatever its grouping;
+list elements by index, dict entries by key (`"norms.final.scale"`).
 """
 
 import re
@@ -24,7 +20,6 @@ from jaxtyping import PyTree
 from .._internal import (
     describe,
     is_arraylike,
-    key_name,
     LayerNumbering,
     pattern,
     Site,
@@ -33,8 +28,6 @@ from .._internal import (
 )
 from ._files import Lazy, listed, shape_dtype
 
-
-__all__ = ["from_state_dict", "key_name", "to_state_dict"]
 
 # A name is a tuple of parts: strings, and a `LayerNumbering` where a layer number
 # goes (one per enclosing `Stacked` or `Chain`, outermost first).
@@ -92,11 +85,9 @@ class _Leaf:
 
 
 def _map_arrays(fn: Callable[[_Leaf], object], model: PyTree) -> PyTree:
-    """`model` with each array leaf replaced by `fn(_Leaf(...))`, walked by
-    state-dict name: each `Stacked` and `Chain` names its own layers."""
+    # `model` with each array leaf replaced by `fn(_Leaf(...))`.
 
     def one(leaf: object, site: Site) -> object:
-        # An array, or the `ShapeDtypeStruct` of one.
         return fn(_Leaf(cast(_ArrayLeaf, leaf), site)) if is_arraylike(leaf) else leaf
 
     return walk(one, model, names=True)
@@ -121,19 +112,18 @@ def check_like(who: str, like: object) -> None:
 def to_state_dict(model: PyTree) -> dict[str, np.ndarray]:
     """Flatten `model` into a per-layer state dict of NumPy arrays.
 
-    Every array leaf gets a dotted attribute path. Inside an
-    [`eqxscan.Stacked`][] the layer index replaces the stacked axis and the
-    `Stacked`'s own `layers` field is left out, torch/HF style: the first layer's
-    `w1` of a [`eqxscan.StackedMLP`][] is `"blocks.0.w1"` with shape `[D, 4*D]`.
-    List and tuple elements are named by index, dict entries by key
-    (`"heads.3.weight"`); nested `Stacked`s give one index each
-    (`"groups.1.2.weight"`). Non-array leaves (floats, activation functions,
-    static fields) are not saved: they come from the model you load into.
+    Every array leaf gets a dotted attribute path; inside an
+    [`eqxscan.Stacked`][] the layer index replaces the stacked axis and its
+    `layers` field is left out, torch/HF style: the first layer's `w1` of a
+    [`eqxscan.StackedMLP`][] is `"blocks.0.w1"`, of shape `[D, 4*D]`. List and
+    tuple elements are named by index, dict entries by key (`"heads.3.weight"`);
+    nested `Stacked`s give one index each (`"groups.1.2.weight"`). Non-array
+    leaves (floats, activations, static fields) are not saved: they come from
+    the model you load into.
 
     **Arguments:**
 
-    - `model`: any pytree (usually an `eqx.Module`) possibly containing
-      `Stacked`s, also nested or inside lists.
+    - `model`: any pytree (usually an `eqx.Module`), with `Stacked`s anywhere.
 
     **Returns:**
 
@@ -145,9 +135,8 @@ def to_state_dict(model: PyTree) -> dict[str, np.ndarray]:
 def host_entries(
     model: PyTree, who: str, *, sliced: bool = False
 ) -> list[tuple[str, Lazy]]:
-    """Each per-layer array of `model`, in [`eqxscan.to_state_dict`][]'s order,
-    read to the host when asked for: each leaf copied once, or, with `sliced`,
-    a leaf off the host one layer's slice at a time."""
+    """`model`'s per-layer arrays in `to_state_dict`'s order, read when asked for:
+    each leaf copied once, or, with `sliced`, one layer's slice at a time."""
     hosts: dict[int, np.ndarray] = {}
 
     def reader(leaf: _Leaf, index: tuple[int, ...]) -> Callable[[], np.ndarray]:
@@ -174,12 +163,11 @@ def host_entries(
 
 
 def entries_of(model: PyTree) -> list[tuple[str, "_Leaf", tuple[int, ...]]]:
-    """`(name, leaf, layer index)` of every per-layer entry of `model`, in the
-    order of [`eqxscan.to_state_dict`][], without reading any array."""
+    # `(name, leaf, layer index)` of each entry, in `to_state_dict`'s layer-major
+    # order, as a list of layers would give: "blocks.0.w1", "blocks.0.w2", ...,
+    # "blocks.1.w1". Each attribute prefix sorts by where it first appears in
+    # the model, each layer axis by its index.
     leaves = _layout(model)
-    # Layer-major order, as a list of layers would give: "blocks.0.w1",
-    # "blocks.0.w2", ..., "blocks.1.w1". Each attribute prefix sorts by where it
-    # first appears in the model, each layer axis by its index.
     first_seen: dict[tuple, int] = {}
     for leaf in leaves:
         for j in range(1, len(leaf.parts) + 1):
@@ -200,8 +188,8 @@ def entries_of(model: PyTree) -> list[tuple[str, "_Leaf", tuple[int, ...]]]:
 
 
 def _check_depths(leaves: list[_Leaf], state_dict: Mapping[str, object]) -> None:
-    """Raise if the checkpoint has another number of layers in a `Stacked` or
-    `Chain` of the model (found from the names of that module's leaves)."""
+    # Raise if the checkpoint has another number of layers in a `Stacked` or
+    # `Chain` of the model (found from the names of that module's leaves).
     stacks: dict[Parts, tuple[int, set[str]]] = {}
     for leaf in leaves:
         for at, num_layers in leaf.enclosing:
@@ -237,19 +225,16 @@ def _restore(like: object, value: np.ndarray) -> jax.Array | np.ndarray:
 
 def from_state_dict(like: T, state_dict: Mapping[str, object]) -> T:
     """Load a per-layer state dict (as made by [`eqxscan.to_state_dict`][]) into a
-    model of the same layout.
-
-    The per-layer arrays are re-stacked along each `Stacked`'s layer axis. After
-    loading, the `__check_init__` of every module that defines one is run again
-    (for modules inside a `Stacked`, once per layer), so a
+    model of the same layout, re-stacking each `Stacked`'s layers. Every
+    `__check_init__` is run again (inside a `Stacked`, once per layer), so a
     [`eqxscan.StackedMLP`][] re-validates its `[L, D, 4*D]` layout.
 
     **Arguments:**
 
-    - `like`: a model with the wanted structure: its arrays (or
+    - `like`: a model of the wanted structure: its arrays (or
       `jax.ShapeDtypeStruct`s, e.g. from `eqx.filter_eval_shape`) give the
-      expected shapes and dtypes, and their shardings are kept. Everything that
-      is not an array is taken from `like`.
+      shapes and dtypes, and their shardings are kept; everything else is
+      taken from `like`.
     - `state_dict`: a mapping from names to NumPy (or JAX) arrays.
 
     **Returns:**
@@ -279,14 +264,15 @@ def from_state_dict(like: T, state_dict: Mapping[str, object]) -> T:
     leaves = _layout(like)
     expected = {name: leaf for leaf in leaves for name in leaf.names()}
     _check_depths(leaves, state_dict)
-    missing = [f"'{k}'" for k in expected if k not in state_dict]
-    unexpected = [f"'{k}'" for k in state_dict if k not in expected]
-    if missing or unexpected:
-        lines = [
-            f"{what} keys: {listed(keys, ', ')}"
-            for what, keys in (("missing", missing), ("unexpected", unexpected))
-            if keys
-        ]
+    lines = [
+        f"{what} keys: {listed(keys, ', ')}"
+        for what, keys in (
+            ("missing", [f"'{k}'" for k in expected if k not in state_dict]),
+            ("unexpected", [f"'{k}'" for k in state_dict if k not in expected]),
+        )
+        if keys
+    ]
+    if lines:
         raise ValueError(
             f"The state dict does not match the model: {'; '.join(lines)}."
         )
@@ -320,23 +306,25 @@ def from_state_dict(like: T, state_dict: Mapping[str, object]) -> T:
     return model
 
 
-def _run_check_init(module: eqx.Module) -> None:
+def _check_inits(node: object) -> list[Callable[[object], None]]:
     # What equinox runs after __init__: every class's own __check_init__.
-    for cls in type(module).__mro__:
-        check = cls.__dict__.get("__check_init__")
-        if check is not None:
-            check(module)
+    if not isinstance(node, eqx.Module):
+        return []
+    classes = type(node).__mro__
+    return [
+        c.__dict__["__check_init__"] for c in classes if "__check_init__" in c.__dict__
+    ]
+
+
+def _children(node: object) -> list:
+    if is_arraylike(node):
+        return []
+    children, treedef = jtu.tree_flatten(node, is_leaf=lambda x: x is not node)
+    return [] if jtu.treedef_is_leaf(treedef) else children
 
 
 def _has_check_init(node: object) -> bool:
-    if isinstance(node, eqx.Module) and any(
-        "__check_init__" in cls.__dict__ for cls in type(node).__mro__
-    ):
-        return True
-    if is_arraylike(node):
-        return False
-    children, treedef = jtu.tree_flatten(node, is_leaf=lambda x: x is not node)
-    return not jtu.treedef_is_leaf(treedef) and any(map(_has_check_init, children))
+    return bool(_check_inits(node)) or any(map(_has_check_init, _children(node)))
 
 
 def _recheck(node: object) -> None:
@@ -346,11 +334,7 @@ def _recheck(node: object) -> None:
             for i in range(node.num_layers):
                 _recheck(node[i])
         return
-    if is_arraylike(node):
-        return
-    children, treedef = jtu.tree_flatten(node, is_leaf=lambda x: x is not node)
-    if not jtu.treedef_is_leaf(treedef):
-        for child in children:
-            _recheck(child)
-    if isinstance(node, eqx.Module):
-        _run_check_init(node)
+    for child in _children(node):
+        _recheck(child)
+    for check in _check_inits(node):
+        check(node)
