@@ -1,6 +1,5 @@
-"""`Chain`: heterogeneous depth. Stacks of like layers and repeated patterns of
-layers are scanned; the remaining layers are called directly. The grouping is
-chosen by `grouping.py`; the groups are built and run by `groups.py`."""
+"""`Chain`: heterogeneous depth, its layers grouped by `grouping.py` into groups
+that `groups.py` builds and runs."""
 
 from collections.abc import Iterator, Sequence
 from typing import Any, overload, SupportsIndex, Unpack
@@ -37,10 +36,6 @@ from .groups import (
     set_options,
     unstack_groups,
 )
-
-
-#: How `Chain.scan` reads each layer's output.
-CHAIN_PAIRS = pairs("Chain.scan")
 
 
 def check_chain_buffers(tree: PyTree, chain: "Chain") -> LayerBuffers:
@@ -196,39 +191,23 @@ class Chain(Scanning):
             "Chain",
             "mark it static, or index `chain.unstack()`.",
         )
-        for group, place in zip(self.groups, self.layout):
-            offset = i - place.start
-            if not 0 <= offset < place.size:
-                continue
-            if place.per_step == 0:
-                return group
-            if place.per_step == 1:
-                return group[offset]
-            repeat = group[offset // place.per_step]
-            return repeat.unstack()[offset % place.per_step]
-        raise AssertionError("unreachable: the layout covers every layer")
+        k = max(j for j, p in enumerate(self.layout) if p.start <= i)
+        group, place = self.groups[k], self.layout[k]
+        offset = i - place.start
+        if place.per_step == 0:
+            return group
+        if place.per_step == 1:
+            return group[offset]
+        return group[offset // place.per_step].unstack()[offset % place.per_step]
 
     def unstack(self) -> list[Any]:
         """The layers as the list the chain was built from."""
         return unstack_groups(self.groups, self.layout)
 
     def state_dict_layers(self, fn: StateDictFn) -> "Chain":
-        """How [`eqxscan.to_state_dict`][] names this chain's arrays: by each
-        layer's index in the chain, whatever its grouping, so layer 3's `weight`
-        is `"<prefix>.3.weight"`, as for a list or a `Stacked` of the layers.
-
-        **Arguments:**
-
-        - `fn`: applied to each lone layer as `fn(layer, LayerNumbering(i, ()), ())`,
-          to a stack's stacked layers as
-          `fn(layers, LayerNumbering(start, (1,)), (size,))`, and to the layers of
-          a repeated pattern with the repeat axis in front (stride `K`).
-
-        **Returns:**
-
-        This chain, grouped as it is, with those subtrees replaced by what `fn`
-        returned.
-        """
+        """Names layer 3's `weight` `"<prefix>.3.weight"` in a state dict, as for a
+        list of the layers, whatever the grouping: `fn` replaces each lone layer,
+        stack's layers and pattern's layers (repeat axis in front, stride `K`)."""
         groups = name_groups(self.groups, self.layout, fn, LayerNumbering(0, ()), ())
         return eqx.tree_at(lambda c: c.groups, self, groups)
 
@@ -313,7 +292,6 @@ class Chain(Scanning):
         An error raised by a layer carries a note naming the layer and, when an
         earlier layer changed the carry, the leaf path and both shapes/dtypes.
         """
-        reverse = check_bool("reverse", reverse)
         return self._fold(x, args, kwargs, key, False, reverse, method)[0]
 
     @compiled_when_eager
@@ -335,7 +313,6 @@ class Chain(Scanning):
         layer's `y_i` must have the same structure, shapes and dtypes. `ys[i]`
         is layer `i`'s, also with `reverse=True`.
         """
-        reverse = check_bool("reverse", reverse)
         return self._fold(x, args, kwargs, key, True, reverse, method)
 
     def _fold(
@@ -344,10 +321,11 @@ class Chain(Scanning):
         args: tuple,
         kwargs: dict[str, object],
         key: PRNGKeyArray | None,
-        pairs: bool,
-        reverse: bool,
+        scan: bool,
+        reverse: object,  # checked here, with a clear error
         method: Method | None,
     ) -> tuple[PyTree, PyTree]:
+        reverse = check_bool("reverse", reverse)
         check_per_layer(args, kwargs, self.num_layers)
         at = find_buffer(args, kwargs)
         tree = None
@@ -361,7 +339,7 @@ class Chain(Scanning):
             given = view_of(args, kwargs, at)
             tree = check_chain_buffers(given.tree, self)
             args, kwargs = with_view(args, kwargs, at, given.of(tree.groups))
-        if pairs and find_state(args, kwargs):
+        if scan and find_state(args, kwargs):
             raise TypeError(
                 "Chain.scan does not take an eqx.nn.State; call the chain instead: "
                 "`x, state = chain(x, state)`."
@@ -369,7 +347,7 @@ class Chain(Scanning):
         check_chain_method(self.groups, self.layout, method)
         who = type(self).__name__
         keys = key if key is None else split_key(key, self.num_layers, who)
-        read_out = CHAIN_PAIRS if pairs else carry_only
+        read_out = pairs("Chain.scan") if scan else carry_only
         call = LayerCall(args, kwargs, keys, read_out, reverse, method, caller="Chain")
         # Drop inputs are per layer (global layer indices), routed to the groups
         # with everything else per layer.
