@@ -67,10 +67,7 @@ from ._scan.options import (
     Scanning as Scanning,
     ScanOptions as ScanOptions,
 )
-from ._scan.setting_names import (
-    parse_bytes as parse_bytes,
-    remat_label as remat_label,
-)
+from ._scan.setting_names import parse_bytes as parse_bytes, remat_label as remat_label
 from ._scan.tap_stats import (
     max_abs as max_abs,
     nonfinite_count as nonfinite_count,

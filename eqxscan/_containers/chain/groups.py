@@ -12,13 +12,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import PRNGKeyArray, PyTree
 
-from ..._helpers.checks import (
-    CarryError,
-    describe,
-    first_difference,
-    noted,
-    split_key,
-)
+from ..._helpers.checks import CarryError, describe, first_difference, noted, split_key
 from ..._helpers.stateful import find_state, get_arg, replace_arg, state_pair
 from ..._scan.buffers import find_buffer, Place, view_of, with_view
 from ..._scan.layer_call import (
@@ -60,11 +54,10 @@ def assemble(
         elif per_step == 1:
             groups.append(Stacked.from_layers(chunk, **options.as_args()))
         else:
-            repeats = []
-            for p in range(0, size, per_step):
-                repeat = chunk[p : p + per_step]
-                inner, inner_layout = assemble(repeat, pattern, options)
-                repeats.append(Pattern(inner, inner_layout, per_step))
+            repeats = [
+                Pattern(*assemble(chunk[p : p + per_step], pattern, options), per_step)
+                for p in range(0, size, per_step)
+            ]
             groups.append(Stacked.from_layers(repeats, **options.as_args()))
         layout.append(Placement(start, size, per_step))
         start += size
@@ -174,6 +167,8 @@ def _join(pieces: list[tuple[Any, Placement, PyTree]]) -> PyTree:
                 f"`y{path}` {group_name(first_group, first_place)} gave {da} and "
                 f"{group_name(group, place)} gave {db}."
             )
+    if len(pieces) == 1:
+        return first
     return jtu.tree_map(
         lambda *a: jnp.concatenate(a) if eqx.is_array(a[0]) else a[0],
         *(ys for _, _, ys in pieces),
