@@ -45,13 +45,6 @@ def _where(cond: Bool[Array, ""], new: PyTree, old: PyTree) -> PyTree:
     )
 
 
-def _hide(keep: Bool[Array, ""], x: PyTree[Array]) -> PyTree[Array]:
-    """`x`, or zeros on a masked step: the cell still runs there, and reverse mode
-    multiplies the zero cotangent by its derivatives, finite on zeros but maybe
-    not on padding (0 * nan is nan): the "double where"."""
-    return jtu.tree_map(lambda a: jnp.where(keep, a, jnp.zeros_like(a)), x)
-
-
 def _stop_gradient(a: object) -> object:
     return jax.lax.stop_gradient(a) if eqx.is_array(a) else a
 
@@ -206,8 +199,7 @@ class Recurrent(Scanning):
         check_known_cell(self.cell, h0, xs)
         keys = _step_keys(self.cell, key, run_, type(self).__name__)
         refuse_buffer(args, kwargs, "Recurrent")
-        # Step t's arguments and key through the layer-call seam, the cell run
-        # as a layer whose carry comes first (`_cell_step`).
+        # The cell runs as a layer whose carry comes first (`_cell_step`).
         call = LayerCall(
             args, kwargs, keys, method=_cell_step, caller="Recurrent", over="time"
         )
@@ -280,7 +272,10 @@ def _time_step(
             cut = (n > 0) & (n % k == 0)
             h = _where(cut, jtu.tree_map(_stop_gradient, h), h)
         if m is not None:
-            x_dyn = _hide(m, x_dyn)
+            # Zeros on a masked step, where the cell still runs: reverse mode
+            # multiplies its zero cotangent by derivatives finite on zeros but
+            # maybe not on padding (0 * nan is nan): the "double where".
+            x_dyn = _where(m, x_dyn, jtu.tree_map(jnp.zeros_like, x_dyn))
         one = one_step(per)
         one = one._replace(
             args=(eqx.combine(x_dyn, xs_static), *one.args),  # named by the engine

@@ -2,9 +2,8 @@
 (`RecurrentArgs`), the time axis and length of `xs`, the mask, truncation, the
 cell's keyword arguments, and the shapes the known cells take."""
 
-import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Protocol, TypedDict
+from typing import NamedTuple, Protocol, TypedDict
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -29,8 +28,7 @@ class RecurrentArgs(TypedDict, total=False):
 _CONTROLS = tuple(RecurrentArgs.__annotations__)
 
 
-@dataclasses.dataclass(frozen=True)
-class Controls:
+class Controls(NamedTuple):
     """`RecurrentArgs`, checked once against `xs`: what one run needs."""
 
     length: int
@@ -55,7 +53,11 @@ def check_names(who: str, options: Mapping[str, object]) -> None:
 
 def controls(who: str, xs: PyTree, options: Mapping[str, object]) -> Controls:
     check_names(who, options)
-    time_axis = _check_time_axis(options.get("time_axis", 0))
+    time_axis = options.get("time_axis", 0)
+    if isinstance(time_axis, bool) or not isinstance(time_axis, int):
+        raise TypeError(
+            f"time_axis must be an int, got {type(time_axis).__name__} ({time_axis!r})."
+        )
     length = _time_length(xs, options.get("length"), time_axis)
     mask, truncate = options.get("mask"), options.get("truncate")
     broadcast_key = options.get("broadcast_key", False)
@@ -117,14 +119,6 @@ def time_layout(hs: PyTree, time_axis: int) -> PyTree:
         return jnp.moveaxis(jnp.asarray(a), 0, time_axis)
 
     return jtu.tree_map_with_path(one, hs)
-
-
-def _check_time_axis(time_axis: object) -> int:
-    if isinstance(time_axis, bool) or not isinstance(time_axis, int):
-        raise TypeError(
-            f"time_axis must be an int, got {type(time_axis).__name__} ({time_axis!r})."
-        )
-    return time_axis
 
 
 def _time_length(xs: PyTree, length: object, time_axis: int) -> int:

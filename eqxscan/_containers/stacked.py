@@ -231,17 +231,13 @@ class Stacked(Scanning, Generic[LayerT]):
         **Arguments:**
 
         - `layers`: a non-empty sequence of layers with identical structure,
-          static fields, shapes and dtypes.
+          static fields, shapes and dtypes (else a `ValueError` naming the layer
+          index, leaf path and both shapes/dtypes or static values).
         - `mode`, `remat`, `unroll`: as for `__init__`.
 
         **Returns:**
 
         A `Stacked` whose `unstack()` gives the layers back exactly.
-
-        **Raises:**
-
-        `ValueError` naming the layer index, leaf path and both shapes/dtypes (or
-        static values) when the layers cannot be stacked.
         """
         layers = list(layers)
         check_alike(layers, "Stacked.from_layers")
@@ -332,12 +328,9 @@ class Stacked(Scanning, Generic[LayerT]):
 
         **Returns:**
 
-        A `Stacked` whose layer `index` is `layer`, the others this one's.
-
-        **Raises:**
-
-        `IndexError` for an index out of range; `ValueError` naming the leaf
-        path and both values when `layer` cannot be stacked with the others.
+        A `Stacked` whose layer `index` is `layer`, the others this one's. An
+        index out of range is an `IndexError`; a `layer` that cannot be stacked
+        with the others a `ValueError` naming the leaf path and both values.
         """
         current = self[index]  # checks the index
         i = operator.index(index) % self.num_layers
@@ -371,19 +364,17 @@ class Stacked(Scanning, Generic[LayerT]):
         - `x`: the carry, any pytree; every layer must return one of the same
           structure, shapes and dtypes.
         - `*args`, `**kwargs`: passed to every layer (broadcast), except values
-          wrapped in [`eqxscan.per_layer`][], which are sliced per layer.
+          wrapped in [`eqxscan.per_layer`][], which are sliced per layer. For
+          stateful layers (`layer(x, state) -> (x, state)`, e.g. with
+          `eqx.nn.BatchNorm`), an `eqx.nn.State` from `eqx.nn.make_with_state`
+          gives each layer its own slice, and the call returns `(x, state)`.
         - `key`: if given, split into `L` keys and layer `i` gets `key=keys[i]`.
         - `method`: run this instead of `__call__`: a function
           `fn(layer, x, *args, **kwargs)` such as an unbound method
           (`Block.decode`), or a method name (`"decode"`).
-        - `reverse`: run layer `L-1` first and layer `0` last. The scan reads the
-          weights backwards (no reversed copy, unlike `stack[::-1]`); layer `i`
-          keeps `keys[i]` and its `per_layer` slice.
-
-        Stateful layers (Equinox's `layer(x, state) -> (x, state)`, e.g. with
-        `eqx.nn.BatchNorm`) are called as Equinox calls them: pass the
-        `eqx.nn.State` from `eqx.nn.make_with_state` as an argument and each
-        layer gets its own slice of it; the call then returns `(x, state)`.
+        - `reverse`: run layer `L-1` first and layer `0` last, the weights read
+          backwards (no reversed copy, unlike `stack[::-1]`); layer `i` keeps
+          `keys[i]` and its `per_layer` slice.
 
         **Returns:**
 
@@ -452,11 +443,10 @@ class Stacked(Scanning, Generic[LayerT]):
 
         **Returns:**
 
-        The outputs, stacked leaf by leaf on a new leading axis of length `L`.
-        With `mode="scan"` this is one `jax.vmap` over the layer axis; with
-        `mode="loop"` a Python loop (the reference). `remat` and `unroll`
-        do not apply: nothing is scanned; nor do `drop_path` and `layer_drop`,
-        which drop depth.
+        The outputs, stacked leaf by leaf on a new leading axis of length `L`:
+        one `jax.vmap` over the layer axis (a Python loop with `mode="loop"`).
+        Nothing is scanned nor dropped: `remat`, `unroll`, `drop_path` and
+        `layer_drop` do not apply.
         """
         check_method(method, self.layers)
         call = LayerCall(
