@@ -85,14 +85,11 @@ class Recurrent(Scanning):
                 return self.cell(x, h + jax.nn.softmax(scores) @ memory)
 
 
-        cell = Attend(eqxscan.ElmanCell(3, 8, key=jax.random.key(0)))
-        rnn = eqxscan.Recurrent(cell)
+        rnn = eqxscan.Recurrent(Attend(eqxscan.ElmanCell(3, 8, key=jax.random.key(0))))
         xs, memory = jnp.ones((6, 3)), jnp.ones((4, 8))  # 6 steps, 4 memory slots
         slots = jnp.array([True, True, False, False])    # the cell's own mask
         steps = jnp.arange(6) < 5                        # the last step is padding
-        h_T, hs = rnn(
-            jnp.zeros(8), xs, memory, mask=steps, cell_kwargs={"mask": slots}
-        )
+        h_T, hs = rnn(jnp.zeros(8), xs, memory, mask=steps, cell_kwargs={"mask": slots})
         assert jnp.array_equal(hs[5], hs[4])             # step 5 was skipped
         ```
     """

@@ -12,7 +12,7 @@ import numpy as np
 from jaxtyping import Array, PyTree
 
 from .._helpers.checks import is_arraylike
-from .walk import pattern, Site, walk
+from .walk import for_each, pattern, Site, walk
 
 
 Target = str | type[eqx.Module]
@@ -173,13 +173,12 @@ def _targets(targets: object, who: str) -> list[Target]:
 
 
 def _weight_names(model: PyTree) -> list[str]:
-    names: list[str] = []
+    names: set[str] = set()
 
-    def visit(leaf: object, site: Site) -> object:
+    def visit(leaf: object, site: Site) -> None:
         weight = weight_at(leaf)
         if weight is not None and weight.ndim - site.depth == 2:
-            names.append(pattern(site.path))
-        return leaf
+            names.add(pattern(site.path))
 
-    walk(visit, _hold(model), names=True)
-    return sorted(set(names))
+    for_each(visit, _hold(model), names=True)
+    return sorted(names)
