@@ -10,13 +10,9 @@ from ..._helpers.stackable import alike
 
 
 class Group(NamedTuple):
-    """One group of a `Plan`: the next `size` layers.
-
-    - `per_step == 0`: one lone layer (`size == 1`), called directly.
-    - `per_step == 1`: a stack of `size` like layers, scanned one layer per step.
-    - `per_step == K >= 2`: a pattern of `K` layers repeated `size // K` times,
-      scanned one repeat per step; `pattern` is the plan of one repeat.
-    """
+    """One group of a `Plan`: the next `size` layers, `per_step` of them per scan
+    step as in a `Placement` (`0`: a lone layer; `1`: a stack; `K >= 2`: a
+    pattern of `K` layers, `pattern` the plan of one repeat)."""
 
     size: int
     per_step: int
