@@ -28,12 +28,11 @@ class Site(NamedTuple):
     - `path`: the key path from the root (by state-dict name: the name parts,
       strings and `LayerNumbering`es).
     - `axes`: the sizes of the layer axes in front of the node's arrays,
-      outermost first: one per enclosing `Stacked`, so a `Stacked` inside a
-      `Stacked`'s layer has two (by name, a repeated pattern of a `Chain` adds its
-      repeat axis too).
-    - `enclosing`: for each enclosing `Stacked` (or, by name, `Chain`), the
-      position in `path` of the entry that stands for its layers (`.layers`, or
-      the layer index) and its number of layers.
+      outermost first: one per enclosing `Stacked` (by name, a `Chain`'s
+      repeated pattern adds its repeat axis too).
+    - `enclosing`: for each enclosing `Stacked` (by name, `Chain`), the position
+      in `path` of the entry standing for its layers (`.layers`, or the layer
+      index) and its number of layers.
     """
 
     path: tuple = ()
