@@ -106,7 +106,8 @@ class Chain(Scanning):
         """**Arguments:**
 
         - `layers`: a non-empty list (or tuple) of layers, each called as
-          `layer(x, *args, **kwargs)` and returning the new carry.
+          `layer(x, *args, **kwargs)` and returning the new carry (an empty
+          sequence is a `ValueError`, any other type a `TypeError`).
         - `mode`, `remat`, `unroll`: as for [`eqxscan.Stacked`][], used for
           every scanned group.
         - `patterns`: also find repeated patterns of different layers
@@ -115,11 +116,6 @@ class Chain(Scanning):
           layer of the chain (`eqxscan.linear_rates` rises over all `len(chain)`
           layers), lone layers and scanned groups alike; `with_options` changes
           them and keeps `eqx.nn.inference_mode` as set.
-
-        **Raises:**
-
-        `ValueError` for an empty sequence; `TypeError` if `layers` is not a
-        list or tuple.
         """
         if not isinstance(layers, (list, tuple)):
             raise TypeError(
@@ -193,13 +189,9 @@ class Chain(Scanning):
 
     def explain(self) -> str:
         """How the layers were grouped, and why each lone layer was not scanned
-        with a neighbour (the leaf path where they differ, and both values).
-
-        **Returns:**
-
-        Text with one line per group, e.g. ``layer 3 (Linear): alone, unlike
-        layer 2 (Linear) at `.weight`: it has float16[8,8], layer 2 has
-        float32[8,8]``.
+        with a neighbour: text with one line per group, e.g. ``layer 3 (Linear):
+        alone, unlike layer 2 (Linear) at `.weight`: it has float16[8,8], layer
+        2 has float32[8,8]`` (the leaf path where they differ, and both values).
         """
         layers = self.unstack()
         names = [group_name(g, s) for g, s in zip(self.groups, self.layout)]
