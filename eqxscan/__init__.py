@@ -1,14 +1,10 @@
 """eqxscan: scan over layers and over time, first-class for Equinox.
 
-The core is this folder's private folders: `_helpers`, `_scan` (options, remat,
-the default, the one scan engine and the layer-call seam), `_containers`
-(`Stacked`, `Chain`, `Recurrent`) and `_features` (early exit, subsets, the
-non-finite finder). Each subpackage builds on the core's public names and its
-shared model walker: `eqxscan.remat` (the `"auto"` rule explained, memory
-budgets), `eqxscan.nn` (ready-made models), `eqxscan.checkpoint` (state dicts,
-files, Flax import, Orbax), `eqxscan.sharding` (meshes, FSDP, pipelining), and,
-imported on first use, `eqxscan.planning` (which mesh), `eqxscan.distributed`
-(several processes) and `eqxscan.optim` (optax helpers, so that `import eqxscan`
+The core is the private folders `_helpers`, `_scan` (options, remat, the one
+scan engine, the layer-call seam), `_containers` (`Stacked`, `Chain`,
+`Recurrent`) and `_features` (early exit, subsets, the non-finite finder). The
+subpackages build on it: `remat`, `nn`, `checkpoint`, `sharding`, and, imported
+on first use, `planning`, `distributed` and `optim` (so that `import eqxscan`
 does not import optax).
 """
 
@@ -51,11 +47,7 @@ from ._scan.drop_rates import (
 )
 from ._scan.layer_call import per_layer as per_layer
 from ._scan.layer_index import layer_index as layer_index
-from ._scan.options import (
-    Mode as Mode,
-    Remat as Remat,
-    ScanOptions as ScanOptions,
-)
+from ._scan.options import Mode as Mode, Remat as Remat, ScanOptions as ScanOptions
 from ._scan.remat import ScanRemat as ScanRemat
 from ._scan.taps import Probe as Probe, probe as probe, tap as tap
 from .checkpoint import (
@@ -78,8 +70,6 @@ __version__ = _metadata.version("eqxscan")
 
 if _TYPE_CHECKING:
     from . import distributed as distributed, optim as optim, planning as planning
-
-# Imported on first use: optax with `optim`; the others are rarely needed.
 _LAZY = ("distributed", "optim", "planning")
 
 

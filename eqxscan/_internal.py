@@ -1,14 +1,7 @@
-"""The core's internal API: the one list of private names the subpackages
-(`eqxscan.remat`, `nn`, `checkpoint`, `sharding`, `planning`, `distributed`,
-`optim`) may use.
-
-The core lives in four folders (`_helpers`, `_scan`, `_containers`,
-`_features`; each has a README of what it holds). Everything else of the core
-is private to it; `tests/test_layout.py` fails on
-any import of another folder's private module but this one. A name here is
-kept stable for the periphery, not for users: users import `eqxscan`'s public
-names.
-"""
+"""The core's internal API: the one list of private names of the core (the
+folders `_helpers`, `_scan`, `_containers`, `_features`) that the subpackages may
+use; `tests/test_layout.py` fails on any other import of a core private module.
+A name here is kept stable for the subpackages, not for users."""
 
 from ._containers.stack_calls import scan_layers as scan_layers
 from ._containers.stacked import (
@@ -64,15 +57,9 @@ from ._scan.drop_rates import (
     DropInputs as DropInputs,
     DropRates as DropRates,
     Rates as Rates,
-    rates_of as rates_of,
 )
 from ._scan.eager_compile import compiled_when_eager as compiled_when_eager
-from ._scan.layer_call import (
-    carry_only as carry_only,
-    index as index,
-    LayerCall as LayerCall,
-    per_layer as per_layer,
-)
+from ._scan.layer_call import index as index, LayerCall as LayerCall
 from ._scan.options import (
     OwnOptions as OwnOptions,
     Remat as Remat,
@@ -80,11 +67,7 @@ from ._scan.options import (
     Scanning as Scanning,
     ScanOptions as ScanOptions,
 )
-from ._scan.remat import Policy as Policy
-from ._scan.setting_names import (
-    parse_bytes as parse_bytes,
-    remat_label as remat_label,
-)
+from ._scan.setting_names import parse_bytes as parse_bytes, remat_label as remat_label
 from ._scan.tap_stats import (
     max_abs as max_abs,
     nonfinite_count as nonfinite_count,

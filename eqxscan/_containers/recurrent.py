@@ -45,14 +45,6 @@ def _where(cond: Bool[Array, ""], new: PyTree, old: PyTree) -> PyTree:
     )
 
 
-def _hide(keep: Bool[Array, ""], x: PyTree[Array]) -> PyTree[Array]:
-    """`x` where the step is kept, zeros where it is masked: the cell still runs
-    on a masked step, and reverse mode multiplies the discarded result's zero
-    cotangent by its derivatives there (0 * nan is nan, for NaN padding). On
-    zeros they are finite (the "double where")."""
-    return jtu.tree_map(lambda a: jnp.where(keep, a, jnp.zeros_like(a)), x)
-
-
 def _stop_gradient(a: object) -> object:
     return jax.lax.stop_gradient(a) if eqx.is_array(a) else a
 
@@ -93,14 +85,11 @@ class Recurrent(Scanning):
                 return self.cell(x, h + jax.nn.softmax(scores) @ memory)
 
 
-        cell = Attend(eqxscan.ElmanCell(3, 8, key=jax.random.key(0)))
-        rnn = eqxscan.Recurrent(cell)
+        rnn = eqxscan.Recurrent(Attend(eqxscan.ElmanCell(3, 8, key=jax.random.key(0))))
         xs, memory = jnp.ones((6, 3)), jnp.ones((4, 8))  # 6 steps, 4 memory slots
         slots = jnp.array([True, True, False, False])    # the cell's own mask
         steps = jnp.arange(6) < 5                        # the last step is padding
-        h_T, hs = rnn(
-            jnp.zeros(8), xs, memory, mask=steps, cell_kwargs={"mask": slots}
-        )
+        h_T, hs = rnn(jnp.zeros(8), xs, memory, mask=steps, cell_kwargs={"mask": slots})
         assert jnp.array_equal(hs[5], hs[4])             # step 5 was skipped
         ```
     """
@@ -122,15 +111,10 @@ class Recurrent(Scanning):
           `eqx.Module` (its weights become part of this module).
         - `reverse`: consume the sequence last to first. Outputs stay aligned with
           `xs` either way.
-        - `mode`: `"scan"` (`jax.lax.scan`) or `"loop"` (a Python loop over the
-          time steps: the reference path; identical values, keys and gradients).
-        - `remat`: rematerialisation per time step, as for
-          [`eqxscan.Stacked`][]: `"auto"` (default), `False`, `True`, a
-          `jax.checkpoint_policies` policy, or `"nested"` (saved carries grow like
-          `sqrt(T)`, for long sequences).
-        - `unroll`: a positive int, passed to `jax.lax.scan`; `True` unrolls fully
-          (the program of `mode="loop"`, with this `remat`); `"auto"`
-          (default) is chosen with `remat="auto"`'s rule.
+        - `mode`, `remat`, `unroll`: as for [`eqxscan.Stacked`][], per time step:
+          `mode="loop"` (a Python loop over the steps) gives identical values,
+          keys and gradients; `remat="nested"` keeps the saved carries growing
+          like `sqrt(T)`, for long sequences.
         """
         check_callable("cell", cell)
         check_option("reverse", reverse, (False, True))
@@ -145,8 +129,7 @@ class Recurrent(Scanning):
         self, options: ScanOptions, **own: Unpack[OwnOptions]
     ) -> "Recurrent":
         reverse = own.get("reverse", self.reverse)
-        args = options.as_args()
-        return Recurrent(self.cell, reverse=reverse, **args)
+        return Recurrent(self.cell, reverse=reverse, **options.as_args())
 
     @compiled_when_eager
     def __call__(
@@ -158,56 +141,52 @@ class Recurrent(Scanning):
         cell_kwargs: Mapping[str, PyTree] | None = None,
         **options: Unpack[RecurrentArgs],
     ) -> tuple[PyTree, PyTree]:
-        """Run the cell over the `T` steps of `xs`.
-
-        At step `t` the cell is called as `cell(x_t, h, *args, **cell_kwargs)`
-        (with `key=` when a key is given). The keywords of this call
-        (`mask`, `truncate`, `length`, `time_axis`, `broadcast_key`, `key`) are
-        Recurrent's own and never reach the cell; the cell's keyword arguments
-        go in `cell_kwargs`, so a cell that itself takes `mask=` or `length=`
-        gets its own. An unknown keyword is an error naming it.
+        """Run the cell over the `T` steps of `xs`: at step `t`,
+        `cell(x_t, h, *args, **cell_kwargs)` (with `key=` when a key is given).
+        This call's own keywords (`mask`, `truncate`, `length`, `time_axis`,
+        `broadcast_key`, `key`) never reach the cell, so a cell may take a `mask=`
+        or `length=` of its own in `cell_kwargs`; an unknown keyword is an error
+        naming it.
 
         **Arguments:**
 
-        - `h0`: the initial carry, any pytree of arrays. The cell must return a
-          carry of the same structure, shapes and dtypes.
+        - `h0`: the initial carry, any pytree of arrays; the cell must return one
+          of the same structure, shapes and dtypes.
         - `xs`: the inputs, a pytree whose array leaves all have time on axis
-          `time_axis` (length `T`); step `t` passes slice `t` to the cell. `None`
-          (with `length=T`) runs the cell `T` times with input `None`, e.g. to
+          `time_axis` (length `T`); step `t` gets slice `t`. `None` (with
+          `length=T`) runs the cell `T` times with input `None`, e.g. to
           generate from a carry.
         - `*args`: passed unchanged to the cell at every step after `x_t` and
-          `h`: constants such as an attention memory or a conditioning vector.
-          Gradients flow to them, summed over steps.
-        - `key`: optional PRNG key, split into `T` keys; step `t` calls the cell
-          with `key=keys[t]`. Without it the cell is called without `key`.
+          `h` (an attention memory, a conditioning vector); their gradients are
+          summed over steps.
+        - `key`: optional PRNG key, split into `T` keys: step `t` gets
+          `key=keys[t]`. Without it the cell gets no `key`.
         - `cell_kwargs`: optional dict of the cell's keyword arguments, passed
-          unchanged to the cell at every step, like `*args` (see the class's
-          second example). Per-step values belong in `xs` (which may be a
-          pytree) instead.
+          unchanged at every step like `*args` (see the class's second
+          example); per-step values belong in `xs` (which may be a pytree).
         - `mask`: optional `bool[T]`. Where `mask[t]` is False the step is
-          skipped: the carry passes through unchanged, so padding a sequence at
-          either end does not change its final state. The cell sees zeros in
-          place of a masked step's `x_t`, so padding of any value (NaN, inf)
-          leaves values and gradients those of the unpadded sequence.
+          skipped and the carry passes through, so padding at either end does
+          not change the final state. The cell sees zeros in place of a masked
+          `x_t`, so padding of any value (NaN, inf) leaves values and gradients
+          those of the unpadded sequence.
         - `truncate`: optional `k >= 1`, truncated backpropagation through time:
           counting from the first step consumed, the gradient through the carry
-          is stopped after steps `k, 2k, ...`. Values are unchanged and `T` need
+          is stopped after steps `k, 2k, ...`; values are unchanged and `T` need
           not be a multiple of `k`.
-        - `length`: the number of steps `T`. Needed when `xs` has no arrays;
-          otherwise it must agree with `xs`. `T = 0` is allowed: the result is
-          `h0` and an empty `hs`.
-        - `time_axis`: the axis of every `xs` leaf that is time (e.g. `1` for
-          batch-major `[B, T, ...]` inputs and a cell that takes a batch); `hs`
-          gets time on the same axis.
+        - `length`: the number of steps `T`, needed when `xs` has no arrays,
+          else agreeing with `xs`. `T = 0` gives `h0` and an empty `hs`.
+        - `time_axis`: the time axis of every `xs` leaf (e.g. `1` for batch-major
+          `[B, T, ...]` inputs and a cell that takes a batch); `hs` gets time on
+          the same axis.
         - `broadcast_key`: if True, every step gets `key` itself rather than its
-          own split, e.g. for recurrent (variational) dropout that drops the same
-          units at every step.
+          own split (recurrent, variational dropout: the same units dropped at
+          every step).
 
         **Returns:**
 
         `(h_T, hs)`: the final carry, and every step's carry stacked on
-        `time_axis` and aligned with `xs`, so `hs[t]` (for `time_axis=0`) is the
-        carry right after consuming `xs[t]` (also with `reverse=True`, where
+        `time_axis` and aligned with `xs`: `hs[t]` (for `time_axis=0`) is the
+        carry right after consuming `xs[t]`, also with `reverse=True` (where
         `h_T` equals `hs[0]`).
         """
         run_ = controls("Recurrent", xs, options)
@@ -217,8 +196,7 @@ class Recurrent(Scanning):
         check_known_cell(self.cell, h0, xs)
         keys = _step_keys(self.cell, key, run_, type(self).__name__)
         refuse_buffer(args, kwargs, "Recurrent")
-        # Step t's arguments and key through the layer-call seam, the cell run
-        # as a layer whose carry comes first (`_cell_step`).
+        # The cell runs as a layer whose carry comes first (`_cell_step`).
         call = LayerCall(
             args, kwargs, keys, method=_cell_step, caller="Recurrent", over="time"
         )
@@ -252,24 +230,18 @@ def _step_keys(
     controls: Controls,
     who: str,
 ) -> Array | None:
-    """Step `t`'s key `keys[t]`, split from `key` (`None` without a key, or when
-    every step gets `key` itself), after checking that the cell takes one."""
+    """Step `t`'s key `keys[t]` (`None` without a key, or when every step gets
+    `key` itself), after checking that the cell takes one."""
     if key is None:
         return None
-    per = (
-        "every step gets the same key"
-        if controls.broadcast_key
-        else "step t gets key=keys[t]"
-    )
+    same = controls.broadcast_key
+    per = "every step gets the same key" if same else "step t gets key=keys[t]"
     check_takes_key(cell, "Recurrent", per)
-    if controls.broadcast_key:
-        return None
-    return split_key(key, controls.length, who)
+    return None if same else split_key(key, controls.length, who)
 
 
 def _consumption_order(controls: Controls, reverse: bool) -> Int[Array, " T"] | None:
-    """Each step's position in consumption order, for truncation's blocks
-    (`None` without truncation)."""
+    """Each step's position in consumption order, for truncation's blocks."""
     if controls.truncate is None:
         return None
     order = jnp.arange(controls.length)
@@ -286,9 +258,8 @@ def _time_step(
     where: str,
 ) -> Callable[[PyTree, tuple], tuple[PyTree, PyTree]]:
     """The engine's step `(h, (x_t, mask_t, position_t, per_step_t)) -> (h, h)`:
-    truncation and masking around the cell, which runs through the layer-call
-    seam (its key, named scope and taps there). `where` names the cell in a
-    masked step's carry error."""
+    truncation and masking around the cell, run through the layer-call seam.
+    `where` names the cell in a masked step's carry error."""
     k = controls.truncate
 
     def step(h: PyTree, inputs: tuple) -> tuple[PyTree, PyTree]:
@@ -298,7 +269,10 @@ def _time_step(
             cut = (n > 0) & (n % k == 0)
             h = _where(cut, jtu.tree_map(_stop_gradient, h), h)
         if m is not None:
-            x_dyn = _hide(m, x_dyn)
+            # Zeros on a masked step, where the cell still runs: reverse mode
+            # multiplies its zero cotangent by derivatives finite on zeros but
+            # maybe not on padding (0 * nan is nan): the "double where".
+            x_dyn = _where(m, x_dyn, jtu.tree_map(jnp.zeros_like, x_dyn))
         one = one_step(per)
         one = one._replace(
             args=(eqx.combine(x_dyn, xs_static), *one.args),  # named by the engine
@@ -314,7 +288,7 @@ def _time_step(
 
 def _masked_cell_step(keep: Bool[Array, ""], where: str) -> Callable[..., PyTree]:
     """`_cell_step` on a step that `mask` may skip: the new carry where `keep`,
-    else the old one (`where` names the cell in a carry error)."""
+    else the old one."""
 
     def cell_step(
         cell: Callable[..., PyTree], h: PyTree, *rest: PyTree, **kw: PyTree
@@ -337,8 +311,7 @@ def _cell_step(
     key: PRNGKeyArray | None = None,
     **kwargs: PyTree,
 ) -> PyTree:
-    """The cell as a layer of the layer-call seam (carry first):
-    `cell(x, h, *args, **kwargs)`, with `key=` when one is given."""
+    """The cell as a layer of the layer-call seam (carry first)."""
     with in_cell():
         if key is None:
             return cell(x, h, *args, **kwargs)
@@ -351,10 +324,8 @@ def _no_steps(
     inputs: tuple,
     where: str,
 ) -> PyTree:
-    """The `hs` of a run of length 0: the carry's leaves with a leading axis of 0.
-
-    The step is still traced (not run) on one step's shapes, so a cell that
-    cannot take its inputs fails as it would on a longer sequence."""
+    """The `hs` of a run of length 0, after tracing (not running) the step on one
+    step's shapes, so that a cell that cannot take its inputs fails as usual."""
     one = jtu.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), inputs)
 
     def traced(h: PyTree, x: tuple) -> None:

@@ -2,17 +2,15 @@
 (`RecurrentArgs`), the time axis and length of `xs`, the mask, truncation, the
 cell's keyword arguments, and the shapes the known cells take."""
 
-import dataclasses
-import operator
 from collections.abc import Callable, Mapping
-from typing import Protocol, TypedDict
+from typing import NamedTuple, Protocol, TypedDict
 
 import equinox as eqx
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, ArrayLike, Bool, PyTree
 
-from .._helpers.checks import check_option, describe, is_array
+from .._helpers.checks import check_option, check_size, describe, is_array
 
 
 class RecurrentArgs(TypedDict, total=False):
@@ -30,8 +28,7 @@ class RecurrentArgs(TypedDict, total=False):
 _CONTROLS = tuple(RecurrentArgs.__annotations__)
 
 
-@dataclasses.dataclass(frozen=True)
-class Controls:
+class Controls(NamedTuple):
     """`RecurrentArgs`, checked once against `xs`: what one run needs."""
 
     length: int
@@ -56,16 +53,20 @@ def check_names(who: str, options: Mapping[str, object]) -> None:
 
 def controls(who: str, xs: PyTree, options: Mapping[str, object]) -> Controls:
     check_names(who, options)
-    time_axis = _check_time_axis(options.get("time_axis", 0))
+    time_axis = options.get("time_axis", 0)
+    if isinstance(time_axis, bool) or not isinstance(time_axis, int):
+        raise TypeError(
+            f"time_axis must be an int, got {type(time_axis).__name__} ({time_axis!r})."
+        )
     length = _time_length(xs, options.get("length"), time_axis)
-    mask = options.get("mask")
+    mask, truncate = options.get("mask"), options.get("truncate")
     broadcast_key = options.get("broadcast_key", False)
     check_option("broadcast_key", broadcast_key, (False, True))
     return Controls(
         length=length,
         time_axis=time_axis,
         mask=None if mask is None else _check_mask(mask, length),
-        truncate=_check_truncate(options.get("truncate")),
+        truncate=None if truncate is None else check_size("truncate", truncate),
         broadcast_key=bool(broadcast_key),
     )
 
@@ -89,23 +90,6 @@ def check_cell_kwargs(
             "with broadcast_key=True)."
         )
     return dict(cell_kwargs)
-
-
-def _check_truncate(truncate: object) -> int | None:
-    if truncate is None:
-        return None
-    if isinstance(truncate, bool):
-        raise TypeError(f"truncate must be a positive int or None, got {truncate!r}.")
-    try:
-        k = operator.index(truncate)  # type: ignore[arg-type]  # its TypeError is the check
-    except TypeError:
-        raise TypeError(
-            "truncate must be a positive int (the number of steps per truncated "
-            f"BPTT block) or None, got {type(truncate).__name__} ({truncate!r})."
-        ) from None
-    if k < 1:
-        raise ValueError(f"truncate must be >= 1, got {k}.")
-    return k
 
 
 def time_major(xs: PyTree, time_axis: int) -> PyTree:
@@ -137,14 +121,6 @@ def time_layout(hs: PyTree, time_axis: int) -> PyTree:
     return jtu.tree_map_with_path(one, hs)
 
 
-def _check_time_axis(time_axis: object) -> int:
-    if isinstance(time_axis, bool) or not isinstance(time_axis, int):
-        raise TypeError(
-            f"time_axis must be an int, got {type(time_axis).__name__} ({time_axis!r})."
-        )
-    return time_axis
-
-
 def _time_length(xs: PyTree, length: object, time_axis: int) -> int:
     """The number of steps: the length of the time axis of `xs`, or `length`."""
     if length is not None and (
@@ -167,21 +143,19 @@ def _time_length(xs: PyTree, length: object, time_axis: int) -> int:
             f"xs{jtu.keystr(path)} is a scalar, but every array in xs needs a "
             f"time axis ({where})."
         )
-    found = None
-    for p, a in arrays:
+    found = 0
+    for p, a in arrays:  # `first` itself is checked first, and sets `found`
         if not -a.ndim <= time_axis < a.ndim:
             raise ValueError(
                 f"xs{jtu.keystr(p)} has shape {tuple(a.shape)}, which has no axis "
                 f"time_axis={time_axis}; every array in xs needs its time axis there."
             )
-        if found is None:
-            found = a.shape[time_axis]
-        elif a.shape[time_axis] != found:
+        found = first.shape[time_axis]
+        if a.shape[time_axis] != found:
             raise ValueError(
                 f"xs{jtu.keystr(p)} has shape {tuple(a.shape)}, but its {where} must "
                 f"be the time axis of length {found} (set by xs{jtu.keystr(path)})."
             )
-    assert found is not None
     if length is not None and length != found:
         raise ValueError(
             f"length={length} was given, but xs{jtu.keystr(path)} has {found} steps "

@@ -1,7 +1,5 @@
-"""How a [`eqxscan.Stacked`][] runs its layers: the scan (or loop) of
-`Stacked.__call__` and `.scan`, the `vmap` of `.vmap`, and layer `i` on its own
-(traced subsets, early exit). Each hands layer `i` its inputs through the
-layer-call seam (`eqxscan/_scan/layer_call.py`)."""
+"""How a [`eqxscan.Stacked`][] runs its layers through the layer-call seam: the
+scan of its calls, its `vmap`, and layer `i` on its own (subsets, early exit)."""
 
 import functools
 from typing import Any, Protocol, runtime_checkable
@@ -66,9 +64,8 @@ class Stack(Protocol):
 def dropping_call(
     drop: DropRates | None, call: LayerCall, key: object, who: str
 ) -> LayerCall:
-    """`call` with the drop inputs of this call when `drop` drops in it
-    (training, a rate above zero). A model with drop rates may be given a key
-    for dropping alone, so a layer that takes no key is called without one."""
+    """`call` with its drop inputs when `drop` drops in it. A model with drop
+    rates may get a key for dropping alone: a layer taking no key gets none."""
     if drop is None:
         return call
     has_state = find_state(call.args, call.kwargs) is not None
@@ -87,13 +84,8 @@ def _where(cls_name: str, length: int, i: int | None) -> str:
 
 
 def scan_layers(stack: Stack, x: PyTree, call: LayerCall) -> tuple[PyTree, PyTree]:
-    """Fold `x` through the layers of `stack` as `call` says, one scan step (or
-    loop step) per layer, layer `i` run with `call.at(i)`'s inputs.
-
-    **Returns:**
-
-    `(final carry, ys)`, the `y`s stacked on axis 0 (`None` if there are none).
-    """
+    """Fold `x` through the layers of `stack` as `call` says, one scan (or loop)
+    step per layer: `(final carry, ys)`, the `y`s stacked on axis 0 or `None`."""
     stack.check_layer_axis("call")
     state_at = find_state(call.args, call.kwargs)
     if state_at is not None:
@@ -135,8 +127,7 @@ def scan_layers(stack: Stack, x: PyTree, call: LayerCall) -> tuple[PyTree, PyTre
     steps = None if view is None else jnp.arange(length)
 
     def read(xs: tuple[PyTree, PyTree, PyTree]) -> tuple[PyTree, PyTree, PyTree]:
-        # A step's layer, constrained as `layer_sharding` says (FSDP gathers
-        # one layer here), and its slices.
+        # A step's layer, constrained (FSDP gathers one layer here), and its slices.
         dyn, per, i = xs
         return (dyn if sharding is None else constrain(dyn, sharding)), per, i
 
@@ -192,13 +183,9 @@ def vmap_layers(stack: Stack, x: PyTree, call: LayerCall) -> PyTree:
 
 
 def layer_of(stack: Stack, i: Index) -> Any:
-    """Layer `i` of `stack` (a traced index reads it with one dynamic slice of
-    every stacked array), constrained as its `layer_sharding` says."""
-    layer = index(stack.layers, i)
-    if stack.layer_sharding is None:
-        return layer
-    dyn, static = eqx.partition(layer, eqx.is_array)
-    return eqx.combine(constrain(dyn, stack.layer_sharding), static)
+    """Layer `i` of `stack` (`i` may be traced), constrained to `layer_sharding`."""
+    layer, sharding = index(stack.layers, i), stack.layer_sharding
+    return layer if sharding is None else constrain(layer, sharding)
 
 
 def stack_layer_fn(stack: Stack, call: LayerCall, i: Index) -> LayerFn:
@@ -209,7 +196,6 @@ def stack_layer_fn(stack: Stack, call: LayerCall, i: Index) -> LayerFn:
 
 
 def stack_steps(stack: Stack, call: LayerCall, start: int = 0) -> GroupSteps:
-    """The layers of `stack` as one group of a walk in order, one layer per
-    step, its first layer the walk's layer `start`."""
+    """The layers of `stack` as one group of a walk in order, from layer `start`."""
     step = functools.partial(stack_layer_fn, stack, call)
     return GroupSteps(start, stack.num_layers, 1, step, type(stack.layers).__name__)

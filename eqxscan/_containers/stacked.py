@@ -1,29 +1,37 @@
-"""`Stacked`: L layers of one kind stored as one module with a leading layer axis.
-
-Its layers are built by `stack_build.py`. Its calls describe themselves to the
-layer-call seam (`eqxscan/_scan/layer_call.py`) as one `LayerCall`, which
-`stack_calls.py` runs, one scan step per layer. `LayerNumbering` and
-`StateDictFn` say how a container's `state_dict_layers` names its arrays in a
-state dict (see `eqxscan._containers.walk`).
-"""
+"""`Stacked`: L layers of one kind stored as one module with a leading layer axis
+(built by `make_layer` under one `eqx.filter_vmap`, run by `stack_calls.py`), and
+how a container numbers its layers in a state dict (`LayerNumbering`)."""
 
 import operator
 from collections.abc import Callable, Sequence
-from typing import Generic, NamedTuple, overload, SupportsIndex, Unpack
+from typing import Generic, NamedTuple, overload, SupportsIndex, TypeVar, Unpack
 
 import equinox as eqx
+import jax
 import jax.tree_util as jtu
 from jax.sharding import Sharding
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
-from .._helpers.checks import check_bool, check_index, check_size, Checked, split_key
+from .._helpers.checks import (
+    check_bool,
+    check_callable,
+    check_index,
+    check_made_layer,
+    check_size,
+    Checked,
+    describe,
+    is_array,
+    split_key,
+)
 from .._helpers.constrain import check_layer_sharding
-from .._helpers.stackable import check_alike
+from .._helpers.stackable import check_alike, stack_alike
 from .._scan.drop_rates import DropRates, new_drop_rates, Rates, rates_of, with_mode_of
 from .._scan.eager_compile import compiled_when_eager
 from .._scan.layer_call import (
+    arg_name,
     carry_only,
     check_method,
+    check_per_layer,
     index as index_at,
     LayerCall,
     Method,
@@ -32,12 +40,59 @@ from .._scan.layer_call import (
     take,
 )
 from .._scan.options import OwnOptions, ScanArgs, Scanning, ScanOptions
-from .stack_build import build_layers, LayerT, MAX_LAYERS, stack_layers
 from .stack_calls import dropping_call, scan_layers, vmap_layers
 
 
-#: How `Stacked.scan` reads each layer's output.
-STACKED_PAIRS = pairs("Stacked.scan")
+#: The most layers a stack may have: beyond, the per-layer keys alone take
+#: gigabytes (and `jax.random.split` aborts the interpreter past 2**62).
+MAX_LAYERS = 2**20
+
+
+LayerT = TypeVar("LayerT")
+
+
+def build_layers(
+    make_layer: Callable[..., LayerT] | None,
+    num_layers: int,
+    args: tuple[PyTree, ...],
+    key: PRNGKeyArray | None,
+) -> LayerT:
+    """`make_layer(keys[i], *args_i)` for every layer, in one `eqx.filter_vmap`
+    (`per_layer` arguments sliced, others broadcast), checked."""
+    if isinstance(make_layer, eqx.Module):
+        name = type(make_layer).__name__
+        raise TypeError(
+            f"make_layer must be a function that builds one layer from a key, but "
+            f"got a {name} instance (a layer, not a way to make one). Pass e.g. "
+            f"`lambda k: {name}(..., key=k)`."
+        )
+    check_callable("make_layer", make_layer)
+    assert make_layer is not None  # checked
+    if key is None:
+        raise TypeError("Stacked needs `key=` to build its layers.")
+    per = check_per_layer(args, {}, num_layers)
+    per_dyn, per_static = eqx.partition(
+        {n: v.tree for n, v in per.items()}, eqx.is_array
+    )
+
+    def one(k: PRNGKeyArray, slices: dict) -> LayerT:
+        call_args = [
+            eqx.combine(slices[n], per_static[n]) if n in slices else a
+            for n, a in ((arg_name(i), a) for i, a in enumerate(args))
+        ]
+        return make_layer(k, *call_args)
+
+    keys = split_key(key, num_layers, "Stacked")
+    layers = eqx.filter_vmap(one)(keys, per_dyn)
+    check_made_layer(layers)
+    if is_array(layers):
+        one_layer = jax.ShapeDtypeStruct(layers.shape[1:], layers.dtype)
+        raise TypeError(
+            f"make_layer returned an array ({describe(one_layer)}), not a layer. It "
+            "must return a module (e.g. an `eqx.Module`) that is called as "
+            "`layer(x)`."
+        )
+    return layers
 
 
 class LayerNumbering(NamedTuple):
@@ -99,26 +154,24 @@ class Stacked(Scanning, Generic[LayerT]):
     ):
         """**Arguments:**
 
-        - `make_layer`: builds one layer from a key (and `*args`). It is run once
-          under `eqx.filter_vmap`, so layer `i` is exactly
+        - `make_layer`: builds one layer from a key (and `*args`), run once under
+          `eqx.filter_vmap`: layer `i` is exactly
           `make_layer(jax.random.split(key, num_layers)[i], *args_i)`.
         - `num_layers`: `L >= 1`.
         - `*args`: more arguments for `make_layer`, after the key. Values wrapped
           in [`eqxscan.per_layer`][] are sliced (layer `i` gets slice `i`, e.g. of
-          `jnp.arange(L)` or of a per-layer configuration array); others are
-          passed to every layer unchanged.
+          `jnp.arange(L)`); others are passed to every layer unchanged.
         - `key`: a JAX PRNG key.
-        - `layers`: instead of `make_layer` and `key`, layers that are already
-          stacked (every array leaf has leading axis `num_layers`), e.g. from
-          `stack.layers`. [`eqxscan.Stacked.from_layers`][] stacks a list.
-        - `layer_sharding`: a `jax.sharding.Sharding` (or `None`) that each scan
-          step constrains its one layer's weights to before calling it. FSDP uses
-          a replicated sharding here, so that a step all-gathers only the layer it
-          runs; [`eqxscan.sharding.shard`][] sets it for you. It may also be a
-          pytree with one layer's structure (a sharding per array, without the
-          layer axis), e.g. to keep tensor-parallel axes split while the FSDP
-          axis is gathered: [`eqxscan.sharding.gather_layers`][] with `keep=`
-          builds it.
+        - `layers`: instead of `make_layer` and `key`, already-stacked layers
+          (every array leaf with leading axis `num_layers`), e.g. `stack.layers`;
+          [`eqxscan.Stacked.from_layers`][] stacks a list.
+        - `layer_sharding`: a `jax.sharding.Sharding` (or `None`) each scan step
+          constrains its layer's weights to before calling it: with FSDP's
+          replicated one, a step all-gathers only its layer
+          ([`eqxscan.sharding.shard`][] sets it). Or a pytree of one layer's
+          structure (a sharding per array, no layer axis), e.g. to keep
+          tensor-parallel axes split: [`eqxscan.sharding.gather_layers`][] with
+          `keep=` builds it.
         - `mode`: `"scan"` (`jax.lax.scan`, one traced body) or `"loop"` (a Python
           loop over the same weights: the reference and debugging path).
         - `remat`: rematerialisation. `"auto"` (default: chosen from the
@@ -133,7 +186,6 @@ class Stacked(Scanning, Generic[LayerT]):
         - `unroll`: a positive int, passed to `jax.lax.scan`; `True` unrolls fully
           (the program of `mode="loop"`, with this `remat`); `"auto"`
           (default) is chosen with `remat="auto"`'s rule.
-
         - `drop_path`: stochastic depth while training: a rate per layer (one
           number, `L` numbers or [`eqxscan.linear_rates`][]); per example,
           layer `i`'s residual branch `layer(x) - x` is dropped with
@@ -179,20 +231,17 @@ class Stacked(Scanning, Generic[LayerT]):
         **Arguments:**
 
         - `layers`: a non-empty sequence of layers with identical structure,
-          static fields, shapes and dtypes.
+          static fields, shapes and dtypes (else a `ValueError` naming the layer
+          index, leaf path and both shapes/dtypes or static values).
         - `mode`, `remat`, `unroll`: as for `__init__`.
 
         **Returns:**
 
         A `Stacked` whose `unstack()` gives the layers back exactly.
-
-        **Raises:**
-
-        `ValueError` naming the layer index, leaf path and both shapes/dtypes (or
-        static values) when the layers cannot be stacked.
         """
         layers = list(layers)
-        return cls(layers=stack_layers(layers), num_layers=len(layers), **options)
+        check_alike(layers, "Stacked.from_layers")
+        return cls(layers=stack_alike(layers), num_layers=len(layers), **options)
 
     def own_options(self) -> tuple[str, ...]:
         return ("layer_sharding", "drop_path", "layer_drop")
@@ -212,10 +261,8 @@ class Stacked(Scanning, Generic[LayerT]):
     def __getitem__(self, index: SupportsIndex) -> LayerT: ...
 
     def check_layer_axis(self, what: str) -> None:
-        """Raise unless every array leaf has the layer axis first. A batch of
-        stacks (an ensemble made with `eqx.filter_vmap`) has its batch axis in
-        front: JAX would clamp an index into it, and `lax.scan` would fail with a
-        bare length error."""
+        # A batch of stacks (an ensemble made with `eqx.filter_vmap`) has its
+        # batch axis in front, which indexing would clamp and `lax.scan` refuse.
         for path, leaf in jtu.tree_leaves_with_path(self.layers):
             if eqx.is_array(leaf) and (
                 leaf.ndim == 0 or leaf.shape[0] != self.num_layers
@@ -263,44 +310,27 @@ class Stacked(Scanning, Generic[LayerT]):
         return [self[i] for i in range(self.num_layers)]
 
     def state_dict_layers(self, fn: StateDictFn) -> "Stacked[LayerT]":
-        """How [`eqxscan.to_state_dict`][] names this stack's arrays: the layer
-        index takes the place of the stacked axis and of the `layers` field, so
-        layer `i`'s `w1` is `"<prefix>.i.w1"`, as for a list of layers.
-
-        **Arguments:**
-
-        - `fn`: applied to `layers` as `fn(self.layers, LayerNumbering(0, (1,)),
-          (num_layers,))` (see `eqxscan._containers.stacked.StateDictFn`).
-
-        **Returns:**
-
-        This stack with `layers` replaced by what `fn` returned, rebuilt (and
-        so checked) as `Stacked.__init__` builds one.
-        """
+        """Names layer `i`'s `w1` `"<prefix>.i.w1"` in a state dict, as for a list
+        of layers: `fn` replaces `layers`, and the stack is rebuilt (checked)."""
         layers = fn(self.layers, LayerNumbering(0, (1,)), (self.num_layers,))
         return restack(self, layers=layers)
 
     def with_layer(self, index: SupportsIndex, layer: LayerT) -> "Stacked[LayerT]":
         """A copy with layer `index` replaced by `layer` (layer surgery), every
-        option kept. `eqx.tree_at(lambda s: s[i], ...)` cannot do this, since
-        `stack[i]` is computed from the stacked arrays.
+        option kept (`eqx.tree_at(lambda s: s[i], ...)` cannot: `stack[i]` is
+        computed from the stacked arrays).
 
         **Arguments:**
 
         - `index`: the layer to replace (negative counts from the end).
-        - `layer`: the new layer, checked as [`eqxscan.Stacked.from_layers`][]
-          checks its layers: the same structure, static fields, shapes and
-          dtypes as the others.
+        - `layer`: the new layer, with the same structure, static fields, shapes
+          and dtypes as the others (checked as by `from_layers`).
 
         **Returns:**
 
-        A `Stacked` whose layer `index` is `layer` and whose other layers are this
-        one's.
-
-        **Raises:**
-
-        `IndexError` for an index out of range; `ValueError` naming the leaf
-        path and both values when `layer` cannot be stacked with the others.
+        A `Stacked` whose layer `index` is `layer`, the others this one's. An
+        index out of range is an `IndexError`; a `layer` that cannot be stacked
+        with the others a `ValueError` naming the leaf path and both values.
         """
         current = self[index]  # checks the index
         i = operator.index(index) % self.num_layers
@@ -334,19 +364,17 @@ class Stacked(Scanning, Generic[LayerT]):
         - `x`: the carry, any pytree; every layer must return one of the same
           structure, shapes and dtypes.
         - `*args`, `**kwargs`: passed to every layer (broadcast), except values
-          wrapped in [`eqxscan.per_layer`][], which are sliced per layer.
+          wrapped in [`eqxscan.per_layer`][], which are sliced per layer. For
+          stateful layers (`layer(x, state) -> (x, state)`, e.g. with
+          `eqx.nn.BatchNorm`), an `eqx.nn.State` from `eqx.nn.make_with_state`
+          gives each layer its own slice, and the call returns `(x, state)`.
         - `key`: if given, split into `L` keys and layer `i` gets `key=keys[i]`.
         - `method`: run this instead of `__call__`: a function
           `fn(layer, x, *args, **kwargs)` such as an unbound method
           (`Block.decode`), or a method name (`"decode"`).
-        - `reverse`: run layer `L-1` first and layer `0` last. The scan reads the
-          weights backwards (no reversed copy, unlike `stack[::-1]`); layer `i`
-          keeps `keys[i]` and its `per_layer` slice.
-
-        Stateful layers (Equinox's `layer(x, state) -> (x, state)`, e.g. with
-        `eqx.nn.BatchNorm`) are called as Equinox calls them: pass the
-        `eqx.nn.State` from `eqx.nn.make_with_state` as an argument and each
-        layer gets its own slice of it; the call then returns `(x, state)`.
+        - `reverse`: run layer `L-1` first and layer `0` last, the weights read
+          backwards (no reversed copy, unlike `stack[::-1]`); layer `i` keeps
+          `keys[i]` and its `per_layer` slice.
 
         **Returns:**
 
@@ -372,7 +400,7 @@ class Stacked(Scanning, Generic[LayerT]):
         (`None` if layers return `(x, None)`). `ys[i]` is layer `i`'s, also with
         `reverse=True`.
         """
-        return self._fold(x, args, kwargs, key, method, reverse, STACKED_PAIRS)
+        return self._fold(x, args, kwargs, key, method, reverse, pairs("Stacked.scan"))
 
     def _fold(
         self,
@@ -392,9 +420,8 @@ class Stacked(Scanning, Generic[LayerT]):
 
     def _keys(self, key: PRNGKeyArray | None) -> Array | None:
         # Layer i's key: `split(key, L)[i]`.
-        if key is None:
-            return None
-        return split_key(key, self.num_layers, type(self).__name__)
+        who = type(self).__name__
+        return None if key is None else split_key(key, self.num_layers, who)
 
     def vmap(
         self,
@@ -416,11 +443,10 @@ class Stacked(Scanning, Generic[LayerT]):
 
         **Returns:**
 
-        The outputs, stacked leaf by leaf on a new leading axis of length `L`.
-        With `mode="scan"` this is one `jax.vmap` over the layer axis; with
-        `mode="loop"` a Python loop (the reference). `remat` and `unroll`
-        do not apply: nothing is scanned; nor do `drop_path` and `layer_drop`,
-        which drop depth.
+        The outputs, stacked leaf by leaf on a new leading axis of length `L`:
+        one `jax.vmap` over the layer axis (a Python loop with `mode="loop"`).
+        Nothing is scanned nor dropped: `remat`, `unroll`, `drop_path` and
+        `layer_drop` do not apply.
         """
         check_method(method, self.layers)
         call = LayerCall(
@@ -432,23 +458,19 @@ class Stacked(Scanning, Generic[LayerT]):
 def restack(stack: Stacked[LayerT], **changes: object) -> Stacked[LayerT]:
     """`stack` rebuilt through `Stacked.__init__` with `changes` applied (any of
     `layers`, `num_layers`, `options`, `layer_sharding`, `drop_path`,
-    `layer_drop`) and every other field kept (inference mode included): how
-    slicing, loading, sharding and `with_options` make a new stack."""
+    `layer_drop`) and every other field kept (inference mode included)."""
+    drop_path, layer_drop = rates_of(stack.drop_rates)
     fields: dict[str, object] = dict(
         layers=stack.layers,
         num_layers=stack.num_layers,
-        options=stack.options,
         layer_sharding=stack.layer_sharding,
-        drop_path=rates_of(stack.drop_rates)[0],
-        layer_drop=rates_of(stack.drop_rates)[1],
+        drop_path=drop_path,
+        layer_drop=layer_drop,
     )
-    for name in changes:
-        if name not in fields:
-            raise TypeError(f"restack() got an unexpected keyword argument {name!r}.")
     fields.update(changes)
-    options = fields.pop("options")
+    options = fields.pop("options", stack.options)
     assert isinstance(options, ScanOptions)
-    # `fields` holds what `__init__` takes, by name (checked above).
+    # `fields` holds what `__init__` takes, by name.
     new = type(stack)(**fields, **options.as_args())  # type: ignore[arg-type]  # see above
     drop = with_mode_of(new.drop_rates, stack.drop_rates)
     if drop is new.drop_rates:

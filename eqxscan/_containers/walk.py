@@ -1,20 +1,14 @@
-"""One walk over a model: every leaf visited with where it sits (its key path and
-the layer axes in front of its arrays), every [`eqxscan.Stacked`][] and
-[`eqxscan.Chain`][] entered on the way.
+"""One walk over a model, which sharding, the optimiser helpers, Orbax names and
+state dicts all rebuild a model through: every leaf visited with where it sits
+(its path and the layer axes in front of its arrays). It walks
 
-Sharding, partitioning, the optimiser helpers, Orbax names and state dicts all
-rebuild a model through `walk`. It walks in one of two
-ways:
-
-- by key path (the default): a `Stacked` is entered through its `layers` field,
-  which adds one layer axis; a `Chain` is an ordinary pytree (its scanned groups
-  are `Stacked`s). Paths are `jax.tree_util` key paths, as `eqx.filter` and
-  `jax.jit`'s shardings see the model.
-- by state-dict name (`names=True`): a module that owns its state-dict names
-  (a `Stacked` or `Chain`; see `NamesLayers`) is
-  entered through its `state_dict_layers`, which puts a
-  `LayerNumbering` in the path where the layer
-  number goes; other entries are attribute names, indices and dict keys.
+- by key path (the default), as `eqx.filter` and `jax.jit`'s shardings see the
+  model: a `Stacked`'s `layers` field adds one layer axis; a `Chain` is an
+  ordinary pytree (its scanned groups are `Stacked`s);
+- or by state-dict name (`names=True`): a `Stacked` or `Chain` (`NamesLayers`)
+  is entered through its `state_dict_layers`, which puts a `LayerNumbering`
+  where the layer number goes; other entries are attribute names, indices and
+  dict keys.
 """
 
 from collections.abc import Callable
@@ -34,12 +28,11 @@ class Site(NamedTuple):
     - `path`: the key path from the root (by state-dict name: the name parts,
       strings and `LayerNumbering`es).
     - `axes`: the sizes of the layer axes in front of the node's arrays,
-      outermost first: one per enclosing `Stacked`, so a `Stacked` inside a
-      `Stacked`'s layer has two (by name, a repeated pattern of a `Chain` adds its
-      repeat axis too).
-    - `enclosing`: for each enclosing `Stacked` (or, by name, `Chain`), the
-      position in `path` of the entry that stands for its layers (`.layers`, or
-      the layer index) and its number of layers.
+      outermost first: one per enclosing `Stacked` (by name, a `Chain`'s
+      repeated pattern adds its repeat axis too).
+    - `enclosing`: for each enclosing `Stacked` (by name, `Chain`), the position
+      in `path` of the entry standing for its layers (`.layers`, or the layer
+      index) and its number of layers.
     """
 
     path: tuple = ()
@@ -62,35 +55,29 @@ class Site(NamedTuple):
         )
 
 
-ROOT = Site()
-"""Where the root of a walk sits: no path, no layer axes."""
-
-
 @runtime_checkable
 class NamesLayers(Protocol):
-    """A module that says how its arrays are named in a state dict (`Stacked`,
-    `Chain`): `num_layers`, and `state_dict_layers(fn)`, which returns the module
-    with each subtree holding layers replaced by `fn(subtree, index, axes)` (see
-    `eqxscan._containers.stacked.StateDictFn`)."""
+    """A module that names its arrays in a state dict (`Stacked`, `Chain`):
+    `state_dict_layers(fn)` replaces each subtree holding layers by
+    `fn(subtree, index, axes)` (a `StateDictFn`)."""
 
     num_layers: int
 
     def state_dict_layers(self, fn: StateDictFn) -> "NamesLayers": ...
 
 
+ROOT = Site()  # where the root of a walk sits: no path, no layer axes
+
+
 def key_name(entry: Any, where: tuple) -> str:
-    """The name of one key-path entry in a state dict (an attribute, index or
-    key); `where` is the name so far, for the error message."""
-    # `entry: Any`: JAX types its key classes as `Any`, so `isinstance` narrows
-    # nothing.
+    """The name of one key-path entry in a state dict; `where` is the name so
+    far. (`Any`: JAX types its key classes so.)"""
     if isinstance(entry, jtu.GetAttrKey):
         return entry.name
     if isinstance(entry, jtu.SequenceKey):
         return str(entry.idx)
-    if isinstance(entry, (jtu.DictKey, jtu.FlattenedIndexKey)):
-        name = str(entry.key)
-    else:
-        name = str(entry)
+    is_key = isinstance(entry, (jtu.DictKey, jtu.FlattenedIndexKey))
+    name = str(entry.key if is_key else entry)
     if "." in name or name == "":
         raise ValueError(
             f"Cannot name the entry {entry} under `{pattern(where) or '<root>'}` "
@@ -113,24 +100,18 @@ def walk(
     stack: Callable[[Stacked, Site], Stacked] | None = None,
     site: Site = ROOT,
 ) -> PyTree:
-    """`tree` rebuilt with every leaf replaced by `fn(leaf, site)`.
+    """`tree` rebuilt with every leaf replaced by `fn(leaf, site)`; each `Stacked`
+    and `Chain` keeps its type, static fields and options.
 
     **Arguments:**
 
     - `fn`: called at every leaf (`None`, arrays and other non-pytree values),
-      in `jax.tree_util.tree_leaves` order, with where it sits.
+      in `jax.tree_util.tree_leaves` order.
     - `tree`: any pytree, usually a model.
-    - `names`: walk by state-dict name rather than by key path (see the module
-      docstring): `Site.path` holds name parts.
-    - `stack`: by key path, called as `stack(stacked, site)` for each `Stacked`
-      once its layers are rebuilt (inner stacks first), `site` being that of its
-      `layers`; what it returns takes the stack's place.
+    - `names`: walk by state-dict name (`Site.path` holds name parts).
+    - `stack`: by key path, `stack(stacked, site)` replaces each `Stacked` once
+      its layers are rebuilt (inner stacks first), `site` being its `layers`'.
     - `site`: where `tree` itself sits.
-
-    **Returns:**
-
-    `tree` with its leaves replaced. Each `Stacked` and `Chain` keeps its type,
-    static fields and options.
     """
     if is_none(tree) or is_arraylike(tree):
         return fn(tree, site)
@@ -176,8 +157,7 @@ def walk(
 def for_each(
     fn: Callable[[object, Site], None], tree: PyTree, *, names: bool = False
 ) -> None:
-    """Call `fn(leaf, site)` at every leaf of `tree`, as `walk` visits them (by
-    state-dict name with `names=True`)."""
+    """Call `fn(leaf, site)` at every leaf of `tree`, as `walk` visits them."""
 
     def visit(leaf: object, site: Site) -> object:
         fn(leaf, site)

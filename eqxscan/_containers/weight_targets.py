@@ -1,5 +1,5 @@
-"""`replace_weights`: the weights that targets name (state-dict name patterns or
-module types), each replaced by what a function builds from it. The one way
+"""`replace_weights`: the weights that targets (state-dict name patterns or module
+types) name, each replaced by what a function builds from it: how
 `eqxscan.adapters.add_lora` and `eqxscan.quant.quantize` find their weights."""
 
 import fnmatch
@@ -12,7 +12,7 @@ import numpy as np
 from jaxtyping import Array, PyTree
 
 from .._helpers.checks import is_arraylike
-from .walk import pattern, Site, walk
+from .walk import for_each, pattern, Site, walk
 
 
 Target = str | type[eqx.Module]
@@ -25,9 +25,8 @@ Orientation = Literal["x@W", "W@x"]
 
 @runtime_checkable
 class StandsForWeight(Protocol):
-    """A module keeping a weight in other arrays (`eqxscan.quant.Quantized`): the
-    weight's `shape`, `dtype` and `ndim`, and the arrays that hold it. Recognised
-    by `stored_arrays`, so that the core need not import the ones it serves."""
+    """A module keeping a weight in other arrays (`eqxscan.quant.Quantized`),
+    recognised by `stored_arrays` so that the core need not import it."""
 
     @property
     def shape(self) -> tuple[int, ...]: ...
@@ -93,8 +92,7 @@ def replace_weights(
 ) -> PyTree:
     """`model` with each weight that `targets` name replaced by `make`'s result: a
     pattern's matches in `orientation`, a module type's `weight`s in `"W@x"`.
-    `who` and `verb` (e.g. `("adapt", "adapted")`) word the errors: a target of
-    the wrong type, or one that matches nothing, which lists the model's names."""
+    `who` and `verb` (e.g. `("adapt", "adapted")`) word the errors."""
     found = _targets(targets, who)
     patterns = [t for t in found if isinstance(t, str)]
     matched: set[str] = set()
@@ -175,13 +173,12 @@ def _targets(targets: object, who: str) -> list[Target]:
 
 
 def _weight_names(model: PyTree) -> list[str]:
-    names: list[str] = []
+    names: set[str] = set()
 
-    def visit(leaf: object, site: Site) -> object:
+    def visit(leaf: object, site: Site) -> None:
         weight = weight_at(leaf)
         if weight is not None and weight.ndim - site.depth == 2:
-            names.append(pattern(site.path))
-        return leaf
+            names.add(pattern(site.path))
 
-    walk(visit, _hold(model), names=True)
-    return sorted(set(names))
+    for_each(visit, _hold(model), names=True)
+    return sorted(names)

@@ -1,7 +1,7 @@
 """`Chain`: a sequence of layers that are not all alike, its grouping and its
 answers to the layer-call seam."""
 
-from .chain import Chain as Chain, CHAIN_PAIRS as CHAIN_PAIRS
+from .chain import Chain as Chain
 from .groups import (
     check_chain_method as check_chain_method,
     Pattern as Pattern,

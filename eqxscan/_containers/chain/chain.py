@@ -1,6 +1,5 @@
-"""`Chain`: heterogeneous depth. Stacks of like layers and repeated patterns of
-layers are scanned; the remaining layers are called directly. The grouping is
-chosen by `grouping.py`; the groups are built and run by `groups.py`."""
+"""`Chain`: heterogeneous depth, its layers grouped by `grouping.py` into groups
+that `groups.py` builds and runs."""
 
 from collections.abc import Iterator, Sequence
 from typing import Any, overload, SupportsIndex, Unpack
@@ -13,13 +12,7 @@ from ..._helpers.stateful import find_state
 from ..._scan.buffers import find_buffer, LayerBuffers, view_of, with_view
 from ..._scan.drop_rates import DropRates, new_drop_rates, Rates, rates_of, with_mode_of
 from ..._scan.eager_compile import compiled_when_eager
-from ..._scan.layer_call import (
-    carry_only,
-    check_per_layer,
-    LayerCall,
-    Method,
-    pairs,
-)
+from ..._scan.layer_call import carry_only, check_per_layer, LayerCall, Method, pairs
 from ..._scan.options import OwnOptions, ScanArgs, Scanning, ScanOptions
 from ..stack_calls import dropping_call
 from ..stacked import LayerNumbering, StateDictFn
@@ -37,10 +30,6 @@ from .groups import (
     set_options,
     unstack_groups,
 )
-
-
-#: How `Chain.scan` reads each layer's output.
-CHAIN_PAIRS = pairs("Chain.scan")
 
 
 def check_chain_buffers(tree: PyTree, chain: "Chain") -> LayerBuffers:
@@ -71,18 +60,16 @@ class Chain(Scanning):
       non-array leaves, shapes and dtypes become one [`eqxscan.Stacked`][]
       (one scanned body, one layer per step).
     - A repeated pattern of different layers (`A, B, A, B, ...`, or
-      `local, local, global` repeated) becomes a `Stacked` of `Pattern`s: one
-      scan step runs one repeat of the pattern, so the program does not grow
-      with the number of repeats. Layers left over before or after the repeats
-      are grouped the same way.
+      `local, local, global` repeated) becomes a `Stacked` of `Pattern`s, one
+      repeat per scan step, so the program does not grow with the repeats.
+      Layers left over before or after are grouped the same way.
     - A lone layer: any other layer, called directly.
 
-    Among all groupings the chain picks the one that traces the fewest layer
-    bodies, then the one with the fewest groups (counting groups inside a
-    pattern); ties go to the grouping whose earliest group covers the most
-    layers. The result is in `chain.groups` (a stack or a repeated pattern
-    appears as a `Stacked`, a lone layer as itself) and `chain.layout` (one
-    `Placement(start, size, per_step)` per group).
+    The chain picks the grouping that traces the fewest layer bodies, then the
+    fewest groups (counting those inside a pattern), then the one whose earliest
+    group covers the most layers. `chain.groups` holds the groups (a stack or
+    pattern as a `Stacked`, a lone layer as itself) and `chain.layout` one
+    `Placement(start, size, per_step)` per group.
 
     !!! example
 
@@ -96,10 +83,7 @@ class Chain(Scanning):
         chain = eqxscan.Chain(layers)          # MLP, Linear, MLP, Linear, ...
         assert len(chain.groups) == 1          # one scan over 4 repeats of 2
         x = jnp.ones(16)
-        y = x
-        for layer in layers:
-            y = layer(y)
-        assert jnp.allclose(chain(x), y, atol=1e-5)
+        assert jnp.allclose(chain(x), eqx.nn.Sequential(layers)(x), atol=1e-5)
         ```
     """
 
@@ -122,22 +106,16 @@ class Chain(Scanning):
         """**Arguments:**
 
         - `layers`: a non-empty list (or tuple) of layers, each called as
-          `layer(x, *args, **kwargs)` and returning the new carry.
+          `layer(x, *args, **kwargs)` and returning the new carry (an empty
+          sequence is a `ValueError`, any other type a `TypeError`).
         - `mode`, `remat`, `unroll`: as for [`eqxscan.Stacked`][], used for
           every scanned group.
         - `patterns`: also find repeated patterns of different layers
           (default). With `False`, only stacks of like layers are scanned.
-        - `drop_path`, `layer_drop`: stochastic depth and LayerDrop while
-          training, as for [`eqxscan.Stacked`][], with one rate per layer of the
-          chain (`eqxscan.linear_rates` rises over all `len(chain)` layers);
-          lone layers and scanned groups drop alike. Changed afterwards with
-          `chain.with_options(drop_path=..., layer_drop=...)`, which keeps
-          `eqx.nn.inference_mode` as set.
-
-        **Raises:**
-
-        `ValueError` for an empty sequence; `TypeError` if `layers` is not a
-        list or tuple.
+        - `drop_path`, `layer_drop`: as for [`eqxscan.Stacked`][], one rate per
+          layer of the chain (`eqxscan.linear_rates` rises over all `len(chain)`
+          layers), lone layers and scanned groups alike; `with_options` changes
+          them and keeps `eqx.nn.inference_mode` as set.
         """
         if not isinstance(layers, (list, tuple)):
             raise TypeError(
@@ -181,66 +159,39 @@ class Chain(Scanning):
                     f"{self.num_layers} layers; a Chain needs at least one."
                 )
             drop = None if self.drop_rates is None else self.drop_rates.sliced(index)
-            drop_path, layer_drop = rates_of(drop)
-            chain = Chain(
-                layers,
-                patterns=self.patterns,
-                drop_path=drop_path,
-                layer_drop=layer_drop,
-                **self.options.as_args(),
-            )
-            return chain._with_rates(with_mode_of(chain.drop_rates, self.drop_rates))
+            chain = Chain(layers, patterns=self.patterns, **self.options.as_args())
+            return chain._with_rates(*rates_of(drop), like=self.drop_rates)
         i = check_index(
             index,
             self.num_layers,
             "Chain",
             "mark it static, or index `chain.unstack()`.",
         )
-        for group, place in zip(self.groups, self.layout):
-            offset = i - place.start
-            if not 0 <= offset < place.size:
-                continue
-            if place.per_step == 0:
-                return group
-            if place.per_step == 1:
-                return group[offset]
-            repeat = group[offset // place.per_step]
-            return repeat.unstack()[offset % place.per_step]
-        raise AssertionError("unreachable: the layout covers every layer")
+        k = max(j for j, p in enumerate(self.layout) if p.start <= i)
+        group, place = self.groups[k], self.layout[k]
+        offset = i - place.start
+        if place.per_step == 0:
+            return group
+        if place.per_step == 1:
+            return group[offset]
+        return group[offset // place.per_step].unstack()[offset % place.per_step]
 
     def unstack(self) -> list[Any]:
         """The layers as the list the chain was built from."""
         return unstack_groups(self.groups, self.layout)
 
     def state_dict_layers(self, fn: StateDictFn) -> "Chain":
-        """How [`eqxscan.to_state_dict`][] names this chain's arrays: by each
-        layer's index in the chain, whatever its grouping, so layer 3's `weight`
-        is `"<prefix>.3.weight"`, as for a list or a `Stacked` of the layers.
-
-        **Arguments:**
-
-        - `fn`: applied to each lone layer as `fn(layer, LayerNumbering(i, ()), ())`,
-          to a stack's stacked layers as
-          `fn(layers, LayerNumbering(start, (1,)), (size,))`, and to the layers of
-          a repeated pattern with the repeat axis in front (stride `K`).
-
-        **Returns:**
-
-        This chain, grouped as it is, with those subtrees replaced by what `fn`
-        returned.
-        """
+        """Names layer 3's `weight` `"<prefix>.3.weight"` in a state dict, as for a
+        list of the layers, whatever the grouping: `fn` replaces each lone layer,
+        stack's layers and pattern's layers (repeat axis in front, stride `K`)."""
         groups = name_groups(self.groups, self.layout, fn, LayerNumbering(0, ()), ())
         return eqx.tree_at(lambda c: c.groups, self, groups)
 
     def explain(self) -> str:
         """How the layers were grouped, and why each lone layer was not scanned
-        with a neighbour (the leaf path where they differ, and both values).
-
-        **Returns:**
-
-        Text with one line per group, e.g. ``layer 3 (Linear): alone, unlike
-        layer 2 (Linear) at `.weight`: it has float16[8,8], layer 2 has
-        float32[8,8]``.
+        with a neighbour: text with one line per group, e.g. ``layer 3 (Linear):
+        alone, unlike layer 2 (Linear) at `.weight`: it has float16[8,8], layer
+        2 has float32[8,8]`` (the leaf path where they differ, and both values).
         """
         layers = self.unstack()
         names = [group_name(g, s) for g, s in zip(self.groups, self.layout)]
@@ -260,17 +211,20 @@ class Chain(Scanning):
         chain = eqx.tree_at(lambda c: (c.groups, c.options), self, (groups, options))
         if not own:
             return chain
-        drop_path, layer_drop = rates_of(self.drop_rates)
-        drop = new_drop_rates(
-            self.num_layers,
-            own.get("drop_path", drop_path),
-            own.get("layer_drop", layer_drop),
-        )
-        return chain._with_rates(with_mode_of(drop, self.drop_rates))
+        path, drop = rates_of(self.drop_rates)
+        path, drop = own.get("drop_path", path), own.get("layer_drop", drop)
+        return chain._with_rates(path, drop, like=self.drop_rates)
 
-    def _with_rates(self, drop: DropRates | None) -> "Chain":
-        # This chain holding `drop` (`None` included).
-        if drop is self.drop_rates:
+    def _with_rates(
+        self,
+        drop_path: Checked[Rates],
+        layer_drop: Checked[Rates],
+        like: DropRates | None,
+    ) -> "Chain":
+        # This chain with these rates, in the inference mode of `like`.
+        drop = new_drop_rates(self.num_layers, drop_path, layer_drop)
+        drop = with_mode_of(drop, like)
+        if drop is None and self.drop_rates is None:
             return self
         is_none = lambda n: n is None  # noqa: E731
         return eqx.tree_at(lambda c: c.drop_rates, self, drop, is_leaf=is_none)
@@ -292,28 +246,18 @@ class Chain(Scanning):
         - `x`: the carry, any pytree. A lone layer may change its structure,
           shapes or dtypes (e.g. an input projection); a scanned group must
           return a carry like the one it receives.
-        - `*args`, `**kwargs`: passed to every layer (broadcast), except values
-          wrapped in [`eqxscan.per_layer`][]: every array leaf of those has a
-          leading axis of length `len(chain)` and layer `i` receives slice `i`.
-        - `key`: if given, split with `jax.random.split(key, len(chain))` and
-          layer `i` is called with `key=keys[i]`, whatever the grouping.
-        - `method`: run this instead of each layer's `__call__`, as for
-          [`eqxscan.Stacked.__call__`][]: a function `fn(layer, x, ...)` or a
-          method name every layer has.
-        - `reverse`: run the last layer first and layer `0` last; scanned groups
-          read their weights backwards (no copy), and layer `i` keeps `keys[i]`
-          and its `per_layer` slice.
+        - `*args`, `**kwargs`, `key`, `method`, `reverse`: as for
+          [`eqxscan.Stacked.__call__`][], over all `len(chain)` layers whatever
+          the grouping: layer `i` gets slice `i` of each [`eqxscan.per_layer`][]
+          value and `key=keys[i]`; a `method` name must be a method of every
+          layer; with `reverse`, scanned groups read their weights backwards.
 
         **Returns:**
 
-        The final carry.
-
-        **Raises:**
-
-        An error raised by a layer carries a note naming the layer and, when an
-        earlier layer changed the carry, the leaf path and both shapes/dtypes.
+        The final carry. An error raised by a layer carries a note naming the
+        layer and, when an earlier layer changed the carry, the leaf path and
+        both shapes/dtypes.
         """
-        reverse = check_bool("reverse", reverse)
         return self._fold(x, args, kwargs, key, False, reverse, method)[0]
 
     @compiled_when_eager
@@ -335,7 +279,6 @@ class Chain(Scanning):
         layer's `y_i` must have the same structure, shapes and dtypes. `ys[i]`
         is layer `i`'s, also with `reverse=True`.
         """
-        reverse = check_bool("reverse", reverse)
         return self._fold(x, args, kwargs, key, True, reverse, method)
 
     def _fold(
@@ -344,10 +287,11 @@ class Chain(Scanning):
         args: tuple,
         kwargs: dict[str, object],
         key: PRNGKeyArray | None,
-        pairs: bool,
-        reverse: bool,
+        scan: bool,
+        reverse: object,  # checked here, with a clear error
         method: Method | None,
     ) -> tuple[PyTree, PyTree]:
+        reverse = check_bool("reverse", reverse)
         check_per_layer(args, kwargs, self.num_layers)
         at = find_buffer(args, kwargs)
         tree = None
@@ -361,7 +305,7 @@ class Chain(Scanning):
             given = view_of(args, kwargs, at)
             tree = check_chain_buffers(given.tree, self)
             args, kwargs = with_view(args, kwargs, at, given.of(tree.groups))
-        if pairs and find_state(args, kwargs):
+        if scan and find_state(args, kwargs):
             raise TypeError(
                 "Chain.scan does not take an eqx.nn.State; call the chain instead: "
                 "`x, state = chain(x, state)`."
@@ -369,7 +313,7 @@ class Chain(Scanning):
         check_chain_method(self.groups, self.layout, method)
         who = type(self).__name__
         keys = key if key is None else split_key(key, self.num_layers, who)
-        read_out = CHAIN_PAIRS if pairs else carry_only
+        read_out = pairs("Chain.scan") if scan else carry_only
         call = LayerCall(args, kwargs, keys, read_out, reverse, method, caller="Chain")
         # Drop inputs are per layer (global layer indices), routed to the groups
         # with everything else per layer.

@@ -4,13 +4,20 @@ kept like layers apart, and a plain-text account of every group."""
 import warnings
 from collections.abc import Sequence
 
-from ..._helpers.stackable import compare, Difference
+from ..._helpers.stackable import compare
 
 
-def _reason(diff: Difference, j: int, other: object) -> str:
+def _reason(layers: Sequence[object], j: int, i: int) -> str:
+    # Why layer `i`, alone, is not scanned with its neighbour `j`.
+    diff = compare(layers[j], layers[i])
+    if diff is None:
+        return (
+            f"like layer {j}, but the chosen grouping traces fewer layer bodies "
+            "without it"
+        )
     text = (
-        f"unlike layer {j} ({type(other).__name__}) at `{diff.path or '<root>'}`: "
-        f"it has {diff.b}, layer {j} has {diff.a}"
+        f"unlike layer {j} ({type(layers[j]).__name__}) at "
+        f"`{diff.path or '<root>'}`: it has {diff.b}, layer {j} has {diff.a}"
     )
     if diff.verdict == "unknown":
         text += " (compared by identity only: pass one shared object to scan them)"
@@ -57,18 +64,7 @@ def explain(
         if per_step > 0:
             lines.append(f"  {name}")
             continue
-        reasons = []
-        for j in (start - 1, start + 1):
-            if not 0 <= j < n:
-                continue
-            diff = compare(layers[j], layers[start])
-            if diff is None:
-                reasons.append(
-                    f"like layer {j}, but the chosen grouping traces fewer layer "
-                    "bodies without it"
-                )
-            else:
-                reasons.append(_reason(diff, j, layers[j]))
-        why = "; ".join(reasons) if reasons else "the only layer"
+        js = [j for j in (start - 1, start + 1) if 0 <= j < n]
+        why = "; ".join(_reason(layers, j, start) for j in js) or "the only layer"
         lines.append(f"  {name}: alone, {why}")
     return "\n".join(lines)

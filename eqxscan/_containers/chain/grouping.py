@@ -1,9 +1,6 @@
-"""How `Chain` groups its layers: a dynamic programme over groupings.
-
-Layers are first labelled by `stack_classes` (two layers share a label iff they
-can be stacked together); `plan` then picks the grouping of the labels that
-traces the fewest layer bodies.
-"""
+"""How `Chain` groups its layers: `stack_classes` labels them (two share a label
+iff they can be stacked together), then `plan`, a dynamic programme, picks the
+grouping of the labels that traces the fewest layer bodies."""
 
 import functools
 from collections.abc import Sequence
@@ -13,13 +10,9 @@ from ..._helpers.stackable import alike
 
 
 class Group(NamedTuple):
-    """One group of a `Plan`: the next `size` layers.
-
-    - `per_step == 0`: one lone layer (`size == 1`), called directly.
-    - `per_step == 1`: a stack of `size` like layers, scanned one layer per step.
-    - `per_step == K >= 2`: a pattern of `K` layers repeated `size // K` times,
-      scanned one repeat per step; `pattern` is the plan of one repeat.
-    """
+    """One group of a `Plan`: the next `size` layers, `per_step` of them per scan
+    step as in a `Placement` (`0`: a lone layer; `1`: a stack; `K >= 2`: a
+    pattern of `K` layers, `pattern` the plan of one repeat)."""
 
     size: int
     per_step: int
@@ -53,28 +46,17 @@ def stack_classes(layers: Sequence[object]) -> tuple[int, ...]:
 def plan(classes: tuple[int, ...], patterns: bool) -> Plan:
     """The grouping of a sequence of layer classes with the smallest program.
 
-    Cost of a grouping, compared lexicographically: (1) the number of layer
-    bodies traced (a lone layer or a stack traces one body; a repeated pattern
-    traces the bodies of the pattern's own best grouping, once for all
-    repeats), then (2) the number of groups, counting those inside patterns. Ties go
-    to the grouping whose first group covers the most layers, so the choice is
-    deterministic and a remainder comes last.
+    Cost, compared lexicographically: the layer bodies traced (a lone layer or
+    a stack traces one; a repeated pattern those of its own best grouping, once
+    for all repeats), then the groups, counting those inside patterns. Ties go
+    to the grouping whose first group covers the most layers, so that the
+    choice is deterministic and a remainder comes last.
 
-    **Example:** a stem `S`, then `(local, local, global)` three times, then a
-    head `H`, has classes `(0, 1, 1, 2, 1, 1, 2, 1, 1, 2, 3)`. The plan is
-
-    ```python
-    (
-        Group(1, 0),  # S, called directly
-        Group(9, 3, (Group(2, 1), Group(1, 0))),  # 3 repeats of [local x2, global]
-        Group(1, 0),  # H
-    )
-    ```
-
-    which traces four layer bodies (S, local, global, H) however many repeats
-    there are. With `patterns=False` only stacks are scanned:
-    `S, local x2, global, local x2, global, local x2, global, H` (eight groups,
-    eight bodies).
+    For example, a stem `S`, `(local, local, global)` three times and a head
+    `H` (classes `(0, 1, 1, 2, 1, 1, 2, 1, 1, 2, 3)`) give
+    `(Group(1, 0), Group(9, 3, (Group(2, 1), Group(1, 0))), Group(1, 0))`:
+    four bodies however many repeats. With `patterns=False` only stacks are
+    scanned: eight groups, eight bodies.
     """
     return _best(classes, patterns)[0]
 

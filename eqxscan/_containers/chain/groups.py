@@ -1,7 +1,7 @@
-"""A `Chain`'s groups: where each sits (`Placement`), a repeated pattern's step
-(`Pattern`), and how the groups are built from layers, named and run in order
-through the layer-call seam (a lone layer as layer `start` of the chain's call,
-a stack with `LayerCall.placed`, a pattern step with `LayerCall.inner`)."""
+"""A `Chain`'s groups (`Placement`, `Pattern`): built from layers, named, and run
+in order through the layer-call seam (a lone layer as layer `start` of the
+chain's call, a stack with `LayerCall.placed`, a pattern step with
+`LayerCall.inner`)."""
 
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -12,13 +12,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import PRNGKeyArray, PyTree
 
-from ..._helpers.checks import (
-    CarryError,
-    describe,
-    first_difference,
-    noted,
-    split_key,
-)
+from ..._helpers.checks import CarryError, describe, first_difference, noted, split_key
 from ..._helpers.stateful import find_state, get_arg, replace_arg, state_pair
 from ..._scan.buffers import find_buffer, Place, view_of, with_view
 from ..._scan.layer_call import (
@@ -60,11 +54,10 @@ def assemble(
         elif per_step == 1:
             groups.append(Stacked.from_layers(chunk, **options.as_args()))
         else:
-            repeats = []
-            for p in range(0, size, per_step):
-                repeat = chunk[p : p + per_step]
-                inner, inner_layout = assemble(repeat, pattern, options)
-                repeats.append(Pattern(inner, inner_layout, per_step))
+            repeats = [
+                Pattern(*assemble(chunk[p : p + per_step], pattern, options), per_step)
+                for p in range(0, size, per_step)
+            ]
             groups.append(Stacked.from_layers(repeats, **options.as_args()))
         layout.append(Placement(start, size, per_step))
         start += size
@@ -88,8 +81,7 @@ def set_options(
     groups: tuple[Any, ...], layout: tuple[Placement, ...], options: ScanOptions
 ) -> tuple[Any, ...]:
     """`groups` with `options` set on every scanned group, those inside repeated
-    patterns included; other fields (e.g. `layer_sharding`) and lone layers are
-    kept."""
+    patterns included; all else is kept (e.g. `layer_sharding`)."""
     new = []
     for group, place in zip(groups, layout):
         if place.per_step > 1:
@@ -117,10 +109,8 @@ def group_name(group: Any, place: Placement) -> str:
 
 
 def _pattern_step(call: LayerCall) -> PatternStep:
-    """How one repeat of a pattern runs, within the chain's `call`: its
-    layers in the chain's direction, with the chain's method, each given its
-    slice of the repeat's inputs (its key, drop inputs and `per_layer`
-    slices). Returns what a layer would: the carry, or `(carry, ys)`."""
+    """How one repeat of a pattern runs within the chain's `call` (its layers
+    given their slices of the repeat's inputs), returning what a layer would."""
     reads_pairs = call.read_out is not carry_only
 
     def run(repeat: object, x: PyTree, one: OneLayer) -> PyTree:
@@ -279,10 +269,9 @@ def name_groups(
     offset: LayerNumbering,
     axes: tuple[int, ...],
 ) -> tuple[Any, ...]:
-    """`groups` (of a chain, or of one repeat of a pattern) with `fn`
-    applied to what each holds, each layer named by its index in the chain.
-    `offset` numbers this sequence's layers (its first layer's index, and the
-    strides of the repeat axes `axes` in front of its arrays)."""
+    """`groups` (of a chain, or of one repeat of a pattern) with `fn` applied to
+    what each holds; `offset` numbers their layers (with the strides of the
+    repeat axes `axes` in front of their arrays)."""
     new = []
     for group, place in zip(groups, layout):
         first = offset.start + place.start
@@ -316,14 +305,9 @@ def _kinds(groups: tuple[Any, ...], layout: tuple[Placement, ...]) -> list[Any]:
 
 class Pattern(eqx.Module):
     """One repeat of a pattern inside a [`eqxscan.Chain`][]: `K` layers run in
-    order. Stacks of like layers within the pattern are scanned too, so a
-    pattern like `local x5, global` traces two layer bodies.
-
-    A `Chain` stacks the repeats as a `Stacked` of `Pattern`s and scans over them,
-    one pattern step (one repeat) per scan step, running a repeat's layers with
-    the chain's per-call options (direction, method, keys and whether layers
-    return `(carry, y)` pairs).
-    """
+    order, stacks of like layers among them scanned too (`local x5, global`
+    traces two layer bodies). A `Chain` scans a `Stacked` of `Pattern`s, one
+    repeat per scan step."""
 
     groups: tuple[Any, ...]
     layout: tuple[Placement, ...] = eqx.field(static=True)
@@ -349,8 +333,7 @@ class Pattern(eqx.Module):
         key: PRNGKeyArray | None = None,
         **kwargs: PyTree,
     ) -> PyTree:
-        """Run the `K` layers in order, as a `Chain` of them runs (`key` split
-        into `K`, `per_layer` arguments with leading axis `K`)."""
+        """Run the `K` layers in order, as a `Chain` of them runs."""
         who = type(self).__name__
         keys = key if key is None else split_key(key, self.num_layers, who)
         call = LayerCall(args, kwargs, keys, caller="Chain")

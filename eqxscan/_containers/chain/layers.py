@@ -1,5 +1,4 @@
-"""A chain's layers one at a time: what `Chain` answers to "layer `i` as a
-function of the carry" (see `eqxscan._scan.layer_call`), for walks in order
+"""A chain's layers one at a time, as functions of the carry: for walks in order
 (`chain_steps`, early exit) and for traced subsets (`chain_layer_fn`)."""
 
 import functools
@@ -28,9 +27,8 @@ def chain_steps(
     call: LayerCall,
     first: int = 0,
 ) -> tuple[GroupSteps, ...]:
-    """The groups' layers as `GroupSteps` of a walk in order: a lone layer
-    alone, a stack one layer per step, a repeated pattern one pattern step per
-    step (its own groups); `first` is the global index of the first layer."""
+    """The groups' layers as `GroupSteps` of a walk in order (a repeated pattern
+    one repeat per step); `first` is the global index of the first layer."""
     out = []
     for group, place in zip(groups, layout):
         start, per_step = first + place.start, place.per_step
@@ -67,11 +65,9 @@ def _pattern_steps(
 
 
 class _Branch(NamedTuple):
-    """One body of a chain's traced subset: a lone layer or a stack, reached
-    from the chain's groups by `path` (a group index at each level, one level
-    per repeated pattern on the way). Its layer is indexed by one traced index
-    per repeated pattern, then one within a stack (`stacked`); `layers` are the
-    global indices it covers."""
+    """One body of a chain's traced subset: a lone layer or a stack, reached by
+    `path` (a group index per level, one level per repeated pattern), covering
+    the global `layers`."""
 
     path: tuple[int, ...]
     stacked: bool
@@ -82,9 +78,8 @@ class _Branch(NamedTuple):
 def _walk(
     groups: tuple, layout: tuple[Placement, ...], path: tuple[int, ...], reps: tuple
 ) -> Iterator[tuple[tuple[int, ...], bool, tuple[int, ...], str]]:
-    """`(path, stacked, indices, class name)` for each layer of `groups`, in
-    order: which body runs it and the indices (repeats, then within a stack) that
-    pick its weights."""
+    """`(path, stacked, indices, class name)` for each layer of `groups`: which
+    body runs it, and the indices (repeats, then within a stack) of its weights."""
     for j, (group, place) in enumerate(zip(groups, layout)):
         here = path + (j,)
         if place.per_step == 0:
@@ -121,30 +116,23 @@ def _chain_table(chain: Chain) -> tuple[list[_Branch], np.ndarray]:
     for b, path in enumerate(paths):
         layers = tuple(int(g) for g in np.flatnonzero(table[:, 0] == b))
         _, stacked, _, name = walked[layers[0]]
-        branch = _Branch(path, stacked, layers, _describe_layers(layers, name))
-        branches.append(branch)
+        branches.append(_Branch(path, stacked, layers, _describe_layers(layers, name)))
     return branches, table
 
 
 def _branch_layer(chain: Chain, branch: _Branch, row: Int[Array, " w"]) -> object:
-    """The layer of `branch` that `row` (a row of `_chain_table`) picks: the
-    group reached by `branch.path`, indexed by the row's traced indices."""
+    """The layer of `branch` that `row` (of `_chain_table`) picks: indexed by
+    the row's traced indices, one per repeated pattern, then within a stack."""
+    *patterns, last = branch.path
     groups: tuple = chain.groups
-    group: Any = None
-    indices = []
-    for level, j in enumerate(branch.path):
-        group = groups[j]
-        if level < len(branch.path) - 1:  # a repeated pattern: pick the repeat
-            indices.append(row[1 + level])
-            groups = group.layers.groups
+    for j in patterns:
+        groups = groups[j].layers.groups
+    group = groups[last]
     tree = group.layers if branch.stacked else group
-    if branch.stacked:  # then the layer within the stack
-        indices.append(row[len(branch.path)])
-    for i in indices:
-        tree = index(tree, i)
+    for level in range(1, len(branch.path) + branch.stacked):
+        tree = index(tree, row[level])
     if branch.stacked and group.layer_sharding is not None:
-        dyn, static = eqx.partition(tree, eqx.is_array)
-        tree = eqx.combine(constrain(dyn, group.layer_sharding), static)
+        tree = constrain(tree, group.layer_sharding)
     return tree
 
 
@@ -155,12 +143,11 @@ def chain_layer_fn(
     carry_static: PyTree,
     hint: str,
 ) -> Callable[[Int[Array, ""], PyTree], PyTree]:
-    """Layer `g` (a traced global index) of `chain` as a function of the carry,
-    `fn(g, carry)`: a `lax.switch` on the body that holds the layer, which reads
-    its one layer from its group's stacked weights (a lone layer as it is).
-    Every body is traced once and must return a carry like the one it
-    receives (a `TypeError` naming the layer, with `hint`, otherwise).
-    `name_inputs` names what a body reads as the step's inputs."""
+    """Layer `g` (a traced global index) of `chain` as `fn(g, carry)`: a
+    `lax.switch` on the body that holds the layer, which reads its one layer from
+    its group's stacked weights. Every body must return a carry like the one it
+    receives (else a `TypeError` naming the layer, with `hint`). `name_inputs`
+    names what a body reads as the step's inputs."""
     branches, table = _chain_table(chain)
     rows = jnp.asarray(table)
 
