@@ -164,3 +164,7 @@ def test_stateful_chain(getkey, mode):
     mean, _ = state.get(chain.groups[1].layers.norm.ema_state_index)
     ref_mean, _ = ref_states[2].get(ref_layers[2].norm.ema_state_index)
     np.testing.assert_allclose(mean[2], ref_mean, rtol=1e-5, atol=1e-6)
+    # `scan` carries only x: a state given as its first extra argument is refused
+    # by name, not taken for something else.
+    with pytest.raises(TypeError, match="Chain.scan does not take an eqx.nn.State"):
+        chain.scan(xs[0], state)

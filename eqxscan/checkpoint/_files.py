@@ -2,7 +2,6 @@
 ones, the removal of those killed writers left, fsyncs of directories), and what
 the readers share: lazy arrays, the error for a corrupt file, digests, lists."""
 
-import contextlib
 import hashlib
 import os
 import re
@@ -135,11 +134,14 @@ def remove_stale(directory: str, prefix: str) -> None:
         except OSError:
             continue
         # An OSError: locked by a save in progress, or not ours to remove.
-        with contextlib.suppress(OSError):
+        try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             if os.stat(full).st_ino == os.fstat(fd).st_ino:
                 os.remove(full)
-        os.close(fd)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
 
 def fsync_dir(directory: str) -> None:
@@ -148,6 +150,9 @@ def fsync_dir(directory: str) -> None:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:
         return
-    with contextlib.suppress(OSError):
+    try:
         os.fsync(fd)
-    os.close(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

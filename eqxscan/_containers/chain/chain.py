@@ -305,7 +305,7 @@ class Chain(Scanning):
             given = view_of(args, kwargs, at)
             tree = check_chain_buffers(given.tree, self)
             args, kwargs = with_view(args, kwargs, at, given.of(tree.groups))
-        if scan and find_state(args, kwargs):
+        if scan and find_state(args, kwargs) is not None:
             raise TypeError(
                 "Chain.scan does not take an eqx.nn.State; call the chain instead: "
                 "`x, state = chain(x, state)`."
