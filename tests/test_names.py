@@ -229,6 +229,18 @@ def test_maps_that_do_not_fit_are_named():
             | {"blocks.{i}.wqkv": fused}
         ).export(_model())
     assert "'blocks.2.wqkv' float32[8, 16]" in str(e.value)
+    # An axis the array lacks is refused by name, not wrapped around (axis 2 of
+    # a 2-d array was taken as axis 0) or divided by zero (a 0-d array).
+    wrapped = Rule(("q.{i}", "k.{i}", "v.{i}"), Split(2, (4, 2, 2)))
+    with pytest.raises(ValueError, match=r"has no axis 2 in shape \[8, 16\]"):
+        NameMap(
+            {"embed": "e", "blocks.{i}.norm": "n.{i}", "blocks.{i}.wo": "o.{i}"}
+            | {"blocks.{i}.wqkv": wrapped}
+        ).export(_model())
+    with pytest.raises(ValueError, match=r"Join\(0\) has no axis 0 in shape \[\]"):
+        Join(0).shapes([(), ()])
+    with pytest.raises(ValueError, match=r"Split\(-1, \(1,\)\) has no axis -1"):
+        Split(-1, (1,)).shapes([()])
     with pytest.raises(ValueError, match="needs a Split as its last operation"):
         NameMap({"a": Rule(("b", "c"))})
     with pytest.raises(ValueError, match="same ones"):

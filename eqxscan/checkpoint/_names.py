@@ -31,6 +31,13 @@ _PLACEHOLDER = re.compile(r"\{([A-Za-z_]\w*)\}")
 # loading, given the shapes before it.
 
 
+def _axis(op: str, axis: int, shape: Shape) -> int:
+    # An axis the shape does not have is refused, not wrapped around.
+    if not -len(shape) <= axis < len(shape):
+        raise ValueError(f"{op} has no axis {axis} in shape {list(shape)}")
+    return axis % len(shape)
+
+
 @dataclasses.dataclass(frozen=True)
 class Transpose:
     """Permute the axes (`axes=None` reverses them: `[in, out]` <-> `[out, in]`)."""
@@ -86,7 +93,7 @@ class Split:
 
     def shapes(self, shapes: list[Shape]) -> list[Shape]:
         (shape,) = shapes
-        ax = self.axis % len(shape)
+        ax = _axis(f"Split({self.axis}, {self.sizes})", self.axis, shape)
         if sum(self.sizes) != shape[ax]:
             raise ValueError(
                 f"Split({self.axis}, {self.sizes}) does not fit shape {list(shape)}"
@@ -110,7 +117,7 @@ class Join:
 
     def shapes(self, shapes: list[Shape]) -> list[Shape]:
         first = shapes[0]
-        ax = self.axis % len(first)
+        ax = _axis(f"Join({self.axis})", self.axis, first)
         if any(
             len(s) != len(first) or s[:ax] + s[ax + 1 :] != first[:ax] + first[ax + 1 :]
             for s in shapes
