@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Literal, Protocol, runtime_checkable
 
 import equinox as eqx
+import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, PyTree
@@ -21,6 +22,43 @@ syntax, layer indices shown as `*`), or a module type whose `weight` is replaced
 (e.g. `eqx.nn.Linear`)."""
 
 Orientation = Literal["x@W", "W@x"]
+
+
+def check_matmul(
+    where: str,
+    weight: str,
+    shape: tuple[int, ...],
+    orientation: Orientation,
+    op: str,
+    used_as: Orientation,
+    x: object,
+    *,
+    maker: str,
+) -> None:
+    """The errors of a stand-in weight (`where`, described as `weight`, of
+    `shape`, made by `maker` for `orientation`) used as `op` (which computes
+    `used_as`) on `x`: one layer's weight and x's size along the contracted axis."""
+    got = jnp.shape(x)  # pyright: ignore[reportArgumentType]
+    x_axis, w_axis = (-1, 0) if used_as == "x@W" else (-2 if len(got) > 1 else -1, 1)
+    if orientation != used_as:
+        other = " @ ".join(reversed(op.split(" @ ")))
+        raise TypeError(
+            f"{where} has orientation {orientation!r} but was used as `{op}`; it "
+            f"computes `{other}` only.\nHint: pass orientation={used_as!r} to "
+            f"{maker} for a layer that computes `{op}`."
+        )
+    if len(shape) != 2:
+        raise TypeError(
+            f"{where} ({weight}) has {len(shape) - 2} layer axes in front; `{op}` "
+            "takes one layer's weight.\nHint: it is used inside its Stacked's "
+            "layers, which the scan hands one layer each; or index the stack first."
+        )
+    if len(got) == 0 or got[x_axis] != shape[w_axis]:
+        raise TypeError(
+            f"{where}: `{op}` got x of shape {tuple(got)}, but it is {weight} "
+            f"({used_as}), so x's axis {x_axis} must have size {shape[w_axis]}."
+            "\nHint: check the layer's input shape."
+        )
 
 
 @runtime_checkable

@@ -11,6 +11,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
+from .._internal import check_matmul
 from ..quant import Quantized
 
 
@@ -91,7 +92,7 @@ class LoRA(eqx.Module):
 
     def __rmatmul__(self, x: Array | np.ndarray) -> Array:
         """`x @ lora`, for orientation `"x@W"`: `x` is `[..., in]`."""
-        self._check("x @ lora", "x@W", x, -1, 0)
+        self._check("x @ lora", "x@W", x)
         x = jnp.asarray(x)
         k = self._adapter()
         delta = (self._dropped(x) @ self.a[k]) @ self.b[k]
@@ -99,7 +100,7 @@ class LoRA(eqx.Module):
 
     def __matmul__(self, x: Array | np.ndarray) -> Array:
         """`lora @ x`, for orientation `"W@x"`: `x` is `[in]` or `[..., in, n]`."""
-        self._check("lora @ x", "W@x", x, -2 if jnp.ndim(x) > 1 else -1, 1)
+        self._check("lora @ x", "W@x", x)
         x = jnp.asarray(x)
         k = self._adapter()
         delta = self.b[k] @ (self.a[k] @ self._dropped(x))
@@ -131,33 +132,13 @@ class LoRA(eqx.Module):
         keep = jr.bernoulli(self.key, 1.0 - self.dropout, x.shape)
         return jnp.where(keep, x / (1.0 - self.dropout), jnp.zeros((), x.dtype))
 
-    def _check(
-        self, op: str, orientation: Orientation, x: object, x_axis: int, w_axis: int
-    ) -> None:
+    def _check(self, op: str, used_as: Orientation, x: object) -> None:
         where = f"The LoRA at `{self.name or '<unnamed>'}`"
-        if self.orientation != orientation:
-            other = "lora @ x" if orientation == "x@W" else "x @ lora"
-            raise TypeError(
-                f"{where} has orientation {self.orientation!r} but was used as "
-                f"`{op}`; it computes `{other}` only.\nHint: pass "
-                f"orientation={orientation!r} to add_lora for a layer that "
-                f"computes `{op}`."
-            )
-        if self.base.ndim != 2:
-            raise TypeError(
-                f"{where} has base {_shape(self.base)} with "
-                f"{self.base.ndim - 2} layer axes in front; `{op}` takes one "
-                "layer's weight.\nHint: it is used inside its Stacked's layers, "
-                "which the scan hands one layer each; or index the stack first."
-            )
-        shape = jnp.shape(x)  # pyright: ignore[reportArgumentType]
-        if len(shape) == 0 or shape[x_axis] != self.base.shape[w_axis]:
-            raise TypeError(
-                f"{where}: `{op}` got x of shape {tuple(shape)}, but the base is "
-                f"{_shape(self.base)} ({orientation}), so x's axis {x_axis} must "
-                f"have size {self.base.shape[w_axis]}.\nHint: check the layer's "
-                "input shape."
-            )
+        weight = f"base {_shape(self.base)}"
+        shape = self.base.shape
+        check_matmul(
+            where, weight, shape, self.orientation, op, used_as, x, maker="add_lora"
+        )
 
     def _unsupported(self, *_: object, **__: object) -> NoReturn:
         raise TypeError(

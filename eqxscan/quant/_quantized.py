@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Shaped
 
+from .._internal import check_matmul
+
 
 Orientation = Literal["x@W", "W@x"]
 """How a layer uses its weight, as for [`eqxscan.adapters.LoRA`][]: `x @ W`
@@ -151,7 +153,7 @@ class Quantized(eqx.Module):
 
     def __rmatmul__(self, x: Array | np.ndarray) -> Array:
         """`x @ q`, for orientation `"x@W"`: `x` is `[..., in]`."""
-        self._check("x @ q", "x@W", x, -1, 0)
+        self._check("x @ q", "x@W", x)
         x = jnp.asarray(x)
         if self.kind == "int4":
             low, high = self._int4_halves()
@@ -160,7 +162,7 @@ class Quantized(eqx.Module):
 
     def __matmul__(self, x: Array | np.ndarray) -> Array:
         """`q @ x`, for orientation `"W@x"`: `x` is `[in]` or `[..., in, n]`."""
-        self._check("q @ x", "W@x", x, -2 if jnp.ndim(x) > 1 else -1, 1)
+        self._check("q @ x", "W@x", x)
         x = jnp.asarray(x)
         if self.kind == "int4":
             low, high = self._int4_halves()
@@ -185,33 +187,18 @@ class Quantized(eqx.Module):
         halves = (_grouped(h, scales).astype(self.dtype) for h in _nibbles(values))
         return self._in_out(*halves)
 
-    def _check(
-        self, op: str, orientation: Orientation, x: object, x_axis: int, w_axis: int
-    ) -> None:
+    def _check(self, op: str, used_as: Orientation, x: object) -> None:
         where = f"The Quantized weight at `{self.name or '<unnamed>'}`"
-        if self.orientation != orientation:
-            other = "q @ x" if orientation == "x@W" else "x @ q"
-            raise TypeError(
-                f"{where} has orientation {self.orientation!r} but was used as "
-                f"`{op}`; it computes `{other}` only.\nHint: pass "
-                f"orientation={orientation!r} to quantize for a layer that "
-                f"computes `{op}`."
-            )
-        if self.ndim != 2:
-            raise TypeError(
-                f"{where} is {describe(self)} with {self.ndim - 2} layer axes in "
-                f"front; `{op}` takes one layer's weight.\nHint: it is used inside "
-                "its Stacked's layers, which the scan hands one layer each; or "
-                "index the stack first."
-            )
-        shape = jnp.shape(x)  # pyright: ignore[reportArgumentType]
-        if len(shape) == 0 or shape[x_axis] != self.shape[w_axis]:
-            raise TypeError(
-                f"{where}: `{op}` got x of shape {tuple(shape)}, but the weight is "
-                f"{describe(self)} ({orientation}), so x's axis {x_axis} must "
-                f"have size {self.shape[w_axis]}.\nHint: check the layer's input "
-                "shape."
-            )
+        check_matmul(
+            where,
+            describe(self),
+            self.shape,
+            self.orientation,
+            op,
+            used_as,
+            x,
+            maker="quantize",
+        )
 
     def _unsupported(self, *_: object, **__: object) -> NoReturn:
         raise TypeError(
