@@ -41,7 +41,7 @@ def layer_buffers(model: Stacked | Chain, make: MakeBuffer) -> PyTree:
     copies.
     """
     if isinstance(model, Stacked):
-        return eqx.filter_jit(lambda m: _run(m, make, 0, "Stacked"))(model)
+        return eqx.filter_jit(lambda m: _run(m, make, 0))(model)
     if isinstance(model, Chain):
 
         def build(chain: Chain) -> LayerBuffers:
@@ -67,26 +67,21 @@ def _groups(
         if span.per_step == 0:
             parts.append(_made(make, start, group))
         elif span.per_step == 1:
-            parts.append(_run(group, make, start, "Chain"))
+            parts.append(_run(group, make, start))
         else:
-            reps = []
-            for r in range(span.size // span.per_step):
-                unit = group[r]
-                assert isinstance(unit, Pattern)
-                reps.append(
-                    _groups(unit.groups, unit.layout, make, start + r * span.per_step)
-                )
-            parts.append(
-                _stack(reps, [start + r * span.per_step for r in range(len(reps))])
-            )
+            # A repeated pattern: each repeat's groups, stacked over the repeats.
+            starts = range(start, start + span.size, span.per_step)
+            units = [group[r] for r in range(len(starts))]
+            assert all(isinstance(u, Pattern) for u in units)
+            reps = [_groups(u.groups, u.layout, make, s) for u, s in zip(units, starts)]
+            parts.append(_stack(reps, list(starts)))
     return tuple(parts)
 
 
-def _run(stack: Stacked, make: MakeBuffer, start: int, who: str) -> PyTree:
+def _run(stack: Stacked, make: MakeBuffer, start: int) -> PyTree:
     # A run's buffers, stacked: checked alike, since one scan body reads them.
-    del who
     made = [_made(make, start + j, stack[j]) for j in range(stack.num_layers)]
-    return _stack(made, [start + j for j in range(stack.num_layers)])
+    return _stack(made, list(range(start, start + stack.num_layers)))
 
 
 def _made(make: MakeBuffer, i: int, layer: object) -> PyTree:
