@@ -32,8 +32,7 @@ Verdict = Literal["same", "different", "unknown"]
 
 class Difference(NamedTuple):
     """Where two layers differ: the leaf path, both values described, and whether
-    the values really differ (`"different"`) or can only be told apart by
-    identity (`"unknown"`)."""
+    they differ (`"different"`) or only by identity (`"unknown"`)."""
 
     path: str
     a: str
@@ -51,18 +50,13 @@ def _describe(x: object) -> str:
     return describe(x)
 
 
-def _uses_identity(x: object) -> bool:
-    return type(x).__eq__ is object.__eq__
-
-
 def _concrete_equal(a: object, b: object) -> Verdict:
     # Arrays closed over by a function: compare values when they are concrete.
     if isinstance(a, jax.core.Tracer) or isinstance(b, jax.core.Tracer):
         return "unknown"
     a, b = np.asarray(a), np.asarray(b)
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return "different"
-    return "same" if np.array_equal(a, b) else "different"
+    same = a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b)
+    return "same" if same else "different"
 
 
 def _all(verdicts: Iterable[Verdict]) -> Verdict:
@@ -98,9 +92,8 @@ def _function(a: types.FunctionType, b: types.FunctionType) -> Verdict:
 
 
 def value_verdict(a: object, b: Any) -> Verdict:
-    """Whether two non-array values (static data, functions) are the same."""
-    # `b: Any`: past `type(a) is type(b)`, `b` has `a`'s type, which narrowing
-    # `a` does not carry over to `b`.
+    """Whether two non-array values (static data, functions) are the same (`b:
+    Any`: past `type(a) is type(b)` it has `a`'s type, which pyright cannot see)."""
     if a is b:
         return "same"
     if eqx.is_array(a) or eqx.is_array(b) or isinstance(a, np.ndarray):
@@ -143,7 +136,8 @@ def value_verdict(a: object, b: Any) -> Verdict:
             return "same"
     except Exception:
         return "unknown"
-    return "unknown" if _uses_identity(a) else "different"
+    # An object without `__eq__` compares by identity only.
+    return "unknown" if type(a).__eq__ is object.__eq__ else "different"
 
 
 def compare(a: PyTree, b: PyTree, path: str = "") -> Difference | None:
@@ -182,9 +176,8 @@ def alike(a: PyTree, b: PyTree) -> bool:
 
 
 def stack_alike(layers: list[PyTree]) -> PyTree:
-    """Stack layers that are [`alike`][eqxscan._helpers.stackable.alike] leaf by
-    leaf on a new axis 0. Non-array data is taken from the first layer, so layers
-    that differ only by identity end up sharing its objects."""
+    """Stack `alike` layers on a new axis 0. Non-array data is the first layer's,
+    so layers that differ only by identity end up sharing its objects."""
     first, treedef = jtu.tree_flatten(layers[0])
     columns = [first] + [jtu.tree_leaves(layer) for layer in layers[1:]]
     stacked = [
@@ -198,8 +191,7 @@ def check_alike(
     layers: list[PyTree], what: str, names: tuple[str, str] | None = None
 ) -> None:
     """Raise `ValueError` naming the first layer that cannot share a body with
-    layer 0: its index, the leaf path and both values. `names` names the two
-    layers when there are only two (instead of "layer 0" and "layer 1")."""
+    layer 0, the leaf path and both values (`names`: of two layers)."""
     if len(layers) == 0:
         raise ValueError(f"{what}: need at least one layer, got an empty sequence.")
     for i, layer in enumerate(layers[1:], start=1):
