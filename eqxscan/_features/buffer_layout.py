@@ -27,18 +27,16 @@ def layer_buffers(model: Stacked | Chain, make: MakeBuffer) -> PyTree:
 
     - `model`: a [`eqxscan.Stacked`][] or a [`eqxscan.Chain`][].
     - `make`: `make(i, layer)` returns layer `i`'s buffer, a pytree of arrays
-      (e.g. `jnp.zeros` of the layer's cache shape) or `None` for a layer that
-      keeps none. Layers scanned together (a run of like layers, the same
-      position in every repeat of a pattern) need buffers of one structure,
-      shape and dtype.
+      (e.g. `jnp.zeros` of its cache shape) or `None`. Layers scanned together
+      (a run of like layers, one position in every repeat of a pattern) need
+      buffers of one structure, shape and dtype.
 
     **Returns:**
 
     For a `Stacked`, the buffers stacked on a leading layer axis; for a `Chain`,
-    a [`eqxscan.LayerBuffers`][] laid out as its groups, whose bytes are the sum
-    of the layers' own. Pass it as `eqxscan.buffer(...)`. It is built in one
-    compiled program, so the stacked buffer is made once, never assembled from
-    copies.
+    a [`eqxscan.LayerBuffers`][] laid out as its groups (the sum of the layers'
+    own bytes). Pass it as `eqxscan.buffer(...)`. It is built in one compiled
+    program, never assembled from copies.
     """
     if isinstance(model, Stacked):
         return eqx.filter_jit(lambda m: _run(m, make, 0))(model)

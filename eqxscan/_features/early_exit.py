@@ -39,18 +39,11 @@ from .._scan.taps import tapping
 
 
 Bound = int | np.integer | Array
-"""A layer count: an int (checked) or an integer scalar array, which may be
-traced (clamped)."""
+"""A layer count: an int (checked) or an integer scalar array (traced: clamped)."""
 
 Predicate = Callable[[PyTree], Bool[Array, ""] | Bool[Array, " B"] | bool]
 """`predicate(carry) -> bool`: a scalar for the whole batch, or one bool per
 example (`[B]`, the carry's leading axis) with `per_example=True`."""
-
-_PREDICATE_HINT = (
-    "Hint: return a comparison, e.g. `lambda x: jnp.max(jnp.abs(x)) > 3.0` for "
-    "the whole batch, or one bool per example with per_example=True, e.g. "
-    "`lambda x: jnp.linalg.norm(x, axis=-1) > 3.0`."
-)
 
 
 class _Exit(NamedTuple):
@@ -132,7 +125,10 @@ def _halts(ex: _Exit, carry: PyTree) -> Array:
         expected = f"bool[{ex.batch}]" if ex.per_example else "a bool scalar"
         raise TypeError(
             f"The predicate of {ex.who} must return {expected}, got "
-            f"{describe(out)}.\n{_PREDICATE_HINT}"
+            f"{describe(out)}.\nHint: return a comparison, e.g. `lambda x: "
+            "jnp.max(jnp.abs(x)) > 3.0` for the whole batch, or one bool per "
+            "example with per_example=True, e.g. `lambda x: "
+            "jnp.linalg.norm(x, axis=-1) > 3.0`."
         )
     return jnp.asarray(out)
 
@@ -169,13 +165,11 @@ def _advance(
             return jnp.where(mask, b, a)
 
         new_dyn = jtu.tree_map(keep, state.carry, new_dyn)
-    step = run.astype(jnp.int32)
     i = state.i + (_active(ex, state).astype(jnp.int32) if ex.masked else 1)
-    count = state.layers_run + step
     halted = state.halted | (
         (i >= ex.min_layers) & _halts(ex, eqx.combine(new_dyn, c_static))
     )
-    return _State(i, new_dyn, halted, count)
+    return _State(i, new_dyn, halted, state.layers_run + run.astype(jnp.int32))
 
 
 def _repeat(
@@ -318,31 +312,27 @@ def run_until(
 
     **Arguments:**
 
-    - `model`: an [`eqxscan.Stacked`][] or an [`eqxscan.Chain`][] (whose layers
-      must keep the carry's structure, shapes and dtypes; layer indices are the
-      chain's).
+    - `model`: an [`eqxscan.Stacked`][] or an [`eqxscan.Chain`][] (its layers
+      must keep the carry's structure, shapes and dtypes; a chain's indices).
     - `x`: the carry.
     - `predicate`: `predicate(carry) -> bool scalar`; with `per_example=True`,
       one bool per example (`[B]`, over the carry's leading axis).
-    - `*args`, `**kwargs`: passed to every layer, except values wrapped in
-      [`eqxscan.per_layer`][], which are sliced per layer (by its index in the
-      model).
-    - `per_example`: freeze each example once its predicate holds: its carry
-      stops changing (a select: what the layer computes for a halted row is
-      discarded, NaNs included), while the layers run on for the others until
-      all have halted (or `max_layers`).
+    - `*args`, `**kwargs`: passed to every layer; [`eqxscan.per_layer`][]
+      values are sliced by the layer's index in the model.
+    - `per_example`: freeze each example once its predicate holds (a select:
+      what a layer computes for a halted row is discarded, NaNs included),
+      while the others run on until all have halted (or `max_layers`).
     - `min_layers`, `max_layers`: bounds on the layers run (default `0` and
       `len(model)`). Ints are checked; traced integer scalars (one program for
       every bound) are clamped to `[0, len(model)]`.
-    - `key`: split into `len(model)` keys as for a call: layer `i` gets
-      `keys[i]`, so the layers that run get the keys of a full call.
+    - `key`: split into `len(model)` keys: layer `i` gets `keys[i]`, as in a
+      full call.
     - `method`: as for [`eqxscan.Stacked.__call__`][].
 
     **Returns:**
 
-    `(carry, layers_run)`: the carry after the last layer that ran (per
-    example: after its own last layer) and how many layers ran, an `int32`
-    scalar (`[B]` per example).
+    `(carry, layers_run)`: the carry after the last layer that ran (per example,
+    its own) and how many layers ran, an `int32` scalar (`[B]` per example).
 
     With `mode="scan"` this is a `jax.lax.while_loop` over the stacked layers
     (a lone layer of a chain sits behind a `lax.cond`), so layers after the exit

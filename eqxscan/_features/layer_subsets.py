@@ -146,8 +146,8 @@ def run_layers(
     method: Method | None = None,
     **kwargs: PyTree,
 ) -> PyTree:
-    """Run only the chosen layers of `model`, in the order given: progressive
-    growing, depth-wise fine-tuning, a draft model of a model's first layers.
+    """Run only the chosen layers of `model`, in the order given (progressive
+    growing, depth-wise fine-tuning, a draft model of the first layers).
 
     **Arguments:**
 
@@ -155,15 +155,14 @@ def run_layers(
     - `x`: the carry.
     - `layers`: a slice (`slice(i, j)` runs layers `i..j-1`) or a sequence of
       ints (negative counting from the end), checked; or an integer array of
-      layer indices (the chain's global indices for a `Chain`), which may be
-      traced: every choice of the same length runs in one compiled program.
-      Traced indices cannot be checked and are clamped to `[0, L-1]`; concrete
-      arrays are checked. Indices may repeat (a layer run twice).
-    - `*args`, `**kwargs`: passed to every layer; values wrapped in
-      [`eqxscan.per_layer`][] have the model's `L` layers first and the chosen
-      layers get their own slices.
-    - `key`: split into `len(model)` keys as for a full call; chosen layer `i`
-      gets `keys[i]`, the key it has in a full run.
+      layer indices (a chain's global indices), checked when concrete, clamped
+      to `[0, L-1]` when traced (every choice of one length runs in one
+      program). Indices may repeat (a layer run twice).
+    - `*args`, `**kwargs`: passed to every layer; [`eqxscan.per_layer`][]
+      values have the model's `L` layers first, and the chosen layers get
+      their own slices.
+    - `key`: split into `len(model)` keys; chosen layer `i` gets `keys[i]`, as
+      in a full call.
     - `method`: as for [`eqxscan.Stacked.__call__`][].
 
     **Returns:**

@@ -161,7 +161,6 @@ def _exactly_equal(a: object, b: object, path: str) -> Found | None:
 def first_difference(
     a: PyTree,
     b: PyTree,
-    path: str = "",
     leaf: Callable[[object, object, str], Found | None] = _exactly_equal,
 ) -> Found | None:
     """The first place where two pytrees differ in structure, static data, shape or
@@ -212,7 +211,7 @@ def first_difference(
         diffs = (walk(x, y, path + where) for x, y, where in pairs)
         return next((d for d in diffs if d is not None), None)
 
-    return walk(a, b, path)
+    return walk(a, b, "")
 
 
 def same_leaf(x: object, y: object) -> bool:
@@ -320,11 +319,12 @@ def check_takes_key(fn: object, what: str, per: str) -> None:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # no signature to read: let the call decide
         return
-    for p in signature.parameters.values():
-        if p.kind is p.VAR_KEYWORD or (
-            p.name == "key" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
-        ):
-            return
+    if any(
+        p.kind is p.VAR_KEYWORD
+        or (p.name == "key" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
+        for p in signature.parameters.values()
+    ):
+        return
     if inspect.isfunction(fn) or inspect.ismethod(fn):
         name = target = fn.__qualname__
     else:

@@ -42,14 +42,9 @@ def align(shardings: object, tree: PyTree) -> PyTree:
 def constrain(
     tree: T, shardings: Checked[Sharding | PyTree[Sharding | None] | None]
 ) -> T:
-    """Constrain the array leaves of `tree` to `shardings` (one `Sharding` or a
-    pytree prefix of `tree`, matched by key path; `None` entries leave their
-    subtree alone).
-
-    This is `jax.lax.with_sharding_constraint` on `Auto` mesh axes and
-    `jax.sharding.reshard` on `Explicit` ones; both also place concrete arrays
-    outside `jit`. Non-array leaves pass through.
-    """
+    """Constrain the array leaves of `tree` to `shardings`, matched as `align`
+    does (`None` leaves a subtree alone): `with_sharding_constraint` on `Auto`
+    mesh axes, `reshard` on `Explicit` ones (both also place concrete arrays)."""
     dyn, static = eqx.partition(tree, eqx.is_array)
 
     def one(sharding: object, leaf: object) -> object:
@@ -94,7 +89,7 @@ def layers_may_be_sharded(tree: PyTree) -> bool:
     return False
 
 
-def check_layer_sharding(layer_sharding: object, layers: PyTree = None) -> None:
+def check_layer_sharding(layer_sharding: object, layers: PyTree) -> None:
     """Raise unless `layer_sharding` is `None`, a `Sharding`, or a pytree of them
     (and `None`): a prefix of one layer's arrays in `layers` (no layer axis)."""
     if layer_sharding is None or isinstance(layer_sharding, Sharding):
@@ -121,8 +116,6 @@ def check_layer_sharding(layer_sharding: object, layers: PyTree = None) -> None:
             "layer's own structure, e.g. jax.tree.map(f, eqx.filter(stack.layers, "
             "eqx.is_array)), or a tuple."
         ) from None
-    if layers is None:
-        return
     arrays = eqx.filter(layers, eqx.is_array)
     try:
         jtu.tree_map(lambda s, x: None, layer_sharding, arrays, is_leaf=is_none)

@@ -80,15 +80,12 @@ def _function(a: types.FunctionType, b: types.FunctionType) -> Verdict:
     # what may differ is what each instance captured.
     if a.__code__ is not b.__code__ or a.__globals__ is not b.__globals__:
         return "different"
-    cells_a = [c.cell_contents for c in a.__closure__ or ()]
-    cells_b = [c.cell_contents for c in b.__closure__ or ()]
-    return _all(
-        [
-            _sequence(a.__defaults__ or (), b.__defaults__ or ()),
-            value_verdict(a.__kwdefaults__ or {}, b.__kwdefaults__ or {}),
-            _sequence(cells_a, cells_b),
-        ]
-    )
+
+    def parts(f: types.FunctionType) -> tuple[object, ...]:
+        cells = [c.cell_contents for c in f.__closure__ or ()]
+        return f.__defaults__ or (), f.__kwdefaults__ or {}, cells
+
+    return _sequence(parts(a), parts(b))
 
 
 def value_verdict(a: object, b: Any) -> Verdict:
@@ -104,22 +101,11 @@ def value_verdict(a: object, b: Any) -> Verdict:
         # A bare `object()` is only ever a unique marker (e.g. `StateIndex`'s).
         return "same"
     if isinstance(a, functools.partial):
-        return _all(
-            [
-                value_verdict(a.func, b.func),
-                _sequence(a.args, b.args),
-                value_verdict(a.keywords, b.keywords),
-            ]
-        )
+        return _sequence((a.func, a.args, a.keywords), (b.func, b.args, b.keywords))
     if isinstance(a, types.FunctionType):
         return _function(a, b)
     if isinstance(a, types.MethodType):
-        return _all(
-            [
-                value_verdict(a.__func__, b.__func__),
-                value_verdict(a.__self__, b.__self__),
-            ]
-        )
+        return _sequence((a.__func__, a.__self__), (b.__func__, b.__self__))
     if isinstance(a, (tuple, list)):
         return _sequence(a, b)
     if isinstance(a, dict):
@@ -140,7 +126,7 @@ def value_verdict(a: object, b: Any) -> Verdict:
     return "unknown" if type(a).__eq__ is object.__eq__ else "different"
 
 
-def compare(a: PyTree, b: PyTree, path: str = "") -> Difference | None:
+def compare(a: PyTree, b: PyTree) -> Difference | None:
     """The first place where two layers differ in a way that keeps them from
     sharing one body: structure, shape, dtype or non-array data. A difference
     that can only be judged by identity is reported only if nothing really
@@ -157,7 +143,7 @@ def compare(a: PyTree, b: PyTree, path: str = "") -> Difference | None:
             return None
         return found
 
-    diff = first_difference(a, b, path, leaf=leaf)
+    diff = first_difference(a, b, leaf=leaf)
     if diff is not None:
         return Difference(*diff, "different")
     return unknown[0] if unknown else None

@@ -196,9 +196,8 @@ class StackedMLP(Scanning):
           `model.with_options(drop_path=...)`.
         - `mode`, `remat`, `unroll`: as for [`eqxscan.Stacked`][].
         - `blocks`: instead of `dim`, `num_layers` and `key`, a `Stacked` of
-          [`eqxscan.MLPBlock`][]s to hold (its options, drop rates included,
-          are kept);
-          [`eqxscan.StackedMLP.from_layers`][] stacks a list.
+          [`eqxscan.MLPBlock`][]s to hold, options and drop rates kept
+          ([`eqxscan.StackedMLP.from_layers`][] stacks a list).
         """
         if blocks is not None:
             if not (

@@ -170,9 +170,7 @@ def with_remat(model: M, remat: Remat, unroll: Unroll | None = None) -> M:
     """`model` with `remat` (and `unroll`, unless `None`) set on every
     scanning module in it (`Stacked`, `Chain`, `Recurrent`, `StackedMLP`; the
     outermost ones, which pass it on)."""
-    options: dict[str, Remat | Unroll] = {"remat": remat}
-    if unroll is not None:
-        options["unroll"] = unroll
+    options = {"remat": remat} if unroll is None else {"remat": remat, "unroll": unroll}
     return jtu.tree_map(
         lambda x: x.with_options(**options) if _is_scan(x) else x,
         model,
