@@ -335,16 +335,15 @@ def run_until(
     its own) and how many layers ran, an `int32` scalar (`[B]` per example).
 
     With `mode="scan"` this is a `jax.lax.while_loop` over the stacked layers
-    (a lone layer of a chain sits behind a `lax.cond`), so layers after the exit
-    cost nothing. `while_loop` has no reverse-mode derivative, so `jax.grad`
-    through `run_until` fails (JAX's error names `while_loop`): it is for
-    inference (forward-mode `jax.jvp` and `jax.vmap` work). With `mode="loop"` (the
-    reference) every layer runs in Python and its result is discarded after the
-    exit. `remat=` has no effect. Under `jax.vmap` a whole-batch exit becomes
-    per mapped example. Stateful layers (an `eqx.nn.State` argument) are not
-    supported. Outside `jit` every call compiles afresh: call it inside
-    `eqx.filter_jit`, with what the predicate compares against as an argument
-    (one program for every value).
+    (a chain's lone layer behind a `lax.cond`), so layers after the exit cost
+    nothing; `jax.grad` through it fails (`while_loop` has no reverse-mode
+    derivative): it is for inference (`jax.jvp` and `jax.vmap` work). With
+    `mode="loop"` (the reference) every layer runs in Python and its result is
+    discarded after the exit. `remat=` has no effect. Under `jax.vmap` a
+    whole-batch exit becomes per mapped example. Stateful layers (an
+    `eqx.nn.State` argument) are not supported. Outside `jit` every call
+    compiles afresh: call it inside `eqx.filter_jit`, with what the predicate
+    compares against as an argument (one program for every value).
     """
     call = checked_call(model, args, kwargs, key, method, "run_until")
     if tapping():

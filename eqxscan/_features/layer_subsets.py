@@ -18,7 +18,6 @@ from .._helpers.checks import describe
 from .._helpers.constrain import layers_may_be_sharded
 from .._scan.engine import named_inputs, run
 from .._scan.layer_call import (
-    Indices,
     LayerCall,
     Method,
     run_one,
@@ -90,12 +89,15 @@ def _dynamic_indices(layers: Array, length: int, who: str) -> Array:
 def _scan_indices(
     model: Stacked | Chain, x: PyTree, idx: Int[Array, " n"], call: LayerCall
 ) -> PyTree:
-    """The carry after the layers `idx` (traced): each scan step reads its layer
-    from the whole model (no copy; gradients scatter back to it)."""
+    """The carry after the layers `idx` (an index array): each scan step reads
+    its layer from the whole model (no copy; gradients scatter back to it), and
+    knows its global index."""
+    check_layers_method(model, call.method)
     options: ScanOptions = model.options
     name = named_inputs(options)
     c_static = eqx.filter(x, eqx.is_array, inverse=True)
     if isinstance(model, Stacked):
+        call = call._replace(caller="Stacked")
         cls = type(model.layers).__name__
         body = f"The stacked layer {cls} (one body for the chosen layers)"
         step_name = f"Chosen layer {{}} ({cls})"
@@ -186,17 +188,19 @@ def run_layers(
     call = checked_call(model, args, kwargs, key, method, "run_layers")
     length = model.num_layers
     if isinstance(layers, jax.Array):
-        idx: Indices = _dynamic_indices(layers, length, call.caller)
+        idx = _dynamic_indices(layers, length, call.caller)
+        with covering(length):
+            return _scan_indices(model, x, idx, call)
+    chosen = _static_indices(layers, length, call.caller)
+    if isinstance(chosen, slice):
+        order = list(range(length)[chosen])
+        in_order = chosen.step in (None, 1)
     else:
-        idx = _static_indices(layers, length, call.caller)
-    static_run = isinstance(idx, slice) and idx.step in (None, 1)
-    if tapping() and not isinstance(layers, jax.Array) and not static_run:
-        # Taps number the layers they record; layers taken out of order are
-        # numbered as the traced indices' scan numbers them.
-        order = range(length)[idx] if isinstance(idx, slice) else idx.tolist()
-        layers = idx = jnp.asarray(list(order), jnp.int32)
+        order, in_order = chosen.tolist(), False
+    # Taps number the layers they record; layers taken out of order are
+    # numbered as the traced indices' scan numbers them.
     with covering(length):
-        return _run_chosen(model, x, idx, isinstance(layers, jax.Array), call)
+        return _run_static(model, x, order, tapping() and not in_order, call)
 
 
 def _stretches(order: list[int]) -> list[tuple[int, int]]:
@@ -210,20 +214,15 @@ def _stretches(order: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-def _run_chosen(
-    model: Stacked | Chain, x: PyTree, idx: Indices, traced: bool, call: LayerCall
+def _run_static(
+    model: Stacked | Chain, x: PyTree, order: list[int], traced: bool, call: LayerCall
 ) -> PyTree:
-    # `run_layers` once its arguments are checked: `idx` an index array when
-    # `traced`, else a static slice or NumPy index array. Every layer runs
-    # knowing its global index (`layer_index()`, the call's `first`).
-    if traced:
-        check_layers_method(model, call.method)
-        if isinstance(model, Stacked):
-            call = call._replace(caller="Stacked")
-        return _scan_indices(model, x, idx, call)  # pyright: ignore[reportArgumentType]  # an index array
-    order = list(
-        range(model.num_layers)[idx] if isinstance(idx, slice) else idx.tolist()
-    )  # pyright: ignore[reportAttributeAccessIssue]  # a NumPy array
+    # Every layer runs knowing its global index (`layer_index()`, the call's
+    # `first`). A Stacked's layers out of order are one scan over their indices.
+    if traced or (
+        isinstance(model, Stacked) and _stretches(order) != [(order[0], order[-1] + 1)]
+    ):
+        return _scan_indices(model, x, jnp.asarray(order, jnp.int32), call)
     if isinstance(model, Chain):
         chosen = model.unstack()
         # Each stretch of consecutive layers runs as a Chain of its own, so
@@ -235,10 +234,6 @@ def _run_chosen(
             sub_call = call.take(slice(start, stop))._replace(caller="Chain")
             x = run_groups(sub.groups, sub.layout, x, sub_call, "Chain")[0]
         return x
-    if _stretches(order) != [(order[0], order[-1] + 1)]:
-        # Layers out of order are one scan over their indices, each step
-        # reading its layer from the stack and knowing its global index.
-        return _run_chosen(model, x, jnp.asarray(order, jnp.int32), True, call)
     idx = slice(order[0], order[-1] + 1)
     check_layers_method(model, call.method)
     sub = restack(model, layers=take(model.layers, idx), num_layers=len(order))

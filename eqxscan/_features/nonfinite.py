@@ -235,22 +235,17 @@ def _report(value: float, rows: list, params: list) -> NonFinite:
         name, fwd = call.name, _first(fwd_counts, last=call.reverse)
         if fwd is not None:
             i, path = fwd
-            return done(
-                "forward",
-                i,
-                f"carry{path}",
+            message = (
                 f"The forward pass went non-finite at {at(name, i)}: its output "
-                f"carry{path} holds NaN or inf (every earlier output is finite).",
-                name,
+                f"carry{path} holds NaN or inf (every earlier output is finite)."
             )
+            return done("forward", i, f"carry{path}", message, name)
     if not np.isfinite(value):
-        return done(
-            "loss",
-            None,
-            None,
+        message = (
             f"Every layer's output is finite, but the loss is {value}: the part "
-            "of loss_fn after the container made it.",
+            "of loss_fn after the container made it."
         )
+        return done("loss", None, None, message)
     # Param counts in the order the containers appear in the gradients, given
     # to the calls of the same class and length in call order.
     unclaimed = list(params)

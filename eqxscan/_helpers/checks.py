@@ -226,9 +226,9 @@ def same_leaf(x: object, y: object) -> bool:
 
 
 class CarryError(TypeError):
-    """A step returned a carry unlike the one it received. `where` names the step
-    (`step` is its index, `None` for the one body of a scan) and `what` says what
-    changed, so that a caller running several groups can name the step anew."""
+    """A step returned a carry unlike its input. `where` and `step` (`None` for a
+    scan's one body) name the step, `what` says what changed: a caller running
+    several groups can name the step anew."""
 
     def __init__(self, where: str, what: str, step: int | None = None):
         super().__init__(f"{where} {what}")
@@ -345,8 +345,7 @@ def check_size(
     maximum: int | None = None,
     hint: str = "",
 ) -> int:
-    """`value` as a plain `int`, for sizes such as `num_layers` or `dim`: anything
-    `operator.index` accepts (NumPy integers included) but `bool`, in
+    """`value` (anything `operator.index` accepts but `bool`) as an `int` in
     `[minimum, maximum]`."""
     try:
         if isinstance(value, bool) or not isinstance(value, SupportsIndex):
@@ -376,9 +375,8 @@ def check_bool(name: str, value: object) -> bool:
 
 
 def check_index(index: object, length: int, who: str, hint: str) -> int:
-    """`index` as a layer index in `range(length)` (negative counts from the end),
-    or a clear error: a traced index (with `hint` on what to do instead), a
-    non-integer, or one out of range."""
+    """`index` in `range(length)` (negative counts from the end), or a clear
+    error (`hint`: what to do instead of a traced index)."""
     if isinstance(index, jax.core.Tracer):
         raise TypeError(
             f"{who} got a traced index (e.g. a jit argument); indices must be "
@@ -400,10 +398,8 @@ def check_index(index: object, length: int, who: str, hint: str) -> int:
 
 
 def split_key(key: object, num: int, who: str) -> jax.Array:
-    """`jax.random.split(key, num)`, after checking that `key` is one PRNG key:
-    a typed key (`jax.random.key`) of shape `()` or a raw `uint32[2]` one
-    (`jax.random.PRNGKey`). Anything else (an int, a `uint32[3]`, a batch of
-    keys) gets an error naming `who` rather than JAX's own."""
+    """`jax.random.split(key, num)` once `key` is one PRNG key (typed, or a raw
+    `uint32[2]`): anything else gets an error naming `who`, not JAX's own."""
     typed = False
     if isinstance(key, (jax.Array, np.ndarray)):
         typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
@@ -428,10 +424,8 @@ def check_made_layer(made: object) -> None:
 
 
 def check_policy(name: str, policy: Callable[..., object]) -> None:
-    """Raise `TypeError` unless `policy` can be called as JAX calls a
-    rematerialisation policy, `policy(primitive, *avals, **params)`, and answers;
-    a callable that cannot (`len`) would fail only under `grad`, blamed on the
-    layer."""
+    """Raise `TypeError` unless `policy(primitive, *avals)` answers: a callable
+    that cannot (`len`) would fail only under `grad`, blamed on the layer."""
     aval = jax.core.ShapedArray((), jnp.float32)
     try:
         policy(jax.lax.mul_p, aval, aval)

@@ -1,12 +1,8 @@
-"""Stateful layers (`eqx.nn.State`, `eqx.nn.StateIndex`, `eqx.nn.BatchNorm`) in
-a stack, called the way Equinox calls stateful models: `y, state = model(x, state)`.
-
-`eqx.nn.make_with_state(eqxscan.Stacked)(...)` builds the layers under
-`eqx.filter_vmap`, so each `StateIndex` of the stacked layer holds one marker and
-its state has a leading layer axis. A call hands layer `i` its own slice of that
-state (as a [`eqxscan.per_layer`][] argument) and collects the states the layers
-return as the scan's outputs, which are then written back into the whole state.
-"""
+"""Stateful layers (`eqx.nn.State`) in a stack, called as Equinox calls them:
+`y, state = model(x, state)`. `eqx.nn.make_with_state(eqxscan.Stacked)(...)`
+gives each `StateIndex` one marker and a state with a leading layer axis; a call
+hands layer `i` its slice (as a `per_layer` argument) and writes the states the
+scan outputs back into the whole state."""
 
 from typing import Any, TypeVar
 
