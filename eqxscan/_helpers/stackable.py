@@ -184,10 +184,7 @@ def check_alike(
         if alike(layers[0], layer):
             continue
         diff = compare(layers[0], layer)
-        if diff is None:  # pragma: no cover - `alike` caught an exception
-            diff = Difference(
-                "", type(layers[0]).__name__, type(layer).__name__, "different"
-            )
+        assert diff is not None  # `alike` found them different
         hint = (
             " These objects compare by identity only: create one and pass the same "
             "object to every layer."
