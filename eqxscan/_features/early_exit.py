@@ -229,7 +229,15 @@ def _walk_groups(
     return state
 
 
-def check_model(model: object, what: str) -> None:
+def checked_call(
+    model: object,
+    args: tuple,
+    kwargs: dict[str, object],
+    key: PRNGKeyArray | None,
+    method: Method | None,
+    what: str,
+) -> LayerCall:
+    """The checks `run_until` and `run_layers` share, and the call of the layers."""
     if not isinstance(model, (Stacked, Chain)):
         hint = (
             f"Hint: a StackedMLP has its own `model.{what}(...)`."
@@ -252,19 +260,6 @@ def check_model(model: object, what: str) -> None:
                 "`eqx.nn.inference_mode(model)`, or build the model without drop "
                 "rates for these runs."
             )
-
-
-def checked_call(
-    model: object,
-    args: tuple,
-    kwargs: dict[str, object],
-    key: PRNGKeyArray | None,
-    method: Method | None,
-    what: str,
-) -> LayerCall:
-    """The checks `run_until` and `run_layers` share, and the call of the layers."""
-    check_model(model, what)
-    assert isinstance(model, (Stacked, Chain))
     if find_state(args, kwargs) is not None:
         raise TypeError(
             f"{what} does not take an eqx.nn.State.\nHint: call the model itself "
