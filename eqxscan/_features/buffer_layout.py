@@ -27,21 +27,19 @@ def layer_buffers(model: Stacked | Chain, make: MakeBuffer) -> PyTree:
 
     - `model`: a [`eqxscan.Stacked`][] or a [`eqxscan.Chain`][].
     - `make`: `make(i, layer)` returns layer `i`'s buffer, a pytree of arrays
-      (e.g. `jnp.zeros` of the layer's cache shape) or `None` for a layer that
-      keeps none. Layers scanned together (a run of like layers, the same
-      position in every repeat of a pattern) need buffers of one structure,
-      shape and dtype.
+      (e.g. `jnp.zeros` of its cache shape) or `None`. Layers scanned together
+      (a run of like layers, one position in every repeat of a pattern) need
+      buffers of one structure, shape and dtype.
 
     **Returns:**
 
     For a `Stacked`, the buffers stacked on a leading layer axis; for a `Chain`,
-    a [`eqxscan.LayerBuffers`][] laid out as its groups, whose bytes are the sum
-    of the layers' own. Pass it as `eqxscan.buffer(...)`. It is built in one
-    compiled program, so the stacked buffer is made once, never assembled from
-    copies.
+    a [`eqxscan.LayerBuffers`][] laid out as its groups (the sum of the layers'
+    own bytes). Pass it as `eqxscan.buffer(...)`. It is built in one compiled
+    program, never assembled from copies.
     """
     if isinstance(model, Stacked):
-        return eqx.filter_jit(lambda m: _run(m, make, 0, "Stacked"))(model)
+        return eqx.filter_jit(lambda m: _run(m, make, 0))(model)
     if isinstance(model, Chain):
 
         def build(chain: Chain) -> LayerBuffers:
@@ -67,26 +65,21 @@ def _groups(
         if span.per_step == 0:
             parts.append(_made(make, start, group))
         elif span.per_step == 1:
-            parts.append(_run(group, make, start, "Chain"))
+            parts.append(_run(group, make, start))
         else:
-            reps = []
-            for r in range(span.size // span.per_step):
-                unit = group[r]
-                assert isinstance(unit, Pattern)
-                reps.append(
-                    _groups(unit.groups, unit.layout, make, start + r * span.per_step)
-                )
-            parts.append(
-                _stack(reps, [start + r * span.per_step for r in range(len(reps))])
-            )
+            # A repeated pattern: each repeat's groups, stacked over the repeats.
+            starts = range(start, start + span.size, span.per_step)
+            units = [group[r] for r in range(len(starts))]
+            assert all(isinstance(u, Pattern) for u in units)
+            reps = [_groups(u.groups, u.layout, make, s) for u, s in zip(units, starts)]
+            parts.append(_stack(reps, list(starts)))
     return tuple(parts)
 
 
-def _run(stack: Stacked, make: MakeBuffer, start: int, who: str) -> PyTree:
+def _run(stack: Stacked, make: MakeBuffer, start: int) -> PyTree:
     # A run's buffers, stacked: checked alike, since one scan body reads them.
-    del who
     made = [_made(make, start + j, stack[j]) for j in range(stack.num_layers)]
-    return _stack(made, [start + j for j in range(stack.num_layers)])
+    return _stack(made, list(range(start, start + stack.num_layers)))
 
 
 def _made(make: MakeBuffer, i: int, layer: object) -> PyTree:

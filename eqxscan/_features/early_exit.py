@@ -1,10 +1,6 @@
 """Early exit: `run_until` runs a model's layers until a predicate on the carry
-holds, in one `lax.while_loop` over the stacked layers whatever the exit depth.
-
-It works on a [`eqxscan.Stacked`][] and a [`eqxscan.Chain`][] (global layer
-indices), walking the groups each container describes of itself (see
-`eqxscan._scan.layer_call.GroupSteps`); `StackedMLP` has it as a method.
-"""
+holds, in one `lax.while_loop` whatever the exit depth, walking the groups a
+`Stacked` or `Chain` describes of itself (`GroupSteps`)."""
 
 from collections.abc import Callable
 from typing import NamedTuple
@@ -43,24 +39,15 @@ from .._scan.taps import tapping
 
 
 Bound = int | np.integer | Array
-"""A layer count: an int (checked) or an integer scalar array, which may be
-traced (clamped)."""
+"""A layer count: an int (checked) or an integer scalar array (traced: clamped)."""
 
 Predicate = Callable[[PyTree], Bool[Array, ""] | Bool[Array, " B"] | bool]
 """`predicate(carry) -> bool`: a scalar for the whole batch, or one bool per
 example (`[B]`, the carry's leading axis) with `per_example=True`."""
 
-_PREDICATE_HINT = (
-    "Hint: return a comparison, e.g. `lambda x: jnp.max(jnp.abs(x)) > 3.0` for "
-    "the whole batch, or one bool per example with per_example=True, e.g. "
-    "`lambda x: jnp.linalg.norm(x, axis=-1) > 3.0`."
-)
-
 
 class _Exit(NamedTuple):
-    """How a run decides to stop: the predicate, whether per example (with the
-    batch size `batch`), the bounds, and whether to mask instead of skipping
-    (`mode="loop"`, the reference)."""
+    """How a run stops; `masked`: mask instead of skipping (`mode="loop"`)."""
 
     predicate: Predicate
     per_example: bool
@@ -72,9 +59,8 @@ class _Exit(NamedTuple):
 
 
 class _State(NamedTuple):
-    """What the run carries from layer to layer: layers visited `i`, the carry's
-    array leaves, which examples (or whether the batch) halted, and the layers
-    run per example (or for the batch)."""
+    """Layers visited, the carry's arrays, and per example (or for the batch)
+    whether it halted and how many layers it ran."""
 
     i: Int[Array, ""]
     carry: PyTree
@@ -104,7 +90,6 @@ def _check_bound(name: str, value: object, length: int, who: str) -> Bound:
 
 
 def _batch_size(carry: PyTree, who: str) -> int:
-    """The leading axis shared by every array leaf of the carry."""
     sizes = {}
     for path, leaf in jtu.tree_leaves_with_path(carry):
         if eqx.is_array(leaf):
@@ -128,7 +113,6 @@ def _batch_size(carry: PyTree, who: str) -> int:
 
 
 def _halts(ex: _Exit, carry: PyTree) -> Array:
-    """The predicate on `carry`, checked: a bool scalar, or `[B]` per example."""
     out = noted(ex.predicate, f"The predicate of {ex.who}", carry)
     shape = (ex.batch,) if ex.per_example else ()
     if isinstance(out, (bool, np.bool_)):
@@ -141,13 +125,15 @@ def _halts(ex: _Exit, carry: PyTree) -> Array:
         expected = f"bool[{ex.batch}]" if ex.per_example else "a bool scalar"
         raise TypeError(
             f"The predicate of {ex.who} must return {expected}, got "
-            f"{describe(out)}.\n{_PREDICATE_HINT}"
+            f"{describe(out)}.\nHint: return a comparison, e.g. `lambda x: "
+            "jnp.max(jnp.abs(x)) > 3.0` for the whole batch, or one bool per "
+            "example with per_example=True, e.g. `lambda x: "
+            "jnp.linalg.norm(x, axis=-1) > 3.0`."
         )
     return jnp.asarray(out)
 
 
 def _active(ex: _Exit, state: _State) -> Bool[Array, ""]:
-    """Whether the next layer runs for some example."""
     return (state.i < ex.max_layers) & ~jnp.all(state.halted)
 
 
@@ -159,10 +145,9 @@ def _advance(
     where: str,
     guarded: bool = False,
 ) -> _State:
-    """`state` after one more layer. Halted examples keep their carry (a select,
-    so that a NaN in a discarded row does not leak); with `masked`, the whole
-    step is also discarded when no layer should run. `guarded`: the layer runs
-    behind a `lax.cond` on whether the run is active (a lone layer)."""
+    """`state` after one more layer. Halted examples keep their carry (a select:
+    a NaN in a discarded row does not leak); `masked` also discards a step that
+    should not run; `guarded` runs the layer behind a `lax.cond` (a lone layer)."""
     if guarded and not ex.masked:
         run_it = lambda s: _advance(ex, s, layer, c_static, where)  # noqa: E731
         return jax.lax.cond(_active(ex, state), run_it, lambda s: s, state)
@@ -180,13 +165,11 @@ def _advance(
             return jnp.where(mask, b, a)
 
         new_dyn = jtu.tree_map(keep, state.carry, new_dyn)
-    step = run.astype(jnp.int32)
     i = state.i + (_active(ex, state).astype(jnp.int32) if ex.masked else 1)
-    count = state.layers_run + step
     halted = state.halted | (
         (i >= ex.min_layers) & _halts(ex, eqx.combine(new_dyn, c_static))
     )
-    return _State(i, new_dyn, halted, count)
+    return _State(i, new_dyn, halted, state.layers_run + run.astype(jnp.int32))
 
 
 def _repeat(
@@ -195,9 +178,8 @@ def _repeat(
     size: int,
     body: Callable[[Int[Array, ""] | int, _State], _State],
 ) -> _State:
-    """`body(j, state)` for `j = 0, 1, ...` while the run is active, at most
-    `size` times: one `lax.while_loop` (a Python loop over all `size` in
-    `mode="loop"`)."""
+    """`body(j, state)` for `j < size` while the run is active: one
+    `lax.while_loop` (a Python loop over all `size` when `masked`)."""
     if ex.masked:
         for j in range(size):
             state = body(j, state)
@@ -217,9 +199,8 @@ def _repeat(
 def _walk_groups(
     ex: _Exit, groups: tuple[GroupSteps, ...], state: _State, c_static: PyTree
 ) -> _State:
-    """The groups in order, each layer run only while the run is active: a
-    lone layer behind a `cond`, a stack of like layers (or the pattern steps of
-    a repeated pattern) as one while loop."""
+    """The groups in order: a lone layer behind a `cond`, a stack (or a
+    repeated pattern's steps) as one while loop."""
     for group in groups:
         if group.per_step == 0:
             where = f"Layer {group.start} ({group.name})"
@@ -248,22 +229,25 @@ def _walk_groups(
     return state
 
 
-def check_model(model: object, what: str) -> None:
-    if isinstance(model, (Stacked, Chain)):
-        _check_no_drop(model, what)
-        return
-    hint = (
-        f"Hint: a StackedMLP has its own `model.{what}(...)`."
-        if hasattr(model, what)
-        else "Hint: pass an eqxscan.Stacked or an eqxscan.Chain."
-    )
-    raise TypeError(
-        f"eqxscan.{what} takes an eqxscan.Stacked or an eqxscan.Chain, got "
-        f"{describe(model)}.\n{hint}"
-    )
-
-
-def _check_no_drop(model: Stacked | Chain, what: str) -> None:
+def checked_call(
+    model: object,
+    args: tuple,
+    kwargs: dict[str, object],
+    key: PRNGKeyArray | None,
+    method: Method | None,
+    what: str,
+) -> LayerCall:
+    """The checks `run_until` and `run_layers` share, and the call of the layers."""
+    if not isinstance(model, (Stacked, Chain)):
+        hint = (
+            f"Hint: a StackedMLP has its own `model.{what}(...)`."
+            if hasattr(model, what)
+            else "Hint: pass an eqxscan.Stacked or an eqxscan.Chain."
+        )
+        raise TypeError(
+            f"eqxscan.{what} takes an eqxscan.Stacked or an eqxscan.Chain, got "
+            f"{describe(model)}.\n{hint}"
+        )
     # These runs call the layers themselves, so drop rates would be skipped
     # without a word: refuse them unless inference mode turns them off.
     modules = jtu.tree_leaves(model, is_leaf=lambda n: isinstance(n, (Stacked, Chain)))
@@ -276,14 +260,24 @@ def _check_no_drop(model: Stacked | Chain, what: str) -> None:
                 "`eqx.nn.inference_mode(model)`, or build the model without drop "
                 "rates for these runs."
             )
-
-
-def check_no_state(args: tuple, kwargs: dict[str, object], who: str) -> None:
     if find_state(args, kwargs) is not None:
         raise TypeError(
-            f"{who} does not take an eqx.nn.State.\nHint: call the model itself "
+            f"{what} does not take an eqx.nn.State.\nHint: call the model itself "
             "for stateful layers: `x, state = model(x, state)`."
         )
+    length, name = model.num_layers, type(model).__name__
+    check_per_layer(args, kwargs, length)
+    keys = None if key is None else split_key(key, length, name)
+    refuse_buffer(args, kwargs, what)
+    return LayerCall(args, kwargs, keys, method=method, caller=f"{what} of a {name}")
+
+
+def check_layers_method(model: Stacked | Chain, method: Method | None) -> None:
+    if isinstance(model, Chain):
+        check_chain_method(model.groups, model.layout, method)
+    else:
+        check_method(method, model.layers)
+        model.check_layer_axis("run")
 
 
 def run_until(
@@ -313,82 +307,50 @@ def run_until(
 
     **Arguments:**
 
-    - `model`: an [`eqxscan.Stacked`][] or an [`eqxscan.Chain`][] (whose layers
-      must keep the carry's structure, shapes and dtypes; layer indices are the
-      chain's).
+    - `model`: an [`eqxscan.Stacked`][] or an [`eqxscan.Chain`][] (its layers
+      must keep the carry's structure, shapes and dtypes; a chain's indices).
     - `x`: the carry.
     - `predicate`: `predicate(carry) -> bool scalar`; with `per_example=True`,
       one bool per example (`[B]`, over the carry's leading axis).
-    - `*args`, `**kwargs`: passed to every layer, except values wrapped in
-      [`eqxscan.per_layer`][], which are sliced per layer (by its index in the
-      model).
-    - `per_example`: freeze each example once its predicate holds: its carry
-      stops changing (a select: what the layer computes for a halted row is
-      discarded, NaNs included), while the layers run on for the others until
-      all have halted (or `max_layers`).
+    - `*args`, `**kwargs`: passed to every layer; [`eqxscan.per_layer`][]
+      values are sliced by the layer's index in the model.
+    - `per_example`: freeze each example once its predicate holds (a select:
+      what a layer computes for a halted row is discarded, NaNs included),
+      while the others run on until all have halted (or `max_layers`).
     - `min_layers`, `max_layers`: bounds on the layers run (default `0` and
       `len(model)`). Ints are checked; traced integer scalars (one program for
       every bound) are clamped to `[0, len(model)]`.
-    - `key`: split into `len(model)` keys as for a call: layer `i` gets
-      `keys[i]`, so the layers that run get the keys of a full call.
+    - `key`: split into `len(model)` keys: layer `i` gets `keys[i]`, as in a
+      full call.
     - `method`: as for [`eqxscan.Stacked.__call__`][].
 
     **Returns:**
 
-    `(carry, layers_run)`: the carry after the last layer that ran (per
-    example: after its own last layer) and how many layers ran, an `int32`
-    scalar (`[B]` per example).
+    `(carry, layers_run)`: the carry after the last layer that ran (per example,
+    its own) and how many layers ran, an `int32` scalar (`[B]` per example).
 
     With `mode="scan"` this is a `jax.lax.while_loop` over the stacked layers
-    (a lone layer of a chain sits behind a `lax.cond`), so layers after the exit
-    cost nothing. `jax.lax.while_loop` has no reverse-mode derivative, so
-    `jax.grad` through `run_until` fails (JAX's error names `while_loop`); it is
-    for inference (forward-mode `jax.jvp` and `jax.vmap` work). With
+    (a chain's lone layer behind a `lax.cond`), so layers after the exit cost
+    nothing; `jax.grad` through it fails (`while_loop` has no reverse-mode
+    derivative): it is for inference (`jax.jvp` and `jax.vmap` work). With
     `mode="loop"` (the reference) every layer runs in Python and its result is
-    discarded after the exit. `remat=` has no effect: nothing is saved for
-    a backward pass. Under `jax.vmap` a whole-batch exit becomes per mapped
-    example, as for `while_loop`. Stateful layers (an `eqx.nn.State`
-    argument) are not supported. Called outside `jit`, every call compiles
-    afresh: call it inside `eqx.filter_jit`, with what the predicate compares
-    against as an argument (one program for every value).
+    discarded after the exit. `remat=` has no effect. Under `jax.vmap` a
+    whole-batch exit becomes per mapped example. Stateful layers (an
+    `eqx.nn.State` argument) are not supported. Outside `jit` every call
+    compiles afresh: call it inside `eqx.filter_jit`, with what the predicate
+    compares against as an argument (one program for every value).
     """
-    check_model(model, "run_until")
+    call = checked_call(model, args, kwargs, key, method, "run_until")
     if tapping():
         raise TypeError(
             "eqxscan.tap does not reach run_until: its layers run in a while "
             "loop of traced length.\nTap the model itself, or run_layers with "
             "the layers to watch."
         )
-    who = f"run_until of a {type(model).__name__}"
+    who = call.caller
     check_callable("predicate", predicate)
     per_example = check_bool("per_example", per_example)
-    check_no_state(args, kwargs, "run_until")
     length = model.num_layers
-    low, high = _bounds(min_layers, max_layers, length, who)
-    check_per_layer(args, kwargs, length)
-    keys = None if key is None else split_key(key, length, type(model).__name__)
-    batch = _batch_size(x, who) if per_example else 0
-    masked = model.mode == "loop"
-    ex = _Exit(predicate, per_example, batch, low, high, masked, who)
-    c_dyn, c_static = eqx.partition(x, eqx.is_array)
-    shape = (batch,) if per_example else ()
-    start = _State(
-        jnp.int32(0),
-        c_dyn,
-        jnp.asarray(low == 0) & _halts(ex, x),
-        jnp.zeros(shape, jnp.int32),
-    )
-    refuse_buffer(args, kwargs, "run_until")
-    call = LayerCall(args, kwargs, keys, method=method, caller=who)
-    end = _walk_groups(ex, _groups(model, call), start, c_static)
-    return eqx.combine(end.carry, c_static), end.layers_run
-
-
-def _bounds(
-    min_layers: Bound, max_layers: Bound | None, length: int, who: str
-) -> tuple[Bound, Bound]:
-    """`(low, high)`: the bounds on the layers run, checked (ints) against
-    `length` and each other."""
     low = _check_bound("min_layers", min_layers, length, who)
     high = _check_bound(
         "max_layers", length if max_layers is None else max_layers, length, who
@@ -399,15 +361,15 @@ def _bounds(
             "min_layers is the fewest layers to run before the predicate is "
             "checked, max_layers the most."
         )
-    return low, high
-
-
-def _groups(model: Stacked | Chain, call: LayerCall) -> tuple[GroupSteps, ...]:
-    """`model`'s layers as the groups an early exit walks, as `call` runs
-    them, after checking that they have `call.method`."""
+    batch = _batch_size(x, who) if per_example else 0
+    ex = _Exit(predicate, per_example, batch, low, high, model.mode == "loop", who)
+    c_dyn, c_static = eqx.partition(x, eqx.is_array)
+    halted = jnp.asarray(low == 0) & _halts(ex, x)
+    start = _State(jnp.int32(0), c_dyn, halted, jnp.zeros(halted.shape, jnp.int32))
+    check_layers_method(model, method)
     if isinstance(model, Stacked):
-        check_method(call.method, model.layers)
-        model.check_layer_axis("run")
-        return (stack_steps(model, call),)
-    check_chain_method(model.groups, model.layout, call.method)
-    return chain_steps(model.groups, model.layout, call)
+        groups = (stack_steps(model, call),)
+    else:
+        groups = chain_steps(model.groups, model.layout, call)
+    end = _walk_groups(ex, groups, start, c_static)
+    return eqx.combine(end.carry, c_static), end.layers_run

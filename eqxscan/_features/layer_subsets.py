@@ -1,11 +1,6 @@
-"""Layer subsets: `run_layers` runs a chosen subset of a model's layers, given by
-static ints or an array of indices (traced or not: one program for every
-choice).
-
-A static choice runs a new `Stacked` or `Chain` of the chosen layers; an index
-array is one scan over the indices whose step runs "layer `i` as a function of
-the carry", as the model answers it (`stack_layer_fn`, `chain_layer_fn`).
-"""
+"""Layer subsets: `run_layers` runs a chosen subset of a model's layers. A static
+choice runs a new `Stacked` or `Chain` of the chosen layers; an index array
+(traced or not) is one scan over the indices, each step running one layer."""
 
 from collections.abc import Callable, Sequence
 
@@ -16,17 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
-from .._containers.chain import Chain, chain_layer_fn, check_chain_method, run_groups
+from .._containers.chain import Chain, chain_layer_fn, run_groups
 from .._containers.stack_calls import layer_of, scan_layers
 from .._containers.stacked import restack, Stacked
-from .._helpers.checks import describe, split_key
+from .._helpers.checks import describe
 from .._helpers.constrain import layers_may_be_sharded
-from .._scan.buffers import refuse_buffer
 from .._scan.engine import named_inputs, run
 from .._scan.layer_call import (
-    check_method,
-    check_per_layer,
-    Indices,
     LayerCall,
     Method,
     run_one,
@@ -34,7 +25,7 @@ from .._scan.layer_call import (
 )
 from .._scan.options import ScanOptions
 from .._scan.taps import covering, tapping
-from .early_exit import check_model, check_no_state
+from .early_exit import check_layers_method, checked_call
 
 
 Layers = slice | Sequence[int] | np.ndarray | Array
@@ -49,7 +40,6 @@ _TRACED_HINT = (
 
 
 def _static_indices(layers: object, length: int, who: str) -> np.ndarray | slice:
-    """Static `layers` as a slice or a NumPy index array, checked."""
     if isinstance(layers, slice):
         chosen = range(length)[layers]
         if len(chosen) == 0:
@@ -99,13 +89,15 @@ def _dynamic_indices(layers: Array, length: int, who: str) -> Array:
 def _scan_indices(
     model: Stacked | Chain, x: PyTree, idx: Int[Array, " n"], call: LayerCall
 ) -> PyTree:
-    """The carry after the layers `idx` (traced) of `model`, one scan step per
-    chosen layer: each step reads its one layer from the whole model (no copy of
-    the chosen layers is made; gradients scatter back to them)."""
+    """The carry after the layers `idx` (an index array): each scan step reads
+    its layer from the whole model (no copy; gradients scatter back to it), and
+    knows its global index."""
+    check_layers_method(model, call.method)
     options: ScanOptions = model.options
     name = named_inputs(options)
     c_static = eqx.filter(x, eqx.is_array, inverse=True)
     if isinstance(model, Stacked):
+        call = call._replace(caller="Stacked")
         cls = type(model.layers).__name__
         body = f"The stacked layer {cls} (one body for the chosen layers)"
         step_name = f"Chosen layer {{}} ({cls})"
@@ -156,8 +148,8 @@ def run_layers(
     method: Method | None = None,
     **kwargs: PyTree,
 ) -> PyTree:
-    """Run only the chosen layers of `model`, in the order given: progressive
-    growing, depth-wise fine-tuning, a draft model of a model's first layers.
+    """Run only the chosen layers of `model`, in the order given (progressive
+    growing, depth-wise fine-tuning, a draft model of the first layers).
 
     **Arguments:**
 
@@ -165,61 +157,50 @@ def run_layers(
     - `x`: the carry.
     - `layers`: a slice (`slice(i, j)` runs layers `i..j-1`) or a sequence of
       ints (negative counting from the end), checked; or an integer array of
-      layer indices (the chain's global indices for a `Chain`), which may be
-      traced: every choice of the same length runs in one compiled program.
-      Traced indices cannot be checked and are clamped to `[0, L-1]`; concrete
-      arrays are checked. Indices may repeat (a layer run twice).
-    - `*args`, `**kwargs`: passed to every layer; values wrapped in
-      [`eqxscan.per_layer`][] have the model's `L` layers first and the chosen
-      layers get their own slices.
-    - `key`: split into `len(model)` keys as for a full call; chosen layer `i`
-      gets `keys[i]`, the key it has in a full run.
+      layer indices (a chain's global indices), checked when concrete, clamped
+      to `[0, L-1]` when traced (every choice of one length runs in one
+      program). Indices may repeat (a layer run twice).
+    - `*args`, `**kwargs`: passed to every layer; [`eqxscan.per_layer`][]
+      values have the model's `L` layers first, and the chosen layers get
+      their own slices.
+    - `key`: split into `len(model)` keys; chosen layer `i` gets `keys[i]`, as
+      in a full call.
     - `method`: as for [`eqxscan.Stacked.__call__`][].
 
     **Returns:**
 
     The carry after the chosen layers.
 
-    A `Stacked` scans the chosen layers with its own options (`mode`,
-    `remat=`, `unroll`), so this differentiates like a call: only the
-    chosen layers get gradients (a repeated layer the sum). A static stretch
-    of consecutive layers is sliced out of the stacked weights first; with an
-    index array, or static layers out of order, each scan step reads its one
-    layer from the whole stack (no copy of the chosen layers). Every chosen
-    layer reads its index in `model` with [`eqxscan.layer_index`][]. A `Chain`
-    given a static choice groups each stretch of consecutive chosen layers
-    afresh (each choice compiles its own program; a lone layer may change the
-    carry).
-    Given an index array it scans the chosen layers with the chain's options,
-    and each step `lax.switch`es on the layer's group: every group's body
-    (a lone layer, a stack's one layer read from its stacked weights, a
-    layer of a repeated pattern read from its repeat) is traced once into the
-    program and each step runs one of them, so every layer of the chain must
-    return a carry like its input (an error names the layer otherwise). Under
-    `jax.vmap` over the indices the `switch` becomes a select, and every step
-    runs every group's body. Stateful layers (an `eqx.nn.State` argument) are
-    not supported.
+    A `Stacked` scans the chosen layers with its own options (`mode`, `remat=`,
+    `unroll`), so this differentiates like a call: only the chosen layers get
+    gradients (a repeated layer the sum). A static stretch of consecutive layers
+    is sliced out of the stacked weights; otherwise each scan step reads its
+    layer from the whole stack (no copy). Every chosen layer reads its index in
+    `model` with [`eqxscan.layer_index`][]. A `Chain` given a static choice
+    groups each stretch of consecutive chosen layers afresh (a program per
+    choice; a lone layer may change the carry). Given an index array, each step
+    `lax.switch`es on the layer's group, every group's body traced once, so
+    every layer of the chain must return a carry like its input (an error names
+    the layer otherwise); under `jax.vmap` over the indices the `switch` becomes
+    a select running every body. Stateful layers (an `eqx.nn.State` argument)
+    are not supported.
     """
-    check_model(model, "run_layers")
-    who = f"run_layers of a {type(model).__name__}"
-    check_no_state(args, kwargs, "run_layers")
+    call = checked_call(model, args, kwargs, key, method, "run_layers")
     length = model.num_layers
-    check_per_layer(args, kwargs, length)
-    keys = None if key is None else split_key(key, length, type(model).__name__)
     if isinstance(layers, jax.Array):
-        idx: Indices = _dynamic_indices(layers, length, who)
+        idx = _dynamic_indices(layers, length, call.caller)
+        with covering(length):
+            return _scan_indices(model, x, idx, call)
+    chosen = _static_indices(layers, length, call.caller)
+    if isinstance(chosen, slice):
+        order = list(range(length)[chosen])
+        in_order = chosen.step in (None, 1)
     else:
-        idx = _static_indices(layers, length, who)
-    refuse_buffer(args, kwargs, "run_layers")
-    static_run = isinstance(idx, slice) and idx.step in (None, 1)
-    if tapping() and not isinstance(layers, jax.Array) and not static_run:
-        # Taps number the layers they record; layers taken out of order are
-        # numbered as the traced indices' scan numbers them.
-        order = range(length)[idx] if isinstance(idx, slice) else idx.tolist()
-        layers = idx = jnp.asarray(list(order), jnp.int32)
-    call = LayerCall(args, kwargs, keys, method=method, caller=who)
+        order, in_order = chosen.tolist(), False
+    # Taps number the layers they record; layers taken out of order are
+    # numbered as the traced indices' scan numbers them.
     with covering(length):
-        return _run_chosen(model, x, idx, isinstance(layers, jax.Array), call)
+        return _run_static(model, x, order, tapping() and not in_order, call)
 
 
 def _stretches(order: list[int]) -> list[tuple[int, int]]:
@@ -233,22 +214,15 @@ def _stretches(order: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-def _run_chosen(
-    model: Stacked | Chain, x: PyTree, idx: Indices, traced: bool, call: LayerCall
+def _run_static(
+    model: Stacked | Chain, x: PyTree, order: list[int], traced: bool, call: LayerCall
 ) -> PyTree:
-    # `run_layers` once its arguments are checked: `idx` an index array when
-    # `traced`, else a static slice or NumPy index array. Every layer runs
-    # knowing its global index (`layer_index()`, the call's `first`).
-    length, method = model.num_layers, call.method
-    if traced:
-        if isinstance(model, Chain):
-            check_chain_method(model.groups, model.layout, method)
-        else:
-            check_method(method, model.layers)
-            model.check_layer_axis("run")
-            call = call._replace(caller="Stacked")
-        return _scan_indices(model, x, idx, call)  # pyright: ignore[reportArgumentType]  # an index array
-    order = list(range(length)[idx] if isinstance(idx, slice) else idx.tolist())  # pyright: ignore[reportAttributeAccessIssue]  # a NumPy array
+    # Every layer runs knowing its global index (`layer_index()`, the call's
+    # `first`). A Stacked's layers out of order are one scan over their indices.
+    if traced or (
+        isinstance(model, Stacked) and _stretches(order) != [(order[0], order[-1] + 1)]
+    ):
+        return _scan_indices(model, x, jnp.asarray(order, jnp.int32), call)
     if isinstance(model, Chain):
         chosen = model.unstack()
         # Each stretch of consecutive layers runs as a Chain of its own, so
@@ -260,15 +234,7 @@ def _run_chosen(
             sub_call = call.take(slice(start, stop))._replace(caller="Chain")
             x = run_groups(sub.groups, sub.layout, x, sub_call, "Chain")[0]
         return x
-    if _stretches(order) != [(order[0], order[-1] + 1)]:
-        # Layers out of order are one scan over their indices, each step
-        # reading its layer from the stack and knowing its global index.
-        return _run_chosen(model, x, jnp.asarray(order, jnp.int32), True, call)
     idx = slice(order[0], order[-1] + 1)
-    sub_call = call.take(idx)
-    check_method(method, model.layers)
-    model.check_layer_axis("run")
-    count = len(order)
-    layers = take(model.layers, idx)
-    sub = restack(model, layers=layers, num_layers=count)
-    return scan_layers(sub, x, sub_call._replace(caller="Stacked"))[0]
+    check_layers_method(model, call.method)
+    sub = restack(model, layers=take(model.layers, idx), num_layers=len(order))
+    return scan_layers(sub, x, call.take(idx)._replace(caller="Stacked"))[0]

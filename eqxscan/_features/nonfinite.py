@@ -1,13 +1,9 @@
 """`find_nonfinite`: the layer (or time step), carry leaf and pass that first
-produced a NaN or inf, from one run of the scanned training step.
-
-One compiled program runs `eqx.filter_value_and_grad` of the loss with carry
-taps and a gradient probe of `nonfinite_count` (`eqxscan/_scan/taps.py`), and counts
-the non-finite entries of each layer's parameter gradients; the report is read
-from those counts on the host.
-"""
+produced a NaN or inf, read on the host from the counts of one compiled training
+step (carry taps and gradient probes of `nonfinite_count`)."""
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Literal
 
@@ -29,29 +25,27 @@ from .._scan.taps import Probe, tap_calls
 class NonFinite:
     """What [`eqxscan.find_nonfinite`][] found.
 
-    - `found`: whether anything was non-finite (the loss, a carry, a
-      cotangent or a gradient).
-    - `where`: `"forward"` (a layer's output), `"backward"` (a layer's
-      backward pass: the cotangent it passed down, or its own parameters'
-      gradient), `"loss"` (the loss after the container, forward or
-      backward), or `None`.
-    - `index`: the layer (or time step) that first produced one: in the
-      forward pass the lowest index with a non-finite output, in the backward
-      pass the first one the backward pass reached (the highest); for
-      `"loss"`, the one whose output got the non-finite cotangent from
-      `loss_fn`; or `None` (a non-finite loss value, or a `Recurrent` cell's
-      parameter gradient, summed over steps).
-    - `leaf`: the carry leaf (or, for a parameter gradient, the parameter)
-      that held it, as a path such as `"carry[0]"` or `"layer.weight"`.
+    - `found`: whether anything (loss, carry, cotangent, gradient) was
+      non-finite.
+    - `where`: `"forward"` (a layer's output), `"backward"` (the cotangent a
+      layer passed down, or its parameters' gradient), `"loss"` (the loss after
+      the container, forward or backward), or `None`.
+    - `index`: the layer (or time step) that first produced one: forward, the
+      lowest with a non-finite output; backward, the first reached (the
+      highest); `"loss"`, the one whose output got the non-finite cotangent; or
+      `None` (a non-finite loss value, or a `Recurrent` cell's parameter
+      gradient, summed over steps).
+    - `leaf`: the carry leaf or parameter that held it, e.g. `"carry[0]"` or
+      `"layer.weight"`.
     - `message`: one line saying all this.
-    - `forward`, `backward`: the counts behind the report: non-finite entries
-      per layer of each carry leaf, and of each leaf of the cotangent reaching
-      each layer's output (`[L]` arrays, the carry's structure).
+    - `forward`, `backward`: non-finite entries per layer of each carry leaf,
+      and of the cotangent reaching each layer's output (`[L]` arrays, in the
+      carry's structure).
     - `loss`: the loss value.
-    - `call`: when `loss_fn` calls several containers, the one it names, as
-      [`eqxscan.tap`][] names its calls (`"Stacked"`, `"Stacked_1"`,
-      `"Recurrent"`, in call order); `forward` and `backward` are then dicts
-      keyed by these names. `None` for one container.
+    - `call`: when `loss_fn` calls several containers, the one named, as
+      [`eqxscan.tap`][] names calls (`"Stacked"`, `"Stacked_1"`, `"Recurrent"`,
+      in call order; `forward` and `backward` are then dicts by these names);
+      `None` for one container.
     """
 
     found: bool
@@ -68,13 +62,6 @@ class NonFinite:
         return self.message
 
 
-def _add(out: dict, path: tuple, counts: Array, start: int, total: int) -> None:
-    # A leaf's non-finite entries per layer, placed at layers `start ..` of a
-    # container of `total` layers.
-    row = out.get(jtu.keystr(path), jnp.zeros(total, jnp.float32))
-    out[jtu.keystr(path)] = row.at[start : start + counts.size].add(counts)
-
-
 def _param_counts(grads: PyTree) -> list[tuple[str, dict[str, Float[Array, " L"]]]]:
     """Per outermost `Stacked` or `Chain` in `grads` (its class name beside),
     per parameter path: the non-finite entries of each layer's gradient (a
@@ -85,25 +72,21 @@ def _param_counts(grads: PyTree) -> list[tuple[str, dict[str, Float[Array, " L"]
         if not is_container(container):
             continue
         counts: dict[str, Array] = {}
-        total = len(container)
-        parts = (
-            [(container, 0, 1)]
-            if isinstance(container, Stacked)
-            else [
-                (g, s.start, s.per_step)
-                for g, s in zip(container.groups, container.layout)
-            ]
-        )
+        if isinstance(container, Stacked):
+            parts = [(container, 0, 1)]
+        else:
+            spans = zip(container.groups, container.layout)
+            parts = [(g, s.start, s.per_step) for g, s in spans if s.per_step < 2]
         for part, start, per_step in parts:
-            if per_step > 1:
-                continue  # a repeated pattern's gradients are not split
             n, tree = (part.num_layers, part.layers) if per_step else (1, part)
             for path, leaf in jtu.tree_leaves_with_path(tree):
                 if eqx.is_inexact_array(leaf) and (
                     not per_step or (leaf.ndim and leaf.shape[0] == n)
                 ):
                     bad = jnp.sum(~jnp.isfinite(leaf.reshape(n, -1)), axis=1)
-                    _add(counts, path, bad.astype(jnp.float32), start, total)
+                    row = counts.get(jtu.keystr(path), jnp.zeros(len(container)))
+                    row = row.at[start : start + n].add(bad.astype(row.dtype))
+                    counts[jtu.keystr(path)] = row.astype(jnp.float32)
         out.append((type(container).__name__, counts))
     return out
 
@@ -112,13 +95,14 @@ def _shared_counts(grads: PyTree) -> dict[str, Array]:
     """Per parameter of each `Recurrent`'s cell in `grads`: its non-finite
     entries. The cell's weights are shared by every time step, so their
     gradient (summed over the steps) names no step."""
-    out: dict[str, Array] = {}
     found = jtu.tree_leaves(grads, is_leaf=lambda x: isinstance(x, Recurrent))
-    for rnn in (r for r in found if isinstance(r, Recurrent)):
-        for path, leaf in jtu.tree_leaves_with_path(rnn):
-            if eqx.is_inexact_array(leaf):
-                out[jtu.keystr(path)] = jnp.sum(~jnp.isfinite(leaf))
-    return out
+    return {
+        jtu.keystr(path): jnp.sum(~jnp.isfinite(leaf))
+        for rnn in found
+        if isinstance(rnn, Recurrent)
+        for path, leaf in jtu.tree_leaves_with_path(rnn)
+        if eqx.is_inexact_array(leaf)
+    }
 
 
 @eqx.filter_jit
@@ -148,33 +132,29 @@ def _program(model: PyTree, loss_fn: Callable[..., Array], inputs: tuple) -> tup
 def _first(tree: PyTree, last: bool) -> tuple[int, str] | None:
     """The lowest (or, `last`, the highest) index with a count above zero over
     every leaf of `tree` (`[L]` counts), and that leaf's path."""
-    best = None
-    for path, counts in jtu.tree_leaves_with_path(tree):
-        i = _pick(counts, last)
-        if i is not None and (best is None or (i > best[0] if last else i < best[0])):
-            best = (i, jtu.keystr(path))
-    return best
+    found = [
+        (i, jtu.keystr(path))
+        for path, counts in jtu.tree_leaves_with_path(tree)
+        if (i := _pick(counts, last)) is not None
+    ]
+    return (max if last else min)(found, key=lambda f: f[0]) if found else None
 
 
 def _pick(counts: object, last: bool) -> int | None:
     hits = np.flatnonzero(np.asarray(counts) > 0)
-    if not hits.size:
-        return None
-    return int(hits[-1] if last else hits[0])
+    return int(hits[-1] if last else hits[0]) if hits.size else None
 
 
 def find_nonfinite(
     model: PyTree, loss_fn: Callable[..., Array], *inputs: PyTree
 ) -> NonFinite:
     """Find the layer (or time step) that first produced a NaN or inf in one
-    training step, the carry leaf that held it, and whether the forward or the
-    backward pass did: one run of the scanned program (nothing unrolled),
-    compiled once per structure of `model` and `inputs`.
-
-    It runs `eqx.filter_value_and_grad(loss_fn)(model, *inputs)` with
+    training step, the carry leaf that held it, and which pass did, in one run
+    of the scanned program (compiled once per structure of `model` and
+    `inputs`): `eqx.filter_value_and_grad(loss_fn)(model, *inputs)` with
     [`eqxscan.tap`][] and an [`eqxscan.Probe`][] of
-    [`eqxscan.stats.nonfinite_count`][] on the container that `loss_fn` calls,
-    and counts the non-finite entries of each layer's parameter gradients.
+    [`eqxscan.stats.nonfinite_count`][], counting each layer's non-finite
+    parameter gradients.
 
     !!! example
 
@@ -194,10 +174,9 @@ def find_nonfinite(
 
     - `model`: what `loss_fn` is differentiated with respect to (a model, or a
       [`eqxscan.Stacked`][], [`eqxscan.Chain`][] or [`eqxscan.Recurrent`][]).
-    - `loss_fn`: `loss_fn(model, *inputs) -> scalar`. It calls the containers
-      directly (not inside its own `vmap`, `remat` or `jit`); each call is
-      checked, and when there are several the report names the call
-      (`report.call`).
+    - `loss_fn`: `loss_fn(model, *inputs) -> scalar`, calling the containers
+      directly (not inside its own `vmap`, `remat` or `jit`); with several
+      calls, the report names one (`report.call`).
     - `*inputs`: the rest of `loss_fn`'s arguments (a batch).
 
     **Returns:**
@@ -256,62 +235,45 @@ def _report(value: float, rows: list, params: list) -> NonFinite:
         name, fwd = call.name, _first(fwd_counts, last=call.reverse)
         if fwd is not None:
             i, path = fwd
-            return done(
-                "forward",
-                i,
-                f"carry{path}",
+            message = (
                 f"The forward pass went non-finite at {at(name, i)}: its output "
-                f"carry{path} holds NaN or inf (every earlier output is finite).",
-                name,
+                f"carry{path} holds NaN or inf (every earlier output is finite)."
             )
+            return done("forward", i, f"carry{path}", message, name)
     if not np.isfinite(value):
-        return done(
-            "loss",
-            None,
-            None,
+        message = (
             f"Every layer's output is finite, but the loss is {value}: the part "
-            "of loss_fn after the container made it.",
+            "of loss_fn after the container made it."
         )
+        return done("loss", None, None, message)
     # Param counts in the order the containers appear in the gradients, given
     # to the calls of the same class and length in call order.
     unclaimed = list(params)
     for call, fwd_counts, bwd_counts, emitted in reversed(rows):
         name, length = call.name, jtu.tree_leaves(fwd_counts)[0].shape[0]
-        mine = next(
-            (
-                p
-                for p in unclaimed
-                if name.split("_")[0] == p[0]
-                and all(a.shape[0] == length for a in p[1].values())
-            ),
-            None,
-        )
-        if mine is not None:
-            unclaimed.remove(mine)
-        found = _backward(
-            bwd_counts, emitted, mine[1] if mine else {}, length, call.reverse
-        )
+        fits = [
+            p
+            for p in unclaimed
+            if name.split("_")[0] == p[0]
+            and all(a.shape[0] == length for a in p[1].values())
+        ]
+        mine = unclaimed.pop(unclaimed.index(fits[0]))[1] if fits else {}
+        at_i = functools.partial(at, name)
+        found = _backward(bwd_counts, emitted, mine, length, call.reverse, at_i)
         if found is not None:
-            where, i, leaf, said = found
-            if where == "loss":
-                message = (
-                    f"The cotangent of {at(name, i)}'s output {leaf} is already "
-                    f"non-finite: {said}"
-                )
-            else:
-                message = (
-                    f"The backward pass went non-finite at {at(name, i)}: it "
-                    f"{said} (the forward pass and the cotangents reaching it are "
-                    "finite)."
-                )
-            return done(where, i, leaf, message, name)
+            return done(*found, name)
     return done(
         None, None, None, "No NaN or inf: loss, carries and gradients are finite."
     )
 
 
 def _backward(
-    backward: PyTree, emitted: PyTree, params: dict, length: int, reverse: bool
+    backward: PyTree,
+    emitted: PyTree,
+    params: dict,
+    length: int,
+    reverse: bool,
+    at: Callable[[int], str],
 ) -> tuple[Literal["backward", "loss"], int, str, str] | None:
     # The backward pass reaches the highest index first (the lowest when the
     # call ran in reverse): the cotangent of output j came non-finite from the
@@ -324,20 +286,23 @@ def _backward(
         j, path = bwd
         from_loss = _first(emitted, last=not reverse)
         if j == (0 if reverse else length - 1) or (from_loss and from_loss[0] == j):
-            said = "the backward pass of loss_fn after the container made it."
-            return "loss", j, f"carry{path}", said
-        candidates.append((j - 1 if reverse else j + 1, f"carry{path}", "input"))
+            message = (
+                f"The cotangent of {at(j)}'s output carry{path} is already "
+                "non-finite: the backward pass of loss_fn after the container "
+                "made it."
+            )
+            return "loss", j, f"carry{path}", message
+        said = "passed a non-finite cotangent to its input {}"
+        candidates.append((j - 1 if reverse else j + 1, f"carry{path}", said))
     for path, per_layer in params.items():
-        i = _pick(per_layer, last=True)
-        if i is not None:
-            candidates.append((i, f"layer{path}", "param"))
+        if (i := _pick(per_layer, last=True)) is not None:
+            said = "gave its parameter {} a non-finite gradient"
+            candidates.append((i, f"layer{path}", said))
     if not candidates:
         return None
-    first = min if reverse else max
-    i, leaf, kind = first(candidates, key=lambda c: c[0])
-    said = (
-        f"passed a non-finite cotangent to its input {leaf}"
-        if kind == "input"
-        else f"gave its parameter {leaf} a non-finite gradient"
+    i, leaf, said = (min if reverse else max)(candidates, key=lambda c: c[0])
+    message = (
+        f"The backward pass went non-finite at {at(i)}: it {said.format(leaf)} "
+        "(the forward pass and the cotangents reaching it are finite)."
     )
-    return "backward", i, leaf, said
+    return "backward", i, leaf, message

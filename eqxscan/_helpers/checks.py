@@ -1,8 +1,5 @@
-"""Validation helpers: every error names what is wrong, where, and what was expected.
-
-Errors are decorated in one way only: [`noted`][eqxscan._helpers.checks.noted] adds one
-note naming the layer or step that raised, with a one-line pointer to the docs.
-"""
+"""Validation helpers: every error names what is wrong, where, and what was
+expected; `noted` adds the one note naming the layer or step that raised."""
 
 import dataclasses
 import inspect
@@ -60,21 +57,22 @@ DEBUGGING_DOCS = "see docs/debugging.md"
 
 
 def noted(fn: Callable[P, R], where: str, *args: P.args, **kwargs: P.kwargs) -> R:
-    """Call `fn(*args, **kwargs)`; an exception it raises gets one note naming
-    `where` (e.g. "Layer 3 (Block)"), since it otherwise says nothing about which
-    layer or step raised it. An exception is noted once per place."""
+    """`fn(*args, **kwargs)`; an exception it raises gets one note naming `where`
+    (e.g. "Layer 3 (Block)"), once per place."""
     __tracebackhide__ = True
     try:
         return fn(*args, **kwargs)
-    except (TypeError, ValueError) as e:
-        shown = _input(args)
-        if shown and type(e) in (TypeError, ValueError) and _raised_by_jax(e):
+    except Exception as e:
+        shown = _input(args) if type(e) in (TypeError, ValueError) else ""
+        if shown and _raised_by_jax(e):
             # JAX's shape errors ("dot_general requires ...") name no layer and
             # no input: a headline that does, the original kept as the cause.
-            raise type(e)(_headline(where, shown, e)) from e
-        _note(e, where)
-        raise
-    except Exception as e:
+            first = next(iter(str(e).strip().splitlines()), type(e).__name__)
+            raise type(e)(
+                f"{where} failed on its input {shown}: {first}\nHint: check the "
+                "input's shape and dtype against what the layer expects (the "
+                f"error may also be in the layer itself); {DEBUGGING_DOCS}."
+            ) from e
         _note(e, where)
         raise
 
@@ -90,26 +88,12 @@ def _raised_by_jax(e: BaseException) -> bool:
 
 
 def _input(args: tuple) -> str:
-    """The input of a layer's step, described: its first argument, the carry
-    (`""` where the first argument is a module, as for a group of layers)."""
+    """The carry (first argument), each leaf described in its structure; `""`
+    for a module (a group of layers)."""
     is_module = lambda x: isinstance(x, eqx.Module)  # noqa: E731
     if not args or any(map(is_module, jtu.tree_leaves(args[0], is_leaf=is_module))):
         return ""
-    return describe_tree(args[0])
-
-
-def _headline(where: str, shown: str, e: BaseException) -> str:
-    first = next(iter(str(e).strip().splitlines()), type(e).__name__)
-    return (
-        f"{where} failed on its input {shown}: {first}\nHint: check the input's "
-        "shape and dtype against what the layer expects (the error may also be "
-        f"in the layer itself); {DEBUGGING_DOCS}."
-    )
-
-
-def describe_tree(tree: PyTree) -> str:
-    """`describe` of every leaf of `tree`, in its structure, shortened."""
-    leaves, treedef = jtu.tree_flatten(tree)
+    leaves, treedef = jtu.tree_flatten(args[0])
     if treedef.num_leaves == 1 and treedef.num_nodes == 1:
         return describe(leaves[0])
     text = str(jtu.tree_unflatten(treedef, [_Shown(describe(x)) for x in leaves]))
@@ -149,13 +133,8 @@ def describe(x: object) -> str:
         x = cast(_Shaped, x)  # an array, or what stands for one (a jaxpr's value)
         shape = ",".join(str(d) for d in x.shape)
         # PRNG keys have an extended dtype (`key<fry>`), which NumPy cannot read.
-        dtype = x.dtype
-        name = (
-            str(dtype)
-            if jnp.issubdtype(dtype, jax.dtypes.extended)
-            else (jnp.dtype(dtype).name)
-        )
-        return f"{name}[{shape}]"
+        extended = jnp.issubdtype(x.dtype, jax.dtypes.extended)
+        return f"{x.dtype if extended else jnp.dtype(x.dtype).name}[{shape}]"
     text = repr(x)
     return text if len(text) <= 80 else text[:77] + "..."
 
@@ -176,17 +155,12 @@ Found = tuple[str, str, str]
 
 
 def _exactly_equal(a: object, b: object, path: str) -> Found | None:
-    try:
-        same = bool(a is b or a == b)
-    except Exception:
-        same = False
-    return None if same else (path, describe(a), describe(b))
+    return None if same_leaf(a, b) else (path, describe(a), describe(b))
 
 
 def first_difference(
     a: PyTree,
     b: PyTree,
-    path: str = "",
     leaf: Callable[[object, object, str], Found | None] = _exactly_equal,
 ) -> Found | None:
     """The first place where two pytrees differ in structure, static data, shape or
@@ -234,13 +208,10 @@ def first_difference(
             if ta != tb:
                 return path, f"structure {ta}", f"structure {tb}"
             pairs = [(x, y, f"<{i}>") for i, (x, y) in enumerate(zip(la, lb))]
-        for x, y, where in pairs:
-            diff = walk(x, y, path + where)
-            if diff is not None:
-                return diff
-        return None
+        diffs = (walk(x, y, path + where) for x, y, where in pairs)
+        return next((d for d in diffs if d is not None), None)
 
-    return walk(a, b, path)
+    return walk(a, b, "")
 
 
 def same_leaf(x: object, y: object) -> bool:
@@ -255,9 +226,9 @@ def same_leaf(x: object, y: object) -> bool:
 
 
 class CarryError(TypeError):
-    """A step returned a carry unlike the one it received. `where` names the step
-    (`step` is its index, `None` for the one body of a scan) and `what` says what
-    changed, so that a caller running several groups can name the step anew."""
+    """A step returned a carry unlike its input. `where` and `step` (`None` for a
+    scan's one body) name the step, `what` says what changed: a caller running
+    several groups can name the step anew."""
 
     def __init__(self, where: str, what: str, step: int | None = None):
         super().__init__(f"{where} {what}")
@@ -308,9 +279,7 @@ def check_carry(old: PyTree, new: PyTree, where: str, step: int | None = None) -
 def check_leading_axis(tree: PyTree, length: int, name: str, axis_name: str) -> None:
     """Raise `ValueError` unless each array leaf of `tree` has leading axis `length`."""
     for path, leaf in jtu.tree_leaves_with_path(tree):
-        if not eqx.is_array(leaf):
-            continue
-        if leaf.ndim == 0 or leaf.shape[0] != length:
+        if eqx.is_array(leaf) and (leaf.ndim == 0 or leaf.shape[0] != length):
             raise ValueError(
                 f"{name}{jtu.keystr(path)} has shape {tuple(leaf.shape)}, but its "
                 f"leading axis must be the {axis_name} axis of length {length}."
@@ -341,23 +310,21 @@ def check_callable(name: str, value: object) -> Callable[..., Any]:
 
 
 def check_takes_key(fn: object, what: str, per: str) -> None:
-    """Raise `TypeError` unless `fn` can be called with `key=`.
-
-    `what` is the caller that was given the key (e.g. `"Stacked"`), `per` says
-    how it hands keys out (e.g. `"layer i gets key=keys[i]"`). Called before the
-    call, so the user does not get a bare "unexpected keyword argument 'key'".
-    """
+    """Raise `TypeError` unless `fn` takes `key=`: a clearer error than "unexpected
+    keyword argument 'key'". `what` was given the key (e.g. `"Stacked"`), `per`
+    says how it hands keys out (e.g. `"layer i gets key=keys[i]"`)."""
     if not callable(fn):  # let the call say so
         return
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # no signature to read: let the call decide
         return
-    for p in signature.parameters.values():
-        if p.kind is p.VAR_KEYWORD or (
-            p.name == "key" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
-        ):
-            return
+    if any(
+        p.kind is p.VAR_KEYWORD
+        or (p.name == "key" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
+        for p in signature.parameters.values()
+    ):
+        return
     if inspect.isfunction(fn) or inspect.ismethod(fn):
         name = target = fn.__qualname__
     else:
@@ -378,8 +345,7 @@ def check_size(
     maximum: int | None = None,
     hint: str = "",
 ) -> int:
-    """`value` as a plain `int`, for sizes such as `num_layers` or `dim`: anything
-    `operator.index` accepts (NumPy integers included) but `bool`, in
+    """`value` (anything `operator.index` accepts but `bool`) as an `int` in
     `[minimum, maximum]`."""
     try:
         if isinstance(value, bool) or not isinstance(value, SupportsIndex):
@@ -409,9 +375,8 @@ def check_bool(name: str, value: object) -> bool:
 
 
 def check_index(index: object, length: int, who: str, hint: str) -> int:
-    """`index` as a layer index in `range(length)` (negative counts from the end),
-    or a clear error: a traced index (with `hint` on what to do instead), a
-    non-integer, or one out of range."""
+    """`index` in `range(length)` (negative counts from the end), or a clear
+    error (`hint`: what to do instead of a traced index)."""
     if isinstance(index, jax.core.Tracer):
         raise TypeError(
             f"{who} got a traced index (e.g. a jit argument); indices must be "
@@ -433,27 +398,17 @@ def check_index(index: object, length: int, who: str, hint: str) -> int:
 
 
 def split_key(key: object, num: int, who: str) -> jax.Array:
-    """`jax.random.split(key, num)`, after checking that `key` is one PRNG key:
-    a typed key (`jax.random.key`) of shape `()` or a raw `uint32[2]` one
-    (`jax.random.PRNGKey`). Anything else (an int, a `uint32[3]`, a batch of
-    keys) gets an error naming `who` rather than JAX's own."""
-    if isinstance(key, jax.Array) or isinstance(key, np.ndarray):
+    """`jax.random.split(key, num)` once `key` is one PRNG key (typed, or a raw
+    `uint32[2]`): anything else gets an error naming `who`, not JAX's own."""
+    typed = False
+    if isinstance(key, (jax.Array, np.ndarray)):
         typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
-        if typed and key.shape == ():
+        if key.shape == (() if typed else (2,)) and (typed or key.dtype == np.uint32):
             return jax.random.split(key, num)
-        if not typed and key.dtype == np.uint32 and key.shape == (2,):
-            return jax.random.split(key, num)
-    hint = (
-        "Hint: pass one key (jax.random.key(seed)); eqxscan splits it into one "
-        "per layer or step."
-    )
-    if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        hint = (
-            "Hint: pass one key, not a batch of keys; eqxscan splits it into one "
-            "per layer or step."
-        )
+    one = "one key, not a batch of keys" if typed else "one key (jax.random.key(seed))"
     raise TypeError(
-        f"{who} needs `key` to be one JAX PRNG key, got {describe(key)}.\n{hint}"
+        f"{who} needs `key` to be one JAX PRNG key, got {describe(key)}.\nHint: "
+        f"pass {one}; eqxscan splits it into one per layer or step."
     )
 
 
@@ -469,10 +424,8 @@ def check_made_layer(made: object) -> None:
 
 
 def check_policy(name: str, policy: Callable[..., object]) -> None:
-    """Raise `TypeError` unless `policy` can be called as JAX calls a
-    rematerialisation policy, `policy(primitive, *avals, **params)`, and answers;
-    a callable that cannot (`len`) would fail only under `grad`, blamed on the
-    layer."""
+    """Raise `TypeError` unless `policy(primitive, *avals)` answers: a callable
+    that cannot (`len`) would fail only under `grad`, blamed on the layer."""
     aval = jax.core.ShapedArray((), jnp.float32)
     try:
         policy(jax.lax.mul_p, aval, aval)

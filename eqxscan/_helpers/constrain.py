@@ -14,13 +14,6 @@ from .checks import Checked
 T = TypeVar("T")
 
 
-def is_explicit(sharding: object) -> bool:
-    """Whether `sharding` lives on a mesh with `Explicit` axes (sharding in types)."""
-    return isinstance(sharding, NamedSharding) and any(
-        t == AxisType.Explicit for t in sharding.mesh.axis_types
-    )
-
-
 def align(shardings: object, tree: PyTree) -> PyTree:
     """`shardings` (one `Sharding`, `None`, or a pytree prefix of `tree`) as a
     pytree of `tree`'s structure: at each leaf, the entry that applies to it.
@@ -49,14 +42,9 @@ def align(shardings: object, tree: PyTree) -> PyTree:
 def constrain(
     tree: T, shardings: Checked[Sharding | PyTree[Sharding | None] | None]
 ) -> T:
-    """Constrain the array leaves of `tree` to `shardings` (one `Sharding` or a
-    pytree prefix of `tree`, matched by key path; `None` entries leave their
-    subtree alone).
-
-    This is `jax.lax.with_sharding_constraint` on `Auto` mesh axes and
-    `jax.sharding.reshard` on `Explicit` ones; both also place concrete arrays
-    outside `jit`. Non-array leaves pass through.
-    """
+    """Constrain the array leaves of `tree` to `shardings`, matched as `align`
+    does (`None` leaves a subtree alone): `with_sharding_constraint` on `Auto`
+    mesh axes, `reshard` on `Explicit` ones (both also place concrete arrays)."""
     dyn, static = eqx.partition(tree, eqx.is_array)
 
     def one(sharding: object, leaf: object) -> object:
@@ -67,7 +55,9 @@ def constrain(
                 "shardings must be jax.sharding.Sharding objects (or None), got "
                 f"{type(sharding).__name__}."
             )
-        if is_explicit(sharding):
+        if isinstance(sharding, NamedSharding) and any(
+            t == AxisType.Explicit for t in sharding.mesh.axis_types
+        ):
             return jax.sharding.reshard(leaf, sharding)
         return jax.lax.with_sharding_constraint(leaf, sharding)
 
@@ -87,24 +77,21 @@ def layers_may_be_sharded(tree: PyTree) -> bool:
         for size, kind in zip(mesh.axis_sizes, mesh.axis_types, strict=True)
     ):
         return True
-    for leaf in jtu.tree_leaves(tree):
-        if not eqx.is_array(leaf):
-            continue
+    for leaf in filter(eqx.is_array, jtu.tree_leaves(tree)):
         sharding = getattr(jax.typeof(leaf), "sharding", None)
-        if not isinstance(sharding, NamedSharding):
-            continue
-        sizes = dict(sharding.mesh.shape)
-        for entry in sharding.spec:
-            names = entry if isinstance(entry, tuple) else (entry,)
-            if any(sizes.get(name, 1) > 1 for name in names if name is not None):
+        if isinstance(sharding, NamedSharding):
+            sizes = dict(sharding.mesh.shape)
+            names = [
+                n for e in sharding.spec for n in (e if isinstance(e, tuple) else (e,))
+            ]
+            if any(sizes.get(n, 1) > 1 for n in names if n is not None):
                 return True
     return False
 
 
-def check_layer_sharding(layer_sharding: object, layers: PyTree = None) -> None:
-    """Raise unless `layer_sharding` is `None`, a `jax.sharding.Sharding`, or a
-    pytree of them (and `None`) that is a prefix of `layers`' arrays, whose leaves
-    are then the shardings of one layer's arrays (no layer axis)."""
+def check_layer_sharding(layer_sharding: object, layers: PyTree) -> None:
+    """Raise unless `layer_sharding` is `None`, a `Sharding`, or a pytree of them
+    (and `None`): a prefix of one layer's arrays in `layers` (no layer axis)."""
     if layer_sharding is None or isinstance(layer_sharding, Sharding):
         return
     leaves = jtu.tree_leaves(layer_sharding)
@@ -129,8 +116,6 @@ def check_layer_sharding(layer_sharding: object, layers: PyTree = None) -> None:
             "layer's own structure, e.g. jax.tree.map(f, eqx.filter(stack.layers, "
             "eqx.is_array)), or a tuple."
         ) from None
-    if layers is None:
-        return
     arrays = eqx.filter(layers, eqx.is_array)
     try:
         jtu.tree_map(lambda s, x: None, layer_sharding, arrays, is_leaf=is_none)
@@ -145,5 +130,5 @@ def check_layer_sharding(layer_sharding: object, layers: PyTree = None) -> None:
 
 
 def is_none(x: object) -> bool:
-    """Whether `x` is `None`: as `is_leaf`, keeps `None` entries as leaves."""
+    """As `is_leaf`: keeps `None` entries as leaves."""
     return x is None

@@ -18,7 +18,6 @@ NAMES = (
 
 
 def _lookup(module: str, attribute: str) -> Any:
-    """`module.attribute` (a dotted path), or `None` where this JAX lacks it."""
     try:
         found: Any = importlib.import_module(module)
     except ImportError:
@@ -31,26 +30,22 @@ def _lookup(module: str, attribute: str) -> Any:
 def missing() -> list[str]:
     """The names of `NAMES` this JAX lacks (`client` is `None` until a
     multi-process job is joined, so only its holder is looked for)."""
-    out = []
-    for module, attribute in NAMES:
-        holder = attribute.rpartition(".")[0]
-        if _lookup(module, holder or attribute) is None:
-            out.append(f"{module}.{attribute}")
-    return out
+    return [
+        f"{module}.{attribute}"
+        for module, attribute in NAMES
+        if _lookup(module, attribute.rpartition(".")[0] or attribute) is None
+    ]
 
 
 def register_exclusion(path: str) -> None:
-    """Hide the frames of files under `path` from JAX's filtered tracebacks, so
-    that an error raised by eqxscan's checks points at the user's line. Without
-    `jax._src.traceback_util.register_exclusion` this does nothing: tracebacks
-    then show eqxscan's frames too."""
+    """Hide the frames of files under `path` from JAX's filtered tracebacks (a
+    JAX without `register_exclusion` shows them)."""
     register = _lookup("jax._src.traceback_util", "register_exclusion")
     if register is not None:
         register(path)
 
 
 def distributed_client() -> Any | None:
-    """The client of JAX's key-value store for the multi-process job this process
-    has joined (`jax._src.distributed.global_state.client`), or `None` where this
-    JAX has no such name; the caller says what it does without it."""
+    """The client of JAX's key-value store for the multi-process job joined, or
+    `None` (also where this JAX lacks the name)."""
     return _lookup("jax._src.distributed", "global_state.client")

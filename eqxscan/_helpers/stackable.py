@@ -32,8 +32,7 @@ Verdict = Literal["same", "different", "unknown"]
 
 class Difference(NamedTuple):
     """Where two layers differ: the leaf path, both values described, and whether
-    the values really differ (`"different"`) or can only be told apart by
-    identity (`"unknown"`)."""
+    they differ (`"different"`) or only by identity (`"unknown"`)."""
 
     path: str
     a: str
@@ -51,18 +50,13 @@ def _describe(x: object) -> str:
     return describe(x)
 
 
-def _uses_identity(x: object) -> bool:
-    return type(x).__eq__ is object.__eq__
-
-
 def _concrete_equal(a: object, b: object) -> Verdict:
     # Arrays closed over by a function: compare values when they are concrete.
     if isinstance(a, jax.core.Tracer) or isinstance(b, jax.core.Tracer):
         return "unknown"
     a, b = np.asarray(a), np.asarray(b)
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return "different"
-    return "same" if np.array_equal(a, b) else "different"
+    same = a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b)
+    return "same" if same else "different"
 
 
 def _all(verdicts: Iterable[Verdict]) -> Verdict:
@@ -86,21 +80,17 @@ def _function(a: types.FunctionType, b: types.FunctionType) -> Verdict:
     # what may differ is what each instance captured.
     if a.__code__ is not b.__code__ or a.__globals__ is not b.__globals__:
         return "different"
-    cells_a = [c.cell_contents for c in a.__closure__ or ()]
-    cells_b = [c.cell_contents for c in b.__closure__ or ()]
-    return _all(
-        [
-            _sequence(a.__defaults__ or (), b.__defaults__ or ()),
-            value_verdict(a.__kwdefaults__ or {}, b.__kwdefaults__ or {}),
-            _sequence(cells_a, cells_b),
-        ]
-    )
+
+    def parts(f: types.FunctionType) -> tuple[object, ...]:
+        cells = [c.cell_contents for c in f.__closure__ or ()]
+        return f.__defaults__ or (), f.__kwdefaults__ or {}, cells
+
+    return _sequence(parts(a), parts(b))
 
 
 def value_verdict(a: object, b: Any) -> Verdict:
-    """Whether two non-array values (static data, functions) are the same."""
-    # `b: Any`: past `type(a) is type(b)`, `b` has `a`'s type, which narrowing
-    # `a` does not carry over to `b`.
+    """Whether two non-array values (static data, functions) are the same (`b:
+    Any`: past `type(a) is type(b)` it has `a`'s type, which pyright cannot see)."""
     if a is b:
         return "same"
     if eqx.is_array(a) or eqx.is_array(b) or isinstance(a, np.ndarray):
@@ -111,22 +101,11 @@ def value_verdict(a: object, b: Any) -> Verdict:
         # A bare `object()` is only ever a unique marker (e.g. `StateIndex`'s).
         return "same"
     if isinstance(a, functools.partial):
-        return _all(
-            [
-                value_verdict(a.func, b.func),
-                _sequence(a.args, b.args),
-                value_verdict(a.keywords, b.keywords),
-            ]
-        )
+        return _sequence((a.func, a.args, a.keywords), (b.func, b.args, b.keywords))
     if isinstance(a, types.FunctionType):
         return _function(a, b)
     if isinstance(a, types.MethodType):
-        return _all(
-            [
-                value_verdict(a.__func__, b.__func__),
-                value_verdict(a.__self__, b.__self__),
-            ]
-        )
+        return _sequence((a.__func__, a.__self__), (b.__func__, b.__self__))
     if isinstance(a, (tuple, list)):
         return _sequence(a, b)
     if isinstance(a, dict):
@@ -143,10 +122,11 @@ def value_verdict(a: object, b: Any) -> Verdict:
             return "same"
     except Exception:
         return "unknown"
-    return "unknown" if _uses_identity(a) else "different"
+    # An object without `__eq__` compares by identity only.
+    return "unknown" if type(a).__eq__ is object.__eq__ else "different"
 
 
-def compare(a: PyTree, b: PyTree, path: str = "") -> Difference | None:
+def compare(a: PyTree, b: PyTree) -> Difference | None:
     """The first place where two layers differ in a way that keeps them from
     sharing one body: structure, shape, dtype or non-array data. A difference
     that can only be judged by identity is reported only if nothing really
@@ -163,7 +143,7 @@ def compare(a: PyTree, b: PyTree, path: str = "") -> Difference | None:
             return None
         return found
 
-    diff = first_difference(a, b, path, leaf=leaf)
+    diff = first_difference(a, b, leaf=leaf)
     if diff is not None:
         return Difference(*diff, "different")
     return unknown[0] if unknown else None
@@ -182,9 +162,8 @@ def alike(a: PyTree, b: PyTree) -> bool:
 
 
 def stack_alike(layers: list[PyTree]) -> PyTree:
-    """Stack layers that are [`alike`][eqxscan._helpers.stackable.alike] leaf by
-    leaf on a new axis 0. Non-array data is taken from the first layer, so layers
-    that differ only by identity end up sharing its objects."""
+    """Stack `alike` layers on a new axis 0. Non-array data is the first layer's,
+    so layers that differ only by identity end up sharing its objects."""
     first, treedef = jtu.tree_flatten(layers[0])
     columns = [first] + [jtu.tree_leaves(layer) for layer in layers[1:]]
     stacked = [
@@ -198,18 +177,14 @@ def check_alike(
     layers: list[PyTree], what: str, names: tuple[str, str] | None = None
 ) -> None:
     """Raise `ValueError` naming the first layer that cannot share a body with
-    layer 0: its index, the leaf path and both values. `names` names the two
-    layers when there are only two (instead of "layer 0" and "layer 1")."""
+    layer 0, the leaf path and both values (`names`: of two layers)."""
     if len(layers) == 0:
         raise ValueError(f"{what}: need at least one layer, got an empty sequence.")
     for i, layer in enumerate(layers[1:], start=1):
         if alike(layers[0], layer):
             continue
         diff = compare(layers[0], layer)
-        if diff is None:  # pragma: no cover - `alike` caught an exception
-            diff = Difference(
-                "", type(layers[0]).__name__, type(layer).__name__, "different"
-            )
+        assert diff is not None  # `alike` found them different
         hint = (
             " These objects compare by identity only: create one and pass the same "
             "object to every layer."

@@ -1,12 +1,8 @@
-"""Stateful layers (`eqx.nn.State`, `eqx.nn.StateIndex`, `eqx.nn.BatchNorm`) in
-a stack, called the way Equinox calls stateful models: `y, state = model(x, state)`.
-
-`eqx.nn.make_with_state(eqxscan.Stacked)(...)` builds the layers under
-`eqx.filter_vmap`, so each `StateIndex` of the stacked layer holds one marker and
-its state has a leading layer axis. A call hands layer `i` its own slice of that
-state (as a [`eqxscan.per_layer`][] argument) and collects the states the layers
-return as the scan's outputs, which are then written back into the whole state.
-"""
+"""Stateful layers (`eqx.nn.State`) in a stack, called as Equinox calls them:
+`y, state = model(x, state)`. `eqx.nn.make_with_state(eqxscan.Stacked)(...)`
+gives each `StateIndex` one marker and a state with a leading layer axis; a call
+hands layer `i` its slice (as a `per_layer` argument) and writes the states the
+scan outputs back into the whole state."""
 
 from typing import Any, TypeVar
 
@@ -21,8 +17,7 @@ T = TypeVar("T")
 
 
 def find_state(args: tuple, kwargs: dict[str, Any]) -> int | str | None:
-    """Where the `eqx.nn.State` argument of a call is: its position in `args` or
-    its name in `kwargs`; `None` if there is none."""
+    """The position or name of a call's `eqx.nn.State` argument, if any."""
     found = [i for i, a in enumerate(args) if isinstance(a, eqx.nn.State)]
     found += [n for n, v in kwargs.items() if isinstance(v, eqx.nn.State)]
     if len(found) > 1:
@@ -36,7 +31,6 @@ def find_state(args: tuple, kwargs: dict[str, Any]) -> int | str | None:
 def replace_arg(
     args: tuple, kwargs: dict[str, Any], where: int | str, value: object
 ) -> tuple[tuple, dict[str, Any]]:
-    """`args` and `kwargs` with the argument at `where` replaced by `value`."""
     if isinstance(where, int):
         return args[:where] + (value,) + args[where + 1 :], kwargs
     return args, {**kwargs, where: value}
@@ -49,8 +43,7 @@ def get_arg(args: tuple, kwargs: dict[str, Any], where: int | str) -> Any:
 def layer_state(
     state: eqx.nn.State, layers: PyTree, length: int, what: str
 ) -> eqx.nn.State:
-    """The part of `state` that belongs to the stacked `layers`, checked to have
-    the layer axis (of length `length`) first."""
+    """The part of `state` that belongs to the stacked `layers`, checked."""
     sub = state.substate(layers)
     for path, leaf in jtu.tree_leaves_with_path(sub):
         if getattr(leaf, "ndim", 0) == 0 or leaf.shape[0] != length:
@@ -77,16 +70,13 @@ def state_pair(out: object, who: str) -> tuple[PyTree, eqx.nn.State]:
 
 
 def updated(state: eqx.nn.State, sub: eqx.nn.State) -> eqx.nn.State:
-    """`state` with the entries of its substate `sub` replaced, leaving `state`
-    itself valid (`State.update` invalidates it): a scanned call does not
-    consume the caller's state, as `jax.lax.scan` over the layers would not."""
+    """`state` updated with `sub`, leaving `state` itself valid (`State.update`
+    invalidates it): a scanned call does not consume the caller's state."""
     return clone(state).update(sub)
 
 
 def clone(tree: T) -> T:
-    """A copy of `tree`'s structure sharing its leaves. An `eqx.nn.State` is
-    invalidated once a layer calls `set` on it, so a carry that must be read
-    after the step (to check it, or to keep it on a masked step) is cloned first,
-    as Equinox recommends."""
+    """A copy of `tree`'s structure sharing its leaves: a carry read after the
+    step is cloned first, as a layer's `State.set` invalidates the original."""
     leaves, treedef = jtu.tree_flatten(tree)
     return jtu.tree_unflatten(treedef, leaves)

@@ -1,6 +1,6 @@
 """`StackedMLP`: a residual MLP stack with shape-checked stacked weights."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import SupportsIndex, Unpack
 
 import equinox as eqx
@@ -33,10 +33,7 @@ from .._internal import (
 )
 
 
-RMS_EPS = 1e-6
-
-
-def rms_norm(scale: Array, x: Array, eps: float = RMS_EPS) -> Array:
+def rms_norm(scale: Array, x: Array, eps: float = 1e-6) -> Array:
     """`x / rms(x) * scale`, reduced in float32 and returned in `x.dtype`.
 
     **Arguments:**
@@ -58,7 +55,6 @@ def rms_norm(scale: Array, x: Array, eps: float = RMS_EPS) -> Array:
 
 
 def check_float_dtype(dtype: DTypeLike) -> np.dtype:
-    """`dtype` as a floating NumPy dtype, or a clear error."""
     try:
         found = jnp.dtype(dtype)
     except TypeError:
@@ -72,7 +68,6 @@ def check_float_dtype(dtype: DTypeLike) -> np.dtype:
 
 
 def check_rate(dropout: object) -> float:
-    """`dropout` as a float in [0, 1), or a clear error."""
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
         raise TypeError(
             f"dropout must be a number in [0, 1), got {type(dropout).__name__} "
@@ -135,10 +130,15 @@ class MLPBlock(eqx.Module):
         return x + h @ self.w2
 
 
-def _shapes(*arrays: Array | eqx.Module) -> list[jax.ShapeDtypeStruct]:
-    """The shapes checked, not the arrays: a weight may be a module standing for
-    one (an `eqxscan.adapters.LoRA`, whose `.shape` and `.dtype` are its base's)."""
-    return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]  # pyright: ignore[reportAttributeAccessIssue]
+def _check_shapes(
+    check: Callable[..., None], arrays: tuple[Array | eqx.Module, ...], message: str
+) -> None:
+    # Shapes, not arrays: a weight may be a module standing for one (a LoRA).
+    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]  # pyright: ignore[reportAttributeAccessIssue]
+    try:
+        jax.eval_shape(check, *shapes)
+    except TypeCheckError as e:
+        raise TypeCheckError(message) from e
 
 
 @jaxtyped(typechecker=beartype)
@@ -147,12 +147,12 @@ def _stacked_shapes(
     w2: Float[Array, "L 4*D D"],
     scale: Float[Array, "L D"],
 ) -> None:
-    """Checked by jaxtyping + beartype: the layer-axis layout of a StackedMLP."""
+    """The layer-axis layout of a StackedMLP, checked by jaxtyping + beartype."""
 
 
 @jaxtyped(typechecker=beartype)
 def _input_shape(w1: Float[Array, "L D H"], x: Float[Array, "*batch D"]) -> None:
-    """Checked by jaxtyping + beartype: the input's last axis is the model's D."""
+    """The input's last axis is the model's D (jaxtyping + beartype)."""
 
 
 class StackedMLP(Scanning):
@@ -196,9 +196,8 @@ class StackedMLP(Scanning):
           `model.with_options(drop_path=...)`.
         - `mode`, `remat`, `unroll`: as for [`eqxscan.Stacked`][].
         - `blocks`: instead of `dim`, `num_layers` and `key`, a `Stacked` of
-          [`eqxscan.MLPBlock`][]s to hold (its options, drop rates included,
-          are kept);
-          [`eqxscan.StackedMLP.from_layers`][] stacks a list.
+          [`eqxscan.MLPBlock`][]s to hold, options and drop rates kept
+          ([`eqxscan.StackedMLP.from_layers`][] stacks a list).
         """
         if blocks is not None:
             if not (
@@ -229,7 +228,15 @@ class StackedMLP(Scanning):
         )
 
     def __check_init__(self) -> None:
-        check_stacked_mlp(self)
+        layers = self.blocks.layers
+        w1, w2, scale = layers.w1, layers.w2, layers.scale
+        _check_shapes(
+            _stacked_shapes,
+            (w1, w2, scale),
+            "StackedMLP.blocks has arrays of the wrong shapes: expected w1 [L, D, "
+            f"4*D], w2 [L, 4*D, D], scale [L, D]; got w1 {describe(w1)}, w2 "
+            f"{describe(w2)}, scale {describe(scale)}.",
+        )
 
     @classmethod
     def from_layers(
@@ -339,17 +346,15 @@ class StackedMLP(Scanning):
         return run_layers(self.blocks, x, layers, key=key)
 
     def _checked(self, x: object, key: PRNGKeyArray | None) -> Array:
-        """`x` as an array, after checking its width, its dtype, and that a key
-        is given when dropout is active."""
+        """`x` as an array, its width and dtype checked (and a key if needed)."""
         x = jnp.asarray(x)
-        try:
-            jax.eval_shape(_input_shape, *_shapes(self.blocks.layers.w1, x))
-        except TypeCheckError as e:
-            raise TypeCheckError(
-                f"StackedMLP input x is {describe(x)}, but the model takes a "
-                f"floating array [..., D] with D={self.dim}, in {self.dtype}.\n"
-                "Hint: the last axis is the width; any axes before it are batch axes."
-            ) from e
+        _check_shapes(
+            _input_shape,
+            (self.blocks.layers.w1, x),
+            f"StackedMLP input x is {describe(x)}, but the model takes a floating "
+            f"array [..., D] with D={self.dim}, in {self.dtype}.\nHint: the last "
+            "axis is the width; any axes before it are batch axes.",
+        )
         if x.dtype != self.dtype:
             raise TypeError(
                 f"StackedMLP input has dtype {x.dtype}, but the model's parameters "
@@ -365,18 +370,3 @@ class StackedMLP(Scanning):
             )
         check_droppable(self.blocks.drop_rates, key, False, "StackedMLP")
         return x
-
-
-def check_stacked_mlp(model: StackedMLP) -> None:
-    """Raise a jaxtyping `TypeCheckError` naming the array and both shapes unless
-    `model.blocks` holds `w1: [L, D, 4*D]`, `w2: [L, 4*D, D]`, `scale: [L, D]`."""
-    layers = model.blocks.layers
-    try:
-        jax.eval_shape(_stacked_shapes, *_shapes(layers.w1, layers.w2, layers.scale))
-    except TypeCheckError as e:
-        raise TypeCheckError(
-            "StackedMLP.blocks has arrays of the wrong shapes: expected "
-            "w1 [L, D, 4*D], w2 [L, 4*D, D], scale [L, D]; got "
-            f"w1 {describe(layers.w1)}, w2 {describe(layers.w2)}, "
-            f"scale {describe(layers.scale)}."
-        ) from e

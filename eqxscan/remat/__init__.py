@@ -1,14 +1,7 @@
-"""Rematerialisation beyond the `remat=` option: what `remat="auto"`
-chose and why, and choosing a setting that fits a memory budget.
-
-- [`eqxscan.remat.explain_auto`][] (also `eqxscan.explain_auto`): the choice of
-  `"auto"` for every scan a function runs, with the rule that fired.
-- [`eqxscan.remat.fit_remat`][] / [`eqxscan.remat.remat_table`][]: the fastest
-  setting that fits a budget, from XLA's memory and cost analysis (or timing).
-- [`eqxscan.remat.with_remat`][]: a model with one `remat=` setting on
-  every scan in it (as a candidate's `apply` sets it).
-- [`eqxscan.remat.time_interleaved`][]: the timing used by both and by the bench.
-"""
+"""Rematerialisation beyond the `remat=` option: what `remat="auto"` chose and
+why (`explain_auto`), the fastest setting that fits a memory budget
+(`fit_remat`, `remat_table`), one setting on every scan (`with_remat`), and the
+timing they use (`time_interleaved`)."""
 
 from .._internal import (
     AutoChoice as AutoChoice,

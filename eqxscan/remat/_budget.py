@@ -1,14 +1,10 @@
-"""Choosing rematerialisation for a memory budget, from XLA's own accounting:
-`remat_table` compiles a training step once per candidate `remat=` setting and
-reads `memory_analysis()` and `cost_analysis()` of each program; `fit_remat`
-applies the fastest that fits.
+"""Choosing rematerialisation for a memory budget: `remat_table` compiles a
+training step per candidate `remat=` setting and reads XLA's memory and cost
+analysis; `fit_remat` applies the fastest that fits.
 
-XLA's cost analysis counts a loop's body once, so its figures rank programs of
-one kind only: loops over the same steps, or programs without loops, which
-exist where the scans are unrolled fully (`unroll=True`, or where
-`unroll="auto"` found them short and small: docs/default-remat.md). `choose`
-compares estimates within a kind and across kinds takes the program without
-loops; measured times (`time_steps`) compare every kind.
+XLA's cost analysis counts a loop's body once, so estimates rank programs of one
+kind only (loops, or programs whose scans are unrolled fully); `choose` prefers
+the program without loops across kinds, unless times were measured.
 """
 
 import dataclasses
@@ -36,15 +32,12 @@ from ._timing import time_interleaved
 
 Unroll: TypeAlias = int | bool | Literal["auto"]
 Kind: TypeAlias = Literal["unrolled", "loop"]
-"""`"unrolled"`: the compiled program has no loop, so XLA counts every step;
-`"loop"`: it loops, and XLA counts each loop body once."""
 M = TypeVar("M")
 #: An input leaf of the compiled step: an array, or only its shape and dtype.
 Leaf: TypeAlias = jax.Array | jax.ShapeDtypeStruct
 
-#: The settings tried by default, from most saved to least: "auto", a policy
-#: saving every matmul output, the same values offloaded to host memory, `True`,
-#: "nested", and `False` (save everything: fastest where it fits, on a GPU).
+#: The settings tried by default, from most saved to least (`False` saves
+#: everything: fastest where it fits, on a GPU).
 CANDIDATES: tuple[Remat, ...] = (
     "auto",
     jax.checkpoint_policies.dots_saveable,
@@ -146,10 +139,9 @@ class RematTable:
 def choose(
     candidates: Sequence[RematCandidate], budget: int, *, measured: bool = False
 ) -> RematCandidate:
-    """The fitting candidate with the lowest measured time (`measured=True`) or
-    else estimated time, among the unrolled programs if any fits (estimates rank
-    programs of one kind: see the module docstring); `ValueError` listing every
-    candidate's bytes if none fits."""
+    """The fitting candidate with the lowest measured (`measured=True`) or else
+    estimated time, among the unrolled programs if any fits; `ValueError` listing
+    every candidate's bytes if none fits."""
     fitting = [c for c in candidates if c.device_bytes <= budget]
     if not fitting:
         mib = 2**20
@@ -178,9 +170,7 @@ def with_remat(model: M, remat: Remat, unroll: Unroll | None = None) -> M:
     """`model` with `remat` (and `unroll`, unless `None`) set on every
     scanning module in it (`Stacked`, `Chain`, `Recurrent`, `StackedMLP`; the
     outermost ones, which pass it on)."""
-    options: dict[str, Remat | Unroll] = {"remat": remat}
-    if unroll is not None:
-        options["unroll"] = unroll
+    options = {"remat": remat} if unroll is None else {"remat": remat, "unroll": unroll}
     return jtu.tree_map(
         lambda x: x.with_options(**options) if _is_scan(x) else x,
         model,
@@ -207,8 +197,8 @@ def time_candidates(
     candidates: Sequence[RematCandidate], leaves: list[jax.Array], repeats: int
 ) -> dict[int, float]:
     """Median seconds per run of each distinct compiled program among
-    `candidates` (keyed by `id(candidate.compiled)`: identical settings share
-    one program), over `repeats` interleaved rounds after one warm-up run each."""
+    `candidates`, by `id(candidate.compiled)`, over `repeats` interleaved rounds
+    after one warm-up run each."""
     programs = {id(c.compiled): c.compiled for c in candidates}
     for compiled in programs.values():
         jax.block_until_ready(compiled(leaves))
@@ -230,18 +220,14 @@ def remat_table(
     """Every candidate `remat=` setting for a memory budget, compiled, with
     XLA's own figures, and the one [`eqxscan.remat.fit_remat`][] picks.
 
-    Every candidate setting is applied to all `Stacked`, `Chain` and `Recurrent`
-    modules in `model` at once, and `step(model, *args)` is compiled ahead of time
-    (`jax.jit(...).lower(...).compile()`, nothing is run). A candidate fits when
-    its compiled program's temp + argument + output bytes
-    (`memory_analysis()`) are at most `budget`. Among those that fit, the one with
-    the lowest estimated time wins: `flops / peak.flops + bytes accessed /
-    peak.bytes_per_s`, from `cost_analysis()`, compared between programs of one
-    kind (XLA counts a loop's body once): where some fitting programs have no loop
-    (their scans unrolled fully) and others loop, the best program without a loop
-    wins. With `time_steps`, the lowest measured time wins.
-
-    Candidates that lower to the same program are compiled once.
+    Each candidate is set on all `Stacked`, `Chain` and `Recurrent` modules in
+    `model` and `step(model, *args)` is compiled ahead of time (nothing is run;
+    candidates that lower to the same program are compiled once). A candidate
+    fits when its temp + argument + output bytes (`memory_analysis()`) are at
+    most `budget`. Of those, the lowest estimated time wins: `flops / peak.flops
+    + bytes accessed / peak.bytes_per_s` from `cost_analysis()`, which counts a
+    loop's body once, so a fitting program without a loop (its scans unrolled
+    fully) beats any that loops. With `time_steps`, the lowest measured time wins.
 
     **Arguments:**
 
@@ -322,7 +308,6 @@ def _check_table(
 def _candidate(
     compiled: jax.stages.Compiled, remat: Remat, unroll: Unroll | None, peak: Peak
 ) -> RematCandidate:
-    """XLA's figures of one candidate's compiled program."""
     mem = compiled.memory_analysis()
     if mem is None:
         raise ValueError(
@@ -354,7 +339,6 @@ def _candidate(
 def _timed(
     results: list[RematCandidate], leaves: list[Leaf], limit: int, time_steps: int
 ) -> list[RematCandidate]:
-    """`results` with the fitting candidates' measured seconds."""
     arrays = [x for x in leaves if not isinstance(x, jax.ShapeDtypeStruct)]
     if len(arrays) != len(leaves):
         raise ValueError(
@@ -383,10 +367,9 @@ def fit_remat(
     time_steps: int = 0,
 ) -> M:
     """Pick the `remat=` setting for a memory budget, from XLA's own figures:
-    `model` with the setting [`eqxscan.remat.remat_table`][] chooses (and `unroll`, with
-    `unrolls`) on all its scans. The arguments are `remat_table`'s; call that for
-    every candidate's figures.
-    """
+    `model` with the setting (and `unroll`, with `unrolls`) that
+    [`eqxscan.remat.remat_table`][] chooses, on all its scans. The arguments are
+    `remat_table`'s; call that for every candidate's figures."""
     table = remat_table(
         model,
         step,

@@ -28,13 +28,10 @@ PEAKS: dict[str, Peak] = {
     "TPU v4": Peak(275e12, 1.2e12),
 }
 
-#: Used only to rank programs by estimated cost on a CPU or an unknown device:
-#: what matters there is the ratio of the two. XLA's "bytes accessed" counts
-#: every fusion's operands, most of which stay in cache on a CPU, so a byte costs
-#: less than DRAM bandwidth suggests. At 2 FLOPs per byte the estimate ranks the
-#: candidates of both `benchmarks/remat_budget.py` models as measured on the
-#: 2-core x86 benchmark machine; at 10 it preferred full remat, which measured
-#: 1.04-1.06x (StackedMLP) and 1.12-1.13x (Transformer) the "auto" program's time.
+#: Ranks programs on a CPU or an unknown device, where only the ratio matters.
+#: XLA's "bytes accessed" counts operands that mostly stay in cache on a CPU; at 2
+#: FLOPs per byte the estimate ranks both `benchmarks/remat_budget.py` models'
+#: candidates as measured (at 10 it preferred full remat, 1.04-1.13x slower).
 FALLBACK = Peak(1e11, 5e10)
 
 
