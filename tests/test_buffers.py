@@ -422,6 +422,17 @@ def test_bad_input_errors():
     widen = eqxscan.Stacked(lambda k: Widen(jnp.ones(D)), 2, key=jr.key(0))
     with pytest.raises(TypeError, match=r"keeps its shape and dtype"):
         widen(x, eqxscan.buffer(jnp.zeros((2, 3))))
+
+    class Forget(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x, cache):
+            return x, None
+
+    # A layer that returns no buffer for one it received is told so by name.
+    forget = eqxscan.Stacked(lambda k: Forget(jnp.ones(D)), 2, key=jr.key(0))
+    with pytest.raises(TypeError, match="returned a buffer of another structure"):
+        forget(x, eqxscan.buffer(jnp.zeros((2, 3))))
     with pytest.raises(TypeError, match="does not take an eqxscan.buffer"):
         stack.vmap(x, eqxscan.buffer(cache_of(4, (3,))), pos=0)
     with pytest.raises(TypeError, match="does not take an eqxscan.buffer"):
