@@ -460,6 +460,11 @@ def test_chain_buffer_errors():
     run = eqxscan.Chain([Attn(key=k) for k in jr.split(jr.key(0), 3)])
     with pytest.raises(ValueError, match="layers 0 and 1 are scanned together"):
         eqxscan.layer_buffers(run, lambda i, layer: cache_of(4 + i))
+    # ... named by their indices in the whole chain.
+    keys = jr.split(jr.key(0), 3)
+    late = eqxscan.Chain([Lone(), *(Attn(key=k) for k in keys)])
+    with pytest.raises(ValueError, match="layers 1 and 2 are scanned together"):
+        eqxscan.layer_buffers(late, lambda i, _: None if i == 0 else cache_of(4 + i))
 
 
 @pytest.mark.parametrize("split", ["batch", "heads"])
