@@ -81,6 +81,24 @@ def test_chain_keeps_apart_what_really_differs(getkey):
     np.testing.assert_allclose(chain(x), _loop(slopes, x), rtol=1e-6)
 
 
+def _through(x, like):
+    return x.astype(like.dtype).astype(x.dtype)  # rounded to `like`'s dtype
+
+
+def test_chain_keeps_apart_static_arrays_of_another_dtype(getkey):
+    # Equal values of different dtypes are different configuration: a layer
+    # that rounds through float16 does not share a body with one through float32.
+    likes = [np.zeros((), np.float32), np.zeros((), np.float16)]
+    layers = [
+        Scaled(eqx.nn.Linear(4, 4, key=k), functools.partial(_through, like=like))
+        for k, like in zip(jr.split(getkey(), 2), likes)
+    ]
+    chain = eqxscan.Chain(layers)
+    assert [span.size for span in chain.layout] == [1, 1]
+    x = jnp.linspace(-1.0, 1.0, 4)
+    np.testing.assert_allclose(chain(x), _loop(layers, x), rtol=1e-6)
+
+
 class Swish:
     """A callable with no notion of equality: instances compare by identity."""
 
