@@ -137,6 +137,18 @@ def test_chain_explain(getkey):
     assert "layer 4" in text and "float16[4,4]" in text and "float32[4,4]" in text
 
 
+def test_chain_explain_names_both_neighbours_of_layer_1(getkey):
+    # A lone layer 1 says how it differs from layer 0 as well as from layer 2.
+    k = iter(jr.split(getkey(), 4))
+    layers = [eqx.nn.Linear(4, 4, key=next(k))]
+    layers.append(eqx.nn.Linear(4, 4, use_bias=False, key=next(k)))
+    layers += [eqx.nn.Linear(4, 4, key=next(k), dtype=jnp.float16) for _ in range(2)]
+    lines = eqxscan.Chain(layers).explain().splitlines()
+    line = next(line for line in lines if line.startswith("  layer 1 "))
+    assert "unlike layer 0 (Linear) at `.bias`" in line
+    assert "unlike layer 2 (Linear) at `.weight`" in line
+
+
 # Portable checkpoints --------------------------------------------------------------
 
 
