@@ -14,7 +14,7 @@ import eqxscan
 from eqxscan._scan.engine import run
 from eqxscan._scan.remat import ScanRemat
 
-from .helpers import run_script
+from .helpers import run_script, sub_jaxprs
 
 
 L, B, D = 5, 3, 4
@@ -130,6 +130,27 @@ def test_skip_against_finite_differences():
         numeric = (at(eps) - at(-eps)) / (2 * eps)
         analytic = jnp.sum(grad * direction)
         np.testing.assert_allclose(analytic, numeric, rtol=2e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("remat, computed", [(False, 1), (True, 2)])
+def test_skip_saves_or_recomputes_as_remat_says(remat, computed):
+    # A running layer of the whole-scan skip keeps its values for the backward
+    # pass under `remat=False` (its tanh is computed once) and recomputes them
+    # under `remat=True` (twice), as a scan without skips does.
+    options = eqxscan.ScanOptions(remat=remat, unroll=1)
+    w, b, x, scale = _inputs()
+    jaxpr = jax.make_jaxpr(
+        jax.grad(_loss(lambda *a: _engine(*a, KEEP, options)), argnums=(0, 2))
+    )(w, b, x, scale)
+
+    def count(jaxpr):
+        return sum(
+            (eqn.primitive.name == "tanh")
+            + sum(count(s) for s in sub_jaxprs(eqn.params))
+            for eqn in jaxpr.eqns
+        )
+
+    assert count(jaxpr.jaxpr) == computed
 
 
 class Counting(eqx.Module):
