@@ -11,6 +11,8 @@ from jaxtyping import Array
 
 import eqxscan
 
+from .helpers import sub_jaxprs
+
 
 L, D = 4, 3
 
@@ -314,6 +316,24 @@ def test_run_layers_slice_matches_full_run_and_loop(stack):
     np.testing.assert_allclose(
         eqxscan.run_layers(stack, x, slice(None), key=key), stack(x, key=key), rtol=1e-6
     )
+
+
+def test_run_layers_consecutive_static_choice_slices_the_stack():
+    # Consecutive layers chosen statically run as a stack of those layers (a
+    # static slice of the weights), not as a scan reading each layer by index.
+    stack = eqxscan.Stacked(lambda k: eqx.nn.Linear(D, D, key=k), 4, key=jr.key(0))
+
+    def primitives(jaxpr):
+        for eqn in jaxpr.eqns:
+            yield eqn.primitive.name
+            for sub in sub_jaxprs(eqn.params):
+                yield from primitives(sub)
+
+    for layers in (slice(1, 3), [1, 2]):
+        run = lambda s, x, layers=layers: eqxscan.run_layers(s, x, layers)  # noqa: E731
+        names = set(primitives(jax.make_jaxpr(run)(stack, jnp.ones(D)).jaxpr))
+        assert "slice" in names
+        assert not names & {"dynamic_slice", "gather"}
 
 
 def test_chain_run_until_per_example():
