@@ -11,6 +11,7 @@ import pytest
 
 from benchmarks.bench import meshes as bench
 from eqxscan.planning import MeshPlan, plan
+from eqxscan.planning._candidates import mesh_shapes
 from eqxscan.planning._hlo import hlo_costs
 
 from .helpers import run_script
@@ -135,6 +136,19 @@ def test_bad_input_gets_one_clear_error(kwargs, match):
     with pytest.raises(ValueError, match=match) as info:
         _plan(**kwargs)
     assert "Hint:" in str(info.value)
+
+
+def test_mesh_shapes_are_every_split_of_the_devices():
+    # Every (data, fsdp, model) whose product is the device count, for each
+    # model size asked for.
+    want = [
+        (d, f, m)
+        for m in (1, 2)
+        for d in range(1, 9)
+        for f in range(1, 9)
+        if d * f * m == 8
+    ]
+    assert sorted(mesh_shapes(8, (1, 2))) == sorted(want)
 
 
 def test_hlo_costs_counts_loop_bodies_per_iteration():
