@@ -12,7 +12,9 @@ from ._containers.stacked import (
 from ._containers.walk import (
     for_each as for_each,
     key_name as key_name,
+    layer_names as layer_names,
     pattern as pattern,
+    resolve as resolve,
     Site as Site,
     walk as walk,
 )

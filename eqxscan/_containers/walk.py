@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax.tree_util as jtu
+import numpy as np
 from jaxtyping import PyTree
 
 from .._helpers.checks import is_arraylike
@@ -90,6 +91,24 @@ def key_name(entry: Any, where: tuple) -> str:
 def pattern(parts: tuple, fill: str = "*") -> str:
     """Name parts joined with '.', each layer index shown as `fill`."""
     return ".".join(fill if isinstance(p, LayerNumbering) else p for p in parts)
+
+
+def resolve(parts: tuple, index: tuple[int, ...]) -> list:
+    """`parts` with each `LayerNumbering` replaced by the layer number at `index`
+    of the layer axes: `start + sum(i[k] * strides[k])`, each numbering taking
+    its own axes."""
+    it = iter(index)
+    return [
+        p.start + sum(next(it) * s for s in p.strides)
+        if isinstance(p, LayerNumbering)
+        else p
+        for p in parts
+    ]
+
+
+def layer_names(parts: tuple, axes: tuple[int, ...]) -> list[str]:
+    """The name of every layer's array, in the order of `np.ndindex(*axes)`."""
+    return [".".join(map(str, resolve(parts, i))) for i in np.ndindex(*axes)]
 
 
 def walk(

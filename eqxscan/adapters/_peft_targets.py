@@ -11,7 +11,15 @@ import jax
 import numpy as np
 from jaxtyping import PyTree
 
-from .._internal import Checked, describe, for_each, LayerNumbering, pattern, Site
+from .._internal import (
+    Checked,
+    describe,
+    for_each,
+    LayerNumbering,
+    pattern,
+    resolve,
+    Site,
+)
 from ..checkpoint import NameMap
 from ._lora import LoRA, loras
 
@@ -71,15 +79,15 @@ def _loras(model: PyTree, who: str) -> list[tuple[LoRA, Site]]:
 
 def _layers(site: Site) -> list[tuple[str, tuple[int, ...], int | None]]:
     """`(name, index, layer)` of each layer of the weight whose `a` is at `site`."""
+    parts = site.path[:-1]
+    last = max(
+        (j for j, p in enumerate(parts) if isinstance(p, LayerNumbering)), default=None
+    )
     out = []
     for index in np.ndindex(*site.axes):
-        it = iter(index)
-        parts, layer = [], None
-        for p in site.path[:-1]:
-            if isinstance(p, LayerNumbering):
-                layer = p.start + sum(next(it) * s for s in p.strides)
-            parts.append(str(layer if isinstance(p, LayerNumbering) else p))
-        out.append((".".join(parts), tuple(index), layer))
+        resolved = resolve(parts, index)
+        layer = None if last is None else resolved[last]
+        out.append((".".join(map(str, resolved)), tuple(index), layer))
     return out
 
 

@@ -20,8 +20,10 @@ from jaxtyping import PyTree
 from .._internal import (
     describe,
     is_arraylike,
+    layer_names,
     LayerNumbering,
     pattern,
+    resolve,
     Site,
     Stacked,
     walk,
@@ -39,17 +41,6 @@ def _regex(parts: Parts) -> str:
     return r"\.".join(
         r"\d+" if isinstance(p, LayerNumbering) else re.escape(p) for p in parts
     )
-
-
-def _resolve(parts: Parts, index: tuple[int, ...]) -> list[str | int]:
-    # `parts` with each layer number filled in from `index` (one per layer axis).
-    it = iter(index)
-    return [
-        p.start + sum(next(it) * s for s in p.strides)
-        if isinstance(p, LayerNumbering)
-        else p
-        for p in parts
-    ]
 
 
 _ArrayLeaf = jax.Array | np.ndarray | jax.ShapeDtypeStruct
@@ -78,10 +69,7 @@ class _Leaf:
         self.dtype = np.dtype(leaf.dtype)
 
     def names(self) -> list[str]:
-        return [
-            ".".join(map(str, _resolve(self.parts, i)))
-            for i in np.ndindex(*self.depths)
-        ]
+        return layer_names(self.parts, self.depths)
 
 
 def _map_arrays(fn: Callable[[_Leaf], object], model: PyTree) -> PyTree:
@@ -175,7 +163,7 @@ def entries_of(model: PyTree) -> list[tuple[str, "_Leaf", tuple[int, ...]]]:
     entries = []
     for leaf in leaves:
         for index, name in zip(np.ndindex(*leaf.depths), leaf.names()):
-            resolved = _resolve(leaf.parts, index)
+            resolved = resolve(leaf.parts, index)
             order = tuple(
                 resolved[j]
                 if isinstance(p, LayerNumbering)

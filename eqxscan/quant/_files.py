@@ -20,7 +20,7 @@ from jaxtyping import PyTree
 from .._internal import (
     describe as describe_value,
     is_arraylike,
-    LayerNumbering,
+    layer_names,
     pattern as name_pattern,
     Site,
     walk,
@@ -80,20 +80,6 @@ class _Weight:
     names: list[str]
 
 
-def _layer_names(parts: tuple, axes: tuple[int, ...]) -> list[str]:
-    # As `LayerNumbering` says: index `i` of the layer axes is layer
-    # `start + sum(i[k] * strides[k])`, each numbering taking its own axes.
-    return [
-        ".".join(
-            str(p.start + sum(next(at) * s for s in p.strides))
-            if isinstance(p, LayerNumbering)
-            else p
-            for p in parts
-        )
-        for at in map(iter, np.ndindex(*axes))
-    ]
-
-
 def _weights(model: PyTree) -> tuple[list[_Weight], dict[str, str]]:
     """The `Quantized`s of `model`, and what its other arrays hold by pattern."""
     marked = jtu.tree_map(
@@ -104,7 +90,7 @@ def _weights(model: PyTree) -> tuple[list[_Weight], dict[str, str]]:
 
     def visit(leaf: object, site: Site) -> object:
         if isinstance(leaf, _At):
-            names = _layer_names(site.path, site.axes)
+            names = layer_names(site.path, site.axes)
             quantized.append(_Weight(leaf.q, name_pattern(site.path), names))
         elif is_arraylike(leaf):
             shape = f"{jnp.dtype(leaf.dtype).name}{list(leaf.shape)}"
