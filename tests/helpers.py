@@ -190,3 +190,19 @@ class Block(eqx.Module):
 
 def make_stack(getkey, mode="scan", **options):
     return eqxscan.Stacked(lambda k: Block(k), L, key=getkey(), mode=mode, **options)
+
+
+# Residual layers of one and of two matrices, for weights found by name or type.
+class Dense(eqx.Module):
+    w: jax.Array
+
+    def __call__(self, x):
+        return x + jnp.tanh(x @ self.w)
+
+
+class TwoDense(eqx.Module):
+    w: jax.Array
+    v: jax.Array
+
+    def __call__(self, x):
+        return x + jnp.tanh(x @ self.w) @ self.v

@@ -14,6 +14,8 @@ from eqxscan import adapters
 from eqxscan.adapters import LoRA
 from eqxscan.nn import rms_norm
 
+from .helpers import Dense, TwoDense
+
 
 def _lora(getkey, orientation="x@W", m=6, n=5, r=2, k=3, active=1, alpha=4.0):
     base = jr.normal(getkey(), (m, n))
@@ -243,21 +245,6 @@ def test_linear_stack_equals_a_hand_written_lora_loop(getkey):
     )
     for g in got:
         _assert_close(g, expected)
-
-
-class Dense(eqx.Module):
-    w: jax.Array
-
-    def __call__(self, x):
-        return x + jnp.tanh(x @ self.w)
-
-
-class TwoDense(eqx.Module):
-    w: jax.Array
-    v: jax.Array
-
-    def __call__(self, x):
-        return x + jnp.tanh(x @ self.w) @ self.v
 
 
 def test_chain_equals_a_hand_written_lora_loop(getkey):

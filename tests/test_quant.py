@@ -15,6 +15,7 @@ import eqxscan
 from eqxscan import adapters, quant
 from eqxscan.quant import Quantized
 
+from .helpers import Dense, TwoDense
 from .test_adapters import _assert_close, _call, _losses_and_grads, _random_b
 
 
@@ -251,21 +252,6 @@ class LinearBlock(eqx.Module):
 
     def __call__(self, x):
         return x + jnp.tanh(self.linear(x))
-
-
-class Dense(eqx.Module):
-    w: jax.Array
-
-    def __call__(self, x):
-        return x + jnp.tanh(x @ self.w)
-
-
-class TwoDense(eqx.Module):
-    w: jax.Array
-    v: jax.Array
-
-    def __call__(self, x):
-        return x + jnp.tanh(x @ self.w) @ self.v
 
 
 def test_linear_stack_by_module_type(getkey):

@@ -22,6 +22,8 @@ import eqxscan
 from eqxscan import quant
 from eqxscan.checkpoint import CorruptFileError
 
+from .helpers import Dense, TwoDense
+
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location(
@@ -248,21 +250,6 @@ def test_float_and_quantized_files_are_not_mistaken_for_each_other(tmp_path):
         "`blocks.*.w1` is quantized in the file",
     )
     assert "w2" not in msg
-
-
-class Dense(eqx.Module):
-    w: jax.Array
-
-    def __call__(self, x):
-        return x + jnp.tanh(x @ self.w)
-
-
-class TwoDense(eqx.Module):
-    w: jax.Array
-    v: jax.Array
-
-    def __call__(self, x):
-        return x + jnp.tanh(x @ self.w) @ self.v
 
 
 def test_a_chain_whose_stacks_share_a_name_in_and_out_of_files(tmp_path):
