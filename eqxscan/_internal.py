@@ -57,6 +57,7 @@ from ._scan.auto import (
 from ._scan.drop_rates import (
     carry_examples as carry_examples,
     check_droppable as check_droppable,
+    check_rate as check_rate,
     DropInputs as DropInputs,
     DropRates as DropRates,
     Rates as Rates,

@@ -14,6 +14,7 @@ import numpy as np
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from .._internal import (
+    check_rate,
     check_size,
     Checked,
     replace_weights,
@@ -66,10 +67,7 @@ def add_lora(
     """
     rank = check_size("rank", rank)
     num_adapters = check_size("num_adapters", num_adapters)
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
-        raise TypeError(f"dropout must be a number in [0, 1), got {dropout!r}.")
-    if not 0.0 <= dropout < 1.0:
-        raise ValueError(f"dropout must be in [0, 1), got {dropout!r}.")
+    dropout = check_rate(dropout, "dropout")
     if orientation not in ("x@W", "W@x"):
         raise ValueError(f"orientation must be 'x@W' or 'W@x', got {orientation!r}.")
     alpha = float(rank if alpha is None else alpha)
@@ -112,7 +110,7 @@ def add_lora(
             rank,
             orientation,
             name=name,
-            dropout=float(dropout),
+            dropout=dropout,
         )
 
     return replace_weights(

@@ -15,6 +15,7 @@ from jaxtyping import Array, Float, Int, jaxtyped, PRNGKeyArray, TypeCheckError
 from .._internal import (
     Bound,
     check_droppable,
+    check_rate,
     check_size,
     Checked,
     compiled_when_eager,
@@ -67,17 +68,6 @@ def check_float_dtype(dtype: DTypeLike) -> np.dtype:
     return found
 
 
-def check_rate(dropout: object) -> float:
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
-        raise TypeError(
-            f"dropout must be a number in [0, 1), got {type(dropout).__name__} "
-            f"({dropout!r})."
-        )
-    if not 0.0 <= dropout < 1.0:
-        raise ValueError(f"dropout must be in [0, 1), got {dropout!r}.")
-    return float(dropout)
-
-
 class MLPBlock(eqx.Module):
     """One residual block: `x + gelu(rms_norm(x) @ w1) @ w2`, with dropout after the
     activation. `StackedMLP` stacks `L` of them."""
@@ -104,7 +94,7 @@ class MLPBlock(eqx.Module):
         """
         dim = check_size("dim", dim)
         dtype = check_float_dtype(dtype)
-        dropout = check_rate(dropout)
+        dropout = check_rate(dropout, "dropout")
         hidden = 4 * dim
         k1, k2 = jr.split(key)
         self.w1 = (jr.normal(k1, (dim, hidden)) * dim**-0.5).astype(dtype)
@@ -217,7 +207,7 @@ class StackedMLP(Scanning):
             return
         dim = check_size("dim", dim)
         dtype = check_float_dtype(dtype)
-        dropout = check_rate(dropout)
+        dropout = check_rate(dropout, "dropout")
         self.blocks = Stacked(
             lambda k: MLPBlock(dim, key=k, dtype=dtype, dropout=dropout),
             num_layers,
