@@ -25,7 +25,6 @@ from .._scan.buffers import (
     find_buffer,
     refuse_buffer,
     view_of,
-    with_view,
 )
 from .._scan.drop_rates import check_droppable, DropRates
 from .._scan.engine import run
@@ -140,7 +139,7 @@ def scan_layers(stack: Stack, x: PyTree, call: LayerCall) -> tuple[PyTree, PyTre
             return run_one(layer, call, inputs, carry, who)
         assert at is not None
         x, tree = carry
-        args, kwargs = with_view(inputs.args, inputs.kwargs, at, view.of(tree).at(i))
+        args, kwargs = replace_arg(inputs.args, inputs.kwargs, at, view.of(tree).at(i))
         return run_one(layer, call, inputs._replace(args=args, kwargs=kwargs), x, who)
 
     return run(

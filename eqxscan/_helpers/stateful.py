@@ -16,16 +16,26 @@ from .checks import describe
 T = TypeVar("T")
 
 
-def find_state(args: tuple, kwargs: dict[str, Any]) -> int | str | None:
-    """The position or name of a call's `eqx.nn.State` argument, if any."""
-    found = [i for i, a in enumerate(args) if isinstance(a, eqx.nn.State)]
-    found += [n for n, v in kwargs.items() if isinstance(v, eqx.nn.State)]
+def find_arg(
+    args: tuple, kwargs: dict[str, Any], kind: type, too_many: str
+) -> int | str | None:
+    """The position or name of a call's one argument of type `kind`, if any;
+    `too_many` (formatted with the count) if there are several."""
+    found: list[int | str] = [i for i, a in enumerate(args) if isinstance(a, kind)]
+    found += [n for n, v in kwargs.items() if isinstance(v, kind)]
     if len(found) > 1:
-        raise TypeError(
-            f"A stack was called with {len(found)} eqx.nn.State arguments; pass one "
-            "State holding the state of the whole model."
-        )
+        raise TypeError(too_many.format(len(found)))
     return found[0] if found else None
+
+
+def find_state(args: tuple, kwargs: dict[str, Any]) -> int | str | None:
+    return find_arg(
+        args,
+        kwargs,
+        eqx.nn.State,
+        "A stack was called with {} eqx.nn.State arguments; pass one State "
+        "holding the state of the whole model.",
+    )
 
 
 def replace_arg(

@@ -29,6 +29,7 @@ from jaxtyping import PyTree
 from .._helpers.checks import is_array
 from .options import Remat
 from .remat import as_scan_remat, AUTO_POLICY, Policy, ScanRemat
+from .setting_names import remat_label
 
 
 Over: TypeAlias = Literal["layers", "time"]
@@ -317,15 +318,9 @@ class AutoChoice:
     def reason(self) -> str:
         return reason(self.rule, self.cost)
 
-    @property
-    def checkpoint_name(self) -> str:
-        if callable(self.remat):
-            return getattr(self.remat, "__name__", repr(self.remat))
-        return repr(self.remat)
-
     def __repr__(self) -> str:
         return (
-            f"AutoChoice(remat={self.checkpoint_name}, unroll={self.unroll!r}, "
+            f"AutoChoice(remat={remat_label(self.remat)}, unroll={self.unroll!r}, "
             f"rule=({self.rule.remat!r}, {self.rule.unroll!r}), "
             f"where={self.where!r}, reason={self.reason!r})"
         )

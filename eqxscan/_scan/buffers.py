@@ -23,7 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, PyTree
 
 from .._helpers.checks import describe
-from .._helpers.stateful import get_arg, replace_arg
+from .._helpers.stateful import find_arg, get_arg
 from .index import Index, index
 from .remat import BUFFER_READ
 
@@ -141,22 +141,13 @@ def buffer(tree: PyTree, *, reads: Reads = "auto") -> Buffer:
 def find_buffer(args: tuple, kwargs: dict[str, object]) -> int | str | None:
     """Where the [`eqxscan.buffer`][] argument of a call is (its position or
     name), or `None`."""
-    found: list[int | str] = [i for i, a in enumerate(args) if isinstance(a, Buffer)]
-    found += [n for n, v in kwargs.items() if isinstance(v, Buffer)]
-    if len(found) > 1:
-        raise TypeError(
-            f"A call has {len(found)} eqxscan.buffer arguments; pass one buffer "
-            "(any pytree, e.g. a tuple of keys and values)."
-        )
-    return found[0] if found else None
-
-
-def with_view(
-    args: tuple, kwargs: dict[str, object], at: int | str, value: object
-) -> tuple[tuple, dict[str, object]]:
-    """`args`, `kwargs` with the buffer at `at` replaced by `value` (a view, or
-    the slice a layer receives)."""
-    return replace_arg(args, kwargs, at, value)
+    return find_arg(
+        args,
+        kwargs,
+        Buffer,
+        "A call has {} eqxscan.buffer arguments; pass one buffer (any pytree, "
+        "e.g. a tuple of keys and values).",
+    )
 
 
 def view_of(args: tuple, kwargs: dict[str, object], at: int | str) -> "Buffer":

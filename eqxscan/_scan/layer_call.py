@@ -28,8 +28,8 @@ import jax.tree_util as jtu
 from jaxtyping import Array, Bool, PyTree
 
 from .._helpers.checks import check_leading_axis, check_takes_key, describe
-from .._helpers.stateful import clone
-from .buffers import call_writing, find_buffer, view_of, with_view
+from .._helpers.stateful import clone, replace_arg
+from .buffers import call_writing, find_buffer, view_of
 from .drop_rates import DropInputs, dropping
 from .index import (
     Index as Index,
@@ -384,7 +384,7 @@ def _run_writing(
     view = view_of(one.args, one.kwargs, at)
 
     def fn(old: PyTree) -> tuple[tuple[PyTree, PyTree], PyTree]:
-        args, kwargs = with_view(one.args, one.kwargs, at, old)  # pyright: ignore[reportArgumentType]  # the slice stands where the view was
+        args, kwargs = replace_arg(one.args, one.kwargs, at, old)  # pyright: ignore[reportArgumentType]  # the slice stands where the view was
         new, y = run_one(
             layer, call, one._replace(args=args, kwargs=kwargs), carry, who
         )

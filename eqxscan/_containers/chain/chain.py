@@ -8,8 +8,8 @@ import equinox as eqx
 from jaxtyping import PRNGKeyArray, PyTree
 
 from ..._helpers.checks import check_bool, check_index, Checked, describe, split_key
-from ..._helpers.stateful import find_state
-from ..._scan.buffers import find_buffer, LayerBuffers, view_of, with_view
+from ..._helpers.stateful import find_state, replace_arg
+from ..._scan.buffers import find_buffer, LayerBuffers, view_of
 from ..._scan.drop_rates import DropRates, new_drop_rates, Rates, rates_of, with_mode_of
 from ..._scan.eager_compile import compiled_when_eager
 from ..._scan.layer_call import carry_only, check_per_layer, LayerCall, Method, pairs
@@ -304,7 +304,7 @@ class Chain(Scanning):
             # Group `k`'s buffer is `groups[k]` (see layer_buffers).
             given = view_of(args, kwargs, at)
             tree = check_chain_buffers(given.tree, self)
-            args, kwargs = with_view(args, kwargs, at, given.of(tree.groups))
+            args, kwargs = replace_arg(args, kwargs, at, given.of(tree.groups))
         if scan and find_state(args, kwargs) is not None:
             raise TypeError(
                 "Chain.scan does not take an eqx.nn.State; call the chain instead: "

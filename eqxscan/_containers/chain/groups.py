@@ -14,7 +14,7 @@ from jaxtyping import PRNGKeyArray, PyTree
 
 from ..._helpers.checks import CarryError, describe, first_difference, noted, split_key
 from ..._helpers.stateful import find_state, get_arg, replace_arg, state_pair
-from ..._scan.buffers import find_buffer, Place, view_of, with_view
+from ..._scan.buffers import find_buffer, Place, view_of
 from ..._scan.layer_call import (
     carry_only,
     check_method,
@@ -224,7 +224,7 @@ def run_groups(
         where = f"{owner} {group_name(group, place)}{changed}"
         group_call = call
         if view is not None and at is not None and trees is not None:
-            args, kwargs = with_view(call.args, call.kwargs, at, view.of(trees[k]))
+            args, kwargs = replace_arg(call.args, call.kwargs, at, view.of(trees[k]))
             group_call = call._replace(args=args, kwargs=kwargs)
         try:
             new_x, ys = noted(_call_group, where, group, place, x, group_call)
