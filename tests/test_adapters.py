@@ -51,6 +51,27 @@ def test_lora_at_x_is_the_mirror(getkey, active):
         np.testing.assert_allclose(lora @ x, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("orientation", ["x@W", "W@x"])
+def test_a_wider_input_keeps_the_adapters_term_wide(getkey, orientation):
+    # A bfloat16 LoRA used on float32 inputs (standard promotion): the output is
+    # float32, and so is the adapters' term added to it, as with its weights
+    # upcast by hand.
+    lora = _lora(getkey, orientation)
+    half = [x.astype(jnp.bfloat16) for x in (lora.base, lora.a, lora.b)]
+    lora = eqx.tree_at(lambda lo: (lo.base, lo.a, lo.b), lora, tuple(half))
+    base, a, b = (x.astype(jnp.float32) for x in (half[0], half[1][1], half[2][1]))
+    if orientation == "x@W":
+        x = jr.normal(getkey(), (3, 6))
+        expected, got = x @ base + 2.0 * (x @ a) @ b, lambda: x @ lora
+    else:
+        x = jr.normal(getkey(), (5, 3))
+        expected, got = base @ x + 2.0 * b @ (a @ x), lambda: lora @ x
+    with jax.numpy_dtype_promotion("standard"):
+        y = got()
+    assert y.dtype == jnp.float32
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_base_alone_ignores_a_non_finite_adapter(getkey):
     lora = _lora(getkey, active=-1)
     lora = eqx.tree_at(lambda lo: lo.a, lora, lora.a.at[0].set(jnp.nan))
