@@ -454,6 +454,32 @@ def test_llama_example(getkey):
     _assert_close(*both(adapted), tol=1e-4)
 
 
+def test_an_optimiser_over_every_array_moves_only_the_adapters(getkey):
+    # trainable as optax labels (its docstring's recipe), with the gradient of
+    # every float array of the model: the base and scales stay as they were.
+    model = _mlp(getkey)
+    x = jr.normal(getkey(), (2, 8))
+    params = eqx.filter(model, eqx.is_inexact_array)
+    tx = optax.multi_transform(
+        {True: optax.sgd(0.1), False: optax.set_to_zero()}, adapters.trainable
+    )
+    grads = eqx.filter_grad(lambda m: jnp.sum(m(x) ** 2))(model)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    trained = eqx.apply_updates(model, updates)
+    spec = adapters.trainable(model)
+    assert eqx.tree_equal(
+        eqx.filter(trained, spec, inverse=True), eqx.filter(model, spec, inverse=True)
+    )
+    layers = trained.blocks.layers
+    _assert_close(
+        (layers.w1.b, layers.w2.b),
+        (
+            model.blocks.layers.w1.b - 0.1 * grads.blocks.layers.w1.b,
+            model.blocks.layers.w2.b - 0.1 * grads.blocks.layers.w2.b,
+        ),
+    )
+
+
 def test_layerwise_optimiser_trains_only_the_adapters(getkey):
     # eqxscan.optim.layerwise(LAMB) on an adapted StackedMLP: every layer's
     # adapters get their own trust ratio, as optax.lamb run on each layer's

@@ -127,8 +127,13 @@ def add_lora(
 
 def trainable(model: PyTree) -> PyTree[bool]:
     """A filter spec, `True` exactly on the adapters (`a`, `b`) of every
-    [`eqxscan.adapters.LoRA`][], for `eqx.partition`, `eqx.filter_grad` and
-    `optax.masked`: gradients and optimiser state for the adapters only.
+    [`eqxscan.adapters.LoRA`][]: `eqx.partition(model, adapters.trainable(model))`
+    splits off the adapters, to differentiate and update alone (gradients and
+    optimiser state for the adapters only). An optimiser over all of a model's
+    arrays takes it as labels, `optax.multi_transform({True: tx, False:
+    optax.set_to_zero()}, adapters.trainable)`; not `optax.masked(tx, ...)`,
+    which passes the other arrays' gradients through as their updates (the
+    base would move).
 
     **Arguments:**
 
