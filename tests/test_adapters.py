@@ -454,6 +454,18 @@ def test_llama_example(getkey):
     _assert_close(*both(adapted), tol=1e-4)
 
 
+def test_the_adapters_alone_are_saved_and_loaded(getkey, tmp_path):
+    # eqxscan.save of the trainable part only, loaded into another adapted
+    # model's trainable part: the adapters come back, the rest is the new model's.
+    model = _mlp(getkey, k=2)
+    spec = adapters.trainable(model)
+    eqxscan.save(tmp_path / "adapters.safetensors", eqx.filter(model, spec))
+    fresh = _mlp(getkey, k=2)
+    like = eqx.filter(fresh, adapters.trainable(fresh))
+    loaded = eqxscan.load(tmp_path / "adapters.safetensors", like)
+    assert eqx.tree_equal(loaded, eqx.filter(model, spec))
+
+
 def test_an_optimiser_over_every_array_moves_only_the_adapters(getkey):
     # trainable as optax labels (its docstring's recipe), with the gradient of
     # every float array of the model: the base and scales stay as they were.
