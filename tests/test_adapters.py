@@ -340,6 +340,9 @@ def test_add_lora_errors(getkey):
         adapters.add_lora(model, "*.w1", rank=2, orientation="xW", key=getkey())
     with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\)"):
         adapters.add_lora(model, "*.w1", rank=2, dropout=1.0, key=getkey())
+    counts = {"w": jnp.ones((4, 4)), "counts": jnp.ones((4, 4), jnp.int32)}
+    with pytest.raises(TypeError, match=r"`counts` is int32\[4, 4\], but a LoRA"):
+        adapters.add_lora(counts, "*", rank=2, key=getkey())
 
 
 def test_several_adapters_in_one_batch(getkey):

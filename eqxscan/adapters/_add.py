@@ -84,6 +84,12 @@ def add_lora(
                 f"({len(shape)} axes per layer after {depth} layer axes), but a "
                 "LoRA adapts 2-D weights.\nHint: narrow the pattern to matrices."
             )
+        if not jnp.issubdtype(base.dtype, jnp.floating):
+            raise TypeError(
+                f"add_lora: the target `{name}` is {jnp.dtype(base.dtype).name}"
+                f"{list(base.shape)}, but a LoRA adapts floating-point weights.\n"
+                "Hint: narrow the pattern to the model's float matrices."
+            )
         m, n = shape
         if rank > min(m, n):
             raise ValueError(
