@@ -340,6 +340,11 @@ def test_add_lora_errors(getkey):
         adapters.add_lora(model, "*.w1", rank=2, orientation="xW", key=getkey())
     with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\)"):
         adapters.add_lora(model, "*.w1", rank=2, dropout=1.0, key=getkey())
+    for alpha in (0.0, -2.0, float("nan")):
+        with pytest.raises(ValueError, match="alpha must be a positive finite"):
+            adapters.add_lora(model, "*.w1", rank=2, alpha=alpha, key=getkey())
+    with pytest.raises(TypeError, match="alpha must be a number, got '8'"):
+        adapters.add_lora(model, "*.w1", rank=2, alpha="8", key=getkey())
     counts = {"w": jnp.ones((4, 4)), "counts": jnp.ones((4, 4), jnp.int32)}
     with pytest.raises(TypeError, match=r"`counts` is int32\[4, 4\], but a LoRA"):
         adapters.add_lora(counts, "*", rank=2, key=getkey())

@@ -2,6 +2,7 @@
 
 import itertools
 import math
+import numbers
 from collections.abc import Sequence
 from typing import cast
 
@@ -28,7 +29,7 @@ def add_lora(
     targets: Checked[Target | Sequence[Target]],
     *,
     rank: Checked[int],
-    alpha: float | None = None,
+    alpha: Checked[float | None] = None,
     dropout: Checked[float] = 0.0,
     num_adapters: Checked[int] = 1,
     orientation: Checked[Orientation] = "x@W",
@@ -51,7 +52,8 @@ def add_lora(
       `"W@x"`. A [`eqxscan.quant.Quantized`][] is matched as its float weight
       and becomes the base (QLoRA).
     - `rank`: `r`, at least 1 and at most the smaller side of each weight.
-    - `alpha`: the adapters are scaled by `alpha / rank` (default: `rank`).
+    - `alpha`: a positive number; the adapters are scaled by `alpha / rank`
+      (default: `rank`).
     - `dropout`: dropout rate on the adapters' input (PEFT's `lora_dropout`);
       above 0, [`eqxscan.adapters.with_dropout_key`][] gives it its keys.
     - `num_adapters`: `K`, adapters held side by side over one base.
@@ -72,7 +74,7 @@ def add_lora(
         raise ValueError(f"dropout must be in [0, 1), got {dropout!r}.")
     if orientation not in ("x@W", "W@x"):
         raise ValueError(f"orientation must be 'x@W' or 'W@x', got {orientation!r}.")
-    alpha = float(rank if alpha is None else alpha)
+    alpha = _check_alpha(rank if alpha is None else alpha)
     count = itertools.count()
 
     def make(w: object, depth: int, name: str, orientation: Orientation) -> LoRA:
@@ -129,6 +131,19 @@ def add_lora(
         who="add_lora",
         verb=("adapt", "adapted"),
     )
+
+
+def _check_alpha(alpha: object) -> float:
+    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real):
+        raise TypeError(f"add_lora: alpha must be a number, got {alpha!r}.")
+    value = float(alpha)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(
+            f"add_lora: alpha must be a positive finite number (the adapters are "
+            f"scaled by alpha / rank), got {alpha!r}.\nHint: leave it out for "
+            "alpha = rank (a scaling of 1)."
+        )
+    return value
 
 
 def trainable(model: PyTree) -> PyTree[bool]:
