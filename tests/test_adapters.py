@@ -345,6 +345,11 @@ def test_add_lora_errors(getkey):
             adapters.add_lora(model, "*.w1", rank=2, alpha=alpha, key=getkey())
     with pytest.raises(TypeError, match="alpha must be a number, got '8'"):
         adapters.add_lora(model, "*.w1", rank=2, alpha="8", key=getkey())
+    for bad in (None, 0, jr.split(getkey(), 2)):
+        with pytest.raises(TypeError, match="add_lora needs `key` to be one JAX"):
+            adapters.add_lora(model, "*.w1", rank=2, key=bad)
+        with pytest.raises(TypeError, match="with_dropout_key needs `key` to be"):
+            adapters.with_dropout_key(_mlp(getkey), bad)
     counts = {"w": jnp.ones((4, 4)), "counts": jnp.ones((4, 4), jnp.int32)}
     with pytest.raises(TypeError, match=r"`counts` is int32\[4, 4\], but a LoRA"):
         adapters.add_lora(counts, "*", rank=2, key=getkey())

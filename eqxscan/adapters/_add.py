@@ -18,6 +18,7 @@ from .._internal import (
     check_size,
     Checked,
     replace_weights,
+    split_key,
     Target,
 )
 from ..quant import Quantized
@@ -33,7 +34,7 @@ def add_lora(
     dropout: Checked[float] = 0.0,
     num_adapters: Checked[int] = 1,
     orientation: Checked[Orientation] = "x@W",
-    key: PRNGKeyArray,
+    key: Checked[PRNGKeyArray],
 ) -> PyTree:
     """`model` with each targeted weight replaced by a [`eqxscan.adapters.LoRA`][].
 
@@ -66,6 +67,7 @@ def add_lora(
 
     `model` with the targets replaced; nothing else changes.
     """
+    split_key(key, 1, "add_lora")  # one PRNG key, or an error naming add_lora
     rank = check_size("rank", rank)
     num_adapters = check_size("num_adapters", num_adapters)
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
