@@ -363,6 +363,12 @@ def test_argument_errors(base, tmp_path):
         with pytest.raises(ValueError, match="Hint:") as error:
             load_peft(two, directory, names, adapter=adapter)
         assert "load_peft: " + message in str(error.value)
+    # A NumPy integer names an adapter as an int does.
+    loaded = load_peft(two, directory, names, adapter=np.int64(1))
+    np.testing.assert_array_equal(
+        loaded.blocks.layers.w2.a[:, 1],
+        load_peft(two, directory, names, adapter=1).blocks.layers.w2.a[:, 1],
+    )
     with pytest.raises(ValueError, match="the model holds no eqxscan.adapters.LoRA"):
         load_peft(model, directory, names)
     with pytest.raises(TypeError, match="name_map must be an eqxscan.checkpoint"):
