@@ -391,6 +391,8 @@ def test_select_errors(getkey):
         adapters.select(model, jnp.zeros(3))
     with pytest.raises(ValueError, match="holds no LoRA"):
         adapters.select(eqxscan.StackedMLP(8, 2, key=getkey()), 0)
+    with pytest.raises(ValueError, match="trainable: the model holds no LoRA"):
+        adapters.trainable(eqxscan.StackedMLP(8, 2, key=getkey()))
 
 
 def test_dropout_on_the_adapter_input(getkey):

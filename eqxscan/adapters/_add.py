@@ -22,7 +22,7 @@ from .._internal import (
     Target,
 )
 from ..quant import Quantized
-from ._lora import is_lora, LoRA, Orientation
+from ._lora import is_lora, LoRA, loras, Orientation
 
 
 def add_lora(
@@ -166,6 +166,13 @@ def trainable(model: PyTree) -> PyTree[bool]:
 
     A pytree of bools with `model`'s structure.
     """
+
+    if not loras(model):
+        raise ValueError(
+            "trainable: the model holds no LoRA, so nothing would be trained."
+            "\nHint: add adapters first with "
+            "eqxscan.adapters.add_lora, and use the model it returns."
+        )
 
     def spec(node: object) -> object:
         if not isinstance(node, LoRA):
