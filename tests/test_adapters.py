@@ -350,6 +350,10 @@ def test_add_lora_errors(getkey):
             adapters.add_lora(model, "*.w1", rank=2, key=bad)
         with pytest.raises(TypeError, match="with_dropout_key needs `key` to be"):
             adapters.with_dropout_key(_mlp(getkey), bad)
+    # A weight inside a LoRA (its base) is not adapted a second time.
+    adapted = adapters.add_lora(model, "blocks.*.w1", rank=2, key=getkey())
+    with pytest.raises(ValueError, match=r"`blocks.\*.w1.base` is inside the LoRA at"):
+        adapters.add_lora(adapted, "blocks.*.w1.base", rank=2, key=getkey())
     counts = {"w": jnp.ones((4, 4)), "counts": jnp.ones((4, 4), jnp.int32)}
     with pytest.raises(TypeError, match=r"`counts` is int32\[4, 4\], but a LoRA"):
         adapters.add_lora(counts, "*", rank=2, key=getkey())

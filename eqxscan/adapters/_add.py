@@ -17,7 +17,10 @@ from jaxtyping import Array, PRNGKeyArray, PyTree
 from .._internal import (
     check_size,
     Checked,
+    for_each,
+    pattern,
     replace_weights,
+    Site,
     split_key,
     Target,
 )
@@ -78,8 +81,15 @@ def add_lora(
         raise ValueError(f"orientation must be 'x@W' or 'W@x', got {orientation!r}.")
     alpha = _check_alpha(rank if alpha is None else alpha)
     count = itertools.count()
+    adapted = _adapted_names(model)
 
     def make(w: object, depth: int, name: str, orientation: Orientation) -> LoRA:
+        if inside := next((n for n in adapted if name.startswith(n + ".")), None):
+            raise ValueError(
+                f"add_lora: the target `{name}` is inside the LoRA at `{inside}`, "
+                "which is adapted already.\nHint: give add_lora num_adapters= for "
+                "several adapters, or adapt `adapters.merge(model)`'s weights."
+            )
         base = cast(Array | Quantized, w)
         axes, shape = tuple(base.shape[:depth]), tuple(base.shape[depth:])
         if len(shape) != 2:
@@ -133,6 +143,18 @@ def add_lora(
         who="add_lora",
         verb=("adapt", "adapted"),
     )
+
+
+def _adapted_names(model: PyTree) -> list[str]:
+    """The state-dict names (layer indices as `*`) of `model`'s LoRAs."""
+    found, names = {id(lo.a) for lo in loras(model)}, []
+
+    def visit(leaf: object, site: Site) -> None:
+        if id(leaf) in found and site.path[-1:] == ("a",):
+            names.append(pattern(site.path[:-1]))
+
+    for_each(visit, model, names=True)
+    return names
 
 
 def _check_alpha(alpha: object) -> float:
