@@ -51,6 +51,27 @@ def test_lora_at_x_is_the_mirror(getkey, active):
         np.testing.assert_allclose(lora @ x, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("orientation", ["x@W", "W@x"])
+def test_a_wider_input_keeps_the_adapters_term_wide(getkey, orientation):
+    # A bfloat16 LoRA used on float32 inputs (standard promotion): the output is
+    # float32, and so is the adapters' term added to it, as with its weights
+    # upcast by hand.
+    lora = _lora(getkey, orientation)
+    half = [x.astype(jnp.bfloat16) for x in (lora.base, lora.a, lora.b)]
+    lora = eqx.tree_at(lambda lo: (lo.base, lo.a, lo.b), lora, tuple(half))
+    base, a, b = (x.astype(jnp.float32) for x in (half[0], half[1][1], half[2][1]))
+    if orientation == "x@W":
+        x = jr.normal(getkey(), (3, 6))
+        expected, got = x @ base + 2.0 * (x @ a) @ b, lambda: x @ lora
+    else:
+        x = jr.normal(getkey(), (5, 3))
+        expected, got = base @ x + 2.0 * b @ (a @ x), lambda: lora @ x
+    with jax.numpy_dtype_promotion("standard"):
+        y = got()
+    assert y.dtype == jnp.float32
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_base_alone_ignores_a_non_finite_adapter(getkey):
     lora = _lora(getkey, active=-1)
     lora = eqx.tree_at(lambda lo: lo.a, lora, lora.a.at[0].set(jnp.nan))
@@ -319,6 +340,23 @@ def test_add_lora_errors(getkey):
         adapters.add_lora(model, "*.w1", rank=2, orientation="xW", key=getkey())
     with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\)"):
         adapters.add_lora(model, "*.w1", rank=2, dropout=1.0, key=getkey())
+    for alpha in (0.0, -2.0, float("nan")):
+        with pytest.raises(ValueError, match="alpha must be a positive finite"):
+            adapters.add_lora(model, "*.w1", rank=2, alpha=alpha, key=getkey())
+    with pytest.raises(TypeError, match="alpha must be a number, got '8'"):
+        adapters.add_lora(model, "*.w1", rank=2, alpha="8", key=getkey())
+    for bad in (None, 0, jr.split(getkey(), 2)):
+        with pytest.raises(TypeError, match="add_lora needs `key` to be one JAX"):
+            adapters.add_lora(model, "*.w1", rank=2, key=bad)
+        with pytest.raises(TypeError, match="with_dropout_key needs `key` to be"):
+            adapters.with_dropout_key(_mlp(getkey), bad)
+    # A weight inside a LoRA (its base) is not adapted a second time.
+    adapted = adapters.add_lora(model, "blocks.*.w1", rank=2, key=getkey())
+    with pytest.raises(ValueError, match=r"`blocks.\*.w1.base` is inside the LoRA at"):
+        adapters.add_lora(adapted, "blocks.*.w1.base", rank=2, key=getkey())
+    counts = {"w": jnp.ones((4, 4)), "counts": jnp.ones((4, 4), jnp.int32)}
+    with pytest.raises(TypeError, match=r"`counts` is int32\[4, 4\], but a LoRA"):
+        adapters.add_lora(counts, "*", rank=2, key=getkey())
 
 
 def test_several_adapters_in_one_batch(getkey):
@@ -357,6 +395,8 @@ def test_select_errors(getkey):
         adapters.select(model, jnp.zeros(3))
     with pytest.raises(ValueError, match="holds no LoRA"):
         adapters.select(eqxscan.StackedMLP(8, 2, key=getkey()), 0)
+    with pytest.raises(ValueError, match="trainable: the model holds no LoRA"):
+        adapters.trainable(eqxscan.StackedMLP(8, 2, key=getkey()))
 
 
 def test_dropout_on_the_adapter_input(getkey):
@@ -431,6 +471,44 @@ def test_llama_example(getkey):
     # One program: the adapted logits and the merged model's.
     both = eqx.filter_jit(lambda m: (m(tokens), adapters.merge(m)(tokens)))
     _assert_close(*both(adapted), tol=1e-4)
+
+
+def test_the_adapters_alone_are_saved_and_loaded(getkey, tmp_path):
+    # eqxscan.save of the trainable part only, loaded into another adapted
+    # model's trainable part: the adapters come back, the rest is the new model's.
+    model = _mlp(getkey, k=2)
+    spec = adapters.trainable(model)
+    eqxscan.save(tmp_path / "adapters.safetensors", eqx.filter(model, spec))
+    fresh = _mlp(getkey, k=2)
+    like = eqx.filter(fresh, adapters.trainable(fresh))
+    loaded = eqxscan.load(tmp_path / "adapters.safetensors", like)
+    assert eqx.tree_equal(loaded, eqx.filter(model, spec))
+
+
+def test_an_optimiser_over_every_array_moves_only_the_adapters(getkey):
+    # trainable as optax labels (its docstring's recipe), with the gradient of
+    # every float array of the model: the base and scales stay as they were.
+    model = _mlp(getkey)
+    x = jr.normal(getkey(), (2, 8))
+    params = eqx.filter(model, eqx.is_inexact_array)
+    tx = optax.multi_transform(
+        {True: optax.sgd(0.1), False: optax.set_to_zero()}, adapters.trainable
+    )
+    grads = eqx.filter_grad(lambda m: jnp.sum(m(x) ** 2))(model)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    trained = eqx.apply_updates(model, updates)
+    spec = adapters.trainable(model)
+    assert eqx.tree_equal(
+        eqx.filter(trained, spec, inverse=True), eqx.filter(model, spec, inverse=True)
+    )
+    layers = trained.blocks.layers
+    _assert_close(
+        (layers.w1.b, layers.w2.b),
+        (
+            model.blocks.layers.w1.b - 0.1 * grads.blocks.layers.w1.b,
+            model.blocks.layers.w2.b - 0.1 * grads.blocks.layers.w2.b,
+        ),
+    )
 
 
 def test_layerwise_optimiser_trains_only_the_adapters(getkey):

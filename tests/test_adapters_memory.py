@@ -151,6 +151,10 @@ def test_merge_errors(getkey):
         adapters.merge(model, 2)
     with pytest.raises(TypeError, match="adapter must be an int"):
         adapters.merge(model, 0.5)
+    np.testing.assert_array_equal(  # a NumPy integer is an adapter too
+        adapters.merge(model, np.int64(1)).blocks.layers.w1,
+        adapters.merge(model, 1).blocks.layers.w1,
+    )
     other = eqxscan.StackedMLP(8, 3, key=getkey())  # a layer more
     with pytest.raises(ValueError, match=r"not shaped as the adapted.*tree.blocks"):
         adapters.unmerge(other, model)

@@ -363,10 +363,19 @@ def test_argument_errors(base, tmp_path):
         with pytest.raises(ValueError, match="Hint:") as error:
             load_peft(two, directory, names, adapter=adapter)
         assert "load_peft: " + message in str(error.value)
+    # A NumPy integer names an adapter as an int does.
+    loaded = load_peft(two, directory, names, adapter=np.int64(1))
+    np.testing.assert_array_equal(
+        loaded.blocks.layers.w2.a[:, 1],
+        load_peft(two, directory, names, adapter=1).blocks.layers.w2.a[:, 1],
+    )
     with pytest.raises(ValueError, match="the model holds no eqxscan.adapters.LoRA"):
         load_peft(model, directory, names)
     with pytest.raises(TypeError, match="name_map must be an eqxscan.checkpoint"):
         load_peft(_adapted(model), directory, {"blocks.{i}.w2": "x"})
+    # The weights file given for its directory.
+    with pytest.raises(NotADirectoryError, match=r"load_peft: .* is a file, not a"):
+        load_peft(_adapted(model), directory / WEIGHTS, names)
     (directory / WEIGHTS).unlink()
     with pytest.raises(FileNotFoundError, match="No adapter_model.safetensors at"):
         load_peft(_adapted(model), directory, names)
@@ -385,6 +394,10 @@ def test_save_errors(base, tmp_path):
     with pytest.raises(ValueError, match="save_peft: adapter=1 does not name one"):
         save_peft(_adapted(model), tmp_path, names, adapter=1)
     assert list(tmp_path.iterdir()) == []
+    (tmp_path / WEIGHTS).write_bytes(b"old")
+    with pytest.raises(NotADirectoryError, match=r"save_peft: .* is a file, not a"):
+        save_peft(_adapted(model), tmp_path / WEIGHTS, names)
+    assert (tmp_path / WEIGHTS).read_bytes() == b"old"
 
 
 def test_model_errors(base, tmp_path):

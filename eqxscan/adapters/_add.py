@@ -2,6 +2,7 @@
 
 import itertools
 import math
+import numbers
 from collections.abc import Sequence
 from typing import cast
 
@@ -17,11 +18,15 @@ from .._internal import (
     check_rate,
     check_size,
     Checked,
+    for_each,
+    pattern,
     replace_weights,
+    Site,
+    split_key,
     Target,
 )
 from ..quant import Quantized
-from ._lora import is_lora, LoRA, Orientation
+from ._lora import is_lora, LoRA, loras, Orientation
 
 
 def add_lora(
@@ -29,11 +34,11 @@ def add_lora(
     targets: Checked[Target | Sequence[Target]],
     *,
     rank: Checked[int],
-    alpha: float | None = None,
+    alpha: Checked[float | None] = None,
     dropout: Checked[float] = 0.0,
     num_adapters: Checked[int] = 1,
     orientation: Checked[Orientation] = "x@W",
-    key: PRNGKeyArray,
+    key: Checked[PRNGKeyArray],
 ) -> PyTree:
     """`model` with each targeted weight replaced by a [`eqxscan.adapters.LoRA`][].
 
@@ -52,7 +57,8 @@ def add_lora(
       `"W@x"`. A [`eqxscan.quant.Quantized`][] is matched as its float weight
       and becomes the base (QLoRA).
     - `rank`: `r`, at least 1 and at most the smaller side of each weight.
-    - `alpha`: the adapters are scaled by `alpha / rank` (default: `rank`).
+    - `alpha`: a positive number; the adapters are scaled by `alpha / rank`
+      (default: `rank`).
     - `dropout`: dropout rate on the adapters' input (PEFT's `lora_dropout`);
       above 0, [`eqxscan.adapters.with_dropout_key`][] gives it its keys.
     - `num_adapters`: `K`, adapters held side by side over one base.
@@ -65,15 +71,23 @@ def add_lora(
 
     `model` with the targets replaced; nothing else changes.
     """
+    split_key(key, 1, "add_lora")  # one PRNG key, or an error naming add_lora
     rank = check_size("rank", rank)
     num_adapters = check_size("num_adapters", num_adapters)
     dropout = check_rate(dropout, "dropout")
     if orientation not in ("x@W", "W@x"):
         raise ValueError(f"orientation must be 'x@W' or 'W@x', got {orientation!r}.")
-    alpha = float(rank if alpha is None else alpha)
+    alpha = _check_alpha(rank if alpha is None else alpha)
     count = itertools.count()
+    adapted = _adapted_names(model)
 
     def make(w: object, depth: int, name: str, orientation: Orientation) -> LoRA:
+        if inside := next((n for n in adapted if name.startswith(n + ".")), None):
+            raise ValueError(
+                f"add_lora: the target `{name}` is inside the LoRA at `{inside}`, "
+                "which is adapted already.\nHint: give add_lora num_adapters= for "
+                "several adapters, or adapt `adapters.merge(model)`'s weights."
+            )
         base = cast(Array | Quantized, w)
         axes, shape = tuple(base.shape[:depth]), tuple(base.shape[depth:])
         if len(shape) != 2:
@@ -81,6 +95,12 @@ def add_lora(
                 f"add_lora: the target `{name}` has shape {tuple(base.shape)} "
                 f"({len(shape)} axes per layer after {depth} layer axes), but a "
                 "LoRA adapts 2-D weights.\nHint: narrow the pattern to matrices."
+            )
+        if not jnp.issubdtype(base.dtype, jnp.floating):
+            raise TypeError(
+                f"add_lora: the target `{name}` is {jnp.dtype(base.dtype).name}"
+                f"{list(base.shape)}, but a LoRA adapts floating-point weights.\n"
+                "Hint: narrow the pattern to the model's float matrices."
             )
         m, n = shape
         if rank > min(m, n):
@@ -123,10 +143,40 @@ def add_lora(
     )
 
 
+def _adapted_names(model: PyTree) -> list[str]:
+    """The state-dict names (layer indices as `*`) of `model`'s LoRAs."""
+    found, names = {id(lo.a) for lo in loras(model)}, []
+
+    def visit(leaf: object, site: Site) -> None:
+        if id(leaf) in found and site.path[-1:] == ("a",):
+            names.append(pattern(site.path[:-1]))
+
+    for_each(visit, model, names=True)
+    return names
+
+
+def _check_alpha(alpha: object) -> float:
+    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real):
+        raise TypeError(f"add_lora: alpha must be a number, got {alpha!r}.")
+    value = float(alpha)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(
+            f"add_lora: alpha must be a positive finite number (the adapters are "
+            f"scaled by alpha / rank), got {alpha!r}.\nHint: leave it out for "
+            "alpha = rank (a scaling of 1)."
+        )
+    return value
+
+
 def trainable(model: PyTree) -> PyTree[bool]:
     """A filter spec, `True` exactly on the adapters (`a`, `b`) of every
-    [`eqxscan.adapters.LoRA`][], for `eqx.partition`, `eqx.filter_grad` and
-    `optax.masked`: gradients and optimiser state for the adapters only.
+    [`eqxscan.adapters.LoRA`][]: `eqx.partition(model, adapters.trainable(model))`
+    splits off the adapters, to differentiate and update alone (gradients and
+    optimiser state for the adapters only). An optimiser over all of a model's
+    arrays takes it as labels, `optax.multi_transform({True: tx, False:
+    optax.set_to_zero()}, adapters.trainable)`; not `optax.masked(tx, ...)`,
+    which passes the other arrays' gradients through as their updates (the
+    base would move).
 
     **Arguments:**
 
@@ -136,6 +186,13 @@ def trainable(model: PyTree) -> PyTree[bool]:
 
     A pytree of bools with `model`'s structure.
     """
+
+    if not loras(model):
+        raise ValueError(
+            "trainable: the model holds no LoRA, so nothing would be trained."
+            "\nHint: add adapters first with "
+            "eqxscan.adapters.add_lora, and use the model it returns."
+        )
 
     def spec(node: object) -> object:
         if not isinstance(node, LoRA):

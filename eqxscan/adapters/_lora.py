@@ -96,7 +96,8 @@ class LoRA(eqx.Module):
         x = jnp.asarray(x)
         k = self._adapter()
         delta = (self._dropped(x) @ self.a[k]) @ self.b[k]
-        return x @ self.base + self._masked(delta)
+        y = x @ self.base
+        return y + self._masked(delta, y.dtype)
 
     def __matmul__(self, x: Array | np.ndarray) -> Array:
         """`lora @ x`, for orientation `"W@x"`: `x` is `[in]` or `[..., in, n]`."""
@@ -104,17 +105,19 @@ class LoRA(eqx.Module):
         x = jnp.asarray(x)
         k = self._adapter()
         delta = self.b[k] @ (self.a[k] @ self._dropped(x))
-        return self.base @ x + self._masked(delta)
+        y = self.base @ x
+        return y + self._masked(delta, y.dtype)
 
     def _adapter(self) -> Array:
         # Out of range (-1: the base alone) reads a valid adapter, whose term is
         # then masked out.
         return jnp.clip(self.active, 0, self.num_adapters - 1)
 
-    def _masked(self, delta: Array) -> Array:
+    def _masked(self, delta: Array, dtype: np.dtype) -> Array:
         # `where`, not a multiplication by 0: a non-finite adapter does not leak
-        # into the base's output.
-        scaled = (self.scaling * delta).astype(self.base.dtype)
+        # into the base's output. In the output's dtype: a bfloat16 base used
+        # with float32 inputs does not round the adapters' term to bfloat16.
+        scaled = (self.scaling * delta).astype(dtype)
         used = (self.active >= 0) & (self.active < self.num_adapters)
         return jnp.where(used, scaled, jnp.zeros((), scaled.dtype))
 

@@ -7,6 +7,7 @@ from typing import Literal
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
+import numpy as np
 from jaxtyping import Array, PyTree
 
 from .._internal import Checked, describe
@@ -15,10 +16,10 @@ from ._lora import check_adapter, is_lora, LoRA
 
 
 def _check_adapter(lora: LoRA, adapter: object, who: str) -> int:
-    if isinstance(adapter, bool) or not isinstance(adapter, int):
+    if isinstance(adapter, bool) or not isinstance(adapter, (int, np.integer)):
         raise TypeError(f"{who}: adapter must be an int, got {describe(adapter)}.")
-    check_adapter(lora, adapter, who, "adapter", "is the base alone")
-    return adapter
+    check_adapter(lora, int(adapter), who, "adapter", "is the base alone")
+    return int(adapter)
 
 
 def _refuse_quantized(lora: LoRA, who: str) -> None:

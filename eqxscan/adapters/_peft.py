@@ -63,6 +63,16 @@ def _not_found(path: str) -> FileNotFoundError:
     )
 
 
+def _directory(path: str | os.PathLike, who: str) -> str:
+    path = os.fspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise NotADirectoryError(
+            f"{who}: {path!r} is a file, not a directory.\nHint: pass the "
+            f"directory of PEFT's files ({CONFIG} and {WEIGHTS})."
+        )
+    return path
+
+
 def _config_error(path: str, why: str, hint: str) -> ValueError:
     return ValueError(f"{path!r} is not a PEFT LoRA config: {why}.\nHint: {hint}")
 
@@ -255,11 +265,12 @@ def load_peft(
 
     **Raises:**
 
-    `FileNotFoundError` for a missing file; `ValueError`, naming weight and
+    `FileNotFoundError` for a missing file (`NotADirectoryError` for a file
+    given as the directory); `ValueError`, naming weight and
     layer, for a bad config, another rank or scale, a module without a LoRA (or
     the reverse), a mis-shaped factor, or a weight the map fuses.
     """
-    config = _read_config(directory := os.fspath(directory))
+    config = _read_config(directory := _directory(directory, "load_peft"))
     path, modules = _read_factors(directory)
     targets = peft_layers(model, name_map, "load_peft")
     loras = loras_of(targets)
@@ -371,7 +382,7 @@ def save_peft(
 
     The paths written: the weights, then the config.
     """
-    directory = os.fspath(directory)
+    directory = _directory(directory, "save_peft")
     targets = peft_layers(model, name_map, "save_peft")
     loras = loras_of(targets)
     k = adapter_index(loras, adapter, "save_peft")

@@ -202,7 +202,7 @@ def swap(lora: LoRA, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return (a.T, b.T) if lora.orientation == "x@W" else (a, b)
 
 
-def adapter_index(loras: Sequence[LoRA], adapter: int | None, who: str) -> int:
+def adapter_index(loras: Sequence[LoRA], adapter: object, who: str) -> int:
     k = {lora.num_adapters for lora in loras}
     if len(k) > 1:
         raise ValueError(
@@ -210,6 +210,8 @@ def adapter_index(loras: Sequence[LoRA], adapter: int | None, who: str) -> int:
             f"({sorted(k)}).\nHint: build every LoRA with one add_lora call."
         )
     (num,) = k
+    if isinstance(adapter, np.integer):
+        adapter = int(adapter)
     if adapter is None and num == 1:
         return 0
     if isinstance(adapter, bool) or not isinstance(adapter, int) or adapter >= num:

@@ -8,7 +8,7 @@ import jax.random as jr
 import numpy as np
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
-from .._internal import Checked, describe
+from .._internal import Checked, describe, split_key
 from ._lora import check_adapter, loras
 
 
@@ -61,7 +61,7 @@ def select(model: PyTree, ids: Checked[int | Int[Array, ""]]) -> PyTree:
     )
 
 
-def with_dropout_key(model: PyTree, key: PRNGKeyArray) -> PyTree:
+def with_dropout_key(model: PyTree, key: Checked[PRNGKeyArray]) -> PyTree:
     """`model` with a dropout key in every [`eqxscan.adapters.LoRA`][] that has
     dropout, one per adapted weight and layer. Call it with a fresh key at
     every training step; without a key, a `LoRA` with dropout raises when
@@ -76,6 +76,7 @@ def with_dropout_key(model: PyTree, key: PRNGKeyArray) -> PyTree:
 
     `model` with the keys set.
     """
+    split_key(key, 1, "with_dropout_key")  # one PRNG key, or an error naming it
     found = loras(model)
     keys = [
         jr.split(jr.fold_in(key, n), lo.active.shape) if lo.dropout > 0 else None

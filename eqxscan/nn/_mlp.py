@@ -121,10 +121,17 @@ class MLPBlock(eqx.Module):
 
 
 def _check_shapes(
-    check: Callable[..., None], arrays: tuple[Array | eqx.Module, ...], message: str
+    check: Callable[..., None],
+    arrays: tuple[Array | eqx.Module | None, ...],
+    message: str,
 ) -> None:
     # Shapes, not arrays: a weight may be a module standing for one (a LoRA).
-    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]  # pyright: ignore[reportAttributeAccessIssue]
+    # A filtered model (`eqx.filter`, e.g. a LoRA's adapters alone) holds None,
+    # or a LoRA without its base, where it left arrays out: nothing to check.
+    found = [(getattr(a, "shape", None), getattr(a, "dtype", None)) for a in arrays]
+    if any(shape is None or dtype is None for shape, dtype in found):
+        return
+    shapes = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in found]
     try:
         jax.eval_shape(check, *shapes)
     except TypeCheckError as e:
