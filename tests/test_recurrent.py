@@ -46,14 +46,16 @@ class NoisyCell(eqx.Module):
 def python_loop(cell, h0, xs, *, reverse=False, mask=None, truncate=None, keys=None):
     """The reference: a plain Python loop over time, no eqxscan machinery."""
     hs = [None] * len(xs)
-    h = h0
+    h, n = h0, 0  # n: the steps consumed so far (a masked step is skipped)
     order = range(len(xs) - 1, -1, -1) if reverse else range(len(xs))
-    for n, t in enumerate(order):
-        if truncate is not None and n > 0 and n % truncate == 0:
+    for t in order:
+        kept = mask is None or bool(mask[t])
+        if truncate is not None and kept and n > 0 and n % truncate == 0:
             h = jax.lax.stop_gradient(h)
         new = cell(xs[t], h) if keys is None else cell(xs[t], h, key=keys[t])
-        if mask is not None and not mask[t]:
+        if not kept:
             new = h
+        n += kept
         h = hs[t] = new
     return h, jtu.tree_map(lambda *a: jnp.stack(a), *hs)
 
@@ -453,6 +455,30 @@ def test_truncate_matches_handwritten(k, reverse, getkey):
         assert not tree_allclose(g_run[1], g_full[1], rtol=1e-3, atol=1e-4)
     else:
         assert tree_allclose(g_run, g_full)
+
+
+@pytest.mark.parametrize("mode", ["scan", "loop"])
+def test_truncate_blocks_count_unmasked_steps(mode, getkey):
+    # Padding (before, after, holes) moves no block boundary: values and
+    # gradients are those of the unpadded sequence, in both directions.
+    cell, h0 = make_cell("elman", getkey()), make_h0("elman", getkey())
+    xs = jr.normal(getkey(), (T, IN))
+    mask = jnp.array([False, True, True, False, True, True, False])
+    kept = np.asarray(mask)
+    for reverse in (False, True):
+
+        def padded(c, h, x, r=reverse):
+            rnn = eqxscan.Recurrent(c, reverse=r, mode=mode)
+            h_T, hs = rnn(h, x, mask=mask, truncate=2)
+            return h_T, hs[kept]
+
+        def short(c, h, x, r=reverse):
+            return python_loop(c, h, x[kept], reverse=r, truncate=2)
+
+        assert tree_allclose(padded(cell, h0, xs), short(cell, h0, xs))
+        assert tree_allclose(
+            grads(padded, cell, h0, xs)[:2], grads(short, cell, h0, xs)[:2]
+        )
 
 
 def test_truncate_cuts_the_carry_gradient(getkey):

@@ -171,8 +171,8 @@ class Recurrent(Scanning):
           those of the unpadded sequence.
         - `truncate`: optional `k >= 1`, truncated backpropagation through time:
           counting from the first step consumed, the gradient through the carry
-          is stopped after steps `k, 2k, ...`; values are unchanged and `T` need
-          not be a multiple of `k`.
+          is stopped after steps `k, 2k, ...` (steps `mask` skips not counted);
+          values are unchanged and `T` need not be a multiple of `k`.
         - `length`: the number of steps `T`, needed when `xs` has no arrays,
           else agreeing with `xs`. `T = 0` gives `h0` and an empty `hs`.
         - `time_axis`: the time axis of every `xs` leaf (e.g. `1` for batch-major
@@ -241,11 +241,16 @@ def _step_keys(
 
 
 def _consumption_order(controls: Controls, reverse: bool) -> Int[Array, " T"] | None:
-    """Each step's position in consumption order, for truncation's blocks."""
+    """How many steps were consumed before each step, for truncation's blocks.
+    A masked step is skipped, not consumed: padding moves no block boundary."""
     if controls.truncate is None:
         return None
-    order = jnp.arange(controls.length)
-    return controls.length - 1 - order if reverse else order
+    kept = jnp.ones(controls.length, jnp.int32)
+    if controls.mask is not None:
+        kept = controls.mask.astype(jnp.int32)
+    kept = kept[::-1] if reverse else kept  # in consumption order
+    before = jnp.cumsum(kept) - kept
+    return before[::-1] if reverse else before
 
 
 def _time_step(
@@ -265,8 +270,11 @@ def _time_step(
     def step(h: PyTree, inputs: tuple) -> tuple[PyTree, PyTree]:
         x_dyn, m, n, per = inputs
         if n is not None and k is not None:
-            # Entering a new block: let values through, not gradients.
+            # Entering a new block: let values through, not gradients. A
+            # masked step passes the carry on, so it never starts a block.
             cut = (n > 0) & (n % k == 0)
+            if m is not None:
+                cut = cut & m
             h = _where(cut, jtu.tree_map(_stop_gradient, h), h)
         if m is not None:
             # Zeros on a masked step, where the cell still runs: reverse mode
