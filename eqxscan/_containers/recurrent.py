@@ -237,7 +237,8 @@ def _step_keys(
     same = controls.broadcast_key
     per = "every step gets the same key" if same else "step t gets key=keys[t]"
     check_takes_key(cell, "Recurrent", per)
-    return None if same else split_key(key, controls.length, who)
+    keys = split_key(key, 1 if same else controls.length, who)  # one key, checked
+    return None if same else keys
 
 
 def _consumption_order(controls: Controls, reverse: bool) -> Int[Array, " T"] | None:
