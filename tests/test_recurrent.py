@@ -15,7 +15,7 @@ import pytest
 
 import eqxscan
 
-from .helpers import stable_id, tree_allclose
+from .helpers import stable_id, tree_allclose, untyped
 
 
 IN, HID, T = 3, 4, 7
@@ -766,6 +766,8 @@ def test_error_bidirectional(getkey):
         bi(jnp.zeros(HID), jnp.ones((T, IN)))
     with pytest.raises(TypeError, match=r"got a tuple of length 3\."):
         bi((jnp.zeros(HID),) * 3, jnp.ones((T, IN)))
+    with untyped(), pytest.raises(TypeError, match="Bidirectional needs `key` to be"):
+        bi((jnp.zeros(HID),) * 2, jnp.ones((T, IN)), key=jr.split(jr.key(0), 2))
 
 
 @pytest.mark.parametrize("name", ["elman", "gru", "lstm"])

@@ -6,7 +6,6 @@ from typing import Unpack
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import jax.random as jr
 import jax.tree_util as jtu
 from jaxtyping import Array, Bool, Int, PRNGKeyArray, PyTree
 
@@ -443,7 +442,7 @@ class Bidirectional(eqx.Module):
                 f"Bidirectional expects h0 = (h0_forward, h0_backward), got {got}."
             )
         check_names("Bidirectional", options)
-        kf, kb = (None, None) if key is None else jr.split(key)
+        kf, kb = (None, None) if key is None else split_key(key, 2, "Bidirectional")
         hf, hs_f = self.forward(
             h0[0], xs, *args, key=kf, cell_kwargs=cell_kwargs, **options
         )
