@@ -785,6 +785,9 @@ def test_error_known_cell_shapes(name, getkey):
     assert "h0 is" in msg and f"[2,{HID}]" in msg and "jax.vmap(rnn)" in msg
     with pytest.raises(ValueError, match=rf"xs is float32\[{T},5\].*\(T, {IN}\)"):
         rnn(h0, jnp.ones((T, 5)))
+    # Batch-major, unmapped: the shape given is named, time on `time_axis`.
+    with pytest.raises(ValueError, match=rf"xs is float32\[2,{T},{IN}\].*\({IN}, T\)"):
+        rnn(h0, jnp.ones((2, T, IN)), time_axis=1)
     if name == "lstm":
         with pytest.raises(ValueError, match=r"pair \(h, c\)"):
             rnn(h0[0], xs)

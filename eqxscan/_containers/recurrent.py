@@ -190,9 +190,9 @@ class Recurrent(Scanning):
         """
         run_ = controls("Recurrent", xs, options)
         kwargs = check_cell_kwargs("Recurrent", cell_kwargs)
+        check_known_cell(self.cell, h0, xs, run_.time_axis)
         xs = time_major(xs, run_.time_axis)
         xs_dyn, xs_static = eqx.partition(xs, eqx.is_array)
-        check_known_cell(self.cell, h0, xs)
         keys = _step_keys(self.cell, key, run_, type(self).__name__)
         refuse_buffer(args, kwargs, "Recurrent")
         # The cell runs as a layer whose carry comes first (`_cell_step`).
