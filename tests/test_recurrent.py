@@ -633,6 +633,12 @@ def test_bidirectional_equals_two_directions(getkey):
     kf, kb = jr.split(key)
     assert tree_allclose(out[1][0], bi.forward(h0[0], xs, key=kf)[1])
     assert tree_allclose(out[1][1], bi.backward(h0[1], xs, key=kb)[1])
+    # A direction in mode="loop" (the debugging path) runs as written, eagerly.
+    traced = []
+    noted = lambda x, h: traced.append(isinstance(h[0], jax.core.Tracer)) or fwd(x, h)
+    bi = eqxscan.Bidirectional(eqxscan.Recurrent(noted, mode="loop"), bwd)
+    bi((make_h0("lstm", getkey()),) * 2, xs)
+    assert traced == [False] * T
 
 
 def test_bidirectional_padded_equals_unpadded(getkey):

@@ -409,7 +409,8 @@ class Bidirectional(eqx.Module):
         self.forward = _as_recurrent(forward, False, "forward")
         self.backward = _as_recurrent(backward, True, "backward")
 
-    @compiled_when_eager
+    # Not compiled as a whole when eager: each direction compiles itself, so
+    # that one in `mode="loop"` (the debugging path) runs as written.
     def __call__(
         self,
         h0: PyTree,  # checked to be a pair below, with a clearer message
