@@ -730,6 +730,13 @@ def test_error_cell_changes_carry(mode, getkey):
         eqxscan.Recurrent(lambda x, h: cell(x, h.astype(jnp.float32)), mode=mode)(
             jnp.zeros(HID, jnp.bfloat16), xs
         )
+    # bfloat16 weights, float32 inputs: the hint names the inputs too.
+    bf16 = eqxscan.Recurrent(make_cell("gru", jr.key(0), dtype=jnp.bfloat16), mode=mode)
+    with (
+        jax.numpy_dtype_promotion("standard"),  # JAX's default
+        pytest.raises(TypeError, match=r"to float32\[4\].*parameters and inputs in"),
+    ):
+        bf16(jnp.zeros(HID, jnp.bfloat16), xs)
     # LSTM-style tuple carry: the leaf path is named.
     bad = lambda x, h: (h[0], jnp.zeros(2 * HID))
     with pytest.raises(TypeError, match=r"carry\[1\].*float32\[4\] to float32\[8\]"):
