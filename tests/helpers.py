@@ -17,6 +17,7 @@ import jax.extend.core
 import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
+import jaxtyping
 import numpy as np
 
 import eqxscan
@@ -115,6 +116,18 @@ def run_script(name: str, *args: str, timeout: float) -> str:
 def run_device_script(name: str, timeout: float) -> dict:
     """`run_script(name)` for a script that prints JSON: what it printed, parsed."""
     return json.loads(run_script(name, timeout=timeout))
+
+
+@contextlib.contextmanager
+def untyped():
+    """As a user runs it: without the suite's runtime type checks, so that
+    eqxscan's own check of an annotated argument speaks, not beartype's."""
+    old = jaxtyping.config.jaxtyping_disable
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        yield
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", old)
 
 
 def stable_id(value: object) -> str:

@@ -15,7 +15,7 @@ import pytest
 
 import eqxscan
 
-from .helpers import stable_id, tree_allclose
+from .helpers import stable_id, tree_allclose, untyped
 
 
 IN, HID, T = 3, 4, 7
@@ -46,14 +46,16 @@ class NoisyCell(eqx.Module):
 def python_loop(cell, h0, xs, *, reverse=False, mask=None, truncate=None, keys=None):
     """The reference: a plain Python loop over time, no eqxscan machinery."""
     hs = [None] * len(xs)
-    h = h0
+    h, n = h0, 0  # n: the steps consumed so far (a masked step is skipped)
     order = range(len(xs) - 1, -1, -1) if reverse else range(len(xs))
-    for n, t in enumerate(order):
-        if truncate is not None and n > 0 and n % truncate == 0:
+    for t in order:
+        kept = mask is None or bool(mask[t])
+        if truncate is not None and kept and n > 0 and n % truncate == 0:
             h = jax.lax.stop_gradient(h)
         new = cell(xs[t], h) if keys is None else cell(xs[t], h, key=keys[t])
-        if mask is not None and not mask[t]:
+        if not kept:
             new = h
+        n += kept
         h = hs[t] = new
     return h, jtu.tree_map(lambda *a: jnp.stack(a), *hs)
 
@@ -455,6 +457,30 @@ def test_truncate_matches_handwritten(k, reverse, getkey):
         assert tree_allclose(g_run, g_full)
 
 
+@pytest.mark.parametrize("mode", ["scan", "loop"])
+def test_truncate_blocks_count_unmasked_steps(mode, getkey):
+    # Padding (before, after, holes) moves no block boundary: values and
+    # gradients are those of the unpadded sequence, in both directions.
+    cell, h0 = make_cell("elman", getkey()), make_h0("elman", getkey())
+    xs = jr.normal(getkey(), (T, IN))
+    mask = jnp.array([False, True, True, False, True, True, False])
+    kept = np.asarray(mask)
+    for reverse in (False, True):
+
+        def padded(c, h, x, r=reverse):
+            rnn = eqxscan.Recurrent(c, reverse=r, mode=mode)
+            h_T, hs = rnn(h, x, mask=mask, truncate=2)
+            return h_T, hs[kept]
+
+        def short(c, h, x, r=reverse):
+            return python_loop(c, h, x[kept], reverse=r, truncate=2)
+
+        assert tree_allclose(padded(cell, h0, xs), short(cell, h0, xs))
+        assert tree_allclose(
+            grads(padded, cell, h0, xs)[:2], grads(short, cell, h0, xs)[:2]
+        )
+
+
 def test_truncate_cuts_the_carry_gradient(getkey):
     # d h_T / d h0 is zero once a block boundary lies between them, and equal to
     # the full Jacobian otherwise.
@@ -607,6 +633,12 @@ def test_bidirectional_equals_two_directions(getkey):
     kf, kb = jr.split(key)
     assert tree_allclose(out[1][0], bi.forward(h0[0], xs, key=kf)[1])
     assert tree_allclose(out[1][1], bi.backward(h0[1], xs, key=kb)[1])
+    # A direction in mode="loop" (the debugging path) runs as written, eagerly.
+    traced = []
+    noted = lambda x, h: traced.append(isinstance(h[0], jax.core.Tracer)) or fwd(x, h)
+    bi = eqxscan.Bidirectional(eqxscan.Recurrent(noted, mode="loop"), bwd)
+    bi((make_h0("lstm", getkey()),) * 2, xs)
+    assert traced == [False] * T
 
 
 def test_bidirectional_padded_equals_unpadded(getkey):
@@ -698,6 +730,13 @@ def test_error_cell_changes_carry(mode, getkey):
         eqxscan.Recurrent(lambda x, h: cell(x, h.astype(jnp.float32)), mode=mode)(
             jnp.zeros(HID, jnp.bfloat16), xs
         )
+    # bfloat16 weights, float32 inputs: the hint names the inputs too.
+    bf16 = eqxscan.Recurrent(make_cell("gru", jr.key(0), dtype=jnp.bfloat16), mode=mode)
+    with (
+        jax.numpy_dtype_promotion("standard"),  # JAX's default
+        pytest.raises(TypeError, match=r"to float32\[4\].*parameters and inputs in"),
+    ):
+        bf16(jnp.zeros(HID, jnp.bfloat16), xs)
     # LSTM-style tuple carry: the leaf path is named.
     bad = lambda x, h: (h[0], jnp.zeros(2 * HID))
     with pytest.raises(TypeError, match=r"carry\[1\].*float32\[4\] to float32\[8\]"):
@@ -740,6 +779,8 @@ def test_error_bidirectional(getkey):
         bi(jnp.zeros(HID), jnp.ones((T, IN)))
     with pytest.raises(TypeError, match=r"got a tuple of length 3\."):
         bi((jnp.zeros(HID),) * 3, jnp.ones((T, IN)))
+    with untyped(), pytest.raises(TypeError, match="Bidirectional needs `key` to be"):
+        bi((jnp.zeros(HID),) * 2, jnp.ones((T, IN)), key=jr.split(jr.key(0), 2))
 
 
 @pytest.mark.parametrize("name", ["elman", "gru", "lstm"])
@@ -757,6 +798,9 @@ def test_error_known_cell_shapes(name, getkey):
     assert "h0 is" in msg and f"[2,{HID}]" in msg and "jax.vmap(rnn)" in msg
     with pytest.raises(ValueError, match=rf"xs is float32\[{T},5\].*\(T, {IN}\)"):
         rnn(h0, jnp.ones((T, 5)))
+    # Batch-major, unmapped: the shape given is named, time on `time_axis`.
+    with pytest.raises(ValueError, match=rf"xs is float32\[2,{T},{IN}\].*\({IN}, T\)"):
+        rnn(h0, jnp.ones((2, T, IN)), time_axis=1)
     if name == "lstm":
         with pytest.raises(ValueError, match=r"pair \(h, c\)"):
             rnn(h0[0], xs)

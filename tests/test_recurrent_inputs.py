@@ -19,6 +19,7 @@ from .helpers import (
     MODES,
     T,
     tree_allclose,
+    untyped,
     value_and_grads,
 )
 
@@ -149,6 +150,10 @@ def test_broadcast_key(mode, getkey):
     assert tree_allclose(out, want) and tree_allclose(grads, want_grads)
     # Split keys (the default) drop other units: the option changes the result.
     assert not tree_allclose(rnn(h0, xs, key=key), out)
+    # The one key is checked as a split one is, not blamed on the cell's input.
+    for bad in (jr.split(key, 2), 0):
+        with untyped(), pytest.raises(TypeError, match="Recurrent needs `key` to"):
+            rnn(h0, xs, key=bad, broadcast_key=True)
 
 
 # ------------------------------------------- over time: length without inputs

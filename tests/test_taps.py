@@ -176,9 +176,20 @@ def test_container_inside_a_layer_is_not_tapped(getkey):
     np.testing.assert_allclose(got, hand_taps(stack.unstack(), x, rms)[1], rtol=1e-5)
 
 
-def test_tap_errors():
+def test_tap_errors(getkey):
     with pytest.raises(TypeError, match="ran no layers"):
         eqxscan.tap(lambda x: x, rms)(jnp.ones(2))
+    # A container called under a transformation inside the tapped function:
+    # named, before its statistics escape that transformation.
+    stack = eqxscan.Stacked.from_layers(build("AA", getkey()))
+    xs = jnp.ones((2, D))
+    jitted = jax.jit(lambda x: stack(x))
+    for inner in (lambda xs: jax.vmap(stack)(xs), lambda xs: jitted(xs[0])):
+        with pytest.raises(TypeError, match=r"Stacked was called inside a JAX.*\n"):
+            eqxscan.tap(inner, rms)(xs)
+    loss = lambda m, xs: jnp.sum(jax.vmap(m)(xs))
+    with pytest.raises(TypeError, match="loss_fn must call the containers directly"):
+        eqxscan.find_nonfinite(stack, loss, xs)
 
 
 # --- gradient taps ----------------------------------------------------------

@@ -6,7 +6,6 @@ from typing import Unpack
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import jax.random as jr
 import jax.tree_util as jtu
 from jaxtyping import Array, Bool, Int, PRNGKeyArray, PyTree
 
@@ -171,8 +170,8 @@ class Recurrent(Scanning):
           those of the unpadded sequence.
         - `truncate`: optional `k >= 1`, truncated backpropagation through time:
           counting from the first step consumed, the gradient through the carry
-          is stopped after steps `k, 2k, ...`; values are unchanged and `T` need
-          not be a multiple of `k`.
+          is stopped after steps `k, 2k, ...` (steps `mask` skips not counted);
+          values are unchanged and `T` need not be a multiple of `k`.
         - `length`: the number of steps `T`, needed when `xs` has no arrays,
           else agreeing with `xs`. `T = 0` gives `h0` and an empty `hs`.
         - `time_axis`: the time axis of every `xs` leaf (e.g. `1` for batch-major
@@ -191,9 +190,9 @@ class Recurrent(Scanning):
         """
         run_ = controls("Recurrent", xs, options)
         kwargs = check_cell_kwargs("Recurrent", cell_kwargs)
+        check_known_cell(self.cell, h0, xs, run_.time_axis)
         xs = time_major(xs, run_.time_axis)
         xs_dyn, xs_static = eqx.partition(xs, eqx.is_array)
-        check_known_cell(self.cell, h0, xs)
         keys = _step_keys(self.cell, key, run_, type(self).__name__)
         refuse_buffer(args, kwargs, "Recurrent")
         # The cell runs as a layer whose carry comes first (`_cell_step`).
@@ -237,15 +236,21 @@ def _step_keys(
     same = controls.broadcast_key
     per = "every step gets the same key" if same else "step t gets key=keys[t]"
     check_takes_key(cell, "Recurrent", per)
-    return None if same else split_key(key, controls.length, who)
+    keys = split_key(key, 1 if same else controls.length, who)  # one key, checked
+    return None if same else keys
 
 
 def _consumption_order(controls: Controls, reverse: bool) -> Int[Array, " T"] | None:
-    """Each step's position in consumption order, for truncation's blocks."""
+    """How many steps were consumed before each step, for truncation's blocks.
+    A masked step is skipped, not consumed: padding moves no block boundary."""
     if controls.truncate is None:
         return None
-    order = jnp.arange(controls.length)
-    return controls.length - 1 - order if reverse else order
+    kept = jnp.ones(controls.length, jnp.int32)
+    if controls.mask is not None:
+        kept = controls.mask.astype(jnp.int32)
+    kept = kept[::-1] if reverse else kept  # in consumption order
+    before = jnp.cumsum(kept) - kept
+    return before[::-1] if reverse else before
 
 
 def _time_step(
@@ -265,8 +270,11 @@ def _time_step(
     def step(h: PyTree, inputs: tuple) -> tuple[PyTree, PyTree]:
         x_dyn, m, n, per = inputs
         if n is not None and k is not None:
-            # Entering a new block: let values through, not gradients.
+            # Entering a new block: let values through, not gradients. A
+            # masked step passes the carry on, so it never starts a block.
             cut = (n > 0) & (n % k == 0)
+            if m is not None:
+                cut = cut & m
             h = _where(cut, jtu.tree_map(_stop_gradient, h), h)
         if m is not None:
             # Zeros on a masked step, where the cell still runs: reverse mode
@@ -401,7 +409,8 @@ class Bidirectional(eqx.Module):
         self.forward = _as_recurrent(forward, False, "forward")
         self.backward = _as_recurrent(backward, True, "backward")
 
-    @compiled_when_eager
+    # Not compiled as a whole when eager: each direction compiles itself, so
+    # that one in `mode="loop"` (the debugging path) runs as written.
     def __call__(
         self,
         h0: PyTree,  # checked to be a pair below, with a clearer message
@@ -434,7 +443,7 @@ class Bidirectional(eqx.Module):
                 f"Bidirectional expects h0 = (h0_forward, h0_backward), got {got}."
             )
         check_names("Bidirectional", options)
-        kf, kb = (None, None) if key is None else jr.split(key)
+        kf, kb = (None, None) if key is None else split_key(key, 2, "Bidirectional")
         hf, hs_f = self.forward(
             h0[0], xs, *args, key=kf, cell_kwargs=cell_kwargs, **options
         )

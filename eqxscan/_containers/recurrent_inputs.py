@@ -187,10 +187,13 @@ class _Sized(Protocol):
     hidden_size: int
 
 
-def check_known_cell(cell: Callable[..., PyTree], h0: PyTree, xs: PyTree) -> None:
+def check_known_cell(
+    cell: Callable[..., PyTree], h0: PyTree, xs: PyTree, time_axis: int
+) -> None:
     """For the cells whose shapes are known (`eqx.nn.GRUCell`, `eqx.nn.LSTMCell`,
-    `ElmanCell`), check `h0` and `xs` up front: a batched or mis-sized input
-    otherwise fails deep inside the cell with a bare `dot_general` error."""
+    `ElmanCell`), check `h0` and `xs` (as given, time on `time_axis`) up front:
+    a batched or mis-sized input otherwise fails deep inside the cell with a
+    bare `dot_general` error."""
     # Exact types: a subclass may well take other shapes. Other cells declare
     # `known_shapes = True` (a class variable) when `input_size` and
     # `hidden_size` say what one step takes, as `eqxscan.nn.ElmanCell` does.
@@ -226,9 +229,14 @@ def check_known_cell(cell: Callable[..., PyTree], h0: PyTree, xs: PyTree) -> Non
         raise ValueError(
             f"h0 is {got}, but {name} takes a carry that is {expected}." + batch_hint
         )
-    if not (is_array(xs) and xs.shape[1:] == (sizes.input_size,)):
+    step = list(xs.shape) if is_array(xs) else []
+    if step:
+        del step[time_axis]  # an axis of `xs`, checked by `controls`
+    if not (is_array(xs) and step == [sizes.input_size]):
+        want = [str(sizes.input_size)]
+        want.insert(time_axis if time_axis >= 0 else 2 + time_axis, "T")
         raise ValueError(
             f"xs is {describe(xs)}, but {name} takes one input of shape "
             f"({sizes.input_size},) per step, so xs must have shape "
-            f"(T, {sizes.input_size})." + batch_hint
+            f"({', '.join(want)})." + batch_hint
         )

@@ -262,8 +262,8 @@ def check_carry(old: PyTree, new: PyTree, where: str, step: int | None = None) -
         if eqx.is_array(a) and eqx.is_array(b) and a.shape == b.shape:
             hint = (
                 " (a dtype promotion: cast the layer's result back, e.g. "
-                f"`.astype({jnp.dtype(a.dtype).name})`, or keep its parameters in "
-                f"{jnp.dtype(a.dtype).name})"
+                f"`.astype({jnp.dtype(a.dtype).name})`, or keep its parameters and "
+                f"inputs in {jnp.dtype(a.dtype).name})"
             )
         elif not eqx.is_array(a):
             hint = " (carry leaves that change must be JAX arrays: use jnp.asarray)"

@@ -22,6 +22,7 @@ import jax
 import jax.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
+from jax.extend.core import get_opaque_trace_state as trace_state
 from jaxtyping import Array, Float, PyTree
 
 from .index import Index, index
@@ -53,6 +54,7 @@ class _Tapping:
     emitted: "Probe | None"
     calls: list[_Call]
     records: list  # the tapped function's own, to count probe rows by
+    trace: object  # the tapped call's, which a statistic must not leave
 
 
 _TAPPING: contextvars.ContextVar[_Tapping | None] = contextvars.ContextVar(
@@ -112,6 +114,14 @@ def call_of(module: object) -> Iterator[None]:
     while name in names:
         k += 1
         name = f"{type(module).__name__}_{k}"
+    if state.stat is not None and not _DEPTH.get() and trace_state() != state.trace:
+        raise TypeError(
+            f"eqxscan.tap: {name} was called inside a JAX transformation (jax.vmap, "
+            "jax.jit, lax.cond, ...) within the tapped function, so its statistics "
+            "cannot leave it.\nTap inside the transformation, e.g. "
+            "`jax.vmap(eqxscan.tap(rnn, stat))(h0, xs)`; find_nonfinite's loss_fn "
+            "must call the containers directly."
+        )
     top = [r for r in state.records if r[2].depth == 0]
     reverse = getattr(module, "reverse", False) is True
     call = _Call(name, _DEPTH.get(), _count(top), reverse)
@@ -422,7 +432,9 @@ def tap_calls(
     # Records made outside any container call (`run_layers`) are the model's.
     outside = _Call(getattr(model, "__name__", "outside"))
     records: list = []
-    state = _Tapping(stat, with_input, probe, emitted, [outside], records)
+    state = _Tapping(
+        stat, with_input, probe, emitted, [outside], records, trace_state()
+    )
     with (
         setting(_TAPPING, state),
         setting(_SCOPE, records),
