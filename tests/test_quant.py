@@ -151,6 +151,21 @@ def test_w_at_x_stores_the_transpose(getkey, kind):
     np.testing.assert_allclose(one @ x, one.dequantize() @ x, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
+def test_weights_without_elements(kind):
+    # No inputs, or no outputs: quantized, multiplied and reported as NumPy
+    # multiplies the empty float weight.
+    for shape in [(2, 0, 8), (2, 64, 0)]:
+        w = np.zeros(shape, np.float32)
+        stack = eqxscan.Stacked.from_layers([Holder(jnp.asarray(wi)) for wi in w])
+        q = quant.quantize(stack, "*.w", kind=kind, group_size=32)
+        assert q.layers.w.shape == shape
+        np.testing.assert_array_equal(q.layers.w.dequantize(), w)
+        x = np.ones((3, shape[1]), np.float32)
+        np.testing.assert_array_equal(x @ _layer(q.layers.w, 1), x @ w[1])
+        assert [(r.max_abs, r.relative) for r in quant.report(stack, q)] == [(0, 0)] * 2
+
+
 def _layer(q, i):
     return jax.tree.map(lambda a: a[i], q)
 

@@ -129,7 +129,7 @@ def _quantized(
             "quantize this weight with kind='int8'."
         )
     if not isinstance(w, jax.core.Tracer):
-        finite = np.asarray(jnp.isfinite(w).reshape(-1, shape[0] * shape[1]).all(1))
+        finite = np.asarray(jnp.isfinite(w).all(axis=(-2, -1))).reshape(-1)
         if not finite.all():
             bad = np.unravel_index(int(np.argmin(finite)), w.shape[:depth] or (1,))
             layer = ".".join(map(str, bad)) if depth else "(no layer axis)"

@@ -231,7 +231,8 @@ def _grouped(values: Array, scales: Array) -> Array:
     """`values` (`[..., in, out]`) times the scale of each input group."""
     *layers, rows, cols = values.shape
     groups = scales.shape[-2]
-    w = values.reshape(*layers, groups, rows // groups, cols).astype(jnp.float32)
+    size = rows // max(groups, 1)  # no groups: a weight with no inputs
+    w = values.reshape(*layers, groups, size, cols).astype(jnp.float32)
     return (w * scales[..., :, None, :]).reshape(values.shape)
 
 
@@ -294,7 +295,8 @@ def quantize_array(
         q = jnp.clip(jnp.round(groups / scales[..., :, None, :]), -limit, limit)
         values = pack_int4(q.astype(jnp.int8).reshape(w.shape))
     else:
-        amax = jnp.max(jnp.abs(w), axis=-2, keepdims=True)  # [..., 1, out]
+        # [..., 1, out]; 0 (so scale 1) for a weight with no inputs.
+        amax = jnp.max(jnp.abs(w), axis=-2, keepdims=True, initial=0.0)
         scales = jnp.where(amax == 0, 1.0, amax / limit)
         scaled = jnp.clip(w / scales, -limit, limit)
         if kind == "int8":
