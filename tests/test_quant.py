@@ -322,6 +322,11 @@ def test_quantize_errors(getkey):
     )
     _raises(
         ValueError,
+        r"group_size must be one of .* got 32\.0",
+        lambda: quant.quantize(model, w1, kind="int4", group_size=32.0),
+    )
+    _raises(
+        ValueError,
         "kind must be one of",
         lambda: quant.quantize(model, w1, kind="int2"),
     )

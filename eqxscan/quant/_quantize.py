@@ -69,7 +69,9 @@ def quantize(
             "'int8' and 'fp8' keep a scale per output channel, 'int4' per group."
         )
     if kind == "int4" and (
-        isinstance(group_size, bool) or group_size not in GROUP_SIZES
+        isinstance(group_size, bool)
+        or not isinstance(group_size, int | np.integer)
+        or group_size not in GROUP_SIZES
     ):
         raise ValueError(
             f"quantize: group_size must be one of {list(GROUP_SIZES)} for 'int4', "
@@ -78,7 +80,7 @@ def quantize(
         )
     if orientation not in ("x@W", "W@x"):
         raise ValueError(f"orientation must be 'x@W' or 'W@x', got {orientation!r}.")
-    size = group_size if kind == "int4" else None
+    size = int(group_size) if kind == "int4" else None
 
     def make(w: object, depth: int, name: str, o: Orientation) -> Quantized:
         if isinstance(w, Quantized):

@@ -36,6 +36,11 @@ def fp8_bits(values: Array) -> Array:
     return values
 
 
+def _plain_int(size: int | np.integer | None) -> int | None:
+    """A NumPy integer as a Python `int` (a static field, written to JSON)."""
+    return int(size) if isinstance(size, np.integer) else size
+
+
 class Quantized(eqx.Module):
     """A weight stored quantized, standing where the float weight was.
 
@@ -72,7 +77,7 @@ class Quantized(eqx.Module):
     scales: Float[Array, "*layers _ _"]
     kind: Kind = eqx.field(static=True)
     orientation: Orientation = eqx.field(static=True)
-    group_size: int | None = eqx.field(static=True)
+    group_size: int | None = eqx.field(static=True, converter=_plain_int)
     dtype: np.dtype = eqx.field(static=True, converter=jnp.dtype)
     name: str = eqx.field(static=True, default="")
 
