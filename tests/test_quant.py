@@ -416,6 +416,12 @@ def test_inconsistent_quantized_raises():
         "input size 64 is not a multiple of group_size=128",
         lambda: make(u8, jnp.ones((1, 8)), "int4", 128),
     )
+    # The float weight's dtype: not an integer one, which would round.
+    _raises(
+        ValueError,
+        "dtype is the float weight's, a floating dtype, got int32",
+        lambda: Quantized(i8, jnp.ones((1, 8)), "int8", "x@W", None, "int32"),
+    )
     # W@x: the transpose of every array.
     q = make(u8.T, jnp.ones((8, 2)), "int4", 32, "W@x")
     assert q.shape == (8, 64)

@@ -96,6 +96,11 @@ class Quantized(eqx.Module):
                 f"{where}: kind must be one of {list(KINDS)} and orientation 'x@W' "
                 f"or 'W@x', got {self.kind!r} and {self.orientation!r}." + hint
             )
+        if not jnp.issubdtype(self.dtype, jnp.floating):
+            raise ValueError(
+                f"{where}: dtype is the float weight's, a floating dtype, got "
+                f"{self.dtype.name}." + hint
+            )
         stored = jnp.int8 if self.kind == "int8" else jnp.uint8
         if self.values.dtype != stored or self.values.ndim < 2:
             raise ValueError(
