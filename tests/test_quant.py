@@ -334,14 +334,15 @@ def test_quantize_errors(getkey):
     _raises(
         ValueError,
         r"`blocks\.\*\.w1` \(float32\[3,32,128\], 1 layer axes\): its input "
-        r"size 32 .* group_size=64",
+        r"size 32 .* group_size=64.*\nHint: pass group_size=32, which divides it",
         lambda: quant.quantize(model, w1, kind="int4", group_size=64),
     )
     # An odd input size.
     odd = eqxscan.Stacked.from_layers([Holder(jnp.ones((33, 8)))] * 2)
     _raises(
         ValueError,
-        "input size 33",
+        r"input size 33 .*\nHint: no group size in \[32, 64, 128\] divides it: "
+        "quantize this weight with kind='int8' or 'fp8'",
         lambda: quant.quantize(odd, "*.w", kind="int4", group_size=32),
     )
     _raises(

@@ -124,11 +124,16 @@ def _quantized(
         )
     size_in = shape[0] if orientation == "x@W" else shape[1]
     if group_size is not None and size_in % group_size:
+        fits = [g for g in GROUP_SIZES if size_in % g == 0]
+        hint = (
+            f"pass group_size={fits[-1]}, which divides it, or quantize"
+            if fits
+            else f"no group size in {list(GROUP_SIZES)} divides it: quantize"
+        )
         raise ValueError(
             f"{where}: its input size {size_in} (orientation {orientation!r}) is "
             f"not a multiple of group_size={group_size}, as 'int4' needs.\nHint: "
-            f"pass a group_size in {list(GROUP_SIZES)} that divides {size_in}, or "
-            "quantize this weight with kind='int8'."
+            f"{hint} this weight with kind='int8' or 'fp8'."
         )
     if not isinstance(w, jax.core.Tracer):
         finite = np.asarray(jnp.isfinite(w).all(axis=(-2, -1))).reshape(-1)
