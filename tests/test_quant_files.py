@@ -359,6 +359,12 @@ def test_quantize_file_errors_name_the_array(tmp_path):
         quant.quantize_file(path, _mlp(1), targets="blocks.*.wq")
     with pytest.raises(TypeError, match="like must be a model"):
         quant.quantize_file(path, None, targets=MLP)
+    # A quantized like (quant.load's): the float model is wanted.
+    with pytest.raises(ValueError) as e:
+        quant.quantize_file(path, _like(), targets=MLP)
+    first, hint = str(e.value).splitlines()
+    assert "like must be the float model" in first and "`blocks.*.w1`" in first
+    assert "eqxscan.quant.load" in hint
 
 
 def test_truncated_or_corrupted_files_are_refused_and_named(tmp_path):
