@@ -446,6 +446,10 @@ def test_wrong_use_raises(getkey):
         TypeError, r"`\*\.w` \(int8->float32\[64,24\]\) supports only", lambda: one + 1
     )
     _raises(TypeError, "supports only", lambda: one.T)
+    _raises(TypeError, "supports only", lambda: jnp.asarray(one))
+    # jnp's products check their arguments first: JAX's own TypeError.
+    with pytest.raises(TypeError, match="dot requires ndarray"):
+        jnp.dot(jnp.ones((3, 64)), one)
 
 
 def test_report_against_errors_by_hand(getkey):

@@ -68,9 +68,11 @@ class Quantized(eqx.Module):
     `dtype` is the float dtype the layer sees (a dtype or its name,
     `"bfloat16"`; kept as a `numpy.dtype`); `.shape` and `.ndim` are the float
     weight's; `name` is its state-dict name (`"blocks.*.w1"`), for errors.
-    Other array operations raise a `TypeError` pointing to
-    [`eqxscan.quant.dequantize`][]. Build one with [`eqxscan.quant.quantize`][];
-    one built by hand is checked against these layouts.
+    Other array operations (`+`, indexing, `jnp.asarray`) raise a `TypeError`
+    pointing to [`eqxscan.quant.dequantize`][] (`jnp.matmul`, `jnp.einsum`,
+    `jnp.dot` and `jax.lax` functions raise JAX's own). Build one with
+    [`eqxscan.quant.quantize`][]; one built by hand is checked against these
+    layouts.
     """
 
     values: Shaped[Array, "*layers _ _"] = eqx.field(converter=fp8_bits)
