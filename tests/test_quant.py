@@ -490,6 +490,13 @@ def test_report_against_errors_by_hand(getkey):
     _raises(ValueError, "holds no Quantized", lambda: quant.report(model, model))
     shallow = eqxscan.StackedMLP(32, 2, key=getkey())
     _raises(ValueError, "not shaped as", lambda: quant.report(shallow, q))
+    abstract = eqx.filter_eval_shape(quant.quantize, model, TARGETS)
+    _raises(
+        ValueError,
+        r"Quantized weight at `blocks\.\*\.w1` holds no arrays to compare: "
+        r"its values are a ShapeDtypeStruct int8\[3,32,128\]",
+        lambda: quant.report(model, abstract),
+    )
     wide = eqxscan.StackedMLP(64, 3, key=getkey())
     _raises(
         ValueError,

@@ -130,6 +130,13 @@ def report(float_model: PyTree, quantized_model: PyTree) -> Report:
                 f"quantized weight stands for {q.dtype.name}{list(q.shape)}.\nHint: "
                 "pass the model given to quantize, then what it returned."
             )
+        if not all(isinstance(a, jax.Array | np.ndarray) for a in (q.values, q.scales)):
+            raise ValueError(
+                f"report: the Quantized weight at `{name}` holds no arrays to "
+                f"compare: its values are a {type(q.values).__name__} "
+                f"{describe(q.values)}.\nHint: pass what quantize returned, not "
+                "its eqx.filter_eval_shape."
+            )
         max_abs, relative = (np.asarray(a) for a in _errors(q, jnp.asarray(w)))
         layers = q.shape[:-2]
         for i in range(max_abs.shape[0]):
