@@ -151,6 +151,21 @@ def test_w_at_x_stores_the_transpose(getkey, kind):
     np.testing.assert_allclose(one @ x, one.dequantize() @ x, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
+def test_weights_without_elements(kind):
+    # No inputs, or no outputs: quantized, multiplied and reported as NumPy
+    # multiplies the empty float weight.
+    for shape in [(2, 0, 8), (2, 64, 0)]:
+        w = np.zeros(shape, np.float32)
+        stack = eqxscan.Stacked.from_layers([Holder(jnp.asarray(wi)) for wi in w])
+        q = quant.quantize(stack, "*.w", kind=kind, group_size=32)
+        assert q.layers.w.shape == shape
+        np.testing.assert_array_equal(q.layers.w.dequantize(), w)
+        x = np.ones((3, shape[1]), np.float32)
+        np.testing.assert_array_equal(x @ _layer(q.layers.w, 1), x @ w[1])
+        assert [(r.max_abs, r.relative) for r in quant.report(stack, q)] == [(0, 0)] * 2
+
+
 def _layer(q, i):
     return jax.tree.map(lambda a: a[i], q)
 
@@ -307,6 +322,11 @@ def test_quantize_errors(getkey):
     )
     _raises(
         ValueError,
+        r"group_size must be one of .* got 32\.0",
+        lambda: quant.quantize(model, w1, kind="int4", group_size=32.0),
+    )
+    _raises(
+        ValueError,
         "kind must be one of",
         lambda: quant.quantize(model, w1, kind="int2"),
     )
@@ -314,14 +334,15 @@ def test_quantize_errors(getkey):
     _raises(
         ValueError,
         r"`blocks\.\*\.w1` \(float32\[3,32,128\], 1 layer axes\): its input "
-        r"size 32 .* group_size=64",
+        r"size 32 .* group_size=64.*\nHint: pass group_size=32, which divides it",
         lambda: quant.quantize(model, w1, kind="int4", group_size=64),
     )
     # An odd input size.
     odd = eqxscan.Stacked.from_layers([Holder(jnp.ones((33, 8)))] * 2)
     _raises(
         ValueError,
-        "input size 33",
+        r"input size 33 .*\nHint: no group size in \[32, 64, 128\] divides it: "
+        "quantize this weight with kind='int8' or 'fp8'",
         lambda: quant.quantize(odd, "*.w", kind="int4", group_size=32),
     )
     _raises(
@@ -396,6 +417,12 @@ def test_inconsistent_quantized_raises():
         "input size 64 is not a multiple of group_size=128",
         lambda: make(u8, jnp.ones((1, 8)), "int4", 128),
     )
+    # The float weight's dtype: not an integer one, which would round.
+    _raises(
+        ValueError,
+        "dtype is the float weight's, a floating dtype, got int32",
+        lambda: Quantized(i8, jnp.ones((1, 8)), "int8", "x@W", None, "int32"),
+    )
     # W@x: the transpose of every array.
     q = make(u8.T, jnp.ones((8, 2)), "int4", 32, "W@x")
     assert q.shape == (8, 64)
@@ -419,6 +446,10 @@ def test_wrong_use_raises(getkey):
         TypeError, r"`\*\.w` \(int8->float32\[64,24\]\) supports only", lambda: one + 1
     )
     _raises(TypeError, "supports only", lambda: one.T)
+    _raises(TypeError, "supports only", lambda: jnp.asarray(one))
+    # jnp's products check their arguments first: JAX's own TypeError.
+    with pytest.raises(TypeError, match="dot requires ndarray"):
+        jnp.dot(jnp.ones((3, 64)), one)
 
 
 def test_report_against_errors_by_hand(getkey):
@@ -459,6 +490,13 @@ def test_report_against_errors_by_hand(getkey):
     _raises(ValueError, "holds no Quantized", lambda: quant.report(model, model))
     shallow = eqxscan.StackedMLP(32, 2, key=getkey())
     _raises(ValueError, "not shaped as", lambda: quant.report(shallow, q))
+    abstract = eqx.filter_eval_shape(quant.quantize, model, TARGETS)
+    _raises(
+        ValueError,
+        r"Quantized weight at `blocks\.\*\.w1` holds no arrays to compare: "
+        r"its values are a ShapeDtypeStruct int8\[3,32,128\]",
+        lambda: quant.report(model, abstract),
+    )
     wide = eqxscan.StackedMLP(64, 3, key=getkey())
     _raises(
         ValueError,

@@ -117,6 +117,14 @@ def test_round_trip_is_bitwise_in_the_stacked_layout(tmp_path, kind, group_size)
     )
 
 
+def test_a_numpy_group_size_is_saved_as_an_int(tmp_path):
+    # A group size read from a NumPy config: stored, saved and loaded as 32.
+    q = quant.quantize(_mlp(), MLP, kind="int4", group_size=np.int64(32))
+    assert type(q.blocks.layers.w1.group_size) is int
+    quant.save(tmp_path / "q.safetensors", q)
+    _same_bits(quant.load(tmp_path / "q.safetensors", _like("int4", 32)), q)
+
+
 def test_sharded_round_trip_of_a_module_target_in_bfloat16(tmp_path):
     # `eqx.nn.Linear` weights ("W@x", square), bfloat16, several files.
     model = eqxscan.Stacked(
@@ -351,6 +359,12 @@ def test_quantize_file_errors_name_the_array(tmp_path):
         quant.quantize_file(path, _mlp(1), targets="blocks.*.wq")
     with pytest.raises(TypeError, match="like must be a model"):
         quant.quantize_file(path, None, targets=MLP)
+    # A quantized like (quant.load's): the float model is wanted.
+    with pytest.raises(ValueError) as e:
+        quant.quantize_file(path, _like(), targets=MLP)
+    first, hint = str(e.value).splitlines()
+    assert "like must be the float model" in first and "`blocks.*.w1`" in first
+    assert "eqxscan.quant.load" in hint
 
 
 def test_truncated_or_corrupted_files_are_refused_and_named(tmp_path):

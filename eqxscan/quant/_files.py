@@ -430,9 +430,19 @@ def quantize_file(
 
     As [`eqxscan.load_safetensors`][] for the files and names, and as
     [`eqxscan.quant.quantize`][] for the targets; `ValueError` naming the
-    array of a weight that holds NaN or inf.
+    array of a weight that holds NaN or inf, or a weight of `like` quantized
+    already.
     """
     _check_like("eqxscan.quant.quantize_file", like)
+    done = _weights(like)[0]
+    if done:
+        raise ValueError(
+            "eqxscan.quant.quantize_file: like must be the float model of the "
+            f"file's layout, but `{done[0].pattern}` is quantized in it "
+            f"({describe(done[0].q)}).\nHint: pass the float model (e.g. "
+            "eqx.filter_eval_shape of its constructor); a file written by "
+            "eqxscan.quant.save loads with eqxscan.quant.load(path, like)."
+        )
     qlike = eqx.filter_eval_shape(
         quantize,
         like,

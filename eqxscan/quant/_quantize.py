@@ -69,7 +69,9 @@ def quantize(
             "'int8' and 'fp8' keep a scale per output channel, 'int4' per group."
         )
     if kind == "int4" and (
-        isinstance(group_size, bool) or group_size not in GROUP_SIZES
+        isinstance(group_size, bool)
+        or not isinstance(group_size, int | np.integer)
+        or group_size not in GROUP_SIZES
     ):
         raise ValueError(
             f"quantize: group_size must be one of {list(GROUP_SIZES)} for 'int4', "
@@ -78,7 +80,7 @@ def quantize(
         )
     if orientation not in ("x@W", "W@x"):
         raise ValueError(f"orientation must be 'x@W' or 'W@x', got {orientation!r}.")
-    size = group_size if kind == "int4" else None
+    size = int(group_size) if kind == "int4" else None
 
     def make(w: object, depth: int, name: str, o: Orientation) -> Quantized:
         if isinstance(w, Quantized):
@@ -122,14 +124,19 @@ def _quantized(
         )
     size_in = shape[0] if orientation == "x@W" else shape[1]
     if group_size is not None and size_in % group_size:
+        fits = [g for g in GROUP_SIZES if size_in % g == 0]
+        hint = (
+            f"pass group_size={fits[-1]}, which divides it, or quantize"
+            if fits
+            else f"no group size in {list(GROUP_SIZES)} divides it: quantize"
+        )
         raise ValueError(
             f"{where}: its input size {size_in} (orientation {orientation!r}) is "
             f"not a multiple of group_size={group_size}, as 'int4' needs.\nHint: "
-            f"pass a group_size in {list(GROUP_SIZES)} that divides {size_in}, or "
-            "quantize this weight with kind='int8'."
+            f"{hint} this weight with kind='int8' or 'fp8'."
         )
     if not isinstance(w, jax.core.Tracer):
-        finite = np.asarray(jnp.isfinite(w).reshape(-1, shape[0] * shape[1]).all(1))
+        finite = np.asarray(jnp.isfinite(w).all(axis=(-2, -1))).reshape(-1)
         if not finite.all():
             bad = np.unravel_index(int(np.argmin(finite)), w.shape[:depth] or (1,))
             layer = ".".join(map(str, bad)) if depth else "(no layer axis)"

@@ -36,6 +36,11 @@ def fp8_bits(values: Array) -> Array:
     return values
 
 
+def _plain_int(size: int | np.integer | None) -> int | None:
+    """A NumPy integer as a Python `int` (a static field, written to JSON)."""
+    return int(size) if isinstance(size, np.integer) else size
+
+
 class Quantized(eqx.Module):
     """A weight stored quantized, standing where the float weight was.
 
@@ -63,16 +68,18 @@ class Quantized(eqx.Module):
     `dtype` is the float dtype the layer sees (a dtype or its name,
     `"bfloat16"`; kept as a `numpy.dtype`); `.shape` and `.ndim` are the float
     weight's; `name` is its state-dict name (`"blocks.*.w1"`), for errors.
-    Other array operations raise a `TypeError` pointing to
-    [`eqxscan.quant.dequantize`][]. Build one with [`eqxscan.quant.quantize`][];
-    one built by hand is checked against these layouts.
+    Other array operations (`+`, indexing, `jnp.asarray`) raise a `TypeError`
+    pointing to [`eqxscan.quant.dequantize`][] (`jnp.matmul`, `jnp.einsum`,
+    `jnp.dot` and `jax.lax` functions raise JAX's own). Build one with
+    [`eqxscan.quant.quantize`][]; one built by hand is checked against these
+    layouts.
     """
 
     values: Shaped[Array, "*layers _ _"] = eqx.field(converter=fp8_bits)
     scales: Float[Array, "*layers _ _"]
     kind: Kind = eqx.field(static=True)
     orientation: Orientation = eqx.field(static=True)
-    group_size: int | None = eqx.field(static=True)
+    group_size: int | None = eqx.field(static=True, converter=_plain_int)
     dtype: np.dtype = eqx.field(static=True, converter=jnp.dtype)
     name: str = eqx.field(static=True, default="")
 
@@ -90,6 +97,11 @@ class Quantized(eqx.Module):
             raise ValueError(
                 f"{where}: kind must be one of {list(KINDS)} and orientation 'x@W' "
                 f"or 'W@x', got {self.kind!r} and {self.orientation!r}." + hint
+            )
+        if not jnp.issubdtype(self.dtype, jnp.floating):
+            raise ValueError(
+                f"{where}: dtype is the float weight's, a floating dtype, got "
+                f"{self.dtype.name}." + hint
             )
         stored = jnp.int8 if self.kind == "int8" else jnp.uint8
         if self.values.dtype != stored or self.values.ndim < 2:
@@ -231,7 +243,8 @@ def _grouped(values: Array, scales: Array) -> Array:
     """`values` (`[..., in, out]`) times the scale of each input group."""
     *layers, rows, cols = values.shape
     groups = scales.shape[-2]
-    w = values.reshape(*layers, groups, rows // groups, cols).astype(jnp.float32)
+    size = rows // max(groups, 1)  # no groups: a weight with no inputs
+    w = values.reshape(*layers, groups, size, cols).astype(jnp.float32)
     return (w * scales[..., :, None, :]).reshape(values.shape)
 
 
@@ -294,7 +307,8 @@ def quantize_array(
         q = jnp.clip(jnp.round(groups / scales[..., :, None, :]), -limit, limit)
         values = pack_int4(q.astype(jnp.int8).reshape(w.shape))
     else:
-        amax = jnp.max(jnp.abs(w), axis=-2, keepdims=True)  # [..., 1, out]
+        # [..., 1, out]; 0 (so scale 1) for a weight with no inputs.
+        amax = jnp.max(jnp.abs(w), axis=-2, keepdims=True, initial=0.0)
         scales = jnp.where(amax == 0, 1.0, amax / limit)
         scaled = jnp.clip(w / scales, -limit, limit)
         if kind == "int8":

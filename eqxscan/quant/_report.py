@@ -1,6 +1,7 @@
 """`report`: how far each quantized weight is from the float one, layer by layer."""
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import equinox as eqx
@@ -72,8 +73,9 @@ class Report:
 def _errors(q: Quantized, w: Array) -> tuple[Array, Array]:
     """Max abs and relative Frobenius error of each layer, one layer at a time
     (`lax.map`), so that one layer's float weight is formed at once."""
-    flat = jtu.tree_map(lambda a: a.reshape(-1, *a.shape[-2:]), q)
-    w = w.reshape(-1, *w.shape[-2:])
+    n = math.prod(w.shape[:-2])  # not -1: a weight may have no elements
+    flat = jtu.tree_map(lambda a: a.reshape(n, *a.shape[-2:]), q)
+    w = w.reshape(n, *w.shape[-2:])
 
     def one(args: tuple[Quantized, Array]) -> tuple[Array, Array]:
         layer, wi = args
@@ -81,7 +83,7 @@ def _errors(q: Quantized, w: Array) -> tuple[Array, Array]:
         diff = layer.dequantize().astype(jnp.float32) - wi
         norm, err = jnp.linalg.norm(wi), jnp.linalg.norm(diff)
         relative = jnp.where(norm > 0, err / jnp.where(norm > 0, norm, 1.0), err)
-        return jnp.max(jnp.abs(diff)), relative
+        return jnp.max(jnp.abs(diff), initial=0.0), relative
 
     return jax.lax.map(one, (flat, w))
 
@@ -127,6 +129,13 @@ def report(float_model: PyTree, quantized_model: PyTree) -> Report:
                 f"report: at `{name}` the float model holds {describe(w)}, but the "
                 f"quantized weight stands for {q.dtype.name}{list(q.shape)}.\nHint: "
                 "pass the model given to quantize, then what it returned."
+            )
+        if not all(isinstance(a, jax.Array | np.ndarray) for a in (q.values, q.scales)):
+            raise ValueError(
+                f"report: the Quantized weight at `{name}` holds no arrays to "
+                f"compare: its values are a {type(q.values).__name__} "
+                f"{describe(q.values)}.\nHint: pass what quantize returned, not "
+                "its eqx.filter_eval_shape."
             )
         max_abs, relative = (np.asarray(a) for a in _errors(q, jnp.asarray(w)))
         layers = q.shape[:-2]
