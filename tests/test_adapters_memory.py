@@ -123,6 +123,33 @@ def test_merge_and_unmerge(getkey):
     )
 
 
+def test_merge_follows_select(getkey):
+    # Without `adapter`, merge and unmerge take the adapter each layer has
+    # selected: the merged model computes what the adapted one does.
+    model = _mlp(getkey, k=3)
+    x = jr.normal(getkey(), (2, 8))
+    lo = model.blocks.layers.w1
+    chosen = adapters.select(model, 1)
+    mixed = eqx.tree_at(  # layer 0 uses adapter 2, layer 1 the base alone
+        lambda m: m.blocks.layers.w1.active, model, jnp.array([2, -1], jnp.int32)
+    )
+    for adapted, ids in ((chosen, [1, 1]), (mixed, [2, -1])):
+        merged = adapters.merge(adapted)
+        for i, k in enumerate(ids):
+            delta = S * lo.a[i, k] @ lo.b[i, k] if k >= 0 else 0.0
+            np.testing.assert_allclose(
+                merged.blocks.layers.w1[i], lo.base[i] + delta, rtol=1e-5, atol=1e-6
+            )
+        np.testing.assert_allclose(merged(x), adapted(x), rtol=1e-5, atol=1e-5)
+        back = adapters.unmerge(merged, adapted)
+        np.testing.assert_allclose(back.blocks.layers.w1.base, lo.base, atol=1e-6)
+    # Under jit, with `active` traced.
+    jitted = eqx.filter_jit(lambda m: adapters.merge(m).blocks.layers.w1)(chosen)
+    np.testing.assert_allclose(
+        jitted, adapters.merge(model, 1).blocks.layers.w1, rtol=1e-6, atol=1e-6
+    )
+
+
 def test_merge_runs_layer_by_layer(getkey):
     d, num_layers = 64, 4
     model = adapters.add_lora(
@@ -130,8 +157,8 @@ def test_merge_runs_layer_by_layer(getkey):
     )
     lo = model.blocks.layers.w1
     layer = d * 4 * d * 4
-    args = (lo.base, lo.a, lo.b)
-    static = dict(adapter=0, scale=lo.scaling, orientation="x@W")
+    args = (lo.base, lo.a, lo.b, lo.active)
+    static = dict(scale=lo.scaling, orientation="x@W")
     for fn in (adapters._merge._jitted, adapters._merge._donating):
         memory = fn.lower(*args, **static).compile().memory_analysis()
         # One layer's delta at a time, not the stack's (4 layers).

@@ -398,6 +398,20 @@ def test_save_errors(base, tmp_path):
     with pytest.raises(NotADirectoryError, match=r"save_peft: .* is a file, not a"):
         save_peft(_adapted(model), tmp_path / WEIGHTS, names)
     assert (tmp_path / WEIGHTS).read_bytes() == b"old"
+    # By default the adapter the model has selected is written; one that
+    # differs between layers is refused, not guessed.
+    two = load_peft(_adapted(model, num_adapters=2), DATA, names, adapter=1)
+    save_peft(adapters.select(two, 1), tmp_path / "chosen", names)
+    save_peft(two, tmp_path / "one", names, adapter=1)
+    chosen, one = (load_file(str(tmp_path / d / WEIGHTS)) for d in ("chosen", "one"))
+    assert sorted(chosen) == sorted(one)
+    for name in one:
+        np.testing.assert_array_equal(chosen[name], one[name])
+    mixed = eqx.tree_at(
+        lambda m: m.blocks.layers.w2.active, two, jnp.array([0, 1], jnp.int32)
+    )
+    with pytest.raises(ValueError, match=r"different adapters selected \(\[0, 1\]\)"):
+        save_peft(mixed, tmp_path / "mixed", names)
 
 
 def test_model_errors(base, tmp_path):

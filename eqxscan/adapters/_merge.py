@@ -6,6 +6,8 @@ from typing import Literal
 
 import equinox as eqx
 import jax
+import jax.core
+import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, PyTree
@@ -15,11 +17,22 @@ from ..quant import Quantized
 from ._lora import check_adapter, is_lora, LoRA
 
 
-def _check_adapter(lora: LoRA, adapter: object, who: str) -> int:
+def _ids(lora: LoRA, adapter: object, who: str) -> Array:
+    """The adapter each layer of `lora` merges: `adapter`, checked, or where it
+    is `None` the one `select` chose (`lora.active`, which may be traced)."""
+    if adapter is None:
+        return lora.active
     if isinstance(adapter, bool) or not isinstance(adapter, (int, np.integer)):
         raise TypeError(f"{who}: adapter must be an int, got {describe(adapter)}.")
     check_adapter(lora, int(adapter), who, "adapter", "is the base alone")
-    return int(adapter)
+    return jnp.full(lora.active.shape, int(adapter), jnp.int32)
+
+
+def _base_alone(ids: Array, lora: LoRA) -> bool:
+    # Known to select no adapter in any layer (a traced `active` is not known).
+    return not isinstance(ids, jax.core.Tracer) and not bool(
+        np.any((np.asarray(ids) >= 0) & (np.asarray(ids) < lora.num_adapters))
+    )
 
 
 def _refuse_quantized(lora: LoRA, who: str) -> None:
@@ -38,39 +51,48 @@ def _add_delta(
     weight: Array,
     a: Array,
     b: Array,
-    adapter: int,
+    ids: Array,
     scale: float,
     orientation: Literal["x@W", "W@x"],
 ) -> Array:
-    """`weight + scale * delta` of `adapter`, one layer at a time."""
+    """`weight + scale * delta` of adapter `ids[i]` in layer `i` (none where
+    `ids[i]` is outside `[0, K)`, as in a call), one layer at a time."""
     shape = weight.shape
     flat = weight.reshape((-1,) + shape[-2:])
     a = a.reshape((-1,) + a.shape[-3:])
     b = b.reshape((-1,) + b.shape[-3:])
+    ids = ids.reshape(-1)
 
     def one(i: Array, w: Array) -> Array:
-        ai, bi = a[i, adapter], b[i, adapter]
+        k, num = ids[i], a.shape[1]
+        ai, bi = a[i, jnp.clip(k, 0, num - 1)], b[i, jnp.clip(k, 0, num - 1)]
         delta = ai @ bi if orientation == "x@W" else bi @ ai
-        return w.at[i].add((scale * delta).astype(w.dtype))
+        used = (k >= 0) & (k < num)
+        return w.at[i].add(jnp.where(used, scale * delta, 0).astype(w.dtype))
 
     return jax.lax.fori_loop(0, flat.shape[0], one, flat).reshape(shape)
 
 
-_STATIC = ("adapter", "scale", "orientation")
+_STATIC = ("scale", "orientation")
 _jitted = jax.jit(_add_delta, static_argnames=_STATIC)
 _donating = jax.jit(_add_delta, static_argnames=_STATIC, donate_argnums=0)
 
 
-def merge(model: PyTree, adapter: Checked[int] = 0, *, donate: bool = False) -> PyTree:
+def merge(
+    model: PyTree, adapter: Checked[int | None] = None, *, donate: bool = False
+) -> PyTree:
     """A plain model: every [`eqxscan.adapters.LoRA`][] replaced by `base + delta`
     of one adapter.
 
     **Arguments:**
 
     - `model`: a model returned by [`eqxscan.adapters.add_lora`][].
-    - `adapter`: the adapter merged into every weight (`-1`: the base alone).
-      A quantized base ([`eqxscan.quant.Quantized`][], QLoRA) is refused unless
-      `adapter` is -1: merge `eqxscan.quant.dequantize(model)` instead.
+    - `adapter`: the adapter merged into every weight (`-1`: the base alone);
+      `None` (default): the one each layer has selected
+      ([`eqxscan.adapters.select`][]), so that the merged model computes what
+      `model` computes. A quantized base ([`eqxscan.quant.Quantized`][],
+      QLoRA) is refused unless no layer uses an adapter: merge
+      `eqxscan.quant.dequantize(model)` instead.
     - `donate`: update the bases in place (donated: `model` and anything
       sharing its base arrays can no longer be used); peak memory is then the
       model plus one layer's delta, else the merged weights are new arrays.
@@ -85,17 +107,21 @@ def merge(model: PyTree, adapter: Checked[int] = 0, *, donate: bool = False) -> 
     def one(node: object) -> object:
         if not isinstance(node, LoRA):
             return node
-        k = _check_adapter(node, adapter, "merge")
-        if k == -1:
+        ids = _ids(node, adapter, "merge")
+        if _base_alone(ids, node):
             return node.base
         _refuse_quantized(node, "merge")
-        return fn(node.base, node.a, node.b, k, node.scaling, node.orientation)
+        return fn(node.base, node.a, node.b, ids, node.scaling, node.orientation)
 
     return jtu.tree_map(one, model, is_leaf=is_lora)
 
 
 def unmerge(
-    merged: PyTree, adapted: PyTree, adapter: Checked[int] = 0, *, donate: bool = False
+    merged: PyTree,
+    adapted: PyTree,
+    adapter: Checked[int | None] = None,
+    *,
+    donate: bool = False,
 ) -> PyTree:
     """The adapted model back from a merged one: each base is the merged weight
     minus the delta of `adapter`, the adapters are `adapted`'s.
@@ -105,7 +131,8 @@ def unmerge(
     - `merged`: what [`eqxscan.adapters.merge`][] returned (possibly changed since
       in its arrays other than the merged weights, which are kept).
     - `adapted`: the model it was merged from (only its adapters are read).
-    - `adapter`: the adapter that was merged.
+    - `adapter`: the adapter that was merged (`None`: the ones `adapted` has
+      selected, as `merge`'s default).
     - `donate`: update the merged weights in place (as for `merge`).
 
     **Returns:**
@@ -118,7 +145,7 @@ def unmerge(
     def one(node: object, weight: object) -> object:
         if not isinstance(node, LoRA):
             return weight
-        k = _check_adapter(node, adapter, "unmerge")
+        ids = _ids(node, adapter, "unmerge")
         _refuse_quantized(node, "unmerge")
         if not (isinstance(weight, jax.Array) and weight.shape == node.base.shape):
             raise ValueError(
@@ -127,8 +154,8 @@ def unmerge(
                 "Hint: pass the model merge() returned and the model it merged."
             )
         base = weight
-        if k != -1:
-            base = fn(weight, node.a, node.b, k, -node.scaling, node.orientation)
+        if not _base_alone(ids, node):
+            base = fn(weight, node.a, node.b, ids, -node.scaling, node.orientation)
         return eqx.tree_at(lambda lo: lo.base, node, base)
 
     try:

@@ -29,6 +29,7 @@ from ._peft_targets import (
     loras_of,
     peft_layers,
     PeftLayer,
+    selected,
     swap,
     tree_of,
 )
@@ -354,7 +355,7 @@ def save_peft(
     directory: str | os.PathLike,
     name_map: Checked[NameMap],
     *,
-    adapter: Checked[int] = 0,
+    adapter: Checked[int | None] = None,
     base_model_name_or_path: str = "",
     task_type: str | None = None,
 ) -> list[str]:
@@ -374,7 +375,8 @@ def save_peft(
     - `directory`: where to write (made if absent).
     - `name_map`: the base model's [`eqxscan.checkpoint.NameMap`][] to PyTorch
       names.
-    - `adapter`: which of the `K` adapters to write.
+    - `adapter`: which of the `K` adapters to write; `None` (default): the one
+      the model has selected ([`eqxscan.adapters.select`][]) in every layer.
     - `base_model_name_or_path`: the config's entry of that name.
     - `task_type`: the config's `task_type` (e.g. `"CAUSAL_LM"`), or `None`.
 
@@ -385,6 +387,8 @@ def save_peft(
     directory = _directory(directory, "save_peft")
     targets = peft_layers(model, name_map, "save_peft")
     loras = loras_of(targets)
+    if adapter is None:
+        adapter = selected(loras, "save_peft")
     k = adapter_index(loras, adapter, "save_peft")
     hint = "build every LoRA with one add_lora call."
     rank = _one({lora.rank for lora in loras}, "ranks", hint)

@@ -202,6 +202,17 @@ def swap(lora: LoRA, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return (a.T, b.T) if lora.orientation == "x@W" else (a, b)
 
 
+def selected(loras: Sequence[LoRA], who: str) -> int:
+    """The adapter `select` chose, if the same in every layer of every LoRA."""
+    ids = sorted({int(i) for lora in loras for i in np.ravel(lora.active)})
+    if len(ids) != 1:
+        raise ValueError(
+            f"{who}: the model's layers have different adapters selected ({ids})."
+            "\nHint: pass adapter=k, or select one with adapters.select(model, k)."
+        )
+    return ids[0]
+
+
 def adapter_index(loras: Sequence[LoRA], adapter: object, who: str) -> int:
     k = {lora.num_adapters for lora in loras}
     if len(k) > 1:
