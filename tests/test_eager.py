@@ -96,3 +96,19 @@ def test_values_equal_across_types_are_checked_again():
     rnn(h0, xs, truncate=1)
     with pytest.raises(TypeError, match="truncate"):
         rnn(h0, xs, truncate=True)
+
+
+def test_numpy_scalar_options_are_read_as_python_values():
+    # Options given as NumPy scalars act as in the loop, not traced into the
+    # program (where an integer or a bool option cannot be read).
+    models = _models()
+    rnn, stack = models["Recurrent"][0], models["Stacked"][0]
+    h0, xs = jnp.zeros(8), jnp.linspace(-1, 1, 40).reshape(5, 8)
+    for model, call, option in (
+        (rnn, lambda m, **o: m(h0, xs, **o), dict(truncate=2, length=5)),
+        (stack, lambda m, **o: m(xs[0], **o), dict(reverse=True)),
+    ):
+        ours = call(model, **{k: np.asarray(v)[()] for k, v in option.items()})
+        ref = call(model.with_options(mode="loop"), **option)
+        for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

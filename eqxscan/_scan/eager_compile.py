@@ -17,12 +17,19 @@ import equinox as eqx
 import jax
 import jax.core
 import jax.tree_util as jtu
+import numpy as np
 
 from .taps import call_of, tapping
 
 
 P = ParamSpec("P")
 R = TypeVar("R")
+
+
+def _python(value: object) -> object:
+    if isinstance(value, (np.integer, np.bool_)):
+        return value.item()
+    return value
 
 
 def compiled_when_eager(method: Callable[P, R]) -> Callable[P, R]:
@@ -40,6 +47,10 @@ def compiled_when_eager(method: Callable[P, R]) -> Callable[P, R]:
         if getattr(args[0], "mode", "scan") == "loop" or tapping():
             with call_of(args[0]):  # a tapped call's records are its own rows
                 return method(*args, **kwargs)
+        # Options such as `truncate=np.int64(2)` or `reverse=np.bool_(True)` are
+        # read as Python values (as in the loop), not traced: a NumPy integer or
+        # bool scalar given by keyword is static, like a Python int.
+        kwargs = {k: _python(v) for k, v in kwargs.items()}  # pyright: ignore[reportAssignmentType]  # the same values
         leaves = jtu.tree_leaves((args, kwargs))  # one flatten for both checks
         if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
             return method(*args, **kwargs)
