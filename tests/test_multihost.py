@@ -10,6 +10,7 @@ import json
 import os
 import pathlib
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -294,6 +295,20 @@ def test_initialize_checks_arguments():
         )
     with pytest.raises(ValueError, match="timeout must be a positive number"):
         distributed.initialize(timeout=0)
+
+
+def test_initialize_refuses_an_address_the_runtime_would_crash_on():
+    # JAX's runtime ends the process with a segmentation fault on a port that is
+    # not a number, or taken; a port out of range it silently changes.
+    for address in ("127.0.0.1", "127.0.0.1:abc", "127.0.0.1:70000", ":1234"):
+        with pytest.raises(ValueError, match="must be 'host:port' with a port in"):
+            distributed.initialize(address, 2, 1)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(RuntimeError, match=f"cannot listen on port {port}"):
+            distributed.initialize(f"127.0.0.1:{port}", 2, 0)
 
 
 def final_loss(stdout: str, processes: int, devices: int) -> float:
