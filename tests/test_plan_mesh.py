@@ -138,6 +138,13 @@ def test_bad_input_gets_one_clear_error(kwargs, match):
     assert "Hint:" in str(info.value)
 
 
+def test_devices_and_remat_are_checked_before_any_compile():
+    with pytest.raises(ValueError, match="devices must be >= 1, got 0"):
+        _plan(devices=0)
+    with pytest.raises(ValueError, match="remat must be one of"):
+        _plan(remat=(False, "nest"))
+
+
 def test_mesh_shapes_are_every_split_of_the_devices():
     # Every (data, fsdp, model) whose product is the device count, for each
     # model size asked for.

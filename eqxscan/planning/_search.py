@@ -9,7 +9,7 @@ from typing import Literal
 import jax
 from jaxtyping import PyTree
 
-from .._internal import parse_bytes, Remat
+from .._internal import check_size, parse_bytes, Remat, ScanOptions
 from ..sharding import MIN_SIZE
 from ._candidates import compile_all, mesh_shapes, Progress
 from ._child import compile_in_child
@@ -73,6 +73,10 @@ def _candidate_meshes(
     """The meshes to try and the number of devices."""
     if not remat:
         raise ValueError("plan: remat is empty.\nHint: e.g. remat=(False, True).")
+    for setting in remat:  # checked here, not as a failed compile of each mesh
+        ScanOptions(remat=setting)
+    if devices is not None:
+        devices = check_size("devices", devices)
     if meshes is not None:
         shapes, devices = _given_meshes(meshes, devices)
         _check_model_axis([m for _, _, m in shapes], axes)
