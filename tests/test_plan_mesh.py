@@ -145,6 +145,16 @@ def test_devices_and_remat_are_checked_before_any_compile():
         _plan(remat=(False, "nest"))
 
 
+def test_no_mesh_that_compiles_is_not_called_a_budget_miss():
+    # Two devices and a batch of 3 rows: every mesh is refused, whatever the budget.
+    table = _plan(devices=2, batch=bench.batch_shape(3, 4), remat=(False,))
+    assert table.chosen is None
+    assert all(c.error for c in table.candidates)
+    assert "No candidate could be compiled" in table.message
+    assert "batch[0]" in table.message and "Hint:" in table.message
+    assert "fits the budget" not in table.message
+
+
 def test_mesh_shapes_are_every_split_of_the_devices():
     # Every (data, fsdp, model) whose product is the device count, for each
     # model size asked for.
