@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import eqxscan
-from eqxscan import sharding
+from eqxscan import quant, sharding
 
 from .helpers import max_rel_err, run_device_script, tree_allclose
 from .scripts.training import loss_fn, make_train_step
@@ -90,6 +90,18 @@ class Inner(eqx.Module):
 
     def __call__(self, x):
         return self.stack(x)
+
+
+def test_quantized_weights_follow_the_float_weight(getkey):
+    # As built and as `eval_shape` gives it (`create`, `plan`), under the tests'
+    # runtime type checking: a Quantized's arrays sharded as its float weight.
+    mesh = sharding.make_mesh()
+    model = eqxscan.StackedMLP(16, 2, key=getkey())
+    float_spec = sharding.model_shardings(model, mesh, min_size=0).blocks.layers.w1
+    q = quant.quantize(model, "*.w1")
+    for tree in (q, eqx.filter_eval_shape(lambda: q)):
+        w1 = sharding.model_shardings(tree, mesh, min_size=0).blocks.layers.w1
+        assert w1.values.spec == w1.scales.spec == float_spec.spec
 
 
 def test_nested_stacked_skips_every_layer_axis(getkey):
