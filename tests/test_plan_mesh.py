@@ -144,6 +144,8 @@ def test_devices_and_remat_are_checked_before_any_compile():
     # (Under the test suite's runtime type checking, beartype speaks first.)
     with pytest.raises((TypeError, ValueError), match="must be one of|param.*remat"):
         _plan(remat=("nest",))
+    with pytest.raises(ValueError, match="model_axis must be >= 1, got 0"):
+        _plan(model_axis=(1, 0))
 
 
 def test_no_mesh_that_compiles_is_not_called_a_budget_miss():

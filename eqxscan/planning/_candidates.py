@@ -17,7 +17,7 @@ import jax.tree_util as jtu
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jaxtyping import PyTree
 
-from .._internal import is_arraylike, Remat, remat_label
+from .._internal import check_size, is_arraylike, Remat, remat_label
 from ..remat import with_remat
 from ..sharding import (
     batch_shardings,
@@ -51,7 +51,7 @@ def _divisors(n: int) -> list[int]:
 def mesh_shapes(devices: int, model: Sequence[int] = (1,)) -> list[MeshShape]:
     """Every `(data, fsdp, model)` with product `devices`, `model` from `model`."""
     for m in model:
-        if devices % m:
+        if check_size("model_axis", m) and devices % m:
             raise ValueError(
                 f"plan: a model axis of {m} does not divide {devices} devices.\n"
                 f"Hint: choose model sizes among {_divisors(devices)}."
