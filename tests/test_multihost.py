@@ -406,3 +406,11 @@ def test_create_on_one_process(getkey):
         distributed.local_rows(5, mesh)
     want = by_path(eqxscan.StackedMLP(8, 2, key=key))
     assert_close(by_path(mlp), want, 1e-6)
+
+
+def test_local_rows_refuses_an_axis_the_mesh_lacks():
+    # A misspelt axis was dropped, handing every process every row.
+    mesh = sharding.make_mesh(fsdp=2)
+    assert distributed.local_rows(6, mesh, batch_axes="fsdp") == slice(0, 6)
+    with pytest.raises(ValueError, match=r"batch_axes \('dat',\) names mesh axes"):
+        distributed.local_rows(6, mesh, batch_axes="dat")

@@ -348,8 +348,14 @@ def local_rows(
 
     A `slice` of `range(rows)`.
     """
-    axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
-    axes = tuple(a for a in axes if a in mesh.shape)
+    given = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
+    axes = tuple(a for a in given if a in mesh.shape)
+    if axes != given and given != ("data", "fsdp"):  # the default may miss some
+        raise ValueError(
+            f"local_rows: batch_axes {given} names mesh axes the mesh lacks; it has "
+            f"{tuple(mesh.axis_names)}.\nHint: name the axes the batch is split "
+            f"over, as passed to sharding.shard; {DOCS}."
+        )
     total = math.prod(mesh.shape[a] for a in axes)
     if rows % total:
         raise ValueError(
