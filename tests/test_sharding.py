@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import eqxscan
-from eqxscan import quant, sharding
+from eqxscan import adapters, quant, sharding
 
 from .helpers import max_rel_err, run_device_script, tree_allclose
 from .scripts.training import loss_fn, make_train_step
@@ -102,6 +102,20 @@ def test_quantized_weights_follow_the_float_weight(getkey):
     for tree in (q, eqx.filter_eval_shape(lambda: q)):
         w1 = sharding.model_shardings(tree, mesh, min_size=0).blocks.layers.w1
         assert w1.values.spec == w1.scales.spec == float_spec.spec
+
+
+def test_leaves_with_only_layer_axes_are_replicated(getkey):
+    # min_size=0 shards every leaf that has an axis to split; a LoRA's `active`
+    # ([L]) and a scalar have none, and are replicated rather than an error.
+    mesh = sharding.make_mesh()
+    model = eqxscan.StackedMLP(16, 2, key=getkey())
+    lora = adapters.add_lora(model, "*.w1", rank=2, key=getkey())
+    tree = (lora, jnp.ones(()))
+    out = sharding.model_shardings(tree, mesh, min_size=0)
+    assert out[0].blocks.layers.w1.active.spec == P() and out[1].spec == P()
+    assert out[0].blocks.layers.w1.base.spec == P(None, None, "fsdp")
+    placed, _, x = sharding.shard(lora, batch=jnp.ones((4, 16)), mesh=mesh, min_size=0)
+    assert jnp.allclose(eqx.filter_jit(lambda m, x: m(x))(placed, x), lora(x))
 
 
 def test_nested_stacked_skips_every_layer_axis(getkey):

@@ -127,7 +127,8 @@ def _leaf_spec(
     """The rule of `model_shardings`; with no divisible axis, raise if `strict`,
     else replicate."""
     shape = tuple(leaf.shape)
-    if fsdp_axis is None or math.prod(shape) < min_size:
+    # A scalar, or one per layer (a LoRA's `active`), has no axis to shard.
+    if fsdp_axis is None or math.prod(shape) < min_size or len(shape) <= layer_axes:
         return PartitionSpec()
     size = mesh.shape[fsdp_axis]
     layer_axes = min(layer_axes, len(shape))
@@ -166,7 +167,8 @@ def model_shardings(
     scan step reads one layer, and `scan` needs its `xs` unsharded along it. Of
     the other axes, the largest that divides by the size of `fsdp_axis` is
     sharded over it (the first on ties). Leaves with fewer than `min_size`
-    elements are replicated, and every leaf is replicated across the other mesh
+    elements, and those with no axis but layer axes (a scalar, or one per
+    layer), are replicated, and every leaf is replicated across the other mesh
     axes (e.g. `"data"`). A [`eqxscan.quant.Quantized`][] weight is sharded as
     the float weight it stands for: its `values` and `scales` along that
     weight's sharded axis where their own axis divides (else replicated, as
