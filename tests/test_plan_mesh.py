@@ -148,6 +148,14 @@ def test_devices_and_remat_are_checked_before_any_compile():
         _plan(model_axis=(1, 0))
 
 
+def test_model_kwargs_that_are_not_json_are_refused_before_the_child_starts():
+    # Four devices: this process has two, so the candidates would compile in a
+    # fresh process, reached through JSON.
+    kwargs = dict(CONFIG, dtype=jnp.float32)
+    with pytest.raises(ValueError, match=r"model_kwargs cannot be passed as JSON"):
+        _plan(devices=4, model_kwargs=kwargs)
+
+
 def test_no_mesh_that_compiles_is_not_called_a_budget_miss():
     # Two devices and a batch of 3 rows: every mesh is refused, whatever the budget.
     table = _plan(devices=2, batch=bench.batch_shape(3, 4), remat=(False,))
