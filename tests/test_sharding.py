@@ -318,6 +318,10 @@ def test_errors(getkey):
         sharding.make_mesh(1, 1)
     with pytest.raises(ValueError, match="fsdp must be a positive int"):
         sharding.make_mesh(fsdp=0)
+    with pytest.raises(ValueError, match=r"got device .* more than once in devices"):
+        sharding.make_mesh(devices=[jax.devices()[0]] * 2)
+    with pytest.raises(ValueError, match=r"got no devices in devices"):
+        sharding.make_mesh(devices=[])
     with pytest.raises(TypeError, match="shardings must be jax.sharding.Sharding"):
         sharding.constrain(jnp.ones(2), P())
 

@@ -54,6 +54,14 @@ def make_mesh(
     """
     devices = default_devices() if devices is None else list(devices)
     n = len(devices)
+    repeated = [d for i, d in enumerate(devices) if d in devices[:i]]
+    if not n or repeated:
+        got = f"device {repeated[0]} more than once" if repeated else "no devices"
+        raise ValueError(
+            f"make_mesh got {got} in devices; a mesh holds each device once.\n"
+            "Hint: pass distinct devices, e.g. jax.devices()[:4], or devices=None "
+            "for every device."
+        )
     rows, shards = _mesh_size("data", data), _mesh_size("fsdp", fsdp)
     if rows is None and shards is None:
         rows = 1
