@@ -408,6 +408,28 @@ def test_create_on_one_process(getkey):
     assert_close(by_path(mlp), want, 1e-6)
 
 
+def test_initialize_twice_says_so():
+    # In a process of its own: the job it joins lasts as long as the process.
+    code = (
+        "from eqxscan import distributed\n"
+        f"address = '127.0.0.1:{free_port()}'\n"
+        "distributed.initialize(address, 1, 0, timeout=60)\n"
+        "try:\n"
+        "    distributed.initialize(address, 1, 0, timeout=60)\n"
+        "except RuntimeError as e:\n"
+        "    print(e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert "initialize was called before in this process" in out.stdout, out
+
+
 def test_local_rows_refuses_an_axis_the_mesh_lacks():
     # A misspelt axis was dropped, handing every process every row.
     mesh = sharding.make_mesh(fsdp=2)

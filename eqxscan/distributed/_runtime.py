@@ -153,6 +153,12 @@ def initialize(
     - `heartbeat_timeout`: seconds of silence after which a process is dead.
     - `shutdown_timeout`: seconds a process waits at exit for the others.
     """
+    if jax.distributed.is_initialized():
+        raise RuntimeError(
+            "initialize was called before in this process, which is in a job "
+            f"already.\nHint: call it once per process, before any other JAX call; "
+            f"{DOCS}."
+        )
     where = _check_job(coordinator_address, num_processes, process_id)
     timeout = _check_seconds("timeout", timeout)
     heartbeat_timeout = _check_seconds("heartbeat_timeout", heartbeat_timeout)
