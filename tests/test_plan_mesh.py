@@ -156,6 +156,27 @@ def test_model_kwargs_that_are_not_json_are_refused_before_the_child_starts():
         _plan(devices=4, model_kwargs=kwargs)
 
 
+def _loss_first(model, opt_state, batch):
+    model, opt_state, loss = bench.train_step(model, opt_state, batch)
+    return loss, model, opt_state
+
+
+def test_a_step_that_returns_something_else_first_is_named():
+    with pytest.raises(
+        ValueError, match=r"step must return \(model, opt_state, \*rest\).* tuple of 3"
+    ):
+        plan(
+            bench.decoder,
+            _loss_first,
+            optimizer=bench.adam,
+            batch=bench.batch_shape(2, 4),
+            budget="1GB",
+            devices=1,
+            remat=(False,),
+            model_kwargs=dict(CONFIG, layers=1),
+        )
+
+
 def test_no_mesh_that_compiles_is_not_called_a_budget_miss():
     # Two devices and a batch of 3 rows: every mesh is refused, whatever the budget.
     table = _plan(devices=2, batch=bench.batch_shape(3, 4), remat=(False,))
