@@ -130,6 +130,8 @@ def _plan(**kwargs):
         (dict(optimizer=lambda: bench.adam()), "importable by reference"),
         (dict(optimizer="benchmarks.bench.nowhere:adam"), "cannot import"),
         (dict(accelerator="abacus"), "unknown accelerator"),
+        (dict(peak_flops=0.0), "peak_flops must be a positive number"),
+        (dict(link_bytes_per_s=-1.0), "link_bytes_per_s must be a positive"),
     ],
 )
 def test_bad_input_gets_one_clear_error(kwargs, match):

@@ -28,9 +28,19 @@ def _accelerator(
         )
     base = ACCELERATORS[name]
     return Accelerator(
-        base.flops if peak_flops is None else float(peak_flops),
-        base.link_bytes_per_s if link_bytes_per_s is None else float(link_bytes_per_s),
+        _figure("peak_flops", peak_flops, base.flops),
+        _figure("link_bytes_per_s", link_bytes_per_s, base.link_bytes_per_s),
     )
+
+
+def _figure(name: str, value: float | None, default: float) -> float:
+    # Divided by in every estimate: zero, negative or NaN would rank nonsense.
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise ValueError(
+            f"plan: {name} must be a positive number, got {value!r}.\nHint: "
+            "per device, e.g. peak_flops=989e12 (FLOP/s), link_bytes_per_s=450e9."
+        )
+    return default if value is None else float(value)
 
 
 def _check_model_axis(sizes: Sequence[int], axes: object) -> None:
