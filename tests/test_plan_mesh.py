@@ -4,15 +4,20 @@ candidates, checked against analytic counts, against the arrays really placed on
 
 import json
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from benchmarks.bench import meshes as bench
+from eqxscan import sharding
 from eqxscan.planning import MeshPlan, plan
-from eqxscan.planning._candidates import mesh_shapes
+from eqxscan.planning._candidates import make_plan_mesh, mesh_shapes, program
 from eqxscan.planning._hlo import hlo_costs
+from eqxscan.planning._spec import make_job
 
 from .helpers import run_script
 
@@ -187,6 +192,28 @@ def test_no_mesh_that_compiles_is_not_called_a_budget_miss():
     assert "No candidate could be compiled" in table.message
     assert "batch[0]" in table.message and "Hint:" in table.message
     assert "fits the budget" not in table.message
+
+
+def _adafactor():
+    return optax.adafactor(1e-3, min_dim_size_to_factor=4)  # factors [L, 32, 32]
+
+
+def test_optimiser_state_is_placed_with_min_size_as_shard_places_it():
+    # Adafactor's factored moments have shapes of their own, to which min_size
+    # applies: the plan's layout must be the one `shard` gives the live state.
+    job = make_job(
+        bench.decoder, bench.train_step, _adafactor, bench.batch_shape(2, 4),
+        None, None, CONFIG, 0,
+    )  # fmt: skip
+    mesh = make_plan_mesh((1, 2, 1), jax.devices()[:2])
+    _, _, (_, planned), _, _ = program(job, mesh, False)
+    model = bench.decoder(jax.random.key(0), **CONFIG)
+    opt_state = _adafactor().init(eqx.filter(model, eqx.is_array))
+    _, live, _ = sharding.shard(model, opt_state, mesh=mesh, min_size=0)
+    pairs = list(zip(jax.tree.leaves(planned), jax.tree.leaves(live), strict=True))
+    assert any(a.spec != P() for a, _ in pairs)
+    for spec, array in pairs:
+        assert spec.is_equivalent_to(array.sharding, array.ndim)
 
 
 def test_mesh_shapes_are_every_split_of_the_devices():

@@ -126,7 +126,12 @@ def program(
     if job.optimizer is not None:
         opt_state = jax.eval_shape(job.optimizer.init, params)
         o_specs = opt_state_shardings(
-            opt_state, model, mesh, fsdp_axis="fsdp", param_shardings=p_specs
+            opt_state,
+            model,
+            mesh,
+            fsdp_axis="fsdp",
+            min_size=size,
+            param_shardings=p_specs,
         )
     b_specs = batch_shardings(job.batch, mesh, batch_axes=("data", "fsdp"))
 
