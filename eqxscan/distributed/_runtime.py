@@ -240,8 +240,8 @@ def _check_port_free(address: object, port: int) -> None:
         except OSError as e:
             raise RuntimeError(
                 f"process 0 cannot listen on port {port} of coordinator_address "
-                f"{address!r}: {e.strerror}.\nHint: another program (or an "
-                f"earlier run) holds the port; choose a free one; {DOCS}."
+                f"{address!r}: {e.strerror}.\nHint: choose a free port above 1023 "
+                f"(another program, or an earlier run, may hold this one); {DOCS}."
             ) from None
 
 
