@@ -146,6 +146,21 @@ def test_nested_stacked_skips_every_layer_axis(getkey):
         sharding.model_shardings(odd, mesh, min_size=0)
 
 
+def test_param_shardings_are_matched_by_path(getkey):
+    # Matched by position, the shardings of another model's arrays (here a
+    # quantized one's: w1.values, w1.scales, ...) were given to the wrong buffers.
+    mesh = sharding.make_mesh()
+    model = eqxscan.StackedMLP(16, 2, key=getkey())
+    opt_state = optax.adam(1e-3).init(eqx.filter(model, eqx.is_array))
+    other = sharding.model_shardings(quant.quantize(model, "*.w1"), mesh, min_size=0)
+    with pytest.raises(ValueError, match=r"no entry for `tree\.blocks\.layers\.w1`"):
+        sharding.opt_state_shardings(opt_state, model, mesh, param_shardings=other)
+    # As in `constrain`, a prefix applies to everything below it.
+    one = NamedSharding(mesh, P())
+    out = sharding.opt_state_shardings(opt_state, model, mesh, param_shardings=one)
+    assert all(s == one for s in jtu.tree_leaves(out[0].mu))
+
+
 def test_opt_state_sharded_like_params(getkey):
     mesh = sharding.make_mesh(fsdp=2)
     model = eqxscan.StackedMLP(4, 2, key=getkey())

@@ -270,7 +270,7 @@ def opt_state_shardings(
     - `model`: the model whose parameters the state was built for.
     - `mesh`, `fsdp_axis`, `min_size`: as for `model_shardings`.
     - `param_shardings`: the parameters' shardings if not `model_shardings`'
-      (e.g. `logical_shardings`').
+      (e.g. `logical_shardings`'), matched to them by key path.
 
     **Returns:**
 
@@ -284,6 +284,8 @@ def opt_state_shardings(
         param_shardings = model_shardings(
             params, mesh, fsdp_axis=fsdp_axis, min_size=min_size
         )
+    else:  # by key path, as `constrain` matches them, never by position
+        param_shardings = align(param_shardings, params)
     # Each parameter (or `None`) with its sharding and number of layer axes.
     leaves = lambda tree: jtu.tree_leaves(tree, is_leaf=_is_placeholder)
     depths = walk(lambda x, s: s.depth, params)
