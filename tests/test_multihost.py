@@ -10,6 +10,7 @@ import json
 import os
 import pathlib
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -296,6 +297,20 @@ def test_initialize_checks_arguments():
         distributed.initialize(timeout=0)
 
 
+def test_initialize_refuses_an_address_the_runtime_would_crash_on():
+    # JAX's runtime ends the process with a segmentation fault on a port that is
+    # not a number, or taken; a port out of range it silently changes.
+    for address in ("127.0.0.1", "127.0.0.1:abc", "127.0.0.1:70000", ":1234"):
+        with pytest.raises(ValueError, match="must be 'host:port' with a port in"):
+            distributed.initialize(address, 2, 1)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(RuntimeError, match=f"cannot listen on port {port}"):
+            distributed.initialize(f"127.0.0.1:{port}", 2, 0)
+
+
 def final_loss(stdout: str, processes: int, devices: int) -> float:
     last = stdout.strip().splitlines()[-1]
     m = re.fullmatch(
@@ -391,3 +406,33 @@ def test_create_on_one_process(getkey):
         distributed.local_rows(5, mesh)
     want = by_path(eqxscan.StackedMLP(8, 2, key=key))
     assert_close(by_path(mlp), want, 1e-6)
+
+
+def test_initialize_twice_says_so():
+    # In a process of its own: the job it joins lasts as long as the process.
+    code = (
+        "from eqxscan import distributed\n"
+        f"address = '127.0.0.1:{free_port()}'\n"
+        "distributed.initialize(address, 1, 0, timeout=60)\n"
+        "try:\n"
+        "    distributed.initialize(address, 1, 0, timeout=60)\n"
+        "except RuntimeError as e:\n"
+        "    print(e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert "initialize was called before in this process" in out.stdout, out
+
+
+def test_local_rows_refuses_an_axis_the_mesh_lacks():
+    # A misspelt axis was dropped, handing every process every row.
+    mesh = sharding.make_mesh(fsdp=2)
+    assert distributed.local_rows(6, mesh, batch_axes="fsdp") == slice(0, 6)
+    with pytest.raises(ValueError, match=r"batch_axes \('dat',\) names mesh axes"):
+        distributed.local_rows(6, mesh, batch_axes="dat")

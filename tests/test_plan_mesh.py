@@ -4,15 +4,20 @@ candidates, checked against analytic counts, against the arrays really placed on
 
 import json
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from benchmarks.bench import meshes as bench
+from eqxscan import sharding
 from eqxscan.planning import MeshPlan, plan
-from eqxscan.planning._candidates import mesh_shapes
+from eqxscan.planning._candidates import make_plan_mesh, mesh_shapes, program
 from eqxscan.planning._hlo import hlo_costs
+from eqxscan.planning._spec import make_job
 
 from .helpers import run_script
 
@@ -130,12 +135,85 @@ def _plan(**kwargs):
         (dict(optimizer=lambda: bench.adam()), "importable by reference"),
         (dict(optimizer="benchmarks.bench.nowhere:adam"), "cannot import"),
         (dict(accelerator="abacus"), "unknown accelerator"),
+        (dict(peak_flops=0.0), "peak_flops must be a positive number"),
+        (dict(link_bytes_per_s=-1.0), "link_bytes_per_s must be a positive"),
     ],
 )
 def test_bad_input_gets_one_clear_error(kwargs, match):
     with pytest.raises(ValueError, match=match) as info:
         _plan(**kwargs)
     assert "Hint:" in str(info.value)
+
+
+def test_devices_and_remat_are_checked_before_any_compile():
+    with pytest.raises(ValueError, match="devices must be >= 1, got 0"):
+        _plan(devices=0)
+    # (Under the test suite's runtime type checking, beartype speaks first.)
+    with pytest.raises((TypeError, ValueError), match="must be one of|param.*remat"):
+        _plan(remat=("nest",))
+    with pytest.raises(ValueError, match="model_axis must be >= 1, got 0"):
+        _plan(model_axis=(1, 0))
+
+
+def test_model_kwargs_that_are_not_json_are_refused_before_the_child_starts():
+    # Four devices: this process has two, so the candidates would compile in a
+    # fresh process, reached through JSON.
+    kwargs = dict(CONFIG, dtype=jnp.float32)
+    with pytest.raises(ValueError, match=r"model_kwargs cannot be passed as JSON"):
+        _plan(devices=4, model_kwargs=kwargs)
+
+
+def _loss_first(model, opt_state, batch):
+    model, opt_state, loss = bench.train_step(model, opt_state, batch)
+    return loss, model, opt_state
+
+
+def test_a_step_that_returns_something_else_first_is_named():
+    with pytest.raises(
+        ValueError, match=r"step must return \(model, opt_state, \*rest\).* tuple of 3"
+    ):
+        plan(
+            bench.decoder,
+            _loss_first,
+            optimizer=bench.adam,
+            batch=bench.batch_shape(2, 4),
+            budget="1GB",
+            devices=1,
+            remat=(False,),
+            model_kwargs=dict(CONFIG, layers=1),
+        )
+
+
+def test_no_mesh_that_compiles_is_not_called_a_budget_miss():
+    # Two devices and a batch of 3 rows: every mesh is refused, whatever the budget.
+    table = _plan(devices=2, batch=bench.batch_shape(3, 4), remat=(False,))
+    assert table.chosen is None
+    assert all(c.error for c in table.candidates)
+    assert "No candidate could be compiled" in table.message
+    assert "batch[0]" in table.message and "Hint:" in table.message
+    assert "fits the budget" not in table.message
+
+
+def _adafactor():
+    return optax.adafactor(1e-3, min_dim_size_to_factor=4)  # factors [L, 32, 32]
+
+
+def test_optimiser_state_is_placed_with_min_size_as_shard_places_it():
+    # Adafactor's factored moments have shapes of their own, to which min_size
+    # applies: the plan's layout must be the one `shard` gives the live state.
+    job = make_job(
+        bench.decoder, bench.train_step, _adafactor, bench.batch_shape(2, 4),
+        None, None, CONFIG, 0,
+    )  # fmt: skip
+    mesh = make_plan_mesh((1, 2, 1), jax.devices()[:2])
+    _, _, (_, planned), _, _ = program(job, mesh, False)
+    model = bench.decoder(jax.random.key(0), **CONFIG)
+    opt_state = _adafactor().init(eqx.filter(model, eqx.is_array))
+    _, live, _ = sharding.shard(model, opt_state, mesh=mesh, min_size=0)
+    pairs = list(zip(jax.tree.leaves(planned), jax.tree.leaves(live), strict=True))
+    assert any(a.spec != P() for a, _ in pairs)
+    for spec, array in pairs:
+        assert spec.is_equivalent_to(array.sharding, array.ndim)
 
 
 def test_mesh_shapes_are_every_split_of_the_devices():

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import eqxscan
-from eqxscan import sharding
+from eqxscan import adapters, quant, sharding
 
 from .helpers import max_rel_err, run_device_script, tree_allclose
 from .scripts.training import loss_fn, make_train_step
@@ -92,6 +92,32 @@ class Inner(eqx.Module):
         return self.stack(x)
 
 
+def test_quantized_weights_follow_the_float_weight(getkey):
+    # As built and as `eval_shape` gives it (`create`, `plan`), under the tests'
+    # runtime type checking: a Quantized's arrays sharded as its float weight.
+    mesh = sharding.make_mesh()
+    model = eqxscan.StackedMLP(16, 2, key=getkey())
+    float_spec = sharding.model_shardings(model, mesh, min_size=0).blocks.layers.w1
+    q = quant.quantize(model, "*.w1")
+    for tree in (q, eqx.filter_eval_shape(lambda: q)):
+        w1 = sharding.model_shardings(tree, mesh, min_size=0).blocks.layers.w1
+        assert w1.values.spec == w1.scales.spec == float_spec.spec
+
+
+def test_leaves_with_only_layer_axes_are_replicated(getkey):
+    # min_size=0 shards every leaf that has an axis to split; a LoRA's `active`
+    # ([L]) and a scalar have none, and are replicated rather than an error.
+    mesh = sharding.make_mesh()
+    model = eqxscan.StackedMLP(16, 2, key=getkey())
+    lora = adapters.add_lora(model, "*.w1", rank=2, key=getkey())
+    tree = (lora, jnp.ones(()))
+    out = sharding.model_shardings(tree, mesh, min_size=0)
+    assert out[0].blocks.layers.w1.active.spec == P() and out[1].spec == P()
+    assert out[0].blocks.layers.w1.base.spec == P(None, None, "fsdp")
+    placed, _, x = sharding.shard(lora, batch=jnp.ones((4, 16)), mesh=mesh, min_size=0)
+    assert jnp.allclose(eqx.filter_jit(lambda m, x: m(x))(placed, x), lora(x))
+
+
 def test_nested_stacked_skips_every_layer_axis(getkey):
     mesh = sharding.make_mesh(fsdp=2)
     outer = eqxscan.Stacked(lambda k: Inner(key=k), 4, key=getkey())
@@ -118,6 +144,21 @@ def test_nested_stacked_skips_every_layer_axis(getkey):
         r"\(axes 0-1 are layer axes",
     ):
         sharding.model_shardings(odd, mesh, min_size=0)
+
+
+def test_param_shardings_are_matched_by_path(getkey):
+    # Matched by position, the shardings of another model's arrays (here a
+    # quantized one's: w1.values, w1.scales, ...) were given to the wrong buffers.
+    mesh = sharding.make_mesh()
+    model = eqxscan.StackedMLP(16, 2, key=getkey())
+    opt_state = optax.adam(1e-3).init(eqx.filter(model, eqx.is_array))
+    other = sharding.model_shardings(quant.quantize(model, "*.w1"), mesh, min_size=0)
+    with pytest.raises(ValueError, match=r"no entry for `tree\.blocks\.layers\.w1`"):
+        sharding.opt_state_shardings(opt_state, model, mesh, param_shardings=other)
+    # As in `constrain`, a prefix applies to everything below it.
+    one = NamedSharding(mesh, P())
+    out = sharding.opt_state_shardings(opt_state, model, mesh, param_shardings=one)
+    assert all(s == one for s in jtu.tree_leaves(out[0].mu))
 
 
 def test_opt_state_sharded_like_params(getkey):
@@ -292,6 +333,10 @@ def test_errors(getkey):
         sharding.make_mesh(1, 1)
     with pytest.raises(ValueError, match="fsdp must be a positive int"):
         sharding.make_mesh(fsdp=0)
+    with pytest.raises(ValueError, match=r"got device .* more than once in devices"):
+        sharding.make_mesh(devices=[jax.devices()[0]] * 2)
+    with pytest.raises(ValueError, match=r"got no devices in devices"):
+        sharding.make_mesh(devices=[])
     with pytest.raises(TypeError, match="shardings must be jax.sharding.Sharding"):
         sharding.constrain(jnp.ones(2), P())
 

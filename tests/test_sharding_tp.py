@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
 import eqxscan
-from eqxscan import sharding
+from eqxscan import quant, sharding
 
 from .helpers import (
     run_device_script,
@@ -71,6 +71,27 @@ def test_logical_specs_and_errors(getkey):
         sharding.logical_shardings(
             odd, mesh, {"*.w2": ("mlp", "embed")}, {"mlp": None, "embed": "model"}
         )
+
+
+def test_axes_pattern_matching_no_parameter_is_an_error(getkey):
+    # Such a pattern shards nothing: a typo, or a weight that a Quantized
+    # replaced, whose arrays are `<weight>.values` and `<weight>.scales`.
+    mesh = jax.make_mesh((1, 2), ("fsdp", "model"), axis_types=(AxisType.Auto,) * 2)
+    model = eqxscan.StackedMLP(16, 2, key=getkey())
+    rules = {"embed": "fsdp", "mlp": "model"}
+    with pytest.raises(
+        ValueError, match=r"pattern '\*\.w3' \(names \('embed', 'mlp'\)\) matches no"
+    ):
+        sharding.logical_shardings(
+            model, mesh, {"*.w1": ("embed", "mlp"), "*.w3": ("embed", "mlp")}, rules
+        )
+    q = quant.quantize(model, "*.w1")
+    with pytest.raises(ValueError, match=r"'\*\.w1'.*blocks\.layers\.w1\.values"):
+        sharding.logical_shardings(q, mesh, {"*.w1": ("embed", "mlp")}, rules)
+    axes = {"*.w1.values": ("embed", "mlp"), "*.w1.scales": (None, "mlp")}
+    specs = sharding.logical_shardings(q, mesh, axes, rules).blocks.layers.w1
+    assert specs.values.spec == P(None, "fsdp", "model")
+    assert specs.scales.spec == P(None, None, "model")
 
 
 @pytest.fixture(scope="module")

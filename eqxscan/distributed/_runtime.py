@@ -8,6 +8,7 @@ import hashlib
 import itertools
 import math
 import os
+import socket
 import sys
 import threading
 import time
@@ -20,7 +21,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .._internal import distributed_client, is_arraylike
+from .._internal import check_size, distributed_client, is_arraylike
 
 
 DOCS = "see docs/multihost.md"
@@ -152,6 +153,12 @@ def initialize(
     - `heartbeat_timeout`: seconds of silence after which a process is dead.
     - `shutdown_timeout`: seconds a process waits at exit for the others.
     """
+    if jax.distributed.is_initialized():
+        raise RuntimeError(
+            "initialize was called before in this process, which is in a job "
+            f"already.\nHint: call it once per process, before any other JAX call; "
+            f"{DOCS}."
+        )
     where = _check_job(coordinator_address, num_processes, process_id)
     timeout = _check_seconds("timeout", timeout)
     heartbeat_timeout = _check_seconds("heartbeat_timeout", heartbeat_timeout)
@@ -192,15 +199,50 @@ def _check_job(
         )
     if num_processes is None or process_id is None:
         return "this process (cluster detected by JAX)"
+    num_processes = check_size("num_processes", num_processes)
+    process_id = check_size("process_id", process_id, minimum=0)
+    port = _check_address(coordinator_address)
     if not 0 <= process_id < num_processes:
         raise ValueError(
             f"process_id={process_id} is outside 0..{num_processes - 1} for "
             f"num_processes={num_processes}.\nHint: number the processes "
             f"from 0; {DOCS}."
         )
+    if process_id == 0:
+        _check_port_free(coordinator_address, port)
     return (
         f"process {process_id} of {num_processes} (coordinator {coordinator_address})"
     )
+
+
+def _check_address(address: object) -> int:
+    """The port of `"host:port"`; JAX's runtime crashes the process on a
+    malformed one."""
+    host, _, port = (
+        address.rpartition(":") if isinstance(address, str) else ("", "", "")
+    )
+    if not (host and port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError(
+            f"coordinator_address must be 'host:port' with a port in 1..65535, got "
+            f"{address!r}.\nHint: e.g. '10.0.0.1:1234' (process 0's address and a "
+            f"free port); {DOCS}."
+        )
+    return int(port)
+
+
+def _check_port_free(address: object, port: int) -> None:
+    """Process 0 listens on `port` (on every interface); JAX's runtime crashes
+    the process if it is taken."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", port))
+        except OSError as e:
+            raise RuntimeError(
+                f"process 0 cannot listen on port {port} of coordinator_address "
+                f"{address!r}: {e.strerror}.\nHint: choose a free port above 1023 "
+                f"(another program, or an earlier run, may hold this one); {DOCS}."
+            ) from None
 
 
 def _join(
@@ -312,8 +354,14 @@ def local_rows(
 
     A `slice` of `range(rows)`.
     """
-    axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
-    axes = tuple(a for a in axes if a in mesh.shape)
+    given = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
+    axes = tuple(a for a in given if a in mesh.shape)
+    if axes != given and given != ("data", "fsdp"):  # the default may miss some
+        raise ValueError(
+            f"local_rows: batch_axes {given} names mesh axes the mesh lacks; it has "
+            f"{tuple(mesh.axis_names)}.\nHint: name the axes the batch is split "
+            f"over, as passed to sharding.shard; {DOCS}."
+        )
     total = math.prod(mesh.shape[a] for a in axes)
     if rows % total:
         raise ValueError(

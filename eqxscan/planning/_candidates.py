@@ -17,7 +17,7 @@ import jax.tree_util as jtu
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jaxtyping import PyTree
 
-from .._internal import is_arraylike, Remat, remat_label
+from .._internal import check_size, is_arraylike, Remat, remat_label
 from ..remat import with_remat
 from ..sharding import (
     batch_shardings,
@@ -51,7 +51,7 @@ def _divisors(n: int) -> list[int]:
 def mesh_shapes(devices: int, model: Sequence[int] = (1,)) -> list[MeshShape]:
     """Every `(data, fsdp, model)` with product `devices`, `model` from `model`."""
     for m in model:
-        if devices % m:
+        if check_size("model_axis", m) and devices % m:
             raise ValueError(
                 f"plan: a model axis of {m} does not divide {devices} devices.\n"
                 f"Hint: choose model sizes among {_divisors(devices)}."
@@ -126,14 +126,19 @@ def program(
     if job.optimizer is not None:
         opt_state = jax.eval_shape(job.optimizer.init, params)
         o_specs = opt_state_shardings(
-            opt_state, model, mesh, fsdp_axis="fsdp", param_shardings=p_specs
+            opt_state,
+            model,
+            mesh,
+            fsdp_axis="fsdp",
+            min_size=size,
+            param_shardings=p_specs,
         )
     b_specs = batch_shardings(job.batch, mesh, batch_axes=("data", "fsdp"))
 
     def train(params: PyTree, opt_state: PyTree, batch: PyTree) -> tuple:
-        model, opt_state, *rest = job.step(
-            eqx.combine(params, static), opt_state, batch
-        )
+        out = job.step(eqx.combine(params, static), opt_state, batch)
+        _check_step_output(out, params, opt_state)
+        model, opt_state, *rest = out
         return eqx.filter(model, eqx.is_array), opt_state, tuple(rest)
 
     jitted = jax.jit(
@@ -143,6 +148,26 @@ def program(
         donate_argnums=(0, 1),
     )
     return jitted, (params, p_specs), (opt_state, o_specs), b_specs, static
+
+
+def _check_step_output(out: object, params: PyTree, opt_state: PyTree) -> None:
+    """`out` starts with a model of `params`' arrays and a state of `opt_state`'s
+    structure, as `plan` needs to donate and place them."""
+    seq = isinstance(out, (tuple, list))
+    what = f"a {type(out).__name__} of {len(out)}" if seq else type(out).__name__
+    what = "an array" if is_arraylike(out) else what
+    shape = lambda tree: jtu.tree_structure(eqx.filter(tree, eqx.is_array))
+    if not (
+        seq
+        and len(out) >= 2
+        and shape(out[0]) == shape(params)
+        and jtu.tree_structure(out[1]) == jtu.tree_structure(opt_state)
+    ):
+        raise ValueError(
+            f"plan: step must return (model, opt_state, *rest), the model and "
+            f"optimiser state it was given, updated; it returned {what}, which "
+            "does not start with them.\nHint: e.g. `return model, opt_state, loss`."
+        )
 
 
 def _per_device_bytes(tree: PyTree, specs: PyTree[NamedSharding]) -> int:

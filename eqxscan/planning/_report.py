@@ -143,7 +143,15 @@ class MeshPlan:
                 f"remat={c.remat}"
             )
         sizes = [c.device_bytes for c in self.candidates if c.error is None]
-        least = f" The smallest needs {min(sizes) / 2**30:.2f} GiB." if sizes else ""
+        if not sizes:
+            reason = self.candidates[0].error if self.candidates else None
+            return (
+                "No candidate could be compiled: every mesh was refused"
+                + (f" (the first: {reason})" if reason else "")
+                + ".\nHint: choose a device count or meshes whose sizes divide "
+                "the batch and the parameters; the table gives each reason."
+            )
+        least = f" The smallest needs {min(sizes) / 2**30:.2f} GiB."
         return (
             f"No candidate fits the budget of {self.budget / 2**30:.2f} GiB per "
             f"device.{least}\nHint: add devices, shrink the batch, or try more "

@@ -9,7 +9,7 @@ from typing import Literal
 import jax
 from jaxtyping import PyTree
 
-from .._internal import parse_bytes, Remat
+from .._internal import check_size, parse_bytes, Remat, ScanOptions
 from ..sharding import MIN_SIZE
 from ._candidates import compile_all, mesh_shapes, Progress
 from ._child import compile_in_child
@@ -28,9 +28,19 @@ def _accelerator(
         )
     base = ACCELERATORS[name]
     return Accelerator(
-        base.flops if peak_flops is None else float(peak_flops),
-        base.link_bytes_per_s if link_bytes_per_s is None else float(link_bytes_per_s),
+        _figure("peak_flops", peak_flops, base.flops),
+        _figure("link_bytes_per_s", link_bytes_per_s, base.link_bytes_per_s),
     )
+
+
+def _figure(name: str, value: float | None, default: float) -> float:
+    # Divided by in every estimate: zero, negative or NaN would rank nonsense.
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise ValueError(
+            f"plan: {name} must be a positive number, got {value!r}.\nHint: "
+            "per device, e.g. peak_flops=989e12 (FLOP/s), link_bytes_per_s=450e9."
+        )
+    return default if value is None else float(value)
 
 
 def _check_model_axis(sizes: Sequence[int], axes: object) -> None:
@@ -73,6 +83,10 @@ def _candidate_meshes(
     """The meshes to try and the number of devices."""
     if not remat:
         raise ValueError("plan: remat is empty.\nHint: e.g. remat=(False, True).")
+    for setting in remat:  # checked here, not as a failed compile of each mesh
+        ScanOptions(remat=setting)
+    if devices is not None:
+        devices = check_size("devices", devices)
     if meshes is not None:
         shapes, devices = _given_meshes(meshes, devices)
         _check_model_axis([m for _, _, m in shapes], axes)

@@ -3,6 +3,7 @@ builder, step and optimiser by reference (`"module:attribute"`), the batch's
 shapes and dtypes, the remat settings by name, and back."""
 
 import importlib
+import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TYPE_CHECKING, TypeAlias, TypedDict
 
@@ -189,10 +190,22 @@ def encode(
         batch=_encode_batch(batch),
         axes=None if axes is None else {k: list(v) for k, v in axes.items()},
         rules=None if rules is None else dict(rules),
-        model_kwargs=dict(model_kwargs),
+        model_kwargs=_encode_kwargs(model_kwargs),
         min_size=min_size,
         accelerator=list(accelerator),
     )
+
+
+def _encode_kwargs(model_kwargs: Mapping[str, object]) -> dict[str, Json]:
+    try:
+        json.dumps(dict(model_kwargs), allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"plan: model_kwargs cannot be passed as JSON to the fresh process "
+            f"that compiles the candidates ({e}).\nHint: pass numbers, strings, "
+            "lists and dicts, e.g. dtype='bfloat16', and convert them in make_model."
+        ) from None
+    return dict(model_kwargs)
 
 
 def _decode_batch(d: Json) -> PyTree[jax.ShapeDtypeStruct]:

@@ -149,7 +149,8 @@ def logical_shardings(
     **Raises:**
 
     `ValueError` naming the parameter path and shape when its names do not
-    match its number of axes, or a mesh axis does not divide the axis it shards.
+    match its number of axes, or a mesh axis does not divide the axis it shards;
+    naming the pattern when a pattern of `axes` matches no parameter.
 
     !!! example
 
@@ -195,7 +196,26 @@ def logical_shardings(
             return default[jtu.keystr(site.path)]
         return _named(leaf, site.depth, name, tuple(names), rules, mesh)
 
+    if isinstance(axes, Mapping):
+        _check_patterns(
+            axes, [k.lstrip(".") for k, s in default.items() if s is not None]
+        )
     return walk(one, model)
+
+
+def _check_patterns(axes: Mapping[str, Names], paths: list[str]) -> None:
+    """Every pattern of `axes` matches a parameter: one that matches none (a
+    typo, a weight replaced by a `Quantized` or `LoRA`) would shard nothing."""
+    for pattern, names in axes.items():
+        if not any(fnmatch.fnmatchcase(p, pattern) for p in paths):
+            shown = ", ".join(paths[:8]) + (", ..." if len(paths) > 8 else "")
+            raise ValueError(
+                f"The axes pattern {pattern!r} (names {tuple(names)}) matches no "
+                f"parameter; the parameters are {shown}.\nHint: a pattern matches "
+                "a whole path (fnmatch); a Quantized weight's arrays are "
+                "'<weight>.values' and '<weight>.scales', a LoRA's "
+                "'<weight>.base', '<weight>.a' and '<weight>.b'."
+            )
 
 
 def _named(

@@ -4,7 +4,6 @@ those of the float weights they stand for."""
 from collections.abc import Callable
 from typing import cast
 
-import equinox as eqx
 import jax
 import jax.tree_util as jtu
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -32,8 +31,12 @@ def follow_float_weights(
         divides = lambda a: all(
             n is None or a.shape[i] % mesh.shape[n] == 0 for i, n in enumerate(spec)
         )
-        stored = [spec if divides(a) else PartitionSpec() for a in w.stored_arrays()]
-        new = tuple(NamedSharding(mesh, s) for s in stored)
-        return eqx.tree_at(lambda q: q.stored_arrays(), specs, new)
+        # Its array leaves are the stored arrays; `stored_arrays()` itself is
+        # typed to return arrays, not shardings nor `eval_shape`'s structs.
+        stored, treedef = jtu.tree_flatten(node)
+        new = [
+            NamedSharding(mesh, spec if divides(a) else PartitionSpec()) for a in stored
+        ]
+        return jtu.tree_unflatten(treedef, new)
 
     return jtu.tree_map_with_path(one, model, shardings, is_leaf=stands_for_weight)

@@ -54,6 +54,14 @@ def make_mesh(
     """
     devices = default_devices() if devices is None else list(devices)
     n = len(devices)
+    repeated = [d for i, d in enumerate(devices) if d in devices[:i]]
+    if not n or repeated:
+        got = f"device {repeated[0]} more than once" if repeated else "no devices"
+        raise ValueError(
+            f"make_mesh got {got} in devices; a mesh holds each device once.\n"
+            "Hint: pass distinct devices, e.g. jax.devices()[:4], or devices=None "
+            "for every device."
+        )
     rows, shards = _mesh_size("data", data), _mesh_size("fsdp", fsdp)
     if rows is None and shards is None:
         rows = 1
@@ -127,7 +135,8 @@ def _leaf_spec(
     """The rule of `model_shardings`; with no divisible axis, raise if `strict`,
     else replicate."""
     shape = tuple(leaf.shape)
-    if fsdp_axis is None or math.prod(shape) < min_size:
+    # A scalar, or one per layer (a LoRA's `active`), has no axis to shard.
+    if fsdp_axis is None or math.prod(shape) < min_size or len(shape) <= layer_axes:
         return PartitionSpec()
     size = mesh.shape[fsdp_axis]
     layer_axes = min(layer_axes, len(shape))
@@ -166,7 +175,8 @@ def model_shardings(
     scan step reads one layer, and `scan` needs its `xs` unsharded along it. Of
     the other axes, the largest that divides by the size of `fsdp_axis` is
     sharded over it (the first on ties). Leaves with fewer than `min_size`
-    elements are replicated, and every leaf is replicated across the other mesh
+    elements, and those with no axis but layer axes (a scalar, or one per
+    layer), are replicated, and every leaf is replicated across the other mesh
     axes (e.g. `"data"`). A [`eqxscan.quant.Quantized`][] weight is sharded as
     the float weight it stands for: its `values` and `scales` along that
     weight's sharded axis where their own axis divides (else replicated, as
@@ -260,7 +270,7 @@ def opt_state_shardings(
     - `model`: the model whose parameters the state was built for.
     - `mesh`, `fsdp_axis`, `min_size`: as for `model_shardings`.
     - `param_shardings`: the parameters' shardings if not `model_shardings`'
-      (e.g. `logical_shardings`').
+      (e.g. `logical_shardings`'), matched to them by key path.
 
     **Returns:**
 
@@ -274,6 +284,8 @@ def opt_state_shardings(
         param_shardings = model_shardings(
             params, mesh, fsdp_axis=fsdp_axis, min_size=min_size
         )
+    else:  # by key path, as `constrain` matches them, never by position
+        param_shardings = align(param_shardings, params)
     # Each parameter (or `None`) with its sharding and number of layer axes.
     leaves = lambda tree: jtu.tree_leaves(tree, is_leaf=_is_placeholder)
     depths = walk(lambda x, s: s.depth, params)
