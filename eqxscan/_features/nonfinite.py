@@ -32,7 +32,8 @@ class NonFinite:
       the container, forward or backward), or `None`.
     - `index`: the layer (or time step) that first produced one: forward, the
       lowest with a non-finite output; backward, the first reached (the
-      highest); `"loss"`, the one whose output got the non-finite cotangent; or
+      highest); both the other way round for a call with `reverse=True`;
+      `"loss"`, the one whose output got the non-finite cotangent; or
       `None` (a non-finite loss value, or a `Recurrent` cell's parameter
       gradient, summed over steps).
     - `leaf`: the carry leaf or parameter that held it, e.g. `"carry[0]"` or

@@ -40,7 +40,7 @@ class _Call:
     name: str
     depth: int = 0
     offset: int = 0
-    reverse: bool = False  # a `Recurrent(..., reverse=True)`: last step first
+    reverse: bool = False  # last step first (`reverse=True`, held or passed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,9 +100,10 @@ def in_cell() -> contextlib.AbstractContextManager[None]:
 
 
 @contextlib.contextmanager
-def call_of(module: object) -> Iterator[None]:
-    """Around a container's call: while tapped, its records are its own rows,
-    named after its class (`Stacked`, then `Stacked_1`, ...)."""
+def call_of(module: object, reverse: object = False) -> Iterator[None]:
+    """Around a container's call (`reverse`: its keyword of that name): while
+    tapped, its records are its own rows, named after its class (`Stacked`,
+    then `Stacked_1`, ...)."""
     state = _TAPPING.get()
     if state is None:
         yield
@@ -113,7 +114,7 @@ def call_of(module: object) -> Iterator[None]:
         k += 1
         name = f"{type(module).__name__}_{k}"
     top = [r for r in state.records if r[2].depth == 0]
-    reverse = getattr(module, "reverse", False) is True
+    reverse = reverse is True or getattr(module, "reverse", False) is True
     call = _Call(name, _DEPTH.get(), _count(top), reverse)
     state.calls.append(call)
     with setting(_CALL, call):
