@@ -147,6 +147,13 @@ def _poison_bwd(flag, g):
 _poison.defvjp(_poison_fwd, _poison_bwd)
 
 
+def test_a_loss_fn_that_is_no_function_is_refused(getkey):
+    stack = make(getkey())
+    with pytest.raises(TypeError, match="loss_fn must be callable, got ArrayImpl"):
+        # loss_fn forgotten
+        eqxscan.find_nonfinite(stack, jnp.ones(D))  # pyright: ignore[reportArgumentType]
+
+
 def test_a_call_in_reverse_names_the_layer_that_ran_first(getkey):
     # `stack(x, reverse=True)` runs layer L-1 first: with layers 1 and 3
     # broken, layer 3's output is the first non-finite one, and in the backward

@@ -179,6 +179,9 @@ def test_container_inside_a_layer_is_not_tapped(getkey):
 def test_tap_errors():
     with pytest.raises(TypeError, match="ran no layers"):
         eqxscan.tap(lambda x: x, rms)(jnp.ones(2))
+    with pytest.raises(TypeError, match="model must be callable, got ArrayImpl"):
+        # The arguments in the wrong order.
+        eqxscan.tap(jnp.ones(2), rms)  # pyright: ignore[reportArgumentType]
 
 
 # --- gradient taps ----------------------------------------------------------

@@ -17,6 +17,7 @@ from jaxtyping import Array, Float, PyTree
 from .._containers.chain import Chain
 from .._containers.recurrent import Recurrent
 from .._containers.stacked import Stacked
+from .._helpers.checks import Checked
 from .._scan.tap_stats import nonfinite_count
 from .._scan.taps import Probe, tap_calls
 
@@ -147,7 +148,7 @@ def _pick(counts: object, last: bool) -> int | None:
 
 
 def find_nonfinite(
-    model: PyTree, loss_fn: Callable[..., Array], *inputs: PyTree
+    model: PyTree, loss_fn: Checked[Callable[..., Array]], *inputs: PyTree
 ) -> NonFinite:
     """Find the layer (or time step) that first produced a NaN or inf in one
     training step, the carry leaf that held it, and which pass did, in one run
@@ -184,6 +185,12 @@ def find_nonfinite(
 
     A [`eqxscan.NonFinite`][] report; `str(report)` is one line.
     """
+    if not callable(loss_fn):
+        raise TypeError(
+            "eqxscan.find_nonfinite: loss_fn must be callable, got "
+            f"{type(loss_fn).__name__}.\nHint: `find_nonfinite(model, loss_fn, "
+            "*inputs)`, with `loss_fn(model, *inputs)` returning the loss."
+        )
     value, rows, (params, shared) = jax.device_get(_program(model, loss_fn, inputs))
     # Calls inside a `Recurrent`'s cell (counts per time step) are not checked.
     rows = [r for r in rows if all(np.ndim(a) == 1 for a in jtu.tree_leaves(r[1]))]

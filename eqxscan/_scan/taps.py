@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, Float, PyTree
 
+from .._helpers.checks import Checked
 from .index import Index, index
 from .layer_index import Run, setting
 
@@ -339,7 +340,7 @@ def _gather(records: list, depth: int, where: str) -> PyTree:
 
 
 def tap(
-    model: Callable[..., PyTree],
+    model: Checked[Callable[..., PyTree]],
     stat: Stat | None = None,
     *,
     probe: Probe | None = None,
@@ -387,6 +388,12 @@ def tap(
     (`"Stacked"`, `"Stacked_1"`, `"Recurrent"`); a call inside a `Recurrent`'s
     cell has a leading time axis before its layers.
     """
+    if not callable(model):
+        raise TypeError(
+            f"eqxscan.tap: model must be callable, got {type(model).__name__}.\n"
+            "Hint: `eqxscan.tap(model, stat)(x)`: the container (or a function "
+            "calling it) first, then the statistic, then the inputs."
+        )
     if stat is not None and not callable(stat):
         raise TypeError(f"eqxscan.tap: stat must be a function, got {stat!r}.")
     if probe is not None and not isinstance(probe, Probe):
