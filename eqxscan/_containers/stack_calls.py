@@ -161,6 +161,7 @@ def scan_layers(stack: Stack, x: PyTree, call: LayerCall) -> tuple[PyTree, PyTre
 def vmap_layers(stack: Stack, x: PyTree, call: LayerCall) -> PyTree:
     """Every layer of `stack` applied to the same `x` as `call` says, outputs
     stacked on a new leading axis: one `vmap`, or a loop with `mode="loop"`."""
+    stack.check_layer_axis("vmap")
     length = stack.num_layers
     check_per_layer(call.args, call.kwargs, length)
     refuse_buffer(call.args, call.kwargs, "Stacked.vmap")
