@@ -162,6 +162,12 @@ def vmap_layers(stack: Stack, x: PyTree, call: LayerCall) -> PyTree:
     """Every layer of `stack` applied to the same `x` as `call` says, outputs
     stacked on a new leading axis: one `vmap`, or a loop with `mode="loop"`."""
     stack.check_layer_axis("vmap")
+    if find_state(call.args, call.kwargs) is not None:
+        raise TypeError(
+            "Stacked.vmap does not take an eqx.nn.State: every layer would get "
+            "the whole stack's state.\nHint: call the stack for stateful layers: "
+            "`x, state = stack(x, state)`."
+        )
     length = stack.num_layers
     check_per_layer(call.args, call.kwargs, length)
     refuse_buffer(call.args, call.kwargs, "Stacked.vmap")
