@@ -42,6 +42,7 @@ from .._scan.layer_call import (
 )
 from .._scan.layer_index import step_index
 from .._scan.options import ScanOptions
+from .._scan.taps import untapped
 
 
 @runtime_checkable
@@ -175,18 +176,22 @@ def vmap_layers(stack: Stack, x: PyTree, call: LayerCall) -> PyTree:
     per_xs, one = call.scanned()
     cls_name = type(stack.layers).__name__
 
-    def each(dyn: PyTree, per: PyTree) -> PyTree:
+    def each(dyn: PyTree, per: PyTree, i: Index) -> PyTree:
         layer = eqx.combine(dyn, layer_static)
-        return run_one(layer, call, one(per), x, "Stacked.vmap")[0]
+        # Layer `i` knows its index (`eqxscan.layer_index`); nothing is tapped.
+        with untapped():
+            out = run_one(layer, call, one(per)._replace(number=i), x, "Stacked.vmap")
+        return out[0]
 
     inputs = (layer_dyn, per_xs)
     if stack.mode == "loop":
         outs = [
-            noted(each, _where(cls_name, length, i), *index(inputs, i))
+            noted(each, _where(cls_name, length, i), *index(inputs, i), i=i)
             for i in range(length)
         ]
         return jtu.tree_map(lambda *a: jnp.stack(a), *outs)
-    return noted(eqx.filter_vmap(each), _where(cls_name, length, None), *inputs)
+    where, steps = _where(cls_name, length, None), jnp.arange(length)
+    return noted(eqx.filter_vmap(each), where, *inputs, steps)
 
 
 def layer_of(stack: Stack, i: Index) -> Any:
