@@ -478,3 +478,29 @@ def test_traced_rate_and_missing_key():
     chain = eqxscan.Chain([Block(jax.random.key(i)) for i in range(2)], layer_drop=0.1)
     with pytest.raises(ValueError, match="Chain drops layers"):
         chain(jnp.ones((B, D)))
+
+
+class Counting(eqx.Module):
+    """A residual layer that also counts, per example, the layers run."""
+
+    w: jax.Array
+
+    def __call__(self, carry):
+        x, n = carry
+        return x + jnp.tanh(x * self.w[None]), n + 1
+
+
+def test_drop_path_refuses_a_carry_leaf_it_cannot_rescale():
+    # An int leaf's branch `1 / (1 - p)` was cast to the leaf's dtype: with
+    # p = 0.5 each kept layer counted 2, with p = 0.3 it counted 1.
+    stack = eqxscan.Stacked(
+        lambda k: Counting(jax.random.normal(k, (D,))), 2, key=jax.random.key(0)
+    )
+    carry = (jnp.ones((B, D)), jnp.zeros((B, 1), jnp.int32))
+    with pytest.raises(TypeError, match=r"carry leaf `carry\[1\]` is int32") as info:
+        stack.with_options(drop_path=0.5)(carry, key=jax.random.key(1))
+    assert "\nHint:" in str(info.value)
+    # LayerDrop does not rescale: such a carry drops as it is.
+    dropped = stack.with_options(layer_drop=0.5)
+    x, n = dropped.with_options(mode="loop")(carry, key=jax.random.key(1))
+    assert n.dtype == jnp.int32 and set(np.unique(n)) <= {0, 1, 2}

@@ -185,3 +185,20 @@ def test_stateful_stacked_leaves_the_callers_state_valid(mode):
     np.testing.assert_allclose(new.get(model.layers.index)[0], x)
     y2, _ = model(x, state)  # the old state can be used again
     np.testing.assert_allclose(y2, y)
+
+
+@pytest.mark.parametrize("mode", ["scan", "loop"])
+def test_a_numpy_carry_is_taken_as_jax_takes_it(mode):
+    # NumPy's default float64 is float32 to JAX (without x64): the loop takes
+    # such a carry as the scan does, rather than calling float32 a change.
+    stack = eqxscan.Stacked(
+        lambda k: eqx.nn.Linear(D, D, key=k), 2, key=jr.key(0), mode=mode
+    )
+    x = np.linspace(-1.0, 1.0, D)
+    y = stack(x)
+    assert y.dtype == jnp.float32
+    np.testing.assert_allclose(y, stack[1](stack[0](jnp.asarray(x))), rtol=1e-6)
+    rnn = eqxscan.Recurrent(eqx.nn.GRUCell(D, D, key=jr.key(1)), mode=mode)
+    h, _ = rnn(np.zeros(D), jnp.ones((2, D)))
+    want = rnn.cell(jnp.ones(D), rnn.cell(jnp.ones(D), jnp.zeros(D)))
+    np.testing.assert_allclose(h, want, rtol=1e-6)

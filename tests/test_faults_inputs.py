@@ -71,6 +71,16 @@ def test_wrong_input_width_names_the_layer_and_the_input(mode, jit):
     assert "dot_general requires contracting" in str(e.value.__cause__)
 
 
+@pytest.mark.parametrize("mode", ["scan", "loop"])
+def test_wrong_input_width_in_run_until_names_the_input(mode):
+    # The carry is named as the input, not how the run stops.
+    stack = eqxscan.Stacked(_linear, 2, key=KEY, mode=mode)
+    with pytest.raises(TypeError) as e:
+        eqxscan.run_until(stack, jnp.ones(5), lambda c: jnp.all(c > 9))
+    first = str(e.value).splitlines()[0]
+    assert "failed on its input float32[5]: dot_general requires" in first, first
+
+
 def test_wrong_input_width_in_a_chain_names_the_group():
     chain = eqxscan.Chain([_linear(KEY), _linear(KEY), eqx.nn.Linear(4, 2, key=KEY)])
     with pytest.raises(TypeError) as e:

@@ -33,6 +33,8 @@ def test_ensemble_index_and_call_inside_vmap(getkey):
         ens(jnp.ones(4))
     with pytest.raises(ValueError, match="Cannot index"):
         ens.unstack()
+    with pytest.raises(ValueError, match=r"(?s)Cannot vmap this Stacked.*filter_vmap"):
+        ens.vmap(jnp.ones(4))  # it mapped over the members, each layer a batch
     # Inside vmap both work, and agree with each member built on its own.
     third = eqx.filter_vmap(lambda s: s[3])(ens)
     xs = jr.normal(getkey(), (3, 4))

@@ -125,6 +125,16 @@ def test_stateful_stacked_like_equinox(getkey, mode):
     np.testing.assert_array_equal(mean2, mean)
 
 
+def test_stacked_vmap_refuses_a_state(getkey):
+    # Every layer would be handed the whole stacked state (each entry `[L, ...]`)
+    # as if it were its own.
+    model, state = eqx.nn.make_with_state(eqxscan.Stacked)(Block, 2, key=getkey())
+    with pytest.raises(TypeError, match="Stacked.vmap does not take an eqx.nn.State"):
+        jax.vmap(model.vmap, axis_name="batch", in_axes=(0, None))(
+            jnp.ones((4, 3)), state
+        )
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_stateful_layers_built_one_by_one_stack(getkey, mode):
     key, n = getkey(), 3

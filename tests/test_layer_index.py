@@ -73,6 +73,15 @@ def test_stacked_traced_in_scan_int_in_loop(getkey):
     np.testing.assert_array_equal(stack(x, reverse=True), [0, 1, 2, 3])
 
 
+@pytest.mark.parametrize("mode", ["scan", "loop"])
+def test_stacked_vmap_gives_each_layer_its_index(mode, getkey):
+    layers = build("BBB", getkey())
+    stack = eqxscan.Stacked.from_layers(layers, mode=mode)
+    x = jr.normal(getkey(), (D,))
+    want = [by_hand([layer], x, first=i) for i, layer in enumerate(layers)]
+    np.testing.assert_allclose(stack.vmap(x), jnp.stack(want), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     "pattern", ["AAAA", "AABB", "AB" * 3, "AAB" * 3 + "AA", "BABABAA"]
 )

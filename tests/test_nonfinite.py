@@ -32,8 +32,8 @@ def make(key):
     return eqxscan.Stacked(layers=Block(w, jnp.ones(L), jnp.ones(L)), num_layers=L)
 
 
-def loss_fn(model, x):
-    return jnp.mean(model(x) ** 2)
+def loss_fn(model, x, reverse=False):
+    return jnp.mean(model(x, reverse=reverse) ** 2)
 
 
 def injected(stack, field, k, value):
@@ -145,6 +145,28 @@ def _poison_bwd(flag, g):
 
 
 _poison.defvjp(_poison_fwd, _poison_bwd)
+
+
+def test_a_loss_fn_that_is_no_function_is_refused(getkey):
+    stack = make(getkey())
+    with pytest.raises(TypeError, match="loss_fn must be callable, got ArrayImpl"):
+        # loss_fn forgotten
+        eqxscan.find_nonfinite(stack, jnp.ones(D))  # pyright: ignore[reportArgumentType]
+
+
+def test_a_call_in_reverse_names_the_layer_that_ran_first(getkey):
+    # `stack(x, reverse=True)` runs layer L-1 first: with layers 1 and 3
+    # broken, layer 3's output is the first non-finite one, and in the backward
+    # pass layer 0 is reached first. As the loop by hand says.
+    stack = injected(injected(make(getkey()), "w", 1, jnp.nan), "w", 3, jnp.nan)
+    x = jr.normal(getkey(), (D,))
+    r = eqxscan.find_nonfinite(stack, lambda m, x: loss_fn(m, x, True), x)
+    assert (r.where, r.index) == ("forward", 3), r
+    y4 = stack[4](x)
+    assert jnp.isfinite(y4).all() and not jnp.isfinite(stack[3](y4)).any()
+    stack = injected(injected(make(getkey()), "h", 1, 0.0), "h", 3, 0.0)
+    r = eqxscan.find_nonfinite(stack, lambda m, x: loss_fn(m, x, True), x)
+    assert (r.where, r.index) == ("backward", 1), r
 
 
 class Poisoned(eqx.Module):

@@ -469,6 +469,23 @@ def test_per_layer_leading_axis_error():
     del stack
 
 
+def test_per_layer_of_numbers_is_refused():
+    # `per_layer` slices arrays: a list of numbers reached every layer whole,
+    # here each layer adding [1, 2, 3] rather than its own number.
+    class Adds(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x, b):
+            return x * self.w + jnp.asarray(b, x.dtype)
+
+    s = eqxscan.Stacked(lambda k: Adds(jnp.ones(3)), 3, key=jr.key(0))
+    with pytest.raises(TypeError, match=r"per_layer args\[0\] holds no arrays"):
+        s(jnp.zeros(3), eqxscan.per_layer([1.0, 2.0, 3.0]))
+    want = jnp.full(3, 6.0)  # 1 + 2 + 3, added by layers 0, 1, 2
+    got = s(jnp.zeros(3), eqxscan.per_layer(jnp.asarray([1.0, 2.0, 3.0])))
+    assert jnp.allclose(got, want)
+
+
 def test_error_inside_a_layer_names_the_layer():
     class Dropping(eqx.Module):
         lin: eqx.nn.Linear

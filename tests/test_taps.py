@@ -190,6 +190,9 @@ def test_tap_errors(getkey):
     loss = lambda m, xs: jnp.sum(jax.vmap(m)(xs))
     with pytest.raises(TypeError, match="loss_fn must call the containers directly"):
         eqxscan.find_nonfinite(stack, loss, xs)
+    with pytest.raises(TypeError, match="model must be callable, got ArrayImpl"):
+        # The arguments in the wrong order.
+        eqxscan.tap(jnp.ones(2), rms)  # pyright: ignore[reportArgumentType]
 
 
 # --- gradient taps ----------------------------------------------------------

@@ -41,6 +41,7 @@ from .._scan.layer_call import (
 )
 from .._scan.layer_index import step_index
 from .._scan.options import ScanOptions
+from .._scan.taps import untapped
 
 
 @runtime_checkable
@@ -160,6 +161,13 @@ def scan_layers(stack: Stack, x: PyTree, call: LayerCall) -> tuple[PyTree, PyTre
 def vmap_layers(stack: Stack, x: PyTree, call: LayerCall) -> PyTree:
     """Every layer of `stack` applied to the same `x` as `call` says, outputs
     stacked on a new leading axis: one `vmap`, or a loop with `mode="loop"`."""
+    stack.check_layer_axis("vmap")
+    if find_state(call.args, call.kwargs) is not None:
+        raise TypeError(
+            "Stacked.vmap does not take an eqx.nn.State: every layer would get "
+            "the whole stack's state.\nHint: call the stack for stateful layers: "
+            "`x, state = stack(x, state)`."
+        )
     length = stack.num_layers
     check_per_layer(call.args, call.kwargs, length)
     refuse_buffer(call.args, call.kwargs, "Stacked.vmap")
@@ -167,18 +175,22 @@ def vmap_layers(stack: Stack, x: PyTree, call: LayerCall) -> PyTree:
     per_xs, one = call.scanned()
     cls_name = type(stack.layers).__name__
 
-    def each(dyn: PyTree, per: PyTree) -> PyTree:
+    def each(dyn: PyTree, per: PyTree, i: Index) -> PyTree:
         layer = eqx.combine(dyn, layer_static)
-        return run_one(layer, call, one(per), x, "Stacked.vmap")[0]
+        # Layer `i` knows its index (`eqxscan.layer_index`); nothing is tapped.
+        with untapped():
+            out = run_one(layer, call, one(per)._replace(number=i), x, "Stacked.vmap")
+        return out[0]
 
     inputs = (layer_dyn, per_xs)
     if stack.mode == "loop":
         outs = [
-            noted(each, _where(cls_name, length, i), *index(inputs, i))
+            noted(each, _where(cls_name, length, i), *index(inputs, i), i=i)
             for i in range(length)
         ]
         return jtu.tree_map(lambda *a: jnp.stack(a), *outs)
-    return noted(eqx.filter_vmap(each), _where(cls_name, length, None), *inputs)
+    where, steps = _where(cls_name, length, None), jnp.arange(length)
+    return noted(eqx.filter_vmap(each), where, *inputs, steps)
 
 
 def layer_of(stack: Stack, i: Index) -> Any:

@@ -172,6 +172,20 @@ def _advance(
     return _State(i, new_dyn, halted, state.layers_run + run.astype(jnp.int32))
 
 
+def _noted_advance(
+    ex: _Exit,
+    state: _State,
+    layer: Callable[[PyTree], PyTree],
+    c_static: PyTree,
+    where: str,
+    guarded: bool = False,
+) -> _State:
+    """`_advance`, an error it raises noted with `where` and the carry as the
+    input the layer failed on."""
+    run = lambda _: _advance(ex, state, layer, c_static, where, guarded)  # noqa: E731
+    return noted(run, where, eqx.combine(state.carry, c_static))
+
+
 def _repeat(
     ex: _Exit,
     state: _State,
@@ -206,7 +220,7 @@ def _walk_groups(
             where = f"Layer {group.start} ({group.name})"
             fn = group.step(0)
             assert callable(fn)
-            state = noted(_advance, where, ex, state, fn, c_static, where, True)
+            state = _noted_advance(ex, state, fn, c_static, where, True)
             continue
 
         def body(
@@ -223,7 +237,7 @@ def _walk_groups(
                 f"{group.start}-{last})"
             )
             # The while loop runs a layer only while the run is active: no `cond`.
-            return noted(_advance, where, ex, s, got, c_static, where)
+            return _noted_advance(ex, s, got, c_static, where)
 
         state = _repeat(ex, state, group.steps, body)
     return state

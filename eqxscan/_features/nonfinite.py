@@ -17,6 +17,7 @@ from jaxtyping import Array, Float, PyTree
 from .._containers.chain import Chain
 from .._containers.recurrent import Recurrent
 from .._containers.stacked import Stacked
+from .._helpers.checks import Checked
 from .._scan.tap_stats import nonfinite_count
 from .._scan.taps import Probe, tap_calls
 
@@ -32,7 +33,8 @@ class NonFinite:
       the container, forward or backward), or `None`.
     - `index`: the layer (or time step) that first produced one: forward, the
       lowest with a non-finite output; backward, the first reached (the
-      highest); `"loss"`, the one whose output got the non-finite cotangent; or
+      highest); both the other way round for a call with `reverse=True`;
+      `"loss"`, the one whose output got the non-finite cotangent; or
       `None` (a non-finite loss value, or a `Recurrent` cell's parameter
       gradient, summed over steps).
     - `leaf`: the carry leaf or parameter that held it, e.g. `"carry[0]"` or
@@ -146,7 +148,7 @@ def _pick(counts: object, last: bool) -> int | None:
 
 
 def find_nonfinite(
-    model: PyTree, loss_fn: Callable[..., Array], *inputs: PyTree
+    model: PyTree, loss_fn: Checked[Callable[..., Array]], *inputs: PyTree
 ) -> NonFinite:
     """Find the layer (or time step) that first produced a NaN or inf in one
     training step, the carry leaf that held it, and which pass did, in one run
@@ -183,6 +185,12 @@ def find_nonfinite(
 
     A [`eqxscan.NonFinite`][] report; `str(report)` is one line.
     """
+    if not callable(loss_fn):
+        raise TypeError(
+            "eqxscan.find_nonfinite: loss_fn must be callable, got "
+            f"{type(loss_fn).__name__}.\nHint: `find_nonfinite(model, loss_fn, "
+            "*inputs)`, with `loss_fn(model, *inputs)` returning the loss."
+        )
     value, rows, (params, shared) = jax.device_get(_program(model, loss_fn, inputs))
     # Calls inside a `Recurrent`'s cell (counts per time step) are not checked.
     rows = [r for r in rows if all(np.ndim(a) == 1 for a in jtu.tree_leaves(r[1]))]

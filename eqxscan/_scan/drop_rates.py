@@ -332,7 +332,15 @@ def apply_drop_path(
     old_dyn = eqx.filter(old, eqx.is_array)
     scale = 1.0 / (1.0 - rate)
 
-    def one(a: Array, b: Array) -> Array:
+    def one(path: jtu.KeyPath, a: Array, b: Array) -> Array:
+        if not jnp.issubdtype(b.dtype, jnp.inexact):
+            raise TypeError(
+                "drop_path rescales each layer's residual branch by 1 / (1 - p) "
+                f"in every carry leaf, but carry leaf `carry{jtu.keystr(path)}` is "
+                f"{describe(b)}, which cannot be rescaled.\nHint: keep such values "
+                "out of the carry of a model with drop_path (layer_drop does not "
+                "rescale)."
+            )
         k = mask.reshape(mask.shape + (1,) * (a.ndim - mask.ndim))
         dropped = jnp.where(k, a + (b - a) * scale.astype(b.dtype), a)
         return jnp.where(rate == 0, b, dropped.astype(b.dtype))
@@ -344,7 +352,7 @@ def apply_drop_path(
     )
     if not same:
         return new  # the engine reports the broken carry contract
-    return eqx.combine(jtu.tree_map(one, old_dyn, new_dyn), new_static)
+    return eqx.combine(jtu.tree_map_with_path(one, old_dyn, new_dyn), new_static)
 
 
 def dropping(

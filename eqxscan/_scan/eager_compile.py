@@ -45,7 +45,8 @@ def compiled_when_eager(method: Callable[P, R]) -> Callable[P, R]:
     @functools.wraps(method)
     def call(*args: P.args, **kwargs: P.kwargs) -> R:
         if getattr(args[0], "mode", "scan") == "loop" or tapping():
-            with call_of(args[0]):  # a tapped call's records are its own rows
+            # A tapped call's records are its own rows.
+            with call_of(args[0], kwargs.get("reverse")):
                 return method(*args, **kwargs)
         # Options such as `truncate=np.int64(2)` or `reverse=np.bool_(True)` are
         # read as Python values (as in the loop), not traced: a NumPy integer or

@@ -20,6 +20,7 @@ import jax
 import jax.extend.core as jcore
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 from jaxtyping import Array, Bool, PyTree
 
 from .._helpers.checks import check_carry, noted
@@ -295,6 +296,9 @@ def _run_loop(
     order = range(length - 1, -1, -1) if reverse else range(length)
     slices = _unstack(xs if runs is None else (xs, runs), length) if length > 0 else []
     carry = clone(carry)  # the caller's stays valid (an `eqx.nn.State`)
+    # NumPy leaves as JAX takes them (float64 is float32 without x64), as the scan.
+    is_numpy = lambda a: isinstance(a, np.ndarray | np.number | np.bool_)  # noqa: E731
+    carry = jtu.tree_map(lambda a: jnp.asarray(a) if is_numpy(a) else a, carry)
     for current in order:
         old = clone(carry)  # the step may invalidate `carry` (an `eqx.nn.State`)
         with loop_step(current):

@@ -52,7 +52,8 @@ def per_layer(tree: PyTree) -> PerLayer:
     """Mark `tree` as a per-layer argument of a [`eqxscan.Stacked`][] call.
 
     Every array leaf must have the layer axis (length `L`) first; layer `i` is
-    called with slice `i`. Non-array leaves are passed to every layer unchanged.
+    called with slice `i`. Non-array leaves are passed to every layer unchanged
+    (a tree with no array, such as a list of numbers, is refused).
     Use it positionally or as a keyword value, e.g. for a per-layer
     configuration: `stack(x, scale=eqxscan.per_layer(scales))`. A per-layer
     value that layers update (a KV cache) is an [`eqxscan.buffer`][] instead,
@@ -84,6 +85,13 @@ def check_per_layer(args: tuple, kwargs: dict, length: int) -> dict[str, PerLaye
     named += [(arg_name(n), v) for n, v in kwargs.items()]
     found = {name: v for name, v in named if isinstance(v, PerLayer)}
     for name, value in found.items():
+        if not any(map(eqx.is_array, jtu.tree_leaves(value.tree))):
+            raise TypeError(
+                f"per_layer {name} holds no arrays to slice (got "
+                f"{describe(value.tree)}), so every layer would get all of it."
+                "\nHint: pass an array with the layer axis first, e.g. "
+                "`eqxscan.per_layer(jnp.asarray(values))`."
+            )
         check_leading_axis(value.tree, length, f"per_layer {name}", "layer")
     return found
 

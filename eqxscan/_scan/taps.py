@@ -25,6 +25,7 @@ import jax.tree_util as jtu
 from jax.extend.core import get_opaque_trace_state as trace_state
 from jaxtyping import Array, Float, PyTree
 
+from .._helpers.checks import Checked
 from .index import Index, index
 from .layer_index import Run, setting
 
@@ -41,7 +42,7 @@ class _Call:
     name: str
     depth: int = 0
     offset: int = 0
-    reverse: bool = False  # a `Recurrent(..., reverse=True)`: last step first
+    reverse: bool = False  # last step first (`reverse=True`, held or passed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,9 +103,10 @@ def in_cell() -> contextlib.AbstractContextManager[None]:
 
 
 @contextlib.contextmanager
-def call_of(module: object) -> Iterator[None]:
-    """Around a container's call: while tapped, its records are its own rows,
-    named after its class (`Stacked`, then `Stacked_1`, ...)."""
+def call_of(module: object, reverse: object = False) -> Iterator[None]:
+    """Around a container's call (`reverse`: its keyword of that name): while
+    tapped, its records are its own rows, named after its class (`Stacked`,
+    then `Stacked_1`, ...)."""
     state = _TAPPING.get()
     if state is None:
         yield
@@ -123,7 +125,7 @@ def call_of(module: object) -> Iterator[None]:
             "must call the containers directly."
         )
     top = [r for r in state.records if r[2].depth == 0]
-    reverse = getattr(module, "reverse", False) is True
+    reverse = reverse is True or getattr(module, "reverse", False) is True
     call = _Call(name, _DEPTH.get(), _count(top), reverse)
     state.calls.append(call)
     with setting(_CALL, call):
@@ -348,7 +350,7 @@ def _gather(records: list, depth: int, where: str) -> PyTree:
 
 
 def tap(
-    model: Callable[..., PyTree],
+    model: Checked[Callable[..., PyTree]],
     stat: Stat | None = None,
     *,
     probe: Probe | None = None,
@@ -396,6 +398,12 @@ def tap(
     (`"Stacked"`, `"Stacked_1"`, `"Recurrent"`); a call inside a `Recurrent`'s
     cell has a leading time axis before its layers.
     """
+    if not callable(model):
+        raise TypeError(
+            f"eqxscan.tap: model must be callable, got {type(model).__name__}.\n"
+            "Hint: `eqxscan.tap(model, stat)(x)`: the container (or a function "
+            "calling it) first, then the statistic, then the inputs."
+        )
     if stat is not None and not callable(stat):
         raise TypeError(f"eqxscan.tap: stat must be a function, got {stat!r}.")
     if probe is not None and not isinstance(probe, Probe):
