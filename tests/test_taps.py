@@ -15,6 +15,8 @@ from jaxtyping import Array
 import eqxscan
 from eqxscan.stats import max_abs, nonfinite_count, rms
 
+from .helpers import untyped
+
 
 D = 4
 
@@ -177,6 +179,8 @@ def test_container_inside_a_layer_is_not_tapped(getkey):
 
 
 def test_tap_errors(getkey):
+    with untyped(), pytest.raises(TypeError, match="needs a statistic.*got 'rms'"):
+        eqxscan.probe("rms", jnp.ones(2), 3)  # pyright: ignore[reportArgumentType]
     with pytest.raises(TypeError, match="ran no layers"):
         eqxscan.tap(lambda x: x, rms)(jnp.ones(2))
     # A container called under a transformation inside the tapped function:

@@ -25,7 +25,7 @@ import jax.tree_util as jtu
 from jax.extend.core import get_opaque_trace_state as trace_state
 from jaxtyping import Array, Float, PyTree
 
-from .._helpers.checks import Checked
+from .._helpers.checks import Checked, describe
 from .index import Index, index
 from .layer_index import Run, setting
 
@@ -169,6 +169,11 @@ def probe(stat: Callable[[PyTree], PyTree], carry: PyTree, length: int) -> Probe
 
     A `Probe` of zeros, `values` with leading axis `length`.
     """
+    if not callable(stat):
+        raise TypeError(
+            f"eqxscan.probe needs a statistic (a function), got {describe(stat)}.\n"
+            "Hint: pass e.g. eqxscan.stats.rms, then the carry and the length."
+        )
     shapes = jax.eval_shape(stat, eqx.filter(carry, eqx.is_inexact_array))
 
     def zeros(s: jax.ShapeDtypeStruct) -> Array:
