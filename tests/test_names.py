@@ -4,6 +4,7 @@ projections split and joined (grouped-query heads), head-axis reshapes, names
 of one side only; every problem reported at once, with its layer."""
 
 import functools
+import re
 
 import equinox as eqx
 import jax
@@ -237,6 +238,10 @@ def test_maps_that_do_not_fit_are_named():
             {"embed": "e", "blocks.{i}.norm": "n.{i}", "blocks.{i}.wo": "o.{i}"}
             | {"blocks.{i}.wqkv": wrapped}
         ).export(_model())
+    # Likewise a Transpose: (2, 1) of a 2-d array was taken as (0, 1).
+    for axes in [(2, 1), (0, 3)]:
+        with pytest.raises(ValueError, match=re.escape(f"Transpose{axes} does not")):
+            Transpose(axes).shapes([(8, 16)])
     with pytest.raises(ValueError, match=r"Join\(0\) has no axis 0 in shape \[\]"):
         Join(0).shapes([(), ()])
     with pytest.raises(ValueError, match=r"Split\(-1, \(1,\)\) has no axis -1"):

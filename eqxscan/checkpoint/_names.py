@@ -46,7 +46,10 @@ class Transpose:
 
     def _axes(self, ndim: int) -> tuple[int, ...]:
         axes = tuple(reversed(range(ndim))) if self.axes is None else self.axes
-        if sorted(a % ndim for a in axes) != list(range(ndim)):
+        # An axis the array lacks is refused, not wrapped around (2 taken as 0).
+        if any(not -ndim <= a < ndim for a in axes) or sorted(
+            a % ndim for a in axes
+        ) != list(range(ndim)):
             raise ValueError(f"Transpose{axes} does not permute {ndim} axes")
         return tuple(a % ndim for a in axes)
 
