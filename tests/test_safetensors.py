@@ -400,3 +400,7 @@ def test_dtype_casts_floating_arrays_on_load(tmp_path):
         )
         assert eqx.tree_equal(loaded, want), dtype
         assert loaded.blocks.layers.w1.dtype == dtype
+    # Not an integer dtype: it truncated every weight (most to 0) without a word.
+    for bad in [jnp.int8, "foo"]:
+        with pytest.raises(TypeError, match="dtype must be a floating-point dtype"):
+            eqxscan.load_safetensors(path, like, dtype=bad)

@@ -312,6 +312,21 @@ def _cast(files: Mapping[str, Lazy], dtype: np.dtype) -> dict[str, Lazy]:
     return {name: cast(lazy) for name, lazy in files.items()}
 
 
+def _float_dtype(dtype: DTypeLike) -> np.dtype:
+    # A cast to an integer dtype would truncate the weights (to 0 for most).
+    try:
+        cast = np.dtype(jax.numpy.dtype(dtype))
+    except TypeError:
+        cast = None
+    if cast is None or not jax.numpy.issubdtype(cast, jax.numpy.floating):
+        raise TypeError(
+            f"dtype must be a floating-point dtype to cast the file's "
+            f"floating-point arrays to, got {dtype!r}.\nHint: e.g. "
+            "dtype=jnp.float32 or jnp.bfloat16; integer arrays keep their dtype."
+        )
+    return cast
+
+
 def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """Read every array of a safetensors file or directory (as
     [`eqxscan.save_safetensors`][] or Hugging Face write them) in its dtype,
@@ -401,11 +416,12 @@ def open_safetensors(
         )
     if like is not None:
         check_like("open_safetensors", like)
+    cast = None if dtype is None else _float_dtype(dtype)
     files = _Files(check_path("open_safetensors: path", path))
     try:
         arrays: Mapping[str, Lazy] = files
-        if dtype is not None:
-            arrays = _cast(files, np.dtype(jax.numpy.dtype(dtype)))
+        if cast is not None:
+            arrays = _cast(files, cast)
         if names is not None:
             _check_format(files, names)
             arrays = names.mapping(like, arrays, source=repr(files.where))  # pyright: ignore[reportAssignmentType]
