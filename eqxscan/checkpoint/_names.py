@@ -371,6 +371,7 @@ class NameMap:
                 + ".\nHint: check the Reshape/Split sizes against the model's "
                 "configuration."
             )
+        _check_clashes(planned)
         return planned, kept
 
     def _binding(self, name: str) -> dict[str, int]:
@@ -515,6 +516,23 @@ class NameMap:
         reported at once, with its layer."""
         check_like("NameMap.load", like)
         return from_state_dict(like, self.mapping(like, external))
+
+
+def _check_clashes(planned: Sequence["_Planned"]) -> None:
+    # Two arrays under one external name: export kept one, load read it twice.
+    first: dict[str, str] = {}
+    clashes = [
+        f"'{other}' and '{p.ours[0]}' both to '{name}'"
+        for p in planned
+        for name in p.theirs
+        if (other := first.setdefault(name, p.ours[0])) != p.ours[0]
+    ]
+    if clashes:
+        raise ValueError(
+            f"The name map maps two of the model's arrays to one name: "
+            f"{listed(clashes)}.\nHint: give each array its own external name "
+            "(a rule's pattern repeated by mistake?)."
+        )
 
 
 @dataclasses.dataclass
