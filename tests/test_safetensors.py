@@ -404,3 +404,28 @@ def test_dtype_casts_floating_arrays_on_load(tmp_path):
     for bad in [jnp.int8, "foo"]:
         with pytest.raises(TypeError, match="dtype must be a floating-point dtype"):
             eqxscan.load_safetensors(path, like, dtype=bad)
+
+
+def test_float8_and_complex_arrays_load_back_as_saved(tmp_path):
+    # The package's NumPy API cannot make float8 arrays: eqxscan's own files of
+    # them were refused as corrupt, and complex64 ones as "NumPy cannot hold".
+    values = np.linspace(-400, 400, 24, dtype=np.float32).reshape(2, 3, 4)
+    model = {
+        "e4m3": jnp.asarray(values, jnp.float8_e4m3fn),
+        "e5m2": jnp.asarray(values, jnp.float8_e5m2),
+        "c": jnp.asarray(values[0] + 1j * values[1], jnp.complex64),
+    }
+    path = tmp_path / "f8.safetensors"
+    eqxscan.save_safetensors(path, model)
+    loaded = eqxscan.load_safetensors(path, model)
+    for name, array in model.items():
+        assert loaded[name].dtype == array.dtype
+        np.testing.assert_array_equal(
+            np.asarray(loaded[name]).view(np.uint8), np.asarray(array).view(np.uint8)
+        )
+    # A changed byte of a float8 array is still caught by its digest.
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01  # the last array's last byte
+    path.write_bytes(bytes(data))
+    with pytest.raises(eqxscan.checkpoint.CorruptFileError, match="its SHA-256"):
+        eqxscan.read_safetensors(path)

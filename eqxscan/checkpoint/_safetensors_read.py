@@ -5,6 +5,7 @@ eqxscan's writer records) only when asked for."""
 import contextlib
 import json
 import os
+import struct
 from collections.abc import Callable, Iterator, Mapping
 
 import jax
@@ -154,8 +155,12 @@ class _Files(Mapping[str, Lazy]):
             except TypeError:
                 why = f"'{key}' has dtype {dtype_name}, which NumPy cannot hold"
                 raise _bad(file, why) from None
+            # The package's NumPy API has no float8: those are read as bytes.
+            source = (
+                _Bytes(file, key, dtype) if dtype_name.startswith("F8_") else handle
+            )
             self.entries[key] = Lazy(
-                shape, dtype, self._reader(handle, file, key, digests.get(key))
+                shape, dtype, self._reader(source, file, key, digests.get(key))
             )
 
     def _reader(
@@ -192,9 +197,27 @@ class _Files(Mapping[str, Lazy]):
         self.handles.clear()
 
 
+class _Bytes:
+    """An array's bytes in `file`, where the header says, in `dtype`."""
+
+    def __init__(self, file: str, key: str, dtype: np.dtype):
+        self.file, self.key, self.dtype = file, key, dtype
+
+    def get_tensor(self, key: str) -> np.ndarray:
+        with open(self.file, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            info = json.loads(f.read(size))[key]
+            start, end = info["data_offsets"]
+            f.seek(8 + size + start)
+            data = bytearray(f.read(end - start))
+        return np.frombuffer(data, self.dtype).reshape(info["shape"])
+
+
 _DTYPES = {
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
     "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
     "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8",
     "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F8_E8M0": "float8_e8m0fnu", "C64": "complex64",
 }  # fmt: skip
