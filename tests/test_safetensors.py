@@ -429,3 +429,7 @@ def test_float8_and_complex_arrays_load_back_as_saved(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(eqxscan.checkpoint.CorruptFileError, match="its SHA-256"):
         eqxscan.read_safetensors(path)
+    # A dtype safetensors lacks is named before anything is written (the
+    # package's "Unknown dtype" named no array).
+    with pytest.raises(TypeError, match="no dtype for 'packed' int4"):
+        eqxscan.save_safetensors(path, {**model, "packed": jnp.zeros(3, jnp.int4)})

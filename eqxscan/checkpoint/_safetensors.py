@@ -27,12 +27,14 @@ from ._files import (
     digest,
     fsync_dir,
     Lazy,
+    listed,
     locked_temporary,
     remove_stale,
 )
 from ._names import NameMap
 from ._safetensors_read import (
     _DIGESTS,
+    _DTYPES,
     _Files,
     _package,
     _TOKEN,
@@ -48,6 +50,8 @@ _SHARD = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
 _STAGED = re.compile(r"model-(\d{5})-of-(\d{5})\.[0-9a-f]{16}\.safetensors")
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+# What a safetensors file can hold.
+_KINDS = {np.dtype(jax.numpy.dtype(name)) for name in _DTYPES.values()}
 
 
 def _size(max_shard_size: int | str | None) -> int | None:
@@ -132,6 +136,12 @@ def save_safetensors(
         )
     entries = host_entries(model, "save_safetensors", sliced=True)
     external = entries if names is None else names.plan_export(entries)
+    if bad := [f"'{k}' {x.dtype.name}" for k, x in external if x.dtype not in _KINDS]:
+        raise TypeError(
+            f"save_safetensors: safetensors has no dtype for {listed(bad, ', ')}."
+            "\nHint: cast them (to int8, bfloat16, ...), or keep 4-bit values "
+            "two to a byte in uint8, as eqxscan.quant does."
+        )
     info = {"format": names.format if names is not None else "pt", **(metadata or {})}
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in info.items()):
         raise TypeError("save_safetensors: metadata must map strings to strings.")
