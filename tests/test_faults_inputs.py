@@ -154,3 +154,13 @@ def test_unreadable_orbax_data_is_named_by_step_item_and_entry(tmp_path):
             strict=True,
         ):
             assert jnp.array_equal(a, b)
+
+
+def test_typed_prng_keys_are_refused_before_an_orbax_save(tmp_path):
+    # Orbax saved the key data, then every restore failed ('wanted key<fry>[],
+    # saved uint32[2]'): the step could never be restored.
+    state = {"w": jnp.ones(3), "rng": jax.random.key(0)}
+    with eqxscan.checkpoint.CheckpointManager(tmp_path, asynchronous=False) as c:
+        with pytest.raises(TypeError, match="'rng' holds typed PRNG keys"):
+            c.save(1, {"w": jnp.ones(3)}, state)
+        assert c.all_steps() == []

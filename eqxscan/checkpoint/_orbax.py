@@ -69,6 +69,13 @@ def _named_leaves(tree: PyTree) -> list[tuple[tuple[str, ...], Any]]:
                 _LAYER if i in layer_entries else _part(entry)
                 for i, entry in enumerate(site.path)
             )
+            if jax.numpy.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+                # Orbax saves its key data, then cannot restore it into a key.
+                raise TypeError(
+                    f"CheckpointManager: '{'.'.join(parts)}' holds typed PRNG keys "
+                    f"({leaf.dtype}), which a checkpoint cannot restore.\nHint: "
+                    "keep jax.random.key_data(key) in the model or state instead."
+                )
             out.append((parts, leaf))
 
     for_each(name, tree)
