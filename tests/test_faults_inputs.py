@@ -164,3 +164,18 @@ def test_typed_prng_keys_are_refused_before_an_orbax_save(tmp_path):
         with pytest.raises(TypeError, match="'rng' holds typed PRNG keys"):
             c.save(1, {"w": jnp.ones(3)}, state)
         assert c.all_steps() == []
+
+
+@pytest.mark.parametrize("damaged", ["[]", "{}"])
+def test_a_digest_file_that_lists_no_files_is_corruption(tmp_path, damaged):
+    # A digest file damaged into valid JSON of no digests verified nothing and
+    # let the step restore unchecked.
+    model = {"w": jnp.ones(3)}
+    mesh = eqxscan.sharding.make_mesh(devices=jax.devices()[:1])
+    with eqxscan.checkpoint.CheckpointManager(tmp_path, asynchronous=False) as c:
+        c.save(1, model)
+        (tmp_path / "1" / "eqxscan_digests.json").write_text(damaged)
+        with pytest.raises(ValueError, match="its digest file .* lists no files"):
+            c.restore(model, mesh=mesh, step=1)
+        _, _, step = c.restore(model, mesh=mesh, step=1, verify=False)
+        assert step == 1

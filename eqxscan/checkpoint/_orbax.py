@@ -492,7 +492,9 @@ class CheckpointManager:
             return None
         except (ValueError, OSError) as e:
             return f"{corrupt}: its digest file {_DIGESTS!r} cannot be read ({e})"
-        for name, digest in sorted(saved.items()) if isinstance(saved, dict) else ():
+        if not isinstance(saved, dict) or not saved:  # `[]` or `{}` checked nothing
+            return f"{corrupt}: its digest file {_DIGESTS!r} lists no files"
+        for name, digest in sorted(saved.items()):
             try:
                 found = _sha256_file(os.path.join(where, name))
             except (FileNotFoundError, IsADirectoryError):
