@@ -433,3 +433,15 @@ def test_float8_and_complex_arrays_load_back_as_saved(tmp_path):
     # package's "Unknown dtype" named no array).
     with pytest.raises(TypeError, match="no dtype for 'packed' int4"):
         eqxscan.save_safetensors(path, {**model, "packed": jnp.zeros(3, jnp.int4)})
+
+
+def test_arrays_read_after_their_file_is_closed_are_not_called_corrupt(tmp_path):
+    # Such a read raised CorruptFileError ('File is closed'), with the hint to
+    # restore a sound file from a copy.
+    path = tmp_path / "model.safetensors"
+    eqxscan.save_safetensors(path, _mlp())
+    with eqxscan.checkpoint.open_safetensors(path) as opened:
+        arrays = opened.arrays
+    with pytest.raises(ValueError, match="read after its file was closed") as e:
+        np.asarray(arrays["blocks.0.w1"])
+    assert not isinstance(e.value, eqxscan.checkpoint.CorruptFileError)

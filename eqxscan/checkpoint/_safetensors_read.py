@@ -40,6 +40,7 @@ class _Files(Mapping[str, Lazy]):
 
     def __init__(self, path: str):
         self.handles: list[object] = []
+        self.closed = False
         self.formats: set[str] = set()  # the metadata's `format`: "pt", "flax"
         self.metadata: dict[str, dict[str, str]] = {}  # each file's, by file name
         self.entries: dict[str, Lazy] = {}
@@ -167,6 +168,12 @@ class _Files(Mapping[str, Lazy]):
         self, handle: object, file: str, key: str, expected: str | None
     ) -> Callable[[], np.ndarray]:
         def read() -> np.ndarray:
+            if self.closed:
+                raise ValueError(
+                    f"Array '{key}' of {file!r} is read after its file was closed."
+                    "\nHint: read the arrays inside `with open_safetensors(...)`, "
+                    "or copy them there (numpy.asarray)."
+                )
             try:
                 array = handle.get_tensor(key)  # type: ignore[attr-defined]
             except Exception as e:
@@ -195,6 +202,7 @@ class _Files(Mapping[str, Lazy]):
             with contextlib.suppress(Exception):
                 handle.__exit__(None, None, None)  # type: ignore[attr-defined]
         self.handles.clear()
+        self.closed = True
 
 
 class _Bytes:
