@@ -120,6 +120,9 @@ def test_bad_arguments_are_named(tmp_path):
         eqxscan.save_safetensors(tmp_path, _mlp(), max_shard_size="5 parsecs")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         eqxscan.save_safetensors(tmp_path / "a" / "b" / "m.safetensors", _mlp())
+    (tmp_path / "model.pt").write_bytes(b"")  # a file, not a directory
+    with pytest.raises(FileExistsError, match="it is a file, and a path not endi"):
+        eqxscan.save_safetensors(tmp_path / "model.pt", _mlp())
     with pytest.raises(TypeError, match="abstract"):
         eqxscan.save_safetensors(
             tmp_path / "m.safetensors", eqx.filter_eval_shape(_mlp)

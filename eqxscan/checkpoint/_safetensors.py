@@ -9,6 +9,7 @@ both, refusing a flipped bit or a shard of another save.
 """
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -152,6 +153,13 @@ def save_safetensors(
         where = f"directory {parent!r}" if single else "parent directory"
         raise FileNotFoundError(f"Cannot save to {path!r}: its {where} does not exist.")
     directory = parent if single else path
+    if not single and os.path.exists(path) and not os.path.isdir(path):
+        raise FileExistsError(
+            errno.EEXIST,
+            f"Cannot save to {path!r}: it is a file, and a path not ending in "
+            ".safetensors names a directory to save into.\nHint: pass a path "
+            "ending in .safetensors for one file, or a directory.",
+        )
     os.makedirs(directory, exist_ok=True)
     n = len(shards)
     bases = [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
