@@ -166,6 +166,15 @@ def test_typed_prng_keys_are_refused_before_an_orbax_save(tmp_path):
         assert c.all_steps() == []
 
 
+def test_a_step_saved_twice_is_named_with_a_hint_that_fits(tmp_path):
+    # The hint was to check the directory's permissions and free space.
+    with eqxscan.checkpoint.CheckpointManager(tmp_path, asynchronous=False) as c:
+        c.save(2, {"w": jnp.ones(3)})
+        with pytest.raises(RuntimeError, match="already exists") as e:
+            c.save(2, {"w": jnp.ones(3)})
+        assert "Hint: save under a step number not in it" in str(e.value)
+
+
 @pytest.mark.parametrize("damaged", ["[]", "{}"])
 def test_a_digest_file_that_lists_no_files_is_corruption(tmp_path, damaged):
     # A digest file damaged into valid JSON of no digests verified nothing and

@@ -451,10 +451,13 @@ class CheckpointManager:
         except Exception:
             kept = "it cannot be listed"
         which = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps}"
+        hint = "check that the directory exists and can be written (permissions, "
+        hint += "free space)"
+        if type(error).__name__ == "StepAlreadyExistsError":
+            hint = "save under a step number not in it, or remove that step's directory"
         message = (
             f"CheckpointManager could not save {which} to {self.directory!r}: "
-            f"{type(error).__name__}: {cause}\nHint: check that the directory "
-            f"exists and can be written (permissions, free space); {kept}; {DOCS}."
+            f"{type(error).__name__}: {cause}\nHint: {hint}; {kept}; {DOCS}."
         )
         if isinstance(error, OSError):
             try:
