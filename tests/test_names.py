@@ -242,6 +242,11 @@ def test_maps_that_do_not_fit_are_named():
     for axes in [(2, 1), (0, 3)]:
         with pytest.raises(ValueError, match=re.escape(f"Transpose{axes} does not")):
             Transpose(axes).shapes([(8, 16)])
+    # Negative sizes that add up: export wrote arrays of other shapes.
+    with pytest.raises(ValueError, match=r"Split\(0, \(20, -4\)\) does not fit"):
+        Split(0, (20, -4)).shapes([(16, 8)])
+    with pytest.raises(ValueError, match=r"Reshape\(-2, -8\) does not fit"):
+        Reshape((-2, -8)).shapes([(16,)])
     with pytest.raises(ValueError, match=r"Join\(0\) has no axis 0 in shape \[\]"):
         Join(0).shapes([(), ()])
     with pytest.raises(ValueError, match=r"Split\(-1, \(1,\)\) has no axis -1"):

@@ -72,8 +72,10 @@ class Reshape:
     def shapes(self, shapes: list[Shape]) -> list[Shape]:
         size = int(np.prod(shapes[0], dtype=np.int64))
         known = int(np.prod([d for d in self.to if d != -1], dtype=np.int64))
-        if self.to.count(-1) > 1 or (
-            (size != known) if -1 not in self.to else (known == 0 or size % known)
+        if (
+            self.to.count(-1) > 1
+            or min(self.to, default=0) < -1
+            or ((size != known) if -1 not in self.to else (known == 0 or size % known))
         ):
             raise ValueError(f"Reshape{self.to} does not fit shape {list(shapes[0])}")
         return [tuple(size // known if d == -1 else d for d in self.to)]
@@ -97,7 +99,7 @@ class Split:
     def shapes(self, shapes: list[Shape]) -> list[Shape]:
         (shape,) = shapes
         ax = _axis(f"Split({self.axis}, {self.sizes})", self.axis, shape)
-        if sum(self.sizes) != shape[ax]:
+        if sum(self.sizes) != shape[ax] or min(self.sizes) < 0:
             raise ValueError(
                 f"Split({self.axis}, {self.sizes}) does not fit shape {list(shape)}"
             )
