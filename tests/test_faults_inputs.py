@@ -175,6 +175,23 @@ def test_a_step_saved_twice_is_named_with_a_hint_that_fits(tmp_path):
         assert "Hint: save under a step number not in it" in str(e.value)
 
 
+def test_an_optimizer_state_without_arrays_saves_and_restores(tmp_path):
+    # Plain SGD's state holds no arrays: Orbax refused the empty item ('Found
+    # empty item'), so no step could be saved with it.
+    import optax
+
+    model = {"w": jnp.arange(3.0)}
+    sgd = optax.sgd(0.1).init(model)
+    mesh = eqxscan.sharding.make_mesh(devices=jax.devices()[:1])
+    with eqxscan.checkpoint.CheckpointManager(tmp_path, asynchronous=False) as c:
+        c.save(1, model, sgd)
+        restored, state, step = c.restore(model, sgd, mesh=mesh)
+        assert step == 1 and state == sgd
+        assert jnp.array_equal(restored["w"], model["w"])
+        with pytest.raises(ValueError, match="model holds no arrays to save"):
+            c.save(2, {"w": 1.0})
+
+
 @pytest.mark.parametrize("damaged", ["[]", "{}"])
 def test_a_digest_file_that_lists_no_files_is_corruption(tmp_path, damaged):
     # A digest file damaged into valid JSON of no digests verified nothing and

@@ -220,12 +220,19 @@ class CheckpointManager:
         """
         step = _check_step(step, "save")
         args = self._ocp.args
+        if not (named := _named_leaves(model)):
+            raise ValueError(
+                "CheckpointManager.save: model holds no arrays to save.\nHint: "
+                "pass the model itself (its arrays may be sharded)."
+            )
         items = {
-            "model": args.StandardSave(_nest(_named_leaves(model))),
+            "model": args.StandardSave(_nest(named)),
             "step": args.JsonSave({"step": step}),
         }
-        if opt_state is not None:
-            items["opt_state"] = args.StandardSave(_nest(_named_leaves(opt_state)))
+        # A state without arrays (plain SGD's) has nothing to save: Orbax refuses
+        # an empty item, and `restore` gives such a state back as it is.
+        if opt_state is not None and (named := _named_leaves(opt_state)):
+            items["opt_state"] = args.StandardSave(_nest(named))
         # Orbax waits for the previous save, complete now: it gets its digests.
         self._seal()
         try:
@@ -280,7 +287,7 @@ class CheckpointManager:
         step, verify = self._step_to_restore(step, verify, skip_corrupt)
         kw: dict[str, Any] = {"fsdp_axis": fsdp_axis, "min_size": min_size}
         target = {"model": _target(model, model_shardings(model, mesh, **kw))}
-        if opt_state is not None:
+        if opt_state is not None and _named_leaves(opt_state):
             sh = opt_state_shardings(opt_state, model, mesh, **kw)
             target["opt_state"] = _target(opt_state, sh)
         if verify and (why := self._corruption(step)):
@@ -290,7 +297,7 @@ class CheckpointManager:
             )
         out = self._read(step, target)
         model = _fill(model, out["model"])
-        if opt_state is not None:
+        if "opt_state" in target:
             opt_state = _fill(opt_state, out["opt_state"])
         model, opt_state, _ = shard(model, opt_state, mesh=mesh, **kw)
         return model, opt_state, int(out["step"]["step"])
