@@ -192,6 +192,14 @@ def test_an_optimizer_state_without_arrays_saves_and_restores(tmp_path):
             c.save(2, {"w": 1.0})
 
 
+def test_a_checkpoint_directory_that_is_a_file_is_named(tmp_path):
+    # The manager was made, and Orbax's background thread failed with a
+    # traceback ('Not a directory') that no call raised.
+    (tmp_path / "ckpt").write_text("")
+    with pytest.raises(NotADirectoryError, match="/ckpt' is a file"):
+        eqxscan.checkpoint.CheckpointManager(tmp_path / "ckpt")
+
+
 @pytest.mark.parametrize("damaged", ["[]", "{}"])
 def test_a_digest_file_that_lists_no_files_is_corruption(tmp_path, damaged):
     # A digest file damaged into valid JSON of no digests verified nothing and

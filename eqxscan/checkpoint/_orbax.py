@@ -6,6 +6,7 @@ Entries keep [`eqxscan.to_state_dict`][]'s names with the layer index as `*`:
 nested `Stacked`s), so a deep model is a handful of entries, not one per layer.
 """
 
+import errno
 import hashlib
 import json
 import os
@@ -178,6 +179,12 @@ class CheckpointManager:
         self.directory = os.path.abspath(
             check_path("CheckpointManager: directory", directory)
         )
+        if os.path.exists(self.directory) and not os.path.isdir(self.directory):
+            raise NotADirectoryError(
+                errno.ENOTDIR,
+                f"CheckpointManager: directory {self.directory!r} is a file.\n"
+                "Hint: pass a directory (made if absent) for the steps.",
+            )
         if max_to_keep is not None:
             max_to_keep = check_size("CheckpointManager: max_to_keep", max_to_keep)
         self._asynchronous = asynchronous
