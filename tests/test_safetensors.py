@@ -448,3 +448,14 @@ def test_arrays_read_after_their_file_is_closed_are_not_called_corrupt(tmp_path)
     with pytest.raises(ValueError, match="read after its file was closed") as e:
         np.asarray(arrays["blocks.0.w1"])
     assert not isinstance(e.value, eqxscan.checkpoint.CorruptFileError)
+
+
+def test_a_dtype_numpy_lacks_is_named_not_read_as_another(tmp_path):
+    # 'F4' (4-bit floats, two a byte) was looked up as NumPy's code 'f4': the
+    # array was described as float32[8] and checked as such against the model.
+    header = json.dumps({"a": {"dtype": "F4", "shape": [8], "data_offsets": [0, 4]}})
+    header += " " * (-len(header) % 8)
+    path = tmp_path / "f4.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header.encode() + bytes(4))
+    with pytest.raises(ValueError, match="'a' of dtype F4, which eqxscan cannot"):
+        eqxscan.load_safetensors(path, {"a": jnp.zeros(8)})

@@ -149,13 +149,16 @@ class _Files(Mapping[str, Lazy]):
         for key, (shape, dtype_name) in specs.items():
             if key in self.entries:
                 raise _bad(file, f"'{key}' is in another file of the index too")
-            try:
-                dtype = np.dtype(
-                    jax.numpy.dtype(_DTYPES.get(dtype_name, dtype_name.lower()))
+            # Not NumPy's codes: "F4" (4-bit floats) is no "f4" (float32).
+            name = _DTYPES.get(dtype_name, dtype_name.lower())
+            if name not in _DTYPES.values():
+                raise ValueError(
+                    f"Safetensors file {file!r} holds '{key}' of dtype "
+                    f"{dtype_name}, which eqxscan cannot read: NumPy has no such "
+                    "dtype.\nHint: convert the file's arrays to a dtype NumPy "
+                    "holds (bfloat16, float8, ...) with the program that wrote it."
                 )
-            except TypeError:
-                why = f"'{key}' has dtype {dtype_name}, which NumPy cannot hold"
-                raise _bad(file, why) from None
+            dtype = np.dtype(jax.numpy.dtype(name))
             # The package's NumPy API has no float8: those are read as bytes.
             source = (
                 _Bytes(file, key, dtype) if dtype_name.startswith("F8_") else handle
