@@ -192,6 +192,16 @@ def test_an_optimizer_state_without_arrays_saves_and_restores(tmp_path):
             c.save(2, {"w": 1.0})
 
 
+def test_a_dotted_dict_key_is_refused_before_an_orbax_save(tmp_path):
+    # 'a.b' beside 'a': {'b'} saved, and both restored from one entry: the
+    # ones came back as zeros.
+    model = {"a": {"b": jnp.zeros(2)}, "a.b": jnp.ones(2)}
+    with eqxscan.checkpoint.CheckpointManager(tmp_path, asynchronous=False) as c:
+        with pytest.raises(ValueError, match=r"entry \['a.b'\] .* contain no '\.'"):
+            c.save(1, model)
+        assert c.all_steps() == []
+
+
 def test_a_checkpoint_directory_that_is_a_file_is_named(tmp_path):
     # The manager was made, and Orbax's background thread failed with a
     # traceback ('Not a directory') that no call raised.

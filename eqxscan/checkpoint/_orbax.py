@@ -20,7 +20,14 @@ import jax
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from .._internal import check_path, check_size, for_each, is_arraylike, Site
+from .._internal import (
+    check_path,
+    check_size,
+    for_each,
+    is_arraylike,
+    key_name,
+    Site,
+)
 from ..sharding import MIN_SIZE, model_shardings, opt_state_shardings, shard
 from ._files import flatten, listed
 
@@ -49,16 +56,6 @@ def _file_digests(where: str) -> dict[str, str]:
     }
 
 
-def _part(entry: Any) -> str:  # a key entry, which jax types as Any
-    if isinstance(entry, jtu.GetAttrKey):
-        return entry.name
-    if isinstance(entry, jtu.SequenceKey):
-        return str(entry.idx)
-    if isinstance(entry, (jtu.DictKey, jtu.FlattenedIndexKey)):
-        return str(entry.key)
-    return str(entry)
-
-
 def _named_leaves(tree: PyTree) -> list[tuple[tuple[str, ...], Any]]:
     # `(name parts, leaf)` of each array leaf; a layer axis is the part `*`.
     out = []
@@ -66,10 +63,11 @@ def _named_leaves(tree: PyTree) -> list[tuple[tuple[str, ...], Any]]:
     def name(leaf: object, site: Site) -> None:
         if is_arraylike(leaf):  # other leaves (floats, None) are not saved
             layer_entries = {at for at, _ in site.enclosing}
-            parts = tuple(
-                _LAYER if i in layer_entries else _part(entry)
-                for i, entry in enumerate(site.path)
-            )
+            # Named as in a state dict: a dotted key ('a.b' beside 'a': {'b'})
+            # would restore two arrays from one entry.
+            parts: tuple[str, ...] = ()
+            for i, entry in enumerate(site.path):
+                parts += (_LAYER if i in layer_entries else key_name(entry, parts),)
             if jax.numpy.issubdtype(leaf.dtype, jax.dtypes.prng_key):
                 # Orbax saves its key data, then cannot restore it into a key.
                 raise TypeError(
