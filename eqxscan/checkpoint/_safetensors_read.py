@@ -159,10 +159,13 @@ class _Files(Mapping[str, Lazy]):
                     "holds (bfloat16, float8, ...) with the program that wrote it."
                 )
             dtype = np.dtype(jax.numpy.dtype(name))
-            # The package's NumPy API has no float8: those are read as bytes.
-            source = (
-                _Bytes(file, key, dtype) if dtype_name.startswith("F8_") else handle
-            )
+            source = handle
+            if dtype_name.startswith("F8_"):  # the package's NumPy API has none
+                if not isinstance(raw := self.handles[-1], _Bytes):
+                    raw = _Bytes(file)
+                    self.handles.append(raw)
+                raw.specs[key] = (shape, dtype_name, dtype)
+                source = raw
             self.entries[key] = Lazy(
                 shape, dtype, self._reader(source, file, key, digests.get(key))
             )
@@ -209,19 +212,28 @@ class _Files(Mapping[str, Lazy]):
 
 
 class _Bytes:
-    """An array's bytes in `file`, where the header says, in `dtype`."""
+    """A file's float8 arrays, read as bytes where its header places them,
+    through a descriptor of their own opened with the file (as the package's
+    handle, it reads the file opened, not one saved over it since)."""
 
-    def __init__(self, file: str, key: str, dtype: np.dtype):
-        self.file, self.key, self.dtype = file, key, dtype
+    def __init__(self, file: str):
+        self.file = open(file, "rb")
+        (size,) = struct.unpack("<Q", self.file.read(8))
+        self.start, self.header = 8 + size, json.loads(self.file.read(size))
+        self.specs: dict[str, tuple[tuple[int, ...], str, np.dtype]] = {}
 
     def get_tensor(self, key: str) -> np.ndarray:
-        with open(self.file, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            info = json.loads(f.read(size))[key]
-            start, end = info["data_offsets"]
-            f.seek(8 + size + start)
-            data = bytearray(f.read(end - start))
-        return np.frombuffer(data, self.dtype).reshape(info["shape"])
+        shape, name, dtype = self.specs[key]
+        info = self.header[key]
+        if (tuple(info["shape"]), info["dtype"]) != (shape, name):
+            raise ValueError(f"its header differs from the package's: {info}")
+        begin, end = info["data_offsets"]
+        self.file.seek(self.start + begin)
+        data = bytearray(self.file.read(end - begin))
+        return np.frombuffer(data, dtype).reshape(shape)
+
+    def __exit__(self, *exc: object) -> None:
+        self.file.close()
 
 
 _DTYPES = {
