@@ -252,12 +252,18 @@ def test_maps_that_do_not_fit_are_named():
     with pytest.raises(ValueError, match=r"Split\(-1, \(1,\)\) has no axis -1"):
         Split(-1, (1,)).shapes([()])
     # Two arrays under one name: export wrote one of them, load read it twice.
-    twice = {"embed": "e", "blocks.{i}.wqkv": "a.{i}", "blocks.{i}.wo": "o.{i}"}
-    twice |= {"blocks.{i}.norm": Rule("a.{i}", Reshape((2, 4)))}
+    twice = NameMap(
+        {
+            "embed": "e",
+            "blocks.{i}.wqkv": "a.{i}",
+            "blocks.{i}.wo": "o.{i}",
+            "blocks.{i}.norm": Rule("a.{i}", Reshape((2, 4))),
+        }
+    )
     with pytest.raises(
         ValueError, match="'blocks.0.norm' and 'blocks.0.wqkv' both to 'a.0'"
     ):
-        NameMap(twice).export(_model())
+        twice.export(_model())
     with pytest.raises(ValueError, match="needs a Split as its last operation"):
         NameMap({"a": Rule(("b", "c"))})
     with pytest.raises(ValueError, match="same ones"):
