@@ -47,7 +47,27 @@ class Config:
 
     @classmethod
     def from_hf(cls, hf) -> "Config":
-        """From a `transformers.LlamaConfig`."""
+        """From a `transformers.LlamaConfig` (or a `MistralConfig` without a
+        sliding window). A setting this model does not implement is refused,
+        rather than giving other logits than Hugging Face's."""
+        window = getattr(hf, "sliding_window", None)
+        scaling = getattr(hf, "rope_scaling", None)
+        unsupported = {
+            "hidden_act": (act := getattr(hf, "hidden_act", "silu"), act != "silu"),
+            "rope_scaling": (scaling, scaling is not None),
+            "sliding_window": (window, window and window < hf.max_position_embeddings),
+            "head_dim": (
+                getattr(hf, "head_dim", None),
+                getattr(hf, "head_dim", None)
+                not in (None, hf.hidden_size // hf.num_attention_heads),
+            ),
+        }
+        if bad := [f"{k}={v!r}" for k, (v, no) in unsupported.items() if no]:
+            raise ValueError(
+                f"Config.from_hf: this Llama does not implement {', '.join(bad)}."
+                "\nHint: it has SiLU MLPs, rotary embeddings without scaling, "
+                "full causal attention and head_dim = hidden_size / heads."
+            )
         return cls(
             vocab=hf.vocab_size,
             dim=hf.hidden_size,

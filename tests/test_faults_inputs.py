@@ -164,3 +164,72 @@ def test_unreadable_orbax_data_is_named_by_step_item_and_entry(tmp_path):
             strict=True,
         ):
             assert jnp.array_equal(a, b)
+
+
+def test_typed_prng_keys_are_refused_before_an_orbax_save(tmp_path):
+    # Orbax saved the key data, then every restore failed ('wanted key<fry>[],
+    # saved uint32[2]'): the step could never be restored.
+    state = {"w": jnp.ones(3), "rng": jax.random.key(0)}
+    with eqxscan.checkpoint.CheckpointManager(tmp_path, asynchronous=False) as c:
+        with pytest.raises(TypeError, match="'rng' holds typed PRNG keys"):
+            c.save(1, {"w": jnp.ones(3)}, state)
+        assert c.all_steps() == []
+
+
+def test_a_step_saved_twice_is_named_with_a_hint_that_fits(tmp_path):
+    # The hint was to check the directory's permissions and free space.
+    with eqxscan.checkpoint.CheckpointManager(tmp_path, asynchronous=False) as c:
+        c.save(2, {"w": jnp.ones(3)})
+        with pytest.raises(RuntimeError, match="already exists") as e:
+            c.save(2, {"w": jnp.ones(3)})
+        assert "Hint: save under a step number not in it" in str(e.value)
+
+
+def test_an_optimizer_state_without_arrays_saves_and_restores(tmp_path):
+    # Plain SGD's state holds no arrays: Orbax refused the empty item ('Found
+    # empty item'), so no step could be saved with it.
+    import optax
+
+    model = {"w": jnp.arange(3.0)}
+    sgd = optax.sgd(0.1).init(model)
+    mesh = eqxscan.sharding.make_mesh(devices=jax.devices()[:1])
+    with eqxscan.checkpoint.CheckpointManager(tmp_path, asynchronous=False) as c:
+        c.save(1, model, sgd)
+        restored, state, step = c.restore(model, sgd, mesh=mesh)
+        assert step == 1 and state == sgd
+        assert jnp.array_equal(restored["w"], model["w"])
+        with pytest.raises(ValueError, match="model holds no arrays to save"):
+            c.save(2, {"w": 1.0})
+
+
+def test_a_dotted_dict_key_is_refused_before_an_orbax_save(tmp_path):
+    # 'a.b' beside 'a': {'b'} saved, and both restored from one entry: the
+    # ones came back as zeros.
+    model = {"a": {"b": jnp.zeros(2)}, "a.b": jnp.ones(2)}
+    with eqxscan.checkpoint.CheckpointManager(tmp_path, asynchronous=False) as c:
+        with pytest.raises(ValueError, match=r"entry \['a.b'\] .* contain no '\.'"):
+            c.save(1, model)
+        assert c.all_steps() == []
+
+
+def test_a_checkpoint_directory_that_is_a_file_is_named(tmp_path):
+    # The manager was made, and Orbax's background thread failed with a
+    # traceback ('Not a directory') that no call raised.
+    (tmp_path / "ckpt").write_text("")
+    with pytest.raises(NotADirectoryError, match="/ckpt' is a file"):
+        eqxscan.checkpoint.CheckpointManager(tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("damaged", ["[]", "{}"])
+def test_a_digest_file_that_lists_no_files_is_corruption(tmp_path, damaged):
+    # A digest file damaged into valid JSON of no digests verified nothing and
+    # let the step restore unchecked.
+    model = {"w": jnp.ones(3)}
+    mesh = eqxscan.sharding.make_mesh(devices=jax.devices()[:1])
+    with eqxscan.checkpoint.CheckpointManager(tmp_path, asynchronous=False) as c:
+        c.save(1, model)
+        (tmp_path / "1" / "eqxscan_digests.json").write_text(damaged)
+        with pytest.raises(ValueError, match="its digest file .* lists no files"):
+            c.restore(model, mesh=mesh, step=1)
+        _, _, step = c.restore(model, mesh=mesh, step=1, verify=False)
+        assert step == 1

@@ -4,6 +4,7 @@ projections split and joined (grouped-query heads), head-axis reshapes, names
 of one side only; every problem reported at once, with its layer."""
 
 import functools
+import re
 
 import equinox as eqx
 import jax
@@ -237,10 +238,32 @@ def test_maps_that_do_not_fit_are_named():
             {"embed": "e", "blocks.{i}.norm": "n.{i}", "blocks.{i}.wo": "o.{i}"}
             | {"blocks.{i}.wqkv": wrapped}
         ).export(_model())
+    # Likewise a Transpose: (2, 1) of a 2-d array was taken as (0, 1).
+    for axes in [(2, 1), (0, 3)]:
+        with pytest.raises(ValueError, match=re.escape(f"Transpose{axes} does not")):
+            Transpose(axes).shapes([(8, 16)])
+    # Negative sizes that add up: export wrote arrays of other shapes.
+    with pytest.raises(ValueError, match=r"Split\(0, \(20, -4\)\) does not fit"):
+        Split(0, (20, -4)).shapes([(16, 8)])
+    with pytest.raises(ValueError, match=r"Reshape\(-2, -8\) does not fit"):
+        Reshape((-2, -8)).shapes([(16,)])
     with pytest.raises(ValueError, match=r"Join\(0\) has no axis 0 in shape \[\]"):
         Join(0).shapes([(), ()])
     with pytest.raises(ValueError, match=r"Split\(-1, \(1,\)\) has no axis -1"):
         Split(-1, (1,)).shapes([()])
+    # Two arrays under one name: export wrote one of them, load read it twice.
+    twice = NameMap(
+        {
+            "embed": "e",
+            "blocks.{i}.wqkv": "a.{i}",
+            "blocks.{i}.wo": "o.{i}",
+            "blocks.{i}.norm": Rule("a.{i}", Reshape((2, 4))),
+        }
+    )
+    with pytest.raises(
+        ValueError, match="'blocks.0.norm' and 'blocks.0.wqkv' both to 'a.0'"
+    ):
+        twice.export(_model())
     with pytest.raises(ValueError, match="needs a Split as its last operation"):
         NameMap({"a": Rule(("b", "c"))})
     with pytest.raises(ValueError, match="same ones"):

@@ -197,3 +197,25 @@ def test_tied_embeddings_and_rotary_buffers_exist_on_their_side_only(loaded):
     assert "lm_head.weight" not in names.export(model)
     with pytest.raises(ValueError, match="unused 'lm_head.weight'"):
         llama.torch_names(config).load(like, {**state, "lm_head.weight": 0})
+
+
+def test_configurations_the_example_does_not_implement_are_refused(hf):
+    # Each loaded without an error and gave other logits than Hugging Face's
+    # (FlaxMistralForCausalLM with a sliding window differs from position 5 on).
+    transformers, hf_config, _, _ = hf
+    kw = hf_config.to_dict()
+    for cls, change, named in [
+        (transformers.MistralConfig, {"sliding_window": 4}, "sliding_window=4"),
+        (transformers.LlamaConfig, {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        (transformers.LlamaConfig, {"head_dim": 8}, "head_dim=8"),
+        (
+            transformers.LlamaConfig,
+            {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+            "rope_scaling=",
+        ),
+    ]:
+        with _lenient():
+            config = cls(**{**kw, **change})
+        with pytest.raises(ValueError, match=f"does not implement {named}"):
+            llama.Config.from_hf(config)
+    llama.Config.from_hf(transformers.MistralConfig(**{**kw, "sliding_window": None}))

@@ -120,6 +120,9 @@ def test_bad_arguments_are_named(tmp_path):
         eqxscan.save_safetensors(tmp_path, _mlp(), max_shard_size="5 parsecs")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         eqxscan.save_safetensors(tmp_path / "a" / "b" / "m.safetensors", _mlp())
+    (tmp_path / "model.pt").write_bytes(b"")  # a file, not a directory
+    with pytest.raises(FileExistsError, match="it is a file, and a path not endi"):
+        eqxscan.save_safetensors(tmp_path / "model.pt", _mlp())
     with pytest.raises(TypeError, match="abstract"):
         eqxscan.save_safetensors(
             tmp_path / "m.safetensors", eqx.filter_eval_shape(_mlp)
@@ -400,3 +403,73 @@ def test_dtype_casts_floating_arrays_on_load(tmp_path):
         )
         assert eqx.tree_equal(loaded, want), dtype
         assert loaded.blocks.layers.w1.dtype == dtype
+    # Not an integer dtype: it truncated every weight (most to 0) without a word.
+    for bad in [jnp.int8, "foo"]:
+        with pytest.raises(TypeError, match="dtype must be a floating-point dtype"):
+            eqxscan.load_safetensors(path, like, dtype=bad)
+
+
+def test_float8_and_complex_arrays_load_back_as_saved(tmp_path):
+    # The package's NumPy API cannot make float8 arrays: eqxscan's own files of
+    # them were refused as corrupt, and complex64 ones as "NumPy cannot hold".
+    values = np.linspace(-400, 400, 24, dtype=np.float32).reshape(2, 3, 4)
+    model = {
+        "e4m3": jnp.asarray(values, jnp.float8_e4m3fn),
+        "e5m2": jnp.asarray(values, jnp.float8_e5m2),
+        "c": jnp.asarray(values[0] + 1j * values[1], jnp.complex64),
+    }
+    path = tmp_path / "f8.safetensors"
+    eqxscan.save_safetensors(path, model)
+    loaded = eqxscan.load_safetensors(path, model)
+    for name, array in model.items():
+        assert loaded[name].dtype == array.dtype
+        np.testing.assert_array_equal(
+            np.asarray(loaded[name]).view(np.uint8), np.asarray(array).view(np.uint8)
+        )
+    # A changed byte of a float8 array is still caught by its digest.
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01  # the last array's last byte
+    path.write_bytes(bytes(data))
+    with pytest.raises(eqxscan.checkpoint.CorruptFileError, match="its SHA-256"):
+        eqxscan.read_safetensors(path)
+    # A dtype safetensors lacks is named before anything is written (the
+    # package's "Unknown dtype" named no array).
+    with pytest.raises(TypeError, match="no dtype for 'packed' int4"):
+        eqxscan.save_safetensors(path, {**model, "packed": jnp.zeros(3, jnp.int4)})
+
+
+def test_arrays_read_after_their_file_is_closed_are_not_called_corrupt(tmp_path):
+    # Such a read raised CorruptFileError ('File is closed'), with the hint to
+    # restore a sound file from a copy.
+    path = tmp_path / "model.safetensors"
+    eqxscan.save_safetensors(path, _mlp())
+    with eqxscan.checkpoint.open_safetensors(path) as opened:
+        arrays = opened.arrays
+    with pytest.raises(ValueError, match="read after its file was closed") as e:
+        np.asarray(arrays["blocks.0.w1"])
+    assert not isinstance(e.value, eqxscan.checkpoint.CorruptFileError)
+
+
+def test_a_dtype_numpy_lacks_is_named_not_read_as_another(tmp_path):
+    # 'F4' (4-bit floats, two a byte) was looked up as NumPy's code 'f4': the
+    # array was described as float32[8] and checked as such against the model.
+    header = json.dumps({"a": {"dtype": "F4", "shape": [8], "data_offsets": [0, 4]}})
+    header += " " * (-len(header) % 8)
+    path = tmp_path / "f4.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header.encode() + bytes(4))
+    with pytest.raises(ValueError, match="'a' of dtype F4, which eqxscan cannot"):
+        eqxscan.load_safetensors(path, {"a": jnp.zeros(8)})
+
+
+def test_float8_arrays_are_read_from_the_file_opened(tmp_path):
+    # Read by path, a float8 array came from a file saved over the opened one
+    # since (with no digest, as other writers' files have none, unnoticed).
+    path, new = tmp_path / "model.safetensors", tmp_path / "new.safetensors"
+    old = {"a": np.linspace(-4, 4, 6).astype(jnp.float8_e4m3fn).reshape(2, 3)}
+    safetensors.numpy.save_file(old, path)
+    safetensors.numpy.save_file({"a": old["a"][::-1].copy()}, new)
+    with eqxscan.checkpoint.open_safetensors(path) as opened:
+        os.replace(new, path)  # as a save does
+        np.testing.assert_array_equal(
+            np.asarray(opened.arrays["a"]).view(np.uint8), old["a"].view(np.uint8)
+        )

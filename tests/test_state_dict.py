@@ -326,6 +326,13 @@ def test_flax_import_errors(getkey):
         eqxscan.from_flax_scan(stack, two)
     with pytest.raises(ValueError, match="missing keys: '0.linear.bias'"):
         eqxscan.from_flax_scan(stack, two, modules={"Dense_1": "linear"})
+    # A Dense left out, or two into one Linear, loaded without a word.
+    biased = {k: {**v, "bias": np.ones((2, 2), np.float32)} for k, v in two.items()}
+    with pytest.raises(ValueError, match=r"\['Dense_0'\] unpaired"):
+        eqxscan.from_flax_scan(stack, biased, modules={"Dense_1": "linear"})
+    both = {"Dense_0": "linear", "Dense_1": "linear"}
+    with pytest.raises(ValueError, match=r"\['linear'\] given twice"):
+        eqxscan.from_flax_scan(stack, biased, modules=both)
 
 
 def test_two_layer_example_from_real_flax_scan(getkey):

@@ -166,4 +166,17 @@ def from_flax_scan(
             state[f"{i}{prefix}.weight"] = np.ascontiguousarray(kernel[i].T)
             if bias is not None:
                 state[f"{i}{prefix}.bias"] = bias[i]
-    return from_state_dict(like, state)
+    loaded = from_state_dict(like, state)
+    # A Dense left out, or two into one Linear (the last one won), loaded
+    # weights that compute something else than the Flax module.
+    targets = list(modules.values())
+    unused = sorted(set(dense) - set(modules))
+    twice = sorted({t for t in targets if targets.count(t) > 1})
+    if unused or twice:
+        why = f"{unused} unpaired" if unused else f"{twice} given twice"
+        raise ValueError(
+            f"modules does not pair each Flax Dense with its own Linear: {why} "
+            f"(modules={dict(modules)}).\nHint: name every Dense of the "
+            "parameters once, or take the unwanted ones out of params."
+        )
+    return loaded

@@ -46,7 +46,10 @@ class Transpose:
 
     def _axes(self, ndim: int) -> tuple[int, ...]:
         axes = tuple(reversed(range(ndim))) if self.axes is None else self.axes
-        if sorted(a % ndim for a in axes) != list(range(ndim)):
+        # An axis the array lacks is refused, not wrapped around (2 taken as 0).
+        if any(not -ndim <= a < ndim for a in axes) or sorted(
+            a % ndim for a in axes
+        ) != list(range(ndim)):
             raise ValueError(f"Transpose{axes} does not permute {ndim} axes")
         return tuple(a % ndim for a in axes)
 
@@ -69,8 +72,10 @@ class Reshape:
     def shapes(self, shapes: list[Shape]) -> list[Shape]:
         size = int(np.prod(shapes[0], dtype=np.int64))
         known = int(np.prod([d for d in self.to if d != -1], dtype=np.int64))
-        if self.to.count(-1) > 1 or (
-            (size != known) if -1 not in self.to else (known == 0 or size % known)
+        if (
+            self.to.count(-1) > 1
+            or min(self.to, default=0) < -1
+            or ((size != known) if -1 not in self.to else (known == 0 or size % known))
         ):
             raise ValueError(f"Reshape{self.to} does not fit shape {list(shapes[0])}")
         return [tuple(size // known if d == -1 else d for d in self.to)]
@@ -94,7 +99,7 @@ class Split:
     def shapes(self, shapes: list[Shape]) -> list[Shape]:
         (shape,) = shapes
         ax = _axis(f"Split({self.axis}, {self.sizes})", self.axis, shape)
-        if sum(self.sizes) != shape[ax]:
+        if sum(self.sizes) != shape[ax] or min(self.sizes) < 0:
             raise ValueError(
                 f"Split({self.axis}, {self.sizes}) does not fit shape {list(shape)}"
             )
@@ -368,6 +373,7 @@ class NameMap:
                 + ".\nHint: check the Reshape/Split sizes against the model's "
                 "configuration."
             )
+        _check_clashes(planned)
         return planned, kept
 
     def _binding(self, name: str) -> dict[str, int]:
@@ -512,6 +518,23 @@ class NameMap:
         reported at once, with its layer."""
         check_like("NameMap.load", like)
         return from_state_dict(like, self.mapping(like, external))
+
+
+def _check_clashes(planned: Sequence["_Planned"]) -> None:
+    # Two arrays under one external name: export kept one, load read it twice.
+    first: dict[str, str] = {}
+    clashes = [
+        f"'{other}' and '{p.ours[0]}' both to '{name}'"
+        for p in planned
+        for name in p.theirs
+        if (other := first.setdefault(name, p.ours[0])) != p.ours[0]
+    ]
+    if clashes:
+        raise ValueError(
+            f"The name map maps two of the model's arrays to one name: "
+            f"{listed(clashes)}.\nHint: give each array its own external name "
+            "(a rule's pattern repeated by mistake?)."
+        )
 
 
 @dataclasses.dataclass

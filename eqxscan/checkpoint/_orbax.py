@@ -6,6 +6,7 @@ Entries keep [`eqxscan.to_state_dict`][]'s names with the layer index as `*`:
 nested `Stacked`s), so a deep model is a handful of entries, not one per layer.
 """
 
+import errno
 import hashlib
 import json
 import os
@@ -19,7 +20,14 @@ import jax
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from .._internal import check_path, check_size, for_each, is_arraylike, Site
+from .._internal import (
+    check_path,
+    check_size,
+    for_each,
+    is_arraylike,
+    key_name,
+    Site,
+)
 from ..sharding import MIN_SIZE, model_shardings, opt_state_shardings, shard
 from ._files import flatten, listed
 
@@ -48,16 +56,6 @@ def _file_digests(where: str) -> dict[str, str]:
     }
 
 
-def _part(entry: Any) -> str:  # a key entry, which jax types as Any
-    if isinstance(entry, jtu.GetAttrKey):
-        return entry.name
-    if isinstance(entry, jtu.SequenceKey):
-        return str(entry.idx)
-    if isinstance(entry, (jtu.DictKey, jtu.FlattenedIndexKey)):
-        return str(entry.key)
-    return str(entry)
-
-
 def _named_leaves(tree: PyTree) -> list[tuple[tuple[str, ...], Any]]:
     # `(name parts, leaf)` of each array leaf; a layer axis is the part `*`.
     out = []
@@ -65,10 +63,18 @@ def _named_leaves(tree: PyTree) -> list[tuple[tuple[str, ...], Any]]:
     def name(leaf: object, site: Site) -> None:
         if is_arraylike(leaf):  # other leaves (floats, None) are not saved
             layer_entries = {at for at, _ in site.enclosing}
-            parts = tuple(
-                _LAYER if i in layer_entries else _part(entry)
-                for i, entry in enumerate(site.path)
-            )
+            # Named as in a state dict: a dotted key ('a.b' beside 'a': {'b'})
+            # would restore two arrays from one entry.
+            parts: tuple[str, ...] = ()
+            for i, entry in enumerate(site.path):
+                parts += (_LAYER if i in layer_entries else key_name(entry, parts),)
+            if jax.numpy.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+                # Orbax saves its key data, then cannot restore it into a key.
+                raise TypeError(
+                    f"CheckpointManager: '{'.'.join(parts)}' holds typed PRNG keys "
+                    f"({leaf.dtype}), which a checkpoint cannot restore.\nHint: "
+                    "keep jax.random.key_data(key) in the model or state instead."
+                )
             out.append((parts, leaf))
 
     for_each(name, tree)
@@ -171,6 +177,12 @@ class CheckpointManager:
         self.directory = os.path.abspath(
             check_path("CheckpointManager: directory", directory)
         )
+        if os.path.exists(self.directory) and not os.path.isdir(self.directory):
+            raise NotADirectoryError(
+                errno.ENOTDIR,
+                f"CheckpointManager: directory {self.directory!r} is a file.\n"
+                "Hint: pass a directory (made if absent) for the steps.",
+            )
         if max_to_keep is not None:
             max_to_keep = check_size("CheckpointManager: max_to_keep", max_to_keep)
         self._asynchronous = asynchronous
@@ -213,12 +225,19 @@ class CheckpointManager:
         """
         step = _check_step(step, "save")
         args = self._ocp.args
+        if not (named := _named_leaves(model)):
+            raise ValueError(
+                "CheckpointManager.save: model holds no arrays to save.\nHint: "
+                "pass the model itself (its arrays may be sharded)."
+            )
         items = {
-            "model": args.StandardSave(_nest(_named_leaves(model))),
+            "model": args.StandardSave(_nest(named)),
             "step": args.JsonSave({"step": step}),
         }
-        if opt_state is not None:
-            items["opt_state"] = args.StandardSave(_nest(_named_leaves(opt_state)))
+        # A state without arrays (plain SGD's) has nothing to save: Orbax refuses
+        # an empty item, and `restore` gives such a state back as it is.
+        if opt_state is not None and (named := _named_leaves(opt_state)):
+            items["opt_state"] = args.StandardSave(_nest(named))
         # Orbax waits for the previous save, complete now: it gets its digests.
         self._seal()
         try:
@@ -273,7 +292,7 @@ class CheckpointManager:
         step, verify = self._step_to_restore(step, verify, skip_corrupt)
         kw: dict[str, Any] = {"fsdp_axis": fsdp_axis, "min_size": min_size}
         target = {"model": _target(model, model_shardings(model, mesh, **kw))}
-        if opt_state is not None:
+        if opt_state is not None and _named_leaves(opt_state):
             sh = opt_state_shardings(opt_state, model, mesh, **kw)
             target["opt_state"] = _target(opt_state, sh)
         if verify and (why := self._corruption(step)):
@@ -283,7 +302,7 @@ class CheckpointManager:
             )
         out = self._read(step, target)
         model = _fill(model, out["model"])
-        if opt_state is not None:
+        if "opt_state" in target:
             opt_state = _fill(opt_state, out["opt_state"])
         model, opt_state, _ = shard(model, opt_state, mesh=mesh, **kw)
         return model, opt_state, int(out["step"]["step"])
@@ -444,10 +463,13 @@ class CheckpointManager:
         except Exception:
             kept = "it cannot be listed"
         which = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps}"
+        hint = "check that the directory exists and can be written (permissions, "
+        hint += "free space)"
+        if type(error).__name__ == "StepAlreadyExistsError":
+            hint = "save under a step number not in it, or remove that step's directory"
         message = (
             f"CheckpointManager could not save {which} to {self.directory!r}: "
-            f"{type(error).__name__}: {cause}\nHint: check that the directory "
-            f"exists and can be written (permissions, free space); {kept}; {DOCS}."
+            f"{type(error).__name__}: {cause}\nHint: {hint}; {kept}; {DOCS}."
         )
         if isinstance(error, OSError):
             try:
@@ -485,7 +507,9 @@ class CheckpointManager:
             return None
         except (ValueError, OSError) as e:
             return f"{corrupt}: its digest file {_DIGESTS!r} cannot be read ({e})"
-        for name, digest in sorted(saved.items()) if isinstance(saved, dict) else ():
+        if not isinstance(saved, dict) or not saved:  # `[]` or `{}` checked nothing
+            return f"{corrupt}: its digest file {_DIGESTS!r} lists no files"
+        for name, digest in sorted(saved.items()):
             try:
                 found = _sha256_file(os.path.join(where, name))
             except (FileNotFoundError, IsADirectoryError):

@@ -9,6 +9,7 @@ both, refusing a flipped bit or a shard of another save.
 """
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -27,12 +28,14 @@ from ._files import (
     digest,
     fsync_dir,
     Lazy,
+    listed,
     locked_temporary,
     remove_stale,
 )
 from ._names import NameMap
 from ._safetensors_read import (
     _DIGESTS,
+    _DTYPES,
     _Files,
     _package,
     _TOKEN,
@@ -48,6 +51,8 @@ _SHARD = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
 _STAGED = re.compile(r"model-(\d{5})-of-(\d{5})\.[0-9a-f]{16}\.safetensors")
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+# What a safetensors file can hold.
+_KINDS = {np.dtype(jax.numpy.dtype(name)) for name in _DTYPES.values()}
 
 
 def _size(max_shard_size: int | str | None) -> int | None:
@@ -132,6 +137,12 @@ def save_safetensors(
         )
     entries = host_entries(model, "save_safetensors", sliced=True)
     external = entries if names is None else names.plan_export(entries)
+    if bad := [f"'{k}' {x.dtype.name}" for k, x in external if x.dtype not in _KINDS]:
+        raise TypeError(
+            f"save_safetensors: safetensors has no dtype for {listed(bad, ', ')}."
+            "\nHint: cast them (to int8, bfloat16, ...), or keep 4-bit values "
+            "two to a byte in uint8, as eqxscan.quant does."
+        )
     info = {"format": names.format if names is not None else "pt", **(metadata or {})}
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in info.items()):
         raise TypeError("save_safetensors: metadata must map strings to strings.")
@@ -142,6 +153,13 @@ def save_safetensors(
         where = f"directory {parent!r}" if single else "parent directory"
         raise FileNotFoundError(f"Cannot save to {path!r}: its {where} does not exist.")
     directory = parent if single else path
+    if not single and os.path.exists(path) and not os.path.isdir(path):
+        raise FileExistsError(
+            errno.EEXIST,
+            f"Cannot save to {path!r}: it is a file, and a path not ending in "
+            ".safetensors names a directory to save into.\nHint: pass a path "
+            "ending in .safetensors for one file, or a directory.",
+        )
     os.makedirs(directory, exist_ok=True)
     n = len(shards)
     bases = [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
@@ -312,6 +330,21 @@ def _cast(files: Mapping[str, Lazy], dtype: np.dtype) -> dict[str, Lazy]:
     return {name: cast(lazy) for name, lazy in files.items()}
 
 
+def _float_dtype(dtype: DTypeLike) -> np.dtype:
+    # A cast to an integer dtype would truncate the weights (to 0 for most).
+    try:
+        cast = np.dtype(jax.numpy.dtype(dtype))
+    except TypeError:
+        cast = None
+    if cast is None or not jax.numpy.issubdtype(cast, jax.numpy.floating):
+        raise TypeError(
+            f"dtype must be a floating-point dtype to cast the file's "
+            f"floating-point arrays to, got {dtype!r}.\nHint: e.g. "
+            "dtype=jnp.float32 or jnp.bfloat16; integer arrays keep their dtype."
+        )
+    return cast
+
+
 def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """Read every array of a safetensors file or directory (as
     [`eqxscan.save_safetensors`][] or Hugging Face write them) in its dtype,
@@ -401,11 +434,12 @@ def open_safetensors(
         )
     if like is not None:
         check_like("open_safetensors", like)
+    cast = None if dtype is None else _float_dtype(dtype)
     files = _Files(check_path("open_safetensors: path", path))
     try:
         arrays: Mapping[str, Lazy] = files
-        if dtype is not None:
-            arrays = _cast(files, np.dtype(jax.numpy.dtype(dtype)))
+        if cast is not None:
+            arrays = _cast(files, cast)
         if names is not None:
             _check_format(files, names)
             arrays = names.mapping(like, arrays, source=repr(files.where))  # pyright: ignore[reportAssignmentType]

@@ -5,6 +5,7 @@ eqxscan's writer records) only when asked for."""
 import contextlib
 import json
 import os
+import struct
 from collections.abc import Callable, Iterator, Mapping
 
 import jax
@@ -39,6 +40,7 @@ class _Files(Mapping[str, Lazy]):
 
     def __init__(self, path: str):
         self.handles: list[object] = []
+        self.closed = False
         self.formats: set[str] = set()  # the metadata's `format`: "pt", "flax"
         self.metadata: dict[str, dict[str, str]] = {}  # each file's, by file name
         self.entries: dict[str, Lazy] = {}
@@ -147,21 +149,37 @@ class _Files(Mapping[str, Lazy]):
         for key, (shape, dtype_name) in specs.items():
             if key in self.entries:
                 raise _bad(file, f"'{key}' is in another file of the index too")
-            try:
-                dtype = np.dtype(
-                    jax.numpy.dtype(_DTYPES.get(dtype_name, dtype_name.lower()))
+            # Not NumPy's codes: "F4" (4-bit floats) is no "f4" (float32).
+            name = _DTYPES.get(dtype_name, dtype_name.lower())
+            if name not in _DTYPES.values():
+                raise ValueError(
+                    f"Safetensors file {file!r} holds '{key}' of dtype "
+                    f"{dtype_name}, which eqxscan cannot read: NumPy has no such "
+                    "dtype.\nHint: convert the file's arrays to a dtype NumPy "
+                    "holds (bfloat16, float8, ...) with the program that wrote it."
                 )
-            except TypeError:
-                why = f"'{key}' has dtype {dtype_name}, which NumPy cannot hold"
-                raise _bad(file, why) from None
+            dtype = np.dtype(jax.numpy.dtype(name))
+            source = handle
+            if dtype_name.startswith("F8_"):  # the package's NumPy API has none
+                if not isinstance(raw := self.handles[-1], _Bytes):
+                    raw = _Bytes(file)
+                    self.handles.append(raw)
+                raw.specs[key] = (shape, dtype_name, dtype)
+                source = raw
             self.entries[key] = Lazy(
-                shape, dtype, self._reader(handle, file, key, digests.get(key))
+                shape, dtype, self._reader(source, file, key, digests.get(key))
             )
 
     def _reader(
         self, handle: object, file: str, key: str, expected: str | None
     ) -> Callable[[], np.ndarray]:
         def read() -> np.ndarray:
+            if self.closed:
+                raise ValueError(
+                    f"Array '{key}' of {file!r} is read after its file was closed."
+                    "\nHint: read the arrays inside `with open_safetensors(...)`, "
+                    "or copy them there (numpy.asarray)."
+                )
             try:
                 array = handle.get_tensor(key)  # type: ignore[attr-defined]
             except Exception as e:
@@ -190,6 +208,32 @@ class _Files(Mapping[str, Lazy]):
             with contextlib.suppress(Exception):
                 handle.__exit__(None, None, None)  # type: ignore[attr-defined]
         self.handles.clear()
+        self.closed = True
+
+
+class _Bytes:
+    """A file's float8 arrays, read as bytes where its header places them,
+    through a descriptor of their own opened with the file (as the package's
+    handle, it reads the file opened, not one saved over it since)."""
+
+    def __init__(self, file: str):
+        self.file = open(file, "rb")
+        (size,) = struct.unpack("<Q", self.file.read(8))
+        self.start, self.header = 8 + size, json.loads(self.file.read(size))
+        self.specs: dict[str, tuple[tuple[int, ...], str, np.dtype]] = {}
+
+    def get_tensor(self, key: str) -> np.ndarray:
+        shape, name, dtype = self.specs[key]
+        info = self.header[key]
+        if (tuple(info["shape"]), info["dtype"]) != (shape, name):
+            raise ValueError(f"its header differs from the package's: {info}")
+        begin, end = info["data_offsets"]
+        self.file.seek(self.start + begin)
+        data = bytearray(self.file.read(end - begin))
+        return np.frombuffer(data, dtype).reshape(shape)
+
+    def __exit__(self, *exc: object) -> None:
+        self.file.close()
 
 
 _DTYPES = {
@@ -197,4 +241,6 @@ _DTYPES = {
     "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
     "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8",
     "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F8_E8M0": "float8_e8m0fnu", "C64": "complex64",
 }  # fmt: skip
