@@ -19,7 +19,7 @@ from eqxscan.planning._candidates import make_plan_mesh, mesh_shapes, program
 from eqxscan.planning._hlo import hlo_costs
 from eqxscan.planning._spec import make_job
 
-from .helpers import run_script
+from .helpers import run_script, untyped
 
 
 CONFIG = dict(layers=2, dim=32, vocab=64, dtype="float32")
@@ -153,6 +153,8 @@ def test_devices_and_remat_are_checked_before_any_compile():
         _plan(remat=("nest",))
     with pytest.raises(ValueError, match="model_axis must be >= 1, got 0"):
         _plan(model_axis=(1, 0))
+    with untyped(), pytest.raises(ValueError, match="simulate must be 'auto' or"):
+        _plan(simulate="never")
 
 
 def test_model_kwargs_that_are_not_json_are_refused_before_the_child_starts():

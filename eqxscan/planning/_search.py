@@ -174,6 +174,11 @@ def plan(
     `plan.message` says by how much the smallest misses.
     """
     limit = parse_bytes(budget)
+    if simulate not in ("auto", "always"):
+        raise ValueError(
+            f"plan: simulate must be 'auto' or 'always', got {simulate!r}.\nHint: "
+            "'always' compiles in a fresh process even when this one has the devices."
+        )
     acc = _accelerator(accelerator, peak_flops, link_bytes_per_s)
     shapes, devices = _candidate_meshes(devices, meshes, model_axis, axes, remat)
     start = time.perf_counter()
