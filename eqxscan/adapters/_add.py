@@ -82,33 +82,8 @@ def add_lora(
     adapted = _adapted_names(model)
 
     def make(w: object, depth: int, name: str, orientation: Orientation) -> LoRA:
-        if inside := next((n for n in adapted if name.startswith(n + ".")), None):
-            raise ValueError(
-                f"add_lora: the target `{name}` is inside the LoRA at `{inside}`, "
-                "which is adapted already.\nHint: give add_lora num_adapters= for "
-                "several adapters, or adapt `adapters.merge(model)`'s weights."
-            )
         base = cast(Array | Quantized, w)
-        axes, shape = tuple(base.shape[:depth]), tuple(base.shape[depth:])
-        if len(shape) != 2:
-            raise ValueError(
-                f"add_lora: the target `{name}` has shape {tuple(base.shape)} "
-                f"({len(shape)} axes per layer after {depth} layer axes), but a "
-                "LoRA adapts 2-D weights.\nHint: narrow the pattern to matrices."
-            )
-        if not jnp.issubdtype(base.dtype, jnp.floating):
-            raise TypeError(
-                f"add_lora: the target `{name}` is {jnp.dtype(base.dtype).name}"
-                f"{list(base.shape)}, but a LoRA adapts floating-point weights.\n"
-                "Hint: narrow the pattern to the model's float matrices."
-            )
-        m, n = shape
-        if rank > min(m, n):
-            raise ValueError(
-                f"add_lora: rank={rank} is larger than the weight `{name}` "
-                f"({m}x{n}) allows; the rank must be at most {min(m, n)}.\nHint: "
-                "pick a rank well below the smaller side."
-            )
+        axes, (m, n) = _check_target(base, depth, name, rank, adapted)
         fan_in, a_shape, b_shape = (
             (m, (m, rank), (rank, n))
             if orientation == "x@W"
@@ -141,6 +116,39 @@ def add_lora(
         who="add_lora",
         verb=("adapt", "adapted"),
     )
+
+
+def _check_target(
+    base: Array | Quantized, depth: int, name: str, rank: int, adapted: list[str]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The target's layer axes and `(m, n)`, or an error naming it."""
+    if inside := next((n for n in adapted if name.startswith(n + ".")), None):
+        raise ValueError(
+            f"add_lora: the target `{name}` is inside the LoRA at `{inside}`, "
+            "which is adapted already.\nHint: give add_lora num_adapters= for "
+            "several adapters, or adapt `adapters.merge(model)`'s weights."
+        )
+    axes, shape = tuple(base.shape[:depth]), tuple(base.shape[depth:])
+    if len(shape) != 2:
+        raise ValueError(
+            f"add_lora: the target `{name}` has shape {tuple(base.shape)} "
+            f"({len(shape)} axes per layer after {depth} layer axes), but a "
+            "LoRA adapts 2-D weights.\nHint: narrow the pattern to matrices."
+        )
+    if not jnp.issubdtype(base.dtype, jnp.floating):
+        raise TypeError(
+            f"add_lora: the target `{name}` is {jnp.dtype(base.dtype).name}"
+            f"{list(base.shape)}, but a LoRA adapts floating-point weights.\n"
+            "Hint: narrow the pattern to the model's float matrices."
+        )
+    m, n = shape
+    if rank > min(m, n):
+        raise ValueError(
+            f"add_lora: rank={rank} is larger than the weight `{name}` "
+            f"({m}x{n}) allows; the rank must be at most {min(m, n)}.\nHint: "
+            "pick a rank well below the smaller side."
+        )
+    return axes, shape
 
 
 def _adapted_names(model: PyTree) -> list[str]:

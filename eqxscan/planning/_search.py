@@ -17,6 +17,14 @@ from ._report import Accelerator, ACCELERATORS, MeshPlan, MeshShape
 from ._spec import encode, make_job, Optimizer
 
 
+def _check_simulate(simulate: object) -> None:
+    if simulate not in ("auto", "always"):
+        raise ValueError(
+            f"plan: simulate must be 'auto' or 'always', got {simulate!r}.\nHint: "
+            "'always' compiles in a fresh process even when this one has the devices."
+        )
+
+
 def _accelerator(
     name: str, peak_flops: float | None, link_bytes_per_s: float | None
 ) -> Accelerator:
@@ -174,11 +182,7 @@ def plan(
     `plan.message` says by how much the smallest misses.
     """
     limit = parse_bytes(budget)
-    if simulate not in ("auto", "always"):
-        raise ValueError(
-            f"plan: simulate must be 'auto' or 'always', got {simulate!r}.\nHint: "
-            "'always' compiles in a fresh process even when this one has the devices."
-        )
+    _check_simulate(simulate)
     acc = _accelerator(accelerator, peak_flops, link_bytes_per_s)
     shapes, devices = _candidate_meshes(devices, meshes, model_axis, axes, remat)
     start = time.perf_counter()
