@@ -22,12 +22,17 @@ import jax
 import jax.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from jax.extend.core import get_opaque_trace_state as trace_state
 from jaxtyping import Array, Float, PyTree
 
 from .._helpers.checks import Checked, describe
 from .index import Index, index
 from .layer_index import Run, setting
+
+
+try:
+    from jax.extend.core import get_opaque_trace_state as trace_state
+except ImportError:  # jax 0.9 has it in `jax.core` only
+    from jax.core import get_opaque_trace_state as trace_state
 
 
 Stat = Callable[..., PyTree]

@@ -10,6 +10,7 @@ both, refusing a flipped bit or a shard of another save.
 
 import contextlib
 import errno
+import functools
 import json
 import os
 import re
@@ -53,6 +54,19 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 # What a safetensors file can hold.
 _KINDS = {np.dtype(jax.numpy.dtype(name)) for name in _DTYPES.values()}
+
+
+@functools.cache
+def _writes(dtype: np.dtype) -> bool:
+    # The format's dtypes that the installed package writes (older ones lack
+    # complex64 and float8).
+    if dtype not in _KINDS:
+        return False
+    try:
+        _package().numpy.save({"a": np.zeros(1, dtype)})
+    except Exception:  # the package's own error class differs across versions
+        return False
+    return True
 
 
 def _size(max_shard_size: int | str | None) -> int | None:
@@ -137,11 +151,11 @@ def save_safetensors(
         )
     entries = host_entries(model, "save_safetensors", sliced=True)
     external = entries if names is None else names.plan_export(entries)
-    if bad := [f"'{k}' {x.dtype.name}" for k, x in external if x.dtype not in _KINDS]:
+    if bad := [f"'{k}' {x.dtype.name}" for k, x in external if not _writes(x.dtype)]:
         raise TypeError(
-            f"save_safetensors: safetensors has no dtype for {listed(bad, ', ')}."
-            "\nHint: cast them (to int8, bfloat16, ...), or keep 4-bit values "
-            "two to a byte in uint8, as eqxscan.quant does."
+            f"save_safetensors: safetensors {_package().__version__} has no dtype "
+            f"for {listed(bad, ', ')}.\nHint: cast them (to int8, bfloat16, ...), "
+            "or keep 4-bit values two to a byte in uint8, as eqxscan.quant does."
         )
     info = {"format": names.format if names is not None else "pt", **(metadata or {})}
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in info.items()):
