@@ -197,6 +197,58 @@ def test_stage_order(getkey):
     back = sharding.pipeline_order(staged, **order, inverse=True)
     assert np.array_equal(back.layers.w2, stack.layers.w2)
     assert back.drop_rates.drop_path == stack.drop_rates.drop_path
+    # The stack records its order: kept by its gradients, dropped by a slice.
+    assert (stack.stage_order, staged.stage_order, back.stage_order) == (
+        None,
+        (2, 2),
+        None,
+    )
+    loss = lambda s: jnp.sum(s(jnp.ones(4), key=jax.random.key(0)))
+    grads = eqx.filter_grad(loss)(staged)
+    back = sharding.pipeline_order(grads, stages=2, repeats=2, inverse=True)
+    assert back.stage_order is None
+    assert staged[:4].stage_order is None
+
+
+def test_layer_order_must_match_the_stack(getkey):
+    mesh = jax.make_mesh((2,), ("stage",), axis_types=(AxisType.Auto,))
+    stack = eqxscan.StackedMLP(4, 8, key=getkey()).blocks
+    x = jnp.ones((4, 4))
+    staged = sharding.pipeline_order(stack, stages=2, repeats=2)
+
+    def error(match, f, *args):
+        with pytest.raises(ValueError, match=match) as info:
+            f(*args)
+        assert "\nHint: " in str(info.value)
+
+    def circular(stack, layer_order, repeats=2):
+        kind = "circular" if repeats > 1 else "gpipe"
+        return sharding.pipeline(
+            stack,
+            x,
+            mesh=mesh,
+            microbatches=2,
+            schedule=kind,
+            repeats=repeats,
+            layer_order=layer_order,
+        )
+
+    def order(stack, inverse):
+        return sharding.pipeline_order(stack, stages=2, repeats=2, inverse=inverse)
+
+    natural, of = "in their natural order", r"in the stage order of .*stages=2, "
+    # Each of these ran the layers in another order, without a word.
+    error(f"{natural}, not {of}repeats=2", circular, stack, "stage")
+    error(f"{of}repeats=2\\), not {natural}", circular, staged, "natural")
+    error(f"{of}repeats=2\\), not {natural}", circular, staged, "natural", 1)
+    other = sharding.pipeline_order(stack, stages=2, repeats=4)
+    error(f"{of}repeats=4\\), not {of}repeats=2", circular, other, "stage")
+    error(f"{natural}, not {of}repeats=2", circular, staged[:], "stage")
+    error(f"into stage order .*: .*repeats=2\\), not {natural}", order, staged, False)
+    error(f"back from stage order .*: .*{natural}, not", order, stack, True)
+    error(r"back from stage order .*: .*repeats=4\), not", order, other, True)
+    # With one round (GPipe) both orders are the same.
+    assert max_rel_err(circular(stack, "stage", 1), stack(x)) <= 1e-5
 
 
 def test_pipeline_errors(getkey):

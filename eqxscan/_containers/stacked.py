@@ -139,6 +139,7 @@ class Stacked(Scanning, Generic[LayerT]):
     options: ScanOptions
     layer_sharding: Sharding | PyTree[Sharding | None] | None = eqx.field(static=True)
     drop_rates: DropRates | None
+    stage_order: tuple[int, int] | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -150,6 +151,7 @@ class Stacked(Scanning, Generic[LayerT]):
         layer_sharding: Sharding | PyTree[Sharding | None] | None = None,
         drop_path: Checked[Rates] = 0.0,
         layer_drop: Checked[Rates] = 0.0,
+        stage_order: tuple[int, int] | None = None,
         **options: Unpack[ScanArgs],
     ):
         """**Arguments:**
@@ -193,6 +195,9 @@ class Stacked(Scanning, Generic[LayerT]):
         - `layer_drop`: LayerDrop while training: per call, layer `i` is skipped
           for the whole batch with probability `layer_drop[i]`, its compute not
           done (a `jax.lax.cond` in the scan body, forward and backward).
+        - `stage_order`: `(stages, repeats)` when `layers` are stored in the
+          stage order of [`eqxscan.sharding.pipeline_order`][] for them (which
+          sets it), else `None`; [`eqxscan.sharding.pipeline`][] checks it.
 
         `mode`, `remat` and `unroll` make the module's
         [`eqxscan.ScanOptions`][]; `drop_path` and `layer_drop` its
@@ -219,6 +224,7 @@ class Stacked(Scanning, Generic[LayerT]):
         self.num_layers = num_layers
         self.layer_sharding = layer_sharding
         self.drop_rates = new_drop_rates(num_layers, drop_path, layer_drop)
+        self.stage_order = stage_order
 
     @classmethod
     def from_layers(
@@ -295,6 +301,8 @@ class Stacked(Scanning, Generic[LayerT]):
                 num_layers=len(selected),
                 drop_path=drop_path,
                 layer_drop=layer_drop,
+                # Positions of a stage-ordered stack, no longer in that order.
+                stage_order=None,
             )
         i = check_index(
             index,
@@ -458,14 +466,17 @@ class Stacked(Scanning, Generic[LayerT]):
 def restack(stack: Stacked[LayerT], **changes: object) -> Stacked[LayerT]:
     """`stack` rebuilt through `Stacked.__init__` with `changes` applied (any of
     `layers`, `num_layers`, `options`, `layer_sharding`, `drop_path`,
-    `layer_drop`) and every other field kept (inference mode included)."""
+    `layer_drop`, `stage_order`) and every other field kept (inference mode
+    included; `stage_order` only for the same number of layers)."""
     drop_path, layer_drop = rates_of(stack.drop_rates)
+    same = changes.get("num_layers", stack.num_layers) == stack.num_layers
     fields: dict[str, object] = dict(
         layers=stack.layers,
         num_layers=stack.num_layers,
         layer_sharding=stack.layer_sharding,
         drop_path=drop_path,
         layer_drop=layer_drop,
+        stage_order=stack.stage_order if same else None,
     )
     fields.update(changes)
     options = fields.pop("options", stack.options)

@@ -147,6 +147,33 @@ def _check_chunks(num_layers: int, stages: int, repeats: int, where: str) -> int
     return num_layers // chunks
 
 
+def _staged(stages: int, repeats: int) -> tuple[int, int] | None:
+    # A stack's `stage_order` in stage order for `stages` and `repeats`: `None`
+    # where that order is the natural one.
+    return (stages, repeats) if stages > 1 and repeats > 1 else None
+
+
+def _order_call(order: tuple[int, int], inverse: str = "") -> str:
+    stages, repeats = order
+    return f"pipeline_order(stack, stages={stages}, repeats={repeats}{inverse})"
+
+
+def _check_order(stack: Stacked, want: tuple[int, int] | None, what: str) -> None:
+    """That the stack's layers are stored in the order `want` (its `stage_order`
+    records the order `pipeline_order` left them in)."""
+    have = stack.stage_order and _staged(*stack.stage_order)
+    if have != want:
+        says = lambda o: o and f"in the stage order of {_order_call(o)}"
+        natural = "in their natural order"
+        back = have and f"{_order_call(have, ', inverse=True')} restores that; "
+        raise _hint_error(
+            f"Cannot {what}: its layers are {says(have) or natural}, "
+            f"not {says(want) or natural}.",
+            f"{back or ''}pipeline_order permutes a Stacked into stage order once "
+            "(and records it); pipeline's layer_order names the order it expects.",
+        )
+
+
 def _permute(a: ArrayT, stages: int, repeats: int, inverse: bool) -> ArrayT:
     # The layer axis (axis 0) of a NumPy or JAX array from natural to stage
     # order (or back): position (s * R + r) * K + k <-> layer (r * S + s) * K + k.
@@ -189,18 +216,30 @@ def pipeline_order(
     **Returns:**
 
     `stack` with every array leaf of its layers, and its per-layer drop rates,
-    permuted along the layer axis.
+    permuted along the layer axis; its `stage_order` is `(stages, repeats)` (or,
+    with `inverse=True`, `None`).
+
+    **Raises:**
+
+    `ValueError` for a stack (`repeats > 1`) already in stage order, or, with
+    `inverse=True`, one not in the stage order of these `stages` and `repeats`.
     """
     _check_stack(stack, "pipeline_order permutes")
     stages = check_size("stages", stages)
     repeats = check_size("repeats", repeats)
     stack.check_layer_axis("reorder")
     _check_chunks(stack.num_layers, stages, repeats, "")
+    if staged := _staged(stages, repeats):  # else the permutation changes nothing
+        what = f"{'back from' if inverse else 'into'} stage order for stages={stages}"
+        want = staged if inverse else None
+        _check_order(stack, want, f"permute this Stacked {what}, repeats={repeats}")
     one = lambda a: _permute(a, stages, repeats, inverse)
     layers = jtu.tree_map(lambda a: one(a) if eqx.is_array(a) else a, stack.layers)
-    order, rates = one(np.arange(stack.num_layers)), {}
+    order, rates = one(np.arange(stack.num_layers)), dict[str, object]()
     if (drop := stack.drop_rates) is not None:
-        rates = {n: tuple(getattr(drop, n)[i] for i in order) for n in _RATES}
+        rates.update({n: tuple(getattr(drop, n)[i] for i in order) for n in _RATES})
+    if staged:
+        rates["stage_order"] = None if inverse else staged
     # `restack` rebuilds `type(stack)`.
     return restack(stack, layers=layers, **rates)  # pyright: ignore[reportReturnType]
 
@@ -368,8 +407,9 @@ def pipeline(
     - `batch_axes`: mesh axes over which each microbatch's rows are split (data
       parallelism next to the pipeline); by default they are replicated.
     - `layer_order`: `"natural"`, or `"stage"` for a stack permuted by
-      `pipeline_order(stack, stages=S, repeats=R)`. The result is `stack(x)` of
-      the natural-order stack either way; gradients come in the stack's order.
+      `pipeline_order(stack, stages=S, repeats=R)` (its `stage_order` is
+      checked). The result is `stack(x)` of the natural-order stack either way;
+      gradients come in the stack's order.
     - `key`: the key of the stack's drop rates, needed when they are active,
       else ignored. The layers get no key: their own randomness (dropout) would
       be drawn per microbatch, not for the whole batch.
@@ -381,7 +421,8 @@ def pipeline(
     **Raises:**
 
     `ValueError` when the stack drops layers (training mode, a rate above 0)
-    and no `key` is given.
+    and no `key` is given, or when its layers are not in the order that
+    `layer_order` names.
     """
     p = _check_pipeline(
         stack,
@@ -456,6 +497,9 @@ def _check_pipeline(
     per_chunk = _check_chunks(
         stack.num_layers, stages, repeats, f" (mesh axis {stage_axis!r})"
     )
+    staged = _staged(stages, repeats) if order == "stage" else None
+    what = f"pipeline(..., layer_order={order!r}) over {stages} stages"
+    _check_order(stack, staged, f"run this Stacked as {what}, repeats={repeats}")
     rows = int(np.prod([mesh.shape[a] for a in batch_axes]))
     if x.ndim == 0 or x.shape[0] % microbatches or (x.shape[0] // microbatches) % rows:
         raise _hint_error(
