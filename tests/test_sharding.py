@@ -572,3 +572,14 @@ def test_constrain_matches_by_path(getkey):
     assert again.blocks.layers.w1.sharding.spec == specs.blocks.layers.w1.spec
     with pytest.raises(ValueError, match=r"shardings has no entry for `tree\."):
         sharding.constrain(placed, {"other": specs})
+    # JAX's own functions match static fields too: the shardings of the placed
+    # model, the same NamedShardings, are the ones for them.
+    arrays = eqx.filter(placed, eqx.is_array)
+    with pytest.raises(ValueError):  # a pytree structure error at `.blocks`
+        jax.device_put(arrays, specs)
+    after = sharding.model_shardings(placed, mesh, min_size=0)
+    assert jax.tree.leaves(after) == jax.tree.leaves(specs)
+    assert (
+        jax.device_put(arrays, after).blocks.layers.w1.sharding
+        == after.blocks.layers.w1
+    )

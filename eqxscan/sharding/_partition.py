@@ -144,7 +144,9 @@ def logical_shardings(
     **Returns:**
 
     A pytree with the structure of `model`: a `NamedSharding` at each array leaf,
-    `None` elsewhere.
+    `None` elsewhere; static fields included, as for `model_shardings` (after
+    `gather_layers` or `shard`, JAX's own functions need it computed again;
+    `constrain` takes it as it is).
 
     **Raises:**
 

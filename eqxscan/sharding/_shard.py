@@ -193,7 +193,12 @@ def model_shardings(
 
     A pytree with the structure of `model`: a `NamedSharding` at each array leaf,
     `None` elsewhere; `jax.jit`'s `in_shardings`/`out_shardings` for
-    `eqx.filter(model, eqx.is_array)`.
+    `eqx.filter(model, eqx.is_array)`. Its structure includes static fields,
+    such as the `layer_sharding` that [`eqxscan.sharding.shard`][] and
+    `gather_layers` set: JAX's own functions (`jax.device_put`, `jit`'s
+    shardings, `eqx.filter_shard`, `jax.tree.map`) refuse it for the model after
+    them (a pytree structure error at the `Stacked`); compute it from the
+    model they get, or place with `sharding.constrain`, which matches by key path.
 
     **Raises:**
 
@@ -492,7 +497,10 @@ def shard(
     accepts the new model's gradients. Outside `jit` this moves the arrays
     (`jax.device_put`); inside `jit` it constrains them
     (`jax.lax.with_sharding_constraint`), pinning the layout of the updated
-    model and state at the end of a training step.
+    model and state at the end of a training step. Shardings of `model` computed
+    before fit the returned one only through `sharding.constrain` (its stacks'
+    static `layer_sharding` changed): for `jit` or `jax.device_put`, compute
+    them from the returned model.
 
     On a mesh spanning several processes, `batch` holds this process's rows only
     (see [`eqxscan.distributed.local_rows`][]) and comes back as global arrays;
