@@ -505,7 +505,11 @@ def shard(
     On a mesh spanning several processes, `batch` holds this process's rows only
     (see [`eqxscan.distributed.local_rows`][]) and comes back as global arrays;
     `model` and `opt_state` are the same on every process or global arrays
-    already (e.g. from [`eqxscan.sharding.create`][]).
+    already (e.g. from [`eqxscan.sharding.create`][]). A global batch that every
+    process passes whole cannot be told from local rows (that would take a
+    collective per call): it is taken as each process's own, and the result
+    holds one copy of it per process (on `make_mesh`'s meshes), without an
+    error. Pass `x[distributed.local_rows(len(x), mesh)]` instead.
 
     **Arguments:**
 
