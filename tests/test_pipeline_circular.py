@@ -292,6 +292,10 @@ def test_pipeline_errors(getkey):
         _check_layer_order("stages")
     with pytest.raises(ValueError, match=r"(?s)6 layers .* 4 chunks.*\nHint: "):
         sharding.pipeline_order(stack, stages=2, repeats=2)
+    # A batch of stacks (an ensemble) runs inside `eqx.filter_vmap`, not as is.
+    stacks = eqx.filter_vmap(lambda _: stack)(jnp.arange(2))
+    with pytest.raises(ValueError, match=r"pipeline this Stacked: it has 6 layers"):
+        sharding.pipeline(stacks, x, mesh=mesh, microbatches=2)
 
 
 def check_runs(runs: list[dict], expected: set[str]) -> None:

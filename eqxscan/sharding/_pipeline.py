@@ -476,6 +476,7 @@ def _check_pipeline(
 ) -> _Pipeline:
     """Every argument of `pipeline` checked, with a clear error before tracing."""
     stack = _check_stack(stack, "pipeline runs")
+    stack.check_layer_axis("pipeline")  # e.g. a batch of stacks, outside vmap
     if tapping():
         raise TypeError(
             "eqxscan.tap does not reach sharding.pipeline: its stages run inside "
