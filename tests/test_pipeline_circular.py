@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import eqxscan
 from eqxscan import sharding
@@ -83,6 +83,19 @@ def test_circular_two_stages_equals_scan(getkey):
     assert abs(float(value) - float(ref_value)) <= 1e-5 * abs(float(ref_value))
     arrays = [eqx.filter(g, eqx.is_array) for g in (grads, ref_grads)]
     assert max_rel_err(*arrays) < 1e-5
+
+
+def test_explicit_batch_axes(getkey):
+    # Explicit axes are in the arrays' types: cutting a batch split over "data"
+    # into 3 microbatches, and merging their rows split over it back.
+    mesh = jax.make_mesh((1, 2), ("stage", "data"), axis_types=(AxisType.Explicit,) * 2)
+    stack = eqxscan.StackedMLP(4, 2, key=getkey()).blocks
+    x = jax.random.normal(getkey(), (12, 4))
+    placed = jax.device_put(x, NamedSharding(mesh, P("data")))
+    for axes in ("data", ()):
+        y = sharding.pipeline(stack, placed, mesh=mesh, microbatches=3, batch_axes=axes)
+        assert max_rel_err(y, stack(x)) <= 1e-5
+        assert jax.typeof(y).sharding.spec == P(axes or None, None)
 
 
 def test_drop_rates_need_a_key_and_are_off_in_inference(getkey):

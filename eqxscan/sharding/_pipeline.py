@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
 
 from .._internal import (
@@ -217,12 +217,8 @@ def pipeline_order(
 
     `stack` with every array leaf of its layers, and its per-layer drop rates,
     permuted along the layer axis; its `stage_order` is `(stages, repeats)` (or,
-    with `inverse=True`, `None`).
-
-    **Raises:**
-
-    `ValueError` for a stack (`repeats > 1`) already in stage order, or, with
-    `inverse=True`, one not in the stage order of these `stages` and `repeats`.
+    with `inverse=True`, `None`). A `ValueError` if it was not in the order this
+    starts from (natural, or with `inverse=True` this stage order).
     """
     _check_stack(stack, "pipeline_order permutes")
     stages = check_size("stages", stages)
@@ -444,7 +440,14 @@ def _run(
     """The checked pipeline: every stage's program under one `shard_map`."""
     dyn, static = eqx.partition(stack.layers, eqx.is_array)
     dyn = jtu.tree_map(lambda a: _blocks(a, p, p.layer_order), dyn)
-    xs = x.reshape(p.microbatches, x.shape[0] // p.microbatches, *x.shape[1:])
+    # Explicit axes are part of an array's type: a reshape that cuts or merges a
+    # split batch axis names its result's split (the rows over `batch_axes`).
+    kinds = dict(zip(mesh.axis_names, mesh.axis_types))
+    rows = tuple(a for a in p.batch_axes if kinds[a] == AxisType.Explicit) or None
+    named = lambda *spec: NamedSharding(mesh, PartitionSpec(*spec))
+    split = named if AxisType.Explicit in kinds.values() else lambda *_: None
+    cut = (p.microbatches, -1, *x.shape[1:])
+    xs = jnp.reshape(x, cut, out_sharding=split(None, rows))
     layer_spec = PartitionSpec(p.stage_axis)
     rows_spec = PartitionSpec(None, p.batch_axes or None)
     # Each stage's layers on its devices; the microbatches on every stage, their
@@ -460,7 +463,7 @@ def _run(
     )(dyn, drops, xs)
     # Only the last stage's buffer holds outputs.
     out = constrain(out, NamedSharding(mesh, PartitionSpec(None, None, *rows_spec[1:])))
-    return out[p.stages - 1].reshape(x.shape)
+    return jnp.reshape(out[p.stages - 1], x.shape, out_sharding=split(rows))
 
 
 def _check_pipeline(
