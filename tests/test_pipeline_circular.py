@@ -309,6 +309,9 @@ def test_pipeline_errors(getkey):
     stacks = eqx.filter_vmap(lambda _: stack)(jnp.arange(2))
     with pytest.raises(ValueError, match=r"pipeline this Stacked: it has 6 layers"):
         sharding.pipeline(stacks, x, mesh=mesh, microbatches=2)
+    # Under jax.jit Dropout's `p` is a 0-d array among the stacked ones.
+    with pytest.raises(ValueError, match=r"(?s)`layers.dropout.p`.*eqx.filter_jit"):
+        jax.jit(lambda s: sharding.pipeline(s, x, mesh=mesh, microbatches=2))(stack)
 
 
 def check_runs(runs: list[dict], expected: set[str]) -> None:

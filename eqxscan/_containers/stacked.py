@@ -273,13 +273,20 @@ class Stacked(Scanning, Generic[LayerT]):
             if eqx.is_array(leaf) and (
                 leaf.ndim == 0 or leaf.shape[0] != self.num_layers
             ):
+                # A scalar: a number field that `jax.jit` made an array.
+                hint = (
+                    "Under jax.jit (or jax.grad) a number field of a layer (e.g. "
+                    "Dropout's p) becomes an array: use eqx.filter_jit (or "
+                    "eqx.filter_grad), which keeps it as it is."
+                    if leaf.ndim == 0
+                    else "Call and index a batch of stacks (e.g. an ensemble built "
+                    "with `eqx.filter_vmap`) inside `eqx.filter_vmap`: "
+                    "`eqx.filter_vmap(lambda s: s[i])(stacks)` (see docs/idioms.md)."
+                )
                 raise ValueError(
                     f"Cannot {what} this Stacked: it has {self.num_layers} layers, "
                     f"but `layers{jtu.keystr(path)}` has shape {tuple(leaf.shape)}, "
-                    "so its first axis is not the layer axis.\n"
-                    "Call and index a batch of stacks (e.g. an ensemble built "
-                    "with `eqx.filter_vmap`) inside `eqx.filter_vmap`: "
-                    "`eqx.filter_vmap(lambda s: s[i])(stacks)` (see docs/idioms.md)."
+                    f"so its first axis is not the layer axis.\n{hint}"
                 )
 
     def __getitem__(self, index: SupportsIndex | slice) -> "LayerT | Stacked[LayerT]":
