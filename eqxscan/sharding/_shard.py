@@ -509,7 +509,9 @@ def shard(
     process passes whole cannot be told from local rows (that would take a
     collective per call): it is taken as each process's own, and the result
     holds one copy of it per process (on `make_mesh`'s meshes), without an
-    error. Pass `x[distributed.local_rows(len(x), mesh)]` instead.
+    error. Pass `x[distributed.local_rows(len(x), mesh)]` instead. Processes
+    whose devices hold the same rows (batch axes that do not span them) must
+    pass the same rows: that is not checked either.
 
     **Arguments:**
 
