@@ -20,7 +20,11 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import eqxscan
 from eqxscan import sharding
-from eqxscan.sharding._pipeline import _check_layer_order, _check_schedule
+from eqxscan.sharding._pipeline import (
+    _check_layer_order,
+    _check_pipeline,
+    _check_schedule,
+)
 
 from .helpers import free_port, max_rel_err, processes, ROOT, run_script, script_path
 
@@ -309,6 +313,8 @@ def test_pipeline_errors(getkey):
     stacks = eqx.filter_vmap(lambda _: stack)(jnp.arange(2))
     with pytest.raises(ValueError, match=r"pipeline this Stacked: it has 6 layers"):
         sharding.pipeline(stacks, x, mesh=mesh, microbatches=2)
+    with pytest.raises(TypeError, match=r"one array x .* got a tuple\.\nHint: "):
+        _check_pipeline(stack, (x, x), mesh, 2, "stage", "gpipe", 1, (), "natural")
     # Under jax.jit Dropout's `p` is a 0-d array among the stacked ones.
     with pytest.raises(ValueError, match=r"(?s)`layers.dropout.p`.*eqx.filter_jit"):
         jax.jit(lambda s: sharding.pipeline(s, x, mesh=mesh, microbatches=2))(stack)

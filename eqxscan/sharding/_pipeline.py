@@ -148,19 +148,16 @@ def _check_chunks(num_layers: int, stages: int, repeats: int, where: str) -> int
 
 
 def _staged(stages: int, repeats: int) -> tuple[int, int] | None:
-    # A stack's `stage_order` in stage order for `stages` and `repeats`: `None`
-    # where that order is the natural one.
+    # A stack's `stage_order` in stage order (`None` where it is the natural one).
     return (stages, repeats) if stages > 1 and repeats > 1 else None
 
 
 def _order_call(order: tuple[int, int], inverse: str = "") -> str:
-    stages, repeats = order
-    return f"pipeline_order(stack, stages={stages}, repeats={repeats}{inverse})"
+    return "pipeline_order(stack, stages={}, repeats={}{})".format(*order, inverse)
 
 
 def _check_order(stack: Stacked, want: tuple[int, int] | None, what: str) -> None:
-    """That the stack's layers are stored in the order `want` (its `stage_order`
-    records the order `pipeline_order` left them in)."""
+    """That the stack's layers are in the order `want` (its `stage_order`)."""
     have = stack.stage_order and _staged(*stack.stage_order)
     if have != want:
         says = lambda o: o and f"in the stage order of {_order_call(o)}"
@@ -440,8 +437,7 @@ def _run(
     """The checked pipeline: every stage's program under one `shard_map`."""
     dyn, static = eqx.partition(stack.layers, eqx.is_array)
     dyn = jtu.tree_map(lambda a: _blocks(a, p, p.layer_order), dyn)
-    # Explicit axes are part of an array's type: a reshape that cuts or merges a
-    # split batch axis names its result's split (the rows over `batch_axes`).
+    # On Explicit axes a reshape of a split batch axis names its result's split.
     kinds = dict(zip(mesh.axis_names, mesh.axis_types))
     rows = tuple(a for a in p.batch_axes if kinds[a] == AxisType.Explicit) or None
     named = lambda *spec: NamedSharding(mesh, PartitionSpec(*spec))
@@ -468,7 +464,7 @@ def _run(
 
 def _check_pipeline(
     stack: object,
-    x: jax.Array,
+    x: object,
     mesh: object,
     microbatches: object,
     stage_axis: str,
@@ -498,12 +494,16 @@ def _check_pipeline(
             "name only the other (data-parallel) mesh axes in batch_axes.",
         )
     stages = mesh.shape[stage_axis]
-    per_chunk = _check_chunks(
-        stack.num_layers, stages, repeats, f" (mesh axis {stage_axis!r})"
-    )
+    where = f" (mesh axis {stage_axis!r})"
+    per_chunk = _check_chunks(stack.num_layers, stages, repeats, where)
     staged = _staged(stages, repeats) if order == "stage" else None
     what = f"pipeline(..., layer_order={order!r}) over {stages} stages"
     _check_order(stack, staged, f"run this Stacked as {what}, repeats={repeats}")
+    if not isinstance(x, (jax.Array, np.ndarray)):  # e.g. a pytree
+        raise TypeError(
+            f"pipeline cuts one array x (batch on axis 0) into microbatches, got "
+            f"a {type(x).__name__}.\nHint: pass the batch as one array."
+        )
     rows = int(np.prod([mesh.shape[a] for a in batch_axes]))
     if x.ndim == 0 or x.shape[0] % microbatches or (x.shape[0] // microbatches) % rows:
         raise _hint_error(
