@@ -275,3 +275,15 @@ def test_run_layers_out_of_order_names_the_layer_that_ran_first(traced, getkey):
     poisoned = Poisoned(w, jnp.zeros(L).at[1].set(1.0))
     r = eqxscan.find_nonfinite(eqxscan.Stacked(layers=poisoned, num_layers=L), loss, x)
     assert (r.where, r.index, r.leaf) == ("backward", 1, "carry"), r
+
+
+def test_run_layers_parameter_gradient_of_the_first_layer_run(getkey):
+    # Layer 2 runs first; only its own gradient (of `h`) is non-finite (once
+    # reported as "No NaN or inf": the run's parameters were not looked at).
+    stack = injected(make(getkey()), "h", 2, 0.0)
+    x = jr.normal(getkey(), (D,))
+    for sel in ([2, 3], [2, 0, 4], jnp.array([2, 4])):
+        loss = lambda m, x, sel=sel: jnp.mean(eqxscan.run_layers(m, x, sel) ** 2)  # noqa: E731
+        assert not jnp.isfinite(eqx.filter_grad(loss)(stack, x).layers.h[2])
+        r = eqxscan.find_nonfinite(stack, loss, x)
+        assert (r.where, r.index, r.leaf) == ("backward", 2, "layer.h"), r

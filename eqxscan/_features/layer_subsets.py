@@ -24,7 +24,7 @@ from .._scan.layer_call import (
     take,
 )
 from .._scan.options import ScanOptions
-from .._scan.taps import covering, tapping
+from .._scan.taps import call_of, covering, tapping
 from .early_exit import check_layers_method, checked_call
 
 
@@ -193,7 +193,7 @@ def run_layers(
         if tapping():
             twice = jnp.any(jnp.diff(jnp.sort(idx)) == 0)
             idx = eqx.error_if(idx, twice, _tapped_twice("a layer"))
-        with covering(length):
+        with call_of(model), covering(length):
             return _scan_indices(model, x, idx, call)
     chosen = _static_indices(layers, length, call.caller)
     if isinstance(chosen, slice):
@@ -205,8 +205,9 @@ def run_layers(
         twice = next(i for i in order if order.count(i) > 1)
         raise ValueError(_tapped_twice(f"layer {twice}"))
     # Taps number the layers they record; layers taken out of order are
-    # numbered as the traced indices' scan numbers them.
-    with covering(length):
+    # numbered as the traced indices' scan numbers them. The records are rows
+    # of a call of `model` (so find_nonfinite gives it its parameters).
+    with call_of(model), covering(length):
         return _run_static(model, x, order, tapping() and not in_order, call)
 
 
