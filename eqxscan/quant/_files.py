@@ -284,7 +284,8 @@ def load(path: str | os.PathLike, like: T) -> T:
     **Arguments:**
 
     - `path`: a `.safetensors` file, a `model.safetensors.index.json`, or a
-      directory holding either.
+      directory holding either (both: `model.safetensors`, as transformers
+      reads it).
     - `like`: a quantized model of the saved layout (arrays or
       `jax.ShapeDtypeStruct`s), e.g.
       `eqx.filter_eval_shape(eqxscan.quant.quantize, float_model, targets)`.
@@ -414,7 +415,8 @@ def quantize_file(
     **Arguments:**
 
     - `path`: a `.safetensors` file, a `model.safetensors.index.json`, or a
-      directory holding either.
+      directory holding either (both: `model.safetensors`, as transformers
+      reads it).
     - `like`: the float model of the file's layout (arrays or
       `jax.ShapeDtypeStruct`s, e.g. from `eqx.filter_eval_shape`).
     - `targets`, `kind`, `group_size`, `orientation`: as for
