@@ -385,6 +385,18 @@ def test_quantize_file_refuses_a_quantized_file(recorded, tmp_path):
         assert "eqxscan.quant.load" in hint
 
 
+def test_a_float_load_of_a_quantized_file_points_to_quant_load(tmp_path):
+    # Its missing and unexpected keys came with no hint.
+    path = tmp_path / "q.safetensors"
+    quant.save(path, _quantized("int8"))
+    for load in (eqxscan.load_safetensors, eqxscan.load):
+        with pytest.raises(ValueError) as e:
+            load(path, _mlp(1))
+        first, hint = str(e.value).splitlines()
+        assert "does not fit the model" in first and "'blocks.0.w1.values'" in first
+        assert "holds quantized weights" in hint and "eqxscan.quant.load" in hint
+
+
 def test_truncated_or_corrupted_files_are_refused_and_named(tmp_path):
     path = tmp_path / "q.safetensors"
     quant.save(path, _quantized("fp8"))

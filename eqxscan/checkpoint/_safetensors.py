@@ -512,6 +512,13 @@ def load_safetensors(
             raise
         except ValueError as e:
             first, *rest = str(e).splitlines()
+            # "eqxscan.quant": the metadata entry of eqxscan.quant.save's files.
+            if not rest and any("eqxscan.quant" in m for m in opened.metadata.values()):
+                rest = [
+                    "Hint: the file holds quantized weights (eqxscan.quant.save's); "
+                    "load it with eqxscan.quant.load(path, like), like quantized as "
+                    "the file was."
+                ]
             raise ValueError(
                 "\n".join([f"{opened.where!r} does not fit the model: {first}", *rest])
             ) from None
