@@ -449,7 +449,8 @@ def tap_calls(
     """`tap`'s call of `model`, and per container call, in call order, its
     statistics and its layers' indices + 1 in the order they ran (a call in
     reverse: ascending) (`None` without `stat`)."""
-    # Records made outside any container call (`run_layers`) are the model's.
+    # Records made outside any container call are the model's (run_layers' are
+    # a call of its model).
     outside = _Call(getattr(model, "__name__", "outside"))
     records: list = []
     state = _Tapping(
