@@ -32,6 +32,22 @@ def test_make_layer_returning_no_layer_fails_at_construction(made):
     assert hint.startswith("Hint: make_layer(key, ...) must return the layer")
 
 
+def test_given_layers_of_another_depth_are_refused_at_construction():
+    layers = eqxscan.Stacked(_linear, 4, key=KEY).layers
+    # Three layers stated, four stored: refused when built, naming leaf and sizes.
+    with pytest.raises(ValueError) as e:
+        eqxscan.Stacked(layers=layers, num_layers=3)
+    first, hint = str(e.value).splitlines()[:2]
+    assert "num_layers=3, but `layers.weight` has shape (4, 4, 4)" in first
+    assert hint.startswith("Hint:")
+    bare = jax.tree.map(lambda a: a[0], layers)  # one layer, no layer axis
+    with pytest.raises(
+        ValueError, match=r"num_layers=2, but `layers.weight` has shape \(4, 4\)"
+    ):
+        eqxscan.Stacked(layers=bare, num_layers=2)
+    assert eqxscan.Stacked(layers=layers, num_layers=4).num_layers == 4
+
+
 def test_a_callable_that_is_no_policy_is_blamed_on_checkpoint():
     with pytest.raises(TypeError) as e:
         eqxscan.Stacked(_linear, 2, key=KEY, remat=len)

@@ -135,6 +135,33 @@ def test_stacked_vmap_refuses_a_state(getkey):
         )
 
 
+def test_one_layer_or_a_slice_of_a_stateful_stack(getkey):
+    key, n = getkey(), 3
+    model, state = eqx.nn.make_with_state(eqxscan.Stacked)(Block, n, key=key)
+    xs = jr.normal(getkey(), (8, 3))
+    _, ref_layers, ref_states = _reference(key, n, [])
+    sub = state.substate(model.layers)
+    # Layer 1 with its slice of the state (docs/idioms.md), as built alone.
+    y, new = _batched(model[1])(xs, jax.tree.map(lambda a: a[1], sub))
+    ref_y, ref_new = _batched(ref_layers[1])(xs, ref_states[1])
+    np.testing.assert_allclose(y, ref_y, rtol=1e-5, atol=1e-6)
+    index, ref_index = (
+        model.layers.norm.ema_state_index,
+        ref_layers[1].norm.ema_state_index,
+    )
+    assert index is not None and ref_index is not None
+    np.testing.assert_allclose(new.get(index)[0], ref_new.get(ref_index)[0])
+    # A slice given the whole stack's state names the entry and the way out.
+    with pytest.raises(ValueError) as e:
+        _batched(model[1:3])(xs, state)
+    first, hint = str(e.value).splitlines()
+    assert "has 2 layers, but its state entry `Stacked.layers.norm." in first
+    assert "takes the matching slice of its state" in hint
+    y, _ = _batched(model[1:3])(xs, jax.tree.map(lambda a: a[1:3], sub))
+    ref_y, _ = _batched(ref_layers[2])(ref_y, ref_states[2])
+    np.testing.assert_allclose(y, ref_y, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_stateful_layers_built_one_by_one_stack(getkey, mode):
     key, n = getkey(), 3

@@ -253,3 +253,37 @@ def test_recurrent_cotangent_from_the_loss_names_its_step(t, reverse, getkey):
     # A NaN input at step t: the first output in the order the steps ran.
     r = eqxscan.find_nonfinite(rnn, loss, jnp.zeros(D), xs.at[t, 0].set(jnp.nan))
     assert (r.where, r.index) == ("forward", t), r
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_run_layers_out_of_order_names_the_layer_that_ran_first(traced, getkey):
+    # Layers 3, 1, 2 run in that order; layers 1 and 3 are broken: layer 3's
+    # output is the first non-finite one (once reported as layer 1, the lowest).
+    sel = jnp.array([3, 1, 2]) if traced else [3, 1, 2]
+    stack = injected(injected(make(getkey()), "w", 1, jnp.nan), "w", 3, jnp.nan)
+    x = jr.normal(getkey(), (D,))
+
+    def loss(m, x):
+        return jnp.mean(eqxscan.run_layers(m, x, sel) ** 2)
+
+    r = eqxscan.find_nonfinite(stack, loss, x)
+    assert (r.where, r.index) == ("forward", 3), r
+    assert not jnp.isfinite(stack[3](x)).any()
+    # Layer 1 passes a NaN cotangent to its input, layer 3's output (once
+    # reported as layer 4, which did not run).
+    w = 0.3 * jr.normal(getkey(), (L, D, D))
+    poisoned = Poisoned(w, jnp.zeros(L).at[1].set(1.0))
+    r = eqxscan.find_nonfinite(eqxscan.Stacked(layers=poisoned, num_layers=L), loss, x)
+    assert (r.where, r.index, r.leaf) == ("backward", 1, "carry"), r
+
+
+def test_run_layers_parameter_gradient_of_the_first_layer_run(getkey):
+    # Layer 2 runs first; only its own gradient (of `h`) is non-finite (once
+    # reported as "No NaN or inf": the run's parameters were not looked at).
+    stack = injected(make(getkey()), "h", 2, 0.0)
+    x = jr.normal(getkey(), (D,))
+    for sel in ([2, 3], [2, 0, 4], jnp.array([2, 4])):
+        loss = lambda m, x, sel=sel: jnp.mean(eqxscan.run_layers(m, x, sel) ** 2)  # noqa: E731
+        assert not jnp.isfinite(eqx.filter_grad(loss)(stack, x).layers.h[2])
+        r = eqxscan.find_nonfinite(stack, loss, x)
+        assert (r.where, r.index, r.leaf) == ("backward", 2, "layer.h"), r

@@ -383,6 +383,18 @@ def test_quantize_errors(getkey):
     )
 
 
+@pytest.mark.parametrize("conv", [eqx.nn.Conv2d, eqx.nn.ConvTranspose1d])
+def test_a_convolution_targeted_by_type_is_refused(conv, getkey):
+    # Its kernel's axes in front of [out, in] were taken for layers of matrices,
+    # and the layer failed when called (in XLA's words).
+    make = lambda k: conv(4, 4, 3, key=k)  # noqa: E731
+    stack = eqxscan.Stacked(make, 2, key=getkey())
+    where = rf"the {conv.__name__} at `\.layers` holds a convolution kernel"
+    _raises(TypeError, where, lambda: quant.quantize(stack, conv))
+    lora = lambda: adapters.add_lora(stack, conv, rank=2, key=getkey())  # noqa: E731
+    _raises(TypeError, where, lora)
+
+
 def test_inconsistent_quantized_raises():
     def make(values, scales, kind="int8", group_size=None, orientation="x@W"):
         return Quantized(values, scales, kind, orientation, group_size, "float32", "w")

@@ -367,6 +367,36 @@ def test_quantize_file_errors_name_the_array(tmp_path):
     assert "eqxscan.quant.load" in hint
 
 
+@pytest.mark.parametrize("recorded", [True, False])
+def test_quantize_file_refuses_a_quantized_file(recorded, tmp_path):
+    # Its `.values` and `.scales` were once loaded as they were, whatever
+    # kind or orientation was asked for, with none of quant.load's checks.
+    path = tmp_path / "q.safetensors"
+    if recorded:
+        quant.save(path, _quantized("int8"))
+    else:  # another writer's, with no record of how
+        eqxscan.save_safetensors(path, _quantized("int8"))
+    for kind in ("int8", "fp8"):
+        with pytest.raises(ValueError) as e:
+            quant.quantize_file(path, _mlp(1), targets=MLP, kind=kind)
+        first, hint = str(e.value).splitlines()
+        assert "holds quantized weights already" in first and str(path) in first
+        assert ("`blocks.*.w1` (int8" if recorded else "'blocks.0.w1.values'") in first
+        assert "eqxscan.quant.load" in hint
+
+
+def test_a_float_load_of_a_quantized_file_points_to_quant_load(tmp_path):
+    # Its missing and unexpected keys came with no hint.
+    path = tmp_path / "q.safetensors"
+    quant.save(path, _quantized("int8"))
+    for load in (eqxscan.load_safetensors, eqxscan.load):
+        with pytest.raises(ValueError) as e:
+            load(path, _mlp(1))
+        first, hint = str(e.value).splitlines()
+        assert "does not fit the model" in first and "'blocks.0.w1.values'" in first
+        assert "holds quantized weights" in hint and "eqxscan.quant.load" in hint
+
+
 def test_truncated_or_corrupted_files_are_refused_and_named(tmp_path):
     path = tmp_path / "q.safetensors"
     quant.save(path, _quantized("fp8"))

@@ -94,6 +94,18 @@ def test_sharded_directory_as_hugging_face_lays_it_out(tmp_path):
     assert "model.safetensors" not in os.listdir(tmp_path)
 
 
+def test_a_directory_holding_a_file_and_an_index_loads_the_file(tmp_path):
+    # As transformers' from_pretrained reads it; the index's path loads the shards.
+    single, sharded = _mlp(0, dim=8), _mlp(2, dim=8)
+    eqxscan.save_safetensors(tmp_path / "one", single)
+    eqxscan.save_safetensors(tmp_path, sharded, max_shard_size=1500)
+    os.replace(tmp_path / "one" / "model.safetensors", tmp_path / "model.safetensors")
+    like = _mlp(1, dim=8)
+    assert eqx.tree_equal(eqxscan.load_safetensors(tmp_path, like), single)
+    index = tmp_path / "model.safetensors.index.json"
+    assert eqx.tree_equal(eqxscan.load_safetensors(index, like), sharded)
+
+
 def test_saving_streams_one_shard_at_a_time(tmp_path):
     # 8 layers of 2 x [64, 256] float32: 1 MiB in all, 64 KiB a layer's matrix.
     model = _mlp(dim=64, num_layers=8)

@@ -350,6 +350,22 @@ def test_taps_of_run_layers_are_by_layer_index(kind, getkey):
         close(gp.values, want)
 
 
+def test_taps_refuse_run_layers_running_a_layer_twice(getkey):
+    # One row per layer by index cannot hold two runs of layer 1 (it once kept
+    # one of them without a word).
+    stack = eqxscan.Stacked.from_layers(build("AAA", getkey()))
+    x = jnp.ones(D)
+    with pytest.raises(ValueError, match=r"run layer 1 twice, but a tap has one row"):
+        eqxscan.tap(lambda x: eqxscan.run_layers(stack, x, [1, 0, 1]), rms)(x)
+    p = eqxscan.probe(rms, x, 3)
+    with pytest.raises(ValueError, match="run layer 2 twice"):
+        eqxscan.tap(lambda x: eqxscan.run_layers(stack, x, [2, 2]), probe=p)(x)
+    # Indices in an array are checked when the program runs.
+    with pytest.raises(RuntimeError, match="run a layer twice, but a tap has one row"):
+        eqxscan.tap(lambda x: eqxscan.run_layers(stack, x, jnp.array([1, 1])), rms)(x)
+    eqxscan.tap(lambda x: eqxscan.run_layers(stack, x, jnp.array([2, 1])), rms)(x)
+
+
 def test_run_until_is_refused_by_taps(getkey):
     stack = eqxscan.Stacked.from_layers(build("AAA", getkey()))
 

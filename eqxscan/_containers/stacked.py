@@ -2,6 +2,7 @@
 (built by `make_layer` under one `eqx.filter_vmap`, run by `stack_calls.py`), and
 how a container numbers its layers in a state dict (`LayerNumbering`)."""
 
+import contextvars
 import operator
 from collections.abc import Callable, Sequence
 from typing import Generic, NamedTuple, overload, SupportsIndex, TypeVar, Unpack
@@ -93,6 +94,25 @@ def build_layers(
             "`layer(x)`."
         )
     return layers
+
+
+# Set while `restack` rebuilds a stack, whose layers may have outer axes in front
+# (a stack inside the layers of another, or a batch of stacks).
+_REBUILDING = contextvars.ContextVar("_REBUILDING", default=False)
+
+
+def _check_leading_axis(layers: PyTree, num_layers: int) -> None:
+    """Every array leaf of `layers` has the layer axis first, of length `num_layers`."""
+    for path, leaf in jtu.tree_leaves_with_path(layers):
+        if eqx.is_array(leaf) and (leaf.ndim == 0 or leaf.shape[0] != num_layers):
+            raise ValueError(
+                f"Stacked was given num_layers={num_layers}, but "
+                f"`layers{jtu.keystr(path)}` has shape {tuple(leaf.shape)}, not a "
+                f"leading layer axis of length {num_layers}.\nHint: every array "
+                "leaf of `layers` has the layer axis first (e.g. `stack.layers` "
+                "with `num_layers=len(stack)`); a batch of stacks (an ensemble built "
+                "with `eqx.filter_vmap`) is changed inside `eqx.filter_vmap`."
+            )
 
 
 class LayerNumbering(NamedTuple):
@@ -219,6 +239,8 @@ class Stacked(Scanning, Generic[LayerT]):
                 "Stacked takes either `make_layer` and `key` (and arguments for "
                 "`make_layer`), or already-stacked `layers`, not both."
             )
+        if not _REBUILDING.get():
+            _check_leading_axis(layers, num_layers)
         check_layer_sharding(layer_sharding, layers)
         self.layers = layers
         self.num_layers = num_layers
@@ -489,7 +511,11 @@ def restack(stack: Stacked[LayerT], **changes: object) -> Stacked[LayerT]:
     options = fields.pop("options", stack.options)
     assert isinstance(options, ScanOptions)
     # `fields` holds what `__init__` takes, by name.
-    new = type(stack)(**fields, **options.as_args())  # type: ignore[arg-type]  # see above
+    rebuilding = _REBUILDING.set(True)
+    try:
+        new = type(stack)(**fields, **options.as_args())  # type: ignore[arg-type]  # see above
+    finally:
+        _REBUILDING.reset(rebuilding)
     drop = with_mode_of(new.drop_rates, stack.drop_rates)
     if drop is new.drop_rates:
         return new

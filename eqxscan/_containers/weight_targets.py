@@ -12,7 +12,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, PyTree
 
-from .._helpers.checks import is_arraylike
+from .._helpers.checks import describe, is_arraylike
 from .walk import for_each, pattern, Site, walk
 
 
@@ -146,7 +146,7 @@ def replace_weights(
 
     out = _release(walk(replace, _hold(model), names=True)) if patterns else model
     for kind in (t for t in found if not isinstance(t, str)):
-        out = _replace_modules(out, kind, make, who, verb[0])
+        out = _replace_modules(out, kind, make, who, verb)
     missing = [p for p in patterns if p not in matched]
     if missing:
         raise ValueError(
@@ -159,7 +159,7 @@ def replace_weights(
 
 
 def _replace_modules(
-    model: PyTree, kind: type[eqx.Module], make: Make, who: str, verb: str
+    model: PyTree, kind: type[eqx.Module], make: Make, who: str, verb: tuple[str, str]
 ) -> PyTree:
     count = 0
 
@@ -168,11 +168,20 @@ def _replace_modules(
         if not isinstance(node, kind):
             return node
         weight = weight_at(getattr(node, "weight", None))
+        where = f"{who}: the {type(node).__name__} at `{jtu.keystr(path)}`"
         if weight is None:
             raise TypeError(
-                f"{who}: the {kind.__name__} at `{jtu.keystr(path)}` has no "
-                f"array `weight` to {verb}.\nHint: target its weight by name "
-                "instead."
+                f"{where} has no array `weight` to {verb[0]}.\nHint: target its "
+                "weight by name instead."
+            )
+        if isinstance(node, eqx.nn.Conv | eqx.nn.ConvTranspose):
+            # Its kernel has more axes than a matrix: the axes in front of a
+            # module's weight would be taken for layers.
+            raise TypeError(
+                f"{where} holds a convolution kernel (weight "
+                f"{describe(weight)}), not a matrix: only weights used as "
+                f"`x @ W` or `W @ x` can be {verb[1]}.\nHint: target the "
+                "model's Linear modules, or its matrices by name pattern."
             )
         count += 1
         name = jtu.keystr(path) + ".weight"

@@ -24,7 +24,7 @@ from .._scan.layer_call import (
     take,
 )
 from .._scan.options import ScanOptions
-from .._scan.taps import covering, tapping
+from .._scan.taps import call_of, covering, tapping
 from .early_exit import check_layers_method, checked_call
 
 
@@ -159,7 +159,8 @@ def run_layers(
       ints (negative counting from the end), checked; or an integer array of
       layer indices (a chain's global indices), checked when concrete, clamped
       to `[0, L-1]` when traced (every choice of one length runs in one
-      program). Indices may repeat (a layer run twice).
+      program). Indices may repeat (a layer run twice), except under
+      [`eqxscan.tap`][], which has one row per layer.
     - `*args`, `**kwargs`: passed to every layer; [`eqxscan.per_layer`][]
       values have the model's `L` layers first, and the chosen layers get
       their own slices.
@@ -189,7 +190,10 @@ def run_layers(
     length = model.num_layers
     if isinstance(layers, jax.Array):
         idx = _dynamic_indices(layers, length, call.caller)
-        with covering(length):
+        if tapping():
+            twice = jnp.any(jnp.diff(jnp.sort(idx)) == 0)
+            idx = eqx.error_if(idx, twice, _tapped_twice("a layer"))
+        with call_of(model), covering(length):
             return _scan_indices(model, x, idx, call)
     chosen = _static_indices(layers, length, call.caller)
     if isinstance(chosen, slice):
@@ -197,10 +201,23 @@ def run_layers(
         in_order = chosen.step in (None, 1)
     else:
         order, in_order = chosen.tolist(), False
+    if tapping() and len(set(order)) < len(order):
+        twice = next(i for i in order if order.count(i) > 1)
+        raise ValueError(_tapped_twice(f"layer {twice}"))
     # Taps number the layers they record; layers taken out of order are
-    # numbered as the traced indices' scan numbers them.
-    with covering(length):
+    # numbered as the traced indices' scan numbers them. The records are rows
+    # of a call of `model` (so find_nonfinite gives it its parameters).
+    with call_of(model), covering(length):
         return _run_static(model, x, order, tapping() and not in_order, call)
+
+
+def _tapped_twice(what: str) -> str:
+    return (
+        f"eqxscan.tap: run_layers was asked to run {what} twice, but a tap has "
+        "one row per layer of the model, by layer index.\nHint: tap each run of "
+        "that layer in a call of its own, e.g. "
+        "`eqxscan.tap(lambda x: eqxscan.run_layers(model, x, [i]), stat)(x)`."
+    )
 
 
 def _stretches(order: list[int]) -> list[tuple[int, int]]:

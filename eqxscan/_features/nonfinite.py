@@ -32,8 +32,9 @@ class NonFinite:
       layer passed down, or its parameters' gradient), `"loss"` (the loss after
       the container, forward or backward), or `None`.
     - `index`: the layer (or time step) that first produced one: forward, the
-      lowest with a non-finite output; backward, the first reached (the
-      highest); both the other way round for a call with `reverse=True`;
+      first to run with a non-finite output (the lowest, or the highest for a
+      call with `reverse=True`, or as `eqxscan.run_layers` ordered them);
+      backward, the first reached (the one that ran last);
       `"loss"`, the one whose output got the non-finite cotangent; or
       `None` (a non-finite loss value, or a `Recurrent` cell's parameter
       gradient, summed over steps).
@@ -120,31 +121,33 @@ def _program(model: PyTree, loss_fn: Callable[..., Array], inputs: tuple) -> tup
     # `Recurrent` emits (`hs`), which the loss alone reaches.
     calls = eqx.filter_eval_shape(lambda: loss((model, None))[1])
     zeros = {
-        c.name: jtu.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), s) for c, s in calls
+        c.name: jtu.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), s)
+        for c, s, _ in calls
     }
     probes = tuple(Probe(zeros, nonfinite_count, per_call=True) for _ in range(2))
     (value, forward), (g_model, g_probes) = eqx.filter_value_and_grad(
         loss, has_aux=True
     )((model, probes))
     backward, emitted = (p.values for p in g_probes)
-    rows = [(c, s, backward[c.name], emitted[c.name]) for c, s in forward]
+    rows = [(c, s, backward[c.name], emitted[c.name], i) for c, s, i in forward]
     return value, rows, (_param_counts(g_model), _shared_counts(g_model))
 
 
-def _first(tree: PyTree, last: bool) -> tuple[int, str] | None:
-    """The lowest (or, `last`, the highest) index with a count above zero over
-    every leaf of `tree` (`[L]` counts), and that leaf's path."""
-    found = [
-        (i, jtu.keystr(path))
-        for path, counts in jtu.tree_leaves_with_path(tree)
-        if (i := _pick(counts, last)) is not None
+def _order(ids: object, reverse: bool) -> list[int]:
+    """The layers (or time steps) a call ran, in the order they ran, from the
+    indices + 1 its taps recorded in that order (0: not run); a call in
+    reverse recorded them ascending, and ran them descending."""
+    ran = [int(i) - 1 for i in np.asarray(ids) if i > 0]
+    return sorted(ran, reverse=True) if reverse else ran
+
+
+def _first(tree: PyTree, order: list[int]) -> tuple[int, str] | None:
+    """The first index of `order` with a count above zero in some leaf of
+    `tree` (`[L]` counts), and that leaf's path."""
+    leaves = [
+        (np.asarray(c), jtu.keystr(p)) for p, c in jtu.tree_leaves_with_path(tree)
     ]
-    return (max if last else min)(found, key=lambda f: f[0]) if found else None
-
-
-def _pick(counts: object, last: bool) -> int | None:
-    hits = np.flatnonzero(np.asarray(counts) > 0)
-    return int(hits[-1] if last else hits[0]) if hits.size else None
+    return next(((i, p) for i in order for c, p in leaves if c[i] > 0), None)
 
 
 def find_nonfinite(
@@ -194,7 +197,7 @@ def find_nonfinite(
     value, rows, (params, shared) = jax.device_get(_program(model, loss_fn, inputs))
     # Calls inside a `Recurrent`'s cell (counts per time step) are not checked.
     rows = [r for r in rows if all(np.ndim(a) == 1 for a in jtu.tree_leaves(r[1]))]
-    if not any(jtu.tree_leaves(c) for _, c, _, _ in rows):
+    if not any(jtu.tree_leaves(r[1]) for r in rows):
         raise TypeError(
             "eqxscan.find_nonfinite: the tapped container's carry has no "
             "floating-point leaves to check.\nCheck that loss_fn calls a Stacked, "
@@ -219,8 +222,8 @@ def find_nonfinite(
 def _report(value: float, rows: list, params: list) -> NonFinite:
     several = len(rows) > 1
     pick = (lambda t: dict(t)) if several else (lambda t: t[0][1])  # noqa: E731
-    forward = pick([(c.name, f) for c, f, _, _ in rows])
-    backward = pick([(c.name, b) for c, _, b, _ in rows])
+    forward = pick([(c.name, f) for c, f, *_ in rows])
+    backward = pick([(c.name, b) for c, _, b, *_ in rows])
 
     def done(
         where: Literal["forward", "backward", "loss"] | None,
@@ -239,8 +242,8 @@ def _report(value: float, rows: list, params: list) -> NonFinite:
         what = "time step" if name.startswith("Recurrent") else "layer"
         return f"{what} {i}" + (f" of {name}" if several else "")
 
-    for call, fwd_counts, _, _ in rows:
-        name, fwd = call.name, _first(fwd_counts, last=call.reverse)
+    for call, fwd_counts, _, _, ids in rows:
+        name, fwd = call.name, _first(fwd_counts, _order(ids, call.reverse))
         if fwd is not None:
             i, path = fwd
             message = (
@@ -257,7 +260,7 @@ def _report(value: float, rows: list, params: list) -> NonFinite:
     # Param counts in the order the containers appear in the gradients, given
     # to the calls of the same class and length in call order.
     unclaimed = list(params)
-    for call, fwd_counts, bwd_counts, emitted in reversed(rows):
+    for call, fwd_counts, bwd_counts, emitted, ids in reversed(rows):
         name, length = call.name, jtu.tree_leaves(fwd_counts)[0].shape[0]
         fits = [
             p
@@ -267,7 +270,8 @@ def _report(value: float, rows: list, params: list) -> NonFinite:
         ]
         mine = unclaimed.pop(unclaimed.index(fits[0]))[1] if fits else {}
         at_i = functools.partial(at, name)
-        found = _backward(bwd_counts, emitted, mine, length, call.reverse, at_i)
+        order = _order(ids, call.reverse)
+        found = _backward(bwd_counts, emitted, mine, order, at_i)
         if found is not None:
             return done(*found, name)
     return done(
@@ -279,21 +283,21 @@ def _backward(
     backward: PyTree,
     emitted: PyTree,
     params: dict,
-    length: int,
-    reverse: bool,
+    order: list[int],
     at: Callable[[int], str],
 ) -> tuple[Literal["backward", "loss"], int, str, str] | None:
-    # The backward pass reaches the highest index first (the lowest when the
-    # call ran in reverse): the cotangent of output j came non-finite from the
-    # loss (what a `Recurrent` emits, or the last output), or the next layer
-    # passed it down, or a layer made non-finite gradients of its own
+    # The backward pass reaches the layer that ran last first (`order`: the
+    # layers in the order they ran): the cotangent of output j came non-finite
+    # from the loss (what a `Recurrent` emits, or the last output), or the next
+    # layer passed it down, or a layer made non-finite gradients of its own
     # parameters.
     candidates = []
-    bwd = _first(backward, last=not reverse)
+    back = order[::-1]
+    bwd = _first(backward, back)
     if bwd is not None:
         j, path = bwd
-        from_loss = _first(emitted, last=not reverse)
-        if j == (0 if reverse else length - 1) or (from_loss and from_loss[0] == j):
+        from_loss = _first(emitted, back)
+        if j == order[-1] or (from_loss and from_loss[0] == j):
             message = (
                 f"The cotangent of {at(j)}'s output carry{path} is already "
                 "non-finite: the backward pass of loss_fn after the container "
@@ -301,14 +305,14 @@ def _backward(
             )
             return "loss", j, f"carry{path}", message
         said = "passed a non-finite cotangent to its input {}"
-        candidates.append((j - 1 if reverse else j + 1, f"carry{path}", said))
+        candidates.append((order[order.index(j) + 1], f"carry{path}", said))
     for path, per_layer in params.items():
-        if (i := _pick(per_layer, last=True)) is not None:
+        if (last := _first(per_layer, back)) is not None:
             said = "gave its parameter {} a non-finite gradient"
-            candidates.append((i, f"layer{path}", said))
+            candidates.append((last[0], f"layer{path}", said))
     if not candidates:
         return None
-    i, leaf, said = (min if reverse else max)(candidates, key=lambda c: c[0])
+    i, leaf, said = max(candidates, key=lambda c: order.index(c[0]))
     message = (
         f"The backward pass went non-finite at {at(i)}: it {said.format(leaf)} "
         "(the forward pass and the cotangents reaching it are finite)."

@@ -55,14 +55,19 @@ def layer_state(
 ) -> eqx.nn.State:
     """The part of `state` that belongs to the stacked `layers`, checked."""
     sub = state.substate(layers)
-    for path, leaf in jtu.tree_leaves_with_path(sub):
-        if getattr(leaf, "ndim", 0) == 0 or leaf.shape[0] != length:
-            raise ValueError(
-                f"{what} has {length} layers, but its state entry "
-                f"`{jtu.keystr(path)}` is {describe(leaf)}: the layer axis of length "
-                f"{length} must come first. Make the model and its state together "
-                "with `eqx.nn.make_with_state`."
-            )
+    values, markers = sub.tree_flatten()
+    for marker, value in zip(markers, values):
+        name = marker if isinstance(marker, str) else "an eqx.nn.StateIndex"
+        for path, leaf in jtu.tree_leaves_with_path(value):
+            if getattr(leaf, "ndim", 0) == 0 or leaf.shape[0] != length:
+                raise ValueError(
+                    f"{what} has {length} layers, but its state entry "
+                    f"`{name}{jtu.keystr(path)}` is {describe(leaf)}: the layer "
+                    f"axis of length {length} must come first.\nHint: make the "
+                    "model and its state together with `eqx.nn.make_with_state`; "
+                    "a slice of a stack, or one of its layers, takes the matching "
+                    "slice of its state (see docs/idioms.md)."
+                )
     return sub
 
 

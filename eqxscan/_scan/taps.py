@@ -330,10 +330,11 @@ def _takes_input(stat: Stat) -> bool:
     return required >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
 
 
-def _gather(records: list, depth: int, where: str) -> PyTree:
+def _gather(records: list, depth: int, where: str) -> tuple[PyTree, Array]:
     # The records (index + 1, stats), each with leading axes of the scans it
     # came out of, as one `[L, ...]` pytree in layer order (after the `depth`
-    # axes of the scans around the call, a `Recurrent`'s time steps).
+    # axes of the scans around the call, a `Recurrent`'s time steps), and the
+    # indices + 1 in the order recorded (0: a layer not run).
     ids, stats = [], []
     for idx, s, _ in records:
         if idx is not None:  # not a repeat count from `covering`
@@ -356,7 +357,7 @@ def _gather(records: list, depth: int, where: str) -> PyTree:
 
     for _ in range(depth):
         scatter = jax.vmap(scatter)
-    return jtu.tree_map(lambda a: scatter(all_ids, a), joined)
+    return jtu.tree_map(lambda a: scatter(all_ids, a), joined), all_ids
 
 
 def tap(
@@ -444,10 +445,12 @@ def tap_calls(
     args: tuple,
     kwargs: dict,
     emitted: Probe | None = None,
-) -> tuple[PyTree, list[tuple[_Call, PyTree]] | None]:
-    """`tap`'s call of `model`, and its statistics per container call, in call
-    order (`None` without `stat`)."""
-    # Records made outside any container call (`run_layers`) are the model's.
+) -> tuple[PyTree, list[tuple[_Call, PyTree, Array]] | None]:
+    """`tap`'s call of `model`, and per container call, in call order, its
+    statistics and its layers' indices + 1 in the order they ran (a call in
+    reverse: ascending) (`None` without `stat`)."""
+    # Records made outside any container call are the model's (run_layers' are
+    # a call of its model).
     outside = _Call(getattr(model, "__name__", "outside"))
     records: list = []
     state = _Tapping(
@@ -473,13 +476,13 @@ def tap_calls(
             "Stacked, Chain or Recurrent.\nTap the container itself, e.g. "
             "`eqxscan.tap(model.blocks, stat)(x)` inside the model's forward."
         )
-    return out, [(c, _gather(rs, c.depth, "eqxscan.tap")) for c, rs in calls]
+    return out, [(c, *_gather(rs, c.depth, "eqxscan.tap")) for c, rs in calls]
 
 
 def _run(*args: object) -> tuple[PyTree, PyTree]:
     out, calls = tap_calls(*args)  # pyright: ignore[reportArgumentType]
     if calls is None or len(calls) > 1:
-        return out, None if calls is None else {c.name: s for c, s in calls}
+        return out, None if calls is None else {c.name: s for c, s, _ in calls}
     return out, calls[0][1]
 
 

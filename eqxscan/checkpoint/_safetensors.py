@@ -367,7 +367,8 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     **Arguments:**
 
     - `path`: a `.safetensors` file, a `model.safetensors.index.json`, or a
-      directory holding either.
+      directory holding either (both: `model.safetensors`, as transformers
+      reads it).
 
     **Returns:**
 
@@ -423,7 +424,8 @@ def open_safetensors(
     **Arguments:**
 
     - `path`: a `.safetensors` file, a `model.safetensors.index.json`, or a
-      directory holding either.
+      directory holding either (both: `model.safetensors`, as transformers
+      reads it).
     - `like`: with `names`, the model whose names the arrays get.
     - `names`: a [`eqxscan.checkpoint.NameMap`][] from the file's names to
       eqxscan's for `like`: every name and shape is checked at once, as
@@ -478,7 +480,8 @@ def load_safetensors(
     **Arguments:**
 
     - `path`: a `.safetensors` file, a `model.safetensors.index.json`, or a
-      directory holding either (as Hugging Face lays them out).
+      directory holding either (as Hugging Face lays them out; both:
+      `model.safetensors`, as transformers reads it).
     - `like`: a model of the wanted layout (arrays or `jax.ShapeDtypeStruct`s),
       as for [`eqxscan.from_state_dict`][].
     - `names`: a [`eqxscan.checkpoint.NameMap`][] from the file's names to
@@ -509,6 +512,13 @@ def load_safetensors(
             raise
         except ValueError as e:
             first, *rest = str(e).splitlines()
+            # "eqxscan.quant": the metadata entry of eqxscan.quant.save's files.
+            if not rest and any("eqxscan.quant" in m for m in opened.metadata.values()):
+                rest = [
+                    "Hint: the file holds quantized weights (eqxscan.quant.save's); "
+                    "load it with eqxscan.quant.load(path, like), like quantized as "
+                    "the file was."
+                ]
             raise ValueError(
                 "\n".join([f"{opened.where!r} does not fit the model: {first}", *rest])
             ) from None

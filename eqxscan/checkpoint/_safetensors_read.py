@@ -56,6 +56,8 @@ class _Files(Mapping[str, Lazy]):
         self, path: str
     ) -> tuple[dict[str, list[str] | None], str | None, str]:
         if os.path.isdir(path):
+            # With an index too, the single file, as transformers reads it (a
+            # sharded save over a single file takes over once it removes it).
             if os.path.isfile(os.path.join(path, SINGLE)):
                 return {os.path.join(path, SINGLE): None}, None, path
             if os.path.isfile(os.path.join(path, INDEX)):

@@ -284,7 +284,8 @@ def load(path: str | os.PathLike, like: T) -> T:
     **Arguments:**
 
     - `path`: a `.safetensors` file, a `model.safetensors.index.json`, or a
-      directory holding either.
+      directory holding either (both: `model.safetensors`, as transformers
+      reads it).
     - `like`: a quantized model of the saved layout (arrays or
       `jax.ShapeDtypeStruct`s), e.g.
       `eqx.filter_eval_shape(eqxscan.quant.quantize, float_model, targets)`.
@@ -414,7 +415,8 @@ def quantize_file(
     **Arguments:**
 
     - `path`: a `.safetensors` file, a `model.safetensors.index.json`, or a
-      directory holding either.
+      directory holding either (both: `model.safetensors`, as transformers
+      reads it).
     - `like`: the float model of the file's layout (arrays or
       `jax.ShapeDtypeStruct`s, e.g. from `eqx.filter_eval_shape`).
     - `targets`, `kind`, `group_size`, `orientation`: as for
@@ -430,8 +432,9 @@ def quantize_file(
 
     As [`eqxscan.load_safetensors`][] for the files and names, and as
     [`eqxscan.quant.quantize`][] for the targets; `ValueError` naming the
-    array of a weight that holds NaN or inf, or a weight of `like` quantized
-    already.
+    array of a weight that holds NaN or inf, a weight of `like` quantized
+    already, or a file holding quantized weights (load those with
+    [`eqxscan.quant.load`][]).
     """
     _check_like("eqxscan.quant.quantize_file", like)
     done = _weights(like)[0]
@@ -456,4 +459,26 @@ def quantize_file(
         lambda q, x: q if is_quantized(q) else x, qlike, like, is_leaf=is_quantized
     )
     with open_safetensors(path, like, names=name_map) as opened:
+        _check_float(opened, qlike)
         return _fit(opened, qlike, _quantizing(opened, qlike))
+
+
+def _check_float(opened: Opened, qlike: PyTree) -> None:
+    """Refuse files whose weights are quantized already (recorded by
+    `save`, or stored as `<name>.values`): they are loaded, not quantized."""
+    recorded = _recorded(opened) or {}
+    stored = [
+        f"'{n}.values'"
+        for w in _weights(qlike)[0]
+        for n in w.names
+        if f"{n}.values" in opened.arrays
+    ]
+    found = [f"`{p}` ({spec})" for p, spec in recorded.items()] or stored
+    if found:
+        raise ValueError(
+            f"eqxscan.quant.quantize_file: {opened.where!r} holds quantized "
+            f"weights already ({', '.join(found[:3])}); quantize_file reads float "
+            "weights.\nHint: load it with eqxscan.quant.load(path, like), like "
+            "quantized as the file was, which checks how: e.g. "
+            "eqx.filter_eval_shape(eqxscan.quant.quantize, model, targets, ...)."
+        )
