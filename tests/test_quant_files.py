@@ -285,11 +285,12 @@ def test_quantize_file_through_a_name_map_equals_quantizing_the_loaded_model(
     tmp_path,
 ):
     # A Hugging Face Llama checkpoint (its PyTorch names, q/k/v and gate/up
-    # apart, `[out, in]`), sharded; every layer's fused weights quantized.
-    config = llama.Config()
+    # apart, `[out, in]`), sharded; every layer's fused weights quantized. Its
+    # fused weights share two shapes ([32, 64] and [32, 32]): fewer programs.
+    config = llama.Config(vocab=16, dim=32, hidden=32, layers=2, heads=2, kv_heads=1)
     names = llama.torch_names(config)
     model = llama.Llama(config, key=jax.random.key(0))
-    eqxscan.save_safetensors(tmp_path, model, names=names, max_shard_size="40KB")
+    eqxscan.save_safetensors(tmp_path, model, names=names, max_shard_size="10KB")
     assert len(os.listdir(tmp_path)) > 3
     like = eqx.filter_eval_shape(llama.Llama, config, key=jax.random.key(1))
     floats = eqxscan.load_safetensors(tmp_path, like, names=names)
