@@ -93,14 +93,19 @@ def test_nested_norms_conv_and_dense_general_match_flax():
         FlaxBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=3
     )()
     x = jax.random.normal(jax.random.key(1), (S, D))
-    variables = scanned.init(jax.random.key(0), x, None)
-    # Norm scales and biases away from their initial ones and zeros.
+    # Flax's parameter tree, drawn here (no initialisers run): norm scales and
+    # biases away from their initial ones and zeros.
     rng = np.random.default_rng(0)
-    variables = jax.tree.map(
-        lambda a: np.asarray(a) + rng.normal(0, 0.3, a.shape).astype(np.float32),
-        variables,
+
+    def draw(path, a):
+        mean = 1.0 if path[-1].key == "scale" else 0.0
+        return rng.normal(mean, 0.3, a.shape).astype(np.float32)
+
+    shapes = jax.eval_shape(scanned.init, jax.random.key(0), x, None)
+    variables = jax.tree_util.tree_map_with_path(draw, shapes)
+    like = eqx.filter_eval_shape(
+        lambda: eqxscan.Stacked(lambda k: Block(key=k), 3, key=jax.random.key(2))
     )
-    like = eqxscan.Stacked(lambda k: Block(key=k), 3, key=jax.random.key(2))
     stack = eqxscan.from_flax_scan(like, variables, names=NAMES)
     with jax.numpy_rank_promotion("allow"):  # as Flax's modules need
         expected = scanned.apply(variables, x, None)[0]

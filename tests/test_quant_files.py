@@ -285,11 +285,12 @@ def test_quantize_file_through_a_name_map_equals_quantizing_the_loaded_model(
     tmp_path,
 ):
     # A Hugging Face Llama checkpoint (its PyTorch names, q/k/v and gate/up
-    # apart, `[out, in]`), sharded; every layer's fused weights quantized.
-    config = llama.Config()
+    # apart, `[out, in]`), sharded; every layer's fused weights quantized. Its
+    # fused weights share two shapes ([32, 64] and [32, 32]): fewer programs.
+    config = llama.Config(vocab=16, dim=32, hidden=32, layers=2, heads=2, kv_heads=1)
     names = llama.torch_names(config)
     model = llama.Llama(config, key=jax.random.key(0))
-    eqxscan.save_safetensors(tmp_path, model, names=names, max_shard_size="40KB")
+    eqxscan.save_safetensors(tmp_path, model, names=names, max_shard_size="10KB")
     assert len(os.listdir(tmp_path)) > 3
     like = eqx.filter_eval_shape(llama.Llama, config, key=jax.random.key(1))
     floats = eqxscan.load_safetensors(tmp_path, like, names=names)
@@ -315,10 +316,18 @@ def _peak(fn):
 
 
 def test_quantize_file_holds_one_float_layer_beside_the_quantized_model(tmp_path):
-    # 8 layers of 2 x [128, 512] float32: 256 KiB a layer's weight, 4 MiB in all.
+    # 8 layers of 2 x [128, 512] float32: 256 KiB a layer's weight, 4 MiB in all,
+    # drawn with NumPy (no random-number programs for these sizes).
     path = tmp_path / "model.safetensors"
-    eqxscan.save(path, _mlp(dim=128, num_layers=8))
     like = eqx.filter_eval_shape(_mlp, 1, 128, 8)
+    rng = np.random.default_rng(0)
+
+    def draw(s):
+        if not isinstance(s, jax.ShapeDtypeStruct):
+            return s
+        return jnp.asarray(rng.normal(size=s.shape).astype(s.dtype))
+
+    eqxscan.save(path, jax.tree.map(draw, like))
     streamed = lambda: quant.quantize_file(path, like, targets=MLP)  # noqa: E731
     whole = lambda: quant.quantize(eqxscan.load_safetensors(path, like), MLP)  # noqa: E731
     streamed()  # its eager operations compiled
