@@ -4,11 +4,12 @@ how a container numbers its layers in a state dict (`LayerNumbering`)."""
 
 import operator
 from collections.abc import Callable, Sequence
-from typing import Generic, NamedTuple, overload, SupportsIndex, TypeVar, Unpack
+from typing import Any, Generic, NamedTuple, overload, SupportsIndex, TypeVar, Unpack
 
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
+import numpy as np
 from jax.sharding import Sharding
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
@@ -99,12 +100,35 @@ class LayerNumbering(NamedTuple):
     """How the flat state-dict names of [`eqxscan.to_state_dict`][] number the
     layers of a subtree: an array element at layer-axis index `i` (one entry per
     leading layer axis of the subtree) belongs to layer
-    `start + sum(i[k] * strides[k])`. A `Stacked`'s layers are
+    `start + sum(i[k] * strides[k])`, the last `i[k]` first replaced by
+    `order[i[k]]` when an `order` is given. A `Stacked`'s layers are
     `LayerNumbering(0, (1,))`; layer 5 of a `Chain`, alone, is
     `LayerNumbering(5, ())`."""
 
     start: int
     strides: tuple[int, ...]
+    # The layer offset held at each index of the last layer axis, where it is
+    # not the index itself (a stack stored in stage order).
+    order: tuple[int, ...] | None = None
+
+    def number(self, index: Sequence[Any]) -> Any:
+        """The layer number at `index` (ints, or NumPy index grids)."""
+        if self.order is not None and index:
+            index = (*index[:-1], np.asarray(self.order)[index[-1]])
+        return self.start + sum(i * s for i, s in zip(index, self.strides, strict=True))
+
+
+def stored_order(
+    num_layers: int, stage_order: tuple[int, int] | None
+) -> tuple[int, ...] | None:
+    """The layer held at each position of a stack stored in the stage order
+    `stage_order` of `pipeline_order` (`None`: the natural order): position
+    `(s * R + r) * K + k` holds layer `(r * S + s) * K + k`."""
+    if stage_order is None:
+        return None
+    stages, repeats = stage_order
+    grid = np.arange(num_layers).reshape(repeats, stages, -1).swapaxes(0, 1)
+    return tuple(int(i) for i in grid.reshape(-1))
 
 
 StateDictFn = Callable[[PyTree, LayerNumbering, tuple[int, ...]], PyTree]
@@ -326,8 +350,10 @@ class Stacked(Scanning, Generic[LayerT]):
 
     def state_dict_layers(self, fn: StateDictFn) -> "Stacked[LayerT]":
         """Names layer `i`'s `w1` `"<prefix>.i.w1"` in a state dict, as for a list
-        of layers: `fn` replaces `layers`, and the stack is rebuilt (checked)."""
-        layers = fn(self.layers, LayerNumbering(0, (1,)), (self.num_layers,))
+        of layers, wherever `stage_order` stores it: `fn` replaces `layers`, and
+        the stack is rebuilt (checked)."""
+        order = stored_order(self.num_layers, self.stage_order)
+        layers = fn(self.layers, LayerNumbering(0, (1,), order), (self.num_layers,))
         return restack(self, layers=layers)
 
     def with_layer(self, index: SupportsIndex, layer: LayerT) -> "Stacked[LayerT]":
