@@ -457,3 +457,20 @@ def test_stage_ordered_stack_names_its_natural_layers(getkey, tmp_path):
     assert jnp.allclose(loaded(x), stack(x))
     restaged = load_safetensors(tmp_path / "m.safetensors", staged, names=names)
     assert tree_allclose(restaged, staged)
+
+
+def test_a_chains_stage_ordered_stack_names_its_natural_layers(getkey):
+    from eqxscan.sharding import pipeline_order
+
+    first = eqx.nn.Linear(2, 3, key=getkey())
+    chain = eqxscan.Chain(
+        [first, *[eqx.nn.Linear(3, 3, key=getkey()) for _ in range(4)]]
+    )
+    staged = eqx.tree_at(
+        lambda c: c.groups[1],
+        chain,
+        pipeline_order(chain.groups[1], stages=2, repeats=2),
+    )
+    natural = eqxscan.to_state_dict(chain)
+    assert tree_allclose(eqxscan.to_state_dict(staged), natural)
+    assert tree_allclose(eqxscan.from_state_dict(staged, natural), staged)
