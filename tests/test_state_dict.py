@@ -474,3 +474,14 @@ def test_a_chains_stage_ordered_stack_names_its_natural_layers(getkey):
     natural = eqxscan.to_state_dict(chain)
     assert tree_allclose(eqxscan.to_state_dict(staged), natural)
     assert tree_allclose(eqxscan.from_state_dict(staged, natural), staged)
+
+
+def test_a_stage_order_that_does_not_fit_the_stack_is_refused(getkey):
+    # It was kept, and naming the layers failed later with a NumPy reshape error.
+    def make(k):
+        return eqx.nn.Linear(2, 2, key=k)
+
+    with pytest.raises(ValueError, match=r"stage_order=\(3, 2\) cuts .* 6 chunks"):
+        eqxscan.Stacked(make, 8, key=getkey(), stage_order=(3, 2))
+    with pytest.raises(ValueError, match=r"stage_order\[0\] must be >= 1"):
+        eqxscan.Stacked(make, 8, key=getkey(), stage_order=(0, 2))

@@ -131,6 +131,30 @@ def stored_order(
     return tuple(int(i) for i in grid.reshape(-1))
 
 
+def _check_stage_order(order: object, num_layers: int) -> tuple[int, int] | None:
+    # Read as the positions of `stored_order`: a pair whose chunks fit the stack.
+    if order is None:
+        return None
+    if not isinstance(order, tuple) or len(order) != 2:
+        raise TypeError(
+            f"Stacked: stage_order must be None or a (stages, repeats) pair, got "
+            f"{describe(order)}.\nHint: leave it to sharding.pipeline_order, "
+            "which permutes the layers and sets it."
+        )
+    stages, repeats = (
+        check_size(f"Stacked: stage_order[{i}]", v) for i, v in enumerate(order)
+    )
+    if num_layers % (stages * repeats):
+        raise ValueError(
+            f"Stacked: stage_order={order} cuts the layers into {stages} stages x "
+            f"{repeats} repeats = {stages * repeats} chunks, but the stack has "
+            f"{num_layers} layers, not a multiple of {stages * repeats}.\nHint: "
+            "leave it to sharding.pipeline_order, which permutes the layers and "
+            "sets it."
+        )
+    return stages, repeats
+
+
 StateDictFn = Callable[[PyTree, LayerNumbering, tuple[int, ...]], PyTree]
 """What a module's `state_dict_layers` applies to each subtree that holds layers:
 `fn(subtree, index, axes)`, with `axes` the sizes of the layer axes in front of
@@ -248,7 +272,7 @@ class Stacked(Scanning, Generic[LayerT]):
         self.num_layers = num_layers
         self.layer_sharding = layer_sharding
         self.drop_rates = new_drop_rates(num_layers, drop_path, layer_drop)
-        self.stage_order = stage_order
+        self.stage_order = _check_stage_order(stage_order, num_layers)
 
     @classmethod
     def from_layers(
