@@ -8,6 +8,7 @@ from ._containers.stacked import (
     LayerNumbering as LayerNumbering,
     restack as restack,
     Stacked as Stacked,
+    stored_order as stored_order,
 )
 from ._containers.walk import (
     for_each as for_each,

@@ -249,3 +249,32 @@ def test_a_digest_file_that_lists_no_files_is_corruption(tmp_path, damaged):
             c.restore(model, mesh=mesh, step=1)
         _, _, step = c.restore(model, mesh=mesh, step=1, verify=False)
         assert step == 1
+
+
+def test_an_orbax_step_restores_only_into_the_layer_order_it_was_saved_in(tmp_path):
+    # A stack in stage order is saved as stored: restored into a stack in the
+    # natural order (or the reverse) its layers came back permuted, silently.
+    import optax
+
+    from eqxscan.sharding import pipeline_order
+
+    stack = eqxscan.Stacked(lambda k: eqx.nn.Linear(2, 2, key=k), 4, key=KEY)
+    staged = pipeline_order(stack, stages=2, repeats=2)
+    adam = optax.adam(0.1)
+    mesh = eqxscan.sharding.make_mesh(devices=jax.devices()[:1])
+    with eqxscan.checkpoint.CheckpointManager(tmp_path, asynchronous=False) as c:
+        c.save(1, staged, adam.init(staged))
+        c.save(2, stack)
+        model, _, _ = c.restore(staged, adam.init(staged), mesh=mesh, step=1)
+        back = pipeline_order(model, stages=2, repeats=2, inverse=True)
+        assert jnp.array_equal(back.layers.weight, stack.layers.weight)
+        with pytest.raises(ValueError) as e:
+            c.restore(stack, adam.init(stack), mesh=mesh, step=1)
+        first, hint = str(e.value).splitlines()
+        assert (
+            "model '*' is saved in the stage order of pipeline_order(stack, " in first
+        )
+        assert "opt_state '0.mu.*' is saved in the stage order" in first
+        assert hint.startswith("Hint: restore into a model (and optimizer state)")
+        with pytest.raises(ValueError, match=r"model '\*' is saved in the natural"):
+            c.restore(staged, mesh=mesh, step=2)

@@ -168,3 +168,32 @@ def test_freeze_layers_where_and_errors(getkey):
     opt = eqxscan.optim.freeze_layers(optax.sgd(1.0), 0, where=lambda m: m.a.layers)
     with pytest.raises(TypeError, match="not an eqxscan.Stacked"):
         opt.update(grads, opt.init(params), params)
+
+
+def test_freeze_layers_freezes_layer_numbers_of_a_stage_ordered_stack(getkey):
+    # Position 2 of this stage order holds layer 4: freezing layer 2 froze it.
+    stack = _stack(getkey(), 8)
+    staged = eqxscan.sharding.pipeline_order(stack, stages=2, repeats=2)
+    opt = eqxscan.optim.freeze_layers(optax.sgd(1.0), [2, 7])
+    grads = jax.tree.map(jnp.ones_like, eqx.filter(staged, eqx.is_inexact_array))
+    updates, _ = opt.update(grads, opt.init(grads))
+    natural = eqxscan.sharding.pipeline_order(
+        updates, stages=2, repeats=2, inverse=True
+    )
+    for leaf in jax.tree.leaves(natural):
+        zero = [i for i in range(8) if not np.any(np.asarray(leaf[i]))]
+        assert zero == [2, 7]
+
+
+def test_layerwise_scale_numbers_the_layers_of_a_stage_ordered_stack(getkey):
+    stack = _stack(getkey(), 8)
+    staged = eqxscan.sharding.pipeline_order(stack, stages=2, repeats=2)
+    scale = eqxscan.optim.layerwise_scale(lambda i: 1.0 + i)
+    grads = jax.tree.map(jnp.ones_like, eqx.filter(staged, eqx.is_inexact_array))
+    updates, _ = scale.update(grads, scale.init(grads))
+    natural = eqxscan.sharding.pipeline_order(
+        updates, stages=2, repeats=2, inverse=True
+    )
+    for leaf in jax.tree.leaves(natural):
+        want = np.arange(1.0, 9.0).reshape((8,) + (1,) * (leaf.ndim - 1))
+        np.testing.assert_array_equal(leaf, np.broadcast_to(want, leaf.shape))

@@ -434,3 +434,54 @@ def test_per_layer_scalars_are_arrays(getkey):
         assert type(state[f"{i}.gain"]) is np.ndarray and state[f"{i}.gain"].shape == ()
         assert state[f"{i}.gain"] == stack.layers.gain[i]
     assert eqx.tree_equal(eqxscan.from_state_dict(stack, state), stack)
+
+
+def test_stage_ordered_stack_names_its_natural_layers(getkey, tmp_path):
+    # Names mean layer numbers: a stack stored in pipeline stage order saves
+    # layer i as "i" and loads "i" into where that order keeps layer i.
+    from eqxscan.checkpoint import load_safetensors, NameMap, save_safetensors
+    from eqxscan.sharding import pipeline_order
+
+    stack = eqxscan.Stacked(lambda k: eqx.nn.Linear(2, 2, key=k), 8, key=getkey())
+    staged = pipeline_order(stack, stages=2, repeats=2)
+    natural = eqxscan.to_state_dict(stack)
+    assert tree_allclose(eqxscan.to_state_dict(staged), natural)
+    back = eqxscan.from_state_dict(stack, eqxscan.to_state_dict(staged))
+    assert tree_allclose(back, stack)
+    assert tree_allclose(eqxscan.from_state_dict(staged, natural), staged)
+    names = NameMap({"{i}.weight": "layer_{i}.w", "{i}.bias": "layer_{i}.b"})
+    save_safetensors(tmp_path / "m.safetensors", staged, names=names)
+    loaded = load_safetensors(tmp_path / "m.safetensors", stack, names=names)
+    assert tree_allclose(loaded, stack)
+    x = jnp.arange(2.0)
+    assert jnp.allclose(loaded(x), stack(x))
+    restaged = load_safetensors(tmp_path / "m.safetensors", staged, names=names)
+    assert tree_allclose(restaged, staged)
+
+
+def test_a_chains_stage_ordered_stack_names_its_natural_layers(getkey):
+    from eqxscan.sharding import pipeline_order
+
+    first = eqx.nn.Linear(2, 3, key=getkey())
+    chain = eqxscan.Chain(
+        [first, *[eqx.nn.Linear(3, 3, key=getkey()) for _ in range(4)]]
+    )
+    staged = eqx.tree_at(
+        lambda c: c.groups[1],
+        chain,
+        pipeline_order(chain.groups[1], stages=2, repeats=2),
+    )
+    natural = eqxscan.to_state_dict(chain)
+    assert tree_allclose(eqxscan.to_state_dict(staged), natural)
+    assert tree_allclose(eqxscan.from_state_dict(staged, natural), staged)
+
+
+def test_a_stage_order_that_does_not_fit_the_stack_is_refused(getkey):
+    # It was kept, and naming the layers failed later with a NumPy reshape error.
+    def make(k):
+        return eqx.nn.Linear(2, 2, key=k)
+
+    with pytest.raises(ValueError, match=r"stage_order=\(3, 2\) cuts .* 6 chunks"):
+        eqxscan.Stacked(make, 8, key=getkey(), stage_order=(3, 2))
+    with pytest.raises(ValueError, match=r"stage_order\[0\] must be >= 1"):
+        eqxscan.Stacked(make, 8, key=getkey(), stage_order=(0, 2))

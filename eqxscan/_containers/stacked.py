@@ -5,11 +5,12 @@ how a container numbers its layers in a state dict (`LayerNumbering`)."""
 import contextvars
 import operator
 from collections.abc import Callable, Sequence
-from typing import Generic, NamedTuple, overload, SupportsIndex, TypeVar, Unpack
+from typing import Any, Generic, NamedTuple, overload, SupportsIndex, TypeVar, Unpack
 
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
+import numpy as np
 from jax.sharding import Sharding
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
@@ -119,12 +120,59 @@ class LayerNumbering(NamedTuple):
     """How the flat state-dict names of [`eqxscan.to_state_dict`][] number the
     layers of a subtree: an array element at layer-axis index `i` (one entry per
     leading layer axis of the subtree) belongs to layer
-    `start + sum(i[k] * strides[k])`. A `Stacked`'s layers are
+    `start + sum(i[k] * strides[k])`, the last `i[k]` first replaced by
+    `order[i[k]]` when an `order` is given. A `Stacked`'s layers are
     `LayerNumbering(0, (1,))`; layer 5 of a `Chain`, alone, is
     `LayerNumbering(5, ())`."""
 
     start: int
     strides: tuple[int, ...]
+    # The layer offset held at each index of the last layer axis, where it is
+    # not the index itself (a stack stored in stage order).
+    order: tuple[int, ...] | None = None
+
+    def number(self, index: Sequence[Any]) -> Any:
+        """The layer number at `index` (ints, or NumPy index grids)."""
+        if self.order is not None and index:
+            index = (*index[:-1], np.asarray(self.order)[index[-1]])
+        return self.start + sum(i * s for i, s in zip(index, self.strides, strict=True))
+
+
+def stored_order(
+    num_layers: int, stage_order: tuple[int, int] | None
+) -> tuple[int, ...] | None:
+    """The layer held at each position of a stack stored in the stage order
+    `stage_order` of `pipeline_order` (`None`: the natural order): position
+    `(s * R + r) * K + k` holds layer `(r * S + s) * K + k`."""
+    if stage_order is None:
+        return None
+    stages, repeats = stage_order
+    grid = np.arange(num_layers).reshape(repeats, stages, -1).swapaxes(0, 1)
+    return tuple(int(i) for i in grid.reshape(-1))
+
+
+def _check_stage_order(order: object, num_layers: int) -> tuple[int, int] | None:
+    # Read as the positions of `stored_order`: a pair whose chunks fit the stack.
+    if order is None:
+        return None
+    if not isinstance(order, tuple) or len(order) != 2:
+        raise TypeError(
+            f"Stacked: stage_order must be None or a (stages, repeats) pair, got "
+            f"{describe(order)}.\nHint: leave it to sharding.pipeline_order, "
+            "which permutes the layers and sets it."
+        )
+    stages, repeats = (
+        check_size(f"Stacked: stage_order[{i}]", v) for i, v in enumerate(order)
+    )
+    if num_layers % (stages * repeats):
+        raise ValueError(
+            f"Stacked: stage_order={order} cuts the layers into {stages} stages x "
+            f"{repeats} repeats = {stages * repeats} chunks, but the stack has "
+            f"{num_layers} layers, not a multiple of {stages * repeats}.\nHint: "
+            "leave it to sharding.pipeline_order, which permutes the layers and "
+            "sets it."
+        )
+    return stages, repeats
 
 
 StateDictFn = Callable[[PyTree, LayerNumbering, tuple[int, ...]], PyTree]
@@ -246,7 +294,7 @@ class Stacked(Scanning, Generic[LayerT]):
         self.num_layers = num_layers
         self.layer_sharding = layer_sharding
         self.drop_rates = new_drop_rates(num_layers, drop_path, layer_drop)
-        self.stage_order = stage_order
+        self.stage_order = _check_stage_order(stage_order, num_layers)
 
     @classmethod
     def from_layers(
@@ -348,8 +396,10 @@ class Stacked(Scanning, Generic[LayerT]):
 
     def state_dict_layers(self, fn: StateDictFn) -> "Stacked[LayerT]":
         """Names layer `i`'s `w1` `"<prefix>.i.w1"` in a state dict, as for a list
-        of layers: `fn` replaces `layers`, and the stack is rebuilt (checked)."""
-        layers = fn(self.layers, LayerNumbering(0, (1,)), (self.num_layers,))
+        of layers, wherever `stage_order` stores it: `fn` replaces `layers`, and
+        the stack is rebuilt (checked)."""
+        order = stored_order(self.num_layers, self.stage_order)
+        layers = fn(self.layers, LayerNumbering(0, (1,), order), (self.num_layers,))
         return restack(self, layers=layers)
 
     def with_layer(self, index: SupportsIndex, layer: LayerT) -> "Stacked[LayerT]":

@@ -99,7 +99,7 @@ def resolve(parts: tuple, index: tuple[int, ...]) -> list:
     its own axes."""
     it = iter(index)
     return [
-        p.start + sum(next(it) * s for s in p.strides)
+        int(p.number([next(it) for _ in p.strides]))
         if isinstance(p, LayerNumbering)
         else p
         for p in parts

@@ -27,6 +27,8 @@ from .._internal import (
     is_arraylike,
     key_name,
     Site,
+    Stacked,
+    walk,
 )
 from ..sharding import MIN_SIZE, model_shardings, opt_state_shardings, shard
 from ._files import flatten, listed
@@ -62,12 +64,7 @@ def _named_leaves(tree: PyTree) -> list[tuple[tuple[str, ...], Any]]:
 
     def name(leaf: object, site: Site) -> None:
         if is_arraylike(leaf):  # other leaves (floats, None) are not saved
-            layer_entries = {at for at, _ in site.enclosing}
-            # Named as in a state dict: a dotted key ('a.b' beside 'a': {'b'})
-            # would restore two arrays from one entry.
-            parts: tuple[str, ...] = ()
-            for i, entry in enumerate(site.path):
-                parts += (_LAYER if i in layer_entries else key_name(entry, parts),)
+            parts = _parts(site)
             if jax.numpy.issubdtype(leaf.dtype, jax.dtypes.prng_key):
                 # Orbax saves its key data, then cannot restore it into a key.
                 raise TypeError(
@@ -79,6 +76,58 @@ def _named_leaves(tree: PyTree) -> list[tuple[tuple[str, ...], Any]]:
 
     for_each(name, tree)
     return out
+
+
+def _parts(site: Site) -> tuple[str, ...]:
+    # Named as in a state dict: a dotted key ('a.b' beside 'a': {'b'}) would
+    # restore two arrays from one entry.
+    layer_entries = {at for at, _ in site.enclosing}
+    parts: tuple[str, ...] = ()
+    for i, entry in enumerate(site.path):
+        parts += (_LAYER if i in layer_entries else key_name(entry, parts),)
+    return parts
+
+
+def _stage_orders(tree: PyTree) -> dict[str, list[int]]:
+    # The entry (`blocks.*`) of each stack stored in stage order, and that order:
+    # its arrays are saved as stored, so a checkpoint records it.
+    orders: dict[str, list[int]] = {}
+
+    def note(stack: Stacked, site: Site) -> Stacked:
+        if stack.stage_order is not None:
+            orders[".".join(_parts(site))] = list(stack.stage_order)
+        return stack
+
+    walk(lambda leaf, _: leaf, tree, stack=note)
+    return orders
+
+
+def _order_name(order: list[int] | None) -> str:
+    if order is None:
+        return "the natural order"
+    return "the stage order of pipeline_order(stack, stages={}, repeats={})".format(
+        *order
+    )
+
+
+def _check_orders(where: str, saved: dict[str, Any], trees: dict[str, Any]) -> None:
+    # Rows of an entry are layers in the order they were saved in: refuse to
+    # restore them into a stack stored in another order.
+    wrong = [
+        f"{item} '{k}' is saved in {_order_name(had.get(k))}, but the {item} to "
+        f"restore holds it in {_order_name(want.get(k))}"
+        for item, tree in trees.items()
+        for had, want in [(saved.get(item, {}), _stage_orders(tree))]
+        for k in sorted(set(had) | set(want))
+        if had.get(k) != want.get(k)
+    ]
+    if wrong:
+        raise ValueError(
+            f"{where} holds layers in another order than the model to restore: "
+            f"{listed(wrong)}.\nHint: restore into a model (and optimizer "
+            "state) in the saved order, made with sharding.pipeline_order (or "
+            "inverse=True), then permute it as needed; see docs/sharding.md."
+        )
 
 
 def _nest(named: Iterable[tuple[tuple[str, ...], Any]]) -> dict[str, Any]:
@@ -146,7 +195,9 @@ class CheckpointManager:
     A step holds the items `model`, `opt_state` and `step`, named as by
     [`eqxscan.to_state_dict`][] with the layer index as `*` (`blocks.*.w1` in
     `model`, `0.mu.blocks.*.w1` in `opt_state`), one stacked array for every
-    layer; see `docs/multihost.md`.
+    layer; see `docs/multihost.md`. A stack in the stage order of
+    [`eqxscan.sharding.pipeline_order`][] is saved as stored, with that order:
+    it restores only into a stack in the same order.
     """
 
     def __init__(
@@ -230,9 +281,13 @@ class CheckpointManager:
                 "CheckpointManager.save: model holds no arrays to save.\nHint: "
                 "pass the model itself (its arrays may be sharded)."
             )
+        orders = {"model": _stage_orders(model), "opt_state": _stage_orders(opt_state)}
+        record = {k: v for k, v in orders.items() if v}
         items = {
             "model": args.StandardSave(_nest(named)),
-            "step": args.JsonSave({"step": step}),
+            "step": args.JsonSave(
+                {"step": step} | ({"stage_order": record} if record else {})
+            ),
         }
         # A state without arrays (plain SGD's) has nothing to save: Orbax refuses
         # an empty item, and `restore` gives such a state back as it is.
@@ -301,6 +356,10 @@ class CheckpointManager:
                 f"{self.all_steps()}); {DOCS}."
             )
         out = self._read(step, target)
+        trees = {"model": model, "opt_state": opt_state}
+        saved = out["step"].get("stage_order", {})
+        where = f"Step {step} in {self.directory!r}"
+        _check_orders(where, saved, {k: trees[k] for k in target})
         model = _fill(model, out["model"])
         if "opt_state" in target:
             opt_state = _fill(opt_state, out["opt_state"])

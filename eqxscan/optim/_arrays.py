@@ -24,7 +24,7 @@ def layer_numbers(site: Site) -> list[np.ndarray]:
     `LayerNumbering` over its own axes."""
     grid = iter(np.indices(site.axes, dtype=int))
     return [
-        sum((s * next(grid) for s in p.strides), np.full(site.axes, p.start, int))
+        np.broadcast_to(p.number([next(grid) for _ in p.strides]), site.axes)
         for p in site.path
         if isinstance(p, LayerNumbering)
     ]

@@ -11,7 +11,7 @@ import jax.tree_util as jtu
 import optax
 from jaxtyping import PyTree
 
-from .._internal import check_index, Site, Stacked, walk
+from .._internal import check_index, Site, Stacked, stored_order, walk
 from ._arrays import is_array, is_stacked
 
 
@@ -64,7 +64,9 @@ def _zero_layers(stack: Stacked, layers: LayerSelection, zero: float) -> Stacked
                 )
             hint = "freeze_layers takes concrete layer indices."
             chosen.add(check_index(item, n, "Stacked", hint))
-    frozen = jnp.asarray([i in chosen for i in range(n)])
+    # Layer numbers, wherever the stack stores them (`pipeline_order`).
+    layer_at = stored_order(n, stack.stage_order) or range(n)
+    frozen = jnp.asarray([i in chosen for i in layer_at])
 
     def zero_out(a: object) -> object:
         if not is_array(a):
@@ -111,7 +113,8 @@ def freeze_layers(
 
     - `inner`: the optimiser, e.g. `optax.adamw(1e-3)`.
     - `layers`: the layers to freeze: an index, a `slice`, a `range` or a
-      sequence of indices (negative ones count from the end).
+      sequence of indices (negative ones count from the end); layer numbers,
+      also for a stack stored in the stage order of `sharding.pipeline_order`.
     - `where`: a function from the parameters to the `Stacked` (or a tuple of
       `Stacked`s, each frozen at the same indices) whose layers are meant, as
       for `eqx.tree_at`, e.g. `lambda model: model.blocks`. Not needed when the

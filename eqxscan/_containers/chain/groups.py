@@ -27,7 +27,7 @@ from ..._scan.layer_call import (
 )
 from ..._scan.options import ScanOptions
 from ..stack_calls import scan_layers
-from ..stacked import LayerNumbering, Stacked, StateDictFn
+from ..stacked import LayerNumbering, Stacked, StateDictFn, stored_order
 from .grouping import Plan
 
 
@@ -278,7 +278,8 @@ def name_groups(
         if place.per_step == 0:
             new.append(fn(group, LayerNumbering(first, offset.strides), axes))
         elif place.per_step == 1:
-            index = LayerNumbering(first, offset.strides + (1,))
+            order = stored_order(place.size, group.stage_order)
+            index = LayerNumbering(first, offset.strides + (1,), order)
             layers = fn(group.layers, index, axes + (place.size,))
             new.append(eqx.tree_at(lambda s: s.layers, group, layers))
         else:
