@@ -199,10 +199,9 @@ def pipeline_order(
     `pipeline(..., layer_order="stage")` (same `stages` and `repeats`) moves
     none. With `repeats=1` both orders are the same. Called directly, the
     permuted stack runs its layers in that order, and its gradients, optimizer
-    state and Orbax checkpoints follow it: `inverse=True` on the stack (and on
-    optimizer buffers of its structure, such as Adam's moments) gives the
-    natural order back, e.g. for a checkpoint that loads into any topology.
-    State dicts and safetensors files name layer `i` as `i` in either order.
+    state and Orbax checkpoints follow it (state dicts and safetensors files
+    name layer `i` as `i` in either order): `inverse=True` on the stack (and on
+    its optimizer buffers, such as Adam's moments) gives the natural order back.
 
     **Arguments:**
 
