@@ -214,7 +214,7 @@ def test_stage_order(getkey):
     back = sharding.pipeline_order(staged, **order, inverse=True)
     assert np.array_equal(back.layers.w2, stack.layers.w2)
     assert back.drop_rates.drop_path == stack.drop_rates.drop_path
-    # The stack records its order: kept by its gradients, dropped by a slice.
+    # The stack records its order: kept by its gradients and a whole slice.
     assert (stack.stage_order, staged.stage_order, back.stage_order) == (
         None,
         (2, 2),
@@ -224,7 +224,16 @@ def test_stage_order(getkey):
     grads = eqx.filter_grad(loss)(staged)
     back = sharding.pipeline_order(grads, stages=2, repeats=2, inverse=True)
     assert back.stage_order is None
-    assert staged[:4].stage_order is None
+    assert staged[:].stage_order == (2, 2)
+    # A part of it would be labelled natural with its layers out of order.
+    with pytest.raises(ValueError, match=r"Cannot take slice\(None, 4, None\) of"):
+        staged[:4]
+    assert (
+        sharding.pipeline_order(staged, stages=2, repeats=2, inverse=True)[
+            :4
+        ].stage_order
+        is None
+    )
 
 
 def test_layer_order_must_match_the_stack(getkey):
@@ -260,7 +269,8 @@ def test_layer_order_must_match_the_stack(getkey):
     error(f"{of}repeats=2\\), not {natural}", circular, staged, "natural", 1)
     other = sharding.pipeline_order(stack, stages=2, repeats=4)
     error(f"{of}repeats=4\\), not {of}repeats=2", circular, other, "stage")
-    error(f"{natural}, not {of}repeats=2", circular, staged[:], "stage")
+    unlabelled = eqxscan.Stacked(layers=staged.layers, num_layers=len(staged))
+    error(f"{natural}, not {of}repeats=2", circular, unlabelled, "stage")
     error(f"into stage order .*: .*repeats=2\\), not {natural}", order, staged, False)
     error(f"back from stage order .*: .*{natural}, not", order, stack, True)
     error(r"back from stage order .*: .*repeats=4\), not", order, other, True)

@@ -369,6 +369,15 @@ class Stacked(Scanning, Generic[LayerT]):
                     f"Slice {index} selects no layers of a Stacked with "
                     f"{self.num_layers} layers; a Stacked needs at least one."
                 )
+            if self.stage_order is not None and selected != range(self.num_layers):
+                stages, repeats = self.stage_order
+                order = f"pipeline_order(stack, stages={stages}, repeats={repeats}"
+                raise ValueError(
+                    f"Cannot take {index} of a Stacked in the stage order of "
+                    f"{order}): its positions are not its layer numbers.\nHint: "
+                    f"slice `eqxscan.sharding.{order}, inverse=True)`, the natural "
+                    "order."
+                )
             layers = take(self.layers, index)
             drop = None if self.drop_rates is None else self.drop_rates.sliced(index)
             drop_path, layer_drop = rates_of(drop)
@@ -378,8 +387,6 @@ class Stacked(Scanning, Generic[LayerT]):
                 num_layers=len(selected),
                 drop_path=drop_path,
                 layer_drop=layer_drop,
-                # Positions of a stage-ordered stack, no longer in that order.
-                stage_order=None,
             )
         i = check_index(
             index,
