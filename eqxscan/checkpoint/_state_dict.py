@@ -18,6 +18,7 @@ import jax.tree_util as jtu
 import numpy as np
 import optax
 from beartype.door import is_bearable
+from beartype.roar import BeartypeException
 from jaxtyping import PyTree
 
 from .._internal import (
@@ -318,9 +319,12 @@ def _check_inits(node: object) -> list[Callable[[object], None]]:
 def _placeholder(value: object, annotation: Any) -> bool:
     if isinstance(value, optax.MaskedNode):
         return True
-    if value is not None or isinstance(annotation, str):
+    if value is not None:
         return False
-    return not is_bearable(None, annotation)
+    try:
+        return not is_bearable(None, annotation)
+    except BeartypeException:  # an annotation it cannot read: check as before
+        return False
 
 
 def _children(node: object) -> list:
