@@ -219,6 +219,20 @@ def test_slicing_and_with_options_keep_rates():
     assert stack.with_options(layer_drop=0.2).drop_rates.layer_drop == (0.2,) * L
 
 
+def test_gradient_trees_slice_like_the_model():
+    # `eqx.filter_grad` and optax give a tree of the model's structure with
+    # `None` for every non-array leaf, `DropRates.inference` included.
+    stack = eqxscan.Stacked(Block, L, key=jax.random.key(0), drop_path=0.3)
+    chain = eqxscan.Chain(_chain_layers(), layer_drop=0.2)
+    for model in stack, chain:
+        grads = eqx.filter(model, eqx.is_inexact_array)
+        assert grads.drop_rates.inference is None
+        got, want = grads[1:3], eqx.filter(model[1:3], eqx.is_inexact_array)
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            assert jnp.array_equal(a, b)
+
+
 def _chain_layers():
     # Block x2 (a scanned run), a lone Other, Block x2 (another run).
     keys = jax.random.split(jax.random.key(0), 5)

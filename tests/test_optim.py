@@ -170,6 +170,24 @@ def test_freeze_layers_where_and_errors(getkey):
         opt.update(grads, opt.init(params), params)
 
 
+def test_freeze_layers_refuses_a_chain(getkey):
+    # The chain's one Stacked is its layers 1-3: index 0 would be layer 1.
+    layers = [eqx.nn.Linear(3, 6, key=getkey())] + [Block(getkey()) for _ in range(3)]
+    chain = eqxscan.Chain(layers)
+    params = eqx.filter(chain, eqx.is_inexact_array)
+    grads = jax.tree.map(jnp.ones_like, params)
+    opt = eqxscan.optim.freeze_layers(optax.sgd(1.0), 0)
+    with pytest.raises(ValueError, match="(?s)found a Chain.*where="):
+        opt.update(grads, opt.init(params), params)
+    opt = eqxscan.optim.freeze_layers(optax.sgd(1.0), 0, where=lambda c: c.groups[1])
+    updates, _ = opt.update(grads, opt.init(params), params)
+    assert [bool((u.linear.weight == 0).all()) for u in updates.unstack()[1:]] == [
+        True,
+        False,
+        False,
+    ]
+
+
 def test_freeze_layers_freezes_layer_numbers_of_a_stage_ordered_stack(getkey):
     # Position 2 of this stage order holds layer 4: freezing layer 2 froze it.
     stack = _stack(getkey(), 8)

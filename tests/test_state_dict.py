@@ -197,6 +197,25 @@ def test_check_init_runs_again_after_loading(getkey):
         eqxscan.from_state_dict(model, bad)
 
 
+def test_gradient_trees_load_into_gradient_trees(getkey):
+    # `eqx.filter` (and gradients) leave `None` where a module held no float
+    # array: a Quantized weight's int8 values. Its checks cannot run there; the
+    # checks of whole modules still do.
+    model = {
+        "q": eqxscan.quant.quantize(_mlp(getkey()), "blocks.*.w1", kind="int8"),
+        "top": Positive(jnp.ones(2)),
+    }
+    grads = jax.tree.map(lambda a: a + 1, eqx.filter(model, eqx.is_inexact_array))
+    assert grads["q"].blocks.layers.w1.values is None
+    state = eqxscan.to_state_dict(grads)
+    back = eqxscan.from_state_dict(eqx.filter(model, eqx.is_inexact_array), state)
+    assert jax.tree.structure(back) == jax.tree.structure(grads)
+    assert tree_allclose(back, grads)
+    bad = dict(state, **{"top.scale": np.array([0.0, 1.0], np.float32)})
+    with pytest.raises(ValueError, match="scale must be positive"):
+        eqxscan.from_state_dict(grads, bad)
+
+
 def test_load_into_abstract_model(getkey):
     model = _mlp(getkey(), dtype=jnp.bfloat16)
     like = eqx.filter_eval_shape(_mlp, jr.key(0), dtype=jnp.bfloat16)

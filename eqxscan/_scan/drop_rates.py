@@ -228,13 +228,11 @@ class DropRates(eqx.Module):
         return any(self.drop_path), any(self.layer_drop)
 
     def sliced(self, index: slice) -> "DropRates":
-        """The rates of the layers `range(L)[index]` (for `stack[i:j]`)."""
-        return DropRates(
-            len(range(self.num_layers)[index]),
-            self.drop_path[index],
-            self.layer_drop[index],
-            self.inference,
-        )
+        """The rates of the layers `range(L)[index]` (for `stack[i:j]`), in this
+        mode (`None` in a gradient or update tree, as `eqx.filter_grad` gives)."""
+        length = len(range(self.num_layers)[index])
+        new = DropRates(length, self.drop_path[index], self.layer_drop[index])
+        return eqx.tree_at(lambda d: d.inference, new, self.inference)
 
     def per_layer_inputs(self, key: PRNGKeyArray) -> DropInputs:
         """The rates and drop keys of a call with `key`, each with leading axis

@@ -6,15 +6,19 @@ a list. A `Chain`'s layers are numbered in the chain, whatever its grouping;
 list elements by index, dict entries by key (`"norms.final.scale"`).
 """
 
+import dataclasses
 import re
 from collections.abc import Callable, Mapping
-from typing import cast, TypeVar
+from typing import Any, cast, TypeVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+import optax
+from beartype.door import is_bearable
+from beartype.roar import BeartypeException
 from jaxtyping import PyTree
 
 from .._internal import (
@@ -215,7 +219,9 @@ def from_state_dict(like: T, state_dict: Mapping[str, object]) -> T:
     """Load a per-layer state dict (as made by [`eqxscan.to_state_dict`][]) into a
     model of the same layout, re-stacking each `Stacked`'s layers. Every
     `__check_init__` is run again (inside a `Stacked`, once per layer), so a
-    [`eqxscan.StackedMLP`][] re-validates its `[L, D, 4*D]` layout.
+    [`eqxscan.StackedMLP`][] re-validates its `[L, D, 4*D]` layout; not that of
+    a module holding `None` where its annotation allows none (a gradient or
+    `eqx.filter` tree: a [`eqxscan.quant.Quantized`][]'s integer values).
 
     **Arguments:**
 
@@ -295,13 +301,30 @@ def from_state_dict(like: T, state_dict: Mapping[str, object]) -> T:
 
 
 def _check_inits(node: object) -> list[Callable[[object], None]]:
-    # What equinox runs after __init__: every class's own __check_init__.
-    if not isinstance(node, eqx.Module):
+    # What equinox runs after __init__: every class's own __check_init__; none
+    # for a module with `None` (or optax's `MaskedNode`) where its annotation
+    # allows none, as `eqx.filter` and gradients leave it: its checks would
+    # read arrays it does not hold.
+    if not isinstance(node, eqx.Module) or any(
+        _placeholder(getattr(node, f.name, None), f.type)
+        for f in dataclasses.fields(node)
+    ):
         return []
     classes = type(node).__mro__
     return [
         c.__dict__["__check_init__"] for c in classes if "__check_init__" in c.__dict__
     ]
+
+
+def _placeholder(value: object, annotation: Any) -> bool:
+    if isinstance(value, optax.MaskedNode):
+        return True
+    if value is not None:
+        return False
+    try:
+        return not is_bearable(None, annotation)
+    except BeartypeException:  # an annotation it cannot read: check as before
+        return False
 
 
 def _children(node: object) -> list:

@@ -11,7 +11,7 @@ import jax.tree_util as jtu
 import optax
 from jaxtyping import PyTree
 
-from .._internal import check_index, Site, Stacked, stored_order, walk
+from .._internal import Chain, check_index, Site, Stacked, stored_order, walk
 from ._arrays import is_array, is_stacked
 
 
@@ -84,6 +84,15 @@ def _stacks(tree: PyTree) -> list[Stacked]:
 
 def _select(tree: PyTree) -> Stacked:
     """The one outermost `Stacked` of `tree`, when no `where` picks them."""
+    outer = jtu.tree_leaves(tree, is_leaf=lambda n: isinstance(n, (Stacked, Chain)))
+    if any(isinstance(n, Chain) for n in outer):
+        raise ValueError(
+            "freeze_layers found a Chain in the parameters: its scanned groups "
+            "number their layers from the group's start, not as the chain does, "
+            "so layer indices would freeze other layers.\nHint: pass "
+            "`where=lambda model: model.chain.groups[k]` (a Stacked group, as "
+            "`chain.explain()` lists them; indices within the group)."
+        )
     found = _stacks(tree)
     if len(found) != 1:
         raise ValueError(
@@ -118,7 +127,8 @@ def freeze_layers(
     - `where`: a function from the parameters to the `Stacked` (or a tuple of
       `Stacked`s, each frozen at the same indices) whose layers are meant, as
       for `eqx.tree_at`, e.g. `lambda model: model.blocks`. Not needed when the
-      parameters contain exactly one `Stacked` outside any other.
+      parameters contain exactly one `Stacked` outside any other, and no
+      [`eqxscan.Chain`][] (whose groups do not number layers as the chain does).
 
     **Returns:**
 
