@@ -8,6 +8,7 @@ list elements by index, dict entries by key (`"norms.final.scale"`).
 
 import dataclasses
 import re
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any, cast, TypeVar
 
@@ -16,7 +17,6 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-import optax
 from beartype.door import is_bearable
 from beartype.roar import BeartypeException
 from jaxtyping import PyTree
@@ -317,7 +317,9 @@ def _check_inits(node: object) -> list[Callable[[object], None]]:
 
 
 def _placeholder(value: object, annotation: Any) -> bool:
-    if isinstance(value, optax.MaskedNode):
+    # optax's masked states hold MaskedNode; without optax loaded there is none.
+    optax = sys.modules.get("optax")
+    if optax is not None and isinstance(value, optax.MaskedNode):
         return True
     if value is not None:
         return False
