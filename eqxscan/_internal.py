@@ -9,6 +9,7 @@ from ._containers.stacked import (
     LayerNumbering as LayerNumbering,
     restack as restack,
     Stacked as Stacked,
+    stage_permute as stage_permute,
     stored_order as stored_order,
 )
 from ._containers.walk import (

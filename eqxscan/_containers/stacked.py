@@ -138,17 +138,29 @@ class LayerNumbering(NamedTuple):
         return self.start + sum(i * s for i, s in zip(index, self.strides, strict=True))
 
 
+_ArrayT = TypeVar("_ArrayT", jax.Array, np.ndarray)
+
+
+def stage_permute(a: _ArrayT, stages: int, repeats: int, inverse: bool) -> _ArrayT:
+    """Axis 0 of a NumPy or JAX array from the natural layer order to the stage
+    order of `pipeline_order` (or back): position `(s * R + r) * K + k` holds
+    layer `(r * S + s) * K + k`. A reshape and a swap of axes, so a layer-sharded
+    array moves no weights."""
+    outer, inner = (stages, repeats) if inverse else (repeats, stages)
+    num_layers = a.shape[0]
+    b = a.reshape(outer, inner, num_layers // (stages * repeats), *a.shape[1:])
+    return b.swapaxes(0, 1).reshape(num_layers, *a.shape[1:])
+
+
 def stored_order(
     num_layers: int, stage_order: tuple[int, int] | None
 ) -> tuple[int, ...] | None:
     """The layer held at each position of a stack stored in the stage order
-    `stage_order` of `pipeline_order` (`None`: the natural order): position
-    `(s * R + r) * K + k` holds layer `(r * S + s) * K + k`."""
+    `stage_order` of `pipeline_order` (`None`: the natural order)."""
     if stage_order is None:
         return None
-    stages, repeats = stage_order
-    grid = np.arange(num_layers).reshape(repeats, stages, -1).swapaxes(0, 1)
-    return tuple(int(i) for i in grid.reshape(-1))
+    positions = stage_permute(np.arange(num_layers), *stage_order, inverse=False)
+    return tuple(int(i) for i in positions)
 
 
 def _check_stage_order(order: object, num_layers: int) -> tuple[int, int] | None:

@@ -29,6 +29,7 @@ from .._internal import (
     scan_layers,
     split_key,
     Stacked,
+    stage_permute,
     tapping,
 )
 from ._shard import check_axes, check_mesh
@@ -49,7 +50,6 @@ LAYER_ORDERS: tuple[LayerOrder, ...] = ("natural", "stage")
 
 _RATES = ("drop_path", "layer_drop")
 StackT = TypeVar("StackT", bound=Stacked)
-ArrayT = TypeVar("ArrayT", jax.Array, np.ndarray)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,15 +171,6 @@ def _check_order(stack: Stacked, want: tuple[int, int] | None, what: str) -> Non
         )
 
 
-def _permute(a: ArrayT, stages: int, repeats: int, inverse: bool) -> ArrayT:
-    # The layer axis (axis 0) of a NumPy or JAX array from natural to stage
-    # order (or back): position (s * R + r) * K + k <-> layer (r * S + s) * K + k.
-    outer, inner = (stages, repeats) if inverse else (repeats, stages)
-    num_layers = a.shape[0]
-    b = a.reshape(outer, inner, num_layers // (stages * repeats), *a.shape[1:])
-    return b.swapaxes(0, 1).reshape(num_layers, *a.shape[1:])
-
-
 def pipeline_order(
     stack: StackT,
     *,
@@ -226,7 +217,7 @@ def pipeline_order(
         what = f"{'back from' if inverse else 'into'} stage order for stages={stages}"
         want = staged if inverse else None
         _check_order(stack, want, f"permute this Stacked {what}, repeats={repeats}")
-    one = lambda a: _permute(a, stages, repeats, inverse)
+    one = lambda a: stage_permute(a, stages, repeats, inverse)
     layers = jtu.tree_map(lambda a: one(a) if eqx.is_array(a) else a, stack.layers)
     order, rates = one(np.arange(stack.num_layers)), dict[str, object]()
     if (drop := stack.drop_rates) is not None:
@@ -324,7 +315,9 @@ def _drops(
     split_key(key, 1, "sharding.pipeline")  # checks that it is one key
     rates = (np.asarray(drop.drop_path), np.asarray(drop.layer_drop))
     if p.layer_order == "stage":
-        rates = tuple(_permute(r, p.stages, p.repeats, inverse=True) for r in rates)
+        rates = tuple(
+            stage_permute(r, p.stages, p.repeats, inverse=True) for r in rates
+        )
     inputs = DropRates(drop.num_layers, rates[0], rates[1]).per_layer_inputs(key)
     uses_path, uses_layer = drop.uses
     runs = inputs.runs() if uses_layer else None
