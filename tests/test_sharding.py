@@ -78,6 +78,11 @@ def test_model_shardings_rules(getkey):
     assert all(s == P() for s in specs(dp) if s is not None)
     # The default threshold replicates a model this small.
     assert all(s == P() for s in specs(sharding.model_shardings(model, mesh)) if s)
+    # A negative threshold is refused, not read as "shard every leaf".
+    with pytest.raises(ValueError, match=r"model_shardings: min_size must be >= 0"):
+        sharding.model_shardings(model, mesh, min_size=-1)
+    with pytest.raises(ValueError, match=r"opt_state_shardings: min_size must be"):
+        sharding.opt_state_shardings((), model, mesh, min_size=-1)
 
 
 class Inner(eqx.Module):

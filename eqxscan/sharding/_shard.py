@@ -208,6 +208,7 @@ def model_shardings(
     """
     mesh = check_mesh(mesh)
     check_axes(mesh, () if fsdp_axis is None else fsdp_axis, "fsdp_axis")
+    min_size = check_size("model_shardings: min_size", min_size, minimum=0)
 
     def spec_of(leaf: Any, depth: int, path: tuple) -> PartitionSpec:
         name = "model" + jtu.keystr(path)
@@ -284,6 +285,7 @@ def opt_state_shardings(
     """
     mesh = check_mesh(mesh)
     check_axes(mesh, () if fsdp_axis is None else fsdp_axis, "fsdp_axis")
+    min_size = check_size("opt_state_shardings: min_size", min_size, minimum=0)
     params = eqx.filter(model, is_arraylike)
     if param_shardings is None:
         param_shardings = model_shardings(
