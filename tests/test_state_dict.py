@@ -461,8 +461,13 @@ def test_stage_ordered_stack_names_its_natural_layers(getkey, tmp_path):
     from eqxscan.checkpoint import load_safetensors, NameMap, save_safetensors
     from eqxscan.sharding import pipeline_order
 
-    stack = eqxscan.Stacked(lambda k: eqx.nn.Linear(2, 2, key=k), 8, key=getkey())
-    staged = pipeline_order(stack, stages=2, repeats=2)
+    stack = eqxscan.Stacked(lambda k: eqx.nn.Linear(2, 2, key=k), 6, key=getkey())
+    staged = pipeline_order(stack, stages=3, repeats=2)
+    # Position (s * R + r) * K + k holds layer (r * S + s) * K + k (K = 1 here); a
+    # non-square S x R, so the permutation is not its own inverse.
+    held = [r * 3 + s for s in range(3) for r in range(2)]
+    assert held == [0, 3, 1, 4, 2, 5]
+    assert jnp.array_equal(staged.layers.weight, stack.layers.weight[jnp.array(held)])
     natural = eqxscan.to_state_dict(stack)
     assert tree_allclose(eqxscan.to_state_dict(staged), natural)
     back = eqxscan.from_state_dict(stack, eqxscan.to_state_dict(staged))
