@@ -764,6 +764,11 @@ def test_error_bad_options(getkey):
         eqxscan.Recurrent(cell, reverse="yes")
     with pytest.raises(TypeError, match="unexpected keyword argument 'revers'"):
         eqxscan.Recurrent(cell).with_options(revers=True)
+    # A cell's class, not a cell: refused up front rather than called at each
+    # step (where it failed as "missing argument 'key'").
+    for wrap in (eqxscan.Recurrent, lambda c: eqxscan.Bidirectional(c, c)):
+        with pytest.raises(TypeError, match="needs a cell, got the class GRUCell"):
+            wrap(eqx.nn.GRUCell)
 
 
 def test_error_bidirectional(getkey):

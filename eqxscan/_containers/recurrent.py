@@ -116,6 +116,11 @@ class Recurrent(Scanning):
           like `sqrt(T)`, for long sequences.
         """
         check_callable("cell", cell)
+        if isinstance(cell, type):  # callable, but each step would build a cell
+            raise TypeError(
+                f"Recurrent needs a cell, got the class {cell.__name__} itself: "
+                f"create the cell first (`cell = {cell.__name__}(...)`) and pass that."
+            )
         check_option("reverse", reverse, (False, True))
         self.cell = cell
         self.reverse = reverse
