@@ -743,6 +743,11 @@ def test_error_cell_changes_carry(mode, getkey):
         eqxscan.Recurrent(bad, mode=mode)(make_h0("lstm", jr.key(0)), xs)
     with pytest.raises(TypeError, match="tree structure"):
         eqxscan.Recurrent(lambda x, h: h[0], mode=mode)(make_h0("lstm", jr.key(0)), xs)
+    # A (carry, output) pair, as a lax.scan body returns: named as such.
+    pair = eqxscan.Recurrent(lambda x, h: (cell(x, h), h), mode=mode)
+    for mask in (None, jnp.ones(T, bool)):
+        with pytest.raises(TypeError, match=r"returned a pair \(carry, output\)"):
+            pair(jnp.zeros(HID), xs, mask=mask)
     with pytest.raises(TypeError, match="time step 0" if mode == "loop" else "all 7"):
         grow(jnp.zeros(HID), xs)
     # With a mask the carry is checked before it is merged with the old one.

@@ -325,10 +325,22 @@ def _cell_step(
     **kwargs: PyTree,
 ) -> PyTree:
     """The cell as a layer of the layer-call seam (carry first)."""
+    carry = jtu.tree_structure(h)  # before the call, which may invalidate `h`
     with in_cell():
-        if key is None:
-            return cell(x, h, *args, **kwargs)
-        return cell(x, h, *args, **kwargs, key=key)
+        keyed = {} if key is None else {"key": key}
+        new = cell(x, h, *args, **kwargs, **keyed)
+    # The `lax.scan` body and Flax convention, which the carry check would
+    # report only as a change of structure.
+    pair = isinstance(new, tuple) and len(new) == 2
+    if pair and jtu.tree_structure(new[0]) == carry != jtu.tree_structure(new):
+        raise TypeError(
+            f"The cell {type(cell).__name__} returned a pair (carry, output), as a "
+            "`jax.lax.scan` body or a Flax cell does, but a cell returns the new "
+            "carry alone (`cell(x_t, h) -> h`); Recurrent stacks the carries as hs."
+            "\nHint: return the carry; to keep more per step, make it part of the "
+            "carry (see docs/recurrent.md)."
+        )
+    return new
 
 
 def _no_steps(
