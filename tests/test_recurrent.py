@@ -362,6 +362,47 @@ def test_nonfinite_padding_leaves_values_and_grads_unchanged(
             assert not jnp.any(g_xs[:before]) and not jnp.any(g_xs[keep.stop :])
 
 
+class Features(eqx.Module):
+    """A cell on features of its input, finite on the data but not at zero."""
+
+    inner: eqxscan.ElmanCell
+    name: str = eqx.field(static=True)
+
+    def __call__(self, x, h):
+        f = jnp.log(x) if self.name == "log" else x / jnp.linalg.norm(x)
+        return self.inner(f, h)
+
+
+@pytest.mark.parametrize("mode", ["scan", "loop"])
+def test_masked_steps_see_a_kept_input(mode, getkey):
+    # A masked step's cell sees the first kept input, not zeros, where log(x)
+    # or x / |x| has infinite derivatives (0 * inf: NaN weight gradients, even
+    # with harmless padding). Per-example masks, as in a padded batch.
+    xs = jnp.exp(jr.normal(getkey(), (2, 4, IN)))  # positive
+    h0 = jr.normal(getkey(), (2, HID))
+    lengths = [(1, 3), (0, 2)]  # (padding before, kept steps) per example
+    padded = jnp.ones((2, 6, IN))
+    for i, (before, n) in enumerate(lengths):
+        padded = padded.at[i, before : before + n].set(xs[i, :n])
+    mask = jnp.array([[b <= t < b + n for t in range(6)] for b, n in lengths])
+    for name in ("log", "unit"):
+        cell = Features(make_cell("elman", getkey()), name)
+
+        def loss(cell, xs, mask=None):
+            rnn = eqxscan.Recurrent(cell, mode=mode)
+            return jnp.sum(jax.vmap(rnn)(h0, xs, mask=mask)[0] ** 2)
+
+        def short(cell, xs):
+            rnn = eqxscan.Recurrent(cell, mode=mode)
+            n = [n for _, n in lengths]
+            return sum(jnp.sum(rnn(h0[i], xs[i, : n[i]])[0] ** 2) for i in range(2))
+
+        want, padded_grad = jax.grad(short)(cell, xs), eqx.filter_jit(jax.grad(loss))
+        for value in (1.0, jnp.nan):
+            bad = jnp.where(mask[..., None], padded, value)
+            assert tree_allclose(padded_grad(cell, bad, mask), want), (name, value)
+
+
 def test_bidirectional_nonfinite_padding(getkey):
     bi = eqxscan.Bidirectional(make_cell("gru", getkey()), make_cell("gru", getkey()))
     h0 = (jr.normal(getkey(), (HID,)), jr.normal(getkey(), (HID,)))
@@ -743,6 +784,11 @@ def test_error_cell_changes_carry(mode, getkey):
         eqxscan.Recurrent(bad, mode=mode)(make_h0("lstm", jr.key(0)), xs)
     with pytest.raises(TypeError, match="tree structure"):
         eqxscan.Recurrent(lambda x, h: h[0], mode=mode)(make_h0("lstm", jr.key(0)), xs)
+    # A (carry, output) pair, as a lax.scan body returns: named as such.
+    pair = eqxscan.Recurrent(lambda x, h: (cell(x, h), h), mode=mode)
+    for mask in (None, jnp.ones(T, bool)):
+        with pytest.raises(TypeError, match=r"returned a pair \(carry, output\)"):
+            pair(jnp.zeros(HID), xs, mask=mask)
     with pytest.raises(TypeError, match="time step 0" if mode == "loop" else "all 7"):
         grow(jnp.zeros(HID), xs)
     # With a mask the carry is checked before it is merged with the old one.
@@ -764,6 +810,11 @@ def test_error_bad_options(getkey):
         eqxscan.Recurrent(cell, reverse="yes")
     with pytest.raises(TypeError, match="unexpected keyword argument 'revers'"):
         eqxscan.Recurrent(cell).with_options(revers=True)
+    # A cell's class, not a cell: refused up front rather than called at each
+    # step (where it failed as "missing argument 'key'").
+    for wrap in (eqxscan.Recurrent, lambda c: eqxscan.Bidirectional(c, c)):
+        with pytest.raises(TypeError, match="needs a cell, got the class GRUCell"):
+            wrap(eqx.nn.GRUCell)
 
 
 def test_error_bidirectional(getkey):

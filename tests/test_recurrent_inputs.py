@@ -6,6 +6,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
 import pytest
 
 import eqxscan
@@ -197,6 +198,34 @@ def test_length_without_inputs(mode, reverse, getkey):
         lambda h, k: (cell(None, h, key=k),) * 2, h0, keys, reverse=reverse
     )
     assert jnp.allclose(h_T, out[0], atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_static_options_numpy_scalars_and_arrays(mode, getkey):
+    # The options that shape the program read NumPy scalars as Python ones and
+    # refuse arrays, in both modes (the compiled call would trace an array).
+    cell = Generator(jr.normal(getkey(), (HID, HID)))
+    h0, key = jr.normal(getkey(), (HID,)), getkey()
+    rnn = eqxscan.Recurrent(cell, mode=mode)
+    scalars = dict(truncate=np.int64(2), time_axis=np.int64(0))
+    h_T, _ = rnn(
+        h0, length=np.int64(T), key=key, broadcast_key=np.bool_(True), **scalars
+    )
+    h = h0
+    for _ in range(T):
+        h = cell(None, h, key=key)
+    assert jnp.allclose(h_T, h, atol=1e-6)
+    arrays = dict(
+        truncate=jnp.array(2),
+        length=np.array(T),
+        time_axis=jnp.array(0),
+        broadcast_key=np.array(True),
+    )
+    for name, value in arrays.items():
+        with pytest.raises(
+            TypeError, match=f"^{name} must be a Python (int|bool), got"
+        ):
+            rnn(h0, **{"length": T, name: value}, key=key)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -116,6 +116,11 @@ class Recurrent(Scanning):
           like `sqrt(T)`, for long sequences.
         """
         check_callable("cell", cell)
+        if isinstance(cell, type):  # callable, but each step would build a cell
+            raise TypeError(
+                f"Recurrent needs a cell, got the class {cell.__name__} itself: "
+                f"create the cell first (`cell = {cell.__name__}(...)`) and pass that."
+            )
         check_option("reverse", reverse, (False, True))
         self.cell = cell
         self.reverse = reverse
@@ -165,9 +170,9 @@ class Recurrent(Scanning):
           example); per-step values belong in `xs` (which may be a pytree).
         - `mask`: optional `bool[T]`. Where `mask[t]` is False the step is
           skipped and the carry passes through, so padding at either end does
-          not change the final state. The cell sees zeros in place of a masked
-          `x_t`, so padding of any value (NaN, inf) leaves values and gradients
-          those of the unpadded sequence.
+          not change the final state. The cell sees the first kept `x_t` in
+          place of a masked one, so padding of any value (NaN, inf) leaves
+          values and gradients those of the unpadded sequence.
         - `truncate`: optional `k >= 1`, truncated backpropagation through time:
           counting from the first step consumed, the gradient through the carry
           is stopped after steps `k, 2k, ...` (steps `mask` skips not counted);
@@ -203,7 +208,8 @@ class Recurrent(Scanning):
         name = type(self.cell).__name__
         where_all = f"The cell {name} (one body for all {run_.length} time steps)"
         masked = where_all if self.mode == "scan" else f"The cell {name}"
-        step = _time_step(self.cell, call, one_step, xs_static, run_, key, masked)
+        xs_in = (xs_static, _stand_in(xs_dyn, run_.mask))
+        step = _time_step(self.cell, call, one_step, xs_in, run_, key, masked)
         inputs = (xs_dyn, run_.mask, _consumption_order(run_, self.reverse), per_step)
         if run_.length == 0:
             h_T, hs = h0, _no_steps(step, h0, inputs, where_all)
@@ -257,15 +263,17 @@ def _time_step(
     cell: Callable[..., PyTree],
     call: LayerCall,
     one_step: Callable[[PyTree], OneLayer],
-    xs_static: PyTree,
+    xs_in: tuple[PyTree, PyTree],
     controls: Controls,
     key: PRNGKeyArray | None,
     where: str,
 ) -> Callable[[PyTree, tuple], tuple[PyTree, PyTree]]:
     """The engine's step `(h, (x_t, mask_t, position_t, per_step_t)) -> (h, h)`:
     truncation and masking around the cell, run through the layer-call seam.
-    `where` names the cell in a masked step's carry error."""
+    `xs_in` is `(xs_static, _stand_in(...))`; `where` names the cell in a masked
+    step's carry error."""
     k = controls.truncate
+    xs_static, stand_in = xs_in
 
     def step(h: PyTree, inputs: tuple) -> tuple[PyTree, PyTree]:
         x_dyn, m, n, per = inputs
@@ -276,11 +284,8 @@ def _time_step(
             if m is not None:
                 cut = cut & m
             h = _where(cut, jtu.tree_map(_stop_gradient, h), h)
-        if m is not None:
-            # Zeros on a masked step, where the cell still runs: reverse mode
-            # multiplies its zero cotangent by derivatives finite on zeros but
-            # maybe not on padding (0 * nan is nan): the "double where".
-            x_dyn = _where(m, x_dyn, jtu.tree_map(jnp.zeros_like, x_dyn))
+        if m is not None and stand_in is not None:
+            x_dyn = _where(m, x_dyn, stand_in)  # the "double where"
         one = one_step(per)
         one = one._replace(
             args=(eqx.combine(x_dyn, xs_static), *one.args),  # named by the engine
@@ -292,6 +297,23 @@ def _time_step(
         return new, emitted(one.number, new)
 
     return step
+
+
+def _stand_in(xs_dyn: PyTree, mask: Bool[Array, " T"] | None) -> PyTree:
+    """The input the cell sees on a masked step: the first kept step's (zeros if
+    none), gradient stopped. The cell still runs there, and reverse mode
+    multiplies its zero cotangent by its derivatives: finite on real inputs, not
+    always on padding (NaN) or zeros (`log`, `x / |x|`), and 0 * inf is NaN.
+    `None` without a mask, or when no step runs."""
+    if mask is None or mask.shape[0] == 0:
+        return None
+    first, any_kept = jnp.argmax(mask), jnp.any(mask)
+
+    def one(a: Array) -> Array:
+        x = a[first]
+        return jax.lax.stop_gradient(jnp.where(any_kept, x, jnp.zeros_like(x)))
+
+    return jtu.tree_map(one, xs_dyn)
 
 
 def _masked_cell_step(keep: Bool[Array, ""], where: str) -> Callable[..., PyTree]:
@@ -320,10 +342,22 @@ def _cell_step(
     **kwargs: PyTree,
 ) -> PyTree:
     """The cell as a layer of the layer-call seam (carry first)."""
+    carry = jtu.tree_structure(h)  # before the call, which may invalidate `h`
     with in_cell():
-        if key is None:
-            return cell(x, h, *args, **kwargs)
-        return cell(x, h, *args, **kwargs, key=key)
+        keyed = {} if key is None else {"key": key}
+        new = cell(x, h, *args, **kwargs, **keyed)
+    # The `lax.scan` body and Flax convention, which the carry check would
+    # report only as a change of structure.
+    pair = isinstance(new, tuple) and len(new) == 2
+    if pair and jtu.tree_structure(new[0]) == carry != jtu.tree_structure(new):
+        raise TypeError(
+            f"The cell {type(cell).__name__} returned a pair (carry, output), as a "
+            "`jax.lax.scan` body or a Flax cell does, but a cell returns the new "
+            "carry alone (`cell(x_t, h) -> h`); Recurrent stacks the carries as hs."
+            "\nHint: return the carry; to keep more per step, make it part of the "
+            "carry (see docs/recurrent.md)."
+        )
+    return new
 
 
 def _no_steps(

@@ -6,8 +6,10 @@ from collections.abc import Callable, Mapping
 from typing import NamedTuple, Protocol, TypedDict
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, PyTree
 
 from .._helpers.checks import check_option, check_size, describe, is_array
@@ -51,8 +53,26 @@ def check_names(who: str, options: Mapping[str, object]) -> None:
         )
 
 
+def _static(name: str, value: object) -> object:
+    """An option that shapes the program, a NumPy scalar read as a Python one
+    in either mode (as a compiled call reads it). An array, 0-d too, is refused:
+    the eager compile traces it, so only `mode="loop"` could read it."""
+    if isinstance(value, (np.integer, np.bool_)):
+        return value.item()
+    if isinstance(value, (jax.Array, np.ndarray)):
+        kind = "bool" if name == "broadcast_key" else "int"
+        raise TypeError(
+            f"{name} must be a Python {kind}, got an array {describe(value)}: it "
+            "shapes the program, which is traced once for every value of an array."
+            f"\nHint: pass {name}={kind}(...) of a concrete value (see "
+            "docs/recurrent.md#errors)."
+        )
+    return value
+
+
 def controls(who: str, xs: PyTree, options: Mapping[str, object]) -> Controls:
     check_names(who, options)
+    options = {k: v if k == "mask" else _static(k, v) for k, v in options.items()}
     time_axis = options.get("time_axis", 0)
     if isinstance(time_axis, bool) or not isinstance(time_axis, int):
         raise TypeError(
