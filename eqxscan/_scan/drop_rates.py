@@ -25,7 +25,8 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Key, PRNGKeyArray, PyTree, UInt32
 
 from .._helpers.checks import Checked, describe
-from .skip import skip_layer
+from .layer_index import layer_index
+from .skip import same_types, skip_layer
 
 
 #: Folded into a call's key to make the drop keys, apart from the layers' keys.
@@ -138,6 +139,10 @@ class DropInputs(eqx.Module):
     uses: tuple[bool, bool] = eqx.field(static=True)
     scan_skips: bool = eqx.field(static=True, default=False)
     path_mask: Bool[Array, "*layers_rows"] | None = None
+    # The rates by global layer index, for checks while tracing.
+    static_rates: tuple[tuple[float, ...], tuple[float, ...]] = eqx.field(
+        static=True, default=((), ())
+    )
 
     def runs(self) -> Array:
         """Whether each layer runs in this call: LayerDrop's choice, drawn from
@@ -244,6 +249,7 @@ class DropRates(eqx.Module):
             jnp.asarray(self.layer_drop, jnp.float32),
             keys,
             self.uses,
+            static_rates=(self.drop_path, self.layer_drop),
         )
 
 
@@ -320,6 +326,13 @@ def path_mask(
     return jax.random.bernoulli(key, 1.0 - rate, shape)
 
 
+def _same_shapes(old: PyTree, new: PyTree) -> bool:
+    old, new = eqx.filter(old, eqx.is_array), eqx.filter(new, eqx.is_array)
+    return jtu.tree_structure(old) == jtu.tree_structure(new) and all(
+        a.shape == b.shape for a, b in zip(jtu.tree_leaves(old), jtu.tree_leaves(new))
+    )
+
+
 def apply_drop_path(
     old: PyTree, new: PyTree, rate: Array, mask: Bool[Array, "*examples"]
 ) -> PyTree:
@@ -344,13 +357,34 @@ def apply_drop_path(
         return jnp.where(rate == 0, b, dropped.astype(b.dtype))
 
     new_dyn, new_static = eqx.partition(new, eqx.is_array)
-    same = jtu.tree_structure(old_dyn) == jtu.tree_structure(new_dyn) and all(
-        a.shape == b.shape
-        for a, b in zip(jtu.tree_leaves(old_dyn), jtu.tree_leaves(new_dyn))
-    )
-    if not same:
+    if not _same_shapes(old_dyn, new_dyn):
         return new  # the engine reports the broken carry contract
     return eqx.combine(jtu.tree_map_with_path(one, old_dyn, new_dyn), new_static)
+
+
+def _undroppable(new: PyTree, drop: DropInputs, name: str, why: str) -> PyTree:
+    """`new`, from a layer that changed the carry (a `Chain`'s lone layer may),
+    which cannot be dropped: an error if its rate is above 0, raised now where
+    the layer's index is known, else at run time."""
+    try:
+        index = layer_index()
+    except RuntimeError:
+        index = None
+    layer = f"layer {index}" if isinstance(index, int) else "a layer"
+    message = (
+        f"{name} is above 0 for {layer}, which changes the carry (e.g. a "
+        f"Chain's input projection), so it {why}.\nHint: give "
+        f"that layer rate 0, e.g. `{name}=[0.0] + [0.1] * (L - 1)` for the "
+        "first; see docs/depth.md."
+    )
+    rates = drop.static_rates[name == "layer_drop"]
+    if isinstance(index, int) and index < len(rates):
+        if rates[index] > 0:
+            raise ValueError(message)
+        return new
+    rate = drop.layer_rate if name == "layer_drop" else drop.path_rate
+    dyn, static = eqx.partition(new, eqx.is_array)
+    return eqx.combine(eqx.error_if(dyn, rate > 0, message), static)
 
 
 def dropping(
@@ -367,6 +401,9 @@ def dropping(
         new, y = fn(c)
         if not uses_path:
             return new, y
+        if not _same_shapes(c, new):  # a `Chain`'s lone layer may change the carry
+            why = "has no residual branch `layer(x) - x` to drop"
+            return _undroppable(new, drop, "drop_path", why), y
         mask = drop.path_mask
         if mask is None:
             assert drop.key is not None
@@ -378,5 +415,13 @@ def dropping(
         return run
     assert drop.key is not None
     runs = jax.random.bernoulli(jax.random.split(drop.key)[0], 1.0 - drop.layer_rate)
+
     # A layer no scan skips (a `Chain`'s lone layer): skipped here.
-    return lambda c: skip_layer(run, c, runs)
+    def skipping(c: PyTree) -> tuple[PyTree, PyTree]:
+        new, y = skip_layer(run, c, runs)
+        if same_types(eqx.filter(c, eqx.is_array), eqx.filter(new, eqx.is_array)):
+            return new, y
+        why = "cannot be skipped (its input is no carry to pass on)"
+        return _undroppable(new, drop, "layer_drop", why), y
+
+    return skipping
