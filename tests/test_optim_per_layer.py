@@ -231,6 +231,21 @@ def test_per_layer_state_and_errors(getkey):
         tx.update(params, optax.adam(1e-2).init(params), params)
 
 
+def test_per_layer_mask_tree_of_the_whole_model_is_named(getkey):
+    # Each layer's state is built from one layer's parameters: a mask or labels
+    # tree of the whole model fails inside, with a hint, not optax's bare
+    # pytree-structure error.
+    stacked, _ = _models(getkey(), "stacked")
+    params = eqx.filter(stacked, eqx.is_inexact_array)
+    labels = jax.tree.map(lambda a: "w" if a.ndim >= 2 else "b", params)
+    for tx in (
+        optax.masked(optax.adam(1e-2), _ndim_mask(params)),
+        optax.multi_transform({"w": optax.adam(1e-2), "b": optax.sgd(1.0)}, labels),
+    ):
+        with pytest.raises(ValueError, match=r"one layer of the Stacked at `\.body`"):
+            layerwise(tx).init(params)
+
+
 def test_per_layer_sharded_and_checkpointed():
     """Under FSDP the state is sharded like its parameters, the update gathers
     no whole stack, and the state resumes bit-identically from a checkpoint."""

@@ -118,7 +118,22 @@ def _init(tx: optax.GradientTransformationExtraArgs, params: PyTree) -> Layerwis
             states.append(optax.EmptyState())
             continue
         _check_layers(where, stack)
-        state = jax.vmap(lambda p: _init_layer(tx, p))(stack.layers)
+        try:
+            state = jax.vmap(lambda p: _init_layer(tx, p))(stack.layers)
+        except (TypeError, ValueError) as e:
+            if str(e).startswith("layerwise"):
+                raise
+            # Typically a mask or labels given as a tree of the whole model.
+            first = next(iter(str(e).strip().splitlines()), type(e).__name__)
+            raise (ValueError if isinstance(e, ValueError) else TypeError)(
+                f"layerwise: the transformation failed on one layer of the "
+                f"Stacked at `{where or '<root>'}` (a "
+                f"{type(stack.layers).__name__}): {first}\nHint: inside "
+                "layerwise, masks and labels are given one layer's parameters: "
+                "pass them as functions (`mask=lambda p: ...`), or put "
+                "optax.masked / optax.multi_transform outside layerwise; see "
+                "docs/optimisers.md."
+            ) from e
         states.append(_embed(state, params, j, stack.layers))
     return LayerwiseState(tx.init(_outside(params)), tuple(states))
 
