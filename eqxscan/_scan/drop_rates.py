@@ -25,7 +25,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Key, PRNGKeyArray, PyTree, UInt32
 
 from .._helpers.checks import Checked, describe
-from .layer_index import layer_index
+from .layer_index import current_step, layer_index
 from .skip import same_types, skip_layer
 
 
@@ -364,8 +364,9 @@ def apply_drop_path(
 
 def _undroppable(new: PyTree, drop: DropInputs, name: str, why: str) -> PyTree:
     """`new`, from a layer that changed the carry (a `Chain`'s lone layer may),
-    which cannot be dropped: an error if its rate is above 0, raised now where
-    the layer's index is known, else at run time."""
+    which cannot be dropped: an error if its rate is above 0, raised now for a
+    lone layer, else at run time (a stack's engine reports its broken carry
+    contract first, while tracing)."""
     try:
         index = layer_index()
     except RuntimeError:
@@ -378,7 +379,7 @@ def _undroppable(new: PyTree, drop: DropInputs, name: str, why: str) -> PyTree:
         "first; see docs/depth.md."
     )
     rates = drop.static_rates[name == "layer_drop"]
-    if isinstance(index, int) and index < len(rates):
+    if current_step() is None and isinstance(index, int) and index < len(rates):
         if rates[index] > 0:
             raise ValueError(message)
         return new
