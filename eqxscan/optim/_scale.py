@@ -24,7 +24,7 @@ def _scalar(fn: Callable[[int], ArrayLike], index: int, where: str) -> ArrayLike
         ok = array.shape == () and np.dtype(array.dtype).kind in "iuf"
     except (TypeError, ValueError):  # e.g. a ragged list
         array, ok = None, False
-    if ok and not isinstance(array, jax.core.Tracer):
+    if array is not None and ok and not isinstance(array, jax.core.Tracer):
         # A NaN would reach every parameter of the layer; a negative factor
         # turns its descent into ascent.
         factor = float(array)
