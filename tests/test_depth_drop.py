@@ -470,6 +470,9 @@ def test_vmap_with_one_key_shares_the_choice():
         (dict(drop_path=True), TypeError, "must be a number"),
         (dict(drop_path="linear"), TypeError, "linear_rates"),
         (dict(drop_path=np.zeros((2, 2))), ValueError, r"shape \(2, 2\)"),
+        # Below 1, but 1 in float32: 1 / (1 - p) was inf and the gradients NaN.
+        (dict(drop_path=1 - 1e-8), ValueError, r"1\.0 in float32"),
+        (dict(layer_drop=[0.1, 0.1, 0.1, 1 - 1e-8]), ValueError, r"layer_drop\[3\]"),
     ],
 )
 def test_bad_rates(rates, error, match):

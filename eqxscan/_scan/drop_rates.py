@@ -83,10 +83,13 @@ def check_rate(value: object, name: str) -> float:
             "Hint: a rate is the probability of dropping, e.g. 0.1."
         )
     rate = float(value)
-    if not 0.0 <= rate < 1.0:  # nan included
+    # Applied in float32, where a rate just below 1 rounds to 1: 1 / (1 - p) is
+    # then inf, and the gradients NaN.
+    if not 0.0 <= np.float32(rate) < 1.0 or rate < 0:  # nan included
+        rounded = " (1.0 in float32, as it is applied)" if 0 <= rate < 1 else ""
         raise ValueError(
-            f"{name} must be in [0, 1), got {rate!r}.\nHint: a rate is the "
-            "probability of dropping; 1 would drop every time (and drop-path "
+            f"{name} must be in [0, 1), got {rate!r}{rounded}.\nHint: a rate is "
+            "the probability of dropping; 1 would drop every time (and drop-path "
             "rescales by 1 / (1 - p))."
         )
     return rate
