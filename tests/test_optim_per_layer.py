@@ -246,6 +246,27 @@ def test_per_layer_mask_tree_of_the_whole_model_is_named(getkey):
             layerwise(tx).init(params)
 
 
+def test_per_layer_noise_is_each_layers_own(getkey):
+    # vmap gave every layer's `init` the same key: every layer drew the same
+    # noise. Layer i's key is now the key with i folded in.
+    stacked, _ = _models(getkey(), "stacked")
+    params = eqx.filter(stacked, eqx.is_inexact_array)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    noisy = optax.noisy_sgd(1.0, key=jax.random.key(3))
+    tx = layerwise(noisy)
+    with jax.numpy_dtype_promotion("standard"):  # optax's noise schedule
+        updates, _ = tx.update(zeros, tx.init(params), params)
+        for i, layer in enumerate(_layers(updates.body)):
+            state = noisy.init(layer)
+            key = jax.random.fold_in(state[0].rng_key, i)
+            state = (state[0]._replace(rng_key=key),) + state[1:]
+            zero = jax.tree.map(jnp.zeros_like, layer)
+            want, _ = noisy.update(zero, state, layer)
+            np.testing.assert_allclose(layer.w1, want.w1, rtol=1e-6)
+    w1 = updates.body.layers.w1
+    assert not jnp.allclose(w1[0], w1[1])
+
+
 def test_per_layer_sharded_and_checkpointed():
     """Under FSDP the state is sharded like its parameters, the update gathers
     no whole stack, and the state resumes bit-identically from a checkpoint."""

@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
 import optax
 from jaxtyping import PyTree
@@ -106,6 +107,21 @@ def _embed(state: PyTree, tree: PyTree, j: int, layers: PyTree) -> PyTree:
     return jtu.tree_map(embed, state, is_leaf=is_buffer)
 
 
+def _own_keys(state: PyTree) -> PyTree:
+    """`state` (one row per layer) with the row's index folded into each PRNG
+    key (`optax.add_noise`'s): `vmap` gave every layer's `init` the same key,
+    so every layer would draw the same noise."""
+
+    def fold(leaf: object) -> object:
+        if not (eqx.is_array(leaf) and jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key)):
+            return leaf
+        rows = leaf.reshape(leaf.shape[0], -1)
+        fold_row = jax.vmap(jax.random.fold_in, in_axes=(0, None))
+        return jax.vmap(fold_row)(rows, jnp.arange(leaf.shape[0])).reshape(leaf.shape)
+
+    return jtu.tree_map(fold, state)
+
+
 def _init_layer(tx: optax.GradientTransformationExtraArgs, params: PyTree) -> PyTree:
     # One layer: `tx`'s own state, or a `LayerwiseState` if it holds stacks.
     return _init(tx, params) if _stacks(params) else tx.init(params)
@@ -119,7 +135,7 @@ def _init(tx: optax.GradientTransformationExtraArgs, params: PyTree) -> Layerwis
             continue
         _check_layers(where, stack)
         try:
-            state = jax.vmap(lambda p: _init_layer(tx, p))(stack.layers)
+            state = _own_keys(jax.vmap(lambda p: _init_layer(tx, p))(stack.layers))
         except (TypeError, ValueError) as e:
             if str(e).startswith("layerwise"):
                 raise
