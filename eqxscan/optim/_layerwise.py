@@ -13,7 +13,7 @@ import optax
 from jaxtyping import PyTree
 
 from .._internal import Stacked
-from ._arrays import is_stacked
+from ._arrays import is_array, is_stacked
 
 
 class LayerwiseState(NamedTuple):
@@ -24,7 +24,9 @@ class LayerwiseState(NamedTuple):
       order (a `LayerwiseState` again where the layers hold stacks), layer `i`'s
       in row `i`. Per-parameter buffers (Adam's `mu`, `nu`, ...) are laid out
       like the whole parameter tree, `None` outside their stack, as optax's own
-      are (e.g. for [`eqxscan.sharding.opt_state_shardings`][]).
+      are (e.g. for [`eqxscan.sharding.opt_state_shardings`][]). A PRNG key
+      (`optax.add_noise`'s) has the layer's index folded in: layer `i`'s is
+      `jax.random.fold_in(key, i)`.
     """
 
     rest: PyTree
@@ -113,7 +115,7 @@ def _own_keys(state: PyTree) -> PyTree:
     so every layer would draw the same noise."""
 
     def fold(leaf: object) -> object:
-        if not (eqx.is_array(leaf) and jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key)):
+        if not (is_array(leaf) and jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key)):
             return leaf
         rows = leaf.reshape(leaf.shape[0], -1)
         fold_row = jax.vmap(jax.random.fold_in, in_axes=(0, None))
