@@ -517,6 +517,12 @@ def test_drop_path_refuses_a_carry_leaf_it_cannot_rescale():
     with pytest.raises(TypeError, match=r"carry leaf `carry\[1\]` is int32") as info:
         stack.with_options(drop_path=0.5)(carry, key=jax.random.key(1))
     assert "\nHint:" in str(info.value)
+    # A per-example value of one axis ([B]) beside [B, D] is refused, saying
+    # why: one axis could be one example's features.
+    carry = (jnp.ones((B, D)), jnp.zeros((B,)))
+    with pytest.raises(ValueError, match=r"(?s)at least two axes.*\[B, 1\]"):
+        stack.with_options(drop_path=0.5)(carry, key=jax.random.key(1))
+    carry = (jnp.ones((B, D)), jnp.zeros((B, 1), jnp.int32))
     # LayerDrop does not rescale: such a carry drops as it is.
     dropped = stack.with_options(layer_drop=0.5)
     x, n = dropped.with_options(mode="loop")(carry, key=jax.random.key(1))

@@ -313,10 +313,11 @@ def carry_examples(carry_dyn: PyTree) -> int | None:
         return sizes.pop()
     shapes = ", ".join(describe(a) for a in leaves)
     raise ValueError(
-        f"drop_path drops per example, the leading axis of every carry leaf, but "
-        f"the carry's arrays ({shapes}) do not share one.\nHint: give every "
-        "carry leaf the batch axis first ([B, ...]), or eqx.filter_vmap over the "
-        "batch with one key per example."
+        "drop_path drops per example, along the leading axis of the carry's "
+        "leaves, so every array leaf needs at least two axes and the same "
+        f"leading one ([B, ...]), but the carry's arrays are {shapes}.\nHint: "
+        "give a per-example value a trailing axis ([B, 1]), or eqx.filter_vmap "
+        "over the batch with one key per example; see docs/depth.md."
     )
 
 
