@@ -378,9 +378,9 @@ def _undroppable(new: PyTree, drop: DropInputs, name: str, why: str) -> PyTree:
     layer = f"layer {index}" if isinstance(index, int) else "a layer"
     message = (
         f"{name} is above 0 for {layer}, which changes the carry (e.g. a "
-        f"Chain's input projection), so it {why}.\nHint: give "
-        f"that layer rate 0, e.g. `{name}=[0.0] + [0.1] * (L - 1)` for the "
-        "first; see docs/depth.md."
+        f"Chain's input projection), so it {why}.\nHint: give that layer rate "
+        f"0, e.g. `{name}=[0.0] + [0.1] * (L - 1)` for the first; see "
+        "docs/depth.md."
     )
     rates = drop.static_rates[name == "layer_drop"]
     if current_step() is None and isinstance(index, int) and index < len(rates):

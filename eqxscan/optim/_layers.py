@@ -130,8 +130,8 @@ def freeze_layers(
     - `inner`: the optimiser, e.g. `optax.adamw(1e-3)`.
     - `layers`: the layers to freeze: an index, a `slice`, a `range`, a
       sequence of indices or a concrete integer array of them (negative ones
-      count from the end); layer numbers,
-      also for a stack stored in the stage order of `sharding.pipeline_order`.
+      count from the end); layer numbers, also for a stack stored in the stage
+      order of `sharding.pipeline_order`.
     - `where`: a function from the parameters to the `Stacked` (or a tuple of
       `Stacked`s, each frozen at the same indices) whose layers are meant, as
       for `eqx.tree_at`, e.g. `lambda model: model.blocks`. Not needed when the
