@@ -270,6 +270,20 @@ def test_layerwise_scale_refuses_negative_and_non_finite_factors(getkey, factor)
     assert (updates.layers.up.weight[1] == stack.layers.up.weight[1]).all()
 
 
+def test_layerwise_scale_inside_layerwise_is_refused(getkey):
+    # Inside `layerwise` it saw one layer at a time, with no layer index, and
+    # scaled nothing; outside it scales each layer.
+    stack = eqx.filter(eqxscan.Stacked(Block, 3, key=getkey()), eqx.is_array)
+    grads = jax.tree.map(jnp.ones_like, stack)
+    scale = eqxscan.optim.layerwise_scale(lambda i: float(i))
+    inside = eqxscan.optim.layerwise(optax.chain(optax.sgd(1.0), scale))
+    with pytest.raises(ValueError, match="runs inside eqxscan.optim.layerwise"):
+        inside.update(grads, inside.init(stack), stack)
+    outside = optax.chain(eqxscan.optim.layerwise(optax.sgd(1.0)), scale)
+    updates, _ = outside.update(grads, outside.init(stack), stack)
+    assert updates.layers.up.weight[:, 0, 0].tolist() == [-0.0, -1.0, -2.0]
+
+
 def test_layerwise_scale_names_the_layer_fn_fails_on(getkey):
     # Rates kept in a list one short of the stack: fn's own IndexError, with
     # the layer it was called for.

@@ -2,6 +2,7 @@
 under `jax.vmap` over each stack's layer axis, and once more, unbatched, on the
 arrays outside every stack."""
 
+import contextvars
 import functools
 from typing import NamedTuple
 
@@ -31,6 +32,18 @@ class LayerwiseState(NamedTuple):
 
     rest: PyTree
     stacks: tuple[PyTree, ...]
+
+
+# The stack whose layers `tx` is running on, one at a time (inside the vmap).
+_ONE_LAYER: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "eqxscan_layerwise", default=None
+)
+
+
+def one_layer() -> str | None:
+    """Where `layerwise` is running its transformation on one layer at a time
+    (the stack's path), or `None`."""
+    return _ONE_LAYER.get()
 
 
 def _is_placeholder(x: object) -> bool:
@@ -205,7 +218,11 @@ def _update(
             return tx.update(u, s, p, **extra_args)
 
         layer_state = jtu.tree_unflatten(treedef, leaves)
-        out, layer_state = jax.vmap(one)(stack.layers, layer_state, layer_params)
+        token = _ONE_LAYER.set(where or "<root>")
+        try:
+            out, layer_state = jax.vmap(one)(stack.layers, layer_state, layer_params)
+        finally:
+            _ONE_LAYER.reset(token)
         new_layers[j] = out
         new_states.append(_embed(layer_state, updates, j, stack.layers))
     return _with_layers(rest, new_layers), LayerwiseState(rest_state, tuple(new_states))

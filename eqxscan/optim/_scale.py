@@ -13,6 +13,7 @@ from jaxtyping import ArrayLike, PyTree
 from .._helpers.checks import noted
 from .._internal import check_callable, LayerNumbering, pattern, Site, walk
 from ._arrays import is_array, layer_numbers
+from ._layerwise import one_layer
 
 
 def _scalar(fn: Callable[[int], ArrayLike], index: int, where: str) -> ArrayLike:
@@ -88,6 +89,15 @@ def layerwise_scale(
         updates: PyTree, state: PyTree, params: PyTree = None
     ) -> tuple[PyTree, PyTree]:
         del params
+        inside = one_layer()
+        if inside is not None:
+            raise ValueError(
+                "layerwise_scale runs inside eqxscan.optim.layerwise, which gives "
+                f"it one layer of the Stacked at `{inside}` at a time, without the "
+                "layer's index: every layer would get the factor `unstacked`.\n"
+                "Hint: chain it outside, `optax.chain(layerwise(tx), "
+                "layerwise_scale(fn))`; see docs/optimisers_layerwise.md."
+            )
         # One call of fn per layer and trace, whatever the number of arrays.
         called: dict[int, ArrayLike] = {}
 
