@@ -246,6 +246,17 @@ def test_per_layer_mask_tree_of_the_whole_model_is_named(getkey):
             layerwise(tx).init(params)
 
 
+def test_freeze_layers_inside_layerwise_is_refused(getkey):
+    # Inside, it saw one layer: "found 0 Stacked modules ... pass `where=`",
+    # and with `where=lambda m: m.body` an AttributeError.
+    stacked, _ = _models(getkey(), "stacked")
+    params = eqx.filter(stacked, eqx.is_inexact_array)
+    for where in (None, lambda m: m.body):
+        tx = layerwise(freeze_layers(optax.sgd(1.0), [0], where=where))
+        with pytest.raises(ValueError, match="freeze_layers runs inside"):
+            tx.update(params, tx.init(params), params)
+
+
 def test_per_layer_noise_is_each_layers_own(getkey):
     # vmap gave every layer's `init` the same key: every layer drew the same
     # noise. Layer i's key is now the key with i folded in.

@@ -16,6 +16,7 @@ from jaxtyping import PyTree
 
 from .._internal import Chain, check_index, Site, Stacked, stored_order, walk
 from ._arrays import is_array, is_stacked
+from ._layerwise import one_layer
 
 
 def weight_decay_mask(params: PyTree, *, min_ndim: int = 2) -> PyTree[bool]:
@@ -159,6 +160,14 @@ def freeze_layers(
     def update(
         updates: PyTree, state: PyTree, params: PyTree = None
     ) -> tuple[PyTree, PyTree]:
+        inside = one_layer()
+        if inside is not None:
+            raise ValueError(
+                "freeze_layers runs inside eqxscan.optim.layerwise, which gives "
+                f"it one layer of the Stacked at `{inside}` at a time: it has no "
+                "layers to pick.\nHint: wrap it around, "
+                "`freeze_layers(layerwise(tx), ...)`; see docs/optimisers.md."
+            )
         updates, state = inner.update(freeze(updates, 0.0), state, params)
         # `p + (-0.0)` is `p` bit for bit, signed zeros included (`+0.0` is not).
         return freeze(updates, -0.0), state
