@@ -470,6 +470,9 @@ def test_vmap_with_one_key_shares_the_choice():
         (dict(drop_path=True), TypeError, "must be a number"),
         (dict(drop_path="linear"), TypeError, "linear_rates"),
         (dict(drop_path=np.zeros((2, 2))), ValueError, r"shape \(2, 2\)"),
+        # Below 1, but 1 in float32: 1 / (1 - p) was inf and the gradients NaN.
+        (dict(drop_path=1 - 1e-8), ValueError, r"1\.0 in float32"),
+        (dict(layer_drop=[0.1, 0.1, 0.1, 1 - 1e-8]), ValueError, r"layer_drop\[3\]"),
     ],
 )
 def test_bad_rates(rates, error, match):
@@ -514,7 +517,59 @@ def test_drop_path_refuses_a_carry_leaf_it_cannot_rescale():
     with pytest.raises(TypeError, match=r"carry leaf `carry\[1\]` is int32") as info:
         stack.with_options(drop_path=0.5)(carry, key=jax.random.key(1))
     assert "\nHint:" in str(info.value)
+    # A per-example value of one axis ([B]) beside [B, D] is refused, saying
+    # why: one axis could be one example's features.
+    carry = (jnp.ones((B, D)), jnp.zeros((B,)))
+    with pytest.raises(ValueError, match=r"(?s)at least two axes.*\[B, 1\]"):
+        stack.with_options(drop_path=0.5)(carry, key=jax.random.key(1))
+    carry = (jnp.ones((B, D)), jnp.zeros((B, 1), jnp.int32))
     # LayerDrop does not rescale: such a carry drops as it is.
     dropped = stack.with_options(layer_drop=0.5)
     x, n = dropped.with_options(mode="loop")(carry, key=jax.random.key(1))
     assert n.dtype == jnp.int32 and set(np.unique(n)) <= {0, 1, 2}
+
+
+class Embed(eqx.Module):
+    """A lone input projection, `[B, 2] -> [B, D]`: it changes the carry."""
+
+    w: jax.Array
+
+    def __call__(self, x):
+        return x @ self.w
+
+
+@pytest.mark.parametrize("mode", ["scan", "loop"])
+def test_a_layer_that_changes_the_carry_is_not_dropped_without_a_word(mode):
+    # A Chain's lone projection cannot be skipped or drop its branch: with its
+    # rate above 0 it used to run every time (a rate of 0.9 was never drawn).
+    keys = jax.random.split(jax.random.key(0), 3)
+    layers = [Embed(jax.random.normal(keys[0], (2, D)))]
+    layers += [Block(k) for k in keys[1:]]
+    x, key = jnp.ones((B, 2)), jax.random.key(1)
+    for name in ("layer_drop", "drop_path"):
+        chain = eqxscan.Chain(layers, mode=mode, **{name: [0.9, 0.2, 0.2]})
+        with pytest.raises(ValueError, match=f"{name} is above 0 for layer 0"):
+            chain(x, key=key)
+    # With its rate 0 it runs, and the others drop as the reference does.
+    rates = dict(drop_path=[0.0, 0.3, 0.5], layer_drop=[0.0, 0.5, 0.4])
+    chain = eqxscan.Chain(layers, mode=mode, **rates)
+    # (The reference's first layer: the projection, applied beforehand.)
+    want = reference([lambda h: h] + layers[1:], layers[0](x), key, **rates)
+    np.testing.assert_allclose(chain(x, key=key), want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_layer_that_changes_the_carry_inside_a_repeated_pattern():
+    # Inside a pattern's scan the layer's index is traced: the error comes at
+    # run time, and only from a rate above 0.
+    keys = jax.random.split(jax.random.key(0), 4)
+    up = lambda k: Embed(jax.random.normal(k, (D, 2 * D)))  # noqa: E731
+    down = lambda k: Embed(jax.random.normal(k, (2 * D, D)))  # noqa: E731
+    layers = [up(keys[0]), down(keys[1]), up(keys[2]), down(keys[3])]
+    x, key = jnp.ones((B, D)), jax.random.key(1)
+    chain = eqxscan.Chain(layers, layer_drop=[0.0, 0.5] * 2)
+    assert chain.layout[0].per_step == 2  # one scan over [up, down] units
+    with pytest.raises(eqx.EquinoxRuntimeError, match="layer_drop is above 0"):
+        chain(x, key=key)
+    chain = chain.with_options(layer_drop=0.0, drop_path=[0.0, 0.5] * 2)
+    with pytest.raises(eqx.EquinoxRuntimeError, match="drop_path is above 0"):
+        chain(x, key=key)

@@ -170,6 +170,22 @@ def test_freeze_layers_where_and_errors(getkey):
         opt.update(grads, opt.init(params), params)
 
 
+@pytest.mark.parametrize("as_array", [np.asarray, jnp.asarray])
+def test_freeze_layers_takes_an_index_array(getkey, as_array):
+    # Indices kept as an array (e.g. `np.nonzero(...)[0]`) freeze those layers,
+    # as the same ints in a list do.
+    stack = _stack(getkey(), 4)
+    params = eqx.filter(stack, eqx.is_inexact_array)
+    grads = jax.tree.map(jnp.ones_like, params)
+    opt = eqxscan.optim.freeze_layers(optax.sgd(1.0), as_array([0, -2]))
+    updates, _ = opt.update(grads, opt.init(params), params)
+    moved = (updates.layers.linear.weight != 0).any(axis=(1, 2))
+    assert moved.tolist() == [False, True, False, True]
+    opt = eqxscan.optim.freeze_layers(optax.sgd(1.0), as_array([0.0]))
+    with pytest.raises(TypeError, match="as an int, a slice"):
+        opt.update(grads, opt.init(params), params)
+
+
 def test_freeze_layers_refuses_a_chain(getkey):
     # The chain's one Stacked is its layers 1-3: index 0 would be layer 1.
     layers = [eqx.nn.Linear(3, 6, key=getkey())] + [Block(getkey()) for _ in range(3)]

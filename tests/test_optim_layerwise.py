@@ -255,6 +255,45 @@ def test_layerwise_scale_bad_input(getkey):
         tx.update(stack, tx.init(stack))
 
 
+@pytest.mark.parametrize("factor", [-0.5, float("nan"), float("inf")])
+def test_layerwise_scale_refuses_negative_and_non_finite_factors(getkey, factor):
+    # A NaN would reach every parameter of the layer, a negative factor turn
+    # its descent into ascent: both were applied without a word.
+    stack = eqx.filter(eqxscan.Stacked(Block, 2, key=getkey()), eqx.is_array)
+    tx = eqxscan.optim.layerwise_scale(lambda i: 1.0 if i == 0 else factor)
+    with pytest.raises(ValueError, match=r"fn\(1\) returned .* for layer 1 .*finite"):
+        tx.update(stack, tx.init(stack))
+    # A zero factor stops the layer's updates, as `optax.scale(0.0)` does.
+    tx = eqxscan.optim.layerwise_scale(lambda i: float(i))
+    updates, _ = tx.update(stack, tx.init(stack))
+    assert (updates.layers.up.weight[0] == 0).all()
+    assert (updates.layers.up.weight[1] == stack.layers.up.weight[1]).all()
+
+
+def test_layerwise_scale_inside_layerwise_is_refused(getkey):
+    # Inside `layerwise` it saw one layer at a time, with no layer index, and
+    # scaled nothing; outside it scales each layer.
+    stack = eqx.filter(eqxscan.Stacked(Block, 3, key=getkey()), eqx.is_array)
+    grads = jax.tree.map(jnp.ones_like, stack)
+    scale = eqxscan.optim.layerwise_scale(lambda i: float(i))
+    inside = eqxscan.optim.layerwise(optax.chain(optax.sgd(1.0), scale))
+    with pytest.raises(ValueError, match="runs inside eqxscan.optim.layerwise"):
+        inside.update(grads, inside.init(stack), stack)
+    outside = optax.chain(eqxscan.optim.layerwise(optax.sgd(1.0)), scale)
+    updates, _ = outside.update(grads, outside.init(stack), stack)
+    assert updates.layers.up.weight[:, 0, 0].tolist() == [-0.0, -1.0, -2.0]
+
+
+def test_layerwise_scale_names_the_layer_fn_fails_on(getkey):
+    # Rates kept in a list one short of the stack: fn's own IndexError, with
+    # the layer it was called for.
+    stack = eqx.filter(eqxscan.Stacked(Block, 3, key=getkey()), eqx.is_array)
+    tx = eqxscan.optim.layerwise_scale(lambda i: [1.0, 0.5][i])
+    with pytest.raises(IndexError) as info:
+        tx.update(stack, tx.init(stack))
+    assert "called for layer 2" in "\n".join(getattr(info.value, "__notes__", []))
+
+
 # -- Per-layer norms ---------------------------------------------------------------
 
 

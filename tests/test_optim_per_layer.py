@@ -231,6 +231,53 @@ def test_per_layer_state_and_errors(getkey):
         tx.update(params, optax.adam(1e-2).init(params), params)
 
 
+def test_per_layer_mask_tree_of_the_whole_model_is_named(getkey):
+    # Each layer's state is built from one layer's parameters: a mask or labels
+    # tree of the whole model fails inside, with a hint, not optax's bare
+    # pytree-structure error.
+    stacked, _ = _models(getkey(), "stacked")
+    params = eqx.filter(stacked, eqx.is_inexact_array)
+    labels = jax.tree.map(lambda a: "w" if a.ndim >= 2 else "b", params)
+    for tx in (
+        optax.masked(optax.adam(1e-2), _ndim_mask(params)),
+        optax.multi_transform({"w": optax.adam(1e-2), "b": optax.sgd(1.0)}, labels),
+    ):
+        with pytest.raises(ValueError, match=r"one layer of the Stacked at `\.body`"):
+            layerwise(tx).init(params)
+
+
+def test_freeze_layers_inside_layerwise_is_refused(getkey):
+    # Inside, it saw one layer: "found 0 Stacked modules ... pass `where=`",
+    # and with `where=lambda m: m.body` an AttributeError.
+    stacked, _ = _models(getkey(), "stacked")
+    params = eqx.filter(stacked, eqx.is_inexact_array)
+    for where in (None, lambda m: m.body):
+        tx = layerwise(freeze_layers(optax.sgd(1.0), [0], where=where))
+        with pytest.raises(ValueError, match="freeze_layers runs inside"):
+            tx.update(params, tx.init(params), params)
+
+
+def test_per_layer_noise_is_each_layers_own(getkey):
+    # vmap gave every layer's `init` the same key: every layer drew the same
+    # noise. Layer i's key is now the key with i folded in.
+    stacked, _ = _models(getkey(), "stacked")
+    params = eqx.filter(stacked, eqx.is_inexact_array)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    noisy = optax.noisy_sgd(1.0, key=jax.random.key(3))
+    tx = layerwise(noisy)
+    with jax.numpy_dtype_promotion("standard"):  # optax's noise schedule
+        updates, _ = tx.update(zeros, tx.init(params), params)
+        for i, layer in enumerate(_layers(updates.body)):
+            state = noisy.init(layer)
+            key = jax.random.fold_in(state[0].rng_key, i)
+            state = (state[0]._replace(rng_key=key),) + state[1:]
+            zero = jax.tree.map(jnp.zeros_like, layer)
+            want, _ = noisy.update(zero, state, layer)
+            np.testing.assert_allclose(layer.w1, want.w1, rtol=1e-6)
+    w1 = updates.body.layers.w1
+    assert not jnp.allclose(w1[0], w1[1])
+
+
 def test_per_layer_sharded_and_checkpointed():
     """Under FSDP the state is sharded like its parameters, the update gathers
     no whole stack, and the state resumes bit-identically from a checkpoint."""

@@ -25,7 +25,8 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Key, PRNGKeyArray, PyTree, UInt32
 
 from .._helpers.checks import Checked, describe
-from .skip import skip_layer
+from .layer_index import current_step, layer_index
+from .skip import same_types, skip_layer
 
 
 #: Folded into a call's key to make the drop keys, apart from the layers' keys.
@@ -82,10 +83,13 @@ def check_rate(value: object, name: str) -> float:
             "Hint: a rate is the probability of dropping, e.g. 0.1."
         )
     rate = float(value)
-    if not 0.0 <= rate < 1.0:  # nan included
+    # Applied in float32, where a rate just below 1 rounds to 1: 1 / (1 - p) is
+    # then inf, and the gradients NaN.
+    if not 0.0 <= np.float32(rate) < 1.0 or rate < 0:  # nan included
+        rounded = " (1.0 in float32, as it is applied)" if 0 <= rate < 1 else ""
         raise ValueError(
-            f"{name} must be in [0, 1), got {rate!r}.\nHint: a rate is the "
-            "probability of dropping; 1 would drop every time (and drop-path "
+            f"{name} must be in [0, 1), got {rate!r}{rounded}.\nHint: a rate is "
+            "the probability of dropping; 1 would drop every time (and drop-path "
             "rescales by 1 / (1 - p))."
         )
     return rate
@@ -138,6 +142,10 @@ class DropInputs(eqx.Module):
     uses: tuple[bool, bool] = eqx.field(static=True)
     scan_skips: bool = eqx.field(static=True, default=False)
     path_mask: Bool[Array, "*layers_rows"] | None = None
+    # The rates by global layer index, for checks while tracing.
+    static_rates: tuple[tuple[float, ...], tuple[float, ...]] = eqx.field(
+        static=True, default=((), ())
+    )
 
     def runs(self) -> Array:
         """Whether each layer runs in this call: LayerDrop's choice, drawn from
@@ -244,6 +252,7 @@ class DropRates(eqx.Module):
             jnp.asarray(self.layer_drop, jnp.float32),
             keys,
             self.uses,
+            static_rates=(self.drop_path, self.layer_drop),
         )
 
 
@@ -304,10 +313,11 @@ def carry_examples(carry_dyn: PyTree) -> int | None:
         return sizes.pop()
     shapes = ", ".join(describe(a) for a in leaves)
     raise ValueError(
-        f"drop_path drops per example, the leading axis of every carry leaf, but "
-        f"the carry's arrays ({shapes}) do not share one.\nHint: give every "
-        "carry leaf the batch axis first ([B, ...]), or eqx.filter_vmap over the "
-        "batch with one key per example."
+        "drop_path drops per example, along the leading axis of the carry's "
+        "leaves, so every array leaf needs at least two axes and the same "
+        f"leading one ([B, ...]), but the carry's arrays are {shapes}.\nHint: "
+        "give a per-example value a trailing axis ([B, 1]), or eqx.filter_vmap "
+        "over the batch with one key per example; see docs/depth.md."
     )
 
 
@@ -318,6 +328,13 @@ def path_mask(
     per call)."""
     shape = () if examples is None else (examples,)
     return jax.random.bernoulli(key, 1.0 - rate, shape)
+
+
+def _same_shapes(old: PyTree, new: PyTree) -> bool:
+    old, new = eqx.filter(old, eqx.is_array), eqx.filter(new, eqx.is_array)
+    return jtu.tree_structure(old) == jtu.tree_structure(new) and all(
+        a.shape == b.shape for a, b in zip(jtu.tree_leaves(old), jtu.tree_leaves(new))
+    )
 
 
 def apply_drop_path(
@@ -344,13 +361,35 @@ def apply_drop_path(
         return jnp.where(rate == 0, b, dropped.astype(b.dtype))
 
     new_dyn, new_static = eqx.partition(new, eqx.is_array)
-    same = jtu.tree_structure(old_dyn) == jtu.tree_structure(new_dyn) and all(
-        a.shape == b.shape
-        for a, b in zip(jtu.tree_leaves(old_dyn), jtu.tree_leaves(new_dyn))
-    )
-    if not same:
+    if not _same_shapes(old_dyn, new_dyn):
         return new  # the engine reports the broken carry contract
     return eqx.combine(jtu.tree_map_with_path(one, old_dyn, new_dyn), new_static)
+
+
+def _undroppable(new: PyTree, drop: DropInputs, name: str, why: str) -> PyTree:
+    """`new`, from a layer that changed the carry (a `Chain`'s lone layer may),
+    which cannot be dropped: an error if its rate is above 0, raised now for a
+    lone layer, else at run time (a stack's engine reports its broken carry
+    contract first, while tracing)."""
+    try:
+        index = layer_index()
+    except RuntimeError:
+        index = None
+    layer = f"layer {index}" if isinstance(index, int) else "a layer"
+    message = (
+        f"{name} is above 0 for {layer}, which changes the carry (e.g. a "
+        f"Chain's input projection), so it {why}.\nHint: give that layer rate "
+        f"0, e.g. `{name}=[0.0] + [0.1] * (L - 1)` for the first; see "
+        "docs/depth.md."
+    )
+    rates = drop.static_rates[name == "layer_drop"]
+    if current_step() is None and isinstance(index, int) and index < len(rates):
+        if rates[index] > 0:
+            raise ValueError(message)
+        return new
+    rate = drop.layer_rate if name == "layer_drop" else drop.path_rate
+    dyn, static = eqx.partition(new, eqx.is_array)
+    return eqx.combine(eqx.error_if(dyn, rate > 0, message), static)
 
 
 def dropping(
@@ -367,6 +406,9 @@ def dropping(
         new, y = fn(c)
         if not uses_path:
             return new, y
+        if not _same_shapes(c, new):  # a `Chain`'s lone layer may change the carry
+            why = "has no residual branch `layer(x) - x` to drop"
+            return _undroppable(new, drop, "drop_path", why), y
         mask = drop.path_mask
         if mask is None:
             assert drop.key is not None
@@ -378,5 +420,13 @@ def dropping(
         return run
     assert drop.key is not None
     runs = jax.random.bernoulli(jax.random.split(drop.key)[0], 1.0 - drop.layer_rate)
+
     # A layer no scan skips (a `Chain`'s lone layer): skipped here.
-    return lambda c: skip_layer(run, c, runs)
+    def skipping(c: PyTree) -> tuple[PyTree, PyTree]:
+        new, y = skip_layer(run, c, runs)
+        if same_types(eqx.filter(c, eqx.is_array), eqx.filter(new, eqx.is_array)):
+            return new, y
+        why = "cannot be skipped (its input is no carry to pass on)"
+        return _undroppable(new, drop, "layer_drop", why), y
+
+    return skipping

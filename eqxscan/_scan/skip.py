@@ -157,6 +157,15 @@ def arrays_only(
     return body, statics
 
 
+def same_types(old: PyTree, new: PyTree) -> bool:
+    """Whether `new` (arrays, or their shapes) has the structure, shapes and
+    dtypes of `old`: a carry that a skipped layer can pass on."""
+    return jtu.tree_structure(new) == jtu.tree_structure(old) and all(
+        a.shape == b.shape and a.dtype == b.dtype
+        for a, b in zip(jtu.tree_leaves(new), jtu.tree_leaves(old))
+    )
+
+
 def skip_layer(
     fn: Callable[[PyTree], tuple[PyTree, PyTree]], c: PyTree, runs: Bool[Array, ""]
 ) -> tuple[PyTree, PyTree]:
@@ -166,13 +175,8 @@ def skip_layer(
     c_dyn, c_static = eqx.partition(c, eqx.is_array)
     body, statics = arrays_only(fn, c_static)
     traced, out_shape = jax.make_jaxpr(body, return_shape=True)(c_dyn)
-    new_shape = out_shape[0]
-    contract = jtu.tree_structure(new_shape) == jtu.tree_structure(c_dyn) and all(
-        a.shape == b.shape and a.dtype == b.dtype
-        for a, b in zip(jtu.tree_leaves(new_shape), jtu.tree_leaves(c_dyn))
-    )
     operands = jtu.tree_leaves(c_dyn)
-    if contract:
+    if same_types(c_dyn, out_shape[0]):
         flat = skip_call(runs, traced, operands, len(operands))
     else:
         flat = jcore.jaxpr_as_fun(traced)(*operands)

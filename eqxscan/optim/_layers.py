@@ -6,13 +6,17 @@ from collections.abc import Callable, Sequence
 from typing import SupportsIndex
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 import optax
+from jax.core import Tracer
 from jaxtyping import PyTree
 
 from .._internal import Chain, check_index, Site, Stacked, stored_order, walk
 from ._arrays import is_array, is_stacked
+from ._layerwise import one_layer
 
 
 def weight_decay_mask(params: PyTree, *, min_ndim: int = 2) -> PyTree[bool]:
@@ -45,13 +49,17 @@ def weight_decay_mask(params: PyTree, *, min_ndim: int = 2) -> PyTree[bool]:
     return walk(decay, params)
 
 
-LayerSelection = SupportsIndex | slice | Sequence[SupportsIndex]
+LayerSelection = (
+    SupportsIndex | slice | Sequence[SupportsIndex] | np.ndarray | jax.Array
+)
 
 
 def _zero_layers(stack: Stacked, layers: LayerSelection, zero: float) -> Stacked:
     """`stack` with every array leaf set to `zero` on the layers `layers` selects
     (indices as for a list)."""
     n = stack.num_layers
+    if isinstance(layers, np.ndarray | jax.Array) and not isinstance(layers, Tracer):
+        layers = np.asarray(layers).tolist()  # an index array: its ints
     if isinstance(layers, slice):
         chosen = set(range(n)[layers])
     else:
@@ -121,9 +129,10 @@ def freeze_layers(
     **Arguments:**
 
     - `inner`: the optimiser, e.g. `optax.adamw(1e-3)`.
-    - `layers`: the layers to freeze: an index, a `slice`, a `range` or a
-      sequence of indices (negative ones count from the end); layer numbers,
-      also for a stack stored in the stage order of `sharding.pipeline_order`.
+    - `layers`: the layers to freeze: an index, a `slice`, a `range`, a
+      sequence of indices or a concrete integer array of them (negative ones
+      count from the end); layer numbers, also for a stack stored in the stage
+      order of `sharding.pipeline_order`.
     - `where`: a function from the parameters to the `Stacked` (or a tuple of
       `Stacked`s, each frozen at the same indices) whose layers are meant, as
       for `eqx.tree_at`, e.g. `lambda model: model.blocks`. Not needed when the
@@ -151,6 +160,14 @@ def freeze_layers(
     def update(
         updates: PyTree, state: PyTree, params: PyTree = None
     ) -> tuple[PyTree, PyTree]:
+        inside = one_layer()
+        if inside is not None:
+            raise ValueError(
+                "freeze_layers runs inside eqxscan.optim.layerwise, which gives "
+                f"it one layer of the Stacked at `{inside}` at a time: it has no "
+                "layers to pick.\nHint: wrap it around, "
+                "`freeze_layers(layerwise(tx), ...)`; see docs/optimisers.md."
+            )
         updates, state = inner.update(freeze(updates, 0.0), state, params)
         # `p + (-0.0)` is `p` bit for bit, signed zeros included (`+0.0` is not).
         return freeze(updates, -0.0), state

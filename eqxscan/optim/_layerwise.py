@@ -2,17 +2,19 @@
 under `jax.vmap` over each stack's layer axis, and once more, unbatched, on the
 arrays outside every stack."""
 
+import contextvars
 import functools
 from typing import NamedTuple
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
 import optax
 from jaxtyping import PyTree
 
 from .._internal import Stacked
-from ._arrays import is_stacked
+from ._arrays import is_array, is_stacked
 
 
 class LayerwiseState(NamedTuple):
@@ -23,11 +25,25 @@ class LayerwiseState(NamedTuple):
       order (a `LayerwiseState` again where the layers hold stacks), layer `i`'s
       in row `i`. Per-parameter buffers (Adam's `mu`, `nu`, ...) are laid out
       like the whole parameter tree, `None` outside their stack, as optax's own
-      are (e.g. for [`eqxscan.sharding.opt_state_shardings`][]).
+      are (e.g. for [`eqxscan.sharding.opt_state_shardings`][]). A PRNG key
+      (`optax.add_noise`'s) has the layer's index folded in: layer `i`'s is
+      `jax.random.fold_in(key, i)`.
     """
 
     rest: PyTree
     stacks: tuple[PyTree, ...]
+
+
+# The stack whose layers `tx` is running on, one at a time (inside the vmap).
+_ONE_LAYER: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "eqxscan_layerwise", default=None
+)
+
+
+def one_layer() -> str | None:
+    """Where `layerwise` is running its transformation on one layer at a time
+    (the stack's path), or `None`."""
+    return _ONE_LAYER.get()
 
 
 def _is_placeholder(x: object) -> bool:
@@ -106,6 +122,21 @@ def _embed(state: PyTree, tree: PyTree, j: int, layers: PyTree) -> PyTree:
     return jtu.tree_map(embed, state, is_leaf=is_buffer)
 
 
+def _own_keys(state: PyTree) -> PyTree:
+    """`state` (one row per layer) with the row's index folded into each PRNG
+    key (`optax.add_noise`'s): `vmap` gave every layer's `init` the same key,
+    so every layer would draw the same noise."""
+
+    def fold(leaf: object) -> object:
+        if not (is_array(leaf) and jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key)):
+            return leaf
+        rows = leaf.reshape(leaf.shape[0], -1)
+        fold_row = jax.vmap(jax.random.fold_in, in_axes=(0, None))
+        return jax.vmap(fold_row)(rows, jnp.arange(leaf.shape[0])).reshape(leaf.shape)
+
+    return jtu.tree_map(fold, state)
+
+
 def _init_layer(tx: optax.GradientTransformationExtraArgs, params: PyTree) -> PyTree:
     # One layer: `tx`'s own state, or a `LayerwiseState` if it holds stacks.
     return _init(tx, params) if _stacks(params) else tx.init(params)
@@ -118,7 +149,22 @@ def _init(tx: optax.GradientTransformationExtraArgs, params: PyTree) -> Layerwis
             states.append(optax.EmptyState())
             continue
         _check_layers(where, stack)
-        state = jax.vmap(lambda p: _init_layer(tx, p))(stack.layers)
+        try:
+            state = _own_keys(jax.vmap(lambda p: _init_layer(tx, p))(stack.layers))
+        except (TypeError, ValueError) as e:
+            if str(e).startswith("layerwise"):
+                raise
+            # Typically a mask or labels given as a tree of the whole model.
+            first = next(iter(str(e).strip().splitlines()), type(e).__name__)
+            raise (ValueError if isinstance(e, ValueError) else TypeError)(
+                f"layerwise: the transformation failed on one layer of the "
+                f"Stacked at `{where or '<root>'}` (a "
+                f"{type(stack.layers).__name__}): {first}\nHint: inside "
+                "layerwise, masks and labels are given one layer's parameters: "
+                "pass them as functions (`mask=lambda p: ...`), or put "
+                "optax.masked / optax.multi_transform outside layerwise; see "
+                "docs/optimisers.md."
+            ) from e
         states.append(_embed(state, params, j, stack.layers))
     return LayerwiseState(tx.init(_outside(params)), tuple(states))
 
@@ -172,7 +218,11 @@ def _update(
             return tx.update(u, s, p, **extra_args)
 
         layer_state = jtu.tree_unflatten(treedef, leaves)
-        out, layer_state = jax.vmap(one)(stack.layers, layer_state, layer_params)
+        token = _ONE_LAYER.set(where or "<root>")
+        try:
+            out, layer_state = jax.vmap(one)(stack.layers, layer_state, layer_params)
+        finally:
+            _ONE_LAYER.reset(token)
         new_layers[j] = out
         new_states.append(_embed(layer_state, updates, j, stack.layers))
     return _with_layers(rest, new_layers), LayerwiseState(rest_state, tuple(new_states))

@@ -3,23 +3,39 @@ index, as one constant per stacked array broadcast over its per-layer axes."""
 
 from collections.abc import Callable
 
+import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 import optax
 from jaxtyping import ArrayLike, PyTree
 
+from .._helpers.checks import noted
 from .._internal import check_callable, LayerNumbering, pattern, Site, walk
 from ._arrays import is_array, layer_numbers
+from ._layerwise import one_layer
 
 
 def _scalar(fn: Callable[[int], ArrayLike], index: int, where: str) -> ArrayLike:
-    """`fn(index)`, checked to be one real number."""
-    value = fn(index)
+    """`fn(index)`, checked to be one real number, finite and not negative
+    (where it is concrete)."""
+    value = noted(fn, f"layerwise_scale's fn, called for layer {index}", index)
     try:
         array = value if is_array(value) else np.asarray(value)
         ok = array.shape == () and np.dtype(array.dtype).kind in "iuf"
     except (TypeError, ValueError):  # e.g. a ragged list
         array, ok = None, False
+    if array is not None and ok and not isinstance(array, jax.core.Tracer):
+        # A NaN would reach every parameter of the layer; a negative factor
+        # turns its descent into ascent.
+        factor = float(array)
+        if not (np.isfinite(factor) and factor >= 0):
+            raise ValueError(
+                f"layerwise_scale: fn({index}) returned {factor} for layer "
+                f"{index} (at `{where}`), but a layer's factor must be finite "
+                "and at least 0.\nHint: 0 stops a layer's updates; see "
+                "docs/optimisers_layerwise.md."
+            )
     if not ok:
         shape = None if array is None else array.shape
         got = repr(value) if shape in (None, ()) else f"shape {shape}"
@@ -53,7 +69,7 @@ def layerwise_scale(
     **Arguments:**
 
     - `fn`: called with each layer's index (an `int`) when the update is
-      traced; returns that layer's factor (a real number).
+      traced; returns that layer's factor (a real number, finite and `>= 0`).
     - `unstacked`: the factor for arrays outside any `Stacked` or `Chain`
       (embeddings, heads, final norms).
 
@@ -73,6 +89,15 @@ def layerwise_scale(
         updates: PyTree, state: PyTree, params: PyTree = None
     ) -> tuple[PyTree, PyTree]:
         del params
+        inside = one_layer()
+        if inside is not None:
+            raise ValueError(
+                "layerwise_scale runs inside eqxscan.optim.layerwise, which gives "
+                f"it one layer of the Stacked at `{inside}` at a time, without the "
+                "layer's index: every layer would get the factor `unstacked`.\n"
+                "Hint: chain it outside, `optax.chain(layerwise(tx), "
+                "layerwise_scale(fn))`; see docs/optimisers_layerwise.md."
+            )
         # One call of fn per layer and trace, whatever the number of arrays.
         called: dict[int, ArrayLike] = {}
 
