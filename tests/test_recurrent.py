@@ -771,6 +771,13 @@ def test_error_cell_changes_carry(mode, getkey):
         eqxscan.Recurrent(lambda x, h: cell(x, h.astype(jnp.float32)), mode=mode)(
             jnp.zeros(HID, jnp.bfloat16), xs
         )
+    # An integer initial carry into a float cell: start it as a float.
+    with (
+        jax.numpy_dtype_promotion("standard"),  # JAX's default
+        pytest.raises(TypeError, match=r"int32\[4\] to float32\[4\] \(the carry came"),
+    ):
+        float_cell = lambda x, h: jnp.tanh(h + x.sum())
+        eqxscan.Recurrent(float_cell, mode=mode)(jnp.zeros(HID, jnp.int32), xs)
     # bfloat16 weights, float32 inputs: the hint names the inputs too.
     bf16 = eqxscan.Recurrent(make_cell("gru", jr.key(0), dtype=jnp.bfloat16), mode=mode)
     with (

@@ -259,7 +259,16 @@ def check_carry(old: PyTree, new: PyTree, where: str, step: int | None = None) -
         if same_leaf(a, b):
             continue
         hint = ""
-        if eqx.is_array(a) and eqx.is_array(b) and a.shape == b.shape:
+        exact = lambda x: not jnp.issubdtype(x.dtype, jnp.inexact)
+        if eqx.is_array(a) and eqx.is_array(b) and exact(a) and not exact(b):
+            # An integer initial carry (`jnp.zeros(n, int)`) into float layers:
+            # casting their result back to integers would be the wrong advice.
+            hint = (
+                f" (the carry came in as {jnp.dtype(a.dtype).name}: start it in "
+                f"{jnp.dtype(b.dtype).name}, e.g. `jnp.zeros(..., "
+                f"jnp.{jnp.dtype(b.dtype).name})`)"
+            )
+        elif eqx.is_array(a) and eqx.is_array(b) and a.shape == b.shape:
             hint = (
                 " (a dtype promotion: cast the layer's result back, e.g. "
                 f"`.astype({jnp.dtype(a.dtype).name})`, or keep its parameters and "
