@@ -42,6 +42,7 @@ from ._helpers.checks import (
     Checked as Checked,
     describe as describe,
     is_arraylike as is_arraylike,
+    noted as noted,
     split_key as split_key,
 )
 from ._helpers.constrain import (
