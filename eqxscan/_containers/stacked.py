@@ -26,7 +26,7 @@ from .._helpers.checks import (
     split_key,
 )
 from .._helpers.constrain import check_layer_sharding
-from .._helpers.stackable import check_alike, stack_alike
+from .._helpers.stackable import check_alike, check_state_order, stack_alike
 from .._scan.drop_rates import DropRates, new_drop_rates, Rates, rates_of, with_mode_of
 from .._scan.eager_compile import compiled_when_eager
 from .._scan.layer_call import (
@@ -390,6 +390,7 @@ class Stacked(Scanning, Generic[LayerT]):
                     f"slice `eqxscan.sharding.{order}, inverse=True)`, the natural "
                     "order."
                 )
+            check_state_order(self.layers, index, self.num_layers, "Stacked")
             layers = take(self.layers, index)
             drop = None if self.drop_rates is None else self.drop_rates.sliced(index)
             drop_path, layer_drop = rates_of(drop)

@@ -198,3 +198,19 @@ def check_alike(
             f"{first} ({type(layers[0]).__name__}): at `{diff.path or '<root>'}` "
             f"{first} has {diff.a} but {other} has {diff.b}.{hint}"
         )
+
+
+def check_state_order(layers: PyTree, index: slice, length: int, who: str) -> None:
+    """Refuse a slice that reverses stateful layers: an `eqx.nn.State` keeps their
+    states in the stored order, which the reversed layers would read."""
+    if index.indices(length)[2] > 0 or len(range(length)[index]) < 2:
+        return
+    is_index = lambda x: isinstance(x, eqx.nn.StateIndex)  # noqa: E731
+    if any(map(is_index, jtu.tree_leaves(layers, is_leaf=is_index))):
+        raise ValueError(
+            f"Cannot take {index} of a {who} of stateful layers (with an "
+            "eqx.nn.StateIndex): it reverses them, but their eqx.nn.State keeps "
+            f"the {who}'s order, so each layer would read another's state.\nHint: "
+            "run them backwards with `model(x, state, reverse=True)`, each with "
+            "its own state (see docs/idioms.md)."
+        )
