@@ -88,6 +88,20 @@ def _function(a: types.FunctionType, b: types.FunctionType) -> Verdict:
     return _sequence(parts(a), parts(b))
 
 
+def _hidden_arrays(x: object) -> list[object]:
+    # The arrays of a module or dataclass, which `compare` judged by shape only.
+    leaves = jtu.tree_leaves(x)
+    if not (len(leaves) == 1 and leaves[0] is x):  # a pytree
+        return [leaf for leaf in leaves if eqx.is_array(leaf)]
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return [
+            a
+            for f in dataclasses.fields(x)
+            for a in _hidden_arrays(getattr(x, f.name, None))
+        ]
+    return [x] if eqx.is_array(x) else []
+
+
 def value_verdict(a: object, b: Any) -> Verdict:
     """Whether two non-array values (static data, functions) are the same (`b:
     Any`: past `type(a) is type(b)` it has `a`'s type, which pyright cannot see)."""
@@ -116,7 +130,12 @@ def value_verdict(a: object, b: Any) -> Verdict:
         dataclasses.is_dataclass(a) and not isinstance(a, type)
     ):
         diff = compare(a, b)
-        return "same" if diff is None else diff.verdict
+        if diff is not None:
+            return diff.verdict
+        # Here outside the stacked pytree (closed over, in a partial), its arrays
+        # would not be stacked: alike only with equal values.
+        pairs = zip(_hidden_arrays(a), _hidden_arrays(b), strict=True)
+        return _all(_concrete_equal(x, y) for x, y in pairs)
     try:
         if bool(a == b):
             return "same"
