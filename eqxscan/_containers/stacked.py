@@ -504,8 +504,9 @@ class Stacked(Scanning, Generic[LayerT]):
         **Returns:**
 
         `(final carry, ys)` with the `y_i` stacked leaf by leaf on axis 0
-        (`None` if layers return `(x, None)`). `ys[i]` is layer `i`'s, also with
-        `reverse=True`.
+        (`None` if layers return `(x, None)`; other leaves kept once, as one
+        traced body gives them: with `mode="loop"`, numbers that differ by
+        layer are stacked). `ys[i]` is layer `i`'s, also with `reverse=True`.
         """
         return self._fold(x, args, kwargs, key, method, reverse, pairs("Stacked.scan"))
 
@@ -550,7 +551,8 @@ class Stacked(Scanning, Generic[LayerT]):
 
         **Returns:**
 
-        The outputs, stacked leaf by leaf on a new leading axis of length `L`:
+        The outputs, stacked leaf by leaf on a new leading axis of length `L`
+        (as for `scan`'s `ys`):
         one `jax.vmap` over the layer axis (a Python loop with `mode="loop"`).
         Nothing is scanned nor dropped: `remat`, `unroll`, `drop_path` and
         `layer_drop` do not apply.
