@@ -233,3 +233,16 @@ def test_a_reversed_slice_of_stateful_layers_is_refused(getkey):
         chain[::-1]
     lone = eqxscan.Chain([chain[0], eqx.nn.Identity()])
     assert len(lone[::-1]) == 2
+
+
+def test_with_layer_keeps_the_state_of_a_stateful_stack(getkey):
+    # A layer made afresh has state indexes of its own, whose state the model's
+    # eqx.nn.State does not hold: named as such, with the way that works.
+    model, _ = eqx.nn.make_with_state(eqxscan.Stacked)(Block, 2, key=getkey())
+    with pytest.raises(ValueError, match=r"StateIndex at `.norm.* is not the stack's"):
+        model.with_layer(1, Block(getkey()))
+    linear = eqx.nn.Linear(3, 3, key=getkey())
+    new = model.with_layer(1, eqx.tree_at(lambda b: b.linear, model[1], linear))
+    np.testing.assert_array_equal(new.layers.linear.weight[1], linear.weight)
+    index = lambda m: m[1].norm.ema_state_index.marker  # noqa: E731
+    assert index(new) == index(model)

@@ -26,7 +26,12 @@ from .._helpers.checks import (
     split_key,
 )
 from .._helpers.constrain import check_layer_sharding
-from .._helpers.stackable import check_alike, check_state_order, stack_alike
+from .._helpers.stackable import (
+    check_alike,
+    check_state_indices,
+    check_state_order,
+    stack_alike,
+)
 from .._scan.drop_rates import DropRates, new_drop_rates, Rates, rates_of, with_mode_of
 from .._scan.eager_compile import compiled_when_eager
 from .._scan.layer_call import (
@@ -441,6 +446,7 @@ class Stacked(Scanning, Generic[LayerT]):
         """
         current = self[index]  # checks the index
         i = operator.index(index) % self.num_layers
+        check_state_indices(current, layer, f"Stacked.with_layer({i}, ...)")
         check_alike(
             [current, layer],
             f"Stacked.with_layer({i}, ...)",

@@ -233,3 +233,24 @@ def check_state_order(layers: PyTree, index: slice, length: int, who: str) -> No
             "run them backwards with `model(x, state, reverse=True)`, each with "
             "its own state (see docs/idioms.md)."
         )
+
+
+def check_state_indices(current: PyTree, layer: PyTree, what: str) -> None:
+    """Refuse a layer whose `eqx.nn.StateIndex`es are not those of the one it
+    replaces, made with a state: its state would not be in the model's."""
+    is_index = lambda x: isinstance(x, eqx.nn.StateIndex)  # noqa: E731
+
+    def markers(tree: PyTree) -> dict[str, object]:
+        leaves = jtu.tree_leaves_with_path(tree, is_leaf=is_index)
+        return {jtu.keystr(p): x.marker for p, x in leaves if is_index(x)}
+
+    new = markers(layer)
+    for path, marker in markers(current).items():
+        if isinstance(marker, str) and new.get(path, marker) != marker:
+            raise ValueError(
+                f"{what}: the new layer's eqx.nn.StateIndex at `{path}` is not the "
+                "stack's, so its state is not in the model's eqx.nn.State.\nHint: "
+                "build the new layer from the old, e.g. `eqx.tree_at(lambda l: "
+                "l.linear, stack[i], linear)`, which keeps its state (see "
+                "docs/idioms.md)."
+            )
