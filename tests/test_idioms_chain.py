@@ -99,6 +99,35 @@ def test_chain_keeps_apart_static_arrays_of_another_dtype(getkey):
     np.testing.assert_allclose(chain(x), _loop(layers, x), rtol=1e-6)
 
 
+def _apply(linear, x):
+    return jnp.tanh(linear(x))
+
+
+def test_layers_closing_over_modules_with_other_weights_stay_apart(getkey):
+    # A closure or partial is one leaf, not stacked: built per layer around a
+    # module of its own weights, it is not layer 0's. Both ran layer 0's.
+    keys = jr.split(getkey(), 3)
+    lambdas = []
+    for k in keys:
+        linear = eqx.nn.Linear(4, 4, key=k)
+        lambdas.append(eqx.nn.Lambda(lambda x, linear=linear: _apply(linear, x)))
+    partials = [
+        eqx.nn.Lambda(functools.partial(_apply, eqx.nn.Linear(4, 4, key=k)))
+        for k in keys
+    ]
+    x = jnp.linspace(-1.0, 1.0, 4)
+    for layers in [lambdas, partials]:
+        chain = eqxscan.Chain(layers)
+        assert [span.size for span in chain.layout] == [1, 1, 1]
+        np.testing.assert_allclose(chain(x), _loop(layers, x), rtol=1e-6)
+        with pytest.raises(ValueError, match="layer 1 .* at `.fn`"):
+            eqxscan.Stacked.from_layers(layers)
+    # One module in every layer's own partial is the same configuration.
+    linear = partials[0].fn.args[0]
+    shared = [eqx.nn.Lambda(functools.partial(_apply, linear)) for _ in keys]
+    assert [span.size for span in eqxscan.Chain(shared).layout] == [3]
+
+
 class Swish:
     """A callable with no notion of equality: instances compare by identity."""
 

@@ -205,3 +205,44 @@ def test_stateful_chain(getkey, mode):
     # by name, not taken for something else.
     with pytest.raises(TypeError, match="Chain.scan does not take an eqx.nn.State"):
         chain.scan(xs[0], state)
+
+
+def test_a_reversed_slice_of_stateful_layers_is_refused(getkey):
+    # Its layers reversed but not its state, each layer would read another's
+    # running statistics; `reverse=True` runs them backwards with their own.
+    key, n = getkey(), 2
+    model, state = eqx.nn.make_with_state(eqxscan.Stacked)(Block, n, key=key)
+    xs = jr.normal(getkey(), (8, 3))
+    _, state = _batched(model)(xs, state)
+    _, ref_layers, ref_states = _reference(key, n, [xs])
+    inference = eqx.nn.inference_mode(model)
+    for sliced in [lambda: inference[::-1], lambda: inference[n - 1 :: -1]]:
+        with pytest.raises(ValueError, match=r"reverses them.*\n.*reverse=True"):
+            sliced()
+    y, _ = _batched(lambda x, s: inference(x, s, reverse=True))(xs, state)
+    ref = xs
+    for layer, s in zip(ref_layers[::-1], ref_states[::-1]):
+        ref, _ = _batched(eqx.nn.inference_mode(layer))(ref, s)
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-6)
+    # Forward slices, and a reversed chain of stateful layers alone, stay.
+    assert len(inference[::1]) == n
+    chain, _ = eqx.nn.make_with_state(eqxscan.Chain)(
+        [Block(k) for k in jr.split(key, n)]
+    )
+    with pytest.raises(ValueError, match="Cannot take .* of a Chain of stateful"):
+        chain[::-1]
+    lone = eqxscan.Chain([chain[0], eqx.nn.Identity()])
+    assert len(lone[::-1]) == 2
+
+
+def test_with_layer_keeps_the_state_of_a_stateful_stack(getkey):
+    # A layer made afresh has state indexes of its own, whose state the model's
+    # eqx.nn.State does not hold: named as such, with the way that works.
+    model, _ = eqx.nn.make_with_state(eqxscan.Stacked)(Block, 2, key=getkey())
+    with pytest.raises(ValueError, match=r"StateIndex at `.norm.* is not the stack's"):
+        model.with_layer(1, Block(getkey()))
+    linear = eqx.nn.Linear(3, 3, key=getkey())
+    new = model.with_layer(1, eqx.tree_at(lambda b: b.linear, model[1], linear))
+    np.testing.assert_array_equal(new.layers.linear.weight[1], linear.weight)
+    index = lambda m: m[1].norm.ema_state_index.marker  # noqa: E731
+    assert index(new) == index(model)

@@ -8,6 +8,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
 import pytest
 
 import eqxscan
@@ -210,3 +211,29 @@ def test_per_layer_construction(mode, getkey):
         eqxscan.Stacked(
             make_layer, L, eqxscan.per_layer(scales[:3]), 0, offset, key=key
         )
+
+
+class Tagged(eqx.Module):
+    linear: eqx.nn.Linear
+
+    def __call__(self, x):
+        i = eqxscan.layer_index()
+        return jnp.tanh(self.linear(x)), (i, 0.5, "tag")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_outputs_that_are_not_arrays_agree_across_modes(mode, getkey):
+    # Layer `i` gives `i`: traced in a scan, an int in a loop, which kept layer
+    # 0's alone (and `vmap` in a loop failed on the string).
+    make = lambda k: Tagged(eqx.nn.Linear(3, 3, key=k))  # noqa: E731
+    stack = eqxscan.Stacked(make, 3, key=getkey(), mode=mode)
+    x = jnp.ones(3)
+    outputs = [stack.scan(x)[1], stack.vmap(x, method=lambda m, x: m(x)[1])]
+    for index, half, tag in outputs:
+        np.testing.assert_array_equal(index, [0, 1, 2])
+        assert (half, tag) == (0.5, "tag")  # one traced body's: kept once
+    # A string that differs cannot be stacked: an error, not layer 0's.
+    named = lambda m, x: (m(x)[0], f"layer {eqxscan.layer_index()}")  # noqa: E731
+    if mode == "loop":
+        with pytest.raises(TypeError, match="layer 1 gave `` = 'layer 1'"):
+            stack.scan(x, method=named)

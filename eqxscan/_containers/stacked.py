@@ -26,7 +26,12 @@ from .._helpers.checks import (
     split_key,
 )
 from .._helpers.constrain import check_layer_sharding
-from .._helpers.stackable import check_alike, stack_alike
+from .._helpers.stackable import (
+    check_alike,
+    check_state_indices,
+    check_state_order,
+    stack_alike,
+)
 from .._scan.drop_rates import DropRates, new_drop_rates, Rates, rates_of, with_mode_of
 from .._scan.eager_compile import compiled_when_eager
 from .._scan.layer_call import (
@@ -390,6 +395,7 @@ class Stacked(Scanning, Generic[LayerT]):
                     f"slice `eqxscan.sharding.{order}, inverse=True)`, the natural "
                     "order."
                 )
+            check_state_order(self.layers, index, self.num_layers, "Stacked")
             layers = take(self.layers, index)
             drop = None if self.drop_rates is None else self.drop_rates.sliced(index)
             drop_path, layer_drop = rates_of(drop)
@@ -440,6 +446,7 @@ class Stacked(Scanning, Generic[LayerT]):
         """
         current = self[index]  # checks the index
         i = operator.index(index) % self.num_layers
+        check_state_indices(current, layer, f"Stacked.with_layer({i}, ...)")
         check_alike(
             [current, layer],
             f"Stacked.with_layer({i}, ...)",
@@ -503,8 +510,9 @@ class Stacked(Scanning, Generic[LayerT]):
         **Returns:**
 
         `(final carry, ys)` with the `y_i` stacked leaf by leaf on axis 0
-        (`None` if layers return `(x, None)`). `ys[i]` is layer `i`'s, also with
-        `reverse=True`.
+        (`None` if layers return `(x, None)`; other leaves kept once, as one
+        traced body gives them: with `mode="loop"`, numbers that differ by
+        layer are stacked). `ys[i]` is layer `i`'s, also with `reverse=True`.
         """
         return self._fold(x, args, kwargs, key, method, reverse, pairs("Stacked.scan"))
 
@@ -549,7 +557,8 @@ class Stacked(Scanning, Generic[LayerT]):
 
         **Returns:**
 
-        The outputs, stacked leaf by leaf on a new leading axis of length `L`:
+        The outputs, stacked leaf by leaf on a new leading axis of length `L`
+        (as for `scan`'s `ys`):
         one `jax.vmap` over the layer axis (a Python loop with `mode="loop"`).
         Nothing is scanned nor dropped: `remat`, `unroll`, `drop_path` and
         `layer_drop` do not apply.

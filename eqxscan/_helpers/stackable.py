@@ -88,6 +88,20 @@ def _function(a: types.FunctionType, b: types.FunctionType) -> Verdict:
     return _sequence(parts(a), parts(b))
 
 
+def _hidden_arrays(x: object) -> list[object]:
+    # The arrays of a module or dataclass, which `compare` judged by shape only.
+    leaves = jtu.tree_leaves(x)
+    if not (len(leaves) == 1 and leaves[0] is x):  # a pytree
+        return [leaf for leaf in leaves if eqx.is_array(leaf)]
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return [
+            a
+            for f in dataclasses.fields(x)
+            for a in _hidden_arrays(getattr(x, f.name, None))
+        ]
+    return [x] if eqx.is_array(x) else []
+
+
 def value_verdict(a: object, b: Any) -> Verdict:
     """Whether two non-array values (static data, functions) are the same (`b:
     Any`: past `type(a) is type(b)` it has `a`'s type, which pyright cannot see)."""
@@ -116,7 +130,12 @@ def value_verdict(a: object, b: Any) -> Verdict:
         dataclasses.is_dataclass(a) and not isinstance(a, type)
     ):
         diff = compare(a, b)
-        return "same" if diff is None else diff.verdict
+        if diff is not None:
+            return diff.verdict
+        # Here outside the stacked pytree (closed over, in a partial), its arrays
+        # would not be stacked: alike only with equal values.
+        pairs = zip(_hidden_arrays(a), _hidden_arrays(b), strict=True)
+        return _all(_concrete_equal(x, y) for x, y in pairs)
     try:
         if bool(a == b):
             return "same"
@@ -198,3 +217,40 @@ def check_alike(
             f"{first} ({type(layers[0]).__name__}): at `{diff.path or '<root>'}` "
             f"{first} has {diff.a} but {other} has {diff.b}.{hint}"
         )
+
+
+def check_state_order(layers: PyTree, index: slice, length: int, who: str) -> None:
+    """Refuse a slice that reverses stateful layers: an `eqx.nn.State` keeps their
+    states in the stored order, which the reversed layers would read."""
+    if index.indices(length)[2] > 0 or len(range(length)[index]) < 2:
+        return
+    is_index = lambda x: isinstance(x, eqx.nn.StateIndex)  # noqa: E731
+    if any(map(is_index, jtu.tree_leaves(layers, is_leaf=is_index))):
+        raise ValueError(
+            f"Cannot take {index} of a {who} of stateful layers (with an "
+            "eqx.nn.StateIndex): it reverses them, but their eqx.nn.State keeps "
+            f"the {who}'s order, so each layer would read another's state.\nHint: "
+            "run them backwards with `model(x, state, reverse=True)`, each with "
+            "its own state (see docs/idioms.md)."
+        )
+
+
+def check_state_indices(current: PyTree, layer: PyTree, what: str) -> None:
+    """Refuse a layer whose `eqx.nn.StateIndex`es are not those of the one it
+    replaces, made with a state: its state would not be in the model's."""
+    is_index = lambda x: isinstance(x, eqx.nn.StateIndex)  # noqa: E731
+
+    def markers(tree: PyTree) -> dict[str, object]:
+        leaves = jtu.tree_leaves_with_path(tree, is_leaf=is_index)
+        return {jtu.keystr(p): x.marker for p, x in leaves if is_index(x)}
+
+    new = markers(layer)
+    for path, marker in markers(current).items():
+        if isinstance(marker, str) and new.get(path, marker) != marker:
+            raise ValueError(
+                f"{what}: the new layer's eqx.nn.StateIndex at `{path}` is not the "
+                "stack's, so its state is not in the model's eqx.nn.State.\nHint: "
+                "build the new layer from the old, e.g. `eqx.tree_at(lambda l: "
+                "l.linear, stack[i], linear)`, which keeps its state (see "
+                "docs/idioms.md)."
+            )

@@ -8,6 +8,7 @@ import equinox as eqx
 from jaxtyping import PRNGKeyArray, PyTree
 
 from ..._helpers.checks import check_bool, check_index, Checked, describe, split_key
+from ..._helpers.stackable import check_state_order
 from ..._helpers.stateful import find_state, replace_arg
 from ..._scan.buffers import find_buffer, LayerBuffers, view_of
 from ..._scan.drop_rates import DropRates, new_drop_rates, Rates, rates_of, with_mode_of
@@ -158,6 +159,9 @@ class Chain(Scanning):
                     f"Slice {index} selects no layers of a Chain with "
                     f"{self.num_layers} layers; a Chain needs at least one."
                 )
+            # A lone layer's state is its own; a scanned group's is in its order.
+            scanned = [g for g, p in zip(self.groups, self.layout) if p.per_step]
+            check_state_order(scanned, index, self.num_layers, "Chain")
             drop = None if self.drop_rates is None else self.drop_rates.sliced(index)
             chain = Chain(layers, patterns=self.patterns, **self.options.as_args())
             return chain._with_rates(*rates_of(drop), like=self.drop_rates)
