@@ -68,6 +68,25 @@ def test_nested_errors(getkey):
         eqxscan.ScanRemat(nested=0)
 
 
+def test_nested_without_naming_still_nests(getkey):
+    # save_carries=None and save_inputs=None leave the policy to decide, but the
+    # nesting asked for is still done (and checked), and reported as given.
+    stack = eqxscan.Stacked(lambda k: Block(k), 6, key=getkey())
+    x = jr.normal(getkey(), (D,))
+    loss = lambda s, x: jnp.sum(jnp.sin(s(x)))
+    policy = eqxscan.ScanRemat(save_carries=None, save_inputs=None, nested=(2, 3))
+    s = stack.with_options(remat=policy)
+    want = arrays(jax.value_and_grad(loss, argnums=(0, 1))(stack, x))
+    assert tree_allclose(arrays(jax.value_and_grad(loss, argnums=(0, 1))(s, x)), want)
+    shapes = residual_shapes(loss, s, x)
+    assert (2, D) in shapes and (6, D) not in shapes, shapes
+    (choice,) = eqxscan.explain_auto(s, x)
+    assert choice.remat is policy and choice.rule.remat == "given"
+    bad = eqxscan.ScanRemat(save_carries=None, save_inputs=None, nested=(2, 4))
+    with pytest.raises(ValueError, match=r"nested=\(2, 4\)\) has 8 steps.*has 6"):
+        stack.with_options(remat=bad)(x)
+
+
 # ---- carries and inputs: save / offload
 
 

@@ -156,15 +156,16 @@ class ScanRemat:
 
     @property
     def named(self) -> bool:
-        """Whether the carry or the inputs are named for the step's policy (else
-        the value behaves as a plain `remat=` value)."""
-        return self.save_carries is not None or self.save_inputs is not None
+        """Whether the carry or the inputs are named for the step's policy, or
+        the scan is nested (else the value behaves as a plain `remat=` value)."""
+        named = self.save_carries is not None or self.save_inputs is not None
+        return named or self.nested is not None
 
     @property
     def is_rule(self) -> bool:
         """Whether eqxscan's `"auto"` rule chooses (`remat="auto"`): policy
         `"auto"` on a flat scan that names nothing."""
-        return self.policy == "auto" and not self.named and self.nested is None
+        return self.policy == "auto" and not self.named
 
     def base_policy(self) -> Policy:
         """The `jax.checkpoint_policies` policy of the step's internals (a
