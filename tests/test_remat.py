@@ -139,6 +139,15 @@ def test_checkpoint_policy_errors(getkey):
         eqxscan.ScanRemat(policy="nested")
     with pytest.raises((TypeError, ValueError), match="remat"):
         make_stack(getkey, remat="everything")
+    # A policy factory not called answers with a policy, which JAX would only
+    # reject under grad ("unexpected keyword argument 'out_dtype'").
+    factory = jax.checkpoint_policies.save_only_these_names
+    with pytest.raises(TypeError, match=r"(?s)remat=.*save_only_these_names.*call a"):
+        make_stack(getkey, remat=factory)
+    with pytest.raises(TypeError, match=r"ScanRemat: policy=.*save_only_these_"):
+        eqxscan.ScanRemat(policy=factory)
+    with pytest.raises(TypeError, match=r"ScanRemat: policy=.*len.*raised"):
+        eqxscan.ScanRemat(policy=len)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -16,8 +16,10 @@ from typing import Literal, TypeAlias, TypeVar
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from jax.ad_checkpoint import checkpoint_name
+from jax.ad_checkpoint import checkpoint_name, Offloadable, Recompute, Saveable
 from jaxtyping import PyTree
+
+from .._helpers import checks
 
 
 #: The names a scan gives the carry each step receives and its per-step inputs,
@@ -48,6 +50,24 @@ Policy: TypeAlias = Callable[..., bool]
 
 SAVE_BUFFER_READS: Policy = jax.checkpoint_policies.save_only_these_names(BUFFER_READ)
 Keep: TypeAlias = bool | Literal["offload"] | None
+
+
+def check_policy(name: str, policy: Policy) -> None:
+    """`checks.check_policy`, and a `TypeError` unless the answer is one JAX
+    takes: an uncalled factory (`save_only_these_names`) answers with a policy,
+    and would fail only under `grad`, blamed on the layer."""
+    checks.check_policy(name, policy)
+    aval = jax.core.ShapedArray((), jnp.float32)
+    answer = policy(jax.lax.mul_p, aval, aval)
+    if not isinstance(answer, (bool, type(Recompute), type(Saveable), Offloadable)):
+        raise TypeError(
+            f"{name}={checks.describe(policy)} is not a rematerialisation policy: "
+            f"policy(primitive, *avals) answered {checks.describe(answer)}, not a "
+            "bool, Recompute, Saveable or Offloadable.\nHint: a policy answers "
+            "True (save) or False (recompute); call a factory first, e.g. "
+            "jax.checkpoint_policies.save_only_these_names('name'). See "
+            "docs/remat.md."
+        )
 
 
 def _check_keep(name: str, value: object) -> None:
@@ -150,6 +170,8 @@ class ScanRemat:
                 "ScanRemat(policy=...) must be 'auto', True, False or a "
                 f"jax.checkpoint_policies policy, got {policy!r}."
             )
+        if callable(policy):
+            check_policy("ScanRemat: policy", policy)
         _check_keep("save_carries", self.save_carries)
         _check_keep("save_inputs", self.save_inputs)
         object.__setattr__(self, "nested", _check_nested(self.nested))
