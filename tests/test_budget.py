@@ -264,6 +264,29 @@ def test_every_scan_in_the_model_gets_the_setting(getkey):
     eqxscan.remat.fit_remat(models, step, 2**30, shape, candidates=(True,))
 
 
+class _RNNLayer(eqx.Module):
+    rnn: eqxscan.Recurrent
+
+    def __call__(self, x):
+        return self.rnn(x, jnp.stack([x, -x]))[0]
+
+
+def test_scans_inside_layers_get_the_setting_too(getkey):
+    # A layer's own Recurrent, inside a Stacked and a Chain: the candidate's
+    # label is what every scan runs, and the values are the loop's.
+    cell = lambda k: _RNNLayer(eqxscan.Recurrent(eqxscan.ElmanCell(4, 4, key=k)))
+    stack = eqxscan.Stacked(cell, 3, key=getkey())
+    chain = eqxscan.Chain([cell(getkey()), eqx.nn.Linear(4, 4, key=getkey())])
+    model = with_remat((stack, chain), True)
+    assert model[0].layers.rnn.remat is True and model[1][0].rnn.remat is True
+    x = jax.random.normal(getkey(), (4,))
+    loss = lambda m: jnp.sum(jnp.sin(m[1](m[0](x))))
+    loop = (stack.with_options(mode="loop"), chain.with_options(mode="loop"))
+    want = eqx.filter_value_and_grad(loss)(loop)
+    got = eqx.filter_value_and_grad(loss)(model)
+    assert tree_allclose(_arrays(got), _arrays(want), rtol=1e-5)
+
+
 def test_bad_calls(mlp_problem):
     model, x = mlp_problem
     with pytest.raises(ValueError, match="holds no eqxscan.Stacked"):

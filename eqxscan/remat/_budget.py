@@ -168,14 +168,20 @@ def _is_scan(x: object) -> bool:
 
 def with_remat(model: M, remat: Remat, unroll: Unroll | None = None) -> M:
     """`model` with `remat` (and `unroll`, unless `None`) set on every
-    scanning module in it (`Stacked`, `Chain`, `Recurrent`, `StackedMLP`; the
-    outermost ones, which pass it on)."""
+    scanning module in it (`Stacked`, `Chain`, `Recurrent`, `StackedMLP`),
+    those inside another's layers (a layer's own `Recurrent`) included."""
     options = {"remat": remat} if unroll is None else {"remat": remat, "unroll": unroll}
-    return jtu.tree_map(
-        lambda x: x.with_options(**options) if _is_scan(x) else x,
-        model,
-        is_leaf=_is_scan,
-    )
+
+    def set_options(x: object) -> object:
+        if not _is_scan(x):
+            return x
+        # Its own options pass on to the scans it builds, not to its layers'.
+        inner = jtu.tree_map(
+            set_options, x, is_leaf=lambda y: y is not x and _is_scan(y)
+        )
+        return inner.with_options(**options)
+
+    return jtu.tree_map(set_options, model, is_leaf=_is_scan)
 
 
 def _lower(
