@@ -62,6 +62,11 @@ def test_nested_errors(getkey):
     stack = make_stack(getkey)
     with pytest.raises(ValueError, match=r"nested=\(2, 3\)\) has 6 steps.*has 4"):
         stack.with_options(remat=eqxscan.ScanRemat(nested=(2, 3)))(jnp.ones(D))
+    # A Chain's scanned groups differ in length: the hint says what fits all.
+    layers = [Block(getkey()), eqx.nn.Linear(D, D, key=getkey())] * 3
+    chain = eqxscan.Chain(layers, remat=eqxscan.ScanRemat(nested=(2, 2)))
+    with pytest.raises(ValueError, match=r"(?s)has 3.*Chain.*nested=k"):
+        chain(jnp.ones(D))
     with pytest.raises(ValueError, match="two or more positive int lengths"):
         eqxscan.ScanRemat(nested=(4,))
     with pytest.raises(ValueError, match="block count must be >= 1"):

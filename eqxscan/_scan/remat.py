@@ -214,7 +214,9 @@ class ScanRemat:
                 raise ValueError(
                     f"ScanRemat(nested={nested}) has {math.prod(nested)} steps "
                     f"in all, but the scan has {length}; the lengths' product must "
-                    "equal the number of layers (or time steps)."
+                    "equal the number of layers (or time steps).\nHint: each "
+                    "scanned group of a Chain has its own length; a block count, "
+                    "ScanRemat(nested=k), fits any. See docs/remat.md."
                 )
             return nested[:-1]
         return (min(nested, length),)
