@@ -144,13 +144,10 @@ def choose(
     every candidate's bytes if none fits."""
     fitting = [c for c in candidates if c.device_bytes <= budget]
     if not fitting:
-        mib = 2**20
-        listed = "; ".join(
-            f"{c.label}: {c.device_bytes / mib:.1f} MiB" for c in candidates
-        )
+        listed = "; ".join(f"{c.label}: {_size(c.device_bytes)}" for c in candidates)
         raise ValueError(
-            f"fit_remat: no remat setting fits the budget of {budget / mib:.1f} "
-            f"MiB ({budget} bytes). Temp + argument + output bytes per candidate: "
+            f"fit_remat: no remat setting fits the budget of {_size(budget)} "
+            f"({budget} bytes). Temp + argument + output bytes per candidate: "
             f"{listed}.\nHint: raise the budget, shrink the batch, or shard the "
             "model; see docs/remat.md."
         )
@@ -160,6 +157,11 @@ def choose(
             return min(timed, key=lambda c: c.measured_s or 0.0)
     unrolled = [c for c in fitting if c.kind == "unrolled"]
     return min(unrolled or fitting, key=lambda c: c.estimated_s)
+
+
+def _size(n: int) -> str:
+    # KiB below a MiB: a small model's sizes would all read "0.0 MiB".
+    return f"{n / 2**10:.1f} KiB" if n < 2**20 else f"{n / 2**20:.1f} MiB"
 
 
 def _is_scan(x: object) -> bool:
