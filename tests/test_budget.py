@@ -303,6 +303,14 @@ def test_bad_calls(mlp_problem):
         eqxscan.remat.fit_remat(
             model, _mse_step, 2**30, shape, candidates=("auto",), time_steps=1
         )
+    # A lone setting is not iterated letter by letter (a runtime type checker
+    # may say so first), nor a negative count ignored.
+    with pytest.raises(TypeError, match="candidates"):
+        eqxscan.remat.fit_remat(model, _mse_step, 2**30, shape, candidates="auto")
+    with pytest.raises(TypeError, match="unrolls"):
+        eqxscan.remat.fit_remat(model, _mse_step, 2**30, shape, unrolls=2)
+    with pytest.raises(ValueError, match="time_steps must be >= 0, got -1"):
+        eqxscan.remat.fit_remat(model, _mse_step, 2**30, shape, time_steps=-1)
 
 
 # Choosing: the fastest fitting candidate, comparing like with like

@@ -295,6 +295,15 @@ def _check_table(
 ) -> None:
     if isinstance(time_steps, bool) or not isinstance(time_steps, int):
         raise TypeError(f"time_steps must be an int, got {time_steps!r}.")
+    if time_steps < 0:
+        raise ValueError(f"fit_remat: time_steps must be >= 0, got {time_steps}.")
+    for name, values in (("candidates", candidates), ("unrolls", unrolls)):
+        # A lone value would be iterated: "auto" as 'a', 'u', 't', 'o'.
+        if isinstance(values, str) or not isinstance(values, Sequence | None):
+            raise TypeError(
+                f"fit_remat: {name} must be a tuple or list of settings, got "
+                f"{values!r}.\nHint: for one setting, pass ({values!r},)."
+            )
     if not any(_is_scan(x) for x in jtu.tree_leaves(model, is_leaf=_is_scan)):
         raise ValueError(
             f"fit_remat: {type(model).__name__} holds no eqxscan.Stacked, Chain or "
