@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Literal, TypeAlias, TypeVar
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax.ad_checkpoint import checkpoint_name, Offloadable, Recompute, Saveable
@@ -52,7 +53,7 @@ SAVE_BUFFER_READS: Policy = jax.checkpoint_policies.save_only_these_names(BUFFER
 Keep: TypeAlias = bool | Literal["offload"] | None
 
 
-def check_policy(name: str, policy: Policy) -> None:
+def check_policy(name: str, policy: Callable[..., object]) -> None:
     """`checks.check_policy`, and a `TypeError` unless the answer is one JAX
     takes: an uncalled factory (`save_only_these_names`) answers with a policy,
     and would fail only under `grad`, blamed on the layer."""
