@@ -130,6 +130,7 @@ class ScanRemat:
     - `nested`: `None`, a number of blocks (a two-level scan: the outer level
       keeps one carry per block, the inner steps are recomputed), or a tuple of
       lengths `(a, b, ...)`, outermost first, whose product is the scan length.
+      Any nesting applies whatever `save_carries` and `save_inputs` say.
 
     Every `remat=` value is one of these (`ScanOptions.scan_remat`): `False`,
     `True`, a policy and `"offload"` are `ScanRemat(policy=...,
