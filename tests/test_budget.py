@@ -178,13 +178,16 @@ def test_chooses_the_cheapest_fitting_candidate(mlp_problem, mlp_table):
     )
 
 
-def test_a_budget_nothing_fits_lists_every_candidate(mlp_problem):
+def test_a_budget_nothing_fits_lists_every_candidate(mlp_problem, mlp_table):
     model, x = mlp_problem
     with pytest.raises(ValueError) as info:
         eqxscan.remat.fit_remat(model, _mse_step, "1kB", x, candidates=("auto", True))
     message = str(info.value)
-    assert "no remat setting fits the budget of 0.0 MiB (1000 bytes)" in message
-    assert "'auto': " in message and "True: " in message and "MiB" in message
+    assert "no remat setting fits the budget of 1.0 KiB (1000 bytes)" in message
+    # Each candidate's bytes, legible at any size (not "0.0 MiB").
+    for c in mlp_table.candidates:
+        if c.remat in ("auto", True):
+            assert f"{c.label}: {c.device_bytes / 2**10:.1f} KiB" in message
     assert "docs/remat.md" in message
 
 
@@ -264,6 +267,29 @@ def test_every_scan_in_the_model_gets_the_setting(getkey):
     eqxscan.remat.fit_remat(models, step, 2**30, shape, candidates=(True,))
 
 
+class _RNNLayer(eqx.Module):
+    rnn: eqxscan.Recurrent
+
+    def __call__(self, x):
+        return self.rnn(x, jnp.stack([x, -x]))[0]
+
+
+def test_scans_inside_layers_get_the_setting_too(getkey):
+    # A layer's own Recurrent, inside a Stacked and a Chain: the candidate's
+    # label is what every scan runs, and the values are the loop's.
+    cell = lambda k: _RNNLayer(eqxscan.Recurrent(eqxscan.ElmanCell(4, 4, key=k)))
+    stack = eqxscan.Stacked(cell, 3, key=getkey())
+    chain = eqxscan.Chain([cell(getkey()), eqx.nn.Linear(4, 4, key=getkey())])
+    model = with_remat((stack, chain), True)
+    assert model[0].layers.rnn.remat is True and model[1][0].rnn.remat is True
+    x = jax.random.normal(getkey(), (4,))
+    loss = lambda m: jnp.sum(jnp.sin(m[1](m[0](x))))
+    loop = (stack.with_options(mode="loop"), chain.with_options(mode="loop"))
+    want = eqx.filter_value_and_grad(loss)(loop)
+    got = eqx.filter_value_and_grad(loss)(model)
+    assert tree_allclose(_arrays(got), _arrays(want), rtol=1e-5)
+
+
 def test_bad_calls(mlp_problem):
     model, x = mlp_problem
     with pytest.raises(ValueError, match="holds no eqxscan.Stacked"):
@@ -277,6 +303,14 @@ def test_bad_calls(mlp_problem):
         eqxscan.remat.fit_remat(
             model, _mse_step, 2**30, shape, candidates=("auto",), time_steps=1
         )
+    # A lone setting is not iterated letter by letter (a runtime type checker
+    # may say so first), nor a negative count ignored.
+    with pytest.raises(TypeError, match="candidates"):
+        eqxscan.remat.fit_remat(model, _mse_step, 2**30, shape, candidates="auto")
+    with pytest.raises(TypeError, match="unrolls"):
+        eqxscan.remat.fit_remat(model, _mse_step, 2**30, shape, unrolls=2)
+    with pytest.raises(ValueError, match="time_steps must be >= 0, got -1"):
+        eqxscan.remat.fit_remat(model, _mse_step, 2**30, shape, time_steps=-1)
 
 
 # Choosing: the fastest fitting candidate, comparing like with like

@@ -62,10 +62,34 @@ def test_nested_errors(getkey):
     stack = make_stack(getkey)
     with pytest.raises(ValueError, match=r"nested=\(2, 3\)\) has 6 steps.*has 4"):
         stack.with_options(remat=eqxscan.ScanRemat(nested=(2, 3)))(jnp.ones(D))
+    # A Chain's scanned groups differ in length: the hint says what fits all.
+    layers = [Block(getkey()), eqx.nn.Linear(D, D, key=getkey())] * 3
+    chain = eqxscan.Chain(layers, remat=eqxscan.ScanRemat(nested=(2, 2)))
+    with pytest.raises(ValueError, match=r"(?s)has 3.*Chain.*nested=k"):
+        chain(jnp.ones(D))
     with pytest.raises(ValueError, match="two or more positive int lengths"):
         eqxscan.ScanRemat(nested=(4,))
     with pytest.raises(ValueError, match="block count must be >= 1"):
         eqxscan.ScanRemat(nested=0)
+
+
+def test_nested_without_naming_still_nests(getkey):
+    # save_carries=None and save_inputs=None leave the policy to decide, but the
+    # nesting asked for is still done (and checked), and reported as given.
+    stack = eqxscan.Stacked(lambda k: Block(k), 6, key=getkey())
+    x = jr.normal(getkey(), (D,))
+    loss = lambda s, x: jnp.sum(jnp.sin(s(x)))
+    policy = eqxscan.ScanRemat(save_carries=None, save_inputs=None, nested=(2, 3))
+    s = stack.with_options(remat=policy)
+    want = arrays(jax.value_and_grad(loss, argnums=(0, 1))(stack, x))
+    assert tree_allclose(arrays(jax.value_and_grad(loss, argnums=(0, 1))(s, x)), want)
+    shapes = residual_shapes(loss, s, x)
+    assert (2, D) in shapes and (6, D) not in shapes, shapes
+    (choice,) = eqxscan.explain_auto(s, x)
+    assert choice.remat is policy and choice.rule.remat == "given"
+    bad = eqxscan.ScanRemat(save_carries=None, save_inputs=None, nested=(2, 4))
+    with pytest.raises(ValueError, match=r"nested=\(2, 4\)\) has 8 steps.*has 6"):
+        stack.with_options(remat=bad)(x)
 
 
 # ---- carries and inputs: save / offload
@@ -120,6 +144,15 @@ def test_checkpoint_policy_errors(getkey):
         eqxscan.ScanRemat(policy="nested")
     with pytest.raises((TypeError, ValueError), match="remat"):
         make_stack(getkey, remat="everything")
+    # A policy factory not called answers with a policy, which JAX would only
+    # reject under grad ("unexpected keyword argument 'out_dtype'").
+    factory = jax.checkpoint_policies.save_only_these_names
+    with pytest.raises(TypeError, match=r"(?s)remat=.*save_only_these_names.*call a"):
+        make_stack(getkey, remat=factory)
+    with pytest.raises(TypeError, match=r"ScanRemat: policy=.*save_only_these_"):
+        eqxscan.ScanRemat(policy=factory)
+    with pytest.raises(TypeError, match=r"ScanRemat: policy=.*len.*raised"):
+        eqxscan.ScanRemat(policy=len)
 
 
 @pytest.mark.parametrize("mode", MODES)

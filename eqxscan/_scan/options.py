@@ -8,9 +8,9 @@ import equinox as eqx
 from jax.sharding import Sharding
 from jaxtyping import PyTree
 
-from .._helpers.checks import check_option, check_policy, check_unroll, Checked
+from .._helpers.checks import check_option, check_unroll, Checked
 from .drop_rates import Rates
-from .remat import as_scan_remat, Policy, ScanRemat
+from .remat import as_scan_remat, check_policy, Policy, ScanRemat
 
 
 Mode: TypeAlias = Literal["scan", "loop"]

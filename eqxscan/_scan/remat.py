@@ -14,10 +14,13 @@ from collections.abc import Callable
 from typing import Literal, TypeAlias, TypeVar
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from jax.ad_checkpoint import checkpoint_name
+from jax.ad_checkpoint import checkpoint_name, Offloadable, Recompute, Saveable
 from jaxtyping import PyTree
+
+from .._helpers import checks
 
 
 #: The names a scan gives the carry each step receives and its per-step inputs,
@@ -48,6 +51,24 @@ Policy: TypeAlias = Callable[..., bool]
 
 SAVE_BUFFER_READS: Policy = jax.checkpoint_policies.save_only_these_names(BUFFER_READ)
 Keep: TypeAlias = bool | Literal["offload"] | None
+
+
+def check_policy(name: str, policy: Callable[..., object]) -> None:
+    """`checks.check_policy`, and a `TypeError` unless the answer is one JAX
+    takes: an uncalled factory (`save_only_these_names`) answers with a policy,
+    and would fail only under `grad`, blamed on the layer."""
+    checks.check_policy(name, policy)
+    aval = jax.core.ShapedArray((), jnp.float32)
+    answer = policy(jax.lax.mul_p, aval, aval)
+    if not isinstance(answer, (bool, type(Recompute), type(Saveable), Offloadable)):
+        raise TypeError(
+            f"{name}={checks.describe(policy)} is not a rematerialisation policy: "
+            f"policy(primitive, *avals) answered {checks.describe(answer)}, not a "
+            "bool, Recompute, Saveable or Offloadable.\nHint: a policy answers "
+            "True (save) or False (recompute); call a factory first, e.g. "
+            "jax.checkpoint_policies.save_only_these_names('name'). See "
+            "docs/remat.md."
+        )
 
 
 def _check_keep(name: str, value: object) -> None:
@@ -109,6 +130,7 @@ class ScanRemat:
     - `nested`: `None`, a number of blocks (a two-level scan: the outer level
       keeps one carry per block, the inner steps are recomputed), or a tuple of
       lengths `(a, b, ...)`, outermost first, whose product is the scan length.
+      Any nesting applies whatever `save_carries` and `save_inputs` say.
 
     Every `remat=` value is one of these (`ScanOptions.scan_remat`): `False`,
     `True`, a policy and `"offload"` are `ScanRemat(policy=...,
@@ -150,21 +172,24 @@ class ScanRemat:
                 "ScanRemat(policy=...) must be 'auto', True, False or a "
                 f"jax.checkpoint_policies policy, got {policy!r}."
             )
+        if callable(policy):
+            check_policy("ScanRemat: policy", policy)
         _check_keep("save_carries", self.save_carries)
         _check_keep("save_inputs", self.save_inputs)
         object.__setattr__(self, "nested", _check_nested(self.nested))
 
     @property
     def named(self) -> bool:
-        """Whether the carry or the inputs are named for the step's policy (else
-        the value behaves as a plain `remat=` value)."""
-        return self.save_carries is not None or self.save_inputs is not None
+        """Whether the carry or the inputs are named for the step's policy, or
+        the scan is nested (else the value behaves as a plain `remat=` value)."""
+        named = self.save_carries is not None or self.save_inputs is not None
+        return named or self.nested is not None
 
     @property
     def is_rule(self) -> bool:
         """Whether eqxscan's `"auto"` rule chooses (`remat="auto"`): policy
         `"auto"` on a flat scan that names nothing."""
-        return self.policy == "auto" and not self.named and self.nested is None
+        return self.policy == "auto" and not self.named
 
     def base_policy(self) -> Policy:
         """The `jax.checkpoint_policies` policy of the step's internals (a
@@ -191,7 +216,9 @@ class ScanRemat:
                 raise ValueError(
                     f"ScanRemat(nested={nested}) has {math.prod(nested)} steps "
                     f"in all, but the scan has {length}; the lengths' product must "
-                    "equal the number of layers (or time steps)."
+                    "equal the number of layers (or time steps).\nHint: each "
+                    "scanned group of a Chain has its own length; a block count, "
+                    "ScanRemat(nested=k), fits any. See docs/remat.md."
                 )
             return nested[:-1]
         return (min(nested, length),)

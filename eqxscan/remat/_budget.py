@@ -144,13 +144,10 @@ def choose(
     every candidate's bytes if none fits."""
     fitting = [c for c in candidates if c.device_bytes <= budget]
     if not fitting:
-        mib = 2**20
-        listed = "; ".join(
-            f"{c.label}: {c.device_bytes / mib:.1f} MiB" for c in candidates
-        )
+        listed = "; ".join(f"{c.label}: {_size(c.device_bytes)}" for c in candidates)
         raise ValueError(
-            f"fit_remat: no remat setting fits the budget of {budget / mib:.1f} "
-            f"MiB ({budget} bytes). Temp + argument + output bytes per candidate: "
+            f"fit_remat: no remat setting fits the budget of {_size(budget)} "
+            f"({budget} bytes). Temp + argument + output bytes per candidate: "
             f"{listed}.\nHint: raise the budget, shrink the batch, or shard the "
             "model; see docs/remat.md."
         )
@@ -162,20 +159,31 @@ def choose(
     return min(unrolled or fitting, key=lambda c: c.estimated_s)
 
 
+def _size(n: int) -> str:
+    # KiB below a MiB: a small model's sizes would all read "0.0 MiB".
+    return f"{n / 2**10:.1f} KiB" if n < 2**20 else f"{n / 2**20:.1f} MiB"
+
+
 def _is_scan(x: object) -> bool:
     return isinstance(x, Scanning)
 
 
 def with_remat(model: M, remat: Remat, unroll: Unroll | None = None) -> M:
     """`model` with `remat` (and `unroll`, unless `None`) set on every
-    scanning module in it (`Stacked`, `Chain`, `Recurrent`, `StackedMLP`; the
-    outermost ones, which pass it on)."""
+    scanning module in it (`Stacked`, `Chain`, `Recurrent`, `StackedMLP`),
+    those inside another's layers (a layer's own `Recurrent`) included."""
     options = {"remat": remat} if unroll is None else {"remat": remat, "unroll": unroll}
-    return jtu.tree_map(
-        lambda x: x.with_options(**options) if _is_scan(x) else x,
-        model,
-        is_leaf=_is_scan,
-    )
+
+    def set_options(x: object) -> object:
+        if not _is_scan(x):
+            return x
+        # Its own options pass on to the scans it builds, not to its layers'.
+        inner = jtu.tree_map(
+            set_options, x, is_leaf=lambda y: y is not x and _is_scan(y)
+        )
+        return inner.with_options(**options)
+
+    return jtu.tree_map(set_options, model, is_leaf=_is_scan)
 
 
 def _lower(
@@ -287,6 +295,15 @@ def _check_table(
 ) -> None:
     if isinstance(time_steps, bool) or not isinstance(time_steps, int):
         raise TypeError(f"time_steps must be an int, got {time_steps!r}.")
+    if time_steps < 0:
+        raise ValueError(f"fit_remat: time_steps must be >= 0, got {time_steps}.")
+    for name, values in (("candidates", candidates), ("unrolls", unrolls)):
+        # A lone value would be iterated: "auto" as 'a', 'u', 't', 'o'.
+        if isinstance(values, str) or not isinstance(values, Sequence | None):
+            raise TypeError(
+                f"fit_remat: {name} must be a tuple or list of settings, got "
+                f"{values!r}.\nHint: for one setting, pass ({values!r},)."
+            )
     if not any(_is_scan(x) for x in jtu.tree_leaves(model, is_leaf=_is_scan)):
         raise ValueError(
             f"fit_remat: {type(model).__name__} holds no eqxscan.Stacked, Chain or "
