@@ -118,9 +118,10 @@ def test_parse_bytes(text, expected):
     assert parse_bytes(text) == expected
 
 
-@pytest.mark.parametrize("bad", ["6 gigs", "-1GB", "GiB", 0, -5, True])
+@pytest.mark.parametrize("bad", ["6 gigs", "-1GB", "GiB", "0.5B", "0 GiB", 0, -5, True])
 def test_parse_bytes_rejects(bad):
-    with pytest.raises(ValueError, match="budget must be a positive number"):
+    # "0.5B" is less than a byte: refused, not read as a budget of 0.
+    with pytest.raises(ValueError, match="budget must be a positive int number"):
         parse_bytes(bad)
 
 

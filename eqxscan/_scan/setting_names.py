@@ -25,16 +25,20 @@ _UNITS = {
 
 def parse_bytes(budget: int | str) -> int:
     """`6 * 2**30`, `"6GiB"`, `"512MB"`, `"1.5 GB"` -> a number of bytes."""
-    if isinstance(budget, int) and not isinstance(budget, bool) and budget > 0:
-        return budget
-    if isinstance(budget, str):
+    size = 0
+    if isinstance(budget, int) and not isinstance(budget, bool):
+        size = budget
+    elif isinstance(budget, str):
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", budget)
-        if m and m.group(2).lower() in _UNITS and float(m.group(1)) > 0:
-            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        if m and m.group(2).lower() in _UNITS:
+            # "0.5B" is no byte: refused, not a budget nothing fits.
+            size = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if size >= 1:
+        return size
     raise ValueError(
-        f"budget must be a positive number of bytes or a string such as '6GiB' or "
-        f"'512MB', got {budget!r}.\nHint: units are B, kB, MB, GB, TB (powers of "
-        "1000) and KiB, MiB, GiB, TiB (powers of 1024)."
+        f"budget must be a positive int number of bytes or a string such as "
+        f"'6GiB' or '512MB' (at least one byte), got {budget!r}.\nHint: units are "
+        "B, kB, MB, GB, TB (powers of 1000) and KiB, MiB, GiB, TiB (powers of 1024)."
     )
 
 
