@@ -548,3 +548,23 @@ def test_make_gets_each_layers_own_index_in_a_repeated_pattern():
             assert got is None
         else:
             np.testing.assert_array_equal(got, np.full((layer.window or 5, 2), i))
+
+
+def test_rows_written_into_one_leaf_and_returned_as_two():
+    # A layer returning one row-written slice as two leaves (a tied cache):
+    # both leaves are written, in the scan and in the loop.
+    class Tied(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x, cache, pos):
+            k = jax.lax.dynamic_update_slice(cache[0], (x * self.w)[None], (pos, 0))
+            return x + k.sum(), (k, k)
+
+    stack = eqxscan.Stacked(lambda k: Tied(jr.normal(k, (4,))), 2, key=jr.key(0))
+    cache = (jnp.zeros((2, 3, 4)), jnp.ones((2, 3, 4)))
+    x = jnp.ones(4)
+    y_ref, refs = hand_loop(stack.unstack(), x, per_layer_list(cache, 2), 1)
+    for mode in ("scan", "loop"):
+        y, new = stack.with_options(mode=mode)(x, eqxscan.buffer(cache), pos=1)
+        assert_close(y, y_ref, 1e-5)
+        assert_close(new, jax.tree.map(lambda *a: jnp.stack(a), *refs))

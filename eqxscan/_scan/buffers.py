@@ -264,12 +264,13 @@ def call_writing(
             rows, *start = (value(v) for v in eqn.invars[1:])
             stacked[k] = Write(rows, tuple(start)).apply(stacked[k], view.prefix)  # pyright: ignore[reportArgumentType]  # arrays
             env[eqn.outvars[0]] = _read(stacked[k], view.prefix, view.reads)
-            continue
-        ans = _bind(eqn, [value(v) for v in eqn.invars])
-        if eqn.primitive.multiple_results:
-            env.update(zip(eqn.outvars, ans))  # pyright: ignore[reportArgumentType, reportCallIssue]  # a list of results
         else:
-            env[eqn.outvars[0]] = ans
+            ans = _bind(eqn, [value(v) for v in eqn.invars])
+            if eqn.primitive.multiple_results:
+                env.update(zip(eqn.outvars, ans))  # pyright: ignore[reportArgumentType, reportCallIssue]  # a list of results
+            else:
+                env[eqn.outvars[0]] = ans
+        # (Rows written into one leaf may also be returned as another's slice.)
         for v in eqn.outvars:
             for k in whole_of.get(v, ()):
                 # Written as soon as it is made, and read back like rows.
