@@ -568,3 +568,15 @@ def test_rows_written_into_one_leaf_and_returned_as_two():
         y, new = stack.with_options(mode=mode)(x, eqxscan.buffer(cache), pos=1)
         assert_close(y, y_ref, 1e-5)
         assert_close(new, jax.tree.map(lambda *a: jnp.stack(a), *refs))
+
+
+def test_layer_of_batched_buffers_is_refused():
+    # Buffers with a batch axis in front (as `jax.vmap` returns them): `layer(i)`
+    # would index the batch, so it names the leaf and how to pick a sequence.
+    buffers = eqxscan.layer_buffers(eqxscan.Chain(_chain_layers()), _make(4))
+    batched = jax.tree.map(lambda a: jnp.stack([a, a + 1, a + 2]), buffers)
+    for i in (0, 2, 5):
+        with pytest.raises(ValueError, match=r"a\[b\], buffers\)\.layer"):
+            batched.layer(i)
+        one = jax.tree.map(lambda a: a[1], batched).layer(i)
+        assert_close(one, jax.tree.map(lambda a: a + 1, buffers.layer(i)))

@@ -87,12 +87,27 @@ class LayerBuffers(eqx.Module):
                 continue
             if period == 0:
                 return part
+            _check_lead(part, size // period, i)
             if period == 1:
                 return index(part, i - start)
             r, j = divmod(i - start, period)
             return LayerBuffers(index(part, r), inner).layer(j)
         size = sum(place[1] for place in self.layout)
         raise IndexError(f"Layer {i} is out of range for buffers of {size} layers.")
+
+
+def _check_lead(part: PyTree, n: int, i: int) -> None:
+    # A part's leading axis is its layers (or repeats): a batch axis in front
+    # would silently index the batch instead.
+    for path, a in jtu.tree_leaves_with_path(part):
+        if a.ndim == 0 or a.shape[0] != n:
+            raise ValueError(
+                f"LayerBuffers.layer({i}): leaf `{jtu.keystr(path)}` of its group "
+                f"is {describe(a)}, but its first axis should be the group's {n} "
+                "layers (or repeats).\nFor batched buffers pick the sequence first: "
+                f"`jax.tree.map(lambda a: a[b], buffers).layer({i})` "
+                "(docs/decoding.md)."
+            )
 
 
 def buffer(tree: PyTree, *, reads: Reads = "auto") -> Buffer:
