@@ -580,3 +580,26 @@ def test_layer_of_batched_buffers_is_refused():
             batched.layer(i)
         one = jax.tree.map(lambda a: a[1], batched).layer(i)
         assert_close(one, jax.tree.map(lambda a: a + 1, buffers.layer(i)))
+
+
+def test_buffer_marked_inside_another_argument_is_refused():
+    # Inside another argument (or another marker) the buffer reached each
+    # layer whole, unsliced, and a per_layer inside a buffer was not sliced.
+    class Pass(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x, cache, *rest):
+            return x * self.w, cache
+
+    stack = eqxscan.Stacked(lambda k: Pass(jnp.ones(())), 3, key=jr.key(0))
+    x, c = jnp.ones(2), jnp.zeros((3, 2))
+    with pytest.raises(TypeError, match="inside its argument 1 after x"):
+        stack(x, (eqxscan.buffer(c), 1.0))
+    with pytest.raises(TypeError, match="inside its argument 1 after x"):
+        stack(x, eqxscan.per_layer(eqxscan.buffer(c)))
+    with pytest.raises(TypeError, match="inside 'extra'"):
+        stack(x, eqxscan.buffer(c), extra=[eqxscan.buffer(c)])
+    with pytest.raises(TypeError, match="holding an eqxscan.per_layer marker"):
+        eqxscan.buffer(eqxscan.per_layer(c))
+    with pytest.raises(TypeError, match="holding an eqxscan.buffer marker"):
+        eqxscan.buffer(eqxscan.buffer(c))

@@ -138,6 +138,15 @@ def buffer(tree: PyTree, *, reads: Reads = "auto") -> Buffer:
 
     A marker wrapping `tree`.
     """
+    from .layer_call import PerLayer  # here: layer_call imports this module
+
+    marked = _marked(tree, (Buffer, PerLayer))
+    if marked is not None:
+        raise TypeError(
+            f"eqxscan.buffer got a tree holding an {marked} marker; mark "
+            "the arrays once.\nPass the stacked arrays themselves: "
+            "`eqxscan.buffer(cache)` (docs/decoding.md)."
+        )
     leaves = jtu.tree_leaves(tree)
     bad = [a for a in leaves if not eqx.is_array(a)]
     if bad:
@@ -153,16 +162,38 @@ def buffer(tree: PyTree, *, reads: Reads = "auto") -> Buffer:
     return Buffer(tree, (), reads)
 
 
+def _marked(tree: PyTree, kinds: tuple[type, ...]) -> str | None:
+    # The first marker of `kinds` inside `tree`, named, or `None`.
+    for v in jtu.tree_leaves(tree, is_leaf=lambda v: isinstance(v, kinds)):
+        if isinstance(v, kinds):
+            return "eqxscan." + ("buffer" if isinstance(v, Buffer) else "per_layer")
+    return None
+
+
 def find_buffer(args: tuple, kwargs: dict[str, object]) -> int | str | None:
     """Where the [`eqxscan.buffer`][] argument of a call is (its position or
     name), or `None`."""
-    return find_arg(
+    at = find_arg(
         args,
         kwargs,
         Buffer,
         "A call has {} eqxscan.buffer arguments; pass one buffer (any pytree, "
         "e.g. a tuple of keys and values).",
     )
+    # One inside another argument would reach each layer whole, unsliced.
+    for where, a in (*enumerate(args), *kwargs.items()):
+        if where != at and _marked(a, (Buffer,)) is not None:
+            arg = (
+                f"its argument {where + 1} after x"
+                if isinstance(where, int)
+                else repr(where)
+            )
+            raise TypeError(
+                f"A call has an eqxscan.buffer inside {arg}; "
+                "pass the buffer as an argument of its own.\nEach layer then "
+                "gets its slice there (docs/decoding.md)."
+            )
+    return at
 
 
 def view_of(args: tuple, kwargs: dict[str, object], at: int | str) -> "Buffer":
