@@ -460,6 +460,11 @@ def test_chain_buffer_errors():
     run = eqxscan.Chain([Attn(key=k) for k in jr.split(jr.key(0), 3)])
     with pytest.raises(ValueError, match="layers 0 and 1 are scanned together"):
         eqxscan.layer_buffers(run, lambda i, layer: cache_of(4 + i))
+    # A chain's buffers given to a Stacked of as many layers: named, not
+    # unpacked by the layer as if they were its cache.
+    chain_buffers = eqxscan.layer_buffers(run, lambda i, layer: cache_of(4))
+    with pytest.raises(TypeError, match="got LayerBuffers, which lay out a Chain"):
+        stacked(3)(jnp.ones((1, D)), eqxscan.buffer(chain_buffers), pos=0)
     # ... named by their indices in the whole chain.
     keys = jr.split(jr.key(0), 3)
     late = eqxscan.Chain([Lone(), *(Attn(key=k) for k in keys)])

@@ -215,6 +215,12 @@ def refuse_buffer(args: tuple, kwargs: dict[str, object], who: str) -> None:
 def check_buffer_axis(view: Buffer, length: int, who: str) -> None:
     """Raise unless every leaf of `view`'s buffer has the layer axis (of
     `length`) after the axes its prefix fixes."""
+    if isinstance(view.tree, LayerBuffers):
+        raise TypeError(
+            f"{who} got LayerBuffers, which lay out a Chain's buffers.\nFor a "
+            "Stacked build them with eqxscan.layer_buffers(stack, make), or "
+            "stack each layer's buffer on a new leading axis (docs/decoding.md)."
+        )
     p = len(view.prefix)
     for path, a in jtu.tree_leaves_with_path(view.tree):
         if a.ndim <= p or a.shape[p] != length:
