@@ -38,6 +38,7 @@ from ._scan.buffers import (
     Buffer as Buffer,
     buffer as buffer,
     LayerBuffers as LayerBuffers,
+    per_layer as per_layer,
 )
 from ._scan.drop_rates import (
     DropRates as DropRates,
@@ -45,7 +46,6 @@ from ._scan.drop_rates import (
     LinearRates as LinearRates,
     Rates as Rates,
 )
-from ._scan.layer_call import per_layer as per_layer
 from ._scan.layer_index import layer_index as layer_index
 from ._scan.options import Mode as Mode, Remat as Remat, ScanOptions as ScanOptions
 from ._scan.remat import ScanRemat as ScanRemat

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import eqxscan
-from eqxscan._scan.layer_call import LayerCall, OneLayer, PerLayer
+from eqxscan._scan.buffers import PerLayer
+from eqxscan._scan.layer_call import LayerCall, OneLayer
 
 
 class Seen(eqx.Module):

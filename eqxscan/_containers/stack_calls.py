@@ -23,6 +23,7 @@ from .._helpers.stateful import (
 from .._scan.buffers import (
     check_buffer_axis,
     find_buffer,
+    PerLayer,
     refuse_buffer,
     view_of,
 )
@@ -36,7 +37,6 @@ from .._scan.layer_call import (
     index,
     LayerCall,
     LayerFn,
-    PerLayer,
     run_one,
 )
 from .._scan.layer_index import step_index

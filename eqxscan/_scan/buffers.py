@@ -28,6 +28,35 @@ from .index import Index, index
 from .remat import BUFFER_READ
 
 
+class PerLayer(eqx.Module):
+    """An argument sliced along the layer axis: layer `i` receives slice `i` of
+    every array leaf. Build it with [`eqxscan.per_layer`][]."""
+
+    tree: PyTree
+
+
+def per_layer(tree: PyTree) -> PerLayer:
+    """Mark `tree` as a per-layer argument of a [`eqxscan.Stacked`][] call.
+
+    Every array leaf must have the layer axis (length `L`) first; layer `i` is
+    called with slice `i`. Non-array leaves are passed to every layer unchanged
+    (a tree with no array, such as a list of numbers, is refused).
+    Use it positionally or as a keyword value, e.g. for a per-layer
+    configuration: `stack(x, scale=eqxscan.per_layer(scales))`. A per-layer
+    value that layers update (a KV cache) is an [`eqxscan.buffer`][] instead,
+    written in place rather than copied into a new output.
+
+    **Arguments:**
+
+    - `tree`: any pytree whose array leaves have shape `(L, ...)`.
+
+    **Returns:**
+
+    A marker wrapping `tree`.
+    """
+    return PerLayer(tree)
+
+
 #: How a layer reads its slice: `"view"` straight from the stacked buffer,
 #: `"copy"` through one contiguous copy per step, `"auto"` as the backend suits.
 Reads = Literal["auto", "view", "copy"]
@@ -138,7 +167,6 @@ def buffer(tree: PyTree, *, reads: Reads = "auto") -> Buffer:
 
     A marker wrapping `tree`.
     """
-    from .layer_call import PerLayer  # here: layer_call imports this module
 
     marked = _marked(tree, (Buffer, PerLayer))
     if marked is not None:

@@ -29,7 +29,7 @@ from jaxtyping import Array, Bool, PyTree
 
 from .._helpers.checks import check_leading_axis, check_takes_key, describe
 from .._helpers.stateful import clone, replace_arg
-from .buffers import call_writing, find_buffer, view_of
+from .buffers import call_writing, find_buffer, PerLayer, view_of
 from .drop_rates import DropInputs, dropping
 from .index import (
     Index as Index,
@@ -39,35 +39,6 @@ from .index import (
 )
 from .layer_index import at_layer
 from .taps import inside_layer, tapped
-
-
-class PerLayer(eqx.Module):
-    """An argument sliced along the layer axis: layer `i` receives slice `i` of
-    every array leaf. Build it with [`eqxscan.per_layer`][]."""
-
-    tree: PyTree
-
-
-def per_layer(tree: PyTree) -> PerLayer:
-    """Mark `tree` as a per-layer argument of a [`eqxscan.Stacked`][] call.
-
-    Every array leaf must have the layer axis (length `L`) first; layer `i` is
-    called with slice `i`. Non-array leaves are passed to every layer unchanged
-    (a tree with no array, such as a list of numbers, is refused).
-    Use it positionally or as a keyword value, e.g. for a per-layer
-    configuration: `stack(x, scale=eqxscan.per_layer(scales))`. A per-layer
-    value that layers update (a KV cache) is an [`eqxscan.buffer`][] instead,
-    written in place rather than copied into a new output.
-
-    **Arguments:**
-
-    - `tree`: any pytree whose array leaves have shape `(L, ...)`.
-
-    **Returns:**
-
-    A marker wrapping `tree`.
-    """
-    return PerLayer(tree)
 
 
 def arg_name(index_or_name: int | str) -> str:
