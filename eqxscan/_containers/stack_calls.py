@@ -10,7 +10,7 @@ import jax.tree_util as jtu
 from jax.sharding import Sharding
 from jaxtyping import PyTree
 
-from .._helpers.checks import describe, noted, same_leaf
+from .._helpers.checks import noted
 from .._helpers.constrain import constrain, layers_may_be_sharded
 from .._helpers.stateful import (
     find_state,
@@ -28,7 +28,7 @@ from .._scan.buffers import (
     view_of,
 )
 from .._scan.drop_rates import check_droppable, DropRates
-from .._scan.engine import run
+from .._scan.engine import kept_once, run
 from .._scan.layer_call import (
     carry_only,
     check_per_layer,
@@ -74,29 +74,6 @@ def dropping_call(
         return call
     assert key is not None
     return call._replace(drop=drop.per_layer_inputs(key))  # pyright: ignore[reportArgumentType]  # checked by check_droppable
-
-
-def kept_once(outputs: dict[int, PyTree], who: str) -> PyTree:
-    """The non-array parts of every layer's output (`outputs[i]`: layer `i`'s)
-    as one traced body gives them: kept once. In a Python loop a number may
-    differ from layer to layer (e.g. `eqxscan.layer_index()`), which a scan
-    would have traced: stacked into an array; anything else must agree."""
-    values = [outputs[i] for i in sorted(outputs)]
-
-    def merge(path: tuple, *vs: object) -> object:
-        if all(same_leaf(v, vs[0]) for v in vs):
-            return vs[0]
-        if all(isinstance(v, (bool, int, float, complex)) for v in vs):
-            return jnp.asarray(vs)
-        i = next(i for i, v in enumerate(vs) if not same_leaf(v, vs[0]))
-        raise TypeError(
-            f"{who}: layer {i} gave `{jtu.keystr(path)}` = {describe(vs[i])}, but "
-            f"layer 0 gave {describe(vs[0])}: an output that is not an array is "
-            "kept once, so every layer must give the same.\nHint: return it as "
-            "an array (jnp.asarray) to have it stacked."
-        )
-
-    return jtu.tree_map_with_path(merge, *values)
 
 
 def _where(cls_name: str, length: int, i: int | None) -> str:
@@ -165,13 +142,9 @@ def scan_layers(stack: Stack, x: PyTree, call: LayerCall) -> tuple[PyTree, PyTre
             slot = view.of(tree).at(i)
             args, kwargs = replace_arg(inputs.args, inputs.kwargs, at, slot)
             inputs = inputs._replace(args=args, kwargs=kwargs)
-        new, y = run_one(layer, call, inputs, carry, who)
-        if isinstance(n := step_index(), int) and not isinstance(y, eqx.nn.State):
-            statics[n] = eqx.partition(y, eqx.is_array)[1]  # a loop's step
-        return new, y
+        return run_one(layer, call, inputs, carry, who)
 
-    statics: dict[int, PyTree] = {}  # each layer's non-array outputs, in a loop
-    x, ys = run(
+    return run(
         step,
         x if view is None else (x, view.tree),
         (layer_dyn, per_xs, steps),
@@ -184,9 +157,6 @@ def scan_layers(stack: Stack, x: PyTree, call: LayerCall) -> tuple[PyTree, PyTre
         gathered=sharding is not None or layers_may_be_sharded(layer_dyn),
         runs=runs,
     )
-    if len(statics) > 1 and ys is not None:
-        ys = eqx.combine(eqx.filter(ys, eqx.is_array), kept_once(statics, cls_name))
-    return x, ys
 
 
 def vmap_layers(stack: Stack, x: PyTree, call: LayerCall) -> PyTree:
@@ -221,7 +191,7 @@ def vmap_layers(stack: Stack, x: PyTree, call: LayerCall) -> PyTree:
         ]
         # The arrays stacked, the rest kept once (as `filter_vmap` keeps it).
         dyn, static = zip(*(eqx.partition(out, eqx.is_array) for out in outs))
-        rest = kept_once(dict(enumerate(static)), "Stacked.vmap")
+        rest = kept_once(static, lambda i: _where(cls_name, length, i))
         return eqx.combine(jtu.tree_map(lambda *a: jnp.stack(a), *dyn), rest)
     where, steps = _where(cls_name, length, None), jnp.arange(length)
     return noted(eqx.filter_vmap(each), where, *inputs, steps)

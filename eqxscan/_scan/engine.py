@@ -12,7 +12,7 @@ Python code runs once per trace of the enclosing `jit`, whatever the options.
 """
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import equinox as eqx
@@ -23,7 +23,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, Bool, PyTree
 
-from .._helpers.checks import check_carry, noted
+from .._helpers.checks import check_carry, describe, noted, same_leaf
 from .._helpers.stateful import clone
 from .auto import resolve
 from .index import index
@@ -311,4 +311,27 @@ def _run_loop(
     # The array leaves stacked, the others kept once (as `lax.scan` keeps the
     # static part of its one traced body's output).
     dyn, static = zip(*(eqx.partition(y, eqx.is_array) for y in ys))
-    return carry, eqx.combine(jtu.tree_map(lambda *a: jnp.stack(a), *dyn), static[0])
+    stacked = jtu.tree_map(lambda *a: jnp.stack(a), *dyn)
+    return carry, eqx.combine(stacked, kept_once(static, where))
+
+
+def kept_once(outputs: Sequence[PyTree], where: Callable[[int], str]) -> PyTree:
+    """The non-array parts of every step's output (`outputs[i]`: step `i`'s) as
+    one traced body gives them: kept once. A number that differs from step to
+    step (e.g. `eqxscan.layer_index()`), which a scan would have traced, is
+    stacked into an array; anything else must agree (`where(i)` names step `i`)."""
+
+    def merge(path: tuple, *vs: object) -> object:
+        if all(same_leaf(v, vs[0]) for v in vs):
+            return vs[0]
+        if all(isinstance(v, (bool, int, float, complex)) for v in vs):
+            return jnp.asarray(vs)
+        i = next(i for i, v in enumerate(vs) if not same_leaf(v, vs[0]))
+        raise TypeError(
+            f"{where(i)} gave `{jtu.keystr(path)}` = {describe(vs[i])}, but step 0 "
+            f"gave {describe(vs[0])}: an output that is not an array is kept once, "
+            "so every step must give the same.\nHint: return it as an array "
+            "(jnp.asarray) to have it stacked."
+        )
+
+    return jtu.tree_map_with_path(merge, *outputs)
