@@ -126,3 +126,19 @@ def test_tensor_parallel_gather_keeps_model_axis(eight_devices):
     assert "f32[4,16]" in kept["all_reduces"], kept
     whole_gathers = [s.replace("[1,", "[") for s in whole["all_gathers"]]
     assert "f32[16,64]" in whole_gathers and "f32[64,16]" in whole_gathers, whole
+
+
+def test_named_parameters_need_not_divide_the_fsdp_axis(getkey):
+    # scale [2, 5] has no axis that 2 divides: an error under the FSDP rule,
+    # but named, its names decide (here: replicated).
+    mesh = jax.make_mesh((2, 1), ("fsdp", "model"), axis_types=(AxisType.Auto,) * 2)
+    model = eqxscan.StackedMLP(5, 2, key=getkey())  # w1 [2, 5, 20], scale [2, 5]
+    kw = dict(fsdp_axis="fsdp", min_size=0)
+    axes, rules = {"*.scale": (None,), "*.w2": ("mlp", None)}, {"mlp": "model"}
+    specs = sharding.logical_shardings(model, mesh, axes, rules, **kw)
+    assert specs.blocks.layers.scale.spec == P(None, None)
+    assert specs.blocks.layers.w2.spec == P(None, "model", None)
+    assert specs.blocks.layers.w1.spec == P(None, None, "fsdp")  # the FSDP rule
+    # An unnamed parameter still gets the FSDP rule's error.
+    with pytest.raises(ValueError, match=r"`model.blocks.layers.scale` with shape"):
+        sharding.logical_shardings(model, mesh, {"*.w2": axes["*.w2"]}, rules, **kw)

@@ -11,7 +11,7 @@ import jax.tree_util as jtu
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .._internal import is_arraylike, is_none, Site, walk
-from ._shard import check_mesh, MIN_SIZE, model_shardings
+from ._shard import check_mesh, fsdp_shardings, MIN_SIZE
 
 
 #: The logical names of one layer's axes: a name, or `None` for a replicated axis.
@@ -180,11 +180,15 @@ def logical_shardings(
             f"(path, leaf) -> names, got {type(axes).__name__}."
         )
     # The default sharding of each array, by key path (the walk skips `None`
-    # fields, which `model_shardings` keeps as leaves).
+    # fields, which `model_shardings` keeps as leaves). A named array's default
+    # is not used, so no axis of it need divide the FSDP axis.
+    named = lambda path, leaf: _lookup(axes, jtu.keystr(path).lstrip("."), leaf)
     default = {
         jtu.keystr(path): sharding
         for path, sharding in jtu.tree_leaves_with_path(
-            model_shardings(model, mesh, fsdp_axis=fsdp_axis, min_size=min_size),
+            fsdp_shardings(
+                model, mesh, fsdp_axis, min_size, lambda p, x: named(p, x) is not None
+            ),
             is_leaf=is_none,
         )
     }
@@ -192,10 +196,10 @@ def logical_shardings(
     def one(leaf: Any, site: Site) -> NamedSharding | None:
         if not is_arraylike(leaf):
             return None
-        name = jtu.keystr(site.path).lstrip(".")
-        names = _lookup(axes, name, leaf)
+        names = named(site.path, leaf)
         if names is None:
             return default[jtu.keystr(site.path)]
+        name = jtu.keystr(site.path).lstrip(".")
         return _named(leaf, site.depth, name, tuple(names), rules, mesh)
 
     if isinstance(axes, Mapping):

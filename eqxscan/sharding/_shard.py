@@ -206,13 +206,25 @@ def model_shardings(
     leaf of at least `min_size` elements has no axis that divides, or when the
     mesh lacks `fsdp_axis`.
     """
+    return fsdp_shardings(model, mesh, fsdp_axis, min_size)
+
+
+def fsdp_shardings(
+    model: Any,
+    mesh: Mesh,
+    fsdp_axis: str | None,
+    min_size: int,
+    lenient: Callable[[tuple, Any], bool] = lambda path, leaf: False,
+) -> Any:
+    """`model_shardings`, replicating rather than refusing the leaves with no axis
+    that divides where `lenient(path, leaf)` (those given a sharding elsewhere)."""
     mesh = check_mesh(mesh)
     check_axes(mesh, () if fsdp_axis is None else fsdp_axis, "fsdp_axis")
     min_size = check_size("model_shardings: min_size", min_size, minimum=0)
 
     def spec_of(leaf: Any, depth: int, path: tuple) -> PartitionSpec:
-        name = "model" + jtu.keystr(path)
-        return _leaf_spec(leaf, depth, name, mesh, fsdp_axis, min_size)
+        name, strict = "model" + jtu.keystr(path), not lenient(path, leaf)
+        return _leaf_spec(leaf, depth, name, mesh, fsdp_axis, min_size, strict)
 
     def one(leaf: object, site: Site) -> NamedSharding | None:
         if not is_arraylike(leaf):
