@@ -157,6 +157,23 @@ def test_devices_and_remat_are_checked_before_any_compile():
         _plan(simulate="never")
 
 
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        # Neither truncated to (1, 1, 1) nor read as the digits of "121".
+        (dict(meshes=[(1.5, 1, 1)], devices=None), r"triples .*\(1\.5, 1, 1\)"),
+        (dict(meshes=["121"], devices=None), r"triples .*'121'"),
+        (dict(model_axis=(), devices=1), r"model_axis is empty"),
+        (dict(min_size=-1, devices=1), r"plan: min_size must be >= 0, got -1"),
+    ],
+)
+def test_arguments_that_would_plan_something_else_are_refused(kwargs, match):
+    # Each once an unasked-for mesh planned, no candidate at all, or every
+    # candidate refused with the same error.
+    with untyped(), pytest.raises(ValueError, match=match):
+        _plan(**kwargs)
+
+
 def test_model_kwargs_that_are_not_json_are_refused_before_the_child_starts():
     # Four devices: this process has two, so the candidates would compile in a
     # fresh process, reached through JSON.

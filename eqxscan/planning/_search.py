@@ -64,9 +64,12 @@ def _given_meshes(
     meshes: Sequence[Sequence[int]], devices: int | None
 ) -> tuple[list[MeshShape], int]:
     """`meshes` checked, and the number of devices they need."""
-    triples = [tuple(int(s) for s in m) for m in meshes]
+    try:  # ints only: int(1.5) or a string's digits would plan another mesh
+        triples = [tuple(check_size("size", s) for s in m) for m in meshes]
+    except (TypeError, ValueError):
+        triples = []
     sizes = {math.prod(m) for m in triples}
-    if any(len(m) != 3 or min(m) < 1 for m in triples) or len(sizes) != 1:
+    if any(len(m) != 3 for m in triples) or len(sizes) != 1:
         raise ValueError(
             f"plan: meshes must be (data, fsdp, model) triples of positive sizes "
             f"with one product, got {list(meshes)}.\nHint: e.g. [(8, 1, 1), "
@@ -89,8 +92,12 @@ def _candidate_meshes(
     remat: Sequence[Remat],
 ) -> tuple[list[MeshShape], int]:
     """The meshes to try and the number of devices."""
-    if not remat:
-        raise ValueError("plan: remat is empty.\nHint: e.g. remat=(False, True).")
+    for name, given, e in (
+        ("remat", remat, "False, True"),
+        ("model_axis", model_axis, "1, 2"),
+    ):
+        if not given:  # else a plan of no candidates
+            raise ValueError(f"plan: {name} is empty.\nHint: e.g. {name}=({e}).")
     for setting in remat:  # checked here, not as a failed compile of each mesh
         ScanOptions(remat=setting)
     if devices is not None:
@@ -182,6 +189,7 @@ def plan(
     `plan.message` says by how much the smallest misses.
     """
     limit = parse_bytes(budget)
+    min_size = check_size("plan: min_size", min_size, minimum=0)
     _check_simulate(simulate)
     acc = _accelerator(accelerator, peak_flops, link_bytes_per_s)
     shapes, devices = _candidate_meshes(devices, meshes, model_axis, axes, remat)
