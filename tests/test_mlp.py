@@ -9,7 +9,7 @@ from jaxtyping import TypeCheckError
 
 import eqxscan
 
-from .helpers import tree_allclose
+from .helpers import tree_allclose, untyped
 
 
 def hand_written(w1, w2, scale, x):
@@ -141,6 +141,26 @@ def test_constructor_errors(getkey):
             eqxscan.StackedMLP(4, 2, key=getkey(), dtype=dtype)
     with pytest.raises(TypeError, match="blocks"):
         eqxscan.StackedMLP(blocks=3)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        dict(dtype=jnp.bfloat16),
+        dict(dropout=0.5),
+        dict(drop_path=0.1),
+        dict(layer_drop=(0.0, 0.2)),
+        dict(remat=True),
+        dict(num_layers=2),
+    ],
+)
+def test_blocks_with_arguments_they_would_ignore_is_an_error(extra, getkey):
+    # Once silently ignored: a float32 model without the asked-for drop rates.
+    blocks = eqxscan.StackedMLP(4, 2, key=getkey()).blocks
+    assert eqxscan.StackedMLP(blocks=blocks).blocks is blocks
+    (name,) = extra
+    with untyped(), pytest.raises(TypeError, match=rf"also got {name}, which would"):
+        eqxscan.StackedMLP(blocks=blocks, **extra)
 
 
 def test_with_options_like_every_scanning_module(getkey):

@@ -172,7 +172,7 @@ class StackedMLP(Scanning):
         num_layers: SupportsIndex | None = None,
         *,
         key: PRNGKeyArray | None = None,
-        dtype: DTypeLike = jnp.float32,
+        dtype: DTypeLike | None = None,
         dropout: float = 0.0,
         drop_path: Checked[Rates] = 0.0,
         layer_drop: Checked[Rates] = 0.0,
@@ -184,7 +184,8 @@ class StackedMLP(Scanning):
         - `dim`: the model width `D`; the hidden width is `4 * D`.
         - `num_layers`: `L`.
         - `key`: a JAX PRNG key; layer `i` is built from `split(key, L)[i]`.
-        - `dtype`: parameter and activation dtype (e.g. `jnp.bfloat16`).
+        - `dtype`: parameter and activation dtype (e.g. `jnp.bfloat16`;
+          default float32).
         - `dropout`: dropout rate after the activation.
         - `drop_path`, `layer_drop`: stochastic depth (per example, a block's
           residual branch dropped or scaled by `1 / (1 - p)`) and LayerDrop
@@ -192,8 +193,8 @@ class StackedMLP(Scanning):
           need a `key` while training. Change them later with
           `model.with_options(drop_path=...)`.
         - `mode`, `remat`, `unroll`: as for [`eqxscan.Stacked`][].
-        - `blocks`: instead of `dim`, `num_layers` and `key`, a `Stacked` of
-          [`eqxscan.MLPBlock`][]s to hold, options and drop rates kept
+        - `blocks`: instead of the arguments above, a `Stacked` of
+          [`eqxscan.MLPBlock`][]s to hold, dtype, options and drop rates kept
           ([`eqxscan.StackedMLP.from_layers`][] stacks a list).
         """
         if blocks is not None:
@@ -205,15 +206,22 @@ class StackedMLP(Scanning):
                     f"{describe(blocks)}.\nHint: StackedMLP.from_layers stacks a "
                     "list of MLPBlocks."
                 )
-            if dim is not None or num_layers is not None or key is not None:
+            # Each would be ignored: the blocks keep their own.
+            given = dict(dim=dim, num_layers=num_layers, key=key, dtype=dtype)
+            rates = dict(dropout=dropout, drop_path=drop_path, layer_drop=layer_drop)
+            both = [n for n, v in given.items() if v is not None] + list(options)
+            both += [n for n, v in rates.items() if not isinstance(v, float | int) or v]
+            if both:
                 raise TypeError(
-                    "StackedMLP takes either `dim`, `num_layers` and `key`, or "
-                    "`blocks`, not both."
+                    f"StackedMLP takes `blocks` as they are, but also got "
+                    f"{', '.join(both)}, which would be ignored.\nHint: build the "
+                    "blocks with them, or change options and drop rates with "
+                    "model.with_options(...)."
                 )
             self.blocks = blocks
             return
         dim = check_size("dim", dim)
-        dtype = check_float_dtype(dtype)
+        dtype = check_float_dtype(jnp.float32 if dtype is None else dtype)
         dropout = check_rate(dropout, "dropout")
         self.blocks = Stacked(
             lambda k: MLPBlock(dim, key=k, dtype=dtype, dropout=dropout),
