@@ -176,3 +176,17 @@ def test_with_options_like_every_scanning_module(getkey):
     assert jnp.allclose(model(x), loop(x), rtol=1e-5, atol=1e-6)
     again = eqxscan.StackedMLP.from_layers(model.blocks.unstack(), mode="loop")
     assert again.options == eqxscan.ScanOptions("loop")
+
+
+def test_elman_cell_refuses_inputs_that_are_not_one_step(getkey):
+    cell = eqxscan.ElmanCell(3, 5, key=getkey())
+    x, h = jr.normal(getkey(), (3,)), jr.normal(getkey(), (5,))
+    want = jnp.tanh(cell.weight_ih @ x + cell.weight_hh @ h + cell.bias)
+    assert jnp.allclose(cell(x, h), want, rtol=1e-6, atol=1e-6)
+    # [3, 5] once broadcast silently to a [5, 5] "hidden state"; the others
+    # were dot_general errors naming no argument.
+    for bad_x, bad_h in [(jnp.ones((3, 5)), h), (jnp.ones(4), h), (x, jnp.ones(4))]:
+        with untyped(), pytest.raises(ValueError, match=r"ElmanCell\(3, 5\) takes one"):
+            cell(bad_x, bad_h)
+    with pytest.raises(TypeError, match="dtype must be a floating dtype"):
+        eqxscan.ElmanCell(3, 5, dtype=jnp.int32, key=getkey())

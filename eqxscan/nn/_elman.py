@@ -10,7 +10,8 @@ import jax.random as jr
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .._internal import check_size
+from .._internal import check_size, describe
+from ._mlp import check_float_dtype
 
 
 class ElmanCell(eqx.Module):
@@ -62,6 +63,7 @@ class ElmanCell(eqx.Module):
         """
         if dtype is None:
             dtype = jax.dtypes.canonicalize_dtype(jnp.float64)
+        dtype = check_float_dtype(dtype)
         input_size = check_size("input_size", input_size)
         hidden_size = check_size("hidden_size", hidden_size)
         ikey, hkey, bkey = jr.split(key, 3)
@@ -91,6 +93,15 @@ class ElmanCell(eqx.Module):
 
         The next hidden state, shape `(hidden_size,)`.
         """
+        n, h = self.input_size, self.hidden_size
+        if jnp.shape(input) != (n,) or jnp.shape(hidden) != (h,):
+            # Else a cryptic dot_general error, or a silent broadcast to [h, h].
+            raise ValueError(
+                f"ElmanCell({n}, {h}) takes one time step of one example, input "
+                f"[{n}] and hidden [{h}], got input {describe(input)} and hidden "
+                f"{describe(hidden)}.\nHint: batch with jax.vmap; run over time "
+                "with eqxscan.Recurrent."
+            )
         pre = self.weight_ih @ input + self.weight_hh @ hidden
         if self.bias is not None:
             pre = pre + self.bias
