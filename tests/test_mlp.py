@@ -190,3 +190,14 @@ def test_elman_cell_refuses_inputs_that_are_not_one_step(getkey):
             cell(bad_x, bad_h)
     with pytest.raises(TypeError, match="dtype must be a floating dtype"):
         eqxscan.ElmanCell(3, 5, dtype=jnp.int32, key=getkey())
+
+
+def test_rms_norm_returns_the_dtype_of_x(getkey):
+    # A float32 scale on a bfloat16 x: once float32 (or a promotion error).
+    x = jr.normal(getkey(), (2, 4)).astype(jnp.bfloat16)
+    scale = jr.normal(getkey(), (4,))
+    y = eqxscan.nn.rms_norm(scale, x)
+    x32 = x.astype(jnp.float32)
+    want = x32 / jnp.sqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
+    assert y.dtype == jnp.bfloat16
+    assert jnp.allclose(y.astype(jnp.float32), want * scale[None], rtol=2e-2)

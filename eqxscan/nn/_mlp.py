@@ -49,10 +49,10 @@ def rms_norm(scale: Array, x: Array, eps: float = 1e-6) -> Array:
     """
     x32 = x.astype(jnp.float32)
     inv = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    # Explicit broadcast: works under `jax_numpy_rank_promotion="raise"` too.
-    return (x32 * inv).astype(x.dtype) * jnp.expand_dims(
-        scale, tuple(range(x.ndim - scale.ndim))
-    )
+    # Explicit broadcast: works under `jax_numpy_rank_promotion="raise"` too;
+    # the scale cast, so that a float32 scale keeps a bfloat16 `x` bfloat16.
+    scale = jnp.expand_dims(scale, tuple(range(x.ndim - scale.ndim)))
+    return (x32 * inv).astype(x.dtype) * scale.astype(x.dtype)
 
 
 def check_float_dtype(dtype: DTypeLike) -> np.dtype:
