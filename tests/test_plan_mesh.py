@@ -316,3 +316,37 @@ def test_hlo_costs_counts_a_computation_once_per_call():
     collectives, flops = hlo_costs(_CALLED_TWICE.replace("%TRIP", trip))
     assert flops == (2 + 3) * 2 * 4 * 16 * 8
     assert collectives == {"all-reduce": 3 * 4 * 16 * 4}
+
+
+# Async collectives as GPU programs have them: each `-start` returns a tuple of
+# its operand and result (and context scalars), its `-done` the result alone.
+_ASYNC = """\
+HloModule async_collectives
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+ENTRY %main (x: f32[2,16]) -> f32[16,16] {
+  %x = f32[2,16]{1,0} parameter(0)
+  %ags = (f32[2,16]{1,0}, f32[16,16]{1,0}) all-gather-start(%x), dimensions={0}
+  %agd = f32[16,16]{1,0} all-gather-done(%ags)
+  %cps = (f32[2,16]{1,0}, f32[2,16]{1,0}, u32[], u32[]) collective-permute-start(%x)
+  %cpd = f32[2,16]{1,0} collective-permute-done(%cps)
+  %ars = f32[2,16]{1,0} all-reduce-start(%cpd), to_apply=%add
+  %ard = f32[2,16]{1,0} all-reduce-done(%ars)
+  ROOT %out = f32[16,16]{1,0} copy(%agd)
+}
+"""
+
+
+def test_hlo_costs_counts_async_collectives_by_their_results():
+    # Once (operand + result) / 2 for an all-gather: 576 bytes for 1024.
+    collectives, _ = hlo_costs(_ASYNC)
+    assert collectives == {
+        "all-gather": 16 * 16 * 4,
+        "collective-permute": 2 * 16 * 4,
+        "all-reduce": 2 * 16 * 4,
+    }

@@ -126,12 +126,12 @@ def _costs(comp: _Computation) -> tuple[dict[str, int], float]:
             continue
         var, result, op, operands = m.groups()
         shapes[var] = result
-        base = op.removesuffix("-start")
-        if base in _COLLECTIVES.split() and not op.endswith("-done"):
-            size = _shape_bytes(result)
-            if op in ("all-gather-start", "collective-permute-start"):
-                size //= 2  # an async start's result holds its operand too
-            collective[base] = collective.get(base, 0) + size
+        base = op.removesuffix("-start").removesuffix("-done")
+        if base in _COLLECTIVES.split() and not op.endswith("-start"):
+            # An async pair counts at its `-done`, whose result is the
+            # collective's alone: the `-start`'s tuple holds the operands too
+            # (an all-gather's, 1/N of its result) and context scalars.
+            collective[base] = collective.get(base, 0) + _shape_bytes(result)
         elif op == "dot":
             flops += _dot_flops(line, result, operands, shapes)
     return collective, flops
