@@ -112,10 +112,12 @@ def test_dropout_keys(getkey):
         lambda m: m.blocks, model, model.blocks.with_options(mode="loop")
     )
     assert jnp.allclose(y_scan, loop(x, key=key), rtol=1e-5, atol=1e-6)
-    # Each layer gets its own key: the same as calling the blocks with split keys.
-    ref = x
-    for block, k in zip(model.blocks.unstack(), jr.split(key, 3), strict=True):
-        ref = block(ref, key=k)
+    # Each layer gets its own key, split(key, L)[i]: the dropout written out.
+    ref, layers = x, model.blocks.layers
+    for i, k in enumerate(jr.split(key, 3)):
+        h = jax.nn.gelu(eqxscan.nn.rms_norm(layers.scale[i], ref) @ layers.w1[i])
+        h = jnp.where(jr.bernoulli(k, 0.5, h.shape), h / 0.5, 0.0)
+        ref = ref + h @ layers.w2[i]
     assert jnp.allclose(y_scan, ref, rtol=1e-5, atol=1e-6)
     # Inference mode needs no key and equals the dropout-free computation.
     inference = eqx.nn.inference_mode(model)

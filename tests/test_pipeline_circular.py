@@ -330,6 +330,21 @@ def test_pipeline_errors(getkey):
         jax.jit(lambda s: sharding.pipeline(s, x, mesh=mesh, microbatches=2))(stack)
 
 
+def test_microbatch_rows_must_divide_over_the_batch_axes(getkey):
+    # 6 rows in 2 microbatches of 3, split 2 ways over "data": once JAX's
+    # IndivisibleError about an internal (2, 3, 4) array.
+    mesh = jax.make_mesh((1, 2), ("stage", "data"), axis_types=(AxisType.Auto,) * 2)
+    stack = eqxscan.StackedMLP(4, 2, key=getkey()).blocks
+    with pytest.raises(
+        ValueError,
+        match=r"shape \(6, 4\) into 2 microbatches of rows split over \('data',\) "
+        r"\(2 ways\): axis 0 must be a positive multiple of 4",
+    ):
+        sharding.pipeline(
+            stack, jnp.ones((6, 4)), mesh=mesh, microbatches=2, batch_axes="data"
+        )
+
+
 def check_runs(runs: list[dict], expected: set[str]) -> None:
     names = {r["name"]: r for r in runs}
     assert set(names) == expected

@@ -78,6 +78,9 @@ def test_model_shardings_rules(getkey):
     assert all(s == P() for s in specs(dp) if s is not None)
     # The default threshold replicates a model this small.
     assert all(s == P() for s in specs(sharding.model_shardings(model, mesh)) if s)
+    # "Fewer than min_size elements": embed's 80 are sharded at 80, not at 81.
+    assert sharding.model_shardings(model, mesh, min_size=80).embed.spec == P("fsdp")
+    assert sharding.model_shardings(model, mesh, min_size=81).embed.spec == P()
     # A negative threshold is refused, not read as "shard every leaf".
     with pytest.raises(ValueError, match=r"model_shardings: min_size must be >= 0"):
         sharding.model_shardings(model, mesh, min_size=-1)
@@ -208,6 +211,19 @@ def test_opt_state_sharded_like_params(getkey):
         strict=True,
     ):
         assert isinstance(s, NamedSharding) == eqx.is_array(leaf)
+
+
+def test_factored_moments_that_no_axis_divides_are_replicated(getkey):
+    # weight [2, 4, 3] is split along 4; its factored moments [2, 3] (which 2
+    # does not divide) and [2, 4] take the rule for their own shapes.
+    mesh = sharding.make_mesh(fsdp=2)
+    model = eqxscan.Stacked(lambda k: eqx.nn.Linear(3, 4, key=k), 2, key=getkey())
+    opt = optax.scale_by_factored_rms(min_dim_size_to_factor=2)
+    state = opt.init(eqx.filter(model, eqx.is_array))
+    out = sharding.opt_state_shardings(state, model, mesh, min_size=0)
+    assert state.v_row.layers.weight.shape == (2, 3)
+    assert out.v_row.layers.weight.spec == P()
+    assert out.v_col.layers.weight.spec == P(None, "fsdp")
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])

@@ -56,6 +56,9 @@ def test_logical_specs_and_errors(getkey):
         r", so it needs 2 logical names after its 1 layer axis",
     ):
         sharding.logical_shardings(model, mesh, {"*.w1": ("embed",)}, rules)
+    # As in Flax, the first rule for a name wins (later ones are fallbacks).
+    pairs = [("mlp", "model"), ("mlp", None), ("embed", None)]
+    assert sharding.logical_spec(("embed", "mlp"), pairs) == P(None, "model")
     with pytest.raises(ValueError, match=r"'vocab' has no rule"):
         sharding.logical_spec(("vocab",), rules)
     with pytest.raises(ValueError, match=r"picks mesh axis 'tensor'.*axes \('fsdp', "):
