@@ -145,3 +145,25 @@ def test_named_parameters_need_not_divide_the_fsdp_axis(getkey):
     # An unnamed parameter still gets the FSDP rule's error.
     with pytest.raises(ValueError, match=r"`model.blocks.layers.scale` with shape"):
         sharding.logical_shardings(model, mesh, {"*.w2": axes["*.w2"]}, rules, **kw)
+
+
+def test_a_path_as_printed_is_a_pattern_of_itself(getkey):
+    # `[1]` once read as an fnmatch class: the error listing the parameters
+    # named this very path as one the pattern did not match.
+    mesh = jax.make_mesh((1, 2), ("fsdp", "model"), axis_types=(AxisType.Auto,) * 2)
+    lin = lambda k: eqx.nn.Linear(4, 4, key=k)
+    chain = eqxscan.Chain(
+        [lin(getkey()), lin(getkey()), eqx.nn.MLP(4, 4, 8, 1, key=getkey())]
+    )
+    rules = {"mlp": "model"}
+    for pattern in ("groups[1].layers[0].weight", "*.layers[0].weight"):
+        specs = sharding.logical_shardings(chain, mesh, {pattern: ("mlp", None)}, rules)
+        assert specs.groups[1].layers[0].weight.spec == P("model", None)
+        assert specs.groups[1].layers[1].weight.spec == P()  # unnamed
+    # Globs around them, and character classes where paths have none.
+    axes = {"groups[1].*.weight": ("mlp", None)}
+    specs = sharding.logical_shardings(chain, mesh, axes, rules)
+    assert specs.groups[1].layers[1].weight.spec == P("model", None)
+    mlp = eqxscan.StackedMLP(4, 2, key=getkey())
+    specs = sharding.logical_shardings(mlp, mesh, {"*.w[12]": (None, "mlp")}, rules)
+    assert specs.blocks.layers.w2.spec == P(None, None, "model")

@@ -100,11 +100,18 @@ def logical_spec(
     return PartitionSpec(*entries)
 
 
+def _matches(path: str, pattern: str) -> bool:
+    # Brackets match themselves too, so that a path as printed (with list
+    # indices, `groups[1].w`) is a pattern of itself, not an fnmatch class.
+    literal = pattern.replace("[", "[[]")
+    return fnmatch.fnmatchcase(path, pattern) or fnmatch.fnmatchcase(path, literal)
+
+
 def _lookup(axes: Axes, path: str, leaf: Any) -> Names | None:
     if callable(axes):
         return axes(path, leaf)
     for pattern, names in axes.items():
-        if fnmatch.fnmatchcase(path, pattern):
+        if _matches(path, pattern):
             return names
     return None
 
@@ -136,7 +143,8 @@ def logical_shardings(
     - `mesh`: a `jax.sharding.Mesh`, e.g. with axes `("fsdp", "model")`.
     - `axes`: the logical names of each parameter's axes (of one layer):
       `{pattern: names}`, glob patterns on the parameter path without the
-      leading dot (`"blocks.layers.w1"`, `"*.w1"`; the first match wins), or a
+      leading dot (`"blocks.layers.w1"`, `"*.w1"`, `"*.layers[0].weight"`:
+      brackets also match themselves; the first match wins), or a
       function `(path, leaf) -> names or None`.
     - `rules`: logical name -> mesh axis, as for [`eqxscan.sharding.logical_spec`][].
     - `fsdp_axis`, `min_size`: the rule for parameters without names.
@@ -213,7 +221,7 @@ def _check_patterns(axes: Mapping[str, Names], paths: list[str]) -> None:
     """Every pattern of `axes` matches a parameter: one that matches none (a
     typo, a weight replaced by a `Quantized` or `LoRA`) would shard nothing."""
     for pattern, names in axes.items():
-        if not any(fnmatch.fnmatchcase(p, pattern) for p in paths):
+        if not any(_matches(p, pattern) for p in paths):
             shown = ", ".join(paths[:8]) + (", ..." if len(paths) > 8 else "")
             raise ValueError(
                 f"The axes pattern {pattern!r} (names {tuple(names)}) matches no "
