@@ -192,6 +192,9 @@ def test_elman_cell_refuses_inputs_that_are_not_one_step(getkey):
             cell(bad_x, bad_h)
     with pytest.raises(TypeError, match="dtype must be a floating dtype"):
         eqxscan.ElmanCell(3, 5, dtype=jnp.int32, key=getkey())
+    # A string once counted as true: a bias for use_bias="False".
+    with untyped(), pytest.raises(TypeError, match=r"use_bias must be a bool"):
+        eqxscan.ElmanCell(3, 5, use_bias="False", key=getkey())
 
 
 def test_rms_norm_returns_the_dtype_of_x(getkey):

@@ -10,6 +10,7 @@ import jax.random as jr
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from .._helpers.checks import check_bool
 from .._internal import check_size, describe
 from ._mlp import check_float_dtype
 
@@ -66,6 +67,7 @@ class ElmanCell(eqx.Module):
         dtype = check_float_dtype(dtype)
         input_size = check_size("input_size", input_size)
         hidden_size = check_size("hidden_size", hidden_size)
+        use_bias = check_bool("use_bias", use_bias)  # "no" would be true
         ikey, hkey, bkey = jr.split(key, 3)
         lim = 1 / math.sqrt(hidden_size)
         init = lambda k, shape: jr.uniform(k, shape, dtype, -lim, lim)
