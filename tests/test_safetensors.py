@@ -513,3 +513,42 @@ def test_float8_arrays_are_read_from_the_file_opened(tmp_path):
         np.testing.assert_array_equal(
             np.asarray(opened.arrays["a"]).view(np.uint8), old["a"].view(np.uint8)
         )
+
+
+def _rewrite_header(path, change):
+    # The file with `change(header)` for its header: the data left as it was.
+    data = path.read_bytes()
+    (size,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + size])
+    change(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + size :])
+
+
+def test_a_header_giving_an_array_another_shape_or_dtype_of_its_size_is_named(
+    tmp_path,
+):
+    # The digests cover the bytes, not what the header says they are: bfloat16
+    # read as float16, or [4, 16] as [16, 4], loaded other numbers without a word.
+    bf16 = _mlp(dtype=jnp.bfloat16)
+    path = _saved(tmp_path, bf16)
+    _rewrite_header(path, lambda h: h["blocks.1.w2"].update(dtype="F16"))
+    with pytest.raises(eqxscan.checkpoint.CorruptFileError) as e:
+        eqxscan.load_safetensors(path, _mlp(dtype=jnp.float16), dtype=jnp.float16)
+    headline, hint = str(e.value).splitlines()
+    assert (
+        headline.endswith(
+            "its header gives 'blocks.1.w2' as float16[16, 4], but it was saved as "
+            "bfloat16[16, 4]."
+        )
+        and str(path) in headline
+    ), headline
+    assert hint.startswith("Hint: restore it from a copy"), hint
+    path = _saved(tmp_path)
+    _rewrite_header(path, lambda h: h["blocks.0.w1"].update(shape=[16, 4]))
+    with pytest.raises(eqxscan.checkpoint.CorruptFileError, match=r"float32\[4, 16\]"):
+        eqxscan.read_safetensors(path)
+    # Files of other writers record no shapes: they load as their headers say.
+    _rewrite_header(path, lambda h: h.pop("__metadata__"))
+    assert eqxscan.read_safetensors(path)["blocks.0.w1"].shape == (16, 4)

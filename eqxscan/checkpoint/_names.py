@@ -17,7 +17,7 @@ import numpy as np
 from jaxtyping import PyTree
 
 from .._internal import describe
-from ._files import Lazy, listed, shape_dtype
+from ._files import Lazy, listed, shape_dtype, spec
 from ._state_dict import check_like, entries_of, from_state_dict, host_entries
 
 
@@ -187,10 +187,6 @@ def _layer(binding: Mapping[str, int]) -> int:
     return next(iter(binding.values())) if len(binding) == 1 else -1
 
 
-def _spec(shape: Shape, dtype: np.dtype) -> str:
-    return f"{np.dtype(dtype).name}{list(shape)}"
-
-
 class _Compiled:
     def __init__(self, ours: tuple[str, ...], rule: Rule, where: str):
         self.ours, self.rule = ours, rule
@@ -347,7 +343,7 @@ class NameMap:
                         raise ValueError(f"Join of dtypes {names}")
                     steps = rule.shapes([layout[n][0] for n in ours])
                 except ValueError as e:
-                    shapes = ", ".join(f"'{n}' {_spec(*layout[n])}" for n in ours)
+                    shapes = ", ".join(f"'{n}' {spec(*layout[n])}" for n in ours)
                     bad.append(f"{e}, for {shapes}")
                     break
                 theirs = tuple(p.format(**binding) for p in rule.rule.theirs)
@@ -457,8 +453,8 @@ class NameMap:
             want = p.steps[-1][k]
             if shape != want or dtype != p.dtype:
                 wrong.append(
-                    f"'{name}'{_where(p.binding)} is {_spec(shape, dtype)}, "
-                    f"'{p.ours[0]}' needs {_spec(want, p.dtype)}"
+                    f"'{name}'{_where(p.binding)} is {spec(shape, dtype)}, "
+                    f"'{p.ours[0]}' needs {spec(want, p.dtype)}"
                 )
         unused = [
             f"unused '{n}'{_where(self._binding(n))}"

@@ -3,9 +3,10 @@ Hugging Face's index JSON, through the `safetensors` package's NumPy API.
 
 Each shard gathers only its own layer slices, so a model is never held twice in
 host memory. A save killed at any instant leaves the old checkpoint or the new
-one (see `_commit_shards`). Each file's metadata holds the SHA-256 digest of
-each array and a token of the save, which the index repeats: loading checks
-both, refusing a flipped bit or a shard of another save.
+one (see `_commit_shards`). Each file's metadata holds the SHA-256 digest,
+dtype and shape of each array and a token of the save, which the index
+repeats: loading checks them, refusing a flipped bit, a header that lies about
+an array, or a shard of another save.
 """
 
 import contextlib
@@ -32,6 +33,7 @@ from ._files import (
     listed,
     locked_temporary,
     remove_stale,
+    spec,
 )
 from ._names import NameMap
 from ._safetensors_read import (
@@ -39,6 +41,7 @@ from ._safetensors_read import (
     _DTYPES,
     _Files,
     _package,
+    _SPECS,
     _TOKEN,
     INDEX,
     SINGLE,
@@ -209,6 +212,7 @@ class _Save:
         meta = {
             **self.info,
             _DIGESTS: json.dumps({k: digest(v) for k, v in arrays.items()}),
+            _SPECS: json.dumps({k: spec(v.shape, v.dtype) for k, v in arrays.items()}),
         }
         data = _package().numpy.save(arrays, metadata=meta)
         del arrays  # before the next shard's slices are gathered
