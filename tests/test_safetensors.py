@@ -130,6 +130,11 @@ def test_bad_arguments_are_named(tmp_path):
         eqxscan.save_safetensors(tmp_path / "m.safetensors", _mlp(), max_shard_size=10)
     with pytest.raises(ValueError, match="'5 parsecs'"):
         eqxscan.save_safetensors(tmp_path, _mlp(), max_shard_size="5 parsecs")
+    # Not a file per array: each of these was taken for 0 bytes, or for 1.
+    for size in [0, "0", "0.5", "0KB", True, -1]:
+        with pytest.raises(ValueError, match=f"max_shard_size .*got {size!r}"):
+            eqxscan.save_safetensors(tmp_path, _mlp(), max_shard_size=size)
+    assert not os.listdir(tmp_path)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         eqxscan.save_safetensors(tmp_path / "a" / "b" / "m.safetensors", _mlp())
     (tmp_path / "model.pt").write_bytes(b"")  # a file, not a directory

@@ -73,17 +73,21 @@ def _writes(dtype: np.dtype) -> bool:
 
 
 def _size(max_shard_size: int | str | None) -> int | None:
-    if max_shard_size is None or isinstance(max_shard_size, int):
-        if isinstance(max_shard_size, int) and max_shard_size < 1:
-            raise ValueError(f"max_shard_size must be positive, got {max_shard_size}.")
-        return max_shard_size
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(max_shard_size))
+    if max_shard_size is None:
+        return None
+    text = "" if isinstance(max_shard_size, bool) else str(max_shard_size)
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
     if m is None or m.group(2).upper() not in _UNITS:
         raise ValueError(
             f"max_shard_size must be a number of bytes or a size such as '5GB' "
             f"or '500MiB', got {max_shard_size!r}."
         )
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    # "0" or "0.1" (bytes) would give each array a file of its own.
+    if (size := int(float(m.group(1)) * _UNITS[m.group(2).upper()])) < 1:
+        raise ValueError(
+            f"max_shard_size must be at least 1 byte, got {max_shard_size!r}."
+        )
+    return size
 
 
 def _shards(
