@@ -420,6 +420,18 @@ def test_dtype_casts_floating_arrays_on_load(tmp_path):
         )
         assert eqx.tree_equal(loaded, want), dtype
         assert loaded.blocks.layers.w1.dtype == dtype
+    # Integer and boolean arrays keep their dtype.
+    mixed = {
+        "w": jnp.ones(3, jnp.bfloat16),
+        "ids": jnp.arange(3),
+        "on": jnp.ones(2, bool),
+    }
+    eqxscan.save_safetensors(tmp_path / "mixed.safetensors", mixed)
+    zeros = {**mixed, "w": jnp.zeros(3)}
+    loaded = eqxscan.load_safetensors(
+        tmp_path / "mixed.safetensors", zeros, dtype=jnp.float32
+    )
+    assert eqx.tree_equal(loaded, {**mixed, "w": jnp.ones(3)})
     # Not an integer dtype: it truncated every weight (most to 0) without a word.
     for bad in [jnp.int8, "foo"]:
         with pytest.raises(TypeError, match="dtype must be a floating-point dtype"):
