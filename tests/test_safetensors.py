@@ -31,9 +31,9 @@ def _mlp(seed=0, dim=4, num_layers=2, **kw):
     return eqxscan.StackedMLP(dim, num_layers, key=jax.random.key(seed), **kw)
 
 
-def _refused(path, *match, like=None, error=ValueError, where=None):
+def _refused(path, *match, like=None, error=ValueError, where=None, **kw):
     with pytest.raises(error) as e:
-        eqxscan.load_safetensors(path, _mlp(1) if like is None else like)
+        eqxscan.load_safetensors(path, _mlp(1) if like is None else like, **kw)
     msg = str(e.value)
     assert str(where or path) in msg, msg
     for m in match:
@@ -432,6 +432,15 @@ def test_dtype_casts_floating_arrays_on_load(tmp_path):
         tmp_path / "mixed.safetensors", zeros, dtype=jnp.float32
     )
     assert eqx.tree_equal(loaded, {**mixed, "w": jnp.ones(3)})
+    # A cast to another dtype than the model's: the error says the cast made
+    # it, not the file.
+    _refused(
+        tmp_path / "mixed.safetensors",
+        "model has float32[3], checkpoint has bfloat16[3]",
+        "Hint: dtype=bfloat16 casts every floating-point array of the file",
+        like=zeros,
+        dtype=jnp.bfloat16,
+    )
     # Not an integer dtype: it truncated every weight (most to 0) without a word.
     for bad in [jnp.int8, "foo"]:
         with pytest.raises(TypeError, match="dtype must be a floating-point dtype"):

@@ -527,6 +527,13 @@ def load_safetensors(
                     "load it with eqxscan.quant.load(path, like), like quantized as "
                     "the file was."
                 ]
+            if not rest and dtype is not None and "wrong shape or dtype" in first:
+                rest = [
+                    f"Hint: dtype={_float_dtype(dtype).name} casts every "
+                    "floating-point array of the file (the checkpoint's dtypes "
+                    "above are after the cast); load a model of several "
+                    "floating-point dtypes without dtype=."
+                ]
             raise ValueError(
                 "\n".join([f"{opened.where!r} does not fit the model: {first}", *rest])
             ) from None
