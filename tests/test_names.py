@@ -283,6 +283,20 @@ def test_maps_that_do_not_fit_are_named():
         ValueError, match="'blocks.0.norm' and 'blocks.0.wqkv' both to 'a.0'"
     ):
         twice.export(_model())
+    # A name twice in one rule: the Split's second piece was written under the
+    # first's name (q held k's weights), and loaded back as both.
+    repeated = NameMap(
+        {
+            "embed": "e",
+            "blocks.{i}.norm": "n.{i}",
+            "blocks.{i}.wo": "o.{i}",
+            "blocks.{i}.wqkv": Rule(("q.{i}", "q.{i}", "v.{i}"), Split(1, (8, 4, 4))),
+        }
+    )
+    with pytest.raises(ValueError, match="'blocks.0.wqkv' and 'blocks.0.wqkv' both"):
+        repeated.export(_model())
+    with pytest.raises(ValueError, match=r"joins \['{i}.q', '{i}.q'\], a name twice"):
+        NameMap({("{i}.q", "{i}.q"): Rule("qq.{i}", Join(0))})
     with pytest.raises(ValueError, match="needs a Split as its last operation"):
         NameMap({"a": Rule(("b", "c"))})
     with pytest.raises(ValueError, match="same ones"):

@@ -190,6 +190,8 @@ def _layer(binding: Mapping[str, int]) -> int:
 class _Compiled:
     def __init__(self, ours: tuple[str, ...], rule: Rule, where: str):
         self.ours, self.rule = ours, rule
+        if len(set(ours)) != len(ours):  # a Join would take one array twice
+            raise ValueError(f"{where}: it joins {list(ours)}, a name twice")
         compiled = [_compile(p, where) for p in ours]
         self.ours_regex = [c[0] for c in compiled]
         self.keys = compiled[0][1]
@@ -517,13 +519,14 @@ class NameMap:
 
 
 def _check_clashes(planned: Sequence["_Planned"]) -> None:
-    # Two arrays under one external name: export kept one, load read it twice.
-    first: dict[str, str] = {}
+    # Two arrays under one external name (of two rules, or two pieces of one
+    # Split): export kept one, load read it twice.
+    first: dict[str, tuple[str, int]] = {}
     clashes = [
-        f"'{other}' and '{p.ours[0]}' both to '{name}'"
+        f"'{other[0]}' and '{p.ours[0]}' both to '{name}'"
         for p in planned
-        for name in p.theirs
-        if (other := first.setdefault(name, p.ours[0])) != p.ours[0]
+        for k, name in enumerate(p.theirs)
+        if (other := first.setdefault(name, (p.ours[0], k))) != (p.ours[0], k)
     ]
     if clashes:
         raise ValueError(
