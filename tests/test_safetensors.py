@@ -312,6 +312,31 @@ def test_interrupted_save_leaves_the_old_files_intact(tmp_path, monkeypatch, sha
     assert eqx.tree_equal(eqxscan.load_safetensors(target, old), new)
 
 
+def test_a_save_that_fails_once_its_index_took_over_leaves_the_new_checkpoint(
+    tmp_path, monkeypatch
+):
+    # The disk full at the second index (naming the shards' usual names): the
+    # first, naming the shards' staged names, is in place, and so are they.
+    old, new = _mlp(0, dim=8), _mlp(1, dim=8)
+    eqxscan.save_safetensors(tmp_path, old, max_shard_size=1500)
+    shards = len([p for p in os.listdir(tmp_path) if p.startswith("model-")])
+    real, calls = os.write, []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == shards + 2:  # each shard, the first index, the second
+            raise OSError(28, "No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(os, "write", flaky)
+    with pytest.raises(OSError) as e:
+        eqxscan.save_safetensors(tmp_path, new, max_shard_size=1500)
+    monkeypatch.undo()
+    assert e.value.errno == 28
+    assert "the new checkpoint is in place and loads" in str(e.value), e.value
+    assert eqx.tree_equal(eqxscan.load_safetensors(tmp_path, old), new)
+
+
 def test_a_save_killed_at_any_file_event_leaves_the_old_or_the_new_checkpoint(
     tmp_path,
 ):

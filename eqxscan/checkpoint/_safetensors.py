@@ -304,10 +304,16 @@ class _Save:
         for _, _, fd in self.temporaries:
             os.close(fd)
         if isinstance(error, OSError):
+            left = (
+                "the new checkpoint is in place and loads (its shards maybe under "
+                "their save's names, model-00001-of-0000N.<token>.safetensors)"
+                if self.committed
+                else "the previous files are left as they were"
+            )
             refused = type(error)(
                 f"Cannot save to {self.path!r}: {error}.\nHint: save_safetensors "
                 "writes temporary files ('.<name>.XXXXXXXX.tmp') beside the final "
-                "ones, then renames them; the previous files are left as they were."
+                f"ones, then renames them; {left}."
             )
             refused.errno = error.errno
             raise refused from error
