@@ -305,8 +305,8 @@ class _Save:
             os.close(fd)
         if isinstance(error, OSError):
             left = (
-                "the new checkpoint is in place and loads (its shards maybe under "
-                "their save's names, model-00001-of-0000N.<token>.safetensors)"
+                "the new checkpoint is in place and loads (its shards perhaps still "
+                "under the save's own names, model-00001-of-0000N.<token>.safetensors)"
                 if self.committed
                 else "the previous files are left as they were"
             )
