@@ -440,6 +440,13 @@ def test_plain_savez_files_without_digests_still_load(tmp_path):
     model32 = _mlp()
     np.savez(plain, **eqxscan.to_state_dict(model32))
     assert eqx.tree_equal(eqxscan.load(plain, _mlp(1)), model32)
+    # Arrays in Fortran order (a transpose written as it is): the square `w`
+    # would load transposed if read as if in C order.
+    w = np.arange(16.0).reshape(4, 4).T
+    np.savez(plain, w=w, v=np.ones((2, 3), order="F"))
+    state = eqxscan.load_state_dict(plain)
+    np.testing.assert_array_equal(state["w"], w)
+    np.testing.assert_array_equal(state["v"], np.ones((2, 3)))
 
 
 # Temporary files of killed saves.

@@ -335,6 +335,29 @@ def test_two_layer_example_from_hand_built_flax_tree(getkey):
         )
 
 
+def test_flax_dense_layers_pair_in_numeric_order(getkey):
+    # Dense_10 after Dense_9, not after Dense_1: square layers paired in string
+    # order would load each other's weights without an error.
+    class Eleven(eqx.Module):
+        linears: list
+
+        def __init__(self, key):
+            self.linears = [
+                eqx.nn.Linear(2, 2, key=k) for k in jax.random.split(key, 11)
+            ]
+
+    kernels = np.arange(11 * 3 * 4, dtype=np.float32).reshape(11, 3, 2, 2)
+    params = {
+        f"Dense_{j}": {"kernel": kernels[j], "bias": kernels[j, :, 0]}
+        for j in range(11)
+    }
+    stack = eqxscan.from_flax_scan(eqxscan.Stacked(Eleven, 3, key=getkey()), params)
+    for j in range(11):
+        np.testing.assert_array_equal(
+            stack.layers.linears[j].weight, kernels[j].transpose(0, 2, 1)
+        )
+
+
 def test_flax_import_errors(getkey):
     stack = _two_layer_stack(getkey())
     norm = {"LayerNorm_0": {"scale": np.ones((2, 2), np.float32)}}
