@@ -242,9 +242,10 @@ def test_the_wrong_model_is_named(tmp_path):
         "checkpoint has float32",
         like=_mlp(num_layers=3, dtype=jnp.bfloat16),
     )
-    _refused(
+    msg = _refused(
         path, "missing keys: 'w'; unexpected keys: 'blocks.0.", like={"w": jnp.ones(3)}
     )
+    assert msg.splitlines()[1].startswith("Hint: build like with the saved model's")
 
 
 def test_missing_or_mixed_shards_are_named(tmp_path):

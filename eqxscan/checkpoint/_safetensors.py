@@ -540,6 +540,11 @@ def load_safetensors(
                     "above are after the cast); load a model of several "
                     "floating-point dtypes without dtype=."
                 ]
+            rest = rest or [
+                "Hint: build like with the saved model's configuration (depth, "
+                "sizes, dtypes); a file of another convention's names loads "
+                "through names=NameMap(...), see docs/pretrained.md."
+            ]
             raise ValueError(
                 "\n".join([f"{opened.where!r} does not fit the model: {first}", *rest])
             ) from None
