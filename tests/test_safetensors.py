@@ -392,6 +392,17 @@ def test_a_shard_that_exactly_fills_max_shard_size_is_not_split(tmp_path):
         assert found[: len(files)] == files, (max_size, found)
         if max_size == layer:
             assert len(found) == 3
+    # An array larger than a shard, first or later: a file of its own, no
+    # empty file before it.
+    big = {"a": jnp.ones(100), "b": jnp.ones(2), "c": jnp.ones(100)}
+    eqxscan.save_safetensors(tmp_path / "big", big, max_shard_size=100)
+    index = json.loads((tmp_path / "big" / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == {
+        "a": "model-00001-of-00003.safetensors",
+        "b": "model-00002-of-00003.safetensors",
+        "c": "model-00003-of-00003.safetensors",
+    }
+    assert eqx.tree_equal(eqxscan.load_safetensors(tmp_path / "big", big), big)
 
 
 def test_files_respect_the_umask(tmp_path):
