@@ -274,6 +274,13 @@ def test_npz_files_of_earlier_versions_load_with_a_deprecation_warning(tmp_path)
     with pytest.warns(DeprecationWarning, match=DEPRECATED):
         loaded = eqxscan.load(FIXTURE, like)
     assert eqx.tree_equal(loaded, model)
+    # Into another model: the file is named, as for safetensors.
+    with pytest.warns(DeprecationWarning, match=DEPRECATED):
+        with pytest.raises(ValueError) as e:
+            eqxscan.load(FIXTURE, eqxscan.StackedMLP(4, 3, key=jr.key(1)))
+    first, hint = str(e.value).splitlines()
+    assert first.startswith(f"{str(FIXTURE)!r} does not fit the model: Depth"), first
+    assert hint.startswith("Hint: build like with the saved model's"), hint
     with pytest.warns(DeprecationWarning, match=DEPRECATED):
         state = eqxscan.load_state_dict(FIXTURE)
     assert eqx.tree_equal(state, eqxscan.to_state_dict(model))
