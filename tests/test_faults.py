@@ -174,6 +174,16 @@ def test_member_larger_than_its_manifest_entry_is_refused_before_reading(
     assert peak < 4 << 20
 
 
+def test_member_of_another_shape_of_the_same_size_is_refused(tmp_path):
+    # [16, 4] where the manifest says [4, 16]: the same bytes, the same digest.
+    path = _saved(tmp_path)
+    members = _members(path)
+    w1 = np.load(io.BytesIO(members["blocks.0.w1.npy"]))
+    members["blocks.0.w1.npy"] = _npy(w1.reshape(16, 4))
+    _write(path, members)
+    _refused(path, "'blocks.0.w1.npy' holds float32[16, 4], unlike its manifest")
+
+
 def test_decompression_bomb_is_refused_without_inflating(tmp_path):
     # 256 MiB of zeros deflate to 256 KiB: a small file naming a huge array.
     path = _saved(tmp_path)
@@ -430,6 +440,13 @@ def test_plain_savez_files_without_digests_still_load(tmp_path):
     model32 = _mlp()
     np.savez(plain, **eqxscan.to_state_dict(model32))
     assert eqx.tree_equal(eqxscan.load(plain, _mlp(1)), model32)
+    # Arrays in Fortran order (a transpose written as it is): the square `w`
+    # would load transposed if read as if in C order.
+    w = np.arange(16.0).reshape(4, 4).T
+    np.savez(plain, w=w, v=np.ones((2, 3), order="F"))
+    state = eqxscan.load_state_dict(plain)
+    np.testing.assert_array_equal(state["w"], w)
+    np.testing.assert_array_equal(state["v"], np.ones((2, 3)))
 
 
 # Temporary files of killed saves.

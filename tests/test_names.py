@@ -208,6 +208,20 @@ def test_names_of_one_side_only():
     loaded = names.load(like, external)
     assert eqx.tree_equal(loaded.model, _model())
     np.testing.assert_array_equal(loaded.rope, like.rope)
+    # Kept inside a Stacked: each layer keeps its own array.
+    kept = NameMap(
+        {
+            "embed": "model.embed_tokens.weight",
+            "blocks.{i}.wqkv": TORCH._rules[2].rule,
+            "blocks.{i}.wo": TORCH._rules[3].rule,
+        },
+        keep=["blocks.{i}.norm"],
+    )
+    norms = jnp.arange(3.0 * D).reshape(3, D)
+    like = eqx.tree_at(lambda m: m.blocks.layers.norm, _model(1), norms)
+    loaded = kept.load(like, kept.export(_model()))
+    np.testing.assert_array_equal(loaded.blocks.layers.norm, norms)
+    np.testing.assert_array_equal(loaded.blocks.layers.wo, _model().blocks.layers.wo)
 
 
 def _prefixed(names):
@@ -247,6 +261,11 @@ def test_maps_that_do_not_fit_are_named():
         Split(0, (20, -4)).shapes([(16, 8)])
     with pytest.raises(ValueError, match=r"Reshape\(-2, -8\) does not fit"):
         Reshape((-2, -8)).shapes([(16,)])
+    # Sizes that differ (head counts of another configuration): named, not
+    # NumPy's reshape error.
+    for to in [(4, 4), (-1, 3), (0, -1)]:
+        with pytest.raises(ValueError, match=re.escape(f"Reshape{to} does not fit")):
+            Reshape(to).shapes([(8, 16)])
     with pytest.raises(ValueError, match=r"Join\(0\) has no axis 0 in shape \[\]"):
         Join(0).shapes([(), ()])
     with pytest.raises(ValueError, match=r"Split\(-1, \(1,\)\) has no axis -1"):
@@ -264,6 +283,20 @@ def test_maps_that_do_not_fit_are_named():
         ValueError, match="'blocks.0.norm' and 'blocks.0.wqkv' both to 'a.0'"
     ):
         twice.export(_model())
+    # A name twice in one rule: the Split's second piece was written under the
+    # first's name (q held k's weights), and loaded back as both.
+    repeated = NameMap(
+        {
+            "embed": "e",
+            "blocks.{i}.norm": "n.{i}",
+            "blocks.{i}.wo": "o.{i}",
+            "blocks.{i}.wqkv": Rule(("q.{i}", "q.{i}", "v.{i}"), Split(1, (8, 4, 4))),
+        }
+    )
+    with pytest.raises(ValueError, match="'blocks.0.wqkv' and 'blocks.0.wqkv' both"):
+        repeated.export(_model())
+    with pytest.raises(ValueError, match=r"joins \['{i}.q', '{i}.q'\], a name twice"):
+        NameMap({("{i}.q", "{i}.q"): Rule("qq.{i}", Join(0))})
     with pytest.raises(ValueError, match="needs a Split as its last operation"):
         NameMap({"a": Rule(("b", "c"))})
     with pytest.raises(ValueError, match="same ones"):
@@ -294,6 +327,15 @@ def test_safetensors_files_through_a_name_map(tmp_path):
         first, hint = str(e.value).splitlines()
         assert first.endswith(f"through the name map: the file {words}."), first
         assert "missing" not in first and "unused" not in first, first
+    # Another depth and another name besides: both are named.
+    external = _by_hand(model)
+    v = PT.format(i=2) + "v_proj.weight"
+    external[v.replace("v_proj", "value")] = external.pop(v)
+    with pytest.raises(ValueError) as e:
+        TORCH.load(_model(1, num_layers=4), external)
+    first = str(e.value).splitlines()[0]
+    assert "the file has 3 layers, the model 4" in first, first
+    assert f"missing '{v}' (layer 2)" in first, first
 
 
 def test_a_transpose_that_is_not_its_own_inverse_round_trips():
@@ -376,3 +418,30 @@ def test_flax_gpt2_conv1d_kernels_are_out_in_and_a_square_one_needs_the_map(
     )
     with pytest.raises(ValueError, match="holds format 'flax'.*is for format 'pt'"):
         eqxscan.load_safetensors(tmp_path, like, names=torch_gpt2)
+
+
+def test_a_join_of_unequal_arrays_is_cut_back_at_their_own_sizes():
+    # Grouped-query heads: q [D, H*HD], k and v [D, K*HD], fused into one
+    # [D, (H + 2K) * HD] array; loading must cut it at q's and k's sizes.
+    class Attn(eqx.Module):
+        q: jax.Array
+        k: jax.Array
+        v: jax.Array
+
+    def attn(key, fill=None):
+        sizes = (H * HD, K * HD, K * HD)
+        keys = jax.random.split(key, 3)
+        if fill is not None:
+            return Attn(*(jnp.full((D, n), fill) for n in sizes))
+        return Attn(*(jax.random.normal(k, (D, n)) for k, n in zip(keys, sizes)))
+
+    stack = eqxscan.Stacked(attn, 2, key=jax.random.key(0))
+    names = NameMap({("{i}.q", "{i}.k", "{i}.v"): Rule("h.{i}.qkv", Join(-1))})
+    external = names.export(stack)
+    for i in range(2):
+        np.testing.assert_array_equal(
+            external[f"h.{i}.qkv"],
+            np.concatenate([stack[i].q, stack[i].k, stack[i].v], axis=1),
+        )
+    like = eqxscan.Stacked(lambda k: attn(k, 0.0), 2, key=jax.random.key(1))
+    assert eqx.tree_equal(names.load(like, external), stack)

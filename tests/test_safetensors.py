@@ -31,9 +31,9 @@ def _mlp(seed=0, dim=4, num_layers=2, **kw):
     return eqxscan.StackedMLP(dim, num_layers, key=jax.random.key(seed), **kw)
 
 
-def _refused(path, *match, like=None, error=ValueError, where=None):
+def _refused(path, *match, like=None, error=ValueError, where=None, **kw):
     with pytest.raises(error) as e:
-        eqxscan.load_safetensors(path, _mlp(1) if like is None else like)
+        eqxscan.load_safetensors(path, _mlp(1) if like is None else like, **kw)
     msg = str(e.value)
     assert str(where or path) in msg, msg
     for m in match:
@@ -130,6 +130,11 @@ def test_bad_arguments_are_named(tmp_path):
         eqxscan.save_safetensors(tmp_path / "m.safetensors", _mlp(), max_shard_size=10)
     with pytest.raises(ValueError, match="'5 parsecs'"):
         eqxscan.save_safetensors(tmp_path, _mlp(), max_shard_size="5 parsecs")
+    # Not a file per array: each of these was taken for 0 bytes, or for 1.
+    for size in [0, "0", "0.5", "0KB", True, -1]:
+        with pytest.raises(ValueError, match=f"max_shard_size .*got {size!r}"):
+            eqxscan.save_safetensors(tmp_path, _mlp(), max_shard_size=size)
+    assert not os.listdir(tmp_path)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         eqxscan.save_safetensors(tmp_path / "a" / "b" / "m.safetensors", _mlp())
     (tmp_path / "model.pt").write_bytes(b"")  # a file, not a directory
@@ -237,9 +242,10 @@ def test_the_wrong_model_is_named(tmp_path):
         "checkpoint has float32",
         like=_mlp(num_layers=3, dtype=jnp.bfloat16),
     )
-    _refused(
+    msg = _refused(
         path, "missing keys: 'w'; unexpected keys: 'blocks.0.", like={"w": jnp.ones(3)}
     )
+    assert msg.splitlines()[1].startswith("Hint: build like with the saved model's")
 
 
 def test_missing_or_mixed_shards_are_named(tmp_path):
@@ -307,6 +313,31 @@ def test_interrupted_save_leaves_the_old_files_intact(tmp_path, monkeypatch, sha
     assert eqx.tree_equal(eqxscan.load_safetensors(target, old), new)
 
 
+def test_a_save_that_fails_once_its_index_took_over_leaves_the_new_checkpoint(
+    tmp_path, monkeypatch
+):
+    # The disk full at the second index (naming the shards' usual names): the
+    # first, naming the shards' staged names, is in place, and so are they.
+    old, new = _mlp(0, dim=8), _mlp(1, dim=8)
+    eqxscan.save_safetensors(tmp_path, old, max_shard_size=1500)
+    shards = len([p for p in os.listdir(tmp_path) if p.startswith("model-")])
+    real, calls = os.write, []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == shards + 2:  # each shard, the first index, the second
+            raise OSError(28, "No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(os, "write", flaky)
+    with pytest.raises(OSError) as e:
+        eqxscan.save_safetensors(tmp_path, new, max_shard_size=1500)
+    monkeypatch.undo()
+    assert e.value.errno == 28
+    assert "the new checkpoint is in place and loads" in str(e.value), e.value
+    assert eqx.tree_equal(eqxscan.load_safetensors(tmp_path, old), new)
+
+
 def test_a_save_killed_at_any_file_event_leaves_the_old_or_the_new_checkpoint(
     tmp_path,
 ):
@@ -361,6 +392,17 @@ def test_a_shard_that_exactly_fills_max_shard_size_is_not_split(tmp_path):
         assert found[: len(files)] == files, (max_size, found)
         if max_size == layer:
             assert len(found) == 3
+    # An array larger than a shard, first or later: a file of its own, no
+    # empty file before it.
+    big = {"a": jnp.ones(100), "b": jnp.ones(2), "c": jnp.ones(100)}
+    eqxscan.save_safetensors(tmp_path / "big", big, max_shard_size=100)
+    index = json.loads((tmp_path / "big" / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == {
+        "a": "model-00001-of-00003.safetensors",
+        "b": "model-00002-of-00003.safetensors",
+        "c": "model-00003-of-00003.safetensors",
+    }
+    assert eqx.tree_equal(eqxscan.load_safetensors(tmp_path / "big", big), big)
 
 
 def test_files_respect_the_umask(tmp_path):
@@ -415,6 +457,27 @@ def test_dtype_casts_floating_arrays_on_load(tmp_path):
         )
         assert eqx.tree_equal(loaded, want), dtype
         assert loaded.blocks.layers.w1.dtype == dtype
+    # Integer and boolean arrays keep their dtype.
+    mixed = {
+        "w": jnp.ones(3, jnp.bfloat16),
+        "ids": jnp.arange(3),
+        "on": jnp.ones(2, bool),
+    }
+    eqxscan.save_safetensors(tmp_path / "mixed.safetensors", mixed)
+    zeros = {**mixed, "w": jnp.zeros(3)}
+    loaded = eqxscan.load_safetensors(
+        tmp_path / "mixed.safetensors", zeros, dtype=jnp.float32
+    )
+    assert eqx.tree_equal(loaded, {**mixed, "w": jnp.ones(3)})
+    # A cast to another dtype than the model's: the error says the cast made
+    # it, not the file.
+    _refused(
+        tmp_path / "mixed.safetensors",
+        "model has float32[3], checkpoint has bfloat16[3]",
+        "Hint: dtype=bfloat16 casts every floating-point array of the file",
+        like=zeros,
+        dtype=jnp.bfloat16,
+    )
     # Not an integer dtype: it truncated every weight (most to 0) without a word.
     for bad in [jnp.int8, "foo"]:
         with pytest.raises(TypeError, match="dtype must be a floating-point dtype"):
@@ -513,3 +576,42 @@ def test_float8_arrays_are_read_from_the_file_opened(tmp_path):
         np.testing.assert_array_equal(
             np.asarray(opened.arrays["a"]).view(np.uint8), old["a"].view(np.uint8)
         )
+
+
+def _rewrite_header(path, change):
+    # The file with `change(header)` for its header: the data left as it was.
+    data = path.read_bytes()
+    (size,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + size])
+    change(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + size :])
+
+
+def test_a_header_giving_an_array_another_shape_or_dtype_of_its_size_is_named(
+    tmp_path,
+):
+    # The digests cover the bytes, not what the header says they are: bfloat16
+    # read as float16, or [4, 16] as [16, 4], loaded other numbers without a word.
+    bf16 = _mlp(dtype=jnp.bfloat16)
+    path = _saved(tmp_path, bf16)
+    _rewrite_header(path, lambda h: h["blocks.1.w2"].update(dtype="F16"))
+    with pytest.raises(eqxscan.checkpoint.CorruptFileError) as e:
+        eqxscan.load_safetensors(path, _mlp(dtype=jnp.float16), dtype=jnp.float16)
+    headline, hint = str(e.value).splitlines()
+    assert (
+        headline.endswith(
+            "its header gives 'blocks.1.w2' as float16[16, 4], but it was saved as "
+            "bfloat16[16, 4]."
+        )
+        and str(path) in headline
+    ), headline
+    assert hint.startswith("Hint: restore it from a copy"), hint
+    path = _saved(tmp_path)
+    _rewrite_header(path, lambda h: h["blocks.0.w1"].update(shape=[16, 4]))
+    with pytest.raises(eqxscan.checkpoint.CorruptFileError, match=r"float32\[4, 16\]"):
+        eqxscan.read_safetensors(path)
+    # Files of other writers record no shapes: they load as their headers say.
+    _rewrite_header(path, lambda h: h.pop("__metadata__"))
+    assert eqxscan.read_safetensors(path)["blocks.0.w1"].shape == (16, 4)

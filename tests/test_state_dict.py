@@ -274,6 +274,13 @@ def test_npz_files_of_earlier_versions_load_with_a_deprecation_warning(tmp_path)
     with pytest.warns(DeprecationWarning, match=DEPRECATED):
         loaded = eqxscan.load(FIXTURE, like)
     assert eqx.tree_equal(loaded, model)
+    # Into another model: the file is named, as for safetensors.
+    with pytest.warns(DeprecationWarning, match=DEPRECATED):
+        with pytest.raises(ValueError) as e:
+            eqxscan.load(FIXTURE, eqxscan.StackedMLP(4, 3, key=jr.key(1)))
+    first, hint = str(e.value).splitlines()
+    assert first.startswith(f"{str(FIXTURE)!r} does not fit the model: Depth"), first
+    assert hint.startswith("Hint: build like with the saved model's"), hint
     with pytest.warns(DeprecationWarning, match=DEPRECATED):
         state = eqxscan.load_state_dict(FIXTURE)
     assert eqx.tree_equal(state, eqxscan.to_state_dict(model))
@@ -332,6 +339,29 @@ def test_two_layer_example_from_hand_built_flax_tree(getkey):
     with pytest.raises(ValueError, match="model has L=3 layers in the top-level"):
         eqxscan.from_flax_scan(
             eqxscan.Stacked(lambda k: DenseReLU(key=k), 3, key=getkey()), params
+        )
+
+
+def test_flax_dense_layers_pair_in_numeric_order(getkey):
+    # Dense_10 after Dense_9, not after Dense_1: square layers paired in string
+    # order would load each other's weights without an error.
+    class Eleven(eqx.Module):
+        linears: list
+
+        def __init__(self, key):
+            self.linears = [
+                eqx.nn.Linear(2, 2, key=k) for k in jax.random.split(key, 11)
+            ]
+
+    kernels = np.arange(11 * 3 * 4, dtype=np.float32).reshape(11, 3, 2, 2)
+    params = {
+        f"Dense_{j}": {"kernel": kernels[j], "bias": kernels[j, :, 0]}
+        for j in range(11)
+    }
+    stack = eqxscan.from_flax_scan(eqxscan.Stacked(Eleven, 3, key=getkey()), params)
+    for j in range(11):
+        np.testing.assert_array_equal(
+            stack.layers.linears[j].weight, kernels[j].transpose(0, 2, 1)
         )
 
 

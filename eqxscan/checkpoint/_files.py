@@ -74,6 +74,10 @@ def flatten(tree: Mapping, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def spec(shape: tuple[int, ...], dtype: DTypeLike) -> str:
+    return f"{np.dtype(dtype).name}{list(shape)}"  # "float32[4, 16]"
+
+
 def digest(array: np.ndarray) -> str:
     flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
     return hashlib.sha256(flat.data).hexdigest()

@@ -17,7 +17,7 @@ import numpy as np
 from jaxtyping import PyTree
 
 from .._internal import describe
-from ._files import Lazy, listed, shape_dtype
+from ._files import Lazy, listed, shape_dtype, spec
 from ._state_dict import check_like, entries_of, from_state_dict, host_entries
 
 
@@ -187,13 +187,11 @@ def _layer(binding: Mapping[str, int]) -> int:
     return next(iter(binding.values())) if len(binding) == 1 else -1
 
 
-def _spec(shape: Shape, dtype: np.dtype) -> str:
-    return f"{np.dtype(dtype).name}{list(shape)}"
-
-
 class _Compiled:
     def __init__(self, ours: tuple[str, ...], rule: Rule, where: str):
         self.ours, self.rule = ours, rule
+        if len(set(ours)) != len(ours):  # a Join would take one array twice
+            raise ValueError(f"{where}: it joins {list(ours)}, a name twice")
         compiled = [_compile(p, where) for p in ours]
         self.ours_regex = [c[0] for c in compiled]
         self.keys = compiled[0][1]
@@ -347,7 +345,7 @@ class NameMap:
                         raise ValueError(f"Join of dtypes {names}")
                     steps = rule.shapes([layout[n][0] for n in ours])
                 except ValueError as e:
-                    shapes = ", ".join(f"'{n}' {_spec(*layout[n])}" for n in ours)
+                    shapes = ", ".join(f"'{n}' {spec(*layout[n])}" for n in ours)
                     bad.append(f"{e}, for {shapes}")
                     break
                 theirs = tuple(p.format(**binding) for p in rule.rule.theirs)
@@ -457,8 +455,8 @@ class NameMap:
             want = p.steps[-1][k]
             if shape != want or dtype != p.dtype:
                 wrong.append(
-                    f"'{name}'{_where(p.binding)} is {_spec(shape, dtype)}, "
-                    f"'{p.ours[0]}' needs {_spec(want, p.dtype)}"
+                    f"'{name}'{_where(p.binding)} is {spec(shape, dtype)}, "
+                    f"'{p.ours[0]}' needs {spec(want, p.dtype)}"
                 )
         unused = [
             f"unused '{n}'{_where(self._binding(n))}"
@@ -521,13 +519,14 @@ class NameMap:
 
 
 def _check_clashes(planned: Sequence["_Planned"]) -> None:
-    # Two arrays under one external name: export kept one, load read it twice.
-    first: dict[str, str] = {}
+    # Two arrays under one external name (of two rules, or two pieces of one
+    # Split): export kept one, load read it twice.
+    first: dict[str, tuple[str, int]] = {}
     clashes = [
-        f"'{other}' and '{p.ours[0]}' both to '{name}'"
+        f"'{other[0]}' and '{p.ours[0]}' both to '{name}'"
         for p in planned
-        for name in p.theirs
-        if (other := first.setdefault(name, p.ours[0])) != p.ours[0]
+        for k, name in enumerate(p.theirs)
+        if (other := first.setdefault(name, (p.ours[0], k))) != (p.ours[0], k)
     ]
     if clashes:
         raise ValueError(

@@ -3,9 +3,10 @@ Hugging Face's index JSON, through the `safetensors` package's NumPy API.
 
 Each shard gathers only its own layer slices, so a model is never held twice in
 host memory. A save killed at any instant leaves the old checkpoint or the new
-one (see `_commit_shards`). Each file's metadata holds the SHA-256 digest of
-each array and a token of the save, which the index repeats: loading checks
-both, refusing a flipped bit or a shard of another save.
+one (see `_commit_shards`). Each file's metadata holds the SHA-256 digest,
+dtype and shape of each array and a token of the save, which the index
+repeats: loading checks them, refusing a flipped bit, a header that lies about
+an array, or a shard of another save.
 """
 
 import contextlib
@@ -32,6 +33,7 @@ from ._files import (
     listed,
     locked_temporary,
     remove_stale,
+    spec,
 )
 from ._names import NameMap
 from ._safetensors_read import (
@@ -39,6 +41,7 @@ from ._safetensors_read import (
     _DTYPES,
     _Files,
     _package,
+    _SPECS,
     _TOKEN,
     INDEX,
     SINGLE,
@@ -70,17 +73,21 @@ def _writes(dtype: np.dtype) -> bool:
 
 
 def _size(max_shard_size: int | str | None) -> int | None:
-    if max_shard_size is None or isinstance(max_shard_size, int):
-        if isinstance(max_shard_size, int) and max_shard_size < 1:
-            raise ValueError(f"max_shard_size must be positive, got {max_shard_size}.")
-        return max_shard_size
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(max_shard_size))
+    if max_shard_size is None:
+        return None
+    text = "" if isinstance(max_shard_size, bool) else str(max_shard_size)
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
     if m is None or m.group(2).upper() not in _UNITS:
         raise ValueError(
             f"max_shard_size must be a number of bytes or a size such as '5GB' "
             f"or '500MiB', got {max_shard_size!r}."
         )
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    # "0" or "0.1" (bytes) would give each array a file of its own.
+    if (size := int(float(m.group(1)) * _UNITS[m.group(2).upper()])) < 1:
+        raise ValueError(
+            f"max_shard_size must be at least 1 byte, got {max_shard_size!r}."
+        )
+    return size
 
 
 def _shards(
@@ -209,6 +216,7 @@ class _Save:
         meta = {
             **self.info,
             _DIGESTS: json.dumps({k: digest(v) for k, v in arrays.items()}),
+            _SPECS: json.dumps({k: spec(v.shape, v.dtype) for k, v in arrays.items()}),
         }
         data = _package().numpy.save(arrays, metadata=meta)
         del arrays  # before the next shard's slices are gathered
@@ -296,10 +304,16 @@ class _Save:
         for _, _, fd in self.temporaries:
             os.close(fd)
         if isinstance(error, OSError):
+            left = (
+                "the new checkpoint is in place and loads (its shards perhaps still "
+                "under the save's own names, model-00001-of-0000N.<token>.safetensors)"
+                if self.committed
+                else "the previous files are left as they were"
+            )
             refused = type(error)(
                 f"Cannot save to {self.path!r}: {error}.\nHint: save_safetensors "
                 "writes temporary files ('.<name>.XXXXXXXX.tmp') beside the final "
-                "ones, then renames them; the previous files are left as they were."
+                f"ones, then renames them; {left}."
             )
             refused.errno = error.errno
             raise refused from error
@@ -519,6 +533,18 @@ def load_safetensors(
                     "load it with eqxscan.quant.load(path, like), like quantized as "
                     "the file was."
                 ]
+            if not rest and dtype is not None and "wrong shape or dtype" in first:
+                rest = [
+                    f"Hint: dtype={_float_dtype(dtype).name} casts every "
+                    "floating-point array of the file (the checkpoint's dtypes "
+                    "above are after the cast); load a model of several "
+                    "floating-point dtypes without dtype=."
+                ]
+            rest = rest or [
+                "Hint: build like with the saved model's configuration (depth, "
+                "sizes, dtypes); a file of another convention's names loads "
+                "through names=NameMap(...), see docs/pretrained.md."
+            ]
             raise ValueError(
                 "\n".join([f"{opened.where!r} does not fit the model: {first}", *rest])
             ) from None

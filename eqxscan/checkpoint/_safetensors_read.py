@@ -11,12 +11,13 @@ from collections.abc import Callable, Iterator, Mapping
 import jax
 import numpy as np
 
-from ._files import CorruptFileError, differences, digest, Lazy
+from ._files import CorruptFileError, differences, digest, Lazy, spec
 
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 _DIGESTS = "eqxscan.sha256"  # metadata: JSON {name: hex digest}
+_SPECS = "eqxscan.specs"  # metadata: JSON {name: "float32[4, 16]"}
 _TOKEN = "eqxscan.save"  # metadata of each file and of the index: one save's token
 _DOCS = "see docs/checkpoints.md"
 
@@ -132,14 +133,19 @@ class _Files(Mapping[str, Lazy]):
             else:
                 why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             raise _bad(file, why) from None
-        try:
-            digests = json.loads(meta.get(_DIGESTS, "{}"))
-        except ValueError:
-            digests = None
-        if not isinstance(digests, dict):
-            raise _bad(file, f"its metadata '{_DIGESTS}' is not a JSON object")
-        if digests and sorted(digests) != sorted(keys):
-            raise _bad(file, "its arrays differ from the names its metadata records")
+        records = []
+        for entry in (_DIGESTS, _SPECS):
+            try:
+                record = json.loads(meta.get(entry, "{}"))
+            except ValueError:
+                record = None
+            if not isinstance(record, dict):
+                raise _bad(file, f"its metadata '{entry}' is not a JSON object")
+            if record and sorted(record) != sorted(keys):
+                why = "its arrays differ from the names its metadata records"
+                raise _bad(file, why)
+            records.append(record)
+        digests, saved = records
         if token is not None and meta.get(_TOKEN) != token:
             raise CorruptFileError(
                 f"Safetensors file {file!r} is of another save than its index "
@@ -161,6 +167,14 @@ class _Files(Mapping[str, Lazy]):
                     "holds (bfloat16, float8, ...) with the program that wrote it."
                 )
             dtype = np.dtype(jax.numpy.dtype(name))
+            # The digests cover the bytes only: a header giving them another
+            # shape or dtype of the same size is caught here.
+            if saved and saved[key] != spec(shape, dtype):
+                raise _bad(
+                    file,
+                    f"its header gives '{key}' as {spec(shape, dtype)}, but it "
+                    f"was saved as {saved[key]}",
+                )
             source = handle
             if dtype_name.startswith("F8_"):  # the package's NumPy API has none
                 if not isinstance(raw := self.handles[-1], _Bytes):

@@ -9,6 +9,7 @@ import numpy as np
 from jaxtyping import PyTree
 
 from .._internal import check_path
+from ._files import CorruptFileError
 from ._npz import NpzArchive
 from ._safetensors import load_safetensors, read_safetensors, save_safetensors
 from ._state_dict import check_like, from_state_dict
@@ -119,4 +120,13 @@ def load(path: str | os.PathLike, like: T) -> T:
     if archive is None:
         return load_safetensors(path, like)
     with archive:
-        return from_state_dict(like, archive)
+        try:
+            return from_state_dict(like, archive)
+        except CorruptFileError:
+            raise
+        except ValueError as e:  # as load_safetensors's: naming the file
+            first = str(e).splitlines()[0]
+            raise ValueError(
+                f"{path!r} does not fit the model: {first}\nHint: build like with "
+                "the saved model's configuration (depth, sizes, dtypes)."
+            ) from None
