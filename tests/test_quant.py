@@ -589,3 +589,24 @@ def test_decoding_with_caches(getkey):
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
     for ours, theirs in zip(got[1], expected[1], strict=True):
         np.testing.assert_array_equal(ours, theirs)
+
+
+def test_report_numbers_layers_as_the_state_dict(getkey):
+    # A Chain's groups, and a stack in stage order, each numbered their layers
+    # from 0 in their stored order: two rows said layer 0.
+    from eqxscan.sharding import pipeline_order
+
+    ws = [jr.normal(getkey(), (32, 32)) * (i + 1) for i in range(4)]
+    two = TwoDense(jr.normal(getkey(), (32, 64)), jr.normal(getkey(), (64, 32)))
+    chain = eqxscan.Chain([Dense(ws[0]), Dense(ws[1]), two, Dense(ws[2])])
+    stack = pipeline_order(
+        eqxscan.Stacked.from_layers([Holder(w) for w in ws]), stages=2, repeats=2
+    )
+    for model, by_layer in [(chain, [ws[0], ws[1], two.w, ws[2]]), (stack, ws)]:
+        rows = quant.report(model, quant.quantize(model, "*.w"))
+        assert sorted(r.layer for r in rows) == [(i,) for i in range(len(by_layer))]
+        for r in rows:
+            w = np.asarray(by_layer[r.layer[0]])
+            scale = np.abs(w).max(axis=0) / 127
+            expected = np.abs(np.round(w / scale) * scale - w).max()
+            np.testing.assert_allclose(r.max_abs, expected, rtol=1e-4)

@@ -33,7 +33,7 @@ from ..checkpoint import (
     Opened,
     save_safetensors,
 )
-from ._quantize import is_quantized, quantize, Target
+from ._quantize import held, HeldQuantized, is_quantized, quantize, Target
 from ._quantized import describe, Kind, Orientation, quantize_array, Quantized
 
 
@@ -62,14 +62,6 @@ def _spec(q: Quantized) -> _Spec:
     return _Spec(q.kind, q.group_size, q.orientation, np.dtype(q.dtype).name)
 
 
-class _At:
-    """A `Quantized` held as a plain leaf, so that the walk by state-dict name
-    says where it sits instead of entering it."""
-
-    def __init__(self, q: Quantized):
-        self.q = q
-
-
 @dataclasses.dataclass(frozen=True)
 class _Weight:
     """A `Quantized` of a model, its name pattern (layer indices as `*`) and
@@ -82,14 +74,12 @@ class _Weight:
 
 def _weights(model: PyTree) -> tuple[list[_Weight], dict[str, str]]:
     """The `Quantized`s of `model`, and what its other arrays hold by pattern."""
-    marked = jtu.tree_map(
-        lambda x: _At(x) if is_quantized(x) else x, model, is_leaf=is_quantized
-    )
+
     quantized: list[_Weight] = []
     floats: dict[str, str] = {}
 
     def visit(leaf: object, site: Site) -> object:
-        if isinstance(leaf, _At):
+        if isinstance(leaf, HeldQuantized):
             names = layer_names(site.path, site.axes)
             quantized.append(_Weight(leaf.q, name_pattern(site.path), names))
         elif is_arraylike(leaf):
@@ -97,7 +87,7 @@ def _weights(model: PyTree) -> tuple[list[_Weight], dict[str, str]]:
             floats[name_pattern(site.path)] = shape
         return leaf
 
-    walk(visit, marked, names=True)
+    walk(visit, held(model), names=True)
     return quantized, floats
 
 
