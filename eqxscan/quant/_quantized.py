@@ -249,8 +249,8 @@ def _grouped(values: Array, scales: Array) -> Array:
 
 
 def _e4m3_to_float32(bits: Array) -> Array:
-    """float8_e4m3fn bits (uint8, no NaN) as float32, exactly, by integer work
-    that fuses into the multiply (XLA:CPU's float8 conversion is a slow loop)."""
+    """float8_e4m3fn bits (uint8) as float32, exactly, by integer work that
+    fuses into the multiply (XLA:CPU's float8 conversion is a slow loop)."""
     u = bits.astype(jnp.uint32)
     magnitude = u & jnp.uint32(0x7F)
     # A normal value's exponent (bias 7) rebiased to float32's (127); below,
@@ -259,6 +259,9 @@ def _e4m3_to_float32(bits: Array) -> Array:
     normal = jax.lax.bitcast_convert_type(rebiased, jnp.float32)
     subnormal = (magnitude & jnp.uint32(7)).astype(jnp.float32) * (2.0**-9)
     v = jnp.where(magnitude < 8, subnormal, normal)
+    # The NaN codes (S.1111.111), which `quantize` never stores but a file or
+    # another tool's float8 array may hold: else read as 480.
+    v = jnp.where(magnitude == 0x7F, jnp.nan, v)
     return jnp.where(u >= 0x80, -v, v)
 
 
