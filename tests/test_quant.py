@@ -377,7 +377,7 @@ def test_quantize_errors(getkey):
     bad = eqx.tree_at(lambda m: m.blocks.layers.w2, model, w)
     _raises(
         ValueError,
-        r"`blocks\.\*\.w2` .* NaN or inf in layer 2",
+        r"`blocks\.\*\.w2` .* NaN or inf in `blocks\.2\.w2`",
         lambda: quant.quantize(bad, "blocks.*.w2"),
     )
 
@@ -609,3 +609,37 @@ def test_report_numbers_layers_as_the_state_dict(getkey):
             scale = np.abs(w).max(axis=0) / 127
             expected = np.abs(np.round(w / scale) * scale - w).max()
             np.testing.assert_allclose(r.max_abs, expected, rtol=1e-4)
+
+
+def test_a_nonfinite_weight_is_named_by_its_layer_or_dequantizes_to_nan(getkey):
+    # In a Chain's later group, and in a stack in stage order, layer i is not
+    # at index i of the arrays: the error named another layer.
+    from eqxscan.sharding import pipeline_order
+
+    ones = jnp.ones((32, 32))
+    layers = [Dense(ones), Dense(ones), TwoDense(ones, ones)]
+    layers += [Dense(ones), Dense(ones.at[3, 1].set(jnp.nan))]
+    _raises(
+        ValueError,
+        r"`\*\.w` \(float32\[2,32,32\], 1 layer axes\) holds NaN or inf in `4\.w`",
+        lambda: quant.quantize(eqxscan.Chain(layers), "*.w"),
+    )
+    ws = [ones.at[0, 0].set(jnp.inf if i == 1 else 1.0) for i in range(4)]
+    stack = eqxscan.Stacked.from_layers([Holder(w) for w in ws])
+    _raises(
+        ValueError,
+        "NaN or inf in `1.w`",
+        lambda: quant.quantize(pipeline_order(stack, stages=2, repeats=2), "*.w"),
+    )
+    # Traced, a weight cannot be checked: XLA's max skipped the NaN, stored as 0
+    # (int8, int4) or as fp8's NaN code. Its group now dequantizes to NaN.
+    w = jnp.ones((2, 32, 64)).at[1, 3, 5].set(jnp.nan)
+    stack = eqxscan.Stacked.from_layers([Holder(wi) for wi in w])
+    traced = eqx.filter_jit(
+        lambda s, kind: quant.quantize(s, "*.w", kind=kind, group_size=32)
+    )
+    expected = np.zeros(w.shape, bool)
+    expected[1, :, 5] = True  # the column its scale multiplies
+    for kind in ["int8", "int4", "fp8"]:
+        got = traced(stack, kind).layers.w.dequantize()
+        np.testing.assert_array_equal(np.isnan(got), expected)

@@ -1,7 +1,7 @@
 """`quantize`: targeted weights replaced by `Quantized`s; `dequantize`: back."""
 
 from collections.abc import Sequence
-from typing import cast
+from typing import cast, NoReturn
 
 import jax
 import jax.core
@@ -10,7 +10,15 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, PyTree
 
-from .._internal import Checked, describe, replace_weights, Target
+from .._internal import (
+    Checked,
+    describe,
+    for_each,
+    layer_names,
+    replace_weights,
+    Site,
+    Target,
+)
 from ._quantized import (
     GROUP_SIZES,
     Kind,
@@ -106,7 +114,15 @@ def quantize(
                 f"({w.kind!r}).\nHint: dequantize it first "
                 "(eqxscan.quant.dequantize), or leave it out of the targets."
             )
-        return _quantized(cast(Array, w), depth, name, kind, o, size)
+        w = cast(Array, w)
+        q = _quantized(w, depth, name, kind, o, size)
+        # A NaN or inf gives its group an inf scale (`quantize_array`): the
+        # scales say which layer, without a pass over the float weight.
+        if not isinstance(q.scales, jax.core.Tracer):
+            finite = np.asarray(jnp.isfinite(q.scales).all(axis=(-2, -1)))
+            if not finite.all():
+                _nonfinite(model, w, int(np.argmin(finite)), name, depth)
+        return q
 
     return replace_weights(
         model,
@@ -126,7 +142,7 @@ def _quantized(
     orientation: Orientation,
     group_size: int | None,
 ) -> Quantized:
-    """`w` quantized, once floating, 2-D per layer, divisible and finite."""
+    """`w` quantized, once floating, 2-D per layer and divisible."""
     where = f"quantize: the target `{name}` ({describe(w)}, {depth} layer axes)"
     if not jnp.issubdtype(w.dtype, jnp.floating):
         raise TypeError(
@@ -152,17 +168,28 @@ def _quantized(
             f"not a multiple of group_size={group_size}, as 'int4' needs.\nHint: "
             f"{hint} this weight with kind='int8' or 'fp8'."
         )
-    if not isinstance(w, jax.core.Tracer):
-        finite = np.asarray(jnp.isfinite(w).all(axis=(-2, -1))).reshape(-1)
-        if not finite.all():
-            bad = np.unravel_index(int(np.argmin(finite)), w.shape[:depth] or (1,))
-            layer = ".".join(map(str, bad)) if depth else "(no layer axis)"
-            raise ValueError(
-                f"{where} holds NaN or inf in layer {layer}; its scales would be "
-                "meaningless.\nHint: find where it came from with "
-                "eqxscan.find_nonfinite, or fix the weight before quantizing."
-            )
     return _quantize_array(w, kind, orientation, group_size, name)
+
+
+def _nonfinite(model: PyTree, w: Array, index: int, name: str, depth: int) -> NoReturn:
+    """Raise for `w`, whose layer `index` (flat) holds NaN or inf, naming the
+    layer as the state dict does: a `Chain`'s groups and a stack in stage order
+    do not hold layer `i` at index `i`."""
+    names: list[str] = []
+
+    def visit(leaf: object, site: Site) -> None:
+        if leaf is w and not names:
+            names.extend(layer_names(site.path, site.axes))
+
+    for_each(visit, model, names=True)
+    layers = int(np.prod(w.shape[:depth]))
+    at = f"`{names[index]}`" if len(names) == layers else f"layer {index}"
+    raise ValueError(
+        f"quantize: the target `{name}` ({describe(w)}, {depth} layer axes) holds "
+        f"NaN or inf in {at}; its scales would be meaningless.\nHint: find where "
+        "it came from with eqxscan.find_nonfinite, or fix the weight before "
+        "quantizing."
+    )
 
 
 def dequantize(model: PyTree) -> PyTree:

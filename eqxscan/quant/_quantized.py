@@ -301,17 +301,22 @@ def quantize_array(
     if orientation == "W@x":
         w = jnp.swapaxes(w, -1, -2)  # and the stored arrays back below
     limit = LIMIT[kind]
+    # A NaN counts as inf (XLA's max may skip it): a group holding either gets
+    # an inf scale and dequantizes to NaN, also where `quantize` is traced and
+    # cannot check the weight.
+    magnitude = jnp.where(jnp.isnan(w), jnp.inf, jnp.abs(w))
     if kind == "int4":
         assert group_size is not None
         *layers, rows, cols = w.shape
-        groups = w.reshape(*layers, rows // group_size, group_size, cols)
-        amax = jnp.max(jnp.abs(groups), axis=-2)  # [..., groups, out]
+        split = (*layers, rows // group_size, group_size, cols)
+        groups = w.reshape(split)
+        amax = jnp.max(magnitude.reshape(split), axis=-2)  # [..., groups, out]
         scales = jnp.where(amax == 0, 1.0, amax / limit)
         q = jnp.clip(jnp.round(groups / scales[..., :, None, :]), -limit, limit)
         values = pack_int4(q.astype(jnp.int8).reshape(w.shape))
     else:
         # [..., 1, out]; 0 (so scale 1) for a weight with no inputs.
-        amax = jnp.max(jnp.abs(w), axis=-2, keepdims=True, initial=0.0)
+        amax = jnp.max(magnitude, axis=-2, keepdims=True, initial=0.0)
         scales = jnp.where(amax == 0, 1.0, amax / limit)
         scaled = jnp.clip(w / scales, -limit, limit)
         if kind == "int8":
