@@ -179,6 +179,22 @@ def test_bf16_weights_stay_bf16(getkey):
     np.testing.assert_array_equal(y, x @ _layer(q, 0).dequantize())
 
 
+@pytest.mark.parametrize("orientation", ["x@W", "W@x"])
+def test_int4_products_in_bfloat16_round_once(getkey, orientation):
+    # The products by the even and the odd rows were each rounded to bfloat16
+    # before their sum: twice the rounding error of the dequantized weight's.
+    w = jr.normal(getkey(), (1, 256, 256)).astype(jnp.bfloat16) / 16
+    one = _layer(_quantize(w, kind="int4", group_size=32, orientation=orientation), 0)
+    x = jr.normal(getkey(), (8, 256)).astype(jnp.bfloat16)
+    mul = (lambda x, w: x @ w) if orientation == "x@W" else (lambda x, w: w @ x.T)
+    dense = one.dequantize()
+    exact = mul(np.asarray(x, np.float64), np.asarray(dense, np.float64))
+    err = lambda y: np.abs(np.asarray(y, np.float64) - exact).max()  # noqa: E731
+    got = mul(x, one)
+    assert got.dtype == jnp.bfloat16
+    assert err(got) <= 1.1 * err(mul(x, dense))
+
+
 def _loss_and_grads(model, x):
     return eqx.filter_value_and_grad(lambda m, x: jnp.sum(jnp.sin(m(x))))(model, x)
 

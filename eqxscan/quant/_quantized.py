@@ -169,7 +169,7 @@ class Quantized(eqx.Module):
         x = jnp.asarray(x)
         if self.kind == "int4":
             low, high = self._int4_halves()
-            return x[..., 0::2] @ low + x[..., 1::2] @ high
+            return _summed((x[..., 0::2], low), (x[..., 1::2], high))
         return x @ self.dequantize()
 
     def __matmul__(self, x: Array | np.ndarray) -> Array:
@@ -179,8 +179,8 @@ class Quantized(eqx.Module):
         if self.kind == "int4":
             low, high = self._int4_halves()
             if x.ndim == 1:
-                return low @ x[0::2] + high @ x[1::2]
-            return low @ x[..., 0::2, :] + high @ x[..., 1::2, :]
+                return _summed((low, x[0::2]), (high, x[1::2]))
+            return _summed((low, x[..., 0::2, :]), (high, x[..., 1::2, :]))
         return self.dequantize() @ x
 
     def _in_out(self, *arrays: Array) -> tuple[Array, ...]:
@@ -237,6 +237,15 @@ def _array(a: Array) -> str:
 def describe(q: Quantized) -> str:
     """`int8->float32[128,512]`: the stored kind and the float weight's shape."""
     return f"{q.kind}->{q.dtype}[{','.join(map(str, q.shape))}]"
+
+
+def _summed(*products: tuple[Array, Array]) -> Array:
+    """The sum of the products `a @ b`, kept in float32 and rounded once, as the
+    product by the whole weight is: bfloat16 halves would round twice more."""
+    total = sum(
+        jnp.matmul(a, b, preferred_element_type=jnp.float32) for a, b in products
+    )
+    return jnp.asarray(total).astype(jnp.result_type(*products[0]))
 
 
 def _grouped(values: Array, scales: Array) -> Array:
