@@ -53,7 +53,7 @@ def test_int8_layout_and_bound(getkey):
     amax = np.abs(wn).max(axis=1, keepdims=True)
     scale = np.where(amax == 0, 1.0, amax / 127)
     assert q.values.dtype == jnp.int8 and q.values.shape == (2, 64, 24)
-    np.testing.assert_allclose(q.scales, scale, rtol=1e-6)
+    np.testing.assert_array_equal(q.scales, scale)  # exactly max abs / limit
     np.testing.assert_array_equal(q.values, np.round(wn / scale))
     assert np.all(np.abs(np.asarray(q.values)) <= 127)
     # Per element within half a step of its column's scale, in every layer.
@@ -71,7 +71,7 @@ def test_int4_layout_and_bound(getkey):
     wn = np.asarray(w).reshape(2, 2, 32, 24)
     amax = np.abs(wn).max(axis=2)
     scale = np.where(amax == 0, 1.0, amax / 7)
-    np.testing.assert_allclose(q.scales, scale, rtol=1e-6)
+    np.testing.assert_array_equal(q.scales, scale)  # exactly max abs / limit
     expected = np.round(wn / scale[:, :, None, :]).reshape(2, 64, 24)
     np.testing.assert_array_equal(_nibbles(q.values), expected)
     err = np.abs(np.asarray(q.dequantize()) - np.asarray(w)).reshape(2, 2, 32, 24)
@@ -87,7 +87,7 @@ def test_fp8_bound(getkey):
     scale = np.where(amax == 0, 1.0, amax / 448)
     # The bits of float8_e4m3fn values, as uint8.
     assert q.values.dtype == jnp.uint8
-    np.testing.assert_allclose(q.scales, scale, rtol=1e-6)
+    np.testing.assert_array_equal(q.scales, scale)  # exactly max abs / limit
     stored = (wn / scale).astype(ml_dtypes.float8_e4m3fn)
     np.testing.assert_array_equal(q.values, stored.view(np.uint8))
     # float8 values given are stored as their bits.

@@ -297,6 +297,14 @@ def unpack_int4(packed: Array) -> Array:
     return both.reshape(*layers, 2 * n, cols)
 
 
+def _scales(amax: Array, limit: float) -> Array:
+    """`amax / limit` exactly (1 where `amax` is 0). XLA turns a division by a
+    constant or a broadcast into a product by its rounded reciprocal: 1 ulp
+    off, eagerly or compiled alike, were the divisor not hidden from it."""
+    divisor = jax.lax.optimization_barrier(jnp.full(amax.shape, limit, jnp.float32))
+    return jnp.where(amax == 0, 1.0, amax / divisor)
+
+
 def quantize_array(
     w: Array,
     kind: Kind,
@@ -320,13 +328,13 @@ def quantize_array(
         split = (*layers, rows // group_size, group_size, cols)
         groups = w.reshape(split)
         amax = jnp.max(magnitude.reshape(split), axis=-2)  # [..., groups, out]
-        scales = jnp.where(amax == 0, 1.0, amax / limit)
+        scales = _scales(amax, limit)
         q = jnp.clip(jnp.round(groups / scales[..., :, None, :]), -limit, limit)
         values = pack_int4(q.astype(jnp.int8).reshape(w.shape))
     else:
         # [..., 1, out]; 0 (so scale 1) for a weight with no inputs.
         amax = jnp.max(magnitude, axis=-2, keepdims=True, initial=0.0)
-        scales = jnp.where(amax == 0, 1.0, amax / limit)
+        scales = _scales(amax, limit)
         scaled = jnp.clip(w / scales, -limit, limit)
         if kind == "int8":
             values = jnp.round(scaled).astype(jnp.int8)
