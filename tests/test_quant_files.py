@@ -454,3 +454,18 @@ def test_an_interrupted_save_leaves_the_previous_file_loadable(tmp_path, monkeyp
     assert os.listdir(tmp_path) == ["q.safetensors"]  # no temporary file left
     assert path.read_bytes() == before
     _same_bits(quant.load(path, _like("int4", 32)), old)
+
+
+def test_an_abstract_model_quantizes_to_the_like_of_its_file(tmp_path):
+    # A model of ShapeDtypeStructs: quantize raised JAX's "not a valid JAX type"
+    # and dequantize an AttributeError.
+    path = tmp_path / "q.safetensors"
+    quant.save(path, _quantized("int4", 32))
+    abstract = eqx.filter_eval_shape(_mlp)
+    like = quant.quantize(abstract, MLP, kind="int4", group_size=32)
+    expected = eqx.filter_eval_shape(
+        quant.quantize, _mlp(), MLP, kind="int4", group_size=32
+    )
+    assert eqx.tree_equal(like, expected)
+    _same_bits(quant.load(path, like), _quantized("int4", 32))
+    assert eqx.tree_equal(quant.dequantize(like), abstract)

@@ -3,6 +3,7 @@
 from collections.abc import Sequence
 from typing import cast, NoReturn
 
+import equinox as eqx
 import jax
 import jax.core
 import jax.numpy as jnp
@@ -86,7 +87,9 @@ def quantize(
 
     **Returns:**
 
-    `model` with the targets replaced; nothing else changes.
+    `model` with the targets replaced; nothing else changes. An abstract model
+    (of `jax.ShapeDtypeStruct`s) gives an abstract one, as
+    `eqx.filter_eval_shape` would.
     """
     if kind not in KINDS:
         raise ValueError(
@@ -106,6 +109,16 @@ def quantize(
     if orientation not in ("x@W", "W@x"):
         raise ValueError(f"orientation must be 'x@W' or 'W@x', got {orientation!r}.")
     size = int(group_size) if kind == "int4" else None
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jtu.tree_leaves(model)):
+        # An abstract model (`like` for a file): traced, as for its arrays.
+        return eqx.filter_eval_shape(
+            quantize,
+            model,
+            targets,
+            kind=kind,
+            group_size=group_size,
+            orientation=orientation,
+        )
 
     def make(w: object, depth: int, name: str, o: Orientation) -> Quantized:
         if isinstance(w, Quantized):
@@ -205,8 +218,14 @@ def dequantize(model: PyTree) -> PyTree:
 
     `model` with float arrays where its `Quantized`s were.
     """
+
+    def dequantized(q: Quantized) -> object:
+        if isinstance(q.values, jax.ShapeDtypeStruct):  # an abstract model's
+            return jax.eval_shape(Quantized.dequantize, q)
+        return q.dequantize()
+
     return jtu.tree_map(
-        lambda x: x.dequantize() if is_quantized(x) else x,
+        lambda x: dequantized(x) if is_quantized(x) else x,
         model,
         is_leaf=is_quantized,
     )
