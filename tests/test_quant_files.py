@@ -469,3 +469,19 @@ def test_an_abstract_model_quantizes_to_the_like_of_its_file(tmp_path):
     assert eqx.tree_equal(like, expected)
     _same_bits(quant.load(path, like), _quantized("int4", 32))
     assert eqx.tree_equal(quant.dequantize(like), abstract)
+
+
+def test_shards_of_two_saves_are_refused(tmp_path):
+    # A shard without the record, under an index of another writer (no save
+    # id to tell the saves apart): which quantization it holds is not known.
+    written = quant.save(tmp_path, _quantized("int8"), max_shard_size="10KB")
+    _rewrite(written[1])
+    index = json.loads(pathlib.Path(written[-1]).read_text())
+    del index["metadata"]["eqxscan.save"]
+    pathlib.Path(written[-1]).write_text(json.dumps(index))
+    _refused(
+        tmp_path,
+        _like("int8"),
+        "record different quantizations in their metadata 'eqxscan.quant'",
+        error=CorruptFileError,
+    )
