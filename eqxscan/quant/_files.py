@@ -74,7 +74,6 @@ class _Weight:
 
 def _weights(model: PyTree) -> tuple[list[_Weight], dict[str, str]]:
     """The `Quantized`s of `model`, and what its other arrays hold by pattern."""
-
     quantized: list[_Weight] = []
     floats: dict[str, str] = {}
 
