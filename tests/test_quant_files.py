@@ -355,6 +355,8 @@ def test_quantize_file_errors_name_the_array(tmp_path):
         quant.quantize_file(path, _mlp(1), targets=MLP)
     first, hint = str(e.value).splitlines()
     assert "'blocks.1.w2'" in first and "holds NaN or inf" in first, first
+    # The file fits the model: it holds a NaN, which is said once.
+    assert first.startswith("quantize_file: ") and "does not fit" not in first
     assert str(path) in first and hint.startswith("Hint:")
     with pytest.raises(ValueError) as e:
         quant.quantize_file(path, _mlp(1, dim=64), targets=MLP)

@@ -248,7 +248,7 @@ def _fit(opened: Opened, like: T, state: Mapping[str, object]) -> T:
     """`from_state_dict`, its errors naming the files."""
     try:
         return from_state_dict(like, state)
-    except CorruptFileError:
+    except (CorruptFileError, _NonFinite):
         raise
     except ValueError as e:
         first, *rest = str(e).splitlines()
@@ -304,6 +304,11 @@ def load(path: str | os.PathLike, like: T) -> T:
         return _fit(opened, like, opened.arrays)
 
 
+class _NonFinite(ValueError):
+    """A float layer of the file holds NaN or inf: said as it is, not as a
+    file that does not fit the model."""
+
+
 class _Pending:
     """One layer's `values` or `scales`, quantized from the float layer when
     NumPy asks for it (the other of the pair kept until asked for)."""
@@ -336,7 +341,7 @@ class _Layer:
         # On the device: no second host copy of the layer.
         w = jnp.asarray(np.asarray(self.array))
         if not bool(jnp.isfinite(w).all()):
-            raise ValueError(
+            raise _NonFinite(
                 f"quantize_file: '{self.name}' in {self.where!r} holds NaN or inf "
                 f"(the weight `{self.weight.pattern}`); its scales would be "
                 "meaningless.\nHint: check the file (eqxscan.load it and run "
