@@ -355,6 +355,8 @@ def test_quantize_file_errors_name_the_array(tmp_path):
         quant.quantize_file(path, _mlp(1), targets=MLP)
     first, hint = str(e.value).splitlines()
     assert "'blocks.1.w2'" in first and "holds NaN or inf" in first, first
+    # The file fits the model: it holds a NaN, which is said once.
+    assert first.startswith("quantize_file: ") and "does not fit" not in first
     assert str(path) in first and hint.startswith("Hint:")
     with pytest.raises(ValueError) as e:
         quant.quantize_file(path, _mlp(1, dim=64), targets=MLP)
@@ -454,3 +456,34 @@ def test_an_interrupted_save_leaves_the_previous_file_loadable(tmp_path, monkeyp
     assert os.listdir(tmp_path) == ["q.safetensors"]  # no temporary file left
     assert path.read_bytes() == before
     _same_bits(quant.load(path, _like("int4", 32)), old)
+
+
+def test_an_abstract_model_quantizes_to_the_like_of_its_file(tmp_path):
+    # A model of ShapeDtypeStructs: quantize raised JAX's "not a valid JAX type"
+    # and dequantize an AttributeError.
+    path = tmp_path / "q.safetensors"
+    quant.save(path, _quantized("int4", 32))
+    abstract = eqx.filter_eval_shape(_mlp)
+    like = quant.quantize(abstract, MLP, kind="int4", group_size=32)
+    expected = eqx.filter_eval_shape(
+        quant.quantize, _mlp(), MLP, kind="int4", group_size=32
+    )
+    assert eqx.tree_equal(like, expected)
+    _same_bits(quant.load(path, like), _quantized("int4", 32))
+    assert eqx.tree_equal(quant.dequantize(like), abstract)
+
+
+def test_shards_of_two_saves_are_refused(tmp_path):
+    # A shard without the record, under an index of another writer (no save
+    # id to tell the saves apart): which quantization it holds is not known.
+    written = quant.save(tmp_path, _quantized("int8"), max_shard_size="10KB")
+    _rewrite(written[1])
+    index = json.loads(pathlib.Path(written[-1]).read_text())
+    del index["metadata"]["eqxscan.save"]
+    pathlib.Path(written[-1]).write_text(json.dumps(index))
+    _refused(
+        tmp_path,
+        _like("int8"),
+        "record different quantizations in their metadata 'eqxscan.quant'",
+        error=CorruptFileError,
+    )

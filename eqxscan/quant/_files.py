@@ -33,7 +33,7 @@ from ..checkpoint import (
     Opened,
     save_safetensors,
 )
-from ._quantize import is_quantized, quantize, Target
+from ._quantize import held, HeldQuantized, is_quantized, quantize, Target
 from ._quantized import describe, Kind, Orientation, quantize_array, Quantized
 
 
@@ -62,14 +62,6 @@ def _spec(q: Quantized) -> _Spec:
     return _Spec(q.kind, q.group_size, q.orientation, np.dtype(q.dtype).name)
 
 
-class _At:
-    """A `Quantized` held as a plain leaf, so that the walk by state-dict name
-    says where it sits instead of entering it."""
-
-    def __init__(self, q: Quantized):
-        self.q = q
-
-
 @dataclasses.dataclass(frozen=True)
 class _Weight:
     """A `Quantized` of a model, its name pattern (layer indices as `*`) and
@@ -82,14 +74,11 @@ class _Weight:
 
 def _weights(model: PyTree) -> tuple[list[_Weight], dict[str, str]]:
     """The `Quantized`s of `model`, and what its other arrays hold by pattern."""
-    marked = jtu.tree_map(
-        lambda x: _At(x) if is_quantized(x) else x, model, is_leaf=is_quantized
-    )
     quantized: list[_Weight] = []
     floats: dict[str, str] = {}
 
     def visit(leaf: object, site: Site) -> object:
-        if isinstance(leaf, _At):
+        if isinstance(leaf, HeldQuantized):
             names = layer_names(site.path, site.axes)
             quantized.append(_Weight(leaf.q, name_pattern(site.path), names))
         elif is_arraylike(leaf):
@@ -97,7 +86,7 @@ def _weights(model: PyTree) -> tuple[list[_Weight], dict[str, str]]:
             floats[name_pattern(site.path)] = shape
         return leaf
 
-    walk(visit, marked, names=True)
+    walk(visit, held(model), names=True)
     return quantized, floats
 
 
@@ -259,7 +248,7 @@ def _fit(opened: Opened, like: T, state: Mapping[str, object]) -> T:
     """`from_state_dict`, its errors naming the files."""
     try:
         return from_state_dict(like, state)
-    except CorruptFileError:
+    except (CorruptFileError, _NonFinite):
         raise
     except ValueError as e:
         first, *rest = str(e).splitlines()
@@ -315,6 +304,11 @@ def load(path: str | os.PathLike, like: T) -> T:
         return _fit(opened, like, opened.arrays)
 
 
+class _NonFinite(ValueError):
+    """A float layer of the file holds NaN or inf: said as it is, not as a
+    file that does not fit the model."""
+
+
 class _Pending:
     """One layer's `values` or `scales`, quantized from the float layer when
     NumPy asks for it (the other of the pair kept until asked for)."""
@@ -347,7 +341,7 @@ class _Layer:
         # On the device: no second host copy of the layer.
         w = jnp.asarray(np.asarray(self.array))
         if not bool(jnp.isfinite(w).all()):
-            raise ValueError(
+            raise _NonFinite(
                 f"quantize_file: '{self.name}' in {self.where!r} holds NaN or inf "
                 f"(the weight `{self.weight.pattern}`); its scales would be "
                 "meaningless.\nHint: check the file (eqxscan.load it and run "

@@ -1,8 +1,9 @@
 """`quantize`: targeted weights replaced by `Quantized`s; `dequantize`: back."""
 
 from collections.abc import Sequence
-from typing import cast
+from typing import cast, NoReturn
 
+import equinox as eqx
 import jax
 import jax.core
 import jax.numpy as jnp
@@ -10,7 +11,15 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, PyTree
 
-from .._internal import Checked, describe, replace_weights, Target
+from .._internal import (
+    Checked,
+    describe,
+    for_each,
+    layer_names,
+    replace_weights,
+    Site,
+    Target,
+)
 from ._quantized import (
     GROUP_SIZES,
     Kind,
@@ -30,6 +39,23 @@ _quantize_array = jax.jit(
 
 def is_quantized(x: object) -> bool:
     return isinstance(x, Quantized)
+
+
+class HeldQuantized:
+    """A `Quantized` held as a plain leaf, so that the walk by state-dict name
+    says where it sits instead of entering it."""
+
+    def __init__(self, q: Quantized):
+        self.q = q
+
+
+def held(model: PyTree) -> PyTree:
+    """`model` with each `Quantized` held as a `HeldQuantized` leaf."""
+    return jtu.tree_map(
+        lambda x: HeldQuantized(x) if is_quantized(x) else x,
+        model,
+        is_leaf=is_quantized,
+    )
 
 
 def quantize(
@@ -61,7 +87,9 @@ def quantize(
 
     **Returns:**
 
-    `model` with the targets replaced; nothing else changes.
+    `model` with the targets replaced; nothing else changes. An abstract model
+    (of `jax.ShapeDtypeStruct`s) gives an abstract one, as
+    `eqx.filter_eval_shape` would.
     """
     if kind not in KINDS:
         raise ValueError(
@@ -81,6 +109,16 @@ def quantize(
     if orientation not in ("x@W", "W@x"):
         raise ValueError(f"orientation must be 'x@W' or 'W@x', got {orientation!r}.")
     size = int(group_size) if kind == "int4" else None
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jtu.tree_leaves(model)):
+        # An abstract model (`like` for a file): traced, as for its arrays.
+        return eqx.filter_eval_shape(
+            quantize,
+            model,
+            targets,
+            kind=kind,
+            group_size=group_size,
+            orientation=orientation,
+        )
 
     def make(w: object, depth: int, name: str, o: Orientation) -> Quantized:
         if isinstance(w, Quantized):
@@ -89,7 +127,15 @@ def quantize(
                 f"({w.kind!r}).\nHint: dequantize it first "
                 "(eqxscan.quant.dequantize), or leave it out of the targets."
             )
-        return _quantized(cast(Array, w), depth, name, kind, o, size)
+        w = cast(Array, w)
+        q = _quantized(w, depth, name, kind, o, size)
+        # A NaN or inf gives its group an inf scale (`quantize_array`): the
+        # scales say which layer, without a pass over the float weight.
+        if not isinstance(q.scales, jax.core.Tracer):
+            finite = np.asarray(jnp.isfinite(q.scales).all(axis=(-2, -1)))
+            if not finite.all():
+                _nonfinite(model, w, int(np.argmin(finite)), name, depth)
+        return q
 
     return replace_weights(
         model,
@@ -109,7 +155,7 @@ def _quantized(
     orientation: Orientation,
     group_size: int | None,
 ) -> Quantized:
-    """`w` quantized, once floating, 2-D per layer, divisible and finite."""
+    """`w` quantized, once floating, 2-D per layer and divisible."""
     where = f"quantize: the target `{name}` ({describe(w)}, {depth} layer axes)"
     if not jnp.issubdtype(w.dtype, jnp.floating):
         raise TypeError(
@@ -135,17 +181,28 @@ def _quantized(
             f"not a multiple of group_size={group_size}, as 'int4' needs.\nHint: "
             f"{hint} this weight with kind='int8' or 'fp8'."
         )
-    if not isinstance(w, jax.core.Tracer):
-        finite = np.asarray(jnp.isfinite(w).all(axis=(-2, -1))).reshape(-1)
-        if not finite.all():
-            bad = np.unravel_index(int(np.argmin(finite)), w.shape[:depth] or (1,))
-            layer = ".".join(map(str, bad)) if depth else "(no layer axis)"
-            raise ValueError(
-                f"{where} holds NaN or inf in layer {layer}; its scales would be "
-                "meaningless.\nHint: find where it came from with "
-                "eqxscan.find_nonfinite, or fix the weight before quantizing."
-            )
     return _quantize_array(w, kind, orientation, group_size, name)
+
+
+def _nonfinite(model: PyTree, w: Array, index: int, name: str, depth: int) -> NoReturn:
+    """Raise for `w`, whose layer `index` (flat) holds NaN or inf, naming the
+    layer as the state dict does: a `Chain`'s groups and a stack in stage order
+    do not hold layer `i` at index `i`."""
+    names: list[str] = []
+
+    def visit(leaf: object, site: Site) -> None:
+        if leaf is w and not names:
+            names.extend(layer_names(site.path, site.axes))
+
+    for_each(visit, model, names=True)
+    layers = int(np.prod(w.shape[:depth]))
+    at = f"`{names[index]}`" if len(names) == layers else f"layer {index}"
+    raise ValueError(
+        f"quantize: the target `{name}` ({describe(w)}, {depth} layer axes) holds "
+        f"NaN or inf in {at}; its scales would be meaningless.\nHint: find where "
+        "it came from with eqxscan.find_nonfinite, or fix the weight before "
+        "quantizing."
+    )
 
 
 def dequantize(model: PyTree) -> PyTree:
@@ -161,8 +218,14 @@ def dequantize(model: PyTree) -> PyTree:
 
     `model` with float arrays where its `Quantized`s were.
     """
+
+    def dequantized(q: Quantized) -> object:
+        if isinstance(q.values, jax.ShapeDtypeStruct):  # an abstract model's
+            return jax.eval_shape(Quantized.dequantize, q)
+        return q.dequantize()
+
     return jtu.tree_map(
-        lambda x: x.dequantize() if is_quantized(x) else x,
+        lambda x: dequantized(x) if is_quantized(x) else x,
         model,
         is_leaf=is_quantized,
     )

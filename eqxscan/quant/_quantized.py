@@ -169,7 +169,7 @@ class Quantized(eqx.Module):
         x = jnp.asarray(x)
         if self.kind == "int4":
             low, high = self._int4_halves()
-            return x[..., 0::2] @ low + x[..., 1::2] @ high
+            return _summed((x[..., 0::2], low), (x[..., 1::2], high))
         return x @ self.dequantize()
 
     def __matmul__(self, x: Array | np.ndarray) -> Array:
@@ -179,8 +179,8 @@ class Quantized(eqx.Module):
         if self.kind == "int4":
             low, high = self._int4_halves()
             if x.ndim == 1:
-                return low @ x[0::2] + high @ x[1::2]
-            return low @ x[..., 0::2, :] + high @ x[..., 1::2, :]
+                return _summed((low, x[0::2]), (high, x[1::2]))
+            return _summed((low, x[..., 0::2, :]), (high, x[..., 1::2, :]))
         return self.dequantize() @ x
 
     def _in_out(self, *arrays: Array) -> tuple[Array, ...]:
@@ -239,6 +239,15 @@ def describe(q: Quantized) -> str:
     return f"{q.kind}->{q.dtype}[{','.join(map(str, q.shape))}]"
 
 
+def _summed(*products: tuple[Array, Array]) -> Array:
+    """The sum of the products `a @ b`, kept in float32 and rounded once, as the
+    product by the whole weight is: bfloat16 halves would round twice more."""
+    total = sum(
+        jnp.matmul(a, b, preferred_element_type=jnp.float32) for a, b in products
+    )
+    return jnp.asarray(total).astype(jnp.result_type(*products[0]))
+
+
 def _grouped(values: Array, scales: Array) -> Array:
     """`values` (`[..., in, out]`) times the scale of each input group."""
     *layers, rows, cols = values.shape
@@ -249,8 +258,8 @@ def _grouped(values: Array, scales: Array) -> Array:
 
 
 def _e4m3_to_float32(bits: Array) -> Array:
-    """float8_e4m3fn bits (uint8, no NaN) as float32, exactly, by integer work
-    that fuses into the multiply (XLA:CPU's float8 conversion is a slow loop)."""
+    """float8_e4m3fn bits (uint8) as float32, exactly, by integer work that
+    fuses into the multiply (XLA:CPU's float8 conversion is a slow loop)."""
     u = bits.astype(jnp.uint32)
     magnitude = u & jnp.uint32(0x7F)
     # A normal value's exponent (bias 7) rebiased to float32's (127); below,
@@ -259,6 +268,9 @@ def _e4m3_to_float32(bits: Array) -> Array:
     normal = jax.lax.bitcast_convert_type(rebiased, jnp.float32)
     subnormal = (magnitude & jnp.uint32(7)).astype(jnp.float32) * (2.0**-9)
     v = jnp.where(magnitude < 8, subnormal, normal)
+    # The NaN codes (S.1111.111), which `quantize` never stores but a file or
+    # another tool's float8 array may hold: else read as 480.
+    v = jnp.where(magnitude == 0x7F, jnp.nan, v)
     return jnp.where(u >= 0x80, -v, v)
 
 
@@ -285,6 +297,14 @@ def unpack_int4(packed: Array) -> Array:
     return both.reshape(*layers, 2 * n, cols)
 
 
+def _scales(amax: Array, limit: float) -> Array:
+    """`amax / limit` exactly (1 where `amax` is 0). XLA turns a division by a
+    constant or a broadcast into a product by its rounded reciprocal: 1 ulp
+    off, eagerly or compiled alike, were the divisor not hidden from it."""
+    divisor = jax.lax.optimization_barrier(jnp.full(amax.shape, limit, jnp.float32))
+    return jnp.where(amax == 0, 1.0, amax / divisor)
+
+
 def quantize_array(
     w: Array,
     kind: Kind,
@@ -298,18 +318,23 @@ def quantize_array(
     if orientation == "W@x":
         w = jnp.swapaxes(w, -1, -2)  # and the stored arrays back below
     limit = LIMIT[kind]
+    # A NaN counts as inf (XLA's max may skip it): a group holding either gets
+    # an inf scale and dequantizes to NaN, also where `quantize` is traced and
+    # cannot check the weight.
+    magnitude = jnp.where(jnp.isnan(w), jnp.inf, jnp.abs(w))
     if kind == "int4":
         assert group_size is not None
         *layers, rows, cols = w.shape
-        groups = w.reshape(*layers, rows // group_size, group_size, cols)
-        amax = jnp.max(jnp.abs(groups), axis=-2)  # [..., groups, out]
-        scales = jnp.where(amax == 0, 1.0, amax / limit)
+        split = (*layers, rows // group_size, group_size, cols)
+        groups = w.reshape(split)
+        amax = jnp.max(magnitude.reshape(split), axis=-2)  # [..., groups, out]
+        scales = _scales(amax, limit)
         q = jnp.clip(jnp.round(groups / scales[..., :, None, :]), -limit, limit)
         values = pack_int4(q.astype(jnp.int8).reshape(w.shape))
     else:
         # [..., 1, out]; 0 (so scale 1) for a weight with no inputs.
-        amax = jnp.max(jnp.abs(w), axis=-2, keepdims=True, initial=0.0)
-        scales = jnp.where(amax == 0, 1.0, amax / limit)
+        amax = jnp.max(magnitude, axis=-2, keepdims=True, initial=0.0)
+        scales = _scales(amax, limit)
         scaled = jnp.clip(w / scales, -limit, limit)
         if kind == "int8":
             values = jnp.round(scaled).astype(jnp.int8)

@@ -11,8 +11,8 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, PyTree
 
-from .._internal import describe
-from ._quantize import is_quantized
+from .._internal import describe, LayerNumbering, resolve, Site, walk
+from ._quantize import held, HeldQuantized, is_quantized
 from ._quantized import Quantized
 
 
@@ -22,7 +22,9 @@ class LayerError(NamedTuple):
     name: str
     """The weight's state-dict name pattern (`"blocks.*.w1"`), or its key path."""
     layer: tuple[int, ...]
-    """The layer's index along each layer axis (`()` outside any stack)."""
+    """The layer's number in the names of [`eqxscan.to_state_dict`][], one per
+    `*` of `name`: `(3,)` for `blocks.3.w1` (a `Chain`'s layers are numbered
+    through the chain; `()` outside any stack or chain)."""
     max_abs: float
     """`max |dequantized - float|`."""
     relative: float
@@ -88,6 +90,26 @@ def _errors(q: Quantized, w: Array) -> tuple[Array, Array]:
     return jax.lax.map(one, (flat, w))
 
 
+def _layer_numbers(model: PyTree) -> list[list[tuple[int, ...]]]:
+    """Each `Quantized`'s layers (leaf order) as the state dict numbers them:
+    not their indices in a `Chain`'s group or a stack in stage order."""
+    found = []
+
+    def visit(leaf: object, site: Site) -> object:
+        if isinstance(leaf, HeldQuantized):
+            at = [k for k, p in enumerate(site.path) if isinstance(p, LayerNumbering)]
+            found.append(
+                [
+                    tuple(resolve(site.path, i)[k] for k in at)
+                    for i in np.ndindex(*site.axes)
+                ]
+            )
+        return leaf
+
+    walk(visit, held(model), names=True)
+    return found
+
+
 def report(float_model: PyTree, quantized_model: PyTree) -> Report:
     """Per weight and per layer: how far [`eqxscan.quant.quantize`][]'s weights
     are from the float weights they were made from.
@@ -123,7 +145,9 @@ def report(float_model: PyTree, quantized_model: PyTree) -> Report:
             "the model given to quantize, then what it returned."
         )
     rows: list[LayerError] = []
-    for name, q, w in pairs:
+    for (name, q, w), numbers in zip(
+        pairs, _layer_numbers(quantized_model), strict=True
+    ):
         if not (isinstance(w, jax.Array | np.ndarray) and w.shape == q.shape):
             raise ValueError(
                 f"report: at `{name}` the float model holds {describe(w)}, but the "
@@ -138,8 +162,6 @@ def report(float_model: PyTree, quantized_model: PyTree) -> Report:
                 "its eqx.filter_eval_shape."
             )
         max_abs, relative = (np.asarray(a) for a in _errors(q, jnp.asarray(w)))
-        layers = q.shape[:-2]
-        for i in range(max_abs.shape[0]):
-            index = tuple(int(n) for n in np.unravel_index(i, layers)) if layers else ()
-            rows.append(LayerError(name, index, float(max_abs[i]), float(relative[i])))
+        for i, layer in enumerate(numbers):
+            rows.append(LayerError(name, layer, float(max_abs[i]), float(relative[i])))
     return Report(tuple(rows))
