@@ -82,8 +82,10 @@ def test_base_alone_ignores_a_non_finite_adapter(getkey):
 def test_base_alone_gives_adapters_no_gradient(getkey):
     lora = _lora(getkey, active=-1)
     x = jr.normal(getkey(), (6,))
-    grads = eqx.filter_jit(eqx.filter_grad(lambda lo: jnp.sum(x @ lo)))(lora)
-    assert not jnp.any(grads.a) and not jnp.any(grads.b) and jnp.all(grads.base)
+    loss = lambda lo_x: jnp.sum(lo_x[1] @ lo_x[0])  # noqa: E731
+    grads, dx = eqx.filter_jit(eqx.filter_grad(loss))((lora, x))
+    assert not jnp.any(grads.a) and not jnp.any(grads.b) and not jnp.any(grads.base)
+    np.testing.assert_allclose(dx, lora.base.sum(-1), rtol=1e-6)
 
 
 def test_a_traced_active_selects_per_row(getkey):
@@ -571,3 +573,41 @@ def test_layerwise_optimiser_trains_only_the_adapters(getkey):
     adapter_bytes = sum(a.nbytes for a in adapters_of(model))
     moments = [a for a in jax.tree.leaves(state) if a.ndim >= 3]
     assert sum(a.nbytes for a in moments) == 2 * adapter_bytes
+
+
+def test_the_base_is_frozen(getkey):
+    # The model differentiated whole (Equinox's usual loop): a LoRA's base, also
+    # a quantized one's scales, gets an exactly zero gradient, the adapters
+    # their gradient as with the documented partition, and Adam over every
+    # float array leaves the base as it was.
+    model = eqxscan.StackedMLP(8, 2, key=getkey())
+    model = eqxscan.quant.quantize(model, "blocks.*.w1")
+    model = adapters.add_lora(
+        model, ["blocks.*.w1", "*.w2"], rank=2, alpha=4.0, key=getkey()
+    )
+    model = _random_b(model, getkey())
+    x = jr.normal(getkey(), (2, 8))
+    tx = optax.adam(0.1)
+    params, static = eqx.partition(model, adapters.trainable(model))
+
+    @eqx.filter_jit
+    def run(model, params):
+        whole = eqx.filter_grad(lambda m: jnp.sum(m(x) ** 2))(model)
+        parted = jax.grad(lambda p: jnp.sum(eqx.combine(p, static)(x) ** 2))(params)
+        floats = eqx.filter(model, eqx.is_inexact_array)
+        updates, _ = tx.update(whole, tx.init(floats), floats)
+        return whole, parted, eqx.apply_updates(model, updates)
+
+    with jax.numpy_dtype_promotion("standard"):  # optax's int32 step count
+        whole, parted, trained = run(model, params)
+    w1, w2 = whole.blocks.layers.w1, whole.blocks.layers.w2
+    for base in (w1.base.scales, w2.base):
+        assert base.shape[0] == 2 and not np.any(base)
+    _assert_close(eqx.filter(whole, adapters.trainable(model)), parted)
+    assert np.any(parted.blocks.layers.w1.a) and np.any(parted.blocks.layers.w2.b)
+    for lora, new in zip(
+        (model.blocks.layers.w1, model.blocks.layers.w2),
+        (trained.blocks.layers.w1, trained.blocks.layers.w2),
+    ):
+        assert eqx.tree_equal(new.base, lora.base)
+        assert not np.allclose(new.b, lora.b)

@@ -180,11 +180,13 @@ def trainable(model: PyTree) -> PyTree[bool]:
     """A filter spec, `True` exactly on the adapters (`a`, `b`) of every
     [`eqxscan.adapters.LoRA`][]: `eqx.partition(model, adapters.trainable(model))`
     splits off the adapters, to differentiate and update alone (gradients and
-    optimiser state for the adapters only). An optimiser over all of a model's
-    arrays takes it as labels, `optax.multi_transform({True: tx, False:
-    optax.set_to_zero()}, adapters.trainable)`; not `optax.masked(tx, ...)`,
-    which passes the other arrays' gradients through as their updates (the
-    base would move).
+    optimiser state for the adapters only). A LoRA's base has a zero gradient,
+    but the model's other float arrays (norm scales, biases) do not: an
+    optimiser over all of a model's arrays takes `trainable` as labels,
+    `optax.multi_transform({True: tx, False: optax.set_to_zero()},
+    adapters.trainable)`; not `optax.masked(tx, ...)`, which passes the other
+    arrays' gradients through as their updates (and weight decay would move
+    the base).
 
     **Arguments:**
 
