@@ -192,6 +192,13 @@ def test_merge_errors(getkey):
         ValueError, match=r"unmerge: at the LoRA `blocks.\*.w1`.*float32\[2,8,8\]"
     ):
         adapters.unmerge(wrong, model)
+    # The model the LoRAs were added to holds their bases, never merged.
+    plain = eqxscan.StackedMLP(8, 2, key=getkey())
+    adapted = adapters.add_lora(plain, "*.w1", rank=2, key=getkey())
+    with pytest.raises(ValueError, match=r"`blocks.\*.w1`.*own base, which no"):
+        adapters.unmerge(plain, adapted)
+    back = adapters.unmerge(plain, adapted, -1)  # the base alone: nothing merged
+    assert back.blocks.layers.w1.base is plain.blocks.layers.w1
 
 
 def test_fsdp_base_with_replicated_adapters(getkey):

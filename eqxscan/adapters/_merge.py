@@ -129,7 +129,8 @@ def unmerge(
     **Arguments:**
 
     - `merged`: what [`eqxscan.adapters.merge`][] returned (possibly changed since
-      in its arrays other than the merged weights, which are kept).
+      in its arrays other than the merged weights, which are kept). The model
+      `add_lora` adapted holds the LoRAs' own bases, and is refused.
     - `adapted`: the model it was merged from (only its adapters are read).
     - `adapter`: the adapter that was merged (`None`: the ones `adapted` has
       selected, as `merge`'s default).
@@ -155,6 +156,13 @@ def unmerge(
             )
         base = weight
         if not _base_alone(ids, node):
+            if weight is node.base:  # merge returns new arrays where it adds
+                raise ValueError(
+                    f"unmerge: at the LoRA `{node.name}` the merged model holds "
+                    "the LoRA's own base, which no adapter was merged into: "
+                    "subtracting one would change the base.\nHint: pass the "
+                    "model merge() returned, not the model add_lora adapted."
+                )
             base = fn(weight, node.a, node.b, ids, -node.scaling, node.orientation)
         return eqx.tree_at(lambda lo: lo.base, node, base)
 
