@@ -80,6 +80,7 @@ def add_lora(
     alpha = _check_alpha(rank if alpha is None else alpha)
     count = itertools.count()
     adapted = _adapted_names(model)
+    _check_modules(model, targets)
 
     def make(w: object, depth: int, name: str, orientation: Orientation) -> LoRA:
         base = cast(Array | Quantized, w)
@@ -149,6 +150,22 @@ def _check_target(
             "pick a rank well below the smaller side."
         )
     return axes, shape
+
+
+def _check_modules(model: PyTree, targets: object) -> None:
+    # A targeted module whose weight is a LoRA already: say so, rather than that
+    # it has no array weight.
+    items = targets if isinstance(targets, (list, tuple)) else [targets]
+    kinds = tuple(t for t in items if isinstance(t, type))
+    is_kind = lambda x: bool(kinds) and isinstance(x, kinds)  # noqa: E731
+    for path, node in jtu.tree_leaves_with_path(model, is_leaf=is_kind):
+        if is_kind(node) and is_lora(getattr(node, "weight", None)):
+            raise ValueError(
+                f"add_lora: the {type(node).__name__} at `{jtu.keystr(path)}` is "
+                "adapted already: its weight is a LoRA.\nHint: give add_lora "
+                "num_adapters= for several adapters, or adapt "
+                "`adapters.merge(model)`'s weights."
+            )
 
 
 def _adapted_names(model: PyTree) -> list[str]:
