@@ -63,12 +63,19 @@ def _add_delta(
     b = b.reshape((-1,) + b.shape[-3:])
     ids = ids.reshape(-1)
 
+    wide = weight.dtype if jnp.finfo(weight.dtype).bits >= 32 else jnp.float32
+
     def one(i: Array, w: Array) -> Array:
         k, num = ids[i], a.shape[1]
         ai, bi = a[i, jnp.clip(k, 0, num - 1)], b[i, jnp.clip(k, 0, num - 1)]
-        delta = ai @ bi if orientation == "x@W" else bi @ ai
-        used = (k >= 0) & (k < num)
-        return w.at[i].add(jnp.where(used, scale * delta, 0).astype(w.dtype))
+        pair = (ai, bi) if orientation == "x@W" else (bi, ai)
+        delta = jnp.matmul(*pair, preferred_element_type=wide)
+        change = jnp.where((k >= 0) & (k < num), scale * delta, 0)
+        if w.dtype == wide:  # added in place
+            return w.at[i].add(change)
+        # A narrower weight (bfloat16): the exact sum rounded once, not a
+        # rounded delta added with a second rounding.
+        return w.at[i].set((w[i].astype(wide) + change).astype(w.dtype))
 
     return jax.lax.fori_loop(0, flat.shape[0], one, flat).reshape(shape)
 
