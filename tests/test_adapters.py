@@ -332,6 +332,10 @@ def test_init_is_pefts(getkey):
     assert len({tuple(np.asarray(r).round(6)) for r in flat}) == 6
     # The same key gives the same adapters whatever the mode.
     np.testing.assert_array_equal(lora.a, two.blocks.layers.w1.a)
+    # Two weights of one shape get adapters of their own.
+    w = jr.normal(getkey(), (4, 4))
+    pair = adapters.add_lora(TwoDense(w, w), ["w", "v"], rank=2, key=key)
+    assert not np.allclose(pair.w.a, pair.v.a)
     # b = 0: the adapted model starts as the base.
     x = jr.normal(getkey(), (2, 8))
     np.testing.assert_allclose(one(x), model(x), rtol=1e-6, atol=1e-6)
