@@ -157,9 +157,9 @@ def _check_modules(model: PyTree, targets: object) -> None:
     # it has no array weight.
     items = targets if isinstance(targets, (list, tuple)) else [targets]
     kinds = tuple(t for t in items if isinstance(t, type))
-    is_kind = lambda x: bool(kinds) and isinstance(x, kinds)  # noqa: E731
+    is_kind = lambda x: isinstance(x, kinds)  # noqa: E731
     for path, node in jtu.tree_leaves_with_path(model, is_leaf=is_kind):
-        if is_kind(node) and is_lora(getattr(node, "weight", None)):
+        if kinds and is_kind(node) and is_lora(getattr(node, "weight", None)):
             raise ValueError(
                 f"add_lora: the {type(node).__name__} at `{jtu.keystr(path)}` is "
                 "adapted already: its weight is a LoRA.\nHint: give add_lora "
