@@ -1,6 +1,8 @@
 """LoRA adapters: the product from the stored base and adapters, against
 hand-written references."""
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -72,6 +74,24 @@ def test_a_wider_input_keeps_the_adapters_term_wide(getkey, orientation):
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("orientation", ["x@W", "W@x"])
+def test_dropout_masks_the_adapters_input(getkey, orientation):
+    # A quarter of x's entries dropped (the rest scaled by 4/3) on the way into
+    # the adapters only, in either orientation; the base sees x whole.
+    key = getkey()
+    lora = _lora(getkey, orientation)
+    lora = dataclasses.replace(lora, dropout=0.25, key=key)
+    x = jr.normal(getkey(), (3, 6) if orientation == "x@W" else (5, 4))
+    dropped = jnp.where(jr.bernoulli(key, 0.75, x.shape), x / 0.75, 0.0)
+    if orientation == "x@W":
+        expected = x @ lora.base + 2.0 * (dropped @ lora.a[1]) @ lora.b[1]
+        got = x @ lora
+    else:
+        expected = lora.base @ x + 2.0 * lora.b[1] @ (lora.a[1] @ dropped)
+        got = lora @ x
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_base_alone_ignores_a_non_finite_adapter(getkey):
     lora = _lora(getkey, active=-1)
     lora = eqx.tree_at(lambda lo: lo.a, lora, lora.a.at[0].set(jnp.nan))
@@ -82,16 +102,19 @@ def test_base_alone_ignores_a_non_finite_adapter(getkey):
 def test_base_alone_gives_adapters_no_gradient(getkey):
     lora = _lora(getkey, active=-1)
     x = jr.normal(getkey(), (6,))
-    grads = eqx.filter_jit(eqx.filter_grad(lambda lo: jnp.sum(x @ lo)))(lora)
-    assert not jnp.any(grads.a) and not jnp.any(grads.b) and jnp.all(grads.base)
+    loss = lambda lo_x: jnp.sum(lo_x[1] @ lo_x[0])  # noqa: E731
+    grads, dx = eqx.filter_jit(eqx.filter_grad(loss))((lora, x))
+    assert not jnp.any(grads.a) and not jnp.any(grads.b) and not jnp.any(grads.base)
+    np.testing.assert_allclose(dx, lora.base.sum(-1), rtol=1e-6)
 
 
 def test_a_traced_active_selects_per_row(getkey):
     lora = _lora(getkey)
-    xs, ids = jr.normal(getkey(), (4, 6)), jnp.array([0, 2, -1, 1])
+    # 3 is no adapter of the 3: as -1, the base alone.
+    xs, ids = jr.normal(getkey(), (5, 6)), jnp.array([0, 2, -1, 1, 3])
     rows = jax.vmap(lambda x, i: x @ eqx.tree_at(lambda lo: lo.active, lora, i))
     expected = [
-        x @ lora.base + (2.0 * (x @ lora.a[i]) @ lora.b[i] if i >= 0 else 0)
+        x @ lora.base + (2.0 * (x @ lora.a[i]) @ lora.b[i] if 0 <= i < 3 else 0)
         for x, i in zip(xs, ids.tolist())
     ]
     np.testing.assert_allclose(rows(xs, ids), jnp.stack(expected), rtol=1e-5)
@@ -309,6 +332,10 @@ def test_init_is_pefts(getkey):
     assert len({tuple(np.asarray(r).round(6)) for r in flat}) == 6
     # The same key gives the same adapters whatever the mode.
     np.testing.assert_array_equal(lora.a, two.blocks.layers.w1.a)
+    # Two weights of one shape get adapters of their own.
+    w = jr.normal(getkey(), (4, 4))
+    pair = adapters.add_lora(TwoDense(w, w), ["w", "v"], rank=2, key=key)
+    assert not np.allclose(pair.w.a, pair.v.a)
     # b = 0: the adapted model starts as the base.
     x = jr.normal(getkey(), (2, 8))
     np.testing.assert_allclose(one(x), model(x), rtol=1e-6, atol=1e-6)
@@ -340,6 +367,11 @@ def test_add_lora_errors(getkey):
         adapters.add_lora(model, "*.w1", rank=2, orientation="xW", key=getkey())
     with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\)"):
         adapters.add_lora(model, "*.w1", rank=2, dropout=1.0, key=getkey())
+    # A module type whose weight is adapted already.
+    stack = eqxscan.Stacked(lambda k: LinearBlock(4, key=k), 2, key=getkey())
+    once = adapters.add_lora(stack, [eqx.nn.Linear], rank=2, key=getkey())
+    with pytest.raises(ValueError, match=r"Linear at `.layers.linear` is adapted al"):
+        adapters.add_lora(once, eqx.nn.Linear, rank=2, key=getkey())
     for alpha in (0.0, -2.0, float("nan")):
         with pytest.raises(ValueError, match="alpha must be a positive finite"):
             adapters.add_lora(model, "*.w1", rank=2, alpha=alpha, key=getkey())
@@ -403,11 +435,11 @@ def test_select_errors(getkey):
 def test_dropout_on_the_adapter_input(getkey):
     model = eqxscan.StackedMLP(8, 2, key=getkey())
     model = adapters.add_lora(
-        model, ["*.w1", "*.w2"], rank=2, alpha=4.0, dropout=0.5, key=getkey()
+        model, ["*.w1", "*.w2"], rank=2, alpha=4.0, dropout=0.25, key=getkey()
     )
     model = _random_b(model, getkey())
     x = jr.normal(getkey(), (2, 8))
-    with pytest.raises(ValueError, match=r"LoRA at `blocks.\*.w1` has dropout=0.5"):
+    with pytest.raises(ValueError, match=r"LoRA at `blocks.\*.w1` has dropout=0.25"):
         model(x)
     keyed = adapters.with_dropout_key(model, getkey())
     w1, w2 = keyed.blocks.layers.w1, keyed.blocks.layers.w2
@@ -416,9 +448,9 @@ def test_dropout_on_the_adapter_input(getkey):
     assert len({tuple(np.asarray(data(k)).ravel()) for k in [*w1.key, *w2.key]}) == 4
 
     def dropped(w, h, i):
-        keep = jr.bernoulli(w.key[i], 0.5, h.shape)
+        keep = jr.bernoulli(w.key[i], 0.75, h.shape)  # drops a quarter
         lo = _at(w, i)
-        return h @ lo.base + S * (jnp.where(keep, h / 0.5, 0.0) @ lo.a[0]) @ lo.b[0]
+        return h @ lo.base + S * (jnp.where(keep, h / 0.75, 0.0) @ lo.a[0]) @ lo.b[0]
 
     def reference(m, x):
         layers = m.blocks.layers
@@ -571,3 +603,41 @@ def test_layerwise_optimiser_trains_only_the_adapters(getkey):
     adapter_bytes = sum(a.nbytes for a in adapters_of(model))
     moments = [a for a in jax.tree.leaves(state) if a.ndim >= 3]
     assert sum(a.nbytes for a in moments) == 2 * adapter_bytes
+
+
+def test_the_base_is_frozen(getkey):
+    # The model differentiated whole (Equinox's usual loop): a LoRA's base, also
+    # a quantized one's scales, gets an exactly zero gradient, the adapters
+    # their gradient as with the documented partition, and Adam over every
+    # float array leaves the base as it was.
+    model = eqxscan.StackedMLP(8, 2, key=getkey())
+    model = eqxscan.quant.quantize(model, "blocks.*.w1")
+    model = adapters.add_lora(
+        model, ["blocks.*.w1", "*.w2"], rank=2, alpha=4.0, key=getkey()
+    )
+    model = _random_b(model, getkey())
+    x = jr.normal(getkey(), (2, 8))
+    tx = optax.adam(0.1)
+    params, static = eqx.partition(model, adapters.trainable(model))
+
+    @eqx.filter_jit
+    def run(model, params):
+        whole = eqx.filter_grad(lambda m: jnp.sum(m(x) ** 2))(model)
+        parted = jax.grad(lambda p: jnp.sum(eqx.combine(p, static)(x) ** 2))(params)
+        floats = eqx.filter(model, eqx.is_inexact_array)
+        updates, _ = tx.update(whole, tx.init(floats), floats)
+        return whole, parted, eqx.apply_updates(model, updates)
+
+    with jax.numpy_dtype_promotion("standard"):  # optax's int32 step count
+        whole, parted, trained = run(model, params)
+    w1, w2 = whole.blocks.layers.w1, whole.blocks.layers.w2
+    for base in (w1.base.scales, w2.base):
+        assert base.shape[0] == 2 and not np.any(base)
+    _assert_close(eqx.filter(whole, adapters.trainable(model)), parted)
+    assert np.any(parted.blocks.layers.w1.a) and np.any(parted.blocks.layers.w2.b)
+    for lora, new in zip(
+        (model.blocks.layers.w1, model.blocks.layers.w2),
+        (trained.blocks.layers.w1, trained.blocks.layers.w2),
+    ):
+        assert eqx.tree_equal(new.base, lora.base)
+        assert not np.allclose(new.b, lora.b)

@@ -123,6 +123,27 @@ def test_merge_and_unmerge(getkey):
     )
 
 
+def test_a_bfloat16_merge_rounds_once(getkey):
+    # The exact base + delta (float32), rounded once to bfloat16; and back.
+    model = eqxscan.StackedMLP(16, 2, key=getkey(), dtype=jnp.bfloat16)
+    model = _random_b(adapters.add_lora(model, "*.w1", rank=4, key=getkey()), getkey())
+    model = eqx.tree_at(
+        lambda m: m.blocks.layers.w1.b,
+        model,
+        model.blocks.layers.w1.b.astype("bfloat16"),
+    )
+    lo = model.blocks.layers.w1
+    a, b = (x[:, 0].astype(jnp.float32) for x in (lo.a, lo.b))
+    exact = lo.base.astype(jnp.float32) + jnp.einsum("lir,lro->lio", a, b)
+    merged = adapters.merge(model).blocks.layers.w1
+    np.testing.assert_array_equal(merged, exact.astype(jnp.bfloat16))
+    back = adapters.unmerge(adapters.merge(model), model).blocks.layers.w1.base
+    assert back.dtype == jnp.bfloat16
+    # Within an ulp of the merged weights (bfloat16 has 8 bits).
+    ulp = 2**-7 * float(jnp.max(jnp.abs(merged.astype(jnp.float32))))
+    np.testing.assert_allclose(back.astype(jnp.float32), lo.base, rtol=0, atol=ulp)
+
+
 def test_merge_follows_select(getkey):
     # Without `adapter`, merge and unmerge take the adapter each layer has
     # selected: the merged model computes what the adapted one does.
@@ -192,6 +213,13 @@ def test_merge_errors(getkey):
         ValueError, match=r"unmerge: at the LoRA `blocks.\*.w1`.*float32\[2,8,8\]"
     ):
         adapters.unmerge(wrong, model)
+    # The model the LoRAs were added to holds their bases, never merged.
+    plain = eqxscan.StackedMLP(8, 2, key=getkey())
+    adapted = adapters.add_lora(plain, "*.w1", rank=2, key=getkey())
+    with pytest.raises(ValueError, match=r"`blocks.\*.w1`.*own base, which no"):
+        adapters.unmerge(plain, adapted)
+    back = adapters.unmerge(plain, adapted, -1)  # the base alone: nothing merged
+    assert back.blocks.layers.w1.base is plain.blocks.layers.w1
 
 
 def test_fsdp_base_with_replicated_adapters(getkey):

@@ -322,6 +322,18 @@ def test_fused_and_reshaped_weights(base, tmp_path):
     assert "as 'model.layers.0.mlp.down_proj.kernel', not a PyTorch" in str(error.value)
 
 
+def test_rslora_scaling(base, tmp_path):
+    # use_rslora: PEFT scales by lora_alpha / sqrt(r) = 8 / 2, which a LoRA
+    # matches with alpha = 4 * rank, not with alpha = lora_alpha.
+    _, names, model = base
+    directory = _fabricate(tmp_path, config={"use_rslora": True})
+    with pytest.raises(ValueError, match=r"scales its adapters by 4 \(lora_alpha="):
+        load_peft(_adapted(model), directory, names)
+    loaded = load_peft(_adapted(model, alpha=16.0), directory, names)
+    a = loaded.blocks.layers.w2.a
+    np.testing.assert_array_equal(a[2, 0], FILE[DOWN.format(i=2, f="A")].T)
+
+
 @pytest.mark.parametrize(
     "text, message",
     [

@@ -80,6 +80,7 @@ def add_lora(
     alpha = _check_alpha(rank if alpha is None else alpha)
     count = itertools.count()
     adapted = _adapted_names(model)
+    _check_modules(model, targets)
 
     def make(w: object, depth: int, name: str, orientation: Orientation) -> LoRA:
         base = cast(Array | Quantized, w)
@@ -151,6 +152,22 @@ def _check_target(
     return axes, shape
 
 
+def _check_modules(model: PyTree, targets: object) -> None:
+    # A targeted module whose weight is a LoRA already: say so, rather than that
+    # it has no array weight.
+    items = targets if isinstance(targets, (list, tuple)) else [targets]
+    kinds = tuple(t for t in items if isinstance(t, type))
+    is_kind = lambda x: isinstance(x, kinds)  # noqa: E731
+    for path, node in jtu.tree_leaves_with_path(model, is_leaf=is_kind):
+        if kinds and is_kind(node) and is_lora(getattr(node, "weight", None)):
+            raise ValueError(
+                f"add_lora: the {type(node).__name__} at `{jtu.keystr(path)}` is "
+                "adapted already: its weight is a LoRA.\nHint: give add_lora "
+                "num_adapters= for several adapters, or adapt "
+                "`adapters.merge(model)`'s weights."
+            )
+
+
 def _adapted_names(model: PyTree) -> list[str]:
     """The state-dict names (layer indices as `*`) of `model`'s LoRAs."""
     found, names = {id(lo.a) for lo in loras(model)}, []
@@ -180,11 +197,13 @@ def trainable(model: PyTree) -> PyTree[bool]:
     """A filter spec, `True` exactly on the adapters (`a`, `b`) of every
     [`eqxscan.adapters.LoRA`][]: `eqx.partition(model, adapters.trainable(model))`
     splits off the adapters, to differentiate and update alone (gradients and
-    optimiser state for the adapters only). An optimiser over all of a model's
-    arrays takes it as labels, `optax.multi_transform({True: tx, False:
-    optax.set_to_zero()}, adapters.trainable)`; not `optax.masked(tx, ...)`,
-    which passes the other arrays' gradients through as their updates (the
-    base would move).
+    optimiser state for the adapters only). A LoRA's base has a zero gradient,
+    but the model's other float arrays (norm scales, biases) do not: an
+    optimiser over all of a model's arrays takes `trainable` as labels,
+    `optax.multi_transform({True: tx, False: optax.set_to_zero()},
+    adapters.trainable)`; not `optax.masked(tx, ...)`, which passes the other
+    arrays' gradients through as their updates (and weight decay would move
+    the base).
 
     **Arguments:**
 

@@ -5,6 +5,7 @@ without forming `base + delta`, and a scan hands each layer its slices."""
 from typing import Literal, NoReturn
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
@@ -27,7 +28,8 @@ class LoRA(eqx.Module):
     (dropout(x) @ a[k]) @ b[k]`, and `lora @ x` (orientation `"W@x"`) is
     `base @ x + (alpha / rank) * b[k] @ (a[k] @ dropout(x))`, with `k = active`;
     `active == -1` (or any other id outside `[0, K)`) gives the base alone.
-    `base + delta` is never formed.
+    `base + delta` is never formed, and the base is frozen: its gradient is
+    zero (`jax.lax.stop_gradient`), also in `eqx.filter_grad(loss)(model)`.
 
     Shapes, per layer (inside a [`eqxscan.Stacked`][] each array has the layer
     axes in front):
@@ -96,7 +98,7 @@ class LoRA(eqx.Module):
         x = jnp.asarray(x)
         k = self._adapter()
         delta = (self._dropped(x) @ self.a[k]) @ self.b[k]
-        y = x @ self.base
+        y = x @ self._frozen()
         return y + self._masked(delta, y.dtype)
 
     def __matmul__(self, x: Array | np.ndarray) -> Array:
@@ -105,8 +107,14 @@ class LoRA(eqx.Module):
         x = jnp.asarray(x)
         k = self._adapter()
         delta = self.b[k] @ (self.a[k] @ self._dropped(x))
-        y = self.base @ x
+        y = self._frozen() @ x
         return y + self._masked(delta, y.dtype)
+
+    def _frozen(self) -> Array | Quantized:
+        # The base gets a zero gradient, also when a model is differentiated
+        # whole (`eqx.filter_grad`): an optimiser over every float array then
+        # leaves it (and a quantized base's scales) as it is.
+        return jax.lax.stop_gradient(self.base)
 
     def _adapter(self) -> Array:
         # Out of range (-1: the base alone) reads a valid adapter, whose term is

@@ -63,12 +63,19 @@ def _add_delta(
     b = b.reshape((-1,) + b.shape[-3:])
     ids = ids.reshape(-1)
 
+    wide = weight.dtype if jnp.finfo(weight.dtype).bits >= 32 else jnp.float32
+
     def one(i: Array, w: Array) -> Array:
         k, num = ids[i], a.shape[1]
         ai, bi = a[i, jnp.clip(k, 0, num - 1)], b[i, jnp.clip(k, 0, num - 1)]
-        delta = ai @ bi if orientation == "x@W" else bi @ ai
-        used = (k >= 0) & (k < num)
-        return w.at[i].add(jnp.where(used, scale * delta, 0).astype(w.dtype))
+        pair = (ai, bi) if orientation == "x@W" else (bi, ai)
+        delta = jnp.matmul(*pair, preferred_element_type=wide)
+        change = jnp.where((k >= 0) & (k < num), scale * delta, 0)
+        if w.dtype == wide:  # added in place
+            return w.at[i].add(change)
+        # A narrower weight (bfloat16): the exact sum rounded once, not a
+        # rounded delta added with a second rounding.
+        return w.at[i].set((w[i].astype(wide) + change).astype(w.dtype))
 
     return jax.lax.fori_loop(0, flat.shape[0], one, flat).reshape(shape)
 
@@ -129,7 +136,8 @@ def unmerge(
     **Arguments:**
 
     - `merged`: what [`eqxscan.adapters.merge`][] returned (possibly changed since
-      in its arrays other than the merged weights, which are kept).
+      in its arrays other than the merged weights, which are kept). The model
+      `add_lora` adapted holds the LoRAs' own bases, and is refused.
     - `adapted`: the model it was merged from (only its adapters are read).
     - `adapter`: the adapter that was merged (`None`: the ones `adapted` has
       selected, as `merge`'s default).
@@ -155,6 +163,13 @@ def unmerge(
             )
         base = weight
         if not _base_alone(ids, node):
+            if weight is node.base:  # merge returns new arrays where it adds
+                raise ValueError(
+                    f"unmerge: at the LoRA `{node.name}` the merged model holds "
+                    "the LoRA's own base, which no adapter was merged into: "
+                    "subtracting one would change the base.\nHint: pass the "
+                    "model merge() returned, not the model add_lora adapted."
+                )
             base = fn(weight, node.a, node.b, ids, -node.scaling, node.orientation)
         return eqx.tree_at(lambda lo: lo.base, node, base)
 
