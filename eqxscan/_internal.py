@@ -35,6 +35,7 @@ from ._features.early_exit import (
 )
 from ._features.layer_subsets import Layers as Layers, run_layers as run_layers
 from ._helpers.checks import (
+    check_bool as check_bool,
     check_callable as check_callable,
     check_index as check_index,
     check_path as check_path,
