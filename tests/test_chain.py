@@ -289,7 +289,8 @@ def test_carry_may_change_at_lone_layers(getkey):
     assert tree_allclose(chain(x), loop(layers, x))
 
 
-def test_scan_collects_every_layer(getkey):
+@pytest.mark.parametrize("reverse", [False, True])
+def test_scan_collects_every_layer(reverse, getkey):
     class Out(eqx.Module):
         inner: eqx.Module
 
@@ -302,14 +303,23 @@ def test_scan_collects_every_layer(getkey):
     assert layout(chain) == [(0, 1, 0), (1, 6, 3), (7, 2, 1)]
     x = jr.normal(getkey(), (D,))
     bias = jr.normal(getkey(), (len(layers), D))
-    y, ys = chain.scan(x, bias=eqxscan.per_layer(bias))
-    ref = []
+    y, ys = chain.scan(x, bias=eqxscan.per_layer(bias), reverse=reverse)
+    ref = [None] * len(layers)
     h = x
-    for i, layer in enumerate(layers):
-        h, d = layer(h, bias=bias[i])
-        ref.append(d)
+    # `ys[i]` is layer i's, whichever way the layers ran.
+    for i in reversed(range(len(layers))) if reverse else range(len(layers)):
+        h, ref[i] = layers[i](h, bias=bias[i])
     assert tree_allclose(y, h)
     assert tree_allclose(ys, jnp.stack(ref))
+
+
+def test_indexing_finds_layers_in_every_group(getkey):
+    # A lone layer, then a repeated pattern and a stack that start after it.
+    layers = build("CAABAABAA", getkey())
+    chain = eqxscan.Chain(layers)
+    assert layout(chain) == [(0, 1, 0), (1, 6, 3), (7, 2, 1)]
+    for i in range(-len(layers), len(layers)):
+        assert tree_allclose(chain[i], layers[i]), i
 
 
 def test_with_options_keeps_weights(getkey):

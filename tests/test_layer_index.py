@@ -141,6 +141,16 @@ def test_outside_a_layer_is_an_error(getkey):
     with pytest.raises(RuntimeError, match="outside a layer"):
         Plain()(jnp.ones(()))
 
+    # A Recurrent's steps are time steps, not layers: its cell gets no index
+    # (not the time step, read as a layer's).
+    class Cell(eqx.Module):
+        def __call__(self, x, h):
+            return h + x * _f(eqxscan.layer_index())
+
+    for mode in ("scan", "loop"):
+        with pytest.raises(RuntimeError, match="outside a layer"):
+            eqxscan.Recurrent(Cell(), mode=mode)(jnp.zeros(()), jnp.ones(3))
+
 
 CHOICES = {
     "list": ([1, 3, 4], [1, 3, 4]),
