@@ -73,6 +73,19 @@ def test_stacked_traced_in_scan_int_in_loop(getkey):
     np.testing.assert_array_equal(stack(x, reverse=True), [0, 1, 2, 3])
 
 
+def test_index_returned_as_y_is_stacked(getkey):
+    # A layer may return its index as a `y`: traced in a scan, a Python int
+    # per step in the loop, which stacks the ints as the scan stacks the array.
+    class Emit(eqx.Module):
+        def __call__(self, x):
+            return x, eqxscan.layer_index()
+
+    stack = eqxscan.Stacked(lambda k: Emit(), 4, key=getkey())
+    for mode in ("scan", "loop"):
+        _, ys = stack.with_options(mode=mode).scan(jnp.zeros(()))
+        np.testing.assert_array_equal(ys, [0, 1, 2, 3])
+
+
 @pytest.mark.parametrize("mode", ["scan", "loop"])
 def test_stacked_vmap_gives_each_layer_its_index(mode, getkey):
     layers = build("BBB", getkey())
