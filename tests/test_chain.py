@@ -289,7 +289,8 @@ def test_carry_may_change_at_lone_layers(getkey):
     assert tree_allclose(chain(x), loop(layers, x))
 
 
-def test_scan_collects_every_layer(getkey):
+@pytest.mark.parametrize("reverse", [False, True])
+def test_scan_collects_every_layer(reverse, getkey):
     class Out(eqx.Module):
         inner: eqx.Module
 
@@ -302,14 +303,42 @@ def test_scan_collects_every_layer(getkey):
     assert layout(chain) == [(0, 1, 0), (1, 6, 3), (7, 2, 1)]
     x = jr.normal(getkey(), (D,))
     bias = jr.normal(getkey(), (len(layers), D))
-    y, ys = chain.scan(x, bias=eqxscan.per_layer(bias))
-    ref = []
+    y, ys = chain.scan(x, bias=eqxscan.per_layer(bias), reverse=reverse)
+    ref = {}
     h = x
-    for i, layer in enumerate(layers):
-        h, d = layer(h, bias=bias[i])
-        ref.append(d)
+    # `ys[i]` is layer i's, whichever way the layers ran.
+    for i in reversed(range(len(layers))) if reverse else range(len(layers)):
+        h, ref[i] = layers[i](h, bias=bias[i])
     assert tree_allclose(y, h)
-    assert tree_allclose(ys, jnp.stack(ref))
+    assert tree_allclose(ys, jnp.stack([ref[i] for i in range(len(layers))]))
+
+
+def test_indexing_finds_layers_in_every_group(getkey):
+    # A lone layer, then a repeated pattern and a stack that start after it.
+    layers = build("CAABAABAA", getkey())
+    chain = eqxscan.Chain(layers)
+    assert layout(chain) == [(0, 1, 0), (1, 6, 3), (7, 2, 1)]
+    for i in range(-len(layers), len(layers)):
+        assert tree_allclose(chain[i], layers[i]), i
+
+
+def test_carry_error_names_the_layer_by_its_index_in_the_chain():
+    # The loop knows which step of a stack changed the carry: the error names
+    # it by its index in the chain, after the lone layer before the stack.
+    class Cut(eqx.Module):
+        w: Array
+
+        def __call__(self, x):
+            return x * self.w if eqxscan.layer_index() < 3 else x[:1]
+
+    class Lone(eqx.Module):
+        def __call__(self, x):
+            return x + 1.0
+
+    chain = eqxscan.Chain([Lone()] + [Cut(jnp.ones(2)) for _ in range(3)], mode="loop")
+    assert layout(chain) == [(0, 1, 0), (1, 3, 1)]
+    with pytest.raises(TypeError, match=r"^Chain layer 3 \(Cut\) changed carry"):
+        chain(jnp.ones(2))
 
 
 def test_with_options_keeps_weights(getkey):

@@ -128,6 +128,7 @@ def test_min_and_max_layers_static_and_traced(stack):
     sums = _depth_sums(layers, x)
     t = (sums[1] + sums[2]) / 2  # holds after 2 layers
     pred = _norm_above(t)
+    loop = stack.with_options(mode="loop")
 
     @jax.jit
     def f(stack, x, lo, hi):
@@ -137,9 +138,12 @@ def test_min_and_max_layers_static_and_traced(stack):
         want, m = _hand_until(layers, x, pred, lo=lo, hi=hi)
         got, n = eqxscan.run_until(stack, x, pred, min_layers=lo, max_layers=hi)
         traced, k = f(stack, x, jnp.int32(lo), jnp.int32(hi))
-        assert int(n) == int(k) == m
+        # `mode="loop"` masks the layers past the stop rather than skipping them.
+        looped, j = eqxscan.run_until(loop, x, pred, min_layers=lo, max_layers=hi)
+        assert int(n) == int(k) == int(j) == m
         np.testing.assert_allclose(got, want, rtol=1e-6)
         np.testing.assert_allclose(traced, want, rtol=1e-6)
+        np.testing.assert_allclose(looped, want, rtol=1e-6)
     assert f._cache_size() == 1
 
 

@@ -73,6 +73,19 @@ def test_stacked_traced_in_scan_int_in_loop(getkey):
     np.testing.assert_array_equal(stack(x, reverse=True), [0, 1, 2, 3])
 
 
+def test_index_returned_as_y_is_stacked(getkey):
+    # A layer may return its index as a `y`: traced in a scan, a Python int
+    # per step in the loop, which stacks the ints as the scan stacks the array.
+    class Emit(eqx.Module):
+        def __call__(self, x):
+            return x, eqxscan.layer_index()
+
+    stack = eqxscan.Stacked(lambda k: Emit(), 4, key=getkey())
+    for mode in ("scan", "loop"):
+        _, ys = stack.with_options(mode=mode).scan(jnp.zeros(()))
+        np.testing.assert_array_equal(ys, [0, 1, 2, 3])
+
+
 @pytest.mark.parametrize("mode", ["scan", "loop"])
 def test_stacked_vmap_gives_each_layer_its_index(mode, getkey):
     layers = build("BBB", getkey())
@@ -140,6 +153,16 @@ def test_outside_a_layer_is_an_error(getkey):
     # A layer called by hand is not run by a container.
     with pytest.raises(RuntimeError, match="outside a layer"):
         Plain()(jnp.ones(()))
+
+    # A Recurrent's steps are time steps, not layers: its cell gets no index
+    # (not the time step, read as a layer's).
+    class Cell(eqx.Module):
+        def __call__(self, x, h):
+            return h + x * _f(eqxscan.layer_index())
+
+    for mode in ("scan", "loop"):
+        with pytest.raises(RuntimeError, match="outside a layer"):
+            eqxscan.Recurrent(Cell(), mode=mode)(jnp.zeros(()), jnp.ones(3))
 
 
 CHOICES = {

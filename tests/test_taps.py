@@ -264,6 +264,27 @@ def test_grad_taps_in_a_chain(pattern, getkey):
         )
 
 
+def test_grad_taps_of_two_calls_follow_each_other(getkey):
+    # One probe over a function that calls two stacks: the second call's rows
+    # follow the first's.
+    first, second = build("AAA", getkey()), build("AA", getkey())
+    s1, s2 = eqxscan.Stacked.from_layers(first), eqxscan.Stacked.from_layers(second)
+    x = jr.normal(getkey(), (D,))
+    p = eqxscan.probe(rms, x, len(first) + len(second))
+
+    def loss(p):
+        y, _ = eqxscan.tap(lambda x: s2(s1(x)), probe=p)(x)
+        return loss_fn(y)
+
+    h = x
+    for layer in first:
+        h = layer(h)
+    early = hand_cotangents(first, x, lambda y: loss_fn(s2(y)))
+    late = hand_cotangents(second, h, loss_fn)
+    want = jnp.stack([rms(c) for c in early + late])
+    np.testing.assert_allclose(jax.grad(loss)(p).values, want, rtol=1e-5)
+
+
 def test_grad_taps_per_time_step(getkey):
     cell = eqxscan.ElmanCell(3, D, key=getkey())
     xs = jr.normal(getkey(), (5, 3))
