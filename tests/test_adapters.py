@@ -641,3 +641,51 @@ def test_the_base_is_frozen(getkey):
     ):
         assert eqx.tree_equal(new.base, lora.base)
         assert not np.allclose(new.b, lora.b)
+
+
+@pytest.mark.parametrize("container", ["Stacked", "Chain"])
+def test_the_equinox_training_loop_trains_the_adapters(getkey, container):
+    # Equinox's usual loop (Adam over `eqx.filter(model, eqx.is_array)`, the
+    # gradient of the whole model) on a model whose every weight is adapted:
+    # the adapters the documented partition route gives, the bases as they were.
+    if container == "Stacked":
+        model = eqxscan.Stacked(lambda k: Dense(jr.normal(k, (4, 4))), 3, key=getkey())
+        targets = "*.w"
+    else:  # a stacked group and a lone layer
+        layers = [Dense(jr.normal(getkey(), (4, 4))) for _ in range(2)]
+        layers += [TwoDense(jr.normal(getkey(), (4, 3)), jr.normal(getkey(), (3, 4)))]
+        model, targets = eqxscan.Chain(layers), ["*.w", "*.v"]
+    model = adapters.add_lora(model, targets, rank=2, num_adapters=2, key=getkey())
+    model = adapters.select(_random_b(model, getkey()), 1)
+    x = jr.normal(getkey(), (3, 4))
+    tx = optax.adam(1e-2)
+    loss = lambda m: jnp.sum(m(x) ** 2)  # noqa: E731
+
+    @eqx.filter_jit
+    def step(model, state):
+        grads = eqx.filter_grad(loss)(model)
+        updates, state = tx.update(grads, state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), state
+
+    spec = adapters.trainable(model)
+    params, static = eqx.partition(model, spec)
+
+    @jax.jit
+    def reference(params):
+        state = tx.init(params)
+        for _ in range(2):
+            grads = jax.grad(lambda p: loss(eqx.combine(p, static)))(params)
+            updates, state = tx.update(grads, state)
+            params = eqx.apply_updates(params, updates)
+        return params
+
+    with jax.numpy_dtype_promotion("standard"):  # optax's int32 step count
+        trained, state = model, tx.init(eqx.filter(model, eqx.is_array))
+        for _ in range(2):
+            trained, state = step(trained, state)
+        expected = reference(params)
+    _assert_close(eqx.filter(trained, spec), expected)
+    assert not eqx.tree_equal(eqx.filter(trained, spec), params)
+    assert eqx.tree_equal(
+        eqx.filter(trained, spec, inverse=True), eqx.filter(model, spec, inverse=True)
+    )

@@ -61,10 +61,9 @@ def test_the_base_is_not_copied(getkey):
     model = adapters.add_lora(
         base, ["*.w1", "*.w2"], rank=r, num_adapters=k, key=getkey()
     )
-    # Arrays: the base's, K adapters per weight and layer, and the ids.
+    # Arrays: the base's and K adapters per weight and layer (the id is an int).
     one_adapter = num_layers * (d * r + r * 4 * d) * 4 * 2  # w1 and w2, f32
-    ids = 2 * num_layers * 4
-    assert _nbytes(model) == _nbytes(base) + k * one_adapter + ids
+    assert _nbytes(model) == _nbytes(base) + k * one_adapter
     # A gradient's temporaries: the unadapted one's plus one layer's adapters
     # and activations when each layer is recomputed; when matmul outputs are
     # saved (remat="auto" here), also the adapter branch's (`x @ a`, then

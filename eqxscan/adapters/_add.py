@@ -101,7 +101,7 @@ def add_lora(
             base,
             a.reshape(axes + (num_adapters,) + a_shape),
             jnp.zeros(axes + (num_adapters,) + b_shape, base.dtype),
-            jnp.zeros(axes, jnp.int32),
+            0,
             alpha,
             rank,
             orientation,

@@ -39,11 +39,14 @@ class LoRA(eqx.Module):
     | `"x@W"` | `[in, out]` | `[K, in, r]` | `[K, r, out]` |
     | `"W@x"` | `[out, in]` | `[K, r, in]` | `[K, out, r]` |
 
-    `active` is the adapter used (an `int32` scalar per layer); the scaling is
-    `alpha / rank`. Besides PEFT's fields: `name`, the weight's state-dict name
-    (`"blocks.*.w1"`), for errors; `dropout`, the rate on the adapters' input,
-    with `inference` (set by `eqx.nn.inference_mode`) and `key` (set by
-    [`eqxscan.adapters.with_dropout_key`][], one key per layer).
+    `active` is the adapter used: an `int`, the same in every layer (not an
+    array, so that `eqx.filter(model, eqx.is_array)` and `eqx.filter_grad`
+    agree), or an integer array with the layer axes where
+    [`eqxscan.adapters.select`][] was given a traced id (under `jax.vmap`).
+    The scaling is `alpha / rank`. Besides PEFT's fields: `name`, the weight's
+    state-dict name (`"blocks.*.w1"`), for errors; `dropout`, the rate on the
+    adapters' input, with `inference` (set by `eqx.nn.inference_mode`) and
+    `key` (set by [`eqxscan.adapters.with_dropout_key`][], one key per layer).
 
     The base may be a [`eqxscan.quant.Quantized`][] (QLoRA), dequantized one
     layer at a time inside the scan.
@@ -57,7 +60,7 @@ class LoRA(eqx.Module):
     base: Float[Array, "*layers p q"] | Quantized
     a: Float[Array, "*layers k _ _"]
     b: Float[Array, "*layers k _ _"]
-    active: Int[Array, "*layers"]
+    active: int | Int[Array, "*layers"]
     alpha: float = eqx.field(static=True)
     rank: int = eqx.field(static=True)
     orientation: Orientation = eqx.field(static=True)
@@ -88,6 +91,11 @@ class LoRA(eqx.Module):
         return self.a.shape[-3]
 
     @property
+    def layer_axes(self) -> tuple[int, ...]:
+        """The shape of the layer axes in front of each array (`()` alone)."""
+        return tuple(self.a.shape[:-3])
+
+    @property
     def scaling(self) -> float:
         """`alpha / rank`, as PEFT scales its adapters."""
         return self.alpha / self.rank
@@ -116,9 +124,11 @@ class LoRA(eqx.Module):
         # leaves it (and a quantized base's scales) as it is.
         return jax.lax.stop_gradient(self.base)
 
-    def _adapter(self) -> Array:
+    def _adapter(self) -> int | Array:
         # Out of range (-1: the base alone) reads a valid adapter, whose term is
         # then masked out.
+        if isinstance(self.active, int):
+            return min(max(self.active, 0), self.num_adapters - 1)
         return jnp.clip(self.active, 0, self.num_adapters - 1)
 
     def _masked(self, delta: Array, dtype: np.dtype) -> Array:

@@ -21,11 +21,12 @@ def _ids(lora: LoRA, adapter: object, who: str) -> Array:
     """The adapter each layer of `lora` merges: `adapter`, checked, or where it
     is `None` the one `select` chose (`lora.active`, which may be traced)."""
     if adapter is None:
-        return lora.active
-    if isinstance(adapter, bool) or not isinstance(adapter, (int, np.integer)):
+        adapter = lora.active
+    elif isinstance(adapter, bool) or not isinstance(adapter, (int, np.integer)):
         raise TypeError(f"{who}: adapter must be an int, got {describe(adapter)}.")
-    check_adapter(lora, int(adapter), who, "adapter", "is the base alone")
-    return jnp.full(lora.active.shape, int(adapter), jnp.int32)
+    else:
+        check_adapter(lora, int(adapter), who, "adapter", "is the base alone")
+    return jnp.broadcast_to(jnp.asarray(adapter, jnp.int32), lora.layer_axes)
 
 
 def _base_alone(ids: Array, lora: LoRA) -> bool:

@@ -29,7 +29,9 @@ def select(model: PyTree, ids: Checked[int | Int[Array, ""]]) -> PyTree:
 
     **Returns:**
 
-    `model` with the `active` field of each `LoRA` set (broadcast to its layers).
+    `model` with the `active` field of each `LoRA` set: a concrete id as an
+    `int` (under `eqx.filter_jit`, a new id compiles anew), a traced one as an
+    integer array broadcast to the layer axes.
     """
     if isinstance(ids, bool) or not (
         isinstance(ids, (int, np.integer))
@@ -50,15 +52,17 @@ def select(model: PyTree, ids: Checked[int | Int[Array, ""]]) -> PyTree:
             "select: the model holds no LoRA.\nHint: add adapters first with "
             "eqxscan.adapters.add_lora."
         )
-    if not isinstance(ids, jax.core.Tracer):
+    if isinstance(ids, jax.core.Tracer):
+        # One id per layer, so that a scan hands each layer its own.
+        chosen = jnp.asarray(ids, jnp.int32)
+        active = [jnp.broadcast_to(chosen, lo.layer_axes) for lo in found]
+    else:
+        # A Python int: not an array leaf, so that `eqx.filter(model,
+        # eqx.is_array)` and `eqx.filter_grad` agree (a new id recompiles).
         for lora in found:
             check_adapter(lora, int(ids), "select", "ids", "selects the base alone")
-    chosen = jnp.asarray(ids, jnp.int32)
-    return eqx.tree_at(
-        lambda m: [lo.active for lo in loras(m)],
-        model,
-        [jnp.broadcast_to(chosen, lo.active.shape) for lo in found],
-    )
+        active = [int(ids)] * len(found)
+    return eqx.tree_at(lambda m: [lo.active for lo in loras(m)], model, active)
 
 
 def with_dropout_key(model: PyTree, key: Checked[PRNGKeyArray]) -> PyTree:
@@ -79,7 +83,7 @@ def with_dropout_key(model: PyTree, key: Checked[PRNGKeyArray]) -> PyTree:
     split_key(key, 1, "with_dropout_key")  # one PRNG key, or an error naming it
     found = loras(model)
     keys = [
-        jr.split(jr.fold_in(key, n), lo.active.shape) if lo.dropout > 0 else None
+        jr.split(jr.fold_in(key, n), lo.layer_axes) if lo.dropout > 0 else None
         for n, lo in enumerate(found)
     ]
     return eqx.tree_at(
