@@ -113,11 +113,13 @@ def test_quantized_weights_follow_the_float_weight(getkey):
 
 
 def test_leaves_with_only_layer_axes_are_replicated(getkey):
-    # min_size=0 shards every leaf that has an axis to split; a LoRA's `active`
-    # ([L]) and a scalar have none, and are replicated rather than an error.
+    # min_size=0 shards every leaf that has an axis to split; a LoRA's per-layer
+    # `active` ([L], as `select` makes of a traced id) and a scalar have none,
+    # and are replicated rather than an error.
     mesh = sharding.make_mesh()
     model = eqxscan.StackedMLP(16, 2, key=getkey())
     lora = adapters.add_lora(model, "*.w1", rank=2, key=getkey())
+    lora = eqx.tree_at(lambda m: m.blocks.layers.w1.active, lora, jnp.zeros(2, int))
     tree = (lora, jnp.ones(()))
     out = sharding.model_shardings(tree, mesh, min_size=0)
     assert out[0].blocks.layers.w1.active.spec == P() and out[1].spec == P()
