@@ -132,6 +132,8 @@ def test_reverse_stacked(mode, getkey):
     want, want_grads = value_and_grads(reference, stack, x)
     assert tree_allclose(out, want) and tree_allclose(grads, want_grads)
     assert jnp.allclose(stack(x, reverse=True), stack[::-1](x), atol=1e-6)
+    if mode == "scan":  # the scan fully unrolled runs backwards too
+        assert tree_allclose(run(stack.with_options(unroll=True), x), want)
     if mode == "scan":
         # No reversed copy of the weights: the scan runs backwards instead.
         scanned = stack.with_options(unroll=1)  # L=4 alone would be unrolled
