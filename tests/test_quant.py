@@ -659,3 +659,14 @@ def test_a_nonfinite_weight_is_named_by_its_layer_or_dequantizes_to_nan(getkey):
     for kind in ["int8", "int4", "fp8"]:
         got = traced(stack, kind).layers.w.dequantize()
         np.testing.assert_array_equal(np.isnan(got), expected)
+
+
+def test_a_float_layer_into_a_quantized_stack_is_named_by_its_type(getkey):
+    # The quantized weight's repr spans lines and was cut short, with no hint.
+    stack = eqxscan.Stacked(lambda k: eqx.nn.Linear(8, 8, key=k), 3, key=getkey())
+    q = quant.quantize(stack, "*.weight")
+    with pytest.raises(ValueError) as info:
+        q.with_layer(1, eqx.nn.Linear(8, 8, key=getkey()))
+    headline, hint = str(info.value).split("\n")
+    assert "at `.weight` layer 1 has type Quantized but the new layer has " in headline
+    assert "float32[8,8]" in headline and hint.startswith("Hint: ")

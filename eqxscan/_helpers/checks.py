@@ -176,7 +176,14 @@ def first_difference(
     def walk(a: object, b: Any, path: str) -> Found | None:
         if is_arraylike(a) or is_arraylike(b):
             if not (is_arraylike(a) and is_arraylike(b)):
-                return path, describe(a), describe(b)
+                # A module's repr spans lines and is cut short: its type says it.
+                kind = [
+                    f"type {type(x).__name__}"
+                    if isinstance(x, eqx.Module)
+                    else describe(x)
+                    for x in (a, b)
+                ]
+                return path, kind[0], kind[1]
             if a.shape != b.shape or jnp.dtype(a.dtype) != jnp.dtype(b.dtype):
                 return path, describe(a), describe(b)
             return None

@@ -205,11 +205,12 @@ def check_alike(
         diff = compare(layers[0], layer)
         assert diff is not None  # `alike` found them different
         hint = (
-            " These objects compare by identity only: create one and pass the same "
-            "object to every layer."
+            "\nHint: these objects compare by identity only: create one and pass "
+            "the same object to every layer."
             if diff.verdict == "unknown"
-            else " Stacked layers need identical structure, static fields, "
-            "non-array leaves, shapes and dtypes."
+            else "\nHint: stacked layers need identical structure, static fields, "
+            "non-array leaves, shapes and dtypes (a quantized or adapted stack "
+            "takes a layer made the same way)."
         )
         first, other = names or ("layer 0", f"layer {i}")
         raise ValueError(
