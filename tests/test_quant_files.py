@@ -487,3 +487,28 @@ def test_shards_of_two_saves_are_refused(tmp_path):
         "record different quantizations in their metadata 'eqxscan.quant'",
         error=CorruptFileError,
     )
+
+
+def test_fp8_values_stored_as_float8_load_as_their_codes(tmp_path, getkey):
+    # quant.save writes fp8 codes as uint8; a file whose `values` were converted
+    # to safetensors' F8_E4M3 (the same bytes) was refused as "does not fit".
+    stack = eqxscan.Stacked(lambda k: eqx.nn.Linear(8, 8, key=k), 3, key=getkey())
+    model = quant.quantize(stack, "*.weight", kind="fp8")
+    quant.save(tmp_path / "u8.safetensors", model)
+    raw = (tmp_path / "u8.safetensors").read_bytes()
+    size = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + size])
+    for name, entry in header.items():
+        if name.endswith(".values"):
+            assert entry["dtype"] == "U8"
+            entry["dtype"] = "F8_E4M3"
+    del header["__metadata__"]["eqxscan.specs"]  # as another writer leaves it
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    converted = len(text).to_bytes(8, "little") + text + raw[8 + size :]
+    (tmp_path / "f8.safetensors").write_bytes(converted)
+    like = eqx.filter_eval_shape(quant.quantize, stack, "*.weight", kind="fp8")
+    loaded = quant.load(tmp_path / "f8.safetensors", like)
+    for got, want in zip(jax.tree.leaves(loaded), jax.tree.leaves(model)):
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)

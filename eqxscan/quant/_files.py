@@ -301,7 +301,31 @@ def load(path: str | os.PathLike, like: T) -> T:
                 f"{opened.where!r} does not fit the quantized model: "
                 f"{lines}{more}.\n{problems[0][1]}"
             )
-        return _fit(opened, like, opened.arrays)
+        return _fit(opened, like, _fp8_as_codes(opened.arrays))
+
+
+class _Codes:
+    """A float8 array of a file read as the `uint8` codes fp8 `values` are held
+    as (bit for bit): a file converted to safetensors' `F8_E4M3` loads too."""
+
+    def __init__(self, array: object, shape: tuple[int, ...]):
+        self.array, self.shape, self.dtype = array, shape, np.dtype(np.uint8)
+
+    def __array__(
+        self, dtype: np.dtype | None = None, copy: bool | None = None
+    ) -> np.ndarray:
+        codes = np.asarray(self.array).view(np.uint8)
+        return codes if dtype is None else codes.astype(dtype)
+
+
+def _fp8_as_codes(arrays: Mapping[str, object]) -> dict[str, object]:
+    fp8 = np.dtype(jnp.float8_e4m3fn)
+    return {
+        name: _Codes(a, tuple(getattr(a, "shape", ())))
+        if name.endswith(".values") and getattr(a, "dtype", None) == fp8
+        else a
+        for name, a in arrays.items()
+    }
 
 
 class _NonFinite(ValueError):
