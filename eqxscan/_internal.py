@@ -23,6 +23,8 @@ from ._containers.walk import (
 )
 from ._containers.weight_targets import (
     check_matmul as check_matmul,
+    Held as Held,
+    hold as hold,
     replace_weights as replace_weights,
     stands_for_weight as stands_for_weight,
     StandsForWeight as StandsForWeight,

@@ -90,29 +90,31 @@ def stands_for_weight(node: object) -> bool:
     )
 
 
-class _Held:
-    # A stand-in held as one leaf (not a pytree), so that a walk by name sees it
-    # where its weight was, under the weight's name.
+class Held:
+    """A stand-in for a weight held as one leaf (not a pytree), so that a walk
+    by state-dict name sees it where its weight was, under the weight's name."""
+
     def __init__(self, weight: StandsForWeight):
         self.weight = weight
 
 
-def _hold(model: PyTree) -> PyTree:
+def hold(model: PyTree) -> PyTree:
+    """`model` with each stand-in for a weight held as a `Held` leaf."""
     return jtu.tree_map(
-        lambda x: _Held(x) if stands_for_weight(x) else x,
+        lambda x: Held(x) if stands_for_weight(x) else x,
         model,
         is_leaf=stands_for_weight,
     )
 
 
 def _release(model: PyTree) -> PyTree:
-    is_held = lambda x: isinstance(x, _Held)  # noqa: E731
+    is_held = lambda x: isinstance(x, Held)  # noqa: E731
     return jtu.tree_map(lambda x: x.weight if is_held(x) else x, model, is_leaf=is_held)
 
 
 def weight_at(leaf: object) -> Weight | None:
     """What can be replaced at a leaf: an array, or a (held) stand-in."""
-    if isinstance(leaf, _Held):
+    if isinstance(leaf, Held):
         return leaf.weight
     if stands_for_weight(leaf) or is_arraylike(leaf):
         return leaf  # pyright: ignore[reportReturnType]
@@ -144,7 +146,7 @@ def replace_weights(
         matched.update(hits)
         return make(weight, site.depth, name, orientation)
 
-    out = _release(walk(replace, _hold(model), names=True)) if patterns else model
+    out = _release(walk(replace, hold(model), names=True)) if patterns else model
     for kind in (t for t in found if not isinstance(t, str)):
         out = _replace_modules(out, kind, make, who, verb)
     missing = [p for p in patterns if p not in matched]
@@ -227,5 +229,5 @@ def _weight_names(model: PyTree) -> list[str]:
         if weight is not None and weight.ndim - site.depth == 2:
             names.add(pattern(site.path))
 
-    for_each(visit, _hold(model), names=True)
+    for_each(visit, hold(model), names=True)
     return sorted(names)

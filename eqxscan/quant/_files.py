@@ -9,7 +9,7 @@ import dataclasses
 import json
 import os
 from collections.abc import Mapping, Sequence
-from typing import TypeVar
+from typing import cast, TypeVar
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -19,6 +19,8 @@ from jaxtyping import PyTree
 
 from .._internal import (
     describe as describe_value,
+    Held,
+    hold,
     is_arraylike,
     layer_names,
     pattern as name_pattern,
@@ -33,7 +35,7 @@ from ..checkpoint import (
     Opened,
     save_safetensors,
 )
-from ._quantize import held, HeldQuantized, is_quantized, quantize, Target
+from ._quantize import is_quantized, quantize, Target
 from ._quantized import describe, Kind, Orientation, quantize_array, Quantized
 
 
@@ -78,15 +80,16 @@ def _weights(model: PyTree) -> tuple[list[_Weight], dict[str, str]]:
     floats: dict[str, str] = {}
 
     def visit(leaf: object, site: Site) -> object:
-        if isinstance(leaf, HeldQuantized):
+        if isinstance(leaf, Held):
             names = layer_names(site.path, site.axes)
-            quantized.append(_Weight(leaf.q, name_pattern(site.path), names))
+            q = cast(Quantized, leaf.weight)  # the package's only stand-in
+            quantized.append(_Weight(q, name_pattern(site.path), names))
         elif is_arraylike(leaf):
             shape = f"{jnp.dtype(leaf.dtype).name}{list(leaf.shape)}"
             floats[name_pattern(site.path)] = shape
         return leaf
 
-    walk(visit, held(model), names=True)
+    walk(visit, hold(model), names=True)
     return quantized, floats
 
 

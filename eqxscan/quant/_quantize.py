@@ -41,23 +41,6 @@ def is_quantized(x: object) -> bool:
     return isinstance(x, Quantized)
 
 
-class HeldQuantized:
-    """A `Quantized` held as a plain leaf, so that the walk by state-dict name
-    says where it sits instead of entering it."""
-
-    def __init__(self, q: Quantized):
-        self.q = q
-
-
-def held(model: PyTree) -> PyTree:
-    """`model` with each `Quantized` held as a `HeldQuantized` leaf."""
-    return jtu.tree_map(
-        lambda x: HeldQuantized(x) if is_quantized(x) else x,
-        model,
-        is_leaf=is_quantized,
-    )
-
-
 def quantize(
     model: PyTree,
     targets: Checked[Target | Sequence[Target]],

@@ -11,8 +11,8 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, PyTree
 
-from .._internal import describe, LayerNumbering, resolve, Site, walk
-from ._quantize import held, HeldQuantized, is_quantized
+from .._internal import describe, Held, hold, LayerNumbering, resolve, Site, walk
+from ._quantize import is_quantized
 from ._quantized import Quantized
 
 
@@ -96,7 +96,7 @@ def _layer_numbers(model: PyTree) -> list[list[tuple[int, ...]]]:
     found = []
 
     def visit(leaf: object, site: Site) -> object:
-        if isinstance(leaf, HeldQuantized):
+        if isinstance(leaf, Held):
             at = [k for k, p in enumerate(site.path) if isinstance(p, LayerNumbering)]
             found.append(
                 [
@@ -106,7 +106,7 @@ def _layer_numbers(model: PyTree) -> list[list[tuple[int, ...]]]:
             )
         return leaf
 
-    walk(visit, held(model), names=True)
+    walk(visit, hold(model), names=True)
     return found
 
 
