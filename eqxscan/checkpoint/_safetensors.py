@@ -24,7 +24,7 @@ import numpy as np
 from jaxtyping import PyTree
 from numpy.typing import DTypeLike
 
-from .._internal import check_path
+from .._internal import check_path, parse_bytes
 from ._files import (
     CorruptFileError,
     digest,
@@ -53,8 +53,6 @@ T = TypeVar("T")
 _SHARD = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
 # A new shard under the name of its save, until its index replaces the old one.
 _STAGED = re.compile(r"model-(\d{5})-of-(\d{5})\.[0-9a-f]{16}\.safetensors")
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 # What a safetensors file can hold.
 _KINDS = {np.dtype(jax.numpy.dtype(name)) for name in _DTYPES.values()}
 
@@ -75,19 +73,16 @@ def _writes(dtype: np.dtype) -> bool:
 def _size(max_shard_size: int | str | None) -> int | None:
     if max_shard_size is None:
         return None
-    text = "" if isinstance(max_shard_size, bool) else str(max_shard_size)
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    if m is None or m.group(2).upper() not in _UNITS:
-        raise ValueError(
-            f"max_shard_size must be a number of bytes or a size such as '5GB' "
-            f"or '500MiB', got {max_shard_size!r}."
+    # At least 1 byte: "0" or "0.1" would give each array a file of its own.
+    try:
+        return parse_bytes(
+            "" if isinstance(max_shard_size, bool) else str(max_shard_size)
         )
-    # "0" or "0.1" (bytes) would give each array a file of its own.
-    if (size := int(float(m.group(1)) * _UNITS[m.group(2).upper()])) < 1:
+    except ValueError:
         raise ValueError(
-            f"max_shard_size must be at least 1 byte, got {max_shard_size!r}."
-        )
-    return size
+            f"max_shard_size must be a number of bytes (at least 1) or a size such "
+            f"as '5GB' or '500MiB', got {max_shard_size!r}."
+        ) from None
 
 
 def _shards(
@@ -337,7 +332,8 @@ def _check_format(files: _Files, names: NameMap) -> None:
     # The same names can hold a matrix either way round (GPT-2's `Conv1D` is
     # [in, out] in PyTorch, [out, in] in Flax), and a square one fits both: only
     # the file's own word for its layout tells them apart.
-    other = sorted(f for f in files.formats if f in _LAYOUTS and f != names.format)
+    formats = {meta.get("format") for meta in files.metadata.values()}
+    other = sorted(f for f in formats if f in _LAYOUTS and f != names.format)
     if other and names.format in _LAYOUTS:
         raise ValueError(
             f"{files.where!r} says it holds format {other[0]!r} (its metadata), "
@@ -349,13 +345,13 @@ def _check_format(files: _Files, names: NameMap) -> None:
         )
 
 
-def _cast(files: Mapping[str, Lazy], dtype: np.dtype) -> dict[str, Lazy]:
+def _cast(arrays: Mapping[str, Lazy], dtype: np.dtype) -> dict[str, Lazy]:
     def cast(lazy: Lazy) -> Lazy:
         if not jax.numpy.issubdtype(lazy.dtype, jax.numpy.floating):
             return lazy
         return Lazy(lazy.shape, dtype, lambda: lazy.read().astype(dtype))
 
-    return {name: cast(lazy) for name, lazy in files.items()}
+    return {name: cast(lazy) for name, lazy in arrays.items()}
 
 
 def _float_dtype(dtype: DTypeLike) -> np.dtype:
@@ -388,11 +384,9 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
 
     A `dict[str, numpy.ndarray]` of the file's own names.
     """
-    files = _Files(check_path("read_safetensors: path", path))
-    try:
-        return {name: lazy.read() for name, lazy in files.items()}
-    finally:
-        files.close()
+    path = check_path("read_safetensors: path", path)
+    with contextlib.closing(_Files(path)) as files:
+        return {name: lazy.read() for name, lazy in files.entries.items()}
 
 
 class Opened(NamedTuple):
@@ -465,17 +459,13 @@ def open_safetensors(
     if like is not None:
         check_like("open_safetensors", like)
     cast = None if dtype is None else _float_dtype(dtype)
-    files = _Files(check_path("open_safetensors: path", path))
-    try:
-        arrays: Mapping[str, Lazy] = files
-        if cast is not None:
-            arrays = _cast(files, cast)
+    path = check_path("open_safetensors: path", path)
+    with contextlib.closing(_Files(path)) as files:
+        arrays = files.entries if cast is None else _cast(files.entries, cast)
         if names is not None:
             _check_format(files, names)
             arrays = names.mapping(like, arrays, source=repr(files.where))  # pyright: ignore[reportAssignmentType]
         yield Opened(arrays, files.metadata, files.where)
-    finally:
-        files.close()
 
 
 def load_safetensors(

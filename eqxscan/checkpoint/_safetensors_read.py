@@ -6,7 +6,7 @@ import contextlib
 import json
 import os
 import struct
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -36,13 +36,12 @@ def _bad(path: str, why: str) -> CorruptFileError:
     )
 
 
-class _Files(Mapping[str, Lazy]):
+class _Files:
     """The arrays of a safetensors file or sharded directory, by name."""
 
     def __init__(self, path: str):
         self.handles: list[object] = []
         self.closed = False
-        self.formats: set[str] = set()  # the metadata's `format`: "pt", "flax"
         self.metadata: dict[str, dict[str, str]] = {}  # each file's, by file name
         self.entries: dict[str, Lazy] = {}
         files, token, self.where = self._resolve(path)
@@ -115,8 +114,6 @@ class _Files(Mapping[str, Lazy]):
             self.handles.append(handle)
             keys = list(handle.keys())
             meta = handle.metadata() or {}
-            if isinstance(meta.get("format"), str):
-                self.formats.add(meta["format"])
             self.metadata[os.path.basename(file)] = dict(meta)
             specs = {}
             for key in keys:
@@ -209,15 +206,6 @@ class _Files(Mapping[str, Lazy]):
             return np.asarray(array)
 
         return read
-
-    def __getitem__(self, name: str) -> Lazy:
-        return self.entries[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.entries)
-
-    def __len__(self) -> int:
-        return len(self.entries)
 
     def close(self) -> None:
         for handle in self.handles:
