@@ -8,6 +8,7 @@ array operations applied in order on export (`Join`, `Reshape`, `Transpose`,
 
 import collections
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
@@ -47,11 +48,10 @@ class Transpose:
     def _axes(self, ndim: int) -> tuple[int, ...]:
         axes = tuple(reversed(range(ndim))) if self.axes is None else self.axes
         # An axis the array lacks is refused, not wrapped around (2 taken as 0).
-        if any(not -ndim <= a < ndim for a in axes) or sorted(
-            a % ndim for a in axes
-        ) != list(range(ndim)):
+        wrapped = tuple(a % ndim if -ndim <= a < ndim else -1 for a in axes)
+        if sorted(wrapped) != list(range(ndim)):
             raise ValueError(f"Transpose{axes} does not permute {ndim} axes")
-        return tuple(a % ndim for a in axes)
+        return wrapped
 
     def shapes(self, shapes: list[Shape]) -> list[Shape]:
         return [tuple(shapes[0][a] for a in self._axes(len(shapes[0])))]
@@ -192,16 +192,15 @@ class _Compiled:
         self.ours, self.rule = ours, rule
         if len(set(ours)) != len(ours):  # a Join would take one array twice
             raise ValueError(f"{where}: it joins {list(ours)}, a name twice")
-        compiled = [_compile(p, where) for p in ours]
-        self.ours_regex = [c[0] for c in compiled]
-        self.keys = compiled[0][1]
-        theirs = [_compile(p, where) for p in rule.theirs]
-        self.theirs_regex = [c[0] for c in theirs]
-        for pattern, (_, keys) in zip(ours + rule.theirs, compiled + theirs):
-            if set(keys) != set(self.keys):
+        compiled = [_compile(p, where) for p in ours + rule.theirs]
+        self.ours_regex = [regex for regex, _ in compiled[: len(ours)]]
+        self.theirs_regex = [regex for regex, _ in compiled[len(ours) :]]
+        first = sorted(compiled[0][1])  # a pattern names each placeholder once
+        for pattern, (_, keys) in zip(ours + rule.theirs, compiled):
+            if sorted(keys) != first:
                 raise ValueError(
                     f"{where}: '{pattern}' has placeholders {sorted(keys)}, the rule "
-                    f"{sorted(self.keys)}; every name of a rule needs the same ones."
+                    f"{first}; every name of a rule needs the same ones."
                 )
         ops, n_ours, n_theirs = rule.ops, len(ours), len(rule.theirs)
         joins = [k for k, op in enumerate(ops) if isinstance(op, Join)]
@@ -223,7 +222,7 @@ class _Compiled:
             )
 
     def shapes(self, shapes: Sequence[Shape]) -> list[list[Shape]]:
-        """The shapes after each operation, starting from eqxscan's (export order)."""
+        # The shapes after each operation, starting from eqxscan's (export order).
         steps = [list(shapes)]
         for op in self.rule.ops:
             steps.append(op.shapes(steps[-1]))
@@ -495,9 +494,8 @@ class NameMap:
             )
         state: dict[str, object] = {}
         for p in planned:
-            read = _inverse(p, [external[n] for n in p.theirs])
-            for k, name in enumerate(p.ours):
-                state[name] = Lazy(layout[name][0], p.dtype, _nth(read, k))
+            reads = _inverse(p, [external[n] for n in p.theirs])
+            state |= {n: Lazy(layout[n][0], p.dtype, r) for n, r in zip(p.ours, reads)}
         for name in kept:
             leaf, index = leaves[name]
             leaf = leaf.leaf
@@ -552,23 +550,16 @@ def _piece(
     return lambda: rule.export([r() for r in reads])[k]
 
 
-def _inverse(p: _Planned, values: list[object]) -> Callable[[], list[np.ndarray]]:
-    cache: list[list[np.ndarray]] = []
-    reads = [0]
+def _inverse(p: _Planned, values: list[object]) -> list[Callable[[], np.ndarray]]:
+    # The eqxscan arrays of a joined rule come from the same pieces: read them
+    # once, and let each go once it has been taken.
+    cache: dict[int, np.ndarray] = {}
 
-    def read() -> list[np.ndarray]:
-        # The eqxscan arrays of a joined rule come from the same pieces: read
-        # them once, and let them go once each of its arrays has been taken.
-        if not cache:
-            cache.append(p.rule.load([np.asarray(v) for v in values], p.steps))
-        out = cache[0]
-        reads[0] += 1
-        if reads[0] % len(p.ours) == 0:
-            cache.clear()
-        return out
+    def read(k: int) -> np.ndarray:
+        if k not in cache:
+            cache.update(
+                enumerate(p.rule.load([np.asarray(v) for v in values], p.steps))
+            )
+        return cache.pop(k)
 
-    return read
-
-
-def _nth(read: Callable[[], list[np.ndarray]], k: int) -> Callable[[], np.ndarray]:
-    return lambda: read()[k]
+    return [functools.partial(read, k) for k in range(len(p.ours))]
