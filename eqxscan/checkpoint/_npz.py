@@ -10,6 +10,7 @@ checked against its digest. No member is ever unpickled.
 """
 
 import contextlib
+import functools
 import io
 import json
 import math
@@ -19,7 +20,7 @@ import struct
 import tokenize
 import zipfile
 import zlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 
 import jax.numpy as jnp
 import numpy as np
@@ -40,8 +41,7 @@ _ERRORS = (
     zipfile.BadZipFile,
     EOFError,
     OSError,
-    NotImplementedError,
-    RuntimeError,
+    RuntimeError,  # NotImplementedError too
     ValueError,
     struct.error,
     zlib.error,
@@ -87,11 +87,7 @@ def _is_number(dtype: np.dtype) -> bool:
     return dtype.kind in "biufcV" and not dtype.hasobject and not dtype.fields
 
 
-def _nbytes(shape: Shape, dtype: np.dtype) -> int:
-    return math.prod(shape) * dtype.itemsize
-
-
-class NpzArchive(Mapping[str, Lazy]):
+class NpzArchive:
     """The arrays of a checkpoint file, validated against its manifest and the
     zip directory before any array is read."""
 
@@ -119,6 +115,10 @@ class NpzArchive(Mapping[str, Lazy]):
             self.members = self._members(size)
             manifest = _MANIFEST in self.members
             self.entries = self._manifest() if manifest else self._headers()
+            self.arrays = {
+                name: Lazy(shape, dtype, functools.partial(self.read, name))
+                for name, (shape, dtype, _) in self.entries.items()
+            }
         except BaseException as e:
             self.zip.close()
             if isinstance(e, _Corrupt):
@@ -175,7 +175,8 @@ class NpzArchive(Mapping[str, Lazy]):
         if why := differences(set(self.members) - {_MANIFEST}, entries, "manifest"):
             raise _Corrupt(f"its members differ from its manifest: {why}")
         for name, (shape, dtype, _) in entries.items():
-            size, needs = self.members[name].file_size, _nbytes(shape, dtype)
+            size = self.members[name].file_size
+            needs = math.prod(shape) * dtype.itemsize
             if not 10 <= size - needs <= 16 + _MAX_HEADER:
                 raise _Corrupt(
                     f"member '{name}.npy' holds {size} bytes, but its manifest "
@@ -239,7 +240,7 @@ class NpzArchive(Mapping[str, Lazy]):
             with self.zip.open(info) as f:
                 assert isinstance(f, io.BufferedIOBase)  # a `zipfile.ZipExtFile`
                 shape, fortran, dtype = _header(f, member)
-                if info.file_size != f.tell() + _nbytes(shape, dtype):
+                if info.file_size != f.tell() + math.prod(shape) * dtype.itemsize:
                     raise _Corrupt(
                         f"member {member!r} holds {info.file_size} bytes, but its "
                         f"header says {dtype.name}{list(shape)}"
@@ -282,16 +283,6 @@ class NpzArchive(Mapping[str, Lazy]):
         except _Corrupt as e:
             raise _error(self.path, e) from None
         return array
-
-    def __getitem__(self, name: str) -> Lazy:
-        shape, dtype, _ = self.entries[name]
-        return Lazy(shape, dtype, lambda: self.read(name))
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.entries)
-
-    def __len__(self) -> int:
-        return len(self.entries)
 
     def __enter__(self) -> "NpzArchive":
         return self

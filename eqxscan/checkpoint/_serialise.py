@@ -88,7 +88,7 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
     if archive is None:
         return read_safetensors(path)
     with archive:
-        return {name: archive.read(name) for name in archive}
+        return {name: archive.read(name) for name in archive.entries}
 
 
 def load(path: str | os.PathLike, like: T) -> T:
@@ -121,7 +121,7 @@ def load(path: str | os.PathLike, like: T) -> T:
         return load_safetensors(path, like)
     with archive:
         try:
-            return from_state_dict(like, archive)
+            return from_state_dict(like, archive.arrays)
         except CorruptFileError:
             raise
         except ValueError as e:  # as load_safetensors's: naming the file
