@@ -189,7 +189,8 @@ def _check_job(
     coordinator_address: str | None, num_processes: int | None, process_id: int | None
 ) -> str:
     """All three given or none, `process_id` in range; who this process is, in
-    words."""
+    words. JAX's runtime crashes the process on a malformed address, and on
+    process 0 (which listens on its port, on every interface) if it is taken."""
     given = (coordinator_address, num_processes, process_id)
     if any(v is not None for v in given) and any(v is None for v in given):
         raise ValueError(
@@ -201,7 +202,17 @@ def _check_job(
         return "this process (cluster detected by JAX)"
     num_processes = check_size("num_processes", num_processes)
     process_id = check_size("process_id", process_id, minimum=0)
-    port = _check_address(coordinator_address)
+    host, _, port = (
+        coordinator_address.rpartition(":")
+        if isinstance(coordinator_address, str)
+        else ("", "", "")
+    )
+    if not (host and port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError(
+            f"coordinator_address must be 'host:port' with a port in 1..65535, got "
+            f"{coordinator_address!r}.\nHint: e.g. '10.0.0.1:1234' (process 0's "
+            f"address and a free port); {DOCS}."
+        )
     if not 0 <= process_id < num_processes:
         raise ValueError(
             f"process_id={process_id} is outside 0..{num_processes - 1} for "
@@ -209,40 +220,20 @@ def _check_job(
             f"from 0; {DOCS}."
         )
     if process_id == 0:
-        _check_port_free(coordinator_address, port)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(("", int(port)))
+            except OSError as e:
+                raise RuntimeError(
+                    f"process 0 cannot listen on port {int(port)} of coordinator_address "
+                    f"{coordinator_address!r}: {e.strerror}.\nHint: choose a free "
+                    "port above 1023 (another program, or an earlier run, may hold "
+                    f"this one); {DOCS}."
+                ) from None
     return (
         f"process {process_id} of {num_processes} (coordinator {coordinator_address})"
     )
-
-
-def _check_address(address: object) -> int:
-    """The port of `"host:port"`; JAX's runtime crashes the process on a
-    malformed one."""
-    host, _, port = (
-        address.rpartition(":") if isinstance(address, str) else ("", "", "")
-    )
-    if not (host and port.isdigit() and 0 < int(port) < 65536):
-        raise ValueError(
-            f"coordinator_address must be 'host:port' with a port in 1..65535, got "
-            f"{address!r}.\nHint: e.g. '10.0.0.1:1234' (process 0's address and a "
-            f"free port); {DOCS}."
-        )
-    return int(port)
-
-
-def _check_port_free(address: object, port: int) -> None:
-    """Process 0 listens on `port` (on every interface); JAX's runtime crashes
-    the process if it is taken."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("", port))
-        except OSError as e:
-            raise RuntimeError(
-                f"process 0 cannot listen on port {port} of coordinator_address "
-                f"{address!r}: {e.strerror}.\nHint: choose a free port above 1023 "
-                f"(another program, or an earlier run, may hold this one); {DOCS}."
-            ) from None
 
 
 def _join(
@@ -281,19 +272,17 @@ def _join(
         watchdog.cancel()
 
 
-def _fingerprint(text: str) -> int:
-    # 62 bits, so that it fits an int64 in any collective.
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 2
-
-
-def _agree(what: str, value: int, shown: str = "") -> None:
+def _agree(what: str, value: object, shown: str = "") -> None:
     """Every process holds the same `value`, or every process raises, naming the
     processes that differ (one allgather over every process's devices)."""
     if jax.process_count() == 1:
         return
     from jax.experimental import multihost_utils
 
-    values = [int(v) for v in multihost_utils.process_allgather(np.int64(value))]
+    # 62 bits of its text's digest, so that it fits an int64 in any collective.
+    digest = hashlib.sha256(str(value).encode()).digest()[:8]
+    fingerprint = np.int64(int.from_bytes(digest, "big") >> 2)
+    values = [int(v) for v in multihost_utils.process_allgather(fingerprint)]
     if len(set(values)) == 1:
         return
     mine = jax.process_index()
@@ -326,10 +315,9 @@ def check_same_job(*trees: Any, mesh: Mesh | None = None) -> None:
         f"{tuple(x.shape)}:{x.dtype}" if is_arraylike(x) else repr(type(x))
         for x in leaves
     ]
-    _agree("model layout", _fingerprint("\n".join(layout)))
+    _agree("model layout", "\n".join(layout))
     if mesh is not None:
-        ids = [d.id for d in mesh.devices.flat]
-        _agree("mesh", _fingerprint(f"{dict(mesh.shape)} {ids}"))
+        _agree("mesh", f"{dict(mesh.shape)} {[d.id for d in mesh.devices.flat]}")
 
 
 def local_rows(
