@@ -56,20 +56,19 @@ class _Leaf:
     def __init__(self, leaf: _ArrayLeaf, site: Site):
         self.parts, self.depths, self.leaf = site.path, site.axes, leaf
         self.enclosing = site.enclosing
-        parts, depths = self.parts, self.depths
         if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
             raise TypeError(
-                f"`{pattern(parts)}` holds typed PRNG keys ({leaf.dtype}), which "
+                f"`{pattern(site.path)}` holds typed PRNG keys ({leaf.dtype}), which "
                 "have no NumPy dtype; keep `jax.random.key_data(key)` in the model "
                 "instead, or leave keys out of checkpoints."
             )
-        if tuple(leaf.shape[: len(depths)]) != depths:
+        if tuple(leaf.shape[: len(site.axes)]) != site.axes:
             raise ValueError(
-                f"`{pattern(parts)}` has shape {tuple(leaf.shape)}, but it sits "
-                f"inside Stacked layers of depth {depths}, so its leading axes "
-                f"must be {depths}."
+                f"`{pattern(site.path)}` has shape {tuple(leaf.shape)}, but it sits "
+                f"inside Stacked layers of depth {site.axes}, so its leading axes "
+                f"must be {site.axes}."
             )
-        self.shape = tuple(leaf.shape[len(depths) :])
+        self.shape = tuple(leaf.shape[len(site.axes) :])
         self.dtype = np.dtype(leaf.dtype)
 
     def names(self) -> list[str]:
