@@ -2,6 +2,7 @@
 ones, the removal of those killed writers left, fsyncs of directories), and what
 the readers share: lazy arrays, the error for a corrupt file, digests, lists."""
 
+import contextlib
 import hashlib
 import os
 import re
@@ -22,7 +23,7 @@ except ImportError:  # pragma: no cover - not POSIX: stale files are not collect
 
 # A temporary file's name: the prefix, 8 characters of this alphabet, ".tmp".
 _ALPHABET = string.ascii_lowercase + string.digits + "_"
-_TOKEN = re.compile(r"[a-z0-9_]{8}")
+_TOKEN = r"[a-z0-9_]{8}\.tmp"
 
 
 class CorruptFileError(ValueError):
@@ -125,38 +126,24 @@ def remove_stale(directory: str, prefix: str) -> None:
         names = os.listdir(directory)
     except OSError:
         return
-    for name in names:
-        if not (
-            name.startswith(prefix)
-            and name.endswith(".tmp")
-            and _TOKEN.fullmatch(name[len(prefix) : -len(".tmp")])
-        ):
-            continue
-        full = os.path.join(directory, name)
-        try:
-            fd = os.open(full, os.O_RDONLY)
-        except OSError:
-            continue
+    stale = re.compile(re.escape(prefix) + _TOKEN)
+    for full in [os.path.join(directory, n) for n in names if stale.fullmatch(n)]:
         # An OSError: locked by a save in progress, or not ours to remove.
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if os.stat(full).st_ino == os.fstat(fd).st_ino:
-                os.remove(full)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+        with contextlib.suppress(OSError):
+            fd = os.open(full, os.O_RDONLY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if os.stat(full).st_ino == os.fstat(fd).st_ino:
+                    os.remove(full)
+            finally:
+                os.close(fd)
 
 
 def fsync_dir(directory: str) -> None:
     # Makes renames and removals durable; not possible on every platform.
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
