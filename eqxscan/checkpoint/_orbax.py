@@ -406,23 +406,20 @@ class CheckpointManager:
         except (ValueError, OSError) as e:
             if str(e).startswith(f"Step {step} in "):
                 raise  # ours, from `_check`
-            raise self._unreadable(step, e) from e
-
-    def _unreadable(self, step: int, error: Exception) -> ValueError:
-        # TensorStore's messages run to kilobytes: name the item and entry.
-        text = " ".join(str(error).split())
-        item = re.search(rf"/{step}/(\w+)/", text)
-        entry = re.search(r'Error reading "([^"]+?)/\.z', text)
-        where = (f" item {item.group(1)!r}" if item else "") + (
-            f" entry {entry.group(1)!r}" if entry else ""
-        )
-        cause = text if len(text) <= 200 else text[:197] + "..."
-        return ValueError(
-            f"Step {step} in {self.directory!r} could not be read:{where or ' '}"
-            f"{':' if where else ''} {cause}\nHint: its files are damaged or were "
-            f"changed; restore with verify=True to check them against their "
-            f"digests, or restore another step ({self.all_steps()}); {DOCS}."
-        )
+            # TensorStore's messages run to kilobytes: name the item and entry.
+            text = " ".join(str(e).split())
+            item = re.search(rf"/{step}/(\w+)/", text)
+            entry = re.search(r'Error reading "([^"]+?)/\.z', text)
+            where = (f" item {item.group(1)!r}" if item else "") + (
+                f" entry {entry.group(1)!r}" if entry else ""
+            )
+            cause = text if len(text) <= 200 else text[:197] + "..."
+            raise ValueError(
+                f"Step {step} in {self.directory!r} could not be read:{where or ' '}"
+                f"{':' if where else ''} {cause}\nHint: its files are damaged or were "
+                f"changed; restore with verify=True to check them against their "
+                f"digests, or restore another step ({self.all_steps()}); {DOCS}."
+            ) from e
 
     def _check(self, step: int, target: dict[str, Any]) -> None:
         # Orbax's own errors name tensorstore paths; name the entries instead.
