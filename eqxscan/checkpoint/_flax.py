@@ -41,18 +41,6 @@ def _dense_modules(tree: Mapping, prefix: str = "") -> dict[str, Mapping]:
     return found
 
 
-def _linear_paths(layer: PyTree) -> list[str]:
-    # Dotted paths of the `eqx.nn.Linear`s in one layer, in attribute order
-    # (`""` for a layer that is one).
-    is_linear = lambda x: isinstance(x, eqx.nn.Linear)
-    found = jtu.tree_flatten_with_path(layer, is_leaf=is_linear)[0]
-    return [
-        ".".join(key_name(k, ()) for k in path)
-        for path, leaf in found
-        if is_linear(leaf)
-    ]
-
-
 def flax_scan_state(params: Mapping[str, PyTree]) -> dict[str, np.ndarray]:
     """The parameters of a Flax linen `nn.scan` over layers as a per-layer state
     dict of Flax's own names: `"3.Sub_0.DenseGeneral_0.kernel"` is layer 3's
@@ -138,7 +126,15 @@ def from_flax_scan(
     dense = _dense_modules(params)
     if modules is None:
         flax_names = sorted(dense, key=_natural)
-        linears = _linear_paths(like[0])
+        # The `eqx.nn.Linear`s of one layer, in attribute order ("" for a layer
+        # that is one).
+        is_linear = lambda x: isinstance(x, eqx.nn.Linear)
+        found = jtu.tree_flatten_with_path(like[0], is_leaf=is_linear)[0]
+        linears = [
+            ".".join(key_name(k, ()) for k in path)
+            for path, leaf in found
+            if is_linear(leaf)
+        ]
         if len(flax_names) != len(linears):
             raise ValueError(
                 f"The Flax parameters have {len(flax_names)} Dense layers "

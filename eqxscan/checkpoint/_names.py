@@ -370,7 +370,21 @@ class NameMap:
                 + ".\nHint: check the Reshape/Split sizes against the model's "
                 "configuration."
             )
-        _check_clashes(planned)
+        # Two arrays under one external name (of two rules, or two pieces of one
+        # Split): export kept one, load read it twice.
+        first: dict[str, tuple[str, int]] = {}
+        clashes = [
+            f"'{other[0]}' and '{p.ours[0]}' both to '{name}'"
+            for p in planned
+            for k, name in enumerate(p.theirs)
+            if (other := first.setdefault(name, (p.ours[0], k))) != (p.ours[0], k)
+        ]
+        if clashes:
+            raise ValueError(
+                f"The name map maps two of the model's arrays to one name: "
+                f"{listed(clashes)}.\nHint: give each array its own external name "
+                "(a rule's pattern repeated by mistake?)."
+            )
         return planned, kept
 
     def _binding(self, name: str) -> dict[str, int]:
@@ -514,24 +528,6 @@ class NameMap:
         reported at once, with its layer."""
         check_like("NameMap.load", like)
         return from_state_dict(like, self.mapping(like, external))
-
-
-def _check_clashes(planned: Sequence["_Planned"]) -> None:
-    # Two arrays under one external name (of two rules, or two pieces of one
-    # Split): export kept one, load read it twice.
-    first: dict[str, tuple[str, int]] = {}
-    clashes = [
-        f"'{other[0]}' and '{p.ours[0]}' both to '{name}'"
-        for p in planned
-        for k, name in enumerate(p.theirs)
-        if (other := first.setdefault(name, (p.ours[0], k))) != (p.ours[0], k)
-    ]
-    if clashes:
-        raise ValueError(
-            f"The name map maps two of the model's arrays to one name: "
-            f"{listed(clashes)}.\nHint: give each array its own external name "
-            "(a rule's pattern repeated by mistake?)."
-        )
 
 
 @dataclasses.dataclass
