@@ -205,9 +205,8 @@ class _Save:
         arrays = {
             name: np.require(lazy.read(), requirements="C") for name, lazy in shard
         }
-        for name, array in arrays.items():
-            self.weight_map[name] = os.path.basename(final)
-            self.total += array.nbytes
+        self.weight_map |= dict.fromkeys(arrays, os.path.basename(final))
+        self.total += sum(array.nbytes for array in arrays.values())
         meta = {
             **self.info,
             _DIGESTS: json.dumps({k: digest(v) for k, v in arrays.items()}),

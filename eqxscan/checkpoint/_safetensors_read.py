@@ -108,9 +108,8 @@ class _Files:
         return files, token if isinstance(token, str) else None, path
 
     def _open(self, file: str, names: list[str] | None, token: str | None) -> None:
-        st = _package()
         try:
-            handle = st.safe_open(file, framework="np")
+            handle = _package().safe_open(file, framework="np")
             self.handles.append(handle)
             keys = list(handle.keys())
             meta = handle.metadata() or {}
