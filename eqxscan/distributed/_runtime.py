@@ -4,6 +4,7 @@ rows of a global batch. JAX does the communication (`jax.distributed.initialize`
 connects the processes, `jit` over a mesh spanning them runs the collectives)."""
 
 import atexit
+import contextlib
 import hashlib
 import itertools
 import math
@@ -71,11 +72,10 @@ class _PeerWatch:
 
     def _beat(self) -> None:
         for beat in itertools.count(1):
-            try:
+            # If the store cannot be reached, `_judge` decides.
+            with contextlib.suppress(Exception):
                 self.client.key_value_set(_ALIVE.format(self.me), str(beat), True)
                 self.reached = time.monotonic()
-            except Exception:
-                pass  # the store cannot be reached: `_judge` decides
             for i in self.seen:
                 try:
                     value = self.client.key_value_try_get(_ALIVE.format(i))
@@ -226,10 +226,10 @@ def _check_job(
                 probe.bind(("", int(port)))
             except OSError as e:
                 raise RuntimeError(
-                    f"process 0 cannot listen on port {int(port)} of coordinator_address "
-                    f"{coordinator_address!r}: {e.strerror}.\nHint: choose a free "
-                    "port above 1023 (another program, or an earlier run, may hold "
-                    f"this one); {DOCS}."
+                    f"process 0 cannot listen on port {int(port)} of "
+                    f"coordinator_address {coordinator_address!r}: {e.strerror}.\n"
+                    "Hint: choose a free port above 1023 (another program, or an "
+                    f"earlier run, may hold this one); {DOCS}."
                 ) from None
     return (
         f"process {process_id} of {num_processes} (coordinator {coordinator_address})"
