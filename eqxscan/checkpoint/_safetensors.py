@@ -460,7 +460,9 @@ def open_safetensors(
     cast = None if dtype is None else _float_dtype(dtype)
     path = check_path("open_safetensors: path", path)
     with contextlib.closing(_Files(path)) as files:
-        arrays = files.entries if cast is None else _cast(files.entries, cast)
+        arrays: Mapping[str, Lazy] = files.entries
+        if cast is not None:
+            arrays = _cast(files.entries, cast)
         if names is not None:
             _check_format(files, names)
             arrays = names.mapping(like, arrays, source=repr(files.where))  # pyright: ignore[reportAssignmentType]
