@@ -299,6 +299,13 @@ def test_maps_that_do_not_fit_are_named():
         NameMap({("{i}.q", "{i}.q"): Rule("qq.{i}", Join(0))})
     with pytest.raises(ValueError, match="needs a Split as its last operation"):
         NameMap({"a": Rule(("b", "c"))})
+    # A Join or Split where one name needs none, even after another operation.
+    with pytest.raises(ValueError, match="from 1 eqxscan names needs no Join"):
+        NameMap({"a": Rule("b", Transpose(), Join(0))})
+    with pytest.raises(ValueError, match="to 1 external names needs no Split"):
+        NameMap({"a": Rule("b", Split(0, (2,)), Transpose())})
+    with pytest.raises(ValueError, match="needs a Join as its first operation"):
+        NameMap({("a", "b"): Rule("c", Transpose(), Join(0))})
     with pytest.raises(ValueError, match="same ones"):
         NameMap({"blocks.{i}.norm": "norm"})
     with pytest.raises(TypeError, match="rules"):

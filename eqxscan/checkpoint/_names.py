@@ -205,12 +205,12 @@ class _Compiled:
         ops, n_ours, n_theirs = rule.ops, len(ours), len(rule.theirs)
         joins = [k for k, op in enumerate(ops) if isinstance(op, Join)]
         splits = [k for k, op in enumerate(ops) if isinstance(op, Split)]
-        if (n_ours > 1) != (joins == [0]) or len(joins) > 1:
+        if joins != ([0] if n_ours > 1 else []):
             need = "a Join as its first operation" if n_ours > 1 else "no Join"
             raise ValueError(
                 f"{where}: a rule from {n_ours} eqxscan names needs {need}"
             )
-        if (n_theirs > 1) != (splits == [len(ops) - 1]) or len(splits) > 1:
+        if splits != ([len(ops) - 1] if n_theirs > 1 else []):
             need = "a Split as its last operation" if n_theirs > 1 else "no Split"
             raise ValueError(
                 f"{where}: a rule to {n_theirs} external names needs {need}"
