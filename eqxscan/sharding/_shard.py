@@ -139,7 +139,6 @@ def _leaf_spec(
     if fsdp_axis is None or math.prod(shape) < min_size or len(shape) <= layer_axes:
         return PartitionSpec()
     size = mesh.shape[fsdp_axis]
-    layer_axes = min(layer_axes, len(shape))
     candidates = [i for i in range(layer_axes, len(shape)) if shape[i] % size == 0]
     if not candidates and not strict:
         return PartitionSpec()
@@ -336,20 +335,6 @@ def opt_state_shardings(
     )
 
 
-def _batch_axes(mesh: Mesh, batch_axes: Any, fsdp_axis: str | None) -> tuple[str, ...]:
-    if batch_axes is None:
-        names = ("data",) + (() if fsdp_axis is None else (fsdp_axis,))
-        axes = tuple(a for a in names if a in mesh.shape)
-        if not axes:
-            raise ValueError(
-                f"The batch is sharded over the mesh axes {names} by default, but the "
-                f"mesh has axes {tuple(mesh.axis_names)}; pass batch_axes=... naming "
-                "the axes to split the batch over."
-            )
-        return axes
-    return check_axes(mesh, batch_axes, "batch_axes")
-
-
 def batch_shardings(
     batch: Any,
     mesh: Mesh,
@@ -379,7 +364,17 @@ def batch_shardings(
     size when the batch does not divide, or a missing mesh axis.
     """
     mesh = check_mesh(mesh)
-    axes = _batch_axes(mesh, batch_axes, fsdp_axis)
+    if batch_axes is not None:
+        axes = check_axes(mesh, batch_axes, "batch_axes")
+    else:
+        names = ("data",) + (() if fsdp_axis is None else (fsdp_axis,))
+        axes = tuple(a for a in names if a in mesh.shape)
+        if not axes:
+            raise ValueError(
+                f"The batch is sharded over the mesh axes {names} by default, but the "
+                f"mesh has axes {tuple(mesh.axis_names)}; pass batch_axes=... naming "
+                "the axes to split the batch over."
+            )
     size = math.prod(mesh.shape[a] for a in axes)
     spec = PartitionSpec(axes[0] if len(axes) == 1 else axes)
 
@@ -460,13 +455,12 @@ def gather_layers(
 
     def per_step(path: tuple, leaf: Any, depth: int) -> NamedSharding:
         # The leaf's spec without its `depth` layer axes, keeping only `keep`.
-        spec = list(placed(path, leaf).spec)[depth:]
-        entries = []
-        for entry in spec:
-            names = entry if isinstance(entry, tuple) else (entry,)
-            kept = tuple(n for n in names if n in keep)
-            entries.append(kept[0] if len(kept) == 1 else (kept or None))
-        return NamedSharding(mesh, PartitionSpec(*entries))
+        kept = [
+            tuple(n for n in (e if isinstance(e, tuple) else (e,)) if n in keep)
+            for e in list(placed(path, leaf).spec)[depth:]
+        ]
+        spec = PartitionSpec(*(k[0] if len(k) == 1 else (k or None) for k in kept))
+        return NamedSharding(mesh, spec)
 
     def per_array(site: Site, layers: PyTree) -> PyTree[NamedSharding]:
         arrays = eqx.filter(layers, eqx.is_array)
