@@ -105,9 +105,8 @@ def program(
     if job.axes is None:
         specs = model_shardings(shape, mesh, fsdp_axis="fsdp", min_size=size)
     else:
-        rules = job.rules or {}
         specs = logical_shardings(
-            shape, mesh, job.axes, rules, fsdp_axis="fsdp", min_size=size
+            shape, mesh, job.axes, job.rules or {}, fsdp_axis="fsdp", min_size=size
         )
     # With logical axes the gathered layer stays split over "model".
     keep: tuple[str, ...] = () if job.axes is None else ("model",)
@@ -126,12 +125,7 @@ def program(
     if job.optimizer is not None:
         opt_state = jax.eval_shape(job.optimizer.init, params)
         o_specs = opt_state_shardings(
-            opt_state,
-            model,
-            mesh,
-            fsdp_axis="fsdp",
-            min_size=size,
-            param_shardings=p_specs,
+            opt_state, model, mesh, min_size=size, param_shardings=p_specs
         )
     b_specs = batch_shardings(job.batch, mesh, batch_axes=("data", "fsdp"))
 

@@ -98,15 +98,6 @@ def _function(obj: Callable[..., Any] | str, what: str) -> Callable[..., Any]:
     return found
 
 
-def as_optimizer(optimizer: Optimizer) -> "optax.GradientTransformation | None":
-    """The transform `optimizer` stands for (resolved, or called if a function)."""
-    import optax  # imported here: `import eqxscan.planning` does not need it
-
-    if optimizer is None or isinstance(optimizer, optax.GradientTransformation):
-        return optimizer
-    return _function(optimizer, "optimizer")()
-
-
 def make_job(
     make_model: Callable[..., PyTree] | str,
     step: Callable[..., Sequence[PyTree]] | str,
@@ -117,17 +108,15 @@ def make_job(
     model_kwargs: Mapping[str, object],
     min_size: int,
 ) -> Job:
-    """The `Job` of `plan`'s arguments, references resolved."""
-    return Job(
-        _function(make_model, "make_model"),
-        model_kwargs,
-        _function(step, "step"),
-        as_optimizer(optimizer),
-        batch,
-        axes,
-        rules,
-        min_size,
-    )
+    """The `Job` of `plan`'s arguments, references resolved (an optimiser given
+    as a function called)."""
+    import optax  # imported here: `import eqxscan.planning` does not need it
+
+    build, train = _function(make_model, "make_model"), _function(step, "step")
+    tx = optimizer
+    if not (tx is None or isinstance(tx, optax.GradientTransformation)):
+        tx = _function(tx, "optimizer")()
+    return Job(build, model_kwargs, train, tx, batch, axes, rules, min_size)
 
 
 def _encode_batch(batch: PyTree[jax.ShapeDtypeStruct]) -> Json:
