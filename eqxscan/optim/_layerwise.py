@@ -60,10 +60,7 @@ def outer_stacks(tree: PyTree) -> list[tuple[str, Stacked]]:
 
 def _outside(tree: PyTree) -> PyTree:
     """`tree` with every array inside a `Stacked` replaced by `None`."""
-
-    def clear(node: object) -> object:
-        return jtu.tree_map(lambda _: None, node) if is_stacked(node) else node
-
+    clear = lambda x: jtu.tree_map(lambda _: None, x) if is_stacked(x) else x
     return jtu.tree_map(clear, tree, is_leaf=is_stacked)
 
 
@@ -116,9 +113,7 @@ def _embed(state: PyTree, tree: PyTree, j: int, layers: PyTree) -> PyTree:
             type(x) is kind and jtu.tree_structure(x, is_leaf=_is_placeholder) == target
         )
 
-    def embed(x: object) -> object:
-        return _with_layers(blank, {j: x}) if is_buffer(x) else x
-
+    embed = lambda x: _with_layers(blank, {j: x}) if is_buffer(x) else x
     return jtu.tree_map(embed, state, is_leaf=is_buffer)
 
 

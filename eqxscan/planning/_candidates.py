@@ -172,14 +172,6 @@ def _per_device_bytes(tree: PyTree, specs: PyTree[NamedSharding]) -> int:
     )
 
 
-def _estimate(
-    matmul_flops: float, collective: Mapping[str, int], accelerator: Accelerator
-) -> float:
-    # A ring all-reduce sends its bytes twice (a reduce-scatter, an all-gather).
-    sent = sum(b * (2 if k == "all-reduce" else 1) for k, b in collective.items())
-    return matmul_flops / accelerator.flops + sent / accelerator.link_bytes_per_s
-
-
 def compile_one(
     job: Job, mesh: Mesh, remat: Remat, accelerator: Accelerator
 ) -> MeshCandidate:
@@ -204,6 +196,8 @@ def compile_one(
         )
     cost = compiled.cost_analysis() or {}
     collective, matmul = hlo_costs(compiled.as_text() or "")
+    # A ring all-reduce sends its bytes twice (a reduce-scatter, an all-gather).
+    sent = sum(b * (2 if k == "all-reduce" else 1) for k, b in collective.items())
     return MeshCandidate(
         mesh=shape,
         remat=label,
@@ -217,7 +211,7 @@ def compile_one(
         matmul_flops=matmul,
         collective_bytes=tuple(sorted(collective.items())),
         compile_s=seconds,
-        estimated_s=_estimate(matmul, collective, accelerator),
+        estimated_s=matmul / accelerator.flops + sent / accelerator.link_bytes_per_s,
     )
 
 

@@ -110,10 +110,7 @@ def _matches(path: str, pattern: str) -> bool:
 def _lookup(axes: Axes, path: str, leaf: Any) -> Names | None:
     if callable(axes):
         return axes(path, leaf)
-    for pattern, names in axes.items():
-        if _matches(path, pattern):
-            return names
-    return None
+    return next((names for p, names in axes.items() if _matches(path, p)), None)
 
 
 def logical_shardings(
