@@ -156,8 +156,7 @@ def freeze_layers(
     def update(
         updates: PyTree, state: PyTree, params: PyTree = None
     ) -> tuple[PyTree, PyTree]:
-        inside = one_layer()
-        if inside is not None:
+        if (inside := one_layer()) is not None:
             raise ValueError(
                 "freeze_layers runs inside eqxscan.optim.layerwise, which gives "
                 f"it one layer of the Stacked at `{inside}` at a time: it has no "
