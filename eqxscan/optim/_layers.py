@@ -16,7 +16,7 @@ from jaxtyping import PyTree
 
 from .._internal import Chain, check_index, Site, Stacked, stored_order, walk
 from ._arrays import is_array, is_stacked
-from ._layerwise import one_layer
+from ._layerwise import one_layer, outer_stacks
 
 
 def weight_decay_mask(params: PyTree, *, min_ndim: int = 2) -> PyTree[bool]:
@@ -86,10 +86,6 @@ def _zero_layers(stack: Stacked, layers: LayerSelection, zero: float) -> Stacked
     return jtu.tree_map(zero_out, stack)
 
 
-def _stacks(tree: PyTree) -> list[Stacked]:
-    return [n for n in jtu.tree_leaves(tree, is_leaf=is_stacked) if is_stacked(n)]
-
-
 def _select(tree: PyTree) -> Stacked:
     """The one outermost `Stacked` of `tree`, when no `where` picks them."""
     outer = jtu.tree_leaves(tree, is_leaf=lambda n: isinstance(n, (Stacked, Chain)))
@@ -101,7 +97,7 @@ def _select(tree: PyTree) -> Stacked:
             "`where=lambda model: model.chain.groups[k]` (a Stacked group, as "
             "`chain.explain()` lists them; indices within the group)."
         )
-    found = _stacks(tree)
+    found = [stack for _, stack in outer_stacks(tree)]
     if len(found) != 1:
         raise ValueError(
             f"freeze_layers found {len(found)} Stacked modules (not nested in "
@@ -160,8 +156,7 @@ def freeze_layers(
     def update(
         updates: PyTree, state: PyTree, params: PyTree = None
     ) -> tuple[PyTree, PyTree]:
-        inside = one_layer()
-        if inside is not None:
+        if (inside := one_layer()) is not None:
             raise ValueError(
                 "freeze_layers runs inside eqxscan.optim.layerwise, which gives "
                 f"it one layer of the Stacked at `{inside}` at a time: it has no "

@@ -52,7 +52,7 @@ def _is_placeholder(x: object) -> bool:
     return x is None or isinstance(x, optax.MaskedNode)
 
 
-def _stacks(tree: PyTree) -> list[tuple[str, Stacked]]:
+def outer_stacks(tree: PyTree) -> list[tuple[str, Stacked]]:
     """The outermost `Stacked`s of `tree` with their key paths, in leaf order."""
     found = jtu.tree_flatten_with_path(tree, is_leaf=is_stacked)[0]
     return [(jtu.keystr(path), node) for path, node in found if is_stacked(node)]
@@ -60,10 +60,7 @@ def _stacks(tree: PyTree) -> list[tuple[str, Stacked]]:
 
 def _outside(tree: PyTree) -> PyTree:
     """`tree` with every array inside a `Stacked` replaced by `None`."""
-
-    def clear(node: object) -> object:
-        return jtu.tree_map(lambda _: None, node) if is_stacked(node) else node
-
+    clear = lambda x: jtu.tree_map(lambda _: None, x) if is_stacked(x) else x
     return jtu.tree_map(clear, tree, is_leaf=is_stacked)
 
 
@@ -116,9 +113,7 @@ def _embed(state: PyTree, tree: PyTree, j: int, layers: PyTree) -> PyTree:
             type(x) is kind and jtu.tree_structure(x, is_leaf=_is_placeholder) == target
         )
 
-    def embed(x: object) -> object:
-        return _with_layers(blank, {j: x}) if is_buffer(x) else x
-
+    embed = lambda x: _with_layers(blank, {j: x}) if is_buffer(x) else x
     return jtu.tree_map(embed, state, is_leaf=is_buffer)
 
 
@@ -139,12 +134,12 @@ def _own_keys(state: PyTree) -> PyTree:
 
 def _init_layer(tx: optax.GradientTransformationExtraArgs, params: PyTree) -> PyTree:
     # One layer: `tx`'s own state, or a `LayerwiseState` if it holds stacks.
-    return _init(tx, params) if _stacks(params) else tx.init(params)
+    return _init(tx, params) if outer_stacks(params) else tx.init(params)
 
 
 def _init(tx: optax.GradientTransformationExtraArgs, params: PyTree) -> LayerwiseState:
     states = []
-    for j, (where, stack) in enumerate(_stacks(params)):
+    for j, (where, stack) in enumerate(outer_stacks(params)):
         if not _has_arrays(stack.layers):
             states.append(optax.EmptyState())
             continue
@@ -176,8 +171,8 @@ def _update(
     params: PyTree | None = None,
     **extra_args: object,
 ) -> tuple[PyTree, LayerwiseState]:
-    stacks = _stacks(updates)
-    param_stacks = [None] * len(stacks) if params is None else _stacks(params)
+    stacks = outer_stacks(updates)
+    param_stacks = [None] * len(stacks) if params is None else outer_stacks(params)
     if not isinstance(state, LayerwiseState) or len(state.stacks) != len(stacks):
         found = (
             f"a state for {len(state.stacks)} stacks"
@@ -213,7 +208,7 @@ def _update(
             )
 
         def one(u: PyTree, s: PyTree, p: PyTree) -> tuple[PyTree, PyTree]:
-            if _stacks(u):
+            if outer_stacks(u):
                 return _update(tx, u, s, p, **extra_args)
             return tx.update(u, s, p, **extra_args)
 

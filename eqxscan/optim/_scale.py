@@ -88,8 +88,7 @@ def layerwise_scale(
         updates: PyTree, state: PyTree, params: PyTree = None
     ) -> tuple[PyTree, PyTree]:
         del params
-        inside = one_layer()
-        if inside is not None:
+        if (inside := one_layer()) is not None:
             raise ValueError(
                 "layerwise_scale runs inside eqxscan.optim.layerwise, which gives "
                 f"it one layer of the Stacked at `{inside}` at a time, without the "

@@ -105,9 +105,8 @@ def program(
     if job.axes is None:
         specs = model_shardings(shape, mesh, fsdp_axis="fsdp", min_size=size)
     else:
-        rules = job.rules or {}
         specs = logical_shardings(
-            shape, mesh, job.axes, rules, fsdp_axis="fsdp", min_size=size
+            shape, mesh, job.axes, job.rules or {}, fsdp_axis="fsdp", min_size=size
         )
     # With logical axes the gathered layer stays split over "model".
     keep: tuple[str, ...] = () if job.axes is None else ("model",)
@@ -126,12 +125,7 @@ def program(
     if job.optimizer is not None:
         opt_state = jax.eval_shape(job.optimizer.init, params)
         o_specs = opt_state_shardings(
-            opt_state,
-            model,
-            mesh,
-            fsdp_axis="fsdp",
-            min_size=size,
-            param_shardings=p_specs,
+            opt_state, model, mesh, min_size=size, param_shardings=p_specs
         )
     b_specs = batch_shardings(job.batch, mesh, batch_axes=("data", "fsdp"))
 
@@ -178,14 +172,6 @@ def _per_device_bytes(tree: PyTree, specs: PyTree[NamedSharding]) -> int:
     )
 
 
-def _estimate(
-    matmul_flops: float, collective: Mapping[str, int], accelerator: Accelerator
-) -> float:
-    # A ring all-reduce sends its bytes twice (a reduce-scatter, an all-gather).
-    sent = sum(b * (2 if k == "all-reduce" else 1) for k, b in collective.items())
-    return matmul_flops / accelerator.flops + sent / accelerator.link_bytes_per_s
-
-
 def compile_one(
     job: Job, mesh: Mesh, remat: Remat, accelerator: Accelerator
 ) -> MeshCandidate:
@@ -210,6 +196,8 @@ def compile_one(
         )
     cost = compiled.cost_analysis() or {}
     collective, matmul = hlo_costs(compiled.as_text() or "")
+    # A ring all-reduce sends its bytes twice (a reduce-scatter, an all-gather).
+    sent = sum(b * (2 if k == "all-reduce" else 1) for k, b in collective.items())
     return MeshCandidate(
         mesh=shape,
         remat=label,
@@ -223,7 +211,7 @@ def compile_one(
         matmul_flops=matmul,
         collective_bytes=tuple(sorted(collective.items())),
         compile_s=seconds,
-        estimated_s=_estimate(matmul, collective, accelerator),
+        estimated_s=matmul / accelerator.flops + sent / accelerator.link_bytes_per_s,
     )
 
 

@@ -40,19 +40,6 @@ def _child_env(devices: int) -> dict[str, str]:
     }
 
 
-def _relay(proc: subprocess.Popen[str], progress: Progress) -> list[str]:
-    """Pass the child's progress lines on; return the last other lines."""
-    assert proc.stderr is not None  # opened with stderr=PIPE
-    tail: list[str] = []
-    for line in proc.stderr:
-        if line.startswith(_PROGRESS):
-            i, n, what = line[len(_PROGRESS) :].rstrip("\n").split(" ", 2)
-            progress(int(i), int(n), what)
-        else:
-            tail = (tail + [line])[-_TAIL:]
-    return tail
-
-
 def compile_in_child(spec: Spec, progress: Progress) -> list[MeshCandidate]:
     """Every candidate of `spec`, compiled in a fresh process on
     `spec["devices"]` simulated CPU devices."""
@@ -66,7 +53,15 @@ def compile_in_child(spec: Spec, progress: Progress) -> list[MeshCandidate]:
             text=True,
             env=_child_env(spec["devices"]),
         ) as proc:
-            tail = _relay(proc, progress)
+            assert proc.stderr is not None  # opened with stderr=PIPE
+            # The child's progress lines passed on, the last other lines kept.
+            tail: list[str] = []
+            for line in proc.stderr:
+                if line.startswith(_PROGRESS):
+                    i, n, what = line[len(_PROGRESS) :].rstrip("\n").split(" ", 2)
+                    progress(int(i), int(n), what)
+                else:
+                    tail = (tail + [line])[-_TAIL:]
         if proc.returncode != 0:
             raise RuntimeError(
                 f"plan: the process compiling the candidates on {spec['devices']} "

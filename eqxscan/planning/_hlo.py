@@ -54,11 +54,8 @@ def _computations(text: str) -> tuple[dict[str, _Computation], str | None]:
     for line in text.splitlines():
         header = _HEADER.match(line)
         if header:
-            params = dict(
-                (p.split(":")[0].strip(), p.split(":", 1)[1])
-                for p in _PARAM.split(header.group(2))
-                if ":" in p
-            )
+            pairs = (p.split(":", 1) for p in _PARAM.split(header.group(2)) if ":" in p)
+            params = {name.strip(): shape for name, shape in pairs}
             current = comps[header.group(1)] = _Computation([], params)
             if line.startswith("ENTRY"):
                 entry = header.group(1)

@@ -96,10 +96,8 @@ class MeshCandidate:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "MeshCandidate":
-        d = dict(d)
-        d["mesh"] = tuple(d["mesh"])
-        d["collective_bytes"] = tuple((k, int(b)) for k, b in d["collective_bytes"])
-        return cls(**d)
+        pairs = tuple((k, int(b)) for k, b in d["collective_bytes"])
+        return cls(**{**d, "mesh": tuple(d["mesh"]), "collective_bytes": pairs})
 
 
 _NAMED = ("all-gather", "all-reduce", "reduce-scatter")  # a column each

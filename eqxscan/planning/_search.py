@@ -17,14 +17,6 @@ from ._report import Accelerator, ACCELERATORS, MeshPlan, MeshShape
 from ._spec import encode, make_job, Optimizer
 
 
-def _check_simulate(simulate: object) -> None:
-    if simulate not in ("auto", "always"):
-        raise ValueError(
-            f"plan: simulate must be 'auto' or 'always', got {simulate!r}.\nHint: "
-            "'always' compiles in a fresh process even when this one has the devices."
-        )
-
-
 def _accelerator(
     name: str, peak_flops: float | None, link_bytes_per_s: float | None
 ) -> Accelerator:
@@ -190,7 +182,11 @@ def plan(
     """
     limit = parse_bytes(budget)
     min_size = check_size("plan: min_size", min_size, minimum=0)
-    _check_simulate(simulate)
+    if simulate not in ("auto", "always"):
+        raise ValueError(
+            f"plan: simulate must be 'auto' or 'always', got {simulate!r}.\nHint: "
+            "'always' compiles in a fresh process even when this one has the devices."
+        )
     acc = _accelerator(accelerator, peak_flops, link_bytes_per_s)
     shapes, devices = _candidate_meshes(devices, meshes, model_axis, axes, remat)
     start = time.perf_counter()

@@ -98,15 +98,6 @@ def _function(obj: Callable[..., Any] | str, what: str) -> Callable[..., Any]:
     return found
 
 
-def as_optimizer(optimizer: Optimizer) -> "optax.GradientTransformation | None":
-    """The transform `optimizer` stands for (resolved, or called if a function)."""
-    import optax  # imported here: `import eqxscan.planning` does not need it
-
-    if optimizer is None or isinstance(optimizer, optax.GradientTransformation):
-        return optimizer
-    return _function(optimizer, "optimizer")()
-
-
 def make_job(
     make_model: Callable[..., PyTree] | str,
     step: Callable[..., Sequence[PyTree]] | str,
@@ -117,17 +108,15 @@ def make_job(
     model_kwargs: Mapping[str, object],
     min_size: int,
 ) -> Job:
-    """The `Job` of `plan`'s arguments, references resolved."""
-    return Job(
-        _function(make_model, "make_model"),
-        model_kwargs,
-        _function(step, "step"),
-        as_optimizer(optimizer),
-        batch,
-        axes,
-        rules,
-        min_size,
-    )
+    """The `Job` of `plan`'s arguments, references resolved (an optimiser given
+    as a function called)."""
+    import optax  # imported here: `import eqxscan.planning` does not need it
+
+    build, train = _function(make_model, "make_model"), _function(step, "step")
+    tx = optimizer
+    if not (tx is None or isinstance(tx, optax.GradientTransformation)):
+        tx = _function(tx, "optimizer")()
+    return Job(build, model_kwargs, train, tx, batch, axes, rules, min_size)
 
 
 def _encode_batch(batch: PyTree[jax.ShapeDtypeStruct]) -> Json:
@@ -180,7 +169,7 @@ def encode(
     """`plan`'s work as JSON (`job`: the arguments of `make_job`); raises if a
     part of it cannot be passed."""
     make_model, step, optimizer, batch, axes, rules, model_kwargs, min_size = job
-    return Spec(
+    spec = Spec(
         devices=devices,
         meshes=[list(m) for m in shapes],
         remat=[_encode_remat(c) for c in remat],
@@ -190,22 +179,19 @@ def encode(
         batch=_encode_batch(batch),
         axes=None if axes is None else {k: list(v) for k, v in axes.items()},
         rules=None if rules is None else dict(rules),
-        model_kwargs=_encode_kwargs(model_kwargs),
+        model_kwargs=dict(model_kwargs),
         min_size=min_size,
         accelerator=list(accelerator),
     )
-
-
-def _encode_kwargs(model_kwargs: Mapping[str, object]) -> dict[str, Json]:
     try:
-        json.dumps(dict(model_kwargs), allow_nan=False)
+        json.dumps(spec["model_kwargs"], allow_nan=False)
     except (TypeError, ValueError) as e:
         raise ValueError(
             f"plan: model_kwargs cannot be passed as JSON to the fresh process "
             f"that compiles the candidates ({e}).\nHint: pass numbers, strings, "
             "lists and dicts, e.g. dtype='bfloat16', and convert them in make_model."
         ) from None
-    return dict(model_kwargs)
+    return spec
 
 
 def _decode_batch(d: Json) -> PyTree[jax.ShapeDtypeStruct]:
@@ -214,10 +200,6 @@ def _decode_batch(d: Json) -> PyTree[jax.ShapeDtypeStruct]:
     if "seq" in d:
         return tuple(_decode_batch(b) for b in d["seq"])
     return {k: _decode_batch(v) for k, v in d["map"].items()}
-
-
-def _decode_remat(c: Json) -> Remat:
-    return getattr(jax.checkpoint_policies, c["policy"]) if isinstance(c, dict) else c
 
 
 def decode(spec: Spec) -> tuple[Job, list[MeshShape], list[Remat], Accelerator]:
@@ -234,5 +216,6 @@ def decode(spec: Spec) -> tuple[Job, list[MeshShape], list[Remat], Accelerator]:
         spec["min_size"],
     )
     shapes: list[MeshShape] = [(d, f, m) for d, f, m in spec["meshes"]]
-    remat: list[Remat] = [_decode_remat(c) for c in spec["remat"]]
+    policy = lambda c: getattr(jax.checkpoint_policies, c["policy"])
+    remat = [policy(c) if isinstance(c, dict) else c for c in spec["remat"]]
     return job, shapes, remat, Accelerator(*spec["accelerator"])

@@ -110,10 +110,7 @@ def _matches(path: str, pattern: str) -> bool:
 def _lookup(axes: Axes, path: str, leaf: Any) -> Names | None:
     if callable(axes):
         return axes(path, leaf)
-    for pattern, names in axes.items():
-        if _matches(path, pattern):
-            return names
-    return None
+    return next((names for p, names in axes.items() if _matches(path, p)), None)
 
 
 def logical_shardings(
@@ -191,15 +188,10 @@ def logical_shardings(
     # fields, which `model_shardings` keeps as leaves). A named array's default
     # is not used, so no axis of it need divide the FSDP axis.
     named = lambda path, leaf: _lookup(axes, jtu.keystr(path).lstrip("."), leaf)
-    default = {
-        jtu.keystr(path): sharding
-        for path, sharding in jtu.tree_leaves_with_path(
-            fsdp_shardings(
-                model, mesh, fsdp_axis, min_size, lambda p, x: named(p, x) is not None
-            ),
-            is_leaf=is_none,
-        )
-    }
+    lenient = lambda path, leaf: named(path, leaf) is not None
+    fsdp = fsdp_shardings(model, mesh, fsdp_axis, min_size, lenient)
+    found = jtu.tree_leaves_with_path(fsdp, is_leaf=is_none)
+    default = {jtu.keystr(path): sharding for path, sharding in found}
 
     def one(leaf: Any, site: Site) -> NamedSharding | None:
         if not is_arraylike(leaf):

@@ -157,7 +157,6 @@ def _order_call(order: tuple[int, int], inverse: str = "") -> str:
 
 
 def _check_order(stack: Stacked, want: tuple[int, int] | None, what: str) -> None:
-    """That the stack's layers are in the order `want` (its `stage_order`)."""
     have = stack.stage_order and _staged(*stack.stage_order)
     if have != want:
         says = lambda o: o and f"in the stage order of {_order_call(o)}"
@@ -438,11 +437,10 @@ def _run(
     cut = (p.microbatches, -1, *x.shape[1:])
     xs = jnp.reshape(x, cut, out_sharding=split(None, rows))
     layer_spec = PartitionSpec(p.stage_axis)
-    rows_spec = PartitionSpec(None, p.batch_axes or None)
     # Each stage's layers on its devices; the microbatches on every stage, their
     # rows split over `batch_axes`.
-    dyn, drops = constrain((dyn, drops), NamedSharding(mesh, layer_spec))
-    xs = constrain(xs, NamedSharding(mesh, rows_spec))
+    dyn, drops = constrain((dyn, drops), named(p.stage_axis))
+    xs = constrain(xs, named(None, p.batch_axes or None))
     out = jax.shard_map(
         functools.partial(_run_stage, p, stack, static),
         mesh=mesh,
@@ -451,7 +449,7 @@ def _run(
         axis_names={p.stage_axis},
     )(dyn, drops, xs)
     # Only the last stage's buffer holds outputs.
-    out = constrain(out, NamedSharding(mesh, PartitionSpec(None, None, *rows_spec[1:])))
+    out = constrain(out, named(None, None, p.batch_axes or None))
     return jnp.reshape(out[p.stages - 1], x.shape, out_sharding=split(rows))
 
 
@@ -570,11 +568,9 @@ def _run_stage(
         r = jnp.maximum(repeat[stage], 0)
         if repeats > 1:
             inputs = _put(inputs, jnp.where(stage == 0, arrived, -1), state)
-        fresh = index(inputs, m)
-        chunk = index(dyn, r)
         local = restack(
             stack,
-            layers=eqx.combine(chunk, static),
+            layers=eqx.combine(index(dyn, r), static),
             num_layers=p.per_chunk,
             # A sharding of the whole mesh: not applied inside `shard_map`.
             layer_sharding=None,
@@ -582,8 +578,8 @@ def _run_stage(
             drop_path=0.0,
             layer_drop=0.0,
         )
-        call = _chunk_call(drops, r, m)
-        out = scan_layers(local, jnp.where(stage == 0, fresh, state), call)[0]
+        x = jnp.where(stage == 0, index(inputs, m), state)
+        out = scan_layers(local, x, _chunk_call(drops, r, m))[0]
         outputs = _put(outputs, jnp.where(stage == stages - 1, last, -1), out)
         state = jax.lax.ppermute(out, p.stage_axis, shift)
         return (state, inputs, outputs), None

@@ -33,10 +33,8 @@ def follow_float_weights(
         )
         # Its array leaves are the stored arrays; `stored_arrays()` itself is
         # typed to return arrays, not shardings nor `eval_shape`'s structs.
-        stored, treedef = jtu.tree_flatten(node)
-        new = [
-            NamedSharding(mesh, spec if divides(a) else PartitionSpec()) for a in stored
-        ]
-        return jtu.tree_unflatten(treedef, new)
+        return jtu.tree_map(
+            lambda a: NamedSharding(mesh, spec if divides(a) else PartitionSpec()), node
+        )
 
     return jtu.tree_map_with_path(one, model, shardings, is_leaf=stands_for_weight)

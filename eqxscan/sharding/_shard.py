@@ -139,7 +139,6 @@ def _leaf_spec(
     if fsdp_axis is None or math.prod(shape) < min_size or len(shape) <= layer_axes:
         return PartitionSpec()
     size = mesh.shape[fsdp_axis]
-    layer_axes = min(layer_axes, len(shape))
     candidates = [i for i in range(layer_axes, len(shape)) if shape[i] % size == 0]
     if not candidates and not strict:
         return PartitionSpec()
@@ -250,16 +249,30 @@ def _is_placeholder(x: Any) -> bool:
     return x is None or type(x).__name__ == "MaskedNode"
 
 
-def _params_like(params: PyTree) -> Callable[[object], bool]:
-    # Whether a subtree of an optimizer state is a per-parameter buffer of
-    # `params` (e.g. Adam's `mu`): the same type and structure, with every
-    # `layer_sharding` unset so that a model and its sharded copy compare equal.
+_leaves = functools.partial(jtu.tree_leaves, is_leaf=_is_placeholder)
+
+
+def _map_buffers(
+    buffer: Callable[[tuple, Any], Any],
+    other: Callable[[Any], Any],
+    opt_state: Any,
+    params: PyTree,
+) -> Any:
+    # `buffer(path, x)` on each per-parameter buffer `x` of `opt_state` (e.g.
+    # Adam's `mu`), `other` on every other leaf. A buffer has the type and
+    # structure of `params`, every `layer_sharding` unset so that a model and its
+    # sharded copy compare equal.
     def structure(tree: Any) -> Any:
         unset = _set_layer_sharding(tree, lambda site, layers: None)
         return jtu.tree_structure(unset, is_leaf=_is_placeholder)
 
     target = structure(params)
-    return lambda x: type(x) is type(params) and structure(x) == target
+    like = lambda x: type(x) is type(params) and structure(x) == target
+    return jtu.tree_map_with_path(
+        lambda path, x: buffer(path, x) if like(x) else other(x),
+        opt_state,
+        is_leaf=lambda x: _is_placeholder(x) or like(x),
+    )
 
 
 def opt_state_shardings(
@@ -306,10 +319,8 @@ def opt_state_shardings(
     else:  # by key path, as `constrain` matches them, never by position
         param_shardings = align(param_shardings, params)
     # Each parameter (or `None`) with its sharding and number of layer axes.
-    leaves = lambda tree: jtu.tree_leaves(tree, is_leaf=_is_placeholder)
     depths = walk(lambda x, s: s.depth, params)
-    per_param = list(zip(leaves(params), leaves(param_shardings), leaves(depths)))
-    is_params_like = _params_like(params)
+    per_param = list(zip(_leaves(params), _leaves(param_shardings), _leaves(depths)))
 
     def buffer(path: tuple, leaf: Any, param: Any, sharding: Any, depth: Any) -> Any:
         if not is_arraylike(leaf):
@@ -323,31 +334,15 @@ def opt_state_shardings(
         return NamedSharding(mesh, spec)
 
     def one(path: tuple, x: Any) -> Any:
-        if not is_params_like(x):
-            return NamedSharding(mesh, PartitionSpec()) if is_arraylike(x) else None
         leaves = jtu.tree_leaves_with_path(x, is_leaf=_is_placeholder)
         out = [
             buffer(path + p, leaf, *info) for (p, leaf), info in zip(leaves, per_param)
         ]
         return jtu.tree_unflatten(jtu.tree_structure(x, is_leaf=_is_placeholder), out)
 
-    return jtu.tree_map_with_path(
-        one, opt_state, is_leaf=lambda x: _is_placeholder(x) or is_params_like(x)
-    )
-
-
-def _batch_axes(mesh: Mesh, batch_axes: Any, fsdp_axis: str | None) -> tuple[str, ...]:
-    if batch_axes is None:
-        names = ("data",) + (() if fsdp_axis is None else (fsdp_axis,))
-        axes = tuple(a for a in names if a in mesh.shape)
-        if not axes:
-            raise ValueError(
-                f"The batch is sharded over the mesh axes {names} by default, but the "
-                f"mesh has axes {tuple(mesh.axis_names)}; pass batch_axes=... naming "
-                "the axes to split the batch over."
-            )
-        return axes
-    return check_axes(mesh, batch_axes, "batch_axes")
+    replicated = NamedSharding(mesh, PartitionSpec())
+    other = lambda x: replicated if is_arraylike(x) else None
+    return _map_buffers(one, other, opt_state, params)
 
 
 def batch_shardings(
@@ -379,7 +374,17 @@ def batch_shardings(
     size when the batch does not divide, or a missing mesh axis.
     """
     mesh = check_mesh(mesh)
-    axes = _batch_axes(mesh, batch_axes, fsdp_axis)
+    if batch_axes is not None:
+        axes = check_axes(mesh, batch_axes, "batch_axes")
+    else:
+        names = ("data",) + (() if fsdp_axis is None else (fsdp_axis,))
+        axes = tuple(a for a in names if a in mesh.shape)
+        if not axes:
+            raise ValueError(
+                f"The batch is sharded over the mesh axes {names} by default, but the "
+                f"mesh has axes {tuple(mesh.axis_names)}; pass batch_axes=... naming "
+                "the axes to split the batch over."
+            )
     size = math.prod(mesh.shape[a] for a in axes)
     spec = PartitionSpec(axes[0] if len(axes) == 1 else axes)
 
@@ -460,13 +465,12 @@ def gather_layers(
 
     def per_step(path: tuple, leaf: Any, depth: int) -> NamedSharding:
         # The leaf's spec without its `depth` layer axes, keeping only `keep`.
-        spec = list(placed(path, leaf).spec)[depth:]
-        entries = []
-        for entry in spec:
-            names = entry if isinstance(entry, tuple) else (entry,)
-            kept = tuple(n for n in names if n in keep)
-            entries.append(kept[0] if len(kept) == 1 else (kept or None))
-        return NamedSharding(mesh, PartitionSpec(*entries))
+        kept = [
+            tuple(n for n in (e if isinstance(e, tuple) else (e,)) if n in keep)
+            for e in list(placed(path, leaf).spec)[depth:]
+        ]
+        spec = PartitionSpec(*(k[0] if len(k) == 1 else (k or None) for k in kept))
+        return NamedSharding(mesh, spec)
 
     def per_array(site: Site, layers: PyTree) -> PyTree[NamedSharding]:
         arrays = eqx.filter(layers, eqx.is_array)
@@ -475,20 +479,6 @@ def gather_layers(
         )
 
     return _set_layer_sharding(model, per_array)
-
-
-def _restructure(opt_state: Any, old: Any, new: Any) -> Any:
-    # Give the params-like subtrees of `opt_state` the (static) structure of `new`.
-    new_def = jtu.tree_structure(eqx.filter(new, eqx.is_array), is_leaf=_is_placeholder)
-    is_params_like = _params_like(old)
-
-    def one(x: Any) -> Any:
-        leaves = jtu.tree_leaves(x, is_leaf=_is_placeholder)
-        return jtu.tree_unflatten(new_def, leaves) if is_params_like(x) else x
-
-    return jtu.tree_map(
-        one, opt_state, is_leaf=lambda x: _is_placeholder(x) or is_params_like(x)
-    )
 
 
 def shard(
@@ -558,5 +548,11 @@ def shard(
         opt_sh = opt_state_shardings(
             opt_state, model, mesh, fsdp_axis=fsdp_axis, min_size=min_size
         )
-        opt_state = _restructure(place(opt_state, opt_sh, mesh), model, new)
+        placed = place(opt_state, opt_sh, mesh)
+        # Its buffers get the (static) structure of `new`'s arrays.
+        arrays = jtu.tree_structure(
+            eqx.filter(new, eqx.is_array), is_leaf=_is_placeholder
+        )
+        regroup = lambda _, x: jtu.tree_unflatten(arrays, _leaves(x))
+        opt_state = _map_buffers(regroup, lambda x: x, placed, model)
     return new, opt_state, batch
