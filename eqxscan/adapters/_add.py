@@ -18,15 +18,13 @@ from .._internal import (
     check_rate,
     check_size,
     Checked,
-    for_each,
     pattern,
     replace_weights,
-    Site,
     split_key,
     Target,
 )
 from ..quant import Quantized
-from ._lora import is_lora, LoRA, loras, Orientation
+from ._lora import is_lora, LoRA, lora_sites, loras, Orientation
 
 
 def add_lora(
@@ -79,7 +77,7 @@ def add_lora(
         raise ValueError(f"orientation must be 'x@W' or 'W@x', got {orientation!r}.")
     alpha = _check_alpha(rank if alpha is None else alpha)
     count = itertools.count()
-    adapted = _adapted_names(model)
+    adapted = [pattern(site.path) for _, site in lora_sites(model)]
     _check_modules(model, targets)
 
     def make(w: object, depth: int, name: str, orientation: Orientation) -> LoRA:
@@ -166,18 +164,6 @@ def _check_modules(model: PyTree, targets: object) -> None:
                 "num_adapters= for several adapters, or adapt "
                 "`adapters.merge(model)`'s weights."
             )
-
-
-def _adapted_names(model: PyTree) -> list[str]:
-    """The state-dict names (layer indices as `*`) of `model`'s LoRAs."""
-    found, names = {id(lo.a) for lo in loras(model)}, []
-
-    def visit(leaf: object, site: Site) -> None:
-        if id(leaf) in found and site.path[-1:] == ("a",):
-            names.append(pattern(site.path[:-1]))
-
-    for_each(visit, model, names=True)
-    return names
 
 
 def _check_alpha(alpha: object) -> float:

@@ -12,7 +12,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
-from .._internal import check_matmul
+from .._internal import check_matmul, for_each, Site
 from ..quant import Quantized
 
 
@@ -189,6 +189,20 @@ def is_lora(x: object) -> bool:
 def loras(model: PyTree) -> list[LoRA]:
     """Every `LoRA` of `model`, in `jax.tree_util` order."""
     return [x for x in jtu.tree_leaves(model, is_leaf=is_lora) if is_lora(x)]
+
+
+def lora_sites(model: PyTree) -> list[tuple[LoRA, Site]]:
+    """Each `LoRA` of `model` with where it sits by state-dict name, once for
+    each place it is held in."""
+    by_leaf = {id(lora.a): lora for lora in loras(model)}
+    found = []
+
+    def visit(leaf: object, site: Site) -> None:
+        if id(leaf) in by_leaf and site.path[-1:] == ("a",):
+            found.append((by_leaf[id(leaf)], site._replace(path=site.path[:-1])))
+
+    for_each(visit, model, names=True)
+    return found
 
 
 def check_adapter(lora: LoRA, adapter: int, who: str, what: str, hint: str) -> None:
