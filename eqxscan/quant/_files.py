@@ -304,7 +304,17 @@ def load(path: str | os.PathLike, like: T) -> T:
                 f"{opened.where!r} does not fit the quantized model: "
                 f"{lines}{more}.\n{problems[0][1]}"
             )
-        return _fit(opened, like, _fp8_as_codes(opened))
+        # A float8 array of a file read as the `uint8` codes fp8 `values` are
+        # held as (bit for bit): a file converted to safetensors' `F8_E4M3`
+        # loads too.
+        fp8 = np.dtype(jnp.float8_e4m3fn)
+        state = {
+            name: _Deferred(a.shape, np.uint8, lambda a=a: np.asarray(a).view(np.uint8))
+            if name.endswith(".values") and a.dtype == fp8
+            else a
+            for name, a in opened.arrays.items()
+        }
+        return _fit(opened, like, state)
 
 
 class _Deferred:
@@ -319,18 +329,6 @@ class _Deferred:
     ) -> np.ndarray:
         array = self.read()
         return array if dtype is None else array.astype(dtype)
-
-
-def _fp8_as_codes(opened: Opened) -> dict[str, object]:
-    # A float8 array of a file read as the `uint8` codes fp8 `values` are held
-    # as (bit for bit): a file converted to safetensors' `F8_E4M3` loads too.
-    fp8 = np.dtype(jnp.float8_e4m3fn)
-    return {
-        name: _Deferred(a.shape, np.uint8, lambda a=a: np.asarray(a).view(np.uint8))
-        if name.endswith(".values") and a.dtype == fp8
-        else a
-        for name, a in opened.arrays.items()
-    }
 
 
 class _NonFinite(ValueError):
@@ -465,26 +463,22 @@ def quantize_file(
         lambda q, x: q if is_quantized(q) else x, qlike, like, is_leaf=is_quantized
     )
     with open_safetensors(path, like, names=name_map) as opened:
-        _check_float(opened, qlike)
+        # A file of quantized weights (recorded by `save`, or stored as
+        # `<name>.values`) is loaded, not quantized.
+        recorded = _recorded(opened) or {}
+        stored = [
+            f"'{n}.values'"
+            for w in weights(qlike)[0]
+            for n in w.names
+            if f"{n}.values" in opened.arrays
+        ]
+        found = [f"`{p}` ({spec})" for p, spec in recorded.items()] or stored
+        if found:
+            raise ValueError(
+                f"eqxscan.quant.quantize_file: {opened.where!r} holds quantized "
+                f"weights already ({', '.join(found[:3])}); quantize_file reads "
+                "float weights.\nHint: load it with eqxscan.quant.load(path, "
+                "like), like quantized as the file was, which checks how: e.g. "
+                "eqx.filter_eval_shape(eqxscan.quant.quantize, model, targets, ...)."
+            )
         return _fit(opened, qlike, _quantizing(opened, qlike))
-
-
-def _check_float(opened: Opened, qlike: PyTree) -> None:
-    """Refuse files whose weights are quantized already (recorded by
-    `save`, or stored as `<name>.values`): they are loaded, not quantized."""
-    recorded = _recorded(opened) or {}
-    stored = [
-        f"'{n}.values'"
-        for w in weights(qlike)[0]
-        for n in w.names
-        if f"{n}.values" in opened.arrays
-    ]
-    found = [f"`{p}` ({spec})" for p, spec in recorded.items()] or stored
-    if found:
-        raise ValueError(
-            f"eqxscan.quant.quantize_file: {opened.where!r} holds quantized "
-            f"weights already ({', '.join(found[:3])}); quantize_file reads float "
-            "weights.\nHint: load it with eqxscan.quant.load(path, like), like "
-            "quantized as the file was, which checks how: e.g. "
-            "eqx.filter_eval_shape(eqxscan.quant.quantize, model, targets, ...)."
-        )
