@@ -75,7 +75,16 @@ def add_lora(
     dropout = check_rate(dropout, "dropout")
     if orientation not in ("x@W", "W@x"):
         raise ValueError(f"orientation must be 'x@W' or 'W@x', got {orientation!r}.")
-    alpha = _check_alpha(rank if alpha is None else alpha)
+    alpha = rank if alpha is None else alpha
+    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real):
+        raise TypeError(f"add_lora: alpha must be a number, got {alpha!r}.")
+    if not (math.isfinite(alpha) and alpha > 0):
+        raise ValueError(
+            f"add_lora: alpha must be a positive finite number (the adapters are "
+            f"scaled by alpha / rank), got {alpha!r}.\nHint: leave it out for "
+            "alpha = rank (a scaling of 1)."
+        )
+    alpha = float(alpha)
     count = itertools.count()
     adapted = [pattern(site.path) for _, site in lora_sites(model)]
     _check_modules(model, targets)
@@ -164,19 +173,6 @@ def _check_modules(model: PyTree, targets: object) -> None:
                 "num_adapters= for several adapters, or adapt "
                 "`adapters.merge(model)`'s weights."
             )
-
-
-def _check_alpha(alpha: object) -> float:
-    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real):
-        raise TypeError(f"add_lora: alpha must be a number, got {alpha!r}.")
-    value = float(alpha)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(
-            f"add_lora: alpha must be a positive finite number (the adapters are "
-            f"scaled by alpha / rank), got {alpha!r}.\nHint: leave it out for "
-            "alpha = rank (a scaling of 1)."
-        )
-    return value
 
 
 def trainable(model: PyTree) -> PyTree[bool]:

@@ -39,27 +39,6 @@ class PeftLayer:
         return (m, n) if self.lora.orientation == "W@x" else (n, m)
 
 
-def _loras(model: PyTree, who: str) -> list[tuple[LoRA, Site]]:
-    """Each `LoRA` of `model`, with where it sits (by state-dict name)."""
-    found = loras(model)
-    if not found:
-        raise ValueError(
-            f"{who}: the model holds no eqxscan.adapters.LoRA, got "
-            f"{describe(model)}.\nHint: add adapters with "
-            "eqxscan.adapters.add_lora(model, ...) first, with the file's targets."
-        )
-    sites: dict[int, Site] = {}
-    for lora, site in lora_sites(model):
-        if (first := sites.setdefault(id(lora.a), site)) is not site:
-            # One LoRA in two places: which name would it have?
-            raise ValueError(
-                f"{who}: one LoRA stands both at '{pattern(first.path)}' and at "
-                f"'{pattern(site.path)}'.\nHint: adapt a tied weight in one "
-                "place only."
-            )
-    return [(lora, sites[id(lora.a)]) for lora in found]
-
-
 def tree_of(arrays: Mapping[str, np.ndarray]) -> dict:
     """A pytree with these state-dict names (`"a.0.b"` -> `{"a": {"0": {"b": v}}}`)."""
     tree: dict = {}
@@ -127,8 +106,25 @@ def peft_layers(model: PyTree, name_map: Checked[NameMap], who: str) -> list[Pef
             f"{who}: name_map must be an eqxscan.checkpoint.NameMap (the base "
             f"model's, to PyTorch names), got {describe(name_map)}."
         )
+    found = loras(model)
+    if not found:
+        raise ValueError(
+            f"{who}: the model holds no eqxscan.adapters.LoRA, got "
+            f"{describe(model)}.\nHint: add adapters with "
+            "eqxscan.adapters.add_lora(model, ...) first, with the file's targets."
+        )
+    sites: dict[int, Site] = {}
+    for lora, site in lora_sites(model):
+        if (first := sites.setdefault(id(lora.a), site)) is not site:
+            # One LoRA in two places: which name would it have?
+            raise ValueError(
+                f"{who}: one LoRA stands both at '{pattern(first.path)}' and at "
+                f"'{pattern(site.path)}'.\nHint: adapt a tied weight in one "
+                "place only."
+            )
     targets = []
-    for lora, site in _loras(model, who):
+    for lora in found:
+        site = sites[id(lora.a)]
         if not isinstance(lora.a, (jax.Array, np.ndarray)):
             raise TypeError(
                 f"{who} needs concrete arrays, but the LoRA at "
