@@ -147,13 +147,13 @@ def save(
     )
 
 
-def _recorded(opened: Opened) -> dict[str, _Spec] | None:
-    """What the files' metadata records of each quantized weight (`None`: files
-    of another writer)."""
+def _recorded(opened: Opened) -> dict[str, _Spec]:
+    """What the files' metadata records of each quantized weight (nothing for
+    files of another writer)."""
     texts = {file: meta.get(METADATA) for file, meta in opened.metadata.items()}
     found = {text for text in texts.values() if text is not None}
     if not found:
-        return None
+        return {}
     file = next(f for f, text in texts.items() if text == min(found))
     if len(found) > 1 or None in texts.values():
         raise CorruptFileError(
@@ -194,14 +194,14 @@ def _check_like(who: str, like: object) -> None:
 
 def _problems(opened: Opened, like: PyTree) -> list[tuple[str, str]]:
     """What makes the files unfit for `like`, each a line and its hint."""
-    found, floats = weights(like)
-    quantized = _by_pattern(found)
+    held, floats = weights(like)
+    quantized = _by_pattern(held)
     recorded = _recorded(opened)
     arrays = opened.arrays
     problems = []
     for pattern, w in quantized.items():
         found = [n for n in w.names if n in arrays]
-        spec = (recorded or {}).get(pattern)
+        spec = recorded.get(pattern)
         if found:
             shape, dtype = arrays[found[0]].shape, arrays[found[0]].dtype
             problems.append(
@@ -233,7 +233,7 @@ def _problems(opened: Opened, like: PyTree) -> list[tuple[str, str]]:
                     f"records it; {_DOCS}.",
                 )
             )
-    for pattern, spec in (recorded or {}).items():
+    for pattern, spec in recorded.items():
         if pattern in floats and pattern not in quantized:
             problems.append(
                 (
@@ -465,7 +465,7 @@ def quantize_file(
     with open_safetensors(path, like, names=name_map) as opened:
         # A file of quantized weights (recorded by `save`, or stored as
         # `<name>.values`) is loaded, not quantized.
-        recorded = _recorded(opened) or {}
+        recorded = _recorded(opened)
         stored = [
             f"'{n}.values'"
             for w in weights(qlike)[0]
