@@ -2,7 +2,7 @@
 the layer's own `x @ self.w` computes `x @ base + (alpha / r) * (x @ a[k]) @ b[k]`
 without forming `base + delta`, and a scan hands each layer its slices."""
 
-from typing import Literal, NoReturn
+from typing import NoReturn
 
 import equinox as eqx
 import jax
@@ -13,12 +13,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 from .._internal import check_matmul, for_each, Site
-from ..quant import Quantized
-
-
-Orientation = Literal["x@W", "W@x"]
-"""How a layer uses its weight: `x @ W` (base `[in, out]`, as `StackedMLP`'s
-`w1`) or `W @ x` (base `[out, in]`, as `eqx.nn.Linear`'s `weight` and PyTorch)."""
+from ..quant import Orientation, Quantized
 
 
 class LoRA(eqx.Module):

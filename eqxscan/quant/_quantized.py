@@ -14,8 +14,9 @@ from .._internal import check_matmul, describe as describe_array
 
 
 Orientation = Literal["x@W", "W@x"]
-"""How a layer uses its weight, as for [`eqxscan.adapters.LoRA`][]: `x @ W`
-(float weight `[in, out]`) or `W @ x` (`[out, in]`, as `eqx.nn.Linear`)."""
+"""How a layer uses its weight (a [`eqxscan.adapters.LoRA`][]'s base, or the
+float weight): `x @ W` (`[in, out]`, as `StackedMLP`'s `w1`) or `W @ x`
+(`[out, in]`, as `eqx.nn.Linear`'s `weight` and PyTorch)."""
 
 Kind = Literal["int8", "int4", "fp8"]
 """The storage format: `"int8"` (symmetric, a scale per output channel), `"int4"`
