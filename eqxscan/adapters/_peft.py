@@ -35,8 +35,6 @@ from ._peft_targets import (
 )
 
 
-__all__ = ["load_peft", "save_peft"]
-
 T = TypeVar("T")
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -272,8 +270,7 @@ def load_peft(
     config = _read_config(directory := _directory(directory, "load_peft"))
     path, modules = _read_factors(directory)
     targets = peft_layers(model, name_map, "load_peft")
-    loras = loras_of(targets)
-    k = adapter_index(loras, adapter, "load_peft")
+    k = adapter_index(loras_of(targets), adapter, "load_peft")
     _check_loras(targets, config, path)
     problems = _match(targets, modules, config)
     if problems:

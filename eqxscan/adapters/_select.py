@@ -81,10 +81,9 @@ def with_dropout_key(model: PyTree, key: Checked[PRNGKeyArray]) -> PyTree:
     `model` with the keys set.
     """
     split_key(key, 1, "with_dropout_key")  # one PRNG key, or an error naming it
-    found = loras(model)
     keys = [
         jr.split(jr.fold_in(key, n), lo.layer_axes) if lo.dropout > 0 else None
-        for n, lo in enumerate(found)
+        for n, lo in enumerate(loras(model))
     ]
     return eqx.tree_at(
         lambda m: [lo.key for lo in loras(m)],
