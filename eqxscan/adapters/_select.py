@@ -34,12 +34,9 @@ def select(model: PyTree, ids: Checked[int | Int[Array, ""]]) -> PyTree:
     integer array broadcast to the layer axes.
     """
     if isinstance(ids, bool) or not (
-        isinstance(ids, (int, np.integer))
-        or (
-            isinstance(ids, (jax.Array, np.ndarray))
-            and ids.ndim == 0
-            and jnp.issubdtype(ids.dtype, jnp.integer)
-        )
+        isinstance(ids, (int, np.integer, jax.Array, np.ndarray))
+        and np.ndim(ids) == 0
+        and jnp.issubdtype(getattr(ids, "dtype", int), jnp.integer)
     ):
         raise TypeError(
             f"select: ids must be an int or an integer scalar array, got "
