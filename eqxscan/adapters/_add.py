@@ -18,15 +18,13 @@ from .._internal import (
     check_rate,
     check_size,
     Checked,
-    for_each,
     pattern,
     replace_weights,
-    Site,
     split_key,
     Target,
 )
 from ..quant import Quantized
-from ._lora import is_lora, LoRA, loras, Orientation
+from ._lora import is_lora, LoRA, lora_sites, loras, Orientation
 
 
 def add_lora(
@@ -77,9 +75,18 @@ def add_lora(
     dropout = check_rate(dropout, "dropout")
     if orientation not in ("x@W", "W@x"):
         raise ValueError(f"orientation must be 'x@W' or 'W@x', got {orientation!r}.")
-    alpha = _check_alpha(rank if alpha is None else alpha)
+    alpha = rank if alpha is None else alpha
+    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real):
+        raise TypeError(f"add_lora: alpha must be a number, got {alpha!r}.")
+    if not (math.isfinite(alpha) and alpha > 0):
+        raise ValueError(
+            f"add_lora: alpha must be a positive finite number (the adapters are "
+            f"scaled by alpha / rank), got {alpha!r}.\nHint: leave it out for "
+            "alpha = rank (a scaling of 1)."
+        )
+    alpha = float(alpha)
     count = itertools.count()
-    adapted = _adapted_names(model)
+    adapted = [pattern(site.path) for _, site in lora_sites(model)]
     _check_modules(model, targets)
 
     def make(w: object, depth: int, name: str, orientation: Orientation) -> LoRA:
@@ -166,31 +173,6 @@ def _check_modules(model: PyTree, targets: object) -> None:
                 "num_adapters= for several adapters, or adapt "
                 "`adapters.merge(model)`'s weights."
             )
-
-
-def _adapted_names(model: PyTree) -> list[str]:
-    """The state-dict names (layer indices as `*`) of `model`'s LoRAs."""
-    found, names = {id(lo.a) for lo in loras(model)}, []
-
-    def visit(leaf: object, site: Site) -> None:
-        if id(leaf) in found and site.path[-1:] == ("a",):
-            names.append(pattern(site.path[:-1]))
-
-    for_each(visit, model, names=True)
-    return names
-
-
-def _check_alpha(alpha: object) -> float:
-    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real):
-        raise TypeError(f"add_lora: alpha must be a number, got {alpha!r}.")
-    value = float(alpha)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(
-            f"add_lora: alpha must be a positive finite number (the adapters are "
-            f"scaled by alpha / rank), got {alpha!r}.\nHint: leave it out for "
-            "alpha = rank (a scaling of 1)."
-        )
-    return value
 
 
 def trainable(model: PyTree) -> PyTree[bool]:

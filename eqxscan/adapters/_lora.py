@@ -2,7 +2,7 @@
 the layer's own `x @ self.w` computes `x @ base + (alpha / r) * (x @ a[k]) @ b[k]`
 without forming `base + delta`, and a scan hands each layer its slices."""
 
-from typing import Literal, NoReturn
+from typing import NoReturn
 
 import equinox as eqx
 import jax
@@ -12,13 +12,8 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
-from .._internal import check_matmul
-from ..quant import Quantized
-
-
-Orientation = Literal["x@W", "W@x"]
-"""How a layer uses its weight: `x @ W` (base `[in, out]`, as `StackedMLP`'s
-`w1`) or `W @ x` (base `[out, in]`, as `eqx.nn.Linear`'s `weight` and PyTorch)."""
+from .._internal import check_matmul, for_each, Site
+from ..quant import Orientation, Quantized
 
 
 class LoRA(eqx.Module):
@@ -189,6 +184,20 @@ def is_lora(x: object) -> bool:
 def loras(model: PyTree) -> list[LoRA]:
     """Every `LoRA` of `model`, in `jax.tree_util` order."""
     return [x for x in jtu.tree_leaves(model, is_leaf=is_lora) if is_lora(x)]
+
+
+def lora_sites(model: PyTree) -> list[tuple[LoRA, Site]]:
+    """Each `LoRA` of `model` with where it sits by state-dict name, once for
+    each place it is held in."""
+    by_leaf = {id(lora.a): lora for lora in loras(model)}
+    found = []
+
+    def visit(leaf: object, site: Site) -> None:
+        if id(leaf) in by_leaf and site.path[-1:] == ("a",):
+            found.append((by_leaf[id(leaf)], site._replace(path=site.path[:-1])))
+
+    for_each(visit, model, names=True)
+    return found
 
 
 def check_adapter(lora: LoRA, adapter: int, who: str, what: str, hint: str) -> None:

@@ -58,8 +58,7 @@ def _add_delta(
 ) -> Array:
     """`weight + scale * delta` of adapter `ids[i]` in layer `i` (none where
     `ids[i]` is outside `[0, K)`, as in a call), one layer at a time."""
-    shape = weight.shape
-    flat = weight.reshape((-1,) + shape[-2:])
+    flat = weight.reshape((-1,) + weight.shape[-2:])
     a = a.reshape((-1,) + a.shape[-3:])
     b = b.reshape((-1,) + b.shape[-3:])
     ids = ids.reshape(-1)
@@ -78,7 +77,7 @@ def _add_delta(
         # rounded delta added with a second rounding.
         return w.at[i].set((w[i].astype(wide) + change).astype(w.dtype))
 
-    return jax.lax.fori_loop(0, flat.shape[0], one, flat).reshape(shape)
+    return jax.lax.fori_loop(0, flat.shape[0], one, flat).reshape(weight.shape)
 
 
 _STATIC = ("scale", "orientation")

@@ -35,8 +35,6 @@ from ._peft_targets import (
 )
 
 
-__all__ = ["load_peft", "save_peft"]
-
 T = TypeVar("T")
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -167,10 +165,9 @@ def _few(items: Sequence[str], n: int = 6) -> str:
 
 def _check_loras(targets: Sequence[PeftLayer], config: _Config, path: str) -> None:
     """Each LoRA's rank, scale and orientation against the file's."""
-    firsts: dict[int, PeftLayer] = {}
     for t in targets:
-        firsts.setdefault(id(t.lora), t)
-    for t in firsts.values():
+        if any(t.index):  # each LoRA once, at its first layer
+            continue
         lora = t.lora
         if lora.rank != config.r:
             raise ValueError(
@@ -204,7 +201,6 @@ def _match(
     targets: Sequence[PeftLayer],
     modules: Mapping[str, Mapping[str, np.ndarray]],
     config: _Config,
-    path: str,
 ) -> list[str]:
     """Every problem between the model's LoRAs and the file's factors."""
     ours = {t.module: t for t in targets}
@@ -274,10 +270,9 @@ def load_peft(
     config = _read_config(directory := _directory(directory, "load_peft"))
     path, modules = _read_factors(directory)
     targets = peft_layers(model, name_map, "load_peft")
-    loras = loras_of(targets)
-    k = adapter_index(loras, adapter, "load_peft")
+    k = adapter_index(loras_of(targets), adapter, "load_peft")
     _check_loras(targets, config, path)
-    problems = _match(targets, modules, config, path)
+    problems = _match(targets, modules, config)
     if problems:
         raise ValueError(
             f"{path!r} does not fit the model's LoRAs: {'; '.join(problems)}.\n"
@@ -319,18 +314,6 @@ def _one(values: set[T], what: str, hint: str) -> T:
             f"({sorted(values, key=repr)}), but a PEFT config has one.\nHint: {hint}"
         )
     return next(iter(values))
-
-
-def _factors(targets: Sequence[PeftLayer], k: int) -> dict[str, np.ndarray]:
-    """PEFT's tensors of adapter `k`, by PEFT's names."""
-    hosts = host_factors(targets)
-    tensors: dict[str, np.ndarray] = {}
-    for t in targets:
-        a, b = (x[t.index + (k,)] for x in hosts[id(t.lora)])
-        for factor, value in zip(("lora_A", "lora_B"), swap(t.lora, a, b)):
-            name = f"{_PREFIX}{t.module}.{factor}.weight"
-            tensors[name] = np.ascontiguousarray(value)
-    return tensors
 
 
 def _write_json(path: str, value: Mapping[str, object]) -> None:
@@ -399,7 +382,12 @@ def save_peft(
         "layouts of PEFT's stored weights (fan_in_fan_out)",
         "adapt weights the map stores alike (all transposed, or none).",
     )
-    tensors = _factors(targets, k)
+    hosts, tensors = host_factors(targets), {}
+    for t in targets:
+        a, b = (x[t.index + (k,)] for x in hosts[id(t.lora)])
+        for factor, value in zip(("lora_A", "lora_B"), swap(t.lora, a, b)):
+            name = f"{_PREFIX}{t.module}.{factor}.weight"
+            tensors[name] = np.ascontiguousarray(value)
     config = {
         "alpha_pattern": {},
         "base_model_name_or_path": base_model_name_or_path,

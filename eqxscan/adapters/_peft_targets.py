@@ -14,14 +14,13 @@ from jaxtyping import PyTree
 from .._internal import (
     Checked,
     describe,
-    for_each,
     LayerNumbering,
     pattern,
     resolve,
     Site,
 )
 from ..checkpoint import NameMap
-from ._lora import LoRA, loras
+from ._lora import LoRA, lora_sites, loras
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,66 +28,15 @@ class PeftLayer:
     """One layer of one of the model's `LoRA`s, as PEFT names it."""
 
     lora: LoRA
-    ours: str  # eqxscan's per-layer name of the weight, e.g. "blocks.2.w2"
+    where: str  # eqxscan's name of the weight and layer, e.g. "'blocks.2.w2' (layer 2)"
     index: tuple[int, ...]  # the layer's index along the LoRA's layer axes
-    layer: int | None  # the layer number in `ours`, for messages
     module: str  # PEFT's module, e.g. "model.layers.2.mlp.down_proj"
     transposed: bool  # the map stores the weight transposed ([in, out])
-
-    @property
-    def where(self) -> str:
-        return _where(self.ours, self.layer)
 
     def out_in(self) -> tuple[int, int]:
         """The `(out, in)` sizes of the weight, from the LoRA's orientation."""
         m, n = self.lora.base.shape[-2:]
         return (m, n) if self.lora.orientation == "W@x" else (n, m)
-
-
-def _where(ours: str, layer: int | None) -> str:
-    return f"'{ours}'" + ("" if layer is None else f" (layer {layer})")
-
-
-def _loras(model: PyTree, who: str) -> list[tuple[LoRA, Site]]:
-    """Each `LoRA` of `model`, with where its `a` sits (by state-dict name)."""
-    found = loras(model)
-    if not found:
-        raise ValueError(
-            f"{who}: the model holds no eqxscan.adapters.LoRA, got "
-            f"{describe(model)}.\nHint: add adapters with "
-            "eqxscan.adapters.add_lora(model, ...) first, with the file's targets."
-        )
-    by_leaf = {id(lora.a): lora for lora in found}
-    sites: dict[int, Site] = {}
-
-    def visit(leaf: object, site: Site) -> None:
-        if id(leaf) not in by_leaf or site.path[-1:] != ("a",):
-            return
-        if id(leaf) in sites:  # one LoRA in two places: which name would it have?
-            first = pattern(sites[id(leaf)].path[:-1])
-            raise ValueError(
-                f"{who}: one LoRA stands both at '{first}' and at "
-                f"'{pattern(site.path[:-1])}'.\nHint: adapt a tied weight in one "
-                "place only."
-            )
-        sites[id(leaf)] = site
-
-    for_each(visit, model, names=True)
-    return [(lora, sites[id(lora.a)]) for lora in by_leaf.values()]
-
-
-def _layers(site: Site) -> list[tuple[str, tuple[int, ...], int | None]]:
-    """`(name, index, layer)` of each layer of the weight whose `a` is at `site`."""
-    parts = site.path[:-1]
-    last = max(
-        (j for j, p in enumerate(parts) if isinstance(p, LayerNumbering)), default=None
-    )
-    out = []
-    for index in np.ndindex(*site.axes):
-        resolved = resolve(parts, index)
-        layer = None if last is None else resolved[last]
-        out.append((".".join(map(str, resolved)), tuple(index), layer))
-    return out
 
 
 def tree_of(arrays: Mapping[str, np.ndarray]) -> dict:
@@ -118,9 +66,11 @@ def _refused(name_map: NameMap, ours: str, shape: tuple[int, ...]) -> str:
     return f"the name map reshapes it into '{name}' {list(value.shape)}"
 
 
-def _target(
-    name_map: NameMap, lora: LoRA, ours: str, index: tuple[int, ...], layer: int | None
-) -> PeftLayer:
+def _target(name_map: NameMap, lora: LoRA, site: Site, index: tuple) -> PeftLayer:
+    resolved = resolve(site.path, index)
+    ours = ".".join(map(str, resolved))
+    numbers = [n for n, p in zip(resolved, site.path) if isinstance(p, LayerNumbering)]
+    where = f"'{ours}'" + (f" (layer {numbers[-1]})" if numbers else "")
     # A small probe of distinct values tells the rule's operations apart: the
     # map must give it back as it is or transposed, under one `.weight` name.
     probe = np.arange(6, dtype=np.float32).reshape(2, 3)
@@ -131,7 +81,6 @@ def _target(
     ((name, value),) = out.items() if len(out) == 1 else [("", probe[:0])]
     same = value.shape == probe.shape and np.array_equal(value, probe)
     transposed = value.shape == probe.T.shape and np.array_equal(value, probe.T)
-    where = _where(ours, layer)
     if not (same or transposed):
         why = _refused(name_map, ours, tuple(lora.base.shape[-2:]))
         raise ValueError(
@@ -147,7 +96,7 @@ def _target(
             "module's '<module>.weight', which PEFT adapts.\nHint: use the map of "
             "the PyTorch checkpoint (names ending in '.weight')."
         )
-    return PeftLayer(lora, ours, index, layer, name[: -len(".weight")], transposed)
+    return PeftLayer(lora, where, index, name[: -len(".weight")], transposed)
 
 
 def peft_layers(model: PyTree, name_map: Checked[NameMap], who: str) -> list[PeftLayer]:
@@ -157,23 +106,39 @@ def peft_layers(model: PyTree, name_map: Checked[NameMap], who: str) -> list[Pef
             f"{who}: name_map must be an eqxscan.checkpoint.NameMap (the base "
             f"model's, to PyTorch names), got {describe(name_map)}."
         )
+    found = loras(model)
+    if not found:
+        raise ValueError(
+            f"{who}: the model holds no eqxscan.adapters.LoRA, got "
+            f"{describe(model)}.\nHint: add adapters with "
+            "eqxscan.adapters.add_lora(model, ...) first, with the file's targets."
+        )
+    sites: dict[int, Site] = {}
+    for lora, site in lora_sites(model):
+        if (first := sites.setdefault(id(lora.a), site)) is not site:
+            # One LoRA in two places: which name would it have?
+            raise ValueError(
+                f"{who}: one LoRA stands both at '{pattern(first.path)}' and at "
+                f"'{pattern(site.path)}'.\nHint: adapt a tied weight in one "
+                "place only."
+            )
     targets = []
-    for lora, site in _loras(model, who):
+    for lora in found:
+        site = sites[id(lora.a)]
         if not isinstance(lora.a, (jax.Array, np.ndarray)):
             raise TypeError(
                 f"{who} needs concrete arrays, but the LoRA at "
-                f"'{pattern(site.path[:-1])}' holds {describe(lora.a)}.\nHint: "
+                f"'{pattern(site.path)}' holds {describe(lora.a)}.\nHint: "
                 "pass the model itself, not its eval_shape."
             )
         if lora.base.ndim != len(site.axes) + 2:
             raise ValueError(
-                f"{who}: the LoRA at '{pattern(site.path[:-1])}' has a "
+                f"{who}: the LoRA at '{pattern(site.path)}' has a "
                 f"base of shape {tuple(lora.base.shape)} with {len(site.axes)} "
                 "layer axes; PEFT adapts 2-D weights only.\nHint: adapt the "
                 "model's matrices."
             )
-        for ours, index, layer in _layers(site):
-            targets.append(_target(name_map, lora, ours, index, layer))
+        targets += [_target(name_map, lora, site, i) for i in np.ndindex(*site.axes)]
     seen: dict[str, PeftLayer] = {}
     for t in targets:
         if (other := seen.setdefault(t.module, t)) is not t:

@@ -34,12 +34,9 @@ def select(model: PyTree, ids: Checked[int | Int[Array, ""]]) -> PyTree:
     integer array broadcast to the layer axes.
     """
     if isinstance(ids, bool) or not (
-        isinstance(ids, (int, np.integer))
-        or (
-            isinstance(ids, (jax.Array, np.ndarray))
-            and ids.ndim == 0
-            and jnp.issubdtype(ids.dtype, jnp.integer)
-        )
+        isinstance(ids, (int, np.integer, jax.Array, np.ndarray))
+        and np.ndim(ids) == 0
+        and jnp.issubdtype(getattr(ids, "dtype", int), jnp.integer)
     ):
         raise TypeError(
             f"select: ids must be an int or an integer scalar array, got "
@@ -81,10 +78,9 @@ def with_dropout_key(model: PyTree, key: Checked[PRNGKeyArray]) -> PyTree:
     `model` with the keys set.
     """
     split_key(key, 1, "with_dropout_key")  # one PRNG key, or an error naming it
-    found = loras(model)
     keys = [
         jr.split(jr.fold_in(key, n), lo.layer_axes) if lo.dropout > 0 else None
-        for n, lo in enumerate(found)
+        for n, lo in enumerate(loras(model))
     ]
     return eqx.tree_at(
         lambda m: [lo.key for lo in loras(m)],

@@ -114,10 +114,8 @@ class MLPBlock(eqx.Module):
 
         `x` plus the block's output, same shape and dtype.
         """
-        h = rms_norm(self.scale, x)
-        h = jax.nn.gelu(h @ self.w1)
-        h = self.dropout(h, key=key)
-        return x + h @ self.w2
+        h = jax.nn.gelu(rms_norm(self.scale, x) @ self.w1)
+        return x + self.dropout(h, key=key) @ self.w2
 
 
 def _check_shapes(
@@ -304,8 +302,7 @@ class StackedMLP(Scanning):
 
         `[..., D]`, same dtype.
         """
-        x = self._checked(x, key)
-        return self.blocks(x, key=key)
+        return self.blocks(self._checked(x, key), key=key)
 
     def run_until(
         self,
@@ -326,10 +323,9 @@ class StackedMLP(Scanning):
         `(x, layers_run)`: `[..., D]` and an `int32` scalar (`[B]` with
         `per_example=True`, over the leading axis of `x`).
         """
-        x = self._checked(x, key)
         return run_until(
             self.blocks,
-            x,
+            self._checked(x, key),
             predicate,
             per_example=per_example,
             min_layers=min_layers,
@@ -347,8 +343,7 @@ class StackedMLP(Scanning):
         """Run only the chosen blocks (a slice, ints, or a traced index array),
         as [`eqxscan.run_layers`][] on `model.blocks`, after the input checks
         of a call; layer `i` keeps the dropout key of a full call."""
-        x = self._checked(x, key)
-        return run_layers(self.blocks, x, layers, key=key)
+        return run_layers(self.blocks, self._checked(x, key), layers, key=key)
 
     def _checked(self, x: object, key: PRNGKeyArray | None) -> Array:
         """`x` as an array, its width and dtype checked (and a key if needed)."""

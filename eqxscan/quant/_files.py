@@ -8,24 +8,25 @@ each weight's name pattern to how it was quantized (docs/quantization.md#files).
 import dataclasses
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import cast, TypeVar
 
 import equinox as eqx
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+from jax.typing import DTypeLike
 from jaxtyping import PyTree
 
 from .._internal import (
     describe as describe_value,
+    for_each,
     Held,
     hold,
     is_arraylike,
     layer_names,
     pattern as name_pattern,
     Site,
-    walk,
 )
 from ..checkpoint import (
     CorruptFileError,
@@ -38,8 +39,6 @@ from ..checkpoint import (
 from ._quantize import is_quantized, quantize, Target
 from ._quantized import describe, Kind, Orientation, quantize_array, Quantized
 
-
-__all__ = ["load", "quantize_file", "save"]
 
 T = TypeVar("T")
 METADATA = "eqxscan.quant"
@@ -65,39 +64,40 @@ def _spec(q: Quantized) -> _Spec:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Weight:
-    """A `Quantized` of a model, its name pattern (layer indices as `*`) and
-    the names of its layers, in the order of its stacked arrays."""
+class Weight:
+    """A `Quantized` of a model, where it sits by state-dict name, its name
+    pattern (layer indices as `*`) and the names of its layers, in the order of
+    its stacked arrays."""
 
     q: Quantized
+    site: Site
     pattern: str
     names: list[str]
 
 
-def _weights(model: PyTree) -> tuple[list[_Weight], dict[str, str]]:
+def weights(model: PyTree) -> tuple[list[Weight], dict[str, str]]:
     """The `Quantized`s of `model`, and what its other arrays hold by pattern."""
-    quantized: list[_Weight] = []
+    quantized: list[Weight] = []
     floats: dict[str, str] = {}
 
-    def visit(leaf: object, site: Site) -> object:
+    def visit(leaf: object, site: Site) -> None:
         if isinstance(leaf, Held):
             names = layer_names(site.path, site.axes)
             q = cast(Quantized, leaf.weight)  # the package's only stand-in
-            quantized.append(_Weight(q, name_pattern(site.path), names))
+            quantized.append(Weight(q, site, name_pattern(site.path), names))
         elif is_arraylike(leaf):
             shape = f"{jnp.dtype(leaf.dtype).name}{list(leaf.shape)}"
             floats[name_pattern(site.path)] = shape
-        return leaf
 
-    walk(visit, hold(model), names=True)
+    for_each(visit, hold(model), names=True)
     return quantized, floats
 
 
-def _by_pattern(weights: list[_Weight]) -> dict[str, _Weight]:
-    """`weights` by name pattern, which a `Chain`'s stacks share: then quantized
+def _by_pattern(held: list[Weight]) -> dict[str, Weight]:
+    """`held` by name pattern, which a `Chain`'s stacks share: then quantized
     alike, as a file records one quantization per pattern."""
-    found: dict[str, _Weight] = {}
-    for w in weights:
+    found: dict[str, Weight] = {}
+    for w in held:
         other = found.setdefault(w.pattern, w)
         if _spec(other.q) != _spec(w.q):
             raise ValueError(
@@ -135,7 +135,7 @@ def save(
 
     The paths written, the index last.
     """
-    quantized = _by_pattern(_weights(model)[0])
+    quantized = _by_pattern(weights(model)[0])
     record = {
         pattern: dataclasses.asdict(_spec(w.q)) for pattern, w in quantized.items()
     }
@@ -147,13 +147,13 @@ def save(
     )
 
 
-def _recorded(opened: Opened) -> dict[str, _Spec] | None:
-    """What the files' metadata records of each quantized weight (`None`: files
-    of another writer)."""
+def _recorded(opened: Opened) -> dict[str, _Spec]:
+    """What the files' metadata records of each quantized weight (nothing for
+    files of another writer)."""
     texts = {file: meta.get(METADATA) for file, meta in opened.metadata.items()}
     found = {text for text in texts.values() if text is not None}
     if not found:
-        return None
+        return {}
     file = next(f for f, text in texts.items() if text == min(found))
     if len(found) > 1 or None in texts.values():
         raise CorruptFileError(
@@ -194,14 +194,14 @@ def _check_like(who: str, like: object) -> None:
 
 def _problems(opened: Opened, like: PyTree) -> list[tuple[str, str]]:
     """What makes the files unfit for `like`, each a line and its hint."""
-    weights, floats = _weights(like)
-    quantized = _by_pattern(weights)
+    held, floats = weights(like)
+    quantized = _by_pattern(held)
     recorded = _recorded(opened)
     arrays = opened.arrays
     problems = []
     for pattern, w in quantized.items():
         found = [n for n in w.names if n in arrays]
-        spec = (recorded or {}).get(pattern)
+        spec = recorded.get(pattern)
         if found:
             shape, dtype = arrays[found[0]].shape, arrays[found[0]].dtype
             problems.append(
@@ -233,7 +233,7 @@ def _problems(opened: Opened, like: PyTree) -> list[tuple[str, str]]:
                     f"records it; {_DOCS}.",
                 )
             )
-    for pattern, spec in (recorded or {}).items():
+    for pattern, spec in recorded.items():
         if pattern in floats and pattern not in quantized:
             problems.append(
                 (
@@ -304,31 +304,31 @@ def load(path: str | os.PathLike, like: T) -> T:
                 f"{opened.where!r} does not fit the quantized model: "
                 f"{lines}{more}.\n{problems[0][1]}"
             )
-        return _fit(opened, like, _fp8_as_codes(opened.arrays))
+        # A float8 array of a file read as the `uint8` codes fp8 `values` are
+        # held as (bit for bit): a file converted to safetensors' `F8_E4M3`
+        # loads too.
+        fp8 = np.dtype(jnp.float8_e4m3fn)
+        state = {
+            name: _Deferred(a.shape, np.uint8, lambda a=a: np.asarray(a).view(np.uint8))
+            if name.endswith(".values") and a.dtype == fp8
+            else a
+            for name, a in opened.arrays.items()
+        }
+        return _fit(opened, like, state)
 
 
-class _Codes:
-    """A float8 array of a file read as the `uint8` codes fp8 `values` are held
-    as (bit for bit): a file converted to safetensors' `F8_E4M3` loads too."""
+class _Deferred:
+    """An array made by `read()` when NumPy asks for it, its `shape` and `dtype`
+    known before (so `from_state_dict` checks the file first)."""
 
-    def __init__(self, array: object, shape: tuple[int, ...]):
-        self.array, self.shape, self.dtype = array, shape, np.dtype(np.uint8)
+    def __init__(self, shape: tuple[int, ...], dtype: DTypeLike, read: Callable):
+        self.shape, self.dtype, self.read = tuple(shape), np.dtype(dtype), read
 
     def __array__(
         self, dtype: np.dtype | None = None, copy: bool | None = None
     ) -> np.ndarray:
-        codes = np.asarray(self.array).view(np.uint8)
-        return codes if dtype is None else codes.astype(dtype)
-
-
-def _fp8_as_codes(arrays: Mapping[str, object]) -> dict[str, object]:
-    fp8 = np.dtype(jnp.float8_e4m3fn)
-    return {
-        name: _Codes(a, tuple(getattr(a, "shape", ())))
-        if name.endswith(".values") and getattr(a, "dtype", None) == fp8
-        else a
-        for name, a in arrays.items()
-    }
+        array = self.read()
+        return array if dtype is None else array.astype(dtype)
 
 
 class _NonFinite(ValueError):
@@ -336,55 +336,41 @@ class _NonFinite(ValueError):
     file that does not fit the model."""
 
 
-class _Pending:
-    """One layer's `values` or `scales`, quantized from the float layer when
-    NumPy asks for it (the other of the pair kept until asked for)."""
+def _quantized_layer(
+    weight: Weight, name: str, array: object, where: str
+) -> tuple[_Deferred, _Deferred]:
+    """One layer's `values` and `scales`, quantized from its float array when
+    NumPy asks for either (the other kept until asked for)."""
+    q, kept = weight.q, {}
 
-    def __init__(self, layer: "_Layer", piece: int):
-        self.layer, self.piece = layer, piece
-        q = layer.weight.q
-        stored = q.values if piece == 0 else q.scales
-        self.shape = tuple(stored.shape[stored.ndim - 2 :])
-        self.dtype = np.dtype(stored.dtype)
-
-    def __array__(
-        self, dtype: np.dtype | None = None, copy: bool | None = None
-    ) -> np.ndarray:
-        array = self.layer.take(self.piece)
-        return array if dtype is None else array.astype(dtype)
-
-
-class _Layer:
-    """One layer of one quantized weight, quantized from its float array once."""
-
-    def __init__(self, weight: _Weight, name: str, array: object, where: str):
-        self.weight, self.name, self.array, self.where = weight, name, array, where
-        self.kept: dict[int, np.ndarray] = {}
-
-    def take(self, piece: int) -> np.ndarray:
-        if piece in self.kept:
-            return self.kept.pop(piece)
-        q = self.weight.q
+    def take(piece: int) -> np.ndarray:
+        if piece in kept:
+            return kept.pop(piece)
         # On the device: no second host copy of the layer.
-        w = jnp.asarray(np.asarray(self.array))
+        w = jnp.asarray(np.asarray(array))
         if not bool(jnp.isfinite(w).all()):
             raise _NonFinite(
-                f"quantize_file: '{self.name}' in {self.where!r} holds NaN or inf "
-                f"(the weight `{self.weight.pattern}`); its scales would be "
-                "meaningless.\nHint: check the file (eqxscan.load it and run "
+                f"quantize_file: '{name}' in {where!r} holds NaN or inf (the "
+                f"weight `{weight.pattern}`); its scales would be meaningless."
+                "\nHint: check the file (eqxscan.load it and run "
                 "eqxscan.find_nonfinite), or leave this weight out of targets."
             )
         done = quantize_array(w, q.kind, q.orientation, q.group_size, q.name)
         del w  # before the next layer is read
         pieces = (np.asarray(done.values), np.asarray(done.scales))
-        self.kept[1 - piece] = pieces[1 - piece]
+        kept[1 - piece] = pieces[1 - piece]
         return pieces[piece]
+
+    return (
+        _Deferred(q.values.shape[-2:], q.values.dtype, lambda: take(0)),
+        _Deferred(q.scales.shape[-2:], q.scales.dtype, lambda: take(1)),
+    )
 
 
 def _quantizing(opened: Opened, qlike: PyTree) -> dict[str, object]:
     """The quantized model's state dict, each quantized layer made from the
     file's float array (its shape and dtype checked) when asked for."""
-    layers = {n: w for w in _weights(qlike)[0] for n in w.names}
+    layers = {n: w for w in weights(qlike)[0] for n in w.names}
     state: dict[str, object] = {}
     wrong = []
     for name, array in opened.arrays.items():
@@ -393,7 +379,7 @@ def _quantizing(opened: Opened, qlike: PyTree) -> dict[str, object]:
             state[name] = array
             continue
         q = weight.q
-        want = (tuple(q.shape[q.ndim - 2 :]), np.dtype(jnp.dtype(q.dtype)))
+        want = (tuple(q.shape[-2:]), np.dtype(q.dtype))
         have = (tuple(array.shape), np.dtype(array.dtype))
         if have != want:
             wrong.append(
@@ -401,11 +387,8 @@ def _quantizing(opened: Opened, qlike: PyTree) -> dict[str, object]:
                 f"has {have[1].name}{list(have[0])}"
             )
             continue
-        layer = _Layer(weight, name, array, opened.where)
-        state[f"{name}.values"], state[f"{name}.scales"] = (
-            _Pending(layer, 0),
-            _Pending(layer, 1),
-        )
+        layer = _quantized_layer(weight, name, array, opened.where)
+        state[f"{name}.values"], state[f"{name}.scales"] = layer
     if wrong:
         more = f" and {len(wrong) - 10} more" if len(wrong) > 10 else ""
         raise ValueError(
@@ -458,7 +441,7 @@ def quantize_file(
     [`eqxscan.quant.load`][]).
     """
     _check_like("eqxscan.quant.quantize_file", like)
-    done = _weights(like)[0]
+    done = weights(like)[0]
     if done:
         raise ValueError(
             "eqxscan.quant.quantize_file: like must be the float model of the "
@@ -480,26 +463,22 @@ def quantize_file(
         lambda q, x: q if is_quantized(q) else x, qlike, like, is_leaf=is_quantized
     )
     with open_safetensors(path, like, names=name_map) as opened:
-        _check_float(opened, qlike)
+        # A file of quantized weights (recorded by `save`, or stored as
+        # `<name>.values`) is loaded, not quantized.
+        recorded = _recorded(opened)
+        stored = [
+            f"'{n}.values'"
+            for w in weights(qlike)[0]
+            for n in w.names
+            if f"{n}.values" in opened.arrays
+        ]
+        found = [f"`{p}` ({spec})" for p, spec in recorded.items()] or stored
+        if found:
+            raise ValueError(
+                f"eqxscan.quant.quantize_file: {opened.where!r} holds quantized "
+                f"weights already ({', '.join(found[:3])}); quantize_file reads "
+                "float weights.\nHint: load it with eqxscan.quant.load(path, "
+                "like), like quantized as the file was, which checks how: e.g. "
+                "eqx.filter_eval_shape(eqxscan.quant.quantize, model, targets, ...)."
+            )
         return _fit(opened, qlike, _quantizing(opened, qlike))
-
-
-def _check_float(opened: Opened, qlike: PyTree) -> None:
-    """Refuse files whose weights are quantized already (recorded by
-    `save`, or stored as `<name>.values`): they are loaded, not quantized."""
-    recorded = _recorded(opened) or {}
-    stored = [
-        f"'{n}.values'"
-        for w in _weights(qlike)[0]
-        for n in w.names
-        if f"{n}.values" in opened.arrays
-    ]
-    found = [f"`{p}` ({spec})" for p, spec in recorded.items()] or stored
-    if found:
-        raise ValueError(
-            f"eqxscan.quant.quantize_file: {opened.where!r} holds quantized "
-            f"weights already ({', '.join(found[:3])}); quantize_file reads float "
-            "weights.\nHint: load it with eqxscan.quant.load(path, like), like "
-            "quantized as the file was, which checks how: e.g. "
-            "eqx.filter_eval_shape(eqxscan.quant.quantize, model, targets, ...)."
-        )

@@ -80,9 +80,7 @@ def quantize(
             "'int8' and 'fp8' keep a scale per output channel, 'int4' per group."
         )
     if kind == "int4" and (
-        isinstance(group_size, bool)
-        or not isinstance(group_size, int | np.integer)
-        or group_size not in GROUP_SIZES
+        not isinstance(group_size, int | np.integer) or group_size not in GROUP_SIZES
     ):
         raise ValueError(
             f"quantize: group_size must be one of {list(GROUP_SIZES)} for 'int4', "
@@ -202,13 +200,11 @@ def dequantize(model: PyTree) -> PyTree:
     `model` with float arrays where its `Quantized`s were.
     """
 
-    def dequantized(q: Quantized) -> object:
-        if isinstance(q.values, jax.ShapeDtypeStruct):  # an abstract model's
-            return jax.eval_shape(Quantized.dequantize, q)
-        return q.dequantize()
+    def dequantized(x: object) -> object:
+        if not isinstance(x, Quantized):
+            return x
+        if isinstance(x.values, jax.ShapeDtypeStruct):  # an abstract model's
+            return jax.eval_shape(Quantized.dequantize, x)
+        return x.dequantize()
 
-    return jtu.tree_map(
-        lambda x: dequantized(x) if is_quantized(x) else x,
-        model,
-        is_leaf=is_quantized,
-    )
+    return jtu.tree_map(dequantized, model, is_leaf=is_quantized)

@@ -10,12 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Shaped
 
-from .._internal import check_matmul
+from .._internal import check_matmul, describe as describe_array
 
 
 Orientation = Literal["x@W", "W@x"]
-"""How a layer uses its weight, as for [`eqxscan.adapters.LoRA`][]: `x @ W`
-(float weight `[in, out]`) or `W @ x` (`[out, in]`, as `eqx.nn.Linear`)."""
+"""How a layer uses its weight (a [`eqxscan.adapters.LoRA`][]'s base, or the
+float weight): `x @ W` (`[in, out]`, as `StackedMLP`'s `w1`) or `W @ x`
+(`[out, in]`, as `eqx.nn.Linear`'s `weight` and PyTorch)."""
 
 Kind = Literal["int8", "int4", "fp8"]
 """The storage format: `"int8"` (symmetric, a scale per output channel), `"int4"`
@@ -107,7 +108,7 @@ class Quantized(eqx.Module):
         if self.values.dtype != stored or self.values.ndim < 2:
             raise ValueError(
                 f"{where}: {self.kind!r} values must be {jnp.dtype(stored).name} "
-                f"with 2 axes per layer, got {_array(self.values)}." + hint
+                f"with 2 axes per layer, got {describe_array(self.values)}." + hint
             )
         if (self.kind == "int4") != (self.group_size in GROUP_SIZES):
             raise ValueError(
@@ -127,20 +128,17 @@ class Quantized(eqx.Module):
         expected = (*layers, groups, cols) if x_at_w else (*layers, rows, groups)
         if self.scales.shape != expected or self.scales.dtype != jnp.float32:
             raise ValueError(
-                f"{where}: {self.kind!r} values {_array(self.values)} "
+                f"{where}: {self.kind!r} values {describe_array(self.values)} "
                 f"({self.orientation}) need float32 scales of shape "
-                f"{list(expected)}, got {_array(self.scales)}." + hint
+                f"{list(expected)}, got {describe_array(self.scales)}." + hint
             )
 
     @property
     def shape(self) -> tuple[int, ...]:
-        *layers, rows, cols = self.values.shape
-        if self.kind == "int4":
-            if self.orientation == "x@W":
-                rows *= 2
-            else:
-                cols *= 2
-        return (*layers, rows, cols)
+        shape = list(self.values.shape)
+        if self.kind == "int4":  # two inputs a byte
+            shape[-2 if self.orientation == "x@W" else -1] *= 2
+        return tuple(shape)
 
     @property
     def ndim(self) -> int:
@@ -228,10 +226,6 @@ class Quantized(eqx.Module):
     @property
     def T(self) -> NoReturn:  # noqa: N802  # the array attribute's name
         self._unsupported()
-
-
-def _array(a: Array) -> str:
-    return f"{jnp.dtype(a.dtype).name}[{','.join(map(str, a.shape))}]"
 
 
 def describe(q: Quantized) -> str:
@@ -340,7 +334,6 @@ def quantize_array(
             values = jnp.round(scaled).astype(jnp.int8)
         else:
             values = fp8_bits(scaled.astype(jnp.float8_e4m3fn))
-        group_size = None
     if orientation == "W@x":
         values, scales = jnp.swapaxes(values, -1, -2), jnp.swapaxes(scales, -1, -2)
     return Quantized(

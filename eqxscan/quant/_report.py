@@ -11,7 +11,8 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, PyTree
 
-from .._internal import describe, Held, hold, LayerNumbering, resolve, Site, walk
+from .._internal import describe, LayerNumbering, resolve
+from ._files import weights
 from ._quantize import is_quantized
 from ._quantized import Quantized
 
@@ -90,26 +91,6 @@ def _errors(q: Quantized, w: Array) -> tuple[Array, Array]:
     return jax.lax.map(one, (flat, w))
 
 
-def _layer_numbers(model: PyTree) -> list[list[tuple[int, ...]]]:
-    """Each `Quantized`'s layers (leaf order) as the state dict numbers them:
-    not their indices in a `Chain`'s group or a stack in stage order."""
-    found = []
-
-    def visit(leaf: object, site: Site) -> object:
-        if isinstance(leaf, Held):
-            at = [k for k, p in enumerate(site.path) if isinstance(p, LayerNumbering)]
-            found.append(
-                [
-                    tuple(resolve(site.path, i)[k] for k in at)
-                    for i in np.ndindex(*site.axes)
-                ]
-            )
-        return leaf
-
-    walk(visit, hold(model), names=True)
-    return found
-
-
 def report(float_model: PyTree, quantized_model: PyTree) -> Report:
     """Per weight and per layer: how far [`eqxscan.quant.quantize`][]'s weights
     are from the float weights they were made from.
@@ -145,9 +126,7 @@ def report(float_model: PyTree, quantized_model: PyTree) -> Report:
             "the model given to quantize, then what it returned."
         )
     rows: list[LayerError] = []
-    for (name, q, w), numbers in zip(
-        pairs, _layer_numbers(quantized_model), strict=True
-    ):
+    for (name, q, w), held in zip(pairs, weights(quantized_model)[0], strict=True):
         if not (isinstance(w, jax.Array | np.ndarray) and w.shape == q.shape):
             raise ValueError(
                 f"report: at `{name}` the float model holds {describe(w)}, but the "
@@ -162,6 +141,11 @@ def report(float_model: PyTree, quantized_model: PyTree) -> Report:
                 "its eqx.filter_eval_shape."
             )
         max_abs, relative = (np.asarray(a) for a in _errors(q, jnp.asarray(w)))
-        for i, layer in enumerate(numbers):
+        # The layers as the state dict numbers them: not their indices in a
+        # `Chain`'s group or in a stack in stage order.
+        path = held.site.path
+        at = [k for k, p in enumerate(path) if isinstance(p, LayerNumbering)]
+        for i, index in enumerate(np.ndindex(*held.site.axes)):
+            layer = tuple(resolve(path, index)[k] for k in at)
             rows.append(LayerError(name, layer, float(max_abs[i]), float(relative[i])))
     return Report(tuple(rows))
