@@ -14,10 +14,10 @@ from jax.sharding import PartitionSpec as P
 
 from benchmarks.bench import meshes as bench
 from eqxscan import sharding
-from eqxscan.planning import MeshPlan, plan
+from eqxscan.planning import Accelerator, MeshPlan, plan
 from eqxscan.planning._candidates import make_plan_mesh, mesh_shapes, program
 from eqxscan.planning._hlo import hlo_costs
-from eqxscan.planning._spec import make_job
+from eqxscan.planning._spec import decode, encode, make_job
 
 from .helpers import run_script, untyped
 
@@ -180,6 +180,19 @@ def test_model_kwargs_that_are_not_json_are_refused_before_the_child_starts():
     kwargs = dict(CONFIG, dtype=jnp.float32)
     with pytest.raises(ValueError, match=r"model_kwargs cannot be passed as JSON"):
         _plan(devices=4, model_kwargs=kwargs)
+
+
+def test_rules_reach_the_fresh_process_as_logical_spec_reads_them():
+    # Pairs naming one name twice: the first wins in `logical_spec`, so it must
+    # in the fresh process too (a dict of the pairs kept the last).
+    rules = [("embed", "fsdp"), ("mlp", ("data", "model")), ("embed", None)]
+    job = (bench.decoder, bench.train_step, None, bench.batch_shape(2, 4))
+    one = Accelerator(1.0, 1.0)
+    spec = encode(1, [(1, 1, 1)], [True], one, (*job, None, rules, {}, 0))
+    got = decode(json.loads(json.dumps(spec)))[0].rules
+    for names in [("embed", "mlp"), ("mlp", None)]:
+        want = sharding.logical_spec(names, rules)
+        assert sharding.logical_spec(names, got) == want, (names, got)
 
 
 def _loss_first(model, opt_state, batch):

@@ -40,6 +40,11 @@ if TYPE_CHECKING:
 AXES = ("data", "fsdp", "model")
 #: Logical axis names of one leaf, as for `eqxscan.sharding.logical_shardings`.
 Names: TypeAlias = tuple[str | None, ...]
+#: As `sharding.logical_spec` takes them: a dict or `(name, axes)` pairs.
+Rules: TypeAlias = (
+    Mapping[str, str | Sequence[str] | None]
+    | Sequence[tuple[str, str | Sequence[str] | None]]
+)
 #: `progress(done, total, what)`, called before each compile.
 Progress = Callable[[int, int, str], None]
 
@@ -80,7 +85,7 @@ class Job:
     optimizer: "optax.GradientTransformation | None"
     batch: PyTree[jax.ShapeDtypeStruct]
     axes: Mapping[str, Names] | None
-    rules: Mapping[str, str | None] | None
+    rules: Rules | None
     min_size: int
 
     def model(self, key: jax.Array) -> PyTree:

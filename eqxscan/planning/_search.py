@@ -11,7 +11,7 @@ from jaxtyping import PyTree
 
 from .._internal import check_size, parse_bytes, Remat, ScanOptions
 from ..sharding import MIN_SIZE
-from ._candidates import compile_all, mesh_shapes, Progress
+from ._candidates import compile_all, mesh_shapes, Progress, Rules
 from ._child import compile_in_child
 from ._report import Accelerator, ACCELERATORS, MeshPlan, MeshShape
 from ._spec import encode, make_job, Optimizer
@@ -119,7 +119,7 @@ def plan(
     model_axis: Sequence[int] = (1,),
     remat: Sequence[Remat] = (False, True),
     axes: Mapping[str, tuple[str | None, ...]] | None = None,
-    rules: Mapping[str, str | None] | None = None,
+    rules: Rules | None = None,
     model_kwargs: Mapping[str, object] | None = None,
     min_size: int = MIN_SIZE,
     accelerator: str = "H100",

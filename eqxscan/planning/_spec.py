@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jaxtyping import PyTree
 
 from .._internal import Remat
-from ._candidates import Job, Names
+from ._candidates import Job, Names, Rules
 from ._report import Accelerator, MeshShape
 
 
@@ -38,7 +38,7 @@ class Spec(TypedDict):
     optimizer: str | None
     batch: Json
     axes: dict[str, list[str | None]] | None
-    rules: dict[str, str | None] | None
+    rules: dict[str, str | list[str] | None] | None
     model_kwargs: dict[str, Json]
     min_size: int
     accelerator: list[float]
@@ -104,7 +104,7 @@ def make_job(
     optimizer: Optimizer,
     batch: PyTree[jax.ShapeDtypeStruct],
     axes: Mapping[str, Names] | None,
-    rules: Mapping[str, str | None] | None,
+    rules: Rules | None,
     model_kwargs: Mapping[str, object],
     min_size: int,
 ) -> Job:
@@ -159,6 +159,13 @@ def _encode_optimizer(optimizer: Optimizer) -> str | None:
     return reference(optimizer, "optimizer")
 
 
+def _first_rules(rules: Rules) -> dict:
+    # JSON keeps a dict; of `(name, axis)` pairs naming one name twice the first
+    # wins, as in `logical_spec` (`dict` would keep the last).
+    pairs = list(rules.items() if isinstance(rules, Mapping) else rules)
+    return dict(reversed(pairs))
+
+
 def encode(
     devices: int,
     shapes: Sequence[MeshShape],
@@ -178,7 +185,7 @@ def encode(
         optimizer=_encode_optimizer(optimizer),
         batch=_encode_batch(batch),
         axes=None if axes is None else {k: list(v) for k, v in axes.items()},
-        rules=None if rules is None else dict(rules),
+        rules=None if rules is None else _first_rules(rules),
         model_kwargs=dict(model_kwargs),
         min_size=min_size,
         accelerator=list(accelerator),
