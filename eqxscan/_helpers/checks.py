@@ -11,7 +11,6 @@ from typing import (
     Any,
     cast,
     ParamSpec,
-    Protocol,
     SupportsIndex,
     TYPE_CHECKING,
     TypeAlias,
@@ -100,12 +99,8 @@ def _input(args: tuple) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
-class _Shown:
-    def __init__(self, text: str):
-        self.text = text
-
-    def __repr__(self) -> str:
-        return self.text
+class _Shown(str):
+    __repr__ = str.__str__
 
 
 def _note(e: BaseException, where: str) -> None:
@@ -118,19 +113,13 @@ def _note(e: BaseException, where: str) -> None:
         e.add_note(note)
 
 
-class _Shaped(Protocol):
-    @property
-    def shape(self) -> tuple[int, ...]: ...
-    @property
-    def dtype(self) -> jax.typing.DTypeLike: ...
-
-
 def describe(x: object) -> str:
     """`float32[8,16]` for arrays, `repr` (shortened) for anything else."""
     if isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) or hasattr(
         x, "aval"
     ):
-        x = cast(_Shaped, x)  # an array, or what stands for one (a jaxpr's value)
+        # An array, or what stands for one (a jaxpr's value).
+        x = cast(jax.ShapeDtypeStruct, x)
         shape = ",".join(str(d) for d in x.shape)
         # PRNG keys have an extended dtype (`key<fry>`), which NumPy cannot read.
         extended = jnp.issubdtype(x.dtype, jax.dtypes.extended)
@@ -292,14 +281,22 @@ def check_carry(old: PyTree, new: PyTree, where: str, step: int | None = None) -
         )
 
 
+def misaligned(tree: PyTree, length: int) -> tuple[str, jax.Array] | None:
+    """The first array leaf of `tree` (its key path, and itself) whose leading
+    axis is not of `length`; a scalar has none."""
+    for path, leaf in jtu.tree_leaves_with_path(tree):
+        if is_array(leaf) and (leaf.ndim == 0 or leaf.shape[0] != length):
+            return jtu.keystr(path), leaf  # pyright: ignore[reportReturnType]
+    return None
+
+
 def check_leading_axis(tree: PyTree, length: int, name: str, axis_name: str) -> None:
     """Raise `ValueError` unless each array leaf of `tree` has leading axis `length`."""
-    for path, leaf in jtu.tree_leaves_with_path(tree):
-        if eqx.is_array(leaf) and (leaf.ndim == 0 or leaf.shape[0] != length):
-            raise ValueError(
-                f"{name}{jtu.keystr(path)} has shape {tuple(leaf.shape)}, but its "
-                f"leading axis must be the {axis_name} axis of length {length}."
-            )
+    if (bad := misaligned(tree, length)) is not None:
+        raise ValueError(
+            f"{name}{bad[0]} has shape {tuple(bad[1].shape)}, but its "
+            f"leading axis must be the {axis_name} axis of length {length}."
+        )
 
 
 def check_option(name: str, value: object, allowed: Sequence[object]) -> None:
@@ -426,17 +423,6 @@ def split_key(key: object, num: int, who: str) -> jax.Array:
         f"{who} needs `key` to be one JAX PRNG key, got {describe(key)}.\nHint: "
         f"pass {one}; eqxscan splits it into one per layer or step."
     )
-
-
-def check_made_layer(made: object) -> None:
-    """Raise `TypeError` if `make_layer` returned no layer: `None` (a missing
-    `return`), a number or a string, which would only fail when called."""
-    if made is None or isinstance(made, (bool, int, float, complex, str, bytes)):
-        raise TypeError(
-            f"make_layer returned {describe(made)} ({type(made).__name__}), not a "
-            "layer.\nHint: make_layer(key, ...) must return the layer, e.g. an "
-            "eqx.Module called as `layer(x)`; is a `return` missing?"
-        )
 
 
 def check_policy(name: str, policy: Callable[..., object]) -> None:
