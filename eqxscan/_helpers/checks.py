@@ -5,6 +5,7 @@ import dataclasses
 import inspect
 import operator
 import os
+import traceback
 from collections.abc import Callable, Sequence
 from typing import (
     Annotated,
@@ -77,12 +78,8 @@ def noted(fn: Callable[P, R], where: str, *args: P.args, **kwargs: P.kwargs) -> 
 
 
 def _raised_by_jax(e: BaseException) -> bool:
-    tb = e.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    if tb is None:
-        return False
-    name = tb.tb_frame.f_code.co_filename.replace(os.sep, "/")
+    files = [f.f_code.co_filename for f, _ in traceback.walk_tb(e.__traceback__)]
+    name = files[-1].replace(os.sep, "/") if files else ""
     return any(part in name for part in ("/jax/", "/jaxlib/", "/numpy/", "/equinox/"))
 
 
