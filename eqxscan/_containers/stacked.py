@@ -443,12 +443,9 @@ class Stacked(Scanning, Generic[LayerT]):
         """
         current = self[index]  # checks the index
         i = operator.index(index) % self.num_layers
-        check_state_indices(current, layer, f"Stacked.with_layer({i}, ...)")
-        check_alike(
-            [current, layer],
-            f"Stacked.with_layer({i}, ...)",
-            names=(f"layer {i}", "the new layer"),
-        )
+        what = f"Stacked.with_layer({i}, ...)"
+        check_state_indices(current, layer, what)
+        check_alike([current, layer], what, names=(f"layer {i}", "the new layer"))
         # By leaves: `layer` may differ from the others only by identity.
         old, treedef = jtu.tree_flatten(self.layers)
         new = [

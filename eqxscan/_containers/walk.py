@@ -136,15 +136,11 @@ def walk(
         return fn(tree, site)
     if names and isinstance(tree, NamesLayers):
         num_layers = tree.num_layers
-
-        def inner(
-            subtree: PyTree, index: LayerNumbering, axes: tuple[int, ...]
-        ) -> PyTree:
-            return walk(
+        return tree.state_dict_layers(
+            lambda subtree, index, axes: walk(
                 fn, subtree, names=True, site=site.enter(index, axes, num_layers)
             )
-
-        return tree.state_dict_layers(inner)
+        )
     # A stack's layers gain a layer axis; its other fields (the drop rates) are
     # visited where the stack itself sits, so every leaf is seen once.
     stacked = not names and isinstance(tree, Stacked)

@@ -73,7 +73,13 @@ def noted(fn: Callable[P, R], where: str, *args: P.args, **kwargs: P.kwargs) -> 
                 "input's shape and dtype against what the layer expects (the "
                 f"error may also be in the layer itself); {DEBUGGING_DOCS}."
             ) from e
-        _note(e, where)
+        # `where` also starts sentences ("The cell GRUCell at ..."); mid-note it
+        # reads in lower case.
+        if where.split(" ", 1)[0] in ("The", "Layer"):
+            where = where[0].lower() + where[1:]
+        note = f"(raised by {where}, run by eqxscan; {DEBUGGING_DOCS})"
+        if note not in getattr(e, "__notes__", ()):
+            e.add_note(note)
         raise
 
 
@@ -98,16 +104,6 @@ def _input(args: tuple) -> str:
 
 class _Shown(str):
     __repr__ = str.__str__
-
-
-def _note(e: BaseException, where: str) -> None:
-    # `where` also starts sentences ("The cell GRUCell at ..."); mid-note it
-    # reads in lower case.
-    if where.split(" ", 1)[0] in ("The", "Layer"):
-        where = where[0].lower() + where[1:]
-    note = f"(raised by {where}, run by eqxscan; {DEBUGGING_DOCS})"
-    if note not in getattr(e, "__notes__", ()):
-        e.add_note(note)
 
 
 def describe(x: object) -> str:

@@ -197,11 +197,9 @@ class Chain(Scanning):
         alone, unlike layer 2 (Linear) at `.weight`: it has float16[8,8], layer
         2 has float32[8,8]`` (the leaf path where they differ, and both values).
         """
-        layers = self.unstack()
         names = [group_name(g, s) for g, s in zip(self.groups, self.layout)]
-        return explain(
-            layers, self.layout, names, count_bodies(self.layout, self.groups)
-        )
+        bodies = count_bodies(self.layout, self.groups)
+        return explain(self.unstack(), self.layout, names, bodies)
 
     def own_options(self) -> tuple[str, ...]:
         return ("drop_path", "layer_drop")
