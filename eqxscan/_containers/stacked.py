@@ -393,12 +393,11 @@ class Stacked(Scanning, Generic[LayerT]):
                     "order."
                 )
             check_state_order(self.layers, index, self.num_layers, "Stacked")
-            layers = take(self.layers, index)
             drop = None if self.drop_rates is None else self.drop_rates.sliced(index)
             drop_path, layer_drop = rates_of(drop)
             return restack(
                 self,
-                layers=layers,
+                layers=take(self.layers, index),
                 num_layers=len(selected),
                 drop_path=drop_path,
                 layer_drop=layer_drop,

@@ -8,6 +8,7 @@ import equinox as eqx
 from jaxtyping import PRNGKeyArray, PyTree
 
 from ..._helpers.checks import check_bool, check_index, Checked, describe, split_key
+from ..._helpers.constrain import is_none
 from ..._helpers.stackable import check_state_order
 from ..._helpers.stateful import find_state, replace_arg
 from ..._scan.buffers import find_buffer, LayerBuffers, view_of
@@ -228,7 +229,6 @@ class Chain(Scanning):
         drop = with_mode_of(drop, like)
         if drop is None and self.drop_rates is None:
             return self
-        is_none = lambda n: n is None  # noqa: E731
         return eqx.tree_at(lambda c: c.drop_rates, self, drop, is_leaf=is_none)
 
     @compiled_when_eager
