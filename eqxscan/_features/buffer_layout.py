@@ -105,6 +105,4 @@ def _stack(trees: list[PyTree], layers: list[int]) -> PyTree:
                 "them one shape, or make what sizes it (e.g. a window) a static "
                 "field so that the layers are grouped apart."
             )
-    if trees[0] is None:
-        return None
     return jtu.tree_map(lambda *a: jnp.stack(a), *trees)
