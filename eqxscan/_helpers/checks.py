@@ -171,9 +171,7 @@ def first_difference(
             return None
         if type(a) is not type(b):
             return path, f"type {type(a).__name__}", f"type {type(b).__name__}"
-        if isinstance(a, eqx.Module) or (
-            dataclasses.is_dataclass(a) and not isinstance(a, type)
-        ):
+        if dataclasses.is_dataclass(a) and not isinstance(a, type):  # a Module too
             pairs = [
                 (getattr(a, f.name, None), getattr(b, f.name, None), f".{f.name}")
                 for f in dataclasses.fields(a)
