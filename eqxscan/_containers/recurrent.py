@@ -306,12 +306,8 @@ def _stand_in(xs_dyn: PyTree, mask: Bool[Array, " T"] | None) -> PyTree:
     if mask is None or mask.shape[0] == 0:
         return None
     first, any_kept = jnp.argmax(mask), jnp.any(mask)
-
-    def one(a: Array) -> Array:
-        x = a[first]
-        return jax.lax.stop_gradient(jnp.where(any_kept, x, jnp.zeros_like(x)))
-
-    return jtu.tree_map(one, xs_dyn)
+    pick = lambda x: jnp.where(any_kept, x, jnp.zeros_like(x))
+    return jtu.tree_map(lambda a: jax.lax.stop_gradient(pick(a[first])), xs_dyn)
 
 
 def _masked_cell_step(keep: Bool[Array, ""], where: str) -> Callable[..., PyTree]:

@@ -196,15 +196,11 @@ def _repeat(
             state = body(j, state)
         return state
 
-    def cond(js: tuple[Array, _State]) -> Array:
-        j, s = js
-        return (j < size) & _active(ex, s)
-
-    def step(js: tuple[Array, _State]) -> tuple[Array, _State]:
-        j, s = js
-        return j + 1, body(j, s)
-
-    return jax.lax.while_loop(cond, step, (jnp.int32(0), state))[1]
+    return jax.lax.while_loop(
+        lambda js: (js[0] < size) & _active(ex, js[1]),
+        lambda js: (js[0] + 1, body(*js)),
+        (jnp.int32(0), state),
+    )[1]
 
 
 def _walk_groups(

@@ -114,19 +114,13 @@ def _scan_indices(
             for g in model.groups
         )
 
-    def step(carry: PyTree, i: Int[Array, ""]) -> tuple[PyTree, None]:
-        return layer(i, carry), None
-
-    def where(i: int | None) -> str:
-        return body if i is None else step_name.format(i)
-
     return run(
-        step,
+        lambda carry, i: (layer(i, carry), None),
         x,
         idx,
         length=int(idx.shape[0]),
         options=options,
-        where=where,
+        where=lambda i: body if i is None else step_name.format(i),
         # Unrolled, XLA may gather every sharded layer at once (FSDP).
         gathered=gathered or layers_may_be_sharded(weights),
     )[0]
