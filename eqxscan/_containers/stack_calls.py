@@ -2,11 +2,12 @@
 scan of its calls, its `vmap`, and layer `i` on its own (subsets, early exit)."""
 
 import functools
-from typing import Any, TYPE_CHECKING
+from typing import Any, Protocol, runtime_checkable
 
 import equinox as eqx
 import jax.numpy as jnp
 import jax.tree_util as jtu
+from jax.sharding import Sharding
 from jaxtyping import PyTree
 
 from .._helpers.checks import noted
@@ -39,11 +40,25 @@ from .._scan.layer_call import (
     run_one,
 )
 from .._scan.layer_index import step_index
+from .._scan.options import ScanOptions
 from .._scan.taps import untapped
 
 
-if TYPE_CHECKING:
-    from .stacked import Stacked
+@runtime_checkable
+class Stack(Protocol):
+    """What running a stack reads of a `Stacked`."""
+
+    @property
+    def layers(self) -> Any: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def options(self) -> ScanOptions: ...
+    @property
+    def mode(self) -> str: ...
+    @property
+    def layer_sharding(self) -> Sharding | PyTree[Sharding | None] | None: ...
+    def check_layer_axis(self, what: str) -> None: ...
 
 
 def dropping_call(
@@ -68,7 +83,7 @@ def _where(cls_name: str, length: int, i: int | None) -> str:
     return f"Layer {i} ({cls_name})"
 
 
-def scan_layers(stack: "Stacked", x: PyTree, call: LayerCall) -> tuple[PyTree, PyTree]:
+def scan_layers(stack: Stack, x: PyTree, call: LayerCall) -> tuple[PyTree, PyTree]:
     """Fold `x` through the layers of `stack` as `call` says, one scan (or loop)
     step per layer: `(final carry, ys)`, the `y`s stacked on axis 0 or `None`."""
     stack.check_layer_axis("call")
@@ -144,7 +159,7 @@ def scan_layers(stack: "Stacked", x: PyTree, call: LayerCall) -> tuple[PyTree, P
     )
 
 
-def vmap_layers(stack: "Stacked", x: PyTree, call: LayerCall) -> PyTree:
+def vmap_layers(stack: Stack, x: PyTree, call: LayerCall) -> PyTree:
     """Every layer of `stack` applied to the same `x` as `call` says, outputs
     stacked on a new leading axis: one `vmap`, or a loop with `mode="loop"`."""
     stack.check_layer_axis("vmap")
@@ -182,20 +197,20 @@ def vmap_layers(stack: "Stacked", x: PyTree, call: LayerCall) -> PyTree:
     return noted(eqx.filter_vmap(each), where, *inputs, steps)
 
 
-def layer_of(stack: "Stacked", i: Index) -> Any:
+def layer_of(stack: Stack, i: Index) -> Any:
     """Layer `i` of `stack` (`i` may be traced), constrained to `layer_sharding`."""
     layer, sharding = index(stack.layers, i), stack.layer_sharding
     return layer if sharding is None else constrain(layer, sharding)
 
 
-def stack_layer_fn(stack: "Stacked", call: LayerCall, i: Index) -> LayerFn:
+def stack_layer_fn(stack: Stack, call: LayerCall, i: Index) -> LayerFn:
     """Layer `i` of `stack` as a function of the carry, as `call` runs it."""
     name = f"the stacked layer {type(stack.layers).__name__}"
     layer, one = layer_of(stack, i), call.at(i)
     return lambda c: run_one(layer, call, one, c, name)[0]
 
 
-def stack_steps(stack: "Stacked", call: LayerCall, start: int = 0) -> GroupSteps:
+def stack_steps(stack: Stack, call: LayerCall, start: int = 0) -> GroupSteps:
     """The layers of `stack` as one group of a walk in order, from layer `start`."""
     step = functools.partial(stack_layer_fn, stack, call)
     return GroupSteps(start, stack.num_layers, 1, step, type(stack.layers).__name__)
