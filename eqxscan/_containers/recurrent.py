@@ -44,10 +44,6 @@ def _where(cond: Bool[Array, ""], new: PyTree, old: PyTree) -> PyTree:
     )
 
 
-def _stop_gradient(a: object) -> object:
-    return jax.lax.stop_gradient(a) if eqx.is_array(a) else a
-
-
 class Recurrent(Scanning):
     """Run a recurrent cell over the time axis of a sequence with `jax.lax.scan`.
 
@@ -251,10 +247,9 @@ def _consumption_order(controls: Controls, reverse: bool) -> Int[Array, " T"] | 
     A masked step is skipped, not consumed: padding moves no block boundary."""
     if controls.truncate is None:
         return None
-    kept = jnp.ones(controls.length, jnp.int32)
-    if controls.mask is not None:
-        kept = controls.mask.astype(jnp.int32)
-    kept = kept[::-1] if reverse else kept  # in consumption order
+    mask = controls.mask
+    kept = jnp.ones(controls.length, bool) if mask is None else mask
+    kept = kept.astype(jnp.int32)[:: -1 if reverse else 1]  # in consumption order
     before = jnp.cumsum(kept) - kept
     return before[::-1] if reverse else before
 
@@ -283,7 +278,10 @@ def _time_step(
             cut = (n > 0) & (n % k == 0)
             if m is not None:
                 cut = cut & m
-            h = _where(cut, jtu.tree_map(_stop_gradient, h), h)
+            stopped = jtu.tree_map(
+                lambda a: jax.lax.stop_gradient(a) if eqx.is_array(a) else a, h
+            )
+            h = _where(cut, stopped, h)
         if m is not None and stand_in is not None:
             x_dyn = _where(m, x_dyn, stand_in)  # the "double where"
         one = one_step(per)
@@ -308,12 +306,8 @@ def _stand_in(xs_dyn: PyTree, mask: Bool[Array, " T"] | None) -> PyTree:
     if mask is None or mask.shape[0] == 0:
         return None
     first, any_kept = jnp.argmax(mask), jnp.any(mask)
-
-    def one(a: Array) -> Array:
-        x = a[first]
-        return jax.lax.stop_gradient(jnp.where(any_kept, x, jnp.zeros_like(x)))
-
-    return jtu.tree_map(one, xs_dyn)
+    pick = lambda x: jnp.where(any_kept, x, jnp.zeros_like(x))
+    return jtu.tree_map(lambda a: jax.lax.stop_gradient(pick(a[first])), xs_dyn)
 
 
 def _masked_cell_step(keep: Bool[Array, ""], where: str) -> Callable[..., PyTree]:
@@ -390,9 +384,7 @@ def _as_recurrent(rnn: object, reverse: bool, what: str) -> Recurrent:
                 f"itself, or `rnn.with_options(reverse={reverse})`."
             )
         return rnn
-    check_callable(what, rnn)
-    assert callable(rnn)
-    return Recurrent(rnn, reverse=reverse)
+    return Recurrent(check_callable(what, rnn), reverse=reverse)
 
 
 class Bidirectional(eqx.Module):

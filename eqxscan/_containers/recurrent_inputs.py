@@ -3,7 +3,7 @@
 cell's keyword arguments, and the shapes the known cells take."""
 
 from collections.abc import Callable, Mapping
-from typing import NamedTuple, Protocol, TypedDict
+from typing import Any, NamedTuple, TypedDict
 
 import equinox as eqx
 import jax
@@ -163,19 +163,19 @@ def _time_length(xs: PyTree, length: object, time_axis: int) -> int:
             f"xs{jtu.keystr(path)} is a scalar, but every array in xs needs a "
             f"time axis ({where})."
         )
-    found = 0
-    for p, a in arrays:  # `first` itself is checked first, and sets `found`
+    for p, a in arrays:  # `first` itself is checked first
         if not -a.ndim <= time_axis < a.ndim:
             raise ValueError(
                 f"xs{jtu.keystr(p)} has shape {tuple(a.shape)}, which has no axis "
                 f"time_axis={time_axis}; every array in xs needs its time axis there."
             )
-        found = first.shape[time_axis]
-        if a.shape[time_axis] != found:
+        if a.shape[time_axis] != first.shape[time_axis]:
             raise ValueError(
                 f"xs{jtu.keystr(p)} has shape {tuple(a.shape)}, but its {where} must "
-                f"be the time axis of length {found} (set by xs{jtu.keystr(path)})."
+                f"be the time axis of length {first.shape[time_axis]} (set by "
+                f"xs{jtu.keystr(path)})."
             )
+    found = first.shape[time_axis]
     if length is not None and length != found:
         raise ValueError(
             f"length={length} was given, but xs{jtu.keystr(path)} has {found} steps "
@@ -200,13 +200,6 @@ def _check_mask(mask: object, length: int) -> Bool[Array, " T"]:
     return jnp.asarray(mask)
 
 
-class _Sized(Protocol):
-    """A cell that says what one step takes."""
-
-    input_size: int
-    hidden_size: int
-
-
 def check_known_cell(
     cell: Callable[..., PyTree], h0: PyTree, xs: PyTree, time_axis: int
 ) -> None:
@@ -220,7 +213,7 @@ def check_known_cell(
     known = type(cell) in (eqx.nn.GRUCell, eqx.nn.LSTMCell)
     if not (known or vars(type(cell)).get("known_shapes") is True):
         return
-    sizes: _Sized = cell  # pyright: ignore[reportAssignmentType]  # checked above
+    sizes: Any = cell  # it has `input_size` and `hidden_size`, checked above
     name = (
         f"{type(cell).__name__}(input_size={sizes.input_size}, "
         f"hidden_size={sizes.hidden_size})"

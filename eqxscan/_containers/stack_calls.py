@@ -134,15 +134,14 @@ def scan_layers(stack: Stack, x: PyTree, call: LayerCall) -> tuple[PyTree, PyTre
     def step(carry: PyTree, xs: tuple[PyTree, PyTree, PyTree]) -> tuple[PyTree, PyTree]:
         dyn, per, i = xs
         layer = eqx.combine(dyn, layer_static)
-        inputs, who = one(per), f"the stacked layer {cls_name}"
-        inputs = inputs._replace(number=call.index_of(step_index()))
+        inputs = one(per)._replace(number=call.index_of(step_index()))
         if view is not None:
             assert at is not None
             carry, tree = carry
             slot = view.of(tree).at(i)
             args, kwargs = replace_arg(inputs.args, inputs.kwargs, at, slot)
             inputs = inputs._replace(args=args, kwargs=kwargs)
-        return run_one(layer, call, inputs, carry, who)
+        return run_one(layer, call, inputs, carry, f"the stacked layer {cls_name}")
 
     return run(
         step,

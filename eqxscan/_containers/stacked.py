@@ -18,11 +18,11 @@ from .._helpers.checks import (
     check_bool,
     check_callable,
     check_index,
-    check_made_layer,
     check_size,
     Checked,
     describe,
     is_array,
+    misaligned,
     split_key,
 )
 from .._helpers.constrain import check_layer_sharding
@@ -73,8 +73,7 @@ def build_layers(
             f"got a {name} instance (a layer, not a way to make one). Pass e.g. "
             f"`lambda k: {name}(..., key=k)`."
         )
-    check_callable("make_layer", make_layer)
-    assert make_layer is not None  # checked
+    make_layer = check_callable("make_layer", make_layer)
     if key is None:
         raise TypeError("Stacked needs `key=` to build its layers.")
     per = check_per_layer(args, {}, num_layers)
@@ -91,7 +90,13 @@ def build_layers(
 
     keys = split_key(key, num_layers, "Stacked")
     layers = eqx.filter_vmap(one)(keys, per_dyn)
-    check_made_layer(layers)
+    if layers is None or isinstance(layers, (bool, int, float, complex, str, bytes)):
+        # A missing `return`, a number or a string would only fail when called.
+        raise TypeError(
+            f"make_layer returned {describe(layers)} ({type(layers).__name__}), not "
+            "a layer.\nHint: make_layer(key, ...) must return the layer, e.g. an "
+            "eqx.Module called as `layer(x)`; is a `return` missing?"
+        )
     if is_array(layers):
         one_layer = jax.ShapeDtypeStruct(layers.shape[1:], layers.dtype)
         raise TypeError(
@@ -105,20 +110,6 @@ def build_layers(
 # Set while `restack` rebuilds a stack, whose layers may have outer axes in front
 # (a stack inside the layers of another, or a batch of stacks).
 _REBUILDING = contextvars.ContextVar("_REBUILDING", default=False)
-
-
-def _check_leading_axis(layers: PyTree, num_layers: int) -> None:
-    """Every array leaf of `layers` has the layer axis first, of length `num_layers`."""
-    for path, leaf in jtu.tree_leaves_with_path(layers):
-        if eqx.is_array(leaf) and (leaf.ndim == 0 or leaf.shape[0] != num_layers):
-            raise ValueError(
-                f"Stacked was given num_layers={num_layers}, but "
-                f"`layers{jtu.keystr(path)}` has shape {tuple(leaf.shape)}, not a "
-                f"leading layer axis of length {num_layers}.\nHint: every array "
-                "leaf of `layers` has the layer axis first (e.g. `stack.layers` "
-                "with `num_layers=len(stack)`); a batch of stacks (an ensemble built "
-                "with `eqx.filter_vmap`) is changed inside `eqx.filter_vmap`."
-            )
 
 
 class LayerNumbering(NamedTuple):
@@ -164,8 +155,7 @@ def stored_order(
     `stage_order` of `pipeline_order` (`None`: the natural order)."""
     if stage_order is None:
         return None
-    positions = stage_permute(np.arange(num_layers), *stage_order, inverse=False)
-    return tuple(int(i) for i in positions)
+    return tuple(stage_permute(np.arange(num_layers), *stage_order, False).tolist())
 
 
 def _check_stage_order(order: object, num_layers: int) -> tuple[int, int] | None:
@@ -304,8 +294,16 @@ class Stacked(Scanning, Generic[LayerT]):
                 "Stacked takes either `make_layer` and `key` (and arguments for "
                 "`make_layer`), or already-stacked `layers`, not both."
             )
-        if not _REBUILDING.get():
-            _check_leading_axis(layers, num_layers)
+        bad = None if _REBUILDING.get() else misaligned(layers, num_layers)
+        if bad is not None:
+            raise ValueError(
+                f"Stacked was given num_layers={num_layers}, but `layers{bad[0]}` "
+                f"has shape {tuple(bad[1].shape)}, not a leading layer axis of "
+                f"length {num_layers}.\nHint: every array leaf of `layers` has the "
+                "layer axis first (e.g. `stack.layers` with `num_layers=len(stack)`);"
+                " a batch of stacks (an ensemble built with `eqx.filter_vmap`) is "
+                "changed inside `eqx.filter_vmap`."
+            )
         check_layer_sharding(layer_sharding, layers)
         self.layers = layers
         self.num_layers = num_layers
@@ -356,25 +354,24 @@ class Stacked(Scanning, Generic[LayerT]):
     def check_layer_axis(self, what: str) -> None:
         # A batch of stacks (an ensemble made with `eqx.filter_vmap`) has its
         # batch axis in front, which indexing would clamp and `lax.scan` refuse.
-        for path, leaf in jtu.tree_leaves_with_path(self.layers):
-            if eqx.is_array(leaf) and (
-                leaf.ndim == 0 or leaf.shape[0] != self.num_layers
-            ):
-                # A scalar: a number field that `jax.jit` made an array.
-                hint = (
-                    "Under jax.jit (or jax.grad) a number field of a layer (e.g. "
-                    "Dropout's p) becomes an array: use eqx.filter_jit (or "
-                    "eqx.filter_grad), which keeps it as it is."
-                    if leaf.ndim == 0
-                    else "Call and index a batch of stacks (e.g. an ensemble built "
-                    "with `eqx.filter_vmap`) inside `eqx.filter_vmap`: "
-                    "`eqx.filter_vmap(lambda s: s[i])(stacks)` (see docs/idioms.md)."
-                )
-                raise ValueError(
-                    f"Cannot {what} this Stacked: it has {self.num_layers} layers, "
-                    f"but `layers{jtu.keystr(path)}` has shape {tuple(leaf.shape)}, "
-                    f"so its first axis is not the layer axis.\n{hint}"
-                )
+        if (bad := misaligned(self.layers, self.num_layers)) is None:
+            return
+        path, leaf = bad
+        # A scalar: a number field that `jax.jit` made an array.
+        hint = (
+            "Under jax.jit (or jax.grad) a number field of a layer (e.g. "
+            "Dropout's p) becomes an array: use eqx.filter_jit (or "
+            "eqx.filter_grad), which keeps it as it is."
+            if leaf.ndim == 0
+            else "Call and index a batch of stacks (e.g. an ensemble built "
+            "with `eqx.filter_vmap`) inside `eqx.filter_vmap`: "
+            "`eqx.filter_vmap(lambda s: s[i])(stacks)` (see docs/idioms.md)."
+        )
+        raise ValueError(
+            f"Cannot {what} this Stacked: it has {self.num_layers} layers, "
+            f"but `layers{path}` has shape {tuple(leaf.shape)}, "
+            f"so its first axis is not the layer axis.\n{hint}"
+        )
 
     def __getitem__(self, index: SupportsIndex | slice) -> "LayerT | Stacked[LayerT]":
         """`stack[i]` is layer `i` (negative allowed); `stack[i:j]` a `Stacked`."""
@@ -396,12 +393,11 @@ class Stacked(Scanning, Generic[LayerT]):
                     "order."
                 )
             check_state_order(self.layers, index, self.num_layers, "Stacked")
-            layers = take(self.layers, index)
             drop = None if self.drop_rates is None else self.drop_rates.sliced(index)
             drop_path, layer_drop = rates_of(drop)
             return restack(
                 self,
-                layers=layers,
+                layers=take(self.layers, index),
                 num_layers=len(selected),
                 drop_path=drop_path,
                 layer_drop=layer_drop,
@@ -446,12 +442,9 @@ class Stacked(Scanning, Generic[LayerT]):
         """
         current = self[index]  # checks the index
         i = operator.index(index) % self.num_layers
-        check_state_indices(current, layer, f"Stacked.with_layer({i}, ...)")
-        check_alike(
-            [current, layer],
-            f"Stacked.with_layer({i}, ...)",
-            names=(f"layer {i}", "the new layer"),
-        )
+        what = f"Stacked.with_layer({i}, ...)"
+        check_state_indices(current, layer, what)
+        check_alike([current, layer], what, names=(f"layer {i}", "the new layer"))
         # By leaves: `layer` may differ from the others only by identity.
         old, treedef = jtu.tree_flatten(self.layers)
         new = [

@@ -45,9 +45,6 @@ class Site(NamedTuple):
         """The number of layer axes in front of the node's own axes."""
         return len(self.axes)
 
-    def child(self, entries: tuple) -> "Site":
-        return self._replace(path=self.path + tuple(entries))
-
     def enter(self, entry: object, axes: tuple[int, ...], num_layers: int) -> "Site":
         return Site(
             self.path + (entry,),
@@ -136,15 +133,11 @@ def walk(
         return fn(tree, site)
     if names and isinstance(tree, NamesLayers):
         num_layers = tree.num_layers
-
-        def inner(
-            subtree: PyTree, index: LayerNumbering, axes: tuple[int, ...]
-        ) -> PyTree:
-            return walk(
+        return tree.state_dict_layers(
+            lambda subtree, index, axes: walk(
                 fn, subtree, names=True, site=site.enter(index, axes, num_layers)
             )
-
-        return tree.state_dict_layers(inner)
+        )
     # A stack's layers gain a layer axis; its other fields (the drop rates) are
     # visited where the stack itself sits, so every leaf is seen once.
     stacked = not names and isinstance(tree, Stacked)
@@ -164,10 +157,9 @@ def walk(
     for path, child in children:
         if stacked and path == (jtu.GetAttrKey("layers"),):
             child_site = at
-        elif names:
-            child_site = site.child(tuple(key_name(e, site.path) for e in path))
         else:
-            child_site = site.child(tuple(path))
+            entries = (key_name(e, site.path) for e in path) if names else path
+            child_site = site._replace(path=site.path + tuple(entries))
         rebuilt.append(walk(fn, child, names=names, stack=stack, site=child_site))
     new = jtu.tree_unflatten(treedef, rebuilt)
     return new if not stacked or stack is None else stack(new, at)

@@ -10,7 +10,7 @@ import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from .._containers.chain import Chain
-from .._containers.chain.groups import Pattern, Placement, places
+from .._containers.chain.groups import Placement, places
 from .._containers.stacked import Stacked
 from .._helpers.checks import describe, first_difference
 from .._scan.buffers import LayerBuffers
@@ -69,8 +69,7 @@ def _groups(
         else:
             # A repeated pattern: each repeat's groups, stacked over the repeats.
             starts = range(start, start + span.size, span.per_step)
-            units = [group[r] for r in range(len(starts))]
-            assert all(isinstance(u, Pattern) for u in units)
+            units = [group[r] for r in range(len(starts))]  # `Pattern`s
             reps = [_groups(u.groups, u.layout, make, s) for u, s in zip(units, starts)]
             parts.append(_stack(reps, list(starts)))
     return tuple(parts)
@@ -105,6 +104,4 @@ def _stack(trees: list[PyTree], layers: list[int]) -> PyTree:
                 "them one shape, or make what sizes it (e.g. a window) a static "
                 "field so that the layers are grouped apart."
             )
-    if trees[0] is None:
-        return None
     return jtu.tree_map(lambda *a: jnp.stack(a), *trees)

@@ -22,6 +22,7 @@ from .._helpers.checks import (
     check_carry,
     check_size,
     describe,
+    is_array,
     noted,
     split_key,
 )
@@ -69,7 +70,7 @@ class _State(NamedTuple):
 
 
 def _check_bound(name: str, value: object, length: int, who: str) -> Bound:
-    if isinstance(value, (jax.Array, np.ndarray)) and not isinstance(value, np.integer):
+    if isinstance(value, (jax.Array, np.ndarray)):
         if value.shape != () or not jnp.issubdtype(value.dtype, jnp.integer):
             raise TypeError(
                 f"{who}: {name} must be an int or an integer scalar array, got "
@@ -117,11 +118,7 @@ def _halts(ex: _Exit, carry: PyTree) -> Array:
     shape = (ex.batch,) if ex.per_example else ()
     if isinstance(out, (bool, np.bool_)):
         out = jnp.asarray(out)
-    if not (
-        isinstance(out, (jax.Array, np.ndarray))
-        and out.dtype == jnp.bool_
-        and out.shape == shape
-    ):
+    if not (is_array(out) and out.dtype == jnp.bool_ and out.shape == shape):
         expected = f"bool[{ex.batch}]" if ex.per_example else "a bool scalar"
         raise TypeError(
             f"The predicate of {ex.who} must return {expected}, got "
@@ -199,15 +196,11 @@ def _repeat(
             state = body(j, state)
         return state
 
-    def cond(js: tuple[Array, _State]) -> Array:
-        j, s = js
-        return (j < size) & _active(ex, s)
-
-    def step(js: tuple[Array, _State]) -> tuple[Array, _State]:
-        j, s = js
-        return j + 1, body(j, s)
-
-    return jax.lax.while_loop(cond, step, (jnp.int32(0), state))[1]
+    return jax.lax.while_loop(
+        lambda js: (js[0] < size) & _active(ex, js[1]),
+        lambda js: (js[0] + 1, body(*js)),
+        (jnp.int32(0), state),
+    )[1]
 
 
 def _walk_groups(

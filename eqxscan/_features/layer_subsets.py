@@ -17,12 +17,7 @@ from .._containers.stacked import restack, Stacked
 from .._helpers.checks import describe
 from .._helpers.constrain import layers_may_be_sharded
 from .._scan.engine import named_inputs, run
-from .._scan.layer_call import (
-    LayerCall,
-    Method,
-    run_one,
-    take,
-)
+from .._scan.layer_call import LayerCall, Method, run_one, take
 from .._scan.options import ScanOptions
 from .._scan.taps import call_of, covering, tapping
 from .early_exit import check_layers_method, checked_call
@@ -105,10 +100,8 @@ def _scan_indices(
         gathered = model.layer_sharding is not None
 
         def stack_layer(i: Int[Array, ""], c: PyTree, /) -> PyTree:
-            dyn, static = eqx.partition(layer_of(model, i), eqx.is_array)
-            one = name(call.at(i))
-            who = f"the stacked layer {cls}"
-            return run_one(eqx.combine(name(dyn), static), call, one, c, who)[0]
+            layer, one = name(layer_of(model, i)), name(call.at(i))
+            return run_one(layer, call, one, c, f"the stacked layer {cls}")[0]
 
         layer: Callable[[Int[Array, ""], PyTree], PyTree] = stack_layer
     else:
@@ -121,19 +114,13 @@ def _scan_indices(
             for g in model.groups
         )
 
-    def step(carry: PyTree, i: Int[Array, ""]) -> tuple[PyTree, None]:
-        return layer(i, carry), None
-
-    def where(i: int | None) -> str:
-        return body if i is None else step_name.format(i)
-
     return run(
-        step,
+        lambda carry, i: (layer(i, carry), None),
         x,
         idx,
         length=int(idx.shape[0]),
         options=options,
-        where=where,
+        where=lambda i: body if i is None else step_name.format(i),
         # Unrolled, XLA may gather every sharded layer at once (FSDP).
         gathered=gathered or layers_may_be_sharded(weights),
     )[0]
@@ -196,11 +183,10 @@ def run_layers(
         with call_of(model), covering(length):
             return _scan_indices(model, x, idx, call)
     chosen = _static_indices(layers, length, call.caller)
-    if isinstance(chosen, slice):
-        order = list(range(length)[chosen])
-        in_order = chosen.step in (None, 1)
-    else:
-        order, in_order = chosen.tolist(), False
+    order = (
+        list(range(length)[chosen]) if isinstance(chosen, slice) else chosen.tolist()
+    )
+    in_order = isinstance(chosen, slice) and chosen.step in (None, 1)
     if tapping() and len(set(order)) < len(order):
         twice = next(i for i in order if order.count(i) > 1)
         raise ValueError(_tapped_twice(f"layer {twice}"))

@@ -71,9 +71,7 @@ def _param_counts(grads: PyTree) -> list[tuple[str, dict[str, Float[Array, " L"]
     `Chain`'s repeated patterns are not split)."""
     out = []
     is_container = lambda x: isinstance(x, Stacked | Chain)  # noqa: E731
-    for container in jtu.tree_leaves(grads, is_leaf=is_container):
-        if not is_container(container):
-            continue
+    for container in filter(is_container, jtu.tree_leaves(grads, is_leaf=is_container)):
         counts: dict[str, Array] = {}
         if isinstance(container, Stacked):
             parts = [(container, 0, 1)]

@@ -5,13 +5,13 @@ import dataclasses
 import inspect
 import operator
 import os
+import traceback
 from collections.abc import Callable, Sequence
 from typing import (
     Annotated,
     Any,
     cast,
     ParamSpec,
-    Protocol,
     SupportsIndex,
     TYPE_CHECKING,
     TypeAlias,
@@ -73,17 +73,19 @@ def noted(fn: Callable[P, R], where: str, *args: P.args, **kwargs: P.kwargs) -> 
                 "input's shape and dtype against what the layer expects (the "
                 f"error may also be in the layer itself); {DEBUGGING_DOCS}."
             ) from e
-        _note(e, where)
+        # `where` also starts sentences ("The cell GRUCell at ..."); mid-note it
+        # reads in lower case.
+        if where.split(" ", 1)[0] in ("The", "Layer"):
+            where = where[0].lower() + where[1:]
+        note = f"(raised by {where}, run by eqxscan; {DEBUGGING_DOCS})"
+        if note not in getattr(e, "__notes__", ()):
+            e.add_note(note)
         raise
 
 
 def _raised_by_jax(e: BaseException) -> bool:
-    tb = e.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    if tb is None:
-        return False
-    name = tb.tb_frame.f_code.co_filename.replace(os.sep, "/")
+    files = [f.f_code.co_filename for f, _ in traceback.walk_tb(e.__traceback__)]
+    name = files[-1].replace(os.sep, "/") if files else ""
     return any(part in name for part in ("/jax/", "/jaxlib/", "/numpy/", "/equinox/"))
 
 
@@ -100,29 +102,8 @@ def _input(args: tuple) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
-class _Shown:
-    def __init__(self, text: str):
-        self.text = text
-
-    def __repr__(self) -> str:
-        return self.text
-
-
-def _note(e: BaseException, where: str) -> None:
-    # `where` also starts sentences ("The cell GRUCell at ..."); mid-note it
-    # reads in lower case.
-    if where.split(" ", 1)[0] in ("The", "Layer"):
-        where = where[0].lower() + where[1:]
-    note = f"(raised by {where}, run by eqxscan; {DEBUGGING_DOCS})"
-    if note not in getattr(e, "__notes__", ()):
-        e.add_note(note)
-
-
-class _Shaped(Protocol):
-    @property
-    def shape(self) -> tuple[int, ...]: ...
-    @property
-    def dtype(self) -> jax.typing.DTypeLike: ...
+class _Shown(str):
+    __repr__ = str.__str__
 
 
 def describe(x: object) -> str:
@@ -130,7 +111,8 @@ def describe(x: object) -> str:
     if isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) or hasattr(
         x, "aval"
     ):
-        x = cast(_Shaped, x)  # an array, or what stands for one (a jaxpr's value)
+        # An array, or what stands for one (a jaxpr's value).
+        x = cast(jax.ShapeDtypeStruct, x)
         shape = ",".join(str(d) for d in x.shape)
         # PRNG keys have an extended dtype (`key<fry>`), which NumPy cannot read.
         extended = jnp.issubdtype(x.dtype, jax.dtypes.extended)
@@ -189,9 +171,7 @@ def first_difference(
             return None
         if type(a) is not type(b):
             return path, f"type {type(a).__name__}", f"type {type(b).__name__}"
-        if isinstance(a, eqx.Module) or (
-            dataclasses.is_dataclass(a) and not isinstance(a, type)
-        ):
+        if dataclasses.is_dataclass(a) and not isinstance(a, type):  # a Module too
             pairs = [
                 (getattr(a, f.name, None), getattr(b, f.name, None), f".{f.name}")
                 for f in dataclasses.fields(a)
@@ -292,14 +272,22 @@ def check_carry(old: PyTree, new: PyTree, where: str, step: int | None = None) -
         )
 
 
+def misaligned(tree: PyTree, length: int) -> tuple[str, jax.Array] | None:
+    """The first array leaf of `tree` (its key path, and itself) whose leading
+    axis is not of `length`; a scalar has none."""
+    for path, leaf in jtu.tree_leaves_with_path(tree):
+        if is_array(leaf) and (leaf.ndim == 0 or leaf.shape[0] != length):
+            return jtu.keystr(path), leaf  # pyright: ignore[reportReturnType]
+    return None
+
+
 def check_leading_axis(tree: PyTree, length: int, name: str, axis_name: str) -> None:
     """Raise `ValueError` unless each array leaf of `tree` has leading axis `length`."""
-    for path, leaf in jtu.tree_leaves_with_path(tree):
-        if eqx.is_array(leaf) and (leaf.ndim == 0 or leaf.shape[0] != length):
-            raise ValueError(
-                f"{name}{jtu.keystr(path)} has shape {tuple(leaf.shape)}, but its "
-                f"leading axis must be the {axis_name} axis of length {length}."
-            )
+    if (bad := misaligned(tree, length)) is not None:
+        raise ValueError(
+            f"{name}{bad[0]} has shape {tuple(bad[1].shape)}, but its "
+            f"leading axis must be the {axis_name} axis of length {length}."
+        )
 
 
 def check_option(name: str, value: object, allowed: Sequence[object]) -> None:
@@ -426,17 +414,6 @@ def split_key(key: object, num: int, who: str) -> jax.Array:
         f"{who} needs `key` to be one JAX PRNG key, got {describe(key)}.\nHint: "
         f"pass {one}; eqxscan splits it into one per layer or step."
     )
-
-
-def check_made_layer(made: object) -> None:
-    """Raise `TypeError` if `make_layer` returned no layer: `None` (a missing
-    `return`), a number or a string, which would only fail when called."""
-    if made is None or isinstance(made, (bool, int, float, complex, str, bytes)):
-        raise TypeError(
-            f"make_layer returned {describe(made)} ({type(made).__name__}), not a "
-            "layer.\nHint: make_layer(key, ...) must return the layer, e.g. an "
-            "eqx.Module called as `layer(x)`; is a `return` missing?"
-        )
 
 
 def check_policy(name: str, policy: Callable[..., object]) -> None:

@@ -126,9 +126,7 @@ def value_verdict(a: object, b: Any) -> Verdict:
         if list(a) != list(b):
             return "different"
         return _all(value_verdict(a[k], b[k]) for k in a)
-    if isinstance(a, eqx.Module) or (
-        dataclasses.is_dataclass(a) and not isinstance(a, type)
-    ):
+    if dataclasses.is_dataclass(a) and not isinstance(a, type):  # a Module too
         diff = compare(a, b)
         if diff is not None:
             return diff.verdict

@@ -8,6 +8,7 @@ import equinox as eqx
 from jaxtyping import PRNGKeyArray, PyTree
 
 from ..._helpers.checks import check_bool, check_index, Checked, describe, split_key
+from ..._helpers.constrain import is_none
 from ..._helpers.stackable import check_state_order
 from ..._helpers.stateful import find_state, replace_arg
 from ..._scan.buffers import find_buffer, LayerBuffers, view_of
@@ -197,11 +198,9 @@ class Chain(Scanning):
         alone, unlike layer 2 (Linear) at `.weight`: it has float16[8,8], layer
         2 has float32[8,8]`` (the leaf path where they differ, and both values).
         """
-        layers = self.unstack()
         names = [group_name(g, s) for g, s in zip(self.groups, self.layout)]
-        return explain(
-            layers, self.layout, names, count_bodies(self.layout, self.groups)
-        )
+        bodies = count_bodies(self.layout, self.groups)
+        return explain(self.unstack(), self.layout, names, bodies)
 
     def own_options(self) -> tuple[str, ...]:
         return ("drop_path", "layer_drop")
@@ -230,7 +229,6 @@ class Chain(Scanning):
         drop = with_mode_of(drop, like)
         if drop is None and self.drop_rates is None:
             return self
-        is_none = lambda n: n is None  # noqa: E731
         return eqx.tree_at(lambda c: c.drop_rates, self, drop, is_leaf=is_none)
 
     @compiled_when_eager
