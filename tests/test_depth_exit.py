@@ -625,3 +625,10 @@ def test_drop_rates_are_refused_in_training_and_off_in_inference(getkey):
     for layer in quiet.unstack():
         ref = layer(ref)
     assert int(n) == 3 and np.allclose(out, ref, rtol=1e-6)
+    # A stack among a Chain's layers is called whole: its own rates apply, as
+    # when the Chain itself is called with the same key.
+    chain = eqxscan.Chain([stack, eqx.nn.Linear(4, 4, key=getkey())])
+    key = jax.random.key(3)
+    out, n = eqxscan.run_until(chain, x, lambda c: jnp.array(False), key=key)
+    assert int(n) == 2 and np.array_equal(out, chain(x, key=key))
+    assert not np.allclose(out, eqx.nn.inference_mode(chain)(x))

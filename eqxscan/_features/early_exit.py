@@ -255,18 +255,17 @@ def checked_call(
             f"eqxscan.{what} takes an eqxscan.Stacked or an eqxscan.Chain, got "
             f"{describe(model)}.\n{hint}"
         )
-    # These runs call the layers themselves, so drop rates would be skipped
-    # without a word: refuse them unless inference mode turns them off.
-    modules = jtu.tree_leaves(model, is_leaf=lambda n: isinstance(n, (Stacked, Chain)))
-    for module in [model, *modules]:
-        drop = getattr(module, "drop_rates", None)
-        if isinstance(drop, DropRates) and not drop.inference:
-            raise ValueError(
-                f"eqxscan.{what} does not apply drop_path/layer_drop, but this "
-                "model drops layers in training.\nHint: call it on "
-                "`eqx.nn.inference_mode(model)`, or build the model without drop "
-                "rates for these runs."
-            )
+    # These runs call the layers themselves, so the model's drop rates would be
+    # skipped without a word: refuse them unless inference mode turns them off.
+    # (A container among the layers is called whole, its own rates applied.)
+    drop = model.drop_rates
+    if isinstance(drop, DropRates) and not drop.inference:
+        raise ValueError(
+            f"eqxscan.{what} does not apply drop_path/layer_drop, but this "
+            "model drops layers in training.\nHint: call it on "
+            "`eqx.nn.inference_mode(model)`, or build the model without drop "
+            "rates for these runs."
+        )
     if find_state(args, kwargs) is not None:
         raise TypeError(
             f"{what} does not take an eqx.nn.State.\nHint: call the model itself "
