@@ -9,6 +9,9 @@ from ._containers.stacked import (
     LayerNumbering as LayerNumbering,
     restack as restack,
     Stacked as Stacked,
+    stage_reordered as stage_reordered,
+)
+from ._containers.stage_order import (
     stage_permute as stage_permute,
     stored_order as stored_order,
 )

@@ -236,6 +236,35 @@ def test_stage_order(getkey):
     )
 
 
+def test_a_stage_ordered_stack_called_directly_runs_its_layers_in_order(getkey):
+    # It ran them in the order stored (layer 4 third), without a word.
+    rates = [0.1 * i for i in range(8)]
+    stack = eqxscan.StackedMLP(4, 8, key=getkey(), drop_path=rates).blocks
+    staged = sharding.pipeline_order(stack, stages=2, repeats=2)
+    x, key = jax.random.normal(getkey(), (4,)), jax.random.key(1)
+    for mode in ["scan", "loop"]:
+        a, b = (s.with_options(mode=mode) for s in (stack, staged))
+        np.testing.assert_array_equal(b(x, key=key), a(x, key=key))
+        np.testing.assert_array_equal(b.vmap(x), a.vmap(x))
+    # Its gradients still come in its own (stage) order.
+    loss = lambda s: jnp.sum(s(x, key=key) ** 2)
+    grads = eqx.filter_grad(loss)(staged)
+    assert grads.stage_order == (2, 2)
+    back = sharding.pipeline_order(grads, stages=2, repeats=2, inverse=True)
+    want = eqx.filter_grad(loss)(stack)
+    for g, w in zip(jax.tree.leaves(back), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
+    # run_until and run_layers number layers, not positions: refused.
+    for run in [
+        lambda: eqxscan.run_until(staged, x, lambda c: jnp.array(False)),
+        lambda: eqxscan.run_layers(staged, x, [0, 1]),
+    ]:
+        with pytest.raises(
+            ValueError, match=r"(?s)stage order of pipeline_order.*\nHint"
+        ):
+            run()
+
+
 def test_layer_order_must_match_the_stack(getkey):
     mesh = jax.make_mesh((2,), ("stage",), axis_types=(AxisType.Auto,))
     stack = eqxscan.StackedMLP(4, 8, key=getkey()).blocks

@@ -48,6 +48,7 @@ from .._scan.layer_call import (
 )
 from .._scan.options import OwnOptions, ScanArgs, Scanning, ScanOptions
 from .stack_calls import dropping_call, scan_layers, vmap_layers
+from .stage_order import check_stage_order, stage_permute, stored_order
 
 
 #: The most layers a stack may have: beyond, the per-layer keys alone take
@@ -132,54 +133,6 @@ class LayerNumbering(NamedTuple):
         if self.order is not None and index:
             index = (*index[:-1], np.asarray(self.order)[index[-1]])
         return self.start + sum(i * s for i, s in zip(index, self.strides, strict=True))
-
-
-_ArrayT = TypeVar("_ArrayT", jax.Array, np.ndarray)
-
-
-def stage_permute(a: _ArrayT, stages: int, repeats: int, inverse: bool) -> _ArrayT:
-    """Axis 0 of a NumPy or JAX array from the natural layer order to the stage
-    order of `pipeline_order` (or back): position `(s * R + r) * K + k` holds
-    layer `(r * S + s) * K + k`. A reshape and a swap of axes, so a layer-sharded
-    array moves no weights."""
-    outer, inner = (stages, repeats) if inverse else (repeats, stages)
-    num_layers = a.shape[0]
-    b = a.reshape(outer, inner, num_layers // (stages * repeats), *a.shape[1:])
-    return b.swapaxes(0, 1).reshape(num_layers, *a.shape[1:])
-
-
-def stored_order(
-    num_layers: int, stage_order: tuple[int, int] | None
-) -> tuple[int, ...] | None:
-    """The layer held at each position of a stack stored in the stage order
-    `stage_order` of `pipeline_order` (`None`: the natural order)."""
-    if stage_order is None:
-        return None
-    return tuple(stage_permute(np.arange(num_layers), *stage_order, False).tolist())
-
-
-def _check_stage_order(order: object, num_layers: int) -> tuple[int, int] | None:
-    # Read as the positions of `stored_order`: a pair whose chunks fit the stack.
-    if order is None:
-        return None
-    if not isinstance(order, tuple) or len(order) != 2:
-        raise TypeError(
-            f"Stacked: stage_order must be None or a (stages, repeats) pair, got "
-            f"{describe(order)}.\nHint: leave it to sharding.pipeline_order, "
-            "which permutes the layers and sets it."
-        )
-    stages, repeats = (
-        check_size(f"Stacked: stage_order[{i}]", v) for i, v in enumerate(order)
-    )
-    if num_layers % (stages * repeats):
-        raise ValueError(
-            f"Stacked: stage_order={order} cuts the layers into {stages} stages x "
-            f"{repeats} repeats = {stages * repeats} chunks, but the stack has "
-            f"{num_layers} layers, not a multiple of {stages * repeats}.\nHint: "
-            "leave it to sharding.pipeline_order, which permutes the layers and "
-            "sets it."
-        )
-    return stages, repeats
 
 
 StateDictFn = Callable[[PyTree, LayerNumbering, tuple[int, ...]], PyTree]
@@ -272,7 +225,8 @@ class Stacked(Scanning, Generic[LayerT]):
           done (a `jax.lax.cond` in the scan body, forward and backward).
         - `stage_order`: `(stages, repeats)` when `layers` are stored in the
           stage order of [`eqxscan.sharding.pipeline_order`][] for them (which
-          sets it), else `None`; [`eqxscan.sharding.pipeline`][] checks it.
+          sets it), else `None`; [`eqxscan.sharding.pipeline`][] checks it, and
+          calls of the stack run its layers in their natural order.
 
         `mode`, `remat` and `unroll` make the module's
         [`eqxscan.ScanOptions`][]; `drop_path` and `layer_drop` its
@@ -309,7 +263,7 @@ class Stacked(Scanning, Generic[LayerT]):
         self.num_layers = num_layers
         self.layer_sharding = layer_sharding
         self.drop_rates = new_drop_rates(num_layers, drop_path, layer_drop)
-        self.stage_order = _check_stage_order(stage_order, num_layers)
+        self.stage_order = check_stage_order(stage_order, num_layers)
 
     @classmethod
     def from_layers(
@@ -519,11 +473,21 @@ class Stacked(Scanning, Generic[LayerT]):
         reverse: object,  # checked here, with a clear error
         read_out: ReadOut,
     ) -> tuple[PyTree, PyTree]:
+        if self.stage_order is not None:
+            return self._natural()._fold(
+                x, args, kwargs, key, method, reverse, read_out
+            )
         check_method(method, self.layers)
         reverse = check_bool("reverse", reverse)
         call = LayerCall(args, kwargs, self._keys(key), read_out, reverse, method)
         drop_call = dropping_call(self.drop_rates, call, key, "Stacked")
         return scan_layers(self, x, drop_call)
+
+    def _natural(self) -> "Stacked[LayerT]":
+        # Called directly, a stack in stage order runs layer 0, 1, ... as the
+        # unpipelined one: its weights read through the permutation (a copy).
+        assert self.stage_order is not None
+        return stage_reordered(self, *self.stage_order, inverse=True, stage_order=None)
 
     def _keys(self, key: PRNGKeyArray | None) -> Array | None:
         # Layer i's key: `split(key, L)[i]`.
@@ -556,6 +520,8 @@ class Stacked(Scanning, Generic[LayerT]):
         Nothing is scanned nor dropped: `remat`, `unroll`, `drop_path` and
         `layer_drop` do not apply.
         """
+        if self.stage_order is not None:
+            return self._natural().vmap(x, *args, key=key, method=method, **kwargs)
         check_method(method, self.layers)
         call = LayerCall(
             args, kwargs, self._keys(key), method=method, caller="Stacked.vmap"
@@ -591,3 +557,17 @@ def restack(stack: Stacked[LayerT], **changes: object) -> Stacked[LayerT]:
     if drop is new.drop_rates:
         return new
     return eqx.tree_at(lambda s: s.drop_rates, new, drop)
+
+
+def stage_reordered(
+    stack: Stacked[LayerT], stages: int, repeats: int, inverse: bool, **changes: object
+) -> Stacked[LayerT]:
+    """`stack` with its layers and per-layer drop rates permuted into stage order
+    (or back), as `stage_permute` says; `changes` as for `restack`."""
+    one = lambda a: stage_permute(a, stages, repeats, inverse)
+    layers = jtu.tree_map(lambda a: one(a) if eqx.is_array(a) else a, stack.layers)
+    order, drop = one(np.arange(stack.num_layers)), stack.drop_rates
+    if drop is not None:
+        for name in ("drop_path", "layer_drop"):
+            changes[name] = tuple(getattr(drop, name)[i] for i in order)
+    return restack(stack, layers=layers, **changes)

@@ -255,6 +255,14 @@ def checked_call(
             f"eqxscan.{what} takes an eqxscan.Stacked or an eqxscan.Chain, got "
             f"{describe(model)}.\n{hint}"
         )
+    if isinstance(model, Stacked) and model.stage_order is not None:
+        stages, repeats = model.stage_order
+        order = f"pipeline_order(model, stages={stages}, repeats={repeats}"
+        raise ValueError(
+            f"eqxscan.{what} of a Stacked in the stage order of {order}): its "
+            f"positions are not its layer numbers.\nHint: pass "
+            f"`eqxscan.sharding.{order}, inverse=True)`, the natural order."
+        )
     # These runs call the layers themselves, so the model's drop rates would be
     # skipped without a word: refuse them unless inference mode turns them off.
     # (A container among the layers is called whole, its own rates applied.)

@@ -30,6 +30,7 @@ from .._internal import (
     split_key,
     Stacked,
     stage_permute,
+    stage_reordered,
     tapping,
 )
 from ._shard import check_axes, check_mesh
@@ -48,7 +49,6 @@ LayerOrder: TypeAlias = Literal["natural", "stage"]
 
 LAYER_ORDERS: tuple[LayerOrder, ...] = ("natural", "stage")
 
-_RATES = ("drop_path", "layer_drop")
 StackT = TypeVar("StackT", bound=Stacked)
 
 
@@ -188,8 +188,9 @@ def pipeline_order(
     each device holds exactly the weights its stage runs, and
     `pipeline(..., layer_order="stage")` (same `stages` and `repeats`) moves
     none. With `repeats=1` both orders are the same. Called directly, the
-    permuted stack runs its layers in that order, and its gradients, optimizer
-    state and Orbax checkpoints follow it (state dicts and safetensors files
+    permuted stack still runs layer 0, 1, ... (its weights read through the
+    permutation, a copy of them); its gradients, optimizer state and Orbax
+    checkpoints follow the stored order (state dicts and safetensors files
     name layer `i` as `i` in either order): `inverse=True` on the stack (and on
     its optimizer buffers, such as Adam's moments) gives the natural order back.
 
@@ -216,15 +217,8 @@ def pipeline_order(
         what = f"{'back from' if inverse else 'into'} stage order for stages={stages}"
         want = staged if inverse else None
         _check_order(stack, want, f"permute this Stacked {what}, repeats={repeats}")
-    one = lambda a: stage_permute(a, stages, repeats, inverse)
-    layers = jtu.tree_map(lambda a: one(a) if eqx.is_array(a) else a, stack.layers)
-    order, rates = one(np.arange(stack.num_layers)), dict[str, object]()
-    if (drop := stack.drop_rates) is not None:
-        rates.update({n: tuple(getattr(drop, n)[i] for i in order) for n in _RATES})
-    if staged:
-        rates["stage_order"] = None if inverse else staged
-    # `restack` rebuilds `type(stack)`.
-    return restack(stack, layers=layers, **rates)  # pyright: ignore[reportReturnType]
+    order = {"stage_order": None if inverse else staged} if staged else {}
+    return stage_reordered(stack, stages, repeats, inverse, **order)  # pyright: ignore[reportReturnType]  # rebuilds type(stack)
 
 
 def pipeline_schedule(

@@ -27,7 +27,8 @@ from ..._scan.layer_call import (
 )
 from ..._scan.options import ScanOptions
 from ..stack_calls import scan_layers
-from ..stacked import LayerNumbering, Stacked, StateDictFn, stored_order
+from ..stacked import LayerNumbering, Stacked, StateDictFn
+from ..stage_order import stored_order
 from .grouping import Plan
 
 
