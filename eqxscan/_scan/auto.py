@@ -27,6 +27,7 @@ from jax.custom_batching import custom_vmap
 from jaxtyping import PyTree
 
 from .._helpers.checks import is_array
+from .layer_index import setting
 from .options import Remat
 from .remat import as_scan_remat, AUTO_POLICY, Policy, ScanRemat
 from .setting_names import remat_label
@@ -439,12 +440,9 @@ def _vmapped_size(x: object) -> int:
     if not is_array(x) or jnp.issubdtype(x.dtype, jax.dtypes.extended):
         return 1
     sizes: list[int] = []
-    token = _SIZES.set(sizes)
-    try:
+    with setting(_SIZES, sizes):
         # Without gradients: a derivative trace would wrap the value the rule sees.
         _probe(jax.lax.stop_gradient(x))
-    finally:
-        _SIZES.reset(token)
     return int(np.prod(sizes, dtype=np.int64))
 
 
@@ -516,16 +514,10 @@ def resolve(
         return remat, unroll
     cost = measure_traced(jaxpr, n_carry, values, length, AUTO_POLICY)
     platform = jax.default_backend()
-    # The rule sees "auto", or the value as a plain `remat=` option.
-    given = remat.policy if not remat.named else remat
+    # The rule sees the value as a plain `remat=` option ("auto" when it chooses).
+    given = remat if remat.named else remat.policy
     raw, unroll, rule = decide(
-        cost,
-        "auto" if remat.is_rule else given,  # pyright: ignore[reportArgumentType]  # passed through
-        unroll,
-        AUTO_POLICY,
-        platform,
-        gathered=gathered,
-        over=over,
+        cost, given, unroll, AUTO_POLICY, platform, gathered=gathered, over=over
     )
     for record in _RECORDERS.get():
         record.append(AutoChoice(raw, unroll, rule, cost, where))
@@ -537,8 +529,5 @@ def recording() -> Iterator[list[AutoChoice]]:
     """Collect the `AutoChoice` of every scan that resolves `"auto"` inside the
     block (in this context only: other threads and tasks are not seen)."""
     record: list[AutoChoice] = []
-    token = _RECORDERS.set((*_RECORDERS.get(), record))
-    try:
+    with setting(_RECORDERS, (*_RECORDERS.get(), record)):
         yield record
-    finally:
-        _RECORDERS.reset(token)

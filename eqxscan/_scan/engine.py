@@ -159,10 +159,13 @@ def run(
     options; with `mode="loop"` once per step, as a Python loop would.
     """
     remat = options.scan_remat
-    step = _reading(step, read, remat)
+
+    def body(c: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
+        return step(c, name_inputs(x if read is None else read(x), remat))
+
     if options.mode == "loop":
-        return _run_loop(step, carry, xs, length, remat, reverse, where, runs)
-    traced, c_dyn, c_static = trace_step(step, carry, xs, length, where(None))
+        return _run_loop(body, carry, xs, length, remat, reverse, where, runs)
+    traced, c_dyn, c_static = trace_step(body, carry, xs, length, where(None))
     remat, unroll = resolve(
         traced.jaxpr,
         traced.n_carry,
@@ -194,51 +197,32 @@ def run(
         )
         c_dyn, ys = jtu.tree_unflatten(traced.out_tree, c_flat + y_flat)
     else:
-        c_dyn, ys = _scanned(traced, c_dyn, xs, runs, length, reverse, unroll, remat)
+        # Otherwise each step is skipped on its own, inside the remat asked for.
+        scanned: Step = traced
+        if runs is not None:
+            scanned = skip_step(traced.jaxpr, traced.out_tree, traced.n_carry)
+            xs = (xs, runs)
+        if unroll is True and not remat.named:
+            # Unrolled fully: the loop's own program (one slice per step, the
+            # outputs stacked), each step the one traced step evaluated.
+            fn = wrap_remat(scanned, remat, in_scan=False)
+            slices = _unstack(xs, length)
+            ys = [None] * length
+            for i in range(length - 1, -1, -1) if reverse else range(length):
+                c_dyn, ys[i] = fn(c_dyn, slices[i])
+            ys = jtu.tree_map(lambda *a: jnp.stack(a), *ys)
+        else:
+            c_dyn, ys = nested_scan(
+                wrap_remat(scanned, remat, in_scan=True),
+                c_dyn,
+                xs,
+                length,
+                (remat.levels(length) if remat.named else None) or (),
+                unroll,
+                remat.boundary_policy(),
+                reverse,
+            )
     return eqx.combine(c_dyn, c_static), eqx.combine(ys, traced.y_static)
-
-
-def _scanned(
-    traced: Traced,
-    c_dyn: PyTree,
-    xs: PyTree,
-    runs: Bool[Array, " L"] | None,
-    length: int,
-    reverse: bool,
-    unroll: int | bool,
-    remat: ScanRemat,
-) -> tuple[PyTree, PyTree]:
-    """`(carry, ys)` (array parts) of the traced step run `length` times:
-    unrolled, a nested scan, or one `lax.scan`; with `runs`, each step skipped
-    on its own, inside the remat asked for."""
-    body: Step = traced
-    if runs is not None:
-        body = skip_step(traced.jaxpr, traced.out_tree, traced.n_carry)
-        xs = (xs, runs)
-    if unroll is True and not remat.named:
-        # Unrolled fully: the loop's own program, from the one traced step.
-        return _unrolled(body, c_dyn, xs, length, remat, reverse)
-    return nested_scan(
-        wrap_remat(body, remat, in_scan=True),
-        c_dyn,
-        xs,
-        length,
-        (remat.levels(length) if remat.named else None) or (),
-        unroll,
-        remat.boundary_policy(),
-        reverse,
-    )
-
-
-def _reading(
-    step: Step, read: Callable[[PyTree], PyTree] | None, remat: ScanRemat
-) -> Step:
-    def body(c: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
-        if read is not None:
-            x = read(x)
-        return step(c, name_inputs(x, remat))
-
-    return body
 
 
 def named_inputs(options: ScanOptions) -> Callable[[PyTree], PyTree]:
@@ -246,24 +230,6 @@ def named_inputs(options: ScanOptions) -> Callable[[PyTree], PyTree]:
     stack by a traced index) names them as `run` names a scan's inputs."""
     remat = options.scan_remat
     return lambda tree: name_inputs(tree, remat)
-
-
-def _unrolled(
-    traced: Step,
-    c_dyn: PyTree,
-    xs: PyTree,
-    length: int,
-    remat: ScanRemat,
-    reverse: bool,
-) -> tuple[PyTree, PyTree]:
-    # What `_run_loop` builds (one slice per step, the outputs stacked), with
-    # each step the evaluated jaxpr rather than a new trace of the step.
-    fn = wrap_remat(traced, remat, in_scan=False)
-    ys: list[PyTree] = [None] * length
-    slices = _unstack(xs, length)
-    for i in range(length - 1, -1, -1) if reverse else range(length):
-        c_dyn, ys[i] = fn(c_dyn, slices[i])
-    return c_dyn, jtu.tree_map(lambda *a: jnp.stack(a), *ys)
 
 
 def _run_loop(
@@ -293,13 +259,12 @@ def _run_loop(
         return eqx.combine(wrap_remat(body, remat, in_scan=False)(c_dyn, x), statics[0])
 
     ys = [None] * length
-    order = range(length - 1, -1, -1) if reverse else range(length)
     slices = _unstack(xs if runs is None else (xs, runs), length) if length > 0 else []
     carry = clone(carry)  # the caller's stays valid (an `eqx.nn.State`)
     # NumPy leaves as JAX takes them (float64 is float32 without x64), as the scan.
     is_numpy = lambda a: isinstance(a, np.ndarray | np.number | np.bool_)  # noqa: E731
     carry = jtu.tree_map(lambda a: jnp.asarray(a) if is_numpy(a) else a, carry)
-    for current in order:
+    for current in range(length - 1, -1, -1) if reverse else range(length):
         old = clone(carry)  # the step may invalidate `carry` (an `eqx.nn.State`)
         with loop_step(current):
             new, y = noted(step_fn, where(current), carry, slices[current])

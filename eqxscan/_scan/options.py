@@ -58,19 +58,16 @@ OPTION_NAMES = ("mode", "remat", "unroll")
 def check_remat(remat: object) -> None:
     """Raise unless `remat` is a valid [`eqxscan.Remat`][] value (the one place
     that says which exist)."""
-    if isinstance(remat, (bool, ScanRemat)):
-        return
     if callable(remat):
         check_policy("remat", remat)
-        return
-    if isinstance(remat, str):
+    elif isinstance(remat, str):
         check_option("remat", remat, (False, True) + REMAT_STRINGS)
-        return
-    raise TypeError(
-        "remat must be False, True, 'auto', 'nested', 'offload', a "
-        "jax.checkpoint_policies policy or an eqxscan.ScanRemat, got "
-        f"{type(remat).__name__}."
-    )
+    elif not isinstance(remat, (bool, ScanRemat)):
+        raise TypeError(
+            "remat must be False, True, 'auto', 'nested', 'offload', a "
+            "jax.checkpoint_policies policy or an eqxscan.ScanRemat, got "
+            f"{type(remat).__name__}."
+        )
 
 
 class ScanOptions(eqx.Module):

@@ -165,15 +165,13 @@ class ScanRemat:
 
     def __post_init__(self) -> None:
         policy = self.policy
-        if not (
-            policy is True or policy is False or policy == "auto" or callable(policy)
-        ):
+        if callable(policy):
+            check_policy("ScanRemat: policy", policy)
+        elif not (policy is True or policy is False or policy == "auto"):
             raise ValueError(
                 "ScanRemat(policy=...) must be 'auto', True, False or a "
                 f"jax.checkpoint_policies policy, got {policy!r}."
             )
-        if callable(policy):
-            check_policy("ScanRemat: policy", policy)
         _check_keep("save_carries", self.save_carries)
         _check_keep("save_inputs", self.save_inputs)
         object.__setattr__(self, "nested", _check_nested(self.nested))
@@ -268,15 +266,10 @@ def as_scan_remat(remat: object) -> ScanRemat:
     (see `ScanRemat`'s docstring for the correspondence)."""
     if isinstance(remat, ScanRemat):
         return remat
-    if isinstance(remat, str) and remat == "nested":
+    if remat == "nested":
         return ScanRemat(save_carries=False, save_inputs=None)
-    if isinstance(remat, str) and remat == "offload":
-        remat = OFFLOAD_POLICY
-    return ScanRemat(
-        policy=remat,  # type: ignore[arg-type]  # a checked remat= value
-        save_carries=None,
-        save_inputs=None,
-    )
+    policy = OFFLOAD_POLICY if remat == "offload" else remat
+    return ScanRemat(policy, save_carries=None, save_inputs=None)  # type: ignore[arg-type]  # a checked remat= value
 
 
 def sqrt_block(length: int) -> int:
