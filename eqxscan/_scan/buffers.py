@@ -12,7 +12,7 @@ view: its group's stacked array and the indices the enclosing steps fixed
 """
 
 from collections.abc import Callable
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import equinox as eqx
 import jax
@@ -280,23 +280,18 @@ def _read(a: Array, prefix: tuple[Index, ...], reads: Reads) -> Array:
     )
 
 
-class Write(NamedTuple):
-    """What a layer wrote into one leaf of its slice: `rows` at `start`, its
-    whole new slice (`start=None`), or nothing (`rows=None`)."""
-
-    rows: Array | None
-    start: tuple[Array, ...] | None = None
-
-    def apply(self, a: Array, prefix: tuple[Index, ...]) -> Array:
-        """`a` (the stacked leaf) with this write made at the view `prefix`."""
-        if self.rows is None:
-            return a
-        if not prefix and self.start is None:
-            return self.rows
-        rows = self.rows.reshape((1,) * len(prefix) + self.rows.shape)
-        rest = self.start if self.start is not None else (0,) * self.rows.ndim
-        start = [jnp.asarray(i, jnp.int32) for i in (*prefix, *rest)]
-        return jax.lax.dynamic_update_slice(a, rows, start)
+def _write(
+    a: Array, prefix: tuple[Index, ...], new: Array, start: tuple | None = None
+) -> Array:
+    # The stacked leaf `a` with what a layer wrote into the slice at `prefix`:
+    # rows `new` at `start`, or its whole new slice (`start=None`).
+    if not prefix and start is None:
+        return new
+    rest = start if start is not None else (0,) * new.ndim
+    at = [jnp.asarray(i, jnp.int32) for i in (*prefix, *rest)]
+    return jax.lax.dynamic_update_slice(
+        a, new.reshape((1,) * len(prefix) + new.shape), at
+    )
 
 
 def call_writing(
@@ -342,7 +337,7 @@ def call_writing(
         k = rows_of.get(id(eqn))
         if k is not None:
             rows, *start = (value(v) for v in eqn.invars[1:])
-            stacked[k] = Write(rows, tuple(start)).apply(stacked[k], view.prefix)  # pyright: ignore[reportArgumentType]  # arrays
+            stacked[k] = _write(stacked[k], view.prefix, rows, tuple(start))  # pyright: ignore[reportArgumentType]  # arrays
             env[eqn.outvars[0]] = _read(stacked[k], view.prefix, view.reads)
         else:
             ans = _bind(eqn, [value(v) for v in eqn.invars])
@@ -354,7 +349,7 @@ def call_writing(
         for v in eqn.outvars:
             for k in whole_of.get(v, ()):
                 # Written as soon as it is made, and read back like rows.
-                stacked[k] = Write(env[v]).apply(stacked[k], view.prefix)  # pyright: ignore[reportArgumentType]  # an array
+                stacked[k] = _write(stacked[k], view.prefix, env[v])  # pyright: ignore[reportArgumentType]  # an array
             if v in whole_of:
                 env[v] = _read(stacked[whole_of[v][0]], view.prefix, view.reads)
     results = [value(v) for v in jaxpr.outvars]
@@ -364,7 +359,7 @@ def call_writing(
             continue  # written above, or returned unchanged
         # A new slice that no equation made (an input other than its own, a
         # constant): written whole.
-        stacked[k] = Write(new).apply(stacked[k], view.prefix)  # pyright: ignore[reportArgumentType]  # an array
+        stacked[k] = _write(stacked[k], view.prefix, new)  # pyright: ignore[reportArgumentType]  # an array
     # What is left are `out`'s arrays: put them back in the whole output.
     full = [None] * len(leaves) + results[len(leaves) :]
     _, out = eqx.combine(
