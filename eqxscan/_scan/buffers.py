@@ -326,13 +326,11 @@ def call_writing(
         elif eqn is not None:
             whole_of.setdefault(var, []).append(k)
     stacked = jtu.tree_leaves(view.tree)
-    env: dict[jcore.Var, object] = {}
+    env = dict(zip(jaxpr.constvars + jaxpr.invars, closed.consts + leaves))
 
     def value(v: object) -> object:
         return v.val if isinstance(v, jcore.Literal) else env[v]  # pyright: ignore[reportArgumentType]  # a Var
 
-    env.update(zip(jaxpr.constvars, closed.consts))
-    env.update(zip(jaxpr.invars, leaves))
     for eqn in jaxpr.eqns:
         k = rows_of.get(id(eqn))
         if k is not None:
@@ -340,11 +338,7 @@ def call_writing(
             stacked[k] = _write(stacked[k], view.prefix, rows, tuple(start))  # pyright: ignore[reportArgumentType]  # arrays
             env[eqn.outvars[0]] = _read(stacked[k], view.prefix, view.reads)
         else:
-            ans = _bind(eqn, [value(v) for v in eqn.invars])
-            if eqn.primitive.multiple_results:
-                env.update(zip(eqn.outvars, ans))  # pyright: ignore[reportArgumentType, reportCallIssue]  # a list of results
-            else:
-                env[eqn.outvars[0]] = ans
+            env.update(zip(eqn.outvars, _bind(eqn, [value(v) for v in eqn.invars])))
         # (Rows written into one leaf may also be returned as another's slice.)
         for v in eqn.outvars:
             for k in whole_of.get(v, ()):
@@ -368,13 +362,14 @@ def call_writing(
     return out, jtu.tree_unflatten(jtu.tree_structure(view.tree), stacked)
 
 
-def _bind(eqn: jcore.JaxprEqn, args: list[object]) -> object:
-    # What `jax.core.eval_jaxpr` does for one equation (older jax returned
-    # `(subfuns, params)` from `get_bind_params`).
+def _bind(eqn: jcore.JaxprEqn, args: list[object]) -> list[object]:
+    # What `jax.core.eval_jaxpr` does for one equation, its results as a list
+    # (older jax returned `(subfuns, params)` from `get_bind_params`).
     bound = eqn.primitive.get_bind_params(eqn.params)
     subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
     with eqn.ctx.manager:
-        return eqn.primitive.bind(*subfuns, *args, **params)
+        out = eqn.primitive.bind(*subfuns, *args, **params)
+    return out if eqn.primitive.multiple_results else [out]
 
 
 def _check_same(old: PyTree, new: PyTree, who: str) -> None:

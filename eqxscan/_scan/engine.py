@@ -53,8 +53,7 @@ def wrap_remat(fn: Step, remat: ScanRemat, *, in_scan: bool) -> Step:
         body = lambda c, x: fn(name_tree(c, CARRY), x)  # noqa: E731
     # Inside a scan the loop boundary already stops XLA from CSE-ing the
     # recomputation away, so `prevent_cse=False` avoids needless barriers.
-    policy = remat.step_policy(remat.base_policy())
-    return jax.checkpoint(body, policy=policy, prevent_cse=not in_scan)
+    return jax.checkpoint(body, policy=remat.step_policy(), prevent_cse=not in_scan)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -212,16 +211,8 @@ def run(
                 c_dyn, ys[i] = fn(c_dyn, slices[i])
             ys = jtu.tree_map(lambda *a: jnp.stack(a), *ys)
         else:
-            c_dyn, ys = nested_scan(
-                wrap_remat(scanned, remat, in_scan=True),
-                c_dyn,
-                xs,
-                length,
-                (remat.levels(length) if remat.named else None) or (),
-                unroll,
-                remat.boundary_policy(),
-                reverse,
-            )
+            fn = wrap_remat(scanned, remat, in_scan=True)
+            c_dyn, ys = nested_scan(fn, c_dyn, xs, length, remat, unroll, reverse)
     return eqx.combine(c_dyn, c_static), eqx.combine(ys, traced.y_static)
 
 

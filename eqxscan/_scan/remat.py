@@ -221,24 +221,17 @@ class ScanRemat:
             return nested[:-1]
         return (min(nested, length),)
 
-    def step_policy(self, base: Policy) -> Policy:
-        """The innermost steps' policy: `base` for the internals, the `save_*`
-        options for the named carry and inputs."""
+    def step_policy(self) -> Policy:
+        """The innermost steps' policy: `base_policy` for the internals, the
+        `save_*` options for the named carry and inputs."""
         if not self.named:
-            return base
+            return self.base_policy()
         keeps = {CARRY: self.save_carries, INPUTS: self.save_inputs}
         names = _names_policy(
             [n for n, k in keeps.items() if k is True],
             [n for n, k in keeps.items() if k == "offload"],
         )
-        return _by_name(tuple(keeps), names, base)
-
-    def boundary_policy(self) -> Policy:
-        """The outer levels' policy: only the block-boundary carry may be kept
-        (offloaded with `save_carries="offload"`); everything else is recomputed."""
-        return _names_policy(
-            [], [BLOCK_CARRY] if self.save_carries == "offload" else []
-        )
+        return _by_name(tuple(keeps), names, self.base_policy())
 
 
 def _names_policy(saved: list[str], offloaded: list[str]) -> Policy:
@@ -316,16 +309,17 @@ def nested_scan(
     carry: PyTree,
     xs: PyTree,
     length: int,
-    levels: tuple[int, ...],
+    remat: ScanRemat,
     unroll: int | bool,
-    boundary_policy: Policy | None,
     reverse: bool = False,
 ) -> tuple[PyTree, PyTree]:
-    """`lax.scan(step, carry, xs, reverse=reverse)` as nested scans, `levels` the
-    outer levels' lengths (outermost first; the innermost takes the rest). Each
-    outer level's body is checkpointed with `boundary_policy`, so only its
-    carries are kept. Reversed, every level runs backwards, so `xs` is read in
-    place rather than flipped."""
+    """`lax.scan(step, carry, xs, reverse=reverse)` as the nested scans of
+    `remat.levels` (one flat scan for none). Each outer level's body keeps
+    only its carries, offloaded with `save_carries="offload"`, and recomputes
+    the rest. Reversed, every level runs backwards, so `xs` is read in place
+    rather than flipped."""
+    offloaded = [BLOCK_CARRY] if remat.save_carries == "offload" else []
+    boundary_policy = _names_policy([], offloaded)
 
     def scan(
         carry: PyTree, xs: PyTree, length: int, levels: tuple[int, ...]
@@ -365,4 +359,4 @@ def nested_scan(
             carry, ys_tail = scan(carry, tail, length - head, ())
         return carry, jtu.tree_map(lambda a, b: jnp.concatenate([a, b]), ys, ys_tail)
 
-    return scan(carry, xs, length, levels)
+    return scan(carry, xs, length, remat.levels(length) or ())
