@@ -164,11 +164,6 @@ def remat_rule(cost: StepCost, platform: str, t: Thresholds) -> RematRule:
     return "policy"
 
 
-#: The rules that recompute the whole step; `"policy"` keeps the policy's, the
-#: others save everything.
-_FULL_REMAT: tuple[RematRule, ...] = ("small-step", "large-matmuls")
-
-
 @dataclasses.dataclass(frozen=True)
 class AutoRule:
     """Which rules of `"auto"` fired for one scan (an `UnrollRule` and a
@@ -213,7 +208,11 @@ def decide(
     c_rule: RematRule = "given"
     if remat == "auto":
         c_rule = "unrolled" if steps is True else remat_rule(cost, platform, t)
-        remat = policy if c_rule == "policy" else c_rule in _FULL_REMAT
+        # Two rules recompute the whole step, "policy" keeps the policy's, the
+        # others save everything.
+        remat = (
+            policy if c_rule == "policy" else c_rule in ("small-step", "large-matmuls")
+        )
     return Decision(remat, steps, AutoRule(u_rule, c_rule, platform, over, t))
 
 

@@ -175,8 +175,7 @@ def buffer(tree: PyTree, *, reads: Reads = "auto") -> Buffer:
             "the arrays once.\nPass the stacked arrays themselves: "
             "`eqxscan.buffer(cache)` (docs/decoding.md)."
         )
-    leaves = jtu.tree_leaves(tree)
-    bad = [a for a in leaves if not eqx.is_array(a)]
+    bad = [a for a in jtu.tree_leaves(tree) if not eqx.is_array(a)]
     if bad:
         raise TypeError(
             f"eqxscan.buffer takes a pytree of arrays, but it holds {describe(bad[0])}."

@@ -12,6 +12,7 @@ Python code runs once per trace of the enclosing `jit`, whatever the options.
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -219,8 +220,7 @@ def run(
 def named_inputs(options: ScanOptions) -> Callable[[PyTree], PyTree]:
     """How a step that reads its inputs itself (a layer gathered from the whole
     stack by a traced index) names them as `run` names a scan's inputs."""
-    remat = options.scan_remat
-    return lambda tree: name_inputs(tree, remat)
+    return functools.partial(name_inputs, remat=options.scan_remat)
 
 
 def _run_loop(

@@ -52,9 +52,8 @@ def check_per_layer(args: tuple, kwargs: dict, length: int) -> dict[str, PerLaye
     """The [`eqxscan.per_layer`][] arguments of a call, by name (`args[0]`,
     `kwargs['cache']`), after checking that their array leaves have leading axis
     `length`."""
-    named = [(arg_name(i), a) for i, a in enumerate(args)]
-    named += [(arg_name(n), v) for n, v in kwargs.items()]
-    found = {name: v for name, v in named if isinstance(v, PerLayer)}
+    given = (*enumerate(args), *kwargs.items())
+    found = {arg_name(k): v for k, v in given if isinstance(v, PerLayer)}
     for name, value in found.items():
         if not any(map(eqx.is_array, jtu.tree_leaves(value.tree))):
             raise TypeError(

@@ -180,8 +180,8 @@ class ScanRemat:
     def named(self) -> bool:
         """Whether the carry or the inputs are named for the step's policy, or
         the scan is nested (else the value behaves as a plain `remat=` value)."""
-        named = self.save_carries is not None or self.save_inputs is not None
-        return named or self.nested is not None
+        named = (self.save_carries, self.save_inputs, self.nested)
+        return any(v is not None for v in named)
 
     @property
     def is_rule(self) -> bool:
@@ -296,9 +296,7 @@ def name_tree(tree: T, name: str) -> T:
 
 def name_inputs(tree: T, remat: ScanRemat) -> T:
     """A step's inputs, named `INPUTS` when `remat` names them."""
-    if remat.save_inputs is None:
-        return tree
-    return name_tree(tree, INPUTS)
+    return tree if remat.save_inputs is None else name_tree(tree, INPUTS)
 
 
 Step: TypeAlias = Callable[[PyTree, PyTree], tuple[PyTree, PyTree]]

@@ -129,9 +129,9 @@ def call_of(module: object, reverse: object = False) -> Iterator[None]:
             "`jax.vmap(eqxscan.tap(rnn, stat))(h0, xs)`; find_nonfinite's loss_fn "
             "must call the containers directly."
         )
-    top = [r for r in state.records if r[2].depth == 0]
+    offset = _count([r for r in state.records if r[2].depth == 0])
     reverse = reverse is True or getattr(module, "reverse", False) is True
-    call = _Call(name, _DEPTH.get(), _count(top), reverse)
+    call = _Call(name, _DEPTH.get(), offset, reverse)
     state.calls.append(call)
     with setting(_CALL, call):
         yield
