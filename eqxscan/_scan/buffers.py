@@ -224,7 +224,6 @@ def find_buffer(args: tuple, kwargs: dict[str, object]) -> int | str | None:
 
 
 def view_of(args: tuple, kwargs: dict[str, object], at: int | str) -> "Buffer":
-    """The buffer argument at `at`."""
     view = get_arg(args, kwargs, at)
     assert isinstance(view, Buffer)
     return view

@@ -80,33 +80,6 @@ def _check_keep(name: str, value: object) -> None:
         )
 
 
-def _check_nested(nested: object) -> int | tuple[int, ...] | None:
-    if nested is None:
-        return None
-    if isinstance(nested, tuple):
-        if len(nested) < 2 or not all(
-            isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in nested
-        ):
-            raise ValueError(
-                "ScanRemat(nested=(a, b, ...)) needs two or more positive int "
-                f"lengths, outermost first, whose product is the scan length; got "
-                f"{nested!r}."
-            )
-        return nested
-    try:
-        blocks = operator.index(nested)  # pyright: ignore[reportArgumentType]  # the TypeError is the check
-    except TypeError:
-        raise TypeError(
-            "ScanRemat(nested=...) must be None, a number of blocks (int) or a "
-            f"tuple of lengths, got {type(nested).__name__} ({nested!r})."
-        ) from None
-    if isinstance(nested, bool) or blocks < 1:
-        raise ValueError(
-            f"ScanRemat(nested=...) as a block count must be >= 1, got {nested!r}."
-        )
-    return blocks
-
-
 @dataclasses.dataclass(frozen=True)
 class ScanRemat:
     """A `remat=` value that also says what to do with each step's carry and
@@ -174,7 +147,31 @@ class ScanRemat:
             )
         _check_keep("save_carries", self.save_carries)
         _check_keep("save_inputs", self.save_inputs)
-        object.__setattr__(self, "nested", _check_nested(self.nested))
+        nested = self.nested
+        if isinstance(nested, tuple):
+            if len(nested) < 2 or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 1
+                for n in nested
+            ):
+                raise ValueError(
+                    "ScanRemat(nested=(a, b, ...)) needs two or more positive int "
+                    "lengths, outermost first, whose product is the scan length; "
+                    f"got {nested!r}."
+                )
+        elif nested is not None:
+            try:
+                blocks = operator.index(nested)  # pyright: ignore[reportArgumentType]  # the TypeError is the check
+            except TypeError:
+                raise TypeError(
+                    "ScanRemat(nested=...) must be None, a number of blocks (int) "
+                    f"or a tuple of lengths, got {type(nested).__name__} ({nested!r})."
+                ) from None
+            if isinstance(nested, bool) or blocks < 1:
+                raise ValueError(
+                    "ScanRemat(nested=...) as a block count must be >= 1, got "
+                    f"{nested!r}."
+                )
+            object.__setattr__(self, "nested", blocks)
 
     @property
     def named(self) -> bool:
