@@ -81,25 +81,21 @@ def trace_step(
     (the carry contract checked, errors noted with `where`; closed-over tracers
     become consts), and the carry's array and other (untraced) leaves."""
     c_dyn, c_static = eqx.partition(carry, eqx.is_array)
-    y_static_box: list[PyTree] = []
 
-    def body(c_dyn: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
-        c = eqx.combine(c_dyn, c_static)
+    def checked(c: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
         old = clone(c)  # the step may invalidate `c` (an `eqx.nn.State`)
         new, y = noted(step, where, c, x)
         check_carry(old, new, where)
-        new_dyn, _ = eqx.partition(new, eqx.is_array)
-        y_dyn, y_static = eqx.partition(y, eqx.is_array)
-        y_static_box.append(y_static)
-        return new_dyn, y_dyn
+        return new, y
 
+    body, statics = arrays_only(checked, c_static)
     # The types `lax.scan` gives its body: the carry's as they are (weak types,
     # shardings, varying manual axes included), the inputs' without axis 0.
     c_types = jtu.tree_map(jax.typeof, c_dyn)
     x_types = jtu.tree_map(lambda a: jcore.mapped_aval(length, 0, jax.typeof(a)), xs)
     jaxpr, out_shape = jax.make_jaxpr(body, return_shape=True)(c_types, x_types)
     n_carry = len(jtu.tree_leaves(c_dyn))
-    traced = Traced(jaxpr, jtu.tree_structure(out_shape), y_static_box[0], n_carry)
+    traced = Traced(jaxpr, jtu.tree_structure(out_shape), statics[0][1], n_carry)
     return traced, c_dyn, c_static
 
 
