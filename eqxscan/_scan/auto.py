@@ -12,9 +12,9 @@ the rule's table and the measurements behind every threshold.
 """
 
 import contextlib
-import contextvars
 import dataclasses
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import Literal, NamedTuple, TypeAlias
 
 import jax
@@ -410,9 +410,7 @@ def _flops(jaxpr: jcore.Jaxpr) -> int:
 # size (then passes the value on, to any `vmap` further out). Outside `vmap` it
 # is a no-op, removed with the rest of the dead code when lowered. The sizes
 # go to the list of the probe running in this context (`_vmapped_size`).
-_SIZES: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
-    "eqxscan_vmap_sizes", default=None
-)
+_SIZES: ContextVar[list[int] | None] = ContextVar("eqxscan_vmap_sizes", default=None)
 
 
 @custom_vmap
@@ -490,8 +488,8 @@ def measure(
 
 # Where `resolve` reports its choices: the lists of the `recording()` blocks
 # open in this context (`eqxscan.remat.explain_auto` opens one).
-_RECORDERS: contextvars.ContextVar[tuple[list["AutoChoice"], ...]] = (
-    contextvars.ContextVar("eqxscan_auto_recorders", default=())
+_RECORDERS: ContextVar[tuple[list["AutoChoice"], ...]] = ContextVar(
+    "eqxscan_auto_recorders", default=()
 )
 
 
