@@ -454,16 +454,14 @@ def measure_traced(
     first `n_carry` inputs are the carry's leaves) over `length` steps, for the
     whole `vmap` batch of `values` (the carry and `xs`) when there is one."""
     batch = max([_vmapped_size(a) for a in jtu.tree_leaves(values)] or [1])
-    carry = jaxpr.in_avals[:n_carry]
-    xs = jaxpr.in_avals[n_carry:]
     return StepCost(
         length=length,
         flops=batch * _flops(jaxpr.jaxpr),
-        carry_bytes=batch * sum(_nbytes(a) for a in carry),
+        carry_bytes=batch * sum(map(_nbytes, jaxpr.in_avals[:n_carry])),
         saved_bytes=batch * _saved_bytes(jaxpr, n_carry, None),
         policy_saved_bytes=batch * _saved_bytes(jaxpr, n_carry, policy),
         carry_arrays=n_carry,
-        xs_bytes=batch * sum(_nbytes(a) for a in xs),
+        xs_bytes=batch * sum(map(_nbytes, jaxpr.in_avals[n_carry:])),
     )
 
 

@@ -268,10 +268,9 @@ def sqrt_block(length: int) -> int:
     splitting off a remainder copies the stacked weights), else `ceil(sqrt(L))`."""
     if length <= 1:
         return 1
-    root = math.sqrt(length)
     divisors = [d for d in range(1, length + 1) if length % d == 0]
     best = min(divisors, key=lambda d: (d + length // d, -d))
-    if best + length // best <= 3 * root:
+    if best + length // best <= 3 * math.sqrt(length):
         return best
     return math.isqrt(length - 1) + 1
 
