@@ -29,7 +29,7 @@ from jaxtyping import PyTree
 from .._helpers.checks import is_array
 from .layer_index import setting
 from .options import Remat
-from .remat import as_scan_remat, AUTO_POLICY, Policy, ScanRemat
+from .remat import as_scan_remat, AUTO_POLICY, Policy, ScanRemat, Traced
 from .setting_names import remat_label
 
 
@@ -492,8 +492,7 @@ _RECORDERS: ContextVar[tuple[list["AutoChoice"], ...]] = ContextVar(
 
 
 def resolve(
-    jaxpr: jcore.ClosedJaxpr,
-    n_carry: int,
+    traced: Traced,
     values: PyTree[jax.Array],
     length: int,
     remat: ScanRemat,
@@ -504,10 +503,10 @@ def resolve(
 ) -> tuple[ScanRemat, int | bool]:
     """`(remat, unroll)` with eqxscan's rule applied where it chooses
     (`remat.is_rule`, `unroll="auto"`), measured on the step traced once
-    to `jaxpr` (see `measure_traced`); other values pass through."""
+    to `traced` (see `measure_traced`); other values pass through."""
     if not remat.is_rule and not isinstance(unroll, str):  # no "auto"
         return remat, unroll
-    cost = measure_traced(jaxpr, n_carry, values, length, AUTO_POLICY)
+    cost = measure_traced(traced.jaxpr, traced.n_carry, values, length, AUTO_POLICY)
     platform = jax.default_backend()
     # The rule sees the value as a plain `remat=` option ("auto" when it chooses).
     given = remat if remat.named else remat.policy

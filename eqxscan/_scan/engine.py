@@ -11,7 +11,6 @@ body, the nested levels and a fully unrolled scan all evaluate it, so a layer's
 Python code runs once per trace of the enclosing `jit`, whatever the options.
 """
 
-import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Literal
@@ -38,6 +37,7 @@ from .remat import (
     OFFLOAD_POLICY,
     ScanRemat,
     Step,
+    Traced,
 )
 from .skip import arrays_only, can_skip_scan, skip_layer, skip_scan, skip_step
 from .taps import collected
@@ -55,23 +55,6 @@ def wrap_remat(fn: Step, remat: ScanRemat, *, in_scan: bool) -> Step:
     # Inside a scan the loop boundary already stops XLA from CSE-ing the
     # recomputation away, so `prevent_cse=False` avoids needless barriers.
     return jax.checkpoint(body, policy=remat.step_policy(), prevent_cse=not in_scan)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Traced:
-    """A step traced once: `jaxpr` maps the flat leaves of `(carry, x)` (array
-    leaves only) to those of `(carry, y)`; `y_static` is the non-array part of
-    `y`, the same at every step."""
-
-    jaxpr: jcore.ClosedJaxpr
-    out_tree: jtu.PyTreeDef  # pyright: ignore[reportInvalidTypeForm]  # jax's stubs declare PyTreeDef a variable
-    y_static: PyTree
-    n_carry: int
-
-    def __call__(self, c_dyn: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
-        """Evaluate the traced step (no Python code of the step runs)."""
-        out = jcore.jaxpr_as_fun(self.jaxpr)(*jtu.tree_leaves((c_dyn, x)))
-        return jtu.tree_unflatten(self.out_tree, out)
 
 
 def trace_step(
@@ -163,15 +146,7 @@ def run(
         return _run_loop(body, carry, xs, length, remat, reverse, where, runs)
     traced, c_dyn, c_static = trace_step(body, carry, xs, length, where(None))
     remat, unroll = resolve(
-        traced.jaxpr,
-        traced.n_carry,
-        (c_dyn, xs),
-        length,
-        remat,
-        options.unroll,
-        where(None),
-        gathered,
-        over,
+        traced, (c_dyn, xs), length, remat, options.unroll, where(None), gathered, over
     )
     # A skipping scan runs as one `skip_scan` when its remat does not name or
     # nest (the scan saves the carries whatever it says) and the step's carry
@@ -181,8 +156,7 @@ def run(
     if runs is not None and not remat.named and can_skip_scan(traced.jaxpr):
         plain = not (remat.policy is True or remat.policy is OFFLOAD_POLICY)
         c_flat, y_flat = skip_scan(
-            traced.jaxpr,
-            traced.n_carry,
+            traced,
             jtu.tree_leaves(c_dyn),
             jtu.tree_leaves(xs),
             runs,
@@ -196,7 +170,7 @@ def run(
         # Otherwise each step is skipped on its own, inside the remat asked for.
         scanned: Step = traced
         if runs is not None:
-            scanned = skip_step(traced.jaxpr, traced.out_tree, traced.n_carry)
+            scanned = skip_step(traced)
             xs = (xs, runs)
         if unroll is True and not remat.named:
             # Unrolled fully: the loop's own program (one slice per step, the

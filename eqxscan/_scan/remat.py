@@ -15,6 +15,7 @@ from typing import Literal, TypeAlias, TypeVar
 
 import jax
 import jax.core
+import jax.extend.core as jcore
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax.ad_checkpoint import checkpoint_name, Offloadable, Recompute, Saveable
@@ -296,6 +297,23 @@ def name_inputs(tree: T, remat: ScanRemat) -> T:
 
 
 Step: TypeAlias = Callable[[PyTree, PyTree], tuple[PyTree, PyTree]]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Traced:
+    """A step traced once: `jaxpr` maps the flat leaves of `(carry, x)` (array
+    leaves only) to those of `(carry, y)`; `y_static` is the non-array part of
+    `y`, the same at every step."""
+
+    jaxpr: jcore.ClosedJaxpr
+    out_tree: jtu.PyTreeDef  # pyright: ignore[reportInvalidTypeForm]  # jax's stubs declare PyTreeDef a variable
+    y_static: PyTree
+    n_carry: int
+
+    def __call__(self, c_dyn: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
+        """Evaluate the traced step (no Python code of the step runs)."""
+        out = jcore.jaxpr_as_fun(self.jaxpr)(*jtu.tree_leaves((c_dyn, x)))
+        return jtu.tree_unflatten(self.out_tree, out)
 
 
 def nested_scan(
