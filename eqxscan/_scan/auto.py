@@ -12,9 +12,9 @@ the rule's table and the measurements behind every threshold.
 """
 
 import contextlib
-import contextvars
 import dataclasses
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import Literal, NamedTuple, TypeAlias
 
 import jax
@@ -27,8 +27,9 @@ from jax.custom_batching import custom_vmap
 from jaxtyping import PyTree
 
 from .._helpers.checks import is_array
+from .layer_index import setting
 from .options import Remat
-from .remat import as_scan_remat, AUTO_POLICY, Policy, ScanRemat
+from .remat import as_scan_remat, AUTO_POLICY, Policy, ScanRemat, Traced
 from .setting_names import remat_label
 
 
@@ -163,11 +164,6 @@ def remat_rule(cost: StepCost, platform: str, t: Thresholds) -> RematRule:
     return "policy"
 
 
-#: The rules that recompute the whole step; `"policy"` keeps the policy's, the
-#: others save everything.
-_FULL_REMAT: tuple[RematRule, ...] = ("small-step", "large-matmuls")
-
-
 @dataclasses.dataclass(frozen=True)
 class AutoRule:
     """Which rules of `"auto"` fired for one scan (an `UnrollRule` and a
@@ -212,7 +208,11 @@ def decide(
     c_rule: RematRule = "given"
     if remat == "auto":
         c_rule = "unrolled" if steps is True else remat_rule(cost, platform, t)
-        remat = policy if c_rule == "policy" else c_rule in _FULL_REMAT
+        # Two rules recompute the whole step, "policy" keeps the policy's, the
+        # others save everything.
+        remat = (
+            policy if c_rule == "policy" else c_rule in ("small-step", "large-matmuls")
+        )
     return Decision(remat, steps, AutoRule(u_rule, c_rule, platform, over, t))
 
 
@@ -410,9 +410,7 @@ def _flops(jaxpr: jcore.Jaxpr) -> int:
 # size (then passes the value on, to any `vmap` further out). Outside `vmap` it
 # is a no-op, removed with the rest of the dead code when lowered. The sizes
 # go to the list of the probe running in this context (`_vmapped_size`).
-_SIZES: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
-    "eqxscan_vmap_sizes", default=None
-)
+_SIZES: ContextVar[list[int] | None] = ContextVar("eqxscan_vmap_sizes", default=None)
 
 
 @custom_vmap
@@ -439,12 +437,9 @@ def _vmapped_size(x: object) -> int:
     if not is_array(x) or jnp.issubdtype(x.dtype, jax.dtypes.extended):
         return 1
     sizes: list[int] = []
-    token = _SIZES.set(sizes)
-    try:
+    with setting(_SIZES, sizes):
         # Without gradients: a derivative trace would wrap the value the rule sees.
         _probe(jax.lax.stop_gradient(x))
-    finally:
-        _SIZES.reset(token)
     return int(np.prod(sizes, dtype=np.int64))
 
 
@@ -459,16 +454,14 @@ def measure_traced(
     first `n_carry` inputs are the carry's leaves) over `length` steps, for the
     whole `vmap` batch of `values` (the carry and `xs`) when there is one."""
     batch = max([_vmapped_size(a) for a in jtu.tree_leaves(values)] or [1])
-    carry = jaxpr.in_avals[:n_carry]
-    xs = jaxpr.in_avals[n_carry:]
     return StepCost(
         length=length,
         flops=batch * _flops(jaxpr.jaxpr),
-        carry_bytes=batch * sum(_nbytes(a) for a in carry),
+        carry_bytes=batch * sum(map(_nbytes, jaxpr.in_avals[:n_carry])),
         saved_bytes=batch * _saved_bytes(jaxpr, n_carry, None),
         policy_saved_bytes=batch * _saved_bytes(jaxpr, n_carry, policy),
         carry_arrays=n_carry,
-        xs_bytes=batch * sum(_nbytes(a) for a in xs),
+        xs_bytes=batch * sum(map(_nbytes, jaxpr.in_avals[n_carry:])),
     )
 
 
@@ -493,14 +486,13 @@ def measure(
 
 # Where `resolve` reports its choices: the lists of the `recording()` blocks
 # open in this context (`eqxscan.remat.explain_auto` opens one).
-_RECORDERS: contextvars.ContextVar[tuple[list["AutoChoice"], ...]] = (
-    contextvars.ContextVar("eqxscan_auto_recorders", default=())
+_RECORDERS: ContextVar[tuple[list["AutoChoice"], ...]] = ContextVar(
+    "eqxscan_auto_recorders", default=()
 )
 
 
 def resolve(
-    jaxpr: jcore.ClosedJaxpr,
-    n_carry: int,
+    traced: Traced,
     values: PyTree[jax.Array],
     length: int,
     remat: ScanRemat,
@@ -511,21 +503,15 @@ def resolve(
 ) -> tuple[ScanRemat, int | bool]:
     """`(remat, unroll)` with eqxscan's rule applied where it chooses
     (`remat.is_rule`, `unroll="auto"`), measured on the step traced once
-    to `jaxpr` (see `measure_traced`); other values pass through."""
+    to `traced` (see `measure_traced`); other values pass through."""
     if not remat.is_rule and not isinstance(unroll, str):  # no "auto"
         return remat, unroll
-    cost = measure_traced(jaxpr, n_carry, values, length, AUTO_POLICY)
+    cost = measure_traced(traced.jaxpr, traced.n_carry, values, length, AUTO_POLICY)
     platform = jax.default_backend()
-    # The rule sees "auto", or the value as a plain `remat=` option.
-    given = remat.policy if not remat.named else remat
+    # The rule sees the value as a plain `remat=` option ("auto" when it chooses).
+    given = remat if remat.named else remat.policy
     raw, unroll, rule = decide(
-        cost,
-        "auto" if remat.is_rule else given,  # pyright: ignore[reportArgumentType]  # passed through
-        unroll,
-        AUTO_POLICY,
-        platform,
-        gathered=gathered,
-        over=over,
+        cost, given, unroll, AUTO_POLICY, platform, gathered=gathered, over=over
     )
     for record in _RECORDERS.get():
         record.append(AutoChoice(raw, unroll, rule, cost, where))
@@ -537,8 +523,5 @@ def recording() -> Iterator[list[AutoChoice]]:
     """Collect the `AutoChoice` of every scan that resolves `"auto"` inside the
     block (in this context only: other threads and tasks are not seen)."""
     record: list[AutoChoice] = []
-    token = _RECORDERS.set((*_RECORDERS.get(), record))
-    try:
+    with setting(_RECORDERS, (*_RECORDERS.get(), record)):
         yield record
-    finally:
-        _RECORDERS.reset(token)

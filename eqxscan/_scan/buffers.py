@@ -12,7 +12,7 @@ view: its group's stacked array and the indices the enclosing steps fixed
 """
 
 from collections.abc import Callable
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import equinox as eqx
 import jax
@@ -175,8 +175,7 @@ def buffer(tree: PyTree, *, reads: Reads = "auto") -> Buffer:
             "the arrays once.\nPass the stacked arrays themselves: "
             "`eqxscan.buffer(cache)` (docs/decoding.md)."
         )
-    leaves = jtu.tree_leaves(tree)
-    bad = [a for a in leaves if not eqx.is_array(a)]
+    bad = [a for a in jtu.tree_leaves(tree) if not eqx.is_array(a)]
     if bad:
         raise TypeError(
             f"eqxscan.buffer takes a pytree of arrays, but it holds {describe(bad[0])}."
@@ -225,7 +224,6 @@ def find_buffer(args: tuple, kwargs: dict[str, object]) -> int | str | None:
 
 
 def view_of(args: tuple, kwargs: dict[str, object], at: int | str) -> "Buffer":
-    """The buffer argument at `at`."""
     view = get_arg(args, kwargs, at)
     assert isinstance(view, Buffer)
     return view
@@ -280,23 +278,18 @@ def _read(a: Array, prefix: tuple[Index, ...], reads: Reads) -> Array:
     )
 
 
-class Write(NamedTuple):
-    """What a layer wrote into one leaf of its slice: `rows` at `start`, its
-    whole new slice (`start=None`), or nothing (`rows=None`)."""
-
-    rows: Array | None
-    start: tuple[Array, ...] | None = None
-
-    def apply(self, a: Array, prefix: tuple[Index, ...]) -> Array:
-        """`a` (the stacked leaf) with this write made at the view `prefix`."""
-        if self.rows is None:
-            return a
-        if not prefix and self.start is None:
-            return self.rows
-        rows = self.rows.reshape((1,) * len(prefix) + self.rows.shape)
-        rest = self.start if self.start is not None else (0,) * self.rows.ndim
-        start = [jnp.asarray(i, jnp.int32) for i in (*prefix, *rest)]
-        return jax.lax.dynamic_update_slice(a, rows, start)
+def _write(
+    a: Array, prefix: tuple[Index, ...], new: Array, start: tuple | None = None
+) -> Array:
+    # The stacked leaf `a` with what a layer wrote into the slice at `prefix`:
+    # rows `new` at `start`, or its whole new slice (`start=None`).
+    if not prefix and start is None:
+        return new
+    rest = start if start is not None else (0,) * new.ndim
+    at = [jnp.asarray(i, jnp.int32) for i in (*prefix, *rest)]
+    return jax.lax.dynamic_update_slice(
+        a, new.reshape((1,) * len(prefix) + new.shape), at
+    )
 
 
 def call_writing(
@@ -331,30 +324,24 @@ def call_writing(
         elif eqn is not None:
             whole_of.setdefault(var, []).append(k)
     stacked = jtu.tree_leaves(view.tree)
-    env: dict[jcore.Var, object] = {}
+    env = dict(zip(jaxpr.constvars + jaxpr.invars, closed.consts + leaves))
 
     def value(v: object) -> object:
         return v.val if isinstance(v, jcore.Literal) else env[v]  # pyright: ignore[reportArgumentType]  # a Var
 
-    env.update(zip(jaxpr.constvars, closed.consts))
-    env.update(zip(jaxpr.invars, leaves))
     for eqn in jaxpr.eqns:
         k = rows_of.get(id(eqn))
         if k is not None:
             rows, *start = (value(v) for v in eqn.invars[1:])
-            stacked[k] = Write(rows, tuple(start)).apply(stacked[k], view.prefix)  # pyright: ignore[reportArgumentType]  # arrays
+            stacked[k] = _write(stacked[k], view.prefix, rows, tuple(start))  # pyright: ignore[reportArgumentType]  # arrays
             env[eqn.outvars[0]] = _read(stacked[k], view.prefix, view.reads)
         else:
-            ans = _bind(eqn, [value(v) for v in eqn.invars])
-            if eqn.primitive.multiple_results:
-                env.update(zip(eqn.outvars, ans))  # pyright: ignore[reportArgumentType, reportCallIssue]  # a list of results
-            else:
-                env[eqn.outvars[0]] = ans
+            env.update(zip(eqn.outvars, _bind(eqn, [value(v) for v in eqn.invars])))
         # (Rows written into one leaf may also be returned as another's slice.)
         for v in eqn.outvars:
             for k in whole_of.get(v, ()):
                 # Written as soon as it is made, and read back like rows.
-                stacked[k] = Write(env[v]).apply(stacked[k], view.prefix)  # pyright: ignore[reportArgumentType]  # an array
+                stacked[k] = _write(stacked[k], view.prefix, env[v])  # pyright: ignore[reportArgumentType]  # an array
             if v in whole_of:
                 env[v] = _read(stacked[whole_of[v][0]], view.prefix, view.reads)
     results = [value(v) for v in jaxpr.outvars]
@@ -364,7 +351,7 @@ def call_writing(
             continue  # written above, or returned unchanged
         # A new slice that no equation made (an input other than its own, a
         # constant): written whole.
-        stacked[k] = Write(new).apply(stacked[k], view.prefix)  # pyright: ignore[reportArgumentType]  # an array
+        stacked[k] = _write(stacked[k], view.prefix, new)  # pyright: ignore[reportArgumentType]  # an array
     # What is left are `out`'s arrays: put them back in the whole output.
     full = [None] * len(leaves) + results[len(leaves) :]
     _, out = eqx.combine(
@@ -373,13 +360,14 @@ def call_writing(
     return out, jtu.tree_unflatten(jtu.tree_structure(view.tree), stacked)
 
 
-def _bind(eqn: jcore.JaxprEqn, args: list[object]) -> object:
-    # What `jax.core.eval_jaxpr` does for one equation (older jax returned
-    # `(subfuns, params)` from `get_bind_params`).
+def _bind(eqn: jcore.JaxprEqn, args: list[object]) -> list[object]:
+    # What `jax.core.eval_jaxpr` does for one equation, its results as a list
+    # (older jax returned `(subfuns, params)` from `get_bind_params`).
     bound = eqn.primitive.get_bind_params(eqn.params)
     subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
     with eqn.ctx.manager:
-        return eqn.primitive.bind(*subfuns, *args, **params)
+        out = eqn.primitive.bind(*subfuns, *args, **params)
+    return out if eqn.primitive.multiple_results else [out]
 
 
 def _check_same(old: PyTree, new: PyTree, who: str) -> None:

@@ -148,26 +148,18 @@ class DropInputs(eqx.Module):
     )
 
     def runs(self) -> Array:
-        """Whether each layer runs in this call: LayerDrop's choice, drawn from
-        the first half of each layer's drop key (as `dropping` draws it)."""
-
-        def one(key: PRNGKeyArray, rate: Array) -> Array:
-            return jax.random.bernoulli(jax.random.split(key)[0], 1.0 - rate)
-
+        """Whether each layer runs in this call: LayerDrop's choice, drawn as
+        `dropping` draws it."""
         assert self.key is not None, "drawn by the caller (path_mask) only"
-        return jax.vmap(one)(self.key, self.layer_rate)
+        return jax.vmap(_runs)(self.key, self.layer_rate)
 
     def path_masks(self, examples: int | None) -> Array:
         """Drop-path's mask of each layer, `[L, examples]` (`[L]` for `None`, one
         example per call): which examples keep the layer's residual branch,
-        drawn from the second half of each layer's drop key (as
-        `dropping` draws it for a carry of `examples` examples)."""
-
-        def one(key: PRNGKeyArray, rate: Array) -> Array:
-            return path_mask(rate, jax.random.split(key)[1], examples)
-
+        drawn as `dropping` draws it for a carry of `examples` examples."""
         assert self.key is not None, "drawn by the caller (path_mask) only"
-        return jax.vmap(one)(self.key, self.path_rate)
+        draw = lambda key, rate: _path_mask(key, rate, examples)  # noqa: E731
+        return jax.vmap(draw)(self.key, self.path_rate)
 
     def skipped_by_scan(self) -> "DropInputs":
         """These inputs, for layers whose scan runs only the ones that run."""
@@ -321,13 +313,18 @@ def carry_examples(carry_dyn: PyTree) -> int | None:
     )
 
 
-def path_mask(
-    rate: Float[Array, ""], key: PRNGKeyArray, examples: int | None
+def _runs(key: PRNGKeyArray, rate: Float[Array, ""]) -> Bool[Array, ""]:
+    # LayerDrop's draw for one layer, from the first half of its drop key.
+    return jax.random.bernoulli(jax.random.split(key)[0], 1.0 - rate)
+
+
+def _path_mask(
+    key: PRNGKeyArray, rate: Float[Array, ""], examples: int | None
 ) -> Bool[Array, "*examples"]:
-    """The drop-path mask of a carry of `examples` examples (`None`: one example
-    per call)."""
+    # Drop-path's mask for one layer and a carry of `examples` examples (`None`:
+    # one example per call), from the second half of its drop key.
     shape = () if examples is None else (examples,)
-    return jax.random.bernoulli(key, 1.0 - rate, shape)
+    return jax.random.bernoulli(jax.random.split(key)[1], 1.0 - rate, shape)
 
 
 def _same_shapes(old: PyTree, new: PyTree) -> bool:
@@ -413,13 +410,13 @@ def dropping(
         if mask is None:
             assert drop.key is not None
             examples = carry_examples(eqx.filter(c, eqx.is_array))
-            mask = path_mask(drop.path_rate, jax.random.split(drop.key)[1], examples)
+            mask = _path_mask(drop.key, drop.path_rate, examples)
         return apply_drop_path(c, new, drop.path_rate, mask), y
 
     if drop.scan_skips or not uses_layer:
         return run
     assert drop.key is not None
-    runs = jax.random.bernoulli(jax.random.split(drop.key)[0], 1.0 - drop.layer_rate)
+    runs = _runs(drop.key, drop.layer_rate)
 
     # A layer no scan skips (a `Chain`'s lone layer): skipped here.
     def skipping(c: PyTree) -> tuple[PyTree, PyTree]:

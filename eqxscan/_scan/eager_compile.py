@@ -26,12 +26,6 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-def _python(value: object) -> object:
-    if isinstance(value, (np.integer, np.bool_)):
-        return value.item()
-    return value
-
-
 def compiled_when_eager(method: Callable[P, R]) -> Callable[P, R]:
     """Decorate a scanning module's call method so that an eager call runs
     through one cached `eqx.filter_jit` of it (see the module docstring)."""
@@ -51,7 +45,10 @@ def compiled_when_eager(method: Callable[P, R]) -> Callable[P, R]:
         # Options such as `truncate=np.int64(2)` or `reverse=np.bool_(True)` are
         # read as Python values (as in the loop), not traced: a NumPy integer or
         # bool scalar given by keyword is static, like a Python int.
-        kwargs = {k: _python(v) for k, v in kwargs.items()}  # pyright: ignore[reportAssignmentType]  # the same values
+        kwargs = {
+            k: v.item() if isinstance(v, (np.integer, np.bool_)) else v
+            for k, v in kwargs.items()
+        }  # pyright: ignore[reportAssignmentType]  # the same values
         leaves = jtu.tree_leaves((args, kwargs))  # one flatten for both checks
         if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
             return method(*args, **kwargs)

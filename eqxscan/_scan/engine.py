@@ -11,7 +11,7 @@ body, the nested levels and a fully unrolled scan all evaluate it, so a layer's
 Python code runs once per trace of the enclosing `jit`, whatever the options.
 """
 
-import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -37,6 +37,7 @@ from .remat import (
     OFFLOAD_POLICY,
     ScanRemat,
     Step,
+    Traced,
 )
 from .skip import arrays_only, can_skip_scan, skip_layer, skip_scan, skip_step
 from .taps import collected
@@ -53,25 +54,7 @@ def wrap_remat(fn: Step, remat: ScanRemat, *, in_scan: bool) -> Step:
         body = lambda c, x: fn(name_tree(c, CARRY), x)  # noqa: E731
     # Inside a scan the loop boundary already stops XLA from CSE-ing the
     # recomputation away, so `prevent_cse=False` avoids needless barriers.
-    policy = remat.step_policy(remat.base_policy())
-    return jax.checkpoint(body, policy=policy, prevent_cse=not in_scan)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Traced:
-    """A step traced once: `jaxpr` maps the flat leaves of `(carry, x)` (array
-    leaves only) to those of `(carry, y)`; `y_static` is the non-array part of
-    `y`, the same at every step."""
-
-    jaxpr: jcore.ClosedJaxpr
-    out_tree: jtu.PyTreeDef  # pyright: ignore[reportInvalidTypeForm]  # jax's stubs declare PyTreeDef a variable
-    y_static: PyTree
-    n_carry: int
-
-    def __call__(self, c_dyn: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
-        """Evaluate the traced step (no Python code of the step runs)."""
-        out = jcore.jaxpr_as_fun(self.jaxpr)(*jtu.tree_leaves((c_dyn, x)))
-        return jtu.tree_unflatten(self.out_tree, out)
+    return jax.checkpoint(body, policy=remat.step_policy(), prevent_cse=not in_scan)
 
 
 def trace_step(
@@ -81,25 +64,21 @@ def trace_step(
     (the carry contract checked, errors noted with `where`; closed-over tracers
     become consts), and the carry's array and other (untraced) leaves."""
     c_dyn, c_static = eqx.partition(carry, eqx.is_array)
-    y_static_box: list[PyTree] = []
 
-    def body(c_dyn: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
-        c = eqx.combine(c_dyn, c_static)
+    def checked(c: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
         old = clone(c)  # the step may invalidate `c` (an `eqx.nn.State`)
         new, y = noted(step, where, c, x)
         check_carry(old, new, where)
-        new_dyn, _ = eqx.partition(new, eqx.is_array)
-        y_dyn, y_static = eqx.partition(y, eqx.is_array)
-        y_static_box.append(y_static)
-        return new_dyn, y_dyn
+        return new, y
 
+    body, statics = arrays_only(checked, c_static)
     # The types `lax.scan` gives its body: the carry's as they are (weak types,
     # shardings, varying manual axes included), the inputs' without axis 0.
     c_types = jtu.tree_map(jax.typeof, c_dyn)
     x_types = jtu.tree_map(lambda a: jcore.mapped_aval(length, 0, jax.typeof(a)), xs)
     jaxpr, out_shape = jax.make_jaxpr(body, return_shape=True)(c_types, x_types)
     n_carry = len(jtu.tree_leaves(c_dyn))
-    traced = Traced(jaxpr, jtu.tree_structure(out_shape), y_static_box[0], n_carry)
+    traced = Traced(jaxpr, jtu.tree_structure(out_shape), statics[0][1], n_carry)
     return traced, c_dyn, c_static
 
 
@@ -159,20 +138,15 @@ def run(
     options; with `mode="loop"` once per step, as a Python loop would.
     """
     remat = options.scan_remat
-    step = _reading(step, read, remat)
+
+    def body(c: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
+        return step(c, name_inputs(x if read is None else read(x), remat))
+
     if options.mode == "loop":
-        return _run_loop(step, carry, xs, length, remat, reverse, where, runs)
-    traced, c_dyn, c_static = trace_step(step, carry, xs, length, where(None))
+        return _run_loop(body, carry, xs, length, remat, reverse, where, runs)
+    traced, c_dyn, c_static = trace_step(body, carry, xs, length, where(None))
     remat, unroll = resolve(
-        traced.jaxpr,
-        traced.n_carry,
-        (c_dyn, xs),
-        length,
-        remat,
-        options.unroll,
-        where(None),
-        gathered,
-        over,
+        traced, (c_dyn, xs), length, remat, options.unroll, where(None), gathered, over
     )
     # A skipping scan runs as one `skip_scan` when its remat does not name or
     # nest (the scan saves the carries whatever it says) and the step's carry
@@ -182,8 +156,7 @@ def run(
     if runs is not None and not remat.named and can_skip_scan(traced.jaxpr):
         plain = not (remat.policy is True or remat.policy is OFFLOAD_POLICY)
         c_flat, y_flat = skip_scan(
-            traced.jaxpr,
-            traced.n_carry,
+            traced,
             jtu.tree_leaves(c_dyn),
             jtu.tree_leaves(xs),
             runs,
@@ -194,76 +167,30 @@ def run(
         )
         c_dyn, ys = jtu.tree_unflatten(traced.out_tree, c_flat + y_flat)
     else:
-        c_dyn, ys = _scanned(traced, c_dyn, xs, runs, length, reverse, unroll, remat)
+        # Otherwise each step is skipped on its own, inside the remat asked for.
+        scanned: Step = traced
+        if runs is not None:
+            scanned = skip_step(traced)
+            xs = (xs, runs)
+        if unroll is True and not remat.named:
+            # Unrolled fully: the loop's own program (one slice per step, the
+            # outputs stacked), each step the one traced step evaluated.
+            fn = wrap_remat(scanned, remat, in_scan=False)
+            slices = _unstack(xs, length)
+            ys = [None] * length
+            for i in range(length - 1, -1, -1) if reverse else range(length):
+                c_dyn, ys[i] = fn(c_dyn, slices[i])
+            ys = jtu.tree_map(lambda *a: jnp.stack(a), *ys)
+        else:
+            fn = wrap_remat(scanned, remat, in_scan=True)
+            c_dyn, ys = nested_scan(fn, c_dyn, xs, length, remat, unroll, reverse)
     return eqx.combine(c_dyn, c_static), eqx.combine(ys, traced.y_static)
-
-
-def _scanned(
-    traced: Traced,
-    c_dyn: PyTree,
-    xs: PyTree,
-    runs: Bool[Array, " L"] | None,
-    length: int,
-    reverse: bool,
-    unroll: int | bool,
-    remat: ScanRemat,
-) -> tuple[PyTree, PyTree]:
-    """`(carry, ys)` (array parts) of the traced step run `length` times:
-    unrolled, a nested scan, or one `lax.scan`; with `runs`, each step skipped
-    on its own, inside the remat asked for."""
-    body: Step = traced
-    if runs is not None:
-        body = skip_step(traced.jaxpr, traced.out_tree, traced.n_carry)
-        xs = (xs, runs)
-    if unroll is True and not remat.named:
-        # Unrolled fully: the loop's own program, from the one traced step.
-        return _unrolled(body, c_dyn, xs, length, remat, reverse)
-    return nested_scan(
-        wrap_remat(body, remat, in_scan=True),
-        c_dyn,
-        xs,
-        length,
-        (remat.levels(length) if remat.named else None) or (),
-        unroll,
-        remat.boundary_policy(),
-        reverse,
-    )
-
-
-def _reading(
-    step: Step, read: Callable[[PyTree], PyTree] | None, remat: ScanRemat
-) -> Step:
-    def body(c: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
-        if read is not None:
-            x = read(x)
-        return step(c, name_inputs(x, remat))
-
-    return body
 
 
 def named_inputs(options: ScanOptions) -> Callable[[PyTree], PyTree]:
     """How a step that reads its inputs itself (a layer gathered from the whole
     stack by a traced index) names them as `run` names a scan's inputs."""
-    remat = options.scan_remat
-    return lambda tree: name_inputs(tree, remat)
-
-
-def _unrolled(
-    traced: Step,
-    c_dyn: PyTree,
-    xs: PyTree,
-    length: int,
-    remat: ScanRemat,
-    reverse: bool,
-) -> tuple[PyTree, PyTree]:
-    # What `_run_loop` builds (one slice per step, the outputs stacked), with
-    # each step the evaluated jaxpr rather than a new trace of the step.
-    fn = wrap_remat(traced, remat, in_scan=False)
-    ys: list[PyTree] = [None] * length
-    slices = _unstack(xs, length)
-    for i in range(length - 1, -1, -1) if reverse else range(length):
-        c_dyn, ys[i] = fn(c_dyn, slices[i])
-    return c_dyn, jtu.tree_map(lambda *a: jnp.stack(a), *ys)
+    return functools.partial(name_inputs, remat=options.scan_remat)
 
 
 def _run_loop(
@@ -293,13 +220,12 @@ def _run_loop(
         return eqx.combine(wrap_remat(body, remat, in_scan=False)(c_dyn, x), statics[0])
 
     ys = [None] * length
-    order = range(length - 1, -1, -1) if reverse else range(length)
     slices = _unstack(xs if runs is None else (xs, runs), length) if length > 0 else []
     carry = clone(carry)  # the caller's stays valid (an `eqx.nn.State`)
     # NumPy leaves as JAX takes them (float64 is float32 without x64), as the scan.
     is_numpy = lambda a: isinstance(a, np.ndarray | np.number | np.bool_)  # noqa: E731
     carry = jtu.tree_map(lambda a: jnp.asarray(a) if is_numpy(a) else a, carry)
-    for current in order:
+    for current in range(length - 1, -1, -1) if reverse else range(length):
         old = clone(carry)  # the step may invalidate `carry` (an `eqx.nn.State`)
         with loop_step(current):
             new, y = noted(step_fn, where(current), carry, slices[current])

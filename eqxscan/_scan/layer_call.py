@@ -52,9 +52,8 @@ def check_per_layer(args: tuple, kwargs: dict, length: int) -> dict[str, PerLaye
     """The [`eqxscan.per_layer`][] arguments of a call, by name (`args[0]`,
     `kwargs['cache']`), after checking that their array leaves have leading axis
     `length`."""
-    named = [(arg_name(i), a) for i, a in enumerate(args)]
-    named += [(arg_name(n), v) for n, v in kwargs.items()]
-    found = {name: v for name, v in named if isinstance(v, PerLayer)}
+    given = (*enumerate(args), *kwargs.items())
+    found = {arg_name(k): v for k, v in given if isinstance(v, PerLayer)}
     for name, value in found.items():
         if not any(map(eqx.is_array, jtu.tree_leaves(value.tree))):
             raise TypeError(
@@ -116,43 +115,6 @@ def check_method(method: object, layer: object) -> None:
             f"{type(layer).__name__} has no method {method!r} to run on each layer; "
             "pass the name of one of its methods, or a function fn(layer, x, ...)."
         )
-
-
-def _target(layer: object, method: Method | None) -> Callable[..., PyTree]:
-    # What runs, for reading its signature.
-    if isinstance(method, str):
-        return getattr(layer, method)
-    return method or layer  # pyright: ignore[reportReturnType]  # a module is callable
-
-
-def call_layer(
-    layer: object,
-    method: Method | None,
-    x: PyTree,
-    args: tuple,
-    kwargs: dict[str, object],
-    key: Array | None = None,
-    who: str = "Stacked",
-) -> PyTree:
-    """Run `method` of `layer` (its `__call__` for `None`) as
-    `(x, *args, **kwargs)`, with `key=key` when a key is given, after checking
-    that what runs takes one (`who` names the caller in that error)."""
-    fn = (
-        functools.partial(method, layer) if callable(method) else _target(layer, method)
-    )
-    if key is None:
-        return fn(x, *args, **kwargs)
-    check_takes_key(_target(layer, method), who, "layer i gets key=keys[i]")
-    return fn(x, *args, key=key, **kwargs)
-
-
-def takes_key(layer: object, method: Method | None) -> bool:
-    """Whether running `method` of `layer` can be given `key=`."""
-    try:
-        check_takes_key(_target(layer, method), "", "")
-    except TypeError:
-        return False
-    return True
 
 
 class OneLayer(NamedTuple):
@@ -328,12 +290,24 @@ def run_one(
     if call.pattern_step is not None:
         # A pattern step drops and keys its own layers.
         return call.read_out(call.pattern_step(layer, carry, one), who)
-    key = one.key
-    if key is not None and call.optional_key and not takes_key(layer, call.method):
-        key = None
+    method, key = call.method, one.key
+    # What runs (`__call__` for no method), for reading its signature.
+    target: Callable[..., PyTree] = (
+        getattr(layer, method) if isinstance(method, str) else method or layer  # pyright: ignore[reportAssignmentType]  # a module is callable
+    )
+    if key is not None:
+        try:
+            check_takes_key(target, call.caller, "layer i gets key=keys[i]")
+        except TypeError:
+            if not call.optional_key:
+                raise
+            key = None  # given for dropping only
+    keyed = {} if key is None else {"key": key}
+    if callable(method):
+        target = functools.partial(method, layer)
 
     def fn(c: PyTree) -> tuple[PyTree, PyTree]:
-        out = call_layer(layer, call.method, c, one.args, one.kwargs, key, call.caller)
+        out = target(c, *one.args, **keyed, **one.kwargs)
         return call.read_out(out, who)
 
     old = clone(carry)  # the layer may invalidate `carry` (an `eqx.nn.State`)

@@ -7,9 +7,9 @@ sets around the layer's call for [`eqxscan.layer_index`][].
 """
 
 import contextlib
-import contextvars
 import functools
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 
 import jax.numpy as jnp
 from jaxtyping import Array, PyTree
@@ -17,19 +17,13 @@ from jaxtyping import Array, PyTree
 from .index import Index
 
 
-_LOOP_STEP: contextvars.ContextVar[int | None] = contextvars.ContextVar(
-    "eqxscan_loop_step", default=None
-)
-_STEP: contextvars.ContextVar[Index | None] = contextvars.ContextVar(
-    "eqxscan_step", default=None
-)
-_LAYER: contextvars.ContextVar[Index | None] = contextvars.ContextVar(
-    "eqxscan_layer", default=None
-)
+_LOOP_STEP: ContextVar[int | None] = ContextVar("eqxscan_loop_step", default=None)
+_STEP: ContextVar[Index | None] = ContextVar("eqxscan_step", default=None)
+_LAYER: ContextVar[Index | None] = ContextVar("eqxscan_layer", default=None)
 
 
 @contextlib.contextmanager
-def setting(var: contextvars.ContextVar, value: object) -> Iterator[None]:
+def setting(var: ContextVar, value: object) -> Iterator[None]:
     """`var` set to `value` for the block, then reset."""
     token = var.set(value)
     try:

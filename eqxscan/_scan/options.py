@@ -50,27 +50,7 @@ class OptionChanges(ScanArgs, OwnOptions, total=False):
     """The keyword arguments of `with_options`."""
 
 
-MODES: tuple[Mode, ...] = ("scan", "loop")
-REMAT_STRINGS: tuple[str, ...] = ("auto", "nested", "offload")
 OPTION_NAMES = ("mode", "remat", "unroll")
-
-
-def check_remat(remat: object) -> None:
-    """Raise unless `remat` is a valid [`eqxscan.Remat`][] value (the one place
-    that says which exist)."""
-    if isinstance(remat, (bool, ScanRemat)):
-        return
-    if callable(remat):
-        check_policy("remat", remat)
-        return
-    if isinstance(remat, str):
-        check_option("remat", remat, (False, True) + REMAT_STRINGS)
-        return
-    raise TypeError(
-        "remat must be False, True, 'auto', 'nested', 'offload', a "
-        "jax.checkpoint_policies policy or an eqxscan.ScanRemat, got "
-        f"{type(remat).__name__}."
-    )
 
 
 class ScanOptions(eqx.Module):
@@ -115,8 +95,17 @@ class ScanOptions(eqx.Module):
         allowed. (Values are checked here, not by the annotations, so the
         message is the same with or without a runtime type checker.)
         """
-        check_option("mode", mode, MODES)
-        check_remat(remat)
+        check_option("mode", mode, ("scan", "loop"))
+        if callable(remat):
+            check_policy("remat", remat)
+        elif isinstance(remat, str):
+            check_option("remat", remat, (False, True, "auto", "nested", "offload"))
+        elif not isinstance(remat, (bool, ScanRemat)):
+            raise TypeError(
+                "remat must be False, True, 'auto', 'nested', 'offload', a "
+                "jax.checkpoint_policies policy or an eqxscan.ScanRemat, got "
+                f"{type(remat).__name__}."
+            )
         check_unroll(unroll)
         self.mode = mode
         self.remat = remat

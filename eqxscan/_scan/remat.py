@@ -15,6 +15,7 @@ from typing import Literal, TypeAlias, TypeVar
 
 import jax
 import jax.core
+import jax.extend.core as jcore
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax.ad_checkpoint import checkpoint_name, Offloadable, Recompute, Saveable
@@ -80,33 +81,6 @@ def _check_keep(name: str, value: object) -> None:
         )
 
 
-def _check_nested(nested: object) -> int | tuple[int, ...] | None:
-    if nested is None:
-        return None
-    if isinstance(nested, tuple):
-        if len(nested) < 2 or not all(
-            isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in nested
-        ):
-            raise ValueError(
-                "ScanRemat(nested=(a, b, ...)) needs two or more positive int "
-                f"lengths, outermost first, whose product is the scan length; got "
-                f"{nested!r}."
-            )
-        return nested
-    try:
-        blocks = operator.index(nested)  # pyright: ignore[reportArgumentType]  # the TypeError is the check
-    except TypeError:
-        raise TypeError(
-            "ScanRemat(nested=...) must be None, a number of blocks (int) or a "
-            f"tuple of lengths, got {type(nested).__name__} ({nested!r})."
-        ) from None
-    if isinstance(nested, bool) or blocks < 1:
-        raise ValueError(
-            f"ScanRemat(nested=...) as a block count must be >= 1, got {nested!r}."
-        )
-    return blocks
-
-
 @dataclasses.dataclass(frozen=True)
 class ScanRemat:
     """A `remat=` value that also says what to do with each step's carry and
@@ -165,25 +139,47 @@ class ScanRemat:
 
     def __post_init__(self) -> None:
         policy = self.policy
-        if not (
-            policy is True or policy is False or policy == "auto" or callable(policy)
-        ):
+        if callable(policy):
+            check_policy("ScanRemat: policy", policy)
+        elif not (policy is True or policy is False or policy == "auto"):
             raise ValueError(
                 "ScanRemat(policy=...) must be 'auto', True, False or a "
                 f"jax.checkpoint_policies policy, got {policy!r}."
             )
-        if callable(policy):
-            check_policy("ScanRemat: policy", policy)
         _check_keep("save_carries", self.save_carries)
         _check_keep("save_inputs", self.save_inputs)
-        object.__setattr__(self, "nested", _check_nested(self.nested))
+        nested = self.nested
+        if isinstance(nested, tuple):
+            if len(nested) < 2 or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 1
+                for n in nested
+            ):
+                raise ValueError(
+                    "ScanRemat(nested=(a, b, ...)) needs two or more positive int "
+                    "lengths, outermost first, whose product is the scan length; "
+                    f"got {nested!r}."
+                )
+        elif nested is not None:
+            try:
+                blocks = operator.index(nested)  # pyright: ignore[reportArgumentType]  # the TypeError is the check
+            except TypeError:
+                raise TypeError(
+                    "ScanRemat(nested=...) must be None, a number of blocks (int) "
+                    f"or a tuple of lengths, got {type(nested).__name__} ({nested!r})."
+                ) from None
+            if isinstance(nested, bool) or blocks < 1:
+                raise ValueError(
+                    "ScanRemat(nested=...) as a block count must be >= 1, got "
+                    f"{nested!r}."
+                )
+            object.__setattr__(self, "nested", blocks)
 
     @property
     def named(self) -> bool:
         """Whether the carry or the inputs are named for the step's policy, or
         the scan is nested (else the value behaves as a plain `remat=` value)."""
-        named = self.save_carries is not None or self.save_inputs is not None
-        return named or self.nested is not None
+        named = (self.save_carries, self.save_inputs, self.nested)
+        return any(v is not None for v in named)
 
     @property
     def is_rule(self) -> bool:
@@ -223,24 +219,17 @@ class ScanRemat:
             return nested[:-1]
         return (min(nested, length),)
 
-    def step_policy(self, base: Policy) -> Policy:
-        """The innermost steps' policy: `base` for the internals, the `save_*`
-        options for the named carry and inputs."""
+    def step_policy(self) -> Policy:
+        """The innermost steps' policy: `base_policy` for the internals, the
+        `save_*` options for the named carry and inputs."""
         if not self.named:
-            return base
+            return self.base_policy()
         keeps = {CARRY: self.save_carries, INPUTS: self.save_inputs}
         names = _names_policy(
             [n for n, k in keeps.items() if k is True],
             [n for n, k in keeps.items() if k == "offload"],
         )
-        return _by_name(tuple(keeps), names, base)
-
-    def boundary_policy(self) -> Policy:
-        """The outer levels' policy: only the block-boundary carry may be kept
-        (offloaded with `save_carries="offload"`); everything else is recomputed."""
-        return _names_policy(
-            [], [BLOCK_CARRY] if self.save_carries == "offload" else []
-        )
+        return _by_name(tuple(keeps), names, self.base_policy())
 
 
 def _names_policy(saved: list[str], offloaded: list[str]) -> Policy:
@@ -268,15 +257,10 @@ def as_scan_remat(remat: object) -> ScanRemat:
     (see `ScanRemat`'s docstring for the correspondence)."""
     if isinstance(remat, ScanRemat):
         return remat
-    if isinstance(remat, str) and remat == "nested":
+    if remat == "nested":
         return ScanRemat(save_carries=False, save_inputs=None)
-    if isinstance(remat, str) and remat == "offload":
-        remat = OFFLOAD_POLICY
-    return ScanRemat(
-        policy=remat,  # type: ignore[arg-type]  # a checked remat= value
-        save_carries=None,
-        save_inputs=None,
-    )
+    policy = OFFLOAD_POLICY if remat == "offload" else remat
+    return ScanRemat(policy, save_carries=None, save_inputs=None)  # type: ignore[arg-type]  # a checked remat= value
 
 
 def sqrt_block(length: int) -> int:
@@ -285,10 +269,9 @@ def sqrt_block(length: int) -> int:
     splitting off a remainder copies the stacked weights), else `ceil(sqrt(L))`."""
     if length <= 1:
         return 1
-    root = math.sqrt(length)
     divisors = [d for d in range(1, length + 1) if length % d == 0]
     best = min(divisors, key=lambda d: (d + length // d, -d))
-    if best + length // best <= 3 * root:
+    if best + length // best <= 3 * math.sqrt(length):
         return best
     return math.isqrt(length - 1) + 1
 
@@ -310,12 +293,27 @@ def name_tree(tree: T, name: str) -> T:
 
 def name_inputs(tree: T, remat: ScanRemat) -> T:
     """A step's inputs, named `INPUTS` when `remat` names them."""
-    if remat.save_inputs is None:
-        return tree
-    return name_tree(tree, INPUTS)
+    return tree if remat.save_inputs is None else name_tree(tree, INPUTS)
 
 
 Step: TypeAlias = Callable[[PyTree, PyTree], tuple[PyTree, PyTree]]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Traced:
+    """A step traced once: `jaxpr` maps the flat leaves of `(carry, x)` (array
+    leaves only) to those of `(carry, y)`; `y_static` is the non-array part of
+    `y`, the same at every step."""
+
+    jaxpr: jcore.ClosedJaxpr
+    out_tree: jtu.PyTreeDef  # pyright: ignore[reportInvalidTypeForm]  # jax's stubs declare PyTreeDef a variable
+    y_static: PyTree
+    n_carry: int
+
+    def __call__(self, c_dyn: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
+        """Evaluate the traced step (no Python code of the step runs)."""
+        out = jcore.jaxpr_as_fun(self.jaxpr)(*jtu.tree_leaves((c_dyn, x)))
+        return jtu.tree_unflatten(self.out_tree, out)
 
 
 def nested_scan(
@@ -323,16 +321,17 @@ def nested_scan(
     carry: PyTree,
     xs: PyTree,
     length: int,
-    levels: tuple[int, ...],
+    remat: ScanRemat,
     unroll: int | bool,
-    boundary_policy: Policy | None,
     reverse: bool = False,
 ) -> tuple[PyTree, PyTree]:
-    """`lax.scan(step, carry, xs, reverse=reverse)` as nested scans, `levels` the
-    outer levels' lengths (outermost first; the innermost takes the rest). Each
-    outer level's body is checkpointed with `boundary_policy`, so only its
-    carries are kept. Reversed, every level runs backwards, so `xs` is read in
-    place rather than flipped."""
+    """`lax.scan(step, carry, xs, reverse=reverse)` as the nested scans of
+    `remat.levels` (one flat scan for none). Each outer level's body keeps
+    only its carries, offloaded with `save_carries="offload"`, and recomputes
+    the rest. Reversed, every level runs backwards, so `xs` is read in place
+    rather than flipped."""
+    offloaded = [BLOCK_CARRY] if remat.save_carries == "offload" else []
+    boundary_policy = _names_policy([], offloaded)
 
     def scan(
         carry: PyTree, xs: PyTree, length: int, levels: tuple[int, ...]
@@ -372,4 +371,4 @@ def nested_scan(
             carry, ys_tail = scan(carry, tail, length - head, ())
         return carry, jtu.tree_map(lambda a, b: jnp.concatenate([a, b]), ys, ys_tail)
 
-    return scan(carry, xs, length, levels)
+    return scan(carry, xs, length, remat.levels(length) or ())

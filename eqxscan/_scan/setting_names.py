@@ -9,17 +9,11 @@ import jax
 from .options import Remat
 
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
+#: Bytes per unit, by lower-case name: kB = 10**3 ... TB, KiB = 2**10 ... TiB.
+_UNITS = {"": 1, "b": 1} | {
+    f"{p}{i}b": (2**10 if i else 10**3) ** k
+    for k, p in enumerate("kmgt", start=1)
+    for i in ("", "i")
 }
 
 

@@ -23,7 +23,7 @@ import numpy as np
 from jaxtyping import Array, Bool, PyTree
 
 from .index import index
-from .remat import Policy
+from .remat import Policy, Step, Traced
 
 
 def inexact(value: object) -> bool:
@@ -192,8 +192,7 @@ def can_skip_scan(traced: jcore.ClosedJaxpr) -> bool:
 
 
 def skip_scan(
-    traced: jcore.ClosedJaxpr,
-    num_carry: int,
+    traced: Traced,
     carry: list[Array],
     xs: list[Array],
     runs: Bool[Array, " L"],
@@ -203,19 +202,20 @@ def skip_scan(
     unroll: int | bool,
     policy: Policy | None = None,
 ) -> tuple[list[Array], list[Array]]:
-    """`(carry, ys)`, flat: `traced` (flat `carry + x_i` to `carry + y_i`)
-    scanned over `xs`, step `i` run only where `runs[i]` (a skipped step passes
-    the carry on and outputs zeros).
+    """`(carry, ys)`, flat: `traced` (its jaxpr: flat `carry + x_i` to
+    `carry + y_i`) scanned over `xs`, step `i` run only where `runs[i]` (a
+    skipped step passes the carry on and outputs zeros).
 
     A step that runs saves what `policy` (a `jax.checkpoint` policy) keeps of
     its internals, stacked over the steps (zeros for a skipped one); `None`
     saves only the carry (as `remat=True`). Its backward runs inside its branch
     and writes its input gradients into the stacked gradient at `i`, in place;
     its slice of `xs` is never saved but read again (see `_SkipScan`)."""
-    c_fixed, c_diff, c_mask = _split(list(traced.consts))
+    jaxpr = traced.jaxpr
+    c_fixed, c_diff, c_mask = _split(list(jaxpr.consts))
     x_fixed, x_diff, x_mask = _split(xs)
     scan = _SkipScan(
-        traced, num_carry, c_mask, x_mask, length, reverse, unroll, policy, []
+        jaxpr, traced.n_carry, c_mask, x_mask, length, reverse, unroll, policy, []
     )
 
     @jax.custom_vjp
@@ -390,18 +390,14 @@ class _SkipScan:
         return _no_cotangent(runs), ct_fixed, (g_consts, g_xs), g_carry
 
 
-def skip_step(
-    traced: jcore.ClosedJaxpr,
-    out_tree: jtu.PyTreeDef,  # pyright: ignore[reportInvalidTypeForm]  # jax's stubs declare PyTreeDef a variable
-    num_carry: int,
-) -> Callable[[PyTree, tuple[PyTree, Array]], tuple[PyTree, PyTree]]:
-    """`traced` (a scan step over flat `(carry, x)` leaves, `out_tree` its
-    output's structure) as a step `(carry, (x, runs)) -> (carry, y)` run through
+def skip_step(traced: Traced) -> Step:
+    """`traced` as a step `(carry, (x, runs)) -> (carry, y)` run through
     `skip_call`, for the engine's remat and nested scans."""
 
     def step(c_dyn: PyTree, inputs: tuple[PyTree, Array]) -> tuple[PyTree, PyTree]:
         x, runs = inputs
-        flat = skip_call(runs, traced, jtu.tree_leaves((c_dyn, x)), num_carry)
-        return jtu.tree_unflatten(out_tree, flat)
+        operands = jtu.tree_leaves((c_dyn, x))
+        flat = skip_call(runs, traced.jaxpr, operands, traced.n_carry)
+        return jtu.tree_unflatten(traced.out_tree, flat)
 
     return step

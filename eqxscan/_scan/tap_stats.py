@@ -35,29 +35,13 @@ def rms(tree: PyTree) -> PyTree[Float[Array, ""]]:
 
 def max_abs(tree: PyTree) -> PyTree[Float[Array, ""]]:
     """The largest absolute value of each floating-point leaf, as float32
-    (`nan` if the leaf holds one).
-
-    **Arguments:**
-
-    - `tree`: a carry (or a cotangent of one).
-
-    **Returns:**
-
-    As [`eqxscan.stats.rms`][].
-    """
+    (`nan` if the leaf holds one); `tree` and the result as for
+    [`eqxscan.stats.rms`][]."""
     return _per_leaf(lambda a: jnp.max(jnp.abs(a)).astype(jnp.float32), tree)
 
 
 def nonfinite_count(tree: PyTree) -> PyTree[Float[Array, ""]]:
     """How many entries of each floating-point leaf are `nan` or `inf`, as a
-    float32 count (a gradient probe holds it; exact up to `2**24`).
-
-    **Arguments:**
-
-    - `tree`: a carry (or a cotangent of one).
-
-    **Returns:**
-
-    As [`eqxscan.stats.rms`][].
-    """
+    float32 count (a gradient probe holds it; exact up to `2**24`); `tree` and
+    the result as for [`eqxscan.stats.rms`][]."""
     return _per_leaf(lambda a: jnp.sum(~jnp.isfinite(a)).astype(jnp.float32), tree)

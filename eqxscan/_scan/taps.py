@@ -11,11 +11,11 @@ container call (`call_of`) tags its records, to get rows of its own.
 """
 
 import contextlib
-import contextvars
 import dataclasses
 import functools
 import inspect
 from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 
 import equinox as eqx
 import jax
@@ -63,24 +63,14 @@ class _Tapping:
     trace: object  # the tapped call's, which a statistic must not leave
 
 
-_TAPPING: contextvars.ContextVar[_Tapping | None] = contextvars.ContextVar(
-    "eqxscan_tapping", default=None
-)
+_TAPPING: ContextVar[_Tapping | None] = ContextVar("eqxscan_tapping", default=None)
 # What the innermost scope (a scan step, or the tapped call) has recorded:
 # `(index + 1, stats, call)`, the index a float (0 marks a skipped layer).
-_SCOPE: contextvars.ContextVar[list | None] = contextvars.ContextVar(
-    "eqxscan_tap_scope", default=None
-)
-_CALL: contextvars.ContextVar[_Call | None] = contextvars.ContextVar(
-    "eqxscan_tap_call", default=None
-)
-_DEPTH: contextvars.ContextVar[int] = contextvars.ContextVar(
-    "eqxscan_tap_depth", default=0
-)
+_SCOPE: ContextVar[list | None] = ContextVar("eqxscan_tap_scope", default=None)
+_CALL: ContextVar[_Call | None] = ContextVar("eqxscan_tap_call", default=None)
+_DEPTH: ContextVar[int] = ContextVar("eqxscan_tap_depth", default=0)
 # The tapping a layer's call paused, which a `Recurrent`'s cell resumes.
-_PAUSED: contextvars.ContextVar[_Tapping | None] = contextvars.ContextVar(
-    "eqxscan_tap_paused", default=None
-)
+_PAUSED: ContextVar[_Tapping | None] = ContextVar("eqxscan_tap_paused", default=None)
 
 
 def tapping() -> bool:
@@ -129,9 +119,9 @@ def call_of(module: object, reverse: object = False) -> Iterator[None]:
             "`jax.vmap(eqxscan.tap(rnn, stat))(h0, xs)`; find_nonfinite's loss_fn "
             "must call the containers directly."
         )
-    top = [r for r in state.records if r[2].depth == 0]
+    offset = _count([r for r in state.records if r[2].depth == 0])
     reverse = reverse is True or getattr(module, "reverse", False) is True
-    call = _Call(name, _DEPTH.get(), _count(top), reverse)
+    call = _Call(name, _DEPTH.get(), offset, reverse)
     state.calls.append(call)
     with setting(_CALL, call):
         yield

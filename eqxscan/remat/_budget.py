@@ -20,6 +20,7 @@ import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from .._internal import (
+    check_size,
     is_arraylike,
     parse_bytes,
     Remat,
@@ -293,10 +294,7 @@ def _check_table(
     unrolls: Sequence[Unroll] | None,
     time_steps: object,
 ) -> None:
-    if isinstance(time_steps, bool) or not isinstance(time_steps, int):
-        raise TypeError(f"time_steps must be an int, got {time_steps!r}.")
-    if time_steps < 0:
-        raise ValueError(f"fit_remat: time_steps must be >= 0, got {time_steps}.")
+    time_steps = check_size("fit_remat: time_steps", time_steps, minimum=0)
     for name, values in (("candidates", candidates), ("unrolls", unrolls)):
         # A lone value would be iterated: "auto" as 'a', 'u', 't', 'o'.
         if isinstance(values, str) or not isinstance(values, Sequence | None):
