@@ -54,6 +54,16 @@ def test_a_callable_that_is_no_policy_is_blamed_on_checkpoint():
     first, hint = str(e.value).splitlines()
     assert first.startswith("remat=<built-in function len> is not a remat")
     assert "Linear" not in first and hint.startswith("Hint: pass a jax.checkpoint_")
+    # An uncalled factory answers with a policy, not a bool: it failed only under
+    # grad, blamed on the layer.
+    factory = jax.checkpoint_policies.save_only_these_names
+    with pytest.raises(TypeError) as e:
+        eqxscan.Stacked(_linear, 2, key=KEY, remat=factory)
+    first, hint = str(e.value).splitlines()
+    assert (
+        "is not a rematerialisation policy: policy(primitive, *avals) answered" in first
+    )
+    assert hint.startswith("Hint: a policy answers True (save) or False")
     # Real policies pass the probe, and run as before.
     for policy in (
         jax.checkpoint_policies.dots_saveable,

@@ -416,22 +416,6 @@ def split_key(key: object, num: int, who: str) -> jax.Array:
     )
 
 
-def check_policy(name: str, policy: Callable[..., object]) -> None:
-    """Raise `TypeError` unless `policy(primitive, *avals)` answers: a callable
-    that cannot (`len`) would fail only under `grad`, blamed on the layer."""
-    aval = jax.core.ShapedArray((), jnp.float32)
-    try:
-        policy(jax.lax.mul_p, aval, aval)
-    except Exception as e:
-        raise TypeError(
-            f"{name}={describe(policy)} is not a rematerialisation policy: called "
-            f"as JAX calls one, policy(primitive, *avals, **params), it raised "
-            f"{type(e).__name__}: {e}\nHint: pass a jax.checkpoint_policies policy "
-            "(e.g. jax.checkpoint_policies.dots_saveable), True, False, 'auto', "
-            "'nested', 'offload' or an eqxscan.ScanRemat."
-        ) from None
-
-
 def check_path(name: str, path: object) -> str:
     """`os.fspath(path)`, or a `TypeError` naming `name` (e.g. `"save: path"`)
     for anything that is not a path (`None`, a number, an array)."""

@@ -55,20 +55,28 @@ Keep: TypeAlias = bool | Literal["offload"] | None
 
 
 def check_policy(name: str, policy: Callable[..., object]) -> None:
-    """`checks.check_policy`, and a `TypeError` unless the answer is one JAX
-    takes: an uncalled factory (`save_only_these_names`) answers with a policy,
-    and would fail only under `grad`, blamed on the layer."""
-    checks.check_policy(name, policy)
+    """A `TypeError` unless `policy(primitive, *avals)` answers as JAX needs: a
+    callable that cannot (`len`), or an uncalled factory (`save_only_these_names`
+    answers with a policy), would fail only under `grad`, blamed on the layer."""
     aval = jax.core.ShapedArray((), jnp.float32)
-    answer = policy(jax.lax.mul_p, aval, aval)
+    not_policy = f"{name}={checks.describe(policy)} is not a rematerialisation policy"
+    try:
+        answer = policy(jax.lax.mul_p, aval, aval)
+    except Exception as e:
+        raise TypeError(
+            f"{not_policy}: called as JAX calls one, policy(primitive, *avals, "
+            f"**params), it raised {type(e).__name__}: {e}\nHint: pass a "
+            "jax.checkpoint_policies policy (e.g. jax.checkpoint_policies."
+            "dots_saveable), True, False, 'auto', 'nested', 'offload' or an "
+            "eqxscan.ScanRemat."
+        ) from None
     if not isinstance(answer, (bool, type(Recompute), type(Saveable), Offloadable)):
         raise TypeError(
-            f"{name}={checks.describe(policy)} is not a rematerialisation policy: "
-            f"policy(primitive, *avals) answered {checks.describe(answer)}, not a "
-            "bool, Recompute, Saveable or Offloadable.\nHint: a policy answers "
-            "True (save) or False (recompute); call a factory first, e.g. "
-            "jax.checkpoint_policies.save_only_these_names('name'). See "
-            "docs/remat.md."
+            f"{not_policy}: policy(primitive, *avals) answered "
+            f"{checks.describe(answer)}, not a bool, Recompute, Saveable or "
+            "Offloadable.\nHint: a policy answers True (save) or False (recompute); "
+            "call a factory first, e.g. jax.checkpoint_policies."
+            "save_only_these_names('name'). See docs/remat.md."
         )
 
 
