@@ -152,6 +152,9 @@ def test_a_loss_fn_that_is_no_function_is_refused(getkey):
     with pytest.raises(TypeError, match="loss_fn must be callable, got ArrayImpl"):
         # loss_fn forgotten
         eqxscan.find_nonfinite(stack, jnp.ones(D))  # pyright: ignore[reportArgumentType]
+    # The function first, as for jax.grad: the stack was called with it.
+    with pytest.raises(TypeError, match=r"got a function as model and a Stacked as"):
+        eqxscan.find_nonfinite(lambda m, x: jnp.sum(m(x)), stack, jnp.ones(D))  # pyright: ignore[reportArgumentType]
 
 
 def test_a_call_in_reverse_names_the_layer_that_ran_first(getkey):

@@ -4,6 +4,7 @@ step (carry taps and gradient probes of `nonfinite_count`)."""
 
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Literal
 
@@ -186,11 +187,18 @@ def find_nonfinite(
 
     A [`eqxscan.NonFinite`][] report; `str(report)` is one line.
     """
-    if not callable(loss_fn):
+    # The function first (as `jax.grad`'s) would call the model with the function.
+    if inspect.isfunction(model) and isinstance(loss_fn, eqx.Module):
+        got = f"got a function as model and a {type(loss_fn).__name__} as loss_fn"
+    elif not callable(loss_fn):
+        got = f"loss_fn must be callable, got {type(loss_fn).__name__}"
+    else:
+        got = None
+    if got is not None:
         raise TypeError(
-            "eqxscan.find_nonfinite: loss_fn must be callable, got "
-            f"{type(loss_fn).__name__}.\nHint: `find_nonfinite(model, loss_fn, "
-            "*inputs)`, with `loss_fn(model, *inputs)` returning the loss."
+            f"eqxscan.find_nonfinite: {got}.\nHint: "
+            "`find_nonfinite(model, loss_fn, *inputs)`, with "
+            "`loss_fn(model, *inputs)` returning the loss."
         )
     value, rows, (params, shared) = jax.device_get(_program(model, loss_fn, inputs))
     # Calls inside a `Recurrent`'s cell (counts per time step) are not checked.
