@@ -188,7 +188,7 @@ def find_nonfinite(
     A [`eqxscan.NonFinite`][] report; `str(report)` is one line.
     """
     # The function first (as `jax.grad`'s) would call the model with the function.
-    swapped = inspect.isfunction(model) and isinstance(loss_fn, eqx.Module)
+    swapped = inspect.isfunction(model) and issubclass(type(loss_fn), eqx.Module)
     if swapped:
         got = f"got a function as model and a {type(loss_fn).__name__} as loss_fn"
     elif not callable(loss_fn):
