@@ -22,9 +22,10 @@ from ._containers.walk import (
     walk as walk,
 )
 from ._containers.weight_targets import (
-    check_matmul as check_matmul,
     Held as Held,
     hold as hold,
+    MatmulOnly as MatmulOnly,
+    Orientation as Orientation,
     replace_weights as replace_weights,
     stands_for_weight as stands_for_weight,
     StandsForWeight as StandsForWeight,
