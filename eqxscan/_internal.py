@@ -53,8 +53,12 @@ from ._helpers.constrain import (
     align as align,
     constrain as constrain,
     is_none as is_none,
+    is_placeholder as is_placeholder,
 )
-from ._helpers.jax_private import distributed_client as distributed_client
+from ._helpers.jax_private import (
+    Device as Device,
+    distributed_client as distributed_client,
+)
 from ._scan.auto import (
     AutoChoice as AutoChoice,
     recording as recording,

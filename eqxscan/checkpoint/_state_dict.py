@@ -8,7 +8,6 @@ list elements by index, dict entries by key (`"norms.final.scale"`).
 
 import dataclasses
 import re
-import sys
 from collections.abc import Callable, Mapping
 from typing import Any, cast, TypeVar
 
@@ -24,6 +23,7 @@ from jaxtyping import PyTree
 from .._internal import (
     describe,
     is_arraylike,
+    is_placeholder,
     layer_names,
     LayerNumbering,
     pattern,
@@ -316,12 +316,8 @@ def _check_inits(node: object) -> list[Callable[[object], None]]:
 
 
 def _placeholder(value: object, annotation: Any) -> bool:
-    # optax's masked states hold MaskedNode; without optax loaded there is none.
-    optax = sys.modules.get("optax")
-    if optax is not None and isinstance(value, optax.MaskedNode):
-        return True
     if value is not None:
-        return False
+        return is_placeholder(value)
     try:
         return not is_bearable(None, annotation)
     except BeartypeException:  # an annotation it cannot read: check as before
