@@ -2,7 +2,6 @@
 types) name, each replaced by what a function builds from it: how
 `eqxscan.adapters.add_lora` and `eqxscan.quant.quantize` find their weights."""
 
-import abc
 import fnmatch
 from collections.abc import Callable, Sequence
 from typing import ClassVar, Literal, NoReturn, Protocol, runtime_checkable
@@ -29,17 +28,13 @@ float weight): `x @ W` (`[in, out]`, as `StackedMLP`'s `w1`) or `W @ x`
 
 
 class MatmulOnly:
-    """Mixed into a module standing where a weight was that computes only
-    `x @ self` (for orientation `"x@W"`) and `self @ x` (`"W@x"`): other array
-    operations raise a `TypeError`. A subclass names itself and its fix in the
-    errors."""
+    """Mixed into a module standing where a weight was: it computes `x @ self`
+    (orientation `"x@W"`) and `self @ x` (`"W@x"`), and no other array operation."""
 
-    # The module's fields (annotations only: a plain class adds no fields).
+    # The module's own fields and words for its errors ("The LoRA at ...",
+    # `x @ lora`, made by add_lora, else use ...).
     name: str
     orientation: Orientation
-
-    # The error words: `{_label} at ...`, its symbol in `x @ {_symbol}`, the
-    # function that builds one, and how to get plain weights instead.
     _label: ClassVar[str]
     _symbol: ClassVar[str]
     _maker: ClassVar[str]
@@ -50,12 +45,9 @@ class MatmulOnly:
     __array_ufunc__ = None
 
     @property
-    @abc.abstractmethod
     def shape(self) -> tuple[int, ...]: ...
 
-    @abc.abstractmethod
-    def _weight(self) -> str:
-        """The weight as the errors describe it."""
+    def _weight(self) -> str: ...  # the weight as the errors describe it
 
     def _where(self) -> str:
         return f"The {self._label} at `{self.name or '<unnamed>'}`"
@@ -64,7 +56,7 @@ class MatmulOnly:
         # One layer's weight, used as it computes, and x's size along the
         # contracted axis.
         op = f"x @ {self._symbol}" if used_as == "x@W" else f"{self._symbol} @ x"
-        shape = self.shape
+        shape, where = self.shape, self._where()
         got = jnp.shape(x)  # pyright: ignore[reportArgumentType]
         x_axis, w_axis = (
             (-1, 0) if used_as == "x@W" else (-2 if len(got) > 1 else -1, 1)
@@ -72,20 +64,20 @@ class MatmulOnly:
         if self.orientation != used_as:
             other = " @ ".join(reversed(op.split(" @ ")))
             raise TypeError(
-                f"{self._where()} has orientation {self.orientation!r} but was used "
+                f"{where} has orientation {self.orientation!r} but was used "
                 f"as `{op}`; it computes `{other}` only.\nHint: pass orientation="
                 f"{used_as!r} to {self._maker} for a layer that computes `{op}`."
             )
         if len(shape) != 2:
             raise TypeError(
-                f"{self._where()} ({self._weight()}) has {len(shape) - 2} layer axes "
+                f"{where} ({self._weight()}) has {len(shape) - 2} layer axes "
                 f"in front; `{op}` takes one layer's weight.\nHint: it is used "
                 "inside its Stacked's layers, which the scan hands one layer each; "
                 "or index the stack first."
             )
         if len(got) == 0 or got[x_axis] != shape[w_axis]:
             raise TypeError(
-                f"{self._where()}: `{op}` got x of shape {tuple(got)}, but it is "
+                f"{where}: `{op}` got x of shape {tuple(got)}, but it is "
                 f"{self._weight()} ({used_as}), so x's axis {x_axis} must have size "
                 f"{shape[w_axis]}.\nHint: check the layer's input shape."
             )
