@@ -41,11 +41,13 @@ from ._helpers.checks import (
     check_bool as check_bool,
     check_callable as check_callable,
     check_index as check_index,
+    check_like as check_like,
     check_path as check_path,
     check_size as check_size,
     Checked as Checked,
     describe as describe,
     is_arraylike as is_arraylike,
+    listed as listed,
     noted as noted,
     split_key as split_key,
 )
@@ -55,6 +57,7 @@ from ._helpers.constrain import (
     is_none as is_none,
     is_placeholder as is_placeholder,
 )
+from ._helpers.host import Lazy as Lazy, placed_like as placed_like
 from ._helpers.jax_private import (
     Device as Device,
     distributed_client as distributed_client,
