@@ -12,7 +12,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, PyTree
 
-from .._helpers.checks import describe, is_arraylike
+from .._helpers.checks import Checked, describe, is_arraylike
 from .walk import for_each, pattern, Site, walk
 
 
@@ -164,13 +164,15 @@ def replace_weights(
     targets: object,
     make: Make,
     *,
-    orientation: Orientation,
+    orientation: Checked[Orientation],
     who: str,
     verb: tuple[str, str],
 ) -> PyTree:
     """`model` with each weight that `targets` name replaced by `make`'s result: a
     pattern's matches in `orientation`, a module type's `weight`s in `"W@x"`.
     `who` and `verb` (e.g. `("adapt", "adapted")`) word the errors."""
+    if orientation not in ("x@W", "W@x"):
+        raise ValueError(f"orientation must be 'x@W' or 'W@x', got {orientation!r}.")
     found = _targets(targets, who)
     patterns = [t for t in found if isinstance(t, str)]
     matched: set[str] = set()
