@@ -138,21 +138,17 @@ class LoRA(MatmulOnly, eqx.Module):
             return x
         if self.key is None:
             raise ValueError(
-                f"The LoRA at `{self.name or '<unnamed>'}` has dropout="
-                f"{self.dropout} and is not in inference mode, but holds no "
-                "dropout key.\nHint: call `eqxscan.adapters.with_dropout_key"
-                "(model, key)` with a fresh key every step, or use "
-                "`eqx.nn.inference_mode(model)`."
+                f"{self._where()} has dropout={self.dropout} and is not in "
+                "inference mode, but holds no dropout key.\nHint: call "
+                "`eqxscan.adapters.with_dropout_key(model, key)` with a fresh key "
+                "every step, or use `eqx.nn.inference_mode(model)`."
             )
         keep = jr.bernoulli(self.key, 1.0 - self.dropout, x.shape)
         return jnp.where(keep, x / (1.0 - self.dropout), jnp.zeros((), x.dtype))
 
     def _weight(self) -> str:
-        return f"base {_shape(self.base)}"
-
-
-def _shape(x: Array | Quantized) -> str:
-    return f"{jnp.dtype(x.dtype).name}[{','.join(map(str, x.shape))}]"
+        shape = ",".join(map(str, self.shape))
+        return f"base {jnp.dtype(self.dtype).name}[{shape}]"
 
 
 def is_lora(x: object) -> bool:
