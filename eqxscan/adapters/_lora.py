@@ -10,8 +10,8 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
-from .._internal import for_each, MatmulOnly, Site
-from ..quant import Orientation, Quantized
+from .._internal import for_each, MatmulOnly, Orientation, Site
+from ..quant import Quantized
 
 
 class LoRA(MatmulOnly, eqx.Module):
