@@ -25,9 +25,10 @@ from ._containers.walk import (
     walk as walk,
 )
 from ._containers.weight_targets import (
-    check_matmul as check_matmul,
     Held as Held,
     hold as hold,
+    MatmulOnly as MatmulOnly,
+    Orientation as Orientation,
     replace_weights as replace_weights,
     stands_for_weight as stands_for_weight,
     StandsForWeight as StandsForWeight,
@@ -43,11 +44,13 @@ from ._helpers.checks import (
     check_bool as check_bool,
     check_callable as check_callable,
     check_index as check_index,
+    check_like as check_like,
     check_path as check_path,
     check_size as check_size,
     Checked as Checked,
     describe as describe,
     is_arraylike as is_arraylike,
+    listed as listed,
     noted as noted,
     split_key as split_key,
 )
@@ -55,8 +58,13 @@ from ._helpers.constrain import (
     align as align,
     constrain as constrain,
     is_none as is_none,
+    is_placeholder as is_placeholder,
 )
-from ._helpers.jax_private import distributed_client as distributed_client
+from ._helpers.host import Lazy as Lazy, placed_like as placed_like
+from ._helpers.jax_private import (
+    Device as Device,
+    distributed_client as distributed_client,
+)
 from ._scan.auto import (
     AutoChoice as AutoChoice,
     recording as recording,

@@ -4,7 +4,7 @@ types) name, each replaced by what a function builds from it: how
 
 import fnmatch
 from collections.abc import Callable, Sequence
-from typing import Literal, Protocol, runtime_checkable
+from typing import ClassVar, Literal, NoReturn, Protocol, runtime_checkable
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -12,7 +12,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, PyTree
 
-from .._helpers.checks import describe, is_arraylike
+from .._helpers.checks import Checked, describe, is_arraylike
 from .walk import for_each, pattern, Site, walk
 
 
@@ -22,43 +22,81 @@ syntax, layer indices shown as `*`), or a module type whose `weight` is replaced
 (e.g. `eqx.nn.Linear`)."""
 
 Orientation = Literal["x@W", "W@x"]
+"""How a layer uses its weight (a [`eqxscan.adapters.LoRA`][]'s base, or the
+float weight): `x @ W` (`[in, out]`, as `StackedMLP`'s `w1`) or `W @ x`
+(`[out, in]`, as `eqx.nn.Linear`'s `weight` and PyTorch)."""
 
 
-def check_matmul(
-    where: str,
-    weight: str,
-    shape: tuple[int, ...],
-    orientation: Orientation,
-    op: str,
-    used_as: Orientation,
-    x: object,
-    *,
-    maker: str,
-) -> None:
-    """The errors of a stand-in weight (`where`, described as `weight`, of
-    `shape`, made by `maker` for `orientation`) used as `op` (which computes
-    `used_as`) on `x`: one layer's weight and x's size along the contracted axis."""
-    got = jnp.shape(x)  # pyright: ignore[reportArgumentType]
-    x_axis, w_axis = (-1, 0) if used_as == "x@W" else (-2 if len(got) > 1 else -1, 1)
-    if orientation != used_as:
-        other = " @ ".join(reversed(op.split(" @ ")))
-        raise TypeError(
-            f"{where} has orientation {orientation!r} but was used as `{op}`; it "
-            f"computes `{other}` only.\nHint: pass orientation={used_as!r} to "
-            f"{maker} for a layer that computes `{op}`."
+class MatmulOnly:
+    """Mixed into a module standing where a weight was: it computes `x @ self`
+    (orientation `"x@W"`) and `self @ x` (`"W@x"`), and no other array operation."""
+
+    # The module's own fields and words for its errors ("The LoRA at ...",
+    # `x @ lora`, made by add_lora, else use ...).
+    name: str
+    orientation: Orientation
+    _label: ClassVar[str]
+    _symbol: ClassVar[str]
+    _maker: ClassVar[str]
+    _instead: ClassVar[str]
+
+    # NumPy's operators then return NotImplemented, so `np_array @ w` reaches
+    # `__rmatmul__` too.
+    __array_ufunc__ = None
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    def _weight(self) -> str: ...  # the weight as the errors describe it
+
+    def _where(self) -> str:
+        return f"The {self._label} at `{self.name or '<unnamed>'}`"
+
+    def _check(self, used_as: Orientation, x: object) -> None:
+        # One layer's weight, used as it computes, and x's size along the
+        # contracted axis.
+        op = f"x @ {self._symbol}" if used_as == "x@W" else f"{self._symbol} @ x"
+        shape, where = self.shape, self._where()
+        got = jnp.shape(x)  # pyright: ignore[reportArgumentType]
+        x_axis, w_axis = (
+            (-1, 0) if used_as == "x@W" else (-2 if len(got) > 1 else -1, 1)
         )
-    if len(shape) != 2:
+        if self.orientation != used_as:
+            other = " @ ".join(reversed(op.split(" @ ")))
+            raise TypeError(
+                f"{where} has orientation {self.orientation!r} but was used "
+                f"as `{op}`; it computes `{other}` only.\nHint: pass orientation="
+                f"{used_as!r} to {self._maker} for a layer that computes `{op}`."
+            )
+        if len(shape) != 2:
+            raise TypeError(
+                f"{where} ({self._weight()}) has {len(shape) - 2} layer axes "
+                f"in front; `{op}` takes one layer's weight.\nHint: it is used "
+                "inside its Stacked's layers, which the scan hands one layer each; "
+                "or index the stack first."
+            )
+        if len(got) == 0 or got[x_axis] != shape[w_axis]:
+            raise TypeError(
+                f"{where}: `{op}` got x of shape {tuple(got)}, but it is "
+                f"{self._weight()} ({used_as}), so x's axis {x_axis} must have size "
+                f"{shape[w_axis]}.\nHint: check the layer's input shape."
+            )
+
+    def _unsupported(self, *_: object, **__: object) -> NoReturn:
+        ops = f"`x @ {self._symbol}` and `{self._symbol} @ x`"
         raise TypeError(
-            f"{where} ({weight}) has {len(shape) - 2} layer axes in front; `{op}` "
-            "takes one layer's weight.\nHint: it is used inside its Stacked's "
-            "layers, which the scan hands one layer each; or index the stack first."
+            f"{self._where()} ({self._weight()}) supports only {ops}, not this "
+            f"operation.\nHint: a {type(self).__name__} computes only {ops}; for "
+            f"anything else, use {self._instead}."
         )
-    if len(got) == 0 or got[x_axis] != shape[w_axis]:
-        raise TypeError(
-            f"{where}: `{op}` got x of shape {tuple(got)}, but it is {weight} "
-            f"({used_as}), so x's axis {x_axis} must have size {shape[w_axis]}."
-            "\nHint: check the layer's input shape."
-        )
+
+    __add__ = __radd__ = __sub__ = __rsub__ = _unsupported
+    __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _unsupported
+    __pow__ = __neg__ = __getitem__ = __array__ = _unsupported
+
+    @property
+    def T(self) -> NoReturn:  # noqa: N802  # the array attribute's name
+        self._unsupported()
 
 
 @runtime_checkable
@@ -126,13 +164,15 @@ def replace_weights(
     targets: object,
     make: Make,
     *,
-    orientation: Orientation,
+    orientation: Checked[Orientation],
     who: str,
     verb: tuple[str, str],
 ) -> PyTree:
     """`model` with each weight that `targets` name replaced by `make`'s result: a
     pattern's matches in `orientation`, a module type's `weight`s in `"W@x"`.
     `who` and `verb` (e.g. `("adapt", "adapted")`) word the errors."""
+    if orientation not in ("x@W", "W@x"):
+        raise ValueError(f"orientation must be 'x@W' or 'W@x', got {orientation!r}.")
     found = _targets(targets, who)
     patterns = [t for t in found if isinstance(t, str)]
     matched: set[str] = set()

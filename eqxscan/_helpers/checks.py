@@ -133,6 +133,23 @@ def is_arraylike(
     return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 
+def check_like(who: str, like: object, example: str = "make_model, key") -> None:
+    """`like`, a model to load into, holds arrays (or their shapes and dtypes)."""
+    if not any(is_arraylike(x) for x in jtu.tree_leaves(like)):
+        raise TypeError(
+            f"{who}: like must be a model of the saved layout, with arrays (or "
+            f"jax.ShapeDtypeStructs) in it, got {describe(like)}.\nHint: pass a "
+            "model built with the saved configuration, e.g. "
+            f"eqx.filter_eval_shape({example})."
+        )
+
+
+def listed(items: list[str], sep: str = "; ") -> str:
+    """At most 10 of `items`, and how many more."""
+    more = f" and {len(items) - 10} more" if len(items) > 10 else ""
+    return sep.join(items[:10]) + more
+
+
 Found = tuple[str, str, str]
 
 

@@ -132,3 +132,9 @@ def check_layer_sharding(layer_sharding: object, layers: PyTree) -> None:
 def is_none(x: object) -> bool:
     """As `is_leaf`: keeps `None` entries as leaves."""
     return x is None
+
+
+def is_placeholder(x: object) -> bool:
+    """Where a params-like tree holds no array: `None` (`eqx.filter`) or optax's
+    `MaskedNode` (`optax.masked`), named so that optax need not be loaded."""
+    return x is None or type(x).__name__ == "MaskedNode"

@@ -7,7 +7,16 @@ them all (`missing()`), and what happens when one is gone.
 """
 
 import importlib
-from typing import Any
+from typing import Any, TYPE_CHECKING
+
+import jax
+
+
+if TYPE_CHECKING:
+    # `jax.Device`'s class: jax exports it as a variable, no type to the checker.
+    from jaxlib._jax import Device
+else:  # the same class, named at run time for the runtime type checker
+    Device = jax.Device
 
 
 #: `(module, attribute path)` of every private name used.

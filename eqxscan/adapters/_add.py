@@ -73,8 +73,6 @@ def add_lora(
     rank = check_size("rank", rank)
     num_adapters = check_size("num_adapters", num_adapters)
     dropout = check_rate(dropout, "dropout")
-    if orientation not in ("x@W", "W@x"):
-        raise ValueError(f"orientation must be 'x@W' or 'W@x', got {orientation!r}.")
     alpha = rank if alpha is None else alpha
     if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real):
         raise TypeError(f"add_lora: alpha must be a number, got {alpha!r}.")

@@ -2,8 +2,6 @@
 the layer's own `x @ self.w` computes `x @ base + (alpha / r) * (x @ a[k]) @ b[k]`
 without forming `base + delta`, and a scan hands each layer its slices."""
 
-from typing import NoReturn
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -12,11 +10,11 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
-from .._internal import check_matmul, for_each, Site
-from ..quant import Orientation, Quantized
+from .._internal import for_each, MatmulOnly, Orientation, Site
+from ..quant import Quantized
 
 
-class LoRA(eqx.Module):
+class LoRA(MatmulOnly, eqx.Module):
     """A frozen weight with `K` low-rank adapters, standing where the weight was.
 
     `x @ lora` (orientation `"x@W"`) is `x @ base + (alpha / rank) *
@@ -64,9 +62,10 @@ class LoRA(eqx.Module):
     inference: bool = False
     key: PRNGKeyArray | None = None
 
-    # NumPy's operators then return NotImplemented, so `np_array @ lora` reaches
-    # `__rmatmul__` too.
-    __array_ufunc__ = None
+    _label = "LoRA"
+    _symbol = "lora"
+    _maker = "add_lora"
+    _instead = "`eqxscan.adapters.merge(model)` to get plain weights"
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -97,7 +96,7 @@ class LoRA(eqx.Module):
 
     def __rmatmul__(self, x: Array | np.ndarray) -> Array:
         """`x @ lora`, for orientation `"x@W"`: `x` is `[..., in]`."""
-        self._check("x @ lora", "x@W", x)
+        self._check("x@W", x)
         x = jnp.asarray(x)
         k = self._adapter()
         delta = (self._dropped(x) @ self.a[k]) @ self.b[k]
@@ -106,7 +105,7 @@ class LoRA(eqx.Module):
 
     def __matmul__(self, x: Array | np.ndarray) -> Array:
         """`lora @ x`, for orientation `"W@x"`: `x` is `[in]` or `[..., in, n]`."""
-        self._check("lora @ x", "W@x", x)
+        self._check("W@x", x)
         x = jnp.asarray(x)
         k = self._adapter()
         delta = self.b[k] @ (self.a[k] @ self._dropped(x))
@@ -139,42 +138,17 @@ class LoRA(eqx.Module):
             return x
         if self.key is None:
             raise ValueError(
-                f"The LoRA at `{self.name or '<unnamed>'}` has dropout="
-                f"{self.dropout} and is not in inference mode, but holds no "
-                "dropout key.\nHint: call `eqxscan.adapters.with_dropout_key"
-                "(model, key)` with a fresh key every step, or use "
-                "`eqx.nn.inference_mode(model)`."
+                f"{self._where()} has dropout={self.dropout} and is not in "
+                "inference mode, but holds no dropout key.\nHint: call "
+                "`eqxscan.adapters.with_dropout_key(model, key)` with a fresh key "
+                "every step, or use `eqx.nn.inference_mode(model)`."
             )
         keep = jr.bernoulli(self.key, 1.0 - self.dropout, x.shape)
         return jnp.where(keep, x / (1.0 - self.dropout), jnp.zeros((), x.dtype))
 
-    def _check(self, op: str, used_as: Orientation, x: object) -> None:
-        where = f"The LoRA at `{self.name or '<unnamed>'}`"
-        weight = f"base {_shape(self.base)}"
-        shape = self.base.shape
-        check_matmul(
-            where, weight, shape, self.orientation, op, used_as, x, maker="add_lora"
-        )
-
-    def _unsupported(self, *_: object, **__: object) -> NoReturn:
-        raise TypeError(
-            f"The LoRA at `{self.name or '<unnamed>'}` (base {_shape(self.base)}) "
-            "supports only `x @ lora` and `lora @ x`, not this operation.\nHint: "
-            "a LoRA computes only `x @ lora` and `lora @ x`; for anything else, "
-            "use `eqxscan.adapters.merge(model)` to get plain weights."
-        )
-
-    __add__ = __radd__ = __sub__ = __rsub__ = _unsupported
-    __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _unsupported
-    __pow__ = __neg__ = __getitem__ = __array__ = _unsupported
-
-    @property
-    def T(self) -> NoReturn:  # noqa: N802  # the array attribute's name
-        self._unsupported()
-
-
-def _shape(x: Array | Quantized) -> str:
-    return f"{jnp.dtype(x.dtype).name}[{','.join(map(str, x.shape))}]"
+    def _weight(self) -> str:
+        shape = ",".join(map(str, self.shape))
+        return f"base {jnp.dtype(self.dtype).name}[{shape}]"
 
 
 def is_lora(x: object) -> bool:

@@ -14,13 +14,11 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
-import jax
-import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from .._internal import Checked
+from .._internal import Checked, placed_like
 from ..checkpoint import NameMap, read_safetensors, save_safetensors
 from ._lora import is_lora, LoRA
 from ._peft_targets import (
@@ -290,18 +288,9 @@ def load_peft(
         if not isinstance(x, LoRA) or id(x) not in new:
             return x
         a, b = new[id(x)]
-        return dataclasses.replace(x, a=_placed(a, x.a), b=_placed(b, x.b))
+        return dataclasses.replace(x, a=placed_like(x.a, a), b=placed_like(x.b, b))
 
     return jtu.tree_map(replace, model, is_leaf=is_lora)
-
-
-def _placed(value: np.ndarray, like: jax.Array | np.ndarray) -> jax.Array:
-    # Where `like` is (its devices and sharding, e.g. a sharded stack's), and
-    # committed only if `like` was: jitted functions compiled for the model
-    # are keyed on it, and would compile again for committed factors.
-    if isinstance(like, jax.Array) and like.committed:
-        return jax.device_put(value, like.sharding)
-    return jnp.asarray(value)
 
 
 # Saving.

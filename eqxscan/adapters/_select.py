@@ -8,7 +8,7 @@ import jax.random as jr
 import numpy as np
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
-from .._internal import Checked, describe, split_key
+from .._internal import Checked, describe, is_none, split_key
 from ._lora import check_adapter, loras
 
 
@@ -86,5 +86,5 @@ def with_dropout_key(model: PyTree, key: Checked[PRNGKeyArray]) -> PyTree:
         lambda m: [lo.key for lo in loras(m)],
         model,
         keys,
-        is_leaf=lambda x: x is None,
+        is_leaf=is_none,
     )

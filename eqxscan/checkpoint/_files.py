@@ -8,11 +8,13 @@ import os
 import re
 import secrets
 import string
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
 from numpy.typing import DTypeLike
+
+from .._internal import Lazy as Lazy, listed as listed
 
 
 try:
@@ -21,6 +23,7 @@ except ImportError:  # pragma: no cover - not POSIX: stale files are not collect
     fcntl = None
 
 
+DOCS = "see docs/checkpoints.md"
 # A temporary file's name: the prefix, 8 characters of this alphabet, ".tmp".
 _ALPHABET = string.ascii_lowercase + string.digits + "_"
 _TOKEN = r"[a-z0-9_]{8}\.tmp"
@@ -33,22 +36,6 @@ class CorruptFileError(ValueError):
     member) and ends with a hint; a `ValueError`, as before it existed."""
 
 
-class Lazy:
-    """An array read when NumPy asks for it, its `shape` and `dtype` known before
-    (so a whole file can be checked first)."""
-
-    def __init__(
-        self, shape: tuple[int, ...], dtype: DTypeLike, read: Callable[[], np.ndarray]
-    ):
-        self.shape, self.dtype, self.read = tuple(shape), np.dtype(dtype), read
-
-    def __array__(
-        self, dtype: DTypeLike | None = None, copy: bool | None = None
-    ) -> np.ndarray:
-        array = self.read()
-        return array if dtype is None else array.astype(dtype)
-
-
 def shape_dtype(value: object) -> tuple[tuple[int, ...], np.dtype]:
     # Of an array, a `Lazy` or anything NumPy makes one of (a list, a number).
     shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
@@ -56,12 +43,6 @@ def shape_dtype(value: object) -> tuple[tuple[int, ...], np.dtype]:
         array = np.asarray(value)
         shape, dtype = array.shape, array.dtype
     return tuple(shape), np.dtype(dtype)
-
-
-def listed(items: list[str], sep: str = "; ") -> str:
-    # At most 10 of `items`, and how many more.
-    more = f" and {len(items) - 10} more" if len(items) > 10 else ""
-    return sep.join(items[:10]) + more
 
 
 def flatten(tree: Mapping, prefix: str = "") -> dict[str, Any]:

@@ -17,9 +17,9 @@ import jax
 import numpy as np
 from jaxtyping import PyTree
 
-from .._internal import describe
+from .._internal import check_like, describe
 from ._files import Lazy, listed, shape_dtype, spec
-from ._state_dict import check_like, entries_of, from_state_dict, host_entries
+from ._state_dict import entries_of, from_state_dict, host_entries
 
 
 T = TypeVar("T")

@@ -25,14 +25,13 @@ from collections.abc import Callable, Iterator
 import jax.numpy as jnp
 import numpy as np
 
-from ._files import CorruptFileError, differences, digest, Lazy
+from ._files import CorruptFileError, differences, digest, DOCS, Lazy
 
 
 _MANIFEST = "__eqxscan_manifest__"  # {"format": 1, "arrays": {name: entry}}
 _FORMAT = 1
 _MAX_HEADER = 10_000  # bytes of a `.npy` header, as NumPy's own limit
 _MAX_MANIFEST = 1 << 28
-_DOCS = "see docs/checkpoints.md"
 # What `zipfile` raises for files it cannot read (a `_Corrupt` is re-raised
 # first), and NumPy's `.npy` header parser besides: `ast.literal_eval`'s errors
 # (`MemoryError` is its stack overflow on a deeply nested header) and those of
@@ -297,9 +296,9 @@ def _error(path: str, e: _Corrupt) -> ValueError:
             f"Checkpoint file {path!r} was written by another version of eqxscan "
             f"or by another program: {e}.\nHint: load it with what wrote it and "
             "save it again with eqxscan.save_safetensors (a plain numpy.savez "
-            f"of eqxscan.to_state_dict's arrays loads too); {_DOCS}."
+            f"of eqxscan.to_state_dict's arrays loads too); {DOCS}."
         )
     return CorruptFileError(
         f"Checkpoint file {path!r} is corrupt or was not written by eqxscan.save: "
-        f"{e}.\nHint: restore it from a copy; {_DOCS}."
+        f"{e}.\nHint: restore it from a copy; {DOCS}."
     )

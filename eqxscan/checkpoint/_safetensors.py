@@ -24,7 +24,7 @@ import numpy as np
 from jaxtyping import PyTree
 from numpy.typing import DTypeLike
 
-from .._internal import check_path, parse_bytes
+from .._internal import check_like, check_path, parse_bytes
 from ._files import (
     CorruptFileError,
     digest,
@@ -46,7 +46,7 @@ from ._safetensors_read import (
     INDEX,
     SINGLE,
 )
-from ._state_dict import check_like, from_state_dict, host_entries
+from ._state_dict import from_state_dict, host_entries
 
 
 T = TypeVar("T")

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from ._files import CorruptFileError, differences, digest, Lazy, spec
+from ._files import CorruptFileError, differences, digest, DOCS, Lazy, spec
 
 
 SINGLE = "model.safetensors"
@@ -19,7 +19,6 @@ INDEX = "model.safetensors.index.json"
 _DIGESTS = "eqxscan.sha256"  # metadata: JSON {name: hex digest}
 _SPECS = "eqxscan.specs"  # metadata: JSON {name: "float32[4, 16]"}
 _TOKEN = "eqxscan.save"  # metadata of each file and of the index: one save's token
-_DOCS = "see docs/checkpoints.md"
 
 
 def _package():
@@ -32,7 +31,7 @@ def _package():
 def _bad(path: str, why: str) -> CorruptFileError:
     return CorruptFileError(
         f"Safetensors file {path!r} is corrupt or is not a safetensors file: {why}."
-        f"\nHint: restore it from a copy, or save it again; {_DOCS}."
+        f"\nHint: restore it from a copy, or save it again; {DOCS}."
     )
 
 
@@ -77,7 +76,7 @@ class _Files:
         except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise CorruptFileError(
                 f"Safetensors index {path!r} is not valid JSON ({e}).\nHint: "
-                f"restore it from a copy, or save again; {_DOCS}."
+                f"restore it from a copy, or save again; {DOCS}."
             ) from None
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not all(
@@ -90,7 +89,7 @@ class _Files:
             raise CorruptFileError(
                 f"Safetensors index {path!r} has no valid 'weight_map' (an object "
                 "from array names to file names in its directory).\nHint: an "
-                f"index as Hugging Face writes it is expected; {_DOCS}."
+                f"index as Hugging Face writes it is expected; {DOCS}."
             )
         meta = index.get("metadata")
         token = meta.get(_TOKEN) if isinstance(meta, dict) else None

@@ -8,11 +8,11 @@ from typing import TypeVar
 import numpy as np
 from jaxtyping import PyTree
 
-from .._internal import check_path
+from .._internal import check_like, check_path
 from ._files import CorruptFileError
 from ._npz import NpzArchive
 from ._safetensors import load_safetensors, read_safetensors, save_safetensors
-from ._state_dict import check_like, from_state_dict
+from ._state_dict import from_state_dict
 
 
 T = TypeVar("T")

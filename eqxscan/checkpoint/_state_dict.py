@@ -8,7 +8,6 @@ list elements by index, dict entries by key (`"norms.final.scale"`).
 
 import dataclasses
 import re
-import sys
 from collections.abc import Callable, Mapping
 from typing import Any, cast, TypeVar
 
@@ -24,9 +23,11 @@ from jaxtyping import PyTree
 from .._internal import (
     describe,
     is_arraylike,
+    is_placeholder,
     layer_names,
     LayerNumbering,
     pattern,
+    placed_like,
     resolve,
     Site,
     Stacked,
@@ -88,16 +89,6 @@ def _layout(model: PyTree) -> list[_Leaf]:
     leaves: list[_Leaf] = []
     _map_arrays(leaves.append, model)
     return leaves
-
-
-def check_like(who: str, like: object) -> None:
-    if not any(is_arraylike(x) for x in jax.tree_util.tree_leaves(like)):
-        raise TypeError(
-            f"{who}: like must be a model of the saved layout, with arrays (or "
-            f"jax.ShapeDtypeStructs) in it, got {describe(like)}.\nHint: pass a "
-            "model built with the saved configuration, e.g. "
-            "eqx.filter_eval_shape(make_model, key)."
-        )
 
 
 def to_state_dict(model: PyTree) -> dict[str, np.ndarray]:
@@ -198,22 +189,6 @@ def _check_depths(leaves: list[_Leaf], state_dict: Mapping[str, object]) -> None
             )
 
 
-def _restore(like: object, value: np.ndarray) -> jax.Array | np.ndarray:
-    if isinstance(like, np.ndarray):
-        return value
-    # A jitted function compiles again for an argument that differs in placement,
-    # committedness or weak type: match `like` in all three. An uncommitted array
-    # (the default placement) stays uncommitted.
-    if isinstance(like, jax.Array) and like.weak_type and value.ndim == 0:
-        restored = jax.lax.full_like(like, value)  # e.g. `jnp.array(0.5)` fields
-    else:
-        restored = jnp.asarray(value)
-    sharding = getattr(like, "sharding", None)
-    if sharding is not None and getattr(like, "committed", True):
-        return jax.device_put(restored, sharding)
-    return restored
-
-
 def from_state_dict(like: T, state_dict: Mapping[str, object]) -> T:
     """Load a per-layer state dict (as made by [`eqxscan.to_state_dict`][]) into a
     model of the same layout, re-stacking each `Stacked`'s layers. Every
@@ -285,14 +260,14 @@ def from_state_dict(like: T, state_dict: Mapping[str, object]) -> T:
     def load(leaf: _Leaf) -> jax.Array | np.ndarray:
         names = leaf.names()
         if not leaf.depths:
-            return _restore(leaf.leaf, np.asarray(state_dict[names[0]]))
+            return placed_like(leaf.leaf, np.asarray(state_dict[names[0]]))
         # Each layer read straight into the stacked array, one at a time: a
         # file read lazily holds one layer's slice beside it, not all of them.
         value = np.empty(leaf.depths + leaf.shape, leaf.dtype)
         flat = value.reshape((-1, *leaf.shape))
         for k, name in enumerate(names):
             flat[k] = np.asarray(state_dict[name])
-        return _restore(leaf.leaf, value)
+        return placed_like(leaf.leaf, value)
 
     model = _map_arrays(load, like)
     _recheck(model)
@@ -316,12 +291,8 @@ def _check_inits(node: object) -> list[Callable[[object], None]]:
 
 
 def _placeholder(value: object, annotation: Any) -> bool:
-    # optax's masked states hold MaskedNode; without optax loaded there is none.
-    optax = sys.modules.get("optax")
-    if optax is not None and isinstance(value, optax.MaskedNode):
-        return True
     if value is not None:
-        return False
+        return is_placeholder(value)
     try:
         return not is_bearable(None, annotation)
     except BeartypeException:  # an annotation it cannot read: check as before

@@ -13,7 +13,7 @@ import jax.tree_util as jtu
 import optax
 from jaxtyping import PyTree
 
-from .._internal import Stacked
+from .._internal import is_placeholder, Stacked
 from ._arrays import is_array, is_stacked
 
 
@@ -46,12 +46,6 @@ def one_layer() -> str | None:
     return _ONE_LAYER.get()
 
 
-def _is_placeholder(x: object) -> bool:
-    # Where a parameter tree holds no array: `None` (eqx.filter) or optax's
-    # `MaskedNode` (optax.masked).
-    return x is None or isinstance(x, optax.MaskedNode)
-
-
 def outer_stacks(tree: PyTree) -> list[tuple[str, Stacked]]:
     """The outermost `Stacked`s of `tree` with their key paths, in leaf order."""
     found = jtu.tree_flatten_with_path(tree, is_leaf=is_stacked)[0]
@@ -70,7 +64,7 @@ def _with_layers(tree: PyTree, new: dict[int, PyTree]) -> PyTree:
     at = [i for i, node in enumerate(nodes) if is_stacked(node)]
     for j, layers in new.items():
         nodes[at[j]] = eqx.tree_at(
-            lambda s: s.layers, nodes[at[j]], layers, is_leaf=_is_placeholder
+            lambda s: s.layers, nodes[at[j]], layers, is_leaf=is_placeholder
         )
     return jtu.tree_unflatten(treedef, nodes)
 
@@ -102,7 +96,7 @@ def _embed(state: PyTree, tree: PyTree, j: int, layers: PyTree) -> PyTree:
     """`state` (of stack `j`'s layers) with each per-parameter buffer (a subtree
     like `layers`) put in place of those layers in an empty copy of `tree`: the
     layout of optax's own buffers."""
-    target = jtu.tree_structure(layers, is_leaf=_is_placeholder)
+    target = jtu.tree_structure(layers, is_leaf=is_placeholder)
     if jtu.treedef_is_leaf(target):  # a bare array cannot be told from a count
         return state
     kind = type(layers)
@@ -110,7 +104,7 @@ def _embed(state: PyTree, tree: PyTree, j: int, layers: PyTree) -> PyTree:
 
     def is_buffer(x: object) -> bool:
         return (
-            type(x) is kind and jtu.tree_structure(x, is_leaf=_is_placeholder) == target
+            type(x) is kind and jtu.tree_structure(x, is_leaf=is_placeholder) == target
         )
 
     embed = lambda x: _with_layers(blank, {j: x}) if is_buffer(x) else x

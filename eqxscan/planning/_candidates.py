@@ -17,7 +17,7 @@ import jax.tree_util as jtu
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jaxtyping import PyTree
 
-from .._internal import check_size, is_arraylike, Remat, remat_label
+from .._internal import check_size, Device, is_arraylike, Remat, remat_label
 from ..remat import with_remat
 from ..sharding import (
     batch_shardings,
@@ -32,9 +32,6 @@ from ._report import Accelerator, MeshCandidate, MeshShape
 
 if TYPE_CHECKING:
     import optax
-
-    # `jax.Device`'s class: jax exports it as a variable, no type to the checker.
-    from jaxlib._jax import Device
 
 
 AXES = ("data", "fsdp", "model")
@@ -64,7 +61,7 @@ def mesh_shapes(devices: int, model: Sequence[int] = (1,)) -> list[MeshShape]:
     return [(d, devices // m // d, m) for m in model for d in _divisors(devices // m)]
 
 
-def make_plan_mesh(shape: MeshShape, devices: Sequence["Device"]) -> Mesh:
+def make_plan_mesh(shape: MeshShape, devices: Sequence[Device]) -> Mesh:
     """The `("data", "fsdp", "model")` mesh of a candidate, over `devices`."""
     return jax.make_mesh(
         shape, AXES, axis_types=(AxisType.Auto,) * 3, devices=list(devices)
@@ -224,7 +221,7 @@ def compile_all(
     job: Job,
     shapes: Sequence[MeshShape],
     remat: Sequence[Remat],
-    devices: Sequence["Device"],
+    devices: Sequence[Device],
     accelerator: Accelerator,
     progress: Progress,
 ) -> list[MeshCandidate]:

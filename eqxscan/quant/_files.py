@@ -8,23 +8,24 @@ each weight's name pattern to how it was quantized (docs/quantization.md#files).
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import cast, TypeVar
 
 import equinox as eqx
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jax.typing import DTypeLike
 from jaxtyping import PyTree
 
 from .._internal import (
-    describe as describe_value,
+    check_like,
     for_each,
     Held,
     hold,
     is_arraylike,
     layer_names,
+    Lazy,
+    listed,
     pattern as name_pattern,
     Site,
 )
@@ -43,6 +44,7 @@ from ._quantized import describe, Kind, Orientation, quantize_array, Quantized
 T = TypeVar("T")
 METADATA = "eqxscan.quant"
 _DOCS = "see docs/quantization.md#files"
+_EXAMPLE = "eqxscan.quant.quantize, model, targets"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,15 +185,6 @@ def _recorded(opened: Opened) -> dict[str, _Spec]:
         ) from None
 
 
-def _check_like(who: str, like: object) -> None:
-    if not any(is_arraylike(x) for x in jtu.tree_leaves(like)):
-        raise TypeError(
-            f"{who}: like must be a model of the file's layout, with arrays (or "
-            f"jax.ShapeDtypeStructs) in it, got {describe_value(like)}.\nHint: "
-            "e.g. eqx.filter_eval_shape(eqxscan.quant.quantize, model, targets)."
-        )
-
-
 def _problems(opened: Opened, like: PyTree) -> list[tuple[str, str]]:
     """What makes the files unfit for `like`, each a line and its hint."""
     held, floats = weights(like)
@@ -294,41 +287,25 @@ def load(path: str | os.PathLike, like: T) -> T:
     [`eqxscan.checkpoint.CorruptFileError`][] as [`eqxscan.load_safetensors`][]
     raises them.
     """
-    _check_like("eqxscan.quant.load", like)
+    check_like("eqxscan.quant.load", like, _EXAMPLE)
     with open_safetensors(path) as opened:
         problems = _problems(opened, like)
         if problems:
-            lines = "; ".join(line for line, _ in problems[:10])
-            more = f" and {len(problems) - 10} more" if len(problems) > 10 else ""
             raise ValueError(
                 f"{opened.where!r} does not fit the quantized model: "
-                f"{lines}{more}.\n{problems[0][1]}"
+                f"{listed([line for line, _ in problems])}.\n{problems[0][1]}"
             )
         # A float8 array of a file read as the `uint8` codes fp8 `values` are
         # held as (bit for bit): a file converted to safetensors' `F8_E4M3`
         # loads too.
         fp8 = np.dtype(jnp.float8_e4m3fn)
         state = {
-            name: _Deferred(a.shape, np.uint8, lambda a=a: np.asarray(a).view(np.uint8))
+            name: Lazy(a.shape, np.uint8, lambda a=a: np.asarray(a).view(np.uint8))
             if name.endswith(".values") and a.dtype == fp8
             else a
             for name, a in opened.arrays.items()
         }
         return _fit(opened, like, state)
-
-
-class _Deferred:
-    """An array made by `read()` when NumPy asks for it, its `shape` and `dtype`
-    known before (so `from_state_dict` checks the file first)."""
-
-    def __init__(self, shape: tuple[int, ...], dtype: DTypeLike, read: Callable):
-        self.shape, self.dtype, self.read = tuple(shape), np.dtype(dtype), read
-
-    def __array__(
-        self, dtype: np.dtype | None = None, copy: bool | None = None
-    ) -> np.ndarray:
-        array = self.read()
-        return array if dtype is None else array.astype(dtype)
 
 
 class _NonFinite(ValueError):
@@ -338,7 +315,7 @@ class _NonFinite(ValueError):
 
 def _quantized_layer(
     weight: Weight, name: str, array: object, where: str
-) -> tuple[_Deferred, _Deferred]:
+) -> tuple[Lazy, Lazy]:
     """One layer's `values` and `scales`, quantized from its float array when
     NumPy asks for either (the other kept until asked for)."""
     q, kept = weight.q, {}
@@ -362,8 +339,8 @@ def _quantized_layer(
         return pieces[piece]
 
     return (
-        _Deferred(q.values.shape[-2:], q.values.dtype, lambda: take(0)),
-        _Deferred(q.scales.shape[-2:], q.scales.dtype, lambda: take(1)),
+        Lazy(q.values.shape[-2:], q.values.dtype, lambda: take(0)),
+        Lazy(q.scales.shape[-2:], q.scales.dtype, lambda: take(1)),
     )
 
 
@@ -390,10 +367,9 @@ def _quantizing(opened: Opened, qlike: PyTree) -> dict[str, object]:
         layer = _quantized_layer(weight, name, array, opened.where)
         state[f"{name}.values"], state[f"{name}.scales"] = layer
     if wrong:
-        more = f" and {len(wrong) - 10} more" if len(wrong) > 10 else ""
         raise ValueError(
             f"{opened.where!r} does not fit the model: the weights to quantize "
-            f"have the wrong shape or dtype: {'; '.join(wrong[:10])}{more}.\n"
+            f"have the wrong shape or dtype: {listed(wrong)}.\n"
             "Hint: build like with the file's configuration (sizes and dtype)."
         )
     return state
@@ -440,7 +416,7 @@ def quantize_file(
     already, or a file holding quantized weights (load those with
     [`eqxscan.quant.load`][]).
     """
-    _check_like("eqxscan.quant.quantize_file", like)
+    check_like("eqxscan.quant.quantize_file", like, _EXAMPLE)
     done = weights(like)[0]
     if done:
         raise ValueError(

@@ -87,8 +87,6 @@ def quantize(
             f"got {group_size!r}.\nHint: a smaller group is more accurate and "
             "stores more scales."
         )
-    if orientation not in ("x@W", "W@x"):
-        raise ValueError(f"orientation must be 'x@W' or 'W@x', got {orientation!r}.")
     size = int(group_size) if kind == "int4" else None
     if any(isinstance(x, jax.ShapeDtypeStruct) for x in jtu.tree_leaves(model)):
         # An abstract model (`like` for a file): traced, as for its arrays.

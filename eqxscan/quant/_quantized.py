@@ -2,7 +2,7 @@
 used where the weight was: the layer's own `x @ self.w1` dequantizes and
 multiplies, and inside a scan the float weight exists for one layer at a time."""
 
-from typing import Literal, NoReturn
+from typing import Literal
 
 import equinox as eqx
 import jax
@@ -10,13 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Shaped
 
-from .._internal import check_matmul, describe as describe_array
+from .._internal import describe as describe_array, MatmulOnly, Orientation
 
-
-Orientation = Literal["x@W", "W@x"]
-"""How a layer uses its weight (a [`eqxscan.adapters.LoRA`][]'s base, or the
-float weight): `x @ W` (`[in, out]`, as `StackedMLP`'s `w1`) or `W @ x`
-(`[out, in]`, as `eqx.nn.Linear`'s `weight` and PyTorch)."""
 
 Kind = Literal["int8", "int4", "fp8"]
 """The storage format: `"int8"` (symmetric, a scale per output channel), `"int4"`
@@ -42,7 +37,7 @@ def _plain_int(size: int | np.integer | None) -> int | None:
     return int(size) if isinstance(size, np.integer) else size
 
 
-class Quantized(eqx.Module):
+class Quantized(MatmulOnly, eqx.Module):
     """A weight stored quantized, standing where the float weight was.
 
     `x @ q` (orientation `"x@W"`) is `x @ q.dequantize()` and `q @ x` (orientation
@@ -84,9 +79,10 @@ class Quantized(eqx.Module):
     dtype: np.dtype = eqx.field(static=True, converter=jnp.dtype)
     name: str = eqx.field(static=True, default="")
 
-    # NumPy's operators then return NotImplemented, so `np_array @ q` reaches
-    # `__rmatmul__` too.
-    __array_ufunc__ = None
+    _label = "Quantized weight"
+    _symbol = "q"
+    _maker = "quantize"
+    _instead = "`eqxscan.quant.dequantize(model)` to get float weights"
 
     def __check_init__(self) -> None:
         where = f"Quantized weight `{self.name or '<unnamed>'}`"
@@ -163,7 +159,7 @@ class Quantized(eqx.Module):
 
     def __rmatmul__(self, x: Array | np.ndarray) -> Array:
         """`x @ q`, for orientation `"x@W"`: `x` is `[..., in]`."""
-        self._check("x @ q", "x@W", x)
+        self._check("x@W", x)
         x = jnp.asarray(x)
         if self.kind == "int4":
             low, high = self._int4_halves()
@@ -172,7 +168,7 @@ class Quantized(eqx.Module):
 
     def __matmul__(self, x: Array | np.ndarray) -> Array:
         """`q @ x`, for orientation `"W@x"`: `x` is `[in]` or `[..., in, n]`."""
-        self._check("q @ x", "W@x", x)
+        self._check("W@x", x)
         x = jnp.asarray(x)
         if self.kind == "int4":
             low, high = self._int4_halves()
@@ -197,35 +193,8 @@ class Quantized(eqx.Module):
         halves = (_grouped(h, scales).astype(self.dtype) for h in _nibbles(values))
         return self._in_out(*halves)
 
-    def _check(self, op: str, used_as: Orientation, x: object) -> None:
-        where = f"The Quantized weight at `{self.name or '<unnamed>'}`"
-        check_matmul(
-            where,
-            describe(self),
-            self.shape,
-            self.orientation,
-            op,
-            used_as,
-            x,
-            maker="quantize",
-        )
-
-    def _unsupported(self, *_: object, **__: object) -> NoReturn:
-        raise TypeError(
-            f"The Quantized weight at `{self.name or '<unnamed>'}` "
-            f"({describe(self)}) supports only `x @ q` and `q @ x`, not this "
-            "operation.\nHint: a Quantized computes only `x @ q` and `q @ x`; for "
-            "anything else, use `eqxscan.quant.dequantize(model)` to get float "
-            "weights."
-        )
-
-    __add__ = __radd__ = __sub__ = __rsub__ = _unsupported
-    __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _unsupported
-    __pow__ = __neg__ = __getitem__ = __array__ = _unsupported
-
-    @property
-    def T(self) -> NoReturn:  # noqa: N802  # the array attribute's name
-        self._unsupported()
+    def _weight(self) -> str:
+        return describe(self)
 
 
 def describe(q: Quantized) -> str:

@@ -3,21 +3,14 @@ process's data turned into global `jax.Array`s, JAX doing the communication."""
 
 import math
 from collections.abc import Callable
-from typing import Any, TYPE_CHECKING
+from typing import Any
 
 import jax
 import jax.tree_util as jtu
 from jax.core import Tracer
 from jax.sharding import Mesh
 
-from .._internal import align, constrain, is_arraylike
-
-
-if TYPE_CHECKING:
-    # `jax.Device`'s class: jax exports it as a variable, no type to the checker.
-    from jaxlib._jax import Device
-else:  # the same class, named at run time for the runtime type checker
-    Device = jax.Device
+from .._internal import align, constrain, Device, is_arraylike, is_none
 
 
 def default_devices() -> list[Device]:
@@ -52,7 +45,7 @@ def _assemble(tree: Any, shardings: Any, put: Callable[[Any, Any], Any]) -> Any:
             return constrain(x, sharding)
         return put(x, sharding)
 
-    return jtu.tree_map(one, align(shardings, tree), tree, is_leaf=lambda x: x is None)
+    return jtu.tree_map(one, align(shardings, tree), tree, is_leaf=is_none)
 
 
 def place_batch(batch: Any, mesh: Mesh, shardings_for: Callable[[Any], Any]) -> Any:

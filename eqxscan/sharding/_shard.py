@@ -13,7 +13,16 @@ from jax.core import Tracer
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, Sharding
 from jaxtyping import PyTree
 
-from .._internal import align, check_size, is_arraylike, restack, Site, Stacked, walk
+from .._internal import (
+    align,
+    check_size,
+    is_arraylike,
+    is_placeholder,
+    restack,
+    Site,
+    Stacked,
+    walk,
+)
 from ._place import default_devices, Device, place, place_batch
 from ._quantized import follow_float_weights
 
@@ -243,13 +252,7 @@ def _set_layer_sharding(tree: T, layer_sharding: LayerShardingFn) -> T:
     return walk(lambda leaf, site: leaf, tree, stack=set_one)
 
 
-def _is_placeholder(x: Any) -> bool:
-    # Positions of a params-like tree that hold no array: `None` (eqx.filter) or
-    # optax's `MaskedNode` (optax.masked).
-    return x is None or type(x).__name__ == "MaskedNode"
-
-
-_leaves = functools.partial(jtu.tree_leaves, is_leaf=_is_placeholder)
+_leaves = functools.partial(jtu.tree_leaves, is_leaf=is_placeholder)
 
 
 def _map_buffers(
@@ -264,14 +267,14 @@ def _map_buffers(
     # sharded copy compare equal.
     def structure(tree: Any) -> Any:
         unset = _set_layer_sharding(tree, lambda site, layers: None)
-        return jtu.tree_structure(unset, is_leaf=_is_placeholder)
+        return jtu.tree_structure(unset, is_leaf=is_placeholder)
 
     target = structure(params)
     like = lambda x: type(x) is type(params) and structure(x) == target
     return jtu.tree_map_with_path(
         lambda path, x: buffer(path, x) if like(x) else other(x),
         opt_state,
-        is_leaf=lambda x: _is_placeholder(x) or like(x),
+        is_leaf=lambda x: is_placeholder(x) or like(x),
     )
 
 
@@ -334,11 +337,11 @@ def opt_state_shardings(
         return NamedSharding(mesh, spec)
 
     def one(path: tuple, x: Any) -> Any:
-        leaves = jtu.tree_leaves_with_path(x, is_leaf=_is_placeholder)
+        leaves = jtu.tree_leaves_with_path(x, is_leaf=is_placeholder)
         out = [
             buffer(path + p, leaf, *info) for (p, leaf), info in zip(leaves, per_param)
         ]
-        return jtu.tree_unflatten(jtu.tree_structure(x, is_leaf=_is_placeholder), out)
+        return jtu.tree_unflatten(jtu.tree_structure(x, is_leaf=is_placeholder), out)
 
     replicated = NamedSharding(mesh, PartitionSpec())
     other = lambda x: replicated if is_arraylike(x) else None
@@ -551,7 +554,7 @@ def shard(
         placed = place(opt_state, opt_sh, mesh)
         # Its buffers get the (static) structure of `new`'s arrays.
         arrays = jtu.tree_structure(
-            eqx.filter(new, eqx.is_array), is_leaf=_is_placeholder
+            eqx.filter(new, eqx.is_array), is_leaf=is_placeholder
         )
         regroup = lambda _, x: jtu.tree_unflatten(arrays, _leaves(x))
         opt_state = _map_buffers(regroup, lambda x: x, placed, model)

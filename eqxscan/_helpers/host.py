@@ -1,0 +1,42 @@
+"""Arrays on the host: `Lazy`, read from a file (or made) only when NumPy asks
+for it, and `placed_like`, a host array put where a model's array is."""
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from numpy.typing import DTypeLike
+
+
+class Lazy:
+    """An array read when NumPy asks for it, its `shape` and `dtype` known before
+    (so a whole file can be checked first)."""
+
+    def __init__(
+        self, shape: tuple[int, ...], dtype: DTypeLike, read: Callable[[], np.ndarray]
+    ):
+        self.shape, self.dtype, self.read = tuple(shape), np.dtype(dtype), read
+
+    def __array__(
+        self, dtype: DTypeLike | None = None, copy: bool | None = None
+    ) -> np.ndarray:
+        array = self.read()
+        return array if dtype is None else array.astype(dtype)
+
+
+def placed_like(like: object, value: np.ndarray) -> jax.Array | np.ndarray:
+    """`value` as `like` is: a NumPy array, or a JAX array placed as it is."""
+    if isinstance(like, np.ndarray):
+        return value
+    # A jitted function compiles again for an argument that differs in placement,
+    # committedness or weak type: match `like` in all three. An uncommitted array
+    # (the default placement) stays uncommitted.
+    if isinstance(like, jax.Array) and like.weak_type and value.ndim == 0:
+        restored = jax.lax.full_like(like, value)  # e.g. `jnp.array(0.5)` fields
+    else:
+        restored = jnp.asarray(value)
+    sharding = getattr(like, "sharding", None)
+    if sharding is not None and getattr(like, "committed", True):
+        return jax.device_put(restored, sharding)
+    return restored
