@@ -138,3 +138,18 @@ def test_core_folder_rule_can_fail():
 def test_version_from_metadata():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert eqxscan.__version__ == project["version"]
+
+
+def test_no_file_over_600_lines_nor_function_over_100():
+    # Small files with one job each; a function that outgrows a screen is cut into
+    # named steps (counted as `benchmarks/structure.py` counts them).
+    structure, mods, _ = _graph()
+    long_files = {
+        m: n for m, p in mods.items() if (n := len(p.read_text().splitlines())) > 600
+    }
+    assert not long_files, long_files
+    long_functions = [(n, f) for n, f in structure.longest(mods) if n > 100]
+    assert not long_functions, long_functions
+    # The count can fail: the longest function is found and measured.
+    n, name = structure.longest(mods)[0]
+    assert 50 < n <= 100 and ":" in name, (n, name)

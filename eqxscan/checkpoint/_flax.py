@@ -75,6 +75,14 @@ def flax_scan_state(params: Mapping[str, PyTree]) -> dict[str, np.ndarray]:
     }
 
 
+def _linears(layer: object) -> list[str]:
+    # The `eqx.nn.Linear`s of one layer, in attribute order ("" for a layer that
+    # is one).
+    is_linear = lambda x: isinstance(x, eqx.nn.Linear)
+    found = jtu.tree_flatten_with_path(layer, is_leaf=is_linear)[0]
+    return [".".join(key_name(k, ()) for k in p) for p, x in found if is_linear(x)]
+
+
 def from_flax_scan(
     like: Stacked,
     params: Mapping[str, PyTree],
@@ -126,15 +134,7 @@ def from_flax_scan(
     dense = _dense_modules(params)
     if modules is None:
         flax_names = sorted(dense, key=_natural)
-        # The `eqx.nn.Linear`s of one layer, in attribute order ("" for a layer
-        # that is one).
-        is_linear = lambda x: isinstance(x, eqx.nn.Linear)
-        found = jtu.tree_flatten_with_path(like[0], is_leaf=is_linear)[0]
-        linears = [
-            ".".join(key_name(k, ()) for k in path)
-            for path, leaf in found
-            if is_linear(leaf)
-        ]
+        linears = _linears(like[0])
         if len(flax_names) != len(linears):
             raise ValueError(
                 f"The Flax parameters have {len(flax_names)} Dense layers "

@@ -107,6 +107,14 @@ def _candidate_meshes(
     return mesh_shapes(devices, model_axis), devices
 
 
+def _check_simulate(simulate: object) -> None:
+    if simulate not in ("auto", "always"):
+        raise ValueError(
+            f"plan: simulate must be 'auto' or 'always', got {simulate!r}.\nHint: "
+            "'always' compiles in a fresh process even when this one has the devices."
+        )
+
+
 def plan(
     make_model: Callable[..., PyTree] | str,
     step: Callable[..., Sequence[PyTree]] | str,
@@ -182,11 +190,7 @@ def plan(
     """
     limit = parse_bytes(budget)
     min_size = check_size("plan: min_size", min_size, minimum=0)
-    if simulate not in ("auto", "always"):
-        raise ValueError(
-            f"plan: simulate must be 'auto' or 'always', got {simulate!r}.\nHint: "
-            "'always' compiles in a fresh process even when this one has the devices."
-        )
+    _check_simulate(simulate)
     acc = _accelerator(accelerator, peak_flops, link_bytes_per_s)
     shapes, devices = _candidate_meshes(devices, meshes, model_axis, axes, remat)
     start = time.perf_counter()
