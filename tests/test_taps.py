@@ -302,6 +302,36 @@ def test_grad_taps_per_time_step(getkey):
     np.testing.assert_allclose(got, jnp.stack([rms(c) for c in cts]), rtol=1e-5)
 
 
+def test_grad_taps_of_a_call_after_a_recurrent_whose_cell_calls_a_stack(getkey):
+    # The stack called after the Recurrent has the probe's rows right after the
+    # Recurrent's time steps: the stack inside the cell (taps per time step, no
+    # rows of the probe) moves them on by none, or they would be read past the
+    # probe's end.
+    inner = eqxscan.Stacked.from_layers(build("AA", getkey()))
+    after = eqxscan.Stacked.from_layers(build("AAA", getkey()))
+
+    class Cell(eqx.Module):
+        inner: eqxscan.Stacked
+
+        def __call__(self, x, h):
+            return self.inner(h + x)
+
+    rnn = eqxscan.Recurrent(Cell(inner))
+    xs, h0 = jr.normal(getkey(), (3, D)), jr.normal(getkey(), (D,))
+    p = eqxscan.probe(rms, h0, len(xs) + len(after))
+
+    def loss(p):
+        y, _ = eqxscan.tap(lambda h: after(rnn(h, xs)[0]), probe=p)(h0)
+        return loss_fn(y)
+
+    steps = [lambda h, x=x: inner(h + x) for x in xs]
+    early = hand_cotangents(steps, h0, lambda h: loss_fn(after(h)))
+    h = rnn(h0, xs)[0]
+    late = hand_cotangents(list(after.unstack()), h, loss_fn)
+    want = jnp.stack([rms(c) for c in early + late])
+    np.testing.assert_allclose(jax.grad(loss)(p).values, want, rtol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["stacked", "chain", "recurrent"])
 def test_probe_after_an_untapped_eager_call(kind, getkey):
     # An eager call compiles itself once per structure; the probe lives outside
