@@ -265,6 +265,19 @@ def test_a_stage_ordered_stack_called_directly_runs_its_layers_in_order(getkey):
             run()
 
 
+def test_a_non_square_stage_order_called_directly_runs_layers_in_order(getkey):
+    # With stages != repeats the stage order is not its own inverse: read back
+    # the wrong way, a direct call would run layer 4 second, dropped at the
+    # wrong layer's rate.
+    rates = [0.1 * i for i in range(6)]
+    stack = eqxscan.StackedMLP(4, 6, key=getkey(), drop_path=rates).blocks
+    staged = sharding.pipeline_order(stack, stages=3, repeats=2)
+    assert staged.drop_rates.drop_path == tuple(rates[i] for i in [0, 3, 1, 4, 2, 5])
+    x, key = jax.random.normal(getkey(), (4,)), jax.random.key(1)
+    np.testing.assert_array_equal(staged(x, key=key), stack(x, key=key))
+    np.testing.assert_array_equal(staged.vmap(x), stack.vmap(x))
+
+
 def test_layer_order_must_match_the_stack(getkey):
     mesh = jax.make_mesh((2,), ("stage",), axis_types=(AxisType.Auto,))
     stack = eqxscan.StackedMLP(4, 8, key=getkey()).blocks

@@ -537,5 +537,8 @@ def test_a_stage_order_that_does_not_fit_the_stack_is_refused(getkey):
 
     with pytest.raises(ValueError, match=r"stage_order=\(3, 2\) cuts .* 6 chunks"):
         eqxscan.Stacked(make, 8, key=getkey(), stage_order=(3, 2))
+    # 6 layers fit 2 stages, but not 2 stages x 2 repeats.
+    with pytest.raises(ValueError, match=r"stage_order=\(2, 2\) cuts .* 4 chunks"):
+        eqxscan.Stacked(make, 6, key=getkey(), stage_order=(2, 2))
     with pytest.raises(ValueError, match=r"stage_order\[0\] must be >= 1"):
         eqxscan.Stacked(make, 8, key=getkey(), stage_order=(0, 2))
