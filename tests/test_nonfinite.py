@@ -155,6 +155,11 @@ def test_a_loss_fn_that_is_no_function_is_refused(getkey):
     # The function first, as for jax.grad: the stack was called with it.
     with pytest.raises(TypeError, match=r"got a function as model and a Stacked as"):
         eqxscan.find_nonfinite(lambda m, x: jnp.sum(m(x)), stack, jnp.ones(D))  # pyright: ignore[reportArgumentType]
+    # A loss_fn that is a Module (an eqx.Partial) after the model is no such
+    # swap: it runs, and finds the layer.
+    loss = eqx.Partial(loss_fn, reverse=False)
+    r = eqxscan.find_nonfinite(injected(stack, "w", 1, jnp.nan), loss, jnp.ones(D))
+    assert (r.where, r.index) == ("forward", 1), r
 
 
 def test_a_call_in_reverse_names_the_layer_that_ran_first(getkey):

@@ -47,6 +47,15 @@ def test_nested_shapes(nested, outer_carries, getkey):
     assert (outer_carries, D) in shapes and (layers, D) not in shapes, shapes
 
 
+def test_nested_blocks_divide_the_layers_when_they_can(getkey):
+    # 14 layers: 2 blocks of 7 (a divisor near sqrt(14)), not 3 blocks of 4 and
+    # a remainder of 2, whose split copies the stacked weights.
+    stack = eqxscan.Stacked(lambda k: Block(k), 14, key=getkey(), remat="nested")
+    loss = lambda s, x: jnp.sum(jnp.sin(s(x)))
+    shapes = residual_shapes(loss, stack, jr.normal(getkey(), (D,)))
+    assert (2, D) in shapes and (2, 7, D, D) in shapes, shapes
+
+
 def arrays(tree):
     """The array leaves only: the gradients of two stacks differ in options."""
     return jax.tree.leaves(eqx.filter(tree, eqx.is_array))
@@ -129,6 +138,10 @@ def test_checkpoint_carries_and_inputs(getkey):
     recomputed = run(save_carries=False)
     assert not made(recomputed, carries), recomputed
     assert made(recomputed, f"float32[2,{D}]"), recomputed
+    # Nested and offloaded: the block-boundary carries go to the host.
+    offloaded = run(nested=2, save_carries="offload")
+    assert made(offloaded, f"float32<host>[2,{D}]"), offloaded
+    assert not made(offloaded, f"float32[2,{D}]"), offloaded
     # Combined with any jax policy, and with mode="loop".
     run(policy=jax.checkpoint_policies.dots_saveable, save_carries="offload")
     s = stack.with_options(remat=eqxscan.ScanRemat(save_carries="offload"), mode="loop")
