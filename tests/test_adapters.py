@@ -426,6 +426,11 @@ def test_select_errors(getkey):
         adapters.select(model, -2)
     with pytest.raises(TypeError, match=r"ids must be an int.*float32\[3\]"):
         adapters.select(model, jnp.zeros(3))
+    # A float id was truncated to an adapter, a one-element vector read as its id:
+    # both are refused as the vector above is.
+    for bad in (jnp.float32(1.0), jnp.array([1])):
+        with pytest.raises(TypeError, match=r"ids must be an int or an integer scalar"):
+            adapters.select(model, bad)
     with pytest.raises(ValueError, match="holds no LoRA"):
         adapters.select(eqxscan.StackedMLP(8, 2, key=getkey()), 0)
     with pytest.raises(ValueError, match="trainable: the model holds no LoRA"):

@@ -458,6 +458,7 @@ def test_stale_temporary_files_are_removed_by_the_next_save(tmp_path):
         ".model.safetensors.old.ab12cd_9.tmp",  # of `model.safetensors.old`
         ".other.safetensors.ab12cd_9.tmp",
         "model.safetensors.ab12cd_9.tmp",
+        ".model.safetensors.ab12cd_9.tmp.keep",  # a copy of one: not the save's
     ]
     for name in stale + others:
         (tmp_path / name).write_bytes(b"partial")

@@ -300,9 +300,15 @@ def test_initialize_checks_arguments():
 def test_initialize_refuses_an_address_the_runtime_would_crash_on():
     # JAX's runtime ends the process with a segmentation fault on a port that is
     # not a number, or taken; a port out of range it silently changes.
-    for address in ("127.0.0.1", "127.0.0.1:abc", "127.0.0.1:70000", ":1234"):
+    # Port 0 would have process 0 listen on a port no other process knows.
+    bad = ("127.0.0.1", "127.0.0.1:abc", "127.0.0.1:70000", ":1234", "127.0.0.1:0")
+    for address in bad:
         with pytest.raises(ValueError, match="must be 'host:port' with a port in"):
             distributed.initialize(address, 2, 1)
+    # An IPv6 host has colons of its own: the port is after the last one, and the
+    # address passes on to the next check.
+    with pytest.raises(ValueError, match=r"process_id=2 is outside 0\.\.1"):
+        distributed.initialize("[::1]:1234", 2, 2)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

@@ -128,6 +128,28 @@ def test_joined_on_our_side_split_back_on_load():
     assert eqx.tree_equal(names.load(other, external), stack)
 
 
+def test_a_join_named_in_another_order_than_the_fields_loads_each_in_place():
+    # The rule joins k before q; the module holds q first, so q's piece is read
+    # first on load: it must not be handed k's.
+    class Attn(eqx.Module):
+        q: jax.Array
+        k: jax.Array
+
+    def attn(key, fill=None):
+        if fill is not None:
+            return Attn(jnp.full((D, D), fill), jnp.full((D, D), fill))
+        return Attn(*jax.random.normal(key, (2, D, D)))
+
+    stack = eqxscan.Stacked(attn, 2, key=jax.random.key(0))
+    names = NameMap({("{i}.k", "{i}.q"): Rule("h.{i}.kq", Join(0))})
+    external = names.export(stack)
+    np.testing.assert_array_equal(
+        external["h.1.kq"], np.concatenate([stack[1].k, stack[1].q])
+    )
+    like = eqxscan.Stacked(lambda k: attn(k, 0.0), 2, key=jax.random.key(1))
+    assert eqx.tree_equal(names.load(like, external), stack)
+
+
 def test_layer_index_is_global_across_a_chains_runs_and_periodic_units():
     class Local(eqx.Module):
         w: jax.Array

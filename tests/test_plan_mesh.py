@@ -195,6 +195,17 @@ def test_rules_reach_the_fresh_process_as_logical_spec_reads_them():
         assert sharding.logical_spec(names, got) == want, (names, got)
 
 
+def test_an_optimiser_and_a_remat_policy_reach_the_job_as_given():
+    # A GradientTransformation is the optimiser itself, not a factory to call;
+    # a jax.checkpoint_policies policy comes back from JSON as that policy.
+    tx, policy = optax.adam(1e-3), jax.checkpoint_policies.dots_saveable
+    job = (bench.decoder, bench.train_step, tx, bench.batch_shape(2, 4))
+    assert make_job(*job, None, None, {}, 0).optimizer is tx
+    job = (*job[:2], None, *job[3:], None, None, {}, 0)
+    spec = encode(1, [(1, 1, 1)], [False, policy], Accelerator(1.0, 1.0), job)
+    assert decode(json.loads(json.dumps(spec)))[2] == [False, policy]
+
+
 def _loss_first(model, opt_state, batch):
     model, opt_state, loss = bench.train_step(model, opt_state, batch)
     return loss, model, opt_state

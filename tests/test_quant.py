@@ -625,6 +625,19 @@ def test_report_numbers_layers_as_the_state_dict(getkey):
             scale = np.abs(w).max(axis=0) / 127
             expected = np.abs(np.round(w / scale) * scale - w).max()
             np.testing.assert_allclose(r.max_abs, expected, rtol=1e-4)
+    # A stack of stacks: each row names its layer in both, as the state dict
+    # does (the inner index alone named two rows the same).
+    ws = jr.normal(getkey(), (2, 2, 32, 32)) * jnp.arange(1.0, 5.0).reshape(2, 2, 1, 1)
+    nested = eqxscan.Stacked.from_layers(
+        [eqxscan.Stacked.from_layers([Holder(w) for w in row]) for row in ws]
+    )
+    rows = quant.report(nested, quant.quantize(nested, "*.w"))
+    assert [r.layer for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for r in rows:
+        w = np.asarray(ws[r.layer])
+        scale = np.abs(w).max(axis=0) / 127
+        expected = np.abs(np.round(w / scale) * scale - w).max()
+        np.testing.assert_allclose(r.max_abs, expected, rtol=1e-4)
 
 
 def test_a_nonfinite_weight_is_named_by_its_layer_or_dequantizes_to_nan(getkey):

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
+import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -214,6 +215,21 @@ def test_gradient_trees_load_into_gradient_trees(getkey):
     bad = dict(state, **{"top.scale": np.array([0.0, 1.0], np.float32)})
     with pytest.raises(ValueError, match="scale must be positive"):
         eqxscan.from_state_dict(grads, bad)
+
+
+def test_masked_optimizer_states_load(getkey):
+    # optax.masked leaves a MaskedNode where the mask is False: here a Quantized
+    # weight's int8 values. Loading its state ran the Quantized's checks, which
+    # read the values it does not hold, and failed.
+    model = eqxscan.quant.quantize(_mlp(getkey()), "blocks.*.w1", kind="int8")
+    mask = jax.tree.map(eqx.is_inexact_array, model)
+    state = optax.masked(optax.adam(1e-2), mask).init(eqx.filter(model, eqx.is_array))
+    mu = state.inner_state[0].mu.blocks.layers.w1
+    assert isinstance(mu.values, optax.MaskedNode) and mu.scales.shape == (3, 1, 16)
+    state = jax.tree.map(lambda a: a + 1, state)
+    back = eqxscan.from_state_dict(state, eqxscan.to_state_dict(state))
+    assert jax.tree.structure(back) == jax.tree.structure(state)
+    assert tree_allclose(back, state)
 
 
 def test_load_into_abstract_model(getkey):
