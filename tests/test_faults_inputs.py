@@ -132,6 +132,31 @@ for bad in ([1, 2], None, {1: 2}, "blocks.0.w1"):
 """
 
 
+class _Dropping(eqx.Module):
+    linear: eqx.nn.Linear
+    dropout: eqx.nn.Dropout
+
+    def __init__(self, key):
+        self.linear, self.dropout = _linear(key), eqx.nn.Dropout(0.5)
+
+    def __call__(self, x, *, key=None):
+        return self.dropout(self.linear(x), key=key, inference=key is None)
+
+
+def test_a_number_field_traced_by_plain_jit_is_named():
+    # Under jax.jit, Dropout's p is a 0-d array among the stacked ones: the
+    # stack names it and points to eqx.filter_jit, which runs as the loop does.
+    stack = eqxscan.Stacked(_Dropping, 3, key=KEY)
+    x = jnp.linspace(-1, 1, 4)
+    with pytest.raises(ValueError) as e:
+        jax.jit(lambda s, x: s(x))(stack, x)
+    first, hint = str(e.value).splitlines()
+    assert "it has 3 layers, but `layers.dropout.p` has shape ()" in first, first
+    assert hint.startswith("Under jax.jit") and "eqx.filter_jit" in hint, hint
+    want = stack.with_options(mode="loop")(x)
+    assert jnp.allclose(eqx.filter_jit(lambda s, x: s(x))(stack, x), want)
+
+
 def test_wrong_type_of_state_dict_is_named():
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     run = subprocess.run(
