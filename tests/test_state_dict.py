@@ -558,3 +558,28 @@ def test_a_stage_order_that_does_not_fit_the_stack_is_refused(getkey):
         eqxscan.Stacked(make, 6, key=getkey(), stage_order=(2, 2))
     with pytest.raises(ValueError, match=r"stage_order\[0\] must be >= 1"):
         eqxscan.Stacked(make, 8, key=getkey(), stage_order=(0, 2))
+
+
+class Leaky(eqx.Module):
+    linear: eqx.nn.Linear
+    act: eqx.nn.PReLU  # its slope is weakly typed, as `jnp.array(0.25)`
+
+    def __init__(self, key):
+        self.linear = eqx.nn.Linear(4, 4, key=key, dtype=jnp.bfloat16)
+        self.act = eqx.nn.PReLU()
+
+    def __call__(self, x):
+        return self.act(self.linear(x))
+
+
+def test_weakly_typed_arrays_stay_weak(getkey):
+    # A strong float32 slope would turn the bfloat16 activations float32.
+    model = {"stack": eqxscan.Stacked(Leaky, 2, key=getkey()), "one": Leaky(getkey())}
+    like = eqx.filter_eval_shape(lambda: model)
+    x = jnp.ones(4, jnp.bfloat16)
+    for into in (model, like):
+        loaded = eqxscan.from_state_dict(into, eqxscan.to_state_dict(model))
+        assert loaded["stack"].layers.act.negative_slope.weak_type
+        assert loaded["one"].act.negative_slope.weak_type
+        assert eqx.tree_equal(loaded, model)
+        assert loaded["stack"](x).dtype == loaded["one"](x).dtype == jnp.bfloat16

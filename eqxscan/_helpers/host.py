@@ -32,10 +32,11 @@ def placed_like(like: object, value: np.ndarray) -> jax.Array | np.ndarray:
     # A jitted function compiles again for an argument that differs in placement,
     # committedness or weak type: match `like` in all three. An uncommitted array
     # (the default placement) stays uncommitted.
-    if isinstance(like, jax.Array) and like.weak_type and value.ndim == 0:
-        restored = jax.lax.full_like(like, value)  # e.g. `jnp.array(0.5)` fields
-    else:
-        restored = jnp.asarray(value)
+    restored = jnp.asarray(value)
+    if getattr(like, "weak_type", False):  # `jnp.array(0.5)`, a stack of PReLUs
+        # Weak as a Python number's zero: a strong float32 would promote bfloat16.
+        restored = jax.lax.full(value.shape, value.dtype.type(0).item())
+        restored = restored.at[...].set(value)
     sharding = getattr(like, "sharding", None)
     if sharding is not None and getattr(like, "committed", True):
         return jax.device_put(restored, sharding)
