@@ -60,7 +60,11 @@ from ._helpers.constrain import (
     is_none as is_none,
     is_placeholder as is_placeholder,
 )
-from ._helpers.host import Lazy as Lazy, placed_like as placed_like
+from ._helpers.host import (
+    Lazy as Lazy,
+    placed_like as placed_like,
+    weak_like as weak_like,
+)
 from ._helpers.jax_private import (
     Device as Device,
     distributed_client as distributed_client,

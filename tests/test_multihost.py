@@ -388,6 +388,23 @@ def test_single_process_checkpoints(tmp_path, getkey):
             c.restore(deeper, mesh=mesh)
 
 
+def test_restore_keeps_weakly_typed_arrays_weak(tmp_path, getkey):
+    # Orbax restores arrays strongly typed: PReLU's float32 slope would then
+    # turn the bfloat16 activations float32.
+    def block(key):
+        linear = eqx.nn.Linear(4, 4, key=key, dtype=jax.numpy.bfloat16)
+        return eqx.nn.Sequential([linear, eqx.nn.Lambda(eqx.nn.PReLU())])
+
+    model = eqxscan.Stacked(block, 2, key=getkey())
+    with checkpoint.CheckpointManager(tmp_path, asynchronous=False) as c:
+        c.save(1, model)
+        restored, _, _ = c.restore(model, mesh=sharding.make_mesh())
+    assert restored.layers.layers[1].fn.negative_slope.weak_type
+    x = jax.numpy.ones(4, jax.numpy.bfloat16)
+    assert restored(x).dtype == jax.numpy.bfloat16
+    np.testing.assert_array_equal(restored(x), model(x))
+
+
 def test_create_on_one_process(getkey):
     key = getkey()
     mesh = sharding.make_mesh(fsdp=2)

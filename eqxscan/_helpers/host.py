@@ -32,12 +32,17 @@ def placed_like(like: object, value: np.ndarray) -> jax.Array | np.ndarray:
     # A jitted function compiles again for an argument that differs in placement,
     # committedness or weak type: match `like` in all three. An uncommitted array
     # (the default placement) stays uncommitted.
-    restored = jnp.asarray(value)
-    if getattr(like, "weak_type", False):  # `jnp.array(0.5)`, a stack of PReLUs
-        # Weak as a Python number's zero: a strong float32 would promote bfloat16.
-        restored = jax.lax.full(value.shape, value.dtype.type(0).item())
-        restored = restored.at[...].set(value)
+    restored = weak_like(like, jnp.asarray(value))
     sharding = getattr(like, "sharding", None)
     if sharding is not None and getattr(like, "committed", True):
         return jax.device_put(restored, sharding)
     return restored
+
+
+def weak_like(like: object, x: jax.Array) -> jax.Array:
+    """`x`, weakly typed where `like` is (`jnp.array(0.5)`, a stack of PReLUs'
+    slopes): a strong float32 would promote bfloat16 activations to float32."""
+    if not getattr(like, "weak_type", False):
+        return x
+    # Set into the zeros of a Python number, which are weak.
+    return jax.lax.full(x.shape, x.dtype.type(0).item()).at[...].set(x)

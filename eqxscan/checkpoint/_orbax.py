@@ -29,6 +29,7 @@ from .._internal import (
     Site,
     Stacked,
     walk,
+    weak_like,
 )
 from ..sharding import MIN_SIZE, model_shardings, opt_state_shardings, shard
 from ._files import flatten, listed
@@ -153,7 +154,8 @@ def _fill(like: _M, values: dict[str, Any]) -> _M:
     # `like` with its array leaves replaced, in order, by the restored ones.
     flat = flatten(values)
     arrays, rest = eqx.partition(like, is_arraylike)
-    leaves = [flat[".".join(parts)] for parts, _ in _named_leaves(like)]
+    # Orbax restores every array strongly typed.
+    leaves = [weak_like(x, flat[".".join(parts)]) for parts, x in _named_leaves(like)]
     return eqx.combine(jtu.tree_unflatten(jtu.tree_structure(arrays), leaves), rest)
 
 
