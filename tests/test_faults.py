@@ -395,6 +395,10 @@ def test_files_of_other_writers_are_refused_in_plain_words(tmp_path):
     other = tmp_path / "other.npz"
     np.savez(other, **state, meta=np.array(b"step=3"))
     _refused(other, OLDER_WRITER, "'meta.npy' (bytes")
+    # bfloat16 in a plain numpy.savez: raw bytes, and no manifest to name them.
+    raw = tmp_path / "raw.npz"
+    np.savez(raw, **eqxscan.to_state_dict(_mlp(dtype=jax.numpy.bfloat16)))
+    _refused(raw, OLDER_WRITER, "(void16 raw bytes, as .npy stores bfloat16)")
     # A later format of the manifest.
     later = _saved(tmp_path)
     _with_manifest(later, {"format": 2, "arrays": {}})

@@ -189,8 +189,10 @@ class NpzArchive:
         for name in self.members:
             with self._open(name) as (_, shape, _, dtype):
                 pass
-            if not _is_number(dtype):
-                what = {"U": "text", "S": "bytes"}.get(dtype.kind, "values")
+            # Raw bytes: a manifest names their dtype (bfloat16, float8, ...).
+            if not _is_number(dtype) or dtype.kind == "V":
+                raw = "raw bytes, as .npy stores bfloat16"
+                what = {"U": "text", "S": "bytes", "V": raw}.get(dtype.kind, "values")
                 raise _Foreign(
                     f"it holds '{name}.npy' ({dtype.name} {what}), which eqxscan "
                     f"does not read, and no '{_MANIFEST}.npy' (the manifest "
