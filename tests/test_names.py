@@ -246,6 +246,20 @@ def test_names_of_one_side_only():
     np.testing.assert_array_equal(loaded.blocks.layers.wo, _model().blocks.layers.wo)
 
 
+def test_one_pattern_of_one_side_only_given_as_a_string():
+    # One pattern, not its characters (patterns that would match no name).
+    names = NameMap(
+        {"embed": "e", "blocks.{i}.wqkv": "q.{i}", "blocks.{i}.wo": "o.{i}"},
+        keep="blocks.{i}.norm",
+        ignore="rotary.{i}",
+    )
+    external = names.export(_model())
+    assert len(external) == 7
+    external["rotary.0"] = np.ones(2)
+    loaded = names.load(_model(1), external)
+    np.testing.assert_array_equal(loaded.blocks.layers.wo, _model().blocks.layers.wo)
+
+
 def _prefixed(names):
     return {
         "model.blocks.{i}.norm": "model.layers.{i}.input_layernorm.weight",

@@ -306,6 +306,8 @@ class NameMap:
                     f"or an eqxscan.checkpoint.Rule, got {describe(rule)}."
                 )
             self._rules.append(_Compiled(ours, rule, f"NameMap rule {k} ({ours[0]!r})"))
+        # One pattern as a string, not its characters (each would match nothing).
+        ignore, keep = ([x] if isinstance(x, str) else x for x in (ignore, keep))
         self._ignore = [_compile(p, "NameMap ignore")[0] for p in ignore]
         self._keep = [_compile(p, "NameMap keep")[0] for p in keep]
 
