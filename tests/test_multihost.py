@@ -388,6 +388,18 @@ def test_single_process_checkpoints(tmp_path, getkey):
             c.restore(deeper, mesh=mesh)
 
 
+def test_restore_after_an_asynchronous_save_restores_it(tmp_path, getkey):
+    # Not the step before, nor "no complete checkpoint": the save is in flight.
+    mesh = sharding.make_mesh()
+    first, second = make_model(getkey()), make_model(getkey())
+    with checkpoint.CheckpointManager(tmp_path) as c:
+        c.save(1, first)
+        c.save(2, second)
+        restored, _, step = c.restore(first, mesh=mesh)
+        assert step == 2 and c.latest_step() == 2
+    assert_close(by_path(restored), by_path(second), 0)
+
+
 def test_restore_keeps_weakly_typed_arrays_weak(tmp_path, getkey):
     # Orbax restores arrays strongly typed: PReLU's float32 slope would then
     # turn the bfloat16 activations float32.

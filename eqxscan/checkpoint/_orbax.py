@@ -326,7 +326,8 @@ class CheckpointManager:
           `jax.ShapeDtypeStruct`s (`eqx.filter_eval_shape(make_model, ...)`).
         - `opt_state`: likewise for the optimizer state (`None`: not restored).
         - `mesh`: the mesh to restore onto; any topology.
-        - `step`: the step to restore (default: the latest).
+        - `step`: the step to restore (default: the latest, once this
+          manager's asynchronous saves have finished).
         - `fsdp_axis`, `min_size`: as for `shard`.
         - `verify`: first check every file of the step against the SHA-256
           digests written when it was saved (each process reads the whole step
@@ -346,6 +347,7 @@ class CheckpointManager:
         checkpoint, missing from `model`/`opt_state`, or of another shape or
         dtype.
         """
+        self.wait()  # this manager's saves in flight: the latest steps
         step, verify = self._step_to_restore(step, verify, skip_corrupt)
         kw: dict[str, Any] = {"fsdp_axis": fsdp_axis, "min_size": min_size}
         target = {"model": _target(model, model_shardings(model, mesh, **kw))}
