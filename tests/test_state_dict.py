@@ -177,6 +177,16 @@ def test_depth_mismatch_of_a_nested_stack(getkey):
         eqxscan.from_state_dict(model, state)
 
 
+def test_depth_mismatch_of_a_top_level_chain(getkey):
+    # A Chain, named as such, not as a Stacked.
+    layers = [eqx.nn.Linear(2, 2, key=k) for k in jr.split(getkey(), 3)]
+    state = eqxscan.to_state_dict(eqxscan.Chain(layers))
+    with pytest.raises(
+        ValueError, match="model has L=2 layers in the top-level Chain, c"
+    ):
+        eqxscan.from_state_dict(eqxscan.Chain(layers[:2]), state)
+
+
 class Positive(eqx.Module):
     scale: jax.Array
 

@@ -169,9 +169,12 @@ def entries_of(model: PyTree) -> list[tuple[str, "_Leaf", tuple[int, ...]]]:
     return [(name, leaf, index) for _, name, leaf, index in entries]
 
 
-def _check_depths(leaves: list[_Leaf], state_dict: Mapping[str, object]) -> None:
+def _check_depths(
+    leaves: list[_Leaf], state_dict: Mapping[str, object], top: str
+) -> None:
     # Raise if the checkpoint has another number of layers in a `Stacked` or
-    # `Chain` of the model (found from the names of that module's leaves).
+    # `Chain` of the model (found from the names of that module's leaves); `top`:
+    # the model's type, for one at the top level.
     stacks: dict[Parts, tuple[int, set[str]]] = {}
     for leaf in leaves:
         for at, num_layers in leaf.enclosing:
@@ -182,7 +185,7 @@ def _check_depths(leaves: list[_Leaf], state_dict: Mapping[str, object]) -> None
         regex = re.compile(rf"{prefix}(\d+)\.(?:{'|'.join(sorted(suffixes))})")
         found = {int(m.group(1)) for k in state_dict if (m := regex.fullmatch(k))}
         if found and max(found) + 1 != depth:
-            where = pattern(parts) or "the top-level Stacked"
+            where = pattern(parts) or f"the top-level {top}"
             raise ValueError(
                 f"Depth mismatch: model has L={depth} layers in {where}, "
                 f"checkpoint has {max(found) + 1}."
@@ -231,7 +234,7 @@ def from_state_dict(like: T, state_dict: Mapping[str, object]) -> T:
         )
     leaves = _layout(like)
     expected = {name: leaf for leaf in leaves for name in leaf.names()}
-    _check_depths(leaves, state_dict)
+    _check_depths(leaves, state_dict, type(like).__name__)
     lines = [
         f"{what} keys: {listed(keys, ', ')}"
         for what, keys in (
