@@ -389,12 +389,14 @@ def test_single_process_checkpoints(tmp_path, getkey):
 
 
 def test_restore_after_an_asynchronous_save_restores_it(tmp_path, getkey):
-    # Not the step before, nor "no complete checkpoint": the save is in flight.
+    # Not the step before, nor "no complete checkpoint": the save is in flight,
+    # not an incomplete directory.
     mesh = sharding.make_mesh()
     first, second = make_model(getkey()), make_model(getkey())
     with checkpoint.CheckpointManager(tmp_path) as c:
         c.save(1, first)
         c.save(2, second)
+        assert c.latest_step() in (1, 2)  # without a warning of step 2 in flight
         restored, _, step = c.restore(first, mesh=mesh)
         assert step == 2 and c.latest_step() == 2
     assert_close(by_path(restored), by_path(second), 0)

@@ -470,8 +470,11 @@ class CheckpointManager:
     def latest_step(self) -> int | None:
         """The newest complete step, or `None`. Newer directories that are not
         complete checkpoints (stray, emptied or partly deleted) are skipped with
-        a warning naming them."""
-        step, skipped = _newest(self._manager.all_steps(), self._incomplete)
+        a warning naming them; this manager's saves in flight, without one."""
+        # This manager's saves in flight are no strays: not warned of.
+        flying = {s for s in self._unsealed if self._incomplete(s)}
+        steps = [s for s in self._manager.all_steps() if s not in flying]
+        step, skipped = _newest(steps, self._incomplete)
         if skipped:
             warnings.warn(
                 f"Skipped step directories of {self.directory!r} that are not "
