@@ -44,5 +44,7 @@ def weak_like(like: object, x: jax.Array) -> jax.Array:
     slopes): a strong float32 would promote bfloat16 activations to float32."""
     if not getattr(like, "weak_type", False):
         return x
-    # Set into the zeros of a Python number, which are weak.
-    return jax.lax.full(x.shape, x.dtype.type(0).item()).at[...].set(x)
+    # Set into the zeros of a Python number, which are weak: of the default
+    # dtype only (a weak bfloat16 stays as it is rather than turn float32).
+    weak = jax.lax.full(x.shape, x.dtype.type(0).item()).at[...].set(x)
+    return weak if weak.dtype == x.dtype else x
