@@ -195,6 +195,20 @@ def test_int4_products_in_bfloat16_round_once(getkey, orientation):
     assert err(got) <= 1.1 * err(mul(x, dense))
 
 
+@pytest.mark.parametrize("orientation", ["x@W", "W@x"])
+def test_int4_products_keep_a_complex_input_whole(getkey, orientation):
+    # Summed in float32 as asked, the halves' products dropped the imaginary
+    # part of a complex x without a word (JAX's standard promotion).
+    w = jr.normal(getkey(), (1, 64, 64))
+    one = _layer(_quantize(w, kind="int4", group_size=32, orientation=orientation), 0)
+    x = jax.lax.complex(jr.normal(getkey(), (3, 64)), jr.normal(getkey(), (3, 64)))
+    mul = (lambda x, w: x @ w) if orientation == "x@W" else (lambda x, w: w @ x.T)
+    with jax.numpy_dtype_promotion("standard"):
+        got, expected = mul(x, one), mul(x, one.dequantize())
+    assert got.dtype == jnp.complex64
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4)
+
+
 def _loss_and_grads(model, x):
     return eqx.filter_value_and_grad(lambda m, x: jnp.sum(jnp.sin(m(x))))(model, x)
 
