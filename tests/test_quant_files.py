@@ -369,6 +369,17 @@ def test_quantize_file_errors_name_the_array(tmp_path):
         in first
     )
     assert hint.startswith("Hint:")
+    # A float file without a layer of a target: its quantized arrays are the
+    # missing keys, and the hint says where they come from (it once asked for
+    # like "quantized as the file was", of a float file).
+    state = {k: np.asarray(v) for k, v in eqxscan.to_state_dict(model).items()}
+    del state["blocks.1.w1"]
+    safetensors.numpy.save_file(state, path)
+    with pytest.raises(ValueError) as e:
+        quant.quantize_file(path, _mlp(1), targets=MLP)
+    first, hint = str(e.value).splitlines()
+    assert "missing keys: 'blocks.1.w1.values', 'blocks.1.w1.scales'" in first
+    assert "'<name>' of the file" in hint and "quantized as the file" not in hint
     with pytest.raises(ValueError, match=r"match no array of the model"):
         quant.quantize_file(path, _mlp(1), targets="blocks.*.wq")
     with pytest.raises(TypeError, match="like must be a model"):

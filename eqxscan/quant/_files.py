@@ -240,7 +240,13 @@ def _problems(opened: Opened, like: PyTree) -> list[tuple[str, str]]:
     return problems
 
 
-def _fit(opened: Opened, like: T, state: Mapping[str, object]) -> T:
+def _fit(
+    opened: Opened,
+    like: T,
+    state: Mapping[str, object],
+    build: str = "the saved model's configuration (depth, sizes, dtype), quantized "
+    "as the file was.",
+) -> T:
     """`from_state_dict`, its errors naming the files."""
     try:
         return from_state_dict(like, state)
@@ -248,10 +254,7 @@ def _fit(opened: Opened, like: T, state: Mapping[str, object]) -> T:
         raise
     except ValueError as e:
         first, *rest = str(e).splitlines()
-        hint = rest or [
-            "Hint: build like with the saved model's configuration (depth, "
-            "sizes, dtype), quantized as the file was."
-        ]
+        hint = rest or [f"Hint: build like with {build}"]
         raise ValueError(
             "\n".join([f"{opened.where!r} does not fit the model: {first}", *hint])
         ) from None
@@ -457,4 +460,8 @@ def quantize_file(
                 "like), like quantized as the file was, which checks how: e.g. "
                 "eqx.filter_eval_shape(eqxscan.quant.quantize, model, targets, ...)."
             )
-        return _fit(opened, qlike, _quantizing(opened, qlike))
+        build = (
+            "the file's configuration (depth, sizes, dtype); each targeted "
+            "'<name>' of the file is quantized into '<name>.values' and '.scales'."
+        )
+        return _fit(opened, qlike, _quantizing(opened, qlike), build)
