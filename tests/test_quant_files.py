@@ -382,8 +382,10 @@ def test_quantize_file_errors_name_the_array(tmp_path):
     assert "'<name>' of the file" in hint and "quantized as the file" not in hint
     with pytest.raises(ValueError, match=r"match no array of the model"):
         quant.quantize_file(path, _mlp(1), targets="blocks.*.wq")
-    with pytest.raises(TypeError, match="like must be a model"):
+    with pytest.raises(TypeError, match="like must be a model") as e:
         quant.quantize_file(path, None, targets=MLP)
+    # The float model's: a quantized like (as quant.load takes) is refused.
+    assert "quant.quantize" not in str(e.value).splitlines()[1]
     # A quantized like (quant.load's): the float model is wanted.
     with pytest.raises(ValueError) as e:
         quant.quantize_file(path, _like(), targets=MLP)

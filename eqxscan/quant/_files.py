@@ -419,7 +419,7 @@ def quantize_file(
     already, or a file holding quantized weights (load those with
     [`eqxscan.quant.load`][]).
     """
-    check_like("eqxscan.quant.quantize_file", like, _EXAMPLE)
+    check_like("eqxscan.quant.quantize_file", like)  # the float model
     done = weights(like)[0]
     if done:
         raise ValueError(
