@@ -224,13 +224,19 @@ def test_mismatches_are_named_by_weight(tmp_path):
         {n: {"kind": "int4", "group_size": 32, "orientation": "x@W", "dtype": "float32"}
          for n in MLP})})  # fmt: skip
     _refused(int4, _like("int4", 32, dim=64), "missing keys: 'blocks.1.w2.scales'")
-    # A quantized file of another writer, which records nothing.
+    # A quantized file of another writer, which records nothing: the hint
+    # once said to write it with quant.save, as if it could not be read.
+    quant.save(int4, _quantized("int4", 32, dim=64))
     _rewrite(int4)
     _refused(
         int4,
         _like("int4", 32, dim=64),
         "`blocks.*.w1` is quantized in the file ('blocks.0.w1.values') with no "
         "record of how (its metadata 'eqxscan.quant')",
+        "Hint: eqxscan.load(path, like) reads it",
+    )
+    assert eqx.tree_equal(
+        eqxscan.load(int4, _like("int4", 32, dim=64)), _quantized("int4", 32, dim=64)
     )
 
 

@@ -222,8 +222,8 @@ def _problems(opened: Opened, like: PyTree) -> list[tuple[str, str]]:
                 (
                     f"`{pattern}` is quantized in the file ('{w.names[0]}.values') "
                     f"with no record of how (its metadata {METADATA!r})",
-                    "Hint: write quantized models with eqxscan.quant.save, which "
-                    f"records it; {_DOCS}.",
+                    "Hint: eqxscan.load(path, like) reads it, checking shapes "
+                    "only; eqxscan.quant.save records how.",
                 )
             )
     for pattern, spec in recorded.items():
