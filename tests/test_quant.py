@@ -544,6 +544,10 @@ def test_report_against_errors_by_hand(getkey):
         r"at `blocks\.\*\.w1` the float model holds float32\[3,64,256\]",
         lambda: quant.report(wide, q),
     )
+    # Two quantized models: the Quantized was described over 8 lines.
+    with pytest.raises(ValueError, match="the float model holds Quantized") as e:
+        quant.report(q, q)
+    assert len(str(e.value).splitlines()) == 2, str(e.value)
 
 
 @pytest.mark.parametrize("kind", ["int4", "fp8"])
