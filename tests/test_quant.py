@@ -2,6 +2,8 @@
 each kind, and quantized models against the same models on the dequantized
 float weights (scan and loop, values and gradients)."""
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -491,6 +493,25 @@ def test_wrong_use_raises(getkey):
     # jnp's products check their arguments first: JAX's own TypeError.
     with pytest.raises(TypeError, match="dot requires ndarray"):
         jnp.dot(jnp.ones((3, 64)), one)
+
+
+class XW(eqx.Module):
+    weight: jax.Array
+
+    def __call__(self, x):
+        return x @ self.weight
+
+
+def test_a_module_type_used_as_x_at_w_is_pointed_to_a_name_pattern(getkey):
+    # A module type's weights are taken as 'W@x' whatever orientation= says:
+    # the hint to pass orientation='x@W' to quantize changed nothing.
+    model, x = XW(jr.normal(getkey(), (32, 8))), jnp.ones((3, 32))
+    hint = r"pass quantize a name pattern and orientation='x@W'"
+    for orientation in ("W@x", "x@W"):
+        q = quant.quantize(model, XW, orientation=orientation)
+        _raises(TypeError, hint, functools.partial(q, x))
+    q = quant.quantize(model, "weight", orientation="x@W")  # as the hint says
+    np.testing.assert_allclose(q(x), x @ q.weight.dequantize())
 
 
 def test_report_against_errors_by_hand(getkey):
