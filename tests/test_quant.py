@@ -2,6 +2,8 @@
 each kind, and quantized models against the same models on the dequantized
 float weights (scan and loop, values and gradients)."""
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -193,6 +195,20 @@ def test_int4_products_in_bfloat16_round_once(getkey, orientation):
     got = mul(x, one)
     assert got.dtype == jnp.bfloat16
     assert err(got) <= 1.1 * err(mul(x, dense))
+
+
+@pytest.mark.parametrize("orientation", ["x@W", "W@x"])
+def test_int4_products_keep_a_complex_input_whole(getkey, orientation):
+    # Summed in float32 as asked, the halves' products dropped the imaginary
+    # part of a complex x without a word (JAX's standard promotion).
+    w = jr.normal(getkey(), (1, 64, 64))
+    one = _layer(_quantize(w, kind="int4", group_size=32, orientation=orientation), 0)
+    x = jax.lax.complex(jr.normal(getkey(), (3, 64)), jr.normal(getkey(), (3, 64)))
+    mul = (lambda x, w: x @ w) if orientation == "x@W" else (lambda x, w: w @ x.T)
+    with jax.numpy_dtype_promotion("standard"):
+        got, expected = mul(x, one), mul(x, one.dequantize())
+    assert got.dtype == jnp.complex64
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4)
 
 
 def _loss_and_grads(model, x):
@@ -479,6 +495,25 @@ def test_wrong_use_raises(getkey):
         jnp.dot(jnp.ones((3, 64)), one)
 
 
+class XW(eqx.Module):
+    weight: jax.Array
+
+    def __call__(self, x):
+        return x @ self.weight
+
+
+def test_a_module_type_used_as_x_at_w_is_pointed_to_a_name_pattern(getkey):
+    # A module type's weights are taken as 'W@x' whatever orientation= says:
+    # the hint to pass orientation='x@W' to quantize changed nothing.
+    model, x = XW(jr.normal(getkey(), (32, 8))), jnp.ones((3, 32))
+    hint = r"pass quantize a name pattern and orientation='x@W'"
+    for orientation in ("W@x", "x@W"):
+        q = quant.quantize(model, XW, orientation=orientation)
+        _raises(TypeError, hint, functools.partial(q, x))
+    q = quant.quantize(model, "weight", orientation="x@W")  # as the hint says
+    np.testing.assert_allclose(q(x), x @ q.weight.dequantize())
+
+
 def test_report_against_errors_by_hand(getkey):
     model = eqxscan.StackedMLP(32, 3, key=getkey())
     q = quant.quantize(model, TARGETS, kind="int4", group_size=32)
@@ -516,7 +551,13 @@ def test_report_against_errors_by_hand(getkey):
     # The wrong pair of models is named.
     _raises(ValueError, "holds no Quantized", lambda: quant.report(model, model))
     shallow = eqxscan.StackedMLP(32, 2, key=getkey())
-    _raises(ValueError, "not shaped as", lambda: quant.report(shallow, q))
+    # Where they differ is named (once only "different pytree metadata").
+    _raises(
+        ValueError,
+        r"not shaped as .*: at `\.blocks\.layers\.w1` the float model holds "
+        r"float32\[2,32,128\], the quantized one float32\[3,32,128\]",
+        lambda: quant.report(shallow, q),
+    )
     abstract = eqx.filter_eval_shape(quant.quantize, model, TARGETS)
     _raises(
         ValueError,
@@ -530,6 +571,10 @@ def test_report_against_errors_by_hand(getkey):
         r"at `blocks\.\*\.w1` the float model holds float32\[3,64,256\]",
         lambda: quant.report(wide, q),
     )
+    # Two quantized models: the Quantized was described over 8 lines.
+    with pytest.raises(ValueError, match="the float model holds Quantized") as e:
+        quant.report(q, q)
+    assert len(str(e.value).splitlines()) == 2, str(e.value)
 
 
 @pytest.mark.parametrize("kind", ["int4", "fp8"])

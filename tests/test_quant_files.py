@@ -224,13 +224,19 @@ def test_mismatches_are_named_by_weight(tmp_path):
         {n: {"kind": "int4", "group_size": 32, "orientation": "x@W", "dtype": "float32"}
          for n in MLP})})  # fmt: skip
     _refused(int4, _like("int4", 32, dim=64), "missing keys: 'blocks.1.w2.scales'")
-    # A quantized file of another writer, which records nothing.
+    # A quantized file of another writer, which records nothing: the hint
+    # once said to write it with quant.save, as if it could not be read.
+    quant.save(int4, _quantized("int4", 32, dim=64))
     _rewrite(int4)
     _refused(
         int4,
         _like("int4", 32, dim=64),
         "`blocks.*.w1` is quantized in the file ('blocks.0.w1.values') with no "
         "record of how (its metadata 'eqxscan.quant')",
+        "Hint: eqxscan.load(path, like) reads it",
+    )
+    assert eqx.tree_equal(
+        eqxscan.load(int4, _like("int4", 32, dim=64)), _quantized("int4", 32, dim=64)
     )
 
 
@@ -369,10 +375,23 @@ def test_quantize_file_errors_name_the_array(tmp_path):
         in first
     )
     assert hint.startswith("Hint:")
+    # A float file without a layer of a target: its quantized arrays are the
+    # missing keys, and the hint says where they come from (it once asked for
+    # like "quantized as the file was", of a float file).
+    state = {k: np.asarray(v) for k, v in eqxscan.to_state_dict(model).items()}
+    del state["blocks.1.w1"]
+    safetensors.numpy.save_file(state, path)
+    with pytest.raises(ValueError) as e:
+        quant.quantize_file(path, _mlp(1), targets=MLP)
+    first, hint = str(e.value).splitlines()
+    assert "missing keys: 'blocks.1.w1.values', 'blocks.1.w1.scales'" in first
+    assert "'<name>' of the file" in hint and "quantized as the file" not in hint
     with pytest.raises(ValueError, match=r"match no array of the model"):
         quant.quantize_file(path, _mlp(1), targets="blocks.*.wq")
-    with pytest.raises(TypeError, match="like must be a model"):
+    with pytest.raises(TypeError, match="like must be a model") as e:
         quant.quantize_file(path, None, targets=MLP)
+    # The float model's: a quantized like (as quant.load takes) is refused.
+    assert "quant.quantize" not in str(e.value).splitlines()[1]
     # A quantized like (quant.load's): the float model is wanted.
     with pytest.raises(ValueError) as e:
         quant.quantize_file(path, _like(), targets=MLP)

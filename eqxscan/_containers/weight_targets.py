@@ -63,10 +63,13 @@ class MatmulOnly:
         )
         if self.orientation != used_as:
             other = " @ ".join(reversed(op.split(" @ ")))
+            # A module type's weights are 'W@x' whatever orientation= says.
+            by = "a name pattern" if used_as == "x@W" else "a module type or pattern"
             raise TypeError(
                 f"{where} has orientation {self.orientation!r} but was used "
-                f"as `{op}`; it computes `{other}` only.\nHint: pass orientation="
-                f"{used_as!r} to {self._maker} for a layer that computes `{op}`."
+                f"as `{op}`; it computes `{other}` only.\nHint: for a layer that "
+                f"computes `{op}`, pass {self._maker} {by} and orientation="
+                f"{used_as!r}."
             )
         if len(shape) != 2:
             raise TypeError(

@@ -117,7 +117,7 @@ def describe(x: object) -> str:
         # PRNG keys have an extended dtype (`key<fry>`), which NumPy cannot read.
         extended = jnp.issubdtype(x.dtype, jax.dtypes.extended)
         return f"{x.dtype if extended else jnp.dtype(x.dtype).name}[{shape}]"
-    text = repr(x)
+    text = " ".join(repr(x).split())  # a module's repr: one line, in an error's
     return text if len(text) <= 80 else text[:77] + "..."
 
 

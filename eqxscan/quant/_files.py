@@ -222,8 +222,8 @@ def _problems(opened: Opened, like: PyTree) -> list[tuple[str, str]]:
                 (
                     f"`{pattern}` is quantized in the file ('{w.names[0]}.values') "
                     f"with no record of how (its metadata {METADATA!r})",
-                    "Hint: write quantized models with eqxscan.quant.save, which "
-                    f"records it; {_DOCS}.",
+                    "Hint: eqxscan.load(path, like) reads it, checking shapes "
+                    "only; eqxscan.quant.save records how.",
                 )
             )
     for pattern, spec in recorded.items():
@@ -240,7 +240,13 @@ def _problems(opened: Opened, like: PyTree) -> list[tuple[str, str]]:
     return problems
 
 
-def _fit(opened: Opened, like: T, state: Mapping[str, object]) -> T:
+def _fit(
+    opened: Opened,
+    like: T,
+    state: Mapping[str, object],
+    build: str = "the saved model's configuration (depth, sizes, dtype), quantized "
+    "as the file was.",
+) -> T:
     """`from_state_dict`, its errors naming the files."""
     try:
         return from_state_dict(like, state)
@@ -248,10 +254,7 @@ def _fit(opened: Opened, like: T, state: Mapping[str, object]) -> T:
         raise
     except ValueError as e:
         first, *rest = str(e).splitlines()
-        hint = rest or [
-            "Hint: build like with the saved model's configuration (depth, "
-            "sizes, dtype), quantized as the file was."
-        ]
+        hint = rest or [f"Hint: build like with {build}"]
         raise ValueError(
             "\n".join([f"{opened.where!r} does not fit the model: {first}", *hint])
         ) from None
@@ -416,7 +419,7 @@ def quantize_file(
     already, or a file holding quantized weights (load those with
     [`eqxscan.quant.load`][]).
     """
-    check_like("eqxscan.quant.quantize_file", like, _EXAMPLE)
+    check_like("eqxscan.quant.quantize_file", like)  # the float model
     done = weights(like)[0]
     if done:
         raise ValueError(
@@ -457,4 +460,8 @@ def quantize_file(
                 "like), like quantized as the file was, which checks how: e.g. "
                 "eqx.filter_eval_shape(eqxscan.quant.quantize, model, targets, ...)."
             )
-        return _fit(opened, qlike, _quantizing(opened, qlike))
+        build = (
+            "the file's configuration (depth, sizes, dtype); each targeted "
+            "'<name>' of the file is quantized into '<name>.values' and '.scales'."
+        )
+        return _fit(opened, qlike, _quantizing(opened, qlike), build)

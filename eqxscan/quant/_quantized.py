@@ -203,12 +203,14 @@ def describe(q: Quantized) -> str:
 
 
 def _summed(*products: tuple[Array, Array]) -> Array:
-    """The sum of the products `a @ b`, kept in float32 and rounded once, as the
-    product by the whole weight is: bfloat16 halves would round twice more."""
-    total = sum(
-        jnp.matmul(a, b, preferred_element_type=jnp.float32) for a, b in products
-    )
-    return jnp.asarray(total).astype(jnp.result_type(*products[0]))
+    """The sum of the products `a @ b`, kept in float32 (or wider: float64,
+    complex, which float32 would truncate) and rounded once, as the product by
+    the whole weight is: bfloat16 halves would round twice more."""
+    dtype = jnp.result_type(*products[0])
+    # NumPy's promotion: JAX's strict mode refuses bfloat16 with float32.
+    wide = np.promote_types(dtype, np.float32)
+    total = sum(jnp.matmul(a, b, preferred_element_type=wide) for a, b in products)
+    return jnp.asarray(total).astype(dtype)
 
 
 def _grouped(values: Array, scales: Array) -> Array:

@@ -11,7 +11,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, PyTree
 
-from .._internal import describe, LayerNumbering, resolve
+from .._internal import describe, first_difference, LayerNumbering, resolve
 from ._files import weights
 from ._quantize import is_quantized
 from ._quantized import Quantized
@@ -115,9 +115,22 @@ def report(float_model: PyTree, quantized_model: PyTree) -> Report:
     try:
         jtu.tree_map_with_path(pair, quantized_model, float_model, is_leaf=is_quantized)
     except ValueError as e:
+        # Named where: JAX's first line says only what kind of difference.
+        floats = jtu.tree_map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if is_quantized(x) else x,
+            quantized_model,
+            is_leaf=is_quantized,
+        )
+        diff = first_difference(float_model, floats)
+        at = (
+            f": at `{diff[0]}` the float model holds {diff[1]}, the quantized one "
+            f"{diff[2]}"
+            if diff
+            else f" ({str(e).splitlines()[0]})"
+        )
         raise ValueError(
             "report: the float model is not shaped as the quantized model with "
-            f"arrays where its Quantized weights are ({str(e).splitlines()[0]}).\n"
+            f"arrays where its Quantized weights are{at}.\n"
             "Hint: pass the model given to quantize, then what it returned."
         ) from e
     if not pairs:
