@@ -351,6 +351,16 @@ def test_rslora_scaling(base, tmp_path):
             json.dumps({**PEFT_CONFIG, "rank_pattern": {"down_proj": 8}}),
             "'rank_pattern' is {'down_proj': 8}",
         ),
+        # Factors of the usual shapes, used otherwise: aLoRA (only after its
+        # invocation tokens), Arrow (routed per token).
+        (
+            json.dumps({**PEFT_CONFIG, "alora_invocation_tokens": [7, 9]}),
+            "'alora_invocation_tokens' is [7, 9]",
+        ),
+        (
+            json.dumps({**PEFT_CONFIG, "arrow_config": {"top_k": 3}}),
+            "'arrow_config' is {'top_k': 3}",
+        ),
     ],
 )
 def test_config_errors(base, tmp_path, text, message):

@@ -114,6 +114,10 @@ def _read_config(directory: str) -> _Config:
             ("lora_bias", (False, None)),
             ("rank_pattern", ({}, None)),
             ("alpha_pattern", ({}, None)),
+            # Factors of the usual shapes, applied otherwise: only after the
+            # invocation tokens (aLoRA), or routed per token (Arrow).
+            ("alora_invocation_tokens", (None,)),
+            ("arrow_config", (None,)),
         )
         if key in config and config[key] not in plain
     ]
@@ -121,7 +125,7 @@ def _read_config(directory: str) -> _Config:
         raise _config_error(
             path,
             ", ".join(unsupported) + " (eqxscan's LoRA has one rank and scale, "
-            "no bias and no DoRA)",
+            "no bias, DoRA, aLoRA or Arrow)",
             "train the adapter with plain LoRA settings.",
         )
     rslora = bool(config.get("use_rslora", False))
