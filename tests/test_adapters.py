@@ -386,6 +386,9 @@ def test_add_lora_errors(getkey):
     adapted = adapters.add_lora(model, "blocks.*.w1", rank=2, key=getkey())
     with pytest.raises(ValueError, match=r"`blocks.\*.w1.base` is inside the LoRA at"):
         adapters.add_lora(adapted, "blocks.*.w1.base", rank=2, key=getkey())
+    # The same pattern again (a cell run twice) names the LoRA itself.
+    with pytest.raises(ValueError, match=r"target `blocks.\*.w1` is adapted already"):
+        adapters.add_lora(adapted, ["*.w2", "blocks.*.w1"], rank=2, key=getkey())
     counts = {"w": jnp.ones((4, 4)), "counts": jnp.ones((4, 4), jnp.int32)}
     with pytest.raises(TypeError, match=r"`counts` is int32\[4, 4\], but a LoRA"):
         adapters.add_lora(counts, "*", rank=2, key=getkey())

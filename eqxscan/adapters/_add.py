@@ -4,6 +4,7 @@ import itertools
 import math
 import numbers
 from collections.abc import Sequence
+from fnmatch import fnmatchcase
 from typing import cast
 
 import equinox as eqx
@@ -85,7 +86,7 @@ def add_lora(
     alpha = float(alpha)
     count = itertools.count()
     adapted = [pattern(site.path) for _, site in lora_sites(model)]
-    _check_modules(model, targets)
+    _check_adapted(model, targets, adapted)
 
     def make(w: object, depth: int, name: str, orientation: Orientation) -> LoRA:
         base = cast(Array | Quantized, w)
@@ -157,10 +158,17 @@ def _check_target(
     return axes, shape
 
 
-def _check_modules(model: PyTree, targets: object) -> None:
-    # A targeted module whose weight is a LoRA already: say so, rather than that
-    # it has no array weight.
+def _check_adapted(model: PyTree, targets: object, adapted: list[str]) -> None:
+    # A target that is a LoRA already (by name, or a module's weight): say so,
+    # rather than that it matches no array or has no array weight.
     items = targets if isinstance(targets, (list, tuple)) else [targets]
+    names = [t for t in items if isinstance(t, str)]
+    if hit := next((n for n in adapted for t in names if fnmatchcase(n, t)), None):
+        raise ValueError(
+            f"add_lora: the target `{hit}` is adapted already: it is a LoRA.\n"
+            "Hint: give add_lora num_adapters= for several adapters, or adapt "
+            "`adapters.merge(model)`'s weights."
+        )
     kinds = tuple(t for t in items if isinstance(t, type))
     is_kind = lambda x: isinstance(x, kinds)  # noqa: E731
     for path, node in jtu.tree_leaves_with_path(model, is_leaf=is_kind):
