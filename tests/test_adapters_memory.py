@@ -219,6 +219,12 @@ def test_merge_errors(getkey):
         adapters.unmerge(plain, adapted)
     back = adapters.unmerge(plain, adapted, -1)  # the base alone: nothing merged
     assert back.blocks.layers.w1.base is plain.blocks.layers.w1
+    # A model without LoRAs: merge has nothing to merge, unmerge (its arguments
+    # swapped) nothing to recover.
+    with pytest.raises(ValueError, match="merge: the model holds no LoRA"):
+        adapters.merge(plain, 0)
+    with pytest.raises(ValueError, match=r"unmerge: the adapted model \(its second"):
+        adapters.unmerge(adapted, adapters.merge(adapted))
 
 
 def test_fsdp_base_with_replicated_adapters(getkey):

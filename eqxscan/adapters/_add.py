@@ -25,7 +25,7 @@ from .._internal import (
     Target,
 )
 from ..quant import Quantized
-from ._lora import is_lora, LoRA, lora_sites, loras, Orientation
+from ._lora import is_lora, LoRA, lora_sites, loras_in, Orientation
 
 
 def add_lora(
@@ -201,13 +201,7 @@ def trainable(model: PyTree) -> PyTree[bool]:
 
     A pytree of bools with `model`'s structure.
     """
-
-    if not loras(model):
-        raise ValueError(
-            "trainable: the model holds no LoRA, so nothing would be trained."
-            "\nHint: add adapters first with "
-            "eqxscan.adapters.add_lora, and use the model it returns."
-        )
+    loras_in(model, "trainable")
 
     def spec(node: object) -> object:
         if not isinstance(node, LoRA):

@@ -160,6 +160,16 @@ def loras(model: PyTree) -> list[LoRA]:
     return [x for x in jtu.tree_leaves(model, is_leaf=is_lora) if is_lora(x)]
 
 
+def loras_in(model: PyTree, who: str, what: str = "the model") -> list[LoRA]:
+    """Every `LoRA` of `model`, or an error naming `who` where it holds none."""
+    if not (found := loras(model)):
+        raise ValueError(
+            f"{who}: {what} holds no LoRA.\nHint: add adapters first with "
+            "eqxscan.adapters.add_lora, and pass the model it returns."
+        )
+    return found
+
+
 def lora_sites(model: PyTree) -> list[tuple[LoRA, Site]]:
     """Each `LoRA` of `model` with where it sits by state-dict name, once for
     each place it is held in."""

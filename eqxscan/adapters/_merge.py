@@ -14,7 +14,7 @@ from jaxtyping import Array, PyTree
 
 from .._internal import Checked, describe
 from ..quant import Quantized
-from ._lora import check_adapter, is_lora, LoRA
+from ._lora import check_adapter, is_lora, LoRA, loras_in
 
 
 def _ids(lora: LoRA, adapter: object, who: str) -> Array:
@@ -110,6 +110,7 @@ def merge(
     adapted model computes with `adapter` selected.
     """
     fn = _donating if donate else _jitted
+    loras_in(model, "merge")
 
     def one(node: object) -> object:
         if not isinstance(node, LoRA):
@@ -149,6 +150,8 @@ def unmerge(
     (to float rounding).
     """
     fn = _donating if donate else _jitted
+    # A plain `adapted` (the arguments swapped): nothing to recover.
+    loras_in(adapted, "unmerge", "the adapted model (its second argument)")
 
     def one(node: object, weight: object) -> object:
         if not isinstance(node, LoRA):

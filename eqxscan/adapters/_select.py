@@ -9,7 +9,7 @@ import numpy as np
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
 from .._internal import Checked, describe, is_none, split_key
-from ._lora import check_adapter, loras
+from ._lora import check_adapter, loras, loras_in
 
 
 def select(model: PyTree, ids: Checked[int | Int[Array, ""]]) -> PyTree:
@@ -43,12 +43,7 @@ def select(model: PyTree, ids: Checked[int | Int[Array, ""]]) -> PyTree:
             f"{describe(ids)}.\nHint: for one adapter per row, vmap over rows: "
             "jax.vmap(lambda x, i: adapters.select(model, i)(x))(xs, ids)."
         )
-    found = loras(model)
-    if not found:
-        raise ValueError(
-            "select: the model holds no LoRA.\nHint: add adapters first with "
-            "eqxscan.adapters.add_lora."
-        )
+    found = loras_in(model, "select")
     if isinstance(ids, jax.core.Tracer):
         # One id per layer, so that a scan hands each layer its own.
         chosen = jnp.asarray(ids, jnp.int32)
