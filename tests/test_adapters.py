@@ -130,6 +130,8 @@ def test_other_operations_raise(getkey):
         lambda: jnp.asarray(lora),
         lambda: np.asarray(lora),
         lambda: lora.T,
+        lambda: x @ lora.astype(x.dtype),  # a mixed-precision layer's cast
+        lambda: lora.reshape(-1),
     ):
         with pytest.raises(TypeError, match=r"The LoRA at `w`.*\n.*merge"):
             op()

@@ -96,6 +96,7 @@ class MatmulOnly:
     __add__ = __radd__ = __sub__ = __rsub__ = _unsupported
     __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _unsupported
     __pow__ = __neg__ = __getitem__ = __array__ = _unsupported
+    astype = reshape = transpose = _unsupported  # not an AttributeError naming none
 
     @property
     def T(self) -> NoReturn:  # noqa: N802  # the array attribute's name
