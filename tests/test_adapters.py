@@ -374,6 +374,9 @@ def test_add_lora_errors(getkey):
     once = adapters.add_lora(stack, [eqx.nn.Linear], rank=2, key=getkey())
     with pytest.raises(ValueError, match=r"Linear at `.layers.linear` is adapted al"):
         adapters.add_lora(once, eqx.nn.Linear, rank=2, key=getkey())
+    # ... or named twice in one call, by its type and by name.
+    with pytest.raises(TypeError, match=r"holds a LoRA as its weight.*\n.*once"):
+        adapters.add_lora(stack, ["*.weight", eqx.nn.Linear], rank=2, key=getkey())
     for alpha in (0.0, -2.0, float("nan")):
         with pytest.raises(ValueError, match="alpha must be a positive finite"):
             adapters.add_lora(model, "*.w1", rank=2, alpha=alpha, key=getkey())

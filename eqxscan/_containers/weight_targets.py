@@ -213,8 +213,15 @@ def _replace_modules(
         nonlocal count
         if not isinstance(node, kind):
             return node
-        weight = weight_at(getattr(node, "weight", None))
+        held = getattr(node, "weight", None)
+        weight = weight_at(held)
         where = f"{who}: the {type(node).__name__} at `{jtu.keystr(path)}`"
+        if isinstance(held, MatmulOnly) and weight is None:  # e.g. named twice
+            raise TypeError(
+                f"{where} holds a {type(held).__name__} as its weight, not an "
+                f"array.\nHint: target each weight once (by name pattern or by "
+                "module type), and the arrays inside it by name (`<weight>.base`)."
+            )
         if weight is None:
             raise TypeError(
                 f"{where} has no array `weight` to {verb[0]}.\nHint: target its "
