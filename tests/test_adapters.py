@@ -276,6 +276,7 @@ def test_linear_stack_equals_a_hand_written_lora_loop(getkey):
     stack = _random_b(stack, getkey())
     lora = stack.layers.linear.weight
     assert lora.orientation == "W@x" and lora.a.shape == (3, 1, 2, 6)
+    assert lora.name == "*.linear.weight"  # the state dict's, as for a pattern
 
     def reference(stack, x):
         w, bias = stack.layers.linear.weight, stack.layers.linear.bias

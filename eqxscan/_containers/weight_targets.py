@@ -208,6 +208,14 @@ def _replace_modules(
     model: PyTree, kind: type[eqx.Module], make: Make, who: str, verb: tuple[str, str]
 ) -> PyTree:
     count = 0
+    # Each weight's state-dict name, as a pattern's match has (a key path such
+    # as `.groups[3].weight` would name a Chain's group, not its layer).
+    names: dict[int, str] = {}
+    for_each(
+        lambda w, site: names.update({id(weight_at(w)): pattern(site.path)}),
+        hold(model),
+        names=True,
+    )
 
     def replace(path: tuple, node: object) -> object:
         nonlocal count
@@ -237,7 +245,7 @@ def _replace_modules(
                 "model's Linear modules, or its matrices by name pattern."
             )
         count += 1
-        name = jtu.keystr(path) + ".weight"
+        name = names.get(id(weight), jtu.keystr(path) + ".weight")
         new = make(weight, max(weight.ndim - 2, 0), name, "W@x")
         return eqx.tree_at(lambda mod: mod.weight, node, new)
 
