@@ -364,6 +364,10 @@ def test_add_lora_errors(getkey):
         adapters.add_lora(model, [3], rank=2, key=getkey())
     with pytest.raises(TypeError, match="non-empty list"):
         adapters.add_lora(model, [], rank=2, key=getkey())
+    # The model passed as targets (arguments swapped): shortened, not its repr.
+    with pytest.raises(TypeError, match="targets must be .* got StackedMLP") as e:
+        adapters.add_lora("blocks.*.w1", model, rank=2, key=getkey())
+    assert len(str(e.value)) < 300
     with pytest.raises(ValueError, match="num_adapters must be >= 1"):
         adapters.add_lora(model, "*.w1", rank=2, num_adapters=0, key=getkey())
     with pytest.raises(ValueError, match="orientation must be 'x@W' or 'W@x'"):

@@ -395,6 +395,11 @@ def test_argument_errors(base, tmp_path):
         load_peft(model, directory, names)
     with pytest.raises(TypeError, match="name_map must be an eqxscan.checkpoint"):
         load_peft(_adapted(model), directory, {"blocks.{i}.w2": "x"})
+    for fn in (load_peft, save_peft):  # the directory and the map swapped
+        with pytest.raises(
+            TypeError, match=r"directory must be a path, got <.*NameMap"
+        ):
+            fn(_adapted(model), names, directory)
     # The weights file given for its directory.
     with pytest.raises(NotADirectoryError, match=r"load_peft: .* is a file, not a"):
         load_peft(_adapted(model), directory / WEIGHTS, names)

@@ -265,7 +265,7 @@ def _targets(targets: object, who: str) -> list[Target]:
     if not isinstance(items, Sequence) or not items:
         raise TypeError(
             f"{who}: targets must be a name pattern, a module type, or a "
-            f"non-empty list of them, got {targets!r}.\nHint: e.g. "
+            f"non-empty list of them, got {describe(targets)}.\nHint: e.g. "
             "targets=['blocks.*.w1', 'blocks.*.w2'] or targets=eqx.nn.Linear."
         )
     for t in items:
@@ -274,7 +274,7 @@ def _targets(targets: object, who: str) -> list[Target]:
         ):
             raise TypeError(
                 f"{who}: each target must be a name pattern (str) or an "
-                f"eqx.Module type, got {t!r}.\nHint: e.g. 'blocks.*.w1' or "
+                f"eqx.Module type, got {describe(t)}.\nHint: e.g. 'blocks.*.w1' or "
                 "eqx.nn.Linear."
             )
     return list(items)

@@ -18,7 +18,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from .._internal import Checked, placed_like
+from .._internal import Checked, describe, placed_like
 from ..checkpoint import NameMap, read_safetensors, save_safetensors
 from ._lora import is_lora, LoRA
 from ._peft_targets import (
@@ -60,7 +60,12 @@ def _not_found(path: str) -> FileNotFoundError:
     )
 
 
-def _directory(path: str | os.PathLike, who: str) -> str:
+def _directory(path: object, who: str) -> str:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(
+            f"{who}: directory must be a path, got {describe(path)}.\nHint: the "
+            f"arguments are (model, directory, name_map)."
+        )
     path = os.fspath(path)
     if os.path.exists(path) and not os.path.isdir(path):
         raise NotADirectoryError(
@@ -234,7 +239,7 @@ def _match(
 
 def load_peft(
     model: PyTree,
-    directory: str | os.PathLike,
+    directory: Checked[str | os.PathLike],
     name_map: Checked[NameMap],
     *,
     adapter: Checked[int | None] = None,
@@ -328,7 +333,7 @@ def _write_json(path: str, value: Mapping[str, object]) -> None:
 
 def save_peft(
     model: PyTree,
-    directory: str | os.PathLike,
+    directory: Checked[str | os.PathLike],
     name_map: Checked[NameMap],
     *,
     adapter: Checked[int | None] = None,
