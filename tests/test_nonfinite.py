@@ -295,3 +295,43 @@ def test_run_layers_parameter_gradient_of_the_first_layer_run(getkey):
         assert not jnp.isfinite(eqx.filter_grad(loss)(stack, x).layers.h[2])
         r = eqxscan.find_nonfinite(stack, loss, x)
         assert (r.where, r.index, r.leaf) == ("backward", 2, "layer.h"), r
+
+
+class Root(eqx.Module):
+    w: Array
+    r: Array  # 0 here: a non-finite gradient of `r` alone, every cotangent finite
+
+    def __call__(self, x):
+        return jnp.tanh(self.w @ x) + jnp.sqrt(self.r)
+
+
+class RootScale(eqx.Module):
+    r: Array
+
+    def __call__(self, x):
+        return 0.9 * x + jnp.sqrt(self.r)
+
+
+def test_parameter_gradient_in_a_repeated_pattern_names_its_layer(getkey):
+    w = 0.3 * jr.normal(getkey(), (6, D, D))
+    one = jnp.ones(D)
+    layers = [Root(w[i], one) if i % 2 else RootScale(one) for i in range(6)]
+    assert eqxscan.Chain(layers).layout[0].per_step == 2  # one pattern, 3 repeats
+    for k in range(6):
+        bad = list(layers)
+        bad[k] = eqx.tree_at(lambda m: m.r, bad[k], jnp.zeros(D))
+        r = eqxscan.find_nonfinite(eqxscan.Chain(bad), loss_fn, jnp.ones(D))
+        assert (r.where, r.index, r.leaf) == ("backward", k, "layer.r"), r
+
+
+def test_parameter_gradient_in_a_stage_ordered_stack_names_its_layer(getkey):
+    keys = jr.split(getkey(), 8)
+    stack = eqxscan.Stacked.from_layers(
+        [Root(0.3 * jr.normal(k, (D, D)), jnp.ones(D)) for k in keys]
+    )
+    for k in (2, 5):  # stored at positions 4 and 3
+        r = jnp.ones((8, D)).at[k].set(0.0)
+        bad = eqx.tree_at(lambda s: s.layers.r, stack, r)
+        staged = eqxscan.sharding.pipeline_order(bad, stages=2, repeats=2)
+        r = eqxscan.find_nonfinite(staged, loss_fn, jnp.ones(D))
+        assert (r.where, r.index, r.leaf) == ("backward", k, "layer.r"), r

@@ -17,7 +17,7 @@ from jaxtyping import Array, Float, PyTree
 
 from .._containers.chain import Chain
 from .._containers.recurrent import Recurrent
-from .._containers.stacked import Stacked
+from .._containers.stacked import LayerNumbering, Stacked
 from .._helpers.checks import Checked
 from .._scan.tap_stats import nonfinite_count
 from .._scan.taps import Probe, tap_calls
@@ -68,29 +68,29 @@ class NonFinite:
 
 def _param_counts(grads: PyTree) -> list[tuple[str, dict[str, Float[Array, " L"]]]]:
     """Per outermost `Stacked` or `Chain` in `grads` (its class name beside),
-    per parameter path: the non-finite entries of each layer's gradient (a
-    `Chain`'s repeated patterns are not split)."""
+    per parameter path: the non-finite entries of each layer's gradient."""
     out = []
     is_container = lambda x: isinstance(x, Stacked | Chain)  # noqa: E731
     for container in filter(is_container, jtu.tree_leaves(grads, is_leaf=is_container)):
         counts: dict[str, Array] = {}
-        if isinstance(container, Stacked):
-            parts = [(container, 0, 1)]
-        else:
-            spans = zip(container.groups, container.layout)
-            parts = [(g, s.start, s.per_step) for g, s in spans if s.per_step < 2]
-        for part, start, per_step in parts:
-            n, tree = (part.num_layers, part.layers) if per_step else (1, part)
-            for path, leaf in jtu.tree_leaves_with_path(tree):
-                if eqx.is_inexact_array(leaf) and (
-                    not per_step or (leaf.ndim and leaf.shape[0] == n)
-                ):
-                    bad = jnp.sum(~jnp.isfinite(leaf.reshape(n, -1)), axis=1)
-                    row = counts.get(jtu.keystr(path), jnp.zeros(len(container)))
-                    row = row.at[start : start + n].add(bad.astype(row.dtype))
-                    counts[jtu.keystr(path)] = row.astype(jnp.float32)
+        container.state_dict_layers(functools.partial(_count, counts, len(container)))
         out.append((type(container).__name__, counts))
     return out
+
+
+def _count(
+    counts: dict, length: int, tree: PyTree, numbering: LayerNumbering, axes: tuple
+) -> PyTree:
+    # Layers numbered as the state dict numbers them (a repeated pattern's, a
+    # stack stored in stage order), not by position in the stacked arrays.
+    ids = numbering.number(tuple(np.indices(axes)))
+    for path, leaf in jtu.tree_leaves_with_path(tree):
+        if eqx.is_inexact_array(leaf) and leaf.shape[: len(axes)] == axes:
+            rest = tuple(range(len(axes), leaf.ndim))
+            bad = jnp.sum(~jnp.isfinite(leaf), axis=rest, dtype=jnp.float32)
+            row = counts.get(jtu.keystr(path), jnp.zeros(length))
+            counts[jtu.keystr(path)] = row.at[ids].add(bad)
+    return tree
 
 
 def _shared_counts(grads: PyTree) -> dict[str, Array]:
