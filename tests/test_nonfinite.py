@@ -335,3 +335,27 @@ def test_parameter_gradient_in_a_stage_ordered_stack_names_its_layer(getkey):
         staged = eqxscan.sharding.pipeline_order(bad, stages=2, repeats=2)
         r = eqxscan.find_nonfinite(staged, loss_fn, jnp.ones(D))
         assert (r.where, r.index, r.leaf) == ("backward", k, "layer.r"), r
+
+
+class Scale(eqx.Module):
+    s: Array
+    h: Array  # as Block's
+
+    def __call__(self, x):
+        return x * self.s + jnp.sqrt(jnp.sum(x**2) * self.h)
+
+
+@pytest.mark.parametrize("mode", ["scan", "loop"])
+def test_a_repeated_pattern_is_read_in_the_order_its_layers_ran(mode, getkey):
+    w, one = 0.3 * jr.normal(getkey(), (6, D, D)), jnp.ones(())
+    layers = [Block(w[i], one, one) if i % 2 else Scale(one, one) for i in range(6)]
+    x = jr.normal(getkey(), (D,))
+    cases = [(lambda m: m.s, jnp.inf, "forward"), (lambda m: m.h, 0.0, "backward")]
+    for k in range(6):
+        for field, value, where in cases:
+            bad = list(layers)
+            bad[k] = eqx.tree_at(field, bad[k], jnp.asarray(value))
+            chain = eqxscan.Chain(bad).with_options(mode=mode)
+            assert chain.layout[0].per_step == 2  # one pattern, 3 repeats
+            r = eqxscan.find_nonfinite(chain, loss_fn, x)
+            assert (r.where, r.index) == (where, k), r

@@ -242,6 +242,7 @@ def collected(run: Run) -> Run:
             opened, records = len(state.calls), []
             with setting(_SCOPE, records), setting(_DEPTH, _DEPTH.get() + 1):
                 new, y = step(c, x)
+            records = _in_order(records)
             if calls:  # a later step of `mode="loop"`: the same calls again
                 del state.calls[opened:]
             else:
@@ -253,6 +254,33 @@ def collected(run: Run) -> Run:
         return c, ys
 
     return wrapped
+
+
+def _in_order(records: list) -> list:
+    # A step's records of one call that follow each other (a repeated pattern's
+    # layers) joined, row by row: stacked apart, the scan would group them by
+    # their place in the step, not in the order the layers ran.
+    out: list = []
+    for idx, s, call in records:
+        last = out[-1] if out else (None, None, None)
+        if last[2] is call and idx is not None and last[0] is not None:
+            (a, u), (b, v) = _rows(*last[:2]), _rows(idx, s)
+            if _rows_like(u) == _rows_like(v):
+                joined = jtu.tree_map(lambda *r: jnp.concatenate(r), u, v)
+                out[-1] = (jnp.concatenate([a, b]), joined, call)
+                continue
+        out.append((idx, s, call))
+    return out
+
+
+def _rows(idx: Array, stats: PyTree) -> tuple[Array, PyTree]:
+    cut = lambda a: a.reshape(idx.size, *a.shape[idx.ndim :])  # noqa: E731
+    return idx.reshape(-1), jtu.tree_map(cut, stats)
+
+
+def _rows_like(stats: PyTree) -> tuple:
+    rows = [(a.shape[1:], a.dtype) for a in jtu.tree_leaves(stats)]
+    return jtu.tree_structure(stats), rows
 
 
 @contextlib.contextmanager
