@@ -359,3 +359,23 @@ def test_a_repeated_pattern_is_read_in_the_order_its_layers_ran(mode, getkey):
             assert chain.layout[0].per_step == 2  # one pattern, 3 repeats
             r = eqxscan.find_nonfinite(chain, loss_fn, x)
             assert (r.where, r.index) == (where, k), r
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_parameter_gradient_of_two_stacks_names_the_stack_that_made_it(swap, getkey):
+    # Two stacks of one length, held as `(enc, dec)`, called in that order or
+    # swapped: each call's parameter counts are those of the stack it called.
+    def stack(bad):
+        r = jnp.ones((L, D)) if bad is None else jnp.ones((L, D)).at[bad].set(0.0)
+        w = 0.3 * jr.normal(getkey(), (L, D, D))
+        return eqxscan.Stacked(layers=Root(w, r), num_layers=L)
+
+    def loss(m, x):
+        first, second = m[::-1] if swap else m
+        return loss_fn(second, first(x))
+
+    for bad_enc in (True, False):
+        enc, dec = (stack(1), stack(None)) if bad_enc else (stack(None), stack(4))
+        r = eqxscan.find_nonfinite((enc, dec), loss, jnp.ones(D))
+        call = "Stacked" if bad_enc != swap else "Stacked_1"  # the bad one's
+        assert (r.where, r.index, r.call) == ("backward", 1 if bad_enc else 4, call), r

@@ -48,6 +48,7 @@ class _Call:
     depth: int = 0
     offset: int = 0
     reverse: bool = False  # last step first (`reverse=True`, held or passed)
+    module: int = 0  # the `id` of the container called
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +122,7 @@ def call_of(module: object, reverse: object = False) -> Iterator[None]:
         )
     offset = _count([r for r in state.records if r[2].depth == 0])
     reverse = reverse is True or getattr(module, "reverse", False) is True
-    call = _Call(name, _DEPTH.get(), offset, reverse)
+    call = _Call(name, _DEPTH.get(), offset, reverse, id(module))
     state.calls.append(call)
     with setting(_CALL, call):
         yield
