@@ -38,7 +38,7 @@ from .index import (
     take as take,
 )
 from .layer_index import at_layer
-from .taps import inside_layer, tapped
+from .taps import inside_layer, tapped, untapped
 
 
 def arg_name(index_or_name: int | str) -> str:
@@ -338,9 +338,10 @@ def _run_writing(
 
     def fn(old: PyTree) -> tuple[tuple[PyTree, PyTree], PyTree]:
         args, kwargs = replace_arg(one.args, one.kwargs, at, old)  # pyright: ignore[reportArgumentType]  # the slice stands where the view was
-        new, y = run_one(
-            layer, call, one._replace(args=args, kwargs=kwargs), carry, who
-        )
+        with untapped():  # tapped below: records must not leave this trace
+            new, y = run_one(
+                layer, call, one._replace(args=args, kwargs=kwargs), carry, who
+            )
         if not (isinstance(new, tuple) and len(new) == 2):
             raise TypeError(
                 f"{who} is called with an eqxscan.buffer, so it must return "
@@ -351,7 +352,7 @@ def _run_writing(
         return (new[0], y), new[1]
 
     (new_carry, y), tree = call_writing(fn, view, who)
-    return (new_carry, tree), y
+    return (tapped(one.number, new_carry, carry), tree), y
 
 
 LayerFn = Callable[[PyTree], PyTree]
