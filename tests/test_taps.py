@@ -591,3 +591,17 @@ def test_statistics_of_a_complex_carry_use_the_modulus(getkey):
     hand = [x := layer(x) for layer in stack.unstack()]
     close(got["rms"], jnp.stack([jnp.sqrt(jnp.mean(jnp.abs(h) ** 2)) for h in hand]))
     close(got["max"], jnp.stack([jnp.max(jnp.abs(h)) for h in hand]))
+
+
+def test_layers_layerdrop_skipped_have_zeros_in_every_grouping(getkey):
+    # A stack skips in its scan; a repeated pattern's and a lone layer's draws
+    # are made in the layer call, which once tapped a skipped layer's carry.
+    key, x = jr.key(11), jr.normal(getkey(), (D,))
+    skipped = []
+    for pattern in ("AAAAAA", "ABABAB", "AAAAAB"):
+        chain = eqxscan.Chain(build(pattern, getkey()), layer_drop=0.5)
+        y, got = eqxscan.tap(chain, rms)(x, key=key)
+        skipped.append(np.asarray(got) == 0)
+    assert 0 < skipped[0].sum() < 6  # the same draws for every grouping
+    np.testing.assert_array_equal(skipped[1], skipped[0])
+    np.testing.assert_array_equal(skipped[2], skipped[0])

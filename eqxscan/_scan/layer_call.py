@@ -30,7 +30,7 @@ from jaxtyping import Array, Bool, PyTree
 from .._helpers.checks import check_leading_axis, check_takes_key, describe
 from .._helpers.stateful import clone, replace_arg
 from .buffers import call_writing, find_buffer, PerLayer, view_of
-from .drop_rates import DropInputs, dropping
+from .drop_rates import DropInputs, dropping, runs_here
 from .index import (
     Index as Index,
     index as index,
@@ -315,7 +315,8 @@ def run_one(
     # Named for profiles: a scanned stack's ops carry the layer's class.
     with at_layer(number), inside_layer(), jax.named_scope(type(layer).__name__):
         new, y = (fn if one.drop is None else dropping(fn, one.drop))(carry)
-    return tapped(one.number, new, old), y
+    ran = None if one.drop is None else runs_here(one.drop)
+    return tapped(one.number, new, old, ran), y
 
 
 def _run_writing(

@@ -192,9 +192,12 @@ def _probed(stat: Callable[[PyTree], PyTree], x: PyTree, p: PyTree) -> PyTree:
 _probed.defvjp(lambda stat, x, p: (x, None), lambda stat, res, ct: (ct, stat(ct)))
 
 
-def tapped(i: Index | None, new: PyTree, old: PyTree) -> PyTree:
+def tapped(
+    i: Index | None, new: PyTree, old: PyTree, ran: Array | None = None
+) -> PyTree:
     """Layer (or step) `i`'s output `new`, given `old`: its statistics
-    recorded and its slice of the probe attached."""
+    recorded (a row of zeros where LayerDrop skipped it: `ran` false) and its
+    slice of the probe attached."""
     state = _TAPPING.get()
     scope = _SCOPE.get()
     if state is None or scope is None or i is None:
@@ -202,7 +205,9 @@ def tapped(i: Index | None, new: PyTree, old: PyTree) -> PyTree:
     stats = None  # without `stat`, only counted: a probe has a row per layer
     if state.stat is not None:
         stats = state.stat(new, old) if state.with_input else state.stat(new)
-    scope.append((jnp.asarray(i, jnp.float32) + 1, stats, _CALL.get()))
+    number = jnp.asarray(i, jnp.float32) + 1
+    number = number if ran is None else jnp.where(ran, number, 0.0)
+    scope.append((number, stats, _CALL.get()))
     return _attached(state.probe, i, new)
 
 
