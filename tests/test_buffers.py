@@ -608,3 +608,27 @@ def test_buffer_marked_inside_another_argument_is_refused():
         eqxscan.buffer(eqxscan.per_layer(c))
     with pytest.raises(TypeError, match="holding an eqxscan.buffer marker"):
         eqxscan.buffer(eqxscan.buffer(c))
+
+
+@pytest.mark.parametrize("mode", ["scan", "loop"])
+def test_a_decode_step_is_tapped_like_the_hand_loop(mode):
+    n, stack = 3, stacked(3, mode=mode)
+    x, cache = jr.normal(jr.key(1), (2, D)), cache_of(8, (3,))
+    rms = eqxscan.stats.rms
+    (y, _), got = eqxscan.tap(stack, rms)(x, eqxscan.buffer(cache), pos=1)
+    want, h = [], x
+    for layer, c in zip(stack.unstack(), per_layer_list(cache, n)):
+        h, _ = layer(h, c, 1)
+        want.append(rms(h))
+    assert_close(got, jnp.stack(want))
+    probe = eqxscan.probe(rms, x, n)
+
+    def loss(p, stack):
+        (y, _), _ = eqxscan.tap(stack, probe=p)(x, eqxscan.buffer(cache), pos=1)
+        return jnp.sum(y**2)
+
+    assert jax.grad(loss)(probe, stack).values.shape == (n,)
+    bad = eqx.tree_at(lambda s: s.layers.wo, stack, stack.layers.wo.at[1].set(jnp.nan))
+    decode = lambda s, x: jnp.sum(s(x, eqxscan.buffer(cache), pos=1)[0] ** 2)  # noqa: E731
+    r = eqxscan.find_nonfinite(bad, decode, x)
+    assert (r.where, r.index) == ("forward", 1), r

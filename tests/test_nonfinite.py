@@ -295,3 +295,87 @@ def test_run_layers_parameter_gradient_of_the_first_layer_run(getkey):
         assert not jnp.isfinite(eqx.filter_grad(loss)(stack, x).layers.h[2])
         r = eqxscan.find_nonfinite(stack, loss, x)
         assert (r.where, r.index, r.leaf) == ("backward", 2, "layer.h"), r
+
+
+class Root(eqx.Module):
+    w: Array
+    r: Array  # 0 here: a non-finite gradient of `r` alone, every cotangent finite
+
+    def __call__(self, x):
+        return jnp.tanh(self.w @ x) + jnp.sqrt(self.r)
+
+
+class RootScale(eqx.Module):
+    r: Array
+
+    def __call__(self, x):
+        return 0.9 * x + jnp.sqrt(self.r)
+
+
+def test_parameter_gradient_in_a_repeated_pattern_names_its_layer(getkey):
+    w = 0.3 * jr.normal(getkey(), (6, D, D))
+    one = jnp.ones(D)
+    layers = [Root(w[i], one) if i % 2 else RootScale(one) for i in range(6)]
+    assert eqxscan.Chain(layers).layout[0].per_step == 2  # one pattern, 3 repeats
+    for k in range(6):
+        bad = list(layers)
+        bad[k] = eqx.tree_at(lambda m: m.r, bad[k], jnp.zeros(D))
+        r = eqxscan.find_nonfinite(eqxscan.Chain(bad), loss_fn, jnp.ones(D))
+        assert (r.where, r.index, r.leaf) == ("backward", k, "layer.r"), r
+
+
+def test_parameter_gradient_in_a_stage_ordered_stack_names_its_layer(getkey):
+    keys = jr.split(getkey(), 8)
+    stack = eqxscan.Stacked.from_layers(
+        [Root(0.3 * jr.normal(k, (D, D)), jnp.ones(D)) for k in keys]
+    )
+    for k in (2, 5):  # stored at positions 4 and 3
+        r = jnp.ones((8, D)).at[k].set(0.0)
+        bad = eqx.tree_at(lambda s: s.layers.r, stack, r)
+        staged = eqxscan.sharding.pipeline_order(bad, stages=2, repeats=2)
+        r = eqxscan.find_nonfinite(staged, loss_fn, jnp.ones(D))
+        assert (r.where, r.index, r.leaf) == ("backward", k, "layer.r"), r
+
+
+class Scale(eqx.Module):
+    s: Array
+    h: Array  # as Block's
+
+    def __call__(self, x):
+        return x * self.s + jnp.sqrt(jnp.sum(x**2) * self.h)
+
+
+@pytest.mark.parametrize("mode", ["scan", "loop"])
+def test_a_repeated_pattern_is_read_in_the_order_its_layers_ran(mode, getkey):
+    w, one = 0.3 * jr.normal(getkey(), (6, D, D)), jnp.ones(())
+    layers = [Block(w[i], one, one) if i % 2 else Scale(one, one) for i in range(6)]
+    x = jr.normal(getkey(), (D,))
+    cases = [(lambda m: m.s, jnp.inf, "forward"), (lambda m: m.h, 0.0, "backward")]
+    for k in range(6):
+        for field, value, where in cases:
+            bad = list(layers)
+            bad[k] = eqx.tree_at(field, bad[k], jnp.asarray(value))
+            chain = eqxscan.Chain(bad).with_options(mode=mode)
+            assert chain.layout[0].per_step == 2  # one pattern, 3 repeats
+            r = eqxscan.find_nonfinite(chain, loss_fn, x)
+            assert (r.where, r.index) == (where, k), r
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_parameter_gradient_of_two_stacks_names_the_stack_that_made_it(swap, getkey):
+    # Two stacks of one length, held as `(enc, dec)`, called in that order or
+    # swapped: each call's parameter counts are those of the stack it called.
+    def stack(bad):
+        r = jnp.ones((L, D)) if bad is None else jnp.ones((L, D)).at[bad].set(0.0)
+        w = 0.3 * jr.normal(getkey(), (L, D, D))
+        return eqxscan.Stacked(layers=Root(w, r), num_layers=L)
+
+    def loss(m, x):
+        first, second = m[::-1] if swap else m
+        return loss_fn(second, first(x))
+
+    for bad_enc in (True, False):
+        enc, dec = (stack(1), stack(None)) if bad_enc else (stack(None), stack(4))
+        r = eqxscan.find_nonfinite((enc, dec), loss, jnp.ones(D))
+        call = "Stacked" if bad_enc != swap else "Stacked_1"  # the bad one's
+        assert (r.where, r.index, r.call) == ("backward", 1 if bad_enc else 4, call), r

@@ -578,3 +578,30 @@ def test_containers_in_a_tapped_recurrent_cell_are_tapped(mode, getkey):
     p = eqxscan.probe(rms, jnp.zeros(D), 4)
     g = jax.grad(lambda p: jnp.sum(eqxscan.tap(rnn, probe=p)(jnp.zeros(D), xs)[0][0]))
     assert g(p).values.shape == (4,)
+
+
+def test_statistics_of_a_complex_carry_use_the_modulus(getkey):
+    linear = eqx.nn.Linear(D, D, use_bias=False, key=getkey())
+    w = jax.lax.complex(*jr.normal(getkey(), (2, 3, D, D)))
+    stack = eqxscan.Stacked(
+        layers=eqx.tree_at(lambda m: m.weight, linear, w), num_layers=3
+    )
+    x = jax.lax.complex(jnp.ones(D), 2 * jnp.ones(D))
+    y, got = eqxscan.tap(stack, both)(x)
+    hand = [x := layer(x) for layer in stack.unstack()]
+    close(got["rms"], jnp.stack([jnp.sqrt(jnp.mean(jnp.abs(h) ** 2)) for h in hand]))
+    close(got["max"], jnp.stack([jnp.max(jnp.abs(h)) for h in hand]))
+
+
+def test_layers_layerdrop_skipped_have_zeros_in_every_grouping(getkey):
+    # A stack skips in its scan; a repeated pattern's and a lone layer's draws
+    # are made in the layer call, which once tapped a skipped layer's carry.
+    key, x = jr.key(11), jr.normal(getkey(), (D,))
+    skipped = []
+    for pattern in ("AAAAAA", "ABABAB", "AAAAAB"):
+        chain = eqxscan.Chain(build(pattern, getkey()), layer_drop=0.5)
+        y, got = eqxscan.tap(chain, rms)(x, key=key)
+        skipped.append(np.asarray(got) == 0)
+    assert 0 < skipped[0].sum() < 6  # the same draws for every grouping
+    np.testing.assert_array_equal(skipped[1], skipped[0])
+    np.testing.assert_array_equal(skipped[2], skipped[0])

@@ -17,7 +17,7 @@ from jaxtyping import Array, Float, PyTree
 
 from .._containers.chain import Chain
 from .._containers.recurrent import Recurrent
-from .._containers.stacked import Stacked
+from .._containers.stacked import LayerNumbering, Stacked
 from .._helpers.checks import Checked
 from .._scan.tap_stats import nonfinite_count
 from .._scan.taps import Probe, tap_calls
@@ -68,29 +68,33 @@ class NonFinite:
 
 def _param_counts(grads: PyTree) -> list[tuple[str, dict[str, Float[Array, " L"]]]]:
     """Per outermost `Stacked` or `Chain` in `grads` (its class name beside),
-    per parameter path: the non-finite entries of each layer's gradient (a
-    `Chain`'s repeated patterns are not split)."""
+    per parameter path: the non-finite entries of each layer's gradient."""
     out = []
-    is_container = lambda x: isinstance(x, Stacked | Chain)  # noqa: E731
-    for container in filter(is_container, jtu.tree_leaves(grads, is_leaf=is_container)):
+    for container in _containers(grads):
         counts: dict[str, Array] = {}
-        if isinstance(container, Stacked):
-            parts = [(container, 0, 1)]
-        else:
-            spans = zip(container.groups, container.layout)
-            parts = [(g, s.start, s.per_step) for g, s in spans if s.per_step < 2]
-        for part, start, per_step in parts:
-            n, tree = (part.num_layers, part.layers) if per_step else (1, part)
-            for path, leaf in jtu.tree_leaves_with_path(tree):
-                if eqx.is_inexact_array(leaf) and (
-                    not per_step or (leaf.ndim and leaf.shape[0] == n)
-                ):
-                    bad = jnp.sum(~jnp.isfinite(leaf.reshape(n, -1)), axis=1)
-                    row = counts.get(jtu.keystr(path), jnp.zeros(len(container)))
-                    row = row.at[start : start + n].add(bad.astype(row.dtype))
-                    counts[jtu.keystr(path)] = row.astype(jnp.float32)
+        container.state_dict_layers(functools.partial(_count, counts, len(container)))
         out.append((type(container).__name__, counts))
     return out
+
+
+def _containers(tree: PyTree) -> list[Stacked | Chain]:
+    is_container = lambda x: isinstance(x, Stacked | Chain)  # noqa: E731
+    return [c for c in jtu.tree_leaves(tree, is_leaf=is_container) if is_container(c)]
+
+
+def _count(
+    counts: dict, length: int, tree: PyTree, numbering: LayerNumbering, axes: tuple
+) -> PyTree:
+    # Layers numbered as the state dict numbers them (a repeated pattern's, a
+    # stack stored in stage order), not by position in the stacked arrays.
+    ids = numbering.number(tuple(np.indices(axes)))
+    for path, leaf in jtu.tree_leaves_with_path(tree):
+        if eqx.is_inexact_array(leaf) and leaf.shape[: len(axes)] == axes:
+            rest = tuple(range(len(axes), leaf.ndim))
+            bad = jnp.sum(~jnp.isfinite(leaf), axis=rest, dtype=jnp.float32)
+            row = counts.get(jtu.keystr(path), jnp.zeros(length))
+            counts[jtu.keystr(path)] = row.at[ids].add(bad)
+    return tree
 
 
 def _shared_counts(grads: PyTree) -> dict[str, Array]:
@@ -113,7 +117,11 @@ def _program(model: PyTree, loss_fn: Callable[..., Array], inputs: tuple) -> tup
         m, probes = m_and_probes
         probe, emitted = (None, None) if probes is None else probes
         fn = lambda *a: loss_fn(m, *a)  # noqa: E731
-        return tap_calls(fn, nonfinite_count, False, probe, inputs, {}, emitted)
+        value, calls = tap_calls(fn, nonfinite_count, False, probe, inputs, {}, emitted)
+        # Where `m` holds each call's container: the place of its gradient.
+        held = [id(c) for c in _containers(m)]
+        at = lambda c: held.index(c.module) if c.module in held else None  # noqa: E731
+        return value, [(c, s, i, at(c)) for c, s, i in calls or ()]
 
     # Two probes per container call, one row per layer and carry leaf, like the
     # forward counts: the cotangent of each output carry, and of what a
@@ -121,14 +129,14 @@ def _program(model: PyTree, loss_fn: Callable[..., Array], inputs: tuple) -> tup
     calls = eqx.filter_eval_shape(lambda: loss((model, None))[1])
     zeros = {
         c.name: jtu.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), s)
-        for c, s, _ in calls
+        for c, s, *_ in calls
     }
     probes = tuple(Probe(zeros, nonfinite_count, per_call=True) for _ in range(2))
     (value, forward), (g_model, g_probes) = eqx.filter_value_and_grad(
         loss, has_aux=True
     )((model, probes))
     backward, emitted = (p.values for p in g_probes)
-    rows = [(c, s, backward[c.name], emitted[c.name], i) for c, s, i in forward]
+    rows = [(c, s, backward[c.name], emitted[c.name], *i) for c, s, *i in forward]
     return value, rows, (_param_counts(g_model), _shared_counts(g_model))
 
 
@@ -249,7 +257,7 @@ def _report(value: float, rows: list, params: list) -> NonFinite:
         what = "time step" if name.startswith("Recurrent") else "layer"
         return f"{what} {i}" + (f" of {name}" if several else "")
 
-    for call, fwd_counts, _, _, ids in rows:
+    for call, fwd_counts, _, _, ids, _ in rows:
         name, fwd = call.name, _first(fwd_counts, _order(ids, call.reverse))
         if fwd is not None:
             i, path = fwd
@@ -264,23 +272,30 @@ def _report(value: float, rows: list, params: list) -> NonFinite:
             "of loss_fn after the container made it."
         )
         return done("loss", None, None, message)
-    # Param counts in the order the containers appear in the gradients, given
-    # to the calls of the same class and length in call order.
-    unclaimed = list(params)
-    for call, fwd_counts, bwd_counts, emitted, ids in reversed(rows):
-        name, length = call.name, jtu.tree_leaves(fwd_counts)[0].shape[0]
+    # Each call's parameter counts: its container's, where `model` holds it,
+    # else those of the next one of its class and length, in call order.
+    left = [p for k, p in enumerate(params) if k not in {r[-1] for r in rows}]
+    mine = []
+    for call, fwd_counts, *_, held in rows:
+        if held is not None:
+            mine.append(params[held][1])
+            continue
+        length = jtu.tree_leaves(fwd_counts)[0].shape[0]
         fits = [
             p
-            for p in unclaimed
-            if name.split("_")[0] == p[0]
+            for p in left
+            if call.name.split("_")[0] == p[0]
             and all(a.shape[0] == length for a in p[1].values())
         ]
-        mine = unclaimed.pop(unclaimed.index(fits[0]))[1] if fits else {}
-        at_i = functools.partial(at, name)
+        mine.append(left.pop(left.index(fits[0]))[1] if fits else {})
+    for (call, _, bwd_counts, emitted, ids, _), counts in reversed(
+        list(zip(rows, mine))
+    ):
+        at_i = functools.partial(at, call.name)
         order = _order(ids, call.reverse)
-        found = _backward(bwd_counts, emitted, mine, order, at_i)
+        found = _backward(bwd_counts, emitted, counts, order, at_i)
         if found is not None:
-            return done(*found, name)
+            return done(*found, call.name)
     return done(
         None, None, None, "No NaN or inf: loss, carries and gradients are finite."
     )

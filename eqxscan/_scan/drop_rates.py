@@ -389,6 +389,15 @@ def _undroppable(new: PyTree, drop: DropInputs, name: str, why: str) -> PyTree:
     return eqx.combine(eqx.error_if(dyn, rate > 0, message), static)
 
 
+def runs_here(drop: DropInputs) -> Bool[Array, ""] | None:
+    """Whether a layer that `dropping` skips itself runs (`None`: no scan or
+    LayerDrop skips it there)."""
+    if drop.scan_skips or not drop.uses[1]:
+        return None
+    assert drop.key is not None
+    return _runs(drop.key, drop.layer_rate)
+
+
 def dropping(
     fn: Callable[[PyTree], tuple[PyTree, PyTree]], drop: DropInputs
 ) -> Callable[[PyTree], tuple[PyTree, PyTree]]:
@@ -397,7 +406,7 @@ def dropping(
     of the layer's drop key), and LayerDrop from the first half unless the scan
     that runs the layer skips it (`drop.scan_skips`). A part no layer uses is left
     out of the program."""
-    uses_path, uses_layer = drop.uses
+    uses_path = drop.uses[0]
 
     def run(c: PyTree) -> tuple[PyTree, PyTree]:
         new, y = fn(c)
@@ -413,10 +422,9 @@ def dropping(
             mask = _path_mask(drop.key, drop.path_rate, examples)
         return apply_drop_path(c, new, drop.path_rate, mask), y
 
-    if drop.scan_skips or not uses_layer:
+    runs = runs_here(drop)
+    if runs is None:
         return run
-    assert drop.key is not None
-    runs = _runs(drop.key, drop.layer_rate)
 
     # A layer no scan skips (a `Chain`'s lone layer): skipped here.
     def skipping(c: PyTree) -> tuple[PyTree, PyTree]:

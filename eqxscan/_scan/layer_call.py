@@ -30,7 +30,7 @@ from jaxtyping import Array, Bool, PyTree
 from .._helpers.checks import check_leading_axis, check_takes_key, describe
 from .._helpers.stateful import clone, replace_arg
 from .buffers import call_writing, find_buffer, PerLayer, view_of
-from .drop_rates import DropInputs, dropping
+from .drop_rates import DropInputs, dropping, runs_here
 from .index import (
     Index as Index,
     index as index,
@@ -38,7 +38,7 @@ from .index import (
     take as take,
 )
 from .layer_index import at_layer
-from .taps import inside_layer, tapped
+from .taps import inside_layer, tapped, untapped
 
 
 def arg_name(index_or_name: int | str) -> str:
@@ -315,7 +315,8 @@ def run_one(
     # Named for profiles: a scanned stack's ops carry the layer's class.
     with at_layer(number), inside_layer(), jax.named_scope(type(layer).__name__):
         new, y = (fn if one.drop is None else dropping(fn, one.drop))(carry)
-    return tapped(one.number, new, old), y
+    ran = None if one.drop is None else runs_here(one.drop)
+    return tapped(one.number, new, old, ran), y
 
 
 def _run_writing(
@@ -338,9 +339,10 @@ def _run_writing(
 
     def fn(old: PyTree) -> tuple[tuple[PyTree, PyTree], PyTree]:
         args, kwargs = replace_arg(one.args, one.kwargs, at, old)  # pyright: ignore[reportArgumentType]  # the slice stands where the view was
-        new, y = run_one(
-            layer, call, one._replace(args=args, kwargs=kwargs), carry, who
-        )
+        with untapped():  # tapped below: records must not leave this trace
+            new, y = run_one(
+                layer, call, one._replace(args=args, kwargs=kwargs), carry, who
+            )
         if not (isinstance(new, tuple) and len(new) == 2):
             raise TypeError(
                 f"{who} is called with an eqxscan.buffer, so it must return "
@@ -351,7 +353,7 @@ def _run_writing(
         return (new[0], y), new[1]
 
     (new_carry, y), tree = call_writing(fn, view, who)
-    return (new_carry, tree), y
+    return (tapped(one.number, new_carry, carry), tree), y
 
 
 LayerFn = Callable[[PyTree], PyTree]

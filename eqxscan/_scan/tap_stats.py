@@ -17,7 +17,8 @@ def _per_leaf(fn, tree: PyTree) -> PyTree[Float[Array, ""]]:
 
 
 def rms(tree: PyTree) -> PyTree[Float[Array, ""]]:
-    """The root mean square of each floating-point leaf, computed in float32.
+    """The root mean square of each floating-point leaf (of its modulus, for a
+    complex one), computed in float32.
 
     **Arguments:**
 
@@ -29,7 +30,7 @@ def rms(tree: PyTree) -> PyTree[Float[Array, ""]]:
     elsewhere.
     """
     return _per_leaf(
-        lambda a: jnp.sqrt(jnp.mean(jnp.square(a.astype(jnp.float32)))), tree
+        lambda a: jnp.sqrt(jnp.mean(jnp.square(jnp.abs(a).astype(jnp.float32)))), tree
     )
 
 

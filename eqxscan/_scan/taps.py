@@ -48,6 +48,7 @@ class _Call:
     depth: int = 0
     offset: int = 0
     reverse: bool = False  # last step first (`reverse=True`, held or passed)
+    module: int = 0  # the `id` of the container called
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +122,7 @@ def call_of(module: object, reverse: object = False) -> Iterator[None]:
         )
     offset = _count([r for r in state.records if r[2].depth == 0])
     reverse = reverse is True or getattr(module, "reverse", False) is True
-    call = _Call(name, _DEPTH.get(), offset, reverse)
+    call = _Call(name, _DEPTH.get(), offset, reverse, id(module))
     state.calls.append(call)
     with setting(_CALL, call):
         yield
@@ -191,9 +192,12 @@ def _probed(stat: Callable[[PyTree], PyTree], x: PyTree, p: PyTree) -> PyTree:
 _probed.defvjp(lambda stat, x, p: (x, None), lambda stat, res, ct: (ct, stat(ct)))
 
 
-def tapped(i: Index | None, new: PyTree, old: PyTree) -> PyTree:
+def tapped(
+    i: Index | None, new: PyTree, old: PyTree, ran: Array | None = None
+) -> PyTree:
     """Layer (or step) `i`'s output `new`, given `old`: its statistics
-    recorded and its slice of the probe attached."""
+    recorded (a row of zeros where LayerDrop skipped it: `ran` false) and its
+    slice of the probe attached."""
     state = _TAPPING.get()
     scope = _SCOPE.get()
     if state is None or scope is None or i is None:
@@ -201,7 +205,9 @@ def tapped(i: Index | None, new: PyTree, old: PyTree) -> PyTree:
     stats = None  # without `stat`, only counted: a probe has a row per layer
     if state.stat is not None:
         stats = state.stat(new, old) if state.with_input else state.stat(new)
-    scope.append((jnp.asarray(i, jnp.float32) + 1, stats, _CALL.get()))
+    number = jnp.asarray(i, jnp.float32) + 1
+    number = number if ran is None else jnp.where(ran, number, 0.0)
+    scope.append((number, stats, _CALL.get()))
     return _attached(state.probe, i, new)
 
 
@@ -242,6 +248,7 @@ def collected(run: Run) -> Run:
             opened, records = len(state.calls), []
             with setting(_SCOPE, records), setting(_DEPTH, _DEPTH.get() + 1):
                 new, y = step(c, x)
+            records = _in_order(records)
             if calls:  # a later step of `mode="loop"`: the same calls again
                 del state.calls[opened:]
             else:
@@ -253,6 +260,33 @@ def collected(run: Run) -> Run:
         return c, ys
 
     return wrapped
+
+
+def _in_order(records: list) -> list:
+    # A step's records of one call that follow each other (a repeated pattern's
+    # layers) joined, row by row: stacked apart, the scan would group them by
+    # their place in the step, not in the order the layers ran.
+    out: list = []
+    for idx, s, call in records:
+        last = out[-1] if out else (None, None, None)
+        if last[2] is call and idx is not None and last[0] is not None:
+            (a, u), (b, v) = _rows(*last[:2]), _rows(idx, s)
+            if _rows_like(u) == _rows_like(v):
+                joined = jtu.tree_map(lambda *r: jnp.concatenate(r), u, v)
+                out[-1] = (jnp.concatenate([a, b]), joined, call)
+                continue
+        out.append((idx, s, call))
+    return out
+
+
+def _rows(idx: Array, stats: PyTree) -> tuple[Array, PyTree]:
+    cut = lambda a: a.reshape(idx.size, *a.shape[idx.ndim :])  # noqa: E731
+    return idx.reshape(-1), jtu.tree_map(cut, stats)
+
+
+def _rows_like(stats: PyTree) -> tuple:
+    rows = [(a.shape[1:], a.dtype) for a in jtu.tree_leaves(stats)]
+    return jtu.tree_structure(stats), rows
 
 
 @contextlib.contextmanager
