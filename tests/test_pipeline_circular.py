@@ -265,6 +265,21 @@ def test_a_stage_ordered_stack_called_directly_runs_its_layers_in_order(getkey):
             run()
 
 
+def test_a_stage_ordered_stack_indexes_its_layers_by_number(getkey):
+    # `staged[1]` was the layer stored second (layer 3 here), `unstack()` the
+    # stored order and `with_layer(1, ...)` replaced layer 3, all without a word.
+    stack = eqxscan.Stacked(lambda k: eqx.nn.Linear(4, 4, key=k), 6, key=getkey())
+    staged = sharding.pipeline_order(stack, stages=3, repeats=2)
+    for i in range(-6, 6):
+        assert eqx.tree_equal(staged[i], stack[i])
+    assert eqx.tree_equal(staged.unstack(), stack.unstack())
+    new = eqx.nn.Linear(4, 4, key=getkey())
+    x = jnp.ones(4)
+    np.testing.assert_array_equal(
+        staged.with_layer(1, new)(x), stack.with_layer(1, new)(x)
+    )
+
+
 def test_a_non_square_stage_order_called_directly_runs_layers_in_order(getkey):
     # With stages != repeats the stage order is not its own inverse: read back
     # the wrong way, a direct call would run layer 4 second, dropped at the

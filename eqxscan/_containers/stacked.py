@@ -363,7 +363,12 @@ class Stacked(Scanning, Generic[LayerT]):
             "mark it static, or select with "
             "`jax.tree.map(lambda a: a[i], stack.layers)`.",
         )
-        return index_at(self.layers, i)
+        return index_at(self.layers, self._position(i))
+
+    def _position(self, i: int) -> int:
+        # Where layer `i` is stored: `pipeline_order` permutes the positions.
+        order = stored_order(self.num_layers, self.stage_order)
+        return i if order is None else order.index(i)
 
     def unstack(self) -> list[LayerT]:
         """The layers as a list of ordinary (unstacked) modules."""
@@ -402,7 +407,7 @@ class Stacked(Scanning, Generic[LayerT]):
         # By leaves: `layer` may differ from the others only by identity.
         old, treedef = jtu.tree_flatten(self.layers)
         new = [
-            a.at[i].set(b) if eqx.is_array(a) else a
+            a.at[self._position(i)].set(b) if eqx.is_array(a) else a
             for a, b in zip(old, jtu.tree_leaves(layer))
         ]
         return restack(self, layers=jtu.tree_unflatten(treedef, new))
