@@ -280,6 +280,26 @@ def test_a_stage_ordered_stack_indexes_its_layers_by_number(getkey):
     )
 
 
+def test_a_chains_stage_ordered_stack_runs_its_layers_in_order(getkey):
+    # Called in a Chain (and by run_until, run_layers), such a stack ran its
+    # layers in the order stored, without a word.
+    first = eqx.nn.MLP(4, 4, 4, 1, key=getkey())
+    chain = eqxscan.Chain(
+        [first, *[eqx.nn.Linear(4, 4, key=getkey()) for _ in range(4)]]
+    )
+    order = sharding.pipeline_order(chain.groups[1], stages=2, repeats=2)
+    staged = eqx.tree_at(lambda c: c.groups[1], chain, order)
+    x, never = jnp.linspace(-1.0, 1.0, 4), lambda c: jnp.array(False)
+    for mode in ["scan", "loop"]:
+        a, b = (c.with_options(mode=mode) for c in (chain, staged))
+        np.testing.assert_allclose(b(x), a(x), rtol=1e-6)
+        got, want = (eqxscan.run_until(c, x, never, max_layers=3)[0] for c in (b, a))
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+        layers = jnp.array([2, 0, 3])
+        got, want = (eqxscan.run_layers(c, x, layers) for c in (b, a))
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
 def test_a_non_square_stage_order_called_directly_runs_layers_in_order(getkey):
     # With stages != repeats the stage order is not its own inverse: read back
     # the wrong way, a direct call would run layer 4 second, dropped at the

@@ -534,6 +534,14 @@ class Stacked(Scanning, Generic[LayerT]):
         return vmap_layers(self, x, call)
 
 
+def natural_order(group: Any) -> Any:
+    """`group`, a stack in the stage order of `pipeline_order` read back in its
+    natural order (a copy): where a `Chain` runs it, layer `i` runs `i`-th."""
+    if isinstance(group, Stacked) and group.stage_order is not None:
+        return group._natural()
+    return group
+
+
 def restack(stack: Stacked[LayerT], **changes: object) -> Stacked[LayerT]:
     """`stack` rebuilt through `Stacked.__init__` with `changes` applied (any of
     `layers`, `num_layers`, `options`, `layer_sharding`, `drop_path`,
