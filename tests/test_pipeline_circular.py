@@ -300,6 +300,26 @@ def test_a_chains_stage_ordered_stack_runs_its_layers_in_order(getkey):
         np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
+def test_a_stage_ordered_stack_takes_new_drop_rates_by_layer(getkey):
+    # `with_options(drop_path=rates)` gave rates[p] to the layer stored at p
+    # (layer 3 got layer 1's rate), without a word.
+    rates = [0.1 * i for i in range(6)]
+    mlp = eqxscan.StackedMLP(4, 6, key=getkey())
+    staged = eqx.tree_at(
+        lambda m: m.blocks,
+        mlp,
+        sharding.pipeline_order(mlp.blocks, stages=3, repeats=2),
+    )
+    x, key = jax.random.normal(getkey(), (8, 4)), jax.random.key(1)
+    for name in ["drop_path", "layer_drop"]:
+        want = mlp.with_options(**{name: rates})(x, key=key)
+        np.testing.assert_array_equal(
+            staged.with_options(**{name: rates})(x, key=key), want
+        )
+        blocks = staged.blocks.with_options(**{name: rates})
+        np.testing.assert_array_equal(blocks(x, key=key), want)
+
+
 def test_a_non_square_stage_order_called_directly_runs_layers_in_order(getkey):
     # With stages != repeats the stage order is not its own inverse: read back
     # the wrong way, a direct call would run layer 4 second, dropped at the

@@ -32,7 +32,14 @@ from .._helpers.stackable import (
     check_state_order,
     stack_alike,
 )
-from .._scan.drop_rates import DropRates, new_drop_rates, Rates, rates_of, with_mode_of
+from .._scan.drop_rates import (
+    DropRates,
+    new_drop_rates,
+    Rates,
+    rates_of,
+    resolve_rates,
+    with_mode_of,
+)
 from .._scan.eager_compile import compiled_when_eager
 from .._scan.layer_call import (
     arg_name,
@@ -294,7 +301,14 @@ class Stacked(Scanning, Generic[LayerT]):
     def replace_options(
         self, options: ScanOptions, **own: Unpack[OwnOptions]
     ) -> "Stacked[LayerT]":
-        return restack(self, options=options, **own)
+        changes: dict[str, object] = dict(own)
+        order = stored_order(self.num_layers, self.stage_order)
+        for name in ("drop_path", "layer_drop"):
+            if order is not None and name in changes:
+                # Given by layer number; stored, as the layers, in stage order.
+                rates = resolve_rates(changes[name], self.num_layers, name)
+                changes[name] = tuple(rates[i] for i in order)
+        return restack(self, options=options, **changes)
 
     def __len__(self) -> int:
         return self.num_layers
