@@ -265,6 +265,61 @@ def test_a_stage_ordered_stack_called_directly_runs_its_layers_in_order(getkey):
             run()
 
 
+def test_a_stage_ordered_stack_indexes_its_layers_by_number(getkey):
+    # `staged[1]` was the layer stored second (layer 3 here), `unstack()` the
+    # stored order and `with_layer(1, ...)` replaced layer 3, all without a word.
+    stack = eqxscan.Stacked(lambda k: eqx.nn.Linear(4, 4, key=k), 6, key=getkey())
+    staged = sharding.pipeline_order(stack, stages=3, repeats=2)
+    for i in range(-6, 6):
+        assert eqx.tree_equal(staged[i], stack[i])
+    assert eqx.tree_equal(staged.unstack(), stack.unstack())
+    new = eqx.nn.Linear(4, 4, key=getkey())
+    x = jnp.ones(4)
+    np.testing.assert_array_equal(
+        staged.with_layer(1, new)(x), stack.with_layer(1, new)(x)
+    )
+
+
+def test_a_chains_stage_ordered_stack_runs_its_layers_in_order(getkey):
+    # Called in a Chain (and by run_until, run_layers), such a stack ran its
+    # layers in the order stored, without a word.
+    first = eqx.nn.MLP(4, 4, 4, 1, key=getkey())
+    chain = eqxscan.Chain(
+        [first, *[eqx.nn.Linear(4, 4, key=getkey()) for _ in range(4)]]
+    )
+    order = sharding.pipeline_order(chain.groups[1], stages=2, repeats=2)
+    staged = eqx.tree_at(lambda c: c.groups[1], chain, order)
+    x, never = jnp.linspace(-1.0, 1.0, 4), lambda c: jnp.array(False)
+    for mode in ["scan", "loop"]:
+        a, b = (c.with_options(mode=mode) for c in (chain, staged))
+        np.testing.assert_allclose(b(x), a(x), rtol=1e-6)
+        got, want = (eqxscan.run_until(c, x, never, max_layers=3)[0] for c in (b, a))
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+        layers = jnp.array([2, 0, 3])
+        got, want = (eqxscan.run_layers(c, x, layers) for c in (b, a))
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_a_stage_ordered_stack_takes_new_drop_rates_by_layer(getkey):
+    # `with_options(drop_path=rates)` gave rates[p] to the layer stored at p
+    # (layer 3 got layer 1's rate), without a word.
+    rates = [0.1 * i for i in range(6)]
+    mlp = eqxscan.StackedMLP(4, 6, key=getkey())
+    staged = eqx.tree_at(
+        lambda m: m.blocks,
+        mlp,
+        sharding.pipeline_order(mlp.blocks, stages=3, repeats=2),
+    )
+    x, key = jax.random.normal(getkey(), (8, 4)), jax.random.key(1)
+    for name in ["drop_path", "layer_drop"]:
+        want = mlp.with_options(**{name: rates})(x, key=key)
+        np.testing.assert_array_equal(
+            staged.with_options(**{name: rates})(x, key=key), want
+        )
+        blocks = staged.blocks.with_options(**{name: rates})
+        np.testing.assert_array_equal(blocks(x, key=key), want)
+
+
 def test_a_non_square_stage_order_called_directly_runs_layers_in_order(getkey):
     # With stages != repeats the stage order is not its own inverse: read back
     # the wrong way, a direct call would run layer 4 second, dropped at the

@@ -32,7 +32,14 @@ from .._helpers.stackable import (
     check_state_order,
     stack_alike,
 )
-from .._scan.drop_rates import DropRates, new_drop_rates, Rates, rates_of, with_mode_of
+from .._scan.drop_rates import (
+    DropRates,
+    new_drop_rates,
+    Rates,
+    rates_of,
+    resolve_rates,
+    with_mode_of,
+)
 from .._scan.eager_compile import compiled_when_eager
 from .._scan.layer_call import (
     arg_name,
@@ -294,7 +301,14 @@ class Stacked(Scanning, Generic[LayerT]):
     def replace_options(
         self, options: ScanOptions, **own: Unpack[OwnOptions]
     ) -> "Stacked[LayerT]":
-        return restack(self, options=options, **own)
+        changes: dict[str, object] = dict(own)
+        order = stored_order(self.num_layers, self.stage_order)
+        for name in ("drop_path", "layer_drop"):
+            if order is not None and name in changes:
+                # Given by layer number; stored, as the layers, in stage order.
+                rates = resolve_rates(changes[name], self.num_layers, name)
+                changes[name] = tuple(rates[i] for i in order)
+        return restack(self, options=options, **changes)
 
     def __len__(self) -> int:
         return self.num_layers
@@ -363,7 +377,12 @@ class Stacked(Scanning, Generic[LayerT]):
             "mark it static, or select with "
             "`jax.tree.map(lambda a: a[i], stack.layers)`.",
         )
-        return index_at(self.layers, i)
+        return index_at(self.layers, self._position(i))
+
+    def _position(self, i: int) -> int:
+        # Where layer `i` is stored: `pipeline_order` permutes the positions.
+        order = stored_order(self.num_layers, self.stage_order)
+        return i if order is None else order.index(i)
 
     def unstack(self) -> list[LayerT]:
         """The layers as a list of ordinary (unstacked) modules."""
@@ -402,7 +421,7 @@ class Stacked(Scanning, Generic[LayerT]):
         # By leaves: `layer` may differ from the others only by identity.
         old, treedef = jtu.tree_flatten(self.layers)
         new = [
-            a.at[i].set(b) if eqx.is_array(a) else a
+            a.at[self._position(i)].set(b) if eqx.is_array(a) else a
             for a, b in zip(old, jtu.tree_leaves(layer))
         ]
         return restack(self, layers=jtu.tree_unflatten(treedef, new))
@@ -527,6 +546,14 @@ class Stacked(Scanning, Generic[LayerT]):
             args, kwargs, self._keys(key), method=method, caller="Stacked.vmap"
         )
         return vmap_layers(self, x, call)
+
+
+def natural_order(group: Any) -> Any:
+    """`group`, a stack in the stage order of `pipeline_order` read back in its
+    natural order (a copy): where a `Chain` runs it, layer `i` runs `i`-th."""
+    if isinstance(group, Stacked) and group.stage_order is not None:
+        return group._natural()
+    return group
 
 
 def restack(stack: Stacked[LayerT], **changes: object) -> Stacked[LayerT]:

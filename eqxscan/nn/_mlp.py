@@ -24,7 +24,6 @@ from .._internal import (
     OwnOptions,
     Predicate,
     Rates,
-    restack,
     run_layers,
     run_until,
     ScanArgs,
@@ -270,7 +269,7 @@ class StackedMLP(Scanning):
     def replace_options(
         self, options: ScanOptions, **own: Unpack[OwnOptions]
     ) -> "StackedMLP":
-        return StackedMLP(blocks=restack(self.blocks, options=options, **own))
+        return StackedMLP(blocks=self.blocks.replace_options(options, **own))
 
     @property
     def dim(self) -> int:

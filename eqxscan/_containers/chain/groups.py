@@ -27,7 +27,7 @@ from ..._scan.layer_call import (
 )
 from ..._scan.options import ScanOptions
 from ..stack_calls import scan_layers
-from ..stacked import LayerNumbering, Stacked, StateDictFn
+from ..stacked import LayerNumbering, natural_order, Stacked, StateDictFn
 from ..stage_order import stored_order
 from .grouping import Plan
 
@@ -136,7 +136,7 @@ def _call_group(
         group_call = group_call._replace(pattern_step=_pattern_step(call))
     last = place.start + place.size - 1
     with jax.named_scope(f"layers_{place.start}-{last}"):  # the group, in profiles
-        x, ys = scan_layers(group, x, group_call)
+        x, ys = scan_layers(natural_order(group), x, group_call)
     if place.per_step > 1 and ys is not None:
         ys = jtu.tree_map(
             lambda a: a.reshape(place.size, *a.shape[2:]) if eqx.is_array(a) else a,
