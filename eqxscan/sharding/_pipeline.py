@@ -189,7 +189,8 @@ def pipeline_order(
     `pipeline(..., layer_order="stage")` (same `stages` and `repeats`) moves
     none. With `repeats=1` both orders are the same. Called directly, the
     permuted stack still runs layer 0, 1, ... (its weights read through the
-    permutation, a copy of them); its gradients, optimizer state and Orbax
+    permutation, a copy of them), and `staged[i]`, `with_layer(i, ...)` and new
+    drop rates take layer `i`; its fields, gradients, optimizer state and Orbax
     checkpoints follow the stored order (state dicts and safetensors files
     name layer `i` as `i` in either order): `inverse=True` on the stack (and on
     its optimizer buffers, such as Adam's moments) gives the natural order back.
