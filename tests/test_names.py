@@ -488,3 +488,11 @@ def test_a_join_of_unequal_arrays_is_cut_back_at_their_own_sizes():
         )
     like = eqxscan.Stacked(lambda k: attn(k, 0.0), 2, key=jax.random.key(1))
     assert eqx.tree_equal(names.load(like, external), stack)
+
+
+def test_a_format_differing_from_a_layout_only_by_case_is_refused():
+    # 'Flax' would turn off the check of the file's format (a 'pt' file would
+    # load through a Flax map, a square kernel transposed).
+    with pytest.raises(ValueError, match="format 'Flax'.*\n.*format='flax'"):
+        NameMap({"embed": "e"}, format="Flax")
+    assert NameMap({"embed": "e"}, format="mlx").format == "mlx"

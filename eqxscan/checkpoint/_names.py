@@ -25,6 +25,7 @@ from ._state_dict import entries_of, from_state_dict, host_entries
 T = TypeVar("T")
 Shape = tuple[int, ...]
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_]\w*)\}")
+_LAYOUTS = ("pt", "flax", "tf")  # as Hugging Face names the frameworks
 
 
 # Each operation maps a list of arrays to another (one array but after a `Join`
@@ -295,6 +296,13 @@ class NameMap:
         keep: Sequence[str] = (),
         format: str = "pt",
     ):
+        # One of these in another case would lift the check of a file's format.
+        if format not in _LAYOUTS and str(format).lower() in _LAYOUTS:
+            raise ValueError(
+                f"NameMap: format {format!r} is not a layout's name; the check of a "
+                f"file's format would not apply.\nHint: pass format="
+                f"{str(format).lower()!r}, as Hugging Face writes it."
+            )
         self.format = format
         self._rules: list[_Compiled] = []
         for k, (ours, rule) in enumerate(rules.items()):

@@ -35,7 +35,7 @@ from ._files import (
     remove_stale,
     spec,
 )
-from ._names import NameMap
+from ._names import _LAYOUTS, NameMap
 from ._safetensors_read import (
     _DIGESTS,
     _DTYPES,
@@ -322,9 +322,6 @@ def _remove_old(directory: str, keep: set[str], other: str) -> None:
             with contextlib.suppress(OSError):
                 os.remove(os.path.join(directory, name))
     fsync_dir(directory)
-
-
-_LAYOUTS = ("pt", "flax", "tf")  # as Hugging Face names the frameworks
 
 
 def _check_format(files: _Files, names: NameMap) -> None:
