@@ -496,3 +496,20 @@ def test_a_format_differing_from_a_layout_only_by_case_is_refused():
     with pytest.raises(ValueError, match="format 'Flax'.*\n.*format='flax'"):
         NameMap({"embed": "e"}, format="Flax")
     assert NameMap({"embed": "e"}, format="mlx").format == "mlx"
+
+
+def test_metadata_that_names_another_format_than_the_map_is_refused(tmp_path):
+    # The file's format is the map's: another would lift the check on loading.
+    flax = NameMap(
+        {"embed": "e", "blocks.{i}.wqkv": "q.{i}", "blocks.{i}.wo": "o.{i}"},
+        keep="blocks.{i}.norm",
+        format="flax",
+    )
+    with pytest.raises(ValueError, match="metadata format 'pt'.*'flax'"):
+        eqxscan.save_safetensors(
+            tmp_path, _model(), names=flax, metadata={"format": "pt"}
+        )
+    assert not list(tmp_path.iterdir())
+    eqxscan.save_safetensors(
+        tmp_path, _model(), names=flax, metadata={"format": "flax", "note": "x"}
+    )

@@ -131,7 +131,7 @@ def save_safetensors(
     - `max_shard_size`: bytes per file (an int, or `"5GB"`, `"500MiB"`); only
       with a directory.
     - `metadata`: extra string entries for each file's metadata (`format`
-      defaults to the name map's, or `"pt"`).
+      defaults to the name map's, or `"pt"`; with `names`, only the map's).
 
     **Returns:**
 
@@ -159,7 +159,13 @@ def save_safetensors(
             f"for {listed(bad, ', ')}.\nHint: cast them (to int8, bfloat16, ...), "
             "or keep 4-bit values two to a byte in uint8, as eqxscan.quant does."
         )
-    info = {"format": names.format if names is not None else "pt", **(metadata or {})}
+    info = {"format": "pt" if names is None else names.format, **(metadata or {})}
+    if names is not None and info["format"] != names.format:
+        raise ValueError(
+            f"save_safetensors: metadata format {info['format']!r} is not the name "
+            f"map's, {names.format!r}: loading checks a file's layout by it.\nHint: "
+            "leave 'format' out of metadata, or give it to NameMap(..., format=)."
+        )
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in info.items()):
         raise TypeError("save_safetensors: metadata must map strings to strings.")
     shards = _shards(external, max_size)
