@@ -513,3 +513,19 @@ def test_metadata_that_names_another_format_than_the_map_is_refused(tmp_path):
     eqxscan.save_safetensors(
         tmp_path, _model(), names=flax, metadata={"format": "flax", "note": "x"}
     )
+
+
+def test_a_rule_that_makes_an_ignored_name_is_refused():
+    # `ignore=` names their side only: exporting never writes them, loading
+    # skips them; a rule making one contradicts both.
+    names = NameMap(
+        {
+            "embed": "lm_head.weight",
+            "blocks.{i}.wqkv": "q.{i}",
+            "blocks.{i}.wo": "o.{i}",
+        },
+        keep="blocks.{i}.norm",
+        ignore="lm_head.weight",
+    )
+    with pytest.raises(ValueError, match="'embed' to 'lm_head.weight'.*\n.*keep="):
+        names.export(_model())

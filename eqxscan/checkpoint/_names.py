@@ -281,7 +281,8 @@ class NameMap:
       such as `{i}` stand for a layer index; both sides of a rule use the same
       ones. The first rule whose pattern matches a name is used.
     - `ignore`: external name patterns of their side only (rotary buffers, a
-      tied head's copy of the embedding): skipped when loading, never written.
+      tied head's copy of the embedding): skipped when loading, never written
+      (a rule that makes one is refused).
     - `keep`: eqxscan name patterns of this side only: loading keeps `like`'s
       arrays, exporting leaves them out.
     - `format`: the `format` entry of a safetensors file's metadata (`"pt"` for
@@ -380,6 +381,10 @@ class NameMap:
                 + ".\nHint: check the Reshape/Split sizes against the model's "
                 "configuration."
             )
+        self._check_theirs(planned)
+        return planned, kept
+
+    def _check_theirs(self, planned: Sequence["_Planned"]) -> None:
         # Two arrays under one external name (of two rules, or two pieces of one
         # Split): export kept one, load read it twice.
         first: dict[str, tuple[str, int]] = {}
@@ -395,7 +400,19 @@ class NameMap:
                 f"{listed(clashes)}.\nHint: give each array its own external name "
                 "(a rule's pattern repeated by mistake?)."
             )
-        return planned, kept
+        # An ignored name is of their side only: never written, never read.
+        ignored = [
+            f"'{p.ours[0]}' to '{name}'"
+            for p in planned
+            for name in p.theirs
+            if any(r.fullmatch(name) for r in self._ignore)
+        ]
+        if ignored:
+            raise ValueError(
+                f"The name map's rules map the model's arrays to names that its "
+                f"ignore= lists: {listed(ignored)}.\nHint: to leave an array out "
+                "of the file (and keep like's on load), list its name in keep=."
+            )
 
     def _binding(self, name: str) -> dict[str, int]:
         # The placeholders' values in an external name: by the rule it matches,
