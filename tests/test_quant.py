@@ -181,6 +181,31 @@ def test_bf16_weights_stay_bf16(getkey):
     np.testing.assert_array_equal(y, x @ _layer(q, 0).dequantize())
 
 
+def test_a_cast_of_the_quantized_model_is_refused_where_used_or_saved(getkey, tmp_path):
+    # Casting the float arrays casts the scales, not the static `dtype`: the
+    # model asked for float32 inputs, ran on bfloat16 scales, and saved a file
+    # that `quant.load` refused.
+    targets = ["blocks.*.w1", "blocks.*.w2"]
+    model = eqxscan.StackedMLP(64, 2, key=getkey())
+    to_bf16 = lambda t: jax.tree.map(  # noqa: E731
+        lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a, t
+    )
+    q16 = to_bf16(quant.quantize(model, targets))
+    x = jnp.ones((2, 64), jnp.bfloat16)
+    match = r"`blocks\.\*\.w1` has bfloat16 scales.*float32.*\n.*before quantizing"
+    for use in (
+        lambda: q16(x),
+        lambda: q16(x.astype(jnp.float32)),
+        lambda: quant.dequantize(q16),
+        lambda: quant.save(tmp_path / "m.safetensors", q16),
+    ):
+        _raises(TypeError, match, use)
+    assert not list(tmp_path.iterdir())
+    # The recipe of the hint: cast the float model, then quantize.
+    q = quant.quantize(to_bf16(model), targets)
+    assert q(x).dtype == jnp.bfloat16 and q.blocks.layers.w1.scales.dtype == jnp.float32
+
+
 @pytest.mark.parametrize("orientation", ["x@W", "W@x"])
 def test_int4_products_in_bfloat16_round_once(getkey, orientation):
     # The products by the even and the odd rows were each rounded to bfloat16

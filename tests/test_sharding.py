@@ -110,6 +110,12 @@ def test_quantized_weights_follow_the_float_weight(getkey):
     for tree in (q, eqx.filter_eval_shape(lambda: q)):
         w1 = sharding.model_shardings(tree, mesh, min_size=0).blocks.layers.w1
         assert w1.values.spec == w1.scales.spec == float_spec.spec
+    # Filtered (an optimiser's params), it has no values to give the float
+    # weight's shape: its scales get the rule for any array (an AttributeError
+    # from `Quantized.shape` before).
+    params = eqx.filter(q, eqx.is_inexact_array)
+    w1 = sharding.model_shardings(params, mesh, min_size=0).blocks.layers.w1
+    assert w1.values is None and w1.scales.spec == float_spec.spec
 
 
 def test_leaves_with_only_layer_axes_are_replicated(getkey):

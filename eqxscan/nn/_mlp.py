@@ -30,6 +30,7 @@ from .._internal import (
     Scanning,
     ScanOptions,
     Stacked,
+    StandsForWeight,
 )
 
 
@@ -347,6 +348,8 @@ class StackedMLP(Scanning):
     def _checked(self, x: object, key: PRNGKeyArray | None) -> Array:
         """`x` as an array, its width and dtype checked (and a key if needed)."""
         x = jnp.asarray(x)
+        if isinstance(w1 := self.blocks.layers.w1, StandsForWeight):
+            w1.stored_arrays()  # checks them: a cast model's dtype is not x's to fix
         _check_shapes(
             _input_shape,
             (self.blocks.layers.w1, x),

@@ -62,6 +62,7 @@ class _Spec:
 
 
 def _spec(q: Quantized) -> _Spec:
+    q._check_scales()  # a cast's scales, which the record would misstate
     return _Spec(q.kind, q.group_size, q.orientation, np.dtype(q.dtype).name)
 
 

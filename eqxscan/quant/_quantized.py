@@ -142,7 +142,9 @@ class Quantized(MatmulOnly, eqx.Module):
 
     def stored_arrays(self) -> tuple[Array, Array]:
         """`(values, scales)`, which [`eqxscan.sharding`][] shards as the float
-        weight."""
+        weight; a `TypeError` if a cast of the model made the scales other than
+        float32."""
+        self._check_scales()
         return self.values, self.scales
 
     def dequantize(self) -> Array:
@@ -177,10 +179,24 @@ class Quantized(MatmulOnly, eqx.Module):
             return _summed((low, x[..., 0::2, :]), (high, x[..., 1::2, :]))
         return self.dequantize() @ x
 
+    def _check_scales(self) -> None:
+        # Casting a model's float arrays casts the scales but not the static
+        # `dtype`: a half-cast weight, which a file would record as float32.
+        got = getattr(self.scales, "dtype", jnp.float32)  # a filtered model: None
+        if got != jnp.float32:
+            raise TypeError(
+                f"Quantized weight `{self.name or '<unnamed>'}` has "
+                f"{jnp.dtype(got).name} scales, but its scales stay float32 and "
+                f"it computes in its static dtype {self.dtype.name}, which a cast "
+                "of the arrays does not change.\nHint: cast the float model "
+                "before quantizing: a bfloat16 model's weights compute in "
+                "bfloat16, with float32 scales."
+            )
+
     def _in_out(self, *arrays: Array) -> tuple[Array, ...]:
         # `arrays` (by default the stored ones) between the `[in, out]` layout
         # and this orientation's: "W@x" stores the transpose.
-        arrays = arrays or (self.values, self.scales)
+        arrays = arrays or self.stored_arrays()
         if self.orientation == "x@W":
             return arrays
         return tuple(jnp.swapaxes(a, -1, -2) for a in arrays)

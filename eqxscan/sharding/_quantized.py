@@ -24,7 +24,9 @@ def follow_float_weights(
     of its own divides (else replicated)."""
 
     def one(path: tuple, node: object, specs: PyTree) -> PyTree:
-        if not stands_for_weight(node):
+        # A filtered one (`eqx.filter(model, eqx.is_inexact_array)`: values
+        # None) has no float shape: its arrays keep the rule for any array.
+        if not stands_for_weight(node) or getattr(node, "shape", None) is None:
             return specs
         w = cast(StandsForWeight, node)
         spec = spec_of(jax.ShapeDtypeStruct(w.shape, w.dtype), w.ndim - 2, path)
