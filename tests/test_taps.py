@@ -605,3 +605,15 @@ def test_layers_layerdrop_skipped_have_zeros_in_every_grouping(getkey):
     assert 0 < skipped[0].sum() < 6  # the same draws for every grouping
     np.testing.assert_array_equal(skipped[1], skipped[0])
     np.testing.assert_array_equal(skipped[2], skipped[0])
+
+
+@pytest.mark.parametrize("mode", ["scan", "loop"])
+def test_a_statistic_may_return_python_numbers(mode, getkey):
+    # A constant per layer (a count, a flag) is a row like any other statistic.
+    chain = eqxscan.Chain(build("AABA", getkey()), mode=mode)
+    x = jr.normal(getkey(), (D,))
+    y, got = eqxscan.tap(chain, lambda h: {"rms": rms(h), "one": 1.0, "n": 2})(x)
+    hand = [x := layer(x) for layer in chain.unstack()]
+    close(got["rms"], jnp.stack([rms(h) for h in hand]))
+    np.testing.assert_array_equal(got["one"], np.ones(4))
+    np.testing.assert_array_equal(got["n"], np.full(4, 2))

@@ -205,6 +205,7 @@ def tapped(
     stats = None  # without `stat`, only counted: a probe has a row per layer
     if state.stat is not None:
         stats = state.stat(new, old) if state.with_input else state.stat(new)
+        stats = jtu.tree_map(jnp.asarray, stats)  # a Python number, as a row
     number = jnp.asarray(i, jnp.float32) + 1
     number = number if ran is None else jnp.where(ran, number, 0.0)
     scope.append((number, stats, _CALL.get()))
