@@ -38,13 +38,12 @@ jax.config.update(
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
-# A compilation cache, off by default: writing one serialises every executable,
-# and XLA:CPU's serialisation (jax 0.10) has crashed a test worker with a
-# segfault. EQXSCAN_TEST_CACHE=1 gives the run one cache (tests, and the
-# processes they start, that build the same program compile it once), in a
-# fresh directory; EQXSCAN_TEST_CACHE=worker gives each pytest-xdist worker its
-# own (jax 0.9's cache is not safe for two processes writing one directory).
-_CACHE_MODE = os.environ.get("EQXSCAN_TEST_CACHE", "0")
+# One compilation cache for the run: tests (and the processes they start) that
+# build the same program compile it once (a third less time for test_stacked.py).
+# A fresh directory each run; EQXSCAN_TEST_CACHE=0 turns it off, and
+# EQXSCAN_TEST_CACHE=worker gives each pytest-xdist worker its own (jax 0.9's
+# cache is not safe for two processes writing one directory).
+_CACHE_MODE = os.environ.get("EQXSCAN_TEST_CACHE", "1")
 if _CACHE_MODE in ("1", "worker"):
     if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
         _cache = tempfile.mkdtemp(prefix="eqxscan-jax-cache-")
