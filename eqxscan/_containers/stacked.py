@@ -64,7 +64,6 @@ MAX_LAYERS = 2**20
 
 
 LayerT = TypeVar("LayerT")
-GroupT = TypeVar("GroupT")
 
 
 def build_layers(
@@ -549,10 +548,11 @@ class Stacked(Scanning, Generic[LayerT]):
         return vmap_layers(self, x, call)
 
 
-def natural_order(group: GroupT) -> GroupT:
-    """`group`, read in its natural order (a copy) if a stack in stage order."""
+def natural_order(group: Any) -> Any:
+    """`group`, a stack in the stage order of `pipeline_order` read back in its
+    natural order (a copy): where a `Chain` runs it, layer `i` runs `i`-th."""
     if isinstance(group, Stacked) and group.stage_order is not None:
-        return group._natural()  # pyright: ignore[reportReturnType]  # a Stacked, as group
+        return group._natural()
     return group
 
 

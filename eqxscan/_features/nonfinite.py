@@ -274,8 +274,7 @@ def _report(value: float, rows: list, params: list) -> NonFinite:
         return done("loss", None, None, message)
     # Each call's parameter counts: its container's, where `model` holds it,
     # else those of the next one of its class and length, in call order.
-    claimed = {r[-1] for r in rows}
-    left = [p for k, p in enumerate(params) if k not in claimed]
+    left = [p for k, p in enumerate(params) if k not in {r[-1] for r in rows}]
     mine = []
     for call, fwd_counts, *_, held in rows:
         if held is not None:

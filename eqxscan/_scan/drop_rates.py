@@ -399,15 +399,13 @@ def runs_here(drop: DropInputs) -> Bool[Array, ""] | None:
 
 
 def dropping(
-    fn: Callable[[PyTree], tuple[PyTree, PyTree]],
-    drop: DropInputs,
-    runs: Bool[Array, ""] | None,
+    fn: Callable[[PyTree], tuple[PyTree, PyTree]], drop: DropInputs
 ) -> Callable[[PyTree], tuple[PyTree, PyTree]]:
     """One layer `fn(carry) -> (carry, y)` with its drops: drop-path on the new
     carry (its mask `drop.path_mask` when given, else drawn from the second half
-    of the layer's drop key), and LayerDrop by `runs` (`runs_here(drop)`, from
-    the first half) unless the scan that runs the layer skips it. A part no
-    layer uses is left out of the program."""
+    of the layer's drop key), and LayerDrop from the first half unless the scan
+    that runs the layer skips it (`drop.scan_skips`). A part no layer uses is left
+    out of the program."""
     uses_path = drop.uses[0]
 
     def run(c: PyTree) -> tuple[PyTree, PyTree]:
@@ -424,6 +422,7 @@ def dropping(
             mask = _path_mask(drop.key, drop.path_rate, examples)
         return apply_drop_path(c, new, drop.path_rate, mask), y
 
+    runs = runs_here(drop)
     if runs is None:
         return run
 

@@ -314,8 +314,8 @@ def run_one(
     number = one.number if call.over == "layers" else None
     # Named for profiles: a scanned stack's ops carry the layer's class.
     with at_layer(number), inside_layer(), jax.named_scope(type(layer).__name__):
-        ran = None if one.drop is None else runs_here(one.drop)  # drawn once, for both
-        new, y = (fn if one.drop is None else dropping(fn, one.drop, ran))(carry)
+        new, y = (fn if one.drop is None else dropping(fn, one.drop))(carry)
+    ran = None if one.drop is None else runs_here(one.drop)
     return tapped(one.number, new, old, ran), y
 
 
