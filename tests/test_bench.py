@@ -1,10 +1,9 @@
 """`python -m benchmarks.bench` at its smallest size: the implementations agree
-with the loop (and a wrong one is caught), the arguments are checked, and one tiny
-run's report shows the numbers it measured."""
+with the loop (and a wrong one is caught), the arguments are checked, and the
+report judges its targets. One tiny run end to end, its workers measuring and its
+report showing what they measured, is in `test_bench_device.py`."""
 
-import json
 import re
-import statistics
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +13,8 @@ from benchmarks.bench import _cli, _report, _transformer, make_problem
 from benchmarks.bench._impls import Built, Impl, IMPLS
 from benchmarks.bench._measure import check_agreement, MismatchError, model_flops
 
+from .bench_impls import perturbed as _perturbed
+
 
 TINY = dict(dim=8, batch=2, seq=3)
 
@@ -21,16 +22,6 @@ TINY = dict(dim=8, batch=2, seq=3)
 #: The peers; eqxscan's own options are checked against the loop by the engine's
 #: tests (and its default by the tiny run below).
 PEERS = ("eqx-recipe", "jax-scan", "flax-linen", "flax-nnx")
-
-
-def _perturbed(model):
-    # Computes a slightly different function: w1 scaled by 1.001.
-    built = IMPLS["jax-scan"].build(model)
-
-    def loss(params, x, y):
-        return built.loss({**params, "w1": params["w1"] * 1.001}, x, y)
-
-    return Built(built.params, loss, built.to_canon)
 
 
 def _swapped(model):
@@ -75,7 +66,8 @@ def test_a_wrong_implementation_is_caught():
 
 
 def test_a_wrong_implementation_aborts_the_run(monkeypatch, tmp_path):
-    monkeypatch.setitem(IMPLS, "broken", BROKEN)
+    # The check runs in a worker, which gets `broken` from tests/bench_impls.py.
+    monkeypatch.setenv("BENCH_EXTRA_IMPLS", "tests.bench_impls")
     argv = ["--impls", "broken", "--layers", "2", "--dim", "8"]
     argv += ["--batch", "2", "--seq", "3", "--out", str(tmp_path)]
     with pytest.raises(SystemExit, match="aborted: broken .*disagrees"):
@@ -117,13 +109,31 @@ def test_arguments(monkeypatch):
     assert set(mixed.impls) <= set(_cli.QUICK_IMPLS)
     transformer = _cli.parse_args(["--model", "transformer"])
     assert "matmul-floor" not in transformer.impls
+    # An accelerator's presets (the backend as a worker reports it): bfloat16 and
+    # sizes that fill a device; `--quick` and explicit arguments still win.
+    tpu = _cli.parse_args([], backend="tpu")
+    assert (tpu.dtype, tpu.dim, tpu.batch * tpu.seq) == ("bfloat16", 4096, 8192)
+    tpu = _cli.parse_args(["--model", "transformer", "--dim", "512"], backend="tpu")
+    assert (tpu.dtype, tpu.dim, tpu.seq) == ("bfloat16", 512, 1024)
+    assert _cli.parse_args(["--quick"], backend="tpu").dim == _cli.QUICK["dim"]
+    assert _cli.parse_args([], backend="gpu").dim == 4096
+    assert _cli.parse_args([]).dtype == "float32"
+    # The agreement check's size: the shallowest depth, capped.
+    assert _cli.check_size(_cli.parse_args([], backend="tpu")) == dict(
+        num_layers=4, dim=256, batch=2, seq=64, model="mlp"
+    )
     # The resolved command reproduces the run, whatever the presets are.
-    monkeypatch.setattr(_cli, "_backend", lambda: "gpu")
-    for argv in ([], ["--model", "transformer", "--quick"], ["--peak-flops", "1e15"]):
-        args = vars(_cli.parse_args(argv))
-        command = _cli.resolved_command(_cli.parse_args(argv))
-        again = vars(_cli.parse_args(command.split()[3:]))
-        assert again | {"quick": args["quick"]} == args
+    for backend in ("cpu", "gpu", "tpu"):
+        for argv in (
+            [],
+            ["--model", "transformer", "--quick"],
+            ["--model", "transformer"],
+            ["--peak-flops", "1e15"],
+        ):
+            args = vars(_cli.parse_args(argv, backend))
+            command = _cli.resolved_command(_cli.parse_args(argv, backend))
+            again = vars(_cli.parse_args(command.split()[3:], backend))
+            assert again | {"quick": args["quick"]} == args
 
 
 def test_peak_table():
@@ -133,6 +143,11 @@ def test_peak_table():
     assert peak_of("NVIDIA H100 PCIe").flops == 756e12
     assert peak_of("NVIDIA A100-SXM4-80GB").flops == 312e12
     assert peak_of("cpu") is None
+    # TPUs by their `device_kind`, as the bench's machine description gives it.
+    assert peak_of("tpu:TPU v5 lite").flops == 197e12
+    assert peak_of("tpu:TPU v5").flops == 459e12
+    assert peak_of("tpu:TPU v4").flops == 275e12
+    assert peak_of("tpu:TPU v6 lite").flops == 918e12
 
 
 @pytest.mark.parametrize(
@@ -163,50 +178,6 @@ def test_missing_optional_dependency(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         _cli.parse_args(["--impls", "needs-x"])
     assert "pip install -e '.[bench]'" in capsys.readouterr().err
-
-
-def test_tiny_run_reports_what_it_measured(tmp_path, capsys):
-    # One depth, the default against the loop, each compiled and timed in fresh
-    # processes; the default compiled twice (its time is the median of both).
-    argv = ["--layers", "9", "--dim", "8", "--batch", "2", "--seq", "3"]
-    argv += ["--impls", "eqxscan,eqxscan-loop", "--repeats", "3"]
-    argv += ["--compile-repeats", "2", "--loop-compile-repeats", "1"]
-    argv += ["--out", str(tmp_path)]
-    assert _cli.main(argv) == 0
-    results = json.loads((tmp_path / "results.json").read_text())
-    assert results["errors"] == []
-    assert results["agreement"]["eqxscan"] <= 1e-5
-    rows = {r["impl"]: r for r in results["compile"]}
-    assert set(rows) == {"eqxscan", "eqxscan-loop"}
-    assert len(rows["eqxscan"]["total_samples"]) == 2
-    assert len(rows["eqxscan-loop"]["total_samples"]) == 1
-    for row in rows.values():
-        assert row["total_s"] == pytest.approx(statistics.median(row["total_samples"]))
-        assert row["total_s"] >= row["compile_s"] > 0 and row["hlo_lines"] > 0
-        assert row["temp_bytes"] >= 0 and row["argument_bytes"] > 0
-    # Nine layers are scanned (the default unrolls at most eight small ones): the
-    # loop's program is the longer, and what "auto" resolved to is recorded.
-    assert rows["eqxscan-loop"]["hlo_lines"] > rows["eqxscan"]["hlo_lines"]
-    auto = rows["eqxscan"]["auto"]
-    assert re.fullmatch(r"(save-all|dots|remat)/u1", auto)
-    assert rows["eqxscan-loop"]["auto"] is None
-    steps = results["steps"]["9"]
-    assert {len(t) for t in steps.values()} == {3}
-    # The table shows those numbers: median step time and its ratio to the loop,
-    # program size and temp memory.
-    md = (tmp_path / "results.md").read_text()
-    assert md in capsys.readouterr().out
-    row = next(line for line in md.splitlines() if line.startswith("| eqxscan ("))
-    cells = [c.strip() for c in row.strip("|").split("|")]
-    ms = {n: statistics.median(t) * 1e3 for n, t in steps.items()}
-    assert cells[0] == f"eqxscan ({auto})"
-    assert cells[1] == f"{ms['eqxscan']:.1f}"
-    assert cells[2] == f"{ms['eqxscan'] / ms['eqxscan-loop']:.2f}"
-    assert cells[-3] == str(rows["eqxscan"]["hlo_lines"])
-    assert cells[-2] == f"{rows['eqxscan']['temp_bytes'] / 2**20:.1f}"
-    assert "--compile-repeats 2 --loop-compile-repeats 1" in results["resolved_command"]
-    for name in ("compile_time.png", "step_time.png", "temp_memory.png"):
-        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
 
 
 # The report's targets, judged from synthetic numbers.

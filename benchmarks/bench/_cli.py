@@ -1,11 +1,14 @@
 """`python -m benchmarks.bench`: compile time, step time and memory against depth.
 
 Measures `StackedMLP`'s train step (`value_and_grad` of a loss) written with
-eqxscan and with its peers. First every implementation is checked to give the
-unrolled loop's loss and gradients. Then each (implementation, depth) is
-traced, lowered and compiled in a fresh subprocess with the persistent
-compilation cache off, and at each depth one subprocess times all
-implementations interleaved in shuffled order. Results go to `--out` as
+eqxscan and with its peers. This process never opens the device: a worker
+subprocess first describes the machine (which chooses the presets), a second
+checks that every implementation gives the unrolled loop's loss and gradients at
+a small size, and then each (implementation, depth) is traced, lowered and
+compiled in a fresh subprocess with the persistent compilation cache off, and at
+each depth one subprocess times all implementations interleaved in shuffled
+order; one subprocess at a time. Whatever runs out of device memory is reported
+as not fitting, and the rest is still measured. Results go to `--out` as
 `results.json`, `results.md` and three PNG plots.
 """
 
@@ -18,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ._impls import IMPLS, LOOP
-from ._machine import describe_machine, load_average
+from ._machine import load_average
 
 
 FULL = {
@@ -46,6 +49,24 @@ TRANSFORMER = {"layers": [4, 16, 64], "dim": 128, "batch": 8, "seq": 32, "repeat
 TRANSFORMER_QUICK = {"layers": [2, 4], "dim": 32, "batch": 2, "seq": 8, "repeats": 5}
 #: On a GPU: bfloat16, D=4096 and 8192 tokens per step, enough to be compute bound.
 GPU = {"layers": [4, 16, 32], "dim": 4096, "batch": 16, "seq": 512}
+#: On a TPU: bfloat16, the MLP at D=4096 and 8192 tokens per step; its parameters
+#: and their gradients take 512 MiB a layer, so that 16 layers fill most of a TPU
+#: v5e's 16 GiB (deeper stacks do not fit there). The Transformer at D=2048,
+#: batch 8 x seq 1024.
+TPU = {"layers": [4, 8, 16], "dim": 4096, "batch": 16, "seq": 512}
+TPU_TRANSFORMER = {"layers": [4, 8, 16], "dim": 2048, "batch": 8, "seq": 1024}
+#: The presets of an accelerator, by backend and model (`--quick` keeps its own).
+PRESETS = {
+    ("gpu", "mlp"): GPU,
+    ("gpu", "transformer"): GPU,
+    ("tpu", "mlp"): TPU,
+    ("tpu", "transformer"): TPU_TRANSFORMER,
+}
+#: The agreement check's largest size: it runs beside nothing else, at the
+#: shallowest depth of the run, in float32 and in the run's dtype; bigger models
+#: add nothing to it but memory (the Equinox recipe's float32 step at D=4096 needs
+#: 18.5 GiB of temporaries).
+CHECK_SIZE = {"dim": 256, "batch": 2, "seq": 64}
 
 
 def _positive_int(text: str) -> int:
@@ -99,7 +120,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype",
         choices=["float32", "bfloat16"],
-        help="dtype (default float32; bfloat16 on a GPU)",
+        help="dtype (default float32; bfloat16 on a GPU or TPU)",
     )
     p.add_argument(
         "--impls",
@@ -138,7 +159,7 @@ def parser() -> argparse.ArgumentParser:
         "--peak-flops",
         type=float,
         help="the device's peak FLOP/s for the MFU column (default: looked up "
-        "from the GPU/TPU name; none on a CPU)",
+        "from the GPU/TPU kind, bfloat16 dense; none on a CPU)",
     )
     p.add_argument(
         "--quick",
@@ -156,8 +177,11 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse and validate; explicit arguments override the `--quick` preset."""
+def parse_args(
+    argv: Sequence[str] | None = None, backend: str = "cpu"
+) -> argparse.Namespace:
+    """Parse and validate; explicit arguments override the presets: `--quick`'s,
+    else `backend`'s (`"cpu"`, `"gpu"` or `"tpu"`, as a worker reports it)."""
     p = parser()
     args = p.parse_args(argv)
     from ._measure import registry
@@ -168,8 +192,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         quick_impls = tuple(n for n in QUICK_IMPLS if n in impls)
     else:
         preset, quick_impls = (QUICK if args.quick else FULL), QUICK_IMPLS
-    if _backend() == "gpu" and not args.quick:
-        preset = {**preset, **GPU, "dtype": "bfloat16"}
+    if (backend, args.model) in PRESETS and not args.quick:
+        preset = {**preset, **PRESETS[backend, args.model], "dtype": "bfloat16"}
     for name, value in {"dtype": "float32", **preset}.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -198,10 +222,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _backend() -> str:
-    import jax
-
-    return jax.default_backend()
+def check_size(args: argparse.Namespace) -> dict[str, Any]:
+    """The agreement check's size: the run's shallowest depth, at most
+    `CHECK_SIZE`."""
+    return {
+        "num_layers": args.layers[0],
+        **{k: min(getattr(args, k), cap) for k, cap in CHECK_SIZE.items()},
+        "model": args.model,
+    }
 
 
 def resolved_command(args: argparse.Namespace) -> str:
@@ -228,18 +256,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ._grid import main_grid
 
         return main_grid(parser().parse_args(argv))
-    args = parse_args(argv)
-    from tqdm import tqdm
-
-    from eqxscan.remat import peak_of
-
-    from ._measure import check_agreement, MismatchError, model_flops, registry
-    from ._report import markdown, plots, targets
-    from ._transformer import transformer_flops
+    args = parse_args(argv)  # checked before any worker starts
     from ._worker import run_worker, WorkerError
 
-    impls, _ = registry(args.model)
-
+    try:
+        machine = run_worker({"task": "describe"})
+    except WorkerError as e:
+        raise SystemExit(f"benchmarks.bench: aborted: {e}") from None
+    if machine["backend"] != "cpu":
+        args = parse_args(argv, backend=machine["backend"])
     if args.skipped:
         print(
             f"Skipping {', '.join(args.skipped)}: their libraries are not installed "
@@ -247,10 +272,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
     args.out.mkdir(parents=True, exist_ok=True)
-    shape = dict(dim=args.dim, batch=args.batch, seq=args.seq)
-    machine = describe_machine()
+    results = _header(args, argv, machine)
+    print(f"Running: {results['resolved_command']}", file=sys.stderr)
+    results["agreement"] = _agreement(args)
+    _measure_all(args, results)
+    results["machine"]["load_average_end"] = load_average()
+    return _finish(args, results)
+
+
+def _header(
+    args: argparse.Namespace, argv: Sequence[str], machine: dict[str, Any]
+) -> dict[str, Any]:
+    """The run's results before any measurement: its configuration, the machine
+    (as a worker described it), the peak FLOP/s and the model FLOPs per step."""
+    from eqxscan.remat import peak_of
+
+    from ._measure import model_flops, registry
+    from ._transformer import transformer_flops
+
+    impls, _ = registry(args.model)
     peak = args.peak_flops
-    if peak is None and not machine["device"].startswith("cpu"):
+    if peak is None and machine["backend"] != "cpu":
         found = peak_of(machine["device"])
         peak = None if found is None else found.flops
     tokens = args.batch * args.seq
@@ -262,15 +304,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         for L in args.layers
     }
-    command = resolved_command(args)
-    print(f"Running: {command}", file=sys.stderr)
-    results: dict[str, Any] = {
+    return {
         "command": ("python -m benchmarks.bench " + shlex.join(argv)).strip(),
-        "resolved_command": command,
+        "resolved_command": resolved_command(args),
         "config": {
             "model": args.model,
             "layers": args.layers,
-            **shape,
+            "dim": args.dim,
+            "batch": args.batch,
+            "seq": args.seq,
             "dtype": args.dtype,
             "repeats": args.repeats,
             "compile_repeats": args.compile_repeats,
@@ -284,31 +326,69 @@ def main(argv: Sequence[str] | None = None) -> int:
         "agreement": {},
         "compile": [],
         "steps": {},
+        "does_not_fit": [],
         "errors": [],
     }
+
+
+def _agreement(args: argparse.Namespace) -> dict[str, Any]:
+    """The agreement check, in a worker: float32 and the run's dtype, at
+    `check_size`, every matmul at `CHECK_PRECISION`. A mismatch stops the run."""
+    from ._impls import TOLERANCES
+    from ._measure import CHECK_PRECISION
+    from ._worker import run_worker, WorkerError
+
+    size = check_size(args)
+    dtypes = list(dict.fromkeys(["float32", args.dtype]))
+    print(
+        f"Checking that {len(args.impls)} implementations agree "
+        f"(L={size['num_layers']}, D={size['dim']}, batch {size['batch']}, "
+        f"seq {size['seq']}; "
+        f"{', '.join(dtypes)}; matmul precision {CHECK_PRECISION})...",
+        file=sys.stderr,
+    )
+    spec = {"task": "agree", "impls": args.impls, "size": size, "dtypes": dtypes}
+    try:
+        found = run_worker(spec)
+    except WorkerError as e:
+        raise SystemExit(f"benchmarks.bench: aborted: {e}") from None
+    if "mismatch" in found:
+        raise SystemExit(f"benchmarks.bench: aborted: {found['mismatch']}")
+    return {
+        "size": size,
+        "precision": CHECK_PRECISION,
+        "tolerances": {d: TOLERANCES[d] for d in dtypes},
+        "errors": found["errors"],
+    }
+
+
+def _measure_all(args: argparse.Namespace, results: dict[str, Any]) -> None:
+    """Every compile and every depth's timed steps, each in a fresh worker; what
+    does not fit is recorded in `results["does_not_fit"]`, what fails otherwise
+    in `results["errors"]`."""
+    from tqdm import tqdm
+
+    from ._worker import run_worker, WorkerError
 
     def save() -> None:
         (args.out / "results.json").write_text(json.dumps(results, indent=1))
 
-    check_layers = args.layers[0]
-    print(
-        f"Checking that {len(args.impls)} implementations agree "
-        f"(L={check_layers}, D={args.dim}, float32)...",
-        file=sys.stderr,
-    )
-    try:
-        results["agreement"] = check_agreement(
-            [impls[n] for n in args.impls],
-            num_layers=check_layers,
-            dim=args.dim,
-            batch=args.batch,
-            seq=args.seq,
-            model=args.model,
+    def too_big(name: str, layers: int, stage: str, error: str) -> None:
+        results["does_not_fit"].append(
+            {"impl": name, "layers": layers, "stage": stage, "error": error}
         )
-    except MismatchError as e:
-        raise SystemExit(f"benchmarks.bench: aborted: {e}") from None
+        tqdm.write(f"{name} at L={layers} does not fit ({stage}): {error}", sys.stderr)
+
+    def run(spec: dict[str, Any], **kwargs: Any) -> dict[str, Any] | None:
+        try:
+            return run_worker(spec, **kwargs)
+        except WorkerError as e:
+            results["errors"].append(str(e).splitlines()[0])
+            tqdm.write(str(e), file=sys.stderr)
+            return None
 
     total = len(args.layers) * (len(args.impls) + args.repeats)
+    shape = dict(dim=args.dim, batch=args.batch, seq=args.seq)
     with tqdm(total=total, desc="benchmarks.bench", file=sys.stderr) as bar:
         for layers in args.layers:
             common = dict(
@@ -316,38 +396,37 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             for name in args.impls:
                 bar.set_postfix_str(f"compile {name} L={layers}")
-                spec = {"task": "compile", "impl": name, **common}
                 repeats = args.compile_repeats
                 if name == LOOP and args.loop_compile_repeats is not None:
                     repeats = args.loop_compile_repeats
-                try:
-                    results["compile"].append(
-                        run_worker({**spec, "compile_repeats": repeats})
-                    )
-                except WorkerError as e:
-                    results["errors"].append(str(e).splitlines()[0])
-                    tqdm.write(str(e), file=sys.stderr)
+                spec = {"task": "compile", "impl": name, **common}
+                row = run({**spec, "compile_repeats": repeats})
+                if row is not None and "does_not_fit" in row:
+                    too_big(name, layers, "compile", row["does_not_fit"])
+                elif row is not None:
+                    results["compile"].append(row)
                 bar.update()
                 save()
             bar.set_postfix_str(f"steps L={layers}")
-            try:
-                results["steps"][str(layers)] = run_worker(
-                    {
-                        "task": "steps",
-                        "impls": args.impls,
-                        **common,
-                        "repeats": args.repeats,
-                    },
-                    on_progress=bar.update,
-                )
-            except WorkerError as e:
-                results["errors"].append(str(e).splitlines()[0])
-                tqdm.write(str(e), file=sys.stderr)
+            spec = {"task": "steps", "impls": args.impls, **common}
+            found = run({**spec, "repeats": args.repeats}, on_progress=bar.update)
+            if found is not None and "does_not_fit" in found and "times" not in found:
+                for name in args.impls:
+                    too_big(name, layers, "steps", found["does_not_fit"])
+            elif found is not None:
+                results["steps"][str(layers)] = found["times"]
+                for name, error in found["does_not_fit"].items():
+                    too_big(name, layers, "steps", error)
             save()
 
-    results["machine"]["load_average_end"] = load_average()
+
+def _finish(args: argparse.Namespace, results: dict[str, Any]) -> int:
+    """Write and print the report; 1 when a measurement failed (other than by not
+    fitting), else 0."""
+    from ._report import markdown, plots, targets
+
     results["targets"] = targets(results)
-    save()
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
     text = markdown(results)
     (args.out / "results.md").write_text(text)
     written = plots(results, args.out)

@@ -1,11 +1,15 @@
 """What the benchmark measures: agreement, compilation and steady-state steps.
 
-`check_agreement` runs in the calling process. `measure_compile` and
-`measure_steps` are meant to run in fresh subprocesses (see `_worker.py`), so
-that nothing compiled earlier is reused.
+All of these open the device, so `python -m benchmarks.bench` calls them only in
+its worker subprocesses (see `_worker.py`), one at a time: a TPU, or a GPU with
+memory preallocation, is held by one process at a time. `measure_compile` and
+`measure_steps` also need fresh processes so that nothing compiled earlier is
+reused.
 """
 
 import functools
+import importlib
+import os
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -20,7 +24,7 @@ from jaxtyping import Array
 from eqxscan import StackedMLP
 from eqxscan.remat import explain_auto, time_interleaved
 
-from ._impls import Built, Impl, IMPLS, LOOP, MismatchError, rel_err, TOLERANCE
+from ._impls import Built, Impl, IMPLS, LOOP, MismatchError, rel_err, TOLERANCES
 from ._transformer import IMPLS as TRANSFORMER_IMPLS, transformer_problem
 
 
@@ -68,12 +72,27 @@ def mlp_problem(
     return model, x, y
 
 
+#: Names a module that adds implementations, to benchmark one of your own without
+#: editing this package: its `MLP_IMPLS` and `TRANSFORMER_IMPLS` dicts (name ->
+#: `Impl`) join each model's. An environment variable, so that the workers see it.
+EXTRA_IMPLS_ENV = "BENCH_EXTRA_IMPLS"
+
+
 def registry(model: str) -> tuple[Mapping[str, Impl[Any]], ProblemMaker]:
     """The implementations and the problem maker of a benchmark model (`"mlp"` or
-    `"transformer"`); each model's implementations take that model's type."""
-    if model == "transformer":
-        return TRANSFORMER_IMPLS, transformer_problem
-    return IMPLS, mlp_problem
+    `"transformer"`); each model's implementations take that model's type, and
+    include those of the module named by `$BENCH_EXTRA_IMPLS`."""
+    impls, make = (
+        (TRANSFORMER_IMPLS, transformer_problem)
+        if model == "transformer"
+        else (IMPLS, mlp_problem)
+    )
+    extra = os.environ.get(EXTRA_IMPLS_ENV)
+    if extra:
+        module = importlib.import_module(extra)
+        name = "TRANSFORMER_IMPLS" if model == "transformer" else "MLP_IMPLS"
+        impls = {**impls, **getattr(module, name, {})}
+    return impls, make
 
 
 def make_problem(
@@ -96,6 +115,12 @@ def make_problem(
     return registry(model)[1](num_layers, dim, batch, seq, dtype)
 
 
+#: The precision of every matmul in the agreement check: at the default, a TPU
+#: rounds float32 matmul inputs to bfloat16, and programs that compute the same
+#: thing in a different order disagree by more than float32's tolerance.
+CHECK_PRECISION = "highest"
+
+
 def check_agreement(
     impls: Sequence[Impl[Any]],
     *,
@@ -104,14 +129,23 @@ def check_agreement(
     batch: int,
     seq: int,
     model: str = "mlp",
-    tolerance: float = TOLERANCE,
+    dtype: str = "float32",
+    tolerance: float | None = None,
 ) -> dict[str, float]:
     """Check that every implementation gives the loop's loss and gradients.
 
-    All run in float32 from the same weights. The reference is the unrolled loop
-    (`eqxscan-loop`), whether or not it is among `impls`; gradients are compared
-    in the model's `Canon` layout. Implementations without one (the matmul
-    floor) are skipped.
+    All run in `dtype` from the same weights, with every matmul at
+    `CHECK_PRECISION`. The reference is the unrolled loop (`eqxscan-loop`),
+    whether or not it is among `impls`; gradients are compared in the model's
+    `Canon` layout. Implementations without one (the matmul floor) are skipped.
+
+    **Arguments:**
+
+    - `impls`: the implementations to check.
+    - `num_layers`, `dim`, `batch`, `seq`: the size to check at.
+    - `model`: `"mlp"` or `"transformer"`.
+    - `dtype`: `"float32"` or `"bfloat16"`.
+    - `tolerance`: the largest relative error allowed; default `TOLERANCES[dtype]`.
 
     **Returns:**
 
@@ -120,57 +154,67 @@ def check_agreement(
     **Raises:**
 
     `MismatchError` naming the implementation, the quantity and both values when
-    an error exceeds `tolerance`.
+    an error exceeds the tolerance.
     """
+    limit = TOLERANCES[dtype] if tolerance is None else tolerance
     registered, make = registry(model)
-    module, x, y = make(num_layers, dim, batch, seq, "float32")
-
-    def run(impl: Impl[Any]) -> tuple[Array, dict[str, Array]] | None:
-        built = impl.build(module)
-        if built.to_canon is None:
-            return None
-        loss, grads = jax.jit(jax.value_and_grad(built.loss))(built.params, x, y)
-        return loss, {"loss": loss, **built.to_canon(grads)}
-
-    reference = run(registered[LOOP])
-    assert reference is not None
-    ref_loss, ref = reference
-    size = f"L={num_layers}, D={dim}, float32"
+    size = f"L={num_layers}, D={dim}, batch {batch}, seq {seq}, {dtype}"
     size = size if model == "mlp" else f"{model.capitalize()}, {size}"
-    errors = {}
-    for impl in impls:
-        try:
-            found = run(impl)
-        except Exception as e:
-            raise MismatchError(
-                f"{impl.name} ({impl.description}) failed to compute the train "
-                f"step: {type(e).__name__}: {e}"
-            ) from e
-        if found is None:
-            continue
-        loss, got = found
-        worst = 0.0
-        for what, value in got.items():
-            label = what if what == "loss" else f"gradient of {what}"
-            if np.shape(value) != np.shape(ref[what]):
+    with jax.default_matmul_precision(CHECK_PRECISION):
+        module, x, y = make(num_layers, dim, batch, seq, dtype)
+
+        def run(impl: Impl[Any]) -> tuple[Array, dict[str, Array]] | None:
+            built = impl.build(module)
+            if built.to_canon is None:
+                return None
+            loss, grads = jax.jit(jax.value_and_grad(built.loss))(built.params, x, y)
+            return loss, {"loss": loss, **built.to_canon(grads)}
+
+        reference = run(registered[LOOP])
+        assert reference is not None
+        errors = {}
+        for impl in impls:
+            try:
+                found = run(impl)
+            except Exception as e:
                 raise MismatchError(
-                    f"{impl.name} ({impl.description}) gives a {label} of shape "
-                    f"{np.shape(value)}, but the unrolled loop gives "
-                    f"{np.shape(ref[what])}."
-                )
-            err = rel_err(value, ref[what])
-            if not err <= tolerance:
-                raise MismatchError(
-                    f"{impl.name} ({impl.description}) disagrees with the unrolled "
-                    f"loop ({LOOP}) on the {label}: max relative error {err:.3g} > "
-                    f"{tolerance:g} ({size}; loss {float(loss):.6g} vs "
-                    f"{float(ref_loss):.6g}). Benchmarking implementations that "
-                    "compute different things would be meaningless, so the run "
-                    "stops here."
-                )
-            worst = max(worst, err)
-        errors[impl.name] = worst
+                    f"{impl.name} ({impl.description}) failed to compute the train "
+                    f"step: {type(e).__name__}: {e}"
+                ) from e
+            if found is not None:
+                errors[impl.name] = _worst_error(impl, found, reference, limit, size)
     return errors
+
+
+def _worst_error(
+    impl: Impl[Any],
+    found: tuple[Array, dict[str, Array]],
+    reference: tuple[Array, dict[str, Array]],
+    tolerance: float,
+    size: str,
+) -> float:
+    (loss, got), (ref_loss, ref) = found, reference
+    worst = 0.0
+    for what, value in got.items():
+        label = what if what == "loss" else f"gradient of {what}"
+        if np.shape(value) != np.shape(ref[what]):
+            raise MismatchError(
+                f"{impl.name} ({impl.description}) gives a {label} of shape "
+                f"{np.shape(value)}, but the unrolled loop gives "
+                f"{np.shape(ref[what])}."
+            )
+        err = rel_err(value, ref[what])
+        if not err <= tolerance:
+            raise MismatchError(
+                f"{impl.name} ({impl.description}) disagrees with the unrolled "
+                f"loop ({LOOP}) on the {label}: max relative error {err:.3g} > "
+                f"{tolerance:g} ({size}, matmul precision {CHECK_PRECISION}; loss "
+                f"{float(loss):.6g} vs {float(ref_loss):.6g}). Benchmarking "
+                "implementations that compute different things would be "
+                "meaningless, so the run stops here."
+            )
+        worst = max(worst, err)
+    return worst
 
 
 class _Compiled(NamedTuple):
@@ -270,6 +314,19 @@ def _peak_rss() -> int | None:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB
 
 
+def out_of_memory(error: BaseException) -> str | None:
+    """The first line of `error`'s message when it says that the device (or the
+    host) ran out of memory, e.g. XLA's `RESOURCE_EXHAUSTED`, else `None`."""
+    text = f"{type(error).__name__}: {error}"
+    if isinstance(error, MemoryError) or any(m in text for m in OUT_OF_MEMORY):
+        return next((ln for ln in text.splitlines() if ln.strip()), text)[:300]
+    return None
+
+
+#: What the errors of a program or an allocation too big for the device say.
+OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")
+
+
 def measure_steps(
     names: Sequence[str],
     *,
@@ -282,29 +339,38 @@ def measure_steps(
     seed: int = 0,
     model: str = "mlp",
     on_round: Callable[[], None] = lambda: None,
-) -> dict[str, list[float]]:
+) -> dict[str, dict[str, Any]]:
     """Steady-state train-step times of several implementations in one process.
 
     Each is compiled and warmed up first; then, `repeats` times, every
     implementation runs once, in a freshly shuffled order, and is timed to
     `block_until_ready`. Interleaving spreads the machine's noise evenly, so the
     ratios between implementations are meaningful even when the seconds are not.
+    An implementation whose compile or first step runs out of memory is left out
+    and named; the others are still timed.
 
     **Returns:**
 
-    `{name: [seconds per step] * repeats}`.
+    `{"times": {name: [seconds per step] * repeats}, "does_not_fit": {name:
+    the error's first line}}`.
     """
     impls, make = registry(model)
     module, x, y = make(num_layers, dim, batch, seq, dtype)
-    steps = {}
+    steps, too_big = {}, {}
     for name in names:
-        built = impls[name].build(module)
-        fn = jax.jit(jax.value_and_grad(built.loss)).lower(built.params, x, y)
-        steps[name] = (fn.compile(), built.params)
-    for _ in range(WARMUP):
-        for fn, params in steps.values():
-            jax.block_until_ready(fn(params, x, y))
-    return time_interleaved(
+        try:
+            built = impls[name].build(module)
+            fn = jax.jit(jax.value_and_grad(built.loss)).lower(built.params, x, y)
+            compiled = fn.compile()
+            for _ in range(WARMUP):
+                jax.block_until_ready(compiled(built.params, x, y))
+        except Exception as e:
+            if (message := out_of_memory(e)) is None:
+                raise
+            too_big[name] = message
+            continue
+        steps[name] = (compiled, built.params)
+    times = time_interleaved(
         {
             name: functools.partial(fn, params, x, y)
             for name, (fn, params) in steps.items()
@@ -313,3 +379,4 @@ def measure_steps(
         seed=seed,
         on_round=on_round,
     )
+    return {"times": times, "does_not_fit": too_big}

@@ -30,6 +30,18 @@ def _compile_rows(results: dict[str, Any]) -> dict[int, dict[str, dict[str, Any]
     return rows
 
 
+#: The table's word for a measurement that ran out of device memory.
+DOES_NOT_FIT = "does not fit"
+
+
+def _too_big(results: dict[str, Any]) -> set[tuple[int, str, str]]:
+    """`(layers, impl, stage)` of every measurement that did not fit."""
+    return {
+        (int(r["layers"]), r["impl"], r["stage"])
+        for r in results.get("does_not_fit", [])
+    }
+
+
 def _ratio(a: float | int | None, b: float | int | None) -> str:
     if a is None or b is None or b == 0:
         return "–"
@@ -46,11 +58,13 @@ def table(results: dict[str, Any]) -> str:
     and the hand-written Equinox recipe."""
     steps = _median_steps(results)
     compiles = _compile_rows(results)
+    too_big = _too_big(results)
     flops = {int(k): v for k, v in results["flops_per_step"].items()}
     peak = results.get("peak_flops")
     mfu_head, mfu_rule = (" MFU |", "---:|") if peak else ("", "")
     out = []
-    for layers in sorted(set(steps) | set(compiles)):
+    depths = set(steps) | set(compiles) | {L for L, _, _ in too_big}
+    for layers in sorted(depths):
         st = steps.get(layers, {})
         co = compiles.get(layers, {})
         out.append(f"### L = {layers}\n")
@@ -64,7 +78,8 @@ def table(results: dict[str, Any]) -> str:
             "|---|---:|---:|---:|---:|" + mfu_rule + "---:|---:|---:|---:|---:|---:|"
         )
         for name in results["impls"]:
-            if name not in st and name not in co:
+            big = {stage for L, n, stage in too_big if (L, n) == (layers, name)}
+            if name not in st and name not in co and not big:
                 continue
             s = st.get(name)
             c = co.get(name, {})
@@ -74,8 +89,10 @@ def table(results: dict[str, Any]) -> str:
                 f"{total:.2f} ({c['trace_s']:.2f} / {c['lower_s']:.2f} / "
                 f"{c['compile_s']:.2f})"
                 if total is not None
-                else "–"
+                else (DOES_NOT_FIT if "compile" in big else "–")
             )
+            step_ms = _fmt(None if s is None else s * 1e3, ".1f")
+            step_ms = DOES_NOT_FIT if "steps" in big else step_ms
             gflops = None if s is None else flops[layers] / s / 1e9
             mfu = ""
             if peak:
@@ -85,7 +102,7 @@ def table(results: dict[str, Any]) -> str:
                 mfu += "% |"
             shown = f"{name} ({c['auto']})" if c.get("auto") else name
             out.append(
-                f"| {shown} | {_fmt(None if s is None else s * 1e3, '.1f')} | "
+                f"| {shown} | {step_ms} | "
                 f"{_ratio(s, st.get(LOOP))} | {_ratio(s, st.get(RECIPE))} | "
                 f"{_fmt(gflops, '.1f')} |{mfu} {parts} | "
                 f"{_ratio(total, co.get(LOOP, {}).get('total_s'))} | "
@@ -296,13 +313,7 @@ def markdown(results: dict[str, Any]) -> str:
             "(`remat/unroll`; `dots` is the matmul-saving policy).",
             "",
         ]
-    head += [
-        "Agreement with the unrolled loop (float32, max relative error of loss and "
-        "gradients): "
-        + ", ".join(f"{k} {v:.1e}" for k, v in results["agreement"].items())
-        + ".",
-        "",
-    ]
+    head += agreement_lines(results.get("agreement", {}))
     body = table(results)
     tail = ["## Targets", ""]
     default = TRANSFORMER_SIZE if transformer else DEFAULT_SIZE
@@ -313,11 +324,45 @@ def markdown(results: dict[str, Any]) -> str:
             "",
         ]
     tail += [targets_markdown(targets(results)), ""]
+    if results.get("does_not_fit"):
+        tail += [
+            "## Does not fit",
+            "",
+            "These ran out of device memory (`RESOURCE_EXHAUSTED`): at this size "
+            "the program, or its arguments, is bigger than the device.",
+            "",
+        ]
+        tail += [
+            f"- {r['impl']} at L={r['layers']} ({r['stage']}): {r['error']}"
+            for r in results["does_not_fit"]
+        ]
+        tail.append("")
     if results.get("errors"):
         tail += ["## Failed measurements", ""]
         tail += [f"- {e}" for e in results["errors"]]
         tail.append("")
     return "\n".join(head) + "\n" + body + "\n" + "\n".join(tail)
+
+
+def agreement_lines(agreement: dict[str, Any]) -> list[str]:
+    """The agreement check in words: its size, precision, and each dtype's
+    tolerance and errors."""
+    if not agreement.get("errors"):
+        return []
+    size = agreement["size"]
+    lines = [
+        "Agreement with the unrolled loop (max relative error of loss and "
+        f"gradients), checked at L={size['num_layers']}, D={size['dim']}, "
+        f"batch {size['batch']} x seq {size['seq']}, matmul precision "
+        f"{agreement['precision']}:",
+        "",
+    ]
+    for dtype, errors in agreement["errors"].items():
+        lines.append(
+            f"- {dtype} (tolerance {agreement['tolerances'][dtype]:g}): "
+            + ", ".join(f"{k} {v:.1e}" for k, v in errors.items())
+        )
+    return [*lines, ""]
 
 
 def plots(results: dict[str, Any], out: Path) -> list[Path]:
@@ -358,6 +403,8 @@ def plots(results: dict[str, Any], out: Path) -> list[Path]:
     }
     written = []
     for filename, (ylabel, data) in series.items():
+        if not any(data.values()):  # nothing measured (or nothing fit)
+            continue
         fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=80)
         colors = plt.get_cmap("tab20")
         for i, name in enumerate(results["impls"]):

@@ -1,0 +1,145 @@
+"""`python -m benchmarks.bench` on an accelerator: one process at a time owns the
+device, so the parent never opens it (every measurement, the agreement check and
+the machine's description run in workers); what does not fit in the device's
+memory is reported and the rest still measured; the agreement check runs at the
+highest matmul precision with a tolerance per dtype."""
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.bench import _measure
+from benchmarks.bench._impls import MismatchError, TOLERANCES
+from benchmarks.bench._measure import check_agreement
+
+from .bench_impls import gradient_scaled, TOO_BIG_BATCH
+
+
+ROOT = Path(__file__).resolve().parents[1]
+#: The parent's backend made unusable, as a TPU held by another process would be:
+#: any `jax.devices()`, `jax.default_backend()` or array in it raises. The workers
+#: are fresh processes and use `$JAX_PLATFORMS` (cpu here).
+PARENT = """
+import sys
+import jax
+
+jax.config.update("jax_platforms", "held_by_another_process")
+from benchmarks.bench._cli import main
+
+code = main(sys.argv[1:])
+try:
+    jax.devices()
+except RuntimeError as e:
+    print("parent backend:", str(e).splitlines()[0])
+sys.exit(code)
+"""
+
+
+def test_tiny_run_in_workers_reports_what_it_measured_and_what_does_not_fit(
+    tmp_path,
+):
+    # One depth, the default against the loop, each compiled and timed in fresh
+    # processes; the default compiled twice (its time is the median of both).
+    # `too-big` runs out of memory at the measured batch (not at the agreement
+    # check's); it comes first, so that the others are compiled and timed after
+    # it. The parent's backend is unusable throughout.
+    argv = ["--layers", "9", "--dim", "8", "--batch", str(TOO_BIG_BATCH)]
+    argv += ["--seq", "3", "--impls", "too-big,eqxscan,eqxscan-loop"]
+    argv += ["--repeats", "3", "--compile-repeats", "2", "--loop-compile-repeats", "1"]
+    argv += ["--out", str(tmp_path)]
+    env = {**os.environ, "BENCH_EXTRA_IMPLS": "tests.bench_impls"}
+    run = subprocess.run(
+        [sys.executable, "-c", PARENT, *argv],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    # The block held: the parent could not have opened a backend.
+    assert "parent backend: Unable to initialize backend" in run.stdout
+    results = json.loads((tmp_path / "results.json").read_text())
+    # The workers described the machine and checked agreement.
+    assert results["machine"]["backend"] == "cpu"
+    assert results["machine"]["device"].startswith("cpu:")
+    agreement = results["agreement"]
+    assert agreement["precision"] == "highest"
+    assert agreement["size"] == dict(num_layers=9, dim=8, batch=2, seq=3, model="mlp")
+    assert set(agreement["errors"]) == {"float32"}
+    assert agreement["errors"]["float32"]["eqxscan"] <= 1e-5
+    assert set(agreement["errors"]["float32"]) == {"too-big", "eqxscan", "eqxscan-loop"}
+    # `too-big` did not fit, at its compile and at the timed steps; no error.
+    assert results["errors"] == []
+    stages = {(r["impl"], r["layers"], r["stage"]) for r in results["does_not_fit"]}
+    assert stages == {("too-big", 9, "compile"), ("too-big", 9, "steps")}
+    assert all("RESOURCE_EXHAUSTED" in r["error"] for r in results["does_not_fit"])
+    # The others were measured.
+    rows = {r["impl"]: r for r in results["compile"]}
+    assert set(rows) == {"eqxscan", "eqxscan-loop"}
+    assert len(rows["eqxscan"]["total_samples"]) == 2
+    assert len(rows["eqxscan-loop"]["total_samples"]) == 1
+    for row in rows.values():
+        assert row["total_s"] == pytest.approx(statistics.median(row["total_samples"]))
+        assert row["total_s"] >= row["compile_s"] > 0 and row["hlo_lines"] > 0
+        assert row["temp_bytes"] >= 0 and row["argument_bytes"] > 0
+    # Nine layers are scanned (the default unrolls at most eight small ones): the
+    # loop's program is the longer, and what "auto" resolved to is recorded.
+    assert rows["eqxscan-loop"]["hlo_lines"] > rows["eqxscan"]["hlo_lines"]
+    auto = rows["eqxscan"]["auto"]
+    assert re.fullmatch(r"(save-all|dots|remat)/u1", auto)
+    assert rows["eqxscan-loop"]["auto"] is None
+    steps = results["steps"]["9"]
+    assert set(steps) == {"eqxscan", "eqxscan-loop"}
+    assert {len(t) for t in steps.values()} == {3}
+    # The table shows those numbers: median step time and its ratio to the loop,
+    # program size and temp memory; and `too-big`'s cells say it does not fit.
+    md = (tmp_path / "results.md").read_text()
+    assert md in run.stdout
+    row = next(line for line in md.splitlines() if line.startswith("| eqxscan ("))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    ms = {n: statistics.median(t) * 1e3 for n, t in steps.items()}
+    assert cells[0] == f"eqxscan ({auto})"
+    assert cells[1] == f"{ms['eqxscan']:.1f}"
+    assert cells[2] == f"{ms['eqxscan'] / ms['eqxscan-loop']:.2f}"
+    assert cells[-3] == str(rows["eqxscan"]["hlo_lines"])
+    assert cells[-2] == f"{rows['eqxscan']['temp_bytes'] / 2**20:.1f}"
+    row = next(line for line in md.splitlines() if line.startswith("| too-big |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1] == "does not fit" and cells[5] == "does not fit"
+    assert "## Does not fit" in md and "too-big at L=9 (steps): " in md
+    assert "too-big at L=9 does not fit (compile): " in run.stderr
+    assert "--compile-repeats 2 --loop-compile-repeats 1" in results["resolved_command"]
+    for name in ("compile_time.png", "step_time.png", "temp_memory.png"):
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_agreement_tolerance_per_dtype(dtype):
+    # A gradient off by half the dtype's tolerance passes; one off by 1.5 times
+    # it is caught.
+    tolerance = TOLERANCES[dtype]
+    size = dict(num_layers=2, dim=8, batch=2, seq=3, dtype=dtype)
+    errors = check_agreement([gradient_scaled(1 + tolerance / 2)], **size)
+    assert tolerance / 4 < max(errors.values()) <= tolerance
+    with pytest.raises(MismatchError, match=f"gradient of w1.* > {tolerance:g}"):
+        check_agreement([gradient_scaled(1 + 1.5 * tolerance)], **size)
+    assert TOLERANCES["float32"] < TOLERANCES["bfloat16"]
+
+
+def test_agreement_runs_at_the_highest_matmul_precision(monkeypatch):
+    # The probe's gradient is off by 10% unless traced at "highest".
+    probe = gradient_scaled(1.0, matmul_precision="highest")
+    size = dict(num_layers=2, dim=8, batch=2, seq=3)
+    assert check_agreement([probe], **size)[probe.name] <= TOLERANCES["float32"]
+    # The probe can fail: at another precision it is caught.
+    monkeypatch.setattr(_measure, "CHECK_PRECISION", "float32")
+    with pytest.raises(MismatchError, match="gradient of w1"):
+        check_agreement([probe], **size)
+
