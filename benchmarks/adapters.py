@@ -13,6 +13,9 @@
 
     python -m benchmarks.adapters
     python -m benchmarks.adapters --tiny
+
+One process: run it alone on an accelerator. A measurement that does not fit in
+the device's memory is reported as such (`does not fit`) and the next one run.
 """
 
 import argparse
@@ -263,6 +266,28 @@ def decode_steps(
     return out
 
 
+def out_of_memory(error: Exception) -> str | None:
+    """The first line of `error` when it says that the device (or the host) ran
+    out of memory (XLA's `RESOURCE_EXHAUSTED`), else `None`: such a size is
+    reported as not fitting and the next one measured."""
+    text = f"{type(error).__name__}: {error}"
+    if isinstance(error, MemoryError) or "RESOURCE_EXHAUSTED" in text:
+        return text.strip().splitlines()[0][:200]
+    return None
+
+
+def fits(measure: Callable[..., dict], *args: int) -> dict | None:
+    """`measure(*args)`, or None (and a line saying so) when it runs out of
+    memory."""
+    try:
+        return measure(*args)
+    except Exception as e:
+        if (message := out_of_memory(e)) is None:
+            raise
+        print(f"{measure.__name__}{args} does not fit: {message}")
+        return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="LoRA adapters, measured.")
     parser.add_argument("--dim", type=int, default=512)
@@ -290,16 +315,42 @@ def main() -> None:
     )
     mib = 2.0**20
     for k in args.adapters:
-        r = measure(args.dim, args.layers, args.rank, k, args.batch)
+        r = fits(measure, args.dim, args.layers, args.rank, k, args.batch)
+        if r is None:
+            continue
         print(
             f"{k:>3} {r['lora_bytes'] / mib:>9.2f} {r['copies_bytes'] / mib:>11.2f} "
             f"{r['lora_temp'] / mib:>14.2f} {r['copies_temp'] / mib:>16.2f}"
         )
 
-    t = train_steps(args.dim, args.layers, args.rank, args.batch, args.repeats)
+    t = fits(train_steps, args.dim, args.layers, args.rank, args.batch, args.repeats)
+    if t is not None:
+        _print_train(t, args.repeats)
+    d = fits(
+        decode_steps,
+        args.dim,
+        args.layers,
+        args.rank,
+        args.decode_adapters,
+        args.decode_batch,
+        args.cache_length,
+        args.repeats,
+    )
+    if d is not None:
+        _print_decode(d, args.decode_batch, args.decode_adapters, args.cache_length)
+    steps = ["lora_train_step", "full_train_step"]
+    steps += ["mixed_decode_step", "single_decode_step", "base_decode_step"]
+    print(
+        f"\ncompiles over {args.repeats + 2} calls each (the mixed decode step "
+        "with new ids every call): " + ", ".join(f"{s} {COMPILES[s]}" for s in steps)
+    )
+
+
+def _print_train(t: dict, repeats: int) -> None:
+    mib = 2.0**20
     print(
         f"\nAdam train step, the same model: LoRA (one adapter) against full "
-        f"fine-tuning, median of {args.repeats} interleaved steps"
+        f"fine-tuning, median of {repeats} interleaved steps"
     )
     head = f"{'step ms':>8} {'first call s':>13} {'XLA compile s':>14} "
     print(f"{'':>5} {head}{'Adam state MiB':>15} {'trained MiB':>12}")
@@ -315,30 +366,18 @@ def main() -> None:
         f"bytes (+ {t['lora_state_bytes'] - t['lora_moments_bytes']} B, the step count)"
     )
 
-    d = decode_steps(
-        args.dim,
-        args.layers,
-        args.rank,
-        args.decode_adapters,
-        args.decode_batch,
-        args.cache_length,
-        args.repeats,
-    )
+
+def _print_decode(d: dict, batch: int, k: int, length: int) -> None:
+    mib = 2.0**20
     print(
-        f"\ndecode step, one token per row, B={args.decode_batch}, "
-        f"K={args.decode_adapters}, cache {args.cache_length} positions "
+        f"\ndecode step, one token per row, B={batch}, "
+        f"K={k}, cache {length} positions "
         f"({d['cache_bytes'] / mib:.2f} MiB, donated), every matrix adapted"
     )
     print(f"{'':>7} {'step ms':>8}")
     for name in ("mixed", "single", "base"):
         print(f"{name:>7} {d[name + '_ms']:>8.3f}")
     print(f"mixed/single: {d['mixed_ms'] / d['single_ms']:.2f}x")
-    steps = ["lora_train_step", "full_train_step"]
-    steps += ["mixed_decode_step", "single_decode_step", "base_decode_step"]
-    print(
-        f"\ncompiles over {args.repeats + 2} calls each (the mixed decode step "
-        "with new ids every call): " + ", ".join(f"{s} {COMPILES[s]}" for s in steps)
-    )
 
 
 if __name__ == "__main__":

@@ -18,7 +18,10 @@ median), the cache donated in every row.
 - `loop mode`: the same stack with `mode="loop"`.
 
 A batch of sequences is decoded as a server does: the step `jax.vmap`-ed over
-the batch, each sequence at its own position.
+the batch, each sequence at its own position. Every variant's cache is on the
+device at once; a size whose caches or steps do not fit in the device's memory is
+reported as such (`does not fit`) and the next one measured. One process: run it
+alone on an accelerator.
 
     python benchmarks/decode.py --layers 16 32 64 --length 2048 8192 --batch 1 8
     python benchmarks/decode.py --layers 16 --length 2048 --batch 1 --hlo
@@ -228,6 +231,16 @@ def measure(
     return rows
 
 
+def out_of_memory(error: Exception) -> str | None:
+    """The first line of `error` when it says that the device (or the host) ran
+    out of memory (XLA's `RESOURCE_EXHAUSTED`), else `None`: such a size is
+    reported as not fitting and the next one measured."""
+    text = f"{type(error).__name__}: {error}"
+    if isinstance(error, MemoryError) or "RESOURCE_EXHAUSTED" in text:
+        return text.strip().splitlines()[0][:200]
+    return None
+
+
 def step_copies(exe) -> list[str]:
     """The copies in a compiled step's optimised HLO: fusions with no dot that
     slice dynamically, transpose or copy, and plain copies/transposes; each as
@@ -311,16 +324,26 @@ def main() -> None:
         for length in args.length:
             for batch in args.batch:
                 only = None if args.variants is None else [*args.variants, "loop"]
-                rows = measure(
-                    num_layers,
-                    length,
-                    batch,
-                    args.dim,
-                    args.heads,
-                    args.repeats,
-                    only,
-                    args.compiles,
-                )
+                try:
+                    rows = measure(
+                        num_layers,
+                        length,
+                        batch,
+                        args.dim,
+                        args.heads,
+                        args.repeats,
+                        only,
+                        args.compiles,
+                    )
+                except Exception as e:
+                    if (message := out_of_memory(e)) is None:
+                        raise
+                    print(
+                        f"| {num_layers} | {length} | {batch} | does not fit: "
+                        f"{message} |",
+                        flush=True,
+                    )
+                    continue
                 loop = next(r for r in rows if r["name"] == "loop")
                 cache = 2 * 4 * num_layers * batch * length * args.dim
                 for r in rows:

@@ -10,6 +10,9 @@ error of a layer's weight (`quant.report`) and the output's largest difference.
     python -m benchmarks.quantized            # B = 1 and 8, L = 16, D = 512
     python -m benchmarks.quantized --full     # B = 1, 8; L = 16, 32; D = 512, 1024
     python -m benchmarks.quantized --tiny     # a smoke test
+
+One process: run it alone on an accelerator. A size that does not fit in the
+device's memory is reported as such (`does not fit`) and the next one measured.
 """
 
 import argparse
@@ -107,6 +110,16 @@ def accuracy(layers: int, dim: int) -> list[dict]:
     return rows
 
 
+def out_of_memory(error: Exception) -> str | None:
+    """The first line of `error` when it says that the device (or the host) ran
+    out of memory (XLA's `RESOURCE_EXHAUSTED`), else `None`: such a size is
+    reported as not fitting and the next one measured."""
+    text = f"{type(error).__name__}: {error}"
+    if isinstance(error, MemoryError) or "RESOURCE_EXHAUSTED" in text:
+        return text.strip().splitlines()[0][:200]
+    return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
@@ -127,7 +140,14 @@ def main() -> None:
         f"{'temp MiB':>10}{'accessed MiB':>13}{'compile s':>10}{'step ms':>9}"
     )
     for batch, layers, dim in itertools.product(args.batch, args.layers, args.dim):
-        for r in measure(batch, layers, dim, args.repeats):
+        try:
+            rows = measure(batch, layers, dim, args.repeats)
+        except Exception as e:
+            if (message := out_of_memory(e)) is None:
+                raise
+            print(f"{batch:>2} {layers:>3} {dim:>5} does not fit: {message}")
+            continue
+        for r in rows:
             print(
                 f"{batch:>2} {layers:>3} {dim:>5} {r['format']:<9}{r['step']:<9}"
                 f"{r['bytes'] / mib:>12.2f}{r['temp'] / mib:>10.2f}"
@@ -140,7 +160,14 @@ def main() -> None:
         f"{'max |out diff|':>15}{'max |out|':>10}"
     )
     for layers, dim in itertools.product(args.layers, args.dim):
-        for r in accuracy(layers, dim):
+        try:
+            rows = accuracy(layers, dim)
+        except Exception as e:
+            if (message := out_of_memory(e)) is None:
+                raise
+            print(f"{layers:>3} {dim:>5} does not fit: {message}")
+            continue
+        for r in rows:
             print(
                 f"{layers:>3} {dim:>5} {r['format']:<9}{r['weight_error']:>17.2e}"
                 f"{r['output_diff']:>15.2e}{r['output_scale']:>10.2f}"

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
 import pytest
 
 from benchmarks.bench import _measure
@@ -143,3 +144,81 @@ def test_agreement_runs_at_the_highest_matmul_precision(monkeypatch):
     with pytest.raises(MismatchError, match="gradient of w1"):
         check_agreement([probe], **size)
 
+
+# The single-process scripts: a size that does not fit is reported, the next
+# measured.
+
+
+def _resource_exhausted(*args):
+    # XLA's own refusal of a 16 TiB buffer (nothing is allocated), as a device
+    # refuses what is bigger than its memory.
+    jnp.zeros((2**42,), jnp.float32)
+
+
+def test_decode_reports_what_does_not_fit(monkeypatch, capsys):
+    from benchmarks import decode
+
+    real = decode.measure
+
+    def measure(num_layers, *args):
+        if num_layers == 3:
+            _resource_exhausted()
+        return real(num_layers, *args)
+
+    monkeypatch.setattr(decode, "measure", measure)
+    argv = ["decode", "--layers", "3", "2", "--length", "8", "--batch", "1"]
+    argv += ["--dim", "8", "--heads", "2", "--repeats", "1", "--variants", "in place"]
+    monkeypatch.setattr("sys.argv", argv)
+    decode.main()
+    out = capsys.readouterr().out.splitlines()
+    rows = [r for r in out if r[:4] in ("| 3 ", "| 2 ")]
+    assert rows[0].startswith("| 3 | 8 | 1 | does not fit: JaxRuntimeError: RESOURCE")
+    assert [r.split("|")[4].strip() for r in rows[1:]] == ["in place", "loop"]
+
+
+def test_quantized_reports_what_does_not_fit(monkeypatch, capsys):
+    from benchmarks import quantized
+
+    real = quantized.measure
+
+    def measure(batch, *args):
+        if batch == 2:
+            _resource_exhausted()
+        return real(batch, *args)
+
+    monkeypatch.setattr(quantized, "measure", measure)
+    monkeypatch.setattr(quantized, "FORMATS", ("float32", "bfloat16", "int8"))
+    argv = ["quantized", "--batch", "2", "1", "--layers", "2", "--dim", "128"]
+    monkeypatch.setattr("sys.argv", [*argv, "--repeats", "1"])
+    quantized.main()
+    timing = capsys.readouterr().out.split("\n\nAccuracy")[0].splitlines()[2:]
+    assert timing[0].split()[:4] == ["2", "2", "128", "does"]
+    assert "does not fit: JaxRuntimeError: RESOURCE_EXHAUSTED" in timing[0]
+    assert [r.split()[3] for r in timing[1:]] == ["float32"] * 2 + ["bfloat16"] * 2 + [
+        "int8"
+    ] * 2
+
+
+def test_adapters_report_what_does_not_fit(monkeypatch, capsys):
+    from benchmarks import adapters
+
+    real = adapters.measure
+
+    def measure(dim, layers, rank, k, batch):
+        if k == 2:
+            _resource_exhausted()
+        return real(dim, layers, rank, k, batch)
+
+    def train_steps(*args):
+        _resource_exhausted()
+
+    monkeypatch.setattr(adapters, "measure", measure)
+    monkeypatch.setattr(adapters, "train_steps", train_steps)
+    monkeypatch.setattr("sys.argv", ["adapters", "--tiny"])
+    adapters.main()
+    out = capsys.readouterr().out
+    rows = out.split("\n\n")[0].splitlines()[2:]
+    assert rows[0].split()[0] == "1"
+    assert rows[1].startswith("measure(16, 2, 2, 2, 4) does not fit: JaxRuntimeError")
+    assert "train_steps(16, 2, 2, 4, 2) does not fit: JaxRuntimeError" in out
+    assert "\ndecode step, one token per row, B=4" in out
