@@ -222,3 +222,50 @@ def test_adapters_report_what_does_not_fit(monkeypatch, capsys):
     assert rows[1].startswith("measure(16, 2, 2, 2, 4) does not fit: JaxRuntimeError")
     assert "train_steps(16, 2, 2, 4, 2) does not fit: JaxRuntimeError" in out
     assert "\ndecode step, one token per row, B=4" in out
+
+
+def test_presets_and_peak_come_from_the_worker_that_describes_the_device(
+    monkeypatch, tmp_path
+):
+    # The parent's side alone, its workers replaced: a worker reports a TPU v5e,
+    # and the run takes the TPU preset, checks agreement at the small size in
+    # float32 and bfloat16, and reports MFU against the chip's peak.
+    from benchmarks.bench import _cli, _worker
+
+    tasks = []
+
+    def run_worker(spec, on_progress=lambda: None):
+        tasks.append(spec)
+        if spec["task"] == "describe":
+            return {"backend": "tpu", "device": "tpu:TPU v5 lite", "summary": "v5e"}
+        if spec["task"] == "agree":
+            errors = {n: 0.0 for n in spec["impls"]}
+            return {"errors": {d: errors for d in spec["dtypes"]}}
+        if spec["task"] == "compile":
+            if spec["num_layers"] == 16 and spec["impl"] == "eqx-recipe":
+                return {"does_not_fit": "RESOURCE_EXHAUSTED: Ran out of memory"}
+            row = dict(trace_s=0.1, lower_s=0.1, compile_s=0.1, total_s=0.3)
+            row |= dict(hlo_lines=100, temp_bytes=2**20)
+            return {"impl": spec["impl"], "layers": spec["num_layers"], **row}
+        return {"times": {n: [1.0] for n in spec["impls"]}, "does_not_fit": {}}
+
+    monkeypatch.setattr(_worker, "run_worker", run_worker)
+    argv = ["--impls", "eqxscan,eqx-recipe", "--repeats", "1", "--out", str(tmp_path)]
+    assert _cli.main(argv) == 0
+    assert [t["task"] for t in tasks[:3]] == ["describe", "agree", "compile"]
+    assert tasks[1]["size"] == dict(num_layers=4, dim=256, batch=2, seq=64, model="mlp")
+    assert tasks[1]["dtypes"] == ["float32", "bfloat16"]
+    results = json.loads((tmp_path / "results.json").read_text())
+    config = results["config"]
+    assert (config["dim"], config["batch"] * config["seq"]) == (4096, 8192)
+    assert (config["dtype"], config["layers"]) == ("bfloat16", _cli.TPU["layers"])
+    assert {t["dtype"] for t in tasks if t["task"] in ("compile", "steps")} == {
+        "bfloat16"
+    }
+    assert results["peak_flops"] == 197e12
+    assert results["does_not_fit"][0]["impl"] == "eqx-recipe"
+    md = (tmp_path / "results.md").read_text()
+    # 3 * 16 layers * 2 matmuls * 2 * 8192 * 4096 * 16384 FLOPs in one second.
+    mfu = 100 * 3 * 16 * 2 * (2 * 8192 * 4096 * 16384) / 197e12
+    assert "| MFU |" in md and f"| {mfu:.1f}% |" in md
+    assert "- bfloat16 (tolerance 0.1): eqxscan 0.0e+00" in md
