@@ -1,6 +1,6 @@
 """Checkpoints of stacked models: per-layer state dicts (`"blocks.3.w1"`),
 safetensors files (one or sharded as Hugging Face lays them out; `save` and
-`load`, which also read earlier versions' `.npz`), name maps to other
+`load`), name maps to other
 conventions, Flax `nn.scan` import, and sharded multi-process checkpoints
 ([`eqxscan.checkpoint.CheckpointManager`][], Orbax). The save and load functions
 are also at the top level (`eqxscan.save`, `eqxscan.to_state_dict`, ...)."""
