@@ -80,8 +80,13 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def public_names(path: Path) -> list[str]:
+    # Names imported on first use (PEP 562) are imported under TYPE_CHECKING too.
     names = []
-    for node in ast.parse(path.read_text()).body:
+    body = ast.parse(path.read_text()).body
+    for node in body:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            body += node.body
+    for node in body:
         if isinstance(node, ast.ImportFrom):
             names += [a.asname or a.name for a in node.names]
         elif isinstance(node, ast.Assign):

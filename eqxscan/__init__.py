@@ -3,37 +3,26 @@
 The core is the private folders `_helpers`, `_scan` (options, remat, the one
 scan engine, the layer-call seam), `_containers` (`Stacked`, `Chain`,
 `Recurrent`) and `_features` (early exit, subsets, the non-finite finder). The
-subpackages build on it: `remat`, `nn`, `checkpoint`, `sharding`, and, imported
-on first use, `planning`, `distributed` and `optim` (so that `import eqxscan`
-does not import optax).
+subpackages build on it: `nn`, `remat`, `checkpoint`, `stats`, `sharding`,
+`quant`, `adapters`, `planning`, `distributed` and `optim`.
+
+`import eqxscan` imports the containers and the scan engine only; every other
+name here (the subpackages, and the functions and models they lend the top
+level, `eqxscan.save`, `eqxscan.StackedMLP`, ...) is imported on first use
+(PEP 562), so that a script that only scans does not import the rest, nor the
+libraries of the optional parts (optax, Orbax).
 """
 
 import importlib as _importlib
 import importlib.metadata as _metadata
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 
-from . import (
-    adapters as adapters,
-    checkpoint as checkpoint,
-    nn as nn,
-    quant as quant,
-    remat as remat,
-    sharding as sharding,
-    stats as stats,
-)
 from ._containers.chain import Chain as Chain
 from ._containers.recurrent import (
     Bidirectional as Bidirectional,
     Recurrent as Recurrent,
 )
 from ._containers.stacked import Stacked as Stacked
-from ._features.buffer_layout import layer_buffers as layer_buffers
-from ._features.early_exit import run_until as run_until
-from ._features.layer_subsets import run_layers as run_layers
-from ._features.nonfinite import (
-    find_nonfinite as find_nonfinite,
-    NonFinite as NonFinite,
-)
 from ._scan.buffers import (
     Buffer as Buffer,
     buffer as buffer,
@@ -50,35 +39,98 @@ from ._scan.layer_index import layer_index as layer_index
 from ._scan.options import Mode as Mode, Remat as Remat, ScanOptions as ScanOptions
 from ._scan.remat import ScanRemat as ScanRemat
 from ._scan.taps import Probe as Probe, probe as probe, tap as tap
-from .checkpoint import (
-    from_flax_scan as from_flax_scan,
-    from_state_dict as from_state_dict,
-    load as load,
-    load_safetensors as load_safetensors,
-    load_state_dict as load_state_dict,
-    read_safetensors as read_safetensors,
-    save as save,
-    save_safetensors as save_safetensors,
-    to_state_dict as to_state_dict,
-)
-from .nn import ElmanCell as ElmanCell, MLPBlock as MLPBlock, StackedMLP as StackedMLP
-from .remat import explain_auto as explain_auto
 
 
 __version__ = _metadata.version("eqxscan")
 
 
+# Imported on first use; type checkers and the API reference read them here.
 if _TYPE_CHECKING:
-    from . import distributed as distributed, optim as optim, planning as planning
-_LAZY = ("distributed", "optim", "planning")
+    from . import (
+        adapters as adapters,
+        checkpoint as checkpoint,
+        distributed as distributed,
+        nn as nn,
+        optim as optim,
+        planning as planning,
+        quant as quant,
+        remat as remat,
+        sharding as sharding,
+        stats as stats,
+    )
+    from ._features.buffer_layout import layer_buffers as layer_buffers
+    from ._features.early_exit import run_until as run_until
+    from ._features.layer_subsets import run_layers as run_layers
+    from ._features.nonfinite import (
+        find_nonfinite as find_nonfinite,
+        NonFinite as NonFinite,
+    )
+    from .checkpoint import (
+        from_flax_scan as from_flax_scan,
+        from_state_dict as from_state_dict,
+        load as load,
+        load_safetensors as load_safetensors,
+        load_state_dict as load_state_dict,
+        read_safetensors as read_safetensors,
+        save as save,
+        save_safetensors as save_safetensors,
+        to_state_dict as to_state_dict,
+    )
+    from .nn import (
+        ElmanCell as ElmanCell,
+        MLPBlock as MLPBlock,
+        StackedMLP as StackedMLP,
+    )
+    from .remat import explain_auto as explain_auto
+
+_SUBPACKAGES = (
+    "adapters",
+    "checkpoint",
+    "distributed",
+    "nn",
+    "optim",
+    "planning",
+    "quant",
+    "remat",
+    "sharding",
+    "stats",
+)
+# Each top-level name lent by a module outside the core, by that module.
+_LENT = {
+    "layer_buffers": "._features.buffer_layout",
+    "run_until": "._features.early_exit",
+    "run_layers": "._features.layer_subsets",
+    "find_nonfinite": "._features.nonfinite",
+    "NonFinite": "._features.nonfinite",
+    **dict.fromkeys(
+        (
+            "from_flax_scan",
+            "from_state_dict",
+            "load",
+            "load_safetensors",
+            "load_state_dict",
+            "read_safetensors",
+            "save",
+            "save_safetensors",
+            "to_state_dict",
+        ),
+        ".checkpoint",
+    ),
+    **dict.fromkeys(("ElmanCell", "MLPBlock", "StackedMLP"), ".nn"),
+    "explain_auto": ".remat",
+}
 
 
 def __getattr__(name: str) -> object:
-    # PEP 562: each of `_LAZY` is imported on first use.
-    if name in _LAZY:
+    # PEP 562: a subpackage, or a name lent by one, imported on first use.
+    if name in _SUBPACKAGES:
         return _importlib.import_module(f"{__name__}.{name}")
+    if name in _LENT:
+        value = getattr(_importlib.import_module(_LENT[name], __name__), name)
+        globals()[name] = value  # once: later uses do not come here
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+    return sorted({*globals(), *_SUBPACKAGES, *_LENT})

@@ -85,7 +85,8 @@ def docstrings() -> list[tuple[str, str]]:
         if inspect.ismodule(m := getattr(eqxscan, n))
     ]
     for prefix, namespace in namespaces:
-        for name in sorted(n for n in vars(namespace) if not n.startswith("_")):
+        # `dir` again: `eqxscan.save` and the like are imported on first use.
+        for name in sorted(n for n in dir(namespace) if not n.startswith("_")):
             obj = getattr(namespace, name)
             if not getattr(obj, "__module__", "").startswith("eqxscan"):
                 continue

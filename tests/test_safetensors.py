@@ -208,7 +208,7 @@ def test_flipped_header_byte_is_the_packages_error_named_with_the_file(tmp_path)
 def test_foreign_files_are_refused_in_plain_words(tmp_path):
     npz = tmp_path / "model.npz"
     np.savez(npz, **eqxscan.to_state_dict(_mlp()))
-    _refused(npz, "it is a zip archive", "eqxscan.load")
+    _refused(npz, "it is a zip archive (an .npz?), not safetensors")
     text = tmp_path / "notes.safetensors"
     text.write_text("hello, world: not weights at all")
     _refused(text, "is corrupt or is not a safetensors file")

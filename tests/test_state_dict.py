@@ -288,34 +288,33 @@ def test_save_load_round_trip_keeps_bfloat16(getkey, tmp_path):
 
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "data", "stacked_mlp_4x2_bf16.npz")
-DEPRECATED = r"(?s)an \.npz checkpoint of an earlier eqxscan version.*save_safetensors"
 
 
-def test_npz_files_of_earlier_versions_load_with_a_deprecation_warning(tmp_path):
-    # Written by the former `.npz` writer: StackedMLP(4, 2) in bfloat16, key 0.
-    model = eqxscan.StackedMLP(4, 2, key=jr.key(0), dtype=jnp.bfloat16)
+def test_npz_files_are_refused_by_name(tmp_path):
+    # Written by a development version's `.npz` writer: StackedMLP(4, 2) in
+    # bfloat16. eqxscan reads safetensors only, and says so before reading.
     like = eqx.filter_eval_shape(
         lambda: eqxscan.StackedMLP(4, 2, key=jr.key(1), dtype=jnp.bfloat16)
     )
-    with pytest.warns(DeprecationWarning, match=DEPRECATED):
-        loaded = eqxscan.load(FIXTURE, like)
-    assert eqx.tree_equal(loaded, model)
-    # Into another model: the file is named, as for safetensors.
-    with pytest.warns(DeprecationWarning, match=DEPRECATED):
-        with pytest.raises(ValueError) as e:
-            eqxscan.load(FIXTURE, eqxscan.StackedMLP(4, 3, key=jr.key(1)))
-    first, hint = str(e.value).splitlines()
-    assert first.startswith(f"{str(FIXTURE)!r} does not fit the model: Depth"), first
-    assert hint.startswith("Hint: build like with the saved model's"), hint
-    with pytest.warns(DeprecationWarning, match=DEPRECATED):
-        state = eqxscan.load_state_dict(FIXTURE)
-    assert eqx.tree_equal(state, eqxscan.to_state_dict(model))
-    # Saved again, as the warning says.
-    eqxscan.save(tmp_path / "model.safetensors", loaded)
-    assert eqx.tree_equal(eqxscan.load(tmp_path / "model.safetensors", like), model)
+    plain = tmp_path / "plain"  # a zip without the suffix, as `numpy.savez` wrote
+    with open(FIXTURE, "rb") as f:
+        plain.write_bytes(f.read())
+    for path in [FIXTURE, plain]:
+        for who, read in [
+            ("load", lambda p: eqxscan.load(p, like)),
+            ("load_state_dict", eqxscan.load_state_dict),
+        ]:
+            with pytest.raises(ValueError) as e:
+                read(path)
+            first, hint = str(e.value).splitlines()
+            assert first == (
+                f"{who}: {str(path)!r} is an .npz archive, and eqxscan reads "
+                "safetensors only."
+            ), first
+            assert hint.startswith("Hint: an .npz of a development version's"), hint
     with pytest.raises(ValueError, match="eqxscan writes safetensors only"):
-        eqxscan.save(tmp_path / "model.npz", model)
-    assert os.listdir(tmp_path) == ["model.safetensors"]
+        eqxscan.save(tmp_path / "model.npz", eqxscan.StackedMLP(4, 2, key=jr.key(0)))
+    assert os.listdir(tmp_path) == ["plain"]
 
 
 def test_load_checks_depth(getkey, tmp_path):
@@ -338,9 +337,8 @@ def test_save_load_name_the_path_on_bad_files(getkey, tmp_path):
         eqxscan.load(garbage, model)
     empty = tmp_path / "empty.npz"
     empty.write_bytes(b"")
-    with pytest.warns(DeprecationWarning, match=DEPRECATED):
-        with pytest.raises(corrupt, match=r"empty\.npz' is not a checkpoint"):
-            eqxscan.load(empty, model)
+    with pytest.raises(ValueError, match=r"empty\.npz' is an \.npz archive"):
+        eqxscan.load(empty, model)
 
 
 def _two_layer_stack(key):

@@ -121,10 +121,7 @@ class _Files:
             with open(file, "rb") as f:
                 start = f.read(4)
             if start.startswith(b"PK"):
-                why = (
-                    "it is a zip archive (an .npz of an earlier eqxscan.save? "
-                    "read it with eqxscan.load)"
-                )
+                why = "it is a zip archive (an .npz?), not safetensors"
             else:
                 why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             raise _bad(file, why) from None

@@ -16,8 +16,6 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from beartype.door import is_bearable
-from beartype.roar import BeartypeException
 from jaxtyping import PyTree
 
 from .._internal import (
@@ -296,6 +294,10 @@ def _check_inits(node: object) -> list[Callable[[object], None]]:
 def _placeholder(value: object, annotation: Any) -> bool:
     if value is not None:
         return is_placeholder(value)
+    # Imported here, at the first such field: beartype is slow to import.
+    from beartype.door import is_bearable
+    from beartype.roar import BeartypeException
+
     try:
         return not is_bearable(None, annotation)
     except BeartypeException:  # an annotation it cannot read: check as before

@@ -1,6 +1,18 @@
 """optax helpers for models built from [`eqxscan.Stacked`][] layers: a weight-decay
 mask, frozen layers, any transformation run per layer (`layerwise`), Muon with
-the layer axes as batch axes, layer-wise learning rates and per-layer norms."""
+the layer axes as batch axes, layer-wise learning rates and per-layer norms.
+Needs optax: `pip install "eqxscan[optim]"`."""
+
+try:
+    import optax as _optax  # noqa: F401
+except ImportError as _e:
+    if (_e.name or "").split(".")[0] != "optax":
+        raise  # optax is there, but fails to import
+    raise ModuleNotFoundError(
+        "eqxscan.optim needs optax, which is not installed.\n"
+        'Hint: pip install "eqxscan[optim]" (or optax).',
+        name="optax",
+    ) from _e
 
 from ._layers import (
     freeze_layers as freeze_layers,

@@ -110,12 +110,14 @@ def make_job(
 ) -> Job:
     """The `Job` of `plan`'s arguments, references resolved (an optimiser given
     as a function called)."""
-    import optax  # imported here: `import eqxscan.planning` does not need it
-
     build, train = _function(make_model, "make_model"), _function(step, "step")
     tx = optimizer
-    if not (tx is None or isinstance(tx, optax.GradientTransformation)):
-        tx = _function(tx, "optimizer")()
+    if tx is not None:
+        # Imported here, for an optimiser only: optax is an extra.
+        import optax
+
+        if not isinstance(tx, optax.GradientTransformation):
+            tx = _function(tx, "optimizer")()
     return Job(build, model_kwargs, train, tx, batch, axes, rules, min_size)
 
 
@@ -146,10 +148,10 @@ def _encode_remat(c: Remat) -> Json:
 
 
 def _encode_optimizer(optimizer: Optimizer) -> str | None:
-    import optax  # imported here: `import eqxscan.planning` does not need it
-
     if optimizer is None:
         return None
+    import optax  # imported here, for an optimiser only: optax is an extra
+
     if isinstance(optimizer, optax.GradientTransformation):
         raise ValueError(
             "plan: an optax.GradientTransformation object cannot be passed to the "
