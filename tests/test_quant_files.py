@@ -333,6 +333,19 @@ def test_quantize_file_equals_quantizing_the_loaded_model(tmp_path):
     _same_bits(got, quant.quantize(eqxscan.load_safetensors(path, like), MLP))
 
 
+def test_quantize_file_groups_int4_weights_by_128_by_default(tmp_path):
+    # The default group_size, pinned: 128 inputs share a scale (w1 [128, 512]:
+    # one group; w2 [512, 128]: 4).
+    path = tmp_path / "model.safetensors"
+    like = _float_file(path, 128, 2)
+    got = quant.quantize_file(path, like, targets=MLP, kind="int4")
+    w1, w2 = got.blocks.layers.w1, got.blocks.layers.w2
+    assert w1.group_size == w2.group_size == 128
+    assert w1.scales.shape == (2, 1, 512) and w2.scales.shape == (2, 4, 128)
+    floats = eqxscan.load_safetensors(path, like)
+    _same_bits(got, quant.quantize(floats, MLP, kind="int4", group_size=128))
+
+
 def test_quantize_file_errors_name_the_array(tmp_path):
     path = tmp_path / "model.safetensors"
     model = _mlp()
