@@ -505,9 +505,12 @@ def test_shards_of_two_saves_are_refused(tmp_path):
     )
 
 
-def test_fp8_values_stored_as_float8_load_as_their_codes(tmp_path, getkey):
+@pytest.mark.parametrize("specs_kept", [False, True])
+def test_fp8_values_stored_as_float8_load_as_their_codes(tmp_path, getkey, specs_kept):
     # quant.save writes fp8 codes as uint8; a file whose `values` were converted
-    # to safetensors' F8_E4M3 (the same bytes) was refused as "does not fit".
+    # to safetensors' F8_E4M3 (the same bytes) was refused as "does not fit",
+    # and, its metadata kept (the shapes and dtypes eqxscan's writer records,
+    # the digests), as corrupt.
     stack = eqxscan.Stacked(lambda k: eqx.nn.Linear(8, 8, key=k), 3, key=getkey())
     model = quant.quantize(stack, "*.weight", kind="fp8")
     quant.save(tmp_path / "u8.safetensors", model)
@@ -518,7 +521,8 @@ def test_fp8_values_stored_as_float8_load_as_their_codes(tmp_path, getkey):
         if name.endswith(".values"):
             assert entry["dtype"] == "U8"
             entry["dtype"] = "F8_E4M3"
-    del header["__metadata__"]["eqxscan.specs"]  # as another writer leaves it
+    if not specs_kept:  # as another writer leaves it
+        del header["__metadata__"]["eqxscan.specs"]
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)
     converted = len(text).to_bytes(8, "little") + text + raw[8 + size :]
