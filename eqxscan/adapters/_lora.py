@@ -94,6 +94,11 @@ class LoRA(MatmulOnly, eqx.Module):
         """`alpha / rank`, as PEFT scales its adapters."""
         return self.alpha / self.rank
 
+    def _record(self) -> dict[str, float]:
+        # `eqxscan.save` records alpha (rank is the arrays' shapes): a file
+        # loaded into a LoRA of another alpha is refused, not scaled otherwise.
+        return {"alpha": self.alpha}
+
     def __rmatmul__(self, x: Array | np.ndarray) -> Array:
         """`x @ lora`, for orientation `"x@W"`: `x` is `[..., in]`."""
         self._check("x@W", x)

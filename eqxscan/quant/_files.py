@@ -289,12 +289,13 @@ def load(path: str | os.PathLike, like: T) -> T:
 
     `ValueError` naming each weight quantized otherwise in the file, or float
     on one side and quantized on the other, and the keys, layers and shapes
-    that differ; `FileNotFoundError` and
+    that differ, or a LoRA saved with another `alpha`; `FileNotFoundError` and
     [`eqxscan.checkpoint.CorruptFileError`][] as [`eqxscan.load_safetensors`][]
     raises them.
     """
     check_like("eqxscan.quant.load", like, _EXAMPLE)
-    with open_safetensors(path) as opened:
+    # `like` given: a LoRA's alpha recorded otherwise is refused.
+    with open_safetensors(path, like) as opened:
         problems = _problems(opened, like)
         if problems:
             raise ValueError(
