@@ -1,6 +1,6 @@
 """Adapted models in files and what the arrays do not say: the state-dict names
-`add_lora` gives, and a LoRA's `alpha` recorded by `eqxscan.save` and checked
-on loading."""
+`add_lora` gives, a LoRA's `alpha` recorded by `eqxscan.save` and checked on
+loading, and the opt-in run-time check of a traced adapter id."""
 
 import equinox as eqx
 import jax
@@ -103,3 +103,24 @@ def test_a_file_without_the_record_loads_unchecked(tmp_path):
     safetensors.numpy.save_file(state, path)
     loaded = eqxscan.load(path, _adapted(1, 2.0))
     assert loaded.blocks.layers.w1.alpha == 2.0
+
+
+def _served(model, ids, check):
+    x = jnp.ones((len(ids), 8))
+    row = lambda x, i: adapters.select(model, i, check=check)(x)  # noqa: E731
+    return eqx.filter_jit(jax.vmap(row))(x, ids)
+
+
+def test_a_traced_id_out_of_range_selects_the_base_unless_checked():
+    model = _adapted(0, 4.0, k=2)
+    base = adapters.select(model, -1)(jnp.ones((1, 8)))
+    # Unchecked, 2 and -5 silently give the base alone.
+    out = _served(model, jnp.array([2, -5, 1]), check=False)
+    np.testing.assert_allclose(out[:2], jnp.concatenate([base, base]), rtol=1e-6)
+    assert not np.allclose(out[2], base[0])
+    # Checked, ids in [-1, K) run as before; one outside raises naming K.
+    ok = _served(model, jnp.array([-1, 0, 1]), check=True)
+    np.testing.assert_allclose(ok, _served(model, jnp.array([-1, 0, 1]), False))
+    for bad in (2, -2):
+        with pytest.raises(eqx.EquinoxRuntimeError, match=r"outside \[-1, 2\)"):
+            jax.block_until_ready(_served(model, jnp.array([0, bad]), check=True))

@@ -20,7 +20,9 @@ class LoRA(MatmulOnly, eqx.Module):
     `x @ lora` (orientation `"x@W"`) is `x @ base + (alpha / rank) *
     (dropout(x) @ a[k]) @ b[k]`, and `lora @ x` (orientation `"W@x"`) is
     `base @ x + (alpha / rank) * b[k] @ (a[k] @ dropout(x))`, with `k = active`;
-    `active == -1` (or any other id outside `[0, K)`) gives the base alone.
+    `active == -1` (or any other id outside `[0, K)`, silently:
+    [`eqxscan.adapters.select`][]`(..., check=True)` checks a traced one)
+    gives the base alone.
     `base + delta` is never formed, and the base is frozen: its gradient is
     zero (`jax.lax.stop_gradient`), also in `eqx.filter_grad(loss)(model)`.
 
