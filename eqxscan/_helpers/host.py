@@ -52,7 +52,7 @@ def host_empty(shape: tuple[int, ...], dtype: DTypeLike) -> np.ndarray:
 def _malloc_trim() -> Callable[[int], object] | None:
     try:
         return ctypes.CDLL(None).malloc_trim  # glibc's
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # none; Windows: no CDLL(None)
         return None
 
 
