@@ -125,6 +125,8 @@ def test_quantize_file_peak_rss_is_one_quantized_model_and_two_float_layers(
     # XLA's buffers and any mapping of the file (which tracemalloc misses).
     path = str(tmp_path / "model.safetensors")
     m = json.loads(run_script("quant_file_rss.py", path, "--write", timeout=300))
+    if "skip" in m:
+        pytest.skip(m["skip"])
     # 64 MiB: compiling the layer's program, the allocators' own.
     bound = m["quantized"] + 2 * m["layer"] + 64
     assert m["first"] <= bound, m

@@ -13,7 +13,8 @@ the RSS after imports: `first` and `second`, the peaks of two calls of
 RSS held once both results are dropped, and `whole`, the peak of loading the
 float model and quantizing it; and the quantized model's and one layer's float
 weight's MiB.
-Linux only (it reads and resets the peak through /proc/self).
+Linux only (it reads and resets the peak through /proc/self; `skip` where it
+cannot).
 """
 
 import argparse
@@ -81,6 +82,11 @@ def main() -> None:
         return quant.quantize(eqxscan.load_safetensors(args.path, like), TARGETS)
 
     jax.block_until_ready(jax.numpy.ones(()))  # the backend started
+    try:
+        reset_peak()
+    except OSError as e:  # a system that does not let a process reset it
+        print(json.dumps({"skip": f"cannot reset the peak RSS: {e}"}))
+        return
     base = rss("VmRSS")
     peaks = []
     for _ in range(2):
