@@ -52,6 +52,11 @@ class MatmulOnly:
     def _where(self) -> str:
         return f"The {self._label} at `{self.name or '<unnamed>'}`"
 
+    def _record(self) -> dict[str, float]:
+        # Static fields it computes with that a checkpoint records beside its
+        # arrays, and checks when loading (a LoRA's alpha); none by default.
+        return {}
+
     def _check(self, used_as: Orientation, x: object) -> None:
         # One layer's weight, used as it computes, and x's size along the
         # contracted axis.

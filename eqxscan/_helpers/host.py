@@ -1,6 +1,11 @@
 """Arrays on the host: `Lazy`, read from a file (or made) only when NumPy asks
-for it, and `placed_like`, a host array put where a model's array is."""
+for it, `host_empty`, a large host array returned to the system when freed,
+and `placed_like`, a host array put where a model's array is."""
 
+import ctypes
+import functools
+import math
+import mmap
 from collections.abc import Callable
 
 import jax
@@ -25,8 +30,44 @@ class Lazy:
         return array if dtype is None else array.astype(dtype)
 
 
-def placed_like(like: object, value: np.ndarray) -> jax.Array | np.ndarray:
-    """`value` as `like` is: a NumPy array, or a JAX array placed as it is."""
+# Past this, `host_empty` maps its own pages.
+_MAPPED = 1 << 20
+_POSIX = hasattr(mmap, "MAP_PRIVATE")
+
+
+def host_empty(shape: tuple[int, ...], dtype: DTypeLike) -> np.ndarray:
+    """`numpy.empty(shape, dtype)`, in pages of its own when large: freed, they
+    go back to the system. From `malloc`, glibc takes a freed large block for a
+    reason to keep the next ones on its heap, where layers read one after
+    another stay resident long after they are freed."""
+    dtype = np.dtype(dtype)
+    size = math.prod(shape) * dtype.itemsize
+    if size < _MAPPED:
+        return np.empty(shape, dtype)
+    private = {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS} if _POSIX else {}
+    return np.frombuffer(mmap.mmap(-1, size, **private), dtype).reshape(shape)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], object] | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc's
+    except (OSError, AttributeError, TypeError):  # none; Windows: no CDLL(None)
+        return None
+
+
+def give_back_freed() -> None:
+    """Hand the memory freed on the heap back to the system, where the C library
+    can (glibc's `malloc_trim`): XLA's buffers for a layer, freed, are
+    otherwise kept, and a loop over large layers keeps a little more of each."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+def placed_like(like: object, value: np.ndarray | jax.Array) -> jax.Array | np.ndarray:
+    """`value` (a host array, or one put on the default device) as `like` is: a
+    NumPy array, or a JAX array placed as it is."""
     if isinstance(like, np.ndarray):
         return value
     # A jitted function compiles again for an argument that differs in placement,

@@ -68,7 +68,12 @@ def add_lora(
 
     **Returns:**
 
-    `model` with the targets replaced; nothing else changes.
+    `model` with the targets replaced; nothing else changes. The state-dict
+    names of each adapted weight change (in [`eqxscan.to_state_dict`][] and
+    the files of [`eqxscan.save`][]): `blocks.3.w1` becomes `blocks.3.w1.base`
+    (the frozen weight), `blocks.3.w1.a` and `blocks.3.w1.b` (the adapters,
+    `K` in front). `eqxscan.save` also records `alpha`, which loading checks
+    (docs/adapters.md).
     """
     split_key(key, 1, "add_lora")  # one PRNG key, or an error naming add_lora
     rank = check_size("rank", rank)

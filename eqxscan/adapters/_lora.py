@@ -20,7 +20,9 @@ class LoRA(MatmulOnly, eqx.Module):
     `x @ lora` (orientation `"x@W"`) is `x @ base + (alpha / rank) *
     (dropout(x) @ a[k]) @ b[k]`, and `lora @ x` (orientation `"W@x"`) is
     `base @ x + (alpha / rank) * b[k] @ (a[k] @ dropout(x))`, with `k = active`;
-    `active == -1` (or any other id outside `[0, K)`) gives the base alone.
+    `active == -1` (or any other id outside `[0, K)`, silently:
+    [`eqxscan.adapters.select`][]`(..., check=True)` checks a traced one)
+    gives the base alone.
     `base + delta` is never formed, and the base is frozen: its gradient is
     zero (`jax.lax.stop_gradient`), also in `eqx.filter_grad(loss)(model)`.
 
@@ -93,6 +95,11 @@ class LoRA(MatmulOnly, eqx.Module):
     def scaling(self) -> float:
         """`alpha / rank`, as PEFT scales its adapters."""
         return self.alpha / self.rank
+
+    def _record(self) -> dict[str, float]:
+        # `eqxscan.save` records alpha (rank is the arrays' shapes): a file
+        # loaded into a LoRA of another alpha is refused, not scaled otherwise.
+        return {"alpha": self.alpha}
 
     def __rmatmul__(self, x: Array | np.ndarray) -> Array:
         """`x @ lora`, for orientation `"x@W"`: `x` is `[..., in]`."""

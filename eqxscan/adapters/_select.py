@@ -9,10 +9,12 @@ import numpy as np
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
 from .._internal import Checked, describe, is_none, split_key
-from ._lora import check_adapter, loras, loras_in
+from ._lora import check_adapter, LoRA, loras, loras_in
 
 
-def select(model: PyTree, ids: Checked[int | Int[Array, ""]]) -> PyTree:
+def select(
+    model: PyTree, ids: Checked[int | Int[Array, ""]], *, check: Checked[bool] = False
+) -> PyTree:
     """`model` with every [`eqxscan.adapters.LoRA`][] set to use adapter `ids`
     (`-1`: the base alone).
 
@@ -24,8 +26,14 @@ def select(model: PyTree, ids: Checked[int | Int[Array, ""]]) -> PyTree:
 
     - `model`: a model returned by [`eqxscan.adapters.add_lora`][].
     - `ids`: an `int` or an integer scalar array, possibly traced. A concrete id
-      must be in `[-1, K)`; a traced id outside `[0, K)` gives the base alone
-      (it cannot be checked before it is known).
+      must be in `[-1, K)`; a traced id outside `[0, K)` gives the base alone,
+      silently (it cannot be checked before it is known), unless `check`.
+    - `check`: for a traced id, check it when the program runs
+      (`eqx.error_if`): an id outside `[-1, K)` raises, naming the LoRA and
+      `K` (under `eqx.filter_jit` an `EquinoxRuntimeError`, under `jax.jit` a
+      `JaxRuntimeError` holding the message). Off by default: it adds a
+      branch and a host callback to the program. A concrete id is always
+      checked.
 
     **Returns:**
 
@@ -47,6 +55,8 @@ def select(model: PyTree, ids: Checked[int | Int[Array, ""]]) -> PyTree:
     if isinstance(ids, jax.core.Tracer):
         # One id per layer, so that a scan hands each layer its own.
         chosen = jnp.asarray(ids, jnp.int32)
+        if check:
+            chosen = _checked(chosen, found)
         active = [jnp.broadcast_to(chosen, lo.layer_axes) for lo in found]
     else:
         # A Python int: not an array leaf, so that `eqx.filter(model,
@@ -55,6 +65,19 @@ def select(model: PyTree, ids: Checked[int | Int[Array, ""]]) -> PyTree:
             check_adapter(lora, int(ids), "select", "ids", "selects the base alone")
         active = [int(ids)] * len(found)
     return eqx.tree_at(lambda m: [lo.active for lo in loras(m)], model, active)
+
+
+def _checked(ids: Array, found: list[LoRA]) -> Array:
+    """`ids`, raising when the program runs if it is outside `[-1, K)`."""
+    fewest = min(found, key=lambda lo: lo.num_adapters)
+    k = fewest.num_adapters
+    return eqx.error_if(
+        ids,
+        (ids < -1) | (ids >= k),
+        f"adapters.select: an adapter id is outside [-1, {k}): the LoRA at "
+        f"`{fewest.name}` holds {k} adapter(s), and -1 selects the base alone "
+        "(checked as select(..., check=True) was asked to).",
+    )
 
 
 def with_dropout_key(model: PyTree, key: Checked[PRNGKeyArray]) -> PyTree:

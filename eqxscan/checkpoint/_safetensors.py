@@ -36,6 +36,7 @@ from ._files import (
     spec,
 )
 from ._names import _LAYOUTS, NameMap
+from ._records import check_records, records_metadata
 from ._safetensors_read import (
     _DIGESTS,
     _DTYPES,
@@ -132,6 +133,8 @@ def save_safetensors(
       with a directory.
     - `metadata`: extra string entries for each file's metadata (`format`
       defaults to the name map's, or `"pt"`; with `names`, only the map's).
+      Each file also records, under `"eqxscan.records"`, what the arrays do not
+      hold: each [`eqxscan.adapters.LoRA`][]'s `alpha`, which loading checks.
 
     **Returns:**
 
@@ -159,7 +162,11 @@ def save_safetensors(
             f"for {listed(bad, ', ')}.\nHint: cast them (to int8, bfloat16, ...), "
             "or keep 4-bit values two to a byte in uint8, as eqxscan.quant does."
         )
-    info = {"format": "pt" if names is None else names.format, **(metadata or {})}
+    info = {
+        "format": "pt" if names is None else names.format,
+        **records_metadata(model),
+        **(metadata or {}),
+    }
     if names is not None and info["format"] != names.format:
         raise ValueError(
             f"save_safetensors: metadata format {info['format']!r} is not the name "
@@ -436,7 +443,9 @@ def open_safetensors(
     - `path`: a `.safetensors` file, a `model.safetensors.index.json`, or a
       directory holding either (both: `model.safetensors`, as transformers
       reads it).
-    - `like`: with `names`, the model whose names the arrays get.
+    - `like`: with `names`, the model whose names the arrays get. Given, the
+      `alpha` the files record of each of its [`eqxscan.adapters.LoRA`][]s is
+      checked against its own (a `ValueError` naming the weight and both).
     - `names`: a [`eqxscan.checkpoint.NameMap`][] from the file's names to
       eqxscan's for `like`: every name and shape is checked at once, as
       `load_safetensors` does, and the arrays get eqxscan's names (by default,
@@ -463,6 +472,8 @@ def open_safetensors(
     cast = None if dtype is None else _float_dtype(dtype)
     path = check_path("open_safetensors: path", path)
     with contextlib.closing(_Files(path)) as files:
+        if like is not None:
+            check_records(files.metadata, like, files.where)
         arrays: Mapping[str, Lazy] = files.entries
         if cast is not None:
             arrays = _cast(files.entries, cast)
@@ -510,7 +521,9 @@ def load_safetensors(
     for a corrupt one (truncated, a bad header, a changed array, a shard of
     another save); `ValueError` naming the keys, layers, shapes or dtypes that
     differ from the model, or when the file's metadata names another `format`
-    than `names` (`"pt"`, `"flax"`: layouts that may hold a matrix transposed).
+    than `names` (`"pt"`, `"flax"`: layouts that may hold a matrix transposed),
+    or records another `alpha` for one of the model's
+    [`eqxscan.adapters.LoRA`][]s (naming the weight and both).
     """
     check_like("load_safetensors", like)
     with open_safetensors(path, like, names=names, dtype=dtype) as opened:

@@ -1,16 +1,20 @@
 """Reading safetensors files and sharded directories: the arrays by name, their
 shapes and dtypes from the headers, data read (and checked against the digest
-eqxscan's writer records) only when asked for."""
+eqxscan's writer records) only when asked for, each array copied from the file
+into an array of its own: no mapping of the file stays resident, so a file read
+piece by piece holds one piece at a time."""
 
 import contextlib
 import json
 import os
 import struct
+import threading
 from collections.abc import Callable
 
 import jax
 import numpy as np
 
+from .._internal import host_empty
 from ._files import CorruptFileError, differences, digest, DOCS, Lazy, spec
 
 
@@ -39,8 +43,7 @@ class _Files:
     """The arrays of a safetensors file or sharded directory, by name."""
 
     def __init__(self, path: str):
-        self.handles: list[object] = []
-        self.closed = False
+        self.handles: list[_Bytes] = []
         self.metadata: dict[str, dict[str, str]] = {}  # each file's, by file name
         self.entries: dict[str, Lazy] = {}
         files, token, self.where = self._resolve(path)
@@ -108,15 +111,19 @@ class _Files:
 
     def _open(self, file: str, names: list[str] | None, token: str | None) -> None:
         try:
-            handle = _package().safe_open(file, framework="np")
-            self.handles.append(handle)
-            keys = list(handle.keys())
-            meta = handle.metadata() or {}
+            # The package checks the header (offsets, sizes); its handle maps
+            # the whole file, whose pages read through it would stay resident
+            # until it closes: the data is read by `_Bytes` instead.
+            with _package().safe_open(file, framework="np") as handle:
+                keys = list(handle.keys())
+                meta = handle.metadata() or {}
+                specs = {}
+                for key in keys:
+                    piece = handle.get_slice(key)
+                    specs[key] = (tuple(piece.get_shape()), piece.get_dtype())
+                raw = _Bytes(file)
+            self.handles.append(raw)
             self.metadata[os.path.basename(file)] = dict(meta)
-            specs = {}
-            for key in keys:
-                piece = handle.get_slice(key)
-                specs[key] = (tuple(piece.get_shape()), piece.get_dtype())
         except Exception as e:  # the package's SafetensorError, or an OSError
             with open(file, "rb") as f:
                 start = f.read(4)
@@ -160,36 +167,40 @@ class _Files:
                 )
             dtype = np.dtype(jax.numpy.dtype(name))
             # The digests cover the bytes only: a header giving them another
-            # shape or dtype of the same size is caught here.
-            if saved and saved[key] != spec(shape, dtype):
+            # shape or dtype of the same size is caught here. But for bytes
+            # saved as uint8 and given as float8 since (eqxscan.quant's fp8
+            # codes, converted to safetensors' F8_E4M3: the same bits).
+            retyped = dtype.itemsize == 1 and saved.get(key) == spec(shape, np.uint8)
+            if (
+                saved
+                and saved[key] != spec(shape, dtype)
+                and not (dtype_name.startswith("F8_") and retyped)
+            ):
                 raise _bad(
                     file,
                     f"its header gives '{key}' as {spec(shape, dtype)}, but it "
                     f"was saved as {saved[key]}",
                 )
-            source = handle
-            if dtype_name.startswith("F8_"):  # the package's NumPy API has none
-                if not isinstance(raw := self.handles[-1], _Bytes):
-                    raw = _Bytes(file)
-                    self.handles.append(raw)
-                raw.specs[key] = (shape, dtype_name, dtype)
-                source = raw
+            raw.specs[key] = (shape, dtype_name, dtype)
             self.entries[key] = Lazy(
-                shape, dtype, self._reader(source, file, key, digests.get(key))
+                shape, dtype, self._reader(raw, file, key, digests.get(key))
             )
 
+    @staticmethod
     def _reader(
-        self, handle: object, file: str, key: str, expected: str | None
+        handle: "_Bytes", file: str, key: str, expected: str | None
     ) -> Callable[[], np.ndarray]:
+        # Not a reference to the `_Files`, whose entries hold this: a cycle
+        # would keep everything they reach until the garbage collector runs.
         def read() -> np.ndarray:
-            if self.closed:
+            if handle.file.closed:
                 raise ValueError(
                     f"Array '{key}' of {file!r} is read after its file was closed."
                     "\nHint: read the arrays inside `with open_safetensors(...)`, "
                     "or copy them there (numpy.asarray)."
                 )
             try:
-                array = handle.get_tensor(key)  # type: ignore[attr-defined]
+                array = handle.get_tensor(key)
             except Exception as e:
                 raise _bad(file, f"'{key}' cannot be read ({e})") from None
             if expected is not None and digest(array) != expected:
@@ -205,21 +216,22 @@ class _Files:
     def close(self) -> None:
         for handle in self.handles:
             with contextlib.suppress(Exception):
-                handle.__exit__(None, None, None)  # type: ignore[attr-defined]
+                handle.__exit__(None, None, None)
         self.handles.clear()
-        self.closed = True
 
 
 class _Bytes:
-    """A file's float8 arrays, read as bytes where its header places them,
-    through a descriptor of their own opened with the file (as the package's
-    handle, it reads the file opened, not one saved over it since)."""
+    """A file's arrays, read where its header places them into arrays of their
+    own, through a descriptor opened with the file (it reads the file opened,
+    not one saved over it since; the header the package checked is compared
+    with its own). Float8 arrays too, which the package's NumPy API lacks."""
 
     def __init__(self, file: str):
-        self.file = open(file, "rb")
+        self.file = open(file, "rb", buffering=0)
         (size,) = struct.unpack("<Q", self.file.read(8))
         self.start, self.header = 8 + size, json.loads(self.file.read(size))
         self.specs: dict[str, tuple[tuple[int, ...], str, np.dtype]] = {}
+        self.lock = threading.Lock()  # one seek and read at a time
 
     def get_tensor(self, key: str) -> np.ndarray:
         shape, name, dtype = self.specs[key]
@@ -227,9 +239,18 @@ class _Bytes:
         if (tuple(info["shape"]), info["dtype"]) != (shape, name):
             raise ValueError(f"its header differs from the package's: {info}")
         begin, end = info["data_offsets"]
-        self.file.seek(self.start + begin)
-        data = bytearray(self.file.read(end - begin))
-        return np.frombuffer(data, dtype).reshape(shape)
+        data = host_empty((end - begin,), np.uint8)
+        view, done = data.data, 0
+        with self.lock:
+            self.file.seek(self.start + begin)
+            while done < len(data):
+                got = self.file.readinto(view[done:])
+                if not got:
+                    raise ValueError(
+                        f"the file is {len(data) - done} bytes short of it"
+                    )
+                done += got
+        return data.view(dtype).reshape(shape)
 
     def __exit__(self, *exc: object) -> None:
         self.file.close()

@@ -20,6 +20,7 @@ from jaxtyping import PyTree
 
 from .._internal import (
     describe,
+    host_empty,
     is_arraylike,
     is_placeholder,
     layer_names,
@@ -264,10 +265,13 @@ def from_state_dict(like: T, state_dict: Mapping[str, object]) -> T:
             return placed_like(leaf.leaf, np.asarray(state_dict[names[0]]))
         # Each layer read straight into the stacked array, one at a time: a
         # file read lazily holds one layer's slice beside it, not all of them.
-        value = np.empty(leaf.depths + leaf.shape, leaf.dtype)
+        value = host_empty(leaf.depths + leaf.shape, leaf.dtype)
         flat = value.reshape((-1, *leaf.shape))
         for k, name in enumerate(names):
             flat[k] = np.asarray(state_dict[name])
+        if not isinstance(leaf.leaf, np.ndarray):
+            # Its own pages, which a JAX array on the CPU can use: no copy.
+            value = jax.device_put(value)
         return placed_like(leaf.leaf, value)
 
     model = _map_arrays(load, like)

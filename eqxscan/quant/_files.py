@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import cast, TypeVar
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
@@ -20,6 +21,7 @@ from jaxtyping import PyTree
 from .._internal import (
     check_like,
     for_each,
+    give_back_freed,
     Held,
     hold,
     is_arraylike,
@@ -37,8 +39,8 @@ from ..checkpoint import (
     Opened,
     save_safetensors,
 )
-from ._quantize import is_quantized, quantize, Target
-from ._quantized import describe, Kind, Orientation, quantize_array, Quantized
+from ._quantize import _quantize_array, is_quantized, quantize, Target
+from ._quantized import describe, Kind, Orientation, Quantized
 
 
 T = TypeVar("T")
@@ -287,12 +289,13 @@ def load(path: str | os.PathLike, like: T) -> T:
 
     `ValueError` naming each weight quantized otherwise in the file, or float
     on one side and quantized on the other, and the keys, layers and shapes
-    that differ; `FileNotFoundError` and
+    that differ, or a LoRA saved with another `alpha`; `FileNotFoundError` and
     [`eqxscan.checkpoint.CorruptFileError`][] as [`eqxscan.load_safetensors`][]
     raises them.
     """
     check_like("eqxscan.quant.load", like, _EXAMPLE)
-    with open_safetensors(path) as opened:
+    # `like` given: a LoRA's alpha recorded otherwise is refused.
+    with open_safetensors(path, like) as opened:
         problems = _problems(opened, like)
         if problems:
             raise ValueError(
@@ -327,18 +330,22 @@ def _quantized_layer(
     def take(piece: int) -> np.ndarray:
         if piece in kept:
             return kept.pop(piece)
-        # On the device: no second host copy of the layer.
-        w = jnp.asarray(np.asarray(array))
-        if not bool(jnp.isfinite(w).all()):
+        # `device_put` uses the host array's pages where it can (no copy);
+        # compiled, the steps fuse (eagerly each would allocate a float copy).
+        w = jax.device_put(np.asarray(array))
+        done = _quantize_array(w, q.kind, q.orientation, q.group_size, q.name)
+        del w  # before the next layer is read
+        pieces = (np.asarray(done.values), np.asarray(done.scales))
+        del done
+        give_back_freed()  # XLA's buffers of the layer, freed
+        # A NaN or inf gives its column (or group) an inf scale.
+        if not np.isfinite(pieces[1]).all():
             raise _NonFinite(
                 f"quantize_file: '{name}' in {where!r} holds NaN or inf (the "
                 f"weight `{weight.pattern}`); its scales would be meaningless."
                 "\nHint: check the file (eqxscan.load it and run "
                 "eqxscan.find_nonfinite), or leave this weight out of targets."
             )
-        done = quantize_array(w, q.kind, q.orientation, q.group_size, q.name)
-        del w  # before the next layer is read
-        pieces = (np.asarray(done.values), np.asarray(done.scales))
         kept[1 - piece] = pieces[1 - piece]
         return pieces[piece]
 
@@ -391,10 +398,11 @@ def quantize_file(
 ) -> T:
     """Quantize a float safetensors checkpoint as it is read: the same model as
     `eqxscan.quant.quantize(eqxscan.load_safetensors(path, like,
-    names=name_map), targets, ...)`, bit for bit, holding at most one layer of
+    names=name_map), targets, ...)`, bit for bit, holding about two layers of
     one float weight beside the quantized model (each targeted weight is read,
-    quantized and placed one layer at a time; other arrays load as
-    `load_safetensors` loads them).
+    quantized and placed one layer at a time, the layer before freed by JAX at
+    the next transfer; other arrays load as `load_safetensors` loads them).
+    Peak RSS measured in docs/quantization.md#files.
 
     **Arguments:**
 
@@ -465,4 +473,6 @@ def quantize_file(
             "the file's configuration (depth, sizes, dtype); each targeted "
             "'<name>' of the file is quantized into '<name>.values' and '.scales'."
         )
-        return _fit(opened, qlike, _quantizing(opened, qlike), build)
+        quantized = _fit(opened, qlike, _quantizing(opened, qlike), build)
+    give_back_freed()
+    return quantized
