@@ -65,6 +65,16 @@ from .nn import ElmanCell as ElmanCell, MLPBlock as MLPBlock, StackedMLP as Stac
 from .remat import explain_auto as explain_auto
 
 
+# isort: split
+# Linear recurrences: cells `Recurrent` can run in parallel over time.
+from ._containers.linear_cells import (
+    DiagonalLinearCell as DiagonalLinearCell,
+    MatrixLinearCell as MatrixLinearCell,
+)
+from ._containers.linear_diag import diagonal_scan as diagonal_scan
+from .nn import LRU as LRU, MinGRU as MinGRU
+
+
 __version__ = _metadata.version("eqxscan")
 
 

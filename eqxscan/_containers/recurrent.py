@@ -1,7 +1,8 @@
 """`Recurrent` runs a cell over time; also `Bidirectional`."""
 
+import functools
 from collections.abc import Callable, Mapping
-from typing import Unpack
+from typing import cast, Unpack
 
 import equinox as eqx
 import jax
@@ -25,6 +26,7 @@ from .._scan.layer_call import LayerCall, OneLayer, run_one
 from .._scan.layer_index import current_step
 from .._scan.options import OwnOptions, ScanArgs, Scanning, ScanOptions
 from .._scan.taps import emitted, in_cell, untapped
+from .linear_cells import DiagonalLinearCell, MatrixLinearCell
 from .recurrent_inputs import (
     check_cell_kwargs,
     check_known_cell,
@@ -34,6 +36,13 @@ from .recurrent_inputs import (
     RecurrentArgs,
     time_layout,
     time_major,
+)
+from .recurrent_linear import (
+    check_method,
+    linear_kind,
+    RecurrentMethod,
+    resolve_form,
+    run_parallel,
 )
 
 
@@ -91,6 +100,8 @@ class Recurrent(Scanning):
 
     cell: Callable[..., PyTree]
     reverse: bool = eqx.field(static=True)
+    method: RecurrentMethod = eqx.field(static=True)
+    chunk_size: int = eqx.field(static=True)
     options: ScanOptions
 
     def __init__(
@@ -98,6 +109,8 @@ class Recurrent(Scanning):
         cell: Callable[..., PyTree],
         *,
         reverse: bool = False,
+        method: RecurrentMethod = "auto",
+        chunk_size: int = 64,
         **options: Unpack[ScanArgs],
     ):
         """**Arguments:**
@@ -109,7 +122,18 @@ class Recurrent(Scanning):
         - `mode`, `remat`, `unroll`: as for [`eqxscan.Stacked`][], per time step:
           `mode="loop"` (a Python loop over the steps) gives identical values,
           keys and gradients; `remat="nested"` keeps the saved carries growing
-          like `sqrt(T)`, for long sequences.
+          like `sqrt(T)`, for long sequences. They apply where the cell runs
+          step by step (`method="sequential"`).
+        - `method`: how a cell whose recurrence is linear
+          ([`eqxscan.DiagonalLinearCell`][], [`eqxscan.MatrixLinearCell`][])
+          runs: `"sequential"` (the cell step by step, as any cell),
+          `"associative"` (diagonal only: every step's gates at once, then
+          `jax.lax.associative_scan`), `"chunked"` (the gates at once, then a
+          parallel scan inside chunks of `chunk_size` steps and a sequential one
+          across them), or `"auto"`: chosen from the backend, `T` and the
+          carry's size (see docs/recurrent.md#linear-recurrences). Other cells
+          always run step by step.
+        - `chunk_size`: the chunk length of `method="chunked"`.
         """
         check_callable("cell", cell)
         if isinstance(cell, type):  # callable, but each step would build a cell
@@ -118,18 +142,25 @@ class Recurrent(Scanning):
                 f"create the cell first (`cell = {cell.__name__}(...)`) and pass that."
             )
         check_option("reverse", reverse, (False, True))
+        self.chunk_size = check_method(cell, method, chunk_size)
         self.cell = cell
         self.reverse = reverse
+        self.method = method
         self.options = ScanOptions(**options)
 
     def own_options(self) -> tuple[str, ...]:
-        return ("reverse",)
+        return ("reverse", "method", "chunk_size")
 
     def replace_options(
         self, options: ScanOptions, **own: Unpack[OwnOptions]
     ) -> "Recurrent":
-        reverse = own.get("reverse", self.reverse)
-        return Recurrent(self.cell, reverse=reverse, **options.as_args())
+        return Recurrent(
+            self.cell,
+            reverse=own.get("reverse", self.reverse),
+            method=own.get("method", self.method),
+            chunk_size=own.get("chunk_size", self.chunk_size),
+            **options.as_args(),
+        )
 
     @compiled_when_eager
     def __call__(
@@ -196,6 +227,20 @@ class Recurrent(Scanning):
         xs_dyn, xs_static = eqx.partition(xs, eqx.is_array)
         keys = _step_keys(self.cell, key, run_, type(self).__name__)
         refuse_buffer(args, kwargs, "Recurrent")
+        kind = linear_kind(self.cell)
+        form = resolve_form(self.method, kind, self.options, run_, h0)
+        if form != "engine" and run_.length > 0:
+            linear = cast(DiagonalLinearCell | MatrixLinearCell, self.cell)
+            same = key if run_.broadcast_key else None
+            h_T, hs = run_parallel(
+                linear, form, self.chunk_size, self.reverse, h0, xs,
+                (args, kwargs), (keys, same), run_,
+            )  # fmt: skip
+            return h_T, time_layout(hs, run_.time_axis)
+        # A matrix state is read out at each step rather than stacked.
+        read = None
+        if isinstance(self.cell, MatrixLinearCell):
+            read = functools.partial(_read_out, self.cell, args, kwargs)
         # The cell runs as a layer whose carry comes first (`_cell_step`).
         call = LayerCall(
             args, kwargs, keys, method=_cell_step, caller="Recurrent", over="time"
@@ -205,7 +250,7 @@ class Recurrent(Scanning):
         where_all = f"The cell {name} (one body for all {run_.length} time steps)"
         masked = where_all if self.mode == "scan" else f"The cell {name}"
         xs_in = (xs_static, _stand_in(xs_dyn, run_.mask))
-        step = _time_step(self.cell, call, one_step, xs_in, run_, key, masked)
+        step = _time_step(self.cell, call, one_step, xs_in, run_, key, masked, read)
         inputs = (xs_dyn, run_.mask, _consumption_order(run_, self.reverse), per_step)
         if run_.length == 0:
             h_T, hs = h0, _no_steps(step, h0, inputs, where_all)
@@ -262,11 +307,12 @@ def _time_step(
     controls: Controls,
     key: PRNGKeyArray | None,
     where: str,
+    read: Callable[[PyTree, PyTree], PyTree] | None = None,
 ) -> Callable[[PyTree, tuple], tuple[PyTree, PyTree]]:
-    """The engine's step `(h, (x_t, mask_t, position_t, per_step_t)) -> (h, h)`:
+    """The engine's step `(h, (x_t, mask_t, position_t, per_step_t)) -> (h, y)`:
     truncation and masking around the cell, run through the layer-call seam.
     `xs_in` is `(xs_static, _stand_in(...))`; `where` names the cell in a masked
-    step's carry error."""
+    step's carry error. `y` is the new carry, or `read(new carry, x_t)`."""
     k = controls.truncate
     xs_static, stand_in = xs_in
 
@@ -292,9 +338,20 @@ def _time_step(
         )
         this = call if m is None else call._replace(method=_masked_cell_step(m, where))
         new, _ = run_one(cell, this, one, h, f"The cell {type(cell).__name__}")
-        return new, emitted(one.number, new)
+        y = new if read is None else read(new, eqx.combine(x_dyn, xs_static))
+        return new, emitted(one.number, y)
 
     return step
+
+
+def _read_out(
+    cell: MatrixLinearCell,
+    args: tuple[PyTree, ...],
+    kwargs: Mapping[str, PyTree],
+    state: PyTree,
+    x: PyTree,
+) -> PyTree:
+    return cell.output(state, x, *args, **kwargs)
 
 
 def _stand_in(xs_dyn: PyTree, mask: Bool[Array, " T"] | None) -> PyTree:
@@ -364,15 +421,19 @@ def _no_steps(
     step's shapes, so that a cell that cannot take its inputs fails as usual."""
     one = jtu.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), inputs)
 
-    def traced(h: PyTree, x: tuple) -> None:
-        new, _ = step(h, x)
+    def traced(h: PyTree, x: tuple) -> PyTree:
+        new, y = step(h, x)
         check_carry(h, new, where)
+        return y
 
     with untapped():
-        eqx.filter_eval_shape(traced, h0, one)
-    h_dyn, h_static = eqx.partition(h0, eqx.is_array)
-    empty = jtu.tree_map(lambda a: jnp.zeros((0, *a.shape), a.dtype), h_dyn)
-    return eqx.combine(empty, h_static)
+        y = eqx.filter_eval_shape(traced, h0, one)
+    is_shape = lambda a: isinstance(a, jax.ShapeDtypeStruct)
+    return jtu.tree_map(
+        lambda a: jnp.zeros((0, *a.shape), a.dtype) if is_shape(a) else a,
+        y,
+        is_leaf=is_shape,
+    )
 
 
 def _as_recurrent(rnn: object, reverse: bool, what: str) -> Recurrent:
