@@ -78,7 +78,9 @@ class DiagonalLinearCell(eqx.Module):
 
 
 def _step(a: PyTree, b: PyTree, h: PyTree) -> PyTree:
-    return jtu.tree_map(lambda a_, b_, h_: (a_ * h_ + b_).astype(h_.dtype), a, b, h)
+    return jtu.tree_map(
+        lambda a_, b_, h_: (a_.astype(h_.dtype) * h_ + b_).astype(h_.dtype), a, b, h
+    )
 
 
 class MatrixLinearCell(eqx.Module):

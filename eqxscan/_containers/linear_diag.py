@@ -54,9 +54,9 @@ def diagonal_scan(
 
     **Arguments:**
 
-    - `a`, `b`: pytrees with `h0`'s structure, each leaf `[T, *leaf_shape]`
-      (`a` may be real where `h0` is complex). With `reverse=True` step `T - 1`
-      is consumed first.
+    - `a`, `b`: pytrees with `h0`'s structure, each leaf `[T, *leaf_shape]`,
+      computed in `h0`'s dtype (`a` may be real where `h0` is complex). With
+      `reverse=True` step `T - 1` is consumed first.
     - `h0`: the initial carry.
     - `method`: `"sequential"` (`lax.scan`), `"associative"`
       (`lax.associative_scan`, depth `log2 T`) or `"chunked"` (an associative
@@ -72,7 +72,9 @@ def diagonal_scan(
     `hs[0]`). Each leaf has `h0`'s dtype.
     """
     h_leaves, tree = jtu.tree_flatten(h0)
-    a_leaves, b_leaves = tree.flatten_up_to(a), tree.flatten_up_to(b)
+    # In the carry's dtype: a real `a` with a complex carry, a bfloat16 `b`.
+    a_leaves = [x.astype(h.dtype) for x, h in zip(tree.flatten_up_to(a), h_leaves)]
+    b_leaves = [x.astype(h.dtype) for x, h in zip(tree.flatten_up_to(b), h_leaves)]
     if method == "sequential":
         h_T, hs = _sequential(a_leaves, b_leaves, h_leaves, reverse)
     else:
@@ -140,7 +142,7 @@ def _chunked(a: Leaves, b: Leaves, chunk_size: int) -> Leaves:
     n = math.ceil(length / size)
     pad = n * size - length
 
-    def chunks(x: Array, fill: float) -> Array:
+    def chunks(x: Array, fill: int) -> Array:
         # The padded steps (`a = 1`, `b = 0`) come last and change nothing.
         x = jnp.concatenate([x, jnp.full((pad, *x.shape[1:]), fill, x.dtype)])
         return x.reshape(n, size, *x.shape[1:])

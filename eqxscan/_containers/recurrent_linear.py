@@ -106,6 +106,7 @@ def run_parallel(
         return _matrix(a, k, v, q, h0, form, chunk_size, reverse)
     a, b = gates
     _check_gates(cell, a, b, h0)
+    a, b = (jtu.tree_map(lambda x, h: x.astype(h.dtype), g, h0) for g in (a, b))
     if m is not None:
         a = _where_t(m, a, jtu.tree_map(jnp.ones_like, a))
         b = _where_t(m, b, jtu.tree_map(jnp.zeros_like, b))
@@ -197,7 +198,7 @@ def _truncated(
             return jnp.concatenate([h[1:], h_0[None]])
         return jnp.concatenate([h_0[None], h[:-1]])
 
-    prev = jtu.tree_map(previous, hs, h0)
+    prev = jax.lax.stop_gradient(jtu.tree_map(previous, hs, h0))
     b = jtu.tree_map(lambda x, y, p: x + jnp.where(_col(cut, x), y * p, 0), b, a, prev)
     a = _where_t(cut, jtu.tree_map(jnp.zeros_like, a), a)
     return a, b

@@ -132,9 +132,9 @@ class LRU(DiagonalLinearCell):
         gamma = jnp.exp(self.gamma_log)
         if self.theta_log is None or self.B_im is None:
             return jnp.exp(-jnp.exp(self.nu_log)), gamma * (self.B_re @ x_t)
-        log_a = -jnp.exp(self.nu_log) + 1j * jnp.exp(self.theta_log)
-        bx = self.B_re @ x_t + 1j * (self.B_im @ x_t)
-        return jnp.exp(log_a), gamma * bx
+        log_a = jax.lax.complex(-jnp.exp(self.nu_log), jnp.exp(self.theta_log))
+        bx = jax.lax.complex(self.B_re @ x_t, self.B_im @ x_t)
+        return jnp.exp(log_a), gamma.astype(bx.dtype) * bx
 
 
 class MinGRU(DiagonalLinearCell):
