@@ -122,17 +122,18 @@ class Recurrent(Scanning):
         - `mode`, `remat`, `unroll`: as for [`eqxscan.Stacked`][], per time step:
           `mode="loop"` (a Python loop over the steps) gives identical values,
           keys and gradients; `remat="nested"` keeps the saved carries growing
-          like `sqrt(T)`, for long sequences. They apply where the cell runs
-          step by step (`method="sequential"`).
+          like `sqrt(T)`, for long sequences. For a cell with a linear
+          recurrence, `mode="loop"` or a `remat` other than `"auto"` runs the
+          cell step by step (unless `method` names a parallel form).
         - `method`: how a cell whose recurrence is linear
           ([`eqxscan.DiagonalLinearCell`][], [`eqxscan.MatrixLinearCell`][])
-          runs: `"sequential"` (the cell step by step, as any cell),
-          `"associative"` (diagonal only: every step's gates at once, then
-          `jax.lax.associative_scan`), `"chunked"` (the gates at once, then a
-          parallel scan inside chunks of `chunk_size` steps and a sequential one
-          across them), or `"auto"`: chosen from the backend, `T` and the
-          carry's size (see docs/recurrent.md#linear-recurrences). Other cells
-          always run step by step.
+          runs. Every step's gates are computed at once, then the recurrence
+          runs as `"sequential"` (a `jax.lax.scan` of `a * h + b`),
+          `"associative"` (diagonal only: `jax.lax.associative_scan`),
+          `"chunked"` (a parallel scan inside chunks of `chunk_size` steps, a
+          sequential one across them), or `"auto"`: chosen from the backend,
+          `T` and the carry's size (see docs/recurrent.md#linear-recurrences).
+          Other cells always run step by step.
         - `chunk_size`: the chunk length of `method="chunked"`.
         """
         check_callable("cell", cell)

@@ -64,19 +64,21 @@ def resolve_form(
     controls: Controls,
     h0: PyTree,
 ) -> Form:
-    """The form one run takes. `"auto"` keeps the engine for other cells, and
-    where `mode="loop"` or an explicit `remat` asks for what only the engine
-    does."""
-    if kind is None or method == "sequential":
+    """The form one run takes. Other cells run in the engine; so do linear
+    ones where `mode="loop"` or an explicit `remat` asks for what only the
+    engine does (unless a parallel method is named), and a matrix state's
+    sequential form (whose outputs the engine reads out step by step)."""
+    if kind is None:
+        return "engine"
+    engine_asked = options.mode == "loop" or options.remat != "auto"
+    if method in ("sequential", "auto") and engine_asked:
         return "engine"
     if kind == "matrix" and controls.truncate is not None:
         return "engine"  # the carry to cut at would be every step's state
-    if method != "auto":
-        return method
-    if options.mode == "loop" or options.remat != "auto":
-        return "engine"
-    size = sum(jnp.size(a) for a in jtu.tree_leaves(h0))
-    form = choose_method(jax.default_backend(), controls.length, size, kind)
+    form: Form = method
+    if method == "auto":
+        size = sum(jnp.size(a) for a in jtu.tree_leaves(h0))
+        form = choose_method(jax.default_backend(), controls.length, size, kind)
     if kind == "matrix" and form == "sequential":
         return "engine"
     return form
