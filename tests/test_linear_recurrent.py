@@ -225,7 +225,7 @@ def test_mingru_matches_the_paper_formulas(getkey):
 # -------------------------------------------- Recurrent's options, in parallel
 
 
-def _run(cell, method, h0, xs, **kw):
+def _run(cell, method, h0, xs, *args, **kw):
     """`method="cell"`: the cell step by step through the scan engine (which an
     explicit `remat` asks for), the reference for `Recurrent`'s options."""
     reverse = kw.pop("reverse", False)
@@ -233,7 +233,7 @@ def _run(cell, method, h0, xs, **kw):
         rnn = eqxscan.Recurrent(cell, method="sequential", reverse=reverse, remat=False)
     else:
         rnn = eqxscan.Recurrent(cell, method=method, chunk_size=4, reverse=reverse)
-    return rnn(h0, xs, **kw)
+    return rnn(h0, xs, *args, **kw)
 
 
 @pytest.mark.parametrize("reverse", [False, True])
@@ -426,3 +426,22 @@ def test_gates_of_the_wrong_shape_are_named():
     rnn = eqxscan.Recurrent(Widening(), method="associative")
     with pytest.raises(ValueError, match=r"Widening.gates returned a of shape \(4,\)"):
         rnn(jnp.zeros(5), jnp.ones((6, 5)))
+
+
+def test_benchmark_smoke(monkeypatch, capsys):
+    # benchmarks/linear_recurrence.py --tiny, in this process: every form is
+    # timed, `auto` lowered to the program of the form it picks (the benchmark
+    # asserts it), and auto/best is that form's time over the fastest.
+    import re
+
+    from benchmarks import linear_recurrence as bench
+
+    monkeypatch.setattr("sys.argv", ["linear_recurrence", "--tiny"])
+    bench.main()
+    out = capsys.readouterr().out
+    (row,) = [r for r in out.splitlines() if r.startswith("float32")]
+    ms = {n: float(t) for n, t in re.findall(r"([\w-]+) ([0-9.]+) \(", row)}
+    assert sorted(ms) == ["associative", "cell", "chunked-8", "sequential"]
+    picked, ratio = re.search(r"auto=(\w+) auto/best ([0-9.]+)", row).groups()
+    assert picked == choose_method(jax.default_backend(), 32, 8, "diagonal")
+    assert float(ratio) == pytest.approx(ms[picked] / min(ms.values()), abs=0.02)

@@ -1,6 +1,5 @@
 """`Recurrent` runs a cell over time; also `Bidirectional`."""
 
-import functools
 from collections.abc import Callable, Mapping
 from typing import cast, Unpack
 
@@ -8,7 +7,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from jaxtyping import Array, Bool, Int, PRNGKeyArray, PyTree
+from jaxtyping import Array, Bool, PRNGKeyArray, PyTree
 
 from .._helpers.checks import (
     check_callable,
@@ -31,11 +30,14 @@ from .recurrent_inputs import (
     check_cell_kwargs,
     check_known_cell,
     check_names,
+    consumption_order as _consumption_order,
     Controls,
     controls,
     RecurrentArgs,
+    stand_in as _stand_in,
     time_layout,
     time_major,
+    where as _where,
 )
 from .recurrent_linear import (
     check_method,
@@ -44,13 +46,6 @@ from .recurrent_linear import (
     resolve_form,
     run_parallel,
 )
-
-
-def _where(cond: Bool[Array, ""], new: PyTree, old: PyTree) -> PyTree:
-    # `jnp.where` on the array leaves; other leaves of a carry never change.
-    return jtu.tree_map(
-        lambda a, b: jnp.where(cond, a, b) if eqx.is_array(a) else a, new, old
-    )
 
 
 class Recurrent(Scanning):
@@ -220,6 +215,8 @@ class Recurrent(Scanning):
         `time_axis` and aligned with `xs`: `hs[t]` (for `time_axis=0`) is the
         carry right after consuming `xs[t]`, also with `reverse=True` (where
         `h_T` equals `hs[0]`).
+        For an [`eqxscan.MatrixLinearCell`][], `(S_T, os)`: the read-outs
+        `os[t] = cell.output(S_t, x_t)` in place of the states.
         """
         run_ = controls("Recurrent", xs, options)
         kwargs = check_cell_kwargs("Recurrent", cell_kwargs)
@@ -228,20 +225,10 @@ class Recurrent(Scanning):
         xs_dyn, xs_static = eqx.partition(xs, eqx.is_array)
         keys = _step_keys(self.cell, key, run_, type(self).__name__)
         refuse_buffer(args, kwargs, "Recurrent")
-        kind = linear_kind(self.cell)
-        form = resolve_form(self.method, kind, self.options, run_, h0)
-        if form != "engine" and run_.length > 0:
-            linear = cast(DiagonalLinearCell | MatrixLinearCell, self.cell)
-            same = key if run_.broadcast_key else None
-            h_T, hs = run_parallel(
-                linear, form, self.chunk_size, self.reverse, h0, xs,
-                (args, kwargs), (keys, same), run_,
-            )  # fmt: skip
-            return h_T, time_layout(hs, run_.time_axis)
-        # A matrix state is read out at each step rather than stacked.
-        read = None
-        if isinstance(self.cell, MatrixLinearCell):
-            read = functools.partial(_read_out, self.cell, args, kwargs)
+        parallel = self._parallel(h0, xs, (args, kwargs), (keys, key), run_)
+        if parallel is not None:  # a linear recurrence, its gates all at once
+            return parallel
+        read = _read_out(self.cell, args, kwargs)
         # The cell runs as a layer whose carry comes first (`_cell_step`).
         call = LayerCall(
             args, kwargs, keys, method=_cell_step, caller="Recurrent", over="time"
@@ -270,6 +257,27 @@ class Recurrent(Scanning):
             )
         return h_T, time_layout(hs, run_.time_axis)
 
+    def _parallel(
+        self,
+        h0: PyTree,
+        xs: PyTree,
+        call: tuple[tuple[PyTree, ...], dict[str, PyTree]],
+        keys: tuple[Array | None, PRNGKeyArray | None],
+        run_: Controls,
+    ) -> tuple[PyTree, PyTree] | None:
+        """`(h_T, hs)` of a linear recurrence run in a parallel form (or
+        sequentially over gates computed at once); `None` where the engine runs
+        the cell step by step. `keys` is `(per-step keys, key)`."""
+        form = resolve_form(self.method, linear_kind(self.cell), self.options, run_, h0)
+        if form == "engine" or run_.length == 0:
+            return None
+        same = keys[1] if run_.broadcast_key else None
+        h_T, hs = run_parallel(
+            cast(DiagonalLinearCell | MatrixLinearCell, self.cell), form,
+            self.chunk_size, self.reverse, h0, xs, call, (keys[0], same), run_,
+        )  # fmt: skip
+        return h_T, time_layout(hs, run_.time_axis)
+
 
 def _step_keys(
     cell: Callable[..., PyTree],
@@ -286,18 +294,6 @@ def _step_keys(
     check_takes_key(cell, "Recurrent", per)
     keys = split_key(key, 1 if same else controls.length, who)  # one key, checked
     return None if same else keys
-
-
-def _consumption_order(controls: Controls, reverse: bool) -> Int[Array, " T"] | None:
-    """How many steps were consumed before each step, for truncation's blocks.
-    A masked step is skipped, not consumed: padding moves no block boundary."""
-    if controls.truncate is None:
-        return None
-    mask = controls.mask
-    kept = jnp.ones(controls.length, bool) if mask is None else mask
-    kept = kept.astype(jnp.int32)[:: -1 if reverse else 1]  # in consumption order
-    before = jnp.cumsum(kept) - kept
-    return before[::-1] if reverse else before
 
 
 def _time_step(
@@ -346,26 +342,13 @@ def _time_step(
 
 
 def _read_out(
-    cell: MatrixLinearCell,
-    args: tuple[PyTree, ...],
-    kwargs: Mapping[str, PyTree],
-    state: PyTree,
-    x: PyTree,
-) -> PyTree:
-    return cell.output(state, x, *args, **kwargs)
-
-
-def _stand_in(xs_dyn: PyTree, mask: Bool[Array, " T"] | None) -> PyTree:
-    """The input the cell sees on a masked step: the first kept step's (zeros if
-    none), gradient stopped. The cell still runs there, and reverse mode
-    multiplies its zero cotangent by its derivatives: finite on real inputs, not
-    always on padding (NaN) or zeros (`log`, `x / |x|`), and 0 * inf is NaN.
-    `None` without a mask, or when no step runs."""
-    if mask is None or mask.shape[0] == 0:
+    cell: Callable[..., PyTree], args: tuple[PyTree, ...], kwargs: Mapping[str, PyTree]
+) -> Callable[[PyTree, PyTree], PyTree] | None:
+    """`(S_t, x_t) -> o_t` for a matrix state, read out at each step rather than
+    stacked; `None` for other cells, whose carries are stacked."""
+    if not isinstance(cell, MatrixLinearCell):
         return None
-    first, any_kept = jnp.argmax(mask), jnp.any(mask)
-    pick = lambda x: jnp.where(any_kept, x, jnp.zeros_like(x))
-    return jtu.tree_map(lambda a: jax.lax.stop_gradient(pick(a[first])), xs_dyn)
+    return lambda state, x: cell.output(state, x, *args, **kwargs)
 
 
 def _masked_cell_step(keep: Bool[Array, ""], where: str) -> Callable[..., PyTree]:

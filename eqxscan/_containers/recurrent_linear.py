@@ -16,7 +16,7 @@ from .._helpers.checks import check_option, check_size, describe
 from .._scan.options import ScanOptions
 from .linear_cells import DiagonalLinearCell, MatrixLinearCell
 from .linear_diag import choose_method, diagonal_scan
-from .recurrent_inputs import Controls
+from .recurrent_inputs import consumption_order, Controls, stand_in, where
 
 
 RecurrentMethod = Literal["auto", "sequential", "associative", "chunked"]
@@ -75,10 +75,11 @@ def resolve_form(
         return "engine"
     if kind == "matrix" and controls.truncate is not None:
         return "engine"  # the carry to cut at would be every step's state
-    form: Form = method
     if method == "auto":
         size = sum(jnp.size(a) for a in jtu.tree_leaves(h0))
         form = choose_method(jax.default_backend(), controls.length, size, kind)
+    else:
+        form = method
     if kind == "matrix" and form == "sequential":
         return "engine"
     return form
@@ -129,14 +130,12 @@ def _all_gates(
 ) -> tuple:
     """Every step's gates, `jax.vmap(cell.gates)` over time. A skipped step
     gets the first kept step's input, as the cell does step by step."""
-    from .recurrent import _stand_in, _where
-
     args, kwargs = call
     per_step, same = keys
     xs_dyn, xs_static = eqx.partition(xs, eqx.is_array)
-    stand_in = _stand_in(xs_dyn, mask)
-    if mask is not None and stand_in is not None:
-        xs_dyn = jax.vmap(_where, in_axes=(0, 0, None))(mask, xs_dyn, stand_in)
+    stand = stand_in(xs_dyn, mask)
+    if mask is not None and stand is not None:
+        xs_dyn = jax.vmap(where, in_axes=(0, 0, None))(mask, xs_dyn, stand)
 
     def gates(x_dyn: PyTree, key: PRNGKeyArray | None) -> tuple:
         key = same if key is None else key
@@ -185,9 +184,7 @@ def _truncated(
     """`(a, b)` with the gradient through the carry stopped where a block of
     `truncate` consumed steps begins: there `a_t * h_{t-1}` becomes a constant
     of `b_t` (its value from a first, gradient-free pass) and `a_t` zero."""
-    from .recurrent import _consumption_order
-
-    before = _consumption_order(controls, reverse)
+    before = consumption_order(controls, reverse)
     assert before is not None and controls.truncate is not None
     cut = (before > 0) & (before % controls.truncate == 0)
     if controls.mask is not None:

@@ -11,8 +11,7 @@ import jax.random as jr
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Inexact, PRNGKeyArray
 
-from .._containers.linear_cells import DiagonalLinearCell
-from .._internal import check_bool, check_size, describe
+from .._internal import check_bool, check_size, describe, DiagonalLinearCell
 from ._mlp import check_float_dtype
 
 
