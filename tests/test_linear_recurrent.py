@@ -351,6 +351,17 @@ def test_empty_sequence(getkey):
         assert hs.shape == (0, 6) and jnp.array_equal(h_T, jnp.ones(6))
 
 
+def test_taps_record_every_step(getkey):
+    # Tapped, a linear cell runs step by step in the engine (whatever the
+    # method), so each time step has its row, as for any cell.
+    cell = cells(getkey())["mingru"][0]
+    xs = jr.normal(getkey(), (6, 3))
+    for m in ("auto", "associative", "chunked"):
+        rnn = eqxscan.Recurrent(cell, method=m)
+        (_, hs), got = eqxscan.tap(rnn, lambda h: jnp.max(jnp.abs(h)))(jnp.zeros(6), xs)
+        assert rel(got, jnp.max(jnp.abs(hs), axis=1)) <= 1e-6
+
+
 # ---------------------------------------------------------------- matrix state
 
 

@@ -14,6 +14,7 @@ from jaxtyping import Array, Bool, PRNGKeyArray, PyTree
 
 from .._helpers.checks import check_option, check_size, describe
 from .._scan.options import ScanOptions
+from .._scan.taps import tapping
 from .linear_cells import DiagonalLinearCell, MatrixLinearCell
 from .linear_diag import choose_method, diagonal_scan
 from .recurrent_inputs import consumption_order, Controls, stand_in, where
@@ -65,11 +66,12 @@ def resolve_form(
     h0: PyTree,
 ) -> Form:
     """The form one run takes. Other cells run in the engine; so do linear
-    ones where `mode="loop"` or an explicit `remat` asks for what only the
-    engine does (unless a parallel method is named), and a matrix state's
-    sequential form (whose outputs the engine reads out step by step)."""
-    if kind is None:
-        return "engine"
+    ones under `eqxscan.tap` (whose records are the engine's steps), where
+    `mode="loop"` or an explicit `remat` asks for what only the engine does
+    (unless a parallel method is named), and a matrix state's sequential form
+    (whose outputs the engine reads out step by step)."""
+    if kind is None or tapping():
+        return "engine"  # taps and probes record each step of the engine
     engine_asked = options.mode == "loop" or options.remat != "auto"
     if method in ("sequential", "auto") and engine_asked:
         return "engine"
