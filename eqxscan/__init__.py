@@ -41,6 +41,16 @@ from ._scan.remat import ScanRemat as ScanRemat
 from ._scan.taps import Probe as Probe, probe as probe, tap as tap
 
 
+# isort: split
+# Linear recurrences: cells `Recurrent` can run in parallel over time.
+from ._containers.linear_cells import (
+    DiagonalLinearCell as DiagonalLinearCell,
+    MatrixLinearCell as MatrixLinearCell,
+)
+from ._containers.linear_diag import diagonal_scan as diagonal_scan
+from .nn import LRU as LRU, MinGRU as MinGRU
+
+
 __version__ = _metadata.version("eqxscan")
 
 

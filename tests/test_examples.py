@@ -92,3 +92,17 @@ def test_quantized_llama_example():
     assert rows["int8"][1] < 0.05 * scale
     assert rows["int8"][2] == 1.0
     assert "int8 saved and loaded: max |logit diff| 0.00e+00" in stdout
+
+
+def test_lru_lm_example_learns_and_decodes_as_it_trains():
+    stdout = run_example("lru_lm.py", "--tiny")
+    forms = float(re.search(r"forms agree: max \|logit diff\| ([0-9.e+-]+)", stdout)[1])
+    assert forms < 1e-4
+    first, final = map(
+        float, re.search(r"loss: first ([0-9.]+) final ([0-9.]+)", stdout).groups()
+    )
+    assert final < 0.8 * first
+    gap = re.search(
+        r"one step at a time = parallel form: max \|logit diff\| (\S+)", stdout
+    )
+    assert float(gap[1]) < 1e-4

@@ -1,13 +1,13 @@
 """`Recurrent` runs a cell over time; also `Bidirectional`."""
 
 from collections.abc import Callable, Mapping
-from typing import Unpack
+from typing import cast, Unpack
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from jaxtyping import Array, Bool, Int, PRNGKeyArray, PyTree
+from jaxtyping import Array, Bool, PRNGKeyArray, PyTree
 
 from .._helpers.checks import (
     check_callable,
@@ -25,23 +25,27 @@ from .._scan.layer_call import LayerCall, OneLayer, run_one
 from .._scan.layer_index import current_step
 from .._scan.options import OwnOptions, ScanArgs, Scanning, ScanOptions
 from .._scan.taps import emitted, in_cell, untapped
+from .linear_cells import DiagonalLinearCell, MatrixLinearCell
 from .recurrent_inputs import (
     check_cell_kwargs,
     check_known_cell,
     check_names,
+    consumption_order as _consumption_order,
     Controls,
     controls,
     RecurrentArgs,
+    stand_in as _stand_in,
     time_layout,
     time_major,
+    where as _where,
 )
-
-
-def _where(cond: Bool[Array, ""], new: PyTree, old: PyTree) -> PyTree:
-    # `jnp.where` on the array leaves; other leaves of a carry never change.
-    return jtu.tree_map(
-        lambda a, b: jnp.where(cond, a, b) if eqx.is_array(a) else a, new, old
-    )
+from .recurrent_linear import (
+    check_method,
+    linear_kind,
+    RecurrentMethod,
+    resolve_form,
+    run_parallel,
+)
 
 
 class Recurrent(Scanning):
@@ -91,6 +95,8 @@ class Recurrent(Scanning):
 
     cell: Callable[..., PyTree]
     reverse: bool = eqx.field(static=True)
+    method: RecurrentMethod = eqx.field(static=True)
+    chunk_size: int = eqx.field(static=True)
     options: ScanOptions
 
     def __init__(
@@ -98,6 +104,8 @@ class Recurrent(Scanning):
         cell: Callable[..., PyTree],
         *,
         reverse: bool = False,
+        method: RecurrentMethod = "auto",
+        chunk_size: int = 64,
         **options: Unpack[ScanArgs],
     ):
         """**Arguments:**
@@ -109,7 +117,19 @@ class Recurrent(Scanning):
         - `mode`, `remat`, `unroll`: as for [`eqxscan.Stacked`][], per time step:
           `mode="loop"` (a Python loop over the steps) gives identical values,
           keys and gradients; `remat="nested"` keeps the saved carries growing
-          like `sqrt(T)`, for long sequences.
+          like `sqrt(T)`, for long sequences. For a cell with a linear
+          recurrence, `mode="loop"` or a `remat` other than `"auto"` runs the
+          cell step by step (unless `method` names a parallel form).
+        - `method`: how a cell whose recurrence is linear
+          ([`eqxscan.DiagonalLinearCell`][], [`eqxscan.MatrixLinearCell`][])
+          runs. Every step's gates are computed at once, then the recurrence
+          runs as `"sequential"` (a `jax.lax.scan` of `a * h + b`),
+          `"associative"` (diagonal only: `jax.lax.associative_scan`),
+          `"chunked"` (a parallel scan inside chunks of `chunk_size` steps, a
+          sequential one across them), or `"auto"`: chosen from the backend,
+          `T` and the carry's size (see docs/recurrent.md#linear-recurrences).
+          Other cells always run step by step.
+        - `chunk_size`: the chunk length of `method="chunked"`.
         """
         check_callable("cell", cell)
         if isinstance(cell, type):  # callable, but each step would build a cell
@@ -118,18 +138,25 @@ class Recurrent(Scanning):
                 f"create the cell first (`cell = {cell.__name__}(...)`) and pass that."
             )
         check_option("reverse", reverse, (False, True))
+        self.chunk_size = check_method(cell, method, chunk_size)
         self.cell = cell
         self.reverse = reverse
+        self.method = method
         self.options = ScanOptions(**options)
 
     def own_options(self) -> tuple[str, ...]:
-        return ("reverse",)
+        return ("reverse", "method", "chunk_size")
 
     def replace_options(
         self, options: ScanOptions, **own: Unpack[OwnOptions]
     ) -> "Recurrent":
-        reverse = own.get("reverse", self.reverse)
-        return Recurrent(self.cell, reverse=reverse, **options.as_args())
+        return Recurrent(
+            self.cell,
+            reverse=own.get("reverse", self.reverse),
+            method=own.get("method", self.method),
+            chunk_size=own.get("chunk_size", self.chunk_size),
+            **options.as_args(),
+        )
 
     @compiled_when_eager
     def __call__(
@@ -188,6 +215,8 @@ class Recurrent(Scanning):
         `time_axis` and aligned with `xs`: `hs[t]` (for `time_axis=0`) is the
         carry right after consuming `xs[t]`, also with `reverse=True` (where
         `h_T` equals `hs[0]`).
+        For an [`eqxscan.MatrixLinearCell`][], `(S_T, os)`: the read-outs
+        `os[t] = cell.output(S_t, x_t)` in place of the states.
         """
         run_ = controls("Recurrent", xs, options)
         kwargs = check_cell_kwargs("Recurrent", cell_kwargs)
@@ -196,6 +225,10 @@ class Recurrent(Scanning):
         xs_dyn, xs_static = eqx.partition(xs, eqx.is_array)
         keys = _step_keys(self.cell, key, run_, type(self).__name__)
         refuse_buffer(args, kwargs, "Recurrent")
+        parallel = self._parallel(h0, xs, (args, kwargs), (keys, key), run_)
+        if parallel is not None:  # a linear recurrence, its gates all at once
+            return parallel
+        read = _read_out(self.cell, args, kwargs)
         # The cell runs as a layer whose carry comes first (`_cell_step`).
         call = LayerCall(
             args, kwargs, keys, method=_cell_step, caller="Recurrent", over="time"
@@ -205,7 +238,7 @@ class Recurrent(Scanning):
         where_all = f"The cell {name} (one body for all {run_.length} time steps)"
         masked = where_all if self.mode == "scan" else f"The cell {name}"
         xs_in = (xs_static, _stand_in(xs_dyn, run_.mask))
-        step = _time_step(self.cell, call, one_step, xs_in, run_, key, masked)
+        step = _time_step(self.cell, call, one_step, xs_in, run_, key, masked, read)
         inputs = (xs_dyn, run_.mask, _consumption_order(run_, self.reverse), per_step)
         if run_.length == 0:
             h_T, hs = h0, _no_steps(step, h0, inputs, where_all)
@@ -222,6 +255,27 @@ class Recurrent(Scanning):
                 ),
                 over="time",
             )
+        return h_T, time_layout(hs, run_.time_axis)
+
+    def _parallel(
+        self,
+        h0: PyTree,
+        xs: PyTree,
+        call: tuple[tuple[PyTree, ...], dict[str, PyTree]],
+        keys: tuple[Array | None, PRNGKeyArray | None],
+        run_: Controls,
+    ) -> tuple[PyTree, PyTree] | None:
+        """`(h_T, hs)` of a linear recurrence run in a parallel form (or
+        sequentially over gates computed at once); `None` where the engine runs
+        the cell step by step. `keys` is `(per-step keys, key)`."""
+        form = resolve_form(self.method, linear_kind(self.cell), self.options, run_, h0)
+        if form == "engine" or run_.length == 0:
+            return None
+        same = keys[1] if run_.broadcast_key else None
+        h_T, hs = run_parallel(
+            cast(DiagonalLinearCell | MatrixLinearCell, self.cell), form,
+            self.chunk_size, self.reverse, h0, xs, call, (keys[0], same), run_,
+        )  # fmt: skip
         return h_T, time_layout(hs, run_.time_axis)
 
 
@@ -242,18 +296,6 @@ def _step_keys(
     return None if same else keys
 
 
-def _consumption_order(controls: Controls, reverse: bool) -> Int[Array, " T"] | None:
-    """How many steps were consumed before each step, for truncation's blocks.
-    A masked step is skipped, not consumed: padding moves no block boundary."""
-    if controls.truncate is None:
-        return None
-    mask = controls.mask
-    kept = jnp.ones(controls.length, bool) if mask is None else mask
-    kept = kept.astype(jnp.int32)[:: -1 if reverse else 1]  # in consumption order
-    before = jnp.cumsum(kept) - kept
-    return before[::-1] if reverse else before
-
-
 def _time_step(
     cell: Callable[..., PyTree],
     call: LayerCall,
@@ -262,11 +304,12 @@ def _time_step(
     controls: Controls,
     key: PRNGKeyArray | None,
     where: str,
+    read: Callable[[PyTree, PyTree], PyTree] | None = None,
 ) -> Callable[[PyTree, tuple], tuple[PyTree, PyTree]]:
-    """The engine's step `(h, (x_t, mask_t, position_t, per_step_t)) -> (h, h)`:
+    """The engine's step `(h, (x_t, mask_t, position_t, per_step_t)) -> (h, y)`:
     truncation and masking around the cell, run through the layer-call seam.
     `xs_in` is `(xs_static, _stand_in(...))`; `where` names the cell in a masked
-    step's carry error."""
+    step's carry error. `y` is the new carry, or `read(new carry, x_t)`."""
     k = controls.truncate
     xs_static, stand_in = xs_in
 
@@ -292,22 +335,20 @@ def _time_step(
         )
         this = call if m is None else call._replace(method=_masked_cell_step(m, where))
         new, _ = run_one(cell, this, one, h, f"The cell {type(cell).__name__}")
-        return new, emitted(one.number, new)
+        y = new if read is None else read(new, eqx.combine(x_dyn, xs_static))
+        return new, emitted(one.number, y)
 
     return step
 
 
-def _stand_in(xs_dyn: PyTree, mask: Bool[Array, " T"] | None) -> PyTree:
-    """The input the cell sees on a masked step: the first kept step's (zeros if
-    none), gradient stopped. The cell still runs there, and reverse mode
-    multiplies its zero cotangent by its derivatives: finite on real inputs, not
-    always on padding (NaN) or zeros (`log`, `x / |x|`), and 0 * inf is NaN.
-    `None` without a mask, or when no step runs."""
-    if mask is None or mask.shape[0] == 0:
+def _read_out(
+    cell: Callable[..., PyTree], args: tuple[PyTree, ...], kwargs: Mapping[str, PyTree]
+) -> Callable[[PyTree, PyTree], PyTree] | None:
+    """`(S_t, x_t) -> o_t` for a matrix state, read out at each step rather than
+    stacked; `None` for other cells, whose carries are stacked."""
+    if not isinstance(cell, MatrixLinearCell):
         return None
-    first, any_kept = jnp.argmax(mask), jnp.any(mask)
-    pick = lambda x: jnp.where(any_kept, x, jnp.zeros_like(x))
-    return jtu.tree_map(lambda a: jax.lax.stop_gradient(pick(a[first])), xs_dyn)
+    return lambda state, x: cell.output(state, x, *args, **kwargs)
 
 
 def _masked_cell_step(keep: Bool[Array, ""], where: str) -> Callable[..., PyTree]:
@@ -364,15 +405,19 @@ def _no_steps(
     step's shapes, so that a cell that cannot take its inputs fails as usual."""
     one = jtu.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), inputs)
 
-    def traced(h: PyTree, x: tuple) -> None:
-        new, _ = step(h, x)
+    def traced(h: PyTree, x: tuple) -> PyTree:
+        new, y = step(h, x)
         check_carry(h, new, where)
+        return y
 
     with untapped():
-        eqx.filter_eval_shape(traced, h0, one)
-    h_dyn, h_static = eqx.partition(h0, eqx.is_array)
-    empty = jtu.tree_map(lambda a: jnp.zeros((0, *a.shape), a.dtype), h_dyn)
-    return eqx.combine(empty, h_static)
+        y = eqx.filter_eval_shape(traced, h0, one)
+    is_shape = lambda a: isinstance(a, jax.ShapeDtypeStruct)
+    return jtu.tree_map(
+        lambda a: jnp.zeros((0, *a.shape), a.dtype) if is_shape(a) else a,
+        y,
+        is_leaf=is_shape,
+    )
 
 
 def _as_recurrent(rnn: object, reverse: bool, what: str) -> Recurrent:

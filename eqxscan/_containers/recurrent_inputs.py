@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jaxtyping import Array, ArrayLike, Bool, PyTree
+from jaxtyping import Array, ArrayLike, Bool, Int, PyTree
 
 from .._helpers.checks import check_option, check_size, describe, is_array
 
@@ -253,3 +253,35 @@ def check_known_cell(
             f"({sizes.input_size},) per step, so xs must have shape "
             f"({', '.join(want)})." + batch_hint
         )
+
+
+def where(cond: Bool[Array, ""], new: PyTree, old: PyTree) -> PyTree:
+    # `jnp.where` on the array leaves; other leaves of a carry never change.
+    return jtu.tree_map(
+        lambda a, b: jnp.where(cond, a, b) if eqx.is_array(a) else a, new, old
+    )
+
+
+def consumption_order(controls: Controls, reverse: bool) -> Int[Array, " T"] | None:
+    """How many steps were consumed before each step, for truncation's blocks.
+    A masked step is skipped, not consumed: padding moves no block boundary."""
+    if controls.truncate is None:
+        return None
+    mask = controls.mask
+    kept = jnp.ones(controls.length, bool) if mask is None else mask
+    kept = kept.astype(jnp.int32)[:: -1 if reverse else 1]  # in consumption order
+    before = jnp.cumsum(kept) - kept
+    return before[::-1] if reverse else before
+
+
+def stand_in(xs_dyn: PyTree, mask: Bool[Array, " T"] | None) -> PyTree:
+    """The input the cell sees on a masked step: the first kept step's (zeros if
+    none), gradient stopped. The cell still runs there, and reverse mode
+    multiplies its zero cotangent by its derivatives: finite on real inputs, not
+    always on padding (NaN) or zeros (`log`, `x / |x|`), and 0 * inf is NaN.
+    `None` without a mask, or when no step runs."""
+    if mask is None or mask.shape[0] == 0:
+        return None
+    first, any_kept = jnp.argmax(mask), jnp.any(mask)
+    pick = lambda x: jnp.where(any_kept, x, jnp.zeros_like(x))
+    return jtu.tree_map(lambda a: jax.lax.stop_gradient(pick(a[first])), xs_dyn)

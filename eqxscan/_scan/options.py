@@ -44,6 +44,8 @@ class OwnOptions(TypedDict, total=False):
     drop_path: Rates
     layer_drop: Rates
     reverse: bool
+    method: Literal["auto", "sequential", "associative", "chunked"]
+    chunk_size: int
 
 
 class OptionChanges(ScanArgs, OwnOptions, total=False):
@@ -166,7 +168,7 @@ class Scanning(eqx.Module):
         - `mode`, `remat`, `unroll`: as for [`eqxscan.Stacked`][].
         - Any option of the module's own (`layer_sharding` of a `Stacked`;
           `drop_path` and `layer_drop` of a `Stacked`, `Chain` or `StackedMLP`;
-          `reverse` of a `Recurrent`).
+          `reverse`, `method` and `chunk_size` of a `Recurrent`).
 
         **Returns:**
 

@@ -1,0 +1,123 @@
+"""The base classes of cells whose recurrence is linear in the carry, which
+[`eqxscan.Recurrent`][] can run in parallel over time as well as step by step."""
+
+import abc
+
+import equinox as eqx
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jaxtyping import Array, Inexact, PyTree
+
+
+class DiagonalLinearCell(eqx.Module):
+    """A cell with the diagonal linear recurrence `h_t = a_t * h_{t-1} + b_t`,
+    where `a_t` and `b_t` depend on the input `x_t` only (LRU, minGRU, S4D/S5,
+    RG-LRU).
+
+    A subclass defines `gates(x_t) -> (a_t, b_t)`, arrays (or pytrees of arrays)
+    with the carry's structure and shapes, complex allowed. `__call__` is the
+    step `a_t * h + b_t`, so the cell is an ordinary cell: for one-step decoding
+    and for `Recurrent(cell, method="sequential")`. The other methods of
+    [`eqxscan.Recurrent`][] compute every step's gates at once and run the
+    recurrence with `jax.lax.associative_scan` or in chunks (see
+    docs/recurrent.md#linear-recurrences).
+
+    !!! example
+
+        ```python
+        import equinox as eqx, jax, jax.numpy as jnp, eqxscan
+
+
+        class Decay(eqxscan.DiagonalLinearCell):
+            rate: jax.Array
+
+            def gates(self, x):
+                return jax.nn.sigmoid(self.rate) * jnp.ones_like(x), x
+
+
+        cell = Decay(jnp.zeros(4))
+        xs = jnp.ones((10, 4))
+        h_T, hs = eqxscan.Recurrent(cell, method="associative")(jnp.zeros(4), xs)
+        h = jnp.zeros(4)
+        for x in xs:
+            h = cell(x, h)  # h = 0.5 * h + x
+        assert jnp.allclose(h_T, h)
+        ```
+    """
+
+    @abc.abstractmethod
+    def gates(self, x_t: PyTree) -> tuple[PyTree, PyTree]:
+        """**Arguments:**
+
+        - `x_t`: one time step's input (and any positional arguments and
+          `cell_kwargs` the `Recurrent` call passes on, as for other cells).
+
+        **Returns:**
+
+        `(a_t, b_t)`, each with the carry's structure, shapes and dtypes (`a_t`
+        may be real where the carry is complex).
+        """
+
+    def __call__(
+        self, x_t: PyTree, h: PyTree, *args: PyTree, **kwargs: PyTree
+    ) -> PyTree:
+        """One step, `a_t * h + b_t` (the recurrent form, for decoding).
+
+        **Arguments:**
+
+        - `x_t`: the input at this time step.
+        - `h`: the previous carry.
+        - `*args`, `**kwargs`: passed on to `gates`.
+
+        **Returns:**
+
+        The next carry.
+        """
+        a, b = self.gates(x_t, *args, **kwargs)
+        return _step(a, b, h)
+
+
+def _step(a: PyTree, b: PyTree, h: PyTree) -> PyTree:
+    return jtu.tree_map(
+        lambda a_, b_, h_: (a_.astype(h_.dtype) * h_ + b_).astype(h_.dtype), a, b, h
+    )
+
+
+class MatrixLinearCell(eqx.Module):
+    """A cell with a matrix state, `S_t = a_t[:, :, None] * S_{t-1} + k_t[:, :, None]
+    * v_t[:, None, :]` per head, read out as `o_t = einsum("hk,hkv->hv", q_t, S_t)`
+    (gated linear attention, Mamba-2's SSD).
+
+    A subclass defines `gates(x_t) -> (a_t, k_t, v_t, q_t)` with shapes
+    `a, k, q: [H, dk]` and `v: [H, dv]`; the state `S` is `[H, dk, dv]`.
+    `__call__(x_t, S)` returns the new `S` (the `cell(x, h) -> h` convention, for
+    decoding) and `output(S_t, x_t)` the read-out `o_t`.
+    [`eqxscan.Recurrent`][] with such a cell returns `(S_T, os)` with `os[t] = o_t`,
+    not the stacked states: stacking them would cost `T * H * dk * dv` and defeat
+    the chunked form.
+    """
+
+    @abc.abstractmethod
+    def gates(self, x_t: PyTree) -> tuple[Array, Array, Array, Array]:
+        """**Returns:** `(a_t, k_t, v_t, q_t)`, shapes `[H, dk]`, `[H, dk]`,
+        `[H, dv]`, `[H, dk]`."""
+
+    def __call__(
+        self, x_t: PyTree, S: Inexact[Array, "H dk dv"], *args: PyTree, **kwargs: PyTree
+    ) -> Inexact[Array, "H dk dv"]:
+        """One step: the new state `S_t` (the recurrent form, for decoding)."""
+        a, k, v, _ = self.gates(x_t, *args, **kwargs)
+        new = a[:, :, None] * S + k[:, :, None] * v[:, None, :]
+        return new.astype(S.dtype)
+
+    def output(
+        self,
+        S_t: Inexact[Array, "H dk dv"],
+        x_t: PyTree,
+        *args: PyTree,
+        **kwargs: PyTree,
+    ) -> Inexact[Array, "H dv"]:
+        """The read-out `o_t = einsum("hk,hkv->hv", q_t, S_t)` of the state after
+        consuming `x_t`."""
+        q = self.gates(x_t, *args, **kwargs)[3]
+        return jnp.einsum("hk,hkv->hv", q, S_t)

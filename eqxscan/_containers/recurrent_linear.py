@@ -1,0 +1,232 @@
+"""How `Recurrent` runs a cell whose recurrence is linear in its carry
+([`eqxscan.DiagonalLinearCell`][], [`eqxscan.MatrixLinearCell`][]): the
+`method=` option, and the parallel forms, which compute every step's gates at
+once and hand them to `diagonal_scan` or `matrix_scan`."""
+
+from collections.abc import Callable, Mapping
+from typing import Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jaxtyping import Array, Bool, PRNGKeyArray, PyTree
+
+from .._helpers.checks import check_option, check_size, describe
+from .._scan.options import ScanOptions
+from .._scan.taps import tapping
+from .linear_cells import DiagonalLinearCell, MatrixLinearCell
+from .linear_diag import choose_method, diagonal_scan
+from .recurrent_inputs import consumption_order, Controls, stand_in, where
+
+
+RecurrentMethod = Literal["auto", "sequential", "associative", "chunked"]
+Kind = Literal["diagonal", "matrix"]
+# "engine": the cell step by step through the scan engine (`Recurrent`'s
+# ordinary path); the others name the parallel path's form.
+Form = Literal["engine", "sequential", "associative", "chunked"]
+
+
+def linear_kind(cell: object) -> Kind | None:
+    if isinstance(cell, DiagonalLinearCell):
+        return "diagonal"
+    if isinstance(cell, MatrixLinearCell):
+        return "matrix"
+    return None
+
+
+def check_method(cell: object, method: object, chunk_size: object) -> int:
+    """Check `method=` and `chunk_size=` of a `Recurrent` against its cell;
+    returns `chunk_size` as an int."""
+    check_option("method", method, ("auto", "sequential", "associative", "chunked"))
+    size = check_size("chunk_size", chunk_size)
+    kind = linear_kind(cell)
+    if method in ("associative", "chunked") and kind is None:
+        raise ValueError(
+            f"method={method!r} needs a cell whose recurrence is linear, an "
+            f"eqxscan.DiagonalLinearCell or eqxscan.MatrixLinearCell, but the cell "
+            f"is a {type(cell).__name__}.\nHint: other cells run step by step: "
+            "method='sequential' (or 'auto')."
+        )
+    if method == "associative" and kind == "matrix":
+        raise ValueError(
+            f"method='associative' is for diagonal recurrences, but the cell "
+            f"{type(cell).__name__} is a MatrixLinearCell, whose state would be "
+            "multiplied out at every level of the scan.\nHint: use "
+            "method='chunked' (or 'sequential', or 'auto')."
+        )
+    return size
+
+
+def resolve_form(
+    method: RecurrentMethod,
+    kind: Kind | None,
+    options: ScanOptions,
+    controls: Controls,
+    h0: PyTree,
+) -> Form:
+    """The form one run takes. Other cells run in the engine; so do linear
+    ones under `eqxscan.tap` (whose records are the engine's steps), where
+    `mode="loop"` or an explicit `remat` asks for what only the engine does
+    (unless a parallel method is named), and a matrix state's sequential form
+    (whose outputs the engine reads out step by step)."""
+    if kind is None or tapping():
+        return "engine"  # taps and probes record each step of the engine
+    engine_asked = options.mode == "loop" or options.remat != "auto"
+    if method in ("sequential", "auto") and engine_asked:
+        return "engine"
+    if kind == "matrix" and controls.truncate is not None:
+        return "engine"  # the carry to cut at would be every step's state
+    if method == "auto":
+        size = sum(jnp.size(a) for a in jtu.tree_leaves(h0))
+        form = choose_method(jax.default_backend(), controls.length, size, kind)
+    else:
+        form = method
+    if kind == "matrix" and form == "sequential":
+        return "engine"
+    return form
+
+
+def run_parallel(
+    cell: DiagonalLinearCell | MatrixLinearCell,
+    form: Literal["sequential", "associative", "chunked"],
+    chunk_size: int,
+    reverse: bool,
+    h0: PyTree,
+    xs: PyTree,
+    call: tuple[tuple[PyTree, ...], Mapping[str, PyTree]],
+    keys: tuple[Array | None, PRNGKeyArray | None],
+    controls: Controls,
+) -> tuple[PyTree, PyTree]:
+    """`(h_T, hs)` (for a matrix state `(S_T, os)`), time on axis 0 of `xs`.
+    `call` is the cell's `(args, kwargs)`; `keys` is `(per-step keys, one key
+    for every step)`, either or both `None`."""
+    gates = _all_gates(cell, xs, call, keys, controls.mask)
+    m = controls.mask
+    if isinstance(cell, MatrixLinearCell):
+        a, k, v, q = gates
+        if m is not None:  # a skipped step leaves the state alone
+            a = jnp.where(m[:, None, None], a, jnp.ones_like(a))
+            k = jnp.where(m[:, None, None], k, jnp.zeros_like(k))
+        return _matrix(a, k, v, q, h0, form, chunk_size, reverse)
+    a, b = gates
+    _check_gates(cell, a, b, h0)
+    a, b = (jtu.tree_map(lambda x, h: x.astype(h.dtype), g, h0) for g in (a, b))
+    if m is not None:
+        a = _where_t(m, a, jtu.tree_map(jnp.ones_like, a))
+        b = _where_t(m, b, jtu.tree_map(jnp.zeros_like, b))
+    scan = lambda a_, b_: diagonal_scan(
+        a_, b_, h0, method=form, chunk_size=chunk_size, reverse=reverse
+    )
+    if controls.truncate is not None:
+        a, b = _truncated(a, b, h0, scan, controls, reverse)
+    return scan(a, b)
+
+
+def _all_gates(
+    cell: DiagonalLinearCell | MatrixLinearCell,
+    xs: PyTree,
+    call: tuple[tuple[PyTree, ...], Mapping[str, PyTree]],
+    keys: tuple[Array | None, PRNGKeyArray | None],
+    mask: Bool[Array, " T"] | None,
+) -> tuple:
+    """Every step's gates, `jax.vmap(cell.gates)` over time. A skipped step
+    gets the first kept step's input, as the cell does step by step."""
+    args, kwargs = call
+    per_step, same = keys
+    xs_dyn, xs_static = eqx.partition(xs, eqx.is_array)
+    stand = stand_in(xs_dyn, mask)
+    if mask is not None and stand is not None:
+        xs_dyn = jax.vmap(where, in_axes=(0, 0, None))(mask, xs_dyn, stand)
+
+    def gates(x_dyn: PyTree, key: PRNGKeyArray | None) -> tuple:
+        key = same if key is None else key
+        keyed = {} if key is None else {"key": key}
+        return cell.gates(eqx.combine(x_dyn, xs_static), *args, **kwargs, **keyed)
+
+    return jax.vmap(gates)(xs_dyn, per_step)
+
+
+def _where_t(m: Bool[Array, " T"], new: PyTree, old: PyTree) -> PyTree:
+    def one(x: Array, y: Array) -> Array:
+        return jnp.where(m.reshape(-1, *([1] * (x.ndim - 1))), x, y)
+
+    return jtu.tree_map(one, new, old)
+
+
+def _check_gates(cell: object, a: PyTree, b: PyTree, h0: PyTree) -> None:
+    """`a` and `b` stacked over time have the carry's structure and shapes."""
+    name = type(cell).__name__
+    tree = jtu.tree_structure(h0)
+    for what, g in (("a", a), ("b", b)):
+        if jtu.tree_structure(g) != tree:
+            raise ValueError(
+                f"{name}.gates returned {what} with structure "
+                f"{jtu.tree_structure(g)}, but the carry h0 has structure {tree}."
+                "\nHint: gates(x_t) returns (a_t, b_t), each shaped like the carry."
+            )
+        for (path, x), h in zip(jtu.tree_leaves_with_path(g), jtu.tree_leaves(h0)):
+            if x.shape[1:] != jnp.shape(h):
+                raise ValueError(
+                    f"{name}.gates returned {what}{jtu.keystr(path)} of shape "
+                    f"{x.shape[1:]} per step, but the carry h0{jtu.keystr(path)} is "
+                    f"{describe(h)}.\nHint: gates(x_t) returns (a_t, b_t), each "
+                    "shaped like the carry (for a batch, map over it with jax.vmap)."
+                )
+
+
+def _truncated(
+    a: PyTree,
+    b: PyTree,
+    h0: PyTree,
+    scan: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]],
+    controls: Controls,
+    reverse: bool,
+) -> tuple[PyTree, PyTree]:
+    """`(a, b)` with the gradient through the carry stopped where a block of
+    `truncate` consumed steps begins: there `a_t * h_{t-1}` becomes a constant
+    of `b_t` (its value from a first, gradient-free pass) and `a_t` zero."""
+    before = consumption_order(controls, reverse)
+    assert before is not None and controls.truncate is not None
+    cut = (before > 0) & (before % controls.truncate == 0)
+    if controls.mask is not None:
+        cut = cut & controls.mask
+    _, hs = scan(*jax.lax.stop_gradient((a, b)))
+
+    def previous(h: Array, h_0: Array) -> Array:
+        # The carry each step receives, in time order.
+        if reverse:
+            return jnp.concatenate([h[1:], h_0[None]])
+        return jnp.concatenate([h_0[None], h[:-1]])
+
+    prev = jax.lax.stop_gradient(jtu.tree_map(previous, hs, h0))
+    b = jtu.tree_map(lambda x, y, p: x + jnp.where(_col(cut, x), y * p, 0), b, a, prev)
+    a = _where_t(cut, jtu.tree_map(jnp.zeros_like, a), a)
+    return a, b
+
+
+def _col(m: Array, x: Array) -> Array:
+    return m.reshape(-1, *([1] * (x.ndim - 1)))
+
+
+def _matrix(
+    a: Array,
+    k: Array,
+    v: Array,
+    q: Array,
+    s0: Array,
+    form: Literal["sequential", "associative", "chunked"],
+    chunk_size: int,
+    reverse: bool,
+) -> tuple[Array, Array]:
+    try:
+        from .linear_matrix import matrix_scan  # pyright: ignore
+    except ImportError:
+        raise NotImplementedError(
+            "A MatrixLinearCell runs step by step in this version: pass "
+            "method='sequential'."
+        ) from None
+    assert form != "associative"  # refused by `check_method`
+    return matrix_scan(
+        a, k, v, q, s0, method=form, chunk_size=chunk_size, reverse=reverse
+    )
