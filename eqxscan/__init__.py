@@ -65,6 +65,12 @@ from .nn import ElmanCell as ElmanCell, MLPBlock as MLPBlock, StackedMLP as Stac
 from .remat import explain_auto as explain_auto
 
 
+# isort: split
+# Matrix-state linear recurrences (gated linear attention, SSD).
+from ._containers.linear_matrix import matrix_scan as matrix_scan
+from .nn import GatedLinearAttention as GatedLinearAttention
+
+
 __version__ = _metadata.version("eqxscan")
 
 

@@ -1,6 +1,8 @@
 """Ready-made models built on [`eqxscan.Stacked`][] and [`eqxscan.Recurrent`][]:
-the residual MLP stack and a simple recurrent cell (also importable from the
-top level: `eqxscan.StackedMLP`, `eqxscan.MLPBlock`, `eqxscan.ElmanCell`)."""
+the residual MLP stack, a simple recurrent cell and gated linear attention (also
+importable from the top level: `eqxscan.StackedMLP`, `eqxscan.MLPBlock`,
+`eqxscan.ElmanCell`, `eqxscan.GatedLinearAttention`)."""
 
 from ._elman import ElmanCell as ElmanCell
+from ._gla import GatedLinearAttention as GatedLinearAttention
 from ._mlp import MLPBlock as MLPBlock, rms_norm as rms_norm, StackedMLP as StackedMLP
