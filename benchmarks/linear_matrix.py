@@ -4,6 +4,7 @@
 (matrix products within chunks of C steps), one sequence.
 
     python benchmarks/linear_matrix.py [--quick | --tiny] [--heads 4] [--rounds 7]
+        [--size 64]
 
 Times are medians over interleaved rounds (ratios to the sequential form within
 a round); `--quick` (2 heads, 3 rounds) takes under 2 minutes on a 2-core CPU,
@@ -97,6 +98,7 @@ def main():
     p.add_argument("--tiny", action="store_true", help="a smoke run, tiny sizes")
     p.add_argument("--heads", type=int, default=None)
     p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--size", type=int, default=None, help="dk = dv (default 64)")
     args = p.parse_args()
     if args.tiny:
         lengths, chunks, dk = [64], [16, 32], 16
@@ -105,6 +107,7 @@ def main():
         lengths, chunks, dk = [1024, 4096], [32, 64, 128], 64
         heads, rounds = (2, 3) if args.quick else (4, 7)
     heads = args.heads or heads
+    dk = args.size or dk
     rounds = args.rounds or rounds
     print(
         f"backend {jax.default_backend()}, {heads} heads x {dk} x {dk} state, "
