@@ -280,3 +280,25 @@ def test_chunked_training_memory_is_a_fraction_of_the_sequential_forms():
     states = T * h * d * d * 4
     assert temp("sequential") >= states
     assert temp("chunked") <= states / 4
+
+
+def test_benchmark_smoke(monkeypatch, capsys):
+    # benchmarks/linear_matrix.py --tiny, in this process: every form has a row
+    # with a time and XLA temp sizes, and the chunked outputs agree.
+    from benchmarks import linear_matrix as bench
+
+    monkeypatch.setattr("sys.argv", ["linear_matrix", "--tiny"])
+    bench.main()
+    out = capsys.readouterr().out
+    rows = [
+        r.rsplit(maxsplit=4)
+        for r in out.splitlines()
+        if r.startswith(("sequential ", "chunked C="))
+    ]
+    assert [r[0].strip() for r in rows] == [
+        "sequential",
+        "chunked C=16",
+        "chunked C=32",
+    ]
+    assert all(float(r[1]) > 0 and float(r[3]) > 0 for r in rows)
+    assert float(out.rsplit("difference", 1)[1]) <= F32_TOL
