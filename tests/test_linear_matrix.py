@@ -202,6 +202,14 @@ def test_zero_decay_resets_the_state():
     assert rel(o, o_ref) <= F32_TOL and rel(s_T, s_ref) <= F32_TOL
 
 
+@pytest.mark.parametrize("T", [1, 37])
+def test_a_chunk_longer_than_the_sequence(T):
+    args = inputs(T, "mixed", seed=14)
+    s_T, o = run(args, "chunked", 64)
+    s_ref, o_ref, _ = reference(*args)
+    assert rel(o, o_ref) <= F32_TOL and rel(s_T, s_ref) <= F32_TOL
+
+
 @pytest.mark.parametrize("method", ["sequential", "chunked"])
 def test_no_steps(method):
     a, k, v, q, s0 = inputs(0, seed=10)

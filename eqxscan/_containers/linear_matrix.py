@@ -195,6 +195,7 @@ def _chunked(
     a: Array, k: Array, v: Array, q: Array, s0: Array, chunk: int
 ) -> tuple[Array, Array]:
     T, H, _ = k.shape
+    chunk = min(chunk, T)  # no chunk longer than the sequence
     c = _sub_size(chunk)
     n = chunk // c
     pad = -T % chunk
@@ -210,7 +211,7 @@ def _chunked(
     # T = 4096, 2 heads of 64 x 64, and no slower on CPU).
     split = lambda x: x.reshape(N, 1, n, c, H, x.shape[-1])
     xs = (split(_log_decay(a)), split(k), split(v), split(q))
-    s_T, o = jax.lax.scan(jax.checkpoint(_one_chunk), s0, xs)
+    s_T, o = jax.lax.scan(jax.checkpoint(_one_chunk, prevent_cse=False), s0, xs)
     return s_T, o.reshape(N * chunk, H, -1)[:T]
 
 
