@@ -48,7 +48,6 @@ from ._containers.linear_cells import (
     MatrixLinearCell as MatrixLinearCell,
 )
 from ._containers.linear_diag import diagonal_scan as diagonal_scan
-from .nn import LRU as LRU, MinGRU as MinGRU
 
 
 __version__ = _metadata.version("eqxscan")
@@ -68,6 +67,7 @@ if _TYPE_CHECKING:
         sharding as sharding,
         stats as stats,
     )
+    from ._containers.linear_matrix import matrix_scan as matrix_scan
     from ._features.buffer_layout import layer_buffers as layer_buffers
     from ._features.early_exit import run_until as run_until
     from ._features.layer_subsets import run_layers as run_layers
@@ -88,6 +88,9 @@ if _TYPE_CHECKING:
     )
     from .nn import (
         ElmanCell as ElmanCell,
+        GatedLinearAttention as GatedLinearAttention,
+        LRU as LRU,
+        MinGRU as MinGRU,
         MLPBlock as MLPBlock,
         StackedMLP as StackedMLP,
     )
@@ -126,7 +129,18 @@ _LENT = {
         ),
         ".checkpoint",
     ),
-    **dict.fromkeys(("ElmanCell", "MLPBlock", "StackedMLP"), ".nn"),
+    "matrix_scan": "._containers.linear_matrix",
+    **dict.fromkeys(
+        (
+            "ElmanCell",
+            "GatedLinearAttention",
+            "LRU",
+            "MinGRU",
+            "MLPBlock",
+            "StackedMLP",
+        ),
+        ".nn",
+    ),
     "explain_auto": ".remat",
 }
 
