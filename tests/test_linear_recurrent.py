@@ -5,7 +5,6 @@ and bfloat16, decays near 0 and 1 over long sequences), the cells `LRU` and
 truncation, h0, keys, cell arguments, vmap, jit) in the parallel forms against
 the sequential one, finite differences, and the errors."""
 
-import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -394,12 +393,24 @@ def test_matrix_cell_returns_outputs_not_states(getkey):
     )
     assert eqxscan.Recurrent(cell)(s0, xs[:0])[1].shape == (0, 2, 3)
     chunked = eqxscan.Recurrent(cell, method="chunked", chunk_size=4)
-    if importlib.util.find_spec("eqxscan._containers.linear_matrix") is None:
-        with pytest.raises(NotImplementedError, match="method='sequential'"):
-            chunked(s0, xs)
-    else:
-        s_c, os_c = chunked(s0, xs)
-        assert rel(os_c, os) <= 1e-5 and rel(s_c, s_T) <= 1e-5
+    s_c, os_c = chunked(s0, xs)
+    assert rel(os_c, os) <= 1e-5 and rel(s_c, s_T) <= 1e-5
+
+
+def test_auto_runs_a_wide_matrix_state_chunked_on_cpu(getkey):
+    # One head of 64 x 64: `auto` picks the chunked form on every backend, and
+    # agrees with the cell run step by step.
+    cell = eqxscan.GatedLinearAttention(
+        8, num_heads=1, key_size=64, value_size=64, key=getkey()
+    )
+    xs, s0 = jr.normal(getkey(), (40, 8)), jnp.zeros((1, 64, 64))
+    rnn = eqxscan.Recurrent(cell, chunk_size=16)
+    s_T, os = rnn(s0, xs)
+    s_seq, os_seq = eqxscan.Recurrent(cell, method="sequential")(s0, xs)
+    assert rel(os, os_seq) <= 1e-5 and rel(s_T, s_seq) <= 1e-5
+    jaxpr = str(jax.make_jaxpr(rnn)(s0, xs))
+    # The chunked form's scan runs over ceil(40 / 16) = 3 chunks.
+    assert "length=3" in jaxpr
 
 
 # ------------------------------------------------------------- auto and errors
@@ -411,6 +422,10 @@ def test_auto_rule():
     assert choose_method("tpu", 4096, 1024, "diagonal") == "sequential"
     assert choose_method("gpu", 1, 8, "diagonal") == "sequential"
     assert choose_method("tpu", 4096, 8, "matrix") == "chunked"
+    # On CPU a matrix state runs chunked from 64 x 64 a head (measured faster).
+    assert choose_method("cpu", 4096, 64 * 64, "matrix") == "chunked"
+    assert choose_method("cpu", 4096, 32 * 32, "matrix") == "sequential"
+    assert choose_method("cpu", 1, 64 * 64, "matrix") == "sequential"
 
 
 def test_bad_options_are_named(getkey):

@@ -19,6 +19,10 @@ METHODS = ("sequential", "associative", "chunked")
 ACCELERATOR_ASSOCIATIVE_MAX_STATE = 512
 
 
+CPU_MATRIX_CHUNKED_MIN_STATE = 64 * 64
+"""On CPU, a matrix state's head of at least this many elements runs chunked."""
+
+
 def choose_method(
     backend: str, length: int, state_size: int, kind: Literal["diagonal", "matrix"]
 ) -> Method:
@@ -30,12 +34,20 @@ def choose_method(
     - TPU and GPU, diagonal: `"associative"` when the carry has at most
       `ACCELERATOR_ASSOCIATIVE_MAX_STATE` elements and `length > 1`, else
       `"sequential"` (from the TPU v5e table; GPU is not measured).
-    - Matrix state: `"chunked"` on an accelerator, `"sequential"` on CPU.
+    - Matrix state (`state_size` is one head's `dk * dv`): `"chunked"` on an
+      accelerator; on CPU when a head's state has at least
+      `CPU_MATRIX_CHUNKED_MIN_STATE` elements (64 x 64: chunked measured
+      1.4-2.5x faster by `benchmarks/linear_matrix.py`; 32 x 32 about even,
+      16 x 16 slower), else `"sequential"`.
     """
-    if backend == "cpu" or length <= 1:
+    if length <= 1:
         return "sequential"
     if kind == "matrix":
-        return "chunked"
+        if backend != "cpu" or state_size >= CPU_MATRIX_CHUNKED_MIN_STATE:
+            return "chunked"
+        return "sequential"
+    if backend == "cpu":
+        return "sequential"
     if state_size <= ACCELERATOR_ASSOCIATIVE_MAX_STATE:
         return "associative"
     return "sequential"

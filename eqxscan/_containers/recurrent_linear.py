@@ -10,6 +10,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 from jaxtyping import Array, Bool, PRNGKeyArray, PyTree
 
 from .._helpers.checks import check_option, check_size, describe
@@ -78,7 +79,12 @@ def resolve_form(
     if kind == "matrix" and controls.truncate is not None:
         return "engine"  # the carry to cut at would be every step's state
     if method == "auto":
-        size = sum(jnp.size(a) for a in jtu.tree_leaves(h0))
+        # A matrix state's cost per chunk goes with one head's `dk * dv`.
+        leaves = jtu.tree_leaves(h0)
+        if kind == "matrix" and leaves and jnp.ndim(leaves[0]) >= 2:
+            size = int(np.prod(jnp.shape(leaves[0])[-2:]))
+        else:
+            size = sum(jnp.size(a) for a in leaves)
         form = choose_method(jax.default_backend(), controls.length, size, kind)
     else:
         form = method
