@@ -6,14 +6,13 @@ and whether the program holds the kernel (a Mosaic custom call).
     pip install "jax[tpu]==<the installed jax version>"   # libtpu, no chip needed
     python benchmarks/quant_kernel_compile.py
 
-Products `x @ q` for B = 8 rows by `[2048, 8192]` and `[8192, 2048]` weights
-(int8, int4 in groups of 128, fp8 decoded from its bits and by a float8
-convert; float32 and bfloat16), then a scanned StackedMLP decode step
+Products `x @ q` (`kernel="pallas"`) for B = 8 rows by `[2048, 8192]` and
+`[8192, 2048]` weights and 512 rows by the first (int8, int4 in groups of 128,
+fp8; float32 and bfloat16), then a scanned StackedMLP decode step
 (B = 8, L = 16, D = 2048, `w1` and `w2` quantized) with `kernel="pallas"`
 beside the same step on the XLA path. Nothing is run, so nothing is timed.
 """
 
-import functools
 import itertools
 import os
 import sys
@@ -35,7 +34,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import eqxscan  # noqa: E402
 from eqxscan import quant  # noqa: E402
-from eqxscan.quant import _kernel  # noqa: E402
 
 
 B, L, D = 8, 16, 2048
@@ -75,29 +73,21 @@ def compiled(fn, args, sharding: NamedSharding) -> tuple[float, bool]:
 
 
 def products(sharding: NamedSharding) -> None:
-    print("x @ q, one layer's weight, kernel called directly")
-    print(
-        f"{'kind':<12}{'rows':>5} {'weight':<14}{'dtype':<10}{'blocks':<18}"
-        f"{'temp KiB':>9}  Mosaic"
-    )
-    cases = [(k, "bits") for k in KINDS] + [("fp8", "native")]
+    print('x @ q, one layer\'s weight, kernel="pallas"')
+    print(f"{'kind':<6}{'rows':>5} {'weight':<14}{'dtype':<10}{'temp KiB':>9}  Mosaic")
     sizes = [(B, (D, 4 * D)), (B, (4 * D, D)), (512, (D, 4 * D))]
-    for (kind, fp8), (rows, shape), dtype in itertools.product(
-        cases, sizes, (jnp.float32, jnp.bfloat16)
+    for kind, (rows, shape), dtype in itertools.product(
+        KINDS, sizes, (jnp.float32, jnp.bfloat16)
     ):
         w = jnp.zeros(shape, dtype)
-        q = quant.quantize({"w": w}, "w", kind=kind, group_size=128)["w"]
-        block = _kernel.blocks(kind, q.group_size, rows, *shape, dtype)
-        assert block is not None, (kind, shape)
-        fn = functools.partial(
-            _kernel.product, kind=kind, group_size=q.group_size, block=block, fp8=fp8
-        )
+        q = quant.quantize({"w": w}, "w", kind=kind, group_size=128, kernel="pallas")[
+            "w"
+        ]
         x = jnp.zeros((rows, shape[0]), dtype)
-        temp, kernel = compiled(fn, (x, q.values, q.scales), sharding)
-        name = kind if kind != "fp8" else f"fp8/{fp8}"
+        temp, kernel = compiled(lambda x, q: x @ q, (x, q), sharding)
         print(
-            f"{name:<12}{rows:>5} {str(list(shape)):<14}{jnp.dtype(dtype).name:<10}"
-            f"{str(tuple(block)):<18}{temp:>9.2f}  {kernel}"
+            f"{kind:<6}{rows:>5} {str(list(shape)):<14}{jnp.dtype(dtype).name:<10}"
+            f"{temp:>9.2f}  {kernel}"
         )
 
 

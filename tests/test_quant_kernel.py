@@ -171,3 +171,25 @@ def test_kernel_option_and_files():
         assert _contents(a) == _contents(b)  # the kernel is not saved
         assert eqx.tree_equal(quant.load(a, xla), xla)
         assert eqx.tree_equal(quant.load(b, q), q)
+
+
+@pytest.mark.parametrize("how", ["bits", "native"])
+def test_fp8_decodings_lower_for_tpu(how):
+    # Both fp8 decodings pass Pallas's lowering to Mosaic for a TPU (the
+    # TPU's own compile is benchmarks/quant_kernel_compile.py's, with libtpu).
+    q = _weight((256, 256), "fp8")
+    product = jax.jit(
+        lambda x, v, s: _kernel.product(
+            x,
+            v,
+            s,
+            kind="fp8",
+            group_size=None,
+            block=_kernel.Blocks(8, 128, 128),
+            fp8=how,
+        )
+    )
+    lowered = product.trace(jnp.ones((8, 256)), q.values, q.scales).lower(
+        lowering_platforms=("tpu",)
+    )
+    assert "tpu_custom_call" in lowered.as_text()

@@ -10,7 +10,6 @@ that the two nibbles of a byte are never interleaved.
 
 Shapes it does not take (`blocks` returns `None`) run on the XLA path."""
 
-import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -23,7 +22,9 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.typing import DTypeLike
 from jaxtyping import Array
 
-from ._quantized import Kind, Quantized
+
+Kind = Literal["int8", "int4", "fp8"]
+"""The stored kinds (those of `Quantized`)."""
 
 
 Fp8Decode = Literal["bits", "native"]
@@ -235,34 +236,44 @@ def differentiable(
     return run(x, values, scales)
 
 
-def rmatmul(q: Quantized, x: Array) -> Array | None:
-    """`x @ q` by the kernel, or `None` where the XLA path runs instead (shapes
-    `blocks` refuses, a stack's arrays). `q.kernel` `"interpret"` runs the
-    kernel in Pallas's interpreter; `"pallas"` lowers the kernel for a TPU and
-    the XLA path for other platforms (decided when lowering, so that a program
-    compiled ahead of time for a TPU gets the kernel)."""
-    dtype = jnp.result_type(x.dtype, q.dtype)
+def rmatmul(
+    x: Array,
+    values: Array,
+    scales: Array,
+    *,
+    kind: Kind,
+    group_size: int | None,
+    dtype: DTypeLike,
+    kernel: Literal["pallas", "interpret"],
+    reference: Callable[[Array, Array, Array], Array],
+) -> Array | None:
+    """`x @ q` by the kernel for a `Quantized` `q` of these stored arrays
+    (orientation `"x@W"`) and float `dtype`, or `None` where the XLA path
+    (`reference(x, values, scales)`) runs instead: shapes `blocks` refuses, a
+    stack's arrays. `"interpret"` runs the kernel in Pallas's interpreter;
+    `"pallas"` lowers the kernel for a TPU and `reference` for other platforms
+    (decided when lowering, so that a program compiled ahead of time for a TPU
+    gets the kernel)."""
+    dtype = jnp.result_type(x.dtype, dtype)
     *lead, size_in = x.shape
     rows = math.prod(lead)
-    size_out = q.shape[-1]
-    block = blocks(q.kind, q.group_size, rows, size_in, size_out, dtype)
-    if block is None or q.values.ndim != 2:
+    size_out = values.shape[-1]
+    block = blocks(kind, group_size, rows, size_in, size_out, dtype)
+    if block is None or values.ndim != 2:
         return None
 
-    def reference(x: Array, values: Array, scales: Array) -> Array:
-        return x @ dataclasses.replace(q, values=values, scales=scales, kernel="xla")
-
-    def kernel(x: Array, values: Array, scales: Array) -> Array:
-        options = dict(kind=q.kind, group_size=q.group_size, block=block)
-        interpret = q.kernel == "interpret"
+    def product_by_kernel(x: Array, values: Array, scales: Array) -> Array:
+        options = dict(kind=kind, group_size=group_size, block=block)
+        interpret = kernel == "interpret"
         return differentiable(
             x, values, scales, reference, interpret=interpret, **options
         )
 
     x = x.reshape(rows, size_in).astype(dtype)
-    values, scales = q.stored_arrays()
-    if q.kernel == "interpret":
-        y = kernel(x, values, scales)
+    if kernel == "interpret":
+        y = product_by_kernel(x, values, scales)
     else:
-        y = jax.lax.platform_dependent(x, values, scales, tpu=kernel, default=reference)
+        y = jax.lax.platform_dependent(
+            x, values, scales, tpu=product_by_kernel, default=reference
+        )
     return y.reshape(*lead, size_out)

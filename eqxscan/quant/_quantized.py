@@ -2,6 +2,7 @@
 used where the weight was: the layer's own `x @ self.w1` dequantizes and
 multiplies, and inside a scan the float weight exists for one layer at a time."""
 
+import dataclasses
 from typing import Literal
 
 import equinox as eqx
@@ -185,7 +186,19 @@ class Quantized(MatmulOnly, eqx.Module):
         if self.kernel != "xla":
             from ._kernel import rmatmul  # Pallas, imported where used
 
-            if (y := rmatmul(self, x)) is not None:
+            values, scales = self.stored_arrays()
+            y = rmatmul(
+                x,
+                values,
+                scales,
+                kind=self.kind,
+                group_size=self.group_size,
+                dtype=self.dtype,
+                kernel=self.kernel,
+                # A function, not the bound method: JAX hashes a branch.
+                reference=lambda *arrays: self._by_xla(*arrays),
+            )
+            if y is not None:
                 return y
         if self.kind == "int4":
             low, high = self._int4_halves()
@@ -202,6 +215,12 @@ class Quantized(MatmulOnly, eqx.Module):
                 return _summed((low, x[0::2]), (high, x[1::2]))
             return _summed((low, x[..., 0::2, :]), (high, x[..., 1::2, :]))
         return self.dequantize() @ x
+
+    def _by_xla(self, x: Array, values: Array, scales: Array) -> Array:
+        # `x @ q` on the XLA path for these arrays: the kernel's reference,
+        # which its backward pass differentiates.
+        arrays = dict(values=values, scales=scales)
+        return x @ dataclasses.replace(self, **arrays, kernel="xla")
 
     def _check_scales(self) -> None:
         # Casting a model's float arrays casts the scales but not the static
