@@ -132,6 +132,11 @@ def test_pallas_lowers_the_kernel_for_tpu_only():
     tpu = step.trace(x).lower(lowering_platforms=("tpu",)).as_text()
     assert "tpu_custom_call" in tpu
     assert jnp.array_equal(step(x), x @ quant.with_kernel(q, "xla"))
+    # A training step too: the kernel forward, the XLA path's backward.
+    grad = jax.jit(jax.grad(lambda x, q: jnp.sum(jnp.sin(x @ q))))
+    assert jnp.array_equal(grad(x, q), grad(x, quant.with_kernel(q, "xla")))
+    tpu = grad.trace(x, q).lower(lowering_platforms=("tpu",)).as_text()
+    assert tpu.count("tpu_custom_call") == 1
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
