@@ -167,8 +167,10 @@ def test_kernel_option_and_files():
     assert q.blocks.layers.w1.kernel == "pallas"
     xla = quant.with_kernel(q, "xla")
     assert xla.blocks.layers.w1.kernel == "xla"
-    with pytest.raises(ValueError, match="kernel must be one of"):
+    with pytest.raises(ValueError, match="with_kernel: kernel must be one of"):
         quant.with_kernel(q, "mosaic")
+    with pytest.raises(ValueError, match="quantize: kernel must be one of"):
+        quant.quantize(model, "blocks.*.w2", kernel="mosaic")
     with tempfile.TemporaryDirectory() as tmp:
         a, b = os.path.join(tmp, "a.safetensors"), os.path.join(tmp, "b.safetensors")
         quant.save(a, q)

@@ -93,6 +93,7 @@ def quantize(
             f"got {group_size!r}.\nHint: a smaller group is more accurate and "
             "stores more scales."
         )
+    _check_kernel("quantize", kernel)
     size = int(group_size) if kind == "int4" else None
     if any(isinstance(x, jax.ShapeDtypeStruct) for x in jtu.tree_leaves(model)):
         # An abstract model (`like` for a file): traced, as for its arrays.
@@ -152,11 +153,7 @@ def with_kernel(model: PyTree, kernel: Checked[Kernel]) -> PyTree:
 
     `model` with its `Quantized`s' `kernel` set.
     """
-    if kernel not in KERNELS:
-        raise ValueError(
-            f"with_kernel: kernel must be one of {list(KERNELS)}, got {kernel!r}."
-            "\nHint: 'pallas' is the TPU kernel; 'xla' the default path."
-        )
+    _check_kernel("with_kernel", kernel)
 
     def set_kernel(x: object) -> object:
         if isinstance(x, Quantized) and x.kernel != kernel:
@@ -164,6 +161,14 @@ def with_kernel(model: PyTree, kernel: Checked[Kernel]) -> PyTree:
         return x
 
     return jtu.tree_map(set_kernel, model, is_leaf=is_quantized)
+
+
+def _check_kernel(who: str, kernel: object) -> None:
+    if kernel not in KERNELS:
+        raise ValueError(
+            f"{who}: kernel must be one of {list(KERNELS)}, got {kernel!r}."
+            "\nHint: 'pallas' is the TPU kernel; 'xla' the default path."
+        )
 
 
 def _quantized(
