@@ -10,6 +10,12 @@ error of a layer's weight (`quant.report`) and the output's largest difference.
     python -m benchmarks.quantized            # B = 1 and 8, L = 16, D = 512
     python -m benchmarks.quantized --full     # B = 1, 8; L = 16, 32; D = 512, 1024
     python -m benchmarks.quantized --tiny     # a smoke test
+    python -m benchmarks.quantized --kernel xla pallas   # the Pallas kernel too
+
+`--kernel pallas` runs the quantized formats with `kernel="pallas"` (the
+Pallas TPU kernel; off a TPU the XLA path, so only a TPU's numbers say
+anything), listed as `int8/pallas`; `--kernel xla pallas` measures both paths
+in the same interleaved rounds.
 
 One process: run it alone on an accelerator. A size that does not fit in the
 device's memory is reported as such (`does not fit`) and the next one measured.
@@ -38,13 +44,16 @@ def _nbytes(tree) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(tree) if eqx.is_array(x))
 
 
-def model_of(fmt: str, dim: int, layers: int) -> eqxscan.StackedMLP:
-    """The model in `fmt`: a float dtype, or float32 weights quantized."""
+def model_of(
+    fmt: str, dim: int, layers: int, kernel: quant.Kernel = "xla"
+) -> eqxscan.StackedMLP:
+    """The model in `fmt`: a float dtype, or float32 weights quantized (their
+    products computed by `kernel`)."""
     dtype = jnp.bfloat16 if fmt == "bfloat16" else jnp.float32
     model = eqxscan.StackedMLP(dim, layers, key=jax.random.key(0), dtype=dtype)
     if fmt in ("float32", "bfloat16"):
         return model
-    return quant.quantize(model, TARGETS, kind=fmt, group_size=128)
+    return quant.quantize(model, TARGETS, kind=fmt, group_size=128, kernel=kernel)
 
 
 def _accessed(compiled) -> float:
@@ -74,15 +83,24 @@ def compile_step(model, batch: int, step: str) -> tuple[Callable[[], jax.Array],
     return (lambda: compiled(params, x)), facts
 
 
-def measure(batch: int, layers: int, dim: int, repeats: int) -> list[dict]:
-    """Every format and step at one size, timed in interleaved rounds."""
+def measure(
+    batch: int,
+    layers: int,
+    dim: int,
+    repeats: int,
+    kernels: tuple[quant.Kernel, ...] = ("xla",),
+) -> list[dict]:
+    """Every format (a quantized one by each of `kernels`) and step at one
+    size, timed in interleaved rounds."""
     runs = []
     for fmt in FORMATS:
-        model = model_of(fmt, dim, layers)
-        for step in STEPS:
-            call, facts = compile_step(model, batch, step)
-            call().block_until_ready()  # warm-up
-            runs.append((call, {"format": fmt, "step": step, **facts}, []))
+        for kernel in kernels if fmt not in ("float32", "bfloat16") else ("xla",):
+            model = model_of(fmt, dim, layers, kernel)
+            label = fmt if kernel == "xla" else f"{fmt}/{kernel}"
+            for step in STEPS:
+                call, facts = compile_step(model, batch, step)
+                call().block_until_ready()  # warm-up
+                runs.append((call, {"format": label, "step": step, **facts}, []))
     for _ in range(repeats):
         for call, _, times in runs:
             start = time.perf_counter()
@@ -128,6 +146,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--full", action="store_true", help="L = 16, 32; D = 512, 1024")
     parser.add_argument("--tiny", action="store_true", help="a smoke test")
+    parser.add_argument(
+        "--kernel",
+        nargs="+",
+        choices=["xla", "pallas"],
+        default=["xla"],
+        help="what computes the quantized products (pallas: the TPU kernel)",
+    )
     args = parser.parse_args()
     if args.full:
         args.layers, args.dim = [16, 32], [512, 1024]
@@ -136,12 +161,12 @@ def main() -> None:
     print(f"StackedMLP decode step, w1 and w2 quantized, {jax.default_backend()}")
     mib = 2.0**20
     print(
-        f"{'B':>2} {'L':>3} {'D':>5} {'format':<9}{'step':<9}{'weights MiB':>12}"
+        f"{'B':>2} {'L':>3} {'D':>5} {'format':<12}{'step':<9}{'weights MiB':>12}"
         f"{'temp MiB':>10}{'accessed MiB':>13}{'compile s':>10}{'step ms':>9}"
     )
     for batch, layers, dim in itertools.product(args.batch, args.layers, args.dim):
         try:
-            rows = measure(batch, layers, dim, args.repeats)
+            rows = measure(batch, layers, dim, args.repeats, tuple(args.kernel))
         except Exception as e:
             if (message := out_of_memory(e)) is None:
                 raise
@@ -149,7 +174,7 @@ def main() -> None:
             continue
         for r in rows:
             print(
-                f"{batch:>2} {layers:>3} {dim:>5} {r['format']:<9}{r['step']:<9}"
+                f"{batch:>2} {layers:>3} {dim:>5} {r['format']:<12}{r['step']:<9}"
                 f"{r['bytes'] / mib:>12.2f}{r['temp'] / mib:>10.2f}"
                 f"{r['accessed'] / mib:>13.2f}{r['compile_s']:>10.2f}"
                 f"{r['step_ms']:>9.3f}"

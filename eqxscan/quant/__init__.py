@@ -9,6 +9,12 @@ from ._quantize import (
     dequantize as dequantize,
     quantize as quantize,
     Target as Target,
+    with_kernel as with_kernel,
 )
-from ._quantized import Kind as Kind, Orientation as Orientation, Quantized as Quantized
+from ._quantized import (
+    Kernel as Kernel,
+    Kind as Kind,
+    Orientation as Orientation,
+    Quantized as Quantized,
+)
 from ._report import LayerError as LayerError, Report as Report, report as report

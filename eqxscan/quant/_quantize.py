@@ -1,5 +1,6 @@
 """`quantize`: targeted weights replaced by `Quantized`s; `dequantize`: back."""
 
+import dataclasses
 from collections.abc import Sequence
 from typing import cast, NoReturn
 
@@ -22,6 +23,8 @@ from .._internal import (
 )
 from ._quantized import (
     GROUP_SIZES,
+    Kernel,
+    KERNELS,
     Kind,
     KINDS,
     Orientation,
@@ -48,6 +51,7 @@ def quantize(
     kind: Checked[Kind] = "int8",
     group_size: Checked[int] = 128,
     orientation: Checked[Orientation] = "x@W",
+    kernel: Checked[Kernel] = "xla",
 ) -> PyTree:
     """`model` with each targeted weight replaced by a [`eqxscan.quant.Quantized`][].
 
@@ -67,6 +71,8 @@ def quantize(
       weight's input size must be a multiple of it. Ignored for other kinds.
     - `orientation`: how the layers use the weights a pattern matches: `"x@W"`
       (weight `[in, out]`) or `"W@x"` (`[out, in]`).
+    - `kernel`: what computes the products, `"xla"` or `"pallas"` (see
+      [`eqxscan.quant.with_kernel`][]).
 
     **Returns:**
 
@@ -87,6 +93,7 @@ def quantize(
             f"got {group_size!r}.\nHint: a smaller group is more accurate and "
             "stores more scales."
         )
+    _check_kernel("quantize", kernel)
     size = int(group_size) if kind == "int4" else None
     if any(isinstance(x, jax.ShapeDtypeStruct) for x in jtu.tree_leaves(model)):
         # An abstract model (`like` for a file): traced, as for its arrays.
@@ -97,6 +104,7 @@ def quantize(
             kind=kind,
             group_size=group_size,
             orientation=orientation,
+            kernel=kernel,
         )
 
     def make(w: object, depth: int, name: str, o: Orientation) -> Quantized:
@@ -116,7 +124,7 @@ def quantize(
                 _nonfinite(model, w, int(np.argmin(finite)), name, depth)
         return q
 
-    return replace_weights(
+    quantized = replace_weights(
         model,
         targets,
         make,
@@ -124,6 +132,43 @@ def quantize(
         who="quantize",
         verb=("quantize", "quantized"),
     )
+    return with_kernel(quantized, kernel)
+
+
+def with_kernel(model: PyTree, kernel: Checked[Kernel]) -> PyTree:
+    """`model` with every [`eqxscan.quant.Quantized`][] computing `x @ q` by
+    `kernel`; nothing else changes, and files are the same (the kernel is not
+    saved: set it again after `quant.load`, or on the `like` given to it).
+
+    **Arguments:**
+
+    - `model`: a quantized model.
+    - `kernel`: `"xla"` (the default: dequantize, then XLA's matmul),
+      `"pallas"` (a Pallas TPU kernel that dequantizes block by block inside
+      the matmul; on other platforms, and for shapes it does not take, the
+      XLA path) or `"interpret"` (the kernel in Pallas's interpreter, on any
+      backend: slow, for tests).
+
+    **Returns:**
+
+    `model` with its `Quantized`s' `kernel` set.
+    """
+    _check_kernel("with_kernel", kernel)
+
+    def set_kernel(x: object) -> object:
+        if isinstance(x, Quantized) and x.kernel != kernel:
+            return dataclasses.replace(x, kernel=kernel)
+        return x
+
+    return jtu.tree_map(set_kernel, model, is_leaf=is_quantized)
+
+
+def _check_kernel(who: str, kernel: object) -> None:
+    if kernel not in KERNELS:
+        raise ValueError(
+            f"{who}: kernel must be one of {list(KERNELS)}, got {kernel!r}."
+            "\nHint: 'pallas' is the TPU kernel; 'xla' the default path."
+        )
 
 
 def _quantized(

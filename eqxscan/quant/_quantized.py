@@ -2,6 +2,7 @@
 used where the weight was: the layer's own `x @ self.w1` dequantizes and
 multiplies, and inside a scan the float weight exists for one layer at a time."""
 
+import dataclasses
 from typing import Literal
 
 import equinox as eqx
@@ -19,6 +20,13 @@ Kind = Literal["int8", "int4", "fp8"]
 (`float8_e4m3fn`, a scale per output channel)."""
 
 KINDS: tuple[Kind, ...] = ("int8", "int4", "fp8")
+
+Kernel = Literal["xla", "pallas", "interpret"]
+"""What computes `x @ q`: `"xla"` (dequantize, then XLA's matmul), `"pallas"`
+(a Pallas TPU kernel on a TPU; the XLA path elsewhere) or `"interpret"` (the
+kernel in Pallas's interpreter, on any backend: slow, for tests)."""
+
+KERNELS: tuple[Kernel, ...] = ("xla", "pallas", "interpret")
 GROUP_SIZES = (32, 64, 128)
 
 # The largest magnitude each kind stores: the scale maps max|w| onto it.
@@ -69,6 +77,12 @@ class Quantized(MatmulOnly, eqx.Module):
     `jnp.dot` and `jax.lax` functions raise JAX's own). Build one with
     [`eqxscan.quant.quantize`][]; one built by hand is checked against these
     layouts.
+
+    `kernel` says what computes `x @ q` (see `Kernel`; not saved in files):
+    the default `"xla"`, or `"pallas"`, a Pallas kernel that dequantizes
+    block by block inside the matmul, on a TPU, for the shapes it takes
+    (`q @ x` and other shapes run the XLA path); set it with
+    [`eqxscan.quant.with_kernel`][].
     """
 
     values: Shaped[Array, "*layers _ _"] = eqx.field(converter=fp8_bits)
@@ -78,6 +92,7 @@ class Quantized(MatmulOnly, eqx.Module):
     group_size: int | None = eqx.field(static=True, converter=_plain_int)
     dtype: np.dtype = eqx.field(static=True, converter=jnp.dtype)
     name: str = eqx.field(static=True, default="")
+    kernel: Kernel = eqx.field(static=True, default="xla")
 
     _label = "Quantized weight"
     _symbol = "q"
@@ -94,6 +109,11 @@ class Quantized(MatmulOnly, eqx.Module):
             raise ValueError(
                 f"{where}: kind must be one of {list(KINDS)} and orientation 'x@W' "
                 f"or 'W@x', got {self.kind!r} and {self.orientation!r}." + hint
+            )
+        if self.kernel not in KERNELS:
+            raise ValueError(
+                f"{where}: kernel must be one of {list(KERNELS)}, got "
+                f"{self.kernel!r}." + hint
             )
         if not jnp.issubdtype(self.dtype, jnp.floating):
             raise ValueError(
@@ -163,6 +183,23 @@ class Quantized(MatmulOnly, eqx.Module):
         """`x @ q`, for orientation `"x@W"`: `x` is `[..., in]`."""
         self._check("x@W", x)
         x = jnp.asarray(x)
+        if self.kernel != "xla":
+            from ._kernel import rmatmul  # Pallas, imported where used
+
+            values, scales = self.stored_arrays()
+            y = rmatmul(
+                x,
+                values,
+                scales,
+                kind=self.kind,
+                group_size=self.group_size,
+                dtype=self.dtype,
+                kernel=self.kernel,
+                # A function, not the bound method: JAX hashes a branch.
+                reference=lambda *arrays: self._by_xla(*arrays),
+            )
+            if y is not None:
+                return y
         if self.kind == "int4":
             low, high = self._int4_halves()
             return _summed((x[..., 0::2], low), (x[..., 1::2], high))
@@ -178,6 +215,12 @@ class Quantized(MatmulOnly, eqx.Module):
                 return _summed((low, x[0::2]), (high, x[1::2]))
             return _summed((low, x[..., 0::2, :]), (high, x[..., 1::2, :]))
         return self.dequantize() @ x
+
+    def _by_xla(self, x: Array, values: Array, scales: Array) -> Array:
+        # `x @ q` on the XLA path for these arrays: the kernel's reference,
+        # which its backward pass differentiates.
+        arrays = dict(values=values, scales=scales)
+        return x @ dataclasses.replace(self, **arrays, kernel="xla")
 
     def _check_scales(self) -> None:
         # Casting a model's float arrays casts the scales but not the static
