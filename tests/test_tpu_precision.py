@@ -170,5 +170,5 @@ def test_a_tpu_compile_holds_no_copy_of_a_float32_stack():
     from benchmarks.tpu_compile import decode_step, tpu_target
 
     facts = decode_step("float32", "scan", B, 4, 256, tpu_target())
-    assert facts["copies"] == []
-    assert facts["temp"] < facts["weights"] / 4 / 8
+    assert facts["copies"] == []  # was two converts to bfloat16[4, ...]
+    assert facts["temp"] <= facts["weights"] / 4  # at most one layer's weights
