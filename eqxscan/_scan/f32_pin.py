@@ -20,6 +20,7 @@ import dataclasses
 
 import equinox as eqx
 import jax
+import jax.lax as lax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import PyTree
@@ -47,10 +48,12 @@ def pin(x: PyTree, carry: PyTree) -> PyTree:
     )
     if not probed or k is None:
         return carry
-    # The first element as `reshape(-1)[0]`, which XLA reads as a one-element
-    # slice of the stack; `a[0, 0]` made it copy each step's slice first.
-    nans = sum(jnp.isnan(a.reshape(-1)[0]).astype(jnp.int32) for a in probed)
-    leaves[k] = jnp.where(nans > len(probed), -leaves[k], leaves[k])
+    # Each first element as a slice of the flattened leaf, which XLA reads as a
+    # one-element slice of the stack (`a[0, 0]` made it copy each step's slice).
+    firsts = [lax.slice(a.reshape(-1), (0,), (1,)) for a in probed]
+    first = firsts[0] if len(firsts) == 1 else lax.concatenate(firsts, 0)
+    nans = jnp.sum(lax.ne(first, first), dtype=jnp.int32)
+    leaves[k] = lax.select(nans > len(probed), -leaves[k], leaves[k])
     return jtu.tree_unflatten(tree, leaves)
 
 
