@@ -26,6 +26,7 @@ from jaxtyping import Array, Bool, PyTree
 from .._helpers.checks import check_carry, describe, noted, same_leaf
 from .._helpers.stateful import clone
 from .auto import resolve
+from .f32_pin import pinned
 from .index import index
 from .layer_index import indexed, loop_step
 from .options import ScanOptions
@@ -72,14 +73,19 @@ def trace_step(
         return new, y
 
     body, statics = arrays_only(checked, c_static)
-    # The types `lax.scan` gives its body: the carry's as they are (weak types,
-    # shardings, varying manual axes included), the inputs' without axis 0.
-    c_types = jtu.tree_map(jax.typeof, c_dyn)
-    x_types = jtu.tree_map(lambda a: jcore.mapped_aval(length, 0, jax.typeof(a)), xs)
-    jaxpr, out_shape = jax.make_jaxpr(body, return_shape=True)(c_types, x_types)
+    types = step_types(c_dyn, xs, length)
+    jaxpr, out_shape = jax.make_jaxpr(body, return_shape=True)(*types)
     n_carry = len(jtu.tree_leaves(c_dyn))
     traced = Traced(jaxpr, jtu.tree_structure(out_shape), statics[0][1], n_carry)
     return traced, c_dyn, c_static
+
+
+def step_types(c_dyn: PyTree, xs: PyTree, length: int) -> tuple[PyTree, PyTree]:
+    """The types `lax.scan` gives its body: the carry's as they are (weak types,
+    shardings, varying manual axes included), the inputs' without axis 0."""
+    c_types = jtu.tree_map(jax.typeof, c_dyn)
+    x_types = jtu.tree_map(lambda a: jcore.mapped_aval(length, 0, jax.typeof(a)), xs)
+    return c_types, x_types
 
 
 def _unstack(xs: PyTree, length: int) -> list[PyTree]:
@@ -148,6 +154,11 @@ def run(
     remat, unroll = resolve(
         traced, (c_dyn, xs), length, remat, options.unroll, where(None), gathered, over
     )
+    # Stacked float32 weights stay float32 on TPU inside a loop (`f32_pin.py`);
+    # not FSDP's gathered layers, where a bfloat16 stack also halves what each
+    # step gathers, nor a fully unrolled scan, which has no loop.
+    if over == "layers" and not gathered and not (unroll is True and not remat.named):
+        traced = pinned(traced, step_types(c_dyn, xs, length))
     # A skipping scan runs as one `skip_scan` when its remat does not name or
     # nest (the scan saves the carries whatever it says) and the step's carry
     # and outputs all take cotangents. A layer that runs saves what a plain

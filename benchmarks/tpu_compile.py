@@ -1,0 +1,182 @@
+"""What XLA compiles for a TPU v5e chip, without one: a deviceless compile
+(`jax.experimental.topologies`) of the decode steps of `benchmarks/quantized.py`
+(every format, scanned and unrolled) and of a StackedMLP train step
+(`value_and_grad`, float32 and bfloat16), printing XLA's temporaries
+(`memory_analysis().temp_size_in_bytes`) and every instruction that converts
+or copies a whole stacked leaf (all layers of a weight). These are XLA's
+compiled memory figures for the target, not timings.
+
+Needs `libtpu` (no TPU): `pip install "jax[tpu]==<your jax version>"`.
+
+    python -m benchmarks.tpu_compile                  # B = 8, L = 16, D = 2048
+    python -m benchmarks.tpu_compile --dim 512 --tiny # smaller, faster
+"""
+
+import argparse
+import importlib.util
+import os
+import re
+import sys
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from benchmarks.quantized import FORMATS, model_of, STEPS
+
+
+_TPU_ENV = {
+    # A compile-only TPU client on a machine without a TPU or its metadata server.
+    "TPU_SKIP_MDS_QUERY": "1",
+    "TPU_ACCELERATOR_TYPE": "v5litepod-1",
+    "TPU_WORKER_HOSTNAMES": "localhost",
+    "TPU_WORKER_ID": "0",
+}
+_COPYING_OPS = ("convert", "copy", "copy-start", "fusion")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.-]+) \(")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\w+)\[([\d,]*)\]\S* ([\w-]+)\(")
+
+
+def tpu_target():
+    """A sharding on one chip of a TPU v5e topology (no device needed), or
+    exit with the pip command when `libtpu` is missing."""
+    if importlib.util.find_spec("libtpu") is None:
+        sys.exit(
+            "benchmarks.tpu_compile needs libtpu to compile for a TPU (no TPU "
+            f'is needed): pip install "jax[tpu]=={jax.__version__}"'
+        )
+    for name, value in _TPU_ENV.items():
+        os.environ.setdefault(name, value)
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    topology = topologies.get_topology_desc(
+        platform="tpu",
+        topology_name="v5e:1x1",
+        chips_per_host_bounds=(1, 1, 1),
+        num_slices=1,
+        wrap=(False, False, False),
+    )
+    return NamedSharding(Mesh(topology.devices, ("x",)), PartitionSpec())
+
+
+def stack_copies(hlo: str, params) -> list[str]:
+    """The instructions of `hlo` (outside fusions, whose insides read tiles of
+    their operands) that write a whole stacked leaf of `params` in another
+    dtype (a convert, or a fusion holding one) or copy it."""
+    stacks = {
+        (tuple(a.shape), _hlo_dtype(jnp.dtype(a.dtype).name))
+        for a in jax.tree.leaves(params)
+        if a.ndim >= 3
+    }
+    shapes = {shape for shape, _ in stacks}
+    fused = set(re.findall(r" fusion\(.*?calls=%([\w.-]+)", hlo))
+    found, inside = [], ""
+    for line in hlo.splitlines():
+        header = _COMPUTATION.match(line)
+        if header:
+            inside = header.group(1)
+        match = _INSTRUCTION.match(line)
+        if not match or inside in fused:
+            continue
+        name, dtype, dims, op = match.groups()
+        shape = tuple(int(d) for d in dims.split(",") if d)
+        if shape not in shapes or op not in _COPYING_OPS:
+            continue
+        if op == "fusion" and (shape, dtype) in stacks:
+            continue  # writes a result of that shape (a gradient), not a copy
+        found.append(f"{op} -> {dtype}[{dims}] ({name})")
+    return found
+
+
+def _hlo_dtype(name: str) -> str:
+    return {"float32": "f32", "bfloat16": "bf16", "int8": "s8", "uint8": "u8"}.get(
+        name, name
+    )
+
+
+def _is_shape(leaf: object) -> bool:
+    return isinstance(leaf, jax.ShapeDtypeStruct)
+
+
+def compiled_facts(fn, params, x, target) -> dict:
+    """Compile `fn(params, x)` for `target` from shapes alone."""
+    place = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=target)  # noqa: E731
+    lowered = jax.jit(fn).lower(jax.tree.map(place, params), place(x))
+    compiled = lowered.compile()
+    return {
+        "weights": sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params)),
+        "temp": compiled.memory_analysis().temp_size_in_bytes,
+        "copies": stack_copies(compiled.as_text(), params),
+    }
+
+
+def decode_step(fmt: str, step: str, batch: int, layers: int, dim: int, target):
+    """The decode step of `benchmarks/quantized.py`, compiled for `target`."""
+    model = eqx.filter_eval_shape(model_of, fmt, dim, layers)
+    options = STEPS[step]
+    model = eqx.tree_at(lambda m: m.blocks, model, model.blocks.with_options(**options))
+    params, static = eqx.partition(model, _is_shape)
+    x = jax.ShapeDtypeStruct((batch, dim), model.dtype)
+    return compiled_facts(lambda p, x: eqx.combine(p, static)(x), params, x, target)
+
+
+def train_step(dtype, remat, batch: int, layers: int, dim: int, target):
+    """`value_and_grad` of a StackedMLP's mean squared output, scanned."""
+    import eqxscan
+
+    model = eqx.filter_eval_shape(
+        lambda: eqxscan.StackedMLP(dim, layers, key=jax.random.key(0), dtype=dtype)
+    )
+    model = eqx.tree_at(
+        lambda m: m.blocks, model, model.blocks.with_options(mode="scan", remat=remat)
+    )
+    params, static = eqx.partition(model, _is_shape)
+
+    def loss(p, x):
+        out = eqx.combine(p, static)(x)
+        return jnp.mean(jnp.square(out.astype(jnp.float32)))
+
+    x = jax.ShapeDtypeStruct((batch, dim), dtype)
+    return compiled_facts(jax.value_and_grad(loss), params, x, target)
+
+
+def _row(label: str, facts: dict) -> str:
+    mib = 2.0**20
+    copies = "; ".join(facts["copies"]) or "none"
+    return (
+        f"{label:<28}{facts['weights'] / mib:>12.1f}{facts['temp'] / mib:>10.1f}"
+        f"  {copies}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--dim", type=int, default=2048)
+    parser.add_argument("--formats", nargs="+", default=list(FORMATS))
+    parser.add_argument("--tiny", action="store_true", help="float32 only, no train")
+    args = parser.parse_args()
+    target = tpu_target()
+    size = (args.batch, args.layers, args.dim)
+    print(
+        f"Deviceless compile for TPU v5e (jax {jax.__version__}), B={size[0]} "
+        f"L={size[1]} D={size[2]}: XLA's compiled memory, not a timing"
+    )
+    print(
+        f"{'step':<28}{'weights MiB':>12}{'temp MiB':>10}  whole-stack converts/copies"
+    )
+    for fmt in ["float32"] if args.tiny else args.formats:
+        for step in STEPS:
+            print(_row(f"decode {fmt} {step}", decode_step(fmt, step, *size, target)))
+    if args.tiny:
+        return
+    for dtype in (jnp.float32, jnp.bfloat16):
+        for remat in ("auto", False, True):
+            label = f"train {jnp.dtype(dtype).name} remat={remat}"
+            print(_row(label, train_step(dtype, remat, *size, target)))
+
+
+if __name__ == "__main__":
+    main()
