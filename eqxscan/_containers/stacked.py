@@ -21,6 +21,7 @@ from .._helpers.checks import (
     check_size,
     Checked,
     describe,
+    docs,
     is_array,
     misaligned,
     split_key,
@@ -333,7 +334,7 @@ class Stacked(Scanning, Generic[LayerT]):
             if leaf.ndim == 0
             else "Call and index a batch of stacks (e.g. an ensemble built "
             "with `eqx.filter_vmap`) inside `eqx.filter_vmap`: "
-            "`eqx.filter_vmap(lambda s: s[i])(stacks)` (see docs/idioms.md)."
+            f"`eqx.filter_vmap(lambda s: s[i])(stacks)` (see {docs('idioms.md')})."
         )
         raise ValueError(
             f"Cannot {what} this Stacked: it has {self.num_layers} layers, "

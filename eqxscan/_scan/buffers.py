@@ -22,7 +22,7 @@ import jax.tree_util as jtu
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, PyTree
 
-from .._helpers.checks import describe
+from .._helpers.checks import describe, docs
 from .._helpers.stateful import find_arg, get_arg
 from .index import Index, index
 from .remat import BUFFER_READ
@@ -135,7 +135,7 @@ def _check_lead(part: PyTree, n: int, i: int) -> None:
                 f"is {describe(a)}, but its first axis should be the group's {n} "
                 "layers (or repeats).\nFor batched buffers pick the sequence first: "
                 f"`jax.tree.map(lambda a: a[b], buffers).layer({i})` "
-                "(docs/decoding.md)."
+                f"({docs('decoding.md')})."
             )
 
 
@@ -173,7 +173,7 @@ def buffer(tree: PyTree, *, reads: Reads = "auto") -> Buffer:
         raise TypeError(
             f"eqxscan.buffer got a tree holding an {marked} marker; mark "
             "the arrays once.\nPass the stacked arrays themselves: "
-            "`eqxscan.buffer(cache)` (docs/decoding.md)."
+            f"`eqxscan.buffer(cache)` ({docs('decoding.md')})."
         )
     bad = [a for a in jtu.tree_leaves(tree) if not eqx.is_array(a)]
     if bad:
@@ -218,7 +218,7 @@ def find_buffer(args: tuple, kwargs: dict[str, object]) -> int | str | None:
             raise TypeError(
                 f"A call has an eqxscan.buffer inside {arg}; "
                 "pass the buffer as an argument of its own.\nEach layer then "
-                "gets its slice there (docs/decoding.md)."
+                f"gets its slice there ({docs('decoding.md')})."
             )
     return at
 
@@ -245,7 +245,7 @@ def check_buffer_axis(view: Buffer, length: int, who: str) -> None:
         raise TypeError(
             f"{who} got LayerBuffers, which lay out a Chain's buffers.\nFor a "
             "Stacked build them with eqxscan.layer_buffers(stack, make), or "
-            "stack each layer's buffer on a new leading axis (docs/decoding.md)."
+            f"stack each layer's buffer on a new leading axis ({docs('decoding.md')})."
         )
     p = len(view.prefix)
     for path, a in jtu.tree_leaves_with_path(view.tree):

@@ -18,6 +18,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
+from .._helpers.checks import docs
 from .._internal import (
     check_like,
     for_each,
@@ -45,7 +46,7 @@ from ._quantized import describe, Kind, Orientation, Quantized
 
 T = TypeVar("T")
 METADATA = "eqxscan.quant"
-_DOCS = "see docs/quantization.md#files"
+_DOCS = f"see {docs('quantization.md#files')}"
 _EXAMPLE = "eqxscan.quant.quantize, model, targets"
 
 
