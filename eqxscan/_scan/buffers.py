@@ -238,6 +238,19 @@ def refuse_buffer(args: tuple, kwargs: dict[str, object], who: str) -> None:
         )
 
 
+def check_keeps_writes(who: str, drops: bool) -> None:
+    """Raise if layers called with a buffer may be dropped (`drops`: drop-path or
+    LayerDrop on): a dropped layer would skip its write to the buffer."""
+    if drops:
+        who = who[0].upper() + who[1:]  # "layer 2 (Block)" starts the sentence
+        raise TypeError(
+            f"{who} is called with an eqxscan.buffer and with drop_path or "
+            "layer_drop, which would skip a dropped layer's write to the buffer."
+            "\nHint: decode in inference mode (`eqx.nn.inference_mode(model)`) "
+            "or without a key."
+        )
+
+
 def check_buffer_axis(view: Buffer, length: int, who: str) -> None:
     """Raise unless every leaf of `view`'s buffer has the layer axis (of
     `length`) after the axes its prefix fixes."""

@@ -29,7 +29,13 @@ from jaxtyping import Array, Bool, PyTree
 
 from .._helpers.checks import check_leading_axis, check_takes_key, describe
 from .._helpers.stateful import clone, replace_arg
-from .buffers import call_writing, find_buffer, PerLayer, view_of
+from .buffers import (
+    call_writing,
+    check_keeps_writes,
+    find_buffer,
+    PerLayer,
+    view_of,
+)
 from .drop_rates import DropInputs, dropping, runs_here
 from .index import (
     Index as Index,
@@ -329,12 +335,8 @@ def _run_writing(
 ) -> tuple[PyTree, PyTree]:
     # Layer `who` given its slice of the buffer at `at`; its new slice written
     # back (only the rows it wrote, when it wrote rows).
-    if one.drop is not None:
-        raise TypeError(
-            f"{who} is called with an eqxscan.buffer and with drop_path or "
-            "layer_drop, which cannot skip a layer's write.\nDecode in inference "
-            "mode (`eqx.nn.inference_mode(model)`) or without a key."
-        )
+    # A Chain's layer (a Stacked checks its whole call before the scan).
+    check_keeps_writes(who, one.drop is not None)
     view = view_of(one.args, one.kwargs, at)
 
     def fn(old: PyTree) -> tuple[tuple[PyTree, PyTree], PyTree]:
