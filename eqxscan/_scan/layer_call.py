@@ -349,7 +349,7 @@ def _run_writing(
             raise TypeError(
                 f"{who} is called with an eqxscan.buffer, so it must return "
                 f"(x, buffer) where it returns its carry, but it returned "
-                f"{describe(new)}.\nReturn the layer's new buffer slice beside x "
+                f"{describe(new)}.\nHint: return the layer's new buffer slice beside x "
                 "(unchanged if the layer does not write)."
             )
         return (new[0], y), new[1]
