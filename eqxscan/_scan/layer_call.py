@@ -29,13 +29,7 @@ from jaxtyping import Array, Bool, PyTree
 
 from .._helpers.checks import check_leading_axis, check_takes_key, describe
 from .._helpers.stateful import clone, replace_arg
-from .buffers import (
-    call_writing,
-    check_keeps_writes,
-    find_buffer,
-    PerLayer,
-    view_of,
-)
+from .buffers import call_writing, find_buffer, PerLayer, view_of
 from .drop_rates import DropInputs, dropping, runs_here
 from .index import (
     Index as Index,
@@ -335,8 +329,8 @@ def _run_writing(
 ) -> tuple[PyTree, PyTree]:
     # Layer `who` given its slice of the buffer at `at`; its new slice written
     # back (only the rows it wrote, when it wrote rows).
-    # A Chain's layer (a Stacked checks its whole call before the scan).
-    check_keeps_writes(who, one.drop is not None)
+    # Dropping with a buffer is refused at the call (check_keeps_writes).
+    assert one.drop is None, who
     view = view_of(one.args, one.kwargs, at)
 
     def fn(old: PyTree) -> tuple[tuple[PyTree, PyTree], PyTree]:
