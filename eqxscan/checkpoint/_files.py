@@ -14,8 +14,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import DTypeLike
 
-from .._helpers.checks import docs
-from .._internal import Lazy as Lazy, listed as listed
+from .._internal import docs, Lazy as Lazy, listed as listed
 
 
 try:

@@ -20,10 +20,10 @@ import jax
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from .._helpers.checks import docs
 from .._internal import (
     check_path,
     check_size,
+    docs,
     for_each,
     is_arraylike,
     key_name,

@@ -24,8 +24,7 @@ import numpy as np
 from jaxtyping import PyTree
 from numpy.typing import DTypeLike
 
-from .._helpers.checks import docs
-from .._internal import check_like, check_path, parse_bytes
+from .._internal import check_like, check_path, docs, parse_bytes
 from ._files import (
     CorruptFileError,
     digest,

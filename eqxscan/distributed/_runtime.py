@@ -22,8 +22,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .._helpers.checks import docs
-from .._internal import check_size, distributed_client, is_arraylike
+from .._internal import check_size, distributed_client, docs, is_arraylike
 
 
 DOCS = f"see {docs('multihost.md')}"

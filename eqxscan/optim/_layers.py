@@ -14,8 +14,7 @@ import optax
 from jax.core import Tracer
 from jaxtyping import PyTree
 
-from .._helpers.checks import docs
-from .._internal import Chain, check_index, Site, Stacked, stored_order, walk
+from .._internal import Chain, check_index, docs, Site, Stacked, stored_order, walk
 from ._arrays import is_array, is_stacked
 from ._layerwise import one_layer, outer_stacks
 

@@ -13,8 +13,7 @@ import jax.tree_util as jtu
 import optax
 from jaxtyping import PyTree
 
-from .._helpers.checks import docs
-from .._internal import is_placeholder, Stacked
+from .._internal import docs, is_placeholder, Stacked
 from ._arrays import is_array, is_stacked
 
 

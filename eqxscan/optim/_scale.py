@@ -10,8 +10,7 @@ import numpy as np
 import optax
 from jaxtyping import ArrayLike, PyTree
 
-from .._helpers.checks import docs
-from .._internal import check_callable, LayerNumbering, noted, pattern, Site, walk
+from .._internal import check_callable, docs, LayerNumbering, noted, pattern, Site, walk
 from ._arrays import is_array, layer_numbers
 from ._layerwise import one_layer
 

@@ -18,9 +18,9 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from .._helpers.checks import docs
 from .._internal import (
     check_like,
+    docs,
     for_each,
     give_back_freed,
     Held,

@@ -19,9 +19,9 @@ import jax
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from .._helpers.checks import docs
 from .._internal import (
     check_size,
+    docs,
     is_arraylike,
     parse_bytes,
     Remat,
