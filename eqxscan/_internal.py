@@ -50,6 +50,7 @@ from ._helpers.checks import (
     check_size as check_size,
     Checked as Checked,
     describe as describe,
+    docs as docs,
     first_difference as first_difference,
     is_arraylike as is_arraylike,
     listed as listed,

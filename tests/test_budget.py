@@ -189,7 +189,7 @@ def test_a_budget_nothing_fits_lists_every_candidate(mlp_problem, mlp_table):
     for c in mlp_table.candidates:
         if c.remat in ("auto", True):
             assert f"{c.label}: {c.device_bytes / 2**10:.1f} KiB" in message
-    assert "docs/remat.md" in message
+    assert "see https://eqxscan.readthedocs.io/en/latest/remat/." in message
 
 
 def test_time_steps_chooses_by_measured_time(mlp_problem):

@@ -439,13 +439,35 @@ def test_bad_input_errors():
         eqxscan.run_layers(stack, x, [0, 1], eqxscan.buffer(cache_of(4, (3,))), pos=0)
     with pytest.raises(TypeError, match="2 eqxscan.buffer arguments"):
         stack(x, eqxscan.buffer(cache_of(4, (3,))), eqxscan.buffer(cache_of(4, (3,))))
-    dropping = stacked(3, drop_path=0.5)
-    with pytest.raises(TypeError, match="drop"):
-        dropping(x, eqxscan.buffer(cache_of(4, (3,))), pos=0, key=jr.key(0))
+    # A dropped layer would skip its write: refused before the scan.
+    for rates in ({"drop_path": 0.5}, {"layer_drop": 0.5}):
+        with pytest.raises(
+            TypeError, match=DROPS.format("This Stacked of Attn layers")
+        ):
+            stacked(3, **rates)(
+                x, eqxscan.buffer(cache_of(4, (3,))), pos=0, key=jr.key(0)
+            )
+
+
+DROPS = (
+    "^{} is called with an eqxscan.buffer and with drop_path or "
+    "layer_drop, which would skip a dropped layer's write to the buffer.\n"
+    "Hint: decode in inference mode"
+)
 
 
 def test_chain_buffer_errors():
     layers = _chain_layers()
+    # Dropping refused at the call, whether a lone layer or a scanned group drops.
+    keys = jr.split(jr.key(1), 2)
+    for layers_ in (
+        [Lone(), Attn(key=keys[0])],
+        layers,
+    ):
+        dropping = eqxscan.Chain(layers_, drop_path=0.5)
+        buffers = eqxscan.buffer(eqxscan.layer_buffers(dropping, _make(4)))
+        with pytest.raises(TypeError, match=DROPS.format("This Chain")):
+            dropping(jnp.ones((1, D)), buffers, pos=0, key=jr.key(0))
     chain = eqxscan.Chain(layers)
     with pytest.raises(TypeError, match="layer_buffers"):
         chain(jnp.ones((1, D)), eqxscan.buffer(cache_of(4, (7,))), pos=0)

@@ -500,7 +500,8 @@ def test_error_inside_a_layer_names_the_layer():
         key=jr.key(0),
     )
     expected = {
-        "loop": "(raised by layer 0 (Dropping), run by eqxscan; see docs/debugging.md)",
+        "loop": "(raised by layer 0 (Dropping), run by eqxscan; see "
+        "https://eqxscan.readthedocs.io/en/latest/debugging/)",
         "scan": "(raised by the stacked layer Dropping (one body for all 3 layers)",
     }
     for mode, note in expected.items():

@@ -15,6 +15,7 @@ from .._helpers.checks import (
     check_option,
     check_takes_key,
     describe,
+    docs,
     split_key,
 )
 from .._helpers.stateful import clone
@@ -390,7 +391,7 @@ def _cell_step(
             "`jax.lax.scan` body or a Flax cell does, but a cell returns the new "
             "carry alone (`cell(x_t, h) -> h`); Recurrent stacks the carries as hs."
             "\nHint: return the carry; to keep more per step, make it part of the "
-            "carry (see docs/recurrent.md)."
+            f"carry (see {docs('recurrent.md')})."
         )
     return new
 

@@ -12,7 +12,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Int, PyTree
 
-from .._helpers.checks import check_option, check_size, describe, is_array
+from .._helpers.checks import check_option, check_size, describe, docs, is_array
 
 
 class RecurrentArgs(TypedDict, total=False):
@@ -65,7 +65,7 @@ def _static(name: str, value: object) -> object:
             f"{name} must be a Python {kind}, got an array {describe(value)}: it "
             "shapes the program, which is traced once for every value of an array."
             f"\nHint: pass {name}={kind}(...) of a concrete value (see "
-            "docs/recurrent.md#errors)."
+            f"{docs('recurrent.md#errors')})."
         )
     return value
 

@@ -22,6 +22,7 @@ from .._helpers.stateful import (
 )
 from .._scan.buffers import (
     check_buffer_axis,
+    check_keeps_writes,
     find_buffer,
     PerLayer,
     refuse_buffer,
@@ -109,12 +110,8 @@ def scan_layers(stack: Stack, x: PyTree, call: LayerCall) -> tuple[PyTree, PyTre
     view = None if at is None else view_of(call.args, call.kwargs, at)
     if view is not None:
         check_buffer_axis(view, length, f"This Stacked of {cls_name} layers")
-        if call.drop is not None or call.runs is not None:
-            raise TypeError(
-                "A Stacked called with an eqxscan.buffer cannot drop layers "
-                "(drop_path, layer_drop), which would skip their writes.\nDecode "
-                "in inference mode (`eqx.nn.inference_mode(model)`) or without a key."
-            )
+        drops = call.drop is not None or call.runs is not None
+        check_keeps_writes(f"This Stacked of {cls_name} layers", drops)
     runs, drop = call.runs, call.drop
     if runs is None and drop is not None and drop.uses[1] and not call.pattern_step:
         # LayerDrop left to the scan, which then runs only the layers that run.

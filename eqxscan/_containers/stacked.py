@@ -21,6 +21,7 @@ from .._helpers.checks import (
     check_size,
     Checked,
     describe,
+    docs,
     is_array,
     misaligned,
     split_key,
@@ -327,13 +328,12 @@ class Stacked(Scanning, Generic[LayerT]):
         path, leaf = bad
         # A scalar: a number field that `jax.jit` made an array.
         hint = (
-            "Under jax.jit (or jax.grad) a number field of a layer (e.g. "
-            "Dropout's p) becomes an array: use eqx.filter_jit (or "
-            "eqx.filter_grad), which keeps it as it is."
+            "Under jax.jit (or jax.grad) a layer's number field (e.g. Dropout's "
+            "p) becomes an array: use eqx.filter_jit (or eqx.filter_grad)."
             if leaf.ndim == 0
             else "Call and index a batch of stacks (e.g. an ensemble built "
             "with `eqx.filter_vmap`) inside `eqx.filter_vmap`: "
-            "`eqx.filter_vmap(lambda s: s[i])(stacks)` (see docs/idioms.md)."
+            f"`eqx.filter_vmap(lambda s: s[i])(stacks)` (see {docs('idioms.md')})."
         )
         raise ValueError(
             f"Cannot {what} this Stacked: it has {self.num_layers} layers, "

@@ -53,7 +53,21 @@ else:
 # raised by a user's layer points at the user's code.
 traceback_util.register_exclusion(os.path.dirname(__file__))
 
-DEBUGGING_DOCS = "see docs/debugging.md"
+# The documentation site: messages link to its pages, which a user of the
+# installed package can read (mkdocs.yml's `site_url` is the same).
+DOCS_URL = "https://eqxscan.readthedocs.io/en/latest/"
+
+
+def docs(page: str) -> str:
+    """The site's URL of `page` ("debugging.md#anchor"), as mkdocs serves it:
+    `x.md` at `x/`, `index.md` at the root."""
+    path, _, anchor = page.partition("#")
+    path = path.removesuffix(".md")
+    path = "" if path == "index" else path.removesuffix("/index") + "/"
+    return DOCS_URL + path + (f"#{anchor}" if anchor else "")
+
+
+DEBUGGING_DOCS = f"see {docs('debugging.md')}"
 
 
 def noted(fn: Callable[P, R], where: str, *args: P.args, **kwargs: P.kwargs) -> R:

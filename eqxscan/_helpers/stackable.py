@@ -24,7 +24,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from .checks import describe, first_difference, same_leaf
+from .checks import describe, docs, first_difference, same_leaf
 
 
 Verdict = Literal["same", "different", "unknown"]
@@ -230,7 +230,7 @@ def check_state_order(layers: PyTree, index: slice, length: int, who: str) -> No
             "eqx.nn.StateIndex): it reverses them, but their eqx.nn.State keeps "
             f"the {who}'s order, so each layer would read another's state.\nHint: "
             "run them backwards with `model(x, state, reverse=True)`, each with "
-            "its own state (see docs/idioms.md)."
+            f"its own state (see {docs('idioms.md')})."
         )
 
 
@@ -251,5 +251,5 @@ def check_state_indices(current: PyTree, layer: PyTree, what: str) -> None:
                 "stack's, so its state is not in the model's eqx.nn.State.\nHint: "
                 "build the new layer from the old, e.g. `eqx.tree_at(lambda l: "
                 "l.linear, stack[i], linear)`, which keeps its state (see "
-                "docs/idioms.md)."
+                f"{docs('idioms.md')})."
             )

@@ -10,7 +10,7 @@ import equinox as eqx
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from .checks import describe
+from .checks import describe, docs
 
 
 T = TypeVar("T")
@@ -66,7 +66,7 @@ def layer_state(
                     f"axis of length {length} must come first.\nHint: make the "
                     "model and its state together with `eqx.nn.make_with_state`; "
                     "a slice of a stack, or one of its layers, takes the matching "
-                    "slice of its state (see docs/idioms.md)."
+                    f"slice of its state (see {docs('idioms.md')})."
                 )
     return sub
 

@@ -22,7 +22,7 @@ import jax.tree_util as jtu
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, PyTree
 
-from .._helpers.checks import describe
+from .._helpers.checks import describe, docs
 from .._helpers.stateful import find_arg, get_arg
 from .index import Index, index
 from .remat import BUFFER_READ
@@ -133,9 +133,9 @@ def _check_lead(part: PyTree, n: int, i: int) -> None:
             raise ValueError(
                 f"LayerBuffers.layer({i}): leaf `{jtu.keystr(path)}` of its group "
                 f"is {describe(a)}, but its first axis should be the group's {n} "
-                "layers (or repeats).\nFor batched buffers pick the sequence first: "
-                f"`jax.tree.map(lambda a: a[b], buffers).layer({i})` "
-                "(docs/decoding.md)."
+                "layers (or repeats).\nHint: for batched buffers pick the "
+                f"sequence first: `jax.tree.map(lambda a: a[b], buffers).layer({i})` "
+                f"({docs('decoding.md')})."
             )
 
 
@@ -172,14 +172,14 @@ def buffer(tree: PyTree, *, reads: Reads = "auto") -> Buffer:
     if marked is not None:
         raise TypeError(
             f"eqxscan.buffer got a tree holding an {marked} marker; mark "
-            "the arrays once.\nPass the stacked arrays themselves: "
-            "`eqxscan.buffer(cache)` (docs/decoding.md)."
+            "the arrays once.\nHint: pass the stacked arrays themselves: "
+            f"`eqxscan.buffer(cache)` ({docs('decoding.md')})."
         )
     bad = [a for a in jtu.tree_leaves(tree) if not eqx.is_array(a)]
     if bad:
         raise TypeError(
             f"eqxscan.buffer takes a pytree of arrays, but it holds {describe(bad[0])}."
-            "\nPass the arrays a layer updates; broadcast anything else."
+            "\nHint: pass the arrays a layer updates; broadcast anything else."
         )
     if reads not in ("auto", "view", "copy"):
         raise ValueError(
@@ -216,9 +216,9 @@ def find_buffer(args: tuple, kwargs: dict[str, object]) -> int | str | None:
                 else repr(where)
             )
             raise TypeError(
-                f"A call has an eqxscan.buffer inside {arg}; "
-                "pass the buffer as an argument of its own.\nEach layer then "
-                "gets its slice there (docs/decoding.md)."
+                f"A call has an eqxscan.buffer inside {arg}.\nHint: pass the "
+                "buffer as an argument of its own; each layer gets its slice "
+                f"there ({docs('decoding.md')})."
             )
     return at
 
@@ -238,14 +238,27 @@ def refuse_buffer(args: tuple, kwargs: dict[str, object], who: str) -> None:
         )
 
 
+def check_keeps_writes(who: str, drops: bool) -> None:
+    """Raise if layers called with a buffer may be dropped (`drops`: drop-path or
+    LayerDrop on): a dropped layer would skip its write to the buffer."""
+    if drops:
+        who = who[0].upper() + who[1:]  # "layer 2 (Block)" starts the sentence
+        raise TypeError(
+            f"{who} is called with an eqxscan.buffer and with drop_path or "
+            "layer_drop, which would skip a dropped layer's write to the buffer."
+            "\nHint: decode in inference mode (`eqx.nn.inference_mode(model)`) "
+            "or without a key."
+        )
+
+
 def check_buffer_axis(view: Buffer, length: int, who: str) -> None:
     """Raise unless every leaf of `view`'s buffer has the layer axis (of
     `length`) after the axes its prefix fixes."""
     if isinstance(view.tree, LayerBuffers):
         raise TypeError(
-            f"{who} got LayerBuffers, which lay out a Chain's buffers.\nFor a "
-            "Stacked build them with eqxscan.layer_buffers(stack, make), or "
-            "stack each layer's buffer on a new leading axis (docs/decoding.md)."
+            f"{who} got LayerBuffers, which lay out a Chain's buffers.\nHint: "
+            "for a Stacked, build them with eqxscan.layer_buffers(stack, make), or "
+            f"stack each layer's buffer on a new leading axis ({docs('decoding.md')})."
         )
     p = len(view.prefix)
     for path, a in jtu.tree_leaves_with_path(view.tree):
@@ -254,8 +267,8 @@ def check_buffer_axis(view: Buffer, length: int, who: str) -> None:
                 f"{who} has {length} layers, but buffer leaf "
                 f"`buffer{jtu.keystr(path)}` is {describe(a)}: its "
                 f"{'first' if p == 0 else f'axis {p}'} axis is not the layer "
-                f"axis.\nStack each layer's buffer on a new leading axis, or "
-                "build it with eqxscan.layer_buffers."
+                f"axis.\nHint: stack each layer's buffer on a new leading axis, "
+                "or build it with eqxscan.layer_buffers."
             )
 
 
@@ -377,13 +390,13 @@ def _check_same(old: PyTree, new: PyTree, who: str) -> None:
     if old_def != new_def and (old_leaves or new_leaves):
         raise TypeError(
             f"{who} returned a buffer of another structure: it received "
-            f"{old_def} and returned {new_def}.\nReturn "
+            f"{old_def} and returned {new_def}.\nHint: return "
             "(x, buffer) with the buffer laid out as the layer received it."
         )
     for (path, a), b in zip(old_leaves, new_leaves):
         if not eqx.is_array(b) or a.shape != b.shape or a.dtype != b.dtype:
             raise TypeError(
                 f"{who} returned buffer leaf `buffer{jtu.keystr(path)}` as "
-                f"{describe(b)}, but received it as {describe(a)}.\nA layer's "
-                "buffer keeps its shape and dtype (cast before writing)."
+                f"{describe(b)}, but received it as {describe(a)}.\nHint: a "
+                "layer's buffer keeps its shape and dtype (cast before writing)."
             )

@@ -24,7 +24,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, Bool, Float, Key, PRNGKeyArray, PyTree, UInt32
 
-from .._helpers.checks import Checked, describe
+from .._helpers.checks import Checked, describe, docs
 from .layer_index import current_step, layer_index
 from .skip import same_types, skip_layer
 
@@ -309,7 +309,7 @@ def carry_examples(carry_dyn: PyTree) -> int | None:
         "leaves, so every array leaf needs at least two axes and the same "
         f"leading one ([B, ...]), but the carry's arrays are {shapes}.\nHint: "
         "give a per-example value a trailing axis ([B, 1]), or eqx.filter_vmap "
-        "over the batch with one key per example; see docs/depth.md."
+        f"over the batch with one key per example; see {docs('depth.md')}."
     )
 
 
@@ -377,7 +377,7 @@ def _undroppable(new: PyTree, drop: DropInputs, name: str, why: str) -> PyTree:
         f"{name} is above 0 for {layer}, which changes the carry (e.g. a "
         f"Chain's input projection), so it {why}.\nHint: give that layer rate "
         f"0, e.g. `{name}=[0.0] + [0.1] * (L - 1)` for the first; see "
-        "docs/depth.md."
+        f"{docs('depth.md')}."
     )
     rates = drop.static_rates[name == "layer_drop"]
     if current_step() is None and isinstance(index, int) and index < len(rates):

@@ -329,12 +329,8 @@ def _run_writing(
 ) -> tuple[PyTree, PyTree]:
     # Layer `who` given its slice of the buffer at `at`; its new slice written
     # back (only the rows it wrote, when it wrote rows).
-    if one.drop is not None:
-        raise TypeError(
-            f"{who} is called with an eqxscan.buffer and with drop_path or "
-            "layer_drop, which cannot skip a layer's write.\nDecode in inference "
-            "mode (`eqx.nn.inference_mode(model)`) or without a key."
-        )
+    # Dropping with a buffer is refused at the call (check_keeps_writes).
+    assert one.drop is None, who
     view = view_of(one.args, one.kwargs, at)
 
     def fn(old: PyTree) -> tuple[tuple[PyTree, PyTree], PyTree]:
@@ -347,7 +343,7 @@ def _run_writing(
             raise TypeError(
                 f"{who} is called with an eqxscan.buffer, so it must return "
                 f"(x, buffer) where it returns its carry, but it returned "
-                f"{describe(new)}.\nReturn the layer's new buffer slice beside x "
+                f"{describe(new)}.\nHint: return the layer's new buffer slice beside x "
                 "(unchanged if the layer does not write)."
             )
         return (new[0], y), new[1]

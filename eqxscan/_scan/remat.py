@@ -76,7 +76,7 @@ def check_policy(name: str, policy: Callable[..., object]) -> None:
             f"{checks.describe(answer)}, not a bool, Recompute, Saveable or "
             "Offloadable.\nHint: a policy answers True (save) or False (recompute); "
             "call a factory first, e.g. jax.checkpoint_policies."
-            "save_only_these_names('name'). See docs/remat.md."
+            f"save_only_these_names('name'). See {checks.docs('remat.md')}."
         )
 
 
@@ -222,7 +222,7 @@ class ScanRemat:
                     f"in all, but the scan has {length}; the lengths' product must "
                     "equal the number of layers (or time steps).\nHint: each "
                     "scanned group of a Chain has its own length; a block count, "
-                    "ScanRemat(nested=k), fits any. See docs/remat.md."
+                    f"ScanRemat(nested=k), fits any. See {checks.docs('remat.md')}."
                 )
             return nested[:-1]
         return (min(nested, length),)

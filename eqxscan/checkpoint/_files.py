@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import DTypeLike
 
-from .._internal import Lazy as Lazy, listed as listed
+from .._internal import docs, Lazy as Lazy, listed as listed
 
 
 try:
@@ -23,7 +23,7 @@ except ImportError:  # pragma: no cover - not POSIX: stale files are not collect
     fcntl = None
 
 
-DOCS = "see docs/checkpoints.md"
+DOCS = f"see {docs('checkpoints.md')}"
 # A temporary file's name: the prefix, 8 characters of this alphabet, ".tmp".
 _ALPHABET = string.ascii_lowercase + string.digits + "_"
 _TOKEN = r"[a-z0-9_]{8}\.tmp"

@@ -23,6 +23,7 @@ from jaxtyping import PyTree
 from .._internal import (
     check_path,
     check_size,
+    docs,
     for_each,
     is_arraylike,
     key_name,
@@ -35,7 +36,7 @@ from ..sharding import MIN_SIZE, model_shardings, opt_state_shardings, shard
 from ._files import flatten, listed
 
 
-DOCS = "see docs/multihost.md"
+DOCS = f"see {docs('multihost.md')}"
 _M = TypeVar("_M")
 _S = TypeVar("_S")
 _LAYER = "*"
@@ -127,7 +128,7 @@ def _check_orders(where: str, saved: dict[str, Any], trees: dict[str, Any]) -> N
             f"{where} holds layers in another order than the model to restore: "
             f"{listed(wrong)}.\nHint: restore into a model (and optimizer "
             "state) in the saved order, made with sharding.pipeline_order (or "
-            "inverse=True), then permute it as needed; see docs/sharding.md."
+            f"inverse=True), then permute it as needed; see {docs('sharding.md')}."
         )
 
 

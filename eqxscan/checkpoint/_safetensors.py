@@ -24,7 +24,7 @@ import numpy as np
 from jaxtyping import PyTree
 from numpy.typing import DTypeLike
 
-from .._internal import check_like, check_path, parse_bytes
+from .._internal import check_like, check_path, docs, parse_bytes
 from ._files import (
     CorruptFileError,
     digest,
@@ -350,7 +350,7 @@ def _check_format(files: _Files, names: NameMap) -> None:
             "may hold matrices transposed, and a square one would load "
             "transposed without another error.\nHint: load it with a name map "
             f"for {other[0]!r} (NameMap(..., format={other[0]!r}), with that "
-            "layout's Transpose rules); see docs/pretrained.md."
+            f"layout's Transpose rules); see {docs('pretrained.md')}."
         )
 
 
@@ -550,7 +550,7 @@ def load_safetensors(
             rest = rest or [
                 "Hint: build like with the saved model's configuration (depth, "
                 "sizes, dtypes); a file of another convention's names loads "
-                "through names=NameMap(...), see docs/pretrained.md."
+                f"through names=NameMap(...), see {docs('pretrained.md')}."
             ]
             raise ValueError(
                 "\n".join([f"{opened.where!r} does not fit the model: {first}", *rest])

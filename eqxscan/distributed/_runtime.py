@@ -22,10 +22,10 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .._internal import check_size, distributed_client, is_arraylike
+from .._internal import check_size, distributed_client, docs, is_arraylike
 
 
-DOCS = "see docs/multihost.md"
+DOCS = f"see {docs('multihost.md')}"
 _ALIVE = "eqxscan/alive/{}"  # the key of process i's heartbeat
 
 

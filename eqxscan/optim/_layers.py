@@ -14,7 +14,7 @@ import optax
 from jax.core import Tracer
 from jaxtyping import PyTree
 
-from .._internal import Chain, check_index, Site, Stacked, stored_order, walk
+from .._internal import Chain, check_index, docs, Site, Stacked, stored_order, walk
 from ._arrays import is_array, is_stacked
 from ._layerwise import one_layer, outer_stacks
 
@@ -161,7 +161,7 @@ def freeze_layers(
                 "freeze_layers runs inside eqxscan.optim.layerwise, which gives "
                 f"it one layer of the Stacked at `{inside}` at a time: it has no "
                 "layers to pick.\nHint: wrap it around, "
-                "`freeze_layers(layerwise(tx), ...)`; see docs/optimisers.md."
+                f"`freeze_layers(layerwise(tx), ...)`; see {docs('optimisers.md')}."
             )
         updates, state = inner.update(freeze(updates, 0.0), state, params)
         # `p + (-0.0)` is `p` bit for bit, signed zeros included (`+0.0` is not).

@@ -13,7 +13,7 @@ import jax.tree_util as jtu
 import optax
 from jaxtyping import PyTree
 
-from .._internal import is_placeholder, Stacked
+from .._internal import docs, is_placeholder, Stacked
 from ._arrays import is_array, is_stacked
 
 
@@ -152,7 +152,7 @@ def _init(tx: optax.GradientTransformationExtraArgs, params: PyTree) -> Layerwis
                 "layerwise, masks and labels are given one layer's parameters: "
                 "pass them as functions (`mask=lambda p: ...`), or put "
                 "optax.masked / optax.multi_transform outside layerwise; see "
-                "docs/optimisers.md."
+                f"{docs('optimisers.md')}."
             ) from e
         states.append(_embed(state, params, j, stack.layers))
     return LayerwiseState(tx.init(_outside(params)), tuple(states))

@@ -10,7 +10,7 @@ import numpy as np
 import optax
 from jaxtyping import ArrayLike, PyTree
 
-from .._internal import check_callable, LayerNumbering, noted, pattern, Site, walk
+from .._internal import check_callable, docs, LayerNumbering, noted, pattern, Site, walk
 from ._arrays import is_array, layer_numbers
 from ._layerwise import one_layer
 
@@ -33,7 +33,7 @@ def _scalar(fn: Callable[[int], ArrayLike], index: int, where: str) -> ArrayLike
                 f"layerwise_scale: fn({index}) returned {factor} for layer "
                 f"{index} (at `{where}`), but a layer's factor must be finite "
                 "and at least 0.\nHint: 0 stops a layer's updates; see "
-                "docs/optimisers_layerwise.md."
+                f"{docs('optimisers_layerwise.md')}."
             )
     if not ok:
         shape = None if array is None else array.shape
@@ -94,7 +94,7 @@ def layerwise_scale(
                 f"it one layer of the Stacked at `{inside}` at a time, without the "
                 "layer's index: every layer would get the factor `unstacked`.\n"
                 "Hint: chain it outside, `optax.chain(layerwise(tx), "
-                "layerwise_scale(fn))`; see docs/optimisers_layerwise.md."
+                f"layerwise_scale(fn))`; see {docs('optimisers_layerwise.md')}."
             )
         # One call of fn per layer and trace, whatever the number of arrays.
         called: dict[int, ArrayLike] = {}

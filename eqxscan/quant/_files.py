@@ -20,6 +20,7 @@ from jaxtyping import PyTree
 
 from .._internal import (
     check_like,
+    docs,
     for_each,
     give_back_freed,
     Held,
@@ -45,7 +46,7 @@ from ._quantized import describe, Kind, Orientation, Quantized
 
 T = TypeVar("T")
 METADATA = "eqxscan.quant"
-_DOCS = "see docs/quantization.md#files"
+_DOCS = f"see {docs('quantization.md#files')}"
 _EXAMPLE = "eqxscan.quant.quantize, model, targets"
 
 

@@ -21,6 +21,7 @@ from jaxtyping import PyTree
 
 from .._internal import (
     check_size,
+    docs,
     is_arraylike,
     parse_bytes,
     Remat,
@@ -150,7 +151,7 @@ def choose(
             f"fit_remat: no remat setting fits the budget of {_size(budget)} "
             f"({budget} bytes). Temp + argument + output bytes per candidate: "
             f"{listed}.\nHint: raise the budget, shrink the batch, or shard the "
-            "model; see docs/remat.md."
+            f"model; see {docs('remat.md')}."
         )
     if measured:
         timed = [c for c in fitting if c.measured_s is not None]
@@ -306,7 +307,7 @@ def _check_table(
         raise ValueError(
             f"fit_remat: {type(model).__name__} holds no eqxscan.Stacked, Chain or "
             "Recurrent, so there is no remat setting to choose.\nHint: see "
-            "docs/remat.md."
+            f"{docs('remat.md')}."
         )
     if not candidates:
         raise ValueError("fit_remat: candidates is empty.")

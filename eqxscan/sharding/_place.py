@@ -10,7 +10,7 @@ import jax.tree_util as jtu
 from jax.core import Tracer
 from jax.sharding import Mesh
 
-from .._internal import align, constrain, Device, is_arraylike, is_none
+from .._internal import align, constrain, Device, docs, is_arraylike, is_none
 
 
 def default_devices() -> list[Device]:
@@ -73,7 +73,7 @@ def place_batch(batch: Any, mesh: Mesh, shardings_for: Callable[[Any], Any]) -> 
                 f"{jax.process_index()}, whose devices hold {here} of the "
                 f"batch's {total} blocks.\nHint: give each process a multiple "
                 f"of {here} rows, its own rows rather than the global batch; see "
-                "docs/multihost.md."
+                f"{docs('multihost.md')}."
             )
         rows = x.shape[0] // here * total
         return jax.ShapeDtypeStruct((rows,) + tuple(x.shape[1:]), x.dtype)

@@ -11,7 +11,7 @@ from ..._helpers.checks import check_bool, check_index, Checked, describe, split
 from ..._helpers.constrain import is_none
 from ..._helpers.stackable import check_state_order
 from ..._helpers.stateful import find_state, replace_arg
-from ..._scan.buffers import find_buffer, LayerBuffers, view_of
+from ..._scan.buffers import check_keeps_writes, find_buffer, LayerBuffers, view_of
 from ..._scan.drop_rates import DropRates, new_drop_rates, Rates, rates_of, with_mode_of
 from ..._scan.eager_compile import compiled_when_eager
 from ..._scan.layer_call import carry_only, check_per_layer, LayerCall, Method, pairs
@@ -320,6 +320,9 @@ class Chain(Scanning):
         # Drop inputs are per layer (global layer indices), routed to the groups
         # with everything else per layer.
         call = dropping_call(self.drop_rates, call, key, "Chain")
+        if tree is not None:
+            drops = call.drop is not None or call.runs is not None
+            check_keeps_writes("This Chain", drops)
         out, ys = run_groups(self.groups, self.layout, x, call, "Chain")
         if tree is not None:
             out = (out[0], LayerBuffers(out[1], tree.layout))
