@@ -4,7 +4,10 @@ use; `tests/test_layout.py` fails on any other import of a core private module.
 A name here is kept stable for the subpackages, not for users."""
 
 from ._containers.chain.chain import Chain as Chain
-from ._containers.linear_cells import DiagonalLinearCell as DiagonalLinearCell
+from ._containers.linear_cells import (
+    DiagonalLinearCell as DiagonalLinearCell,
+    MatrixLinearCell as MatrixLinearCell,
+)
 from ._containers.stack_calls import scan_layers as scan_layers
 from ._containers.stacked import (
     LayerNumbering as LayerNumbering,

@@ -10,8 +10,7 @@ import jax.random as jr
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .._containers.linear_cells import MatrixLinearCell
-from .._internal import check_size, describe
+from .._internal import check_size, describe, MatrixLinearCell
 from ._mlp import check_float_dtype
 
 
