@@ -5,7 +5,6 @@ and bfloat16, decays near 0 and 1 over long sequences), the cells `LRU` and
 truncation, h0, keys, cell arguments, vmap, jit) in the parallel forms against
 the sequential one, finite differences, and the errors."""
 
-
 import jax
 import jax.numpy as jnp
 import jax.random as jr
