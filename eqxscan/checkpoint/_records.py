@@ -26,6 +26,9 @@ def _records_something(x: object) -> bool:
 
 
 def _found(model: PyTree) -> dict[str, list[tuple[MatmulOnly, dict]]]:
+    leaves = jtu.tree_leaves(model, is_leaf=_records_something)
+    if not any(_records_something(x) for x in leaves):
+        return {}  # nothing to record: no walk, which names (and cuts) every layer
     held = jtu.tree_map(
         lambda x: _Recorded(x) if _records_something(x) else x,
         model,
