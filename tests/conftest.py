@@ -39,7 +39,7 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 # One compilation cache for the run: tests (and the processes they start) that
-# build the same program compile it once (a third less time for test_stacked.py).
+# build the same slow program compile it once.
 # A fresh directory each run; EQXSCAN_TEST_CACHE=0 turns it off, and
 # EQXSCAN_TEST_CACHE=worker gives each pytest-xdist worker its own (jax 0.9's
 # cache is not safe for two processes writing one directory).
@@ -55,12 +55,14 @@ if _CACHE_MODE in ("1", "worker"):
         _cache = os.path.join(os.environ["JAX_COMPILATION_CACHE_DIR"], _worker)
         os.makedirs(_cache, exist_ok=True)
         os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    # Only compiles of 0.25 s or more are written: every write serialises an
+    # XLA:CPU executable, and one such write in thousands segfaulted a worker.
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.25")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
     jax.config.update(
         "jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"]
     )
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.25)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
