@@ -117,12 +117,6 @@ def test_fsdp_on_eight_devices():
 @pytest.mark.skipif(
     not os.path.exists("/proc/self/clear_refs"), reason="reads /proc/self (Linux)"
 )
-@pytest.mark.xfail(
-    reason="host_empty and give_back_freed are plain NumPy memory and a no-op "
-    "for now (a worker crash in XLA:CPU followed the mapped pages); the bound "
-    "holds with them",
-    strict=False,
-)
 def test_quantize_file_peak_rss_is_one_quantized_model_and_two_float_layers(
     tmp_path,
 ):

@@ -4,6 +4,7 @@ and `placed_like`, a host array put where a model's array is."""
 
 import ctypes
 import functools
+import math
 import mmap
 from collections.abc import Callable
 
@@ -39,10 +40,12 @@ def host_empty(shape: tuple[int, ...], dtype: DTypeLike) -> np.ndarray:
     go back to the system. From `malloc`, glibc takes a freed large block for a
     reason to keep the next ones on its heap, where layers read one after
     another stay resident long after they are freed."""
-    # An anonymous mapping per array (pages of its own, which JAX's CPU client
-    # then aliased) was followed by a worker crashing in XLA:CPU later in the
-    # same process: plain NumPy memory until that is understood.
-    return np.empty(shape, np.dtype(dtype))
+    dtype = np.dtype(dtype)
+    size = math.prod(shape) * dtype.itemsize
+    if size < _MAPPED:
+        return np.empty(shape, dtype)
+    private = {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS} if _POSIX else {}
+    return np.frombuffer(mmap.mmap(-1, size, **private), dtype).reshape(shape)
 
 
 @functools.cache
@@ -57,8 +60,9 @@ def give_back_freed() -> None:
     """Hand the memory freed on the heap back to the system, where the C library
     can (glibc's `malloc_trim`): XLA's buffers for a layer, freed, are
     otherwise kept, and a loop over large layers keeps a little more of each."""
-    # Not called for now: see `host_empty`.
-    return None
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def placed_like(like: object, value: np.ndarray | jax.Array) -> jax.Array | np.ndarray:
