@@ -4,7 +4,7 @@ machine's CPU, and the script prints XLA's temporaries (`memory_analysis()`)
 and whether the program holds the kernel (a Mosaic custom call).
 
     pip install "jax[tpu]==<the installed jax version>"   # libtpu, no chip needed
-    python benchmarks/quant_kernel_compile.py
+    python -m benchmarks.quant_kernel_compile
 
 Products `x @ q` (`kernel="pallas"`) for B = 8 rows by `[2048, 8192]` and
 `[8192, 2048]` weights and 512 rows by the first (int8, int4 in groups of 128,
@@ -14,51 +14,19 @@ beside the same step on the XLA path. Nothing is run, so nothing is timed.
 """
 
 import itertools
-import os
-import sys
 
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
 
-# A deviceless TPU client: no metadata server, one v5e chip described.
-for _name, _value in {
-    "TPU_SKIP_MDS_QUERY": "1",
-    "TPU_ACCELERATOR_TYPE": "v5litepod-1",
-    "TPU_WORKER_HOSTNAMES": "localhost",
-    "TPU_WORKER_ID": "0",
-}.items():
-    os.environ.setdefault(_name, _value)
-
-import equinox as eqx  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
-
-import eqxscan  # noqa: E402
-from eqxscan import quant  # noqa: E402
+import eqxscan
+from benchmarks.tpu_compile import tpu_target
+from eqxscan import quant
 
 
 B, L, D = 8, 16, 2048
 KINDS = ("int8", "int4", "fp8")
-
-
-def tpu_sharding() -> NamedSharding:
-    """A sharding on one chip of a described (deviceless) TPU v5e."""
-    try:
-        import libtpu  # noqa: F401
-    except ImportError:
-        sys.exit(
-            "libtpu is not installed: it compiles for a TPU, with or without "
-            f'one.\nHint: pip install "jax[tpu]=={jax.__version__}"'
-        )
-    from jax.experimental import topologies
-
-    topology = topologies.get_topology_desc(
-        platform="tpu",
-        topology_name="v5e:1x1",
-        chips_per_host_bounds=(1, 1, 1),
-        num_slices=1,
-        wrap=(False, False, False),
-    )
-    return NamedSharding(Mesh(topology.devices, ("x",)), PartitionSpec())
 
 
 def compiled(fn, args, sharding: NamedSharding) -> tuple[float, bool]:
@@ -124,7 +92,7 @@ def decode_steps(sharding: NamedSharding) -> None:
 
 
 def main() -> None:
-    sharding = tpu_sharding()
+    sharding = tpu_target()
     print(f"jax {jax.__version__}, compiled for {sharding.mesh.devices.flat[0]}\n")
     products(sharding)
     decode_steps(sharding)
