@@ -363,7 +363,7 @@ def _agreement(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _measure_all(args: argparse.Namespace, results: dict[str, Any]) -> None:
-    """Every compile and every depth's timed steps, each in a fresh worker; what
+    """Every compile and every depth's timed steps, in fresh workers; what
     does not fit is recorded in `results["does_not_fit"]`, what fails otherwise
     in `results["errors"]`."""
     from tqdm import tqdm
@@ -388,13 +388,31 @@ def _measure_all(args: argparse.Namespace, results: dict[str, Any]) -> None:
             return None
 
     total = len(args.layers) * (len(args.impls) + args.repeats)
+    # On an accelerator all of a depth's compiles share a worker: opening the
+    # device takes seconds a process (10 to 15 on a TPU v5e). On a CPU each
+    # compile has a process of its own, and its peak RSS is reported.
+    shared = results["machine"]["backend"] != "cpu"
     shape = dict(dim=args.dim, batch=args.batch, seq=args.seq)
     with tqdm(total=total, desc="benchmarks.bench", file=sys.stderr) as bar:
         for layers in args.layers:
             common = dict(
                 num_layers=layers, **shape, dtype=args.dtype, model=args.model
             )
-            for name in args.impls:
+            if shared:
+                bar.set_postfix_str(f"compile L={layers}")
+                spec = {"task": "compiles", "impls": args.impls, **common}
+                spec |= {"compile_repeats": args.compile_repeats}
+                spec |= {"loop_compile_repeats": args.loop_compile_repeats}
+                found = run(spec, on_progress=bar.update)
+                if found is not None and "rows" not in found:
+                    for name in args.impls:
+                        too_big(name, layers, "compile", found["does_not_fit"])
+                elif found is not None:
+                    results["compile"].extend(found["rows"])
+                    for name, error in found["does_not_fit"].items():
+                        too_big(name, layers, "compile", error)
+                save()
+            for name in [] if shared else args.impls:
                 bar.set_postfix_str(f"compile {name} L={layers}")
                 repeats = args.compile_repeats
                 if name == LOOP and args.loop_compile_repeats is not None:

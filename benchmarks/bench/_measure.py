@@ -26,6 +26,7 @@ from eqxscan.remat import explain_auto, time_interleaved
 
 from ._impls import Built, Impl, IMPLS, LOOP, MismatchError, rel_err, TOLERANCES
 from ._transformer import IMPLS as TRANSFORMER_IMPLS, transformer_problem
+from ._values import Normals
 
 
 #: What remat="auto" calls the matmul-saving policy.
@@ -49,26 +50,24 @@ def mlp_problem(
 ) -> tuple[StackedMLP, Array, Array]:
     """The model and one batch `(x, y)`, identical for every implementation."""
     dt = DTYPES[dtype]
-    # The layout comes from `StackedMLP` itself (traced, not run); the values from
-    # NumPy, which is much faster than compiling JAX's initialisers at every size.
+    # The layout comes from `StackedMLP` itself (traced, not run); the values are
+    # drawn on the device (see `Normals`).
     shapes = eqx.filter_eval_shape(
         StackedMLP, dim, num_layers, key=jax.random.key(0), dtype=dt
     )
-    rng = np.random.default_rng(seed)
+    normals = Normals(seed)
 
     def init(leaf: object) -> object:
         if not isinstance(leaf, jax.ShapeDtypeStruct):
             return leaf
         # Fan-in scaling for the weights, ones for the norm scales.
         if len(leaf.shape) == 3:
-            values = rng.standard_normal(leaf.shape) / np.sqrt(leaf.shape[1])
-        else:
-            values = np.ones(leaf.shape)
-        return jnp.asarray(values, dt)
+            return normals(leaf.shape, dt, scale=1 / np.sqrt(leaf.shape[1]))
+        return jnp.ones(leaf.shape, dt)
 
     model = jax.tree.map(init, shapes)
-    x = jnp.asarray(rng.standard_normal((batch, seq, dim)), dt)
-    y = jnp.asarray(rng.standard_normal((batch, seq, dim)), dt)
+    x = normals((batch, seq, dim), dt)
+    y = normals((batch, seq, dim), dt)
     return model, x, y
 
 
@@ -283,6 +282,41 @@ def measure_compile(
         "output_bytes": None if mem is None else int(mem.output_size_in_bytes),
         "peak_rss_bytes": _peak_rss(),
     }
+
+
+def measure_compiles(
+    names: Sequence[str],
+    *,
+    compile_repeats: int = 1,
+    loop_compile_repeats: int | None = None,
+    on_compiled: Callable[[], None] = lambda: None,
+    **size: Any,
+) -> dict[str, Any]:
+    """`measure_compile` of each of `names` in this one process, JAX's caches
+    cleared before every compile: on an accelerator a process takes seconds to
+    open the device, which one process per compile would pay for each. The
+    process's peak RSS covers all of them, so no row reports it.
+
+    **Returns:**
+
+    `{"rows": [measure_compile's row, ...], "does_not_fit": {name: the error's
+    first line}}`.
+    """
+    rows, too_big = [], {}
+    for name in names:
+        repeats = compile_repeats
+        if name == LOOP and loop_compile_repeats is not None:
+            repeats = loop_compile_repeats
+        try:
+            row = measure_compile(name, compile_repeats=repeats, **size)
+        except Exception as e:
+            if (message := out_of_memory(e)) is None:
+                raise
+            too_big[name] = message
+        else:
+            rows.append({**row, "peak_rss_bytes": None})
+        on_compiled()
+    return {"rows": rows, "does_not_fit": too_big}
 
 
 def setting_label(remat: Any, unroll: int | bool) -> str:

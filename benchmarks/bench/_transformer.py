@@ -32,6 +32,7 @@ from ._impls import (
     nnx_loss,
     nnx_state,
 )
+from ._values import Normals
 
 
 #: The flat, stacked layout every gradient is mapped to (eqx.nn.Linear's
@@ -118,7 +119,7 @@ def transformer_problem(
     num_layers: int, dim: int, batch: int, seq: int, dtype: str, seed: int = 0
 ) -> tuple[Stacked, Array, Array]:
     """The stacked blocks and one batch `(x, y)`, identical for every
-    implementation. Values come from NumPy (fast at any depth)."""
+    implementation, drawn on the device (see `Normals`)."""
     dt = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]
     shapes = eqx.filter_eval_shape(
         Stacked,
@@ -126,23 +127,22 @@ def transformer_problem(
         num_layers,
         key=jax.random.key(0),
     )
-    rng = np.random.default_rng(seed)
+    normals = Normals(seed)
 
     def init(path: jax.tree_util.KeyPath, leaf: object) -> object:
         if not isinstance(leaf, jax.ShapeDtypeStruct):
             return leaf
         name = jax.tree_util.keystr(path)
         if len(leaf.shape) == 3:  # [L, out, in] weights: fan-in scaling
-            values = rng.standard_normal(leaf.shape) / np.sqrt(leaf.shape[-1])
-        elif "ln" in name and "weight" in name:
-            values = 1.0 + 0.1 * rng.standard_normal(leaf.shape)
-        else:  # biases: small but non-zero, so that their gradients are checked
-            values = 0.1 * rng.standard_normal(leaf.shape)
-        return jnp.asarray(values, dt)
+            return normals(leaf.shape, dt, scale=1 / np.sqrt(leaf.shape[-1]))
+        if "ln" in name and "weight" in name:
+            return normals(leaf.shape, dt, scale=0.1, shift=1.0)
+        # Biases: small but non-zero, so that their gradients are checked.
+        return normals(leaf.shape, dt, scale=0.1)
 
     model = jax.tree_util.tree_map_with_path(init, shapes)
-    x = jnp.asarray(rng.standard_normal((batch, seq, dim)), dt)
-    y = jnp.asarray(rng.standard_normal((batch, seq, dim)), dt)
+    x = normals((batch, seq, dim), dt)
+    y = normals((batch, seq, dim), dt)
     return model, x, y
 
 

@@ -93,6 +93,7 @@ def describe_task(spec: dict[str, Any]) -> str:
     if task == "agree":
         return "the agreement check"
     impls = spec.get("impl") or ", ".join(spec["impls"])
+    task = "compile" if task == "compiles" else task
     return f"the {task} measurement of {impls} at L={spec['num_layers']}"
 
 
@@ -114,7 +115,12 @@ def _agree(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _run(spec: dict[str, Any]) -> Any:
     from ._machine import describe_machine
-    from ._measure import measure_compile, measure_steps, out_of_memory
+    from ._measure import (
+        measure_compile,
+        measure_compiles,
+        measure_steps,
+        out_of_memory,
+    )
 
     task = spec.pop("task")
     if task == "describe":
@@ -124,6 +130,12 @@ def _run(spec: dict[str, Any]) -> Any:
     try:
         if task == "compile":
             return measure_compile(spec.pop("impl"), **spec)
+        if task == "compiles":
+            return measure_compiles(
+                spec.pop("impls"),
+                **spec,
+                on_compiled=lambda: print(PROGRESS, flush=True),
+            )
         if task == "steps":
             return measure_steps(
                 spec.pop("impls"),
