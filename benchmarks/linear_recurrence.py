@@ -38,6 +38,14 @@ GRIDS = {
         ["float32", "bfloat16"],
     ),
     "quick": ([1, 8], [64, 256], [256, 1024], [64], ["float32"]),
+    # The sizes an accelerator is measured at (docs/recurrent.md's TPU table).
+    "accelerator": (
+        [1, 8],
+        [256, 1024],
+        [1024, 4096, 16384],
+        [64],
+        ["float32", "bfloat16"],
+    ),
     "tiny": ([2], [8], [32], [8], ["float32"]),
 }
 
@@ -88,10 +96,14 @@ def main():
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="the smaller grid")
     size.add_argument("--tiny", action="store_true", help="a smoke test")
+    size.add_argument(
+        "--accelerator", action="store_true", help="T up to 16384, D up to 1024"
+    )
     p.add_argument("--rounds", type=int, default=None)
     args = p.parse_args()
     grid = "tiny" if args.tiny else "quick" if args.quick else "full"
-    rounds = args.rounds or {"tiny": 3, "quick": 7, "full": 15}[grid]
+    grid = "accelerator" if args.accelerator else grid
+    rounds = args.rounds or {"tiny": 3, "quick": 7, "full": 15, "accelerator": 7}[grid]
     Bs, Ds, Ts, chunks, dtypes = GRIDS[grid]
     backend = jax.default_backend()
     print(f"backend {backend}, {jax.device_count()} device(s), {rounds} rounds")

@@ -256,7 +256,11 @@ def test_presets_and_peak_come_from_the_worker_that_describes_the_device(
     monkeypatch.setattr(_worker, "run_worker", run_worker)
     argv = ["--impls", "eqxscan,eqx-recipe", "--repeats", "1", "--out", str(tmp_path)]
     assert _cli.main(argv) == 0
-    assert [t["task"] for t in tasks] == ["describe", "agree"] + 3 * ["compiles", "steps"]
+    depths = len(_cli.TPU["layers"])
+    assert [t["task"] for t in tasks] == ["describe", "agree"] + depths * [
+        "compiles",
+        "steps",
+    ]
     assert tasks[1]["size"] == dict(num_layers=4, dim=256, batch=2, seq=64, model="mlp")
     assert tasks[1]["dtypes"] == ["float32", "bfloat16"]
     results = json.loads((tmp_path / "results.json").read_text())

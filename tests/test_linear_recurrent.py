@@ -417,7 +417,9 @@ def test_auto_runs_a_wide_matrix_state_chunked_on_cpu(getkey):
 
 def test_auto_rule():
     assert choose_method("cpu", 4096, 256, "diagonal") == "sequential"
-    assert choose_method("tpu", 4096, 256, "diagonal") == "associative"
+    # On a TPU v5e a small carry ran fastest chunked, the associative form last.
+    assert choose_method("tpu", 4096, 256, "diagonal") == "chunked"
+    assert choose_method("tpu", 4096, 512, "diagonal") == "chunked"
     assert choose_method("tpu", 4096, 1024, "diagonal") == "sequential"
     assert choose_method("gpu", 1, 8, "diagonal") == "sequential"
     assert choose_method("tpu", 4096, 8, "matrix") == "chunked"

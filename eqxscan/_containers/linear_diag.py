@@ -14,9 +14,10 @@ from jaxtyping import Array, PyTree
 Method = Literal["sequential", "associative", "chunked"]
 METHODS = ("sequential", "associative", "chunked")
 # The largest carry (elements per example) for which an accelerator runs the
-# associative form: from the TPU v5e table in docs/recurrent.md, where a
-# carry of 256 ran 2.6x faster associatively and one of 8 x 1024 2x slower.
-ACCELERATOR_ASSOCIATIVE_MAX_STATE = 512
+# chunked form: on a TPU v5e (docs/recurrent.md) a MinGRU's carry of 256 ran
+# 1.4-1.9x faster chunked than sequentially (the associative form 3.4-4.2x
+# slower), and a bare recurrence's 8 x 1024 fastest sequentially.
+ACCELERATOR_CHUNKED_MAX_STATE = 512
 
 
 CPU_MATRIX_CHUNKED_MIN_STATE = 64 * 64
@@ -31,9 +32,9 @@ def choose_method(
 
     - CPU: `"sequential"`. Measured by `benchmarks/linear_recurrence.py` on 2
       cores: the sequential scan was the fastest form at every point.
-    - TPU and GPU, diagonal: `"associative"` when the carry has at most
-      `ACCELERATOR_ASSOCIATIVE_MAX_STATE` elements and `length > 1`, else
-      `"sequential"` (from the TPU v5e table; GPU is not measured).
+    - TPU and GPU, diagonal: `"chunked"` when the carry has at most
+      `ACCELERATOR_CHUNKED_MAX_STATE` elements and `length > 1`, else
+      `"sequential"` (measured on a TPU v5e; GPU is not measured).
     - Matrix state (`state_size` is one head's `dk * dv`): `"chunked"` on an
       accelerator; on CPU when a head's state has at least
       `CPU_MATRIX_CHUNKED_MIN_STATE` elements (64 x 64: chunked measured
@@ -48,8 +49,8 @@ def choose_method(
         return "sequential"
     if backend == "cpu":
         return "sequential"
-    if state_size <= ACCELERATOR_ASSOCIATIVE_MAX_STATE:
-        return "associative"
+    if state_size <= ACCELERATOR_CHUNKED_MAX_STATE:
+        return "chunked"
     return "sequential"
 
 
