@@ -1,4 +1,5 @@
 import atexit
+import gc
 import os
 import shutil
 import tempfile
@@ -43,8 +44,9 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # A fresh directory each run; EQXSCAN_TEST_CACHE=1 turns it on, and
 # EQXSCAN_TEST_CACHE=worker gives each pytest-xdist worker its own (jax 0.9's
 # cache is not safe for two processes writing one directory).
-# Off by default: XLA:CPU segfaulted a worker while serialising an executable
-# for the cache (in `put_executable_and_time`), once a full run.
+# Off by default. Full runs with it on segfaulted a worker while serialising
+# an executable for it, as later runs without it did in compiles: all were a
+# worker past Linux's limit on memory mappings (see `_free_compiled_programs`).
 _CACHE_MODE = os.environ.get("EQXSCAN_TEST_CACHE", "0")
 if _CACHE_MODE in ("1", "worker"):
     if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
@@ -57,8 +59,7 @@ if _CACHE_MODE in ("1", "worker"):
         _cache = os.path.join(os.environ["JAX_COMPILATION_CACHE_DIR"], _worker)
         os.makedirs(_cache, exist_ok=True)
         os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
-    # Only compiles of 0.25 s or more are written: every write serialises an
-    # XLA:CPU executable, and one such write in thousands segfaulted a worker.
+    # Only compiles of 0.25 s or more are written.
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.25")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
     jax.config.update(
@@ -86,3 +87,34 @@ def _optimized(request, monkeypatch):
     jax.config.update("jax_disable_most_optimizations", False)
     yield
     jax.config.update("jax_disable_most_optimizations", before)
+
+
+# XLA:CPU maps each compiled program's code into pages of its own, three
+# mappings a piece, and JAX's caches keep every program a worker compiled: a
+# worker passed Linux's limit of 65,530 mappings (`vm.max_map_count`) after a
+# few thousand programs, and its next compile segfaulted. Each file's programs
+# are freed when it ends; a file that alone leaves more than this many
+# mappings fails, naming itself, rather than crashing a later one.
+_MAX_MAPPINGS = 40_000
+
+
+def _mappings() -> int | None:
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux
+        return None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs(request):
+    yield
+    jax.clear_caches()
+    gc.collect()
+    count = _mappings()
+    if count is not None and count > _MAX_MAPPINGS:
+        pytest.fail(
+            f"{request.node.name} left {count} memory mappings after its compiled "
+            f"programs were freed (limit {_MAX_MAPPINGS}; Linux fails at 65,530).\n"
+            "Something holds compiled programs beyond its test: see tests/conftest.py."
+        )
