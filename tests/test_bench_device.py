@@ -306,3 +306,27 @@ def test_one_worker_compiles_all_of_a_depth_as_separate_processes_would(monkeypa
     for what in ("hlo_lines", "temp_bytes", "argument_bytes", "auto"):
         assert rows["eqxscan"][what] == alone[what]
     assert rows["eqxscan-loop"]["hlo_lines"] > rows["eqxscan"]["hlo_lines"]
+
+
+def test_train_step_script_reports_mfu_from_the_step_time(capsys):
+    # `benchmarks/train_step.py`: one process, each implementation's median step
+    # and the MFU that step gives against the peak it was told.
+    from benchmarks import train_step
+    from benchmarks.bench._measure import model_flops
+
+    peak = 1e9
+    train_step.main(
+        ["--tiny", "--impls", "eqxscan,eqxscan-loop", "--peak-flops", "1e9"]
+    )
+    lines = capsys.readouterr().out.splitlines()
+    rows = {ln.split()[0]: ln.split() for ln in lines[2:]}
+    assert set(rows) == {"eqxscan", "eqxscan-loop"}
+    for cells in rows.values():
+        ms, mfu = float(cells[1]), float(cells[2].rstrip("%"))
+        assert ms > 0
+
+        # The printed time is rounded to 0.05 ms, the MFU to 0.05%.
+        def mfu_at(ms):
+            return 100 * model_flops(2, 32, 16) / (ms / 1e3) / peak
+
+        assert mfu_at(ms + 0.05) - 0.05 <= mfu <= mfu_at(max(ms - 0.05, 1e-3)) + 0.05
