@@ -8,6 +8,7 @@ each quantized kind's accuracy against float32: the worst relative Frobenius
 error of a layer's weight (`quant.report`) and the output's largest difference.
 
     python -m benchmarks.quantized            # B = 1 and 8, L = 16, D = 512
+                                              # (on a GPU or TPU: B = 8, D = 2048)
     python -m benchmarks.quantized --full     # B = 1, 8; L = 16, 32; D = 512, 1024
     python -m benchmarks.quantized --tiny     # a smoke test
     python -m benchmarks.quantized --kernel xla pallas   # the Pallas kernel too
@@ -140,9 +141,9 @@ def out_of_memory(error: Exception) -> str | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--batch", type=int, nargs="+", default=None)
     parser.add_argument("--layers", type=int, nargs="+", default=[16])
-    parser.add_argument("--dim", type=int, nargs="+", default=[512])
+    parser.add_argument("--dim", type=int, nargs="+", default=None)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--full", action="store_true", help="L = 16, 32; D = 512, 1024")
     parser.add_argument("--tiny", action="store_true", help="a smoke test")
@@ -154,6 +155,13 @@ def main() -> None:
         help="what computes the quantized products (pallas: the TPU kernel)",
     )
     args = parser.parse_args()
+    # An accelerator's default: 1 GiB of bfloat16 weights, enough to measure
+    # HBM's bandwidth (a TPU v5e's table in docs/benchmarks.md).
+    accelerator = jax.default_backend() != "cpu"
+    if args.batch is None:
+        args.batch = [8] if accelerator else [1, 8]
+    if args.dim is None:
+        args.dim = [2048] if accelerator else [512]
     if args.full:
         args.layers, args.dim = [16, 32], [512, 1024]
     if args.tiny:
