@@ -405,29 +405,6 @@ def _flops(jaxpr: jcore.Jaxpr) -> int:
     return total
 
 
-# How many copies `jax.vmap` runs at once, read through the public batching API:
-# `_probe` is the identity, and under `vmap` its rule is called with the batch
-# size (then passes the value on, to any `vmap` further out). Outside `vmap` it
-# is a no-op, removed with the rest of the dead code when lowered. The sizes
-# go to the list of the probe running in this context (`_vmapped_size`).
-_SIZES: ContextVar[list[int] | None] = ContextVar("eqxscan_vmap_sizes", default=None)
-
-
-@custom_vmap
-def _probe(a: jax.Array) -> jax.Array:
-    return a
-
-
-@_probe.def_vmap
-def _probe_rule(
-    axis_size: int, in_batched: list[bool], a: jax.Array
-) -> tuple[jax.Array, bool]:
-    sizes = _SIZES.get()
-    if sizes is not None:
-        sizes.append(axis_size)
-    return _probe(a), in_batched[0]
-
-
 def _vmapped_size(x: object) -> int:
     """How many copies of `x` `jax.vmap` runs at once (1 outside `vmap`).
 
@@ -437,9 +414,24 @@ def _vmapped_size(x: object) -> int:
     if not is_array(x) or jnp.issubdtype(x.dtype, jax.dtypes.extended):
         return 1
     sizes: list[int] = []
-    with setting(_SIZES, sizes):
-        # Without gradients: a derivative trace would wrap the value the rule sees.
-        _probe(jax.lax.stop_gradient(x))
+
+    # Read through the public batching API: `probe` is the identity, and under
+    # `vmap` its rule is called with the batch size (then passes the value on,
+    # to any `vmap` further out). Outside `vmap` it is a no-op, removed with the
+    # rest of the dead code when lowered.
+    @custom_vmap
+    def probe(a: jax.Array) -> jax.Array:
+        return a
+
+    @probe.def_vmap
+    def rule(
+        axis_size: int, in_batched: list[bool], a: jax.Array
+    ) -> tuple[jax.Array, bool]:
+        sizes.append(axis_size)
+        return probe(a), in_batched[0]
+
+    # Without gradients: a derivative trace would wrap the value the rule sees.
+    probe(jax.lax.stop_gradient(x))
     return int(np.prod(sizes, dtype=np.int64))
 
 
