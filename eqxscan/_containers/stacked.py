@@ -249,6 +249,8 @@ class Stacked(Scanning, Generic[LayerT]):
             "loop over time use eqxscan.Recurrent or jax.lax.scan.",
         )
         self.options = ScanOptions(**options)
+        if unchecked := isinstance(layers, _Restacked):
+            layers = layers.layers
         if layers is None:
             layers = build_layers(make_layer, num_layers, args, key)
         elif make_layer is not None or key is not None or args:
@@ -256,10 +258,7 @@ class Stacked(Scanning, Generic[LayerT]):
                 "Stacked takes either `make_layer` and `key` (and arguments for "
                 "`make_layer`), or already-stacked `layers`, not both."
             )
-        if isinstance(layers, _Restacked):
-            layers, bad = layers.layers, None
-        else:
-            bad = misaligned(layers, num_layers)
+        bad = None if unchecked else misaligned(layers, num_layers)
         if bad is not None:
             raise ValueError(
                 f"Stacked was given num_layers={num_layers}, but `layers{bad[0]}` "
