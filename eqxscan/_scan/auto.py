@@ -14,7 +14,6 @@ the rule's table and the measurements behind every threshold.
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
-from contextvars import ContextVar
 from typing import Literal, NamedTuple, TypeAlias
 
 import jax
@@ -27,7 +26,7 @@ from jax.custom_batching import custom_vmap
 from jaxtyping import PyTree
 
 from .._helpers.checks import is_array
-from .layer_index import setting
+from .call_state import call_state, changed_call_state
 from .options import Remat
 from .remat import as_scan_remat, AUTO_POLICY, Policy, ScanRemat, Traced
 from .setting_names import remat_label
@@ -476,12 +475,6 @@ def measure(
 # ---------------------------------------------------------------------------
 # Resolving inside the engine, and reporting it.
 
-# Where `resolve` reports its choices: the lists of the `recording()` blocks
-# open in this context (`eqxscan.remat.explain_auto` opens one).
-_RECORDERS: ContextVar[tuple[list["AutoChoice"], ...]] = ContextVar(
-    "eqxscan_auto_recorders", default=()
-)
-
 
 def resolve(
     traced: Traced,
@@ -505,7 +498,8 @@ def resolve(
     raw, unroll, rule = decide(
         cost, given, unroll, AUTO_POLICY, platform, gathered=gathered, over=over
     )
-    for record in _RECORDERS.get():
+    # The lists of the `recording()` blocks open in this context.
+    for record in call_state().auto_records:
         record.append(AutoChoice(raw, unroll, rule, cost, where))
     return (as_scan_remat(raw) if remat.is_rule else remat), unroll
 
@@ -515,5 +509,5 @@ def recording() -> Iterator[list[AutoChoice]]:
     """Collect the `AutoChoice` of every scan that resolves `"auto"` inside the
     block (in this context only: other threads and tasks are not seen)."""
     record: list[AutoChoice] = []
-    with setting(_RECORDERS, (*_RECORDERS.get(), record)):
+    with changed_call_state(auto_records=(*call_state().auto_records, record)):
         yield record
