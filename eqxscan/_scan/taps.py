@@ -45,10 +45,12 @@ def tapping() -> bool:
     return call_state().tapping is not None
 
 
-def inside_layer() -> contextlib.AbstractContextManager[object]:
+@contextlib.contextmanager
+def inside_layer() -> Iterator[None]:
     """Set around a layer's call: containers inside it are not tapped, except
     in a `Recurrent`'s cell."""
-    return changed_call_state(paused=call_state().tapping, tapping=None)
+    with changed_call_state(paused=call_state().tapping, tapping=None):
+        yield
 
 
 def untapped() -> contextlib.AbstractContextManager[object]:
@@ -56,10 +58,12 @@ def untapped() -> contextlib.AbstractContextManager[object]:
     return changed_call_state(tapping=None)
 
 
-def in_cell() -> contextlib.AbstractContextManager[object]:
+@contextlib.contextmanager
+def in_cell() -> Iterator[None]:
     """Set around a `Recurrent`'s cell: containers it calls are tapped, with
     rows of their own per time step."""
-    return changed_call_state(tapping=call_state().paused)
+    with changed_call_state(tapping=call_state().paused):
+        yield
 
 
 @contextlib.contextmanager
