@@ -84,6 +84,10 @@ from ._scan.auto import (
     THRESHOLDS as THRESHOLDS,
     Thresholds as Thresholds,
 )
+from ._scan.call_state import (
+    call_state as call_state,
+    changed_call_state as changed_call_state,
+)
 from ._scan.drop_rates import (
     carry_examples as carry_examples,
     check_droppable as check_droppable,

@@ -48,6 +48,20 @@ def test_given_layers_of_another_depth_are_refused_at_construction():
     assert eqxscan.Stacked(layers=layers, num_layers=4).num_layers == 4
 
 
+def test_a_batch_of_stacks_is_rebuilt_without_the_check():
+    # An ensemble's layers have the batch axis first: refused when built by
+    # hand, but its own methods rebuild it (through `restack`) unchecked.
+    keys = jax.random.split(KEY, 3)
+    ens = eqx.filter_vmap(lambda k: eqxscan.Stacked(_linear, 2, key=k))(keys)
+    with pytest.raises(ValueError, match="num_layers=2, but `layers.weight`"):
+        eqxscan.Stacked(layers=ens.layers, num_layers=2)
+    loop = ens.with_options(mode="loop")
+    assert loop.options.mode == "loop" and loop.layers.weight.shape == (3, 2, 4, 4)
+    x = jnp.ones((3, 4))
+    call = eqx.filter_vmap(lambda s, x: s(x))
+    assert jnp.allclose(call(loop, x), call(ens, x))
+
+
 def test_a_callable_that_is_no_policy_is_blamed_on_checkpoint():
     with pytest.raises(TypeError) as e:
         eqxscan.Stacked(_linear, 2, key=KEY, remat=len)

@@ -2,7 +2,6 @@
 (built by `make_layer` under one `eqx.filter_vmap`, run by `stack_calls.py`), and
 how a container numbers its layers in a state dict (`LayerNumbering`)."""
 
-import contextvars
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, NamedTuple, overload, SupportsIndex, TypeVar, Unpack
@@ -116,9 +115,10 @@ def build_layers(
     return layers
 
 
-# Set while `restack` rebuilds a stack, whose layers may have outer axes in front
-# (a stack inside the layers of another, or a batch of stacks).
-_REBUILDING = contextvars.ContextVar("_REBUILDING", default=False)
+class _Restacked(NamedTuple):
+    # `layers` from `restack`, not checked: they may have outer axes in front (a
+    # stack inside the layers of another, or a batch of stacks).
+    layers: Any
 
 
 class LayerNumbering(NamedTuple):
@@ -249,6 +249,8 @@ class Stacked(Scanning, Generic[LayerT]):
             "loop over time use eqxscan.Recurrent or jax.lax.scan.",
         )
         self.options = ScanOptions(**options)
+        if unchecked := isinstance(layers, _Restacked):
+            layers = layers.layers
         if layers is None:
             layers = build_layers(make_layer, num_layers, args, key)
         elif make_layer is not None or key is not None or args:
@@ -256,7 +258,7 @@ class Stacked(Scanning, Generic[LayerT]):
                 "Stacked takes either `make_layer` and `key` (and arguments for "
                 "`make_layer`), or already-stacked `layers`, not both."
             )
-        bad = None if _REBUILDING.get() else misaligned(layers, num_layers)
+        bad = None if unchecked else misaligned(layers, num_layers)
         if bad is not None:
             raise ValueError(
                 f"Stacked was given num_layers={num_layers}, but `layers{bad[0]}` "
@@ -574,12 +576,9 @@ def restack(stack: Stacked[LayerT], **changes: object) -> Stacked[LayerT]:
     fields.update(changes)
     options = fields.pop("options", stack.options)
     assert isinstance(options, ScanOptions)
+    fields["layers"] = _Restacked(fields["layers"])
     # `fields` holds what `__init__` takes, by name.
-    rebuilding = _REBUILDING.set(True)
-    try:
-        new = type(stack)(**fields, **options.as_args())  # type: ignore[arg-type]  # see above
-    finally:
-        _REBUILDING.reset(rebuilding)
+    new = type(stack)(**fields, **options.as_args())  # type: ignore[arg-type]  # see above
     drop = with_mode_of(new.drop_rates, stack.drop_rates)
     if drop is new.drop_rates:
         return new

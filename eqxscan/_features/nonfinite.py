@@ -19,8 +19,9 @@ from .._containers.chain import Chain
 from .._containers.recurrent import Recurrent
 from .._containers.stacked import LayerNumbering, Stacked
 from .._helpers.checks import Checked
+from .._scan.probe import Probe
 from .._scan.tap_stats import nonfinite_count
-from .._scan.taps import Probe, tap_calls
+from .._scan.taps import tap_calls
 
 
 @dataclasses.dataclass(frozen=True)

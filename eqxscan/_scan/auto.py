@@ -14,7 +14,6 @@ the rule's table and the measurements behind every threshold.
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
-from contextvars import ContextVar
 from typing import Literal, NamedTuple, TypeAlias
 
 import jax
@@ -27,7 +26,7 @@ from jax.custom_batching import custom_vmap
 from jaxtyping import PyTree
 
 from .._helpers.checks import is_array
-from .layer_index import setting
+from .call_state import call_state, changed_call_state
 from .options import Remat
 from .remat import as_scan_remat, AUTO_POLICY, Policy, ScanRemat, Traced
 from .setting_names import remat_label
@@ -405,29 +404,6 @@ def _flops(jaxpr: jcore.Jaxpr) -> int:
     return total
 
 
-# How many copies `jax.vmap` runs at once, read through the public batching API:
-# `_probe` is the identity, and under `vmap` its rule is called with the batch
-# size (then passes the value on, to any `vmap` further out). Outside `vmap` it
-# is a no-op, removed with the rest of the dead code when lowered. The sizes
-# go to the list of the probe running in this context (`_vmapped_size`).
-_SIZES: ContextVar[list[int] | None] = ContextVar("eqxscan_vmap_sizes", default=None)
-
-
-@custom_vmap
-def _probe(a: jax.Array) -> jax.Array:
-    return a
-
-
-@_probe.def_vmap
-def _probe_rule(
-    axis_size: int, in_batched: list[bool], a: jax.Array
-) -> tuple[jax.Array, bool]:
-    sizes = _SIZES.get()
-    if sizes is not None:
-        sizes.append(axis_size)
-    return _probe(a), in_batched[0]
-
-
 def _vmapped_size(x: object) -> int:
     """How many copies of `x` `jax.vmap` runs at once (1 outside `vmap`).
 
@@ -437,9 +413,24 @@ def _vmapped_size(x: object) -> int:
     if not is_array(x) or jnp.issubdtype(x.dtype, jax.dtypes.extended):
         return 1
     sizes: list[int] = []
-    with setting(_SIZES, sizes):
-        # Without gradients: a derivative trace would wrap the value the rule sees.
-        _probe(jax.lax.stop_gradient(x))
+
+    # Read through the public batching API: `probe` is the identity, and under
+    # `vmap` its rule is called with the batch size (then passes the value on,
+    # to any `vmap` further out). Outside `vmap` it is a no-op, removed with the
+    # rest of the dead code when lowered.
+    @custom_vmap
+    def probe(a: jax.Array) -> jax.Array:
+        return a
+
+    @probe.def_vmap
+    def rule(
+        axis_size: int, in_batched: list[bool], a: jax.Array
+    ) -> tuple[jax.Array, bool]:
+        sizes.append(axis_size)
+        return probe(a), in_batched[0]
+
+    # Without gradients: a derivative trace would wrap the value the rule sees.
+    probe(jax.lax.stop_gradient(x))
     return int(np.prod(sizes, dtype=np.int64))
 
 
@@ -484,12 +475,6 @@ def measure(
 # ---------------------------------------------------------------------------
 # Resolving inside the engine, and reporting it.
 
-# Where `resolve` reports its choices: the lists of the `recording()` blocks
-# open in this context (`eqxscan.remat.explain_auto` opens one).
-_RECORDERS: ContextVar[tuple[list["AutoChoice"], ...]] = ContextVar(
-    "eqxscan_auto_recorders", default=()
-)
-
 
 def resolve(
     traced: Traced,
@@ -513,7 +498,8 @@ def resolve(
     raw, unroll, rule = decide(
         cost, given, unroll, AUTO_POLICY, platform, gathered=gathered, over=over
     )
-    for record in _RECORDERS.get():
+    # The lists of the `recording()` blocks open in this context.
+    for record in call_state().auto_records:
         record.append(AutoChoice(raw, unroll, rule, cost, where))
     return (as_scan_remat(raw) if remat.is_rule else remat), unroll
 
@@ -523,5 +509,5 @@ def recording() -> Iterator[list[AutoChoice]]:
     """Collect the `AutoChoice` of every scan that resolves `"auto"` inside the
     block (in this context only: other threads and tasks are not seen)."""
     record: list[AutoChoice] = []
-    with setting(_RECORDERS, (*_RECORDERS.get(), record)):
+    with changed_call_state(auto_records=(*call_state().auto_records, record)):
         yield record

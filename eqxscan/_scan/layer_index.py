@@ -8,49 +8,34 @@ sets around the layer's call for [`eqxscan.layer_index`][].
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
-from contextvars import ContextVar
+from collections.abc import Callable
 
 import jax.numpy as jnp
 from jaxtyping import Array, PyTree
 
+from .call_state import call_state, changed_call_state
 from .index import Index
 
 
-_LOOP_STEP: ContextVar[int | None] = ContextVar("eqxscan_loop_step", default=None)
-_STEP: ContextVar[Index | None] = ContextVar("eqxscan_step", default=None)
-_LAYER: ContextVar[Index | None] = ContextVar("eqxscan_layer", default=None)
-
-
-@contextlib.contextmanager
-def setting(var: ContextVar, value: object) -> Iterator[None]:
-    """`var` set to `value` for the block, then reset."""
-    token = var.set(value)
-    try:
-        yield
-    finally:
-        var.reset(token)
-
-
-def loop_step(i: int) -> contextlib.AbstractContextManager[None]:
+def loop_step(i: int) -> contextlib.AbstractContextManager[object]:
     """Set around step `i` of the engine's Python loop (`mode="loop"`)."""
-    return setting(_LOOP_STEP, i)
+    return changed_call_state(loop_step=i)
 
 
-def at_layer(i: Index | None) -> contextlib.AbstractContextManager[None]:
+def at_layer(i: Index | None) -> contextlib.AbstractContextManager[object]:
     """Set around a layer's call: its global index (`None`: not known)."""
-    return setting(_LAYER, i)
+    return changed_call_state(layer=i)
 
 
 def current_step() -> Index | None:
     """The index of the engine step being traced, or `None` outside one (the
     shape-only trace of a run of length 0)."""
-    return _STEP.get()
+    return call_state().step
 
 
 def step_index() -> Index:
     """The index of the engine step being traced (see `indexed`)."""
-    i = _STEP.get()
+    i = call_state().step
     assert i is not None, "step_index() is read only inside an engine step"
     return i
 
@@ -71,9 +56,9 @@ def indexed(run: Run) -> Run:
 
         def body(c: PyTree, x: tuple[PyTree, Array]) -> tuple[PyTree, PyTree]:
             x, i = x
-            here = _LOOP_STEP.get() if loop else i
+            here = call_state().loop_step if loop else i
             # A step inside another container's layer starts with no layer set.
-            with setting(_STEP, here), at_layer(None):
+            with changed_call_state(step=here, layer=None):
                 return step(c, x)
 
         read = kwargs.get("read")
@@ -121,7 +106,7 @@ def layer_index() -> Index:
 
     `RuntimeError` when called outside a layer run by a `Stacked` or `Chain`.
     """
-    i = _LAYER.get()
+    i = call_state().layer
     if i is None:
         raise RuntimeError(
             "eqxscan.layer_index() was called outside a layer: it reads the index "

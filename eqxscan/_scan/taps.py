@@ -11,22 +11,22 @@ container call (`call_of`) tags its records, to get rows of its own.
 """
 
 import contextlib
-import dataclasses
 import functools
 import inspect
 from collections.abc import Callable, Iterator, Sequence
-from contextvars import ContextVar
 
 import equinox as eqx
 import jax
 import jax.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from jaxtyping import Array, Float, PyTree
+from jaxtyping import Array, PyTree
 
-from .._helpers.checks import Checked, describe
+from .._helpers.checks import Checked
+from .call_state import call_state, changed_call_state, TapCall, Tapping
 from .index import Index, index
-from .layer_index import Run, setting
+from .layer_index import Run
+from .probe import Probe
 
 
 try:
@@ -40,62 +40,30 @@ Stat = Callable[..., PyTree]
 output carry (and the carry it was given)."""
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Call:
-    # One container call: its name, how many scan steps enclose it (a call in a
-    # `Recurrent`'s cell: one per time step) and its first row of a probe.
-    name: str
-    depth: int = 0
-    offset: int = 0
-    reverse: bool = False  # last step first (`reverse=True`, held or passed)
-    module: int = 0  # the `id` of the container called
-
-
-@dataclasses.dataclass(frozen=True)
-class _Tapping:
-    stat: Stat | None
-    with_input: bool
-    probe: "Probe | None"
-    # A probe of the cotangent of what a `Recurrent` emits (`hs`), apart from
-    # its carry: `find_nonfinite` tells the loss's cotangents from the cell's.
-    emitted: "Probe | None"
-    calls: list[_Call]
-    records: list  # the tapped function's own, to count probe rows by
-    trace: object  # the tapped call's, which a statistic must not leave
-
-
-_TAPPING: ContextVar[_Tapping | None] = ContextVar("eqxscan_tapping", default=None)
-# What the innermost scope (a scan step, or the tapped call) has recorded:
-# `(index + 1, stats, call)`, the index a float (0 marks a skipped layer).
-_SCOPE: ContextVar[list | None] = ContextVar("eqxscan_tap_scope", default=None)
-_CALL: ContextVar[_Call | None] = ContextVar("eqxscan_tap_call", default=None)
-_DEPTH: ContextVar[int] = ContextVar("eqxscan_tap_depth", default=0)
-# The tapping a layer's call paused, which a `Recurrent`'s cell resumes.
-_PAUSED: ContextVar[_Tapping | None] = ContextVar("eqxscan_tap_paused", default=None)
-
-
 def tapping() -> bool:
     """Whether a container call now is tapped."""
-    return _TAPPING.get() is not None
+    return call_state().tapping is not None
 
 
 @contextlib.contextmanager
 def inside_layer() -> Iterator[None]:
     """Set around a layer's call: containers inside it are not tapped, except
     in a `Recurrent`'s cell."""
-    with setting(_PAUSED, _TAPPING.get()), setting(_TAPPING, None):
+    with changed_call_state(paused=call_state().tapping, tapping=None):
         yield
 
 
-def untapped() -> contextlib.AbstractContextManager[None]:
+def untapped() -> contextlib.AbstractContextManager[object]:
     """Set around a trace that is never run (its records would leak)."""
-    return setting(_TAPPING, None)
+    return changed_call_state(tapping=None)
 
 
-def in_cell() -> contextlib.AbstractContextManager[None]:
+@contextlib.contextmanager
+def in_cell() -> Iterator[None]:
     """Set around a `Recurrent`'s cell: containers it calls are tapped, with
     rows of their own per time step."""
-    return setting(_TAPPING, _PAUSED.get())
+    with changed_call_state(tapping=call_state().paused):
+        yield
 
 
 @contextlib.contextmanager
@@ -103,7 +71,8 @@ def call_of(module: object, reverse: object = False) -> Iterator[None]:
     """Around a container's call (`reverse`: its keyword of that name): while
     tapped, its records are its own rows, named after its class (`Stacked`,
     then `Stacked_1`, ...)."""
-    state = _TAPPING.get()
+    now = call_state()
+    state = now.tapping
     if state is None:
         yield
         return
@@ -112,7 +81,7 @@ def call_of(module: object, reverse: object = False) -> Iterator[None]:
     while name in names:
         k += 1
         name = f"{type(module).__name__}_{k}"
-    if state.stat is not None and not _DEPTH.get() and trace_state() != state.trace:
+    if state.stat is not None and not now.depth and trace_state() != state.trace:
         raise TypeError(
             f"eqxscan.tap: {name} was called inside a JAX transformation (jax.vmap, "
             "jax.jit, lax.cond, ...) within the tapped function, so its statistics "
@@ -122,66 +91,10 @@ def call_of(module: object, reverse: object = False) -> Iterator[None]:
         )
     offset = _count([r for r in state.records if r[2].depth == 0])
     reverse = reverse is True or getattr(module, "reverse", False) is True
-    call = _Call(name, _DEPTH.get(), offset, reverse, id(module))
+    call = TapCall(name, now.depth, offset, reverse, id(module))
     state.calls.append(call)
-    with setting(_CALL, call):
+    with changed_call_state(call=call):
         yield
-
-
-class Probe(eqx.Module):
-    """A zero argument whose gradient holds the statistics of the cotangents
-    reaching each layer's output (gradient taps). Build it with
-    [`eqxscan.probe`][] and pass it to [`eqxscan.tap`][] inside the function
-    being differentiated; the gradient with respect to it is a `Probe` whose
-    `values[i]` is `stat(cotangent of layer i's output)`.
-
-    The forward values do not depend on it (it is added as zero through a
-    `jax.custom_vjp`), so a training step gets the gradient taps from its one
-    `eqx.filter_value_and_grad` call.
-    """
-
-    values: PyTree[Float[Array, "_L ..."]]  # per call, of its own length
-    stat: Callable[[PyTree], PyTree] = eqx.field(static=True)
-    per_call: bool = eqx.field(static=True, default=False)
-    """`values` is a dict of such rows keyed by the names [`eqxscan.tap`][]
-    gives the container calls of a function that calls several."""
-
-
-def probe(stat: Callable[[PyTree], PyTree], carry: PyTree, length: int) -> Probe:
-    """A [`eqxscan.Probe`][] for `length` layers (or time steps) whose carry
-    looks like `carry`.
-
-    **Arguments:**
-
-    - `stat`: a statistic of one layer's output cotangent (a pytree like the
-      floating-point part of the carry), returning a pytree of float arrays,
-      e.g. [`eqxscan.stats.rms`][].
-    - `carry`: the carry, or `jax.ShapeDtypeStruct`s with its shapes.
-    - `length`: the number of layers of the container (`len(model)`), or of
-      time steps for an [`eqxscan.Recurrent`][]; [`eqxscan.tap`][] raises a
-      `ValueError` naming both numbers when the call runs another number.
-
-    **Returns:**
-
-    A `Probe` of zeros, `values` with leading axis `length`.
-    """
-    if not callable(stat):
-        raise TypeError(
-            f"eqxscan.probe needs a statistic (a function), got {describe(stat)}.\n"
-            "Hint: pass e.g. eqxscan.stats.rms, then the carry and the length."
-        )
-    shapes = jax.eval_shape(stat, eqx.filter(carry, eqx.is_inexact_array))
-
-    def zeros(s: jax.ShapeDtypeStruct) -> Array:
-        if not jnp.issubdtype(s.dtype, jnp.inexact):
-            raise TypeError(
-                f"eqxscan.probe needs a statistic that returns floating-point "
-                f"arrays (a gradient holds it), but {stat!r} returned {s.dtype}.\n"
-                "Return e.g. a count as float32."
-            )
-        return jnp.zeros((length, *s.shape), s.dtype)
-
-    return Probe(jtu.tree_map(zeros, shapes), stat)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -198,8 +111,8 @@ def tapped(
     """Layer (or step) `i`'s output `new`, given `old`: its statistics
     recorded (a row of zeros where LayerDrop skipped it: `ran` false) and its
     slice of the probe attached."""
-    state = _TAPPING.get()
-    scope = _SCOPE.get()
+    now = call_state()
+    state, scope = now.tapping, now.scope
     if state is None or scope is None or i is None:
         return new
     stats = None  # without `stat`, only counted: a probe has a row per layer
@@ -208,21 +121,22 @@ def tapped(
         stats = jtu.tree_map(jnp.asarray, stats)  # a Python number, as a row
     number = jnp.asarray(i, jnp.float32) + 1
     number = number if ran is None else jnp.where(ran, number, 0.0)
-    scope.append((number, stats, _CALL.get()))
-    return _attached(state.probe, i, new)
+    scope.append((number, stats, now.call))
+    return _attached(state.probe, i, new, now.call)
 
 
 def emitted(i: Index | None, y: PyTree) -> PyTree:
     """Time step `i`'s output `y` (its carry, as `hs[i]`), its slice of the
-    probe of what is emitted attached (see `_Tapping.emitted`)."""
-    state = _TAPPING.get()
-    if state is None or _SCOPE.get() is None or i is None:
+    probe of what is emitted attached (see `Tapping.emitted`)."""
+    now = call_state()
+    if now.tapping is None or now.scope is None or i is None:
         return y
-    return _attached(state.emitted, i, y)
+    return _attached(now.tapping.emitted, i, y, now.call)
 
 
-def _attached(probe: Probe | None, i: Index, new: PyTree) -> PyTree:
-    call = _CALL.get()
+def _attached(
+    probe: Probe | None, i: Index, new: PyTree, call: TapCall | None
+) -> PyTree:
     if probe is None or call is None or call.depth:  # not per time step
         return new
     values, row = probe.values, i + call.offset  # calls' rows follow each other
@@ -240,14 +154,14 @@ def collected(run: Run) -> Run:
     def wrapped(
         step: Callable, carry: PyTree, xs: PyTree, **kwargs: object
     ) -> tuple[PyTree, PyTree]:
-        state, outer = _TAPPING.get(), _SCOPE.get()
+        state, outer = call_state().tapping, call_state().scope
         if state is None or outer is None:
             return run(step, carry, xs, **kwargs)
         calls: list = []  # the records' calls, which are no scan outputs
 
         def body(c: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
             opened, records = len(state.calls), []
-            with setting(_SCOPE, records), setting(_DEPTH, _DEPTH.get() + 1):
+            with changed_call_state(scope=records, depth=call_state().depth + 1):
                 new, y = step(c, x)
             records = _in_order(records)
             if calls:  # a later step of `mode="loop"`: the same calls again
@@ -296,19 +210,19 @@ def held() -> Iterator[list]:
     `lax.switch` branch returns them (a record must not leave its trace), and
     `add` puts them in the scope after the switch."""
     records: list = []
-    if _TAPPING.get() is None or _SCOPE.get() is None:
+    if call_state().tapping is None or call_state().scope is None:
         yield records
         return
-    with setting(_SCOPE, records):
+    with changed_call_state(scope=records):
         yield records
     records[:] = [r[:2] for r in records]  # arrays only, for the switch
 
 
 def add(records: Sequence) -> None:
     """Put `records` (from `held`, their calls dropped) in the enclosing scope."""
-    outer = _SCOPE.get()
-    if _TAPPING.get() is not None and outer is not None:
-        outer.extend((*r[:2], _CALL.get()) for r in records)
+    now = call_state()
+    if now.tapping is not None and now.scope is not None:
+        now.scope.extend((*r[:2], now.call) for r in records)
 
 
 @contextlib.contextmanager
@@ -316,12 +230,13 @@ def covering(length: int) -> Iterator[None]:
     """Around a call that may run only some of a model's `length` layers
     (`run_layers`): its records padded to one per layer, so that layers not run
     read zeros (as LayerDrop's skipped layers do)."""
-    outer, call = _SCOPE.get(), _CALL.get()
-    if _TAPPING.get() is None or outer is None:
+    now = call_state()
+    outer, call = now.scope, now.call
+    if now.tapping is None or outer is None:
         yield
         return
     records: list = []
-    with setting(_SCOPE, records):
+    with changed_call_state(scope=records):
         yield
     if not records:
         return
@@ -470,23 +385,16 @@ def tap_calls(
     args: tuple,
     kwargs: dict,
     emitted: Probe | None = None,
-) -> tuple[PyTree, list[tuple[_Call, PyTree, Array]] | None]:
+) -> tuple[PyTree, list[tuple[TapCall, PyTree, Array]] | None]:
     """`tap`'s call of `model`, and per container call, in call order, its
     statistics and its layers' indices + 1 in the order they ran (a call in
     reverse: ascending) (`None` without `stat`)."""
     # Records made outside any container call are the model's (run_layers' are
     # a call of its model).
-    outside = _Call(getattr(model, "__name__", "outside"))
+    outside = TapCall(getattr(model, "__name__", "outside"))
     records: list = []
-    state = _Tapping(
-        stat, with_input, probe, emitted, [outside], records, trace_state()
-    )
-    with (
-        setting(_TAPPING, state),
-        setting(_SCOPE, records),
-        setting(_CALL, outside),
-        setting(_DEPTH, 0),
-    ):
+    state = Tapping(stat, with_input, probe, emitted, [outside], records, trace_state())
+    with changed_call_state(tapping=state, scope=records, call=outside, depth=0):
         out = model(*args, **kwargs)
     calls = [(c, [r for r in records if r[2] is c]) for c in state.calls]
     calls = [(c, rs) for c, rs in calls if rs]

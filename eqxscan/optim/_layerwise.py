@@ -2,7 +2,6 @@
 under `jax.vmap` over each stack's layer axis, and once more, unbatched, on the
 arrays outside every stack."""
 
-import contextvars
 import functools
 from typing import NamedTuple
 
@@ -13,7 +12,7 @@ import jax.tree_util as jtu
 import optax
 from jaxtyping import PyTree
 
-from .._internal import docs, is_placeholder, Stacked
+from .._internal import call_state, changed_call_state, docs, is_placeholder, Stacked
 from ._arrays import is_array, is_stacked
 
 
@@ -34,16 +33,10 @@ class LayerwiseState(NamedTuple):
     stacks: tuple[PyTree, ...]
 
 
-# The stack whose layers `tx` is running on, one at a time (inside the vmap).
-_ONE_LAYER: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "eqxscan_layerwise", default=None
-)
-
-
 def one_layer() -> str | None:
     """Where `layerwise` is running its transformation on one layer at a time
     (the stack's path), or `None`."""
-    return _ONE_LAYER.get()
+    return call_state().layerwise
 
 
 def outer_stacks(tree: PyTree) -> list[tuple[str, Stacked]]:
@@ -207,11 +200,8 @@ def _update(
             return tx.update(u, s, p, **extra_args)
 
         layer_state = jtu.tree_unflatten(treedef, leaves)
-        token = _ONE_LAYER.set(where or "<root>")
-        try:
+        with changed_call_state(layerwise=where or "<root>"):
             out, layer_state = jax.vmap(one)(stack.layers, layer_state, layer_params)
-        finally:
-            _ONE_LAYER.reset(token)
         new_layers[j] = out
         new_states.append(_embed(layer_state, updates, j, stack.layers))
     return _with_layers(rest, new_layers), LayerwiseState(rest_state, tuple(new_states))
