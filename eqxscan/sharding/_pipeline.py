@@ -25,12 +25,12 @@ from .._internal import (
     DropRates,
     index,
     LayerCall,
+    permute_stack,
+    permute_stage_order,
     restack,
     scan_layers,
     split_key,
     Stacked,
-    stage_permute,
-    stage_reordered,
     tapping,
 )
 from ._shard import check_axes, check_mesh
@@ -219,7 +219,7 @@ def pipeline_order(
         want = staged if inverse else None
         _check_order(stack, want, f"permute this Stacked {what}, repeats={repeats}")
     order = {"stage_order": None if inverse else staged} if staged else {}
-    return stage_reordered(stack, stages, repeats, inverse, **order)  # pyright: ignore[reportReturnType]  # rebuilds type(stack)
+    return permute_stack(stack, stages, repeats, inverse, **order)  # pyright: ignore[reportReturnType]  # rebuilds type(stack)
 
 
 def pipeline_schedule(
@@ -310,7 +310,7 @@ def _drops(
     rates = (np.asarray(drop.drop_path), np.asarray(drop.layer_drop))
     if p.layer_order == "stage":
         rates = tuple(
-            stage_permute(r, p.stages, p.repeats, inverse=True) for r in rates
+            permute_stage_order(r, p.stages, p.repeats, inverse=True) for r in rates
         )
     inputs = DropRates(drop.num_layers, rates[0], rates[1]).per_layer_inputs(key)
     uses_path, uses_layer = drop.uses
