@@ -315,8 +315,8 @@ def run_one(
     # Named for profiles: a scanned stack's ops carry the layer's class.
     with at_layer(number), inside_layer(), jax.named_scope(type(layer).__name__):
         new, y = (fn if one.drop is None else dropping(fn, one.drop))(carry)
-    ran = None if one.drop is None else runs_here(one.drop)
-    return tapped(one.number, new, old, ran), y
+    runs = None if one.drop is None else runs_here(one.drop)
+    return tapped(one.number, new, old, runs), y
 
 
 def _run_writing(
