@@ -275,17 +275,17 @@ def name_groups(
     repeat axes `axes` in front of their arrays)."""
     new = []
     for group, place in zip(groups, layout):
-        first = offset.start + place.start
+        start = offset.start + place.start
         if place.per_step == 0:
-            new.append(fn(group, LayerNumbering(first, offset.strides), axes))
+            new.append(fn(group, LayerNumbering(start, offset.strides), axes))
         elif place.per_step == 1:
             order = layers_in_stage_order(place.size, group.stage_order)
-            index = LayerNumbering(first, offset.strides + (1,), order)
-            layers = fn(group.layers, index, axes + (place.size,))
+            numbering = LayerNumbering(start, offset.strides + (1,), order)
+            layers = fn(group.layers, numbering, axes + (place.size,))
             new.append(eqx.tree_at(lambda s: s.layers, group, layers))
         else:
             pattern = group.layers
-            repeats = LayerNumbering(first, offset.strides + (place.per_step,))
+            repeats = LayerNumbering(start, offset.strides + (place.per_step,))
             inner = axes + (place.size // place.per_step,)
             named = name_groups(pattern.groups, pattern.layout, fn, repeats, inner)
             new.append(eqx.tree_at(lambda s: s.layers.groups, group, named))
