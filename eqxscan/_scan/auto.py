@@ -29,7 +29,7 @@ from jaxtyping import PyTree
 from .._helpers.checks import is_array
 from .layer_index import setting
 from .options import Remat
-from .remat import as_scan_remat, AUTO_POLICY, Policy, ScanRemat, Traced
+from .scan_remat import as_scan_remat, AUTO_POLICY, Policy, ScanRemat, Traced
 from .setting_names import remat_label
 
 
