@@ -11,13 +11,13 @@ from ._containers.linear_cells import (
 from ._containers.stack_calls import scan_layers as scan_layers
 from ._containers.stacked import (
     LayerNumbering as LayerNumbering,
+    permute_stack as permute_stack,
     restack as restack,
     Stacked as Stacked,
-    stage_reordered as stage_reordered,
 )
 from ._containers.stage_order import (
-    stage_permute as stage_permute,
-    stored_order as stored_order,
+    layers_in_stage_order as layers_in_stage_order,
+    permute_stage_order as permute_stage_order,
 )
 from ._containers.walk import (
     for_each as for_each,

@@ -12,7 +12,7 @@ import pytest
 
 import eqxscan
 from eqxscan._scan.engine import run
-from eqxscan._scan.remat import ScanRemat
+from eqxscan._scan.scan_remat import ScanRemat
 
 from .helpers import run_script, sub_jaxprs
 

@@ -23,7 +23,7 @@ from .._scan.buffers import refuse_buffer
 from .._scan.eager_compile import compiled_when_eager
 from .._scan.engine import run
 from .._scan.layer_call import LayerCall, OneLayer, run_one
-from .._scan.layer_index import current_step
+from .._scan.layer_index import step_index_or_none
 from .._scan.options import OwnOptions, ScanArgs, Scanning, ScanOptions
 from .._scan.taps import emitted, in_cell, untapped
 from .linear_cells import DiagonalLinearCell, MatrixLinearCell
@@ -332,7 +332,7 @@ def _time_step(
         one = one._replace(
             args=(eqx.combine(x_dyn, xs_static), *one.args),  # named by the engine
             key=key if controls.broadcast_key else one.key,
-            number=current_step(),
+            number=step_index_or_none(),
         )
         this = call if m is None else call._replace(method=_masked_cell_step(m, where))
         new, _ = run_one(cell, this, one, h, f"The cell {type(cell).__name__}")

@@ -131,7 +131,7 @@ def scan_layers(stack: Stack, x: PyTree, call: LayerCall) -> tuple[PyTree, PyTre
     def step(carry: PyTree, xs: tuple[PyTree, PyTree, PyTree]) -> tuple[PyTree, PyTree]:
         dyn, per, i = xs
         layer = eqx.combine(dyn, layer_static)
-        inputs = one(per)._replace(number=call.index_of(step_index()))
+        inputs = one(per)._replace(number=call.number_of(step_index()))
         if view is not None:
             assert at is not None
             carry, tree = carry

@@ -55,7 +55,7 @@ from .._scan.layer_call import (
 )
 from .._scan.options import OwnOptions, ScanArgs, Scanning, ScanOptions
 from .stack_calls import dropping_call, scan_layers, vmap_layers
-from .stage_order import check_stage_order, stage_permute, stored_order
+from .stage_order import check_stage_order, layers_in_stage_order, permute_stage_order
 
 
 #: The most layers a stack may have: beyond, the per-layer keys alone take
@@ -305,7 +305,7 @@ class Stacked(Scanning, Generic[LayerT]):
         self, options: ScanOptions, **own: Unpack[OwnOptions]
     ) -> "Stacked[LayerT]":
         changes: dict[str, object] = dict(own)
-        order = stored_order(self.num_layers, self.stage_order)
+        order = layers_in_stage_order(self.num_layers, self.stage_order)
         for name in ("drop_path", "layer_drop"):
             if order is not None and name in changes:
                 # Given by layer number; stored, as the layers, in stage order.
@@ -383,7 +383,7 @@ class Stacked(Scanning, Generic[LayerT]):
 
     def _position(self, i: int) -> int:
         # Where layer `i` is stored: `pipeline_order` permutes the positions.
-        order = stored_order(self.num_layers, self.stage_order)
+        order = layers_in_stage_order(self.num_layers, self.stage_order)
         return i if order is None else order.index(i)
 
     def unstack(self) -> list[LayerT]:
@@ -394,7 +394,7 @@ class Stacked(Scanning, Generic[LayerT]):
         """Names layer `i`'s `w1` `"<prefix>.i.w1"` in a state dict, as for a list
         of layers, wherever `stage_order` stores it: `fn` replaces `layers`, and
         the stack is rebuilt (checked)."""
-        order = stored_order(self.num_layers, self.stage_order)
+        order = layers_in_stage_order(self.num_layers, self.stage_order)
         layers = fn(self.layers, LayerNumbering(0, (1,), order), (self.num_layers,))
         return restack(self, layers=layers)
 
@@ -508,7 +508,7 @@ class Stacked(Scanning, Generic[LayerT]):
         # Called directly, a stack in stage order runs layer 0, 1, ... as the
         # unpipelined one: its weights read through the permutation (a copy).
         assert self.stage_order is not None
-        return stage_reordered(self, *self.stage_order, inverse=True, stage_order=None)
+        return permute_stack(self, *self.stage_order, inverse=True, stage_order=None)
 
     def _keys(self, key: PRNGKeyArray | None) -> Array | None:
         # Layer i's key: `split(key, L)[i]`.
@@ -550,7 +550,7 @@ class Stacked(Scanning, Generic[LayerT]):
         return vmap_layers(self, x, call)
 
 
-def natural_order(group: Any) -> Any:
+def in_natural_order(group: Any) -> Any:
     """`group`, a stack in the stage order of `pipeline_order` read back in its
     natural order (a copy): where a `Chain` runs it, layer `i` runs `i`-th."""
     if isinstance(group, Stacked) and group.stage_order is not None:
@@ -585,12 +585,12 @@ def restack(stack: Stacked[LayerT], **changes: object) -> Stacked[LayerT]:
     return eqx.tree_at(lambda s: s.drop_rates, new, drop)
 
 
-def stage_reordered(
+def permute_stack(
     stack: Stacked[LayerT], stages: int, repeats: int, inverse: bool, **changes: object
 ) -> Stacked[LayerT]:
     """`stack` with its layers and per-layer drop rates permuted into stage order
-    (or back), as `stage_permute` says; `changes` as for `restack`."""
-    one = lambda a: stage_permute(a, stages, repeats, inverse)
+    (or back), as `permute_stage_order` says; `changes` as for `restack`."""
+    one = lambda a: permute_stage_order(a, stages, repeats, inverse)
     layers = jtu.tree_map(lambda a: one(a) if eqx.is_array(a) else a, stack.layers)
     order, drop = one(np.arange(stack.num_layers)), stack.drop_rates
     if drop is not None:

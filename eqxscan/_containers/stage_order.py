@@ -12,7 +12,9 @@ from .._helpers.checks import check_size, describe
 _ArrayT = TypeVar("_ArrayT", jax.Array, np.ndarray)
 
 
-def stage_permute(a: _ArrayT, stages: int, repeats: int, inverse: bool) -> _ArrayT:
+def permute_stage_order(
+    a: _ArrayT, stages: int, repeats: int, inverse: bool
+) -> _ArrayT:
     """Axis 0 of a NumPy or JAX array from the natural layer order to the stage
     order of `pipeline_order` (or back): position `(s * R + r) * K + k` holds
     layer `(r * S + s) * K + k`. A reshape and a swap of axes, so a layer-sharded
@@ -23,14 +25,16 @@ def stage_permute(a: _ArrayT, stages: int, repeats: int, inverse: bool) -> _Arra
     return b.swapaxes(0, 1).reshape(num_layers, *a.shape[1:])
 
 
-def stored_order(
+def layers_in_stage_order(
     num_layers: int, stage_order: tuple[int, int] | None
 ) -> tuple[int, ...] | None:
     """The layer held at each position of a stack stored in the stage order
     `stage_order` of `pipeline_order` (`None`: the natural order)."""
     if stage_order is None:
         return None
-    return tuple(stage_permute(np.arange(num_layers), *stage_order, False).tolist())
+    return tuple(
+        permute_stage_order(np.arange(num_layers), *stage_order, False).tolist()
+    )
 
 
 def check_stage_order(order: object, num_layers: int) -> tuple[int, int] | None:

@@ -28,7 +28,7 @@ from jaxtyping import PyTree
 from .._helpers.checks import is_array
 from .call_state import call_state, changed_call_state
 from .options import Remat
-from .remat import as_scan_remat, AUTO_POLICY, Policy, ScanRemat, Traced
+from .scan_remat import as_scan_remat, AUTO_POLICY, Policy, ScanRemat, Traced
 from .setting_names import remat_label
 
 

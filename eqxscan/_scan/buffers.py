@@ -25,7 +25,7 @@ from jaxtyping import Array, PyTree
 from .._helpers.checks import describe, docs
 from .._helpers.stateful import find_arg, get_arg
 from .index import Index, index
-from .remat import BUFFER_READ
+from .scan_remat import BUFFER_READ
 
 
 class PerLayer(eqx.Module):

@@ -57,7 +57,7 @@ class CallState:
       loop (`engine.py`); `layer_index.indexed`, as the step's index.
     - `step`: the index of the engine step being traced (traced int32, or the
       loop's int); `layer_index.indexed`, around each step; the containers
-      (`current_step`, `step_index`), to number their layers.
+      (`step_index_or_none`, `step_index`), to number their layers.
     - `layer`: the global index of the layer being called (`None`: not in a
       layer, or a step inside another container's layer); the layer-call seam
       (`at_layer`); [`eqxscan.layer_index`][] and the drop rates.

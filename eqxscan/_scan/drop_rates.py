@@ -25,7 +25,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Key, PRNGKeyArray, PyTree, UInt32
 
 from .._helpers.checks import Checked, describe, docs
-from .layer_index import current_step, layer_index
+from .layer_index import layer_index, step_index_or_none
 from .skip import same_types, skip_layer
 
 
@@ -380,7 +380,7 @@ def _undroppable(new: PyTree, drop: DropInputs, name: str, why: str) -> PyTree:
         f"{docs('depth.md')}."
     )
     rates = drop.static_rates[name == "layer_drop"]
-    if current_step() is None and isinstance(index, int) and index < len(rates):
+    if step_index_or_none() is None and isinstance(index, int) and index < len(rates):
         if rates[index] > 0:
             raise ValueError(message)
         return new

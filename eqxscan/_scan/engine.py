@@ -30,7 +30,7 @@ from .f32_pin import pinned
 from .index import index
 from .layer_index import indexed, loop_step
 from .options import ScanOptions
-from .remat import (
+from .scan_remat import (
     CARRY,
     name_inputs,
     name_tree,

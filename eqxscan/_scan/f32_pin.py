@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from .remat import Traced
+from .scan_remat import Traced
 
 
 def pin(x: PyTree, carry: PyTree) -> PyTree:

@@ -153,8 +153,8 @@ class LayerCall(NamedTuple):
     - `pattern_step`: set when each scan step is a pattern step (see
       `PatternStep`); the per-layer values then have the repeat axis first.
     - `caller`: names the container in errors.
-    - `first`, `stride`: layer `i` of this call is the outermost container's
-      layer `first + i * stride`; `first` is `None` when not known.
+    - `start`, `stride`: layer `i` of this call is the outermost container's
+      layer number `start + i * stride`; `start` is `None` when not known.
     - `over`: `"layers"`, or a `Recurrent`'s `"time"` steps, which set no
       [`eqxscan.layer_index`][] and are tapped by time step.
     """
@@ -170,13 +170,13 @@ class LayerCall(NamedTuple):
     optional_key: bool = False
     pattern_step: PatternStep | None = None
     caller: str = "Stacked"
-    first: Index | None = 0
+    start: Index | None = 0
     stride: int = 1
     over: Literal["layers", "time"] = "layers"
 
-    def index_of(self, i: Index) -> Index | None:
-        """The global index of this call's layer (or pattern step) `i`."""
-        return None if self.first is None else self.first + i * self.stride
+    def number_of(self, i: Index) -> Index | None:
+        """The layer number of this call's layer (or pattern step) `i`."""
+        return None if self.start is None else self.start + i * self.stride
 
     def per_layer_values(self) -> tuple[PyTree, ...]:
         """Everything with a leading layer axis, in one tuple (for slicing)."""
@@ -218,16 +218,16 @@ class LayerCall(NamedTuple):
         """Layer `i`'s inputs: slice `i` of every per-layer value (a static
         slice for an int, a dynamic one for an array index)."""
         one = self._one(index(self.per_layer_values(), i))
-        return one._replace(number=self.index_of(i))
+        return one._replace(number=self.number_of(i))
 
     def take(self, idx: Indices) -> "LayerCall":
         """The call of the layers `idx` (a static slice or index array), in
         that order: every per-layer value cut to them."""
-        first = None
-        if isinstance(idx, slice) and idx.step in (None, 1) and self.first is not None:
-            first = self.first + (idx.start or 0)
+        start = None
+        if isinstance(idx, slice) and idx.step in (None, 1) and self.start is not None:
+            start = self.start + (idx.start or 0)
         new = self._with_per_layer(take(self.per_layer_values(), idx))
-        return new._replace(first=first, stride=1)
+        return new._replace(start=start, stride=1)
 
     def placed(self, start: int, size: int, per_step: int) -> "LayerCall":
         """The call of layers `start .. start + size - 1` as one group: a stack
@@ -245,7 +245,7 @@ class LayerCall(NamedTuple):
                 part,
             )
         new = self._with_per_layer(part)
-        return new._replace(first=self.index_of(start), stride=max(per_step, 1))
+        return new._replace(start=self.number_of(start), stride=max(per_step, 1))
 
     def inner(self, one: OneLayer) -> "LayerCall":
         """The call of a pattern's own layers, from one repeat's inputs `one` (see
@@ -261,7 +261,7 @@ class LayerCall(NamedTuple):
             drop=one.drop,
             runs=None,
             pattern_step=None,
-            first=one.number,
+            start=one.number,
             stride=1,
         )
 
@@ -315,8 +315,8 @@ def run_one(
     # Named for profiles: a scanned stack's ops carry the layer's class.
     with at_layer(number), inside_layer(), jax.named_scope(type(layer).__name__):
         new, y = (fn if one.drop is None else dropping(fn, one.drop))(carry)
-    ran = None if one.drop is None else runs_here(one.drop)
-    return tapped(one.number, new, old, ran), y
+    runs = None if one.drop is None else runs_here(one.drop)
+    return tapped(one.number, new, old, runs), y
 
 
 def _run_writing(

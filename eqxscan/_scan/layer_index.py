@@ -27,7 +27,7 @@ def at_layer(i: Index | None) -> contextlib.AbstractContextManager[object]:
     return changed_call_state(layer=i)
 
 
-def current_step() -> Index | None:
+def step_index_or_none() -> Index | None:
     """The index of the engine step being traced, or `None` outside one (the
     shape-only trace of a run of length 0)."""
     return call_state().step

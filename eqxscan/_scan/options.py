@@ -10,7 +10,7 @@ from jaxtyping import PyTree
 
 from .._helpers.checks import check_option, check_unroll, Checked
 from .drop_rates import Rates
-from .remat import as_scan_remat, check_policy, Policy, ScanRemat
+from .scan_remat import as_scan_remat, check_policy, Policy, ScanRemat
 
 
 Mode: TypeAlias = Literal["scan", "loop"]

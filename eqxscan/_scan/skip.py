@@ -23,7 +23,7 @@ import numpy as np
 from jaxtyping import Array, Bool, PyTree
 
 from .index import index
-from .remat import Policy, Step, Traced
+from .scan_remat import Policy, Step, Traced
 
 
 def inexact(value: object) -> bool:

@@ -106,10 +106,10 @@ _probed.defvjp(lambda stat, x, p: (x, None), lambda stat, res, ct: (ct, stat(ct)
 
 
 def tapped(
-    i: Index | None, new: PyTree, old: PyTree, ran: Array | None = None
+    i: Index | None, new: PyTree, old: PyTree, runs: Array | None = None
 ) -> PyTree:
     """Layer (or step) `i`'s output `new`, given `old`: its statistics
-    recorded (a row of zeros where LayerDrop skipped it: `ran` false) and its
+    recorded (a row of zeros where LayerDrop skipped it: `runs` false) and its
     slice of the probe attached."""
     now = call_state()
     state, scope = now.tapping, now.scope
@@ -120,7 +120,7 @@ def tapped(
         stats = state.stat(new, old) if state.with_input else state.stat(new)
         stats = jtu.tree_map(jnp.asarray, stats)  # a Python number, as a row
     number = jnp.asarray(i, jnp.float32) + 1
-    number = number if ran is None else jnp.where(ran, number, 0.0)
+    number = number if runs is None else jnp.where(runs, number, 0.0)
     scope.append((number, stats, now.call))
     return _attached(state.probe, i, new, now.call)
 

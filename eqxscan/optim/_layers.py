@@ -14,7 +14,15 @@ import optax
 from jax.core import Tracer
 from jaxtyping import PyTree
 
-from .._internal import Chain, check_index, docs, Site, Stacked, stored_order, walk
+from .._internal import (
+    Chain,
+    check_index,
+    docs,
+    layers_in_stage_order,
+    Site,
+    Stacked,
+    walk,
+)
 from ._arrays import is_array, is_stacked
 from ._layerwise import one_layer, outer_stacks
 
@@ -73,7 +81,7 @@ def _zero_layers(stack: Stacked, layers: LayerSelection, zero: float) -> Stacked
             hint = "freeze_layers takes concrete layer indices."
             chosen.add(check_index(item, n, "Stacked", hint))
     # Layer numbers, wherever the stack stores them (`pipeline_order`).
-    layer_at = stored_order(n, stack.stage_order) or range(n)
+    layer_at = layers_in_stage_order(n, stack.stage_order) or range(n)
     frozen = jnp.asarray([i in chosen for i in layer_at])
 
     def zero_out(a: object) -> object:

@@ -107,11 +107,11 @@ def layerwise_scale(
         def scale(leaf: object, site: Site) -> object:
             if not is_array(leaf):
                 return leaf
-            first = next((p for p in site.path if isinstance(p, LayerNumbering)), None)
-            if first is None:
+            outer = next((p for p in site.path if isinstance(p, LayerNumbering)), None)
+            if outer is None:
                 return leaf if unstacked == 1.0 else leaf * unstacked
             # One factor per index along the outermost stack's (or Chain's) axes.
-            skip = len(site.axes) - len(first.strides)
+            skip = len(site.axes) - len(outer.strides)
             index = layer_numbers(site)[0][(...,) + (0,) * skip]
             where = pattern(site.path)
             values = [

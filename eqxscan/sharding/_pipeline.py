@@ -25,12 +25,12 @@ from .._internal import (
     DropRates,
     index,
     LayerCall,
+    permute_stack,
+    permute_stage_order,
     restack,
     scan_layers,
     split_key,
     Stacked,
-    stage_permute,
-    stage_reordered,
     tapping,
 )
 from ._shard import check_axes, check_mesh
@@ -147,8 +147,8 @@ def _check_chunks(num_layers: int, stages: int, repeats: int, where: str) -> int
     return num_layers // chunks
 
 
-def _staged(stages: int, repeats: int) -> tuple[int, int] | None:
-    # A stack's `stage_order` in stage order (`None` where it is the natural one).
+def _stage_order(stages: int, repeats: int) -> tuple[int, int] | None:
+    # The `stage_order` of a stack permuted for these (`None`: no permutation).
     return (stages, repeats) if stages > 1 and repeats > 1 else None
 
 
@@ -157,7 +157,7 @@ def _order_call(order: tuple[int, int], inverse: str = "") -> str:
 
 
 def _check_order(stack: Stacked, want: tuple[int, int] | None, what: str) -> None:
-    have = stack.stage_order and _staged(*stack.stage_order)
+    have = stack.stage_order and _stage_order(*stack.stage_order)
     if have != want:
         says = lambda o: o and f"in the stage order of {_order_call(o)}"
         natural = "in their natural order"
@@ -214,12 +214,12 @@ def pipeline_order(
     repeats = check_size("repeats", repeats)
     stack.check_layer_axis("reorder")
     _check_chunks(stack.num_layers, stages, repeats, "")
-    if staged := _staged(stages, repeats):  # else the permutation changes nothing
+    if staged := _stage_order(stages, repeats):  # else the permutation changes nothing
         what = f"{'back from' if inverse else 'into'} stage order for stages={stages}"
         want = staged if inverse else None
         _check_order(stack, want, f"permute this Stacked {what}, repeats={repeats}")
     order = {"stage_order": None if inverse else staged} if staged else {}
-    return stage_reordered(stack, stages, repeats, inverse, **order)  # pyright: ignore[reportReturnType]  # rebuilds type(stack)
+    return permute_stack(stack, stages, repeats, inverse, **order)  # pyright: ignore[reportReturnType]  # rebuilds type(stack)
 
 
 def pipeline_schedule(
@@ -310,7 +310,7 @@ def _drops(
     rates = (np.asarray(drop.drop_path), np.asarray(drop.layer_drop))
     if p.layer_order == "stage":
         rates = tuple(
-            stage_permute(r, p.stages, p.repeats, inverse=True) for r in rates
+            permute_stage_order(r, p.stages, p.repeats, inverse=True) for r in rates
         )
     inputs = DropRates(drop.num_layers, rates[0], rates[1]).per_layer_inputs(key)
     uses_path, uses_layer = drop.uses
@@ -482,7 +482,7 @@ def _check_pipeline(
     stages = mesh.shape[stage_axis]
     where = f" (mesh axis {stage_axis!r})"
     per_chunk = _check_chunks(stack.num_layers, stages, repeats, where)
-    staged = _staged(stages, repeats) if order == "stage" else None
+    staged = _stage_order(stages, repeats) if order == "stage" else None
     what = f"pipeline(..., layer_order={order!r}) over {stages} stages"
     _check_order(stack, staged, f"run this Stacked as {what}, repeats={repeats}")
     if not isinstance(x, (jax.Array, np.ndarray)):  # e.g. a pytree

@@ -27,8 +27,8 @@ from ..._scan.layer_call import (
 )
 from ..._scan.options import ScanOptions
 from ..stack_calls import scan_layers
-from ..stacked import LayerNumbering, natural_order, Stacked, StateDictFn
-from ..stage_order import stored_order
+from ..stacked import in_natural_order, LayerNumbering, Stacked, StateDictFn
+from ..stage_order import layers_in_stage_order
 from .grouping import Plan
 
 
@@ -136,7 +136,7 @@ def _call_group(
         group_call = group_call._replace(pattern_step=_pattern_step(call))
     last = place.start + place.size - 1
     with jax.named_scope(f"layers_{place.start}-{last}"):  # the group, in profiles
-        x, ys = scan_layers(natural_order(group), x, group_call)
+        x, ys = scan_layers(in_natural_order(group), x, group_call)
     if place.per_step > 1 and ys is not None:
         ys = jtu.tree_map(
             lambda a: a.reshape(place.size, *a.shape[2:]) if eqx.is_array(a) else a,
@@ -275,17 +275,17 @@ def name_groups(
     repeat axes `axes` in front of their arrays)."""
     new = []
     for group, place in zip(groups, layout):
-        first = offset.start + place.start
+        start = offset.start + place.start
         if place.per_step == 0:
-            new.append(fn(group, LayerNumbering(first, offset.strides), axes))
+            new.append(fn(group, LayerNumbering(start, offset.strides), axes))
         elif place.per_step == 1:
-            order = stored_order(place.size, group.stage_order)
-            index = LayerNumbering(first, offset.strides + (1,), order)
-            layers = fn(group.layers, index, axes + (place.size,))
+            order = layers_in_stage_order(place.size, group.stage_order)
+            numbering = LayerNumbering(start, offset.strides + (1,), order)
+            layers = fn(group.layers, numbering, axes + (place.size,))
             new.append(eqx.tree_at(lambda s: s.layers, group, layers))
         else:
             pattern = group.layers
-            repeats = LayerNumbering(first, offset.strides + (place.per_step,))
+            repeats = LayerNumbering(start, offset.strides + (place.per_step,))
             inner = axes + (place.size // place.per_step,)
             named = name_groups(pattern.groups, pattern.layout, fn, repeats, inner)
             new.append(eqx.tree_at(lambda s: s.layers.groups, group, named))

@@ -16,7 +16,7 @@ from ..._helpers.constrain import constrain
 from ..._scan.layer_call import GroupSteps, Index, index, LayerCall, OneLayer, run_one
 from ..._scan.taps import add, held
 from ..stack_calls import layer_of, stack_layer_fn
-from ..stacked import natural_order, Stacked
+from ..stacked import in_natural_order, Stacked
 from .chain import Chain
 from .groups import Pattern, Placement
 
@@ -39,7 +39,9 @@ def chain_steps(
             continue
         group_call = call.placed(place.start, place.size, per_step)
         if per_step == 1:
-            step = functools.partial(stack_layer_fn, natural_order(group), group_call)
+            step = functools.partial(
+                stack_layer_fn, in_natural_order(group), group_call
+            )
             name = type(group.layers).__name__
         else:
             step = functools.partial(_pattern_steps, group, place, group_call, start)
@@ -127,7 +129,7 @@ def _branch_layer(chain: Chain, branch: _Branch, row: Int[Array, " w"]) -> objec
     groups: tuple = chain.groups
     for j in patterns:
         groups = groups[j].layers.groups
-    group = natural_order(groups[last])
+    group = in_natural_order(groups[last])
     tree = group.layers if branch.stacked else group
     for level in range(1, len(branch.path) + branch.stacked):
         tree = index(tree, row[level])
