@@ -26,9 +26,9 @@ from jaxtyping import Array, Bool, PyTree
 from .._helpers.checks import check_carry, describe, noted, same_leaf
 from .._helpers.stateful import clone
 from .auto import resolve
+from .call_state import changed_call_state
 from .f32_pin import pinned
-from .index import index
-from .layer_index import indexed, loop_step
+from .index import Index, index
 from .options import ScanOptions
 from .scan_remat import (
     CARRY,
@@ -41,7 +41,7 @@ from .scan_remat import (
     Traced,
 )
 from .skip import arrays_only, can_skip_scan, skip_layer, skip_scan, skip_step
-from .taps import collected
+from .taps import step_taps
 
 
 def wrap_remat(fn: Step, remat: ScanRemat, *, in_scan: bool) -> Step:
@@ -100,8 +100,6 @@ def _unstack(xs: PyTree, length: int) -> list[PyTree]:
     ]
 
 
-@collected  # taps' records leave each step (`eqxscan/_scan/taps.py`)
-@indexed  # each step knows its index (`eqxscan/_scan/layer_index.py`)
 def run(
     step: Step,
     carry: PyTree,
@@ -144,12 +142,42 @@ def run(
     options; with `mode="loop"` once per step, as a Python loop would.
     """
     remat = options.scan_remat
+    # While tapped, a step's records leave it beside its `y` (`taps.py`).
+    taps = step_taps()
 
-    def body(c: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
-        return step(c, name_inputs(x if read is None else read(x), remat))
+    def body(c: PyTree, x_i: tuple[PyTree, Index]) -> tuple[PyTree, PyTree]:
+        # The step's own index (traced, or the loop's int) is read by the
+        # containers; a step inside another container's layer starts with no
+        # layer set.
+        x, i = x_i
+        opened, records, scope = (0, None, {}) if taps is None else taps.open()
+        with changed_call_state(step=i, layer=None, **scope):
+            new, y = step(c, name_inputs(x if read is None else read(x), remat))
+        return new, y if taps is None else taps.close(y, opened, records)
 
     if options.mode == "loop":
-        return _run_loop(body, carry, xs, length, remat, reverse, where, runs)
+        c, ys = _run_loop(body, carry, xs, length, remat, reverse, where, runs)
+        return c, ys if taps is None else taps.finish(ys)
+    xs = (xs, jnp.arange(length, dtype=jnp.int32))
+    c, ys = _run_scan(
+        body, carry, xs, length, options, reverse, where, gathered, over, runs
+    )
+    return c, ys if taps is None else taps.finish(ys)
+
+
+def _run_scan(
+    body: Step,
+    carry: PyTree,
+    xs: PyTree,
+    length: int,
+    options: ScanOptions,
+    reverse: bool,
+    where: Callable[[int | None], str],
+    gathered: bool,
+    over: Literal["layers", "time"],
+    runs: Bool[Array, " L"] | None,
+) -> tuple[PyTree, PyTree]:
+    remat = options.scan_remat
     traced, c_dyn, c_static = trace_step(body, carry, xs, length, where(None))
     remat, unroll = resolve(
         traced, (c_dyn, xs), length, remat, options.unroll, where(None), gathered, over
@@ -218,16 +246,17 @@ def _run_loop(
     # loop saves everything unless remat was asked for explicitly.
     explicit = not remat.is_rule and not (remat.policy is False and not remat.named)
 
-    def step_fn(c: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
+    def step_fn(c: PyTree, x: PyTree, i: int) -> tuple[PyTree, PyTree]:
+        # The step's index is the loop's Python int, given beside its slice.
         if runs is not None:
             # Traced on this step's values, then run only where it runs.
             x, runs_i = x
-            return skip_layer(lambda c: step(c, x), c, runs_i)
+            return skip_layer(lambda c: step(c, (x, i)), c, runs_i)
         if not explicit:
-            return step(c, x)
+            return step(c, (x, i))
         # jax.checkpoint takes and returns arrays only: close over the rest.
         c_dyn, c_static = eqx.partition(c, eqx.is_array)
-        body, statics = arrays_only(step, c_static)
+        body, statics = arrays_only(lambda c, x: step(c, (x, i)), c_static)
         return eqx.combine(wrap_remat(body, remat, in_scan=False)(c_dyn, x), statics[0])
 
     ys = [None] * length
@@ -238,8 +267,7 @@ def _run_loop(
     carry = jtu.tree_map(lambda a: jnp.asarray(a) if is_numpy(a) else a, carry)
     for current in range(length - 1, -1, -1) if reverse else range(length):
         old = clone(carry)  # the step may invalidate `carry` (an `eqx.nn.State`)
-        with loop_step(current):
-            new, y = noted(step_fn, where(current), carry, slices[current])
+        new, y = noted(step_fn, where(current), carry, slices[current], current)
         check_carry(old, new, where(current), current)
         # Kept apart from the next step's carry, which that step may invalidate.
         carry, ys[current] = new, clone(y)
