@@ -14,7 +14,7 @@ import eqxscan
 
 PACKAGE = os.path.dirname(eqxscan.__file__)
 # eqxscan's frames between `Stacked.__call__` and the layer, in either mode.
-MAX_FRAMES = 14
+MAX_FRAMES = 6
 
 
 class _Recorded(eqx.Module):
