@@ -461,7 +461,8 @@ class Stacked(Scanning, Generic[LayerT]):
 
         The final carry (or `(carry, state)` when called with a state).
         """
-        return self._fold(x, args, kwargs, key, method, reverse, carry_only)[0]
+        stack, call = self._call(args, kwargs, key, method, reverse, carry_only)
+        return scan_layers(stack, x, call)[0]
 
     @compiled_when_eager
     def scan(
@@ -482,27 +483,27 @@ class Stacked(Scanning, Generic[LayerT]):
         traced body gives them: with `mode="loop"`, numbers that differ by
         layer are stacked). `ys[i]` is layer `i`'s, also with `reverse=True`.
         """
-        return self._fold(x, args, kwargs, key, method, reverse, pairs("Stacked.scan"))
+        read_out = pairs("Stacked.scan")
+        stack, call = self._call(args, kwargs, key, method, reverse, read_out)
+        return scan_layers(stack, x, call)
 
-    def _fold(
+    def _call(
         self,
-        x: PyTree,
         args: tuple[PyTree, ...],
         kwargs: dict[str, PyTree],
         key: PRNGKeyArray | None,
         method: Method | None,
         reverse: object,  # checked here, with a clear error
         read_out: ReadOut,
-    ) -> tuple[PyTree, PyTree]:
-        if self.stage_order is not None:
-            return self._natural()._fold(
-                x, args, kwargs, key, method, reverse, read_out
-            )
-        check_method(method, self.layers)
+    ) -> tuple["Stacked[LayerT]", LayerCall]:
+        # The stack that runs (in natural order) and how it calls its layers:
+        # built here and returned, so that a call's traceback passes no frame
+        # of it on the way to the layers.
+        stack = self if self.stage_order is None else self._natural()
+        check_method(method, stack.layers)
         reverse = check_bool("reverse", reverse)
-        call = LayerCall(args, kwargs, self._keys(key), read_out, reverse, method)
-        drop_call = dropping_call(self.drop_rates, call, key, "Stacked")
-        return scan_layers(self, x, drop_call)
+        call = LayerCall(args, kwargs, stack._keys(key), read_out, reverse, method)
+        return stack, dropping_call(stack.drop_rates, call, key, "Stacked")
 
     def _natural(self) -> "Stacked[LayerT]":
         # Called directly, a stack in stage order runs layer 0, 1, ... as the

@@ -11,6 +11,7 @@ from typing import (
     Annotated,
     Any,
     cast,
+    Literal,
     ParamSpec,
     SupportsIndex,
     TYPE_CHECKING,
@@ -74,9 +75,28 @@ def noted(fn: Callable[P, R], where: str, *args: P.args, **kwargs: P.kwargs) -> 
     """`fn(*args, **kwargs)`; an exception it raises gets one note naming `where`
     (e.g. "Layer 3 (Block)"), once per place."""
     __tracebackhide__ = True
-    try:
+    with noting(where, *args):
         return fn(*args, **kwargs)
-    except Exception as e:
+
+
+class noting:  # noqa: N801  # used as a function, in `with`
+    """Around code run on `args` (the carry first): an exception it raises gets
+    one note naming `where` (e.g. "Layer 3 (Block)"), once per place. A block,
+    not a call, so that a traceback through it shows no frame of its own."""
+
+    def __init__(self, where: str, *args: object):
+        self.where, self.args = where, args
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, kind: type | None, e: BaseException | None, tb: object
+    ) -> Literal[False]:  # never suppresses
+        __tracebackhide__ = True
+        if not isinstance(e, Exception):
+            return False
+        where, args = self.where, self.args
         shown = _input(args) if type(e) in (TypeError, ValueError) else ""
         if shown and _raised_by_jax(e):
             # JAX's shape errors ("dot_general requires ...") name no layer and
@@ -94,7 +114,7 @@ def noted(fn: Callable[P, R], where: str, *args: P.args, **kwargs: P.kwargs) -> 
         note = f"(raised by {where}, run by eqxscan; {DEBUGGING_DOCS})"
         if note not in getattr(e, "__notes__", ()):
             e.add_note(note)
-        raise
+        return False
 
 
 def _raised_by_jax(e: BaseException) -> bool:

@@ -53,10 +53,8 @@ class Tapping:
 class CallState:
     """Each field: what it is; who sets it; who reads it.
 
-    - `loop_step`: the Python int of the step `mode="loop"` runs; the engine's
-      loop (`engine.py`); `layer_index.indexed`, as the step's index.
     - `step`: the index of the engine step being traced (traced int32, or the
-      loop's int); `layer_index.indexed`, around each step; the containers
+      loop's int); the engine's `run`, around each step; the containers
       (`step_index_or_none`, `step_index`), to number their layers.
     - `layer`: the global index of the layer being called (`None`: not in a
       layer, or a step inside another container's layer); the layer-call seam
@@ -66,11 +64,11 @@ class CallState:
       resumed in a `Recurrent`'s cell; everything in `taps.py`.
     - `scope`: the innermost tap scope's records, `(index + 1, stats, call)`,
       the index a float (0 marks a skipped layer); `tap_calls`, each engine
-      step (`collected`), `held` and `covering`; `tapped` appends to it.
+      step (`StepTaps`), `held` and `covering`; `tapped` appends to it.
     - `call`: the container call being tapped; `call_of`; `tapped`, to tag
       records, and the probe's rows.
     - `depth`: how many tapped scan steps enclose the code; `tap_calls` (0)
-      and `collected` (+1); `call_of`, for `TapCall.depth`.
+      and `StepTaps` (+1); `call_of`, for `TapCall.depth`.
     - `paused`: the tapping a layer's call paused; the layer-call seam
       (`inside_layer`); a `Recurrent`'s cell (`in_cell`), to resume it.
     - `auto_records`: the lists of `AutoChoice`s of the open
@@ -82,7 +80,6 @@ class CallState:
       one layer at a time.
     """
 
-    loop_step: int | None = None
     step: Index | None = None
     layer: Index | None = None
     tapping: Tapping | None = None

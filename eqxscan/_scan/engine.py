@@ -23,12 +23,12 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, Bool, PyTree
 
-from .._helpers.checks import check_carry, describe, noted, same_leaf
+from .._helpers.checks import check_carry, describe, noting, same_leaf
 from .._helpers.stateful import clone
 from .auto import resolve
+from .call_state import changed_call_state
 from .f32_pin import pinned
-from .index import index
-from .layer_index import indexed, loop_step
+from .index import Index, index
 from .options import ScanOptions
 from .scan_remat import (
     CARRY,
@@ -41,7 +41,7 @@ from .scan_remat import (
     Traced,
 )
 from .skip import arrays_only, can_skip_scan, skip_layer, skip_scan, skip_step
-from .taps import collected
+from .taps import step_taps
 
 
 def wrap_remat(fn: Step, remat: ScanRemat, *, in_scan: bool) -> Step:
@@ -58,26 +58,27 @@ def wrap_remat(fn: Step, remat: ScanRemat, *, in_scan: bool) -> Step:
     return jax.checkpoint(body, policy=remat.step_policy(), prevent_cse=not in_scan)
 
 
-def trace_step(
-    step: Step, carry: PyTree, xs: PyTree, length: int, where: str
-) -> tuple[Traced, PyTree, PyTree]:
-    """`(traced, c_dyn, c_static)`: `step` traced once on one step's shapes
-    (the carry contract checked, errors noted with `where`; closed-over tracers
-    become consts), and the carry's array and other (untraced) leaves."""
-    c_dyn, c_static = eqx.partition(carry, eqx.is_array)
+def checked_step(
+    step: Step, c_static: PyTree, where: str
+) -> tuple[Callable[[PyTree, PyTree], PyTree], list[tuple[PyTree, PyTree]]]:
+    """`step` as `make_jaxpr` traces it, on the carry's array leaves (its other
+    leaves `c_static`) and returning array leaves only: the carry contract
+    checked, errors noted with `where`; and the list where each call puts its
+    outputs' other leaves. One function, so that a traceback from the step
+    passes one frame of it."""
+    statics: list[tuple[PyTree, PyTree]] = []
 
-    def checked(c: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
+    def checked(c_dyn: PyTree, x: PyTree) -> PyTree:
+        c = eqx.combine(c_dyn, c_static)
         old = clone(c)  # the step may invalidate `c` (an `eqx.nn.State`)
-        new, y = noted(step, where, c, x)
+        with noting(where, c, x):
+            new, y = step(c, x)
         check_carry(old, new, where)
-        return new, y
+        dyn, static = eqx.partition((new, y), eqx.is_array)
+        statics.append(static)
+        return dyn
 
-    body, statics = arrays_only(checked, c_static)
-    types = step_types(c_dyn, xs, length)
-    jaxpr, out_shape = jax.make_jaxpr(body, return_shape=True)(*types)
-    n_carry = len(jtu.tree_leaves(c_dyn))
-    traced = Traced(jaxpr, jtu.tree_structure(out_shape), statics[0][1], n_carry)
-    return traced, c_dyn, c_static
+    return checked, statics
 
 
 def step_types(c_dyn: PyTree, xs: PyTree, length: int) -> tuple[PyTree, PyTree]:
@@ -100,8 +101,6 @@ def _unstack(xs: PyTree, length: int) -> list[PyTree]:
     ]
 
 
-@collected  # taps' records leave each step (`eqxscan/_scan/taps.py`)
-@indexed  # each step knows its index (`eqxscan/_scan/layer_index.py`)
 def run(
     step: Step,
     carry: PyTree,
@@ -140,17 +139,66 @@ def run(
 
     `(final carry, ys)` with `ys` stacked on axis 0 (`None` if steps return `None`).
 
-    With `mode="scan"` the step is traced once (see `trace_step`), whatever the
+    With `mode="scan"` the step is traced once (see `checked_step`), whatever the
     options; with `mode="loop"` once per step, as a Python loop would.
     """
     remat = options.scan_remat
+    # While tapped, a step's records leave it beside its `y` (`taps.py`).
+    taps = step_taps()
 
-    def body(c: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
-        return step(c, name_inputs(x if read is None else read(x), remat))
+    def body(c: PyTree, x_i: tuple[PyTree, Index]) -> tuple[PyTree, PyTree]:
+        # The step's own index (traced, or the loop's int) is read by the
+        # containers; a step inside another container's layer starts with no
+        # layer set.
+        x, i = x_i
+        opened, records, scope = (0, None, {}) if taps is None else taps.open()
+        with changed_call_state(step=i, layer=None, **scope):
+            new, y = step(c, name_inputs(x if read is None else read(x), remat))
+        return new, y if taps is None else taps.close(y, opened, records)
 
     if options.mode == "loop":
-        return _run_loop(body, carry, xs, length, remat, reverse, where, runs)
-    traced, c_dyn, c_static = trace_step(body, carry, xs, length, where(None))
+        c, ys = _run_loop(body, carry, xs, length, remat, reverse, where, runs)
+        return c, ys if taps is None else taps.finish(ys)
+    xs = (xs, jnp.arange(length, dtype=jnp.int32))
+    # The step traced once on one step's shapes (closed-over tracers become
+    # consts), here rather than in a helper: one frame less in a traceback.
+    c_dyn, c_static = eqx.partition(carry, eqx.is_array)
+    checked, statics = checked_step(body, c_static, where(None))
+    jaxpr, out_shape = jax.make_jaxpr(checked, return_shape=True)(
+        *step_types(c_dyn, xs, length)
+    )
+    n_carry = len(jtu.tree_leaves(c_dyn))
+    traced = Traced(jaxpr, jtu.tree_structure(out_shape), statics[0][1], n_carry)
+    c, ys = _run_scan(
+        traced,
+        c_dyn,
+        c_static,
+        xs,
+        length,
+        options,
+        reverse,
+        where,
+        gathered,
+        over,
+        runs,
+    )
+    return c, ys if taps is None else taps.finish(ys)
+
+
+def _run_scan(
+    traced: Traced,
+    c_dyn: PyTree,
+    c_static: PyTree,
+    xs: PyTree,
+    length: int,
+    options: ScanOptions,
+    reverse: bool,
+    where: Callable[[int | None], str],
+    gathered: bool,
+    over: Literal["layers", "time"],
+    runs: Bool[Array, " L"] | None,
+) -> tuple[PyTree, PyTree]:
+    remat = options.scan_remat
     remat, unroll = resolve(
         traced, (c_dyn, xs), length, remat, options.unroll, where(None), gathered, over
     )
@@ -218,16 +266,16 @@ def _run_loop(
     # loop saves everything unless remat was asked for explicitly.
     explicit = not remat.is_rule and not (remat.policy is False and not remat.named)
 
-    def step_fn(c: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
+    def step_fn(c: PyTree, x: PyTree, i: int) -> tuple[PyTree, PyTree]:
+        # A step LayerDrop may skip, or under an explicit remat (else the loop
+        # calls `step` itself); its index is the loop's Python int.
         if runs is not None:
             # Traced on this step's values, then run only where it runs.
             x, runs_i = x
-            return skip_layer(lambda c: step(c, x), c, runs_i)
-        if not explicit:
-            return step(c, x)
+            return skip_layer(lambda c: step(c, (x, i)), c, runs_i)
         # jax.checkpoint takes and returns arrays only: close over the rest.
         c_dyn, c_static = eqx.partition(c, eqx.is_array)
-        body, statics = arrays_only(step, c_static)
+        body, statics = arrays_only(lambda c, x: step(c, (x, i)), c_static)
         return eqx.combine(wrap_remat(body, remat, in_scan=False)(c_dyn, x), statics[0])
 
     ys = [None] * length
@@ -238,8 +286,11 @@ def _run_loop(
     carry = jtu.tree_map(lambda a: jnp.asarray(a) if is_numpy(a) else a, carry)
     for current in range(length - 1, -1, -1) if reverse else range(length):
         old = clone(carry)  # the step may invalidate `carry` (an `eqx.nn.State`)
-        with loop_step(current):
-            new, y = noted(step_fn, where(current), carry, slices[current])
+        with noting(where(current), carry):
+            if runs is None and not explicit:  # called here: one frame less
+                new, y = step(carry, (slices[current], current))
+            else:
+                new, y = step_fn(carry, slices[current], current)
         check_carry(old, new, where(current), current)
         # Kept apart from the next step's carry, which that step may invalidate.
         carry, ys[current] = new, clone(y)

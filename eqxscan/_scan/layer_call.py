@@ -314,7 +314,11 @@ def run_one(
     number = one.number if call.over == "layers" else None
     # Named for profiles: a scanned stack's ops carry the layer's class.
     with at_layer(number), inside_layer(), jax.named_scope(type(layer).__name__):
-        new, y = (fn if one.drop is None else dropping(fn, one.drop))(carry)
+        if one.drop is None:  # called here: one frame less in a traceback
+            out = target(carry, *one.args, **keyed, **one.kwargs)
+            new, y = call.read_out(out, who)
+        else:
+            new, y = dropping(fn, one.drop)(carry)
     runs = None if one.drop is None else runs_here(one.drop)
     return tapped(one.number, new, old, runs), y
 

@@ -7,19 +7,9 @@ sets around the layer's call for [`eqxscan.layer_index`][].
 """
 
 import contextlib
-import functools
-from collections.abc import Callable
-
-import jax.numpy as jnp
-from jaxtyping import Array, PyTree
 
 from .call_state import call_state, changed_call_state
 from .index import Index
-
-
-def loop_step(i: int) -> contextlib.AbstractContextManager[object]:
-    """Set around step `i` of the engine's Python loop (`mode="loop"`)."""
-    return changed_call_state(loop_step=i)
 
 
 def at_layer(i: Index | None) -> contextlib.AbstractContextManager[object]:
@@ -34,39 +24,10 @@ def step_index_or_none() -> Index | None:
 
 
 def step_index() -> Index:
-    """The index of the engine step being traced (see `indexed`)."""
+    """The index of the engine step being traced (set by the engine's `run`)."""
     i = call_state().step
     assert i is not None, "step_index() is read only inside an engine step"
     return i
-
-
-Run = Callable[..., tuple[PyTree, PyTree]]
-
-
-def indexed(run: Run) -> Run:
-    """The engine's `run`, its step given its own index: `jnp.arange(length)`
-    scanned beside `xs`, or the loop's Python int with `mode="loop"`."""
-
-    @functools.wraps(run)
-    def wrapped(
-        step: Callable, carry: PyTree, xs: PyTree, **kwargs: object
-    ) -> tuple[PyTree, PyTree]:
-        loop = getattr(kwargs["options"], "mode", "scan") == "loop"
-        steps = jnp.arange(kwargs["length"], dtype=jnp.int32)  # pyright: ignore[reportArgumentType]  # an int
-
-        def body(c: PyTree, x: tuple[PyTree, Array]) -> tuple[PyTree, PyTree]:
-            x, i = x
-            here = call_state().loop_step if loop else i
-            # A step inside another container's layer starts with no layer set.
-            with changed_call_state(step=here, layer=None):
-                return step(c, x)
-
-        read = kwargs.get("read")
-        if callable(read):
-            kwargs = {**kwargs, "read": lambda x: (read(x[0]), x[1])}
-        return run(body, carry, (xs, steps), **kwargs)
-
-    return wrapped
 
 
 def layer_index() -> Index:

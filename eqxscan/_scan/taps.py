@@ -5,7 +5,7 @@ While [`eqxscan.tap`][] runs, the layer-call seam hands every layer's output
 to `tapped`, which records `stat(output[, input])` in the current scope and
 adds the layer's slice of a [`eqxscan.Probe`][] through a `custom_vjp` whose
 backward returns the probe's statistic of the cotangent. The engine
-(`collected`) returns each scan step's records as extra per-step outputs, so
+(`StepTaps`) returns each scan step's records as extra per-step outputs, so
 they leave nested scans stacked, and `tap` scatters them by layer index; each
 container call (`call_of`) tags its records, to get rows of its own.
 """
@@ -25,7 +25,6 @@ from jaxtyping import Array, PyTree
 from .._helpers.checks import Checked
 from .call_state import call_state, changed_call_state, TapCall, Tapping
 from .index import Index, index
-from .layer_index import Run
 from .probe import Probe
 
 
@@ -146,35 +145,43 @@ def _attached(
     return eqx.combine(_probed(probe.stat, dyn, index(values, row)), rest)
 
 
-def collected(run: Run) -> Run:
-    """The engine's `run`, each step's records returned beside its `y` and
-    added, stacked, to the enclosing scope."""
+class StepTaps:
+    """While tapped, what the engine does around each step: the step's records
+    returned beside its `y` (`open`, `close`), and added, stacked, to the
+    enclosing scope after the run (`finish`)."""
 
-    @functools.wraps(run)
-    def wrapped(
-        step: Callable, carry: PyTree, xs: PyTree, **kwargs: object
-    ) -> tuple[PyTree, PyTree]:
-        state, outer = call_state().tapping, call_state().scope
-        if state is None or outer is None:
-            return run(step, carry, xs, **kwargs)
-        calls: list = []  # the records' calls, which are no scan outputs
+    def __init__(self, state: Tapping, outer: list):
+        self.state, self.outer = state, outer
+        self.calls: list = []  # the records' calls, which are no scan outputs
 
-        def body(c: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
-            opened, records = len(state.calls), []
-            with changed_call_state(scope=records, depth=call_state().depth + 1):
-                new, y = step(c, x)
-            records = _in_order(records)
-            if calls:  # a later step of `mode="loop"`: the same calls again
-                del state.calls[opened:]
-            else:
-                calls[:] = [r[2] for r in records]
-            return new, (y, [r[:2] for r in records])
+    def open(self) -> tuple[int, list, dict[str, object]]:
+        """Before a step: the calls made so far, its records' list, and the
+        call state's fields for the step (its scope, one level deeper)."""
+        records: list = []
+        scope = {"scope": records, "depth": call_state().depth + 1}
+        return len(self.state.calls), records, scope
 
-        c, (ys, records) = run(body, carry, xs, **kwargs)
-        outer.extend((*r, call) for r, call in zip(records, calls))
-        return c, ys
+    def close(self, y: PyTree, opened: int, records: list | None) -> PyTree:
+        """After a step: its `y` and its records' rows."""
+        assert records is not None
+        records = _in_order(records)
+        if self.calls:  # a later step of `mode="loop"`: the same calls again
+            del self.state.calls[opened:]
+        else:
+            self.calls[:] = [r[2] for r in records]
+        return y, [r[:2] for r in records]
 
-    return wrapped
+    def finish(self, ys: PyTree) -> PyTree:
+        """After the run: the `ys`, the stacked records added to the scope."""
+        ys, records = ys
+        self.outer.extend((*r, call) for r, call in zip(records, self.calls))
+        return ys
+
+
+def step_taps() -> StepTaps | None:
+    """What the engine does with each step's records (`None`: not tapped)."""
+    state, outer = call_state().tapping, call_state().scope
+    return None if state is None or outer is None else StepTaps(state, outer)
 
 
 def _in_order(records: list) -> list:
