@@ -495,7 +495,7 @@ class Stacked(Scanning, Generic[LayerT]):
         method: Method | None,
         reverse: object,  # checked here, with a clear error
         read_out: ReadOut,
-    ) -> tuple["Stacked[LayerT]", LayerCall]:
+    ) -> tuple["Stacked", LayerCall]:  # old beartype: no generic forward ref here
         # The stack that runs (in natural order) and how it calls its layers:
         # built here and returned, so that a call's traceback passes no frame
         # of it on the way to the layers.
