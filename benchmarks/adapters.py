@@ -289,6 +289,9 @@ def fits(measure: Callable[..., dict], *args: int) -> dict | None:
 
 
 def main() -> None:
+    # This run's compiles only (a process may call main more than once).
+    COMPILES.clear()
+    COMPILE_SECONDS.clear()
     parser = argparse.ArgumentParser(description="LoRA adapters, measured.")
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
