@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import optax
 
 import eqxscan
+from benchmarks.bench._measure import out_of_memory
 from eqxscan import adapters
 
 
@@ -264,16 +265,6 @@ def decode_steps(
     out = {f"{name}_ms": v for name, v in ms.items()}
     out["cache_bytes"] = _nbytes(start()[0])
     return out
-
-
-def out_of_memory(error: Exception) -> str | None:
-    """The first line of `error` when it says that the device (or the host) ran
-    out of memory (XLA's `RESOURCE_EXHAUSTED`), else `None`: such a size is
-    reported as not fitting and the next one measured."""
-    text = f"{type(error).__name__}: {error}"
-    if isinstance(error, MemoryError) or "RESOURCE_EXHAUSTED" in text:
-        return text.strip().splitlines()[0][:200]
-    return None
 
 
 def fits(measure: Callable[..., dict], *args: int) -> dict | None:

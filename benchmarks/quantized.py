@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 import eqxscan
+from benchmarks.bench._measure import out_of_memory
 from eqxscan import quant
 
 
@@ -127,16 +128,6 @@ def accuracy(layers: int, dim: int) -> list[dict]:
             }
         )
     return rows
-
-
-def out_of_memory(error: Exception) -> str | None:
-    """The first line of `error` when it says that the device (or the host) ran
-    out of memory (XLA's `RESOURCE_EXHAUSTED`), else `None`: such a size is
-    reported as not fitting and the next one measured."""
-    text = f"{type(error).__name__}: {error}"
-    if isinstance(error, MemoryError) or "RESOURCE_EXHAUSTED" in text:
-        return text.strip().splitlines()[0][:200]
-    return None
 
 
 def main() -> None:

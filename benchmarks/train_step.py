@@ -25,7 +25,7 @@ from benchmarks.bench._transformer import transformer_flops
 from eqxscan.remat import peak_of
 
 
-def measure(model, impl, module, x, y, repeats):
+def measure(impl, module, x, y, repeats):
     t0 = time.perf_counter()
     built = impl.build(module)
     jax.block_until_ready(built.params)
@@ -99,7 +99,7 @@ def main(argv=None):
             print(f"{name:16s} not installed ({impls[name].requires})")
             continue
         try:
-            r = measure(args.model, impls[name], module, x, y, args.repeats)
+            r = measure(impls[name], module, x, y, args.repeats)
         except Exception as e:
             if (message := out_of_memory(e)) is None:
                 raise
