@@ -12,6 +12,7 @@ import numpy as np
 from jaxtyping import Array, Float, Shaped
 
 from .._internal import describe as describe_array, MatmulOnly, Orientation
+from ._products import channel_product, e4m3_to_float32, grouped_int4_product
 
 
 Kind = Literal["int8", "int4", "fp8"]
@@ -22,7 +23,8 @@ Kind = Literal["int8", "int4", "fp8"]
 KINDS: tuple[Kind, ...] = ("int8", "int4", "fp8")
 
 Kernel = Literal["xla", "pallas", "interpret"]
-"""What computes `x @ q`: `"xla"` (dequantize, then XLA's matmul), `"pallas"`
+"""What computes `x @ q`: `"xla"` (XLA's matmul of the stored values, see
+`eqxscan/quant/_products.py`), `"pallas"`
 (a Pallas TPU kernel on a TPU; the XLA path elsewhere) or `"interpret"` (the
 kernel in Pallas's interpreter, on any backend: slow, for tests)."""
 
@@ -174,7 +176,7 @@ class Quantized(MatmulOnly, eqx.Module):
         if self.kind == "int4":
             w = _grouped(unpack_int4(values), scales)
         elif self.kind == "fp8":
-            w = _e4m3_to_float32(values) * scales
+            w = e4m3_to_float32(values) * scales
         else:
             w = values.astype(jnp.float32) * scales
         return self._in_out(w.astype(self.dtype))[0]
@@ -200,10 +202,23 @@ class Quantized(MatmulOnly, eqx.Module):
             )
             if y is not None:
                 return y
-        if self.kind == "int4":
+        if self.kind != "int4":
+            return self._by_channel(x, "x@W")
+        values, scales = self.stored_arrays()
+
+        def halves(x: Array) -> Array:
             low, high = self._int4_halves()
             return _summed((x[..., 0::2], low), (x[..., 1::2], high))
-        return x @ self.dequantize()
+
+        if values.ndim != 2:  # a stack's weight: every layer at once
+            return halves(x)
+
+        def grouped(x: Array) -> Array:
+            low, high = _nibbles(values)
+            return grouped_int4_product(x, low, high, scales, self.dtype)
+
+        # See `_products`: XLA:CPU has no bfloat16 batched matmul to float32.
+        return jax.lax.platform_dependent(x, cpu=halves, default=grouped)
 
     def __matmul__(self, x: Array | np.ndarray) -> Array:
         """`q @ x`, for orientation `"W@x"`: `x` is `[in]` or `[..., in, n]`."""
@@ -214,7 +229,15 @@ class Quantized(MatmulOnly, eqx.Module):
             if x.ndim == 1:
                 return _summed((low, x[0::2]), (high, x[1::2]))
             return _summed((low, x[..., 0::2, :]), (high, x[..., 1::2, :]))
-        return self.dequantize() @ x
+        return self._by_channel(x, "W@x")
+
+    def _by_channel(self, x: Array, orientation: Orientation) -> Array:
+        # int8 and fp8: the stored values in the matmul, scaled after it.
+        values, scales = self.stored_arrays()
+        fp8 = self.kind == "fp8"
+        return channel_product(
+            x, values, scales, fp8=fp8, dtype=self.dtype, orientation=orientation
+        )
 
     def _by_xla(self, x: Array, values: Array, scales: Array) -> Array:
         # `x @ q` on the XLA path for these arrays: the kernel's reference,
@@ -279,23 +302,6 @@ def _grouped(values: Array, scales: Array) -> Array:
     size = rows // max(groups, 1)  # no groups: a weight with no inputs
     w = values.reshape(*layers, groups, size, cols).astype(jnp.float32)
     return (w * scales[..., :, None, :]).reshape(values.shape)
-
-
-def _e4m3_to_float32(bits: Array) -> Array:
-    """float8_e4m3fn bits (uint8) as float32, exactly, by integer work that
-    fuses into the multiply (XLA:CPU's float8 conversion is a slow loop)."""
-    u = bits.astype(jnp.uint32)
-    magnitude = u & jnp.uint32(0x7F)
-    # A normal value's exponent (bias 7) rebiased to float32's (127); below,
-    # subnormals are m * 2^-9.
-    rebiased = (magnitude << 20) + jnp.uint32(120 << 23)
-    normal = jax.lax.bitcast_convert_type(rebiased, jnp.float32)
-    subnormal = (magnitude & jnp.uint32(7)).astype(jnp.float32) * (2.0**-9)
-    v = jnp.where(magnitude < 8, subnormal, normal)
-    # The NaN codes (S.1111.111), which `quantize` never stores but a file or
-    # another tool's float8 array may hold: else read as 480.
-    v = jnp.where(magnitude == 0x7F, jnp.nan, v)
-    return jnp.where(u >= 0x80, -v, v)
 
 
 def pack_int4(q: Array) -> Array:
