@@ -761,3 +761,34 @@ def test_a_float_layer_into_a_quantized_stack_is_named_by_its_type(getkey):
     headline, hint = str(info.value).split("\n")
     assert "at `.weight` layer 1 has type Quantized but the new layer has " in headline
     assert "float32[8,8]" in headline and hint.startswith("Hint: ")
+
+
+def test_both_fp8_conversions_agree_on_every_code():
+    # Off CPU the XLA path converts fp8 with XLA's conversion, on CPU by integer
+    # work: the two must read every one of the 256 codes alike (NaN codes too).
+    from eqxscan.quant._products import e4m3_by_xla, e4m3_to_float32
+
+    codes = jnp.arange(256, dtype=jnp.uint8)
+    np.testing.assert_array_equal(
+        e4m3_by_xla(codes, jnp.float32), e4m3_to_float32(codes)
+    )
+
+
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_int4_product_batched_over_groups_matches_the_dequantized_weight(
+    getkey, group_size
+):
+    # The int4 product accelerators run (one matmul batched over the groups,
+    # scaled per group), here in float32 on CPU against the dequantized weight.
+    from eqxscan.quant._products import grouped_int4_product
+    from eqxscan.quant._quantized import _nibbles
+
+    w = jr.normal(getkey(), (256, 48))
+    q = quant.quantize(Holder(w), "w", kind="int4", group_size=group_size).w
+    x = jr.normal(getkey(), (2, 3, 256))
+    low, high = _nibbles(q.values)
+    got = grouped_int4_product(x, low, high, q.scales, jnp.float32)
+    want = x @ q.dequantize()
+    # float32 sums in another order: within a few ulps of the largest output.
+    np.testing.assert_allclose(got, want, atol=1e-6 * float(jnp.abs(want).max()))
+    assert got.shape == (2, 3, 48)

@@ -51,14 +51,17 @@ def e4m3_to_float32(bits: Array) -> Array:
     return jnp.where(u >= 0x80, -v, v)
 
 
+def e4m3_by_xla(bits: Array, dtype: DTypeLike) -> Array:
+    """float8_e4m3fn bits (uint8) as `dtype` by XLA's own conversion."""
+    return jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(dtype)
+
+
 def fp8_as(bits: Array, dtype: DTypeLike) -> Array:
     """float8_e4m3fn bits (uint8) as `dtype`: XLA's conversion, except on CPU."""
     return jax.lax.platform_dependent(
         bits,
         cpu=lambda b: e4m3_to_float32(b).astype(dtype),
-        default=lambda b: jax.lax.bitcast_convert_type(b, jnp.float8_e4m3fn).astype(
-            dtype
-        ),
+        default=lambda b: e4m3_by_xla(b, dtype),
     )
 
 
