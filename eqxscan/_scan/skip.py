@@ -22,7 +22,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, Bool, PyTree
 
-from .index import index
+from .layer_io import index
 from .scan_remat import Policy, Step, Traced
 
 
