@@ -32,6 +32,7 @@ from .._helpers.checks import check_leading_axis, check_takes_key, describe
 from .._helpers.stateful import clone, replace_arg
 from .buffers import call_writing, find_buffer, PerLayer, view_of
 from .drop_rates import DropInputs, dropping, runs_here
+from .layer_index import at_layer
 from .layer_io import (
     Index as Index,
     index as index,
@@ -39,7 +40,6 @@ from .layer_io import (
     take as take,
     write as write,
 )
-from .layer_index import at_layer
 from .taps import inside_layer, tapped, untapped
 
 

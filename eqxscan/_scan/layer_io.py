@@ -62,27 +62,28 @@ def write(
     - `value`: a tree of `tree`'s structure, each array leaf of one slice's
       shape (its leaf at a non-array leaf of `tree` is ignored).
     - `axis`: the layer axis.
-    - `add`: add `value` to the slice instead of replacing it. A floating leaf
-      narrower than 32 bits (bfloat16) adds in float32, the exact sum rounded
-      once to its dtype rather than a rounded `value` added with a second
-      rounding.
+    - `add`: add `value` to the slice instead of replacing it, in place (a
+      scatter-add: no copy of the slice). A floating leaf narrower than 32 bits
+      (bfloat16) adds in float32 instead, the exact sum rounded once to its
+      dtype rather than a rounded `value` added with a second rounding.
 
     **Returns:**
 
     `tree` with every array leaf of its dtype, slice `i` written.
     """
+    cut = (slice(None),) * axis + (i,)
 
     def one(a: object, v: object) -> object:
         if not eqx.is_array(a):
             return a
         a = jnp.asarray(a)
         if add:
-            narrow = jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize < 4
-            wide = jnp.float32 if narrow else a.dtype
-            v = index(a, i, axis).astype(wide) + v
+            if not jnp.issubdtype(a.dtype, jnp.floating) or a.dtype.itemsize >= 4:
+                return a.at[cut].add(jnp.asarray(v).astype(a.dtype))
+            v = index(a, i, axis).astype(jnp.float32) + v
         v = jnp.asarray(v).astype(a.dtype)
         if isinstance(i, int):
-            return a.at[(slice(None),) * axis + (i,)].set(v)
+            return a.at[cut].set(v)
         return jax.lax.dynamic_update_index_in_dim(a, v, i, axis)
 
     return jtu.tree_map(one, tree, value)
