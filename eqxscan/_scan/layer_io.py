@@ -23,15 +23,19 @@ not)."""
 def index(tree: PyTree, i: Index | tuple[Index, ...], axis: int = 0) -> PyTree:
     """Slice `i` of every array leaf of `tree` along `axis` (non-array leaves
     unchanged): static for an int, a `dynamic_index_in_dim` (one program for
-    every `i`) for an array; a tuple (a buffer view's prefix) cuts the leading
-    axes one after the other."""
+    every `i`) for an array; a tuple (a buffer view's prefix, a nested stack's
+    layer) cuts the leading axes one after the other, in one static slice if
+    all its indices are ints."""
+    static = isinstance(i, int) or (
+        isinstance(i, tuple) and all(isinstance(j, int) for j in i)
+    )
+    if static:
+        cut = (slice(None),) * axis + (i if isinstance(i, tuple) else (i,))
+        return jtu.tree_map(lambda a: a[cut] if eqx.is_array(a) else a, tree)
     if isinstance(i, tuple):
         for j in i:
             tree = index(tree, j, axis)
         return tree
-    if isinstance(i, int):
-        cut = (slice(None),) * axis + (i,)
-        return jtu.tree_map(lambda a: a[cut] if eqx.is_array(a) else a, tree)
     return jtu.tree_map(
         lambda a: (
             jax.lax.dynamic_index_in_dim(a, i, axis, keepdims=False)
