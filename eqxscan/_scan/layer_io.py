@@ -84,7 +84,10 @@ def write(
         if add:
             if not jnp.issubdtype(a.dtype, jnp.floating) or a.dtype.itemsize >= 4:
                 return a.at[cut].add(jnp.asarray(v).astype(a.dtype))
-            v = index(a, i, axis).astype(jnp.float32) + v
+            # Cast by hand: strict dtype promotion has no bfloat16 + float32.
+            v = jnp.asarray(v)
+            wide = jnp.float64 if v.dtype == jnp.float64 else jnp.float32
+            v = index(a, i, axis).astype(wide) + v.astype(wide)
         v = jnp.asarray(v).astype(a.dtype)
         if isinstance(i, int):
             return a.at[cut].set(v)
