@@ -97,7 +97,11 @@ from ._scan.drop_rates import (
     Rates as Rates,
 )
 from ._scan.eager_compile import compiled_when_eager as compiled_when_eager
-from ._scan.layer_call import index as index, LayerCall as LayerCall
+from ._scan.layer_call import (
+    index as index,
+    LayerCall as LayerCall,
+    write as write,
+)
 from ._scan.options import (
     OwnOptions as OwnOptions,
     Remat as Remat,

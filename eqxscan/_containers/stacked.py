@@ -52,6 +52,7 @@ from .._scan.layer_call import (
     pairs,
     ReadOut,
     take,
+    write,
 )
 from .._scan.options import OwnOptions, ScanArgs, Scanning, ScanOptions
 from .stack_calls import dropping_call, scan_layers, vmap_layers
@@ -422,10 +423,7 @@ class Stacked(Scanning, Generic[LayerT]):
         check_alike([current, layer], what, names=(f"layer {i}", "the new layer"))
         # By leaves: `layer` may differ from the others only by identity.
         old, treedef = jtu.tree_flatten(self.layers)
-        new = [
-            a.at[self._position(i)].set(b) if eqx.is_array(a) else a
-            for a, b in zip(old, jtu.tree_leaves(layer))
-        ]
+        new = write(old, self._position(i), jtu.tree_leaves(layer))
         return restack(self, layers=jtu.tree_unflatten(treedef, new))
 
     @compiled_when_eager

@@ -24,7 +24,7 @@ from jaxtyping import Array, PyTree
 
 from .._helpers.checks import describe, docs
 from .._helpers.stateful import find_arg, get_arg
-from .index import Index, index
+from .layer_io import Index, index
 from .scan_remat import BUFFER_READ
 
 

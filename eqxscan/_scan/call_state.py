@@ -17,7 +17,7 @@ from contextvars import ContextVar
 
 from jaxtyping import PyTree
 
-from .index import Index
+from .layer_io import Index
 from .probe import Probe
 
 

@@ -28,7 +28,7 @@ from .._helpers.stateful import clone
 from .auto import resolve
 from .call_state import changed_call_state
 from .f32_pin import pinned
-from .index import Index, index
+from .layer_io import Index, index
 from .options import ScanOptions
 from .scan_remat import (
     CARRY,

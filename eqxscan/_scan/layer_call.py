@@ -10,7 +10,8 @@ into the arrays a scan slices, and `run_one` calls the layer (method, key,
 drop-path, LayerDrop, its index, named scope and taps) and reads its output as
 `(carry, y)`. Nothing here knows a container's layout, and nothing outside
 knows how arguments, keys and drop inputs are sliced; layers are cut with
-`index` and `take` (from `index.py`, re-exported here).
+`index` and `take` and written with `write` (from `layer_io.py`, re-exported
+here).
 
 A `per_layer` value is read-only; a buffer that layers update (an
 [`eqxscan.buffer`][], e.g. a KV cache) travels in the carry instead: layer `i`
@@ -31,13 +32,14 @@ from .._helpers.checks import check_leading_axis, check_takes_key, describe
 from .._helpers.stateful import clone, replace_arg
 from .buffers import call_writing, find_buffer, PerLayer, view_of
 from .drop_rates import DropInputs, dropping, runs_here
-from .index import (
+from .layer_index import at_layer
+from .layer_io import (
     Index as Index,
     index as index,
     Indices as Indices,
     take as take,
+    write as write,
 )
-from .layer_index import at_layer
 from .taps import inside_layer, tapped, untapped
 
 

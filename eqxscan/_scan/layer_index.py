@@ -9,7 +9,7 @@ sets around the layer's call for [`eqxscan.layer_index`][].
 import contextlib
 
 from .call_state import call_state, changed_call_state
-from .index import Index
+from .layer_io import Index
 
 
 def at_layer(i: Index | None) -> contextlib.AbstractContextManager[object]:

@@ -22,7 +22,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, Bool, PyTree
 
-from .index import index
+from .layer_io import index, write
 from .scan_remat import Policy, Step, Traced
 
 
@@ -361,10 +361,7 @@ class _SkipScan:
                     vjp_fn = jtu.tree_unflatten(tree, leaves)
                 g_c, g_carry, g_x = vjp_fn(list(ct) + list(ct_y))
                 g_consts = [a + b for a, b in zip(g_consts, g_c)]
-                g_xs = [
-                    jax.lax.dynamic_update_index_in_dim(buf, g, i, 0)
-                    for buf, g in zip(g_xs, g_x)
-                ]
+                g_xs = [write(buf, i, g) for buf, g in zip(g_xs, g_x)]
                 return g_carry, g_consts, g_xs
 
             def skip(ct: list, g_consts: list, g_xs: list) -> tuple[list, list, list]:

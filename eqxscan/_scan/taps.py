@@ -24,7 +24,7 @@ from jaxtyping import Array, PyTree
 
 from .._helpers.checks import Checked
 from .call_state import call_state, changed_call_state, TapCall, Tapping
-from .index import Index, index
+from .layer_io import Index, index
 from .probe import Probe
 
 

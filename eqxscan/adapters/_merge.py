@@ -12,7 +12,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, PyTree
 
-from .._internal import Checked, describe
+from .._internal import Checked, describe, index, write
 from ..quant import Quantized
 from ._lora import check_adapter, is_lora, LoRA, loras_in
 
@@ -66,16 +66,14 @@ def _add_delta(
     wide = weight.dtype if jnp.finfo(weight.dtype).bits >= 32 else jnp.float32
 
     def one(i: Array, w: Array) -> Array:
-        k, num = ids[i], a.shape[1]
-        ai, bi = a[i, jnp.clip(k, 0, num - 1)], b[i, jnp.clip(k, 0, num - 1)]
+        k, num = index(ids, i), a.shape[1]
+        ai, bi = index((a, b), (i, jnp.clip(k, 0, num - 1)))
         pair = (ai, bi) if orientation == "x@W" else (bi, ai)
         delta = jnp.matmul(*pair, preferred_element_type=wide)
         change = jnp.where((k >= 0) & (k < num), scale * delta, 0)
-        if w.dtype == wide:  # added in place
-            return w.at[i].add(change)
-        # A narrower weight (bfloat16): the exact sum rounded once, not a
-        # rounded delta added with a second rounding.
-        return w.at[i].set((w[i].astype(wide) + change).astype(w.dtype))
+        # A narrower weight (bfloat16) adds in float32: the exact sum rounded
+        # once, not a rounded delta added with a second rounding.
+        return write(w, i, change, add=True)
 
     return jax.lax.fori_loop(0, flat.shape[0], one, flat).reshape(weight.shape)
 

@@ -21,6 +21,7 @@ from jaxtyping import PyTree
 from .._internal import (
     describe,
     host_empty,
+    index,
     is_arraylike,
     is_placeholder,
     layer_names,
@@ -120,26 +121,26 @@ def host_entries(
     each leaf copied once, or, with `sliced`, one layer's slice at a time."""
     hosts: dict[int, np.ndarray] = {}
 
-    def reader(leaf: _Leaf, index: tuple[int, ...]) -> Callable[[], np.ndarray]:
+    def reader(leaf: _Leaf, at: tuple[int, ...]) -> Callable[[], np.ndarray]:
         def read() -> np.ndarray:
             x = leaf.leaf
             if sliced and isinstance(x, jax.Array):
                 if not all(d.platform == "cpu" for d in x.devices()):
-                    return np.asarray(x[index])  # one slice off the device
+                    return np.asarray(index(x, at))  # one slice off the device
             if id(leaf) not in hosts:  # on the host already: a view, no copy
                 hosts[id(leaf)] = np.asarray(x)
-            return np.asarray(hosts[id(leaf)][index])  # a 0-d leaf: not a scalar
+            return np.asarray(index(hosts[id(leaf)], at))  # a 0-d leaf: not a scalar
 
         return read
 
     out = []
-    for name, leaf, index in entries_of(model):
+    for name, leaf, at in entries_of(model):
         if isinstance(leaf.leaf, jax.ShapeDtypeStruct):
             raise TypeError(
                 f"{who} needs concrete arrays, but '{name}' is an abstract "
                 f"{describe(leaf.leaf)}."
             )
-        out.append((name, Lazy(leaf.shape, leaf.dtype, reader(leaf, index))))
+        out.append((name, Lazy(leaf.shape, leaf.dtype, reader(leaf, at))))
     return out
 
 
@@ -155,17 +156,17 @@ def entries_of(model: PyTree) -> list[tuple[str, "_Leaf", tuple[int, ...]]]:
             first_seen.setdefault(leaf.parts[:j], len(first_seen))
     entries = []
     for leaf in leaves:
-        for index, name in zip(np.ndindex(*leaf.depths), leaf.names()):
-            resolved = resolve(leaf.parts, index)
+        for at, name in zip(np.ndindex(*leaf.depths), leaf.names()):
+            resolved = resolve(leaf.parts, at)
             order = tuple(
                 resolved[j]
                 if isinstance(p, LayerNumbering)
                 else first_seen[leaf.parts[: j + 1]]
                 for j, p in enumerate(leaf.parts)
             )
-            entries.append((order, name, leaf, index))
+            entries.append((order, name, leaf, at))
     entries.sort(key=lambda e: e[0])
-    return [(name, leaf, index) for _, name, leaf, index in entries]
+    return [(name, leaf, at) for _, name, leaf, at in entries]
 
 
 def _check_depths(

@@ -32,6 +32,7 @@ from .._internal import (
     split_key,
     Stacked,
     tapping,
+    write,
 )
 from ._shard import check_axes, check_mesh
 
@@ -510,8 +511,7 @@ def _check_pipeline(
 def _put(buf: jax.Array, i: Int[Array, ""], value: jax.Array) -> jax.Array:
     # Slot `i` of `buf` set to `value` where `i >= 0` (else left as it was).
     j = jnp.maximum(i, 0)
-    new = jnp.where(i >= 0, value, index(buf, j))
-    return jax.lax.dynamic_update_index_in_dim(buf, new, j, axis=0)
+    return write(buf, j, jnp.where(i >= 0, value, index(buf, j)))
 
 
 def _chunk_call(
@@ -542,7 +542,7 @@ def _run_stage(
     """One stage's program (under `shard_map`, every stage at once): a scan over
     the schedule's ticks. `dyn` and `drops` hold this stage's [1, R, K, ...]
     block."""
-    dyn, drops = jtu.tree_map(lambda a: a[0], (dyn, drops))
+    dyn, drops = index((dyn, drops), 0)
     stage = jax.lax.axis_index(p.stage_axis)
     vary = lambda a: jax.lax.pcast(a, (p.stage_axis,), to="varying")
     table, stages, repeats = p.table, p.stages, p.repeats
