@@ -170,6 +170,7 @@ CORE_FOLDERS = (
     "eqxscan._scan",
     "eqxscan._containers",
     "eqxscan._features",
+    "eqxscan._models",
 )
 
 

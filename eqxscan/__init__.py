@@ -2,9 +2,10 @@
 
 The core is the private folders `_helpers`, `_scan` (options, remat, the one
 scan engine, the layer-call seam), `_containers` (`Stacked`, `Chain`,
-`Recurrent`) and `_features` (early exit, subsets, the non-finite finder). The
-subpackages build on it: `nn`, `remat`, `checkpoint`, `stats`, `sharding`,
-`quant`, `adapters`, `planning`, `distributed` and `optim`.
+`Recurrent`), `_features` (early exit, subsets, the non-finite finder) and
+`_models` (`StackedMLP` and the recurrent cells). The subpackages build on it:
+`remat`, `checkpoint`, `stats`, `sharding`, `quant`, `adapters`, `planning`,
+`distributed` and `optim`.
 
 `import eqxscan` imports the containers and the scan engine only; every other
 name here (the subpackages, and the functions and models they lend the top
@@ -60,7 +61,6 @@ if _TYPE_CHECKING:
         adapters as adapters,
         checkpoint as checkpoint,
         distributed as distributed,
-        nn as nn,
         optim as optim,
         planning as planning,
         quant as quant,
@@ -76,6 +76,10 @@ if _TYPE_CHECKING:
         find_nonfinite as find_nonfinite,
         NonFinite as NonFinite,
     )
+    from ._models.elman import ElmanCell as ElmanCell
+    from ._models.gla import GatedLinearAttention as GatedLinearAttention
+    from ._models.linear_rnn import LRU as LRU, MinGRU as MinGRU
+    from ._models.mlp import MLPBlock as MLPBlock, StackedMLP as StackedMLP
     from .checkpoint import (
         from_flax_scan as from_flax_scan,
         from_state_dict as from_state_dict,
@@ -87,21 +91,12 @@ if _TYPE_CHECKING:
         save_safetensors as save_safetensors,
         to_state_dict as to_state_dict,
     )
-    from .nn import (
-        ElmanCell as ElmanCell,
-        GatedLinearAttention as GatedLinearAttention,
-        LRU as LRU,
-        MinGRU as MinGRU,
-        MLPBlock as MLPBlock,
-        StackedMLP as StackedMLP,
-    )
     from .remat import explain_auto as explain_auto
 
 _SUBPACKAGES = (
     "adapters",
     "checkpoint",
     "distributed",
-    "nn",
     "optim",
     "planning",
     "quant",
@@ -131,17 +126,12 @@ _LENT = {
         ".checkpoint",
     ),
     "matrix_scan": "._containers.linear_matrix",
-    **dict.fromkeys(
-        (
-            "ElmanCell",
-            "GatedLinearAttention",
-            "LRU",
-            "MinGRU",
-            "MLPBlock",
-            "StackedMLP",
-        ),
-        ".nn",
-    ),
+    "ElmanCell": "._models.elman",
+    "GatedLinearAttention": "._models.gla",
+    "LRU": "._models.linear_rnn",
+    "MinGRU": "._models.linear_rnn",
+    "MLPBlock": "._models.mlp",
+    "StackedMLP": "._models.mlp",
     "explain_auto": ".remat",
 }
 

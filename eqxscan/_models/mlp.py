@@ -12,21 +12,12 @@ from beartype import beartype
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, jaxtyped, PRNGKeyArray, TypeCheckError
 
-from .._internal import (
-    check_droppable,
-    check_rate,
-    check_size,
-    Checked,
-    compiled_when_eager,
-    describe,
-    OwnOptions,
-    Rates,
-    ScanArgs,
-    Scanning,
-    ScanOptions,
-    Stacked,
-    StandsForWeight,
-)
+from .._containers.stacked import Stacked
+from .._containers.weight_targets import StandsForWeight
+from .._helpers.checks import check_size, Checked, describe
+from .._scan.drop_rates import check_droppable, check_rate, Rates
+from .._scan.eager_compile import compiled_when_eager
+from .._scan.options import OwnOptions, ScanArgs, Scanning, ScanOptions
 
 
 def rms_norm(scale: Array, x: Array, eps: float = 1e-6) -> Array:
