@@ -205,11 +205,14 @@ def _private(m: str) -> bool:
 
 def crossing(graph: dict[str, set[str]], mods: dict[str, Path]) -> list:
     """`(module, target)` for every import of a private module of another owner
-    (the core or another subpackage) other than the internal API."""
+    (the core or another subpackage) other than the internal API. The package's
+    `__init__` is aside: it gives each public name its one home, wherever the
+    name is defined (`eqxscan.save` from `eqxscan.checkpoint._serialise`)."""
     del mods
     return sorted(
         (m, t)
         for m, targets in graph.items()
+        if m != "eqxscan"
         for t in targets
         if _private(t) and owner(t) != owner(m) and t != INTERNAL_API
     )

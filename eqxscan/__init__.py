@@ -91,7 +91,7 @@ if _TYPE_CHECKING:
         save_safetensors as save_safetensors,
         to_state_dict as to_state_dict,
     )
-    from .remat import explain_auto as explain_auto
+    from .remat._explain import explain_auto as explain_auto
 
 _SUBPACKAGES = (
     "adapters",
@@ -132,7 +132,7 @@ _LENT = {
     "MinGRU": "._models.linear_rnn",
     "MLPBlock": "._models.mlp",
     "StackedMLP": "._models.mlp",
-    "explain_auto": ".remat",
+    "explain_auto": ".remat._explain",
 }
 
 
