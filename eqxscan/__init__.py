@@ -80,15 +80,19 @@ if _TYPE_CHECKING:
     from ._models.gla import GatedLinearAttention as GatedLinearAttention
     from ._models.linear_rnn import LRU as LRU, MinGRU as MinGRU
     from ._models.mlp import MLPBlock as MLPBlock, StackedMLP as StackedMLP
-    from .checkpoint import (
-        from_flax_scan as from_flax_scan,
-        from_state_dict as from_state_dict,
-        load as load,
+    from .checkpoint._flax import from_flax_scan as from_flax_scan
+    from .checkpoint._safetensors import (
         load_safetensors as load_safetensors,
-        load_state_dict as load_state_dict,
         read_safetensors as read_safetensors,
-        save as save,
         save_safetensors as save_safetensors,
+    )
+    from .checkpoint._serialise import (
+        load as load,
+        load_state_dict as load_state_dict,
+        save as save,
+    )
+    from .checkpoint._state_dict import (
+        from_state_dict as from_state_dict,
         to_state_dict as to_state_dict,
     )
     from .remat._explain import explain_auto as explain_auto
@@ -111,20 +115,13 @@ _LENT = {
     "run_layers": "._features.layer_subsets",
     "find_nonfinite": "._features.nonfinite",
     "NonFinite": "._features.nonfinite",
+    "from_flax_scan": ".checkpoint._flax",
     **dict.fromkeys(
-        (
-            "from_flax_scan",
-            "from_state_dict",
-            "load",
-            "load_safetensors",
-            "load_state_dict",
-            "read_safetensors",
-            "save",
-            "save_safetensors",
-            "to_state_dict",
-        ),
-        ".checkpoint",
+        ("load_safetensors", "read_safetensors", "save_safetensors"),
+        ".checkpoint._safetensors",
     ),
+    **dict.fromkeys(("load", "load_state_dict", "save"), ".checkpoint._serialise"),
+    **dict.fromkeys(("from_state_dict", "to_state_dict"), ".checkpoint._state_dict"),
     "matrix_scan": "._containers.linear_matrix",
     "ElmanCell": "._models.elman",
     "GatedLinearAttention": "._models.gla",

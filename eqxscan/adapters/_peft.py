@@ -19,7 +19,8 @@ import numpy as np
 from jaxtyping import PyTree
 
 from .._internal import Checked, describe, placed_like
-from ..checkpoint import NameMap, read_safetensors, save_safetensors
+from .. import read_safetensors, save_safetensors
+from ..checkpoint import NameMap
 from ._lora import is_lora, LoRA
 from ._peft_targets import (
     adapter_index,

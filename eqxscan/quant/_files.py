@@ -32,14 +32,8 @@ from .._internal import (
     pattern as name_pattern,
     Site,
 )
-from ..checkpoint import (
-    CorruptFileError,
-    from_state_dict,
-    NameMap,
-    open_safetensors,
-    Opened,
-    save_safetensors,
-)
+from .. import from_state_dict, save_safetensors
+from ..checkpoint import CorruptFileError, NameMap, open_safetensors, Opened
 from ._quantize import _quantize_array, is_quantized, quantize, Target
 from ._quantized import describe, Kind, Orientation, Quantized
 
