@@ -69,6 +69,7 @@ if _TYPE_CHECKING:
         stats as stats,
     )
     from ._containers.linear_matrix import matrix_scan as matrix_scan
+    from ._containers.weight_targets import Orientation as Orientation, Target as Target
     from ._features.buffer_layout import layer_buffers as layer_buffers
     from ._features.early_exit import run_until as run_until
     from ._features.layer_subsets import run_layers as run_layers
@@ -123,6 +124,8 @@ _LENT = {
     **dict.fromkeys(("load", "load_state_dict", "save"), ".checkpoint._serialise"),
     **dict.fromkeys(("from_state_dict", "to_state_dict"), ".checkpoint._state_dict"),
     "matrix_scan": "._containers.linear_matrix",
+    "Orientation": "._containers.weight_targets",
+    "Target": "._containers.weight_targets",
     "ElmanCell": "._models.elman",
     "GatedLinearAttention": "._models.gla",
     "LRU": "._models.linear_rnn",
