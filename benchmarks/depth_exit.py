@@ -1,5 +1,6 @@
-"""Early exit after k of L layers (`StackedMLP.run_until`) against the full
-forward pass, and how many programs every exit depth compiles.
+"""Early exit after k of L layers (`eqxscan.run_until` on a `StackedMLP`'s
+blocks) against the full forward pass, and how many programs every exit depth
+compiles.
 
     python benchmarks/depth_exit.py [--layers 32] [--dim 256] [--batch 32]
                                     [--repeats 41]
@@ -50,7 +51,7 @@ def main() -> None:
 
     @eqx.filter_jit
     def early(m, x, threshold):
-        return m.run_until(x, lambda c: jnp.linalg.norm(c) > threshold)
+        return eqxscan.run_until(m.blocks, x, lambda c: jnp.linalg.norm(c) > threshold)
 
     @eqx.filter_jit
     def norms(m, x):

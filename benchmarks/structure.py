@@ -4,7 +4,10 @@
 
 Reads the source as text (nothing is imported): each module's `from . import`
 / `from .x import` / `import eqxscan.x` statements give the arrows; a circle is
-a strongly connected group of more than one module.
+a strongly connected group of more than one module, through the imports that
+run (those under `if TYPE_CHECKING:` do not: the package's `__init__` names
+there what it imports on first use, and a subpackage may import a name the
+package lends it, as `from .. import save_safetensors`).
 """
 
 import ast
@@ -24,10 +27,18 @@ def modules(root: Path) -> dict[str, Path]:
     return out
 
 
-def imports(name: str, path: Path, known: set[str]) -> set[str]:
+def imports(
+    name: str, path: Path, known: set[str], *, run_time: bool = False
+) -> set[str]:
+    """The modules of `known` that `name` imports; with `run_time`, those
+    imports only that run (not those under `if TYPE_CHECKING:`)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    skipped = _type_checking_only(tree) if run_time else set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
@@ -46,6 +57,22 @@ def imports(name: str, path: Path, known: set[str]) -> set[str]:
             if c and c != name:
                 found.add(c)
     return found
+
+
+def _type_checking_only(tree: ast.AST) -> set[int]:
+    """The ids of the nodes under `if TYPE_CHECKING:`, which never run."""
+    return {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for stmt in node.body
+        for inner in ast.walk(stmt)
+    }
+
+
+def run_time_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
+    """Each module's run-time imports of `mods`: the arrows circles are sought in."""
+    return {m: imports(m, p, set(mods), run_time=True) for m, p in mods.items()}
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -115,7 +142,7 @@ def main() -> None:
             p = mods[sub]
             if p.name == "__init__.py" or p.parent == root:
                 print(f"  {sub}: {len(public_names(p))} names")
-    found = circles(graph)
+    found = circles(run_time_graph(mods))
     print(f"import circles: {len(found)}")
     for group in found:
         print("  " + " <-> ".join(group))
@@ -170,6 +197,7 @@ CORE_FOLDERS = (
     "eqxscan._scan",
     "eqxscan._containers",
     "eqxscan._features",
+    "eqxscan._models",
 )
 
 
@@ -204,11 +232,14 @@ def _private(m: str) -> bool:
 
 def crossing(graph: dict[str, set[str]], mods: dict[str, Path]) -> list:
     """`(module, target)` for every import of a private module of another owner
-    (the core or another subpackage) other than the internal API."""
+    (the core or another subpackage) other than the internal API. The package's
+    `__init__` is aside: it gives each public name its one home, wherever the
+    name is defined (`eqxscan.save` from `eqxscan.checkpoint._serialise`)."""
     del mods
     return sorted(
         (m, t)
         for m, targets in graph.items()
+        if m != "eqxscan"
         for t in targets
         if _private(t) and owner(t) != owner(m) and t != INTERNAL_API
     )

@@ -2,9 +2,10 @@
 
 The core is the private folders `_helpers`, `_scan` (options, remat, the one
 scan engine, the layer-call seam), `_containers` (`Stacked`, `Chain`,
-`Recurrent`) and `_features` (early exit, subsets, the non-finite finder). The
-subpackages build on it: `nn`, `remat`, `checkpoint`, `stats`, `sharding`,
-`quant`, `adapters`, `planning`, `distributed` and `optim`.
+`Recurrent`), `_features` (early exit, subsets, the non-finite finder) and
+`_models` (`StackedMLP` and the recurrent cells). The subpackages build on it:
+`remat`, `checkpoint`, `stats`, `sharding`, `quant`, `adapters`, `planning`,
+`distributed` and `optim`.
 
 `import eqxscan` imports the containers and the scan engine only; every other
 name here (the subpackages, and the functions and models they lend the top
@@ -60,7 +61,6 @@ if _TYPE_CHECKING:
         adapters as adapters,
         checkpoint as checkpoint,
         distributed as distributed,
-        nn as nn,
         optim as optim,
         planning as planning,
         quant as quant,
@@ -69,6 +69,7 @@ if _TYPE_CHECKING:
         stats as stats,
     )
     from ._containers.linear_matrix import matrix_scan as matrix_scan
+    from ._containers.weight_targets import Orientation as Orientation, Target as Target
     from ._features.buffer_layout import layer_buffers as layer_buffers
     from ._features.early_exit import run_until as run_until
     from ._features.layer_subsets import run_layers as run_layers
@@ -76,32 +77,31 @@ if _TYPE_CHECKING:
         find_nonfinite as find_nonfinite,
         NonFinite as NonFinite,
     )
-    from .checkpoint import (
-        from_flax_scan as from_flax_scan,
-        from_state_dict as from_state_dict,
-        load as load,
+    from ._models.elman import ElmanCell as ElmanCell
+    from ._models.gla import GatedLinearAttention as GatedLinearAttention
+    from ._models.linear_rnn import LRU as LRU, MinGRU as MinGRU
+    from ._models.mlp import MLPBlock as MLPBlock, StackedMLP as StackedMLP
+    from .checkpoint._flax import from_flax_scan as from_flax_scan
+    from .checkpoint._safetensors import (
         load_safetensors as load_safetensors,
-        load_state_dict as load_state_dict,
         read_safetensors as read_safetensors,
-        save as save,
         save_safetensors as save_safetensors,
+    )
+    from .checkpoint._serialise import (
+        load as load,
+        load_state_dict as load_state_dict,
+        save as save,
+    )
+    from .checkpoint._state_dict import (
+        from_state_dict as from_state_dict,
         to_state_dict as to_state_dict,
     )
-    from .nn import (
-        ElmanCell as ElmanCell,
-        GatedLinearAttention as GatedLinearAttention,
-        LRU as LRU,
-        MinGRU as MinGRU,
-        MLPBlock as MLPBlock,
-        StackedMLP as StackedMLP,
-    )
-    from .remat import explain_auto as explain_auto
+    from .remat._explain import explain_auto as explain_auto
 
 _SUBPACKAGES = (
     "adapters",
     "checkpoint",
     "distributed",
-    "nn",
     "optim",
     "planning",
     "quant",
@@ -116,33 +116,23 @@ _LENT = {
     "run_layers": "._features.layer_subsets",
     "find_nonfinite": "._features.nonfinite",
     "NonFinite": "._features.nonfinite",
+    "from_flax_scan": ".checkpoint._flax",
     **dict.fromkeys(
-        (
-            "from_flax_scan",
-            "from_state_dict",
-            "load",
-            "load_safetensors",
-            "load_state_dict",
-            "read_safetensors",
-            "save",
-            "save_safetensors",
-            "to_state_dict",
-        ),
-        ".checkpoint",
+        ("load_safetensors", "read_safetensors", "save_safetensors"),
+        ".checkpoint._safetensors",
     ),
+    **dict.fromkeys(("load", "load_state_dict", "save"), ".checkpoint._serialise"),
+    **dict.fromkeys(("from_state_dict", "to_state_dict"), ".checkpoint._state_dict"),
     "matrix_scan": "._containers.linear_matrix",
-    **dict.fromkeys(
-        (
-            "ElmanCell",
-            "GatedLinearAttention",
-            "LRU",
-            "MinGRU",
-            "MLPBlock",
-            "StackedMLP",
-        ),
-        ".nn",
-    ),
-    "explain_auto": ".remat",
+    "Orientation": "._containers.weight_targets",
+    "Target": "._containers.weight_targets",
+    "ElmanCell": "._models.elman",
+    "GatedLinearAttention": "._models.gla",
+    "LRU": "._models.linear_rnn",
+    "MinGRU": "._models.linear_rnn",
+    "MLPBlock": "._models.mlp",
+    "StackedMLP": "._models.mlp",
+    "explain_auto": ".remat._explain",
 }
 
 

@@ -38,12 +38,6 @@ from ._containers.weight_targets import (
     StandsForWeight as StandsForWeight,
     Target as Target,
 )
-from ._features.early_exit import (
-    Bound as Bound,
-    Predicate as Predicate,
-    run_until as run_until,
-)
-from ._features.layer_subsets import Layers as Layers, run_layers as run_layers
 from ._helpers.checks import (
     check_bool as check_bool,
     check_callable as check_callable,

@@ -13,8 +13,8 @@ import pytest
 
 import eqxscan
 from eqxscan import adapters
+from eqxscan._models.mlp import rms_norm
 from eqxscan.adapters import LoRA
-from eqxscan.nn import rms_norm
 
 from .helpers import Dense, TwoDense
 

@@ -238,7 +238,7 @@ def test_chain_run_until_every_depth_global_keys():
     np.testing.assert_allclose(loop, want, rtol=1e-6)
 
 
-def test_stacked_mlp_run_until_and_run_layers():
+def test_run_until_and_run_layers_on_the_blocks_of_a_stacked_mlp():
     model = eqxscan.StackedMLP(8, 4, key=jr.key(5))
     x = jr.normal(jr.key(6), (3, 8))
 
@@ -253,8 +253,8 @@ def test_stacked_mlp_run_until_and_run_layers():
     norms = np.linalg.norm(np.asarray(trajectory(model, x)), axis=-1)  # [L+1, B]
     t = float(np.sort(norms[2])[1:].mean())  # between two rows' norms
     run = eqx.filter_jit(
-        lambda m, x: m.run_until(
-            x, lambda c: jnp.linalg.norm(c, axis=-1) > t, per_example=True
+        lambda m, x: eqxscan.run_until(
+            m.blocks, x, lambda c: jnp.linalg.norm(c, axis=-1) > t, per_example=True
         )
     )
     got, n = run(model, x)
@@ -264,7 +264,9 @@ def test_stacked_mlp_run_until_and_run_layers():
         depth = above[0] if above else len(norms) - 1
         assert int(n[b]) == depth
         np.testing.assert_allclose(got[b], traj[depth, b], rtol=1e-5, atol=1e-6)
-    sub = eqx.filter_jit(lambda m, x: m.run_layers(x, slice(0, 2)))(model, x)
+    sub = eqx.filter_jit(lambda m, x: eqxscan.run_layers(m.blocks, x, slice(0, 2)))(
+        model, x
+    )
     np.testing.assert_allclose(sub, traj[2], rtol=1e-5, atol=1e-6)
 
 
@@ -597,8 +599,8 @@ def test_fsdp_sharded_stack_gathers_one_layer_per_step():
 
     @eqx.filter_jit
     def both(m, x, idx):
-        y, n = m.run_until(x, lambda c: jnp.linalg.norm(c) > t)
-        return y, n, m.run_layers(x, idx)
+        y, n = eqxscan.run_until(m.blocks, x, lambda c: jnp.linalg.norm(c) > t)
+        return y, n, eqxscan.run_layers(m.blocks, x, idx)
 
     idx = jnp.array([3, 1])
     got = both(sharded, x, idx)

@@ -134,12 +134,11 @@ def test_wrong_input_width_in_a_chain_names_the_group():
 UNCHECKED = """
 import jax
 import eqxscan
-from eqxscan import checkpoint
 
 model = eqxscan.StackedMLP(4, 2, key=jax.random.key(0))
 for bad in ([1, 2], None, {1: 2}, "blocks.0.w1"):
     try:
-        checkpoint.from_state_dict(model, bad)
+        eqxscan.from_state_dict(model, bad)
     except TypeError as e:
         print(str(e).splitlines()[0])
         print(str(e).splitlines()[1][:30])

@@ -117,7 +117,7 @@ print(
 )
 print(eqxscan.to_state_dict(back).keys() == eqxscan.to_state_dict(model).keys())
 from eqxscan.checkpoint._serialise import save
-from eqxscan.nn._mlp import StackedMLP
+from eqxscan._models.mlp import StackedMLP
 from eqxscan._features.early_exit import run_until
 lent = [eqxscan.save, eqxscan.StackedMLP, eqxscan.run_until]
 print(*[a is b for a, b in zip(lent, [save, StackedMLP, run_until])])

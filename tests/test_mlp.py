@@ -8,6 +8,7 @@ import pytest
 from jaxtyping import TypeCheckError
 
 import eqxscan
+from eqxscan._models.mlp import rms_norm
 
 from .helpers import tree_allclose, untyped
 
@@ -115,7 +116,7 @@ def test_dropout_keys(getkey):
     # Each layer gets its own key, split(key, L)[i]: the dropout written out.
     ref, layers = x, model.blocks.layers
     for i, k in enumerate(jr.split(key, 3)):
-        h = jax.nn.gelu(eqxscan.nn.rms_norm(layers.scale[i], ref) @ layers.w1[i])
+        h = jax.nn.gelu(rms_norm(layers.scale[i], ref) @ layers.w1[i])
         h = jnp.where(jr.bernoulli(k, 0.5, h.shape), h / 0.5, 0.0)
         ref = ref + h @ layers.w2[i]
     assert jnp.allclose(y_scan, ref, rtol=1e-5, atol=1e-6)
@@ -201,7 +202,7 @@ def test_rms_norm_returns_the_dtype_of_x(getkey):
     # A float32 scale on a bfloat16 x: once float32 (or a promotion error).
     x = jr.normal(getkey(), (2, 4)).astype(jnp.bfloat16)
     scale = jr.normal(getkey(), (4,))
-    y = eqxscan.nn.rms_norm(scale, x)
+    y = rms_norm(scale, x)
     x32 = x.astype(jnp.float32)
     want = x32 / jnp.sqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
     assert y.dtype == jnp.bfloat16

@@ -512,7 +512,8 @@ def test_per_layer_scalars_are_arrays(getkey):
 def test_stage_ordered_stack_names_its_natural_layers(getkey, tmp_path):
     # Names mean layer numbers: a stack stored in pipeline stage order saves
     # layer i as "i" and loads "i" into where that order keeps layer i.
-    from eqxscan.checkpoint import load_safetensors, NameMap, save_safetensors
+    from eqxscan import load_safetensors, save_safetensors
+    from eqxscan.checkpoint import NameMap
     from eqxscan.sharding import pipeline_order
 
     stack = eqxscan.Stacked(lambda k: eqx.nn.Linear(2, 2, key=k), 6, key=getkey())

@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eqxscan import ElmanCell, Recurrent, StackedMLP
-from eqxscan.remat import explain_auto, THRESHOLDS, time_interleaved
+from eqxscan import ElmanCell, explain_auto, Recurrent, StackedMLP
+from eqxscan.remat import THRESHOLDS, time_interleaved
 
 from ._machine import describe_machine, load_average
 from ._measure import AUTO_POLICY, setting_label

@@ -20,7 +20,6 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, PyTree
 
 from eqxscan import StackedMLP
-from eqxscan.nn import rms_norm
 
 
 #: Largest relative error (loss and every gradient, against the unrolled loop) at
@@ -106,6 +105,15 @@ def _canon(w1: Array, w2: Array, scale: Array) -> Canon:
 
 def _model_canon(model: StackedMLP) -> Canon:
     return _canon(*stacked_arrays(model))
+
+
+def rms_norm(scale: Array, x: Array) -> Array:
+    # As `StackedMLP`'s: the mean square in float32, eps 1e-6, back to x's dtype;
+    # the scale broadcast explicitly (for `jax_numpy_rank_promotion="raise"`).
+    x32 = x.astype(jnp.float32)
+    inv = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
+    scale = jnp.expand_dims(scale, tuple(range(x.ndim - scale.ndim)))
+    return (x32 * inv).astype(x.dtype) * scale.astype(x.dtype)
 
 
 def _block(w1: Array, w2: Array, scale: Array, x: Array) -> Array:

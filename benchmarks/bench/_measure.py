@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
-from eqxscan import StackedMLP
-from eqxscan.remat import explain_auto, time_interleaved
+from eqxscan import explain_auto, StackedMLP
+from eqxscan.remat import time_interleaved
 
 from ._impls import Built, Impl, IMPLS, LOOP, MismatchError, rel_err, TOLERANCES
 from ._transformer import IMPLS as TRANSFORMER_IMPLS, transformer_problem

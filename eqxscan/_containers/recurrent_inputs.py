@@ -209,7 +209,7 @@ def check_known_cell(
     bare `dot_general` error."""
     # Exact types: a subclass may well take other shapes. Other cells declare
     # `known_shapes = True` (a class variable) when `input_size` and
-    # `hidden_size` say what one step takes, as `eqxscan.nn.ElmanCell` does.
+    # `hidden_size` say what one step takes, as `eqxscan.ElmanCell` does.
     known = type(cell) in (eqx.nn.GRUCell, eqx.nn.LSTMCell)
     if not (known or vars(type(cell)).get("known_shapes") is True):
         return

@@ -18,8 +18,9 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
+from .. import read_safetensors, save_safetensors
 from .._internal import Checked, describe, placed_like
-from ..checkpoint import NameMap, read_safetensors, save_safetensors
+from ..checkpoint import NameMap
 from ._lora import is_lora, LoRA
 from ._peft_targets import (
     adapter_index,

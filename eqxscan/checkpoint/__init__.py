@@ -1,15 +1,18 @@
-"""Checkpoints of stacked models: per-layer state dicts (`"blocks.3.w1"`),
-safetensors files (one or sharded as Hugging Face lays them out; `save` and
-`load`), name maps to other conventions, Flax `nn.scan` import, and sharded
-multi-process checkpoints ([`eqxscan.checkpoint.CheckpointManager`][], Orbax;
-imported on first use, with `eqxscan.sharding`). The save and load functions
-are also at the top level (`eqxscan.save`, `eqxscan.to_state_dict`, ...)."""
+"""Checkpoints of stacked models. The functions that save and load them are at
+the top level: per-layer state dicts ([`eqxscan.to_state_dict`][],
+`"blocks.3.w1"`), safetensors files (one or sharded as Hugging Face lays them
+out; [`eqxscan.save`][] and [`eqxscan.load`][]) and Flax `nn.scan` import
+([`eqxscan.from_flax_scan`][]). Here: name maps to other conventions
+([`eqxscan.checkpoint.NameMap`][]), lazily read files
+([`eqxscan.checkpoint.open_safetensors`][]), and sharded multi-process
+checkpoints ([`eqxscan.checkpoint.CheckpointManager`][], Orbax; imported on
+first use, with `eqxscan.sharding`)."""
 
 import importlib as _importlib
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 
 from ._files import CorruptFileError as CorruptFileError
-from ._flax import flax_scan_state as flax_scan_state, from_flax_scan as from_flax_scan
+from ._flax import flax_scan_state as flax_scan_state
 from ._names import (
     Join as Join,
     NameMap as NameMap,
@@ -18,22 +21,7 @@ from ._names import (
     Split as Split,
     Transpose as Transpose,
 )
-from ._safetensors import (
-    load_safetensors as load_safetensors,
-    open_safetensors as open_safetensors,
-    Opened as Opened,
-    read_safetensors as read_safetensors,
-    save_safetensors as save_safetensors,
-)
-from ._serialise import (
-    load as load,
-    load_state_dict as load_state_dict,
-    save as save,
-)
-from ._state_dict import (
-    from_state_dict as from_state_dict,
-    to_state_dict as to_state_dict,
-)
+from ._safetensors import open_safetensors as open_safetensors, Opened as Opened
 
 
 if _TYPE_CHECKING:

@@ -18,6 +18,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
+from .. import from_state_dict, save_safetensors
 from .._internal import (
     check_like,
     docs,
@@ -32,14 +33,7 @@ from .._internal import (
     pattern as name_pattern,
     Site,
 )
-from ..checkpoint import (
-    CorruptFileError,
-    from_state_dict,
-    NameMap,
-    open_safetensors,
-    Opened,
-    save_safetensors,
-)
+from ..checkpoint import CorruptFileError, NameMap, open_safetensors, Opened
 from ._quantize import _quantize_array, is_quantized, quantize, Target
 from ._quantized import describe, Kind, Orientation, Quantized
 

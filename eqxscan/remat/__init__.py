@@ -1,7 +1,8 @@
 """Rematerialisation beyond the `remat=` option: what `remat="auto"` chose and
-why (`explain_auto`), the fastest setting that fits a memory budget
-(`fit_remat`, `remat_table`), one setting on every scan (`with_remat`), and the
-timing they use (`time_interleaved`)."""
+why ([`eqxscan.explain_auto`][] returns these `AutoChoice`s, judged by these
+`THRESHOLDS`), the fastest setting that fits a memory budget (`fit_remat`,
+`remat_table`), one setting on every scan (`with_remat`), and the timing they
+use (`time_interleaved`)."""
 
 from .._internal import (
     AutoChoice as AutoChoice,
@@ -19,5 +20,4 @@ from ._budget import (
     with_remat as with_remat,
 )
 from ._devices import peak_of as peak_of
-from ._explain import explain_auto as explain_auto
 from ._timing import time_interleaved as time_interleaved

@@ -176,10 +176,10 @@ def stacked_mlp(name, value):
         return
     args = dict(dim=4, num_layers=2, key=jr.key(0), dtype=jnp.float32, dropout=0.0)
     args[name] = value
-    attempt("StackedMLP", name, value, lambda: eqxscan.nn.StackedMLP(**args))
+    attempt("StackedMLP", name, value, lambda: eqxscan.StackedMLP(**args))
 
 
-MODEL = eqxscan.nn.StackedMLP(4, 1, key=jr.key(0))
+MODEL = eqxscan.StackedMLP(4, 1, key=jr.key(0))
 
 
 @run

@@ -10,28 +10,14 @@ import jax.random as jr
 import numpy as np
 from beartype import beartype
 from jax.typing import DTypeLike
-from jaxtyping import Array, Float, Int, jaxtyped, PRNGKeyArray, TypeCheckError
+from jaxtyping import Array, Float, jaxtyped, PRNGKeyArray, TypeCheckError
 
-from .._internal import (
-    Bound,
-    check_droppable,
-    check_rate,
-    check_size,
-    Checked,
-    compiled_when_eager,
-    describe,
-    Layers,
-    OwnOptions,
-    Predicate,
-    Rates,
-    run_layers,
-    run_until,
-    ScanArgs,
-    Scanning,
-    ScanOptions,
-    Stacked,
-    StandsForWeight,
-)
+from .._containers.stacked import Stacked
+from .._containers.weight_targets import StandsForWeight
+from .._helpers.checks import check_size, Checked, describe
+from .._scan.drop_rates import check_droppable, check_rate, Rates
+from .._scan.eager_compile import compiled_when_eager
+from .._scan.options import OwnOptions, ScanArgs, Scanning, ScanOptions
 
 
 def rms_norm(scale: Array, x: Array, eps: float = 1e-6) -> Array:
@@ -303,47 +289,6 @@ class StackedMLP(Scanning):
         `[..., D]`, same dtype.
         """
         return self.blocks(self._checked(x, key), key=key)
-
-    def run_until(
-        self,
-        x: Float[Array | np.ndarray, "*batch D"],
-        predicate: Predicate,
-        *,
-        per_example: bool = False,
-        min_layers: Bound = 0,
-        max_layers: Bound | None = None,
-        key: PRNGKeyArray | None = None,
-    ) -> tuple[Float[Array, "*batch D"], Int[Array, ""] | Int[Array, " B"]]:
-        """Run the blocks until `predicate(x)` holds: early exit at inference,
-        one compiled program for every exit depth. As [`eqxscan.run_until`][]
-        on `model.blocks`, after the input checks of a call.
-
-        **Returns:**
-
-        `(x, layers_run)`: `[..., D]` and an `int32` scalar (`[B]` with
-        `per_example=True`, over the leading axis of `x`).
-        """
-        return run_until(
-            self.blocks,
-            self._checked(x, key),
-            predicate,
-            per_example=per_example,
-            min_layers=min_layers,
-            max_layers=max_layers,
-            key=key,
-        )
-
-    def run_layers(
-        self,
-        x: Float[Array | np.ndarray, "*batch D"],
-        layers: Layers,
-        *,
-        key: PRNGKeyArray | None = None,
-    ) -> Float[Array, "*batch D"]:
-        """Run only the chosen blocks (a slice, ints, or a traced index array),
-        as [`eqxscan.run_layers`][] on `model.blocks`, after the input checks
-        of a call; layer `i` keeps the dropout key of a full call."""
-        return run_layers(self.blocks, self._checked(x, key), layers, key=key)
 
     def _checked(self, x: object, key: PRNGKeyArray | None) -> Array:
         """`x` as an array, its width and dtype checked (and a key if needed)."""

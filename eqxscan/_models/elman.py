@@ -10,8 +10,8 @@ import jax.random as jr
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .._internal import check_bool, check_size, describe
-from ._mlp import check_float_dtype
+from .._helpers.checks import check_bool, check_size, describe
+from .mlp import check_float_dtype
 
 
 class ElmanCell(eqx.Module):

@@ -11,8 +11,9 @@ import jax.random as jr
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Inexact, PRNGKeyArray
 
-from .._internal import check_bool, check_size, describe, DiagonalLinearCell
-from ._mlp import check_float_dtype
+from .._containers.linear_cells import DiagonalLinearCell
+from .._helpers.checks import check_bool, check_size, describe
+from .mlp import check_float_dtype
 
 
 def _check_input(cell: str, n: int, x: Array) -> None:

@@ -10,8 +10,9 @@ import jax.random as jr
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .._internal import check_size, describe, MatrixLinearCell
-from ._mlp import check_float_dtype
+from .._containers.linear_cells import MatrixLinearCell
+from .._helpers.checks import check_size, describe
+from .mlp import check_float_dtype
 
 
 class GatedLinearAttention(MatrixLinearCell):
