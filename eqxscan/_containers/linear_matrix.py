@@ -7,9 +7,16 @@ linear attention (GLA) and Mamba-2's SSD, run step by step or in chunks.
 
 The chunked form (after Yang et al. 2023, "Gated Linear Attention Transformers
 with Hardware-Efficient Training", and Dao & Gu 2024's SSD) splits time into
-chunks of `C` steps and scans over the `T / C` chunks, carrying the state: inside
-a chunk the work is matrix products (`C x C` scores, `C x dk` by `dk x dv`
-state products), and the chunk's body is rematerialised in reverse mode.
+chunks of `C` steps. All that does not depend on the state carried between
+chunks is computed batched over chunks, as matrix products: the outputs from
+keys of the same chunk (`C x C` scores), the queries and keys scaled by their
+decays from the chunk's start and to its end, and each chunk's total decay and
+state update `sum_s k_out_s v_s^T`; in reverse mode it is rematerialised, in a
+few groups of chunks so that one group's decay tensors are held at a time.
+Only the chunk-state recurrence `S_{n+1} = decay_n[:, :, None] * S_n +
+update_n` is a scan, one elementwise line per chunk, and the chunks' queries
+meet their start states in one batched product (per-step latency, not the
+matrix products, bounds a scan with more work in each step on an accelerator).
 Every decay factor is `exp` of a sum of `log a_r` over the steps
 between two positions, so it lies in `[0, 1]` and never overflows, and each such
 sum is accumulated directly (never as a difference of two long prefix sums, whose
@@ -90,8 +97,9 @@ def matrix_scan(
     - `v`: values, `[T, H, dv]`.
     - `s0`: the initial state, `[H, dk, dv]`.
     - `method`: `"sequential"`, a `jax.lax.scan` over the `T` steps; or
-      `"chunked"`, matrix products within chunks of `chunk_size` steps and a
-      scan over the `ceil(T / chunk_size)` chunks (see docs/recurrent.md,
+      `"chunked"`, matrix products within chunks of `chunk_size` steps,
+      batched over chunks, and a scan of one elementwise state update per
+      chunk over the `ceil(T / chunk_size)` chunks (see docs/recurrent.md,
       "Matrix-state cells", for which to pick).
     - `chunk_size`: the chunk length `C` of the chunked form (ignored by the
       sequential one). `T` need not be a multiple: the last chunk is padded
