@@ -310,3 +310,16 @@ def test_benchmark_smoke(monkeypatch, capsys):
     ]
     assert all(float(r[1]) > 0 and float(r[3]) > 0 for r in rows)
     assert float(out.rsplit("difference", 1)[1]) <= F32_TOL
+
+
+def test_groups_of_chunks_on_an_accelerator_are_bounded_by_bytes(monkeypatch):
+    # Off CPU the state-independent work is one batch of all chunks unless one
+    # group's decay tensors would pass the byte bound; on CPU, a few groups.
+    from eqxscan._containers import linear_matrix as lm
+
+    assert lm._group_size(128, 4, 8, 4, 64) == -(-128 // lm._GROUPS)
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert lm._group_size(128, 4, 8, 4, 64) == 128
+    per_chunk = 4 * 4 * 8 * 64 * 64 * 4
+    fits = lm._ACCELERATOR_GROUP_BYTES // per_chunk
+    assert lm._group_size(10 * fits, 4, 8, 64, 64) == fits
