@@ -1,7 +1,10 @@
 """Quantized stacked weights against float ones, for a decode step of a
 StackedMLP (one token per row, the weights as arguments): the model's bytes,
 XLA's temporaries (`memory_analysis()`) and bytes accessed (`cost_analysis()`),
-compile time, and step time (median of interleaved repeats after a warm-up),
+compile time, and step time (median of interleaved repeats after a warm-up:
+`step ms` waits for each step, `steady ms` is the rate of 8 steps dispatched back
+to back, as a decode loop runs them; on an accelerator `of HBM` is the weights'
+bytes over the steady step, as a fraction of the rate a sum reads at),
 for float32, bfloat16, int8, int4 (groups of 128) and fp8, each scanned
 (`mode="scan"`, `unroll=1`) and unrolled (`mode="loop"`) side by side. Then
 each quantized kind's accuracy against float32: the worst relative Frobenius
@@ -12,6 +15,7 @@ error of a layer's weight (`quant.report`) and the output's largest difference.
     python -m benchmarks.quantized --full     # B = 1, 8; L = 16, 32; D = 512, 1024
     python -m benchmarks.quantized --tiny     # a smoke test
     python -m benchmarks.quantized --kernel xla pallas   # the Pallas kernel too
+    python -m benchmarks.quantized --compute float32     # quantized models in float32
 
 `--kernel pallas` runs the quantized formats with `kernel="pallas"` (the
 Pallas TPU kernel; off a TPU the XLA path, so only a TPU's numbers say
@@ -47,11 +51,18 @@ def _nbytes(tree) -> int:
 
 
 def model_of(
-    fmt: str, dim: int, layers: int, kernel: quant.Kernel = "xla"
+    fmt: str,
+    dim: int,
+    layers: int,
+    kernel: quant.Kernel = "xla",
+    compute: str = "float32",
 ) -> eqxscan.StackedMLP:
-    """The model in `fmt`: a float dtype, or float32 weights quantized (their
-    products computed by `kernel`)."""
-    dtype = jnp.bfloat16 if fmt == "bfloat16" else jnp.float32
+    """The model in `fmt`: a float dtype, or the weights of a `compute`-dtype
+    model quantized (which then computes in that dtype, its products by
+    `kernel`)."""
+    dtype = jnp.bfloat16 if "bfloat16" in (fmt, compute) else jnp.float32
+    if fmt == "float32":
+        dtype = jnp.float32
     model = eqxscan.StackedMLP(dim, layers, key=jax.random.key(0), dtype=dtype)
     if fmt in ("float32", "bfloat16"):
         return model
@@ -91,24 +102,56 @@ def measure(
     dim: int,
     repeats: int,
     kernels: tuple[quant.Kernel, ...] = ("xla",),
+    compute: str = "float32",
 ) -> list[dict]:
     """Every format (a quantized one by each of `kernels`) and step at one
     size, timed in interleaved rounds."""
     runs = []
     for fmt in FORMATS:
         for kernel in kernels if fmt not in ("float32", "bfloat16") else ("xla",):
-            model = model_of(fmt, dim, layers, kernel)
+            model = model_of(fmt, dim, layers, kernel, compute)
             label = fmt if kernel == "xla" else f"{fmt}/{kernel}"
             for step in STEPS:
                 call, facts = compile_step(model, batch, step)
                 call().block_until_ready()  # warm-up
                 runs.append((call, {"format": label, "step": step, **facts}, []))
+    steady = {id(call): [] for call, _, _ in runs}
     for _ in range(repeats):
         for call, _, times in runs:
             start = time.perf_counter()
             call().block_until_ready()
             times.append(time.perf_counter() - start)
-    return [{**facts, "step_ms": 1e3 * statistics.median(t)} for _, facts, t in runs]
+        for call, _, _ in runs:
+            steady[id(call)].append(_back_to_back(call))
+    return [
+        {
+            **facts,
+            "step_ms": 1e3 * statistics.median(t),
+            "steady_ms": 1e3 * statistics.median(steady[id(call)]),
+        }
+        for call, facts, t in runs
+    ]
+
+
+def _back_to_back(call: Callable[[], jax.Array], calls: int = 8) -> float:
+    """Seconds per step of `calls` steps dispatched without waiting for each: a
+    decode loop's rate, the host's dispatch hidden behind the device's work."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        out = call()
+    out.block_until_ready()
+    return (time.perf_counter() - start) / calls
+
+
+def hbm_read_rate(nbytes: int = 2**30) -> float | None:
+    """Bytes per second the device reads: the steady rate of a sum over a
+    `nbytes` bfloat16 array (`None` on a CPU, where it says nothing of HBM)."""
+    if jax.default_backend() == "cpu":
+        return None
+    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+    total = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
+    total(x).block_until_ready()
+    return nbytes / statistics.median(_back_to_back(lambda: total(x)) for _ in range(5))
 
 
 def accuracy(layers: int, dim: int) -> list[dict]:
@@ -145,6 +188,13 @@ def main() -> None:
         default=["xla"],
         help="what computes the quantized products (pallas: the TPU kernel)",
     )
+    parser.add_argument(
+        "--compute",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="the dtype the quantized models compute in (default: bfloat16 on a "
+        "GPU or TPU, float32 on a CPU)",
+    )
     args = parser.parse_args()
     # An accelerator's default: 1 GiB of bfloat16 weights, enough to measure
     # HBM's bandwidth (a TPU v5e's table in docs/benchmarks.md).
@@ -153,19 +203,33 @@ def main() -> None:
         args.batch = [8] if accelerator else [1, 8]
     if args.dim is None:
         args.dim = [2048] if accelerator else [512]
+    if args.compute is None:
+        args.compute = "bfloat16" if accelerator else "float32"
     if args.full:
         args.layers, args.dim = [16, 32], [512, 1024]
     if args.tiny:
         args.batch, args.layers, args.dim, args.repeats = [1], [2], [128], 2
-    print(f"StackedMLP decode step, w1 and w2 quantized, {jax.default_backend()}")
+    print(
+        f"StackedMLP decode step, w1 and w2 quantized, {jax.default_backend()}; "
+        f"the quantized models compute in {args.compute}"
+    )
+    rate = hbm_read_rate()
+    if rate is not None:
+        print(
+            f"HBM read rate (sum of 1 GiB): {rate / 1e9:.0f} GB/s; 'of HBM': the "
+            "weights' bytes read at that rate over the steady step"
+        )
     mib = 2.0**20
     print(
         f"{'B':>2} {'L':>3} {'D':>5} {'format':<12}{'step':<9}{'weights MiB':>12}"
         f"{'temp MiB':>10}{'accessed MiB':>13}{'compile s':>10}{'step ms':>9}"
+        f"{'steady ms':>10}{'of HBM':>7}"
     )
     for batch, layers, dim in itertools.product(args.batch, args.layers, args.dim):
         try:
-            rows = measure(batch, layers, dim, args.repeats, tuple(args.kernel))
+            rows = measure(
+                batch, layers, dim, args.repeats, tuple(args.kernel), args.compute
+            )
         except Exception as e:
             if (message := out_of_memory(e)) is None:
                 raise
@@ -176,7 +240,12 @@ def main() -> None:
                 f"{batch:>2} {layers:>3} {dim:>5} {r['format']:<12}{r['step']:<9}"
                 f"{r['bytes'] / mib:>12.2f}{r['temp'] / mib:>10.2f}"
                 f"{r['accessed'] / mib:>13.2f}{r['compile_s']:>10.2f}"
-                f"{r['step_ms']:>9.3f}"
+                f"{r['step_ms']:>9.3f}{r['steady_ms']:>10.3f}"
+                + (
+                    ""
+                    if rate is None
+                    else f"{100 * r['bytes'] / rate / (r['steady_ms'] / 1e3):>6.0f}%"
+                )
             )
     print("\nAccuracy against float32 (8 random rows)")
     print(

@@ -781,13 +781,11 @@ def test_int4_product_batched_over_groups_matches_the_dequantized_weight(
     # The int4 product accelerators run (one matmul batched over the groups,
     # scaled per group), here in float32 on CPU against the dequantized weight.
     from eqxscan.quant._products import grouped_int4_product
-    from eqxscan.quant._quantized import _nibbles
 
     w = jr.normal(getkey(), (256, 48))
     q = quant.quantize(Holder(w), "w", kind="int4", group_size=group_size).w
     x = jr.normal(getkey(), (2, 3, 256))
-    low, high = _nibbles(q.values)
-    got = grouped_int4_product(x, low, high, q.scales, jnp.float32)
+    got = grouped_int4_product(x, q.values, q.scales, jnp.float32)
     want = x @ q.dequantize()
     # float32 sums in another order: within a few ulps of the largest output.
     np.testing.assert_allclose(got, want, atol=1e-6 * float(jnp.abs(want).max()))

@@ -93,23 +93,28 @@ def channel_product(
 
 
 def grouped_int4_product(
-    x: Array, low: Array, high: Array, scales: Array, dtype: DTypeLike
+    x: Array, packed: Array, scales: Array, dtype: DTypeLike
 ) -> Array:
-    """`x @ W` for one layer's int4 weight (`"x@W"`): its nibbles `low` and
-    `high` (int8 `[in / 2, out]`, inputs `2i` and `2i + 1`) and `scales`
-    (`[groups, out]`), as one matmul batched over the groups of each half of
-    `x`'s inputs, scaled per group and summed in float32."""
+    """`x @ W` for one layer's int4 weight (`"x@W"`): its `packed` bytes
+    (uint8 `[in / 2, out]`, inputs `2i` and `2i + 1` in the low and high
+    nibbles) and `scales` (`[groups, out]`), as one matmul batched over the
+    groups of each half of `x`'s inputs, scaled per group and summed in
+    float32."""
     out = jnp.result_type(x.dtype, dtype)
     wide = _wide(x.dtype, dtype)
     groups = scales.shape[-2]
     *lead, size_in = x.shape
     per_group = size_in // 2 // max(groups, 1)
+    # Shifts of 32-bit integers (a TPU's vector unit has no 8-bit ones); the
+    # arithmetic right shift sign-extends each nibble.
+    v = jax.lax.bitcast_convert_type(packed, jnp.int8).astype(jnp.int32)
+    low, high = jnp.right_shift(jnp.left_shift(v, 28), 28), jnp.right_shift(v, 4)
 
-    def half(x_half: Array, v: Array) -> Array:
+    def half(x_half: Array, nibbles: Array) -> Array:
         return jnp.einsum(
             "...gk,gkn->...gn",
             x_half.reshape(*lead, groups, per_group),
-            v.astype(dtype).reshape(groups, per_group, v.shape[-1]),
+            nibbles.astype(dtype).reshape(groups, per_group, nibbles.shape[-1]),
             preferred_element_type=wide,
         )
 

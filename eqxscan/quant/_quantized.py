@@ -214,8 +214,7 @@ class Quantized(MatmulOnly, eqx.Module):
             return halves(x)
 
         def grouped(x: Array) -> Array:
-            low, high = _nibbles(values)
-            return grouped_int4_product(x, low, high, scales, self.dtype)
+            return grouped_int4_product(x, values, scales, self.dtype)
 
         # See `_products`: XLA:CPU has no bfloat16 batched matmul to float32.
         return jax.lax.platform_dependent(x, cpu=halves, default=grouped)
