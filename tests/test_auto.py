@@ -553,7 +553,10 @@ def _forced(monkeypatch, choice):
     elif choice == "remat":
         _thresholds(monkeypatch, small_residuals=-1)
     else:
-        _thresholds(monkeypatch, small_residuals=-1, cpu_platforms=())
+        # As on an accelerator, without its unrolling of memory-bound layers.
+        _thresholds(
+            monkeypatch, small_residuals=-1, cpu_platforms=(), memory_bound_layers=0
+        )
 
 
 def _value_and_grad(m, *args):
@@ -626,3 +629,22 @@ def test_unroll_by_two_matches_the_loop(monkeypatch):
     got = _value_and_grad(rnn, *args)
     _close(got, _value_and_grad(rnn.with_options(mode="loop"), *args))
     _close(got, _value_and_grad(rnn.with_options(remat=False, unroll=1), *args))
+
+
+def test_memory_bound_layers_are_unrolled_fully_off_cpu_only():
+    # A decode-sized step (few FLOPs per byte of its layer's weights) over at
+    # most `memory_bound_layers` layers: unrolled fully on an accelerator, where
+    # the scan's per-step cost is not hidden; kept a scan on CPU and over time.
+    weights = 64 * 2**20
+    bound = cost(length=16, flops=T.memory_bound_intensity * weights, xs_bytes=weights)
+    heavier = cost(length=16, flops=bound.flops + 1, xs_bytes=weights)
+    longer = cost(length=T.memory_bound_layers + 1, flops=bound.flops, xs_bytes=weights)
+    assert pick(bound, platform="tpu") == (False, True, "unrolled", "memory-bound")
+    assert pick(bound, platform="gpu")[1::2] == (True, "memory-bound")
+    assert pick(heavier, platform="tpu")[1::2] == (1, "scan")
+    assert pick(longer, platform="tpu")[1::2] == (1, "scan")
+    assert pick(bound, platform="cpu")[1::2] == (1, "scan")
+    assert pick(bound, platform="tpu", over="time")[1::2] == (1, "scan")
+    assert pick(bound, platform="tpu", gathered=True)[1::2] == (1, "sharded")
+    rule = _auto.decide(bound, "auto", "auto", POLICY, "tpu").rule
+    assert "FLOPs per byte" in _auto.reason(rule, bound)
