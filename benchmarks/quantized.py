@@ -6,7 +6,8 @@ compile time, and step time (median of interleaved repeats after a warm-up:
 to back, as a decode loop runs them; on an accelerator `of HBM` is the weights'
 bytes over the steady step, as a fraction of the rate a sum reads at),
 for float32, bfloat16, int8, int4 (groups of 128) and fp8, each scanned
-(`mode="scan"`, `unroll=1`) and unrolled (`mode="loop"`) side by side. Then
+(`mode="scan"`, `unroll=1`), unrolled (`mode="loop"`) and as eqxscan's default
+options choose, side by side. Then
 each quantized kind's accuracy against float32: the worst relative Frobenius
 error of a layer's weight (`quant.report`) and the output's largest difference.
 
@@ -42,7 +43,13 @@ from eqxscan import quant
 
 
 FORMATS = ("float32", "bfloat16", "int8", "int4", "fp8")
-STEPS = {"scan": dict(mode="scan", unroll=1), "unrolled": dict(mode="loop")}
+STEPS = {
+    "scan": dict(mode="scan", unroll=1),
+    "unrolled": dict(mode="loop"),
+    # eqxscan's default (`unroll="auto"`: off CPU, a decode step over at most
+    # 32 layers is unrolled fully).
+    "default": {},
+}
 TARGETS = ["blocks.*.w1", "blocks.*.w2"]
 
 
