@@ -646,5 +646,24 @@ def test_memory_bound_layers_are_unrolled_fully_off_cpu_only():
     assert pick(bound, platform="cpu")[1::2] == (1, "scan")
     assert pick(bound, platform="tpu", over="time")[1::2] == (1, "scan")
     assert pick(bound, platform="tpu", gathered=True)[1::2] == (1, "sharded")
+    few = cost(length=16, flops=bound.flops, xs_bytes=weights, xs_integer_bytes=1)
+    assert pick(few, platform="tpu")[1::2] == (True, "memory-bound")
+    quantized = cost(
+        length=16, flops=bound.flops, xs_bytes=weights, xs_integer_bytes=weights // 2
+    )
+    assert pick(quantized, platform="tpu")[1::2] == (1, "scan")
     rule = _auto.decide(bound, "auto", "auto", POLICY, "tpu").rule
     assert "FLOPs per byte" in _auto.reason(rule, bound)
+
+
+def test_a_quantized_stack_counts_its_integer_weight_bytes():
+    # The memory-bound unroll leaves quantized stacks scanned: the measured cost
+    # must see their integer values among a step's inputs.
+    model = eqxscan.StackedMLP(256, 4, key=jr.key(0))
+    x = jax.ShapeDtypeStruct((8, 256), jnp.float32)
+    (plain,) = eqxscan.explain_auto(model, x)
+    assert plain.cost.xs_integer_bytes * 100 <= plain.cost.xs_bytes
+    q = eqxscan.quant.quantize(model, ["blocks.*.w1", "blocks.*.w2"], kind="int8")
+    (choice,) = eqxscan.explain_auto(q, x)
+    # Two int8 [256, 1024] values, and the layer number as before.
+    assert choice.cost.xs_integer_bytes == 2 * 256 * 1024 + plain.cost.xs_integer_bytes

@@ -83,7 +83,8 @@ UnrollRule: TypeAlias = Literal[
 """Which rule set `unroll`: `"given"` (explicit), `"sharded"` (1), `"short"` (a
 short, small scan: `True`), `"copies"` (one whose other layers' weights unrolled
 would be copied at once: 1), `"memory-bound"` (off CPU, a scan over at most 32
-layers that reads more weight bytes than it does FLOPs / 32: `True`), `"time"`
+layers of float weights that reads more of their bytes than it does FLOPs / 32:
+`True`), `"time"`
 (on CPU, a matmul-heavy scan over time with one carried array: `time_unroll`),
 `"scan"` (none of those: 1)."""
 
@@ -113,6 +114,9 @@ class StepCost:
     carry_arrays: int = 1
     #: Bytes of one step's own inputs (a layer's weights and per-layer values).
     xs_bytes: int = 0
+    #: Of those, the bytes of integer arrays (quantized weights' values; the
+    #: memory-bound unroll allows 1% of them: a layer's number, small tables).
+    xs_integer_bytes: int = 0
 
     @property
     def copies_total(self) -> int:
@@ -147,9 +151,12 @@ def unroll_rule(
         and platform not in t.cpu_platforms
         and 1 < cost.length <= t.memory_bound_layers
         and cost.flops <= t.memory_bound_intensity * cost.xs_bytes
+        and cost.xs_integer_bytes * 100 <= cost.xs_bytes
     ):
         # Measured on a TPU v5e (16 layers, B=8, D=2048 decode): the unrolled
-        # step reads each layer's weights in place, as the loop does.
+        # step reads each layer's float weights in place, as the loop does; but
+        # unrolled, XLA unpacked int4 weights for all layers at once (902 MiB
+        # of temp, 3.6x slower), so quantized stacks stay scans.
         return "memory-bound"
     if cost.length <= t.short_scan and cost.length * cost.flops < t.unroll_flops:
         if over == "layers" and cost.copies_total > t.unroll_copies:
@@ -477,6 +484,13 @@ def measure_traced(
         policy_saved_bytes=batch * _saved_bytes(jaxpr, n_carry, policy),
         carry_arrays=n_carry,
         xs_bytes=batch * sum(map(_nbytes, jaxpr.in_avals[n_carry:])),
+        xs_integer_bytes=batch
+        * sum(
+            _nbytes(a)
+            for a in jaxpr.in_avals[n_carry:]
+            if isinstance(a, jax.core.ShapedArray)
+            and jnp.issubdtype(a.dtype, jnp.integer)
+        ),
     )
 
 
