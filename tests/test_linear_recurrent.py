@@ -472,3 +472,19 @@ def test_benchmark_smoke(monkeypatch, capsys):
     picked, ratio = re.search(r"auto=(\w+) auto/best ([0-9.]+)", row).groups()
     assert picked == choose_method(jax.default_backend(), 32, 8, "diagonal")
     assert float(ratio) == pytest.approx(ms[picked] / min(ms.values()), abs=0.02)
+
+
+def test_chunk_size_auto(monkeypatch, getkey):
+    # `chunk_size="auto"` (the default): 64 steps; 32 for a matrix state off CPU.
+    from eqxscan._containers import recurrent_linear as rl
+
+    rnn = eqxscan.Recurrent(eqxscan.MinGRU(3, 4, key=getkey()))
+    assert rnn.chunk_size == "auto"
+    assert rl.chunk_for("auto", matrix=False) == rl.chunk_for("auto", True) == 64
+    assert rl.chunk_for(16, matrix=True) == 16
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert rl.chunk_for("auto", matrix=True) == rl.AUTO_MATRIX_CHUNK_ACCELERATOR
+    assert rl.chunk_for("auto", matrix=False) == rl.AUTO_CHUNK
+    assert rnn.with_options(chunk_size=8).chunk_size == 8
+    with pytest.raises((ValueError, TypeError), match="chunk_size"):
+        eqxscan.Recurrent(eqxscan.MinGRU(3, 4, key=getkey()), chunk_size="big")

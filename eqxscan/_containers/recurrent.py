@@ -1,7 +1,7 @@
 """`Recurrent` runs a cell over time; also `Bidirectional`."""
 
 from collections.abc import Callable, Mapping
-from typing import cast, Unpack
+from typing import cast, Literal, Unpack
 
 import equinox as eqx
 import jax
@@ -97,7 +97,7 @@ class Recurrent(Scanning):
     cell: Callable[..., PyTree]
     reverse: bool = eqx.field(static=True)
     method: RecurrentMethod = eqx.field(static=True)
-    chunk_size: int = eqx.field(static=True)
+    chunk_size: int | Literal["auto"] = eqx.field(static=True)
     options: ScanOptions
 
     def __init__(
@@ -106,7 +106,7 @@ class Recurrent(Scanning):
         *,
         reverse: bool = False,
         method: RecurrentMethod = "auto",
-        chunk_size: int = 64,
+        chunk_size: int | Literal["auto"] = "auto",
         **options: Unpack[ScanArgs],
     ):
         """**Arguments:**
@@ -130,7 +130,9 @@ class Recurrent(Scanning):
           sequential one across them), or `"auto"`: chosen from the backend,
           `T` and the carry's size (see docs/recurrent.md#linear-recurrences).
           Other cells always run step by step.
-        - `chunk_size`: the chunk length of `method="chunked"`.
+        - `chunk_size`: the chunk length of `method="chunked"`; `"auto"`: 64
+          steps, 32 for a matrix state on an accelerator (measured, see
+          docs/recurrent.md).
         """
         check_callable("cell", cell)
         if isinstance(cell, type):  # callable, but each step would build a cell

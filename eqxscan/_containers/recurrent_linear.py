@@ -36,11 +36,31 @@ def linear_kind(cell: object) -> Kind | None:
     return None
 
 
-def check_method(cell: object, method: object, chunk_size: object) -> int:
+ChunkSize = int | Literal["auto"]
+"""A `Recurrent`'s `chunk_size`: a number of steps, or `"auto"` (`chunk_for`)."""
+
+# `chunk_size="auto"`: chunks of 64 steps, but 32 for a matrix state off CPU,
+# measured on a TPU v5e (T = 4096, 4 heads of 64 x 64, fwd+bwd): 2.15 ms in
+# chunks of 32 against 2.61 ms in chunks of 64 (the sequential scan: 12.2 ms).
+AUTO_CHUNK = 64
+AUTO_MATRIX_CHUNK_ACCELERATOR = 32
+
+
+def chunk_for(chunk_size: ChunkSize, matrix: bool) -> int:
+    """The chunk length a `Recurrent` runs with (`"auto"` resolved on the
+    backend tracing the call)."""
+    if chunk_size != "auto":
+        return chunk_size
+    if matrix and jax.default_backend() != "cpu":
+        return AUTO_MATRIX_CHUNK_ACCELERATOR
+    return AUTO_CHUNK
+
+
+def check_method(cell: object, method: object, chunk_size: object) -> ChunkSize:
     """Check `method=` and `chunk_size=` of a `Recurrent` against its cell;
-    returns `chunk_size` as an int."""
+    returns `chunk_size` as an int or `"auto"`."""
     check_option("method", method, ("auto", "sequential", "associative", "chunked"))
-    size = check_size("chunk_size", chunk_size)
+    size = "auto" if chunk_size == "auto" else check_size("chunk_size", chunk_size)
     kind = linear_kind(cell)
     if method in ("associative", "chunked") and kind is None:
         raise ValueError(
@@ -96,7 +116,7 @@ def resolve_form(
 def run_parallel(
     cell: DiagonalLinearCell | MatrixLinearCell,
     form: Literal["sequential", "associative", "chunked"],
-    chunk_size: int,
+    chunk_size: ChunkSize,
     reverse: bool,
     h0: PyTree,
     xs: PyTree,
@@ -109,6 +129,7 @@ def run_parallel(
     for every step)`, either or both `None`."""
     gates = _all_gates(cell, xs, call, keys, controls.mask)
     m = controls.mask
+    chunk_size = chunk_for(chunk_size, isinstance(cell, MatrixLinearCell))
     if isinstance(cell, MatrixLinearCell):
         a, k, v, q = gates
         if m is not None:  # a skipped step leaves the state alone

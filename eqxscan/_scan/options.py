@@ -45,7 +45,7 @@ class OwnOptions(TypedDict, total=False):
     layer_drop: Rates
     reverse: bool
     method: Literal["auto", "sequential", "associative", "chunked"]
-    chunk_size: int
+    chunk_size: int | Literal["auto"]
 
 
 class OptionChanges(ScanArgs, OwnOptions, total=False):
