@@ -70,7 +70,7 @@ def test_benchmark_smoke(monkeypatch, capsys):
     timing, accuracy = capsys.readouterr().out.split("\n\nAccuracy")
     rows = [r.split() for r in timing.splitlines()[2:]]
     assert [(r[3], r[4]) for r in rows] == [
-        (f, s) for f in bench.FORMATS for s in ("scan", "unrolled")
+        (f, s) for f in bench.FORMATS for s in bench.STEPS
     ]
     mib = {(r[3], r[4]): float(r[5]) for r in rows}
     for fmt in bench.FORMATS:
