@@ -13,18 +13,22 @@ import eqxscan
 
 
 PACKAGE = os.path.dirname(eqxscan.__file__)
-# eqxscan's frames between a container's `__call__` and a layer (`Stacked`, in
-# either mode) or a cell (`Recurrent`, with or without a `mask`).
+# At most six eqxscan frames between a container's `__call__` and a layer's (or
+# a cell's): few enough to follow in a traceback. Each path is held to its
+# present depth, so that a frame added anywhere shows.
 MAX_FRAMES = 6
+# `Stacked` (in either mode) and `Recurrent` (with or without a `mask`).
+STACKED_FRAMES = 5
 # A `Chain`'s lone layer: its loop over the groups (`run_groups`), `run_one`.
 CHAIN_LONE_FRAMES = 2
-# A layer of a `Chain`'s stack of like layers: `run_groups`, then the six of a
-# `Stacked`. One over MAX_FRAMES while the engine's step wrapper (`body`: taps,
-# the step index) is a frame of its own, beside the carry check or the loop.
-CHAIN_STACK_FRAMES = 7
-# A layer inside a repeated pattern: its repeats run as a stack (7), then the
-# pattern's step (`run`), its loop over its own groups and `run_one`.
-CHAIN_PATTERN_FRAMES = 10
+# A layer of a `Chain`'s stack of like layers: `run_groups`, then a `Stacked`'s.
+CHAIN_STACK_FRAMES = 6
+assert max(STACKED_FRAMES, CHAIN_LONE_FRAMES, CHAIN_STACK_FRAMES) <= MAX_FRAMES
+# A layer inside a repeated pattern: the repeats run as a stack (6 frames), then
+# the pattern's step (`run`), its own loop over its groups and `run_one`. Over
+# MAX_FRAMES, as each scan step runs a small chain of its own.
+CHAIN_PATTERN_FRAMES = 9
+
 
 class _Recorded(eqx.Module):
     weight: jax.Array
@@ -94,7 +98,7 @@ def _frames(mode: str) -> list[str]:
 
 @pytest.mark.parametrize("mode", ["scan", "loop"])
 def test_few_frames_between_stack_and_layer(mode: str) -> None:
-    _check(mode, _frames(mode), MAX_FRAMES)
+    _check(mode, _frames(mode), STACKED_FRAMES)
 
 
 def _chain(kinds: str, mode: str) -> tuple[list, list]:
@@ -147,4 +151,4 @@ def test_few_frames_between_recurrent_and_cell(mode: str, masked: bool) -> None:
         h = h * weight + x
     assert jnp.allclose(h_T, h)
     frames = _inside(stacks[0], "recurrent.py")
-    _check(f"{mode}, masked={masked}", frames, MAX_FRAMES)
+    _check(f"{mode}, masked={masked}", frames, STACKED_FRAMES)
