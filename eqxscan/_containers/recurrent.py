@@ -234,7 +234,7 @@ class Recurrent(Scanning):
         read = _read_out(self.cell, args, kwargs)
         # The cell runs as a layer whose carry comes first (`_cell_step`).
         call = LayerCall(
-            args, kwargs, keys, method=_cell_step, caller="Recurrent", over="time"
+            args, kwargs, keys, method=_cell_step(), caller="Recurrent", over="time"
         )
         per_step, one_step = call.scanned()
         name = type(self.cell).__name__
@@ -336,7 +336,7 @@ def _time_step(
             key=key if controls.broadcast_key else one.key,
             number=step_index_or_none(),
         )
-        this = call if m is None else call._replace(method=_masked_cell_step(m, where))
+        this = call if m is None else call._replace(method=_cell_step(m, where))
         new, _ = run_one(cell, this, one, h, f"The cell {type(cell).__name__}")
         y = new if read is None else read(new, eqx.combine(x_dyn, xs_static))
         return new, emitted(one.number, y)
@@ -354,48 +354,47 @@ def _read_out(
     return lambda state, x: cell.output(state, x, *args, **kwargs)
 
 
-def _masked_cell_step(keep: Bool[Array, ""], where: str) -> Callable[..., PyTree]:
-    """`_cell_step` on a step that `mask` may skip: the new carry where `keep`,
-    else the old one."""
+def _cell_step(
+    keep: Bool[Array, ""] | None = None, where: str = ""
+) -> Callable[..., PyTree]:
+    """The cell as a layer of the layer-call seam (carry first). On a step that
+    `mask` may skip, `keep`: the new carry where it holds, else the old one
+    (`where` names the cell in a carry error). One function either way, so that
+    a traceback from the cell passes one frame of it."""
 
     def cell_step(
-        cell: Callable[..., PyTree], h: PyTree, *rest: PyTree, **kw: PyTree
+        cell: Callable[..., PyTree],
+        h: PyTree,
+        x: PyTree,
+        *args: PyTree,
+        key: PRNGKeyArray | None = None,
+        **kwargs: PyTree,
     ) -> PyTree:
-        old = clone(h)  # the cell may invalidate `h` (an `eqx.nn.State`)
-        new = _cell_step(cell, h, *rest, **kw)
+        carry = jtu.tree_structure(h)  # before the call, which may invalidate `h`
+        # The cell may invalidate `h` (an `eqx.nn.State`).
+        old = None if keep is None else clone(h)
+        with in_cell():
+            keyed = {} if key is None else {"key": key}
+            new = cell(x, h, *args, **kwargs, **keyed)
+        # The `lax.scan` body and Flax convention, which the carry check would
+        # report only as a change of structure.
+        pair = isinstance(new, tuple) and len(new) == 2
+        if pair and jtu.tree_structure(new[0]) == carry != jtu.tree_structure(new):
+            raise TypeError(
+                f"The cell {type(cell).__name__} returned a pair (carry, output), as "
+                "a `jax.lax.scan` body or a Flax cell does, but a cell returns the "
+                "new carry alone (`cell(x_t, h) -> h`); Recurrent stacks the "
+                "carries as hs.\nHint: return the carry; to keep more per step, "
+                f"make it part of the carry (see {docs('recurrent.md')})."
+            )
+        if keep is None:
+            return new
         # Check before `jnp.where` can broadcast a wrong shape into the carry
         # (without a mask the engine checks, naming the step).
         check_carry(old, new, where)
         return _where(keep, new, old)
 
     return cell_step
-
-
-def _cell_step(
-    cell: Callable[..., PyTree],
-    h: PyTree,
-    x: PyTree,
-    *args: PyTree,
-    key: PRNGKeyArray | None = None,
-    **kwargs: PyTree,
-) -> PyTree:
-    """The cell as a layer of the layer-call seam (carry first)."""
-    carry = jtu.tree_structure(h)  # before the call, which may invalidate `h`
-    with in_cell():
-        keyed = {} if key is None else {"key": key}
-        new = cell(x, h, *args, **kwargs, **keyed)
-    # The `lax.scan` body and Flax convention, which the carry check would
-    # report only as a change of structure.
-    pair = isinstance(new, tuple) and len(new) == 2
-    if pair and jtu.tree_structure(new[0]) == carry != jtu.tree_structure(new):
-        raise TypeError(
-            f"The cell {type(cell).__name__} returned a pair (carry, output), as a "
-            "`jax.lax.scan` body or a Flax cell does, but a cell returns the new "
-            "carry alone (`cell(x_t, h) -> h`); Recurrent stacks the carries as hs."
-            "\nHint: return the carry; to keep more per step, make it part of the "
-            f"carry (see {docs('recurrent.md')})."
-        )
-    return new
 
 
 def _no_steps(

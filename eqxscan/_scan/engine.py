@@ -41,7 +41,7 @@ from .scan_remat import (
     Traced,
 )
 from .skip import arrays_only, can_skip_scan, skip_layer, skip_scan, skip_step
-from .taps import step_taps
+from .taps import step_taps, StepTaps
 
 
 def wrap_remat(fn: Step, remat: ScanRemat, *, in_scan: bool) -> Step:
@@ -58,21 +58,56 @@ def wrap_remat(fn: Step, remat: ScanRemat, *, in_scan: bool) -> Step:
     return jax.checkpoint(body, policy=remat.step_policy(), prevent_cse=not in_scan)
 
 
+class step_scope:  # noqa: N801  # used as a function, in `with`
+    """Around step `i`: the call state's step index (no layer yet) and, while
+    tapped (`taps`), the step's records, which `close(y)` returns beside its
+    `y`. A block, not a call, so that a traceback through it shows no frame of
+    its own."""
+
+    def __init__(self, taps: StepTaps | None, i: Index):
+        self.taps = taps
+        none: tuple[int, list | None, dict] = (0, None, {})
+        self.opened, self.records, scope = none if taps is None else taps.open()
+        self.state = changed_call_state(step=i, layer=None, **scope)
+
+    def __enter__(self) -> "step_scope":
+        self.state.__enter__()
+        return self
+
+    def __exit__(
+        self, kind: type | None, e: BaseException | None, tb: object
+    ) -> Literal[False]:  # never suppresses
+        self.state.__exit__(kind, e, tb)  # pyright: ignore[reportArgumentType]  # as `with` passes them
+        return False
+
+    def close(self, y: PyTree) -> PyTree:
+        """The step's `y`, with its records while tapped."""
+        taps = self.taps
+        return y if taps is None else taps.close(y, self.opened, self.records)
+
+
 def checked_step(
-    step: Step, c_static: PyTree, where: str
+    step: Step,
+    inputs: Callable[[PyTree], PyTree],
+    taps: StepTaps | None,
+    c_static: PyTree,
+    where: str,
 ) -> tuple[Callable[[PyTree, PyTree], PyTree], list[tuple[PyTree, PyTree]]]:
     """`step` as `make_jaxpr` traces it, on the carry's array leaves (its other
-    leaves `c_static`) and returning array leaves only: the carry contract
-    checked, errors noted with `where`; and the list where each call puts its
-    outputs' other leaves. One function, so that a traceback from the step
-    passes one frame of it."""
+    leaves `c_static`) and `(x_i, i)`, returning array leaves only: given
+    `inputs(x_i)` inside a `step_scope`, the carry contract checked, errors
+    noted with `where`; and the list where each call puts its outputs' other
+    leaves. One function, so that a traceback from the step passes one frame
+    of it."""
     statics: list[tuple[PyTree, PyTree]] = []
 
-    def checked(c_dyn: PyTree, x: PyTree) -> PyTree:
+    def checked(c_dyn: PyTree, x_i: tuple[PyTree, Index]) -> PyTree:
+        x, i = x_i
         c = eqx.combine(c_dyn, c_static)
         old = clone(c)  # the step may invalidate `c` (an `eqx.nn.State`)
-        with noting(where, c, x):
-            new, y = step(c, x)
+        with noting(where, c, x_i), step_scope(taps, i) as scope:
+            new, y = step(c, inputs(x))
+        y = scope.close(y)
         check_carry(old, new, where)
         dyn, static = eqx.partition((new, y), eqx.is_array)
         statics.append(static)
@@ -145,25 +180,20 @@ def run(
     remat = options.scan_remat
     # While tapped, a step's records leave it beside its `y` (`taps.py`).
     taps = step_taps()
-
-    def body(c: PyTree, x_i: tuple[PyTree, Index]) -> tuple[PyTree, PyTree]:
-        # The step's own index (traced, or the loop's int) is read by the
-        # containers; a step inside another container's layer starts with no
-        # layer set.
-        x, i = x_i
-        opened, records, scope = (0, None, {}) if taps is None else taps.open()
-        with changed_call_state(step=i, layer=None, **scope):
-            new, y = step(c, name_inputs(x if read is None else read(x), remat))
-        return new, y if taps is None else taps.close(y, opened, records)
+    # What a step is given of its slice. The step's own index (traced, or the
+    # loop's int) is read by the containers; a step inside another container's
+    # layer starts with no layer set (`step_scope`).
+    inputs = lambda x: name_inputs(x if read is None else read(x), remat)  # noqa: E731
 
     if options.mode == "loop":
-        c, ys = _run_loop(body, carry, xs, length, remat, reverse, where, runs)
+        parts = (step, inputs, taps)
+        c, ys = _run_loop(parts, carry, xs, length, remat, reverse, where, runs)
         return c, ys if taps is None else taps.finish(ys)
     xs = (xs, jnp.arange(length, dtype=jnp.int32))
     # The step traced once on one step's shapes (closed-over tracers become
     # consts), here rather than in a helper: one frame less in a traceback.
     c_dyn, c_static = eqx.partition(carry, eqx.is_array)
-    checked, statics = checked_step(body, c_static, where(None))
+    checked, statics = checked_step(step, inputs, taps, c_static, where(None))
     jaxpr, out_shape = jax.make_jaxpr(checked, return_shape=True)(
         *step_types(c_dyn, xs, length)
     )
@@ -253,7 +283,7 @@ def named_inputs(options: ScanOptions) -> Callable[[PyTree], PyTree]:
 
 
 def _run_loop(
-    step: Step,
+    parts: tuple[Step, Callable[[PyTree], PyTree], StepTaps | None],
     carry: PyTree,
     xs: PyTree,
     length: int,
@@ -265,6 +295,13 @@ def _run_loop(
     # The reference path. The "auto" rule is a scan-specific optimisation, so the
     # loop saves everything unless remat was asked for explicitly.
     explicit = not remat.is_rule and not (remat.policy is False and not remat.named)
+    step, inputs, taps = parts
+
+    def body(c: PyTree, x_i: tuple[PyTree, Index]) -> tuple[PyTree, PyTree]:
+        x, i = x_i
+        with step_scope(taps, i) as scope:
+            new, y = step(c, inputs(x))
+        return new, scope.close(y)
 
     def step_fn(c: PyTree, x: PyTree, i: int) -> tuple[PyTree, PyTree]:
         # A step LayerDrop may skip, or under an explicit remat (else the loop
@@ -272,11 +309,11 @@ def _run_loop(
         if runs is not None:
             # Traced on this step's values, then run only where it runs.
             x, runs_i = x
-            return skip_layer(lambda c: step(c, (x, i)), c, runs_i)
+            return skip_layer(lambda c: body(c, (x, i)), c, runs_i)
         # jax.checkpoint takes and returns arrays only: close over the rest.
         c_dyn, c_static = eqx.partition(c, eqx.is_array)
-        body, statics = arrays_only(lambda c, x: step(c, (x, i)), c_static)
-        return eqx.combine(wrap_remat(body, remat, in_scan=False)(c_dyn, x), statics[0])
+        fn, statics = arrays_only(lambda c, x: body(c, (x, i)), c_static)
+        return eqx.combine(wrap_remat(fn, remat, in_scan=False)(c_dyn, x), statics[0])
 
     ys = [None] * length
     slices = _unstack(xs if runs is None else (xs, runs), length) if length > 0 else []
@@ -288,7 +325,9 @@ def _run_loop(
         old = clone(carry)  # the step may invalidate `carry` (an `eqx.nn.State`)
         with noting(where(current), carry):
             if runs is None and not explicit:  # called here: one frame less
-                new, y = step(carry, (slices[current], current))
+                with step_scope(taps, current) as scope:
+                    new, y = step(carry, inputs(slices[current]))
+                y = scope.close(y)
             else:
                 new, y = step_fn(carry, slices[current], current)
         check_carry(old, new, where(current), current)

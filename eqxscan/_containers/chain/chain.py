@@ -260,7 +260,10 @@ class Chain(Scanning):
         layer and, when an earlier layer changed the carry, the leaf path and
         both shapes/dtypes.
         """
-        return self._fold(x, args, kwargs, key, False, reverse, method)[0]
+        call, tree = self._layer_call(args, kwargs, key, False, reverse, method)
+        # The groups run from here: one frame less between this call and a layer.
+        out, _ = run_groups(self.groups, self.layout, x, call, "Chain")
+        return _with_buffers(out, tree)
 
     @compiled_when_eager
     def scan(
@@ -281,18 +284,22 @@ class Chain(Scanning):
         layer's `y_i` must have the same structure, shapes and dtypes. `ys[i]`
         is layer `i`'s, also with `reverse=True`.
         """
-        return self._fold(x, args, kwargs, key, True, reverse, method)
+        call, tree = self._layer_call(args, kwargs, key, True, reverse, method)
+        out, ys = run_groups(self.groups, self.layout, x, call, "Chain")
+        return _with_buffers(out, tree), ys
 
-    def _fold(
+    def _layer_call(
         self,
-        x: PyTree,
         args: tuple,
         kwargs: dict[str, object],
         key: PRNGKeyArray | None,
         scan: bool,
         reverse: object,  # checked here, with a clear error
         method: Method | None,
-    ) -> tuple[PyTree, PyTree]:
+    ) -> tuple[LayerCall, LayerBuffers | None]:
+        """The call of the layers that a fold with these arguments makes, after
+        checking them, and the chain's buffer if one is given (its groups'
+        buffers in the call, for `_with_buffers` to wrap again)."""
         reverse = check_bool("reverse", reverse)
         check_per_layer(args, kwargs, self.num_layers)
         at = find_buffer(args, kwargs)
@@ -323,7 +330,12 @@ class Chain(Scanning):
         if tree is not None:
             drops = call.drop is not None or call.runs is not None
             check_keeps_writes("This Chain", drops)
-        out, ys = run_groups(self.groups, self.layout, x, call, "Chain")
-        if tree is not None:
-            out = (out[0], LayerBuffers(out[1], tree.layout))
-        return out, ys
+        return call, tree
+
+
+def _with_buffers(out: PyTree, tree: LayerBuffers | None) -> PyTree:
+    """A fold's final carry; with a buffer, `(carry, the chain's buffer)` from
+    the groups' updated buffers."""
+    if tree is None:
+        return out
+    return (out[0], LayerBuffers(out[1], tree.layout))

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import PRNGKeyArray, PyTree
 
-from ..._helpers.checks import CarryError, describe, first_difference, noted, split_key
+from ..._helpers.checks import CarryError, describe, first_difference, noting, split_key
 from ..._helpers.stateful import find_state, get_arg, replace_arg, state_pair
 from ..._scan.buffers import find_buffer, Place, view_of
 from ..._scan.layer_call import (
@@ -123,26 +123,25 @@ def _pattern_step(call: LayerCall) -> PatternStep:
     return run
 
 
-def _call_group(
-    group: Any, place: Placement, x: PyTree, call: LayerCall
-) -> tuple[PyTree, PyTree]:
-    """Run one group; `ys` (when reading pairs) has a leading axis of `place.size`."""
-    if place.per_step == 0:
-        who = group_name(group, place)
-        x, y = run_one(group, call, call.at(place.start), x, who)
-        return x, jtu.tree_map(lambda a: a[None] if eqx.is_array(a) else a, y)
+def _scanned_call(call: LayerCall, place: Placement) -> LayerCall:
+    """`call` cut to a scanned group at `place` (a stack, or a pattern's repeats)."""
     group_call = call.placed(place.start, place.size, place.per_step)
     if place.per_step > 1:
         group_call = group_call._replace(pattern_step=_pattern_step(call))
-    last = place.start + place.size - 1
-    with jax.named_scope(f"layers_{place.start}-{last}"):  # the group, in profiles
-        x, ys = scan_layers(in_natural_order(group), x, group_call)
+    return group_call
+
+
+def _on_layer_axis(ys: PyTree, place: Placement) -> PyTree:
+    """A group's `ys` (when reading pairs) with a leading axis of `place.size`:
+    a lone layer's gets one, a pattern's repeat and layer axes become one."""
+    if place.per_step == 0:
+        return jtu.tree_map(lambda a: a[None] if eqx.is_array(a) else a, ys)
     if place.per_step > 1 and ys is not None:
-        ys = jtu.tree_map(
+        return jtu.tree_map(
             lambda a: a.reshape(place.size, *a.shape[2:]) if eqx.is_array(a) else a,
             ys,
         )
-    return x, ys
+    return ys
 
 
 def count_bodies(layout: tuple[Placement, ...], groups: tuple[Any, ...]) -> int:
@@ -228,7 +227,19 @@ def run_groups(
             args, kwargs = replace_arg(call.args, call.kwargs, at, view.of(trees[k]))
             group_call = call._replace(args=args, kwargs=kwargs)
         try:
-            new_x, ys = noted(_call_group, where, group, place, x, group_call)
+            # The group run here rather than in a helper: fewer frames between
+            # `Chain.__call__` and a layer in a traceback.
+            with noting(where, group, place, x, group_call):
+                if place.per_step == 0:
+                    one = group_call.at(place.start)
+                    name = group_name(group, place)
+                    new_x, ys = run_one(group, group_call, one, x, name)
+                else:
+                    last = place.start + place.size - 1
+                    placed = _scanned_call(group_call, place)
+                    with jax.named_scope(f"layers_{place.start}-{last}"):  # profiles
+                        new_x, ys = scan_layers(in_natural_order(group), x, placed)
+                ys = _on_layer_axis(ys, place)
             if trees is not None:
                 new_x, trees[k] = new_x
         except CarryError as e:
