@@ -5,6 +5,7 @@ XLA's own analysis, compile counts, and bad input."""
 
 import functools as ft
 import math
+import warnings
 
 import equinox as eqx
 import jax
@@ -654,3 +655,19 @@ def test_a_decode_step_is_tapped_like_the_hand_loop(mode):
     decode = lambda s, x: jnp.sum(s(x, eqxscan.buffer(cache), pos=1)[0] ** 2)  # noqa: E731
     r = eqxscan.find_nonfinite(bad, decode, x)
     assert (r.where, r.index) == ("forward", 1), r
+
+
+def test_a_tpu_is_warned_of_a_buffer_it_would_copy(monkeypatch):
+    # On a TPU a buffer whose last axis is not a multiple of 128 is laid out
+    # with another axis minor, and a scanned step copies it whole: warned, with
+    # the fix; a merged-heads cache and any buffer off a TPU pass silently.
+    cache = jnp.zeros((2, 16, 4, 64))
+    merged = jnp.zeros((2, 16, 256))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        eqxscan.buffer(cache)  # CPU
+        monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+        eqxscan.buffer(merged)
+        eqxscan.buffer(jnp.zeros((2, 3)))  # [L, D]: a row per layer
+    with pytest.warns(UserWarning, match=r"\[2, 16, 4, 64\].*\n.*\[\.\., T, H \* E\]"):
+        eqxscan.buffer((merged, cache))
