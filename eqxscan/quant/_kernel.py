@@ -22,6 +22,8 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.typing import DTypeLike
 from jaxtyping import Array
 
+from ._products import int4_nibbles
+
 
 Kind = Literal["int8", "int4", "fp8"]
 """The stored kinds (those of `Quantized`)."""
@@ -104,9 +106,7 @@ def blocks(
 def _int4_halves(packed: Array, scales: Array, dtype: DTypeLike) -> list[Array]:
     """The even and odd input rows of an int4 block (int8 bytes
     `[k // 2, n]`), each scaled by its group (`scales` `[k // g, n]`)."""
-    v = packed.astype(jnp.int32)  # sign-extended: the high nibble's sign
-    low = jnp.right_shift(jnp.left_shift(v, 28), 28)
-    high = jnp.right_shift(v, 4)
+    low, high = int4_nibbles(packed)
     rows, cols = packed.shape
     groups = scales.shape[0]
     halves = []

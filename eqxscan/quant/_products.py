@@ -92,6 +92,14 @@ def channel_product(
     return (y.astype(_wide(y.dtype)) * _leading(s, y.ndim)).astype(out)
 
 
+def int4_nibbles(signed: Array) -> tuple[Array, Array]:
+    """The low and high nibbles of int8 bytes, as int32 values in [-8, 7]:
+    shifts of 32-bit integers (a TPU's vector unit has no 8-bit ones), the
+    arithmetic right shift sign-extending each nibble."""
+    v = signed.astype(jnp.int32)
+    return jnp.right_shift(jnp.left_shift(v, 28), 28), jnp.right_shift(v, 4)
+
+
 def grouped_int4_product(
     x: Array, packed: Array, scales: Array, dtype: DTypeLike
 ) -> Array:
@@ -105,10 +113,7 @@ def grouped_int4_product(
     groups = scales.shape[-2]
     *lead, size_in = x.shape
     per_group = size_in // 2 // max(groups, 1)
-    # Shifts of 32-bit integers (a TPU's vector unit has no 8-bit ones); the
-    # arithmetic right shift sign-extends each nibble.
-    v = jax.lax.bitcast_convert_type(packed, jnp.int8).astype(jnp.int32)
-    low, high = jnp.right_shift(jnp.left_shift(v, 28), 28), jnp.right_shift(v, 4)
+    low, high = int4_nibbles(jax.lax.bitcast_convert_type(packed, jnp.int8))
 
     def half(x_half: Array, nibbles: Array) -> Array:
         return jnp.einsum(
