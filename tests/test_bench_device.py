@@ -241,7 +241,7 @@ def test_presets_and_peak_come_from_the_worker_that_describes_the_device(
         if spec["task"] == "agree":
             errors = {n: 0.0 for n in spec["impls"]}
             return {"errors": {d: errors for d in spec["dtypes"]}}
-        if spec["task"] == "compiles":  # all of a depth's in one worker
+        if spec["task"] == "depth":  # all of a depth's in one worker
             rows, too_big = [], {}
             for name in spec["impls"]:
                 if spec["num_layers"] == 16 and name == "eqx-recipe":
@@ -250,24 +250,22 @@ def test_presets_and_peak_come_from_the_worker_that_describes_the_device(
                 row = dict(trace_s=0.1, lower_s=0.1, compile_s=0.1, total_s=0.3)
                 row |= dict(hlo_lines=100, temp_bytes=2**20)
                 rows.append({"impl": name, "layers": spec["num_layers"], **row})
-            return {"rows": rows, "does_not_fit": too_big}
-        return {"times": {n: [1.0] for n in spec["impls"]}, "does_not_fit": {}}
+            times = {n: [1.0] for n in spec["impls"] if n not in too_big}
+            return dict(rows=rows, does_not_fit=too_big, times=times, steps_do_not_fit={})
+        raise AssertionError(f"no {spec['task']} worker on an accelerator")
 
     monkeypatch.setattr(_worker, "run_worker", run_worker)
     argv = ["--impls", "eqxscan,eqx-recipe", "--repeats", "1", "--out", str(tmp_path)]
     assert _cli.main(argv) == 0
     depths = len(_cli.TPU["layers"])
-    assert [t["task"] for t in tasks] == ["describe", "agree"] + depths * [
-        "compiles",
-        "steps",
-    ]
+    assert [t["task"] for t in tasks] == ["describe", "agree"] + depths * ["depth"]
     assert tasks[1]["size"] == dict(num_layers=4, dim=256, batch=2, seq=64, model="mlp")
     assert tasks[1]["dtypes"] == ["float32", "bfloat16"]
     results = json.loads((tmp_path / "results.json").read_text())
     config = results["config"]
     assert (config["dim"], config["batch"] * config["seq"]) == (4096, 8192)
     assert (config["dtype"], config["layers"]) == ("bfloat16", _cli.TPU["layers"])
-    assert {t["dtype"] for t in tasks if t["task"] in ("compiles", "steps")} == {
+    assert {t["dtype"] for t in tasks if t["task"] == "depth"} == {
         "bfloat16"
     }
     assert results["peak_flops"] == 197e12
@@ -279,29 +277,35 @@ def test_presets_and_peak_come_from_the_worker_that_describes_the_device(
     assert "- bfloat16 (tolerance 0.1): eqxscan 0.0e+00" in md
 
 
-def test_one_worker_compiles_all_of_a_depth_as_separate_processes_would(monkeypatch):
-    # On an accelerator a depth's compiles share a worker: each is still compiled
-    # afresh (the same program and memory as alone), each repeat count is kept,
-    # one that does not fit is named and the others measured; the process's peak
-    # RSS, shared, is reported for none.
+def test_one_worker_compiles_and_times_a_depth_as_separate_processes_would(
+    monkeypatch,
+):
+    # On an accelerator a depth's compiles and steps share a worker: each is still
+    # compiled afresh (the same program and memory as alone), each repeat count is
+    # kept, one that does not fit is named and the others measured and timed on
+    # the program compiled; the process's peak RSS, shared, is reported for none.
     monkeypatch.setenv("BENCH_EXTRA_IMPLS", "tests.bench_impls")
     size = dict(num_layers=9, dim=8, batch=TOO_BIG_BATCH, seq=3, dtype="float32")
     done = []
-    found = _measure.measure_compiles(
+    found = _measure.measure_depth(
         ["too-big", "eqxscan", "eqxscan-loop"],
         compile_repeats=2,
         loop_compile_repeats=1,
-        on_compiled=lambda: done.append(1),
+        repeats=3,
+        on_progress=lambda: done.append(1),
         **size,
     )
-    assert len(done) == 3
+    assert len(done) == 3 + 3  # each compile, then each timing round
     assert list(found["does_not_fit"]) == ["too-big"]
     assert "RESOURCE_EXHAUSTED" in found["does_not_fit"]["too-big"]
+    assert found["steps_do_not_fit"] == {}
     rows = {r["impl"]: r for r in found["rows"]}
     assert list(rows) == ["eqxscan", "eqxscan-loop"]
     assert len(rows["eqxscan"]["total_samples"]) == 2
     assert len(rows["eqxscan-loop"]["total_samples"]) == 1
     assert all(r["peak_rss_bytes"] is None for r in rows.values())
+    assert sorted(found["times"]) == ["eqxscan", "eqxscan-loop"]
+    assert all(len(t) == 3 and min(t) > 0 for t in found["times"].values())
     alone = _measure.measure_compile("eqxscan", **size)
     for what in ("hlo_lines", "temp_bytes", "argument_bytes", "auto"):
         assert rows["eqxscan"][what] == alone[what]

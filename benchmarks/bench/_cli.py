@@ -395,8 +395,9 @@ def _measure_all(args: argparse.Namespace, results: dict[str, Any]) -> None:
             return None
 
     total = len(args.layers) * (len(args.impls) + args.repeats)
-    # On an accelerator all of a depth's compiles share a worker: opening the
-    # device takes seconds a process (10 to 15 on a TPU v5e). On a CPU each
+    # On an accelerator one worker a depth compiles each implementation and
+    # times its steps on that program: opening the device takes seconds a process
+    # (10 to 15 on a TPU v5e) and a deep step seconds to compile. On a CPU each
     # compile has a process of its own, and its peak RSS is reported.
     shared = results["machine"]["backend"] != "cpu"
     shape = dict(dim=args.dim, batch=args.batch, seq=args.seq)
@@ -406,20 +407,24 @@ def _measure_all(args: argparse.Namespace, results: dict[str, Any]) -> None:
                 num_layers=layers, **shape, dtype=args.dtype, model=args.model
             )
             if shared:
-                bar.set_postfix_str(f"compile L={layers}")
-                spec = {"task": "compiles", "impls": args.impls, **common}
+                bar.set_postfix_str(f"L={layers}")
+                spec = {"task": "depth", "impls": args.impls, **common}
                 spec |= {"compile_repeats": args.compile_repeats}
                 spec |= {"loop_compile_repeats": args.loop_compile_repeats}
-                found = run(spec, on_progress=bar.update)
+                found = run({**spec, "repeats": args.repeats}, on_progress=bar.update)
                 if found is not None and "rows" not in found:
                     for name in args.impls:
                         too_big(name, layers, "compile", found["does_not_fit"])
                 elif found is not None:
                     results["compile"].extend(found["rows"])
+                    results["steps"][str(layers)] = found["times"]
                     for name, error in found["does_not_fit"].items():
                         too_big(name, layers, "compile", error)
+                    for name, error in found["steps_do_not_fit"].items():
+                        too_big(name, layers, "steps", error)
                 save()
-            for name in [] if shared else args.impls:
+                continue
+            for name in args.impls:
                 bar.set_postfix_str(f"compile {name} L={layers}")
                 repeats = args.compile_repeats
                 if name == LOOP and args.loop_compile_repeats is not None:

@@ -257,14 +257,27 @@ def measure_compile(
     caches cleared in between) and the times are medians."""
     impls, make = registry(model)
     module, x, y = make(num_layers, dim, batch, seq, dtype)
-    runs = [_compile_once(impls[name], module, x, y) for _ in range(compile_repeats)]
+    row, _ = _compile_row(name, impls[name], (module, x, y), num_layers, compile_repeats)
+    return row
+
+
+def _compile_row(
+    name: str,
+    impl: Impl[Any],
+    problem: tuple[eqx.Module, Array, Array],
+    num_layers: int,
+    repeats: int,
+) -> tuple[dict[str, Any], _Compiled]:
+    """`measure_compile`'s row, and the last compile (to run its steps)."""
+    module, x, y = problem
+    runs = [_compile_once(impl, module, x, y) for _ in range(repeats)]
     samples = [run.seconds for run in runs]
     trace_s, lower_s, compile_s, total_s = (
         statistics.median(column) for column in zip(*samples)
     )
     built, lowered, compiled = runs[-1].built, runs[-1].lowered, runs[-1].compiled
     mem = compiled.memory_analysis()
-    return {
+    row = {
         "impl": name,
         "layers": num_layers,
         # What the default resolved to (the other eqxscan entries set `remat`).
@@ -282,41 +295,7 @@ def measure_compile(
         "output_bytes": None if mem is None else int(mem.output_size_in_bytes),
         "peak_rss_bytes": _peak_rss(),
     }
-
-
-def measure_compiles(
-    names: Sequence[str],
-    *,
-    compile_repeats: int = 1,
-    loop_compile_repeats: int | None = None,
-    on_compiled: Callable[[], None] = lambda: None,
-    **size: Any,
-) -> dict[str, Any]:
-    """`measure_compile` of each of `names` in this one process, JAX's caches
-    cleared before every compile: on an accelerator a process takes seconds to
-    open the device, which one process per compile would pay for each. The
-    process's peak RSS covers all of them, so no row reports it.
-
-    **Returns:**
-
-    `{"rows": [measure_compile's row, ...], "does_not_fit": {name: the error's
-    first line}}`.
-    """
-    rows, too_big = [], {}
-    for name in names:
-        repeats = compile_repeats
-        if name == LOOP and loop_compile_repeats is not None:
-            repeats = loop_compile_repeats
-        try:
-            row = measure_compile(name, compile_repeats=repeats, **size)
-        except Exception as e:
-            if (message := out_of_memory(e)) is None:
-                raise
-            too_big[name] = message
-        else:
-            rows.append({**row, "peak_rss_bytes": None})
-        on_compiled()
-    return {"rows": rows, "does_not_fit": too_big}
+    return row, runs[-1]
 
 
 def setting_label(remat: Any, unroll: int | bool) -> str:
@@ -414,3 +393,74 @@ def measure_steps(
         on_round=on_round,
     )
     return {"times": times, "does_not_fit": too_big}
+
+
+def measure_depth(
+    names: Sequence[str],
+    *,
+    num_layers: int,
+    dim: int,
+    batch: int,
+    seq: int,
+    dtype: str,
+    repeats: int,
+    compile_repeats: int = 1,
+    loop_compile_repeats: int | None = None,
+    seed: int = 0,
+    model: str = "mlp",
+    on_progress: Callable[[], None] = lambda: None,
+) -> dict[str, Any]:
+    """`measure_compile` of each of `names` and `measure_steps` of them, in one
+    process, each
+    step timed on the program whose compile was measured: on an accelerator a
+    process takes seconds to open the device and a deep step seconds to compile,
+    which separate processes would pay twice.
+
+    **Returns:**
+
+    `{"rows": [measure_compile's row, ...], "does_not_fit": {name: error}` (at
+    compile), `"times": {name: [seconds per step] * repeats}, "steps_do_not_fit":
+    {name: error}}` (at the first step).
+    """
+    impls, make = registry(model)
+    problem = make(num_layers, dim, batch, seq, dtype)
+    _, x, y = problem
+    rows, too_big, too_big_to_run, steps = [], {}, {}, {}
+    for name in names:
+        runs = compile_repeats
+        if name == LOOP and loop_compile_repeats is not None:
+            runs = loop_compile_repeats
+        try:
+            row, done = _compile_row(name, impls[name], problem, num_layers, runs)
+        except Exception as e:
+            if (message := out_of_memory(e)) is None:
+                raise
+            too_big[name] = message
+            on_progress()
+            continue
+        rows.append({**row, "peak_rss_bytes": None})
+        try:
+            for _ in range(WARMUP):
+                jax.block_until_ready(done.compiled(done.built.params, x, y))
+        except Exception as e:
+            if (message := out_of_memory(e)) is None:
+                raise
+            too_big_to_run[name] = message
+        else:
+            steps[name] = (done.compiled, done.built.params)
+        on_progress()
+    times = time_interleaved(
+        {
+            name: functools.partial(fn, params, x, y)
+            for name, (fn, params) in steps.items()
+        },
+        repeats,
+        seed=seed,
+        on_round=on_progress,
+    )
+    return {
+        "rows": rows,
+        "does_not_fit": too_big,
+        "times": times,
+        "steps_do_not_fit": too_big_to_run,
+    }

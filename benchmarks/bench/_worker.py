@@ -14,7 +14,8 @@ would lock every child out. The tasks (`spec["task"]`):
   `"backend"` chooses the presets;
 - `"agree"`: `check_agreement` at each of `spec["dtypes"]`;
 - `"compile"`: `measure_compile`;
-- `"steps"`: `measure_steps`.
+- `"steps"`: `measure_steps`;
+- `"depth"`: `measure_depth` (an accelerator's compiles and steps of one depth).
 
 A compile or a problem that runs out of device memory gives the result
 `{"does_not_fit": <the error's first line>}` instead of failing the worker.
@@ -56,7 +57,7 @@ def _env() -> dict[str, str]:
 def run_worker(
     spec: dict[str, Any], on_progress: Callable[[], object] = lambda: None
 ) -> Any:
-    """Run one measurement (`spec["task"]` is "compile" or "steps") in a fresh
+    """Run one measurement (`spec["task"]`, as listed above) in a fresh
     Python process and return its result."""
     result = None
     # stderr goes to a file: a pipe left unread could fill up and block the child.
@@ -93,7 +94,7 @@ def describe_task(spec: dict[str, Any]) -> str:
     if task == "agree":
         return "the agreement check"
     impls = spec.get("impl") or ", ".join(spec["impls"])
-    task = "compile" if task == "compiles" else task
+    task = {"depth": "compile and step"}.get(task, task)
     return f"the {task} measurement of {impls} at L={spec['num_layers']}"
 
 
@@ -117,7 +118,7 @@ def _run(spec: dict[str, Any]) -> Any:
     from ._machine import describe_machine
     from ._measure import (
         measure_compile,
-        measure_compiles,
+        measure_depth,
         measure_steps,
         out_of_memory,
     )
@@ -130,11 +131,11 @@ def _run(spec: dict[str, Any]) -> Any:
     try:
         if task == "compile":
             return measure_compile(spec.pop("impl"), **spec)
-        if task == "compiles":
-            return measure_compiles(
+        if task == "depth":
+            return measure_depth(
                 spec.pop("impls"),
                 **spec,
-                on_compiled=lambda: print(PROGRESS, flush=True),
+                on_progress=lambda: print(PROGRESS, flush=True),
             )
         if task == "steps":
             return measure_steps(
