@@ -394,12 +394,12 @@ def _measure_all(args: argparse.Namespace, results: dict[str, Any]) -> None:
             tqdm.write(str(e), file=sys.stderr)
             return None
 
-    total = len(args.layers) * (len(args.impls) + args.repeats)
     # On an accelerator one worker a depth compiles each implementation and
     # times its steps on that program: opening the device takes seconds a process
     # (10 to 15 on a TPU v5e) and a deep step seconds to compile. On a CPU each
     # compile has a process of its own, and its peak RSS is reported.
     shared = results["machine"]["backend"] != "cpu"
+    total = len(args.layers) * (len(args.impls) + (0 if shared else args.repeats))
     shape = dict(dim=args.dim, batch=args.batch, seq=args.seq)
     with tqdm(total=total, desc="benchmarks.bench", file=sys.stderr) as bar:
         for layers in args.layers:

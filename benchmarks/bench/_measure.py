@@ -410,22 +410,27 @@ def measure_depth(
     model: str = "mlp",
     on_progress: Callable[[], None] = lambda: None,
 ) -> dict[str, Any]:
-    """`measure_compile` of each of `names` and `measure_steps` of them, in one
-    process, each
-    step timed on the program whose compile was measured: on an accelerator a
-    process takes seconds to open the device and a deep step seconds to compile,
-    which separate processes would pay twice.
+    """`measure_compile` of each of `names`, and its steps timed on the program
+    whose compile was measured, one implementation after another in this one
+    process: on an accelerator a process takes seconds to open the device and a
+    deep step seconds to compile, which separate processes would pay twice. Each
+    implementation's program and parameters are released before the next, so
+    that only one step's memory is on the device at a time (the device's own
+    timing noise is small; `measure_steps` interleaves for a CPU's).
 
     **Returns:**
 
     `{"rows": [measure_compile's row, ...], "does_not_fit": {name: error}` (at
     compile), `"times": {name: [seconds per step] * repeats}, "steps_do_not_fit":
-    {name: error}}` (at the first step).
+    {name: error}}` (at a step).
     """
     impls, make = registry(model)
     problem = make(num_layers, dim, batch, seq, dtype)
     _, x, y = problem
-    rows, too_big, too_big_to_run, steps = [], {}, {}, {}
+    # A process's first XLA compile pays one-time setup the later ones do not (on
+    # a TPU v5e, 0.9 s more for the same program): one is compiled and discarded.
+    jax.jit(lambda a: a @ a.T).lower(x[0]).compile()
+    rows, too_big, too_big_to_run, times = [], {}, {}, {}
     for name in names:
         runs = compile_repeats
         if name == LOOP and loop_compile_repeats is not None:
@@ -439,25 +444,18 @@ def measure_depth(
             on_progress()
             continue
         rows.append({**row, "peak_rss_bytes": None})
+        step = functools.partial(done.compiled, done.built.params, x, y)
+        del done
         try:
             for _ in range(WARMUP):
-                jax.block_until_ready(done.compiled(done.built.params, x, y))
+                jax.block_until_ready(step())
+            times[name] = time_interleaved({name: step}, repeats, seed=seed)[name]
         except Exception as e:
             if (message := out_of_memory(e)) is None:
                 raise
             too_big_to_run[name] = message
-        else:
-            steps[name] = (done.compiled, done.built.params)
+        del step
         on_progress()
-    times = time_interleaved(
-        {
-            name: functools.partial(fn, params, x, y)
-            for name, (fn, params) in steps.items()
-        },
-        repeats,
-        seed=seed,
-        on_round=on_progress,
-    )
     return {
         "rows": rows,
         "does_not_fit": too_big,
