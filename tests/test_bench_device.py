@@ -251,7 +251,9 @@ def test_presets_and_peak_come_from_the_worker_that_describes_the_device(
                 row |= dict(hlo_lines=100, temp_bytes=2**20)
                 rows.append({"impl": name, "layers": spec["num_layers"], **row})
             times = {n: [1.0] for n in spec["impls"] if n not in too_big}
-            return dict(rows=rows, does_not_fit=too_big, times=times, steps_do_not_fit={})
+            return dict(
+                rows=rows, does_not_fit=too_big, times=times, steps_do_not_fit={}
+            )
         raise AssertionError(f"no {spec['task']} worker on an accelerator")
 
     monkeypatch.setattr(_worker, "run_worker", run_worker)
@@ -265,9 +267,7 @@ def test_presets_and_peak_come_from_the_worker_that_describes_the_device(
     config = results["config"]
     assert (config["dim"], config["batch"] * config["seq"]) == (4096, 8192)
     assert (config["dtype"], config["layers"]) == ("bfloat16", _cli.TPU["layers"])
-    assert {t["dtype"] for t in tasks if t["task"] == "depth"} == {
-        "bfloat16"
-    }
+    assert {t["dtype"] for t in tasks if t["task"] == "depth"} == {"bfloat16"}
     assert results["peak_flops"] == 197e12
     assert results["does_not_fit"][0]["impl"] == "eqx-recipe"
     md = (tmp_path / "results.md").read_text()

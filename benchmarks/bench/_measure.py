@@ -257,7 +257,9 @@ def measure_compile(
     caches cleared in between) and the times are medians."""
     impls, make = registry(model)
     module, x, y = make(num_layers, dim, batch, seq, dtype)
-    row, _ = _compile_row(name, impls[name], (module, x, y), num_layers, compile_repeats)
+    row, _ = _compile_row(
+        name, impls[name], (module, x, y), num_layers, compile_repeats
+    )
     return row
 
 
