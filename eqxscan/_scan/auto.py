@@ -89,7 +89,11 @@ RematRule: TypeAlias = Literal[
 
 @dataclasses.dataclass(frozen=True)
 class StepCost:
-    """What one traced scan step costs (see the module docstring)."""
+    """What one traced scan step of a scan of `length` costs, for a whole `vmap`
+    batch: its `flops` (`2·M·N·K` per matmul, one per element of anything else),
+    its carry's bytes and arrays, the bytes a plain scan saves per step for the
+    backward pass (the residuals of `jax.vjp` of the step, less its inputs and
+    consts) and the same under the matmul-saving policy."""
 
     length: int
     flops: int
