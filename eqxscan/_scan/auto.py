@@ -233,16 +233,13 @@ def _remat_reason(rule: AutoRule, cost: StepCost) -> str:
         f"matmul outputs keeps ({_mib(cost.policy_total)})"
     )
     if rule.remat == "small":
-        return (
-            f"{facts}: at most {_mib(t.small_residuals)} and {t.matmul_dominated}x, "
-            "so save everything"
-        )
-    over = (
-        f"more than {_mib(t.small_residuals)}"
-        if cost.saved_total > t.small_residuals
-        else f"more than {t.matmul_dominated}x"
-    )
+        over = f"at most {_mib(t.small_residuals)} and {t.matmul_dominated}x"
+    elif cost.saved_total > t.small_residuals:
+        over = f"more than {_mib(t.small_residuals)}"
+    else:
+        over = f"more than {t.matmul_dominated}x"
     verdict = {
+        "small": "so save everything",
         "small-step": f"so on {on}, with {cost.flops:.3g} FLOPs per step (< "
         f"{t.full_remat_flops:.0e}), recompute the whole step",
         "large-matmuls": f"so on {on}, with more than "

@@ -112,8 +112,7 @@ class ScanOptions(eqx.Module):
         """A copy with `changes` (any of `mode`, `remat`, `unroll`) applied,
         validated like a new one."""
         check_names(changes, OPTION_NAMES, "ScanOptions.replace")
-        values = {name: getattr(self, name) for name in OPTION_NAMES}
-        return ScanOptions(**{**values, **changes})
+        return ScanOptions(**{**self.as_args(), **changes})
 
 
 def check_names(
