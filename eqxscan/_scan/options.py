@@ -112,7 +112,8 @@ class ScanOptions(eqx.Module):
         """A copy with `changes` (any of `mode`, `remat`, `unroll`) applied,
         validated like a new one."""
         check_names(changes, OPTION_NAMES, "ScanOptions.replace")
-        return ScanOptions(**{**self.as_args(), **changes})
+        values = {name: getattr(self, name) for name in OPTION_NAMES}
+        return ScanOptions(**{**values, **changes})
 
 
 def check_names(
