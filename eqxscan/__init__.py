@@ -24,6 +24,7 @@ from ._containers.recurrent import (
     Recurrent as Recurrent,
 )
 from ._containers.stacked import Stacked as Stacked
+from ._scan.auto import explain_auto as explain_auto
 from ._scan.buffers import (
     Buffer as Buffer,
     buffer as buffer,
@@ -96,7 +97,6 @@ if _TYPE_CHECKING:
         from_state_dict as from_state_dict,
         to_state_dict as to_state_dict,
     )
-    from .remat._explain import explain_auto as explain_auto
 
 _SUBPACKAGES = (
     "adapters",
@@ -132,7 +132,6 @@ _LENT = {
     "MinGRU": "._models.linear_rnn",
     "MLPBlock": "._models.mlp",
     "StackedMLP": "._models.mlp",
-    "explain_auto": ".remat._explain",
 }
 
 

@@ -73,7 +73,6 @@ from ._helpers.jax_private import (
 )
 from ._scan.auto import (
     AutoChoice as AutoChoice,
-    recording as recording,
     StepCost as StepCost,
     THRESHOLDS as THRESHOLDS,
     Thresholds as Thresholds,

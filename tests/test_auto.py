@@ -341,7 +341,8 @@ def test_reason_names_the_numbers():
     mib = 2**20
     c = cost(length=12, flops=10**7, saved_bytes=24 * mib, policy_saved_bytes=8 * mib)
     d = _auto.decide(c, "auto", "auto", POLICY, "cpu")
-    reason = eqxscan.remat.AutoChoice(*d, cost=c, where="here").reason
+    assert isinstance(d, eqxscan.remat.AutoChoice)
+    reason = d.reason
     assert (d.rule.remat, d.rule.unroll) == ("large-matmuls", "scan")
     for number in ("12 steps", "1e+07 FLOPs", "288.00 MiB", "3.00x", "96.00 MiB"):
         assert number in reason, (number, reason)
@@ -365,7 +366,8 @@ def test_measure_counts_flops_and_residuals():
 
     c = jnp.ones(n)
     xs = jnp.ones((5, n))
-    got = _auto.measure(step, c, xs, 5, POLICY)
+    jaxpr = jax.make_jaxpr(step)(c, xs[0])
+    got = _auto.measure_traced(jaxpr, 1, (c, xs), 5, POLICY)
     assert got.length == 5
     assert got.flops == 2 * n * n + n + n  # matmul, add, tanh
     assert got.carry_bytes == 4 * n

@@ -1,21 +1,15 @@
 """The default: what `remat="auto"` and `unroll="auto"` pick, from the
-traced step's shapes.
-
-`measure_traced` reads the jaxpr the engine traced the step to (nothing runs)
-and counts the bytes a plain scan saves per step for the backward pass (the
-residuals of `jax.vjp` of the step, less its inputs and consts, which a scan
-does not stack), the same under the matmul-saving policy, the carry's bytes and
-arrays, and the FLOPs of one step (`2·M·N·K` per matmul, one per element of
-everything else). `decide` turns those into a choice by two small rules,
-`unroll_rule` and `remat_rule`, over `THRESHOLDS`; docs/default-remat.md has
-the rule's table and the measurements behind every threshold.
-"""
+traced step's shapes. `measure_traced` reads the step's jaxpr (nothing runs)
+into a `StepCost`; `decide` applies `unroll_rule` and `remat_rule` over
+`THRESHOLDS`. docs/default-remat.md has the table and the measurements behind
+every threshold."""
 
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import Literal, NamedTuple, TypeAlias
+from typing import Literal, TypeAlias
 
+import equinox as eqx
 import jax
 import jax.core
 import jax.extend.core as jcore
@@ -58,8 +52,8 @@ class Thresholds:
     short_scan: int = 8
     #: ... of fewer FLOPs than this in all (steps × FLOPs per step) ...
     unroll_flops: int = 8 * 10**8
-    #: ... and, over layers, whose other steps' inputs (weights) total at most
-    #: this: unrolled, XLA slices every layer's weights out of the stack at once.
+    #: ... and, over layers, whose other steps' inputs (weights, all sliced out
+    #: of the stack at once when unrolled) total at most this.
     unroll_copies: int = 32 * 2**10
     #: CPU: unroll by this a scan over time with one carried array, a step of
     #: nearly all matmul outputs (`nearly_all_matmul`) ...
@@ -68,9 +62,8 @@ class Thresholds:
     time_unroll_flops: int = 10**7
     #: Not CPU: unroll fully a scan over layers of at most this many steps ...
     memory_bound_layers: int = 32
-    #: ... whose step does at most this many FLOPs per byte of its weights: it
-    #: runs at the rate it reads them (a decode step), and the scan's per-step
-    #: cost is not hidden behind its work.
+    #: ... whose step does at most this many FLOPs per byte of its weights (a
+    #: decode step: the scan's per-step cost is not hidden behind its work).
     memory_bound_intensity: int = 32
 
 
@@ -80,13 +73,7 @@ THRESHOLDS = Thresholds()
 UnrollRule: TypeAlias = Literal[
     "given", "sharded", "short", "copies", "memory-bound", "time", "scan"
 ]
-"""Which rule set `unroll`: `"given"` (explicit), `"sharded"` (1), `"short"` (a
-short, small scan: `True`), `"copies"` (one whose other layers' weights unrolled
-would be copied at once: 1), `"memory-bound"` (off CPU, a scan over at most 32
-layers of float weights that reads more of their bytes than it does FLOPs / 32:
-`True`), `"time"`
-(on CPU, a matmul-heavy scan over time with one carried array: `time_unroll`),
-`"scan"` (none of those: 1)."""
+"""Which rule set `unroll` (docs/default-remat.md lists them)."""
 
 RematRule: TypeAlias = Literal[
     "given",
@@ -97,14 +84,16 @@ RematRule: TypeAlias = Literal[
     "nearly-all-matmul",
     "policy",
 ]
-"""Which rule set `remat`: `"given"` (explicit), `"unrolled"` (`False`, as the
-loop), `"small"` (`False`), on CPU `"small-step"` and `"large-matmuls"` (`True`)
-and `"nearly-all-matmul"` (`False`), else `"policy"` (the matmul-saving one)."""
+"""Which rule set `remat` (docs/default-remat.md lists them)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class StepCost:
-    """What one traced scan step costs (see the module docstring)."""
+    """What one traced scan step of a scan of `length` costs, for a whole `vmap`
+    batch: its `flops` (`2·M·N·K` per matmul, one per element of anything else),
+    its carry's bytes and arrays, the bytes a plain scan saves per step for the
+    backward pass (the residuals of `jax.vjp` of the step, less its inputs and
+    consts) and the same under the matmul-saving policy."""
 
     length: int
     flops: int
@@ -120,18 +109,15 @@ class StepCost:
 
     @property
     def copies_total(self) -> int:
-        """Bytes of the steps' inputs an unrolled program holds beyond a scan's
-        one step: every other step's slice, cut out of the stack at once."""
+        """Bytes of the other steps' inputs an unrolled program slices at once."""
         return self.xs_bytes * max(self.length - 1, 0)
 
     @property
     def saved_total(self) -> int:
-        """Bytes a plain scan saves over all its steps."""
         return self.saved_bytes * self.length
 
     @property
     def policy_total(self) -> int:
-        """Bytes the matmul-saving policy saves over all steps."""
         return self.policy_saved_bytes * self.length
 
     @property
@@ -202,47 +188,6 @@ class AutoRule:
     thresholds: Thresholds = dataclasses.field(default=THRESHOLDS, repr=False)
 
 
-class Decision(NamedTuple):
-    """`decide`'s answer: the resolved options and the rules behind them."""
-
-    remat: Remat
-    unroll: int | bool
-    rule: AutoRule
-
-
-def decide(
-    cost: StepCost,
-    remat: Remat,
-    unroll: int | bool | Literal["auto"],
-    policy: Policy,
-    platform: str,
-    *,
-    gathered: bool = False,
-    over: Over = "layers",
-) -> Decision:
-    """Resolve `"auto"` in `remat` and/or `unroll` by `unroll_rule` and
-    `remat_rule` (with `THRESHOLDS`); explicit values pass through. `gathered`:
-    each step may gather its own sharded weights (FSDP)."""
-    t = THRESHOLDS
-    u_rule: UnrollRule = "given"
-    if isinstance(unroll, str):  # "auto"
-        u_rule = unroll_rule(cost, platform, gathered, over, t)
-        steps = {"short": True, "memory-bound": True, "time": t.time_unroll}.get(
-            u_rule, 1
-        )
-    else:
-        steps = unroll
-    c_rule: RematRule = "given"
-    if remat == "auto":
-        c_rule = "unrolled" if steps is True else remat_rule(cost, platform, t)
-        # Two rules recompute the whole step, "policy" keeps the policy's, the
-        # others save everything.
-        remat = (
-            policy if c_rule == "policy" else c_rule in ("small-step", "large-matmuls")
-        )
-    return Decision(remat, steps, AutoRule(u_rule, c_rule, platform, over, t))
-
-
 def _mib(n: int) -> str:
     return f"{n / 2**10:.1f} KiB" if n < 2**20 else f"{n / 2**20:.2f} MiB"
 
@@ -288,16 +233,13 @@ def _remat_reason(rule: AutoRule, cost: StepCost) -> str:
         f"matmul outputs keeps ({_mib(cost.policy_total)})"
     )
     if rule.remat == "small":
-        return (
-            f"{facts}: at most {_mib(t.small_residuals)} and {t.matmul_dominated}x, "
-            "so save everything"
-        )
-    over = (
-        f"more than {_mib(t.small_residuals)}"
-        if cost.saved_total > t.small_residuals
-        else f"more than {t.matmul_dominated}x"
-    )
+        over = f"at most {_mib(t.small_residuals)} and {t.matmul_dominated}x"
+    elif cost.saved_total > t.small_residuals:
+        over = f"more than {_mib(t.small_residuals)}"
+    else:
+        over = f"more than {t.matmul_dominated}x"
     verdict = {
+        "small": "so save everything",
         "small-step": f"so on {on}, with {cost.flops:.3g} FLOPs per step (< "
         f"{t.full_remat_flops:.0e}), recompute the whole step",
         "large-matmuls": f"so on {on}, with more than "
@@ -356,7 +298,40 @@ class AutoChoice:
         )
 
 
-# ---------------------------------------------------------------------------
+def decide(
+    cost: StepCost,
+    remat: Remat,
+    unroll: int | bool | Literal["auto"],
+    policy: Policy,
+    platform: str,
+    gathered: bool = False,
+    over: Over = "layers",
+    where: str = "",
+) -> AutoChoice:
+    """Resolve `"auto"` in `remat` and/or `unroll` by `unroll_rule` and
+    `remat_rule` (with `THRESHOLDS`); explicit values pass through. `gathered`:
+    each step may gather its own sharded weights (FSDP)."""
+    t = THRESHOLDS
+    u_rule: UnrollRule = "given"
+    if isinstance(unroll, str):  # "auto"
+        u_rule = unroll_rule(cost, platform, gathered, over, t)
+        steps = {"short": True, "memory-bound": True, "time": t.time_unroll}.get(
+            u_rule, 1
+        )
+    else:
+        steps = unroll
+    c_rule: RematRule = "given"
+    if remat == "auto":
+        c_rule = "unrolled" if steps is True else remat_rule(cost, platform, t)
+        # Two rules recompute the whole step, "policy" keeps the policy's, the
+        # others save everything.
+        remat = (
+            policy if c_rule == "policy" else c_rule in ("small-step", "large-matmuls")
+        )
+    rule = AutoRule(u_rule, c_rule, platform, over, t)
+    return AutoChoice(remat, steps, rule, cost, where)
+
+
 # Measuring the step.
 
 
@@ -380,25 +355,19 @@ def _nbytes(aval: jax.core.AbstractValue) -> int:
 
 
 def _saved_bytes(jaxpr: jcore.ClosedJaxpr, n_carry: int, policy: Policy | None) -> int:
-    """Bytes of the residuals of `vjp` of the traced step `jaxpr` that a scan
-    would stack per step: not the step's per-step inputs (scanned already) nor
-    its consts (closed-over values, the same at every step); the incoming carry
-    does count. Differentiates the jaxpr: the step's Python code does not run."""
+    """Bytes of the residuals of `vjp` of the step that a scan stacks per step:
+    not its per-step inputs (scanned already) nor its consts; the incoming
+    carry does count."""
     fn = step = jcore.jaxpr_as_fun(jaxpr)
     if policy is not None:
         fn = jax.checkpoint(step, policy=policy)  # pyright: ignore[reportArgumentType]  # jax says bool; offloading ones answer Offloadable
-
-    def residuals(*leaves: jax.Array) -> object:
-        return jax.vjp(fn, *leaves)[1]
-
     try:
-        vjp_jaxpr = jax.make_jaxpr(residuals)(*jaxpr.in_avals).jaxpr
+        vjp = jax.make_jaxpr(lambda *a: jax.vjp(fn, *a)[1])(*jaxpr.in_avals).jaxpr
     except (TypeError, ValueError, NotImplementedError):
-        # A step that cannot be reverse-differentiated (a callback without a
-        # derivative, say) has no residuals to weigh, and remat changes nothing.
+        # A step without a derivative (a callback, say) has no residuals to weigh.
         return 0
-    not_stacked = set(vjp_jaxpr.invars[n_carry:]) | set(vjp_jaxpr.constvars)
-    saved = {v for v in vjp_jaxpr.outvars if isinstance(v, jcore.Var)} - not_stacked
+    not_stacked = set(vjp.invars[n_carry:]) | set(vjp.constvars)
+    saved = {v for v in vjp.outvars if isinstance(v, jcore.Var)} - not_stacked
     return sum(_nbytes(v.aval) for v in saved)
 
 
@@ -413,42 +382,32 @@ def _sub_jaxprs(params: dict[str, object]) -> list[jcore.Jaxpr]:
 
 
 def _flops(jaxpr: jcore.Jaxpr) -> int:
+    # `2·M·N·K` per matmul, one per output element of anything else.
     total = 0
     for eqn in jaxpr.eqns:
-        subs = _sub_jaxprs(eqn.params)
-        if subs:
+        if subs := [_flops(s) for s in _sub_jaxprs(eqn.params)]:
             times = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
             # Branches of a `cond` are alternatives: count the most expensive.
-            inner = [_flops(s) for s in subs]
-            total += times * (
-                max(inner) if eqn.primitive.name == "cond" else sum(inner)
-            )
+            total += times * (max(subs) if eqn.primitive.name == "cond" else sum(subs))
             continue
         out = sum(_size(v.aval) for v in eqn.outvars)
         if eqn.primitive.name == "dot_general":
             (lhs_contract, _), _ = eqn.params["dimension_numbers"]
             lhs = _shape(eqn.invars[0].aval)
-            k = int(np.prod([lhs[d] for d in lhs_contract], dtype=np.int64))
-            total += 2 * out * k
-        else:
-            total += out
+            out *= 2 * int(np.prod([lhs[d] for d in lhs_contract], dtype=np.int64))
+        total += out
     return total
 
 
 def _vmapped_size(x: object) -> int:
-    """How many copies of `x` `jax.vmap` runs at once (1 outside `vmap`).
-
-    `vmap` hides its batch from the traced step, whose shapes are per example,
-    yet the batch multiplies every byte and FLOP. Nested `vmap`s multiply; a
-    `jit` inside the `vmap` hides it (1 is assumed)."""
+    """How many copies of `x` `jax.vmap` runs at once (1 outside `vmap`, or
+    behind a `jit` inside it): the traced step's shapes are per example."""
     if not is_array(x) or jnp.issubdtype(x.dtype, jax.dtypes.extended):
         return 1
     sizes: list[int] = []
 
-    # Read through the public batching API: `probe` is the identity, and under
-    # `vmap` its rule is called with the batch size (then passes the value on,
-    # to any `vmap` further out). Outside `vmap` it is a no-op, removed with the
-    # rest of the dead code when lowered.
+    # The identity, whose batching rule (run once per enclosing `vmap`) records
+    # the batch size; outside `vmap` it is dead code.
     @custom_vmap
     def probe(a: jax.Array) -> jax.Array:
         return a
@@ -476,41 +435,24 @@ def measure_traced(
     first `n_carry` inputs are the carry's leaves) over `length` steps, for the
     whole `vmap` batch of `values` (the carry and `xs`) when there is one."""
     batch = max([_vmapped_size(a) for a in jtu.tree_leaves(values)] or [1])
+    carry, xs = jaxpr.in_avals[:n_carry], jaxpr.in_avals[n_carry:]
+    ints = [
+        a
+        for a in xs
+        if isinstance(a, jax.core.ShapedArray) and jnp.issubdtype(a.dtype, jnp.integer)
+    ]
     return StepCost(
         length=length,
         flops=batch * _flops(jaxpr.jaxpr),
-        carry_bytes=batch * sum(map(_nbytes, jaxpr.in_avals[:n_carry])),
+        carry_bytes=batch * sum(map(_nbytes, carry)),
         saved_bytes=batch * _saved_bytes(jaxpr, n_carry, None),
         policy_saved_bytes=batch * _saved_bytes(jaxpr, n_carry, policy),
         carry_arrays=n_carry,
-        xs_bytes=batch * sum(map(_nbytes, jaxpr.in_avals[n_carry:])),
-        xs_integer_bytes=batch
-        * sum(
-            _nbytes(a)
-            for a in jaxpr.in_avals[n_carry:]
-            if isinstance(a, jax.core.ShapedArray)
-            and jnp.issubdtype(a.dtype, jnp.integer)
-        ),
+        xs_bytes=batch * sum(map(_nbytes, xs)),
+        xs_integer_bytes=batch * sum(map(_nbytes, ints)),
     )
 
 
-def measure(
-    step: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]],
-    carry: PyTree[jax.Array],
-    xs: PyTree[jax.Array],
-    length: int,
-    policy: Policy,
-) -> StepCost:
-    """The [`StepCost`][eqxscan.remat.StepCost] of `step(carry, x_i)` over `length`
-    steps (traced once here; the engine measures the jaxpr it traced already)."""
-    x = jtu.tree_map(lambda a: jcore.mapped_aval(length, 0, jax.typeof(a)), xs)
-    c = jtu.tree_map(jax.typeof, carry)
-    jaxpr = jax.make_jaxpr(step)(c, x)
-    n_carry = len(jtu.tree_leaves(carry))
-    return measure_traced(jaxpr, n_carry, (carry, xs), length, policy)
-
-
-# ---------------------------------------------------------------------------
 # Resolving inside the engine, and reporting it.
 
 
@@ -530,16 +472,14 @@ def resolve(
     if not remat.is_rule and not isinstance(unroll, str):  # no "auto"
         return remat, unroll
     cost = measure_traced(traced.jaxpr, traced.n_carry, values, length, AUTO_POLICY)
-    platform = jax.default_backend()
     # The rule sees the value as a plain `remat=` option ("auto" when it chooses).
     given = remat if remat.named else remat.policy
-    raw, unroll, rule = decide(
-        cost, given, unroll, AUTO_POLICY, platform, gathered=gathered, over=over
-    )
+    platform = jax.default_backend()
+    choice = decide(cost, given, unroll, AUTO_POLICY, platform, gathered, over, where)
     # The lists of the `recording()` blocks open in this context.
     for record in call_state().auto_records:
-        record.append(AutoChoice(raw, unroll, rule, cost, where))
-    return (as_scan_remat(raw) if remat.is_rule else remat), unroll
+        record.append(choice)
+    return (as_scan_remat(choice.remat) if remat.is_rule else remat), choice.unroll
 
 
 @contextlib.contextmanager
@@ -549,3 +489,29 @@ def recording() -> Iterator[list[AutoChoice]]:
     record: list[AutoChoice] = []
     with changed_call_state(auto_records=(*call_state().auto_records, record)):
         yield record
+
+
+def explain_auto(
+    fn: Callable[..., object], *args: PyTree, **kwargs: PyTree
+) -> list[AutoChoice]:
+    """What `remat="auto"` and `unroll="auto"` pick for every scan that
+    `fn(*args, **kwargs)` runs, and why.
+
+    `fn` is traced abstractly (`jax.eval_shape`): nothing is computed. The choice
+    depends only on shapes and dtypes, so it is the one a jitted train step makes.
+
+    **Arguments:**
+
+    - `fn`: a module (`Stacked`, `Chain`, `Recurrent`, `StackedMLP`, ...) or any
+      function that calls one.
+    - `*args`, `**kwargs`: example inputs (arrays or `jax.ShapeDtypeStruct`s).
+
+    **Returns:**
+
+    A list of [`AutoChoice`][eqxscan.remat.AutoChoice], one per scan in call order (one
+    for a `Stacked`, one per scanned group of a `Chain`, two for a
+    `Bidirectional`); empty when no scan used `"auto"`.
+    """
+    with recording() as record:
+        eqx.filter_eval_shape(fn, *args, **kwargs)
+    return list(record)

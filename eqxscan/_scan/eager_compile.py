@@ -1,13 +1,8 @@
-"""Eager calls that reuse one compiled program per structure.
-
-Called eagerly, a scanning module would hand `jax.lax.scan` a fresh body at
-every call, compiled anew each time (seconds, and memory `jax.clear_caches()`
-does not return). Such a call goes through one `eqx.filter_jit` per method,
-keyed by the structure of the module and arguments. Under a transformation (any
-argument a tracer), in `mode="loop"` (the debugging path) and inside
-`eqxscan.tap` (whose probe is no argument, so the cache would hand back an
-untapped program) the method runs as written.
-"""
+"""Eager calls that reuse one compiled program per structure: called eagerly, a
+scanning module would hand `jax.lax.scan` a fresh body, compiled anew at every
+call. Under a transformation, in `mode="loop"` and inside `eqxscan.tap` (whose
+probe is no argument: the cache would hand back an untapped program) the method
+runs as written."""
 
 import functools
 from collections.abc import Callable
@@ -27,8 +22,8 @@ R = TypeVar("R")
 
 
 def compiled_when_eager(method: Callable[P, R]) -> Callable[P, R]:
-    """Decorate a scanning module's call method so that an eager call runs
-    through one cached `eqx.filter_jit` of it (see the module docstring)."""
+    """A scanning module's call method, run eagerly through one cached
+    `eqx.filter_jit` of it."""
 
     def typed(kinds: tuple[type, ...], *args: P.args, **kwargs: P.kwargs) -> R:
         del kinds  # only part of the cache's key

@@ -1,19 +1,12 @@
 """Keep a scan's float32 per-step inputs (stacked weights) float32 on TPU.
 
-At default precision XLA:TPU runs a float32 matmul in bfloat16, and its
-`bfloat16-propagation` pass narrows any float32 value whose every use is such
-a matmul. Inside `lax.scan` the value each step slices is the loop's copy of
-the whole stack, so XLA converts the whole stack to bfloat16 before the loop:
-a temporary half the stack's size (1 GiB for a 2 GiB float32 stack), written
-and read again on every call. The unrolled loop converts each layer inside the
-fusion that reads it. A live float32 use of each step's slice stops the pass:
-`pin` tests one element of every float32 leaf for NaN and lets that test
-choose between a carry leaf and its negation. The test can never pass (it asks
-for more NaNs than elements tested), so values and gradients are unchanged;
-each step costs a scalar read per leaf and a select on one carry leaf.
-A backward pass re-reads the slices in float32 where remat recomputes the
-test (`remat=True`, or `"auto"` when it recomputes); with everything saved
-(`remat=False`) its loop still reads a bfloat16 copy, as before.
+XLA:TPU's `bfloat16-propagation` narrows a float32 value whose every use is a
+(default-precision) matmul; inside `lax.scan` that value is the whole stack,
+converted before the loop: a temporary half its size, written on every call.
+A live float32 use of each step's slice stops the pass: `pin` lets a NaN test
+of one element per leaf, which can never pass, choose between a carry leaf and
+its negation (values and gradients unchanged; a scalar read per leaf and one
+select per step). A backward pass that saves everything still reads bfloat16.
 """
 
 import dataclasses
@@ -29,9 +22,8 @@ from .scan_remat import Traced
 
 
 def pin(x: PyTree, carry: PyTree) -> PyTree:
-    """`carry` (a step's new carry) with one inexact array leaf made to depend,
-    never changing it, on one element of each float32 array leaf of `x` (the
-    step's slice of the scanned inputs); unchanged if either has none."""
+    """`carry` with one inexact leaf made to depend, never changing it, on one
+    element of each float32 leaf of `x`; unchanged if either has none."""
     probed = [
         a
         for a in jtu.tree_leaves(x)
@@ -58,9 +50,8 @@ def pin(x: PyTree, carry: PyTree) -> PyTree:
 
 
 def pinned(traced: Traced, types: tuple[PyTree, PyTree]) -> Traced:
-    """`traced` (a step on `types`, its carry's and one step's inputs') with
-    its new carry pinned to its float32 inputs; the step's own code does not
-    run again, its jaxpr is evaluated."""
+    """`traced` (a step on `types`) with its new carry pinned to its float32
+    inputs; the jaxpr is evaluated, the step's code does not run again."""
 
     def step(c: PyTree, x: PyTree) -> list:
         new, y = traced(c, x)

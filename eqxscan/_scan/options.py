@@ -10,7 +10,7 @@ from jaxtyping import PyTree
 
 from .._helpers.checks import check_option, check_unroll, Checked
 from .drop_rates import Rates
-from .scan_remat import as_scan_remat, check_policy, Policy, ScanRemat
+from .scan_remat import as_scan_remat, Policy, ScanRemat
 
 
 Mode: TypeAlias = Literal["scan", "loop"]
@@ -98,21 +98,11 @@ class ScanOptions(eqx.Module):
         message is the same with or without a runtime type checker.)
         """
         check_option("mode", mode, ("scan", "loop"))
-        if callable(remat):
-            check_policy("remat", remat)
-        elif isinstance(remat, str):
-            check_option("remat", remat, (False, True, "auto", "nested", "offload"))
-        elif not isinstance(remat, (bool, ScanRemat)):
-            raise TypeError(
-                "remat must be False, True, 'auto', 'nested', 'offload', a "
-                "jax.checkpoint_policies policy or an eqxscan.ScanRemat, got "
-                f"{type(remat).__name__}."
-            )
+        self.scan_remat = as_scan_remat(remat)
         check_unroll(unroll)
         self.mode = mode
         self.remat = remat
         self.unroll = unroll
-        self.scan_remat = as_scan_remat(remat)
 
     def as_args(self) -> ScanArgs:
         """These options as the keyword arguments of a scanning module."""

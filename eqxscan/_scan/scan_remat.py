@@ -1,11 +1,7 @@
-"""`ScanRemat`: what a scan keeps for the backward pass, beyond one policy.
-
-A step's internals follow a `jax.checkpoint` policy; the carry a step receives and
-its per-step inputs are named (`CARRY`, `INPUTS`) so that they can be saved,
-recomputed or offloaded to host memory on their own; and the steps can be grouped
-into nested levels of any shape (Flax's `remat_scan(lengths=...)`, Haliax's
-`ScanCheckpointPolicy(nested=...)`).
-"""
+"""`ScanRemat`: what a scan keeps for the backward pass. A step's internals
+follow a `jax.checkpoint` policy; its carry and inputs are named (`CARRY`,
+`INPUTS`) to be saved, recomputed or offloaded on their own; the steps nest into
+levels of any shape (Flax's `remat_scan(lengths=...)`)."""
 
 import dataclasses
 import math
@@ -36,10 +32,8 @@ BLOCK_CARRY = "eqxscan.block_carry"
 BUFFER_READ = "eqxscan.buffer_read"
 
 #: The matmul-saving policy: save the weight products, recompute the elementwise
-#: work (norms, activations, residual adds), which a plain scan would store for
-#: every step. `remat="auto"` picks between saving everything, this policy and
-#: full remat (`auto.py`); it is what `"auto"` means as the `policy` of a
-#: `ScanRemat` that names or nests.
+#: work. One of `remat="auto"`'s choices (`auto.py`), and what `"auto"` means as
+#: the `policy` of a `ScanRemat` that names or nests.
 AUTO_POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 
 #: What `remat="offload"` means: the values `AUTO_POLICY` keeps, in pinned host
@@ -55,9 +49,8 @@ Keep: TypeAlias = bool | Literal["offload"] | None
 
 
 def check_policy(name: str, policy: Callable[..., object]) -> None:
-    """A `TypeError` unless `policy(primitive, *avals)` answers as JAX needs: a
-    callable that cannot (`len`), or an uncalled factory (`save_only_these_names`
-    answers with a policy), would fail only under `grad`, blamed on the layer."""
+    """A `TypeError` unless `policy(primitive, *avals)` answers as JAX needs
+    (else `len`, or an uncalled factory, would fail only under `grad`)."""
     aval = jax.core.ShapedArray((), jnp.float32)
     not_policy = f"{name}={checks.describe(policy)} is not a rematerialisation policy"
     try:
@@ -184,10 +177,9 @@ class ScanRemat:
 
     @property
     def named(self) -> bool:
-        """Whether the carry or the inputs are named for the step's policy, or
-        the scan is nested (else the value behaves as a plain `remat=` value)."""
-        named = (self.save_carries, self.save_inputs, self.nested)
-        return any(v is not None for v in named)
+        """Whether the carry or inputs are named, or the scan nests (else the
+        value behaves as a plain `remat=` value)."""
+        return (self.save_carries, self.save_inputs, self.nested) != (None,) * 3
 
     @property
     def is_rule(self) -> bool:
@@ -261,10 +253,20 @@ def _by_name(names: tuple[str, ...], named: Policy, base: Policy) -> Policy:
 
 
 def as_scan_remat(remat: object) -> ScanRemat:
-    """Any valid `remat=` value as the one `ScanRemat` the engine reads
-    (see `ScanRemat`'s docstring for the correspondence)."""
+    """A `remat=` value, checked, as the one `ScanRemat` the engine reads (see
+    `ScanRemat`'s docstring for the correspondence)."""
     if isinstance(remat, ScanRemat):
         return remat
+    if callable(remat):
+        check_policy("remat", remat)
+    elif isinstance(remat, str):
+        checks.check_option("remat", remat, (False, True, "auto", "nested", "offload"))
+    elif not isinstance(remat, bool):
+        raise TypeError(
+            "remat must be False, True, 'auto', 'nested', 'offload', a "
+            "jax.checkpoint_policies policy or an eqxscan.ScanRemat, got "
+            f"{type(remat).__name__}."
+        )
     if remat == "nested":
         return ScanRemat(save_carries=False, save_inputs=None)
     policy = OFFLOAD_POLICY if remat == "offload" else remat

@@ -1,11 +1,6 @@
 """Choosing rematerialisation for a memory budget: `remat_table` compiles a
 training step per candidate `remat=` setting and reads XLA's memory and cost
-analysis; `fit_remat` applies the fastest that fits.
-
-XLA's cost analysis counts a loop's body once, so estimates rank programs of one
-kind only (loops, or programs whose scans are unrolled fully); `choose` prefers
-the program without loops across kinds, unless times were measured.
-"""
+analysis; `fit_remat` applies the fastest that fits."""
 
 import dataclasses
 import functools
@@ -134,8 +129,7 @@ class RematTable:
         ]
         return "\n".join(rows)
 
-    def __str__(self) -> str:
-        return self.markdown()
+    __str__ = markdown
 
 
 def choose(
