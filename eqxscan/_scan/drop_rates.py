@@ -130,40 +130,32 @@ def resolve_rates(rates: object, num_layers: int, name: str) -> tuple[float, ...
 
 class DropInputs(eqx.Module):
     """What a dropping call gives its layers, one entry per layer (leading axis
-    `L`, routed by a `Chain` like any `per_layer` argument): the drop-path and
-    LayerDrop rates and the drop keys, with which parts any layer uses, and
-    whether the scan that runs the layers skips them itself (`scan_skips`).
-    `path_mask`, when given, is drop-path's mask drawn by the caller (a
-    pipeline's rows of the whole batch's mask), used instead of the keys."""
+    `L`, sliced and routed by a `Chain` like any `per_layer` argument): LayerDrop's
+    choice `runs` and rates (`None` where no layer drops, or where the scan that
+    runs the layers skips them itself), drop-path's rates (`None` where no layer
+    drops its branch) and the drop keys, or drop-path's mask drawn by the caller
+    (a pipeline's rows of the whole batch's mask)."""
 
-    path_rate: Float[Array, "*layers"]
-    layer_rate: Float[Array, "*layers"]
+    runs: Bool[Array, "*layers"] | None
+    layer_rate: Float[Array, "*layers"] | None
+    path_rate: Float[Array, "*layers"] | None
     key: Key[Array, "*layers"] | UInt32[Array, "*layers 2"] | None
-    uses: tuple[bool, bool] = eqx.field(static=True)
-    scan_skips: bool = eqx.field(static=True, default=False)
     path_mask: Bool[Array, "*layers_rows"] | None = None
     # The rates by global layer index, for checks while tracing.
     static_rates: tuple[tuple[float, ...], tuple[float, ...]] = eqx.field(
         static=True, default=((), ())
     )
 
-    def runs(self) -> Array:
-        """Whether each layer runs in this call: LayerDrop's choice, drawn as
-        `dropping` draws it."""
-        assert self.key is not None, "drawn by the caller (path_mask) only"
-        return jax.vmap(_runs)(self.key, self.layer_rate)
-
     def path_masks(self, examples: int | None) -> Array:
         """Drop-path's mask of each layer, `[L, examples]` (`[L]` for `None`, one
-        example per call): which examples keep the layer's residual branch,
-        drawn as `dropping` draws it for a carry of `examples` examples."""
-        assert self.key is not None, "drawn by the caller (path_mask) only"
+        example per call), drawn as `dropping` draws it."""
+        assert self.key is not None and self.path_rate is not None
         draw = lambda key, rate: _path_mask(key, rate, examples)  # noqa: E731
         return jax.vmap(draw)(self.key, self.path_rate)
 
     def skipped_by_scan(self) -> "DropInputs":
         """These inputs, for layers whose scan runs only the ones that run."""
-        return dataclasses.replace(self, scan_skips=True)
+        return dataclasses.replace(self, runs=None, layer_rate=None)
 
 
 class DropRates(eqx.Module):
@@ -235,17 +227,19 @@ class DropRates(eqx.Module):
         return eqx.tree_at(lambda d: d.inference, new, self.inference)
 
     def per_layer_inputs(self, key: PRNGKeyArray) -> DropInputs:
-        """The rates and drop keys of a call with `key`, each with leading axis
-        `L`: what each layer gets as its `drop` (see `dropping`)."""
-        length = self.num_layers
-        keys = jax.random.split(jax.random.fold_in(key, DROP_STREAM), length)
-        return DropInputs(
-            jnp.asarray(self.drop_path, jnp.float32),
-            jnp.asarray(self.layer_drop, jnp.float32),
-            keys,
-            self.uses,
-            static_rates=(self.drop_path, self.layer_drop),
-        )
+        """The drops of a call with `key`, each with leading axis `L`: what each
+        layer gets as its `drop` (see `dropping`), a part no layer uses `None`."""
+        keys = jax.random.split(jax.random.fold_in(key, DROP_STREAM), self.num_layers)
+        uses_path, uses_layer = self.uses
+        path_rate = jnp.asarray(self.drop_path, jnp.float32) if uses_path else None
+        runs = layer_rate = None
+        if uses_layer:
+            layer_rate = jnp.asarray(self.layer_drop, jnp.float32)
+            # From the first half of each layer's drop key (drop-path the second).
+            draw = lambda k, q: jax.random.bernoulli(jax.random.split(k)[0], 1 - q)  # noqa: E731
+            runs = jax.vmap(draw)(keys, layer_rate)
+        static = (self.drop_path, self.layer_drop)
+        return DropInputs(runs, layer_rate, path_rate, keys, static_rates=static)
 
 
 def new_drop_rates(
@@ -313,16 +307,10 @@ def carry_examples(carry_dyn: PyTree) -> int | None:
     )
 
 
-def _runs(key: PRNGKeyArray, rate: Float[Array, ""]) -> Bool[Array, ""]:
-    # LayerDrop's draw for one layer, from the first half of its drop key.
-    return jax.random.bernoulli(jax.random.split(key)[0], 1.0 - rate)
-
-
 def _path_mask(
     key: PRNGKeyArray, rate: Float[Array, ""], examples: int | None
 ) -> Bool[Array, "*examples"]:
-    # Drop-path's mask for one layer and a carry of `examples` examples (`None`:
-    # one example per call), from the second half of its drop key.
+    # One layer's, from the second half of its drop key.
     shape = () if examples is None else (examples,)
     return jax.random.bernoulli(jax.random.split(key)[1], 1.0 - rate, shape)
 
@@ -338,10 +326,8 @@ def apply_drop_path(
     old: PyTree, new: PyTree, rate: Array, mask: Bool[Array, "*examples"]
 ) -> PyTree:
     """`old + mask * (new - old) / (1 - rate)` per example, leaf by leaf (`new`
-    itself where `rate == 0`): `mask` has one entry per example of the carry
-    (or is a scalar), e.g. a pipeline microbatch's rows of the mask drawn
-    for the whole batch."""
-    old_dyn = eqx.filter(old, eqx.is_array)
+    itself where `rate == 0`): `mask` has one entry per example of the carry,
+    or is a scalar."""
     scale = 1.0 / (1.0 - rate)
 
     def one(path: jtu.KeyPath, a: Array, b: Array) -> Array:
@@ -358,16 +344,14 @@ def apply_drop_path(
         return jnp.where(rate == 0, b, dropped.astype(b.dtype))
 
     new_dyn, new_static = eqx.partition(new, eqx.is_array)
-    if not _same_shapes(old_dyn, new_dyn):
-        return new  # the engine reports the broken carry contract
+    old_dyn = eqx.filter(old, eqx.is_array)
     return eqx.combine(jtu.tree_map_with_path(one, old_dyn, new_dyn), new_static)
 
 
 def _undroppable(new: PyTree, drop: DropInputs, name: str, why: str) -> PyTree:
-    """`new`, from a layer that changed the carry (a `Chain`'s lone layer may),
-    which cannot be dropped: an error if its rate is above 0, raised now for a
-    lone layer, else at run time (a stack's engine reports its broken carry
-    contract first, while tracing)."""
+    """`new`, from a layer that changed the carry, which cannot be dropped: an
+    error if its rate is above 0, raised now for a lone layer, else at run time
+    (a stack's engine reports its broken carry contract first, while tracing)."""
     try:
         index = layer_index()
     except RuntimeError:
@@ -386,31 +370,20 @@ def _undroppable(new: PyTree, drop: DropInputs, name: str, why: str) -> PyTree:
         return new
     rate = drop.layer_rate if name == "layer_drop" else drop.path_rate
     dyn, static = eqx.partition(new, eqx.is_array)
-    return eqx.combine(eqx.error_if(dyn, rate > 0, message), static)
-
-
-def runs_here(drop: DropInputs) -> Bool[Array, ""] | None:
-    """Whether a layer that `dropping` skips itself runs (`None`: no scan or
-    LayerDrop skips it there)."""
-    if drop.scan_skips or not drop.uses[1]:
-        return None
-    assert drop.key is not None
-    return _runs(drop.key, drop.layer_rate)
+    return eqx.combine(eqx.error_if(dyn, rate > 0, message), static)  # pyright: ignore[reportOptionalOperand]  # set with its drop
 
 
 def dropping(
     fn: Callable[[PyTree], tuple[PyTree, PyTree]], drop: DropInputs
 ) -> Callable[[PyTree], tuple[PyTree, PyTree]]:
     """One layer `fn(carry) -> (carry, y)` with its drops: drop-path on the new
-    carry (its mask `drop.path_mask` when given, else drawn from the second half
-    of the layer's drop key), and LayerDrop from the first half unless the scan
-    that runs the layer skips it (`drop.scan_skips`). A part no layer uses is left
-    out of the program."""
-    uses_path = drop.uses[0]
+    carry (its mask `drop.path_mask` when given, else drawn from the layer's
+    drop key), and LayerDrop where `drop.runs` is given (no scan skips it)."""
+    path_rate = drop.path_rate
 
     def run(c: PyTree) -> tuple[PyTree, PyTree]:
         new, y = fn(c)
-        if not uses_path:
+        if path_rate is None:
             return new, y
         if not _same_shapes(c, new):  # a `Chain`'s lone layer may change the carry
             why = "has no residual branch `layer(x) - x` to drop"
@@ -419,14 +392,13 @@ def dropping(
         if mask is None:
             assert drop.key is not None
             examples = carry_examples(eqx.filter(c, eqx.is_array))
-            mask = _path_mask(drop.key, drop.path_rate, examples)
-        return apply_drop_path(c, new, drop.path_rate, mask), y
+            mask = _path_mask(drop.key, path_rate, examples)
+        return apply_drop_path(c, new, path_rate, mask), y
 
-    runs = runs_here(drop)
+    runs = drop.runs
     if runs is None:
         return run
 
-    # A layer no scan skips (a `Chain`'s lone layer): skipped here.
     def skipping(c: PyTree) -> tuple[PyTree, PyTree]:
         new, y = skip_layer(run, c, runs)
         if same_types(eqx.filter(c, eqx.is_array), eqx.filter(new, eqx.is_array)):

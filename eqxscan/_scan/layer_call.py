@@ -31,7 +31,7 @@ from jaxtyping import Array, Bool, PyTree
 from .._helpers.checks import check_leading_axis, check_takes_key, describe
 from .._helpers.stateful import clone, replace_arg
 from .buffers import call_writing, find_buffer, PerLayer, view_of
-from .drop_rates import DropInputs, dropping, runs_here
+from .drop_rates import DropInputs, dropping
 from .layer_index import at_layer
 from .layer_io import (
     Index as Index,
@@ -321,7 +321,7 @@ def run_one(
             new, y = call.read_out(out, who)
         else:
             new, y = dropping(fn, one.drop)(carry)
-    runs = None if one.drop is None else runs_here(one.drop)
+    runs = None if one.drop is None else one.drop.runs
     return tapped(one.number, new, old, runs), y
 
 

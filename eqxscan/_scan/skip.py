@@ -10,7 +10,6 @@ skipped layer touches none of its weights in either pass.
 """
 
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 
 import equinox as eqx
@@ -74,72 +73,6 @@ def _evaluate(
     return jcore.jaxpr_as_fun(jcore.ClosedJaxpr(traced.jaxpr, consts))(*carry, *x)
 
 
-def skip_call(
-    runs: Bool[Array, ""],
-    traced: jcore.ClosedJaxpr,
-    operands: Sequence[Array],
-    num_carry: int,
-) -> list[Array]:
-    """`traced(*operands)` where `runs`, else the carry (`operands[:num_carry]`,
-    the first outputs' types) followed by zeros.
-
-    The backward pass keeps the operands (which a scan forwards rather than
-    copying per step) and `runs`, and a step that runs recomputes its forward in
-    its branch; a plain `lax.cond` would save what the running branch computes,
-    weights included, zero-filled by the skipping branch."""
-    operands = list(operands)
-    y_avals = traced.out_avals[num_carry:]
-
-    def skip(ops: Sequence[Array]) -> list[Array]:
-        return list(ops[:num_carry]) + _zeros(y_avals)
-
-    if not can_skip_scan(traced):
-        # An integer carry or output has no cotangent to route through the
-        # backward `cond`: differentiate the plain `cond` instead.
-        return jax.lax.cond(
-            runs, lambda o: jcore.jaxpr_as_fun(traced)(*o), skip, operands
-        )
-    c_fixed, c_diff, c_mask = _split(list(traced.consts))
-    o_fixed, o_diff, o_mask = _split(operands)
-
-    def layer(fixed: tuple[list, list], diff: tuple[list, list]) -> list[Array]:
-        consts = _merge(fixed[0], diff[0], c_mask)
-        return _evaluate(traced, consts, _merge(fixed[1], diff[1], o_mask), [])
-
-    def skipped_out(fixed: tuple[list, list], diff: tuple[list, list]) -> list[Array]:
-        return skip(_merge(fixed[1], diff[1], o_mask))
-
-    # Every input is an argument (a custom_vjp may not close over tracers);
-    # `runs` and the integer, bool and key values (`fixed`) get no gradient.
-    @jax.custom_vjp
-    def skipping(
-        runs: Array, fixed: tuple[list, list], diff: tuple[list, list]
-    ) -> list:
-        return jax.lax.cond(runs, layer, skipped_out, fixed, diff)
-
-    def forward(runs: Array, fixed: tuple, diff: tuple) -> tuple[list, tuple]:
-        return skipping(runs, fixed, diff), (runs, fixed, diff)
-
-    def backward(res: tuple, cts: list[Array]) -> tuple[object, ...]:
-        runs, fixed, diff = res
-
-        def run(cts: list, fixed: tuple, diff: tuple) -> tuple[list, list]:
-            return jax.vjp(functools.partial(layer, fixed), diff)[1](cts)[0]
-
-        def passed(cts: list, fixed: tuple, diff: tuple) -> tuple[list, list]:
-            # The carry's cotangent passes through (the carry operands, all
-            # inexact, come first); nothing else gets one.
-            rest = [jnp.zeros_like(v) for v in diff[1][num_carry:]]
-            return [jnp.zeros_like(c) for c in diff[0]], list(cts[:num_carry]) + rest
-
-        ct_diff = jax.lax.cond(runs, run, passed, list(cts), fixed, diff)
-        ct_fixed = jtu.tree_map(_no_cotangent, fixed)
-        return _no_cotangent(runs), ct_fixed, tuple(ct_diff)
-
-    skipping.defvjp(forward, backward)
-    return skipping(runs, (c_fixed, o_fixed), (c_diff, o_diff))
-
-
 def arrays_only(
     fn: Callable[..., tuple[PyTree, PyTree]], c_static: PyTree
 ) -> tuple[Callable[..., tuple[PyTree, PyTree]], list[tuple[PyTree, PyTree]]]:
@@ -170,19 +103,18 @@ def skip_layer(
     fn: Callable[[PyTree], tuple[PyTree, PyTree]], c: PyTree, runs: Bool[Array, ""]
 ) -> tuple[PyTree, PyTree]:
     """`fn(c) -> (new carry, y)` where `runs`, else `(c, zeros like y)`, through
-    `skip_call` (`fn` traced once, on the array leaves of `c`). An `fn` that
+    `skip_step` (`fn` traced once, on the array leaves of `c`). An `fn` that
     breaks the carry contract runs without skipping, for the caller to report."""
     c_dyn, c_static = eqx.partition(c, eqx.is_array)
     body, statics = arrays_only(fn, c_static)
-    traced, out_shape = jax.make_jaxpr(body, return_shape=True)(c_dyn)
-    operands = jtu.tree_leaves(c_dyn)
+    jaxpr, out_shape = jax.make_jaxpr(body, return_shape=True)(c_dyn)
+    n_carry = len(jtu.tree_leaves(c_dyn))
+    traced = Traced(jaxpr, jtu.tree_structure(out_shape), None, n_carry)
     if same_types(c_dyn, out_shape[0]):
-        flat = skip_call(runs, traced, operands, len(operands))
+        out = skip_step(traced)(c_dyn, ((), runs))
     else:
-        flat = jcore.jaxpr_as_fun(traced)(*operands)
-    return eqx.combine(
-        jtu.tree_unflatten(jtu.tree_structure(out_shape), flat), statics[0]
-    )
+        out = traced(c_dyn, ())
+    return eqx.combine(out, statics[0])
 
 
 def can_skip_scan(traced: jcore.ClosedJaxpr) -> bool:
@@ -388,13 +320,31 @@ class _SkipScan:
 
 
 def skip_step(traced: Traced) -> Step:
-    """`traced` as a step `(carry, (x, runs)) -> (carry, y)` run through
-    `skip_call`, for the engine's remat and nested scans."""
+    """`traced` as a step `(carry, (x, runs)) -> (carry, y)` that runs only
+    where `runs`, for the engine's remat and nested scans, the loop and a
+    `Chain`'s lone layer: a `skip_scan` of one step, which saves only its
+    inputs and recomputes its forward in the backward's running branch (a
+    plain `lax.cond` would save what the running branch computes, weights
+    included, zero-filled by the skipping branch)."""
+    n = traced.n_carry
 
     def step(c_dyn: PyTree, inputs: tuple[PyTree, Array]) -> tuple[PyTree, PyTree]:
         x, runs = inputs
         operands = jtu.tree_leaves((c_dyn, x))
-        flat = skip_call(runs, traced.jaxpr, operands, traced.n_carry)
+        if can_skip_scan(traced.jaxpr):
+            xs = [jnp.expand_dims(a, 0) for a in operands[n:]]
+            one = jnp.reshape(runs, (1,))
+            c, ys = skip_scan(
+                traced, operands[:n], xs, one, length=1, reverse=False, unroll=True
+            )
+            flat = c + [y[0] for y in ys]
+        else:
+            # An integer carry or output has no cotangent for the backward's
+            # `cond` to pass on: the plain `cond` is differentiated instead.
+            y_avals = traced.jaxpr.out_avals[n:]
+            run = jcore.jaxpr_as_fun(traced.jaxpr)
+            skip = lambda *ops: [*ops[:n], *_zeros(y_avals)]  # noqa: E731
+            flat = jax.lax.cond(runs, run, skip, *operands)
         return jtu.tree_unflatten(traced.out_tree, flat)
 
     return step
