@@ -1,14 +1,9 @@
 """Depth that varies while training: stochastic depth (drop-path) and LayerDrop.
 
-A dropping call gives its layers their rates and drop keys (`DropInputs`, one
-entry per layer), which the layer-call seam slices like any per-layer value and
-applies through `dropping`: `mode="scan"` and `mode="loop"` run the same code
-on the same slices, and a `Chain` routes them by global layer index.
-
-Per-layer keys, the documented way: for a call with `key`,
-`drop_keys = jax.random.split(jax.random.fold_in(key, DROP_STREAM), L)` and
-layer `i` uses `k_layer, k_path = jax.random.split(drop_keys[i])`. The layers'
-own keys (`jax.random.split(key, L)[i]`) are unchanged by dropping.
+A dropping call gives its layers their drops (`DropInputs`, one entry per
+layer), which the layer-call seam slices like any per-layer value and applies
+after the layer (`drop_path`); LayerDrop's run bits go to the scan, or to
+`layer_drop` for a layer no scan skips. Scan and loop make the same draws.
 """
 
 import dataclasses
@@ -129,12 +124,10 @@ def resolve_rates(rates: object, num_layers: int, name: str) -> tuple[float, ...
 
 
 class DropInputs(eqx.Module):
-    """What a dropping call gives its layers, one entry per layer (leading axis
-    `L`, sliced and routed by a `Chain` like any `per_layer` argument): LayerDrop's
-    choice `runs` and rates (`None` where no layer drops, or where the scan that
-    runs the layers skips them itself), drop-path's rates (`None` where no layer
-    drops its branch) and the drop keys, or drop-path's mask drawn by the caller
-    (a pipeline's rows of the whole batch's mask)."""
+    """A dropping call's drops, one entry per layer (leading axis `L`): LayerDrop's
+    run bits and rates (`None` where no layer drops, or where the scan skips the
+    layers itself), drop-path's rates (`None` where none) and the drop keys, or
+    drop-path's mask drawn by the caller (a pipeline's rows of the batch's)."""
 
     runs: Bool[Array, "*layers"] | None
     layer_rate: Float[Array, "*layers"] | None
@@ -149,8 +142,7 @@ class DropInputs(eqx.Module):
     def path_masks(self, examples: int | None) -> Array:
         """Drop-path's mask of each layer, `[L, examples]` (`[L]` for `None`, one
         example per call), drawn as `dropping` draws it."""
-        assert self.key is not None and self.path_rate is not None
-        draw = lambda key, rate: _path_mask(key, rate, examples)  # noqa: E731
+        draw = lambda key, rate: _draw(key, rate, 1, examples)  # noqa: E731
         return jax.vmap(draw)(self.key, self.path_rate)
 
     def skipped_by_scan(self) -> "DropInputs":
@@ -169,6 +161,11 @@ class DropRates(eqx.Module):
     it is a Python bool in the module's pytree: transform such a module with
     `eqx.filter_grad` / `eqx.filter_jit` (or partition it) rather than
     `jax.grad` / `jax.jit`.
+
+    The drops of a call with `key`: `drop_keys = jax.random.split(
+    jax.random.fold_in(key, 0x5D0), L)`, and layer `i` uses `k_layer, k_path =
+    jax.random.split(drop_keys[i])` (LayerDrop's draw, then drop-path's). The
+    layers' own keys (`jax.random.split(key, L)[i]`) are unchanged by dropping.
     """
 
     drop_path: tuple[float, ...] = eqx.field(static=True)
@@ -235,9 +232,7 @@ class DropRates(eqx.Module):
         runs = layer_rate = None
         if uses_layer:
             layer_rate = jnp.asarray(self.layer_drop, jnp.float32)
-            # From the first half of each layer's drop key (drop-path the second).
-            draw = lambda k, q: jax.random.bernoulli(jax.random.split(k)[0], 1 - q)  # noqa: E731
-            runs = jax.vmap(draw)(keys, layer_rate)
+            runs = jax.vmap(lambda k, q: _draw(k, q, 0, None))(keys, layer_rate)
         static = (self.drop_path, self.layer_drop)
         return DropInputs(runs, layer_rate, path_rate, keys, static_rates=static)
 
@@ -307,12 +302,12 @@ def carry_examples(carry_dyn: PyTree) -> int | None:
     )
 
 
-def _path_mask(
-    key: PRNGKeyArray, rate: Float[Array, ""], examples: int | None
+def _draw(
+    key: PRNGKeyArray, rate: Float[Array, ""], half: int, examples: int | None
 ) -> Bool[Array, "*examples"]:
-    # One layer's, from the second half of its drop key.
+    # Keep bits of one layer from `half` of its drop key (LayerDrop 0, drop-path 1).
     shape = () if examples is None else (examples,)
-    return jax.random.bernoulli(jax.random.split(key)[1], 1.0 - rate, shape)
+    return jax.random.bernoulli(jax.random.split(key)[half], 1.0 - rate, shape)
 
 
 def _same_shapes(old: PyTree, new: PyTree) -> bool:
@@ -320,32 +315,6 @@ def _same_shapes(old: PyTree, new: PyTree) -> bool:
     return jtu.tree_structure(old) == jtu.tree_structure(new) and all(
         a.shape == b.shape for a, b in zip(jtu.tree_leaves(old), jtu.tree_leaves(new))
     )
-
-
-def apply_drop_path(
-    old: PyTree, new: PyTree, rate: Array, mask: Bool[Array, "*examples"]
-) -> PyTree:
-    """`old + mask * (new - old) / (1 - rate)` per example, leaf by leaf (`new`
-    itself where `rate == 0`): `mask` has one entry per example of the carry,
-    or is a scalar."""
-    scale = 1.0 / (1.0 - rate)
-
-    def one(path: jtu.KeyPath, a: Array, b: Array) -> Array:
-        if not jnp.issubdtype(b.dtype, jnp.inexact):
-            raise TypeError(
-                "drop_path rescales each layer's residual branch by 1 / (1 - p) "
-                f"in every carry leaf, but carry leaf `carry{jtu.keystr(path)}` is "
-                f"{describe(b)}, which cannot be rescaled.\nHint: keep such values "
-                "out of the carry of a model with drop_path (layer_drop does not "
-                "rescale)."
-            )
-        k = mask.reshape(mask.shape + (1,) * (a.ndim - mask.ndim))
-        dropped = jnp.where(k, a + (b - a) * scale.astype(b.dtype), a)
-        return jnp.where(rate == 0, b, dropped.astype(b.dtype))
-
-    new_dyn, new_static = eqx.partition(new, eqx.is_array)
-    old_dyn = eqx.filter(old, eqx.is_array)
-    return eqx.combine(jtu.tree_map_with_path(one, old_dyn, new_dyn), new_static)
 
 
 def _undroppable(new: PyTree, drop: DropInputs, name: str, why: str) -> PyTree:
@@ -373,37 +342,47 @@ def _undroppable(new: PyTree, drop: DropInputs, name: str, why: str) -> PyTree:
     return eqx.combine(eqx.error_if(dyn, rate > 0, message), static)  # pyright: ignore[reportOptionalOperand]  # set with its drop
 
 
-def dropping(
-    fn: Callable[[PyTree], tuple[PyTree, PyTree]], drop: DropInputs
-) -> Callable[[PyTree], tuple[PyTree, PyTree]]:
-    """One layer `fn(carry) -> (carry, y)` with its drops: drop-path on the new
-    carry (its mask `drop.path_mask` when given, else drawn from the layer's
-    drop key), and LayerDrop where `drop.runs` is given (no scan skips it)."""
-    path_rate = drop.path_rate
+def drop_path(old: PyTree, new: PyTree, drop: DropInputs) -> PyTree:
+    """`new`, a layer's carry from `old`, with its branch dropped per example:
+    `old + mask * (new - old) / (1 - rate)` leaf by leaf (`new` itself where
+    the rate is 0), the mask `drop.path_mask` or drawn from the drop key."""
+    rate = drop.path_rate
+    if rate is None:
+        return new
+    if not _same_shapes(old, new):  # a `Chain`'s lone layer may change the carry
+        why = "has no residual branch `layer(x) - x` to drop"
+        return _undroppable(new, drop, "drop_path", why)
+    old_dyn = eqx.filter(old, eqx.is_array)
+    mask = drop.path_mask
+    if mask is None:
+        assert drop.key is not None
+        mask = _draw(drop.key, rate, 1, carry_examples(old_dyn))
+    scale = 1.0 / (1.0 - rate)
 
-    def run(c: PyTree) -> tuple[PyTree, PyTree]:
-        new, y = fn(c)
-        if path_rate is None:
-            return new, y
-        if not _same_shapes(c, new):  # a `Chain`'s lone layer may change the carry
-            why = "has no residual branch `layer(x) - x` to drop"
-            return _undroppable(new, drop, "drop_path", why), y
-        mask = drop.path_mask
-        if mask is None:
-            assert drop.key is not None
-            examples = carry_examples(eqx.filter(c, eqx.is_array))
-            mask = _path_mask(drop.key, path_rate, examples)
-        return apply_drop_path(c, new, path_rate, mask), y
+    def one(path: jtu.KeyPath, a: Array, b: Array) -> Array:
+        if not jnp.issubdtype(b.dtype, jnp.inexact):
+            raise TypeError(
+                "drop_path rescales each layer's residual branch by 1 / (1 - p) "
+                f"in every carry leaf, but carry leaf `carry{jtu.keystr(path)}` is "
+                f"{describe(b)}, which cannot be rescaled.\nHint: keep such values "
+                "out of the carry of a model with drop_path (layer_drop does not "
+                "rescale)."
+            )
+        k = mask.reshape(mask.shape + (1,) * (a.ndim - mask.ndim))
+        dropped = jnp.where(k, a + (b - a) * scale.astype(b.dtype), a)
+        return jnp.where(rate == 0, b, dropped.astype(b.dtype))
 
-    runs = drop.runs
-    if runs is None:
-        return run
+    new_dyn, new_static = eqx.partition(new, eqx.is_array)
+    return eqx.combine(jtu.tree_map_with_path(one, old_dyn, new_dyn), new_static)
 
-    def skipping(c: PyTree) -> tuple[PyTree, PyTree]:
-        new, y = skip_layer(run, c, runs)
-        if same_types(eqx.filter(c, eqx.is_array), eqx.filter(new, eqx.is_array)):
-            return new, y
-        why = "cannot be skipped (its input is no carry to pass on)"
-        return _undroppable(new, drop, "layer_drop", why), y
 
-    return skipping
+def layer_drop(
+    fn: Callable[[PyTree], tuple[PyTree, PyTree]], drop: DropInputs, c: PyTree
+) -> tuple[PyTree, PyTree]:
+    """`fn(c) -> (carry, y)`, one layer that no scan skips, run where `drop.runs`."""
+    assert drop.runs is not None
+    new, y = skip_layer(fn, c, drop.runs)
+    if same_types(eqx.filter(c, eqx.is_array), eqx.filter(new, eqx.is_array)):
+        return new, y
+    why = "cannot be skipped (its input is no carry to pass on)"
+    return _undroppable(new, drop, "layer_drop", why), y
