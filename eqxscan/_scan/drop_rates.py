@@ -139,12 +139,6 @@ class DropInputs(eqx.Module):
         static=True, default=((), ())
     )
 
-    def path_masks(self, examples: int | None) -> Array:
-        """Drop-path's mask of each layer, `[L, examples]` (`[L]` for `None`, one
-        example per call), drawn as `dropping` draws it."""
-        draw = lambda key, rate: _draw(key, rate, 1, examples)  # noqa: E731
-        return jax.vmap(draw)(self.key, self.path_rate)
-
     def skipped_by_scan(self) -> "DropInputs":
         """These inputs, for layers whose scan runs only the ones that run."""
         return dataclasses.replace(self, runs=None, layer_rate=None)
@@ -225,14 +219,14 @@ class DropRates(eqx.Module):
 
     def per_layer_inputs(self, key: PRNGKeyArray) -> DropInputs:
         """The drops of a call with `key`, each with leading axis `L`: what each
-        layer gets as its `drop` (see `dropping`), a part no layer uses `None`."""
+        layer gets as its `drop`, a part no layer uses `None`."""
         keys = jax.random.split(jax.random.fold_in(key, DROP_STREAM), self.num_layers)
         uses_path, uses_layer = self.uses
         path_rate = jnp.asarray(self.drop_path, jnp.float32) if uses_path else None
         runs = layer_rate = None
         if uses_layer:
             layer_rate = jnp.asarray(self.layer_drop, jnp.float32)
-            runs = jax.vmap(lambda k, q: _draw(k, q, 0, None))(keys, layer_rate)
+            runs = jax.vmap(lambda k, q: keep_bits(k, q, 0, None))(keys, layer_rate)
         static = (self.drop_path, self.layer_drop)
         return DropInputs(runs, layer_rate, path_rate, keys, static_rates=static)
 
@@ -302,10 +296,11 @@ def carry_examples(carry_dyn: PyTree) -> int | None:
     )
 
 
-def _draw(
+def keep_bits(
     key: PRNGKeyArray, rate: Float[Array, ""], half: int, examples: int | None
 ) -> Bool[Array, "*examples"]:
-    # Keep bits of one layer from `half` of its drop key (LayerDrop 0, drop-path 1).
+    """One layer's keep bits, one per example (a scalar for `None`), from `half`
+    of its drop key: `0` LayerDrop's, `1` drop-path's."""
     shape = () if examples is None else (examples,)
     return jax.random.bernoulli(jax.random.split(key)[half], 1.0 - rate, shape)
 
@@ -356,7 +351,7 @@ def drop_path(old: PyTree, new: PyTree, drop: DropInputs) -> PyTree:
     mask = drop.path_mask
     if mask is None:
         assert drop.key is not None
-        mask = _draw(drop.key, rate, 1, carry_examples(old_dyn))
+        mask = keep_bits(drop.key, rate, 1, carry_examples(old_dyn))
     scale = 1.0 / (1.0 - rate)
 
     def one(path: jtu.KeyPath, a: Array, b: Array) -> Array:

@@ -24,6 +24,7 @@ from .._internal import (
     DropInputs,
     DropRates,
     index,
+    keep_bits,
     LayerCall,
     permute_stack,
     permute_stage_order,
@@ -317,7 +318,8 @@ def _drops(
     runs, path_rate, path_mask = inputs.runs, inputs.path_rate, None
     if path_rate is not None:
         examples = carry_examples(x)
-        path_mask = inputs.path_masks(examples)
+        draw = lambda k, rate: keep_bits(k, rate, 1, examples)  # noqa: E731
+        path_mask = jax.vmap(draw)(inputs.key, path_rate)
         if examples is None:  # one mask entry per layer, the same for every row
             path_mask = jnp.broadcast_to(
                 path_mask[:, None], (drop.num_layers, p.microbatches)
