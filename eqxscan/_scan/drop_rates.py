@@ -20,7 +20,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Key, PRNGKeyArray, PyTree, UInt32
 
 from .._helpers.checks import Checked, describe, docs
-from .layer_index import layer_index, step_index_or_none
+from .call_state import call_state
 from .skip import same_types, skip_layer
 
 
@@ -316,10 +316,8 @@ def _undroppable(new: PyTree, drop: DropInputs, name: str, why: str) -> PyTree:
     """`new`, from a layer that changed the carry, which cannot be dropped: an
     error if its rate is above 0, raised now for a lone layer, else at run time
     (a stack's engine reports its broken carry contract first, while tracing)."""
-    try:
-        index = layer_index()
-    except RuntimeError:
-        index = None
+    state = call_state()
+    index = state.layer
     layer = f"layer {index}" if isinstance(index, int) else "a layer"
     message = (
         f"{name} is above 0 for {layer}, which changes the carry (e.g. a "
@@ -328,7 +326,7 @@ def _undroppable(new: PyTree, drop: DropInputs, name: str, why: str) -> PyTree:
         f"{docs('depth.md')}."
     )
     rates = drop.static_rates[name == "layer_drop"]
-    if step_index_or_none() is None and isinstance(index, int) and index < len(rates):
+    if state.step is None and isinstance(index, int) and index < len(rates):
         if rates[index] > 0:
             raise ValueError(message)
         return new

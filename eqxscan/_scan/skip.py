@@ -9,6 +9,7 @@ such step on its own (a `Chain`'s lone layer, the loop, a named or nested remat)
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 
 import equinox as eqx
@@ -161,21 +162,19 @@ class _SkipScan:
     policy: Policy | None
     layouts: list[tuple[jtu.PyTreeDef, tuple[int | None, ...]] | None]  # pyright: ignore[reportInvalidTypeForm]  # jax's stubs declare PyTreeDef a variable
 
-    def step(self, fixed: tuple, fixed_i: list) -> Callable[..., list[Array]]:
-        """Step `i` (`fixed_i`: its fixed slices) as a function of its `diff`."""
-
-        def fn(consts_d: list, c: list, x_d: list) -> list[Array]:
-            consts = _merge(fixed[0], consts_d, self.c_mask)
-            jaxpr = jcore.ClosedJaxpr(self.traced.jaxpr.jaxpr, consts)
-            return jcore.jaxpr_as_fun(jaxpr)(*c, *_merge(fixed_i, x_d, self.x_mask))
-
-        return fn
+    def step(
+        self, fixed: tuple, fixed_i: list, consts_d: list, c: list, x_d: list
+    ) -> list[Array]:
+        """Step `i` (`fixed_i`: its fixed slices), to be differentiated in `diff`."""
+        consts = _merge(fixed[0], consts_d, self.c_mask)
+        jaxpr = jcore.ClosedJaxpr(self.traced.jaxpr.jaxpr, consts)
+        return jcore.jaxpr_as_fun(jaxpr)(*c, *_merge(fixed_i, x_d, self.x_mask))
 
     def linearized(self, i: Array, c: list, fixed: tuple, diff: tuple) -> tuple:
         """Step `i`'s outputs, what its vjp needs that is not an input, and the
         layout to rebuild the vjp from those and the inputs."""
         fixed_i, diff_i = index((fixed[1], diff[1]), i)
-        step = self.step(fixed, fixed_i)
+        step = functools.partial(self.step, fixed, fixed_i)
         fn = jax.checkpoint(step, policy=self.policy, prevent_cse=False)
         out, vjp_fn = jax.vjp(fn, diff[0], c, diff_i)
         leaves, tree = jtu.tree_flatten(vjp_fn)
@@ -221,7 +220,7 @@ class _SkipScan:
             def running(c: list) -> list[Array]:
                 if not saved_avals:
                     fixed_i, diff_i = index((fixed[1], diff[1]), i)
-                    return self.step(fixed, fixed_i)(diff[0], c, diff_i)
+                    return self.step(fixed, fixed_i, diff[0], c, diff_i)
                 out, saved, _ = self.linearized(i, c, fixed, diff)
                 return list(out) + list(saved)
 
@@ -253,7 +252,7 @@ class _SkipScan:
             def run(ct: list, g_consts: list, g_xs: list) -> tuple[list, list, list]:
                 fixed_i, diff_i = index((fixed[1], xs_diff), i)
                 if layout is None:  # recompute the step's forward here
-                    fn = self.step(fixed, fixed_i)
+                    fn = functools.partial(self.step, fixed, fixed_i)
                     vjp_fn = jax.vjp(fn, consts_diff, c_i, diff_i)[1]
                 else:  # the forward's vjp, from its saved values and the inputs
                     tree, where = layout
