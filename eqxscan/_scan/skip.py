@@ -134,8 +134,7 @@ def skip_scan(
 
     @jax.custom_vjp
     def skipping(runs: Array, fixed: tuple, diff: tuple, carry: list) -> tuple:
-        carry, ys, _ = scan.forward(runs, fixed, diff, carry, save=False)
-        return carry, ys
+        return scan.forward(runs, fixed, diff, carry, save=False)[:2]
 
     def forward(runs: Array, fixed: tuple, diff: tuple, carry: list) -> tuple:
         carry_out, ys, saved = scan.forward(runs, fixed, diff, carry, save=True)
