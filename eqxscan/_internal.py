@@ -87,6 +87,7 @@ from ._scan.drop_rates import (
     check_rate as check_rate,
     DropInputs as DropInputs,
     DropRates as DropRates,
+    keep_bits as keep_bits,
     Rates as Rates,
 )
 from ._scan.eager_compile import compiled_when_eager as compiled_when_eager

@@ -113,9 +113,9 @@ def scan_layers(stack: Stack, x: PyTree, call: LayerCall) -> tuple[PyTree, PyTre
         drops = call.drop is not None or call.runs is not None
         check_keeps_writes(f"This Stacked of {cls_name} layers", drops)
     runs, drop = call.runs, call.drop
-    if runs is None and drop is not None and drop.uses[1] and not call.pattern_step:
+    if runs is None and drop is not None and not call.pattern_step:
         # LayerDrop left to the scan, which then runs only the layers that run.
-        runs, call = drop.runs(), call._replace(drop=drop.skipped_by_scan())
+        runs, call = drop.runs, call._replace(drop=drop.skipped_by_scan())
     layer_dyn, layer_static = eqx.partition(stack.layers, eqx.is_array)
     per_xs, one = call.scanned()
     sharding = stack.layer_sharding

@@ -1,14 +1,9 @@
 """Depth that varies while training: stochastic depth (drop-path) and LayerDrop.
 
-A dropping call gives its layers their rates and drop keys (`DropInputs`, one
-entry per layer), which the layer-call seam slices like any per-layer value and
-applies through `dropping`: `mode="scan"` and `mode="loop"` run the same code
-on the same slices, and a `Chain` routes them by global layer index.
-
-Per-layer keys, the documented way: for a call with `key`,
-`drop_keys = jax.random.split(jax.random.fold_in(key, DROP_STREAM), L)` and
-layer `i` uses `k_layer, k_path = jax.random.split(drop_keys[i])`. The layers'
-own keys (`jax.random.split(key, L)[i]`) are unchanged by dropping.
+A dropping call gives its layers their drops (`DropInputs`, one entry per
+layer), which the layer-call seam slices like any per-layer value and applies
+after the layer (`drop_path`); LayerDrop's run bits go to the scan, or to
+`layer_drop` for a layer no scan skips. Scan and loop make the same draws.
 """
 
 import dataclasses
@@ -25,7 +20,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Key, PRNGKeyArray, PyTree, UInt32
 
 from .._helpers.checks import Checked, describe, docs
-from .layer_index import layer_index, step_index_or_none
+from .call_state import call_state
 from .skip import same_types, skip_layer
 
 
@@ -129,41 +124,24 @@ def resolve_rates(rates: object, num_layers: int, name: str) -> tuple[float, ...
 
 
 class DropInputs(eqx.Module):
-    """What a dropping call gives its layers, one entry per layer (leading axis
-    `L`, routed by a `Chain` like any `per_layer` argument): the drop-path and
-    LayerDrop rates and the drop keys, with which parts any layer uses, and
-    whether the scan that runs the layers skips them itself (`scan_skips`).
-    `path_mask`, when given, is drop-path's mask drawn by the caller (a
-    pipeline's rows of the whole batch's mask), used instead of the keys."""
+    """A dropping call's drops, one entry per layer (leading axis `L`): LayerDrop's
+    run bits and rates (`None` where no layer drops, or where the scan skips the
+    layers itself), drop-path's rates (`None` where none) and the drop keys, or
+    drop-path's mask drawn by the caller (a pipeline's rows of the batch's)."""
 
-    path_rate: Float[Array, "*layers"]
-    layer_rate: Float[Array, "*layers"]
+    runs: Bool[Array, "*layers"] | None
+    layer_rate: Float[Array, "*layers"] | None
+    path_rate: Float[Array, "*layers"] | None
     key: Key[Array, "*layers"] | UInt32[Array, "*layers 2"] | None
-    uses: tuple[bool, bool] = eqx.field(static=True)
-    scan_skips: bool = eqx.field(static=True, default=False)
     path_mask: Bool[Array, "*layers_rows"] | None = None
     # The rates by global layer index, for checks while tracing.
     static_rates: tuple[tuple[float, ...], tuple[float, ...]] = eqx.field(
         static=True, default=((), ())
     )
 
-    def runs(self) -> Array:
-        """Whether each layer runs in this call: LayerDrop's choice, drawn as
-        `dropping` draws it."""
-        assert self.key is not None, "drawn by the caller (path_mask) only"
-        return jax.vmap(_runs)(self.key, self.layer_rate)
-
-    def path_masks(self, examples: int | None) -> Array:
-        """Drop-path's mask of each layer, `[L, examples]` (`[L]` for `None`, one
-        example per call): which examples keep the layer's residual branch,
-        drawn as `dropping` draws it for a carry of `examples` examples."""
-        assert self.key is not None, "drawn by the caller (path_mask) only"
-        draw = lambda key, rate: _path_mask(key, rate, examples)  # noqa: E731
-        return jax.vmap(draw)(self.key, self.path_rate)
-
     def skipped_by_scan(self) -> "DropInputs":
         """These inputs, for layers whose scan runs only the ones that run."""
-        return dataclasses.replace(self, scan_skips=True)
+        return dataclasses.replace(self, runs=None, layer_rate=None)
 
 
 class DropRates(eqx.Module):
@@ -177,6 +155,11 @@ class DropRates(eqx.Module):
     it is a Python bool in the module's pytree: transform such a module with
     `eqx.filter_grad` / `eqx.filter_jit` (or partition it) rather than
     `jax.grad` / `jax.jit`.
+
+    The drops of a call with `key`: `drop_keys = jax.random.split(
+    jax.random.fold_in(key, 0x5D0), L)`, and layer `i` uses `k_layer, k_path =
+    jax.random.split(drop_keys[i])` (LayerDrop's draw, then drop-path's). The
+    layers' own keys (`jax.random.split(key, L)[i]`) are unchanged by dropping.
     """
 
     drop_path: tuple[float, ...] = eqx.field(static=True)
@@ -235,17 +218,17 @@ class DropRates(eqx.Module):
         return eqx.tree_at(lambda d: d.inference, new, self.inference)
 
     def per_layer_inputs(self, key: PRNGKeyArray) -> DropInputs:
-        """The rates and drop keys of a call with `key`, each with leading axis
-        `L`: what each layer gets as its `drop` (see `dropping`)."""
-        length = self.num_layers
-        keys = jax.random.split(jax.random.fold_in(key, DROP_STREAM), length)
-        return DropInputs(
-            jnp.asarray(self.drop_path, jnp.float32),
-            jnp.asarray(self.layer_drop, jnp.float32),
-            keys,
-            self.uses,
-            static_rates=(self.drop_path, self.layer_drop),
-        )
+        """The drops of a call with `key`, each with leading axis `L`: what each
+        layer gets as its `drop`, a part no layer uses `None`."""
+        keys = jax.random.split(jax.random.fold_in(key, DROP_STREAM), self.num_layers)
+        uses_path, uses_layer = self.uses
+        path_rate = jnp.asarray(self.drop_path, jnp.float32) if uses_path else None
+        runs = layer_rate = None
+        if uses_layer:
+            layer_rate = jnp.asarray(self.layer_drop, jnp.float32)
+            runs = jax.vmap(lambda k, q: keep_bits(k, q, 0, None))(keys, layer_rate)
+        static = (self.drop_path, self.layer_drop)
+        return DropInputs(runs, layer_rate, path_rate, keys, static_rates=static)
 
 
 def new_drop_rates(
@@ -313,18 +296,13 @@ def carry_examples(carry_dyn: PyTree) -> int | None:
     )
 
 
-def _runs(key: PRNGKeyArray, rate: Float[Array, ""]) -> Bool[Array, ""]:
-    # LayerDrop's draw for one layer, from the first half of its drop key.
-    return jax.random.bernoulli(jax.random.split(key)[0], 1.0 - rate)
-
-
-def _path_mask(
-    key: PRNGKeyArray, rate: Float[Array, ""], examples: int | None
+def keep_bits(
+    key: PRNGKeyArray, rate: Float[Array, ""], half: int, examples: int | None
 ) -> Bool[Array, "*examples"]:
-    # Drop-path's mask for one layer and a carry of `examples` examples (`None`:
-    # one example per call), from the second half of its drop key.
+    """One layer's keep bits, one per example (a scalar for `None`), from `half`
+    of its drop key: `0` LayerDrop's, `1` drop-path's."""
     shape = () if examples is None else (examples,)
-    return jax.random.bernoulli(jax.random.split(key)[1], 1.0 - rate, shape)
+    return jax.random.bernoulli(jax.random.split(key)[half], 1.0 - rate, shape)
 
 
 def _same_shapes(old: PyTree, new: PyTree) -> bool:
@@ -334,14 +312,44 @@ def _same_shapes(old: PyTree, new: PyTree) -> bool:
     )
 
 
-def apply_drop_path(
-    old: PyTree, new: PyTree, rate: Array, mask: Bool[Array, "*examples"]
-) -> PyTree:
-    """`old + mask * (new - old) / (1 - rate)` per example, leaf by leaf (`new`
-    itself where `rate == 0`): `mask` has one entry per example of the carry
-    (or is a scalar), e.g. a pipeline microbatch's rows of the mask drawn
-    for the whole batch."""
+def _undroppable(new: PyTree, drop: DropInputs, name: str, why: str) -> PyTree:
+    """`new`, from a layer that changed the carry, which cannot be dropped: an
+    error if its rate is above 0, raised now for a lone layer, else at run time
+    (a stack's engine reports its broken carry contract first, while tracing)."""
+    state = call_state()
+    index = state.layer
+    layer = f"layer {index}" if isinstance(index, int) else "a layer"
+    message = (
+        f"{name} is above 0 for {layer}, which changes the carry (e.g. a "
+        f"Chain's input projection), so it {why}.\nHint: give that layer rate "
+        f"0, e.g. `{name}=[0.0] + [0.1] * (L - 1)` for the first; see "
+        f"{docs('depth.md')}."
+    )
+    rates = drop.static_rates[name == "layer_drop"]
+    if state.step is None and isinstance(index, int) and index < len(rates):
+        if rates[index] > 0:
+            raise ValueError(message)
+        return new
+    rate = drop.layer_rate if name == "layer_drop" else drop.path_rate
+    dyn, static = eqx.partition(new, eqx.is_array)
+    return eqx.combine(eqx.error_if(dyn, rate > 0, message), static)  # pyright: ignore[reportOptionalOperand]  # set with its drop
+
+
+def drop_path(old: PyTree, new: PyTree, drop: DropInputs) -> PyTree:
+    """`new`, a layer's carry from `old`, with its branch dropped per example:
+    `old + mask * (new - old) / (1 - rate)` leaf by leaf (`new` itself where
+    the rate is 0), the mask `drop.path_mask` or drawn from the drop key."""
+    rate = drop.path_rate
+    if rate is None:
+        return new
+    if not _same_shapes(old, new):  # a `Chain`'s lone layer may change the carry
+        why = "has no residual branch `layer(x) - x` to drop"
+        return _undroppable(new, drop, "drop_path", why)
     old_dyn = eqx.filter(old, eqx.is_array)
+    mask = drop.path_mask
+    if mask is None:
+        assert drop.key is not None
+        mask = keep_bits(drop.key, rate, 1, carry_examples(old_dyn))
     scale = 1.0 / (1.0 - rate)
 
     def one(path: jtu.KeyPath, a: Array, b: Array) -> Array:
@@ -358,80 +366,16 @@ def apply_drop_path(
         return jnp.where(rate == 0, b, dropped.astype(b.dtype))
 
     new_dyn, new_static = eqx.partition(new, eqx.is_array)
-    if not _same_shapes(old_dyn, new_dyn):
-        return new  # the engine reports the broken carry contract
     return eqx.combine(jtu.tree_map_with_path(one, old_dyn, new_dyn), new_static)
 
 
-def _undroppable(new: PyTree, drop: DropInputs, name: str, why: str) -> PyTree:
-    """`new`, from a layer that changed the carry (a `Chain`'s lone layer may),
-    which cannot be dropped: an error if its rate is above 0, raised now for a
-    lone layer, else at run time (a stack's engine reports its broken carry
-    contract first, while tracing)."""
-    try:
-        index = layer_index()
-    except RuntimeError:
-        index = None
-    layer = f"layer {index}" if isinstance(index, int) else "a layer"
-    message = (
-        f"{name} is above 0 for {layer}, which changes the carry (e.g. a "
-        f"Chain's input projection), so it {why}.\nHint: give that layer rate "
-        f"0, e.g. `{name}=[0.0] + [0.1] * (L - 1)` for the first; see "
-        f"{docs('depth.md')}."
-    )
-    rates = drop.static_rates[name == "layer_drop"]
-    if step_index_or_none() is None and isinstance(index, int) and index < len(rates):
-        if rates[index] > 0:
-            raise ValueError(message)
-        return new
-    rate = drop.layer_rate if name == "layer_drop" else drop.path_rate
-    dyn, static = eqx.partition(new, eqx.is_array)
-    return eqx.combine(eqx.error_if(dyn, rate > 0, message), static)
-
-
-def runs_here(drop: DropInputs) -> Bool[Array, ""] | None:
-    """Whether a layer that `dropping` skips itself runs (`None`: no scan or
-    LayerDrop skips it there)."""
-    if drop.scan_skips or not drop.uses[1]:
-        return None
-    assert drop.key is not None
-    return _runs(drop.key, drop.layer_rate)
-
-
-def dropping(
-    fn: Callable[[PyTree], tuple[PyTree, PyTree]], drop: DropInputs
-) -> Callable[[PyTree], tuple[PyTree, PyTree]]:
-    """One layer `fn(carry) -> (carry, y)` with its drops: drop-path on the new
-    carry (its mask `drop.path_mask` when given, else drawn from the second half
-    of the layer's drop key), and LayerDrop from the first half unless the scan
-    that runs the layer skips it (`drop.scan_skips`). A part no layer uses is left
-    out of the program."""
-    uses_path = drop.uses[0]
-
-    def run(c: PyTree) -> tuple[PyTree, PyTree]:
-        new, y = fn(c)
-        if not uses_path:
-            return new, y
-        if not _same_shapes(c, new):  # a `Chain`'s lone layer may change the carry
-            why = "has no residual branch `layer(x) - x` to drop"
-            return _undroppable(new, drop, "drop_path", why), y
-        mask = drop.path_mask
-        if mask is None:
-            assert drop.key is not None
-            examples = carry_examples(eqx.filter(c, eqx.is_array))
-            mask = _path_mask(drop.key, drop.path_rate, examples)
-        return apply_drop_path(c, new, drop.path_rate, mask), y
-
-    runs = runs_here(drop)
-    if runs is None:
-        return run
-
-    # A layer no scan skips (a `Chain`'s lone layer): skipped here.
-    def skipping(c: PyTree) -> tuple[PyTree, PyTree]:
-        new, y = skip_layer(run, c, runs)
-        if same_types(eqx.filter(c, eqx.is_array), eqx.filter(new, eqx.is_array)):
-            return new, y
-        why = "cannot be skipped (its input is no carry to pass on)"
-        return _undroppable(new, drop, "layer_drop", why), y
-
-    return skipping
+def layer_drop(
+    fn: Callable[[PyTree], tuple[PyTree, PyTree]], drop: DropInputs, c: PyTree
+) -> tuple[PyTree, PyTree]:
+    """`fn(c) -> (carry, y)`, one layer that no scan skips, run where `drop.runs`."""
+    assert drop.runs is not None
+    new, y = skip_layer(fn, c, drop.runs)
+    if same_types(eqx.filter(c, eqx.is_array), eqx.filter(new, eqx.is_array)):
+        return new, y
+    why = "cannot be skipped (its input is no carry to pass on)"
+    return _undroppable(new, drop, "layer_drop", why), y

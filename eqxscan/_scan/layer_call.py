@@ -31,7 +31,7 @@ from jaxtyping import Array, Bool, PyTree
 from .._helpers.checks import check_leading_axis, check_takes_key, describe
 from .._helpers.stateful import clone, replace_arg
 from .buffers import call_writing, find_buffer, PerLayer, view_of
-from .drop_rates import DropInputs, dropping, runs_here
+from .drop_rates import drop_path, DropInputs, layer_drop
 from .layer_index import at_layer
 from .layer_io import (
     Index as Index,
@@ -308,21 +308,23 @@ def run_one(
     if callable(method):
         target = functools.partial(method, layer)
 
+    drop = one.drop
+
     def fn(c: PyTree) -> tuple[PyTree, PyTree]:
-        out = target(c, *one.args, **keyed, **one.kwargs)
-        return call.read_out(out, who)
+        new, y = call.read_out(target(c, *one.args, **keyed, **one.kwargs), who)
+        return (new if drop is None else drop_path(c, new, drop)), y
 
     old = clone(carry)  # the layer may invalidate `carry` (an `eqx.nn.State`)
     number = one.number if call.over == "layers" else None
     # Named for profiles: a scanned stack's ops carry the layer's class.
     with at_layer(number), inside_layer(), jax.named_scope(type(layer).__name__):
-        if one.drop is None:  # called here: one frame less in a traceback
+        if drop is None or drop.runs is None:  # called here: one frame less
             out = target(carry, *one.args, **keyed, **one.kwargs)
             new, y = call.read_out(out, who)
+            new = new if drop is None else drop_path(carry, new, drop)
         else:
-            new, y = dropping(fn, one.drop)(carry)
-    runs = None if one.drop is None else runs_here(one.drop)
-    return tapped(one.number, new, old, runs), y
+            new, y = layer_drop(fn, drop, carry)
+    return tapped(one.number, new, old, None if drop is None else drop.runs), y
 
 
 def _run_writing(

@@ -1,12 +1,11 @@
 """Steps that run only where a run bit is set (LayerDrop): a skipped step
 passes its carry on and costs next to nothing, forward and backward.
 
-Both forms are `jax.custom_vjp`s whose backward is a `lax.cond` on the same
-bit: `skip_call`, one step whose backward recomputes its forward (a `Chain`'s
-lone layer, the loop, a scan whose `remat=` names or nests), and `skip_scan`,
-the whole scan at once, the stacked weights indexed inside the running branch
-and their gradients written into one stacked buffer in place, so that a
-skipped layer touches none of its weights in either pass.
+`skip_scan` is a `jax.custom_vjp` around the whole scan whose backward is a
+`lax.cond` per step on the same bit: the stacked weights are indexed inside the
+running branch and their gradients written into one stacked buffer in place, so
+a skipped layer touches none of its weights in either pass. `skip_step` is one
+such step on its own (a `Chain`'s lone layer, the loop, a named or nested remat).
 """
 
 import dataclasses
@@ -32,10 +31,8 @@ def inexact(value: object) -> bool:
     return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
 
 
-def _no_cotangent(a: Array) -> Array | np.ndarray:
-    """A zero cotangent for `a`: `float0` for integer, bool and key arrays."""
-    if inexact(a):
-        return jnp.zeros(jnp.shape(a), a.dtype)
+def _no_cotangent(a: Array) -> np.ndarray:
+    """The cotangent of an integer, bool or key array."""
     return np.zeros(jnp.shape(a), jax.dtypes.float0)
 
 
@@ -54,8 +51,7 @@ def _merge(fixed: Sequence[object], diff: Sequence[object], mask: list[bool]) ->
 
 
 def _zeros(avals: Sequence[jax.core.ShapedArray]) -> list[Array]:
-    """Zeros of these types, varying over the same manual axes (inside
-    `shard_map`), so that a skipping branch matches a running one."""
+    """Zeros of these types, varying over the same manual axes (`shard_map`)."""
 
     def zeros(a: jax.core.ShapedArray) -> Array:
         z = jnp.zeros(a.shape, a.dtype)
@@ -67,85 +63,11 @@ def _zeros(avals: Sequence[jax.core.ShapedArray]) -> list[Array]:
     return [zeros(a) for a in avals]
 
 
-def _evaluate(
-    traced: jcore.ClosedJaxpr, consts: list, carry: list, x: list
-) -> list[Array]:
-    """`traced`'s jaxpr on `carry + x`, with `consts` for its closed-over values."""
-    return jcore.jaxpr_as_fun(jcore.ClosedJaxpr(traced.jaxpr, consts))(*carry, *x)
-
-
-def skip_call(
-    runs: Bool[Array, ""],
-    traced: jcore.ClosedJaxpr,
-    operands: Sequence[Array],
-    num_carry: int,
-) -> list[Array]:
-    """`traced(*operands)` where `runs`, else the carry (`operands[:num_carry]`,
-    the first outputs' types) followed by zeros.
-
-    The backward pass keeps the operands (which a scan forwards rather than
-    copying per step) and `runs`, and a step that runs recomputes its forward in
-    its branch; a plain `lax.cond` would save what the running branch computes,
-    weights included, zero-filled by the skipping branch."""
-    operands = list(operands)
-    y_avals = traced.out_avals[num_carry:]
-
-    def skip(ops: Sequence[Array]) -> list[Array]:
-        return list(ops[:num_carry]) + _zeros(y_avals)
-
-    if not can_skip_scan(traced):
-        # An integer carry or output has no cotangent to route through the
-        # backward `cond`: differentiate the plain `cond` instead.
-        return jax.lax.cond(
-            runs, lambda o: jcore.jaxpr_as_fun(traced)(*o), skip, operands
-        )
-    c_fixed, c_diff, c_mask = _split(list(traced.consts))
-    o_fixed, o_diff, o_mask = _split(operands)
-
-    def layer(fixed: tuple[list, list], diff: tuple[list, list]) -> list[Array]:
-        consts = _merge(fixed[0], diff[0], c_mask)
-        return _evaluate(traced, consts, _merge(fixed[1], diff[1], o_mask), [])
-
-    def skipped_out(fixed: tuple[list, list], diff: tuple[list, list]) -> list[Array]:
-        return skip(_merge(fixed[1], diff[1], o_mask))
-
-    # Every input is an argument (a custom_vjp may not close over tracers);
-    # `runs` and the integer, bool and key values (`fixed`) get no gradient.
-    @jax.custom_vjp
-    def skipping(
-        runs: Array, fixed: tuple[list, list], diff: tuple[list, list]
-    ) -> list:
-        return jax.lax.cond(runs, layer, skipped_out, fixed, diff)
-
-    def forward(runs: Array, fixed: tuple, diff: tuple) -> tuple[list, tuple]:
-        return skipping(runs, fixed, diff), (runs, fixed, diff)
-
-    def backward(res: tuple, cts: list[Array]) -> tuple[object, ...]:
-        runs, fixed, diff = res
-
-        def run(cts: list, fixed: tuple, diff: tuple) -> tuple[list, list]:
-            return jax.vjp(functools.partial(layer, fixed), diff)[1](cts)[0]
-
-        def passed(cts: list, fixed: tuple, diff: tuple) -> tuple[list, list]:
-            # The carry's cotangent passes through (the carry operands, all
-            # inexact, come first); nothing else gets one.
-            rest = [jnp.zeros_like(v) for v in diff[1][num_carry:]]
-            return [jnp.zeros_like(c) for c in diff[0]], list(cts[:num_carry]) + rest
-
-        ct_diff = jax.lax.cond(runs, run, passed, list(cts), fixed, diff)
-        ct_fixed = jtu.tree_map(_no_cotangent, fixed)
-        return _no_cotangent(runs), ct_fixed, tuple(ct_diff)
-
-    skipping.defvjp(forward, backward)
-    return skipping(runs, (c_fixed, o_fixed), (c_diff, o_diff))
-
-
 def arrays_only(
     fn: Callable[..., tuple[PyTree, PyTree]], c_static: PyTree
 ) -> tuple[Callable[..., tuple[PyTree, PyTree]], list[tuple[PyTree, PyTree]]]:
-    """`fn(carry, *rest) -> (carry, y)` on the carry's array leaves (its others
-    `c_static`), returning array leaves only (for `jax.checkpoint` and
-    `make_jaxpr`), and the list where each call puts its outputs' other leaves."""
+    """`fn(carry, *rest) -> (carry, y)` on and to array leaves only (for
+    `jax.checkpoint`, `make_jaxpr`), and where each call puts the other leaves."""
     statics: list[tuple[PyTree, PyTree]] = []
 
     def body(c_dyn: PyTree, *rest: PyTree) -> tuple[PyTree, PyTree]:
@@ -158,8 +80,8 @@ def arrays_only(
 
 
 def same_types(old: PyTree, new: PyTree) -> bool:
-    """Whether `new` (arrays, or their shapes) has the structure, shapes and
-    dtypes of `old`: a carry that a skipped layer can pass on."""
+    """Whether `new` (arrays, or their shapes) is a carry that a skipped layer
+    can pass on instead: the structure, shapes and dtypes of `old`."""
     return jtu.tree_structure(new) == jtu.tree_structure(old) and all(
         a.shape == b.shape and a.dtype == b.dtype
         for a, b in zip(jtu.tree_leaves(new), jtu.tree_leaves(old))
@@ -169,25 +91,22 @@ def same_types(old: PyTree, new: PyTree) -> bool:
 def skip_layer(
     fn: Callable[[PyTree], tuple[PyTree, PyTree]], c: PyTree, runs: Bool[Array, ""]
 ) -> tuple[PyTree, PyTree]:
-    """`fn(c) -> (new carry, y)` where `runs`, else `(c, zeros like y)`, through
-    `skip_call` (`fn` traced once, on the array leaves of `c`). An `fn` that
-    breaks the carry contract runs without skipping, for the caller to report."""
+    """`fn(c) -> (new carry, y)` where `runs`, else `(c, zeros like y)`. An `fn`
+    that breaks the carry contract runs unskipped, for the caller to report."""
     c_dyn, c_static = eqx.partition(c, eqx.is_array)
     body, statics = arrays_only(fn, c_static)
-    traced, out_shape = jax.make_jaxpr(body, return_shape=True)(c_dyn)
-    operands = jtu.tree_leaves(c_dyn)
+    jaxpr, out_shape = jax.make_jaxpr(body, return_shape=True)(c_dyn)
+    n_carry = len(jtu.tree_leaves(c_dyn))
+    traced = Traced(jaxpr, jtu.tree_structure(out_shape), None, n_carry)
     if same_types(c_dyn, out_shape[0]):
-        flat = skip_call(runs, traced, operands, len(operands))
+        out = skip_step(traced)(c_dyn, ((), runs))
     else:
-        flat = jcore.jaxpr_as_fun(traced)(*operands)
-    return eqx.combine(
-        jtu.tree_unflatten(jtu.tree_structure(out_shape), flat), statics[0]
-    )
+        out = traced(c_dyn, ())
+    return eqx.combine(out, statics[0])
 
 
 def can_skip_scan(traced: jcore.ClosedJaxpr) -> bool:
-    """Whether `skip_scan` takes this step: every carry and output inexact
-    (else `skip_call` per step, which can fall back to a plain `cond`)."""
+    """Whether `skip_scan` takes this step: every carry and output inexact."""
     return all(inexact(a) for a in traced.out_avals)
 
 
@@ -202,26 +121,20 @@ def skip_scan(
     unroll: int | bool,
     policy: Policy | None = None,
 ) -> tuple[list[Array], list[Array]]:
-    """`(carry, ys)`, flat: `traced` (its jaxpr: flat `carry + x_i` to
-    `carry + y_i`) scanned over `xs`, step `i` run only where `runs[i]` (a
-    skipped step passes the carry on and outputs zeros).
+    """`(carry, ys)`, flat: `traced` scanned over `xs`, step `i` run only where
+    `runs[i]` (a skipped step passes the carry on and outputs zeros).
 
     A step that runs saves what `policy` (a `jax.checkpoint` policy) keeps of
     its internals, stacked over the steps (zeros for a skipped one); `None`
-    saves only the carry (as `remat=True`). Its backward runs inside its branch
-    and writes its input gradients into the stacked gradient at `i`, in place;
-    its slice of `xs` is never saved but read again (see `_SkipScan`)."""
-    jaxpr = traced.jaxpr
-    c_fixed, c_diff, c_mask = _split(list(jaxpr.consts))
+    saves only the carry (as `remat=True`). Its slice of `xs` is read again,
+    never saved."""
+    c_fixed, c_diff, c_mask = _split(list(traced.jaxpr.consts))
     x_fixed, x_diff, x_mask = _split(xs)
-    scan = _SkipScan(
-        jaxpr, traced.n_carry, c_mask, x_mask, length, reverse, unroll, policy, []
-    )
+    scan = _SkipScan(traced, c_mask, x_mask, length, reverse, unroll, policy, [])
 
     @jax.custom_vjp
     def skipping(runs: Array, fixed: tuple, diff: tuple, carry: list) -> tuple:
-        carry, ys, _ = scan.forward(runs, fixed, diff, carry, save=False)
-        return carry, ys
+        return scan.forward(runs, fixed, diff, carry, save=False)[:2]
 
     def forward(runs: Array, fixed: tuple, diff: tuple, carry: list) -> tuple:
         carry_out, ys, saved = scan.forward(runs, fixed, diff, carry, save=True)
@@ -234,13 +147,12 @@ def skip_scan(
 
 @dataclasses.dataclass(frozen=True)
 class _SkipScan:
-    """One `skip_scan`: the traced step, its inputs split into values that take
-    cotangents (`diff`) and those that do not (`fixed`), as `(consts, xs)`
-    pairs. `layouts` records, while the forward scan is traced, how it saved a
-    running step's vjp (its structure and, per leaf, the input it is or `None`)."""
+    """One `skip_scan`, its inputs split into values with cotangents (`diff`)
+    and without (`fixed`), each a `(consts, xs)` pair. `layouts` records, while
+    the forward is traced, how a running step saved its vjp (its structure and,
+    per leaf, the input it is or `None`)."""
 
-    traced: jcore.ClosedJaxpr
-    num_carry: int
+    traced: Traced
     c_mask: list[bool]
     x_mask: list[bool]
     length: int
@@ -249,24 +161,20 @@ class _SkipScan:
     policy: Policy | None
     layouts: list[tuple[jtu.PyTreeDef, tuple[int | None, ...]] | None]  # pyright: ignore[reportInvalidTypeForm]  # jax's stubs declare PyTreeDef a variable
 
-    def step(self, fixed: tuple, fixed_i: list) -> Callable[..., list[Array]]:
-        """Step `i` (its fixed slices `fixed_i`) as a function of its consts,
-        carry and slices of `xs` that get cotangents."""
-
-        def fn(consts_d: list, c: list, x_d: list) -> list[Array]:
-            consts = _merge(fixed[0], consts_d, self.c_mask)
-            return _evaluate(self.traced, consts, c, _merge(fixed_i, x_d, self.x_mask))
-
-        return fn
+    def step(
+        self, fixed: tuple, fixed_i: list, consts_d: list, c: list, x_d: list
+    ) -> list[Array]:
+        """Step `i` (`fixed_i`: its fixed slices), to be differentiated in `diff`."""
+        consts = _merge(fixed[0], consts_d, self.c_mask)
+        jaxpr = jcore.ClosedJaxpr(self.traced.jaxpr.jaxpr, consts)
+        return jcore.jaxpr_as_fun(jaxpr)(*c, *_merge(fixed_i, x_d, self.x_mask))
 
     def linearized(self, i: Array, c: list, fixed: tuple, diff: tuple) -> tuple:
-        """Step `i`'s outputs, the values its vjp needs that are not its inputs,
-        and the layout to rebuild the vjp from them and the inputs."""
-        fixed_i = [index(a, i) for a in fixed[1]]
-        diff_i = [index(a, i) for a in diff[1]]
-        fn = jax.checkpoint(
-            self.step(fixed, fixed_i), policy=self.policy, prevent_cse=False
-        )
+        """Step `i`'s outputs, what its vjp needs that is not an input, and the
+        layout to rebuild the vjp from those and the inputs."""
+        fixed_i, diff_i = index((fixed[1], diff[1]), i)
+        step = functools.partial(self.step, fixed, fixed_i)
+        fn = jax.checkpoint(step, policy=self.policy, prevent_cse=False)
         out, vjp_fn = jax.vjp(fn, diff[0], c, diff_i)
         leaves, tree = jtu.tree_flatten(vjp_fn)
         inputs = jtu.tree_leaves((diff[0], c, diff_i))
@@ -278,9 +186,8 @@ class _SkipScan:
         return out, saved, (tree, where)
 
     def saved_types(self, i: Array, c: list, fixed: tuple, diff: tuple) -> list:
-        """The types of what a running step saves (for the skipping branch's
-        zeros), its layout recorded in `layouts`; none when a saved value
-        cannot be zero-filled (a key: the step is recomputed)."""
+        """The types of what a running step saves, its layout put in `layouts`;
+        none when a saved value cannot be zero-filled (a key: recomputed)."""
         found: list = []
 
         def probe(i: Array, c: list, fixed: tuple, diff: tuple) -> list:
@@ -300,10 +207,8 @@ class _SkipScan:
     ) -> tuple[list, list, tuple[list, list]]:
         """The scan, a `cond` per step; with `save`, each step also outputs the
         carry it received and its saved values."""
-        consts = _merge(fixed[0], diff[0], self.c_mask)
-        xs = _merge(fixed[1], diff[1], self.x_mask)
-        y_avals = self.traced.out_avals[self.num_carry :]
-        n = self.num_carry
+        n = self.traced.n_carry
+        y_avals = self.traced.jaxpr.out_avals[n:]
 
         def body(c: list, inp: tuple[Array, Array]) -> tuple[list, tuple]:
             i, k = inp
@@ -313,7 +218,8 @@ class _SkipScan:
 
             def running(c: list) -> list[Array]:
                 if not saved_avals:
-                    return _evaluate(self.traced, consts, c, [index(a, i) for a in xs])
+                    fixed_i, diff_i = index((fixed[1], diff[1]), i)
+                    return self.step(fixed, fixed_i, diff[0], c, diff_i)
                 out, saved, _ = self.linearized(i, c, fixed, diff)
                 return list(out) + list(saved)
 
@@ -327,18 +233,13 @@ class _SkipScan:
 
         steps = (jnp.arange(self.length), runs)
         carry, (ys, saved) = jax.lax.scan(
-            body,
-            carry,
-            steps,
-            length=self.length,
-            reverse=self.reverse,
-            unroll=self.unroll,
+            body, carry, steps, self.length, self.reverse, self.unroll
         )
         return carry, ys, saved
 
     def backward(self, res: tuple, cts: tuple[list, list]) -> tuple[object, ...]:
-        """The reverse scan: a step that runs does its vjp (rebuilt from its saved
-        values, or recomputed) and writes its slice's gradient in place."""
+        """The reverse scan: a running step's vjp (rebuilt from its saved values,
+        or recomputed) writes its slice's gradient in place."""
         runs, fixed, diff, (carries, saved) = res
         ct_carry, ct_ys = cts
         consts_diff, xs_diff = diff
@@ -348,10 +249,9 @@ class _SkipScan:
             i, k, c_i, saved_i, ct_y = inp
 
             def run(ct: list, g_consts: list, g_xs: list) -> tuple[list, list, list]:
-                fixed_i = [index(a, i) for a in fixed[1]]
-                diff_i = [index(a, i) for a in xs_diff]
+                fixed_i, diff_i = index((fixed[1], xs_diff), i)
                 if layout is None:  # recompute the step's forward here
-                    fn = self.step(fixed, fixed_i)
+                    fn = functools.partial(self.step, fixed, fixed_i)
                     vjp_fn = jax.vjp(fn, consts_diff, c_i, diff_i)[1]
                 else:  # the forward's vjp, from its saved values and the inputs
                     tree, where = layout
@@ -376,25 +276,36 @@ class _SkipScan:
         )
         steps = (jnp.arange(self.length), runs, carries, saved, list(ct_ys))
         (g_carry, g_consts, g_xs), _ = jax.lax.scan(
-            body,
-            start,
-            steps,
-            length=self.length,
-            reverse=not self.reverse,
-            unroll=self.unroll,
+            body, start, steps, self.length, not self.reverse, self.unroll
         )
         ct_fixed = jtu.tree_map(_no_cotangent, fixed)
         return _no_cotangent(runs), ct_fixed, (g_consts, g_xs), g_carry
 
 
 def skip_step(traced: Traced) -> Step:
-    """`traced` as a step `(carry, (x, runs)) -> (carry, y)` run through
-    `skip_call`, for the engine's remat and nested scans."""
+    """`traced` as a step `(carry, (x, runs)) -> (carry, y)` run only where
+    `runs`: a `skip_scan` of one step, which saves its inputs and recomputes its
+    forward in the backward's running branch (a plain `lax.cond` would save what
+    the running branch computes, weights included, zero-filled when skipped)."""
+    n = traced.n_carry
 
     def step(c_dyn: PyTree, inputs: tuple[PyTree, Array]) -> tuple[PyTree, PyTree]:
         x, runs = inputs
         operands = jtu.tree_leaves((c_dyn, x))
-        flat = skip_call(runs, traced.jaxpr, operands, traced.n_carry)
+        if can_skip_scan(traced.jaxpr):
+            xs = [jnp.expand_dims(a, 0) for a in operands[n:]]
+            one = jnp.reshape(runs, (1,))
+            c, ys = skip_scan(
+                traced, operands[:n], xs, one, length=1, reverse=False, unroll=True
+            )
+            flat = c + [y[0] for y in ys]
+        else:
+            # An integer carry or output has no cotangent for the backward's
+            # `cond` to pass on: the plain `cond` is differentiated instead.
+            y_avals = traced.jaxpr.out_avals[n:]
+            run = jcore.jaxpr_as_fun(traced.jaxpr)
+            skip = lambda *ops: [*ops[:n], *_zeros(y_avals)]  # noqa: E731
+            flat = jax.lax.cond(runs, run, skip, *operands)
         return jtu.tree_unflatten(traced.out_tree, flat)
 
     return step

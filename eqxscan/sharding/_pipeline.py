@@ -24,6 +24,7 @@ from .._internal import (
     DropInputs,
     DropRates,
     index,
+    keep_bits,
     LayerCall,
     permute_stack,
     permute_stage_order,
@@ -314,12 +315,11 @@ def _drops(
             permute_stage_order(r, p.stages, p.repeats, inverse=True) for r in rates
         )
     inputs = DropRates(drop.num_layers, rates[0], rates[1]).per_layer_inputs(key)
-    uses_path, uses_layer = drop.uses
-    runs = inputs.runs() if uses_layer else None
-    path_rate = path_mask = None
-    if uses_path:
+    runs, path_rate, path_mask = inputs.runs, inputs.path_rate, None
+    if path_rate is not None:
         examples = carry_examples(x)
-        path_rate, path_mask = inputs.path_rate, inputs.path_masks(examples)
+        draw = lambda k, rate: keep_bits(k, rate, 1, examples)  # noqa: E731
+        path_mask = jax.vmap(draw)(inputs.key, path_rate)
         if examples is None:  # one mask entry per layer, the same for every row
             path_mask = jnp.broadcast_to(
                 path_mask[:, None], (drop.num_layers, p.microbatches)
@@ -524,10 +524,8 @@ def _chunk_call(
     mine, path = index(drops, r), None
     if mine.path_mask is not None:
         assert mine.path_rate is not None
-        zeros, mask = jnp.zeros_like(mine.path_rate), index(mine.path_mask, m, axis=1)
-        path = DropInputs(
-            mine.path_rate, zeros, None, (True, False), scan_skips=True, path_mask=mask
-        )
+        mask = index(mine.path_mask, m, axis=1)
+        path = DropInputs(None, None, mine.path_rate, None, path_mask=mask)
     return LayerCall((), {}, None, runs=mine.runs, drop=path)
 
 
