@@ -1,7 +1,7 @@
 """`Recurrent` runs a cell over time; also `Bidirectional`."""
 
 from collections.abc import Callable, Mapping
-from typing import cast, Literal, Unpack
+from typing import Literal, Unpack
 
 import equinox as eqx
 import jax
@@ -26,7 +26,7 @@ from .._scan.layer_call import LayerCall, OneLayer, run_one
 from .._scan.layer_index import step_index_or_none
 from .._scan.options import OwnOptions, ScanArgs, Scanning, ScanOptions
 from .._scan.taps import emitted, in_cell, untapped
-from .linear_cells import DiagonalLinearCell, MatrixLinearCell
+from .linear_cells import MatrixLinearCell
 from .recurrent_inputs import (
     check_cell_kwargs,
     check_known_cell,
@@ -40,13 +40,7 @@ from .recurrent_inputs import (
     time_major,
     where as _where,
 )
-from .recurrent_linear import (
-    check_method,
-    linear_kind,
-    RecurrentMethod,
-    resolve_form,
-    run_parallel,
-)
+from .recurrent_linear import check_method, RecurrentMethod, resolve_form, run_parallel
 
 
 class Recurrent(Scanning):
@@ -228,20 +222,27 @@ class Recurrent(Scanning):
         xs_dyn, xs_static = eqx.partition(xs, eqx.is_array)
         keys = _step_keys(self.cell, key, run_, type(self).__name__)
         refuse_buffer(args, kwargs, "Recurrent")
-        parallel = self._parallel(h0, xs, (args, kwargs), (keys, key), run_)
-        if parallel is not None:  # a linear recurrence, its gates all at once
-            return parallel
-        read = _read_out(self.cell, args, kwargs)
+        form = resolve_form(self.method, self.cell, self.options, run_, h0)
+        if form != "engine":  # a linear recurrence, its gates all at once
+            h_T, hs = run_parallel(
+                self.cell, form, self.chunk_size, self.reverse, h0, xs,
+                (args, kwargs), (keys, key), run_,
+            )  # fmt: skip
+            return h_T, time_layout(hs, run_.time_axis)
+        cell = self.cell
+        read = None  # a matrix state is read out at each step, not stacked
+        if isinstance(cell, MatrixLinearCell):
+            read = lambda state, x: cell.output(state, x, *args, **kwargs)
         # The cell runs as a layer whose carry comes first (`_cell_step`).
         call = LayerCall(
             args, kwargs, keys, method=_cell_step(), caller="Recurrent", over="time"
         )
         per_step, one_step = call.scanned()
-        name = type(self.cell).__name__
+        name = type(cell).__name__
         where_all = f"The cell {name} (one body for all {run_.length} time steps)"
         masked = where_all if self.mode == "scan" else f"The cell {name}"
         xs_in = (xs_static, _stand_in(xs_dyn, run_.mask))
-        step = _time_step(self.cell, call, one_step, xs_in, run_, key, masked, read)
+        step = _time_step(cell, call, one_step, xs_in, run_, key, masked, read)
         inputs = (xs_dyn, run_.mask, _consumption_order(run_, self.reverse), per_step)
         if run_.length == 0:
             h_T, hs = h0, _no_steps(step, h0, inputs, where_all)
@@ -258,27 +259,6 @@ class Recurrent(Scanning):
                 ),
                 over="time",
             )
-        return h_T, time_layout(hs, run_.time_axis)
-
-    def _parallel(
-        self,
-        h0: PyTree,
-        xs: PyTree,
-        call: tuple[tuple[PyTree, ...], dict[str, PyTree]],
-        keys: tuple[Array | None, PRNGKeyArray | None],
-        run_: Controls,
-    ) -> tuple[PyTree, PyTree] | None:
-        """`(h_T, hs)` of a linear recurrence run in a parallel form (or
-        sequentially over gates computed at once); `None` where the engine runs
-        the cell step by step. `keys` is `(per-step keys, key)`."""
-        form = resolve_form(self.method, linear_kind(self.cell), self.options, run_, h0)
-        if form == "engine" or run_.length == 0:
-            return None
-        same = keys[1] if run_.broadcast_key else None
-        h_T, hs = run_parallel(
-            cast(DiagonalLinearCell | MatrixLinearCell, self.cell), form,
-            self.chunk_size, self.reverse, h0, xs, call, (keys[0], same), run_,
-        )  # fmt: skip
         return h_T, time_layout(hs, run_.time_axis)
 
 
@@ -342,16 +322,6 @@ def _time_step(
         return new, emitted(one.number, y)
 
     return step
-
-
-def _read_out(
-    cell: Callable[..., PyTree], args: tuple[PyTree, ...], kwargs: Mapping[str, PyTree]
-) -> Callable[[PyTree, PyTree], PyTree] | None:
-    """`(S_t, x_t) -> o_t` for a matrix state, read out at each step rather than
-    stacked; `None` for other cells, whose carries are stacked."""
-    if not isinstance(cell, MatrixLinearCell):
-        return None
-    return lambda state, x: cell.output(state, x, *args, **kwargs)
 
 
 def _cell_step(
