@@ -28,10 +28,10 @@ from .._scan.options import OwnOptions, ScanArgs, Scanning, ScanOptions
 from .._scan.taps import emitted, in_cell, untapped
 from .linear_cells import MatrixLinearCell
 from .recurrent_inputs import (
+    block_starts as _block_starts,
     check_cell_kwargs,
     check_known_cell,
     check_names,
-    consumption_order as _consumption_order,
     Controls,
     controls,
     RecurrentArgs,
@@ -243,7 +243,7 @@ class Recurrent(Scanning):
         masked = where_all if self.mode == "scan" else f"The cell {name}"
         xs_in = (xs_static, _stand_in(xs_dyn, run_.mask))
         step = _time_step(cell, call, one_step, xs_in, run_, key, masked, read)
-        inputs = (xs_dyn, run_.mask, _consumption_order(run_, self.reverse), per_step)
+        inputs = (xs_dyn, run_.mask, _block_starts(run_, self.reverse), per_step)
         if run_.length == 0:
             h_T, hs = h0, _no_steps(step, h0, inputs, where_all)
         else:
@@ -289,21 +289,15 @@ def _time_step(
     where: str,
     read: Callable[[PyTree, PyTree], PyTree] | None = None,
 ) -> Callable[[PyTree, tuple], tuple[PyTree, PyTree]]:
-    """The engine's step `(h, (x_t, mask_t, position_t, per_step_t)) -> (h, y)`:
+    """The engine's step `(h, (x_t, mask_t, block_start_t, per_t)) -> (h, y)`:
     truncation and masking around the cell, run through the layer-call seam.
     `xs_in` is `(xs_static, _stand_in(...))`; `where` names the cell in a masked
     step's carry error. `y` is the new carry, or `read(new carry, x_t)`."""
-    k = controls.truncate
     xs_static, stand_in = xs_in
 
     def step(h: PyTree, inputs: tuple) -> tuple[PyTree, PyTree]:
-        x_dyn, m, n, per = inputs
-        if n is not None and k is not None:
-            # Entering a new block: let values through, not gradients. A
-            # masked step passes the carry on, so it never starts a block.
-            cut = (n > 0) & (n % k == 0)
-            if m is not None:
-                cut = cut & m
+        x_dyn, m, cut, per = inputs
+        if cut is not None:  # a new block: let values through, not gradients
             stopped = jtu.tree_map(
                 lambda a: jax.lax.stop_gradient(a) if eqx.is_array(a) else a, h
             )
@@ -340,8 +334,8 @@ def _cell_step(
         key: PRNGKeyArray | None = None,
         **kwargs: PyTree,
     ) -> PyTree:
-        carry = jtu.tree_structure(h)  # before the call, which may invalidate `h`
-        # The cell may invalidate `h` (an `eqx.nn.State`).
+        # Before the call, which may invalidate `h` (an `eqx.nn.State`).
+        carry = jtu.tree_structure(h)
         old = None if keep is None else clone(h)
         with in_cell():
             keyed = {} if key is None else {"key": key}

@@ -19,7 +19,7 @@ from .._scan.taps import tapping
 from .linear_cells import DiagonalLinearCell, MatrixLinearCell
 from .linear_diag import choose_method, diagonal_scan
 from .linear_matrix import matrix_scan
-from .recurrent_inputs import consumption_order, Controls, stand_in, where
+from .recurrent_inputs import block_starts, Controls, stand_in, where
 
 
 RecurrentMethod = Literal["auto", "sequential", "associative", "chunked"]
@@ -201,11 +201,8 @@ def _truncated(
     """`(a, b)` with the gradient through the carry stopped where a block of
     `truncate` consumed steps begins: there `a_t * h_{t-1}` becomes a constant
     of `b_t` (its value from a first, gradient-free pass) and `a_t` zero."""
-    before = consumption_order(controls, reverse)
-    assert before is not None and controls.truncate is not None
-    cut = (before > 0) & (before % controls.truncate == 0)
-    if controls.mask is not None:
-        cut = cut & controls.mask
+    cut = block_starts(controls, reverse)
+    assert cut is not None
     _, hs = scan(*jax.lax.stop_gradient((a, b)))
 
     def previous(h: Array, h_0: Array) -> Array:

@@ -21,18 +21,8 @@ from .._scan.options import OwnOptions, ScanArgs, Scanning, ScanOptions
 
 
 def rms_norm(scale: Array, x: Array, eps: float = 1e-6) -> Array:
-    """`x / rms(x) * scale`, reduced in float32 and returned in `x.dtype`.
-
-    **Arguments:**
-
-    - `scale`: `[D]`, broadcast against the leading axes of `x`.
-    - `x`: `[..., D]`; the RMS is taken over the last axis.
-    - `eps`: added to the mean square before the reciprocal square root.
-
-    **Returns:**
-
-    An array shaped like `x`, in `x.dtype`.
-    """
+    """`x / rms(x) * scale` over the last axis of `x`, reduced in float32 and
+    returned in `x.dtype`."""
     x32 = x.astype(jnp.float32)
     inv = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     # Explicit broadcast: works under `jax_numpy_rank_promotion="raise"` too;
@@ -41,7 +31,11 @@ def rms_norm(scale: Array, x: Array, eps: float = 1e-6) -> Array:
     return (x32 * inv).astype(x.dtype) * scale.astype(x.dtype)
 
 
-def check_float_dtype(dtype: DTypeLike) -> np.dtype:
+def check_float_dtype(dtype: DTypeLike | None) -> np.dtype:
+    """`dtype`, a floating one; `None`: float32 (float64 in JAX's 64-bit mode),
+    as for `eqx.nn` layers."""
+    if dtype is None:
+        return jax.dtypes.canonicalize_dtype(jnp.float64)
     try:
         found = jnp.dtype(dtype)
     except TypeError:
