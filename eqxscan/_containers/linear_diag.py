@@ -12,16 +12,12 @@ from jaxtyping import Array, PyTree
 
 
 Method = Literal["sequential", "associative", "chunked"]
-# Measured (docs/recurrent.md): on CPU the sequential scan was the fastest form
-# at every point (`benchmarks/linear_recurrence.py`, 2 cores). On a TPU v5e a
-# MinGRU's carry of 256 ran 1.4-1.9x faster chunked than sequentially (the
-# associative form 3.4-4.2x slower), a bare recurrence's 8 x 1024 fastest
-# sequentially; GPU is not measured. So an accelerator runs a diagonal carry
-# of at most this many elements per example chunked:
+# The `auto` rule, as measured (docs/recurrent.md#the-auto-rule and
+# #matrix-state-cells): on CPU the sequential scan, but a matrix state chunked
+# from a head of `CPU_MATRIX_CHUNKED_MIN_STATE` elements; on an accelerator a
+# matrix state chunked, and a diagonal carry of at most
+# `ACCELERATOR_CHUNKED_MAX_STATE` elements per example (a larger one sequentially).
 ACCELERATOR_CHUNKED_MAX_STATE = 512
-# A matrix state runs chunked on an accelerator, and on CPU from a head of this
-# many elements (64 x 64 chunked 1.4-2.5x faster by benchmarks/linear_matrix.py;
-# 32 x 32 about even, 16 x 16 slower).
 CPU_MATRIX_CHUNKED_MIN_STATE = 64 * 64
 
 

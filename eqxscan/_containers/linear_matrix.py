@@ -27,15 +27,11 @@ from .._helpers.checks import check_option, check_size, describe
 
 
 Method = Literal["sequential", "chunked"]
-# The state-independent work of the chunked form runs in this many groups of
-# chunks (and the rest): a scan of a few steps whatever `T`, whose temp memory
-# is one group's (measured 55 against 208-268 MiB of XLA training temp for all
-# chunks at once at T = 4096, 4 heads of 64 x 64, and faster on CPU).
+# The state-independent work of the chunked form runs on CPU in `_GROUPS` groups
+# of chunks (and the rest), whose temp memory is one group's; on an accelerator
+# all chunks in one batch (faster), up to `_ACCELERATOR_GROUP_BYTES` of a group's
+# float32 decay tensors. Both measured: docs/recurrent.md#matrix-state-cells.
 _GROUPS = 8
-# On an accelerator all chunks are one batch, up to this many bytes of a group's
-# float32 decay tensors: measured on a TPU v5e (T = 4096, 4 heads of 64 x 64,
-# C = 32), forward and backward took 2.15 ms in one batch (5.7x the sequential
-# scan, 56 MiB of temp) against 2.52 ms in 8 groups and 2.39 ms in 32.
 _ACCELERATOR_GROUP_BYTES = 256 * 2**20
 _SUB = 8  # sub-chunks of at least this many steps where the chunk allows
 
@@ -125,22 +121,24 @@ def _run(
     # promotion refuses between bfloat16 and float32).
     wide = any(x.dtype == jnp.float64 for x in (a, k, v, q, s0))
     work = jnp.float64 if wide else jnp.float32
-    xs = [x.astype(work) for x in (a, k, v, q)]
+    out_dtype = v.dtype
+    a, k, v, q = (x.astype(work) for x in (a, k, v, q))
     if reverse:
-        xs = [jnp.flip(x, 0) for x in xs]
+        a, k, v, q = (jnp.flip(x, 0) for x in (a, k, v, q))
     if a.shape[0] == 0:
         s_T, o = s0.astype(work), jnp.zeros(v.shape, work)
     elif method == "sequential":
-        s_T, o = _sequential(*xs, s0.astype(work))
+        s_T, o = _sequential(a, k, v, q, s0.astype(work))
     else:
-        s_T, o = _chunked(*xs, s0.astype(work), chunk_size)
+        s_T, o = _chunked(a, k, v, q, s0.astype(work), chunk_size)
     o = jnp.flip(o, 0) if reverse else o
-    return s_T.astype(s0.dtype), o.astype(v.dtype)
+    return s_T.astype(s0.dtype), o.astype(out_dtype)
 
 
 def _check(a: object, k: object, v: object, q: object, s0: object) -> None:
     arrays = {"a": a, "k": k, "v": v, "q": q, "s0": s0}
     hint = "\nHint: a, k, q are [T, H, dk], v is [T, H, dv], s0 is [H, dk, dv]"
+    shapes: dict[str, tuple[int, ...]] = {}
     for name, x in arrays.items():
         if not (
             isinstance(x, (jax.Array, np.ndarray))
@@ -151,11 +149,12 @@ def _check(a: object, k: object, v: object, q: object, s0: object) -> None:
                 f"matrix_scan's {name} must be a float array with 3 axes, got "
                 f"{describe(x)}.{hint}; batch with jax.vmap."
             )
-    T, H, dk = jnp.shape(a)
-    dv = jnp.shape(v)[2]
+        shapes[name] = x.shape
+    T, H, dk = shapes["a"]
+    dv = shapes["v"][2]
     expected = {"k": (T, H, dk), "q": (T, H, dk), "v": (T, H, dv), "s0": (H, dk, dv)}
     for name, shape in expected.items():
-        if jnp.shape(arrays[name]) != shape:
+        if shapes[name] != shape:
             raise ValueError(
                 f"matrix_scan's {name} has shape {describe(arrays[name])}, but a "
                 f"{describe(a)} and v {describe(v)} make it {list(shape)}.{hint} "

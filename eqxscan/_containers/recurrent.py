@@ -216,7 +216,7 @@ class Recurrent(Scanning):
         `os[t] = cell.output(S_t, x_t)` in place of the states.
         """
         run_ = controls("Recurrent", xs, options)
-        kwargs = check_cell_kwargs("Recurrent", cell_kwargs)
+        kwargs = check_cell_kwargs(cell_kwargs)
         check_known_cell(self.cell, h0, xs, run_.time_axis)
         xs = time_major(xs, run_.time_axis)
         xs_dyn, xs_static = eqx.partition(xs, eqx.is_array)
@@ -378,11 +378,9 @@ def _no_steps(
 
     with untapped():
         y = eqx.filter_eval_shape(traced, h0, one)
-    is_shape = lambda a: isinstance(a, jax.ShapeDtypeStruct)
+    empty = lambda a: jnp.zeros((0, *a.shape), a.dtype)
     return jtu.tree_map(
-        lambda a: jnp.zeros((0, *a.shape), a.dtype) if is_shape(a) else a,
-        y,
-        is_leaf=is_shape,
+        lambda a: empty(a) if isinstance(a, jax.ShapeDtypeStruct) else a, y
     )
 
 

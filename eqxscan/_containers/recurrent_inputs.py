@@ -91,9 +91,7 @@ def controls(who: str, xs: PyTree, options: Mapping[str, object]) -> Controls:
     )
 
 
-def check_cell_kwargs(
-    who: str, cell_kwargs: Mapping[str, PyTree] | None
-) -> dict[str, PyTree]:
+def check_cell_kwargs(cell_kwargs: Mapping[str, PyTree] | None) -> dict[str, PyTree]:
     if cell_kwargs is None:
         return {}
     if not isinstance(cell_kwargs, Mapping) or not all(
@@ -105,7 +103,7 @@ def check_cell_kwargs(
         )
     if "key" in cell_kwargs:
         raise TypeError(
-            f"cell_kwargs has 'key', but {who} hands the cell its key itself: pass "
+            "cell_kwargs has 'key', but Recurrent hands the cell its key itself: pass "
             "key=... to the call (split per step, or the same key at every step "
             "with broadcast_key=True)."
         )

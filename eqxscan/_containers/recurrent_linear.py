@@ -28,9 +28,8 @@ RecurrentMethod = Literal["auto", "sequential", "associative", "chunked"]
 Form = Literal["engine", "sequential", "associative", "chunked"]
 ChunkSize = int | Literal["auto"]
 
-# `chunk_size="auto"`: chunks of 64 steps, but 32 for a matrix state off CPU,
-# measured on a TPU v5e (T = 4096, 4 heads of 64 x 64, fwd+bwd): 2.15 ms in
-# chunks of 32 against 2.61 ms in chunks of 64 (the sequential scan: 12.2 ms).
+# `chunk_size="auto"`: 64 steps, but 32 for a matrix state off CPU (faster on a
+# TPU v5e, docs/recurrent.md#matrix-state-cells).
 AUTO_CHUNK = 64
 AUTO_MATRIX_CHUNK_ACCELERATOR = 32
 
@@ -94,7 +93,7 @@ def resolve_form(
     if kind == "matrix" and controls.truncate is not None:
         return "engine"  # the carry to cut at would be every step's state
     form = method
-    if method == "auto":
+    if form == "auto":
         leaves = jtu.tree_leaves(h0)
         if kind == "matrix" and leaves and jnp.ndim(leaves[0]) >= 2:
             size = int(np.prod(jnp.shape(leaves[0])[-2:]))  # one head's dk * dv

@@ -37,15 +37,14 @@ def check_float_dtype(dtype: DTypeLike | None) -> np.dtype:
     if dtype is None:
         return jax.dtypes.canonicalize_dtype(jnp.float64)
     try:
-        found = jnp.dtype(dtype)
+        if jnp.issubdtype(found := jnp.dtype(dtype), jnp.floating):
+            return found
     except TypeError:
-        found = None
-    if found is None or not jnp.issubdtype(found, jnp.floating):
-        raise TypeError(
-            f"dtype must be a floating dtype such as jnp.float32 or jnp.bfloat16, "
-            f"got {dtype!r}."
-        )
-    return found
+        pass
+    raise TypeError(
+        f"dtype must be a floating dtype such as jnp.float32 or jnp.bfloat16, "
+        f"got {dtype!r}."
+    )
 
 
 class MLPBlock(eqx.Module):
