@@ -229,20 +229,16 @@ class Recurrent(Scanning):
                 (args, kwargs), (keys, key), run_,
             )  # fmt: skip
             return h_T, time_layout(hs, run_.time_axis)
-        cell = self.cell
-        read = None  # a matrix state is read out at each step, not stacked
-        if isinstance(cell, MatrixLinearCell):
-            read = lambda state, x: cell.output(state, x, *args, **kwargs)
         # The cell runs as a layer whose carry comes first (`_cell_step`).
         call = LayerCall(
             args, kwargs, keys, method=_cell_step(), caller="Recurrent", over="time"
         )
         per_step, one_step = call.scanned()
-        name = type(cell).__name__
+        name = type(self.cell).__name__
         where_all = f"The cell {name} (one body for all {run_.length} time steps)"
         masked = where_all if self.mode == "scan" else f"The cell {name}"
         xs_in = (xs_static, _stand_in(xs_dyn, run_.mask))
-        step = _time_step(cell, call, one_step, xs_in, run_, key, masked, read)
+        step = _time_step(self.cell, call, one_step, xs_in, run_, key, masked)
         inputs = (xs_dyn, run_.mask, _block_starts(run_, self.reverse), per_step)
         if run_.length == 0:
             h_T, hs = h0, _no_steps(step, h0, inputs, where_all)
@@ -287,13 +283,15 @@ def _time_step(
     controls: Controls,
     key: PRNGKeyArray | None,
     where: str,
-    read: Callable[[PyTree, PyTree], PyTree] | None = None,
 ) -> Callable[[PyTree, tuple], tuple[PyTree, PyTree]]:
     """The engine's step `(h, (x_t, mask_t, block_start_t, per_t)) -> (h, y)`:
     truncation and masking around the cell, run through the layer-call seam.
     `xs_in` is `(xs_static, _stand_in(...))`; `where` names the cell in a masked
-    step's carry error. `y` is the new carry, or `read(new carry, x_t)`."""
+    step's carry error. `y` is the new carry, or a matrix state's read-out."""
     xs_static, stand_in = xs_in
+    read = None  # a matrix state is read out at each step, not stacked
+    if isinstance(cell, MatrixLinearCell):
+        read = lambda state, x: cell.output(state, x, *call.args, **call.kwargs)
 
     def step(h: PyTree, inputs: tuple) -> tuple[PyTree, PyTree]:
         x_dyn, m, cut, per = inputs

@@ -281,10 +281,6 @@ class StackedMLP(Scanning):
 
         `[..., D]`, same dtype.
         """
-        return self.blocks(self._checked(x, key), key=key)
-
-    def _checked(self, x: object, key: PRNGKeyArray | None) -> Array:
-        """`x` as an array, its width and dtype checked (and a key if needed)."""
         x = jnp.asarray(x)
         if isinstance(w1 := self.blocks.layers.w1, StandsForWeight):
             w1.stored_arrays()  # checks them: a cast model's dtype is not x's to fix
@@ -309,4 +305,4 @@ class StackedMLP(Scanning):
                 "`eqx.nn.inference_mode(model)`."
             )
         check_droppable(self.blocks.drop_rates, key, False, "StackedMLP")
-        return x
+        return self.blocks(x, key=key)
