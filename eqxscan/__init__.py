@@ -78,9 +78,12 @@ if _TYPE_CHECKING:
         find_nonfinite as find_nonfinite,
         NonFinite as NonFinite,
     )
-    from ._models.elman import ElmanCell as ElmanCell
-    from ._models.gla import GatedLinearAttention as GatedLinearAttention
-    from ._models.linear_rnn import LRU as LRU, MinGRU as MinGRU
+    from ._models.cells import (
+        ElmanCell as ElmanCell,
+        GatedLinearAttention as GatedLinearAttention,
+        LRU as LRU,
+        MinGRU as MinGRU,
+    )
     from ._models.mlp import MLPBlock as MLPBlock, StackedMLP as StackedMLP
     from .checkpoint._flax import from_flax_scan as from_flax_scan
     from .checkpoint._safetensors import (
@@ -126,10 +129,10 @@ _LENT = {
     "matrix_scan": "._containers.linear_matrix",
     "Orientation": "._containers.weight_targets",
     "Target": "._containers.weight_targets",
-    "ElmanCell": "._models.elman",
-    "GatedLinearAttention": "._models.gla",
-    "LRU": "._models.linear_rnn",
-    "MinGRU": "._models.linear_rnn",
+    "ElmanCell": "._models.cells",
+    "GatedLinearAttention": "._models.cells",
+    "LRU": "._models.cells",
+    "MinGRU": "._models.cells",
     "MLPBlock": "._models.mlp",
     "StackedMLP": "._models.mlp",
 }

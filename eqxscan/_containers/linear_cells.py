@@ -74,13 +74,8 @@ class DiagonalLinearCell(eqx.Module):
         The next carry.
         """
         a, b = self.gates(x_t, *args, **kwargs)
-        return _step(a, b, h)
-
-
-def _step(a: PyTree, b: PyTree, h: PyTree) -> PyTree:
-    return jtu.tree_map(
-        lambda a_, b_, h_: (a_.astype(h_.dtype) * h_ + b_).astype(h_.dtype), a, b, h
-    )
+        step = lambda a_, b_, h_: (a_.astype(h_.dtype) * h_ + b_).astype(h_.dtype)
+        return jtu.tree_map(step, a, b, h)
 
 
 class MatrixLinearCell(eqx.Module):

@@ -1,31 +1,16 @@
 """`matrix_scan`: the matrix-state linear recurrence of linear attention, gated
-linear attention (GLA) and Mamba-2's SSD, run step by step or in chunks.
+linear attention (GLA) and Mamba-2's SSD, step by step or in chunks.
 
-`S_t = a_t[:, :, None] * S_{t-1} + k_t[:, :, None] * v_t[:, None, :]` and
-`o_t = einsum("hk,hkv->hv", q_t, S_t)`, per head `h`, with a decay `a_t` in
-`(0, 1]` per head and key dimension.
-
-The chunked form (after Yang et al. 2023, "Gated Linear Attention Transformers
-with Hardware-Efficient Training", and Dao & Gu 2024's SSD) splits time into
-chunks of `C` steps. All that does not depend on the state carried between
-chunks is computed batched over chunks, as matrix products: the outputs from
-keys of the same chunk (`C x C` scores), the queries and keys scaled by their
-decays from the chunk's start and to its end, and each chunk's total decay and
-state update `sum_s k_out_s v_s^T`; in reverse mode it is rematerialised, in a
-few groups of chunks so that one group's decay tensors are held at a time.
-Only the chunk-state recurrence `S_{n+1} = decay_n[:, :, None] * S_n +
-update_n` is a scan, one elementwise line per chunk, and the chunks' queries
-meet their start states in one batched product (per-step latency, not the
-matrix products, bounds a scan with more work in each step on an accelerator).
-Every decay factor is `exp` of a sum of `log a_r` over the steps
-between two positions, so it lies in `[0, 1]` and never overflows, and each such
-sum is accumulated directly (never as a difference of two long prefix sums, whose
-rounding would be relative to the whole prefix rather than to the factor). To
-keep the within-chunk work in matrix products, a chunk is cut into sub-chunks of
-`c ~ sqrt(C)` steps: a query in sub-chunk `i` meets the keys of an earlier sub-chunk
-`j` through `q_t * exp(sum over (start_i, t])` times `k_s * exp(sum over (s,
-start_i])`, both factors in `[0, 1]`; only the `c x c` blocks on the diagonal
-form the decay tensor `exp(sum over (s, t])` elementwise.
+The chunked form (after Yang et al. 2023 and Dao & Gu 2024's SSD) computes all
+that does not depend on the state carried between chunks batched over chunks,
+as matrix products (rematerialised in reverse mode, a few groups of chunks at a
+time); only `S_{n+1} = decay_n * S_n + update_n` is a scan, one elementwise line
+per chunk (per-step latency, not the matrix products, bounds a scan on an
+accelerator). Every decay factor is `exp` of a sum of `log a_r` accumulated
+directly over the steps it covers (never a difference of two long prefix sums),
+so it lies in `[0, 1]`. A chunk is cut into sub-chunks of `c ~ sqrt(C)` steps:
+earlier sub-chunks meet through factored decays, and only the `c x c` diagonal
+blocks form the decay tensor `exp(sum over (s, t])` elementwise.
 """
 
 import functools
@@ -42,15 +27,11 @@ from .._helpers.checks import check_option, check_size, describe
 
 
 Method = Literal["sequential", "chunked"]
-# The state-independent work of the chunked form runs in this many groups of
-# chunks (and the rest): a scan of a few steps whatever `T`, whose temp memory
-# is one group's (measured 55 against 208-268 MiB of XLA training temp for all
-# chunks at once at T = 4096, 4 heads of 64 x 64, and faster on CPU).
+# The state-independent work of the chunked form runs on CPU in `_GROUPS` groups
+# of chunks (and the rest), whose temp memory is one group's; on an accelerator
+# all chunks in one batch (faster), up to `_ACCELERATOR_GROUP_BYTES` of a group's
+# float32 decay tensors. Both measured: docs/recurrent.md#matrix-state-cells.
 _GROUPS = 8
-# On an accelerator all chunks are one batch, up to this many bytes of a group's
-# float32 decay tensors: measured on a TPU v5e (T = 4096, 4 heads of 64 x 64,
-# C = 32), forward and backward took 2.15 ms in one batch (5.7x the sequential
-# scan, 56 MiB of temp) against 2.52 ms in 8 groups and 2.39 ms in 32.
 _ACCELERATOR_GROUP_BYTES = 256 * 2**20
 _SUB = 8  # sub-chunks of at least this many steps where the chunk allows
 
@@ -136,8 +117,8 @@ def _run(
     chunk_size: int,
     reverse: bool,
 ) -> tuple[Array, Array]:
-    # No dtype promotion (which strict promotion refuses between bfloat16 and
-    # float32): float64 if any input is, else float32.
+    # float64 if any input is, else float32: no promotion (which strict
+    # promotion refuses between bfloat16 and float32).
     wide = any(x.dtype == jnp.float64 for x in (a, k, v, q, s0))
     work = jnp.float64 if wide else jnp.float32
     out_dtype = v.dtype
@@ -150,14 +131,13 @@ def _run(
         s_T, o = _sequential(a, k, v, q, s0.astype(work))
     else:
         s_T, o = _chunked(a, k, v, q, s0.astype(work), chunk_size)
-    if reverse:
-        o = jnp.flip(o, 0)
+    o = jnp.flip(o, 0) if reverse else o
     return s_T.astype(s0.dtype), o.astype(out_dtype)
 
 
 def _check(a: object, k: object, v: object, q: object, s0: object) -> None:
-    """Shapes up front: one sequence, time on axis 0, heads on axis 1."""
     arrays = {"a": a, "k": k, "v": v, "q": q, "s0": s0}
+    hint = "\nHint: a, k, q are [T, H, dk], v is [T, H, dv], s0 is [H, dk, dv]"
     shapes: dict[str, tuple[int, ...]] = {}
     for name, x in arrays.items():
         if not (
@@ -167,8 +147,7 @@ def _check(a: object, k: object, v: object, q: object, s0: object) -> None:
         ):
             raise TypeError(
                 f"matrix_scan's {name} must be a float array with 3 axes, got "
-                f"{describe(x)}.\nHint: a, k, q are [T, H, dk], v is [T, H, dv], "
-                "s0 is [H, dk, dv]; batch with jax.vmap."
+                f"{describe(x)}.{hint}; batch with jax.vmap."
             )
         shapes[name] = x.shape
     T, H, dk = shapes["a"]
@@ -178,9 +157,8 @@ def _check(a: object, k: object, v: object, q: object, s0: object) -> None:
         if shapes[name] != shape:
             raise ValueError(
                 f"matrix_scan's {name} has shape {describe(arrays[name])}, but a "
-                f"{describe(a)} and v {describe(v)} make it {list(shape)}.\nHint: "
-                "a, k, q are [T, H, dk], v is [T, H, dv], s0 is [H, dk, dv] (time "
-                "on axis 0)."
+                f"{describe(a)} and v {describe(v)} make it {list(shape)}.{hint} "
+                "(time on axis 0)."
             )
 
 
@@ -195,27 +173,16 @@ def _sequential(
     return jax.lax.scan(step, s0, (a, k, v, q))
 
 
-def _sub_size(chunk: int) -> int:
-    """The sub-chunk length `c`: the largest divisor of `chunk` up to
-    `max(8, sqrt(chunk))`. The diagonal blocks cost `c` per step and the
-    factored pairs `chunk / c`, each times `dk` (in memory and elementwise work),
-    so `c ~ sqrt(chunk)` balances them (8 for 32, 64 and 128)."""
-    bound = max(_SUB, math.isqrt(chunk))
-    return max(d for d in range(1, min(chunk, bound) + 1) if chunk % d == 0)
-
-
-def _log_decay(a: Array) -> Array:
-    # Clamped so that a decay of 0 gives a finite log (sums stay finite, and
-    # masked entries never meet `inf - inf`).
-    return jnp.log(jnp.maximum(a, jnp.finfo(a.dtype).tiny))
-
-
 def _chunked(
     a: Array, k: Array, v: Array, q: Array, s0: Array, chunk: int
 ) -> tuple[Array, Array]:
-    T, H, _ = k.shape
-    chunk = min(chunk, T)  # no chunk longer than the sequence
-    c = _sub_size(chunk)
+    T, H, dk = k.shape
+    chunk = min(chunk, T)
+    # Sub-chunks of `c`, the largest divisor of `chunk` up to `max(8,
+    # sqrt(chunk))`: the diagonal blocks cost `c` per step and the factored
+    # pairs `chunk / c`, so `c ~ sqrt(chunk)` balances them.
+    bound = min(chunk, max(_SUB, math.isqrt(chunk)))
+    c = max(d for d in range(1, bound + 1) if chunk % d == 0)
     n = chunk // c
     pad = -T % chunk
     if pad:  # steps that change nothing: a = 1, k = v = q = 0
@@ -224,17 +191,14 @@ def _chunked(
         k, v, q = (jnp.pad(x, widths) for x in (k, v, q))
     N = (T + pad) // chunk
     split = lambda x: x.reshape(N, n, c, H, x.shape[-1])
-    xs = (split(_log_decay(a)), split(k), split(v), split(q))
-    # All that does not depend on the carried state, batched over many chunks
-    # (a scan with this work inside every chunk's step would be bound by
-    # per-step latency on an accelerator), in a few groups of chunks, each
-    # rematerialised: reverse mode keeps the inputs, and the `[N, n, n, c, H,
+    # Clamped so that a decay of 0 gives a finite log (no `inf - inf`).
+    la = jnp.log(jnp.maximum(a, jnp.finfo(a.dtype).tiny))
+    xs = (split(la), split(k), split(v), split(q))
+    # Rematerialised: reverse mode keeps the inputs, and the `[N, n, n, c, H,
     # dk]` decay tensors of one group at a time.
     local = jax.checkpoint(_chunk_local, prevent_cse=False)
-    group = _group_size(N, n, c, H, k.shape[-1])
-    o, q_in, decay, update = _in_groups(local, xs, group)
+    o, q_in, decay, update = _in_groups(local, xs, _group_size(N, n, c, H, dk))
 
-    # Only the chunk-state recurrence runs in order, one elementwise line a step.
     def step(s: Array, x: tuple[Array, Array]) -> tuple[Array, Array]:
         d, u = x
         return d[:, :, None] * s + u, s
@@ -245,10 +209,8 @@ def _chunked(
 
 
 def _group_size(N: int, n: int, c: int, H: int, dk: int) -> int:
-    """Chunks per group of the state-independent work: a few groups on CPU; on
-    an accelerator as many as keep one group's `[n, n, c, H, dk]` float32
-    decay tensors within `_ACCELERATOR_GROUP_BYTES` (all, at the sizes
-    measured)."""
+    """Chunks per group: `_GROUPS` groups on CPU; on an accelerator as many as
+    keep one group's float32 decay tensors within `_ACCELERATOR_GROUP_BYTES`."""
     if jax.default_backend() == "cpu":
         return -(-N // _GROUPS)
     per_chunk = n * n * c * H * dk * 4
@@ -258,10 +220,8 @@ def _group_size(N: int, n: int, c: int, H: int, dk: int) -> int:
 def _in_groups(
     fn: Callable[..., tuple[Array, ...]], xs: tuple[Array, ...], group: int
 ) -> tuple[Array, ...]:
-    """`fn(*xs)`, batched over the leading (chunk) axis of `xs`, computed
-    `group` chunks at a time (a scan over the groups, the rest in one call) so
-    that its temporaries, and in reverse mode its rematerialised ones, are
-    those of one group."""
+    """`fn(*xs)` over the leading (chunk) axis, `group` chunks at a time (a
+    `lax.map` over the groups, the rest in one call)."""
     N = xs[0].shape[0]
     whole = N // group * group
     if whole <= group:
@@ -278,32 +238,13 @@ def _in_groups(
 def _chunk_local(
     la: Array, k: Array, v: Array, q: Array
 ) -> tuple[Array, Array, Array, Array]:
-    """What chunks `la, k, v, q: [N, n, c, H, .]` contribute independently of
-    their start states `S_n`: `(o_intra, q_in, decay, update)`, such that a
-    chunk's outputs are `o_intra + q_in @ S_n` and its end state
-    `decay[:, :, None] * S_n + update`, where `q_in = q_t exp(sum over (start,
-    t])` `[N, C, H, dk]`, `decay = exp(sum over the chunk)` `[N, H, dk]` and
-    `update = sum_s (k_s exp(sum over (s, end])) v_s^T` `[N, H, dk, dv]`."""
+    """What chunks `la, k, v, q: [N, n, c, H, .]` give independently of their
+    start states `S_n`: `(o_intra, q_in, decay, update)`, so that a chunk's
+    outputs are `o_intra + q_in @ S_n` and its end state `decay * S_n + update`."""
     N, n, c, H, dk = k.shape
-    sums = _decay_sums(la)
-    head, tail, before, after = sums
-    q_in = (q * jnp.exp(head + before[:, :, None])).reshape(N, n * c, H, dk)
-    k_out = (k * jnp.exp(tail + after[:, :, None])).reshape(N, n * c, H, dk)
-    decay = jnp.exp(jnp.sum(head[:, :, -1], axis=1))  # [N, H, dk]
-    update = jnp.einsum("Nshk,Nshv->Nhkv", k_out, v.reshape(N, n * c, H, -1))
-    return _intra_chunk(la, k, v, q, sums), q_in, decay, update
-
-
-def _decay_sums(la: Array) -> tuple[Array, Array, Array, Array]:
-    """Sums of log-decays, each accumulated directly over the steps it covers
-    (all terms <= 0, so no cancellation), from `la: [N, n, c, H, dk]`:
-
-    - `head[N, i, t]`: over `(start_i, t]`, sub-chunk `i`'s start to step `t`;
-    - `tail[N, j, s]`: over `(s, end_j]`, after step `s` to its sub-chunk's end;
-    - `before[N, i]`: over the sub-chunks before `i` in the chunk;
-    - `after[N, j]`: over the sub-chunks after `j` in the chunk.
-    """
-    n = la.shape[1]
+    # Log-decay sums, each over the steps it covers (all terms <= 0): `head`
+    # over (sub-chunk start, t], `tail` over (s, sub-chunk end], `before` and
+    # `after` over the sub-chunks before and after one in its chunk.
     head = jnp.cumsum(la, axis=2)
     rev = jnp.flip(jnp.cumsum(jnp.flip(la, 2), axis=2), 2)  # over [s, end]
     tail = jnp.concatenate([rev[:, :, 1:], jnp.zeros_like(rev[:, :, :1])], axis=2)
@@ -312,54 +253,48 @@ def _decay_sums(la: Array) -> tuple[Array, Array, Array, Array]:
     earlier = idx[None, :] < idx[:, None]  # [i, m]: m < i
     before = _sum_over(earlier, "im,Nmhk->Nihk", total)
     after = _sum_over(earlier.T, "im,Nmhk->Nihk", total)
-    return head, tail, before, after
+    q_in = (q * jnp.exp(head + before[:, :, None])).reshape(N, n * c, H, dk)
+    k_out = (k * jnp.exp(tail + after[:, :, None])).reshape(N, n * c, H, dk)
+    decay = jnp.exp(jnp.sum(total, axis=1))  # [N, H, dk]
+    update = jnp.einsum("Nshk,Nshv->Nhkv", k_out, v.reshape(N, n * c, H, -1))
+    return _intra_chunk(la, k, v, q, head, tail), q_in, decay, update
 
 
 def _intra_chunk(
-    la: Array, k: Array, v: Array, q: Array, sums: tuple[Array, Array, Array, Array]
+    la: Array, k: Array, v: Array, q: Array, head: Array, tail: Array
 ) -> Array:
-    """The outputs from the keys of the same chunk, `[N, C, H, dv]`, as matrix
-    products: earlier sub-chunks through factored decays, the diagonal blocks
-    through their decay tensor."""
+    """The outputs from keys of the same chunk, `[N, C, H, dv]`: earlier
+    sub-chunks through factored decays, the diagonal blocks through their
+    decay tensor."""
     N, n, c, H, dk = k.shape
-    head, tail, _, _ = sums
     idx = jnp.arange(n)
     # between[N, i, j]: over the sub-chunks strictly between j and i (j < i).
     strictly = (idx[None, :, None] < idx[None, None, :]) & (
         idx[None, None, :] < idx[:, None, None]
     )  # [i, j, m]: j < m < i
-    total = head[:, :, -1]
-    between = _sum_over(strictly, "ijm,Nmhk->Nijhk", total)
+    between = _sum_over(strictly, "ijm,Nmhk->Nijhk", head[:, :, -1])
     later = (idx[:, None] > idx[None, :]).astype(la.dtype)  # [i, j]: j < i
     # For j >= i `between` is an empty sum, so the masked entries are finite.
     expo = between[:, :, :, None] + tail[:, None]  # [N, i, j, s, H, dk]
     k_off = k[:, None] * jnp.exp(expo) * later[None, :, :, None, None, None]
-    q_off = q * jnp.exp(head)
-    scores = jnp.einsum("Nithk,Nijshk->Nhitjs", q_off, k_off)
-    scores = scores + jnp.einsum(
-        "ij,Nhits->Nhitjs", jnp.eye(n, dtype=la.dtype), _diagonal_scores(la, k, q)
-    )
-    scores = scores.reshape(N, H, n * c, n * c)
-    return jnp.einsum("Nhts,Nshv->Nthv", scores, v.reshape(N, n * c, H, -1))
-
-
-def _diagonal_scores(la: Array, k: Array, q: Array) -> Array:
-    """`sum_k q_t k_s exp(sum over (s, t])` for `s <= t` in the same sub-chunk,
-    `[N, H, n, c, c]`, each sum over `(s, t]` accumulated directly (the segment
-    sums of Mamba-2's reference code)."""
-    c = la.shape[2]
+    scores = jnp.einsum("Nithk,Nijshk->Nhitjs", q * jnp.exp(head), k_off)
+    # The diagonal blocks, `s <= t` in one sub-chunk: each sum over (s, t]
+    # accumulated directly (the segment sums of Mamba-2's reference code).
     t, s, r = (
         jnp.arange(c).reshape(shape) for shape in ((c, 1, 1), (1, c, 1), (1, 1, c))
     )
     seg = _sum_over((s < r) & (r <= t), "tsr,Nnrhk->Nntshk", la)
     causal = (t[:, :, 0] >= s[:, :, 0]).astype(la.dtype)  # [t, s]: s <= t
-    decay = jnp.exp(seg) * causal[None, None, :, :, None, None]  # seg = 0 where s > t
-    return jnp.einsum("Nithk,Nishk,Nitshk->Nhits", q, k, decay)
+    diag = jnp.exp(seg) * causal[None, None, :, :, None, None]
+    diag = jnp.einsum("Nithk,Nishk,Nitshk->Nhits", q, k, diag)
+    scores = scores + jnp.einsum("ij,Nhits->Nhitjs", jnp.eye(n, dtype=la.dtype), diag)
+    scores = scores.reshape(N, H, n * c, n * c)
+    return jnp.einsum("Nhts,Nshv->Nthv", scores, v.reshape(N, n * c, H, -1))
 
 
 def _sum_over(select: Array, spec: str, x: Array) -> Array:
-    """Sums of the log-decays `x` that the boolean `select` picks, as one
-    contraction with a 0/1 matrix: each a direct sum of the terms picked, at full
-    precision (a reduced-precision matmul would round the log-decays)."""
+    """Sums of the log-decays `x` that the boolean `select` picks, one
+    contraction with a 0/1 matrix at full precision (a reduced-precision matmul
+    would round the log-decays)."""
     weights = select.astype(x.dtype)
     return jnp.einsum(spec, weights, x, precision=jax.lax.Precision.HIGHEST)

@@ -1,7 +1,7 @@
 """`Recurrent` runs a cell over time; also `Bidirectional`."""
 
 from collections.abc import Callable, Mapping
-from typing import cast, Literal, Unpack
+from typing import Literal, Unpack
 
 import equinox as eqx
 import jax
@@ -26,12 +26,12 @@ from .._scan.layer_call import LayerCall, OneLayer, run_one
 from .._scan.layer_index import step_index_or_none
 from .._scan.options import OwnOptions, ScanArgs, Scanning, ScanOptions
 from .._scan.taps import emitted, in_cell, untapped
-from .linear_cells import DiagonalLinearCell, MatrixLinearCell
+from .linear_cells import MatrixLinearCell
 from .recurrent_inputs import (
+    block_starts as _block_starts,
     check_cell_kwargs,
     check_known_cell,
     check_names,
-    consumption_order as _consumption_order,
     Controls,
     controls,
     RecurrentArgs,
@@ -40,13 +40,7 @@ from .recurrent_inputs import (
     time_major,
     where as _where,
 )
-from .recurrent_linear import (
-    check_method,
-    linear_kind,
-    RecurrentMethod,
-    resolve_form,
-    run_parallel,
-)
+from .recurrent_linear import check_method, RecurrentMethod, resolve_form, run_parallel
 
 
 class Recurrent(Scanning):
@@ -222,16 +216,19 @@ class Recurrent(Scanning):
         `os[t] = cell.output(S_t, x_t)` in place of the states.
         """
         run_ = controls("Recurrent", xs, options)
-        kwargs = check_cell_kwargs("Recurrent", cell_kwargs)
+        kwargs = check_cell_kwargs(cell_kwargs)
         check_known_cell(self.cell, h0, xs, run_.time_axis)
         xs = time_major(xs, run_.time_axis)
         xs_dyn, xs_static = eqx.partition(xs, eqx.is_array)
         keys = _step_keys(self.cell, key, run_, type(self).__name__)
         refuse_buffer(args, kwargs, "Recurrent")
-        parallel = self._parallel(h0, xs, (args, kwargs), (keys, key), run_)
-        if parallel is not None:  # a linear recurrence, its gates all at once
-            return parallel
-        read = _read_out(self.cell, args, kwargs)
+        form = resolve_form(self.method, self.cell, self.options, run_, h0)
+        if form != "engine":  # a linear recurrence, its gates all at once
+            h_T, hs = run_parallel(
+                self.cell, form, self.chunk_size, self.reverse, h0, xs,
+                (args, kwargs), (keys, key), run_,
+            )  # fmt: skip
+            return h_T, time_layout(hs, run_.time_axis)
         # The cell runs as a layer whose carry comes first (`_cell_step`).
         call = LayerCall(
             args, kwargs, keys, method=_cell_step(), caller="Recurrent", over="time"
@@ -241,8 +238,8 @@ class Recurrent(Scanning):
         where_all = f"The cell {name} (one body for all {run_.length} time steps)"
         masked = where_all if self.mode == "scan" else f"The cell {name}"
         xs_in = (xs_static, _stand_in(xs_dyn, run_.mask))
-        step = _time_step(self.cell, call, one_step, xs_in, run_, key, masked, read)
-        inputs = (xs_dyn, run_.mask, _consumption_order(run_, self.reverse), per_step)
+        step = _time_step(self.cell, call, one_step, xs_in, run_, key, masked)
+        inputs = (xs_dyn, run_.mask, _block_starts(run_, self.reverse), per_step)
         if run_.length == 0:
             h_T, hs = h0, _no_steps(step, h0, inputs, where_all)
         else:
@@ -258,27 +255,6 @@ class Recurrent(Scanning):
                 ),
                 over="time",
             )
-        return h_T, time_layout(hs, run_.time_axis)
-
-    def _parallel(
-        self,
-        h0: PyTree,
-        xs: PyTree,
-        call: tuple[tuple[PyTree, ...], dict[str, PyTree]],
-        keys: tuple[Array | None, PRNGKeyArray | None],
-        run_: Controls,
-    ) -> tuple[PyTree, PyTree] | None:
-        """`(h_T, hs)` of a linear recurrence run in a parallel form (or
-        sequentially over gates computed at once); `None` where the engine runs
-        the cell step by step. `keys` is `(per-step keys, key)`."""
-        form = resolve_form(self.method, linear_kind(self.cell), self.options, run_, h0)
-        if form == "engine" or run_.length == 0:
-            return None
-        same = keys[1] if run_.broadcast_key else None
-        h_T, hs = run_parallel(
-            cast(DiagonalLinearCell | MatrixLinearCell, self.cell), form,
-            self.chunk_size, self.reverse, h0, xs, call, (keys[0], same), run_,
-        )  # fmt: skip
         return h_T, time_layout(hs, run_.time_axis)
 
 
@@ -307,23 +283,19 @@ def _time_step(
     controls: Controls,
     key: PRNGKeyArray | None,
     where: str,
-    read: Callable[[PyTree, PyTree], PyTree] | None = None,
 ) -> Callable[[PyTree, tuple], tuple[PyTree, PyTree]]:
-    """The engine's step `(h, (x_t, mask_t, position_t, per_step_t)) -> (h, y)`:
+    """The engine's step `(h, (x_t, mask_t, block_start_t, per_t)) -> (h, y)`:
     truncation and masking around the cell, run through the layer-call seam.
     `xs_in` is `(xs_static, _stand_in(...))`; `where` names the cell in a masked
-    step's carry error. `y` is the new carry, or `read(new carry, x_t)`."""
-    k = controls.truncate
+    step's carry error. `y` is the new carry, or a matrix state's read-out."""
     xs_static, stand_in = xs_in
+    read = None  # a matrix state is read out at each step, not stacked
+    if isinstance(cell, MatrixLinearCell):
+        read = lambda state, x: cell.output(state, x, *call.args, **call.kwargs)
 
     def step(h: PyTree, inputs: tuple) -> tuple[PyTree, PyTree]:
-        x_dyn, m, n, per = inputs
-        if n is not None and k is not None:
-            # Entering a new block: let values through, not gradients. A
-            # masked step passes the carry on, so it never starts a block.
-            cut = (n > 0) & (n % k == 0)
-            if m is not None:
-                cut = cut & m
+        x_dyn, m, cut, per = inputs
+        if cut is not None:  # a new block: let values through, not gradients
             stopped = jtu.tree_map(
                 lambda a: jax.lax.stop_gradient(a) if eqx.is_array(a) else a, h
             )
@@ -344,16 +316,6 @@ def _time_step(
     return step
 
 
-def _read_out(
-    cell: Callable[..., PyTree], args: tuple[PyTree, ...], kwargs: Mapping[str, PyTree]
-) -> Callable[[PyTree, PyTree], PyTree] | None:
-    """`(S_t, x_t) -> o_t` for a matrix state, read out at each step rather than
-    stacked; `None` for other cells, whose carries are stacked."""
-    if not isinstance(cell, MatrixLinearCell):
-        return None
-    return lambda state, x: cell.output(state, x, *args, **kwargs)
-
-
 def _cell_step(
     keep: Bool[Array, ""] | None = None, where: str = ""
 ) -> Callable[..., PyTree]:
@@ -370,8 +332,8 @@ def _cell_step(
         key: PRNGKeyArray | None = None,
         **kwargs: PyTree,
     ) -> PyTree:
-        carry = jtu.tree_structure(h)  # before the call, which may invalidate `h`
-        # The cell may invalidate `h` (an `eqx.nn.State`).
+        # Before the call, which may invalidate `h` (an `eqx.nn.State`).
+        carry = jtu.tree_structure(h)
         old = None if keep is None else clone(h)
         with in_cell():
             keyed = {} if key is None else {"key": key}
@@ -414,11 +376,9 @@ def _no_steps(
 
     with untapped():
         y = eqx.filter_eval_shape(traced, h0, one)
-    is_shape = lambda a: isinstance(a, jax.ShapeDtypeStruct)
+    empty = lambda a: jnp.zeros((0, *a.shape), a.dtype)
     return jtu.tree_map(
-        lambda a: jnp.zeros((0, *a.shape), a.dtype) if is_shape(a) else a,
-        y,
-        is_leaf=is_shape,
+        lambda a: empty(a) if isinstance(a, jax.ShapeDtypeStruct) else a, y
     )
 
 

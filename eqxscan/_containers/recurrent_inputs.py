@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jaxtyping import Array, ArrayLike, Bool, Int, PyTree
+from jaxtyping import Array, ArrayLike, Bool, PyTree
 
 from .._helpers.checks import check_option, check_size, describe, docs, is_array
 
@@ -91,9 +91,7 @@ def controls(who: str, xs: PyTree, options: Mapping[str, object]) -> Controls:
     )
 
 
-def check_cell_kwargs(
-    who: str, cell_kwargs: Mapping[str, PyTree] | None
-) -> dict[str, PyTree]:
+def check_cell_kwargs(cell_kwargs: Mapping[str, PyTree] | None) -> dict[str, PyTree]:
     if cell_kwargs is None:
         return {}
     if not isinstance(cell_kwargs, Mapping) or not all(
@@ -105,7 +103,7 @@ def check_cell_kwargs(
         )
     if "key" in cell_kwargs:
         raise TypeError(
-            f"cell_kwargs has 'key', but {who} hands the cell its key itself: pass "
+            "cell_kwargs has 'key', but Recurrent hands the cell its key itself: pass "
             "key=... to the call (split per step, or the same key at every step "
             "with broadcast_key=True)."
         )
@@ -203,55 +201,43 @@ def _check_mask(mask: object, length: int) -> Bool[Array, " T"]:
 def check_known_cell(
     cell: Callable[..., PyTree], h0: PyTree, xs: PyTree, time_axis: int
 ) -> None:
-    """For the cells whose shapes are known (`eqx.nn.GRUCell`, `eqx.nn.LSTMCell`,
-    `ElmanCell`), check `h0` and `xs` (as given, time on `time_axis`) up front:
-    a batched or mis-sized input otherwise fails deep inside the cell with a
-    bare `dot_general` error."""
-    # Exact types: a subclass may well take other shapes. Other cells declare
-    # `known_shapes = True` (a class variable) when `input_size` and
-    # `hidden_size` say what one step takes, as `eqxscan.ElmanCell` does.
+    """Check `h0` and `xs` (time on `time_axis`) up front against a cell whose
+    shapes are known, which a batched or mis-sized input otherwise fails deep
+    inside with a bare `dot_general` error: exactly `eqx.nn.GRUCell` or
+    `eqx.nn.LSTMCell` (a subclass may take other shapes), or a class declaring
+    `known_shapes = True` for its `input_size` and `hidden_size`."""
     known = type(cell) in (eqx.nn.GRUCell, eqx.nn.LSTMCell)
     if not (known or vars(type(cell)).get("known_shapes") is True):
         return
     sizes: Any = cell  # it has `input_size` and `hidden_size`, checked above
-    name = (
-        f"{type(cell).__name__}(input_size={sizes.input_size}, "
-        f"hidden_size={sizes.hidden_size})"
-    )
+    n, hidden = sizes.input_size, (sizes.hidden_size,)
+    name = f"{type(cell).__name__}(input_size={n}, hidden_size={hidden[0]})"
     batch_hint = (
         " Recurrent runs one sequence; for a batch, map over it: "
         "`jax.vmap(rnn)(h0, xs)`."
     )
-    hidden = (sizes.hidden_size,)
+    pair = isinstance(h0, (tuple, list))
     if type(cell) is eqx.nn.LSTMCell:
-        ok = (
-            isinstance(h0, (tuple, list))
-            and len(h0) == 2
-            and all(is_array(a) and a.shape == hidden for a in h0)
-        )
+        shaped = pair and len(h0) == 2 and all(is_array(a) for a in h0)
+        ok = shaped and all(a.shape == hidden for a in h0)
         expected = f"a pair (h, c) of arrays of shape {hidden}"
     else:
         ok = is_array(h0) and h0.shape == hidden
         expected = f"an array of shape {hidden}"
     if not ok:
-        got = (
-            "(" + ", ".join(describe(a) for a in h0) + ")"
-            if isinstance(h0, (tuple, list))
-            else describe(h0)
-        )
+        got = "(" + ", ".join(map(describe, h0)) + ")" if pair else describe(h0)
         raise ValueError(
             f"h0 is {got}, but {name} takes a carry that is {expected}." + batch_hint
         )
     step = list(xs.shape) if is_array(xs) else []
     if step:
         del step[time_axis]  # an axis of `xs`, checked by `controls`
-    if not (is_array(xs) and step == [sizes.input_size]):
-        want = [str(sizes.input_size)]
+    if step != [n]:
+        want = [str(n)]
         want.insert(time_axis if time_axis >= 0 else 2 + time_axis, "T")
         raise ValueError(
-            f"xs is {describe(xs)}, but {name} takes one input of shape "
-            f"({sizes.input_size},) per step, so xs must have shape "
-            f"({', '.join(want)})." + batch_hint
+            f"xs is {describe(xs)}, but {name} takes one input of shape ({n},) "
+            f"per step, so xs must have shape ({', '.join(want)})." + batch_hint
         )
 
 
@@ -262,16 +248,19 @@ def where(cond: Bool[Array, ""], new: PyTree, old: PyTree) -> PyTree:
     )
 
 
-def consumption_order(controls: Controls, reverse: bool) -> Int[Array, " T"] | None:
-    """How many steps were consumed before each step, for truncation's blocks.
-    A masked step is skipped, not consumed: padding moves no block boundary."""
+def block_starts(controls: Controls, reverse: bool) -> Bool[Array, " T"] | None:
+    """The steps where a block of `truncate` consumed steps begins (`None`
+    without truncation). A masked step is skipped, not consumed: padding moves
+    no block boundary, and never starts a block."""
     if controls.truncate is None:
         return None
     mask = controls.mask
     kept = jnp.ones(controls.length, bool) if mask is None else mask
     kept = kept.astype(jnp.int32)[:: -1 if reverse else 1]  # in consumption order
     before = jnp.cumsum(kept) - kept
-    return before[::-1] if reverse else before
+    before = before[::-1] if reverse else before
+    cut = (before > 0) & (before % controls.truncate == 0)
+    return cut if mask is None else cut & mask
 
 
 def stand_in(xs_dyn: PyTree, mask: Bool[Array, " T"] | None) -> PyTree:

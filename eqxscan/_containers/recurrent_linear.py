@@ -18,30 +18,18 @@ from .._scan.options import ScanOptions
 from .._scan.taps import tapping
 from .linear_cells import DiagonalLinearCell, MatrixLinearCell
 from .linear_diag import choose_method, diagonal_scan
-from .recurrent_inputs import consumption_order, Controls, stand_in, where
+from .linear_matrix import matrix_scan
+from .recurrent_inputs import block_starts, Controls, stand_in, where
 
 
 RecurrentMethod = Literal["auto", "sequential", "associative", "chunked"]
-Kind = Literal["diagonal", "matrix"]
 # "engine": the cell step by step through the scan engine (`Recurrent`'s
 # ordinary path); the others name the parallel path's form.
 Form = Literal["engine", "sequential", "associative", "chunked"]
-
-
-def linear_kind(cell: object) -> Kind | None:
-    if isinstance(cell, DiagonalLinearCell):
-        return "diagonal"
-    if isinstance(cell, MatrixLinearCell):
-        return "matrix"
-    return None
-
-
 ChunkSize = int | Literal["auto"]
-"""A `Recurrent`'s `chunk_size`: a number of steps, or `"auto"` (`chunk_for`)."""
 
-# `chunk_size="auto"`: chunks of 64 steps, but 32 for a matrix state off CPU,
-# measured on a TPU v5e (T = 4096, 4 heads of 64 x 64, fwd+bwd): 2.15 ms in
-# chunks of 32 against 2.61 ms in chunks of 64 (the sequential scan: 12.2 ms).
+# `chunk_size="auto"`: 64 steps, but 32 for a matrix state off CPU (faster on a
+# TPU v5e, docs/recurrent.md#matrix-state-cells).
 AUTO_CHUNK = 64
 AUTO_MATRIX_CHUNK_ACCELERATOR = 32
 
@@ -56,12 +44,18 @@ def chunk_for(chunk_size: ChunkSize, matrix: bool) -> int:
     return AUTO_CHUNK
 
 
+def _kind(cell: object) -> Literal["diagonal", "matrix"] | None:
+    if isinstance(cell, DiagonalLinearCell):
+        return "diagonal"
+    return "matrix" if isinstance(cell, MatrixLinearCell) else None
+
+
 def check_method(cell: object, method: object, chunk_size: object) -> ChunkSize:
     """Check `method=` and `chunk_size=` of a `Recurrent` against its cell;
     returns `chunk_size` as an int or `"auto"`."""
     check_option("method", method, ("auto", "sequential", "associative", "chunked"))
     size = "auto" if chunk_size == "auto" else check_size("chunk_size", chunk_size)
-    kind = linear_kind(cell)
+    kind = _kind(cell)
     if method in ("associative", "chunked") and kind is None:
         raise ValueError(
             f"method={method!r} needs a cell whose recurrence is linear, an "
@@ -81,40 +75,36 @@ def check_method(cell: object, method: object, chunk_size: object) -> ChunkSize:
 
 def resolve_form(
     method: RecurrentMethod,
-    kind: Kind | None,
+    cell: object,
     options: ScanOptions,
     controls: Controls,
     h0: PyTree,
 ) -> Form:
-    """The form one run takes. Other cells run in the engine; so do linear
-    ones under `eqxscan.tap` (whose records are the engine's steps), where
-    `mode="loop"` or an explicit `remat` asks for what only the engine does
-    (unless a parallel method is named), and a matrix state's sequential form
-    (whose outputs the engine reads out step by step)."""
-    if kind is None or tapping():
-        return "engine"  # taps and probes record each step of the engine
+    """The form one run takes: the engine for other cells and no steps; under
+    `eqxscan.tap` (whose records are the engine's steps); where `mode="loop"` or
+    an explicit `remat` asks for it (unless a parallel method is named); and for
+    a matrix state truncated or sequential (the engine reads out each step)."""
+    kind = _kind(cell)
+    if kind is None or tapping() or controls.length == 0:
+        return "engine"
     engine_asked = options.mode == "loop" or options.remat != "auto"
     if method in ("sequential", "auto") and engine_asked:
         return "engine"
     if kind == "matrix" and controls.truncate is not None:
         return "engine"  # the carry to cut at would be every step's state
-    if method == "auto":
-        # A matrix state's cost per chunk goes with one head's `dk * dv`.
+    form = method
+    if form == "auto":
         leaves = jtu.tree_leaves(h0)
         if kind == "matrix" and leaves and jnp.ndim(leaves[0]) >= 2:
-            size = int(np.prod(jnp.shape(leaves[0])[-2:]))
+            size = int(np.prod(jnp.shape(leaves[0])[-2:]))  # one head's dk * dv
         else:
             size = sum(jnp.size(a) for a in leaves)
         form = choose_method(jax.default_backend(), controls.length, size, kind)
-    else:
-        form = method
-    if kind == "matrix" and form == "sequential":
-        return "engine"
-    return form
+    return "engine" if kind == "matrix" and form == "sequential" else form
 
 
 def run_parallel(
-    cell: DiagonalLinearCell | MatrixLinearCell,
+    cell: Callable[..., PyTree],
     form: Literal["sequential", "associative", "chunked"],
     chunk_size: ChunkSize,
     reverse: bool,
@@ -125,25 +115,24 @@ def run_parallel(
     controls: Controls,
 ) -> tuple[PyTree, PyTree]:
     """`(h_T, hs)` (for a matrix state `(S_T, os)`), time on axis 0 of `xs`.
-    `call` is the cell's `(args, kwargs)`; `keys` is `(per-step keys, one key
-    for every step)`, either or both `None`."""
-    gates = _all_gates(cell, xs, call, keys, controls.mask)
-    m = controls.mask
-    chunk_size = chunk_for(chunk_size, isinstance(cell, MatrixLinearCell))
-    if isinstance(cell, MatrixLinearCell):
+    `call` is the cell's `(args, kwargs)`; `keys` is `(per-step keys, key)`: a
+    step without a key of its own gets `key` (`None`, or the same every step)."""
+    assert isinstance(cell, DiagonalLinearCell | MatrixLinearCell)
+    gates = list(_all_gates(cell, xs, call, keys, controls.mask))
+    if isinstance(cell, DiagonalLinearCell):
+        _check_gates(cell, gates[0], gates[1], h0)
+    if controls.mask is not None:  # a skipped step: a = 1 and b (or k) = 0
+        gates[0] = _where_t(controls.mask, gates[0], 1)
+        gates[1] = _where_t(controls.mask, gates[1], 0)
+    c = chunk_for(chunk_size, isinstance(cell, MatrixLinearCell))
+    if isinstance(cell, MatrixLinearCell):  # chunked (the engine runs it in steps)
         a, k, v, q = gates
-        if m is not None:  # a skipped step leaves the state alone
-            a = jnp.where(m[:, None, None], a, jnp.ones_like(a))
-            k = jnp.where(m[:, None, None], k, jnp.zeros_like(k))
-        return _matrix(a, k, v, q, h0, form, chunk_size, reverse)
-    a, b = gates
-    _check_gates(cell, a, b, h0)
-    a, b = (jtu.tree_map(lambda x, h: x.astype(h.dtype), g, h0) for g in (a, b))
-    if m is not None:
-        a = _where_t(m, a, jtu.tree_map(jnp.ones_like, a))
-        b = _where_t(m, b, jtu.tree_map(jnp.zeros_like, b))
+        return matrix_scan(
+            a, k, v, q, h0, method="chunked", chunk_size=c, reverse=reverse
+        )
+    a, b = (jtu.tree_map(lambda x, h: x.astype(h.dtype), g, h0) for g in gates)
     scan = lambda a_, b_: diagonal_scan(
-        a_, b_, h0, method=form, chunk_size=chunk_size, reverse=reverse
+        a_, b_, h0, method=form, chunk_size=c, reverse=reverse
     )
     if controls.truncate is not None:
         a, b = _truncated(a, b, h0, scan, controls, reverse)
@@ -174,31 +163,29 @@ def _all_gates(
     return jax.vmap(gates)(xs_dyn, per_step)
 
 
-def _where_t(m: Bool[Array, " T"], new: PyTree, old: PyTree) -> PyTree:
-    def one(x: Array, y: Array) -> Array:
-        return jnp.where(m.reshape(-1, *([1] * (x.ndim - 1))), x, y)
-
-    return jtu.tree_map(one, new, old)
+def _where_t(m: Bool[Array, " T"], new: PyTree, fill: int) -> PyTree:
+    """`new` at the steps where `m` holds (time on axis 0), else `fill`."""
+    col = lambda x: m.reshape(-1, *([1] * (x.ndim - 1)))
+    return jtu.tree_map(lambda x: jnp.where(col(x), x, fill), new)
 
 
 def _check_gates(cell: object, a: PyTree, b: PyTree, h0: PyTree) -> None:
-    """`a` and `b` stacked over time have the carry's structure and shapes."""
     name = type(cell).__name__
     tree = jtu.tree_structure(h0)
+    hint = "\nHint: gates(x_t) returns (a_t, b_t), each shaped like the carry"
     for what, g in (("a", a), ("b", b)):
         if jtu.tree_structure(g) != tree:
             raise ValueError(
                 f"{name}.gates returned {what} with structure "
                 f"{jtu.tree_structure(g)}, but the carry h0 has structure {tree}."
-                "\nHint: gates(x_t) returns (a_t, b_t), each shaped like the carry."
+                f"{hint}."
             )
         for (path, x), h in zip(jtu.tree_leaves_with_path(g), jtu.tree_leaves(h0)):
             if x.shape[1:] != jnp.shape(h):
                 raise ValueError(
                     f"{name}.gates returned {what}{jtu.keystr(path)} of shape "
                     f"{x.shape[1:]} per step, but the carry h0{jtu.keystr(path)} is "
-                    f"{describe(h)}.\nHint: gates(x_t) returns (a_t, b_t), each "
-                    "shaped like the carry (for a batch, map over it with jax.vmap)."
+                    f"{describe(h)}.{hint} (for a batch, map over it with jax.vmap)."
                 )
 
 
@@ -213,11 +200,8 @@ def _truncated(
     """`(a, b)` with the gradient through the carry stopped where a block of
     `truncate` consumed steps begins: there `a_t * h_{t-1}` becomes a constant
     of `b_t` (its value from a first, gradient-free pass) and `a_t` zero."""
-    before = consumption_order(controls, reverse)
-    assert before is not None and controls.truncate is not None
-    cut = (before > 0) & (before % controls.truncate == 0)
-    if controls.mask is not None:
-        cut = cut & controls.mask
+    cut = block_starts(controls, reverse)
+    assert cut is not None
     _, hs = scan(*jax.lax.stop_gradient((a, b)))
 
     def previous(h: Array, h_0: Array) -> Array:
@@ -227,33 +211,5 @@ def _truncated(
         return jnp.concatenate([h_0[None], h[:-1]])
 
     prev = jax.lax.stop_gradient(jtu.tree_map(previous, hs, h0))
-    b = jtu.tree_map(lambda x, y, p: x + jnp.where(_col(cut, x), y * p, 0), b, a, prev)
-    a = _where_t(cut, jtu.tree_map(jnp.zeros_like, a), a)
-    return a, b
-
-
-def _col(m: Array, x: Array) -> Array:
-    return m.reshape(-1, *([1] * (x.ndim - 1)))
-
-
-def _matrix(
-    a: Array,
-    k: Array,
-    v: Array,
-    q: Array,
-    s0: Array,
-    form: Literal["sequential", "associative", "chunked"],
-    chunk_size: int,
-    reverse: bool,
-) -> tuple[Array, Array]:
-    try:
-        from .linear_matrix import matrix_scan  # pyright: ignore
-    except ImportError:
-        raise NotImplementedError(
-            "A MatrixLinearCell runs step by step in this version: pass "
-            "method='sequential'."
-        ) from None
-    assert form != "associative"  # refused by `check_method`
-    return matrix_scan(
-        a, k, v, q, s0, method=form, chunk_size=chunk_size, reverse=reverse
-    )
+    carried = _where_t(cut, jtu.tree_map(jnp.multiply, a, prev), 0)
+    return _where_t(~cut, a, 0), jtu.tree_map(jnp.add, b, carried)

@@ -21,18 +21,8 @@ from .._scan.options import OwnOptions, ScanArgs, Scanning, ScanOptions
 
 
 def rms_norm(scale: Array, x: Array, eps: float = 1e-6) -> Array:
-    """`x / rms(x) * scale`, reduced in float32 and returned in `x.dtype`.
-
-    **Arguments:**
-
-    - `scale`: `[D]`, broadcast against the leading axes of `x`.
-    - `x`: `[..., D]`; the RMS is taken over the last axis.
-    - `eps`: added to the mean square before the reciprocal square root.
-
-    **Returns:**
-
-    An array shaped like `x`, in `x.dtype`.
-    """
+    """`x / rms(x) * scale` over the last axis of `x`, reduced in float32 and
+    returned in `x.dtype`."""
     x32 = x.astype(jnp.float32)
     inv = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     # Explicit broadcast: works under `jax_numpy_rank_promotion="raise"` too;
@@ -41,17 +31,20 @@ def rms_norm(scale: Array, x: Array, eps: float = 1e-6) -> Array:
     return (x32 * inv).astype(x.dtype) * scale.astype(x.dtype)
 
 
-def check_float_dtype(dtype: DTypeLike) -> np.dtype:
+def check_float_dtype(dtype: DTypeLike | None) -> np.dtype:
+    """`dtype`, a floating one; `None`: float32 (float64 in JAX's 64-bit mode),
+    as for `eqx.nn` layers."""
+    if dtype is None:
+        return jax.dtypes.canonicalize_dtype(jnp.float64)
     try:
-        found = jnp.dtype(dtype)
+        if jnp.issubdtype(found := jnp.dtype(dtype), jnp.floating):
+            return found
     except TypeError:
-        found = None
-    if found is None or not jnp.issubdtype(found, jnp.floating):
-        raise TypeError(
-            f"dtype must be a floating dtype such as jnp.float32 or jnp.bfloat16, "
-            f"got {dtype!r}."
-        )
-    return found
+        pass
+    raise TypeError(
+        f"dtype must be a floating dtype such as jnp.float32 or jnp.bfloat16, "
+        f"got {dtype!r}."
+    )
 
 
 class MLPBlock(eqx.Module):
@@ -288,10 +281,6 @@ class StackedMLP(Scanning):
 
         `[..., D]`, same dtype.
         """
-        return self.blocks(self._checked(x, key), key=key)
-
-    def _checked(self, x: object, key: PRNGKeyArray | None) -> Array:
-        """`x` as an array, its width and dtype checked (and a key if needed)."""
         x = jnp.asarray(x)
         if isinstance(w1 := self.blocks.layers.w1, StandsForWeight):
             w1.stored_arrays()  # checks them: a cast model's dtype is not x's to fix
@@ -316,4 +305,4 @@ class StackedMLP(Scanning):
                 "`eqx.nn.inference_mode(model)`."
             )
         check_droppable(self.blocks.drop_rates, key, False, "StackedMLP")
-        return x
+        return self.blocks(x, key=key)
