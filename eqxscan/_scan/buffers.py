@@ -345,8 +345,11 @@ def call_writing(
     whole_of: dict[jcore.Var, list[int]] = {}  # a new slice made here -> its leaves
     for k, var in enumerate(jaxpr.outvars[: len(leaves)]):
         eqn = made.get(var) if isinstance(var, jcore.Var) else None
-        dus = eqn is not None and eqn.primitive is jax.lax.dynamic_update_slice_p
-        if dus and eqn.invars[0] is jaxpr.invars[k]:  # pyright: ignore[reportOptionalMemberAccess]  # `dus`: not None
+        if (
+            eqn is not None
+            and eqn.primitive is jax.lax.dynamic_update_slice_p
+            and eqn.invars[0] is jaxpr.invars[k]
+        ):
             rows_of[id(eqn)] = k
         elif eqn is not None:
             whole_of.setdefault(var, []).append(k)

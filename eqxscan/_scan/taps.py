@@ -203,8 +203,9 @@ def held() -> Iterator[list]:
     """The records made inside the block, kept from the enclosing scope: a
     `lax.switch` branch returns them (a record must not leave its trace), and
     `add` puts them in the scope after the switch."""
-    records: list = []  # empty unless tapped
-    with changed_call_state(scope=records):
+    now = call_state()
+    records: list = []
+    with changed_call_state(scope=records if now.tapping else now.scope):
         yield records
     records[:] = [r[:2] for r in records]  # arrays only, for the switch
 
@@ -221,9 +222,10 @@ def covering(length: int) -> Iterator[None]:
     """Around a call that may run only some of a model's `length` layers
     (`run_layers`): its records padded to one per layer, so that layers not run
     read zeros (as LayerDrop's skipped layers do)."""
-    outer, call = call_state().scope, call_state().call
-    records: list = []  # empty unless tapped
-    with changed_call_state(scope=records):
+    now = call_state()
+    records: list = []
+    outer, call = now.scope, now.call
+    with changed_call_state(scope=records if now.tapping else outer):
         yield
     if not records or outer is None:
         return
@@ -375,6 +377,7 @@ def tap_calls(
     """`tap`'s call of `model`, and per container call, in call order, its
     statistics and its layers' indices + 1 in the order they ran (a call in
     reverse: ascending) (`None` without `stat`)."""
+    # Records outside any container call are the model's (run_layers' too).
     outside = TapCall(getattr(model, "__name__", "outside"))
     records: list = []
     state = Tapping(stat, with_input, probe, emitted, [outside], records, trace_state())
