@@ -39,14 +39,10 @@ def layer_buffers(model: Stacked | Chain, make: MakeBuffer) -> PyTree:
     program, never assembled from copies.
     """
     if isinstance(model, Stacked):
-        return eqx.filter_jit(lambda m: _run(m, make, 0))(model)
+        return eqx.filter_jit(_run)(model, make, 0)
     if isinstance(model, Chain):
-
-        def build(chain: Chain) -> LayerBuffers:
-            groups = _groups(chain.groups, chain.layout, make, 0)
-            return LayerBuffers(groups, places(chain.groups, chain.layout))
-
-        return eqx.filter_jit(build)(model)
+        groups = eqx.filter_jit(_groups)(model.groups, model.layout, make, 0)
+        return LayerBuffers(groups, places(model.groups, model.layout))
     raise TypeError(
         "eqxscan.layer_buffers takes a Stacked or a Chain, got "
         f"{type(model).__name__}.\nPass the model whose layers the buffers belong to."

@@ -68,8 +68,8 @@ class NonFinite:
 
 
 def _param_counts(grads: PyTree) -> list[tuple[str, dict[str, Float[Array, " L"]]]]:
-    """Per outermost `Stacked` or `Chain` in `grads` (its class name beside),
-    per parameter path: the non-finite entries of each layer's gradient."""
+    # Per outermost `Stacked` or `Chain` (with its class name), per parameter
+    # path: the non-finite entries of each layer's gradient.
     out = []
     for container in _containers(grads):
         counts: dict[str, Array] = {}
@@ -99,9 +99,8 @@ def _count(
 
 
 def _shared_counts(grads: PyTree) -> dict[str, Array]:
-    """Per parameter of each `Recurrent`'s cell in `grads`: its non-finite
-    entries. The cell's weights are shared by every time step, so their
-    gradient (summed over the steps) names no step."""
+    # Per parameter of each `Recurrent`'s cell: its non-finite entries (shared
+    # by every time step, so they name no step).
     found = jtu.tree_leaves(grads, is_leaf=lambda x: isinstance(x, Recurrent))
     return {
         jtu.keystr(path): jnp.sum(~jnp.isfinite(leaf))
@@ -142,16 +141,14 @@ def _program(model: PyTree, loss_fn: Callable[..., Array], inputs: tuple) -> tup
 
 
 def _order(ids: object, reverse: bool) -> list[int]:
-    """The layers (or time steps) a call ran, in the order they ran, from the
-    indices + 1 its taps recorded in that order (0: not run); a call in
-    reverse recorded them ascending, and ran them descending."""
+    # The layers a call ran, in run order, from the indices + 1 its taps
+    # recorded (0: not run); a call in reverse recorded them ascending.
     ran = [int(i) - 1 for i in np.asarray(ids) if i > 0]
     return sorted(ran, reverse=True) if reverse else ran
 
 
 def _first(tree: PyTree, order: list[int]) -> tuple[int, str] | None:
-    """The first index of `order` with a count above zero in some leaf of
-    `tree` (`[L]` counts), and that leaf's path."""
+    # The first of `order` counted above zero in a leaf of `tree`, and its path.
     leaves = [
         (np.asarray(c), jtu.keystr(p)) for p, c in jtu.tree_leaves_with_path(tree)
     ]
@@ -197,8 +194,7 @@ def find_nonfinite(
     A [`eqxscan.NonFinite`][] report; `str(report)` is one line.
     """
     # The function first (as `jax.grad`'s) would call the model with the function.
-    swapped = inspect.isfunction(model) and issubclass(type(loss_fn), eqx.Module)
-    if swapped:
+    if inspect.isfunction(model) and issubclass(type(loss_fn), eqx.Module):
         got = f"got a function as model and a {type(loss_fn).__name__} as loss_fn"
     elif not callable(loss_fn):
         got = f"loss_fn must be callable, got {type(loss_fn).__name__}"
@@ -219,60 +215,43 @@ def find_nonfinite(
             "floating-point leaves to check.\nCheck that loss_fn calls a Stacked, "
             "Chain or Recurrent whose carry holds floats."
         )
-    report = _report(float(value), rows, params)
-    bad = [path for path, count in shared.items() if count > 0]
-    if report.where is None and bad:
-        # Every step's cotangent is finite, yet the cell's own gradient is not.
-        leaf = bad[0].lstrip(".")
-        message = (
-            f"The backward pass went non-finite in the cell's parameter {leaf}: "
-            "its gradient, summed over the time steps, holds NaN or inf while "
-            "every carry and cotangent is finite (no one time step is named)."
-        )
-        return dataclasses.replace(
-            report, found=True, where="backward", leaf=leaf, message=message
-        )
-    return report
-
-
-def _report(value: float, rows: list, params: list) -> NonFinite:
     several = len(rows) > 1
     pick = (lambda t: dict(t)) if several else (lambda t: t[0][1])  # noqa: E731
+    found = _found(float(value), rows, params, shared, several)
+    where, index, leaf, message, call = found or (None, None, None, _CLEAN, None)
     forward = pick([(c.name, f) for c, f, *_ in rows])
     backward = pick([(c.name, b) for c, _, b, *_ in rows])
+    call = call if several else None
+    args = (where, index, leaf, message, forward, backward, float(value), call)
+    return NonFinite(where is not None, *args)
 
-    def done(
-        where: Literal["forward", "backward", "loss"] | None,
-        index: int | None,
-        leaf: str | None,
-        message: str,
-        call: str | None = None,
-    ) -> NonFinite:
-        found = where is not None or not np.isfinite(value)
-        call = call if several else None
-        return NonFinite(
-            found, where, index, leaf, message, forward, backward, value, call
-        )
 
+_CLEAN = "No NaN or inf: loss, carries and gradients are finite."
+
+
+def _found(
+    value: float, rows: list, params: list, shared: dict, several: bool
+) -> tuple | None:
+    # `(where, index, leaf, message, call)` of the first non-finite value.
     def at(name: str, i: int) -> str:
         what = "time step" if name.startswith("Recurrent") else "layer"
         return f"{what} {i}" + (f" of {name}" if several else "")
 
     for call, fwd_counts, _, _, ids, _ in rows:
-        name, fwd = call.name, _first(fwd_counts, _order(ids, call.reverse))
+        fwd = _first(fwd_counts, _order(ids, call.reverse))
         if fwd is not None:
             i, path = fwd
             message = (
-                f"The forward pass went non-finite at {at(name, i)}: its output "
+                f"The forward pass went non-finite at {at(call.name, i)}: its output "
                 f"carry{path} holds NaN or inf (every earlier output is finite)."
             )
-            return done("forward", i, f"carry{path}", message, name)
+            return "forward", i, f"carry{path}", message, call.name
     if not np.isfinite(value):
         message = (
             f"Every layer's output is finite, but the loss is {value}: the part "
             "of loss_fn after the container made it."
         )
-        return done("loss", None, None, message)
+        return "loss", None, None, message, None
     # Each call's parameter counts: its container's, where `model` holds it,
     # else those of the next one of its class and length, in call order.
     left = [p for k, p in enumerate(params) if k not in {r[-1] for r in rows}]
@@ -293,13 +272,20 @@ def _report(value: float, rows: list, params: list) -> NonFinite:
         list(zip(rows, mine))
     ):
         at_i = functools.partial(at, call.name)
-        order = _order(ids, call.reverse)
-        found = _backward(bwd_counts, emitted, counts, order, at_i)
+        found = _backward(bwd_counts, emitted, counts, _order(ids, call.reverse), at_i)
         if found is not None:
-            return done(*found, call.name)
-    return done(
-        None, None, None, "No NaN or inf: loss, carries and gradients are finite."
-    )
+            return *found, call.name
+    bad = [path for path, count in shared.items() if count > 0]
+    if bad:
+        # Every step's cotangent is finite, yet the cell's own gradient is not.
+        leaf = bad[0].lstrip(".")
+        message = (
+            f"The backward pass went non-finite in the cell's parameter {leaf}: "
+            "its gradient, summed over the time steps, holds NaN or inf while "
+            "every carry and cotangent is finite (no one time step is named)."
+        )
+        return "backward", None, leaf, message, None
+    return None
 
 
 def _backward(

@@ -1,15 +1,11 @@
 """Per-layer buffers updated in place (KV caches, per-layer recurrent state).
 
-A buffer is stacked like the layers, but unlike a [`eqxscan.per_layer`][]
-argument the whole stacked buffer travels in the scan's carry: each step reads
-its layer's slice, and what the layer returns is written back (donated, the
-output aliases the input). Rows a layer writes with
-`jax.lax.dynamic_update_slice` (a decode step's new keys at `pos`), found in its
-traced program, are written alone; any other new slice whole; an unchanged one
-not at all. Inside an enclosing scan (a `Chain`'s pattern) a layer's buffer is a
-view: its group's stacked array and the indices the enclosing steps fixed
-(`prefix`), so that writes land in the one array at every level.
-"""
+Unlike a [`eqxscan.per_layer`][] argument, the whole stacked buffer travels in
+the scan's carry: each step reads its layer's slice and writes back what the
+layer returns (rows it writes with `dynamic_update_slice` alone, another new
+slice whole, an unchanged one not at all). Inside an enclosing scan a layer's
+buffer is a view: its group's stacked array and the indices the enclosing
+steps fixed (`prefix`), so that writes land in the one array at every level."""
 
 import warnings
 from collections.abc import Callable
@@ -168,7 +164,6 @@ def buffer(tree: PyTree, *, reads: Reads = "auto") -> Buffer:
 
     A marker wrapping `tree`.
     """
-
     marked = _marked(tree, (Buffer, PerLayer))
     if marked is not None:
         raise TypeError(
@@ -191,11 +186,10 @@ def buffer(tree: PyTree, *, reads: Reads = "auto") -> Buffer:
     return Buffer(tree, (), reads)
 
 
-# XLA:TPU stores an array in tiles of (8, 128) of its two minor axes; an array
-# whose last axis is not a multiple of 128 gets another layout (a cache
-# `[L, T, H, E]` with E = 64: `T` minor), and a scanned step then copies the
-# whole buffer into a row-major one and back. Measured on a TPU v5e: 1541 MiB
-# of temp and 3x the loop's step for 4 heads of 64; none with the heads merged.
+# XLA:TPU tiles an array's two minor axes by (8, 128); a last axis not a
+# multiple of 128 gets another layout (`[L, T, H, 64]`: `T` minor), and a
+# scanned step copies the whole buffer to row-major and back (on a v5e: 1541
+# MiB of temp, 3x the loop's step for 4 heads of 64; none with heads merged).
 _TPU_LANES = 128
 
 
@@ -236,11 +230,9 @@ def find_buffer(args: tuple, kwargs: dict[str, object]) -> int | str | None:
     # One inside another argument would reach each layer whole, unsliced.
     for where, a in (*enumerate(args), *kwargs.items()):
         if where != at and _marked(a, (Buffer,)) is not None:
-            arg = (
-                f"its argument {where + 1} after x"
-                if isinstance(where, int)
-                else repr(where)
-            )
+            arg = repr(where)
+            if isinstance(where, int):
+                arg = f"its argument {where + 1} after x"
             raise TypeError(
                 f"A call has an eqxscan.buffer inside {arg}.\nHint: pass the "
                 "buffer as an argument of its own; each layer gets its slice "
@@ -336,9 +328,8 @@ def call_writing(
 ) -> tuple[PyTree, PyTree]:
     """`(out, tree)`: `out` of `fn(old) -> (out, new)` on `view`'s slice `old`,
     and the stacked buffer with `new` written. `fn`'s jaxpr is evaluated
-    equation by equation: rows a `dynamic_update_slice` of `old` writes go
-    straight into the stacked buffer, and what the layer reads of its updated
-    slice is read back from there, so XLA updates the buffer in place."""
+    equation by equation, each write going straight into the stacked buffer and
+    read back from there, so that XLA updates the buffer in place."""
     old = view.read()
     leaves, treedef = jtu.tree_flatten(old)
 
@@ -376,10 +367,9 @@ def call_writing(
             env[eqn.outvars[0]] = _read(stacked[k], view.prefix, view.reads)
         else:
             env.update(zip(eqn.outvars, _bind(eqn, [value(v) for v in eqn.invars])))
-        # (Rows written into one leaf may also be returned as another's slice.)
+        # A new whole slice: written as soon as it is made, read back like rows.
         for v in eqn.outvars:
             for k in whole_of.get(v, ()):
-                # Written as soon as it is made, and read back like rows.
                 stacked[k] = _write(stacked[k], view.prefix, env[v])  # pyright: ignore[reportArgumentType]  # an array
             if v in whole_of:
                 env[v] = _read(stacked[whole_of[v][0]], view.prefix, view.reads)
@@ -388,8 +378,7 @@ def call_writing(
     for k, (var, new) in enumerate(zip(jaxpr.outvars, results[: len(leaves)])):
         if k in written or var is jaxpr.invars[k]:
             continue  # written above, or returned unchanged
-        # A new slice that no equation made (an input other than its own, a
-        # constant): written whole.
+        # A slice no equation made (another input, a constant): written whole.
         stacked[k] = _write(stacked[k], view.prefix, new)  # pyright: ignore[reportArgumentType]  # an array
     # What is left are `out`'s arrays: put them back in the whole output.
     full = [None] * len(leaves) + results[len(leaves) :]

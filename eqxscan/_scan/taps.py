@@ -1,14 +1,9 @@
-"""Taps: per-layer statistics of what flows between the layers, collected from
-the scanned call itself.
-
-While [`eqxscan.tap`][] runs, the layer-call seam hands every layer's output
-to `tapped`, which records `stat(output[, input])` in the current scope and
-adds the layer's slice of a [`eqxscan.Probe`][] through a `custom_vjp` whose
-backward returns the probe's statistic of the cotangent. The engine
-(`StepTaps`) returns each scan step's records as extra per-step outputs, so
-they leave nested scans stacked, and `tap` scatters them by layer index; each
-container call (`call_of`) tags its records, to get rows of its own.
-"""
+"""Taps: per-layer statistics of what flows between the layers, from the
+scanned call itself. `tapped` records `stat(output[, input])` of each layer in
+the current scope and attaches its slice of a [`eqxscan.Probe`][] (a
+`custom_vjp`); the engine (`StepTaps`) returns each step's records as extra
+per-step outputs, so they leave nested scans stacked; `tap` scatters them by
+layer index, per container call (`call_of`)."""
 
 import contextlib
 import functools
@@ -44,12 +39,10 @@ def tapping() -> bool:
     return call_state().tapping is not None
 
 
-@contextlib.contextmanager
-def inside_layer() -> Iterator[None]:
+def inside_layer() -> contextlib.AbstractContextManager[object]:
     """Set around a layer's call: containers inside it are not tapped, except
     in a `Recurrent`'s cell."""
-    with changed_call_state(paused=call_state().tapping, tapping=None):
-        yield
+    return changed_call_state(paused=call_state().tapping, tapping=None)
 
 
 def untapped() -> contextlib.AbstractContextManager[object]:
@@ -57,12 +50,10 @@ def untapped() -> contextlib.AbstractContextManager[object]:
     return changed_call_state(tapping=None)
 
 
-@contextlib.contextmanager
-def in_cell() -> Iterator[None]:
+def in_cell() -> contextlib.AbstractContextManager[object]:
     """Set around a `Recurrent`'s cell: containers it calls are tapped, with
     rows of their own per time step."""
-    with changed_call_state(tapping=call_state().paused):
-        yield
+    return changed_call_state(tapping=call_state().paused)
 
 
 @contextlib.contextmanager
@@ -155,14 +146,12 @@ class StepTaps:
         self.calls: list = []  # the records' calls, which are no scan outputs
 
     def open(self) -> tuple[int, list, dict[str, object]]:
-        """Before a step: the calls made so far, its records' list, and the
-        call state's fields for the step (its scope, one level deeper)."""
+        # The calls made so far, the step's records and its call state fields.
         records: list = []
         scope = {"scope": records, "depth": call_state().depth + 1}
         return len(self.state.calls), records, scope
 
     def close(self, y: PyTree, opened: int, records: list | None) -> PyTree:
-        """After a step: its `y` and its records' rows."""
         assert records is not None
         records = _in_order(records)
         if self.calls:  # a later step of `mode="loop"`: the same calls again
@@ -172,7 +161,6 @@ class StepTaps:
         return y, [r[:2] for r in records]
 
     def finish(self, ys: PyTree) -> PyTree:
-        """After the run: the `ys`, the stacked records added to the scope."""
         ys, records = ys
         self.outer.extend((*r, call) for r, call in zip(records, self.calls))
         return ys
@@ -190,9 +178,8 @@ def _in_order(records: list) -> list:
     # their place in the step, not in the order the layers ran.
     out: list = []
     for idx, s, call in records:
-        last = out[-1] if out else (None, None, None)
-        if last[2] is call and idx is not None and last[0] is not None:
-            (a, u), (b, v) = _rows(*last[:2]), _rows(idx, s)
+        if idx is not None and out and out[-1][2] is call and out[-1][0] is not None:
+            (a, u), (b, v) = _rows(*out[-1][:2]), _rows(idx, s)
             if _rows_like(u) == _rows_like(v):
                 joined = jtu.tree_map(lambda *r: jnp.concatenate(r), u, v)
                 out[-1] = (jnp.concatenate([a, b]), joined, call)
@@ -216,11 +203,9 @@ def held() -> Iterator[list]:
     """The records made inside the block, kept from the enclosing scope: a
     `lax.switch` branch returns them (a record must not leave its trace), and
     `add` puts them in the scope after the switch."""
+    now = call_state()
     records: list = []
-    if call_state().tapping is None or call_state().scope is None:
-        yield records
-        return
-    with changed_call_state(scope=records):
+    with changed_call_state(scope=records if now.tapping else now.scope):
         yield records
     records[:] = [r[:2] for r in records]  # arrays only, for the switch
 
@@ -238,14 +223,11 @@ def covering(length: int) -> Iterator[None]:
     (`run_layers`): its records padded to one per layer, so that layers not run
     read zeros (as LayerDrop's skipped layers do)."""
     now = call_state()
-    outer, call = now.scope, now.call
-    if now.tapping is None or outer is None:
-        yield
-        return
     records: list = []
-    with changed_call_state(scope=records):
+    outer, call = now.scope, now.call
+    with changed_call_state(scope=records if now.tapping else outer):
         yield
-    if not records:
+    if not records or outer is None:
         return
     outer.extend(records)
     count = _count(records)
@@ -277,11 +259,10 @@ def _takes_input(stat: Stat) -> bool:
     return required >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
 
 
-def _gather(records: list, depth: int, where: str) -> tuple[PyTree, Array]:
+def _gather(records: list, depth: int) -> tuple[PyTree, Array]:
     # The records (index + 1, stats), each with leading axes of the scans it
-    # came out of, as one `[L, ...]` pytree in layer order (after the `depth`
-    # axes of the scans around the call, a `Recurrent`'s time steps), and the
-    # indices + 1 in the order recorded (0: a layer not run).
+    # came out of, as one `[L, ...]` pytree in layer order after the `depth`
+    # axes around the call; and the indices + 1 as recorded (0: not run).
     ids, stats = [], []
     for idx, s, _ in records:
         if idx is not None:  # not a repeat count from `covering`
@@ -294,7 +275,7 @@ def _gather(records: list, depth: int, where: str) -> tuple[PyTree, Array]:
         joined = jtu.tree_map(lambda *a: jnp.concatenate(a, axis=depth), *stats)
     except ValueError as e:
         raise TypeError(
-            f"{where}: the statistic returned pytrees of different structures at "
+            "eqxscan.tap: the statistic returned pytrees of different structures at "
             f"different layers ({e}).\nReturn the same structure for every layer "
             "(e.g. one value per carry leaf, for carries that all look alike)."
         ) from None
@@ -396,8 +377,7 @@ def tap_calls(
     """`tap`'s call of `model`, and per container call, in call order, its
     statistics and its layers' indices + 1 in the order they ran (a call in
     reverse: ascending) (`None` without `stat`)."""
-    # Records made outside any container call are the model's (run_layers' are
-    # a call of its model).
+    # Records outside any container call are the model's (run_layers' too).
     outside = TapCall(getattr(model, "__name__", "outside"))
     records: list = []
     state = Tapping(stat, with_input, probe, emitted, [outside], records, trace_state())
@@ -416,7 +396,7 @@ def tap_calls(
             "Stacked, Chain or Recurrent.\nTap the container itself, e.g. "
             "`eqxscan.tap(model.blocks, stat)(x)` inside the model's forward."
         )
-    return out, [(c, *_gather(rs, c.depth, "eqxscan.tap")) for c, rs in calls]
+    return out, [(c, *_gather(rs, c.depth)) for c, rs in calls]
 
 
 def _run(*args: object) -> tuple[PyTree, PyTree]:
