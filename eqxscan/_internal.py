@@ -4,10 +4,6 @@ use; `tests/test_layout.py` fails on any other import of a core private module.
 A name here is kept stable for the subpackages, not for users."""
 
 from ._containers.chain.chain import Chain as Chain
-from ._containers.linear_cells import (
-    DiagonalLinearCell as DiagonalLinearCell,
-    MatrixLinearCell as MatrixLinearCell,
-)
 from ._containers.stack_calls import scan_layers as scan_layers
 from ._containers.stacked import (
     LayerNumbering as LayerNumbering,
@@ -39,11 +35,9 @@ from ._containers.weight_targets import (
     Target as Target,
 )
 from ._helpers.checks import (
-    check_bool as check_bool,
     check_callable as check_callable,
     check_index as check_index,
     check_like as check_like,
-    check_path as check_path,
     check_size as check_size,
     Checked as Checked,
     describe as describe,
@@ -88,18 +82,14 @@ from ._scan.drop_rates import (
     check_rate as check_rate,
     DropInputs as DropInputs,
     DropRates as DropRates,
-    Rates as Rates,
 )
-from ._scan.eager_compile import compiled_when_eager as compiled_when_eager
 from ._scan.layer_call import (
     index as index,
     LayerCall as LayerCall,
     write as write,
 )
 from ._scan.options import (
-    OwnOptions as OwnOptions,
     Remat as Remat,
-    ScanArgs as ScanArgs,
     Scanning as Scanning,
     ScanOptions as ScanOptions,
 )

@@ -234,7 +234,7 @@ class Recurrent(Scanning):
         read = _read_out(self.cell, args, kwargs)
         # The cell runs as a layer whose carry comes first (`_cell_step`).
         call = LayerCall(
-            args, kwargs, keys, method=_cell_step(), caller="Recurrent", over="time"
+            args, kwargs, keys, method=_cell_step(), caller="Recurrent", start=None
         )
         per_step, one_step = call.scanned()
         name = type(self.cell).__name__

@@ -40,7 +40,7 @@ from .._scan.layer_call import (
     LayerFn,
     run_one,
 )
-from .._scan.layer_index import step_index
+from .._scan.layer_index import step_index_or_none
 from .._scan.options import ScanOptions
 from .._scan.taps import untapped
 
@@ -65,8 +65,8 @@ class Stack(Protocol):
 def dropping_call(
     drop: DropRates | None, call: LayerCall, key: object, who: str
 ) -> LayerCall:
-    """`call` with its drop inputs when `drop` drops in it. A model with drop
-    rates may get a key for dropping alone: a layer taking no key gets none."""
+    """`call` with its drop inputs when `drop` drops in it; a layer taking no key
+    then gets none (the key may be for dropping alone)."""
     if drop is None:
         return call
     has_state = find_state(call.args, call.kwargs) is not None
@@ -85,10 +85,13 @@ def _where(cls_name: str, length: int, i: int | None) -> str:
 
 
 def scan_layers(stack: Stack, x: PyTree, call: LayerCall) -> tuple[PyTree, PyTree]:
-    """Fold `x` through the layers of `stack` as `call` says, one scan (or loop)
-    step per layer: `(final carry, ys)`, the `y`s stacked on axis 0 or `None`."""
+    """Fold `x` through the layers of `stack` as `call` says (its `per_layer`
+    arguments checked by the caller), one scan (or loop) step per layer:
+    `(final carry, ys)`, the `y`s stacked on axis 0 or `None`."""
     stack.check_layer_axis("call")
+    length, cls_name = stack.num_layers, type(stack.layers).__name__
     state_at = find_state(call.args, call.kwargs)
+    state = None
     if state_at is not None:
         if call.read_out is not carry_only:
             raise TypeError(
@@ -98,14 +101,9 @@ def scan_layers(stack: Stack, x: PyTree, call: LayerCall) -> tuple[PyTree, PyTre
         # Layer i gets its own slice of the state and returns its new state,
         # collected like a `y`, then written back into the whole state.
         state = get_arg(call.args, call.kwargs, state_at)
-        sub = layer_state(state, stack.layers, stack.num_layers, "This Stacked")
+        sub = layer_state(state, stack.layers, length, "This Stacked")
         args, kwargs = replace_arg(call.args, call.kwargs, state_at, PerLayer(sub))
-        sub_call = call._replace(args=args, kwargs=kwargs, read_out=state_pair)
-        x, new_sub = scan_layers(stack, x, sub_call)
-        return (x, updated(state, new_sub)), None
-    length = stack.num_layers
-    check_per_layer(call.args, call.kwargs, length)
-    cls_name = type(stack.layers).__name__
+        call = call._replace(args=args, kwargs=kwargs, read_out=state_pair)
     at = find_buffer(call.args, call.kwargs)
     view = None if at is None else view_of(call.args, call.kwargs, at)
     if view is not None:
@@ -131,16 +129,17 @@ def scan_layers(stack: Stack, x: PyTree, call: LayerCall) -> tuple[PyTree, PyTre
     def step(carry: PyTree, xs: tuple[PyTree, PyTree, PyTree]) -> tuple[PyTree, PyTree]:
         dyn, per, i = xs
         layer = eqx.combine(dyn, layer_static)
-        inputs = one(per)._replace(number=call.number_of(step_index()))
+        inputs = one(per)._replace(number=call.number_of(step_index_or_none()))
         if view is not None:
             assert at is not None
             carry, tree = carry
-            slot = view.of(tree).at(i)
-            args, kwargs = replace_arg(inputs.args, inputs.kwargs, at, slot)
+            args, kwargs = replace_arg(
+                inputs.args, inputs.kwargs, at, view.of(tree).at(i)
+            )
             inputs = inputs._replace(args=args, kwargs=kwargs)
         return run_one(layer, call, inputs, carry, f"the stacked layer {cls_name}")
 
-    return run(
+    x, ys = run(
         step,
         x if view is None else (x, view.tree),
         (layer_dyn, per_xs, steps),
@@ -153,6 +152,7 @@ def scan_layers(stack: Stack, x: PyTree, call: LayerCall) -> tuple[PyTree, PyTre
         gathered=sharding is not None or layers_may_be_sharded(layer_dyn),
         runs=runs,
     )
+    return (x, ys) if state is None else ((x, updated(state, ys)), None)
 
 
 def vmap_layers(stack: Stack, x: PyTree, call: LayerCall) -> PyTree:
@@ -165,12 +165,11 @@ def vmap_layers(stack: Stack, x: PyTree, call: LayerCall) -> PyTree:
             "the whole stack's state.\nHint: call the stack for stateful layers: "
             "`x, state = stack(x, state)`."
         )
-    length = stack.num_layers
+    length, cls_name = stack.num_layers, type(stack.layers).__name__
     check_per_layer(call.args, call.kwargs, length)
     refuse_buffer(call.args, call.kwargs, "Stacked.vmap")
     layer_dyn, layer_static = eqx.partition(stack.layers, eqx.is_array)
     per_xs, one = call.scanned()
-    cls_name = type(stack.layers).__name__
 
     def each(dyn: PyTree, per: PyTree, i: Index) -> PyTree:
         layer = eqx.combine(dyn, layer_static)

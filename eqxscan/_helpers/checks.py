@@ -35,10 +35,8 @@ P = ParamSpec("P")
 R = TypeVar("R")
 HintT = TypeVar("HintT")
 
-# A parameter typed `Checked[T]` is a `T` to static type checkers and `object`
-# at run time: the function checks it itself, so a bad value gets its clear
-# error (the option, the value, what is allowed) with or without a runtime type
-# checker (beartype under the tests) in front of it.
+# `Checked[T]`: a `T` to type checkers, `object` at run time, so the function's
+# own clear error comes first, with or without a runtime type checker.
 if TYPE_CHECKING:
     Checked: TypeAlias = Annotated[HintT, "checked by the function itself"]
 else:
@@ -49,19 +47,15 @@ else:
 
     Checked = _Checked()
 
-# As Equinox does: with JAX's traceback filtering on (the default), frames from
-# this package are hidden from tracebacks that pass through JAX, so an error
-# raised by a user's layer points at the user's code.
+# As Equinox does: JAX's filtered tracebacks hide this package's frames.
 traceback_util.register_exclusion(os.path.dirname(__file__))
 
-# The documentation site: messages link to its pages, which a user of the
-# installed package can read (mkdocs.yml's `site_url` is the same).
+# mkdocs.yml's `site_url`: messages link to its pages.
 DOCS_URL = "https://eqxscan.readthedocs.io/en/latest/"
 
 
 def docs(page: str) -> str:
-    """The site's URL of `page` ("debugging.md#anchor"), as mkdocs serves it:
-    `x.md` at `x/`, `index.md` at the root."""
+    """The site's URL of `page` ("debugging.md#anchor"), as mkdocs serves it."""
     path, _, anchor = page.partition("#")
     path = path.removesuffix(".md")
     path = "" if path == "index" else path.removesuffix("/index") + "/"
@@ -72,17 +66,15 @@ DEBUGGING_DOCS = f"see {docs('debugging.md')}"
 
 
 def noted(fn: Callable[P, R], where: str, *args: P.args, **kwargs: P.kwargs) -> R:
-    """`fn(*args, **kwargs)`; an exception it raises gets one note naming `where`
-    (e.g. "Layer 3 (Block)"), once per place."""
+    """`fn(*args, **kwargs)`, its errors noted as `noting` notes them."""
     __tracebackhide__ = True
     with noting(where, *args):
         return fn(*args, **kwargs)
 
 
 class noting:  # noqa: N801  # used as a function, in `with`
-    """Around code run on `args` (the carry first): an exception it raises gets
-    one note naming `where` (e.g. "Layer 3 (Block)"), once per place. A block,
-    not a call, so that a traceback through it shows no frame of its own."""
+    """Around code run on `args` (the carry first): an exception gets one note
+    naming `where` ("Layer 3 (Block)"). A block: no frame in a traceback."""
 
     def __init__(self, where: str, *args: object):
         self.where, self.args = where, args
@@ -107,8 +99,7 @@ class noting:  # noqa: N801  # used as a function, in `with`
                 "input's shape and dtype against what the layer expects (the "
                 f"error may also be in the layer itself); {DEBUGGING_DOCS}."
             ) from e
-        # `where` also starts sentences ("The cell GRUCell at ..."); mid-note it
-        # reads in lower case.
+        # `where` also starts sentences ("The cell ..."): lower case mid-note.
         if where.split(" ", 1)[0] in ("The", "Layer"):
             where = where[0].lower() + where[1:]
         note = f"(raised by {where}, run by eqxscan; {DEBUGGING_DOCS})"
@@ -124,8 +115,7 @@ def _raised_by_jax(e: BaseException) -> bool:
 
 
 def _input(args: tuple) -> str:
-    """The carry (first argument), each leaf described in its structure; `""`
-    for a module (a group of layers)."""
+    # The carry (first argument) described leaf by leaf; `""` for a module.
     is_module = lambda x: isinstance(x, eqx.Module)  # noqa: E731
     if not args or any(map(is_module, jtu.tree_leaves(args[0], is_leaf=is_module))):
         return ""
@@ -142,10 +132,10 @@ class _Shown(str):
 
 def describe(x: object) -> str:
     """`float32[8,16]` for arrays, `repr` (shortened) for anything else."""
+    # An array, or what stands for one (a jaxpr's value).
     if isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) or hasattr(
         x, "aval"
     ):
-        # An array, or what stands for one (a jaxpr's value).
         x = cast(jax.ShapeDtypeStruct, x)
         shape = ",".join(str(d) for d in x.shape)
         # PRNG keys have an extended dtype (`key<fry>`), which NumPy cannot read.
@@ -168,7 +158,6 @@ def is_arraylike(
 
 
 def check_like(who: str, like: object, example: str = "make_model, key") -> None:
-    """`like`, a model to load into, holds arrays (or their shapes and dtypes)."""
     if not any(is_arraylike(x) for x in jtu.tree_leaves(like)):
         raise TypeError(
             f"{who}: like must be a model of the saved layout, with arrays (or "
@@ -196,20 +185,13 @@ def first_difference(
     b: PyTree,
     leaf: Callable[[object, object, str], Found | None] = _exactly_equal,
 ) -> Found | None:
-    """The first place where two pytrees differ in structure, static data, shape or
-    dtype, as `(path, description of a, description of b)`; `None` if they agree.
+    """The first place where two pytrees differ in structure, static data (modules
+    walked field by field), shape or dtype, as `(path, description of a, of b)`;
+    `None` if they agree. Two non-array leaves are judged by `leaf(a, b, path)`."""
 
-    Modules are walked field by field (static fields included), so a differing
-    hyperparameter is reported by its attribute path. Two non-array leaves are
-    judged by `leaf(a, b, path)` (default: identical or equal).
-    """
-
-    # `b: Any`: past `type(a) is type(b)`, `b` has `a`'s type, which narrowing
-    # `a` does not carry over to `b`.
     def walk(a: object, b: Any, path: str) -> Found | None:
         if is_arraylike(a) or is_arraylike(b):
             if not (is_arraylike(a) and is_arraylike(b)):
-                # A module's repr spans lines and is cut short: its type says it.
                 kind = [
                     f"type {type(x).__name__}"
                     if isinstance(x, eqx.Module)
@@ -240,7 +222,7 @@ def first_difference(
         elif jtu.treedef_is_leaf(jtu.tree_structure(a)):
             return leaf(a, b, path)
         else:
-            # Some other registered pytree node: compare by flattening one level.
+            # Another registered pytree node: flattened one level.
             la, ta = jtu.tree_flatten(a, is_leaf=lambda x: x is not a)
             lb, tb = jtu.tree_flatten(b, is_leaf=lambda x: x is not b)
             if ta != tb:
@@ -264,9 +246,8 @@ def same_leaf(x: object, y: object) -> bool:
 
 
 class CarryError(TypeError):
-    """A step returned a carry unlike its input. `where` and `step` (`None` for a
-    scan's one body) name the step, `what` says what changed: a caller running
-    several groups can name the step anew."""
+    """A step returned a carry unlike its input: `what` changed, at `step` (`None`
+    for a scan's one body), so a caller can name the step anew."""
 
     def __init__(self, where: str, what: str, step: int | None = None):
         super().__init__(f"{where} {what}")
@@ -274,8 +255,7 @@ class CarryError(TypeError):
 
 
 def check_carry(old: PyTree, new: PyTree, where: str, step: int | None = None) -> None:
-    """Raise `CarryError` (a `TypeError`) unless `new` has the tree structure,
-    shapes and dtypes of `old`: the contract every scan step must keep."""
+    """Raise `CarryError` unless `new` has the structure, shapes and dtypes of `old`."""
     old_def, new_def = jtu.tree_structure(old), jtu.tree_structure(new)
     if old_def != new_def:
         diff = first_difference(old, new)
@@ -299,8 +279,7 @@ def check_carry(old: PyTree, new: PyTree, where: str, step: int | None = None) -
         hint = ""
         exact = lambda x: not jnp.issubdtype(x.dtype, jnp.inexact)
         if eqx.is_array(a) and eqx.is_array(b) and exact(a) and not exact(b):
-            # An integer initial carry (`jnp.zeros(n, int)`) into float layers:
-            # casting their result back to integers would be the wrong advice.
+            # An integer initial carry into float layers: start it in floats.
             hint = (
                 f" (the carry came in as {jnp.dtype(a.dtype).name}: start it in "
                 f"{jnp.dtype(b.dtype).name}, e.g. `jnp.zeros(..., "
@@ -324,21 +303,12 @@ def check_carry(old: PyTree, new: PyTree, where: str, step: int | None = None) -
 
 
 def misaligned(tree: PyTree, length: int) -> tuple[str, jax.Array] | None:
-    """The first array leaf of `tree` (its key path, and itself) whose leading
-    axis is not of `length`; a scalar has none."""
+    """The first array leaf of `tree` (key path, leaf) whose leading axis is not
+    `length` (a scalar has none)."""
     for path, leaf in jtu.tree_leaves_with_path(tree):
         if is_array(leaf) and (leaf.ndim == 0 or leaf.shape[0] != length):
             return jtu.keystr(path), leaf  # pyright: ignore[reportReturnType]
     return None
-
-
-def check_leading_axis(tree: PyTree, length: int, name: str, axis_name: str) -> None:
-    """Raise `ValueError` unless each array leaf of `tree` has leading axis `length`."""
-    if (bad := misaligned(tree, length)) is not None:
-        raise ValueError(
-            f"{name}{bad[0]} has shape {tuple(bad[1].shape)}, but its "
-            f"leading axis must be the {axis_name} axis of length {length}."
-        )
 
 
 def check_option(name: str, value: object, allowed: Sequence[object]) -> None:
@@ -365,9 +335,8 @@ def check_callable(name: str, value: object) -> Callable[..., Any]:
 
 
 def check_takes_key(fn: object, what: str, per: str) -> None:
-    """Raise `TypeError` unless `fn` takes `key=`: a clearer error than "unexpected
-    keyword argument 'key'". `what` was given the key (e.g. `"Stacked"`), `per`
-    says how it hands keys out (e.g. `"layer i gets key=keys[i]"`)."""
+    """Raise `TypeError` unless `fn` takes `key=`; `what` was given the key,
+    `per` says how it hands keys out ("layer i gets key=keys[i]")."""
     if not callable(fn):  # let the call say so
         return
     try:
@@ -400,8 +369,7 @@ def check_size(
     maximum: int | None = None,
     hint: str = "",
 ) -> int:
-    """`value` (anything `operator.index` accepts but `bool`) as an `int` in
-    `[minimum, maximum]`."""
+    """`value` (an index but not a `bool`) as an `int` in `[minimum, maximum]`."""
     try:
         if isinstance(value, bool) or not isinstance(value, SupportsIndex):
             raise TypeError
@@ -422,16 +390,15 @@ def check_size(
 
 
 def check_bool(name: str, value: object) -> bool:
-    """`value` if it is a `bool` (or a NumPy bool), else a `TypeError` naming
-    `name`: a string such as `"False"` would otherwise count as true."""
+    """`value` as a `bool` if it is one (a string `"False"` would count as true)."""
     if isinstance(value, (bool, np.bool_)):
         return bool(value)
     raise TypeError(f"{name} must be a bool, got {type(value).__name__} ({value!r}).")
 
 
 def check_index(index: object, length: int, who: str, hint: str) -> int:
-    """`index` in `range(length)` (negative counts from the end), or a clear
-    error (`hint`: what to do instead of a traced index)."""
+    """`index` in `range(length)` (negative from the end); `hint`: what to do
+    instead of a traced index."""
     if isinstance(index, jax.core.Tracer):
         raise TypeError(
             f"{who} got a traced index (e.g. a jit argument); indices must be "
@@ -454,7 +421,7 @@ def check_index(index: object, length: int, who: str, hint: str) -> int:
 
 def split_key(key: object, num: int, who: str) -> jax.Array:
     """`jax.random.split(key, num)` once `key` is one PRNG key (typed, or a raw
-    `uint32[2]`): anything else gets an error naming `who`, not JAX's own."""
+    `uint32[2]`), else an error naming `who`."""
     typed = False
     if isinstance(key, (jax.Array, np.ndarray)):
         typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
@@ -464,16 +431,4 @@ def split_key(key: object, num: int, who: str) -> jax.Array:
     raise TypeError(
         f"{who} needs `key` to be one JAX PRNG key, got {describe(key)}.\nHint: "
         f"pass {one}; eqxscan splits it into one per layer or step."
-    )
-
-
-def check_path(name: str, path: object) -> str:
-    """`os.fspath(path)`, or a `TypeError` naming `name` (e.g. `"save: path"`)
-    for anything that is not a path (`None`, a number, an array)."""
-    if isinstance(path, (str, os.PathLike)) and not isinstance(path, bytes):
-        return os.fspath(path)
-    raise TypeError(
-        f"{name} must be a path (a str or an os.PathLike such as pathlib.Path), "
-        f"got {type(path).__name__} ({describe(path)}).\nHint: pass the file or "
-        "directory name, e.g. 'checkpoints/model.safetensors'."
     )

@@ -1,33 +1,16 @@
-"""Which step of a scan, and which layer of a container, is being traced.
+"""Which step of a scan, and which layer of a container, is being traced: the
+engine sets each step's index around the step (a traced int32 under `lax.scan`,
+the loop's int with `mode="loop"`), and the layer-call seam the global index of
+the layer it calls, for [`eqxscan.layer_index`][]."""
 
-The engine sets each step's index around the step (`step_index`: a traced
-int32 under `lax.scan`, the loop's Python int with `mode="loop"`); a container
-turns it into the global index of the layer it runs, which the layer-call seam
-sets around the layer's call for [`eqxscan.layer_index`][].
-"""
-
-import contextlib
-
-from .call_state import call_state, changed_call_state
+from .call_state import call_state
 from .layer_io import Index
-
-
-def at_layer(i: Index | None) -> contextlib.AbstractContextManager[object]:
-    """Set around a layer's call: its global index (`None`: not known)."""
-    return changed_call_state(layer=i)
 
 
 def step_index_or_none() -> Index | None:
     """The index of the engine step being traced, or `None` outside one (the
     shape-only trace of a run of length 0)."""
     return call_state().step
-
-
-def step_index() -> Index:
-    """The index of the engine step being traced (set by the engine's `run`)."""
-    i = call_state().step
-    assert i is not None, "step_index() is read only inside an engine step"
-    return i
 
 
 def layer_index() -> Index:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import DTypeLike
 
-from .._internal import docs, Lazy as Lazy, listed as listed
+from .._internal import describe, docs, Lazy as Lazy, listed as listed
 
 
 try:
@@ -128,3 +128,15 @@ def fsync_dir(directory: str) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def check_path(name: str, path: object) -> str:
+    """`os.fspath(path)`, or a `TypeError` naming `name` (e.g. `"save: path"`)
+    for anything that is not a path (`None`, a number, an array)."""
+    if isinstance(path, (str, os.PathLike)) and not isinstance(path, bytes):
+        return os.fspath(path)
+    raise TypeError(
+        f"{name} must be a path (a str or an os.PathLike such as pathlib.Path), "
+        f"got {type(path).__name__} ({describe(path)}).\nHint: pass the file or "
+        "directory name, e.g. 'checkpoints/model.safetensors'."
+    )

@@ -21,7 +21,6 @@ import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from .._internal import (
-    check_path,
     check_size,
     docs,
     for_each,
@@ -33,7 +32,7 @@ from .._internal import (
     weak_like,
 )
 from ..sharding import MIN_SIZE, model_shardings, opt_state_shardings, shard
-from ._files import flatten, listed
+from ._files import check_path, flatten, listed
 
 
 DOCS = f"see {docs('multihost.md')}"
