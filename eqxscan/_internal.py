@@ -55,8 +55,6 @@ from ._helpers.constrain import (
     is_placeholder as is_placeholder,
 )
 from ._helpers.host import (
-    give_back_freed as give_back_freed,
-    host_empty as host_empty,
     Lazy as Lazy,
     placed_like as placed_like,
     weak_like as weak_like,

@@ -20,7 +20,6 @@ from jaxtyping import PyTree
 
 from .._internal import (
     describe,
-    host_empty,
     index,
     is_arraylike,
     is_placeholder,
@@ -33,7 +32,7 @@ from .._internal import (
     Stacked,
     walk,
 )
-from ._files import Lazy, listed, shape_dtype
+from ._files import host_empty, Lazy, listed, shape_dtype
 
 
 # A name is a tuple of parts: strings, and a `LayerNumbering` where a layer number
