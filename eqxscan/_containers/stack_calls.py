@@ -6,7 +6,6 @@ from typing import Any, Protocol, runtime_checkable
 
 import equinox as eqx
 import jax.numpy as jnp
-import jax.tree_util as jtu
 from jax.sharding import Sharding
 from jaxtyping import PyTree
 
@@ -29,7 +28,7 @@ from .._scan.buffers import (
     view_of,
 )
 from .._scan.drop_rates import check_droppable, DropRates
-from .._scan.engine import kept_once, run
+from .._scan.engine import run, stacked
 from .._scan.layer_call import (
     carry_only,
     check_per_layer,
@@ -185,9 +184,7 @@ def vmap_layers(stack: Stack, x: PyTree, call: LayerCall) -> PyTree:
             for i in range(length)
         ]
         # The arrays stacked, the rest kept once (as `filter_vmap` keeps it).
-        dyn, static = zip(*(eqx.partition(out, eqx.is_array) for out in outs))
-        rest = kept_once(static, lambda i: _where(cls_name, length, i))
-        return eqx.combine(jtu.tree_map(lambda *a: jnp.stack(a), *dyn), rest)
+        return stacked(outs, lambda i: _where(cls_name, length, i))
     where, steps = _where(cls_name, length, None), jnp.arange(length)
     return noted(eqx.filter_vmap(each), where, *inputs, steps)
 

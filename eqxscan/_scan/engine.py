@@ -72,35 +72,6 @@ def _closed(taps: StepTaps | None, y: PyTree, opened: Opened) -> PyTree:
     return y if taps is None else taps.close(y, *opened)
 
 
-def checked_step(
-    step: Step,
-    inputs: Callable[[PyTree], PyTree],
-    taps: StepTaps | None,
-    c_static: PyTree,
-    where: str,
-) -> tuple[Callable[[PyTree, PyTree], PyTree], list[tuple[PyTree, PyTree]]]:
-    """`step` as `make_jaxpr` traces it, on the carry's array leaves (the rest
-    `c_static`) and `(x_i, i)`, given `inputs(x_i)`, its carry checked and its
-    errors noted with `where`, returning array leaves only; and the list where
-    each call puts its outputs' other leaves."""
-    statics: list[tuple[PyTree, PyTree]] = []
-
-    def checked(c_dyn: PyTree, x_i: tuple[PyTree, Index]) -> PyTree:
-        x, i = x_i
-        c = eqx.combine(c_dyn, c_static)
-        old = clone(c)  # the step may invalidate `c` (an `eqx.nn.State`)
-        opened, scope = _opened(taps, i)
-        with noting(where, c, x_i), scope:
-            new, y = step(c, inputs(x))
-        y = _closed(taps, y, opened)
-        check_carry(old, new, where)
-        dyn, static = eqx.partition((new, y), eqx.is_array)
-        statics.append(static)
-        return dyn
-
-    return checked, statics
-
-
 def step_types(c_dyn: PyTree, xs: PyTree, length: int) -> tuple[PyTree, PyTree]:
     """The types `lax.scan` gives its body: the carry's as they are (weak types,
     shardings, varying manual axes included), the inputs' without axis 0."""
@@ -158,47 +129,51 @@ def run(
         parts = (step, inputs, taps)
         c, ys = _run_loop(parts, carry, xs, length, remat, reverse, where, runs)
         return c, ys if taps is None else taps.finish(ys)
-    xs = (xs, jnp.arange(length, dtype=jnp.int32))
-    # Traced once here (closed-over tracers become consts): one frame less.
+    # The step traced once, here (closed-over tracers become consts), on the
+    # carry's array leaves and `(x_i, i)`: one frame less in a traceback.
+    xs, name = (xs, jnp.arange(length, dtype=jnp.int32)), where(None)
     c_dyn, c_static = eqx.partition(carry, eqx.is_array)
-    checked, statics = checked_step(step, inputs, taps, c_static, where(None))
-    jaxpr, out_shape = jax.make_jaxpr(checked, return_shape=True)(
-        *step_types(c_dyn, xs, length)
-    )
+    statics: list[tuple[PyTree, PyTree]] = []  # each trace's other output leaves
+
+    def checked(c_dyn: PyTree, x_i: tuple[PyTree, Index]) -> PyTree:
+        x, i = x_i
+        c = eqx.combine(c_dyn, c_static)
+        old = clone(c)  # the step may invalidate `c` (an `eqx.nn.State`)
+        opened, scope = _opened(taps, i)
+        with noting(name, c, x_i), scope:
+            new, y = step(c, inputs(x))
+        y = _closed(taps, y, opened)
+        check_carry(old, new, name)
+        dyn, static = eqx.partition((new, y), eqx.is_array)
+        statics.append(static)
+        return dyn
+
+    types = step_types(c_dyn, xs, length)
+    jaxpr, out_shape = jax.make_jaxpr(checked, return_shape=True)(*types)
     n_carry = len(jtu.tree_leaves(c_dyn))
     traced = Traced(jaxpr, jtu.tree_structure(out_shape), statics[0][1], n_carry)
-    c, ys = _run_scan(
-        traced,
-        c_dyn,
-        c_static,
-        xs,
-        length,
-        options,
-        reverse,
-        where,
-        gathered,
-        over,
-        runs,
+    c_dyn, ys = _run_scan(
+        traced, c_dyn, xs, length, options, reverse, name, gathered, over, runs
     )
-    return c, ys if taps is None else taps.finish(ys)
+    return eqx.combine(c_dyn, c_static), ys if taps is None else taps.finish(ys)
 
 
 def _run_scan(
     traced: Traced,
     c_dyn: PyTree,
-    c_static: PyTree,
     xs: PyTree,
     length: int,
     options: ScanOptions,
     reverse: bool,
-    where: Callable[[int | None], str],
+    name: str,
     gathered: bool,
     over: Literal["layers", "time"],
     runs: Bool[Array, " L"] | None,
 ) -> tuple[PyTree, PyTree]:
+    # The carry's array leaves and the `ys` of the traced step run as asked.
     remat = options.scan_remat
     remat, unroll = resolve(
-        traced, (c_dyn, xs), length, remat, options.unroll, where(None), gathered, over
+        traced, (c_dyn, xs), length, remat, options.unroll, name, gathered, over
     )
     # Stacked float32 weights stay float32 on TPU inside a loop (`f32_pin.py`);
     # not FSDP's gathered layers, where a bfloat16 stack also halves what each
@@ -241,7 +216,7 @@ def _run_scan(
         else:
             fn = wrap_remat(scanned, remat, in_scan=True)
             c_dyn, ys = nested_scan(fn, c_dyn, xs, length, remat, unroll, reverse)
-    return eqx.combine(c_dyn, c_static), eqx.combine(ys, traced.y_static)
+    return c_dyn, eqx.combine(ys, traced.y_static)
 
 
 def named_inputs(options: ScanOptions) -> Callable[[PyTree], PyTree]:
@@ -305,18 +280,15 @@ def _run_loop(
         carry, ys[current] = new, clone(y)
     if length == 0 or all(y is None for y in ys):
         return carry, None
-    # The array leaves stacked, the others kept once (as `lax.scan` keeps the
-    # static part of its one traced body's output).
-    dyn, static = zip(*(eqx.partition(y, eqx.is_array) for y in ys))
-    stacked = jtu.tree_map(lambda *a: jnp.stack(a), *dyn)
-    return carry, eqx.combine(stacked, kept_once(static, where))
+    return carry, stacked(ys, where)
 
 
-def kept_once(outputs: Sequence[PyTree], where: Callable[[int], str]) -> PyTree:
-    """The non-array parts of every step's output (`outputs[i]`: step `i`'s) as
-    one traced body gives them: kept once. A number that differs from step to
-    step (e.g. `eqxscan.layer_index()`), which a scan would have traced, is
+def stacked(outputs: Sequence[PyTree], where: Callable[[int], str]) -> PyTree:
+    """Every step's output (`outputs[i]`: step `i`'s) as one traced body gives
+    them: the arrays stacked, the rest kept once. A number that differs from step
+    to step (e.g. `eqxscan.layer_index()`), which a scan would have traced, is
     stacked into an array; anything else must agree (`where(i)` names step `i`)."""
+    dyn, static = zip(*(eqx.partition(out, eqx.is_array) for out in outputs))
 
     def merge(path: tuple, *vs: object) -> object:
         if all(same_leaf(v, vs[0]) for v in vs):
@@ -331,4 +303,5 @@ def kept_once(outputs: Sequence[PyTree], where: Callable[[int], str]) -> PyTree:
             "(jnp.asarray) to have it stacked."
         )
 
-    return jtu.tree_map_with_path(merge, *outputs)
+    rest = jtu.tree_map_with_path(merge, *static)
+    return eqx.combine(jtu.tree_map(lambda *a: jnp.stack(a), *dyn), rest)
