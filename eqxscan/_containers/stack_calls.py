@@ -1,5 +1,5 @@
-"""How a [`eqxscan.Stacked`][] runs its layers through the layer-call seam: the
-scan of its calls, its `vmap`, and layer `i` on its own (subsets, early exit)."""
+"""How a `Stacked` runs its layers through the layer-call seam: scanned, vmapped,
+or layer `i` on its own."""
 
 import functools
 from typing import Any, Protocol, runtime_checkable
@@ -27,6 +27,7 @@ from .._scan.buffers import (
     refuse_buffer,
     view_of,
 )
+from .._scan.call_state import step_index_or_none
 from .._scan.drop_rates import check_droppable, DropRates
 from .._scan.engine import run, stacked
 from .._scan.layer_call import (
@@ -39,7 +40,6 @@ from .._scan.layer_call import (
     LayerFn,
     run_one,
 )
-from .._scan.layer_index import step_index_or_none
 from .._scan.options import ScanOptions
 from .._scan.taps import untapped
 
@@ -64,8 +64,7 @@ class Stack(Protocol):
 def dropping_call(
     drop: DropRates | None, call: LayerCall, key: object, who: str
 ) -> LayerCall:
-    """`call` with its drop inputs when `drop` drops in it; a layer taking no key
-    then gets none (the key may be for dropping alone)."""
+    """`call` with its drop inputs when `drop` drops in it."""
     if drop is None:
         return call
     has_state = find_state(call.args, call.kwargs) is not None
@@ -85,8 +84,7 @@ def _where(cls_name: str, length: int, i: int | None) -> str:
 
 def scan_layers(stack: Stack, x: PyTree, call: LayerCall) -> tuple[PyTree, PyTree]:
     """Fold `x` through the layers of `stack` as `call` says (its `per_layer`
-    arguments checked by the caller), one scan (or loop) step per layer:
-    `(final carry, ys)`, the `y`s stacked on axis 0 or `None`."""
+    arguments checked by the caller): `(final carry, ys)`."""
     stack.check_layer_axis("call")
     length, cls_name = stack.num_layers, type(stack.layers).__name__
     state_at = find_state(call.args, call.kwargs)
@@ -155,8 +153,7 @@ def scan_layers(stack: Stack, x: PyTree, call: LayerCall) -> tuple[PyTree, PyTre
 
 
 def vmap_layers(stack: Stack, x: PyTree, call: LayerCall) -> PyTree:
-    """Every layer of `stack` applied to the same `x` as `call` says, outputs
-    stacked on a new leading axis: one `vmap`, or a loop with `mode="loop"`."""
+    """Every layer of `stack` applied to `x` as `call` says, outputs stacked."""
     stack.check_layer_axis("vmap")
     if find_state(call.args, call.kwargs) is not None:
         raise TypeError(
@@ -203,6 +200,6 @@ def stack_layer_fn(stack: Stack, call: LayerCall, i: Index) -> LayerFn:
 
 
 def stack_steps(stack: Stack, call: LayerCall, start: int = 0) -> GroupSteps:
-    """The layers of `stack` as one group of a walk in order, from layer `start`."""
+    """The layers of `stack` as one group of a walk in order."""
     step = functools.partial(stack_layer_fn, stack, call)
     return GroupSteps(start, stack.num_layers, 1, step, type(stack.layers).__name__)

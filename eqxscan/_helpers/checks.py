@@ -13,7 +13,6 @@ from typing import (
     cast,
     Literal,
     ParamSpec,
-    SupportsIndex,
     TYPE_CHECKING,
     TypeAlias,
     TypeGuard,
@@ -176,14 +175,10 @@ def listed(items: list[str], sep: str = "; ") -> str:
 Found = tuple[str, str, str]
 
 
-def _exactly_equal(a: object, b: object, path: str) -> Found | None:
-    return None if same_leaf(a, b) else (path, describe(a), describe(b))
-
-
 def first_difference(
     a: PyTree,
     b: PyTree,
-    leaf: Callable[[object, object, str], Found | None] = _exactly_equal,
+    leaf: Callable[[object, object, str], Found | None] | None = None,
 ) -> Found | None:
     """The first place where two pytrees differ in structure, static data (modules
     walked field by field), shape or dtype, as `(path, description of a, of b)`;
@@ -220,7 +215,9 @@ def first_difference(
                 return path, ka, kb
             pairs = [(a[k], b[k], f"[{k!r}]") for k in a]
         elif jtu.treedef_is_leaf(jtu.tree_structure(a)):
-            return leaf(a, b, path)
+            if leaf is not None:
+                return leaf(a, b, path)
+            return None if same_leaf(a, b) else (path, describe(a), describe(b))
         else:
             # Another registered pytree node: flattened one level.
             la, ta = jtu.tree_flatten(a, is_leaf=lambda x: x is not a)
@@ -370,15 +367,12 @@ def check_size(
     hint: str = "",
 ) -> int:
     """`value` (an index but not a `bool`) as an `int` in `[minimum, maximum]`."""
-    try:
-        if isinstance(value, bool) or not isinstance(value, SupportsIndex):
-            raise TypeError
-        size = operator.index(value)
-    except TypeError:
+    size = None if isinstance(value, bool) else _index(value)
+    if size is None:
         raise TypeError(
             f"{name} must be an int (or a NumPy integer), got "
             f"{type(value).__name__} ({value!r})."
-        ) from None
+        )
     if size < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {size}.")
     if maximum is not None and size > maximum:
@@ -387,6 +381,13 @@ def check_size(
             + (f"\n{hint}" if hint else "")
         )
     return size
+
+
+def _index(value: object) -> int | None:
+    try:
+        return operator.index(value)  # pyright: ignore[reportArgumentType]  # any `__index__`
+    except TypeError:
+        return None
 
 
 def check_bool(name: str, value: object) -> bool:
@@ -404,14 +405,10 @@ def check_index(index: object, length: int, who: str, hint: str) -> int:
             f"{who} got a traced index (e.g. a jit argument); indices must be "
             f"concrete ints: {hint}"
         )
-    try:
-        if not isinstance(index, SupportsIndex):
-            raise TypeError
-        i = operator.index(index)
-    except TypeError:
+    if (i := _index(index)) is None:
         raise TypeError(
             f"{who} indices must be ints or slices, got {type(index).__name__}."
-        ) from None
+        )
     if not -length <= i < length:
         raise IndexError(
             f"Layer index {i} is out of range for a {who} with {length} layers."

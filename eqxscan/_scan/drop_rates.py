@@ -25,7 +25,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Key, PRNGKeyArray, PyTree, UInt32
 
 from .._helpers.checks import Checked, describe, docs
-from .layer_index import layer_index, step_index_or_none
+from .call_state import layer_index, step_index_or_none
 from .skip import same_types, skip_layer
 
 

@@ -5,7 +5,6 @@ and checks the carry contract while the step is traced. Outside the loop the
 step is traced once, to a closed jaxpr (`Traced`) that the `"auto"` rule
 measures and every scan form evaluates: a layer's Python runs once per trace."""
 
-import functools
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Literal
@@ -217,12 +216,6 @@ def _run_scan(
             fn = wrap_remat(scanned, remat, in_scan=True)
             c_dyn, ys = nested_scan(fn, c_dyn, xs, length, remat, unroll, reverse)
     return c_dyn, eqx.combine(ys, traced.y_static)
-
-
-def named_inputs(options: ScanOptions) -> Callable[[PyTree], PyTree]:
-    """How a step that reads its inputs itself (a layer gathered from the whole
-    stack by a traced index) names them as `run` names a scan's inputs."""
-    return functools.partial(name_inputs, remat=options.scan_remat)
 
 
 def _run_loop(

@@ -1,14 +1,7 @@
-"""The layer-call seam: how a container (`Stacked`, a `Chain`'s groups,
-`run_until`, `run_layers`, `sharding.pipeline`, a `Recurrent`'s cell) hands
-layer `i` what it is called with, and reads what it returns.
-
-A `LayerCall` describes a call of every layer: `at(i)` is layer `i`'s `OneLayer`
-(its `per_layer` slices, key and drop inputs), and `run_one` calls one layer
-(method, key, drop-path, LayerDrop, index, named scope, taps). A buffer that
-layers update ([`eqxscan.buffer`][]) travels in the carry: layer `i` gets a view
-of its slice, and `run_one` writes what it returned back into the one stacked
-buffer (`buffers.py`), returning `((carry, buffer), y)`.
-"""
+"""The layer-call seam, shared by every container: a `LayerCall` describes a
+call of every layer, `at(i)` is layer `i`'s `OneLayer` (its `per_layer` slices,
+key and drop inputs), and `run_one` calls one layer (method, key, drops, index,
+named scope, taps) and reads its output."""
 
 import functools
 from collections.abc import Callable, Sequence
@@ -62,12 +55,11 @@ def check_per_layer(args: tuple, kwargs: dict, length: int) -> dict[str, PerLaye
     return found
 
 
+# How a layer's output is read, given the layer's name, as `(carry, y)`.
 ReadOut = Callable[[object, str], tuple[PyTree, PyTree]]
-"""How a layer's output is read, given the layer's name, as `(carry, y)`."""
 
 
 def carry_only(out: object, who: str) -> tuple[PyTree, PyTree]:
-    """A layer's output read as the new carry, with no `y`."""
     del who
     return out, None
 
@@ -87,10 +79,8 @@ def pairs(caller: str) -> ReadOut:
     return read
 
 
+# What runs of each layer instead of `__call__`: `fn(layer, x, ...)` or a name.
 Method = Callable[..., PyTree] | str
-"""What to run of each layer instead of `__call__`: a function
-`fn(layer, x, *args, **kwargs)` (e.g. an unbound method, `Block.decode`) or the
-name of a method (`"decode"`)."""
 
 
 def check_method(method: object, layer: object) -> None:
@@ -123,31 +113,20 @@ class OneLayer(NamedTuple):
     number: Index | None = None
 
 
+# A `Chain`'s pattern step (one repeat of a pattern, in one scan step):
+# `pattern_step(repeat, carry, one) -> output`, `one` the repeat's slices.
 PatternStep = Callable[[object, PyTree, OneLayer], PyTree]
-"""A `Chain`'s pattern step (one repeat, several layers in one scan step):
-`pattern_step(repeat, carry, one) -> output`, `one` the repeat's slices, and
-`LayerCall.inner(one)` the call of the pattern's own layers."""
 
 
 class LayerCall(NamedTuple):
-    """How every layer of a run is called.
-
-    - `args`, `kwargs`: passed to every layer; [`eqxscan.per_layer`][] values
-      are sliced per layer. `keys`: per-layer keys, or `None`.
-    - `read_out`: `carry_only` or `pairs(...)`; `reverse`: last layer first;
-      `method`: what runs of each layer (`None`: `__call__`).
-    - `runs`: LayerDrop's choice when the caller drew it (a pipeline stage's
-      chunk): a scan then runs only the layers that run. `drop`: drop-path and
-      LayerDrop inputs, one entry per layer, or `None`.
-    - `optional_key`: a layer that takes no `key` gets none (the key was given
-      for dropping only).
-    - `pattern_step`: set when each scan step is a pattern step; the per-layer
-      values then have the repeat axis first.
-    - `caller`: names the container in errors.
-    - `start`, `stride`: layer `i` of this call is the outermost container's
-      layer number `start + i * stride`; `start` is `None` when not known, and
-      for a `Recurrent`'s time steps, which set no [`eqxscan.layer_index`][].
-    """
+    """How every layer of a run is called: `args`, `kwargs` (`per_layer` values
+    sliced per layer), per-layer `keys` and `drop` inputs, `read_out`, `reverse`
+    and `method` (`None`: `__call__`). `runs`: LayerDrop's choice drawn by the
+    caller (a pipeline's chunk). `optional_key`: a layer taking no `key` gets none
+    (given for dropping only). `pattern_step`: each scan step is a pattern step
+    (the repeat axis first). `caller` names the container in errors. Layer `i`
+    is the outermost container's layer `start + i * stride` (`start` is `None`
+    when not known, and for a `Recurrent`'s time steps, which are no layers)."""
 
     args: tuple
     kwargs: dict[str, object]
@@ -200,14 +179,12 @@ class LayerCall(NamedTuple):
         return OneLayer(*self._filled(trees, wrap=False), key, drop)
 
     def at(self, i: Index) -> OneLayer:
-        """Layer `i`'s inputs: slice `i` (static, or dynamic for an array `i`) of
-        every per-layer value."""
+        """Layer `i`'s inputs (`i` an int, or a traced index)."""
         one = self._one(index(self.per_layer_values(), i))
         return one._replace(number=self.number_of(i))
 
     def take(self, idx: Indices) -> "LayerCall":
-        """The call of the layers `idx` (a static slice or index array), in
-        that order."""
+        """The call of the layers `idx` (a static slice or index array)."""
         start = None
         if isinstance(idx, slice) and idx.step in (None, 1) and self.start is not None:
             start = self.start + (idx.start or 0)
@@ -248,11 +225,10 @@ class LayerCall(NamedTuple):
 def run_one(
     layer: object, call: LayerCall, one: OneLayer, carry: PyTree, who: str
 ) -> tuple[PyTree, PyTree]:
-    """Run `layer` on `carry` as `call` says, with its inputs `one`, and read its
-    output as `(carry, y)`; `who` names the layer in errors. With a buffer view
-    among its inputs, a layer (not a pattern step, which passes the view on)
-    returns `(carry, new_slice)` for its carry, and the result is
-    `((carry, buffer), y)`, the buffer with the layer's writes made."""
+    """Run `layer` on `carry` with its inputs `one`, as `call` says: `(carry, y)`
+    (`who` names it in errors). Given a buffer view (not in a pattern step, which
+    passes it on), the layer returns `(carry, new_slice)` for its carry, and this
+    `((carry, buffer), y)`, the layer's writes made (`buffers.py`)."""
     at = find_buffer(one.args, one.kwargs) if call.pattern_step is None else None
     if at is not None:
         return _run_writing(layer, call, one, at, carry, who)
@@ -325,16 +301,14 @@ def _run_writing(
     return (tapped(one.number, new_carry, carry), tree), y
 
 
+# One layer as a function of the carry (its inputs bound): `carry -> carry`.
 LayerFn = Callable[[PyTree], PyTree]
-"""One layer as a function of the carry (its inputs bound): `carry -> carry`."""
 
 
 class GroupSteps(NamedTuple):
     """One group of a container's layers, for a walk in order (early exit):
-    `steps` steps of `per_step` layers (`0`: a lone layer, not in a loop), its
-    first layer the container's layer `start`. `step(j)` (`j` an int, or traced
-    in a loop) is one layer as a function of the carry, or the groups of one
-    pattern step; `name`, its layers' class, names it in errors."""
+    `steps` steps of `per_step` layers (`0`: a lone layer) from layer `start`;
+    `step(j)` is one layer's `LayerFn`, or the groups of one pattern step."""
 
     start: int
     steps: int
