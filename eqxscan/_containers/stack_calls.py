@@ -55,8 +55,6 @@ class Stack(Protocol):
     @property
     def options(self) -> ScanOptions: ...
     @property
-    def mode(self) -> str: ...
-    @property
     def layer_sharding(self) -> Sharding | PyTree[Sharding | None] | None: ...
     def check_layer_axis(self, what: str) -> None: ...
 
@@ -175,7 +173,7 @@ def vmap_layers(stack: Stack, x: PyTree, call: LayerCall) -> PyTree:
         return out[0]
 
     inputs = (layer_dyn, per_xs)
-    if stack.mode == "loop":
+    if stack.options.mode == "loop":
         outs = [
             noted(each, _where(cls_name, length, i), *index(inputs, i), i=i)
             for i in range(length)

@@ -255,13 +255,10 @@ def check_carry(old: PyTree, new: PyTree, where: str, step: int | None = None) -
     """Raise `CarryError` unless `new` has the structure, shapes and dtypes of `old`."""
     old_def, new_def = jtu.tree_structure(old), jtu.tree_structure(new)
     if old_def != new_def:
-        diff = first_difference(old, new)
-        detail = (
-            f" At `carry{diff[0]}` the input has {diff[1]} but the output has "
-            f"{diff[2]}."
-            if diff is not None
-            else ""
-        )
+        detail = ""
+        if (diff := first_difference(old, new)) is not None:
+            path, a, b = diff
+            detail = f" At `carry{path}` the input has {a} but the output has {b}."
         raise CarryError(
             where,
             "returned a carry whose tree structure differs from its input "

@@ -43,9 +43,7 @@ def wrap_remat(fn: Step, remat: ScanRemat, *, in_scan: bool) -> Step:
     if not remat.named and remat.policy is False:
         return fn
     body = fn
-    if remat.save_carries is not None:
-        # The carry a step receives, named for `ScanRemat` to keep, recompute
-        # or offload.
+    if remat.save_carries is not None:  # the carry named for `ScanRemat`
         body = lambda c, x: fn(name_tree(c, CARRY), x)  # noqa: E731
     # Inside a scan the loop boundary already stops XLA from CSE-ing the
     # recomputation away, so `prevent_cse=False` avoids needless barriers.
@@ -174,9 +172,8 @@ def _run_scan(
     remat, unroll = resolve(
         traced, (c_dyn, xs), length, remat, options.unroll, name, gathered, over
     )
-    # Stacked float32 weights stay float32 on TPU inside a loop (`f32_pin.py`);
-    # not FSDP's gathered layers, where a bfloat16 stack also halves what each
-    # step gathers, nor a fully unrolled scan, which has no loop.
+    # Stacked float32 weights stay float32 on TPU inside a loop (`f32_pin.py`),
+    # but not FSDP's gathered layers (bfloat16 halves what a step gathers).
     if over == "layers" and not gathered and not (unroll is True and not remat.named):
         traced = pinned(traced, step_types(c_dyn, xs, length))
     # A skipping scan runs as one `skip_scan` when its remat does not name or
@@ -233,8 +230,7 @@ def _run_loop(
     explicit = not remat.is_rule and not (remat.policy is False and not remat.named)
     step, inputs, taps = parts
 
-    def body(c: PyTree, x_i: tuple[PyTree, Index]) -> tuple[PyTree, PyTree]:
-        x, i = x_i
+    def body(c: PyTree, x: PyTree, i: int) -> tuple[PyTree, PyTree]:
         opened, scope = _opened(taps, i)
         with scope:
             new, y = step(c, inputs(x))
@@ -246,10 +242,10 @@ def _run_loop(
         if runs is not None:
             # Traced on this step's values, then run only where it runs.
             x, runs_i = x
-            return skip_layer(lambda c: body(c, (x, i)), c, runs_i)
+            return skip_layer(lambda c: body(c, x, i), c, runs_i)
         # jax.checkpoint takes and returns arrays only: close over the rest.
         c_dyn, c_static = eqx.partition(c, eqx.is_array)
-        fn, statics = arrays_only(lambda c, x: body(c, (x, i)), c_static)
+        fn, statics = arrays_only(lambda c, x: body(c, x, i), c_static)
         return eqx.combine(wrap_remat(fn, remat, in_scan=False)(c_dyn, x), statics[0])
 
     ys = [None] * length

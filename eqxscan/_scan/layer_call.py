@@ -197,13 +197,9 @@ class LayerCall(NamedTuple):
         layers (the per-layer values get a repeat axis in front)."""
         part = take(self.per_layer_values(), slice(start, start + size))
         if per_step > 1:
+            rows = (size // per_step, per_step)
             part = jtu.tree_map(
-                lambda a: (
-                    a.reshape(size // per_step, per_step, *a.shape[1:])
-                    if eqx.is_array(a)
-                    else a
-                ),
-                part,
+                lambda a: a.reshape(*rows, *a.shape[1:]) if eqx.is_array(a) else a, part
             )
         new = self._with_per_layer(part)
         return new._replace(start=self.number_of(start), stride=max(per_step, 1))
