@@ -8,7 +8,7 @@ import equinox as eqx
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from .checks import describe, docs
+from .checks import describe, docs, misaligned
 
 
 T = TypeVar("T")
@@ -56,16 +56,14 @@ def layer_state(
     values, markers = sub.tree_flatten()
     for marker, value in zip(markers, values):
         name = marker if isinstance(marker, str) else "an eqx.nn.StateIndex"
-        for path, leaf in jtu.tree_leaves_with_path(value):
-            if getattr(leaf, "ndim", 0) == 0 or leaf.shape[0] != length:
-                raise ValueError(
-                    f"{what} has {length} layers, but its state entry "
-                    f"`{name}{jtu.keystr(path)}` is {describe(leaf)}: the layer "
-                    f"axis of length {length} must come first.\nHint: make the "
-                    "model and its state together with `eqx.nn.make_with_state`; "
-                    "a slice of a stack, or one of its layers, takes the matching "
-                    f"slice of its state (see {docs('idioms.md')})."
-                )
+        if (bad := misaligned(value, length)) is not None:
+            raise ValueError(
+                f"{what} has {length} layers, but its state entry `{name}{bad[0]}` "
+                f"is {describe(bad[1])}: the layer axis of length {length} must "
+                "come first.\nHint: make the model and its state together with "
+                "`eqx.nn.make_with_state`; a slice of a stack, or one of its layers, "
+                f"takes the matching slice of its state (see {docs('idioms.md')})."
+            )
     return sub
 
 

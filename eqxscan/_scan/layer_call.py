@@ -164,6 +164,10 @@ class LayerCall(NamedTuple):
             (PerLayer(next(it)) if wrap else next(it)) if isinstance(v, PerLayer) else v
             for v in self._arguments()
         ]
+        return self._split(values)
+
+    def _split(self, values: Sequence[object]) -> tuple[tuple, dict]:
+        # `values`, one per argument, as `(args, kwargs)`.
         n = len(self.args)
         return tuple(values[:n]), dict(zip(self.kwargs, values[n:]))
 
@@ -205,10 +209,14 @@ class LayerCall(NamedTuple):
         return new._replace(start=self.number_of(start), stride=max(per_step, 1))
 
     def inner(self, one: OneLayer) -> "LayerCall":
-        """The call of a pattern's own layers from one repeat's inputs `one`."""
-        values = zip([*one.args, *one.kwargs.values()], self._arguments())
-        trees = [v for v, own in values if isinstance(own, PerLayer)]
-        new = self._with_per_layer((trees, one.key, one.drop))
+        """The call of a pattern's own layers from one repeat's inputs `one` (its
+        per-layer slices per layer again, its other arguments as given)."""
+        values = [
+            PerLayer(v) if isinstance(own, PerLayer) else v
+            for v, own in zip([*one.args, *one.kwargs.values()], self._arguments())
+        ]
+        args, kwargs = self._split(values)
+        new = self._replace(args=args, kwargs=kwargs, keys=one.key, drop=one.drop)
         return new._replace(runs=None, pattern_step=None, start=one.number, stride=1)
 
     def scanned(self) -> tuple[PyTree, Callable[[PyTree], OneLayer]]:
