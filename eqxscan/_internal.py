@@ -3,13 +3,11 @@ folders `_helpers`, `_scan`, `_containers`, `_features`) that the subpackages ma
 use; `tests/test_layout.py` fails on any other import of a core private module.
 A name here is kept stable for the subpackages, not for users."""
 
-from ._containers.chain.chain import Chain as Chain
 from ._containers.stack_calls import scan_layers as scan_layers
 from ._containers.stacked import (
     LayerNumbering as LayerNumbering,
     permute_stack as permute_stack,
     restack as restack,
-    Stacked as Stacked,
 )
 from ._containers.stage_order import (
     layers_in_stage_order as layers_in_stage_order,
@@ -28,11 +26,9 @@ from ._containers.weight_targets import (
     Held as Held,
     hold as hold,
     MatmulOnly as MatmulOnly,
-    Orientation as Orientation,
     replace_weights as replace_weights,
     stands_for_weight as stands_for_weight,
     StandsForWeight as StandsForWeight,
-    Target as Target,
 )
 from ._helpers.checks import (
     check_callable as check_callable,
@@ -79,7 +75,6 @@ from ._scan.drop_rates import (
     check_droppable as check_droppable,
     check_rate as check_rate,
     DropInputs as DropInputs,
-    DropRates as DropRates,
 )
 from ._scan.layer_call import (
     index as index,
@@ -89,7 +84,6 @@ from ._scan.layer_call import (
 from ._scan.options import (
     Remat as Remat,
     Scanning as Scanning,
-    ScanOptions as ScanOptions,
 )
 from ._scan.setting_names import parse_bytes as parse_bytes, remat_label as remat_label
 from ._scan.tap_stats import (

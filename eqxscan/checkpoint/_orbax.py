@@ -20,6 +20,7 @@ import jax
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
+from .. import Stacked
 from .._internal import (
     check_size,
     docs,
@@ -27,7 +28,6 @@ from .._internal import (
     is_arraylike,
     key_name,
     Site,
-    Stacked,
     walk,
     weak_like,
 )

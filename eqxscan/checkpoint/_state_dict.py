@@ -18,6 +18,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
+from .. import Stacked
 from .._internal import (
     describe,
     index,
@@ -29,7 +30,6 @@ from .._internal import (
     placed_like,
     resolve,
     Site,
-    Stacked,
     walk,
 )
 from ._files import host_empty, Lazy, listed, shape_dtype
