@@ -128,9 +128,8 @@ def scan_layers(stack: Stack, x: PyTree, call: LayerCall) -> tuple[PyTree, PyTre
         if view is not None:
             assert at is not None
             carry, tree = carry
-            args, kwargs = replace_arg(
-                inputs.args, inputs.kwargs, at, view.of(tree).at(i)
-            )
+            slot = view.of(tree).at(i)
+            args, kwargs = replace_arg(inputs.args, inputs.kwargs, at, slot)
             inputs = inputs._replace(args=args, kwargs=kwargs)
         return run_one(layer, call, inputs, carry, f"the stacked layer {cls_name}")
 
