@@ -31,13 +31,13 @@ from ._scan.buffers import (
     LayerBuffers as LayerBuffers,
     per_layer as per_layer,
 )
+from ._scan.call_state import layer_index as layer_index
 from ._scan.drop_rates import (
     DropRates as DropRates,
     linear_rates as linear_rates,
     LinearRates as LinearRates,
     Rates as Rates,
 )
-from ._scan.layer_index import layer_index as layer_index
 from ._scan.options import Mode as Mode, Remat as Remat, ScanOptions as ScanOptions
 from ._scan.probe import Probe as Probe, probe as probe
 from ._scan.scan_remat import ScanRemat as ScanRemat

@@ -3,17 +3,11 @@ folders `_helpers`, `_scan`, `_containers`, `_features`) that the subpackages ma
 use; `tests/test_layout.py` fails on any other import of a core private module.
 A name here is kept stable for the subpackages, not for users."""
 
-from ._containers.chain.chain import Chain as Chain
-from ._containers.linear_cells import (
-    DiagonalLinearCell as DiagonalLinearCell,
-    MatrixLinearCell as MatrixLinearCell,
-)
 from ._containers.stack_calls import scan_layers as scan_layers
 from ._containers.stacked import (
     LayerNumbering as LayerNumbering,
     permute_stack as permute_stack,
     restack as restack,
-    Stacked as Stacked,
 )
 from ._containers.stage_order import (
     layers_in_stage_order as layers_in_stage_order,
@@ -32,18 +26,14 @@ from ._containers.weight_targets import (
     Held as Held,
     hold as hold,
     MatmulOnly as MatmulOnly,
-    Orientation as Orientation,
     replace_weights as replace_weights,
     stands_for_weight as stands_for_weight,
     StandsForWeight as StandsForWeight,
-    Target as Target,
 )
 from ._helpers.checks import (
-    check_bool as check_bool,
     check_callable as check_callable,
     check_index as check_index,
     check_like as check_like,
-    check_path as check_path,
     check_size as check_size,
     Checked as Checked,
     describe as describe,
@@ -61,8 +51,6 @@ from ._helpers.constrain import (
     is_placeholder as is_placeholder,
 )
 from ._helpers.host import (
-    give_back_freed as give_back_freed,
-    host_empty as host_empty,
     Lazy as Lazy,
     placed_like as placed_like,
     weak_like as weak_like,
@@ -86,22 +74,16 @@ from ._scan.drop_rates import (
     check_droppable as check_droppable,
     check_rate as check_rate,
     DropInputs as DropInputs,
-    DropRates as DropRates,
     keep_bits as keep_bits,
-    Rates as Rates,
 )
-from ._scan.eager_compile import compiled_when_eager as compiled_when_eager
 from ._scan.layer_call import (
     index as index,
     LayerCall as LayerCall,
     write as write,
 )
 from ._scan.options import (
-    OwnOptions as OwnOptions,
     Remat as Remat,
-    ScanArgs as ScanArgs,
     Scanning as Scanning,
-    ScanOptions as ScanOptions,
 )
 from ._scan.setting_names import parse_bytes as parse_bytes, remat_label as remat_label
 from ._scan.tap_stats import (

@@ -20,10 +20,10 @@ from .._helpers.checks import (
 )
 from .._helpers.stateful import clone
 from .._scan.buffers import refuse_buffer
+from .._scan.call_state import step_index_or_none
 from .._scan.eager_compile import compiled_when_eager
 from .._scan.engine import run
 from .._scan.layer_call import LayerCall, OneLayer, run_one
-from .._scan.layer_index import step_index_or_none
 from .._scan.options import OwnOptions, ScanArgs, Scanning, ScanOptions
 from .._scan.taps import emitted, in_cell, untapped
 from .linear_cells import MatrixLinearCell
@@ -231,7 +231,7 @@ class Recurrent(Scanning):
             return h_T, time_layout(hs, run_.time_axis)
         # The cell runs as a layer whose carry comes first (`_cell_step`).
         call = LayerCall(
-            args, kwargs, keys, method=_cell_step(), caller="Recurrent", over="time"
+            args, kwargs, keys, method=_cell_step(), caller="Recurrent", start=None
         )
         per_step, one_step = call.scanned()
         name = type(self.cell).__name__

@@ -1,12 +1,11 @@
-"""How a [`eqxscan.Stacked`][] runs its layers through the layer-call seam: the
-scan of its calls, its `vmap`, and layer `i` on its own (subsets, early exit)."""
+"""How a `Stacked` runs its layers through the layer-call seam: scanned, vmapped,
+or layer `i` on its own."""
 
 import functools
 from typing import Any, Protocol, runtime_checkable
 
 import equinox as eqx
 import jax.numpy as jnp
-import jax.tree_util as jtu
 from jax.sharding import Sharding
 from jaxtyping import PyTree
 
@@ -28,8 +27,9 @@ from .._scan.buffers import (
     refuse_buffer,
     view_of,
 )
+from .._scan.call_state import step_index_or_none
 from .._scan.drop_rates import check_droppable, DropRates
-from .._scan.engine import kept_once, run
+from .._scan.engine import run, stacked
 from .._scan.layer_call import (
     carry_only,
     check_per_layer,
@@ -40,7 +40,6 @@ from .._scan.layer_call import (
     LayerFn,
     run_one,
 )
-from .._scan.layer_index import step_index
 from .._scan.options import ScanOptions
 from .._scan.taps import untapped
 
@@ -56,8 +55,6 @@ class Stack(Protocol):
     @property
     def options(self) -> ScanOptions: ...
     @property
-    def mode(self) -> str: ...
-    @property
     def layer_sharding(self) -> Sharding | PyTree[Sharding | None] | None: ...
     def check_layer_axis(self, what: str) -> None: ...
 
@@ -65,8 +62,7 @@ class Stack(Protocol):
 def dropping_call(
     drop: DropRates | None, call: LayerCall, key: object, who: str
 ) -> LayerCall:
-    """`call` with its drop inputs when `drop` drops in it. A model with drop
-    rates may get a key for dropping alone: a layer taking no key gets none."""
+    """`call` with its drop inputs when `drop` drops in it."""
     if drop is None:
         return call
     has_state = find_state(call.args, call.kwargs) is not None
@@ -85,10 +81,12 @@ def _where(cls_name: str, length: int, i: int | None) -> str:
 
 
 def scan_layers(stack: Stack, x: PyTree, call: LayerCall) -> tuple[PyTree, PyTree]:
-    """Fold `x` through the layers of `stack` as `call` says, one scan (or loop)
-    step per layer: `(final carry, ys)`, the `y`s stacked on axis 0 or `None`."""
+    """Fold `x` through the layers of `stack` as `call` says (its `per_layer`
+    arguments checked by the caller): `(final carry, ys)`."""
     stack.check_layer_axis("call")
+    length, cls_name = stack.num_layers, type(stack.layers).__name__
     state_at = find_state(call.args, call.kwargs)
+    state = None
     if state_at is not None:
         if call.read_out is not carry_only:
             raise TypeError(
@@ -98,14 +96,9 @@ def scan_layers(stack: Stack, x: PyTree, call: LayerCall) -> tuple[PyTree, PyTre
         # Layer i gets its own slice of the state and returns its new state,
         # collected like a `y`, then written back into the whole state.
         state = get_arg(call.args, call.kwargs, state_at)
-        sub = layer_state(state, stack.layers, stack.num_layers, "This Stacked")
+        sub = layer_state(state, stack.layers, length, "This Stacked")
         args, kwargs = replace_arg(call.args, call.kwargs, state_at, PerLayer(sub))
-        sub_call = call._replace(args=args, kwargs=kwargs, read_out=state_pair)
-        x, new_sub = scan_layers(stack, x, sub_call)
-        return (x, updated(state, new_sub)), None
-    length = stack.num_layers
-    check_per_layer(call.args, call.kwargs, length)
-    cls_name = type(stack.layers).__name__
+        call = call._replace(args=args, kwargs=kwargs, read_out=state_pair)
     at = find_buffer(call.args, call.kwargs)
     view = None if at is None else view_of(call.args, call.kwargs, at)
     if view is not None:
@@ -131,7 +124,7 @@ def scan_layers(stack: Stack, x: PyTree, call: LayerCall) -> tuple[PyTree, PyTre
     def step(carry: PyTree, xs: tuple[PyTree, PyTree, PyTree]) -> tuple[PyTree, PyTree]:
         dyn, per, i = xs
         layer = eqx.combine(dyn, layer_static)
-        inputs = one(per)._replace(number=call.number_of(step_index()))
+        inputs = one(per)._replace(number=call.number_of(step_index_or_none()))
         if view is not None:
             assert at is not None
             carry, tree = carry
@@ -140,7 +133,7 @@ def scan_layers(stack: Stack, x: PyTree, call: LayerCall) -> tuple[PyTree, PyTre
             inputs = inputs._replace(args=args, kwargs=kwargs)
         return run_one(layer, call, inputs, carry, f"the stacked layer {cls_name}")
 
-    return run(
+    x, ys = run(
         step,
         x if view is None else (x, view.tree),
         (layer_dyn, per_xs, steps),
@@ -153,11 +146,11 @@ def scan_layers(stack: Stack, x: PyTree, call: LayerCall) -> tuple[PyTree, PyTre
         gathered=sharding is not None or layers_may_be_sharded(layer_dyn),
         runs=runs,
     )
+    return (x, ys) if state is None else ((x, updated(state, ys)), None)
 
 
 def vmap_layers(stack: Stack, x: PyTree, call: LayerCall) -> PyTree:
-    """Every layer of `stack` applied to the same `x` as `call` says, outputs
-    stacked on a new leading axis: one `vmap`, or a loop with `mode="loop"`."""
+    """Every layer of `stack` applied to `x` as `call` says, outputs stacked."""
     stack.check_layer_axis("vmap")
     if find_state(call.args, call.kwargs) is not None:
         raise TypeError(
@@ -165,12 +158,11 @@ def vmap_layers(stack: Stack, x: PyTree, call: LayerCall) -> PyTree:
             "the whole stack's state.\nHint: call the stack for stateful layers: "
             "`x, state = stack(x, state)`."
         )
-    length = stack.num_layers
+    length, cls_name = stack.num_layers, type(stack.layers).__name__
     check_per_layer(call.args, call.kwargs, length)
     refuse_buffer(call.args, call.kwargs, "Stacked.vmap")
     layer_dyn, layer_static = eqx.partition(stack.layers, eqx.is_array)
     per_xs, one = call.scanned()
-    cls_name = type(stack.layers).__name__
 
     def each(dyn: PyTree, per: PyTree, i: Index) -> PyTree:
         layer = eqx.combine(dyn, layer_static)
@@ -180,15 +172,13 @@ def vmap_layers(stack: Stack, x: PyTree, call: LayerCall) -> PyTree:
         return out[0]
 
     inputs = (layer_dyn, per_xs)
-    if stack.mode == "loop":
+    if stack.options.mode == "loop":
         outs = [
             noted(each, _where(cls_name, length, i), *index(inputs, i), i=i)
             for i in range(length)
         ]
         # The arrays stacked, the rest kept once (as `filter_vmap` keeps it).
-        dyn, static = zip(*(eqx.partition(out, eqx.is_array) for out in outs))
-        rest = kept_once(static, lambda i: _where(cls_name, length, i))
-        return eqx.combine(jtu.tree_map(lambda *a: jnp.stack(a), *dyn), rest)
+        return stacked(outs, lambda i: _where(cls_name, length, i))
     where, steps = _where(cls_name, length, None), jnp.arange(length)
     return noted(eqx.filter_vmap(each), where, *inputs, steps)
 
@@ -207,6 +197,6 @@ def stack_layer_fn(stack: Stack, call: LayerCall, i: Index) -> LayerFn:
 
 
 def stack_steps(stack: Stack, call: LayerCall, start: int = 0) -> GroupSteps:
-    """The layers of `stack` as one group of a walk in order, from layer `start`."""
+    """The layers of `stack` as one group of a walk in order."""
     step = functools.partial(stack_layer_fn, stack, call)
     return GroupSteps(start, stack.num_layers, 1, step, type(stack.layers).__name__)

@@ -499,6 +499,7 @@ class Stacked(Scanning, Generic[LayerT]):
         # of it on the way to the layers.
         stack = self if self.stage_order is None else self._natural()
         check_method(method, stack.layers)
+        check_per_layer(args, kwargs, stack.num_layers)
         reverse = check_bool("reverse", reverse)
         call = LayerCall(args, kwargs, stack._keys(key), read_out, reverse, method)
         return stack, dropping_call(stack.drop_rates, call, key, "Stacked")

@@ -16,9 +16,10 @@ from .._containers.stack_calls import layer_of, scan_layers
 from .._containers.stacked import restack, Stacked
 from .._helpers.checks import describe
 from .._helpers.constrain import layers_may_be_sharded
-from .._scan.engine import named_inputs, run
+from .._scan.engine import run
 from .._scan.layer_call import LayerCall, Method, run_one, take
 from .._scan.options import ScanOptions
+from .._scan.scan_remat import name_inputs
 from .._scan.taps import call_of, covering, tapping
 from .early_exit import check_layers_method, checked_call
 
@@ -89,7 +90,7 @@ def _scan_indices(
     knows its global index."""
     check_layers_method(model, call.method)
     options: ScanOptions = model.options
-    name = named_inputs(options)
+    name = lambda x: name_inputs(x, options.scan_remat)  # noqa: E731
     c_static = eqx.filter(x, eqx.is_array, inverse=True)
     if isinstance(model, Stacked):
         call = call._replace(caller="Stacked")

@@ -13,7 +13,6 @@ from typing import (
     cast,
     Literal,
     ParamSpec,
-    SupportsIndex,
     TYPE_CHECKING,
     TypeAlias,
     TypeGuard,
@@ -35,10 +34,8 @@ P = ParamSpec("P")
 R = TypeVar("R")
 HintT = TypeVar("HintT")
 
-# A parameter typed `Checked[T]` is a `T` to static type checkers and `object`
-# at run time: the function checks it itself, so a bad value gets its clear
-# error (the option, the value, what is allowed) with or without a runtime type
-# checker (beartype under the tests) in front of it.
+# `Checked[T]`: a `T` to type checkers, `object` at run time, so the function's
+# own clear error comes first, with or without a runtime type checker.
 if TYPE_CHECKING:
     Checked: TypeAlias = Annotated[HintT, "checked by the function itself"]
 else:
@@ -49,19 +46,15 @@ else:
 
     Checked = _Checked()
 
-# As Equinox does: with JAX's traceback filtering on (the default), frames from
-# this package are hidden from tracebacks that pass through JAX, so an error
-# raised by a user's layer points at the user's code.
+# As Equinox does: JAX's filtered tracebacks hide this package's frames.
 traceback_util.register_exclusion(os.path.dirname(__file__))
 
-# The documentation site: messages link to its pages, which a user of the
-# installed package can read (mkdocs.yml's `site_url` is the same).
+# mkdocs.yml's `site_url`: messages link to its pages.
 DOCS_URL = "https://eqxscan.readthedocs.io/en/latest/"
 
 
 def docs(page: str) -> str:
-    """The site's URL of `page` ("debugging.md#anchor"), as mkdocs serves it:
-    `x.md` at `x/`, `index.md` at the root."""
+    """The site's URL of `page` ("debugging.md#anchor"), as mkdocs serves it."""
     path, _, anchor = page.partition("#")
     path = path.removesuffix(".md")
     path = "" if path == "index" else path.removesuffix("/index") + "/"
@@ -72,17 +65,15 @@ DEBUGGING_DOCS = f"see {docs('debugging.md')}"
 
 
 def noted(fn: Callable[P, R], where: str, *args: P.args, **kwargs: P.kwargs) -> R:
-    """`fn(*args, **kwargs)`; an exception it raises gets one note naming `where`
-    (e.g. "Layer 3 (Block)"), once per place."""
+    """`fn(*args, **kwargs)`, its errors noted as `noting` notes them."""
     __tracebackhide__ = True
     with noting(where, *args):
         return fn(*args, **kwargs)
 
 
 class noting:  # noqa: N801  # used as a function, in `with`
-    """Around code run on `args` (the carry first): an exception it raises gets
-    one note naming `where` (e.g. "Layer 3 (Block)"), once per place. A block,
-    not a call, so that a traceback through it shows no frame of its own."""
+    """Around code run on `args` (the carry first): an exception gets one note
+    naming `where` ("Layer 3 (Block)"). A block: no frame in a traceback."""
 
     def __init__(self, where: str, *args: object):
         self.where, self.args = where, args
@@ -107,8 +98,7 @@ class noting:  # noqa: N801  # used as a function, in `with`
                 "input's shape and dtype against what the layer expects (the "
                 f"error may also be in the layer itself); {DEBUGGING_DOCS}."
             ) from e
-        # `where` also starts sentences ("The cell GRUCell at ..."); mid-note it
-        # reads in lower case.
+        # `where` also starts sentences ("The cell ..."): lower case mid-note.
         if where.split(" ", 1)[0] in ("The", "Layer"):
             where = where[0].lower() + where[1:]
         note = f"(raised by {where}, run by eqxscan; {DEBUGGING_DOCS})"
@@ -124,8 +114,7 @@ def _raised_by_jax(e: BaseException) -> bool:
 
 
 def _input(args: tuple) -> str:
-    """The carry (first argument), each leaf described in its structure; `""`
-    for a module (a group of layers)."""
+    # The carry (first argument) described leaf by leaf; `""` for a module.
     is_module = lambda x: isinstance(x, eqx.Module)  # noqa: E731
     if not args or any(map(is_module, jtu.tree_leaves(args[0], is_leaf=is_module))):
         return ""
@@ -142,10 +131,10 @@ class _Shown(str):
 
 def describe(x: object) -> str:
     """`float32[8,16]` for arrays, `repr` (shortened) for anything else."""
+    # An array, or what stands for one (a jaxpr's value).
     if isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) or hasattr(
         x, "aval"
     ):
-        # An array, or what stands for one (a jaxpr's value).
         x = cast(jax.ShapeDtypeStruct, x)
         shape = ",".join(str(d) for d in x.shape)
         # PRNG keys have an extended dtype (`key<fry>`), which NumPy cannot read.
@@ -168,7 +157,6 @@ def is_arraylike(
 
 
 def check_like(who: str, like: object, example: str = "make_model, key") -> None:
-    """`like`, a model to load into, holds arrays (or their shapes and dtypes)."""
     if not any(is_arraylike(x) for x in jtu.tree_leaves(like)):
         raise TypeError(
             f"{who}: like must be a model of the saved layout, with arrays (or "
@@ -187,29 +175,18 @@ def listed(items: list[str], sep: str = "; ") -> str:
 Found = tuple[str, str, str]
 
 
-def _exactly_equal(a: object, b: object, path: str) -> Found | None:
-    return None if same_leaf(a, b) else (path, describe(a), describe(b))
-
-
 def first_difference(
     a: PyTree,
     b: PyTree,
-    leaf: Callable[[object, object, str], Found | None] = _exactly_equal,
+    leaf: Callable[[object, object, str], Found | None] | None = None,
 ) -> Found | None:
-    """The first place where two pytrees differ in structure, static data, shape or
-    dtype, as `(path, description of a, description of b)`; `None` if they agree.
+    """The first place where two pytrees differ in structure, static data (modules
+    walked field by field), shape or dtype, as `(path, description of a, of b)`;
+    `None` if they agree. Two non-array leaves are judged by `leaf(a, b, path)`."""
 
-    Modules are walked field by field (static fields included), so a differing
-    hyperparameter is reported by its attribute path. Two non-array leaves are
-    judged by `leaf(a, b, path)` (default: identical or equal).
-    """
-
-    # `b: Any`: past `type(a) is type(b)`, `b` has `a`'s type, which narrowing
-    # `a` does not carry over to `b`.
     def walk(a: object, b: Any, path: str) -> Found | None:
         if is_arraylike(a) or is_arraylike(b):
             if not (is_arraylike(a) and is_arraylike(b)):
-                # A module's repr spans lines and is cut short: its type says it.
                 kind = [
                     f"type {type(x).__name__}"
                     if isinstance(x, eqx.Module)
@@ -238,9 +215,11 @@ def first_difference(
                 return path, ka, kb
             pairs = [(a[k], b[k], f"[{k!r}]") for k in a]
         elif jtu.treedef_is_leaf(jtu.tree_structure(a)):
-            return leaf(a, b, path)
+            if leaf is not None:
+                return leaf(a, b, path)
+            return None if same_leaf(a, b) else (path, describe(a), describe(b))
         else:
-            # Some other registered pytree node: compare by flattening one level.
+            # Another registered pytree node: flattened one level.
             la, ta = jtu.tree_flatten(a, is_leaf=lambda x: x is not a)
             lb, tb = jtu.tree_flatten(b, is_leaf=lambda x: x is not b)
             if ta != tb:
@@ -264,9 +243,8 @@ def same_leaf(x: object, y: object) -> bool:
 
 
 class CarryError(TypeError):
-    """A step returned a carry unlike its input. `where` and `step` (`None` for a
-    scan's one body) name the step, `what` says what changed: a caller running
-    several groups can name the step anew."""
+    """A step returned a carry unlike its input: `what` changed, at `step` (`None`
+    for a scan's one body), so a caller can name the step anew."""
 
     def __init__(self, where: str, what: str, step: int | None = None):
         super().__init__(f"{where} {what}")
@@ -274,17 +252,13 @@ class CarryError(TypeError):
 
 
 def check_carry(old: PyTree, new: PyTree, where: str, step: int | None = None) -> None:
-    """Raise `CarryError` (a `TypeError`) unless `new` has the tree structure,
-    shapes and dtypes of `old`: the contract every scan step must keep."""
+    """Raise `CarryError` unless `new` has the structure, shapes and dtypes of `old`."""
     old_def, new_def = jtu.tree_structure(old), jtu.tree_structure(new)
     if old_def != new_def:
-        diff = first_difference(old, new)
-        detail = (
-            f" At `carry{diff[0]}` the input has {diff[1]} but the output has "
-            f"{diff[2]}."
-            if diff is not None
-            else ""
-        )
+        detail = ""
+        if (diff := first_difference(old, new)) is not None:
+            path, a, b = diff
+            detail = f" At `carry{path}` the input has {a} but the output has {b}."
         raise CarryError(
             where,
             "returned a carry whose tree structure differs from its input "
@@ -299,8 +273,7 @@ def check_carry(old: PyTree, new: PyTree, where: str, step: int | None = None) -
         hint = ""
         exact = lambda x: not jnp.issubdtype(x.dtype, jnp.inexact)
         if eqx.is_array(a) and eqx.is_array(b) and exact(a) and not exact(b):
-            # An integer initial carry (`jnp.zeros(n, int)`) into float layers:
-            # casting their result back to integers would be the wrong advice.
+            # An integer initial carry into float layers: start it in floats.
             hint = (
                 f" (the carry came in as {jnp.dtype(a.dtype).name}: start it in "
                 f"{jnp.dtype(b.dtype).name}, e.g. `jnp.zeros(..., "
@@ -324,21 +297,12 @@ def check_carry(old: PyTree, new: PyTree, where: str, step: int | None = None) -
 
 
 def misaligned(tree: PyTree, length: int) -> tuple[str, jax.Array] | None:
-    """The first array leaf of `tree` (its key path, and itself) whose leading
-    axis is not of `length`; a scalar has none."""
+    """The first array leaf of `tree` (key path, leaf) whose leading axis is not
+    `length` (a scalar has none)."""
     for path, leaf in jtu.tree_leaves_with_path(tree):
         if is_array(leaf) and (leaf.ndim == 0 or leaf.shape[0] != length):
             return jtu.keystr(path), leaf  # pyright: ignore[reportReturnType]
     return None
-
-
-def check_leading_axis(tree: PyTree, length: int, name: str, axis_name: str) -> None:
-    """Raise `ValueError` unless each array leaf of `tree` has leading axis `length`."""
-    if (bad := misaligned(tree, length)) is not None:
-        raise ValueError(
-            f"{name}{bad[0]} has shape {tuple(bad[1].shape)}, but its "
-            f"leading axis must be the {axis_name} axis of length {length}."
-        )
 
 
 def check_option(name: str, value: object, allowed: Sequence[object]) -> None:
@@ -365,9 +329,8 @@ def check_callable(name: str, value: object) -> Callable[..., Any]:
 
 
 def check_takes_key(fn: object, what: str, per: str) -> None:
-    """Raise `TypeError` unless `fn` takes `key=`: a clearer error than "unexpected
-    keyword argument 'key'". `what` was given the key (e.g. `"Stacked"`), `per`
-    says how it hands keys out (e.g. `"layer i gets key=keys[i]"`)."""
+    """Raise `TypeError` unless `fn` takes `key=`; `what` was given the key,
+    `per` says how it hands keys out ("layer i gets key=keys[i]")."""
     if not callable(fn):  # let the call say so
         return
     try:
@@ -400,17 +363,13 @@ def check_size(
     maximum: int | None = None,
     hint: str = "",
 ) -> int:
-    """`value` (anything `operator.index` accepts but `bool`) as an `int` in
-    `[minimum, maximum]`."""
-    try:
-        if isinstance(value, bool) or not isinstance(value, SupportsIndex):
-            raise TypeError
-        size = operator.index(value)
-    except TypeError:
+    """`value` (an index but not a `bool`) as an `int` in `[minimum, maximum]`."""
+    size = None if isinstance(value, bool) else _index(value)
+    if size is None:
         raise TypeError(
             f"{name} must be an int (or a NumPy integer), got "
             f"{type(value).__name__} ({value!r})."
-        ) from None
+        )
     if size < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {size}.")
     if maximum is not None and size > maximum:
@@ -421,30 +380,32 @@ def check_size(
     return size
 
 
+def _index(value: object) -> int | None:
+    try:
+        return operator.index(value)  # pyright: ignore[reportArgumentType]  # any `__index__`
+    except TypeError:
+        return None
+
+
 def check_bool(name: str, value: object) -> bool:
-    """`value` if it is a `bool` (or a NumPy bool), else a `TypeError` naming
-    `name`: a string such as `"False"` would otherwise count as true."""
+    """`value` as a `bool` if it is one (a string `"False"` would count as true)."""
     if isinstance(value, (bool, np.bool_)):
         return bool(value)
     raise TypeError(f"{name} must be a bool, got {type(value).__name__} ({value!r}).")
 
 
 def check_index(index: object, length: int, who: str, hint: str) -> int:
-    """`index` in `range(length)` (negative counts from the end), or a clear
-    error (`hint`: what to do instead of a traced index)."""
+    """`index` in `range(length)` (negative from the end); `hint`: what to do
+    instead of a traced index."""
     if isinstance(index, jax.core.Tracer):
         raise TypeError(
             f"{who} got a traced index (e.g. a jit argument); indices must be "
             f"concrete ints: {hint}"
         )
-    try:
-        if not isinstance(index, SupportsIndex):
-            raise TypeError
-        i = operator.index(index)
-    except TypeError:
+    if (i := _index(index)) is None:
         raise TypeError(
             f"{who} indices must be ints or slices, got {type(index).__name__}."
-        ) from None
+        )
     if not -length <= i < length:
         raise IndexError(
             f"Layer index {i} is out of range for a {who} with {length} layers."
@@ -454,7 +415,7 @@ def check_index(index: object, length: int, who: str, hint: str) -> int:
 
 def split_key(key: object, num: int, who: str) -> jax.Array:
     """`jax.random.split(key, num)` once `key` is one PRNG key (typed, or a raw
-    `uint32[2]`): anything else gets an error naming `who`, not JAX's own."""
+    `uint32[2]`), else an error naming `who`."""
     typed = False
     if isinstance(key, (jax.Array, np.ndarray)):
         typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
@@ -464,16 +425,4 @@ def split_key(key: object, num: int, who: str) -> jax.Array:
     raise TypeError(
         f"{who} needs `key` to be one JAX PRNG key, got {describe(key)}.\nHint: "
         f"pass {one}; eqxscan splits it into one per layer or step."
-    )
-
-
-def check_path(name: str, path: object) -> str:
-    """`os.fspath(path)`, or a `TypeError` naming `name` (e.g. `"save: path"`)
-    for anything that is not a path (`None`, a number, an array)."""
-    if isinstance(path, (str, os.PathLike)) and not isinstance(path, bytes):
-        return os.fspath(path)
-    raise TypeError(
-        f"{name} must be a path (a str or an os.PathLike such as pathlib.Path), "
-        f"got {type(path).__name__} ({describe(path)}).\nHint: pass the file or "
-        "directory name, e.g. 'checkpoints/model.safetensors'."
     )

@@ -16,12 +16,8 @@ T = TypeVar("T")
 
 def align(shardings: object, tree: PyTree) -> PyTree:
     """`shardings` (one `Sharding`, `None`, or a pytree prefix of `tree`) as a
-    pytree of `tree`'s structure: at each leaf, the entry that applies to it.
-
-    Entries are matched by key path, not by tree structure, so static fields may
-    differ: shardings computed before `sharding.shard` or `gather_layers` set a
-    `Stacked`'s (static) `layer_sharding` still fit the model after.
-    """
+    pytree of `tree`'s structure. Matched by key path, so static fields may differ
+    (a `Stacked`'s `layer_sharding`, set after the shardings were computed)."""
     if shardings is None or isinstance(shardings, Sharding):
         return jtu.tree_map(lambda _: shardings, tree)
     table = dict(jtu.tree_leaves_with_path(shardings, is_leaf=is_none))
@@ -42,9 +38,9 @@ def align(shardings: object, tree: PyTree) -> PyTree:
 def constrain(
     tree: T, shardings: Checked[Sharding | PyTree[Sharding | None] | None]
 ) -> T:
-    """Constrain the array leaves of `tree` to `shardings`, matched as `align`
-    does (`None` leaves a subtree alone): `with_sharding_constraint` on `Auto`
-    mesh axes, `reshard` on `Explicit` ones (both also place concrete arrays)."""
+    """The array leaves of `tree` constrained to `shardings` (`None`: left
+    alone), matched as `align` matches them: `with_sharding_constraint` on `Auto`
+    mesh axes, `reshard` on `Explicit` ones."""
     dyn, static = eqx.partition(tree, eqx.is_array)
 
     def one(sharding: object, leaf: object) -> object:
@@ -66,11 +62,9 @@ def constrain(
 
 
 def layers_may_be_sharded(tree: PyTree) -> bool:
-    """Whether the weights in `tree` may be split over devices, as far as a traced
-    value shows: an `Explicit` mesh axis of size > 1 in a leaf's type, or an
-    `Auto` mesh axis of size > 1 in the mesh set with `jax.set_mesh` (`Auto`
-    shardings are not part of a traced value's type, so such a mesh may shard
-    anything)."""
+    """Whether the weights in `tree` may be split over devices: an `Explicit`
+    mesh axis of size > 1 in a leaf's type, or an `Auto` one in the mesh set
+    with `jax.set_mesh` (not in a traced value's type: it may shard anything)."""
     mesh = jax.sharding.get_abstract_mesh()
     if any(
         size > 1 and kind == AxisType.Auto
@@ -91,7 +85,7 @@ def layers_may_be_sharded(tree: PyTree) -> bool:
 
 def check_layer_sharding(layer_sharding: object, layers: PyTree) -> None:
     """Raise unless `layer_sharding` is `None`, a `Sharding`, or a pytree of them
-    (and `None`): a prefix of one layer's arrays in `layers` (no layer axis)."""
+    prefixing one layer's arrays in `layers`."""
     if layer_sharding is None or isinstance(layer_sharding, Sharding):
         return
     leaves = jtu.tree_leaves(layer_sharding)
@@ -135,6 +129,5 @@ def is_none(x: object) -> bool:
 
 
 def is_placeholder(x: object) -> bool:
-    """Where a params-like tree holds no array: `None` (`eqx.filter`) or optax's
-    `MaskedNode` (`optax.masked`), named so that optax need not be loaded."""
+    """`None` (`eqx.filter`) or optax's `MaskedNode`, by name: no optax import."""
     return x is None or type(x).__name__ == "MaskedNode"

@@ -1,10 +1,6 @@
-"""Every use of JAX's private modules (`jax._src`), in one place.
-
-JAX may move or drop these names in any release. Each is looked up here, on
-use, and a JAX without it degrades as each function says rather than failing at
-`import eqxscan`; `tests/test_jax_private.py` checks that the installed JAX has
-them all (`missing()`), and what happens when one is gone.
-"""
+"""Every use of JAX's private modules (`jax._src`), in one place: each name is
+looked up on use, and a JAX without it degrades as each function says rather
+than failing at import (`tests/test_jax_private.py` checks `missing()`)."""
 
 import importlib
 from typing import Any, TYPE_CHECKING
@@ -37,8 +33,8 @@ def _lookup(module: str, attribute: str) -> Any:
 
 
 def missing() -> list[str]:
-    """The names of `NAMES` this JAX lacks (`client` is `None` until a
-    multi-process job is joined, so only its holder is looked for)."""
+    """The names of `NAMES` this JAX lacks (of `client`, `None` until a job is
+    joined, only its holder)."""
     return [
         f"{module}.{attribute}"
         for module, attribute in NAMES

@@ -1,8 +1,6 @@
-"""Stateful layers (`eqx.nn.State`) in a stack, called as Equinox calls them:
-`y, state = model(x, state)`. `eqx.nn.make_with_state(eqxscan.Stacked)(...)`
-gives each `StateIndex` one marker and a state with a leading layer axis; a call
-hands layer `i` its slice (as a `per_layer` argument) and writes the states the
-scan outputs back into the whole state."""
+"""Stateful layers (`eqx.nn.State`) in a stack, `y, state = model(x, state)`:
+layer `i` gets its slice of the state (as a `per_layer` argument), and the
+states the scan outputs are written back into the whole state."""
 
 from typing import Any, TypeVar
 
@@ -10,7 +8,7 @@ import equinox as eqx
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from .checks import describe, docs
+from .checks import describe, docs, misaligned
 
 
 T = TypeVar("T")
@@ -19,8 +17,8 @@ T = TypeVar("T")
 def find_arg(
     args: tuple, kwargs: dict[str, Any], kind: type, too_many: str
 ) -> int | str | None:
-    """The position or name of a call's one argument of type `kind`, if any;
-    `too_many` (formatted with the count) if there are several."""
+    """The position or name of a call's one argument of type `kind`, if any
+    (`too_many`, formatted with the count, if several)."""
     found: list[int | str] = [i for i, a in enumerate(args) if isinstance(a, kind)]
     found += [n for n, v in kwargs.items() if isinstance(v, kind)]
     if len(found) > 1:
@@ -58,16 +56,14 @@ def layer_state(
     values, markers = sub.tree_flatten()
     for marker, value in zip(markers, values):
         name = marker if isinstance(marker, str) else "an eqx.nn.StateIndex"
-        for path, leaf in jtu.tree_leaves_with_path(value):
-            if getattr(leaf, "ndim", 0) == 0 or leaf.shape[0] != length:
-                raise ValueError(
-                    f"{what} has {length} layers, but its state entry "
-                    f"`{name}{jtu.keystr(path)}` is {describe(leaf)}: the layer "
-                    f"axis of length {length} must come first.\nHint: make the "
-                    "model and its state together with `eqx.nn.make_with_state`; "
-                    "a slice of a stack, or one of its layers, takes the matching "
-                    f"slice of its state (see {docs('idioms.md')})."
-                )
+        if (bad := misaligned(value, length)) is not None:
+            raise ValueError(
+                f"{what} has {length} layers, but its state entry `{name}{bad[0]}` "
+                f"is {describe(bad[1])}: the layer axis of length {length} must "
+                "come first.\nHint: make the model and its state together with "
+                "`eqx.nn.make_with_state`; a slice of a stack, or one of its layers, "
+                f"takes the matching slice of its state (see {docs('idioms.md')})."
+            )
     return sub
 
 
@@ -85,13 +81,12 @@ def state_pair(out: object, who: str) -> tuple[PyTree, eqx.nn.State]:
 
 
 def updated(state: eqx.nn.State, sub: eqx.nn.State) -> eqx.nn.State:
-    """`state` updated with `sub`, leaving `state` itself valid (`State.update`
-    invalidates it): a scanned call does not consume the caller's state."""
+    """`state` updated with `sub`, `state` itself left valid (for the caller)."""
     return clone(state).update(sub)
 
 
 def clone(tree: T) -> T:
-    """A copy of `tree`'s structure sharing its leaves: a carry read after the
-    step is cloned first, as a layer's `State.set` invalidates the original."""
+    """`tree`'s structure copied, its leaves shared (`State.set` invalidates a
+    state)."""
     leaves, treedef = jtu.tree_flatten(tree)
     return jtu.tree_unflatten(treedef, leaves)

@@ -1,14 +1,9 @@
-"""The state of a call that reaches code between the package's own frames: the
-user's layers and cells, and the optax transformations a user chains.
-
-Where a value can be passed as an argument, it is. What a user's layer reads
-while a container calls it ([`eqxscan.layer_index`][]), what the containers
-inside it record for [`eqxscan.tap`][], what `"auto"` chose for
-[`eqxscan.explain_auto`][], and which stack `eqxscan.optim.layerwise` is running
-on cannot be: the user's code sits in between. All of it is one frozen
-`CallState` in one context variable, replaced only by `changed_call_state(...)`
-around a block and restored after it.
-"""
+"""What a call passes across the user's code (layers, cells, chained optax
+transformations), which no argument can carry: the layer index a layer reads
+([`eqxscan.layer_index`][]), the records of [`eqxscan.tap`][], the choices of
+`"auto"` ([`eqxscan.explain_auto`][]) and `eqxscan.optim.layerwise`'s stack. One
+frozen `CallState` in one context variable, changed only around a block; and
+`step_index_or_none`, the engine step being traced, which numbers a layer."""
 
 import contextlib
 import dataclasses
@@ -24,8 +19,7 @@ from .probe import Probe
 @dataclasses.dataclass(frozen=True, eq=False)
 class TapCall:
     """One container call while tapped: its name, how many scan steps enclose it
-    (a call in a `Recurrent`'s cell: one per time step) and its first row of a
-    probe."""
+    and its first row of a probe."""
 
     name: str
     depth: int = 0
@@ -51,33 +45,22 @@ class Tapping:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class CallState:
-    """Each field: what it is; who sets it; who reads it.
+    """Each field, and who sets it.
 
     - `step`: the index of the engine step being traced (traced int32, or the
-      loop's int); the engine's `run`, around each step; the containers
-      (`step_index_or_none`, `step_index`), to number their layers.
+      loop's int); the engine, around each step.
     - `layer`: the global index of the layer being called (`None`: not in a
-      layer, or a step inside another container's layer); the layer-call seam
-      (`at_layer`); [`eqxscan.layer_index`][] and the drop rates.
-    - `tapping`: the running [`eqxscan.tap`][] (`None`: not tapped, or inside a
-      layer); `taps.tap_calls`, cleared around a layer and an untraced trace,
-      resumed in a `Recurrent`'s cell; everything in `taps.py`.
-    - `scope`: the innermost tap scope's records, `(index + 1, stats, call)`,
-      the index a float (0 marks a skipped layer); `tap_calls`, each engine
-      step (`StepTaps`), `held` and `covering`; `tapped` appends to it.
-    - `call`: the container call being tapped; `call_of`; `tapped`, to tag
-      records, and the probe's rows.
-    - `depth`: how many tapped scan steps enclose the code; `tap_calls` (0)
-      and `StepTaps` (+1); `call_of`, for `TapCall.depth`.
-    - `paused`: the tapping a layer's call paused; the layer-call seam
-      (`inside_layer`); a `Recurrent`'s cell (`in_cell`), to resume it.
-    - `auto_records`: the lists of `AutoChoice`s of the open
-      `auto.recording()` blocks ([`eqxscan.explain_auto`][] opens one);
-      `recording`; `auto.resolve` appends each choice to every one.
-    - `layerwise`: the path of the stack whose layers `eqxscan.optim.layerwise`
-      runs its transformation on, one at a time (`None`: not there);
-      `layerwise`'s update; the optimiser transformations that refuse to run
-      one layer at a time.
+      layer, or in a step inside another container's layer); `run_one`.
+    - `tapping`: the running [`eqxscan.tap`][] (`None`: not tapped, or inside
+      a layer); `paused`: the tapping a layer's call paused (`inside_layer`),
+      which a `Recurrent`'s cell resumes.
+    - `scope`: the innermost tap scope's records, `(index + 1, stats, call)`
+      (index 0: a skipped layer); `call`: the container call being tapped;
+      `depth`: how many tapped scan steps enclose the code.
+    - `auto_records`: the `AutoChoice` lists of the open `auto.recording()`
+      blocks, to which `auto.resolve` appends each choice.
+    - `layerwise`: the path of the stack `eqxscan.optim.layerwise` runs its
+      transformation on one layer at a time (`None`: not there).
     """
 
     step: Index | None = None
@@ -102,11 +85,64 @@ def call_state() -> CallState:
 
 @contextlib.contextmanager
 def changed_call_state(**fields: object) -> Iterator[CallState]:
-    """The state with `fields` replaced for the block (and returned), then
-    restored."""
+    """The state with `fields` replaced for the block (and returned)."""
     state = dataclasses.replace(_STATE.get(), **fields)  # pyright: ignore[reportArgumentType]  # checked by the dataclass
     token = _STATE.set(state)
     try:
         yield state
     finally:
         _STATE.reset(token)
+
+
+def step_index_or_none() -> Index | None:
+    """The index of the engine step being traced, or `None` outside one (the
+    shape-only trace of a run of length 0)."""
+    return call_state().step
+
+
+def layer_index() -> Index:
+    """The index of the layer being called, read inside its `__call__` (or the
+    method a container runs).
+
+    Under `jax.lax.scan` (`mode="scan"`) a traced int32 scalar; with
+    `mode="loop"`, and for a [`eqxscan.Chain`][]'s lone layers, a Python `int`.
+    It counts the layers of the outermost container that runs the layer (a
+    `Chain`'s `0 .. len(chain) - 1` across its groups, as `chain.unstack()`
+    lists them; `reverse=True` keeps each layer's index); a container inside
+    another's layer counts its own. For logging
+    (`jax.debug.print("layer {}", eqxscan.layer_index())`), layer-dependent
+    scaling, or choosing among per-layer values without threading
+    `per_layer(jnp.arange(L))` through every call.
+
+    !!! example
+
+        ```python
+        import equinox as eqx, jax, jax.numpy as jnp, eqxscan
+
+        class Scaled(eqx.Module):
+            def __call__(self, x):
+                i = eqxscan.layer_index()
+                return x * (1.0 + jnp.asarray(i, x.dtype))  # layer i: times i + 1
+
+        stack = eqxscan.Stacked(lambda k: Scaled(), 4, key=jax.random.key(0))
+        assert stack(jnp.ones(())) == 1 * 2 * 3 * 4
+        assert stack.with_options(mode="loop")(jnp.ones(())) == 24
+        ```
+
+    **Returns:**
+
+    The layer's index: an int32 scalar array (traced) or a Python `int`.
+
+    **Raises:**
+
+    `RuntimeError` when called outside a layer run by a `Stacked` or `Chain`.
+    """
+    i = call_state().layer
+    if i is None:
+        raise RuntimeError(
+            "eqxscan.layer_index() was called outside a layer: it reads the index "
+            "of the layer that a Stacked or Chain is running.\nCall it inside a "
+            "layer's __call__ (or the method the container runs), while the "
+            "container calls it."
+        )
+    return i

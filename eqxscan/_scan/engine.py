@@ -1,18 +1,12 @@
-"""The one scan engine behind `Stacked`, `Chain` and `Recurrent`.
+"""The one scan engine behind `Stacked`, `Chain` and `Recurrent`: it runs
+`step(carry, x_i) -> (carry, y_i)` over the leading axis of `xs` with
+`jax.lax.scan` or a Python loop (the reference path), with the remat asked for,
+and checks the carry contract while the step is traced. Outside the loop the
+step is traced once, to a closed jaxpr (`Traced`) that the `"auto"` rule
+measures and every scan form evaluates: a layer's Python runs once per trace."""
 
-It runs `step(carry, x_i) -> (carry, y_i)` over the leading axis of `xs`, either
-with `jax.lax.scan` or with a Python loop (the reference path), applies the
-requested rematerialisation, and checks the carry contract while the step is
-traced, before `lax.scan` or XLA can raise anything less readable.
-
-Outside the loop the step is traced exactly once, to a closed jaxpr on one
-step's shapes (`Traced`). The `"auto"` rule measures that jaxpr, and the scan
-body, the nested levels and a fully unrolled scan all evaluate it, so a layer's
-Python code runs once per trace of the enclosing `jit`, whatever the options.
-"""
-
-import functools
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Literal
 
 import equinox as eqx
@@ -49,71 +43,30 @@ def wrap_remat(fn: Step, remat: ScanRemat, *, in_scan: bool) -> Step:
     if not remat.named and remat.policy is False:
         return fn
     body = fn
-    if remat.save_carries is not None:
-        # The carry a step receives, named for `ScanRemat` to keep, recompute
-        # or offload.
+    if remat.save_carries is not None:  # the carry named for `ScanRemat`
         body = lambda c, x: fn(name_tree(c, CARRY), x)  # noqa: E731
     # Inside a scan the loop boundary already stops XLA from CSE-ing the
     # recomputation away, so `prevent_cse=False` avoids needless barriers.
     return jax.checkpoint(body, policy=remat.step_policy(), prevent_cse=not in_scan)
 
 
-class step_scope:  # noqa: N801  # used as a function, in `with`
-    """Around step `i`: the call state's step index (no layer yet) and, while
-    tapped (`taps`), the step's records, which `close(y)` returns beside its
-    `y`. A block, not a call, so that a traceback through it shows no frame of
-    its own."""
-
-    def __init__(self, taps: StepTaps | None, i: Index):
-        self.taps = taps
-        none: tuple[int, list | None, dict] = (0, None, {})
-        self.opened, self.records, scope = none if taps is None else taps.open()
-        self.state = changed_call_state(step=i, layer=None, **scope)
-
-    def __enter__(self) -> "step_scope":
-        self.state.__enter__()
-        return self
-
-    def __exit__(
-        self, kind: type | None, e: BaseException | None, tb: object
-    ) -> Literal[False]:  # never suppresses
-        self.state.__exit__(kind, e, tb)  # pyright: ignore[reportArgumentType]  # as `with` passes them
-        return False
-
-    def close(self, y: PyTree) -> PyTree:
-        """The step's `y`, with its records while tapped."""
-        taps = self.taps
-        return y if taps is None else taps.close(y, self.opened, self.records)
+Opened = tuple[int, list | None]
 
 
-def checked_step(
-    step: Step,
-    inputs: Callable[[PyTree], PyTree],
-    taps: StepTaps | None,
-    c_static: PyTree,
-    where: str,
-) -> tuple[Callable[[PyTree, PyTree], PyTree], list[tuple[PyTree, PyTree]]]:
-    """`step` as `make_jaxpr` traces it, on the carry's array leaves (its other
-    leaves `c_static`) and `(x_i, i)`, returning array leaves only: given
-    `inputs(x_i)` inside a `step_scope`, the carry contract checked, errors
-    noted with `where`; and the list where each call puts its outputs' other
-    leaves. One function, so that a traceback from the step passes one frame
-    of it."""
-    statics: list[tuple[PyTree, PyTree]] = []
+def _opened(
+    taps: StepTaps | None, i: Index
+) -> tuple[Opened, AbstractContextManager[object]]:
+    """Before step `i`: where its records start while tapped (for `_closed`), and
+    the block around it that sets the step index (no layer yet): a block, so a
+    traceback through it shows no frame of its own."""
+    none: tuple[int, list | None, dict] = (0, None, {})
+    opened, records, scope = none if taps is None else taps.open()
+    return (opened, records), changed_call_state(step=i, layer=None, **scope)
 
-    def checked(c_dyn: PyTree, x_i: tuple[PyTree, Index]) -> PyTree:
-        x, i = x_i
-        c = eqx.combine(c_dyn, c_static)
-        old = clone(c)  # the step may invalidate `c` (an `eqx.nn.State`)
-        with noting(where, c, x_i), step_scope(taps, i) as scope:
-            new, y = step(c, inputs(x))
-        y = scope.close(y)
-        check_carry(old, new, where)
-        dyn, static = eqx.partition((new, y), eqx.is_array)
-        statics.append(static)
-        return dyn
 
-    return checked, statics
+def _closed(taps: StepTaps | None, y: PyTree, opened: Opened) -> PyTree:
+    # The step's `y`, with its records while tapped.
+    return y if taps is None else taps.close(y, *opened)
 
 
 def step_types(c_dyn: PyTree, xs: PyTree, length: int) -> tuple[PyTree, PyTree]:
@@ -150,91 +103,77 @@ def run(
     runs: Bool[Array, " L"] | None = None,
     read: Callable[[PyTree], PyTree] | None = None,
 ) -> tuple[PyTree, PyTree]:
-    """Run `step` over the leading axis (of length `length`) of the array pytree `xs`.
+    """Run `step(carry, x_i) -> (carry, y_i)` over the leading axis (of length
+    `length`) of the array pytree `xs`: `(final carry, ys)`, `ys` stacked on
+    axis 0 (`None` if steps return `None`). The carry's other leaves than arrays
+    must come back unchanged.
 
-    **Arguments:**
-
-    - `step`: `step(carry, x_i) -> (carry, y_i)`. May close over anything.
-    - `carry`: any pytree; its other leaves than arrays must come back unchanged.
-    - `xs`: a pytree of arrays, each with leading axis `length`.
-    - `options`: mode, remat (read as `options.scan_remat`) and unroll.
-    - `reverse`: consume `xs` last to first; `ys` stays aligned with `xs`.
-    - `where`: names step `i` (or every step, for `None`) in error messages.
-    - `gathered`: each step may gather its slice of sharded `xs` (FSDP), so
-      `unroll="auto"` keeps the scan: unrolled, XLA may gather every step's at once.
-    - `over`: what the steps are, for `unroll="auto"`: `"layers"` (weights in
-      `xs`) or `"time"` (a cell's weights closed over).
-    - `runs`: LayerDrop's choice, one bool per step: a skipped step passes the
-      carry on, outputs zeros and costs next to nothing (see `skip.py`).
-    - `read`: what a step reads of its slice `x_i` (e.g. FSDP's gather of one
-      layer), named as the step's inputs for `ScanRemat(save_inputs=...)`, so
-      a policy decides whether the backward pass reads (gathers) it again.
-
-    **Returns:**
-
-    `(final carry, ys)` with `ys` stacked on axis 0 (`None` if steps return `None`).
-
-    With `mode="scan"` the step is traced once (see `checked_step`), whatever the
-    options; with `mode="loop"` once per step, as a Python loop would.
+    `options`: mode, remat (`options.scan_remat`) and unroll; `reverse`: `xs`
+    consumed last to first (`ys` aligned with `xs`); `where`: names step `i`
+    (every step for `None`) in errors; `gathered`: steps may gather their slice
+    of sharded `xs` (FSDP), so `unroll="auto"` keeps the scan; `over`: `"layers"`
+    (weights in `xs`) or `"time"` (weights closed over), for `"auto"`; `runs`:
+    LayerDrop's choice, one bool per step (`skip.py`); `read`: what a step reads
+    of its slice (FSDP's gather), named as its inputs for
+    `ScanRemat(save_inputs=...)`.
     """
     remat = options.scan_remat
     # While tapped, a step's records leave it beside its `y` (`taps.py`).
     taps = step_taps()
-    # What a step is given of its slice. The step's own index (traced, or the
-    # loop's int) is read by the containers; a step inside another container's
-    # layer starts with no layer set (`step_scope`).
     inputs = lambda x: name_inputs(x if read is None else read(x), remat)  # noqa: E731
 
     if options.mode == "loop":
         parts = (step, inputs, taps)
         c, ys = _run_loop(parts, carry, xs, length, remat, reverse, where, runs)
         return c, ys if taps is None else taps.finish(ys)
-    xs = (xs, jnp.arange(length, dtype=jnp.int32))
-    # The step traced once on one step's shapes (closed-over tracers become
-    # consts), here rather than in a helper: one frame less in a traceback.
+    # The step traced once, here (closed-over tracers become consts), on the
+    # carry's array leaves and `(x_i, i)`: one frame less in a traceback.
+    xs, name = (xs, jnp.arange(length, dtype=jnp.int32)), where(None)
     c_dyn, c_static = eqx.partition(carry, eqx.is_array)
-    checked, statics = checked_step(step, inputs, taps, c_static, where(None))
-    jaxpr, out_shape = jax.make_jaxpr(checked, return_shape=True)(
-        *step_types(c_dyn, xs, length)
-    )
+    statics: list[tuple[PyTree, PyTree]] = []  # each trace's other output leaves
+
+    def checked(c_dyn: PyTree, x_i: tuple[PyTree, Index]) -> PyTree:
+        x, i = x_i
+        c = eqx.combine(c_dyn, c_static)
+        old = clone(c)  # the step may invalidate `c` (an `eqx.nn.State`)
+        opened, scope = _opened(taps, i)
+        with noting(name, c, x_i), scope:
+            new, y = step(c, inputs(x))
+        y = _closed(taps, y, opened)
+        check_carry(old, new, name)
+        dyn, static = eqx.partition((new, y), eqx.is_array)
+        statics.append(static)
+        return dyn
+
+    types = step_types(c_dyn, xs, length)
+    jaxpr, out_shape = jax.make_jaxpr(checked, return_shape=True)(*types)
     n_carry = len(jtu.tree_leaves(c_dyn))
     traced = Traced(jaxpr, jtu.tree_structure(out_shape), statics[0][1], n_carry)
-    c, ys = _run_scan(
-        traced,
-        c_dyn,
-        c_static,
-        xs,
-        length,
-        options,
-        reverse,
-        where,
-        gathered,
-        over,
-        runs,
+    c_dyn, ys = _run_scan(
+        traced, c_dyn, xs, length, options, reverse, name, gathered, over, runs
     )
-    return c, ys if taps is None else taps.finish(ys)
+    return eqx.combine(c_dyn, c_static), ys if taps is None else taps.finish(ys)
 
 
 def _run_scan(
     traced: Traced,
     c_dyn: PyTree,
-    c_static: PyTree,
     xs: PyTree,
     length: int,
     options: ScanOptions,
     reverse: bool,
-    where: Callable[[int | None], str],
+    name: str,
     gathered: bool,
     over: Literal["layers", "time"],
     runs: Bool[Array, " L"] | None,
 ) -> tuple[PyTree, PyTree]:
+    # The carry's array leaves and the `ys` of the traced step run as asked.
     remat = options.scan_remat
     remat, unroll = resolve(
-        traced, (c_dyn, xs), length, remat, options.unroll, where(None), gathered, over
+        traced, (c_dyn, xs), length, remat, options.unroll, name, gathered, over
     )
-    # Stacked float32 weights stay float32 on TPU inside a loop (`f32_pin.py`);
-    # not FSDP's gathered layers, where a bfloat16 stack also halves what each
-    # step gathers, nor a fully unrolled scan, which has no loop.
+    # Stacked float32 weights stay float32 on TPU inside a loop (`f32_pin.py`),
+    # but not FSDP's gathered layers (bfloat16 halves what a step gathers).
     if over == "layers" and not gathered and not (unroll is True and not remat.named):
         traced = pinned(traced, step_types(c_dyn, xs, length))
     # A skipping scan runs as one `skip_scan` when its remat does not name or
@@ -273,13 +212,7 @@ def _run_scan(
         else:
             fn = wrap_remat(scanned, remat, in_scan=True)
             c_dyn, ys = nested_scan(fn, c_dyn, xs, length, remat, unroll, reverse)
-    return eqx.combine(c_dyn, c_static), eqx.combine(ys, traced.y_static)
-
-
-def named_inputs(options: ScanOptions) -> Callable[[PyTree], PyTree]:
-    """How a step that reads its inputs itself (a layer gathered from the whole
-    stack by a traced index) names them as `run` names a scan's inputs."""
-    return functools.partial(name_inputs, remat=options.scan_remat)
+    return c_dyn, eqx.combine(ys, traced.y_static)
 
 
 def _run_loop(
@@ -297,11 +230,11 @@ def _run_loop(
     explicit = not remat.is_rule and not (remat.policy is False and not remat.named)
     step, inputs, taps = parts
 
-    def body(c: PyTree, x_i: tuple[PyTree, Index]) -> tuple[PyTree, PyTree]:
-        x, i = x_i
-        with step_scope(taps, i) as scope:
+    def body(c: PyTree, x: PyTree, i: int) -> tuple[PyTree, PyTree]:
+        opened, scope = _opened(taps, i)
+        with scope:
             new, y = step(c, inputs(x))
-        return new, scope.close(y)
+        return new, _closed(taps, y, opened)
 
     def step_fn(c: PyTree, x: PyTree, i: int) -> tuple[PyTree, PyTree]:
         # A step LayerDrop may skip, or under an explicit remat (else the loop
@@ -309,10 +242,10 @@ def _run_loop(
         if runs is not None:
             # Traced on this step's values, then run only where it runs.
             x, runs_i = x
-            return skip_layer(lambda c: body(c, (x, i)), c, runs_i)
+            return skip_layer(lambda c: body(c, x, i), c, runs_i)
         # jax.checkpoint takes and returns arrays only: close over the rest.
         c_dyn, c_static = eqx.partition(c, eqx.is_array)
-        fn, statics = arrays_only(lambda c, x: body(c, (x, i)), c_static)
+        fn, statics = arrays_only(lambda c, x: body(c, x, i), c_static)
         return eqx.combine(wrap_remat(fn, remat, in_scan=False)(c_dyn, x), statics[0])
 
     ys = [None] * length
@@ -325,9 +258,10 @@ def _run_loop(
         old = clone(carry)  # the step may invalidate `carry` (an `eqx.nn.State`)
         with noting(where(current), carry):
             if runs is None and not explicit:  # called here: one frame less
-                with step_scope(taps, current) as scope:
+                opened, scope = _opened(taps, current)
+                with scope:
                     new, y = step(carry, inputs(slices[current]))
-                y = scope.close(y)
+                y = _closed(taps, y, opened)
             else:
                 new, y = step_fn(carry, slices[current], current)
         check_carry(old, new, where(current), current)
@@ -335,18 +269,15 @@ def _run_loop(
         carry, ys[current] = new, clone(y)
     if length == 0 or all(y is None for y in ys):
         return carry, None
-    # The array leaves stacked, the others kept once (as `lax.scan` keeps the
-    # static part of its one traced body's output).
-    dyn, static = zip(*(eqx.partition(y, eqx.is_array) for y in ys))
-    stacked = jtu.tree_map(lambda *a: jnp.stack(a), *dyn)
-    return carry, eqx.combine(stacked, kept_once(static, where))
+    return carry, stacked(ys, where)
 
 
-def kept_once(outputs: Sequence[PyTree], where: Callable[[int], str]) -> PyTree:
-    """The non-array parts of every step's output (`outputs[i]`: step `i`'s) as
-    one traced body gives them: kept once. A number that differs from step to
-    step (e.g. `eqxscan.layer_index()`), which a scan would have traced, is
+def stacked(outputs: Sequence[PyTree], where: Callable[[int], str]) -> PyTree:
+    """Every step's output (`outputs[i]`: step `i`'s) as one traced body gives
+    them: the arrays stacked, the rest kept once. A number that differs from step
+    to step (e.g. `eqxscan.layer_index()`), which a scan would have traced, is
     stacked into an array; anything else must agree (`where(i)` names step `i`)."""
+    dyn, static = zip(*(eqx.partition(out, eqx.is_array) for out in outputs))
 
     def merge(path: tuple, *vs: object) -> object:
         if all(same_leaf(v, vs[0]) for v in vs):
@@ -361,4 +292,5 @@ def kept_once(outputs: Sequence[PyTree], where: Callable[[int], str]) -> PyTree:
             "(jnp.asarray) to have it stacked."
         )
 
-    return jtu.tree_map_with_path(merge, *outputs)
+    rest = jtu.tree_map_with_path(merge, *static)
+    return eqx.combine(jtu.tree_map(lambda *a: jnp.stack(a), *dyn), rest)

@@ -1,38 +1,22 @@
-"""The layer-call seam: how a container hands layer `i` what it is called with,
-and takes back what it returns.
-
-Every container (`Stacked`; a `Chain`'s lone layers, stacks and patterns;
-`run_until`, `run_layers`, `sharding.pipeline`; a `Recurrent`'s cell, on a
-call `over="time"`) describes a call of its layers as one `LayerCall`:
-`at(i)` is layer `i`'s `OneLayer` (its `per_layer` slices, key and drop
-inputs), `placed` cuts the call to one group of a `Chain`, `scanned` splits it
-into the arrays a scan slices, and `run_one` calls the layer (method, key,
-drop-path, LayerDrop, its index, named scope and taps) and reads its output as
-`(carry, y)`. Nothing here knows a container's layout, and nothing outside
-knows how arguments, keys and drop inputs are sliced; layers are cut with
-`index` and `take` and written with `write` (from `layer_io.py`, re-exported
-here).
-
-A `per_layer` value is read-only; a buffer that layers update (an
-[`eqxscan.buffer`][], e.g. a KV cache) travels in the carry instead: layer `i`
-gets a view of its slice, and `run_one` writes what it returned back into the
-one stacked buffer (`buffers.py`), returning `((carry, buffer), y)`.
-"""
+"""The layer-call seam, shared by every container: a `LayerCall` describes a
+call of every layer, `at(i)` is layer `i`'s `OneLayer` (its `per_layer` slices,
+key and drop inputs), and `run_one` calls one layer (method, key, drops, index,
+named scope, taps) and reads its output."""
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
 from jaxtyping import Array, Bool, PyTree
 
-from .._helpers.checks import check_leading_axis, check_takes_key, describe
+from .._helpers.checks import check_takes_key, describe, misaligned
 from .._helpers.stateful import clone, replace_arg
 from .buffers import call_writing, find_buffer, PerLayer, view_of
+from .call_state import changed_call_state
 from .drop_rates import drop_path, DropInputs, layer_drop
-from .layer_index import at_layer
 from .layer_io import (
     Index as Index,
     index as index,
@@ -51,9 +35,8 @@ def arg_name(index_or_name: int | str) -> str:
 
 
 def check_per_layer(args: tuple, kwargs: dict, length: int) -> dict[str, PerLayer]:
-    """The [`eqxscan.per_layer`][] arguments of a call, by name (`args[0]`,
-    `kwargs['cache']`), after checking that their array leaves have leading axis
-    `length`."""
+    """The [`eqxscan.per_layer`][] arguments of a call by name (`args[0]`,
+    `kwargs['cache']`), checked to hold arrays with leading axis `length`."""
     given = (*enumerate(args), *kwargs.items())
     found = {arg_name(k): v for k, v in given if isinstance(v, PerLayer)}
     for name, value in found.items():
@@ -64,24 +47,25 @@ def check_per_layer(args: tuple, kwargs: dict, length: int) -> dict[str, PerLaye
                 "\nHint: pass an array with the layer axis first, e.g. "
                 "`eqxscan.per_layer(jnp.asarray(values))`."
             )
-        check_leading_axis(value.tree, length, f"per_layer {name}", "layer")
+        if (bad := misaligned(value.tree, length)) is not None:
+            raise ValueError(
+                f"per_layer {name}{bad[0]} has shape {tuple(bad[1].shape)}, but "
+                f"its leading axis must be the layer axis of length {length}."
+            )
     return found
 
 
+# How a layer's output is read, given the layer's name, as `(carry, y)`.
 ReadOut = Callable[[object, str], tuple[PyTree, PyTree]]
-"""How a layer's output is read, given the layer's name: as the carry alone
-(`carry_only`) or as a `(carry, y)` pair (`pairs(caller)`)."""
 
 
 def carry_only(out: object, who: str) -> tuple[PyTree, PyTree]:
-    """A layer's output read as the new carry, with no `y`."""
     del who
     return out, None
 
 
 def pairs(caller: str) -> ReadOut:
-    """The read-out of `caller`'s layers (e.g. `"Stacked.scan"`'s), which return
-    `(carry, y)` pairs."""
+    """The read-out of `caller`'s layers (`"Stacked.scan"`'s): `(carry, y)`."""
 
     def read(out: object, who: str) -> tuple[PyTree, PyTree]:
         if not (isinstance(out, tuple) and len(out) == 2):
@@ -95,15 +79,13 @@ def pairs(caller: str) -> ReadOut:
     return read
 
 
+# What runs of each layer instead of `__call__`: `fn(layer, x, ...)` or a name.
 Method = Callable[..., PyTree] | str
-"""What to run of each layer instead of `__call__`: a function
-`fn(layer, x, *args, **kwargs)` (e.g. an unbound method, `Block.decode`) or the
-name of a method (`"decode"`)."""
 
 
 def check_method(method: object, layer: object) -> None:
     """Raise unless `method` is `None`, a callable, or the name of a method of
-    `layer` (a layer or stacked layers, whose class is the layers' class)."""
+    `layer` (a layer, or stacked layers)."""
     if method is None or callable(method):
         return
     if not isinstance(method, str):
@@ -120,9 +102,9 @@ def check_method(method: object, layer: object) -> None:
 
 
 class OneLayer(NamedTuple):
-    """What one layer is called with: its arguments (its `per_layer` slices),
-    key, drop inputs and global index (a time step `over="time"`; `None` when
-    not known), which taps record it by."""
+    """What one layer is called with: its arguments (`per_layer` slices), key,
+    drop inputs and number (its global index, or a `Recurrent`'s time step;
+    `None` when not known), by which taps record it."""
 
     args: tuple
     kwargs: dict[str, object]
@@ -131,35 +113,20 @@ class OneLayer(NamedTuple):
     number: Index | None = None
 
 
+# A `Chain`'s pattern step (one repeat of a pattern, in one scan step):
+# `pattern_step(repeat, carry, one) -> output`, `one` the repeat's slices.
 PatternStep = Callable[[object, PyTree, OneLayer], PyTree]
-"""How a `Chain` runs one pattern step (one repeat of a repeated pattern, several
-layers in one scan step): `pattern_step(repeat, carry, one) -> output`, read as
-a layer's output is; `one` holds the repeat's slices (per-layer arguments, keys
-and drop inputs with the pattern's layer axis first), and `LayerCall.inner(one)`
-is the call of the pattern's own layers."""
 
 
 class LayerCall(NamedTuple):
-    """How every layer of a run is called.
-
-    - `args`, `kwargs`: passed to every layer; [`eqxscan.per_layer`][] values
-      are sliced per layer.
-    - `keys`: per-layer keys, or `None`; `read_out`: `carry_only` or
-      `pairs(...)`; `reverse`: last layer first; `method`: what runs of each
-      layer (`None`: `__call__`).
-    - `runs`: LayerDrop's choice when the caller drew it (a pipeline stage's
-      chunk of the stack's): a scan then runs only the layers that run.
-    - `drop`: drop-path and LayerDrop inputs, one entry per layer, or `None`.
-    - `optional_key`: a layer that takes no `key` is called without one (the
-      key was given for dropping only).
-    - `pattern_step`: set when each scan step is a pattern step (see
-      `PatternStep`); the per-layer values then have the repeat axis first.
-    - `caller`: names the container in errors.
-    - `start`, `stride`: layer `i` of this call is the outermost container's
-      layer number `start + i * stride`; `start` is `None` when not known.
-    - `over`: `"layers"`, or a `Recurrent`'s `"time"` steps, which set no
-      [`eqxscan.layer_index`][] and are tapped by time step.
-    """
+    """How every layer of a run is called: `args`, `kwargs` (`per_layer` values
+    sliced per layer), per-layer `keys` and `drop` inputs, `read_out`, `reverse`
+    and `method` (`None`: `__call__`). `runs`: LayerDrop's choice drawn by the
+    caller (a pipeline's chunk). `optional_key`: a layer taking no `key` gets none
+    (given for dropping only). `pattern_step`: each scan step is a pattern step
+    (the repeat axis first). `caller` names the container in errors. Layer `i`
+    is the outermost container's layer `start + i * stride` (`start` is `None`
+    when not known, and for a `Recurrent`'s time steps, which are no layers)."""
 
     args: tuple
     kwargs: dict[str, object]
@@ -174,11 +141,12 @@ class LayerCall(NamedTuple):
     caller: str = "Stacked"
     start: Index | None = 0
     stride: int = 1
-    over: Literal["layers", "time"] = "layers"
 
-    def number_of(self, i: Index) -> Index | None:
+    def number_of(self, i: Index | None) -> Index | None:
         """The layer number of this call's layer (or pattern step) `i`."""
-        return None if self.start is None else self.start + i * self.stride
+        if self.start is None or i is None:
+            return None
+        return self.start + i * self.stride
 
     def per_layer_values(self) -> tuple[PyTree, ...]:
         """Everything with a leading layer axis, in one tuple (for slicing)."""
@@ -188,14 +156,8 @@ class LayerCall(NamedTuple):
     def _arguments(self) -> list[object]:
         return [*self.args, *self.kwargs.values()]
 
-    def _split(self, values: Sequence[object]) -> tuple[tuple, dict[str, object]]:
-        # `values` (one per argument, as `_arguments` lists them) as args, kwargs.
-        return tuple(values[: len(self.args)]), dict(
-            zip(self.kwargs, values[len(self.args) :])
-        )
-
     def _filled(self, trees: Sequence[PyTree], wrap: bool) -> tuple[tuple, dict]:
-        # The arguments with the `per_layer` ones replaced by `trees`, in order
+        # The arguments, the `per_layer` ones replaced by `trees` in order
         # (wrapped as `per_layer` again when `wrap`).
         it = iter(trees)
         values = [
@@ -204,9 +166,13 @@ class LayerCall(NamedTuple):
         ]
         return self._split(values)
 
+    def _split(self, values: Sequence[object]) -> tuple[tuple, dict]:
+        # `values`, one per argument, as `(args, kwargs)`.
+        n = len(self.args)
+        return tuple(values[:n]), dict(zip(self.kwargs, values[n:]))
+
     def _with_per_layer(self, new: tuple[PyTree, ...]) -> "LayerCall":
-        # `self` with its per-layer values replaced by `new` (as
-        # `per_layer_values` lists them).
+        # `self` with its per-layer values replaced by `new`.
         trees, keys, drop = new
         args, kwargs = self._filled(trees, wrap=True)
         return self._replace(args=args, kwargs=kwargs, keys=keys, drop=drop)
@@ -217,14 +183,12 @@ class LayerCall(NamedTuple):
         return OneLayer(*self._filled(trees, wrap=False), key, drop)
 
     def at(self, i: Index) -> OneLayer:
-        """Layer `i`'s inputs: slice `i` of every per-layer value (a static
-        slice for an int, a dynamic one for an array index)."""
+        """Layer `i`'s inputs (`i` an int, or a traced index)."""
         one = self._one(index(self.per_layer_values(), i))
         return one._replace(number=self.number_of(i))
 
     def take(self, idx: Indices) -> "LayerCall":
-        """The call of the layers `idx` (a static slice or index array), in
-        that order: every per-layer value cut to them."""
+        """The call of the layers `idx` (a static slice or index array)."""
         start = None
         if isinstance(idx, slice) and idx.step in (None, 1) and self.start is not None:
             start = self.start + (idx.start or 0)
@@ -234,43 +198,30 @@ class LayerCall(NamedTuple):
     def placed(self, start: int, size: int, per_step: int) -> "LayerCall":
         """The call of layers `start .. start + size - 1` as one group: a stack
         (`per_step == 1`), or `size // per_step` pattern steps of `per_step`
-        layers (`per_step >= 2`; the per-layer values get a repeat axis in
-        front of the pattern's layer axis)."""
+        layers (the per-layer values get a repeat axis in front)."""
         part = take(self.per_layer_values(), slice(start, start + size))
         if per_step > 1:
+            rows = (size // per_step, per_step)
             part = jtu.tree_map(
-                lambda a: (
-                    a.reshape(size // per_step, per_step, *a.shape[1:])
-                    if eqx.is_array(a)
-                    else a
-                ),
-                part,
+                lambda a: a.reshape(*rows, *a.shape[1:]) if eqx.is_array(a) else a, part
             )
         new = self._with_per_layer(part)
         return new._replace(start=self.number_of(start), stride=max(per_step, 1))
 
     def inner(self, one: OneLayer) -> "LayerCall":
-        """The call of a pattern's own layers, from one repeat's inputs `one` (see
-        `PatternStep`): its slices of the per-layer arguments are per layer again."""
-        flags = [isinstance(v, PerLayer) for v in self._arguments()]
-        values = [*one.args, *one.kwargs.values()]
-        values = [PerLayer(v) if f else v for v, f in zip(values, flags)]
+        """The call of a pattern's own layers from one repeat's inputs `one` (its
+        per-layer slices per layer again, its other arguments as given)."""
+        values = [
+            PerLayer(v) if isinstance(own, PerLayer) else v
+            for v, own in zip([*one.args, *one.kwargs.values()], self._arguments())
+        ]
         args, kwargs = self._split(values)
-        return self._replace(
-            args=args,
-            kwargs=kwargs,
-            keys=one.key,
-            drop=one.drop,
-            runs=None,
-            pattern_step=None,
-            start=one.number,
-            stride=1,
-        )
+        new = self._replace(args=args, kwargs=kwargs, keys=one.key, drop=one.drop)
+        return new._replace(runs=None, pattern_step=None, start=one.number, stride=1)
 
     def scanned(self) -> tuple[PyTree, Callable[[PyTree], OneLayer]]:
-        """`(xs, one)`: the array parts of the per-layer values, each with the
-        layer axis first (what a scan slices), and `one(x_i)`, the layer's
-        inputs rebuilt from one step's slice."""
+        """`(xs, one)`: the arrays of the per-layer values (what a scan slices),
+        and `one(x_i)`, a layer's inputs rebuilt from one step's slice."""
         dyn, static = eqx.partition(self.per_layer_values(), eqx.is_array)
         return dyn, lambda x: self._one(eqx.combine(x, static))
 
@@ -278,14 +229,10 @@ class LayerCall(NamedTuple):
 def run_one(
     layer: object, call: LayerCall, one: OneLayer, carry: PyTree, who: str
 ) -> tuple[PyTree, PyTree]:
-    """Run `layer` on `carry` as `call` says, with its inputs `one`, and read its
-    output as `(carry, y)`: its method and key, then drop-path and (for a layer
-    whose scan does not skip it) LayerDrop. `who` names the layer in errors.
-
-    With a buffer view among its inputs (see `eqxscan/_scan/buffers.py`), a layer
-    (not a pattern step, which passes the view on to its own layers) returns
-    `(carry, new_slice)` where it would return its carry, and the result is
-    `((carry, buffer), y)`, the buffer with the layer's writes made."""
+    """Run `layer` on `carry` with its inputs `one`, as `call` says: `(carry, y)`
+    (`who` names it in errors). Given a buffer view (not in a pattern step, which
+    passes it on), the layer returns `(carry, new_slice)` for its carry, and this
+    `((carry, buffer), y)`, the layer's writes made (`buffers.py`)."""
     at = find_buffer(one.args, one.kwargs) if call.pattern_step is None else None
     if at is not None:
         return _run_writing(layer, call, one, at, carry, who)
@@ -293,7 +240,6 @@ def run_one(
         # A pattern step drops and keys its own layers.
         return call.read_out(call.pattern_step(layer, carry, one), who)
     method, key = call.method, one.key
-    # What runs (`__call__` for no method), for reading its signature.
     target: Callable[..., PyTree] = (
         getattr(layer, method) if isinstance(method, str) else method or layer  # pyright: ignore[reportAssignmentType]  # a module is callable
     )
@@ -315,9 +261,13 @@ def run_one(
         return (new if drop is None else drop_path(c, new, drop)), y
 
     old = clone(carry)  # the layer may invalidate `carry` (an `eqx.nn.State`)
-    number = one.number if call.over == "layers" else None
+    number = None if call.start is None else one.number  # a time step is no layer
     # Named for profiles: a scanned stack's ops carry the layer's class.
-    with at_layer(number), inside_layer(), jax.named_scope(type(layer).__name__):
+    with (
+        changed_call_state(layer=number),
+        inside_layer(),
+        jax.named_scope(type(layer).__name__),
+    ):
         if drop is None or drop.runs is None:  # called here: one frame less
             out = target(carry, *one.args, **keyed, **one.kwargs)
             new, y = call.read_out(out, who)
@@ -335,10 +285,8 @@ def _run_writing(
     carry: PyTree,
     who: str,
 ) -> tuple[PyTree, PyTree]:
-    # Layer `who` given its slice of the buffer at `at`; its new slice written
-    # back (only the rows it wrote, when it wrote rows).
-    # Dropping with a buffer is refused at the call (check_keeps_writes).
-    assert one.drop is None, who
+    # `layer` given its slice of the buffer at `at`; its new slice written back.
+    assert one.drop is None, who  # refused at the call (check_keeps_writes)
     view = view_of(one.args, one.kwargs, at)
 
     def fn(old: PyTree) -> tuple[tuple[PyTree, PyTree], PyTree]:
@@ -360,17 +308,14 @@ def _run_writing(
     return (tapped(one.number, new_carry, carry), tree), y
 
 
+# One layer as a function of the carry (its inputs bound): `carry -> carry`.
 LayerFn = Callable[[PyTree], PyTree]
-"""One layer as a function of the carry (its inputs bound): `carry -> carry`."""
 
 
 class GroupSteps(NamedTuple):
-    """One group of a container's layers, for a walk over them in order (early
-    exit): `steps` steps of `per_step` layers each (`0`: a lone layer, one
-    step, not in a loop), as a `Chain`'s `Placement` says, its first layer the
-    container's layer `start`. `step(j)` is step `j` (an int, or a traced index
-    inside a loop): one layer as a function of the carry, or the groups of one
-    pattern step. `name` is its layers' class for errors."""
+    """One group of a container's layers, for a walk in order (early exit):
+    `steps` steps of `per_step` layers (`0`: a lone layer) from layer `start`;
+    `step(j)` is one layer's `LayerFn`, or the groups of one pattern step."""
 
     start: int
     steps: int

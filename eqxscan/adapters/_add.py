@@ -15,6 +15,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
+from .. import Target
 from .._internal import (
     check_rate,
     check_size,
@@ -22,7 +23,6 @@ from .._internal import (
     pattern,
     replace_weights,
     split_key,
-    Target,
 )
 from ..quant import Quantized
 from ._lora import is_lora, LoRA, lora_sites, loras_in, Orientation

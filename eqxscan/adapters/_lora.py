@@ -10,7 +10,8 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
-from .._internal import for_each, MatmulOnly, Orientation, Site
+from .. import Orientation
+from .._internal import for_each, MatmulOnly, Site
 from ..quant import Quantized
 
 

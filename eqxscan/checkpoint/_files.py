@@ -4,6 +4,8 @@ the readers share: lazy arrays, the error for a corrupt file, digests, lists."""
 
 import contextlib
 import hashlib
+import math
+import mmap
 import os
 import re
 import secrets
@@ -14,7 +16,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import DTypeLike
 
-from .._internal import docs, Lazy as Lazy, listed as listed
+from .._internal import describe, docs, Lazy as Lazy, listed as listed
 
 
 try:
@@ -128,3 +130,31 @@ def fsync_dir(directory: str) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def check_path(name: str, path: object) -> str:
+    """`os.fspath(path)`, or a `TypeError` naming `name` (e.g. `"save: path"`)
+    for anything that is not a path (`None`, a number, an array)."""
+    if isinstance(path, (str, os.PathLike)) and not isinstance(path, bytes):
+        return os.fspath(path)
+    raise TypeError(
+        f"{name} must be a path (a str or an os.PathLike such as pathlib.Path), "
+        f"got {type(path).__name__} ({describe(path)}).\nHint: pass the file or "
+        "directory name, e.g. 'checkpoints/model.safetensors'."
+    )
+
+
+# Past this, `host_empty` maps its own pages.
+_MAPPED = 1 << 20
+_POSIX = hasattr(mmap, "MAP_PRIVATE")
+
+
+def host_empty(shape: tuple[int, ...], dtype: DTypeLike) -> np.ndarray:
+    """`numpy.empty(shape, dtype)`, in pages of its own when large, which go back
+    to the system when freed (glibc's heap would keep them resident)."""
+    dtype = np.dtype(dtype)
+    size = math.prod(shape) * dtype.itemsize
+    if size < _MAPPED:
+        return np.empty(shape, dtype)
+    private = {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS} if _POSIX else {}
+    return np.frombuffer(mmap.mmap(-1, size, **private), dtype).reshape(shape)

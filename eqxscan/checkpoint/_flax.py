@@ -8,7 +8,8 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from .._internal import describe, key_name, Stacked
+from .. import Stacked
+from .._internal import describe, key_name
 from ._files import flatten
 from ._names import NameMap
 from ._state_dict import from_state_dict

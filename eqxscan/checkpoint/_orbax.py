@@ -20,20 +20,19 @@ import jax
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
+from .. import Stacked
 from .._internal import (
-    check_path,
     check_size,
     docs,
     for_each,
     is_arraylike,
     key_name,
     Site,
-    Stacked,
     walk,
     weak_like,
 )
 from ..sharding import MIN_SIZE, model_shardings, opt_state_shardings, shard
-from ._files import flatten, listed
+from ._files import check_path, flatten, listed
 
 
 DOCS = f"see {docs('multihost.md')}"

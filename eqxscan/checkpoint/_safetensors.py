@@ -24,8 +24,9 @@ import numpy as np
 from jaxtyping import PyTree
 from numpy.typing import DTypeLike
 
-from .._internal import check_like, check_path, docs, parse_bytes
+from .._internal import check_like, docs, parse_bytes
 from ._files import (
+    check_path,
     CorruptFileError,
     digest,
     fsync_dir,

@@ -14,8 +14,15 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from .._internal import host_empty
-from ._files import CorruptFileError, differences, digest, DOCS, Lazy, spec
+from ._files import (
+    CorruptFileError,
+    differences,
+    digest,
+    DOCS,
+    host_empty,
+    Lazy,
+    spec,
+)
 
 
 SINGLE = "model.safetensors"

@@ -7,7 +7,8 @@ from typing import TypeVar
 import numpy as np
 from jaxtyping import PyTree
 
-from .._internal import check_like, check_path
+from .._internal import check_like
+from ._files import check_path
 from ._safetensors import load_safetensors, read_safetensors, save_safetensors
 
 

@@ -18,9 +18,9 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
+from .. import Stacked
 from .._internal import (
     describe,
-    host_empty,
     index,
     is_arraylike,
     is_placeholder,
@@ -30,10 +30,9 @@ from .._internal import (
     placed_like,
     resolve,
     Site,
-    Stacked,
     walk,
 )
-from ._files import Lazy, listed, shape_dtype
+from ._files import host_empty, Lazy, listed, shape_dtype
 
 
 # A name is a tuple of parts: strings, and a `LayerNumbering` where a layer number

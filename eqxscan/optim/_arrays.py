@@ -6,7 +6,8 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from .._internal import LayerNumbering, Site, Stacked
+from .. import Stacked
+from .._internal import LayerNumbering, Site
 
 
 def is_stacked(x: object) -> bool:

@@ -14,15 +14,8 @@ import optax
 from jax.core import Tracer
 from jaxtyping import PyTree
 
-from .._internal import (
-    Chain,
-    check_index,
-    docs,
-    layers_in_stage_order,
-    Site,
-    Stacked,
-    walk,
-)
+from .. import Chain, Stacked
+from .._internal import check_index, docs, layers_in_stage_order, Site, walk
 from ._arrays import is_array, is_stacked
 from ._layerwise import one_layer, outer_stacks
 

@@ -12,7 +12,8 @@ import jax.tree_util as jtu
 import optax
 from jaxtyping import PyTree
 
-from .._internal import call_state, changed_call_state, docs, is_placeholder, Stacked
+from .. import Stacked
+from .._internal import call_state, changed_call_state, docs, is_placeholder
 from ._arrays import is_array, is_stacked
 
 

@@ -9,7 +9,8 @@ from typing import Literal
 import jax
 from jaxtyping import PyTree
 
-from .._internal import check_size, parse_bytes, Remat, ScanOptions
+from .. import ScanOptions
+from .._internal import check_size, parse_bytes, Remat
 from ..sharding import MIN_SIZE
 from ._candidates import compile_all, mesh_shapes, Progress, Rules
 from ._child import compile_in_child

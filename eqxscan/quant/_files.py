@@ -5,10 +5,12 @@ which quantizes a float checkpoint one layer of one weight at a time. A
 each weight's name pattern to how it was quantized (docs/quantization.md#files).
 """
 
+import ctypes
 import dataclasses
+import functools
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import cast, TypeVar
 
 import equinox as eqx
@@ -23,7 +25,6 @@ from .._internal import (
     check_like,
     docs,
     for_each,
-    give_back_freed,
     Held,
     hold,
     is_arraylike,
@@ -471,3 +472,19 @@ def quantize_file(
         quantized = _fit(opened, qlike, _quantizing(opened, qlike), build)
     give_back_freed()
     return quantized
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], object] | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc's
+    except (OSError, AttributeError, TypeError):  # none; Windows: no CDLL(None)
+        return None
+
+
+def give_back_freed() -> None:
+    """Hand the memory freed on the heap back to the system (glibc's
+    `malloc_trim`): a loop over large layers otherwise keeps some of each."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)

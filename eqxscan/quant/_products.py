@@ -20,7 +20,7 @@ import numpy as np
 from jax.typing import DTypeLike
 from jaxtyping import Array
 
-from .._internal import Orientation
+from .. import Orientation
 
 
 def _wide(*dtypes: DTypeLike) -> np.dtype:

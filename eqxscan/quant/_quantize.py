@@ -12,15 +12,8 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, PyTree
 
-from .._internal import (
-    Checked,
-    describe,
-    for_each,
-    layer_names,
-    replace_weights,
-    Site,
-    Target,
-)
+from .. import Target
+from .._internal import Checked, describe, for_each, layer_names, replace_weights, Site
 from ._quantized import (
     GROUP_SIZES,
     Kernel,

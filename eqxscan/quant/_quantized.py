@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Shaped
 
-from .._internal import describe as describe_array, MatmulOnly, Orientation
+from .. import Orientation
+from .._internal import describe as describe_array, MatmulOnly
 from ._products import channel_product, e4m3_to_float32, grouped_int4_product
 
 

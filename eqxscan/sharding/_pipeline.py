@@ -16,13 +16,13 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
 
+from .. import DropRates, Stacked
 from .._internal import (
     carry_examples,
     check_droppable,
     check_size,
     constrain,
     DropInputs,
-    DropRates,
     index,
     keep_bits,
     LayerCall,
@@ -31,7 +31,6 @@ from .._internal import (
     restack,
     scan_layers,
     split_key,
-    Stacked,
     tapping,
     write,
 )

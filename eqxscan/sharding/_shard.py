@@ -13,6 +13,7 @@ from jax.core import Tracer
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, Sharding
 from jaxtyping import PyTree
 
+from .. import Stacked
 from .._internal import (
     align,
     check_size,
@@ -20,7 +21,6 @@ from .._internal import (
     is_placeholder,
     restack,
     Site,
-    Stacked,
     walk,
 )
 from ._place import default_devices, Device, place, place_batch
