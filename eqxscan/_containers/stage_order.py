@@ -60,3 +60,16 @@ def check_stage_order(order: object, num_layers: int) -> tuple[int, int] | None:
             "sets it."
         )
     return stages, repeats
+
+
+def refuse_stage_order(stage_order: tuple[int, int] | None, what: str) -> None:
+    """Refuse `what` (e.g. `"Cannot take 0:2 of a Stacked"`) of a stack stored in
+    stage order, where positions are not layer numbers."""
+    if stage_order is None:
+        return
+    order = "pipeline_order(stack, stages={}, repeats={}".format(*stage_order)
+    raise ValueError(
+        f"{what} in the stage order of {order}): its positions are not its layer "
+        f"numbers.\nHint: use `eqxscan.sharding.{order}, inverse=True)`, the "
+        "natural order."
+    )

@@ -5,6 +5,7 @@ from .chain import Chain as Chain
 from .groups import (
     check_chain_method as check_chain_method,
     Pattern as Pattern,
+    Placement as Placement,
     run_groups as run_groups,
 )
-from .layers import chain_layer_fn as chain_layer_fn, chain_steps as chain_steps
+from .layers import chain_layer_fn as chain_layer_fn, lone_fn as lone_fn

@@ -22,8 +22,8 @@ from .explain import explain, warn_identity
 from .grouping import plan, stack_classes
 from .groups import (
     assemble,
+    bodies,
     check_chain_method,
-    count_bodies,
     group_name,
     name_groups,
     Placement,
@@ -199,8 +199,8 @@ class Chain(Scanning):
         2 has float32[8,8]`` (the leaf path where they differ, and both values).
         """
         names = [group_name(g, s) for g, s in zip(self.groups, self.layout)]
-        bodies = count_bodies(self.layout, self.groups)
-        return explain(self.unstack(), self.layout, names, bodies)
+        count = len(bodies(self.groups, self.layout))
+        return explain(self.unstack(), self.layout, names, count)
 
     def own_options(self) -> tuple[str, ...]:
         return ("drop_path", "layer_drop")

@@ -3,7 +3,7 @@ in order through the layer-call seam (a lone layer as layer `start` of the
 chain's call, a stack with `LayerCall.placed`, a pattern step with
 `LayerCall.inner`)."""
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import equinox as eqx
@@ -144,14 +144,6 @@ def _on_layer_axis(ys: PyTree, place: Placement) -> PyTree:
     return ys
 
 
-def count_bodies(layout: tuple[Placement, ...], groups: tuple[Any, ...]) -> int:
-    """How many layer bodies a grouping traces (a pattern's own, once)."""
-    return sum(
-        count_bodies(g.layers.layout, g.layers.groups) if s.per_step > 1 else 1
-        for g, s in zip(groups, layout)
-    )
-
-
 def _join(pieces: list[tuple[Any, Placement, PyTree]]) -> PyTree:
     """Concatenate the groups' `ys` along the layer axis."""
     if all(ys is None for _, _, ys in pieces):
@@ -195,7 +187,7 @@ def check_chain_method(
     """Check `method` against every kind of layer the groups hold (a name must
     be a method of each)."""
     if isinstance(method, str):
-        for layer in _kinds(groups, layout):
+        for layer in bodies(groups, layout):
             check_method(method, layer)
     else:
         check_method(method, None)
@@ -303,17 +295,35 @@ def name_groups(
     return tuple(new)
 
 
-def _kinds(groups: tuple[Any, ...], layout: tuple[Placement, ...]) -> list[Any]:
-    """One layer (or stacked layers) of each kind in the groups."""
-    kinds = []
-    for group, place in zip(groups, layout):
+def layer_bodies(
+    groups: tuple[Any, ...],
+    layout: tuple[Placement, ...],
+    path: tuple[int, ...] = (),
+    reps: tuple[int, ...] = (),
+) -> Iterator[tuple[tuple[int, ...], Any, bool, tuple[int, ...]]]:
+    """For each layer of `groups`, in order: the path to the body that runs it (a
+    group index per level, one level per repeated pattern), that body (a lone
+    layer, or a stack's layers), whether it is stacked, and the indices of the
+    layer's weights in it (repeats, then within a stack)."""
+    for j, (group, place) in enumerate(zip(groups, layout)):
+        here = path + (j,)
         if place.per_step == 0:
-            kinds.append(group)
+            yield here, group, False, reps
         elif place.per_step == 1:
-            kinds.append(group.layers)
+            for o in range(place.size):
+                yield here, group.layers, True, reps + (o,)
         else:
-            kinds.extend(_kinds(group.layers.groups, group.layers.layout))
-    return kinds
+            pattern: Pattern = group.layers
+            for r in range(place.size // place.per_step):
+                yield from layer_bodies(
+                    pattern.groups, pattern.layout, here, reps + (r,)
+                )
+
+
+def bodies(groups: tuple[Any, ...], layout: tuple[Placement, ...]) -> list[Any]:
+    """The layer bodies a grouping traces (a pattern's own, once), in order."""
+    found = {path: body for path, body, _, _ in layer_bodies(groups, layout)}
+    return list(found.values())
 
 
 class Pattern(eqx.Module):
@@ -330,9 +340,8 @@ class Pattern(eqx.Module):
         """The class name of each of the `K` layers (also right for a stacked
         `Pattern`, whose arrays have a repeat axis)."""
         return [
-            type(group if place.per_step == 0 else group.layers).__name__
-            for group, place in zip(self.groups, self.layout)
-            for _ in range(1 if place.per_step == 0 else place.size)
+            type(body).__name__
+            for _, body, _, _ in layer_bodies(self.groups, self.layout)
         ]
 
     def unstack(self) -> list[Any]:

@@ -1,9 +1,8 @@
-"""A chain's layers one at a time, as functions of the carry: for walks in order
-(`chain_steps`, early exit) and for traced subsets (`chain_layer_fn`)."""
+"""A chain's layers one at a time, as functions of the carry: for early exit
+(`lone_fn`) and for traced subsets (`chain_layer_fn`)."""
 
-import functools
-from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import equinox as eqx
 import jax
@@ -13,57 +12,18 @@ from jaxtyping import Array, Int, PyTree
 
 from ..._helpers.checks import CarryError, check_carry, noted
 from ..._helpers.constrain import constrain
-from ..._scan.layer_call import GroupSteps, Index, index, LayerCall, OneLayer, run_one
+from ..._scan.layer_call import index, LayerCall, OneLayer, run_one
 from ..._scan.taps import add, held
-from ..stack_calls import layer_of, stack_layer_fn
-from ..stacked import in_natural_order, Stacked
+from ..stacked import in_natural_order
 from .chain import Chain
-from .groups import Pattern, Placement
+from .groups import layer_bodies
 
 
-def chain_steps(
-    groups: tuple[Any, ...],
-    layout: tuple[Placement, ...],
-    call: LayerCall,
-    first: int = 0,
-) -> tuple[GroupSteps, ...]:
-    """The groups' layers as `GroupSteps` of a walk in order (a repeated pattern
-    one repeat per step); `first` is the global index of the first layer."""
-    out = []
-    for group, place in zip(groups, layout):
-        start, per_step = first + place.start, place.per_step
-        if per_step == 0:
-            one, name = call.at(place.start), type(group).__name__
-            fn = functools.partial(_lone_fn, group, call, one, name)
-            out.append(GroupSteps(start, 1, 0, lambda j, fn=fn: fn, name))
-            continue
-        group_call = call.placed(place.start, place.size, per_step)
-        if per_step == 1:
-            step = functools.partial(
-                stack_layer_fn, in_natural_order(group), group_call
-            )
-            name = type(group.layers).__name__
-        else:
-            step = functools.partial(_pattern_steps, group, place, group_call, start)
-            name = ", ".join(group.layers.class_names())
-        out.append(GroupSteps(start, place.size // per_step, per_step, step, name))
-    return tuple(out)
-
-
-def _lone_fn(
+def lone_fn(
     layer: object, call: LayerCall, one: OneLayer, name: str, c: PyTree
 ) -> PyTree:
+    """A lone layer as a function of the carry, as `call` runs it."""
     return run_one(layer, call, one, c, name)[0]
-
-
-def _pattern_steps(
-    group: Stacked, place: Placement, group_call: LayerCall, start: int, r: Index
-) -> tuple[GroupSteps, ...]:
-    # Repeat `r` of a pattern: its layers, with the repeat's inputs.
-    repeat: Pattern = layer_of(group, r)
-    call = group_call.inner(group_call.at(r))
-    first = start + (r * place.per_step if isinstance(r, int) else 0)
-    return chain_steps(repeat.groups, repeat.layout, call, first)
 
 
 class _Branch(NamedTuple):
@@ -75,25 +35,6 @@ class _Branch(NamedTuple):
     stacked: bool
     layers: tuple[int, ...]
     name: str
-
-
-def _walk(
-    groups: tuple, layout: tuple[Placement, ...], path: tuple[int, ...], reps: tuple
-) -> Iterator[tuple[tuple[int, ...], bool, tuple[int, ...], str]]:
-    """`(path, stacked, indices, class name)` for each layer of `groups`: which
-    body runs it, and the indices (repeats, then within a stack) of its weights."""
-    for j, (group, place) in enumerate(zip(groups, layout)):
-        here = path + (j,)
-        if place.per_step == 0:
-            yield here, False, reps, type(group).__name__
-        elif place.per_step == 1:
-            name = type(group.layers).__name__
-            for o in range(place.size):
-                yield here, True, reps + (o,), name
-        else:
-            pattern: Pattern = group.layers
-            for r in range(place.size // place.per_step):
-                yield from _walk(pattern.groups, pattern.layout, here, reps + (r,))
 
 
 def _describe_layers(layers: tuple[int, ...], name: str) -> str:
@@ -108,17 +49,18 @@ def _describe_layers(layers: tuple[int, ...], name: str) -> str:
 def _chain_table(chain: Chain) -> tuple[list[_Branch], np.ndarray]:
     """The chain's bodies, and for each global layer a row `[body, i_0, ...]`:
     which body runs it and the indices of its weights (padded with zeros)."""
-    walked = list(_walk(chain.groups, chain.layout, (), ()))
+    walked = list(layer_bodies(chain.groups, chain.layout))
     paths = list(dict.fromkeys(path for path, _, _, _ in walked))
-    width = 1 + max(len(indices) for _, _, indices, _ in walked)
+    width = 1 + max(len(indices) for _, _, _, indices in walked)
     table = np.zeros((len(walked), width), np.int32)
-    for g, (path, _, indices, _) in enumerate(walked):
+    for g, (path, _, _, indices) in enumerate(walked):
         table[g, : 1 + len(indices)] = (paths.index(path), *indices)
     branches = []
     for b, path in enumerate(paths):
         layers = tuple(int(g) for g in np.flatnonzero(table[:, 0] == b))
-        _, stacked, _, name = walked[layers[0]]
-        branches.append(_Branch(path, stacked, layers, _describe_layers(layers, name)))
+        _, body, stacked, _ = walked[layers[0]]
+        name = _describe_layers(layers, type(body).__name__)
+        branches.append(_Branch(path, stacked, layers, name))
     return branches, table
 
 
@@ -161,7 +103,7 @@ def chain_layer_fn(
             old = eqx.combine(c_dyn, carry_static)
             where = branch.name
             with held() as records:  # taps' records leave the switch as outputs
-                new = noted(_lone_fn, where, layer, call, one, where, old)
+                new = noted(lone_fn, where, layer, call, one, where, old)
             try:
                 check_carry(old, new, where)
             except CarryError as e:
