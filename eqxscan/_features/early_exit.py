@@ -72,24 +72,19 @@ class _State(NamedTuple):
 
 
 def _check_bound(name: str, value: object, length: int, who: str) -> Bound:
-    if isinstance(value, (jax.Array, np.ndarray)):
-        if value.shape != () or not jnp.issubdtype(value.dtype, jnp.integer):
-            raise TypeError(
-                f"{who}: {name} must be an int or an integer scalar array, got "
-                f"{describe(value)}.\nHint: pass e.g. `jnp.int32(k)` to choose the "
-                "bound at run time without recompiling."
-            )
-        if not isinstance(value, jax.core.Tracer):
-            check_size(name, int(value), minimum=0, maximum=length)
-        # Traced: clamped to [0, L], as documented.
-        return jnp.clip(jnp.asarray(value, jnp.int32), 0, length)
-    return check_size(
-        name,
-        value,
-        minimum=0,
-        maximum=length,
-        hint=f"Hint: the model has {length} layers.",
-    )
+    if not isinstance(value, (jax.Array, np.ndarray)):
+        hint = f"Hint: the model has {length} layers."
+        return check_size(name, value, minimum=0, maximum=length, hint=hint)
+    if value.shape != () or not jnp.issubdtype(value.dtype, jnp.integer):
+        raise TypeError(
+            f"{who}: {name} must be an int or an integer scalar array, got "
+            f"{describe(value)}.\nHint: pass e.g. `jnp.int32(k)` to choose the "
+            "bound at run time without recompiling."
+        )
+    if not isinstance(value, jax.core.Tracer):
+        check_size(name, int(value), minimum=0, maximum=length)
+    # Traced: clamped to [0, L], as documented.
+    return jnp.clip(jnp.asarray(value, jnp.int32), 0, length)
 
 
 def _batch_size(carry: PyTree, who: str) -> int:
@@ -118,8 +113,7 @@ def _batch_size(carry: PyTree, who: str) -> int:
 def _halts(ex: _Exit, carry: PyTree) -> Array:
     out = noted(ex.predicate, f"The predicate of {ex.who}", carry)
     shape = (ex.batch,) if ex.per_example else ()
-    if isinstance(out, (bool, np.bool_)):
-        out = jnp.asarray(out)
+    out = jnp.asarray(out) if isinstance(out, (bool, np.bool_)) else out
     if not (is_array(out) and out.dtype == jnp.bool_ and out.shape == shape):
         expected = f"bool[{ex.batch}]" if ex.per_example else "a bool scalar"
         raise TypeError(

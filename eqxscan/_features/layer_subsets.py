@@ -227,13 +227,10 @@ def _run_static(
     ):
         return _scan_indices(model, x, jnp.asarray(order, jnp.int32), call)
     if isinstance(model, Chain):
-        chosen = model.unstack()
         # Each stretch of consecutive layers runs as a Chain of its own, so
         # that its layers keep their global indices (`layer_index()`).
         for start, stop in _stretches(order):
-            sub = Chain(
-                chosen[start:stop], patterns=model.patterns, **model.options.as_args()
-            )
+            sub = model[start:stop]
             sub_call = call.take(slice(start, stop))._replace(caller="Chain")
             x = run_groups(sub.groups, sub.layout, x, sub_call, "Chain")[0]
         return x

@@ -18,8 +18,7 @@ from ..._scan.layer_call import carry_only, check_per_layer, LayerCall, Method, 
 from ..._scan.options import OwnOptions, ScanArgs, Scanning, ScanOptions
 from ..stack_calls import dropping_call
 from ..stacked import LayerNumbering, StateDictFn
-from .explain import explain, warn_identity
-from .grouping import plan, stack_classes
+from .grouping import explain, plan, stack_classes, warn_identity
 from .groups import (
     assemble,
     bodies,
