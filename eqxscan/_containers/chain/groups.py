@@ -301,17 +301,17 @@ def layer_bodies(
     path: tuple[int, ...] = (),
     reps: tuple[int, ...] = (),
 ) -> Iterator[tuple[tuple[int, ...], Any, bool, tuple[int, ...]]]:
-    """For each layer of `groups`, in order: the path to the body that runs it (a
-    group index per level, one level per repeated pattern), that body (a lone
-    layer, or a stack's layers), whether it is stacked, and the indices of the
-    layer's weights in it (repeats, then within a stack)."""
+    """For each layer of `groups`, in order: the path to the group whose body
+    runs it (a group index per level, one level per repeated pattern), that
+    group (a lone layer, or a stack), whether it is a stack, and the indices of
+    the layer's weights in it (repeats, then within a stack)."""
     for j, (group, place) in enumerate(zip(groups, layout)):
         here = path + (j,)
         if place.per_step == 0:
             yield here, group, False, reps
         elif place.per_step == 1:
             for o in range(place.size):
-                yield here, group.layers, True, reps + (o,)
+                yield here, group, True, reps + (o,)
         else:
             pattern: Pattern = group.layers
             for r in range(place.size // place.per_step):
@@ -321,8 +321,9 @@ def layer_bodies(
 
 
 def bodies(groups: tuple[Any, ...], layout: tuple[Placement, ...]) -> list[Any]:
-    """The layer bodies a grouping traces (a pattern's own, once), in order."""
-    found = {path: body for path, body, _, _ in layer_bodies(groups, layout)}
+    """The layer bodies a grouping traces (a pattern's own, once), in order: a
+    lone layer, or a stack's layers."""
+    found = {p: g.layers if s else g for p, g, s, _ in layer_bodies(groups, layout)}
     return list(found.values())
 
 
@@ -340,8 +341,8 @@ class Pattern(eqx.Module):
         """The class name of each of the `K` layers (also right for a stacked
         `Pattern`, whose arrays have a repeat axis)."""
         return [
-            type(body).__name__
-            for _, body, _, _ in layer_bodies(self.groups, self.layout)
+            type(group.layers if stacked else group).__name__
+            for _, group, stacked, _ in layer_bodies(self.groups, self.layout)
         ]
 
     def unstack(self) -> list[Any]:

@@ -2,12 +2,11 @@
 (`lone_fn`) and for traced subsets (`chain_layer_fn`)."""
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Int, PyTree
 
 from ..._helpers.checks import CarryError, check_carry, noted
@@ -26,58 +25,13 @@ def lone_fn(
     return run_one(layer, call, one, c, name)[0]
 
 
-class _Branch(NamedTuple):
-    """One body of a chain's traced subset: a lone layer or a stack, reached by
-    `path` (a group index per level, one level per repeated pattern), covering
-    the global `layers`."""
-
-    path: tuple[int, ...]
-    stacked: bool
-    layers: tuple[int, ...]
-    name: str
-
-
-def _describe_layers(layers: tuple[int, ...], name: str) -> str:
+def _describe_layers(layers: list[int], name: str) -> str:
     if len(layers) == 1:
         return f"Layer {layers[0]} ({name})"
-    if layers == tuple(range(layers[0], layers[-1] + 1)):
+    if layers == list(range(layers[0], layers[-1] + 1)):
         return f"Layers {layers[0]}-{layers[-1]} ({name}, one body)"
     shown = ", ".join(map(str, layers[:6])) + (", ..." if len(layers) > 6 else "")
     return f"Layers {shown} ({name}, one body)"
-
-
-def _chain_table(chain: Chain) -> tuple[list[_Branch], np.ndarray]:
-    """The chain's bodies, and for each global layer a row `[body, i_0, ...]`:
-    which body runs it and the indices of its weights (padded with zeros)."""
-    walked = list(layer_bodies(chain.groups, chain.layout))
-    paths = list(dict.fromkeys(path for path, _, _, _ in walked))
-    width = 1 + max(len(indices) for _, _, _, indices in walked)
-    table = np.zeros((len(walked), width), np.int32)
-    for g, (path, _, _, indices) in enumerate(walked):
-        table[g, : 1 + len(indices)] = (paths.index(path), *indices)
-    branches = []
-    for b, path in enumerate(paths):
-        layers = tuple(int(g) for g in np.flatnonzero(table[:, 0] == b))
-        _, body, stacked, _ = walked[layers[0]]
-        name = _describe_layers(layers, type(body).__name__)
-        branches.append(_Branch(path, stacked, layers, name))
-    return branches, table
-
-
-def _branch_layer(chain: Chain, branch: _Branch, row: Int[Array, " w"]) -> object:
-    """The layer of `branch` that `row` (of `_chain_table`) picks: indexed by
-    the row's traced indices, one per repeated pattern, then within a stack."""
-    *patterns, last = branch.path
-    groups: tuple = chain.groups
-    for j in patterns:
-        groups = groups[j].layers.groups
-    group = in_natural_order(groups[last])
-    tree = group.layers if branch.stacked else group
-    for level in range(1, len(branch.path) + branch.stacked):
-        tree = index(tree, row[level])
-    if branch.stacked and group.layer_sharding is not None:
-        tree = constrain(tree, group.layer_sharding)
-    return tree
 
 
 def chain_layer_fn(
@@ -92,16 +46,33 @@ def chain_layer_fn(
     its group's stacked weights. Every body must return a carry like the one it
     receives (else a `TypeError` naming the layer, with `hint`). `name_inputs`
     names what a body reads as the step's inputs."""
-    branches, table = _chain_table(chain)
-    rows = jnp.asarray(table)
+    walked = list(layer_bodies(chain.groups, chain.layout))
+    # Per body: its group, whether a stack, and the global layers it runs.
+    branches: dict[tuple[int, ...], tuple[Any, bool, list[int]]] = {}
+    for g, (path, group, stacked, _) in enumerate(walked):
+        branches.setdefault(path, (group, stacked, []))[2].append(g)
+    # Per global layer: its body, then the indices of its weights (zero-padded).
+    width = max(len(reps) for _, _, _, reps in walked)
+    paths = list(branches)
+    table = [(paths.index(p), *r, *[0] * (width - len(r))) for p, _, _, r in walked]
+    rows = jnp.asarray(table, jnp.int32)
 
-    def body(branch: _Branch, row: Array, one: OneLayer) -> Callable[[PyTree], PyTree]:
+    def body(
+        group: Any, stacked: bool, layers: list[int], row: Array, one: OneLayer
+    ) -> Callable[[PyTree], PyTree]:
+        name = type(group.layers if stacked else group).__name__
+        where, depth = _describe_layers(layers, name), len(walked[layers[0]][3])
+
         # Only the carry's arrays pass through the `switch`; the rest (broadcast
         # arguments may be any Python value) is closed over.
         def fn(c_dyn: PyTree) -> PyTree:
-            layer = name_inputs(_branch_layer(chain, branch, row))
-            old = eqx.combine(c_dyn, carry_static)
-            where = branch.name
+            natural = in_natural_order(group)
+            tree = natural.layers if stacked else natural
+            for i in range(depth):
+                tree = index(tree, row[1 + i])
+            if stacked and natural.layer_sharding is not None:
+                tree = constrain(tree, natural.layer_sharding)
+            layer, old = name_inputs(tree), eqx.combine(c_dyn, carry_static)
             with held() as records:  # taps' records leave the switch as outputs
                 new = noted(lone_fn, where, layer, call, one, where, old)
             try:
@@ -115,8 +86,8 @@ def chain_layer_fn(
     def layer(g: Int[Array, ""], carry: PyTree) -> PyTree:
         row = rows[g]
         one = name_inputs(call.at(g))
-        bodies = [body(branch, row, one) for branch in branches]
-        new, records = jax.lax.switch(row[0], bodies, eqx.filter(carry, eqx.is_array))
+        fns = [body(*branch, row, one) for branch in branches.values()]
+        new, records = jax.lax.switch(row[0], fns, eqx.filter(carry, eqx.is_array))
         add(records)
         return eqx.combine(new, carry_static)
 
