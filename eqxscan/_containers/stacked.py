@@ -104,21 +104,20 @@ def build_layers(
 
     keys = split_key(key, num_layers, "Stacked")
     layers = eqx.filter_vmap(one)(keys, per_dyn)
-    if layers is None or isinstance(layers, (bool, int, float, complex, str, bytes)):
-        # A missing `return`, a number or a string would only fail when called.
-        raise TypeError(
-            f"make_layer returned {describe(layers)} ({type(layers).__name__}), not "
-            "a layer.\nHint: make_layer(key, ...) must return the layer, e.g. an "
-            "eqx.Module called as `layer(x)`; is a `return` missing?"
-        )
+    # A missing `return`, a number, a string or an array would only fail when
+    # called.
     if is_array(layers):
-        one_layer = jax.ShapeDtypeStruct(layers.shape[1:], layers.dtype)
-        raise TypeError(
-            f"make_layer returned an array ({describe(one_layer)}), not a layer. It "
-            "must return a module (e.g. an `eqx.Module`) that is called as "
-            "`layer(x)`."
-        )
-    return layers
+        one = jax.ShapeDtypeStruct(layers.shape[1:], layers.dtype)
+        got = f"an array ({describe(one)})"
+    elif layers is None or isinstance(layers, (bool, int, float, complex, str, bytes)):
+        got = f"{describe(layers)} ({type(layers).__name__})"
+    else:
+        return layers
+    raise TypeError(
+        f"make_layer returned {got}, not a layer.\nHint: make_layer(key, ...) "
+        "must return the layer, e.g. an eqx.Module called as `layer(x)`; is a "
+        "`return` missing?"
+    )
 
 
 class _Restacked(NamedTuple):

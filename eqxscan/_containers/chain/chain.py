@@ -33,24 +33,6 @@ from .groups import (
 )
 
 
-def check_chain_buffers(tree: PyTree, chain: "Chain") -> LayerBuffers:
-    """`tree` (a `Chain`'s buffer), checked to hold one buffer per group."""
-    if not isinstance(tree, LayerBuffers) or tree.layout != places(
-        chain.groups, chain.layout
-    ):
-        got = (
-            f"LayerBuffers of another chain's {len(tree.groups)} groups"
-            if isinstance(tree, LayerBuffers)
-            else describe(tree)
-        )
-        raise TypeError(
-            f"A Chain's eqxscan.buffer holds each of its {len(chain.groups)} "
-            f"groups' buffers, but it wraps {got}.\nBuild it with "
-            "eqxscan.layer_buffers(chain, make) for this chain."
-        )
-    return tree
-
-
 class Chain(Scanning):
     """A sequence of layers that are not all alike, run as a fold with as few
     traced layer bodies as possible.
@@ -311,7 +293,20 @@ class Chain(Scanning):
                 )
             # Group `k`'s buffer is `groups[k]` (see layer_buffers).
             given = view_of(args, kwargs, at)
-            tree = check_chain_buffers(given.tree, self)
+            tree = given.tree
+            if not isinstance(tree, LayerBuffers) or tree.layout != places(
+                self.groups, self.layout
+            ):
+                got = (
+                    f"LayerBuffers of another chain's {len(tree.groups)} groups"
+                    if isinstance(tree, LayerBuffers)
+                    else describe(tree)
+                )
+                raise TypeError(
+                    f"A Chain's eqxscan.buffer holds each of its {len(self.groups)} "
+                    f"groups' buffers, but it wraps {got}.\nBuild it with "
+                    "eqxscan.layer_buffers(chain, make) for this chain."
+                )
             args, kwargs = replace_arg(args, kwargs, at, given.of(tree.groups))
         if scan and find_state(args, kwargs) is not None:
             raise TypeError(
@@ -327,8 +322,9 @@ class Chain(Scanning):
         # with everything else per layer.
         call = dropping_call(self.drop_rates, call, key, "Chain")
         if tree is not None:
-            drops = call.drop is not None or call.runs is not None
-            check_keeps_writes("This Chain", drops)
+            check_keeps_writes(
+                "This Chain", call.drop is not None or call.runs is not None
+            )
         return call, tree
 
 
