@@ -34,27 +34,31 @@ _TRACED_HINT = (
 )
 
 
-def _static_indices(layers: object, length: int, who: str) -> np.ndarray | slice:
+def _indices(layers: object, length: int, who: str) -> np.ndarray | slice | Array:
+    """`layers` checked; traced indices, which cannot be, are clamped to
+    `[0, L)`, as documented (negative ones are not counted from the end)."""
     if isinstance(layers, slice):
-        chosen = range(length)[layers]
-        if len(chosen) == 0:
+        if len(range(length)[layers]) == 0:
             raise ValueError(
                 f"{who}: {layers} selects no layers of {length}.\nHint: "
                 "a slice i:j runs layers i to j-1 and needs i < j."
             )
         return layers
+    traced = isinstance(layers, jax.core.Tracer)
     try:
-        idx = np.asarray(layers)
+        idx = layers if traced else np.asarray(layers)
     except Exception:
         idx = None
     if idx is None or idx.ndim != 1 or not np.issubdtype(idx.dtype, np.integer):
         raise TypeError(
             f"{who}: layers must be a slice, a sequence of ints or a 1-D integer "
             f"array, got {describe(layers)}.\nHint: e.g. `slice(2, 5)`, "
-            "`[0, 2, 4]` or `jnp.arange(i, i + 3)`."
+            "`[0, 2, 4]` or `jnp.arange(i, i + 3)` (`i` may be traced)."
         )
     if idx.size == 0:
         raise ValueError(f"{who}: layers is empty; choose at least one layer.")
+    if traced:
+        return jnp.clip(idx, 0, length - 1)
     bad = idx[(idx < -length) | (idx >= length)]
     if bad.size:
         raise IndexError(
@@ -62,23 +66,6 @@ def _static_indices(layers: object, length: int, who: str) -> np.ndarray | slice
             "layers.\nHint: indices are in [-L, L), negative counting from the end."
         )
     return idx % length
-
-
-def _dynamic_indices(layers: Array, length: int, who: str) -> Array:
-    if layers.ndim != 1 or not jnp.issubdtype(layers.dtype, jnp.integer):
-        raise TypeError(
-            f"{who}: layers must be a 1-D integer array, got {describe(layers)}."
-            "\nHint: e.g. `jnp.arange(i, i + 3)` with a traced `i`."
-        )
-    if layers.shape[0] == 0:
-        raise ValueError(f"{who}: layers is empty; choose at least one layer.")
-    if not isinstance(layers, jax.core.Tracer):
-        # Concrete: checked, negative indices counted from the end, as for ints.
-        chosen = _static_indices(np.asarray(layers), length, who)
-        return jnp.asarray(chosen, layers.dtype)
-    # Traced indices cannot be checked: they are clamped to [0, L), as
-    # documented (negative indices are not counted from the end).
-    return jnp.clip(layers, 0, length - 1)
 
 
 def _scan_indices(
@@ -175,14 +162,15 @@ def run_layers(
     """
     call = checked_call(model, args, kwargs, key, method, "run_layers")
     length = model.num_layers
+    chosen = _indices(layers, length, call.caller)
     if isinstance(layers, jax.Array):
-        idx = _dynamic_indices(layers, length, call.caller)
+        idx = jnp.asarray(chosen, layers.dtype)
         if tapping():
             twice = jnp.any(jnp.diff(jnp.sort(idx)) == 0)
             idx = eqx.error_if(idx, twice, _tapped_twice("a layer"))
         with call_of(model), covering(length):
             return _scan_indices(model, x, idx, call)
-    chosen = _static_indices(layers, length, call.caller)
+    assert isinstance(chosen, (slice, np.ndarray))
     order = (
         list(range(length)[chosen]) if isinstance(chosen, slice) else chosen.tolist()
     )
