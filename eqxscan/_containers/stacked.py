@@ -104,11 +104,10 @@ def build_layers(
 
     keys = split_key(key, num_layers, "Stacked")
     layers = eqx.filter_vmap(one)(keys, per_dyn)
-    # A missing `return`, a number, a string or an array would only fail when
-    # called.
+    # A missing `return`, a number, a string or an array fails only when called.
     if is_array(layers):
-        one = jax.ShapeDtypeStruct(layers.shape[1:], layers.dtype)
-        got = f"an array ({describe(one)})"
+        one_layer = jax.ShapeDtypeStruct(layers.shape[1:], layers.dtype)
+        got = f"an array ({describe(one_layer)})"
     elif layers is None or isinstance(layers, (bool, int, float, complex, str, bytes)):
         got = f"{describe(layers)} ({type(layers).__name__})"
     else:

@@ -1,6 +1,6 @@
 """Early exit: `run_until` runs a model's layers until a predicate on the carry
-holds, in one `lax.while_loop` whatever the exit depth, walking the groups a
-`Stacked` or `Chain` describes of itself (`GroupSteps`)."""
+holds, in one `lax.while_loop` whatever the exit depth, walking a `Chain`'s
+groups (a `Stacked` as one group)."""
 
 import functools
 from collections.abc import Callable

@@ -120,12 +120,10 @@ def value_verdict(a: object, b: Any) -> Verdict:
         return _function(a, b)
     if isinstance(a, types.MethodType):
         return _sequence((a.__func__, a.__self__), (b.__func__, b.__self__))
+    if isinstance(a, dict):  # keys in order, then values
+        a, b = list(a.items()), list(b.items())
     if isinstance(a, (tuple, list)):
         return _sequence(a, b)
-    if isinstance(a, dict):
-        if list(a) != list(b):
-            return "different"
-        return _all(value_verdict(a[k], b[k]) for k in a)
     if dataclasses.is_dataclass(a) and not isinstance(a, type):  # a Module too
         diff = compare(a, b)
         if diff is not None:

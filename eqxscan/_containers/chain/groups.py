@@ -22,7 +22,6 @@ from ..._scan.layer_call import (
     LayerCall,
     Method,
     OneLayer,
-    PatternStep,
     run_one,
 )
 from ..._scan.options import ScanOptions
@@ -109,26 +108,19 @@ def group_name(group: Any, place: Placement) -> str:
     )
 
 
-def _pattern_step(call: LayerCall) -> PatternStep:
-    """How one repeat of a pattern runs within the chain's `call` (its layers
-    given their slices of the repeat's inputs), returning what a layer would."""
-    reads_pairs = call.read_out is not carry_only
+def _scanned_call(call: LayerCall, place: Placement) -> LayerCall:
+    """`call` cut to a scanned group at `place`: a stack, or a pattern's repeats,
+    each repeat's layers given their slices of its inputs (`LayerCall.inner`)."""
+    group_call = call.placed(place.start, place.size, place.per_step)
+    if place.per_step == 1:
+        return group_call
 
-    def run(repeat: object, x: PyTree, one: OneLayer) -> PyTree:
-        assert isinstance(repeat, Pattern)
+    def run(repeat: Pattern, x: PyTree, one: OneLayer) -> PyTree:
         inner = call.inner(one)
         x, ys = run_groups(repeat.groups, repeat.layout, x, inner, "Pattern")
-        return (x, ys) if reads_pairs else x
+        return x if call.read_out is carry_only else (x, ys)
 
-    return run
-
-
-def _scanned_call(call: LayerCall, place: Placement) -> LayerCall:
-    """`call` cut to a scanned group at `place` (a stack, or a pattern's repeats)."""
-    group_call = call.placed(place.start, place.size, place.per_step)
-    if place.per_step > 1:
-        group_call = group_call._replace(pattern_step=_pattern_step(call))
-    return group_call
+    return group_call._replace(pattern_step=run)
 
 
 def _on_layer_axis(ys: PyTree, place: Placement) -> PyTree:
