@@ -322,7 +322,7 @@ def run_until(
     - `predicate`: `predicate(carry) -> bool scalar`; with `per_example=True`,
       one bool per example (`[B]`, over the carry's leading axis).
     - `*args`, `**kwargs`: passed to every layer; [`eqxscan.per_layer`][]
-      values are sliced by the layer's index in the model.
+      values are sliced by the layer's number in the model.
     - `per_example`: freeze each example once its predicate holds (a select:
       what a layer computes for a halted row is discarded, NaNs included),
       while the others run on until all have halted (or `max_layers`).

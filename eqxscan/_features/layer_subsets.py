@@ -73,18 +73,21 @@ def _scan_indices(
 ) -> PyTree:
     """The carry after the layers `idx` (an index array): each scan step reads
     its layer from the whole model (no copy; gradients scatter back to it), and
-    knows its global index."""
+    knows its layer number."""
     check_layers_method(model, call.method)
     options: ScanOptions = model.options
     name = named_inputs(options)
     c_static = eqx.filter(x, eqx.is_array, inverse=True)
+    groups = model.groups if isinstance(model, Chain) else (model,)
+    # Unrolled, XLA may gather every sharded layer at once (FSDP).
+    gathered = layers_may_be_sharded(eqx.filter(groups, eqx.is_array)) or any(
+        isinstance(g, Stacked) and g.layer_sharding is not None for g in groups
+    )
     if isinstance(model, Stacked):
         call = call._replace(caller="Stacked")
         cls = type(model.layers).__name__
         body = f"The stacked layer {cls} (one body for the chosen layers)"
         step_name = f"Chosen layer {{}} ({cls})"
-        weights = eqx.filter(model.layers, eqx.is_array)
-        gathered = model.layer_sharding is not None
 
         def stack_layer(i: Int[Array, ""], c: PyTree, /) -> PyTree:
             layer, one = name(layer_of(model, i)), name(call.at(i))
@@ -95,11 +98,6 @@ def _scan_indices(
         layer = chain_layer_fn(model, call, name, c_static, _TRACED_HINT)
         body = "The chosen layers of a Chain (one switch over its layer bodies)"
         step_name = "Chosen layer {} of a Chain"
-        weights = eqx.filter(model.groups, eqx.is_array)
-        gathered = any(
-            isinstance(g, Stacked) and g.layer_sharding is not None
-            for g in model.groups
-        )
 
     return run(
         lambda carry, i: (layer(i, carry), None),
@@ -108,8 +106,7 @@ def _scan_indices(
         length=int(idx.shape[0]),
         options=options,
         where=lambda i: body if i is None else step_name.format(i),
-        # Unrolled, XLA may gather every sharded layer at once (FSDP).
-        gathered=gathered or layers_may_be_sharded(weights),
+        gathered=gathered,
     )[0]
 
 
@@ -131,7 +128,7 @@ def run_layers(
     - `x`: the carry.
     - `layers`: a slice (`slice(i, j)` runs layers `i..j-1`) or a sequence of
       ints (negative counting from the end), checked; or an integer array of
-      layer indices (a chain's global indices), checked when concrete, clamped
+      layer numbers (across a chain's groups), checked when concrete, clamped
       to `[0, L-1]` when traced (every choice of one length runs in one
       program). Indices may repeat (a layer run twice), except under
       [`eqxscan.tap`][], which has one row per layer.
@@ -208,15 +205,15 @@ def _stretches(order: list[int]) -> list[tuple[int, int]]:
 def _run_static(
     model: Stacked | Chain, x: PyTree, order: list[int], traced: bool, call: LayerCall
 ) -> PyTree:
-    # Every layer runs knowing its global index (`layer_index()`, the call's
-    # `first`). A Stacked's layers out of order are one scan over their indices.
+    # Every layer runs knowing its layer number (`layer_index()`, the call's
+    # `start`). A Stacked's layers out of order are one scan over their indices.
     if traced or (
         isinstance(model, Stacked) and _stretches(order) != [(order[0], order[-1] + 1)]
     ):
         return _scan_indices(model, x, jnp.asarray(order, jnp.int32), call)
     if isinstance(model, Chain):
         # Each stretch of consecutive layers runs as a Chain of its own, so
-        # that its layers keep their global indices (`layer_index()`).
+        # that its layers keep their layer numbers (`layer_index()`).
         for start, stop in _stretches(order):
             sub = model[start:stop]
             sub_call = call.take(slice(start, stop))._replace(caller="Chain")

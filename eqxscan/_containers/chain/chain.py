@@ -318,7 +318,7 @@ class Chain(Scanning):
         keys = key if key is None else split_key(key, self.num_layers, who)
         read_out = pairs("Chain.scan") if scan else carry_only
         call = LayerCall(args, kwargs, keys, read_out, reverse, method, caller="Chain")
-        # Drop inputs are per layer (global layer indices), routed to the groups
+        # Drop inputs are per layer (by layer number), routed to the groups
         # with everything else per layer.
         call = dropping_call(self.drop_rates, call, key, "Chain")
         if tree is not None:

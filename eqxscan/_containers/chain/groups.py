@@ -228,7 +228,7 @@ def run_groups(
                 new_x, trees[k] = new_x
         except CarryError as e:
             # The group changed the carry itself: its headline names it (by the
-            # layer's index in the chain when the loop knows which one).
+            # layer's number when the loop knows which one).
             name = group_name(group, place)
             if place.per_step == 1 and e.step is not None:
                 name = f"layer {place.start + e.step} ({type(group.layers).__name__})"

@@ -41,17 +41,17 @@ def chain_layer_fn(
     carry_static: PyTree,
     hint: str,
 ) -> Callable[[Int[Array, ""], PyTree], PyTree]:
-    """Layer `g` (a traced global index) of `chain` as `fn(g, carry)`: a
+    """Layer number `g` (traced) of `chain` as `fn(g, carry)`: a
     `lax.switch` on the body that holds the layer, which reads its one layer from
     its group's stacked weights. Every body must return a carry like the one it
     receives (else a `TypeError` naming the layer, with `hint`). `name_inputs`
     names what a body reads as the step's inputs."""
     walked = list(layer_bodies(chain.groups, chain.layout))
-    # Per body: its group, whether a stack, and the global layers it runs.
+    # Per body: its group, whether a stack, and the layer numbers it runs.
     branches: dict[tuple[int, ...], tuple[Any, bool, list[int]]] = {}
     for g, (path, group, stacked, _) in enumerate(walked):
         branches.setdefault(path, (group, stacked, []))[2].append(g)
-    # Per global layer: its body, then the indices of its weights (zero-padded).
+    # Per layer number: its body, then the indices of its weights (zero-padded).
     width = max(len(reps) for _, _, _, reps in walked)
     paths = list(branches)
     table = [(paths.index(p), *r, *[0] * (width - len(r))) for p, _, _, r in walked]
