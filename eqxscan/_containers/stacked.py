@@ -262,11 +262,19 @@ class Stacked(Scanning, Generic[LayerT]):
                 "Stacked takes either `make_layer` and `key` (and arguments for "
                 "`make_layer`), or already-stacked `layers`, not both."
             )
+        bad = None if unchecked else misaligned(layers, num_layers)
+        if bad is not None:
+            raise ValueError(
+                f"Stacked was given num_layers={num_layers}, but `layers{bad[0]}` "
+                f"has shape {tuple(bad[1].shape)}, not a leading layer axis of "
+                f"length {num_layers}.\nHint: every array leaf of `layers` has the "
+                "layer axis first (e.g. `stack.layers` with `num_layers=len(stack)`);"
+                " a batch of stacks (an ensemble built with `eqx.filter_vmap`) is "
+                "changed inside `eqx.filter_vmap`."
+            )
+        check_layer_sharding(layer_sharding, layers)
         self.layers = layers
         self.num_layers = num_layers
-        if not unchecked:
-            self.check_layer_axis("build")
-        check_layer_sharding(layer_sharding, layers)
         self.layer_sharding = layer_sharding
         self.drop_rates = new_drop_rates(num_layers, drop_path, layer_drop)
         self.stage_order = check_stage_order(stage_order, num_layers)
@@ -329,16 +337,14 @@ class Stacked(Scanning, Generic[LayerT]):
             "Under jax.jit (or jax.grad) a layer's number field (e.g. Dropout's "
             "p) becomes an array: use eqx.filter_jit (or eqx.filter_grad)."
             if leaf.ndim == 0
-            else "Every array leaf of `layers` has the layer axis first; build, "
-            "call and index a batch of stacks (e.g. an ensemble built with "
-            "`eqx.filter_vmap`) inside `eqx.filter_vmap`: "
+            else "Call and index a batch of stacks (e.g. an ensemble built "
+            "with `eqx.filter_vmap`) inside `eqx.filter_vmap`: "
             f"`eqx.filter_vmap(lambda s: s[i])(stacks)` (see {docs('idioms.md')})."
         )
-        n = self.num_layers
         raise ValueError(
-            f"Cannot {what} this Stacked: it has {n} layers, num_layers={n}, but "
-            f"`layers{path}` has shape {tuple(leaf.shape)}, so its first axis is "
-            f"not the layer axis.\nHint: {hint}"
+            f"Cannot {what} this Stacked: it has {self.num_layers} layers, "
+            f"but `layers{path}` has shape {tuple(leaf.shape)}, "
+            f"so its first axis is not the layer axis.\n{hint}"
         )
 
     def __getitem__(self, index: SupportsIndex | slice) -> "LayerT | Stacked[LayerT]":
