@@ -95,7 +95,9 @@ def _scan_indices(
 
         layer: Callable[[Int[Array, ""], PyTree], PyTree] = stack_layer
     else:
-        layer = chain_layer_fn(model, call, name, c_static, _TRACED_HINT)
+        layer = chain_layer_fn(
+            model.groups, model.layout, call, name, c_static, _TRACED_HINT
+        )
         body = "The chosen layers of a Chain (one switch over its layer bodies)"
         step_name = "Chosen layer {} of a Chain"
 

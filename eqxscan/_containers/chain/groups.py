@@ -1,18 +1,28 @@
 """A `Chain`'s groups (`Placement`, `Pattern`): built from layers, named, and run
 in order through the layer-call seam (a lone layer as layer `start` of the
 chain's call, a stack with `LayerCall.placed`, a pattern step with
-`LayerCall.inner`)."""
+`LayerCall.inner`), or one layer at a time (`lone_fn` for early exit,
+`chain_layer_fn` for traced subsets)."""
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from jaxtyping import PRNGKeyArray, PyTree
+from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
-from ..._helpers.checks import CarryError, describe, first_difference, noting, split_key
+from ..._helpers.checks import (
+    CarryError,
+    check_carry,
+    describe,
+    first_difference,
+    noted,
+    noting,
+    split_key,
+)
+from ..._helpers.constrain import constrain
 from ..._helpers.stateful import find_state, get_arg, replace_arg, state_pair
 from ..._scan.buffers import find_buffer, Place, view_of
 from ..._scan.layer_call import (
@@ -25,6 +35,7 @@ from ..._scan.layer_call import (
     run_one,
 )
 from ..._scan.options import ScanOptions
+from ..._scan.taps import add, held
 from ..stack_calls import scan_layers
 from ..stacked import in_natural_order, LayerNumbering, Stacked, StateDictFn
 from ..stage_order import layers_in_stage_order
@@ -353,3 +364,80 @@ class Pattern(eqx.Module):
         keys = key if key is None else split_key(key, self.num_layers, who)
         call = LayerCall(args, kwargs, keys, caller="Chain")
         return run_groups(self.groups, self.layout, x, call, "Pattern")[0]
+
+
+def lone_fn(
+    layer: object, call: LayerCall, one: OneLayer, name: str, c: PyTree
+) -> PyTree:
+    """A lone layer as a function of the carry, as `call` runs it."""
+    return run_one(layer, call, one, c, name)[0]
+
+
+def _describe_layers(layers: list[int], name: str) -> str:
+    if len(layers) == 1:
+        return f"Layer {layers[0]} ({name})"
+    if layers == list(range(layers[0], layers[-1] + 1)):
+        return f"Layers {layers[0]}-{layers[-1]} ({name}, one body)"
+    shown = ", ".join(map(str, layers[:6])) + (", ..." if len(layers) > 6 else "")
+    return f"Layers {shown} ({name}, one body)"
+
+
+def chain_layer_fn(
+    groups: tuple[Any, ...],
+    layout: tuple[Placement, ...],
+    call: LayerCall,
+    name_inputs: Callable[[PyTree], PyTree],
+    carry_static: PyTree,
+    hint: str,
+) -> Callable[[Int[Array, ""], PyTree], PyTree]:
+    """Layer number `g` (traced) of a chain's `groups` as `fn(g, carry)`: a
+    `lax.switch` on the body that holds the layer, which reads its one layer from
+    its group's stacked weights. Every body must return a carry like the one it
+    receives (else a `TypeError` naming the layer, with `hint`). `name_inputs`
+    names what a body reads as the step's inputs."""
+    walked = list(layer_bodies(groups, layout))
+    # Per body: its group, whether a stack, and the layer numbers it runs.
+    branches: dict[tuple[int, ...], tuple[Any, bool, list[int]]] = {}
+    for g, (path, group, stacked, _) in enumerate(walked):
+        branches.setdefault(path, (group, stacked, []))[2].append(g)
+    # Per layer number: its body, then the indices of its weights (zero-padded).
+    width = max(len(reps) for _, _, _, reps in walked)
+    paths = list(branches)
+    table = [(paths.index(p), *r, *[0] * (width - len(r))) for p, _, _, r in walked]
+    rows = jnp.asarray(table, jnp.int32)
+
+    def body(
+        group: Any, stacked: bool, layers: list[int], row: Array, one: OneLayer
+    ) -> Callable[[PyTree], PyTree]:
+        name = type(group.layers if stacked else group).__name__
+        where, depth = _describe_layers(layers, name), len(walked[layers[0]][3])
+
+        # Only the carry's arrays pass through the `switch`; the rest (broadcast
+        # arguments may be any Python value) is closed over.
+        def fn(c_dyn: PyTree) -> PyTree:
+            natural = in_natural_order(group)
+            tree = natural.layers if stacked else natural
+            for i in range(depth):
+                tree = index(tree, row[1 + i])
+            if stacked and natural.layer_sharding is not None:
+                tree = constrain(tree, natural.layer_sharding)
+            layer, old = name_inputs(tree), eqx.combine(c_dyn, carry_static)
+            with held() as records:  # taps' records leave the switch as outputs
+                new = noted(lone_fn, where, layer, call, one, where, old)
+            try:
+                check_carry(old, new, where)
+            except CarryError as e:
+                raise TypeError(f"{call.caller}: {where} {e.what}\n{hint}") from None
+            return eqx.filter(new, eqx.is_array), tuple(records)
+
+        return fn
+
+    def layer(g: Int[Array, ""], carry: PyTree) -> PyTree:
+        row = rows[g]
+        one = name_inputs(call.at(g))
+        fns = [body(*branch, row, one) for branch in branches.values()]
+        new, records = jax.lax.switch(row[0], fns, eqx.filter(carry, eqx.is_array))
+        add(records)
+        return eqx.combine(new, carry_static)
+
+    return layer
