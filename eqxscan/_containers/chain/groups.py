@@ -80,11 +80,9 @@ def unstack_groups(groups: tuple[Any, ...], layout: tuple[Placement, ...]) -> li
     for group, place in zip(groups, layout):
         if place.per_step == 0:
             layers.append(group)
-        elif place.per_step == 1:
-            layers.extend(group.unstack())
-        else:
-            for repeat in group.unstack():
-                layers.extend(repeat.unstack())
+        else:  # a stack's layers, or each repeat's
+            for item in group.unstack():
+                layers.extend(item.unstack() if place.per_step > 1 else [item])
     return layers
 
 
@@ -189,11 +187,8 @@ def check_chain_method(
 ) -> None:
     """Check `method` against every kind of layer the groups hold (a name must
     be a method of each)."""
-    if isinstance(method, str):
-        for layer in bodies(groups, layout):
-            check_method(method, layer)
-    else:
-        check_method(method, None)
+    for layer in bodies(groups, layout) if isinstance(method, str) else [None]:
+        check_method(method, layer)
 
 
 def run_groups(
