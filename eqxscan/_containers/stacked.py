@@ -56,7 +56,12 @@ from .._scan.layer_call import (
 )
 from .._scan.options import OwnOptions, ScanArgs, Scanning, ScanOptions
 from .stack_calls import dropping_call, scan_layers, vmap_layers
-from .stage_order import check_stage_order, layers_in_stage_order, permute_stage_order
+from .stage_order import (
+    check_stage_order,
+    layers_in_stage_order,
+    permute_stage_order,
+    refuse_stage_order,
+)
 
 
 #: The most layers a stack may have: beyond, the per-layer keys alone take
@@ -99,21 +104,19 @@ def build_layers(
 
     keys = split_key(key, num_layers, "Stacked")
     layers = eqx.filter_vmap(one)(keys, per_dyn)
-    if layers is None or isinstance(layers, (bool, int, float, complex, str, bytes)):
-        # A missing `return`, a number or a string would only fail when called.
-        raise TypeError(
-            f"make_layer returned {describe(layers)} ({type(layers).__name__}), not "
-            "a layer.\nHint: make_layer(key, ...) must return the layer, e.g. an "
-            "eqx.Module called as `layer(x)`; is a `return` missing?"
-        )
+    # A missing `return`, a number, a string or an array fails only when called.
     if is_array(layers):
         one_layer = jax.ShapeDtypeStruct(layers.shape[1:], layers.dtype)
-        raise TypeError(
-            f"make_layer returned an array ({describe(one_layer)}), not a layer. It "
-            "must return a module (e.g. an `eqx.Module`) that is called as "
-            "`layer(x)`."
-        )
-    return layers
+        got = f"an array ({describe(one_layer)})"
+    elif layers is None or isinstance(layers, (bool, int, float, complex, str, bytes)):
+        got = f"{describe(layers)} ({type(layers).__name__})"
+    else:
+        return layers
+    raise TypeError(
+        f"make_layer returned {got}, not a layer.\nHint: make_layer(key, ...) "
+        "must return the layer, e.g. an eqx.Module called as `layer(x)`; is a "
+        "`return` missing?"
+    )
 
 
 class _Restacked(NamedTuple):
@@ -354,15 +357,9 @@ class Stacked(Scanning, Generic[LayerT]):
                     f"Slice {index} selects no layers of a Stacked with "
                     f"{self.num_layers} layers; a Stacked needs at least one."
                 )
-            if self.stage_order is not None and selected != range(self.num_layers):
-                stages, repeats = self.stage_order
-                order = f"pipeline_order(stack, stages={stages}, repeats={repeats}"
-                raise ValueError(
-                    f"Cannot take {index} of a Stacked in the stage order of "
-                    f"{order}): its positions are not its layer numbers.\nHint: "
-                    f"slice `eqxscan.sharding.{order}, inverse=True)`, the natural "
-                    "order."
-                )
+            if selected != range(self.num_layers):
+                what = f"Cannot take {index} of a Stacked"
+                refuse_stage_order(self.stage_order, what)
             check_state_order(self.layers, index, self.num_layers, "Stacked")
             drop = None if self.drop_rates is None else self.drop_rates.sliced(index)
             drop_path, layer_drop = rates_of(drop)
@@ -497,23 +494,16 @@ class Stacked(Scanning, Generic[LayerT]):
         # The stack that runs (in natural order) and how it calls its layers:
         # built here and returned, so that a call's traceback passes no frame
         # of it on the way to the layers.
-        stack = self if self.stage_order is None else self._natural()
+        stack = in_natural_order(self)
         check_method(method, stack.layers)
         check_per_layer(args, kwargs, stack.num_layers)
         reverse = check_bool("reverse", reverse)
         call = LayerCall(args, kwargs, stack._keys(key), read_out, reverse, method)
         return stack, dropping_call(stack.drop_rates, call, key, "Stacked")
 
-    def _natural(self) -> "Stacked[LayerT]":
-        # Called directly, a stack in stage order runs layer 0, 1, ... as the
-        # unpipelined one: its weights read through the permutation (a copy).
-        assert self.stage_order is not None
-        return permute_stack(self, *self.stage_order, inverse=True, stage_order=None)
-
     def _keys(self, key: PRNGKeyArray | None) -> Array | None:
         # Layer i's key: `split(key, L)[i]`.
-        who = type(self).__name__
-        return None if key is None else split_key(key, self.num_layers, who)
+        return None if key is None else split_key(key, self.num_layers, "Stacked")
 
     def vmap(
         self,
@@ -541,20 +531,19 @@ class Stacked(Scanning, Generic[LayerT]):
         Nothing is scanned nor dropped: `remat`, `unroll`, `drop_path` and
         `layer_drop` do not apply.
         """
-        if self.stage_order is not None:
-            return self._natural().vmap(x, *args, key=key, method=method, **kwargs)
-        check_method(method, self.layers)
+        stack = in_natural_order(self)
+        check_method(method, stack.layers)
         call = LayerCall(
-            args, kwargs, self._keys(key), method=method, caller="Stacked.vmap"
+            args, kwargs, stack._keys(key), method=method, caller="Stacked.vmap"
         )
-        return vmap_layers(self, x, call)
+        return vmap_layers(stack, x, call)
 
 
 def in_natural_order(group: Any) -> Any:
-    """`group`, a stack in the stage order of `pipeline_order` read back in its
-    natural order (a copy): where a `Chain` runs it, layer `i` runs `i`-th."""
+    """`group`, if a stack in stage order, read back in its natural order (a
+    copy, through the permutation): where it runs, layer `i` runs `i`-th."""
     if isinstance(group, Stacked) and group.stage_order is not None:
-        return group._natural()
+        return permute_stack(group, *group.stage_order, inverse=True, stage_order=None)
     return group
 
 

@@ -37,6 +37,11 @@ def layers_in_stage_order(
     )
 
 
+_HINT = (
+    "Hint: leave it to sharding.pipeline_order, which permutes the layers and sets it."
+)
+
+
 def check_stage_order(order: object, num_layers: int) -> tuple[int, int] | None:
     """`order` checked as a `Stacked`'s `stage_order`: `None`, or a pair whose
     chunks fit the stack."""
@@ -44,19 +49,29 @@ def check_stage_order(order: object, num_layers: int) -> tuple[int, int] | None:
         return None
     if not isinstance(order, tuple) or len(order) != 2:
         raise TypeError(
-            f"Stacked: stage_order must be None or a (stages, repeats) pair, got "
-            f"{describe(order)}.\nHint: leave it to sharding.pipeline_order, "
-            "which permutes the layers and sets it."
+            "Stacked: stage_order must be None or a (stages, repeats) pair, got "
+            f"{describe(order)}.\n{_HINT}"
         )
     stages, repeats = (
         check_size(f"Stacked: stage_order[{i}]", v) for i, v in enumerate(order)
     )
-    if num_layers % (stages * repeats):
+    if num_layers % (chunks := stages * repeats):
         raise ValueError(
             f"Stacked: stage_order={order} cuts the layers into {stages} stages x "
-            f"{repeats} repeats = {stages * repeats} chunks, but the stack has "
-            f"{num_layers} layers, not a multiple of {stages * repeats}.\nHint: "
-            "leave it to sharding.pipeline_order, which permutes the layers and "
-            "sets it."
+            f"{repeats} repeats = {chunks} chunks, but the stack has {num_layers} "
+            f"layers, not a multiple of {chunks}.\n{_HINT}"
         )
     return stages, repeats
+
+
+def refuse_stage_order(stage_order: tuple[int, int] | None, what: str) -> None:
+    """Refuse `what` (e.g. `"Cannot take 0:2 of a Stacked"`) of a stack stored in
+    stage order, where positions are not layer numbers."""
+    if stage_order is None:
+        return
+    order = "pipeline_order(stack, stages={}, repeats={}".format(*stage_order)
+    raise ValueError(
+        f"{what} in the stage order of {order}): its positions are not its layer "
+        f"numbers.\nHint: use `eqxscan.sharding.{order}, inverse=True)`, the "
+        "natural order."
+    )

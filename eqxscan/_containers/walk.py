@@ -5,14 +5,13 @@ state dicts all rebuild a model through: every leaf visited with where it sits
 - by key path (the default), as `eqx.filter` and `jax.jit`'s shardings see the
   model: a `Stacked`'s `layers` field adds one layer axis; a `Chain` is an
   ordinary pytree (its scanned groups are `Stacked`s);
-- or by state-dict name (`names=True`): a `Stacked` or `Chain` (`NamesLayers`)
-  is entered through its `state_dict_layers`, which puts a `LayerNumbering`
-  where the layer number goes; other entries are attribute names, indices and
-  dict keys.
+- or by state-dict name (`names=True`): a `Stacked` or `Chain` is entered
+  through its `state_dict_layers`, which puts a `LayerNumbering` where the
+  layer number goes; other entries are attribute names, indices and dict keys.
 """
 
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, NamedTuple
 
 import jax.tree_util as jtu
 import numpy as np
@@ -20,7 +19,8 @@ from jaxtyping import PyTree
 
 from .._helpers.checks import is_arraylike
 from .._helpers.constrain import is_none
-from .stacked import LayerNumbering, Stacked, StateDictFn
+from .chain.chain import Chain
+from .stacked import LayerNumbering, Stacked
 
 
 class Site(NamedTuple):
@@ -51,17 +51,6 @@ class Site(NamedTuple):
             self.axes + axes,
             self.enclosing + ((len(self.path), num_layers),),
         )
-
-
-@runtime_checkable
-class NamesLayers(Protocol):
-    """A module that names its arrays in a state dict (`Stacked`, `Chain`):
-    `state_dict_layers(fn)` replaces each subtree holding layers by
-    `fn(subtree, index, axes)` (a `StateDictFn`)."""
-
-    num_layers: int
-
-    def state_dict_layers(self, fn: StateDictFn) -> "NamesLayers": ...
 
 
 ROOT = Site()  # where the root of a walk sits: no path, no layer axes
@@ -131,7 +120,7 @@ def walk(
     """
     if is_none(tree) or is_arraylike(tree):
         return fn(tree, site)
-    if names and isinstance(tree, NamesLayers):
+    if names and isinstance(tree, (Stacked, Chain)):
         num_layers = tree.num_layers
         return tree.state_dict_layers(
             lambda subtree, index, axes: walk(

@@ -1,7 +1,8 @@
 """Early exit: `run_until` runs a model's layers until a predicate on the carry
-holds, in one `lax.while_loop` whatever the exit depth, walking the groups a
-`Stacked` or `Chain` describes of itself (`GroupSteps`)."""
+holds, in one `lax.while_loop` whatever the exit depth, walking a `Chain`'s
+groups (a `Stacked` as one group)."""
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -13,9 +14,10 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, Bool, Int, PRNGKeyArray, PyTree
 
-from .._containers.chain import Chain, chain_steps, check_chain_method
-from .._containers.stack_calls import stack_steps
-from .._containers.stacked import Stacked
+from .._containers.chain import Chain, check_chain_method, lone_fn, Pattern, Placement
+from .._containers.stack_calls import layer_of, stack_layer_fn
+from .._containers.stacked import in_natural_order, Stacked
+from .._containers.stage_order import refuse_stage_order
 from .._helpers.checks import (
     check_bool,
     check_callable,
@@ -24,6 +26,7 @@ from .._helpers.checks import (
     describe,
     is_array,
     noted,
+    noting,
     split_key,
 )
 from .._helpers.stateful import find_state
@@ -32,7 +35,6 @@ from .._scan.drop_rates import DropRates
 from .._scan.layer_call import (
     check_method,
     check_per_layer,
-    GroupSteps,
     LayerCall,
     Method,
 )
@@ -70,24 +72,19 @@ class _State(NamedTuple):
 
 
 def _check_bound(name: str, value: object, length: int, who: str) -> Bound:
-    if isinstance(value, (jax.Array, np.ndarray)):
-        if value.shape != () or not jnp.issubdtype(value.dtype, jnp.integer):
-            raise TypeError(
-                f"{who}: {name} must be an int or an integer scalar array, got "
-                f"{describe(value)}.\nHint: pass e.g. `jnp.int32(k)` to choose the "
-                "bound at run time without recompiling."
-            )
-        if not isinstance(value, jax.core.Tracer):
-            check_size(name, int(value), minimum=0, maximum=length)
-        # Traced: clamped to [0, L], as documented.
-        return jnp.clip(jnp.asarray(value, jnp.int32), 0, length)
-    return check_size(
-        name,
-        value,
-        minimum=0,
-        maximum=length,
-        hint=f"Hint: the model has {length} layers.",
-    )
+    if not isinstance(value, (jax.Array, np.ndarray)):
+        hint = f"Hint: the model has {length} layers."
+        return check_size(name, value, minimum=0, maximum=length, hint=hint)
+    if value.shape != () or not jnp.issubdtype(value.dtype, jnp.integer):
+        raise TypeError(
+            f"{who}: {name} must be an int or an integer scalar array, got "
+            f"{describe(value)}.\nHint: pass e.g. `jnp.int32(k)` to choose the "
+            "bound at run time without recompiling."
+        )
+    if not isinstance(value, jax.core.Tracer):
+        check_size(name, int(value), minimum=0, maximum=length)
+    # Traced: clamped to [0, L], as documented.
+    return jnp.clip(jnp.asarray(value, jnp.int32), 0, length)
 
 
 def _batch_size(carry: PyTree, who: str) -> int:
@@ -116,8 +113,7 @@ def _batch_size(carry: PyTree, who: str) -> int:
 def _halts(ex: _Exit, carry: PyTree) -> Array:
     out = noted(ex.predicate, f"The predicate of {ex.who}", carry)
     shape = (ex.batch,) if ex.per_example else ()
-    if isinstance(out, (bool, np.bool_)):
-        out = jnp.asarray(out)
+    out = jnp.asarray(out) if isinstance(out, (bool, np.bool_)) else out
     if not (is_array(out) and out.dtype == jnp.bool_ and out.shape == shape):
         expected = f"bool[{ex.batch}]" if ex.per_example else "a bool scalar"
         raise TypeError(
@@ -142,45 +138,33 @@ def _advance(
     where: str,
     guarded: bool = False,
 ) -> _State:
-    """`state` after one more layer. Halted examples keep their carry (a select:
-    a NaN in a discarded row does not leak); `masked` also discards a step that
-    should not run; `guarded` runs the layer behind a `lax.cond` (a lone layer)."""
+    """`state` after one more layer, an error noted with `where` and the carry.
+    Halted examples keep their carry (a select: a NaN in a discarded row does
+    not leak); `masked` also discards a step that should not run; `guarded`
+    runs the layer behind a `lax.cond` (a lone layer)."""
     if guarded and not ex.masked:
         run_it = lambda s: _advance(ex, s, layer, c_static, where)  # noqa: E731
         return jax.lax.cond(_active(ex, state), run_it, lambda s: s, state)
     old = eqx.combine(state.carry, c_static)
-    new = layer(old)
-    check_carry(old, new, where)
-    new_dyn = eqx.partition(new, eqx.is_array)[0]
-    run = ~state.halted
-    if ex.masked:
-        run = run & _active(ex, state)
-    if ex.per_example or ex.masked:
+    with noting(where, old):
+        new = layer(old)
+        check_carry(old, new, where)
+        new_dyn = eqx.partition(new, eqx.is_array)[0]
+        run = ~state.halted
+        if ex.masked:
+            run = run & _active(ex, state)
+        if ex.per_example or ex.masked:
 
-        def keep(a: Array, b: Array) -> Array:
-            mask = run.reshape(run.shape + (1,) * (a.ndim - run.ndim))
-            return jnp.where(mask, b, a)
+            def keep(a: Array, b: Array) -> Array:
+                mask = run.reshape(run.shape + (1,) * (a.ndim - run.ndim))
+                return jnp.where(mask, b, a)
 
-        new_dyn = jtu.tree_map(keep, state.carry, new_dyn)
-    i = state.i + (_active(ex, state).astype(jnp.int32) if ex.masked else 1)
-    halted = state.halted | (
-        (i >= ex.min_layers) & _halts(ex, eqx.combine(new_dyn, c_static))
-    )
+            new_dyn = jtu.tree_map(keep, state.carry, new_dyn)
+        i = state.i + (_active(ex, state).astype(jnp.int32) if ex.masked else 1)
+        halted = state.halted | (
+            (i >= ex.min_layers) & _halts(ex, eqx.combine(new_dyn, c_static))
+        )
     return _State(i, new_dyn, halted, state.layers_run + run.astype(jnp.int32))
-
-
-def _noted_advance(
-    ex: _Exit,
-    state: _State,
-    layer: Callable[[PyTree], PyTree],
-    c_static: PyTree,
-    where: str,
-    guarded: bool = False,
-) -> _State:
-    """`_advance`, an error it raises noted with `where` and the carry as the
-    input the layer failed on."""
-    run = lambda _: _advance(ex, state, layer, c_static, where, guarded)  # noqa: E731
-    return noted(run, where, eqx.combine(state.carry, c_static))
 
 
 def _repeat(
@@ -204,35 +188,52 @@ def _repeat(
 
 
 def _walk_groups(
-    ex: _Exit, groups: tuple[GroupSteps, ...], state: _State, c_static: PyTree
+    ex: _Exit,
+    groups: tuple,
+    layout: tuple[Placement, ...],
+    call: LayerCall,
+    first: int,
+    state: _State,
+    c_static: PyTree,
 ) -> _State:
-    """The groups in order: a lone layer behind a `cond`, a stack (or a
-    repeated pattern's steps) as one while loop."""
-    for group in groups:
-        if group.per_step == 0:
-            where = f"Layer {group.start} ({group.name})"
-            fn = group.step(0)
-            assert callable(fn)
-            state = _noted_advance(ex, state, fn, c_static, where, True)
+    """The groups in order (`first`: the number of their first layer): a lone
+    layer behind a `cond`, a stack (or a repeated pattern's repeats) as one while
+    loop, which runs a layer only while the run is active."""
+    for group, place in zip(groups, layout):
+        start, name = first + place.start, type(group).__name__
+        if place.per_step == 0:
+            one = call.at(place.start)
+            fn = functools.partial(lone_fn, group, call, one, name)
+            state = _advance(ex, state, fn, c_static, f"Layer {start} ({name})", True)
             continue
+        stack = in_natural_order(group)
+        group_call = call.placed(place.start, place.size, place.per_step)
 
         def body(
-            j: Int[Array, ""] | int, s: _State, group: GroupSteps = group
+            j: Int[Array, ""] | int,
+            s: _State,
+            stack: Stacked = stack,
+            group_call: LayerCall = group_call,
+            place: Placement = place,
+            start: int = start,
         ) -> _State:
-            got = group.step(j)
-            if isinstance(got, tuple):  # a pattern step: its own groups
-                return _walk_groups(ex, got, s, c_static)
-            last = group.start + group.steps - 1  # a stack: one layer per step
+            if place.per_step > 1:  # a pattern's repeat: its own groups
+                repeat: Pattern = layer_of(stack, j)
+                inner = group_call.inner(group_call.at(j))
+                at = start + (j * place.per_step if isinstance(j, int) else 0)
+                return _walk_groups(
+                    ex, repeat.groups, repeat.layout, inner, at, s, c_static
+                )
+            name, last = type(stack.layers).__name__, start + place.size - 1
             where = (
-                f"Layer {group.start + j} ({group.name})"
+                f"Layer {start + j} ({name})"
                 if isinstance(j, int)
-                else f"The stacked layer {group.name} (one body for layers "
-                f"{group.start}-{last})"
+                else f"The stacked layer {name} (one body for layers {start}-{last})"
             )
-            # The while loop runs a layer only while the run is active: no `cond`.
-            return _noted_advance(ex, s, got, c_static, where)
+            fn = stack_layer_fn(stack, group_call, j)
+            return _advance(ex, s, fn, c_static, where)
 
-        state = _repeat(ex, state, group.steps, body)
+        state = _repeat(ex, state, place.size // place.per_step, body)
     return state
 
 
@@ -255,14 +256,8 @@ def checked_call(
             f"eqxscan.{what} takes an eqxscan.Stacked or an eqxscan.Chain, got "
             f"{describe(model)}.\n{hint}"
         )
-    if isinstance(model, Stacked) and model.stage_order is not None:
-        stages, repeats = model.stage_order
-        order = f"pipeline_order(model, stages={stages}, repeats={repeats}"
-        raise ValueError(
-            f"eqxscan.{what} of a Stacked in the stage order of {order}): its "
-            f"positions are not its layer numbers.\nHint: pass "
-            f"`eqxscan.sharding.{order}, inverse=True)`, the natural order."
-        )
+    if isinstance(model, Stacked):
+        refuse_stage_order(model.stage_order, f"eqxscan.{what} of a Stacked")
     # These runs call the layers themselves, so the model's drop rates would be
     # skipped without a word: refuse them unless inference mode turns them off.
     # (A container among the layers is called whole, its own rates applied.)
@@ -327,7 +322,7 @@ def run_until(
     - `predicate`: `predicate(carry) -> bool scalar`; with `per_example=True`,
       one bool per example (`[B]`, over the carry's leading axis).
     - `*args`, `**kwargs`: passed to every layer; [`eqxscan.per_layer`][]
-      values are sliced by the layer's index in the model.
+      values are sliced by the layer's number in the model.
     - `per_example`: freeze each example once its predicate holds (a select:
       what a layer computes for a halted row is discarded, NaNs included),
       while the others run on until all have halted (or `max_layers`).
@@ -381,9 +376,10 @@ def run_until(
     halted = jnp.asarray(low == 0) & _halts(ex, x)
     start = _State(jnp.int32(0), c_dyn, halted, jnp.zeros(halted.shape, jnp.int32))
     check_layers_method(model, method)
-    if isinstance(model, Stacked):
-        groups = (stack_steps(model, call),)
-    else:
-        groups = chain_steps(model.groups, model.layout, call)
-    end = _walk_groups(ex, groups, start, c_static)
+    groups, layout = (
+        ((model,), (Placement(0, length, 1),))
+        if isinstance(model, Stacked)
+        else (model.groups, model.layout)
+    )
+    end = _walk_groups(ex, groups, layout, call, 0, start, c_static)
     return eqx.combine(end.carry, c_static), end.layers_run

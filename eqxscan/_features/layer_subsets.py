@@ -35,27 +35,31 @@ _TRACED_HINT = (
 )
 
 
-def _static_indices(layers: object, length: int, who: str) -> np.ndarray | slice:
+def _indices(layers: object, length: int, who: str) -> np.ndarray | slice | Array:
+    """`layers` checked; traced indices, which cannot be, are clamped to
+    `[0, L)`, as documented (negative ones are not counted from the end)."""
     if isinstance(layers, slice):
-        chosen = range(length)[layers]
-        if len(chosen) == 0:
+        if len(range(length)[layers]) == 0:
             raise ValueError(
                 f"{who}: {layers} selects no layers of {length}.\nHint: "
                 "a slice i:j runs layers i to j-1 and needs i < j."
             )
         return layers
+    traced = isinstance(layers, jax.core.Tracer)
     try:
-        idx = np.asarray(layers)
+        idx = layers if traced else np.asarray(layers)
     except Exception:
         idx = None
     if idx is None or idx.ndim != 1 or not np.issubdtype(idx.dtype, np.integer):
         raise TypeError(
             f"{who}: layers must be a slice, a sequence of ints or a 1-D integer "
             f"array, got {describe(layers)}.\nHint: e.g. `slice(2, 5)`, "
-            "`[0, 2, 4]` or `jnp.arange(i, i + 3)`."
+            "`[0, 2, 4]` or `jnp.arange(i, i + 3)` (`i` may be traced)."
         )
     if idx.size == 0:
         raise ValueError(f"{who}: layers is empty; choose at least one layer.")
+    if traced:
+        return jnp.clip(idx, 0, length - 1)
     bad = idx[(idx < -length) | (idx >= length)]
     if bad.size:
         raise IndexError(
@@ -65,40 +69,26 @@ def _static_indices(layers: object, length: int, who: str) -> np.ndarray | slice
     return idx % length
 
 
-def _dynamic_indices(layers: Array, length: int, who: str) -> Array:
-    if layers.ndim != 1 or not jnp.issubdtype(layers.dtype, jnp.integer):
-        raise TypeError(
-            f"{who}: layers must be a 1-D integer array, got {describe(layers)}."
-            "\nHint: e.g. `jnp.arange(i, i + 3)` with a traced `i`."
-        )
-    if layers.shape[0] == 0:
-        raise ValueError(f"{who}: layers is empty; choose at least one layer.")
-    if not isinstance(layers, jax.core.Tracer):
-        # Concrete: checked, negative indices counted from the end, as for ints.
-        chosen = _static_indices(np.asarray(layers), length, who)
-        return jnp.asarray(chosen, layers.dtype)
-    # Traced indices cannot be checked: they are clamped to [0, L), as
-    # documented (negative indices are not counted from the end).
-    return jnp.clip(layers, 0, length - 1)
-
-
 def _scan_indices(
     model: Stacked | Chain, x: PyTree, idx: Int[Array, " n"], call: LayerCall
 ) -> PyTree:
     """The carry after the layers `idx` (an index array): each scan step reads
     its layer from the whole model (no copy; gradients scatter back to it), and
-    knows its global index."""
+    knows its layer number."""
     check_layers_method(model, call.method)
     options: ScanOptions = model.options
     name = lambda x: name_inputs(x, options.scan_remat)  # noqa: E731
     c_static = eqx.filter(x, eqx.is_array, inverse=True)
+    groups = model.groups if isinstance(model, Chain) else (model,)
+    # Unrolled, XLA may gather every sharded layer at once (FSDP).
+    gathered = layers_may_be_sharded(eqx.filter(groups, eqx.is_array)) or any(
+        isinstance(g, Stacked) and g.layer_sharding is not None for g in groups
+    )
     if isinstance(model, Stacked):
         call = call._replace(caller="Stacked")
         cls = type(model.layers).__name__
         body = f"The stacked layer {cls} (one body for the chosen layers)"
         step_name = f"Chosen layer {{}} ({cls})"
-        weights = eqx.filter(model.layers, eqx.is_array)
-        gathered = model.layer_sharding is not None
 
         def stack_layer(i: Int[Array, ""], c: PyTree, /) -> PyTree:
             layer, one = name(layer_of(model, i)), name(call.at(i))
@@ -106,14 +96,11 @@ def _scan_indices(
 
         layer: Callable[[Int[Array, ""], PyTree], PyTree] = stack_layer
     else:
-        layer = chain_layer_fn(model, call, name, c_static, _TRACED_HINT)
+        layer = chain_layer_fn(
+            model.groups, model.layout, call, name, c_static, _TRACED_HINT
+        )
         body = "The chosen layers of a Chain (one switch over its layer bodies)"
         step_name = "Chosen layer {} of a Chain"
-        weights = eqx.filter(model.groups, eqx.is_array)
-        gathered = any(
-            isinstance(g, Stacked) and g.layer_sharding is not None
-            for g in model.groups
-        )
 
     return run(
         lambda carry, i: (layer(i, carry), None),
@@ -122,8 +109,7 @@ def _scan_indices(
         length=int(idx.shape[0]),
         options=options,
         where=lambda i: body if i is None else step_name.format(i),
-        # Unrolled, XLA may gather every sharded layer at once (FSDP).
-        gathered=gathered or layers_may_be_sharded(weights),
+        gathered=gathered,
     )[0]
 
 
@@ -145,7 +131,7 @@ def run_layers(
     - `x`: the carry.
     - `layers`: a slice (`slice(i, j)` runs layers `i..j-1`) or a sequence of
       ints (negative counting from the end), checked; or an integer array of
-      layer indices (a chain's global indices), checked when concrete, clamped
+      layer numbers (across a chain's groups), checked when concrete, clamped
       to `[0, L-1]` when traced (every choice of one length runs in one
       program). Indices may repeat (a layer run twice), except under
       [`eqxscan.tap`][], which has one row per layer.
@@ -176,14 +162,15 @@ def run_layers(
     """
     call = checked_call(model, args, kwargs, key, method, "run_layers")
     length = model.num_layers
+    chosen = _indices(layers, length, call.caller)
     if isinstance(layers, jax.Array):
-        idx = _dynamic_indices(layers, length, call.caller)
+        idx = jnp.asarray(chosen, layers.dtype)
         if tapping():
             twice = jnp.any(jnp.diff(jnp.sort(idx)) == 0)
             idx = eqx.error_if(idx, twice, _tapped_twice("a layer"))
         with call_of(model), covering(length):
             return _scan_indices(model, x, idx, call)
-    chosen = _static_indices(layers, length, call.caller)
+    assert isinstance(chosen, (slice, np.ndarray))
     order = (
         list(range(length)[chosen]) if isinstance(chosen, slice) else chosen.tolist()
     )
@@ -221,20 +208,17 @@ def _stretches(order: list[int]) -> list[tuple[int, int]]:
 def _run_static(
     model: Stacked | Chain, x: PyTree, order: list[int], traced: bool, call: LayerCall
 ) -> PyTree:
-    # Every layer runs knowing its global index (`layer_index()`, the call's
-    # `first`). A Stacked's layers out of order are one scan over their indices.
+    # Every layer runs knowing its layer number (`layer_index()`, the call's
+    # `start`). A Stacked's layers out of order are one scan over their indices.
     if traced or (
         isinstance(model, Stacked) and _stretches(order) != [(order[0], order[-1] + 1)]
     ):
         return _scan_indices(model, x, jnp.asarray(order, jnp.int32), call)
     if isinstance(model, Chain):
-        chosen = model.unstack()
         # Each stretch of consecutive layers runs as a Chain of its own, so
-        # that its layers keep their global indices (`layer_index()`).
+        # that its layers keep their layer numbers (`layer_index()`).
         for start, stop in _stretches(order):
-            sub = Chain(
-                chosen[start:stop], patterns=model.patterns, **model.options.as_args()
-            )
+            sub = model[start:stop]
             sub_call = call.take(slice(start, stop))._replace(caller="Chain")
             x = run_groups(sub.groups, sub.layout, x, sub_call, "Chain")[0]
         return x

@@ -62,10 +62,10 @@ def _concrete_equal(a: object, b: object) -> Verdict:
 def _all(verdicts: Iterable[Verdict]) -> Verdict:
     result: Verdict = "same"
     for v in verdicts:
+        if v != "same":
+            result = v
         if v == "different":
-            return "different"
-        if v == "unknown":
-            result = "unknown"
+            break
     return result
 
 
@@ -120,12 +120,10 @@ def value_verdict(a: object, b: Any) -> Verdict:
         return _function(a, b)
     if isinstance(a, types.MethodType):
         return _sequence((a.__func__, a.__self__), (b.__func__, b.__self__))
+    if isinstance(a, dict):  # keys in order, then values
+        a, b = list(a.items()), list(b.items())
     if isinstance(a, (tuple, list)):
         return _sequence(a, b)
-    if isinstance(a, dict):
-        if list(a) != list(b):
-            return "different"
-        return _all(value_verdict(a[k], b[k]) for k in a)
     if dataclasses.is_dataclass(a) and not isinstance(a, type):  # a Module too
         diff = compare(a, b)
         if diff is not None:
@@ -218,13 +216,16 @@ def check_alike(
         )
 
 
+def _is_index(x: object) -> bool:
+    return isinstance(x, eqx.nn.StateIndex)
+
+
 def check_state_order(layers: PyTree, index: slice, length: int, who: str) -> None:
     """Refuse a slice that reverses stateful layers: an `eqx.nn.State` keeps their
     states in the stored order, which the reversed layers would read."""
     if index.indices(length)[2] > 0 or len(range(length)[index]) < 2:
         return
-    is_index = lambda x: isinstance(x, eqx.nn.StateIndex)  # noqa: E731
-    if any(map(is_index, jtu.tree_leaves(layers, is_leaf=is_index))):
+    if any(map(_is_index, jtu.tree_leaves(layers, is_leaf=_is_index))):
         raise ValueError(
             f"Cannot take {index} of a {who} of stateful layers (with an "
             "eqx.nn.StateIndex): it reverses them, but their eqx.nn.State keeps "
@@ -237,11 +238,10 @@ def check_state_order(layers: PyTree, index: slice, length: int, who: str) -> No
 def check_state_indices(current: PyTree, layer: PyTree, what: str) -> None:
     """Refuse a layer whose `eqx.nn.StateIndex`es are not those of the one it
     replaces, made with a state: its state would not be in the model's."""
-    is_index = lambda x: isinstance(x, eqx.nn.StateIndex)  # noqa: E731
 
     def markers(tree: PyTree) -> dict[str, object]:
-        leaves = jtu.tree_leaves_with_path(tree, is_leaf=is_index)
-        return {jtu.keystr(p): x.marker for p, x in leaves if is_index(x)}
+        leaves = jtu.tree_leaves_with_path(tree, is_leaf=_is_index)
+        return {jtu.keystr(p): x.marker for p, x in leaves if _is_index(x)}
 
     new = markers(layer)
     for path, marker in markers(current).items():

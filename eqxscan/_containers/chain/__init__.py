@@ -3,8 +3,10 @@ answers to the layer-call seam."""
 
 from .chain import Chain as Chain
 from .groups import (
+    chain_layer_fn as chain_layer_fn,
     check_chain_method as check_chain_method,
+    lone_fn as lone_fn,
     Pattern as Pattern,
+    Placement as Placement,
     run_groups as run_groups,
 )
-from .layers import chain_layer_fn as chain_layer_fn, chain_steps as chain_steps

@@ -18,12 +18,11 @@ from ..._scan.layer_call import carry_only, check_per_layer, LayerCall, Method, 
 from ..._scan.options import OwnOptions, ScanArgs, Scanning, ScanOptions
 from ..stack_calls import dropping_call
 from ..stacked import LayerNumbering, StateDictFn
-from .explain import explain, warn_identity
-from .grouping import plan, stack_classes
+from .grouping import explain, plan, stack_classes, warn_identity
 from .groups import (
     assemble,
+    bodies,
     check_chain_method,
-    count_bodies,
     group_name,
     name_groups,
     Placement,
@@ -32,24 +31,6 @@ from .groups import (
     set_options,
     unstack_groups,
 )
-
-
-def check_chain_buffers(tree: PyTree, chain: "Chain") -> LayerBuffers:
-    """`tree` (a `Chain`'s buffer), checked to hold one buffer per group."""
-    if not isinstance(tree, LayerBuffers) or tree.layout != places(
-        chain.groups, chain.layout
-    ):
-        got = (
-            f"LayerBuffers of another chain's {len(tree.groups)} groups"
-            if isinstance(tree, LayerBuffers)
-            else describe(tree)
-        )
-        raise TypeError(
-            f"A Chain's eqxscan.buffer holds each of its {len(chain.groups)} "
-            f"groups' buffers, but it wraps {got}.\nBuild it with "
-            "eqxscan.layer_buffers(chain, make) for this chain."
-        )
-    return tree
 
 
 class Chain(Scanning):
@@ -199,8 +180,8 @@ class Chain(Scanning):
         2 has float32[8,8]`` (the leaf path where they differ, and both values).
         """
         names = [group_name(g, s) for g, s in zip(self.groups, self.layout)]
-        bodies = count_bodies(self.layout, self.groups)
-        return explain(self.unstack(), self.layout, names, bodies)
+        count = len(bodies(self.groups, self.layout))
+        return explain(self.unstack(), self.layout, names, count)
 
     def own_options(self) -> tuple[str, ...]:
         return ("drop_path", "layer_drop")
@@ -312,7 +293,20 @@ class Chain(Scanning):
                 )
             # Group `k`'s buffer is `groups[k]` (see layer_buffers).
             given = view_of(args, kwargs, at)
-            tree = check_chain_buffers(given.tree, self)
+            tree = given.tree
+            if not isinstance(tree, LayerBuffers) or tree.layout != places(
+                self.groups, self.layout
+            ):
+                got = (
+                    f"LayerBuffers of another chain's {len(tree.groups)} groups"
+                    if isinstance(tree, LayerBuffers)
+                    else describe(tree)
+                )
+                raise TypeError(
+                    f"A Chain's eqxscan.buffer holds each of its {len(self.groups)} "
+                    f"groups' buffers, but it wraps {got}.\nBuild it with "
+                    "eqxscan.layer_buffers(chain, make) for this chain."
+                )
             args, kwargs = replace_arg(args, kwargs, at, given.of(tree.groups))
         if scan and find_state(args, kwargs) is not None:
             raise TypeError(
@@ -324,12 +318,13 @@ class Chain(Scanning):
         keys = key if key is None else split_key(key, self.num_layers, who)
         read_out = pairs("Chain.scan") if scan else carry_only
         call = LayerCall(args, kwargs, keys, read_out, reverse, method, caller="Chain")
-        # Drop inputs are per layer (global layer indices), routed to the groups
+        # Drop inputs are per layer (by layer number), routed to the groups
         # with everything else per layer.
         call = dropping_call(self.drop_rates, call, key, "Chain")
         if tree is not None:
-            drops = call.drop is not None or call.runs is not None
-            check_keeps_writes("This Chain", drops)
+            check_keeps_writes(
+                "This Chain", call.drop is not None or call.runs is not None
+            )
         return call, tree
 
 

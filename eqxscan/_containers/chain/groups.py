@@ -1,18 +1,28 @@
 """A `Chain`'s groups (`Placement`, `Pattern`): built from layers, named, and run
 in order through the layer-call seam (a lone layer as layer `start` of the
 chain's call, a stack with `LayerCall.placed`, a pattern step with
-`LayerCall.inner`)."""
+`LayerCall.inner`), or one layer at a time (`lone_fn` for early exit,
+`chain_layer_fn` for traced subsets)."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from jaxtyping import PRNGKeyArray, PyTree
+from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
-from ..._helpers.checks import CarryError, describe, first_difference, noting, split_key
+from ..._helpers.checks import (
+    CarryError,
+    check_carry,
+    describe,
+    first_difference,
+    noted,
+    noting,
+    split_key,
+)
+from ..._helpers.constrain import constrain
 from ..._helpers.stateful import find_state, get_arg, replace_arg, state_pair
 from ..._scan.buffers import find_buffer, Place, view_of
 from ..._scan.layer_call import (
@@ -22,10 +32,10 @@ from ..._scan.layer_call import (
     LayerCall,
     Method,
     OneLayer,
-    PatternStep,
     run_one,
 )
 from ..._scan.options import ScanOptions
+from ..._scan.taps import add, held
 from ..stack_calls import scan_layers
 from ..stacked import in_natural_order, LayerNumbering, Stacked, StateDictFn
 from ..stage_order import layers_in_stage_order
@@ -70,11 +80,9 @@ def unstack_groups(groups: tuple[Any, ...], layout: tuple[Placement, ...]) -> li
     for group, place in zip(groups, layout):
         if place.per_step == 0:
             layers.append(group)
-        elif place.per_step == 1:
-            layers.extend(group.unstack())
-        else:
-            for repeat in group.unstack():
-                layers.extend(repeat.unstack())
+        else:  # a stack's layers, or each repeat's
+            for item in group.unstack():
+                layers.extend(item.unstack() if place.per_step > 1 else [item])
     return layers
 
 
@@ -109,26 +117,19 @@ def group_name(group: Any, place: Placement) -> str:
     )
 
 
-def _pattern_step(call: LayerCall) -> PatternStep:
-    """How one repeat of a pattern runs within the chain's `call` (its layers
-    given their slices of the repeat's inputs), returning what a layer would."""
-    reads_pairs = call.read_out is not carry_only
+def _scanned_call(call: LayerCall, place: Placement) -> LayerCall:
+    """`call` cut to a scanned group at `place`: a stack, or a pattern's repeats,
+    each repeat's layers given their slices of its inputs (`LayerCall.inner`)."""
+    group_call = call.placed(place.start, place.size, place.per_step)
+    if place.per_step == 1:
+        return group_call
 
-    def run(repeat: object, x: PyTree, one: OneLayer) -> PyTree:
-        assert isinstance(repeat, Pattern)
+    def run(repeat: Pattern, x: PyTree, one: OneLayer) -> PyTree:
         inner = call.inner(one)
         x, ys = run_groups(repeat.groups, repeat.layout, x, inner, "Pattern")
-        return (x, ys) if reads_pairs else x
+        return x if call.read_out is carry_only else (x, ys)
 
-    return run
-
-
-def _scanned_call(call: LayerCall, place: Placement) -> LayerCall:
-    """`call` cut to a scanned group at `place` (a stack, or a pattern's repeats)."""
-    group_call = call.placed(place.start, place.size, place.per_step)
-    if place.per_step > 1:
-        group_call = group_call._replace(pattern_step=_pattern_step(call))
-    return group_call
+    return group_call._replace(pattern_step=run)
 
 
 def _on_layer_axis(ys: PyTree, place: Placement) -> PyTree:
@@ -142,14 +143,6 @@ def _on_layer_axis(ys: PyTree, place: Placement) -> PyTree:
             ys,
         )
     return ys
-
-
-def count_bodies(layout: tuple[Placement, ...], groups: tuple[Any, ...]) -> int:
-    """How many layer bodies a grouping traces (a pattern's own, once)."""
-    return sum(
-        count_bodies(g.layers.layout, g.layers.groups) if s.per_step > 1 else 1
-        for g, s in zip(groups, layout)
-    )
 
 
 def _join(pieces: list[tuple[Any, Placement, PyTree]]) -> PyTree:
@@ -194,11 +187,8 @@ def check_chain_method(
 ) -> None:
     """Check `method` against every kind of layer the groups hold (a name must
     be a method of each)."""
-    if isinstance(method, str):
-        for layer in _kinds(groups, layout):
-            check_method(method, layer)
-    else:
-        check_method(method, None)
+    for layer in bodies(groups, layout) if isinstance(method, str) else [None]:
+        check_method(method, layer)
 
 
 def run_groups(
@@ -244,7 +234,7 @@ def run_groups(
                 new_x, trees[k] = new_x
         except CarryError as e:
             # The group changed the carry itself: its headline names it (by the
-            # layer's index in the chain when the loop knows which one).
+            # layer's number when the loop knows which one).
             name = group_name(group, place)
             if place.per_step == 1 and e.step is not None:
                 name = f"layer {place.start + e.step} ({type(group.layers).__name__})"
@@ -303,17 +293,36 @@ def name_groups(
     return tuple(new)
 
 
-def _kinds(groups: tuple[Any, ...], layout: tuple[Placement, ...]) -> list[Any]:
-    """One layer (or stacked layers) of each kind in the groups."""
-    kinds = []
-    for group, place in zip(groups, layout):
+def layer_bodies(
+    groups: tuple[Any, ...],
+    layout: tuple[Placement, ...],
+    path: tuple[int, ...] = (),
+    reps: tuple[int, ...] = (),
+) -> Iterator[tuple[tuple[int, ...], Any, bool, tuple[int, ...]]]:
+    """For each layer of `groups`, in order: the path to the group whose body
+    runs it (a group index per level, one level per repeated pattern), that
+    group (a lone layer, or a stack), whether it is a stack, and the indices of
+    the layer's weights in it (repeats, then within a stack)."""
+    for j, (group, place) in enumerate(zip(groups, layout)):
+        here = path + (j,)
         if place.per_step == 0:
-            kinds.append(group)
+            yield here, group, False, reps
         elif place.per_step == 1:
-            kinds.append(group.layers)
+            for o in range(place.size):
+                yield here, group, True, reps + (o,)
         else:
-            kinds.extend(_kinds(group.layers.groups, group.layers.layout))
-    return kinds
+            pattern: Pattern = group.layers
+            for r in range(place.size // place.per_step):
+                yield from layer_bodies(
+                    pattern.groups, pattern.layout, here, reps + (r,)
+                )
+
+
+def bodies(groups: tuple[Any, ...], layout: tuple[Placement, ...]) -> list[Any]:
+    """The layer bodies a grouping traces (a pattern's own, once), in order: a
+    lone layer, or a stack's layers."""
+    found = {p: g.layers if s else g for p, g, s, _ in layer_bodies(groups, layout)}
+    return list(found.values())
 
 
 class Pattern(eqx.Module):
@@ -330,9 +339,8 @@ class Pattern(eqx.Module):
         """The class name of each of the `K` layers (also right for a stacked
         `Pattern`, whose arrays have a repeat axis)."""
         return [
-            type(group if place.per_step == 0 else group.layers).__name__
-            for group, place in zip(self.groups, self.layout)
-            for _ in range(1 if place.per_step == 0 else place.size)
+            type(group.layers if stacked else group).__name__
+            for _, group, stacked, _ in layer_bodies(self.groups, self.layout)
         ]
 
     def unstack(self) -> list[Any]:
@@ -351,3 +359,80 @@ class Pattern(eqx.Module):
         keys = key if key is None else split_key(key, self.num_layers, who)
         call = LayerCall(args, kwargs, keys, caller="Chain")
         return run_groups(self.groups, self.layout, x, call, "Pattern")[0]
+
+
+def lone_fn(
+    layer: object, call: LayerCall, one: OneLayer, name: str, c: PyTree
+) -> PyTree:
+    """A lone layer as a function of the carry, as `call` runs it."""
+    return run_one(layer, call, one, c, name)[0]
+
+
+def _describe_layers(layers: list[int], name: str) -> str:
+    if len(layers) == 1:
+        return f"Layer {layers[0]} ({name})"
+    if layers == list(range(layers[0], layers[-1] + 1)):
+        return f"Layers {layers[0]}-{layers[-1]} ({name}, one body)"
+    shown = ", ".join(map(str, layers[:6])) + (", ..." if len(layers) > 6 else "")
+    return f"Layers {shown} ({name}, one body)"
+
+
+def chain_layer_fn(
+    groups: tuple[Any, ...],
+    layout: tuple[Placement, ...],
+    call: LayerCall,
+    name_inputs: Callable[[PyTree], PyTree],
+    carry_static: PyTree,
+    hint: str,
+) -> Callable[[Int[Array, ""], PyTree], PyTree]:
+    """Layer number `g` (traced) of a chain's `groups` as `fn(g, carry)`: a
+    `lax.switch` on the body that holds the layer, which reads its one layer from
+    its group's stacked weights. Every body must return a carry like the one it
+    receives (else a `TypeError` naming the layer, with `hint`). `name_inputs`
+    names what a body reads as the step's inputs."""
+    walked = list(layer_bodies(groups, layout))
+    # Per body: its group, whether a stack, and the layer numbers it runs.
+    branches: dict[tuple[int, ...], tuple[Any, bool, list[int]]] = {}
+    for g, (path, group, stacked, _) in enumerate(walked):
+        branches.setdefault(path, (group, stacked, []))[2].append(g)
+    # Per layer number: its body, then the indices of its weights (zero-padded).
+    width = max(len(reps) for _, _, _, reps in walked)
+    paths = list(branches)
+    table = [(paths.index(p), *r, *[0] * (width - len(r))) for p, _, _, r in walked]
+    rows = jnp.asarray(table, jnp.int32)
+
+    def body(
+        group: Any, stacked: bool, layers: list[int], row: Array, one: OneLayer
+    ) -> Callable[[PyTree], PyTree]:
+        name = type(group.layers if stacked else group).__name__
+        where, depth = _describe_layers(layers, name), len(walked[layers[0]][3])
+
+        # Only the carry's arrays pass through the `switch`; the rest (broadcast
+        # arguments may be any Python value) is closed over.
+        def fn(c_dyn: PyTree) -> PyTree:
+            natural = in_natural_order(group)
+            tree = natural.layers if stacked else natural
+            for i in range(depth):
+                tree = index(tree, row[1 + i])
+            if stacked and natural.layer_sharding is not None:
+                tree = constrain(tree, natural.layer_sharding)
+            layer, old = name_inputs(tree), eqx.combine(c_dyn, carry_static)
+            with held() as records:  # taps' records leave the switch as outputs
+                new = noted(lone_fn, where, layer, call, one, where, old)
+            try:
+                check_carry(old, new, where)
+            except CarryError as e:
+                raise TypeError(f"{call.caller}: {where} {e.what}\n{hint}") from None
+            return eqx.filter(new, eqx.is_array), tuple(records)
+
+        return fn
+
+    def layer(g: Int[Array, ""], carry: PyTree) -> PyTree:
+        row = rows[g]
+        one = name_inputs(call.at(g))
+        fns = [body(*branch, row, one) for branch in branches.values()]
+        new, records = jax.lax.switch(row[0], fns, eqx.filter(carry, eqx.is_array))
+        add(records)
+        return eqx.combine(new, carry_static)
+
+    return layer
