@@ -1,7 +1,6 @@
 """How a `Stacked` runs its layers through the layer-call seam: scanned, vmapped,
 or layer `i` on its own."""
 
-import functools
 from typing import Any, Protocol, runtime_checkable
 
 import equinox as eqx
@@ -33,7 +32,6 @@ from .._scan.engine import run, stacked
 from .._scan.layer_call import (
     carry_only,
     check_per_layer,
-    GroupSteps,
     Index,
     index,
     LayerCall,
@@ -194,9 +192,3 @@ def stack_layer_fn(stack: Stack, call: LayerCall, i: Index) -> LayerFn:
     name = f"the stacked layer {type(stack.layers).__name__}"
     layer, one = layer_of(stack, i), call.at(i)
     return lambda c: run_one(layer, call, one, c, name)[0]
-
-
-def stack_steps(stack: Stack, call: LayerCall, start: int = 0) -> GroupSteps:
-    """The layers of `stack` as one group of a walk in order."""
-    step = functools.partial(stack_layer_fn, stack, call)
-    return GroupSteps(start, stack.num_layers, 1, step, type(stack.layers).__name__)

@@ -310,15 +310,3 @@ def _run_writing(
 
 # One layer as a function of the carry (its inputs bound): `carry -> carry`.
 LayerFn = Callable[[PyTree], PyTree]
-
-
-class GroupSteps(NamedTuple):
-    """One group of a container's layers, for a walk in order (early exit):
-    `steps` steps of `per_step` layers (`0`: a lone layer) from layer `start`;
-    `step(j)` is one layer's `LayerFn`, or the groups of one pattern step."""
-
-    start: int
-    steps: int
-    per_step: int
-    step: "Callable[[Index], LayerFn | tuple[GroupSteps, ...]]"
-    name: str
