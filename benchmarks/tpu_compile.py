@@ -10,6 +10,12 @@ Needs `libtpu` (no TPU): `pip install "jax[tpu]==<your jax version>"`.
 
     python -m benchmarks.tpu_compile                  # B = 8, L = 16, D = 2048
     python -m benchmarks.tpu_compile --dim 512 --tiny # smaller, faster
+    python -m benchmarks.tpu_compile --transformer    # the bench's Transformer
+
+`--transformer` compiles `python -m benchmarks.bench --model transformer`'s train
+step (D=2048, batch 8 x seq 1024, bfloat16, L=4) scanned with the matmul-saving
+policy and as the unrolled loop, and prints every copy XLA makes outside a
+fusion, by the loop body it runs in (once a layer) or the entry (once a step).
 """
 
 import argparse
@@ -21,6 +27,7 @@ import sys
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from benchmarks.quantized import FORMATS, model_of, STEPS
 
@@ -141,6 +148,47 @@ def train_step(dtype, remat, batch: int, layers: int, dim: int, target):
     return compiled_facts(jax.value_and_grad(loss), params, x, target)
 
 
+def loop_copies(hlo: str) -> dict[str, list[tuple[str, int]]]:
+    """`{"body" or "entry": [(shape, bytes), ...]}`: the `copy` instructions of
+    `hlo` outside fusions, in a while loop's body (run once an iteration) or in
+    the entry computation."""
+    bodies = set(re.findall(r" while\(.*?body=%([\w.-]+)", hlo))
+    found: dict[str, list[tuple[str, int]]] = {"body": [], "entry": []}
+    inside, entry = "", False
+    for line in hlo.splitlines():
+        header = _COMPUTATION.match(line)
+        if header:
+            inside, entry = header.group(1), line.startswith("ENTRY")
+        match = _INSTRUCTION.match(line)
+        if not match or match.group(4) != "copy" or not (entry or inside in bodies):
+            continue
+        _, dtype, dims, _ = match.groups()
+        size = int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+        width = {"bf16": 2, "f32": 4, "s32": 4, "u32": 4, "s8": 1, "u8": 1}
+        found["entry" if entry else "body"].append(
+            (f"{dtype}[{dims}]", size * width.get(dtype, 4))
+        )
+    return found
+
+
+def transformer_copies(impl: str, layers: int, target) -> tuple[int, dict]:
+    """XLA's temp bytes and `loop_copies` of the bench's Transformer train step
+    (`impl`: a name of `benchmarks.bench`'s registry), compiled for `target`."""
+    from benchmarks.bench._measure import registry
+
+    impls, make = registry("transformer")
+    with jax.default_device(jax.devices("cpu")[0]):  # values on the host: no TPU
+        module, x, y = make(layers, 2048, 8, 1024, "bfloat16")
+    built = impls[impl].build(module)
+    place = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=target)  # noqa: E731
+    params = jax.tree.map(place, built.params)
+    step = jax.jit(jax.value_and_grad(built.loss))
+    compiled = step.lower(params, place(x), place(y)).compile()
+    return compiled.memory_analysis().temp_size_in_bytes, loop_copies(
+        compiled.as_text()
+    )
+
+
 def _row(label: str, facts: dict) -> str:
     mib = 2.0**20
     copies = "; ".join(facts["copies"]) or "none"
@@ -157,8 +205,21 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=2048)
     parser.add_argument("--formats", nargs="+", default=list(FORMATS))
     parser.add_argument("--tiny", action="store_true", help="float32 only, no train")
+    parser.add_argument(
+        "--transformer", action="store_true", help="instead: the Transformer's copies"
+    )
     args = parser.parse_args()
     target = tpu_target()
+    if args.transformer:
+        mib = 2.0**20
+        for impl in ("eqxscan-dots", "eqxscan-loop"):
+            temp, copies = transformer_copies(impl, 4, target)
+            print(f"{impl}, L=4: temp {temp / mib:.1f} MiB")
+            for where, found in copies.items():
+                total = sum(n for _, n in found) / mib
+                shapes = ", ".join(f"{shape} {n / mib:.1f}" for shape, n in found)
+                print(f"  {where}: {len(found)} copies, {total:.1f} MiB: {shapes}")
+        return
     size = (args.batch, args.layers, args.dim)
     print(
         f"Deviceless compile for TPU v5e (jax {jax.__version__}), B={size[0]} "

@@ -172,3 +172,31 @@ def test_a_tpu_compile_holds_no_copy_of_a_float32_stack():
     facts = decode_step("float32", "scan", B, 4, 256, tpu_target())
     assert facts["copies"] == []  # was two converts to bfloat16[4, ...]
     assert facts["temp"] <= facts["weights"] / 4  # at most one layer's weights
+
+
+def test_loop_copies_are_told_by_where_they_run():
+    # `benchmarks.tpu_compile.loop_copies` reads an optimised HLO text: a copy in
+    # a while body runs once an iteration, one in the entry once a step; a copy
+    # inside a fusion reads tiles, not a whole array, and is not counted.
+    from benchmarks.tpu_compile import loop_copies
+
+    hlo = "\n".join(
+        [
+            "%fused (p: bf16[4,8]) -> bf16[4,8] {",
+            "  %p = bf16[4,8]{1,0} parameter(0)",
+            "  ROOT %copy.1 = bf16[4,8]{0,1} copy(%p)",
+            "}",
+            "%body.3 (t: (s32[], f32[2,3])) -> (s32[], f32[2,3]) {",
+            "  %c = f32[2,3]{0,1} copy(%g)",
+            "  %f = bf16[4,8]{0,1} fusion(%x), kind=kLoop, calls=%fused",
+            "}",
+            "ENTRY %main (a: bf16[16,2]) -> bf16[16,2] {",
+            "  %w = (s32[], f32[2,3]) while(%t), condition=%cond, body=%body.3",
+            "  ROOT %copy.2 = bf16[16,2]{0,1} copy(%a)",
+            "}",
+        ]
+    )
+    assert loop_copies(hlo) == {
+        "body": [("f32[2,3]", 24)],
+        "entry": [("bf16[16,2]", 64)],
+    }
