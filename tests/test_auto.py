@@ -349,6 +349,30 @@ def test_reason_names_the_numbers():
     assert "64.00 MiB of matmul outputs" in reason
 
 
+def test_reason_names_which_small_condition_failed():
+    # A step is not "small" for too many residual bytes or too high a ratio to
+    # the matmul outputs; the reason names the one that failed.
+    too_big = f"more than {T.small_residuals / 2**20:.2f} MiB"
+    too_elementwise = f"more than {T.matmul_dominated}x"
+    ratio = T.matmul_dominated
+    bytes_over = T.small_residuals // cost().length + 1  # in all; a ratio of 1
+    for c, want, not_want in (
+        (
+            cost(saved_bytes=bytes_over, policy_saved_bytes=bytes_over),
+            too_big,
+            too_elementwise,
+        ),
+        (
+            cost(saved_bytes=int(1000 * ratio) + 1, policy_saved_bytes=1000),
+            too_elementwise,
+            too_big,
+        ),
+    ):
+        d = _auto.decide(c, "auto", 1, POLICY, "cpu")
+        assert d.rule.remat not in ("small", "given"), d.rule
+        assert want in d.reason and not_want not in d.reason, d.reason
+
+
 # --- measuring a traced step ---------------------------------------------------
 
 

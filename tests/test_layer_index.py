@@ -165,6 +165,36 @@ def test_outside_a_layer_is_an_error(getkey):
             eqxscan.Recurrent(Cell(), mode=mode)(jnp.zeros(()), jnp.ones(3))
 
 
+class ReadsIndex(eqxscan.MatrixLinearCell):
+    """A one-head matrix cell whose read-out asks for a layer index."""
+
+    def gates(self, x_t):
+        return jax.nn.sigmoid(x_t)[None], x_t[None], x_t[None], x_t[None]
+
+    def output(self, S_t, x_t):
+        eqxscan.layer_index()
+        return super().output(S_t, x_t)
+
+
+class HoldsRecurrent(eqx.Module):
+    rnn: eqxscan.Recurrent
+
+    def __call__(self, x):
+        _, os = self.rnn(jnp.zeros((1, D, D)), jnp.stack([x, 2 * x]))
+        return x + os[-1, 0]
+
+
+@pytest.mark.parametrize("mode", ["scan", "loop"])
+def test_time_steps_inside_a_layer_read_no_layer_index(mode):
+    # A Recurrent inside a Chain's layer 1: its steps are time steps, so its
+    # cell's read-out (run in the step, outside the cell's call) gets no index,
+    # not that of the layer around the Recurrent.
+    rnn = eqxscan.Recurrent(ReadsIndex(), method="sequential", mode=mode)
+    chain = eqxscan.Chain([eqx.nn.Lambda(jnp.tanh), HoldsRecurrent(rnn)], mode=mode)
+    with pytest.raises(RuntimeError, match="outside a layer"):
+        chain(jnp.ones(D))
+
+
 CHOICES = {
     "list": ([1, 3, 4], [1, 3, 4]),
     "tuple": ((4, 0, 2), [4, 0, 2]),

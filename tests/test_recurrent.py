@@ -674,6 +674,19 @@ def test_elman_cell(getkey):
     )
 
 
+def test_cells_name_a_wrong_step_shape(getkey):
+    # Either of an ElmanCell's operands of the wrong size is named (else a wrong
+    # input would end in a cryptic dot_general error).
+    cell = eqxscan.ElmanCell(IN, HID, key=getkey())
+    x, h = jnp.ones(IN), jnp.zeros(HID)
+    takes = rf"ElmanCell\({IN}, {HID}\) takes one time step of one example"
+    for bad_x, bad_h in ((jnp.ones(IN + 1), h), (x, jnp.zeros(HID + 1))):
+        with pytest.raises(ValueError, match=takes) as info:
+            cell(bad_x, bad_h)
+        assert f"input float32[{bad_x.shape[0]}]" in str(info.value)
+        assert f"hidden float32[{bad_h.shape[0]}]" in str(info.value)
+
+
 # ------------------------------------------------------------ bidirectional
 
 

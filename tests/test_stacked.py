@@ -423,6 +423,20 @@ def test_carry_structure_and_shape_errors(mode):
     with pytest.raises(TypeError, match="tree structure"):
         restr(jnp.ones(3))
 
+    class FillsIn(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, c):
+            return {"x": c["x"] * self.w, "extra": c["x"]}
+
+    fill = eqxscan.Stacked(lambda k: FillsIn(jnp.ones(3)), 2, key=jr.key(0), mode=mode)
+    # The message names the first leaf that differs, the input's side first.
+    with pytest.raises(TypeError, match="tree structure") as info:
+        fill({"x": jnp.ones(3), "extra": None})
+    assert "At `carry['extra']` the input has None but the output has float32[3]" in (
+        str(info.value)
+    )
+
 
 def test_from_layers_errors():
     a = Block(4, key=jr.key(0))
