@@ -209,8 +209,6 @@ def _chunked(
 
 
 def _group_size(N: int, n: int, c: int, H: int, dk: int) -> int:
-    """Chunks per group: `_GROUPS` groups on CPU; on an accelerator as many as
-    keep one group's float32 decay tensors within `_ACCELERATOR_GROUP_BYTES`."""
     if jax.default_backend() == "cpu":
         return -(-N // _GROUPS)
     per_chunk = n * n * c * H * dk * 4

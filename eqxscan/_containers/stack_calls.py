@@ -46,14 +46,11 @@ from .._scan.taps import untapped
 class Stack(Protocol):
     """What running a stack reads of a `Stacked`."""
 
-    @property
-    def layers(self) -> Any: ...
-    @property
-    def num_layers(self) -> int: ...
-    @property
-    def options(self) -> ScanOptions: ...
-    @property
-    def layer_sharding(self) -> Sharding | PyTree[Sharding | None] | None: ...
+    layers: Any
+    num_layers: int
+    options: ScanOptions
+    layer_sharding: Sharding | PyTree[Sharding | None] | None
+
     def check_layer_axis(self, what: str) -> None: ...
 
 

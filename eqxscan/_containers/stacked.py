@@ -42,7 +42,6 @@ from .._scan.drop_rates import (
 )
 from .._scan.eager_compile import compiled_when_eager
 from .._scan.layer_call import (
-    arg_name,
     carry_only,
     check_method,
     check_per_layer,
@@ -90,20 +89,15 @@ def build_layers(
     make_layer = check_callable("make_layer", make_layer)
     if key is None:
         raise TypeError("Stacked needs `key=` to build its layers.")
-    per = check_per_layer(args, {}, num_layers)
-    per_dyn, per_static = eqx.partition(
-        {n: v.tree for n, v in per.items()}, eqx.is_array
-    )
+    check_per_layer(args, {}, num_layers)
+    call = LayerCall(args, {}, split_key(key, num_layers, "Stacked"))
+    xs, one = call.scanned()
 
-    def one(k: PRNGKeyArray, slices: dict) -> LayerT:
-        call_args = [
-            eqx.combine(slices[n], per_static[n]) if n in slices else a
-            for n, a in ((arg_name(i), a) for i, a in enumerate(args))
-        ]
-        return make_layer(k, *call_args)
+    def build(x: PyTree) -> LayerT:
+        layer_i = one(x)
+        return make_layer(layer_i.key, *layer_i.args)
 
-    keys = split_key(key, num_layers, "Stacked")
-    layers = eqx.filter_vmap(one)(keys, per_dyn)
+    layers = eqx.filter_vmap(build)(xs)
     # A missing `return`, a number, a string or an array fails only when called.
     if is_array(layers):
         one_layer = jax.ShapeDtypeStruct(layers.shape[1:], layers.dtype)

@@ -74,9 +74,9 @@ def key_name(entry: Any, where: tuple) -> str:
     return name
 
 
-def pattern(parts: tuple, fill: str = "*") -> str:
-    """Name parts joined with '.', each layer index shown as `fill`."""
-    return ".".join(fill if isinstance(p, LayerNumbering) else p for p in parts)
+def pattern(parts: tuple) -> str:
+    """Name parts joined with '.', each layer index shown as `*`."""
+    return ".".join("*" if isinstance(p, LayerNumbering) else p for p in parts)
 
 
 def resolve(parts: tuple, index: tuple[int, ...]) -> list:
@@ -129,12 +129,9 @@ def walk(
         )
     # A stack's layers gain a layer axis; its other fields (the drop rates) are
     # visited where the stack itself sits, so every leaf is seen once.
-    stacked = not names and isinstance(tree, Stacked)
-    at = (
-        site.enter(jtu.GetAttrKey("layers"), (tree.num_layers,), tree.num_layers)
-        if stacked
-        else site
-    )
+    at = site
+    if stacked := not names and isinstance(tree, Stacked):
+        at = site.enter(jtu.GetAttrKey("layers"), (tree.num_layers,), tree.num_layers)
     children, treedef = jtu.tree_flatten_with_path(
         tree, is_leaf=lambda x: x is not tree
     )

@@ -200,9 +200,11 @@ def replace_weights(
         out = _replace_modules(out, kind, make, who, verb)
     missing = [p for p in patterns if p not in matched]
     if missing:
+        named = _named_weights(model)
+        matrices = sorted({n for n, w, depth in named if w.ndim - depth == 2})
         raise ValueError(
             f"{who}: the target pattern(s) {missing} match no array of the "
-            f"model. Its 2-D weights are named {_weight_names(model)[:12]}.\n"
+            f"model. Its 2-D weights are named {matrices[:12]}.\n"
             "Hint: names are eqxscan.to_state_dict's, with each layer index shown "
             f"as `*` (every layer of a stack is {verb[1]} together)."
         )
@@ -215,12 +217,7 @@ def _replace_modules(
     count = 0
     # Each weight's state-dict name, as a pattern's match has (a key path such
     # as `.groups[3].weight` would name a Chain's group, not its layer).
-    names: dict[int, str] = {}
-    for_each(
-        lambda w, site: names.update({id(weight_at(w)): pattern(site.path)}),
-        hold(model),
-        names=True,
-    )
+    names = {id(weight): name for name, weight, _ in _named_weights(model)}
 
     def replace(path: tuple, node: object) -> object:
         nonlocal count
@@ -285,13 +282,13 @@ def _targets(targets: object, who: str) -> list[Target]:
     return list(items)
 
 
-def _weight_names(model: PyTree) -> list[str]:
-    names: set[str] = set()
+def _named_weights(model: PyTree) -> list[tuple[str, Weight, int]]:
+    # Every weight's name pattern, and the number of layer axes in front of it.
+    found: list[tuple[str, Weight, int]] = []
 
     def visit(leaf: object, site: Site) -> None:
-        weight = weight_at(leaf)
-        if weight is not None and weight.ndim - site.depth == 2:
-            names.add(pattern(site.path))
+        if (weight := weight_at(leaf)) is not None:
+            found.append((pattern(site.path), weight, site.depth))
 
     for_each(visit, hold(model), names=True)
-    return sorted(names)
+    return found
