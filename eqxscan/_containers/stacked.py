@@ -77,8 +77,7 @@ def build_layers(
     args: tuple[PyTree, ...],
     key: PRNGKeyArray | None,
 ) -> LayerT:
-    """`make_layer(keys[i], *args_i)` for every layer, in one `eqx.filter_vmap`
-    (`per_layer` arguments sliced, others broadcast), checked."""
+    """`make_layer(keys[i], *args_i)` for every layer, in one `eqx.filter_vmap`."""
     if isinstance(make_layer, eqx.Module):
         name = type(make_layer).__name__
         raise TypeError(
@@ -542,10 +541,9 @@ def in_natural_order(group: Any) -> Any:
 
 
 def restack(stack: Stacked[LayerT], **changes: object) -> Stacked[LayerT]:
-    """`stack` rebuilt through `Stacked.__init__` with `changes` applied (any of
-    `layers`, `num_layers`, `options`, `layer_sharding`, `drop_path`,
-    `layer_drop`, `stage_order`) and every other field kept (inference mode
-    included; `stage_order` only for the same number of layers)."""
+    """`stack` rebuilt through `Stacked.__init__` with `changes` (its arguments,
+    or `options`) applied and every other field kept (inference mode included;
+    `stage_order` only for the same number of layers)."""
     drop_path, layer_drop = rates_of(stack.drop_rates)
     same = changes.get("num_layers", stack.num_layers) == stack.num_layers
     fields: dict[str, object] = dict(

@@ -80,9 +80,8 @@ def pattern(parts: tuple) -> str:
 
 
 def resolve(parts: tuple, index: tuple[int, ...]) -> list:
-    """`parts` with each `LayerNumbering` replaced by the layer number at `index`
-    of the layer axes: `start + sum(i[k] * strides[k])`, each numbering taking
-    its own axes."""
+    """`parts` with each `LayerNumbering` replaced by its layer number at `index`
+    of the layer axes, each numbering taking its own axes."""
     it = iter(index)
     return [
         int(p.number([next(it) for _ in p.strides]))
