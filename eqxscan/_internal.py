@@ -23,8 +23,6 @@ from ._containers.walk import (
     walk as walk,
 )
 from ._containers.weight_targets import (
-    Held as Held,
-    hold as hold,
     MatmulOnly as MatmulOnly,
     replace_weights as replace_weights,
     stands_for_weight as stands_for_weight,

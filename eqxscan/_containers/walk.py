@@ -10,6 +10,7 @@ state dicts all rebuild a model through: every leaf visited with where it sits
   layer number goes; other entries are attribute names, indices and dict keys.
 """
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -103,6 +104,7 @@ def walk(
     names: bool = False,
     stack: Callable[[Stacked, Site], Stacked] | None = None,
     site: Site = ROOT,
+    is_leaf: Callable[[object], bool] | None = None,
 ) -> PyTree:
     """`tree` rebuilt with every leaf replaced by `fn(leaf, site)`; each `Stacked`
     and `Chain` keeps its type, static fields and options.
@@ -116,14 +118,17 @@ def walk(
     - `stack`: by key path, `stack(stacked, site)` replaces each `Stacked` once
       its layers are rebuilt (inner stacks first), `site` being its `layers`'.
     - `site`: where `tree` itself sits.
+    - `is_leaf`: as for `jax.tree_util`: a node it accepts is visited as a leaf
+      (e.g. a stand-in for a weight, seen where and as its weight is).
     """
-    if is_none(tree) or is_arraylike(tree):
+    if is_none(tree) or is_arraylike(tree) or (is_leaf is not None and is_leaf(tree)):
         return fn(tree, site)
+    deeper = functools.partial(walk, fn, names=names, stack=stack, is_leaf=is_leaf)
     if names and isinstance(tree, (Stacked, Chain)):
         num_layers = tree.num_layers
         return tree.state_dict_layers(
-            lambda subtree, index, axes: walk(
-                fn, subtree, names=True, site=site.enter(index, axes, num_layers)
+            lambda subtree, index, axes: deeper(
+                subtree, site=site.enter(index, axes, num_layers)
             )
         )
     # A stack's layers gain a layer axis; its other fields (the drop rates) are
@@ -145,13 +150,17 @@ def walk(
         else:
             entries = (key_name(e, site.path) for e in path) if names else path
             child_site = site._replace(path=site.path + tuple(entries))
-        rebuilt.append(walk(fn, child, names=names, stack=stack, site=child_site))
+        rebuilt.append(deeper(child, site=child_site))
     new = jtu.tree_unflatten(treedef, rebuilt)
     return new if not stacked or stack is None else stack(new, at)
 
 
 def for_each(
-    fn: Callable[[object, Site], None], tree: PyTree, *, names: bool = False
+    fn: Callable[[object, Site], None],
+    tree: PyTree,
+    *,
+    names: bool = False,
+    is_leaf: Callable[[object], bool] | None = None,
 ) -> None:
     """Call `fn(leaf, site)` at every leaf of `tree`, as `walk` visits them."""
 
@@ -159,4 +168,4 @@ def for_each(
         fn(leaf, site)
         return leaf
 
-    walk(visit, tree, names=names)
+    walk(visit, tree, names=names, is_leaf=is_leaf)

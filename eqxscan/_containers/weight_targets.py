@@ -137,32 +137,8 @@ def stands_for_weight(node: object) -> bool:
     )
 
 
-class Held:
-    """A stand-in for a weight held as one leaf (not a pytree), so that a walk
-    by state-dict name sees it where its weight was, under the weight's name."""
-
-    def __init__(self, weight: StandsForWeight):
-        self.weight = weight
-
-
-def hold(model: PyTree) -> PyTree:
-    """`model` with each stand-in for a weight held as a `Held` leaf."""
-    return jtu.tree_map(
-        lambda x: Held(x) if stands_for_weight(x) else x,
-        model,
-        is_leaf=stands_for_weight,
-    )
-
-
-def _release(model: PyTree) -> PyTree:
-    is_held = lambda x: isinstance(x, Held)  # noqa: E731
-    return jtu.tree_map(lambda x: x.weight if is_held(x) else x, model, is_leaf=is_held)
-
-
 def weight_at(leaf: object) -> Weight | None:
-    """What can be replaced at a leaf: an array, or a (held) stand-in."""
-    if isinstance(leaf, Held):
-        return leaf.weight
+    """What can be replaced at a leaf: an array, or a stand-in."""
     if stands_for_weight(leaf) or is_arraylike(leaf):
         return leaf  # pyright: ignore[reportReturnType]
     return None
@@ -195,7 +171,9 @@ def replace_weights(
         matched.update(hits)
         return make(weight, site.depth, name, orientation)
 
-    out = _release(walk(replace, hold(model), names=True)) if patterns else model
+    out = model
+    if patterns:
+        out = walk(replace, model, names=True, is_leaf=stands_for_weight)
     for kind in (t for t in found if not isinstance(t, str)):
         out = _replace_modules(out, kind, make, who, verb)
     missing = [p for p in patterns if p not in matched]
@@ -290,5 +268,5 @@ def _named_weights(model: PyTree) -> list[tuple[str, Weight, int]]:
         if (weight := weight_at(leaf)) is not None:
             found.append((pattern(site.path), weight, site.depth))
 
-    for_each(visit, hold(model), names=True)
+    for_each(visit, model, names=True, is_leaf=stands_for_weight)
     return found

@@ -25,14 +25,13 @@ from .._internal import (
     check_like,
     docs,
     for_each,
-    Held,
-    hold,
     is_arraylike,
     layer_names,
     Lazy,
     listed,
     pattern as name_pattern,
     Site,
+    stands_for_weight,
 )
 from ..checkpoint import CorruptFileError, NameMap, open_safetensors, Opened
 from ._quantize import _quantize_array, is_quantized, quantize, Target
@@ -82,15 +81,15 @@ def weights(model: PyTree) -> tuple[list[Weight], dict[str, str]]:
     floats: dict[str, str] = {}
 
     def visit(leaf: object, site: Site) -> None:
-        if isinstance(leaf, Held):
+        if stands_for_weight(leaf):
             names = layer_names(site.path, site.axes)
-            q = cast(Quantized, leaf.weight)  # the package's only stand-in
+            q = cast(Quantized, leaf)  # the package's only stand-in
             quantized.append(Weight(q, site, name_pattern(site.path), names))
         elif is_arraylike(leaf):
             shape = f"{jnp.dtype(leaf.dtype).name}{list(leaf.shape)}"
             floats[name_pattern(site.path)] = shape
 
-    for_each(visit, hold(model), names=True)
+    for_each(visit, model, names=True, is_leaf=stands_for_weight)
     return quantized, floats
 
 
