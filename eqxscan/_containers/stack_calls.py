@@ -113,8 +113,7 @@ def scan_layers(stack: Stack, x: PyTree, call: LayerCall) -> tuple[PyTree, PyTre
 
     def read(xs: tuple[PyTree, PyTree, PyTree]) -> tuple[PyTree, PyTree, PyTree]:
         # A step's layer, constrained (FSDP gathers one layer here), and its slices.
-        dyn, per, i = xs
-        return (dyn if sharding is None else constrain(dyn, sharding)), per, i
+        return constrain(xs[0], sharding), *xs[1:]
 
     def step(carry: PyTree, xs: tuple[PyTree, PyTree, PyTree]) -> tuple[PyTree, PyTree]:
         dyn, per, i = xs
@@ -180,8 +179,7 @@ def vmap_layers(stack: Stack, x: PyTree, call: LayerCall) -> PyTree:
 
 def layer_of(stack: Stack, i: Index) -> Any:
     """Layer `i` of `stack` (`i` may be traced), constrained to `layer_sharding`."""
-    layer, sharding = index(stack.layers, i), stack.layer_sharding
-    return layer if sharding is None else constrain(layer, sharding)
+    return constrain(index(stack.layers, i), stack.layer_sharding)
 
 
 def stack_layer_fn(stack: Stack, call: LayerCall, i: Index) -> LayerFn:
