@@ -305,21 +305,15 @@ def decide(
     u_rule: UnrollRule = "given"
     if isinstance(unroll, str):  # "auto"
         u_rule = unroll_rule(cost, platform, gathered, over, t)
-        steps = {"short": True, "memory-bound": True, "time": t.time_unroll}.get(
-            u_rule, 1
-        )
+        unrolls = {"short": True, "memory-bound": True, "time": t.time_unroll}
+        steps = unrolls.get(u_rule, 1)
     else:
         steps = unroll
     c_rule: RematRule = "given"
     if remat == "auto":
         c_rule = "unrolled" if steps is True else remat_rule(cost, platform, t)
-        # Two rules recompute the whole step, "policy" keeps the policy's, the
-        # others save everything.
-        remat = (
-            AUTO_POLICY
-            if c_rule == "policy"
-            else c_rule in ("small-step", "large-matmuls")
-        )
+        full = c_rule in ("small-step", "large-matmuls")
+        remat = AUTO_POLICY if c_rule == "policy" else full
     rule = AutoRule(u_rule, c_rule, platform, over, t)
     return AutoChoice(remat, steps, rule, cost, where)
 
@@ -461,8 +455,7 @@ def resolve(
     cost = measure_traced(traced.jaxpr, traced.n_carry, values, length)
     # The rule sees the value as a plain `remat=` option ("auto" when it chooses).
     given = remat if remat.named else remat.policy
-    platform = jax.default_backend()
-    choice = decide(cost, given, unroll, platform, gathered, over, where)
+    choice = decide(cost, given, unroll, jax.default_backend(), gathered, over, where)
     # The lists of the `explain_auto` calls open in this context.
     for record in call_state().auto_records:
         record.append(choice)

@@ -113,7 +113,7 @@ class ScanOptions(eqx.Module):
         """A copy with `changes` (any of `mode`, `remat`, `unroll`) applied,
         validated like a new one."""
         check_names(changes, OPTION_NAMES, "ScanOptions.replace")
-        return ScanOptions(**{**self.as_args(), **changes})
+        return ScanOptions(**(self.as_args() | changes))
 
 
 def check_names(
