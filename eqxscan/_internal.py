@@ -83,7 +83,11 @@ from ._scan.options import (
     Remat as Remat,
     Scanning as Scanning,
 )
-from ._scan.setting_names import parse_bytes as parse_bytes, remat_label as remat_label
+from ._scan.setting_names import (
+    parse_bytes as parse_bytes,
+    remat_label as remat_label,
+    size_label as size_label,
+)
 from ._scan.tap_stats import (
     max_abs as max_abs,
     nonfinite_count as nonfinite_count,

@@ -39,7 +39,7 @@ T = _auto.THRESHOLDS
 
 def pick(c, remat="auto", unroll="auto", platform="cpu", **kwargs):
     """`(remat, unroll, remat rule, unroll rule)` that `decide` gives."""
-    d = _auto.decide(c, remat, unroll, POLICY, platform, **kwargs)
+    d = _auto.decide(c, remat, unroll, platform, **kwargs)
     assert isinstance(d.rule, _auto.AutoRule)
     return d.remat, d.unroll, d.rule.remat, d.rule.unroll
 
@@ -185,11 +185,7 @@ def test_unrolled_only_when_the_weights_copied_at_once_are_few():
     assert pick(big)[1::2] == (1, "copies")
     assert pick(big, over="time")[1::2] == (True, "short")
     assert pick(cost(length=1, xs_bytes=2**30))[1::2] == (True, "short")
-    assert "copied at once" in _auto.reason(pick_rule(big), big)
-
-
-def pick_rule(c):
-    return _auto.decide(c, "auto", "auto", POLICY, "cpu").rule
+    assert "copied at once" in _auto.decide(big, "auto", "auto", "cpu").reason
 
 
 def _temp(fn, *args, donate=()):
@@ -340,7 +336,7 @@ def test_reason_names_the_numbers():
     # The one test of the prose: it is derived from the rule and the cost.
     mib = 2**20
     c = cost(length=12, flops=10**7, saved_bytes=24 * mib, policy_saved_bytes=8 * mib)
-    d = _auto.decide(c, "auto", "auto", POLICY, "cpu")
+    d = _auto.decide(c, "auto", "auto", "cpu")
     assert isinstance(d, eqxscan.remat.AutoChoice)
     reason = d.reason
     assert (d.rule.remat, d.rule.unroll) == ("large-matmuls", "scan")
@@ -368,7 +364,7 @@ def test_reason_names_which_small_condition_failed():
             too_big,
         ),
     ):
-        d = _auto.decide(c, "auto", 1, POLICY, "cpu")
+        d = _auto.decide(c, "auto", 1, "cpu")
         assert d.rule.remat not in ("small", "given"), d.rule
         assert want in d.reason and not_want not in d.reason, d.reason
 
@@ -391,7 +387,7 @@ def test_measure_counts_flops_and_residuals():
     c = jnp.ones(n)
     xs = jnp.ones((5, n))
     jaxpr = jax.make_jaxpr(step)(c, xs[0])
-    got = _auto.measure_traced(jaxpr, 1, (c, xs), 5, POLICY)
+    got = _auto.measure_traced(jaxpr, 1, (c, xs), 5)
     assert got.length == 5
     assert got.flops == 2 * n * n + n + n  # matmul, add, tanh
     assert got.carry_bytes == 4 * n
@@ -494,8 +490,8 @@ def test_time_scans_unroll_by_two_on_cpu():
     ):
         c = cost(**{**ok, **changes})
         assert pick(c, False, **time)[1::2] == (1, "scan"), changes
-        d = _auto.decide(c, False, "auto", POLICY, "cpu", **time)
-        assert why in _auto.reason(d.rule, c), (changes, d)
+        d = _auto.decide(c, False, "auto", "cpu", **time)
+        assert why in d.reason, (changes, d)
     # Not over layers, not on accelerators, not for short scans, and never over an
     # explicit unroll.
     assert pick(cost(**ok))[1::2] == (1, "scan")
@@ -678,8 +674,7 @@ def test_memory_bound_layers_are_unrolled_fully_off_cpu_only():
         length=16, flops=bound.flops, xs_bytes=weights, xs_integer_bytes=weights // 2
     )
     assert pick(quantized, platform="tpu")[1::2] == (1, "scan")
-    rule = _auto.decide(bound, "auto", "auto", POLICY, "tpu").rule
-    assert "FLOPs per byte" in _auto.reason(rule, bound)
+    assert "FLOPs per byte" in _auto.decide(bound, "auto", "auto", "tpu").reason
 
 
 def test_a_quantized_stack_counts_its_integer_weight_bytes():

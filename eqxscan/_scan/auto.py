@@ -4,9 +4,8 @@ into a `StepCost`; `decide` applies `unroll_rule` and `remat_rule` over
 `THRESHOLDS`. docs/default-remat.md has the table and the measurements behind
 every threshold."""
 
-import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Literal, TypeAlias
 
 import equinox as eqx
@@ -23,7 +22,7 @@ from .._helpers.checks import is_array
 from .call_state import call_state, changed_call_state
 from .options import Remat
 from .scan_remat import as_scan_remat, AUTO_POLICY, Policy, ScanRemat, Traced
-from .setting_names import remat_label
+from .setting_names import remat_label, size_label
 
 
 Over: TypeAlias = Literal["layers", "time"]
@@ -188,10 +187,6 @@ class AutoRule:
     thresholds: Thresholds = dataclasses.field(default=THRESHOLDS, repr=False)
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**10:.1f} KiB" if n < 2**20 else f"{n / 2**20:.2f} MiB"
-
-
 def _unroll_reason(rule: AutoRule, cost: StepCost) -> str:
     t, on = rule.thresholds, rule.platform
     steps = f"{cost.length} steps of {cost.flops:.3g} FLOPs"
@@ -202,11 +197,11 @@ def _unroll_reason(rule: AutoRule, cost: StepCost) -> str:
         "short": f"{steps} (at most {t.short_scan}, under {t.unroll_flops:.0e} in "
         "all): unroll fully",
         "copies": f"{steps} (at most {t.short_scan}), but unrolled the other "
-        f"layers' weights ({_mib(cost.copies_total)}, more than "
-        f"{_mib(t.unroll_copies)}) would be copied at once: unroll 1",
+        f"layers' weights ({size_label(cost.copies_total)}, more than "
+        f"{size_label(t.unroll_copies)}) would be copied at once: unroll 1",
         "memory-bound": f"on {on}, {steps} (at most {t.memory_bound_layers}), "
         f"at most {t.memory_bound_intensity} FLOPs per byte of a layer's weights "
-        f"({_mib(cost.xs_bytes)}): bound by reading them, unroll fully",
+        f"({size_label(cost.xs_bytes)}): bound by reading them, unroll fully",
         "time": f"on {on}, {cost.length} time steps of {cost.flops:.3g} FLOPs (>= "
         f"{t.time_unroll_flops:.0e}), one carried array, nearly all matmul "
         f"outputs: unroll {t.time_unroll}",
@@ -229,13 +224,13 @@ def _remat_reason(rule: AutoRule, cost: StepCost) -> str:
     if rule.remat == "unrolled":
         return "unrolled fully, so save what the loop saves"
     facts = (
-        f"a plain scan saves {_mib(cost.saved_total)}, {cost.ratio:.2f}x what saving "
-        f"matmul outputs keeps ({_mib(cost.policy_total)})"
+        f"a plain scan saves {size_label(cost.saved_total)}, {cost.ratio:.2f}x what "
+        f"saving matmul outputs keeps ({size_label(cost.policy_total)})"
     )
     if rule.remat == "small":
-        over = f"at most {_mib(t.small_residuals)} and {t.matmul_dominated}x"
+        over = f"at most {size_label(t.small_residuals)} and {t.matmul_dominated}x"
     elif cost.saved_total > t.small_residuals:
-        over = f"more than {_mib(t.small_residuals)}"
+        over = f"more than {size_label(t.small_residuals)}"
     else:
         over = f"more than {t.matmul_dominated}x"
     verdict = {
@@ -243,22 +238,13 @@ def _remat_reason(rule: AutoRule, cost: StepCost) -> str:
         "small-step": f"so on {on}, with {cost.flops:.3g} FLOPs per step (< "
         f"{t.full_remat_flops:.0e}), recompute the whole step",
         "large-matmuls": f"so on {on}, with more than "
-        f"{_mib(t.full_remat_residuals)} of matmul outputs, recompute the whole step",
+        f"{size_label(t.full_remat_residuals)} of matmul outputs, recompute the "
+        "whole step",
         "nearly-all-matmul": f"but on {on} at most {t.nearly_all_matmul}x is nearly "
         "all matmul outputs: save everything",
         "policy": "so save matmul outputs and recompute the rest",
     }[rule.remat]
     return f"{facts}: {over}, {verdict}"
-
-
-def reason(rule: AutoRule, cost: StepCost) -> str:
-    """One sentence with the numbers behind `rule`'s choice for `cost`."""
-    parts = []
-    if rule.unroll != "given":
-        parts.append(_unroll_reason(rule, cost))
-    if rule.remat != "given":
-        parts.append(_remat_reason(rule, cost))
-    return "; ".join(parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,7 +274,12 @@ class AutoChoice:
 
     @property
     def reason(self) -> str:
-        return reason(self.rule, self.cost)
+        parts = []
+        if self.rule.unroll != "given":
+            parts.append(_unroll_reason(self.rule, self.cost))
+        if self.rule.remat != "given":
+            parts.append(_remat_reason(self.rule, self.cost))
+        return "; ".join(parts)
 
     def __repr__(self) -> str:
         return (
@@ -302,7 +293,6 @@ def decide(
     cost: StepCost,
     remat: Remat,
     unroll: int | bool | Literal["auto"],
-    policy: Policy,
     platform: str,
     gathered: bool = False,
     over: Over = "layers",
@@ -315,19 +305,15 @@ def decide(
     u_rule: UnrollRule = "given"
     if isinstance(unroll, str):  # "auto"
         u_rule = unroll_rule(cost, platform, gathered, over, t)
-        steps = {"short": True, "memory-bound": True, "time": t.time_unroll}.get(
-            u_rule, 1
-        )
+        unrolls = {"short": True, "memory-bound": True, "time": t.time_unroll}
+        steps = unrolls.get(u_rule, 1)
     else:
         steps = unroll
     c_rule: RematRule = "given"
     if remat == "auto":
         c_rule = "unrolled" if steps is True else remat_rule(cost, platform, t)
-        # Two rules recompute the whole step, "policy" keeps the policy's, the
-        # others save everything.
-        remat = (
-            policy if c_rule == "policy" else c_rule in ("small-step", "large-matmuls")
-        )
+        full = c_rule in ("small-step", "large-matmuls")
+        remat = AUTO_POLICY if c_rule == "policy" else full
     rule = AutoRule(u_rule, c_rule, platform, over, t)
     return AutoChoice(remat, steps, rule, cost, where)
 
@@ -345,13 +331,9 @@ def _size(aval: jax.core.AbstractValue) -> int:
 
 
 def _nbytes(aval: jax.core.AbstractValue) -> int:
-    if not isinstance(aval, jax.core.ShapedArray):
-        return 0
-    dtype = aval.dtype
-    # PRNG keys have an extended dtype, which NumPy cannot interpret.
-    if not jnp.issubdtype(dtype, jax.dtypes.extended):
-        dtype = jnp.dtype(dtype)
-    return _size(aval) * dtype.itemsize
+    # A PRNG key's extended dtype has an itemsize too.
+    isarray = isinstance(aval, jax.core.ShapedArray)
+    return _size(aval) * aval.dtype.itemsize if isarray else 0
 
 
 def _saved_bytes(jaxpr: jcore.ClosedJaxpr, n_carry: int, policy: Policy | None) -> int:
@@ -429,7 +411,6 @@ def measure_traced(
     n_carry: int,
     values: PyTree[jax.Array],
     length: int,
-    policy: Policy,
 ) -> StepCost:
     """The [`StepCost`][eqxscan.remat.StepCost] of a step traced once to `jaxpr` (whose
     first `n_carry` inputs are the carry's leaves) over `length` steps, for the
@@ -446,7 +427,7 @@ def measure_traced(
         flops=batch * _flops(jaxpr.jaxpr),
         carry_bytes=batch * sum(map(_nbytes, carry)),
         saved_bytes=batch * _saved_bytes(jaxpr, n_carry, None),
-        policy_saved_bytes=batch * _saved_bytes(jaxpr, n_carry, policy),
+        policy_saved_bytes=batch * _saved_bytes(jaxpr, n_carry, AUTO_POLICY),
         carry_arrays=n_carry,
         xs_bytes=batch * sum(map(_nbytes, xs)),
         xs_integer_bytes=batch * sum(map(_nbytes, ints)),
@@ -471,24 +452,14 @@ def resolve(
     to `traced` (see `measure_traced`); other values pass through."""
     if not remat.is_rule and not isinstance(unroll, str):  # no "auto"
         return remat, unroll
-    cost = measure_traced(traced.jaxpr, traced.n_carry, values, length, AUTO_POLICY)
+    cost = measure_traced(traced.jaxpr, traced.n_carry, values, length)
     # The rule sees the value as a plain `remat=` option ("auto" when it chooses).
     given = remat if remat.named else remat.policy
-    platform = jax.default_backend()
-    choice = decide(cost, given, unroll, AUTO_POLICY, platform, gathered, over, where)
-    # The lists of the `recording()` blocks open in this context.
+    choice = decide(cost, given, unroll, jax.default_backend(), gathered, over, where)
+    # The lists of the `explain_auto` calls open in this context.
     for record in call_state().auto_records:
         record.append(choice)
     return (as_scan_remat(choice.remat) if remat.is_rule else remat), choice.unroll
-
-
-@contextlib.contextmanager
-def recording() -> Iterator[list[AutoChoice]]:
-    """Collect the `AutoChoice` of every scan that resolves `"auto"` inside the
-    block (in this context only: other threads and tasks are not seen)."""
-    record: list[AutoChoice] = []
-    with changed_call_state(auto_records=(*call_state().auto_records, record)):
-        yield record
 
 
 def explain_auto(
@@ -512,6 +483,8 @@ def explain_auto(
     for a `Stacked`, one per scanned group of a `Chain`, two for a
     `Bidirectional`); empty when no scan used `"auto"`.
     """
-    with recording() as record:
+    # Recorded in this context only: other threads and tasks are not seen.
+    record: list[AutoChoice] = []
+    with changed_call_state(auto_records=(*call_state().auto_records, record)):
         eqx.filter_eval_shape(fn, *args, **kwargs)
-    return list(record)
+    return record

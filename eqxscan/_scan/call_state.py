@@ -57,8 +57,8 @@ class CallState:
     - `scope`: the innermost tap scope's records, `(index + 1, stats, call)`
       (index 0: a skipped layer); `call`: the container call being tapped;
       `depth`: how many tapped scan steps enclose the code.
-    - `auto_records`: the `AutoChoice` lists of the open `auto.recording()`
-      blocks, to which `auto.resolve` appends each choice.
+    - `auto_records`: the `AutoChoice` lists of the open `explain_auto` calls,
+      to which `auto.resolve` appends each choice.
     - `layerwise`: the path of the stack `eqxscan.optim.layerwise` runs its
       transformation on one layer at a time (`None`: not there).
     """

@@ -30,20 +30,13 @@ def pin(x: PyTree, carry: PyTree) -> PyTree:
         if eqx.is_array(a) and a.dtype == jnp.float32 and a.size > 0
     ]
     leaves, tree = jtu.tree_flatten(carry)
-    k = next(
-        (
-            n
-            for n, a in enumerate(leaves)
-            if eqx.is_array(a) and jnp.issubdtype(a.dtype, jnp.inexact)
-        ),
-        None,
-    )
-    if not probed or k is None:
+    inexact = [k for k, a in enumerate(leaves) if eqx.is_inexact_array(a)]
+    if not probed or not inexact:
         return carry
+    k = inexact[0]
     # Each first element as a slice of the flattened leaf, which XLA reads as a
     # one-element slice of the stack (`a[0, 0]` made it copy each step's slice).
-    firsts = [lax.slice(a.reshape(-1), (0,), (1,)) for a in probed]
-    first = firsts[0] if len(firsts) == 1 else lax.concatenate(firsts, 0)
+    first = lax.concatenate([lax.slice(a.reshape(-1), (0,), (1,)) for a in probed], 0)
     nans = jnp.sum(lax.ne(first, first), dtype=jnp.int32)
     leaves[k] = lax.select(nans > len(probed), -leaves[k], leaves[k])
     return jtu.tree_unflatten(tree, leaves)

@@ -1,6 +1,7 @@
 """`ScanOptions` (mode, rematerialisation, unroll), which every scanning module
 holds, and `Scanning`, its base, which gives it `with_options`."""
 
+import abc
 from collections.abc import Mapping
 from typing import cast, Literal, TypeAlias, TypedDict, TypeVar, Unpack
 
@@ -112,8 +113,7 @@ class ScanOptions(eqx.Module):
         """A copy with `changes` (any of `mode`, `remat`, `unroll`) applied,
         validated like a new one."""
         check_names(changes, OPTION_NAMES, "ScanOptions.replace")
-        values = {name: getattr(self, name) for name in OPTION_NAMES}
-        return ScanOptions(**{**values, **changes})
+        return ScanOptions(**(self.as_args() | changes))
 
 
 def check_names(
@@ -168,13 +168,12 @@ class Scanning(eqx.Module):
         check_names(changes, OPTION_NAMES + self.own_options(), "with_options")
         return self.replace_options(self.options.replace(**scan), **changes)
 
+    @abc.abstractmethod
     def own_options(self) -> tuple[str, ...]:
         """Names of the options besides `ScanOptions` that `with_options` takes."""
-        return ()
 
+    @abc.abstractmethod
     def replace_options(
         self: ScanningT, options: ScanOptions, **own: Unpack[OwnOptions]
     ) -> ScanningT:
         """This module with `options` (and its own options `own`) in place."""
-        del own  # no own options here
-        return eqx.tree_at(lambda m: m.options, self, options)

@@ -73,15 +73,6 @@ def check_policy(name: str, policy: Callable[..., object]) -> None:
         )
 
 
-def _check_keep(name: str, value: object) -> None:
-    if not (value is None or value is True or value is False or value == "offload"):
-        raise ValueError(
-            f"ScanRemat({name}=...) must be True (save), False (recompute), "
-            f"'offload' (save in pinned host memory) or None (not named: the "
-            f"policy decides), got {value!r}."
-        )
-
-
 @dataclasses.dataclass(frozen=True)
 class ScanRemat:
     """A `remat=` value that also says what to do with each step's carry and
@@ -147,8 +138,14 @@ class ScanRemat:
                 "ScanRemat(policy=...) must be 'auto', True, False or a "
                 f"jax.checkpoint_policies policy, got {policy!r}."
             )
-        _check_keep("save_carries", self.save_carries)
-        _check_keep("save_inputs", self.save_inputs)
+        for name in ("save_carries", "save_inputs"):
+            keep = getattr(self, name)
+            if not (keep is None or keep is True or keep is False or keep == "offload"):
+                raise ValueError(
+                    f"ScanRemat({name}=...) must be True (save), False (recompute), "
+                    f"'offload' (save in pinned host memory) or None (not named: the "
+                    f"policy decides), got {keep!r}."
+                )
         nested = self.nested
         if isinstance(nested, tuple):
             if len(nested) < 2 or not all(

@@ -1,6 +1,7 @@
 """Settings in words and back, as the budget tools (`eqxscan.remat.fit_remat`,
 `eqxscan.planning.plan`) read and print them: a byte budget such as `"6GiB"`
-(`parse_bytes`) and a `remat=` setting's name (`remat_label`)."""
+(`parse_bytes`), a number of bytes (`size_label`) and a `remat=` setting's name
+(`remat_label`)."""
 
 import re
 
@@ -34,6 +35,11 @@ def parse_bytes(budget: int | str) -> int:
         f"'6GiB' or '512MB' (at least one byte), got {budget!r}.\nHint: units are "
         "B, kB, MB, GB, TB (powers of 1000) and KiB, MiB, GiB, TiB (powers of 1024)."
     )
+
+
+def size_label(n: int) -> str:
+    # KiB below a MiB: a small model's sizes would all read "0.00 MiB".
+    return f"{n / 2**10:.1f} KiB" if n < 2**20 else f"{n / 2**20:.2f} MiB"
 
 
 def remat_label(remat: Remat) -> str:

@@ -22,6 +22,7 @@ from .._internal import (
     Remat,
     remat_label,
     Scanning,
+    size_label,
 )
 from ._devices import FALLBACK, Peak, peak_of
 from ._timing import time_interleaved
@@ -140,9 +141,11 @@ def choose(
     every candidate's bytes if none fits."""
     fitting = [c for c in candidates if c.device_bytes <= budget]
     if not fitting:
-        listed = "; ".join(f"{c.label}: {_size(c.device_bytes)}" for c in candidates)
+        listed = "; ".join(
+            f"{c.label}: {size_label(c.device_bytes)}" for c in candidates
+        )
         raise ValueError(
-            f"fit_remat: no remat setting fits the budget of {_size(budget)} "
+            f"fit_remat: no remat setting fits the budget of {size_label(budget)} "
             f"({budget} bytes). Temp + argument + output bytes per candidate: "
             f"{listed}.\nHint: raise the budget, shrink the batch, or shard the "
             f"model; see {docs('remat.md')}."
@@ -153,11 +156,6 @@ def choose(
             return min(timed, key=lambda c: c.measured_s or 0.0)
     unrolled = [c for c in fitting if c.kind == "unrolled"]
     return min(unrolled or fitting, key=lambda c: c.estimated_s)
-
-
-def _size(n: int) -> str:
-    # KiB below a MiB: a small model's sizes would all read "0.0 MiB".
-    return f"{n / 2**10:.1f} KiB" if n < 2**20 else f"{n / 2**20:.1f} MiB"
 
 
 def _is_scan(x: object) -> bool:
@@ -357,12 +355,10 @@ def _timed(
         )
     choose(results, limit)  # raises if nothing fits, before any timing
     fitting = [c for c in results if c.device_bytes <= limit]
+    # Candidates of one program fit alike; those that do not stay untimed.
     seconds = time_candidates(fitting, arrays, time_steps)
     return [
-        dataclasses.replace(c, measured_s=seconds[id(c.compiled)])
-        if c.device_bytes <= limit
-        else c
-        for c in results
+        dataclasses.replace(c, measured_s=seconds.get(id(c.compiled))) for c in results
     ]
 
 
