@@ -84,16 +84,15 @@ def _check_bound(name: str, value: object, length: int, who: str) -> Bound:
 
 def _batch_size(carry: PyTree, who: str) -> int:
     sizes = {}
-    for path, leaf in jtu.tree_leaves_with_path(carry):
-        if eqx.is_array(leaf):
-            if leaf.ndim == 0:
-                raise ValueError(
-                    f"{who} with per_example=True freezes examples along the "
-                    f"carry's leading axis, but `carry{jtu.keystr(path)}` is a "
-                    f"scalar ({describe(leaf)}).\nHint: give every carry leaf "
-                    "the batch axis first, or use per_example=False."
-                )
-            sizes[jtu.keystr(path)] = leaf.shape[0]
+    for path, leaf in jtu.tree_leaves_with_path(eqx.filter(carry, eqx.is_array)):
+        if leaf.ndim == 0:
+            raise ValueError(
+                f"{who} with per_example=True freezes examples along the "
+                f"carry's leading axis, but `carry{jtu.keystr(path)}` is a "
+                f"scalar ({describe(leaf)}).\nHint: give every carry leaf "
+                "the batch axis first, or use per_example=False."
+            )
+        sizes[jtu.keystr(path)] = leaf.shape[0]
     if not sizes:
         raise ValueError(f"{who} with per_example=True needs an array carry.")
     if len(set(sizes.values())) > 1:
