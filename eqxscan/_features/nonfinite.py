@@ -216,14 +216,12 @@ def find_nonfinite(
         )
     several = len(rows) > 1
     found = _found(float(value), rows, params, shared, several)
-    where, index, leaf, message, call = found or (None, None, None, _CLEAN, None)
+    clean = "No NaN or inf: loss, carries and gradients are finite."
+    where, index, leaf, message, call = found or (None, None, None, clean, None)
     # The forward and backward counts by call name, or the one call's.
     pick = lambda k: {r[0].name: r[k] for r in rows} if several else rows[0][k]
     args = (where, index, leaf, message, pick(1), pick(2), float(value))
     return NonFinite(where is not None, *args, call if several else None)
-
-
-_CLEAN = "No NaN or inf: loss, carries and gradients are finite."
 
 
 def _found(
@@ -261,15 +259,13 @@ def _found(
         same = [p for p in left if p[0] == call.name.split("_")[0]]
         fits = [p for p in same if all(a.shape[0] == length for a in p[1].values())]
         mine.append(left.pop(left.index(fits[0]))[1] if fits else {})
-    for (call, _, bwd_counts, emitted, ids, _), counts in reversed(
-        list(zip(rows, mine))
-    ):
+    for row, counts in reversed(list(zip(rows, mine))):
+        call, _, bwd_counts, emitted, ids, _ = row
         at_i = functools.partial(at, call.name)
         found = _backward(bwd_counts, emitted, counts, _order(ids, call.reverse), at_i)
         if found is not None:
             return *found, call.name
-    bad = [path for path, count in shared.items() if count > 0]
-    if bad:
+    if bad := [path for path, count in shared.items() if count > 0]:
         # Every step's cotangent is finite, yet the cell's own gradient is not.
         leaf = bad[0].lstrip(".")
         message = (
