@@ -32,12 +32,7 @@ from .._helpers.checks import (
 from .._helpers.stateful import find_state
 from .._scan.buffers import refuse_buffer
 from .._scan.drop_rates import DropRates
-from .._scan.layer_call import (
-    check_method,
-    check_per_layer,
-    LayerCall,
-    Method,
-)
+from .._scan.layer_call import check_method, check_per_layer, LayerCall, Method
 from .._scan.taps import tapping
 
 
@@ -89,16 +84,15 @@ def _check_bound(name: str, value: object, length: int, who: str) -> Bound:
 
 def _batch_size(carry: PyTree, who: str) -> int:
     sizes = {}
-    for path, leaf in jtu.tree_leaves_with_path(carry):
-        if eqx.is_array(leaf):
-            if leaf.ndim == 0:
-                raise ValueError(
-                    f"{who} with per_example=True freezes examples along the "
-                    f"carry's leading axis, but `carry{jtu.keystr(path)}` is a "
-                    f"scalar ({describe(leaf)}).\nHint: give every carry leaf "
-                    "the batch axis first, or use per_example=False."
-                )
-            sizes[jtu.keystr(path)] = leaf.shape[0]
+    for path, leaf in jtu.tree_leaves_with_path(eqx.filter(carry, eqx.is_array)):
+        if leaf.ndim == 0:
+            raise ValueError(
+                f"{who} with per_example=True freezes examples along the "
+                f"carry's leading axis, but `carry{jtu.keystr(path)}` is a "
+                f"scalar ({describe(leaf)}).\nHint: give every carry leaf "
+                "the batch axis first, or use per_example=False."
+            )
+        sizes[jtu.keystr(path)] = leaf.shape[0]
     if not sizes:
         raise ValueError(f"{who} with per_example=True needs an array carry.")
     if len(set(sizes.values())) > 1:
@@ -150,17 +144,13 @@ def _advance(
         new = layer(old)
         check_carry(old, new, where)
         new_dyn = eqx.partition(new, eqx.is_array)[0]
-        run = ~state.halted
-        if ex.masked:
-            run = run & _active(ex, state)
+        active = _active(ex, state) if ex.masked else True
+        run = ~state.halted & active
         if ex.per_example or ex.masked:
-
-            def keep(a: Array, b: Array) -> Array:
-                mask = run.reshape(run.shape + (1,) * (a.ndim - run.ndim))
-                return jnp.where(mask, b, a)
-
-            new_dyn = jtu.tree_map(keep, state.carry, new_dyn)
-        i = state.i + (_active(ex, state).astype(jnp.int32) if ex.masked else 1)
+            keep = lambda a: run.reshape(run.shape + (1,) * (a.ndim - run.ndim))
+            where_run = lambda a, b: jnp.where(keep(a), b, a)
+            new_dyn = jtu.tree_map(where_run, state.carry, new_dyn)
+        i = state.i + jnp.asarray(active, jnp.int32)
         halted = state.halted | (
             (i >= ex.min_layers) & _halts(ex, eqx.combine(new_dyn, c_static))
         )
@@ -202,8 +192,7 @@ def _walk_groups(
     for group, place in zip(groups, layout):
         start, name = first + place.start, type(group).__name__
         if place.per_step == 0:
-            one = call.at(place.start)
-            fn = functools.partial(lone_fn, group, call, one, name)
+            fn = functools.partial(lone_fn, group, call, call.at(place.start), name)
             state = _advance(ex, state, fn, c_static, f"Layer {start} ({name})", True)
             continue
         stack = in_natural_order(group)
@@ -247,14 +236,9 @@ def checked_call(
 ) -> LayerCall:
     """The checks `run_until` and `run_layers` share, and the call of the layers."""
     if not isinstance(model, (Stacked, Chain)):
-        hint = (
-            f"Hint: a StackedMLP has its own `model.{what}(...)`."
-            if hasattr(model, what)
-            else "Hint: pass an eqxscan.Stacked or an eqxscan.Chain."
-        )
         raise TypeError(
             f"eqxscan.{what} takes an eqxscan.Stacked or an eqxscan.Chain, got "
-            f"{describe(model)}.\n{hint}"
+            f"{describe(model)}.\nHint: pass one (of a StackedMLP, `model.blocks`)."
         )
     if isinstance(model, Stacked):
         refuse_stage_order(model.stage_order, f"eqxscan.{what} of a Stacked")

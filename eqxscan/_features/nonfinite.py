@@ -70,11 +70,10 @@ class NonFinite:
 def _param_counts(grads: PyTree) -> list[tuple[str, dict[str, Float[Array, " L"]]]]:
     # Per outermost `Stacked` or `Chain` (with its class name), per parameter
     # path: the non-finite entries of each layer's gradient.
-    out = []
-    for container in _containers(grads):
-        counts: dict[str, Array] = {}
-        container.state_dict_layers(functools.partial(_count, counts, len(container)))
-        out.append((type(container).__name__, counts))
+    out: list[tuple[str, dict[str, Array]]] = []
+    for c in _containers(grads):
+        out.append((type(c).__name__, {}))
+        c.state_dict_layers(functools.partial(_count, out[-1][1], len(c)))
     return out
 
 
@@ -216,17 +215,13 @@ def find_nonfinite(
             "Chain or Recurrent whose carry holds floats."
         )
     several = len(rows) > 1
-    pick = (lambda t: dict(t)) if several else (lambda t: t[0][1])  # noqa: E731
     found = _found(float(value), rows, params, shared, several)
-    where, index, leaf, message, call = found or (None, None, None, _CLEAN, None)
-    forward = pick([(c.name, f) for c, f, *_ in rows])
-    backward = pick([(c.name, b) for c, _, b, *_ in rows])
-    call = call if several else None
-    args = (where, index, leaf, message, forward, backward, float(value), call)
-    return NonFinite(where is not None, *args)
-
-
-_CLEAN = "No NaN or inf: loss, carries and gradients are finite."
+    clean = "No NaN or inf: loss, carries and gradients are finite."
+    where, index, leaf, message, call = found or (None, None, None, clean, None)
+    # The forward and backward counts by call name, or the one call's.
+    pick = lambda k: {r[0].name: r[k] for r in rows} if several else rows[0][k]
+    args = (where, index, leaf, message, pick(1), pick(2), float(value))
+    return NonFinite(where is not None, *args, call if several else None)
 
 
 def _found(
@@ -261,22 +256,16 @@ def _found(
             mine.append(params[held][1])
             continue
         length = jtu.tree_leaves(fwd_counts)[0].shape[0]
-        fits = [
-            p
-            for p in left
-            if call.name.split("_")[0] == p[0]
-            and all(a.shape[0] == length for a in p[1].values())
-        ]
+        same = [p for p in left if p[0] == call.name.split("_")[0]]
+        fits = [p for p in same if all(a.shape[0] == length for a in p[1].values())]
         mine.append(left.pop(left.index(fits[0]))[1] if fits else {})
-    for (call, _, bwd_counts, emitted, ids, _), counts in reversed(
-        list(zip(rows, mine))
-    ):
+    for row, counts in reversed(list(zip(rows, mine))):
+        call, _, bwd_counts, emitted, ids, _ = row
         at_i = functools.partial(at, call.name)
         found = _backward(bwd_counts, emitted, counts, _order(ids, call.reverse), at_i)
         if found is not None:
             return *found, call.name
-    bad = [path for path, count in shared.items() if count > 0]
-    if bad:
+    if bad := [path for path, count in shared.items() if count > 0]:
         # Every step's cotangent is finite, yet the cell's own gradient is not.
         leaf = bad[0].lstrip(".")
         message = (

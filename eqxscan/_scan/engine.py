@@ -5,6 +5,7 @@ and checks the carry contract while the step is traced. Outside the loop the
 step is traced once, to a closed jaxpr (`Traced`) that the `"auto"` rule
 measures and every scan form evaluates: a layer's Python runs once per trace."""
 
+import functools
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Literal
@@ -42,31 +43,21 @@ def wrap_remat(fn: Step, remat: ScanRemat, *, in_scan: bool) -> Step:
     """`fn` (one scan step) wrapped in `jax.checkpoint` as `remat` asks."""
     if not remat.named and remat.policy is False:
         return fn
-    body = fn
-    if remat.save_carries is not None:  # the carry named for `ScanRemat`
-        body = lambda c, x: fn(name_tree(c, CARRY), x)  # noqa: E731
+    # The carry named for `ScanRemat(save_carries=...)`.
+    body = fn if remat.save_carries is None else lambda c, x: fn(name_tree(c, CARRY), x)
     # Inside a scan the loop boundary already stops XLA from CSE-ing the
     # recomputation away, so `prevent_cse=False` avoids needless barriers.
     return jax.checkpoint(body, policy=remat.step_policy(), prevent_cse=not in_scan)
 
 
-Opened = tuple[int, list | None]
-
-
 def _opened(
     taps: StepTaps | None, i: Index
-) -> tuple[Opened, AbstractContextManager[object]]:
-    """Before step `i`: where its records start while tapped (for `_closed`), and
-    the block around it that sets the step index (no layer yet): a block, so a
-    traceback through it shows no frame of its own."""
-    none: tuple[int, list | None, dict] = (0, None, {})
-    opened, records, scope = none if taps is None else taps.open()
+) -> tuple[tuple[int, list | None], AbstractContextManager[object]]:
+    """Before step `i`: where its records start while tapped (for `taps.close`),
+    and the block around it that sets the step index (no layer yet): a block, so
+    a traceback through it shows no frame of its own."""
+    opened, records, scope = (0, None, {}) if taps is None else taps.open()
     return (opened, records), changed_call_state(step=i, layer=None, **scope)
-
-
-def _closed(taps: StepTaps | None, y: PyTree, opened: Opened) -> PyTree:
-    # The step's `y`, with its records while tapped.
-    return y if taps is None else taps.close(y, *opened)
 
 
 def step_types(c_dyn: PyTree, xs: PyTree, length: int) -> tuple[PyTree, PyTree]:
@@ -139,7 +130,7 @@ def run(
         opened, scope = _opened(taps, i)
         with noting(name, c, x_i), scope:
             new, y = step(c, inputs(x))
-        y = _closed(taps, y, opened)
+        y = y if taps is None else taps.close(y, *opened)
         check_carry(old, new, name)
         dyn, static = eqx.partition((new, y), eqx.is_array)
         statics.append(static)
@@ -172,9 +163,12 @@ def _run_scan(
     remat, unroll = resolve(
         traced, (c_dyn, xs), length, remat, options.unroll, name, gathered, over
     )
+    # Unrolled fully: the loop's own program (one slice per step, the outputs
+    # stacked), each step the one traced step evaluated.
+    unrolled = unroll is True and not remat.named
     # Stacked float32 weights stay float32 on TPU inside a loop (`f32_pin.py`),
     # but not FSDP's gathered layers (bfloat16 halves what a step gathers).
-    if over == "layers" and not gathered and not (unroll is True and not remat.named):
+    if over == "layers" and not gathered and not unrolled:
         traced = pinned(traced, step_types(c_dyn, xs, length))
     # A skipping scan runs as one `skip_scan` when its remat does not name or
     # nest (the scan saves the carries whatever it says) and the step's carry
@@ -200,17 +194,14 @@ def _run_scan(
         if runs is not None:
             scanned = skip_step(traced)
             xs = (xs, runs)
-        if unroll is True and not remat.named:
-            # Unrolled fully: the loop's own program (one slice per step, the
-            # outputs stacked), each step the one traced step evaluated.
-            fn = wrap_remat(scanned, remat, in_scan=False)
+        fn = wrap_remat(scanned, remat, in_scan=not unrolled)
+        if unrolled:
             slices = _unstack(xs, length)
             ys = [None] * length
             for i in range(length - 1, -1, -1) if reverse else range(length):
                 c_dyn, ys[i] = fn(c_dyn, slices[i])
             ys = jtu.tree_map(lambda *a: jnp.stack(a), *ys)
         else:
-            fn = wrap_remat(scanned, remat, in_scan=True)
             c_dyn, ys = nested_scan(fn, c_dyn, xs, length, remat, unroll, reverse)
     return c_dyn, eqx.combine(ys, traced.y_static)
 
@@ -234,42 +225,33 @@ def _run_loop(
         opened, scope = _opened(taps, i)
         with scope:
             new, y = step(c, inputs(x))
-        return new, _closed(taps, y, opened)
-
-    def step_fn(c: PyTree, x: PyTree, i: int) -> tuple[PyTree, PyTree]:
-        # A step LayerDrop may skip, or under an explicit remat (else the loop
-        # calls `step` itself); its index is the loop's Python int.
-        if runs is not None:
-            # Traced on this step's values, then run only where it runs.
-            x, runs_i = x
-            return skip_layer(lambda c: body(c, x, i), c, runs_i)
-        # jax.checkpoint takes and returns arrays only: close over the rest.
-        c_dyn, c_static = eqx.partition(c, eqx.is_array)
-        fn, statics = arrays_only(lambda c, x: body(c, x, i), c_static)
-        return eqx.combine(wrap_remat(fn, remat, in_scan=False)(c_dyn, x), statics[0])
+        return new, (y if taps is None else taps.close(y, *opened))
 
     ys = [None] * length
     slices = _unstack(xs if runs is None else (xs, runs), length) if length > 0 else []
     carry = clone(carry)  # the caller's stays valid (an `eqx.nn.State`)
     # NumPy leaves as JAX takes them (float64 is float32 without x64), as the scan.
-    is_numpy = lambda a: isinstance(a, np.ndarray | np.number | np.bool_)  # noqa: E731
-    carry = jtu.tree_map(lambda a: jnp.asarray(a) if is_numpy(a) else a, carry)
-    for current in range(length - 1, -1, -1) if reverse else range(length):
-        old = clone(carry)  # the step may invalidate `carry` (an `eqx.nn.State`)
-        with noting(where(current), carry):
-            if runs is None and not explicit:  # called here: one frame less
-                opened, scope = _opened(taps, current)
+    numpy = np.ndarray | np.number | np.bool_
+    carry = jtu.tree_map(lambda a: jnp.asarray(a) if isinstance(a, numpy) else a, carry)
+    for i in range(length - 1, -1, -1) if reverse else range(length):
+        old, x = clone(carry), slices[i]  # the step may invalidate `carry`
+        with noting(where(i), carry):
+            if runs is not None:  # traced on this step's values, run where it runs
+                new, y = skip_layer(functools.partial(body, x=x[0], i=i), carry, x[1])
+            elif explicit:  # jax.checkpoint takes arrays only: close over the rest
+                c_dyn, c_static = eqx.partition(carry, eqx.is_array)
+                fn, statics = arrays_only(functools.partial(body, i=i), c_static)
+                out = wrap_remat(fn, remat, in_scan=False)(c_dyn, x)
+                new, y = eqx.combine(out, statics[0])
+            else:  # called here: one frame less
+                opened, scope = _opened(taps, i)
                 with scope:
-                    new, y = step(carry, inputs(slices[current]))
-                y = _closed(taps, y, opened)
-            else:
-                new, y = step_fn(carry, slices[current], current)
-        check_carry(old, new, where(current), current)
+                    new, y = step(carry, inputs(x))
+                y = y if taps is None else taps.close(y, *opened)
+        check_carry(old, new, where(i), i)
         # Kept apart from the next step's carry, which that step may invalidate.
-        carry, ys[current] = new, clone(y)
-    if length == 0 or all(y is None for y in ys):
-        return carry, None
-    return carry, stacked(ys, where)
+        carry, ys[i] = new, clone(y)
+    return carry, (None if all(y is None for y in ys) else stacked(ys, where))
 
 
 def stacked(outputs: Sequence[PyTree], where: Callable[[int], str]) -> PyTree:

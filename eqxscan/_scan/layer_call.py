@@ -233,12 +233,11 @@ def run_one(
     (`who` names it in errors). Given a buffer view (not in a pattern step, which
     passes it on), the layer returns `(carry, new_slice)` for its carry, and this
     `((carry, buffer), y)`, the layer's writes made (`buffers.py`)."""
-    at = find_buffer(one.args, one.kwargs) if call.pattern_step is None else None
-    if at is not None:
-        return _run_writing(layer, call, one, at, carry, who)
     if call.pattern_step is not None:
-        # A pattern step drops and keys its own layers.
+        # A pattern step drops and keys its own layers (and passes a buffer on).
         return call.read_out(call.pattern_step(layer, carry, one), who)
+    if (at := find_buffer(one.args, one.kwargs)) is not None:
+        return _run_writing(layer, call, one, at, carry, who)
     method, key = call.method, one.key
     target: Callable[..., PyTree] = (
         getattr(layer, method) if isinstance(method, str) else method or layer  # pyright: ignore[reportAssignmentType]  # a module is callable

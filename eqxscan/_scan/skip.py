@@ -52,15 +52,12 @@ def _merge(fixed: Sequence[object], diff: Sequence[object], mask: list[bool]) ->
 
 def _zeros(avals: Sequence[jax.core.ShapedArray]) -> list[Array]:
     """Zeros of these types, varying over the same manual axes (`shard_map`)."""
-
-    def zeros(a: jax.core.ShapedArray) -> Array:
+    out = []
+    for a in avals:
         z = jnp.zeros(a.shape, a.dtype)
-        vma = tuple(
-            sorted(getattr(getattr(a, "manual_axis_type", None), "varying", ()))
-        )
-        return jax.lax.pcast(z, vma, to="varying") if vma else z
-
-    return [zeros(a) for a in avals]
+        vma = getattr(getattr(a, "manual_axis_type", None), "varying", ())
+        out.append(jax.lax.pcast(z, tuple(sorted(vma)), to="varying") if vma else z)
+    return out
 
 
 def arrays_only(
@@ -98,10 +95,8 @@ def skip_layer(
     jaxpr, out_shape = jax.make_jaxpr(body, return_shape=True)(c_dyn)
     n_carry = len(jtu.tree_leaves(c_dyn))
     traced = Traced(jaxpr, jtu.tree_structure(out_shape), None, n_carry)
-    if same_types(c_dyn, out_shape[0]):
-        out = skip_step(traced)(c_dyn, ((), runs))
-    else:
-        out = traced(c_dyn, ())
+    skips = same_types(c_dyn, out_shape[0])
+    out = skip_step(traced)(c_dyn, ((), runs)) if skips else traced(c_dyn, ())
     return eqx.combine(out, statics[0])
 
 
@@ -178,10 +173,8 @@ class _SkipScan:
         out, vjp_fn = jax.vjp(fn, diff[0], c, diff_i)
         leaves, tree = jtu.tree_flatten(vjp_fn)
         inputs = jtu.tree_leaves((diff[0], c, diff_i))
-        where = tuple(
-            next((n for n, v in enumerate(inputs) if v is leaf), None)
-            for leaf in leaves
-        )
+        first = {id(v): n for n, v in reversed(list(enumerate(inputs)))}
+        where = tuple(first.get(id(leaf)) for leaf in leaves)
         saved = [leaf for leaf, w in zip(leaves, where) if w is None]
         return out, saved, (tree, where)
 
@@ -223,9 +216,7 @@ class _SkipScan:
                 out, saved, _ = self.linearized(i, c, fixed, diff)
                 return list(out) + list(saved)
 
-            def skipped(c: list) -> list[Array]:
-                return list(c) + _zeros(y_avals) + _zeros(saved_avals)
-
+            skipped = lambda c: list(c) + _zeros(y_avals) + _zeros(saved_avals)
             out = jax.lax.cond(k, running, skipped, c)
             new, y = out[:n], out[n : len(out) - len(saved_avals)]
             saved = out[len(out) - len(saved_avals) :]
@@ -264,16 +255,10 @@ class _SkipScan:
                 g_xs = [write(buf, i, g) for buf, g in zip(g_xs, g_x)]
                 return g_carry, g_consts, g_xs
 
-            def skip(ct: list, g_consts: list, g_xs: list) -> tuple[list, list, list]:
-                return list(ct), g_consts, g_xs
-
+            skip = lambda ct, g_consts, g_xs: (list(ct), g_consts, g_xs)
             return jax.lax.cond(k, run, skip, *acc), None
 
-        start = (
-            list(ct_carry),
-            [jnp.zeros_like(c) for c in consts_diff],
-            [jnp.zeros_like(a) for a in xs_diff],
-        )
+        start = (list(ct_carry), *jtu.tree_map(jnp.zeros_like, diff))
         steps = (jnp.arange(self.length), runs, carries, saved, list(ct_ys))
         (g_carry, g_consts, g_xs), _ = jax.lax.scan(
             body, start, steps, self.length, not self.reverse, self.unroll
@@ -302,10 +287,8 @@ def skip_step(traced: Traced) -> Step:
         else:
             # An integer carry or output has no cotangent for the backward's
             # `cond` to pass on: the plain `cond` is differentiated instead.
-            y_avals = traced.jaxpr.out_avals[n:]
-            run = jcore.jaxpr_as_fun(traced.jaxpr)
-            skip = lambda *ops: [*ops[:n], *_zeros(y_avals)]  # noqa: E731
-            flat = jax.lax.cond(runs, run, skip, *operands)
+            skip = lambda *ops: [*ops[:n], *_zeros(traced.jaxpr.out_avals[n:])]
+            flat = jax.lax.cond(runs, jcore.jaxpr_as_fun(traced.jaxpr), skip, *operands)
         return jtu.tree_unflatten(traced.out_tree, flat)
 
     return step
