@@ -263,14 +263,15 @@ def block_starts(controls: Controls, reverse: bool) -> Bool[Array, " T"] | None:
     return cut if mask is None else cut & mask
 
 
-def stand_in(xs_dyn: PyTree, mask: Bool[Array, " T"] | None) -> PyTree:
-    """The input the cell sees on a masked step: the first kept step's (zeros if
-    none), gradient stopped. The cell still runs there, and reverse mode
-    multiplies its zero cotangent by its derivatives: finite on real inputs, not
-    always on padding (NaN) or zeros (`log`, `x / |x|`), and 0 * inf is NaN.
-    `None` without a mask, or when no step runs."""
+def kept_inputs(xs_dyn: PyTree, mask: Bool[Array, " T"] | None) -> PyTree:
+    """`xs_dyn` (time on axis 0) with each step `mask` skips given the first
+    kept step's input (zeros if none), gradient stopped. The cell still runs
+    there, and reverse mode multiplies its zero cotangent by its derivatives:
+    finite on real inputs, not always on padding (NaN) or zeros (`log`,
+    `x / |x|`), and 0 * inf is NaN."""
     if mask is None or mask.shape[0] == 0:
-        return None
+        return xs_dyn
     first, any_kept = jnp.argmax(mask), jnp.any(mask)
     pick = lambda x: jnp.where(any_kept, x, jnp.zeros_like(x))
-    return jtu.tree_map(lambda a: jax.lax.stop_gradient(pick(a[first])), xs_dyn)
+    stand = jtu.tree_map(lambda a: jax.lax.stop_gradient(pick(a[first])), xs_dyn)
+    return jax.vmap(where, in_axes=(0, 0, None))(mask, xs_dyn, stand)

@@ -19,7 +19,7 @@ from .._scan.taps import tapping
 from .linear_cells import DiagonalLinearCell, MatrixLinearCell
 from .linear_diag import choose_method, diagonal_scan
 from .linear_matrix import matrix_scan
-from .recurrent_inputs import block_starts, Controls, stand_in, where
+from .recurrent_inputs import block_starts, Controls, kept_inputs
 
 
 RecurrentMethod = Literal["auto", "sequential", "associative", "chunked"]
@@ -151,9 +151,7 @@ def _all_gates(
     args, kwargs = call
     per_step, same = keys
     xs_dyn, xs_static = eqx.partition(xs, eqx.is_array)
-    stand = stand_in(xs_dyn, mask)
-    if mask is not None and stand is not None:
-        xs_dyn = jax.vmap(where, in_axes=(0, 0, None))(mask, xs_dyn, stand)
+    xs_dyn = kept_inputs(xs_dyn, mask)
 
     def gates(x_dyn: PyTree, key: PRNGKeyArray | None) -> tuple:
         key = same if key is None else key
