@@ -458,12 +458,9 @@ class Bidirectional(eqx.Module):
         `((h_T_forward, h_T_backward), (hs_forward, hs_backward))`. The backward
         final carry is the one after consuming `xs[0]`.
         """
-        if not (isinstance(h0, (tuple, list)) and len(h0) == 2):
-            got = (
-                f"a {type(h0).__name__} of length {len(h0)}"
-                if isinstance(h0, (tuple, list))
-                else describe(h0)
-            )
+        pair = isinstance(h0, (tuple, list))
+        if not (pair and len(h0) == 2):
+            got = f"a {type(h0).__name__} of length {len(h0)}" if pair else describe(h0)
             raise TypeError(
                 f"Bidirectional expects h0 = (h0_forward, h0_backward), got {got}."
             )

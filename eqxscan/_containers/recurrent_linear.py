@@ -17,15 +17,12 @@ from .._helpers.checks import check_option, check_size, describe
 from .._scan.options import ScanOptions
 from .._scan.taps import tapping
 from .linear_cells import DiagonalLinearCell, MatrixLinearCell
-from .linear_diag import choose_method, diagonal_scan
+from .linear_diag import choose_method, diagonal_scan, Method
 from .linear_matrix import matrix_scan
 from .recurrent_inputs import block_starts, Controls, kept_inputs
 
 
 RecurrentMethod = Literal["auto", "sequential", "associative", "chunked"]
-# "engine": the cell step by step through the scan engine (`Recurrent`'s
-# ordinary path); the others name the parallel path's form.
-Form = Literal["engine", "sequential", "associative", "chunked"]
 ChunkSize = int | Literal["auto"]
 
 # `chunk_size="auto"`: 64 steps, but 32 for a matrix state off CPU (faster on a
@@ -39,9 +36,8 @@ def chunk_for(chunk_size: ChunkSize, matrix: bool) -> int:
     backend tracing the call)."""
     if chunk_size != "auto":
         return chunk_size
-    if matrix and jax.default_backend() != "cpu":
-        return AUTO_MATRIX_CHUNK_ACCELERATOR
-    return AUTO_CHUNK
+    accelerator = jax.default_backend() != "cpu"
+    return AUTO_MATRIX_CHUNK_ACCELERATOR if matrix and accelerator else AUTO_CHUNK
 
 
 def _kind(cell: object) -> Literal["diagonal", "matrix"] | None:
@@ -79,11 +75,12 @@ def resolve_form(
     options: ScanOptions,
     controls: Controls,
     h0: PyTree,
-) -> Form:
-    """The form one run takes: the engine for other cells and no steps; under
-    `eqxscan.tap` (whose records are the engine's steps); where `mode="loop"` or
-    an explicit `remat` asks for it (unless a parallel method is named); and for
-    a matrix state truncated or sequential (the engine reads out each step)."""
+) -> Literal["engine"] | Method:
+    """The form one run takes: the engine (the cell step by step) for other
+    cells and no steps; under `eqxscan.tap` (whose records are the engine's
+    steps); where `mode="loop"` or an explicit `remat` asks for it (unless a
+    parallel method is named); and for a matrix state truncated or sequential
+    (the engine reads out each step)."""
     kind = _kind(cell)
     if kind is None or tapping() or controls.length == 0:
         return "engine"
@@ -105,7 +102,7 @@ def resolve_form(
 
 def run_parallel(
     cell: Callable[..., PyTree],
-    form: Literal["sequential", "associative", "chunked"],
+    form: Method,
     chunk_size: ChunkSize,
     reverse: bool,
     h0: PyTree,
@@ -124,13 +121,14 @@ def run_parallel(
     if controls.mask is not None:  # a skipped step: a = 1 and b (or k) = 0
         gates[0] = _where_t(controls.mask, gates[0], 1)
         gates[1] = _where_t(controls.mask, gates[1], 0)
-    c = chunk_for(chunk_size, isinstance(cell, MatrixLinearCell))
-    if isinstance(cell, MatrixLinearCell):  # chunked (the engine runs it in steps)
+    matrix = isinstance(cell, MatrixLinearCell)
+    c = chunk_for(chunk_size, matrix)
+    if matrix:  # chunked (the engine runs a sequential one step by step)
         a, k, v, q = gates
         return matrix_scan(
             a, k, v, q, h0, method="chunked", chunk_size=c, reverse=reverse
         )
-    a, b = (jtu.tree_map(lambda x, h: x.astype(h.dtype), g, h0) for g in gates)
+    a, b = gates  # `diagonal_scan` computes in the carry's dtype
     scan = lambda a_, b_: diagonal_scan(
         a_, b_, h0, method=form, chunk_size=c, reverse=reverse
     )
