@@ -1,7 +1,5 @@
-"""How `Recurrent` runs a cell whose recurrence is linear in its carry
-([`eqxscan.DiagonalLinearCell`][], [`eqxscan.MatrixLinearCell`][]): the
-`method=` option, and the parallel forms, which compute every step's gates at
-once and hand them to `diagonal_scan` or `matrix_scan`."""
+"""How `Recurrent` runs a cell whose recurrence is linear in its carry: the
+`method=` option, and the parallel forms (every step's gates at once)."""
 
 from collections.abc import Callable, Mapping
 from typing import Literal

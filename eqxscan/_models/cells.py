@@ -22,11 +22,12 @@ def _check_step(
 ) -> None:
     """One time step of one example: `input [input_size]` (and `hidden
     [hidden_size]`), else a cryptic dot_general error or a silent broadcast."""
-    sizes = {"input": cell.input_size, "hidden": getattr(cell, "hidden_size", None)}
+    n, h = cell.input_size, getattr(cell, "hidden_size", None)
+    sizes = {"input": n, "hidden": h}
     if any(jnp.shape(x) != (sizes[name],) for name, x in given.items()):
         takes = " and ".join(f"{name} [{sizes[name]}]" for name in given)
         got = " and ".join(f"{name} {describe(x)}" for name, x in given.items())
-        shown = ", ".join(str(n) for n in sizes.values() if n is not None)
+        shown = f"input_size={n}" if h is None else f"{n}, {h}"
         raise ValueError(
             f"{type(cell).__name__}({shown}) takes one time step of one example, "
             f"{takes}, got {got}.\nHint: batch with jax.vmap; run over time with "
