@@ -212,10 +212,7 @@ def check_known_cell(
     sizes: Any = cell  # it has `input_size` and `hidden_size`, checked above
     n, hidden = sizes.input_size, (sizes.hidden_size,)
     name = f"{type(cell).__name__}(input_size={n}, hidden_size={hidden[0]})"
-    batch_hint = (
-        " Recurrent runs one sequence; for a batch, map over it: "
-        "`jax.vmap(rnn)(h0, xs)`."
-    )
+    batch_hint = " Recurrent runs one sequence; for a batch, `jax.vmap(rnn)(h0, xs)`."
     pair = isinstance(h0, (tuple, list))
     if type(cell) is eqx.nn.LSTMCell:
         shaped = pair and len(h0) == 2 and all(is_array(a) for a in h0)
@@ -233,11 +230,10 @@ def check_known_cell(
     if step:
         del step[time_axis]  # an axis of `xs`, checked by `controls`
     if step != [n]:
-        want = [str(n)]
-        want.insert(time_axis if time_axis >= 0 else 2 + time_axis, "T")
+        want = f"(T, {n})" if time_axis == 0 or time_axis < -1 else f"({n}, T)"
         raise ValueError(
             f"xs is {describe(xs)}, but {name} takes one input of shape ({n},) "
-            f"per step, so xs must have shape ({', '.join(want)})." + batch_hint
+            f"per step, so xs must have shape {want}." + batch_hint
         )
 
 

@@ -111,15 +111,25 @@ def run_parallel(
 ) -> tuple[PyTree, PyTree]:
     """`(h_T, hs)` (for a matrix state `(S_T, os)`), time on axis 0 of `xs`.
     `call` is the cell's `(args, kwargs)`; `keys` is `(per-step keys, key)`: a
-    step without a key of its own gets `key` (`None`, or the same every step)."""
+    step without a key of its own gets `key` (`None`, or the same every step).
+    Every step's gates at once, `jax.vmap(cell.gates)`: a skipped step gets the
+    first kept step's input, as the cell does step by step."""
     assert isinstance(cell, DiagonalLinearCell | MatrixLinearCell)
-    gates = list(_all_gates(cell, xs, call, keys, controls.mask))
-    if isinstance(cell, DiagonalLinearCell):
+    (args, kwargs), (per_step, same) = call, keys
+    xs_dyn, xs_static = eqx.partition(xs, eqx.is_array)
+
+    def step_gates(x_dyn: PyTree, key: PRNGKeyArray | None) -> tuple:
+        key = same if key is None else key
+        keyed = {} if key is None else {"key": key}
+        return cell.gates(eqx.combine(x_dyn, xs_static), *args, **kwargs, **keyed)
+
+    gates = list(jax.vmap(step_gates)(kept_inputs(xs_dyn, controls.mask), per_step))
+    matrix = isinstance(cell, MatrixLinearCell)
+    if not matrix:
         _check_gates(cell, gates[0], gates[1], h0)
     if controls.mask is not None:  # a skipped step: a = 1 and b (or k) = 0
         gates[0] = _where_t(controls.mask, gates[0], 1)
         gates[1] = _where_t(controls.mask, gates[1], 0)
-    matrix = isinstance(cell, MatrixLinearCell)
     c = chunk_for(chunk_size, matrix)
     if matrix:  # chunked (the engine runs a sequential one step by step)
         a, k, v, q = gates
@@ -133,28 +143,6 @@ def run_parallel(
     if controls.truncate is not None:
         a, b = _truncated(a, b, h0, scan, controls, reverse)
     return scan(a, b)
-
-
-def _all_gates(
-    cell: DiagonalLinearCell | MatrixLinearCell,
-    xs: PyTree,
-    call: tuple[tuple[PyTree, ...], Mapping[str, PyTree]],
-    keys: tuple[Array | None, PRNGKeyArray | None],
-    mask: Bool[Array, " T"] | None,
-) -> tuple:
-    """Every step's gates, `jax.vmap(cell.gates)` over time. A skipped step
-    gets the first kept step's input, as the cell does step by step."""
-    args, kwargs = call
-    per_step, same = keys
-    xs_dyn, xs_static = eqx.partition(xs, eqx.is_array)
-    xs_dyn = kept_inputs(xs_dyn, mask)
-
-    def gates(x_dyn: PyTree, key: PRNGKeyArray | None) -> tuple:
-        key = same if key is None else key
-        keyed = {} if key is None else {"key": key}
-        return cell.gates(eqx.combine(x_dyn, xs_static), *args, **kwargs, **keyed)
-
-    return jax.vmap(gates)(xs_dyn, per_step)
 
 
 def _where_t(m: Bool[Array, " T"], new: PyTree, fill: int) -> PyTree:
