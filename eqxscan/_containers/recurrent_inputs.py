@@ -79,16 +79,12 @@ def controls(who: str, xs: PyTree, options: Mapping[str, object]) -> Controls:
             f"time_axis must be an int, got {type(time_axis).__name__} ({time_axis!r})."
         )
     length = _time_length(xs, options.get("length"), time_axis)
-    mask, truncate = options.get("mask"), options.get("truncate")
     broadcast_key = options.get("broadcast_key", False)
     check_option("broadcast_key", broadcast_key, (False, True))
-    return Controls(
-        length=length,
-        time_axis=time_axis,
-        mask=None if mask is None else _check_mask(mask, length),
-        truncate=None if truncate is None else check_size("truncate", truncate),
-        broadcast_key=bool(broadcast_key),
-    )
+    mask, truncate = options.get("mask"), options.get("truncate")
+    mask = None if mask is None else _check_mask(mask, length)
+    truncate = None if truncate is None else check_size("truncate", truncate)
+    return Controls(length, time_axis, mask, truncate, bool(broadcast_key))
 
 
 def check_cell_kwargs(cell_kwargs: Mapping[str, PyTree] | None) -> dict[str, PyTree]:
