@@ -12,11 +12,8 @@ from jaxtyping import Array, PyTree
 
 
 Method = Literal["sequential", "associative", "chunked"]
-# The `auto` rule, as measured (docs/recurrent.md#the-auto-rule and
-# #matrix-state-cells): on CPU the sequential scan, but a matrix state chunked
-# from a head of `CPU_MATRIX_CHUNKED_MIN_STATE` elements; on an accelerator a
-# matrix state chunked, and a diagonal carry of at most
-# `ACCELERATOR_CHUNKED_MAX_STATE` elements per example (a larger one sequentially).
+# The `auto` rule's thresholds, as measured (docs/recurrent.md#the-auto-rule and
+# #matrix-state-cells): see `choose_method`.
 ACCELERATOR_CHUNKED_MAX_STATE = 512
 CPU_MATRIX_CHUNKED_MIN_STATE = 64 * 64
 

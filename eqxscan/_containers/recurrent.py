@@ -34,8 +34,8 @@ from .recurrent_inputs import (
     check_names,
     Controls,
     controls,
+    kept_inputs,
     RecurrentArgs,
-    stand_in as _stand_in,
     time_layout,
     time_major,
     where as _where,
@@ -220,7 +220,7 @@ class Recurrent(Scanning):
         check_known_cell(self.cell, h0, xs, run_.time_axis)
         xs = time_major(xs, run_.time_axis)
         xs_dyn, xs_static = eqx.partition(xs, eqx.is_array)
-        keys = _step_keys(self.cell, key, run_, type(self).__name__)
+        keys = _step_keys(self.cell, key, run_)
         refuse_buffer(args, kwargs, "Recurrent")
         form = resolve_form(self.method, self.cell, self.options, run_, h0)
         if form != "engine":  # a linear recurrence, its gates all at once
@@ -237,8 +237,8 @@ class Recurrent(Scanning):
         name = type(self.cell).__name__
         where_all = f"The cell {name} (one body for all {run_.length} time steps)"
         masked = where_all if self.mode == "scan" else f"The cell {name}"
-        xs_in = (xs_static, _stand_in(xs_dyn, run_.mask))
-        step = _time_step(self.cell, call, one_step, xs_in, run_, key, masked)
+        step = _time_step(self.cell, call, one_step, xs_static, run_, key, masked)
+        xs_dyn = kept_inputs(xs_dyn, run_.mask)
         inputs = (xs_dyn, run_.mask, _block_starts(run_, self.reverse), per_step)
         if run_.length == 0:
             h_T, hs = h0, _no_steps(step, h0, inputs, where_all)
@@ -259,10 +259,7 @@ class Recurrent(Scanning):
 
 
 def _step_keys(
-    cell: Callable[..., PyTree],
-    key: PRNGKeyArray | None,
-    controls: Controls,
-    who: str,
+    cell: Callable[..., PyTree], key: PRNGKeyArray | None, controls: Controls
 ) -> Array | None:
     """Step `t`'s key `keys[t]` (`None` without a key, or when every step gets
     `key` itself), after checking that the cell takes one."""
@@ -271,7 +268,7 @@ def _step_keys(
     same = controls.broadcast_key
     per = "every step gets the same key" if same else "step t gets key=keys[t]"
     check_takes_key(cell, "Recurrent", per)
-    keys = split_key(key, 1 if same else controls.length, who)  # one key, checked
+    keys = split_key(key, 1 if same else controls.length, "Recurrent")  # checked
     return None if same else keys
 
 
@@ -279,38 +276,33 @@ def _time_step(
     cell: Callable[..., PyTree],
     call: LayerCall,
     one_step: Callable[[PyTree], OneLayer],
-    xs_in: tuple[PyTree, PyTree],
+    xs_static: PyTree,
     controls: Controls,
     key: PRNGKeyArray | None,
     where: str,
 ) -> Callable[[PyTree, tuple], tuple[PyTree, PyTree]]:
     """The engine's step `(h, (x_t, mask_t, block_start_t, per_t)) -> (h, y)`:
     truncation and masking around the cell, run through the layer-call seam.
-    `xs_in` is `(xs_static, _stand_in(...))`; `where` names the cell in a masked
-    step's carry error. `y` is the new carry, or a matrix state's read-out."""
-    xs_static, stand_in = xs_in
-    read = None  # a matrix state is read out at each step, not stacked
-    if isinstance(cell, MatrixLinearCell):
-        read = lambda state, x: cell.output(state, x, *call.args, **call.kwargs)
+    `where` names the cell in a masked step's carry error. `y` is the new
+    carry, or a matrix state's read-out (which is not stacked)."""
 
     def step(h: PyTree, inputs: tuple) -> tuple[PyTree, PyTree]:
         x_dyn, m, cut, per = inputs
         if cut is not None:  # a new block: let values through, not gradients
-            stopped = jtu.tree_map(
-                lambda a: jax.lax.stop_gradient(a) if eqx.is_array(a) else a, h
-            )
-            h = _where(cut, stopped, h)
-        if m is not None and stand_in is not None:
-            x_dyn = _where(m, x_dyn, stand_in)  # the "double where"
+            h_dyn, h_static = eqx.partition(h, eqx.is_array)
+            h = _where(cut, eqx.combine(jax.lax.stop_gradient(h_dyn), h_static), h)
+        x = eqx.combine(x_dyn, xs_static)
         one = one_step(per)
         one = one._replace(
-            args=(eqx.combine(x_dyn, xs_static), *one.args),  # named by the engine
+            args=(x, *one.args),  # named by the engine
             key=key if controls.broadcast_key else one.key,
             number=step_index_or_none(),
         )
         this = call if m is None else call._replace(method=_cell_step(m, where))
         new, _ = run_one(cell, this, one, h, f"The cell {type(cell).__name__}")
-        y = new if read is None else read(new, eqx.combine(x_dyn, xs_static))
+        y = new
+        if isinstance(cell, MatrixLinearCell):
+            y = cell.output(new, x, *call.args, **call.kwargs)
         return new, emitted(one.number, y)
 
     return step
@@ -466,12 +458,9 @@ class Bidirectional(eqx.Module):
         `((h_T_forward, h_T_backward), (hs_forward, hs_backward))`. The backward
         final carry is the one after consuming `xs[0]`.
         """
-        if not (isinstance(h0, (tuple, list)) and len(h0) == 2):
-            got = (
-                f"a {type(h0).__name__} of length {len(h0)}"
-                if isinstance(h0, (tuple, list))
-                else describe(h0)
-            )
+        pair = isinstance(h0, (tuple, list))
+        if not (pair and len(h0) == 2):
+            got = f"a {type(h0).__name__} of length {len(h0)}" if pair else describe(h0)
             raise TypeError(
                 f"Bidirectional expects h0 = (h0_forward, h0_backward), got {got}."
             )

@@ -79,16 +79,12 @@ def controls(who: str, xs: PyTree, options: Mapping[str, object]) -> Controls:
             f"time_axis must be an int, got {type(time_axis).__name__} ({time_axis!r})."
         )
     length = _time_length(xs, options.get("length"), time_axis)
-    mask, truncate = options.get("mask"), options.get("truncate")
     broadcast_key = options.get("broadcast_key", False)
     check_option("broadcast_key", broadcast_key, (False, True))
-    return Controls(
-        length=length,
-        time_axis=time_axis,
-        mask=None if mask is None else _check_mask(mask, length),
-        truncate=None if truncate is None else check_size("truncate", truncate),
-        broadcast_key=bool(broadcast_key),
-    )
+    mask, truncate = options.get("mask"), options.get("truncate")
+    mask = None if mask is None else _check_mask(mask, length)
+    truncate = None if truncate is None else check_size("truncate", truncate)
+    return Controls(length, time_axis, mask, truncate, bool(broadcast_key))
 
 
 def check_cell_kwargs(cell_kwargs: Mapping[str, PyTree] | None) -> dict[str, PyTree]:
@@ -212,10 +208,7 @@ def check_known_cell(
     sizes: Any = cell  # it has `input_size` and `hidden_size`, checked above
     n, hidden = sizes.input_size, (sizes.hidden_size,)
     name = f"{type(cell).__name__}(input_size={n}, hidden_size={hidden[0]})"
-    batch_hint = (
-        " Recurrent runs one sequence; for a batch, map over it: "
-        "`jax.vmap(rnn)(h0, xs)`."
-    )
+    batch_hint = " Recurrent runs one sequence; for a batch, `jax.vmap(rnn)(h0, xs)`."
     pair = isinstance(h0, (tuple, list))
     if type(cell) is eqx.nn.LSTMCell:
         shaped = pair and len(h0) == 2 and all(is_array(a) for a in h0)
@@ -233,11 +226,10 @@ def check_known_cell(
     if step:
         del step[time_axis]  # an axis of `xs`, checked by `controls`
     if step != [n]:
-        want = [str(n)]
-        want.insert(time_axis if time_axis >= 0 else 2 + time_axis, "T")
+        want = f"(T, {n})" if time_axis == 0 or time_axis < -1 else f"({n}, T)"
         raise ValueError(
             f"xs is {describe(xs)}, but {name} takes one input of shape ({n},) "
-            f"per step, so xs must have shape ({', '.join(want)})." + batch_hint
+            f"per step, so xs must have shape {want}." + batch_hint
         )
 
 
@@ -263,14 +255,15 @@ def block_starts(controls: Controls, reverse: bool) -> Bool[Array, " T"] | None:
     return cut if mask is None else cut & mask
 
 
-def stand_in(xs_dyn: PyTree, mask: Bool[Array, " T"] | None) -> PyTree:
-    """The input the cell sees on a masked step: the first kept step's (zeros if
-    none), gradient stopped. The cell still runs there, and reverse mode
-    multiplies its zero cotangent by its derivatives: finite on real inputs, not
-    always on padding (NaN) or zeros (`log`, `x / |x|`), and 0 * inf is NaN.
-    `None` without a mask, or when no step runs."""
+def kept_inputs(xs_dyn: PyTree, mask: Bool[Array, " T"] | None) -> PyTree:
+    """`xs_dyn` (time on axis 0) with each step `mask` skips given the first
+    kept step's input (zeros if none), gradient stopped. The cell still runs
+    there, and reverse mode multiplies its zero cotangent by its derivatives:
+    finite on real inputs, not always on padding (NaN) or zeros (`log`,
+    `x / |x|`), and 0 * inf is NaN."""
     if mask is None or mask.shape[0] == 0:
-        return None
+        return xs_dyn
     first, any_kept = jnp.argmax(mask), jnp.any(mask)
     pick = lambda x: jnp.where(any_kept, x, jnp.zeros_like(x))
-    return jtu.tree_map(lambda a: jax.lax.stop_gradient(pick(a[first])), xs_dyn)
+    stand = jtu.tree_map(lambda a: jax.lax.stop_gradient(pick(a[first])), xs_dyn)
+    return jax.vmap(where, in_axes=(0, 0, None))(mask, xs_dyn, stand)

@@ -1,7 +1,5 @@
-"""How `Recurrent` runs a cell whose recurrence is linear in its carry
-([`eqxscan.DiagonalLinearCell`][], [`eqxscan.MatrixLinearCell`][]): the
-`method=` option, and the parallel forms, which compute every step's gates at
-once and hand them to `diagonal_scan` or `matrix_scan`."""
+"""How `Recurrent` runs a cell whose recurrence is linear in its carry: the
+`method=` option, and the parallel forms (every step's gates at once)."""
 
 from collections.abc import Callable, Mapping
 from typing import Literal
@@ -17,15 +15,12 @@ from .._helpers.checks import check_option, check_size, describe
 from .._scan.options import ScanOptions
 from .._scan.taps import tapping
 from .linear_cells import DiagonalLinearCell, MatrixLinearCell
-from .linear_diag import choose_method, diagonal_scan
+from .linear_diag import choose_method, diagonal_scan, Method
 from .linear_matrix import matrix_scan
-from .recurrent_inputs import block_starts, Controls, stand_in, where
+from .recurrent_inputs import block_starts, Controls, kept_inputs
 
 
 RecurrentMethod = Literal["auto", "sequential", "associative", "chunked"]
-# "engine": the cell step by step through the scan engine (`Recurrent`'s
-# ordinary path); the others name the parallel path's form.
-Form = Literal["engine", "sequential", "associative", "chunked"]
 ChunkSize = int | Literal["auto"]
 
 # `chunk_size="auto"`: 64 steps, but 32 for a matrix state off CPU (faster on a
@@ -39,9 +34,8 @@ def chunk_for(chunk_size: ChunkSize, matrix: bool) -> int:
     backend tracing the call)."""
     if chunk_size != "auto":
         return chunk_size
-    if matrix and jax.default_backend() != "cpu":
-        return AUTO_MATRIX_CHUNK_ACCELERATOR
-    return AUTO_CHUNK
+    accelerator = jax.default_backend() != "cpu"
+    return AUTO_MATRIX_CHUNK_ACCELERATOR if matrix and accelerator else AUTO_CHUNK
 
 
 def _kind(cell: object) -> Literal["diagonal", "matrix"] | None:
@@ -79,11 +73,12 @@ def resolve_form(
     options: ScanOptions,
     controls: Controls,
     h0: PyTree,
-) -> Form:
-    """The form one run takes: the engine for other cells and no steps; under
-    `eqxscan.tap` (whose records are the engine's steps); where `mode="loop"` or
-    an explicit `remat` asks for it (unless a parallel method is named); and for
-    a matrix state truncated or sequential (the engine reads out each step)."""
+) -> Literal["engine"] | Method:
+    """The form one run takes: the engine (the cell step by step) for other
+    cells and no steps; under `eqxscan.tap` (whose records are the engine's
+    steps); where `mode="loop"` or an explicit `remat` asks for it (unless a
+    parallel method is named); and for a matrix state truncated or sequential
+    (the engine reads out each step)."""
     kind = _kind(cell)
     if kind is None or tapping() or controls.length == 0:
         return "engine"
@@ -105,7 +100,7 @@ def resolve_form(
 
 def run_parallel(
     cell: Callable[..., PyTree],
-    form: Literal["sequential", "associative", "chunked"],
+    form: Method,
     chunk_size: ChunkSize,
     reverse: bool,
     h0: PyTree,
@@ -116,51 +111,38 @@ def run_parallel(
 ) -> tuple[PyTree, PyTree]:
     """`(h_T, hs)` (for a matrix state `(S_T, os)`), time on axis 0 of `xs`.
     `call` is the cell's `(args, kwargs)`; `keys` is `(per-step keys, key)`: a
-    step without a key of its own gets `key` (`None`, or the same every step)."""
+    step without a key of its own gets `key` (`None`, or the same every step).
+    Every step's gates at once, `jax.vmap(cell.gates)`: a skipped step gets the
+    first kept step's input, as the cell does step by step."""
     assert isinstance(cell, DiagonalLinearCell | MatrixLinearCell)
-    gates = list(_all_gates(cell, xs, call, keys, controls.mask))
-    if isinstance(cell, DiagonalLinearCell):
+    (args, kwargs), (per_step, same) = call, keys
+    xs_dyn, xs_static = eqx.partition(xs, eqx.is_array)
+
+    def step_gates(x_dyn: PyTree, key: PRNGKeyArray | None) -> tuple:
+        key = same if key is None else key
+        keyed = {} if key is None else {"key": key}
+        return cell.gates(eqx.combine(x_dyn, xs_static), *args, **kwargs, **keyed)
+
+    gates = list(jax.vmap(step_gates)(kept_inputs(xs_dyn, controls.mask), per_step))
+    matrix = isinstance(cell, MatrixLinearCell)
+    if not matrix:
         _check_gates(cell, gates[0], gates[1], h0)
     if controls.mask is not None:  # a skipped step: a = 1 and b (or k) = 0
         gates[0] = _where_t(controls.mask, gates[0], 1)
         gates[1] = _where_t(controls.mask, gates[1], 0)
-    c = chunk_for(chunk_size, isinstance(cell, MatrixLinearCell))
-    if isinstance(cell, MatrixLinearCell):  # chunked (the engine runs it in steps)
+    c = chunk_for(chunk_size, matrix)
+    if matrix:  # chunked (the engine runs a sequential one step by step)
         a, k, v, q = gates
         return matrix_scan(
             a, k, v, q, h0, method="chunked", chunk_size=c, reverse=reverse
         )
-    a, b = (jtu.tree_map(lambda x, h: x.astype(h.dtype), g, h0) for g in gates)
+    a, b = gates  # `diagonal_scan` computes in the carry's dtype
     scan = lambda a_, b_: diagonal_scan(
         a_, b_, h0, method=form, chunk_size=c, reverse=reverse
     )
     if controls.truncate is not None:
         a, b = _truncated(a, b, h0, scan, controls, reverse)
     return scan(a, b)
-
-
-def _all_gates(
-    cell: DiagonalLinearCell | MatrixLinearCell,
-    xs: PyTree,
-    call: tuple[tuple[PyTree, ...], Mapping[str, PyTree]],
-    keys: tuple[Array | None, PRNGKeyArray | None],
-    mask: Bool[Array, " T"] | None,
-) -> tuple:
-    """Every step's gates, `jax.vmap(cell.gates)` over time. A skipped step
-    gets the first kept step's input, as the cell does step by step."""
-    args, kwargs = call
-    per_step, same = keys
-    xs_dyn, xs_static = eqx.partition(xs, eqx.is_array)
-    stand = stand_in(xs_dyn, mask)
-    if mask is not None and stand is not None:
-        xs_dyn = jax.vmap(where, in_axes=(0, 0, None))(mask, xs_dyn, stand)
-
-    def gates(x_dyn: PyTree, key: PRNGKeyArray | None) -> tuple:
-        key = same if key is None else key
-        keyed = {} if key is None else {"key": key}
-        return cell.gates(eqx.combine(x_dyn, xs_static), *args, **kwargs, **keyed)
-
-    return jax.vmap(gates)(xs_dyn, per_step)
 
 
 def _where_t(m: Bool[Array, " T"], new: PyTree, fill: int) -> PyTree:

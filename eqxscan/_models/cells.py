@@ -17,16 +17,19 @@ from .._helpers.checks import check_bool, check_size, describe
 from .mlp import check_float_dtype
 
 
-def _check_step(cell: "ElmanCell | LRU | MinGRU", **given: Array) -> None:
+def _check_step(
+    cell: "ElmanCell | LRU | MinGRU | GatedLinearAttention", **given: Array
+) -> None:
     """One time step of one example: `input [input_size]` (and `hidden
     [hidden_size]`), else a cryptic dot_general error or a silent broadcast."""
-    n, h = cell.input_size, cell.hidden_size
-    want = {"input": (n,), "hidden": (h,)}
-    if any(jnp.shape(x) != want[name] for name, x in given.items()):
-        takes = " and ".join(f"{name} [{want[name][0]}]" for name in given)
+    n, h = cell.input_size, getattr(cell, "hidden_size", None)
+    sizes = {"input": n, "hidden": h}
+    if any(jnp.shape(x) != (sizes[name],) for name, x in given.items()):
+        takes = " and ".join(f"{name} [{sizes[name]}]" for name in given)
         got = " and ".join(f"{name} {describe(x)}" for name, x in given.items())
+        shown = f"input_size={n}" if h is None else f"{n}, {h}"
         raise ValueError(
-            f"{type(cell).__name__}({n}, {h}) takes one time step of one example, "
+            f"{type(cell).__name__}({shown}) takes one time step of one example, "
             f"{takes}, got {got}.\nHint: batch with jax.vmap; run over time with "
             "eqxscan.Recurrent."
         )
@@ -408,13 +411,8 @@ class GatedLinearAttention(MatrixLinearCell):
         the key `[num_heads, key_size]`, the value `[num_heads, value_size]`
         and the query `[num_heads, key_size]`.
         """
-        d, h, dk, dv = self.input_size, self.num_heads, self.key_size, self.value_size
-        if jnp.shape(x_t) != (d,):
-            raise ValueError(
-                f"GatedLinearAttention(input_size={d}) takes one time step of one "
-                f"example, x [{d}], got {describe(x_t)}.\nHint: batch with "
-                "jax.vmap; for every step's gates, `jax.vmap(cell.gates)(xs)`."
-            )
+        h, dk, dv = self.num_heads, self.key_size, self.value_size
+        _check_step(self, input=x_t)
         logit = self.gate_up(self.gate_down(x_t)).reshape(h, dk)
         a = jnp.exp(jax.nn.log_sigmoid(logit) / self.tau)
         q = self.q_proj(x_t).reshape(h, dk) * dk**-0.5
