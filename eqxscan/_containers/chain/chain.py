@@ -107,13 +107,12 @@ class Chain(Scanning):
         if len(layers) == 0:
             raise ValueError("Chain needs at least one layer, got an empty sequence.")
         self.options = ScanOptions(**options)
-        patterns = check_bool("patterns", patterns)
+        self.patterns = check_bool("patterns", patterns)
         labels = stack_classes(layers)
         warn_identity(layers, labels)
-        groups_plan = plan(labels, patterns)
+        groups_plan = plan(labels, self.patterns)
         self.groups, self.layout = assemble(layers, groups_plan, self.options)
         self.num_layers = len(layers)
-        self.patterns = patterns
         self.drop_rates = new_drop_rates(len(layers), drop_path, layer_drop)
 
     def __len__(self) -> int:
@@ -208,8 +207,6 @@ class Chain(Scanning):
         # This chain with these rates, in the inference mode of `like`.
         drop = new_drop_rates(self.num_layers, drop_path, layer_drop)
         drop = with_mode_of(drop, like)
-        if drop is None and self.drop_rates is None:
-            return self
         return eqx.tree_at(lambda c: c.drop_rates, self, drop, is_leaf=is_none)
 
     @compiled_when_eager
@@ -314,8 +311,7 @@ class Chain(Scanning):
                 "`x, state = chain(x, state)`."
             )
         check_chain_method(self.groups, self.layout, method)
-        who = type(self).__name__
-        keys = key if key is None else split_key(key, self.num_layers, who)
+        keys = key if key is None else split_key(key, self.num_layers, "Chain")
         read_out = pairs("Chain.scan") if scan else carry_only
         call = LayerCall(args, kwargs, keys, read_out, reverse, method, caller="Chain")
         # Drop inputs are per layer (by layer number), routed to the groups

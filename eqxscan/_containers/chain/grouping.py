@@ -25,11 +25,7 @@ Plan = tuple[Group, ...]
 """The groups of a sequence of layers, in order."""
 
 
-class _Cost(NamedTuple):
-    # Compared in this order: layer bodies traced, then groups (those inside
-    # patterns included).
-    bodies: int
-    groups: int
+_Cost = tuple[int, int]  # layer bodies traced, then groups (in patterns too)
 
 
 def stack_classes(layers: Sequence[object]) -> tuple[int, ...]:
@@ -60,30 +56,24 @@ def plan(classes: tuple[int, ...], patterns: bool) -> Plan:
     four bodies however many repeats. With `patterns=False` only stacks are
     scanned: eight groups, eight bodies.
     """
-    return _best(classes, patterns)[0]
+    return _best(classes, patterns)[1]
 
 
 @functools.cache
-def _best(classes: tuple[int, ...], patterns: bool) -> tuple[Plan, _Cost]:
-    n = len(classes)
-    # best[i]: the cost of classes[i:] and its first group.
-    best: list[tuple[_Cost, Group | None]] = [(_Cost(0, 0), None)] * (n + 1)
-    for i in range(n - 1, -1, -1):
-        best[i] = min(
+def _best(classes: tuple[int, ...], patterns: bool) -> tuple[_Cost, Plan]:
+    # best[i]: the cost and plan of classes[i:].
+    best: list[tuple[_Cost, Plan]] = [((0, 0), ())] * (len(classes) + 1)
+    for i in range(len(classes) - 1, -1, -1):
+        cost, g = min(
             (
-                (_Cost(c.bodies + rest.bodies, c.groups + rest.groups), g)
-                for c, g in _candidates(classes, i, patterns)
-                for rest in [best[i + g.size][0]]
+                ((bodies + rest[0], groups + rest[1]), g)
+                for (bodies, groups), g in _candidates(classes, i, patterns)
+                for rest, _ in [best[i + g.size]]
             ),
             key=lambda t: (t[0], -t[1].size),
         )
-    groups, i = [], 0
-    while i < n:
-        group = best[i][1]
-        assert group is not None
-        groups.append(group)
-        i += group.size
-    return tuple(groups), best[0][0]
+        best[i] = cost, (g, *best[i + g.size][1])
+    return best[0]
 
 
 def _candidates(
@@ -91,11 +81,11 @@ def _candidates(
 ) -> list[tuple[_Cost, Group]]:
     """Every group that may start at layer `i`, with its own cost."""
     n = len(classes)
-    options = [(_Cost(1, 1), Group(1, 0))]
+    options: list[tuple[_Cost, Group]] = [((1, 1), Group(1, 0))]
     same = 1  # how many layers from `i` on share its class
     while i + same < n and classes[i + same] == classes[i]:
         same += 1
-    options.extend((_Cost(1, 1), Group(m, 1)) for m in range(2, same + 1))
+    options.extend(((1, 1), Group(m, 1)) for m in range(2, same + 1))
     if not patterns:
         return options
     # A pattern within those layers would be one class repeated: the stack
@@ -107,9 +97,9 @@ def _candidates(
             repeats += 1
         if repeats < 2 or not _primitive(pattern):
             continue  # a shorter pattern repeated: that pattern does better
-        inner, cost = _best(pattern, patterns)
+        (bodies, groups), inner = _best(pattern, patterns)
         options.extend(
-            (_Cost(cost.bodies, 1 + cost.groups), Group(p * k, k, inner))
+            ((bodies, 1 + groups), Group(p * k, k, inner))
             for p in range(2, repeats + 1)
         )
     return options
