@@ -18,7 +18,7 @@ from ..._scan.layer_call import carry_only, check_per_layer, LayerCall, Method, 
 from ..._scan.options import OwnOptions, ScanArgs, Scanning, ScanOptions
 from ..stack_calls import dropping_call
 from ..stacked import LayerNumbering, StateDictFn
-from .grouping import explain, plan, stack_classes, warn_identity
+from .grouping import plan, stack_classes, warn_identity, why_alone
 from .groups import (
     assemble,
     bodies,
@@ -178,9 +178,20 @@ class Chain(Scanning):
         alone, unlike layer 2 (Linear) at `.weight`: it has float16[8,8], layer
         2 has float32[8,8]`` (the leaf path where they differ, and both values).
         """
-        names = [group_name(g, s) for g, s in zip(self.groups, self.layout)]
-        count = len(bodies(self.groups, self.layout))
-        return explain(self.unstack(), self.layout, names, count)
+        layers, n, count = self.unstack(), self.num_layers, len(self.layout)
+        traced = len(bodies(self.groups, self.layout))
+        lines = [
+            f"Chain of {n} layer{'s' * (n != 1)} in {count} group{'s' * (count != 1)}, "
+            f"tracing {traced} layer bod{'ies' if traced != 1 else 'y'}:"
+        ]
+        for group, place in zip(self.groups, self.layout):
+            name, i = group_name(group, place), place.start
+            if place.per_step == 0:
+                js = [j for j in (i - 1, i + 1) if 0 <= j < n]
+                why = "; ".join(why_alone(layers, j, i) for j in js) or "the only layer"
+                name += f": alone, {why}"
+            lines.append(f"  {name}")
+        return "\n".join(lines)
 
     def own_options(self) -> tuple[str, ...]:
         return ("drop_path", "layer_drop")

@@ -1,7 +1,8 @@
 """How `Chain` groups its layers: `stack_classes` labels them (two share a label
 iff they can be stacked together), then `plan`, a dynamic programme, picks the
-grouping of the labels that traces the fewest layer bodies; `explain` says why,
-and `warn_identity` warns when only object identity kept like layers apart."""
+grouping of the labels that traces the fewest layer bodies; `why_alone` says why
+a layer is alone, and `warn_identity` warns when only object identity kept like
+layers apart."""
 
 import functools
 import warnings
@@ -113,8 +114,8 @@ def _primitive(pattern: tuple[int, ...]) -> bool:
     )
 
 
-def _reason(layers: Sequence[object], j: int, i: int) -> str:
-    # Why layer `i`, alone, is not scanned with its neighbour `j`.
+def why_alone(layers: Sequence[object], j: int, i: int) -> str:
+    """Why layer `i`, alone, is not scanned with its neighbour `j`."""
     diff = compare(layers[j], layers[i])
     if diff is None:
         return (
@@ -149,28 +150,3 @@ def warn_identity(layers: Sequence[object], labels: Sequence[int]) -> None:
             stacklevel=4,
         )
         return
-
-
-def explain(
-    layers: Sequence[object],
-    layout: Sequence[tuple[int, int, int]],
-    names: Sequence[str],
-    bodies: int,
-) -> str:
-    """One line per group (`layout` holds `(start, size, per_step)`, `names` the
-    group names), and for each lone layer why it was not scanned with a
-    neighbour."""
-    n = len(layers)
-    count = len(layout)
-    lines = [
-        f"Chain of {n} layer{'s' * (n != 1)} in {count} group{'s' * (count != 1)}, "
-        f"tracing {bodies} layer bod{'ies' if bodies != 1 else 'y'}:"
-    ]
-    for (start, _, per_step), name in zip(layout, names):
-        if per_step > 0:
-            lines.append(f"  {name}")
-            continue
-        js = [j for j in (start - 1, start + 1) if 0 <= j < n]
-        why = "; ".join(_reason(layers, j, start) for j in js) or "the only layer"
-        lines.append(f"  {name}: alone, {why}")
-    return "\n".join(lines)
