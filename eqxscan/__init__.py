@@ -10,6 +10,7 @@ that only scans does not import the rest, nor the libraries of the optional part
 
 import importlib as _importlib
 import importlib.metadata as _metadata
+import pkgutil as _pkgutil
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 
 from ._containers.chain import Chain as Chain
@@ -95,17 +96,8 @@ if _TYPE_CHECKING:
         to_state_dict as to_state_dict,
     )
 
-_SUBPACKAGES = (
-    "adapters",
-    "checkpoint",
-    "distributed",
-    "optim",
-    "planning",
-    "quant",
-    "remat",
-    "sharding",
-    "stats",
-)
+# The subpackages: every module of the package not named `_...`.
+_SUBPACKAGES = [m.name for m in _pkgutil.iter_modules(__path__) if m.name[0] != "_"]
 # Each top-level name lent by a module outside the core, by that module.
 _LENT = {
     "layer_buffers": "._features.buffer_layout",
