@@ -109,7 +109,10 @@ def group_name(group: Any, place: Placement) -> str:
     if place.per_step == 1:
         name = type(group.layers).__name__
         return f"layers {place.start}-{last} (stack of {name}, scanned)"
-    pattern = ", ".join(group.layers.class_names())
+    pattern = ", ".join(  # of one repeat, read from the stacked repeats
+        type(g.layers if stacked else g).__name__
+        for _, g, stacked, _ in layer_bodies(group.layers.groups, group.layers.layout)
+    )
     return (
         f"layers {place.start}-{last} ({place.size // place.per_step} repeats of "
         f"pattern [{pattern}], scanned)"
@@ -322,14 +325,6 @@ class Pattern(eqx.Module):
     groups: tuple[Any, ...]
     layout: tuple[Placement, ...] = eqx.field(static=True)
     num_layers: int = eqx.field(static=True)
-
-    def class_names(self) -> list[str]:
-        """The class name of each of the `K` layers (also right for a stacked
-        `Pattern`, whose arrays have a repeat axis)."""
-        return [
-            type(group.layers if stacked else group).__name__
-            for _, group, stacked, _ in layer_bodies(self.groups, self.layout)
-        ]
 
     def unstack(self) -> list[Any]:
         """The `K` layers of this repeat."""
