@@ -1,21 +1,16 @@
 """eqxscan: scan over layers and over time, first-class for Equinox.
 
-The core is the private folders `_helpers`, `_scan` (options, remat, the one
-scan engine, the layer-call seam), `_containers` (`Stacked`, `Chain`,
-`Recurrent`), `_features` (early exit, subsets, the non-finite finder) and
-`_models` (`StackedMLP` and the recurrent cells). The subpackages build on it:
-`remat`, `checkpoint`, `stats`, `sharding`, `quant`, `adapters`, `planning`,
-`distributed` and `optim`.
-
-`import eqxscan` imports the containers and the scan engine only; every other
-name here (the subpackages, and the functions and models they lend the top
-level, `eqxscan.save`, `eqxscan.StackedMLP`, ...) is imported on first use
-(PEP 562), so that a script that only scans does not import the rest, nor the
-libraries of the optional parts (optax, Orbax).
+`import eqxscan` imports the containers and the scan engine only (the package's
+layout: docs/concepts.md); every other name here (the subpackages, and the
+functions and models they lend the top level, `eqxscan.save`,
+`eqxscan.StackedMLP`, ...) is imported on first use (PEP 562), so that a script
+that only scans does not import the rest, nor the libraries of the optional parts
+(optax, Orbax).
 """
 
 import importlib as _importlib
 import importlib.metadata as _metadata
+import pkgutil as _pkgutil
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 
 from ._containers.chain import Chain as Chain
@@ -101,17 +96,8 @@ if _TYPE_CHECKING:
         to_state_dict as to_state_dict,
     )
 
-_SUBPACKAGES = (
-    "adapters",
-    "checkpoint",
-    "distributed",
-    "optim",
-    "planning",
-    "quant",
-    "remat",
-    "sharding",
-    "stats",
-)
+# The subpackages: every module of the package not named `_...`.
+_SUBPACKAGES = [m.name for m in _pkgutil.iter_modules(__path__) if m.name[0] != "_"]
 # Each top-level name lent by a module outside the core, by that module.
 _LENT = {
     "layer_buffers": "._features.buffer_layout",

@@ -11,12 +11,12 @@ from jaxtyping import PyTree
 from .._helpers.checks import noted
 from .._helpers.constrain import constrain, layers_may_be_sharded
 from .._helpers.stateful import (
+    clone,
     find_state,
     get_arg,
     layer_state,
     replace_arg,
     state_pair,
-    updated,
 )
 from .._scan.buffers import (
     check_buffer_axis,
@@ -140,7 +140,8 @@ def scan_layers(stack: Stack, x: PyTree, call: LayerCall) -> tuple[PyTree, PyTre
         gathered=sharding is not None or layers_may_be_sharded(layer_dyn),
         runs=runs,
     )
-    return (x, ys) if state is None else ((x, updated(state, ys)), None)
+    # The caller's `state` stays valid: `update` invalidates the one it is called on.
+    return (x, ys) if state is None else ((x, clone(state).update(ys)), None)
 
 
 def vmap_layers(stack: Stack, x: PyTree, call: LayerCall) -> PyTree:

@@ -186,17 +186,13 @@ def first_difference(
 
     def walk(a: object, b: Any, path: str) -> Found | None:
         if is_arraylike(a) or is_arraylike(b):
-            if not (is_arraylike(a) and is_arraylike(b)):
-                kind = [
-                    f"type {type(x).__name__}"
-                    if isinstance(x, eqx.Module)
-                    else describe(x)
-                    for x in (a, b)
-                ]
-                return path, kind[0], kind[1]
-            if a.shape != b.shape or jnp.dtype(a.dtype) != jnp.dtype(b.dtype):
-                return path, describe(a), describe(b)
-            return None
+            # Two arrays agree iff their descriptions (dtype and shape) do.
+            da, db = (
+                f"type {type(x).__name__}" if isinstance(x, eqx.Module) else describe(x)
+                for x in (a, b)
+            )
+            both = is_arraylike(a) and is_arraylike(b)
+            return None if both and da == db else (path, da, db)
         if type(a) is not type(b):
             return path, f"type {type(a).__name__}", f"type {type(b).__name__}"
         if dataclasses.is_dataclass(a) and not isinstance(a, type):  # a Module too

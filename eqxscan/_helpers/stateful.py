@@ -80,11 +80,6 @@ def state_pair(out: object, who: str) -> tuple[PyTree, eqx.nn.State]:
     return out[0], out[1]
 
 
-def updated(state: eqx.nn.State, sub: eqx.nn.State) -> eqx.nn.State:
-    """`state` updated with `sub`, `state` itself left valid (for the caller)."""
-    return clone(state).update(sub)
-
-
 def clone(tree: T) -> T:
     """`tree`'s structure copied, its leaves shared (`State.set` invalidates a
     state)."""

@@ -1,6 +1,6 @@
 """`StackedMLP`: a residual MLP stack with shape-checked stacked weights."""
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import SupportsIndex, Unpack
 
 import equinox as eqx
@@ -97,24 +97,6 @@ class MLPBlock(eqx.Module):
         return x + self.dropout(h, key=key) @ self.w2
 
 
-def _check_shapes(
-    check: Callable[..., None],
-    arrays: tuple[Array | eqx.Module | None, ...],
-    message: str,
-) -> None:
-    # Shapes, not arrays: a weight may be a module standing for one (a LoRA).
-    # A filtered model (`eqx.filter`, e.g. a LoRA's adapters alone) holds None,
-    # or a LoRA without its base, where it left arrays out: nothing to check.
-    found = [(getattr(a, "shape", None), getattr(a, "dtype", None)) for a in arrays]
-    if any(shape is None or dtype is None for shape, dtype in found):
-        return
-    shapes = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in found]
-    try:
-        jax.eval_shape(check, *shapes)
-    except TypeCheckError as e:
-        raise TypeCheckError(message) from e
-
-
 @jaxtyped(typechecker=beartype)
 def _stacked_shapes(
     w1: Float[Array, "L D 4*D"],
@@ -122,11 +104,6 @@ def _stacked_shapes(
     scale: Float[Array, "L D"],
 ) -> None:
     """The layer-axis layout of a StackedMLP, checked by jaxtyping + beartype."""
-
-
-@jaxtyped(typechecker=beartype)
-def _input_shape(w1: Float[Array, "L D H"], x: Float[Array, "*batch D"]) -> None:
-    """The input's last axis is the model's D (jaxtyping + beartype)."""
 
 
 class StackedMLP(Scanning):
@@ -211,14 +188,22 @@ class StackedMLP(Scanning):
 
     def __check_init__(self) -> None:
         layers = self.blocks.layers
-        w1, w2, scale = layers.w1, layers.w2, layers.scale
-        _check_shapes(
-            _stacked_shapes,
-            (w1, w2, scale),
-            "StackedMLP.blocks has arrays of the wrong shapes: expected w1 [L, D, "
-            f"4*D], w2 [L, 4*D, D], scale [L, D]; got w1 {describe(w1)}, w2 "
-            f"{describe(w2)}, scale {describe(scale)}.",
-        )
+        arrays = (layers.w1, layers.w2, layers.scale)
+        # Shapes, not arrays: a weight may be a module standing for one (a LoRA).
+        # A filtered model (`eqx.filter`, e.g. a LoRA's adapters alone) holds
+        # None, or a LoRA without its base: nothing to check.
+        found = [(getattr(a, "shape", None), getattr(a, "dtype", None)) for a in arrays]
+        if any(shape is None or dtype is None for shape, dtype in found):
+            return
+        try:
+            jax.eval_shape(_stacked_shapes, *[jax.ShapeDtypeStruct(*f) for f in found])
+        except TypeCheckError as e:
+            w1, w2, scale = map(describe, arrays)
+            raise TypeCheckError(
+                "StackedMLP.blocks has arrays of the wrong shapes: expected w1 [L, "
+                f"D, 4*D], w2 [L, 4*D, D], scale [L, D]; got w1 {w1}, w2 {w2}, "
+                f"scale {scale}."
+            ) from e
 
     @classmethod
     def from_layers(
@@ -284,13 +269,12 @@ class StackedMLP(Scanning):
         x = jnp.asarray(x)
         if isinstance(w1 := self.blocks.layers.w1, StandsForWeight):
             w1.stored_arrays()  # checks them: a cast model's dtype is not x's to fix
-        _check_shapes(
-            _input_shape,
-            (self.blocks.layers.w1, x),
-            f"StackedMLP input x is {describe(x)}, but the model takes a floating "
-            f"array [..., D] with D={self.dim}, in {self.dtype}.\nHint: the last "
-            "axis is the width; any axes before it are batch axes.",
-        )
+        if x.shape[-1:] != (self.dim,) or not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeCheckError(
+                f"StackedMLP input x is {describe(x)}, but the model takes a "
+                f"floating array [..., D] with D={self.dim}, in {self.dtype}.\nHint: "
+                "the last axis is the width; any axes before it are batch axes."
+            )
         if x.dtype != self.dtype:
             raise TypeError(
                 f"StackedMLP input has dtype {x.dtype}, but the model's parameters "

@@ -18,7 +18,7 @@ from ..._scan.layer_call import carry_only, check_per_layer, LayerCall, Method, 
 from ..._scan.options import OwnOptions, ScanArgs, Scanning, ScanOptions
 from ..stack_calls import dropping_call
 from ..stacked import LayerNumbering, StateDictFn
-from .grouping import explain, plan, stack_classes, warn_identity
+from .grouping import plan, stack_classes, warn_identity, why_alone
 from .groups import (
     assemble,
     bodies,
@@ -107,13 +107,12 @@ class Chain(Scanning):
         if len(layers) == 0:
             raise ValueError("Chain needs at least one layer, got an empty sequence.")
         self.options = ScanOptions(**options)
-        patterns = check_bool("patterns", patterns)
+        self.patterns = check_bool("patterns", patterns)
         labels = stack_classes(layers)
         warn_identity(layers, labels)
-        groups_plan = plan(labels, patterns)
+        groups_plan = plan(labels, self.patterns)
         self.groups, self.layout = assemble(layers, groups_plan, self.options)
         self.num_layers = len(layers)
-        self.patterns = patterns
         self.drop_rates = new_drop_rates(len(layers), drop_path, layer_drop)
 
     def __len__(self) -> int:
@@ -179,9 +178,20 @@ class Chain(Scanning):
         alone, unlike layer 2 (Linear) at `.weight`: it has float16[8,8], layer
         2 has float32[8,8]`` (the leaf path where they differ, and both values).
         """
-        names = [group_name(g, s) for g, s in zip(self.groups, self.layout)]
-        count = len(bodies(self.groups, self.layout))
-        return explain(self.unstack(), self.layout, names, count)
+        layers, n, count = self.unstack(), self.num_layers, len(self.layout)
+        traced = len(bodies(self.groups, self.layout))
+        lines = [
+            f"Chain of {n} layer{'s' * (n != 1)} in {count} group{'s' * (count != 1)}, "
+            f"tracing {traced} layer bod{'ies' if traced != 1 else 'y'}:"
+        ]
+        for group, place in zip(self.groups, self.layout):
+            name, i = group_name(group, place), place.start
+            if place.per_step == 0:
+                js = [j for j in (i - 1, i + 1) if 0 <= j < n]
+                why = "; ".join(why_alone(layers, j, i) for j in js) or "the only layer"
+                name += f": alone, {why}"
+            lines.append(f"  {name}")
+        return "\n".join(lines)
 
     def own_options(self) -> tuple[str, ...]:
         return ("drop_path", "layer_drop")
@@ -208,8 +218,6 @@ class Chain(Scanning):
         # This chain with these rates, in the inference mode of `like`.
         drop = new_drop_rates(self.num_layers, drop_path, layer_drop)
         drop = with_mode_of(drop, like)
-        if drop is None and self.drop_rates is None:
-            return self
         return eqx.tree_at(lambda c: c.drop_rates, self, drop, is_leaf=is_none)
 
     @compiled_when_eager
@@ -314,8 +322,7 @@ class Chain(Scanning):
                 "`x, state = chain(x, state)`."
             )
         check_chain_method(self.groups, self.layout, method)
-        who = type(self).__name__
-        keys = key if key is None else split_key(key, self.num_layers, who)
+        keys = key if key is None else split_key(key, self.num_layers, "Chain")
         read_out = pairs("Chain.scan") if scan else carry_only
         call = LayerCall(args, kwargs, keys, read_out, reverse, method, caller="Chain")
         # Drop inputs are per layer (by layer number), routed to the groups

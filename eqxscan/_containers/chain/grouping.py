@@ -1,7 +1,8 @@
 """How `Chain` groups its layers: `stack_classes` labels them (two share a label
 iff they can be stacked together), then `plan`, a dynamic programme, picks the
-grouping of the labels that traces the fewest layer bodies; `explain` says why,
-and `warn_identity` warns when only object identity kept like layers apart."""
+grouping of the labels that traces the fewest layer bodies; `why_alone` says why
+a layer is alone, and `warn_identity` warns when only object identity kept like
+layers apart."""
 
 import functools
 import warnings
@@ -25,11 +26,7 @@ Plan = tuple[Group, ...]
 """The groups of a sequence of layers, in order."""
 
 
-class _Cost(NamedTuple):
-    # Compared in this order: layer bodies traced, then groups (those inside
-    # patterns included).
-    bodies: int
-    groups: int
+_Cost = tuple[int, int]  # layer bodies traced, then groups (in patterns too)
 
 
 def stack_classes(layers: Sequence[object]) -> tuple[int, ...]:
@@ -60,30 +57,24 @@ def plan(classes: tuple[int, ...], patterns: bool) -> Plan:
     four bodies however many repeats. With `patterns=False` only stacks are
     scanned: eight groups, eight bodies.
     """
-    return _best(classes, patterns)[0]
+    return _best(classes, patterns)[1]
 
 
 @functools.cache
-def _best(classes: tuple[int, ...], patterns: bool) -> tuple[Plan, _Cost]:
-    n = len(classes)
-    # best[i]: the cost of classes[i:] and its first group.
-    best: list[tuple[_Cost, Group | None]] = [(_Cost(0, 0), None)] * (n + 1)
-    for i in range(n - 1, -1, -1):
-        best[i] = min(
+def _best(classes: tuple[int, ...], patterns: bool) -> tuple[_Cost, Plan]:
+    # best[i]: the cost and plan of classes[i:].
+    best: list[tuple[_Cost, Plan]] = [((0, 0), ())] * (len(classes) + 1)
+    for i in range(len(classes) - 1, -1, -1):
+        cost, g = min(
             (
-                (_Cost(c.bodies + rest.bodies, c.groups + rest.groups), g)
-                for c, g in _candidates(classes, i, patterns)
-                for rest in [best[i + g.size][0]]
+                ((bodies + rest[0], groups + rest[1]), g)
+                for (bodies, groups), g in _candidates(classes, i, patterns)
+                for rest, _ in [best[i + g.size]]
             ),
             key=lambda t: (t[0], -t[1].size),
         )
-    groups, i = [], 0
-    while i < n:
-        group = best[i][1]
-        assert group is not None
-        groups.append(group)
-        i += group.size
-    return tuple(groups), best[0][0]
+        best[i] = cost, (g, *best[i + g.size][1])
+    return best[0]
 
 
 def _candidates(
@@ -91,11 +82,11 @@ def _candidates(
 ) -> list[tuple[_Cost, Group]]:
     """Every group that may start at layer `i`, with its own cost."""
     n = len(classes)
-    options = [(_Cost(1, 1), Group(1, 0))]
+    options: list[tuple[_Cost, Group]] = [((1, 1), Group(1, 0))]
     same = 1  # how many layers from `i` on share its class
     while i + same < n and classes[i + same] == classes[i]:
         same += 1
-    options.extend((_Cost(1, 1), Group(m, 1)) for m in range(2, same + 1))
+    options.extend(((1, 1), Group(m, 1)) for m in range(2, same + 1))
     if not patterns:
         return options
     # A pattern within those layers would be one class repeated: the stack
@@ -107,9 +98,9 @@ def _candidates(
             repeats += 1
         if repeats < 2 or not _primitive(pattern):
             continue  # a shorter pattern repeated: that pattern does better
-        inner, cost = _best(pattern, patterns)
+        (bodies, groups), inner = _best(pattern, patterns)
         options.extend(
-            (_Cost(cost.bodies, 1 + cost.groups), Group(p * k, k, inner))
+            ((bodies, 1 + groups), Group(p * k, k, inner))
             for p in range(2, repeats + 1)
         )
     return options
@@ -123,8 +114,8 @@ def _primitive(pattern: tuple[int, ...]) -> bool:
     )
 
 
-def _reason(layers: Sequence[object], j: int, i: int) -> str:
-    # Why layer `i`, alone, is not scanned with its neighbour `j`.
+def why_alone(layers: Sequence[object], j: int, i: int) -> str:
+    """Why layer `i`, alone, is not scanned with its neighbour `j`."""
     diff = compare(layers[j], layers[i])
     if diff is None:
         return (
@@ -159,28 +150,3 @@ def warn_identity(layers: Sequence[object], labels: Sequence[int]) -> None:
             stacklevel=4,
         )
         return
-
-
-def explain(
-    layers: Sequence[object],
-    layout: Sequence[tuple[int, int, int]],
-    names: Sequence[str],
-    bodies: int,
-) -> str:
-    """One line per group (`layout` holds `(start, size, per_step)`, `names` the
-    group names), and for each lone layer why it was not scanned with a
-    neighbour."""
-    n = len(layers)
-    count = len(layout)
-    lines = [
-        f"Chain of {n} layer{'s' * (n != 1)} in {count} group{'s' * (count != 1)}, "
-        f"tracing {bodies} layer bod{'ies' if bodies != 1 else 'y'}:"
-    ]
-    for (start, _, per_step), name in zip(layout, names):
-        if per_step > 0:
-            lines.append(f"  {name}")
-            continue
-        js = [j for j in (start - 1, start + 1) if 0 <= j < n]
-        why = "; ".join(_reason(layers, j, start) for j in js) or "the only layer"
-        lines.append(f"  {name}: alone, {why}")
-    return "\n".join(lines)

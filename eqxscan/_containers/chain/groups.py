@@ -16,7 +16,6 @@ from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 from ..._helpers.checks import (
     CarryError,
     check_carry,
-    describe,
     first_difference,
     noted,
     noting,
@@ -110,7 +109,10 @@ def group_name(group: Any, place: Placement) -> str:
     if place.per_step == 1:
         name = type(group.layers).__name__
         return f"layers {place.start}-{last} (stack of {name}, scanned)"
-    pattern = ", ".join(group.layers.class_names())
+    pattern = ", ".join(  # of one repeat, read from the stacked repeats
+        type(g.layers if stacked else g).__name__
+        for _, g, stacked, _ in layer_bodies(group.layers.groups, group.layers.layout)
+    )
     return (
         f"layers {place.start}-{last} ({place.size // place.per_step} repeats of "
         f"pattern [{pattern}], scanned)"
@@ -133,38 +135,31 @@ def _scanned_call(call: LayerCall, place: Placement) -> LayerCall:
 
 
 def _on_layer_axis(ys: PyTree, place: Placement) -> PyTree:
-    """A group's `ys` (when reading pairs) with a leading axis of `place.size`:
-    a lone layer's gets one, a pattern's repeat and layer axes become one."""
-    if place.per_step == 0:
-        return jtu.tree_map(lambda a: a[None] if eqx.is_array(a) else a, ys)
-    if place.per_step > 1 and ys is not None:
-        return jtu.tree_map(
-            lambda a: a.reshape(place.size, *a.shape[2:]) if eqx.is_array(a) else a,
-            ys,
-        )
-    return ys
+    # A group's `ys` with one leading layer axis of `place.size`: a lone layer's
+    # gets one, a pattern's repeat and layer axes become one.
+    cut = min(place.per_step, 2)
+    return jtu.tree_map(
+        lambda a: a.reshape(place.size, *a.shape[cut:]) if eqx.is_array(a) else a, ys
+    )
 
 
-def _join(pieces: list[tuple[Any, Placement, PyTree]]) -> PyTree:
-    """Concatenate the groups' `ys` along the layer axis."""
-    if all(ys is None for _, _, ys in pieces):
+def _join(pieces: list[tuple[str, PyTree]]) -> PyTree:
+    """Concatenate the groups' `ys` (each named) along the layer axis."""
+    if all(ys is None for _, ys in pieces):
         return None
-    first_group, first_place, first = pieces[0]
-    for group, place, ys in pieces[1:]:
-        both = ys is not None and first is not None
-        diff = first_difference(index(first, 0), index(ys, 0)) if both else None
-        if ys is None or first is None or diff is not None:
-            path, da, db = diff or ("", describe(first), describe(ys))
+    first_name, first = pieces[0]
+    for name, ys in pieces[1:]:
+        if (diff := first_difference(index(first, 0), index(ys, 0))) is not None:
+            path, da, db = diff
             raise TypeError(
                 f"Chain.scan stacks every layer's y, so they must agree, but at "
-                f"`y{path}` {group_name(first_group, first_place)} gave {da} and "
-                f"{group_name(group, place)} gave {db}."
+                f"`y{path}` {first_name} gave {da} and {name} gave {db}."
             )
     if len(pieces) == 1:
         return first
     return jtu.tree_map(
         lambda *a: jnp.concatenate(a) if eqx.is_array(a[0]) else a[0],
-        *(ys for _, _, ys in pieces),
+        *(ys for _, ys in pieces),
     )
 
 
@@ -211,7 +206,7 @@ def run_groups(
     trees = None if view is None else list(view.tree)
     order = list(enumerate(zip(groups, layout)))
     for k, (group, place) in reversed(order) if call.reverse else order:
-        where = f"{owner} {group_name(group, place)}{changed}"
+        name = group_name(group, place)
         group_call = call
         if view is not None and at is not None and trees is not None:
             args, kwargs = replace_arg(call.args, call.kwargs, at, view.of(trees[k]))
@@ -219,10 +214,9 @@ def run_groups(
         try:
             # The group run here rather than in a helper: fewer frames between
             # `Chain.__call__` and a layer in a traceback.
-            with noting(where, group, place, x, group_call):
+            with noting(f"{owner} {name}{changed}", group):
                 if place.per_step == 0:
                     one = group_call.at(place.start)
-                    name = group_name(group, place)
                     new_x, ys = run_one(group, group_call, one, x, name)
                 else:
                     last = place.start + place.size - 1
@@ -235,7 +229,6 @@ def run_groups(
         except CarryError as e:
             # The group changed the carry itself: its headline names it (by the
             # layer's number when the loop knows which one).
-            name = group_name(group, place)
             if place.per_step == 1 and e.step is not None:
                 name = f"layer {place.start + e.step} ({type(group.layers).__name__})"
             e.args = (f"{owner} {name} {e.what}",)
@@ -243,19 +236,17 @@ def run_groups(
         if state_at is not None:
             # A stateful fold: every group returns `(x, state)`, and the next
             # one is called with the new state.
-            new_x, state = state_pair(new_x, group_name(group, place))
+            new_x, state = state_pair(new_x, name)
             args, kwargs = replace_arg(call.args, call.kwargs, state_at, state)
             call = call._replace(args=args, kwargs=kwargs)
-        if place.per_step == 0:
-            diff = first_difference(x, new_x)
-            if diff is not None:
-                path, before, after = diff
-                changed = (
-                    f", whose carry `carry{path}` is {after}, changed from {before} "
-                    f"by {group_name(group, place)}"
-                )
+        if place.per_step == 0 and (diff := first_difference(x, new_x)):
+            path, before, after = diff
+            changed = (
+                f", whose carry `carry{path}` is {after}, changed from {before} "
+                f"by {name}"
+            )
         x = new_x
-        pieces.append((group, place, ys))
+        pieces.append((name, ys))
     if state_at is not None:
         return (x, get_arg(call.args, call.kwargs, state_at)), None
     if call.reverse:
@@ -335,14 +326,6 @@ class Pattern(eqx.Module):
     layout: tuple[Placement, ...] = eqx.field(static=True)
     num_layers: int = eqx.field(static=True)
 
-    def class_names(self) -> list[str]:
-        """The class name of each of the `K` layers (also right for a stacked
-        `Pattern`, whose arrays have a repeat axis)."""
-        return [
-            type(group.layers if stacked else group).__name__
-            for _, group, stacked, _ in layer_bodies(self.groups, self.layout)
-        ]
-
     def unstack(self) -> list[Any]:
         """The `K` layers of this repeat."""
         return unstack_groups(self.groups, self.layout)
@@ -355,8 +338,7 @@ class Pattern(eqx.Module):
         **kwargs: PyTree,
     ) -> PyTree:
         """Run the `K` layers in order, as a `Chain` of them runs."""
-        who = type(self).__name__
-        keys = key if key is None else split_key(key, self.num_layers, who)
+        keys = key if key is None else split_key(key, self.num_layers, "Pattern")
         call = LayerCall(args, kwargs, keys, caller="Chain")
         return run_groups(self.groups, self.layout, x, call, "Pattern")[0]
 
