@@ -18,8 +18,7 @@ Index = int | Int[Array, ""]
 
 
 Indices = slice | np.ndarray | Array
-"""Several layers, in order: a slice, or an index array (NumPy, or JAX traced or
-not)."""
+"""Several layers, in order: a slice or an index array (NumPy or JAX, traced or not)."""
 
 
 def index(tree: PyTree, i: Index | tuple[Index, ...], axis: int = 0) -> PyTree:
