@@ -54,8 +54,6 @@ def per_layer(tree: PyTree) -> PerLayer:
     return PerLayer(tree)
 
 
-#: How a layer reads its slice: `"view"` straight from the stacked buffer,
-#: `"copy"` through one contiguous copy per step, `"auto"` as the backend suits.
 Reads = Literal["auto", "view", "copy"]
 
 
@@ -323,7 +321,15 @@ def call_writing(
 
     def flat(*ls: Array) -> tuple[tuple[Array, ...], PyTree]:
         out, new = fn(jtu.tree_unflatten(treedef, ls))
-        _check_same(old, new, who)
+        diff = first_difference(old, new)  # laid out as the slice it received
+        if diff is not None and jtu.tree_leaves((old, new)):
+            path, a, b = diff
+            raise TypeError(
+                f"{who} returned a buffer of another structure, shape or dtype: "
+                f"`buffer{path}` is {b}, but it received {a}.\nHint: a layer's "
+                "buffer keeps its shape and dtype, laid out as it came (cast "
+                "before writing)."
+            )
         return tuple(jtu.tree_leaves(new)), out
 
     closed, out_dyn, out_static = eqx.filter_make_jaxpr(flat)(*leaves)
@@ -383,16 +389,3 @@ def _bind(eqn: jcore.JaxprEqn, args: list[object]) -> list[object]:
     with eqn.ctx.manager:
         out = eqn.primitive.bind(*subfuns, *args, **params)
     return out if eqn.primitive.multiple_results else [out]
-
-
-def _check_same(old: PyTree, new: PyTree, who: str) -> None:
-    # A layer's new slice must be laid out as the one it received.
-    diff = first_difference(old, new)
-    if diff is not None and jtu.tree_leaves((old, new)):
-        path, a, b = diff
-        raise TypeError(
-            f"{who} returned a buffer of another structure, shape or dtype: "
-            f"`buffer{path}` is {b}, but it received {a}.\nHint: a layer's "
-            "buffer keeps its shape and dtype, laid out as it came (cast before "
-            "writing)."
-        )
