@@ -206,7 +206,7 @@ class DropRates(eqx.Module):
         mode (`None` in a gradient or update tree, as `eqx.filter_grad` gives)."""
         length = len(range(self.num_layers)[index])
         new = DropRates(length, self.drop_path[index], self.layer_drop[index])
-        return with_mode_of(new, self)
+        return eqx.tree_at(lambda d: d.inference, new, self.inference)
 
     def per_layer_inputs(self, key: PRNGKeyArray) -> DropInputs:
         """The drops of a call with `key`, each with leading axis `L`: what each
