@@ -212,12 +212,10 @@ class DropRates(eqx.Module):
         """The drops of a call with `key`, each with leading axis `L`: what each
         layer gets as its `drop`, a part no layer uses `None`."""
         keys = jax.random.split(jax.random.fold_in(key, DROP_STREAM), self.num_layers)
-        path_rate = None
-        if any(self.drop_path):
-            path_rate = jnp.asarray(self.drop_path, jnp.float32)
-        runs = layer_rate = None
-        if any(self.layer_drop):
-            layer_rate = jnp.asarray(self.layer_drop, jnp.float32)
+        rates = lambda r: jnp.asarray(r, jnp.float32) if any(r) else None  # noqa: E731
+        path_rate, layer_rate = rates(self.drop_path), rates(self.layer_drop)
+        runs = None
+        if layer_rate is not None:
             runs = jax.vmap(lambda k, q: keep_bits(k, q, 0, None))(keys, layer_rate)
         static = (self.drop_path, self.layer_drop)
         return DropInputs(runs, layer_rate, path_rate, keys, static_rates=static)
