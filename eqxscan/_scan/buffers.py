@@ -281,16 +281,14 @@ def _read(a: Array, prefix: tuple[Index, ...], reads: Reads) -> Array:
     # result keeps a dynamic slice from being fused into its readers: XLA does
     # not know the predicate (the index is never negative), so the slice is
     # copied once, contiguously, and the zeros branch never runs.
-    static = all(isinstance(i, int) for i in prefix)
     if reads == "auto":
         reads = "copy" if jax.default_backend() == "cpu" else "view"
-    if reads == "view" or static:
+    if reads == "view" or all(isinstance(i, int) for i in prefix):
         return index(a, prefix)
-    shape = a.shape[len(prefix) :]
     return jax.lax.cond(
         jnp.asarray(prefix[-1]) >= 0,
         lambda a: index(a, prefix),
-        lambda a: jnp.zeros(shape, a.dtype),
+        lambda a: jnp.zeros(a.shape[len(prefix) :], a.dtype),
         a,
     )
 
