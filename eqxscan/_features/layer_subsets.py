@@ -2,7 +2,7 @@
 choice runs a new `Stacked` or `Chain` of the chosen layers; an index array
 (traced or not) is one scan over the indices, each step running one layer."""
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import equinox as eqx
 import jax
@@ -18,7 +18,6 @@ from .._helpers.checks import describe
 from .._helpers.constrain import layers_may_be_sharded
 from .._scan.engine import run
 from .._scan.layer_call import LayerCall, Method, run_one, take
-from .._scan.options import ScanOptions
 from .._scan.scan_remat import name_inputs
 from .._scan.taps import call_of, covering, tapping
 from .early_exit import check_layers_method, checked_call
@@ -76,7 +75,7 @@ def _scan_indices(
     its layer from the whole model (no copy; gradients scatter back to it), and
     knows its layer number."""
     check_layers_method(model, call.method)
-    options: ScanOptions = model.options
+    options = model.options
     name = lambda x: name_inputs(x, options.scan_remat)  # noqa: E731
     c_static = eqx.filter(x, eqx.is_array, inverse=True)
     groups = model.groups if isinstance(model, Chain) else (model,)
@@ -90,11 +89,9 @@ def _scan_indices(
         body = f"The stacked layer {cls} (one body for the chosen layers)"
         step_name = f"Chosen layer {{}} ({cls})"
 
-        def stack_layer(i: Int[Array, ""], c: PyTree, /) -> PyTree:
-            layer, one = name(layer_of(model, i)), name(call.at(i))
-            return run_one(layer, call, one, c, f"the stacked layer {cls}")[0]
-
-        layer: Callable[[Int[Array, ""], PyTree], PyTree] = stack_layer
+        def layer(i: Int[Array, ""], c: PyTree, /) -> PyTree:
+            weights, one = name(layer_of(model, i)), name(call.at(i))
+            return run_one(weights, call, one, c, f"the stacked layer {cls}")[0]
     else:
         layer = chain_layer_fn(
             model.groups, model.layout, call, name, c_static, _TRACED_HINT

@@ -19,7 +19,7 @@ import jax.tree_util as jtu
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, PyTree
 
-from .._helpers.checks import describe, docs
+from .._helpers.checks import describe, docs, first_difference
 from .._helpers.stateful import find_arg, get_arg
 from .layer_io import Index, index
 from .scan_remat import BUFFER_READ
@@ -54,8 +54,6 @@ def per_layer(tree: PyTree) -> PerLayer:
     return PerLayer(tree)
 
 
-#: How a layer reads its slice: `"view"` straight from the stacked buffer,
-#: `"copy"` through one contiguous copy per step, `"auto"` as the backend suits.
 Reads = Literal["auto", "view", "copy"]
 
 
@@ -182,31 +180,20 @@ def buffer(tree: PyTree, *, reads: Reads = "auto") -> Buffer:
             f"eqxscan.buffer got reads={reads!r}; expected 'auto', 'view' or 'copy'."
             "\nHint: 'auto' reads a copy on CPU and the stacked buffer elsewhere."
         )
-    _warn_of_tpu_layout(tree)
+    # XLA:TPU tiles the two minor axes by (8, 128); another last axis gets another
+    # layout, and a scanned step copies the whole buffer to row-major and back
+    # (on a v5e: 1541 MiB of temp, 3x the loop's step for 4 heads of 64).
+    wide = [a for a in jtu.tree_leaves(tree) if a.ndim >= 3 and a.shape[-1] % 128]
+    if wide and jax.default_backend() == "tpu":
+        warnings.warn(
+            f"eqxscan.buffer: a leaf of shape {list(wide[0].shape)} has a last axis "
+            "that is not a multiple of 128; on a TPU a scanned step copies such a "
+            "buffer whole, in and out of the loop.\nHint: store a cache "
+            "[.., T, H, E] as [.., T, H * E] and reshape the slice in the layer "
+            f"({docs('decoding.md#on-a-tpu')}).",
+            stacklevel=2,
+        )
     return Buffer(tree, (), reads)
-
-
-# XLA:TPU tiles an array's two minor axes by (8, 128); a last axis not a
-# multiple of 128 gets another layout (`[L, T, H, 64]`: `T` minor), and a
-# scanned step copies the whole buffer to row-major and back (on a v5e: 1541
-# MiB of temp, 3x the loop's step for 4 heads of 64; none with heads merged).
-_TPU_LANES = 128
-
-
-def _warn_of_tpu_layout(tree: PyTree) -> None:
-    if jax.default_backend() != "tpu":
-        return
-    for a in jtu.tree_leaves(tree):
-        if a.ndim >= 3 and a.shape[-1] % _TPU_LANES:
-            warnings.warn(
-                f"eqxscan.buffer: a leaf of shape {list(a.shape)} has a last axis "
-                f"that is not a multiple of {_TPU_LANES}; on a TPU a scanned step "
-                "copies such a buffer whole, in and out of the loop.\nHint: store "
-                "a cache [.., T, H, E] as [.., T, H * E] and reshape the slice in "
-                f"the layer ({docs('decoding.md#on-a-tpu')}).",
-                stacklevel=3,
-            )
-            return
 
 
 def _marked(tree: PyTree, kinds: tuple[type, ...]) -> str | None:
@@ -260,7 +247,6 @@ def check_keeps_writes(who: str, drops: bool) -> None:
     """Raise if layers called with a buffer may be dropped (`drops`: drop-path or
     LayerDrop on): a dropped layer would skip its write to the buffer."""
     if drops:
-        who = who[0].upper() + who[1:]  # "layer 2 (Block)" starts the sentence
         raise TypeError(
             f"{who} is called with an eqxscan.buffer and with drop_path or "
             "layer_drop, which would skip a dropped layer's write to the buffer."
@@ -295,16 +281,14 @@ def _read(a: Array, prefix: tuple[Index, ...], reads: Reads) -> Array:
     # result keeps a dynamic slice from being fused into its readers: XLA does
     # not know the predicate (the index is never negative), so the slice is
     # copied once, contiguously, and the zeros branch never runs.
-    static = all(isinstance(i, int) for i in prefix)
     if reads == "auto":
         reads = "copy" if jax.default_backend() == "cpu" else "view"
-    if reads == "view" or static:
+    if reads == "view" or all(isinstance(i, int) for i in prefix):
         return index(a, prefix)
-    shape = a.shape[len(prefix) :]
     return jax.lax.cond(
         jnp.asarray(prefix[-1]) >= 0,
         lambda a: index(a, prefix),
-        lambda a: jnp.zeros(shape, a.dtype),
+        lambda a: jnp.zeros(a.shape[len(prefix) :], a.dtype),
         a,
     )
 
@@ -335,7 +319,15 @@ def call_writing(
 
     def flat(*ls: Array) -> tuple[tuple[Array, ...], PyTree]:
         out, new = fn(jtu.tree_unflatten(treedef, ls))
-        _check_same(old, new, who)
+        diff = first_difference(old, new)  # laid out as the slice it received
+        if diff is not None and jtu.tree_leaves((old, new)):
+            path, a, b = diff
+            raise TypeError(
+                f"{who} returned a buffer of another structure, shape or dtype: "
+                f"`buffer{path}` is {b}, but it received {a}.\nHint: a layer's "
+                "buffer keeps its shape and dtype, laid out as it came (cast "
+                "before writing)."
+            )
         return tuple(jtu.tree_leaves(new)), out
 
     closed, out_dyn, out_static = eqx.filter_make_jaxpr(flat)(*leaves)
@@ -343,15 +335,18 @@ def call_writing(
     made = {v: e for e in jaxpr.eqns for v in e.outvars}
     rows_of: dict[int, int] = {}  # id of a row-writing equation -> its leaf
     whole_of: dict[jcore.Var, list[int]] = {}  # a new slice made here -> its leaves
+    rest: list[int] = []  # slices no equation made (an input, a constant): whole
     for k, var in enumerate(jaxpr.outvars[: len(leaves)]):
         eqn = made.get(var) if isinstance(var, jcore.Var) else None
-        if (
-            eqn is not None
-            and eqn.primitive is jax.lax.dynamic_update_slice_p
+        if eqn is None:
+            if var is not jaxpr.invars[k]:  # else returned unchanged
+                rest.append(k)
+        elif (
+            eqn.primitive is jax.lax.dynamic_update_slice_p
             and eqn.invars[0] is jaxpr.invars[k]
         ):
             rows_of[id(eqn)] = k
-        elif eqn is not None:
+        else:
             whole_of.setdefault(var, []).append(k)
     stacked = jtu.tree_leaves(view.tree)
     env = dict(zip(jaxpr.constvars + jaxpr.invars, closed.consts + leaves))
@@ -374,12 +369,8 @@ def call_writing(
             if v in whole_of:
                 env[v] = _read(stacked[whole_of[v][0]], view.prefix, view.reads)
     results = [value(v) for v in jaxpr.outvars]
-    written = set(rows_of.values()) | {k for ks in whole_of.values() for k in ks}
-    for k, (var, new) in enumerate(zip(jaxpr.outvars, results[: len(leaves)])):
-        if k in written or var is jaxpr.invars[k]:
-            continue  # written above, or returned unchanged
-        # A slice no equation made (another input, a constant): written whole.
-        stacked[k] = _write(stacked[k], view.prefix, new)  # pyright: ignore[reportArgumentType]  # an array
+    for k in rest:
+        stacked[k] = _write(stacked[k], view.prefix, results[k])  # pyright: ignore[reportArgumentType]  # an array
     # What is left are `out`'s arrays: put them back in the whole output.
     full = [None] * len(leaves) + results[len(leaves) :]
     _, out = eqx.combine(
@@ -396,22 +387,3 @@ def _bind(eqn: jcore.JaxprEqn, args: list[object]) -> list[object]:
     with eqn.ctx.manager:
         out = eqn.primitive.bind(*subfuns, *args, **params)
     return out if eqn.primitive.multiple_results else [out]
-
-
-def _check_same(old: PyTree, new: PyTree, who: str) -> None:
-    # A layer's new slice must be laid out as the one it received.
-    old_leaves, old_def = jtu.tree_flatten_with_path(old)
-    new_leaves, new_def = jtu.tree_flatten(new)
-    if old_def != new_def and (old_leaves or new_leaves):
-        raise TypeError(
-            f"{who} returned a buffer of another structure: it received "
-            f"{old_def} and returned {new_def}.\nHint: return "
-            "(x, buffer) with the buffer laid out as the layer received it."
-        )
-    for (path, a), b in zip(old_leaves, new_leaves):
-        if not eqx.is_array(b) or a.shape != b.shape or a.dtype != b.dtype:
-            raise TypeError(
-                f"{who} returned buffer leaf `buffer{jtu.keystr(path)}` as "
-                f"{describe(b)}, but received it as {describe(a)}.\nHint: a "
-                "layer's buffer keeps its shape and dtype (cast before writing)."
-            )

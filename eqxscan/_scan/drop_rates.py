@@ -35,10 +35,6 @@ class LinearRates(eqx.Module):
 
     max_rate: float = eqx.field(static=True)
 
-    def rates(self, num_layers: int) -> tuple[float, ...]:
-        """The `num_layers` rates: `max_rate * i / (L - 1)` (`0.0` for `L = 1`)."""
-        return tuple(np.linspace(0.0, self.max_rate, num_layers).tolist())
-
 
 Rates: TypeAlias = float | Sequence[float] | Array | np.ndarray | LinearRates
 """A per-layer drop rate: one number for every layer, one number per layer
@@ -92,8 +88,8 @@ def check_rate(value: object, name: str) -> float:
 
 def resolve_rates(rates: object, num_layers: int, name: str) -> tuple[float, ...]:
     """`rates` (a [`eqxscan.Rates`][] value) as one checked float per layer."""
-    if isinstance(rates, LinearRates):
-        return rates.rates(num_layers)
+    if isinstance(rates, LinearRates):  # `max_rate * i / (L - 1)`, 0.0 for L = 1
+        return tuple(np.linspace(0.0, rates.max_rate, num_layers).tolist())
     array = isinstance(rates, (jax.Array, np.ndarray))
     # One rate (`check_rate` refuses a traced one: rates are static).
     if isinstance(rates, (numbers.Real, np.bool_, jax.core.Tracer)) or (
@@ -203,12 +199,7 @@ class DropRates(eqx.Module):
     @property
     def active(self) -> bool:
         """Whether a call drops anything: training, and some rate above zero."""
-        return not self.inference and (any(self.drop_path) or any(self.layer_drop))
-
-    @property
-    def uses(self) -> tuple[bool, bool]:
-        """Whether any layer has a drop-path rate, and a LayerDrop rate, above 0."""
-        return any(self.drop_path), any(self.layer_drop)
+        return not self.inference and any(self.drop_path + self.layer_drop)
 
     def sliced(self, index: slice) -> "DropRates":
         """The rates of the layers `range(L)[index]` (for `stack[i:j]`), in this
@@ -221,11 +212,10 @@ class DropRates(eqx.Module):
         """The drops of a call with `key`, each with leading axis `L`: what each
         layer gets as its `drop`, a part no layer uses `None`."""
         keys = jax.random.split(jax.random.fold_in(key, DROP_STREAM), self.num_layers)
-        uses_path, uses_layer = self.uses
-        path_rate = jnp.asarray(self.drop_path, jnp.float32) if uses_path else None
-        runs = layer_rate = None
-        if uses_layer:
-            layer_rate = jnp.asarray(self.layer_drop, jnp.float32)
+        rates = lambda r: jnp.asarray(r, jnp.float32) if any(r) else None  # noqa: E731
+        path_rate, layer_rate = rates(self.drop_path), rates(self.layer_drop)
+        runs = None
+        if layer_rate is not None:
             runs = jax.vmap(lambda k, q: keep_bits(k, q, 0, None))(keys, layer_rate)
         static = (self.drop_path, self.layer_drop)
         return DropInputs(runs, layer_rate, path_rate, keys, static_rates=static)
@@ -238,7 +228,7 @@ def new_drop_rates(
     is above zero, so that a module that never drops holds no `inference` flag
     (a Python bool leaf, which `jax.grad` would refuse) and runs as before."""
     drop = DropRates(num_layers, drop_path, layer_drop)
-    return drop if any(drop.uses) else None
+    return drop if any(drop.drop_path + drop.layer_drop) else None
 
 
 def rates_of(drop: DropRates | None) -> tuple[Rates, Rates]:

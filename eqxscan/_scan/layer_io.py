@@ -3,6 +3,8 @@ layer `i`: the one definition of each, re-exported by the layer-call seam, below
 it because the features the seam imports (taps, buffers, skipping) cut trees at
 a layer too. No other module slices or updates a stack at a layer itself."""
 
+from collections.abc import Callable
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -16,65 +18,40 @@ Index = int | Int[Array, ""]
 
 
 Indices = slice | np.ndarray | Array
-"""Several layers, in order: a slice, or an index array (NumPy, or JAX traced or
-not)."""
+"""Several layers, in order: a slice or an index array (NumPy or JAX, traced or not)."""
 
 
 def index(tree: PyTree, i: Index | tuple[Index, ...], axis: int = 0) -> PyTree:
-    """Slice `i` of every array leaf of `tree` along `axis` (non-array leaves
-    unchanged): static for an int, a `dynamic_index_in_dim` (one program for
-    every `i`) for an array; a tuple (a buffer view's prefix, a nested stack's
-    layer) cuts the leading axes one after the other, in one static slice if
-    all its indices are ints."""
-    static = isinstance(i, int) or (
-        isinstance(i, tuple) and all(isinstance(j, int) for j in i)
-    )
-    if static:
-        cut = (slice(None),) * axis + (i if isinstance(i, tuple) else (i,))
-        return jtu.tree_map(lambda a: a[cut] if eqx.is_array(a) else a, tree)
-    if isinstance(i, tuple):
+    """Slice `i` of every array leaf along `axis` (other leaves unchanged): static
+    for ints, else one program for every `i`; a tuple (a buffer view's prefix)
+    cuts the leading axes in turn."""
+    if isinstance(i, tuple) and not all(isinstance(j, int) for j in i):
         for j in i:
             tree = index(tree, j, axis)
         return tree
-    return jtu.tree_map(
-        lambda a: (
-            jax.lax.dynamic_index_in_dim(a, i, axis, keepdims=False)
-            if eqx.is_array(a)
-            else a
-        ),
-        tree,
-    )
+    if isinstance(i, (int, tuple)):
+        cut = (slice(None),) * axis + (i if isinstance(i, tuple) else (i,))
+        return _arrays(lambda a: a[cut], tree)
+    return _arrays(lambda a: jax.lax.dynamic_index_in_dim(a, i, axis, False), tree)
 
 
 def take(tree: PyTree, idx: Indices) -> PyTree:
     """The layers `idx` (a slice or an index array) of every array leaf, in that
     order, on the leading axis (non-array leaves unchanged)."""
-    return jtu.tree_map(lambda a: a[idx] if eqx.is_array(a) else a, tree)
+    return _arrays(lambda a: a[idx], tree)
+
+
+def _arrays(fn: Callable[[Array], Array], tree: PyTree) -> PyTree:
+    return jtu.tree_map(lambda a: fn(a) if eqx.is_array(a) else a, tree)
 
 
 def write(
     tree: PyTree, i: Index, value: PyTree, *, axis: int = 0, add: bool = False
 ) -> PyTree:
-    """`tree` with slice `i` along `axis` of every array leaf replaced by (or,
-    with `add`, increased by) the matching leaf of `value`.
-
-    **Arguments:**
-
-    - `tree`: the stacked tree; its non-array leaves are kept as they are.
-    - `i`: the layer: a Python int (a static update) or an integer scalar array
-      (a `dynamic_update_index_in_dim`: one program for every `i`).
-    - `value`: a tree of `tree`'s structure, each array leaf of one slice's
-      shape (its leaf at a non-array leaf of `tree` is ignored).
-    - `axis`: the layer axis.
-    - `add`: add `value` to the slice instead of replacing it, in place (a
-      scatter-add: no copy of the slice). A floating leaf narrower than 32 bits
-      (bfloat16) adds in float32 instead, the exact sum rounded once to its
-      dtype rather than a rounded `value` added with a second rounding.
-
-    **Returns:**
-
-    `tree` with every array leaf of its dtype, slice `i` written.
-    """
+    """`tree` with slice `i` along `axis` of every array leaf replaced by (with
+    `add`, increased in place by) the leaf of `value`, cast to the leaf's dtype.
+    A floating leaf narrower than 32 bits adds in float32: the exact sum rounded
+    once, not a rounded `value` added with a second rounding."""
     cut = (slice(None),) * axis + (i,)
 
     def one(a: object, v: object) -> object:

@@ -9,11 +9,7 @@ from jaxtyping import Array, Float, PyTree
 
 
 def _per_leaf(fn, tree: PyTree) -> PyTree[Float[Array, ""]]:
-    return jtu.tree_map(
-        lambda a: fn(a) if eqx.is_inexact_array(a) else None,
-        tree,
-        is_leaf=lambda a: a is None,
-    )
+    return jtu.tree_map(lambda a: fn(a) if eqx.is_inexact_array(a) else None, tree)
 
 
 def rms(tree: PyTree) -> PyTree[Float[Array, ""]]:

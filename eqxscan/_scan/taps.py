@@ -383,8 +383,7 @@ def tap_calls(
     state = Tapping(stat, with_input, probe, emitted, [outside], records, trace_state())
     with changed_call_state(tapping=state, scope=records, call=outside, depth=0):
         out = model(*args, **kwargs)
-    calls = [(c, [r for r in records if r[2] is c]) for c in state.calls]
-    calls = [(c, rs) for c, rs in calls if rs]
+    calls = [(c, rs) for c in state.calls if (rs := [r for r in records if r[2] is c])]
     for p in (probe, emitted):
         if p is not None:
             _check_rows(p, [(c, rs) for c, rs in calls if not c.depth], model)
