@@ -115,7 +115,7 @@ def main():
         ratio = ms[picked] / best[0]
         worst = max(worst, ratio)
         cells = "  ".join(
-            f"{n} {t:.2f}" + ("" if temp[n] is None else f" ({temp[n] / 2**20:.1f})")
+            f"{n} {t:.3f}" + ("" if temp[n] is None else f" ({temp[n] / 2**20:.1f})")
             for n, t in ms.items()
         )
         print(
