@@ -34,8 +34,8 @@ from .recurrent_inputs import (
     check_names,
     Controls,
     controls,
-    kept_inputs,
     RecurrentArgs,
+    stand_in,
     time_layout,
     time_major,
     where as _where,
@@ -237,8 +237,8 @@ class Recurrent(Scanning):
         name = type(self.cell).__name__
         where_all = f"The cell {name} (one body for all {run_.length} time steps)"
         masked = where_all if self.mode == "scan" else f"The cell {name}"
-        step = _time_step(self.cell, call, one_step, xs_static, run_, key, masked)
-        xs_dyn = kept_inputs(xs_dyn, run_.mask)
+        xs_in = (xs_static, stand_in(xs_dyn, run_.mask))
+        step = _time_step(self.cell, call, one_step, xs_in, run_, key, masked)
         inputs = (xs_dyn, run_.mask, _block_starts(run_, self.reverse), per_step)
         if run_.length == 0:
             h_T, hs = h0, _no_steps(step, h0, inputs, where_all)
@@ -276,18 +276,24 @@ def _time_step(
     cell: Callable[..., PyTree],
     call: LayerCall,
     one_step: Callable[[PyTree], OneLayer],
-    xs_static: PyTree,
+    xs_in: tuple[PyTree, PyTree | None],
     controls: Controls,
     key: PRNGKeyArray | None,
     where: str,
 ) -> Callable[[PyTree, tuple], tuple[PyTree, PyTree]]:
     """The engine's step `(h, (x_t, mask_t, block_start_t, per_t)) -> (h, y)`:
     truncation and masking around the cell, run through the layer-call seam.
-    `where` names the cell in a masked step's carry error. `y` is the new
-    carry, or a matrix state's read-out (which is not stacked)."""
+    `xs_in` is `(xs_static, stand_in(...))`, the stand-in selected per step
+    (not before the scan, which would copy `xs`). `where` names the cell in a
+    masked step's carry error. `y` is the new carry, or a matrix state's
+    read-out (which is not stacked)."""
+
+    xs_static, stand = xs_in
 
     def step(h: PyTree, inputs: tuple) -> tuple[PyTree, PyTree]:
         x_dyn, m, cut, per = inputs
+        if m is not None and stand is not None:
+            x_dyn = _where(m, x_dyn, stand)  # the "double where"
         if cut is not None:  # a new block: let values through, not gradients
             h_dyn, h_static = eqx.partition(h, eqx.is_array)
             h = _where(cut, eqx.combine(jax.lax.stop_gradient(h_dyn), h_static), h)

@@ -255,15 +255,24 @@ def block_starts(controls: Controls, reverse: bool) -> Bool[Array, " T"] | None:
     return cut if mask is None else cut & mask
 
 
-def kept_inputs(xs_dyn: PyTree, mask: Bool[Array, " T"] | None) -> PyTree:
-    """`xs_dyn` (time on axis 0) with each step `mask` skips given the first
-    kept step's input (zeros if none), gradient stopped. The cell still runs
-    there, and reverse mode multiplies its zero cotangent by its derivatives:
-    finite on real inputs, not always on padding (NaN) or zeros (`log`,
-    `x / |x|`), and 0 * inf is NaN."""
+def stand_in(xs_dyn: PyTree, mask: Bool[Array, " T"] | None) -> PyTree | None:
+    """The input the cell sees on a step `mask` skips: the first kept step's
+    (zeros if none), gradient stopped. The cell still runs there, and reverse
+    mode multiplies its zero cotangent by its derivatives: finite on real
+    inputs, not always on padding (NaN) or zeros (`log`, `x / |x|`), and
+    0 * inf is NaN. `None` without a mask, or when no step runs."""
     if mask is None or mask.shape[0] == 0:
-        return xs_dyn
+        return None
     first, any_kept = jnp.argmax(mask), jnp.any(mask)
     pick = lambda x: jnp.where(any_kept, x, jnp.zeros_like(x))
-    stand = jtu.tree_map(lambda a: jax.lax.stop_gradient(pick(a[first])), xs_dyn)
+    return jtu.tree_map(lambda a: jax.lax.stop_gradient(pick(a[first])), xs_dyn)
+
+
+def kept_inputs(xs_dyn: PyTree, mask: Bool[Array, " T"] | None) -> PyTree:
+    """`xs_dyn` (time on axis 0) with each skipped step's input replaced by
+    `stand_in`'s, for the parallel forms, which take every step at once (the
+    engine selects per step instead, so as not to copy `xs`)."""
+    stand = stand_in(xs_dyn, mask)
+    if stand is None or mask is None:  # (`stand` is None without a mask)
+        return xs_dyn
     return jax.vmap(where, in_axes=(0, 0, None))(mask, xs_dyn, stand)
