@@ -83,6 +83,7 @@ from ._scan.options import (
     Remat as Remat,
     Scanning as Scanning,
 )
+from ._scan.scan_remat import matmul_policy as matmul_policy
 from ._scan.setting_names import (
     parse_bytes as parse_bytes,
     remat_label as remat_label,

@@ -33,7 +33,7 @@ def cost(**changes):
     return eqxscan.remat.StepCost(**{**base, **changes})
 
 
-POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+POLICY = eqxscan.remat.matmul_policy
 T = _auto.THRESHOLDS
 
 
@@ -688,3 +688,29 @@ def test_a_quantized_stack_counts_its_integer_weight_bytes():
     (choice,) = eqxscan.explain_auto(q, x)
     # Two int8 [256, 1024] values, and the layer number as before.
     assert choice.cost.xs_integer_bytes == 2 * 256 * 1024 + plain.cost.xs_integer_bytes
+
+
+def test_auto_policy_saves_products_in_their_readers_layout():
+    # `eqx.nn.Linear` under `vmap` is `W @ x` then a transpose moving the batch
+    # axes to the front: the policy keeps that transpose (not the product in
+    # the other layout, nor the 2-D transpose of a weight), and recomputes the
+    # elementwise rest.
+    lin = eqx.nn.Linear(8, 16, key=jr.key(0))
+    w = jnp.ones((16, 8))
+
+    def f(x, w):
+        return jnp.sin(jax.vmap(jax.vmap(lin))(x)).sum() + jnp.cos(w.T @ w).sum()
+
+    from jax._src.ad_checkpoint import saved_residuals
+
+    x = jnp.ones((2, 3, 8))
+    saved = saved_residuals(jax.checkpoint(f, policy=POLICY), x, w)
+    kept = sorted(
+        (aval.shape, why.split(" from")[0])
+        for aval, why in saved
+        if "argument" not in why and "constant" not in why
+    )
+    assert kept == [
+        ((2, 3, 16), "output of transpose"),
+        ((8, 8), "output of dot_general"),
+    ]

@@ -25,15 +25,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from eqxscan import ElmanCell, explain_auto, Recurrent, StackedMLP
-from eqxscan.remat import THRESHOLDS, time_interleaved
+from eqxscan.remat import matmul_policy, THRESHOLDS, time_interleaved
 
 from ._machine import describe_machine, load_average
-from ._measure import AUTO_POLICY, setting_label
+from ._measure import setting_label
 
 
 #: Explicit settings the default is compared with: `(remat, unroll)`.
 EXPLICIT: tuple[tuple[Any, int], ...] = tuple(
-    (c, u) for c in (False, AUTO_POLICY, True) for u in (1, 2)
+    (c, u) for c in (False, matmul_policy, True) for u in (1, 2)
 )
 #: The grid: MLPs `(D, L)` and recurrent cells `(cell, H, T)`.
 MLP_POINTS = [(d, n) for d in (32, 64, 128, 256) for n in (4, 8, 16, 64)] + [(1024, 4)]

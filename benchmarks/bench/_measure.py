@@ -22,15 +22,13 @@ import numpy as np
 from jaxtyping import Array
 
 from eqxscan import explain_auto, StackedMLP
-from eqxscan.remat import time_interleaved
+from eqxscan.remat import matmul_policy, time_interleaved
 
 from ._impls import Built, Impl, IMPLS, LOOP, MismatchError, rel_err, TOLERANCES
 from ._transformer import IMPLS as TRANSFORMER_IMPLS, transformer_problem
 from ._values import Normals
 
 
-#: What remat="auto" calls the matmul-saving policy.
-AUTO_POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 WARMUP = 1
 #: `problem(num_layers, dim, batch, seq, dtype) -> (model, x, y)`.
@@ -306,7 +304,7 @@ def setting_label(remat: Any, unroll: int | bool) -> str:
     policy), else the option's repr; `full` when unrolled fully."""
     if remat is False or remat is True:
         name = "remat" if remat else "save-all"
-    elif remat is AUTO_POLICY:
+    elif remat is matmul_policy:
         name = "dots"
     else:
         name = getattr(remat, "__name__", repr(remat))

@@ -21,7 +21,7 @@ from jaxtyping import PyTree
 from .._helpers.checks import is_array
 from .call_state import call_state, changed_call_state
 from .options import Remat
-from .scan_remat import as_scan_remat, AUTO_POLICY, Policy, ScanRemat, Traced
+from .scan_remat import as_scan_remat, matmul_policy, Policy, ScanRemat, Traced
 from .setting_names import remat_label, size_label
 
 
@@ -313,7 +313,7 @@ def decide(
     if remat == "auto":
         c_rule = "unrolled" if steps is True else remat_rule(cost, platform, t)
         full = c_rule in ("small-step", "large-matmuls")
-        remat = AUTO_POLICY if c_rule == "policy" else full
+        remat = matmul_policy if c_rule == "policy" else full
     rule = AutoRule(u_rule, c_rule, platform, over, t)
     return AutoChoice(remat, steps, rule, cost, where)
 
@@ -427,7 +427,7 @@ def measure_traced(
         flops=batch * _flops(jaxpr.jaxpr),
         carry_bytes=batch * sum(map(_nbytes, carry)),
         saved_bytes=batch * _saved_bytes(jaxpr, n_carry, None),
-        policy_saved_bytes=batch * _saved_bytes(jaxpr, n_carry, AUTO_POLICY),
+        policy_saved_bytes=batch * _saved_bytes(jaxpr, n_carry, matmul_policy),
         carry_arrays=n_carry,
         xs_bytes=batch * sum(map(_nbytes, xs)),
         xs_integer_bytes=batch * sum(map(_nbytes, ints)),

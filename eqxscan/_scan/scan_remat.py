@@ -31,13 +31,31 @@ BLOCK_CARRY = "eqxscan.block_carry"
 #: buffer that travels in the carry.
 BUFFER_READ = "eqxscan.buffer_read"
 
-#: The matmul-saving policy: save the weight products, recompute the elementwise
-#: work. One of `remat="auto"`'s choices (`auto.py`), and what `"auto"` means as
-#: the `policy` of a `ScanRemat` that names or nests.
-AUTO_POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 
-#: What `remat="offload"` means: the values `AUTO_POLICY` keeps, in pinned host
-#: memory (on CPU, where both are one, the program matches `AUTO_POLICY`'s).
+_DOTS = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+
+
+def matmul_policy(prim: object, *avals: jax.core.ShapedArray, **params: object) -> bool:
+    """The matmul-saving policy: save the weight products, recompute the
+    elementwise work. One of `remat="auto"`'s choices, and what `"auto"` means
+    as the `policy` of a `ScanRemat` that names or nests.
+
+    It is `jax.checkpoint_policies.dots_with_no_batch_dims_saveable` that also
+    saves transposes of arrays of 3 or more axes: `eqx.nn.Linear` under
+    `jax.vmap` computes `W @ x` and then moves the batch axes to the front, and
+    saving that transpose keeps the product in the layout its backward readers
+    want (on a TPU v5e, a Transformer of 16 layers: 328 against 363 ms a step,
+    no per-layer relayout copies). 2-D transposes are not saved: they transpose
+    weights, which each step already has.
+    """
+    if prim is jax.lax.transpose_p:
+        return avals[0].ndim >= 3
+    return _DOTS(prim, *avals, **params)
+
+
+#: What `remat="offload"` means: the matmul outputs `matmul_policy` keeps (not
+#: their transposes), in pinned host memory (on CPU, where both are one, the
+#: program matches that of the matmul outputs saved).
 OFFLOAD_POLICY = jax.checkpoint_policies.offload_dot_with_no_batch_dims(
     "device", "pinned_host"
 )
@@ -191,7 +209,7 @@ class ScanRemat:
             return SAVE_BUFFER_READS
         if self.policy is False:
             return jax.checkpoint_policies.everything_saveable
-        policy = AUTO_POLICY if isinstance(self.policy, str) else self.policy
+        policy = matmul_policy if isinstance(self.policy, str) else self.policy
         return _by_name((BUFFER_READ,), lambda *a, **p: True, policy)
 
     def levels(self, length: int) -> tuple[int, ...] | None:

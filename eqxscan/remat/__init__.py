@@ -1,11 +1,12 @@
 """Rematerialisation beyond the `remat=` option: what `remat="auto"` chose and
 why ([`eqxscan.explain_auto`][] returns these `AutoChoice`s, judged by these
-`THRESHOLDS`), the fastest setting that fits a memory budget (`fit_remat`,
-`remat_table`), one setting on every scan (`with_remat`), and the timing they
-use (`time_interleaved`)."""
+`THRESHOLDS`; `matmul_policy` is its matmul-saving policy), the fastest setting
+that fits a memory budget (`fit_remat`, `remat_table`), one setting on every
+scan (`with_remat`), and the timing they use (`time_interleaved`)."""
 
 from .._internal import (
     AutoChoice as AutoChoice,
+    matmul_policy as matmul_policy,
     StepCost as StepCost,
     THRESHOLDS as THRESHOLDS,
     Thresholds as Thresholds,
