@@ -197,6 +197,13 @@ def test_tap_errors(getkey):
     with pytest.raises(TypeError, match="model must be callable, got ArrayImpl"):
         # The arguments in the wrong order.
         eqxscan.tap(jnp.ones(2), rms)  # pyright: ignore[reportArgumentType]
+    with (
+        untyped(),
+        pytest.raises(
+            TypeError, match=r"stat must be a function, got 'rms'.\nHint: .*stats.rms"
+        ),
+    ):
+        eqxscan.tap(stack, "rms")  # pyright: ignore[reportArgumentType]
 
 
 # --- gradient taps ----------------------------------------------------------

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from .._helpers.checks import check_option, check_size, describe
+from .._helpers.checks import check_bool, check_option, check_size, describe
 
 
 Method = Literal["sequential", "chunked"]
@@ -100,7 +100,7 @@ def matrix_scan(
     """
     _check(a, k, v, q, s0)
     check_option("method", method, ("sequential", "chunked"))
-    check_option("reverse", reverse, (False, True))
+    reverse = check_bool("reverse", reverse)
     chunk_size = check_size("chunk_size", chunk_size)
     return _run(a, k, v, q, s0, method, chunk_size, reverse)
 

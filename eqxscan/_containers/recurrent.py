@@ -10,9 +10,9 @@ import jax.tree_util as jtu
 from jaxtyping import Array, Bool, PRNGKeyArray, PyTree
 
 from .._helpers.checks import (
+    check_bool,
     check_callable,
     check_carry,
-    check_option,
     check_takes_key,
     describe,
     docs,
@@ -20,7 +20,7 @@ from .._helpers.checks import (
 )
 from .._helpers.stateful import clone
 from .._scan.buffers import refuse_buffer
-from .._scan.call_state import step_index_or_none
+from .._scan.call_state import call_state
 from .._scan.eager_compile import compiled_when_eager
 from .._scan.engine import run
 from .._scan.layer_call import LayerCall, OneLayer, run_one
@@ -134,7 +134,7 @@ class Recurrent(Scanning):
                 f"Recurrent needs a cell, got the class {cell.__name__} itself: "
                 f"create the cell first (`cell = {cell.__name__}(...)`) and pass that."
             )
-        check_option("reverse", reverse, (False, True))
+        reverse = check_bool("reverse", reverse)
         self.chunk_size = check_method(cell, method, chunk_size)
         self.cell = cell
         self.reverse = reverse
@@ -302,7 +302,7 @@ def _time_step(
         one = one._replace(
             args=(x, *one.args),  # named by the engine
             key=key if controls.broadcast_key else one.key,
-            number=step_index_or_none(),
+            number=call_state().step,
         )
         this = call if m is None else call._replace(method=_cell_step(m, where))
         new, _ = run_one(cell, this, one, h, f"The cell {type(cell).__name__}")

@@ -12,7 +12,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, PyTree
 
-from .._helpers.checks import check_option, check_size, describe, docs, is_array
+from .._helpers.checks import check_bool, check_size, describe, docs, is_array
 
 
 class RecurrentArgs(TypedDict, total=False):
@@ -80,11 +80,11 @@ def controls(who: str, xs: PyTree, options: Mapping[str, object]) -> Controls:
         )
     length = _time_length(xs, options.get("length"), time_axis)
     broadcast_key = options.get("broadcast_key", False)
-    check_option("broadcast_key", broadcast_key, (False, True))
+    broadcast_key = check_bool("broadcast_key", broadcast_key)
     mask, truncate = options.get("mask"), options.get("truncate")
     mask = None if mask is None else _check_mask(mask, length)
     truncate = None if truncate is None else check_size("truncate", truncate)
-    return Controls(length, time_axis, mask, truncate, bool(broadcast_key))
+    return Controls(length, time_axis, mask, truncate, broadcast_key)
 
 
 def check_cell_kwargs(cell_kwargs: Mapping[str, PyTree] | None) -> dict[str, PyTree]:

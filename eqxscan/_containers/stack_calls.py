@@ -26,7 +26,7 @@ from .._scan.buffers import (
     refuse_buffer,
     view_of,
 )
-from .._scan.call_state import step_index_or_none
+from .._scan.call_state import call_state
 from .._scan.drop_rates import check_droppable, DropRates
 from .._scan.engine import run, stacked
 from .._scan.layer_call import (
@@ -118,7 +118,7 @@ def scan_layers(stack: Stack, x: PyTree, call: LayerCall) -> tuple[PyTree, PyTre
     def step(carry: PyTree, xs: tuple[PyTree, PyTree, PyTree]) -> tuple[PyTree, PyTree]:
         dyn, per, i = xs
         layer = eqx.combine(dyn, layer_static)
-        inputs = one(per)._replace(number=call.number_of(step_index_or_none()))
+        inputs = one(per)._replace(number=call.number_of(call_state().step))
         if view is not None:
             assert at is not None
             carry, tree = carry

@@ -67,16 +67,17 @@ DEBUGGING_DOCS = f"see {docs('debugging.md')}"
 def noted(fn: Callable[P, R], where: str, *args: P.args, **kwargs: P.kwargs) -> R:
     """`fn(*args, **kwargs)`, its errors noted as `noting` notes them."""
     __tracebackhide__ = True
-    with noting(where, *args):
+    with noting(where, *args[:1]):
         return fn(*args, **kwargs)
 
 
 class noting:  # noqa: N801  # used as a function, in `with`
-    """Around code run on `args` (the carry first): an exception gets one note
-    naming `where` ("Layer 3 (Block)"). A block: no frame in a traceback."""
+    """Around code run on `carry`: an exception gets one note naming `where`
+    ("Layer 3 (Block)"), and a JAX shape error a headline showing the carry. A
+    block: no frame in a traceback."""
 
-    def __init__(self, where: str, *args: object):
-        self.where, self.args = where, args
+    def __init__(self, where: str, *carry: object):
+        self.where, self.carry = where, carry  # `()` or `(carry,)`
 
     def __enter__(self) -> None:
         return None
@@ -87,8 +88,8 @@ class noting:  # noqa: N801  # used as a function, in `with`
         __tracebackhide__ = True
         if not isinstance(e, Exception):
             return False
-        where, args = self.where, self.args
-        shown = _input(args) if type(e) in (TypeError, ValueError) else ""
+        where = self.where
+        shown = _input(self.carry) if type(e) in (TypeError, ValueError) else ""
         if shown and _raised_by_jax(e):
             # JAX's shape errors ("dot_general requires ...") name no layer and
             # no input: a headline that does, the original kept as the cause.
@@ -113,12 +114,12 @@ def _raised_by_jax(e: BaseException) -> bool:
     return any(part in name for part in ("/jax/", "/jaxlib/", "/numpy/", "/equinox/"))
 
 
-def _input(args: tuple) -> str:
-    # The carry (first argument) described leaf by leaf; `""` for a module.
+def _input(carry: tuple[object, ...]) -> str:
+    # The carry, if any, described leaf by leaf; `""` for a module.
     is_module = lambda x: isinstance(x, eqx.Module)  # noqa: E731
-    if not args or any(map(is_module, jtu.tree_leaves(args[0], is_leaf=is_module))):
+    if not carry or any(map(is_module, jtu.tree_leaves(carry, is_leaf=is_module))):
         return ""
-    leaves, treedef = jtu.tree_flatten(args[0])
+    leaves, treedef = jtu.tree_flatten(carry[0])
     if treedef.num_leaves == 1 and treedef.num_nodes == 1:
         return describe(leaves[0])
     text = str(jtu.tree_unflatten(treedef, [_Shown(describe(x)) for x in leaves]))
@@ -244,7 +245,7 @@ class CarryError(TypeError):
 
     def __init__(self, where: str, what: str, step: int | None = None):
         super().__init__(f"{where} {what}")
-        self.where, self.what, self.step = where, what, step
+        self.what, self.step = what, step
 
 
 def check_carry(old: PyTree, new: PyTree, where: str, step: int | None = None) -> None:

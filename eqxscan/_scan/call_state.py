@@ -2,8 +2,9 @@
 transformations), which no argument can carry: the layer index a layer reads
 ([`eqxscan.layer_index`][]), the records of [`eqxscan.tap`][], the choices of
 `"auto"` ([`eqxscan.explain_auto`][]) and `eqxscan.optim.layerwise`'s stack. One
-frozen `CallState` in one context variable, changed only around a block; and
-`step_index_or_none`, the engine step being traced, which numbers a layer."""
+frozen `CallState` in one context variable, changed only around a block; its
+`step` is the engine step being traced (`None` outside one), which numbers a
+layer."""
 
 import contextlib
 import dataclasses
@@ -92,12 +93,6 @@ def changed_call_state(**fields: object) -> Iterator[CallState]:
         yield state
     finally:
         _STATE.reset(token)
-
-
-def step_index_or_none() -> Index | None:
-    """The index of the engine step being traced, or `None` outside one (the
-    shape-only trace of a run of length 0)."""
-    return call_state().step
 
 
 def layer_index() -> Index:

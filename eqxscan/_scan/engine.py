@@ -128,7 +128,7 @@ def run(
         c = eqx.combine(c_dyn, c_static)
         old = clone(c)  # the step may invalidate `c` (an `eqx.nn.State`)
         opened, scope = _opened(taps, i)
-        with noting(name, c, x_i), scope:
+        with noting(name, c), scope:
             new, y = step(c, inputs(x))
         y = y if taps is None else taps.close(y, *opened)
         check_carry(old, new, name)

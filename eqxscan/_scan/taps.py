@@ -344,7 +344,11 @@ def tap(
             "calling it) first, then the statistic, then the inputs."
         )
     if stat is not None and not callable(stat):
-        raise TypeError(f"eqxscan.tap: stat must be a function, got {stat!r}.")
+        raise TypeError(
+            f"eqxscan.tap: stat must be a function, got {stat!r}.\n"
+            "Hint: a function of a layer's carry, such as `eqxscan.stats.rms`, or "
+            "`None` to record nothing."
+        )
     if probe is not None and not isinstance(probe, Probe):
         raise TypeError(
             f"eqxscan.tap: probe must be an eqxscan.Probe (from eqxscan.probe), "
