@@ -183,8 +183,9 @@ def buffer(tree: PyTree, *, reads: Reads = "auto") -> Buffer:
     # XLA:TPU tiles the two minor axes by (8, 128); another last axis gets another
     # layout, and a scanned step copies the whole buffer to row-major and back
     # (on a v5e: 1541 MiB of temp, 3x the loop's step for 4 heads of 64).
-    wide = [a for a in jtu.tree_leaves(tree) if a.ndim >= 3 and a.shape[-1] % 128]
-    if wide and jax.default_backend() == "tpu":
+    leaves = jtu.tree_leaves(tree) if jax.default_backend() == "tpu" else []
+    wide = [a for a in leaves if a.ndim >= 3 and a.shape[-1] % 128]
+    if wide:
         warnings.warn(
             f"eqxscan.buffer: a leaf of shape {list(wide[0].shape)} has a last axis "
             "that is not a multiple of 128; on a TPU a scanned step copies such a "
