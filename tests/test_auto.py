@@ -693,24 +693,33 @@ def test_a_quantized_stack_counts_its_integer_weight_bytes():
 def test_auto_policy_saves_products_in_their_readers_layout():
     # `eqx.nn.Linear` under `vmap` is `W @ x` then a transpose moving the batch
     # axes to the front: the policy keeps that transpose (not the product in
-    # the other layout, nor the 2-D transpose of a weight), and recomputes the
-    # elementwise rest.
-    lin = eqx.nn.Linear(8, 16, key=jr.key(0))
-    w = jnp.ones((16, 8))
-
-    def f(x, w):
-        return jnp.sin(jax.vmap(jax.vmap(lin))(x)).sum() + jnp.cos(w.T @ w).sum()
-
+    # the other layout, nor the 2-D transpose of a weight), or the split into
+    # heads that follows it (4 axes; not a weight's 3-axis reshape), and
+    # recomputes the elementwise rest.
     from jax._src.ad_checkpoint import saved_residuals
 
-    x = jnp.ones((2, 3, 8))
-    saved = saved_residuals(jax.checkpoint(f, policy=POLICY), x, w)
-    kept = sorted(
-        (aval.shape, why.split(" from")[0])
-        for aval, why in saved
-        if "argument" not in why and "constant" not in why
-    )
-    assert kept == [
+    lin = jax.vmap(jax.vmap(eqx.nn.Linear(8, 16, key=jr.key(0))))
+    x, w = jnp.ones((2, 3, 8)), jnp.ones((16, 8))
+
+    def kept(f):
+        saved = saved_residuals(jax.checkpoint(f, policy=POLICY), x, w)
+        return sorted(
+            (aval.shape, why.split(" from")[0])
+            for aval, why in saved
+            if "argument" not in why and "constant" not in why
+        )
+
+    def products(x, w):
+        return jnp.sin(lin(x)).sum() + jnp.cos(w.T @ w).sum()
+
+    def heads(x, w):
+        return (
+            jnp.sin(lin(x).reshape(2, 3, 2, 8)).sum()
+            + jnp.cos(w.reshape(2, 8, 8)).sum()
+        )
+
+    assert kept(products) == [
         ((2, 3, 16), "output of transpose"),
         ((8, 8), "output of dot_general"),
     ]
+    assert kept(heads) == [((2, 3, 2, 8), "output of reshape")]

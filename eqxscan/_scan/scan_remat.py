@@ -41,15 +41,20 @@ def matmul_policy(prim: object, *avals: jax.core.ShapedArray, **params: object) 
     as the `policy` of a `ScanRemat` that names or nests.
 
     It is `jax.checkpoint_policies.dots_with_no_batch_dims_saveable` that also
-    saves transposes of arrays of 3 or more axes: `eqx.nn.Linear` under
-    `jax.vmap` computes `W @ x` and then moves the batch axes to the front, and
-    saving that transpose keeps the product in the layout its backward readers
-    want (on a TPU v5e, a Transformer of 16 layers: 328 against 363 ms a step,
-    no per-layer relayout copies). 2-D transposes are not saved: they transpose
+    saves what puts those products in the layout their backward readers want:
+    transposes of arrays of 3 or more axes (`eqx.nn.Linear` under `jax.vmap`
+    computes `W @ x`, then moves the batch axes to the front) and reshapes to 4
+    or more axes (attention's split into heads under a batch `vmap`). A stacked
+    residual has one layout; saved before these, each layer's was copied into
+    another in the backward pass (on a TPU v5e, a Transformer of 16 layers:
+    322 ms a step against 363, no per-layer copy but a weight's). 2-D
+    transposes and reshapes to 3 axes are not saved: those are most often of
     weights, which each step already has.
     """
     if prim is jax.lax.transpose_p:
         return avals[0].ndim >= 3
+    if prim is jax.lax.reshape_p:
+        return len(params["new_sizes"]) >= 4  # pyright: ignore[reportArgumentType]  # a tuple
     return _DOTS(prim, *avals, **params)
 
 
