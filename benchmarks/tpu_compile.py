@@ -14,7 +14,8 @@ Needs `libtpu` (no TPU): `pip install "jax[tpu]==<your jax version>"`.
 
 `--transformer` compiles `python -m benchmarks.bench --model transformer`'s train
 step (D=2048, batch 8 x seq 1024, bfloat16, L=4) scanned with the matmul-saving
-policy and as the unrolled loop, and prints every copy XLA makes outside a
+policy (`remat="auto"`'s choice on a TPU), scanned with `dots_saveable` and as
+the unrolled loop, and prints every copy XLA makes outside a
 fusion, by the loop body it runs in (once a layer) or the entry (once a step).
 """
 
@@ -29,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import eqxscan
 from benchmarks.quantized import FORMATS, model_of, STEPS
 
 
@@ -173,13 +175,19 @@ def loop_copies(hlo: str) -> dict[str, list[tuple[str, int]]]:
 
 def transformer_copies(impl: str, layers: int, target) -> tuple[int, dict]:
     """XLA's temp bytes and `loop_copies` of the bench's Transformer train step
-    (`impl`: a name of `benchmarks.bench`'s registry), compiled for `target`."""
+    (`impl`: a name of `benchmarks.bench`'s registry, or `"eqxscan-tpu"`: the
+    scan with what `remat="auto"` picks on a TPU, which this CPU host's
+    `"auto"` would not), compiled for `target`."""
     from benchmarks.bench._measure import registry
+    from benchmarks.bench._transformer import _eqxscan
 
     impls, make = registry("transformer")
     with jax.default_device(jax.devices("cpu")[0]):  # values on the host: no TPU
         module, x, y = make(layers, 2048, 8, 1024, "bfloat16")
-    built = impls[impl].build(module)
+    if impl == "eqxscan-tpu":
+        built = _eqxscan(remat=eqxscan.remat.matmul_policy, unroll=1)(module)
+    else:
+        built = impls[impl].build(module)
     place = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=target)  # noqa: E731
     params = jax.tree.map(place, built.params)
     step = jax.jit(jax.value_and_grad(built.loss))
@@ -212,7 +220,7 @@ def main() -> None:
     target = tpu_target()
     if args.transformer:
         mib = 2.0**20
-        for impl in ("eqxscan-dots", "eqxscan-loop"):
+        for impl in ("eqxscan-tpu", "eqxscan-dots", "eqxscan-loop"):
             temp, copies = transformer_copies(impl, 4, target)
             print(f"{impl}, L=4: temp {temp / mib:.1f} MiB")
             for where, found in copies.items():
