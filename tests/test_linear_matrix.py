@@ -232,6 +232,9 @@ def test_bad_inputs_are_named():
             run((a, k, v, q, s0), "parallel")  # pyright: ignore[reportArgumentType]
         with pytest.raises(ValueError, match="chunk_size"):
             run((a, k, v, q, s0), "chunked", 0)
+        # "False" would read as true.
+        with pytest.raises(TypeError, match=r"reverse must be a bool, got str"):
+            run((a, k, v, q, s0), "chunked", reverse="False")
 
 
 def test_gated_linear_attention_matches_the_hand_recurrence():

@@ -226,6 +226,9 @@ def test_static_options_numpy_scalars_and_arrays(mode, getkey):
             TypeError, match=f"^{name} must be a Python (int|bool), got"
         ):
             rnn(h0, **{"length": T, name: value}, key=key)
+    # A string would read as true.
+    with untyped(), pytest.raises(TypeError, match="^broadcast_key must be a bool"):
+        rnn(h0, length=T, key=key, broadcast_key="False")
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -59,7 +59,7 @@ def matmul_policy(prim: object, *avals: jax.core.ShapedArray, **params: object) 
 
 
 #: What `remat="offload"` means: the matmul outputs `matmul_policy` keeps (not
-#: their transposes), in pinned host memory (on CPU, where both are one, the
+#: its transposes and reshapes), in pinned host memory (on CPU, where both are one, the
 #: program matches that of the matmul outputs saved).
 OFFLOAD_POLICY = jax.checkpoint_policies.offload_dot_with_no_batch_dims(
     "device", "pinned_host"
