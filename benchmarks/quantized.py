@@ -54,7 +54,9 @@ TARGETS = ["blocks.*.w1", "blocks.*.w2"]
 
 
 def _nbytes(tree) -> int:
-    return sum(x.nbytes for x in jax.tree.leaves(tree) if eqx.is_array(x))
+    # `jnp.int4` reports a byte an element; a TPU holds two a byte.
+    bits = lambda x: 4 if x.dtype == jnp.int4 else 8 * x.dtype.itemsize
+    return sum(x.size * bits(x) // 8 for x in jax.tree.leaves(tree) if eqx.is_array(x))
 
 
 def model_of(

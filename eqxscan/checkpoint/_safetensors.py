@@ -161,7 +161,8 @@ def save_safetensors(
         raise TypeError(
             f"save_safetensors: safetensors {_package().__version__} has no dtype "
             f"for {listed(bad, ', ')}.\nHint: cast them (to int8, bfloat16, ...), "
-            "or keep 4-bit values two to a byte in uint8, as eqxscan.quant does."
+            "or save quantized models with eqxscan.quant.save, which packs 4-bit "
+            "values two a byte."
         )
     info = {
         "format": "pt" if names is None else names.format,

@@ -11,7 +11,7 @@ import functools
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import cast, TypeVar
+from typing import cast, Literal, TypeVar
 
 import equinox as eqx
 import jax
@@ -34,8 +34,14 @@ from .._internal import (
     stands_for_weight,
 )
 from ..checkpoint import CorruptFileError, NameMap, open_safetensors, Opened
-from ._quantize import _quantize_array, is_quantized, quantize, Target
-from ._quantized import describe, Kind, Orientation, Quantized
+from ._quantize import (
+    _quantize_array,
+    is_quantized,
+    quantize,
+    Target,
+    with_int4_storage,
+)
+from ._quantized import describe, Int4Storage, Kind, Orientation, Quantized
 
 
 T = TypeVar("T")
@@ -135,6 +141,7 @@ def save(
 
     The paths written, the index last.
     """
+    model = with_int4_storage(model, "packed")  # files hold int4 two a byte
     quantized = _by_pattern(weights(model)[0])
     record = {
         pattern: dataclasses.asdict(_spec(w.q)) for pattern, w in quantized.items()
@@ -278,7 +285,9 @@ def load(path: str | os.PathLike, like: T) -> T:
 
     **Returns:**
 
-    `like` with its arrays replaced by the saved ones.
+    `like` with its arrays replaced by the saved ones; int4 values held as
+    `like`'s are (files hold them packed, see
+    [`eqxscan.quant.with_int4_storage`][]).
 
     **Raises:**
 
@@ -289,6 +298,7 @@ def load(path: str | os.PathLike, like: T) -> T:
     raises them.
     """
     check_like("eqxscan.quant.load", like, _EXAMPLE)
+    given, like = like, with_int4_storage(like, "packed")  # as files hold them
     # `like` given: a LoRA's alpha recorded otherwise is refused.
     with open_safetensors(path, like) as opened:
         problems = _problems(opened, like)
@@ -307,7 +317,15 @@ def load(path: str | os.PathLike, like: T) -> T:
             else a
             for name, a in opened.arrays.items()
         }
-        return _fit(opened, like, state)
+        loaded = _fit(opened, like, state)
+    return jtu.tree_map(_held_as, loaded, given, is_leaf=is_quantized)
+
+
+def _held_as(loaded: object, like: object) -> object:
+    """A loaded (packed) `Quantized` with its values held as `like`'s are."""
+    if isinstance(loaded, Quantized) and isinstance(like, Quantized) and like.native:
+        return with_int4_storage(loaded, "native")
+    return loaded
 
 
 class _NonFinite(ValueError):
@@ -390,6 +408,7 @@ def quantize_file(
     kind: Kind = "int8",
     group_size: int = 128,
     orientation: Orientation = "x@W",
+    int4_storage: Int4Storage | Literal["auto"] = "auto",
 ) -> T:
     """Quantize a float safetensors checkpoint as it is read: the same model as
     `eqxscan.quant.quantize(eqxscan.load_safetensors(path, like,
@@ -406,8 +425,9 @@ def quantize_file(
       reads it).
     - `like`: the float model of the file's layout (arrays or
       `jax.ShapeDtypeStruct`s, e.g. from `eqx.filter_eval_shape`).
-    - `targets`, `kind`, `group_size`, `orientation`: as for
-      [`eqxscan.quant.quantize`][].
+    - `targets`, `kind`, `group_size`, `orientation`, `int4_storage`: as for
+      [`eqxscan.quant.quantize`][] (int4 is quantized packed, then converted
+      one weight at a time).
     - `name_map`: a [`eqxscan.checkpoint.NameMap`][] from the file's names to
       eqxscan's (e.g. a Hugging Face Llama's); by default eqxscan's own.
 
@@ -440,6 +460,7 @@ def quantize_file(
         kind=kind,
         group_size=group_size,
         orientation=orientation,
+        int4_storage="packed",  # as `_quantized_layer` makes them
     )
     # `like`'s own arrays where nothing is quantized: their placement is kept.
     qlike = jtu.tree_map(
@@ -470,7 +491,7 @@ def quantize_file(
         )
         quantized = _fit(opened, qlike, _quantizing(opened, qlike), build)
     give_back_freed()
-    return quantized
+    return with_int4_storage(quantized, int4_storage)
 
 
 @functools.cache

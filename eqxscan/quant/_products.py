@@ -125,3 +125,51 @@ def grouped_int4_product(
 
     y = half(x[..., 0::2], low) + half(x[..., 1::2], high)
     return jnp.sum(y * _leading(scales, y.ndim), axis=-2).astype(out)
+
+
+def native_int4_product(
+    x: Array, values: Array, scales: Array, dtype: DTypeLike
+) -> Array:
+    """`x @ W` for an int4 weight held as `jnp.int4` (`"x@W"`, `[..., in, out]`,
+    `scales` `[..., groups, out]`): for one layer on accelerators
+    `native_grouped_product`; a stack's weight, and a CPU (no bfloat16 batched
+    matmul to float32), multiply by the dequantized weight."""
+    out = jnp.result_type(x.dtype, dtype)
+
+    def dequantized(x: Array) -> Array:
+        groups, size_out = scales.shape[-2:]
+        shape = (*values.shape[:-2], groups, values.shape[-2] // groups, size_out)
+        w = values.reshape(shape).astype(jnp.float32) * scales[..., :, None, :]
+        w = w.reshape(values.shape).astype(dtype)
+        wide = _wide(x.dtype, dtype)
+        return jnp.matmul(x, w, preferred_element_type=wide).astype(out)
+
+    if values.ndim != 2:
+        return dequantized(x)
+    grouped = lambda x: native_grouped_product(x, values, scales, dtype)
+    return jax.lax.platform_dependent(x, cpu=dequantized, default=grouped)
+
+
+def native_grouped_product(
+    x: Array, values: Array, scales: Array, dtype: DTypeLike
+) -> Array:
+    """`x @ W` for one layer's `jnp.int4` `values` (`[in, out]`): a matmul of
+    the values batched over the groups of inputs, each group's product scaled,
+    summed in float32 (one group: one matmul, scaled after). XLA:TPU feeds the
+    4-bit values to the matrix unit as they are: 0.851 ms against 1.117 for
+    the packed bytes' product in the decode step of the module docstring."""
+    out = jnp.result_type(x.dtype, dtype)
+    wide = _wide(x.dtype, dtype)
+    groups, size_out = scales.shape
+    *lead, size_in = x.shape
+    if groups == 1:
+        y = jnp.matmul(x, values.astype(dtype), preferred_element_type=wide)
+        return (y * _leading(scales, y.ndim)).astype(out)
+    per_group = size_in // groups
+    y = jnp.einsum(
+        "...gk,gkn->...gn",
+        x.reshape(*lead, groups, per_group),
+        values.astype(dtype).reshape(groups, per_group, size_out),
+        preferred_element_type=wide,
+    )
+    return jnp.sum(y * _leading(scales, y.ndim), axis=-2).astype(out)

@@ -2,7 +2,7 @@
 
 import dataclasses
 from collections.abc import Sequence
-from typing import cast, NoReturn
+from typing import cast, Literal, NoReturn
 
 import equinox as eqx
 import jax
@@ -16,6 +16,8 @@ from .. import Target
 from .._internal import Checked, describe, for_each, layer_names, replace_weights, Site
 from ._quantized import (
     GROUP_SIZES,
+    INT4_STORAGES,
+    Int4Storage,
     Kernel,
     KERNELS,
     Kind,
@@ -23,13 +25,15 @@ from ._quantized import (
     Orientation,
     quantize_array,
     Quantized,
+    with_storage,
 )
 
 
 # Compiled, so that XLA fuses the elementwise steps: no float32 copies of the
 # whole stack besides the one read.
 _quantize_array = jax.jit(
-    quantize_array, static_argnames=("kind", "orientation", "group_size", "name")
+    quantize_array,
+    static_argnames=("kind", "orientation", "group_size", "name", "storage"),
 )
 
 
@@ -45,6 +49,7 @@ def quantize(
     group_size: Checked[int] = 128,
     orientation: Checked[Orientation] = "x@W",
     kernel: Checked[Kernel] = "xla",
+    int4_storage: Checked[Int4Storage | Literal["auto"]] = "auto",
 ) -> PyTree:
     """`model` with each targeted weight replaced by a [`eqxscan.quant.Quantized`][].
 
@@ -66,6 +71,9 @@ def quantize(
       (weight `[in, out]`) or `"W@x"` (`[out, in]`).
     - `kernel`: what computes the products, `"xla"` or `"pallas"` (see
       [`eqxscan.quant.with_kernel`][]).
+    - `int4_storage`: how `"int4"` values are held, `"packed"` or `"native"`
+      (see [`eqxscan.quant.with_int4_storage`][]); the default `"auto"` is
+      `"native"` where `jax.default_backend()` is a TPU, `"packed"` elsewhere.
 
     **Returns:**
 
@@ -87,6 +95,7 @@ def quantize(
             "stores more scales."
         )
     _check_kernel("quantize", kernel)
+    storage = _storage("quantize", int4_storage)
     size = int(group_size) if kind == "int4" else None
     if any(isinstance(x, jax.ShapeDtypeStruct) for x in jtu.tree_leaves(model)):
         # An abstract model (`like` for a file): traced, as for its arrays.
@@ -98,6 +107,7 @@ def quantize(
             group_size=group_size,
             orientation=orientation,
             kernel=kernel,
+            int4_storage=storage,
         )
 
     def make(w: object, depth: int, name: str, o: Orientation) -> Quantized:
@@ -108,7 +118,7 @@ def quantize(
                 "(eqxscan.quant.dequantize), or leave it out of the targets."
             )
         w = cast(Array, w)
-        q = _quantized(w, depth, name, kind, o, size)
+        q = _quantized(w, depth, name, kind, o, size, storage)
         # A NaN or inf gives its group an inf scale (`quantize_array`): the
         # scales say which layer, without a pass over the float weight.
         if not isinstance(q.scales, jax.core.Tracer):
@@ -156,6 +166,56 @@ def with_kernel(model: PyTree, kernel: Checked[Kernel]) -> PyTree:
     return jtu.tree_map(set_kernel, model, is_leaf=is_quantized)
 
 
+def with_int4_storage(
+    model: PyTree, storage: Checked[Int4Storage | Literal["auto"]]
+) -> PyTree:
+    """`model` with the values of every `"int4"` [`eqxscan.quant.Quantized`][]
+    held as `storage`; the numbers, and files, are the same.
+
+    **Arguments:**
+
+    - `model`: a quantized model (arrays or `jax.ShapeDtypeStruct`s).
+    - `storage`: `"packed"` (two values a byte in uint8 `[in // 2, out]`, as
+      files hold them), `"native"` (XLA's `jnp.int4` `[in, out]`: on a TPU two
+      a byte as well, and read by the matrix unit without unpacking, the
+      faster step; on a CPU one a byte) or `"auto"` (`"native"` where
+      `jax.default_backend()` is a TPU, else `"packed"`).
+
+    **Returns:**
+
+    `model` with its int4 `Quantized`s' values converted where they differ.
+    """
+    to = _storage("with_int4_storage", storage)
+
+    def convert(x: object) -> object:
+        if not isinstance(x, Quantized):
+            return x
+        if isinstance(x.values, jax.ShapeDtypeStruct):  # an abstract model's
+            return jax.eval_shape(lambda q: with_storage(q, to), x)
+        return _converted(x, to)
+
+    return jtu.tree_map(convert, model, is_leaf=is_quantized)
+
+
+@eqx.filter_jit
+def _converted(q: Quantized, storage: Int4Storage) -> Quantized:
+    # Compiled: the unpacking's steps fuse, no int8 copy of the whole stack.
+    return with_storage(q, storage)
+
+
+def _storage(who: str, storage: object) -> Int4Storage:
+    """`storage` checked, `"auto"` resolved for the default backend."""
+    if storage == "auto":
+        return "native" if jax.default_backend() == "tpu" else "packed"
+    if storage not in INT4_STORAGES:
+        raise ValueError(
+            f"{who}: int4 storage must be 'auto' or one of {list(INT4_STORAGES)}, "
+            f"got {storage!r}.\nHint: 'native' is the TPU's own 4-bit type; "
+            "'packed' two values a byte in uint8."
+        )
+    return cast(Int4Storage, storage)
+
+
 def _check_kernel(who: str, kernel: object) -> None:
     if kernel not in KERNELS:
         raise ValueError(
@@ -171,6 +231,7 @@ def _quantized(
     kind: Kind,
     orientation: Orientation,
     group_size: int | None,
+    storage: Int4Storage,
 ) -> Quantized:
     """`w` quantized, once floating, 2-D per layer and divisible."""
     where = f"quantize: the target `{name}` ({describe(w)}, {depth} layer axes)"
@@ -198,7 +259,7 @@ def _quantized(
             f"not a multiple of group_size={group_size}, as 'int4' needs.\nHint: "
             f"{hint} this weight with kind='int8' or 'fp8'."
         )
-    return _quantize_array(w, kind, orientation, group_size, name)
+    return _quantize_array(w, kind, orientation, group_size, name, storage)
 
 
 def _nonfinite(model: PyTree, w: Array, index: int, name: str, depth: int) -> NoReturn:

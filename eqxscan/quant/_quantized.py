@@ -13,7 +13,12 @@ from jaxtyping import Array, Float, Shaped
 
 from .. import Orientation
 from .._internal import describe as describe_array, MatmulOnly
-from ._products import channel_product, e4m3_to_float32, grouped_int4_product
+from ._products import (
+    channel_product,
+    e4m3_to_float32,
+    grouped_int4_product,
+    native_int4_product,
+)
 
 
 Kind = Literal["int8", "int4", "fp8"]
@@ -30,6 +35,15 @@ Kernel = Literal["xla", "pallas", "interpret"]
 kernel in Pallas's interpreter, on any backend: slow, for tests)."""
 
 KERNELS: tuple[Kernel, ...] = ("xla", "pallas", "interpret")
+
+Int4Storage = Literal["packed", "native"]
+"""How `"int4"` values are held: `"packed"` (two a byte, uint8 `[in // 2, out]`:
+what files hold, and half the memory of one a byte on a CPU) or `"native"`
+(XLA's own 4-bit integers, `jnp.int4` `[in, out]`, which a TPU stores two a
+byte and feeds to its matrix unit without unpacking: 0.76x the packed
+step's time in a decode step on a TPU v5e, see docs/benchmarks.md)."""
+
+INT4_STORAGES: tuple[Int4Storage, ...] = ("packed", "native")
 GROUP_SIZES = (32, 64, 128)
 
 # The largest magnitude each kind stores: the scale maps max|w| onto it.
@@ -62,13 +76,15 @@ class Quantized(MatmulOnly, eqx.Module):
     | --- | --- | --- |
     | `"int8"` | int8 `[in, out]` | `[1, out]`: max abs over `in` / 127 |
     | `"fp8"` | uint8 `[in, out]` | `[1, out]`: max abs over `in` / 448 |
-    | `"int4"` | uint8 `[in // 2, out]` | `[in // g, out]`: max abs of a group / 7 |
+    | `"int4"` | uint8 `[in // 2, out]`, int4 `[in, out]` | `[in // g, out]`: max / 7 |
 
     (`g` is `group_size`.) Integers are symmetric: int8 in [-127, 127].
     `"fp8"` stores the bits of float8_e4m3fn values as uint8 (float8 values
-    given are converted): XLA:CPU cannot slice a float8 array. `"int4"` packs
-    input rows `2i` (low nibble) and `2i + 1` (high nibble) into one byte, each
-    a two's-complement 4-bit integer in [-7, 7]. A column (or group) of zeros
+    given are converted): XLA:CPU cannot slice a float8 array. `"int4"` values
+    in [-7, 7] are held packed (uint8: input rows `2i` in the low nibble and
+    `2i + 1` in the high one, each a two's-complement 4-bit integer) or native
+    (`jnp.int4`), see `Int4Storage` and [`eqxscan.quant.with_int4_storage`][];
+    files hold them packed. A column (or group) of zeros
     has scale 1. Inside an [`eqxscan.Stacked`][] each array has the layer axes
     in front.
 
@@ -123,10 +139,10 @@ class Quantized(MatmulOnly, eqx.Module):
                 f"{where}: dtype is the float weight's, a floating dtype, got "
                 f"{self.dtype.name}." + hint
             )
-        stored = jnp.int8 if self.kind == "int8" else jnp.uint8
-        if self.values.dtype != stored or self.values.ndim < 2:
+        stored = {"int8": ["int8"], "int4": ["uint8", "int4"]}.get(self.kind, ["uint8"])
+        if jnp.dtype(self.values.dtype).name not in stored or self.values.ndim < 2:
             raise ValueError(
-                f"{where}: {self.kind!r} values must be {jnp.dtype(stored).name} "
+                f"{where}: {self.kind!r} values must be {' or '.join(stored)} "
                 f"with 2 axes per layer, got {describe_array(self.values)}." + hint
             )
         if (self.kind == "int4") != (self.group_size in GROUP_SIZES):
@@ -155,13 +171,18 @@ class Quantized(MatmulOnly, eqx.Module):
     @property
     def shape(self) -> tuple[int, ...]:
         shape = list(self.values.shape)
-        if self.kind == "int4":  # two inputs a byte
+        if self.kind == "int4" and not self.native:  # two inputs a byte
             shape[-2 if self.orientation == "x@W" else -1] *= 2
         return tuple(shape)
 
     @property
     def ndim(self) -> int:
         return self.values.ndim
+
+    @property
+    def native(self) -> bool:
+        """Whether int4 values are held as `jnp.int4` (see `Int4Storage`)."""
+        return getattr(self.values, "dtype", None) == jnp.int4
 
     def stored_arrays(self) -> tuple[Array, Array]:
         """`(values, scales)`, which [`eqxscan.sharding`][] shards as the float
@@ -175,7 +196,7 @@ class Quantized(MatmulOnly, eqx.Module):
         inside a scan's step, or the whole stack when called on the stack."""
         values, scales = self._in_out()
         if self.kind == "int4":
-            w = _grouped(unpack_int4(values), scales)
+            w = _grouped(values if self.native else unpack_int4(values), scales)
         elif self.kind == "fp8":
             w = e4m3_to_float32(values) * scales
         else:
@@ -186,7 +207,7 @@ class Quantized(MatmulOnly, eqx.Module):
         """`x @ q`, for orientation `"x@W"`: `x` is `[..., in]`."""
         self._check("x@W", x)
         x = jnp.asarray(x)
-        if self.kernel != "xla":
+        if self.kernel != "xla" and not self.native:
             from ._kernel import rmatmul  # Pallas, imported where used
 
             values, scales = self.stored_arrays()
@@ -206,6 +227,8 @@ class Quantized(MatmulOnly, eqx.Module):
         if self.kind != "int4":
             return self._by_channel(x, "x@W")
         values, scales = self.stored_arrays()
+        if self.native:
+            return native_int4_product(x, values, scales, self.dtype)
 
         def halves(x: Array) -> Array:
             low, high = self._int4_halves()
@@ -224,6 +247,8 @@ class Quantized(MatmulOnly, eqx.Module):
         """`q @ x`, for orientation `"W@x"`: `x` is `[in]` or `[..., in, n]`."""
         self._check("W@x", x)
         x = jnp.asarray(x)
+        if self.kind == "int4" and self.native:
+            return _summed((self.dequantize(), x))
         if self.kind == "int4":
             low, high = self._int4_halves()
             if x.ndim == 1:
@@ -335,12 +360,27 @@ def _scales(amax: Array, limit: float) -> Array:
     return jnp.where(amax == 0, 1.0, amax / divisor)
 
 
+def with_storage(q: Quantized, storage: Int4Storage) -> Quantized:
+    """`q` with its int4 values held as `storage` (other kinds as they are)."""
+    if q.kind != "int4" or q.native == (storage == "native"):
+        return q
+    x_at_w = q.orientation == "x@W"
+    values = q.values if x_at_w else jnp.swapaxes(q.values, -1, -2)
+    if storage == "native":
+        values = unpack_int4(values).astype(jnp.int4)
+    else:
+        values = pack_int4(values.astype(jnp.int8))
+    values = values if x_at_w else jnp.swapaxes(values, -1, -2)
+    return dataclasses.replace(q, values=values)
+
+
 def quantize_array(
     w: Array,
     kind: Kind,
     orientation: Orientation,
     group_size: int | None,
     name: str = "",
+    storage: Int4Storage = "packed",
 ) -> Quantized:
     """`w` quantized; the caller checks shapes and sizes."""
     dtype = w.dtype
@@ -360,7 +400,8 @@ def quantize_array(
         amax = jnp.max(magnitude.reshape(split), axis=-2)  # [..., groups, out]
         scales = _scales(amax, limit)
         q = jnp.clip(jnp.round(groups / scales[..., :, None, :]), -limit, limit)
-        values = pack_int4(q.astype(jnp.int8).reshape(w.shape))
+        q = q.astype(jnp.int8).reshape(w.shape)
+        values = q.astype(jnp.int4) if storage == "native" else pack_int4(q)
     else:
         # [..., 1, out]; 0 (so scale 1) for a weight with no inputs.
         amax = jnp.max(magnitude, axis=-2, keepdims=True, initial=0.0)

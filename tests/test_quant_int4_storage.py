@@ -1,0 +1,187 @@
+"""int4 values held native (`jnp.int4`, the TPU's own type) against packed (two
+a byte in uint8, as files hold them): the same numbers, products, gradients and
+files, whichever a model holds."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+import safetensors
+
+import eqxscan
+from eqxscan import quant
+from eqxscan.quant._products import native_grouped_product
+
+from .test_quant import _nibbles, Holder
+
+
+TARGETS = ["blocks.*.w1", "blocks.*.w2"]
+
+
+def _mlp(dtype=jnp.float32, dim=64):
+    return eqxscan.StackedMLP(dim, 3, key=jr.key(0), dtype=dtype)
+
+
+@pytest.mark.parametrize("orientation", ["x@W", "W@x"])
+def test_native_values_are_the_packed_nibbles(getkey, orientation):
+    w = jr.normal(getkey(), (2, 64, 24))
+    if orientation == "W@x":
+        w = jnp.swapaxes(w, -1, -2)
+    stack = eqxscan.Stacked.from_layers([Holder(wi) for wi in w])
+    kw = dict(kind="int4", group_size=32, orientation=orientation)
+    packed = quant.quantize(stack, "*.w", **kw, int4_storage="packed").layers.w
+    native = quant.quantize(stack, "*.w", **kw, int4_storage="native").layers.w
+    assert packed.values.dtype == jnp.uint8 and not packed.native
+    assert native.values.dtype == jnp.int4 and native.native
+    assert native.shape == packed.shape == w.shape
+    # NumPy's reading of the packed bytes, in the `[in, out]` layout.
+    in_out = lambda a: a if orientation == "x@W" else np.swapaxes(a, -1, -2)
+    codes = in_out(_nibbles(in_out(np.asarray(packed.values))))
+    np.testing.assert_array_equal(np.asarray(native.values, np.int8), codes)
+    np.testing.assert_array_equal(native.scales, packed.scales)
+    np.testing.assert_array_equal(native.dequantize(), packed.dequantize())
+    # Converted either way, bit for bit.
+    back = quant.with_int4_storage(Holder(native), "packed").w
+    np.testing.assert_array_equal(back.values, packed.values)
+    there = quant.with_int4_storage(Holder(packed), "native").w
+    np.testing.assert_array_equal(np.asarray(there.values, np.int8), codes)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_native_model_runs_as_the_packed_one_scanned_and_looped(dtype):
+    model = _mlp(dtype)
+    packed = quant.quantize(model, TARGETS, kind="int4", group_size=32,
+                            int4_storage="packed")  # fmt: skip
+    native = quant.with_int4_storage(packed, "native")
+    x = jr.normal(jr.key(1), (5, 64)).astype(dtype)
+    call = eqx.filter_jit(lambda m, x: m(x))
+    want = np.asarray(call(packed, x), np.float32)
+    for mode in ("scan", "loop"):
+        m = eqx.tree_at(
+            lambda m: m.blocks, native, native.blocks.with_options(mode=mode)
+        )
+        got = np.asarray(call(m, x), np.float32)
+        tol = 1e-5 if dtype == jnp.float32 else 5e-2
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+    # Gradients (to the input and to the float arrays), against finite
+    # differences of the same quantized model.
+    def loss(m, x):
+        return jnp.mean(m(x).astype(jnp.float32) ** 2)
+
+    if dtype == jnp.float32:
+        g_native = eqx.filter_grad(loss)(native, x)
+        g_packed = eqx.filter_grad(loss)(packed, x)
+        for a, b in zip(jax.tree.leaves(g_native), jax.tree.leaves(g_packed)):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+        gx = jax.grad(lambda x: loss(native, x))(x)
+        d = jr.normal(jr.key(2), x.shape)
+        eps = 1e-3
+        fd = (loss(native, x + eps * d) - loss(native, x - eps * d)) / (2 * eps)
+        np.testing.assert_allclose(jnp.vdot(gx, d), fd, rtol=2e-3)
+
+
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_native_grouped_product_matches_the_dequantized_weight(getkey, group_size):
+    # The product accelerators run for native values (batched over groups,
+    # scaled per group), here in float32 on CPU.
+    w = jr.normal(getkey(), (128, 48))
+    q = quant.quantize(Holder(w), "w", kind="int4", group_size=group_size,
+                       int4_storage="native").w  # fmt: skip
+    x = jr.normal(getkey(), (2, 3, 128))
+    got = native_grouped_product(x, q.values, q.scales, jnp.float32)
+    want = x @ q.dequantize()
+    np.testing.assert_allclose(got, want, atol=1e-6 * float(jnp.abs(want).max()))
+    one = quant.quantize(Holder(w[:32]), "w", kind="int4", group_size=32,
+                         int4_storage="native").w  # fmt: skip
+    got = native_grouped_product(x[..., :32], one.values, one.scales, jnp.float32)
+    want = x[..., :32] @ one.dequantize()
+    np.testing.assert_allclose(got, want, atol=1e-6 * float(jnp.abs(want).max()))
+
+
+def test_kernel_option_runs_the_xla_path_for_native_values():
+    native = quant.quantize(_mlp(), TARGETS, kind="int4", group_size=32,
+                            int4_storage="native")  # fmt: skip
+    x = jr.normal(jr.key(1), (8, 64))
+    got = quant.with_kernel(native, "interpret")(x)
+    np.testing.assert_array_equal(got, native(x))
+
+
+def test_files_hold_int4_packed_whichever_the_model_holds(tmp_path):
+    packed = quant.quantize(_mlp(), TARGETS, kind="int4", group_size=32,
+                            int4_storage="packed")  # fmt: skip
+    native = quant.with_int4_storage(packed, "native")
+    quant.save(tmp_path / "n.safetensors", native)
+    quant.save(tmp_path / "p.safetensors", packed)
+    with safetensors.safe_open(tmp_path / "n.safetensors", framework="np") as f:
+        n = {k: f.get_tensor(k) for k in f.keys()}
+    with safetensors.safe_open(tmp_path / "p.safetensors", framework="np") as f:
+        p = {k: f.get_tensor(k) for k in f.keys()}
+    assert n.keys() == p.keys() and n["blocks.0.w1.values"].dtype == np.uint8
+    for k in n:
+        np.testing.assert_array_equal(n[k], p[k])
+    # Loaded as the `like` holds them, abstract or concrete.
+    like_native = eqx.filter_eval_shape(lambda: native)
+    for like, is_native in ((like_native, True), (packed, False), (native, True)):
+        loaded = quant.load(tmp_path / "n.safetensors", like)
+        w1 = loaded.blocks.layers.w1
+        assert w1.native == is_native
+        want = native if is_native else packed
+        np.testing.assert_array_equal(
+            np.asarray(w1.values, np.int8),
+            np.asarray(want.blocks.layers.w1.values, np.int8),
+        )
+
+
+def test_quantize_file_holds_int4_as_asked(tmp_path):
+    model = _mlp()
+    eqxscan.save_safetensors(tmp_path / "f.safetensors", model)
+    like = eqx.filter_eval_shape(_mlp)
+    kw = dict(targets=TARGETS, kind="int4", group_size=32)
+    got = quant.quantize_file(tmp_path / "f.safetensors", like, **kw,
+                              int4_storage="native")  # fmt: skip
+    want = quant.quantize(model, TARGETS, kind="int4", group_size=32,
+                          int4_storage="native")  # fmt: skip
+    assert got.blocks.layers.w2.native
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(
+            np.asarray(a, np.float32), np.asarray(b, np.float32)
+        )
+
+
+def test_auto_is_native_on_a_tpu_only(monkeypatch):
+    model = _mlp()
+    q = quant.quantize(model, TARGETS, kind="int4", group_size=32)
+    assert not q.blocks.layers.w1.native  # a CPU
+    assert not quant.with_int4_storage(q, "auto").blocks.layers.w1.native
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert quant.quantize(
+        model, TARGETS, kind="int4", group_size=32
+    ).blocks.layers.w1.native
+    assert quant.with_int4_storage(q, "auto").blocks.layers.w1.native
+    # Other kinds are held as they are.
+    q8 = quant.quantize(model, TARGETS, kind="int8")
+    assert (
+        quant.with_int4_storage(q8, "native").blocks.layers.w1.values.dtype == jnp.int8
+    )
+
+
+def test_bad_storage_and_native_values_elsewhere_are_refused():
+    model = _mlp()
+    with pytest.raises(ValueError, match="int4 storage must be 'auto' or one of"):
+        quant.quantize(model, TARGETS, kind="int4", int4_storage="nibbles")
+    q = quant.quantize(model, TARGETS, kind="int4", group_size=32)
+    with pytest.raises(ValueError, match=r"with_int4_storage: int4 storage must"):
+        quant.with_int4_storage(q, "int4")
+    native = quant.with_int4_storage(q, "native").blocks.layers.w1
+    with pytest.raises(ValueError, match="'int8' values must be int8 with 2 axes"):
+        quant.Quantized(native.values, native.scales[..., :1, :], "int8", "x@W", None,
+                        jnp.float32)  # fmt: skip
+    # eqxscan.save has no 4-bit dtype to write: refused before writing, with
+    # the way that packs them.
+    with pytest.raises(TypeError, match="eqxscan.quant.save"):
+        eqxscan.save_safetensors(
+            "unused.safetensors", quant.with_int4_storage(q, "native")
+        )
