@@ -5,7 +5,8 @@ compile time, and step time (median of interleaved repeats after a warm-up:
 `step ms` waits for each step, `steady ms` is the rate of 8 steps dispatched back
 to back, as a decode loop runs them; on an accelerator `of HBM` is the weights'
 bytes over the steady step, as a fraction of the rate a sum reads at),
-for float32, bfloat16, int8, int4 (groups of 128) and fp8, each scanned
+for float32, bfloat16, int8, int4 (groups of 128; `int4-channel`: a scale per
+output channel) and fp8, each scanned
 (`mode="scan"`, `unroll=1`), unrolled (`mode="loop"`) and as eqxscan's default
 options choose, side by side. Then
 each quantized kind's accuracy against float32: the worst relative Frobenius
@@ -42,7 +43,7 @@ from benchmarks.bench._measure import out_of_memory
 from eqxscan import quant
 
 
-FORMATS = ("float32", "bfloat16", "int8", "int4", "fp8")
+FORMATS = ("float32", "bfloat16", "int8", "int4", "int4-channel", "fp8")
 STEPS = {
     "scan": dict(mode="scan", unroll=1),
     "unrolled": dict(mode="loop"),
@@ -75,7 +76,8 @@ def model_of(
     model = eqxscan.StackedMLP(dim, layers, key=jax.random.key(0), dtype=dtype)
     if fmt in ("float32", "bfloat16"):
         return model
-    return quant.quantize(model, TARGETS, kind=fmt, group_size=128, kernel=kernel)
+    kind, group = ("int4", None) if fmt == "int4-channel" else (fmt, 128)
+    return quant.quantize(model, TARGETS, kind=kind, group_size=group, kernel=kernel)
 
 
 def _accessed(compiled) -> float:
@@ -230,7 +232,7 @@ def main() -> None:
         )
     mib = 2.0**20
     print(
-        f"{'B':>2} {'L':>3} {'D':>5} {'format':<12}{'step':<9}{'weights MiB':>12}"
+        f"{'B':>2} {'L':>3} {'D':>5} {'format':<20}{'step':<9}{'weights MiB':>12}"
         f"{'temp MiB':>10}{'accessed MiB':>13}{'compile s':>10}{'step ms':>9}"
         f"{'steady ms':>10}{'of HBM':>7}"
     )
@@ -246,7 +248,7 @@ def main() -> None:
             continue
         for r in rows:
             print(
-                f"{batch:>2} {layers:>3} {dim:>5} {r['format']:<12}{r['step']:<9}"
+                f"{batch:>2} {layers:>3} {dim:>5} {r['format']:<20}{r['step']:<9}"
                 f"{r['bytes'] / mib:>12.2f}{r['temp'] / mib:>10.2f}"
                 f"{r['accessed'] / mib:>13.2f}{r['compile_s']:>10.2f}"
                 f"{r['step_ms']:>9.3f}{r['steady_ms']:>10.3f}"
@@ -258,7 +260,7 @@ def main() -> None:
             )
     print("\nAccuracy against float32 (8 random rows)")
     print(
-        f"{'L':>3} {'D':>5} {'format':<9}{'worst rel. error':>17}"
+        f"{'L':>3} {'D':>5} {'format':<13}{'worst rel. error':>17}"
         f"{'max |out diff|':>15}{'max |out|':>10}"
     )
     for layers, dim in itertools.product(args.layers, args.dim):
@@ -271,7 +273,7 @@ def main() -> None:
             continue
         for r in rows:
             print(
-                f"{layers:>3} {dim:>5} {r['format']:<9}{r['weight_error']:>17.2e}"
+                f"{layers:>3} {dim:>5} {r['format']:<13}{r['weight_error']:>17.2e}"
                 f"{r['output_diff']:>15.2e}{r['output_scale']:>10.2f}"
             )
 

@@ -485,8 +485,20 @@ def test_inconsistent_quantized_raises():
         make(i8, jnp.ones((1, 8)), "int2")
     _raises(
         ValueError,
-        "group_size must be one of",
-        lambda: make(u8, jnp.ones((1, 8)), "int4"),
+        r"group_size must be one of \[32, 64, 128\] or None for 'int4'",
+        lambda: make(u8, jnp.ones((1, 8)), "int4", 48),
+    )
+    _raises(
+        ValueError,
+        r"group_size must be one of .* and None otherwise, got 32 for 'int8'",
+        lambda: make(i8, jnp.ones((1, 8)), "int8", 32),
+    )
+    # No group size: a scale per output channel, `[1, out]`.
+    assert make(u8, jnp.ones((1, 8)), "int4").shape == (64, 8)
+    _raises(
+        ValueError,
+        r"need float32 scales of shape \[1, 8\], got float32\[2,8\]",
+        lambda: make(u8, jnp.ones((2, 8)), "int4"),
     )
     _raises(
         ValueError,

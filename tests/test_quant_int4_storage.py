@@ -1,6 +1,9 @@
 """int4 values held native (`jnp.int4`, the TPU's own type) against packed (two
 a byte in uint8, as files hold them): the same numbers, products, gradients and
-files, whichever a model holds."""
+files, whichever a model holds; and int4 with a scale per output channel
+(`group_size=None`) against NumPy."""
+
+import json
 
 import equinox as eqx
 import jax
@@ -185,3 +188,69 @@ def test_bad_storage_and_native_values_elsewhere_are_refused():
         eqxscan.save_safetensors(
             "unused.safetensors", quant.with_int4_storage(q, "native")
         )
+
+
+@pytest.mark.parametrize("storage", ["packed", "native"])
+@pytest.mark.parametrize("orientation", ["x@W", "W@x"])
+def test_int4_per_channel_layout_bound_and_products(getkey, storage, orientation):
+    w = jr.normal(getkey(), (2, 64, 24)) * jnp.exp(jr.normal(getkey(), (1, 1, 24)))
+    w = w.at[1, :, 3].set(0.0)
+    wn = np.asarray(w)
+    if orientation == "W@x":
+        w = jnp.swapaxes(w, -1, -2)
+    stack = eqxscan.Stacked.from_layers([Holder(wi) for wi in w])
+    kw = dict(kind="int4", group_size=None, orientation=orientation)
+    q = quant.quantize(stack, "*.w", **kw, int4_storage=storage).layers.w
+    in_out = lambda a: np.asarray(
+        a if orientation == "x@W" else jnp.swapaxes(a, -1, -2)
+    )
+    amax = np.abs(wn).max(axis=1, keepdims=True)
+    scale = np.where(amax == 0, 1.0, amax / 7)
+    np.testing.assert_array_equal(in_out(q.scales), scale)  # [L, 1, out]
+    values = in_out(q.values)
+    codes = values.astype(np.int8) if storage == "native" else _nibbles(values)
+    np.testing.assert_array_equal(codes, np.clip(np.round(wn / scale), -7, 7))
+    err = np.abs(in_out(q.dequantize()) - wn)
+    assert np.all(err <= scale / 2 * (1 + 1e-5))
+    # One layer's products (and the accelerators' product), against its weight.
+    one = jax.tree.map(lambda a: a[1], q)
+    dense = one.dequantize()
+    x = jr.normal(getkey(), (3, 64))
+    if orientation == "x@W":
+        np.testing.assert_allclose(x @ one, x @ dense, rtol=1e-5, atol=1e-5)
+        if storage == "native":
+            got = native_grouped_product(x, one.values, one.scales, jnp.float32)
+            np.testing.assert_allclose(got, x @ dense, rtol=1e-5, atol=1e-5)
+    else:
+        np.testing.assert_allclose(one @ x.T, dense @ x.T, rtol=1e-5, atol=1e-5)
+
+
+def test_int4_per_channel_files_record_no_group(tmp_path):
+    model = _mlp()
+    q = quant.quantize(model, TARGETS, kind="int4", group_size=None)
+    path = tmp_path / "c.safetensors"
+    quant.save(path, q)
+    with safetensors.safe_open(path, framework="np") as f:
+        record = json.loads(f.metadata()["eqxscan.quant"])
+    assert {r["group_size"] for r in record.values()} == {None}
+    loaded = quant.load(path, q)
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(q)):
+        np.testing.assert_array_equal(a, b)
+    grouped = eqx.filter_eval_shape(
+        quant.quantize, model, TARGETS, kind="int4", group_size=32
+    )
+    with pytest.raises(
+        ValueError, match="int4, a scale per channel, x@W, float32 in the file"
+    ):
+        quant.load(path, grouped)
+
+
+def test_the_kernel_leaves_per_channel_int4_to_xla(getkey):
+    # The Pallas kernel reads scales by group: a per-channel weight of a shape
+    # it takes (128 outputs) runs the XLA path, with the same result.
+    w = jr.normal(getkey(), (256, 128))
+    q = quant.quantize(Holder(w), "w", kind="int4", group_size=None)
+    x = jr.normal(getkey(), (8, 256))
+    by_kernel = quant.with_kernel(q, "interpret").w
+    np.testing.assert_array_equal(x @ by_kernel, x @ q.w)
+    assert "pallas" not in str(jax.make_jaxpr(lambda x: x @ by_kernel)(x))

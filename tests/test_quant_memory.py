@@ -81,9 +81,9 @@ def test_benchmark_smoke(monkeypatch, capsys):
     # The accuracy table: each kind's worst weight error in the order of its
     # precision, and the float32 output's scale as computed here.
     acc = {r.split()[2]: r.split()[3:] for r in accuracy.splitlines()[2:]}
-    assert list(acc) == ["int8", "int4", "fp8"]
+    assert list(acc) == ["int8", "int4", "int4-channel", "fp8"]
     errors = {k: float(v[0]) for k, v in acc.items()}
-    assert errors["int8"] < errors["fp8"] < errors["int4"]
+    assert errors["int8"] < errors["fp8"] < errors["int4"] < errors["int4-channel"]
     x = jax.random.normal(jax.random.key(1), (8, 128))
     scale = float(jnp.abs(bench.model_of("float32", 128, 2)(x)).max())
     assert all(float(v[2]) == round(scale, 2) for v in acc.values())

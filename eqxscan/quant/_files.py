@@ -60,7 +60,9 @@ class _Spec:
     dtype: str
 
     def __str__(self) -> str:
-        group = f", group size {self.group_size}" if self.kind == "int4" else ""
+        size = self.group_size
+        group = f", group size {size}" if size else ", a scale per channel"
+        group = group if self.kind == "int4" else ""
         return f"{self.kind}{group}, {self.orientation}, {self.dtype}"
 
 
@@ -406,7 +408,7 @@ def quantize_file(
     targets: Target | Sequence[Target],
     name_map: NameMap | None = None,
     kind: Kind = "int8",
-    group_size: int = 128,
+    group_size: int | None = 128,
     orientation: Orientation = "x@W",
     int4_storage: Int4Storage | Literal["auto"] = "auto",
 ) -> T:

@@ -84,6 +84,8 @@ def blocks(
         return None
     if rows == 0 or size_in == 0 or size_out % 128:
         return None
+    if kind == "int4" and not group_size:  # a scale per channel: XLA's product
+        return None
     n = next(b for b in _BLOCK_N if size_out % b == 0)
     step = 8 * group_size if kind == "int4" and group_size else 128
     aligned = [

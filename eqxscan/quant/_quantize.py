@@ -46,7 +46,7 @@ def quantize(
     targets: Checked[Target | Sequence[Target]],
     *,
     kind: Checked[Kind] = "int8",
-    group_size: Checked[int] = 128,
+    group_size: Checked[int | None] = 128,
     orientation: Checked[Orientation] = "x@W",
     kernel: Checked[Kernel] = "xla",
     int4_storage: Checked[Int4Storage | Literal["auto"]] = "auto",
@@ -65,8 +65,10 @@ def quantize(
       (e.g. `eqx.nn.Linear`) quantizes the `weight` of every module of that type,
       in orientation `"W@x"`.
     - `kind`: `"int8"`, `"int4"` or `"fp8"` (see [`eqxscan.quant.Quantized`][]).
-    - `group_size`: for `"int4"`, the inputs sharing a scale: 32, 64 or 128; each
-      weight's input size must be a multiple of it. Ignored for other kinds.
+    - `group_size`: for `"int4"`, the inputs sharing a scale: 32, 64 or 128, each
+      weight's input size a multiple of it; or `None`, one scale per output
+      channel (the fastest product, the least accurate: see
+      docs/quantization.md). Ignored for other kinds.
     - `orientation`: how the layers use the weights a pattern matches: `"x@W"`
       (weight `[in, out]`) or `"W@x"` (`[out, in]`).
     - `kernel`: what computes the products, `"xla"` or `"pallas"` (see
@@ -86,17 +88,22 @@ def quantize(
             f"quantize: kind must be one of {list(KINDS)}, got {kind!r}.\nHint: "
             "'int8' and 'fp8' keep a scale per output channel, 'int4' per group."
         )
-    if kind == "int4" and (
-        not isinstance(group_size, int | np.integer) or group_size not in GROUP_SIZES
+    if (
+        kind == "int4"
+        and group_size is not None
+        and (
+            not isinstance(group_size, int | np.integer)
+            or group_size not in GROUP_SIZES
+        )
     ):
         raise ValueError(
-            f"quantize: group_size must be one of {list(GROUP_SIZES)} for 'int4', "
-            f"got {group_size!r}.\nHint: a smaller group is more accurate and "
+            f"quantize: group_size must be one of {list(GROUP_SIZES)} or None for "
+            f"'int4', got {group_size!r}.\nHint: a smaller group is more accurate and "
             "stores more scales."
         )
     _check_kernel("quantize", kernel)
     storage = _storage("quantize", int4_storage)
-    size = int(group_size) if kind == "int4" else None
+    size = int(group_size) if kind == "int4" and group_size is not None else None
     if any(isinstance(x, jax.ShapeDtypeStruct) for x in jtu.tree_leaves(model)):
         # An abstract model (`like` for a file): traced, as for its arrays.
         return eqx.filter_eval_shape(

@@ -78,7 +78,8 @@ class Quantized(MatmulOnly, eqx.Module):
     | `"fp8"` | uint8 `[in, out]` | `[1, out]`: max abs over `in` / 448 |
     | `"int4"` | uint8 `[in // 2, out]`, int4 `[in, out]` | `[in // g, out]`: max / 7 |
 
-    (`g` is `group_size`.) Integers are symmetric: int8 in [-127, 127].
+    (`g` is `group_size`; `None` for int4: one group, scales `[1, out]`.)
+    Integers are symmetric: int8 in [-127, 127].
     `"fp8"` stores the bits of float8_e4m3fn values as uint8 (float8 values
     given are converted): XLA:CPU cannot slice a float8 array. `"int4"` values
     in [-7, 7] are held packed (uint8: input rows `2i` in the low nibble and
@@ -145,10 +146,12 @@ class Quantized(MatmulOnly, eqx.Module):
                 f"{where}: {self.kind!r} values must be {' or '.join(stored)} "
                 f"with 2 axes per layer, got {describe_array(self.values)}." + hint
             )
-        if (self.kind == "int4") != (self.group_size in GROUP_SIZES):
+        if self.group_size not in (GROUP_SIZES if self.kind == "int4" else ()) + (
+            None,
+        ):
             raise ValueError(
-                f"{where}: group_size must be one of {list(GROUP_SIZES)} for 'int4' "
-                f"and None otherwise, got {self.group_size!r} for "
+                f"{where}: group_size must be one of {list(GROUP_SIZES)} or None for "
+                f"'int4' and None otherwise, got {self.group_size!r} for "
                 f"{self.kind!r}." + hint
             )
         size_in = self.shape[-2 if self.orientation == "x@W" else -1]
@@ -392,25 +395,26 @@ def quantize_array(
     # an inf scale and dequantizes to NaN, also where `quantize` is traced and
     # cannot check the weight.
     magnitude = jnp.where(jnp.isnan(w), jnp.inf, jnp.abs(w))
-    if kind == "int4":
-        assert group_size is not None
+    if kind == "int4" and group_size:
         *layers, rows, cols = w.shape
         split = (*layers, rows // group_size, group_size, cols)
         groups = w.reshape(split)
         amax = jnp.max(magnitude.reshape(split), axis=-2)  # [..., groups, out]
         scales = _scales(amax, limit)
         q = jnp.clip(jnp.round(groups / scales[..., :, None, :]), -limit, limit)
-        q = q.astype(jnp.int8).reshape(w.shape)
-        values = q.astype(jnp.int4) if storage == "native" else pack_int4(q)
+        values = q.reshape(w.shape)
     else:
         # [..., 1, out]; 0 (so scale 1) for a weight with no inputs.
         amax = jnp.max(magnitude, axis=-2, keepdims=True, initial=0.0)
         scales = _scales(amax, limit)
-        scaled = jnp.clip(w / scales, -limit, limit)
-        if kind == "int8":
-            values = jnp.round(scaled).astype(jnp.int8)
-        else:
-            values = fp8_bits(scaled.astype(jnp.float8_e4m3fn))
+        values = jnp.clip(w / scales, -limit, limit)
+    if kind == "int4":
+        q = jnp.round(values).astype(jnp.int8)
+        values = q.astype(jnp.int4) if storage == "native" else pack_int4(q)
+    elif kind == "int8":
+        values = jnp.round(values).astype(jnp.int8)
+    else:
+        values = fp8_bits(values.astype(jnp.float8_e4m3fn))
     if orientation == "W@x":
         values, scales = jnp.swapaxes(values, -1, -2), jnp.swapaxes(scales, -1, -2)
     return Quantized(
