@@ -152,14 +152,16 @@ def test_w_at_x_stores_the_transpose(getkey, kind):
     np.testing.assert_allclose(one @ x, one.dequantize() @ x, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "int4-native", "fp8"])
 def test_weights_without_elements(kind):
     # No inputs, or no outputs: quantized, multiplied and reported as NumPy
     # multiplies the empty float weight.
+    kind, _, storage = kind.partition("-")
     for shape in [(2, 0, 8), (2, 64, 0)]:
         w = np.zeros(shape, np.float32)
         stack = eqxscan.Stacked.from_layers([Holder(jnp.asarray(wi)) for wi in w])
-        q = quant.quantize(stack, "*.w", kind=kind, group_size=32)
+        kw = dict(kind=kind, group_size=32, int4_storage=storage or "packed")
+        q = quant.quantize(stack, "*.w", **kw)
         assert q.layers.w.shape == shape
         np.testing.assert_array_equal(q.layers.w.dequantize(), w)
         x = np.ones((3, shape[1]), np.float32)

@@ -102,6 +102,11 @@ def test_native_grouped_product_matches_the_dequantized_weight(getkey, group_siz
     got = native_grouped_product(x[..., :32], one.values, one.scales, jnp.float32)
     want = x[..., :32] @ one.dequantize()
     np.testing.assert_allclose(got, want, atol=1e-6 * float(jnp.abs(want).max()))
+    # No inputs: no groups, a zero product.
+    empty = quant.quantize(Holder(w[:0]), "w", kind="int4", group_size=32,
+                           int4_storage="native").w  # fmt: skip
+    got = native_grouped_product(x[..., :0], empty.values, empty.scales, jnp.float32)
+    np.testing.assert_array_equal(got, np.zeros((2, 3, 48)))
 
 
 def test_kernel_option_runs_the_xla_path_for_native_values():

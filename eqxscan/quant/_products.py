@@ -138,7 +138,8 @@ def native_int4_product(
 
     def dequantized(x: Array) -> Array:
         groups, size_out = scales.shape[-2:]
-        shape = (*values.shape[:-2], groups, values.shape[-2] // groups, size_out)
+        per_group = values.shape[-2] // max(groups, 1)  # no groups: no inputs
+        shape = (*values.shape[:-2], groups, per_group, size_out)
         w = values.reshape(shape).astype(jnp.float32) * scales[..., :, None, :]
         w = w.reshape(values.shape).astype(dtype)
         wide = _wide(x.dtype, dtype)
@@ -162,6 +163,8 @@ def native_grouped_product(
     wide = _wide(x.dtype, dtype)
     groups, size_out = scales.shape
     *lead, size_in = x.shape
+    if groups == 0:  # a weight with no inputs
+        return jnp.zeros((*lead, size_out), out)
     if groups == 1:
         y = jnp.matmul(x, values.astype(dtype), preferred_element_type=wide)
         return (y * _leading(scales, y.ndim)).astype(out)
