@@ -300,7 +300,8 @@ def load(path: str | os.PathLike, like: T) -> T:
     raises them.
     """
     check_like("eqxscan.quant.load", like, _EXAMPLE)
-    given, like = like, with_int4_storage(like, "packed")  # as files hold them
+    given = like
+    like = jtu.tree_map(_packed_like, like, is_leaf=is_quantized)
     # `like` given: a LoRA's alpha recorded otherwise is refused.
     with open_safetensors(path, like) as opened:
         problems = _problems(opened, like)
@@ -321,6 +322,18 @@ def load(path: str | os.PathLike, like: T) -> T:
         }
         loaded = _fit(opened, like, state)
     return jtu.tree_map(_held_as, loaded, given, is_leaf=is_quantized)
+
+
+def _packed_like(q: object) -> object:
+    """A native int4 `Quantized` of `like` with its values described packed, as
+    files hold them (shape and placement, no conversion of `like`'s arrays)."""
+    if not isinstance(q, Quantized) or not q.native:
+        return q
+    shape = list(q.values.shape)
+    shape[-2 if q.orientation == "x@W" else -1] //= 2
+    sharding = getattr(q.values, "sharding", None)
+    values = jax.ShapeDtypeStruct(tuple(shape), np.uint8, sharding=sharding)
+    return eqx.tree_at(lambda q: q.values, q, values)  # a description: no checks
 
 
 def _held_as(loaded: object, like: object) -> object:
