@@ -88,13 +88,9 @@ def quantize(
             f"quantize: kind must be one of {list(KINDS)}, got {kind!r}.\nHint: "
             "'int8' and 'fp8' keep a scale per output channel, 'int4' per group."
         )
-    if (
-        kind == "int4"
-        and group_size is not None
-        and (
-            not isinstance(group_size, int | np.integer)
-            or group_size not in GROUP_SIZES
-        )
+    sizes = (*GROUP_SIZES, None)  # None: a scale per output channel
+    if kind == "int4" and (
+        not isinstance(group_size, int | np.integer | None) or group_size not in sizes
     ):
         raise ValueError(
             f"quantize: group_size must be one of {list(GROUP_SIZES)} or None for "
