@@ -259,3 +259,23 @@ def test_the_kernel_leaves_per_channel_int4_to_xla(getkey):
     by_kernel = quant.with_kernel(q, "interpret").w
     np.testing.assert_array_equal(x @ by_kernel, x @ q.w)
     assert "pallas" not in str(jax.make_jaxpr(lambda x: x @ by_kernel)(x))
+
+
+def test_orbax_checkpoints_hold_native_int4_bit_for_bit(tmp_path):
+    # A TPU's default storage through the sharded checkpoints: restored as held.
+    from eqxscan.checkpoint import CheckpointManager
+
+    q = quant.quantize(_mlp(), TARGETS, kind="int4", group_size=32,
+                       int4_storage="native")  # fmt: skip
+    mesh = jax.make_mesh((1,), ("fsdp",))
+    with CheckpointManager(tmp_path / "ck", asynchronous=False) as manager:
+        manager.save(3, q, wait=True)
+        restored, _, step = manager.restore(eqx.filter_eval_shape(lambda: q), mesh=mesh)
+    assert step == 3 and restored.blocks.layers.w1.native
+    arrays = lambda m: jax.tree.leaves(eqx.filter(m, eqx.is_array))  # noqa: E731
+    assert len(arrays(restored)) == len(arrays(q)) == 5  # 2 x (values, scales), scale
+    for a, b in zip(arrays(restored), arrays(q)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(
+            np.asarray(a, np.float32), np.asarray(b, np.float32)
+        )
