@@ -42,6 +42,10 @@ def test_native_values_are_the_packed_nibbles(getkey, orientation):
     # NumPy's reading of the packed bytes, in the `[in, out]` layout.
     in_out = lambda a: a if orientation == "x@W" else np.swapaxes(a, -1, -2)
     codes = in_out(_nibbles(in_out(np.asarray(packed.values))))
+    # "x@W" holds each group of 32 inputs as its own slice: `[L, 2, 32, out]`.
+    if orientation == "x@W":
+        codes = codes.reshape(2, 2, 32, 24)
+    assert native.split == (orientation == "x@W") and native.ndim == 3
     np.testing.assert_array_equal(np.asarray(native.values, np.int8), codes)
     np.testing.assert_array_equal(native.scales, packed.scales)
     np.testing.assert_array_equal(native.dequantize(), packed.dequantize())
@@ -187,6 +191,12 @@ def test_bad_storage_and_native_values_elsewhere_are_refused():
     with pytest.raises(ValueError, match="'int8' values must be int8 with 2 axes"):
         quant.Quantized(native.values, native.scales[..., :1, :], "int8", "x@W", None,
                         jnp.float32)  # fmt: skip
+    # Split values must be `[in // g, g, out]` with g the group size.
+    split = quant.with_int4_storage(q, "native").blocks.layers.w1
+    assert split.split and split.values.shape == (3, 2, 32, 256)
+    regrouped = split.values.reshape(3, 4, 16, 256)
+    with pytest.raises(ValueError, match=r"`\[in // g, g, out\]` for 'x@W' with g"):
+        quant.Quantized(regrouped, split.scales, "int4", "x@W", 32, jnp.float32)
     # eqxscan.save has no 4-bit dtype to write: refused before writing, with
     # the way that packs them.
     with pytest.raises(TypeError, match="eqxscan.quant.save"):
@@ -279,3 +289,23 @@ def test_orbax_checkpoints_hold_native_int4_bit_for_bit(tmp_path):
         np.testing.assert_array_equal(
             np.asarray(a, np.float32), np.asarray(b, np.float32)
         )
+
+
+def test_split_values_shard_their_groups_as_the_float_weights_inputs():
+    # `model_shardings` of a native model: the float weight's spec, with the
+    # split `[L, groups, g, out]` values unsharded along `g`.
+    from eqxscan import sharding
+
+    model = _mlp(dim=128)
+    q = quant.quantize(model, TARGETS, kind="int4", group_size=32,
+                       int4_storage="native")  # fmt: skip
+    assert q.blocks.layers.w1.values.shape == (3, 4, 32, 512)
+    mesh = sharding.make_mesh(fsdp=1)
+    floats = sharding.model_shardings(model, mesh, min_size=0).blocks.layers
+    got = sharding.model_shardings(q, mesh, min_size=0).blocks.layers
+    pad = lambda spec, n: tuple(spec) + (None,) * (n - len(spec))  # noqa: E731
+    for name in ("w1", "w2"):
+        spec = pad(getattr(floats, name).spec, 3)
+        assert "fsdp" in spec  # a sharded axis to follow
+        assert pad(getattr(got, name).values.spec, 4) == (*spec[:2], None, spec[2])
+        assert pad(getattr(got, name).scales.spec, 3) == spec

@@ -329,7 +329,7 @@ def _packed_like(q: object) -> object:
     files hold them (shape and placement, no conversion of `like`'s arrays)."""
     if not isinstance(q, Quantized) or not q.native:
         return q
-    shape = list(q.values.shape)
+    shape = list(q.shape)  # the float weight's: native values may be split
     shape[-2 if q.orientation == "x@W" else -1] //= 2
     sharding = getattr(q.values, "sharding", None)
     values = jax.ShapeDtypeStruct(tuple(shape), np.uint8, sharding=sharding)

@@ -181,7 +181,8 @@ def with_int4_storage(
 
     - `model`: a quantized model (arrays or `jax.ShapeDtypeStruct`s).
     - `storage`: `"packed"` (two values a byte in uint8 `[in // 2, out]`, as
-      files hold them), `"native"` (XLA's `jnp.int4` `[in, out]`: on a TPU two
+      files hold them), `"native"` (XLA's `jnp.int4`, `[in // g, g, out]` for
+      `"x@W"` in groups, else the float weight's shape: on a TPU two
       a byte as well, and read by the matrix unit without unpacking, the
       faster step; on a CPU one a byte) or `"auto"` (`"native"` where
       `jax.default_backend()` is a TPU, else `"packed"`).

@@ -39,7 +39,8 @@ KERNELS: tuple[Kernel, ...] = ("xla", "pallas", "interpret")
 Int4Storage = Literal["packed", "native"]
 """How `"int4"` values are held: `"packed"` (two a byte, uint8 `[in // 2, out]`:
 what files hold, and half the memory of one a byte on a CPU) or `"native"`
-(XLA's own 4-bit integers, `jnp.int4` `[in, out]`, which a TPU stores two a
+(XLA's own 4-bit integers, `jnp.int4` `[in // g, g, out]` for `"x@W"` in groups
+and the float weight's shape otherwise, see `Quantized.split`; a TPU stores two a
 byte and feeds to its matrix unit without unpacking: 0.76x the packed
 step's time in a decode step on a TPU v5e, see docs/benchmarks.md)."""
 
@@ -76,7 +77,7 @@ class Quantized(MatmulOnly, eqx.Module):
     | --- | --- | --- |
     | `"int8"` | int8 `[in, out]` | `[1, out]`: max abs over `in` / 127 |
     | `"fp8"` | uint8 `[in, out]` | `[1, out]`: max abs over `in` / 448 |
-    | `"int4"` | uint8 `[in // 2, out]`, int4 `[in, out]` | `[in // g, out]`: max / 7 |
+    | `"int4"` | uint8 `[in // 2, out]`, int4 (below) | `[in // g, out]`: max / 7 |
 
     (`g` is `group_size`; `None` for int4: one group, scales `[1, out]`.)
     Integers are symmetric: int8 in [-127, 127].
@@ -84,10 +85,11 @@ class Quantized(MatmulOnly, eqx.Module):
     given are converted): XLA:CPU cannot slice a float8 array. `"int4"` values
     in [-7, 7] are held packed (uint8: input rows `2i` in the low nibble and
     `2i + 1` in the high one, each a two's-complement 4-bit integer) or native
-    (`jnp.int4`), see `Int4Storage` and [`eqxscan.quant.with_int4_storage`][];
-    files hold them packed. A column (or group) of zeros
-    has scale 1. Inside an [`eqxscan.Stacked`][] each array has the layer axes
-    in front.
+    (`jnp.int4`: `[in // g, g, out]` for `"x@W"` in groups, each group its own
+    slice, else the float weight's shape), see `Int4Storage` and
+    [`eqxscan.quant.with_int4_storage`][]; files hold them packed. A column
+    (or group) of zeros has scale 1. Inside an [`eqxscan.Stacked`][] each
+    array has the layer axes in front.
 
     `dtype` is the float dtype the layer sees (a dtype or its name,
     `"bfloat16"`; kept as a `numpy.dtype`); `.shape` and `.ndim` are the float
@@ -154,6 +156,15 @@ class Quantized(MatmulOnly, eqx.Module):
                 f"'int4' and None otherwise, got {self.group_size!r} for "
                 f"{self.kind!r}." + hint
             )
+        if self.split and (
+            self.orientation != "x@W" or self.values.shape[-2] != self.group_size
+        ):
+            raise ValueError(
+                f"{where}: native int4 values of 3 axes per layer are "
+                f"`[in // g, g, out]` for 'x@W' with g = group_size "
+                f"{self.group_size}, got {describe_array(self.values)} "
+                f"({self.orientation})." + hint
+            )
         size_in = self.shape[-2 if self.orientation == "x@W" else -1]
         if self.group_size and size_in % self.group_size:
             raise ValueError(
@@ -176,11 +187,21 @@ class Quantized(MatmulOnly, eqx.Module):
         shape = list(self.values.shape)
         if self.kind == "int4" and not self.native:  # two inputs a byte
             shape[-2 if self.orientation == "x@W" else -1] *= 2
+        if self.split:  # [..., groups, g, out]: the inputs in groups
+            shape[-3:-1] = [shape[-3] * shape[-2]]
         return tuple(shape)
 
     @property
     def ndim(self) -> int:
-        return self.values.ndim
+        return len(self.shape)
+
+    @property
+    def split(self) -> bool:
+        """Whether native int4 values (`"x@W"`) are held `[..., in // g, g, out]`,
+        each group its own slice: a TPU then reads a layer's groups as they lie,
+        where `[..., in, out]` is retiled for the grouped product every step."""
+        values, scales = self.values, self.scales
+        return self.native and values.ndim == getattr(scales, "ndim", -1) + 1
 
     @property
     def native(self) -> bool:
@@ -199,7 +220,8 @@ class Quantized(MatmulOnly, eqx.Module):
         inside a scan's step, or the whole stack when called on the stack."""
         values, scales = self._in_out()
         if self.kind == "int4":
-            w = _grouped(values if self.native else unpack_int4(values), scales)
+            values = self._values_2d() if self.native else unpack_int4(values)
+            w = _grouped(values, scales)
         elif self.kind == "fp8":
             w = e4m3_to_float32(values) * scales
         else:
@@ -295,6 +317,14 @@ class Quantized(MatmulOnly, eqx.Module):
             return arrays
         return tuple(jnp.swapaxes(a, -1, -2) for a in arrays)
 
+    def _values_2d(self) -> Array:
+        # Native values as `[..., in, out]` (or `"W@x"`'s transpose).
+        values = self._in_out()[0]
+        if not self.split:
+            return values
+        *layers, groups, size, cols = values.shape
+        return values.reshape(*layers, groups * size, cols)
+
     def _int4_halves(self) -> tuple[Array, ...]:
         # The float weights of the even and of the odd input rows, each in the
         # stored layout: multiplying by both halves of `x` needs no interleaving
@@ -368,13 +398,25 @@ def with_storage(q: Quantized, storage: Int4Storage) -> Quantized:
     if q.kind != "int4" or q.native == (storage == "native"):
         return q
     x_at_w = q.orientation == "x@W"
-    values = q.values if x_at_w else jnp.swapaxes(q.values, -1, -2)
     if storage == "native":
+        values = q.values if x_at_w else jnp.swapaxes(q.values, -1, -2)
         values = unpack_int4(values).astype(jnp.int4)
+        values = (
+            _split(values, q.group_size) if x_at_w else jnp.swapaxes(values, -1, -2)
+        )
     else:
-        values = pack_int4(values.astype(jnp.int8))
-    values = values if x_at_w else jnp.swapaxes(values, -1, -2)
+        values = pack_int4(q._values_2d().astype(jnp.int8))
+        values = values if x_at_w else jnp.swapaxes(values, -1, -2)
     return dataclasses.replace(q, values=values)
+
+
+def _split(values: Array, group_size: int | None) -> Array:
+    """Native `[..., in, out]` values held `[..., in // g, g, out]` (see
+    `Quantized.split`); as they are with one scale per channel."""
+    if not group_size:
+        return values
+    *layers, rows, cols = values.shape
+    return values.reshape(*layers, rows // group_size, group_size, cols)
 
 
 def quantize_array(
@@ -410,7 +452,10 @@ def quantize_array(
         values = jnp.clip(w / scales, -limit, limit)
     if kind == "int4":
         q = jnp.round(values).astype(jnp.int8)
-        values = q.astype(jnp.int4) if storage == "native" else pack_int4(q)
+        native = q.astype(jnp.int4)
+        if orientation == "x@W":  # the grouped product's layout
+            native = _split(native, group_size)
+        values = native if storage == "native" else pack_int4(q)
     elif kind == "int8":
         values = jnp.round(values).astype(jnp.int8)
     else:

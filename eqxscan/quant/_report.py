@@ -77,7 +77,8 @@ def _errors(q: Quantized, w: Array) -> tuple[Array, Array]:
     """Max abs and relative Frobenius error of each layer, one layer at a time
     (`lax.map`), so that one layer's float weight is formed at once."""
     n = math.prod(w.shape[:-2])  # not -1: a weight may have no elements
-    flat = jtu.tree_map(lambda a: a.reshape(n, *a.shape[-2:]), q)
+    # Each stored array's own axes after the layers' (a split int4: three).
+    flat = jtu.tree_map(lambda a: a.reshape(n, *a.shape[w.ndim - 2 :]), q)
     w = w.reshape(n, *w.shape[-2:])
 
     def one(args: tuple[Quantized, Array]) -> tuple[Array, Array]:

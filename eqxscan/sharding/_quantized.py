@@ -30,13 +30,23 @@ def follow_float_weights(
             return specs
         w = cast(StandsForWeight, node)
         spec = spec_of(jax.ShapeDtypeStruct(w.shape, w.dtype), w.ndim - 2, path)
-        divides = lambda a: all(
-            n is None or a.shape[i] % mesh.shape[n] == 0 for i, n in enumerate(spec)
-        )
+
+        def sharded(a: jax.Array | jax.ShapeDtypeStruct) -> NamedSharding:
+            # An array of one axis more holds the input axis split in two
+            # (native int4 `[..., groups, g, out]`): the groups take its spec.
+            axes = list(spec)
+            if a.ndim == w.ndim + 1:
+                axes += [None] * (w.ndim - len(axes))
+                axes.insert(-1, None)
+            fits = all(
+                n is None or a.shape[i] % mesh.shape[n] == 0 for i, n in enumerate(axes)
+            )
+            return NamedSharding(
+                mesh, PartitionSpec(*axes) if fits else PartitionSpec()
+            )
+
         # Its array leaves are the stored arrays; `stored_arrays()` itself is
         # typed to return arrays, not shardings nor `eval_shape`'s structs.
-        return jtu.tree_map(
-            lambda a: NamedSharding(mesh, spec if divides(a) else PartitionSpec()), node
-        )
+        return jtu.tree_map(sharded, node)
 
     return jtu.tree_map_with_path(one, model, shardings, is_leaf=stands_for_weight)
