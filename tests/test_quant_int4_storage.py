@@ -197,6 +197,10 @@ def test_bad_storage_and_native_values_elsewhere_are_refused():
     regrouped = split.values.reshape(3, 4, 16, 256)
     with pytest.raises(ValueError, match=r"`\[in // g, g, out\]` for 'x@W' with g"):
         quant.Quantized(regrouped, split.scales, "int4", "x@W", 32, jnp.float32)
+    # ... and not `[in, out]`: one native layout for each case.
+    flat = split.values.reshape(3, 64, 256)
+    with pytest.raises(ValueError, match="native int4 values are `"):
+        quant.Quantized(flat, split.scales, "int4", "x@W", 32, jnp.float32)
     # eqxscan.save has no 4-bit dtype to write: refused before writing, with
     # the way that packs them.
     with pytest.raises(TypeError, match="eqxscan.quant.save"):

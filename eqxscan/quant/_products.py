@@ -14,8 +14,6 @@ float32 result, so on CPU fp8 is decoded by integer arithmetic and int4 keeps
 the product of each half of its inputs by its dequantized weight.
 """
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -129,48 +127,15 @@ def grouped_int4_product(
     return jnp.sum(y * _leading(scales, y.ndim), axis=-2).astype(out)
 
 
-def native_int4_product(
-    x: Array, values: Array, scales: Array, dtype: DTypeLike
-) -> Array:
-    """`x @ W` for an int4 weight held as `jnp.int4` (`"x@W"`): `values`
-    `[..., in, out]`, or `[..., groups, g, out]` (split, see
-    `Quantized.split`), and `scales` `[..., groups, out]`. For one layer on
-    accelerators `native_grouped_product`; a stack's weight, and a CPU (no
-    bfloat16 batched matmul to float32), multiply by the dequantized weight."""
-    out = jnp.result_type(x.dtype, dtype)
-    split = values.ndim == scales.ndim + 1
-
-    def dequantized(x: Array) -> Array:
-        groups, size_out = scales.shape[-2:]
-        layers = values.shape[: scales.ndim - 2]
-        rows = math.prod(values.shape[len(layers) : -1])  # the inputs
-        per_group = rows // max(groups, 1)  # no groups: no inputs
-        w = values.reshape(*layers, groups, per_group, size_out).astype(jnp.float32)
-        w = (w * scales[..., :, None, :]).reshape(*layers, rows, size_out)
-        wide = _wide(x.dtype, dtype)
-        return jnp.matmul(x, w.astype(dtype), preferred_element_type=wide).astype(out)
-
-    if scales.ndim != 2:
-        return dequantized(x)
-    grouped = lambda x: native_grouped_product(x, values, scales, dtype)
-    if not split and scales.shape[0] > 1:  # `[in, out]`: viewed in groups
-        size_in, size_out = values.shape
-        shape = (scales.shape[0], size_in // scales.shape[0], size_out)
-        grouped = lambda x: native_grouped_product(
-            x, values.reshape(shape), scales, dtype
-        )
-    return jax.lax.platform_dependent(x, cpu=dequantized, default=grouped)
-
-
 def native_grouped_product(
     x: Array, values: Array, scales: Array, dtype: DTypeLike
 ) -> Array:
     """`x @ W` for one layer's `jnp.int4` `values`, `[groups, g, out]` (or
-    `[in, out]` with one group or none): a matmul of the values batched over
-    the groups of inputs, each group's product scaled, summed in float32 (one
-    group: one matmul, scaled after). XLA:TPU feeds the 4-bit values to the
-    matrix unit as they are: 0.851 ms against 1.117 for the packed bytes'
-    product in the decode step of the module docstring."""
+    `[in, out]` with a scale per output channel): a matmul of the values
+    batched over the groups of inputs, each group's product scaled, summed in
+    float32 (per channel: one matmul, scaled after). XLA:TPU feeds the 4-bit
+    values to the matrix unit as they are: 0.851 ms against 1.117 for the
+    packed bytes' product in the decode step of the module docstring."""
     out = jnp.result_type(x.dtype, dtype)
     wide = _wide(x.dtype, dtype)
     groups, size_out = scales.shape

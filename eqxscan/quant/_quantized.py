@@ -17,7 +17,7 @@ from ._products import (
     channel_product,
     e4m3_to_float32,
     grouped_int4_product,
-    native_int4_product,
+    native_grouped_product,
 )
 
 
@@ -148,22 +148,22 @@ class Quantized(MatmulOnly, eqx.Module):
                 f"{where}: {self.kind!r} values must be {' or '.join(stored)} "
                 f"with 2 axes per layer, got {describe_array(self.values)}." + hint
             )
-        if self.group_size not in (GROUP_SIZES if self.kind == "int4" else ()) + (
-            None,
-        ):
+        allowed = (*GROUP_SIZES, None) if self.kind == "int4" else (None,)
+        if self.group_size not in allowed:
             raise ValueError(
                 f"{where}: group_size must be one of {list(GROUP_SIZES)} or None for "
                 f"'int4' and None otherwise, got {self.group_size!r} for "
                 f"{self.kind!r}." + hint
             )
-        if self.split and (
-            self.orientation != "x@W" or self.values.shape[-2] != self.group_size
+        axes = self.scales.ndim + self.split  # one more when split
+        if self.values.ndim != axes or (
+            self.split and self.values.shape[-2] != self.group_size
         ):
             raise ValueError(
-                f"{where}: native int4 values of 3 axes per layer are "
-                f"`[in // g, g, out]` for 'x@W' with g = group_size "
-                f"{self.group_size}, got {describe_array(self.values)} "
-                f"({self.orientation})." + hint
+                f"{where}: native int4 values are `[in // g, g, out]` for 'x@W' with "
+                f"g = group_size ({self.group_size}), else 2-D per layer as the "
+                f"scales are, got {describe_array(self.values)} and scales "
+                f"{describe_array(self.scales)} ({self.orientation})." + hint
             )
         size_in = self.shape[-2 if self.orientation == "x@W" else -1]
         if self.group_size and size_in % self.group_size:
@@ -197,11 +197,11 @@ class Quantized(MatmulOnly, eqx.Module):
 
     @property
     def split(self) -> bool:
-        """Whether native int4 values (`"x@W"`) are held `[..., in // g, g, out]`,
-        each group its own slice: a TPU then reads a layer's groups as they lie,
-        where `[..., in, out]` is retiled for the grouped product every step."""
-        values, scales = self.values, self.scales
-        return self.native and values.ndim == getattr(scales, "ndim", -1) + 1
+        """Whether the values are native int4 held `[..., in // g, g, out]`, as
+        they are for `"x@W"` in groups: each group its own slice, which a TPU
+        reads as it lies, where `[..., in, out]` is retiled every step."""
+        x_at_w = self.orientation == "x@W"
+        return self.native and x_at_w and self.group_size is not None
 
     @property
     def native(self) -> bool:
@@ -252,21 +252,21 @@ class Quantized(MatmulOnly, eqx.Module):
         if self.kind != "int4":
             return self._by_channel(x, "x@W")
         values, scales = self.stored_arrays()
-        if self.native:
-            return native_int4_product(x, values, scales, self.dtype)
 
-        def halves(x: Array) -> Array:
+        def dense(x: Array) -> Array:
+            if self.native:  # the weight, dequantized
+                return _summed((x, self.dequantize()))
             low, high = self._int4_halves()
             return _summed((x[..., 0::2], low), (x[..., 1::2], high))
 
-        if values.ndim != 2:  # a stack's weight: every layer at once
-            return halves(x)
-
         def grouped(x: Array) -> Array:
-            return grouped_int4_product(x, values, scales, self.dtype)
+            product = native_grouped_product if self.native else grouped_int4_product
+            return product(x, values, scales, self.dtype)
 
+        if scales.ndim != 2:  # a stack's weight: every layer at once
+            return dense(x)
         # See `_products`: XLA:CPU has no bfloat16 batched matmul to float32.
-        return jax.lax.platform_dependent(x, cpu=halves, default=grouped)
+        return jax.lax.platform_dependent(x, cpu=dense, default=grouped)
 
     def __matmul__(self, x: Array | np.ndarray) -> Array:
         """`q @ x`, for orientation `"W@x"`: `x` is `[in]` or `[..., in, n]`."""
@@ -452,10 +452,12 @@ def quantize_array(
         values = jnp.clip(w / scales, -limit, limit)
     if kind == "int4":
         q = jnp.round(values).astype(jnp.int8)
-        native = q.astype(jnp.int4)
-        if orientation == "x@W":  # the grouped product's layout
-            native = _split(native, group_size)
-        values = native if storage == "native" else pack_int4(q)
+        if storage == "packed":
+            values = pack_int4(q)
+        elif orientation == "x@W":  # the grouped product's layout
+            values = _split(q.astype(jnp.int4), group_size)
+        else:
+            values = q.astype(jnp.int4)
     elif kind == "int8":
         values = jnp.round(values).astype(jnp.int8)
     else:
