@@ -210,9 +210,9 @@ def _with_sizes(sizes_and_choices):
 def test_program_size_target_is_per_resolved_option():
     # The same resolution must give the same program at every depth; different
     # resolutions (policy when shallow, full remat when deep) may differ.
-    assert _with_sizes([(277, "dots/u1"), (277, "dots/u1")]) is True
-    assert _with_sizes([(277, "dots/u1"), (257, "remat/u1")]) is True
-    assert _with_sizes([(277, "dots/u1"), (300, "dots/u1")]) is False
+    assert _with_sizes([(277, "matmul/u1"), (277, "matmul/u1")]) is True
+    assert _with_sizes([(277, "matmul/u1"), (257, "remat/u1")]) is True
+    assert _with_sizes([(277, "matmul/u1"), (300, "matmul/u1")]) is False
     assert _with_sizes([(277, None), (300, None)]) is False
 
 

@@ -299,13 +299,14 @@ def _compile_row(
 
 
 def setting_label(remat: Any, unroll: int | bool) -> str:
-    """A short name for a `(remat, unroll)` setting, as in `"dots/u1"`:
-    `save-all` (`False`), `remat` (`True`), `dots` (the default's matmul-saving
-    policy), else the option's repr; `full` when unrolled fully."""
+    """A short name for a `(remat, unroll)` setting, as in `"matmul/u1"`:
+    `save-all` (`False`), `remat` (`True`), `matmul`
+    (`eqxscan.remat.matmul_policy`, the default's policy), else the option's
+    repr; `full` when unrolled fully."""
     if remat is False or remat is True:
         name = "remat" if remat else "save-all"
     elif remat is matmul_policy:
-        name = "dots"
+        name = "matmul"
     else:
         name = getattr(remat, "__name__", repr(remat))
     return f"{name}/{'full' if unroll is True else f'u{unroll}'}"

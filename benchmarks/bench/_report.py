@@ -310,7 +310,7 @@ def markdown(results: dict[str, Any]) -> str:
         head += [
             '`eqxscan (...)` is the default, `remat="auto"` and '
             '`unroll="auto"`, with what they resolved to at that depth '
-            "(`remat/unroll`; `dots` is the matmul-saving policy).",
+            "(`remat/unroll`; `matmul` is `eqxscan.remat.matmul_policy`).",
             "",
         ]
     head += agreement_lines(results.get("agreement", {}))
