@@ -11,6 +11,7 @@ package lends it, as `from .. import save_safetensors`).
 """
 
 import ast
+import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -137,6 +138,11 @@ def main() -> None:
     print(f"| all | {sum(files.values())} | {sum(lines.values())} |\n")
     core = sum(n for folder, n in lines.items() if _is_core(folder))
     print(f"core lines (all but {', '.join(PERIPHERY)}): {core}")
+    loaded = imported_at_import(root)
+    print(
+        f"lines of the {len(loaded)} modules `import eqxscan` loads: "
+        f"{sum(len(p.read_text().splitlines()) for p in loaded)}"
+    )
     top = public_names(root / "__init__.py")
     print(f"top-level names: {len(top)}")
     for sub in sorted(mods):
@@ -165,6 +171,24 @@ def main() -> None:
     print(f"imports of a higher core folder: {len(up)}")
     for m, t in up:
         print(f"  {m} -> {t}")
+
+
+def imported_at_import(root: Path) -> list[Path]:
+    """The files of the package's modules that `import eqxscan` loads, read
+    in a child process (what loads on first use, such as `eqxscan.quant`,
+    is not among them)."""
+    code = (
+        "import sys, eqxscan; print('\\n'.join(m.__file__ for n, m in "
+        "list(sys.modules.items()) if n.split('.')[0] == 'eqxscan'))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=root.parent,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return [Path(f) for f in out.split()]
 
 
 def longest(mods: dict[str, Path]) -> list[tuple[int, str]]:

@@ -171,3 +171,15 @@ def test_no_file_over_600_lines_nor_function_over_100():
     # The count can fail: the longest function is found and measured.
     n, name = structure.longest(mods)[0]
     assert 50 < n <= 100 and ":" in name, (n, name)
+
+
+def test_structure_counts_the_modules_import_loads():
+    # The files `benchmarks/structure.py` counts as loaded by `import eqxscan`:
+    # the engine among them, and nothing that loads on first use.
+    loaded = {
+        p.relative_to(ROOT).as_posix()
+        for p in _structure().imported_at_import(ROOT / "eqxscan")
+    }
+    assert "eqxscan/_scan/engine.py" in loaded and "eqxscan/__init__.py" in loaded
+    assert not any(p.startswith(("eqxscan/quant/", "eqxscan/_models/")) for p in loaded)
+    assert all(p.startswith("eqxscan/") for p in loaded)
