@@ -112,6 +112,15 @@ def test_fsdp_on_eight_devices():
         assert not any(
             s.startswith("f32[1,64,") or s.startswith("f32[1,256,") for s in weights
         )
+    # Native int4, sharded, through quant.save and quant.load: placed as the
+    # sharded `like` (the split values' groups along w2's sharded inputs).
+    native = out["int4-native"]
+    assert native["specs"] == [
+        "P(None, None, None, 'fsdp')",
+        "P(None, 'fsdp', None, None)",
+    ], native
+    assert native["as_like"] and native["dtype"] == "int4", native
+    assert native["max_diff"] == 0.0, native
 
 
 @pytest.mark.skipif(

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from .. import from_state_dict, save_safetensors
@@ -332,14 +333,28 @@ def _packed_like(q: object) -> object:
     shape = list(q.shape)  # the float weight's: native values may be split
     shape[-2 if q.orientation == "x@W" else -1] //= 2
     sharding = getattr(q.values, "sharding", None)
+    if q.split and isinstance(sharding, NamedSharding):
+        # `[..., groups, g, out]` placed as `[..., in // 2, out]`: the input
+        # axis as the groups are (`g` is left unsharded).
+        spec = (*sharding.spec, *(None,) * (q.values.ndim - len(sharding.spec)))
+        packed = PartitionSpec(*spec[:-2], spec[-1])
+        sharding = NamedSharding(
+            sharding.mesh, packed, memory_kind=sharding.memory_kind
+        )
     values = jax.ShapeDtypeStruct(tuple(shape), np.uint8, sharding=sharding)
     return eqx.tree_at(lambda q: q.values, q, values)  # a description: no checks
 
 
 def _held_as(loaded: object, like: object) -> object:
-    """A loaded (packed) `Quantized` with its values held as `like`'s are."""
+    """A loaded (packed) `Quantized` with its values held as `like`'s are, and
+    where `like`'s values are placed."""
     if isinstance(loaded, Quantized) and isinstance(like, Quantized) and like.native:
-        return with_int4_storage(loaded, "native")
+        native = with_int4_storage(loaded, "native")
+        sharding = getattr(like.values, "sharding", None)
+        if sharding is None:
+            return native
+        values = jax.device_put(native.values, sharding)
+        return eqx.tree_at(lambda q: q.values, native, values)
     return loaded
 
 

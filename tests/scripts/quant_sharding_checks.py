@@ -11,6 +11,7 @@ os.environ["XLA_FLAGS"] = (
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import json  # noqa: E402
+import tempfile  # noqa: E402
 
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
@@ -74,7 +75,33 @@ def main() -> None:
             "err_grads": err,
             "all_gathers": collectives(hlo, "all-gather"),
         }
+    out["int4-native"] = native_files(model, mesh, x)
     print(json.dumps(out))
+
+
+def native_files(model, mesh, x) -> dict[str, object]:
+    # Native int4 (split `[L, groups, g, out]` for "x@W"), sharded, saved and
+    # loaded into a sharded native `like`: placed as `like`, the same numbers.
+    kw = dict(kind="int4", group_size=32, int4_storage="native")
+    q = quant.quantize(model, TARGETS, **kw)
+    placed = sharding.shard(q, mesh=mesh, min_size=0)[0]
+    other = eqxscan.StackedMLP(DIM, LAYERS, key=jax.random.key(7))
+    like = sharding.shard(quant.quantize(other, TARGETS, **kw), mesh=mesh, min_size=0)[
+        0
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        quant.save(os.path.join(tmp, "q.safetensors"), placed)
+        back = quant.load(os.path.join(tmp, "q.safetensors"), like)
+    layers, wanted = back.blocks.layers, like.blocks.layers
+    return {
+        "specs": [str(getattr(layers, w).values.sharding.spec) for w in ("w1", "w2")],
+        "as_like": all(
+            getattr(layers, w).values.sharding == getattr(wanted, w).values.sharding
+            for w in ("w1", "w2")
+        ),
+        "dtype": str(layers.w1.values.dtype),
+        "max_diff": float(jnp.max(jnp.abs(back(x) - q(x)))),
+    }
 
 
 if __name__ == "__main__":
