@@ -446,7 +446,9 @@ def quantize_file(
     one float weight beside the quantized model (each targeted weight is read,
     quantized and placed one layer at a time, the layer before freed by JAX at
     the next transfer; other arrays load as `load_safetensors` loads them).
-    Peak RSS measured in docs/quantization.md#files.
+    Peak RSS measured in docs/quantization.md#files. The quantized weights
+    are placed on the default device, whatever `like`'s placement: shard the
+    result with [`eqxscan.sharding.shard`][].
 
     **Arguments:**
 
