@@ -27,6 +27,7 @@ from ._containers.weight_targets import (
     replace_weights as replace_weights,
     stands_for_weight as stands_for_weight,
     StandsForWeight as StandsForWeight,
+    stored_sharding as stored_sharding,
 )
 from ._helpers.checks import (
     check_callable as check_callable,

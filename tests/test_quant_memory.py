@@ -121,6 +121,14 @@ def test_fsdp_on_eight_devices():
     ], native
     assert native["as_like"] and native["dtype"] == "int4", native
     assert native["max_diff"] == 0.0, native
+    # quantize_file into a sharded float `like`: placed as model_shardings
+    # places the quantized model (native int4's split values included).
+    from_file = out["quantize_file"]
+    assert from_file["int4-native"]["w1_values"] == "P(None, None, None, 'fsdp')", (
+        from_file
+    )
+    for kind, run in from_file.items():
+        assert run["placed"] and run["max_diff"] == 0.0, (kind, run)
 
 
 @pytest.mark.skipif(

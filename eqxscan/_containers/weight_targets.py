@@ -7,9 +7,11 @@ from collections.abc import Callable, Sequence
 from typing import ClassVar, Literal, NoReturn, Protocol, runtime_checkable
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, PyTree
 
 from .._helpers.checks import Checked, describe, is_arraylike
@@ -135,6 +137,27 @@ def stands_for_weight(node: object) -> bool:
     return isinstance(node, eqx.Module) and callable(
         getattr(type(node), "stored_arrays", None)
     )
+
+
+def stored_sharding(
+    array: Array | jax.ShapeDtypeStruct,
+    ndim: int,
+    spec: PartitionSpec,
+    mesh: Mesh | AbstractMesh,
+) -> NamedSharding:
+    """Where to place an array that stores part of a float weight of `ndim`
+    axes sharded as `spec` (a `Quantized`'s `values` or `scales`): along the
+    same axes, if each axis of `array` divides (else replicated). An array of
+    one axis more holds the input axis split in two (native int4
+    `[..., groups, g, out]`): the groups take its spec."""
+    axes = list(spec)
+    if array.ndim == ndim + 1:
+        axes += [None] * (ndim - len(axes))
+        axes.insert(-1, None)
+    fits = all(
+        n is None or array.shape[i] % mesh.shape[n] == 0 for i, n in enumerate(axes)
+    )
+    return NamedSharding(mesh, PartitionSpec(*axes) if fits else PartitionSpec())
 
 
 def weight_at(leaf: object) -> Weight | None:

@@ -33,6 +33,7 @@ from .._internal import (
     pattern as name_pattern,
     Site,
     stands_for_weight,
+    stored_sharding,
 )
 from ..checkpoint import CorruptFileError, NameMap, open_safetensors, Opened
 from ._quantize import (
@@ -446,9 +447,9 @@ def quantize_file(
     one float weight beside the quantized model (each targeted weight is read,
     quantized and placed one layer at a time, the layer before freed by JAX at
     the next transfer; other arrays load as `load_safetensors` loads them).
-    Peak RSS measured in docs/quantization.md#files. The quantized weights
-    are placed on the default device, whatever `like`'s placement: shard the
-    result with [`eqxscan.sharding.shard`][].
+    Peak RSS measured in docs/quantization.md#files. Where `like`'s float
+    weight is sharded (a `NamedSharding`), its quantized arrays are placed
+    along the same axes, as [`eqxscan.sharding.model_shardings`][] would.
 
     **Arguments:**
 
@@ -494,10 +495,9 @@ def quantize_file(
         orientation=orientation,
         int4_storage="packed",  # as `_quantized_layer` makes them
     )
-    # `like`'s own arrays where nothing is quantized: their placement is kept.
-    qlike = jtu.tree_map(
-        lambda q, x: q if is_quantized(q) else x, qlike, like, is_leaf=is_quantized
-    )
+    # `like`'s own arrays where nothing is quantized (their placement kept);
+    # quantized ones placed as the float weights they stand for.
+    qlike = jtu.tree_map(_placed_as, qlike, like, is_leaf=is_quantized)
     with open_safetensors(path, like, names=name_map) as opened:
         # A file of quantized weights (recorded by `save`, or stored as
         # `<name>.values`) is loaded, not quantized.
@@ -523,7 +523,26 @@ def quantize_file(
         )
         quantized = _fit(opened, qlike, _quantizing(opened, qlike), build)
     give_back_freed()
+    # Converted where it lies (XLA keeps the placement through the unpacking).
     return with_int4_storage(quantized, int4_storage)
+
+
+def _placed_as(q: object, x: object) -> object:
+    """`x`, the float model's leaf, where `q` is not quantized; else `q`'s
+    stored arrays described placed as `x`'s sharding implies, where that is a
+    `NamedSharding` (as `from_state_dict` will place them)."""
+    if not isinstance(q, Quantized):
+        return x
+    float_sharding = getattr(x, "sharding", None)
+    if not isinstance(float_sharding, NamedSharding):
+        return q
+    spec, mesh = float_sharding.spec, float_sharding.mesh
+    return jtu.tree_map(
+        lambda a: jax.ShapeDtypeStruct(
+            a.shape, a.dtype, sharding=stored_sharding(a, q.ndim, spec, mesh)
+        ),
+        q,
+    )
 
 
 @functools.cache

@@ -6,10 +6,10 @@ from typing import cast
 
 import jax
 import jax.tree_util as jtu
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import PyTree
 
-from .._internal import stands_for_weight, StandsForWeight
+from .._internal import stands_for_weight, StandsForWeight, stored_sharding
 
 
 def follow_float_weights(
@@ -31,22 +31,8 @@ def follow_float_weights(
         w = cast(StandsForWeight, node)
         spec = spec_of(jax.ShapeDtypeStruct(w.shape, w.dtype), w.ndim - 2, path)
 
-        def sharded(a: jax.Array | jax.ShapeDtypeStruct) -> NamedSharding:
-            # An array of one axis more holds the input axis split in two
-            # (native int4 `[..., groups, g, out]`): the groups take its spec.
-            axes = list(spec)
-            if a.ndim == w.ndim + 1:
-                axes += [None] * (w.ndim - len(axes))
-                axes.insert(-1, None)
-            fits = all(
-                n is None or a.shape[i] % mesh.shape[n] == 0 for i, n in enumerate(axes)
-            )
-            return NamedSharding(
-                mesh, PartitionSpec(*axes) if fits else PartitionSpec()
-            )
-
         # Its array leaves are the stored arrays; `stored_arrays()` itself is
         # typed to return arrays, not shardings nor `eval_shape`'s structs.
-        return jtu.tree_map(sharded, node)
+        return jtu.tree_map(lambda a: stored_sharding(a, w.ndim, spec, mesh), node)
 
     return jtu.tree_map_with_path(one, model, shardings, is_leaf=stands_for_weight)

@@ -76,7 +76,37 @@ def main() -> None:
             "all_gathers": collectives(hlo, "all-gather"),
         }
     out["int4-native"] = native_files(model, mesh, x)
+    out["quantize_file"] = quantized_from_file(model, mesh, x)
     print(json.dumps(out))
+
+
+def quantized_from_file(model, mesh, x) -> dict[str, object]:
+    # A float file quantized into a sharded `like`: each quantized array placed
+    # as `model_shardings` places the quantized model, the same numbers as
+    # quantizing the loaded model.
+    other = eqxscan.StackedMLP(DIM, LAYERS, key=jax.random.key(7))
+    like = sharding.shard(other, mesh=mesh, min_size=0)[0]
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "f.safetensors")
+        eqxscan.save_safetensors(path, model)
+        for kind, kw in [("int8", {}), ("int4-native", {"int4_storage": "native"})]:
+            kw = dict(kind=kind.split("-")[0], group_size=32, **kw)
+            q = quant.quantize_file(path, like, targets=TARGETS, **kw)
+            want = sharding.model_shardings(q, mesh, min_size=0)
+            by_path = dict(jax.tree_util.tree_leaves_with_path(want))
+            placed = [
+                a.sharding.is_equivalent_to(by_path[p], a.ndim)
+                for p, a in jax.tree_util.tree_leaves_with_path(q)
+                if isinstance(a, jax.Array)
+            ]
+            ref = quant.quantize(model, TARGETS, **kw)
+            out[kind] = {
+                "placed": all(placed) and len(placed) >= 4,
+                "w1_values": str(q.blocks.layers.w1.values.sharding.spec),
+                "max_diff": float(jnp.max(jnp.abs(q(x) - ref(x)))),
+            }
+    return out
 
 
 def native_files(model, mesh, x) -> dict[str, object]:
