@@ -140,7 +140,7 @@ def test_table_lists_every_candidate_from_xla(mlp_problem, mlp_table):
     # XLA's figures are read from the compiled program, and they differ the way
     # the settings do: saving everything needs the most temp memory, True the least
     # of the flat scans, and True recomputes the matmuls (more FLOPs).
-    dots = by["'offload'"]  # the dots policy's program: the CPU has no host memory
+    dots = by["'offload'"]  # the matmul policy's program: the CPU has no host memory
     assert by["False"].temp_bytes > dots.temp_bytes > by["True"].temp_bytes
     assert by["True"].flops > dots.flops
     compiled = eqx.filter_jit(_mse_step).lower(model, x).compile().compiled
