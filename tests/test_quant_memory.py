@@ -112,9 +112,20 @@ def test_fsdp_on_eight_devices():
         assert not any(
             s.startswith("f32[1,64,") or s.startswith("f32[1,256,") for s in weights
         )
+    # Native int4 (`[L, groups, g, out]` for these "x@W" weights): the groups
+    # along w2's sharded inputs, `g` never sharded; one layer gathered a step.
+    run = out["int4-native"]
+    specs = {k.removeprefix(".blocks.layers."): v for k, v in run["specs"].items()}
+    assert specs["w1.values"] == "P(None, None, None, 'fsdp')", specs
+    assert specs["w2.values"] == "P(None, 'fsdp', None, None)", specs
+    assert specs["w1.scales"] == w1 and specs["w2.scales"] == w2, specs
+    assert run["err_loss"] < 1e-5 and run["err_grads"] < 1e-5, run
+    stored = [s for s in run["all_gathers"] if s.split("[")[1].count(",") == 3]
+    assert len(stored) >= 2 and all(s.startswith(("s4[1,", "s8[1,")) for s in stored)
+    assert not any(s.startswith("f32[1,64,") for s in run["all_gathers"])
     # Native int4, sharded, through quant.save and quant.load: placed as the
     # sharded `like` (the split values' groups along w2's sharded inputs).
-    native = out["int4-native"]
+    native = out["native_files"]
     assert native["specs"] == [
         "P(None, None, None, 'fsdp')",
         "P(None, 'fsdp', None, None)",

@@ -44,8 +44,10 @@ def main() -> None:
     out: dict[str, object] = {
         "float": specs(sharding.model_shardings(model, mesh, min_size=0))
     }
-    for kind in ("int8", "int4", "fp8"):
-        q = quant.quantize(model, TARGETS, kind=kind, group_size=32)
+    for kind in ("int8", "int4", "fp8", "int4-native"):
+        storage = "native" if kind.endswith("native") else "packed"
+        q = quant.quantize(model, TARGETS, kind=kind.split("-")[0], group_size=32,
+                           int4_storage=storage)  # fmt: skip
         placed, _, batch = sharding.shard(q, batch=x, mesh=mesh, min_size=0)
 
         # Gradients of the float arrays (the scales, the norms' scale); the
@@ -75,7 +77,7 @@ def main() -> None:
             "err_grads": err,
             "all_gathers": collectives(hlo, "all-gather"),
         }
-    out["int4-native"] = native_files(model, mesh, x)
+    out["native_files"] = native_files(model, mesh, x)
     out["quantize_file"] = quantized_from_file(model, mesh, x)
     print(json.dumps(out))
 
