@@ -333,16 +333,16 @@ def _packed_like(q: object) -> object:
         return q
     shape = list(q.shape)  # the float weight's: native values may be split
     shape[-2 if q.orientation == "x@W" else -1] //= 2
+    packed = jax.ShapeDtypeStruct(tuple(shape), np.uint8)
     sharding = getattr(q.values, "sharding", None)
-    if q.split and isinstance(sharding, NamedSharding):
-        # `[..., groups, g, out]` placed as `[..., in // 2, out]`: the input
-        # axis as the groups are (`g` is left unsharded).
+    if isinstance(sharding, NamedSharding):
+        # As the native values, where the halved input axis divides;
+        # `[..., groups, g, out]` as `[..., in // 2, out]`, the input axis as
+        # the groups are (`g` is left unsharded).
         spec = (*sharding.spec, *(None,) * (q.values.ndim - len(sharding.spec)))
-        packed = PartitionSpec(*spec[:-2], spec[-1])
-        sharding = NamedSharding(
-            sharding.mesh, packed, memory_kind=sharding.memory_kind
-        )
-    values = jax.ShapeDtypeStruct(tuple(shape), np.uint8, sharding=sharding)
+        spec = PartitionSpec(*spec[:-2], spec[-1]) if q.split else PartitionSpec(*spec)
+        sharding = stored_sharding(packed, packed.ndim, spec, sharding.mesh)
+    values = jax.ShapeDtypeStruct(packed.shape, np.uint8, sharding=sharding)
     return eqx.tree_at(lambda q: q.values, q, values)  # a description: no checks
 
 

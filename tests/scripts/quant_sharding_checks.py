@@ -16,6 +16,7 @@ import tempfile  # noqa: E402
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 import eqxscan  # noqa: E402
 from eqxscan import quant, sharding  # noqa: E402
@@ -111,6 +112,10 @@ def quantized_from_file(model, mesh, x) -> dict[str, object]:
     return out
 
 
+class _Holder(eqx.Module):
+    w: jax.Array
+
+
 def native_files(model, mesh, x) -> dict[str, object]:
     # Native int4 (split `[L, groups, g, out]` for "x@W"), sharded, saved and
     # loaded into a sharded native `like`: placed as `like`, the same numbers.
@@ -125,7 +130,24 @@ def native_files(model, mesh, x) -> dict[str, object]:
         quant.save(os.path.join(tmp, "q.safetensors"), placed)
         back = quant.load(os.path.join(tmp, "q.safetensors"), like)
     layers, wanted = back.blocks.layers, like.blocks.layers
+    # A "W@x" weight whose inputs (8) are sharded 8 ways natively but whose
+    # packed bytes (4) cannot be: the file is read unsharded, then placed.
+    w = jax.random.normal(jax.random.key(2), (LAYERS, 16, 8))
+    stack = eqxscan.Stacked.from_layers([_Holder(wi) for wi in w])
+    kw = dict(kind="int4", group_size=None, orientation="W@x", int4_storage="native")
+    small = quant.quantize(stack, "*.w", **kw)
+    placed = NamedSharding(mesh, PartitionSpec(None, None, "fsdp"))
+    small = eqx.tree_at(
+        lambda m: m.layers.w.values,
+        small,
+        jax.device_put(small.layers.w.values, placed),
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        quant.save(os.path.join(tmp, "small.safetensors"), small)
+        small_back = quant.load(os.path.join(tmp, "small.safetensors"), small)
     return {
+        "small_as_like": small_back.layers.w.values.sharding == placed
+        and bool(jnp.all(small_back.layers.w.values == small.layers.w.values)),
         "specs": [str(getattr(layers, w).values.sharding.spec) for w in ("w1", "w2")],
         "as_like": all(
             getattr(layers, w).values.sharding == getattr(wanted, w).values.sharding
