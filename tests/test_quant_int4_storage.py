@@ -342,3 +342,31 @@ def test_equinox_serialisation_of_native_int4_never_reads_other_values(tmp_path)
         assert "w1.values" in str(e)
     else:
         np.testing.assert_array_equal(direct(x), native(x))
+
+
+def test_abstract_conversions_keep_the_placement():
+    # `eval_shape` drops shardings: a converted abstract weight is described
+    # where the held one would lie (the groups of split values as the inputs,
+    # `g` unsharded), with its scales as they were.
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from eqxscan import sharding
+
+    mesh = sharding.make_mesh(fsdp=1)
+    q = quant.quantize(_mlp(dim=128), TARGETS, kind="int4", group_size=32,
+                       int4_storage="packed").blocks.layers.w2  # fmt: skip
+    placed = lambda a, *spec: jax.ShapeDtypeStruct(  # noqa: E731
+        a.shape, a.dtype, sharding=NamedSharding(mesh, P(*spec))
+    )
+    abstract = eqx.tree_at(
+        lambda q: (q.values, q.scales),
+        q,
+        (placed(q.values, None, "fsdp", None), placed(q.scales, None, "fsdp", None)),
+    )
+    native = quant.with_int4_storage(abstract, "native")
+    assert native.values.shape == (3, 16, 32, 128) and native.split
+    assert native.values.sharding.spec == P(None, "fsdp", None, None)
+    assert native.scales.sharding == abstract.scales.sharding
+    back = quant.with_int4_storage(native, "packed")
+    assert back.values.shape == q.values.shape
+    assert back.values.sharding.spec == P(None, "fsdp", None)

@@ -132,7 +132,7 @@ def test_fsdp_on_eight_devices():
     ], native
     assert native["as_like"] and native["dtype"] == "int4", native
     assert native["max_diff"] == 0.0, native
-    assert native["small_as_like"], native
+    assert native["small_as_like"] and native["described_as_like"], native
     # quantize_file into a sharded float `like`: placed as model_shardings
     # places the quantized model (native int4's split values included).
     from_file = out["quantize_file"]

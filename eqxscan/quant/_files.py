@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 from jaxtyping import PyTree
 
 from .. import from_state_dict, save_safetensors
@@ -327,23 +327,14 @@ def load(path: str | os.PathLike, like: T) -> T:
 
 
 def _packed_like(q: object) -> object:
-    """A native int4 `Quantized` of `like` with its values described packed, as
-    files hold them (shape and placement, no conversion of `like`'s arrays)."""
+    """A native int4 `Quantized` of `like` described packed, as files hold it
+    (shapes and placement only: `like`'s arrays are not converted)."""
     if not isinstance(q, Quantized) or not q.native:
         return q
-    shape = list(q.shape)  # the float weight's: native values may be split
-    shape[-2 if q.orientation == "x@W" else -1] //= 2
-    packed = jax.ShapeDtypeStruct(tuple(shape), np.uint8)
-    sharding = getattr(q.values, "sharding", None)
-    if isinstance(sharding, NamedSharding):
-        # As the native values, where the halved input axis divides;
-        # `[..., groups, g, out]` as `[..., in // 2, out]`, the input axis as
-        # the groups are (`g` is left unsharded).
-        spec = (*sharding.spec, *(None,) * (q.values.ndim - len(sharding.spec)))
-        spec = PartitionSpec(*spec[:-2], spec[-1]) if q.split else PartitionSpec(*spec)
-        sharding = stored_sharding(packed, packed.ndim, spec, sharding.mesh)
-    values = jax.ShapeDtypeStruct(packed.shape, np.uint8, sharding=sharding)
-    return eqx.tree_at(lambda q: q.values, q, values)  # a description: no checks
+    v = q.values
+    placed = getattr(v, "sharding", None)
+    described = jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=placed)
+    return with_int4_storage(eqx.tree_at(lambda q: q.values, q, described), "packed")
 
 
 def _held_as(loaded: object, like: object) -> object:

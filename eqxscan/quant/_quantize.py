@@ -10,10 +10,19 @@ import jax.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from jaxtyping import Array, PyTree
 
 from .. import Target
-from .._internal import Checked, describe, for_each, layer_names, replace_weights, Site
+from .._internal import (
+    Checked,
+    describe,
+    for_each,
+    layer_names,
+    replace_weights,
+    Site,
+    stored_sharding,
+)
 from ._quantized import (
     GROUP_SIZES,
     INT4_STORAGES,
@@ -197,10 +206,25 @@ def with_int4_storage(
         if not isinstance(x, Quantized):
             return x
         if isinstance(x.values, jax.ShapeDtypeStruct):  # an abstract model's
-            return jax.eval_shape(lambda q: with_storage(q, to), x)
+            return _described(jax.eval_shape(lambda q: with_storage(q, to), x), x)
         return _converted(x, to)
 
     return jtu.tree_map(convert, model, is_leaf=is_quantized)
+
+
+def _described(out: Quantized, q: Quantized) -> Quantized:
+    """`out`, abstract `q` converted, placed as `q` is (`eval_shape` drops the
+    placement): its scales as `q`'s, its values along the float weight's axes
+    that `q`'s values are sharded along, where they divide."""
+    sharding = getattr(q.values, "sharding", None)
+    if isinstance(sharding, NamedSharding):
+        spec = (*sharding.spec, *(None,) * (q.values.ndim - len(sharding.spec)))
+        spec = PartitionSpec(*spec[:-2], spec[-1]) if q.split else PartitionSpec(*spec)
+        sharding = stored_sharding(out.values, out.ndim, spec, sharding.mesh)
+    elif not isinstance(sharding, SingleDeviceSharding):
+        sharding = None  # another kind may name the old axes
+    values = jax.ShapeDtypeStruct(out.values.shape, out.values.dtype, sharding=sharding)
+    return eqx.tree_at(lambda o: (o.values, o.scales), out, (values, q.scales))
 
 
 @eqx.filter_jit

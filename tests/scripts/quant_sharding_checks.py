@@ -126,9 +126,20 @@ def native_files(model, mesh, x) -> dict[str, object]:
     like = sharding.shard(quant.quantize(other, TARGETS, **kw), mesh=mesh, min_size=0)[
         0
     ]
+    # The same `like` described (shapes and shardings only), as a restore
+    # onto a mesh builds it without allocating.
+    described = jax.tree.map(
+        lambda a: (
+            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+            if isinstance(a, jax.Array)
+            else a
+        ),
+        like,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         quant.save(os.path.join(tmp, "q.safetensors"), placed)
         back = quant.load(os.path.join(tmp, "q.safetensors"), like)
+        from_described = quant.load(os.path.join(tmp, "q.safetensors"), described)
     layers, wanted = back.blocks.layers, like.blocks.layers
     # A "W@x" weight whose inputs (8) are sharded 8 ways natively but whose
     # packed bytes (4) cannot be: the file is read unsharded, then placed.
@@ -152,6 +163,14 @@ def native_files(model, mesh, x) -> dict[str, object]:
         "as_like": all(
             getattr(layers, w).values.sharding == getattr(wanted, w).values.sharding
             for w in ("w1", "w2")
+        ),
+        "described_as_like": all(
+            a.sharding.is_equivalent_to(b.sharding, a.ndim)
+            for a, b in zip(
+                jax.tree.leaves(eqx.filter(from_described, eqx.is_array)),
+                jax.tree.leaves(eqx.filter(like, eqx.is_array)),
+                strict=True,
+            )
         ),
         "dtype": str(layers.w1.values.dtype),
         "max_diff": float(jnp.max(jnp.abs(back(x) - q(x)))),
