@@ -353,20 +353,25 @@ def test_abstract_conversions_keep_the_placement():
     from eqxscan import sharding
 
     mesh = sharding.make_mesh(fsdp=1)
-    q = quant.quantize(_mlp(dim=128), TARGETS, kind="int4", group_size=32,
-                       int4_storage="packed").blocks.layers.w2  # fmt: skip
-    placed = lambda a, *spec: jax.ShapeDtypeStruct(  # noqa: E731
+    layers = quant.quantize(_mlp(dim=128), TARGETS, kind="int4", group_size=32,
+                            int4_storage="packed").blocks.layers  # fmt: skip
+    placed = lambda a, spec: jax.ShapeDtypeStruct(  # noqa: E731
         a.shape, a.dtype, sharding=NamedSharding(mesh, P(*spec))
     )
-    abstract = eqx.tree_at(
-        lambda q: (q.values, q.scales),
-        q,
-        (placed(q.values, None, "fsdp", None), placed(q.scales, None, "fsdp", None)),
-    )
-    native = quant.with_int4_storage(abstract, "native")
-    assert native.values.shape == (3, 16, 32, 128) and native.split
-    assert native.values.sharding.spec == P(None, "fsdp", None, None)
-    assert native.scales.sharding == abstract.scales.sharding
-    back = quant.with_int4_storage(native, "packed")
-    assert back.values.shape == q.values.shape
-    assert back.values.sharding.spec == P(None, "fsdp", None)
+    # w2 sharded along its inputs, w1 along its outputs.
+    for q, spec, split in [
+        (layers.w2, (None, "fsdp", None), (None, "fsdp", None, None)),
+        (layers.w1, (None, None, "fsdp"), (None, None, None, "fsdp")),
+    ]:
+        abstract = eqx.tree_at(
+            lambda q: (q.values, q.scales),
+            q,
+            (placed(q.values, spec), placed(q.scales, spec)),
+        )
+        native = quant.with_int4_storage(abstract, "native")
+        assert native.values.ndim == 4 and native.split
+        assert native.values.sharding.spec == P(*split)
+        assert native.scales.sharding == abstract.scales.sharding
+        back = quant.with_int4_storage(native, "packed")
+        assert back.values.shape == q.values.shape
+        assert back.values.sharding.spec == P(*spec)
