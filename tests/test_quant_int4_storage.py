@@ -375,3 +375,22 @@ def test_abstract_conversions_keep_the_placement():
         back = quant.with_int4_storage(native, "packed")
         assert back.values.shape == q.values.shape
         assert back.values.sharding.spec == P(*spec)
+
+
+def test_eqxscan_load_of_a_quantized_file_into_a_native_model_points_to_quant_load(
+    tmp_path,
+):
+    # Files hold int4 packed: the generic loader cannot fit them to native
+    # values, and says which loader can.
+    native = quant.quantize(_mlp(), TARGETS, kind="int4", group_size=32,
+                            int4_storage="native")  # fmt: skip
+    path = tmp_path / "q.safetensors"
+    quant.save(path, native)
+    with pytest.raises(ValueError) as e:
+        eqxscan.load(path, native)
+    message = str(e.value)
+    assert "'blocks.0.w1.values': model has int4[2, 32, 256]" in message
+    assert message.splitlines()[-1].startswith("Hint: the file holds quantized")
+    assert "eqxscan.quant.load(path, like)" in message
+    back = quant.load(path, native)
+    np.testing.assert_array_equal(back(jnp.ones((2, 64))), native(jnp.ones((2, 64))))
