@@ -30,7 +30,6 @@ def follow_float_weights(
             return specs
         w = cast(StandsForWeight, node)
         spec = spec_of(jax.ShapeDtypeStruct(w.shape, w.dtype), w.ndim - 2, path)
-
         # Its array leaves are the stored arrays; `stored_arrays()` itself is
         # typed to return arrays, not shardings nor `eval_shape`'s structs.
         return jtu.tree_map(lambda a: stored_sharding(a, w.ndim, spec, mesh), node)
