@@ -387,7 +387,7 @@ def test_measure_counts_flops_and_residuals():
     c = jnp.ones(n)
     xs = jnp.ones((5, n))
     jaxpr = jax.make_jaxpr(step)(c, xs[0])
-    got = _auto.measure_traced(jaxpr, 1, (c, xs), 5)
+    got = _auto.measure_traced(jaxpr, 1, (c, xs), 5, "cpu")
     assert got.length == 5
     assert got.flops == 2 * n * n + n + n  # matmul, add, tanh
     assert got.carry_bytes == 4 * n
@@ -668,26 +668,64 @@ def test_memory_bound_layers_are_unrolled_fully_off_cpu_only():
     assert pick(bound, platform="cpu")[1::2] == (1, "scan")
     assert pick(bound, platform="tpu", over="time")[1::2] == (1, "scan")
     assert pick(bound, platform="tpu", gathered=True)[1::2] == (1, "sharded")
-    few = cost(length=16, flops=bound.flops, xs_bytes=weights, xs_integer_bytes=1)
+    few = cost(length=16, flops=bound.flops, xs_bytes=weights, xs_copied_bytes=1)
     assert pick(few, platform="tpu")[1::2] == (True, "memory-bound")
-    quantized = cost(
-        length=16, flops=bound.flops, xs_bytes=weights, xs_integer_bytes=weights // 2
+    edge = cost(
+        length=16, flops=bound.flops, xs_bytes=weights, xs_copied_bytes=weights // 100
     )
-    assert pick(quantized, platform="tpu")[1::2] == (1, "scan")
+    assert pick(edge, platform="tpu")[1::2] == (True, "memory-bound")
+    packed = cost(
+        length=16,
+        flops=bound.flops,
+        xs_bytes=weights,
+        xs_copied_bytes=weights // 100 + 1,
+    )
+    assert pick(packed, platform="tpu")[1::2] == (1, "scan")
     assert "FLOPs per byte" in _auto.decide(bound, "auto", "auto", "tpu").reason
 
 
-def test_a_quantized_stack_counts_its_integer_weight_bytes():
-    # The memory-bound unroll leaves quantized stacks scanned: the measured cost
-    # must see their integer values among a step's inputs.
-    model = eqxscan.StackedMLP(256, 4, key=jr.key(0))
+@pytest.mark.parametrize("platform", ["cpu", "tpu"])
+def test_a_quantized_stack_counts_the_bytes_it_unpacks(monkeypatch, platform):
+    # The memory-bound unroll keeps a stack scanned when its step unpacks
+    # integer weights bit by bit (unrolled, XLA:TPU unpacked packed int4 for
+    # every layer at once) or hands them to a kernel (copied out of the stack),
+    # on the platform's own branch of the quantized product: fp8 is decoded so
+    # on CPU only; int8 and native int4 never are.
+    monkeypatch.setattr(jax, "default_backend", lambda: platform)
+    model = eqxscan.StackedMLP(256, 16, key=jr.key(0))
     x = jax.ShapeDtypeStruct((8, 256), jnp.float32)
     (plain,) = eqxscan.explain_auto(model, x)
-    assert plain.cost.xs_integer_bytes * 100 <= plain.cost.xs_bytes
-    q = eqxscan.quant.quantize(model, ["blocks.*.w1", "blocks.*.w2"], kind="int8")
-    (choice,) = eqxscan.explain_auto(q, x)
-    # Two int8 [256, 1024] values, and the layer number as before.
-    assert choice.cost.xs_integer_bytes == 2 * 256 * 1024 + plain.cost.xs_integer_bytes
+    assert plain.cost.xs_copied_bytes == 0
+    # One layer's w1 and w2 values at one byte a weight, and at half a byte.
+    byte, nibble = 2 * 256 * 1024, 256 * 1024
+    where = ["blocks.*.w1", "blocks.*.w2"]
+    int4 = eqxscan.quant.quantize(model, where, kind="int4")
+    stacks = {
+        "int8": (eqxscan.quant.quantize(model, where, kind="int8"), 0),
+        "fp8": (
+            eqxscan.quant.quantize(model, where, kind="fp8"),
+            byte if platform == "cpu" else 0,
+        ),
+        "packed": (eqxscan.quant.with_int4_storage(int4, "packed"), nibble),
+        "native": (eqxscan.quant.with_int4_storage(int4, "native"), 0),
+        # The Pallas kernel (in its interpreter: a `pallas_call` all the same)
+        # is handed the values and their scales.
+        "kernel": (
+            eqxscan.quant.quantize(model, where, kind="int8", kernel="interpret"),
+            byte + 4 * (1024 + 256),
+        ),
+    }
+    for name, (q, unpacked) in stacks.items():
+        (choice,) = eqxscan.explain_auto(q, x)
+        values = byte if name in ("int8", "fp8", "kernel") else nibble
+        assert choice.cost.xs_bytes >= values, name
+        assert choice.cost.xs_copied_bytes == unpacked, name
+        # A decode step of 16 layers: unrolled fully off CPU unless unpacked.
+        unrolled = platform != "cpu" and not unpacked
+        assert (choice.rule.unroll == "memory-bound") is unrolled, name
+        assert (choice.unroll is True) is unrolled, name
+        if platform != "cpu" and unpacked:
+            assert "handed to a kernel" in choice.reason, name
 
 
 def test_auto_policy_saves_products_in_their_readers_layout():

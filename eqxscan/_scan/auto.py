@@ -63,7 +63,7 @@ class Thresholds:
     memory_bound_layers: int = 32
     #: ... whose step does at most this many FLOPs per byte of its weights (a
     #: decode step: the scan's per-step cost is not hidden behind its work).
-    memory_bound_intensity: int = 32
+    memory_bound_intensity: int = 256
 
 
 #: The thresholds `"auto"` uses.
@@ -102,9 +102,11 @@ class StepCost:
     carry_arrays: int = 1
     #: Bytes of one step's own inputs (a layer's weights and per-layer values).
     xs_bytes: int = 0
-    #: Of those, the bytes of integer arrays (quantized weights' values; the
-    #: memory-bound unroll allows 1% of them: a layer's number, small tables).
-    xs_integer_bytes: int = 0
+    #: Of those, the bytes that unrolled, XLA copies or converts out of the
+    #: stack for all layers at once instead of reading them in place: integers
+    #: the step unpacks by bit shifts (int4 held packed), and anything it hands
+    #: to a kernel (Pallas, FFI). The memory-bound unroll allows 1% of them.
+    xs_copied_bytes: int = 0
 
     @property
     def copies_total(self) -> int:
@@ -136,12 +138,13 @@ def unroll_rule(
         and platform not in t.cpu_platforms
         and 1 < cost.length <= t.memory_bound_layers
         and cost.flops <= t.memory_bound_intensity * cost.xs_bytes
-        and cost.xs_integer_bytes * 100 <= cost.xs_bytes
+        and cost.xs_copied_bytes * 100 <= cost.xs_bytes
     ):
-        # Measured on a TPU v5e (16 layers, B=8, D=2048 decode): the unrolled
-        # step reads each layer's float weights in place, as the loop does; but
-        # unrolled, XLA unpacked int4 weights for all layers at once (902 MiB
-        # of temp, 3.6x slower), so quantized stacks stay scans.
+        # Measured on a TPU v5e (16 layers, D=2048 decode): unrolled, the step
+        # reads each layer's weights in place (float, int8, fp8, native int4),
+        # as the loop does; but XLA unpacked packed int4 bytes for all layers
+        # at once (902 MiB of temp, 3.6x slower) and copied the Pallas
+        # kernel's int8 operands (386 MiB, 1.7x slower): those stay scans.
         return "memory-bound"
     if cost.length <= t.short_scan and cost.length * cost.flops < t.unroll_flops:
         if over == "layers" and cost.copies_total > t.unroll_copies:
@@ -208,8 +211,16 @@ def _unroll_reason(rule: AutoRule, cost: StepCost) -> str:
     }
     if rule.unroll in said:
         return said[rule.unroll]
-    why = ""  # why a scan over time on CPU was not unrolled by `time_unroll`
-    if rule.over == "time" and on in t.cpu_platforms:
+    why = ""  # why a scan was kept that the memory-bound or time rule might unroll
+    in_place = dataclasses.replace(cost, xs_copied_bytes=0)  # as if read in place
+    if rule.unroll == "scan" and unroll_rule(in_place, on, False, rule.over, t) == (
+        "memory-bound"
+    ):
+        why = (
+            f", {size_label(cost.xs_copied_bytes)} of each step's inputs unpacked "
+            "by bit shifts or handed to a kernel (unrolled, copied for all steps)"
+        )
+    elif rule.over == "time" and on in t.cpu_platforms:
         if cost.carry_arrays != 1:
             why = f", {cost.carry_arrays} carried arrays"
         elif cost.flops < t.time_unroll_flops:
@@ -331,9 +342,12 @@ def _size(aval: jax.core.AbstractValue) -> int:
 
 
 def _nbytes(aval: jax.core.AbstractValue) -> int:
-    # A PRNG key's extended dtype has an itemsize too.
-    isarray = isinstance(aval, jax.core.ShapedArray)
-    return _size(aval) * aval.dtype.itemsize if isarray else 0
+    # A PRNG key's extended dtype has an itemsize too; int4 is half a byte.
+    if not isinstance(aval, jax.core.ShapedArray):
+        return 0
+    d = aval.dtype
+    bits = jnp.iinfo(d).bits if jnp.issubdtype(d, jnp.integer) else 8 * d.itemsize
+    return (_size(aval) * bits + 7) // 8
 
 
 def _saved_bytes(jaxpr: jcore.ClosedJaxpr, n_carry: int, policy: Policy | None) -> int:
@@ -381,6 +395,85 @@ def _flops(jaxpr: jcore.Jaxpr) -> int:
     return total
 
 
+_SHIFTS = frozenset({"shift_left", "shift_right_arithmetic", "shift_right_logical"})
+_KERNELS = frozenset({"pallas_call", "ffi_call"})
+# What keeps an input's bits (moves, views, casts, masks); any other
+# equation's outputs are new values.
+_SAME_BITS = frozenset(
+    {
+        "convert_element_type",
+        "bitcast_convert_type",
+        "reshape",
+        "transpose",
+        "squeeze",
+        "expand_dims",
+        "broadcast_in_dim",
+        "slice",
+        "dynamic_slice",
+        "copy",
+        "copy_p",
+        "and",
+        "or",
+        "not",
+        "xor",
+    }
+)
+
+
+def _copied_inputs(jaxpr: jcore.Jaxpr, platform: str) -> set[int]:
+    """Positions of `jaxpr`'s inputs that reach a kernel's operands, or, for
+    integers, a bit shift, with their bits kept on the way: on `platform`'s
+    branch of each `jax.lax.platform_dependent`."""
+    found: set[int] = set()
+    integer = {
+        i
+        for i, v in enumerate(jaxpr.invars)
+        if isinstance(v.aval, jax.core.ShapedArray)
+        and jnp.issubdtype(v.aval.dtype, jnp.integer)
+    }
+    none: frozenset[int] = frozenset()
+
+    def walk(jaxpr: jcore.Jaxpr, into: list[frozenset[int]]) -> list[frozenset[int]]:
+        # `into[k]`: the outer inputs whose bits invar `k` holds; returns the
+        # same for each output.
+        came: dict[jcore.Var, frozenset[int]] = dict(zip(jaxpr.invars, into))
+
+        def of(v: object) -> frozenset[int]:
+            return came.get(v, none) if isinstance(v, jcore.Var) else none
+
+        for eqn in jaxpr.eqns:
+            ins = [of(v) for v in eqn.invars]
+            every = none.union(*ins)
+            outs = [none] * len(eqn.outvars)
+            name = eqn.primitive.name
+            if name in _KERNELS:
+                found.update(every)
+            elif name in _SHIFTS:
+                found.update(every & integer)
+            elif name in _SAME_BITS:
+                outs = [every] * len(eqn.outvars)
+            elif subs := _sub_jaxprs(eqn.params):
+                if name == "cond":
+                    ins = ins[1:]  # the branch index
+                    if (where := eqn.params.get("branches_platforms")) is not None:
+                        named = [i for i, p in enumerate(where) if p and platform in p]
+                        default = [i for i, p in enumerate(where) if p is None]
+                        subs = [subs[i] for i in (named or default)] or subs
+                for sub in subs:
+                    # Inputs in order where the counts agree (calls, branches,
+                    # scans); otherwise every inner input from every outer one.
+                    same = len(sub.invars) == len(ins)
+                    got = walk(sub, ins if same else [every] * len(sub.invars))
+                    if len(got) == len(outs):
+                        outs = [o | g for o, g in zip(outs, got)]
+            for v, o in zip(eqn.outvars, outs):
+                came[v] = o
+        return [of(v) for v in jaxpr.outvars]
+
+    walk(jaxpr, [frozenset({i}) for i in range(len(jaxpr.invars))])
+    return found
+
+
 def _vmapped_size(x: object) -> int:
     """How many copies of `x` `jax.vmap` runs at once (1 outside `vmap`, or
     behind a `jit` inside it): the traced step's shapes are per example."""
@@ -411,17 +504,16 @@ def measure_traced(
     n_carry: int,
     values: PyTree[jax.Array],
     length: int,
+    platform: str,
 ) -> StepCost:
     """The [`StepCost`][eqxscan.remat.StepCost] of a step traced once to `jaxpr` (whose
     first `n_carry` inputs are the carry's leaves) over `length` steps, for the
-    whole `vmap` batch of `values` (the carry and `xs`) when there is one."""
+    whole `vmap` batch of `values` (the carry and `xs`) when there is one, as
+    it runs on `platform`."""
     batch = max([_vmapped_size(a) for a in jtu.tree_leaves(values)] or [1])
     carry, xs = jaxpr.in_avals[:n_carry], jaxpr.in_avals[n_carry:]
-    ints = [
-        a
-        for a in xs
-        if isinstance(a, jax.core.ShapedArray) and jnp.issubdtype(a.dtype, jnp.integer)
-    ]
+    copied = _copied_inputs(jaxpr.jaxpr, platform)
+    copied_xs = [a for i, a in enumerate(xs, n_carry) if i in copied]
     return StepCost(
         length=length,
         flops=batch * _flops(jaxpr.jaxpr),
@@ -430,7 +522,7 @@ def measure_traced(
         policy_saved_bytes=batch * _saved_bytes(jaxpr, n_carry, matmul_policy),
         carry_arrays=n_carry,
         xs_bytes=batch * sum(map(_nbytes, xs)),
-        xs_integer_bytes=batch * sum(map(_nbytes, ints)),
+        xs_copied_bytes=batch * sum(map(_nbytes, copied_xs)),
     )
 
 
@@ -452,10 +544,11 @@ def resolve(
     to `traced` (see `measure_traced`); other values pass through."""
     if not remat.is_rule and not isinstance(unroll, str):  # no "auto"
         return remat, unroll
-    cost = measure_traced(traced.jaxpr, traced.n_carry, values, length)
+    platform = jax.default_backend()
+    cost = measure_traced(traced.jaxpr, traced.n_carry, values, length, platform)
     # The rule sees the value as a plain `remat=` option ("auto" when it chooses).
     given = remat if remat.named else remat.policy
-    choice = decide(cost, given, unroll, jax.default_backend(), gathered, over, where)
+    choice = decide(cost, given, unroll, platform, gathered, over, where)
     # The lists of the `explain_auto` calls open in this context.
     for record in call_state().auto_records:
         record.append(choice)
