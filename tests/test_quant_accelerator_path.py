@@ -49,11 +49,13 @@ def test_accelerator_products_match_the_cpu_ones(monkeypatch, fmt):
     x = jr.normal(jr.key(1), (5, 64))
     want_y, want_g, want_gx = _run(model, x)
     monkeypatch.setattr(jax.lax, "platform_dependent", _accelerator_branch)
-    # Scanned, as `"auto"` runs a quantized stack off CPU (a loop's layers take
-    # the same per-layer product).
+    # Scanned, and unrolled fully, as `"auto"` runs a decode step off CPU
+    # (unless the product unpacks bits: packed int4).
     y, g, gx = _run(model, x)
     scale = float(jnp.abs(want_y).max())
     np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5 * scale)
+    unrolled = eqx.filter_jit(lambda m, x: m(x))(model.with_options(unroll=True), x)
+    np.testing.assert_allclose(unrolled, want_y, rtol=1e-5, atol=1e-5 * scale)
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(want_g), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(gx, want_gx, rtol=1e-4, atol=1e-7)
