@@ -409,7 +409,6 @@ _SAME_BITS = frozenset(
         "expand_dims",
         "broadcast_in_dim",
         "slice",
-        "dynamic_slice",
         "copy",
         "copy_p",
         "and",
