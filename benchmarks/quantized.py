@@ -8,8 +8,9 @@ bytes over the steady step, as a fraction of the rate a sum reads at),
 for float32, bfloat16, int8, int4 (groups of 128; `int4-channel`: a scale per
 output channel) and fp8, each scanned
 (`mode="scan"`, `unroll=1`), unrolled (`mode="loop"`) and as eqxscan's default
-options choose, side by side. Then
-each quantized kind's accuracy against float32: the worst relative Frobenius
+options choose, side by side. Then, for each size, the decode targets (the
+default's steady step against the loop's and bfloat16's, and HBM's rate) met or
+missed, and each quantized kind's accuracy against float32: the worst relative Frobenius
 error of a layer's weight (`quant.report`) and the output's largest difference.
 
     python -m benchmarks.quantized            # B = 1 and 8, L = 16, D = 512
@@ -165,6 +166,55 @@ def hbm_read_rate(nbytes: int = 2**30) -> float | None:
     return nbytes / statistics.median(_back_to_back(lambda: total(x)) for _ in range(5))
 
 
+def decode_targets(
+    rows: list[dict], layers: int, rate: float | None
+) -> list[tuple[str, str, bool | None]]:
+    """The decode targets of one size's `rows` (from `measure`), each as
+    `(target, measured, met)`: ratios within the run, and fractions of the
+    `rate` HBM reads at (`met` is `None` where not measured: no `rate` on a
+    CPU, or a format missing)."""
+    by = {(r["format"], r["step"]): r for r in rows}
+    out: list[tuple[str, str, bool | None]] = []
+
+    def steady(fmt: str, step: str = "default") -> float | None:
+        return by[fmt, step]["steady_ms"] if (fmt, step) in by else None
+
+    def ratio(name: str, a: float | None, b: float | None, bound: float) -> None:
+        if a is None or b is None:
+            out.append((name, "not measured", None))
+        else:
+            out.append((name, f"{a / b:.2f}x", a / b <= bound))
+
+    scan, loop = by.get(("float32", "scan")), by.get(("float32", "unrolled"))
+    if scan and loop:
+        layer = scan["bytes"] / layers
+        extra = (scan["temp"] - loop["temp"]) / 2**20
+        out.append(
+            (
+                "float32 scan temp <= the loop's + one layer",
+                f"{extra:+.2f} MiB (a layer {layer / 2**20:.1f})",
+                scan["temp"] <= loop["temp"] + layer,
+            )
+        )
+    ratio(
+        "float32 default step <= 1.0x the loop",
+        steady("float32"),
+        steady("float32", "unrolled"),
+        1.0,
+    )
+    for fmt, floor in (("bfloat16", 0.8), ("int8", 0.7)):
+        ms = steady(fmt)
+        if rate is None or ms is None:
+            out.append((f"{fmt} >= {floor:.0%} of HBM", "not measured", None))
+            continue
+        read = by[fmt, "default"]["bytes"] / rate / (ms / 1e3)
+        out.append((f"{fmt} >= {floor:.0%} of HBM", f"{read:.0%}", read >= floor))
+    ratio("int8 <= 0.6x bfloat16", steady("int8"), steady("bfloat16"), 0.6)
+    ratio("int4 <= 0.4x bfloat16", steady("int4"), steady("bfloat16"), 0.4)
+    ratio("fp8 <= int8", steady("fp8"), steady("int8"), 1.0)
+    return out
+
+
 def accuracy(layers: int, dim: int) -> list[dict]:
     """Each quantized kind against the float32 model on 8 random rows."""
     float_model = model_of("float32", dim, layers)
@@ -236,11 +286,13 @@ def main() -> None:
         f"{'temp MiB':>10}{'accessed MiB':>13}{'compile s':>10}{'step ms':>9}"
         f"{'steady ms':>10}{'of HBM':>7}"
     )
+    sized = []
     for batch, layers, dim in itertools.product(args.batch, args.layers, args.dim):
         try:
             rows = measure(
                 batch, layers, dim, args.repeats, tuple(args.kernel), args.compute
             )
+            sized.append(((batch, layers, dim), rows))
         except Exception as e:
             if (message := out_of_memory(e)) is None:
                 raise
@@ -258,6 +310,13 @@ def main() -> None:
                     else f"{100 * r['bytes'] / rate / (r['steady_ms'] / 1e3):>6.0f}%"
                 )
             )
+    # The targets docs/benchmarks.md measures against (the default's steady
+    # steps; set for B=8, L=16, D=2048 on an accelerator).
+    for (batch, layers, dim), rows in sized:
+        print(f"\nTargets at B={batch}, L={layers}, D={dim}")
+        for target, measured, met in decode_targets(rows, layers, rate):
+            verdict = {True: "met", False: "missed", None: "not measured"}[met]
+            print(f"  {target:<44}{measured:>28}  {verdict}")
     print("\nAccuracy against float32 (8 random rows)")
     print(
         f"{'L':>3} {'D':>5} {'format':<13}{'worst rel. error':>17}"

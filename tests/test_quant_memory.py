@@ -67,7 +67,13 @@ def test_benchmark_smoke(monkeypatch, capsys):
 
     monkeypatch.setattr("sys.argv", ["quantized", "--tiny"])
     bench.main()
-    timing, accuracy = capsys.readouterr().out.split("\n\nAccuracy")
+    timing, rest = capsys.readouterr().out.split("\n\nTargets")
+    targets, accuracy = rest.split("\n\nAccuracy")
+    # The targets, each with a verdict; HBM's fractions not measured on a CPU.
+    verdicts = {t.split("  ")[1].strip(): t for t in targets.splitlines()[1:]}
+    assert len(verdicts) == 7
+    assert all(t.endswith("not measured") for k, t in verdicts.items() if "HBM" in k)
+    assert all(t.endswith(("met", "missed")) for k, t in verdicts.items() if "x" in k)
     rows = [r.split() for r in timing.splitlines()[2:]]
     assert [(r[3], r[4]) for r in rows] == [
         (f, s) for f in bench.FORMATS for s in bench.STEPS
@@ -88,6 +94,45 @@ def test_benchmark_smoke(monkeypatch, capsys):
     scale = float(jnp.abs(bench.model_of("float32", 128, 2)(x)).max())
     assert all(float(v[2]) == round(scale, 2) for v in acc.values())
     assert all(0 < float(v[1]) < scale for v in acc.values())
+
+
+def test_benchmark_decode_targets_on_both_sides():
+    # `decode_targets` against rows of a run: each target met, then missed
+    # by a step just past its bound; HBM's fractions from the read rate.
+    from benchmarks.quantized import decode_targets
+
+    layer, rate = 2**20, 10**9  # a layer's float32 bytes; bytes per second
+
+    def rows(**ms):
+        t = dict(loop=2.0, float32=2.0, bfloat16=1.0, int8=0.6, int4=0.4, fp8=0.6)
+        t |= ms
+        f32 = dict(format="float32", bytes=4 * layer)
+        out = [
+            f32 | dict(step="scan", temp=layer, steady_ms=2.1),
+            f32 | dict(step="unrolled", temp=0, steady_ms=t["loop"]),
+            f32 | dict(step="default", temp=0, steady_ms=t["float32"]),
+        ]
+        # Bytes read at exactly 80% (bfloat16) and 70% (int8) of the rate.
+        size = dict(bfloat16=0.8e6, int8=0.42e6, int4=1e5, fp8=1e5)
+        for fmt, nbytes in size.items():
+            out.append(dict(format=fmt, step="default", bytes=nbytes, steady_ms=t[fmt]))
+        return out
+
+    def verdicts(rows, rate=rate):
+        return {t: met for t, _, met in decode_targets(rows, 4, rate)}
+
+    assert set(verdicts(rows()).values()) == {True}
+    assert set(verdicts(rows(), rate=None).values()) == {True, None}
+    slower = dict(bfloat16=1.001, int8=0.6001, int4=0.4001, fp8=0.6001, float32=2.001)
+    for fmt, t in slower.items():
+        missed = [k for k, met in verdicts(rows(**{fmt: t})).items() if not met]
+        assert missed and all(fmt in k or fmt == "bfloat16" for k in missed), fmt
+    # More temp than the loop's and one layer.
+    big = rows()
+    big[0]["temp"] = layer + 1
+    assert [k for k, met in verdicts(big).items() if not met] == [
+        "float32 scan temp <= the loop's + one layer"
+    ]
 
 
 def test_fsdp_on_eight_devices():
