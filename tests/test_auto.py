@@ -684,6 +684,30 @@ def test_memory_bound_layers_are_unrolled_fully_off_cpu_only():
     assert "FLOPs per byte" in _auto.decide(bound, "auto", "auto", "tpu").reason
 
 
+def test_copied_inputs_follow_the_platforms_branch_and_kept_bits():
+    # An input counts where its bits (cast, masked, reshaped: not computed on)
+    # reach a shift on the platform's own branch; "gpu" takes `cuda=` branches.
+    def shift_on(**where):
+        def f(b, n, w):
+            def shifted(b):
+                return ((b.astype(jnp.uint32) & 15).reshape(2, 2) << 1).astype(w.dtype)
+
+            branches = {k: shifted for k in where} | dict(
+                default=lambda b: b.reshape(2, 2).astype(w.dtype)
+            )
+            # `n` is shifted after a sum: a new value, not its bits.
+            product = jax.lax.platform_dependent(b, **branches) @ w
+            return product + ((n + 1) << 2).astype(w.dtype)
+
+        args = jnp.zeros(4, jnp.uint8), jnp.int32(0), jnp.ones((2, 2))
+        jaxpr = jax.make_jaxpr(f)(*args).jaxpr
+        return {p: _auto._copied_inputs(jaxpr, p) for p in ("cpu", "gpu", "tpu")}
+
+    assert shift_on(cpu=True) == dict(cpu={0}, gpu=set(), tpu=set())
+    assert shift_on(cuda=True) == dict(cpu=set(), gpu={0}, tpu=set())
+    assert shift_on(tpu=True, cpu=True) == dict(cpu={0}, gpu=set(), tpu={0})
+
+
 @pytest.mark.parametrize("platform", ["cpu", "tpu"])
 def test_a_quantized_stack_counts_the_bytes_it_unpacks(monkeypatch, platform):
     # The memory-bound unroll keeps a stack scanned when its step unpacks

@@ -431,6 +431,8 @@ def _copied_inputs(jaxpr: jcore.Jaxpr, platform: str) -> set[int]:
         and jnp.issubdtype(v.aval.dtype, jnp.integer)
     }
     none: frozenset[int] = frozenset()
+    # `jax.default_backend()` says "gpu"; `platform_dependent` names its kinds.
+    names = {platform} | ({"cuda", "rocm"} if platform == "gpu" else set())
 
     def walk(jaxpr: jcore.Jaxpr, into: list[frozenset[int]]) -> list[frozenset[int]]:
         # `into[k]`: the outer inputs whose bits invar `k` holds; returns the
@@ -455,7 +457,7 @@ def _copied_inputs(jaxpr: jcore.Jaxpr, platform: str) -> set[int]:
                 if name == "cond":
                     ins = ins[1:]  # the branch index
                     if (where := eqn.params.get("branches_platforms")) is not None:
-                        named = [i for i, p in enumerate(where) if p and platform in p]
+                        named = [i for i, p in enumerate(where) if p and names & set(p)]
                         default = [i for i, p in enumerate(where) if p is None]
                         subs = [subs[i] for i in (named or default)] or subs
                 for sub in subs:
