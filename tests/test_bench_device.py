@@ -191,7 +191,13 @@ def test_quantized_reports_what_does_not_fit(monkeypatch, capsys):
     argv = ["quantized", "--batch", "2", "1", "--layers", "2", "--dim", "128"]
     monkeypatch.setattr("sys.argv", [*argv, "--repeats", "1"])
     quantized.main()
-    timing = capsys.readouterr().out.split("\n\nAccuracy")[0].splitlines()[2:]
+    out = capsys.readouterr().out
+    timing = out.split("\n\nTargets")[0].splitlines()[2:]
+    # Targets for the size that was measured only; int4 and fp8 not measured.
+    assert "Targets at B=2" not in out
+    targets = out.split("\n\nTargets at B=1, L=2, D=128\n")[1].split("\n\n")[0]
+    assert "int4 <= 0.4x bfloat16" in targets
+    assert targets.count("not measured  not measured") == 4  # HBM twice, int4, fp8
     assert timing[0].split()[:4] == ["2", "2", "128", "does"]
     assert "does not fit: JaxRuntimeError: RESOURCE_EXHAUSTED" in timing[0]
     steps = len(quantized.STEPS)  # scan, unrolled and the default options

@@ -410,7 +410,6 @@ _SAME_BITS = frozenset(
         "broadcast_in_dim",
         "slice",
         "copy",
-        "copy_p",
         "and",
         "or",
         "not",
