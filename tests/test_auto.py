@@ -739,6 +739,15 @@ def test_a_quantized_stack_counts_the_bytes_it_unpacks(monkeypatch, platform):
             byte + 4 * (1024 + 256),
         ),
     }
+
+    # A float decode step (8 rows) is bound by its weights; 2048 rows (2048
+    # FLOPs a float32 byte) are not, and stay a scan.
+    def rule_for(rows):
+        (choice,) = eqxscan.explain_auto(model, x.update(shape=(rows, 256)))
+        return choice.rule.unroll
+
+    assert rule_for(8) == ("scan" if platform == "cpu" else "memory-bound")
+    assert rule_for(2048) == "scan"
     for name, (q, unpacked) in stacks.items():
         (choice,) = eqxscan.explain_auto(q, x)
         values = byte if name in ("int8", "fp8", "kernel") else nibble
