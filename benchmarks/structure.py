@@ -187,6 +187,7 @@ def imported_at_import(root: Path) -> list[Path]:
         capture_output=True,
         text=True,
         check=True,
+        timeout=120,
     ).stdout
     return [Path(f) for f in out.split()]
 
