@@ -57,6 +57,30 @@ def test_refused_saves_name_the_path(tmp_path, monkeypatch):
     assert path.read_bytes() == before and os.listdir(tmp_path) == [path.name]
 
 
+def test_a_sharded_save_that_cannot_remove_the_old_single_file_fails(
+    tmp_path, monkeypatch
+):
+    # A directory load reads model.safetensors before an index: left behind,
+    # it would keep loading the old weights after a save that said nothing.
+    old, new, like = (eqxscan.StackedMLP(8, 3, key=jax.random.key(i)) for i in range(3))
+    eqxscan.save_safetensors(tmp_path, old)
+    remove = os.remove
+
+    def refused(path, *args, **kwargs):
+        if os.path.basename(path) == "model.safetensors":
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return remove(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "remove", refused)
+    with pytest.raises(PermissionError, match="could not be removed") as e:
+        eqxscan.save_safetensors(tmp_path, new, max_shard_size=1500)
+    monkeypatch.undo()
+    assert "load model.safetensors.index.json's path" in str(e.value)
+    index = tmp_path / "model.safetensors.index.json"
+    assert eqx.tree_equal(eqxscan.load_safetensors(index, like), new)
+    assert eqx.tree_equal(eqxscan.load_safetensors(tmp_path, like), old)
+
+
 # Temporary files of killed saves.
 
 

@@ -275,7 +275,11 @@ class _Save:
         fsync_dir(self.directory)
         self._index(dict(zip(finals, self.staged)))
         self.committed = True
-        # The new checkpoint is complete: the old one's files may go.
+        # The new checkpoint is complete: the old one's files may go. A single
+        # file is read before an index, so one left behind would keep loading:
+        # failing to remove it fails the save.
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(self.directory, SINGLE))
         _remove_old(self.directory, set(map(os.path.basename, self.staged)), SINGLE)
         index = os.path.join(self.directory, INDEX)
         try:
@@ -313,9 +317,17 @@ class _Save:
         for _, _, fd in self.temporaries:
             os.close(fd)
         if isinstance(error, OSError):
+            shadowed = self.staged and os.path.isfile(
+                os.path.join(self.directory, SINGLE)
+            )
             left = (
-                "the new checkpoint is in place and loads (its shards perhaps still "
-                "under the save's own names, model-00001-of-0000N.<token>.safetensors)"
+                f"the new shards are in place, but the old {SINGLE}, which a load "
+                f"of the directory reads first, could not be removed: remove it, "
+                f"or load {INDEX}'s path"
+                if self.committed and shadowed
+                else "the new checkpoint is in place and loads (its shards perhaps "
+                "still under the save's own names, "
+                "model-00001-of-0000N.<token>.safetensors)"
                 if self.committed
                 else "the previous files are left as they were"
             )
