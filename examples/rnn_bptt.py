@@ -27,6 +27,7 @@ What it shows:
 """
 
 import argparse
+import functools
 import time
 
 import equinox as eqx
@@ -53,6 +54,8 @@ DEFAULT_STEPS = {"elman": 3000, "gru": 1000, "lstm": 1000}
 CELLS = {"elman": eqxscan.ElmanCell, "gru": eqx.nn.GRUCell, "lstm": eqx.nn.LSTMCell}
 
 
+# One compiled program per size (rather than a dozen small ones, op by op).
+@functools.partial(jax.jit, static_argnums=(1, 2))
 def make_batch(
     key: PRNGKeyArray, size: int, length: int = LENGTH
 ) -> tuple[Float[Array, "B T 2"], Bool[Array, "B T"], Float[Array, " B"]]:
