@@ -121,6 +121,17 @@ def test_wrong_input_width_in_run_until_names_the_input(mode):
     assert "failed on its input float32[5]: dot_general requires" in first, first
 
 
+@pytest.mark.parametrize("mode", ["scan", "loop"])
+def test_a_cell_failing_over_time_names_its_carry_not_an_input(mode):
+    gru = eqx.nn.GRUCell(3, 5, key=KEY)
+    rnn = eqxscan.Recurrent(lambda x, h: gru(x, h), mode=mode)  # no up-front check
+    with pytest.raises(TypeError) as e:
+        rnn(jnp.zeros(5), jnp.zeros((7, 4)))  # 4 features a step, the cell takes 3
+    first, hint = str(e.value).splitlines()[:2]
+    assert "failed on its carry float32[5]: dot_general requires" in first, first
+    assert hint.startswith("Hint: check the carry's and each step's input's"), hint
+
+
 def test_wrong_input_width_in_a_chain_names_the_group():
     chain = eqxscan.Chain([_linear(KEY), _linear(KEY), eqx.nn.Linear(4, 2, key=KEY)])
     with pytest.raises(TypeError) as e:

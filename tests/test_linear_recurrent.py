@@ -493,3 +493,98 @@ def test_chunk_size_auto(monkeypatch, getkey):
     assert rnn.with_options(chunk_size=8).chunk_size == 8
     with pytest.raises((ValueError, TypeError), match="chunk_size"):
         eqxscan.Recurrent(eqxscan.MinGRU(3, 4, key=getkey()), chunk_size="big")
+
+
+class GatedOutput(TinyGLA):
+    # A read-out of its own (an output gate, as gated linear attention models add).
+    def output(self, S_t, x_t):
+        return jax.nn.sigmoid(x_t[None, :3]) * jnp.einsum(
+            "hk,hkv->hv", self.gates(x_t)[3], S_t
+        )
+
+
+def test_a_matrix_cell_with_its_own_output_runs_it(monkeypatch, getkey):
+    cell = GatedOutput(jr.normal(getkey(), (24, 5)))
+    xs, s0 = jr.normal(getkey(), (9, 5)), jr.normal(getkey(), (2, 3, 3))
+    s, ref = s0, []
+    for x in xs:
+        s = cell(x, s)
+        ref.append(cell.output(s, x))
+    with pytest.raises(ValueError, match="overrides `output`"):
+        eqxscan.Recurrent(cell, method="chunked")
+    # "auto" would pick the chunked form off CPU: it runs the cell's steps.
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    s_T, os = eqxscan.Recurrent(cell, chunk_size=4)(s0, xs)
+    assert rel(os, jnp.stack(ref)) <= 1e-5 and rel(s_T, s) <= 1e-5
+    plain = TinyGLA(cell.w)  # for contrast, the plain cell runs chunked there
+    assert "length=3" in str(
+        jax.make_jaxpr(eqxscan.Recurrent(plain, chunk_size=4))(s0, xs)
+    )
+
+
+def test_matrix_outputs_take_the_engines_dtype_in_every_form(getkey):
+    # bfloat16 weights, a float32 state: `os` is the read-out `q_t . S_t`'s dtype.
+    cell = TinyGLA(jr.normal(getkey(), (24, 5)).astype(jnp.bfloat16))
+    xs, s0 = jr.normal(getkey(), (9, 5)).astype(jnp.bfloat16), jnp.zeros((2, 3, 3))
+    with jax.numpy_dtype_promotion("standard"):  # the engine's einsum promotes
+        outs = {
+            m: eqxscan.Recurrent(cell, method=m, chunk_size=4)(s0, xs)
+            for m in ("sequential", "chunked")
+        }
+    assert {o.dtype for _, o in outs.values()} == {jnp.dtype(jnp.float32)}
+    assert rel(outs["chunked"][1], outs["sequential"][1]) <= 1e-5
+
+
+def test_complex_gates_for_a_real_carry_are_refused(getkey):
+    lru = eqxscan.LRU(3, 4, key=getkey())
+    xs, real = jr.normal(getkey(), (5, 3)), jnp.zeros(4)
+    for method in (*METHODS, "auto"):
+        with pytest.raises(TypeError, match="a from LRU.gates is complex"):
+            eqxscan.Recurrent(lru, method=method)(real, xs)
+    with pytest.raises(TypeError, match="imaginary part would be dropped"):
+        lru(xs[0], real)  # one decoding step
+    a, b, _ = gates(getkey(), 5, 2, 0.5, 0.9, complex_=True)
+    for method in METHODS:
+        with pytest.raises(TypeError, match="diagonal_scan's a is complex"):
+            eqxscan.diagonal_scan(a, b, jnp.zeros(2), method=method)
+    # A real `a` with a complex carry stays allowed.
+    h_T, _ = eqxscan.diagonal_scan(
+        a.real, b, jnp.zeros(2, jnp.complex64), method="chunked"
+    )
+    assert jnp.iscomplexobj(h_T)
+
+
+def test_no_inputs_and_empty_sequences_in_every_form(getkey):
+    class Constant(eqxscan.DiagonalLinearCell):
+        def gates(self, x):
+            return jnp.full(4, 0.5), jnp.ones(4)
+
+    h_T, hs = eqxscan.Recurrent(Constant(), mode="loop")(jnp.zeros(4), length=5)
+    for method in (*METHODS, "auto"):
+        got = eqxscan.Recurrent(Constant(), method=method, chunk_size=2)(
+            jnp.zeros(4), length=5
+        )
+        assert jnp.allclose(got[0], h_T) and jnp.allclose(got[1], hs), method
+    assert jnp.allclose(h_T, 2 - 2.0**-4)
+    for method in METHODS:  # T = 0: the carry as it was
+        a = b = jnp.zeros((0, 3))
+        h_T, hs = eqxscan.diagonal_scan(a, b, jnp.ones(3), method=method)
+        assert hs.shape == (0, 3) and jnp.array_equal(h_T, jnp.ones(3)), method
+
+
+def test_a_key_for_gates_that_take_none_is_named(getkey):
+    cell = eqxscan.MinGRU(3, 4, key=getkey())
+    with pytest.raises(TypeError, match=r"MinGRU.gates\(x_t\) takes no `key`"):
+        eqxscan.Recurrent(cell)(jnp.zeros(4), jnp.ones((5, 3)), key=getkey())
+
+
+def test_a_masked_steps_read_out_is_the_same_in_every_form(getkey):
+    # docs/recurrent.md: the carried state read out by the first kept input.
+    cell = TinyGLA(jr.normal(getkey(), (24, 5)))
+    xs, s0 = jr.normal(getkey(), (6, 5)), jr.normal(getkey(), (2, 3, 3))
+    mask = jnp.array([False, True, True, False, True, True])
+    s = cell(xs[2], cell(xs[1], s0))  # steps 1 and 2; step 0 is skipped
+    for method in ("sequential", "chunked"):
+        _, os = eqxscan.Recurrent(cell, method=method, chunk_size=4)(s0, xs, mask=mask)
+        assert rel(os[3], cell.output(s, xs[1])) <= 1e-5, method
+        assert rel(os[0], cell.output(s0, xs[1])) <= 1e-5, method

@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, Inexact, PyTree
 
+from .linear_diag import check_keeps_imaginary
+
 
 class DiagonalLinearCell(eqx.Module):
     """A cell with the diagonal linear recurrence `h_t = a_t * h_{t-1} + b_t`,
@@ -74,8 +76,16 @@ class DiagonalLinearCell(eqx.Module):
         The next carry.
         """
         a, b = self.gates(x_t, *args, **kwargs)
-        step = lambda a_, b_, h_: (a_.astype(h_.dtype) * h_ + b_).astype(h_.dtype)
-        return jtu.tree_map(step, a, b, h)
+        name = type(self).__name__
+
+        def step(path: tuple, a_: Array, b_: Array, h_: Array) -> Array:
+            for what, g in (("a", a_), ("b", b_)):
+                check_keeps_imaginary(
+                    g, h_, f"{what}{jtu.keystr(path)} from {name}.gates"
+                )
+            return (a_.astype(h_.dtype) * h_ + b_).astype(h_.dtype)
+
+        return jtu.tree_map_with_path(step, a, b, h)
 
 
 class MatrixLinearCell(eqx.Module):

@@ -33,6 +33,18 @@ def choose_method(
     return "chunked" if chunked else "sequential"
 
 
+def check_keeps_imaginary(gate: Array, carry: Array, what: str) -> None:
+    """Refuse a complex gate for a real carry: computed in the carry's dtype,
+    its imaginary part would be dropped."""
+    if jnp.iscomplexobj(gate) and not jnp.iscomplexobj(carry):
+        raise TypeError(
+            f"{what} is complex ({jnp.result_type(gate)}) but the carry it updates "
+            f"is real ({jnp.result_type(carry)}): its imaginary part would be "
+            "dropped.\nHint: give the carry h0 a complex dtype, e.g. "
+            "jnp.zeros(shape, jnp.complex64)."
+        )
+
+
 def diagonal_scan(
     a: PyTree[Array],
     b: PyTree[Array],
@@ -64,10 +76,13 @@ def diagonal_scan(
     `hs[0]`). Each leaf has `h0`'s dtype.
     """
     h_leaves, tree = jtu.tree_flatten(h0)
+    for what, g in (("a", a), ("b", b)):
+        for (path, x), h in zip(jtu.tree_leaves_with_path(g), h_leaves):
+            check_keeps_imaginary(x, h, f"diagonal_scan's {what}{jtu.keystr(path)}")
     # In the carry's dtype: a real `a` with a complex carry, a bfloat16 `b`.
     a_leaves = [x.astype(h.dtype) for x, h in zip(tree.flatten_up_to(a), h_leaves)]
     b_leaves = [x.astype(h.dtype) for x, h in zip(tree.flatten_up_to(b), h_leaves)]
-    if method == "sequential":
+    if method == "sequential" or not h_leaves or a_leaves[0].shape[0] == 0:
         h_T, hs = jax.lax.scan(_step, h_leaves, (a_leaves, b_leaves), reverse=reverse)
     else:
         h_T, hs = _parallel(a_leaves, b_leaves, h_leaves, method, chunk_size, reverse)

@@ -26,7 +26,7 @@ from .._scan.engine import run
 from .._scan.layer_call import LayerCall, OneLayer, run_one
 from .._scan.options import OwnOptions, ScanArgs, Scanning, ScanOptions
 from .._scan.taps import emitted, in_cell, untapped
-from .linear_cells import MatrixLinearCell
+from .linear_cells import DiagonalLinearCell, MatrixLinearCell
 from .recurrent_inputs import (
     block_starts as _block_starts,
     check_cell_kwargs,
@@ -267,7 +267,9 @@ def _step_keys(
         return None
     same = controls.broadcast_key
     per = "every step gets the same key" if same else "step t gets key=keys[t]"
-    check_takes_key(cell, "Recurrent", per)
+    # A linear cell's `__call__` passes its keyword arguments on to `gates`.
+    linear = isinstance(cell, DiagonalLinearCell | MatrixLinearCell)
+    check_takes_key(cell.gates if linear else cell, "Recurrent", per)
     keys = split_key(key, 1 if same else controls.length, "Recurrent")  # checked
     return None if same else keys
 

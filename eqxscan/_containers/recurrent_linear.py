@@ -15,7 +15,7 @@ from .._helpers.checks import check_option, check_size, describe
 from .._scan.options import ScanOptions
 from .._scan.taps import tapping
 from .linear_cells import DiagonalLinearCell, MatrixLinearCell
-from .linear_diag import choose_method, diagonal_scan, Method
+from .linear_diag import check_keeps_imaginary, choose_method, diagonal_scan, Method
 from .linear_matrix import matrix_scan
 from .recurrent_inputs import block_starts, Controls, kept_inputs
 
@@ -57,6 +57,13 @@ def check_method(cell: object, method: object, chunk_size: object) -> ChunkSize:
             f"is a {type(cell).__name__}.\nHint: other cells run step by step: "
             "method='sequential' (or 'auto')."
         )
+    if method == "chunked" and kind == "matrix" and _own_output(cell):
+        raise ValueError(
+            f"method='chunked' reads out o_t = einsum('hk,hkv->hv', q_t, S_t), "
+            f"but the cell {type(cell).__name__} overrides `output`, which the "
+            "chunked form cannot call (it never forms every S_t).\nHint: use "
+            "method='sequential' (or 'auto'), which calls it at every step."
+        )
     if method == "associative" and kind == "matrix":
         raise ValueError(
             f"method='associative' is for diagonal recurrences, but the cell "
@@ -65,6 +72,11 @@ def check_method(cell: object, method: object, chunk_size: object) -> ChunkSize:
             "method='chunked' (or 'sequential', or 'auto')."
         )
     return size
+
+
+def _own_output(cell: object) -> bool:
+    # A read-out other than `q_t . S_t`, which only the engine's steps apply.
+    return type(cell).output is not MatrixLinearCell.output  # pyright: ignore
 
 
 def resolve_form(
@@ -85,8 +97,9 @@ def resolve_form(
     engine_asked = options.mode == "loop" or options.remat != "auto"
     if method in ("sequential", "auto") and engine_asked:
         return "engine"
-    if kind == "matrix" and controls.truncate is not None:
-        return "engine"  # the carry to cut at would be every step's state
+    if kind == "matrix" and (controls.truncate is not None or _own_output(cell)):
+        # The carry to cut at, or the state to read out, would be every step's.
+        return "engine"
     form = method
     if form == "auto":
         leaves = jtu.tree_leaves(h0)
@@ -123,7 +136,8 @@ def run_parallel(
         keyed = {} if key is None else {"key": key}
         return cell.gates(eqx.combine(x_dyn, xs_static), *args, **kwargs, **keyed)
 
-    gates = list(jax.vmap(step_gates)(kept_inputs(xs_dyn, controls.mask), per_step))
+    kept = kept_inputs(xs_dyn, controls.mask)  # no inputs: `length=` steps
+    gates = list(jax.vmap(step_gates, axis_size=controls.length)(kept, per_step))
     matrix = isinstance(cell, MatrixLinearCell)
     if not matrix:
         _check_gates(cell, gates[0], gates[1], h0)
@@ -133,6 +147,8 @@ def run_parallel(
     c = chunk_for(chunk_size, matrix)
     if matrix:  # chunked (the engine runs a sequential one step by step)
         a, k, v, q = gates
+        # `os` in the dtype of the engine's read-out, `einsum(q_t, S_t)`.
+        v = v.astype(jnp.result_type(q, h0))
         return matrix_scan(
             a, k, v, q, h0, method="chunked", chunk_size=c, reverse=reverse
         )
@@ -163,6 +179,7 @@ def _check_gates(cell: object, a: PyTree, b: PyTree, h0: PyTree) -> None:
                 f"{hint}."
             )
         for (path, x), h in zip(jtu.tree_leaves_with_path(g), jtu.tree_leaves(h0)):
+            check_keeps_imaginary(x, h, f"{what}{jtu.keystr(path)} from {name}.gates")
             if x.shape[1:] != jnp.shape(h):
                 raise ValueError(
                     f"{name}.gates returned {what}{jtu.keystr(path)} of shape "

@@ -76,8 +76,10 @@ class noting:  # noqa: N801  # used as a function, in `with`
     ("Layer 3 (Block)"), and a JAX shape error a headline showing the carry. A
     block: no frame in a traceback."""
 
-    def __init__(self, where: str, *carry: object):
-        self.where, self.carry = where, carry  # `()` or `(carry,)`
+    def __init__(
+        self, where: str, *carry: object, over: Literal["layers", "time"] = "layers"
+    ):
+        self.where, self.carry, self.over = where, carry, over  # `()` or `(carry,)`
 
     def __enter__(self) -> None:
         return None
@@ -94,10 +96,16 @@ class noting:  # noqa: N801  # used as a function, in `with`
             # JAX's shape errors ("dot_general requires ...") name no layer and
             # no input: a headline that does, the original kept as the cause.
             first = next(iter(str(e).strip().splitlines()), type(e).__name__)
+            # Over time the carry is the state, beside each step's input.
+            what, hint = (
+                ("input", "the input's shape and dtype")
+                if self.over == "layers"
+                else ("carry", "the carry's and each step's input's shapes and dtypes")
+            )
             raise type(e)(
-                f"{where} failed on its input {shown}: {first}\nHint: check the "
-                "input's shape and dtype against what the layer expects (the "
-                f"error may also be in the layer itself); {DEBUGGING_DOCS}."
+                f"{where} failed on its {what} {shown}: {first}\nHint: check "
+                f"{hint} against what it expects (the error may also be in the "
+                f"code itself); {DEBUGGING_DOCS}."
             ) from e
         # `where` also starts sentences ("The cell ..."): lower case mid-note.
         if where.split(" ", 1)[0] in ("The", "Layer"):
@@ -340,14 +348,17 @@ def check_takes_key(fn: object, what: str, per: str) -> None:
         for p in signature.parameters.values()
     ):
         return
-    if inspect.isfunction(fn) or inspect.ismethod(fn):
-        name = target = fn.__qualname__
+    if inspect.isfunction(fn) or inspect.ismethod(fn) or hasattr(fn, "__func__"):
+        name = target = fn.__qualname__  # Equinox's bound methods included
     else:
         name = type(fn).__name__
         target = f"{name}.__call__"
+    bare = ", ".join(
+        str(p.replace(annotation=p.empty)) for p in signature.parameters.values()
+    )
     raise TypeError(
         f"{what} was called with `key=...` and passes it on ({per}), but "
-        f"{name}{signature} takes no `key` argument. Call it without `key` if "
+        f"{name}({bare}) takes no `key` argument. Call it without `key` if "
         f"{name} needs no randomness, or give {target} a keyword-only "
         "`key=None` parameter."
     )

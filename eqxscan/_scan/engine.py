@@ -115,7 +115,7 @@ def run(
 
     if options.mode == "loop":
         parts = (step, inputs, taps)
-        c, ys = _run_loop(parts, carry, xs, length, remat, reverse, where, runs)
+        c, ys = _run_loop(parts, carry, xs, length, remat, reverse, where, runs, over)
         return c, ys if taps is None else taps.finish(ys)
     # The step traced once, here (closed-over tracers become consts), on the
     # carry's array leaves and `(x_i, i)`: one frame less in a traceback.
@@ -128,7 +128,7 @@ def run(
         c = eqx.combine(c_dyn, c_static)
         old = clone(c)  # the step may invalidate `c` (an `eqx.nn.State`)
         opened, scope = _opened(taps, i)
-        with noting(name, c), scope:
+        with noting(name, c, over=over), scope:
             new, y = step(c, inputs(x))
         y = y if taps is None else taps.close(y, *opened)
         check_carry(old, new, name)
@@ -215,6 +215,7 @@ def _run_loop(
     reverse: bool,
     where: Callable[[int | None], str],
     runs: Bool[Array, " L"] | None = None,
+    over: Literal["layers", "time"] = "layers",
 ) -> tuple[PyTree, PyTree]:
     # The reference path. The "auto" rule is a scan-specific optimisation, so the
     # loop saves everything unless remat was asked for explicitly.
@@ -235,7 +236,7 @@ def _run_loop(
     carry = jtu.tree_map(lambda a: jnp.asarray(a) if isinstance(a, numpy) else a, carry)
     for i in range(length - 1, -1, -1) if reverse else range(length):
         old, x = clone(carry), slices[i]  # the step may invalidate `carry`
-        with noting(where(i), carry):
+        with noting(where(i), carry, over=over):
             if runs is not None:  # traced on this step's values, run where it runs
                 new, y = skip_layer(functools.partial(body, x=x[0], i=i), carry, x[1])
             elif explicit:  # jax.checkpoint takes arrays only: close over the rest
