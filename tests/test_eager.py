@@ -112,3 +112,73 @@ def test_numpy_scalar_options_are_read_as_python_values():
         ref = call(model.with_options(mode="loop"), **option)
         for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+W = jnp.eye(3) * 0.5  # read by a cell below; rebound by the test
+
+
+def _by_hand(cell, h, xs):
+    for x in xs:
+        h = cell(x, h)
+    return h
+
+
+def test_a_cell_reading_state_the_key_cannot_see_is_not_served_stale():
+    global W
+    xs = jnp.ones((4, 3))
+    rnn = eqxscan.Recurrent(lambda x, h: jnp.tanh(W @ h) + x)
+    first = rnn(jnp.ones(3), xs)[0]
+    W = jnp.eye(3) * 2.0
+    try:
+        got = rnn(jnp.ones(3), xs)[0]
+        want = _by_hand(lambda x, h: jnp.tanh(W @ h) + x, jnp.ones(3), xs)
+    finally:
+        W = jnp.eye(3) * 0.5
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert not np.allclose(got, first)
+
+    class Scaled:  # an object whose attribute may be set between calls
+        gain = 1.0
+
+        def __call__(self, x, h):
+            return self.gain * jnp.tanh(h + x)
+
+    cell = Scaled()
+    rnn = eqxscan.Recurrent(cell)
+    rnn(jnp.zeros(3), xs)
+    cell.gain = 3.0
+    np.testing.assert_allclose(
+        rnn(jnp.zeros(3), xs)[0], _by_hand(cell, jnp.zeros(3), xs), rtol=1e-6
+    )
+
+
+def test_library_functions_and_code_only_closures_keep_the_cache():
+    from eqxscan._scan.eager_compile import _fixed
+
+    scale = 2.0
+    fixed = [
+        jax.nn.relu,
+        jnp.tanh,
+        lambda x: jnp.tanh(x) * 2,
+        lambda x: jax.nn.gelu(jnp.tanh(x)),
+        jax.jit(lambda x: jnp.sin(x)),
+        (1, "a", None, jnp.float32),
+    ]
+    moving = [
+        lambda x: W @ x,  # a global array
+        lambda x: x * scale,  # a closed-over value
+        lambda x: (lambda y: W @ y)(x),  # read by a nested function
+        np.zeros(3).__add__,  # a method of a mutable object
+        object(),
+    ]
+    assert all(_fixed(f, set()) for f in fixed)
+    assert not any(_fixed(f, set()) for f in moving)
+    # A Module's own function fields (an activation) keep compiling once.
+    mlp = eqx.nn.MLP(
+        3, 3, 8, 2, activation=lambda x: jax.nn.relu(x), key=jax.random.key(0)
+    )
+    stack = eqxscan.Stacked(
+        lambda k: eqx.nn.MLP(3, 3, 8, 1, key=k), 4, key=jax.random.key(1)
+    )
+    del mlp
+    assert _compiles(lambda: stack(jnp.ones(3)))[0] == 0
