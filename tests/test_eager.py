@@ -10,6 +10,7 @@ import pytest
 import eqxscan
 
 
+KEY = jax.random.key(0)
 _COMPILES: list[str] = []
 jax.monitoring.register_event_duration_secs_listener(
     lambda name, _secs, **_kw: (
@@ -152,33 +153,50 @@ def test_a_cell_reading_state_the_key_cannot_see_is_not_served_stale():
     )
 
 
-def test_library_functions_and_code_only_closures_keep_the_cache():
-    from eqxscan._scan.eager_compile import _fixed
+SCALE = 1.0  # read by Scaled below; rebound by the test
 
+
+class ScaledLayer(eqx.Module):
+    w: jax.Array
+    gain = 1.0  # a class attribute, not a field
+
+    def __call__(self, x):
+        return x * self.w * SCALE * self.gain
+
+
+def test_a_layer_reading_a_global_or_class_attribute_is_keyed_by_its_value():
+    global SCALE
+    stack = eqxscan.Stacked(lambda k: ScaledLayer(jnp.ones(())), 3, key=KEY)
+    x = jnp.float32(1.0)
+    count, out = _compiles(lambda: stack(x))
+    assert count == 0 and float(out) == 1.0  # unchanged values: one program
+    try:
+        SCALE = 2.0
+        assert float(stack(x)) == 8.0
+        ScaledLayer.gain = 0.5
+        assert float(stack(x)) == 1.0
+    finally:
+        SCALE, ScaledLayer.gain = 1.0, 1.0
+    assert float(stack(x)) == 1.0
+
+
+def test_what_code_reads_is_keyed_by_value_or_not_cached():
+    from eqxscan._scan.eager_compile import _key
+
+    key = lambda f: _key(f, set())  # noqa: E731
     scale = 2.0
-    fixed = [
-        jax.nn.relu,
-        jnp.tanh,
-        lambda x: jnp.tanh(x) * 2,
-        lambda x: jax.nn.gelu(jnp.tanh(x)),
-        jax.jit(lambda x: jnp.sin(x)),
-        (1, "a", None, jnp.float32),
-    ]
-    moving = [
+    for code in [jax.nn.relu, jnp.tanh, lambda x: jax.nn.gelu(jnp.tanh(x)) * 2]:
+        assert key(code) is not None
+    assert (
+        key(jax.jit(lambda x: x * scale))
+        == key(lambda x: x * scale)
+        != key(lambda x: x * 3.0 * SCALE)
+    )
+    # Arrays, mutable objects and objects of identity cannot be keyed.
+    for moving in [
         lambda x: W @ x,  # a global array
-        lambda x: x * scale,  # a closed-over value
         lambda x: (lambda y: W @ y)(x),  # read by a nested function
         np.zeros(3).__add__,  # a method of a mutable object
         object(),
-    ]
-    assert all(_fixed(f, set()) for f in fixed)
-    assert not any(_fixed(f, set()) for f in moving)
-    # A Module's own function fields (an activation) keep compiling once.
-    mlp = eqx.nn.MLP(
-        3, 3, 8, 2, activation=lambda x: jax.nn.relu(x), key=jax.random.key(0)
-    )
-    stack = eqxscan.Stacked(
-        lambda k: eqx.nn.MLP(3, 3, 8, 1, key=k), 4, key=jax.random.key(1)
-    )
-    del mlp
-    assert _compiles(lambda: stack(jnp.ones(3)))[0] == 0
+    ]:
+        assert key(moving) is None

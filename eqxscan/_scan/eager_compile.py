@@ -1,15 +1,19 @@
 """Eager calls that reuse one compiled program per structure: called eagerly, a
 scanning module would hand `jax.lax.scan` a fresh body, compiled anew at every
-call. Under a transformation, in `mode="loop"`, inside `eqxscan.tap` (whose
-probe is no argument: the cache would hand back an untapped program), and where
-a static part could change between calls unseen by the cache's key (a function
-reading a global value or a closed-over one, an object of identity, whose
-attributes may be set) the method runs as written."""
+call. What the code run reads from outside its arguments (the globals,
+closed-over values and class attributes read by the Modules' methods and by
+static functions) joins the key by value, so that a changed global compiles
+anew rather than serving the old program. Under a transformation, in
+`mode="loop"`, inside `eqxscan.tap` (whose probe is no argument: the cache would
+hand back an untapped program), and where such a value cannot be a key (an
+array, a mutable object) the method runs as written."""
 
+import dataclasses
+import dis
 import enum
 import functools
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import ParamSpec, TypeVar
 
 import equinox as eqx
@@ -27,40 +31,75 @@ R = TypeVar("R")
 
 # Code taken to read no state of the user's (its own globals and closures).
 _LIBRARIES = ("jax", "jaxlib", "equinox", "eqxscan", "numpy", "jaxtyping", "optax")
-_VALUES = (type(None), bool, int, float, complex, str, bytes, type, enum.Enum)
+_STANDARD = ("builtins", "typing", "abc", "enum", "dataclasses", "functools")
+_VALUES = (type(None), bool, int, float, complex, str, bytes, enum.Enum)
+Key = tuple | None  # hashable; `None`: cannot be keyed, so not cached
 
 
-def _fixed(leaf: object, seen: set[int]) -> bool:
-    """Whether a static leaf is what it was when a program was compiled for
-    it: a value, or code whose globals and closed-over values are code,
-    modules and classes (checked through the user's own functions)."""
-    if isinstance(leaf, _VALUES + (types.ModuleType, np.dtype)) or id(leaf) in seen:
-        return True
-    seen.add(id(leaf))
-    if isinstance(leaf, tuple | frozenset):
-        return all(_fixed(x, seen) for x in leaf)
-    owner = getattr(leaf, "__self__", None)  # a bound method, of any kind
-    if callable(leaf) and owner is not None and not _fixed(owner, seen):
-        return False
-    module = getattr(leaf, "__module__", None) or ""
-    if callable(leaf) and (module.split(".")[0] in _LIBRARIES or owner is not None):
-        return _fixed(getattr(leaf, "__func__", None), seen)
-    if isinstance(leaf, functools.partial):
-        parts = (leaf.func, *leaf.args, *leaf.keywords.values())
-        return all(eqx.is_array(x) or _fixed(x, seen) for x in parts)
-    if isinstance(leaf, types.FunctionType):
-        cells = [c.cell_contents for c in leaf.__closure__ or () if _filled(c)]
-        names = _global_names(leaf.__code__)
-        read = [leaf.__globals__[n] for n in names if n in leaf.__globals__]
-        code = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType)
-        return all(
-            (callable(x) or isinstance(x, code)) and _fixed(x, seen)
-            for x in cells + read
-        )
-    if hasattr(leaf, "__wrapped__"):  # `jax.jit` of a function of the user's
-        return _fixed(leaf.__wrapped__, seen)
-    # Hashed by value (frozen data): equal values share a program, as the key's.
-    return type(leaf).__hash__ not in (object.__hash__, None)
+def _key(value: object, seen: set[int]) -> Key:
+    """What a static value, and the code it holds, read from outside it
+    (globals, closed-over values, class attributes), as hashable values for
+    the cache's key; `None` where one of them cannot be (an array, a mutable
+    object), and the call is then not cached."""
+    if isinstance(value, _VALUES):
+        return (type(value), value)
+    if isinstance(value, type):  # its methods and attributes, once
+        return _class(value, seen)
+    if isinstance(value, types.ModuleType | np.dtype) or id(value) in seen:
+        return ()
+    seen.add(id(value))
+    if isinstance(value, tuple | frozenset):
+        return _all(value, seen)
+    owner = getattr(value, "__self__", None)  # a bound method, of any kind
+    if (
+        callable(value)
+        and owner is not None
+        and not isinstance(owner, types.ModuleType)
+    ):
+        return _all((owner, getattr(value, "__func__", None)), seen)
+    if callable(value) and _library(value):
+        return ()
+    if isinstance(value, functools.partial):
+        return _all((value.func, *value.args, *value.keywords.values()), seen)
+    if hasattr(value, "__wrapped__"):  # `jax.jit`, type checkers: the user's code
+        return _key(value.__wrapped__, seen)
+    if isinstance(value, types.FunctionType):
+        cells = [c.cell_contents for c in value.__closure__ or () if _filled(c)]
+        names = [n for n in _global_names(value.__code__) if n in value.__globals__]
+        return _all((*cells, *(value.__globals__[n] for n in names)), seen)
+    if type(value).__hash__ in (object.__hash__, None):  # identity, or mutable
+        return None
+    own = _class(type(value), seen)  # frozen data: its value, and its methods
+    return None if own is None else (value, own)
+
+
+def _all(values: Iterable[object], seen: set[int]) -> Key:
+    keys = tuple(_key(v, seen) for v in values)
+    return None if None in keys else keys
+
+
+def _library(value: object) -> bool:
+    module = getattr(value, "__module__", None) or ""
+    return module.split(".")[0] in _LIBRARIES + _STANDARD
+
+
+def _class(cls: type, seen: set[int]) -> Key:
+    # What the methods of a class of the user's read, and its class attributes.
+    keys = []
+    for c in cls.__mro__:
+        if c is object or _library(c) or id(c) in seen:
+            continue
+        seen.add(id(c))
+        for name, attr in vars(c).items():
+            if name.startswith(("__", "_abc")) and name != "__call__":
+                continue
+            if isinstance(attr, staticmethod | classmethod):
+                attr = attr.__func__
+            key = _key(attr.fget if isinstance(attr, property) else attr, seen)
+            if key is None:
+                return None
+            keys.append((name, key))
+    return tuple(keys)
 
 
 def _filled(cell: types.CellType) -> bool:
@@ -71,18 +110,35 @@ def _filled(cell: types.CellType) -> bool:
     return True
 
 
-def _global_names(code: types.CodeType) -> list[str]:
-    # The names a function's code (nested functions included) may read globally.
+@functools.cache
+def _global_names(code: types.CodeType) -> tuple[str, ...]:
+    # The global names a function's code (nested functions included) reads.
+    own = (i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL")
     nested = (c for c in code.co_consts if isinstance(c, types.CodeType))
-    return [*code.co_names, *(n for c in nested for n in _global_names(c))]
+    return (*own, *(n for c in nested for n in _global_names(c)))
+
+
+def _classes(tree: object, found: dict[type, None]) -> dict[type, None]:
+    # The classes of the Modules in `tree` (whose code a call runs), in order.
+    if isinstance(tree, eqx.Module):
+        found[type(tree)] = None
+        for field in dataclasses.fields(tree):
+            _classes(getattr(tree, field.name, None), found)
+    elif isinstance(tree, list | tuple):
+        for x in tree:
+            _classes(x, found)
+    elif isinstance(tree, dict):
+        for x in tree.values():
+            _classes(x, found)
+    return found
 
 
 def compiled_when_eager(method: Callable[P, R]) -> Callable[P, R]:
     """A scanning module's call method, run eagerly through one cached
     `eqx.filter_jit` of it."""
 
-    def typed(kinds: tuple[type, ...], *args: P.args, **kwargs: P.kwargs) -> R:
-        del kinds  # only part of the cache's key
+    def typed(cache_key: tuple, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        del cache_key  # only part of the cache's key
         return method(*args, **kwargs)
 
     jitted = eqx.filter_jit(typed)
@@ -107,9 +163,10 @@ def compiled_when_eager(method: Callable[P, R]) -> Callable[P, R]:
         # under which True == 1 == 1.0: their types join the key, so that a value
         # the method would refuse never reuses the program of one it accepted.
         static = [leaf for leaf in leaves if not eqx.is_array(leaf)]
-        seen: set[int] = set()
-        if not all(_fixed(leaf, seen) for leaf in static):
+        # What the code run reads from outside its arguments joins the key.
+        reads = _all((*static, *_classes((args, kwargs), {})), set())
+        if reads is None:
             return method(*args, **kwargs)
-        return jitted(tuple(map(type, static)), *args, **kwargs)
+        return jitted((tuple(map(type, static)), reads), *args, **kwargs)
 
     return call
