@@ -573,6 +573,9 @@ def test_bad_inputs(stack):
         eqxscan.run_layers(stack, x, jnp.array([7]))
     with pytest.raises(ValueError, match="selects no layers"):
         eqxscan.run_layers(stack, x, slice(3, 1))
+    for empty in ([], (), np.array([], np.int32)):
+        with pytest.raises(ValueError, match="layers is empty"):
+            eqxscan.run_layers(stack, x, empty)
     with pytest.raises(TypeError, match="1-D integer array, got float32"):
         eqxscan.run_layers(stack, x, jnp.array([0.0, 1.0]))
     with pytest.raises(IndexError, match="layer index 9 is out of range for 9"):

@@ -89,6 +89,11 @@ def test_stacked_shapes_are_type_checked(getkey):
     model = eqxscan.StackedMLP(4, 2, key=getkey())
     again = eqxscan.StackedMLP.from_layers(model.blocks.unstack())
     assert eqx.tree_equal(again, model)
+    # An edit that skips construction is checked at the call, eager or jitted.
+    edited = eqx.tree_at(lambda m: m.blocks.layers.scale, model, jnp.ones((2, 1)))
+    for call in (lambda m: m(jnp.ones(4)), eqx.filter_jit(lambda m: m(jnp.ones(4)))):
+        with pytest.raises(TypeCheckError, match=r"scale float32\[2,1\]"):
+            call(edited)
 
 
 def test_wrong_input_shape_names_the_dimension(getkey):

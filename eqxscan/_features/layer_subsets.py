@@ -45,6 +45,8 @@ def _indices(layers: object, length: int, who: str) -> np.ndarray | slice | Arra
             )
         return layers
     traced = isinstance(layers, jax.core.Tracer)
+    if not traced and isinstance(layers, Sequence) and len(layers) == 0:
+        raise ValueError(f"{who}: layers is empty; choose at least one layer.")
     try:
         idx = layers if traced else np.asarray(layers)
     except Exception:

@@ -187,6 +187,10 @@ class StackedMLP(Scanning):
         )
 
     def __check_init__(self) -> None:
+        self._check_shapes()
+
+    def _check_shapes(self) -> None:
+        # At construction and at each call (an `eqx.tree_at` edit skips the first).
         layers = self.blocks.layers
         arrays = (layers.w1, layers.w2, layers.scale)
         # Shapes, not arrays: a weight may be a module standing for one (a LoRA).
@@ -267,6 +271,7 @@ class StackedMLP(Scanning):
         `[..., D]`, same dtype.
         """
         x = jnp.asarray(x)
+        self._check_shapes()
         if isinstance(w1 := self.blocks.layers.w1, StandsForWeight):
             w1.stored_arrays()  # checks them: a cast model's dtype is not x's to fix
         if x.shape[-1:] != (self.dim,) or not jnp.issubdtype(x.dtype, jnp.floating):
