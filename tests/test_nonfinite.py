@@ -379,3 +379,20 @@ def test_parameter_gradient_of_two_stacks_names_the_stack_that_made_it(swap, get
         r = eqxscan.find_nonfinite((enc, dec), loss, jnp.ones(D))
         call = "Stacked" if bad_enc != swap else "Stacked_1"  # the bad one's
         assert (r.where, r.index, r.call) == ("backward", 1 if bad_enc else 4, call), r
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_a_nonfinite_input_is_pointed_at_where_the_first_step_fails(reverse, getkey):
+    stack = make(getkey())
+    first = L - 1 if reverse else 0
+    x = jnp.ones(D).at[0].set(jnp.nan)
+    r = eqxscan.find_nonfinite(stack, loss_fn, x, reverse)
+    assert (r.where, r.index) == ("forward", first), r
+    assert "inputs given to loss_fn already hold NaN or inf" in r.message
+    # A later layer's NaN from a finite input gets no such hint, nor does one
+    # at the first step when the input is finite.
+    for k in (first, 2):
+        r = eqxscan.find_nonfinite(
+            injected(stack, "w", k, jnp.nan), loss_fn, jnp.ones(D), reverse
+        )
+        assert r.index == k and "inputs given" not in r.message, r

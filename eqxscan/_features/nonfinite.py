@@ -216,12 +216,29 @@ def find_nonfinite(
         )
     several = len(rows) > 1
     found = _found(float(value), rows, params, shared, several)
+    # At the first step of the first call with non-finite inputs, a hint (not a
+    # verdict: padding may be NaN by design, a masked time step's).
+    first_call, *_, ids, _ = rows[0]
+    if found is not None and found[0] == "forward" and found[4] == first_call.name:
+        if _order(ids, first_call.reverse)[:1] == [found[1]] and _nonfinite(inputs):
+            found = (*found[:3], found[3] + _INPUT_HINT, found[4])
     clean = "No NaN or inf: loss, carries and gradients are finite."
     where, index, leaf, message, call = found or (None, None, None, clean, None)
     # The forward and backward counts by call name, or the one call's.
     pick = lambda k: {r[0].name: r[k] for r in rows} if several else rows[0][k]
     args = (where, index, leaf, message, pick(1), pick(2), float(value))
     return NonFinite(where is not None, *args, call if several else None)
+
+
+_INPUT_HINT = (
+    " It is the first step run, and the inputs given to loss_fn already hold NaN "
+    "or inf: check them first (masked padding aside)."
+)
+
+
+def _nonfinite(tree: PyTree) -> bool:
+    leaves = [x for x in jtu.tree_leaves(tree) if eqx.is_inexact_array(x)]
+    return any(not bool(jnp.all(jnp.isfinite(x))) for x in leaves)
 
 
 def _found(
