@@ -235,6 +235,22 @@ def test_a_reversed_slice_of_stateful_layers_is_refused(getkey):
     assert len(lone[::-1]) == 2
 
 
+def test_a_slice_that_regroups_stateful_layers_is_refused(getkey):
+    # The slice's groups are new, its layers' StateIndexes the whole chain's: no
+    # eqx.nn.State fits it (the whole chain's would meet a layer axis of 4).
+    key = getkey()
+    chain, state = eqx.nn.make_with_state(eqxscan.Chain)(
+        [Block(k) for k in jr.split(key, 4)]
+    )
+    for index in (slice(0, 2), slice(1, None), slice(None, None, 2)):
+        with pytest.raises(ValueError, match=r"groups its layers afresh"):
+            chain[index]
+    # The whole chain, in order, keeps its groups and its state.
+    xs = jr.normal(getkey(), (8, 3))
+    y, _ = _batched(chain[:])(xs, state)
+    np.testing.assert_allclose(y, _batched(chain)(xs, state)[0], rtol=1e-6)
+
+
 def test_with_layer_keeps_the_state_of_a_stateful_stack(getkey):
     # A layer made afresh has state indexes of its own, whose state the model's
     # eqx.nn.State does not hold: named as such, with the way that works.

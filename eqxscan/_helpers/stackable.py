@@ -220,12 +220,17 @@ def _is_index(x: object) -> bool:
     return isinstance(x, eqx.nn.StateIndex)
 
 
+def holds_state(tree: PyTree) -> bool:
+    """Whether `tree` holds an `eqx.nn.StateIndex`."""
+    return any(map(_is_index, jtu.tree_leaves(tree, is_leaf=_is_index)))
+
+
 def check_state_order(layers: PyTree, index: slice, length: int, who: str) -> None:
     """Refuse a slice that reverses stateful layers: an `eqx.nn.State` keeps their
     states in the stored order, which the reversed layers would read."""
     if index.indices(length)[2] > 0 or len(range(length)[index]) < 2:
         return
-    if any(map(_is_index, jtu.tree_leaves(layers, is_leaf=_is_index))):
+    if holds_state(layers):
         raise ValueError(
             f"Cannot take {index} of a {who} of stateful layers (with an "
             "eqx.nn.StateIndex): it reverses them, but their eqx.nn.State keeps "

@@ -9,7 +9,7 @@ from jaxtyping import PRNGKeyArray, PyTree
 
 from ..._helpers.checks import check_bool, check_index, Checked, describe, split_key
 from ..._helpers.constrain import is_none
-from ..._helpers.stackable import check_state_order
+from ..._helpers.stackable import check_state_order, holds_state
 from ..._helpers.stateful import find_state, replace_arg
 from ..._scan.buffers import check_keeps_writes, find_buffer, LayerBuffers, view_of
 from ..._scan.drop_rates import DropRates, new_drop_rates, Rates, rates_of, with_mode_of
@@ -143,6 +143,15 @@ class Chain(Scanning):
             # A lone layer's state is its own; a scanned group's is in its order.
             scanned = [g for g, p in zip(self.groups, self.layout) if p.per_step]
             check_state_order(scanned, index, self.num_layers, "Chain")
+            if len(layers) < self.num_layers and holds_state(scanned):
+                raise ValueError(
+                    f"Cannot take {index} of a Chain whose scanned groups hold "
+                    "stateful layers (an eqx.nn.StateIndex): the slice groups its "
+                    "layers afresh, but their eqx.nn.State keeps the whole Chain's "
+                    "groups, so no state fits it.\nHint: take single layers "
+                    "(`chain[i]`) with their slice of the state, or make the "
+                    "sub-chain from new layers with `eqx.nn.make_with_state`."
+                )
             drop = None if self.drop_rates is None else self.drop_rates.sliced(index)
             chain = Chain(layers, patterns=self.patterns, **self.options.as_args())
             return chain._with_rates(*rates_of(drop), like=self.drop_rates)
