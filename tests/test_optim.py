@@ -168,6 +168,13 @@ def test_freeze_layers_where_and_errors(getkey):
     opt = eqxscan.optim.freeze_layers(optax.sgd(1.0), 0, where=lambda m: m.a.layers)
     with pytest.raises(TypeError, match="not an eqxscan.Stacked"):
         opt.update(grads, opt.init(params), params)
+    # A batch of stacks (an ensemble) outside a vmap is named, not broadcast.
+    keys = jax.random.split(getkey(), 3)
+    ensemble = eqx.filter_vmap(lambda k: _stack(k, 2))(keys)
+    params = eqx.filter(ensemble, eqx.is_inexact_array)
+    opt = eqxscan.optim.freeze_layers(optax.sgd(1.0), 0)
+    with pytest.raises(ValueError, match="first axis is not the layer axis"):
+        opt.update(jax.tree.map(jnp.ones_like, params), opt.init(params), params)
 
 
 @pytest.mark.parametrize("as_array", [np.asarray, jnp.asarray])

@@ -58,6 +58,7 @@ LayerSelection = (
 def _zero_layers(stack: Stacked, layers: LayerSelection, zero: float) -> Stacked:
     """`stack` with every array leaf set to `zero` on the layers `layers` selects
     (indices as for a list)."""
+    stack.check_layer_axis("freeze layers of")  # a batch of stacks: in a vmap
     n = stack.num_layers
     if isinstance(layers, np.ndarray | jax.Array) and not isinstance(layers, Tracer):
         layers = np.asarray(layers).tolist()  # an index array: its ints
