@@ -61,8 +61,9 @@ def _key(value: object, seen: set[int]) -> Key:
         return ()
     if isinstance(value, functools.partial):
         return _all((value.func, *value.args, *value.keywords.values()), seen)
-    if hasattr(value, "__wrapped__"):  # `jax.jit`, type checkers: the user's code
-        return _key(value.__wrapped__, seen)
+    wrapped = getattr(value, "__wrapped__", None)
+    if wrapped is not None:  # `jax.jit`, type checkers: the user's code
+        return _key(wrapped, seen)
     if isinstance(value, types.FunctionType):
         cells = [c.cell_contents for c in value.__closure__ or () if _filled(c)]
         names = [n for n in _global_names(value.__code__) if n in value.__globals__]
