@@ -127,12 +127,35 @@ def test_benchmark_decode_targets_on_both_sides():
     for fmt, t in slower.items():
         missed = [k for k, met in verdicts(rows(**{fmt: t})).items() if not met]
         assert missed and all(fmt in k or fmt == "bfloat16" for k in missed), fmt
+    # A default that compiled to the loop's own program meets its target
+    # however the timings fall; another program is held to the bound.
+    same = rows(float32=2.001)
+    same[1]["program"] = same[2]["program"] = "p"
+    assert verdicts(same)["float32 default step <= 1.0x the loop"] is True
+    same[2]["program"] = "q"
+    assert verdicts(same)["float32 default step <= 1.0x the loop"] is False
     # More temp than the loop's and one layer.
     big = rows()
     big[0]["temp"] = layer + 1
     assert [k for k, met in verdicts(big).items() if not met] == [
         "float32 scan temp <= the loop's + one layer"
     ]
+
+
+def test_benchmark_program_digest_ignores_source_locations(monkeypatch):
+    # The loop (`mode="loop"`) and a default the memory-bound rule unrolls are
+    # one program reached by two code paths; the scan is another.
+    import jax
+
+    from benchmarks.quantized import compile_step, model_of
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    model = model_of("float32", 32, 2)
+    digest = {
+        s: compile_step(model, 8, s)[1]["program"]
+        for s in ("scan", "unrolled", "default")
+    }
+    assert digest["unrolled"] == digest["default"] != digest["scan"]
 
 
 def test_fsdp_on_eight_devices():
