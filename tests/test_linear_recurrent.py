@@ -377,19 +377,21 @@ class TinyGLA(eqxscan.MatrixLinearCell):
         )
 
 
+def _matrix_steps(cell, s0, xs):
+    """The final state and every step's read-out, the cell step by step."""
+    s, outs = s0, []
+    for x in xs:
+        s = cell(x, s)
+        outs.append(cell.output(s, x))
+    return s, jnp.stack(outs)
+
+
 def test_matrix_cell_returns_outputs_not_states(getkey):
     cell = TinyGLA(jr.normal(getkey(), (24, 5)))
     xs, s0 = jr.normal(getkey(), (7, 5)), jr.normal(getkey(), (2, 3, 3))
-    s, ref = s0, []
-    for x in xs:
-        s = cell(x, s)
-        ref.append(cell.output(s, x))
+    s, ref = _matrix_steps(cell, s0, xs)
     s_T, os = eqxscan.Recurrent(cell, method="sequential")(s0, xs)
-    assert (
-        os.shape == (7, 2, 3)
-        and rel(os, jnp.stack(ref)) <= 1e-5
-        and rel(s_T, s) <= 1e-5
-    )
+    assert os.shape == (7, 2, 3) and rel(os, ref) <= 1e-5 and rel(s_T, s) <= 1e-5
     assert eqxscan.Recurrent(cell)(s0, xs[:0])[1].shape == (0, 2, 3)
     chunked = eqxscan.Recurrent(cell, method="chunked", chunk_size=4)
     s_c, os_c = chunked(s0, xs)
@@ -506,16 +508,13 @@ class GatedOutput(TinyGLA):
 def test_a_matrix_cell_with_its_own_output_runs_it(monkeypatch, getkey):
     cell = GatedOutput(jr.normal(getkey(), (24, 5)))
     xs, s0 = jr.normal(getkey(), (9, 5)), jr.normal(getkey(), (2, 3, 3))
-    s, ref = s0, []
-    for x in xs:
-        s = cell(x, s)
-        ref.append(cell.output(s, x))
+    s, ref = _matrix_steps(cell, s0, xs)
     with pytest.raises(ValueError, match="overrides `output`"):
         eqxscan.Recurrent(cell, method="chunked")
     # "auto" would pick the chunked form off CPU: it runs the cell's steps.
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     s_T, os = eqxscan.Recurrent(cell, chunk_size=4)(s0, xs)
-    assert rel(os, jnp.stack(ref)) <= 1e-5 and rel(s_T, s) <= 1e-5
+    assert rel(os, ref) <= 1e-5 and rel(s_T, s) <= 1e-5
     plain = TinyGLA(cell.w)  # for contrast, the plain cell runs chunked there
     assert "length=3" in str(
         jax.make_jaxpr(eqxscan.Recurrent(plain, chunk_size=4))(s0, xs)

@@ -45,20 +45,19 @@ def _indices(layers: object, length: int, who: str) -> np.ndarray | slice | Arra
             )
         return layers
     traced = isinstance(layers, jax.core.Tracer)
-    if not traced and isinstance(layers, Sequence) and len(layers) == 0:
-        raise ValueError(f"{who}: layers is empty; choose at least one layer.")
     try:
         idx = layers if traced else np.asarray(layers)
     except Exception:
         idx = None
+    # Before the dtype: NumPy reads `[]` as float64.
+    if idx is not None and idx.ndim == 1 and idx.size == 0:
+        raise ValueError(f"{who}: layers is empty; choose at least one layer.")
     if idx is None or idx.ndim != 1 or not np.issubdtype(idx.dtype, np.integer):
         raise TypeError(
             f"{who}: layers must be a slice, a sequence of ints or a 1-D integer "
             f"array, got {describe(layers)}.\nHint: e.g. `slice(2, 5)`, "
             "`[0, 2, 4]` or `jnp.arange(i, i + 3)` (`i` may be traced)."
         )
-    if idx.size == 0:
-        raise ValueError(f"{who}: layers is empty; choose at least one layer.")
     if traced:
         return jnp.clip(idx, 0, length - 1)
     bad = idx[(idx < -length) | (idx >= length)]

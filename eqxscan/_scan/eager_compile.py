@@ -8,7 +8,6 @@ anew rather than serving the old program. Under a transformation, in
 hand back an untapped program), and where such a value cannot be a key (an
 array, a mutable object) the method runs as written."""
 
-import dataclasses
 import dis
 import enum
 import functools
@@ -119,19 +118,22 @@ def _global_names(code: types.CodeType) -> tuple[str, ...]:
     return (*own, *(n for c in nested for n in _global_names(c)))
 
 
-def _classes(tree: object, found: dict[type, None]) -> dict[type, None]:
-    # The classes of the Modules in `tree` (whose code a call runs), in order.
-    if isinstance(tree, eqx.Module):
-        found[type(tree)] = None
-        for field in dataclasses.fields(tree):
-            _classes(getattr(tree, field.name, None), found)
-    elif isinstance(tree, list | tuple):
-        for x in tree:
-            _classes(x, found)
-    elif isinstance(tree, dict):
-        for x in tree.values():
-            _classes(x, found)
-    return found
+@functools.lru_cache(maxsize=256)
+def _classes(treedef: jtu.PyTreeDef) -> tuple[type, ...]:  # pyright: ignore[reportInvalidTypeForm]
+    # The classes of the Modules in a call's tree (whose code it runs), in
+    # order: once per structure, read off its treedef.
+    found: dict[type, None] = {}
+
+    def visit(node: jtu.PyTreeDef) -> None:  # pyright: ignore[reportInvalidTypeForm]
+        data = node.node_data()
+        if data is not None and isinstance(data[0], type):
+            if issubclass(data[0], eqx.Module):
+                found[data[0]] = None
+        for child in node.children():
+            visit(child)
+
+    visit(treedef)
+    return tuple(found)
 
 
 def compiled_when_eager(method: Callable[P, R]) -> Callable[P, R]:
@@ -157,7 +159,9 @@ def compiled_when_eager(method: Callable[P, R]) -> Callable[P, R]:
             k: v.item() if isinstance(v, (np.integer, np.bool_)) else v
             for k, v in kwargs.items()
         }  # pyright: ignore[reportAssignmentType]  # the same values
-        leaves = jtu.tree_leaves((args, kwargs))  # one flatten for both checks
+        leaves, treedef = jtu.tree_flatten(
+            (args, kwargs)
+        )  # one flatten for both checks
         if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
             return method(*args, **kwargs)
         # `filter_jit` keys its cache by the non-array leaves' hash and equality,
@@ -165,7 +169,7 @@ def compiled_when_eager(method: Callable[P, R]) -> Callable[P, R]:
         # the method would refuse never reuses the program of one it accepted.
         static = [leaf for leaf in leaves if not eqx.is_array(leaf)]
         # What the code run reads from outside its arguments joins the key.
-        reads = _all((*static, *_classes((args, kwargs), {})), set())
+        reads = _all((*static, *_classes(treedef)), set())
         if reads is None:
             return method(*args, **kwargs)
         return jitted((tuple(map(type, static)), reads), *args, **kwargs)
