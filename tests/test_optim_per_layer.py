@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import eqxscan
-from eqxscan.optim import freeze_layers, layerwise, weight_decay_mask
+from eqxscan.optim import freeze_layers, layerwise, LayerwiseState, weight_decay_mask
 
 from .helpers import run_script
 
@@ -203,6 +203,19 @@ def test_per_layer_with_freeze_and_masks(getkey):
     want = _train(unstacked, ref, x)
     assert _gap(got, want) < 1e-5
     np.testing.assert_array_equal(got.body.layers.w1[0], stacked.body.layers.w1[0])
+    # LAMB's trust ratio reads the whole array: frozen, the stacked layer 0's
+    # weights still enter the others' ratio, unless it runs per layer.
+    lamb = optax.lamb(1e-2)
+    ref = optax.multi_transform(
+        {"train": lamb, "frozen": optax.set_to_zero()}, lambda _: labels
+    )
+    want = _train(unstacked, ref, x)
+    where = lambda p: p.body  # noqa: E731
+    assert (
+        _gap(_train(stacked, freeze_layers(layerwise(lamb), [0], where=where), x), want)
+        < 1e-5
+    )
+    assert _gap(_train(stacked, freeze_layers(lamb, [0], where=where), x), want) > 1e-4
     # A mask outside layerwise sees the whole tree, one inside sees one layer.
     lamb = optax.lamb(1e-2)
     got = _train(stacked, optax.masked(layerwise(lamb), weight_decay_mask), x)
@@ -229,6 +242,18 @@ def test_per_layer_state_and_errors(getkey):
     match = "hold 1 Stacked modules.*not a LayerwiseState"
     with pytest.raises(ValueError, match=match):
         tx.update(params, optax.adam(1e-2).init(params), params)
+    # A state for another depth is named, not left to optax's tree error.
+    fewer = eqx.filter(stacked.body[:2], eqx.is_inexact_array)
+    fewer = eqx.tree_at(lambda p: p.body, params, fewer)
+    with pytest.raises(ValueError, match=r"`\.body` has 2 layers.*built for 3"):
+        tx.update(fewer, state, fewer)
+    # MultiSteps accumulates whole steps: it goes outside, as the hint says.
+    with pytest.raises(TypeError, match=r"MultiSteps\(layerwise\(tx\)"):
+        layerwise(optax.MultiSteps(optax.adam(1e-2), 2))
+    outside = optax.MultiSteps(layerwise(optax.adam(1e-2)), 2)
+    with jax.numpy_dtype_promotion("standard"):  # optax's own mixes int and float
+        _, ms_state = outside.update(params, outside.init(params), params)
+    assert isinstance(ms_state.inner_opt_state, LayerwiseState)
 
 
 def test_per_layer_mask_tree_of_the_whole_model_is_named(getkey):

@@ -122,7 +122,10 @@ def freeze_layers(
     gradients still lets AdamW's weight decay move frozen layers. This zeroes
     the frozen layers' gradients before `inner` (a global-norm clip sees only
     the trained layers) and their updates after it (weight decay cannot reach
-    them): frozen layers stay bit-identical, the others train as on their own.
+    them): frozen layers stay bit-identical, the others train as on their own
+    where `inner` works element by element. One that reduces over a whole array
+    (LAMB's trust ratio) still reads the frozen layers' weights: pass
+    `layerwise(inner)`.
 
     **Arguments:**
 

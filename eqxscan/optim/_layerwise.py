@@ -13,7 +13,13 @@ import optax
 from jaxtyping import PyTree
 
 from .. import Stacked
-from .._internal import call_state, changed_call_state, docs, is_placeholder
+from .._internal import (
+    call_state,
+    changed_call_state,
+    Checked,
+    docs,
+    is_placeholder,
+)
 from ._arrays import is_array, is_stacked
 
 
@@ -172,6 +178,16 @@ def _update(
             f"any other), but the optimiser state is {found}.\nHint: initialise "
             "the optimiser with parameters of the same structure as the updates."
         )
+    for (where, stack), stored in zip(stacks, state.stacks):
+        # A state for another depth: name it before optax's tree error.
+        rows = {a.shape[0] for a in jtu.tree_leaves(stored) if is_array(a) and a.ndim}
+        if rows and rows != {stack.num_layers}:
+            raise ValueError(
+                f"layerwise: the Stacked at `{where or '<root>'}` has "
+                f"{stack.num_layers} layers, but the optimiser state was built "
+                f"for {min(rows)}.\nHint: initialise the optimiser with parameters "
+                "of the same structure as the updates."
+            )
     outside = None if params is None else _outside(params)
     rest, rest_state = tx.update(_outside(updates), state.rest, outside, **extra_args)
     new_layers, new_states = {}, []
@@ -209,7 +225,7 @@ def _update(
 
 
 def layerwise(
-    tx: optax.GradientTransformation,
+    tx: Checked[optax.GradientTransformation],
 ) -> optax.GradientTransformationExtraArgs:
     """Run `tx` on each layer of every [`eqxscan.Stacked`][] on its own, as on the
     unstacked model.
@@ -224,7 +240,8 @@ def layerwise(
     arrays outside every stack: it then trains as `tx` on the layers in a list.
 
     A reduction inside `tx` is per layer (a global-norm clip inside clips each
-    layer); keep global ones outside:
+    layer, and `optax.apply_if_finite` inside skips only the layers whose
+    updates are not finite); keep global ones outside:
     `optax.chain(optax.clip_by_global_norm(1.0), layerwise(optax.adamw(1e-3)))`.
     Masks given as functions (`optax.masked(..., weight_decay_mask)`, `adamw`'s
     `mask=`) get one layer's parameters inside, the whole tree outside;
@@ -259,6 +276,12 @@ def layerwise(
     An `optax.GradientTransformationExtraArgs` whose state is a
     [`eqxscan.optim.LayerwiseState`][].
     """
+    if isinstance(tx, optax.MultiSteps):
+        raise TypeError(
+            "layerwise takes an optax.GradientTransformation, got MultiSteps, "
+            "which accumulates whole steps.\nHint: put it outside: "
+            "`optax.MultiSteps(layerwise(tx), every_k_schedule=k)`."
+        )
     if not isinstance(tx, optax.GradientTransformation):
         raise TypeError(
             "layerwise takes an optax.GradientTransformation, got "
