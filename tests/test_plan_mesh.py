@@ -96,6 +96,10 @@ def test_nothing_fits_still_returns_the_table():
     assert table.candidates[0].device_bytes > 1000
     assert "No candidate fits" in table.message and "Hint:" in table.message
     assert "No candidate fits" in str(table)
+    # At a 1 kB budget the figures are read in bytes, not as "0.00 GiB".
+    least = table.candidates[0].device_bytes
+    assert "budget of 1,000 bytes" in table.message
+    assert f"needs {least:,} bytes, {least - 1000:,} bytes more" in table.message
 
 
 def _nothing_fits():

@@ -149,11 +149,15 @@ class MeshPlan:
                 + ".\nHint: choose a device count or meshes whose sizes divide "
                 "the batch and the parameters; the table gives each reason."
             )
-        least = f" The smallest needs {min(sizes) / 2**30:.2f} GiB."
+        # In bytes below 4 MiB, where two figures in MiB would both read 0.00.
+        budget, least = self.budget, min(sizes)
+        unit, name = self._unit() if budget >= 4 * 2**20 else (1, "bytes")
+        shown = lambda n: f"{n:,}" if unit == 1 else f"{n / unit:.2f}"  # noqa: E731
         return (
-            f"No candidate fits the budget of {self.budget / 2**30:.2f} GiB per "
-            f"device.{least}\nHint: add devices, shrink the batch, or try more "
-            "remat settings or a model axis."
+            f"No candidate fits the budget of {shown(budget)} {name} per device. "
+            f"The smallest needs {shown(least)} {name}, {least - budget:,} bytes "
+            "more.\nHint: add devices, shrink the batch, or try more remat "
+            "settings or a model axis."
         )
 
     def _unit(self) -> tuple[int, str]:
