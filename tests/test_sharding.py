@@ -292,6 +292,38 @@ def test_shard_is_idempotent_and_keeps_opt_state_usable(getkey):
     assert placed(m3.blocks.layers.w1) == P()
 
 
+def test_shard_moves_arrays_committed_elsewhere(getkey):
+    # Committed arrays (`device_put` to one device, or placed on another mesh)
+    # are moved, as `jax.device_put` moves them, not refused by `jit`.
+    model = eqxscan.StackedMLP(4, 2, key=getkey())
+    first, second = jax.devices()[:2]
+    mesh = sharding.make_mesh(fsdp=2)
+    batch = jax.device_put(jnp.ones((2, 4)), second)
+    arrays, static = eqx.partition(model, eqx.is_array)
+    committed = eqx.combine(jax.device_put(arrays, first), static)
+    m, _, b = sharding.shard(committed, batch=batch, mesh=mesh, min_size=0)
+    fresh, _, _ = sharding.shard(model, mesh=mesh, min_size=0)
+    assert placed(m.blocks.layers.w1) == placed(fresh.blocks.layers.w1) != P()
+    assert b.sharding.mesh == mesh and tree_allclose(m(b), model(batch))
+    mesh_a, mesh_b = (sharding.make_mesh(devices=[d]) for d in (first, second))
+    on_a, _, _ = sharding.shard(model, mesh=mesh_a)
+    on_b, _, _ = sharding.shard(on_a, mesh=mesh_b)
+    assert on_b.blocks.layers.w1.devices() == {second}
+    leaves = [jtu.tree_leaves(eqx.filter(t, eqx.is_array)) for t in (on_b, model)]
+    assert all(map(jnp.array_equal, *leaves))
+
+
+def test_a_batch_of_stacks_is_refused_not_split_along_its_layers(getkey):
+    # An ensemble's member axis would be read as the layer axis, and the real
+    # layer axis sharded.
+    keys = jax.random.split(getkey(), 3)
+    ensemble = eqx.filter_vmap(lambda k: eqxscan.StackedMLP(4, 2, key=k))(keys)
+    mesh = sharding.make_mesh(fsdp=2)
+    match = r"`model\.blocks\.layers\.w1` has shape \(3, 2, 4, 16\).*axes \(2,\)"
+    with pytest.raises(ValueError, match=match):
+        sharding.model_shardings(ensemble, mesh, min_size=0)
+
+
 def test_layer_sharding_option(getkey):
     mesh = sharding.make_mesh(fsdp=2)
     stack = eqxscan.Stacked(lambda k: eqx.nn.Linear(4, 4, key=k), 3, key=getkey())

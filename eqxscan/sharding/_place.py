@@ -5,12 +5,20 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.tree_util as jtu
 from jax.core import Tracer
 from jax.sharding import Mesh
 
-from .._internal import align, constrain, Device, docs, is_arraylike, is_none
+from .._internal import (
+    align,
+    constrain,
+    Device,
+    docs,
+    is_arraylike,
+    is_none,
+)
 
 
 def default_devices() -> list[Device]:
@@ -29,9 +37,10 @@ def _is_traced(tree: Any) -> bool:
 
 def place(tree: Any, shardings: Any, mesh: Mesh) -> Any:
     """Place `tree`, which every process holds in full, on `shardings`: with
-    `constrain` inside `jit`, on one process, or for arrays global already; else
-    with `jax.device_put`, each process keeping only its own shards."""
-    if _is_traced(tree) or not mesh.is_multi_process:
+    `constrain` inside `jit` or for arrays global already; else with
+    `jax.device_put` (which also moves arrays committed to other devices), each
+    process keeping only its own shards."""
+    if _is_traced(tree):
         return constrain(tree, shardings)
     return _assemble(tree, shardings, jax.device_put)
 
@@ -39,7 +48,7 @@ def place(tree: Any, shardings: Any, mesh: Mesh) -> Any:
 def _assemble(tree: Any, shardings: Any, put: Callable[[Any, Any], Any]) -> Any:
     # `put(x, sharding)` for local arrays; global ones are resharded by `jit`.
     def one(sharding: Any, x: Any) -> Any:
-        if not is_arraylike(x) or sharding is None:
+        if not eqx.is_array(x) or sharding is None:
             return x
         if isinstance(x, jax.Array) and not x.is_fully_addressable:
             return constrain(x, sharding)
@@ -52,8 +61,10 @@ def place_batch(batch: Any, mesh: Mesh, shardings_for: Callable[[Any], Any]) -> 
     """Place `batch` with `shardings_for(batch)`; on a mesh spanning several
     processes `batch` holds this process's rows only, assembled into global
     arrays (`jax.make_array_from_process_local_data`), else this is `constrain`."""
-    if _is_traced(batch) or not mesh.is_multi_process:
+    if _is_traced(batch):
         return constrain(batch, shardings_for(batch))
+    if not mesh.is_multi_process:
+        return _assemble(batch, shardings_for(batch), jax.device_put)
     # The batch's split, from a stand-in every batch split divides: its row
     # blocks in all, and those this process's devices hold.
     probe = jax.ShapeDtypeStruct((mesh.devices.size,), jax.numpy.float32)

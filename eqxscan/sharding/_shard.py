@@ -237,6 +237,15 @@ def fsdp_shardings(
     def one(leaf: object, site: Site) -> NamedSharding | None:
         if not is_arraylike(leaf):
             return None
+        if tuple(leaf.shape[: site.depth]) != site.axes:
+            # A batch of stacks: its batch axis would be read as the layers'.
+            raise ValueError(
+                f"model_shardings: `model{jtu.keystr(site.path)}` has shape "
+                f"{tuple(leaf.shape)}, but the Stacked holding it has layer axes "
+                f"{site.axes}, which should lead its shape.\nHint: a batch of "
+                "stacks (an ensemble built with eqx.filter_vmap) is not placed by "
+                "model_shardings: give its arrays shardings of your own."
+            )
         return NamedSharding(mesh, spec_of(leaf, site.depth, site.path))
 
     return follow_float_weights(model, walk(one, model), mesh, spec_of)
