@@ -213,6 +213,21 @@ def test_every_problem_is_reported_at_once_with_its_layer():
     assert hint.startswith("Hint: ")
 
 
+def test_a_file_of_another_float_dtype_is_named_with_the_cast():
+    # Pretrained files are mostly bfloat16: the shapes fit, and the hint is
+    # dtype=, not the configuration.
+    external = {k: v.astype(jnp.bfloat16) for k, v in _by_hand(_model()).items()}
+    with pytest.raises(ValueError) as e:
+        TORCH.load(_model(1), external)
+    first, hint = str(e.value).splitlines()
+    assert "of another dtype)" in first and "mis-shaped" not in first
+    assert "is bfloat16, 'blocks.0.wqkv' float32" in first
+    assert hint == (
+        "Hint: the shapes fit: load with dtype=jnp.float32, which casts the "
+        "file's floating-point arrays."
+    )
+
+
 def test_names_of_one_side_only():
     # `keep`: a buffer of eqxscan's model only, taken from like and not written.
     class WithTable(eqx.Module):

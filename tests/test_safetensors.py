@@ -453,7 +453,9 @@ def test_dtype_casts_floating_arrays_on_load(tmp_path):
     for saved, like, dtype in [(bf16, f32, jnp.float32), (f32, bf16, jnp.bfloat16)]:
         path = tmp_path / f"{jnp.dtype(dtype).name}.safetensors"
         eqxscan.save_safetensors(path, saved)
-        _refused(path, "checkpoint has", like=like)  # not without dtype=
+        # Not without dtype=, which the hint names with the model's dtype.
+        name = jnp.dtype(dtype).name
+        _refused(path, "wrong dtype (their", f"dtype=jnp.{name} casts", like=like)
         loaded = eqxscan.load_safetensors(path, like, dtype=dtype)
         want = jax.tree.map(
             lambda x, d=dtype: x.astype(d) if eqx.is_inexact_array(x) else x, saved

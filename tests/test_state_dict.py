@@ -148,6 +148,12 @@ def test_wrong_shape_and_dtype_are_named(getkey):
         "'blocks.2.w1': model has float32[4, 16], checkpoint has float32[4, 8]" in msg
     )
     assert "'blocks.0.scale': model has float32[4], checkpoint has float16[4]" in msg
+    assert "wrong shape or dtype" in msg and "Hint" not in msg
+    # Only dtypes differ (pretrained bfloat16 weights): said so, with the cast.
+    state["blocks.2.w1"] = state["blocks.1.w1"]
+    with pytest.raises(ValueError, match=r"wrong dtype \(their shapes fit\)") as e:
+        eqxscan.from_state_dict(model, state)
+    assert "dtype=jnp.float32 casts" in str(e.value)
 
 
 def _first_layers(model, num_layers):

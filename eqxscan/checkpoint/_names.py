@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jaxtyping import PyTree
 
@@ -482,7 +483,7 @@ class NameMap:
         layout = {name: (leaf.shape, leaf.dtype) for name, (leaf, _) in leaves.items()}
         planned, kept = self._plan(layout)
         expected = {name: (p, k) for p in planned for k, name in enumerate(p.theirs)}
-        missing, wrong = [], []
+        missing, wrong, recast = [], [], []
         depths = self._depths(planned, external)
         for name, (p, k) in expected.items():
             if name not in external:
@@ -493,7 +494,13 @@ class NameMap:
                 continue
             shape, dtype = shape_dtype(external[name])
             want = p.steps[-1][k]
-            if shape != want or dtype != p.dtype:
+            floats = all(jnp.issubdtype(d, jnp.floating) for d in (dtype, p.dtype))
+            if shape == want and dtype != p.dtype and floats:
+                recast.append(
+                    f"'{name}'{_where(p.binding)} is {dtype.name}, "
+                    f"'{p.ours[0]}' {p.dtype.name}"
+                )
+            elif shape != want or dtype != p.dtype:
                 wrong.append(
                     f"'{name}'{_where(p.binding)} is {spec(shape, dtype)}, "
                     f"'{p.ours[0]}' needs {spec(want, p.dtype)}"
@@ -505,7 +512,7 @@ class NameMap:
             and not any(r.fullmatch(n) for r in self._ignore)
             and (depths is None or _layer(self._binding(n)) < depths[1])
         ]
-        problems = wrong + missing + unused
+        problems = wrong + recast + missing + unused
         if depths is not None:
             # One line for what would be a missing or unused name per array.
             n_file, n_model = depths
@@ -522,16 +529,27 @@ class NameMap:
                 f"{len(x)} {what}"
                 for x, what in (
                     (wrong, "mis-shaped"),
+                    (recast, "of another dtype"),
                     (missing, "missing"),
                     (unused, "unused"),
                 )
                 if x
             )
+            hint = (
+                "a depth or size of the model's configuration differs from the "
+                "file's, or the map needs a rule (or an `ignore=` pattern for names "
+                "of their side only)"
+            )
+            if recast and len(recast) == len(problems):
+                to = {p.dtype.name for p in planned}
+                cast_to = f"dtype=jnp.{to.pop()}" if len(to) == 1 else "dtype="
+                hint = (
+                    f"the shapes fit: load with {cast_to}, which casts the file's "
+                    "floating-point arrays"
+                )
             raise ValueError(
                 f"The names in {source} do not match the model through the name "
-                f"map ({counts}): {listed(problems)}.\nHint: a depth or size of "
-                "the model's configuration differs from the file's, or the map "
-                "needs a rule (or an `ignore=` pattern for names of their side only)."
+                f"map ({counts}): {listed(problems)}.\nHint: {hint}."
             )
         state: dict[str, object] = {}
         for p in planned:

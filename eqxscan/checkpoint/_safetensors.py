@@ -554,7 +554,7 @@ def load_safetensors(
                     "load it with eqxscan.quant.load(path, like), like quantized as "
                     "the file was."
                 ]
-            if not rest and dtype is not None and "wrong shape or dtype" in first:
+            if dtype is not None and re.search("wrong (shape or )?dtype", first):
                 rest = [
                     f"Hint: dtype={_float_dtype(dtype).name} casts every "
                     "floating-point array of the file (the checkpoint's dtypes "

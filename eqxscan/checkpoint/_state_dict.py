@@ -21,6 +21,7 @@ from jaxtyping import PyTree
 from .. import Stacked
 from .._internal import (
     describe,
+    docs,
     index,
     is_arraylike,
     is_placeholder,
@@ -246,7 +247,7 @@ def from_state_dict(like: T, state_dict: Mapping[str, object]) -> T:
         raise ValueError(
             f"The state dict does not match the model: {'; '.join(lines)}."
         )
-    wrong = []
+    wrong, casts = [], set()
     for name, leaf in expected.items():
         shape, dtype = shape_dtype(state_dict[name])
         if shape != leaf.shape or dtype != leaf.dtype:
@@ -254,6 +255,18 @@ def from_state_dict(like: T, state_dict: Mapping[str, object]) -> T:
                 f"'{name}': model has {leaf.dtype.name}{list(leaf.shape)}, "
                 f"checkpoint has {dtype.name}{list(shape)}"
             )
+            floats = all(jnp.issubdtype(d, jnp.floating) for d in (dtype, leaf.dtype))
+            casts.add(leaf.dtype.name if shape == leaf.shape and floats else None)
+    if wrong and None not in casts:
+        # Shapes fit, floating dtypes differ: bfloat16 weights for a float32
+        # model, the usual case with pretrained files.
+        cast_to = f"dtype=jnp.{casts.pop()}" if len(casts) == 1 else "dtype="
+        raise ValueError(
+            f"The state dict has arrays of the wrong dtype (their shapes fit): "
+            f"{listed(wrong)}.\nHint: cast them to the model's dtypes; loading a "
+            f"file, {cast_to} casts its floating-point arrays (see "
+            f"{docs('checkpoints.md')})."
+        )
     if wrong:
         raise ValueError(
             f"The state dict has arrays of the wrong shape or dtype: {listed(wrong)}."
