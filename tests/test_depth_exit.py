@@ -534,7 +534,7 @@ class Half(eqx.Module):
         (
             Half(),
             r"Layer 2 \(Half\) changed carry leaf `carry` from float32\[3\] to "
-            r"float16\[3\]",
+            r"float16\[3\] \(a dtype change: cast",
         ),
     ],
 )

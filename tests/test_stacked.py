@@ -395,7 +395,7 @@ def test_carry_dtype_promotion_error(mode):
         stack(x)
     msg = str(info.value)
     assert "carry['h']" in msg and "bfloat16[3]" in msg and "float32[3]" in msg
-    assert "Promotes" in msg
+    assert "Promotes" in msg and "(a dtype promotion: cast" in msg
     if mode == "loop":
         assert "Layer 0" in msg
 

@@ -285,8 +285,10 @@ def check_carry(old: PyTree, new: PyTree, where: str, step: int | None = None) -
                 f"jnp.{jnp.dtype(b.dtype).name})`)"
             )
         elif eqx.is_array(a) and eqx.is_array(b) and a.shape == b.shape:
+            wider = jnp.dtype(b.dtype).itemsize > jnp.dtype(a.dtype).itemsize
             hint = (
-                " (a dtype promotion: cast the layer's result back, e.g. "
+                f" (a dtype {'promotion' if wider else 'change'}: cast the "
+                "layer's result back, e.g. "
                 f"`.astype({jnp.dtype(a.dtype).name})`, or keep its parameters and "
                 f"inputs in {jnp.dtype(a.dtype).name})"
             )
