@@ -338,7 +338,10 @@ class CheckpointManager:
 
         **Returns:**
 
-        `(model, opt_state, step)`.
+        `(model, opt_state, step)`. As `shard` does, it sets each `Stacked`'s
+        static `layer_sharding`: compare its arrays with the saved model's
+        (`jax.tree.leaves(eqx.filter(m, eqx.is_array))`), not the modules with
+        `eqx.tree_equal`, which also compares static fields.
 
         **Raises:**
 
