@@ -400,6 +400,10 @@ def test_errors(getkey):
         sharding.make_mesh(devices=[])
     with pytest.raises(TypeError, match="shardings must be jax.sharding.Sharding"):
         sharding.constrain(jnp.ones(2), P())
+    with pytest.raises(
+        TypeError, match=r"got P for `tree\['w'\]`\.\nHint: .*mesh, spec"
+    ):
+        sharding.constrain({"w": jnp.ones(2)}, {"w": P()})
 
 
 def test_make_mesh():

@@ -43,13 +43,18 @@ def constrain(
     mesh axes, `reshard` on `Explicit` ones."""
     dyn, static = eqx.partition(tree, eqx.is_array)
 
-    def one(sharding: object, leaf: object) -> object:
+    def one(path: tuple, sharding: object, leaf: object) -> object:
         if sharding is None:
             return leaf
         if not isinstance(sharding, Sharding):
+            hint = (
+                "\nHint: a PartitionSpec needs its mesh: NamedSharding(mesh, spec)."
+                if isinstance(sharding, PartitionSpec)
+                else ""
+            )
             raise TypeError(
                 "shardings must be jax.sharding.Sharding objects (or None), got "
-                f"{type(sharding).__name__}."
+                f"{type(sharding).__name__} for `tree{jtu.keystr(path)}`.{hint}"
             )
         if isinstance(sharding, NamedSharding) and any(
             t == AxisType.Explicit for t in sharding.mesh.axis_types
@@ -57,7 +62,7 @@ def constrain(
             return jax.sharding.reshard(leaf, sharding)
         return jax.lax.with_sharding_constraint(leaf, sharding)
 
-    dyn = jtu.tree_map(one, align(shardings, dyn), dyn, is_leaf=is_none)
+    dyn = jtu.tree_map_with_path(one, align(shardings, dyn), dyn, is_leaf=is_none)
     return eqx.combine(dyn, static)
 
 
