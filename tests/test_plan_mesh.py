@@ -3,6 +3,8 @@ candidates, checked against analytic counts, against the arrays really placed on
 8 simulated devices, and against one device's training losses."""
 
 import json
+import subprocess
+import sys
 
 import equinox as eqx
 import jax
@@ -378,3 +380,17 @@ def test_hlo_costs_counts_async_collectives_by_their_results():
         "collective-permute": 2 * 16 * 4,
         "all-reduce": 2 * 16 * 4,
     }
+
+
+def test_the_child_entry_point_says_how_it_is_called():
+    # Run by hand without its two paths: a usage line, not a traceback.
+    for args in ([], ["--help"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "eqxscan.planning", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 1
+        assert done.stderr.startswith("usage: python -m eqxscan.planning SPEC OUT")
+        assert "Traceback" not in done.stderr
