@@ -26,10 +26,7 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-# Process 1 dies mid-collective. (When process 0, which runs JAX's coordination
-# service, dies, JAX's runtime ends the others at once with its own message,
-# which no Python code can precede.)
-def test_survivor_of_a_dead_peer_exits_naming_it(tmp_path, dead=1, work="collective"):
+def _start(tmp_path, work):
     port = _port()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     # Each script adds its own device count to the tests' compile flags.
@@ -46,6 +43,23 @@ def test_survivor_of_a_dead_peer_exits_naming_it(tmp_path, dead=1, work="collect
         )
         for i in range(2)
     ]
+    return procs, logs
+
+
+def _stop(procs, logs):
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(timeout=30)
+    for f in logs:
+        f.close()
+
+
+# Process 1 dies mid-collective. (When process 0, which runs JAX's coordination
+# service, dies, JAX's runtime ends the others at once with its own message,
+# which no Python code can precede.)
+def test_survivor_of_a_dead_peer_exits_naming_it(tmp_path, dead=1, work="collective"):
+    procs, logs = _start(tmp_path, work)
     try:
         start = time.monotonic()
         while not all("ready" in (tmp_path / f"{i}.log").read_text() for i in (0, 1)):
@@ -70,9 +84,24 @@ def test_survivor_of_a_dead_peer_exits_naming_it(tmp_path, dead=1, work="collect
         ), text[-3000:]
         assert lines[-1].startswith("Hint: see the log of process 1 for why")
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait(timeout=30)
-        for f in logs:
-            f.close()
+        _stop(procs, logs)
+
+
+def test_a_peer_that_raises_is_reported_and_both_exit(tmp_path):
+    # An uncaught exception ran the exit handlers: the peer was taken for one
+    # that had left, and the survivor waited in its collective (minutes).
+    procs, logs = _start(tmp_path, "crash")
+    try:
+        codes = [p.wait(timeout=JOIN_TIMEOUT + EXIT_BOUND) for p in procs]
+        texts = [(tmp_path / f"{i}.log").read_text() for i in (0, 1)]
+        # Process 1 exits with 1, or JAX's runtime aborts it once process 0,
+        # which runs the coordination service, has gone.
+        assert codes[0] == 1 and codes[1] in (1, -signal.SIGABRT), texts
+        assert "RuntimeError: a bug in process 1" in texts[1]
+        lines = [line for line in texts[0].splitlines() if line.strip()]
+        assert lines[-2] == (
+            "eqxscan.distributed: process 0 of 2 lost process 1: it crashed "
+            "(RuntimeError); this process exits."
+        ), texts[0][-3000:]
+    finally:
+        _stop(procs, logs)

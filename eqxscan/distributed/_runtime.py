@@ -65,17 +65,32 @@ class _PeerWatch:
         now = time.monotonic()
         self.seen = {i: ("", now) for i in range(count) if i != self.me}
         self.reached = now  # when the store last answered
-        self.exiting = False
+        self.exiting, self.crash = False, ""
         for target in (self._beat, self._judge):
             threading.Thread(target=target, daemon=True, name="eqxscan-peers").start()
         atexit.register(self._leave)
+        # An uncaught exception, told the others at once (exit handlers may
+        # close the collectives first): else they take it for a process that
+        # left, and wait in a collective that cannot complete.
+        hook = sys.excepthook
+
+        def crashed(kind: type[BaseException], e: BaseException, tb: Any) -> None:
+            self.crash = kind.__name__
+            with contextlib.suppress(Exception):
+                state = f"crashed:{self.crash}"
+                self.client.key_value_set(_ALIVE.format(self.me), state, True)
+            hook(kind, e, tb)
+
+        sys.excepthook = crashed
 
     def _beat(self) -> None:
         for beat in itertools.count(1):
-            # If the store cannot be reached, `_judge` decides.
+            # If the store cannot be reached, `_judge` decides. Once this
+            # process has left or crashed, its state stands in for the counter.
             with contextlib.suppress(Exception):
-                self.client.key_value_set(_ALIVE.format(self.me), str(beat), True)
-                self.reached = time.monotonic()
+                if not (self.exiting or self.crash):
+                    self.client.key_value_set(_ALIVE.format(self.me), str(beat), True)
+                    self.reached = time.monotonic()
             for i in self.seen:
                 try:
                     value = self.client.key_value_try_get(_ALIVE.format(i))
@@ -90,30 +105,52 @@ class _PeerWatch:
             time.sleep(self.interval)
             now = time.monotonic()
             for i, (value, since) in list(self.seen.items()):
+                if value.startswith("crashed"):
+                    self._lost(i, 0.0, f"it crashed ({value.partition(':')[2]})")
                 if value != "left" and now - since > self.timeout:
                     self._lost(i, now - since)
             if not self.exiting and now - self.reached > self.timeout:
                 self._lost(0, now - self.reached)  # the store is process 0's
 
-    def _lost(self, dead: int, silent: float) -> None:
+    def _lost(self, dead: int, silent: float, why: str = "") -> None:
         what = f"process {dead}" + (" (the coordinator)" if dead == 0 else "")
+        why = why or (
+            f"it has shown no sign of life for {silent:.0f} s "
+            f"(heartbeat_timeout={self.timeout:g}), so it stopped or crashed"
+        )
         _exit_with(
-            f"eqxscan.distributed: {self.where} lost {what}: it has shown no sign "
-            f"of life for {silent:.0f} s (heartbeat_timeout={self.timeout:g}), "
-            f"so it stopped or crashed; this process exits.\nHint: see the log "
-            f"of process {dead} for why it stopped, then restart the job from "
-            f"its last checkpoint; {DOCS}."
+            f"eqxscan.distributed: {self.where} lost {what}: {why}; this process "
+            f"exits.\nHint: see the log of process {dead} for why it stopped, "
+            f"then restart the job from its last checkpoint; {DOCS}."
         )
 
     def _leave(self) -> None:
         # Before JAX's own exit handler (registered earlier, so it runs later):
         # a process that ends is not taken for a dead one by the others.
         self.exiting = True
+        state = f"crashed:{self.crash}" if self.crash else "left"
         try:
-            self.client.key_value_set(_ALIVE.format(self.me), "left", True)
+            self.client.key_value_set(_ALIVE.format(self.me), state, True)
         except Exception:
             if self.me != 0:  # the store, on process 0, is gone already
                 self._lost(0, time.monotonic() - self.reached)
+        if self.crash:
+            self._end_crashed()
+
+    def _end_crashed(self) -> None:
+        # Not JAX's exit barrier, which would wait shutdown_timeout for the
+        # others: they stop once they have read the state. A peer gone quiet
+        # (whose death may have failed this one's collective) is named first,
+        # by `_judge`, once `timeout` has passed.
+        end = time.monotonic() + 3 * self.interval
+        while time.monotonic() < end:
+            time.sleep(self.interval)
+            for value, since in list(self.seen.values()):
+                if value != "left" and time.monotonic() - since > 2 * self.interval:
+                    end = max(end, since + self.timeout + 2 * self.interval)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def initialize(

@@ -2,7 +2,8 @@
 `python tests/scripts/peer_fault_job.py PROCESS_ID PORT WORK`.
 
 Joins the job, prints `ready`, then works until it is killed or its peer dies:
-`WORK` is `collective` (an allgather every 0.1 s) or `host` (no collectives).
+`WORK` is `collective` (an allgather every 0.1 s), `host` (no collectives) or
+`crash` (collectives; process 1 raises an uncaught error after 20 steps).
 """
 
 import os
@@ -24,7 +25,9 @@ def main() -> int:
     print("ready", flush=True)
     step = 0
     while True:
-        if work == "collective":
+        if work == "crash" and pid == 1 and step == 20:
+            raise RuntimeError("a bug in process 1")
+        if work in ("collective", "crash"):
             total = multihost_utils.process_allgather(np.int64(step)).sum()
             assert total == 2 * step, total
         step += 1
