@@ -130,6 +130,9 @@ def main(argv=None):
         print(f"  {name:5s} compile {c:6.2f} s   step {s * 1e3:7.2f} ms (median)")
     (cs, ss), (cl, sl) = results["scan"], results["loop"]
     print(f"  scan/loop: compile {cs / cl:.2f}x, step {ss / sl:.2f}x")
+    (choice,) = eqxscan.explain_auto(model, x)
+    if choice.unroll is True:  # a short stack of small layers: the loop's program
+        print(f"  (at this size the default unrolls the scan: {choice.reason})")
     return final, baseline
 
 
