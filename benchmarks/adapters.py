@@ -295,6 +295,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=31)
     parser.add_argument("--tiny", action="store_true", help="a smoke test")
     args = parser.parse_args()
+    # Sizes and counts of 0 or less ran into tracebacks deep in the step.
+    for name, value in vars(args).items():
+        if any(
+            type(v) is int and v < 1
+            for v in (value if isinstance(value, list) else [value])
+        ):
+            parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
     if args.tiny:
         args.dim, args.layers, args.rank, args.batch = 16, 2, 2, 4
         args.adapters, args.decode_batch, args.cache_length = [1, 2], 4, 8

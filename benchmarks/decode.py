@@ -312,6 +312,15 @@ def main() -> None:
         help="print the copies in each variant's optimised step and stop",
     )
     args = parser.parse_args()
+    # Sizes and counts of 0 or less ran into tracebacks deep in the step.
+    for name, value in vars(args).items():
+        if any(
+            type(v) is int and v < 1
+            for v in (value if isinstance(value, list) else [value])
+        ):
+            parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if args.dim % args.heads:
+        parser.error(f"--dim {args.dim} must be a multiple of --heads {args.heads}")
     if args.hlo:
         for name, (exe, *_) in compiled_steps(
             args.layers[0], args.length[0], args.batch[0], args.dim, args.heads

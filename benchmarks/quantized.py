@@ -278,6 +278,13 @@ def main() -> None:
         "GPU or TPU, float32 on a CPU)",
     )
     args = parser.parse_args()
+    # Sizes and counts of 0 or less ran into tracebacks deep in the step.
+    for name, value in vars(args).items():
+        if any(
+            type(v) is int and v < 1
+            for v in (value if isinstance(value, list) else [value])
+        ):
+            parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
     # An accelerator's default: 1 GiB of bfloat16 weights, enough to measure
     # HBM's bandwidth (a TPU v5e's table in docs/benchmarks.md).
     accelerator = jax.default_backend() != "cpu"

@@ -3,7 +3,10 @@ with the loop (and a wrong one is caught), the arguments are checked, and the
 report judges its targets. One tiny run end to end, its workers measuring and its
 report showing what they measured, is in `test_bench_device.py`."""
 
+import pathlib
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -160,11 +163,15 @@ def test_peak_table():
         (["--dtype", "float16"], "invalid choice: 'float16'"),
         (["--impls", "eqxscan,haiku"], "unknown implementation.*haiku.*eqx-recipe"),
         (["--impls", ","], "names no implementation"),
+        (["--peak-flops", "-1"], "expected a positive number, got '-1'"),
+        (["--peak-flops", "nan"], "expected a positive number, got 'nan'"),
+        (["--grid", "--impls", "eqxscan"], "--grid takes only --out and --repeats"),
     ],
 )
 def test_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
-        _cli.parse_args(argv)
+        # `main` reads --grid first, and checks before any worker starts.
+        (_cli.main if "--grid" in argv else _cli.parse_args)(argv)
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert re.search(message, err), err
@@ -273,3 +280,24 @@ def test_transformer_targets_and_mfu():
     assert "| MFU |" in md and "| 40.0% |" in md
     assert "MFU" not in _report.markdown(_synthetic_transformer(1.0, 13.0))
     assert "medians of 3 fresh compiles" in md
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["benchmarks/decode.py", "--repeats", "0"],
+        ["-m", "benchmarks.quantized", "--layers", "0"],
+        ["-m", "benchmarks.adapters", "--rank", "0"],
+    ],
+)
+def test_single_benchmarks_refuse_sizes_below_one(command):
+    # A usage error, not a traceback from deep in the step.
+    done = subprocess.run(
+        [sys.executable, *command],
+        capture_output=True,
+        text=True,
+        cwd=pathlib.Path(__file__).resolve().parents[1],
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "must be positive, got" in done.stderr and "Traceback" not in done.stderr

@@ -14,6 +14,7 @@ as not fitting, and the rest is still measured. Results go to `--out` as
 
 import argparse
 import json
+import math
 import shlex
 import sys
 from collections.abc import Sequence
@@ -85,6 +86,16 @@ def _positive_int(text: str) -> int:
         ) from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0 or math.isinf(value):  # NaN included
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
     return value
 
 
@@ -164,7 +175,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--peak-flops",
-        type=float,
+        type=_positive_float,
         help="the device's peak FLOP/s for the MFU column (default: looked up "
         "from the GPU/TPU kind, bfloat16 dense; none on a CPU)",
     )
@@ -262,7 +273,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "--grid" in argv:
         from ._grid import main_grid
 
-        return main_grid(parser().parse_args(argv))
+        # The grid has its own sizes and implementations: other options would
+        # be ignored without a word.
+        p = parser()
+        args = p.parse_args(argv)
+        given = {k for k, v in vars(args).items() if v != p.get_default(k)}
+        if given - {"grid", "out", "repeats"}:
+            p.error("--grid takes only --out and --repeats")
+        return main_grid(args)
     args = parse_args(argv)  # checked before any worker starts
     from ._worker import run_worker, WorkerError
 
