@@ -364,7 +364,12 @@ _POLICIES = jax.checkpoint_policies
 EQXSCAN_VARIANTS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("eqxscan", "eqxscan default (remat='auto')", {}),
     ("eqxscan-loop", "eqxscan mode='loop' (unrolled)", {"mode": "loop"}),
-    ("eqxscan-plain", "eqxscan remat=False", {"remat": False}),
+    # unroll=1: a scan at every size (`"auto"` unrolls a short stack of small layers).
+    (
+        "eqxscan-plain",
+        "eqxscan remat=False, unroll=1",
+        {"remat": False, "unroll": 1},
+    ),
     ("eqxscan-remat", "eqxscan remat=True", {"remat": True}),
     ("eqxscan-nested", "eqxscan remat='nested'", {"remat": "nested"}),
     (
