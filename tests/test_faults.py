@@ -271,6 +271,16 @@ def test_corrupt_orbax_step_is_named_by_its_digests(tmp_path):
             )
         assert step == 1
         _same_arrays(restored, model)
+        # Truncated, restored unverified: Orbax's bare `Exception` (kilobytes of
+        # TensorStore text) becomes a `ValueError` naming the step and item.
+        for data in (p for p in files if p.parent.name == "d"):
+            data.write_bytes(data.read_bytes()[:10])
+        with pytest.raises(ValueError, match=r"Step 2 in .* could not be read: item"):
+            c.restore(model, mesh=mesh, step=2, min_size=0, verify=False)
+        # Deleted (a cleanup killed midway): no complete step any more.
         target.unlink()
-        with pytest.raises(ValueError, match=rf"its file {re.escape(repr(name))} is "):
+        with pytest.raises(
+            FileNotFoundError, match=rf"it has no {re.escape(repr(name))}"
+        ):
             c.restore(model, mesh=mesh, step=2, min_size=0)
+        assert c.all_steps() == [1]

@@ -255,9 +255,30 @@ def test_a_step_saved_twice_is_named_with_a_hint_that_fits(tmp_path):
     # The hint was to check the directory's permissions and free space.
     with eqxscan.checkpoint.CheckpointManager(tmp_path, asynchronous=False) as c:
         c.save(2, {"w": jnp.ones(3)})
-        with pytest.raises(RuntimeError, match="already exists") as e:
+        with pytest.raises(FileExistsError, match="holds a step 2 already") as e:
             c.save(2, {"w": jnp.ones(3)})
         assert "Hint: save under a step number not in it" in str(e.value)
+
+
+def test_a_second_manager_sees_the_firsts_steps_and_does_not_overwrite_them(
+    tmp_path,
+):
+    # Orbax's list of steps is its manager's own: the second one listed none,
+    # and its save of step 1 replaced the first's without a word.
+    Manager = eqxscan.checkpoint.CheckpointManager
+    with Manager(tmp_path, asynchronous=False) as a, Manager(tmp_path) as b:
+        assert b.all_steps() == []
+        a.save(1, {"w": jnp.ones(3)})
+        assert b.all_steps() == [1] and b.latest_step() == 1
+        with pytest.raises(FileExistsError, match="holds a step 1 already"):
+            b.save(1, {"w": jnp.zeros(3)})
+        (tmp_path / "3").write_text("not a checkpoint")  # a stray file
+        with pytest.raises(FileExistsError, match="holds a step 3 already"):
+            b.save(3, {"w": jnp.zeros(3)})
+        assert (tmp_path / "3").read_text() == "not a checkpoint"
+        mesh = eqxscan.sharding.make_mesh(devices=jax.devices()[:1])
+        restored, _, step = a.restore({"w": jnp.zeros(3)}, mesh=mesh, step=1)
+        assert step == 1 and jnp.array_equal(restored["w"], jnp.ones(3))
 
 
 def test_an_optimizer_state_without_arrays_saves_and_restores(tmp_path):

@@ -297,6 +297,15 @@ class CheckpointManager:
             items["opt_state"] = args.StandardSave(_nest(named))
         # Orbax waits for the previous save, complete now: it gets its digests.
         self._seal()
+        if os.path.lexists(os.path.join(self.directory, str(step))):
+            # Written by another manager or process (Orbax's list of steps is
+            # this manager's own): `force=True` below would replace it.
+            raise FileExistsError(
+                f"CheckpointManager could not save step {step} to "
+                f"{self.directory!r}: it holds a step {step} already (written by "
+                f"another manager or process, or a stray file).\nHint: save under a "
+                f"step number not in it, or remove that step's directory; {DOCS}."
+            )
         try:
             self._manager.save(step, args=args.Composite(**items), force=True)
         except Exception as e:
@@ -390,7 +399,7 @@ class CheckpointManager:
         step = _check_step(step, "restore")
         if step not in self.all_steps():
             why = "no checkpoint of that step"
-            if step in self._manager.all_steps():
+            if step in self._steps():
                 why = f"its directory is incomplete: {self._incomplete(step)}"
             raise FileNotFoundError(
                 f"No checkpoint of step {step} in {self.directory!r} ({why}); it "
@@ -410,9 +419,12 @@ class CheckpointManager:
                     **{k: args.StandardRestore(v) for k, v in target.items()},
                 ),
             )
-        except (ValueError, OSError) as e:
-            if str(e).startswith(f"Step {step} in "):
-                raise  # ours, from `_check`
+        except Exception as e:
+            # Orbax raises reading errors as `ValueError`, `OSError` or a bare
+            # `Exception` (a truncated file); ours, from `_check`, stand.
+            reading = isinstance(e, (ValueError, OSError)) or type(e) is Exception
+            if str(e).startswith(f"Step {step} in ") or not reading:
+                raise
             # TensorStore's messages run to kilobytes: name the item and entry.
             text = " ".join(str(e).split())
             item = re.search(rf"/{step}/(\w+)/", text)
@@ -463,12 +475,31 @@ class CheckpointManager:
 
     def _incomplete(self, step: int) -> str | None:
         # Why `step` is no complete checkpoint (Orbax lists any integer's
-        # directory, a stray or emptied one too).
+        # directory, a stray or emptied one too; a cleanup killed midway
+        # leaves a step without some of the files its digests list).
         where = os.path.join(self.directory, str(step))
         for part in _COMPLETE:
             if not os.path.exists(os.path.join(where, part)):
                 return f"it has no {part!r}"
+        try:
+            with open(os.path.join(where, _DIGESTS)) as f:
+                listed = json.load(f)
+        except (OSError, ValueError):
+            return None  # no digests (yet): `restore(verify=True)` says so
+        if isinstance(listed, dict):
+            for rel in listed:
+                if not os.path.exists(os.path.join(where, str(rel))):
+                    return f"it has no {str(rel)!r}"
         return None
+
+    def _steps(self) -> list[int]:
+        # Every step directory on disk: Orbax's own list is this manager's
+        # (cached), blind to another manager's or process's saves and removals.
+        try:
+            names = os.listdir(self.directory)
+        except OSError:
+            return list(self._manager.all_steps())
+        return sorted(int(n) for n in names if n.isdigit())
 
     def latest_step(self) -> int | None:
         """The newest complete step, or `None`. Newer directories that are not
@@ -476,7 +507,7 @@ class CheckpointManager:
         a warning naming them; this manager's saves in flight, without one."""
         # This manager's saves in flight are no strays: not warned of.
         flying = {s for s in self._unsealed if self._incomplete(s)}
-        steps = [s for s in self._manager.all_steps() if s not in flying]
+        steps = [s for s in self._steps() if s not in flying]
         step, skipped = _newest(steps, self._incomplete)
         if skipped:
             warnings.warn(
@@ -491,8 +522,7 @@ class CheckpointManager:
     def all_steps(self) -> list[int]:
         """Every complete step, oldest first (stray or incomplete directories
         named by a step number are left out)."""
-        steps = self._manager.all_steps()
-        return sorted(s for s in steps if self._incomplete(s) is None)
+        return [s for s in self._steps() if self._incomplete(s) is None]
 
     def wait(self) -> None:
         """Block until every asynchronous save has finished."""
