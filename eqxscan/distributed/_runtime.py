@@ -178,7 +178,8 @@ def initialize(
     process shows no sign of life for `heartbeat_timeout` seconds (it crashed,
     was killed, or its machine went away), every other one reports on standard
     error which process it lost and exits with status 1, rather than waiting in
-    a collective that cannot complete. (Process 0 runs JAX's coordination
+    a collective that cannot complete; a process that ends on an uncaught
+    exception tells them at once. (Process 0 runs JAX's coordination
     service: when it ends, JAX's runtime ends the others at once.)
 
     **Arguments:**
