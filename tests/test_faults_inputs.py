@@ -358,3 +358,14 @@ def test_an_orbax_step_restores_only_into_the_layer_order_it_was_saved_in(tmp_pa
         assert hint.startswith("Hint: restore into a model (and optimizer state)")
         with pytest.raises(ValueError, match=r"model '\*' is saved in the natural"):
             c.restore(staged, mesh=mesh, step=2)
+
+
+def test_a_save_failed_by_a_lost_peer_is_not_blamed_on_the_directory(tmp_path):
+    # A peer killed mid-save fails its gather first: the hint was to check the
+    # directory's permissions and free space.
+    with eqxscan.checkpoint.CheckpointManager(tmp_path, asynchronous=False) as c:
+        gloo = RuntimeError("UNKNOWN: Gloo AllGather failed: Connection closed by peer")
+        message = str(c._save_failed([2], gloo))
+        assert "Hint: another process of the job failed or was lost" in message
+        disk = OSError(28, "No space left on device")
+        assert "free space" in str(c._save_failed([2], disk))

@@ -563,6 +563,9 @@ class CheckpointManager:
         hint += "free space)"
         if type(error).__name__ == "StepAlreadyExistsError":
             hint = "save under a step number not in it, or remove that step's directory"
+        elif re.search("gloo|collective|coordination service", cause, re.I):
+            # A save gathers across processes: a lost peer fails it first.
+            hint = "another process of the job failed or was lost during the save"
         message = (
             f"CheckpointManager could not save {which} to {self.directory!r}: "
             f"{type(error).__name__}: {cause}\nHint: {hint}; {kept}; {DOCS}."
