@@ -169,7 +169,10 @@ def compiled_steps(
     x = jr.normal(jr.key(1), (batch, 1, dim))
     pos = jnp.arange(batch, dtype=jnp.int32) * 7 + length // 2
     compiled = {}
-    for name, (fn, unrolled) in variants(stack).items():
+    known = variants(stack)
+    if unknown := sorted(set(only or ()) - set(known)):
+        raise SystemExit(f"decode.py: no variant {unknown}; there are {list(known)}")
+    for name, (fn, unrolled) in known.items():
         if only is not None and name not in only:
             continue
         model = stack.unstack() if unrolled else stack

@@ -258,9 +258,9 @@ def accuracy(layers: int, dim: int) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=None)
-    parser.add_argument("--layers", type=int, nargs="+", default=[16])
+    parser.add_argument("--layers", type=int, nargs="+", default=None)
     parser.add_argument("--dim", type=int, nargs="+", default=None)
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--full", action="store_true", help="L = 16, 32; D = 512, 1024")
     parser.add_argument("--tiny", action="store_true", help="a smoke test")
     parser.add_argument(
@@ -285,19 +285,25 @@ def main() -> None:
             for v in (value if isinstance(value, list) else [value])
         ):
             parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
-    # An accelerator's default: 1 GiB of bfloat16 weights, enough to measure
+    # A preset fills in what was not given (explicit options win). An
+    # accelerator's default: 1 GiB of bfloat16 weights, enough to measure
     # HBM's bandwidth (a TPU v5e's table in docs/benchmarks.md).
     accelerator = jax.default_backend() != "cpu"
-    if args.batch is None:
-        args.batch = [8] if accelerator else [1, 8]
-    if args.dim is None:
-        args.dim = [2048] if accelerator else [512]
+    preset = {
+        "batch": [8] if accelerator else [1, 8],
+        "layers": [16],
+        "dim": [2048] if accelerator else [512],
+        "repeats": 20,
+    }
+    if args.full:
+        preset |= {"layers": [16, 32], "dim": [512, 1024]}
+    if args.tiny:
+        preset |= {"batch": [1], "layers": [2], "dim": [128], "repeats": 2}
+    for name, value in preset.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     if args.compute is None:
         args.compute = "bfloat16" if accelerator else "float32"
-    if args.full:
-        args.layers, args.dim = [16, 32], [512, 1024]
-    if args.tiny:
-        args.batch, args.layers, args.dim, args.repeats = [1], [2], [128], 2
     print(
         f"StackedMLP decode step, w1 and w2 quantized, {jax.default_backend()}; "
         f"the quantized models compute in {args.compute}"
