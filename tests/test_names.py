@@ -221,7 +221,7 @@ def test_a_file_of_another_float_dtype_is_named_with_the_cast():
         TORCH.load(_model(1), external)
     first, hint = str(e.value).splitlines()
     assert "of another dtype)" in first and "mis-shaped" not in first
-    assert "is bfloat16, 'blocks.0.wqkv' float32" in first
+    assert "is bfloat16[4, 8], 'blocks.0.wqkv' needs float32[4, 8]" in first
     assert hint == (
         "Hint: the shapes fit: load with dtype=jnp.float32, which casts the "
         "file's floating-point arrays."

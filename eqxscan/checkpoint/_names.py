@@ -494,14 +494,9 @@ class NameMap:
                 continue
             shape, dtype = shape_dtype(external[name])
             want = p.steps[-1][k]
-            floats = all(jnp.issubdtype(d, jnp.floating) for d in (dtype, p.dtype))
-            if shape == want and dtype != p.dtype and floats:
-                recast.append(
-                    f"'{name}'{_where(p.binding)} is {dtype.name}, "
-                    f"'{p.ours[0]}' {p.dtype.name}"
-                )
-            elif shape != want or dtype != p.dtype:
-                wrong.append(
+            if shape != want or dtype != p.dtype:
+                floats = all(jnp.issubdtype(d, jnp.floating) for d in (dtype, p.dtype))
+                (recast if shape == want and floats else wrong).append(
                     f"'{name}'{_where(p.binding)} is {spec(shape, dtype)}, "
                     f"'{p.ours[0]}' needs {spec(want, p.dtype)}"
                 )
@@ -535,18 +530,16 @@ class NameMap:
                 )
                 if x
             )
+            to = sorted({p.dtype.name for p in planned})
+            cast = f"dtype=jnp.{to[0]}" if len(to) == 1 else "dtype="
             hint = (
-                "a depth or size of the model's configuration differs from the "
+                f"the shapes fit: load with {cast}, which casts the file's "
+                "floating-point arrays"
+                if len(recast) == len(problems)
+                else "a depth or size of the model's configuration differs from the "
                 "file's, or the map needs a rule (or an `ignore=` pattern for names "
                 "of their side only)"
             )
-            if recast and len(recast) == len(problems):
-                to = {p.dtype.name for p in planned}
-                cast_to = f"dtype=jnp.{to.pop()}" if len(to) == 1 else "dtype="
-                hint = (
-                    f"the shapes fit: load with {cast_to}, which casts the file's "
-                    "floating-point arrays"
-                )
             raise ValueError(
                 f"The names in {source} do not match the model through the name "
                 f"map ({counts}): {listed(problems)}.\nHint: {hint}."

@@ -7,12 +7,11 @@ nested `Stacked`s), so a deep model is a handful of entries, not one per layer.
 """
 
 import errno
-import hashlib
 import json
 import os
 import re
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any, SupportsIndex, TypeVar
 
 import equinox as eqx
@@ -33,32 +32,23 @@ from .._internal import (
 )
 from ..sharding import MIN_SIZE, model_shardings, opt_state_shardings, shard
 from ._files import check_path, flatten, listed
+from ._step_dirs import (
+    corruption,
+    DIGESTS,
+    file_digests,
+    incomplete,
+    newest,
+    steps_on_disk,
+)
 
 
 DOCS = f"see {docs('multihost.md')}"
 _M = TypeVar("_M")
 _S = TypeVar("_S")
 _LAYER = "*"
+
+
 # What every complete step directory holds (Orbax writes its metadata last).
-_COMPLETE = ("_CHECKPOINT_METADATA", "model", "step")
-# The SHA-256 of every file of a complete step, by process 0 (Orbax checks none).
-_DIGESTS = "eqxscan_digests.json"
-
-
-def _sha256_file(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def _file_digests(where: str) -> dict[str, str]:
-    paths = [os.path.join(r, n) for r, _, names in os.walk(where) for n in names]
-    return {
-        rel: _sha256_file(path)
-        for path in paths
-        if (rel := os.path.relpath(path, where)) not in (_DIGESTS, f".{_DIGESTS}.tmp")
-    }
-
-
 def _named_leaves(tree: PyTree) -> list[tuple[tuple[str, ...], Any]]:
     # `(name parts, leaf)` of each array leaf; a layer axis is the part `*`.
     out = []
@@ -157,19 +147,6 @@ def _fill(like: _M, values: dict[str, Any]) -> _M:
     # Orbax restores every array strongly typed.
     leaves = [weak_like(x, flat[".".join(parts)]) for parts, x in _named_leaves(like)]
     return eqx.combine(jtu.tree_unflatten(jtu.tree_structure(arrays), leaves), rest)
-
-
-def _newest(
-    steps: Sequence[int], problem: Callable[[int], str | None]
-) -> tuple[int | None, list[str]]:
-    # The newest step without a problem, and `"step (problem)"` of newer ones.
-    skipped = []
-    for step in sorted(steps, reverse=True):
-        why = problem(step)
-        if why is None:
-            return step, skipped
-        skipped.append(f"{step} ({why})")
-    return None, skipped
 
 
 def _check_step(step: Any, method: str) -> int:
@@ -474,32 +451,13 @@ class CheckpointManager:
             )
 
     def _incomplete(self, step: int) -> str | None:
-        # Why `step` is no complete checkpoint (Orbax lists any integer's
-        # directory, a stray or emptied one too; a cleanup killed midway
-        # leaves a step without some of the files its digests list).
-        where = os.path.join(self.directory, str(step))
-        for part in _COMPLETE:
-            if not os.path.exists(os.path.join(where, part)):
-                return f"it has no {part!r}"
-        try:
-            with open(os.path.join(where, _DIGESTS)) as f:
-                listed = json.load(f)
-        except (OSError, ValueError):
-            return None  # no digests (yet): `restore(verify=True)` says so
-        if isinstance(listed, dict):
-            for rel in listed:
-                if not os.path.exists(os.path.join(where, str(rel))):
-                    return f"it has no {str(rel)!r}"
-        return None
+        return incomplete(self.directory, step)
 
     def _steps(self) -> list[int]:
-        # Every step directory on disk: Orbax's own list is this manager's
-        # (cached), blind to another manager's or process's saves and removals.
-        try:
-            names = os.listdir(self.directory)
-        except OSError:
-            return list(self._manager.all_steps())
-        return sorted(int(n) for n in names if n.isdigit())
+        # Orbax's own list is this manager's (cached): blind to another
+        # manager's or process's saves and removals.
+        found = steps_on_disk(self.directory)
+        return list(self._manager.all_steps()) if found is None else found
 
     def latest_step(self) -> int | None:
         """The newest complete step, or `None`. Newer directories that are not
@@ -508,7 +466,7 @@ class CheckpointManager:
         # This manager's saves in flight are no strays: not warned of.
         flying = {s for s in self._unsealed if self._incomplete(s)}
         steps = [s for s in self._steps() if s not in flying]
-        step, skipped = _newest(steps, self._incomplete)
+        step, skipped = newest(steps, self._incomplete)
         if skipped:
             warnings.warn(
                 f"Skipped step directories of {self.directory!r} that are not "
@@ -545,10 +503,10 @@ class CheckpointManager:
             where = os.path.join(self.directory, str(step))
             if self._incomplete(step) is not None:
                 continue  # deleted since (max_to_keep) or not written
-            tmp = os.path.join(where, f".{_DIGESTS}.tmp")
+            tmp = os.path.join(where, f".{DIGESTS}.tmp")
             with open(tmp, "w") as f:
-                json.dump(_file_digests(where), f, indent=0, sort_keys=True)
-            os.replace(tmp, os.path.join(where, _DIGESTS))
+                json.dump(file_digests(where), f, indent=0, sort_keys=True)
+            os.replace(tmp, os.path.join(where, DIGESTS))
 
     def _save_failed(self, steps: list[int], error: Exception) -> Exception:
         # Naming the steps and the directory; an `OSError` keeps its type.
@@ -579,7 +537,7 @@ class CheckpointManager:
 
     def _latest_verified(self, latest: int) -> int:
         steps = [s for s in self.all_steps() if s <= latest]
-        step, skipped = _newest(steps, self._corruption)
+        step, skipped = newest(steps, self._corruption)
         if step is None:
             raise ValueError(
                 f"Every step of {self.directory!r} is corrupt: {'; '.join(skipped)}"
@@ -595,30 +553,7 @@ class CheckpointManager:
         return step
 
     def _corruption(self, step: int) -> str | None:
-        # The first file of `step` that differs from its digest; `None` if all
-        # match or there are none (saved before digests, or killed first).
-        where = os.path.join(self.directory, str(step))
-        corrupt = f"Step {step} in {self.directory!r} is corrupt"
-        try:
-            with open(os.path.join(where, _DIGESTS)) as f:
-                saved = json.load(f)
-        except FileNotFoundError:
-            return None
-        except (ValueError, OSError) as e:
-            return f"{corrupt}: its digest file {_DIGESTS!r} cannot be read ({e})"
-        if not isinstance(saved, dict) or not saved:  # `[]` or `{}` checked nothing
-            return f"{corrupt}: its digest file {_DIGESTS!r} lists no files"
-        for name, digest in sorted(saved.items()):
-            try:
-                found = _sha256_file(os.path.join(where, name))
-            except (FileNotFoundError, IsADirectoryError):
-                return f"{corrupt}: its file {name!r} is missing"
-            if found != digest:
-                return (
-                    f"{corrupt}: its file {name!r} differs from its digest (SHA-256 "
-                    "written when the step was saved)"
-                )
-        return None
+        return corruption(self.directory, step)
 
     def close(self) -> None:
         """Finish pending saves and release Orbax's resources."""
