@@ -48,7 +48,6 @@ _S = TypeVar("_S")
 _LAYER = "*"
 
 
-# What every complete step directory holds (Orbax writes its metadata last).
 def _named_leaves(tree: PyTree) -> list[tuple[tuple[str, ...], Any]]:
     # `(name parts, leaf)` of each array leaf; a layer axis is the part `*`.
     out = []

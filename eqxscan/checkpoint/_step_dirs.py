@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable, Sequence
 
 
-#: What Orbax writes into a step's directory when it completes the step.
+#: What every complete step directory holds (Orbax writes its metadata last).
 COMPLETE = ("_CHECKPOINT_METADATA", "model", "step")
 #: The SHA-256 of every file of a complete step, written by process 0.
 DIGESTS = "eqxscan_digests.json"

@@ -11,14 +11,7 @@ import jax.tree_util as jtu
 from jax.core import Tracer
 from jax.sharding import Mesh
 
-from .._internal import (
-    align,
-    constrain,
-    Device,
-    docs,
-    is_arraylike,
-    is_none,
-)
+from .._internal import align, constrain, Device, docs, is_arraylike, is_none
 
 
 def default_devices() -> list[Device]:
