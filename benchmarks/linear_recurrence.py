@@ -12,7 +12,8 @@ sequences; the loss is the sum of squares of every step's carry. Forms:
 with every step's gates computed at once: `sequential` (a `lax.scan` of
 `a * h + b`), `associative` and `chunked-C` (chunks of C steps). Times are
 medians over interleaved rounds (`eqxscan.remat.time_interleaved`, 3 calls a
-round). `auto` is timed as the form whose program it lowers to, exactly;
+round). `auto` is timed as the form whose program it lowers to, exactly (as
+itself where no form has its program: a chunk size the grid lacks);
 `auto/best` is that form's time over the fastest form's at the same point.
 """
 
@@ -83,9 +84,17 @@ def point(B, D, T, chunks, dtype, rounds):
         temp[name] = None if memory is None else memory.temp_size_in_bytes
         runs[name] = lambda compiled=compiled: compiled(cell, xs)
         jax.block_until_ready(runs[name]())
-    # `auto` is timed as the form it picks: the one with the very same program.
-    auto = step_fn(cell, "auto", 64, "auto").lower(cell, xs).as_text()
-    (picked,) = [name for name, program in text.items() if program == auto]
+    # `auto` is timed as the form it picks: the one with the very same program;
+    # a program none of them has (a chunk size outside the grid's) is timed too.
+    lowered = step_fn(cell, "auto", "auto", "auto").lower(cell, xs)
+    same = [name for name, program in text.items() if program == lowered.as_text()]
+    picked = same[0] if same else "auto"
+    if not same:
+        compiled = lowered.compile()
+        memory = compiled.memory_analysis()
+        temp[picked] = None if memory is None else memory.temp_size_in_bytes
+        runs[picked] = lambda: compiled(cell, xs)
+        jax.block_until_ready(runs[picked]())
     times = time_interleaved(runs, rounds, seed=0, calls=3)
     ms = {name: 1e3 * float(np.median(t)) for name, t in times.items()}
     return ms, temp, picked
