@@ -78,3 +78,19 @@ def test_accelerator_fp8_conversion_reads_every_code_as_the_cpu_one(monkeypatch)
     np.testing.assert_array_equal(got, want)
     exact = np.asarray(bits).view(jnp.float8_e4m3fn).astype(np.float32)
     np.testing.assert_array_equal(got, exact)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_one_input_vector_takes_either_branch(monkeypatch, fmt):
+    # `x` of shape [in], as a decode step of one sequence calls a layer: both
+    # branches give [out]. Native int4 with a scale per channel gave [1, out]
+    # off CPU, so under `jit` (both branches traced) the call failed.
+    model = eqxscan.StackedMLP(64, 2, key=jr.key(0)).with_options(mode="scan")
+    model = quant.quantize(model, TARGETS, **FORMATS[fmt])
+    x = jr.normal(jr.key(1), (64,))
+    want = eqx.filter_jit(lambda m, x: m(x))(model, x)
+    np.testing.assert_allclose(want, model(x[None])[0], rtol=1e-6, atol=1e-6)
+    monkeypatch.setattr(jax.lax, "platform_dependent", _accelerator_branch)
+    got = eqx.filter_jit(lambda m, x: m(x))(model, x)
+    assert got.shape == (64,)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

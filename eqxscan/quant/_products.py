@@ -144,7 +144,7 @@ def native_grouped_product(
         return jnp.zeros((*lead, size_out), out)
     if values.ndim == 2:  # one group: a scale per output channel
         y = jnp.matmul(x, values.astype(dtype), preferred_element_type=wide)
-        return (y * _leading(scales, y.ndim)).astype(out)
+        return (y * _leading(scales[0], y.ndim)).astype(out)  # y: [..., out]
     y = jnp.einsum(
         "...gk,gkn->...gn",
         x.reshape(*lead, groups, size_in // groups),
