@@ -411,6 +411,17 @@ def test_quantize_errors(getkey):
         "quantize this weight with kind='int8' or 'fp8'",
         lambda: quant.quantize(odd, "*.w", kind="int4", group_size=32),
     )
+    # With a scale per channel, in either storage: two inputs a byte (it was
+    # a broadcasting error from packing, for native values at their save).
+    for storage in ("packed", "native"):
+        _raises(
+            ValueError,
+            r"input size 33 \(orientation 'x@W'\) is odd, but 'int4' stores two "
+            r"inputs a byte.*\nHint: quantize this weight with kind='int8'",
+            lambda: quant.quantize(
+                odd, "*.w", kind="int4", group_size=None, int4_storage=storage
+            ),
+        )
     _raises(
         ValueError,
         r"\['blocks\.\*\.w3'\] match no array.*'blocks\.\*\.w1'",

@@ -289,6 +289,12 @@ def _quantized(
             f"not a multiple of group_size={group_size}, as 'int4' needs.\nHint: "
             f"{hint} this weight with kind='int8' or 'fp8'."
         )
+    if kind == "int4" and size_in % 2:
+        raise ValueError(
+            f"{where}: its input size {size_in} (orientation {orientation!r}) is "
+            "odd, but 'int4' stores two inputs a byte (packed, and in files)."
+            "\nHint: quantize this weight with kind='int8' or 'fp8'."
+        )
     return _quantize_array(w, kind, orientation, group_size, name, storage)
 
 
