@@ -418,7 +418,7 @@ def test_quantize_errors(getkey):
             ValueError,
             r"input size 33 \(orientation 'x@W'\) is odd, but 'int4' stores two "
             r"inputs a byte.*\nHint: quantize this weight with kind='int8'",
-            lambda: quant.quantize(
+            lambda storage=storage: quant.quantize(
                 odd, "*.w", kind="int4", group_size=None, int4_storage=storage
             ),
         )

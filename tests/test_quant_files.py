@@ -450,7 +450,30 @@ def test_truncated_or_corrupted_files_are_refused_and_named(tmp_path):
     _refused(
         path,
         like,
-        "'eqxscan.quant' that is not what eqxscan.quant.save writes",
+        # The file itself (its name was joined to itself).
+        f"file '{path}' has a metadata entry 'eqxscan.quant' that is not what "
+        "eqxscan.quant.save writes",
+        error=CorruptFileError,
+    )
+    # One shard's record damaged: that shard is named, not an intact one.
+    shards = tmp_path / "shards"
+    quant.save(shards, _quantized("fp8"), max_shard_size="2KB")
+    names = sorted(p.name for p in shards.glob("*.safetensors"))
+    assert len(names) > 2
+    # Only that entry changed in its header, the rest of the file kept.
+    raw = (shards / names[1]).read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    head = json.loads(raw[8 : 8 + n])
+    head["__metadata__"]["eqxscan.quant"] = "{not json"
+    text = json.dumps(head).encode()
+    text += b" " * (-len(text) % 8)
+    (shards / names[1]).write_bytes(
+        len(text).to_bytes(8, "little") + text + raw[8 + n :]
+    )
+    _refused(
+        shards / "model.safetensors.index.json",
+        like,
+        f"'{names[1]}' differs from '{names[0]}'",
         error=CorruptFileError,
     )
 

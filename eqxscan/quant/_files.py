@@ -165,16 +165,20 @@ def _recorded(opened: Opened) -> dict[str, _Spec]:
     found = {text for text in texts.values() if text is not None}
     if not found:
         return {}
-    file = next(f for f, text in texts.items() if text == min(found))
-    if len(found) > 1 or None in texts.values():
+    # The files whose record differs from the one most files hold.
+    common = max(found, key=list(texts.values()).count)
+    odd = [f for f, text in texts.items() if text != common]
+    if odd:
         raise CorruptFileError(
             f"The files of {opened.where!r} record different quantizations in "
-            f"their metadata {METADATA!r} ({file!r} and another): files of two "
-            "saves are mixed.\nHint: save the model again, or restore the "
-            "directory from a copy."
+            f"their metadata {METADATA!r}: {odd[0]!r} differs from "
+            f"{next(f for f, t in texts.items() if t == common)!r}; files of two "
+            "saves are mixed, or one is damaged.\nHint: save the model again, or "
+            "restore the directory from a copy."
         )
+    file = next(iter(texts))
     try:
-        entries = json.loads(min(found))
+        entries = json.loads(common)
         assert isinstance(entries, dict)
         return {
             pattern: _Spec(
@@ -187,7 +191,8 @@ def _recorded(opened: Opened) -> dict[str, _Spec]:
         }
     except (ValueError, TypeError, KeyError, AssertionError) as e:
         raise CorruptFileError(
-            f"Safetensors file {os.path.join(opened.where, file)!r} has a "
+            f"Safetensors file {os.path.join(os.path.dirname(opened.where), file)!r} "
+            "has a "
             f"metadata entry {METADATA!r} that is not what eqxscan.quant.save "
             f"writes ({type(e).__name__}: {e}).\nHint: save the model again; "
             f"{_DOCS}."
