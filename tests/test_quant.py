@@ -2,6 +2,7 @@
 each kind, and quantized models against the same models on the dequantized
 float weights (scan and loop, values and gradients)."""
 
+import dataclasses
 import functools
 
 import equinox as eqx
@@ -372,6 +373,16 @@ def test_weight_bytes(getkey):
     assert stored("int4") <= 0.14 * f32
 
 
+def _unchecked(cls, *fields):
+    # The module's own checks, on fields its annotations would refuse first
+    # under the tests' runtime type checking (not at a user's call).
+    module = object.__new__(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for name, value in zip(names, fields, strict=True):
+        object.__setattr__(module, name, value)
+    module.__check_init__()
+
+
 def _raises(error, match, fn):
     with pytest.raises(error, match=match) as info:
         fn()
@@ -512,6 +523,23 @@ def test_inconsistent_quantized_raises():
         ValueError,
         r"need float32 scales of shape \[1, 8\], got float32\[2,8\]",
         lambda: make(u8, jnp.ones((2, 8)), "int4"),
+    )
+    # Scales of another rank: the scales' shape, not native int4's layouts.
+    _raises(
+        ValueError,
+        r"'int8' values int8\[64,8\] \(x@W\) need float32 scales of shape "
+        r"\[1, 8\], got float32\[8\]",
+        lambda: _unchecked(
+            Quantized,
+            i8,
+            jnp.ones(8),
+            "int8",
+            "x@W",
+            None,
+            jnp.dtype("float32"),
+            "",
+            "xla",
+        ),
     )
     _raises(
         ValueError,

@@ -156,8 +156,10 @@ class Quantized(MatmulOnly, eqx.Module):
                 f"{self.kind!r}." + hint
             )
         axes = self.scales.ndim + self.split  # one more when split
-        if self.values.ndim != axes or (
-            self.split and self.values.shape[-2] != self.group_size
+        # (Other kinds' scales of another rank: the scales' check below.)
+        if self.native and (
+            self.values.ndim != axes
+            or (self.split and self.values.shape[-2] != self.group_size)
         ):
             raise ValueError(
                 f"{where}: native int4 values are `[in // g, g, out]` for 'x@W' with "
