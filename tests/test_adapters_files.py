@@ -50,6 +50,31 @@ def test_add_lora_renames_each_adapted_weight_base_a_and_b():
     }
 
 
+def test_the_active_id_is_saved_only_once_traced(tmp_path):
+    # docs/adapters.md: an int id is not saved; a traced one is an array leaf,
+    # saved, and the file then needs a concrete select before saving.
+    model = _adapted(0, 4.0)
+    arrays, static = eqx.partition(model, eqx.is_array)
+    pick = jax.jit(
+        lambda a, i: eqx.filter(
+            adapters.select(eqx.combine(a, static), i), eqx.is_array
+        )
+    )
+    traced = eqx.combine(pick(arrays, jnp.int32(1)), static)
+    assert not [k for k in eqxscan.to_state_dict(model) if k.endswith(".active")]
+    names = [k for k in eqxscan.to_state_dict(traced) if k.endswith(".active")]
+    assert names == [f"blocks.{i}.{w}.active" for i in range(2) for w in ("w1", "w2")]
+    eqxscan.save(tmp_path / "traced.safetensors", traced)
+    with pytest.raises(ValueError, match="unexpected keys: 'blocks.0.w1.active'"):
+        eqxscan.load(tmp_path / "traced.safetensors", model)
+    eqxscan.save(tmp_path / "m.safetensors", adapters.select(traced, 1))
+    loaded = eqxscan.load(tmp_path / "m.safetensors", model)
+    x = jnp.ones(8)
+    np.testing.assert_allclose(
+        adapters.select(loaded, 1)(x), traced(x), rtol=1e-6, atol=1e-6
+    )
+
+
 @pytest.mark.parametrize("adapters_only", [False, True])
 def test_alpha_is_saved_and_a_model_of_another_alpha_is_refused(
     tmp_path, adapters_only
