@@ -236,7 +236,7 @@ Q = PREFIX.format(i=0) + "self_attn.q_proj.lora_{f}.weight"
             None,
             "holds rank-4 adapters, but the LoRA at 'blocks.0.w2' (layer 0) has rank 2",
         ),
-        ({"alpha": 4.0}, None, "scales its adapters by 2 (lora_alpha=8, r=4)"),
+        ({"alpha": 4.0}, None, "scales its adapters by 2 (lora_alpha=8 / r=4)"),
         (
             {"orientation": "W@x"},
             None,
@@ -327,7 +327,9 @@ def test_rslora_scaling(base, tmp_path):
     # matches with alpha = 4 * rank, not with alpha = lora_alpha.
     _, names, model = base
     directory = _fabricate(tmp_path, config={"use_rslora": True})
-    with pytest.raises(ValueError, match=r"scales its adapters by 4 \(lora_alpha="):
+    with pytest.raises(
+        ValueError, match=r"by 4 \(lora_alpha=8 / sqrt\(r=4\), rsLoRA\)"
+    ):
         load_peft(_adapted(model), directory, names)
     loaded = load_peft(_adapted(model, alpha=16.0), directory, names)
     a = loaded.blocks.layers.w2.a

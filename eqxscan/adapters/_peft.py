@@ -184,11 +184,13 @@ def _check_loras(targets: Sequence[PeftLayer], config: _Config, path: str) -> No
                 f"rank={config.r}, the file's 'r'."
             )
         if not math.isclose(lora.scaling, config.scaling, rel_tol=1e-6):
+            plain = math.isclose(config.scaling, config.lora_alpha / config.r)
+            how = f"r={config.r}" if plain else f"sqrt(r={config.r}), rsLoRA"
             raise ValueError(
                 f"{path!r} scales its adapters by {config.scaling:g} (lora_alpha="
-                f"{config.lora_alpha:g}, r={config.r}), but the LoRA at {t.where} "
-                f"by {lora.scaling:g} (alpha={lora.alpha:g}).\nHint: add_lora with "
-                f"alpha={config.scaling * lora.rank:g}."
+                f"{config.lora_alpha:g} / {how}), but the LoRA at {t.where} by "
+                f"{lora.scaling:g} (alpha={lora.alpha:g} / rank {lora.rank})."
+                f"\nHint: add_lora with alpha={config.scaling * lora.rank:g}."
             )
         # PEFT's change to its stored weight is `B @ A` (`[out, in]`), or its
         # transpose with `fan_in_fan_out` (a Conv1D's `[in, out]` weight); the
