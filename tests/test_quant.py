@@ -422,6 +422,13 @@ def test_quantize_errors(getkey):
         "quantize this weight with kind='int8' or 'fp8'",
         lambda: quant.quantize(odd, "*.w", kind="int4", group_size=32),
     )
+    even = eqxscan.Stacked.from_layers([Holder(jnp.ones((48, 8)))] * 2)
+    _raises(
+        ValueError,
+        r"input size 48 .*\nHint: no group size in \[32, 64, 128\] divides it: "
+        r"pass group_size=None \(a scale per channel\), or quantize this weight",
+        lambda: quant.quantize(even, "*.w", kind="int4", group_size=32),
+    )
     # With a scale per channel, in either storage: two inputs a byte (it was
     # a broadcasting error from packing, for native values at their save).
     for storage in ("packed", "native"):

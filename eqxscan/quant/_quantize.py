@@ -282,7 +282,9 @@ def _quantized(
         hint = (
             f"pass group_size={fits[-1]}, which divides it, or quantize"
             if fits
-            else f"no group size in {list(GROUP_SIZES)} divides it: quantize"
+            else f"no group size in {list(GROUP_SIZES)} divides it: "
+            + ("" if size_in % 2 else "pass group_size=None (a scale per channel), or ")
+            + "quantize"
         )
         raise ValueError(
             f"{where}: its input size {size_in} (orientation {orientation!r}) is "
