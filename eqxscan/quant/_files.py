@@ -176,7 +176,8 @@ def _recorded(opened: Opened) -> dict[str, _Spec]:
             "saves are mixed, or one is damaged.\nHint: save the model again, or "
             "restore the directory from a copy."
         )
-    file = next(iter(texts))
+    # Every file holds the record: the first is named if it cannot be read.
+    file = os.path.join(os.path.dirname(opened.where), next(iter(texts)))
     try:
         entries = json.loads(common)
         assert isinstance(entries, dict)
@@ -191,9 +192,8 @@ def _recorded(opened: Opened) -> dict[str, _Spec]:
         }
     except (ValueError, TypeError, KeyError, AssertionError) as e:
         raise CorruptFileError(
-            f"Safetensors file {os.path.join(os.path.dirname(opened.where), file)!r} "
-            "has a "
-            f"metadata entry {METADATA!r} that is not what eqxscan.quant.save "
+            f"Safetensors file {file!r} has a metadata entry {METADATA!r} "
+            "that is not what eqxscan.quant.save "
             f"writes ({type(e).__name__}: {e}).\nHint: save the model again; "
             f"{_DOCS}."
         ) from None
