@@ -407,6 +407,15 @@ def test_measure_sees_the_vmapped_batch():
     assert five.cost.saved_bytes == 5 * one.cost.saved_bytes
     assert five.cost.policy_saved_bytes == 5 * one.cost.policy_saved_bytes
     assert five.cost.carry_bytes == 5 * one.cost.carry_bytes == 5 * 16
+    # The inputs a `vmap` maps count once per example, the weights it does not
+    # once (they were counted 64 times, and "copies" kept the stack scanned).
+    stack = eqxscan.Stacked(lambda k: eqx.nn.Linear(16, 16, key=k), 4, key=jr.key(0))
+    (alone,) = eqxscan.explain_auto(stack, jnp.ones(16))
+    (mapped,) = eqxscan.explain_auto(jax.vmap(stack), jnp.ones((64, 16)))
+    assert alone.cost.xs_bytes >= (16 * 16 + 16) * 4
+    assert mapped.cost.xs_bytes == alone.cost.xs_bytes
+    assert mapped.cost.carry_bytes == 64 * alone.cost.carry_bytes
+    assert (mapped.unroll, mapped.rule.unroll) == (alone.unroll, alone.rule.unroll)
 
 
 # --- what the modules pick ------------------------------------------------------

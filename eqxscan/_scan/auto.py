@@ -510,19 +510,23 @@ def measure_traced(
     first `n_carry` inputs are the carry's leaves) over `length` steps, for the
     whole `vmap` batch of `values` (the carry and `xs`) when there is one, as
     it runs on `platform`."""
-    batch = max([_vmapped_size(a) for a in jtu.tree_leaves(values)] or [1])
-    carry, xs = jaxpr.in_avals[:n_carry], jaxpr.in_avals[n_carry:]
+    avals = jaxpr.in_avals
+    # Each input's own batch: weights a `vmap` does not map are held once.
+    sizes = [_vmapped_size(a) for a in jtu.tree_leaves(values)]
+    batch = max(sizes or [1])
+    if len(sizes) != len(avals):
+        sizes = [batch] * len(avals)
+    held = [size * _nbytes(a) for size, a in zip(sizes, avals, strict=True)]
     copied = _copied_inputs(jaxpr.jaxpr, platform)
-    copied_xs = [a for i, a in enumerate(xs, n_carry) if i in copied]
     return StepCost(
         length=length,
         flops=batch * _flops(jaxpr.jaxpr),
-        carry_bytes=batch * sum(map(_nbytes, carry)),
+        carry_bytes=sum(held[:n_carry]),
         saved_bytes=batch * _saved_bytes(jaxpr, n_carry, None),
         policy_saved_bytes=batch * _saved_bytes(jaxpr, n_carry, matmul_policy),
         carry_arrays=n_carry,
-        xs_bytes=batch * sum(map(_nbytes, xs)),
-        xs_copied_bytes=batch * sum(map(_nbytes, copied_xs)),
+        xs_bytes=sum(held[n_carry:]),
+        xs_copied_bytes=sum(held[i] for i in copied if i >= n_carry),
     )
 
 
