@@ -115,8 +115,12 @@ def test_short_small_scans_unroll_fully_and_save_what_the_loop_saves():
     unrolled = (False, True, "unrolled", "short")
     assert pick(short) == unrolled
     assert pick(short, platform="gpu") == unrolled
-    # An explicit remat is kept; an explicit full unroll saves as the loop does.
-    assert pick(short, remat=True) == (True, True, "given", "short")
+    # An explicit remat is kept, by a scan (unrolled, XLA:CPU recomputed
+    # nothing: more temp than remat=False); `False` unrolls as "auto" would; an
+    # explicit full unroll saves as the loop does.
+    assert pick(short, remat=True) == (True, 1, "given", "remat")
+    assert pick(short, remat=False) == (False, True, "given", "short")
+    assert pick(short, remat=True, platform="tpu") == (True, 1, "given", "remat")
     assert pick(cost(), unroll=True) == (False, True, "unrolled", "given")
     longer = cost(length=T.short_scan + 1, saved_bytes=10**9)
     assert pick(longer) == (True, 1, "small-step", "scan")

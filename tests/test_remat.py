@@ -104,6 +104,39 @@ def test_nested_without_naming_still_nests(getkey):
 # ---- carries and inputs: save / offload
 
 
+def test_an_explicit_remat_on_a_short_stack_saves_memory(getkey):
+    # `unroll="auto"` unrolled a 4-layer stack whatever the remat; unrolled,
+    # XLA:CPU recomputed nothing, so `remat=True` held more temp than `False`.
+    class Wide(eqx.Module):
+        up: eqx.nn.Linear
+        down: eqx.nn.Linear
+
+        def __init__(self, key):
+            k1, k2 = jr.split(key)
+            self.up, self.down = (
+                eqx.nn.Linear(8, 32, key=k1),
+                eqx.nn.Linear(32, 8, key=k2),
+            )
+
+        def __call__(self, x):
+            return jax.vmap(lambda v: v + self.down(jax.nn.gelu(self.up(v))))(x)
+
+    stack = eqxscan.Stacked(Wide, 4, key=getkey())
+    x = jr.normal(getkey(), (2048, 8))
+    dyn, static = eqx.partition(stack, eqx.is_array)
+
+    def temp(**options):
+        s = lambda d: eqx.combine(d, static).with_options(**options)  # noqa: E731
+        grad = jax.grad(lambda d, x: jnp.mean(jnp.tanh(s(d)(x)) ** 2))
+        return (
+            jax.jit(grad).lower(dyn, x).compile().memory_analysis().temp_size_in_bytes
+        )
+
+    kept = temp(remat=True)
+    assert kept == temp(remat=True, unroll=1)
+    assert kept < temp(remat=False) / 2
+
+
 def test_checkpoint_carries_and_inputs(getkey):
     stack = make_stack(getkey)
     x = jr.normal(getkey(), (D,))

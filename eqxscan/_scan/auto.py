@@ -70,7 +70,7 @@ class Thresholds:
 THRESHOLDS = Thresholds()
 
 UnrollRule: TypeAlias = Literal[
-    "given", "sharded", "short", "copies", "memory-bound", "time", "scan"
+    "given", "sharded", "short", "copies", "memory-bound", "time", "remat", "scan"
 ]
 """Which rule set `unroll` (docs/default-remat.md lists them)."""
 
@@ -208,6 +208,8 @@ def _unroll_reason(rule: AutoRule, cost: StepCost) -> str:
         "time": f"on {on}, {cost.length} time steps of {cost.flops:.3g} FLOPs (>= "
         f"{t.time_unroll_flops:.0e}), one carried array, nearly all matmul "
         f"outputs: unroll {t.time_unroll}",
+        "remat": f"{steps}; a remat was given, which a scan keeps (unrolled, "
+        "XLA may recompute nothing): unroll 1",
     }
     if rule.unroll in said:
         return said[rule.unroll]
@@ -316,6 +318,10 @@ def decide(
     u_rule: UnrollRule = "given"
     if isinstance(unroll, str):  # "auto"
         u_rule = unroll_rule(cost, platform, gathered, over, t)
+        if u_rule in ("short", "memory-bound", "time") and remat not in (False, "auto"):
+            # An explicit remat is kept by a scan: unrolled, XLA:CPU recomputed
+            # nothing and `remat=True` held more temp than `False`.
+            u_rule = "remat"
         unrolls = {"short": True, "memory-bound": True, "time": t.time_unroll}
         steps = unrolls.get(u_rule, 1)
     else:
