@@ -807,3 +807,16 @@ def test_auto_policy_saves_products_in_their_readers_layout():
         ((8, 8), "output of dot_general"),
     ]
     assert kept(heads) == [((2, 3, 2, 8), "output of reshape")]
+
+
+def test_explain_auto_sees_a_jitted_step_that_already_ran():
+    # The step's jit served its cached program, so no scan was traced and
+    # explain_auto returned [] ("no scan used auto").
+    model = eqxscan.StackedMLP(16, 12, key=jr.key(0))
+    x = jnp.ones((8, 16))
+    step = eqx.filter_jit(eqx.filter_grad(lambda m, x: jnp.mean(m(x) ** 2)))
+    before = eqxscan.explain_auto(step, model, x)
+    step(model, x)
+    after = eqxscan.explain_auto(step, model, x)
+    assert len(before) == 1 and after == before
+    assert eqxscan.explain_auto(lambda x: x + 1, x) == []  # no scan: still empty

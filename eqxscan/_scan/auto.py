@@ -573,6 +573,8 @@ def explain_auto(
 
     `fn` is traced abstractly (`jax.eval_shape`): nothing is computed. The choice
     depends only on shapes and dtypes, so it is the one a jitted train step makes.
+    A jitted `fn` (or one calling jitted functions) already traced for these
+    shapes is traced again under `jax.disable_jit()`, its cache skipped.
 
     **Arguments:**
 
@@ -590,4 +592,7 @@ def explain_auto(
     record: list[AutoChoice] = []
     with changed_call_state(auto_records=(*call_state().auto_records, record)):
         eqx.filter_eval_shape(fn, *args, **kwargs)
+        if not record:  # a jit's cache may have skipped the trace
+            with jax.disable_jit():
+                eqx.filter_eval_shape(fn, *args, **kwargs)
     return record
