@@ -400,3 +400,18 @@ def test_short_stacks_do_not_pick_the_loop_by_its_body_alone(monkeypatch):
         model, _mse_step, by["'nested'"].device_bytes, x, candidates=("auto", "nested")
     )
     assert only.chosen.label == "'nested'"
+
+
+def test_bad_peaks_and_timing_arguments_are_named():
+    # A zero peak divided by zero; a negative one ranked by negative estimates;
+    # calls=0 divided by zero and calls=-1 gave negative times.
+    model = eqxscan.StackedMLP(16, 2, key=jax.random.key(0))
+    x = jnp.ones((4, 16))
+    for peak in (eqxscan.remat.Peak(0.0, 0.0), eqxscan.remat.Peak(-1.0, 1e12)):
+        with pytest.raises(ValueError, match=r"peak must be a Peak of pos.*\nHint"):
+            eqxscan.remat.remat_table(model, _mse_step, "1GiB", x, peak=peak)
+    steps = {"one": lambda: jnp.ones(())}
+    for bad in (dict(calls=0), dict(calls=-1), dict(rounds=0)):
+        kwargs = dict(rounds=1) | bad
+        with pytest.raises(ValueError, match=f"{next(iter(bad))} must be >= 1"):
+            eqxscan.remat.time_interleaved(steps, **kwargs)

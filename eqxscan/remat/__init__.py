@@ -20,5 +20,5 @@ from ._budget import (
     time_candidates as time_candidates,
     with_remat as with_remat,
 )
-from ._devices import peak_of as peak_of
+from ._devices import Peak as Peak, peak_of as peak_of
 from ._timing import time_interleaved as time_interleaved

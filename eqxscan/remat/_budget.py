@@ -266,6 +266,7 @@ def remat_table(
     _check_table(model, candidates, unrolls, time_steps)
     if peak is None:
         peak = peak_of(jax.devices()[0].device_kind) or FALLBACK
+    peak = _checked_peak(peak)
     programs: dict[str, jax.stages.Compiled] = {}
     results, leaves = [], []
     for remat in candidates:
@@ -311,6 +312,21 @@ def _check_table(
             "Hint: XLA's cost analysis counts a loop body once, so an unrolled body "
             "would look more expensive than it is; time the candidates instead."
         )
+
+
+def _checked_peak(peak: object) -> Peak:
+    # A Peak, or any pair of positive FLOP/s and bytes/s (the estimate divides).
+    try:
+        flops, rate = (float(v) for v in peak)  # pyright: ignore[reportGeneralTypeIssues]
+    except (TypeError, ValueError):
+        flops = rate = float("nan")
+    if not (0 < flops < float("inf") and 0 < rate < float("inf")):
+        raise ValueError(
+            f"remat_table: peak must be a Peak of positive FLOP/s and bytes/s, got "
+            f"{peak!r}.\nHint: eqxscan.remat.Peak(flops=..., bytes_per_s=...), or "
+            "leave it out to use the device's."
+        )
+    return Peak(flops, rate)
 
 
 def _candidate(

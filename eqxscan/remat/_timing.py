@@ -8,6 +8,8 @@ from collections.abc import Callable, Mapping
 
 import jax
 
+from .._internal import check_size
+
 
 def time_interleaved(
     steps: Mapping[str, Callable[[], object]],
@@ -25,6 +27,8 @@ def time_interleaved(
 
     `{name: [seconds per call] * rounds}`.
     """
+    rounds = check_size("time_interleaved: rounds", rounds)
+    calls = check_size("time_interleaved: calls", calls)
     times: dict[str, list[float]] = {name: [] for name in steps}
     order = list(steps)
     rng = random.Random(seed)
