@@ -5,6 +5,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
 import pytest
 
 import eqxscan
@@ -80,6 +81,12 @@ def test_nested_errors(getkey):
         eqxscan.ScanRemat(nested=(4,))
     with pytest.raises(ValueError, match="block count must be >= 1"):
         eqxscan.ScanRemat(nested=0)
+    # A bool as no count; NumPy's bool as Python's; the class uncalled named.
+    with pytest.raises(TypeError, match="got the bool True"):
+        eqxscan.ScanRemat(nested=True)
+    assert stack.with_options(remat=np.bool_(True)).options.remat is True
+    with pytest.raises(TypeError, match=r"remat=ScanRemat, a class.*\nHint: pass an"):
+        stack.with_options(remat=eqxscan.ScanRemat)
 
 
 def test_nested_without_naming_still_nests(getkey):

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import cast, Literal, TypeAlias, TypedDict, TypeVar, Unpack
 
 import equinox as eqx
+import numpy as np
 from jax.sharding import Sharding
 from jaxtyping import PyTree
 
@@ -102,7 +103,8 @@ class ScanOptions(eqx.Module):
         self.scan_remat = as_scan_remat(remat)
         check_unroll(unroll)
         self.mode = mode
-        self.remat = remat
+        # NumPy's bool as Python's: a static field holds no array.
+        self.remat = bool(remat) if isinstance(remat, np.bool_) else remat
         self.unroll = unroll
 
     def as_args(self) -> ScanArgs:

@@ -14,6 +14,7 @@ import jax.core
 import jax.extend.core as jcore
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name, Offloadable, Recompute, Saveable
 from jaxtyping import PyTree
 
@@ -96,6 +97,13 @@ def check_policy(name: str, policy: Callable[..., object]) -> None:
         )
 
 
+def _as_index(n: object) -> int | None:
+    try:
+        return operator.index(n)  # pyright: ignore[reportArgumentType]  # None is the check
+    except TypeError:
+        return None
+
+
 @dataclasses.dataclass(frozen=True)
 class ScanRemat:
     """A `remat=` value that also says what to do with each step's carry and
@@ -171,15 +179,16 @@ class ScanRemat:
                 )
         nested = self.nested
         if isinstance(nested, tuple):
-            if len(nested) < 2 or not all(
-                isinstance(n, int) and not isinstance(n, bool) and n >= 1
-                for n in nested
-            ):
+            lengths = [
+                None if isinstance(n, bool | np.bool_) else _as_index(n) for n in nested
+            ]
+            if len(nested) < 2 or not all(n is not None and n >= 1 for n in lengths):
                 raise ValueError(
                     "ScanRemat(nested=(a, b, ...)) needs two or more positive int "
                     "lengths, outermost first, whose product is the scan length; "
                     f"got {nested!r}."
                 )
+            object.__setattr__(self, "nested", tuple(lengths))  # NumPy ints as ints
         elif nested is not None:
             try:
                 blocks = operator.index(nested)  # pyright: ignore[reportArgumentType]  # the TypeError is the check
@@ -188,7 +197,12 @@ class ScanRemat:
                     "ScanRemat(nested=...) must be None, a number of blocks (int) "
                     f"or a tuple of lengths, got {type(nested).__name__} ({nested!r})."
                 ) from None
-            if isinstance(nested, bool) or blocks < 1:
+            if isinstance(nested, bool | np.bool_):
+                raise TypeError(
+                    "ScanRemat(nested=...) must be None, a number of blocks (int) "
+                    f"or a tuple of lengths, got the bool {nested!r}."
+                )
+            if blocks < 1:
                 raise ValueError(
                     "ScanRemat(nested=...) as a block count must be >= 1, got "
                     f"{nested!r}."
@@ -277,6 +291,14 @@ def as_scan_remat(remat: object) -> ScanRemat:
     `ScanRemat`'s docstring for the correspondence)."""
     if isinstance(remat, ScanRemat):
         return remat
+    if isinstance(remat, np.bool_):  # NumPy's bool, as from a config array
+        remat = bool(remat)
+    if isinstance(remat, type):  # the class, uncalled: ScanRemat, say
+        raise TypeError(
+            f"remat={remat.__name__}, a class, is not a remat= value.\nHint: pass "
+            f"an instance, {remat.__name__}(...), or False, True, 'auto', "
+            "'nested', 'offload' or a jax.checkpoint_policies policy."
+        )
     if callable(remat):
         check_policy("remat", remat)
     elif isinstance(remat, str):
