@@ -70,7 +70,9 @@ def residual_shapes(fn, *args):
 
 def test_nested_errors(getkey):
     stack = make_stack(getkey)
-    with pytest.raises(ValueError, match=r"nested=\(2, 3\)\) has 6 steps.*has 4"):
+    # The scan named (in a Chain, the failing one may be a stack in a layer).
+    where = r"^The stacked layer Block .*: ScanRemat\(nested=\(2, 3\)\) has 6 .*has 4"
+    with pytest.raises(ValueError, match=where):
         stack.with_options(remat=eqxscan.ScanRemat(nested=(2, 3)))(jnp.ones(D))
     # A Chain's scanned groups differ in length: the hint says what fits all.
     layers = [Block(getkey()), eqx.nn.Linear(D, D, key=getkey())] * 3

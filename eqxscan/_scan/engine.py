@@ -202,7 +202,9 @@ def _run_scan(
                 c_dyn, ys[i] = fn(c_dyn, slices[i])
             ys = jtu.tree_map(lambda *a: jnp.stack(a), *ys)
         else:
-            c_dyn, ys = nested_scan(fn, c_dyn, xs, length, remat, unroll, reverse)
+            c_dyn, ys = nested_scan(
+                fn, c_dyn, xs, length, remat, unroll, reverse, where=name
+            )
     return c_dyn, eqx.combine(ys, traced.y_static)
 
 

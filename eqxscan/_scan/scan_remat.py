@@ -231,11 +231,11 @@ class ScanRemat:
         policy = matmul_policy if isinstance(self.policy, str) else self.policy
         return _by_name((BUFFER_READ,), lambda *a, **p: True, policy)
 
-    def levels(self, length: int) -> tuple[int, ...] | None:
+    def levels(self, length: int, where: str = "") -> tuple[int, ...] | None:
         """The lengths of the outer levels of the nested scan over `length` steps,
         outermost first (the innermost level takes the rest); `None` for one flat
         scan. A block count that does not divide `length` leaves a remainder,
-        run flat after the blocks."""
+        run flat after the blocks. `where` names the scan in errors."""
         nested = self.nested
         if nested is None:
             if self.save_carries is not False:
@@ -244,11 +244,13 @@ class ScanRemat:
         if isinstance(nested, tuple):
             if math.prod(nested) != length:
                 raise ValueError(
-                    f"ScanRemat(nested={nested}) has {math.prod(nested)} steps "
+                    (f"{where}: " if where else "")
+                    + f"ScanRemat(nested={nested}) has {math.prod(nested)} steps "
                     f"in all, but the scan has {length}; the lengths' product must "
-                    "equal the number of layers (or time steps).\nHint: each "
-                    "scanned group of a Chain has its own length; a block count, "
-                    f"ScanRemat(nested=k), fits any. See {checks.docs('remat.md')}."
+                    "equal the number of layers (or time steps).\nHint: a Chain's "
+                    "scanned groups, and stacks inside layers, each have their own "
+                    "length; a block count, ScanRemat(nested=k), fits any. See "
+                    f"{checks.docs('remat.md')}."
                 )
             return nested[:-1]
         return (min(nested, length),)
@@ -376,6 +378,7 @@ def nested_scan(
     remat: ScanRemat,
     unroll: int | bool,
     reverse: bool = False,
+    where: str = "",
 ) -> tuple[PyTree, PyTree]:
     """`lax.scan(step, carry, xs, reverse=reverse)` as the nested scans of
     `remat.levels` (one flat scan for none). Each outer level's body keeps
@@ -423,4 +426,4 @@ def nested_scan(
             carry, ys_tail = scan(carry, tail, length - head, ())
         return carry, jtu.tree_map(lambda a, b: jnp.concatenate([a, b]), ys, ys_tail)
 
-    return scan(carry, xs, length, remat.levels(length) or ())
+    return scan(carry, xs, length, remat.levels(length, where) or ())
