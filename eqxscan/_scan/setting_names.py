@@ -6,6 +6,7 @@
 import re
 
 import jax
+import numpy as np
 
 from .options import Remat
 
@@ -18,11 +19,11 @@ _UNITS = {"": 1, "b": 1} | {
 }
 
 
-def parse_bytes(budget: int | str) -> int:
+def parse_bytes(budget: int | np.integer | str) -> int:
     """`6 * 2**30`, `"6GiB"`, `"512MB"`, `"1.5 GB"` -> a number of bytes."""
     size = 0
-    if isinstance(budget, int) and not isinstance(budget, bool):
-        size = budget
+    if isinstance(budget, int | np.integer) and not isinstance(budget, bool):
+        size = int(budget)
     elif isinstance(budget, str):
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", budget)
         if m and m.group(2).lower() in _UNITS:
@@ -39,6 +40,8 @@ def parse_bytes(budget: int | str) -> int:
 
 def size_label(n: int) -> str:
     # KiB below a MiB: a small model's sizes would all read "0.00 MiB".
+    if n < 2**10:  # "0.0 KiB" would read as nothing
+        return f"{n} bytes"
     return f"{n / 2**10:.1f} KiB" if n < 2**20 else f"{n / 2**20:.2f} MiB"
 
 

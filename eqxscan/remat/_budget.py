@@ -12,6 +12,7 @@ from typing import Literal, TypeAlias, TypeVar
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
+import numpy as np
 from jaxtyping import PyTree
 
 from .._internal import (
@@ -145,8 +146,9 @@ def choose(
             f"{c.label}: {size_label(c.device_bytes)}" for c in candidates
         )
         raise ValueError(
-            f"fit_remat: no remat setting fits the budget of {size_label(budget)} "
-            f"({budget} bytes). Temp + argument + output bytes per candidate: "
+            f"fit_remat: no remat setting fits the budget of {size_label(budget)}"
+            + (f" ({budget} bytes)" if budget >= 2**10 else "")
+            + ". Temp + argument + output bytes per candidate: "
             f"{listed}.\nHint: raise the budget, shrink the batch, or shard the "
             f"model; see {docs('remat.md')}."
         )
@@ -212,7 +214,7 @@ def time_candidates(
 def remat_table(
     model: PyTree,
     step: Callable[..., PyTree],
-    budget: int | str,
+    budget: int | np.integer | str,
     *args: PyTree,
     candidates: Sequence[Remat] = CANDIDATES,
     unrolls: Sequence[Unroll] | None = None,
@@ -381,7 +383,7 @@ def _timed(
 def fit_remat(
     model: M,
     step: Callable[..., PyTree],
-    budget: int | str,
+    budget: int | np.integer | str,
     *args: PyTree,
     candidates: Sequence[Remat] = CANDIDATES,
     unrolls: Sequence[Unroll] | None = None,
