@@ -30,6 +30,13 @@ import jax  # noqa: E402
 import jax.random as jr  # noqa: E402
 import pytest  # noqa: E402
 
+from . import _typecheck_memo  # noqa: E402
+
+
+# The runtime type checks' functions written once per signature, not at every
+# decoration of a nested function (tests/_typecheck_memo.py).
+_typecheck_memo.install()
+
 
 jax.config.update(
     "jax_disable_most_optimizations",
