@@ -15,12 +15,17 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # tests start inherit it); EQXSCAN_TEST_OPTIMIZE=1 turns them on, and a test
 # whose tolerance is tighter than unoptimised arithmetic's rounding is marked
 # `optimized`. XLA:CPU's older fusion emitters compile in about half the time
-# of its MLIR ones, with the same buffers and values: EQXSCAN_TEST_XLA_FLAGS
-# carries that flag to the processes tests start with their own XLA_FLAGS.
+# of its MLIR ones, with the same buffers and values; and a program's machine
+# code generated as one LLVM module rather than split into 32 for parallel
+# codegen costs about a quarter less compile CPU (on two cores the split bought
+# no time), with the same buffers and values that can differ in the last bit
+# (as unoptimised arithmetic's do): EQXSCAN_TEST_XLA_FLAGS carries these flags
+# to the processes tests start with their own XLA_FLAGS.
 if os.environ.get("EQXSCAN_TEST_OPTIMIZE", "0") != "1":
     os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
     os.environ.setdefault(
-        "EQXSCAN_TEST_XLA_FLAGS", "--xla_cpu_use_fusion_emitters=false"
+        "EQXSCAN_TEST_XLA_FLAGS",
+        "--xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1",
     )
 _extra = os.environ.get("EQXSCAN_TEST_XLA_FLAGS", "")
 if _extra and _extra not in os.environ["XLA_FLAGS"]:
