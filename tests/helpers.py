@@ -2,6 +2,7 @@
 the scripts that need a fresh process with several CPU devices."""
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -116,6 +117,32 @@ def run_script(name: str, *args: str, timeout: float) -> str:
 def run_device_script(name: str, timeout: float) -> dict:
     """`run_script(name)` for a script that prints JSON: what it printed, parsed."""
     return json.loads(run_script(name, timeout=timeout))
+
+
+def once_per_values(fn):
+    """`fn`, computed once for each set of argument values and its result handed
+    out again: for a reference that every parametrisation of a test computes
+    alike. Values are compared by structure, each array's dtype, shape and bytes
+    (PRNG keys by their data) and any other leaf by type and equality (functions
+    by identity). The result must not be mutated (JAX arrays cannot be)."""
+    found = {}
+
+    def value(leaf):
+        if isinstance(leaf, (jax.Array, np.ndarray)):
+            if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+                leaf = jr.key_data(leaf)
+            return leaf.dtype.str, leaf.shape, np.asarray(leaf).tobytes()
+        return type(leaf), leaf
+
+    @functools.wraps(fn)
+    def once(*args):
+        leaves, treedef = jtu.tree_flatten(args)
+        key = (treedef, *map(value, leaves))
+        if key not in found:
+            found[key] = fn(*args)
+        return found[key]
+
+    return once
 
 
 @contextlib.contextmanager

@@ -12,10 +12,11 @@ import pytest
 import eqxscan
 from eqxscan.remat import THRESHOLDS
 
-from .helpers import stable_id, sub_jaxprs, tree_allclose
+from .helpers import once_per_values, stable_id, sub_jaxprs, tree_allclose
 
 
 SHORT_SCAN = THRESHOLDS.short_scan
+OPT = optax.adam(1e-2)
 
 
 REMATS = [
@@ -85,27 +86,29 @@ def test_matches_python_loop_values_grads_update(mode, remat, getkey):
         y = jax.vmap(lambda xi: model(xi, key=key))(x)
         return jnp.mean(y**2)
 
-    def ref_loss(layers, x):
-        y = jax.vmap(lambda xi: python_loop(layers, xi, key))(x)
-        return jnp.mean(y**2)
-
-    layers = stack.unstack()
     value, grads = eqx.filter_jit(eqx.filter_value_and_grad(loss))(stack, x)
-    ref_value, ref_grads = jax.jit(jax.value_and_grad(ref_loss))(layers, x)
+    ref_value, ref_grads, ref_layers = loop_reference(stack.unstack(), x, key)
     assert jnp.allclose(value, ref_value, rtol=1e-5)
     assert type(grads) is eqxscan.Stacked
     assert tree_allclose(grads.unstack(), ref_grads, rtol=1e-4, atol=1e-6)
 
     # One optax step on the stacked model equals one on the list of layers.
-    # (optax mixes Python floats and int32 step counts: standard promotion.)
-    opt = optax.adam(1e-2)
     params = eqx.filter(stack, eqx.is_array)
     with jax.numpy_dtype_promotion("standard"):
-        updates, _ = opt.update(grads, opt.init(params), params)
-        ref_updates, _ = opt.update(ref_grads, opt.init(layers), layers)
+        updates, _ = OPT.update(grads, OPT.init(params), params)
     new_stack = eqx.apply_updates(stack, updates)
-    ref_layers = optax.apply_updates(layers, ref_updates)
     assert tree_allclose(new_stack.unstack(), ref_layers, rtol=1e-4, atol=1e-6)
+
+
+@once_per_values  # every case above has the same layers, x and key
+def loop_reference(layers, x, key):
+    """The Python loop's value, gradients and layers after one Adam step."""
+    y = lambda layers, x: jax.vmap(lambda xi: python_loop(layers, xi, key))(x)
+    loss = lambda layers, x: jnp.mean(y(layers, x) ** 2)
+    value, grads = jax.jit(jax.value_and_grad(loss))(layers, x)
+    with jax.numpy_dtype_promotion("standard"):  # optax mixes floats and int32
+        updates, _ = OPT.update(grads, OPT.init(layers), layers)
+    return value, grads, optax.apply_updates(layers, updates)
 
 
 def test_matches_hand_written_equinox_recipe(getkey):
