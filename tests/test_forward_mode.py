@@ -6,6 +6,8 @@ scanned models are ordinary JAX functions, with no custom derivative rules that
 would block forward mode.
 """
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -16,7 +18,7 @@ import pytest
 
 import eqxscan
 
-from .helpers import stable_id, tree_allclose
+from .helpers import once_per_values, stable_id, tree_allclose
 
 
 D, L, T = 4, 6, 7  # more than four layers/steps, so "auto" keeps a scan
@@ -88,6 +90,27 @@ def derivatives(model, f_of_model, x, tangent, reference):
     return run(params, x, tangent)
 
 
+# The reference of every case below (the loop without remat, in reverse mode)
+# computed once per model, function and inputs: cases that differ only in the
+# options of the model checked share it.
+reference_derivatives = once_per_values(derivatives)
+
+
+def sum_sin(m, x):
+    return jnp.sum(jnp.sin(m(x)))
+
+
+@functools.cache
+def masked_loss(truncate):
+    mask = jnp.arange(T) < T - 2  # two padded steps
+
+    def f(m, xs):
+        h, hs = m(jnp.zeros(3), xs, mask=mask, truncate=truncate)
+        return jnp.sum(jnp.sin(hs)) + jnp.sum(h**2)
+
+    return f
+
+
 def check(model, f_of_model, x, getkey, *, exact=True):
     """The forward-mode derivatives of `model` equal those of its loop without
     remat in reverse mode, and finite differences; its Hessian in `x` is
@@ -100,7 +123,7 @@ def check(model, f_of_model, x, getkey, *, exact=True):
         jtu.tree_structure(eqx.filter(loop, eqx.is_array)), jtu.tree_leaves(tangent)
     )
     jvp, fd, hess, jac = derivatives(model, f_of_model, x, tangent, False)
-    jvp_ref, _, hess_ref, grad_ref = derivatives(
+    jvp_ref, _, hess_ref, grad_ref = reference_derivatives(
         loop, f_of_model, x, loop_tangent, True
     )
     assert np.allclose(jvp, jvp_ref, rtol=1e-4, atol=1e-5), (jvp, jvp_ref)
@@ -116,8 +139,7 @@ def check(model, f_of_model, x, getkey, *, exact=True):
 @pytest.mark.parametrize("options", OPTIONS, ids=stable_id)
 def test_stacked(options, getkey):
     stack = eqxscan.Stacked(lambda k: Block(key=k), L, key=getkey(), **options)
-    f = lambda m, x: jnp.sum(jnp.sin(m(x)))
-    check(stack, f, jr.normal(getkey(), (D,)), getkey)
+    check(stack, sum_sin, jr.normal(getkey(), (D,)), getkey)
 
 
 @pytest.mark.parametrize("options", [OPTIONS[0], OPTIONS[3]], ids=stable_id)
@@ -128,8 +150,7 @@ def test_chain(options, getkey):
     layers += [Block(key=getkey()) for _ in range(5)]
     chain = eqxscan.Chain(layers, **options)
     assert sum(isinstance(g, eqxscan.Stacked) for g in chain.groups) == 2
-    f = lambda m, x: jnp.sum(jnp.sin(m(x)))
-    check(chain, f, jr.normal(getkey(), (D,)), getkey)
+    check(chain, sum_sin, jr.normal(getkey(), (D,)), getkey)
 
 
 @pytest.mark.parametrize(
@@ -139,14 +160,9 @@ def test_chain(options, getkey):
 )
 def test_recurrent_with_mask(options, truncate, getkey):
     rnn = eqxscan.Recurrent(eqx.nn.GRUCell(D, 3, key=getkey()), **options)
-    mask = jnp.arange(T) < T - 2  # two padded steps
-
-    def f(m, xs):
-        h, hs = m(jnp.zeros(3), xs, mask=mask, truncate=truncate)
-        return jnp.sum(jnp.sin(hs)) + jnp.sum(h**2)
-
     # Truncated BPTT stops the carry's gradient, in forward mode too, which
     # finite differences cannot know.
+    f = masked_loss(truncate)
     check(rnn, f, jr.normal(getkey(), (T, D)), getkey, exact=truncate is None)
 
 
