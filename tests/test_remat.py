@@ -1,12 +1,15 @@
 """Rematerialisation (`ScanRemat`): nested remat shapes, saving or
 offloading carries and inputs, and rematerialisation over time."""
 
+import warnings
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
+from jax.ad_checkpoint import Offloadable
 
 import eqxscan
 
@@ -188,6 +191,69 @@ def test_checkpoint_carries_and_inputs(getkey):
     run(policy=jax.checkpoint_policies.dots_saveable, save_carries="offload")
     s = stack.with_options(remat=eqxscan.ScanRemat(save_carries="offload"), mode="loop")
     got = arrays(jax.value_and_grad(loss, argnums=(0, 1))(s, x))
+    assert tree_allclose(got, want, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_offloading_outside_jit_on_an_accelerator_keeps_residuals_on_device(
+    mode, getkey, monkeypatch
+):
+    # Outside jit, a gradient's backward pass runs as programs of its own, and
+    # offloaded residuals would pass between them: on a TPU v5e an eager
+    # gradient read such copies wrong. There they stay in device memory, with a
+    # warning; under jit (one program) and on CPU they are offloaded.
+    from eqxscan._scan import scan_remat
+
+    stack = make_stack(getkey, mode=mode)
+    x = jr.normal(getkey(), (D,))
+    loss = lambda s, x: jnp.sum(jnp.sin(s(x)))
+    want = arrays(jax.value_and_grad(loss, argnums=(0, 1))(stack, x))
+    dot = jax.core.ShapedArray((D, D), jnp.float32)
+    dot_params = dict(dimension_numbers=(((1,), (0,)), ((), ())))
+    offloading = [
+        eqxscan.ScanRemat(policy=True, save_inputs="offload"),
+        eqxscan.ScanRemat(policy=True, save_carries="offload"),
+        eqxscan.ScanRemat(nested=2, save_carries="offload"),
+        "offload",
+    ]
+    for accelerator in (False, True):
+        monkeypatch.setattr(scan_remat, "_on_accelerator", lambda a=accelerator: a)
+        for remat in offloading:
+            s = stack.with_options(remat=remat)
+            before = scan_remat.as_scan_remat(remat)
+            staged = []  # under jit: one program, so offloaded as asked
+
+            def inside_jit(before=before, staged=staged):
+                staged.append(scan_remat.kept_on_device(before) is before)
+                return jnp.zeros(())
+
+            jax.jit(inside_jit)()
+            assert staged == [True], remat
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                jitted = eqx.filter_jit(jax.value_and_grad(loss, argnums=(0, 1)))
+                assert tree_allclose(arrays(jitted(s, x)), want, rtol=1e-4), remat
+                if not accelerator:  # on CPU, offloaded eagerly too
+                    got = arrays(jax.value_and_grad(loss, argnums=(0, 1))(s, x))
+                    assert tree_allclose(got, want, rtol=1e-4), remat
+                    assert scan_remat.kept_on_device(before) is before
+                    continue
+            with pytest.warns(UserWarning, match=r"outside jax.jit on .*device memory"):
+                got = arrays(jax.value_and_grad(loss, argnums=(0, 1))(s, x))
+            assert tree_allclose(got, want, rtol=1e-4), remat
+            with pytest.warns(UserWarning, match="eqx.filter_jit"):
+                on_device = scan_remat.kept_on_device(before)
+                on_device.base_policy()(jax.lax.dot_general_p, dot, dot, **dot_params)
+            assert "offload" not in (on_device.save_carries, on_device.save_inputs)
+            answer = on_device.base_policy()(
+                jax.lax.dot_general_p, dot, dot, **dot_params
+            )
+            assert not isinstance(answer, Offloadable), remat
+    # A policy that never offloads is not warned of.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s = stack.with_options(remat=jax.checkpoint_policies.dots_saveable)
+        got = arrays(jax.value_and_grad(loss, argnums=(0, 1))(s, x))
     assert tree_allclose(got, want, rtol=1e-4)
 
 

@@ -27,6 +27,7 @@ from .layer_io import Index, index
 from .options import ScanOptions
 from .scan_remat import (
     CARRY,
+    kept_on_device,
     name_inputs,
     name_tree,
     nested_scan,
@@ -115,6 +116,7 @@ def run(
 
     if options.mode == "loop":
         parts = (step, inputs, taps)
+        remat = kept_on_device(remat)
         c, ys = _run_loop(parts, carry, xs, length, remat, reverse, where, runs, over)
         return c, ys if taps is None else taps.finish(ys)
     # The step traced once, here (closed-over tracers become consts), on the
@@ -163,6 +165,7 @@ def _run_scan(
     remat, unroll = resolve(
         traced, (c_dyn, xs), length, remat, options.unroll, name, gathered, over
     )
+    remat = kept_on_device(remat)
     # Unrolled fully: the loop's own program (one slice per step, the outputs
     # stacked), each step the one traced step evaluated.
     unrolled = unroll is True and not remat.named

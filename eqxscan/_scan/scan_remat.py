@@ -6,6 +6,7 @@ levels of any shape (Flax's `remat_scan(lengths=...)`)."""
 import dataclasses
 import math
 import operator
+import warnings
 from collections.abc import Callable
 from typing import Literal, TypeAlias, TypeVar
 
@@ -286,6 +287,61 @@ def _by_name(names: tuple[str, ...], named: Policy, base: Policy) -> Policy:
         return base(prim, *args, **params)
 
     return policy  # pyright: ignore[reportReturnType]  # offloading answers are not bools
+
+
+def _on_accelerator() -> bool:
+    return jax.default_backend() != "cpu"
+
+
+def kept_on_device(remat: ScanRemat) -> ScanRemat:
+    """`remat` with every residual it would offload saved in device memory
+    instead, and a warning, where the offloaded copies would pass between
+    programs: a call outside `jax.jit` on an accelerator, whose backward pass
+    runs as programs of its own (on a TPU v5e, JAX 0.10.2, an eager gradient
+    read such copies wrong, see docs/remat.md). Under `jax.jit` (or any staging
+    trace) and on CPU, `remat` as it is."""
+    keeps = (remat.save_carries, remat.save_inputs)
+    if not ("offload" in keeps or callable(remat.policy)):
+        return remat
+    if not _on_accelerator() or isinstance(jnp.zeros(()), jax.core.Tracer):
+        return remat  # one memory, or one program (a staging trace)
+    warned: list[bool] = []
+
+    def warn() -> None:
+        if not warned:
+            warned.append(True)
+            warnings.warn(
+                "remat offloads residuals to host memory, but this call runs "
+                f"outside jax.jit on {jax.default_backend()}, where they would pass "
+                "between programs; they are kept in device memory instead.\nHint: "
+                f"jit the step (eqx.filter_jit) to offload. See "
+                f"{checks.docs('remat.md')}.",
+                stacklevel=3,
+            )
+
+    policy = remat.policy
+    if callable(policy):  # a user's own may offload: read its answers
+        policy = _saving_offloads(policy, warn)
+    if "offload" in keeps:
+        warn()
+    on_device = lambda keep: True if keep == "offload" else keep  # noqa: E731
+    return dataclasses.replace(
+        remat,
+        policy=policy,
+        save_carries=on_device(remat.save_carries),
+        save_inputs=on_device(remat.save_inputs),
+    )
+
+
+def _saving_offloads(user: Policy, warn: Callable[[], None]) -> Policy:
+    def policy(prim: object, *args: object, **params: object) -> object:
+        answer = user(prim, *args, **params)
+        if isinstance(answer, Offloadable):
+            warn()
+            return Saveable
+        return answer
+
+    return policy  # pyright: ignore[reportReturnType]  # Saveable is not a bool
 
 
 def as_scan_remat(remat: object) -> ScanRemat:
