@@ -87,7 +87,7 @@ def test_nested_errors(getkey):
     with pytest.raises(ValueError, match="block count must be >= 1"):
         eqxscan.ScanRemat(nested=0)
     # A bool as no count; NumPy's bool as Python's; the class uncalled named.
-    with pytest.raises(TypeError, match="got the bool True"):
+    with pytest.raises(TypeError, match=r"got the bool \(True\)"):
         eqxscan.ScanRemat(nested=True)
     assert stack.with_options(remat=np.bool_(True)).options.remat is True
     with pytest.raises(TypeError, match=r"remat=ScanRemat, a class.*\nHint: pass an"):

@@ -191,17 +191,13 @@ class ScanRemat:
                 )
             object.__setattr__(self, "nested", tuple(lengths))  # NumPy ints as ints
         elif nested is not None:
-            try:
-                blocks = operator.index(nested)  # pyright: ignore[reportArgumentType]  # the TypeError is the check
-            except TypeError:
+            is_bool = isinstance(nested, bool | np.bool_)
+            blocks = None if is_bool else _as_index(nested)
+            if blocks is None:
+                got = "the bool" if is_bool else f"{type(nested).__name__}"
                 raise TypeError(
                     "ScanRemat(nested=...) must be None, a number of blocks (int) "
-                    f"or a tuple of lengths, got {type(nested).__name__} ({nested!r})."
-                ) from None
-            if isinstance(nested, bool | np.bool_):
-                raise TypeError(
-                    "ScanRemat(nested=...) must be None, a number of blocks (int) "
-                    f"or a tuple of lengths, got the bool {nested!r}."
+                    f"or a tuple of lengths, got {got} ({nested!r})."
                 )
             if blocks < 1:
                 raise ValueError(
