@@ -356,7 +356,7 @@ def test_add_lora_errors(getkey):
         ValueError, match=r"rank=9 .* `blocks.\*.w1` \(8x32\).*at most 8"
     ):
         adapters.add_lora(model, "blocks.*.w1", rank=9, key=getkey())
-    with pytest.raises(ValueError, match="rank must be >= 1"):
+    with pytest.raises(ValueError, match="add_lora: rank must be >= 1"):
         adapters.add_lora(model, "blocks.*.w1", rank=0, key=getkey())
     with pytest.raises(ValueError, match="Linear matches no module"):
         adapters.add_lora(model, eqx.nn.Linear, rank=2, key=getkey())

@@ -76,7 +76,7 @@ def add_lora(
     (docs/adapters.md).
     """
     split_key(key, 1, "add_lora")  # one PRNG key, or an error naming add_lora
-    rank = check_size("rank", rank)
+    rank = check_size("add_lora: rank", rank)
     num_adapters = check_size("num_adapters", num_adapters)
     dropout = check_rate(dropout, "dropout")
     alpha = rank if alpha is None else alpha
