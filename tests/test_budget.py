@@ -13,7 +13,7 @@ from eqxscan._scan import auto as _auto
 from eqxscan.remat._budget import CANDIDATES, choose, parse_bytes, with_remat
 from eqxscan.remat._devices import Peak
 
-from .helpers import tree_allclose
+from .helpers import tree_allclose, untyped
 
 
 def _mse_step(model, x):
@@ -313,6 +313,14 @@ def test_bad_calls(mlp_problem):
         eqxscan.remat.fit_remat(model, _mse_step, 2**30, shape, candidates="auto")
     with pytest.raises(TypeError, match="unrolls"):
         eqxscan.remat.fit_remat(model, _mse_step, 2**30, shape, unrolls=2)
+    # An iterator (read once) is refused too, with a hint that fits it.
+    with (
+        untyped(),
+        pytest.raises(TypeError, match=r"candidates=tuple\(...\) of the generator"),
+    ):
+        eqxscan.remat.fit_remat(
+            model, _mse_step, 2**30, shape, candidates=(c for c in ("auto", True))
+        )
     with pytest.raises(ValueError, match="time_steps must be >= 0, got -1"):
         eqxscan.remat.fit_remat(model, _mse_step, 2**30, shape, time_steps=-1)
 

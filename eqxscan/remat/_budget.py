@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import re
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Literal, TypeAlias, TypeVar
 
 import equinox as eqx
@@ -294,9 +294,15 @@ def _check_table(
     for name, values in (("candidates", candidates), ("unrolls", unrolls)):
         # A lone value would be iterated: "auto" as 'a', 'u', 't', 'o'.
         if isinstance(values, str) or not isinstance(values, Sequence | None):
+            lone = isinstance(values, str) or not isinstance(values, Iterable)
             raise TypeError(
                 f"fit_remat: {name} must be a tuple or list of settings, got "
-                f"{values!r}.\nHint: for one setting, pass ({values!r},)."
+                f"{values!r}.\nHint: "
+                + (
+                    f"for one setting, pass ({values!r},)."
+                    if lone
+                    else f"pass {name}=tuple(...) of the {type(values).__name__}."
+                )
             )
     if not any(_is_scan(x) for x in jtu.tree_leaves(model, is_leaf=_is_scan)):
         raise ValueError(
