@@ -154,6 +154,12 @@ def test_full_unroll_is_the_loops_program():
     assert "while" in lowered(_mlp_options(stack, unroll=1))
 
 
+def test_an_explanation_names_offload_as_it_was_given():
+    stack = eqxscan.StackedMLP(8, 3, key=jr.key(0), remat="offload")
+    (choice,) = eqxscan.explain_auto(stack, jr.normal(jr.key(1), (2, 8)))
+    assert "remat='offload'" in repr(choice), choice  # not the policy's "policy"
+
+
 def _scanned(unroll):
     # `True == 1` in Python: a full unroll must not pass for `unroll=1`.
     return unroll is not True and unroll == 1

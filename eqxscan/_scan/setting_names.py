@@ -9,6 +9,7 @@ import jax
 import numpy as np
 
 from .options import Remat
+from .scan_remat import OFFLOAD_POLICY
 
 
 #: Bytes per unit, by lower-case name: kB = 10**3 ... TB, KiB = 2**10 ... TiB.
@@ -46,8 +47,11 @@ def size_label(n: int) -> str:
 
 
 def remat_label(remat: Remat) -> str:
-    """`"auto"`, `"True"`, or a policy's name in `jax.checkpoint_policies`."""
+    """`"auto"`, `"True"`, `"offload"`, or a policy's name in
+    `jax.checkpoint_policies`."""
     if isinstance(remat, (str, bool)):
         return repr(remat) if isinstance(remat, str) else str(remat)
+    if remat is OFFLOAD_POLICY:  # what `remat="offload"` resolves to
+        return "'offload'"
     named = (n for n, v in vars(jax.checkpoint_policies).items() if v is remat)
     return next(named, getattr(remat, "__name__", repr(remat)))
