@@ -75,8 +75,10 @@ def test_nested_errors(getkey):
     stack = make_stack(getkey)
     # The scan named (in a Chain, the failing one may be a stack in a layer).
     where = r"^The stacked layer Block .*: ScanRemat\(nested=\(2, 3\)\) has 6 .*has 4"
-    with pytest.raises(ValueError, match=where):
-        stack.with_options(remat=eqxscan.ScanRemat(nested=(2, 3)))(jnp.ones(D))
+    for mode in MODES:  # the loop, the reference, refuses what the scan does
+        nested = eqxscan.ScanRemat(nested=(2, 3))
+        with pytest.raises(ValueError, match=where):
+            stack.with_options(remat=nested, mode=mode)(jnp.ones(D))
     # A Chain's scanned groups differ in length: the hint says what fits all.
     layers = [Block(getkey()), eqx.nn.Linear(D, D, key=getkey())] * 3
     chain = eqxscan.Chain(layers, remat=eqxscan.ScanRemat(nested=(2, 2)))

@@ -225,6 +225,7 @@ def _run_loop(
     # The reference path. The "auto" rule is a scan-specific optimisation, so the
     # loop saves everything unless remat was asked for explicitly.
     explicit = not remat.is_rule and not (remat.policy is False and not remat.named)
+    remat.levels(length, where(None))  # a nesting the scan refuses, refused here too
     step, inputs, taps = parts
 
     def body(c: PyTree, x: PyTree, i: int) -> tuple[PyTree, PyTree]:
