@@ -1,5 +1,11 @@
 """Eager calls of the scanning modules reuse one compiled program."""
 
+import dataclasses
+import functools
+import logging
+import types
+from collections.abc import Callable
+
 import equinox as eqx
 import jax
 import jax.monitoring
@@ -187,11 +193,8 @@ def test_what_code_reads_is_keyed_by_value_or_not_cached():
     scale = 2.0
     for code in [jax.nn.relu, jnp.tanh, lambda x: jax.nn.gelu(jnp.tanh(x)) * 2]:
         assert key(code) is not None
-    assert (
-        key(jax.jit(lambda x: x * scale))
-        == key(lambda x: x * scale)
-        != key(lambda x: x * 3.0 * SCALE)
-    )
+    scaled = lambda x: x * scale  # noqa: E731
+    assert key(jax.jit(scaled)) == key(scaled) != key(lambda x: x * 3.0 * SCALE)
     # Arrays, mutable objects and objects of identity cannot be keyed.
     for moving in [
         lambda x: W @ x,  # a global array
@@ -200,3 +203,144 @@ def test_what_code_reads_is_keyed_by_value_or_not_cached():
         object(),
     ]:
         assert key(moving) is None
+
+
+# ---- what else the code run reads (each was served a stale program)
+
+SIGN = 0.0  # read by a layer below; rebound by the test
+
+
+def act(x):  # redefined by the test, as a notebook cell run again would
+    return x * 2.0
+
+
+class WithFn(eqx.Module):
+    w: jax.Array
+    fn: Callable = eqx.field(static=True)
+
+    def __call__(self, x):
+        return self.fn(x * self.w)
+
+
+def _stack_of(fn):
+    return eqxscan.Stacked(lambda k: WithFn(jnp.ones(()), fn), 2, key=KEY)
+
+
+def test_what_static_fields_modules_and_redefined_functions_read_is_keyed():
+    global SCALE, SIGN, act
+    x = jnp.float32(1.0)
+    # A static function field that reads a global; a partial around one.
+    scaled = lambda x: x * SCALE  # noqa: E731
+    for fn in (scaled, functools.partial(lambda x, k: scaled(x) * k, k=1)):
+        stack = _stack_of(fn)
+        assert float(stack(x)) == 1.0
+        try:
+            SCALE = 3.0
+            assert float(stack(x)) == 9.0 == float(stack.with_options(mode="loop")(x))
+        finally:
+            SCALE = 1.0
+    # A global function defined anew (its code), and its defaults changed.
+    stack = _stack_of(lambda x: act(x))
+    old = act
+    assert float(stack(x)) == 4.0
+    try:
+        exec("def act(x):\n    return x * 3.0", globals())
+        assert float(stack(x)) == 9.0
+    finally:
+        act = old
+    stack = _stack_of(lambda x, k=2.0: x * k)
+    assert float(stack(x)) == 4.0
+    stack.layers.fn.__defaults__ = (3.0,)
+    assert float(stack(x)) == 9.0
+    # An attribute of a module of the user's (a config module).
+    cfg = types.ModuleType("user_config")
+    cfg.GAIN = 1.0
+    globals()["user_config"] = cfg
+    try:
+        stack = _stack_of(lambda x: x * user_config.GAIN)  # noqa: F821
+        assert float(stack(x)) == 1.0
+        cfg.GAIN = 5.0
+        assert float(stack(x)) == 25.0
+    finally:
+        del globals()["user_config"]
+    # -0.0 is not 0.0 (its sign reaches the output).
+    stack = _stack_of(lambda x: jnp.copysign(x, SIGN))
+    assert float(stack(x)) == 1.0
+    try:
+        SIGN = -0.0
+        assert float(stack(x)) == -1.0
+    finally:
+        SIGN = 0.0
+
+
+def test_keys_of_numbers_and_unhashable_frozen_values():
+    from eqxscan._scan.eager_compile import _key
+
+    key = lambda f: _key(f, set())  # noqa: E731
+    assert key(np.float32(1.0)) != key(np.float64(1.0))
+    assert key(0.0) != key(-0.0) and key(float("nan")) == key(float("nan"))
+
+    @dataclasses.dataclass(frozen=True)
+    class Config:
+        sizes: list  # frozen, but its hash fails
+
+    assert key(Config([1, 2])) is None  # not cached, rather than a crash
+
+
+CONFIG = None  # a frozen dataclass holding a list, read by a layer
+
+
+def test_an_unhashable_global_runs_uncached():
+    global CONFIG
+    CONFIG = _Sizes([2.0])
+    try:
+        stack = _stack_of(lambda x: x * CONFIG.sizes[0])
+        assert float(stack(jnp.float32(1.0))) == 4.0
+    finally:
+        CONFIG = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sizes:
+    sizes: list
+
+
+STEP = 0  # changed at every call, as a step counter would be
+
+
+def test_a_value_changing_at_every_call_stops_the_cache_with_a_warning():
+    global STEP
+    from eqxscan._scan.eager_compile import MAX_PROGRAMS
+
+    stack = _stack_of(lambda x: x + STEP)
+    try:
+        for STEP in range(MAX_PROGRAMS):  # a program each
+            assert float(stack(jnp.float32(0.0))) == 2 * STEP
+        STEP = MAX_PROGRAMS
+        with pytest.warns(UserWarning, match=r"(?s)compiled a program.*\nHint: pass"):
+            assert float(stack(jnp.float32(0.0))) == 2 * STEP
+        for STEP in range(MAX_PROGRAMS + 1, MAX_PROGRAMS + 4):  # uncached, right
+            assert float(stack(jnp.float32(0.0))) == 2 * STEP
+    finally:
+        STEP = 0
+
+
+def test_a_function_argument_is_keyed_by_its_code_not_its_identity(caplog):
+    stack = eqxscan.Stacked(lambda k: Twice(jnp.ones(2)), 12, key=KEY)
+    x = jnp.ones(2)
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING, logger="jax"):
+        outs = [stack(x, method=lambda layer, x: layer.twice(x)) for _ in range(3)]
+    compiled = [m for m in caplog.messages if m.startswith("Compiling jit(")]
+    shaped = [m for m in compiled if "float32[12,2]" in m]
+    assert len(shaped) == 1, shaped  # the same lambda at each call: one program
+    np.testing.assert_allclose(outs[-1], x * 2**12)
+
+
+class Twice(eqx.Module):
+    w: jax.Array
+
+    def __call__(self, x):
+        return x * self.w
+
+    def twice(self, x):
+        return 2 * x * self.w

@@ -2,6 +2,8 @@
 step, in the forward and in the backward pass, are found where they were put,
 by one compiled program."""
 
+import logging
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -13,7 +15,6 @@ import eqxscan
 
 
 D, L = 4, 5
-traces = []
 
 
 class Block(eqx.Module):
@@ -22,7 +23,6 @@ class Block(eqx.Module):
     h: Array  # 0 here: a finite forward whose backward pass is NaN
 
     def __call__(self, x):
-        traces.append(None)
         y = (jnp.tanh(self.w @ x) + x) * self.s
         return y + jnp.sqrt(jnp.sum(x**2) * self.h)
 
@@ -62,14 +62,20 @@ def test_every_layer_forward_and_backward(mode, getkey):
         assert f"at layer {k}" in r.message
 
 
-def test_one_compile_for_any_data(getkey):
+def test_one_compile_for_any_data(getkey, caplog):
     stack, x = make(getkey()), jr.normal(getkey(), (D,))
-    eqxscan.find_nonfinite(stack, loss_fn, x)
-    before = len(traces)
-    for k in range(L):
-        eqxscan.find_nonfinite(injected(stack, "h", k, 0.0), loss_fn, x + k)
-        eqxscan.find_nonfinite(injected(stack, "w", k, jnp.nan), loss_fn, x)
-    assert len(traces) == before  # no new trace, so no new compile
+    cases = [(injected(stack, "h", k, 0.0), x + k) for k in range(L)]
+    cases += [(injected(stack, "w", k, jnp.nan), x) for k in range(L)]
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING, logger="jax"):
+        eqxscan.find_nonfinite(stack, loss_fn, x)
+        for model, inputs in cases:
+            assert eqxscan.find_nonfinite(model, loss_fn, inputs).found
+    # The one program that takes the stacked weights.
+    stacked = f"float32[{L},{D},{D}]"
+    compiled = [
+        m for m in caplog.messages if m.startswith("Compiling") and stacked in m
+    ]
+    assert len(compiled) <= 1, compiled  # one program for every value
 
 
 class Pair(eqx.Module):
@@ -396,3 +402,22 @@ def test_a_nonfinite_input_is_pointed_at_where_the_first_step_fails(reverse, get
             injected(stack, "w", k, jnp.nan), loss_fn, jnp.ones(D), reverse
         )
         assert r.index == k and "inputs given" not in r.message, r
+
+
+OFFSET = 0.0  # read by `offset_loss`; rebound by the test
+
+
+def offset_loss(model, x):
+    return jnp.mean(model(x + OFFSET) ** 2)
+
+
+def test_a_loss_reading_a_global_is_not_served_a_stale_program(getkey):
+    global OFFSET
+    stack, x = make(getkey()), jr.normal(getkey(), (D,))
+    assert not eqxscan.find_nonfinite(stack, offset_loss, x).found
+    try:
+        OFFSET = float("nan")
+        report = eqxscan.find_nonfinite(stack, offset_loss, x)
+        assert report.found, report  # the old program said all was finite
+    finally:
+        OFFSET = 0.0

@@ -19,6 +19,7 @@ from .._containers.chain import Chain
 from .._containers.recurrent import Recurrent
 from .._containers.stacked import LayerNumbering, Stacked
 from .._helpers.checks import Checked
+from .._scan.eager_compile import compiled_when_eager
 from .._scan.probe import Probe
 from .._scan.tap_stats import nonfinite_count
 from .._scan.taps import tap_calls
@@ -110,7 +111,6 @@ def _shared_counts(grads: PyTree) -> dict[str, Array]:
     }
 
 
-@eqx.filter_jit
 def _program(model: PyTree, loss_fn: Callable[..., Array], inputs: tuple) -> tuple:
     def loss(m_and_probes: tuple[PyTree, tuple | None]) -> tuple[Array, PyTree]:
         m, probes = m_and_probes
@@ -139,6 +139,11 @@ def _program(model: PyTree, loss_fn: Callable[..., Array], inputs: tuple) -> tup
     return value, rows, (_param_counts(g_model), _shared_counts(g_model))
 
 
+# Compiled once per structure of model and inputs, loss function (by its code
+# and what it reads) and the values the code run reads from outside them.
+_compiled = compiled_when_eager(_program, scanning=False)
+
+
 def _order(ids: object, reverse: bool) -> list[int]:
     # The layers a call ran, in run order, from the indices + 1 its taps
     # recorded (0: not run); a call in reverse recorded them ascending.
@@ -160,7 +165,8 @@ def find_nonfinite(
     """Find the layer (or time step) that first produced a NaN or inf in one
     training step, the carry leaf that held it, and which pass did, in one run
     of the scanned program (compiled once per structure of `model` and
-    `inputs`): `eqx.filter_value_and_grad(loss_fn)(model, *inputs)` with
+    `inputs`, and per `loss_fn` by its code and the values it reads, as an
+    eager call is): `eqx.filter_value_and_grad(loss_fn)(model, *inputs)` with
     [`eqxscan.tap`][] and an [`eqxscan.Probe`][] of
     [`eqxscan.stats.nonfinite_count`][], counting each layer's non-finite
     parameter gradients.
@@ -205,7 +211,7 @@ def find_nonfinite(
             "`find_nonfinite(model, loss_fn, *inputs)`, with "
             "`loss_fn(model, *inputs)` returning the loss."
         )
-    value, rows, (params, shared) = jax.device_get(_program(model, loss_fn, inputs))
+    value, rows, (params, shared) = jax.device_get(_compiled(model, loss_fn, inputs))
     # Calls inside a `Recurrent`'s cell (counts per time step) are not checked.
     rows = [r for r in rows if all(np.ndim(a) == 1 for a in jtu.tree_leaves(r[1]))]
     if not any(jtu.tree_leaves(r[1]) for r in rows):

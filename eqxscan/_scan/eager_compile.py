@@ -8,10 +8,12 @@ anew rather than serving the old program. Under a transformation, in
 hand back an untapped program), and where such a value cannot be a key (an
 array, a mutable object) the method runs as written."""
 
+import dataclasses
 import dis
 import enum
 import functools
 import types
+import warnings
 from collections.abc import Callable, Iterable
 from typing import ParamSpec, TypeVar
 
@@ -20,7 +22,9 @@ import jax
 import jax.core
 import jax.tree_util as jtu
 import numpy as np
+from jaxtyping import PyTree
 
+from .._helpers import checks
 from .taps import call_of, tapping
 
 
@@ -40,6 +44,10 @@ def _key(value: object, seen: set[int]) -> Key:
     (globals, closed-over values, class attributes), as hashable values for
     the cache's key; `None` where one of them cannot be (an array, a mutable
     object), and the call is then not cached."""
+    if isinstance(value, float | complex):  # -0.0 apart from 0.0, nan equal to nan
+        return (type(value), repr(value))
+    if isinstance(value, np.generic):  # float32 apart from float64 of equal value
+        return (type(value), value.tobytes())
     if isinstance(value, _VALUES):
         return (type(value), value)
     if isinstance(value, type):  # its methods and attributes, once
@@ -56,21 +64,46 @@ def _key(value: object, seen: set[int]) -> Key:
         and not isinstance(owner, types.ModuleType)
     ):
         return _all((owner, getattr(value, "__func__", None)), seen)
-    if callable(value) and _library(value):
-        return ()
     if isinstance(value, functools.partial):
         return _all((value.func, *value.args, *value.keywords.values()), seen)
+    if callable(value) and _library(value):
+        return ()
     wrapped = getattr(value, "__wrapped__", None)
     if wrapped is not None:  # `jax.jit`, type checkers: the user's code
         return _key(wrapped, seen)
     if isinstance(value, types.FunctionType):
+        # Its code and defaults (a function defined anew under the same name),
+        # what it closes over and the globals it reads.
         cells = [c.cell_contents for c in value.__closure__ or () if _filled(c)]
-        names = [n for n in _global_names(value.__code__) if n in value.__globals__]
-        return _all((*cells, *(value.__globals__[n] for n in names)), seen)
+        read = [
+            _read(value.__globals__, path) for path in _global_reads(value.__code__)
+        ]
+        defaults = (value.__defaults__, *(value.__kwdefaults__ or {}).items())
+        own = _all((*defaults, *cells, *(r for r in read if r is not _UNSET)), seen)
+        return None if own is None else (value.__code__, own)
     if type(value).__hash__ in (object.__hash__, None):  # identity, or mutable
+        return None
+    try:
+        hash(value)  # frozen, but holding a list, say
+    except TypeError:
         return None
     own = _class(type(value), seen)  # frozen data: its value, and its methods
     return None if own is None else (value, own)
+
+
+_UNSET = object()
+_UNKEYED = object()  # a value that cannot be keyed (hashed by identity)
+
+
+def _read(namespace: dict, path: tuple[str, ...]) -> object:
+    # `a.b.c` read from the globals: the attributes of the user's own modules
+    # followed (a config module's values), a library's module taken whole.
+    value = namespace.get(path[0], _UNSET)
+    for name in path[1:]:
+        if not isinstance(value, types.ModuleType) or _library(value):
+            break
+        value = getattr(value, name, _UNSET)
+    return value
 
 
 def _all(values: Iterable[object], seen: set[int]) -> Key:
@@ -111,44 +144,104 @@ def _filled(cell: types.CellType) -> bool:
 
 
 @functools.cache
-def _global_names(code: types.CodeType) -> tuple[str, ...]:
-    # The global names a function's code (nested functions included) reads.
-    own = (i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL")
+def _global_reads(code: types.CodeType) -> tuple[tuple[str, ...], ...]:
+    # The globals a function's code (nested functions included) reads, each
+    # with the attributes read off it in turn (`cfg.SCALE`: ("cfg", "SCALE")).
+    reads: list[tuple[str, ...]] = []
+    chained = False  # the last instruction read a global or an attribute of one
+    for i in dis.get_instructions(code):
+        if i.opname == "LOAD_GLOBAL":
+            reads.append((i.argval,))
+        elif chained and i.opname in ("LOAD_ATTR", "LOAD_METHOD"):
+            reads[-1] = (*reads[-1], i.argval)
+        chained = i.opname in ("LOAD_GLOBAL", "LOAD_ATTR", "LOAD_METHOD") and (
+            i.opname == "LOAD_GLOBAL" or chained
+        )
     nested = (c for c in code.co_consts if isinstance(c, types.CodeType))
-    return (*own, *(n for c in nested for n in _global_names(c)))
+    return (*reads, *(r for c in nested for r in _global_reads(c)))
 
 
 @functools.lru_cache(maxsize=256)
-def _classes(treedef: jtu.PyTreeDef) -> tuple[type, ...]:  # pyright: ignore[reportInvalidTypeForm]
+def _classes(treedef: jtu.PyTreeDef) -> tuple[object, ...]:  # pyright: ignore[reportInvalidTypeForm]
     # The classes of the Modules in a call's tree (whose code it runs), in
-    # order: once per structure, read off its treedef.
+    # order, and their static fields' values (an activation function, say):
+    # once per structure, read off its treedef.
     found: dict[type, None] = {}
+    static: list[object] = []
 
     def visit(node: jtu.PyTreeDef) -> None:  # pyright: ignore[reportInvalidTypeForm]
         data = node.node_data()
         if data is not None and isinstance(data[0], type):
             if issubclass(data[0], eqx.Module):
                 found[data[0]] = None
+                # Equinox's auxiliary data: wrapper attributes, then the static
+                # fields' values in order (unset ones `MISSING`).
+                n = sum(
+                    1 for f in dataclasses.fields(data[0]) if f.metadata.get("static")
+                )
+                aux = data[1] if isinstance(data[1], tuple) else ()
+                if len(aux) != n + 1:  # another layout: no key, no cache
+                    static.append(_UNKEYED)
+                static.extend(v for v in aux[1:] if type(v).__name__ != "_Missing")
         for child in node.children():
             visit(child)
 
     visit(treedef)
-    return tuple(found)
+    return (*found, *static)
 
 
-def compiled_when_eager(method: Callable[P, R]) -> Callable[P, R]:
+#: Programs one eager method keeps for one structure of arguments; past it, a
+#: value read from outside them changes at every call (a step counter), and
+#: the calls run uncached rather than keep a program each.
+MAX_PROGRAMS = 16
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Keyed:
+    # A function argument (`method=lambda ...`, a predicate) compared by what it
+    # is, its code and what it reads, not by identity: the same lambda written
+    # at each call reuses one program rather than keeping one per call.
+    fn: object
+    key: tuple
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Keyed) and self.key == other.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+
+def _keyed(leaf: object) -> object:
+    if not isinstance(leaf, types.FunctionType | functools.partial) or _library(leaf):
+        return leaf
+    key = _key(leaf, set())
+    return leaf if key is None else _Keyed(leaf, key)
+
+
+def _unkeyed(tree: PyTree) -> PyTree:
+    is_keyed = lambda x: isinstance(x, _Keyed)  # noqa: E731
+    return jtu.tree_map(lambda x: x.fn if is_keyed(x) else x, tree, is_leaf=is_keyed)
+
+
+def compiled_when_eager(
+    method: Callable[P, R], *, scanning: bool = True
+) -> Callable[P, R]:
     """A scanning module's call method, run eagerly through one cached
-    `eqx.filter_jit` of it."""
+    `eqx.filter_jit` of it (`scanning=False`: any function, compiled in every
+    mode)."""
 
     def typed(cache_key: tuple, /, *args: P.args, **kwargs: P.kwargs) -> R:
         del cache_key  # only part of the cache's key
-        return method(*args, **kwargs)
+        return method(*_unkeyed(args), **_unkeyed(kwargs))  # pyright: ignore[reportCallIssue]  # the same arguments, unwrapped
 
+    typed.__name__ = typed.__qualname__ = method.__name__  # its program's name
     jitted = eqx.filter_jit(typed)
+    programs: dict[object, set[tuple]] = {}  # by structure, the keys compiled
+    warned: list[bool] = []
 
     @functools.wraps(method)
     def call(*args: P.args, **kwargs: P.kwargs) -> R:
-        if getattr(args[0], "mode", "scan") == "loop" or tapping():
+        if scanning and (getattr(args[0], "mode", "scan") == "loop" or tapping()):
             # A tapped call's records are its own rows.
             with call_of(args[0], kwargs.get("reverse")):
                 return method(*args, **kwargs)
@@ -172,6 +265,29 @@ def compiled_when_eager(method: Callable[P, R]) -> Callable[P, R]:
         reads = _all((*static, *_classes(treedef)), set())
         if reads is None:
             return method(*args, **kwargs)
-        return jitted((tuple(map(type, static)), reads), *args, **kwargs)
+        keyed = [_keyed(leaf) for leaf in leaves]
+        key = (tuple(map(type, static)), reads)
+        seen = programs.setdefault(treedef, set())
+        entry = (key, *(leaf for leaf in keyed if not eqx.is_array(leaf)))
+        if entry not in seen:
+            if len(seen) >= MAX_PROGRAMS:
+                if not warned:  # once: the calls that follow are as the warning says
+                    warned.append(True)
+                    _warn_unbounded(method)
+                return method(*args, **kwargs)
+            seen.add(entry)
+        args, kwargs = jtu.tree_unflatten(treedef, keyed)
+        return jitted(key, *args, **kwargs)
 
     return call
+
+
+def _warn_unbounded(method: Callable[..., object]) -> None:
+    warnings.warn(
+        f"{method.__qualname__}: {MAX_PROGRAMS} eager calls of one structure each "
+        "compiled a program, for values read from outside the arguments (a "
+        "global, a closure) that changed; later ones run uncached.\nHint: pass "
+        "such a value as an argument, or call the model inside eqx.filter_jit. "
+        f"See {checks.docs('debugging.md')}.",
+        stacklevel=3,
+    )
