@@ -15,6 +15,8 @@ import pytest
 import eqxscan
 from eqxscan._containers.linear_diag import choose_method
 
+from .helpers import untyped
+
 
 PARALLEL = ("associative", "chunked")
 METHODS = ("sequential", *PARALLEL)
@@ -596,3 +598,56 @@ def test_a_masked_steps_read_out_is_the_same_in_every_form(getkey):
         _, os = eqxscan.Recurrent(cell, method=method, chunk_size=4)(s0, xs, mask=mask)
         assert rel(os[3], cell.output(s, xs[1])) <= 1e-5, method
         assert rel(os[0], cell.output(s0, xs[1])) <= 1e-5, method
+
+
+def test_an_integer_carry_is_refused_not_rounded(getkey):
+    # Each step cast back to the carry's int dtype gave all-zero states.
+    xs = jr.normal(getkey(), (6, 3))
+    zeros = jnp.zeros(4, jnp.int32)
+    cell = eqxscan.MinGRU(3, 4, key=getkey())
+    for method in (*METHODS, "auto"):
+        with pytest.raises(
+            TypeError, match=r"(?s)MinGRU.gates updates a carry of int32.*floats"
+        ):
+            eqxscan.Recurrent(cell, method=method)(zeros, xs)
+    with pytest.raises(TypeError, match="carry of int32"):
+        cell(xs[0], zeros)  # one decoding step
+    a, b = jnp.full((6, 4), 0.5), jnp.ones((6, 4))
+    for method in METHODS:
+        with pytest.raises(
+            TypeError, match="diagonal_scan's a updates a carry of int32"
+        ):
+            eqxscan.diagonal_scan(a, b, zeros, method=method)
+    gla = eqxscan.GatedLinearAttention(
+        3, num_heads=1, key_size=2, value_size=2, gate_rank=2, key=getkey()
+    )
+    for method in ("sequential", "chunked"):  # as a user runs it: no annotations
+        with (
+            untyped(),
+            pytest.raises(
+                TypeError, match="GatedLinearAttention.gates updates a carry of"
+            ),
+        ):
+            eqxscan.Recurrent(gla, method=method)(jnp.zeros((1, 2, 2), int), xs)
+
+
+def test_diagonal_scan_names_a_bad_method_shape_or_chunk():
+    T, H = 7, 3
+    a, b, h0 = jnp.full((T, H), 0.5), jnp.ones((T, H)), jnp.zeros(H)
+    scan = eqxscan.diagonal_scan
+    for method in ("auto", "parallel", "sequentail"):  # each ran as "chunked"
+        with untyped(), pytest.raises(ValueError, match="method must be one of"):
+            scan(a, b, h0, method=method)
+    with pytest.raises(
+        ValueError, match=r"(?s)a has shape \(3,\).*\[T, 3\].*step axis"
+    ):
+        scan(a[0], b[0], h0, method="associative")  # was scanned over features
+    with pytest.raises(ValueError, match=r"(?s)shape \(1,\).*one step of a and b"):
+        scan(a, b, jnp.zeros(1), method="associative")  # was broadcast to (3,)
+    with pytest.raises(ValueError, match="chunk_size must be >= 1, got 0"):
+        scan(a, b, h0, method="chunked", chunk_size=0)
+    with pytest.raises(ValueError, match=r"different numbers of steps, \[3, 7\]"):
+        scan(a, b[:3], h0, method="chunked")
+    # A gate broadcast over the carry's axes stays allowed.
+    h_T, _ = scan(jnp.full((T, 1), 0.5), b, h0, method="chunked")
+    np.testing.assert_allclose(h_T, scan(a, b, h0, method="sequential")[0], rtol=1e-6)

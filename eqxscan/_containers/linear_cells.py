@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, Inexact, PyTree
 
-from .linear_diag import check_keeps_imaginary
+from .linear_diag import check_gate_fits
 
 
 class DiagonalLinearCell(eqx.Module):
@@ -80,9 +80,7 @@ class DiagonalLinearCell(eqx.Module):
 
         def step(path: tuple, a_: Array, b_: Array, h_: Array) -> Array:
             for what, g in (("a", a_), ("b", b_)):
-                check_keeps_imaginary(
-                    g, h_, f"{what}{jtu.keystr(path)} from {name}.gates"
-                )
+                check_gate_fits(g, h_, f"{what}{jtu.keystr(path)} from {name}.gates")
             return (a_.astype(h_.dtype) * h_ + b_).astype(h_.dtype)
 
         return jtu.tree_map_with_path(step, a, b, h)
@@ -112,6 +110,7 @@ class MatrixLinearCell(eqx.Module):
     ) -> Inexact[Array, "H dk dv"]:
         """One step: the new state `S_t` (the recurrent form, for decoding)."""
         a, k, v, _ = self.gates(x_t, *args, **kwargs)
+        check_gate_fits(a, S, f"a from {type(self).__name__}.gates")
         new = a[:, :, None] * S + k[:, :, None] * v[:, None, :]
         return new.astype(S.dtype)
 

@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, PyTree
 
+from .._helpers.checks import check_option, check_size
+
 
 Method = Literal["sequential", "associative", "chunked"]
 # The `auto` rule's thresholds, as measured (docs/recurrent.md#the-auto-rule and
@@ -33,9 +35,17 @@ def choose_method(
     return "chunked" if chunked else "sequential"
 
 
-def check_keeps_imaginary(gate: Array, carry: Array, what: str) -> None:
-    """Refuse a complex gate for a real carry: computed in the carry's dtype,
-    its imaginary part would be dropped."""
+def check_gate_fits(gate: Array, carry: Array, what: str) -> None:
+    """Refuse a gate the carry's dtype would cut: any for an integer carry
+    (every step rounded to an integer), a complex one for a real carry (its
+    imaginary part dropped)."""
+    if not jnp.issubdtype(jnp.result_type(carry), jnp.inexact):
+        kind = jnp.result_type(carry).name
+        raise TypeError(
+            f"{what} updates a carry of {kind}: each step would be rounded to "
+            f"{kind}, so the states come out wrong.\nHint: start the carry in "
+            "floats, e.g. jnp.zeros(shape, jnp.float32)."
+        )
     if jnp.iscomplexobj(gate) and not jnp.iscomplexobj(carry):
         raise TypeError(
             f"{what} is complex ({jnp.result_type(gate)}) but the carry it updates "
@@ -76,9 +86,23 @@ def diagonal_scan(
     `hs[0]`). Each leaf has `h0`'s dtype.
     """
     h_leaves, tree = jtu.tree_flatten(h0)
+    check_option(
+        "diagonal_scan: method", method, ("sequential", "associative", "chunked")
+    )
+    chunk_size = check_size("diagonal_scan: chunk_size", chunk_size)
+    lengths = set()
     for what, g in (("a", a), ("b", b)):
         for (path, x), h in zip(jtu.tree_leaves_with_path(g), h_leaves):
-            check_keeps_imaginary(x, h, f"diagonal_scan's {what}{jtu.keystr(path)}")
+            name = f"diagonal_scan's {what}{jtu.keystr(path)}"
+            check_gate_fits(x, h, name)
+            _check_steps(x, h, name)
+            lengths.add(jnp.shape(x)[0])
+    if len(lengths) > 1:
+        raise ValueError(
+            f"diagonal_scan: a and b have different numbers of steps, "
+            f"{sorted(lengths)} (axis 0 of each leaf).\nHint: every leaf of a and "
+            "b is [T, *carry leaf's shape], with one T."
+        )
     # In the carry's dtype: a real `a` with a complex carry, a bfloat16 `b`.
     a_leaves = [x.astype(h.dtype) for x, h in zip(tree.flatten_up_to(a), h_leaves)]
     b_leaves = [x.astype(h.dtype) for x, h in zip(tree.flatten_up_to(b), h_leaves)]
@@ -87,6 +111,28 @@ def diagonal_scan(
     else:
         h_T, hs = _parallel(a_leaves, b_leaves, h_leaves, method, chunk_size, reverse)
     return jtu.tree_unflatten(tree, h_T), jtu.tree_unflatten(tree, hs)
+
+
+def _check_steps(x: Array, h: Array, name: str) -> None:
+    # `[T, *h.shape]` (or broadcasting to it after the step axis).
+    shape, carry = jnp.shape(x), jnp.shape(h)
+    fits = len(shape) == len(carry) + 1
+    try:
+        fits = fits and jnp.broadcast_shapes(shape[1:], carry) == carry
+    except ValueError:
+        fits = False
+    if not fits:
+        hint = (
+            "a gate shared by every step needs its step axis too, e.g. "
+            "jnp.broadcast_to(a, (T, *a.shape))"
+            if len(shape) == len(carry)
+            else "the carry h0 has the shape of one step of a and b"
+        )
+        raise ValueError(
+            f"{name} has shape {shape}, but the carry leaf it updates has shape "
+            f"{carry}: expected [T, {', '.join(map(str, carry))}] (steps on axis 0)."
+            f"\nHint: {hint}."
+        )
 
 
 Leaves = list[Array]

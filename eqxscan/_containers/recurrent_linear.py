@@ -15,7 +15,7 @@ from .._helpers.checks import check_option, check_size, describe
 from .._scan.options import ScanOptions
 from .._scan.taps import tapping
 from .linear_cells import DiagonalLinearCell, MatrixLinearCell
-from .linear_diag import check_keeps_imaginary, choose_method, diagonal_scan, Method
+from .linear_diag import check_gate_fits, choose_method, diagonal_scan, Method
 from .linear_matrix import matrix_scan
 from .recurrent_inputs import block_starts, Controls, kept_inputs
 
@@ -141,6 +141,8 @@ def run_parallel(
     matrix = isinstance(cell, MatrixLinearCell)
     if not matrix:
         _check_gates(cell, gates[0], gates[1], h0)
+    else:
+        check_gate_fits(gates[0], h0, f"a from {type(cell).__name__}.gates")
     if controls.mask is not None:  # a skipped step: a = 1 and b (or k) = 0
         gates[0] = _where_t(controls.mask, gates[0], 1)
         gates[1] = _where_t(controls.mask, gates[1], 0)
@@ -179,7 +181,7 @@ def _check_gates(cell: object, a: PyTree, b: PyTree, h0: PyTree) -> None:
                 f"{hint}."
             )
         for (path, x), h in zip(jtu.tree_leaves_with_path(g), jtu.tree_leaves(h0)):
-            check_keeps_imaginary(x, h, f"{what}{jtu.keystr(path)} from {name}.gates")
+            check_gate_fits(x, h, f"{what}{jtu.keystr(path)} from {name}.gates")
             if x.shape[1:] != jnp.shape(h):
                 raise ValueError(
                     f"{name}.gates returned {what}{jtu.keystr(path)} of shape "
