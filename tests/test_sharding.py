@@ -5,6 +5,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 import optax
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
@@ -290,6 +291,23 @@ def test_shard_is_idempotent_and_keeps_opt_state_usable(getkey):
     m3, _, _ = sharding.shard(model, mesh=mesh, fsdp_axis=None)
     assert m3.blocks.layer_sharding is None
     assert placed(m3.blocks.layers.w1) == P()
+
+
+def test_sharding_over_one_device_keeps_the_unsharded_program(getkey):
+    # A one-device mesh (as a checkpoint's restore places a model) gathers
+    # nothing: the step is the unsharded one, bit for bit, so a run resumed
+    # that way continues the run it saved.
+    model = eqxscan.StackedMLP(8, 3, key=getkey())
+    one = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("fsdp",))
+    placed_model, _, _ = sharding.shard(model, mesh=one, min_size=0)
+    assert placed_model.blocks.layer_sharding is not None
+    x, y = jnp.ones((2, 8)), jnp.zeros((2, 8))
+    choice = lambda m: eqxscan.explain_auto(m, x)[0]  # noqa: E731
+    assert choice(placed_model).rule == choice(model).rule  # (1 == True in Python)
+    step = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))
+    got, want = step(placed_model, x, y), step(model, x, y)
+    for a, b in zip(jtu.tree_leaves(got), jtu.tree_leaves(want)):
+        assert (a == b).all()
 
 
 def test_shard_moves_arrays_committed_elsewhere(getkey):
