@@ -363,3 +363,31 @@ def test_state_dict_name_form_is_what_layer_norms_shows(getkey):
     model = _nets(getkey)
     starred = {re.sub(r"\.\d+", ".*", n) for n in eqxscan.to_state_dict(model)}
     assert starred == set(eqxscan.optim.layer_norms(model))
+
+
+def test_a_chains_layerwise_state_saves_and_loads(tmp_path):
+    # Each stack's buffers hold that stack's layers of the Chain (None at the
+    # others'): read as a shallower chain, they were refused as a depth mismatch.
+    keys = jax.random.split(jax.random.key(0), 4)
+    layers = [eqx.nn.Linear(4, 4, key=k) for k in keys[:3]]
+    chain = eqxscan.Chain([*layers, eqx.nn.Linear(4, 4, use_bias=False, key=keys[3])])
+    tx = eqxscan.optim.layerwise(optax.adam(1e-3))
+    params = eqx.filter(chain, eqx.is_array)
+    state = tx.init(params)
+    grads = jax.tree.map(jnp.ones_like, params)
+    with jax.numpy_dtype_promotion("standard"):  # optax's step count
+        state = tx.update(grads, state, params)[1]  # moments that are not zeros
+    back = eqxscan.from_state_dict(state, eqxscan.to_state_dict(state))
+    assert all(
+        (a == b).all() for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(state))
+    )
+    eqxscan.save(tmp_path / "opt.safetensors", state)
+    loaded = eqxscan.load(tmp_path / "opt.safetensors", state)
+    assert all(
+        (a == b).all() for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(state))
+    )
+    # A chain of another depth is still refused.
+    deeper = eqxscan.Chain([*layers, *layers])
+    other = tx.init(eqx.filter(deeper, eqx.is_array))
+    with pytest.raises(ValueError, match="Depth mismatch"):
+        eqxscan.from_state_dict(other, eqxscan.to_state_dict(state))

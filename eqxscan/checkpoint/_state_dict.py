@@ -8,7 +8,7 @@ list elements by index, dict entries by key (`"norms.final.scale"`).
 
 import dataclasses
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, cast, TypeVar
 
 import equinox as eqx
@@ -180,16 +180,23 @@ def _check_depths(
         for at, num_layers in leaf.enclosing:
             _, suffixes = stacks.setdefault(leaf.parts[:at], (num_layers, set()))
             suffixes.add(_regex(leaf.parts[at + 1 :]))
+    names = [name for leaf in leaves for name in leaf.names()]
     for parts, (depth, suffixes) in stacks.items():
         prefix = _regex(parts) + r"\." if parts else ""
         regex = re.compile(rf"{prefix}(\d+)\.(?:{'|'.join(sorted(suffixes))})")
-        found = {int(m.group(1)) for k in state_dict if (m := regex.fullmatch(k))}
-        if found and max(found) + 1 != depth:
+        # The layers the model holds here: all, but for a tree holding some of
+        # a Chain's layers (`layerwise`'s state for one of its stacks).
+        found, held = _layers(regex, state_dict), _layers(regex, names)
+        if found and found != held and max(found) + 1 != depth:
             where = pattern(parts) or f"the top-level {top}"
             raise ValueError(
                 f"Depth mismatch: model has L={depth} layers in {where}, "
                 f"checkpoint has {max(found) + 1}."
             )
+
+
+def _layers(regex: re.Pattern[str], keys: Iterable[str]) -> set[int]:
+    return {int(m.group(1)) for k in keys if (m := regex.fullmatch(k))}
 
 
 def from_state_dict(like: T, state_dict: Mapping[str, object]) -> T:
