@@ -310,6 +310,27 @@ def test_sharding_over_one_device_keeps_the_unsharded_program(getkey):
         assert (a == b).all()
 
 
+def test_shard_regroups_the_buffers_of_a_model_kept_beside_other_values(getkey):
+    # The model saved in a dict with an RNG key (CheckpointManager's `model`
+    # item is any pytree): the optimizer's buffers are the model's alone, and
+    # were left without its layer sharding, so the next update failed.
+    mesh = sharding.make_mesh(fsdp=2)
+    model = eqxscan.StackedMLP(4, 2, key=getkey())
+    optimizer = optax.adam(0.1)
+    state = optimizer.init(eqx.filter(model, eqx.is_array))
+    tree = {"model": model, "rng": jax.random.key_data(getkey())}
+    placed, placed_state, _ = sharding.shard(tree, state, mesh=mesh, min_size=0)
+    m = placed["model"]
+    assert m.blocks.layer_sharding is not None
+    assert placed_state[0].mu.blocks.layer_sharding == m.blocks.layer_sharding
+    shardings = sharding.opt_state_shardings(state, tree, mesh, min_size=0)
+    want = sharding.model_shardings(eqx.filter(model, eqx.is_array), mesh, min_size=0)
+    assert shardings[0].mu.blocks.layers.w1 == want.blocks.layers.w1
+    grads = eqx.filter_grad(loss_fn)(m, jnp.ones((2, 4)), jnp.zeros((2, 4)))
+    with jax.numpy_dtype_promotion("standard"):
+        optimizer.update(grads, placed_state, eqx.filter(m, eqx.is_array))
+
+
 def test_shard_moves_arrays_committed_elsewhere(getkey):
     # Committed arrays (`device_put` to one device, or placed on another mesh)
     # are moved, as `jax.device_put` moves them, not refused by `jit`.

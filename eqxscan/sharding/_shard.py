@@ -264,26 +264,47 @@ def _set_layer_sharding(tree: T, layer_sharding: LayerShardingFn) -> T:
 _leaves = functools.partial(jtu.tree_leaves, is_leaf=is_placeholder)
 
 
+def _roots(params: PyTree) -> list[tuple[tuple, PyTree]]:
+    # `params`, and each Module in a plain container of several (a dict of the
+    # model and an RNG key, saved together): an optimizer made for one of them
+    # has buffers of that one's structure. Each with its key in `params`.
+    roots: list[tuple[tuple, PyTree]] = [((), params)]
+    if type(params) in (dict, list, tuple):
+        items = params.items() if isinstance(params, dict) else enumerate(params)
+        roots += [((k,), v) for k, v in items if isinstance(v, eqx.Module)]
+    return roots
+
+
+def _at(tree: PyTree, key: tuple) -> PyTree:
+    return tree if not key else tree[key[0]]
+
+
 def _map_buffers(
-    buffer: Callable[[tuple, Any], Any],
+    buffer: Callable[[tuple, Any, tuple], Any],
     other: Callable[[Any], Any],
     opt_state: Any,
     params: PyTree,
 ) -> Any:
-    # `buffer(path, x)` on each per-parameter buffer `x` of `opt_state` (e.g.
-    # Adam's `mu`), `other` on every other leaf. A buffer has the type and
-    # structure of `params`, every `layer_sharding` unset so that a model and its
-    # sharded copy compare equal.
+    # `buffer(path, x, root)` on each per-parameter buffer `x` of `opt_state`
+    # (e.g. Adam's `mu`), `other` on every other leaf. A buffer has the type and
+    # structure of `params` (or of the root of `_roots` at key `root`), every
+    # `layer_sharding` unset so that a model and its sharded copy compare equal.
     def structure(tree: Any) -> Any:
         unset = _set_layer_sharding(tree, lambda site, layers: None)
         return jtu.tree_structure(unset, is_leaf=is_placeholder)
 
-    target = structure(params)
-    like = lambda x: type(x) is type(params) and structure(x) == target
+    targets = [(key, type(r), structure(r)) for key, r in _roots(params)]
+
+    def root(x: Any) -> tuple | None:
+        for key, kind, target in targets:
+            if type(x) is kind and structure(x) == target:
+                return key
+        return None
+
     return jtu.tree_map_with_path(
-        lambda path, x: buffer(path, x) if like(x) else other(x),
+        lambda path, x: other(x) if (r := root(x)) is None else buffer(path, x, r),
         opt_state,
-        is_leaf=lambda x: is_placeholder(x) or like(x),
+        is_leaf=lambda x: is_placeholder(x) or root(x) is not None,
     )
 
 
@@ -332,7 +353,11 @@ def opt_state_shardings(
         param_shardings = align(param_shardings, params)
     # Each parameter (or `None`) with its sharding and number of layer axes.
     depths = walk(lambda x, s: s.depth, params)
-    per_param = list(zip(_leaves(params), _leaves(param_shardings), _leaves(depths)))
+    trees = (params, param_shardings, depths)
+    per_param = {
+        key: list(zip(*(_leaves(_at(t, key)) for t in trees)))
+        for key, _ in _roots(params)
+    }
 
     def buffer(path: tuple, leaf: Any, param: Any, sharding: Any, depth: Any) -> Any:
         if not is_arraylike(leaf):
@@ -345,10 +370,11 @@ def opt_state_shardings(
         spec = _leaf_spec(leaf, depth, name, mesh, fsdp_axis, min_size, strict=False)
         return NamedSharding(mesh, spec)
 
-    def one(path: tuple, x: Any) -> Any:
+    def one(path: tuple, x: Any, root: tuple) -> Any:
         leaves = jtu.tree_leaves_with_path(x, is_leaf=is_placeholder)
         out = [
-            buffer(path + p, leaf, *info) for (p, leaf), info in zip(leaves, per_param)
+            buffer(path + p, leaf, *info)
+            for (p, leaf), info in zip(leaves, per_param[root])
         ]
         return jtu.tree_unflatten(jtu.tree_structure(x, is_leaf=is_placeholder), out)
 
@@ -562,9 +588,9 @@ def shard(
         )
         placed = place(opt_state, opt_sh, mesh)
         # Its buffers get the (static) structure of `new`'s arrays.
-        arrays = jtu.tree_structure(
-            eqx.filter(new, eqx.is_array), is_leaf=is_placeholder
+        arrays = lambda root: jtu.tree_structure(  # noqa: E731
+            eqx.filter(_at(new, root), eqx.is_array), is_leaf=is_placeholder
         )
-        regroup = lambda _, x: jtu.tree_unflatten(arrays, _leaves(x))
+        regroup = lambda _, x, root: jtu.tree_unflatten(arrays(root), _leaves(x))
         opt_state = _map_buffers(regroup, lambda x: x, placed, model)
     return new, opt_state, batch
