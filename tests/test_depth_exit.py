@@ -1,6 +1,8 @@
 """Early exit (`eqxscan.run_until`) and layer subsets (`eqxscan.run_layers`),
 against hand-written Python loops over the unstacked layers and `mode="loop"`."""
 
+import logging
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -637,3 +639,24 @@ def test_drop_rates_are_refused_in_training_and_off_in_inference(getkey):
     out, n = eqxscan.run_until(chain, x, lambda c: jnp.array(False), key=key)
     assert int(n) == 2 and np.array_equal(out, chain(x, key=key))
     assert not np.allclose(out, eqx.nn.inference_mode(chain)(x))
+
+
+def test_an_eager_run_until_is_compiled_once_per_predicate(caplog):
+    # Outside jit it compiled every call anew (and kept each program); the
+    # same predicate written at each call now reuses one, a changed value it
+    # reads compiles anew, and the values are the loop's.
+    stack = eqxscan.Stacked(
+        lambda k: eqx.nn.Linear(4, 4, key=k), 12, key=jax.random.key(0)
+    )
+    x = jnp.ones(4)
+    runs = []
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING, logger="jax"):
+        for limit in (1.0, 1.0, 1.0, 4.0):
+            runs.append(eqxscan.run_until(stack, x, lambda c: jnp.sum(c**2) > limit))  # noqa: B023
+    compiled = [m for m in caplog.messages if "float32[12,4,4]" in m]
+    assert len(compiled) == 2, compiled  # one per value of `limit`
+    loop = stack.with_options(mode="loop")
+    for limit, (out, n) in zip((1.0, 1.0, 1.0, 4.0), runs):
+        want, m = eqxscan.run_until(loop, x, lambda c: jnp.sum(c**2) > limit)  # noqa: B023
+        assert int(n) == int(m)
+        np.testing.assert_allclose(out, want, rtol=1e-6)

@@ -32,6 +32,7 @@ from .._helpers.checks import (
 from .._helpers.stateful import find_state
 from .._scan.buffers import refuse_buffer
 from .._scan.drop_rates import DropRates
+from .._scan.eager_compile import compiled_when_eager
 from .._scan.layer_call import check_method, check_per_layer, LayerCall, Method
 from .._scan.taps import tapping
 
@@ -273,6 +274,7 @@ def check_layers_method(model: Stacked | Chain, method: Method | None) -> None:
         model.check_layer_axis("run")
 
 
+@compiled_when_eager
 def run_until(
     model: Stacked | Chain,
     x: PyTree,
@@ -329,9 +331,11 @@ def run_until(
     `mode="loop"` (the reference) every layer runs in Python and its result is
     discarded after the exit. `remat=` has no effect. Under `jax.vmap` a
     whole-batch exit becomes per mapped example. Stateful layers (an
-    `eqx.nn.State` argument) are not supported. Outside `jit` every call
-    compiles afresh: call it inside `eqx.filter_jit`, with what the predicate
-    compares against as an argument (one program for every value).
+    `eqx.nn.State` argument) are not supported. Outside `jit` a call is
+    compiled once per structure of its arguments, and per predicate by its
+    code and the values it reads, as an eager call of the model is; pass what
+    the predicate compares against as an argument (one program for every
+    value), or call it inside `eqx.filter_jit`.
     """
     call = checked_call(model, args, kwargs, key, method, "run_until")
     if tapping():
