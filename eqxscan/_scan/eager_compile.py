@@ -92,7 +92,6 @@ def _key(value: object, seen: set[int]) -> Key:
 
 
 _UNSET = object()
-_UNKEYED = object()  # a value that cannot be keyed (hashed by identity)
 
 
 def _read(namespace: dict, path: tuple[str, ...]) -> object:
@@ -161,33 +160,38 @@ def _global_reads(code: types.CodeType) -> tuple[tuple[str, ...], ...]:
     return (*reads, *(r for c in nested for r in _global_reads(c)))
 
 
-@functools.lru_cache(maxsize=256)
-def _classes(treedef: jtu.PyTreeDef) -> tuple[object, ...]:  # pyright: ignore[reportInvalidTypeForm]
+# By structure (static fields' values included), what `_walk` found in it.
+_STRUCTURES: dict[object, tuple[object, ...]] = {}
+
+
+def _classes(treedef: jtu.PyTreeDef, tree: PyTree) -> tuple[object, ...]:  # pyright: ignore[reportInvalidTypeForm]
     # The classes of the Modules in a call's tree (whose code it runs), in
     # order, and their static fields' values (an activation function, say):
-    # once per structure, read off its treedef.
-    found: dict[type, None] = {}
-    static: list[object] = []
+    # once per structure (`tree` has `treedef`, which holds those values).
+    if treedef not in _STRUCTURES:
+        if len(_STRUCTURES) >= 256:
+            _STRUCTURES.pop(next(iter(_STRUCTURES)))
+        found: dict[type, None] = {}
+        static: list[object] = []
+        _walk(tree, found, static)
+        _STRUCTURES[treedef] = (*found, *static)
+    return _STRUCTURES[treedef]
 
-    def visit(node: jtu.PyTreeDef) -> None:  # pyright: ignore[reportInvalidTypeForm]
-        data = node.node_data()
-        if data is not None and isinstance(data[0], type):
-            if issubclass(data[0], eqx.Module):
-                found[data[0]] = None
-                # Equinox's auxiliary data: wrapper attributes, then the static
-                # fields' values in order (unset ones `MISSING`).
-                n = sum(
-                    1 for f in dataclasses.fields(data[0]) if f.metadata.get("static")
-                )
-                aux = data[1] if isinstance(data[1], tuple) else ()
-                if len(aux) != n + 1:  # another layout: no key, no cache
-                    static.append(_UNKEYED)
-                static.extend(v for v in aux[1:] if type(v).__name__ != "_Missing")
-        for child in node.children():
-            visit(child)
 
-    visit(treedef)
-    return (*found, *static)
+def _walk(tree: PyTree, found: dict[type, None], static: list[object]) -> None:
+    is_module = lambda x: isinstance(x, eqx.Module)  # noqa: E731
+    for node in jtu.tree_leaves(tree, is_leaf=is_module):
+        if not is_module(node):
+            continue
+        found[type(node)] = None
+        for field in dataclasses.fields(node):
+            value = node.__dict__.get(field.name, _UNSET)
+            if value is _UNSET:
+                continue
+            if field.metadata.get("static"):
+                static.append(value)
+            else:
+                _walk(value, found, static)
 
 
 #: Programs one eager method keeps for one structure of arguments; past it, a
@@ -262,7 +266,7 @@ def compiled_when_eager(
         # the method would refuse never reuses the program of one it accepted.
         static = [leaf for leaf in leaves if not eqx.is_array(leaf)]
         # What the code run reads from outside its arguments joins the key.
-        reads = _all((*static, *_classes(treedef)), set())
+        reads = _all((*static, *_classes(treedef, (args, kwargs))), set())
         if reads is None:
             return method(*args, **kwargs)
         keyed = [_keyed(leaf) for leaf in leaves]
