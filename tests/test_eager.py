@@ -4,12 +4,14 @@ import dataclasses
 import functools
 import logging
 import types
+import warnings
 from collections.abc import Callable
 
 import equinox as eqx
 import jax
 import jax.monitoring
 import jax.numpy as jnp
+import jax.tree_util as jtu
 import numpy as np
 import pytest
 
@@ -195,14 +197,27 @@ def test_what_code_reads_is_keyed_by_value_or_not_cached():
         assert key(code) is not None
     scaled = lambda x: x * scale  # noqa: E731
     assert key(jax.jit(scaled)) == key(scaled) != key(lambda x: x * 3.0 * SCALE)
-    # Arrays, mutable objects and objects of identity cannot be keyed.
+    # A JAX array (immutable) is keyed by identity: another array, another key.
+    global W
+    reads_w = [lambda x: W @ x, lambda x: (lambda y: W @ y)(x)]  # nested too
+    before = [key(f) for f in reads_w]
+    assert None not in before and before == [key(f) for f in reads_w]
+    old = W
+    try:
+        W = jnp.eye(3) * 0.5  # equal values, another array
+        assert all(key(f) != k for f, k in zip(reads_w, before))
+    finally:
+        W = old
+    # NumPy arrays, mutable objects and objects of identity cannot be keyed.
     for moving in [
-        lambda x: W @ x,  # a global array
-        lambda x: (lambda y: W @ y)(x),  # read by a nested function
+        lambda x: W_NP @ x,  # a global NumPy array (its values may be set)
         np.zeros(3).__add__,  # a method of a mutable object
         object(),
     ]:
         assert key(moving) is None
+
+
+W_NP = np.eye(3)
 
 
 # ---- what else the code run reads (each was served a stale program)
@@ -344,3 +359,50 @@ class Twice(eqx.Module):
 
     def twice(self, x):
         return 2 * x * self.w
+
+
+@dataclasses.dataclass(frozen=True)
+class _Act:
+    f: Callable
+
+
+class _Signed(eqx.Module):
+    w: jax.Array
+    s: float = eqx.field(static=True)
+
+    def __call__(self, x, scale=1.0):
+        return jnp.copysign(x * self.w, self.s) * scale
+
+
+def test_functions_inside_values_and_structures_are_keyed():
+    global SCALE
+    x = jnp.float32(1.0)
+    scaled = lambda x: x * SCALE  # noqa: E731
+    # Inside a Module or a frozen dataclass held by a static field, or a
+    # jax.tree_util.Partial passed as the method.
+    stacks = [_stack_of(eqx.nn.Lambda(scaled)), _stack_of(_Act(scaled).f)]
+    partial = jtu.Partial(lambda layer, x: scaled(layer(x)))
+    try:
+        for i, scale in enumerate((1.0, 3.0)):
+            SCALE = scale
+            for stack in stacks:
+                assert float(stack(x)) == scale**2, (i, stack)
+            assert float(stacks[0](x, method=partial)) == scale**4  # 2 layers
+    finally:
+        SCALE = 1.0
+    # Static values that compare equal but differ: -0.0 and 0.0, 1 and 1.0.
+    one = jnp.ones(())
+    signs = [
+        eqxscan.Stacked(layers=_Signed(one[None], s), num_layers=1) for s in (0.0, -0.0)
+    ]
+    assert [float(s(x)) for s in signs] == [1.0, -1.0]
+
+
+def test_a_static_argument_that_varies_is_no_read_that_varies():
+    stack = eqxscan.Stacked(lambda k: _Signed(jnp.ones(()), 1.0), 2, key=KEY)
+    from eqxscan._scan.eager_compile import MAX_PROGRAMS
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a program per value, as jit's own
+        for i in range(MAX_PROGRAMS + 2):
+            assert float(stack(jnp.float32(1.0), scale=float(i))) == i**2

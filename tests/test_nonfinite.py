@@ -66,16 +66,19 @@ def test_one_compile_for_any_data(getkey, caplog):
     stack, x = make(getkey()), jr.normal(getkey(), (D,))
     cases = [(injected(stack, "h", k, 0.0), x + k) for k in range(L)]
     cases += [(injected(stack, "w", k, jnp.nan), x) for k in range(L)]
+    # A loss of this test's own (its code is part of the program's key), so
+    # that no earlier test has compiled it.
+    own_loss = lambda m, x: loss_fn(m, x)  # noqa: E731
     with jax.log_compiles(True), caplog.at_level(logging.WARNING, logger="jax"):
-        eqxscan.find_nonfinite(stack, loss_fn, x)
+        eqxscan.find_nonfinite(stack, own_loss, x)
         for model, inputs in cases:
-            assert eqxscan.find_nonfinite(model, loss_fn, inputs).found
+            assert eqxscan.find_nonfinite(model, own_loss, inputs).found
     # The one program that takes the stacked weights.
     stacked = f"float32[{L},{D},{D}]"
     compiled = [
         m for m in caplog.messages if m.startswith("Compiling") and stacked in m
     ]
-    assert len(compiled) <= 1, compiled  # one program for every value
+    assert len(compiled) == 1, compiled  # one program for every value
 
 
 class Pair(eqx.Module):
@@ -421,3 +424,21 @@ def test_a_loss_reading_a_global_is_not_served_a_stale_program(getkey):
         assert report.found, report  # the old program said all was finite
     finally:
         OFFSET = 0.0
+
+
+def test_a_loss_closing_over_an_array_is_compiled_once(getkey, caplog):
+    # The usual `lambda m, x: mse(m(x), y)`: the array is keyed by identity
+    # (JAX arrays cannot change), so each call's new lambda reuses one program.
+    stack, x = make(getkey()), jr.normal(getkey(), (D,))
+    y = jr.normal(getkey(), (D,))
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING, logger="jax"):
+        for _ in range(3):
+            found = eqxscan.find_nonfinite(
+                stack, lambda m, x: jnp.mean((m(x) - y) ** 2), x
+            ).found
+            assert not found
+    stacked = f"float32[{L},{D},{D}]"
+    compiled = [
+        m for m in caplog.messages if m.startswith("Compiling") and stacked in m
+    ]
+    assert len(compiled) == 1, compiled

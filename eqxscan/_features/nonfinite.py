@@ -141,7 +141,7 @@ def _program(model: PyTree, loss_fn: Callable[..., Array], inputs: tuple) -> tup
 
 # Compiled once per structure of model and inputs, loss function (by its code
 # and what it reads) and the values the code run reads from outside them.
-_compiled = compiled_when_eager(_program, scanning=False)
+_compiled = compiled_when_eager(_program, scanning=False, name="eqxscan.find_nonfinite")
 
 
 def _order(ids: object, reverse: bool) -> list[int]:

@@ -44,6 +44,10 @@ def _key(value: object, seen: set[int]) -> Key:
     (globals, closed-over values, class attributes), as hashable values for
     the cache's key; `None` where one of them cannot be (an array, a mutable
     object), and the call is then not cached."""
+    if isinstance(value, jax.core.Tracer):  # a transformation's: never cached
+        return None
+    if isinstance(value, jax.Array):  # immutable: the same array, the same values
+        return (_Same(value),)
     if isinstance(value, float | complex):  # -0.0 apart from 0.0, nan equal to nan
         return (type(value), repr(value))
     if isinstance(value, np.generic):  # float32 apart from float64 of equal value
@@ -66,6 +70,10 @@ def _key(value: object, seen: set[int]) -> Key:
         return _all((owner, getattr(value, "__func__", None)), seen)
     if isinstance(value, functools.partial):
         return _all((value.func, *value.args, *value.keywords.values()), seen)
+    if _frozen_dataclass(value):  # a Module (`eqx.nn.Lambda`, say): its fields
+        fields = (getattr(value, f.name, None) for f in dataclasses.fields(value))  # pyright: ignore[reportArgumentType]  # a dataclass instance
+        keys, own = _all(fields, seen), _class(type(value), seen)
+        return None if keys is None or own is None else (type(value), keys, own)
     if callable(value) and _library(value):
         return ()
     wrapped = getattr(value, "__wrapped__", None)
@@ -81,14 +89,32 @@ def _key(value: object, seen: set[int]) -> Key:
         defaults = (value.__defaults__, *(value.__kwdefaults__ or {}).items())
         own = _all((*defaults, *cells, *(r for r in read if r is not _UNSET)), seen)
         return None if own is None else (value.__code__, own)
+    own = _class(type(value), seen)  # its class's methods and attributes
     if type(value).__hash__ in (object.__hash__, None):  # identity, or mutable
         return None
     try:
         hash(value)  # frozen, but holding a list, say
     except TypeError:
         return None
-    own = _class(type(value), seen)  # frozen data: its value, and its methods
     return None if own is None else (value, own)
+
+
+def _frozen_dataclass(value: object) -> bool:
+    params = getattr(type(value), "__dataclass_params__", None)
+    return isinstance(value, eqx.Module) or bool(params and params.frozen)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Same:
+    # An array read by the code, as a key: by identity (JAX arrays are
+    # immutable), held so that its id is not reused.
+    value: object
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and self.value is other.value
+
+    def __hash__(self) -> int:
+        return id(self.value)
 
 
 _UNSET = object()
@@ -160,38 +186,33 @@ def _global_reads(code: types.CodeType) -> tuple[tuple[str, ...], ...]:
     return (*reads, *(r for c in nested for r in _global_reads(c)))
 
 
-# By structure (static fields' values included), what `_walk` found in it.
-_STRUCTURES: dict[object, tuple[object, ...]] = {}
-
-
-def _classes(treedef: jtu.PyTreeDef, tree: PyTree) -> tuple[object, ...]:  # pyright: ignore[reportInvalidTypeForm]
+def _classes(tree: PyTree) -> tuple[object, ...]:
     # The classes of the Modules in a call's tree (whose code it runs), in
-    # order, and their static fields' values (an activation function, say):
-    # once per structure (`tree` has `treedef`, which holds those values).
-    if treedef not in _STRUCTURES:
-        if len(_STRUCTURES) >= 256:
-            _STRUCTURES.pop(next(iter(_STRUCTURES)))
-        found: dict[type, None] = {}
-        static: list[object] = []
-        _walk(tree, found, static)
-        _STRUCTURES[treedef] = (*found, *static)
-    return _STRUCTURES[treedef]
+    # order, their static fields' values (an activation function, say) and the
+    # functions of `jax.tree_util.Partial`s: all held in the structure, where
+    # values that compare equal (0.0 and -0.0, 1 and 1.0) are one.
+    found: dict[type, None] = {}
+    static: list[object] = []
+    _walk(tree, found, static)
+    return (*found, *static)
 
 
 def _walk(tree: PyTree, found: dict[type, None], static: list[object]) -> None:
-    is_module = lambda x: isinstance(x, eqx.Module)  # noqa: E731
-    for node in jtu.tree_leaves(tree, is_leaf=is_module):
-        if not is_module(node):
-            continue
-        found[type(node)] = None
-        for field in dataclasses.fields(node):
-            value = node.__dict__.get(field.name, _UNSET)
-            if value is _UNSET:
-                continue
-            if field.metadata.get("static"):
-                static.append(value)
-            else:
-                _walk(value, found, static)
+    is_node = lambda x: isinstance(x, eqx.Module | jtu.Partial)  # noqa: E731
+    for node in jtu.tree_leaves(tree, is_leaf=is_node):
+        if isinstance(node, jtu.Partial):
+            static.append(node.func)
+            _walk((node.args, node.keywords), found, static)
+        elif isinstance(node, eqx.Module):
+            found[type(node)] = None
+            for field in dataclasses.fields(node):
+                value = node.__dict__.get(field.name, _UNSET)
+                if value is _UNSET:
+                    continue
+                if field.metadata.get("static"):
+                    static.append(value)
+                else:
+                    _walk(value, found, static)
 
 
 #: Programs one eager method keeps for one structure of arguments; past it, a
@@ -228,11 +249,11 @@ def _unkeyed(tree: PyTree) -> PyTree:
 
 
 def compiled_when_eager(
-    method: Callable[P, R], *, scanning: bool = True
+    method: Callable[P, R], *, scanning: bool = True, name: str = ""
 ) -> Callable[P, R]:
     """A scanning module's call method, run eagerly through one cached
     `eqx.filter_jit` of it (`scanning=False`: any function, compiled in every
-    mode)."""
+    mode; `name`: the method's in a warning)."""
 
     def typed(cache_key: tuple, /, *args: P.args, **kwargs: P.kwargs) -> R:
         del cache_key  # only part of the cache's key
@@ -240,7 +261,8 @@ def compiled_when_eager(
 
     typed.__name__ = typed.__qualname__ = method.__name__  # its program's name
     jitted = eqx.filter_jit(typed)
-    programs: dict[object, set[tuple]] = {}  # by structure, the keys compiled
+    # By structure and static arguments, what the code read at each program.
+    programs: dict[tuple, set[Key]] = {}
     warned: list[bool] = []
 
     @functools.wraps(method)
@@ -266,32 +288,32 @@ def compiled_when_eager(
         # the method would refuse never reuses the program of one it accepted.
         static = [leaf for leaf in leaves if not eqx.is_array(leaf)]
         # What the code run reads from outside its arguments joins the key.
-        reads = _all((*static, *_classes(treedef, (args, kwargs))), set())
-        if reads is None:
-            return method(*args, **kwargs)
+        reads = _all((*static, *_classes((args, kwargs))), set())
         keyed = [_keyed(leaf) for leaf in leaves]
-        key = (tuple(map(type, static)), reads)
-        seen = programs.setdefault(treedef, set())
-        entry = (key, *(leaf for leaf in keyed if not eqx.is_array(leaf)))
-        if entry not in seen:
-            if len(seen) >= MAX_PROGRAMS:
-                if not warned:  # once: the calls that follow are as the warning says
-                    warned.append(True)
-                    _warn_unbounded(method)
-                return method(*args, **kwargs)
-            seen.add(entry)
+        seen = programs.setdefault(
+            (treedef, *(leaf for leaf in keyed if not eqx.is_array(leaf))), set()
+        )
+        if reads is not None and reads not in seen and len(seen) >= MAX_PROGRAMS:
+            if not warned:  # once: the calls that follow are as it says
+                warned.append(True)
+                _warn_unbounded(name or method.__qualname__)
+            reads = None
+        if reads is None:  # compiled for this call alone (a function of its own:
+            # `filter_jit` caches its program by the function)
+            return eqx.filter_jit(lambda *a, **k: method(*a, **k))(*args, **kwargs)  # pyright: ignore[reportCallIssue]  # the same arguments
+        seen.add(reads)
         args, kwargs = jtu.tree_unflatten(treedef, keyed)
-        return jitted(key, *args, **kwargs)
+        return jitted((tuple(map(type, static)), reads), *args, **kwargs)
 
     return call
 
 
-def _warn_unbounded(method: Callable[..., object]) -> None:
+def _warn_unbounded(name: str) -> None:
     warnings.warn(
-        f"{method.__qualname__}: {MAX_PROGRAMS} eager calls of one structure each "
-        "compiled a program, for values read from outside the arguments (a "
-        "global, a closure) that changed; later ones run uncached.\nHint: pass "
-        "such a value as an argument, or call the model inside eqx.filter_jit. "
-        f"See {checks.docs('debugging.md')}.",
-        stacklevel=3,
+        f"{name}: {MAX_PROGRAMS} eager calls with the same arguments' structure "
+        "each compiled a program, for values read from outside the arguments (a "
+        "global, a closure) that changed; each call now compiles its own.\nHint: "
+        "pass such a value as an argument, or call inside eqx.filter_jit. See "
+        f"{checks.docs('debugging.md')}.",
+        stacklevel=4,
     )
