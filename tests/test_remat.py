@@ -217,6 +217,8 @@ def test_offloading_outside_jit_on_an_accelerator_keeps_residuals_on_device(
         eqxscan.ScanRemat(policy=True, save_carries="offload"),
         eqxscan.ScanRemat(nested=2, save_carries="offload"),
         "offload",
+        # A user's own offloading policy.
+        jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
     ]
     for accelerator in (False, True):
         monkeypatch.setattr(scan_remat, "_on_accelerator", lambda a=accelerator: a)
@@ -240,14 +242,19 @@ def test_offloading_outside_jit_on_an_accelerator_keeps_residuals_on_device(
                     assert tree_allclose(got, want, rtol=1e-4), remat
                     assert scan_remat.kept_on_device(before) is before
                     continue
+            with warnings.catch_warnings():  # a call without a gradient saves
+                warnings.simplefilter("error")  # nothing: no warning
+                assert tree_allclose(s(x), stack(x), rtol=1e-5)
+                xs = jnp.stack([x, 2 * x])
+                assert tree_allclose(jax.vmap(s)(xs), jax.vmap(stack)(xs), rtol=1e-5)
             with pytest.warns(UserWarning, match=r"outside jax.jit on .*device memory"):
                 got = arrays(jax.value_and_grad(loss, argnums=(0, 1))(s, x))
             assert tree_allclose(got, want, rtol=1e-4), remat
             with pytest.warns(UserWarning, match="eqx.filter_jit"):
                 on_device = scan_remat.kept_on_device(before)
-                on_device.base_policy()(jax.lax.dot_general_p, dot, dot, **dot_params)
+                on_device.step_policy()(jax.lax.dot_general_p, dot, dot, **dot_params)
             assert "offload" not in (on_device.save_carries, on_device.save_inputs)
-            answer = on_device.base_policy()(
+            answer = on_device.step_policy()(
                 jax.lax.dot_general_p, dot, dot, **dot_params
             )
             assert not isinstance(answer, Offloadable), remat

@@ -262,7 +262,11 @@ class ScanRemat:
             [n for n, k in keeps.items() if k is True],
             [n for n, k in keeps.items() if k == "offload"],
         )
-        return _by_name(tuple(keeps), names, self.base_policy())
+        policy = _by_name(tuple(keeps), names, self.base_policy())
+        consulted = getattr(self, "_consulted", None)  # `kept_on_device`'s
+        if consulted is None:
+            return policy
+        return lambda *args, **params: (consulted(), policy(*args, **params))[1]
 
 
 def _names_policy(saved: list[str], offloaded: list[str]) -> Policy:
@@ -318,15 +322,16 @@ def kept_on_device(remat: ScanRemat) -> ScanRemat:
     policy = remat.policy
     if callable(policy):  # a user's own may offload: read its answers
         policy = _saving_offloads(policy, warn)
-    if "offload" in keeps:
-        warn()
     on_device = lambda keep: True if keep == "offload" else keep  # noqa: E731
-    return dataclasses.replace(
+    kept = dataclasses.replace(
         remat,
         policy=policy,
         save_carries=on_device(remat.save_carries),
         save_inputs=on_device(remat.save_inputs),
     )
+    if "offload" in keeps:  # warned of when a gradient reads the policy
+        object.__setattr__(kept, "_consulted", warn)
+    return kept
 
 
 def _saving_offloads(user: Policy, warn: Callable[[], None]) -> Policy:
