@@ -648,6 +648,10 @@ def test_diagonal_scan_names_a_bad_method_shape_or_chunk():
         scan(a, b, h0, method="chunked", chunk_size=0)
     with pytest.raises(ValueError, match=r"different numbers of steps, \[3, 7\]"):
         scan(a, b[:3], h0, method="chunked")
-    # A gate broadcast over the carry's axes stays allowed.
-    h_T, _ = scan(jnp.full((T, 1), 0.5), b, h0, method="chunked")
-    np.testing.assert_allclose(h_T, scan(a, b, h0, method="sequential")[0], rtol=1e-6)
+    # A gate broadcast over the carry's axes stays allowed, in every form (a
+    # broadcast `b` failed inside JAX in the parallel ones); NumPy's str too.
+    want = scan(a, b, h0, method="sequential")[0]
+    for method in METHODS:
+        for a_, b_ in ((a[:, :1], b), (a, b[:, :1])):
+            h_T, _ = scan(a_, b_, h0, method=np.str_(method))
+            np.testing.assert_allclose(h_T, want, rtol=1e-6)

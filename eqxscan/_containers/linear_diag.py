@@ -86,6 +86,8 @@ def diagonal_scan(
     `hs[0]`). Each leaf has `h0`'s dtype.
     """
     h_leaves, tree = jtu.tree_flatten(h0)
+    h_leaves = [jnp.asarray(h) for h in h_leaves]  # a Python float, say
+    method = str(method) if isinstance(method, str) else method  # pyright: ignore[reportAssignmentType]  # NumPy's str, checked next
     check_option(
         "diagonal_scan: method", method, ("sequential", "associative", "chunked")
     )
@@ -103,9 +105,14 @@ def diagonal_scan(
             f"{sorted(lengths)} (axis 0 of each leaf).\nHint: every leaf of a and "
             "b is [T, *carry leaf's shape], with one T."
         )
-    # In the carry's dtype: a real `a` with a complex carry, a bfloat16 `b`.
-    a_leaves = [x.astype(h.dtype) for x, h in zip(tree.flatten_up_to(a), h_leaves)]
-    b_leaves = [x.astype(h.dtype) for x, h in zip(tree.flatten_up_to(b), h_leaves)]
+
+    # In the carry's dtype (a real `a` with a complex carry, a bfloat16 `b`),
+    # each step of the carry's shape (a gate broadcast over its axes).
+    def like(x: Array, h: Array) -> Array:
+        return jnp.broadcast_to(x.astype(h.dtype), (x.shape[0], *h.shape))
+
+    a_leaves = [like(x, h) for x, h in zip(tree.flatten_up_to(a), h_leaves)]
+    b_leaves = [like(x, h) for x, h in zip(tree.flatten_up_to(b), h_leaves)]
     if method == "sequential" or not h_leaves or a_leaves[0].shape[0] == 0:
         h_T, hs = jax.lax.scan(_step, h_leaves, (a_leaves, b_leaves), reverse=reverse)
     else:
