@@ -287,12 +287,14 @@ def test_a_stack_that_gathers_its_layers_stays_scanned():
     assert _scanned(unroll) and rule == "sharded"
     assert pick(short, unroll=True, gathered=True)[1::2] == (True, "given")
     stack = eqxscan.StackedMLP(8, 3, key=jr.key(0))
-    mesh = jax.make_mesh((1,), ("fsdp",))
-    sharded = eqxscan.sharding.gather_layers(stack, mesh)
     x = jnp.ones((2, 8))
     (plain,) = eqxscan.explain_auto(stack, x)
-    (gathered,) = eqxscan.explain_auto(sharded, x)
-    assert plain.unroll is True and _scanned(gathered.unroll)
+    assert plain.unroll is True
+    for devices in (2, 1):  # over one device nothing is gathered: the plain step
+        mesh = jax.make_mesh((devices,), ("fsdp",), devices=jax.devices()[:devices])
+        sharded = eqxscan.sharding.gather_layers(stack, mesh)
+        (gathered,) = eqxscan.explain_auto(sharded, x)
+        assert _scanned(gathered.unroll) if devices > 1 else gathered.unroll is True
 
 
 def test_layers_that_may_be_sharded_stay_scanned():

@@ -310,6 +310,17 @@ def test_sharding_over_one_device_keeps_the_unsharded_program(getkey):
         assert (a == b).all()
 
 
+def test_which_layer_shardings_may_gather():
+    from eqxscan._helpers.constrain import spans_devices
+
+    one = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("fsdp",))
+    two = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("fsdp",))
+    assert not spans_devices(None) and not spans_devices(NamedSharding(one, P("fsdp")))
+    # A gathered layer is replicated, its storage split: over two devices.
+    assert spans_devices({"w": NamedSharding(two, P())})
+    assert spans_devices(NamedSharding(two, P(P.UNCONSTRAINED)))
+
+
 def test_shard_regroups_the_buffers_of_a_model_kept_beside_other_values(getkey):
     # The model saved in a dict with an RNG key (CheckpointManager's `model`
     # item is any pytree): the optimizer's buffers are the model's alone, and

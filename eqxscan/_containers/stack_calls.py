@@ -9,7 +9,7 @@ from jax.sharding import Sharding
 from jaxtyping import PyTree
 
 from .._helpers.checks import noted
-from .._helpers.constrain import constrain, layers_may_be_sharded, splits
+from .._helpers.constrain import constrain, layers_may_be_sharded, spans_devices
 from .._helpers.stateful import (
     clone,
     find_state,
@@ -137,7 +137,7 @@ def scan_layers(stack: Stack, x: PyTree, call: LayerCall) -> tuple[PyTree, PyTre
         where=lambda i: _where(cls_name, length, i),
         read=read,
         # Unrolled, XLA may gather every sharded layer at once (FSDP).
-        gathered=splits(sharding) or layers_may_be_sharded(layer_dyn),
+        gathered=spans_devices(sharding) or layers_may_be_sharded(layer_dyn),
         runs=runs,
     )
     # The caller's `state` stays valid: `update` invalidates the one it is called on.

@@ -15,7 +15,7 @@ from .._containers.chain import Chain, chain_layer_fn, run_groups
 from .._containers.stack_calls import layer_of, scan_layers
 from .._containers.stacked import restack, Stacked
 from .._helpers.checks import describe
-from .._helpers.constrain import layers_may_be_sharded, splits
+from .._helpers.constrain import layers_may_be_sharded, spans_devices
 from .._scan.engine import run
 from .._scan.layer_call import LayerCall, Method, run_one, take
 from .._scan.scan_remat import name_inputs
@@ -82,7 +82,7 @@ def _scan_indices(
     groups = model.groups if isinstance(model, Chain) else (model,)
     # Unrolled, XLA may gather every sharded layer at once (FSDP).
     gathered = layers_may_be_sharded(eqx.filter(groups, eqx.is_array)) or any(
-        isinstance(g, Stacked) and splits(g.layer_sharding) for g in groups
+        isinstance(g, Stacked) and spans_devices(g.layer_sharding) for g in groups
     )
     if isinstance(model, Stacked):
         call = call._replace(caller="Stacked")

@@ -66,22 +66,17 @@ def constrain(
     return eqx.combine(dyn, static)
 
 
-def splits(sharding: PyTree) -> bool:
-    """Whether a `layer_sharding` (a `Sharding` or a pytree of them) places
-    any array over more than one device (on a mesh of one device, an FSDP
-    layout gathers nothing, and the program is the unsharded one)."""
+def spans_devices(sharding: PyTree) -> bool:
+    """Whether a `layer_sharding` (a `Sharding` or a pytree of them) is over
+    more than one device: only then may a step gather its layer from others (a
+    gathered layer's sharding is often replicated, `P()`, its storage split);
+    on one device an FSDP layout gathers nothing, and the step is the plain one."""
     is_sharding = lambda x: isinstance(x, Sharding)  # noqa: E731
-    for leaf in jtu.tree_leaves(sharding, is_leaf=is_sharding):
-        if isinstance(leaf, NamedSharding):
-            sizes = dict(leaf.mesh.shape)
-            names = [
-                n for e in leaf.spec for n in (e if isinstance(e, tuple) else (e,))
-            ]
-            if any(sizes.get(n, 1) > 1 for n in names if n is not None):
-                return True
-        elif isinstance(leaf, Sharding) and len(leaf.device_set) > 1:
-            return True
-    return False
+    return any(
+        len(leaf.device_set) > 1
+        for leaf in jtu.tree_leaves(sharding, is_leaf=is_sharding)
+        if isinstance(leaf, Sharding)
+    )
 
 
 def layers_may_be_sharded(tree: PyTree) -> bool:
