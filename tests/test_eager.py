@@ -191,7 +191,7 @@ def test_a_layer_reading_a_global_or_class_attribute_is_keyed_by_its_value():
 def test_what_code_reads_is_keyed_by_value_or_not_cached():
     from eqxscan._scan.eager_compile import _key
 
-    key = lambda f: _key(f, set())  # noqa: E731
+    key = lambda f: _key(f, {})  # noqa: E731
     scale = 2.0
     for code in [jax.nn.relu, jnp.tanh, lambda x: jax.nn.gelu(jnp.tanh(x)) * 2]:
         assert key(code) is not None
@@ -291,7 +291,7 @@ def test_what_static_fields_modules_and_redefined_functions_read_is_keyed():
 def test_keys_of_numbers_and_unhashable_frozen_values():
     from eqxscan._scan.eager_compile import _key
 
-    key = lambda f: _key(f, set())  # noqa: E731
+    key = lambda f: _key(f, {})  # noqa: E731
     assert key(np.float32(1.0)) != key(np.float64(1.0))
     assert key(0.0) != key(-0.0) and key(float("nan")) == key(float("nan"))
 
@@ -406,3 +406,70 @@ def test_a_static_argument_that_varies_is_no_read_that_varies():
         warnings.simplefilter("error")  # a program per value, as jit's own
         for i in range(MAX_PROGRAMS + 2):
             assert float(stack(jnp.float32(1.0), scale=float(i))) == i**2
+
+
+ACT = jax.nn.relu  # rebound by the test to another library function
+
+
+@dataclasses.dataclass(unsafe_hash=True)
+class _MutableConfig:  # hashable, but its fields may be set
+    scale: float
+
+
+CFG = _MutableConfig(1.0)
+
+
+class _BadEq:  # an object whose comparison fails
+    def __eq__(self, other):
+        raise RuntimeError("no comparing")
+
+    def __hash__(self):
+        return 0
+
+
+def test_library_functions_mutable_hashables_and_bad_objects():
+    global ACT
+    x = jnp.linspace(-1.0, 1.0, 4)
+    stack = eqxscan.Stacked(lambda k: eqx.nn.Linear(4, 4, key=k), 12, key=KEY)
+    loop = stack.with_options(mode="loop")
+    # A library function is keyed by identity: relu then tanh.
+    try:
+        for act in (jax.nn.relu, jnp.tanh):
+            ACT = act
+            method = lambda layer, h: ACT(layer(h))  # noqa: E731, B023
+            np.testing.assert_allclose(
+                stack(x, method=method), loop(x, method=method), rtol=1e-6
+            )
+    finally:
+        ACT = jax.nn.relu
+    # A hashable object whose fields may be set: not cached, never stale.
+    method = lambda layer, h: layer(h) * CFG.scale  # noqa: E731
+    try:
+        for scale in (1.0, 0.5):
+            CFG.scale = scale
+            np.testing.assert_allclose(
+                stack(x, method=method), loop(x, method=method), rtol=1e-6
+            )
+    finally:
+        CFG.scale = 1.0
+    # An object whose comparison raises: run uncached, not a crash.
+    bad = _BadEq()
+    method = lambda layer, h: layer(h) + 0 * hash(bad)  # noqa: E731
+    for _ in range(2):
+        np.testing.assert_allclose(stack(x, method=method), loop(x), rtol=1e-6)
+
+
+def test_a_method_argument_reading_a_changing_global_is_capped():
+    global STEP
+    from eqxscan._scan.eager_compile import MAX_PROGRAMS
+
+    stack = eqxscan.Stacked(lambda k: eqx.nn.Linear(4, 4, key=k), 12, key=KEY)
+    x = jnp.ones(4)
+    method = lambda layer, h: layer(h) + STEP  # noqa: E731
+    try:
+        with pytest.warns(UserWarning, match="compiled a program") as record:
+            for STEP in range(MAX_PROGRAMS + 3):  # noqa: B007  (read by `method`)
+                stack(x, method=method)
+        assert len([w for w in record if "compiled a program" in str(w.message)]) == 1
+    finally:
+        STEP = 0

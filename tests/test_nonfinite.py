@@ -442,3 +442,26 @@ def test_a_loss_closing_over_an_array_is_compiled_once(getkey, caplog):
         m for m in caplog.messages if m.startswith("Compiling") and stacked in m
     ]
     assert len(compiled) == 1, compiled
+
+
+GRAD_SCALE = 1.0  # read by a custom derivative's backward rule
+
+
+@jax.custom_vjp
+def _scaled_identity(x):
+    return x
+
+
+_scaled_identity.defvjp(lambda x: (x, None), lambda _, g: (g * GRAD_SCALE,))
+
+
+def test_a_custom_derivative_rule_reading_a_global_is_keyed(getkey):
+    global GRAD_SCALE
+    stack, x = make(getkey()), jr.normal(getkey(), (D,))
+    loss = lambda m, x: jnp.mean(_scaled_identity(m(x)) ** 2)  # noqa: E731
+    assert not eqxscan.find_nonfinite(stack, loss, x).found
+    try:
+        GRAD_SCALE = float("nan")  # only the backward pass sees it
+        assert eqxscan.find_nonfinite(stack, loss, x).found
+    finally:
+        GRAD_SCALE = 1.0

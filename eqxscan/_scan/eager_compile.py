@@ -39,11 +39,11 @@ _VALUES = (type(None), bool, int, float, complex, str, bytes, enum.Enum)
 Key = tuple | None  # hashable; `None`: cannot be keyed, so not cached
 
 
-def _key(value: object, seen: set[int]) -> Key:
+def _key(value: object, seen: dict[int, int]) -> Key:
     """What a static value, and the code it holds, read from outside it
     (globals, closed-over values, class attributes), as hashable values for
-    the cache's key; `None` where one of them cannot be (an array, a mutable
-    object), and the call is then not cached."""
+    the cache's key; `None` where one of them cannot be (a NumPy array, a
+    mutable object), and the call is then not cached."""
     if isinstance(value, jax.core.Tracer):  # a transformation's: never cached
         return None
     if isinstance(value, jax.Array):  # immutable: the same array, the same values
@@ -52,13 +52,24 @@ def _key(value: object, seen: set[int]) -> Key:
         return (type(value), repr(value))
     if isinstance(value, np.generic):  # float32 apart from float64 of equal value
         return (type(value), value.tobytes())
-    if isinstance(value, _VALUES):
-        return (type(value), value)
-    if isinstance(value, type):  # its methods and attributes, once
-        return _class(value, seen)
-    if isinstance(value, types.ModuleType | np.dtype) or id(value) in seen:
-        return ()
-    seen.add(id(value))
+    if isinstance(value, _VALUES):  # with its class's methods (an Enum's, say)
+        own = _class(type(value), seen)
+        return None if own is None else (type(value), value, own)
+    if isinstance(value, np.dtype):
+        return (value,)
+    # A library's function or class (not an instance of its Modules or a
+    # partial, whose module is functools), a module, a class.
+    library_fn = callable(value) and _library(value) and not _frozen_dataclass(value)
+    if isinstance(value, type | types.ModuleType) or (
+        library_fn and not isinstance(value, functools.partial)
+    ):
+        # By identity (`jnp.tanh` is not `jax.nn.relu`); a class of the user's
+        # with its methods and attributes, once.
+        own = _class(value, seen) if isinstance(value, type) else ()
+        return None if own is None else (_Same(value), own)
+    if id(value) in seen:  # a cycle: where it was first met
+        return ("again", seen[id(value)])
+    seen[id(value)] = len(seen)
     if isinstance(value, tuple | frozenset):
         return _all(value, seen)
     owner = getattr(value, "__self__", None)  # a bound method, of any kind
@@ -74,29 +85,45 @@ def _key(value: object, seen: set[int]) -> Key:
         fields = (getattr(value, f.name, None) for f in dataclasses.fields(value))  # pyright: ignore[reportArgumentType]  # a dataclass instance
         keys, own = _all(fields, seen), _class(type(value), seen)
         return None if keys is None or own is None else (type(value), keys, own)
-    if callable(value) and _library(value):
-        return ()
     wrapped = getattr(value, "__wrapped__", None)
-    if wrapped is not None:  # `jax.jit`, type checkers: the user's code
-        return _key(wrapped, seen)
+    if wrapped is not None:  # `jax.jit`, `jax.custom_vjp`, type checkers: the
+        # user's code, and a custom derivative's rules
+        rules = [getattr(value, n, None) for n in ("jvp", "fwd", "bwd")]
+        rules = [r for r in rules if callable(r)]
+        return _key(wrapped, seen) if not rules else _all((wrapped, *rules), seen)
     if isinstance(value, types.FunctionType):
         # Its code and defaults (a function defined anew under the same name),
         # what it closes over and the globals it reads.
+        paths = _global_reads(value.__code__)
+        if any(p[0] in _DYNAMIC_READS for p in paths):
+            return None  # `globals()[name]`, `eval`: reads no bytecode shows
         cells = [c.cell_contents for c in value.__closure__ or () if _filled(c)]
-        read = [
-            _read(value.__globals__, path) for path in _global_reads(value.__code__)
-        ]
+        read = [_read(value.__globals__, path) for path in paths]
         defaults = (value.__defaults__, *(value.__kwdefaults__ or {}).items())
-        own = _all((*defaults, *cells, *(r for r in read if r is not _UNSET)), seen)
+        attrs = tuple(sorted(vars(value).items()))  # `f.scale = ...`
+        own = _all(
+            (*defaults, *attrs, *cells, *(r for r in read if r is not _UNSET)), seen
+        )
         return None if own is None else (value.__code__, own)
-    own = _class(type(value), seen)  # its class's methods and attributes
-    if type(value).__hash__ in (object.__hash__, None):  # identity, or mutable
-        return None
+    if _library(type(value)) and type(value).__hash__ is not object.__hash__:
+        # a Mesh, a NamedSharding: by value
+        try:
+            return (value, hash(value))
+        except Exception:
+            return None
+    if hasattr(value, "__dict__") or type(value).__hash__ in (object.__hash__, None):
+        return None  # attributes that may be set, or hashed by identity
+    own = _class(type(value), seen)  # frozen data: its value, and its methods
     try:
         hash(value)  # frozen, but holding a list, say
-    except TypeError:
+    except Exception:
         return None
     return None if own is None else (value, own)
+
+
+#: Builtins that read names no bytecode shows: a function calling them is not
+#: cached.
+_DYNAMIC_READS = frozenset({"globals", "vars", "eval", "exec", "locals"})
 
 
 def _frozen_dataclass(value: object) -> bool:
@@ -131,7 +158,7 @@ def _read(namespace: dict, path: tuple[str, ...]) -> object:
     return value
 
 
-def _all(values: Iterable[object], seen: set[int]) -> Key:
+def _all(values: Iterable[object], seen: dict[int, int]) -> Key:
     keys = tuple(_key(v, seen) for v in values)
     return None if None in keys else keys
 
@@ -141,13 +168,13 @@ def _library(value: object) -> bool:
     return module.split(".")[0] in _LIBRARIES + _STANDARD
 
 
-def _class(cls: type, seen: set[int]) -> Key:
+def _class(cls: type, seen: dict[int, int]) -> Key:
     # What the methods of a class of the user's read, and its class attributes.
     keys = []
     for c in cls.__mro__:
         if c is object or _library(c) or id(c) in seen:
             continue
-        seen.add(id(c))
+        seen[id(c)] = len(seen)
         for name, attr in vars(c).items():
             if name.startswith(("__", "_abc")) and name != "__call__":
                 continue
@@ -239,7 +266,7 @@ class _Keyed:
 def _keyed(leaf: object) -> object:
     if not isinstance(leaf, types.FunctionType | functools.partial) or _library(leaf):
         return leaf
-    key = _key(leaf, set())
+    key = _key(leaf, {})
     return leaf if key is None else _Keyed(leaf, key)
 
 
@@ -263,7 +290,7 @@ def compiled_when_eager(
     jitted = eqx.filter_jit(typed)
     # By structure and static arguments, what the code read at each program.
     programs: dict[tuple, set[Key]] = {}
-    warned: list[bool] = []
+    warned: set[tuple] = set()
 
     @functools.wraps(method)
     def call(*args: P.args, **kwargs: P.kwargs) -> R:
@@ -287,25 +314,46 @@ def compiled_when_eager(
         # under which True == 1 == 1.0: their types join the key, so that a value
         # the method would refuse never reuses the program of one it accepted.
         static = [leaf for leaf in leaves if not eqx.is_array(leaf)]
-        # What the code run reads from outside its arguments joins the key.
-        reads = _all((*static, *_classes((args, kwargs))), set())
-        keyed = [_keyed(leaf) for leaf in leaves]
-        seen = programs.setdefault(
-            (treedef, *(leaf for leaf in keyed if not eqx.is_array(leaf))), set()
-        )
-        if reads is not None and reads not in seen and len(seen) >= MAX_PROGRAMS:
-            if not warned:  # once: the calls that follow are as it says
-                warned.append(True)
-                _warn_unbounded(name or method.__qualname__)
-            reads = None
-        if reads is None:  # compiled for this call alone (a function of its own:
-            # `filter_jit` caches its program by the function)
+        try:  # a value whose hash or comparison fails, or too deep: not cached
+            reads, keyed, where = _plan(leaves, static, treedef, (args, kwargs))
+            if reads is not None and reads not in programs.setdefault(where, set()):
+                if len(programs[where]) >= MAX_PROGRAMS:
+                    if where not in warned:  # once: the calls that follow are so
+                        warned.add(where)
+                        _warn_unbounded(name or method.__qualname__)
+                    reads = None
+                else:
+                    programs[where].add(reads)
+        except Exception:
+            reads = keyed = None
+        if reads is None or keyed is None:  # compiled for this call alone (a
+            # function of its own: `filter_jit` caches programs by function)
             return eqx.filter_jit(lambda *a, **k: method(*a, **k))(*args, **kwargs)  # pyright: ignore[reportCallIssue]  # the same arguments
-        seen.add(reads)
         args, kwargs = jtu.tree_unflatten(treedef, keyed)
         return jitted((tuple(map(type, static)), reads), *args, **kwargs)
 
     return call
+
+
+def _plan(
+    leaves: list,
+    static: list,
+    treedef: jtu.PyTreeDef,  # pyright: ignore[reportInvalidTypeForm]  # jax's stubs declare PyTreeDef a variable
+    tree: PyTree,
+) -> tuple[Key, list | None, tuple]:
+    """What the code run reads from outside the arguments (the cache's key, with
+    the static leaves' types), the leaves with function arguments keyed by what
+    they are, and the structure and static arguments whose programs are counted
+    (a function argument by its code alone: what it reads is counted)."""
+    reads = _all((*static, *_classes(tree)), {})
+    keyed = [_keyed(leaf) for leaf in leaves]
+    code = lambda k: getattr(getattr(k.fn, "func", k.fn), "__code__", None)  # noqa: E731
+    shape = tuple(
+        (_Keyed, code(leaf)) if isinstance(leaf, _Keyed) else leaf
+        for leaf in keyed
+        if not eqx.is_array(leaf)
+    )
+    return reads, keyed, (treedef, *shape)
 
 
 def _warn_unbounded(name: str) -> None:
@@ -315,5 +363,5 @@ def _warn_unbounded(name: str) -> None:
         "global, a closure) that changed; each call now compiles its own.\nHint: "
         "pass such a value as an argument, or call inside eqx.filter_jit. See "
         f"{checks.docs('debugging.md')}.",
-        stacklevel=4,
+        stacklevel=3,
     )
