@@ -4,9 +4,10 @@ call. What the code run reads from outside its arguments (the globals,
 closed-over values and class attributes read by the Modules' methods and by
 static functions) joins the key by value, so that a changed global compiles
 anew rather than serving the old program. Under a transformation, in
-`mode="loop"`, inside `eqxscan.tap` (whose probe is no argument: the cache would
-hand back an untapped program), and where such a value cannot be a key (an
-array, a mutable object) the method runs as written."""
+`mode="loop"` and inside `eqxscan.tap` (whose probe is no argument: the cache
+would hand back an untapped program) the method runs as written; where such a
+value cannot be a key (a NumPy array, a mutable object) the call is compiled
+for itself alone."""
 
 import dataclasses
 import dis
@@ -250,24 +251,27 @@ MAX_PROGRAMS = 16
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Keyed:
-    # A function argument (`method=lambda ...`, a predicate) compared by what it
-    # is, its code and what it reads, not by identity: the same lambda written
-    # at each call reuses one program rather than keeping one per call.
+    # A function argument (`method=lambda ...`, a predicate) compared by its
+    # code, not by identity (what it reads is in the call's key already): the
+    # same lambda written at each call reuses one program.
     fn: object
-    key: tuple
+
+    def _code(self) -> object:
+        return getattr(getattr(self.fn, "func", self.fn), "__code__", None)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Keyed) and self.key == other.key
+        if not isinstance(other, _Keyed) or type(self.fn) is not type(other.fn):
+            return False
+        return self._code() == other._code()
 
     def __hash__(self) -> int:
-        return hash(self.key)
+        return hash(self._code())
 
 
 def _keyed(leaf: object) -> object:
     if not isinstance(leaf, types.FunctionType | functools.partial) or _library(leaf):
         return leaf
-    key = _key(leaf, {})
-    return leaf if key is None else _Keyed(leaf, key)
+    return _Keyed(leaf)
 
 
 def _unkeyed(tree: PyTree) -> PyTree:
@@ -342,18 +346,12 @@ def _plan(
     tree: PyTree,
 ) -> tuple[Key, list | None, tuple]:
     """What the code run reads from outside the arguments (the cache's key, with
-    the static leaves' types), the leaves with function arguments keyed by what
-    they are, and the structure and static arguments whose programs are counted
-    (a function argument by its code alone: what it reads is counted)."""
+    the static leaves' types), the leaves with function arguments compared by
+    their code, and the structure and static arguments whose programs are
+    counted (what a function argument reads is counted, not its identity)."""
     reads = _all((*static, *_classes(tree)), {})
     keyed = [_keyed(leaf) for leaf in leaves]
-    code = lambda k: getattr(getattr(k.fn, "func", k.fn), "__code__", None)  # noqa: E731
-    shape = tuple(
-        (_Keyed, code(leaf)) if isinstance(leaf, _Keyed) else leaf
-        for leaf in keyed
-        if not eqx.is_array(leaf)
-    )
-    return reads, keyed, (treedef, *shape)
+    return reads, keyed, (treedef, *(k for k in keyed if not eqx.is_array(k)))
 
 
 def _warn_unbounded(name: str) -> None:

@@ -157,6 +157,10 @@ class ScanRemat:
     save_carries: Keep = True
     save_inputs: Keep = False
     nested: int | tuple[int, ...] | None = None
+    # Set by `kept_on_device`: called when a gradient reads the step's policy.
+    _consulted: Callable[[], None] | None = dataclasses.field(
+        default=None, init=False, compare=False, repr=False
+    )
 
     CARRY = CARRY
     INPUTS = INPUTS
@@ -263,10 +267,15 @@ class ScanRemat:
             [n for n, k in keeps.items() if k == "offload"],
         )
         policy = _by_name(tuple(keeps), names, self.base_policy())
-        consulted = getattr(self, "_consulted", None)  # `kept_on_device`'s
+        consulted = self._consulted
         if consulted is None:
             return policy
-        return lambda *args, **params: (consulted(), policy(*args, **params))[1]
+
+        def announced(*args: object, **params: object) -> object:
+            consulted()
+            return policy(*args, **params)
+
+        return announced  # pyright: ignore[reportReturnType]  # the policy's answers
 
 
 def _names_policy(saved: list[str], offloaded: list[str]) -> Policy:

@@ -294,12 +294,15 @@ def _map_buffers(
         return jtu.tree_structure(unset, is_leaf=is_placeholder)
 
     targets = [(key, type(r), structure(r)) for key, r in _roots(params)]
+    found: dict[int, tuple | None] = {}  # by id: asked as a leaf, then mapped
 
     def root(x: Any) -> tuple | None:
-        for key, kind, target in targets:
-            if type(x) is kind and structure(x) == target:
-                return key
-        return None
+        if id(x) not in found:
+            match = (
+                k for k, kind, t in targets if kind is type(x) and t == structure(x)
+            )
+            found[id(x)] = next(match, None)
+        return found[id(x)]
 
     return jtu.tree_map_with_path(
         lambda path, x: other(x) if (r := root(x)) is None else buffer(path, x, r),
@@ -588,9 +591,10 @@ def shard(
         )
         placed = place(opt_state, opt_sh, mesh)
         # Its buffers get the (static) structure of `new`'s arrays.
-        arrays = lambda root: jtu.tree_structure(  # noqa: E731
-            eqx.filter(_at(new, root), eqx.is_array), is_leaf=is_placeholder
-        )
-        regroup = lambda _, x, root: jtu.tree_unflatten(arrays(root), _leaves(x))
+        arrays = {
+            k: jtu.tree_structure(eqx.filter(r, eqx.is_array), is_leaf=is_placeholder)
+            for k, r in _roots(new)
+        }
+        regroup = lambda _, x, root: jtu.tree_unflatten(arrays[root], _leaves(x))
         opt_state = _map_buffers(regroup, lambda x: x, placed, model)
     return new, opt_state, batch
