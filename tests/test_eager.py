@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 import logging
+import sys
 import types
 import warnings
 from collections.abc import Callable
@@ -286,6 +287,33 @@ def test_what_static_fields_modules_and_redefined_functions_read_is_keyed():
         assert float(stack(x)) == -1.0
     finally:
         SIGN = 0.0
+
+
+def test_a_module_of_the_users_read_whole_or_imported_is_never_stale():
+    # Which attributes `getattr(cfg, name)`, a module in a closure or a module
+    # imported in the body reads is not known: such calls run uncached.
+    cfg = types.ModuleType("user_settings")
+    cfg.GAIN = 1.0
+    x = jnp.float32(1.0)
+    sys.modules["user_settings"], globals()["user_settings"] = cfg, cfg
+    namespace: dict = {}
+    exec(
+        "def imported(x):\n    import user_settings\n    return x * user_settings.GAIN",
+        namespace,
+    )
+    try:
+        for fn in (
+            lambda x: x * getattr(user_settings, "GAIN"),  # noqa: B009, F821
+            lambda x: x * getattr(cfg, "GAIN"),  # noqa: B009
+            namespace["imported"],
+        ):
+            stack = _stack_of(fn)
+            for gain in (1.0, 3.0):
+                cfg.GAIN = gain
+                assert float(stack(x)) == gain**2
+                assert float(stack.with_options(mode="loop")(x)) == gain**2
+    finally:
+        del sys.modules["user_settings"], globals()["user_settings"]
 
 
 def test_keys_of_numbers_and_unhashable_frozen_values():

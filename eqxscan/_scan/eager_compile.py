@@ -13,6 +13,7 @@ import dataclasses
 import dis
 import enum
 import functools
+import sys
 import types
 import warnings
 from collections.abc import Callable, Iterable
@@ -61,6 +62,9 @@ def _key(value: object, seen: dict[int, int]) -> Key:
     # A library's function or class (not an instance of its Modules or a
     # partial, whose module is functools), a module, a class.
     library_fn = callable(value) and _library(value) and not _frozen_dataclass(value)
+    if isinstance(value, types.ModuleType) and not _library_module(value.__name__):
+        return None  # a module of the user's read whole (`getattr(cfg, "X")`, a
+        # closure): which of its attributes the code reads is not known
     if isinstance(value, type | types.ModuleType) or (
         library_fn and not isinstance(value, functools.partial)
     ):
@@ -122,9 +126,14 @@ def _key(value: object, seen: dict[int, int]) -> Key:
     return None if own is None else (value, own)
 
 
-#: Builtins that read names no bytecode shows: a function calling them is not
-#: cached.
-_DYNAMIC_READS = frozenset({"globals", "vars", "eval", "exec", "locals"})
+#: Builtins that read names no bytecode shows, and an import of a module of
+#: the user's inside the function: a function with them is not cached.
+_DYNAMIC_READS = frozenset({"globals", "vars", "eval", "exec", "locals", "<import>"})
+
+
+def _library_module(name: str) -> bool:
+    root = name.split(".")[0]
+    return root in _LIBRARIES + _STANDARD or root in sys.stdlib_module_names
 
 
 def _frozen_dataclass(value: object) -> bool:
@@ -205,6 +214,8 @@ def _global_reads(code: types.CodeType) -> tuple[tuple[str, ...], ...]:
     for i in dis.get_instructions(code):
         if i.opname == "LOAD_GLOBAL":
             reads.append((i.argval,))
+        elif i.opname == "IMPORT_NAME" and not _library_module(i.argval):
+            reads.append(("<import>",))  # `import cfg` in the body: its values
         elif chained and i.opname in ("LOAD_ATTR", "LOAD_METHOD"):
             reads[-1] = (*reads[-1], i.argval)
         chained = i.opname in ("LOAD_GLOBAL", "LOAD_ATTR", "LOAD_METHOD") and (
