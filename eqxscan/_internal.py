@@ -50,6 +50,9 @@ from ._helpers.constrain import (
     is_placeholder as is_placeholder,
 )
 from ._helpers.host import (
+    is_key as is_key,
+    key_data as key_data,
+    keys_like as keys_like,
     Lazy as Lazy,
     placed_like as placed_like,
     weak_like as weak_like,

@@ -10,6 +10,7 @@ from pathlib import Path
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import eqxscan
@@ -241,14 +242,36 @@ def test_unreadable_orbax_data_is_named_by_step_item_and_entry(tmp_path):
             assert jnp.array_equal(a, b)
 
 
-def test_typed_prng_keys_are_refused_before_an_orbax_save(tmp_path):
+def test_typed_prng_keys_round_trip_through_the_manager(tmp_path):
     # Orbax saved the key data, then every restore failed ('wanted key<fry>[],
-    # saved uint32[2]'): the step could never be restored.
-    state = {"w": jnp.ones(3), "rng": jax.random.key(0)}
+    # saved uint32[2]'); then keys were refused: optax.add_noise's state, or a
+    # run's key beside its model, could not be checkpointed.
+    import optax
+
+    model = {"w": jnp.ones(3), "rng": jax.random.key(5)}
+    tx = optax.chain(optax.add_noise(0.1, 0.5, key=jax.random.key(3)), optax.sgd(0.1))
+    opt_state = tx.init(model["w"])
+    like = {"w": jnp.zeros(3), "rng": jax.random.key(0)}
     with eqxscan.checkpoint.CheckpointManager(tmp_path, asynchronous=False) as c:
-        with pytest.raises(TypeError, match="'rng' holds typed PRNG keys"):
-            c.save(1, {"w": jnp.ones(3)}, state)
-        assert c.all_steps() == []
+        c.save(1, model, opt_state)
+        fresh = tx.init(jnp.zeros(3))
+        mesh = eqxscan.sharding.make_mesh()
+        restored, restored_opt, step = c.restore(like, fresh, mesh=mesh)
+    assert step == 1
+    data = lambda t: [  # noqa: E731
+        jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+        for x in jax.tree.leaves(t)
+    ]
+    for a, b in zip(data((restored, restored_opt)), data((model, opt_state))):
+        np.testing.assert_array_equal(a, b)
+    assert restored["rng"].dtype == model["rng"].dtype
+    # The restored noise is the saved run's, not a fresh seed's.
+    grads = jnp.zeros(3)
+    with jax.numpy_dtype_promotion("standard"):  # optax's step count is an int
+        want, _ = tx.update(grads, opt_state)
+        got, _ = tx.update(grads, restored_opt)
+    assert jnp.abs(want).sum() > 0
+    np.testing.assert_array_equal(got, want)
 
 
 def test_a_step_saved_twice_is_named_with_a_hint_that_fits(tmp_path):

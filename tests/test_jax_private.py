@@ -19,6 +19,10 @@ def test_installed_jax_has_every_private_name():
     assert _jax_private.distributed_client() is None
     # eqxscan's folder is excluded from JAX's filtered tracebacks.
     assert any("eqxscan" in p for p in traceback_util._exclude_paths)
+    # An abstract key's implementation, from its dtype alone.
+    keys = jax.random.split(jax.random.key(0, impl="rbg"), 2)
+    dtype = jax.eval_shape(lambda: keys).dtype
+    assert _jax_private.key_impl(dtype).name == "rbg"
 
 
 def test_a_jax_without_them_degrades(monkeypatch):
@@ -31,6 +35,11 @@ def test_a_jax_without_them_degrades(monkeypatch):
     ]
     _jax_private.register_exclusion("/nowhere")  # does nothing
     assert _jax_private.distributed_client() is None
+    # Abstract keys of a dtype without its implementation: a clear refusal.
+    from eqxscan._helpers.host import keys_like
+
+    with pytest.raises(TypeError, match="PRNG implementation of abstract keys"):
+        keys_like(jax.ShapeDtypeStruct((), jax.numpy.float32), [0, 0])
 
 
 def test_initialize_without_the_client_warns(monkeypatch):

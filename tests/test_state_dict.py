@@ -275,8 +275,55 @@ def test_sharding_of_like_is_kept(getkey):
 def test_bad_leaves_are_named():
     with pytest.raises(ValueError, match="contain no '.'"):
         eqxscan.to_state_dict({"a.b": jnp.ones(1)})
-    with pytest.raises(TypeError, match="`rng` holds typed PRNG keys"):
-        eqxscan.to_state_dict({"rng": jr.key(0)})
+
+
+class _Noisy(eqx.Module):
+    # A layer holding its own typed PRNG key (for dropout, say).
+    w: jax.Array
+    key: jax.Array
+
+    def __call__(self, x):
+        return x @ self.w + jr.normal(self.key, x.shape)
+
+
+def _data(x):
+    return jr.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+
+
+def test_typed_prng_keys_round_trip_as_their_data(tmp_path):
+    # Keys were refused ("typed PRNG keys have no NumPy dtype"): a model or
+    # optimizer state holding one (optax.add_noise) could not be saved.
+    def make(seed):
+        key = jr.key(seed)
+        stack = eqxscan.Stacked(
+            lambda k: _Noisy(jr.normal(k, (3, 3)), jr.fold_in(k, 1)), 2, key=key
+        )
+        rbg = jr.split(jr.key(seed, impl="rbg"), 3)
+        return {"stack": stack, "rng": jr.fold_in(key, 7), "rbg": rbg}
+
+    model, like = make(1), make(2)
+    state = eqxscan.to_state_dict(model)
+    assert state["stack.1.key"].dtype == np.uint32
+    assert state["stack.1.key"].shape == (2,) and state["rbg"].shape == (3, 4)
+    np.testing.assert_array_equal(
+        state["stack.1.key"], jr.key_data(model["stack"].layers.key[1])
+    )
+    path = tmp_path / "keys.safetensors"
+    eqxscan.save(path, model)
+    for loaded in (
+        eqxscan.from_state_dict(like, state),
+        eqxscan.from_state_dict(eqx.filter_eval_shape(make, 2), state),
+        eqxscan.load(path, like),
+    ):
+        assert jr.key_impl(loaded["rbg"]) == jr.key_impl(model["rbg"])
+        for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(model), strict=True):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(_data(a), _data(b))
+        x = jnp.ones(3)
+        np.testing.assert_array_equal(loaded["stack"](x), model["stack"](x))
+    # Keys of another implementation in the file: named, not wrapped wrongly.
+    with pytest.raises(ValueError, match=r"'rng': model has uint32\[4\]"):
+        eqxscan.from_state_dict({"rng": jr.key(0, impl="rbg")}, {"rng": state["rng"]})
 
 
 def test_save_load_round_trip_keeps_bfloat16(getkey, tmp_path):

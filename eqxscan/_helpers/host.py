@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 from numpy.typing import DTypeLike
 
+from .jax_private import key_impl
+
 
 class Lazy:
     """An array read when NumPy asks for it, its `shape` and `dtype` known before."""
@@ -45,3 +47,37 @@ def weak_like(like: object, x: jax.Array) -> jax.Array:
     # Set into a Python number's zeros, which are weak (of the default dtype).
     weak = jax.lax.full(x.shape, x.dtype.type(0).item()).at[...].set(x)
     return weak if weak.dtype == x.dtype else x
+
+
+def is_key(x: object) -> bool:
+    """Whether `x` (an array or a `jax.ShapeDtypeStruct`) holds typed PRNG keys."""
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def key_data(
+    x: jax.Array | np.ndarray | jax.ShapeDtypeStruct,
+) -> jax.Array | np.ndarray | jax.ShapeDtypeStruct:
+    """Typed keys as the unsigned integers a file holds (`jax.random.key_data`:
+    a trailing axis more), of an abstract key its shape and dtype."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        data = jax.eval_shape(jax.random.key_data, x)
+        return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=x.sharding)
+    return jax.random.key_data(x) if is_key(x) else x
+
+
+def keys_like(
+    like: jax.Array | np.ndarray | jax.ShapeDtypeStruct, data: object
+) -> jax.Array:
+    """`data` (as `key_data` gave it) as typed keys of `like`'s implementation."""
+    impl = (
+        jax.random.key_impl(like)
+        if isinstance(like, jax.Array)
+        else key_impl(like.dtype)
+    )
+    if impl is None:
+        raise TypeError(
+            f"Cannot tell the PRNG implementation of abstract keys {like}: restore "
+            "into concrete keys (jax.random.key(0), say)."
+        )
+    return jax.random.wrap_key_data(jnp.asarray(data), impl=impl)

@@ -54,3 +54,10 @@ def distributed_client() -> Any | None:
     """The client of JAX's key-value store for the multi-process job joined, or
     `None` (also where this JAX lacks the name)."""
     return _lookup("jax._src.distributed", "global_state.client")
+
+
+def key_impl(dtype: object) -> Any | None:
+    """The PRNG implementation of a typed key dtype (`key<fry>`), where only the
+    dtype is at hand (a `jax.ShapeDtypeStruct`, which `jax.random.key_impl`
+    refuses); `None` where this JAX keeps it elsewhere."""
+    return getattr(dtype, "_impl", None)

@@ -25,7 +25,10 @@ from .._internal import (
     docs,
     for_each,
     is_arraylike,
+    is_key,
+    key_data,
     key_name,
+    keys_like,
     Site,
     walk,
     weak_like,
@@ -54,15 +57,7 @@ def _named_leaves(tree: PyTree) -> list[tuple[tuple[str, ...], Any]]:
 
     def name(leaf: object, site: Site) -> None:
         if is_arraylike(leaf):  # other leaves (floats, None) are not saved
-            parts = _parts(site)
-            if jax.numpy.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-                # Orbax saves its key data, then cannot restore it into a key.
-                raise TypeError(
-                    f"CheckpointManager: '{'.'.join(parts)}' holds typed PRNG keys "
-                    f"({leaf.dtype}), which a checkpoint cannot restore.\nHint: "
-                    "keep jax.random.key_data(key) in the model or state instead."
-                )
-            out.append((parts, leaf))
+            out.append((_parts(site), leaf))
 
     for_each(name, tree)
     return out
@@ -135,8 +130,15 @@ def _target(tree: PyTree, shardings: PyTree) -> dict[str, Any]:
     # What Orbax restores `tree` as: each array's shape, dtype and sharding.
     leaves = zip(_named_leaves(tree), jtu.tree_leaves(shardings), strict=True)
     return _nest(
-        (p, jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)) for (p, x), s in leaves
+        (p, jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s))
+        for (p, leaf), s in leaves
+        for x in [jax.eval_shape(key_data, leaf) if is_key(leaf) else leaf]
     )
+
+
+def _stored(named: list[tuple[tuple[str, ...], Any]]) -> dict[str, Any]:
+    # What Orbax saves: typed PRNG keys as their data (Orbax restores no keys).
+    return _nest((p, key_data(x) if is_key(x) else x) for p, x in named)
 
 
 def _fill(like: _M, values: dict[str, Any]) -> _M:
@@ -144,7 +146,11 @@ def _fill(like: _M, values: dict[str, Any]) -> _M:
     flat = flatten(values)
     arrays, rest = eqx.partition(like, is_arraylike)
     # Orbax restores every array strongly typed.
-    leaves = [weak_like(x, flat[".".join(parts)]) for parts, x in _named_leaves(like)]
+    leaves = [
+        keys_like(x, value) if is_key(x) else weak_like(x, value)
+        for parts, x in _named_leaves(like)
+        for value in [flat[".".join(parts)]]
+    ]
     return eqx.combine(jtu.tree_unflatten(jtu.tree_structure(arrays), leaves), rest)
 
 
@@ -262,7 +268,7 @@ class CheckpointManager:
         orders = {"model": _stage_orders(model), "opt_state": _stage_orders(opt_state)}
         record = {k: v for k, v in orders.items() if v}
         items = {
-            "model": args.StandardSave(_nest(named)),
+            "model": args.StandardSave(_stored(named)),
             "step": args.JsonSave(
                 {"step": step} | ({"stage_order": record} if record else {})
             ),
@@ -270,7 +276,7 @@ class CheckpointManager:
         # A state without arrays (plain SGD's) has nothing to save: Orbax refuses
         # an empty item, and `restore` gives such a state back as it is.
         if opt_state is not None and (named := _named_leaves(opt_state)):
-            items["opt_state"] = args.StandardSave(_nest(named))
+            items["opt_state"] = args.StandardSave(_stored(named))
         # Orbax waits for the previous save, complete now: it gets its digests.
         self._seal()
         if os.path.lexists(os.path.join(self.directory, str(step))):

@@ -24,7 +24,10 @@ from .._internal import (
     docs,
     index,
     is_arraylike,
+    is_key,
     is_placeholder,
+    key_data,
+    keys_like,
     layer_names,
     LayerNumbering,
     pattern,
@@ -57,20 +60,17 @@ class _Leaf:
     def __init__(self, leaf: _ArrayLeaf, site: Site):
         self.parts, self.depths, self.leaf = site.path, site.axes, leaf
         self.enclosing = site.enclosing
-        if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            raise TypeError(
-                f"`{pattern(site.path)}` holds typed PRNG keys ({leaf.dtype}), which "
-                "have no NumPy dtype; keep `jax.random.key_data(key)` in the model "
-                "instead, or leave keys out of checkpoints."
-            )
+        # Typed PRNG keys are stored as their data (a trailing axis more).
+        self.key = is_key(leaf)
+        data = key_data(leaf) if self.key else leaf
         if tuple(leaf.shape[: len(site.axes)]) != site.axes:
             raise ValueError(
                 f"`{pattern(site.path)}` has shape {tuple(leaf.shape)}, but it sits "
                 f"inside Stacked layers of depth {site.axes}, so its leading axes "
                 f"must be {site.axes}."
             )
-        self.shape = tuple(leaf.shape[len(site.axes) :])
-        self.dtype = np.dtype(leaf.dtype)
+        self.shape = tuple(data.shape[len(site.axes) :])
+        self.dtype = np.dtype(data.dtype)
 
     def names(self) -> list[str]:
         return layer_names(self.parts, self.depths)
@@ -123,7 +123,7 @@ def host_entries(
 
     def reader(leaf: _Leaf, at: tuple[int, ...]) -> Callable[[], np.ndarray]:
         def read() -> np.ndarray:
-            x = leaf.leaf
+            x = key_data(leaf.leaf) if leaf.key else leaf.leaf
             if sliced and isinstance(x, jax.Array):
                 if not all(d.platform == "cpu" for d in x.devices()):
                     return np.asarray(index(x, at))  # one slice off the device
@@ -280,9 +280,15 @@ def from_state_dict(like: T, state_dict: Mapping[str, object]) -> T:
         )
 
     def load(leaf: _Leaf) -> jax.Array | np.ndarray:
+        value = _stacked(leaf)
+        if leaf.key:
+            value = keys_like(leaf.leaf, value)
+        return placed_like(leaf.leaf, value)
+
+    def _stacked(leaf: _Leaf) -> jax.Array | np.ndarray:
         names = leaf.names()
         if not leaf.depths:
-            return placed_like(leaf.leaf, np.asarray(state_dict[names[0]]))
+            return np.asarray(state_dict[names[0]])
         # Each layer read straight into the stacked array, one at a time: a
         # file read lazily holds one layer's slice beside it, not all of them.
         value = host_empty(leaf.depths + leaf.shape, leaf.dtype)
@@ -292,7 +298,7 @@ def from_state_dict(like: T, state_dict: Mapping[str, object]) -> T:
         if not isinstance(leaf.leaf, np.ndarray):
             # Its own pages, which a JAX array on the CPU can use: no copy.
             value = jax.device_put(value)
-        return placed_like(leaf.leaf, value)
+        return value
 
     model = _map_arrays(load, like)
     _recheck(model)
