@@ -329,17 +329,23 @@ def test_shard_regroups_the_buffers_of_a_model_kept_beside_other_values(getkey):
     model = eqxscan.StackedMLP(4, 2, key=getkey())
     optimizer = optax.adam(0.1)
     state = optimizer.init(eqx.filter(model, eqx.is_array))
-    tree = {"model": model, "rng": jax.random.key_data(getkey())}
-    placed, placed_state, _ = sharding.shard(tree, state, mesh=mesh, min_size=0)
-    m = placed["model"]
-    assert m.blocks.layer_sharding is not None
-    assert placed_state[0].mu.blocks.layer_sharding == m.blocks.layer_sharding
-    shardings = sharding.opt_state_shardings(state, tree, mesh, min_size=0)
-    want = sharding.model_shardings(eqx.filter(model, eqx.is_array), mesh, min_size=0)
-    assert shardings[0].mu.blocks.layers.w1 == want.blocks.layers.w1
-    grads = eqx.filter_grad(loss_fn)(m, jnp.ones((2, 4)), jnp.zeros((2, 4)))
-    with jax.numpy_dtype_promotion("standard"):
-        optimizer.update(grads, placed_state, eqx.filter(m, eqx.is_array))
+    rng = jax.random.key_data(getkey())
+    # One level down, or deeper (a run's state: {"train": [model, step]}).
+    for tree, at in [
+        ({"model": model, "rng": rng}, lambda t: t["model"]),
+        ({"train": [model, 0], "rng": rng}, lambda t: t["train"][0]),
+    ]:
+        placed, placed_state, _ = sharding.shard(tree, state, mesh=mesh, min_size=0)
+        m = at(placed)
+        assert m.blocks.layer_sharding is not None
+        assert placed_state[0].mu.blocks.layer_sharding == m.blocks.layer_sharding
+        shardings = sharding.opt_state_shardings(state, tree, mesh, min_size=0)
+        arrays = eqx.filter(model, eqx.is_array)
+        want = sharding.model_shardings(arrays, mesh, min_size=0)
+        assert shardings[0].mu.blocks.layers.w1 == want.blocks.layers.w1
+        grads = eqx.filter_grad(loss_fn)(m, jnp.ones((2, 4)), jnp.zeros((2, 4)))
+        with jax.numpy_dtype_promotion("standard"):
+            optimizer.update(grads, placed_state, eqx.filter(m, eqx.is_array))
 
 
 def test_shard_moves_arrays_committed_elsewhere(getkey):

@@ -264,19 +264,19 @@ def _set_layer_sharding(tree: T, layer_sharding: LayerShardingFn) -> T:
 _leaves = functools.partial(jtu.tree_leaves, is_leaf=is_placeholder)
 
 
-def _roots(params: PyTree) -> list[tuple[tuple, PyTree]]:
-    # `params`, and each Module in a plain container of several (a dict of the
+def _roots(params: PyTree, key: tuple = ()) -> list[tuple[tuple, PyTree]]:
+    # `params`, and each Module in plain containers of several (a dict of the
     # model and an RNG key, saved together): an optimizer made for one of them
-    # has buffers of that one's structure. Each with its key in `params`.
-    roots: list[tuple[tuple, PyTree]] = [((), params)]
+    # has buffers of that one's structure. Each with its keys in `params`.
+    roots = [(key, params)] if not key or isinstance(params, eqx.Module) else []
     if type(params) in (dict, list, tuple):
         items = params.items() if isinstance(params, dict) else enumerate(params)
-        roots += [((k,), v) for k, v in items if isinstance(v, eqx.Module)]
+        roots += [r for k, v in items for r in _roots(v, (*key, k))]
     return roots
 
 
 def _at(tree: PyTree, key: tuple) -> PyTree:
-    return tree if not key else tree[key[0]]
+    return _at(tree[key[0]], key[1:]) if key else tree
 
 
 def _map_buffers(
