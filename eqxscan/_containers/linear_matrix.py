@@ -78,7 +78,9 @@ def matrix_scan(
 
     - `a`: the decays, `[T, H, dk]`, in `(0, 1]`. A decay below the smallest
       normal float32 (`1.2e-38`; 0 included) counts as that value in the
-      chunked form, a reset up to a factor `1e-38`.
+      chunked form, a reset up to a factor `1e-38`, and gets no gradient; below
+      about `1e-36` its gradient loses precision there (`1e-37`: 2e-3 of the
+      largest, its intermediates subnormal). The sequential form is exact.
     - `k`, `q`: keys and queries, `[T, H, dk]`.
     - `v`: values, `[T, H, dv]`.
     - `s0`: the initial state, `[H, dk, dv]`.
