@@ -134,7 +134,9 @@ def test_round_trip(base, tmp_path):
         "rank_pattern",
         "alpha_pattern",
     ]
-    assert {k: ours[k] for k in keys} == {k: PEFT_CONFIG[k] for k in keys}
+    assert {k: ours[k] for k in keys} == {k: PEFT_CONFIG[k] for k in keys} | {
+        "target_modules": ["mlp.down_proj"]  # PEFT's own: ["down_proj"]
+    }
     # And back: the same factors.
     again = load_peft(_adapted(model), tmp_path, names)
     for field in ("a", "b"):
@@ -528,3 +530,21 @@ def test_dtype_and_placement(base):
             loaded.b[i, 0],
             FILE[DOWN.format(i=i, f="B")].T.astype(jnp.bfloat16),
         )
+
+
+def test_target_modules_name_only_the_adapted_modules(tmp_path):
+    # GPT-2 names its attention's and its MLP's output projections `c_proj`:
+    # ["c_proj"] would have PEFT adapt both where only the MLP's is.
+    from eqxscan.checkpoint import NameMap
+
+    model = eqxscan.StackedMLP(8, 2, key=jax.random.key(0))
+    names = NameMap(
+        {
+            "blocks.{i}.w1": "h.{i}.attn.c_proj.weight",
+            "blocks.{i}.w2": "h.{i}.mlp.c_proj.weight",
+            "blocks.{i}.scale": "h.{i}.ln.weight",
+        }
+    )
+    save_peft(_adapted(model), tmp_path, names)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["mlp.c_proj"]

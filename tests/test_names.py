@@ -213,9 +213,10 @@ def test_every_problem_is_reported_at_once_with_its_layer():
     assert hint.startswith("Hint: ")
 
 
-def test_a_file_of_another_float_dtype_is_named_with_the_cast():
+def test_a_file_of_another_float_dtype_is_named_with_the_cast(tmp_path):
     # Pretrained files are mostly bfloat16: the shapes fit, and the hint is
-    # dtype=, not the configuration.
+    # dtype=, not the configuration; each as its caller can cast (NameMap.load
+    # takes no dtype=, and was told to pass one).
     external = {k: v.astype(jnp.bfloat16) for k, v in _by_hand(_model()).items()}
     with pytest.raises(ValueError) as e:
         TORCH.load(_model(1), external)
@@ -223,9 +224,23 @@ def test_a_file_of_another_float_dtype_is_named_with_the_cast():
     assert "of another dtype)" in first and "mis-shaped" not in first
     assert "is bfloat16[4, 8], 'blocks.0.wqkv' needs float32[4, 8]" in first
     assert hint == (
-        "Hint: the shapes fit: load with dtype=jnp.float32, which casts the "
-        "file's floating-point arrays."
+        "Hint: the shapes fit: cast the arrays to the model's dtypes first (a "
+        "file: eqxscan.load_safetensors(path, like, names=..., dtype=jnp.float32) "
+        "casts them)."
     )
+    bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), _model())
+    eqxscan.save_safetensors(tmp_path / "m.safetensors", bf16, names=TORCH)
+    for dtype, want in [
+        (None, "the shapes fit: load with dtype=jnp.float32, which casts the "),
+        (jnp.float16, "dtype=float16 cast the file's floating-point arrays (the "),
+    ]:
+        with pytest.raises(ValueError) as e:
+            eqxscan.load_safetensors(
+                tmp_path / "m.safetensors", _model(1), names=TORCH, dtype=dtype
+            )
+        first, hint = str(e.value).splitlines()
+        assert hint.startswith("Hint: " + want), hint
+        assert f"is {jnp.dtype(dtype or jnp.bfloat16).name}[4, 8]" in first
 
 
 def test_names_of_one_side_only():

@@ -645,3 +645,29 @@ def test_weakly_typed_arrays_stay_weak(getkey):
         assert loaded["one"].act.negative_slope.weak_type
         assert eqx.tree_equal(loaded, model)
         assert loaded["stack"](x).dtype == loaded["one"](x).dtype == jnp.bfloat16
+
+
+class _Empty(eqx.Module):
+    w: jax.Array
+    none: jax.Array  # no entries: a zero-size array
+
+
+def test_zero_size_and_big_endian_arrays_load(tmp_path):
+    # A stacked [3, 0, 2] array saved but could not load ("cannot reshape array
+    # of size 0"); a big-endian state dict was refused as "float32, checkpoint
+    # has float32".
+    stack = eqxscan.Stacked(
+        lambda k: _Empty(jr.normal(k, (2,)), jnp.zeros((0, 2))), 3, key=jr.key(0)
+    )
+    model = {"stack": stack, "top": jnp.arange(3.0), "empty": jnp.zeros((0,))}
+    like = jax.tree.map(jnp.zeros_like, model)
+    state = eqxscan.to_state_dict(model)
+    big = {k: v.astype(v.dtype.newbyteorder(">")) for k, v in state.items()}
+    eqxscan.save(tmp_path / "m.safetensors", model)
+    for loaded in (
+        eqxscan.from_state_dict(like, state),
+        eqxscan.from_state_dict(like, big),
+        eqxscan.load(tmp_path / "m.safetensors", like),
+    ):
+        assert loaded["stack"].layers.none.shape == (3, 0, 2)
+        assert jax.tree.all(jax.tree.map(jnp.array_equal, loaded, model))

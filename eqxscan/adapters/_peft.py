@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import tempfile
 from collections.abc import Mapping, Sequence
 from typing import TypeVar
@@ -349,7 +350,8 @@ def save_peft(
 
     The inverse of [`eqxscan.adapters.load_peft`][], through the same
     `name_map`: factors as PEFT's `lora_A` `[r, in]` and `lora_B` `[out, r]`,
-    `target_modules` the modules' last names (`["down_proj"]`). Each file is
+    `target_modules` the modules' names after their layer number
+    (`["mlp.down_proj"]`, which PEFT matches as a suffix). Each file is
     written to a temporary file and renamed into place, the weights first.
 
     **Arguments:**
@@ -399,7 +401,9 @@ def save_peft(
         "peft_type": "LORA",
         "r": rank,
         "rank_pattern": {},
-        "target_modules": sorted({t.module.rsplit(".", 1)[-1] for t in targets}),
+        # What follows the layer number ("mlp.down_proj"): GPT-2's last names
+        # alone ("c_proj") would adapt the attention's and the MLP's.
+        "target_modules": sorted({re.split(r"\.\d+\.", t.module)[-1] for t in targets}),
         "task_type": task_type,
         "use_dora": False,
         "use_rslora": False,

@@ -44,7 +44,8 @@ def shape_dtype(value: object) -> tuple[tuple[int, ...], np.dtype]:
     if shape is None or dtype is None:
         array = np.asarray(value)
         shape, dtype = array.shape, array.dtype
-    return tuple(shape), np.dtype(dtype)
+    # Byte order is storage, not the values: '>f4' is read as float32.
+    return tuple(shape), np.dtype(dtype).newbyteorder("=")
 
 
 def flatten(tree: Mapping, prefix: str = "") -> dict[str, Any]:

@@ -476,9 +476,11 @@ class NameMap:
         external: Mapping[str, object],
         *,
         source: str = "the external state dict",
+        cast: np.dtype | None = None,
     ) -> dict[str, object]:
         # eqxscan's state dict for `like`, made lazily from `external` (values
-        # with `shape` and `dtype`), after checking every name and shape at once.
+        # with `shape` and `dtype`), after checking every name and shape at once;
+        # `source`: a file's, when not the default, read with `dtype=cast`.
         leaves = {name: (leaf, index) for name, leaf, index in entries_of(like)}
         layout = {name: (leaf.shape, leaf.dtype) for name, (leaf, _) in leaves.items()}
         planned, kept = self._plan(layout)
@@ -531,10 +533,9 @@ class NameMap:
                 if x
             )
             to = sorted({p.dtype.name for p in planned})
-            cast = f"dtype=jnp.{to[0]}" if len(to) == 1 else "dtype="
+            arg = f"dtype=jnp.{to[0]}" if len(to) == 1 else "dtype="
             hint = (
-                f"the shapes fit: load with {cast}, which casts the file's "
-                "floating-point arrays"
+                _cast_hint(arg, cast, source != "the external state dict")
                 if len(recast) == len(problems)
                 else "a depth or size of the model's configuration differs from the "
                 "file's, or the map needs a rule (or an `ignore=` pattern for names "
@@ -566,6 +567,24 @@ class NameMap:
         reported at once, with its layer."""
         check_like("NameMap.load", like)
         return from_state_dict(like, self.mapping(like, external))
+
+
+def _cast_hint(arg: str, cast: np.dtype | None, file: bool) -> str:
+    # What fits the shapes and not the dtypes, as its caller can cast.
+    if cast is not None:
+        return (
+            f"dtype={cast.name} cast the file's floating-point arrays (the dtypes "
+            f"above are after the cast); load with {arg}"
+        )
+    if file:
+        return (
+            f"the shapes fit: load with {arg}, which casts the file's "
+            "floating-point arrays"
+        )
+    return (
+        "the shapes fit: cast the arrays to the model's dtypes first (a file: "
+        f"eqxscan.load_safetensors(path, like, names=..., {arg}) casts them)"
+    )
 
 
 @dataclasses.dataclass

@@ -493,7 +493,7 @@ def open_safetensors(
             arrays = _cast(files.entries, cast)
         if names is not None:
             _check_format(files, names)
-            arrays = names.mapping(like, arrays, source=repr(files.where))  # pyright: ignore[reportAssignmentType]
+            arrays = names.mapping(like, arrays, source=repr(files.where), cast=cast)  # pyright: ignore[reportAssignmentType]
         yield Opened(arrays, files.metadata, files.where)
 
 

@@ -7,6 +7,7 @@ list elements by index, dict entries by key (`"norms.final.scale"`).
 """
 
 import dataclasses
+import math
 import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, cast, TypeVar
@@ -287,12 +288,12 @@ def from_state_dict(like: T, state_dict: Mapping[str, object]) -> T:
 
     def _stacked(leaf: _Leaf) -> jax.Array | np.ndarray:
         names = leaf.names()
-        if not leaf.depths:
-            return np.asarray(state_dict[names[0]])
+        if not leaf.depths:  # in native byte order, which JAX needs
+            return np.asarray(state_dict[names[0]]).astype(leaf.dtype, copy=False)
         # Each layer read straight into the stacked array, one at a time: a
         # file read lazily holds one layer's slice beside it, not all of them.
         value = host_empty(leaf.depths + leaf.shape, leaf.dtype)
-        flat = value.reshape((-1, *leaf.shape))
+        flat = value.reshape((math.prod(leaf.depths), *leaf.shape))  # sizes 0 too
         for k, name in enumerate(names):
             flat[k] = np.asarray(state_dict[name])
         if not isinstance(leaf.leaf, np.ndarray):
