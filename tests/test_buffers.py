@@ -608,6 +608,20 @@ def test_layer_of_batched_buffers_is_refused():
             batched.layer(i)
         one = jax.tree.map(lambda a: a[1], batched).layer(i)
         assert_close(one, jax.tree.map(lambda a: a + 1, buffers.layer(i)))
+    # A batch as large as a group's layers: told apart by the number of axes
+    # (it indexed the batch).
+    stack = eqxscan.Chain([Attn(key=k) for k in jr.split(jr.key(0), 3)])
+    buffers = eqxscan.layer_buffers(stack, lambda i, layer: cache_of(4))
+    assert buffers.layout[0][1] == 3
+    batched = jax.tree.map(lambda a: jnp.stack([a, a, a]), buffers)
+    with pytest.raises(ValueError, match="built of 4 axes with the group's 3 layers"):
+        batched.layer(1)
+    step = jax.vmap(lambda x, c: stack(x, eqxscan.buffer(c), pos=0), (0, None))
+    _, out = step(jnp.ones((3, 1, D)), buffers)
+    with pytest.raises(ValueError, match="built of 4 axes"):
+        out.layer(1)
+    want = jax.tree.map(lambda a: a[2, 1], out.groups[0])  # sequence 2, layer 1
+    assert_close(jax.tree.map(lambda a: a[2], out).layer(1), want)
 
 
 def test_buffer_marked_inside_another_argument_is_refused():
@@ -671,3 +685,54 @@ def test_a_tpu_is_warned_of_a_buffer_it_would_copy(monkeypatch):
         eqxscan.buffer(jnp.zeros((2, 3)))  # [L, D]: a row per layer
     with pytest.warns(UserWarning, match=r"\[2, 16, 4, 64\].*\n.*\[\.\., T, H \* E\]"):
         eqxscan.buffer((merged, cache))
+
+
+class _RowAt(eqx.Module):
+    # Writes one row at `pos` as given: negative starts reach the primitive.
+    w: jax.Array
+    negative: bool = eqx.field(static=True)
+
+    def __call__(self, x, cache, pos):
+        row = jnp.tanh(x @ self.w)[None]
+        opts = {"allow_negative_indices": self.negative}
+        cache = jax.lax.dynamic_update_slice(cache, row, (pos, 0), **opts)
+        return x + (cache * jnp.arange(1.0, cache.shape[0] + 1)[:, None]).sum(0), cache
+
+
+@pytest.mark.parametrize("negative, pos", [(False, -1), (True, -11), (True, -2)])
+def test_negative_row_starts_write_where_the_layer_would(negative, pos):
+    # A start still negative at the primitive (allow_negative_indices=False, or
+    # below -T) is clamped to 0 by JAX; the stacked write added T again and
+    # wrote the row at the cache's end.
+    t, n = 8, 3
+    stack = eqxscan.Stacked(
+        lambda k: _RowAt(jr.normal(k, (D, D)), negative), n, key=jr.key(0)
+    )
+    x, cache = jnp.linspace(-1.0, 1.0, D), jr.normal(jr.key(1), (n, t, D))
+    want_x, want = hand_loop(stack.unstack(), x, list(cache), jnp.int32(pos))
+    for mode in ("scan", "loop"):
+        call = eqx.filter_jit(lambda s, x, c, p: s(x, eqxscan.buffer(c), pos=p))
+        y, new = call(stack.with_options(mode=mode), x, cache, jnp.int32(pos))
+        assert_close(y, want_x, 1e-5)
+        assert_close(new, jnp.stack(want))
+
+
+MAX_LEN = 4  # read by a `make` below; rebound by the test
+
+
+def test_layer_buffers_follow_what_make_reads():
+    # `make` reading a global (a maximum length) was compiled once: after the
+    # global changed, the old length came back without a word.
+    global MAX_LEN
+    make = lambda i, layer: cache_of(MAX_LEN)  # noqa: E731
+    models = [stacked(3), eqxscan.Chain(_chain_layers())]
+    try:
+        for model in models:
+            for length in (4, 6):
+                MAX_LEN = length
+                buffers = eqxscan.layer_buffers(model, make)
+                layer = buffers.layer(0) if isinstance(model, eqxscan.Chain) else None
+                first = jax.tree.leaves(buffers if layer is None else layer)[0]
+                assert first.shape[-3] == length
+    finally:
+        MAX_LEN = 4

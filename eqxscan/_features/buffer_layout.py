@@ -14,6 +14,7 @@ from .._containers.chain.groups import Placement, places
 from .._containers.stacked import Stacked
 from .._helpers.checks import describe, first_difference
 from .._scan.buffers import LayerBuffers
+from .._scan.eager_compile import compiled_when_eager
 
 
 MakeBuffer = Callable[[int, Any], PyTree]
@@ -38,11 +39,14 @@ def layer_buffers(model: Stacked | Chain, make: MakeBuffer) -> PyTree:
     own bytes). Pass it as `eqxscan.buffer(...)`. It is built in one compiled
     program, never assembled from copies.
     """
+    # Compiled keyed by what `make` reads: a changed global (a maximum length)
+    # builds anew rather than return the buffers of the old value.
     if isinstance(model, Stacked):
-        return eqx.filter_jit(_run)(model, make, 0)
+        return _compiled_run(model, make, 0)
     if isinstance(model, Chain):
-        groups = eqx.filter_jit(_groups)(model.groups, model.layout, make, 0)
-        return LayerBuffers(groups, places(model.groups, model.layout))
+        groups = _compiled_groups(model.groups, model.layout, make, 0)
+        ndims = tuple(tuple(a.ndim for a in jtu.tree_leaves(g)) for g in groups)
+        return LayerBuffers(groups, places(model.groups, model.layout), ndims)
     raise TypeError(
         "eqxscan.layer_buffers takes a Stacked or a Chain, got "
         f"{type(model).__name__}.\nPass the model whose layers the buffers belong to."
@@ -101,3 +105,7 @@ def _stack(trees: list[PyTree], layers: list[int]) -> PyTree:
                 "field so that the layers are grouped apart."
             )
     return jtu.tree_map(lambda *a: jnp.stack(a), *trees)
+
+
+_compiled_run = compiled_when_eager(_run, scanning=False, name="layer_buffers")
+_compiled_groups = compiled_when_eager(_groups, scanning=False, name="layer_buffers")

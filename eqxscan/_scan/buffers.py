@@ -98,6 +98,9 @@ class LayerBuffers(eqx.Module):
 
     groups: tuple[PyTree, ...]
     layout: tuple[Place, ...] = eqx.field(static=True)
+    # Each group's leaves' numbers of axes as built: a batch axis in front
+    # (`jax.vmap`'s) is told apart from the layers even at a batch of `L`.
+    ndims: tuple[tuple[int, ...], ...] | None = eqx.field(static=True, default=None)
 
     @property
     def nbytes(self) -> int:
@@ -106,12 +109,15 @@ class LayerBuffers(eqx.Module):
 
     def layer(self, i: int) -> PyTree:
         """Layer `i`'s buffer (`None` for a layer without one)."""
-        for part, (start, size, period, inner) in zip(self.groups, self.layout):
+        ndims = self.ndims or (None,) * len(self.groups)
+        for part, (start, size, period, inner), nd in zip(
+            self.groups, self.layout, ndims
+        ):
             if not start <= i < start + size:
                 continue
             if period == 0:
                 return part
-            _check_lead(part, size // period, i)
+            _check_lead(part, size // period, i, nd)
             if period == 1:
                 return index(part, i - start)
             r, j = divmod(i - start, period)
@@ -120,15 +126,17 @@ class LayerBuffers(eqx.Module):
         raise IndexError(f"Layer {i} is out of range for buffers of {size} layers.")
 
 
-def _check_lead(part: PyTree, n: int, i: int) -> None:
+def _check_lead(part: PyTree, n: int, i: int, ndims: tuple[int, ...] | None) -> None:
     # A part's leading axis is its layers (or repeats): a batch axis in front
     # would silently index the batch instead.
-    for path, a in jtu.tree_leaves_with_path(part):
-        if a.ndim == 0 or a.shape[0] != n:
+    leaves = jtu.tree_leaves_with_path(part)
+    for (path, a), nd in zip(leaves, ndims or (None,) * len(leaves)):
+        if a.ndim == 0 or a.shape[0] != n or nd not in (None, a.ndim):
+            built = f" of {nd} axes" if nd not in (None, a.ndim) else ""
             raise ValueError(
                 f"LayerBuffers.layer({i}): leaf `{jtu.keystr(path)}` of its group "
-                f"is {describe(a)}, but its first axis should be the group's {n} "
-                "layers (or repeats).\nHint: for batched buffers pick the "
+                f"is {describe(a)}, but it was built{built} with the group's {n} "
+                "layers (or repeats) first.\nHint: for batched buffers pick the "
                 f"sequence first: `jax.tree.map(lambda a: a[b], buffers).layer({i})` "
                 f"({docs('decoding.md')})."
             )
@@ -303,8 +311,10 @@ def _write(
         return new
     rest = start if start is not None else (0,) * new.ndim
     at = [jnp.asarray(i, jnp.int32) for i in (*prefix, *rest)]
+    # The primitive's starts: a negative one was normalised by the layer's own
+    # call, and the primitive clamps it to 0, as the unstacked write does.
     return jax.lax.dynamic_update_slice(
-        a, new.reshape((1,) * len(prefix) + new.shape), at
+        a, new.reshape((1,) * len(prefix) + new.shape), at, allow_negative_indices=False
     )
 
 

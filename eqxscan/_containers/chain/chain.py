@@ -349,4 +349,4 @@ def _with_buffers(out: PyTree, tree: LayerBuffers | None) -> PyTree:
     the groups' updated buffers."""
     if tree is None:
         return out
-    return (out[0], LayerBuffers(out[1], tree.layout))
+    return (out[0], LayerBuffers(out[1], tree.layout, tree.ndims))
