@@ -15,6 +15,7 @@ from pathlib import Path
 import equinox as eqx
 import jax
 import jax.extend.core
+import jax.monitoring
 import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
@@ -22,6 +23,23 @@ import jaxtyping
 import numpy as np
 
 import eqxscan
+
+
+_COMPILES: list[str] = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda name, _secs, **_kw: (
+        _COMPILES.append(name)
+        if name == "/jax/core/compile/backend_compile_duration"
+        else None
+    )
+)
+
+
+def compiles(fn) -> int:
+    """How many programs `fn()` compiles."""
+    before = len(_COMPILES)
+    jax.block_until_ready(fn())
+    return len(_COMPILES) - before
 
 
 def sub_jaxprs(params):

@@ -5,6 +5,7 @@ import functools
 import logging
 import sys
 import types
+import typing
 import warnings
 from collections.abc import Callable
 
@@ -501,3 +502,48 @@ def test_a_method_argument_reading_a_changing_global_is_capped():
         assert len([w for w in record if "compiled a program" in str(w.message)]) == 1
     finally:
         STEP = 0
+
+
+class _Dunder(eqx.Module):
+    w: jax.Array
+
+    def __matmul__(self, x):  # a special method reading a global
+        return SCALE * (x @ self.w)
+
+    def __call__(self, x):
+        return x + (self @ x)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class _PytreeLayer:  # a layer that is a registered dataclass, not a Module
+    w: jax.Array
+
+    def __call__(self, x):
+        return x + SCALE * (x @ self.w)
+
+
+class _Pair(typing.NamedTuple):
+    x: jax.Array
+    y: jax.Array = jnp.zeros(())
+
+
+def test_special_methods_and_pytree_layers_are_keyed():
+    # Both were served the program of the old global.
+    global SCALE
+    x = jnp.ones(4)
+    for cls in (_Dunder, _PytreeLayer):
+        layers = [cls(jnp.eye(4) * 0.1 * (i + 1)) for i in range(3)]
+        for model in (eqxscan.Chain(layers), eqxscan.Stacked.from_layers(layers)):
+            try:
+                for scale in (1.0, 0.0):
+                    SCALE = scale
+                    want = model.with_options(mode="loop")(x)
+                    np.testing.assert_allclose(model(x), want, rtol=1e-6)
+            finally:
+                SCALE = 1.0
+    # A NamedTuple argument (its class holds a dict) is still cached.
+    stack = eqxscan.Stacked(lambda k: eqx.nn.Linear(4, 4, key=k), 3, key=KEY)
+    method = lambda layer, h, pair: layer(h) + pair.x  # noqa: E731
+    count, _ = _compiles(lambda: stack(x, _Pair(x), method=method))
+    assert count == 0

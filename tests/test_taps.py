@@ -15,7 +15,7 @@ from jaxtyping import Array
 import eqxscan
 from eqxscan.stats import max_abs, nonfinite_count, rms
 
-from .helpers import untyped
+from .helpers import compiles, untyped
 
 
 D = 4
@@ -156,10 +156,12 @@ def test_one_trace_for_any_data(getkey):
     for _ in range(3):
         step(stack, jr.normal(getkey(), (D,)))
     assert len(traces) == 1  # one body traced, once, for every call
+    # Eager: one program (a layer reading a list of its closure would be
+    # compiled at every call, as an eager call of the container is).
+    stack = eqxscan.Stacked(A, 6, key=getkey())
     eager = eqxscan.tap(stack, both)
-    for _ in range(2):
-        eager(jr.normal(getkey(), (D,)))
-    assert len(traces) == 2
+    eager(jr.normal(getkey(), (D,)))
+    assert compiles(lambda: [eager(jr.normal(getkey(), (D,))) for _ in range(2)]) == 0
 
 
 def test_container_inside_a_layer_is_not_tapped(getkey):
@@ -624,3 +626,31 @@ def test_a_statistic_may_return_python_numbers(mode, getkey):
     close(got["rms"], jnp.stack([rms(h) for h in hand]))
     np.testing.assert_array_equal(got["one"], np.ones(4))
     np.testing.assert_array_equal(got["n"], np.full(4, 2))
+
+
+GAIN = 1.0  # read by a layer and a statistic below; rebound by the test
+
+
+class _Gained(eqx.Module):
+    w: Array
+
+    def __call__(self, x):
+        return x + GAIN * jnp.tanh(self.w @ x)
+
+
+def test_an_eager_tap_follows_the_globals_its_layers_and_stat_read(getkey):
+    # tap's own cache served the old program after a global changed.
+    global GAIN
+    chain = eqxscan.Chain(
+        [_Gained(jr.normal(k, (D, D))) for k in jr.split(getkey(), 3)]
+    )
+    x = jr.normal(getkey(), (D,))
+    stat = lambda h: GAIN * rms(h)  # noqa: E731
+    try:
+        for gain in (1.0, 0.5, 1.0):
+            GAIN = gain
+            y, got = eqxscan.tap(chain, stat)(x)
+            want_y, want = hand_taps(chain.unstack(), x, stat)
+            close((y, got), (want_y, want))
+    finally:
+        GAIN = 1.0

@@ -174,8 +174,8 @@ def _all(values: Iterable[object], seen: dict[int, int]) -> Key:
 
 
 def _library(value: object) -> bool:
-    module = getattr(value, "__module__", None) or ""
-    return module.split(".")[0] in _LIBRARIES + _STANDARD
+    module = getattr(value, "__module__", None)
+    return isinstance(module, str) and _library_module(module)
 
 
 def _class(cls: type, seen: dict[int, int]) -> Key:
@@ -186,7 +186,9 @@ def _class(cls: type, seen: dict[int, int]) -> Key:
             continue
         seen[id(c)] = len(seen)
         for name, attr in vars(c).items():
-            if name.startswith(("__", "_abc")) and name != "__call__":
+            if name.startswith("_abc") or (
+                name.startswith("__") and not _own_dunder(name, attr)
+            ):
                 continue
             if isinstance(attr, staticmethod | classmethod):
                 attr = attr.__func__
@@ -195,6 +197,19 @@ def _class(cls: type, seen: dict[int, int]) -> Key:
                 return None
             keys.append((name, key))
     return tuple(keys)
+
+
+def _own_dunder(name: str, attr: object) -> bool:
+    # A special method the user wrote (`__call__`, `__matmul__`, ...), which a
+    # call may run; not `__init__` (run before it), nor what `dataclasses`
+    # generates (its code's file is "<string>"), nor data (`__module__`).
+    code = getattr(attr, "__code__", None)
+    return (
+        name not in ("__init__", "__post_init__", "__check_init__")
+        and isinstance(attr, types.FunctionType)
+        and code is not None
+        and code.co_filename != "<string>"
+    )
 
 
 def _filled(cell: types.CellType) -> bool:
@@ -225,15 +240,30 @@ def _global_reads(code: types.CodeType) -> tuple[tuple[str, ...], ...]:
     return (*reads, *(r for c in nested for r in _global_reads(c)))
 
 
-def _classes(tree: PyTree) -> tuple[object, ...]:
-    # The classes of the Modules in a call's tree (whose code it runs), in
-    # order, their static fields' values (an activation function, say) and the
-    # functions of `jax.tree_util.Partial`s: all held in the structure, where
-    # values that compare equal (0.0 and -0.0, 1 and 1.0) are one.
-    found: dict[type, None] = {}
+def _classes(tree: PyTree, treedef: jtu.PyTreeDef) -> tuple[object, ...]:  # pyright: ignore[reportInvalidTypeForm]  # jax's stubs declare PyTreeDef a variable
+    # The classes of the Modules and other pytree nodes in a call's tree (whose
+    # code it runs: a registered dataclass as a layer), in order, the Modules'
+    # static fields' values (an activation function, say) and the functions of
+    # `jax.tree_util.Partial`s: all held in the structure, where values that
+    # compare equal (0.0 and -0.0, 1 and 1.0) are one.
+    found: dict[type, None] = dict.fromkeys(_node_classes(treedef))
     static: list[object] = []
     _walk(tree, found, static)
     return (*found, *static)
+
+
+@functools.lru_cache(maxsize=64)
+def _node_classes(treedef: jtu.PyTreeDef) -> tuple[type, ...]:  # pyright: ignore[reportInvalidTypeForm]  # as above
+    found: dict[type, None] = {}
+    todo = [treedef]
+    while todo:
+        node = todo.pop()
+        data = node.node_data()
+        # Not containers (a NamedTuple's class holds a dict of its defaults).
+        if data is not None and not issubclass(data[0], (list, tuple, dict)):
+            found[data[0]] = None
+        todo += node.children()
+    return tuple(found)
 
 
 def _walk(tree: PyTree, found: dict[type, None], static: list[object]) -> None:
@@ -360,7 +390,7 @@ def _plan(
     the static leaves' types), the leaves with function arguments compared by
     their code, and the structure and static arguments whose programs are
     counted (what a function argument reads is counted, not its identity)."""
-    reads = _all((*static, *_classes(tree)), {})
+    reads = _all((*static, *_classes(tree, treedef)), {})
     keyed = [_keyed(leaf) for leaf in leaves]
     return reads, keyed, (treedef, *(k for k in keyed if not eqx.is_array(k)))
 

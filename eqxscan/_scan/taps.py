@@ -363,7 +363,7 @@ def tap(
         )
         # An eager container call compiles itself: the records would leave
         # its `jit`. Tapped, the whole call is compiled once per structure.
-        run = _run_jitted if eager else _run
+        run = _run_compiled() if eager else _run
         return run(model, stat, with_input, probe, args, kwargs)
 
     return call
@@ -432,4 +432,10 @@ def _check_rows(probe: Probe, calls: list, model: object) -> None:
             )
 
 
-_run_jitted = eqx.filter_jit(_run)
+@functools.cache
+def _run_compiled() -> Callable[..., tuple[PyTree, PyTree]]:
+    # Keyed as an eager call is, by what the model and `stat` read (a changed
+    # global compiles anew); made at first use, as that cache imports taps.
+    from .eager_compile import compiled_when_eager
+
+    return compiled_when_eager(_run, scanning=False, name="eqxscan.tap")
