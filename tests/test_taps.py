@@ -605,15 +605,23 @@ def test_statistics_of_a_complex_carry_use_the_modulus(getkey):
 def test_layers_layerdrop_skipped_have_zeros_in_every_grouping(getkey):
     # A stack skips in its scan; a repeated pattern's and a lone layer's draws
     # are made in the layer call, which once tapped a skipped layer's carry.
+    # Their gradient probes too (a pattern's were the next layer's cotangent).
     key, x = jr.key(11), jr.normal(getkey(), (D,))
-    skipped = []
+    skipped, probed = [], []
     for pattern in ("AAAAAA", "ABABAB", "AAAAAB"):
         chain = eqxscan.Chain(build(pattern, getkey()), layer_drop=0.5)
-        y, got = eqxscan.tap(chain, rms)(x, key=key)
+
+        def loss(p):
+            y, got = eqxscan.tap(chain, rms, probe=p)(x, key=key)  # noqa: B023
+            return jnp.sum(jnp.sin(y)), got
+
+        grads, got = jax.grad(loss, has_aux=True)(eqxscan.probe(rms, x, 6))
         skipped.append(np.asarray(got) == 0)
+        probed.append(np.asarray(grads.values) == 0)
     assert 0 < skipped[0].sum() < 6  # the same draws for every grouping
-    np.testing.assert_array_equal(skipped[1], skipped[0])
-    np.testing.assert_array_equal(skipped[2], skipped[0])
+    for s, p in zip(skipped, probed):
+        np.testing.assert_array_equal(s, skipped[0])
+        np.testing.assert_array_equal(p, skipped[0])
 
 
 @pytest.mark.parametrize("mode", ["scan", "loop"])

@@ -112,7 +112,7 @@ def tapped(
     number = jnp.asarray(i, jnp.float32) + 1
     number = number if runs is None else jnp.where(runs, number, 0.0)
     scope.append((number, stats, now.call))
-    return _attached(state.probe, i, new, now.call)
+    return _attached(state.probe, i, new, now.call, runs)
 
 
 def emitted(i: Index | None, y: PyTree) -> PyTree:
@@ -125,15 +125,23 @@ def emitted(i: Index | None, y: PyTree) -> PyTree:
 
 
 def _attached(
-    probe: Probe | None, i: Index, new: PyTree, call: TapCall | None
+    probe: Probe | None,
+    i: Index,
+    new: PyTree,
+    call: TapCall | None,
+    runs: Array | None = None,
 ) -> PyTree:
     if probe is None or call is None or call.depth:  # not per time step
         return new
     values, row = probe.values, i + call.offset  # calls' rows follow each other
     if probe.per_call:
         values, row = values[call.name], i
+    values = index(values, row)
+    if runs is not None:  # a skipped layer's row gets no gradient: zeros, as
+        # its forward statistics and as a scanned stack's skip gives
+        values = jtu.tree_map(lambda v: jnp.where(runs, v, jnp.zeros_like(v)), values)
     dyn, rest = eqx.partition(new, eqx.is_inexact_array)
-    return eqx.combine(_probed(probe.stat, dyn, index(values, row)), rest)
+    return eqx.combine(_probed(probe.stat, dyn, values), rest)
 
 
 class StepTaps:
