@@ -662,3 +662,38 @@ def test_an_eager_tap_follows_the_globals_its_layers_and_stat_read(getkey):
             close((y, got), (want_y, want))
     finally:
         GAIN = 1.0
+
+
+class _Counting(eqx.Module):
+    # A stateful layer (eqx.nn.State): it returns (x, state).
+    w: Array
+    index: eqx.nn.StateIndex
+
+    def __init__(self, key):
+        self.w = 0.3 * jr.normal(key, (D, D))
+        self.index = eqx.nn.StateIndex(jnp.zeros(D))
+
+    def __call__(self, x, state):
+        seen = state.get(self.index)
+        y = x + jnp.tanh(self.w @ x) + 0.1 * seen
+        return y, state.set(self.index, seen + y)
+
+
+class _Counting2(_Counting):  # another class: the chain groups its layers apart
+    pass
+
+
+@pytest.mark.parametrize("pattern", ["AAAA", "ABAB", "AB"])
+def test_stateful_layers_are_tapped_by_their_output(pattern, getkey):
+    # A repeated pattern's or a lone stateful layer handed `stat` its
+    # `(x, state)` pair, which failed inside the statistic.
+    keys = jr.split(getkey(), len(pattern))
+    layers = [(_Counting if c == "A" else _Counting2)(k) for c, k in zip(pattern, keys)]
+    chain, state = eqx.nn.make_with_state(eqxscan.Chain)(layers)
+    x = jr.normal(getkey(), (D,))
+    (y, _), got = eqxscan.tap(chain, jnp.sum)(x, state)
+    hand, h = [], x
+    for layer in layers:  # each layer's state starts at zeros
+        h = h + jnp.tanh(layer.w @ h)
+        hand.append(jnp.sum(h))
+    close((y, got), (h, jnp.stack(hand)))

@@ -105,6 +105,9 @@ def tapped(
     state, scope = now.tapping, now.scope
     if state is None or scope is None or i is None:
         return new
+    if _stateful(new):  # a stateful layer of a Chain's group: its x, as a
+        # stack's call reads it
+        return (tapped(i, new[0], old[0] if _stateful(old) else old, runs), new[1])
     stats = None  # without `stat`, only counted: a probe has a row per layer
     if state.stat is not None:
         stats = state.stat(new, old) if state.with_input else state.stat(new)
@@ -113,6 +116,15 @@ def tapped(
     number = number if runs is None else jnp.where(runs, number, 0.0)
     scope.append((number, stats, now.call))
     return _attached(state.probe, i, new, now.call, runs)
+
+
+def _stateful(carry: PyTree) -> bool:
+    # `(x, state)`: what a stateful layer (`eqx.nn.State`) takes and returns.
+    return (
+        isinstance(carry, tuple)
+        and len(carry) == 2
+        and isinstance(carry[1], eqx.nn.State)
+    )
 
 
 def emitted(i: Index | None, y: PyTree) -> PyTree:
