@@ -478,6 +478,29 @@ def test_scanned_group_must_keep_carry(getkey):
     assert any("layers 0-1 (stack of Affine, scanned)" in n for n in notes)
 
 
+class _FailsAtFour(eqx.Module):
+    w: Array
+
+    def __call__(self, x):
+        i = eqxscan.layer_index()
+        if isinstance(i, int) and i == 4:  # a Python int in loop mode
+            raise ValueError("boom")
+        return x * self.w
+
+
+def test_a_loop_error_names_the_layer_by_its_number_in_the_chain(getkey):
+    # The note named the layer's place in its stack ("layer 1") where the
+    # chain's number (4) and the group's note (layers 3-5) were meant.
+    layers = build("AB", getkey()) + [_FailsAtFour(jnp.ones(D)) for _ in range(4)]
+    chain = eqxscan.Chain(layers, mode="loop")
+    assert tuple(chain.layout[-1])[:2] == (2, 4)
+    with pytest.raises(ValueError, match="boom") as info:
+        chain(jnp.ones(D))
+    notes = info.value.__notes__
+    assert any("raised by layer 4 (_FailsAtFour)" in n for n in notes), notes
+    assert not any("layer 2 (_FailsAtFour)" in n for n in notes)
+
+
 def test_per_layer_needs_chain_length(getkey):
     chain = eqxscan.Chain(build("ABAB", getkey()))
     with pytest.raises(ValueError, match=r"per_layer kwargs\['bias'\].*length 4"):

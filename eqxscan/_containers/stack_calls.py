@@ -134,7 +134,10 @@ def scan_layers(stack: Stack, x: PyTree, call: LayerCall) -> tuple[PyTree, PyTre
         length=length,
         options=stack.options,
         reverse=call.reverse,
-        where=lambda i: _where(cls_name, length, i),
+        # A Chain's stack names its layers by their numbers in the chain.
+        where=lambda i: _where(
+            cls_name, length, None if i is None else call.number_of(i)
+        ),
         read=read,
         # Unrolled, XLA may gather every sharded layer at once (FSDP).
         gathered=spans_devices(sharding) or layers_may_be_sharded(layer_dyn),
