@@ -206,6 +206,17 @@ def test_tap_errors(getkey):
         ),
     ):
         eqxscan.tap(stack, "rms")  # pyright: ignore[reportArgumentType]
+    # A statistic of another shape at some layers (the carry itself, across a
+    # projection): named, not JAX's concatenate error.
+    keys = jr.split(getkey(), 3)
+    chain = eqxscan.Chain(
+        [eqx.nn.Linear(3, D, key=keys[0]), eqx.nn.Linear(D, D, key=keys[1])]
+        + [eqx.nn.Linear(D, 2, key=keys[2])]
+    )
+    with pytest.raises(
+        TypeError, match=r"different structures, shapes or dtypes.*\(2,\)"
+    ):
+        eqxscan.tap(chain, lambda h: {"h": h})(jnp.ones(3))
 
 
 # --- gradient taps ----------------------------------------------------------

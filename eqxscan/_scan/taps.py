@@ -291,14 +291,19 @@ def _gather(records: list, depth: int) -> tuple[PyTree, Array]:
             cut = lambda a, n=n, o=outer: a.reshape(*o, -1, *a.shape[n:])  # noqa: E731
             stats.append(jtu.tree_map(cut, s))
     all_ids = jnp.concatenate(ids, axis=depth)
-    try:
-        joined = jtu.tree_map(lambda *a: jnp.concatenate(a, axis=depth), *stats)
-    except ValueError as e:
+    shapes = {
+        tuple((a.shape[depth + 1 :], a.dtype.name) for a in jtu.tree_leaves(s))
+        for s in stats
+    }
+    if len({jtu.tree_structure(s) for s in stats}) > 1 or len(shapes) > 1:
+        kinds = "; ".join(sorted(str(s) for s in shapes))
         raise TypeError(
-            "eqxscan.tap: the statistic returned pytrees of different structures at "
-            f"different layers ({e}).\nReturn the same structure for every layer "
-            "(e.g. one value per carry leaf, for carries that all look alike)."
-        ) from None
+            "eqxscan.tap: the statistic returned different structures, shapes or "
+            f"dtypes at different layers ({kinds}).\nReturn one structure, shape "
+            "and dtype for every layer (e.g. eqxscan.stats.rms, a scalar per carry "
+            "leaf)."
+        )
+    joined = jtu.tree_map(lambda *a: jnp.concatenate(a, axis=depth), *stats)
 
     def scatter(ids: Array, a: Array) -> Array:
         return jnp.zeros((ids.shape[0] + 1, *a.shape[1:]), a.dtype).at[ids].set(a)[1:]
