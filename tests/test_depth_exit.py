@@ -555,6 +555,21 @@ def test_chain_run_layers_traced_carry_must_keep_its_type(odd, match):
     np.testing.assert_allclose(static, chain[1](chain[0](x)), rtol=1e-6)
 
 
+def test_chain_run_layers_traced_names_a_layer_failing_on_the_carry():
+    # An input projection (3 -> 8) runs in the switch on the 8-d carry: JAX's
+    # dot_general error came through, naming no layer.
+    keys = jr.split(jr.key(17), 3)
+    chain = eqxscan.Chain(
+        [eqx.nn.Linear(3, 8, key=keys[0])]
+        + [eqx.nn.Linear(8, 8, key=k) for k in keys[1:]]
+    )
+    with pytest.raises(TypeError) as info:
+        eqxscan.run_layers(chain, jnp.ones(8), jnp.array([1, 2]))
+    first, hint = str(info.value).splitlines()
+    assert first.startswith("Layer 0 (Linear) failed on its input float32[8]: ")
+    assert "dot_general" in first and "one step of one scan" in hint
+
+
 def test_bad_inputs(stack):
     x = jnp.ones(D)
     with pytest.raises(TypeError, match="must return a bool scalar, got float32"):

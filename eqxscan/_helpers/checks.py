@@ -77,9 +77,14 @@ class noting:  # noqa: N801  # used as a function, in `with`
     block: no frame in a traceback."""
 
     def __init__(
-        self, where: str, *carry: object, over: Literal["layers", "time"] = "layers"
+        self,
+        where: str,
+        *carry: object,
+        over: Literal["layers", "time"] = "layers",
+        hint: str = "",
     ):
         self.where, self.carry, self.over = where, carry, over  # `()` or `(carry,)`
+        self.hint = hint  # for a JAX shape error, in place of the usual one
 
     def __enter__(self) -> None:
         return None
@@ -102,10 +107,12 @@ class noting:  # noqa: N801  # used as a function, in `with`
                 if self.over == "layers"
                 else ("carry", "the carry's and each step's input's shapes and dtypes")
             )
+            hint = self.hint or (
+                f"Hint: check {hint} against what it expects (the error may also "
+                f"be in the code itself); {DEBUGGING_DOCS}."
+            )
             raise type(e)(
-                f"{where} failed on its {what} {shown}: {first}\nHint: check "
-                f"{hint} against what it expects (the error may also be in the "
-                f"code itself); {DEBUGGING_DOCS}."
+                f"{where} failed on its {what} {shown}: {first}\n{hint}"
             ) from e
         # `where` also starts sentences ("The cell ..."): lower case mid-note.
         if where.split(" ", 1)[0] in ("The", "Layer"):

@@ -17,7 +17,6 @@ from ..._helpers.checks import (
     CarryError,
     check_carry,
     first_difference,
-    noted,
     noting,
     split_key,
 )
@@ -399,8 +398,10 @@ def chain_layer_fn(
             if stacked and natural.layer_sharding is not None:
                 tree = constrain(tree, natural.layer_sharding)
             layer, old = name_inputs(tree), eqx.combine(c_dyn, carry_static)
-            with held() as records:  # taps' records leave the switch as outputs
-                new = noted(lone_fn, where, layer, call, one, where, old)
+            # taps' records leave the switch as outputs; a layer failing on the
+            # carry (an input projection) is named with the carry and the hint
+            with held() as records, noting(where, old, hint=hint):
+                new = lone_fn(layer, call, one, where, old)
             try:
                 check_carry(old, new, where)
             except CarryError as e:
