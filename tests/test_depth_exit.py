@@ -147,6 +147,13 @@ def test_min_and_max_layers_static_and_traced(stack):
         np.testing.assert_allclose(traced, want, rtol=1e-6)
         np.testing.assert_allclose(looped, want, rtol=1e-6)
     assert f._cache_size() == 1
+    # Concrete arrays are checked as ints are (they were traced and clamped).
+    for bounds, match in [
+        ({"max_layers": jnp.int32(9)}, "max_layers must be at most 4, got 9"),
+        ({"min_layers": np.int32(3), "max_layers": jnp.int32(2)}, "3 is more than"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            eqxscan.run_until(stack, x, pred, **bounds)
 
 
 def test_per_example_freezes_rows_like_hand_loop(stack):

@@ -274,7 +274,6 @@ def check_layers_method(model: Stacked | Chain, method: Method | None) -> None:
         model.check_layer_axis("run")
 
 
-@compiled_when_eager
 def run_until(
     model: Stacked | Chain,
     x: PyTree,
@@ -313,8 +312,9 @@ def run_until(
       what a layer computes for a halted row is discarded, NaNs included),
       while the others run on until all have halted (or `max_layers`).
     - `min_layers`, `max_layers`: bounds on the layers run (default `0` and
-      `len(model)`). Ints are checked; traced integer scalars (one program for
-      every bound) are clamped to `[0, len(model)]`.
+      `len(model)`). Ints and concrete integer arrays are checked; traced
+      integer scalars (one program for every bound) are clamped to
+      `[0, len(model)]`.
     - `key`: split into `len(model)` keys: layer `i` gets `keys[i]`, as in a
       full call.
     - `method`: as for [`eqxscan.Stacked.__call__`][].
@@ -337,6 +337,60 @@ def run_until(
     the predicate compares against as an argument (one program for every
     value), or call it inside `eqx.filter_jit`.
     """
+    _check_arrays(model, min_layers, max_layers)
+    return _run_until(
+        model,
+        x,
+        predicate,
+        *args,
+        per_example=per_example,
+        min_layers=min_layers,
+        max_layers=max_layers,
+        key=key,
+        method=method,
+        **kwargs,
+    )
+
+
+def _check_arrays(model: object, low: object, high: object) -> None:
+    # Bounds given as concrete arrays, checked as ints are before the compiled
+    # call (inside it they are traced, and would be clamped without a word).
+    length = getattr(model, "num_layers", None)
+    concrete = [
+        isinstance(v, (jax.Array, np.ndarray)) and not isinstance(v, jax.core.Tracer)
+        for v in (low, high)
+    ]
+    if isinstance(length, int) and any(concrete):
+        as_int = lambda v, c: int(v) if c and np.ndim(v) == 0 else v  # noqa: E731
+        who = f"run_until of a {type(model).__name__}"
+        _bounds(as_int(low, concrete[0]), as_int(high, concrete[1]), length, who)
+
+
+def _bounds(low: object, high: object, length: int, who: str) -> tuple[Bound, Bound]:
+    low = _check_bound("min_layers", low, length, who)
+    high = _check_bound("max_layers", length if high is None else high, length, who)
+    if isinstance(low, int) and isinstance(high, int) and low > high:
+        raise ValueError(
+            f"{who}: min_layers={low} is more than max_layers={high}.\nHint: "
+            "min_layers is the fewest layers to run before the predicate is "
+            "checked, max_layers the most."
+        )
+    return low, high
+
+
+def _until(
+    model: Stacked | Chain,
+    x: PyTree,
+    predicate: Predicate,
+    *args: PyTree,
+    per_example: bool = False,
+    min_layers: Bound = 0,
+    max_layers: Bound | None = None,
+    key: PRNGKeyArray | None = None,
+    method: Method | None = None,
+    **kwargs: PyTree,
+) -> tuple[PyTree, Int[Array, ""] | Int[Array, " B"]]:
+    # `run_until`'s body, compiled once per structure when called eagerly.
     call = checked_call(model, args, kwargs, key, method, "run_until")
     if tapping():
         raise TypeError(
@@ -348,16 +402,7 @@ def run_until(
     check_callable("predicate", predicate)
     per_example = check_bool("per_example", per_example)
     length = model.num_layers
-    low = _check_bound("min_layers", min_layers, length, who)
-    high = _check_bound(
-        "max_layers", length if max_layers is None else max_layers, length, who
-    )
-    if isinstance(low, int) and isinstance(high, int) and low > high:
-        raise ValueError(
-            f"{who}: min_layers={low} is more than max_layers={high}.\nHint: "
-            "min_layers is the fewest layers to run before the predicate is "
-            "checked, max_layers the most."
-        )
+    low, high = _bounds(min_layers, max_layers, length, who)
     batch = _batch_size(x, who) if per_example else 0
     ex = _Exit(predicate, per_example, batch, low, high, model.mode == "loop", who)
     c_dyn, c_static = eqx.partition(x, eqx.is_array)
@@ -371,3 +416,6 @@ def run_until(
     )
     end = _walk_groups(ex, groups, layout, call, 0, start, c_static)
     return eqx.combine(end.carry, c_static), end.layers_run
+
+
+_run_until = compiled_when_eager(_until, name="run_until")
