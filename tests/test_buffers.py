@@ -438,6 +438,10 @@ def test_bad_input_errors():
         stack.vmap(x, eqxscan.buffer(cache_of(4, (3,))), pos=0)
     with pytest.raises(TypeError, match="does not take an eqxscan.buffer"):
         eqxscan.run_layers(stack, x, [0, 1], eqxscan.buffer(cache_of(4, (3,))), pos=0)
+    # A Recurrent's hint is its own (it was to call the model itself).
+    rnn = eqxscan.Recurrent(eqx.nn.GRUCell(D, D, key=jr.key(0)))
+    with pytest.raises(TypeError, match=r"Hint: the state carried over time is the"):
+        rnn(jnp.zeros(D), jnp.ones((3, D)), eqxscan.buffer(jnp.zeros((3, D))))
     with pytest.raises(TypeError, match="2 eqxscan.buffer arguments"):
         stack(x, eqxscan.buffer(cache_of(4, (3,))), eqxscan.buffer(cache_of(4, (3,))))
     # A dropped layer would skip its write: refused before the scan.

@@ -221,7 +221,13 @@ class Recurrent(Scanning):
         xs = time_major(xs, run_.time_axis)
         xs_dyn, xs_static = eqx.partition(xs, eqx.is_array)
         keys = _step_keys(self.cell, key, run_)
-        refuse_buffer(args, kwargs, "Recurrent")
+        refuse_buffer(
+            args,
+            kwargs,
+            "Recurrent",
+            "the state carried over time is the carry: pass it as h0 and "
+            "take it back from the call's (h_T, hs)",
+        )
         form = resolve_form(self.method, self.cell, self.options, run_, h0)
         if form != "engine":  # a linear recurrence, its gates all at once
             h_T, hs = run_parallel(

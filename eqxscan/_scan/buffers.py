@@ -243,13 +243,14 @@ def view_of(args: tuple, kwargs: dict[str, object], at: int | str) -> "Buffer":
     return view
 
 
-def refuse_buffer(args: tuple, kwargs: dict[str, object], who: str) -> None:
-    """Raise if a call that cannot update buffers in place was given one."""
+def refuse_buffer(
+    args: tuple, kwargs: dict[str, object], who: str, hint: str = ""
+) -> None:
+    """Raise if a call that cannot update buffers in place was given one
+    (`hint`: what to do instead, if not to call the model itself)."""
     if find_buffer(args, kwargs) is not None:
-        raise TypeError(
-            f"{who} does not take an eqxscan.buffer; call the model itself, "
-            "which returns (x, buffer)."
-        )
+        hint = hint or "call the model itself, which returns (x, buffer)"
+        raise TypeError(f"{who} does not take an eqxscan.buffer.\nHint: {hint}.")
 
 
 def check_keeps_writes(who: str, drops: bool) -> None:
@@ -259,8 +260,8 @@ def check_keeps_writes(who: str, drops: bool) -> None:
         raise TypeError(
             f"{who} is called with an eqxscan.buffer and with drop_path or "
             "layer_drop, which would skip a dropped layer's write to the buffer."
-            "\nHint: decode in inference mode (`eqx.nn.inference_mode(model)`) "
-            "or without a key."
+            "\nHint: decode in inference mode (`eqx.nn.inference_mode(model)`), "
+            "where nothing is dropped."
         )
 
 
