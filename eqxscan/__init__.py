@@ -36,7 +36,7 @@ from ._scan.drop_rates import (
 from ._scan.options import Mode as Mode, Remat as Remat, ScanOptions as ScanOptions
 from ._scan.probe import Probe as Probe, probe as probe
 from ._scan.scan_remat import ScanRemat as ScanRemat
-from ._scan.taps import tap as tap
+from ._scan.tap_call import tap as tap
 
 
 # isort: split

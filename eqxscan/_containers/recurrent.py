@@ -43,6 +43,13 @@ from .recurrent_inputs import (
 from .recurrent_linear import check_method, RecurrentMethod, resolve_form, run_parallel
 
 
+# What a Recurrent given an `eqxscan.buffer` is told instead.
+_NO_BUFFER = (
+    "the state carried over time is the carry: pass it as h0 and take it back "
+    "from the call's (h_T, hs)"
+)
+
+
 class Recurrent(Scanning):
     """Run a recurrent cell over the time axis of a sequence with `jax.lax.scan`.
 
@@ -221,13 +228,7 @@ class Recurrent(Scanning):
         xs = time_major(xs, run_.time_axis)
         xs_dyn, xs_static = eqx.partition(xs, eqx.is_array)
         keys = _step_keys(self.cell, key, run_)
-        refuse_buffer(
-            args,
-            kwargs,
-            "Recurrent",
-            "the state carried over time is the carry: pass it as h0 and "
-            "take it back from the call's (h_T, hs)",
-        )
+        refuse_buffer(args, kwargs, "Recurrent", _NO_BUFFER)
         form = resolve_form(self.method, self.cell, self.options, run_, h0)
         if form != "engine":  # a linear recurrence, its gates all at once
             h_T, hs = run_parallel(

@@ -68,7 +68,7 @@ def dropping_call(
     return call._replace(drop=drop.per_layer_inputs(key))  # pyright: ignore[reportArgumentType]  # checked by check_droppable
 
 
-def _where(cls_name: str, length: int, i: int | None) -> str:
+def _where(cls_name: str, length: int, i: Index | None) -> str:
     # How errors name the step: one body for every layer, or layer `i`.
     if i is None:
         return f"The stacked layer {cls_name} (one body for all {length} layers)"

@@ -159,3 +159,21 @@ def host_empty(shape: tuple[int, ...], dtype: DTypeLike) -> np.ndarray:
         return np.empty(shape, dtype)
     private = {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS} if _POSIX else {}
     return np.frombuffer(mmap.mmap(-1, size, **private), dtype).reshape(shape)
+
+
+def cast_hint(arg: str, cast: np.dtype | None, file: bool) -> str:
+    # What fits the shapes and not the dtypes, as its caller can cast.
+    if cast is not None:
+        return (
+            f"dtype={cast.name} cast the file's floating-point arrays (the dtypes "
+            f"above are after the cast); load with {arg}"
+        )
+    if file:
+        return (
+            f"the shapes fit: load with {arg}, which casts the file's "
+            "floating-point arrays"
+        )
+    return (
+        "the shapes fit: cast the arrays to the model's dtypes first (a file: "
+        f"eqxscan.load_safetensors(path, like, names=..., {arg}) casts them)"
+    )

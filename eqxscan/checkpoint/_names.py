@@ -19,7 +19,7 @@ import numpy as np
 from jaxtyping import PyTree
 
 from .._internal import check_like, describe
-from ._files import Lazy, listed, shape_dtype, spec
+from ._files import cast_hint, Lazy, listed, shape_dtype, spec
 from ._state_dict import entries_of, from_state_dict, host_entries
 
 
@@ -535,7 +535,7 @@ class NameMap:
             to = sorted({p.dtype.name for p in planned})
             arg = f"dtype=jnp.{to[0]}" if len(to) == 1 else "dtype="
             hint = (
-                _cast_hint(arg, cast, source != "the external state dict")
+                cast_hint(arg, cast, source != "the external state dict")
                 if len(recast) == len(problems)
                 else "a depth or size of the model's configuration differs from the "
                 "file's, or the map needs a rule (or an `ignore=` pattern for names "
@@ -567,24 +567,6 @@ class NameMap:
         reported at once, with its layer."""
         check_like("NameMap.load", like)
         return from_state_dict(like, self.mapping(like, external))
-
-
-def _cast_hint(arg: str, cast: np.dtype | None, file: bool) -> str:
-    # What fits the shapes and not the dtypes, as its caller can cast.
-    if cast is not None:
-        return (
-            f"dtype={cast.name} cast the file's floating-point arrays (the dtypes "
-            f"above are after the cast); load with {arg}"
-        )
-    if file:
-        return (
-            f"the shapes fit: load with {arg}, which casts the file's "
-            "floating-point arrays"
-        )
-    return (
-        "the shapes fit: cast the arrays to the model's dtypes first (a file: "
-        f"eqxscan.load_safetensors(path, like, names=..., {arg}) casts them)"
-    )
 
 
 @dataclasses.dataclass

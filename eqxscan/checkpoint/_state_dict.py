@@ -280,30 +280,33 @@ def from_state_dict(like: T, state_dict: Mapping[str, object]) -> T:
             f"The state dict has arrays of the wrong shape or dtype: {listed(wrong)}."
         )
 
-    def load(leaf: _Leaf) -> jax.Array | np.ndarray:
-        value = _stacked(leaf)
-        if leaf.key:
-            value = keys_like(leaf.leaf, value)
-        return placed_like(leaf.leaf, value)
-
-    def _stacked(leaf: _Leaf) -> jax.Array | np.ndarray:
-        names = leaf.names()
-        if not leaf.depths:  # in native byte order, which JAX needs
-            return np.asarray(state_dict[names[0]]).astype(leaf.dtype, copy=False)
-        # Each layer read straight into the stacked array, one at a time: a
-        # file read lazily holds one layer's slice beside it, not all of them.
-        value = host_empty(leaf.depths + leaf.shape, leaf.dtype)
-        flat = value.reshape((math.prod(leaf.depths), *leaf.shape))  # sizes 0 too
-        for k, name in enumerate(names):
-            flat[k] = np.asarray(state_dict[name])
-        if not isinstance(leaf.leaf, np.ndarray):
-            # Its own pages, which a JAX array on the CPU can use: no copy.
-            value = jax.device_put(value)
-        return value
-
-    model = _map_arrays(load, like)
+    model = _map_arrays(lambda leaf: _load(leaf, state_dict), like)
     _recheck(model)
     return model
+
+
+def _load(leaf: _Leaf, state_dict: Mapping[str, object]) -> jax.Array | np.ndarray:
+    # `leaf` read from `state_dict`, placed as the leaf of `like` is.
+    value = _stacked(leaf, state_dict)
+    if leaf.key:
+        value = keys_like(leaf.leaf, value)
+    return placed_like(leaf.leaf, value)
+
+
+def _stacked(leaf: _Leaf, state_dict: Mapping[str, object]) -> jax.Array | np.ndarray:
+    names = leaf.names()
+    if not leaf.depths:  # in native byte order, which JAX needs
+        return np.asarray(state_dict[names[0]]).astype(leaf.dtype, copy=False)
+    # Each layer read straight into the stacked array, one at a time: a
+    # file read lazily holds one layer's slice beside it, not all of them.
+    value = host_empty(leaf.depths + leaf.shape, leaf.dtype)
+    flat = value.reshape((math.prod(leaf.depths), *leaf.shape))  # sizes 0 too
+    for k, name in enumerate(names):
+        flat[k] = np.asarray(state_dict[name])
+    if not isinstance(leaf.leaf, np.ndarray):
+        # Its own pages, which a JAX array on the CPU can use: no copy.
+        value = jax.device_put(value)
+    return value
 
 
 def _check_inits(node: object) -> list[Callable[[object], None]]:

@@ -269,7 +269,7 @@ def _roots(params: PyTree, key: tuple = ()) -> list[tuple[tuple, PyTree]]:
     # model and an RNG key, saved together): an optimizer made for one of them
     # has buffers of that one's structure. Each with its keys in `params`.
     roots = [(key, params)] if not key or isinstance(params, eqx.Module) else []
-    if type(params) in (dict, list, tuple):
+    if isinstance(params, dict | list | tuple) and type(params) in (dict, list, tuple):
         items = params.items() if isinstance(params, dict) else enumerate(params)
         roots += [r for k, v in items for r in _roots(v, (*key, k))]
     return roots
