@@ -177,6 +177,46 @@ def test_freeze_layers_where_and_errors(getkey):
         opt.update(jax.tree.map(jnp.ones_like, params), opt.init(params), params)
 
 
+class _Heads(eqx.Module):
+    heads: eqxscan.Stacked
+
+    def __init__(self, key):
+        make = lambda k: eqx.nn.Linear(4, 4, key=k)  # noqa: E731
+        self.heads = eqxscan.Stacked(make, 3, key=key)
+
+
+@pytest.mark.parametrize("outer", [3, 2])
+def test_freeze_layers_of_a_stack_inside_another(outer, getkey):
+    # `where` naming the inner stack froze along the outer layer axis: every
+    # head of outer layer 0 (or, at another outer depth, an unrelated error).
+    model = eqxscan.Stacked(_Heads, outer, key=getkey())
+    params = eqx.filter(model, eqx.is_inexact_array)
+    grads = jax.tree.map(jnp.ones_like, params)
+    opt = eqxscan.optim.freeze_layers(
+        optax.sgd(1.0), [2], where=lambda m: m.layers.heads
+    )
+    updates, _ = opt.update(grads, opt.init(params), params)
+    w = updates.layers.heads.layers.weight  # [outer, inner, 4, 4]
+    assert (w[:, 2] == 0).all() and (w[:, :2] == -1).all()
+    # A Chain's repeated pattern: the stack's layer 1 in every repeat.
+    layers = [eqx.nn.Linear(4, 4, key=k) for k in jax.random.split(getkey(), 4)]
+    layers = [layers[0], layers[1], _Lone(), layers[2], layers[3], _Lone()]
+    chain = eqx.filter(eqxscan.Chain(layers), eqx.is_inexact_array)
+    grads = jax.tree.map(jnp.ones_like, chain)
+    pick = lambda c: c.groups[0].layers.groups[0]  # noqa: E731
+    opt = eqxscan.optim.freeze_layers(optax.sgd(1.0), 1, where=pick)
+    updates, _ = opt.update(grads, opt.init(chain), chain)
+    w = pick(updates).layers.weight  # [repeats, 2, 4, 4]
+    assert (w[:, 1] == 0).all() and (w[:, 0] == -1).all()
+
+
+class _Lone(eqx.Module):
+    scale: jax.Array = eqx.field(default_factory=lambda: jnp.ones(4))
+
+    def __call__(self, x):
+        return x * self.scale
+
+
 @pytest.mark.parametrize("as_array", [np.asarray, jnp.asarray])
 def test_freeze_layers_takes_an_index_array(getkey, as_array):
     # Indices kept as an array (e.g. `np.nonzero(...)[0]`) freeze those layers,

@@ -55,10 +55,14 @@ LayerSelection = (
 )
 
 
-def _zero_layers(stack: Stacked, layers: LayerSelection, zero: float) -> Stacked:
+def _zero_layers(
+    stack: Stacked, layers: LayerSelection, zero: float, outer: int
+) -> Stacked:
     """`stack` with every array leaf set to `zero` on the layers `layers` selects
-    (indices as for a list)."""
-    stack.check_layer_axis("freeze layers of")  # a batch of stacks: in a vmap
+    (indices as for a list), its layer axis behind `outer` axes of enclosing
+    stacks (a stack inside another's layers)."""
+    if not outer:
+        stack.check_layer_axis("freeze layers of")  # a batch of stacks: in a vmap
     n = stack.num_layers
     if isinstance(layers, np.ndarray | jax.Array) and not isinstance(layers, Tracer):
         layers = np.asarray(layers).tolist()  # an index array: its ints
@@ -81,11 +85,31 @@ def _zero_layers(stack: Stacked, layers: LayerSelection, zero: float) -> Stacked
     def zero_out(a: object) -> object:
         if not is_array(a):
             return a
-        where = frozen.reshape((n,) + (1,) * (a.ndim - 1))
+        where = frozen.reshape((1,) * outer + (n,) + (1,) * (a.ndim - outer - 1))
         return jnp.where(where, jnp.asarray(zero, a.dtype), a)
 
     # A Stacked's only pytree children are its layers' leaves.
     return jtu.tree_map(zero_out, stack)
+
+
+def _first(stack: Stacked) -> tuple:
+    # A stack by its first leaf (not copied by a walk), which a stack in its
+    # layers shares: with its layers' type and number.
+    leaves = jtu.tree_leaves(stack)
+    return (id(leaves[0]) if leaves else 0, type(stack.layers), stack.num_layers)
+
+
+def _enclosing(tree: PyTree) -> dict[tuple, int]:
+    # Each Stacked's number of enclosing layer axes (a stack in another's
+    # layers, in a Chain's repeated pattern).
+    found: dict[tuple, int] = {}
+
+    def note(stack: Stacked, site: Site) -> Stacked:
+        found[_first(stack)] = site.depth - 1  # `site` is its layers'
+        return stack
+
+    walk(lambda leaf, _: leaf, tree, stack=note)
+    return found
 
 
 def _select(tree: PyTree) -> Stacked:
@@ -154,8 +178,11 @@ def freeze_layers(
                     f"freeze_layers: `where` returned a {type(stack).__name__}, "
                     "not an eqxscan.Stacked (or a tuple of them)."
                 )
+        outer = _enclosing(tree)
         return eqx.tree_at(
-            select, tree, replace_fn=lambda s: _zero_layers(s, layers, zero)
+            select,
+            tree,
+            replace_fn=lambda s: _zero_layers(s, layers, zero, outer.get(_first(s), 0)),
         )
 
     def update(
