@@ -6,6 +6,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import eqxscan
@@ -269,6 +270,30 @@ def test_every_scan_in_the_model_gets_the_setting(getkey):
     # Shape-only inputs are enough to compile.
     shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
     eqxscan.remat.fit_remat(models, step, 2**30, shape, candidates=(True,))
+
+
+def test_an_optimizer_state_argument_gets_the_candidates_setting(getkey):
+    # The state holds the model's structure (its remat= included): from the
+    # second candidate on, the update refused it ("different pytree metadata").
+    model = eqxscan.StackedMLP(8, 3, key=getkey())
+    tx = optax.adam(1e-3)
+    opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
+    x = jax.random.normal(getkey(), (4, 8))
+
+    def step(model, opt_state, x):
+        loss, grads = eqx.filter_value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+        with jax.numpy_dtype_promotion("standard"):  # optax's step count
+            updates, opt_state = tx.update(grads, opt_state)
+        return eqx.apply_updates(model, updates), opt_state, loss
+
+    candidates = (True, False)
+    table = eqxscan.remat.remat_table(
+        model, step, 2**30, opt_state, x, candidates=candidates
+    )
+    assert [c.remat for c in table.candidates] == list(candidates)
+    fitted = table.chosen.apply(model)
+    opt_state = with_remat(opt_state, table.chosen.remat)
+    step(fitted, opt_state, x)  # the old state, given the chosen setting
 
 
 class _RNNLayer(eqx.Module):

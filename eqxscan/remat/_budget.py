@@ -273,7 +273,11 @@ def remat_table(
     results, leaves = [], []
     for remat in candidates:
         for unroll in (None,) if unrolls is None else unrolls:
-            lowered, leaves = _lower(step, with_remat(model, remat, unroll), args)
+            # The arguments' modules too (an optimizer state holds the model's
+            # structure, its options included).
+            lowered, leaves = _lower(
+                step, with_remat(model, remat, unroll), with_remat(args, remat, unroll)
+            )
             text = lowered.as_text()
             if text not in programs:
                 programs[text] = lowered.compile()
@@ -399,7 +403,12 @@ def fit_remat(
     """Pick the `remat=` setting for a memory budget, from XLA's own figures:
     `model` with the setting (and `unroll`, with `unrolls`) that
     [`eqxscan.remat.remat_table`][] chooses, on all its scans. The arguments are
-    `remat_table`'s; call that for every candidate's figures."""
+    `remat_table`'s; call that for every candidate's figures.
+
+    An optimizer state holds the model's structure, and so its `remat=`: make
+    it from the returned model, or give it the chosen setting with
+    [`eqxscan.remat.with_remat`][] (an optax update refuses a state of the old
+    setting with "different pytree metadata")."""
     table = remat_table(
         model,
         step,
