@@ -89,6 +89,33 @@ def test_circular_two_stages_equals_scan(getkey):
     assert max_rel_err(*arrays) < 1e-5
 
 
+class _Numbered(eqx.Module):
+    w: jax.Array
+
+    def __call__(self, x):
+        return x * self.w[None] + jnp.float32(eqxscan.layer_index())  # x: [rows, 4]
+
+
+@pytest.mark.parametrize("pipe", [{}, {"schedule": "circular", "repeats": 3}])
+def test_layers_in_a_pipeline_know_their_numbers(pipe, getkey):
+    # Each stage scans its chunk: layer_index() gave the place in the chunk.
+    mesh = jax.make_mesh((2,), ("stage",), axis_types=(AxisType.Explicit,))
+    layers = 12 if pipe else 6
+    stack = eqxscan.Stacked(
+        lambda k: _Numbered(1.0 + 0.1 * jax.random.normal(k, (4,))),
+        layers,
+        key=getkey(),
+    )
+    x = jax.random.normal(getkey(), (4, 4))
+    want = x
+    for i, layer in enumerate(stack.unstack()):
+        want = want * layer.w[None] + i
+    run = eqx.filter_jit(
+        lambda s, x: sharding.pipeline(s, x, mesh=mesh, microbatches=2, **pipe)
+    )
+    np.testing.assert_allclose(run(stack, x), want, rtol=1e-5)
+
+
 def test_explicit_batch_axes(getkey):
     # Explicit axes are in the arrays' types: cutting a batch split over "data"
     # into 3 microbatches, and merging their rows split over it back.

@@ -514,18 +514,19 @@ def _put(buf: jax.Array, i: Int[Array, ""], value: jax.Array) -> jax.Array:
 
 
 def _chunk_call(
-    drops: _Drops | None, r: Int[Array, ""], m: Int[Array, ""]
+    drops: _Drops | None, r: Int[Array, ""], m: Int[Array, ""], first: Int[Array, ""]
 ) -> LayerCall:
-    """How chunk `r`'s layers are called for microbatch `m`: with the chunk's
-    LayerDrop choice and drop-path masks of the microbatch's rows."""
+    """How chunk `r`'s layers (numbered from `first`) are called for
+    microbatch `m`: with the chunk's LayerDrop choice and drop-path masks of the
+    microbatch's rows."""
     if drops is None:
-        return LayerCall((), {}, None)
+        return LayerCall((), {}, None, start=first)
     mine, path = index(drops, r), None
     if mine.path_mask is not None:
         assert mine.path_rate is not None
         mask = index(mine.path_mask, m, axis=1)
         path = DropInputs(None, None, mine.path_rate, None, path_mask=mask)
-    return LayerCall((), {}, None, runs=mine.runs, drop=path)
+    return LayerCall((), {}, None, runs=mine.runs, drop=path, start=first)
 
 
 def _run_stage(
@@ -571,7 +572,9 @@ def _run_stage(
             layer_drop=0.0,
         )
         x = jnp.where(stage == 0, index(inputs, m), state)
-        out = scan_layers(local, x, _chunk_call(drops, r, m))[0]
+        # Chunk `r * S + stage` of the stage order: its layers' numbers.
+        first = (r * stages + stage) * p.per_chunk
+        out = scan_layers(local, x, _chunk_call(drops, r, m, first))[0]
         outputs = _put(outputs, jnp.where(stage == stages - 1, last, -1), out)
         state = jax.lax.ppermute(out, p.stage_axis, shift)
         return (state, inputs, outputs), None
