@@ -49,7 +49,12 @@ def _job(counts: tuple[int, int], widths: tuple[int, int]) -> list[tuple[int, st
 
 @pytest.mark.parametrize(
     "counts, widths, what",
-    [((2, 3), (4, 4), "process count"), ((2, 2), (4, 5), "model layout")],
+    [
+        ((2, 3), (4, 4), "process count"),
+        ((2, 2), (4, 5), "model layout"),
+        # Same shapes, split otherwise: passed, then hung the first collective.
+        ((2, 2), (-1, -1), "model layout"),
+    ],
 )
 def test_every_process_fails_with_one_headline(counts, widths, what):
     for i, (code, text) in enumerate(_job(counts, widths)):

@@ -341,7 +341,8 @@ def check_same_job(*trees: Any, mesh: Mesh | None = None) -> None:
 
     **Arguments:**
 
-    - `trees`: the model, optimiser state, or anything whose layout must match.
+    - `trees`: the model, optimiser state, or anything whose layout must match
+      (with the partition spec of each array placed on a mesh).
     - `mesh`: the mesh (axis names, shape and device ids are compared).
 
     **Raises:**
@@ -350,12 +351,19 @@ def check_same_job(*trees: Any, mesh: Mesh | None = None) -> None:
     """
     leaves, treedef = jtu.tree_flatten(trees)
     layout = [str(treedef)] + [
-        f"{tuple(x.shape)}:{x.dtype}" if is_arraylike(x) else repr(type(x))
+        f"{tuple(x.shape)}:{x.dtype}{_spec(x)}" if is_arraylike(x) else repr(type(x))
         for x in leaves
     ]
     _agree("model layout", "\n".join(layout))
     if mesh is not None:
         _agree("mesh", f"{dict(mesh.shape)} {[d.id for d in mesh.devices.flat]}")
+
+
+def _spec(x: object) -> str:
+    # How an array is split over the mesh: arrays placed alike on one process
+    # and otherwise on another (`shard`'s `min_size`) hang the first collective.
+    sharding = getattr(x, "sharding", None)
+    return f" {sharding.spec}" if isinstance(sharding, NamedSharding) else ""
 
 
 def local_rows(
