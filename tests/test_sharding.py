@@ -348,6 +348,24 @@ def test_shard_regroups_the_buffers_of_a_model_kept_beside_other_values(getkey):
             optimizer.update(grads, placed_state, eqx.filter(m, eqx.is_array))
 
 
+def test_data_parallel_shard_drops_a_layer_sharding_of_another_mesh(getkey):
+    # Placed for FSDP on one mesh, then data parallel on another device: the
+    # stack kept the first mesh's layer_sharding, and jit refused the devices.
+    model = eqxscan.StackedMLP(4, 2, key=getkey())
+    first, second = jax.devices()[:2]
+    fsdp, _, _ = sharding.shard(model, mesh=sharding.make_mesh(fsdp=2), min_size=0)
+    assert fsdp.blocks.layer_sharding is not None
+    other = sharding.make_mesh(devices=[second])
+    moved, _, _ = sharding.shard(fsdp, mesh=other, fsdp_axis=None)
+    assert moved.blocks.layer_sharding is None
+    x = jnp.ones((2, 4))
+    assert tree_allclose(eqx.filter_jit(lambda m, x: m(x))(moved, x), model(x))
+    # A layer sharding of the same mesh stays (tensor parallel, say).
+    mesh = sharding.make_mesh(fsdp=2)
+    again, _, _ = sharding.shard(fsdp, mesh=mesh, fsdp_axis=None)
+    assert again.blocks.layer_sharding == fsdp.blocks.layer_sharding
+
+
 def test_shard_moves_arrays_committed_elsewhere(getkey):
     # Committed arrays (`device_put` to one device, or placed on another mesh)
     # are moved, as `jax.device_put` moves them, not refused by `jit`.

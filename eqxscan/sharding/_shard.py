@@ -13,7 +13,6 @@ from jax.core import Tracer
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, Sharding
 from jaxtyping import PyTree
 
-from .. import Stacked
 from .._internal import (
     align,
     check_size,
@@ -23,6 +22,7 @@ from .._internal import (
     Site,
     walk,
 )
+from ._opt_buffers import at, leaves, map_buffers, roots, set_layer_sharding
 from ._place import default_devices, Device, place, place_batch
 from ._quantized import follow_float_weights
 
@@ -251,66 +251,6 @@ def fsdp_shardings(
     return follow_float_weights(model, walk(one, model), mesh, spec_of)
 
 
-def _set_layer_sharding(tree: T, layer_sharding: LayerShardingFn) -> T:
-    # `tree` with each Stacked's `layer_sharding` set to `layer_sharding(site of
-    # its layers, its layers)`, inner stacks first: an outer stack's per-array
-    # sharding pytree holds the inner stacks' (static) fields.
-    def set_one(stack: Stacked, site: Site) -> Stacked:
-        return restack(stack, layer_sharding=layer_sharding(site, stack.layers))
-
-    return walk(lambda leaf, site: leaf, tree, stack=set_one)
-
-
-_leaves = functools.partial(jtu.tree_leaves, is_leaf=is_placeholder)
-
-
-def _roots(params: PyTree, key: tuple = ()) -> list[tuple[tuple, PyTree]]:
-    # `params`, and each Module in plain containers of several (a dict of the
-    # model and an RNG key, saved together): an optimizer made for one of them
-    # has buffers of that one's structure. Each with its keys in `params`.
-    roots = [(key, params)] if not key or isinstance(params, eqx.Module) else []
-    if isinstance(params, dict | list | tuple) and type(params) in (dict, list, tuple):
-        items = params.items() if isinstance(params, dict) else enumerate(params)
-        roots += [r for k, v in items for r in _roots(v, (*key, k))]
-    return roots
-
-
-def _at(tree: PyTree, key: tuple) -> PyTree:
-    return _at(tree[key[0]], key[1:]) if key else tree
-
-
-def _map_buffers(
-    buffer: Callable[[tuple, Any, tuple], Any],
-    other: Callable[[Any], Any],
-    opt_state: Any,
-    params: PyTree,
-) -> Any:
-    # `buffer(path, x, root)` on each per-parameter buffer `x` of `opt_state`
-    # (e.g. Adam's `mu`), `other` on every other leaf. A buffer has the type and
-    # structure of `params` (or of the root of `_roots` at key `root`), every
-    # `layer_sharding` unset so that a model and its sharded copy compare equal.
-    def structure(tree: Any) -> Any:
-        unset = _set_layer_sharding(tree, lambda site, layers: None)
-        return jtu.tree_structure(unset, is_leaf=is_placeholder)
-
-    targets = [(key, type(r), structure(r)) for key, r in _roots(params)]
-    found: dict[int, tuple | None] = {}  # by id: asked as a leaf, then mapped
-
-    def root(x: Any) -> tuple | None:
-        if id(x) not in found:
-            match = (
-                k for k, kind, t in targets if kind is type(x) and t == structure(x)
-            )
-            found[id(x)] = next(match, None)
-        return found[id(x)]
-
-    return jtu.tree_map_with_path(
-        lambda path, x: other(x) if (r := root(x)) is None else buffer(path, x, r),
-        opt_state,
-        is_leaf=lambda x: is_placeholder(x) or root(x) is not None,
-    )
-
-
 def opt_state_shardings(
     opt_state: Any,
     model: Any,
@@ -358,8 +298,7 @@ def opt_state_shardings(
     depths = walk(lambda x, s: s.depth, params)
     trees = (params, param_shardings, depths)
     per_param = {
-        key: list(zip(*(_leaves(_at(t, key)) for t in trees)))
-        for key, _ in _roots(params)
+        key: list(zip(*(leaves(at(t, key)) for t in trees))) for key, _ in roots(params)
     }
 
     def buffer(path: tuple, leaf: Any, param: Any, sharding: Any, depth: Any) -> Any:
@@ -383,7 +322,7 @@ def opt_state_shardings(
 
     replicated = NamedSharding(mesh, PartitionSpec())
     other = lambda x: replicated if is_arraylike(x) else None
-    return _map_buffers(one, other, opt_state, params)
+    return map_buffers(one, other, opt_state, params)
 
 
 def batch_shardings(
@@ -481,7 +420,7 @@ def gather_layers(
     keep = check_axes(mesh, keep, "keep")
     if not keep:
         replicated = NamedSharding(mesh, PartitionSpec())
-        return _set_layer_sharding(model, lambda site, layers: replicated)
+        return set_layer_sharding(model, lambda site, layers: replicated)
     given = None
     if shardings is not None:
         aligned = align(shardings, eqx.filter(model, eqx.is_array))
@@ -519,7 +458,7 @@ def gather_layers(
             lambda p, a: per_step(site.path + p, a, site.depth), arrays
         )
 
-    return _set_layer_sharding(model, per_array)
+    return set_layer_sharding(model, per_array)
 
 
 def shard(
@@ -585,6 +524,13 @@ def shard(
     new = place(model, shardings, mesh)
     if fsdp_axis is not None:
         new = gather_layers(new, mesh)
+    else:  # a layer sharding of another mesh would gather onto its devices
+        elsewhere = lambda s: any(  # noqa: E731
+            isinstance(x, NamedSharding) and x.mesh != mesh
+            for x in jtu.tree_leaves(s.layer_sharding)
+        )
+        off = lambda s, _: restack(s, layer_sharding=None) if elsewhere(s) else s  # noqa: E731
+        new = walk(lambda leaf, _: leaf, new, stack=off)
     if opt_state is not None:
         opt_sh = opt_state_shardings(
             opt_state, model, mesh, fsdp_axis=fsdp_axis, min_size=min_size
@@ -593,8 +539,8 @@ def shard(
         # Its buffers get the (static) structure of `new`'s arrays.
         arrays = {
             k: jtu.tree_structure(eqx.filter(r, eqx.is_array), is_leaf=is_placeholder)
-            for k, r in _roots(new)
+            for k, r in roots(new)
         }
-        regroup = lambda _, x, root: jtu.tree_unflatten(arrays[root], _leaves(x))
-        opt_state = _map_buffers(regroup, lambda x: x, placed, model)
+        regroup = lambda _, x, root: jtu.tree_unflatten(arrays[root], leaves(x))
+        opt_state = map_buffers(regroup, lambda x: x, placed, model)
     return new, opt_state, batch
