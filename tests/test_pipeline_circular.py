@@ -305,6 +305,9 @@ def test_a_stage_ordered_stack_indexes_its_layers_by_number(getkey):
     np.testing.assert_array_equal(
         staged.with_layer(1, new)(x), stack.with_layer(1, new)(x)
     )
+    # A traced index: the hint's recipe takes rows, so it names the order.
+    with pytest.raises(TypeError, match=r"put back in order \(pipeline_order"):
+        eqx.filter_jit(lambda s, i: s[i])(staged, jnp.int32(1))
 
 
 def test_a_chains_stage_ordered_stack_runs_its_layers_in_order(getkey):

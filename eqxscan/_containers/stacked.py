@@ -363,13 +363,15 @@ class Stacked(Scanning, Generic[LayerT]):
                 drop_path=drop_path,
                 layer_drop=layer_drop,
             )
-        i = check_index(
-            index,
-            self.num_layers,
-            "Stacked",
-            "mark it static, or select with "
-            "`jax.tree.map(lambda a: a[i], stack.layers)`.",
+        hint = (
+            "mark it static, or select with `jax.tree.map(lambda a: a[i], "
+            "eqx.filter(stack.layers, eqx.is_array))`"
         )
+        if self.stage_order is not None:  # its row i is not layer i
+            hint += (
+                " of the stack put back in order (pipeline_order(..., inverse=True))"
+            )
+        i = check_index(index, self.num_layers, "Stacked", hint + ".")
         return index_at(self.layers, self._position(i))
 
     def _position(self, i: int) -> int:
