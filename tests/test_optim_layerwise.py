@@ -391,3 +391,19 @@ def test_a_chains_layerwise_state_saves_and_loads(tmp_path):
     other = tx.init(eqx.filter(deeper, eqx.is_array))
     with pytest.raises(ValueError, match="Depth mismatch"):
         eqxscan.from_state_dict(other, eqxscan.to_state_dict(state))
+
+
+def test_factored_moments_of_a_checked_model_save_and_load(tmp_path):
+    # Adafactor's factored moments sit in the model's structure with other
+    # shapes: saved, then refused on load by the model's own shape checks.
+    model = eqxscan.StackedMLP(8, 3, key=jax.random.key(1))
+    params = eqx.filter(model, eqx.is_inexact_array)
+    tx = eqxscan.optim.layerwise(optax.adafactor(1e-2, min_dim_size_to_factor=4))
+    state = tx.init(params)
+    grads = jax.tree.map(jnp.ones_like, params)
+    with jax.numpy_dtype_promotion("standard"):  # optax's step count
+        state = tx.update(grads, state, params)[1]
+    eqxscan.save(tmp_path / "opt.safetensors", state)
+    loaded = eqxscan.load(tmp_path / "opt.safetensors", state)
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(state), strict=True):
+        np.testing.assert_array_equal(a, b)

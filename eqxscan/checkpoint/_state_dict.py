@@ -281,8 +281,25 @@ def from_state_dict(like: T, state_dict: Mapping[str, object]) -> T:
         )
 
     model = _map_arrays(lambda leaf: _load(leaf, state_dict), like)
-    _recheck(model)
+    try:
+        _recheck(model)
+    except Exception:
+        # Unless `like` fails them too: a tree of the model's structure that
+        # no constructor made (an optimizer's factored moments), not a model.
+        abstract = any(
+            isinstance(x, jax.ShapeDtypeStruct) for x in jtu.tree_leaves(like)
+        )
+        if abstract or _passes(like):
+            raise
     return model
+
+
+def _passes(like: object) -> bool:
+    try:
+        _recheck(like)
+    except Exception:
+        return False
+    return True
 
 
 def _load(leaf: _Leaf, state_dict: Mapping[str, object]) -> jax.Array | np.ndarray:
