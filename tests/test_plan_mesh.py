@@ -179,6 +179,16 @@ def test_arguments_that_would_plan_something_else_are_refused(kwargs, match):
         _plan(**kwargs)
 
 
+@pytest.mark.parametrize(
+    "kwargs", [dict(remat="auto"), dict(remat=True), dict(model_axis=2)]
+)
+def test_one_setting_where_a_sequence_is_due_is_named(kwargs):
+    # "remat must be one of [...], got 'a'" or "'bool' object is not iterable".
+    ((name, value),) = kwargs.items()
+    with untyped(), pytest.raises(TypeError, match=rf"plan: {name} is the settings"):
+        _plan(devices=1, **kwargs)
+
+
 def test_model_kwargs_that_are_not_json_are_refused_before_the_child_starts():
     # Four devices: this process has two, so the candidates would compile in a
     # fresh process, reached through JSON.

@@ -89,6 +89,11 @@ def _candidate_meshes(
         ("remat", remat, "False, True"),
         ("model_axis", model_axis, "1, 2"),
     ):
+        if isinstance(given, str) or not isinstance(given, Sequence):
+            raise TypeError(  # one setting: its letters or a TypeError, else
+                f"plan: {name} is the settings to try, a sequence, got {given!r}."
+                f"\nHint: e.g. {name}=({given!r},), or {name}=({e})."
+            )
         if not given:  # else a plan of no candidates
             raise ValueError(f"plan: {name} is empty.\nHint: e.g. {name}=({e}).")
     for setting in remat:  # checked here, not as a failed compile of each mesh
