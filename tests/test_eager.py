@@ -1,6 +1,7 @@
 """Eager calls of the scanning modules reuse one compiled program."""
 
 import dataclasses
+import enum
 import functools
 import logging
 import sys
@@ -547,3 +548,57 @@ def test_special_methods_and_pytree_layers_are_keyed():
     method = lambda layer, h, pair: layer(h) + pair.x  # noqa: E731
     count, _ = _compiles(lambda: stack(x, _Pair(x), method=method))
     assert count == 0
+
+
+class _Checkpointed(eqx.Module):
+    w: jax.Array
+
+    @eqx.filter_checkpoint  # a `__call__` an Equinox transform wraps
+    def __call__(self, x):
+        return x * self.w * SCALE
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class _Batch:  # an argument class with a list class attribute (not keyable)
+    x: jax.Array
+    FIELDS = ["x"]
+
+
+class _Activation(enum.Enum):
+    TANH = "tanh"
+    RELU = "relu"
+
+
+class _Reprs(eqx.Module):
+    w: jax.Array
+    act: _Activation = eqx.field(static=True, default=_Activation.TANH)
+
+    def __repr__(self):  # reads a dict: never run by a call, so not keyed
+        return str(_NAMES)
+
+    def __call__(self, x):
+        return jnp.tanh(x * self.w) if self.act is _Activation.TANH else x * self.w
+
+
+_NAMES = {"w": "weight"}
+
+
+def test_what_the_cache_keys_stays_what_a_call_runs():
+    # A wrapped `__call__` was left out of the key (stale); a class attribute
+    # that cannot be keyed, a `__repr__` reading a dict and an Enum static
+    # field turned the cache off (a compile at every call).
+    global SCALE
+    x = jnp.ones(3)
+    stack = eqxscan.Stacked(lambda k: _Checkpointed(jnp.ones(3)), 2, key=KEY)
+    try:
+        for scale in (1.0, 2.0):
+            SCALE = scale
+            np.testing.assert_allclose(stack(x), stack.with_options(mode="loop")(x))
+    finally:
+        SCALE = 1.0
+    reprs = eqxscan.Stacked(lambda k: _Reprs(jnp.ones(3)), 2, key=KEY)
+    method = lambda layer, h, batch: layer(h + batch.x)  # noqa: E731
+    for call in (lambda: reprs(x), lambda: reprs(x, _Batch(x), method=method)):
+        count, _ = _compiles(call)
+        assert count == 0

@@ -212,6 +212,10 @@ def test_check_init_runs_again_after_loading(getkey):
     bad = dict(state, **{"top.scale": np.array([0.0, 1.0], np.float32)})
     with pytest.raises(ValueError, match="scale must be positive"):
         eqxscan.from_state_dict(model, bad)
+    # Into a template of zeros, which fails the same check itself.
+    zeros = jax.tree.map(jnp.zeros_like, model)
+    with pytest.raises(ValueError, match="scale must be positive"):
+        eqxscan.from_state_dict(zeros, bad)
 
 
 def test_gradient_trees_load_into_gradient_trees(getkey):

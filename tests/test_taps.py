@@ -213,10 +213,15 @@ def test_tap_errors(getkey):
         [eqx.nn.Linear(3, D, key=keys[0]), eqx.nn.Linear(D, D, key=keys[1])]
         + [eqx.nn.Linear(D, 2, key=keys[2])]
     )
-    with pytest.raises(
-        TypeError, match=r"different structures, shapes or dtypes.*\(2,\)"
-    ):
+    with pytest.raises(TypeError, match=r"different structures or shapes.*\(2,\)"):
         eqxscan.tap(chain, lambda h: {"h": h})(jnp.ones(3))
+    # Dtypes may differ (a bfloat16 stack, a float32 head): they promote.
+    mixed = eqxscan.Chain(
+        [eqx.nn.Linear(3, 3, key=k, dtype=jnp.bfloat16) for k in keys[:2]]
+        + [eqx.nn.Lambda(lambda h: h.astype(jnp.float32))]
+    )
+    _, got = eqxscan.tap(mixed, lambda h: jnp.sum(h))(jnp.ones(3, jnp.bfloat16))
+    assert got.shape == (3,) and got.dtype == jnp.float32
 
 
 # --- gradient taps ----------------------------------------------------------

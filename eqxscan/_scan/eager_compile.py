@@ -187,9 +187,11 @@ def _class(cls: type, seen: dict[int, int]) -> Key:
         seen[id(c)] = len(seen)
         for name, attr in vars(c).items():
             if name.startswith("_abc") or (
-                name.startswith("__") and not _own_dunder(name, attr)
+                name.startswith("__") and name not in _RUN_BY_A_CALL
             ):
                 continue
+            if issubclass(c, enum.Enum) and name.startswith("_"):
+                continue  # the Enum machinery's tables (`_member_map_`)
             if isinstance(attr, staticmethod | classmethod):
                 attr = attr.__func__
             key = _key(attr.fget if isinstance(attr, property) else attr, seen)
@@ -199,17 +201,21 @@ def _class(cls: type, seen: dict[int, int]) -> Key:
     return tuple(keys)
 
 
-def _own_dunder(name: str, attr: object) -> bool:
-    # A special method the user wrote (`__call__`, `__matmul__`, ...), which a
-    # call may run; not `__init__` (run before it), nor what `dataclasses`
-    # generates (its code's file is "<string>"), nor data (`__module__`).
-    code = getattr(attr, "__code__", None)
-    return (
-        name not in ("__init__", "__post_init__", "__check_init__")
-        and isinstance(attr, types.FunctionType)
-        and code is not None
-        and code.co_filename != "<string>"
-    )
+#: The special methods a call may run (`self @ x`, `self[i]`, `self(x)`):
+#: keyed like other methods; not `__init__`, `__repr__` and the like.
+_RUN_BY_A_CALL = frozenset(
+    f"__{name}__"
+    for name in (
+        "call getitem getattr iter len contains bool neg pos abs invert array jax_array"
+    ).split()
+    + [
+        f"{r}{op}"
+        for op in (
+            "add sub mul matmul truediv floordiv mod pow and or xor lshift rshift"
+        ).split()
+        for r in ("", "r", "i")
+    ]
+)
 
 
 def _filled(cell: types.CellType) -> bool:
@@ -246,7 +252,11 @@ def _classes(tree: PyTree, treedef: jtu.PyTreeDef) -> tuple[object, ...]:  # pyr
     # static fields' values (an activation function, say) and the functions of
     # `jax.tree_util.Partial`s: all held in the structure, where values that
     # compare equal (0.0 and -0.0, 1 and 1.0) are one.
-    found: dict[type, None] = dict.fromkeys(_node_classes(treedef))
+    # A registered class (not a Module) whose attributes cannot be keyed (a
+    # list of field names) is left out, as before such classes were keyed,
+    # rather than turn the cache off for every call of it.
+    nodes = _node_classes(treedef)
+    found = dict.fromkeys(c for c in nodes if _class(c, {}) is not None)
     static: list[object] = []
     _walk(tree, found, static)
     return (*found, *static)

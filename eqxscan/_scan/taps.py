@@ -278,6 +278,14 @@ def takes_input(stat: Stat) -> bool:
     return required >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
 
 
+def _concatenate(arrays: tuple[Array, ...], axis: int) -> Array:
+    # Rows of different dtypes (a bfloat16 stack, a float32 head) in their
+    # promoted dtype, whatever the promotion mode.
+    with jax.numpy_dtype_promotion("standard"):
+        dtype = functools.reduce(jnp.promote_types, [a.dtype for a in arrays])
+    return jnp.concatenate([a.astype(dtype) for a in arrays], axis=axis)
+
+
 def _gather(records: list, depth: int) -> tuple[PyTree, Array]:
     # The records (index + 1, stats), each with leading axes of the scans it
     # came out of, as one `[L, ...]` pytree in layer order after the `depth`
@@ -290,19 +298,16 @@ def _gather(records: list, depth: int) -> tuple[PyTree, Array]:
             cut = lambda a, n=n, o=outer: a.reshape(*o, -1, *a.shape[n:])  # noqa: E731
             stats.append(jtu.tree_map(cut, s))
     all_ids = jnp.concatenate(ids, axis=depth)
-    shapes = {
-        tuple((a.shape[depth + 1 :], a.dtype.name) for a in jtu.tree_leaves(s))
-        for s in stats
-    }
+    # (Dtypes may differ: joined, they promote.)
+    shapes = {tuple(a.shape[depth + 1 :] for a in jtu.tree_leaves(s)) for s in stats}
     if len({jtu.tree_structure(s) for s in stats}) > 1 or len(shapes) > 1:
         kinds = "; ".join(sorted(str(s) for s in shapes))
         raise TypeError(
-            "eqxscan.tap: the statistic returned different structures, shapes or "
-            f"dtypes at different layers ({kinds}).\nReturn one structure, shape "
-            "and dtype for every layer (e.g. eqxscan.stats.rms, a scalar per carry "
-            "leaf)."
+            "eqxscan.tap: the statistic returned different structures or shapes "
+            f"at different layers ({kinds}).\nReturn one structure and shape for "
+            "every layer (e.g. eqxscan.stats.rms, a scalar per carry leaf)."
         )
-    joined = jtu.tree_map(lambda *a: jnp.concatenate(a, axis=depth), *stats)
+    joined = jtu.tree_map(lambda *a: _concatenate(a, depth), *stats)
 
     def scatter(ids: Array, a: Array) -> Array:
         return jnp.zeros((ids.shape[0] + 1, *a.shape[1:]), a.dtype).at[ids].set(a)[1:]

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jaxtyping import PyTree
+from jaxtyping import PyTree, TypeCheckError
 
 from .. import Stacked
 from .._internal import (
@@ -283,23 +283,23 @@ def from_state_dict(like: T, state_dict: Mapping[str, object]) -> T:
     model = _map_arrays(lambda leaf: _load(leaf, state_dict), like)
     try:
         _recheck(model)
-    except Exception:
-        # Unless `like` fails them too: a tree of the model's structure that
-        # no constructor made (an optimizer's factored moments), not a model.
-        abstract = any(
-            isinstance(x, jax.ShapeDtypeStruct) for x in jtu.tree_leaves(like)
-        )
-        if abstract or _passes(like):
+    except TypeCheckError as e:
+        # A shape check that `like` fails the same way: a tree of the model's
+        # structure of other shapes (an optimizer's factored moments), not a
+        # model. Value checks, and abstract `like`s, are always enforced.
+        leaves = jtu.tree_leaves(like)
+        abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+        if abstract or _failure(like) != (type(e), str(e)):
             raise
     return model
 
 
-def _passes(like: object) -> bool:
+def _failure(like: object) -> tuple[type, str] | None:
     try:
         _recheck(like)
-    except Exception:
-        return False
-    return True
+    except Exception as e:
+        return type(e), str(e)
+    return None
 
 
 def _load(leaf: _Leaf, state_dict: Mapping[str, object]) -> jax.Array | np.ndarray:
