@@ -240,6 +240,10 @@ class CheckpointManager:
                 async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
             ),
         )
+        # Orbax removes leftover temporary directories in a background thread:
+        # a save begun meanwhile by another manager of the directory lost its
+        # own (NOT_FOUND). Removed before this manager is handed back.
+        getattr(self._manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
 
     def save(
         self,
