@@ -12,7 +12,6 @@ from collections.abc import Callable
 
 import equinox as eqx
 import jax
-import jax.monitoring
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
@@ -20,24 +19,16 @@ import pytest
 
 import eqxscan
 
+from .helpers import compiles
+
 
 KEY = jax.random.key(0)
-_COMPILES: list[str] = []
-jax.monitoring.register_event_duration_secs_listener(
-    lambda name, _secs, **_kw: (
-        _COMPILES.append(name)
-        if name == "/jax/core/compile/backend_compile_duration"
-        else None
-    )
-)
 
 
 def _compiles(fn, times=4):
     fn()  # the first call may compile
-    _COMPILES.clear()
-    outs = [fn() for _ in range(times)]
-    jax.block_until_ready(outs)
-    return len(_COMPILES), outs[-1]
+    outs: list = []
+    return compiles(lambda: outs.extend(fn() for _ in range(times)) or outs), outs[-1]
 
 
 def _models():
@@ -76,9 +67,8 @@ def test_other_values_compile_nothing_and_loop_stays_eager():
     stack(jnp.ones(8))
     other = jnp.asarray(np.full(8, 2.0, np.float32))
     jax.block_until_ready(other)
-    _COMPILES.clear()
-    stack(other)  # same structure, other values: nothing to compile
-    assert _COMPILES == []
+    # Same structure, other values: nothing to compile.
+    assert compiles(lambda: stack(other)) == 0
     calls = []
 
     class Counted(eqx.Module):
