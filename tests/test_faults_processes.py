@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from .helpers import script_path
 
 
@@ -103,5 +105,23 @@ def test_a_peer_that_raises_is_reported_and_both_exit(tmp_path):
             "eqxscan.distributed: process 0 of 2 lost process 1: it crashed "
             "(RuntimeError); this process exits."
         ), texts[0][-3000:]
+    finally:
+        _stop(procs, logs)
+
+
+@pytest.mark.parametrize("work", ["finish", "shutdown"])
+def test_a_job_that_ends_exits_cleanly(tmp_path, work):
+    # Its watch threads are stopped before the interpreter finalizes: one still
+    # inside a call into JAX's client then aborted the process (status 134,
+    # "FATAL: exception not rethrown"). After the user's own
+    # `jax.distributed.shutdown()`, silence was taken for death (status 1).
+    procs, logs = _start(tmp_path, work)
+    try:
+        codes = [p.wait(timeout=JOIN_TIMEOUT + EXIT_BOUND) for p in procs]
+        texts = [(tmp_path / f"{i}.log").read_text() for i in (0, 1)]
+        assert codes == [0, 0], texts
+        for text in texts:
+            assert "lost process" not in text, text[-3000:]
+            assert "done\nwatch threads at exit: 0\n" in text, text[-3000:]
     finally:
         _stop(procs, logs)

@@ -66,8 +66,13 @@ class _PeerWatch:
         self.seen = {i: ("", now) for i in range(count) if i != self.me}
         self.reached = now  # when the store last answered
         self.exiting, self.crash = False, ""
-        for target in (self._beat, self._judge):
-            threading.Thread(target=target, daemon=True, name="eqxscan-peers").start()
+        self.stop = threading.Event()
+        self.threads = [
+            threading.Thread(target=target, daemon=True, name="eqxscan-peers")
+            for target in (self._beat, self._judge)
+        ]
+        for thread in self.threads:
+            thread.start()
         atexit.register(self._leave)
         # An uncaught exception, told the others at once (exit handlers may
         # close the collectives first): else they take it for a process that
@@ -83,8 +88,15 @@ class _PeerWatch:
 
         sys.excepthook = crashed
 
+    def _watching(self) -> bool:
+        # The job ends at JAX's shutdown, called by the user or by `_leave`:
+        # the store is gone then, and silence is no longer a sign of death.
+        return not self.stop.is_set() and jax.distributed.is_initialized()
+
     def _beat(self) -> None:
         for beat in itertools.count(1):
+            if not self._watching():
+                return
             # If the store cannot be reached, `_judge` decides. Once this
             # process has left or crashed, its state stands in for the counter.
             with contextlib.suppress(Exception):
@@ -98,11 +110,12 @@ class _PeerWatch:
                     continue  # not written yet, or the store is gone
                 if value != self.seen[i][0]:
                     self.seen[i] = (value, time.monotonic())
-            time.sleep(self.interval)
+            self.stop.wait(self.interval)
 
     def _judge(self) -> None:
-        while True:
-            time.sleep(self.interval)
+        while not self.stop.wait(self.interval):
+            if not self._watching():
+                return
             now = time.monotonic()
             for i, (value, since) in list(self.seen.items()):
                 if value.startswith("crashed"):
@@ -128,6 +141,9 @@ class _PeerWatch:
         # Before JAX's own exit handler (registered earlier, so it runs later):
         # a process that ends is not taken for a dead one by the others.
         self.exiting = True
+        if not jax.distributed.is_initialized():  # the user ended the job
+            self._stop()
+            return
         state = f"crashed:{self.crash}" if self.crash else "left"
         try:
             self.client.key_value_set(_ALIVE.format(self.me), state, True)
@@ -136,6 +152,21 @@ class _PeerWatch:
                 self._lost(0, time.monotonic() - self.reached)
         if self.crash:
             self._end_crashed()
+        # JAX's exit barrier, here rather than in its exit handler (which then
+        # has nothing to do), so that the watch goes on through it and is
+        # stopped after it: a thread still inside a call into JAX's client when
+        # the interpreter finalizes aborts the process ("FATAL: exception not
+        # rethrown", status 134).
+        try:
+            jax.distributed.shutdown()
+        finally:
+            self._stop()
+
+    def _stop(self) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=10 * self.interval + 5)
 
     def _end_crashed(self) -> None:
         # Not JAX's exit barrier, which would wait shutdown_timeout for the
