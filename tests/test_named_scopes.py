@@ -46,6 +46,18 @@ def test_chain_runs_and_lone_layers_are_named(getkey):
     assert any("/Other/mul" in n and "layers_" not in n for n in names)
 
 
+def test_scanned_groups_are_named_in_the_compiled_program(getkey):
+    # Twelve layers are scanned, not unrolled: the names go through the loop.
+    blocks = [MyBlock(jr.normal(getkey(), (4, 4))) for _ in range(12)]
+    for model, head in (
+        (eqxscan.Chain([*blocks, Other(jnp.ones(4))], remat=False), "layers_0-11/"),
+        (eqxscan.Stacked(lambda k: MyBlock(jr.normal(k, (4, 4))), 12, key=getkey()), ""),
+    ):
+        hlo = jax.jit(lambda m, x: m(x)).lower(model, jnp.ones(4)).compile().as_text()
+        assert f"/{head}while/body/closed_call/" in hlo
+        assert "/MyBlock/dot_general" in hlo
+
+
 def test_recurrent_step_carries_the_cell_class(getkey):
     rnn = eqxscan.Recurrent(eqxscan.ElmanCell(3, 4, key=getkey()))
     names = op_names(rnn, jnp.zeros(4), jnp.ones((5, 3)))
