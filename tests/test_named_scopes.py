@@ -49,10 +49,9 @@ def test_chain_runs_and_lone_layers_are_named(getkey):
 def test_scanned_groups_are_named_in_the_compiled_program(getkey):
     # Twelve layers are scanned, not unrolled: the names go through the loop.
     blocks = [MyBlock(jr.normal(getkey(), (4, 4))) for _ in range(12)]
-    for model, head in (
-        (eqxscan.Chain([*blocks, Other(jnp.ones(4))], remat=False), "layers_0-11/"),
-        (eqxscan.Stacked(lambda k: MyBlock(jr.normal(k, (4, 4))), 12, key=getkey()), ""),
-    ):
+    chain = eqxscan.Chain([*blocks, Other(jnp.ones(4))], remat=False)
+    stack = eqxscan.Stacked.from_layers(blocks)
+    for model, head in ((chain, "layers_0-11/"), (stack, "")):
         hlo = jax.jit(lambda m, x: m(x)).lower(model, jnp.ones(4)).compile().as_text()
         assert f"/{head}while/body/closed_call/" in hlo
         assert "/MyBlock/dot_general" in hlo

@@ -170,6 +170,54 @@ def test_weights_without_elements(kind):
         assert [(r.max_abs, r.relative) for r in quant.report(stack, q)] == [(0, 0)] * 2
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4", "int4-native", "fp8"])
+def test_a_column_too_small_for_its_scale_dequantizes_to_zero(kind):
+    # max / limit is subnormal, flushed to 0: a scale of 0 made fp8's zeros
+    # 0/0 = NaN, and the others' values 0, without a word.
+    kind, _, storage = kind.partition("-")
+    w = np.zeros((1, 64, 3), np.float32)
+    w[0, 0, 0], w[0, 5, 1], w[0, :, 2] = 1e-38, -5e-38, 1.0
+    stack = eqxscan.Stacked.from_layers([Holder(jnp.asarray(w[0]))])
+    kw = dict(kind=kind, group_size=32, int4_storage=storage or "packed")
+    q = quant.quantize(stack, "*.w", **kw).layers.w
+    assert np.all(np.asarray(q.scales)[..., :2] == 1)
+    got = np.asarray(q.dequantize())
+    np.testing.assert_array_equal(got[..., :2], 0)  # within 5e-38 of the weights
+    x = np.ones((2, 64), np.float32)
+    np.testing.assert_allclose(x @ _layer(q, 0), x @ w[0], atol=0.05)
+
+
+@pytest.mark.parametrize("change", ["dtype", "orientation", "kind"])
+def test_a_file_into_a_weight_quantized_otherwise_is_refused(getkey, tmp_path, change):
+    # The arrays alike (square weights, float32 scales), the static fields
+    # not: eqxscan.load computed with the model's without a word.
+    w = _weights(getkey, (2, 64, 64))
+    stack = eqxscan.Stacked.from_layers([Holder(wi) for wi in w])
+    saved = quant.quantize(stack, "*.w", kind="int8")
+    other = {
+        "dtype": lambda: quant.quantize(
+            jax.tree.map(lambda a: a.astype(jnp.bfloat16), stack), "*.w", kind="int8"
+        ),
+        "orientation": lambda: quant.quantize(
+            stack, "*.w", kind="int8", orientation="W@x"
+        ),
+        "kind": lambda: quant.quantize(stack, "*.w", kind="fp8"),
+    }[change]()
+    eqxscan.save(tmp_path / "q.safetensors", saved)
+    loaded = eqxscan.load(tmp_path / "q.safetensors", saved)
+    assert jnp.array_equal(loaded.layers.w.values, saved.layers.w.values)
+    if change == "kind":  # fp8's uint8 values against int8's: a dtype error
+        with pytest.raises(ValueError, match="int8"):
+            eqxscan.load(tmp_path / "q.safetensors", other)
+        return
+    with pytest.raises(
+        ValueError,
+        match=rf"Quantized weight at `\*\.w` was saved with {change}=.*\n"
+        r"Hint: build like as the saved model was: quantize a model",
+    ):
+        eqxscan.load(tmp_path / "q.safetensors", other)
+
+
 def _layer(q, i):
     return jax.tree.map(lambda a: a[i], q)
 
@@ -209,6 +257,7 @@ def test_a_cast_of_the_quantized_model_is_refused_where_used_or_saved(getkey, tm
         lambda: q16(x.astype(jnp.float32)),
         lambda: quant.dequantize(q16),
         lambda: quant.save(tmp_path / "m.safetensors", q16),
+        lambda: eqxscan.save(tmp_path / "m.safetensors", q16),
     ):
         _raises(TypeError, match, use)
     assert not list(tmp_path.iterdir())

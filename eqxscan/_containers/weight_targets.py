@@ -54,10 +54,14 @@ class MatmulOnly:
     def _where(self) -> str:
         return f"The {self._label} at `{self.name or '<unnamed>'}`"
 
-    def _record(self) -> dict[str, float]:
+    def _record(self) -> dict[str, float | int | str | None]:
         # Static fields it computes with that a checkpoint records beside its
         # arrays, and checks when loading (a LoRA's alpha); none by default.
         return {}
+
+    def _rebuild(self, saved: str) -> str:
+        # How to build one as saved, `saved` the recorded fields that differ.
+        return f"{self._maker}(..., {saved})"
 
     def _check(self, used_as: Orientation, x: object) -> None:
         # One layer's weight, used as it computes, and x's size along the

@@ -97,7 +97,7 @@ class LoRA(MatmulOnly, eqx.Module):
         """`alpha / rank`, as PEFT scales its adapters."""
         return self.alpha / self.rank
 
-    def _record(self) -> dict[str, float]:
+    def _record(self) -> dict[str, float | int | str | None]:
         # `eqxscan.save` records alpha (rank is the arrays' shapes): a file
         # loaded into a LoRA of another alpha is refused, not scaled otherwise.
         return {"alpha": self.alpha}

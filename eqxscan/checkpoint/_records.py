@@ -86,5 +86,5 @@ def check_records(
             f"{where!r} does not fit the model: the {weight._label} at `{name}` "
             f"was saved with {said}, and the model's has {model}{also}; loaded, "
             f"it would compute with the model's.\nHint: build like as the saved "
-            f"model was ({weight._maker}(..., {said}))."
+            f"model was: {weight._rebuild(said)}."
         )

@@ -309,14 +309,16 @@ def load(path: str | os.PathLike, like: T) -> T:
     check_like("eqxscan.quant.load", like, _EXAMPLE)
     given = like
     like = jtu.tree_map(_packed_like, like, is_leaf=is_quantized)
-    # `like` given: a LoRA's alpha recorded otherwise is refused.
-    with open_safetensors(path, like) as opened:
+    # Each weight's quantization first, every one named; then, `like` given,
+    # what any stand-in records (a LoRA's alpha), as `eqxscan.load` checks it.
+    with open_safetensors(path) as opened:
         problems = _problems(opened, like)
         if problems:
             raise ValueError(
                 f"{opened.where!r} does not fit the quantized model: "
                 f"{listed([line for line, _ in problems])}.\n{problems[0][1]}"
             )
+    with open_safetensors(path, like) as opened:
         # A float8 array of a file read as the `uint8` codes fp8 `values` are
         # held as (bit for bit): a file converted to safetensors' `F8_E4M3`
         # loads too.

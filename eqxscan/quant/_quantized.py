@@ -297,6 +297,22 @@ class Quantized(MatmulOnly, eqx.Module):
         arrays = dict(values=values, scales=scales)
         return x @ dataclasses.replace(self, **arrays, kernel="xla")
 
+    def _record(self) -> dict[str, float | int | str | None]:
+        # What the arrays do not say: a file loaded into a weight quantized
+        # otherwise (from a model of another dtype, a square weight in the
+        # other orientation) is refused, not computed otherwise. A cast's
+        # scales are refused here, where they are saved.
+        self._check_scales()
+        return {
+            "kind": self.kind,
+            "group_size": self.group_size,
+            "orientation": self.orientation,
+            "dtype": self.dtype.name,
+        }
+
+    def _rebuild(self, saved: str) -> str:
+        return f"quantize a model of the saved dtype with the saved options ({saved})"
+
     def _check_scales(self) -> None:
         # Casting a model's float arrays casts the scales but not the static
         # `dtype`: a half-cast weight, which a file would record as float32.
@@ -388,11 +404,14 @@ def unpack_int4(packed: Array) -> Array:
 
 
 def _scales(amax: Array, limit: float) -> Array:
-    """`amax / limit` exactly (1 where `amax` is 0). XLA turns a division by a
-    constant or a broadcast into a product by its rounded reciprocal: 1 ulp
-    off, eagerly or compiled alike, were the divisor not hidden from it."""
+    """`amax / limit` exactly (1 where that is 0: `amax` is 0, or so small that
+    the quotient is subnormal, which XLA flushes to 0; a scale of 0 would make
+    the values 0/0). XLA turns a division by a constant or a broadcast into a
+    product by its rounded reciprocal: 1 ulp off, eagerly or compiled alike,
+    were the divisor not hidden from it."""
     divisor = jax.lax.optimization_barrier(jnp.full(amax.shape, limit, jnp.float32))
-    return jnp.where(amax == 0, 1.0, amax / divisor)
+    scale = amax / divisor
+    return jnp.where(scale == 0, 1.0, scale)
 
 
 def with_storage(q: Quantized, storage: Int4Storage) -> Quantized:
