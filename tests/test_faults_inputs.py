@@ -319,6 +319,14 @@ def test_an_optimizer_state_without_arrays_saves_and_restores(tmp_path):
         assert jnp.array_equal(restored["w"], model["w"])
         with pytest.raises(ValueError, match="model holds no arrays to save"):
             c.save(2, {"w": 1.0})
+        # An Adam state saved, an SGD state asked for: it came back empty,
+        # the saved state left unread without a word.
+        c.save(3, model, optax.adam(0.1).init(model))
+        with pytest.raises(
+            ValueError, match=r"only in the checkpoint: opt_state\.0\.count; "
+        ):
+            c.restore(model, sgd, mesh=mesh, step=3)
+        assert c.restore(model, None, mesh=mesh, step=3)[2] == 3  # not asked for
 
 
 def test_a_dotted_dict_key_is_refused_before_an_orbax_save(tmp_path):

@@ -35,6 +35,7 @@ from .._internal import (
 )
 from ..sharding import MIN_SIZE, model_shardings, opt_state_shardings, shard
 from ._files import check_path, flatten, listed
+from ._in_flight import flying, landed
 from ._step_dirs import (
     corruption,
     DIGESTS,
@@ -297,7 +298,7 @@ class CheckpointManager:
         except Exception as e:
             raise self._save_failed([step], e) from e
         self._unsealed.append(step)
-        if wait or not self._asynchronous:
+        if wait or not self._asynchronous or not flying(self):
             self.wait()
 
     def restore(
@@ -357,6 +358,8 @@ class CheckpointManager:
                 f"{why}.\nHint: restore another step (all_steps() lists them: "
                 f"{self.all_steps()}); {DOCS}."
             )
+        if opt_state is not None and "opt_state" not in target:
+            self._check(step, target | {"opt_state": {}})  # one saved is named
         out = self._read(step, target)
         trees = {"model": model, "opt_state": opt_state}
         saved = out["step"].get("stage_order", {})
@@ -429,6 +432,8 @@ class CheckpointManager:
     def _check(self, step: int, target: dict[str, Any]) -> None:
         # Orbax's own errors name tensorstore paths; name the entries instead.
         metadata = self._manager.item_metadata(step)
+        # An optimizer state without arrays (SGD's) asked for, `{}` in
+        # `target`: one saved with arrays is compared with it, not left unread.
         saved = flatten(
             {k: metadata[k].tree for k in target if metadata.get(k) is not None}
         )
@@ -500,6 +505,7 @@ class CheckpointManager:
         # The digests of the steps saved since, by process 0 (which finalises
         # the steps after every process wrote).
         pending, self._unsealed = self._unsealed, []
+        landed(self)
         if not pending:
             return
         try:
