@@ -326,3 +326,24 @@ def test_groups_of_chunks_on_an_accelerator_are_bounded_by_bytes(monkeypatch):
     per_chunk = 4 * 4 * 8 * 64 * 64 * 4
     fits = lm._ACCELERATOR_GROUP_BYTES // per_chunk
     assert lm._group_size(10 * fits, 4, 8, 64, 64) == fits
+
+
+def test_a_negative_decay_is_refused_by_the_chunked_form():
+    # Sums of logs cannot hold a sign: the decay counted as ~0, outputs off by
+    # as much as the outputs, without a word.
+    a, k, v, q, s0 = inputs(20)
+    a = a.at[6, 1, 2].set(-0.5)
+    seq = run((a, k, v, q, s0), "sequential", chunk=4)
+    assert np.isfinite(seq[1]).all()  # the sequential form computes it
+    with pytest.raises(
+        ValueError,
+        match=r"chunked form needs decays a >= 0, but a\[6, 1, 2\] is -0\.5 \(1 "
+        r"negative\)\.\nHint: method='sequential'",
+    ):
+        run((a, k, v, q, s0), "chunked", chunk=4)
+    # Traced, as in a Recurrent: its state row NaN from its chunk on, and the
+    # outputs reading it; the rest as the sequential form computes it.
+    s_T, o = jax.jit(lambda a: run((a, k, v, q, s0), "chunked", chunk=4))(a)
+    assert np.isnan(s_T[1, 2]).all() and np.isnan(o[8:, 1]).all()
+    np.testing.assert_allclose(o[:, 0], seq[1][:, 0], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(o[:4], seq[1][:4], rtol=1e-4, atol=1e-4)

@@ -655,3 +655,56 @@ def test_diagonal_scan_names_a_bad_method_shape_or_chunk():
         for a_, b_ in ((a[:, :1], b), (a, b[:, :1])):
             h_T, _ = scan(a_, b_, h0, method=np.str_(method))
             np.testing.assert_allclose(h_T, want, rtol=1e-6)
+
+
+class Clipped(eqxscan.DiagonalLinearCell):
+    # A step of its own around the recurrence its gates describe.
+    cell: eqxscan.MinGRU
+
+    def gates(self, x):
+        return self.cell.gates(x)
+
+    def __call__(self, x, h):
+        return jnp.clip(super().__call__(x, h), -0.1, 0.1)
+
+
+class ClippedGLA(TinyGLA):
+    def __call__(self, x, S):
+        return super().__call__(x, S) / (1 + jnp.abs(S).max())
+
+
+def test_a_cell_that_overrides_its_step_is_run_step_by_step(monkeypatch, getkey):
+    # The parallel forms computed the gates' recurrence, not the cell's step.
+    cell = Clipped(cells(getkey())["mingru"][0])
+    xs, h = jr.normal(getkey(), (12, 3)) * 3, jnp.zeros(6)
+    for x in xs:
+        h = cell(x, h)
+    for method in ("associative", "chunked"):
+        with pytest.raises(ValueError, match=r"overrides `__call__`.*\n.*'sequential'"):
+            eqxscan.Recurrent(cell, method=method)
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")  # "auto": parallel
+    h_T, _ = eqxscan.Recurrent(cell, chunk_size=4)(jnp.zeros(6), xs)
+    np.testing.assert_allclose(h_T, h, rtol=1e-6)
+    gla = ClippedGLA(jr.normal(getkey(), (24, 5)))
+    xs, S = jr.normal(getkey(), (9, 5)), jr.normal(getkey(), (2, 3, 3))
+    s_T, _ = eqxscan.Recurrent(gla, chunk_size=4)(S, xs)
+    for x in xs:
+        S = gla(x, S)
+    np.testing.assert_allclose(s_T, S, rtol=1e-5, atol=1e-6)
+
+
+class StackedGates(eqxscan.DiagonalLinearCell):
+    def gates(self, x):
+        return jnp.stack([jnp.full_like(x, 0.5), x])  # not a tuple
+
+
+@pytest.mark.parametrize("method", ["sequential", "associative"])
+def test_gates_stacked_in_one_array_are_refused(method):
+    # Unpacked along time by the parallel forms: other values at T=2.
+    rnn = eqxscan.Recurrent(StackedGates(), method=method)
+    with pytest.raises(
+        TypeError,
+        match=r"StackedGates\.gates returned an array of shape \[2, 3\], where a "
+        r"tuple \(a_t, b_t\) was expected",
+    ):
+        rnn(jnp.ones(3), jnp.ones((2, 3)))

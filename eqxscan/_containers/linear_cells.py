@@ -11,6 +11,23 @@ from jaxtyping import Array, Inexact, PyTree
 from .linear_diag import check_gate_fits
 
 
+def check_gates_tuple(cell: object, gates: object, n: int) -> tuple:
+    """`cell.gates`' result, refused unless a tuple (or list) of `n` gates (an
+    array would be unpacked along its first axis: time, in the parallel forms)."""
+    if isinstance(gates, tuple | list) and len(gates) == n:
+        return tuple(gates)
+    names = "(a_t, b_t)" if n == 2 else "(a_t, k_t, v_t, q_t)"
+    got = f"a {type(gates).__name__}"
+    if isinstance(gates, tuple | list):
+        got += f" of {len(gates)}"
+    elif hasattr(gates, "shape"):
+        got = f"an array of shape {list(gates.shape)}"  # pyright: ignore
+    raise TypeError(
+        f"{type(cell).__name__}.gates returned {got}, where a tuple {names} was "
+        f"expected.\nHint: return the {n} gates as a tuple, not stacked."
+    )
+
+
 class DiagonalLinearCell(eqx.Module):
     """A cell with the diagonal linear recurrence `h_t = a_t * h_{t-1} + b_t`,
     where `a_t` and `b_t` depend on the input `x_t` only (LRU, minGRU, S4D/S5,
@@ -75,7 +92,7 @@ class DiagonalLinearCell(eqx.Module):
 
         The next carry.
         """
-        a, b = self.gates(x_t, *args, **kwargs)
+        a, b = check_gates_tuple(self, self.gates(x_t, *args, **kwargs), 2)
         name = type(self).__name__
 
         def step(path: tuple, a_: Array, b_: Array, h_: Array) -> Array:
@@ -109,7 +126,7 @@ class MatrixLinearCell(eqx.Module):
         self, x_t: PyTree, S: Inexact[Array, "H dk dv"], *args: PyTree, **kwargs: PyTree
     ) -> Inexact[Array, "H dk dv"]:
         """One step: the new state `S_t` (the recurrent form, for decoding)."""
-        a, k, v, _ = self.gates(x_t, *args, **kwargs)
+        a, k, v, _ = check_gates_tuple(self, self.gates(x_t, *args, **kwargs), 4)
         check_gate_fits(a, S, f"a from {type(self).__name__}.gates")
         new = a[:, :, None] * S + k[:, :, None] * v[:, None, :]
         return new.astype(S.dtype)
@@ -123,5 +140,5 @@ class MatrixLinearCell(eqx.Module):
     ) -> Inexact[Array, "H dv"]:
         """The read-out `o_t = einsum("hk,hkv->hv", q_t, S_t)` of the state after
         consuming `x_t`."""
-        q = self.gates(x_t, *args, **kwargs)[3]
+        q = check_gates_tuple(self, self.gates(x_t, *args, **kwargs), 4)[3]
         return jnp.einsum("hk,hkv->hv", q, S_t)

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Literal
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
@@ -80,7 +81,10 @@ def matrix_scan(
       normal float32 (`1.2e-38`; 0 included) counts as that value in the
       chunked form, a reset up to a factor `1e-38`, and gets no gradient; below
       about `1e-36` its gradient loses precision there (`1e-37`: 2e-3 of the
-      largest, its intermediates subnormal). The sequential form is exact.
+      largest, its intermediates subnormal). A negative decay is refused by
+      the chunked form (`ValueError` where `a` is concrete; traced, its
+      chunk's outputs and the states after it are NaN). The sequential form is
+      exact for any decay.
     - `k`, `q`: keys and queries, `[T, H, dk]`.
     - `v`: values, `[T, H, dv]`.
     - `s0`: the initial state, `[H, dk, dv]`.
@@ -104,6 +108,14 @@ def matrix_scan(
     check_option("method", method, ("sequential", "chunked"))
     reverse = check_bool("reverse", reverse)
     chunk_size = check_size("chunk_size", chunk_size)
+    if method == "chunked" and not isinstance(a, jax.core.Tracer):
+        if (negative := np.argwhere(np.asarray(a) < 0)).size:
+            at = [int(i) for i in negative[0]]
+            raise ValueError(
+                f"matrix_scan's chunked form needs decays a >= 0, but a{at} is "
+                f"{float(np.asarray(a)[tuple(at)]):.4g} ({len(negative)} negative)."
+                "\nHint: method='sequential' computes any decay."
+            )
     return _run(a, k, v, q, s0, method, chunk_size, reverse)
 
 
@@ -193,8 +205,11 @@ def _chunked(
         k, v, q = (jnp.pad(x, widths) for x in (k, v, q))
     N = (T + pad) // chunk
     split = lambda x: x.reshape(N, n, c, H, x.shape[-1])
-    # Clamped so that a decay of 0 gives a finite log (no `inf - inf`).
-    la = jnp.log(jnp.maximum(a, jnp.finfo(a.dtype).tiny))
+    # Clamped so that a decay of 0 gives a finite log (no `inf - inf`); a
+    # negative one, which sums of logs cannot hold, makes NaN (not the smallest
+    # decay: a wrong number without a word).
+    clamped = jnp.maximum(a, jnp.finfo(a.dtype).tiny)
+    la = jnp.log(jnp.where(a < 0, jnp.nan, clamped))
     xs = (split(la), split(k), split(v), split(q))
     # Rematerialised: reverse mode keeps the inputs, and the `[N, n, n, c, H,
     # dk]` decay tensors of one group at a time.

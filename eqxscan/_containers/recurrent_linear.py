@@ -14,7 +14,7 @@ from jaxtyping import Array, Bool, PRNGKeyArray, PyTree
 from .._helpers.checks import check_option, check_size, describe
 from .._scan.options import ScanOptions
 from .._scan.taps import tapping
-from .linear_cells import DiagonalLinearCell, MatrixLinearCell
+from .linear_cells import check_gates_tuple, DiagonalLinearCell, MatrixLinearCell
 from .linear_diag import check_gate_fits, choose_method, diagonal_scan, Method
 from .linear_matrix import matrix_scan
 from .recurrent_inputs import block_starts, Controls, kept_inputs
@@ -44,6 +44,13 @@ def _kind(cell: object) -> Literal["diagonal", "matrix"] | None:
     return "matrix" if isinstance(cell, MatrixLinearCell) else None
 
 
+def _own_call(cell: object) -> bool:
+    # A step other than the recurrence its gates describe (a clip, a norm):
+    # only the engine, which calls the cell, computes it.
+    base = DiagonalLinearCell if _kind(cell) == "diagonal" else MatrixLinearCell
+    return type(cell).__call__ is not base.__call__  # pyright: ignore
+
+
 def check_method(cell: object, method: object, chunk_size: object) -> ChunkSize:
     """Check `method=` and `chunk_size=` of a `Recurrent` against its cell;
     returns `chunk_size` as an int or `"auto"`."""
@@ -56,6 +63,13 @@ def check_method(cell: object, method: object, chunk_size: object) -> ChunkSize:
             f"eqxscan.DiagonalLinearCell or eqxscan.MatrixLinearCell, but the cell "
             f"is a {type(cell).__name__}.\nHint: other cells run step by step: "
             "method='sequential' (or 'auto')."
+        )
+    if method in ("associative", "chunked") and kind and _own_call(cell):
+        raise ValueError(
+            f"method={method!r} computes h_t from the gates alone, but the cell "
+            f"{type(cell).__name__} overrides `__call__`, which it cannot call "
+            "(it never forms each step's carry by the cell).\nHint: use "
+            "method='sequential' (or 'auto'), which calls it at every step."
         )
     if method == "chunked" and kind == "matrix" and _own_output(cell):
         raise ValueError(
@@ -92,7 +106,7 @@ def resolve_form(
     parallel method is named); and for a matrix state truncated or sequential
     (the engine reads out each step)."""
     kind = _kind(cell)
-    if kind is None or tapping() or controls.length == 0:
+    if kind is None or tapping() or controls.length == 0 or _own_call(cell):
         return "engine"
     engine_asked = options.mode == "loop" or options.remat != "auto"
     if method in ("sequential", "auto") and engine_asked:
@@ -131,14 +145,16 @@ def run_parallel(
     (args, kwargs), (per_step, same) = call, keys
     xs_dyn, xs_static = eqx.partition(xs, eqx.is_array)
 
+    matrix = isinstance(cell, MatrixLinearCell)
+
     def step_gates(x_dyn: PyTree, key: PRNGKeyArray | None) -> tuple:
         key = same if key is None else key
         keyed = {} if key is None else {"key": key}
-        return cell.gates(eqx.combine(x_dyn, xs_static), *args, **kwargs, **keyed)
+        out = cell.gates(eqx.combine(x_dyn, xs_static), *args, **kwargs, **keyed)
+        return check_gates_tuple(cell, out, 4 if matrix else 2)
 
     kept = kept_inputs(xs_dyn, controls.mask)  # no inputs: `length=` steps
     gates = list(jax.vmap(step_gates, axis_size=controls.length)(kept, per_step))
-    matrix = isinstance(cell, MatrixLinearCell)
     if not matrix:
         _check_gates(cell, gates[0], gates[1], h0)
     else:
