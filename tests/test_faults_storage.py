@@ -37,6 +37,7 @@ with checkpoint.CheckpointManager(sys.argv[1]) as c:  # asynchronous
         c.save(3, model)
     except PermissionError as e:
         print(f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        print(f"errno {e.errno}", file=sys.stderr, flush=True)
     atomicity.AtomicRenameTemporaryPath.finalize = real
     c.save(4, model)  # storage back: saves go on
     c.wait()
@@ -80,5 +81,6 @@ def test_failed_asynchronous_saves_are_named_and_the_process_exits(tmp_path):
         )
         (at,) = [i for i, line in enumerate(lines) if line.startswith(headline)]
         assert lines[at + 1].startswith(hint) and kept in lines[at + 1], lines[at:]
+    assert "errno 13" in lines  # the system's errno kept, as the docs say
     assert lines[-1].startswith(hint)  # the second one ended the process
     assert took < 60, took

@@ -407,3 +407,18 @@ def test_factored_moments_of_a_checked_model_save_and_load(tmp_path):
     loaded = eqxscan.load(tmp_path / "opt.safetensors", state)
     for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(state), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_plain_factored_state_is_refused_at_save_with_the_ways_that_work(tmp_path):
+    # Plain adafactor's moments lack the layer axis: the refusal names where to
+    # go (layerwise, or the Orbax manager, which saves it whole).
+    model = eqxscan.StackedMLP(8, 3, key=jax.random.key(1))
+    state = optax.adafactor(1e-2, min_dim_size_to_factor=4).init(
+        eqx.filter(model, eqx.is_inexact_array)
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"leading axes must be \(3,\)\.\nHint: .*eqxscan\.optim\.layerwise, "
+        r"or whole with eqxscan\.checkpoint\.CheckpointManager",
+    ):
+        eqxscan.save(tmp_path / "opt.safetensors", state)

@@ -620,3 +620,48 @@ def test_a_header_giving_an_array_another_shape_or_dtype_of_its_size_is_named(
     # Files of other writers record no shapes: they load as their headers say.
     _rewrite_header(path, lambda h: h.pop("__metadata__"))
     assert eqxscan.read_safetensors(path)["blocks.0.w1"].shape == (16, 4)
+
+
+def test_a_damaged_digest_entry_name_is_corruption_not_a_file_of_another_writer(
+    tmp_path,
+):
+    # One flipped bit in the metadata key 'eqxscan.sha256' turned the digest
+    # check off: a flipped data byte then loaded without a word.
+    path = tmp_path / "model.safetensors"
+    eqxscan.save_safetensors(path, _mlp())
+
+    def damage(header):
+        meta = header["__metadata__"]
+        meta["eqxscan.sha246"] = meta.pop("eqxscan.sha256")
+
+    _rewrite_header(path, damage)
+    with pytest.raises(
+        eqxscan.checkpoint.CorruptFileError, match="metadata lacks 'eqxscan.sha256'"
+    ):
+        eqxscan.load_safetensors(path, _mlp())
+
+
+def test_a_file_saved_over_while_it_is_opened_is_not_called_corrupt(
+    tmp_path, monkeypatch
+):
+    # The header and digests were read from one file and the bytes from the
+    # one saved over it: CorruptFileError, 'restore it from a copy'.
+    from eqxscan.checkpoint import _safetensors_read as read
+
+    path, new = tmp_path / "model.safetensors", tmp_path / "new.safetensors"
+    eqxscan.save_safetensors(path, _mlp(seed=0))
+    eqxscan.save_safetensors(new, _mlp(seed=1))
+    opened = read._package().safe_open
+    saves = [new]
+
+    def safe_open_then_saved_over(file, **kw):
+        handle = opened(file, **kw)
+        if saves:
+            os.replace(saves.pop(), path)  # a save, between the two opens
+        return handle
+
+    monkeypatch.setattr(read._package(), "safe_open", safe_open_then_saved_over)
+    loaded = eqxscan.load_safetensors(path, _mlp())
+    want = eqxscan.to_state_dict(_mlp(seed=1))
+    for name, array in eqxscan.to_state_dict(loaded).items():
+        np.testing.assert_array_equal(array, want[name])

@@ -545,9 +545,11 @@ class CheckpointManager:
         )
         if isinstance(error, OSError):
             try:
-                return type(error)(message)
+                named = type(error)(message)
             except Exception:
-                return OSError(message)
+                named = OSError(message)
+            named.errno = error.errno  # the message kept as it is
+            return named
         return RuntimeError(message)
 
     def _latest_verified(self, latest: int) -> int:

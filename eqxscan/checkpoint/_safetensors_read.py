@@ -29,6 +29,7 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 _DIGESTS = "eqxscan.sha256"  # metadata: JSON {name: hex digest}
 _SPECS = "eqxscan.specs"  # metadata: JSON {name: "float32[4, 16]"}
+_REPLACED_TRIES = 5
 _TOKEN = "eqxscan.save"  # metadata of each file and of the index: one save's token
 
 
@@ -117,28 +118,46 @@ class _Files:
         return files, token if isinstance(token, str) else None, path
 
     def _open(self, file: str, names: list[str] | None, token: str | None) -> None:
-        try:
-            # The package checks the header (offsets, sizes); its handle maps
-            # the whole file, whose pages read through it would stay resident
-            # until it closes: the data is read by `_Bytes` instead.
-            with _package().safe_open(file, framework="np") as handle:
-                keys = list(handle.keys())
-                meta = handle.metadata() or {}
-                specs = {}
-                for key in keys:
-                    piece = handle.get_slice(key)
-                    specs[key] = (tuple(piece.get_shape()), piece.get_dtype())
-                raw = _Bytes(file)
-            self.handles.append(raw)
-            self.metadata[os.path.basename(file)] = dict(meta)
-        except Exception as e:  # the package's SafetensorError, or an OSError
-            with open(file, "rb") as f:
-                start = f.read(4)
-            if start.startswith(b"PK"):
-                why = "it is a zip archive (an .npz?), not safetensors"
-            else:
-                why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-            raise _bad(file, why) from None
+        for _ in range(_REPLACED_TRIES):
+            try:
+                # The package checks the header (offsets, sizes); its handle
+                # maps the whole file, whose pages read through it would stay
+                # resident until it closes: the data is read by `_Bytes`.
+                seen = os.stat(file).st_ino
+                with _package().safe_open(file, framework="np") as handle:
+                    keys = list(handle.keys())
+                    meta = handle.metadata() or {}
+                    specs = {}
+                    for key in keys:
+                        piece = handle.get_slice(key)
+                        specs[key] = (tuple(piece.get_shape()), piece.get_dtype())
+                    raw = _Bytes(file)
+            except Exception as e:  # the package's SafetensorError, or an OSError
+                with open(file, "rb") as f:
+                    start = f.read(4)
+                if start.startswith(b"PK"):
+                    why = "it is a zip archive (an .npz?), not safetensors"
+                else:
+                    why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+                raise _bad(file, why) from None
+            # A save replacing the file between the two opens: the header and
+            # digests of one file, the bytes of another, taken for corruption.
+            if os.fstat(raw.file.fileno()).st_ino == seen:
+                break
+            raw.close()
+        else:
+            raise CorruptFileError(
+                f"Safetensors file {file!r} was replaced {_REPLACED_TRIES} times "
+                "while it was being opened.\nHint: load it once the program "
+                "saving it has finished."
+            )
+        self.handles.append(raw)
+        self.metadata[os.path.basename(file)] = dict(meta)
+        # A file of eqxscan's saves holds its digests: one without them (the
+        # entry's name damaged) would be read unchecked. (A converter may drop
+        # the specs, which only restate the header.)
+        if _TOKEN in meta and _DIGESTS not in meta:
+            raise _bad(file, f"its metadata lacks {_DIGESTS!r}")
         records = []
         for entry in (_DIGESTS, _SPECS):
             try:
@@ -259,8 +278,11 @@ class _Bytes:
                 done += got
         return data.view(dtype).reshape(shape)
 
-    def __exit__(self, *exc: object) -> None:
+    def close(self) -> None:
         self.file.close()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 _DTYPES = {

@@ -68,7 +68,10 @@ class _Leaf:
             raise ValueError(
                 f"`{pattern(site.path)}` has shape {tuple(leaf.shape)}, but it sits "
                 f"inside Stacked layers of depth {site.axes}, so its leading axes "
-                f"must be {site.axes}."
+                f"must be {site.axes}.\nHint: an optimizer state shaped otherwise "
+                "than the model (a factored one, as optax.adafactor's) saves per "
+                "layer under eqxscan.optim.layerwise, or whole with "
+                f"eqxscan.checkpoint.CheckpointManager; see {docs('checkpoints.md')}."
             )
         self.shape = tuple(data.shape[len(site.axes) :])
         self.dtype = np.dtype(data.dtype)
