@@ -708,3 +708,13 @@ def test_gates_stacked_in_one_array_are_refused(method):
         r"tuple \(a_t, b_t\) was expected",
     ):
         rnn(jnp.ones(3), jnp.ones((2, 3)))
+
+
+def test_gates_of_another_structure_than_the_carry_are_named():
+    # A dict `a` for an array carry failed in `astype` ('dict' object has no
+    # attribute), a list for a tuple printed the whole array.
+    h0, a = jnp.ones(3), jnp.full((4, 3), 0.5)
+    with pytest.raises(ValueError, match=r"diagonal_scan: a has structure .*h0"):
+        eqxscan.diagonal_scan({"a": a}, a, h0, method="sequential")
+    with pytest.raises(ValueError, match=r"diagonal_scan: b has structure"):
+        eqxscan.diagonal_scan((a, a), [a, a], (h0, h0), method="associative")

@@ -94,6 +94,12 @@ def diagonal_scan(
     chunk_size = check_size("diagonal_scan: chunk_size", chunk_size)
     lengths = set()
     for what, g in (("a", a), ("b", b)):
+        if jtu.tree_structure(g) != tree:
+            raise ValueError(
+                f"diagonal_scan: {what} has structure {jtu.tree_structure(g)}, but "
+                f"h0 has structure {tree}.\nHint: every leaf of a and b is [T, "
+                "*carry leaf's shape], in a tree of h0's structure."
+            )
         for (path, x), h in zip(jtu.tree_leaves_with_path(g), h_leaves):
             name = f"diagonal_scan's {what}{jtu.keystr(path)}"
             check_gate_fits(x, h, name)
