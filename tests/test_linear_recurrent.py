@@ -718,3 +718,21 @@ def test_gates_of_another_structure_than_the_carry_are_named():
         eqxscan.diagonal_scan({"a": a}, a, h0, method="sequential")
     with pytest.raises(ValueError, match=r"diagonal_scan: b has structure"):
         eqxscan.diagonal_scan((a, a), [a, a], (h0, h0), method="associative")
+
+
+class Documented(eqxscan.MinGRU):
+    parallel_safe = True  # the step is the gates' own
+
+    def __call__(self, x, h):
+        """A step with a docstring of its own."""
+        return super().__call__(x, h)
+
+
+def test_an_override_that_keeps_the_step_may_say_so():
+    cell = Documented(3, 6, key=jr.key(0))
+    xs = jr.normal(jr.key(1), (12, 3))
+    plain = eqxscan.MinGRU(3, 6, key=jr.key(0))
+    for method in ("associative", "chunked"):
+        h_T, hs = eqxscan.Recurrent(cell, method=method, chunk_size=4)(jnp.zeros(6), xs)
+        want = eqxscan.Recurrent(plain, method=method, chunk_size=4)(jnp.zeros(6), xs)
+        np.testing.assert_array_equal(hs, want[1])

@@ -2,6 +2,7 @@
 [`eqxscan.Recurrent`][] can run in parallel over time as well as step by step."""
 
 import abc
+from typing import ClassVar
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -64,6 +65,11 @@ class DiagonalLinearCell(eqx.Module):
         ```
     """
 
+    # A subclass overriding `__call__` without changing the step (a check, a
+    # docstring) sets it: the parallel forms then compute its steps from the
+    # gates, which they otherwise leave to the cell, step by step.
+    parallel_safe: ClassVar[bool] = False
+
     @abc.abstractmethod
     def gates(self, x_t: PyTree) -> tuple[PyTree, PyTree]:
         """**Arguments:**
@@ -116,6 +122,8 @@ class MatrixLinearCell(eqx.Module):
     not the stacked states: stacking them would cost `T * H * dk * dv` and defeat
     the chunked form.
     """
+
+    parallel_safe: ClassVar[bool] = False  # as DiagonalLinearCell's
 
     @abc.abstractmethod
     def gates(self, x_t: PyTree) -> tuple[Array, Array, Array, Array]:

@@ -46,9 +46,11 @@ def _kind(cell: object) -> Literal["diagonal", "matrix"] | None:
 
 def _own_call(cell: object) -> bool:
     # A step other than the recurrence its gates describe (a clip, a norm):
-    # only the engine, which calls the cell, computes it.
+    # only the engine, which calls the cell, computes it. (An override that
+    # keeps the step says so: `parallel_safe = True`.)
     base = DiagonalLinearCell if _kind(cell) == "diagonal" else MatrixLinearCell
-    return type(cell).__call__ is not base.__call__  # pyright: ignore
+    overridden = type(cell).__call__ is not base.__call__  # pyright: ignore
+    return overridden and not getattr(cell, "parallel_safe", False)
 
 
 def check_method(cell: object, method: object, chunk_size: object) -> ChunkSize:
@@ -69,7 +71,8 @@ def check_method(cell: object, method: object, chunk_size: object) -> ChunkSize:
             f"method={method!r} computes h_t from the gates alone, but the cell "
             f"{type(cell).__name__} overrides `__call__`, which it cannot call "
             "(it never forms each step's carry by the cell).\nHint: use "
-            "method='sequential' (or 'auto'), which calls it at every step."
+            "method='sequential' (or 'auto'), which calls it at every step; an "
+            "override that keeps the step `a * h + b` sets parallel_safe = True."
         )
     if method == "chunked" and kind == "matrix" and _own_output(cell):
         raise ValueError(

@@ -3,9 +3,12 @@ before Python shuts down the thread pools Orbax writes with, so that a step
 `save` accepted is on disk (it was lost, the process exiting with status 0)."""
 
 import atexit
+import os
 import sys
 import threading
 from typing import Protocol, runtime_checkable
+
+import jax
 
 
 @runtime_checkable
@@ -41,12 +44,20 @@ def landed(manager: _Saving) -> None:
 
 
 def _finish() -> None:
+    failed = False
     for manager in list(_IN_FLIGHT.values()):
         try:
             manager.wait()
         except Exception as e:
+            failed = True
             sys.stderr.write(
-                f"eqxscan.checkpoint: at exit, a save to {manager.directory!r} "
-                f"that was still being written failed: {e}\n"
+                f"eqxscan.checkpoint: at exit, a save still being written failed: "
+                f"{type(e).__name__}: {e}\n"
             )
-            sys.stderr.flush()
+    if failed and jax.process_count() == 1:
+        # Status 1, not the 0 of a program that returned: its last save is
+        # lost. (Not in a job of several processes: it would skip the job's
+        # exit barrier, and the others would wait for it.)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)

@@ -359,7 +359,8 @@ class CheckpointManager:
                 f"{self.all_steps()}); {DOCS}."
             )
         if opt_state is not None and "opt_state" not in target:
-            self._check(step, target | {"opt_state": {}})  # one saved is named
+            # One saved is named (the hint: opt_state=None leaves it unread).
+            self._check(step, target | {"opt_state": {}})
         out = self._read(step, target)
         trees = {"model": model, "opt_state": opt_state}
         saved = out["step"].get("stage_order", {})
@@ -461,7 +462,8 @@ class CheckpointManager:
             raise ValueError(
                 f"Step {step} in {self.directory!r} does not match the model and "
                 f"optimizer state to restore: {' | '.join(problems)}.\nHint: pass a "
-                f"model built with the saved configuration; {DOCS}."
+                f"model and optimizer state built with the saved configuration "
+                f"(opt_state=None restores the model alone); {DOCS}."
             )
 
     def _incomplete(self, step: int) -> str | None:
@@ -498,21 +500,22 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Block until every asynchronous save has finished."""
-        self._manager.wait_until_finished()
         self._seal()
 
     def _seal(self) -> None:
         # The digests of the steps saved since, by process 0 (which finalises
         # the steps after every process wrote).
         pending, self._unsealed = self._unsealed, []
-        landed(self)
-        if not pending:
-            return
         try:
             self._manager.wait_until_finished()
         except Exception as e:
+            if not pending:
+                raise
             raise self._save_failed(pending, e) from e
-        if jax.process_index() != 0:
+        finally:
+            if not self._unsealed:  # none saved meanwhile, by another thread
+                landed(self)
+        if not pending or jax.process_index() != 0:
             return
         for step in pending:
             where = os.path.join(self.directory, str(step))

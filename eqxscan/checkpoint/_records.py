@@ -47,12 +47,17 @@ def _found(model: PyTree) -> dict[str, list[tuple[MatmulOnly, dict]]]:
 
 def records_metadata(model: PyTree) -> dict[str, str]:
     """The metadata entry recording `model`'s stand-ins (none if it has none;
-    a name that a `Chain`'s stacks share, recorded differently, is left out)."""
-    record = {
-        name: entries[0][1]
-        for name, entries in _found(model).items()
-        if all(r == entries[0][1] for _, r in entries)
-    }
+    of a name that a `Chain`'s stacks share, the fields they record alike:
+    a LoRA's `alpha` beside a quantized weight's kind)."""
+    record = {}
+    for name, entries in _found(model).items():
+        fields: dict[str, list] = {}
+        for _, r in entries:
+            for field, value in r.items():
+                fields.setdefault(field, []).append(value)
+        alike = {f: vs[0] for f, vs in fields.items() if all(v == vs[0] for v in vs)}
+        if alike:
+            record[name] = alike
     return {RECORDS: json.dumps(record, sort_keys=True)} if record else {}
 
 

@@ -301,8 +301,11 @@ class Quantized(MatmulOnly, eqx.Module):
         # What the arrays do not say: a file loaded into a weight quantized
         # otherwise (from a model of another dtype, a square weight in the
         # other orientation) is refused, not computed otherwise. A cast's
-        # scales are refused here, where they are saved.
-        self._check_scales()
+        # scales are refused here, where they are saved: a model's weight, which
+        # holds its values (not an optimizer's moments of the scales alone,
+        # which may be bfloat16).
+        if self.values is not None:
+            self._check_scales()
         return {
             "kind": self.kind,
             "group_size": self.group_size,
