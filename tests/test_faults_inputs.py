@@ -400,3 +400,25 @@ def test_a_save_failed_by_a_lost_peer_is_not_blamed_on_the_directory(tmp_path):
         assert "Hint: another process of the job failed or was lost" in message
         disk = OSError(28, "No space left on device")
         assert "free space" in str(c._save_failed([2], disk))
+
+
+class _ReturnsAPair(eqx.Module):
+    linear: eqx.nn.Linear
+
+    def __call__(self, x):
+        y = self.linear(x)
+        return y, jnp.sum(y)
+
+
+@pytest.mark.parametrize("mode", ["scan", "loop"])
+def test_a_layer_returning_a_pair_is_described_not_printed(mode):
+    # The pair's arrays were printed: tracers in a scan, values in the loop.
+    stack = eqxscan.Stacked(
+        lambda k: _ReturnsAPair(_linear(k)), 3, key=jax.random.key(0), mode=mode
+    )
+    with pytest.raises(
+        TypeError,
+        match=r"the input has float32\[4\] but the output has "
+        r"\(float32\[4\], float32\[\]\)\. ",
+    ):
+        stack(jnp.ones(4))
