@@ -156,12 +156,12 @@ def describe(x: object) -> str:
         # PRNG keys have an extended dtype (`key<fry>`), which NumPy cannot read.
         extended = jnp.issubdtype(x.dtype, jax.dtypes.extended)
         return f"{x.dtype if extended else jnp.dtype(x.dtype).name}[{shape}]"
-    if type(x) in (tuple, list):  # their arrays described, not printed
-        inner = ", ".join(describe(e) for e in x)  # pyright: ignore
-        comma = "," if type(x) is tuple and len(x) == 1 else ""  # pyright: ignore
+    if isinstance(x, tuple | list) and type(x) in (tuple, list):  # not a NamedTuple
+        inner = ", ".join(describe(e) for e in x)
+        comma = "," if type(x) is tuple and len(x) == 1 else ""
         text = f"({inner}{comma})" if type(x) is tuple else f"[{inner}]"
-    elif type(x) is dict:
-        text = "{" + ", ".join(f"{k!r}: {describe(v)}" for k, v in x.items()) + "}"  # pyright: ignore
+    elif isinstance(x, dict) and type(x) is dict:
+        text = "{" + ", ".join(f"{k!r}: {describe(v)}" for k, v in x.items()) + "}"
     else:
         text = " ".join(repr(x).split())  # a module's repr: one line, in an error's
     return text if len(text) <= 80 else text[:77] + "..."

@@ -19,13 +19,14 @@ class _Saving(Protocol):
 
 
 _IN_FLIGHT: dict[int, _Saving] = {}  # held here until their saves have landed
-_REGISTERED: list[bool] = []
+_registered = False
 
 
 def flying(manager: _Saving) -> bool:
     """Finish `manager`'s saves at exit; `False` if the program is exiting
     already (its caller waits then)."""
-    if not _REGISTERED:
+    global _registered
+    if not _registered:
         # Hooks registered so run before the thread pools' own exit hook (which
         # makes them refuse new work), last registered first; `atexit`'s run
         # after it (a Python without this private hook: too late, but tried).
@@ -34,7 +35,7 @@ def flying(manager: _Saving) -> bool:
             register(_finish)
         except RuntimeError:  # "can't register atexit after shutdown"
             return False
-        _REGISTERED.append(True)
+        _registered = True
     _IN_FLIGHT[id(manager)] = manager
     return True
 
