@@ -418,14 +418,65 @@ def test_functions_inside_values_and_structures_are_keyed():
     assert [float(s(x)) for s in signs] == [1.0, -1.0]
 
 
-def test_a_static_argument_that_varies_is_no_read_that_varies():
+def _maps() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+def test_a_static_argument_that_varies_is_capped_and_holds_no_programs():
     stack = eqxscan.Stacked(lambda k: _Signed(jnp.ones(()), 1.0), 2, key=KEY)
     from eqxscan._scan.eager_compile import MAX_PROGRAMS
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a program per value, as jit's own
-        for i in range(MAX_PROGRAMS + 2):
+        for i in range(MAX_PROGRAMS):
             assert float(stack(jnp.float32(1.0), scale=float(i))) == i**2
+        assert compiles(lambda: stack(jnp.float32(1.0), scale=3.0)) == 0
+    with pytest.warns(UserWarning, match=r"(?s)arguments that are not arrays.*Hint"):
+        assert float(stack(jnp.float32(1.0), scale=100.0)) == 1e4
+    # Past the cap each value compiles a program of its own, which is freed:
+    # kept, each held memory maps, and thousands of calls crashed the process.
+    if sys.platform != "linux":
+        return
+    before = _maps()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once
+        for i in range(60):
+            assert float(stack(jnp.float32(1.0), scale=i + 0.5)) == (i + 0.5) ** 2
+    assert _maps() - before < 200, (before, _maps())
+
+
+@pytest.mark.parametrize("kind", ["scan", "layer_drop", "nested", "Recurrent"])
+def test_an_eager_gradient_or_vmap_reuses_one_program(kind):
+    # Un-jitted `grad`/`vmap` (tracers, no staging trace) ran the scan as a
+    # program of its own at every call, each kept by JAX: about 50 memory maps
+    # a call (100 with LayerDrop), until the process crashed.
+    x = jnp.linspace(-1, 1, 8)
+    if kind == "Recurrent":
+        model = eqxscan.Recurrent(eqx.nn.GRUCell(8, 8, key=KEY))
+        call = lambda m, x, k: m(x, jnp.stack([x] * 6))  # noqa: E731
+    else:
+        options = {"layer_drop": 0.5} if kind == "layer_drop" else {}
+        options |= {"remat": "nested"} if kind == "nested" else {}
+        make = lambda k: eqx.nn.Linear(8, 8, key=k)  # noqa: E731
+        model = eqxscan.Stacked(make, 32, key=KEY, unroll=1, **options)
+        call = lambda m, x, k: m(x, key=k if kind == "layer_drop" else None)  # noqa: E731
+    squares = lambda t: sum(jnp.sum(a**2) for a in jax.tree.leaves(t))  # noqa: E731
+    grad = eqx.filter_grad(lambda m, x, k: squares(call(m, x, k)))
+    batched = jax.vmap(lambda x: call(model, x, KEY))
+    keys = list(jax.random.split(KEY, 5))  # sliced here, not while counting
+    grad(model, x, keys[0]), batched(jnp.stack([x, -x]))
+    count = compiles(
+        lambda: [grad(model, x, k) for k in keys[1:]] + [batched(jnp.stack([x, x]))]
+    )
+    assert count == 0
+    # The same gradient as the loop's, run as written.
+    loop = model.with_options(mode="loop")
+    for a, b in zip(
+        jax.tree.leaves(grad(model, x, keys[2])),
+        jax.tree.leaves(grad(loop, x, keys[2])),
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 ACT = jax.nn.relu  # rebound by the test to another library function

@@ -3,11 +3,13 @@ scanning module would hand `jax.lax.scan` a fresh body, compiled anew at every
 call. What the code run reads from outside its arguments (the globals,
 closed-over values and class attributes read by the Modules' methods and by
 static functions) joins the key by value, so that a changed global compiles
-anew rather than serving the old program. Under a transformation, in
+anew rather than serving the old program. An eager `grad` or `vmap` uses the
+cached program too; under a staging transformation (`jit`, `scan`), in
 `mode="loop"` and inside `eqxscan.tap` (whose probe is no argument: the cache
 would hand back an untapped program) the method runs as written; where such a
-value cannot be a key (a NumPy array, a mutable object) the call is compiled
-for itself alone."""
+value cannot be a key (a NumPy array, a mutable object), or past
+`MAX_PROGRAMS` values for one structure, the call is compiled for itself
+alone."""
 
 import dataclasses
 import dis
@@ -27,6 +29,8 @@ import numpy as np
 from jaxtyping import PyTree
 
 from .._helpers import checks
+from .options import ScanOptions
+from .scan_remat import offloads_between_programs, staged
 from .taps import call_of, tapping
 
 
@@ -345,7 +349,9 @@ def compiled_when_eager(
     jitted = eqx.filter_jit(typed)
     # By structure and static arguments, what the code read at each program.
     programs: dict[tuple, set[Key]] = {}
-    warned: set[tuple] = set()
+    by_value: dict[tuple, set[tuple]] = {}
+    warned: set[object] = set()
+    label = name or method.__qualname__
 
     @functools.wraps(method)
     def call(*args: P.args, **kwargs: P.kwargs) -> R:
@@ -363,31 +369,65 @@ def compiled_when_eager(
         leaves, treedef = jtu.tree_flatten(
             (args, kwargs)
         )  # one flatten for both checks
-        if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+        if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves) and (
+            staged() or _offloads(args)
+        ):
             return method(*args, **kwargs)
+        # An eager `grad` or `vmap` (tracers, but no staging trace) runs the
+        # cached program too: its own scan would be a new program at every
+        # call, each kept by JAX (thousands: the process runs out of memory maps).
         # `filter_jit` keys its cache by the non-array leaves' hash and equality,
         # under which True == 1 == 1.0: their types join the key, so that a value
         # the method would refuse never reuses the program of one it accepted.
         static = [leaf for leaf in leaves if not eqx.is_array(leaf)]
         try:  # a value whose hash or comparison fails, or too deep: not cached
             reads, keyed, where = _plan(leaves, static, treedef, (args, kwargs))
-            if reads is not None and reads not in programs.setdefault(where, set()):
+            # The static arguments' values, for one structure and their types
+            # (a Python float that changes at every call).
+            values = by_value.setdefault((treedef, *map(type, static)), set())
+            if where not in values and len(values) >= MAX_PROGRAMS:
+                reads = _warn_once(warned, treedef, label, _VALUES_MESSAGE)
+            elif reads is not None and reads not in programs.setdefault(where, set()):
                 if len(programs[where]) >= MAX_PROGRAMS:
-                    if where not in warned:  # once: the calls that follow are so
-                        warned.add(where)
-                        _warn_unbounded(name or method.__qualname__)
-                    reads = None
+                    reads = _warn_once(warned, where, label, _READS_MESSAGE)
                 else:
+                    values.add(where)
                     programs[where].add(reads)
         except Exception:
             reads = keyed = None
-        if reads is None or keyed is None:  # compiled for this call alone (a
-            # function of its own: `filter_jit` caches programs by function)
-            return eqx.filter_jit(lambda *a, **k: method(*a, **k))(*args, **kwargs)  # pyright: ignore[reportCallIssue]  # the same arguments
+        if reads is None or keyed is None:
+            return _compiled_once(method, args, kwargs)
         args, kwargs = jtu.tree_unflatten(treedef, keyed)
         return jitted((tuple(map(type, static)), reads), *args, **kwargs)
 
     return call
+
+
+def _compiled_once(method: Callable[..., R], args: tuple, kwargs: dict) -> R:
+    """`method` compiled for this call alone: a `jax.jit` of a function of its
+    own, over the arrays, whose program goes with it (`eqx.filter_jit` would
+    key a shared cache by the other leaves' values, keeping a program each)."""
+    dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
+    out_static: list[PyTree] = []
+
+    def run(dynamic: PyTree) -> PyTree:
+        a, k = eqx.combine(dynamic, static)
+        out_dynamic, out = eqx.partition(method(*a, **k), eqx.is_array)
+        out_static.append(out)
+        return out_dynamic
+
+    out_dynamic = jax.jit(run)(dynamic)
+    return eqx.combine(out_dynamic, out_static[0])
+
+
+def _offloads(args: tuple) -> bool:
+    # Inside the cached program residuals would be offloaded, and pass from the
+    # forward's program to the backward's: such a call runs as written.
+    is_options = lambda x: isinstance(x, ScanOptions)  # noqa: E731
+    return any(
+        is_options(o) and offloads_between_programs(o.scan_remat)
+        for o in jtu.tree_leaves(args, is_leaf=is_options)
+    )
 
 
 def _plan(
@@ -405,12 +445,26 @@ def _plan(
     return reads, keyed, (treedef, *(k for k in keyed if not eqx.is_array(k)))
 
 
-def _warn_unbounded(name: str) -> None:
-    warnings.warn(
-        f"{name}: {MAX_PROGRAMS} eager calls with the same arguments' structure "
-        "each compiled a program, for values read from outside the arguments (a "
-        "global, a closure) that changed; each call now compiles its own.\nHint: "
-        "pass such a value as an argument, or call inside eqx.filter_jit. See "
-        f"{checks.docs('debugging.md')}.",
-        stacklevel=3,
-    )
+_READS_MESSAGE = (
+    "{name}: {n} eager calls with the same arguments' structure each compiled a "
+    "program, for values read from outside the arguments (a global, a closure) "
+    "that changed; each call now compiles its own.\nHint: pass such a value as an "
+    "argument, or call inside eqx.filter_jit. See {docs}."
+)
+_VALUES_MESSAGE = (
+    "{name}: {n} eager calls with the same arguments' structure each compiled a "
+    "program, for arguments that are not arrays (a Python number, say) whose "
+    "values changed; each call now compiles its own.\nHint: pass such a value "
+    "as an array (jnp.asarray(value)), which is traced, not compiled in. See {docs}."
+)
+
+
+def _warn_once(warned: set[object], where: object, name: str, message: str) -> None:
+    """Warn once for `where` that its calls run uncached (returning `None`, the
+    key that says so)."""
+    if where not in warned:  # once: the calls that follow are so
+        warned.add(where)
+        docs = checks.docs("debugging.md")
+        warnings.warn(
+            message.format(name=name, n=MAX_PROGRAMS, docs=docs), stacklevel=3
+        )

@@ -302,6 +302,20 @@ def _on_accelerator() -> bool:
     return jax.default_backend() != "cpu"
 
 
+def staged() -> bool:
+    """Whether a staging trace (`jit`, `scan`, `checkpoint`) is current: under
+    one a new value is a tracer; called eagerly, or under an eager `grad` or
+    `vmap`, it is not."""
+    return isinstance(jnp.zeros(()), jax.core.Tracer)
+
+
+def offloads_between_programs(remat: ScanRemat) -> bool:
+    """Whether an eager gradient with `remat` would pass residuals in host
+    memory from one program to another (see `kept_on_device`)."""
+    keeps = (remat.save_carries, remat.save_inputs)
+    return _on_accelerator() and ("offload" in keeps or callable(remat.policy))
+
+
 def kept_on_device(remat: ScanRemat) -> ScanRemat:
     """`remat` with every residual it would offload saved in device memory
     instead, and a warning, where the offloaded copies would pass between
@@ -309,10 +323,7 @@ def kept_on_device(remat: ScanRemat) -> ScanRemat:
     runs as programs of its own (on a TPU v5e, JAX 0.10.2, an eager gradient
     read such copies wrong, see docs/remat.md). Under `jax.jit` (or any staging
     trace) and on CPU, `remat` as it is."""
-    keeps = (remat.save_carries, remat.save_inputs)
-    if not ("offload" in keeps or callable(remat.policy)):
-        return remat
-    if not _on_accelerator() or isinstance(jnp.zeros(()), jax.core.Tracer):
+    if not offloads_between_programs(remat) or staged():
         return remat  # one memory, or one program (a staging trace)
     warned: list[bool] = []
 
@@ -338,7 +349,8 @@ def kept_on_device(remat: ScanRemat) -> ScanRemat:
         save_carries=on_device(remat.save_carries),
         save_inputs=on_device(remat.save_inputs),
     )
-    if "offload" in keeps:  # warned of when a gradient reads the policy
+    # Warned of when a gradient reads the policy.
+    if "offload" in (remat.save_carries, remat.save_inputs):
         object.__setattr__(kept, "_consulted", warn)
     return kept
 
