@@ -569,3 +569,38 @@ def test_reverse_must_be_a_bool(getkey, method):
         run(chain, jnp.ones(4), reverse="False")
     with pytest.raises(TypeError, match="patterns"):
         eqxscan.Chain(list(chain), patterns="yes")
+
+
+class _Scaled(eqx.Module):
+    w: Array
+    scale: Array
+
+    def __call__(self, x):
+        return x + self.scale * jnp.tanh(x @ self.w)
+
+
+def test_weak_and_strong_scalars_are_not_stacked_together():
+    # `jnp.asarray(0.5)` is weakly typed: it computes in the bfloat16 carry's
+    # dtype, a float32 scalar promotes the carry. Stacked together, all four
+    # became strong: the Chain failed and `unstack` computed in float32.
+    keys = jr.split(jr.key(0), 4)
+    w = [(0.3 * jr.normal(k, (8, 8))).astype(jnp.bfloat16) for k in keys]
+    layers = [_Scaled(w[i], jnp.asarray(0.5)) for i in range(3)]
+    layers.append(_Scaled(w[3], jnp.asarray(0.5, jnp.float32)))
+    x = jnp.linspace(-1, 1, 8).astype(jnp.bfloat16)
+    expected = x
+    chain = eqxscan.Chain(layers)
+    assert [tuple(g) for g in chain.layout] == [(0, 3, 1), (3, 1, 0)]
+    with jax.numpy_dtype_promotion("standard"):  # JAX's default
+        for layer in layers:
+            expected = layer(expected)
+        out = chain(x)
+    assert out.dtype == expected.dtype == jnp.float32
+    # bfloat16 rounding: XLA fuses the compiled call's ops, the loop's are eager.
+    assert jnp.allclose(out, expected, rtol=2e-2, atol=1e-2)
+    back = chain.unstack()
+    assert [b.scale.weak_type for b in back] == [True, True, True, False]
+    with pytest.raises(
+        ValueError, match=r"`\.scale` layer 0 has float32\[\] \(weakly typed\)"
+    ):
+        eqxscan.Stacked.from_layers(layers)

@@ -161,13 +161,29 @@ def compare(a: PyTree, b: PyTree) -> Difference | None:
     diff = first_difference(a, b, leaf=leaf)
     if diff is not None:
         return Difference(*diff, "different")
-    return unknown[0] if unknown else None
+    return _weak_difference(a, b) or (unknown[0] if unknown else None)
+
+
+def _weak(x: object) -> bool:
+    return bool(getattr(x, "weak_type", False))
+
+
+def _weak_difference(a: PyTree, b: PyTree) -> Difference | None:
+    # A weakly typed array (`jnp.asarray(0.5)`) takes the dtype of what it
+    # meets; stacked with a strongly typed one it would become strong, and
+    # compute in its own dtype.
+    for (path, x), y in zip(jtu.tree_leaves_with_path(a), jtu.tree_leaves(b)):
+        if eqx.is_array(x) and _weak(x) != _weak(y):
+            text = lambda v: describe(v) + (" (weakly typed)" if _weak(v) else "")  # noqa: E731
+            return Difference(jtu.keystr(path), text(x), text(y), "different")
+    return None
 
 
 def alike(a: PyTree, b: PyTree) -> bool:
     """Whether `a` and `b` can share one traced body (never raises)."""
     if jtu.tree_structure(a) == jtu.tree_structure(b) and all(
-        same_leaf(x, y) for x, y in zip(jtu.tree_leaves(a), jtu.tree_leaves(b))
+        same_leaf(x, y) and _weak(x) == _weak(y)
+        for x, y in zip(jtu.tree_leaves(a), jtu.tree_leaves(b))
     ):
         return True  # the common, fast case: equal treedefs and leaves
     try:
@@ -205,8 +221,8 @@ def check_alike(
             "the same object to every layer."
             if diff.verdict == "unknown"
             else "\nHint: stacked layers need identical structure, static fields, "
-            "non-array leaves, shapes and dtypes (a quantized or adapted stack "
-            "takes a layer made the same way)."
+            "non-array leaves, shapes and dtypes, weak types included (a quantized "
+            "or adapted stack takes a layer made the same way)."
         )
         first, other = names or ("layer 0", f"layer {i}")
         raise ValueError(
