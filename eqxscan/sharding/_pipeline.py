@@ -574,7 +574,14 @@ def _run_stage(
         x = jnp.where(stage == 0, index(inputs, m), state)
         # Chunk `r * S + stage` of the stage order: its layers' numbers.
         first = (r * stages + stage) * p.per_chunk
-        out = scan_layers(local, x, _chunk_call(drops, r, m, first))[0]
+        call = _chunk_call(drops, r, m, first)
+        # An idle stage runs nothing: run on its stale input (zeros at first)
+        # and masked, a layer with a non-finite derivative there (a norm
+        # without eps at zero) made the weights' gradients NaN.
+        busy = microbatch[stage] >= 0
+        out = jax.lax.cond(
+            busy, lambda x: scan_layers(local, x, call)[0], lambda x: x, x
+        )
         outputs = _put(outputs, jnp.where(stage == stages - 1, last, -1), out)
         state = jax.lax.ppermute(out, p.stage_axis, shift)
         return (state, inputs, outputs), None
