@@ -507,9 +507,13 @@ def test_chain_run_layers_traced_vmap_and_clamping():
         np.testing.assert_allclose(
             y, _hand_layers(chain, x, c, keys, extras), rtol=1e-5
         )
-    # Traced indices are clamped to [0, L-1], as for a Stacked.
-    clamped = jax.jit(run)(xs[0], jnp.array([-3, 99, 2]))
-    want = _hand_layers(chain, xs[0], [0, n - 1, 2], keys, extras)
+    # Traced indices count from the end when negative, as concrete ones do
+    # (the same array eager and under jit runs the same layers; -3 ran layer
+    # 0 under jit), then are clamped to [0, L-1], as for a Stacked.
+    eager = eqxscan.run_layers(chain, xs[0], [-3, 2], key=jr.key(15))
+    clamped = jax.jit(run)(xs[0], jnp.array([-3, 99, 2, -99]))
+    want = _hand_layers(chain, xs[0], [n - 3, n - 1, 2, 0], keys, extras)
+    np.testing.assert_allclose(jax.jit(run)(xs[0], jnp.array([-3, 2])), eager)
     np.testing.assert_allclose(clamped, want, rtol=1e-5)
     # Broadcast arguments need not be arrays (a method reading a string).
     tagged = lambda layer, x, tag, scale: layer(x) * (scale if tag == "half" else 2)  # noqa: E731
@@ -682,3 +686,15 @@ def test_an_eager_run_until_is_compiled_once_per_predicate(caplog):
         want, m = eqxscan.run_until(loop, x, lambda c: jnp.sum(c**2) > limit)  # noqa: B023
         assert int(n) == int(m)
         np.testing.assert_allclose(out, want, rtol=1e-6)
+
+
+def test_reverse_is_refused_not_passed_to_the_layers(stack):
+    # A call's option: passed on to each layer, it ran the layers forward (a
+    # layer taking **kwargs) or failed inside the first layer.
+    x = jnp.ones(D)
+    with pytest.raises(TypeError, match=r"run_layers takes no reverse=.*\n.*-1\)\)"):
+        eqxscan.run_layers(stack, x, slice(0, 3), reverse=True)
+    with pytest.raises(TypeError, match=r"run_until takes no reverse=.*from layer 0"):
+        eqxscan.run_until(stack, x, lambda c: False, reverse=True)
+    backwards = eqxscan.run_layers(stack, x, slice(None, None, -1))
+    np.testing.assert_allclose(backwards, stack(x, reverse=True), rtol=1e-6)

@@ -259,6 +259,13 @@ def checked_call(
             f"{what} does not take an eqx.nn.State.\nHint: call the model itself "
             "for stateful layers: `x, state = model(x, state)`."
         )
+    if "reverse" in kwargs:  # a call's option, here passed on to each layer
+        raise TypeError(
+            f"eqxscan.{what} takes no reverse=: the layers run in the order "
+            f"{'given' if what == 'run_layers' else 'of the model, from layer 0'}."
+            "\nHint: run_layers(model, x, slice(None, None, -1)) runs them last "
+            "to first."
+        )
     length, name = model.num_layers, type(model).__name__
     check_per_layer(args, kwargs, length)
     keys = None if key is None else split_key(key, length, name)

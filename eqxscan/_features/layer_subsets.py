@@ -35,8 +35,9 @@ _TRACED_HINT = (
 
 
 def _indices(layers: object, length: int, who: str) -> np.ndarray | slice | Array:
-    """`layers` checked; traced indices, which cannot be, are clamped to
-    `[0, L)`, as documented (negative ones are not counted from the end)."""
+    """`layers` checked; traced indices, which cannot be, are counted from the
+    end when negative (as concrete ones and JAX's indexing are), then clamped
+    to `[0, L)`, as documented."""
     if isinstance(layers, slice):
         if len(range(length)[layers]) == 0:
             raise ValueError(
@@ -59,7 +60,7 @@ def _indices(layers: object, length: int, who: str) -> np.ndarray | slice | Arra
             "`[0, 2, 4]` or `jnp.arange(i, i + 3)` (`i` may be traced)."
         )
     if traced:
-        return jnp.clip(idx, 0, length - 1)
+        return jnp.clip(jnp.where(idx < 0, idx + length, idx), 0, length - 1)
     bad = idx[(idx < -length) | (idx >= length)]
     if bad.size:
         raise IndexError(
@@ -129,9 +130,10 @@ def run_layers(
     - `x`: the carry.
     - `layers`: a slice (`slice(i, j)` runs layers `i..j-1`) or a sequence of
       ints (negative counting from the end), checked; or an integer array of
-      layer numbers (across a chain's groups), checked when concrete, clamped
-      to `[0, L-1]` when traced (every choice of one length runs in one
-      program). Indices may repeat (a layer run twice), except under
+      layer numbers (across a chain's groups), checked when concrete; when
+      traced (every choice of one length runs in one program) negative ones
+      count from the end, as when concrete, and all are then clamped to
+      `[0, L-1]`. Indices may repeat (a layer run twice), except under
       [`eqxscan.tap`][], which has one row per layer.
     - `*args`, `**kwargs`: passed to every layer; [`eqxscan.per_layer`][]
       values have the model's `L` layers first, and the chosen layers get
