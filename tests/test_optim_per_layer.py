@@ -245,8 +245,19 @@ def test_per_layer_state_and_errors(getkey):
     # A state for another depth is named, not left to optax's tree error.
     fewer = eqx.filter(stacked.body[:2], eqx.is_inexact_array)
     fewer = eqx.tree_at(lambda p: p.body, params, fewer)
-    with pytest.raises(ValueError, match=r"`\.body` has 2 layers.*built for 3"):
+    with pytest.raises(
+        ValueError, match=r"`\.body` has 2 layers.*`.*count` has 3 rows"
+    ):
         tx.update(fewer, state, fewer)
+    # Only some leaves sliced: the one left whole is named, with its rows (the
+    # message said "has 2 layers, but ... built for 2").
+    half = eqx.tree_at(
+        lambda s: s.stacks[0][0].mu,
+        state,
+        jax.tree.map(lambda a: a[:2], state.stacks[0][0].mu),
+    )
+    with pytest.raises(ValueError, match=r"has 2 layers.*`\[0\]\.count` has 3 rows"):
+        tx.update(fewer, half, fewer)
     # MultiSteps accumulates whole steps: it goes outside, as the hint says.
     with pytest.raises(TypeError, match=r"MultiSteps\(layerwise\(tx\)"):
         layerwise(optax.MultiSteps(optax.adam(1e-2), 2))

@@ -180,13 +180,18 @@ def _update(
         )
     for (where, stack), stored in zip(stacks, state.stacks):
         # A state for another depth: name it before optax's tree error.
-        rows = {a.shape[0] for a in jtu.tree_leaves(stored) if is_array(a) and a.ndim}
-        if rows and rows != {stack.num_layers}:
+        wrong = [
+            (jtu.keystr(path), a.shape[0])
+            for path, a in jtu.tree_leaves_with_path(stored)
+            if is_array(a) and a.ndim and a.shape[0] != stack.num_layers
+        ]
+        if wrong:
             raise ValueError(
                 f"layerwise: the Stacked at `{where or '<root>'}` has "
-                f"{stack.num_layers} layers, but the optimiser state was built "
-                f"for {min(rows)}.\nHint: initialise the optimiser with parameters "
-                "of the same structure as the updates."
+                f"{stack.num_layers} layers, but its optimiser state's leaf "
+                f"`{wrong[0][0]}` has {wrong[0][1]} rows.\nHint: initialise the "
+                "optimiser with parameters of the same structure as the updates "
+                "(or slice every leaf of its state as the model was)."
             )
     outside = None if params is None else _outside(params)
     rest, rest_state = tx.update(_outside(updates), state.rest, outside, **extra_args)
