@@ -740,3 +740,29 @@ def test_layer_buffers_follow_what_make_reads():
                 assert first.shape[-3] == length
     finally:
         MAX_LEN = 4
+
+
+class _Rolling(eqx.Module):
+    lin: eqx.nn.Linear
+
+    def __call__(self, x, cache):
+        return x + jnp.tanh(self.lin(cache.mean(0))), cache.at[0].set(x)
+
+
+@pytest.mark.parametrize("reads", ["copy", "view"])
+def test_an_eager_loop_mode_call_with_a_buffer_compiles_nothing_again(reads):
+    # Eagerly, `reads="copy"` read each layer's slice through a `cond` of fresh
+    # branches: a program per layer and call, each kept (24 memory maps a call
+    # at L=2, until the process ran out).
+    from .helpers import compiles
+
+    make = lambda k: _Rolling(eqx.nn.Linear(8, 8, key=k))  # noqa: E731
+    stack = eqxscan.Stacked(make, 3, key=jr.key(0), mode="loop")
+    cache, x = jnp.zeros((3, 4, 8)), jnp.linspace(-1, 1, 8)
+    call = lambda s: s(x, eqxscan.buffer(cache, reads=reads))  # noqa: E731
+    call(stack)
+    assert compiles(lambda: [call(stack) for _ in range(3)]) == 0
+    # The loop's values and writes are the scan's.
+    got, want = call(stack), call(stack.with_options(mode="scan"))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -22,7 +22,7 @@ from jaxtyping import Array, PyTree
 from .._helpers.checks import describe, docs, first_difference
 from .._helpers.stateful import find_arg, get_arg
 from .layer_io import Index, index
-from .scan_remat import BUFFER_READ
+from .scan_remat import BUFFER_READ, staged
 
 
 class PerLayer(eqx.Module):
@@ -293,7 +293,9 @@ def _read(a: Array, prefix: tuple[Index, ...], reads: Reads) -> Array:
     # copied once, contiguously, and the zeros branch never runs.
     if reads == "auto":
         reads = "copy" if jax.default_backend() == "cpu" else "view"
-    if reads == "view" or all(isinstance(i, int) for i in prefix):
+    # Eagerly (a loop-mode call outside jit) nothing fuses, and a `cond` of
+    # fresh branches would be a new program, kept, at every call.
+    if reads == "view" or all(isinstance(i, int) for i in prefix) or not staged():
         return index(a, prefix)
     return jax.lax.cond(
         jnp.asarray(prefix[-1]) >= 0,
