@@ -604,3 +604,22 @@ def test_weak_and_strong_scalars_are_not_stacked_together():
         ValueError, match=r"`\.scale` layer 0 has float32\[\] \(weakly typed\)"
     ):
         eqxscan.Stacked.from_layers(layers)
+
+
+@pytest.mark.parametrize("mode", ["scan", "loop"])
+def test_an_error_inside_a_scanned_pattern_names_the_layer_that_failed(mode):
+    # The pattern's first layer widens the carry, its second expects it
+    # unchanged. The message named the pattern's body and its input
+    # ("one body for all 2 layers": 2 repeats of 2 layers) but no layer.
+    k = jr.split(jr.key(0), 2)
+    pair = [eqx.nn.Linear(8, 16, key=k[0]), eqx.nn.Linear(8, 8, key=k[1])]
+    chain = eqxscan.Chain(pair * 2, mode=mode)
+    assert layout(chain) == [(0, 4, 2)]
+    with pytest.raises(TypeError) as info:
+        chain(jnp.ones(8))
+    notes = "\n".join(info.value.__notes__)
+    assert "layer 1 (Linear), whose carry `carry` is float32[16]" in notes
+    assert "changed from float32[8] by layer 0 (Linear)" in notes
+    assert "layers 0-3 (2 repeats of pattern [Linear, Linear]" in notes
+    if mode == "scan":
+        assert "one body for all 2 repeats" in notes

@@ -71,7 +71,8 @@ def dropping_call(
 def _where(cls_name: str, length: int, i: Index | None) -> str:
     # How errors name the step: one body for every layer, or layer `i`.
     if i is None:
-        return f"The stacked layer {cls_name} (one body for all {length} layers)"
+        steps = "repeats" if cls_name == "Pattern" else "layers"  # a Chain's
+        return f"The stacked layer {cls_name} (one body for all {length} {steps})"
     return f"Layer {i} ({cls_name})"
 
 

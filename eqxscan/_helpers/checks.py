@@ -97,7 +97,10 @@ class noting:  # noqa: N801  # used as a function, in `with`
             return False
         where = self.where
         shown = _input(self.carry) if type(e) in (TypeError, ValueError) else ""
-        if shown and _raised_by_jax(e):
+        # An inner `noting` named the layer already (one of a `Chain`'s inside
+        # a scanned pattern, say): a headline here would name the outer body.
+        inner = any(n.startswith("(raised by ") for n in getattr(e, "__notes__", ()))
+        if shown and _raised_by_jax(e) and not inner:
             # JAX's shape errors ("dot_general requires ...") name no layer and
             # no input: a headline that does, the original kept as the cause.
             first = next(iter(str(e).strip().splitlines()), type(e).__name__)
