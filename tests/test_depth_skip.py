@@ -234,3 +234,42 @@ def test_layer_drop_under_fsdp():
     layer's weights are gathered only inside the branch that runs it."""
     out = run_script("drop_checks.py", timeout=300)
     assert "ok" in out.split()
+
+
+@pytest.mark.parametrize("mode", ["scan", "loop"])
+def test_forward_mode_through_layer_drop_names_it(mode):
+    # JAX's "can't apply forward-mode autodiff (jvp) to a custom_vjp function"
+    # named no cause (scan), or came as a shape error with a shape hint (loop).
+    # (Under `jit` JAX raises it after the call, where only its message is.)
+    make = lambda k: eqx.nn.Linear(4, 4, key=k)  # noqa: E731
+    stack = eqxscan.Stacked(make, 3, key=jax.random.key(0), layer_drop=0.5, mode=mode)
+    x, key = jnp.ones(4), jax.random.key(1)
+    jvp = lambda x: jax.jvp(lambda x: stack(x, key=key), (x,), (x,))  # noqa: E731
+    with pytest.raises(
+        TypeError, match=r"skips layers \(layer_drop=\).*\nHint: call eqx"
+    ):
+        jvp(x)
+    # As the hint says: inference mode runs every layer, with forward mode.
+    full = eqx.nn.inference_mode(stack)
+    out, tangent = jax.jvp(lambda x: full(x, key=key), (x,), (x,))
+    ref = jax.jvp(lambda x: full.with_options(mode="loop")(x), (x,), (x,))
+    np.testing.assert_allclose(tangent, ref[1], rtol=1e-5)
+
+
+class _WithAux(eqx.Module):
+    linear: eqx.nn.Linear
+
+    def __call__(self, x):
+        return self.linear(x), jnp.sum(x)
+
+
+@pytest.mark.parametrize("mode", ["scan", "loop"])
+def test_a_layer_returning_a_pair_is_pointed_to_scan(mode):
+    make = lambda k: _WithAux(eqx.nn.Linear(4, 4, key=k))  # noqa: E731
+    stack = eqxscan.Stacked(make, 3, key=jax.random.key(0), mode=mode)
+    with pytest.raises(
+        TypeError, match=r"returning `\(carry, y\)` is run with `\.scan"
+    ):
+        stack(jnp.ones(4))
+    y, aux = stack.scan(jnp.ones(4))  # as the message says
+    assert aux.shape == (3,)

@@ -395,10 +395,20 @@ def compiled_when_eager(
                     programs[where].add(reads)
         except Exception:
             reads = keyed = None
-        if reads is None or keyed is None:
-            return _compiled_once(method, args, kwargs)
-        args, kwargs = jtu.tree_unflatten(treedef, keyed)
-        return jitted((tuple(map(type, static)), reads), *args, **kwargs)
+        try:
+            if reads is None or keyed is None:
+                return _compiled_once(method, args, kwargs)
+            keyed_args, keyed_kwargs = jtu.tree_unflatten(treedef, keyed)
+            return jitted(
+                (tuple(map(type, static)), reads), *keyed_args, **keyed_kwargs
+            )
+        except TypeError as e:
+            # An eager `jvp` through a `custom_vjp` (LayerDrop's skip, a layer's
+            # own) fails in JAX's rule for the program: run as written, where
+            # the error is raised inside the layer or skip that can name it.
+            if "forward-mode autodiff" not in str(e):
+                raise
+            return method(*args, **kwargs)
 
     return call
 
