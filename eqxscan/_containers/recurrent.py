@@ -360,7 +360,7 @@ def _cell_step(
             return new
         # Check before `jnp.where` can broadcast a wrong shape into the carry
         # (without a mask the engine checks, naming the step).
-        check_carry(old, new, where)
+        check_carry(old, new, where, over="time")
         return _where(keep, new, old)
 
     return cell_step
@@ -378,7 +378,7 @@ def _no_steps(
 
     def traced(h: PyTree, x: tuple) -> PyTree:
         new, y = step(h, x)
-        check_carry(h, new, where)
+        check_carry(h, new, where, over="time")
         return y
 
     with untapped():

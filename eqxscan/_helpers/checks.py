@@ -273,14 +273,27 @@ class CarryError(TypeError):
         self.what, self.step = what, step
 
 
-def check_carry(old: PyTree, new: PyTree, where: str, step: int | None = None) -> None:
-    """Raise `CarryError` unless `new` has the structure, shapes and dtypes of `old`."""
+def check_carry(
+    old: PyTree,
+    new: PyTree,
+    where: str,
+    step: int | None = None,
+    over: Literal["layers", "time"] = "layers",
+) -> None:
+    """Raise `CarryError` unless `new` has the structure, shapes and dtypes of
+    `old` (`over`: a layer's carry, or a time step's, whose cell has no `.scan`)."""
     old_def, new_def = jtu.tree_structure(old), jtu.tree_structure(new)
     if old_def != new_def:
         detail = ""
         if (diff := first_difference(old, new)) is not None:
             path, a, b = diff
             detail = f" At `carry{path}` the input has {a} but the output has {b}."
+        pair = isinstance(new, tuple) and len(new) == 2 and _like(old, new[0])
+        if pair and over == "layers":
+            detail += (
+                " (A layer returning `(carry, y)` is run with `.scan(x)`, which "
+                "stacks the y's.)"
+            )
         raise CarryError(
             where,
             "returned a carry whose tree structure differs from its input "
@@ -318,6 +331,12 @@ def check_carry(old: PyTree, new: PyTree, where: str, step: int | None = None) -
             "with the same structure, shapes and dtypes as it receives.",
             step,
         )
+
+
+def _like(old: PyTree, new: PyTree) -> bool:
+    return jtu.tree_structure(old) == jtu.tree_structure(new) and all(
+        same_leaf(a, b) for a, b in zip(jtu.tree_leaves(old), jtu.tree_leaves(new))
+    )
 
 
 def misaligned(tree: PyTree, length: int) -> tuple[str, jax.Array] | None:

@@ -133,7 +133,7 @@ def run(
         with noting(name, c, over=over), scope:
             new, y = step(c, inputs(x))
         y = y if taps is None else taps.close(y, *opened)
-        check_carry(old, new, name)
+        check_carry(old, new, name, over=over)
         dyn, static = eqx.partition((new, y), eqx.is_array)
         statics.append(static)
         return dyn
@@ -255,7 +255,7 @@ def _run_loop(
                 with scope:
                     new, y = step(carry, inputs(x))
                 y = y if taps is None else taps.close(y, *opened)
-        check_carry(old, new, where(i), i)
+        check_carry(old, new, where(i), i, over)
         # Kept apart from the next step's carry, which that step may invalidate.
         carry, ys[i] = new, clone(y)
     return carry, (None if all(y is None for y in ys) else stacked(ys, where))
