@@ -399,9 +399,8 @@ def compiled_when_eager(
             if reads is None or keyed is None:
                 return _compiled_once(method, args, kwargs)
             keyed_args, keyed_kwargs = jtu.tree_unflatten(treedef, keyed)
-            return jitted(
-                (tuple(map(type, static)), reads), *keyed_args, **keyed_kwargs
-            )
+            cache_key = (tuple(map(type, static)), reads)
+            return jitted(cache_key, *keyed_args, **keyed_kwargs)  # pyright: ignore[reportCallIssue]  # the same arguments, keyed
         except TypeError as e:
             # An eager `jvp` through a `custom_vjp` (LayerDrop's skip, a layer's
             # own) fails in JAX's rule for the program: run as written, where
