@@ -363,7 +363,8 @@ def test_a_repeated_pattern_is_read_in_the_order_its_layers_ran(mode, getkey):
     for k in range(6):
         for field, value, where in cases:
             bad = list(layers)
-            bad[k] = eqx.tree_at(field, bad[k], jnp.asarray(value))
+            # Strongly typed, as the others: a Chain keeps weak types apart.
+            bad[k] = eqx.tree_at(field, bad[k], jnp.asarray(value, one.dtype))
             chain = eqxscan.Chain(bad).with_options(mode=mode)
             assert chain.layout[0].per_step == 2  # one pattern, 3 repeats
             r = eqxscan.find_nonfinite(chain, loss_fn, x)

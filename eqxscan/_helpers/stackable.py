@@ -141,11 +141,12 @@ def value_verdict(a: object, b: Any) -> Verdict:
     return "unknown" if type(a).__eq__ is object.__eq__ else "different"
 
 
-def compare(a: PyTree, b: PyTree) -> Difference | None:
+def compare(a: PyTree, b: PyTree, weak: bool = False) -> Difference | None:
     """The first place where two layers differ in a way that keeps them from
     sharing one body: structure, shape, dtype or non-array data. A difference
     that can only be judged by identity is reported only if nothing really
-    differs. `None` when the layers are alike."""
+    differs; with `weak`, a weakly typed array leaf against a strongly typed
+    one too. `None` when the layers are alike."""
     unknown: list[Difference] = []
 
     def leaf(x: object, y: object, where: str) -> tuple[str, str, str] | None:
@@ -161,7 +162,9 @@ def compare(a: PyTree, b: PyTree) -> Difference | None:
     diff = first_difference(a, b, leaf=leaf)
     if diff is not None:
         return Difference(*diff, "different")
-    return _weak_difference(a, b) or (unknown[0] if unknown else None)
+    return (_weak_difference(a, b) if weak else None) or (
+        unknown[0] if unknown else None
+    )
 
 
 def _weak(x: object) -> bool:
@@ -179,15 +182,18 @@ def _weak_difference(a: PyTree, b: PyTree) -> Difference | None:
     return None
 
 
-def alike(a: PyTree, b: PyTree) -> bool:
-    """Whether `a` and `b` can share one traced body (never raises)."""
+def alike(a: PyTree, b: PyTree, weak: bool = False) -> bool:
+    """Whether `a` and `b` can share one traced body (never raises); with
+    `weak`, only if their array leaves are alike weakly typed (stacked, a weak
+    leaf becomes strong: it then computes in its own dtype, where the weak one
+    took the dtype of what it met)."""
     if jtu.tree_structure(a) == jtu.tree_structure(b) and all(
-        same_leaf(x, y) and _weak(x) == _weak(y)
+        same_leaf(x, y) and (not weak or _weak(x) == _weak(y))
         for x, y in zip(jtu.tree_leaves(a), jtu.tree_leaves(b))
     ):
         return True  # the common, fast case: equal treedefs and leaves
     try:
-        return compare(a, b) is None
+        return compare(a, b, weak) is None
     except Exception:
         return False
 
@@ -221,8 +227,8 @@ def check_alike(
             "the same object to every layer."
             if diff.verdict == "unknown"
             else "\nHint: stacked layers need identical structure, static fields, "
-            "non-array leaves, shapes and dtypes, weak types included (a quantized "
-            "or adapted stack takes a layer made the same way)."
+            "non-array leaves, shapes and dtypes (a quantized or adapted stack "
+            "takes a layer made the same way)."
         )
         first, other = names or ("layer 0", f"layer {i}")
         raise ValueError(

@@ -40,8 +40,8 @@ class Chain(Scanning):
     The layers are cut into groups, each handled as one:
 
     - A stack: consecutive layers with identical structure, static fields,
-      non-array leaves, shapes and dtypes become one [`eqxscan.Stacked`][]
-      (one scanned body, one layer per step).
+      non-array leaves, shapes and dtypes (weak types included) become one
+      [`eqxscan.Stacked`][] (one scanned body, one layer per step).
     - A repeated pattern of different layers (`A, B, A, B, ...`, or
       `local, local, global` repeated) becomes a `Stacked` of `Pattern`s, one
       repeat per scan step, so the program does not grow with the repeats.

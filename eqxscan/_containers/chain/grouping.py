@@ -34,7 +34,9 @@ def stack_classes(layers: Sequence[object]) -> tuple[int, ...]:
     reps: list[object] = []
     labels = []
     for layer in layers:
-        label = next((j for j, rep in enumerate(reps) if alike(rep, layer)), None)
+        # Weak types apart: a weakly typed leaf stacked with strong ones would
+        # compute in its own dtype (a bfloat16 carry promoted to float32).
+        label = next((j for j, rep in enumerate(reps) if alike(rep, layer, True)), None)
         if label is None:
             label = len(reps)
             reps.append(layer)
@@ -116,7 +118,7 @@ def _primitive(pattern: tuple[int, ...]) -> bool:
 
 def why_alone(layers: Sequence[object], j: int, i: int) -> str:
     """Why layer `i`, alone, is not scanned with its neighbour `j`."""
-    diff = compare(layers[j], layers[i])
+    diff = compare(layers[j], layers[i], weak=True)
     if diff is None:
         return (
             f"like layer {j}, but the chosen grouping traces fewer layer bodies "
@@ -137,7 +139,7 @@ def warn_identity(layers: Sequence[object], labels: Sequence[int]) -> None:
     for i in range(len(layers) - 1):
         if labels[i] == labels[i + 1]:
             continue
-        diff = compare(layers[i], layers[i + 1])
+        diff = compare(layers[i], layers[i + 1], weak=True)
         if diff is None or diff.verdict != "unknown":
             continue
         warnings.warn(
