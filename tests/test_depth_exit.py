@@ -696,5 +696,8 @@ def test_reverse_is_refused_not_passed_to_the_layers(stack):
         eqxscan.run_layers(stack, x, slice(0, 3), reverse=True)
     with pytest.raises(TypeError, match=r"run_until takes no reverse=.*from layer 0"):
         eqxscan.run_until(stack, x, lambda c: False, reverse=True)
+    # `reverse=False`, a call's default, is taken as a call takes it.
+    forwards = eqxscan.run_layers(stack, x, slice(0, L), reverse=False)
+    np.testing.assert_allclose(forwards, stack(x), rtol=1e-6)
     backwards = eqxscan.run_layers(stack, x, slice(None, None, -1))
     np.testing.assert_allclose(backwards, stack(x, reverse=True), rtol=1e-6)

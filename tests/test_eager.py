@@ -423,26 +423,43 @@ def _maps() -> int:
         return sum(1 for _ in f)
 
 
-def test_a_static_argument_that_varies_is_capped_and_holds_no_programs():
-    stack = eqxscan.Stacked(lambda k: _Signed(jnp.ones(()), 1.0), 2, key=KEY)
-    from eqxscan._scan.eager_compile import MAX_PROGRAMS
+class _Bounded(eqx.Module):
+    w: jax.Array
 
+    def __call__(self, x, scale=1.0):
+        y = x * self.w * scale
+        return eqx.error_if(y, y > 1e6, "too large")
+
+
+def test_a_static_argument_that_varies_is_capped_and_holds_no_programs(monkeypatch):
+    from eqxscan._scan import eager_compile
+
+    monkeypatch.setattr(eager_compile, "MAX_VALUES", 4)
+    stack = eqxscan.Stacked(lambda k: _Bounded(jnp.ones(())), 2, key=KEY)
+    one = jnp.float32(1.0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a program per value, as jit's own
-        for i in range(MAX_PROGRAMS):
-            assert float(stack(jnp.float32(1.0), scale=float(i))) == i**2
-        assert compiles(lambda: stack(jnp.float32(1.0), scale=3.0)) == 0
-    with pytest.warns(UserWarning, match=r"(?s)arguments that are not arrays.*Hint"):
-        assert float(stack(jnp.float32(1.0), scale=100.0)) == 1e4
-    # Past the cap each value compiles a program of its own, which is freed:
-    # kept, each held memory maps, and thousands of calls crashed the process.
+        for i in range(4):
+            assert float(stack(one, scale=float(i))) == i**2
+        assert compiles(lambda: stack(one, scale=3.0)) == 0  # a value come back
+        # Past the cap: warned (the warning, raised as an error here, was
+        # swallowed by the cache's own error handling, and never shown).
+        with pytest.raises(
+            UserWarning, match=r"(?s)arguments that are not arrays.*Hint"
+        ):
+            stack(one, scale=100.0)
+        assert float(stack(one, scale=100.0)) == 1e4  # warned once
+        # Compiled alone, through Equinox's jit: its runtime errors as its own
+        # (a plain `jax.jit` raised JAX's, with Equinox's note on filter_jit).
+        with pytest.raises(eqx.EquinoxRuntimeError, match="too large"):
+            stack(one, scale=1e4)
+    # Each such program is freed: kept, each held memory maps, and thousands
+    # of calls crashed the process.
     if sys.platform != "linux":
         return
     before = _maps()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # warned once
-        for i in range(60):
-            assert float(stack(jnp.float32(1.0), scale=i + 0.5)) == (i + 0.5) ** 2
+    for i in range(60):
+        assert float(stack(one, scale=i + 0.5)) == (i + 0.5) ** 2
     assert _maps() - before < 200, (before, _maps())
 
 

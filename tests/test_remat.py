@@ -221,7 +221,7 @@ def test_offloading_outside_jit_on_an_accelerator_keeps_residuals_on_device(
         jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
     ]
     for accelerator in (False, True):
-        monkeypatch.setattr(scan_remat, "_on_accelerator", lambda a=accelerator: a)
+        monkeypatch.setattr(scan_remat, "on_accelerator", lambda a=accelerator: a)
         for remat in offloading:
             s = stack.with_options(remat=remat)
             before = scan_remat.as_scan_remat(remat)

@@ -259,7 +259,9 @@ def checked_call(
             f"{what} does not take an eqx.nn.State.\nHint: call the model itself "
             "for stateful layers: `x, state = model(x, state)`."
         )
-    if "reverse" in kwargs:  # a call's option, here passed on to each layer
+    if kwargs.get("reverse", False) is False:  # a call's option, as a call's
+        kwargs = {k: v for k, v in kwargs.items() if k != "reverse"}  # default
+    else:  # would be passed on to each layer
         raise TypeError(
             f"eqxscan.{what} takes no reverse=: the layers run in the order "
             f"{'given' if what == 'run_layers' else 'of the model, from layer 0'}."

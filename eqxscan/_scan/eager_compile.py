@@ -8,7 +8,7 @@ cached program too; under a staging transformation (`jit`, `scan`), in
 `mode="loop"` and inside `eqxscan.tap` (whose probe is no argument: the cache
 would hand back an untapped program) the method runs as written; where such a
 value cannot be a key (a NumPy array, a mutable object), or past
-`MAX_PROGRAMS` values for one structure, the call is compiled for itself
+`MAX_VALUES` values for one structure, the call is compiled for itself
 alone."""
 
 import dataclasses
@@ -30,7 +30,7 @@ from jaxtyping import PyTree
 
 from .._helpers import checks
 from .options import ScanOptions
-from .scan_remat import offloads_between_programs, staged
+from .scan_remat import offloads_between_programs, on_accelerator, staged
 from .taps import call_of, tapping
 
 
@@ -302,6 +302,10 @@ def _walk(tree: PyTree, found: dict[type, None], static: list[object]) -> None:
 #: value read from outside them changes at every call (a step counter), and
 #: the calls run uncached rather than keep a program each.
 MAX_PROGRAMS = 16
+#: Values of the static arguments (a Python float, an adapter's number) for
+#: one structure that each keep their program; a new one past it is compiled
+#: for its call alone.
+MAX_VALUES = 64
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -369,8 +373,10 @@ def compiled_when_eager(
         leaves, treedef = jtu.tree_flatten(
             (args, kwargs)
         )  # one flatten for both checks
+        # (A function given the model in a closure, `tap`'s, is not looked
+        # into for offloading: on an accelerator it runs as written.)
         if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves) and (
-            staged() or _offloads(args)
+            staged() or _offloads(args) or (not scanning and on_accelerator())
         ):
             return method(*args, **kwargs)
         # An eager `grad` or `vmap` (tracers, but no staging trace) runs the
@@ -380,21 +386,29 @@ def compiled_when_eager(
         # under which True == 1 == 1.0: their types join the key, so that a value
         # the method would refuse never reuses the program of one it accepted.
         static = [leaf for leaf in leaves if not eqx.is_array(leaf)]
+        capped: tuple[object, str] | None = None  # warned of outside the `try`
         try:  # a value whose hash or comparison fails, or too deep: not cached
             reads, keyed, where = _plan(leaves, static, treedef, (args, kwargs))
             # The static arguments' values, for one structure and their types
             # (a Python float that changes at every call).
             values = by_value.setdefault((treedef, *map(type, static)), set())
-            if where not in values and len(values) >= MAX_PROGRAMS:
-                reads = _warn_once(warned, treedef, label, _VALUES_MESSAGE)
+            if where not in values and len(values) >= MAX_VALUES:
+                reads, capped = None, (treedef, _VALUES_MESSAGE)
             elif reads is not None and reads not in programs.setdefault(where, set()):
                 if len(programs[where]) >= MAX_PROGRAMS:
-                    reads = _warn_once(warned, where, label, _READS_MESSAGE)
+                    reads, capped = None, (where, _READS_MESSAGE)
                 else:
                     values.add(where)
                     programs[where].add(reads)
         except Exception:
             reads = keyed = None
+        if capped is not None and capped[0] not in warned:  # once: the calls
+            # that follow are so
+            warned.add(capped[0])
+            warnings.warn(
+                capped[1].format(name=label, docs=checks.docs("debugging.md")),
+                stacklevel=2,
+            )
         try:
             if reads is None or keyed is None:
                 return _compiled_once(method, args, kwargs)
@@ -413,20 +427,21 @@ def compiled_when_eager(
 
 
 def _compiled_once(method: Callable[..., R], args: tuple, kwargs: dict) -> R:
-    """`method` compiled for this call alone: a `jax.jit` of a function of its
-    own, over the arrays, whose program goes with it (`eqx.filter_jit` would
-    key a shared cache by the other leaves' values, keeping a program each)."""
-    dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
-    out_static: list[PyTree] = []
+    """`method` compiled for this call alone, through `eqx.filter_jit` (so an
+    `eqx.error_if` raises as Equinox's), whose program is dropped after it:
+    Equinox keeps one `jax.jit` per function name, which would hold a program
+    for every function and non-array value it was called with."""
 
-    def run(dynamic: PyTree) -> PyTree:
-        a, k = eqx.combine(dynamic, static)
-        out_dynamic, out = eqx.partition(method(*a, **k), eqx.is_array)
-        out_static.append(out)
-        return out_dynamic
+    def _eqxscan_compiled_once(*a: object, **k: object) -> R:
+        return method(*a, **k)
 
-    out_dynamic = jax.jit(run)(dynamic)
-    return eqx.combine(out_dynamic, out_static[0])
+    once = eqx.filter_jit(_eqxscan_compiled_once)
+    try:
+        return once(*args, **kwargs)
+    finally:
+        clear = getattr(getattr(once, "_cached", None), "clear_cache", None)
+        if clear is not None:
+            clear()
 
 
 def _offloads(args: tuple) -> bool:
@@ -455,25 +470,14 @@ def _plan(
 
 
 _READS_MESSAGE = (
-    "{name}: {n} eager calls with the same arguments' structure each compiled a "
+    "{name}: 16 eager calls with the same arguments' structure each compiled a "
     "program, for values read from outside the arguments (a global, a closure) "
     "that changed; each call now compiles its own.\nHint: pass such a value as an "
     "argument, or call inside eqx.filter_jit. See {docs}."
 )
 _VALUES_MESSAGE = (
-    "{name}: {n} eager calls with the same arguments' structure each compiled a "
+    "{name}: 64 eager calls with the same arguments' structure each compiled a "
     "program, for arguments that are not arrays (a Python number, say) whose "
     "values changed; each call now compiles its own.\nHint: pass such a value "
     "as an array (jnp.asarray(value)), which is traced, not compiled in. See {docs}."
 )
-
-
-def _warn_once(warned: set[object], where: object, name: str, message: str) -> None:
-    """Warn once for `where` that its calls run uncached (returning `None`, the
-    key that says so)."""
-    if where not in warned:  # once: the calls that follow are so
-        warned.add(where)
-        docs = checks.docs("debugging.md")
-        warnings.warn(
-            message.format(name=name, n=MAX_PROGRAMS, docs=docs), stacklevel=3
-        )

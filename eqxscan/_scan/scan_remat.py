@@ -298,7 +298,7 @@ def _by_name(names: tuple[str, ...], named: Policy, base: Policy) -> Policy:
     return policy  # pyright: ignore[reportReturnType]  # offloading answers are not bools
 
 
-def _on_accelerator() -> bool:
+def on_accelerator() -> bool:
     return jax.default_backend() != "cpu"
 
 
@@ -313,7 +313,7 @@ def offloads_between_programs(remat: ScanRemat) -> bool:
     """Whether an eager gradient with `remat` would pass residuals in host
     memory from one program to another (see `kept_on_device`)."""
     keeps = (remat.save_carries, remat.save_inputs)
-    return _on_accelerator() and ("offload" in keeps or callable(remat.policy))
+    return on_accelerator() and ("offload" in keeps or callable(remat.policy))
 
 
 def kept_on_device(remat: ScanRemat) -> ScanRemat:
