@@ -59,8 +59,10 @@ def _indices(layers: object, length: int, who: str) -> np.ndarray | slice | Arra
             f"array, got {describe(layers)}.\nHint: e.g. `slice(2, 5)`, "
             "`[0, 2, 4]` or `jnp.arange(i, i + 3)` (`i` may be traced)."
         )
-    if traced:
+    if traced:  # widened first: `L` need not fit an int8's range
+        idx = jnp.asarray(idx, jnp.int32)
         return jnp.clip(jnp.where(idx < 0, idx + length, idx), 0, length - 1)
+    idx = idx.astype(np.int64)
     bad = idx[(idx < -length) | (idx >= length)]
     if bad.size:
         raise IndexError(
