@@ -614,3 +614,23 @@ def test_example_final_loss_unchanged_by_the_pipeline():
         losses.append(float(m.group(1)))
     assert "schedule 'circular', repeats 2, 8 microbatches" in proc.stdout
     assert abs(losses[1] - losses[0]) <= 1e-5 * abs(losses[0]), losses
+
+
+def test_layer_drop_with_an_explicit_data_axis(getkey):
+    # A skipped step's zeros were unsharded where the running step's outputs
+    # are split over the explicit data axis: `cond` refused the branches.
+    axes = ("stage", "data")
+    mesh = jax.make_mesh((1, 2), axes, axis_types=(AxisType.Explicit,) * 2)
+    make = lambda k: _Unit(0.3 * jax.random.normal(k, (8, 8)))
+    stack = eqxscan.Stacked(make, 4, key=getkey(), layer_drop=0.3)
+    x, key = jax.random.normal(getkey(), (16, 8)), getkey()
+    pipe = dict(mesh=mesh, microbatches=4, batch_axes=("data",), key=key)
+    loss = lambda s, piped: jnp.sum(  # noqa: E731
+        (sharding.pipeline(s, x, **pipe) if piped else s(x, key=key)) ** 2
+    )
+    value, grads = eqx.filter_jit(eqx.filter_value_and_grad(loss))(stack, True)
+    want, want_grads = eqx.filter_value_and_grad(loss)(stack, False)
+    np.testing.assert_allclose(value, want, rtol=1e-5)
+    np.testing.assert_allclose(
+        grads.layers.w, want_grads.layers.w, rtol=1e-4, atol=1e-5
+    )

@@ -52,10 +52,15 @@ def _merge(fixed: Sequence[object], diff: Sequence[object], mask: list[bool]) ->
 
 
 def _zeros(avals: Sequence[jax.core.ShapedArray]) -> list[Array]:
-    """Zeros of these types, varying over the same manual axes (`shard_map`)."""
+    """Zeros of these types, varying over the same manual axes (`shard_map`) and
+    sharded as they are."""
     out = []
     for a in avals:
-        z = jnp.zeros(a.shape, a.dtype)
+        # Split over explicit mesh axes as `a` is (a pipeline's data axis).
+        sharding = getattr(a, "sharding", None)
+        spec = getattr(sharding, "spec", None)
+        explicit = spec is not None and any(p is not None for p in spec)
+        z = jnp.zeros(a.shape, a.dtype, out_sharding=sharding if explicit else None)
         vma = getattr(getattr(a, "manual_axis_type", None), "varying", ())
         out.append(jax.lax.pcast(z, tuple(sorted(vma)), to="varying") if vma else z)
     return out
