@@ -15,6 +15,7 @@ import dataclasses
 import dis
 import enum
 import functools
+import logging
 import sys
 import types
 import warnings
@@ -63,6 +64,8 @@ def _key(value: object, seen: dict[int, int]) -> Key:
         return None if own is None else (type(value), value, own)
     if isinstance(value, np.dtype):
         return (value,)
+    if isinstance(value, logging.Logger):  # by identity: what it is set to
+        return (_Same(value),)  # changes what is logged, not what is computed
     # A library's function or class (not an instance of its Modules or a
     # partial, whose module is functools), a module, a class.
     library_fn = callable(value) and _library(value) and not _frozen_dataclass(value)
