@@ -608,6 +608,12 @@ def test_weak_and_strong_scalars_are_not_stacked_together():
     stack = eqxscan.Stacked.from_layers(layers)
     assert not stack.layers.scale.weak_type
     assert not stack.with_layer(0, layers[0]).layers.scale.weak_type
+    # Written into a weakly typed stack, a strong leaf makes it strong too (it
+    # stayed weak: the new layer computed in the dtype its scalar met).
+    weak = eqxscan.Stacked.from_layers(layers[:3])
+    assert weak.layers.scale.weak_type
+    assert not weak.with_layer(1, layers[3]).layers.scale.weak_type
+    assert weak.with_layer(1, layers[0]).layers.scale.weak_type
 
 
 @pytest.mark.parametrize("mode", ["scan", "loop"])

@@ -31,6 +31,7 @@ from .._helpers.stackable import (
     check_state_indices,
     check_state_order,
     stack_alike,
+    weak_only,
 )
 from .._scan.drop_rates import (
     DropRates,
@@ -415,7 +416,14 @@ class Stacked(Scanning, Generic[LayerT]):
         check_alike([current, layer], what, names=(f"layer {i}", "the new layer"))
         # By leaves: `layer` may differ from the others only by identity.
         old, treedef = jtu.tree_flatten(self.layers)
-        new = write(old, self._position(i), jtu.tree_leaves(layer))
+        given = jtu.tree_leaves(layer)
+        new = write(old, self._position(i), given)
+        # A strongly typed leaf makes the stack's strong, as `from_layers` does
+        # (written into a weak one it would compute in the dtype it meets).
+        new = [
+            n.astype(n.dtype) if weak_only(o, g) else n
+            for n, o, g in zip(new, old, given)
+        ]
         return restack(self, layers=jtu.tree_unflatten(treedef, new))
 
     @compiled_when_eager

@@ -171,6 +171,11 @@ def _weak(x: object) -> bool:
     return bool(getattr(x, "weak_type", False))
 
 
+def weak_only(a: object, b: object) -> bool:
+    """Whether `a` is a weakly typed array and `b` a strongly typed one."""
+    return eqx.is_array(b) and _weak(a) and not _weak(b)
+
+
 def _weak_difference(a: PyTree, b: PyTree) -> Difference | None:
     # A weakly typed array (`jnp.asarray(0.5)`) takes the dtype of what it
     # meets; stacked with a strongly typed one it would become strong, and
