@@ -704,12 +704,13 @@ def test_reverse_is_refused_not_passed_to_the_layers(stack):
 
 
 def test_narrow_index_dtypes_on_a_deep_stack():
-    # `L` = 128 does not fit an int8: adding it to a negative index, or taking
-    # the indices modulo it, overflowed (an OverflowError, traced or not).
-    deep = eqxscan.Stacked(lambda k: eqx.nn.Linear(2, 2, key=k), 128, key=jr.key(1))
+    # `L` = 130 does not fit an int8: adding it to a negative index, or taking
+    # the indices modulo it, overflowed (an OverflowError, traced or not), and
+    # the index cast back to int8 ran layer 3 for -1.
+    deep = eqxscan.Stacked(lambda k: eqx.nn.Linear(2, 2, key=k), 130, key=jr.key(1))
     x = jnp.ones(2)
-    want = deep[127](deep[5](deep[0](x)))
-    for idx in (jnp.array([0, 5, 127], jnp.int8), jnp.array([0, 5, -1], jnp.int8)):
+    want = deep[129](deep[5](deep[0](x)))
+    for idx in (jnp.array([0, 5, -1], jnp.int8), jnp.array([0, 5, 129], jnp.int16)):
         np.testing.assert_allclose(eqxscan.run_layers(deep, x, idx), want, rtol=1e-5)
         traced = jax.jit(lambda i: eqxscan.run_layers(deep, x, i))(idx)
         np.testing.assert_allclose(traced, want, rtol=1e-5)

@@ -166,7 +166,7 @@ def run_layers(
     length = model.num_layers
     chosen = _indices(layers, length, call.caller)
     if isinstance(layers, jax.Array):
-        idx = jnp.asarray(chosen, layers.dtype)
+        idx = jnp.asarray(chosen, jnp.int32)  # `L` need not fit the given dtype
         if tapping():
             twice = jnp.any(jnp.diff(jnp.sort(idx)) == 0)
             idx = eqx.error_if(idx, twice, _tapped_twice("a layer"))
