@@ -680,3 +680,44 @@ def test_a_layer_reading_a_logger_reuses_its_program():
     count, out = _compiles(lambda: stack(jnp.float32(0.5)))
     assert count == 0
     assert float(out) == float(stack.with_options(mode="loop")(jnp.float32(0.5)))
+
+
+@dataclasses.dataclass
+class _Config:  # eq=True: unhashable
+    gain: float
+
+
+class _Configured(eqx.Module):
+    w: jax.Array
+
+    def __call__(self, x, cfg):
+        return jnp.tanh(self.w * x) * cfg.gain
+
+
+def test_an_unhashable_argument_runs_compiled_alone():
+    stack = eqxscan.Stacked(lambda k: _Configured(jax.random.normal(k, ())), 3, key=KEY)
+    x = jnp.float32(0.5)
+    loop = stack.with_options(mode="loop")
+    for gain in (2.0, 3.0):
+        got = stack(x, cfg=_Config(gain))
+        np.testing.assert_allclose(got, loop(x, cfg=_Config(gain)), rtol=1e-6)
+
+
+class _Verbose(eqx.Module):
+    w: jax.Array
+
+    def __call__(self, x):
+        if LOG.isEnabledFor(logging.DEBUG):  # read at trace time
+            x = 2 * x
+        return self.w * x
+
+
+def test_a_loggers_level_joins_the_key():
+    stack = eqxscan.Stacked(lambda k: _Verbose(jnp.ones(())), 2, key=KEY)
+    level = LOG.level
+    try:
+        for debug, want in ((False, 1.0), (True, 4.0), (False, 1.0)):
+            LOG.setLevel(logging.DEBUG if debug else logging.WARNING)
+            assert float(stack(jnp.float32(1.0))) == want
+    finally:
+        LOG.setLevel(level)

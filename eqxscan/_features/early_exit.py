@@ -259,11 +259,13 @@ def checked_call(
             f"{what} does not take an eqx.nn.State.\nHint: call the model itself "
             "for stateful layers: `x, state = model(x, state)`."
         )
-    if kwargs.get("reverse", False) is False:  # a call's option, as a call's
-        kwargs = {k: v for k, v in kwargs.items() if k != "reverse"}  # default
+    reverse = kwargs.get("reverse", False)
+    if isinstance(reverse, bool | int | np.bool_ | np.integer) and not reverse:
+        kwargs = {k: v for k, v in kwargs.items() if k != "reverse"}  # a call's
+        # option at a call's default
     else:  # would be passed on to each layer
         raise TypeError(
-            f"eqxscan.{what} takes no reverse=: the layers run in the order "
+            f"eqxscan.{what} takes no reverse={reverse!r}: the layers run in the order "
             f"{'given' if what == 'run_layers' else 'of the model, from layer 0'}."
             "\nHint: run_layers(model, x, slice(None, None, -1)) runs them last "
             "to first."

@@ -64,8 +64,8 @@ def _key(value: object, seen: dict[int, int]) -> Key:
         return None if own is None else (type(value), value, own)
     if isinstance(value, np.dtype):
         return (value,)
-    if isinstance(value, logging.Logger):  # by identity: what it is set to
-        return (_Same(value),)  # changes what is logged, not what is computed
+    if isinstance(value, logging.Logger):  # by identity and level (code may
+        return (_Same(value), value.getEffectiveLevel())  # test `isEnabledFor`)
     # A library's function or class (not an instance of its Modules or a
     # partial, whose module is functools), a module, a class.
     library_fn = callable(value) and _library(value) and not _frozen_dataclass(value)
@@ -389,17 +389,17 @@ def compiled_when_eager(
         # under which True == 1 == 1.0: their types join the key, so that a value
         # the method would refuse never reuses the program of one it accepted.
         static = [leaf for leaf in leaves if not eqx.is_array(leaf)]
-        capped: tuple[object, str] | None = None  # warned of outside the `try`
+        capped: tuple[object, str, int] | None = None  # warned of past the `try`
         try:  # a value whose hash or comparison fails, or too deep: not cached
             reads, keyed, where = _plan(leaves, static, treedef, (args, kwargs))
             # The static arguments' values, for one structure and their types
             # (a Python float that changes at every call).
             values = by_value.setdefault((treedef, *map(type, static)), set())
             if where not in values and len(values) >= MAX_VALUES:
-                reads, capped = None, (treedef, _VALUES_MESSAGE)
+                reads, capped = None, (treedef, _VALUES_MESSAGE, MAX_VALUES)
             elif reads is not None and reads not in programs.setdefault(where, set()):
                 if len(programs[where]) >= MAX_PROGRAMS:
-                    reads, capped = None, (where, _READS_MESSAGE)
+                    reads, capped = None, (where, _READS_MESSAGE, MAX_PROGRAMS)
                 else:
                     values.add(where)
                     programs[where].add(reads)
@@ -409,7 +409,9 @@ def compiled_when_eager(
             # that follow are so
             warned.add(capped[0])
             warnings.warn(
-                capped[1].format(name=label, docs=checks.docs("debugging.md")),
+                capped[1].format(
+                    name=label, n=capped[2], docs=checks.docs("debugging.md")
+                ),
                 stacklevel=2,
             )
         try:
@@ -431,16 +433,18 @@ def compiled_when_eager(
 
 def _compiled_once(method: Callable[..., R], args: tuple, kwargs: dict) -> R:
     """`method` compiled for this call alone, through `eqx.filter_jit` (so an
-    `eqx.error_if` raises as Equinox's), whose program is dropped after it:
-    Equinox keeps one `jax.jit` per function name, which would hold a program
-    for every function and non-array value it was called with."""
+    `eqx.error_if` raises as Equinox's) of a function closing over the other
+    leaves than arrays (not hashed: they may not hash). Equinox's `jax.jit` for
+    it would keep a program per such function: its cache is cleared after."""
+    dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
 
-    def _eqxscan_compiled_once(*a: object, **k: object) -> R:
+    def _eqxscan_compiled_once(dynamic: PyTree) -> R:
+        a, k = eqx.combine(dynamic, static)
         return method(*a, **k)
 
     once = eqx.filter_jit(_eqxscan_compiled_once)
     try:
-        return once(*args, **kwargs)
+        return once(dynamic)
     finally:
         clear = getattr(getattr(once, "_cached", None), "clear_cache", None)
         if clear is not None:
@@ -473,13 +477,13 @@ def _plan(
 
 
 _READS_MESSAGE = (
-    "{name}: 16 eager calls with the same arguments' structure each compiled a "
+    "{name}: {n} eager calls with the same arguments' structure each compiled a "
     "program, for values read from outside the arguments (a global, a closure) "
     "that changed; each call now compiles its own.\nHint: pass such a value as an "
     "argument, or call inside eqx.filter_jit. See {docs}."
 )
 _VALUES_MESSAGE = (
-    "{name}: 64 eager calls with the same arguments' structure each compiled a "
+    "{name}: {n} eager calls with the same arguments' structure each compiled a "
     "program, for arguments that are not arrays (a Python number, say) whose "
     "values changed; each call now compiles its own.\nHint: pass such a value "
     "as an array (jnp.asarray(value)), which is traced, not compiled in. See {docs}."
