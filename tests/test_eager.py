@@ -721,3 +721,23 @@ def test_a_loggers_level_joins_the_key():
             assert float(stack(jnp.float32(1.0))) == want
     finally:
         LOG.setLevel(level)
+
+
+def test_a_cap_warning_points_at_the_callers_line(monkeypatch):
+    # Through a public function (`run_until`), the warning pointed into
+    # eqxscan's own code, not at the line that called it.
+    from eqxscan._scan import eager_compile
+
+    monkeypatch.setattr(eager_compile, "MAX_VALUES", 2)
+    stack = eqxscan.Stacked(lambda k: eqx.nn.Linear(2, 2, key=k), 4, key=KEY)
+    never = lambda c: jnp.zeros((), bool)  # noqa: E731
+    x = jnp.ones(2)
+    for depth in (1, 2):
+        eqxscan.run_until(stack, x, never, max_layers=depth)
+    with pytest.warns(UserWarning, match="arguments that are not arrays") as record:
+        eqxscan.run_until(stack, x, never, max_layers=3)
+    assert record[0].filename == __file__
+    with pytest.warns(UserWarning, match="arguments that are not arrays") as record:
+        for scale in (1.0, 2.0, 3.0):
+            stack(x, scale, method=lambda layer, h, s: layer(h) * s)
+    assert record[0].filename == __file__

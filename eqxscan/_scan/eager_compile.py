@@ -408,11 +408,10 @@ def compiled_when_eager(
         if capped is not None and capped[0] not in warned:  # once: the calls
             # that follow are so
             warned.add(capped[0])
-            warnings.warn(
+            _warn_at_caller(
                 capped[1].format(
                     name=label, n=capped[2], docs=checks.docs("debugging.md")
-                ),
-                stacklevel=2,
+                )
             )
         try:
             if reads is None or keyed is None:
@@ -429,6 +428,27 @@ def compiled_when_eager(
             return method(*args, **kwargs)
 
     return call
+
+
+def _warn_at_caller(text: str) -> None:
+    """Warn at the first frame outside eqxscan (and outside a runtime type
+    checker's wrappers): the user's line, through a public function such as
+    `run_until` as through a module's method."""
+    frame = sys._getframe(1)
+    while frame.f_back is not None and str(frame.f_globals.get("__name__")).split(".")[
+        0
+    ] in ("eqxscan", "jaxtyping", "beartype"):
+        frame = frame.f_back
+    registry = frame.f_globals.setdefault("__warningregistry__", {})
+    warnings.warn_explicit(
+        text,
+        UserWarning,
+        frame.f_code.co_filename,
+        frame.f_lineno,
+        module=frame.f_globals.get("__name__"),
+        registry=registry,
+        module_globals=frame.f_globals,
+    )
 
 
 def _compiled_once(method: Callable[..., R], args: tuple, kwargs: dict) -> R:
