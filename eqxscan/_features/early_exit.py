@@ -259,11 +259,12 @@ def checked_call(
             f"{what} does not take an eqx.nn.State.\nHint: call the model itself "
             "for stateful layers: `x, state = model(x, state)`."
         )
+    # A call's own option: at its default it is dropped, else refused (passed
+    # on, each layer would get it).
     reverse = kwargs.get("reverse", False)
     if isinstance(reverse, bool | int | np.bool_ | np.integer) and not reverse:
-        kwargs = {k: v for k, v in kwargs.items() if k != "reverse"}  # a call's
-        # option at a call's default
-    else:  # would be passed on to each layer
+        kwargs = {k: v for k, v in kwargs.items() if k != "reverse"}
+    else:
         raise TypeError(
             f"eqxscan.{what} takes no reverse={reverse!r}: the layers run in the order "
             f"{'given' if what == 'run_layers' else 'of the model, from layer 0'}."

@@ -435,9 +435,7 @@ def _warn_at_caller(text: str) -> None:
     checker's wrappers): the user's line, through a public function such as
     `run_until` as through a module's method."""
     frame = sys._getframe(1)
-    while frame.f_back is not None and str(frame.f_globals.get("__name__")).split(".")[
-        0
-    ] in ("eqxscan", "jaxtyping", "beartype"):
+    while frame.f_back is not None and _ours(frame):
         frame = frame.f_back
     registry = frame.f_globals.setdefault("__warningregistry__", {})
     warnings.warn_explicit(
@@ -449,6 +447,11 @@ def _warn_at_caller(text: str) -> None:
         registry=registry,
         module_globals=frame.f_globals,
     )
+
+
+def _ours(frame: types.FrameType) -> bool:
+    package = str(frame.f_globals.get("__name__")).partition(".")[0]
+    return package in ("eqxscan", "jaxtyping", "beartype")
 
 
 def _compiled_once(method: Callable[..., R], args: tuple, kwargs: dict) -> R:

@@ -142,30 +142,21 @@ def skip_scan(
         return (carry_out, ys), (runs, fixed, diff, saved)
 
     skipping.defvjp(forward, scan.backward)
-    with no_forward_mode():
+    try:
         carry_out, ys = skipping(
             runs, (c_fixed, x_fixed), (c_diff, x_diff), list(carry)
         )
+    except TypeError as e:  # JAX's message for a `jvp` here names no cause
+        if "forward-mode autodiff" not in str(e):
+            raise
+        raise TypeError(
+            "Forward-mode differentiation (jax.jvp, jacfwd, hessian) of a call "
+            "that skips layers (layer_drop=) is not available: the skip is a "
+            "custom_vjp.\nHint: call eqx.nn.inference_mode(model) for it, or "
+            "differentiate in reverse mode (jax.grad, jacrev); see "
+            f"{checks.docs('depth.md')}."
+        ) from None
     return list(carry_out), list(ys)
-
-
-class no_forward_mode:  # noqa: N801  # used as a function, in `with`
-    """Around skipping steps: JAX's error for a `jvp` through their
-    `custom_vjp`, which names no cause, said as LayerDrop's. A block: no frame
-    in a traceback."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: type | None, e: BaseException | None, tb: object) -> None:
-        if isinstance(e, TypeError) and "forward-mode autodiff" in str(e):
-            raise TypeError(
-                "Forward-mode differentiation (jax.jvp, jacfwd, hessian) of a "
-                "call that skips layers (layer_drop=) is not available: the skip "
-                "is a custom_vjp.\nHint: call eqx.nn.inference_mode(model) for "
-                "it, or differentiate in reverse mode (jax.grad, jacrev); see "
-                f"{checks.docs('depth.md')}."
-            ) from None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,7 +36,9 @@ def stack_classes(layers: Sequence[object]) -> tuple[int, ...]:
     for layer in layers:
         # Weak types apart: a weakly typed leaf stacked with strong ones would
         # compute in its own dtype (a bfloat16 carry promoted to float32).
-        label = next((j for j, rep in enumerate(reps) if alike(rep, layer, True)), None)
+        label = next(
+            (j for j, rep in enumerate(reps) if alike(rep, layer, weak=True)), None
+        )
         if label is None:
             label = len(reps)
             reps.append(layer)
