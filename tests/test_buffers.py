@@ -580,6 +580,13 @@ def test_make_gets_each_layers_own_index_in_a_repeated_pattern():
             assert got is None
         else:
             np.testing.assert_array_equal(got, np.full((layer.window or 5, 2), i))
+    # Negative numbers count from the end, as `chain[i]` does; out of range says so.
+    n = len(layers)
+    for i in range(-n, 0):
+        assert eqx.tree_equal(buffers.layer(i), buffers.layer(i + n))
+    for bad in (n, -n - 1):
+        with pytest.raises(IndexError, match=f"{bad} is out of range"):
+            buffers.layer(bad)
 
 
 def test_rows_written_into_one_leaf_and_returned_as_two():

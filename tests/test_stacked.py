@@ -246,6 +246,12 @@ def test_indexing_and_slicing():
         stack[3:3]
     with pytest.raises(TypeError, match="index"):
         stack[1.0]
+    # A bool is an int to Python but a mask to NumPy and JAX: refused.
+    for flag in (True, False):
+        with pytest.raises(TypeError, match="ints or slices, got bool"):
+            stack[flag]
+        with pytest.raises(TypeError, match="ints or slices, got bool"):
+            eqxscan.Chain(layers)[flag]
     # A traced index cannot be range-checked (JAX would clamp it): say so.
     with pytest.raises(TypeError, match="traced index.*static"):
         jax.jit(lambda i: stack[i])(1)

@@ -448,7 +448,8 @@ def check_index(index: object, length: int, who: str, hint: str) -> int:
             f"{who} got a traced index (e.g. a jit argument); indices must be "
             f"concrete ints: {hint}"
         )
-    if (i := _index(index)) is None:
+    # A bool is an int to Python but a mask to NumPy and JAX: neither is meant.
+    if isinstance(index, (bool, np.bool_)) or (i := _index(index)) is None:
         raise TypeError(
             f"{who} indices must be ints or slices, got {type(index).__name__}."
         )

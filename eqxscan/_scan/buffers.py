@@ -19,7 +19,7 @@ import jax.tree_util as jtu
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, PyTree
 
-from .._helpers.checks import describe, docs, first_difference
+from .._helpers.checks import check_index, describe, docs, first_difference
 from .._helpers.stateful import find_arg, get_arg
 from .layer_io import Index, index
 from .scan_remat import BUFFER_READ, staged
@@ -108,7 +108,10 @@ class LayerBuffers(eqx.Module):
         return sum(a.nbytes for a in jtu.tree_leaves(self.groups))
 
     def layer(self, i: int) -> PyTree:
-        """Layer `i`'s buffer (`None` for a layer without one)."""
+        """Layer `i`'s buffer (`None` for a layer without one); negative `i`
+        counts from the end."""
+        total = sum(place[1] for place in self.layout)
+        i = check_index(i, total, "LayerBuffers", "read it outside `jit`.")
         ndims = self.ndims or (None,) * len(self.groups)
         for part, (start, size, period, inner), nd in zip(
             self.groups, self.layout, ndims
@@ -122,8 +125,7 @@ class LayerBuffers(eqx.Module):
                 return index(part, i - start)
             r, j = divmod(i - start, period)
             return LayerBuffers(index(part, r), inner).layer(j)
-        size = sum(place[1] for place in self.layout)
-        raise IndexError(f"Layer {i} is out of range for buffers of {size} layers.")
+        raise AssertionError(f"the layout of {total} layers does not cover layer {i}")
 
 
 def _check_lead(part: PyTree, n: int, i: int, ndims: tuple[int, ...] | None) -> None:
