@@ -291,6 +291,26 @@ def test_stage_order(getkey):
     )
 
 
+def test_stage_order_of_a_stack_split_over_an_explicit_axis(getkey):
+    # An Explicit layer axis is in the arrays' types: a reshape of it that moves
+    # weights was refused (ShardingTypeError), eagerly and under jit.
+    mesh = jax.make_mesh((2,), ("stage",), axis_types=(AxisType.Explicit,))
+    stack = eqxscan.StackedMLP(4, 8, key=getkey()).blocks
+    order = dict(stages=2, repeats=2)
+    want = sharding.pipeline_order(stack, **order)
+    split = NamedSharding(mesh, P("stage"))
+    natural = eqx.combine(jax.device_put(eqx.filter(stack, eqx.is_array), split), stack)
+    permute = lambda s, inverse: sharding.pipeline_order(s, **order, inverse=inverse)
+    jitted = eqx.filter_jit(permute)
+    for run in (permute, jitted):
+        staged = run(natural, False)
+        assert staged.layers.w1.sharding.spec[0] == "stage"
+        assert np.array_equal(staged.layers.w1, want.layers.w1)
+        back = run(staged, True)
+        assert back.layers.w2.sharding.spec[0] == "stage"
+        assert np.array_equal(back.layers.w2, stack.layers.w2)
+
+
 def test_a_stage_ordered_stack_called_directly_runs_its_layers_in_order(getkey):
     # It ran them in the order stored (layer 4 third), without a word.
     rates = [0.1 * i for i in range(8)]

@@ -21,6 +21,11 @@ def permute_stage_order(
     array moves no weights."""
     outer, inner = (stages, repeats) if inverse else (repeats, stages)
     num_layers = a.shape[0]
+    if isinstance(a, jax.Array) and jax.typeof(a).sharding.spec[0] is not None:
+        # Explicitly sharded layer axis: JAX refuses a reshape of it that would
+        # move weights without being told where, so gather into the same spec.
+        order = permute_stage_order(np.arange(num_layers), stages, repeats, inverse)
+        return a.at[order].get(out_sharding=jax.typeof(a).sharding)
     b = a.reshape(outer, inner, num_layers // (stages * repeats), *a.shape[1:])
     return b.swapaxes(0, 1).reshape(num_layers, *a.shape[1:])
 
