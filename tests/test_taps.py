@@ -199,6 +199,9 @@ def test_tap_errors(getkey):
     with pytest.raises(TypeError, match="model must be callable, got ArrayImpl"):
         # The arguments in the wrong order.
         eqxscan.tap(jnp.ones(2), rms)  # pyright: ignore[reportArgumentType]
+    with pytest.raises(TypeError, match="stat is a Stacked, and model a function: "):
+        # Swapped: both callable, so this was "ran no layers", blaming the model.
+        eqxscan.tap(rms, stack)(xs[0])  # pyright: ignore[reportArgumentType]
     with (
         untyped(),
         pytest.raises(

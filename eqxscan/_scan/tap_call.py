@@ -10,6 +10,7 @@ from jaxtyping import PyTree
 
 from .._helpers.checks import Checked
 from .eager_compile import compiled_when_eager
+from .options import Scanning
 from .probe import Probe
 from .taps import Stat, takes_input, tap_calls
 
@@ -68,6 +69,12 @@ def tap(
             f"eqxscan.tap: model must be callable, got {type(model).__name__}.\n"
             "Hint: `eqxscan.tap(model, stat)(x)`: the container (or a function "
             "calling it) first, then the statistic, then the inputs."
+        )
+    if isinstance(stat, Scanning) and not isinstance(model, Scanning):
+        raise TypeError(
+            f"eqxscan.tap: stat is a {type(stat).__name__}, and model a "
+            f"{type(model).__name__}: the arguments look swapped.\nHint: "
+            "`eqxscan.tap(model, stat)(x)`: the container first, then the statistic."
         )
     if stat is not None and not callable(stat):
         raise TypeError(
