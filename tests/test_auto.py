@@ -430,6 +430,25 @@ def test_measure_sees_the_vmapped_batch():
     assert (mapped.unroll, mapped.rule.unroll) == (alone.unroll, alone.rule.unroll)
 
 
+def test_an_eager_vmap_measures_the_whole_batch(monkeypatch):
+    # Under an eager `vmap` the cached eager program is traced for one example:
+    # the rule measured one (and could save everything of a large batch).
+    stack = eqxscan.Stacked(lambda k: eqx.nn.Linear(12, 12, key=k), 3, key=jr.key(0))
+    seen = []
+    real = _auto.measure_traced
+    monkeypatch.setattr(
+        _auto, "measure_traced", lambda *a: seen.append(real(*a)) or seen[-1]
+    )
+    for batch in (40, 7):
+        x = jnp.ones((batch, 12))
+        (want,) = eqxscan.explain_auto(jax.vmap(stack), x)
+        seen.clear()
+        jax.vmap(stack)(x)
+        eqx.filter_grad(lambda s, x: jnp.sum(jax.vmap(s)(x)))(stack, x)
+        assert seen and all(cost == want.cost for cost in seen)
+        assert want.cost.carry_bytes == batch * 12 * 4
+
+
 # --- what the modules pick ------------------------------------------------------
 
 

@@ -480,9 +480,9 @@ def _copied_inputs(jaxpr: jcore.Jaxpr, platform: str) -> set[int]:
     return found
 
 
-def _vmapped_size(x: object) -> int:
+def vmapped_size(x: object) -> int:
     """How many copies of `x` `jax.vmap` runs at once (1 outside `vmap`, or
-    behind a `jit` inside it): the traced step's shapes are per example."""
+    behind a `jit` inside it, the traced step's shapes being per example)."""
     if not is_array(x) or jnp.issubdtype(x.dtype, jax.dtypes.extended):
         return 1
     sizes: list[int] = []
@@ -518,7 +518,10 @@ def measure_traced(
     it runs on `platform`."""
     avals = jaxpr.in_avals
     # Each input's own batch: weights a `vmap` does not map are held once.
-    sizes = [_vmapped_size(a) for a in jtu.tree_leaves(values)]
+    sizes = [vmapped_size(a) for a in jtu.tree_leaves(values)]
+    # An eager `vmap` around the cached eager program: its carry is mapped.
+    outer = call_state().vmapped
+    sizes = [s * outer if i < n_carry else s for i, s in enumerate(sizes)]
     batch = max(sizes or [1])
     if len(sizes) != len(avals):
         sizes = [batch] * len(avals)

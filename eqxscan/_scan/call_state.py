@@ -62,6 +62,8 @@ class CallState:
       to which `auto.resolve` appends each choice.
     - `layerwise`: the path of the stack `eqxscan.optim.layerwise` runs its
       transformation on one layer at a time (`None`: not there).
+    - `vmapped`: the batch of the eager `jax.vmap`s around a cached eager
+      program, whose trace sees one example; `eager_compile`, for `"auto"`.
     """
 
     step: Index | None = None
@@ -73,6 +75,7 @@ class CallState:
     paused: Tapping | None = None
     auto_records: tuple[list, ...] = ()
     layerwise: str | None = None
+    vmapped: int = 1
 
 
 _OUTSIDE = CallState()  # frozen: shared by every context

@@ -30,6 +30,8 @@ import numpy as np
 from jaxtyping import PyTree
 
 from .._helpers import checks
+from .auto import vmapped_size
+from .call_state import changed_call_state
 from .options import ScanOptions
 from .scan_remat import offloads_between_programs, on_accelerator, staged
 from .taps import call_of, tapping
@@ -349,8 +351,9 @@ def compiled_when_eager(
     mode; `name`: the method's in a warning)."""
 
     def typed(cache_key: tuple, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        del cache_key  # only part of the cache's key
-        return method(*_unkeyed(args), **_unkeyed(kwargs))  # pyright: ignore[reportCallIssue]  # the same arguments, unwrapped
+        # The key's last entry: the batch of an eager `vmap` around the call.
+        with changed_call_state(vmapped=cache_key[-1]):
+            return method(*_unkeyed(args), **_unkeyed(kwargs))  # pyright: ignore[reportCallIssue]  # the same arguments, unwrapped
 
     typed.__name__ = typed.__qualname__ = method.__name__  # its program's name
     jitted = eqx.filter_jit(typed)
@@ -378,10 +381,14 @@ def compiled_when_eager(
         )  # one flatten for both checks
         # (A function given the model in a closure, `tap`'s, is not looked
         # into for offloading: on an accelerator it runs as written.)
-        if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves) and (
+        traced = any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
+        if traced and (
             staged() or _offloads(args) or (not scanning and on_accelerator())
         ):
             return method(*args, **kwargs)
+        # The program's trace under an eager `vmap` sees one example: the
+        # batch joins the key, and `remat="auto"` reads it (as under `jit`).
+        batch = _vmapped(args[1:], kwargs) if traced else 1
         # An eager `grad` or `vmap` (tracers, but no staging trace) runs the
         # cached program too: its own scan would be a new program at every
         # call, each kept by JAX (thousands: the process runs out of memory maps).
@@ -415,9 +422,10 @@ def compiled_when_eager(
             )
         try:
             if reads is None or keyed is None:
-                return _compiled_once(method, args, kwargs)
+                with changed_call_state(vmapped=batch):
+                    return _compiled_once(method, args, kwargs)
             keyed_args, keyed_kwargs = jtu.tree_unflatten(treedef, keyed)
-            cache_key = (tuple(map(type, static)), reads)
+            cache_key = (tuple(map(type, static)), reads, batch)
             return jitted(cache_key, *keyed_args, **keyed_kwargs)  # pyright: ignore[reportCallIssue]  # the same arguments, keyed
         except TypeError as e:
             # An eager `jvp` through a `custom_vjp` (LayerDrop's skip, a layer's
@@ -472,6 +480,13 @@ def _compiled_once(method: Callable[..., R], args: tuple, kwargs: dict) -> R:
         clear = getattr(getattr(once, "_cached", None), "clear_cache", None)
         if clear is not None:
             clear()
+
+
+def _vmapped(*trees: PyTree) -> int:
+    # The largest batch of an eager `vmap` over the arrays passed besides the
+    # module (its weights are seldom mapped), as `"auto"` counts a carry.
+    tracers = [x for x in jtu.tree_leaves(trees) if isinstance(x, jax.core.Tracer)]
+    return max((vmapped_size(x) for x in tracers), default=1)
 
 
 def _offloads(args: tuple) -> bool:
