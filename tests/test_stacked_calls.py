@@ -174,6 +174,35 @@ def test_reverse_chain(mode, getkey):
     )
 
 
+class _Flips(eqx.Module):
+    w: jax.Array
+
+    def __call__(self, x, *, reverse=False):
+        return (x[::-1] if reverse else x) * self.w
+
+    def plain(self, x):
+        return x * self.w
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_layer_taking_reverse_is_not_run_backwards_without_a_word(mode, getkey):
+    # `reverse=True` is the container's: it ran the layers last to first, and a
+    # layer's own `reverse` never saw it (another output, no error).
+    stack = eqxscan.Stacked(lambda k: _Flips(jr.normal(k, (D,))), 3, key=getkey())
+    stack = stack.with_options(mode=mode)
+    x = jr.normal(getkey(), (D,))
+    for run in (stack, eqxscan.Chain(stack.unstack(), mode=mode)):
+        who = type(run).__name__
+        with pytest.raises(TypeError, match=rf"^{who}\(.*_Flips.__call__ takes a `rev"):
+            run(x, reverse=True)
+        # A method that takes none, and `reverse=False`, run as before.
+        want = x
+        for layer in reversed(stack.unstack()):
+            want = layer.plain(want)
+        assert jnp.allclose(run(x, reverse=True, method="plain"), want, atol=1e-5)
+        assert jnp.allclose(run(x, reverse=False), run(x), atol=0)
+
+
 class _Pair(eqx.Module):
     layer: eqx.Module
 

@@ -46,6 +46,7 @@ from .._scan.layer_call import (
     carry_only,
     check_method,
     check_per_layer,
+    check_reverse_free,
     index as index_at,
     LayerCall,
     Method,
@@ -456,7 +457,8 @@ class Stacked(Scanning, Generic[LayerT]):
           (`Block.decode`), or a method name (`"decode"`).
         - `reverse`: run layer `L-1` first and layer `0` last, the weights read
           backwards (no reversed copy, unlike `stack[::-1]`); layer `i` keeps
-          `keys[i]` and its `per_layer` slice.
+          `keys[i]` and its `per_layer` slice. It is the stack's, never passed
+          on: with a layer whose method takes a `reverse` too, `TypeError`.
 
         **Returns:**
 
@@ -503,7 +505,8 @@ class Stacked(Scanning, Generic[LayerT]):
         stack = in_natural_order(self)
         check_method(method, stack.layers)
         check_per_layer(args, kwargs, stack.num_layers)
-        reverse = check_bool("reverse", reverse)
+        if reverse := check_bool("reverse", reverse):
+            check_reverse_free(method, stack.layers, "Stacked")
         call = LayerCall(args, kwargs, stack._keys(key), read_out, reverse, method)
         return stack, dropping_call(stack.drop_rates, call, key, "Stacked")
 

@@ -4,6 +4,7 @@ key and drop inputs), and `run_one` calls one layer (method, key, drops, index,
 named scope, taps) and reads its output."""
 
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -98,6 +99,24 @@ def check_method(method: object, layer: object) -> None:
         raise AttributeError(
             f"{type(layer).__name__} has no method {method!r} to run on each layer; "
             "pass the name of one of its methods, or a function fn(layer, x, ...)."
+        )
+
+
+def check_reverse_free(method: object, layer: object, caller: str) -> None:
+    """Raise if the layers' method takes a `reverse` of its own: a container's
+    `reverse=True` runs the layers backwards and never reaches them."""
+    name = method if isinstance(method, str) else "__call__"
+    fn = method if callable(method) else getattr(layer, name, None)
+    try:
+        param = inspect.signature(fn).parameters.get("reverse")  # pyright: ignore[reportArgumentType]  # a callable, else refused below
+    except (TypeError, ValueError):  # no signature to read
+        return
+    if param is not None and param.kind is not inspect.Parameter.VAR_KEYWORD:
+        where = getattr(fn, "__qualname__", f"{type(layer).__name__}.{name}")
+        raise TypeError(
+            f"{caller}(..., reverse=True) runs the layers last to first and passes "
+            f"no `reverse` on, but {where} takes a `reverse` of its own.\nHint: "
+            "rename the layer's keyword; `reverse=` is the container's."
         )
 
 

@@ -14,7 +14,14 @@ from ..._helpers.stateful import find_state, replace_arg
 from ..._scan.buffers import check_keeps_writes, find_buffer, LayerBuffers, view_of
 from ..._scan.drop_rates import DropRates, new_drop_rates, Rates, rates_of, with_mode_of
 from ..._scan.eager_compile import compiled_when_eager
-from ..._scan.layer_call import carry_only, check_per_layer, LayerCall, Method, pairs
+from ..._scan.layer_call import (
+    carry_only,
+    check_per_layer,
+    check_reverse_free,
+    LayerCall,
+    Method,
+    pairs,
+)
 from ..._scan.options import OwnOptions, ScanArgs, Scanning, ScanOptions
 from ..stack_calls import dropping_call
 from ..stacked import LayerNumbering, StateDictFn
@@ -298,7 +305,9 @@ class Chain(Scanning):
         """The call of the layers that a fold with these arguments makes, after
         checking them, and the chain's buffer if one is given (its groups'
         buffers in the call, for `_with_buffers` to wrap again)."""
-        reverse = check_bool("reverse", reverse)
+        if reverse := check_bool("reverse", reverse):
+            for layer in bodies(self.groups, self.layout):
+                check_reverse_free(method, layer, "Chain")
         check_per_layer(args, kwargs, self.num_layers)
         at = find_buffer(args, kwargs)
         tree = None
