@@ -461,6 +461,11 @@ def test_from_layers_errors():
     )
     with pytest.raises(ValueError, match=r"bfloat16\[8,4\]"):
         eqxscan.Stacked.from_layers([a, wrong_dtype])
+    # Iterables that are no sequence of layers (a dict stacked its keys).
+    for bad, name in (({"a": a}, "dict"), ("ab", "str"), (a, "Block")):
+        with pytest.raises(TypeError, match=f"sequence of layers, got {name}"):
+            eqxscan.Stacked.from_layers(bad)  # pyright: ignore[reportArgumentType]
+    assert len(eqxscan.Stacked.from_layers(layer for layer in [a, a])) == 2
 
     relu = eqx.nn.MLP(2, 2, 4, 1, activation=jax.nn.relu, key=jr.key(0))
     tanh = eqx.nn.MLP(2, 2, 4, 1, activation=jnp.tanh, key=jr.key(0))

@@ -3,7 +3,7 @@
 how a container numbers its layers in a state dict (`LayerNumbering`)."""
 
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, NamedTuple, overload, SupportsIndex, TypeVar, Unpack
 
 import equinox as eqx
@@ -279,7 +279,7 @@ class Stacked(Scanning, Generic[LayerT]):
     @classmethod
     def from_layers(
         cls,
-        layers: Sequence[LayerT],
+        layers: Checked[Sequence[LayerT]],
         **options: Unpack[ScanArgs],
     ) -> "Stacked[LayerT]":
         """Stack already-built layers (e.g. loaded from a per-layer checkpoint).
@@ -295,6 +295,13 @@ class Stacked(Scanning, Generic[LayerT]):
 
         A `Stacked` whose `unstack()` gives the layers back exactly.
         """
+        if isinstance(layers, str | bytes | Mapping | eqx.Module | jax.Array):
+            # Iterable, but not layers: a dict's keys, a string's letters.
+            raise TypeError(
+                "Stacked.from_layers takes a sequence of layers, got "
+                f"{type(layers).__name__}.\nHint: pass a list, e.g. "
+                "`Stacked.from_layers([layer])` for one layer."
+            )
         layers = list(layers)
         check_alike(layers, "Stacked.from_layers")
         return cls(layers=stack_alike(layers), num_layers=len(layers), **options)
