@@ -268,3 +268,23 @@ def test_outputs_that_are_not_arrays_agree_across_modes(mode, getkey):
     if mode == "loop":
         with pytest.raises(TypeError, match="Layer 1 \\(Tagged\\) gave `` = .layer 1."):
             stack.scan(x, method=named)
+
+
+class _Flagged(eqx.Module):
+    w: jax.Array
+
+    def __call__(self, x, *, flag, times):
+        # Python values, in either mode: `is True` of NumPy's bool is False.
+        assert type(times) is int
+        return x * self.w * (2.0 if flag is True else 7.0) ** times
+
+
+def test_numpy_scalars_by_keyword_reach_the_layers_alike_in_every_mode(getkey):
+    # The scan passed NumPy's scalars given by keyword on as Python values
+    # (static, as a Python int), the loop as they were: another output.
+    stack = eqxscan.Stacked(lambda k: _Flagged(jr.normal(k, (3,))), 2, key=getkey())
+    x = jnp.ones(3)
+    want = x * stack.layers.w[0] * stack.layers.w[1] * 4.0
+    for mode in MODES:
+        got = stack.with_options(mode=mode)(x, flag=np.True_, times=np.int32(1))
+        np.testing.assert_allclose(got, want, rtol=1e-6)

@@ -365,17 +365,18 @@ def compiled_when_eager(
 
     @functools.wraps(method)
     def call(*args: P.args, **kwargs: P.kwargs) -> R:
-        if scanning and (getattr(args[0], "mode", "scan") == "loop" or tapping()):
-            # A tapped call's records are its own rows.
-            with call_of(args[0], kwargs.get("reverse")):
-                return method(*args, **kwargs)
         # Options such as `truncate=np.int64(2)` or `reverse=np.bool_(True)` are
-        # read as Python values (as in the loop), not traced: a NumPy integer or
-        # bool scalar given by keyword is static, like a Python int.
+        # read as Python values, not traced: a NumPy integer or bool scalar
+        # given by keyword is static, like a Python int (in every mode, so
+        # that the layers of the loop see what the scan's do).
         kwargs = {
             k: v.item() if isinstance(v, (np.integer, np.bool_)) else v
             for k, v in kwargs.items()
         }  # pyright: ignore[reportAssignmentType]  # the same values
+        if scanning and (getattr(args[0], "mode", "scan") == "loop" or tapping()):
+            # A tapped call's records are its own rows.
+            with call_of(args[0], kwargs.get("reverse")):
+                return method(*args, **kwargs)
         leaves, treedef = jtu.tree_flatten(
             (args, kwargs)
         )  # one flatten for both checks
