@@ -329,6 +329,35 @@ def test_an_optimizer_state_without_arrays_saves_and_restores(tmp_path):
         assert c.restore(model, None, mesh=mesh, step=3)[2] == 3  # not asked for
 
 
+def test_numpy_scalars_come_back_as_numpy_scalars(tmp_path):
+    # An `np.int64` count in `like` came back a 32-bit JAX array, wrapped
+    # (3,000,000,123 as -1,294,967,173), from a file holding it right.
+    saved = {
+        "w": jnp.arange(2.0),
+        "samples": np.int64(3_000_000_123),
+        "lr": np.float64(1e-3 + 1e-12),
+        "rows": np.array([2**40], np.int64),
+    }
+    like = {
+        "w": jnp.zeros(2),
+        "samples": np.int64(0),
+        "lr": np.float64(0),
+        "rows": np.zeros(1, np.int64),
+    }
+    eqxscan.save(tmp_path / "a.safetensors", saved)
+    mesh = eqxscan.sharding.make_mesh(devices=jax.devices()[:1])
+    with eqxscan.checkpoint.CheckpointManager(tmp_path / "c", asynchronous=False) as c:
+        c.save(1, saved)
+        restored = c.restore(like, mesh=mesh)[0]
+    for got in (eqxscan.load(tmp_path / "a.safetensors", like), restored):
+        for name in ("samples", "lr", "rows"):
+            assert type(got[name]) is type(saved[name]), name
+            assert got[name].dtype == saved[name].dtype, name
+            np.testing.assert_array_equal(got[name], saved[name])
+        assert isinstance(got["w"], jax.Array)
+        np.testing.assert_array_equal(got["w"], saved["w"])
+
+
 def test_a_dotted_dict_key_is_refused_before_an_orbax_save(tmp_path):
     # 'a.b' beside 'a': {'b'} saved, and both restored from one entry: the
     # ones came back as zeros.

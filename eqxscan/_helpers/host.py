@@ -26,12 +26,16 @@ class Lazy:
         return array if dtype is None else array.astype(dtype)
 
 
-def placed_like(like: object, value: np.ndarray | jax.Array) -> jax.Array | np.ndarray:
+def placed_like(
+    like: object, value: np.ndarray | jax.Array
+) -> jax.Array | np.ndarray | np.generic:
     """`value` (a host array, or one on the default device) as `like` is: a NumPy
-    array, or a JAX array placed, committed and weakly typed as it is (else a
+    array or scalar, or a JAX array placed, committed and weakly typed as it is (else a
     jitted function compiles again)."""
     if isinstance(like, np.ndarray):
         return value
+    if isinstance(like, np.generic):  # a NumPy scalar (`np.int64` of a count):
+        return np.asarray(value)[()]  # as one, not a 32-bit JAX array
     restored = weak_like(like, jnp.asarray(value))
     sharding = getattr(like, "sharding", None)
     if sharding is not None and getattr(like, "committed", True):

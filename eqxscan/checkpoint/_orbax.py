@@ -17,6 +17,7 @@ from typing import Any, SupportsIndex, TypeVar
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
+import numpy as np
 from jaxtyping import PyTree
 
 from .. import Stacked
@@ -29,6 +30,7 @@ from .._internal import (
     key_data,
     key_name,
     keys_like,
+    placed_like,
     Site,
     walk,
     weak_like,
@@ -131,9 +133,16 @@ def _target(tree: PyTree, shardings: PyTree) -> dict[str, Any]:
     # What Orbax restores `tree` as: each array's shape, dtype and sharding.
     leaves = zip(_named_leaves(tree), jtu.tree_leaves(shardings), strict=True)
     return _nest(
-        (p, jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s))
+        # NumPy's restored as NumPy: as a JAX array an int64 became int32.
+        (
+            p,
+            np.zeros(x.shape, x.dtype)
+            if host
+            else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        )
         for (p, leaf), s in leaves
         for x in [jax.eval_shape(key_data, leaf) if is_key(leaf) else leaf]
+        for host in [isinstance(leaf, np.ndarray | np.generic)]
     )
 
 
@@ -142,13 +151,26 @@ def _stored(named: list[tuple[tuple[str, ...], Any]]) -> dict[str, Any]:
     return _nest((p, key_data(x) if is_key(x) else x) for p, x in named)
 
 
+def _on_host_kept(restored: _M, placed: _M) -> _M:
+    # `placed` with the NumPy leaves of `restored` (as of `like`) kept: on a
+    # device an int64 count would be an int32, wrapped.
+    host = lambda x: isinstance(x, np.ndarray | np.generic)  # noqa: E731
+    leaves, treedef = jtu.tree_flatten(placed)
+    kept = zip(jtu.tree_leaves(restored), leaves, strict=True)
+    return jtu.tree_unflatten(treedef, [r if host(r) else p for r, p in kept])
+
+
 def _fill(like: _M, values: dict[str, Any]) -> _M:
     # `like` with its array leaves replaced, in order, by the restored ones.
     flat = flatten(values)
     arrays, rest = eqx.partition(like, is_arraylike)
     # Orbax restores every array strongly typed.
     leaves = [
-        keys_like(x, value) if is_key(x) else weak_like(x, value)
+        keys_like(x, value)
+        if is_key(x)
+        else placed_like(x, value)  # a NumPy leaf's as `like`'s
+        if isinstance(x, np.ndarray | np.generic)
+        else weak_like(x, value)
         for parts, x in _named_leaves(like)
         for value in [flat[".".join(parts)]]
     ]
@@ -369,7 +391,8 @@ class CheckpointManager:
         model = _fill(model, out["model"])
         if "opt_state" in target:
             opt_state = _fill(opt_state, out["opt_state"])
-        model, opt_state, _ = shard(model, opt_state, mesh=mesh, **kw)
+        placed = shard(model, opt_state, mesh=mesh, **kw)[:2]
+        model, opt_state = _on_host_kept((model, opt_state), placed)
         return model, opt_state, int(out["step"]["step"])
 
     def _step_to_restore(

@@ -52,7 +52,7 @@ def _regex(parts: Parts) -> str:
     )
 
 
-_ArrayLeaf = jax.Array | np.ndarray | jax.ShapeDtypeStruct
+_ArrayLeaf = jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct
 
 
 class _Leaf:
@@ -305,7 +305,9 @@ def _failure(like: object) -> tuple[type, str] | None:
     return None
 
 
-def _load(leaf: _Leaf, state_dict: Mapping[str, object]) -> jax.Array | np.ndarray:
+def _load(
+    leaf: _Leaf, state_dict: Mapping[str, object]
+) -> jax.Array | np.ndarray | np.generic:
     # `leaf` read from `state_dict`, placed as the leaf of `like` is.
     value = _stacked(leaf, state_dict)
     if leaf.key:
