@@ -60,18 +60,18 @@ def is_key(x: object) -> bool:
 
 
 def key_data(
-    x: jax.Array | np.ndarray | jax.ShapeDtypeStruct,
-) -> jax.Array | np.ndarray | jax.ShapeDtypeStruct:
+    x: jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct,
+) -> jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct:
     """Typed keys as the unsigned integers a file holds (`jax.random.key_data`:
     a trailing axis more), of an abstract key its shape and dtype."""
     if isinstance(x, jax.ShapeDtypeStruct):
         data = jax.eval_shape(jax.random.key_data, x)
         return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=x.sharding)
-    return jax.random.key_data(x) if is_key(x) else x
+    return jax.random.key_data(x) if is_key(x) else x  # pyright: ignore[reportArgumentType]  # a key is no NumPy scalar
 
 
 def keys_like(
-    like: jax.Array | np.ndarray | jax.ShapeDtypeStruct, data: object
+    like: jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct, data: object
 ) -> jax.Array:
     """`data` (as `key_data` gave it) as typed keys of `like`'s implementation."""
     impl = (
