@@ -5,6 +5,7 @@ into an array of its own: no mapping of the file stays resident, so a file read
 piece by piece holds one piece at a time."""
 
 import contextlib
+import io
 import json
 import os
 import struct
@@ -119,11 +120,16 @@ class _Files:
 
     def _open(self, file: str, names: list[str] | None, token: str | None) -> None:
         for _ in range(_REPLACED_TRIES):
+            opened = None
             try:
                 # The package checks the header (offsets, sizes); its handle
                 # maps the whole file, whose pages read through it would stay
-                # resident until it closes: the data is read by `_Bytes`.
-                seen = os.stat(file).st_ino
+                # resident until it closes: the data is read by `_Bytes`,
+                # through a descriptor opened first (while it is open, no other
+                # file takes its inode) and read once the header is checked.
+                opened = open(file, "rb", buffering=0)
+                seen = os.fstat(opened.fileno()).st_ino
+                before = os.stat(file).st_ino
                 with _package().safe_open(file, framework="np") as handle:
                     keys = list(handle.keys())
                     meta = handle.metadata() or {}
@@ -131,8 +137,15 @@ class _Files:
                     for key in keys:
                         piece = handle.get_slice(key)
                         specs[key] = (tuple(piece.get_shape()), piece.get_dtype())
-                    raw = _Bytes(file)
+                # A save replacing the file between the opens: the header and
+                # digests of one file, the bytes of another, taken for
+                # corruption. (Compared by inode: a replaced file's number,
+                # freed, may be the next save's, but not while `opened` holds it.)
+                same = before == os.stat(file).st_ino == seen
+                raw = _Bytes(opened) if same else None
             except Exception as e:  # the package's SafetensorError, or an OSError
+                if opened is not None:
+                    opened.close()
                 with open(file, "rb") as f:
                     start = f.read(4)
                 if start.startswith(b"PK"):
@@ -140,11 +153,9 @@ class _Files:
                 else:
                     why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
                 raise _bad(file, why) from None
-            # A save replacing the file between the two opens: the header and
-            # digests of one file, the bytes of another, taken for corruption.
-            if os.fstat(raw.file.fileno()).st_ino == seen:
+            if raw is not None:
                 break
-            raw.close()
+            opened.close()
         else:
             raise CorruptFileError(
                 f"Safetensors file {file!r} was replaced {_REPLACED_TRIES} times "
@@ -252,8 +263,9 @@ class _Bytes:
     not one saved over it since; the header the package checked is compared
     with its own). Float8 arrays too, which the package's NumPy API lacks."""
 
-    def __init__(self, file: str):
-        self.file = open(file, "rb", buffering=0)
+    def __init__(self, file: io.RawIOBase):
+        self.file = file
+        self.file.seek(0)
         (size,) = struct.unpack("<Q", self.file.read(8))
         self.start, self.header = 8 + size, json.loads(self.file.read(size))
         self.specs: dict[str, tuple[tuple[int, ...], str, np.dtype]] = {}
