@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
+import numpy as np
 import optax
 import pytest
 
@@ -445,6 +446,44 @@ def test_carry_structure_and_shape_errors(mode):
     assert "At `carry['extra']` the input has None but the output has float32[3]" in (
         str(info.value)
     )
+
+
+class _Signed(eqx.Module):
+    w: jax.Array
+    sign: object = eqx.field(static=True)
+    flag: object = True  # a Python leaf
+
+    def __call__(self, x):
+        return (
+            x
+            * self.w
+            * jnp.copysign(1.0, self.sign)
+            * (2.0 if self.flag is True else 3.0)
+        )
+
+
+@pytest.mark.parametrize(
+    "field, a, b",
+    [
+        ("sign", 0.0, -0.0),
+        ("sign", 1, 1.0),
+        ("flag", True, 1),
+        ("flag", 0.0, -0.0),
+    ],
+)
+def test_values_equal_but_not_the_same_are_not_stacked_as_one(field, a, b):
+    # Python's `==` (and so a treedef's) takes 0.0 for -0.0 and True for 1:
+    # stacked, layer 1 ran with layer 0's value (another output, no error).
+    w = jnp.ones(3)
+    layers = [_Signed(w, **{"sign": 1.0, field: v}) for v in (a, b)]
+    with pytest.raises(
+        ValueError, match=rf"layer 1 \(_Signed\) cannot be stacked.*`\.{field}`"
+    ):
+        eqxscan.Stacked.from_layers(layers)
+    chain = eqxscan.Chain(layers)
+    want = layers[1](layers[0](w))
+    np.testing.assert_array_equal(chain(w), want)
+    assert [repr(getattr(m, field)) for m in chain.unstack()] == [repr(a), repr(b)]
 
 
 def test_from_layers_errors():

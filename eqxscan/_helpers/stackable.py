@@ -114,6 +114,8 @@ def value_verdict(a: object, b: Any) -> Verdict:
     if type(a) is object:
         # A bare `object()` is only ever a unique marker (e.g. `StateIndex`'s).
         return "same"
+    if isinstance(a, float | complex | np.inexact):  # -0.0 is not 0.0 (its sign
+        return "same" if repr(a) == repr(b) else "different"  # reads apart)
     if isinstance(a, functools.partial):
         return _sequence((a.func, a.args, a.keywords), (b.func, b.args, b.keywords))
     if isinstance(a, types.FunctionType):
@@ -192,9 +194,18 @@ def alike(a: PyTree, b: PyTree, weak: bool = False) -> bool:
     `weak`, only if their array leaves are alike weakly typed (stacked, a weak
     leaf becomes strong: it then computes in its own dtype, where the weak one
     took the dtype of what it met)."""
-    if jtu.tree_structure(a) == jtu.tree_structure(b) and all(
-        same_leaf(x, y) and (not weak or _weak(x) == _weak(y))
-        for x, y in zip(jtu.tree_leaves(a), jtu.tree_leaves(b))
+    ta, tb = jtu.tree_structure(a), jtu.tree_structure(b)
+    # Treedefs compare static data with `==` (True == 1 == 1.0, 0.0 == -0.0):
+    # equal, and printed alike, they hold the same values.
+    if (
+        ta == tb
+        and str(ta) == str(tb)
+        and all(
+            same_leaf(x, y)
+            and (not weak or _weak(x) == _weak(y))
+            and (eqx.is_array(x) or value_verdict(x, y) == "same")  # 1 is no 1.0
+            for x, y in zip(jtu.tree_leaves(a), jtu.tree_leaves(b))
+        )
     ):
         return True  # the common, fast case: equal treedefs and leaves
     try:
