@@ -222,6 +222,23 @@ def test_foreign_files_are_refused_in_plain_words(tmp_path):
     _refused(index, "has no valid 'weight_map'")
 
 
+def test_an_index_naming_an_array_twice_is_refused(tmp_path):
+    # One damaged byte made two entries one name: JSON kept the last, and the
+    # first's array went unread (load_state_dict returned 8 of 9, no error).
+    model = eqxscan.StackedMLP(4, 3, key=jax.random.key(0))
+    directory = tmp_path / "sharded"
+    eqxscan.save_safetensors(directory, model, max_shard_size=300)
+    index = directory / "model.safetensors.index.json"
+    assert (
+        eqxscan.load_state_dict(directory).keys() == eqxscan.to_state_dict(model).keys()
+    )
+    index.write_text(index.read_text().replace('"blocks.0.w1"', '"blocks.1.w1"', 1))
+    with pytest.raises(
+        eqxscan.checkpoint.CorruptFileError, match="names 'blocks.1.w1' twice"
+    ):
+        eqxscan.load_state_dict(directory)
+
+
 def test_files_of_other_writers_without_digests_load(tmp_path):
     # As another program writes them: the same names, no eqxscan metadata.
     model = _mlp()

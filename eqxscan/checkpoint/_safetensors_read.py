@@ -84,7 +84,9 @@ class _Files:
             return {path: None}, None, path
         try:
             with open(path, encoding="utf-8") as f:
-                index = json.load(f)
+                # A name given twice (a damaged byte): JSON keeps the last, and
+                # the array the first named would go unread without a word.
+                index = json.load(f, object_pairs_hook=_unique)
         except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise CorruptFileError(
                 f"Safetensors index {path!r} is not valid JSON ({e}).\nHint: "
@@ -255,6 +257,14 @@ class _Files:
             with contextlib.suppress(Exception):
                 handle.__exit__(None, None, None)
         self.handles.clear()
+
+
+def _unique(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    found = dict(pairs)
+    if len(found) < len(pairs):
+        twice = next(k for i, (k, _) in enumerate(pairs) if k in dict(pairs[:i]))
+        raise ValueError(f"it names {twice!r} twice")
+    return found
 
 
 class _Bytes:
