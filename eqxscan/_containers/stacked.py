@@ -257,8 +257,6 @@ class Stacked(Scanning, Generic[LayerT]):
                 "Stacked takes either `make_layer` and `key` (and arguments for "
                 "`make_layer`), or already-stacked `layers`, not both."
             )
-        if not unchecked:  # (a slice of a stack keeps its options, to change)
-            self.options.scan_remat.levels(num_layers, "Stacked")  # a nesting fits
         bad = None if unchecked else misaligned(layers, num_layers)
         if bad is not None:
             raise ValueError(
@@ -319,7 +317,6 @@ class Stacked(Scanning, Generic[LayerT]):
                 # Given by layer number; stored, as the layers, in stage order.
                 rates = resolve_rates(changes[name], self.num_layers, name)
                 changes[name] = tuple(rates[i] for i in order)
-        options.scan_remat.levels(self.num_layers, "Stacked.with_options")
         return restack(self, options=options, **changes)
 
     def __len__(self) -> int:
