@@ -486,6 +486,13 @@ def test_values_equal_but_not_the_same_are_not_stacked_as_one(field, a, b):
     assert [repr(getattr(m, field)) for m in chain.unstack()] == [repr(a), repr(b)]
 
 
+def test_one_dtype_written_two_ways_still_stacks():
+    w = jnp.ones(3)
+    layers = [_Signed(w, jnp.float32), _Signed(w, jnp.dtype("float32"))]
+    assert len(eqxscan.Stacked.from_layers(layers)) == 2
+    assert len(eqxscan.Chain(layers).groups) == 1
+
+
 def test_from_layers_errors():
     a = Block(4, key=jr.key(0))
     wrong_shape = Block(5, key=jr.key(1))
@@ -505,6 +512,9 @@ def test_from_layers_errors():
         with pytest.raises(TypeError, match=f"sequence of layers, got {name}"):
             eqxscan.Stacked.from_layers(bad)  # pyright: ignore[reportArgumentType]
     assert len(eqxscan.Stacked.from_layers(layer for layer in [a, a])) == 2
+    # Modules that hold layers iterate over them, as before.
+    two = eqxscan.Stacked.from_layers(eqx.nn.Sequential([a, a]))
+    assert len(eqxscan.Stacked.from_layers(two)) == 2
 
     relu = eqx.nn.MLP(2, 2, 4, 1, activation=jax.nn.relu, key=jr.key(0))
     tanh = eqx.nn.MLP(2, 2, 4, 1, activation=jnp.tanh, key=jr.key(0))

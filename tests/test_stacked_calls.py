@@ -2,6 +2,7 @@
 in parallel, reverse order and per-layer construction arguments, each against
 a hand-written loop: values and gradients, in scan and loop mode."""
 
+import functools
 import re
 
 import equinox as eqx
@@ -201,6 +202,16 @@ def test_a_layer_taking_reverse_is_not_run_backwards_without_a_word(mode, getkey
             want = layer.plain(want)
         assert jnp.allclose(run(x, reverse=True, method="plain"), want, atol=1e-5)
         assert jnp.allclose(run(x, reverse=False), run(x), atol=0)
+        # A `reverse` bound already, and containers as layers, run as before.
+        bound = functools.partial(_Flips.__call__, reverse=True)
+        want = x
+        for layer in reversed(stack.unstack()):
+            want = layer(want, reverse=True)
+        assert jnp.allclose(run(x, reverse=True, method=bound), want, atol=1e-5)
+    inner = eqxscan.Stacked(lambda k: eqx.nn.Linear(D, D, key=k), 2, key=getkey())
+    lone = eqx.nn.Linear(D, D, key=getkey())
+    chain = eqxscan.Chain([lone, inner], mode=mode)
+    assert jnp.allclose(chain(x, reverse=True), lone(inner(x)), atol=1e-5)
 
 
 class _Pair(eqx.Module):

@@ -293,7 +293,9 @@ class Stacked(Scanning, Generic[LayerT]):
 
         A `Stacked` whose `unstack()` gives the layers back exactly.
         """
-        if isinstance(layers, str | bytes | Mapping | eqx.Module | jax.Array):
+        if isinstance(layers, str | bytes | Mapping | jax.Array) or not _iterable(
+            layers
+        ):
             # Iterable, but not layers: a dict's keys, a string's letters.
             raise TypeError(
                 "Stacked.from_layers takes a sequence of layers, got "
@@ -558,6 +560,14 @@ def in_natural_order(group: Any) -> Any:
     if isinstance(group, Stacked) and group.stage_order is not None:
         return permute_stack(group, *group.stage_order, inverse=True, stage_order=None)
     return group
+
+
+def _iterable(x: object) -> bool:
+    try:
+        iter(x)  # pyright: ignore[reportCallIssue, reportArgumentType]  # any object
+    except TypeError:
+        return False
+    return True
 
 
 def restack(stack: Stacked[LayerT], **changes: object) -> Stacked[LayerT]:

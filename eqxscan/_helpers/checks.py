@@ -219,7 +219,10 @@ def first_difference(
             )
             both = is_arraylike(a) and is_arraylike(b)
             return None if both and da == db else (path, da, db)
+        is_leaf = lambda x: jtu.treedef_is_leaf(jtu.tree_structure(x))  # noqa: E731
         if type(a) is not type(b):
+            if leaf is not None and is_leaf(a) and is_leaf(b):  # `leaf` judges
+                return leaf(a, b, path)  # values of two types (4, np.int64(4))
             return path, f"type {type(a).__name__}", f"type {type(b).__name__}"
         if dataclasses.is_dataclass(a) and not isinstance(a, type):  # a Module too
             pairs = [
@@ -236,7 +239,7 @@ def first_difference(
                 ka, kb = (f"keys {sorted(map(str, d))}" for d in (a, b))
                 return path, ka, kb
             pairs = [(a[k], b[k], f"[{k!r}]") for k in a]
-        elif jtu.treedef_is_leaf(jtu.tree_structure(a)):
+        elif is_leaf(a):
             if leaf is not None:
                 return leaf(a, b, path)
             return None if same_leaf(a, b) else (path, describe(a), describe(b))

@@ -102,6 +102,10 @@ def _hidden_arrays(x: object) -> list[object]:
     return [x] if eqx.is_array(x) else []
 
 
+_NUMBERS = {bool, int, float, complex}
+_CONTAINERS = (tuple, list, dict)
+
+
 def value_verdict(a: object, b: Any) -> Verdict:
     """Whether two non-array values (static data, functions) are the same (`b:
     Any`: past `type(a) is type(b)` it has `a`'s type, which pyright cannot see)."""
@@ -110,7 +114,15 @@ def value_verdict(a: object, b: Any) -> Verdict:
     if eqx.is_array(a) or eqx.is_array(b) or isinstance(a, np.ndarray):
         return _concrete_equal(a, b)
     if type(a) is not type(b):
-        return "different"
+        # Python's numbers compute apart where `==` takes them for one (True
+        # and 1, 1 and 1.0), as do containers; other values alike where equal
+        # (a dtype as `jnp.float32` or `np.dtype`, `np.int64(4)` for 4).
+        if {type(a), type(b)} <= _NUMBERS or isinstance(a, _CONTAINERS):
+            return "different"
+        try:
+            return "same" if bool(a == b) else "different"
+        except Exception:
+            return "different"
     if type(a) is object:
         # A bare `object()` is only ever a unique marker (e.g. `StateIndex`'s).
         return "same"
@@ -194,21 +206,21 @@ def alike(a: PyTree, b: PyTree, weak: bool = False) -> bool:
     `weak`, only if their array leaves are alike weakly typed (stacked, a weak
     leaf becomes strong: it then computes in its own dtype, where the weak one
     took the dtype of what it met)."""
-    ta, tb = jtu.tree_structure(a), jtu.tree_structure(b)
-    # Treedefs compare static data with `==` (True == 1 == 1.0, 0.0 == -0.0):
-    # equal, and printed alike, they hold the same values.
-    if (
-        ta == tb
-        and str(ta) == str(tb)
-        and all(
-            same_leaf(x, y)
-            and (not weak or _weak(x) == _weak(y))
-            and (eqx.is_array(x) or value_verdict(x, y) == "same")  # 1 is no 1.0
-            for x, y in zip(jtu.tree_leaves(a), jtu.tree_leaves(b))
-        )
-    ):
-        return True  # the common, fast case: equal treedefs and leaves
     try:
+        ta, tb = jtu.tree_structure(a), jtu.tree_structure(b)
+        # Treedefs compare static data with `==` (True == 1 == 1.0, 0.0 ==
+        # -0.0): equal, and printed alike, they hold the same values.
+        if (
+            ta == tb
+            and str(ta) == str(tb)
+            and all(
+                same_leaf(x, y)
+                and (not weak or _weak(x) == _weak(y))
+                and (eqx.is_array(x) or value_verdict(x, y) == "same")  # 1, 1.0
+                for x, y in zip(jtu.tree_leaves(a), jtu.tree_leaves(b))
+            )
+        ):
+            return True  # the common, fast case: equal treedefs and leaves
         return compare(a, b, weak) is None
     except Exception:
         return False

@@ -484,10 +484,11 @@ def _compiled_once(method: Callable[..., R], args: tuple, kwargs: dict) -> R:
 
 
 def _vmapped(*trees: PyTree) -> int:
-    # The largest batch of an eager `vmap` over the arrays passed besides the
-    # module (its weights are seldom mapped), as `"auto"` counts a carry.
-    tracers = [x for x in jtu.tree_leaves(trees) if isinstance(x, jax.core.Tracer)]
-    return max((vmapped_size(x) for x in tracers), default=1)
+    # The batch of an eager `vmap` over the first array passed besides the
+    # module (the carry, which `"auto"` counts per batch): one probe a call.
+    leaves = jtu.tree_leaves(trees)
+    first = next((x for x in leaves if isinstance(x, jax.core.Tracer)), None)
+    return 1 if first is None else vmapped_size(first)
 
 
 def _offloads(args: tuple) -> bool:

@@ -25,6 +25,7 @@ from .layer_io import (
     take as take,
     write as write,
 )
+from .options import Scanning
 from .taps import inside_layer, tapped, untapped
 
 
@@ -107,6 +108,10 @@ def check_reverse_free(method: object, layer: object, caller: str) -> None:
     `reverse=True` runs the layers backwards and never reaches them."""
     name = method if isinstance(method, str) else "__call__"
     fn = method if callable(method) else getattr(layer, name, None)
+    if isinstance(layer, Scanning):
+        return  # a container as a layer: its `reverse` is its own, as it was
+    if isinstance(fn, functools.partial) and "reverse" in fn.keywords:
+        return  # bound already (`partial(Flow.__call__, reverse=True)`)
     try:
         param = inspect.signature(fn).parameters.get("reverse")  # pyright: ignore[reportArgumentType]  # a callable, else refused below
     except (TypeError, ValueError):  # no signature to read

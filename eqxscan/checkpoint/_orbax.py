@@ -133,7 +133,8 @@ def _target(tree: PyTree, shardings: PyTree) -> dict[str, Any]:
     # What Orbax restores `tree` as: each array's shape, dtype and sharding.
     leaves = zip(_named_leaves(tree), jtu.tree_leaves(shardings), strict=True)
     return _nest(
-        # NumPy's restored as NumPy: as a JAX array an int64 became int32.
+        # A NumPy scalar (a count) restored as NumPy: as a JAX array an
+        # int64 became int32. (NumPy arrays are placed on the mesh, as `shard`.)
         (
             p,
             np.zeros(x.shape, x.dtype)
@@ -142,7 +143,7 @@ def _target(tree: PyTree, shardings: PyTree) -> dict[str, Any]:
         )
         for (p, leaf), s in leaves
         for x in [jax.eval_shape(key_data, leaf) if is_key(leaf) else leaf]
-        for host in [isinstance(leaf, np.ndarray | np.generic)]
+        for host in [isinstance(leaf, np.generic)]
     )
 
 
@@ -152,9 +153,9 @@ def _stored(named: list[tuple[tuple[str, ...], Any]]) -> dict[str, Any]:
 
 
 def _on_host_kept(restored: _M, placed: _M) -> _M:
-    # `placed` with the NumPy leaves of `restored` (as of `like`) kept: on a
+    # `placed` with the NumPy scalars of `restored` (as of `like`) kept: on a
     # device an int64 count would be an int32, wrapped.
-    host = lambda x: isinstance(x, np.ndarray | np.generic)  # noqa: E731
+    host = lambda x: isinstance(x, np.generic)  # noqa: E731
     leaves, treedef = jtu.tree_flatten(placed)
     kept = zip(jtu.tree_leaves(restored), leaves, strict=True)
     return jtu.tree_unflatten(treedef, [r if host(r) else p for r, p in kept])
@@ -168,8 +169,8 @@ def _fill(like: _M, values: dict[str, Any]) -> _M:
     leaves = [
         keys_like(x, value)
         if is_key(x)
-        else placed_like(x, value)  # a NumPy leaf's as `like`'s
-        if isinstance(x, np.ndarray | np.generic)
+        else placed_like(x, value)  # a NumPy scalar as `like`'s
+        if isinstance(x, np.generic)
         else weak_like(x, value)
         for parts, x in _named_leaves(like)
         for value in [flat[".".join(parts)]]
