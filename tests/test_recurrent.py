@@ -788,6 +788,10 @@ def test_error_bad_truncate(getkey):
         rnn(jnp.zeros(HID), xs, truncate=True)
     with pytest.raises(TypeError):
         rnn(jnp.zeros(HID), xs, truncate=2.5)
+    # Longer than the sequence: no cut (it overflowed int32 past 2**31 - 1).
+    want = rnn(jnp.zeros(HID), xs)
+    for big in (T, 2**31, 10**12):
+        assert jnp.array_equal(rnn(jnp.zeros(HID), xs, truncate=big)[0], want[0])
 
 
 def test_error_unknown_keywords(getkey):
@@ -803,6 +807,10 @@ def test_error_unknown_keywords(getkey):
         rnn(h0, xs, lenght=3)
     with pytest.raises(TypeError, match=r"arguments 'gain', 'scale';"):
         rnn(h0, xs, gain=1.0, scale=2.0)
+    # The module's own options: when built (the hint sent them to the cell).
+    for name in ("reverse", "method", "chunk_size", "remat"):
+        with pytest.raises(TypeError, match=rf"got '{name}' when called.*\n.*with_o"):
+            rnn(h0, xs, **{name: True})
     bi = eqxscan.Bidirectional(rnn.cell, rnn.cell)
     with pytest.raises(TypeError, match=r"Bidirectional got unknown keyword .*'gain'"):
         bi((h0, h0), xs, gain=1.0)

@@ -40,8 +40,18 @@ class Controls(NamedTuple):
     broadcast_key: bool
 
 
+#: A `Recurrent`'s own options: given to a call, not the cell's keywords.
+_BUILT_WITH = ("reverse", "method", "chunk_size", "mode", "remat", "unroll")
+
+
 def check_names(who: str, options: Mapping[str, object]) -> None:
     unknown = [name for name in options if name not in _CONTROLS]
+    if built := [name for name in unknown if name in _BUILT_WITH]:
+        raise TypeError(
+            f"{who} got {built[0]!r} when called, but it is an option of the "
+            f"module, set when it is built.\nHint: Recurrent(cell, {built[0]}=...), "
+            f"or rnn.with_options({built[0]}=...)."
+        )
     if unknown:
         names = ", ".join(repr(n) for n in unknown)
         example = ", ".join(f"{n!r}: ..." for n in unknown)
@@ -83,7 +93,8 @@ def controls(who: str, xs: PyTree, options: Mapping[str, object]) -> Controls:
     broadcast_key = check_bool("broadcast_key", broadcast_key)
     mask, truncate = options.get("mask"), options.get("truncate")
     mask = None if mask is None else _check_mask(mask, length)
-    truncate = None if truncate is None else check_size("truncate", truncate)
+    if truncate is not None:  # a block longer than the sequence is the sequence
+        truncate = min(check_size("truncate", truncate), max(length, 1))
     return Controls(length, time_axis, mask, truncate, broadcast_key)
 
 
