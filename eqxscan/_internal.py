@@ -55,6 +55,7 @@ from ._helpers.host import (
     keys_like as keys_like,
     Lazy as Lazy,
     placed_like as placed_like,
+    scalars_kept as scalars_kept,
     weak_like as weak_like,
 )
 from ._helpers.jax_private import (

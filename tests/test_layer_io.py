@@ -33,6 +33,8 @@ NOT_LAYERS = {
     Path("_helpers", "host.py"),
     # The first time step of a sequence, not a layer.
     Path("_containers", "linear_diag.py"),
+    # The whole layer axis permuted at once into a sharding (`pipeline_order`).
+    Path("_containers", "stage_order.py"),
 }
 
 

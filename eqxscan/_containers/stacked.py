@@ -3,7 +3,7 @@
 how a container numbers its layers in a state dict (`LayerNumbering`)."""
 
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Generic, NamedTuple, overload, SupportsIndex, TypeVar, Unpack
 
 import equinox as eqx
@@ -30,6 +30,7 @@ from .._helpers.stackable import (
     check_alike,
     check_state_indices,
     check_state_order,
+    layer_list,
     stack_alike,
     weak_only,
 )
@@ -293,16 +294,7 @@ class Stacked(Scanning, Generic[LayerT]):
 
         A `Stacked` whose `unstack()` gives the layers back exactly.
         """
-        if isinstance(layers, str | bytes | Mapping | jax.Array) or not _iterable(
-            layers
-        ):
-            # Iterable, but not layers: a dict's keys, a string's letters.
-            raise TypeError(
-                "Stacked.from_layers takes a sequence of layers, got "
-                f"{type(layers).__name__}.\nHint: pass a list, e.g. "
-                "`Stacked.from_layers([layer])` for one layer."
-            )
-        layers = list(layers)
+        layers = layer_list(layers, "Stacked.from_layers")
         check_alike(layers, "Stacked.from_layers")
         return cls(layers=stack_alike(layers), num_layers=len(layers), **options)
 
@@ -560,14 +552,6 @@ def in_natural_order(group: Any) -> Any:
     if isinstance(group, Stacked) and group.stage_order is not None:
         return permute_stack(group, *group.stage_order, inverse=True, stage_order=None)
     return group
-
-
-def _iterable(x: object) -> bool:
-    try:
-        iter(x)  # pyright: ignore[reportCallIssue, reportArgumentType]  # any object
-    except TypeError:
-        return False
-    return True
 
 
 def restack(stack: Stacked[LayerT], **changes: object) -> Stacked[LayerT]:

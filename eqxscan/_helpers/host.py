@@ -5,7 +5,9 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import jax.tree_util as jtu
 import numpy as np
+from jaxtyping import PyTree
 from numpy.typing import DTypeLike
 
 from .jax_private import key_impl
@@ -41,6 +43,16 @@ def placed_like(
     if sharding is not None and getattr(like, "committed", True):
         return jax.device_put(restored, sharding)
     return restored
+
+
+def scalars_kept(restored: PyTree, placed: PyTree) -> PyTree:
+    """`placed` (`restored` laid out on devices) with the NumPy scalars of
+    `restored` kept: on a device an int64 count would be an int32, wrapped."""
+    leaves, treedef = jtu.tree_flatten(placed)
+    kept = zip(jtu.tree_leaves(restored), leaves, strict=True)
+    return jtu.tree_unflatten(
+        treedef, [r if isinstance(r, np.generic) else p for r, p in kept]
+    )
 
 
 def weak_like(like: object, x: jax.Array) -> jax.Array:

@@ -13,7 +13,7 @@ that callers can say so instead of silently keeping the layers apart.
 import dataclasses
 import functools
 import types
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 import equinox as eqx
@@ -236,6 +236,22 @@ def stack_alike(layers: list[PyTree]) -> PyTree:
         for leaves in zip(*columns)
     ]
     return jtu.tree_unflatten(treedef, stacked)
+
+
+def layer_list(layers: object, what: str) -> list:
+    """`layers` (a sequence, or a module iterating over its layers) as a list;
+    a dict's keys, a string's letters or one layer refused."""
+    try:
+        iter(layers)  # pyright: ignore[reportCallIssue, reportArgumentType]  # any object
+        iterable = not isinstance(layers, str | bytes | Mapping | jax.Array)
+    except TypeError:
+        iterable = False
+    if not iterable:
+        raise TypeError(
+            f"{what} takes a sequence of layers, got {type(layers).__name__}.\n"
+            f"Hint: pass a list, e.g. `{what}([layer])` for one layer."
+        )
+    return list(layers)  # pyright: ignore[reportCallIssue, reportArgumentType]  # iterable
 
 
 def check_alike(

@@ -519,8 +519,7 @@ def measure_traced(
     avals = jaxpr.in_avals
     # Each input's own batch: weights a `vmap` does not map are held once.
     sizes = [vmapped_size(a) for a in jtu.tree_leaves(values)]
-    # An eager `vmap` around the cached eager program: its carry is mapped.
-    outer = call_state().vmapped
+    outer = call_state().vmapped  # an eager `vmap`'s, around the program: its carry
     sizes = [s * outer if i < n_carry else s for i, s in enumerate(sizes)]
     batch = max(sizes or [1])
     if len(sizes) != len(avals):

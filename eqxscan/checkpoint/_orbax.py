@@ -31,6 +31,7 @@ from .._internal import (
     key_name,
     keys_like,
     placed_like,
+    scalars_kept,
     Site,
     walk,
     weak_like,
@@ -130,35 +131,20 @@ def _nest(named: Iterable[tuple[tuple[str, ...], Any]]) -> dict[str, Any]:
 
 
 def _target(tree: PyTree, shardings: PyTree) -> dict[str, Any]:
-    # What Orbax restores `tree` as: each array's shape, dtype and sharding.
+    # What Orbax restores `tree` as: each array's shape, dtype and sharding; a
+    # NumPy scalar (a count) as NumPy (as a JAX array an int64 became int32).
+    spec = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
     leaves = zip(_named_leaves(tree), jtu.tree_leaves(shardings), strict=True)
     return _nest(
-        # A NumPy scalar (a count) restored as NumPy: as a JAX array an
-        # int64 became int32. (NumPy arrays are placed on the mesh, as `shard`.)
-        (
-            p,
-            np.zeros(x.shape, x.dtype)
-            if host
-            else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-        )
+        (p, np.asarray(x) if isinstance(x, np.generic) else spec(x, s))
         for (p, leaf), s in leaves
         for x in [jax.eval_shape(key_data, leaf) if is_key(leaf) else leaf]
-        for host in [isinstance(leaf, np.generic)]
     )
 
 
 def _stored(named: list[tuple[tuple[str, ...], Any]]) -> dict[str, Any]:
     # What Orbax saves: typed PRNG keys as their data (Orbax restores no keys).
     return _nest((p, key_data(x) if is_key(x) else x) for p, x in named)
-
-
-def _on_host_kept(restored: _M, placed: _M) -> _M:
-    # `placed` with the NumPy scalars of `restored` (as of `like`) kept: on a
-    # device an int64 count would be an int32, wrapped.
-    host = lambda x: isinstance(x, np.generic)  # noqa: E731
-    leaves, treedef = jtu.tree_flatten(placed)
-    kept = zip(jtu.tree_leaves(restored), leaves, strict=True)
-    return jtu.tree_unflatten(treedef, [r if host(r) else p for r, p in kept])
 
 
 def _fill(like: _M, values: dict[str, Any]) -> _M:
@@ -393,7 +379,7 @@ class CheckpointManager:
         if "opt_state" in target:
             opt_state = _fill(opt_state, out["opt_state"])
         placed = shard(model, opt_state, mesh=mesh, **kw)[:2]
-        model, opt_state = _on_host_kept((model, opt_state), placed)
+        model, opt_state = scalars_kept((model, opt_state), placed)
         return model, opt_state, int(out["step"]["step"])
 
     def _step_to_restore(

@@ -148,13 +148,7 @@ class _Files:
             except Exception as e:  # the package's SafetensorError, or an OSError
                 if opened is not None:
                     opened.close()
-                with open(file, "rb") as f:
-                    start = f.read(4)
-                if start.startswith(b"PK"):
-                    why = "it is a zip archive (an .npz?), not safetensors"
-                else:
-                    why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-                raise _bad(file, why) from None
+                raise _unreadable(file, e) from None
             if raw is not None:
                 break
             opened.close()
@@ -257,6 +251,15 @@ class _Files:
             with contextlib.suppress(Exception):
                 handle.__exit__(None, None, None)
         self.handles.clear()
+
+
+def _unreadable(file: str, e: Exception) -> CorruptFileError:
+    # The package's error naming the file, or what the file is instead.
+    with open(file, "rb") as f:
+        start = f.read(4)
+    if start.startswith(b"PK"):
+        return _bad(file, "it is a zip archive (an .npz?), not safetensors")
+    return _bad(file, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
 
 
 def _unique(pairs: list[tuple[str, object]]) -> dict[str, object]:
