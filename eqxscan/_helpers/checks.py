@@ -222,7 +222,7 @@ def first_difference(
         is_leaf = lambda x: jtu.treedef_is_leaf(jtu.tree_structure(x))  # noqa: E731
         if type(a) is not type(b):
             if leaf is not None and is_leaf(a) and is_leaf(b):  # `leaf` judges
-                return leaf(a, b, path)  # values of two types (4, np.int64(4))
+                return leaf(a, b, path)  # values of two types (jnp.float32, a dtype)
             return path, f"type {type(a).__name__}", f"type {type(b).__name__}"
         if dataclasses.is_dataclass(a) and not isinstance(a, type):  # a Module too
             pairs = [

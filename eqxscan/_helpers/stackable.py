@@ -116,7 +116,7 @@ def value_verdict(a: object, b: Any) -> Verdict:
     if type(a) is not type(b):
         # Python's numbers compute apart where `==` takes them for one (True
         # and 1, 1 and 1.0), as do containers; other values alike where equal
-        # (a dtype as `jnp.float32` or `np.dtype`, `np.int64(4)` for 4).
+        # (a dtype as `jnp.float32` or `np.dtype("float32")`).
         if {type(a), type(b)} <= _NUMBERS or isinstance(a, _CONTAINERS):
             return "different"
         try:
@@ -126,7 +126,7 @@ def value_verdict(a: object, b: Any) -> Verdict:
     if type(a) is object:
         # A bare `object()` is only ever a unique marker (e.g. `StateIndex`'s).
         return "same"
-    if isinstance(a, float | complex | np.inexact):  # -0.0 is not 0.0 (its sign
+    if isinstance(a, float | complex):  # -0.0 is not 0.0 (its sign
         return "same" if repr(a) == repr(b) else "different"  # reads apart)
     if isinstance(a, functools.partial):
         return _sequence((a.func, a.args, a.keywords), (b.func, b.args, b.keywords))
@@ -214,9 +214,12 @@ def alike(a: PyTree, b: PyTree, weak: bool = False) -> bool:
             ta == tb
             and str(ta) == str(tb)
             and all(
-                same_leaf(x, y)
+                (
+                    same_leaf(x, y)  # an array's shape and dtype; else its value,
+                    if eqx.is_array(x) or eqx.is_array(y)  # 1 not 1.0
+                    else value_verdict(x, y) == "same"
+                )
                 and (not weak or _weak(x) == _weak(y))
-                and (eqx.is_array(x) or value_verdict(x, y) == "same")  # 1, 1.0
                 for x, y in zip(jtu.tree_leaves(a), jtu.tree_leaves(b))
             )
         ):

@@ -106,10 +106,10 @@ def check_method(method: object, layer: object) -> None:
 def check_reverse_free(method: object, layer: object, caller: str) -> None:
     """Raise if the layers' method takes a `reverse` of its own: a container's
     `reverse=True` runs the layers backwards and never reaches them."""
-    name = method if isinstance(method, str) else "__call__"
-    fn = method if callable(method) else getattr(layer, name, None)
     if isinstance(layer, Scanning):
         return  # a container as a layer: its `reverse` is its own, as it was
+    name = method if isinstance(method, str) else "__call__"
+    fn = method if callable(method) else getattr(layer, name, None)
     if isinstance(fn, functools.partial) and "reverse" in fn.keywords:
         return  # bound already (`partial(Flow.__call__, reverse=True)`)
     try:

@@ -263,11 +263,12 @@ def _unreadable(file: str, e: Exception) -> CorruptFileError:
 
 
 def _unique(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    found = dict(pairs)
-    if len(found) < len(pairs):
-        twice = next(k for i, (k, _) in enumerate(pairs) if k in dict(pairs[:i]))
-        raise ValueError(f"it names {twice!r} twice")
-    return found
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise ValueError(f"it names {key!r} twice")
+        seen.add(key)
+    return dict(pairs)
 
 
 class _Bytes:
