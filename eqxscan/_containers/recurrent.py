@@ -129,7 +129,8 @@ class Recurrent(Scanning):
           `"associative"` (diagonal only: `jax.lax.associative_scan`),
           `"chunked"` (a parallel scan inside chunks of `chunk_size` steps, a
           sequential one across them), or `"auto"`: chosen from the backend,
-          `T` and the carry's size (see docs/recurrent.md#linear-recurrences).
+          `T`, the carry's size and the `jax.vmap` batch around the call
+          (see docs/recurrent.md#the-auto-rule).
           Other cells always run step by step.
         - `chunk_size`: the chunk length of `method="chunked"`; `"auto"`: 64
           steps, 32 for a matrix state on an accelerator (measured, see
@@ -229,7 +230,7 @@ class Recurrent(Scanning):
         xs_dyn, xs_static = eqx.partition(xs, eqx.is_array)
         keys = _step_keys(self.cell, key, run_)
         refuse_buffer(args, kwargs, "Recurrent", _NO_BUFFER)
-        form = resolve_form(self.method, self.cell, self.options, run_, h0)
+        form = resolve_form(self.method, self.cell, self.options, run_, h0, xs)
         if form != "engine":  # a linear recurrence, its gates all at once
             h_T, hs = run_parallel(
                 self.cell, form, self.chunk_size, self.reverse, h0, xs,

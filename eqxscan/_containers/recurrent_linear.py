@@ -12,6 +12,8 @@ import numpy as np
 from jaxtyping import Array, Bool, PRNGKeyArray, PyTree
 
 from .._helpers.checks import check_option, check_size, describe
+from .._scan.auto import vmapped_size
+from .._scan.call_state import call_state
 from .._scan.options import ScanOptions
 from .._scan.taps import tapping
 from .linear_cells import check_gates_tuple, DiagonalLinearCell, MatrixLinearCell
@@ -102,6 +104,7 @@ def resolve_form(
     options: ScanOptions,
     controls: Controls,
     h0: PyTree,
+    xs: PyTree,
 ) -> Literal["engine"] | Method:
     """The form one run takes: the engine (the cell step by step) for other
     cells and no steps; under `eqxscan.tap` (whose records are the engine's
@@ -124,8 +127,18 @@ def resolve_form(
             size = int(np.prod(jnp.shape(leaves[0])[-2:]))  # one head's dk * dv
         else:
             size = sum(jnp.size(a) for a in leaves)
-        form = choose_method(jax.default_backend(), controls.length, size, kind)
+        form = choose_method(
+            jax.default_backend(), controls.length, size, kind, _batch(h0, xs)
+        )
     return "engine" if kind == "matrix" and form == "sequential" else form
+
+
+def _batch(h0: PyTree, xs: PyTree) -> int:
+    # The sequences run at once: the `jax.vmap`s' batch over the carry or the
+    # inputs (one probe each), times an eager `vmap`'s around a cached program.
+    firsts = [next(filter(eqx.is_array, jtu.tree_leaves(t)), None) for t in (h0, xs)]
+    inner = max(vmapped_size(x) for x in firsts)
+    return inner * call_state().vmapped
 
 
 def run_parallel(
