@@ -419,6 +419,34 @@ def test_restore_keeps_weakly_typed_arrays_weak(tmp_path, getkey):
     np.testing.assert_array_equal(restored(x), model(x))
 
 
+def test_restore_types_arrays_as_saved(tmp_path, getkey):
+    # Trained, the slope is strong (an optimizer's update made it so): restored
+    # into a fresh model, whose slope is weak, it stays strong, as the run it
+    # resumes computed; the optimizer state's arrays likewise.
+    def block(key):
+        linear = eqx.nn.Linear(4, 4, key=key, dtype=jax.numpy.bfloat16)
+        return eqx.nn.Sequential([linear, eqx.nn.Lambda(eqx.nn.PReLU())])
+
+    model = eqxscan.Stacked(block, 2, key=getkey())
+    params = eqx.filter(model, eqx.is_array)
+    updates = jax.tree.map(lambda p: jax.numpy.full(p.shape, 0.5, p.dtype), params)
+    trained = eqx.apply_updates(model, updates)
+    fresh_state = (params, jax.numpy.asarray(0.25))  # weak
+    state = (updates, jax.numpy.asarray(0.25, jax.numpy.float32))  # strong
+    slope = lambda m: m.layers.layers[1].fn.negative_slope
+    assert slope(model).weak_type and not slope(trained).weak_type
+    with checkpoint.CheckpointManager(tmp_path, asynchronous=False) as c:
+        c.save(1, trained, state)
+        mesh = sharding.make_mesh()
+        restored, opt_state, _ = c.restore(model, fresh_state, mesh=mesh)
+    weak = lambda t: [x.weak_type for x in jax.tree.leaves(t)]
+    assert weak(restored) == weak(trained) and not slope(restored).weak_type
+    assert weak(opt_state) == weak(state) and not opt_state[1].weak_type
+    arrays = lambda t: jax.tree.leaves(eqx.filter(t, eqx.is_array))
+    assert eqx.tree_equal(arrays(restored), arrays(trained))
+    assert eqx.tree_equal(arrays(opt_state), arrays(state))
+
+
 def test_create_on_one_process(getkey):
     key = getkey()
     mesh = sharding.make_mesh(fsdp=2)

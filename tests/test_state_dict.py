@@ -651,6 +651,48 @@ def test_weakly_typed_arrays_stay_weak(getkey):
         assert loaded["stack"](x).dtype == loaded["one"](x).dtype == jnp.bfloat16
 
 
+def _trained_leaky(model):
+    # An update as an optimizer's, strongly typed: it makes the weak slopes strong.
+    params = eqx.filter(model, eqx.is_array)
+    updates = jax.tree.map(lambda p: jnp.full(p.shape, -0.01, p.dtype), params)
+    return eqx.apply_updates(model, updates)
+
+
+def test_a_saved_slope_loads_typed_as_it_was_saved(tmp_path, getkey):
+    # A resumed run computes as the uninterrupted one: trained, PReLU's slope is
+    # strongly typed (bfloat16 activations computed in float32), and a fresh
+    # model to load into has it weak; loaded, it was bfloat16 again.
+    model = {"stack": eqxscan.Stacked(Leaky, 2, key=getkey()), "one": Leaky(getkey())}
+    trained = _trained_leaky(model)
+    slope = lambda m: (
+        m["stack"].layers.act.negative_slope,
+        m["one"].act.negative_slope,
+    )
+    assert not any(s.weak_type for s in slope(trained))
+    x = -jnp.linspace(1, 2, 4, dtype=jnp.bfloat16)
+    eqxscan.save(tmp_path / "t.safetensors", trained)
+    eqxscan.save(tmp_path / "fresh.safetensors", model)
+    for like in (model, eqx.filter_eval_shape(lambda: model)):
+        loaded = eqxscan.load(tmp_path / "t.safetensors", like)
+        assert not any(s.weak_type for s in slope(loaded))
+        out, want = loaded["one"](x), trained["one"](x)
+        assert out.dtype == want.dtype == jnp.float32
+        np.testing.assert_array_equal(out, want)
+        # (A stack of them now changes its bfloat16 carry to float32: the
+        # trained model's error, where the weak slope ran on in bfloat16.)
+        with pytest.raises(TypeError, match="carry leaf `carry` from bfloat16"):
+            loaded["stack"](x)
+        # Saved weak, it loads weak into a strong model too.
+        fresh = eqxscan.load(tmp_path / "fresh.safetensors", trained)
+        assert all(s.weak_type for s in slope(fresh))
+        assert fresh["one"](x).dtype == jnp.bfloat16
+    # A file without the record (another writer's) loads as `like` has it.
+    safetensors = pytest.importorskip("safetensors.numpy")
+    safetensors.save_file(eqxscan.to_state_dict(trained), tmp_path / "o.safetensors")
+    other = eqxscan.load(tmp_path / "o.safetensors", model)
+    assert all(s.weak_type for s in slope(other))
+
+
 class _Empty(eqx.Module):
     w: jax.Array
     none: jax.Array  # no entries: a zero-size array

@@ -29,16 +29,17 @@ class Lazy:
 
 
 def placed_like(
-    like: object, value: np.ndarray | jax.Array
+    like: object, value: np.ndarray | jax.Array, weak: bool | None = None
 ) -> jax.Array | np.ndarray | np.generic:
     """`value` (a host array, or one on the default device) as `like` is: a NumPy
     array or scalar, or a JAX array placed, committed and weakly typed as it is (else a
-    jitted function compiles again)."""
+    jitted function compiles again); weakly typed as `weak` says where given (as
+    the array was saved)."""
     if isinstance(like, np.ndarray):
         return value
     if isinstance(like, np.generic):  # a NumPy scalar (`np.int64` of a count):
         return np.asarray(value)[()]  # as one, not a 32-bit JAX array
-    restored = weak_like(like, jnp.asarray(value))
+    restored = weak_like(like, jnp.asarray(value), weak)
     sharding = getattr(like, "sharding", None)
     if sharding is not None and getattr(like, "committed", True):
         return jax.device_put(restored, sharding)
@@ -55,14 +56,16 @@ def scalars_kept(restored: PyTree, placed: PyTree) -> PyTree:
     )
 
 
-def weak_like(like: object, x: jax.Array) -> jax.Array:
-    """`x`, weakly typed where `like` is (a stack of PReLUs' slopes): a strong
-    float32 would promote bfloat16 activations to float32."""
-    if not getattr(like, "weak_type", False):
+def weak_like(like: object, x: jax.Array, weak: bool | None = None) -> jax.Array:
+    """`x` (strongly typed), weakly typed where `like` is (a stack of PReLUs'
+    slopes: a strong float32 would promote bfloat16 activations to float32), or
+    where `weak` says (a checkpoint's record: an optimizer's update makes such a
+    leaf strong, and a resumed run computes as the uninterrupted one)."""
+    if not (getattr(like, "weak_type", False) if weak is None else weak):
         return x
     # Set into a Python number's zeros, which are weak (of the default dtype).
-    weak = jax.lax.full(x.shape, x.dtype.type(0).item()).at[...].set(x)
-    return weak if weak.dtype == x.dtype else x
+    typed = jax.lax.full(x.shape, x.dtype.type(0).item()).at[...].set(x)
+    return typed if typed.dtype == x.dtype else x
 
 
 def is_key(x: object) -> bool:

@@ -11,34 +11,27 @@ import json
 import os
 import re
 import warnings
-from collections.abc import Iterable
 from typing import Any, SupportsIndex, TypeVar
 
-import equinox as eqx
 import jax
-import jax.tree_util as jtu
-import numpy as np
-from jaxtyping import PyTree
 
-from .. import Stacked
 from .._internal import (
     check_size,
     docs,
-    for_each,
-    is_arraylike,
-    is_key,
-    key_data,
-    key_name,
-    keys_like,
-    placed_like,
     scalars_kept,
-    Site,
-    walk,
-    weak_like,
 )
 from ..sharding import MIN_SIZE, model_shardings, opt_state_shardings, shard
 from ._files import check_path, flatten, listed
 from ._in_flight import flying, landed
+from ._orbax_trees import (
+    as_stored,
+    check_orders,
+    filled,
+    named_leaves,
+    restore_target,
+    stage_orders,
+    weak_names,
+)
 from ._step_dirs import (
     corruption,
     DIGESTS,
@@ -52,116 +45,6 @@ from ._step_dirs import (
 DOCS = f"see {docs('multihost.md')}"
 _M = TypeVar("_M")
 _S = TypeVar("_S")
-_LAYER = "*"
-
-
-def _named_leaves(tree: PyTree) -> list[tuple[tuple[str, ...], Any]]:
-    # `(name parts, leaf)` of each array leaf; a layer axis is the part `*`.
-    out = []
-
-    def name(leaf: object, site: Site) -> None:
-        if is_arraylike(leaf):  # other leaves (floats, None) are not saved
-            out.append((_parts(site), leaf))
-
-    for_each(name, tree)
-    return out
-
-
-def _parts(site: Site) -> tuple[str, ...]:
-    # Named as in a state dict: a dotted key ('a.b' beside 'a': {'b'}) would
-    # restore two arrays from one entry.
-    layer_entries = {at for at, _ in site.enclosing}
-    parts: tuple[str, ...] = ()
-    for i, entry in enumerate(site.path):
-        parts += (_LAYER if i in layer_entries else key_name(entry, parts),)
-    return parts
-
-
-def _stage_orders(tree: PyTree) -> dict[str, list[int]]:
-    # The entry (`blocks.*`) of each stack stored in stage order, and that order:
-    # its arrays are saved as stored, so a checkpoint records it.
-    orders: dict[str, list[int]] = {}
-
-    def note(stack: Stacked, site: Site) -> Stacked:
-        if stack.stage_order is not None:
-            orders[".".join(_parts(site))] = list(stack.stage_order)
-        return stack
-
-    walk(lambda leaf, _: leaf, tree, stack=note)
-    return orders
-
-
-def _order_name(order: list[int] | None) -> str:
-    if order is None:
-        return "the natural order"
-    return "the stage order of pipeline_order(stack, stages={}, repeats={})".format(
-        *order
-    )
-
-
-def _check_orders(where: str, saved: dict[str, Any], trees: dict[str, Any]) -> None:
-    # Rows of an entry are layers in the order they were saved in: refuse to
-    # restore them into a stack stored in another order.
-    wrong = [
-        f"{item} '{k}' is saved in {_order_name(had.get(k))}, but the {item} to "
-        f"restore holds it in {_order_name(want.get(k))}"
-        for item, tree in trees.items()
-        for had, want in [(saved.get(item, {}), _stage_orders(tree))]
-        for k in sorted(set(had) | set(want))
-        if had.get(k) != want.get(k)
-    ]
-    if wrong:
-        raise ValueError(
-            f"{where} holds layers in another order than the model to restore: "
-            f"{listed(wrong)}.\nHint: restore into a model (and optimizer "
-            "state) in the saved order, made with sharding.pipeline_order (or "
-            f"inverse=True), then permute it as needed; see {docs('sharding.md')}."
-        )
-
-
-def _nest(named: Iterable[tuple[tuple[str, ...], Any]]) -> dict[str, Any]:
-    # Nested dicts: Orbax names each entry by its path, e.g. `model.blocks.*.w1`.
-    root: dict[str, Any] = {}
-    for parts, leaf in named:
-        node = root
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = leaf
-    return root
-
-
-def _target(tree: PyTree, shardings: PyTree) -> dict[str, Any]:
-    # What Orbax restores `tree` as: each array's shape, dtype and sharding; a
-    # NumPy scalar (a count) as NumPy (as a JAX array an int64 became int32).
-    spec = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
-    leaves = zip(_named_leaves(tree), jtu.tree_leaves(shardings), strict=True)
-    return _nest(
-        (p, np.asarray(x) if isinstance(x, np.generic) else spec(x, s))
-        for (p, leaf), s in leaves
-        for x in [jax.eval_shape(key_data, leaf) if is_key(leaf) else leaf]
-    )
-
-
-def _stored(named: list[tuple[tuple[str, ...], Any]]) -> dict[str, Any]:
-    # What Orbax saves: typed PRNG keys as their data (Orbax restores no keys).
-    return _nest((p, key_data(x) if is_key(x) else x) for p, x in named)
-
-
-def _fill(like: _M, values: dict[str, Any]) -> _M:
-    # `like` with its array leaves replaced, in order, by the restored ones.
-    flat = flatten(values)
-    arrays, rest = eqx.partition(like, is_arraylike)
-    # Orbax restores every array strongly typed.
-    leaves = [
-        keys_like(x, value)
-        if is_key(x)
-        else placed_like(x, value)  # a NumPy scalar as `like`'s
-        if isinstance(x, np.generic)
-        else weak_like(x, value)
-        for parts, x in _named_leaves(like)
-        for value in [flat[".".join(parts)]]
-    ]
-    return eqx.combine(jtu.tree_unflatten(jtu.tree_structure(arrays), leaves), rest)
 
 
 def _check_step(step: Any, method: str) -> int:
@@ -274,23 +157,23 @@ class CheckpointManager:
         """
         step = _check_step(step, "save")
         args = self._ocp.args
-        if not (named := _named_leaves(model)):
+        if not (named := named_leaves(model)):
             raise ValueError(
                 "CheckpointManager.save: model holds no arrays to save.\nHint: "
                 "pass the model itself (its arrays may be sharded)."
             )
-        orders = {"model": _stage_orders(model), "opt_state": _stage_orders(opt_state)}
+        orders = {"model": stage_orders(model), "opt_state": stage_orders(opt_state)}
         record = {k: v for k, v in orders.items() if v}
-        items = {
-            "model": args.StandardSave(_stored(named)),
-            "step": args.JsonSave(
-                {"step": step} | ({"stage_order": record} if record else {})
-            ),
-        }
+        items: dict[str, Any] = {"model": args.StandardSave(as_stored(named))}
+        weak = {"model": weak_names(model)}
         # A state without arrays (plain SGD's) has nothing to save: Orbax refuses
         # an empty item, and `restore` gives such a state back as it is.
-        if opt_state is not None and (named := _named_leaves(opt_state)):
-            items["opt_state"] = args.StandardSave(_stored(named))
+        if opt_state is not None and (named := named_leaves(opt_state)):
+            items["opt_state"] = args.StandardSave(as_stored(named))
+            weak["opt_state"] = weak_names(opt_state)
+        items["step"] = args.JsonSave(
+            {"step": step, "weak": weak} | ({"stage_order": record} if record else {})
+        )
         # Orbax waits for the previous save, complete now: it gets its digests.
         self._seal()
         if os.path.lexists(os.path.join(self.directory, str(step))):
@@ -358,10 +241,10 @@ class CheckpointManager:
         self.wait()  # this manager's saves in flight: the latest steps
         step, verify = self._step_to_restore(step, verify, skip_corrupt)
         kw: dict[str, Any] = {"fsdp_axis": fsdp_axis, "min_size": min_size}
-        target = {"model": _target(model, model_shardings(model, mesh, **kw))}
-        if opt_state is not None and _named_leaves(opt_state):
+        target = {"model": restore_target(model, model_shardings(model, mesh, **kw))}
+        if opt_state is not None and named_leaves(opt_state):
             sh = opt_state_shardings(opt_state, model, mesh, **kw)
-            target["opt_state"] = _target(opt_state, sh)
+            target["opt_state"] = restore_target(opt_state, sh)
         if verify and (why := self._corruption(step)):
             raise ValueError(
                 f"{why}.\nHint: restore another step (all_steps() lists them: "
@@ -374,10 +257,11 @@ class CheckpointManager:
         trees = {"model": model, "opt_state": opt_state}
         saved = out["step"].get("stage_order", {})
         where = f"Step {step} in {self.directory!r}"
-        _check_orders(where, saved, {k: trees[k] for k in target})
-        model = _fill(model, out["model"])
+        check_orders(where, saved, {k: trees[k] for k in target})
+        weak = out["step"].get("weak", {})
+        model = filled(model, out["model"], weak.get("model"))
         if "opt_state" in target:
-            opt_state = _fill(opt_state, out["opt_state"])
+            opt_state = filled(opt_state, out["opt_state"], weak.get("opt_state"))
         placed = shard(model, opt_state, mesh=mesh, **kw)[:2]
         model, opt_state = scalars_kept((model, opt_state), placed)
         return model, opt_state, int(out["step"]["step"])

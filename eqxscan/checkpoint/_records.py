@@ -12,6 +12,7 @@ from .._internal import for_each, MatmulOnly, pattern, Site
 
 
 RECORDS = "eqxscan.records"  # metadata: JSON {pattern: {field: value}}
+WEAK = "eqxscan.weak"  # metadata: JSON [pattern of each weakly typed array]
 
 
 class _Recorded:
@@ -93,3 +94,30 @@ def check_records(
             f"it would compute with the model's.\nHint: build like as the saved "
             f"model was: {weight._rebuild(said)}."
         )
+
+
+def weak_metadata(model: PyTree) -> dict[str, str]:
+    """The metadata entry naming `model`'s weakly typed arrays (always written:
+    a file without it, another writer's or an earlier version's, loads each
+    array weakly typed as the model loaded into has it)."""
+    weak: set[str] = set()
+
+    def visit(leaf: object, site: Site) -> None:
+        if getattr(leaf, "weak_type", False):
+            weak.add(pattern(site.path))
+
+    for_each(visit, model, names=True)
+    return {WEAK: json.dumps(sorted(weak))}
+
+
+def saved_weak(metadata: Mapping[str, Mapping[str, str]]) -> frozenset[str] | None:
+    """The patterns of the arrays saved weakly typed, or `None` where the files
+    do not say (see `weak_metadata`)."""
+    texts = [m[WEAK] for m in metadata.values() if WEAK in m]
+    try:
+        saved = json.loads(texts[0]) if texts else None
+    except ValueError:
+        return None
+    if not isinstance(saved, list) or not all(isinstance(p, str) for p in saved):
+        return None
+    return frozenset(saved)

@@ -37,7 +37,7 @@ from ._files import (
     spec,
 )
 from ._names import _LAYOUTS, NameMap
-from ._records import check_records, records_metadata
+from ._records import check_records, records_metadata, saved_weak, weak_metadata
 from ._safetensors_read import (
     _DIGESTS,
     _DTYPES,
@@ -48,7 +48,7 @@ from ._safetensors_read import (
     INDEX,
     SINGLE,
 )
-from ._state_dict import from_state_dict, host_entries
+from ._state_dict import host_entries, load_state_dict_into
 
 
 T = TypeVar("T")
@@ -167,6 +167,7 @@ def save_safetensors(
     info = {
         "format": "pt" if names is None else names.format,
         **records_metadata(model),
+        **weak_metadata(model),
         **(metadata or {}),
     }
     if names is not None and info["format"] != names.format:
@@ -542,7 +543,9 @@ def load_safetensors(
     check_like("load_safetensors", like)
     with open_safetensors(path, like, names=names, dtype=dtype) as opened:
         try:
-            return from_state_dict(like, opened.arrays)
+            return load_state_dict_into(
+                like, opened.arrays, saved_weak(opened.metadata)
+            )
         except CorruptFileError:
             raise
         except ValueError as e:

@@ -9,7 +9,7 @@ list elements by index, dict entries by key (`"norms.final.scale"`).
 import dataclasses
 import math
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any, cast, TypeVar
 
 import equinox as eqx
@@ -78,6 +78,10 @@ class _Leaf:
 
     def names(self) -> list[str]:
         return layer_names(self.parts, self.depths)
+
+    @property
+    def pattern(self) -> str:
+        return pattern(self.parts)
 
 
 def _map_arrays(fn: Callable[[_Leaf], object], model: PyTree) -> PyTree:
@@ -229,6 +233,15 @@ def from_state_dict(like: T, state_dict: Mapping[str, object]) -> T:
     depths), missing or unexpected keys (naming them), or arrays of the wrong
     shape or dtype (naming the key and both shapes/dtypes).
     """
+    return load_state_dict_into(like, state_dict)
+
+
+def load_state_dict_into(
+    like: T, state_dict: Mapping[str, object], weak: Collection[str] | None = None
+) -> T:
+    """`from_state_dict(like, state_dict)`, each array weakly typed where its
+    name pattern is in `weak` (a file's record of how it was saved; `None`:
+    as in `like`)."""
     if not isinstance(state_dict, Mapping) or not all(
         isinstance(k, str) for k in state_dict
     ):
@@ -283,7 +296,7 @@ def from_state_dict(like: T, state_dict: Mapping[str, object]) -> T:
             f"The state dict has arrays of the wrong shape or dtype: {listed(wrong)}."
         )
 
-    model = _map_arrays(lambda leaf: _load(leaf, state_dict), like)
+    model = _map_arrays(lambda leaf: _load(leaf, state_dict, weak), like)
     try:
         _recheck(model)
     except TypeCheckError as e:
@@ -306,13 +319,13 @@ def _failure(like: object) -> tuple[type, str] | None:
 
 
 def _load(
-    leaf: _Leaf, state_dict: Mapping[str, object]
+    leaf: _Leaf, state_dict: Mapping[str, object], weak: Collection[str] | None
 ) -> jax.Array | np.ndarray | np.generic:
     # `leaf` read from `state_dict`, placed as the leaf of `like` is.
     value = _stacked(leaf, state_dict)
     if leaf.key:
         value = keys_like(leaf.leaf, value)
-    return placed_like(leaf.leaf, value)
+    return placed_like(leaf.leaf, value, None if weak is None else leaf.pattern in weak)
 
 
 def _stacked(leaf: _Leaf, state_dict: Mapping[str, object]) -> jax.Array | np.ndarray:
