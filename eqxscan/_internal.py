@@ -50,10 +50,12 @@ from ._helpers.constrain import (
     is_placeholder as is_placeholder,
 )
 from ._helpers.host import (
+    host_only as host_only,
     is_key as is_key,
     key_data as key_data,
     keys_like as keys_like,
     Lazy as Lazy,
+    narrowed as narrowed,
     placed_like as placed_like,
     scalars_kept as scalars_kept,
     weak_like as weak_like,

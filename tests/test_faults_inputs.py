@@ -331,18 +331,23 @@ def test_an_optimizer_state_without_arrays_saves_and_restores(tmp_path):
 
 def test_numpy_scalars_come_back_as_numpy_scalars(tmp_path):
     # An `np.int64` count in `like` came back a 32-bit JAX array, wrapped
-    # (3,000,000,123 as -1,294,967,173), from a file holding it right.
+    # (3,000,000,123 as -1,294,967,173), from a file holding it right; so did
+    # an int64 array from `restore` (2**40 as 0).
     saved = {
         "w": jnp.arange(2.0),
         "samples": np.int64(3_000_000_123),
         "lr": np.float64(1e-3 + 1e-12),
         "rows": np.array([2**40], np.int64),
+        "scale": np.array([1e-3 + 1e-12], np.float64),
+        "ids": np.array([7, 8], np.int32),
     }
     like = {
         "w": jnp.zeros(2),
         "samples": np.int64(0),
         "lr": np.float64(0),
         "rows": np.zeros(1, np.int64),
+        "scale": np.zeros(1, np.float64),
+        "ids": np.zeros(2, np.int32),
     }
     eqxscan.save(tmp_path / "a.safetensors", saved)
     mesh = eqxscan.sharding.make_mesh(devices=jax.devices()[:1])
@@ -350,12 +355,14 @@ def test_numpy_scalars_come_back_as_numpy_scalars(tmp_path):
         c.save(1, saved)
         restored = c.restore(like, mesh=mesh)[0]
     loaded = eqxscan.load(tmp_path / "a.safetensors", like)
-    # A NumPy array is placed on the mesh by `restore`, as `shard` places it.
-    assert isinstance(restored["rows"], jax.Array)
-    for got, names in (
-        (loaded, ("samples", "lr", "rows")),
-        (restored, ("samples", "lr")),
-    ):
+    placed = eqxscan.sharding.shard(saved, mesh=mesh)[0]  # wrapped them too
+    # A NumPy array a device holds as it is is placed on the mesh by
+    # `restore`, as `shard` places it; a 64-bit one (without x64) stays NumPy.
+    for got in (restored, placed):
+        assert isinstance(got["ids"], jax.Array)
+        np.testing.assert_array_equal(got["ids"], saved["ids"])
+    host = ("samples", "lr", "rows", "scale")
+    for got, names in ((loaded, (*host, "ids")), (restored, host), (placed, host)):
         for name in names:
             assert type(got[name]) is type(saved[name]), name
             assert got[name].dtype == saved[name].dtype, name

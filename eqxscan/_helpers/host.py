@@ -47,13 +47,26 @@ def placed_like(
 
 
 def scalars_kept(restored: PyTree, placed: PyTree) -> PyTree:
-    """`placed` (`restored` laid out on devices) with the NumPy scalars of
-    `restored` kept: on a device an int64 count would be an int32, wrapped."""
+    """`placed` (`restored` laid out on devices) with the NumPy values of
+    `restored` a device cannot hold kept: scalars (an int64 count would be an
+    int32 on a device, wrapped), and arrays of a 64-bit dtype without
+    `jax_enable_x64`."""
     leaves, treedef = jtu.tree_flatten(placed)
     kept = zip(jtu.tree_leaves(restored), leaves, strict=True)
-    return jtu.tree_unflatten(
-        treedef, [r if isinstance(r, np.generic) else p for r, p in kept]
-    )
+    return jtu.tree_unflatten(treedef, [r if host_only(r) else p for r, p in kept])
+
+
+def host_only(x: object) -> bool:
+    """Whether `x` is a NumPy value that `restore` keeps on the host: a scalar,
+    or an array a device would narrow (`narrowed`)."""
+    return isinstance(x, np.generic) or narrowed(x)
+
+
+def narrowed(x: object) -> bool:
+    """Whether `x` is a NumPy value of a 64-bit dtype that a device, without
+    `jax_enable_x64`, holds in 32 bits (an int64 past 2**31 wrapped)."""
+    numeric = isinstance(x, (np.ndarray, np.generic)) and x.dtype.kind in "iufc"
+    return numeric and jax.dtypes.canonicalize_dtype(x.dtype) != x.dtype
 
 
 def weak_like(like: object, x: jax.Array, weak: bool | None = None) -> jax.Array:

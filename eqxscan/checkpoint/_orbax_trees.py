@@ -15,6 +15,7 @@ from .. import Stacked
 from .._internal import (
     docs,
     for_each,
+    host_only,
     is_arraylike,
     is_key,
     key_data,
@@ -109,11 +110,12 @@ def _nest(named: Iterable[tuple[tuple[str, ...], Any]]) -> dict[str, Any]:
 
 def restore_target(tree: PyTree, shardings: PyTree) -> dict[str, Any]:
     # What Orbax restores `tree` as: each array's shape, dtype and sharding; a
-    # NumPy scalar (a count) as NumPy (as a JAX array an int64 became int32).
+    # NumPy scalar (a count), or a 64-bit array without x64, as NumPy (as a JAX
+    # array an int64 became int32, wrapped).
     spec = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
     leaves = zip(named_leaves(tree), jtu.tree_leaves(shardings), strict=True)
     return _nest(
-        (p, np.asarray(x) if isinstance(x, np.generic) else spec(x, s))
+        (p, np.asarray(x) if host_only(x) else spec(x, s))
         for (p, leaf), s in leaves
         for x in [jax.eval_shape(key_data, leaf) if is_key(leaf) else leaf]
     )
@@ -139,8 +141,8 @@ def filled(like: _M, values: dict[str, Any], weak: list[str] | None) -> _M:
     leaves = [
         keys_like(x, value)
         if is_key(x)
-        else placed_like(x, value)  # a NumPy scalar as `like`'s
-        if isinstance(x, np.generic)
+        else placed_like(x, value)  # NumPy, as `like`'s
+        if host_only(x)
         else weak_like(x, value, None if weak is None else name in weak)
         for parts, x in named_leaves(like)
         for name in [".".join(parts)]

@@ -11,7 +11,15 @@ import jax.tree_util as jtu
 from jax.core import Tracer
 from jax.sharding import Mesh
 
-from .._internal import align, constrain, Device, docs, is_arraylike, is_none
+from .._internal import (
+    align,
+    constrain,
+    Device,
+    docs,
+    is_arraylike,
+    is_none,
+    narrowed,
+)
 
 
 def default_devices() -> list[Device]:
@@ -32,10 +40,12 @@ def place(tree: Any, shardings: Any, mesh: Mesh) -> Any:
     """Place `tree`, which every process holds in full, on `shardings`: with
     `constrain` inside `jit` or for arrays global already; else with
     `jax.device_put` (which also moves arrays committed to other devices), each
-    process keeping only its own shards."""
+    process keeping only its own shards. A NumPy value of a 64-bit dtype stays
+    as it is without `jax_enable_x64`: a device would wrap an int64 count."""
     if _is_traced(tree):
         return constrain(tree, shardings)
-    return _assemble(tree, shardings, jax.device_put)
+    put = lambda x, s: x if narrowed(x) else jax.device_put(x, s)  # noqa: E731
+    return _assemble(tree, shardings, put)
 
 
 def _assemble(tree: Any, shardings: Any, put: Callable[[Any, Any], Any]) -> Any:
