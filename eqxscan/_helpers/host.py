@@ -65,8 +65,9 @@ def host_only(x: object) -> bool:
 def narrowed(x: object) -> bool:
     """Whether `x` is a NumPy value of a 64-bit dtype that a device, without
     `jax_enable_x64`, holds in 32 bits (an int64 past 2**31 wrapped)."""
-    numeric = isinstance(x, (np.ndarray, np.generic)) and x.dtype.kind in "iufc"
-    return numeric and jax.dtypes.canonicalize_dtype(x.dtype) != x.dtype
+    if not isinstance(x, (np.ndarray, np.generic)) or x.dtype.kind not in "iufc":
+        return False
+    return jax.dtypes.canonicalize_dtype(x.dtype) != x.dtype
 
 
 def weak_like(like: object, x: jax.Array, weak: bool | None = None) -> jax.Array:
