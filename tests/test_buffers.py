@@ -728,6 +728,29 @@ def test_negative_row_starts_write_where_the_layer_would(negative, pos):
         assert_close(new, jnp.stack(want))
 
 
+class _ScalarAt(eqx.Module):
+    w: jax.Array
+
+    def __call__(self, x, cache, pos):
+        cache = jax.lax.dynamic_update_slice(cache, jnp.tanh(x * self.w), (pos,))
+        return x + jnp.sum(cache * jnp.arange(1.0, cache.shape[0] + 1)), cache
+
+
+@pytest.mark.parametrize("pos", [np.uint32(2**31 + 5), np.uint8(200), np.uint32(2)])
+def test_unsigned_row_starts_write_where_the_layer_would(pos):
+    # A uint32 start past 2**31 was cast to a negative int32 before the stacked
+    # write, which put the row at 0; the layer's own write clamps it to the end.
+    n = 3
+    stack = eqxscan.Stacked(lambda k: _ScalarAt(jr.normal(k, (1,))), n, key=jr.key(0))
+    x, cache = jnp.ones(1), jr.normal(jr.key(1), (n, 8))
+    want_x, want = hand_loop(stack.unstack(), x, list(cache), jnp.asarray(pos))
+    for mode in ("scan", "loop"):
+        call = eqx.filter_jit(lambda s, x, c, p: s(x, eqxscan.buffer(c), pos=p))
+        y, new = call(stack.with_options(mode=mode), x, cache, jnp.asarray(pos))
+        assert_close(y, want_x, 1e-5)
+        assert_close(new, jnp.stack(want))
+
+
 MAX_LEN = 4  # read by a `make` below; rebound by the test
 
 

@@ -17,7 +17,7 @@ import jax.extend.core as jcore
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax.ad_checkpoint import checkpoint_name
-from jaxtyping import Array, PyTree
+from jaxtyping import Array, ArrayLike, Integer, PyTree
 
 from .._helpers.checks import check_index, describe, docs, first_difference
 from .._helpers.stateful import find_arg, get_arg
@@ -315,12 +315,24 @@ def _write(
     if not prefix and start is None:
         return new
     rest = start if start is not None else (0,) * new.ndim
-    at = [jnp.asarray(i, jnp.int32) for i in (*prefix, *rest)]
+    at = [_int32(i) for i in (*prefix, *rest)]
     # The primitive's starts: a negative one was normalised by the layer's own
     # call, and the primitive clamps it to 0, as the unstacked write does.
     return jax.lax.dynamic_update_slice(
         a, new.reshape((1,) * len(prefix) + new.shape), at, allow_negative_indices=False
     )
+
+
+def _int32(i: int | Integer[ArrayLike, ""]) -> Array:
+    # A start as int32, clamped first: a uint32 (or int64) past 2**31 wrapped
+    # negative and was written at row 0, where the primitive clamps it to the end.
+    i = jnp.asarray(i)
+    if i.dtype != jnp.int32 and jnp.issubdtype(i.dtype, jnp.integer):
+        bound = jnp.iinfo(jnp.int32)
+        low = max(int(jnp.iinfo(i.dtype).min), int(bound.min))
+        high = min(int(jnp.iinfo(i.dtype).max), int(bound.max))
+        i = jnp.clip(i, i.dtype.type(low), i.dtype.type(high))
+    return i.astype(jnp.int32)
 
 
 def call_writing(
