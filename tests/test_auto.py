@@ -54,6 +54,21 @@ def test_small_and_matmul_dominated_saves_everything():
     assert pick(c, unroll=1, platform="gpu") == (False, 1, "small", "given")
 
 
+def test_a_carry_larger_than_the_residuals_saves_everything():
+    # A remat'd step saves its carry: a KV cache carried whole would be saved
+    # once a layer (L x the cache), where a plain scan saves slices of it.
+    over = T.small_residuals // 8 + 1
+    at = cost(saved_bytes=over, policy_saved_bytes=over, carry_bytes=2 * over)
+    under = cost(saved_bytes=over, policy_saved_bytes=over, carry_bytes=2 * over - 1)
+    for platform in ("cpu", "tpu"):
+        assert pick(at, unroll=1, platform=platform)[::2] == (False, "carry")
+    assert pick(under, unroll=1)[::2] == (True, "small-step")
+    assert pick(under, unroll=1, platform="tpu")[::2] == (POLICY, "policy")
+    assert "carry (16.00 MiB)" in repr(
+        _auto.decide(cost(saved_bytes=over, carry_bytes=16 * 2**20), "auto", 1, "cpu")
+    )
+
+
 def test_over_the_size_threshold_recomputes():
     over = T.small_residuals // 8 + 1
     c = cost(saved_bytes=over, policy_saved_bytes=over)

@@ -59,6 +59,10 @@ class Thresholds:
     time_unroll: int = 2
     #: CPU: ... and of at least this many FLOPs.
     time_unroll_flops: int = 10**7
+    #: Any platform: save everything when a step's carry is at least this many
+    #: times what a plain scan saves a step (a remat'd step saves its carry: a
+    #: KV cache carried whole, once a layer).
+    carry_bound: float = 2.0
     #: Not CPU: unroll fully a scan over layers of at most this many steps ...
     memory_bound_layers: int = 32
     #: ... whose step does at most this many FLOPs per byte of its weights (a
@@ -78,6 +82,7 @@ RematRule: TypeAlias = Literal[
     "given",
     "unrolled",
     "small",
+    "carry",
     "small-step",
     "large-matmuls",
     "nearly-all-matmul",
@@ -168,6 +173,8 @@ def remat_rule(cost: StepCost, platform: str, t: Thresholds) -> RematRule:
     cpu = platform in t.cpu_platforms
     if cost.saved_total <= t.small_residuals and cost.ratio <= t.matmul_dominated:
         return "small"
+    if cost.carry_bytes >= t.carry_bound * cost.saved_bytes:
+        return "carry"
     if cpu and cost.flops < t.full_remat_flops:
         return "small-step"
     if cpu and cost.policy_total > t.full_remat_residuals:
@@ -248,6 +255,9 @@ def _remat_reason(rule: AutoRule, cost: StepCost) -> str:
         over = f"more than {t.matmul_dominated}x"
     verdict = {
         "small": "so save everything",
+        "carry": f"but recomputing saves each step's carry ("
+        f"{size_label(cost.carry_bytes)}), at least {t.carry_bound}x what a plain "
+        f"scan saves a step ({size_label(cost.saved_bytes)}): save everything",
         "small-step": f"so on {on}, with {cost.flops:.3g} FLOPs per step (< "
         f"{t.full_remat_flops:.0e}), recompute the whole step",
         "large-matmuls": f"so on {on}, with more than "
