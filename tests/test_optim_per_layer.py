@@ -258,6 +258,12 @@ def test_per_layer_state_and_errors(getkey):
     )
     with pytest.raises(ValueError, match=r"has 2 layers.*`\[0\]\.count` has 3 rows"):
         tx.update(fewer, half, fewer)
+    # A hyperparameter injected inside `layerwise` is one per layer: set to a
+    # scalar, the update failed with `vmap`'s rank error.
+    inject = layerwise(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1))
+    scalar = optax.tree_utils.tree_set(inject.init(params), learning_rate=0.25)
+    with pytest.raises(ValueError, match=r"`.*learning_rate'\]` has no layer axis"):
+        inject.update(params, scalar, params)
     # MultiSteps accumulates whole steps: it goes outside, as the hint says.
     with pytest.raises(TypeError, match=r"MultiSteps\(layerwise\(tx\)"):
         layerwise(optax.MultiSteps(optax.adam(1e-2), 2))

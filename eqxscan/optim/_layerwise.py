@@ -9,6 +9,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 import optax
 from jaxtyping import PyTree
 
@@ -179,19 +180,26 @@ def _update(
             "the optimiser with parameters of the same structure as the updates."
         )
     for (where, stack), stored in zip(stacks, state.stacks):
-        # A state for another depth: name it before optax's tree error.
+        # A state for another depth, or a per-layer value replaced by a scalar
+        # (`optax.tree_utils.tree_set` of a hyperparameter): named before
+        # optax's tree error or `vmap`'s rank error.
         wrong = [
-            (jtu.keystr(path), a.shape[0])
+            (jtu.keystr(path), np.shape(a)[:1])
             for path, a in jtu.tree_leaves_with_path(stored)
-            if is_array(a) and a.ndim and a.shape[0] != stack.num_layers
+            if (is_array(a) or isinstance(a, (int, float, complex)))
+            and np.shape(a)[:1] != (stack.num_layers,)
         ]
         if wrong:
+            path, rows = wrong[0]
+            has = f"{rows[0]} rows" if rows else "no layer axis (a scalar)"
             raise ValueError(
                 f"layerwise: the Stacked at `{where or '<root>'}` has "
                 f"{stack.num_layers} layers, but its optimiser state's leaf "
-                f"`{wrong[0][0]}` has {wrong[0][1]} rows.\nHint: initialise the "
-                "optimiser with parameters of the same structure as the updates "
-                "(or slice every leaf of its state as the model was)."
+                f"`{path}` has {has}.\nHint: initialise the optimiser with "
+                "parameters of the same structure as the updates (or slice every "
+                "leaf of its state as the model was); a hyperparameter is set "
+                f"per layer, {stack.num_layers} values ("
+                f"{docs('optimisers_layerwise.md')})."
             )
     outside = None if params is None else _outside(params)
     rest, rest_state = tx.update(_outside(updates), state.rest, outside, **extra_args)
