@@ -14,6 +14,7 @@ from ._containers.stage_order import (
     permute_stage_order as permute_stage_order,
 )
 from ._containers.walk import (
+    check_axes as check_axes,
     for_each as for_each,
     key_name as key_name,
     layer_names as layer_names,

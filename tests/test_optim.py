@@ -175,6 +175,23 @@ def test_freeze_layers_where_and_errors(getkey):
     opt = eqxscan.optim.freeze_layers(optax.sgd(1.0), 0)
     with pytest.raises(ValueError, match="first axis is not the layer axis"):
         opt.update(jax.tree.map(jnp.ones_like, params), opt.init(params), params)
+    # So by the other tools that read the layer axis: they reshaped it into the
+    # layers (a TypeError), or decayed biases and gave Muon no matrix.
+    grads = jax.tree.map(jnp.ones_like, params)
+    scale = eqxscan.optim.layerwise_scale(lambda i: i + 1.0)
+    for who, call in [
+        ("layer_norms", lambda: eqxscan.optim.layer_norms(ensemble)),
+        ("layerwise_scale", lambda: scale.update(grads, scale.init(params))),
+        ("weight_decay_mask", lambda: eqxscan.optim.weight_decay_mask(params)),
+        (
+            "muon_dimension_numbers",
+            lambda: eqxscan.optim.muon_dimension_numbers(params),
+        ),
+    ]:
+        with pytest.raises(
+            ValueError, match=rf"{who}: `.*` has shape \(3, 2, .*inside"
+        ):
+            call()
 
 
 class _Heads(eqx.Module):

@@ -57,6 +57,20 @@ class Site(NamedTuple):
 ROOT = Site()  # where the root of a walk sits: no path, no layer axes
 
 
+def check_axes(who: str, leaf: Any, site: Site) -> None:
+    """Refuse an array whose leading axes are not the layers of the stacks
+    around it (an `eqx.filter_vmap` ensemble of stacks passed whole)."""
+    if tuple(leaf.shape[: site.depth]) != site.axes:
+        named = all(isinstance(p, (str, LayerNumbering)) for p in site.path)
+        where = pattern(site.path) if named else jtu.keystr(site.path)
+        raise ValueError(
+            f"{who}: `{where}` has shape {tuple(leaf.shape)}, but it "
+            f"sits inside Stacked layers of depth {site.axes}, so its leading "
+            f"axes must be {site.axes}.\nHint: for an ensemble of stacks "
+            f"(`eqx.filter_vmap`), call {who} inside the vmap, per member."
+        )
+
+
 def key_name(entry: Any, where: tuple) -> str:
     """The name of one key-path entry in a state dict; `where` is the name so
     far. (`Any`: JAX types its key classes so.)"""

@@ -15,7 +15,7 @@ from jax.core import Tracer
 from jaxtyping import PyTree
 
 from .. import Chain, Stacked
-from .._internal import check_index, docs, layers_in_stage_order, Site, walk
+from .._internal import check_axes, check_index, docs, layers_in_stage_order, Site, walk
 from ._arrays import is_array, is_stacked
 from ._layerwise import one_layer, outer_stacks
 
@@ -45,6 +45,8 @@ def weight_decay_mask(params: PyTree, *, min_ndim: int = 2) -> PyTree[bool]:
     def decay(leaf: object, site: Site) -> bool | None:
         if leaf is None:
             return None  # no parameter here: no mask entry either
+        if is_array(leaf):
+            check_axes("weight_decay_mask", leaf, site)
         return bool(is_array(leaf) and leaf.ndim - site.depth >= min_ndim)
 
     return walk(decay, params)

@@ -10,7 +10,7 @@ import jax
 import optax
 from jaxtyping import PyTree
 
-from .._internal import Site, walk
+from .._internal import check_axes, Site, walk
 from ._arrays import is_array
 
 
@@ -41,7 +41,10 @@ def muon_dimension_numbers(params: PyTree) -> PyTree:
     """
 
     def dims(leaf: object, site: Site) -> MuonDimensionNumbers | None:
-        if not is_array(leaf) or leaf.ndim - site.depth != 2:
+        if not is_array(leaf):
+            return None
+        check_axes("muon_dimension_numbers", leaf, site)
+        if leaf.ndim - site.depth != 2:
             return None
         # Per layer as optax reads a matrix: axis 0 reduction, axis 1 output.
         return MuonDimensionNumbers(site.depth, site.depth + 1)

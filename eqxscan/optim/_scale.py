@@ -10,7 +10,16 @@ import numpy as np
 import optax
 from jaxtyping import ArrayLike, PyTree
 
-from .._internal import check_callable, docs, LayerNumbering, noted, pattern, Site, walk
+from .._internal import (
+    check_axes,
+    check_callable,
+    docs,
+    LayerNumbering,
+    noted,
+    pattern,
+    Site,
+    walk,
+)
 from ._arrays import is_array, layer_numbers
 from ._layerwise import one_layer
 
@@ -107,6 +116,7 @@ def layerwise_scale(
         def scale(leaf: object, site: Site) -> object:
             if not is_array(leaf):
                 return leaf
+            check_axes("layerwise_scale", leaf, site)
             outer = next((p for p in site.path if isinstance(p, LayerNumbering)), None)
             if outer is None:
                 return leaf if unstacked == 1.0 else leaf * unstacked

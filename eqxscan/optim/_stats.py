@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, PyTree
 
-from .._internal import for_each, pattern, Site
+from .._internal import check_axes, for_each, pattern, Site
 from ._arrays import is_array, layer_numbers
 
 
@@ -60,6 +60,7 @@ def layer_norms(tree: PyTree, ord: int | float = 2) -> dict[str, Float[Array, ".
 
     def visit(leaf: object, site: Site) -> None:
         if is_array(leaf):
+            check_axes("layer_norms", leaf, site)
             norms = _per_layer_norms(leaf, site.depth, ord)
             sizes = tuple(num_layers for _, num_layers in site.enclosing)
             parts = found.setdefault(pattern(site.path), [])
