@@ -633,6 +633,15 @@ def test_layer_of_batched_buffers_is_refused():
         out.layer(1)
     want = jax.tree.map(lambda a: a[2, 1], out.groups[0])  # sequence 2, layer 1
     assert_close(jax.tree.map(lambda a: a[2], out).layer(1), want)
+    # A lone layer's buffer came back batched, without a word.
+    lone = eqxscan.Chain([Attn(key=jr.key(1), window=3), Attn(key=jr.key(2))])
+    buffers = eqxscan.layer_buffers(lone, lambda i, layer: cache_of(3 + i))
+    assert [place[2] for place in buffers.layout] == [0, 0]
+    batched = jax.tree.map(lambda a: jnp.stack([a, a]), buffers)
+    for i in (0, 1):
+        with pytest.raises(ValueError, match=r"built of 3 axes as a lone layer's"):
+            batched.layer(i)
+        assert_close(jax.tree.map(lambda a: a[1], batched).layer(i), buffers.layer(i))
 
 
 def test_buffer_marked_inside_another_argument_is_refused():

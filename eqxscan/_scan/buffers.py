@@ -119,6 +119,7 @@ class LayerBuffers(eqx.Module):
             if not start <= i < start + size:
                 continue
             if period == 0:
+                _check_lead(part, None, i, nd)
                 return part
             _check_lead(part, size // period, i, nd)
             if period == 1:
@@ -128,17 +129,26 @@ class LayerBuffers(eqx.Module):
         raise AssertionError(f"the layout of {total} layers does not cover layer {i}")
 
 
-def _check_lead(part: PyTree, n: int, i: int, ndims: tuple[int, ...] | None) -> None:
-    # A part's leading axis is its layers (or repeats): a batch axis in front
-    # would silently index the batch instead.
+def _check_lead(
+    part: PyTree, n: int | None, i: int, ndims: tuple[int, ...] | None
+) -> None:
+    # A part's leading axis is its layers (or repeats), `n` of them (a lone
+    # layer's part has none): a batch axis in front would silently index the
+    # batch instead, or come back with the layer's buffer.
     leaves = jtu.tree_leaves_with_path(part)
     for (path, a), nd in zip(leaves, ndims or (None,) * len(leaves)):
-        if a.ndim == 0 or a.shape[0] != n or nd not in (None, a.ndim):
+        lead = n is not None and (a.ndim == 0 or a.shape[0] != n)
+        if lead or nd not in (None, a.ndim):
             built = f" of {nd} axes" if nd not in (None, a.ndim) else ""
+            first = (
+                "as a lone layer's buffer"
+                if n is None
+                else f"with the group's {n} layers (or repeats) first"
+            )
             raise ValueError(
                 f"LayerBuffers.layer({i}): leaf `{jtu.keystr(path)}` of its group "
-                f"is {describe(a)}, but it was built{built} with the group's {n} "
-                "layers (or repeats) first.\nHint: for batched buffers pick the "
+                f"is {describe(a)}, but it was built{built} {first}.\nHint: for "
+                "batched buffers pick the "
                 f"sequence first: `jax.tree.map(lambda a: a[b], buffers).layer({i})` "
                 f"({docs('decoding.md')})."
             )
