@@ -573,3 +573,19 @@ def test_a_layer_that_changes_the_carry_inside_a_repeated_pattern():
     chain = chain.with_options(layer_drop=0.0, drop_path=[0.0, 0.5] * 2)
     with pytest.raises(eqx.EquinoxRuntimeError, match="drop_path is above 0"):
         chain(x, key=key)
+
+
+def test_jax_jit_of_a_model_with_drop_rates_says_what_to_use():
+    # `jax.jit` traces the rates' bool `inference` leaf (as an `eqx.nn.Dropout`'s):
+    # the error was JAX's TracerBoolConversionError, naming no option.
+    stack = eqxscan.Stacked(
+        lambda k: eqx.nn.Linear(4, 4, key=k), 3, key=jax.random.key(0), layer_drop=0.1
+    )
+    stack = eqx.nn.inference_mode(stack)
+    x = jnp.ones(4)
+    with pytest.raises(TypeError, match=r"(?s)`inference` flag .* traced.*filter_jit"):
+        jax.jit(lambda m, x: m(x))(stack, x)
+    got = eqx.filter_jit(lambda m, x: m(x))(stack, x)
+    for layer in stack.unstack():
+        x = layer(x)
+    assert jnp.allclose(got, x, atol=1e-6)

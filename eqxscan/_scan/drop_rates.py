@@ -199,6 +199,14 @@ class DropRates(eqx.Module):
     @property
     def active(self) -> bool:
         """Whether a call drops anything: training, and some rate above zero."""
+        if isinstance(self.inference, jax.core.Tracer):
+            # `jax.jit` traced the bool leaf, as it does an `eqx.nn.Dropout`'s.
+            raise TypeError(
+                "The drop rates' `inference` flag (layer_drop/drop_path) is "
+                "traced: jax.jit traces every leaf of a model it is given.\nHint: "
+                "use eqx.filter_jit (or close over the model), which keeps "
+                f"non-array leaves static; see {docs('depth.md')}."
+            )
         return not self.inference and any(self.drop_path + self.layer_drop)
 
     def sliced(self, index: slice) -> "DropRates":
