@@ -221,6 +221,27 @@ def test_an_optimiser_and_a_remat_policy_reach_the_job_as_given():
     assert decode(json.loads(json.dumps(spec)))[2] == [False, policy]
 
 
+def test_a_batch_reaches_the_fresh_process_as_given():
+    # Dict keys came back as strings and lists as tuples: a step indexing
+    # `batch[0]` of `{0: ..., 1: ...}` raised a KeyError only when compiled in
+    # a fresh process.
+    s = jax.ShapeDtypeStruct((2, 4), jnp.int32)
+    batch = {0: s, 1: [s, (s, {"a": [s]})]}
+    job = (bench.decoder, bench.train_step, None, batch, None, None, {}, 0)
+    spec = encode(1, [(1, 1, 1)], [False], Accelerator(1.0, 1.0), job)
+    got = decode(json.loads(json.dumps(spec)))[0].batch
+    assert jax.tree.structure(got) == jax.tree.structure(batch)
+    assert jax.tree.leaves(got) == jax.tree.leaves(batch)
+    with pytest.raises(TypeError, match=r"batch dict key \(0, 1\) \(tuple\)"):
+        encode(
+            1,
+            [(1, 1, 1)],
+            [False],
+            Accelerator(1.0, 1.0),
+            (*job[:3], {(0, 1): s}, *job[4:]),
+        )
+
+
 def _loss_first(model, opt_state, batch):
     model, opt_state, loss = bench.train_step(model, opt_state, batch)
     return loss, model, opt_state
@@ -302,6 +323,37 @@ def test_hlo_costs_counts_loop_bodies_per_iteration():
     collectives, flops = hlo_costs(text)
     assert collectives == {}
     assert flops == layers * 2 * batch * dim * dim
+
+
+def test_hlo_costs_counts_each_branch_of_a_conditional():
+    # A LayerDrop layer runs in a `cond`: its dots were not counted at all (a
+    # train step of 0 FLOPs, its FSDP gathers missing), which flipped the mesh.
+    a = jnp.ones((16, 32))
+    b = jnp.ones((32, 32))
+    dot = 2 * 16 * 32 * 32
+
+    def drop(w, x):
+        def body(h, wi):
+            return jax.lax.cond(h.sum() > 0, lambda: jnp.tanh(h @ wi), lambda: h), None
+
+        return jax.lax.scan(body, x, w)[0]
+
+    cases = [
+        (
+            lambda p, a, b: jax.lax.cond(p, lambda: a @ b, lambda: a + 1.0),
+            (True, a, b),
+            1,
+        ),
+        (
+            lambda i, a, b: jax.lax.switch(i, [lambda: a @ b, lambda: a @ b @ b]),
+            (0, a, b),
+            3,
+        ),
+        (drop, (jnp.stack([b] * 3), a), 3),
+    ]
+    for f, args, dots in cases:
+        text = jax.jit(f).lower(*args).compile().as_text()
+        assert hlo_costs(text)[1] == dots * dot  # every branch, as if it ran
 
 
 # One fused matmul (4x8 @ 8x16: 2 * 4 * 16 * 8 FLOPs) called from two places in

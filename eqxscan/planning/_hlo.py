@@ -21,6 +21,11 @@ _HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \((.*)\) -> .* \{$")
 _PARAM = re.compile(r",\s*(?=[\w.\-]+: )")
 _INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.+?) ([a-z][\w\-]*)\((.*)$")
 _CALLED = re.compile(r"\b(calls|body|condition|to_apply)=%?([\w.\-]+)")
+# A conditional's branches (`lax.cond`, `lax.switch`: a layer LayerDrop may
+# skip), each counted as run once: an upper bound, as if every branch ran.
+_BRANCHES = re.compile(
+    r"\b(?:branch_computations=\{([^}]*)\}|(?:true|false)_computation=%?([\w.\-]+))"
+)
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _OPERAND = re.compile(r"\s*%?([\w.\-]+)")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
@@ -69,7 +74,8 @@ def _computations(text: str) -> tuple[dict[str, _Computation], str | None]:
 def _calls(comp: _Computation, comps: dict[str, _Computation]) -> list[tuple[str, int]]:
     """`(callee, runs per run of comp)` for every call in `comp`, once per
     calling instruction: a while loop runs its body and condition its trip count
-    times. A reduction's `to_apply` (an add) is no work of its own."""
+    times, a conditional each branch once. A reduction's `to_apply` (an add) is
+    no work of its own."""
     out = []
     for line in comp.lines:
         trip = _TRIP.search(line)
@@ -77,6 +83,10 @@ def _calls(comp: _Computation, comps: dict[str, _Computation]) -> list[tuple[str
         for kind, callee in _CALLED.findall(line):
             if kind != "to_apply" and callee in comps:
                 out.append((callee, times))
+        for listed, one in _BRANCHES.findall(line):
+            for callee in [b.strip().lstrip("%") for b in listed.split(",")] + [one]:
+                if callee in comps:
+                    out.append((callee, 1))
     return out
 
 

@@ -124,10 +124,21 @@ def make_job(
 def _encode_batch(batch: PyTree[jax.ShapeDtypeStruct]) -> Json:
     if isinstance(batch, jax.ShapeDtypeStruct):
         return {"shape": list(batch.shape), "dtype": jnp.dtype(batch.dtype).name}
+    # Lists, tuples and dict keys come back as given (keys as strings, a list
+    # as a tuple, reached the step compiled in a fresh process: a KeyError).
     if isinstance(batch, (tuple, list)):
-        return {"seq": [_encode_batch(b) for b in batch]}
+        return {
+            "seq": [_encode_batch(b) for b in batch],
+            "list": isinstance(batch, list),
+        }
     if isinstance(batch, dict):
-        return {"map": {str(k): _encode_batch(v) for k, v in batch.items()}}
+        if bad := [k for k in batch if type(k) not in (str, int)]:
+            raise TypeError(
+                f"plan: batch dict key {bad[0]!r} ({type(bad[0]).__name__}) cannot "
+                "be passed to the fresh process that compiles the candidates.\n"
+                "Hint: key the batch by strings or ints."
+            )
+        return {"map": [[k, _encode_batch(v)] for k, v in batch.items()]}
     raise TypeError(
         f"plan: batch must be jax.ShapeDtypeStructs in tuples, lists or dicts, got "
         f"{type(batch).__name__}.\nHint: jax.ShapeDtypeStruct((B, T), jnp.int32)."
@@ -207,8 +218,9 @@ def _decode_batch(d: Json) -> PyTree[jax.ShapeDtypeStruct]:
     if "shape" in d:
         return jax.ShapeDtypeStruct(tuple(d["shape"]), jnp.dtype(d["dtype"]))
     if "seq" in d:
-        return tuple(_decode_batch(b) for b in d["seq"])
-    return {k: _decode_batch(v) for k, v in d["map"].items()}
+        seq = [_decode_batch(b) for b in d["seq"]]
+        return seq if d.get("list") else tuple(seq)
+    return {k: _decode_batch(v) for k, v in d["map"]}
 
 
 def decode(spec: Spec) -> tuple[Job, list[MeshShape], list[Remat], Accelerator]:
