@@ -501,3 +501,19 @@ def test_local_rows_refuses_an_axis_the_mesh_lacks():
     assert distributed.local_rows(6, mesh, batch_axes="fsdp") == slice(0, 6)
     with pytest.raises(ValueError, match=r"batch_axes \('dat',\) names mesh axes"):
         distributed.local_rows(6, mesh, batch_axes="dat")
+
+
+def test_local_rows_refuses_what_is_not_a_row_count_or_a_mesh():
+    # -3 rows gave slice(0, -3) (the last rows dropped), 8.0 and True passed
+    # as bounds, a JAX int was unhashable, a string mesh an AttributeError.
+    mesh = sharding.make_mesh(fsdp=2)
+    assert distributed.local_rows(np.int64(8), mesh) == slice(0, 8)
+    assert distributed.local_rows(jax.numpy.int32(8), mesh) == slice(0, 8)
+    assert distributed.local_rows(0, mesh) == slice(0, 0)
+    with pytest.raises(ValueError, match=r"local_rows: rows must be >= 0, got -3"):
+        distributed.local_rows(-3, mesh, batch_axes=())
+    for rows in (8.0, True):
+        with pytest.raises(TypeError, match=r"local_rows: rows must be an int"):
+            distributed.local_rows(rows, mesh)
+    with pytest.raises(TypeError, match=r"mesh must be a jax.sharding.Mesh, got str"):
+        distributed.local_rows(8, "mesh")  # type: ignore[arg-type]
