@@ -332,22 +332,22 @@ def test_an_optimizer_state_without_arrays_saves_and_restores(tmp_path):
 def test_numpy_scalars_come_back_as_numpy_scalars(tmp_path):
     # An `np.int64` count in `like` came back a 32-bit JAX array, wrapped
     # (3,000,000,123 as -1,294,967,173), from a file holding it right; so did
-    # an int64 array from `restore` (2**40 as 0).
+    # an int64 array from `restore` and `shard` (2**40 as 0).
     saved = {
         "w": jnp.arange(2.0),
         "samples": np.int64(3_000_000_123),
         "lr": np.float64(1e-3 + 1e-12),
         "rows": np.array([2**40], np.int64),
-        "scale": np.array([1e-3 + 1e-12], np.float64),
-        "ids": np.array([7, 8], np.int32),
+        "ids": np.array([7, 8], np.int64),  # within int32: placed by `shard`
+        "scale": np.array([0.5, 2.0], np.float64),  # placed, as float32
     }
     like = {
         "w": jnp.zeros(2),
         "samples": np.int64(0),
         "lr": np.float64(0),
         "rows": np.zeros(1, np.int64),
-        "scale": np.zeros(1, np.float64),
-        "ids": np.zeros(2, np.int32),
+        "ids": np.zeros(2, np.int64),
+        "scale": np.zeros(2, np.float64),
     }
     eqxscan.save(tmp_path / "a.safetensors", saved)
     mesh = eqxscan.sharding.make_mesh(devices=jax.devices()[:1])
@@ -355,14 +355,19 @@ def test_numpy_scalars_come_back_as_numpy_scalars(tmp_path):
         c.save(1, saved)
         restored = c.restore(like, mesh=mesh)[0]
     loaded = eqxscan.load(tmp_path / "a.safetensors", like)
-    placed = eqxscan.sharding.shard(saved, mesh=mesh)[0]  # wrapped them too
-    # A NumPy array a device holds as it is is placed on the mesh by
-    # `restore`, as `shard` places it; a 64-bit one (without x64) stays NumPy.
-    for got in (restored, placed):
-        assert isinstance(got["ids"], jax.Array)
-        np.testing.assert_array_equal(got["ids"], saved["ids"])
-    host = ("samples", "lr", "rows", "scale")
-    for got, names in ((loaded, (*host, "ids")), (restored, host), (placed, host)):
+    placed = eqxscan.sharding.shard(saved, mesh=mesh)[0]
+    # A NumPy array a device holds is placed on the mesh, as `shard` places it
+    # (`restore` keeps int64 ones NumPy: their values are not known before).
+    for got, on_device in ((restored, ("scale",)), (placed, ("scale", "ids"))):
+        for name in on_device:
+            assert isinstance(got[name], jax.Array), name
+            np.testing.assert_array_equal(got[name], saved[name])
+    host = ("samples", "lr", "rows")
+    for got, names in (
+        (loaded, (*host, "ids", "scale")),
+        (restored, (*host, "ids")),
+        (placed, ("samples", "rows")),  # past int32's range
+    ):
         for name in names:
             assert type(got[name]) is type(saved[name]), name
             assert got[name].dtype == saved[name].dtype, name

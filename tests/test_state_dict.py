@@ -693,6 +693,28 @@ def test_a_saved_slope_loads_typed_as_it_was_saved(tmp_path, getkey):
     assert all(s.weak_type for s in slope(other))
 
 
+class _Gain(eqx.Module):
+    a: jax.Array
+
+    def __call__(self, x):
+        return x * self.a
+
+
+def test_weak_records_name_each_layer(tmp_path):
+    # Recorded by pattern (`*.a`), one weak gain made every gain of the chain
+    # weak: the strong one loaded weak, and the chain computed in bfloat16.
+    weak, strong = jnp.asarray(0.5), jnp.asarray(0.5, jnp.float32)
+    chains = [
+        eqxscan.Chain([_Gain(weak), _Gain(weak), _Gain(strong)]),
+        eqxscan.Chain([_Gain(weak), _Gain(strong)] * 2),
+    ]
+    for n, chain in enumerate(chains):
+        eqxscan.save(tmp_path / f"{n}.safetensors", chain)
+        back = eqxscan.load(tmp_path / f"{n}.safetensors", chain)
+        flags = lambda m: [x.weak_type for x in jax.tree.leaves(m)]
+        assert flags(back) == flags(chain) == [True, False]
+
+
 class _Empty(eqx.Module):
     w: jax.Array
     none: jax.Array  # no entries: a zero-size array

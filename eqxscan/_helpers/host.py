@@ -49,7 +49,7 @@ def placed_like(
 def scalars_kept(restored: PyTree, placed: PyTree) -> PyTree:
     """`placed` (`restored` laid out on devices) with the NumPy values of
     `restored` a device cannot hold kept: scalars (an int64 count would be an
-    int32 on a device, wrapped), and arrays of a 64-bit dtype without
+    int32 on a device, wrapped), and integer arrays past int32's range without
     `jax_enable_x64`."""
     leaves, treedef = jtu.tree_flatten(placed)
     kept = zip(jtu.tree_leaves(restored), leaves, strict=True)
@@ -58,16 +58,28 @@ def scalars_kept(restored: PyTree, placed: PyTree) -> PyTree:
 
 def host_only(x: object) -> bool:
     """Whether `x` is a NumPy value that `restore` keeps on the host: a scalar,
-    or an array a device would narrow (`narrowed`)."""
-    return isinstance(x, np.generic) or narrowed(x)
+    or an integer array of a dtype a device holds in 32 bits (`wide_int`; the
+    values restored are not known before)."""
+    return isinstance(x, np.generic) or wide_int(x)
+
+
+def wide_int(x: object) -> bool:
+    """Whether `x` is a NumPy integer value of a dtype that a device, without
+    `jax_enable_x64`, holds in 32 bits (int64, uint64)."""
+    if not isinstance(x, (np.ndarray, np.generic)) or x.dtype.kind not in "iu":
+        return False
+    return jax.dtypes.canonicalize_dtype(x.dtype) != x.dtype
 
 
 def narrowed(x: object) -> bool:
-    """Whether `x` is a NumPy value of a 64-bit dtype that a device, without
-    `jax_enable_x64`, holds in 32 bits (an int64 past 2**31 wrapped)."""
-    if not isinstance(x, (np.ndarray, np.generic)) or x.dtype.kind not in "iufc":
+    """Whether `x` is a NumPy integer value that a device, without
+    `jax_enable_x64`, would wrap: past int32's (uint32's) range. (A float64 one
+    is rounded to float32, as JAX does, and placed.)"""
+    if not wide_int(x):
         return False
-    return jax.dtypes.canonicalize_dtype(x.dtype) != x.dtype
+    a = np.asarray(x)
+    bounds = np.iinfo(jax.dtypes.canonicalize_dtype(a.dtype))
+    return a.size > 0 and bool(a.min() < bounds.min or a.max() > bounds.max)
 
 
 def weak_like(like: object, x: jax.Array, weak: bool | None = None) -> jax.Array:

@@ -110,7 +110,7 @@ def _nest(named: Iterable[tuple[tuple[str, ...], Any]]) -> dict[str, Any]:
 
 def restore_target(tree: PyTree, shardings: PyTree) -> dict[str, Any]:
     # What Orbax restores `tree` as: each array's shape, dtype and sharding; a
-    # NumPy scalar (a count), or a 64-bit array without x64, as NumPy (as a JAX
+    # NumPy scalar (a count), or an int64 array without x64, as NumPy (as a JAX
     # array an int64 became int32, wrapped).
     spec = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
     leaves = zip(named_leaves(tree), jtu.tree_leaves(shardings), strict=True)

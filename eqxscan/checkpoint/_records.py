@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from .._internal import for_each, MatmulOnly, pattern, Site
+from .._internal import for_each, layer_names, MatmulOnly, pattern, Site
 
 
 RECORDS = "eqxscan.records"  # metadata: JSON {pattern: {field: value}}
@@ -97,22 +97,24 @@ def check_records(
 
 
 def weak_metadata(model: PyTree) -> dict[str, str]:
-    """The metadata entry naming `model`'s weakly typed arrays (always written:
-    a file without it, another writer's or an earlier version's, loads each
-    array weakly typed as the model loaded into has it)."""
-    weak: set[str] = set()
+    """The metadata entry naming `model`'s weakly typed arrays, layer by layer
+    (a pattern such as `*.a` can stand for arrays of several groups of a
+    `Chain`); always written: a file without it, another writer's or an
+    earlier version's, loads each array weakly typed as the model loaded into
+    has it."""
+    weak: list[str] = []
 
     def visit(leaf: object, site: Site) -> None:
         if getattr(leaf, "weak_type", False):
-            weak.add(pattern(site.path))
+            weak.extend(layer_names(site.path, site.axes))
 
     for_each(visit, model, names=True)
     return {WEAK: json.dumps(sorted(weak))}
 
 
 def saved_weak(metadata: Mapping[str, Mapping[str, str]]) -> frozenset[str] | None:
-    """The patterns of the arrays saved weakly typed, or `None` where the files
-    do not say (see `weak_metadata`)."""
+    """The names of the arrays saved weakly typed (each layer's), or `None`
+    where the files do not say (see `weak_metadata`)."""
     texts = [m[WEAK] for m in metadata.values() if WEAK in m]
     try:
         saved = json.loads(texts[0]) if texts else None

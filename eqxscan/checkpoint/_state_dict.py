@@ -79,10 +79,6 @@ class _Leaf:
     def names(self) -> list[str]:
         return layer_names(self.parts, self.depths)
 
-    @property
-    def pattern(self) -> str:
-        return pattern(self.parts)
-
 
 def _map_arrays(fn: Callable[[_Leaf], object], model: PyTree) -> PyTree:
     # `model` with each array leaf replaced by `fn(_Leaf(...))`.
@@ -240,8 +236,8 @@ def load_state_dict_into(
     like: T, state_dict: Mapping[str, object], weak: Collection[str] | None = None
 ) -> T:
     """`from_state_dict(like, state_dict)`, each array weakly typed where its
-    name pattern is in `weak` (a file's record of how it was saved; `None`:
-    as in `like`)."""
+    names are in `weak` (a file's record of how it was saved; `None`: as in
+    `like`)."""
     if not isinstance(state_dict, Mapping) or not all(
         isinstance(k, str) for k in state_dict
     ):
@@ -325,7 +321,8 @@ def _load(
     value = _stacked(leaf, state_dict)
     if leaf.key:
         value = keys_like(leaf.leaf, value)
-    return placed_like(leaf.leaf, value, None if weak is None else leaf.pattern in weak)
+    saved = None if weak is None else all(n in weak for n in leaf.names())
+    return placed_like(leaf.leaf, value, saved)
 
 
 def _stacked(leaf: _Leaf, state_dict: Mapping[str, object]) -> jax.Array | np.ndarray:

@@ -219,6 +219,11 @@ def pipeline_order(
         what = f"{'back from' if inverse else 'into'} stage order for stages={stages}"
         want = staged if inverse else None
         _check_order(stack, want, f"permute this Stacked {what}, repeats={repeats}")
+    elif inverse and stack.stage_order is not None:
+        # Nothing to undo for these, but the stack is in another stage order,
+        # which it would keep without a word.
+        what = f"take this Stacked back from stage order for stages={stages}"
+        _check_order(stack, None, f"{what}, repeats={repeats}")
     order = {"stage_order": None if inverse else staged} if staged else {}
     return permute_stack(stack, stages, repeats, inverse, **order)  # pyright: ignore[reportReturnType]  # rebuilds type(stack)
 

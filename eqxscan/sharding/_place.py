@@ -40,8 +40,8 @@ def place(tree: Any, shardings: Any, mesh: Mesh) -> Any:
     """Place `tree`, which every process holds in full, on `shardings`: with
     `constrain` inside `jit` or for arrays global already; else with
     `jax.device_put` (which also moves arrays committed to other devices), each
-    process keeping only its own shards. A NumPy value of a 64-bit dtype stays
-    as it is without `jax_enable_x64`: a device would wrap an int64 count."""
+    process keeping only its own shards. A NumPy integer past int32's range
+    stays as it is without `jax_enable_x64`: a device would wrap it."""
     if _is_traced(tree):
         return constrain(tree, shardings)
     put = lambda x, s: x if narrowed(x) else jax.device_put(x, s)  # noqa: E731

@@ -495,9 +495,9 @@ def shard(
     holds one copy of it per process (on `make_mesh`'s meshes), without an
     error. Pass `x[distributed.local_rows(len(x), mesh)]` instead. Processes
     whose devices hold the same rows (batch axes that do not span them) must
-    pass the same rows: that is not checked either. A NumPy value of `model` or
-    `opt_state` of a 64-bit dtype stays NumPy without `jax_enable_x64` (a device
-    would hold an int64 count in 32 bits, wrapped).
+    pass the same rows: that is not checked either. A NumPy integer of `model` or
+    `opt_state` past int32's range stays NumPy without `jax_enable_x64` (a
+    device would hold it in 32 bits, wrapped).
 
     **Arguments:**
 
