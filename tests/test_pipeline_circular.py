@@ -654,3 +654,23 @@ def test_layer_drop_with_an_explicit_data_axis(getkey):
     np.testing.assert_allclose(
         grads.layers.w, want_grads.layers.w, rtol=1e-4, atol=1e-5
     )
+
+
+def test_an_identity_inverse_of_a_stage_ordered_stack_is_refused(getkey):
+    # stages=1 or repeats=1 permute nothing: asked to take a stack in another
+    # stage order back, it returned it unchanged, still in that order.
+    stack = eqxscan.Stacked(lambda k: eqx.nn.Linear(4, 4, key=k), 8, key=getkey())
+    staged = sharding.pipeline_order(stack, stages=2, repeats=2)
+    for stages, repeats in [(4, 1), (1, 2), (8, 1)]:
+        with pytest.raises(
+            ValueError,
+            match=rf"(?s)back from stage order for stages={stages}, "
+            rf"repeats={repeats}: .*pipeline_order\(stack, stages=2, repeats=2\)",
+        ):
+            sharding.pipeline_order(
+                staged, stages=stages, repeats=repeats, inverse=True
+            )
+    # On a natural-order stack they are the identity, either way.
+    for inverse in (False, True):
+        same = sharding.pipeline_order(stack, stages=4, repeats=1, inverse=inverse)
+        assert same.stage_order is None and eqx.tree_equal(same, stack)
