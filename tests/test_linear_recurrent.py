@@ -5,6 +5,7 @@ and bfloat16, decays near 0 and 1 over long sequences), the cells `LRU` and
 truncation, h0, keys, cell arguments, vmap, jit) in the parallel forms against
 the sequential one, finite differences, and the errors."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
@@ -436,6 +437,17 @@ def test_auto_rule():
     assert choose_method("cpu", 1, 64 * 64, "matrix") == "sequential"
 
 
+class _RnnBlock(eqx.Module):
+    rnn: eqxscan.Recurrent
+
+    def __init__(self, cell, key):
+        del key
+        self.rnn = eqxscan.Recurrent(cell, chunk_size=4)
+
+    def __call__(self, xs):
+        return jnp.tanh(self.rnn(jnp.zeros(4), xs)[1][:, :3])
+
+
 def test_auto_sees_the_vmap_batch(monkeypatch, getkey):
     # `method="auto"` on an accelerator: the program of "associative" for a
     # `jax.vmap` over sequences (of the carry, or of the inputs alone) under
@@ -476,6 +488,18 @@ def test_auto_sees_the_vmap_batch(monkeypatch, getkey):
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")  # eager: cached
     out = jax.vmap(rnn["auto"])(h0, xs)
     assert batches == [5]
+    # Inside the layers of a stack, whose step is traced per example: the
+    # engine passes the batch on (it saw 1, and ran one sequence's form).
+    stack = eqxscan.Stacked(lambda k: _RnnBlock(cell, k), 2, key=jr.key(0))
+    for call, want in [
+        (jax.jit(jax.vmap(stack)), 5),
+        (jax.vmap(stack), 5),
+        (jax.jit(jax.vmap(jax.vmap(stack))), 10),
+        (stack, 1),
+    ]:
+        batches.clear()
+        call(xs if want == 5 else xs[0] if want == 1 else jnp.stack([xs, xs]))
+        assert batches == [want], (batches, want)
     ref = [rnn["auto"](h, x) for h, x in zip(h0, xs)]
     assert jnp.allclose(out[1], jnp.stack([r[1] for r in ref]), atol=1e-5)
 

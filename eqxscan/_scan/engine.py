@@ -20,8 +20,8 @@ from jaxtyping import Array, Bool, PyTree
 
 from .._helpers.checks import check_carry, describe, noting, same_leaf
 from .._helpers.stateful import clone
-from .auto import resolve
-from .call_state import changed_call_state
+from .auto import resolve, vmapped_size
+from .call_state import call_state, changed_call_state
 from .f32_pin import pinned
 from .layer_io import Index, index
 from .options import ScanOptions
@@ -139,7 +139,12 @@ def run(
         return dyn
 
     types = step_types(c_dyn, xs, length)
-    jaxpr, out_shape = jax.make_jaxpr(checked, return_shape=True)(*types)
+    # Traced per example: the scans inside a step (a `Recurrent` in a layer)
+    # read the `jax.vmap` batch of the carry from the call state.
+    first = next(iter(jtu.tree_leaves(c_dyn)), None)
+    batch = call_state().vmapped * (1 if first is None else vmapped_size(first))
+    with changed_call_state(vmapped=batch):
+        jaxpr, out_shape = jax.make_jaxpr(checked, return_shape=True)(*types)
     n_carry = len(jtu.tree_leaves(c_dyn))
     traced = Traced(jaxpr, jtu.tree_structure(out_shape), statics[0][1], n_carry)
     c_dyn, ys = _run_scan(
