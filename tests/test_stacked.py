@@ -665,6 +665,48 @@ def test_options_are_one_frozen_value():
         stack[:1].with_options(layer_sharding="replicated")
 
 
+def test_a_misspelt_constructor_keyword_names_the_container():
+    # It was "ScanOptions.__init__() got an unexpected keyword argument".
+    make = lambda k: Block(2, key=k)  # noqa: E731
+    key = jr.key(0)
+    stacked = lambda **kw: eqxscan.Stacked(make, 2, key=key, **kw)  # noqa: E731
+    for call, what, name in [
+        (lambda: stacked(dropout=0.1), "Stacked", "dropout"),
+        (lambda: eqxscan.Stacked.from_layers([make(key)], mdoe=1), "Stacked", "mdoe"),
+        (lambda: eqxscan.Chain([make(key)], pattern=False), "Chain", "pattern"),
+        (
+            lambda: eqxscan.Stacked(lambda k, d: make(k), 2, d=3, key=key),
+            "Stacked",
+            "d",
+        ),
+    ]:
+        said = rf"{what}\(\) got an unexpected keyword argument '{name}'; "
+        with pytest.raises(TypeError, match=said):
+            call()
+
+
+class _Seeded(eqx.Module):
+    w: jax.Array
+    seed: jax.Array  # a typed key the layer holds
+
+    def __call__(self, x):
+        return x * self.w + jax.random.normal(self.seed, x.shape)
+
+
+def test_with_layer_of_layers_holding_typed_keys():
+    # `with_layer` cast every leaf with `astype`, which typed keys lack.
+    stack = eqxscan.Stacked(lambda k: _Seeded(jnp.ones(3), k), 3, key=jr.key(0))
+    new = _Seeded(jnp.full(3, 2.0), jr.key(7))
+    layers = stack.unstack()
+    layers[1] = new
+    x = want = jnp.ones(3)
+    for layer in layers:
+        want = layer(want)
+    got = stack.with_layer(1, new)
+    assert jnp.allclose(got(x), want)
+    assert (jr.key_data(got[1].seed) == jr.key_data(new.seed)).all()
+
+
 # --- program size ----------------------------------------------------------------
 
 

@@ -12,10 +12,10 @@ import numpy as np
 from jaxtyping import Array, Bool, PRNGKeyArray, PyTree
 
 from .._helpers.checks import check_option, check_size, describe
-from .._scan.auto import vmapped_size
 from .._scan.call_state import call_state
 from .._scan.options import ScanOptions
 from .._scan.taps import tapping
+from .._scan.vmap_batch import vmapped_size
 from .linear_cells import check_gates_tuple, DiagonalLinearCell, MatrixLinearCell
 from .linear_diag import check_gate_fits, choose_method, diagonal_scan, Method
 from .linear_matrix import matrix_scan

@@ -69,8 +69,9 @@ from .stage_order import (
 #: The most layers a stack may have: beyond, the per-layer keys alone take
 #: gigabytes (and `jax.random.split` aborts the interpreter past 2**62).
 MAX_LAYERS = 2**20
-
-
+# `Stacked`'s keywords besides the scan options, named when one is misspelt.
+_KEYWORDS = tuple("key layers layer_sharding drop_path layer_drop stage_order".split())
+_HINT = "make_layer's own arguments follow num_layers (or functools.partial)."
 LayerT = TypeVar("LayerT")
 
 
@@ -248,7 +249,7 @@ class Stacked(Scanning, Generic[LayerT]):
             hint="Hint: a stack holds every layer's weights at once; for a long "
             "loop over time use eqxscan.Recurrent or jax.lax.scan.",
         )
-        self.options = ScanOptions(**options)
+        self.options = ScanOptions.given("Stacked", options, _KEYWORDS, _HINT)
         if unchecked := isinstance(layers, _Restacked):
             layers = layers.layers
         if layers is None:

@@ -15,14 +15,13 @@ import jax.extend.core as jcore
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jax.custom_batching import custom_vmap
 from jaxtyping import PyTree
 
-from .._helpers.checks import is_array
 from .call_state import call_state, changed_call_state
 from .options import Remat
 from .scan_remat import as_scan_remat, matmul_policy, Policy, ScanRemat, Traced
 from .setting_names import remat_label, size_label
+from .vmap_batch import vmapped_size
 
 
 Over: TypeAlias = Literal["layers", "time"]
@@ -488,31 +487,6 @@ def _copied_inputs(jaxpr: jcore.Jaxpr, platform: str) -> set[int]:
 
     walk(jaxpr, [frozenset({i}) for i in range(len(jaxpr.invars))])
     return found
-
-
-def vmapped_size(x: object) -> int:
-    """How many copies of `x` `jax.vmap` runs at once (1 outside `vmap`, or
-    behind a `jit` inside it, the traced step's shapes being per example)."""
-    if not is_array(x) or jnp.issubdtype(x.dtype, jax.dtypes.extended):
-        return 1
-    sizes: list[int] = []
-
-    # The identity, whose batching rule (run once per enclosing `vmap`) records
-    # the batch size; outside `vmap` it is dead code.
-    @custom_vmap
-    def probe(a: jax.Array) -> jax.Array:
-        return a
-
-    @probe.def_vmap
-    def rule(
-        axis_size: int, in_batched: list[bool], a: jax.Array
-    ) -> tuple[jax.Array, bool]:
-        sizes.append(axis_size)
-        return probe(a), in_batched[0]
-
-    # Without gradients: a derivative trace would wrap the value the rule sees.
-    probe(jax.lax.stop_gradient(x))
-    return int(np.prod(sizes, dtype=np.int64))
 
 
 def measure_traced(

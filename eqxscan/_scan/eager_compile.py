@@ -30,11 +30,11 @@ import numpy as np
 from jaxtyping import PyTree
 
 from .._helpers import checks
-from .auto import vmapped_size
 from .call_state import changed_call_state
 from .options import ScanOptions
 from .scan_remat import offloads_between_programs, on_accelerator, staged
 from .taps import call_of, tapping
+from .vmap_batch import vmapped_size
 
 
 P = ParamSpec("P")

@@ -20,7 +20,7 @@ from jaxtyping import Array, Bool, PyTree
 
 from .._helpers.checks import check_carry, describe, noting, same_leaf
 from .._helpers.stateful import clone
-from .auto import resolve, vmapped_size
+from .auto import resolve
 from .call_state import call_state, changed_call_state
 from .f32_pin import pinned
 from .layer_io import Index, index
@@ -38,6 +38,7 @@ from .scan_remat import (
 )
 from .skip import arrays_only, can_skip_scan, skip_layer, skip_scan, skip_step
 from .taps import step_taps, StepTaps
+from .vmap_batch import vmapped_size
 
 
 def wrap_remat(fn: Step, remat: ScanRemat, *, in_scan: bool) -> Step:

@@ -65,7 +65,10 @@ def write(
             v = jnp.asarray(v)
             wide = jnp.float64 if v.dtype == jnp.float64 else jnp.float32
             v = index(a, i, axis).astype(wide) + v.astype(wide)
-        v = jnp.asarray(v).astype(a.dtype)
+        v = jnp.asarray(v)
+        # Typed PRNG keys (a layer's fixed seed) take no `astype`: like for like.
+        if not jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+            v = v.astype(a.dtype)
         if isinstance(i, int):
             return a.at[cut].set(v)
         return jax.lax.dynamic_update_index_in_dim(a, v, i, axis)

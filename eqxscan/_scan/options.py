@@ -107,6 +107,15 @@ class ScanOptions(eqx.Module):
         self.remat = bool(remat) if isinstance(remat, np.bool_) else remat
         self.unroll = unroll
 
+    @classmethod
+    def given(
+        cls, what: str, options: ScanArgs, own: tuple[str, ...], hint: str = ""
+    ) -> "ScanOptions":
+        """The options among a container's keyword arguments, any name but
+        theirs and `own` (its other keywords) refused, naming `what`."""
+        check_names(options, (*own, *OPTION_NAMES), what, hint)
+        return cls(**options)
+
     def as_args(self) -> ScanArgs:
         """These options as the keyword arguments of a scanning module."""
         return ScanArgs(mode=self.mode, remat=self.remat, unroll=self.unroll)
@@ -119,14 +128,14 @@ class ScanOptions(eqx.Module):
 
 
 def check_names(
-    given: Mapping[str, object], allowed: tuple[str, ...], what: str
+    given: Mapping[str, object], allowed: tuple[str, ...], what: str, hint: str = ""
 ) -> None:
     """Raise the `TypeError` Python raises for an unknown keyword argument."""
     for name in given:
         if name not in allowed:
             raise TypeError(
                 f"{what}() got an unexpected keyword argument {name!r}; it takes "
-                f"{', '.join(allowed)}."
+                f"{', '.join(allowed)}." + (f"\nHint: {hint}" if hint else "")
             )
 
 

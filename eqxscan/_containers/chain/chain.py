@@ -113,7 +113,8 @@ class Chain(Scanning):
             )
         if len(layers) == 0:
             raise ValueError("Chain needs at least one layer, got an empty sequence.")
-        self.options = ScanOptions(**options)
+        own = ("patterns", "drop_path", "layer_drop")
+        self.options = ScanOptions.given("Chain", options, own)
         self.patterns = check_bool("patterns", patterns)
         labels = stack_classes(layers)
         warn_identity(layers, labels)
