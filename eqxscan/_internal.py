@@ -34,6 +34,7 @@ from ._helpers.checks import (
     check_callable as check_callable,
     check_index as check_index,
     check_like as check_like,
+    check_mesh as check_mesh,
     check_size as check_size,
     Checked as Checked,
     describe as describe,

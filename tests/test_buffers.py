@@ -729,10 +729,14 @@ def test_negative_row_starts_write_where_the_layer_would(negative, pos):
         lambda k: _RowAt(jr.normal(k, (D, D)), negative), n, key=jr.key(0)
     )
     x, cache = jnp.linspace(-1.0, 1.0, D), jr.normal(jr.key(1), (n, t, D))
-    want_x, want = hand_loop(stack.unstack(), x, list(cache), jnp.int32(pos))
+    _writes_as_the_hand_loop(stack, x, cache, jnp.int32(pos))
+
+
+def _writes_as_the_hand_loop(stack, x, cache, pos):
+    want_x, want = hand_loop(stack.unstack(), x, list(cache), pos)
     for mode in ("scan", "loop"):
         call = eqx.filter_jit(lambda s, x, c, p: s(x, eqxscan.buffer(c), pos=p))
-        y, new = call(stack.with_options(mode=mode), x, cache, jnp.int32(pos))
+        y, new = call(stack.with_options(mode=mode), x, cache, pos)
         assert_close(y, want_x, 1e-5)
         assert_close(new, jnp.stack(want))
 
@@ -752,12 +756,7 @@ def test_unsigned_row_starts_write_where_the_layer_would(pos):
     n = 3
     stack = eqxscan.Stacked(lambda k: _ScalarAt(jr.normal(k, (1,))), n, key=jr.key(0))
     x, cache = jnp.ones(1), jr.normal(jr.key(1), (n, 8))
-    want_x, want = hand_loop(stack.unstack(), x, list(cache), jnp.asarray(pos))
-    for mode in ("scan", "loop"):
-        call = eqx.filter_jit(lambda s, x, c, p: s(x, eqxscan.buffer(c), pos=p))
-        y, new = call(stack.with_options(mode=mode), x, cache, jnp.asarray(pos))
-        assert_close(y, want_x, 1e-5)
-        assert_close(new, jnp.stack(want))
+    _writes_as_the_hand_loop(stack, x, cache, jnp.asarray(pos))
 
 
 def test_training_through_a_long_cache_keeps_slices_by_default():

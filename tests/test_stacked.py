@@ -674,6 +674,7 @@ def test_a_misspelt_constructor_keyword_names_the_container():
         (lambda: stacked(dropout=0.1), "Stacked", "dropout"),
         (lambda: eqxscan.Stacked.from_layers([make(key)], mdoe=1), "Stacked", "mdoe"),
         (lambda: eqxscan.Chain([make(key)], pattern=False), "Chain", "pattern"),
+        (lambda: eqxscan.Recurrent(make(key), revers=True), "Recurrent", "revers"),
         (
             lambda: eqxscan.Stacked(lambda k, d: make(k), 2, d=3, key=key),
             "Stacked",

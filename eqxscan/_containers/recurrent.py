@@ -147,7 +147,8 @@ class Recurrent(Scanning):
         self.cell = cell
         self.reverse = reverse
         self.method = method
-        self.options = ScanOptions(**options)
+        own = ("reverse", "method", "chunk_size")
+        self.options = ScanOptions.given("Recurrent", options, own)
 
     def own_options(self) -> tuple[str, ...]:
         return ("reverse", "method", "chunk_size")

@@ -476,3 +476,13 @@ def split_key(key: object, num: int, who: str) -> jax.Array:
         f"{who} needs `key` to be one JAX PRNG key, got {describe(key)}.\nHint: "
         f"pass {one}; eqxscan splits it into one per layer or step."
     )
+
+
+def check_mesh(mesh: object) -> jax.sharding.Mesh:
+    """`mesh`, refused unless it is a `jax.sharding.Mesh`."""
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(
+            f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}; build one "
+            "with eqxscan.sharding.make_mesh or jax.make_mesh."
+        )
+    return mesh

@@ -136,6 +136,7 @@ def filled(like: _M, values: dict[str, Any], weak: list[str] | None) -> _M:
     # weakly typed as saved (`weak`; `None`, a step of an earlier version: as
     # in `like`).
     flat = flatten(values)
+    saved = None if weak is None else set(weak)
     arrays, rest = eqx.partition(like, is_arraylike)
     # Orbax restores every array strongly typed.
     leaves = [
@@ -143,7 +144,7 @@ def filled(like: _M, values: dict[str, Any], weak: list[str] | None) -> _M:
         if is_key(x)
         else placed_like(x, value)  # NumPy, as `like`'s
         if host_only(x)
-        else weak_like(x, value, None if weak is None else name in weak)
+        else weak_like(x, value, None if saved is None else name in saved)
         for parts, x in named_leaves(like)
         for name in [".".join(parts)]
         for value in [flat[name]]

@@ -12,7 +12,7 @@ from .._internal import for_each, layer_names, MatmulOnly, pattern, Site
 
 
 RECORDS = "eqxscan.records"  # metadata: JSON {pattern: {field: value}}
-WEAK = "eqxscan.weak"  # metadata: JSON [pattern of each weakly typed array]
+WEAK = "eqxscan.weak"  # metadata: JSON [name of each layer's weakly typed array]
 
 
 class _Recorded:

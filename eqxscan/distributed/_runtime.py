@@ -22,7 +22,14 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .._internal import check_size, Checked, distributed_client, docs, is_arraylike
+from .._internal import (
+    check_mesh,
+    check_size,
+    Checked,
+    distributed_client,
+    docs,
+    is_arraylike,
+)
 
 
 DOCS = f"see {docs('multihost.md')}"
@@ -422,12 +429,7 @@ def local_rows(
     # A negative count sliced rows off the end; a float, a bool or an array
     # went through as a slice's bound.
     rows = check_size("local_rows: rows", rows, minimum=0)
-    if not isinstance(mesh, Mesh):
-        raise TypeError(
-            f"local_rows: mesh must be a jax.sharding.Mesh, got "
-            f"{type(mesh).__name__}.\nHint: pass the mesh the batch is placed on "
-            f"(eqxscan.sharding.make_mesh); {DOCS}."
-        )
+    mesh = check_mesh(mesh)
     given = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
     axes = tuple(a for a in given if a in mesh.shape)
     if axes != given and given != ("data", "fsdp"):  # the default may miss some

@@ -84,9 +84,8 @@ def _calls(comp: _Computation, comps: dict[str, _Computation]) -> list[tuple[str
             if kind != "to_apply" and callee in comps:
                 out.append((callee, times))
         for listed, one in _BRANCHES.findall(line):
-            for callee in [b.strip().lstrip("%") for b in listed.split(",")] + [one]:
-                if callee in comps:
-                    out.append((callee, 1))
+            names = listed.split(",") if listed else [one]
+            out += [(c, 1) for n in names if (c := n.strip().lstrip("%")) in comps]
     return out
 
 

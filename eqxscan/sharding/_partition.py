@@ -10,8 +10,8 @@ from typing import Any, TypeAlias
 import jax.tree_util as jtu
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .._internal import is_arraylike, is_none, Site, walk
-from ._shard import check_mesh, fsdp_shardings, MIN_SIZE
+from .._internal import check_mesh, is_arraylike, is_none, Site, walk
+from ._shard import fsdp_shardings, MIN_SIZE
 
 
 #: The logical names of one layer's axes: a name, or `None` for a replicated axis.

@@ -20,6 +20,7 @@ from .. import DropRates, Stacked
 from .._internal import (
     carry_examples,
     check_droppable,
+    check_mesh,
     check_size,
     constrain,
     DropInputs,
@@ -34,7 +35,7 @@ from .._internal import (
     tapping,
     write,
 )
-from ._shard import check_axes, check_mesh
+from ._shard import check_axes
 
 
 Schedule: TypeAlias = Literal["gpipe", "circular"]

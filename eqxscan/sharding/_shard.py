@@ -15,6 +15,7 @@ from jaxtyping import PyTree
 
 from .._internal import (
     align,
+    check_mesh,
     check_size,
     is_arraylike,
     is_placeholder,
@@ -121,15 +122,6 @@ def check_axes(mesh: Mesh, axes: str | Sequence[str], what: str) -> tuple[str, .
                 "one it has."
             )
     return axes
-
-
-def check_mesh(mesh: Any) -> Mesh:
-    if not isinstance(mesh, Mesh):
-        raise TypeError(
-            f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}; build one "
-            "with eqxscan.sharding.make_mesh or jax.make_mesh."
-        )
-    return mesh
 
 
 def _leaf_spec(
