@@ -34,6 +34,7 @@ from .recurrent_inputs import (
     check_names,
     Controls,
     controls,
+    OWN_OPTIONS,
     RecurrentArgs,
     stand_in,
     time_layout,
@@ -147,8 +148,7 @@ class Recurrent(Scanning):
         self.cell = cell
         self.reverse = reverse
         self.method = method
-        own = ("reverse", "method", "chunk_size")
-        self.options = ScanOptions.given("Recurrent", options, own)
+        self.options = ScanOptions.given("Recurrent", options, OWN_OPTIONS)
 
     def own_options(self) -> tuple[str, ...]:
         return ("reverse", "method", "chunk_size")

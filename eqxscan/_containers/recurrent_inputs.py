@@ -13,6 +13,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, PyTree
 
 from .._helpers.checks import check_bool, check_size, describe, docs, is_array
+from .._scan.options import OPTION_NAMES
 
 
 class RecurrentArgs(TypedDict, total=False):
@@ -40,8 +41,10 @@ class Controls(NamedTuple):
     broadcast_key: bool
 
 
-#: A `Recurrent`'s own options: given to a call, not the cell's keywords.
-_BUILT_WITH = ("reverse", "method", "chunk_size", "mode", "remat", "unroll")
+#: A `Recurrent`'s own keywords besides the scan options (`mode`, `remat`,
+#: `unroll`): given to a call, none of them is the cell's.
+OWN_OPTIONS = ("reverse", "method", "chunk_size")
+_BUILT_WITH = (*OWN_OPTIONS, *OPTION_NAMES)
 
 
 def check_names(who: str, options: Mapping[str, object]) -> None:
